@@ -1,0 +1,22 @@
+#include "kernels/backend.h"
+
+namespace shardserve {
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
+    owner_ = o.owner_;
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    o.owner_ = nullptr;
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+Buffer::~Buffer() {
+  if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
+}
+
+}  // namespace shardserve

@@ -1,0 +1,159 @@
+// The math a Llama-family forward pass needs, behind one interface with two implementations:
+// CpuBackend (float32, OpenBLAS for matrix products) and CudaBackend (F32/F16/BF16 activations,
+// cuBLAS for matrix products, our own kernels for the rest).
+//
+// Conventions
+// - Every op writes its output first and states shapes in comments. All tensors passed to an op
+//   live on that backend's device (host memory for the CPU backend, device memory for CUDA).
+// - "act" is the activation dtype the backend was created with: F32 on CPU; F32, F16 or BF16 on
+//   CUDA. Weights passed to MatMul, RmsNorm and Embedding have the act dtype. Logits, softmax
+//   output and sampling inputs are F32. Ids, positions, slots and block tables are I32.
+// - Ops on CUDA are enqueued on the backend's stream and may still run when the call returns;
+//   Synchronize() waits. Errors from launches and library calls come back as absl::Status.
+// - Shape or dtype mismatches are reported as InvalidArgument naming the op and the shapes.
+//
+// Threading: a Backend is used by one thread at a time (the worker's step loop). It is not
+// thread-safe.
+//
+// The KV cache is paged: k_cache and v_cache are [num_blocks, block_size, kv_heads, head_dim].
+// A token's cache slot is block * block_size + offset; a sequence's block table lists its blocks
+// in order, so position p of a sequence lives in slot table[p / block_size] * block_size +
+// p % block_size.
+#ifndef SHARDSERVE_KERNELS_BACKEND_H_
+#define SHARDSERVE_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+
+class Backend;
+
+// Owns one allocation on a backend's device. Move-only; frees on destruction. The Backend that
+// made it must outlive it.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Backend* owner, void* data, size_t bytes) : owner_(owner), data_(data), bytes_(bytes) {}
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  // A tensor view of the start of this buffer. The caller checks that the shape fits.
+  Tensor View(DType t, std::initializer_list<int64_t> dims) const { return Tensor(data_, t, dims); }
+
+ private:
+  Backend* owner_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Per-row sampling parameters for Backend::Sample.
+struct SampleParams {
+  float temperature = 1.0f;  // > 0. (Greedy decoding uses Argmax instead.)
+  int32_t top_k = 0;         // 0 = no limit. Keeps every token whose prob >= the k-th largest.
+  float top_p = 1.0f;        // (0, 1]. Keeps the smallest set of most likely tokens with mass >= top_p.
+  float uniform = 0.5f;      // the row's random draw in [0, 1), from SampleRng (kernels/sampling.h).
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual DeviceKind device_kind() const = 0;
+  virtual DType act_dtype() const = 0;
+  virtual std::string Describe() const = 0;  // e.g. "cpu (OpenBLAS, 2 threads)", "cuda:0 (H100, bf16)"
+
+  // ---- Memory --------------------------------------------------------------------------------
+  virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;
+  virtual void Free(void* data) = 0;
+  virtual absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::Status Fill0(void* dst, size_t bytes) = 0;
+  virtual absl::Status Synchronize() = 0;
+
+  // ---- Ops -----------------------------------------------------------------------------------
+  // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.
+  // Ids outside that range give zero rows (the all-reduce across shards fills them in). Ids below
+  // 0 or at/above vocab_size are an error the caller checks before the step.
+  virtual absl::Status Embedding(Tensor* out /*[n, d] act*/, const Tensor& table /*[rows, d] act*/,
+                                 const Tensor& ids /*[n] i32*/, int64_t row_offset) = 0;
+
+  // out = x / sqrt(mean(x^2) + eps) * w, computed in float32.
+  virtual absl::Status RmsNorm(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/,
+                               const Tensor& w /*[d] act*/, float eps) = 0;
+
+  // out = x @ w^T (+ bias): w is stored as in Hugging Face Linear, [out_features, in_features].
+  // out may be F32 (logits) or act. bias may be null.
+  virtual absl::Status MatMul(Tensor* out /*[n, m]*/, const Tensor& x /*[n, k] act*/,
+                              const Tensor& w /*[m, k] act*/, const Tensor* bias /*[m] act*/) = 0;
+
+  // Rotary embedding in place, Hugging Face "rotate_half" layout: for each head, the pair
+  // (x[i], x[i + hd/2]) is rotated by angle pos * inv_freq[i].
+  virtual absl::Status Rope(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
+                            const Tensor& positions /*[n] i32*/, const Tensor& inv_freq /*[hd/2] f32*/,
+                            int head_dim) = 0;
+
+  // Writes each token's k and v into its cache slot.
+  virtual absl::Status CacheWrite(Tensor* k_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                  Tensor* v_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                  const Tensor& k /*[n, kv_heads * hd] act*/,
+                                  const Tensor& v /*[n, kv_heads * hd] act*/,
+                                  const Tensor& slots /*[n] i32*/) = 0;
+
+  // Causal attention with GQA over the paged cache. Token t of sequence s = token_seq[t] at
+  // position p = positions[t] attends to positions 0..p of s (which must already be in the
+  // cache). Query head h reads kv head h / (q_heads / kv_heads). Covers prefill (many tokens of
+  // a sequence) and decode (one token) in the same call.
+  virtual absl::Status Attention(Tensor* out /*[n, q_heads * hd] act*/, const Tensor& q /*[n, q_heads * hd] act*/,
+                                 const Tensor& k_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                 const Tensor& v_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                 const Tensor& positions /*[n] i32*/, const Tensor& token_seq /*[n] i32*/,
+                                 const Tensor& block_tables /*[seqs, max_blocks] i32*/, float scale) = 0;
+
+  // SwiGLU: out = silu(gate) * up (out may alias gate or up).
+  virtual absl::Status SiluMul(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,
+                               const Tensor& up /*[n, f] act*/) = 0;
+
+  // out = a + b (out may alias a or b).
+  virtual absl::Status Add(Tensor* out /*[n, d] act*/, const Tensor& a /*[n, d] act*/,
+                           const Tensor& b /*[n, d] act*/) = 0;
+
+  // Row-wise softmax of x / temperature.
+  virtual absl::Status Softmax(Tensor* out /*[n, v] f32*/, const Tensor& x /*[n, v] f32*/, float temperature) = 0;
+
+  // Index of the largest logit per row (the first one on ties, as torch.argmax).
+  virtual absl::Status Argmax(Tensor* out /*[n] i32 host or device*/, const Tensor& logits /*[n, v] f32*/) = 0;
+
+  // Samples one id per row from softmax(logits / temperature) restricted by top_k and top_p.
+  // Among the kept tokens (in vocabulary order) it returns the first whose cumulative
+  // renormalized probability exceeds uniform, so one draw gives one answer on every backend.
+  virtual absl::Status Sample(Tensor* out /*[n] i32*/, const Tensor& logits /*[n, v] f32*/,
+                              const std::vector<SampleParams>& params /*[n], host*/) = 0;
+};
+
+// The CPU backend: float32 activations, OpenBLAS for matrix products. Never fails to create.
+std::unique_ptr<Backend> MakeCpuBackend();
+
+// The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
+// Unavailable when built without CUDA or when no GPU is present; the status says which.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act);
+
+// Number of CUDA devices usable by this build (0 when built without CUDA or none present).
+int CudaDeviceCount();
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_KERNELS_BACKEND_H_

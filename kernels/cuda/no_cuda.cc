@@ -1,0 +1,13 @@
+// Built instead of cuda_backend.cu when SHARDSERVE_WITH_CUDA is OFF.
+#include "kernels/backend.h"
+
+namespace shardserve {
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, DType) {
+  return absl::UnimplementedError(
+      "this shardserve was built without CUDA (SHARDSERVE_WITH_CUDA=OFF); use --device cpu or rebuild with CUDA");
+}
+
+int CudaDeviceCount() { return 0; }
+
+}  // namespace shardserve

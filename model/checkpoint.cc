@@ -1,0 +1,262 @@
+#include "model/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve {
+
+namespace {
+
+using json = nlohmann::json;
+
+// A header larger than this is not a safetensors header we believe (the format caps it at 100 MB).
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+
+std::string ShapeString(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+absl::StatusOr<DType> ParseDType(const std::string& s) {
+  if (s == "F32") return DType::kF32;
+  if (s == "F16") return DType::kF16;
+  if (s == "BF16") return DType::kBF16;
+  if (s == "I32") return DType::kI32;
+  return absl::UnimplementedError(absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32)"));
+}
+
+// a * b into *out, false on int64 overflow or negative operands.
+bool MulChecked(int64_t a, int64_t b, int64_t* out) {
+  if (a < 0 || b < 0) return false;
+  return !__builtin_mul_overflow(a, b, out);
+}
+
+}  // namespace
+
+absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file,
+                                    std::vector<TensorInfo>* out) {
+  if (file_size < 8) {
+    return absl::DataLossError(absl::StrCat(file, ": ", file_size, " bytes is too short for a safetensors file (truncated?)"));
+  }
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | data[i];  // little-endian u64
+  if (header_len > kMaxHeaderBytes || header_len > file_size - 8) {
+    return absl::DataLossError(absl::StrCat(file, ": header length ", header_len, " exceeds the file (", file_size,
+                                            " bytes); the file is truncated or not safetensors"));
+  }
+  const uint64_t data_start = 8 + header_len;
+  const uint64_t data_size = file_size - data_start;
+  json header = json::parse(data + 8, data + 8 + header_len, nullptr, /*allow_exceptions=*/false);
+  if (header.is_discarded() || !header.is_object()) {
+    return absl::DataLossError(absl::StrCat(file, ": header is not a valid JSON object"));
+  }
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") continue;
+    const json& t = it.value();
+    auto bad = [&](const std::string& why) {
+      return absl::DataLossError(absl::StrCat(file, ": tensor \"", name, "\": ", why));
+    };
+    if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("data_offsets")) {
+      return bad("entry needs dtype, shape and data_offsets");
+    }
+    if (!t["dtype"].is_string()) return bad("dtype is not a string");
+    absl::StatusOr<DType> dtype = ParseDType(t["dtype"].get<std::string>());
+    if (!dtype.ok()) return absl::UnimplementedError(absl::StrCat(file, ": tensor \"", name, "\": ", dtype.status().message()));
+    TensorInfo info;
+    info.name = name;
+    info.dtype = *dtype;
+    info.file = file;
+    if (!t["shape"].is_array() || t["shape"].size() > 4) return bad("shape is not a list of at most 4 dimensions");
+    int64_t numel = 1;
+    for (const json& d : t["shape"]) {
+      if (!d.is_number_unsigned()) return bad(absl::StrCat("shape ", t["shape"].dump(), " has a non-integer or negative dimension"));
+      uint64_t dim = d.get<uint64_t>();
+      if (dim > static_cast<uint64_t>(INT64_MAX) || !MulChecked(numel, static_cast<int64_t>(dim), &numel)) {
+        return bad(absl::StrCat("shape ", t["shape"].dump(), " overflows"));
+      }
+      info.shape.push_back(static_cast<int64_t>(dim));
+    }
+    int64_t nbytes = 0;
+    if (!MulChecked(numel, static_cast<int64_t>(DTypeSize(info.dtype)), &nbytes)) {
+      return bad(absl::StrCat("shape ", t["shape"].dump(), " overflows"));
+    }
+    const json& off = t["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
+      return bad("data_offsets must be two non-negative integers");
+    }
+    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+    if (begin > end || end > data_size) {
+      return bad(absl::StrCat("data_offsets [", begin, ", ", end, "] lie outside the ", data_size,
+                              " data bytes of the file (truncated or lying header)"));
+    }
+    if (end - begin != static_cast<uint64_t>(nbytes)) {
+      return bad(absl::StrCat("data_offsets span ", end - begin, " bytes but dtype ", DTypeName(info.dtype), " x shape ",
+                              ShapeString(info.shape), " needs ", nbytes));
+    }
+    info.offset = data_start + begin;
+    info.nbytes = static_cast<uint64_t>(nbytes);
+    out->push_back(std::move(info));
+  }
+  return absl::OkStatus();
+}
+
+// One read-only mmap of a safetensors file.
+struct Checkpoint::Mapping {
+  const uint8_t* data = nullptr;
+  uint64_t size = 0;
+  ~Mapping() {
+    if (data != nullptr && size > 0) munmap(const_cast<uint8_t*>(data), size);
+  }
+};
+
+Checkpoint::~Checkpoint() = default;
+
+absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::filesystem::path& dir) {
+  std::unique_ptr<Checkpoint> ckpt(new Checkpoint());
+  ckpt->dir_ = dir;
+  if (!std::filesystem::is_directory(dir)) {
+    return absl::NotFoundError(absl::StrCat(dir.string(), ": not a checkpoint directory"));
+  }
+
+  // Which files: the index's weight_map when present, else model.safetensors.
+  std::vector<std::string> files;
+  std::map<std::string, std::string> weight_map;  // tensor -> file, from the index
+  const std::filesystem::path index_path = dir / "model.safetensors.index.json";
+  if (std::filesystem::exists(index_path)) {
+    std::ifstream in(index_path, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    json index = json::parse(ss.str(), nullptr, false);
+    if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+      return absl::DataLossError(absl::StrCat(index_path.string(), ": not valid JSON with a \"weight_map\" object"));
+    }
+    std::set<std::string> unique;
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) {
+        return absl::DataLossError(absl::StrCat(index_path.string(), ": weight_map entry \"", it.key(), "\" is not a file name"));
+      }
+      std::string f = it.value().get<std::string>();
+      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
+        return absl::DataLossError(absl::StrCat(index_path.string(), ": weight_map entry \"", it.key(), "\" names \"", f,
+                                                "\", which is not a file name inside the checkpoint directory"));
+      }
+      weight_map[it.key()] = f;
+      unique.insert(f);
+    }
+    files.assign(unique.begin(), unique.end());
+  } else if (std::filesystem::exists(dir / "model.safetensors")) {
+    files.push_back("model.safetensors");
+  } else {
+    return absl::NotFoundError(absl::StrCat(dir.string(), ": no model.safetensors or model.safetensors.index.json"));
+  }
+
+  for (const std::string& f : files) {
+    const std::string path = (dir / f).string();
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": cannot open (", std::strerror(errno), ")"));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return absl::DataLossError(absl::StrCat(path, ": not a regular file"));
+    }
+    auto mapping = std::make_unique<Mapping>();
+    mapping->size = static_cast<uint64_t>(st.st_size);
+    if (mapping->size > 0) {
+      void* p = mmap(nullptr, mapping->size, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (p == MAP_FAILED) {
+        ::close(fd);
+        return absl::InternalError(absl::StrCat(path, ": mmap failed (", std::strerror(errno), ")"));
+      }
+      mapping->data = static_cast<const uint8_t*>(p);
+    }
+    ::close(fd);
+    std::vector<TensorInfo> infos;
+    if (absl::Status s = ParseSafetensorsHeader(mapping->data, mapping->size, path, &infos); !s.ok()) return s;
+    for (TensorInfo& info : infos) {
+      info.file = f;
+      auto wm = weight_map.find(info.name);
+      if (!weight_map.empty() && (wm == weight_map.end() || wm->second != f)) {
+        return absl::DataLossError(absl::StrCat(path, ": holds tensor \"", info.name,
+                                                "\", which model.safetensors.index.json does not place in this file"));
+      }
+      if (ckpt->tensors_.count(info.name)) {
+        return absl::DataLossError(absl::StrCat(path, ": tensor \"", info.name, "\" appears twice in the checkpoint"));
+      }
+      ckpt->tensors_[info.name] = std::move(info);
+    }
+    ckpt->files_[f] = std::move(mapping);
+  }
+  for (const auto& [name, file] : weight_map) {
+    if (!ckpt->tensors_.count(name)) {
+      return absl::DataLossError(absl::StrCat((dir / file).string(), ": tensor \"", name,
+                                              "\" is listed in model.safetensors.index.json but missing from the file"));
+    }
+  }
+  return ckpt;
+}
+
+absl::StatusOr<const TensorInfo*> Checkpoint::Find(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat(dir_.string(), ": tensor \"", name, "\" is missing from the checkpoint"));
+  }
+  return &it->second;
+}
+
+absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                              DType dst_type, void* dst) const {
+  absl::StatusOr<const TensorInfo*> found = Find(name);
+  if (!found.ok()) return found.status();
+  const TensorInfo& t = **found;
+  const std::string where = (dir_ / t.file).string();
+  if (t.shape != expected_shape) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has shape ", ShapeString(t.shape),
+                                                   " but config.json implies ", ShapeString(expected_shape)));
+  }
+  if (t.shape.empty() || t.shape.size() > 2) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
+                                                   "-D; only 1-D and 2-D tensors can be read"));
+  }
+  if (t.dtype == DType::kI32 || dst_type == DType::kI32) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has dtype ", DTypeName(t.dtype),
+                                                   "; weights must be F32, F16 or BF16"));
+  }
+  const int64_t rows = t.shape[0];
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  if (slice.dim < 0 || slice.dim >= static_cast<int>(t.shape.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice dimension ", slice.dim, " out of range"));
+  }
+  const int64_t extent = t.shape[slice.dim];
+  const int64_t begin = slice.begin, end = slice.end < 0 ? extent : slice.end;
+  if (begin < 0 || begin > end || end > extent) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice [", begin, ", ", end,
+                                                   ") of dimension ", slice.dim, " outside [0, ", extent, ")"));
+  }
+  const uint8_t* base = files_.at(t.file)->data + t.offset;
+  const size_t es = DTypeSize(t.dtype), ds = DTypeSize(dst_type);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  if (slice.dim == 0) {
+    // A row range is one contiguous run of bytes.
+    const size_t n = static_cast<size_t>((end - begin) * cols);
+    ConvertOnHost(out, dst_type, base + static_cast<size_t>(begin * cols) * es, t.dtype, n);
+  } else {
+    // A column range: one contiguous run per row.
+    const size_t n = static_cast<size_t>(end - begin);
+    for (int64_t r = 0; r < rows; ++r) {
+      ConvertOnHost(out + static_cast<size_t>(r) * n * ds, dst_type, base + static_cast<size_t>(r * cols + begin) * es,
+                    t.dtype, n);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

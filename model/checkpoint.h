@@ -1,0 +1,79 @@
+// Reading a Hugging Face checkpoint's weights: safetensors files through mmap, a single
+// model.safetensors or shards listed in model.safetensors.index.json.
+//
+// Every header byte is checked before use: the header length, the JSON, each tensor's dtype,
+// shape and data offsets (overflow-safe, inside the file, matching dtype x shape). A lying file is
+// an error naming the file and the tensor, never a crash.
+//
+// Ownership and lifetime: a Checkpoint owns its mappings until destroyed; pointers it hands out
+// are valid while it lives. Reads are const and thread-safe (the mapping is read-only).
+#ifndef SHARDSERVE_MODEL_CHECKPOINT_H_
+#define SHARDSERVE_MODEL_CHECKPOINT_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  std::string file;       // file name inside the checkpoint directory
+  uint64_t offset = 0;    // byte offset of the data inside that file (after the header)
+  uint64_t nbytes = 0;
+};
+
+// A contiguous range of one dimension of a 2-D tensor (or of the only dimension of a 1-D one).
+struct Slice {
+  int dim = 0;        // 0: rows, 1: columns
+  int64_t begin = 0;
+  int64_t end = -1;   // -1: to the end
+};
+
+class Checkpoint {
+ public:
+  // Opens every safetensors file of the directory and validates their headers. No tensor data is
+  // read (the planner uses this to count bytes without touching weights).
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::filesystem::path& dir);
+
+  ~Checkpoint();
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+  const std::filesystem::path& dir() const { return dir_; }
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  // NotFound naming the tensor and the checkpoint when absent.
+  absl::StatusOr<const TensorInfo*> Find(const std::string& name) const;
+
+  // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16), reading
+  // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
+  // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
+  // (slice length x other dimension) elements of dst_type, row-major.
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                    DType dst_type, void* dst) const;
+
+ private:
+  struct Mapping;
+  Checkpoint() = default;
+
+  std::filesystem::path dir_;
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::unique_ptr<Mapping>> files_;  // by file name
+};
+
+// Parses one safetensors header (the 8-byte length and the JSON that follows) from the first
+// `file_size` bytes at `data`, appending the tensors. Exposed for tests and the planner.
+absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file_name,
+                                    std::vector<TensorInfo>* out);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_CHECKPOINT_H_

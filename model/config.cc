@@ -1,0 +1,246 @@
+#include "model/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve {
+
+const char* ArchitectureName(Architecture a) {
+  switch (a) {
+    case Architecture::kLlama: return "LlamaForCausalLM";
+    case Architecture::kQwen2: return "Qwen2ForCausalLM";
+    case Architecture::kMistral: return "MistralForCausalLM";
+  }
+  return "?";
+}
+
+int64_t ModelConfig::ParameterCount() const {
+  const int64_t h = hidden_size;
+  int64_t per_layer = h * q_dim() + 2 * h * kv_dim() + q_dim() * h  // q, k, v, o
+                      + 3 * h * intermediate_size                  // gate, up, down
+                      + 2 * h;                                     // two norms
+  if (attention_bias) per_layer += q_dim() + 2 * kv_dim();
+  const int64_t embed = vocab_size * h;
+  return num_hidden_layers * per_layer + embed + (tie_word_embeddings ? 0 : embed) + h;
+}
+
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status FieldError(const std::string& source, const std::string& field, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field, "\" ", what));
+}
+
+// Reads an integer field; `required` fields must be present.
+absl::Status GetInt(const json& j, const std::string& source, const char* field, bool required, int64_t* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) {
+    return required ? FieldError(source, field, "is missing") : absl::OkStatus();
+  }
+  if (!it->is_number_integer()) return FieldError(source, field, absl::StrCat("must be an integer, got ", it->dump()));
+  *out = it->get<int64_t>();
+  return absl::OkStatus();
+}
+
+absl::Status GetDouble(const json& j, const std::string& source, const char* field, double* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) return FieldError(source, field, absl::StrCat("must be a number, got ", it->dump()));
+  *out = it->get<double>();
+  if (!std::isfinite(*out)) return FieldError(source, field, "must be finite");
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& j, const std::string& source, const char* field, bool* out) {
+  auto it = j.find(field);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_boolean()) return FieldError(source, field, absl::StrCat("must be true or false, got ", it->dump()));
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
+#define RETURN_IF_ERROR(expr)            \
+  do {                                   \
+    absl::Status _s = (expr);            \
+    if (!_s.ok()) return _s;             \
+  } while (0)
+
+absl::Status ParseRopeScaling(const json& j, const std::string& source, RopeScaling* out) {
+  auto it = j.find("rope_scaling");
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
+  const json& r = *it;
+  std::string type;
+  for (const char* key : {"rope_type", "type"}) {
+    if (r.contains(key) && r[key].is_string()) {
+      type = r[key].get<std::string>();
+      break;
+    }
+  }
+  if (type == "default") return absl::OkStatus();
+  if (type != "llama3") {
+    return FieldError(source, "rope_scaling",
+                      absl::StrCat("has type \"", type, "\", which is not supported (supported: llama3, default)"));
+  }
+  out->type = RopeScaling::Type::kLlama3;
+  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "factor", &out->factor));
+  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "low_freq_factor", &out->low_freq_factor));
+  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "high_freq_factor", &out->high_freq_factor));
+  RETURN_IF_ERROR(GetInt(r, source + " rope_scaling", "original_max_position_embeddings", false,
+                         &out->original_max_position_embeddings));
+  if (out->factor <= 0 || out->low_freq_factor <= 0 || out->high_freq_factor <= out->low_freq_factor ||
+      out->original_max_position_embeddings <= 0) {
+    return FieldError(source, "rope_scaling",
+                      "needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON"));
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));
+
+  ModelConfig c;
+  auto arch = j.find("architectures");
+  if (arch == j.end() || !arch->is_array() || arch->empty() || !(*arch)[0].is_string()) {
+    return FieldError(source, "architectures", "is missing or not a list of names");
+  }
+  c.architecture_name = (*arch)[0].get<std::string>();
+  if (c.architecture_name == "LlamaForCausalLM") {
+    c.architecture = Architecture::kLlama;
+  } else if (c.architecture_name == "Qwen2ForCausalLM") {
+    c.architecture = Architecture::kQwen2;
+    c.attention_bias = true;
+  } else if (c.architecture_name == "MistralForCausalLM") {
+    c.architecture = Architecture::kMistral;
+  } else {
+    return absl::UnimplementedError(absl::StrCat(source, ": architecture \"", c.architecture_name,
+                                                 "\" is not supported (supported: LlamaForCausalLM, "
+                                                 "Qwen2ForCausalLM, MistralForCausalLM)"));
+  }
+
+  RETURN_IF_ERROR(GetInt(j, source, "vocab_size", true, &c.vocab_size));
+  RETURN_IF_ERROR(GetInt(j, source, "hidden_size", true, &c.hidden_size));
+  RETURN_IF_ERROR(GetInt(j, source, "intermediate_size", true, &c.intermediate_size));
+  RETURN_IF_ERROR(GetInt(j, source, "num_hidden_layers", true, &c.num_hidden_layers));
+  RETURN_IF_ERROR(GetInt(j, source, "num_attention_heads", true, &c.num_attention_heads));
+  c.num_key_value_heads = c.num_attention_heads;
+  RETURN_IF_ERROR(GetInt(j, source, "num_key_value_heads", false, &c.num_key_value_heads));
+  RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
+  RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
+  RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &c.rope_theta));
+  RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
+  if (c.architecture != Architecture::kQwen2) RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
+  RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
+  RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
+
+  for (auto [field, value] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
+                              {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
+                              {"num_attention_heads", c.num_attention_heads},
+                              {"num_key_value_heads", c.num_key_value_heads}}) {
+    // 2^31 bounds every dimension so products of two stay far from int64 overflow.
+    if (value <= 0 || value > (int64_t{1} << 31)) return FieldError(source, field, absl::StrCat("must be in [1, 2^31], got ", value));
+  }
+  c.head_dim = c.hidden_size / c.num_attention_heads;
+  RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
+  if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
+    return FieldError(source, "head_dim", absl::StrCat("must be even and in [2, 1024], got ", c.head_dim));
+  }
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    return FieldError(source, "num_key_value_heads",
+                      absl::StrCat("(", c.num_key_value_heads, ") must divide num_attention_heads (",
+                                   c.num_attention_heads, ")"));
+  }
+  if (c.rms_norm_eps <= 0) return FieldError(source, "rms_norm_eps", "must be > 0");
+  if (c.rope_theta <= 0) return FieldError(source, "rope_theta", "must be > 0");
+  if (c.mlp_bias) return FieldError(source, "mlp_bias", "true is not supported");
+  for (const char* act_field : {"hidden_act"}) {
+    if (j.contains(act_field) && j[act_field] != "silu") {
+      return FieldError(source, act_field, absl::StrCat("is ", j[act_field].dump(), "; only \"silu\" is supported"));
+    }
+  }
+  if (c.architecture == Architecture::kMistral && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
+    // Sliding-window attention only differs once a sequence is longer than the window; we cap the
+    // context to the window (see max_position_embeddings) rather than implement the mask.
+    int64_t window = 0;
+    RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
+    if (window > 0 && (c.max_position_embeddings == 0 || window < c.max_position_embeddings)) {
+      c.max_position_embeddings = window;
+    }
+  }
+
+  std::string dtype = j.value("torch_dtype", std::string("float32"));
+  if (j.contains("torch_dtype") && !j["torch_dtype"].is_string()) return FieldError(source, "torch_dtype", "must be a string");
+  if (dtype == "float32") {
+    c.dtype = DType::kF32;
+  } else if (dtype == "float16") {
+    c.dtype = DType::kF16;
+  } else if (dtype == "bfloat16") {
+    c.dtype = DType::kBF16;
+  } else {
+    return FieldError(source, "torch_dtype", absl::StrCat("is \"", dtype, "\"; supported: float32, float16, bfloat16"));
+  }
+
+  if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
+    if (it->is_number_integer()) {
+      c.eos_token_ids.push_back(it->get<int64_t>());
+    } else if (it->is_array()) {
+      for (const auto& e : *it) {
+        if (!e.is_number_integer()) return FieldError(source, "eos_token_id", "must be an integer or a list of integers");
+        c.eos_token_ids.push_back(e.get<int64_t>());
+      }
+    } else {
+      return FieldError(source, "eos_token_id", "must be an integer or a list of integers");
+    }
+  }
+  RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
+  return c;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
+  std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(file.string(), ": cannot open (does the file exist?)"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ParseModelConfig(ss.str(), file.string());
+}
+
+std::vector<float> RopeInvFreq(const ModelConfig& c) {
+  // As transformers' _compute_default_rope_parameters: 1 / theta^(2i / d), computed in float32
+  // from an int64 arange, then (llama3) _compute_llama3_parameters.
+  const int64_t half = c.head_dim / 2;
+  std::vector<float> inv(half);
+  for (int64_t i = 0; i < half; ++i) {
+    float exponent = static_cast<float>(2 * i) / static_cast<float>(c.head_dim);
+    inv[i] = 1.0f / std::pow(static_cast<float>(c.rope_theta), exponent);
+  }
+  if (c.rope_scaling.type == RopeScaling::Type::kLlama3) {
+    const RopeScaling& r = c.rope_scaling;
+    const double old_ctx = static_cast<double>(r.original_max_position_embeddings);
+    const double low_freq_wavelen = old_ctx / r.low_freq_factor;
+    const double high_freq_wavelen = old_ctx / r.high_freq_factor;
+    for (float& f : inv) {
+      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+      if (wavelen > low_freq_wavelen) {
+        f = f / static_cast<float>(r.factor);  // long wavelengths: fully scaled
+      } else if (wavelen >= high_freq_wavelen) {
+        // medium wavelengths: smooth interpolation between scaled and unscaled
+        const float smooth = static_cast<float>((old_ctx / wavelen - r.low_freq_factor) /
+                                                (r.high_freq_factor - r.low_freq_factor));
+        f = (1.0f - smooth) * f / static_cast<float>(r.factor) + smooth * f;
+      }  // short wavelengths: unchanged
+    }
+  }
+  return inv;
+}
+
+}  // namespace shardserve

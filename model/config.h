@@ -1,0 +1,68 @@
+// A Hugging Face config.json for the Llama family (LlamaForCausalLM, Qwen2ForCausalLM,
+// MistralForCausalLM), validated. Plain value type; thread-compatible.
+#ifndef SHARDSERVE_MODEL_CONFIG_H_
+#define SHARDSERVE_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+
+enum class Architecture { kLlama, kQwen2, kMistral };
+const char* ArchitectureName(Architecture a);
+
+struct RopeScaling {
+  enum class Type { kNone, kLlama3 };
+  Type type = Type::kNone;
+  // llama3 only (see transformers' _compute_llama3_parameters):
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::kLlama;
+  std::string architecture_name;  // as written in config.json, e.g. "Qwen2ForCausalLM"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // == num_attention_heads when config.json omits it
+  int64_t head_dim = 0;             // hidden_size / num_attention_heads when config.json omits it
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // q/k/v biases (always true for Qwen2)
+  bool mlp_bias = false;        // not supported; parsing rejects true
+  DType dtype = DType::kF32;    // torch_dtype
+  std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
+  int64_t bos_token_id = -1;           // -1: none
+
+  int64_t q_dim() const { return num_attention_heads * head_dim; }
+  int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  // Parameters of the whole model (embedding and LM head counted once when tied).
+  int64_t ParameterCount() const;
+};
+
+// Parses and validates config.json text. `source` names the file in error messages.
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
+
+// Reads <dir>/config.json (or the file itself, when `path` is a file).
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
+
+// RoPE inverse frequencies [head_dim / 2] in float32, with llama3 scaling applied as transformers
+// does it.
+std::vector<float> RopeInvFreq(const ModelConfig& config);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_CONFIG_H_

@@ -1,0 +1,47 @@
+#include "model/sharding.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+
+absl::Status CheckTpDivides(const ModelConfig& c, int t) {
+  if (t < 1) return absl::InvalidArgumentError(absl::StrCat("tensor parallel size must be >= 1, got ", t));
+  if (c.num_attention_heads % t != 0)
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " does not divide the ",
+                                                   c.num_attention_heads, " attention heads"));
+  const int64_t kv = c.num_key_value_heads;
+  if (!(kv % t == 0 || t % kv == 0))
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " and the ", kv,
+                                                   " key/value heads: one must divide the other"));
+  if (c.intermediate_size % t != 0)
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " does not divide intermediate_size ",
+                                                   c.intermediate_size));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
+  if (absl::Status s = CheckTpDivides(c, t); !s.ok()) return s;
+  if (r < 0 || r >= t) return absl::InvalidArgumentError(absl::StrCat("tensor parallel rank ", r, " outside [0, ", t, ")"));
+  TpShard s;
+  s.tp_rank = r;
+  s.tp_size = t;
+  s.q_heads = c.num_attention_heads / t;
+  s.q_rows = {r * s.q_heads * c.head_dim, (r + 1) * s.q_heads * c.head_dim};
+  const int64_t kv = c.num_key_value_heads;
+  if (t <= kv) {
+    s.kv_heads = kv / t;
+    s.kv_rows = {r * s.kv_heads * c.head_dim, (r + 1) * s.kv_heads * c.head_dim};
+  } else {
+    s.kv_heads = 1;
+    const int64_t head = r / (t / kv);
+    s.kv_rows = {head * c.head_dim, (head + 1) * c.head_dim};
+  }
+  const int64_t inter = c.intermediate_size / t;
+  s.mlp_rows = {r * inter, (r + 1) * inter};
+  s.vocab_rows_per_rank = (c.vocab_size + t - 1) / t;
+  s.vocab_rows = {std::min(c.vocab_size, r * s.vocab_rows_per_rank),
+                  std::min(c.vocab_size, (r + 1) * s.vocab_rows_per_rank)};
+  return s;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,57 @@
+// How one tensor-parallel rank's slice of the model is cut. The planner (to count bytes) and the
+// worker (to load weights and size its KV cache) both use this, so they cannot disagree.
+//
+// Per layer, with TP = t and rank r (Megatron-style, as vLLM and gpt-fast do):
+//   q_proj, k_proj, v_proj   column-parallel: rank r holds its heads' rows of each (q, k and v are
+//                            split separately, because with GQA they have different head counts)
+//   o_proj                   row-parallel: rank r holds the columns matching its q heads;
+//                            partial sums meet in an all-reduce after o_proj
+//   gate_proj, up_proj       column-parallel: rows [r * I/t, (r+1) * I/t)
+//   down_proj                row-parallel: the matching columns; all-reduce after down_proj
+//   norms                    replicated
+//   embed_tokens, lm_head    vocab-parallel: rows [r * ceil(V/t), ...) (the last rank may hold
+//                            fewer); embedding partials are all-reduced, logits all-gathered
+// KV heads: when t <= kv_heads, kv_heads must divide by t and each rank holds kv_heads / t of
+// them. When t > kv_heads, t must divide by kv_heads and each KV head is replicated on
+// t / kv_heads ranks: rank r holds KV head r / (t / kv_heads).
+//
+// Worked example: 8 q heads, 2 KV heads, TP = 4 -> each rank holds 2 q heads and 1 KV head;
+// ranks 0,1 hold KV head 0 and ranks 2,3 hold KV head 1.
+#ifndef SHARDSERVE_MODEL_SHARDING_H_
+#define SHARDSERVE_MODEL_SHARDING_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "model/config.h"
+
+namespace shardserve {
+
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;  // exclusive
+  int64_t size() const { return end - begin; }
+};
+
+struct TpShard {
+  int tp_rank = 0;
+  int tp_size = 1;
+  int64_t q_heads = 0;          // local query heads
+  int64_t kv_heads = 0;         // local KV heads (replicated ones count once per rank)
+  Range q_rows;                 // rows of q_proj (and columns of o_proj): q heads * head_dim
+  Range kv_rows;                // rows of k_proj and v_proj
+  Range mlp_rows;               // rows of gate_proj/up_proj (and columns of down_proj)
+  Range vocab_rows;             // rows of embed_tokens and lm_head
+  int64_t vocab_rows_per_rank;  // ceil(V / t): the padded width of every rank's logits slice
+};
+
+// The slice rank `tp_rank` of `tp_size` holds. InvalidArgument, naming the numbers, when the
+// heads, KV heads or intermediate size do not divide as required.
+absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& config, int tp_rank, int tp_size);
+
+// Checks only divisibility (for the planner's choice of TP before ranks exist).
+absl::Status CheckTpDivides(const ModelConfig& config, int tp_size);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_SHARDING_H_

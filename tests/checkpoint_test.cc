@@ -1,0 +1,363 @@
+// config.json and safetensors reading: slices, sharded checkpoints, and every kind of bad input
+// (each gives an error naming the file and the tensor or field; none crashes).
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "nlohmann/json.hpp"
+#include "worker/llama.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+// A tensor to write: name, shape, F32 values (generated) or raw header overrides.
+struct FakeTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Writes a safetensors file of F32 tensors whose value at flat index i is base + i, where base
+// is the tensor's order in `tensors` times 1000.
+void WriteSafetensors(const fs::path& path, const std::vector<FakeTensor>& tensors) {
+  json header = json::object();
+  std::vector<float> data;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    int64_t numel = 1;
+    for (int64_t d : tensors[t].shape) numel *= d;
+    const size_t begin = data.size() * 4;
+    for (int64_t i = 0; i < numel; ++i) data.push_back(static_cast<float>(t * 1000 + i));
+    header[tensors[t].name] = {{"dtype", "F32"}, {"shape", tensors[t].shape}, {"data_offsets", {begin, data.size() * 4}}};
+  }
+  std::string h = header.dump();
+  std::ofstream out(path, std::ios::binary);
+  uint64_t len = h.size();
+  out.write(reinterpret_cast<const char*>(&len), 8);
+  out << h;
+  out.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size() * 4));
+}
+
+// Writes raw bytes: an 8-byte little-endian length, the header text, then `data_bytes` zeros.
+void WriteRaw(const fs::path& path, uint64_t declared_len, const std::string& header, size_t data_bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&declared_len), 8);
+  out << header;
+  out << std::string(data_bytes, '\0');
+}
+
+json TinyConfig() {
+  return {{"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 16},         {"hidden_size", 8},
+          {"intermediate_size", 12},               {"num_hidden_layers", 1},   {"num_attention_heads", 2},
+          {"num_key_value_heads", 1},              {"rms_norm_eps", 1e-5},     {"torch_dtype", "float32"},
+          {"max_position_embeddings", 64}};
+}
+
+std::vector<FakeTensor> TinyTensors() {
+  return {{"model.embed_tokens.weight", {16, 8}},
+          {"model.layers.0.input_layernorm.weight", {8}},
+          {"model.layers.0.self_attn.q_proj.weight", {8, 8}},
+          {"model.layers.0.self_attn.k_proj.weight", {4, 8}},
+          {"model.layers.0.self_attn.v_proj.weight", {4, 8}},
+          {"model.layers.0.self_attn.o_proj.weight", {8, 8}},
+          {"model.layers.0.post_attention_layernorm.weight", {8}},
+          {"model.layers.0.mlp.gate_proj.weight", {12, 8}},
+          {"model.layers.0.mlp.up_proj.weight", {12, 8}},
+          {"model.layers.0.mlp.down_proj.weight", {8, 12}},
+          {"model.norm.weight", {8}},
+          {"lm_head.weight", {16, 8}}};
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("shardserve_ckpt_test_" + std::to_string(getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void WriteConfig(const json& config) { std::ofstream(dir_ / "config.json") << config.dump(); }
+  void WriteTiny(std::vector<FakeTensor> tensors = TinyTensors(), json config = TinyConfig()) {
+    WriteConfig(config);
+    WriteSafetensors(dir_ / "model.safetensors", tensors);
+  }
+  // Loads the whole model on the CPU backend; returns the status.
+  absl::Status LoadModel() {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir_);
+    if (!config.ok()) return config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir_);
+    if (!ckpt.ok()) return ckpt.status();
+    std::unique_ptr<Backend> backend = MakeCpuBackend();
+    LocalCommunicator tp(backend.get());
+    return LlamaShard::Load(**ckpt, *config, ShardSpec{}, RuntimeOptions{}, backend.get(), &tp).status();
+  }
+  std::string OpenError() {
+    absl::StatusOr<std::unique_ptr<Checkpoint>> c = Checkpoint::Open(dir_);
+    EXPECT_FALSE(c.ok());
+    return c.ok() ? "" : std::string(c.status().message());
+  }
+
+  fs::path dir_;
+};
+
+// ---- Good input -----------------------------------------------------------------------------
+
+TEST_F(CheckpointTest, ReadsRowAndColumnSlicesWithoutTheRest) {
+  WriteTiny();
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  // gate_proj is tensor #7: value = 7000 + flat index; shape [12, 8].
+  std::vector<float> rows(3 * 8);
+  ASSERT_TRUE((*ckpt)->Read("model.layers.0.mlp.gate_proj.weight", {12, 8}, Slice{0, 4, 7}, DType::kF32, rows.data()).ok());
+  for (int r = 0; r < 3; ++r)
+    for (int c = 0; c < 8; ++c) EXPECT_EQ(rows[r * 8 + c], 7000 + (4 + r) * 8 + c);
+  std::vector<float> cols(12 * 2);
+  ASSERT_TRUE((*ckpt)->Read("model.layers.0.mlp.gate_proj.weight", {12, 8}, Slice{1, 6, 8}, DType::kF32, cols.data()).ok());
+  for (int r = 0; r < 12; ++r)
+    for (int c = 0; c < 2; ++c) EXPECT_EQ(cols[r * 2 + c], 7000 + r * 8 + 6 + c);
+  // Narrowing to BF16 on the way: 7000 + 4*8 = 7032 is exact in bf16? 7032 = 0b1101101111000 needs
+  // 10 significant bits; bf16 keeps 8, so it rounds to 7040 (round to nearest even).
+  std::vector<uint16_t> bf(3 * 8);
+  ASSERT_TRUE((*ckpt)->Read("model.layers.0.mlp.gate_proj.weight", {12, 8}, Slice{0, 4, 7}, DType::kBF16, bf.data()).ok());
+  EXPECT_EQ(Bf16ToF32(bf[0]), 7040.0f);
+}
+
+TEST_F(CheckpointTest, ShardedCheckpointWithIndex) {
+  WriteConfig(TinyConfig());
+  std::vector<FakeTensor> all = TinyTensors();
+  std::vector<FakeTensor> a(all.begin(), all.begin() + 5), b(all.begin() + 5, all.end());
+  WriteSafetensors(dir_ / "model-00001-of-00002.safetensors", a);
+  WriteSafetensors(dir_ / "model-00002-of-00002.safetensors", b);
+  json index = {{"metadata", json::object()}, {"weight_map", json::object()}};
+  for (const auto& t : a) index["weight_map"][t.name] = "model-00001-of-00002.safetensors";
+  for (const auto& t : b) index["weight_map"][t.name] = "model-00002-of-00002.safetensors";
+  std::ofstream(dir_ / "model.safetensors.index.json") << index.dump();
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->tensors().size(), all.size());
+  EXPECT_EQ((*ckpt)->tensors().at("lm_head.weight").file, "model-00002-of-00002.safetensors");
+  EXPECT_TRUE(LoadModel().ok()) << LoadModel();
+}
+
+TEST_F(CheckpointTest, ConfigDefaultsAndLlama3RopeScaling) {
+  json c = TinyConfig();
+  c.erase("num_key_value_heads");
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->num_key_value_heads, 2);  // defaults to the attention heads
+  EXPECT_EQ(config->head_dim, 4);
+  EXPECT_EQ(config->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 8 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8);
+}
+
+// ---- Bad input: one test per case ------------------------------------------------------------
+
+TEST_F(CheckpointTest, MissingConfigFile) {
+  auto config = LoadModelConfig(dir_);
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json"));
+}
+
+TEST_F(CheckpointTest, MissingWeightsFile) {
+  WriteConfig(TinyConfig());
+  EXPECT_THAT(OpenError(), HasSubstr("no model.safetensors"));
+}
+
+TEST_F(CheckpointTest, InvalidJsonConfig) {
+  std::ofstream(dir_ / "config.json") << "{\"architectures\": [\"LlamaForCausalLM\"], ";
+  auto config = LoadModelConfig(dir_);
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json: not valid JSON"));
+}
+
+TEST_F(CheckpointTest, MissingConfigField) {
+  json c = TinyConfig();
+  c.erase("hidden_size");
+  auto config = ParseModelConfig(c.dump(), "x/config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("x/config.json: field \"hidden_size\" is missing"));
+}
+
+TEST_F(CheckpointTest, UnsupportedArchitecture) {
+  json c = TinyConfig();
+  c["architectures"] = {"GPTNeoXForCausalLM"};
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("GPTNeoXForCausalLM"));
+}
+
+TEST_F(CheckpointTest, UnsupportedConfigDtype) {
+  json c = TinyConfig();
+  c["torch_dtype"] = "float64";
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("torch_dtype"));
+}
+
+TEST_F(CheckpointTest, HeadsThatDoNotDivide) {
+  json c = TinyConfig();
+  c["num_key_value_heads"] = 3;
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("num_key_value_heads"));
+}
+
+TEST_F(CheckpointTest, UnsupportedTensorDtype) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 16);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("model.safetensors"));
+  EXPECT_THAT(err, HasSubstr("\"w\""));
+  EXPECT_THAT(err, HasSubstr("F64"));
+}
+
+TEST_F(CheckpointTest, TruncatedFile) {
+  WriteTiny();
+  const fs::path f = dir_ / "model.safetensors";
+  fs::resize_file(f, fs::file_size(f) - 100);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("model.safetensors"));
+  EXPECT_THAT(err, HasSubstr("lm_head.weight"));  // the last tensor is the one cut short
+  EXPECT_THAT(err, HasSubstr("truncated"));
+}
+
+TEST_F(CheckpointTest, FileShorterThanTheLengthPrefix) {
+  WriteConfig(TinyConfig());
+  std::ofstream(dir_ / "model.safetensors") << "abc";
+  EXPECT_THAT(OpenError(), HasSubstr("too short"));
+}
+
+TEST_F(CheckpointTest, HeaderLengthLies) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", 1ull << 40, h, 8);
+  EXPECT_THAT(OpenError(), HasSubstr("header length"));
+}
+
+TEST_F(CheckpointTest, HeaderIsNotJson) {
+  WriteConfig(TinyConfig());
+  std::string h = "{\"w\": {\"dtype\": ";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  EXPECT_THAT(OpenError(), HasSubstr("not a valid JSON"));
+}
+
+TEST_F(CheckpointTest, OffsetsPastTheEndOfTheFile) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);  // only 8 data bytes
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("\"w\""));
+  EXPECT_THAT(err, HasSubstr("outside"));
+}
+
+TEST_F(CheckpointTest, OffsetsDisagreeWithShape) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 16);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("\"w\""));
+  EXPECT_THAT(err, HasSubstr("needs 16"));
+}
+
+TEST_F(CheckpointTest, OffsetsReversed) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 16);
+  EXPECT_THAT(OpenError(), HasSubstr("outside"));
+}
+
+TEST_F(CheckpointTest, ShapeOverflows) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 0);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("\"w\""));
+  EXPECT_THAT(err, HasSubstr("overflows"));
+}
+
+TEST_F(CheckpointTest, OffsetsOverflow) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [18446744073709551615, 7]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  EXPECT_THAT(OpenError(), HasSubstr("outside"));
+}
+
+TEST_F(CheckpointTest, IndexNamesAMissingFile) {
+  WriteConfig(TinyConfig());
+  std::ofstream(dir_ / "model.safetensors.index.json")
+      << R"({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}})";
+  EXPECT_THAT(OpenError(), HasSubstr("model-00001-of-00002.safetensors"));
+}
+
+TEST_F(CheckpointTest, IndexPointsOutsideTheDirectory) {
+  WriteConfig(TinyConfig());
+  std::ofstream(dir_ / "model.safetensors.index.json") << R"({"weight_map": {"lm_head.weight": "../../etc/passwd"}})";
+  EXPECT_THAT(OpenError(), HasSubstr("not a file name inside the checkpoint directory"));
+}
+
+TEST_F(CheckpointTest, MissingTensor) {
+  std::vector<FakeTensor> t = TinyTensors();
+  t.erase(t.begin() + 3);  // k_proj
+  WriteTiny(t);
+  absl::Status s = LoadModel();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("model.layers.0.self_attn.k_proj.weight"));
+}
+
+TEST_F(CheckpointTest, ShapeDisagreesWithConfig) {
+  json c = TinyConfig();
+  c["intermediate_size"] = 16;  // the file has 12
+  WriteTiny(TinyTensors(), c);
+  absl::Status s = LoadModel();
+  ASSERT_FALSE(s.ok());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("[12, 8]"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("config.json"));
+}
+
+TEST_F(CheckpointTest, BadStepInputIsAnErrorNotACrash) {
+  WriteTiny();
+  auto config = LoadModelConfig(dir_);
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(config.ok() && ckpt.ok());
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp(backend.get());
+  RuntimeOptions opt;
+  auto model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  ASSERT_TRUE(model.ok()) << model.status();
+  StepBatch b;
+  b.token_ids = {99};  // vocabulary is 16
+  b.positions = {0};
+  b.token_seq = {0};
+  b.slots = {0};
+  b.num_seqs = 1;
+  b.block_tables.assign(opt.max_blocks_per_seq, 0);
+  absl::Status s = (*model)->Forward(b);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("token id 99"));
+  b.token_ids = {1};
+  b.block_tables[0] = 1000;
+  s = (*model)->Forward(b);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("block 1000"));
+}
+
+}  // namespace
+}  // namespace shardserve

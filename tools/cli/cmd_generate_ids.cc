@@ -1,0 +1,103 @@
+// shardserve generate-ids: greedy generation in one process from token ids, no tokenizer, no
+// network. The smallest end-to-end check of a checkpoint and a backend.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "tools/cli/command.h"
+#include "tools/cli/flags.h"
+#include "worker/llama.h"
+
+namespace shardserve::cli {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K] ID [ID ...]\n"
+    "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
+    "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n";
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "shardserve generate-ids: %s\n", msg.c_str());
+  return 1;
+}
+
+int Run(const std::vector<std::string>& args) {
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device"}, {"help"});
+  if (!flags.ok()) {
+    std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
+    return 2;
+  }
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  if (!flags->Has("model")) {
+    std::fprintf(stderr, "shardserve generate-ids: --model is required\n%s", kUsage);
+    return 2;
+  }
+  std::vector<int32_t> prompt;
+  for (const std::string& arg : flags->positional()) {
+    for (absl::string_view piece : absl::StrSplit(arg, ',', absl::SkipEmpty())) {
+      int32_t id;
+      if (!absl::SimpleAtoi(piece, &id)) {
+        std::fprintf(stderr, "shardserve generate-ids: '%s' is not a token id\n", std::string(piece).c_str());
+        return 2;
+      }
+      prompt.push_back(id);
+    }
+  }
+  if (prompt.empty()) {
+    std::fprintf(stderr, "shardserve generate-ids: give at least one prompt token id\n%s", kUsage);
+    return 2;
+  }
+  absl::StatusOr<int64_t> max_new = flags->GetInt("max-new-tokens", 16);
+  if (!max_new.ok() || *max_new < 1) {
+    std::fprintf(stderr, "shardserve generate-ids: --max-new-tokens must be a positive integer\n");
+    return 2;
+  }
+
+  const std::string dir = flags->Get("model");
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  if (!config.ok()) return Fail(std::string(config.status().message()));
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  if (!ckpt.ok()) return Fail(std::string(ckpt.status().message()));
+
+  const std::string device = flags->Get("device", "cpu");
+  std::unique_ptr<Backend> backend;
+  if (device == "cpu") {
+    backend = MakeCpuBackend();
+  } else if (device.rfind("cuda", 0) == 0) {
+    int ordinal = 0;
+    if (device.size() > 5 && !absl::SimpleAtoi(device.substr(5), &ordinal)) return Fail("bad --device " + device);
+    // On GPU the activations keep the checkpoint's dtype.
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(ordinal, config->dtype);
+    if (!cuda.ok()) return Fail(std::string(cuda.status().message()));
+    backend = std::move(*cuda);
+  } else {
+    std::fprintf(stderr, "shardserve generate-ids: --device must be cpu or cuda:K, got '%s'\n", device.c_str());
+    return 2;
+  }
+
+  RuntimeOptions opt;
+  opt.max_seqs_per_step = 1;
+  opt.max_blocks_per_seq = (static_cast<int64_t>(prompt.size()) + *max_new + opt.block_size - 1) / opt.block_size;
+  opt.num_kv_blocks = opt.max_blocks_per_seq;
+  LocalCommunicator tp(backend.get());
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  if (!model.ok()) return Fail(std::string(model.status().message()));
+  absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), prompt, *max_new);
+  if (!ids.ok()) return Fail(std::string(ids.status().message()));
+  for (size_t i = 0; i < ids->size(); ++i) std::printf("%s%d", i ? " " : "", (*ids)[i]);
+  std::printf("\n");
+  return 0;
+}
+
+const CommandRegistration kRegistration({"generate-ids", "greedy token ids from a checkpoint in one process", Run});
+
+}  // namespace
+}  // namespace shardserve::cli

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian packages shardserve builds and tests with. Safe to re-run.
+# Usage: tools/install-deps.sh            (needs root, or sudo)
+set -euo pipefail
+
+PACKAGES=(
+  build-essential cmake ninja-build pkg-config ccache
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  prometheus-cpp-dev
+  libgloo-dev
+  libopenblas-dev
+  libpcre2-dev libutf8proc-dev
+  nlohmann-json3-dev
+  libgtest-dev libgmock-dev
+  python3 python3-venv
+)
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} Debian packages present"
+  exit 0
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

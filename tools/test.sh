@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every test, from a fresh clone: installs the Debian dependencies, configures, builds and runs
+# the whole suite with CTest.
+#
+#   tools/test.sh                 # build/ with CUDA kernels compiled (needs nvcc) and all tests
+#   BUILD_DIR=build-cpu CMAKE_ARGS=-DSHARDSERVE_WITH_CUDA=OFF tools/test.sh
+#
+# Tests that need a GPU report themselves as skipped where none is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+JOBS=${JOBS:-$(nproc)}
+
+tools/install-deps.sh
+
+# nvcc lives outside PATH on some installs.
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+
+start=$(date +%s)
+# shellcheck disable=SC2086
+cmake -S . -B "$BUILD_DIR" -G Ninja ${CMAKE_ARGS:-}
+cmake --build "$BUILD_DIR" -j "$JOBS"
+echo "test.sh: build took $(( $(date +%s) - start )) s"
+
+cd "$BUILD_DIR"
+ctest --output-on-failure -j "$JOBS" --timeout 900

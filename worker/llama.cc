@@ -1,0 +1,347 @@
+#include "worker/llama.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+
+#define RETURN_IF_ERROR(expr)  \
+  do {                         \
+    absl::Status _s = (expr);  \
+    if (!_s.ok()) return _s;   \
+  } while (0)
+
+#define ASSIGN_OR_RETURN(lhs, expr)          \
+  do {                                       \
+    auto _r = (expr);                        \
+    if (!_r.ok()) return _r.status();        \
+    lhs = std::move(*_r);                    \
+  } while (0)
+
+absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t> dims) {
+  Tensor view(nullptr, t, dims);
+  absl::StatusOr<Buffer> buf = backend_->Allocate(std::max<size_t>(view.bytes(), 1));
+  if (!buf.ok()) return buf.status();
+  view.data = buf->data();
+  buffers_.push_back(std::move(*buf));
+  return view;
+}
+
+absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std::string& name,
+                                              std::vector<int64_t> full_shape, const Slice& slice) {
+  std::vector<int64_t> local = full_shape;
+  local[slice.dim] = (slice.end < 0 ? full_shape[slice.dim] : slice.end) - slice.begin;
+  Tensor t;
+  if (local.size() == 1) {
+    ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0]}));
+  } else {
+    ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0], local[1]}));
+  }
+  if (backend_->device_kind() == DeviceKind::kCpu) {
+    // Host memory: read the slice straight into place.
+    RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, t.data));
+  } else {
+    std::vector<uint8_t> staging(t.bytes());
+    RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging.data()));
+    RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging.data(), staging.size()));
+  }
+  weight_bytes_ += t.bytes();
+  return t;
+}
+
+absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& ckpt, const ModelConfig& config,
+                                                             const ShardSpec& spec, const RuntimeOptions& opt,
+                                                             Backend* backend, Communicator* tp) {
+  std::unique_ptr<LlamaShard> m(new LlamaShard());
+  m->config_ = config;
+  m->spec_ = spec;
+  m->options_ = opt;
+  m->backend_ = backend;
+  m->tp_ = tp;
+  const int64_t L = config.num_hidden_layers;
+  m->first_layer_ = spec.first_layer;
+  m->end_layer_ = spec.end_layer < 0 ? L : spec.end_layer;
+  if (m->first_layer_ < 0 || m->first_layer_ >= m->end_layer_ || m->end_layer_ > L) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", m->first_layer_, ", ", m->end_layer_,
+                                                   ") is not a non-empty part of the model's ", L, " layers"));
+  }
+  if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
+                                                   " but the communicator is rank ", tp->rank(), " of ", tp->size()));
+  }
+  for (auto [name, v] : {std::pair{"max_tokens_per_step", opt.max_tokens_per_step}, {"max_seqs_per_step", opt.max_seqs_per_step},
+                         {"block_size", opt.block_size}, {"num_kv_blocks", opt.num_kv_blocks},
+                         {"max_blocks_per_seq", opt.max_blocks_per_seq}}) {
+    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("runtime option ", name, " must be > 0, got ", v));
+  }
+  ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
+  const TpShard& s = m->tp_shard_;
+  const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
+  const int64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
+  const Slice q_rows{0, s.q_rows.begin, s.q_rows.end}, kv_rows{0, s.kv_rows.begin, s.kv_rows.end},
+      mlp_rows{0, s.mlp_rows.begin, s.mlp_rows.end}, vocab_rows{0, s.vocab_rows.begin, s.vocab_rows.end};
+  const Slice q_cols{1, s.q_rows.begin, s.q_rows.end}, mlp_cols{1, s.mlp_rows.begin, s.mlp_rows.end}, all{0, 0, -1};
+
+  // ---- Weights: this rank's slice of this stage's tensors ----
+  if (m->is_first_stage()) {
+    ASSIGN_OR_RETURN(m->embed_tokens_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+  }
+  for (int64_t i = m->first_layer_; i < m->end_layer_; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    Layer l;
+    ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
+    ASSIGN_OR_RETURN(l.q_proj, m->LoadWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
+    ASSIGN_OR_RETURN(l.k_proj, m->LoadWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
+    ASSIGN_OR_RETURN(l.v_proj, m->LoadWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
+    if (config.attention_bias) {
+      ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
+      ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
+      ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
+    }
+    ASSIGN_OR_RETURN(l.o_proj, m->LoadWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
+    ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
+    ASSIGN_OR_RETURN(l.gate_proj, m->LoadWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
+    ASSIGN_OR_RETURN(l.up_proj, m->LoadWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
+    ASSIGN_OR_RETURN(l.down_proj, m->LoadWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
+    // The paged KV cache of this layer: this rank's KV heads only.
+    ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+    ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+    RETURN_IF_ERROR(backend->Fill0(l.k_cache.data, l.k_cache.bytes()));
+    RETURN_IF_ERROR(backend->Fill0(l.v_cache.data, l.v_cache.bytes()));
+    m->layers_.push_back(l);
+  }
+  if (m->is_last_stage()) {
+    ASSIGN_OR_RETURN(m->norm_, m->LoadWeight(ckpt, "model.norm.weight", {H}, all));
+    if (!config.tie_word_embeddings) {
+      ASSIGN_OR_RETURN(m->lm_head_, m->LoadWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
+    } else if (m->is_first_stage()) {
+      m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage
+    } else {
+      ASSIGN_OR_RETURN(m->lm_head_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+    }
+  }
+  std::vector<float> inv_freq = RopeInvFreq(config);
+  ASSIGN_OR_RETURN(m->inv_freq_, m->Alloc(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
+  RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
+
+  // ---- Scratch: everything a step needs, allocated once ----
+  const DType act = backend->act_dtype();
+  const int64_t n = opt.max_tokens_per_step, ms = opt.max_seqs_per_step;
+  ASSIGN_OR_RETURN(m->ids_, m->Alloc(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->positions_, m->Alloc(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->token_seq_, m->Alloc(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->slots_, m->Alloc(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->block_tables_, m->Alloc(DType::kI32, {ms, opt.max_blocks_per_seq}));
+  ASSIGN_OR_RETURN(m->logit_rows_, m->Alloc(DType::kI32, {ms}));
+  ASSIGN_OR_RETURN(m->hidden_, m->Alloc(act, {n, H}));
+  ASSIGN_OR_RETURN(m->normed_, m->Alloc(act, {n, H}));
+  ASSIGN_OR_RETURN(m->q_, m->Alloc(act, {n, q}));
+  ASSIGN_OR_RETURN(m->k_, m->Alloc(act, {n, kv}));
+  ASSIGN_OR_RETURN(m->v_, m->Alloc(act, {n, kv}));
+  ASSIGN_OR_RETURN(m->attn_, m->Alloc(act, {n, q}));
+  ASSIGN_OR_RETURN(m->proj_, m->Alloc(act, {n, H}));
+  ASSIGN_OR_RETURN(m->gate_, m->Alloc(act, {n, f}));
+  ASSIGN_OR_RETURN(m->up_, m->Alloc(act, {n, f}));
+  if (m->is_last_stage()) {
+    ASSIGN_OR_RETURN(m->last_, m->Alloc(act, {ms, H}));
+    ASSIGN_OR_RETURN(m->local_logits_, m->Alloc(DType::kF32, {ms, s.vocab_rows_per_rank}));
+    ASSIGN_OR_RETURN(m->gathered_logits_, m->Alloc(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
+    ASSIGN_OR_RETURN(m->logits_, m->Alloc(DType::kF32, {ms, V}));
+  }
+  return m;
+}
+
+Tensor LlamaShard::hidden(int64_t n) const { return hidden_.Rows(0, n); }
+Tensor LlamaShard::logits(int64_t m) const { return logits_.Rows(0, m); }
+
+absl::Status LlamaShard::CheckBatch(const StepBatch& b) const {
+  const size_t n = b.positions.size();
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step batch: ", parts...)); };
+  if (n == 0 || static_cast<int64_t>(n) > options_.max_tokens_per_step) {
+    return bad(n, " tokens; a step takes 1 to ", options_.max_tokens_per_step);
+  }
+  if (b.token_seq.size() != n || b.slots.size() != n || (is_first_stage() && b.token_ids.size() != n)) {
+    return bad("token_ids, positions, token_seq and slots must all have ", n, " entries");
+  }
+  if (b.num_seqs <= 0 || b.num_seqs > options_.max_seqs_per_step) {
+    return bad(b.num_seqs, " sequences; a step takes 1 to ", options_.max_seqs_per_step);
+  }
+  if (static_cast<int64_t>(b.block_tables.size()) != b.num_seqs * options_.max_blocks_per_seq) {
+    return bad("block_tables has ", b.block_tables.size(), " entries, expected ", b.num_seqs, " x ",
+               options_.max_blocks_per_seq);
+  }
+  if (static_cast<int64_t>(b.logit_rows.size()) > options_.max_seqs_per_step) {
+    return bad(b.logit_rows.size(), " logit rows; at most ", options_.max_seqs_per_step);
+  }
+  const int64_t slots = options_.num_kv_blocks * options_.block_size;
+  for (size_t t = 0; t < n; ++t) {
+    if (is_first_stage() && (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size)) {
+      return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config_.vocab_size, ")");
+    }
+    if (b.positions[t] < 0 || b.positions[t] >= options_.max_blocks_per_seq * options_.block_size ||
+        (config_.max_position_embeddings > 0 && b.positions[t] >= config_.max_position_embeddings)) {
+      return bad("position ", b.positions[t], " outside the context this shard serves");
+    }
+    if (b.token_seq[t] < 0 || b.token_seq[t] >= b.num_seqs) return bad("token_seq ", b.token_seq[t], " out of range");
+    if (b.slots[t] < 0 || b.slots[t] >= slots) return bad("cache slot ", b.slots[t], " outside [0, ", slots, ")");
+  }
+  for (int32_t block : b.block_tables) {
+    if (block < 0 || block >= options_.num_kv_blocks) return bad("block ", block, " outside [0, ", options_.num_kv_blocks, ")");
+  }
+  for (int32_t r : b.logit_rows) {
+    if (r < 0 || static_cast<size_t>(r) >= n) return bad("logit row ", r, " outside the step's ", n, " tokens");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaShard::Upload(const Tensor& dst, const std::vector<int32_t>& src) {
+  if (src.empty()) return absl::OkStatus();
+  return backend_->CopyToDevice(dst.data, src.data(), src.size() * sizeof(int32_t));
+}
+
+absl::Status LlamaShard::Forward(const StepBatch& b) {
+  RETURN_IF_ERROR(CheckBatch(b));
+  const int64_t n = static_cast<int64_t>(b.positions.size());
+  const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  Backend& be = *backend_;
+
+  // Step metadata to the device.
+  Tensor ids = ids_.Rows(0, n), positions = positions_.Rows(0, n), token_seq = token_seq_.Rows(0, n),
+         slots = slots_.Rows(0, n), tables = block_tables_.Rows(0, b.num_seqs), rows = logit_rows_.Rows(0, m);
+  RETURN_IF_ERROR(Upload(positions, b.positions));
+  RETURN_IF_ERROR(Upload(token_seq, b.token_seq));
+  RETURN_IF_ERROR(Upload(slots, b.slots));
+  RETURN_IF_ERROR(Upload(tables, b.block_tables));
+  RETURN_IF_ERROR(Upload(rows, b.logit_rows));
+
+  Tensor x = hidden_.Rows(0, n), normed = normed_.Rows(0, n), q = q_.Rows(0, n), k = k_.Rows(0, n),
+         v = v_.Rows(0, n), attn = attn_.Rows(0, n), proj = proj_.Rows(0, n), gate = gate_.Rows(0, n),
+         up = up_.Rows(0, n);
+
+  // Embedding (first stage): vocab-parallel lookup, then all-reduce fills in the other ranks' rows.
+  if (is_first_stage()) {
+    RETURN_IF_ERROR(Upload(ids, b.token_ids));
+    RETURN_IF_ERROR(be.Embedding(&x, embed_tokens_, ids, tp_shard_.vocab_rows.begin));
+    RETURN_IF_ERROR(tp_->AllReduceSum(&x));
+  }
+
+  for (Layer& l : layers_) {
+    // attention norm
+    RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
+    // q, k, v projections (column-parallel: this rank's heads)
+    RETURN_IF_ERROR(be.MatMul(&q, normed, l.q_proj, l.q_bias.data ? &l.q_bias : nullptr));
+    RETURN_IF_ERROR(be.MatMul(&k, normed, l.k_proj, l.k_bias.data ? &l.k_bias : nullptr));
+    RETURN_IF_ERROR(be.MatMul(&v, normed, l.v_proj, l.v_bias.data ? &l.v_bias : nullptr));
+    // rotary position embedding
+    RETURN_IF_ERROR(be.Rope(&q, &k, positions, inv_freq_, static_cast<int>(config_.head_dim)));
+    // write k/v to the paged cache
+    RETURN_IF_ERROR(be.CacheWrite(&l.k_cache, &l.v_cache, k, v, slots));
+    // causal attention over the cache
+    RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
+    // o_proj (row-parallel) + all-reduce of the partial sums
+    RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, nullptr));
+    RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    // residual
+    RETURN_IF_ERROR(be.Add(&x, x, proj));
+    // mlp norm
+    RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.post_attention_layernorm, eps));
+    // SwiGLU mlp: gate/up column-parallel, down row-parallel + all-reduce
+    RETURN_IF_ERROR(be.MatMul(&gate, normed, l.gate_proj, nullptr));
+    RETURN_IF_ERROR(be.MatMul(&up, normed, l.up_proj, nullptr));
+    RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
+    RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
+    RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    // residual
+    RETURN_IF_ERROR(be.Add(&x, x, proj));
+  }
+
+  if (!is_last_stage() || m == 0) return absl::OkStatus();
+  // The rows whose logits are wanted (Embedding with the hidden state as the table is a row gather).
+  Tensor last = last_.Rows(0, m), last_normed = normed_.Rows(0, m);
+  RETURN_IF_ERROR(be.Embedding(&last, x, rows, 0));
+  // final norm
+  RETURN_IF_ERROR(be.RmsNorm(&last_normed, last, norm_, eps));
+  // LM head (vocab-parallel), then all-gather every rank's slice of the vocabulary
+  const int64_t w = tp_shard_.vocab_rows_per_rank, local = tp_shard_.vocab_rows.size();
+  Tensor local_logits(local_logits_.data, DType::kF32, {m, local});
+  RETURN_IF_ERROR(be.MatMul(&local_logits, last_normed, lm_head_, nullptr));
+  Tensor padded(local_logits_.data, DType::kF32, {m, w});  // the last rank's slice may be short
+  Tensor gathered(gathered_logits_.data, DType::kF32, {spec_.tp_size, m, w});
+  RETURN_IF_ERROR(tp_->AllGather(&gathered, padded));
+  // gathered is [rank][row][w]; logits are [row][vocab]: copy each rank's columns into place.
+  const int64_t V = config_.vocab_size;
+  for (int r = 0; r < spec_.tp_size; ++r) {
+    const int64_t cols = std::min(w, V - r * w);
+    for (int64_t i = 0; i < m; ++i) {
+      RETURN_IF_ERROR(be.CopyOnDevice(logits_.as<float>() + i * V + r * w,
+                                      gathered_logits_.as<float>() + (r * m + i) * w, cols * sizeof(float)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> GreedyGenerate(LlamaShard* model, const std::vector<int32_t>& prompt,
+                                                    int64_t max_new_tokens,
+                                                    std::vector<std::vector<float>>* step_logits) {
+  const RuntimeOptions& opt = model->options();
+  if (prompt.empty()) return absl::InvalidArgumentError("the prompt is empty");
+  if (!model->is_first_stage() || !model->is_last_stage()) {
+    return absl::FailedPreconditionError("GreedyGenerate needs the whole model in this process");
+  }
+  const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
+  const int64_t blocks = (total + opt.block_size - 1) / opt.block_size;
+  if (blocks > opt.max_blocks_per_seq || blocks > opt.num_kv_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(total, " tokens need ", blocks, " KV blocks of ", opt.block_size,
+                                                   "; this runtime has ", std::min(opt.max_blocks_per_seq, opt.num_kv_blocks)));
+  }
+  Backend* be = model->backend();
+  absl::StatusOr<Buffer> next_buf = be->Allocate(sizeof(int32_t));
+  if (!next_buf.ok()) return next_buf.status();
+  Tensor next(next_buf->data(), DType::kI32, {1});
+  const int64_t V = model->config().vocab_size;
+
+  StepBatch b;
+  b.num_seqs = 1;
+  b.block_tables.assign(opt.max_blocks_per_seq, 0);
+  for (int64_t i = 0; i < blocks; ++i) b.block_tables[i] = static_cast<int32_t>(i);  // slot == position
+
+  std::vector<int32_t> out;
+  std::vector<int32_t> pending(prompt);  // tokens not yet in the cache
+  int64_t pos = 0;
+  while (static_cast<int64_t>(out.size()) < max_new_tokens) {
+    // Feed pending tokens in chunks; the last chunk asks for logits of its last token.
+    const int64_t chunk = std::min<int64_t>(static_cast<int64_t>(pending.size()), opt.max_tokens_per_step);
+    const bool final_chunk = chunk == static_cast<int64_t>(pending.size());
+    b.token_ids.assign(pending.begin(), pending.begin() + chunk);
+    b.positions.resize(chunk);
+    b.slots.resize(chunk);
+    for (int64_t t = 0; t < chunk; ++t) b.positions[t] = b.slots[t] = static_cast<int32_t>(pos + t);
+    b.token_seq.assign(chunk, 0);
+    b.logit_rows.clear();
+    if (final_chunk) b.logit_rows.push_back(static_cast<int32_t>(chunk - 1));
+    RETURN_IF_ERROR(model->Forward(b));
+    pos += chunk;
+    pending.erase(pending.begin(), pending.begin() + chunk);
+    if (!final_chunk) continue;
+
+    Tensor logits = model->logits(1);
+    RETURN_IF_ERROR(be->Argmax(&next, logits));
+    int32_t id = 0;
+    RETURN_IF_ERROR(be->CopyToHost(&id, next.data, sizeof(id)));
+    if (step_logits != nullptr) {
+      step_logits->emplace_back(V);
+      RETURN_IF_ERROR(be->CopyToHost(step_logits->back().data(), logits.data, V * sizeof(float)));
+    }
+    out.push_back(id);
+    pending.push_back(id);
+  }
+  return out;
+}
+
+}  // namespace shardserve

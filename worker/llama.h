@@ -1,0 +1,142 @@
+// One shard of a Llama-family model (Llama, Qwen2, Mistral): its weights, its paged KV cache and
+// its forward pass. A shard is a layer range (a pipeline stage) and a tensor-parallel rank; the
+// whole model in one process is the shard {all layers, rank 0 of 1}, which runs the same code.
+//
+// Ownership: LlamaShard owns its weights, KV cache and scratch buffers (all allocated once, at
+// Load). It borrows the Backend and the Communicator, which must outlive it.
+// Threading: not thread-safe; one step at a time.
+#ifndef SHARDSERVE_WORKER_LLAMA_H_
+#define SHARDSERVE_WORKER_LLAMA_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/sharding.h"
+#include "worker/communicator.h"
+
+namespace shardserve {
+
+// Which part of the model this process holds.
+struct ShardSpec {
+  int64_t first_layer = 0;  // inclusive
+  int64_t end_layer = -1;   // exclusive; -1 = through the last layer
+  int tp_rank = 0;
+  int tp_size = 1;
+};
+
+// Sizes of everything allocated at load.
+struct RuntimeOptions {
+  int64_t max_tokens_per_step = 256;  // prompt tokens + decode tokens in one step
+  int64_t max_seqs_per_step = 16;     // sequences (rows of the block table) in one step
+  int64_t block_size = 16;            // tokens per KV block
+  int64_t num_kv_blocks = 64;         // KV blocks per layer
+  int64_t max_blocks_per_seq = 32;    // width of the block table
+};
+
+// One step's work, on the host. Token t belongs to sequence token_seq[t] at position
+// positions[t], and its K/V go to cache slot slots[t]. Block tables are row-major
+// [num_seqs, max_blocks_per_seq]. logit_rows lists the tokens whose logits are wanted (the last
+// token of each sequence that samples this step).
+struct StepBatch {
+  std::vector<int32_t> token_ids;  // [n] (first stage only)
+  std::vector<int32_t> positions;  // [n]
+  std::vector<int32_t> token_seq;  // [n]
+  std::vector<int32_t> slots;      // [n]
+  std::vector<int32_t> block_tables;
+  int32_t num_seqs = 0;
+  std::vector<int32_t> logit_rows;  // [m]
+};
+
+class LlamaShard {
+ public:
+  // Loads this shard's slice of the checkpoint's weights in the backend's activation dtype and
+  // allocates the KV cache and every scratch buffer.
+  static absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const Checkpoint& checkpoint, const ModelConfig& config,
+                                                          const ShardSpec& spec, const RuntimeOptions& options,
+                                                          Backend* backend, Communicator* tp);
+
+  // Runs the shard's layers over a step. On the first stage the input is the batch's token ids;
+  // on later stages it is `hidden` ([n, hidden] act, from the previous stage). On return
+  // `hidden` holds this stage's output hidden state; on the last stage, logits() holds
+  // [m, vocab] F32 logits for batch.logit_rows. All outputs live on the backend's device.
+  absl::Status Forward(const StepBatch& batch);
+
+  // [n, hidden] act: this step's hidden state (input on later stages, output on every stage).
+  Tensor hidden(int64_t n) const;
+  // [m, vocab] F32, valid after Forward on the last stage.
+  Tensor logits(int64_t m) const;
+
+  bool is_first_stage() const { return first_layer_ == 0; }
+  bool is_last_stage() const { return end_layer_ == config_.num_hidden_layers; }
+  const ModelConfig& config() const { return config_; }
+  const RuntimeOptions& options() const { return options_; }
+  uint64_t weight_bytes() const { return weight_bytes_; }
+  Backend* backend() const { return backend_; }
+
+ private:
+  // One decoder layer's slice. Shapes are this rank's (q = local q heads * head_dim, kv = local
+  // KV heads * head_dim, f = local intermediate size).
+  struct Layer {
+    Tensor input_layernorm;           // [hidden]
+    Tensor q_proj, k_proj, v_proj;    // [q, hidden], [kv, hidden], [kv, hidden]
+    Tensor q_bias, k_bias, v_bias;    // [q], [kv], [kv] (Qwen2 only; else data == nullptr)
+    Tensor o_proj;                    // [hidden, q]
+    Tensor post_attention_layernorm;  // [hidden]
+    Tensor gate_proj, up_proj;        // [f, hidden]
+    Tensor down_proj;                 // [hidden, f]
+    Tensor k_cache, v_cache;          // [blocks, block_size, local kv heads, head_dim]
+  };
+
+  LlamaShard() = default;
+  absl::StatusOr<Tensor> LoadWeight(const Checkpoint& ckpt, const std::string& name, std::vector<int64_t> full_shape,
+                                    const Slice& slice);
+  absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
+  absl::Status CheckBatch(const StepBatch& batch) const;
+  absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);
+
+  // ---- Constant after Load ----
+  ModelConfig config_;
+  ShardSpec spec_;
+  RuntimeOptions options_;
+  TpShard tp_shard_;
+  int64_t first_layer_ = 0, end_layer_ = 0;
+  Backend* backend_ = nullptr;
+  Communicator* tp_ = nullptr;
+  std::vector<Buffer> buffers_;  // every allocation; tensors below view into these
+  uint64_t weight_bytes_ = 0;
+
+  Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)
+  std::vector<Layer> layers_;
+  Tensor norm_;          // [hidden] (last stage)
+  Tensor lm_head_;       // [vocab rows of this rank, hidden] (last stage)
+  Tensor inv_freq_;      // [head_dim / 2] F32
+
+  // ---- Scratch, sized for max_tokens_per_step (n) and max_seqs_per_step (m) ----
+  Tensor ids_, positions_, token_seq_, slots_, block_tables_, logit_rows_;  // I32
+  Tensor hidden_;     // [n, hidden] residual stream
+  Tensor normed_;     // [n, hidden]
+  Tensor q_, k_, v_;  // [n, q], [n, kv], [n, kv]
+  Tensor attn_;       // [n, q]
+  Tensor proj_;       // [n, hidden] o_proj / down_proj output (partial sums before all-reduce)
+  Tensor gate_, up_;  // [n, f]
+  Tensor last_;       // [m, hidden] rows whose logits are wanted
+  Tensor local_logits_;   // [m, vocab_rows_per_rank] F32
+  Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32
+  Tensor logits_;     // [m, vocab] F32
+};
+
+// Greedy decoding of one sequence in a single process (prefill in chunks of at most
+// max_tokens_per_step, then one token per step). Returns the new ids; when `last_logits` is not
+// null it receives the F32 logits that chose each new token, [steps][vocab], on the host.
+absl::StatusOr<std::vector<int32_t>> GreedyGenerate(LlamaShard* model, const std::vector<int32_t>& prompt,
+                                                    int64_t max_new_tokens,
+                                                    std::vector<std::vector<float>>* step_logits = nullptr);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_LLAMA_H_
