@@ -10,6 +10,11 @@
 //   output and sampling inputs are F32. Ids, positions, slots and block tables are I32.
 // - Ops on CUDA are enqueued on the backend's stream and may still run when the call returns;
 //   Synchronize() waits. Errors from launches and library calls come back as absl::Status.
+//   Bad step metadata that only the device can see (a block index, slot or position out of
+//   range) is skipped by the CUDA kernels and reported as InvalidArgument by the next
+//   Synchronize() or CopyToHost(); the CPU backend reports it from the op itself, before writing.
+//   Callers validate metadata on the host first (worker/llama.cc does), so this is a backstop.
+// - CopyToDevice returns once the host source may be reused; CopyToHost once the data is there.
 // - Shape or dtype mismatches are reported as InvalidArgument naming the op and the shapes.
 //
 // Threading: a Backend is used by one thread at a time (the worker's step loop). It is not
@@ -101,7 +106,7 @@ class Backend {
                               const Tensor& w /*[m, k] act*/, const Tensor* bias /*[m] act*/) = 0;
 
   // Rotary embedding in place, Hugging Face "rotate_half" layout: for each head, the pair
-  // (x[i], x[i + hd/2]) is rotated by angle pos * inv_freq[i].
+  // (x[i], x[i + hd/2]) is rotated by angle pos * inv_freq[i]. Both q and k are required.
   virtual absl::Status Rope(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
                             const Tensor& positions /*[n] i32*/, const Tensor& inv_freq /*[hd/2] f32*/,
                             int head_dim) = 0;
@@ -116,7 +121,7 @@ class Backend {
   // Causal attention with GQA over the paged cache. Token t of sequence s = token_seq[t] at
   // position p = positions[t] attends to positions 0..p of s (which must already be in the
   // cache). Query head h reads kv head h / (q_heads / kv_heads). Covers prefill (many tokens of
-  // a sequence) and decode (one token) in the same call.
+  // a sequence) and decode (one token) in the same call. head_dim <= 512 on CUDA.
   virtual absl::Status Attention(Tensor* out /*[n, q_heads * hd] act*/, const Tensor& q /*[n, q_heads * hd] act*/,
                                  const Tensor& k_cache /*[blocks, bs, kv_heads, hd] act*/,
                                  const Tensor& v_cache /*[blocks, bs, kv_heads, hd] act*/,
@@ -137,7 +142,8 @@ class Backend {
   // Index of the largest logit per row (the first one on ties, as torch.argmax).
   virtual absl::Status Argmax(Tensor* out /*[n] i32 host or device*/, const Tensor& logits /*[n, v] f32*/) = 0;
 
-  // Samples one id per row from softmax(logits / temperature) restricted by top_k and top_p.
+  // Samples one id per row from softmax(logits / temperature) restricted by top_k, then top_p
+  // (measured on the top-k renormalized mass). `out` may be host or device memory.
   // Among the kept tokens (in vocabulary order) it returns the first whose cumulative
   // renormalized probability exceeds uniform, so one draw gives one answer on every backend.
   virtual absl::Status Sample(Tensor* out /*[n] i32*/, const Tensor& logits /*[n, v] f32*/,

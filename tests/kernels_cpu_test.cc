@@ -1,0 +1,925 @@
+// Tests of the CPU backend (kernels/cpu/cpu_backend.cc) and the host float conversions
+// (kernels/tensor.cc).
+//
+// Each op runs on fresh random inputs from fixed seeds and is compared with a naive double-
+// precision reference written here, by normalized error max|got - want| / max|want| against a
+// per-op limit whose justification sits beside it. NaN or Inf in an output always fails. Every
+// tensor lives between guard bytes, and outputs start as NaN (0xff bytes), so stray writes and
+// missed writes both show. Bad metadata and mismatched shapes must give InvalidArgument naming
+// the op, leave outputs untouched where the op promises to, and never crash.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "kernels/sampling.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+namespace {
+
+constexpr size_t kGuardBytes = 64;  // on each side; a multiple of 64 keeps the data aligned
+constexpr uint8_t kGuardFill = 0xa5;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---- Helpers ---------------------------------------------------------------------------------
+
+// A tensor in backend memory with guard bytes on both sides. Data moves through CopyToDevice /
+// CopyToHost, as for any backend.
+class DeviceTensor {
+ public:
+  DeviceTensor(Backend* backend, DType dtype, const std::vector<int64_t>& shape) : backend_(backend) {
+    tensor_.dtype = dtype;
+    for (int64_t s : shape) tensor_.shape[tensor_.ndim++] = s;
+    buffer_ = backend->Allocate(tensor_.bytes() + 2 * kGuardBytes).value();
+    tensor_.data = static_cast<char*>(buffer_.data()) + kGuardBytes;
+    const std::vector<uint8_t> fill(buffer_.bytes(), kGuardFill);
+    EXPECT_TRUE(backend->CopyToDevice(buffer_.data(), fill.data(), fill.size()).ok());
+  }
+
+  Tensor& t() { return tensor_; }
+  Tensor* ptr() { return &tensor_; }
+
+  template <typename T>
+  void Upload(const std::vector<T>& values) {
+    ASSERT_EQ(values.size() * sizeof(T), tensor_.bytes());
+    ASSERT_TRUE(backend_->CopyToDevice(tensor_.data, values.data(), tensor_.bytes()).ok());
+  }
+  // Sets every byte to 0xff: NaN as F32, -1 as I32. Outputs start like this.
+  void Poison() {
+    const std::vector<uint8_t> ff(tensor_.bytes(), 0xff);
+    EXPECT_TRUE(backend_->CopyToDevice(tensor_.data, ff.data(), ff.size()).ok());
+  }
+  template <typename T>
+  std::vector<T> Download() const {
+    std::vector<T> values(tensor_.bytes() / sizeof(T));
+    EXPECT_TRUE(backend_->CopyToHost(values.data(), tensor_.data, tensor_.bytes()).ok());
+    return values;
+  }
+  bool GuardsIntact() const {
+    std::vector<uint8_t> bytes(buffer_.bytes());
+    EXPECT_TRUE(backend_->CopyToHost(bytes.data(), buffer_.data(), bytes.size()).ok());
+    const auto is_guard = [](uint8_t b) { return b == kGuardFill; };
+    return std::all_of(bytes.begin(), bytes.begin() + kGuardBytes, is_guard) &&
+           std::all_of(bytes.end() - kGuardBytes, bytes.end(), is_guard);
+  }
+
+ private:
+  Backend* backend_;
+  Buffer buffer_;
+  Tensor tensor_;
+};
+
+std::vector<float> Random(std::mt19937& rng, size_t n, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// max|got - want| / max|want|; infinity if got holds a NaN or an Inf, so that any limit fails.
+double NormalizedError(const std::vector<float>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double max_diff = 0.0, max_want = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    max_diff = std::max(max_diff, std::abs(static_cast<double>(got[i]) - want[i]));
+    max_want = std::max(max_want, std::abs(want[i]));
+  }
+  return max_want > 0.0 ? max_diff / max_want : max_diff;
+}
+
+// Checks the normalized error against `limit` and prints it, so that runs show how much headroom
+// each op has.
+void ExpectClose(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
+                 double limit) {
+  const double err = NormalizedError(got, want);
+  std::printf("    %-44s normalized error %.2e (limit %.0e)\n", what.c_str(), err, limit);
+  EXPECT_LE(err, limit) << what;
+}
+
+bool IsInvalidArgumentNaming(const absl::Status& s, const std::string& op) {
+  return s.code() == absl::StatusCode::kInvalidArgument && s.message().find(op) != std::string::npos;
+}
+
+class CpuBackendTest : public ::testing::Test {
+ protected:
+  DeviceTensor F32(const std::vector<int64_t>& shape, const std::vector<float>& values) {
+    DeviceTensor t(backend_.get(), DType::kF32, shape);
+    t.Upload(values);
+    return t;
+  }
+  DeviceTensor I32(const std::vector<int64_t>& shape, const std::vector<int32_t>& values) {
+    DeviceTensor t(backend_.get(), DType::kI32, shape);
+    t.Upload(values);
+    return t;
+  }
+  DeviceTensor Output(DType dtype, const std::vector<int64_t>& shape) {
+    DeviceTensor t(backend_.get(), dtype, shape);
+    t.Poison();
+    return t;
+  }
+
+  std::unique_ptr<Backend> backend_ = MakeCpuBackend();
+  std::mt19937 rng_{20240611};
+};
+
+// ---- Float conversions -----------------------------------------------------------------------
+
+// The value of a binary16 bit pattern, computed independently of F16ToF32.
+double HalfValue(uint16_t h) {
+  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  double magnitude = std::ldexp(1024 + mantissa, exponent - 25);  // normal
+  if (exponent == 0) magnitude = std::ldexp(mantissa, -24);     // zero, subnormal
+  if (exponent == 0x1f) magnitude = mantissa == 0 ? HUGE_VAL : NAN;
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+TEST(F16Test, KnownValues) {
+  const std::pair<float, uint16_t> cases[] = {
+      {1.0f, 0x3c00},          {-2.0f, 0xc000},       {0.0f, 0x0000},         {-0.0f, 0x8000},
+      {65504.0f, 0x7bff},      {65519.0f, 0x7bff},    {65520.0f, 0x7c00},     {1e6f, 0x7c00},
+      {kInf, 0x7c00},          {-kInf, 0xfc00},       {0x1p-14f, 0x0400},     {0x1p-24f, 0x0001},
+      {1023 * 0x1p-24f, 0x03ff},
+      {0x1p-25f, 0x0000},      // halfway between 0 and the smallest subnormal: ties to even 0
+      {0x1.8p-25f, 0x0001},    // above halfway
+      {3 * 0x1p-25f, 0x0002},  // halfway between subnormals 1 and 2: ties to even 2
+      {1.0f + 0x1p-11f, 0x3c00},      // halfway between 1 and 1 + 2^-10: ties to even 1
+      {1.0f + 3 * 0x1p-11f, 0x3c02},  // halfway between 1 + 2^-10 and 1 + 2^-9: ties to even
+      {0.1f, 0x2e66},
+  };
+  for (const auto& [f, h] : cases) {
+    EXPECT_EQ(F32ToF16(f), h) << f;
+    EXPECT_EQ(F16ToF32(h), static_cast<float>(HalfValue(h))) << f;
+  }
+  EXPECT_TRUE(std::signbit(F16ToF32(0x8000)));
+  const uint16_t nan = F32ToF16(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(nan & 0x7c00, 0x7c00);
+  EXPECT_NE(nan & 0x03ff, 0);
+  EXPECT_TRUE(std::isnan(F16ToF32(0x7e00)));
+  EXPECT_TRUE(std::isnan(F16ToF32(0xfc01)));
+  EXPECT_EQ(F16ToF32(0x7c00), kInf);
+  EXPECT_EQ(F16ToF32(0xfc00), -kInf);
+}
+
+// Every one of the 65536 patterns converts exactly to float32 and back.
+TEST(F16Test, AllValuesRoundTrip) {
+  for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
+    const auto h = static_cast<uint16_t>(bits);
+    const float f = F16ToF32(h);
+    if ((h & 0x7c00) == 0x7c00 && (h & 0x03ff) != 0) {
+      ASSERT_TRUE(std::isnan(f)) << bits;
+      ASSERT_TRUE(std::isnan(F16ToF32(F32ToF16(f)))) << bits;
+      continue;
+    }
+    ASSERT_EQ(f, static_cast<float>(HalfValue(h))) << bits;
+    ASSERT_EQ(F32ToF16(f), h) << bits;
+  }
+}
+
+// Round to nearest even at every boundary: for each pair of adjacent non-negative halves (the
+// last pair being 65504 and 2^16, which rounds to inf), the float32 midpoint goes to the even
+// one and its float32 neighbours go to the nearer one. This covers subnormals and the carry into
+// the exponent. Negative values mirror this through the sign bit.
+TEST(F16Test, RoundsToNearestEvenAtEveryMidpoint) {
+  for (uint32_t lo = 0; lo < 0x7c00; ++lo) {
+    const uint32_t hi = lo + 1;
+    const double a = HalfValue(static_cast<uint16_t>(lo));
+    const double b = hi == 0x7c00 ? 65536.0 : HalfValue(static_cast<uint16_t>(hi));  // 2^16 would be next
+    const float mid = static_cast<float>((a + b) / 2);  // exact: halves have 11 significant bits
+    ASSERT_EQ(F32ToF16(mid), (lo % 2 == 0) ? lo : hi) << lo;
+    ASSERT_EQ(F32ToF16(std::nextafter(mid, 0.0f)), lo) << lo;
+    ASSERT_EQ(F32ToF16(std::nextafter(mid, kInf)), hi) << lo;
+    ASSERT_EQ(F32ToF16(-mid), ((lo % 2 == 0) ? lo : hi) | 0x8000) << lo;
+  }
+}
+
+TEST(Bf16Test, KnownValuesAndRoundTrip) {
+  EXPECT_EQ(F32ToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(F32ToBf16(1.0f + 0x1p-8f), 0x3f80);      // halfway: ties to even
+  EXPECT_EQ(F32ToBf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // halfway: ties to even
+  EXPECT_EQ(F32ToBf16(1.0f + 0x1.8p-8f), 0x3f81);    // above halfway
+  EXPECT_EQ(F32ToBf16(-kInf), 0xff80);
+  EXPECT_EQ(F32ToBf16(std::numeric_limits<float>::max()), 0x7f80);  // above the largest bf16's midpoint
+  EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(std::numeric_limits<float>::quiet_NaN()))));
+  // A NaN whose payload lives only in the low 16 bits must not become inf.
+  uint32_t low_payload_nan = 0x7f800001;
+  float f;
+  std::memcpy(&f, &low_payload_nan, 4);
+  EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(f))));
+  for (uint32_t bits = 0; bits <= 0xffff; ++bits) {
+    const auto h = static_cast<uint16_t>(bits);
+    const float x = Bf16ToF32(h);
+    if (std::isnan(x)) continue;
+    ASSERT_EQ(F32ToBf16(x), h) << bits;
+  }
+}
+
+TEST(ConvertOnHostTest, ConvertsBetweenFloatTypes) {
+  const std::vector<float> src = {1.0f, -2.5f, 65504.0f, 0x1p-24f, 0.1f};
+  std::vector<uint16_t> half(src.size()), bf16(src.size());
+  std::vector<float> back(src.size());
+  ASSERT_TRUE(ConvertOnHost(half.data(), DType::kF16, src.data(), DType::kF32, src.size()));
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_EQ(half[i], F32ToF16(src[i]));
+  ASSERT_TRUE(ConvertOnHost(bf16.data(), DType::kBF16, half.data(), DType::kF16, src.size()));
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_EQ(bf16[i], F32ToBf16(F16ToF32(half[i])));
+  ASSERT_TRUE(ConvertOnHost(back.data(), DType::kF32, half.data(), DType::kF16, src.size()));
+  for (size_t i = 0; i < src.size(); ++i) EXPECT_EQ(back[i], F16ToF32(half[i]));
+  std::vector<float> copy(src.size());
+  ASSERT_TRUE(ConvertOnHost(copy.data(), DType::kF32, src.data(), DType::kF32, src.size()));
+  EXPECT_EQ(copy, src);
+  EXPECT_FALSE(ConvertOnHost(back.data(), DType::kF32, src.data(), DType::kI32, src.size()));
+  EXPECT_FALSE(ConvertOnHost(back.data(), DType::kI32, src.data(), DType::kF32, src.size()));
+}
+
+// ---- Backend basics --------------------------------------------------------------------------
+
+TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
+  EXPECT_EQ(backend_->device_kind(), DeviceKind::kCpu);
+  EXPECT_EQ(backend_->act_dtype(), DType::kF32);
+  EXPECT_NE(backend_->Describe().find("OpenBLAS"), std::string::npos) << backend_->Describe();
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, size_t{4096}}) {
+    absl::StatusOr<Buffer> b = backend_->Allocate(bytes);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_NE(b->data(), nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u) << bytes;
+    EXPECT_EQ(b->bytes(), bytes);
+  }
+}
+
+// ---- MatMul ----------------------------------------------------------------------------------
+
+TEST_F(CpuBackendTest, MatMul) {
+  struct Case {
+    int64_t n, k, m;
+    bool bias;
+  };
+  const Case cases[] = {{1, 64, 1, false},  {3, 64, 5, true},    {7, 129, 33, true},
+                        {16, 16, 16, false}, {5, 17, 300, true}, {33, 300, 7, false}};
+  for (const Case& c : cases) {
+    const std::string what = absl::StrCat("MatMul n=", c.n, " k=", c.k, " m=", c.m, c.bias ? " +bias" : "");
+    const std::vector<float> x = Random(rng_, c.n * c.k), w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
+    DeviceTensor dx = F32({c.n, c.k}, x), dw = F32({c.m, c.k}, w), db = F32({c.m}, b);
+    DeviceTensor out = Output(DType::kF32, {c.n, c.m});
+    ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), dw.t(), c.bias ? &db.t() : nullptr).ok()) << what;
+
+    std::vector<double> want(c.n * c.m);
+    for (int64_t i = 0; i < c.n; ++i) {
+      for (int64_t j = 0; j < c.m; ++j) {
+        double s = c.bias ? b[j] : 0.0;
+        for (int64_t l = 0; l < c.k; ++l) s += static_cast<double>(x[i * c.k + l]) * w[j * c.k + l];
+        want[i * c.m + j] = s;
+      }
+    }
+    // A float32 sum of k <= 300 products of values in [-1, 1] rounds each partial sum (size
+    // ~sqrt(k)/3) by up to 2^-24 of itself; as a random walk over k additions that is
+    // ~k * 2^-24 / 3 = 6e-6 absolute, against max|out| ~ sqrt(k) = 17: a few 1e-7 normalized.
+    // (The worst case, all roundings aligned, is ~8e-5.) 1e-5 leaves a wide margin and still
+    // catches any indexing bug, whose error is O(1).
+    ExpectClose(what, out.Download<float>(), want, 1e-5);
+    EXPECT_TRUE(out.GuardsIntact()) << what;
+  }
+}
+
+// ---- RmsNorm ---------------------------------------------------------------------------------
+
+TEST_F(CpuBackendTest, RmsNorm) {
+  const int64_t n = 4, d = 1003;
+  for (float eps : {1e-5f, 1e-6f}) {
+    const std::vector<float> x = Random(rng_, n * d, -3.0f, 3.0f), w = Random(rng_, d, 0.5f, 1.5f);
+    DeviceTensor dx = F32({n, d}, x), dw = F32({d}, w);
+    DeviceTensor out = Output(DType::kF32, {n, d});
+    ASSERT_TRUE(backend_->RmsNorm(out.ptr(), dx.t(), dw.t(), eps).ok());
+
+    std::vector<double> want(n * d);
+    for (int64_t t = 0; t < n; ++t) {
+      double ss = 0.0;
+      for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(x[t * d + i]) * x[t * d + i];
+      const double inv_rms = 1.0 / std::sqrt(ss / d + eps);
+      for (int64_t i = 0; i < d; ++i) want[t * d + i] = w[i] * (x[t * d + i] * inv_rms);
+    }
+    // Each output is a handful of float32 roundings (variance, sqrt, reciprocal, two products):
+    // under 5 ulp, i.e. below 3e-7 relative to itself. 1e-6 gives headroom.
+    ExpectClose(absl::StrCat("RmsNorm eps=", eps), out.Download<float>(), want, 1e-6);
+    EXPECT_TRUE(out.GuardsIntact());
+  }
+}
+
+// ---- Rope ------------------------------------------------------------------------------------
+
+// inv_freq as transformers computes it, in float32: 1 / base^(2i / head_dim).
+std::vector<float> InvFreq(int head_dim, float base) {
+  std::vector<float> inv(head_dim / 2);
+  for (int i = 0; i < head_dim / 2; ++i) {
+    inv[i] = 1.0f / std::pow(base, static_cast<float>(2 * i) / static_cast<float>(head_dim));
+  }
+  return inv;
+}
+
+TEST_F(CpuBackendTest, RopeMatchesReference) {
+  const int hd = 64, half = hd / 2;
+  const int64_t q_heads = 4, kv_heads = 2;
+  const std::vector<int32_t> positions = {0, 1, 7, 100, 4095};
+  const int64_t n = static_cast<int64_t>(positions.size());
+  const std::vector<float> inv_freq = InvFreq(hd, 10000.0f);
+  const std::vector<float> q = Random(rng_, n * q_heads * hd), k = Random(rng_, n * kv_heads * hd);
+  DeviceTensor dq = F32({n, q_heads * hd}, q), dk = F32({n, kv_heads * hd}, k);
+  DeviceTensor dpos = I32({n}, positions), dfreq = F32({half}, inv_freq);
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+
+  // Reference: the angle is float32 (position * inv_freq, as transformers computes freqs); the
+  // rotation is done in double.
+  const auto reference = [&](const std::vector<float>& x, int64_t heads) {
+    std::vector<double> y(x.size());
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* xh = x.data() + (t * heads + h) * hd;
+        double* yh = y.data() + (t * heads + h) * hd;
+        for (int i = 0; i < half; ++i) {
+          const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+          const double c = std::cos(static_cast<double>(angle)), s = std::sin(static_cast<double>(angle));
+          yh[i] = xh[i] * c - xh[i + half] * s;
+          yh[i + half] = xh[i + half] * c + xh[i] * s;
+        }
+      }
+    }
+    return y;
+  };
+  // float32 cos/sin are within an ulp, and each output adds two rounded products: a few ulp of
+  // values ~1, so ~3e-7. 1e-6 gives headroom; a wrong pairing or angle is O(1).
+  ExpectClose("Rope q", dq.Download<float>(), reference(q, q_heads), 1e-6);
+  ExpectClose("Rope k", dk.Download<float>(), reference(k, kv_heads), 1e-6);
+  EXPECT_TRUE(dq.GuardsIntact());
+  EXPECT_TRUE(dk.GuardsIntact());
+}
+
+TEST_F(CpuBackendTest, RopeAtPositionZeroIsIdentity) {
+  const int hd = 16;
+  const int64_t n = 3, heads = 2;
+  const std::vector<float> q = Random(rng_, n * heads * hd), k = Random(rng_, n * hd);
+  DeviceTensor dq = F32({n, heads * hd}, q), dk = F32({n, hd}, k);
+  DeviceTensor dpos = I32({n}, {0, 0, 0}), dfreq = F32({hd / 2}, InvFreq(hd, 10000.0f));
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+  // cos 0 = 1 and sin 0 = 0 exactly, so the rotation is the identity bit for bit.
+  EXPECT_EQ(dq.Download<float>(), q);
+  EXPECT_EQ(dk.Download<float>(), k);
+}
+
+TEST_F(CpuBackendTest, RopeRotatesHandComputedPair) {
+  // head_dim 2, inv_freq 1, position 1: (x1, x2) turns by 1 radian.
+  DeviceTensor dq = F32({1, 2}, {1.0f, 0.0f}), dk = F32({1, 2}, {0.0f, 1.0f});
+  DeviceTensor dpos = I32({1}, {1}), dfreq = F32({1}, {1.0f});
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), 2).ok());
+  const std::vector<float> q = dq.Download<float>(), k = dk.Download<float>();
+  EXPECT_NEAR(q[0], std::cos(1.0), 1e-7);
+  EXPECT_NEAR(q[1], std::sin(1.0), 1e-7);
+  EXPECT_NEAR(k[0], -std::sin(1.0), 1e-7);
+  EXPECT_NEAR(k[1], std::cos(1.0), 1e-7);
+}
+
+// ---- CacheWrite and Attention ----------------------------------------------------------------
+
+TEST_F(CpuBackendTest, CacheWriteFillsExactlyTheNamedSlots) {
+  const int64_t blocks = 6, bs = 4, kv_heads = 2, hd = 8, row = kv_heads * hd;
+  const std::vector<int32_t> slots = {0, 5, 23, 10, 11};
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const std::vector<float> k = Random(rng_, n * row), v = Random(rng_, n * row);
+  DeviceTensor kc = Output(DType::kF32, {blocks, bs, kv_heads, hd}), vc = Output(DType::kF32, {blocks, bs, kv_heads, hd});
+  ASSERT_TRUE(backend_->Fill0(kc.t().data, kc.t().bytes()).ok());
+  ASSERT_TRUE(backend_->Fill0(vc.t().data, vc.t().bytes()).ok());
+  DeviceTensor dk = F32({n, row}, k), dv = F32({n, row}, v), ds = I32({n}, slots);
+  ASSERT_TRUE(backend_->CacheWrite(kc.ptr(), vc.ptr(), dk.t(), dv.t(), ds.t()).ok());
+
+  std::vector<float> want_k(blocks * bs * row, 0.0f), want_v(blocks * bs * row, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    std::copy_n(k.begin() + t * row, row, want_k.begin() + slots[t] * row);
+    std::copy_n(v.begin() + t * row, row, want_v.begin() + slots[t] * row);
+  }
+  EXPECT_EQ(kc.Download<float>(), want_k);
+  EXPECT_EQ(vc.Download<float>(), want_v);
+  EXPECT_TRUE(kc.GuardsIntact());
+  EXPECT_TRUE(vc.GuardsIntact());
+
+  // A slot past the end is an error, and nothing is written (the check precedes the copies).
+  DeviceTensor bad = I32({n}, {1, 2, 3, 4, static_cast<int32_t>(blocks * bs)});
+  const absl::Status s = backend_->CacheWrite(kc.ptr(), vc.ptr(), dk.t(), dv.t(), bad.t());
+  EXPECT_TRUE(IsInvalidArgumentNaming(s, "CacheWrite")) << s;
+  EXPECT_EQ(kc.Download<float>(), want_k);
+}
+
+struct AttentionParam {
+  int64_t q_heads, kv_heads;
+  const char* name;
+};
+void PrintTo(const AttentionParam& p, std::ostream* os) { *os << p.name; }
+
+class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterface<AttentionParam> {
+ protected:
+  static constexpr int64_t kBlocks = 16, kBlockSize = 4;
+  // 20: two vectors of 8 plus a tail of 4, so Dot's remainder loop runs too.
+  static constexpr int64_t kHeadDim = 20;
+
+  // One sequence of the batch: `length` positions are in the cache; the last `new_tokens` of
+  // them are queries in this call. `blocks` is its block table.
+  struct Seq {
+    int64_t length, new_tokens;
+    std::vector<int32_t> blocks;
+  };
+
+  // Writes each sequence's dense k/v into the paged cache with CacheWrite, runs Attention for the
+  // new tokens of all sequences in one call, and compares it with attention computed in double
+  // from the dense k/v.
+  void Run(const std::string& what, const std::vector<Seq>& seqs) {
+    const int64_t qh = GetParam().q_heads, kvh = GetParam().kv_heads, hd = kHeadDim;
+    const int64_t kv_row = kvh * hd, q_row = qh * hd;
+    int64_t max_blocks = 0;
+    for (const Seq& s : seqs) max_blocks = std::max<int64_t>(max_blocks, s.blocks.size());
+    max_blocks += 1;  // an unused trailing entry of -1 that must never be read
+
+    // Dense k/v per sequence, their cache slots, and the block tables.
+    std::vector<std::vector<float>> dense_k, dense_v;
+    std::vector<float> all_k, all_v;
+    std::vector<int32_t> slots, tables(seqs.size() * max_blocks, -1);
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      dense_k.push_back(Random(rng_, seqs[s].length * kv_row));
+      dense_v.push_back(Random(rng_, seqs[s].length * kv_row));
+      all_k.insert(all_k.end(), dense_k[s].begin(), dense_k[s].end());
+      all_v.insert(all_v.end(), dense_v[s].begin(), dense_v[s].end());
+      std::copy(seqs[s].blocks.begin(), seqs[s].blocks.end(), tables.begin() + s * max_blocks);
+      for (int64_t p = 0; p < seqs[s].length; ++p) {
+        slots.push_back(static_cast<int32_t>(seqs[s].blocks[p / kBlockSize] * kBlockSize + p % kBlockSize));
+      }
+    }
+    DeviceTensor kc = Output(DType::kF32, {kBlocks, kBlockSize, kvh, hd});
+    DeviceTensor vc = Output(DType::kF32, {kBlocks, kBlockSize, kvh, hd});  // unwritten slots stay NaN
+    const int64_t written = static_cast<int64_t>(slots.size());
+    DeviceTensor dk = F32({written, kv_row}, all_k), dv = F32({written, kv_row}, all_v);
+    DeviceTensor dslots = I32({written}, slots);
+    ASSERT_TRUE(backend_->CacheWrite(kc.ptr(), vc.ptr(), dk.t(), dv.t(), dslots.t()).ok());
+
+    // The queries: the new tokens of every sequence.
+    std::vector<int32_t> positions, token_seq;
+    for (size_t s = 0; s < seqs.size(); ++s) {
+      for (int64_t p = seqs[s].length - seqs[s].new_tokens; p < seqs[s].length; ++p) {
+        positions.push_back(static_cast<int32_t>(p));
+        token_seq.push_back(static_cast<int32_t>(s));
+      }
+    }
+    const int64_t n = static_cast<int64_t>(positions.size());
+    const std::vector<float> q = Random(rng_, n * q_row);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    DeviceTensor dq = F32({n, q_row}, q), dpos = I32({n}, positions), dseq = I32({n}, token_seq);
+    DeviceTensor dtables = I32({static_cast<int64_t>(seqs.size()), max_blocks}, tables);
+    DeviceTensor out = Output(DType::kF32, {n, q_row});
+    const absl::Status status =
+        backend_->Attention(out.ptr(), dq.t(), kc.t(), vc.t(), dpos.t(), dseq.t(), dtables.t(), scale);
+    ASSERT_TRUE(status.ok()) << status;
+
+    std::vector<double> want(n * q_row);
+    for (int64_t t = 0; t < n; ++t) {
+      const std::vector<float>& k = dense_k[token_seq[t]];
+      const std::vector<float>& v = dense_v[token_seq[t]];
+      const int64_t context = positions[t] + 1;
+      for (int64_t h = 0; h < qh; ++h) {
+        const int64_t g = h / (qh / kvh);
+        std::vector<double> score(context);
+        for (int64_t j = 0; j < context; ++j) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < hd; ++d) dot += static_cast<double>(q[t * q_row + h * hd + d]) * k[j * kv_row + g * hd + d];
+          score[j] = dot * scale;
+        }
+        const double max = *std::max_element(score.begin(), score.end());
+        double sum = 0.0;
+        for (double& sc : score) sum += (sc = std::exp(sc - max));
+        for (int64_t d = 0; d < hd; ++d) {
+          double acc = 0.0;
+          for (int64_t j = 0; j < context; ++j) acc += score[j] / sum * v[j * kv_row + g * hd + d];
+          want[t * q_row + h * hd + d] = acc;
+        }
+      }
+    }
+    // Float32 dot products of 20 terms, a float32 softmax over <= 10 positions and a float32
+    // weighted sum of <= 10 rows: each a few ulp, so ~5e-7 of outputs ~0.5. 2e-6 gives headroom;
+    // a wrong slot, head or mask changes outputs by O(0.1).
+    ExpectClose(std::string(GetParam().name) + " " + what, out.Download<float>(), want, 2e-6);
+    EXPECT_TRUE(out.GuardsIntact());
+  }
+};
+
+// Blocks are deliberately out of order and not adjacent, so the block table must be honored.
+TEST_P(AttentionTest, PrefillSevenTokensOverTwoBlocks) { Run("prefill 7", {{7, 7, {5, 2}}}); }
+
+TEST_P(AttentionTest, DecodeOneToken) { Run("decode at position 7", {{8, 1, {5, 2}}}); }
+
+TEST_P(AttentionTest, PrefillAndDecodeBatched) {
+  Run("prefill 7 + decode at 9", {{7, 7, {5, 2}}, {10, 1, {7, 0, 3}}});
+}
+
+INSTANTIATE_TEST_SUITE_P(Heads, AttentionTest,
+                         ::testing::Values(AttentionParam{4, 4, "MHA_Q4_KV4"}, AttentionParam{4, 2, "GQA_Q4_KV2"},
+                                           AttentionParam{4, 1, "MQA_Q4_KV1"}),
+                         [](const ::testing::TestParamInfo<AttentionParam>& info) { return info.param.name; });
+
+// Bad metadata is InvalidArgument, never a read outside the cache, and out is left as it was
+// (the checks precede any write).
+TEST_F(CpuBackendTest, AttentionRejectsBadMetadata) {
+  const int64_t blocks = 4, bs = 4, heads = 2, hd = 8, row = heads * hd;
+  DeviceTensor kc = F32({blocks, bs, heads, hd}, Random(rng_, blocks * bs * row));
+  DeviceTensor vc = F32({blocks, bs, heads, hd}, Random(rng_, blocks * bs * row));
+  DeviceTensor q = F32({1, row}, Random(rng_, row));
+  DeviceTensor out = Output(DType::kF32, {1, row});
+  struct Case {
+    const char* what;
+    int32_t position, seq;
+    std::vector<int32_t> table;  // one sequence, two entries
+  };
+  const Case cases[] = {
+      {"block index past the cache", 5, 0, {1, 16}},
+      {"negative block index", 2, 0, {-1, 0}},
+      {"position past the block table", 8, 0, {1, 2}},
+      {"negative position", -1, 0, {1, 2}},
+      {"sequence past the block tables", 1, 1, {1, 2}},
+  };
+  for (const Case& c : cases) {
+    DeviceTensor pos = I32({1}, {c.position}), seq = I32({1}, {c.seq}), table = I32({1, 2}, c.table);
+    const absl::Status s = backend_->Attention(out.ptr(), q.t(), kc.t(), vc.t(), pos.t(), seq.t(), table.t(), 1.0f);
+    EXPECT_TRUE(IsInvalidArgumentNaming(s, "Attention")) << c.what << ": " << s;
+    const std::vector<float> untouched = out.Download<float>();
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); })) << c.what;
+    EXPECT_TRUE(out.GuardsIntact()) << c.what;
+  }
+
+  // Shapes: 3 query heads cannot share 2 kv heads; out must match q.
+  DeviceTensor pos = I32({1}, {0}), seq = I32({1}, {0}), table = I32({1, 1}, {0});
+  DeviceTensor q3 = F32({1, 3 * hd}, Random(rng_, 3 * hd)), out3 = Output(DType::kF32, {1, 3 * hd});
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->Attention(out3.ptr(), q3.t(), kc.t(), vc.t(), pos.t(), seq.t(), table.t(), 1.0f), "Attention"));
+  DeviceTensor out_wide = Output(DType::kF32, {1, 2 * row});
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->Attention(out_wide.ptr(), q.t(), kc.t(), vc.t(), pos.t(), seq.t(), table.t(), 1.0f), "Attention"));
+}
+
+// ---- Element-wise ops ------------------------------------------------------------------------
+
+TEST_F(CpuBackendTest, EmbeddingWithRowOffset) {
+  // This shard holds rows [10, 16) of the vocabulary.
+  const int64_t rows = 6, d = 12, row_offset = 10;
+  const std::vector<int32_t> ids = {10, 15, 9, 16, 12, 0, 100};
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const std::vector<float> table = Random(rng_, rows * d);
+  DeviceTensor dt = F32({rows, d}, table), di = I32({n}, ids);
+  DeviceTensor out = Output(DType::kF32, {n, d});
+  ASSERT_TRUE(backend_->Embedding(out.ptr(), dt.t(), di.t(), row_offset).ok());
+
+  std::vector<float> want(n * d, 0.0f);  // ids of other shards give zero rows
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = ids[t] - row_offset;
+    if (r >= 0 && r < rows) std::copy_n(table.begin() + r * d, d, want.begin() + t * d);
+  }
+  EXPECT_EQ(out.Download<float>(), want);  // a copy: exact
+  EXPECT_TRUE(out.GuardsIntact());
+}
+
+TEST_F(CpuBackendTest, SiluMul) {
+  const int64_t n = 3, f = 1000;
+  std::vector<float> gate = Random(rng_, n * f, -10.0f, 10.0f);
+  gate[0] = -100.0f;  // exp(100) overflows float; silu must still give -0
+  gate[1] = 100.0f;
+  const std::vector<float> up = Random(rng_, n * f);
+  DeviceTensor dg = F32({n, f}, gate), du = F32({n, f}, up);
+  DeviceTensor out = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->SiluMul(out.ptr(), dg.t(), du.t()).ok());
+
+  std::vector<double> want(n * f);
+  for (int64_t i = 0; i < n * f; ++i) want[i] = gate[i] / (1.0 + std::exp(-static_cast<double>(gate[i]))) * up[i];
+  // exp, an add, a division and a product: within ~4 ulp of each output. 1e-6 gives headroom.
+  ExpectClose("SiluMul", out.Download<float>(), want, 1e-6);
+  EXPECT_TRUE(out.GuardsIntact());
+}
+
+TEST_F(CpuBackendTest, AddInPlaceThroughEitherOperand) {
+  const int64_t n = 5, d = 77;
+  const std::vector<float> a = Random(rng_, n * d), b = Random(rng_, n * d);
+  std::vector<double> want(n * d);
+  for (int64_t i = 0; i < n * d; ++i) want[i] = static_cast<double>(a[i]) + b[i];
+
+  // A float32 sum of two floats is correctly rounded: within half an ulp, 2^-24 of max|want|.
+  constexpr double kLimit = 0x1p-24;
+  DeviceTensor da = F32({n, d}, a), db = F32({n, d}, b);
+  ASSERT_TRUE(backend_->Add(da.ptr(), da.t(), db.t()).ok());  // out aliases a
+  ExpectClose("Add out=a", da.Download<float>(), want, kLimit);
+  EXPECT_TRUE(da.GuardsIntact());
+
+  DeviceTensor da2 = F32({n, d}, a), db2 = F32({n, d}, b);
+  ASSERT_TRUE(backend_->Add(db2.ptr(), da2.t(), db2.t()).ok());  // out aliases b
+  ExpectClose("Add out=b", db2.Download<float>(), want, kLimit);
+  EXPECT_TRUE(db2.GuardsIntact());
+}
+
+TEST_F(CpuBackendTest, SoftmaxWithTemperature) {
+  const int64_t n = 3, v = 1000;
+  for (float temperature : {1.0f, 0.7f, 2.5f}) {
+    const std::vector<float> x = Random(rng_, n * v, -10.0f, 10.0f);
+    DeviceTensor dx = F32({n, v}, x);
+    DeviceTensor out = Output(DType::kF32, {n, v});
+    ASSERT_TRUE(backend_->Softmax(out.ptr(), dx.t(), temperature).ok());
+
+    std::vector<double> want(n * v);
+    for (int64_t r = 0; r < n; ++r) {
+      double max = -INFINITY, sum = 0.0;
+      for (int64_t i = 0; i < v; ++i) max = std::max(max, static_cast<double>(x[r * v + i]) / temperature);
+      for (int64_t i = 0; i < v; ++i) sum += std::exp(static_cast<double>(x[r * v + i]) / temperature - max);
+      for (int64_t i = 0; i < v; ++i) want[r * v + i] = std::exp(static_cast<double>(x[r * v + i]) / temperature - max) / sum;
+    }
+    // x / t and x - max round to half an ulp of values up to ~14, which exp turns into a relative
+    // error of ~1e-6 at most; exp, the normalizer and the product add a few ulp. 4e-6 gives
+    // headroom; a wrong temperature or normalizer is off by far more.
+    ExpectClose(absl::StrCat("Softmax t=", temperature), out.Download<float>(), want, 4e-6);
+    EXPECT_TRUE(out.GuardsIntact());
+  }
+}
+
+TEST_F(CpuBackendTest, ArgmaxTakesTheFirstOnTies) {
+  const int64_t v = 5;
+  const std::vector<float> logits = {
+      1.0f,  5.0f,  5.0f,  2.0f,  -1.0f,  // tie: the first, 1
+      -kInf, -kInf, -3.0f, -kInf, -kInf,  // 2
+      0.0f,  0.0f,  0.0f,  0.0f,  0.0f,   // all equal: 0
+      1.0f,  2.0f,  3.0f,  4.0f,  4.5f,   // the last, 4
+      7.0f,  -7.0f, 7.0f,  6.9f,  7.0f,   // tie at the front: 0
+  };
+  const int64_t n = static_cast<int64_t>(logits.size()) / v;
+  DeviceTensor dl = F32({n, v}, logits);
+  DeviceTensor out = Output(DType::kI32, {n});
+  ASSERT_TRUE(backend_->Argmax(out.ptr(), dl.t()).ok());
+  EXPECT_EQ(out.Download<int32_t>(), (std::vector<int32_t>{1, 2, 0, 4, 0}));
+  EXPECT_TRUE(out.GuardsIntact());
+}
+
+// ---- Sample ----------------------------------------------------------------------------------
+
+// The distribution Sample draws from, per backend.h, computed in double: softmax(logits / t),
+// then top_k (ties with the k-th kept), then top_p over what top_k kept, renormalized (ties with
+// the last taken kept), renormalized again.
+std::vector<double> ReferenceDistribution(const std::vector<float>& logits, const SampleParams& p) {
+  const size_t v = logits.size();
+  std::vector<double> prob(v);
+  const double max = *std::max_element(logits.begin(), logits.end()) / static_cast<double>(p.temperature);
+  double sum = 0.0;
+  for (size_t i = 0; i < v; ++i) sum += (prob[i] = std::exp(logits[i] / static_cast<double>(p.temperature) - max));
+  for (double& x : prob) x /= sum;
+
+  double keep_from = 0.0;
+  if (p.top_k > 0 && static_cast<size_t>(p.top_k) < v) {
+    std::vector<double> sorted = prob;
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    keep_from = sorted[p.top_k - 1];
+  }
+  if (p.top_p < 1.0f) {
+    std::vector<double> sorted;
+    for (double x : prob) {
+      if (x >= keep_from) sorted.push_back(x);
+    }
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    const double kept_mass = std::accumulate(sorted.begin(), sorted.end(), 0.0);
+    double mass = 0.0;
+    for (double x : sorted) {
+      mass += x;
+      keep_from = x;
+      if (mass >= p.top_p * kept_mass) break;
+    }
+  }
+  double kept_mass = 0.0;
+  for (double& x : prob) kept_mass += (x = x >= keep_from ? x : 0.0);
+  for (double& x : prob) x /= kept_mass;
+  return prob;
+}
+
+class SampleTest : public CpuBackendTest {
+ protected:
+  // Samples each row of `logits` ([rows, v]) with its params.
+  std::vector<int32_t> Sample(const std::vector<float>& logits, int64_t v, const std::vector<SampleParams>& params) {
+    const int64_t n = static_cast<int64_t>(params.size());
+    DeviceTensor dl = F32({n, v}, logits);
+    DeviceTensor out = Output(DType::kI32, {n});
+    const absl::Status s = backend_->Sample(out.ptr(), dl.t(), params);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(out.GuardsIntact());
+    return out.Download<int32_t>();
+  }
+  // One row of logits log(probs), so that softmax gives back probs, sampled with one draw.
+  int32_t SampleProbs(const std::vector<double>& probs, SampleParams p) {
+    std::vector<float> logits;
+    for (double x : probs) logits.push_back(static_cast<float>(std::log(x)));
+    return Sample(logits, static_cast<int64_t>(probs.size()), {p})[0];
+  }
+};
+
+TEST_F(SampleTest, TopKOneIsArgmax) {
+  const int64_t n = 64, v = 1000;
+  const std::vector<float> logits = Random(rng_, n * v, -5.0f, 5.0f);
+  std::vector<SampleParams> params(n);
+  for (int64_t r = 0; r < n; ++r) {
+    params[r] = {.temperature = 0.5f + r % 4 * 0.5f, .top_k = 1, .top_p = 1.0f, .uniform = SampleUniform(7, r)};
+  }
+  DeviceTensor dl = F32({n, v}, logits);
+  DeviceTensor argmax = Output(DType::kI32, {n});
+  ASSERT_TRUE(backend_->Argmax(argmax.ptr(), dl.t()).ok());
+  EXPECT_EQ(Sample(logits, v, params), argmax.Download<int32_t>());
+}
+
+// Hand-computed: probs (0.1, 0.4, 0.2, 0.3).
+TEST_F(SampleTest, TopPHandExample) {
+  const std::vector<double> probs = {0.1, 0.4, 0.2, 0.3};
+  // top_p 0.6: take 0.4 (mass 0.4), then 0.3 (0.7 >= 0.6). Kept {1, 3}, renormalized 4/7, 3/7;
+  // in vocabulary order the cumulative is 0.571 at token 1, 1 at token 3.
+  EXPECT_EQ(SampleProbs(probs, {.top_p = 0.6f, .uniform = 0.0f}), 1);
+  EXPECT_EQ(SampleProbs(probs, {.top_p = 0.6f, .uniform = 0.5f}), 1);
+  EXPECT_EQ(SampleProbs(probs, {.top_p = 0.6f, .uniform = 0.6f}), 3);
+  EXPECT_EQ(SampleProbs(probs, {.top_p = 0.6f, .uniform = 0.99f}), 3);
+  // top_p 0.35: 0.4 alone suffices.
+  EXPECT_EQ(SampleProbs(probs, {.top_p = 0.35f, .uniform = 0.99f}), 1);
+  // No limits: cumulative 0.1, 0.5, 0.7, 1.
+  EXPECT_EQ(SampleProbs(probs, {.uniform = 0.05f}), 0);
+  EXPECT_EQ(SampleProbs(probs, {.uniform = 0.45f}), 1);
+  EXPECT_EQ(SampleProbs(probs, {.uniform = 0.65f}), 2);
+  EXPECT_EQ(SampleProbs(probs, {.uniform = 0.75f}), 3);
+}
+
+TEST_F(SampleTest, TopPKeepsTiesWithTheLastTaken) {
+  // top_p 0.5 over (0.4, 0.2, 0.2, 0.2): 0.4, then one 0.2 reaches 0.6; the other two 0.2s tie
+  // with it and stay, so all four are kept and uniform 0.95 lands on token 3 (cumulative 0.4,
+  // 0.6, 0.8, 1). Without ties kept it would be {0, 1} and token 1.
+  EXPECT_EQ(SampleProbs({0.4, 0.2, 0.2, 0.2}, {.top_p = 0.5f, .uniform = 0.95f}), 3);
+}
+
+TEST_F(SampleTest, TopKHandExample) {
+  const std::vector<double> probs = {0.1, 0.4, 0.2, 0.3};
+  // top_k 3 keeps {1, 2, 3}, mass 0.9; cumulative 0.444, 0.667, 1 in vocabulary order.
+  EXPECT_EQ(SampleProbs(probs, {.top_k = 3, .uniform = 0.0f}), 1);
+  EXPECT_EQ(SampleProbs(probs, {.top_k = 3, .uniform = 0.4f}), 1);
+  EXPECT_EQ(SampleProbs(probs, {.top_k = 3, .uniform = 0.5f}), 2);
+  EXPECT_EQ(SampleProbs(probs, {.top_k = 3, .uniform = 0.7f}), 3);
+  // top_k 2 over (0.25, 0.25, 0.5): the 2nd largest is 0.25, so both 0.25s stay; cumulative
+  // 0.25, 0.5, 1 puts 0.3 on token 1 (with only {0, 2} kept it would be token 0).
+  EXPECT_EQ(SampleProbs({0.25, 0.25, 0.5}, {.top_k = 2, .uniform = 0.3f}), 1);
+}
+
+TEST_F(SampleTest, TopPAppliesToWhatTopKKept) {
+  // top_k 2 keeps {1: 0.4, 3: 0.3}, renormalized to 0.571 and 0.429; top_p 0.5 then needs only
+  // token 1. (Measured against the unrenormalized mass, 0.4 < 0.5 would also keep token 3, and
+  // uniform 0.9 would pick it.) This is how transformers and vLLM chain the two.
+  EXPECT_EQ(SampleProbs({0.1, 0.4, 0.2, 0.3}, {.top_k = 2, .top_p = 0.5f, .uniform = 0.9f}), 1);
+}
+
+TEST_F(SampleTest, UniformOnACumulativeBoundaryGoesToTheNextToken) {
+  // Equal logits give exactly (0.5, 0.5); the first token whose cumulative *exceeds* 0.5 is 1.
+  EXPECT_EQ(Sample({0.0f, 0.0f}, 2, {{.uniform = 0.5f}})[0], 1);
+  EXPECT_EQ(Sample({0.0f, 0.0f}, 2, {{.uniform = 0.4999f}})[0], 0);
+}
+
+TEST_F(SampleTest, TemperatureSharpens) {
+  // logits (0, ln 3): probs (1/4, 3/4) at t = 1; at t = 0.5 the logits double: (1/10, 9/10).
+  const std::vector<float> logits = {0.0f, static_cast<float>(std::log(3.0))};
+  EXPECT_EQ(Sample(logits, 2, {{.temperature = 1.0f, .uniform = 0.2f}})[0], 0);
+  EXPECT_EQ(Sample(logits, 2, {{.temperature = 0.5f, .uniform = 0.2f}})[0], 1);
+  EXPECT_EQ(Sample(logits, 2, {{.temperature = 0.5f, .uniform = 0.05f}})[0], 0);
+}
+
+// Many seeded draws (SampleUniform, as workers make them) from one row of logits: the
+// frequencies must match ReferenceDistribution and every draw must land where the inverse CDF
+// of that distribution puts it. The 1000-token rows (logits in [-8, 8]) need more than the
+// first 64 candidates for top_p, so Sample's candidate set has to grow.
+TEST_F(SampleTest, DrawsFollowTheRenormalizedDistribution) {
+  constexpr int64_t kBatch = 1000;
+  struct Setting {
+    int64_t v;
+    float logit_range;
+    int64_t draws;
+    SampleParams params;
+  };
+  const Setting settings[] = {
+      {12, 2.0f, 50 * kBatch, {.temperature = 0.8f}},
+      {12, 2.0f, 50 * kBatch, {.temperature = 1.2f, .top_k = 5}},
+      {12, 2.0f, 50 * kBatch, {.temperature = 1.0f, .top_p = 0.7f}},
+      {12, 2.0f, 50 * kBatch, {.temperature = 0.7f, .top_k = 8, .top_p = 0.8f}},
+      {1000, 8.0f, 10 * kBatch, {.temperature = 1.0f, .top_p = 0.9f}},
+      {1000, 8.0f, 10 * kBatch, {.temperature = 1.5f, .top_k = 600, .top_p = 0.5f}},
+  };
+  for (const Setting& setting : settings) {
+    const int64_t v = setting.v;
+    const std::string what = absl::StrCat("v=", v, " t=", setting.params.temperature, " top_k=",
+                                          setting.params.top_k, " top_p=", setting.params.top_p);
+    const std::vector<float> row = Random(rng_, v, -setting.logit_range, setting.logit_range);
+    std::vector<float> logits;
+    for (int64_t r = 0; r < kBatch; ++r) logits.insert(logits.end(), row.begin(), row.end());
+
+    const std::vector<double> want = ReferenceDistribution(row, setting.params);
+    std::vector<double> cdf(v);
+    std::partial_sum(want.begin(), want.end(), cdf.begin());
+    std::vector<int64_t> count(v, 0);
+    int64_t disagreements = 0;
+    std::vector<SampleParams> params(kBatch, setting.params);
+    for (int64_t step = 0; step < setting.draws; step += kBatch) {
+      for (int64_t r = 0; r < kBatch; ++r) params[r].uniform = SampleUniform(/*seed=*/42, step + r);
+      const std::vector<int32_t> got = Sample(logits, v, params);
+      for (int64_t r = 0; r < kBatch; ++r) {
+        ASSERT_GE(got[r], 0) << what;
+        ASSERT_LT(got[r], v) << what;
+        ++count[got[r]];
+        // The reference token is the first whose cumulative exceeds u (never one of probability
+        // 0, whose cumulative equals its predecessor's). Draws within 1e-5 of a cumulative
+        // boundary may go either way through float rounding.
+        const double u = params[r].uniform;
+        const int64_t ref = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();
+        const bool near_boundary =
+            ref == v || std::abs(cdf[ref] - u) < 1e-5 || (ref > 0 && std::abs(cdf[ref - 1] - u) < 1e-5);
+        if (got[r] != ref && !near_boundary) ++disagreements;
+      }
+    }
+    EXPECT_EQ(disagreements, 0) << what;
+    for (int64_t i = 0; i < v; ++i) {
+      // Each count is binomial(draws, p): 5 standard deviations plus one draw, so a correct
+      // sampler strays past it with probability < 1e-6 per token (and the seeds are fixed).
+      // Excluded tokens (p = 0) must never be drawn.
+      const double freq = static_cast<double>(count[i]) / setting.draws;
+      const double tolerance = 5.0 * std::sqrt(want[i] * (1.0 - want[i]) / setting.draws) + 1.0 / setting.draws;
+      if (want[i] == 0.0) {
+        EXPECT_EQ(count[i], 0) << what << " token " << i;
+      } else {
+        EXPECT_NEAR(freq, want[i], tolerance) << what << " token " << i;
+      }
+    }
+  }
+}
+
+// ---- Bad input -------------------------------------------------------------------------------
+
+TEST_F(CpuBackendTest, MismatchedShapesAndDtypesAreInvalidArgument) {
+  DeviceTensor x = F32({2, 8}, Random(rng_, 16)), w7 = F32({7}, Random(rng_, 7)), w8 = F32({8}, Random(rng_, 8));
+  DeviceTensor out = Output(DType::kF32, {2, 8});
+  const absl::Status rms = backend_->RmsNorm(out.ptr(), x.t(), w7.t(), 1e-6f);
+  EXPECT_TRUE(IsInvalidArgumentNaming(rms, "RmsNorm"));
+  EXPECT_NE(rms.message().find("w F32 [7]"), std::string::npos) << rms;  // the message shows the shapes
+
+  // F16 activations: the CPU backend computes in float32 only.
+  DeviceTensor x16(backend_.get(), DType::kF16, {2, 8});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->RmsNorm(out.ptr(), x16.t(), w8.t(), 1e-6f), "RmsNorm"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->RmsNorm(nullptr, x.t(), w8.t(), 1e-6f), "RmsNorm"));
+
+  DeviceTensor w_bad = F32({3, 7}, Random(rng_, 21)), mm_out = Output(DType::kF32, {2, 3});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MatMul(mm_out.ptr(), x.t(), w_bad.t(), nullptr), "MatMul"));
+  DeviceTensor w_ok = F32({3, 8}, Random(rng_, 24)), bias_bad = F32({4}, Random(rng_, 4));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MatMul(mm_out.ptr(), x.t(), w_ok.t(), &bias_bad.t()), "MatMul"));
+  DeviceTensor square = F32({3, 3}, Random(rng_, 9));  // out = x: GEMM cannot write over its input
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MatMul(square.ptr(), square.t(), square.t(), nullptr), "MatMul"));
+
+  DeviceTensor y = F32({2, 7}, Random(rng_, 14));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Add(out.ptr(), x.t(), y.t()), "Add"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->SiluMul(out.ptr(), x.t(), y.t()), "SiluMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Softmax(out.ptr(), x.t(), 0.0f), "Softmax"));
+
+  DeviceTensor ids_f32 = F32({2}, {1.0f, 2.0f});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Embedding(out.ptr(), x.t(), ids_f32.t(), 0), "Embedding"));
+
+  DeviceTensor q = F32({2, 8}, Random(rng_, 16)), pos = I32({2}, {0, 1}), freq = F32({3}, {1.0f, 0.5f, 0.25f});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 8), "Rope"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 7), "Rope"));
+
+  DeviceTensor ids = Output(DType::kI32, {2});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Argmax(ids.ptr(), w8.t()), "Argmax"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Sample(ids.ptr(), x.t(), {SampleParams{}}), "Sample"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->Sample(ids.ptr(), x.t(), {SampleParams{}, SampleParams{.uniform = 1.0f}}), "Sample"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->Sample(ids.ptr(), x.t(), {SampleParams{}, SampleParams{.top_k = -1}}), "Sample"));
+
+  // Guards around every output survived the rejected calls.
+  for (DeviceTensor* t : {&out, &mm_out, &ids}) EXPECT_TRUE(t->GuardsIntact());
+}
+
+TEST_F(SampleTest, NonFiniteLogitsAreAnError) {
+  DeviceTensor logits = F32({1, 3}, {0.0f, std::numeric_limits<float>::quiet_NaN(), 1.0f});
+  DeviceTensor out = Output(DType::kI32, {1});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Sample(out.ptr(), logits.t(), {SampleParams{}}), "Sample"));
+  DeviceTensor masked = F32({1, 3}, {-kInf, -kInf, -kInf});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Sample(out.ptr(), masked.t(), {SampleParams{}}), "Sample"));
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,886 @@
+// The CUDA backend against the CPU reference, op by op (kernels/backend.h).
+//
+// Every op runs for each CUDA activation dtype (F32, F16, BF16) on fresh random inputs with fixed
+// seeds. Inputs are generated in float32 and rounded to the activation dtype first, so both
+// backends see exactly the same numbers: the CUDA backend gets them in its dtype, the CPU backend
+// (always F32) gets the rounded values as float32. The outputs are compared by normalized error
+// max|cuda - cpu| / max|cpu| against a per-op, per-dtype threshold (Threshold() below says why
+// each is what it is); a NaN or Inf on either side always fails. Every output buffer sits between
+// guard zones filled with a pattern that must survive the op, and starts as all-NaN (bytes 0xFF)
+// so that elements an op forgets to write fail too.
+//
+// Test names carry the op and the dtype: Ops/CudaVsCpu.Attention/BF16. Without a CUDA device (or
+// in a build without CUDA) every case is reported as skipped with "no CUDA device"; an op that a
+// backend reports as Unimplemented is skipped with that message, never passed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/sampling.h"
+#include "kernels/tensor.h"
+
+namespace shardserve {
+namespace {
+
+#define SS_CONCAT_INNER(a, b) a##b
+#define SS_CONCAT(a, b) SS_CONCAT_INNER(a, b)
+
+// `decl = *expr` for an absl::StatusOr expr, or a fatal failure naming the status.
+#define SS_ASSIGN_OR_FAIL(decl, expr)                                                    \
+  auto SS_CONCAT(status_or_, __LINE__) = (expr);                                         \
+  ASSERT_TRUE(SS_CONCAT(status_or_, __LINE__).ok()) << SS_CONCAT(status_or_, __LINE__).status(); \
+  decl = std::move(*SS_CONCAT(status_or_, __LINE__))
+
+// Runs an op on one backend. Unimplemented is reported as a skip naming the backend and op (an
+// unsupported op is not a pass); any other error fails the test.
+#define SS_RUN_OP(backend_name, expr)                                                       \
+  do {                                                                                      \
+    const absl::Status op_status_ = (expr);                                                 \
+    if (absl::IsUnimplemented(op_status_)) {                                                \
+      GTEST_SKIP() << backend_name << " backend does not support " #expr ": " << op_status_; \
+    }                                                                                       \
+    ASSERT_TRUE(op_status_.ok()) << backend_name << ": " << op_status_;                     \
+  } while (0)
+
+#define SS_ASSERT_OK(expr)                     \
+  do {                                         \
+    const absl::Status ok_status_ = (expr);    \
+    ASSERT_TRUE(ok_status_.ok()) << ok_status_; \
+  } while (0)
+
+// ---- Thresholds -------------------------------------------------------------------------------
+enum class Op { kEmbedding, kRmsNorm, kMatMul, kMatMulF32Out, kRope, kCacheWrite, kAttention, kSiluMul, kAdd, kSoftmax };
+
+// Unit roundoff of a float dtype: the largest relative error of one round-to-nearest.
+double UnitRoundoff(DType t) {
+  switch (t) {
+    case DType::kF16: return std::ldexp(1.0, -11);   // 10 stored mantissa bits: 4.9e-4
+    case DType::kBF16: return std::ldexp(1.0, -8);   // 7 stored mantissa bits: 3.9e-3
+    default: return std::ldexp(1.0, -24);            // float32: 6.0e-8
+  }
+}
+
+// The largest normalized error max|cuda - cpu| / max|cpu| accepted for `op` with activations in
+// `act`. Both backends start from identical input values, so the difference has two sources:
+//  (a) float32 arithmetic done in another order or with other library functions (summation order
+//      in reductions and GEMM, expf/sincosf vs libm differing by an ulp or two, FMA contraction):
+//      a few ulps of float32 relative to the largest output, growing slowly with the reduction
+//      length. The floors below are 1e-5 (~170 float32 ulps) for the ops that reduce over at
+//      most ~1000 terms or call exp/sin/cos, 2e-5 for Attention (exp of scores of magnitude up to
+//      ~5 amplifies score errors by that much, then two more reductions), 1e-6 for Add (one
+//      rounding each side, identical in float32).
+//  (b) the CUDA output rounded once to the activation dtype (the CPU keeps float32): at most one
+//      unit roundoff u of each element, so at most u after normalizing by max|cpu|. We allow 2u.
+// An indexing or layout bug gives errors of order 1, far above every threshold here.
+// Embedding and CacheWrite copy elements and must be exact.
+double Threshold(Op op, DType act) {
+  const double round_out = 2.0 * UnitRoundoff(act);
+  switch (op) {
+    case Op::kEmbedding:
+    case Op::kCacheWrite:
+      return 0.0;
+    case Op::kAdd:
+      return std::max(1e-6, act == DType::kF32 ? 0.0 : round_out);
+    case Op::kRmsNorm:
+    case Op::kRope:
+    case Op::kSiluMul:
+    case Op::kMatMul:
+      return std::max(1e-5, act == DType::kF32 ? 0.0 : round_out);
+    case Op::kAttention:
+      return std::max(2e-5, act == DType::kF32 ? 0.0 : round_out);
+    case Op::kMatMulF32Out:
+      // Output stays float32, so only (a). For F16/BF16 inputs cuBLAS runs on tensor cores with
+      // float32 accumulation, in a blocked order, and their adders are not guaranteed to round
+      // like IEEE float32 (they may truncate the aligned addend): allow 1e-4, still 5x below the
+      // F16 output rounding and 40x below BF16's, far below any real bug.
+      return act == DType::kF32 ? 1e-5 : 1e-4;
+    case Op::kSoftmax:
+      // Float32 in and out for every act dtype: expf ulps and the order of the row sum.
+      return 1e-5;
+  }
+  return 0.0;
+}
+
+// ---- Host data --------------------------------------------------------------------------------
+// Float values rounded to `t` (round-to-nearest-even, the same rounding the CUDA backend sees).
+std::vector<float> RoundTo(std::vector<float> v, DType t) {
+  if (t == DType::kF32) return v;
+  std::vector<uint16_t> narrow(v.size());
+  EXPECT_TRUE(ConvertOnHost(narrow.data(), t, v.data(), DType::kF32, v.size()));
+  EXPECT_TRUE(ConvertOnHost(v.data(), DType::kF32, narrow.data(), t, v.size()));
+  return v;
+}
+
+// n values uniform in [lo, hi), rounded to `t`.
+std::vector<float> RandomValues(size_t n, uint32_t seed, DType t, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return RoundTo(std::move(v), t);
+}
+
+// Bytes of `v` in dtype `t`.
+std::vector<uint8_t> Encode(const std::vector<float>& v, DType t) {
+  std::vector<uint8_t> bytes(v.size() * DTypeSize(t));
+  EXPECT_TRUE(ConvertOnHost(bytes.data(), t, v.data(), DType::kF32, v.size()));
+  return bytes;
+}
+
+uint32_t Seed(Op op, DType act, uint32_t salt = 0) {
+  return 1000u * static_cast<uint32_t>(op) + 17u * static_cast<uint32_t>(act) + salt + 12345u;
+}
+
+// ---- Guarded device tensors -------------------------------------------------------------------
+constexpr size_t kGuardBytes = 256;     // on each side; keeps the payload 256-byte aligned like cudaMalloc
+constexpr uint8_t kGuardByte = 0xA5;    // must survive every op
+constexpr uint8_t kUnwrittenByte = 0xFF;  // an output's initial bytes: NaN for F32/F16/BF16, -1 for I32
+
+// A tensor in a backend allocation, between two guard zones.
+struct Guarded {
+  Buffer buf;
+  Tensor t;
+  size_t payload = 0;
+};
+
+// Allocates a guarded tensor of `dims` and fills it with `data` (payload bytes), or with
+// kUnwrittenByte when data is null.
+absl::StatusOr<Guarded> MakeGuarded(Backend* be, DType t, std::initializer_list<int64_t> dims, const void* data) {
+  Guarded g;
+  g.t = Tensor(nullptr, t, dims);
+  g.payload = g.t.bytes();
+  absl::StatusOr<Buffer> buf = be->Allocate(g.payload + 2 * kGuardBytes);
+  if (!buf.ok()) return buf.status();
+  g.buf = std::move(*buf);
+  g.t.data = static_cast<char*>(g.buf.data()) + kGuardBytes;
+  std::vector<uint8_t> host(g.payload + 2 * kGuardBytes, kGuardByte);
+  if (data != nullptr) {
+    std::memcpy(host.data() + kGuardBytes, data, g.payload);
+  } else {
+    std::memset(host.data() + kGuardBytes, kUnwrittenByte, g.payload);
+  }
+  absl::Status s = be->CopyToDevice(g.buf.data(), host.data(), host.size());
+  if (!s.ok()) return s;
+  return g;
+}
+
+// Float values stored as `t`.
+absl::StatusOr<Guarded> UploadF(Backend* be, const std::vector<float>& v, DType t,
+                                std::initializer_list<int64_t> dims) {
+  const std::vector<uint8_t> bytes = Encode(v, t);
+  if (static_cast<int64_t>(v.size()) != Tensor(nullptr, t, dims).numel()) {
+    return absl::InternalError("test bug: value count does not match the shape");
+  }
+  return MakeGuarded(be, t, dims, bytes.data());
+}
+
+absl::StatusOr<Guarded> UploadI(Backend* be, const std::vector<int32_t>& v, std::initializer_list<int64_t> dims) {
+  if (static_cast<int64_t>(v.size()) != Tensor(nullptr, DType::kI32, dims).numel()) {
+    return absl::InternalError("test bug: value count does not match the shape");
+  }
+  return MakeGuarded(be, DType::kI32, dims, v.data());
+}
+
+absl::StatusOr<Guarded> Output(Backend* be, DType t, std::initializer_list<int64_t> dims) {
+  return MakeGuarded(be, t, dims, nullptr);
+}
+
+// The payload bytes; `guards_ok` says whether both guard zones still hold the pattern.
+absl::StatusOr<std::vector<uint8_t>> ReadBytes(Backend* be, const Guarded& g, std::string* guard_error) {
+  std::vector<uint8_t> host(g.buf.bytes());
+  absl::Status s = be->CopyToHost(host.data(), g.buf.data(), host.size());
+  if (!s.ok()) return s;
+  guard_error->clear();
+  for (size_t i = 0; i < kGuardBytes; ++i) {
+    if (host[i] != kGuardByte) {
+      *guard_error = "write " + std::to_string(kGuardBytes - i) + " bytes before the tensor";
+      break;
+    }
+  }
+  for (size_t i = 0; i < kGuardBytes && guard_error->empty(); ++i) {
+    if (host[kGuardBytes + g.payload + i] != kGuardByte) {
+      *guard_error = "write " + std::to_string(i) + " bytes after the end of the tensor";
+    }
+  }
+  return std::vector<uint8_t>(host.begin() + kGuardBytes, host.begin() + kGuardBytes + g.payload);
+}
+
+// The tensor as float32 (from its dtype), with a failure if a guard was overwritten.
+#define SS_READ_F(decl, backend, guarded)                                                        \
+  std::vector<float> decl;                                                                       \
+  do {                                                                                           \
+    std::string guard_error_;                                                                    \
+    absl::StatusOr<std::vector<uint8_t>> bytes_ = ReadBytes((backend), (guarded), &guard_error_); \
+    ASSERT_TRUE(bytes_.ok()) << bytes_.status();                                                 \
+    ASSERT_TRUE(guard_error_.empty()) << #guarded << ": stray " << guard_error_;                 \
+    decl.resize(static_cast<size_t>((guarded).t.numel()));                                       \
+    ASSERT_TRUE(ConvertOnHost(decl.data(), DType::kF32, bytes_->data(), (guarded).t.dtype, decl.size())); \
+  } while (0)
+
+#define SS_READ_I(decl, backend, guarded)                                                        \
+  std::vector<int32_t> decl;                                                                     \
+  do {                                                                                           \
+    std::string guard_error_;                                                                    \
+    absl::StatusOr<std::vector<uint8_t>> bytes_ = ReadBytes((backend), (guarded), &guard_error_); \
+    ASSERT_TRUE(bytes_.ok()) << bytes_.status();                                                 \
+    ASSERT_TRUE(guard_error_.empty()) << #guarded << ": stray " << guard_error_;                 \
+    decl.resize(static_cast<size_t>((guarded).t.numel()));                                       \
+    std::memcpy(decl.data(), bytes_->data(), bytes_->size());                                    \
+  } while (0)
+
+// Normalized error max|cuda - ref| / max|ref| (plain max|cuda - ref| when ref is all zero) within
+// `threshold`; a NaN or Inf on either side fails.
+::testing::AssertionResult Close(const char* what, const std::vector<float>& cuda, const std::vector<float>& ref,
+                                 double threshold) {
+  if (cuda.size() != ref.size()) {
+    return ::testing::AssertionFailure() << what << ": " << cuda.size() << " CUDA values vs " << ref.size() << " CPU";
+  }
+  double max_err = 0.0, max_ref = 0.0;
+  size_t worst = 0;
+  for (size_t i = 0; i < cuda.size(); ++i) {
+    if (!std::isfinite(cuda[i]) || !std::isfinite(ref[i])) {
+      return ::testing::AssertionFailure() << what << ": non-finite value at " << i << ": CUDA " << cuda[i]
+                                           << ", CPU " << ref[i];
+    }
+    const double err = std::fabs(static_cast<double>(cuda[i]) - ref[i]);
+    if (err > max_err) {
+      max_err = err;
+      worst = i;
+    }
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(ref[i])));
+  }
+  const double normalized = max_ref > 0.0 ? max_err / max_ref : max_err;
+  if (normalized > threshold || (threshold == 0.0 && max_err != 0.0)) {
+    return ::testing::AssertionFailure() << what << ": normalized error " << normalized << " > threshold "
+                                         << threshold << " (worst at " << worst << ": CUDA " << cuda[worst]
+                                         << ", CPU " << ref[worst] << "; max|CPU| " << max_ref << ")";
+  }
+  return ::testing::AssertionSuccess() << what << ": normalized error " << normalized;
+}
+
+// ---- Fixtures ---------------------------------------------------------------------------------
+class CudaTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(0, act());
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    cuda_ = std::move(*cuda);
+    cpu_ = MakeCpuBackend();
+    ASSERT_NE(cpu_, nullptr);
+    RecordProperty("cuda_backend", cuda_->Describe());
+  }
+  DType act() const { return GetParam(); }
+
+  std::unique_ptr<Backend> cpu_;
+  std::unique_ptr<Backend> cuda_;
+};
+
+// CUDA vs the CPU reference.
+class CudaVsCpu : public CudaTest {};
+// CUDA-only contracts: errors for bad shapes and bad device-side metadata.
+class CudaChecks : public CudaTest {};
+
+std::string DTypeParamName(const ::testing::TestParamInfo<DType>& info) { return DTypeName(info.param); }
+
+// ---- Ops --------------------------------------------------------------------------------------
+
+TEST_P(CudaVsCpu, Embedding) {
+  const int64_t vocab = 500, rows = 300, row_offset = 100, d = 200;
+  const std::vector<float> table = RandomValues(rows * d, Seed(Op::kEmbedding, act()), act());
+  // In-shard ids (first and last row included) and ids of other shards, which give zero rows.
+  std::vector<int32_t> ids = {100, 399, 99, 400, 0, vocab - 1, 250, 101, 398};
+  std::mt19937 rng(Seed(Op::kEmbedding, act(), 1));
+  for (int i = 0; i < 7; ++i) ids.push_back(static_cast<int32_t>(rng() % vocab));
+  const int64_t n = static_cast<int64_t>(ids.size());
+
+  SS_ASSIGN_OR_FAIL(Guarded g_table, UploadF(cuda_.get(), table, act(), {rows, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_ids, UploadI(cuda_.get(), ids, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
+  SS_RUN_OP("CUDA", cuda_->Embedding(&g_out.t, g_table.t, g_ids.t, row_offset));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_table, UploadF(cpu_.get(), table, DType::kF32, {rows, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_ids, UploadI(cpu_.get(), ids, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
+  SS_RUN_OP("CPU", cpu_->Embedding(&c_out.t, c_table.t, c_ids.t, row_offset));
+
+  SS_READ_F(got, cuda_.get(), g_out);
+  SS_READ_F(want, cpu_.get(), c_out);
+  EXPECT_TRUE(Close("Embedding", got, want, Threshold(Op::kEmbedding, act())));
+}
+
+TEST_P(CudaVsCpu, RmsNorm) {
+  const int64_t n = 5, d = 1000;  // d not a multiple of the block size
+  const float eps = 1e-5f;
+  const std::vector<float> x = RandomValues(n * d, Seed(Op::kRmsNorm, act()), act(), -2.0f, 2.0f);
+  const std::vector<float> w = RandomValues(d, Seed(Op::kRmsNorm, act(), 1), act(), 0.5f, 1.5f);
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
+  SS_RUN_OP("CUDA", cuda_->RmsNorm(&g_out.t, g_x.t, g_w.t, eps));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
+  SS_RUN_OP("CPU", cpu_->RmsNorm(&c_out.t, c_x.t, c_w.t, eps));
+
+  SS_READ_F(got, cuda_.get(), g_out);
+  SS_READ_F(want, cpu_.get(), c_out);
+  EXPECT_TRUE(Close("RmsNorm", got, want, Threshold(Op::kRmsNorm, act())));
+}
+
+// Decode (n = 1) and prefill-sized n; with and without bias; output in the act dtype and in F32
+// (logits).
+TEST_P(CudaVsCpu, MatMul) {
+  const int64_t k = 384, m = 520;
+  for (const int64_t n : {int64_t{1}, int64_t{7}}) {
+    for (const bool with_bias : {false, true}) {
+      for (const bool f32_out : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "n " << n << (with_bias ? ", bias" : ", no bias")
+                                          << (f32_out ? ", F32 out" : ", act out"));
+        const uint32_t salt = static_cast<uint32_t>(n * 4 + with_bias * 2 + f32_out);
+        const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), salt), act());
+        const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), salt + 100), act());
+        const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), salt + 200), act());
+        const DType out_t = f32_out ? DType::kF32 : act();
+
+        SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, k}));
+        SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {m, k}));
+        SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), b, act(), {m}));
+        SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), out_t, {n, m}));
+        SS_RUN_OP("CUDA", cuda_->MatMul(&g_out.t, g_x.t, g_w.t, with_bias ? &g_b.t : nullptr));
+
+        SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, k}));
+        SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {m, k}));
+        SS_ASSIGN_OR_FAIL(Guarded c_b, UploadF(cpu_.get(), b, DType::kF32, {m}));
+        SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, m}));
+        SS_RUN_OP("CPU", cpu_->MatMul(&c_out.t, c_x.t, c_w.t, with_bias ? &c_b.t : nullptr));
+
+        SS_READ_F(got, cuda_.get(), g_out);
+        SS_READ_F(want, cpu_.get(), c_out);
+        EXPECT_TRUE(Close("MatMul", got, want, Threshold(f32_out ? Op::kMatMulF32Out : Op::kMatMul, act())));
+      }
+    }
+  }
+}
+
+TEST_P(CudaVsCpu, Rope) {
+  const int64_t n = 6, q_heads = 8, kv_heads = 2, hd = 64;
+  const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act()), act());
+  const std::vector<float> k = RandomValues(n * kv_heads * hd, Seed(Op::kRope, act(), 1), act());
+  // Position 0 (identity), small ones and long-context ones (angles of thousands of radians).
+  const std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 32767};
+  std::vector<float> inv_freq(hd / 2);
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
+  }
+
+  SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(cuda_.get(), k, act(), {n, kv_heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(cuda_.get(), inv_freq, DType::kF32, {hd / 2}));
+  SS_RUN_OP("CUDA", cuda_->Rope(&g_q.t, &g_k.t, g_pos.t, g_freq.t, static_cast<int>(hd)));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded c_k, UploadF(cpu_.get(), k, DType::kF32, {n, kv_heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded c_pos, UploadI(cpu_.get(), positions, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded c_freq, UploadF(cpu_.get(), inv_freq, DType::kF32, {hd / 2}));
+  SS_RUN_OP("CPU", cpu_->Rope(&c_q.t, &c_k.t, c_pos.t, c_freq.t, static_cast<int>(hd)));
+
+  SS_READ_F(got_q, cuda_.get(), g_q);
+  SS_READ_F(want_q, cpu_.get(), c_q);
+  EXPECT_TRUE(Close("Rope q", got_q, want_q, Threshold(Op::kRope, act())));
+  SS_READ_F(got_k, cuda_.get(), g_k);
+  SS_READ_F(want_k, cpu_.get(), c_k);
+  EXPECT_TRUE(Close("Rope k", got_k, want_k, Threshold(Op::kRope, act())));
+}
+
+TEST_P(CudaVsCpu, CacheWrite) {
+  const int64_t blocks = 10, bs = 16, kv_heads = 2, hd = 64, n = 7, row = kv_heads * hd;
+  const int64_t cache_numel = blocks * bs * row;
+  // The caches start with the same random contents on both sides; slots the op does not write
+  // must keep them.
+  const std::vector<float> k_cache = RandomValues(cache_numel, Seed(Op::kCacheWrite, act()), act());
+  const std::vector<float> v_cache = RandomValues(cache_numel, Seed(Op::kCacheWrite, act(), 1), act());
+  const std::vector<float> k = RandomValues(n * row, Seed(Op::kCacheWrite, act(), 2), act());
+  const std::vector<float> v = RandomValues(n * row, Seed(Op::kCacheWrite, act(), 3), act());
+  const std::vector<int32_t> slots = {0, 159, 16, 17, 77, 31, 100};  // first and last slot included
+
+  SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), k_cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(cuda_.get(), v_cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(cuda_.get(), k, act(), {n, row}));
+  SS_ASSIGN_OR_FAIL(Guarded g_v, UploadF(cuda_.get(), v, act(), {n, row}));
+  SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(cuda_.get(), slots, {n}));
+  SS_RUN_OP("CUDA", cuda_->CacheWrite(&g_kc.t, &g_vc.t, g_k.t, g_v.t, g_slots.t));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_kc, UploadF(cpu_.get(), k_cache, DType::kF32, {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded c_vc, UploadF(cpu_.get(), v_cache, DType::kF32, {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded c_k, UploadF(cpu_.get(), k, DType::kF32, {n, row}));
+  SS_ASSIGN_OR_FAIL(Guarded c_v, UploadF(cpu_.get(), v, DType::kF32, {n, row}));
+  SS_ASSIGN_OR_FAIL(Guarded c_slots, UploadI(cpu_.get(), slots, {n}));
+  SS_RUN_OP("CPU", cpu_->CacheWrite(&c_kc.t, &c_vc.t, c_k.t, c_v.t, c_slots.t));
+
+  SS_READ_F(got_k, cuda_.get(), g_kc);
+  SS_READ_F(want_k, cpu_.get(), c_kc);
+  EXPECT_TRUE(Close("CacheWrite k_cache", got_k, want_k, Threshold(Op::kCacheWrite, act())));
+  SS_READ_F(got_v, cuda_.get(), g_vc);
+  SS_READ_F(want_v, cpu_.get(), c_vc);
+  EXPECT_TRUE(Close("CacheWrite v_cache", got_v, want_v, Threshold(Op::kCacheWrite, act())));
+  SS_ASSERT_OK(cuda_->Synchronize());  // no bad-slot error was raised
+}
+
+// The batch mixes a decode token deep in its sequence (context 151: three 64-key chunks of the
+// kernel's online softmax), a prefill of 20 tokens from position 0 and a chunked prefill at
+// positions 37..44, with the tokens of different sequences interleaved and blocks scattered over
+// the cache. Two head layouts: GQA (8 q heads on 2 kv heads, hd 128) and plain MHA (hd 64).
+TEST_P(CudaVsCpu, Attention) {
+  struct Layout {
+    int64_t q_heads, kv_heads, hd;
+  };
+  for (const Layout& lay : {Layout{8, 2, 128}, Layout{4, 4, 64}}) {
+    SCOPED_TRACE(::testing::Message() << "q_heads " << lay.q_heads << ", kv_heads " << lay.kv_heads << ", hd "
+                                      << lay.hd);
+    const int64_t blocks = 40, bs = 16, max_blocks = 12, seqs = 3;
+    const uint32_t salt = static_cast<uint32_t>(lay.hd);
+    // Block tables: a random permutation of the cache's blocks, dealt out to the sequences. Unused
+    // entries point at block 0 (valid, never read).
+    std::vector<int32_t> perm(blocks);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937 rng(Seed(Op::kAttention, act(), salt));
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<int32_t> tables(seqs * max_blocks, 0);
+    const int64_t blocks_needed[seqs] = {2, 10, 3};  // positions up to 19, 150, 44
+    int next = 0;
+    for (int64_t s = 0; s < seqs; ++s) {
+      for (int64_t b = 0; b < blocks_needed[s]; ++b) tables[s * max_blocks + b] = perm[next++];
+    }
+    // Tokens: (sequence, position), interleaved.
+    std::vector<int32_t> token_seq, positions;
+    token_seq.push_back(1);
+    positions.push_back(150);
+    for (int p = 0; p < 20; ++p) {
+      token_seq.push_back(0);
+      positions.push_back(p);
+      if (p % 3 == 0 && 37 + p / 3 <= 44) {
+        token_seq.push_back(2);
+        positions.push_back(37 + p / 3);
+      }
+    }
+    for (int p = 37 + 7; p <= 44; ++p) {
+      token_seq.push_back(2);
+      positions.push_back(p);
+    }
+    const int64_t n = static_cast<int64_t>(token_seq.size());
+    const int64_t q_width = lay.q_heads * lay.hd;
+    const int64_t cache_numel = blocks * bs * lay.kv_heads * lay.hd;
+    // q in [-3, 3] gives scores of magnitude ~1-5 after scaling: peaked, not flat, softmaxes.
+    const std::vector<float> q = RandomValues(n * q_width, Seed(Op::kAttention, act(), salt + 1), act(), -3.0f, 3.0f);
+    const std::vector<float> k_cache = RandomValues(cache_numel, Seed(Op::kAttention, act(), salt + 2), act());
+    const std::vector<float> v_cache = RandomValues(cache_numel, Seed(Op::kAttention, act(), salt + 3), act());
+    const float scale = 1.0f / std::sqrt(static_cast<float>(lay.hd));
+    const std::initializer_list<int64_t> cache_dims = {blocks, bs, lay.kv_heads, lay.hd};
+
+    SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_width}));
+    SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), k_cache, act(), cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(cuda_.get(), v_cache, act(), cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded g_seq, UploadI(cuda_.get(), token_seq, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
+    SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, q_width}));
+    SS_RUN_OP("CUDA", cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, scale));
+
+    SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_width}));
+    SS_ASSIGN_OR_FAIL(Guarded c_kc, UploadF(cpu_.get(), k_cache, DType::kF32, cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded c_vc, UploadF(cpu_.get(), v_cache, DType::kF32, cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded c_pos, UploadI(cpu_.get(), positions, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded c_seq, UploadI(cpu_.get(), token_seq, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded c_tab, UploadI(cpu_.get(), tables, {seqs, max_blocks}));
+    SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, q_width}));
+    SS_RUN_OP("CPU", cpu_->Attention(&c_out.t, c_q.t, c_kc.t, c_vc.t, c_pos.t, c_seq.t, c_tab.t, scale));
+
+    SS_READ_F(got, cuda_.get(), g_out);
+    SS_READ_F(want, cpu_.get(), c_out);
+    EXPECT_TRUE(Close("Attention", got, want, Threshold(Op::kAttention, act())));
+    SS_ASSERT_OK(cuda_->Synchronize());  // no bad-metadata error was raised
+  }
+}
+
+TEST_P(CudaVsCpu, SiluMul) {
+  const int64_t n = 4, f = 1000;
+  // gate over [-8, 8] covers both tails of silu.
+  const std::vector<float> gate = RandomValues(n * f, Seed(Op::kSiluMul, act()), act(), -8.0f, 8.0f);
+  const std::vector<float> up = RandomValues(n * f, Seed(Op::kSiluMul, act(), 1), act());
+
+  SS_ASSIGN_OR_FAIL(Guarded g_gate, UploadF(cuda_.get(), gate, act(), {n, f}));
+  SS_ASSIGN_OR_FAIL(Guarded g_up, UploadF(cuda_.get(), up, act(), {n, f}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, f}));
+  SS_RUN_OP("CUDA", cuda_->SiluMul(&g_out.t, g_gate.t, g_up.t));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_gate, UploadF(cpu_.get(), gate, DType::kF32, {n, f}));
+  SS_ASSIGN_OR_FAIL(Guarded c_up, UploadF(cpu_.get(), up, DType::kF32, {n, f}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, f}));
+  SS_RUN_OP("CPU", cpu_->SiluMul(&c_out.t, c_gate.t, c_up.t));
+
+  SS_READ_F(got, cuda_.get(), g_out);
+  SS_READ_F(want, cpu_.get(), c_out);
+  EXPECT_TRUE(Close("SiluMul", got, want, Threshold(Op::kSiluMul, act())));
+}
+
+// Separate output, and in place (out aliases a), which backend.h allows.
+TEST_P(CudaVsCpu, Add) {
+  const int64_t n = 4, d = 1000;
+  const std::vector<float> a = RandomValues(n * d, Seed(Op::kAdd, act()), act(), -4.0f, 4.0f);
+  const std::vector<float> b = RandomValues(n * d, Seed(Op::kAdd, act(), 1), act());
+
+  SS_ASSIGN_OR_FAIL(Guarded g_a, UploadF(cuda_.get(), a, act(), {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), b, act(), {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
+  SS_RUN_OP("CUDA", cuda_->Add(&g_out.t, g_a.t, g_b.t));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_a, UploadF(cpu_.get(), a, DType::kF32, {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_b, UploadF(cpu_.get(), b, DType::kF32, {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
+  SS_RUN_OP("CPU", cpu_->Add(&c_out.t, c_a.t, c_b.t));
+
+  SS_READ_F(want, cpu_.get(), c_out);
+  SS_READ_F(got, cuda_.get(), g_out);
+  EXPECT_TRUE(Close("Add", got, want, Threshold(Op::kAdd, act())));
+
+  SS_RUN_OP("CUDA", cuda_->Add(&g_a.t, g_a.t, g_b.t));  // in place
+  SS_READ_F(got_in_place, cuda_.get(), g_a);
+  EXPECT_TRUE(Close("Add in place", got_in_place, want, Threshold(Op::kAdd, act())));
+}
+
+// Softmax, Argmax and Sample take float32 logits whatever the act dtype; they run once per dtype
+// anyway (the backend differs) and must give the same answers for each.
+TEST_P(CudaVsCpu, Softmax) {
+  const int64_t n = 4, v = 5000;
+  const std::vector<float> x = RandomValues(n * v, Seed(Op::kSoftmax, act()), DType::kF32, -8.0f, 8.0f);
+  for (const float temperature : {1.0f, 0.7f, 1.7f}) {
+    SCOPED_TRACE(::testing::Message() << "temperature " << temperature);
+    SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, DType::kF32, {n, v}));
+    SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), DType::kF32, {n, v}));
+    SS_RUN_OP("CUDA", cuda_->Softmax(&g_out.t, g_x.t, temperature));
+
+    SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, v}));
+    SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, v}));
+    SS_RUN_OP("CPU", cpu_->Softmax(&c_out.t, c_x.t, temperature));
+
+    SS_READ_F(got, cuda_.get(), g_out);
+    SS_READ_F(want, cpu_.get(), c_out);
+    EXPECT_TRUE(Close("Softmax", got, want, Threshold(Op::kSoftmax, act())));
+  }
+}
+
+// Ids must match exactly, ties included (the first index wins). Output to device memory and,
+// as backend.h allows, to host memory.
+TEST_P(CudaVsCpu, Argmax) {
+  const int64_t n = 6, v = 32000;
+  std::vector<float> x = RandomValues(n * v, Seed(Op::kSoftmax, act(), 7), DType::kF32, -10.0f, 10.0f);
+  x[1 * v + 31000] = 50.0f;  // row 1: the max twice; the first wins
+  x[1 * v + 777] = 50.0f;
+  std::fill(x.begin() + 2 * v, x.begin() + 3 * v, 1.25f);  // row 2: all equal -> 0
+  x[3 * v + v - 1] = 60.0f;                                // row 3: the last element
+  x[4 * v + 0] = 60.0f;                                    // row 4: the first element
+  for (int64_t i = 0; i < v; ++i) x[5 * v + i] = -1e30f;   // row 5: all very negative, one tie pair
+  x[5 * v + 4000] = -1.0f;
+  x[5 * v + 4001] = -1.0f;
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CUDA", cuda_->Argmax(&g_out.t, g_x.t));
+  std::vector<int32_t> host_out(n, -7);
+  Tensor host_t(host_out.data(), DType::kI32, {n});
+  SS_RUN_OP("CUDA", cuda_->Argmax(&host_t, g_x.t));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CPU", cpu_->Argmax(&c_out.t, c_x.t));
+
+  SS_READ_I(got, cuda_.get(), g_out);
+  SS_READ_I(want, cpu_.get(), c_out);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(host_out, want);
+  EXPECT_EQ(want[1], 777);
+  EXPECT_EQ(want[2], 0);
+  EXPECT_EQ(want[3], v - 1);
+  EXPECT_EQ(want[4], 0);
+  EXPECT_EQ(want[5], 4000);
+}
+
+// ---- Sampling ---------------------------------------------------------------------------------
+// An independent float64 rendering of backend.h's definition, used only to decide when a CUDA/CPU
+// disagreement is a rounding-level tie rather than a bug (see the Sample test).
+struct RefSample {
+  std::vector<int32_t> kept;  // kept token ids in vocabulary order
+  std::vector<double> cum;    // their inclusive cumulative renormalized probabilities
+  bool top_p_ambiguous = false;
+
+  // The id chosen for draw u: the first kept token whose cumulative probability exceeds u (the
+  // last kept one if rounding leaves none).
+  int32_t Pick(double u) const {
+    for (size_t j = 0; j < kept.size(); ++j) {
+      if (cum[j] > u) return kept[j];
+    }
+    return kept.empty() ? -1 : kept.back();
+  }
+};
+
+RefSample ReferenceSample(const float* logits, int64_t v, const SampleParams& p, double eps) {
+  std::vector<float> s(v);
+  for (int64_t i = 0; i < v; ++i) s[i] = logits[i] / p.temperature;  // float division, as both backends
+  const float mx = *std::max_element(s.begin(), s.end());
+  std::vector<double> e(v);
+  for (int64_t i = 0; i < v; ++i) e[i] = std::exp(static_cast<double>(s[i]) - mx);
+  std::vector<int64_t> order(v);  // token ids by decreasing s
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return s[a] > s[b]; });
+  // top_k: s >= the k-th largest, ties included.
+  float threshold = -INFINITY;
+  if (p.top_k > 0 && p.top_k < v) threshold = s[order[p.top_k - 1]];
+  RefSample r;
+  // top_p: walk the kept tokens from the most likely, a whole tie group at a time, until the mass
+  // reaches top_p of the kept mass; the last group's value is the new threshold.
+  if (p.top_p < 1.0f) {
+    double kept_mass = 0.0;
+    for (int64_t i = 0; i < v; ++i) kept_mass += s[i] >= threshold ? e[i] : 0.0;
+    const double target = static_cast<double>(p.top_p) * kept_mass;
+    double mass = 0.0;
+    size_t g = 0;
+    while (g < order.size() && s[order[g]] >= threshold) {
+      const float value = s[order[g]];
+      const double before = mass;
+      for (; g < order.size() && s[order[g]] == value; ++g) mass += e[order[g]];
+      if (mass >= target) {
+        r.top_p_ambiguous =
+            std::fabs(mass - target) <= eps * kept_mass || std::fabs(before - target) <= eps * kept_mass;
+        threshold = value;
+        break;
+      }
+    }
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < v; ++i) total += s[i] >= threshold ? e[i] : 0.0;
+  double cum = 0.0;
+  for (int64_t i = 0; i < v; ++i) {
+    if (s[i] < threshold) continue;
+    cum += e[i];
+    r.kept.push_back(static_cast<int32_t>(i));
+    r.cum.push_back(cum / total);
+  }
+  return r;
+}
+
+// Same logits and the same uniform draws on both backends must give the same ids. Floating point
+// makes one exception unavoidable: the two backends compute exp and the running sums with
+// different rounding and order (the CPU rounds each probability to float32 and sums in double;
+// CUDA sums expf values in double in a tree order), so their cumulative probabilities differ in
+// the last bits. When a draw u lies within eps of a cumulative boundary, the ids on either side
+// of it are both correct picks. So a mismatch is accepted only when both ids are picks of the
+// float64 reference for some draw in [u - eps, u + eps], i.e. the cumulative probability at the
+// boundary between them is within eps of u. Each probability carries a relative error of a few
+// float32 ulps (~2.4e-7) on either side, so cumulative probabilities agree to ~5e-7;
+// eps = 1e-5 leaves a 20x margin and is still narrow: any other disagreement fails. For the same
+// reason a row whose top_p boundary mass is within eps of the target (the kept set itself is a
+// rounding-level tie) is not compared; the test counts such rows and requires them to be rare.
+TEST_P(CudaVsCpu, Sample) {
+  const int64_t v = 2000;
+  const double eps = 1e-5;
+  struct Combo {
+    float temperature;
+    int32_t top_k;
+    float top_p;
+    bool coarse;  // logits on a 0.5 grid: many exact ties at the top_k / top_p boundaries
+  };
+  const std::vector<Combo> combos = {
+      {1.0f, 0, 1.0f, false},  {0.7f, 0, 1.0f, false},   {1.5f, 0, 1.0f, false},  {1.0f, 1, 1.0f, false},
+      {1.0f, 20, 1.0f, false}, {1.0f, 1999, 1.0f, false}, {1.0f, 5000, 1.0f, false}, {1.0f, 0, 0.9f, false},
+      {0.8f, 0, 0.5f, false},  {1.0f, 0, 0.05f, false},  {1.2f, 50, 0.8f, false}, {1.0f, 10, 1.0f, true},
+      {1.0f, 0, 0.7f, true},   {0.9f, 30, 0.6f, true},
+  };
+  const int draws = 24;
+  const int64_t n = static_cast<int64_t>(combos.size()) * draws;
+  std::vector<float> logits(n * v);
+  std::vector<SampleParams> params(n);
+  std::mt19937 rng(Seed(Op::kSoftmax, act(), 99));
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (size_t c = 0; c < combos.size(); ++c) {
+    std::vector<float> row(v);
+    for (float& x : row) x = combos[c].coarse ? std::round(normal(rng) * 2.0f) / 2.0f : normal(rng);
+    for (int d = 0; d < draws; ++d) {
+      const int64_t r = static_cast<int64_t>(c) * draws + d;
+      std::copy(row.begin(), row.end(), logits.begin() + r * v);
+      params[r].temperature = combos[c].temperature;
+      params[r].top_k = combos[c].top_k;
+      params[r].top_p = combos[c].top_p;
+      params[r].uniform = SampleUniform(/*seed=*/1234 + c, /*step=*/static_cast<uint64_t>(d));
+    }
+  }
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), logits, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CUDA", cuda_->Sample(&g_out.t, g_x.t, params));
+  std::vector<int32_t> host_out(n, -7);
+  Tensor host_t(host_out.data(), DType::kI32, {n});
+  SS_RUN_OP("CUDA", cuda_->Sample(&host_t, g_x.t, params));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), logits, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CPU", cpu_->Sample(&c_out.t, c_x.t, params));
+
+  SS_READ_I(got, cuda_.get(), g_out);
+  SS_READ_I(want, cpu_.get(), c_out);
+  EXPECT_EQ(host_out, got) << "Sample to host memory differs from Sample to device memory";
+  int tolerated = 0, ambiguous = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const RefSample ref = ReferenceSample(logits.data() + r * v, v, params[r], eps);
+    if (ref.top_p_ambiguous) {
+      ++ambiguous;
+      continue;
+    }
+    if (got[r] == want[r]) continue;
+    const double u = params[r].uniform;
+    const int32_t lo = ref.Pick(u - eps), hi = ref.Pick(u + eps);
+    const bool both_ok = got[r] >= lo && got[r] <= hi && want[r] >= lo && want[r] <= hi &&
+                         std::binary_search(ref.kept.begin(), ref.kept.end(), got[r]);
+    EXPECT_TRUE(both_ok) << "row " << r << " (temperature " << params[r].temperature << ", top_k " << params[r].top_k
+                         << ", top_p " << params[r].top_p << ", uniform " << u << "): CUDA picked " << got[r]
+                         << ", CPU " << want[r] << "; the float64 reference picks " << ref.Pick(u)
+                         << " and only ids in [" << lo << ", " << hi << "] are within eps " << eps << " of the draw";
+    tolerated += both_ok ? 1 : 0;
+  }
+  RecordProperty("tolerated_boundary_mismatches", tolerated);
+  RecordProperty("ambiguous_top_p_rows", ambiguous);
+  EXPECT_LE(ambiguous, n / 20) << "too many rows with a top_p boundary within eps: the test data needs changing";
+}
+
+// ---- CUDA-only checks -------------------------------------------------------------------------
+
+// Bad block-table entries, sequence ids and positions live on the device: the kernel must skip
+// them without touching memory outside the caches or the output, and the next Synchronize()
+// reports them (once). Tokens with good metadata still get their normal result.
+TEST_P(CudaChecks, AttentionBadMetadataIsReported) {
+  const int64_t blocks = 4, bs = 16, kv_heads = 2, q_heads = 4, hd = 64, max_blocks = 3, seqs = 2;
+  const std::vector<float> k_cache = RandomValues(blocks * bs * kv_heads * hd, 1, act());
+  const std::vector<float> v_cache = RandomValues(blocks * bs * kv_heads * hd, 2, act());
+  // Sequence 0 is fine; sequence 1's table holds a block past the end and a negative one.
+  const std::vector<int32_t> tables = {0, 1, 2, 3, 1000000, -5};
+  // Token 0 fine; 1 reads the bad blocks; 2 has sequence 7 (of 2); 3 a position past its table;
+  // 4 a negative position.
+  const std::vector<int32_t> token_seq = {0, 1, 7, 0, 0};
+  const std::vector<int32_t> positions = {20, 40, 3, 48, -1};
+  const int64_t n = 5;
+  const std::vector<float> q = RandomValues(n * q_heads * hd, 3, act());
+
+  SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), k_cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(cuda_.get(), v_cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_seq, UploadI(cuda_.get(), token_seq, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, q_heads * hd}));
+  SS_ASSERT_OK(cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, 0.125f));
+  const absl::Status sync = cuda_->Synchronize();
+  EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
+  EXPECT_NE(std::string(sync.message()).find("Attention"), std::string::npos) << sync;
+  SS_ASSERT_OK(cuda_->Synchronize());  // reported once, then cleared
+
+  SS_READ_F(out, cuda_.get(), g_out);  // also checks the guards
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out[i])) << "element " << i;
+  const int64_t row = q_heads * hd;
+  for (int64_t t : {2, 3, 4}) {  // rows with unusable metadata are zero
+    for (int64_t j = 0; j < row; ++j) ASSERT_EQ(out[t * row + j], 0.0f) << "token " << t;
+  }
+}
+
+TEST_P(CudaChecks, CacheWriteBadSlotIsReported) {
+  const int64_t blocks = 2, bs = 16, kv_heads = 2, hd = 64, n = 3, row = kv_heads * hd;
+  const std::vector<float> cache = RandomValues(blocks * bs * row, 1, act());
+  const std::vector<float> k = RandomValues(n * row, 2, act());
+  const std::vector<int32_t> slots = {-1, 5, 32};  // 32 = blocks * bs, one past the end
+
+  SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(cuda_.get(), cache, act(), {blocks, bs, kv_heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(cuda_.get(), k, act(), {n, row}));
+  SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(cuda_.get(), slots, {n}));
+  SS_ASSERT_OK(cuda_->CacheWrite(&g_kc.t, &g_vc.t, g_k.t, g_k.t, g_slots.t));
+  const absl::Status sync = cuda_->Synchronize();
+  EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
+  EXPECT_NE(std::string(sync.message()).find("CacheWrite"), std::string::npos) << sync;
+
+  SS_READ_F(got, cuda_.get(), g_kc);  // also checks the guards
+  std::vector<float> want = cache;
+  std::copy(k.begin() + 1 * row, k.begin() + 2 * row, want.begin() + 5 * row);  // only slot 5 written
+  EXPECT_TRUE(Close("CacheWrite with bad slots", got, want, 0.0));
+}
+
+// Shape and parameter errors are found on the host and name the op and the shapes.
+TEST_P(CudaChecks, BadShapesAreInvalidArgument) {
+  SS_ASSIGN_OR_FAIL(Guarded x, Output(cuda_.get(), act(), {2, 8}));
+  SS_ASSIGN_OR_FAIL(Guarded w7, Output(cuda_.get(), act(), {7}));
+  SS_ASSIGN_OR_FAIL(Guarded w, Output(cuda_.get(), act(), {3, 9}));
+  SS_ASSIGN_OR_FAIL(Guarded out, Output(cuda_.get(), act(), {2, 3}));
+  SS_ASSIGN_OR_FAIL(Guarded logits, Output(cuda_.get(), DType::kF32, {2, 8}));
+  SS_ASSIGN_OR_FAIL(Guarded ids, Output(cuda_.get(), DType::kI32, {2}));
+
+  absl::Status s = cuda_->RmsNorm(&x.t, x.t, w7.t, 1e-5f);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(std::string(s.message()).find("RmsNorm"), std::string::npos) << s;
+  EXPECT_NE(std::string(s.message()).find("[7]"), std::string::npos) << s;
+
+  s = cuda_->MatMul(&out.t, x.t, w.t, nullptr);  // k 8 vs 9
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(std::string(s.message()).find("MatMul"), std::string::npos) << s;
+
+  const DType wrong = act() == DType::kF32 ? DType::kF16 : DType::kF32;
+  SS_ASSIGN_OR_FAIL(Guarded x_wrong, Output(cuda_.get(), wrong, {2, 8}));
+  s = cuda_->Add(&x.t, x.t, x_wrong.t);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(std::string(s.message()).find("Add"), std::string::npos) << s;
+
+  std::vector<SampleParams> params(2);
+  params[1].top_p = 0.0f;
+  s = cuda_->Sample(&ids.t, logits.t, params);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(std::string(s.message()).find("row 1"), std::string::npos) << s;
+  params.resize(1);
+  s = cuda_->Sample(&ids.t, logits.t, params);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  SS_ASSERT_OK(cuda_->Synchronize());
+}
+
+TEST_P(CudaChecks, FactoryRejectsBadArguments) {
+  absl::StatusOr<std::unique_ptr<Backend>> b = MakeCudaBackend(CudaDeviceCount(), act());
+  EXPECT_TRUE(absl::IsInvalidArgument(b.status())) << b.status();
+  EXPECT_NE(std::string(b.status().message()).find(std::to_string(CudaDeviceCount())), std::string::npos)
+      << b.status();
+  b = MakeCudaBackend(-1, act());
+  EXPECT_TRUE(absl::IsInvalidArgument(b.status())) << b.status();
+  b = MakeCudaBackend(0, DType::kI32);
+  EXPECT_TRUE(absl::IsInvalidArgument(b.status())) << b.status();
+  EXPECT_NE(std::string(b.status().message()).find("I32"), std::string::npos) << b.status();
+  EXPECT_EQ(cuda_->act_dtype(), act());
+  EXPECT_EQ(cuda_->device_kind(), DeviceKind::kCuda);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaVsCpu, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);
+INSTANTIATE_TEST_SUITE_P(Ops, CudaChecks, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);
+
+}  // namespace
+}  // namespace shardserve
