@@ -1,0 +1,630 @@
+// Tests of the Communicator implementations (worker/communicator.h, worker/comm/).
+//
+// Gloo runs over real TCP on loopback: each rank is a thread of this process with its own Gloo
+// context (its own sockets and event loop), and the ranks meet through an InMemoryRendezvousStore.
+// Values are small multiples of 1/4, so every sum is exact in float and results compare with ==.
+// The failure cases (a rank that never joins, a rank that skips a collective, a rank that exits,
+// mismatched shapes) use a 2 s timeout and check that the call returns the right error within
+// twice that; the times they took are printed. NCCL cases need GPUs and are skipped, with the
+// reason, where there are too few.
+//
+// Every test runs under a watchdog that ends the program if the test outlives kTestLimit, so a
+// hung collective fails instead of hanging; every thread a test starts is joined.
+#include "worker/communicator.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/tensor.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/nccl_communicator.h"
+#include "worker/comm/rendezvous.h"
+
+#if SHARDSERVE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace shardserve {
+namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+// The timeout of the failure cases, and the bound on how long they may take to report it.
+constexpr absl::Duration kTimeout = absl::Seconds(2);
+const absl::Duration kTimeoutBound = 2 * kTimeout;
+// The timeout where nothing should time out: generous, because CI machines are small and shared.
+constexpr absl::Duration kNoTimeout = absl::Seconds(30);
+// The watchdog's limit for a whole test: above kNoTimeout, so a timeout reports before it fires.
+constexpr absl::Duration kTestLimit = absl::Seconds(90);
+
+// ---- Harness ---------------------------------------------------------------------------------
+
+// Ends the program when the current test runs past `limit`. Stopped (and joined) on destruction.
+class Watchdog {
+ public:
+  explicit Watchdog(absl::Duration limit)
+      : thread_([this, limit] {
+          if (done_.WaitForNotificationWithTimeout(limit)) return;
+          const ::testing::TestInfo* test = ::testing::UnitTest::GetInstance()->current_test_info();
+          std::fprintf(stderr, "FATAL: %s.%s still running after %s: a communicator call hung\n",
+                       test->test_suite_name(), test->name(), absl::FormatDuration(limit).c_str());
+          std::_Exit(3);
+        }) {}
+  ~Watchdog() {
+    done_.Notify();
+    thread_.join();
+  }
+
+ private:
+  absl::Notification done_;  // declared before thread_, which reads it
+  std::thread thread_;
+};
+
+// A test fixture whose tests run under a Watchdog.
+template <typename Base>
+class Guarded : public Base {
+  Watchdog watchdog_{kTestLimit};
+};
+using CommunicatorTest = Guarded<::testing::Test>;
+
+// Runs fn(rank) for rank 0..size-1, each on a thread of its own, and joins them all.
+void RunRanks(int size, const std::function<void(int rank)>& fn) {
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) threads.emplace_back(fn, rank);
+  for (std::thread& t : threads) t.join();
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> JoinGloo(RendezvousStore* store, const std::string& group, int rank,
+                                                       int size, absl::Duration timeout = kNoTimeout) {
+  return MakeGlooCommunicator(store, group, rank, size, "127.0.0.1", timeout);
+}
+
+void PrintTime(const std::string& what, absl::Duration took) {
+  std::printf("[   TIME   ] %s: %s\n", what.c_str(), absl::FormatDuration(took).c_str());
+}
+
+// Value i of rank r's all-reduce input: a multiple of 1/4 in [-1.5r-1.5, 1.5r+1.5].
+float AllReduceInput(int r, int64_t i) { return static_cast<float>((r + 1) * (i % 13 - 6)) * 0.25f; }
+
+// ---- InMemoryRendezvousStore -----------------------------------------------------------------
+
+TEST_F(CommunicatorTest, StoreGetWaitsForSet) {
+  InMemoryRendezvousStore store;
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_TRUE(store.Set("g/k", std::string("v\0w", 3)).ok());
+  });
+  absl::StatusOr<std::string> value = store.Get("g/k", kNoTimeout);
+  setter.join();
+  ASSERT_TRUE(value.ok()) << value.status();
+  EXPECT_EQ(*value, std::string("v\0w", 3));
+}
+
+TEST_F(CommunicatorTest, StoreGetTimesOut) {
+  InMemoryRendezvousStore store;
+  ASSERT_TRUE(store.Set("g/other", "x").ok());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> value = store.Get("g/k", absl::Milliseconds(100));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(value.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(value.status().message(), HasSubstr("'g/k'"));
+  EXPECT_GE(took, absl::Milliseconds(100));
+  EXPECT_LT(took, absl::Seconds(2));
+}
+
+// ---- LocalCommunicator -----------------------------------------------------------------------
+
+TEST_F(CommunicatorTest, LocalHasNoPeers) {
+  LocalCommunicator local(nullptr);  // the backend is only used by AllGather
+  float x[2] = {1, 2};
+  Tensor t(x, DType::kF32, {2});
+  EXPECT_TRUE(local.AllReduceSum(&t).ok());
+  EXPECT_TRUE(local.Barrier().ok());
+  EXPECT_EQ(local.Send(t, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(local.Recv(&t, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(x[0], 1);
+  EXPECT_EQ(x[1], 2);
+}
+
+// ---- Gloo: results ---------------------------------------------------------------------------
+
+class GlooSizeTest : public Guarded<::testing::TestWithParam<int>> {};
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest, ::testing::Values(1, 2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
+
+// F32 with 5 elements (fewer than a ring segment per rank) and 300007 (more than Gloo's 1 MiB
+// segment, an odd count), then I32.
+TEST_P(GlooSizeTest, AllReduceSum) {
+  const int size = GetParam();
+  InMemoryRendezvousStore store;
+  RunRanks(size, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_EQ((*comm)->rank(), rank);
+    EXPECT_EQ((*comm)->size(), size);
+    for (int64_t n : {int64_t{5}, int64_t{300007}}) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(rank, i);
+      Tensor t(x.data(), DType::kF32, {n});
+      ASSERT_TRUE((*comm)->AllReduceSum(&t).ok()) << "n=" << n;
+      int64_t wrong = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        float want = 0;
+        for (int r = 0; r < size; ++r) want += AllReduceInput(r, i);
+        if (x[i] != want && wrong++ == 0)
+          ADD_FAILURE() << "rank " << rank << " n=" << n << " [" << i << "] " << x[i] << " != " << want;
+      }
+      EXPECT_EQ(wrong, 0) << "rank " << rank << " n=" << n;
+    }
+    std::vector<int32_t> ids = {rank, 1000 * rank, -7};
+    Tensor t(ids.data(), DType::kI32, {3});
+    ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+    const int32_t rank_sum = size * (size - 1) / 2;
+    EXPECT_EQ(ids, (std::vector<int32_t>{rank_sum, 1000 * rank_sum, -7 * size}));
+  });
+}
+
+// Rank r contributes [2, 3] = r * 100 + i; also a BF16 gather, since AllGather moves any dtype.
+TEST_P(GlooSizeTest, AllGather) {
+  const int size = GetParam();
+  InMemoryRendezvousStore store;
+  RunRanks(size, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    std::vector<float> in(6), out(6 * size, -1.0f);
+    for (int i = 0; i < 6; ++i) in[i] = static_cast<float>(rank * 100 + i);
+    Tensor out_t(out.data(), DType::kF32, {size, 2, 3});
+    ASSERT_TRUE((*comm)->AllGather(&out_t, Tensor(in.data(), DType::kF32, {2, 3})).ok());
+    for (int r = 0; r < size; ++r) {
+      for (int i = 0; i < 6; ++i) EXPECT_EQ(out[r * 6 + i], static_cast<float>(r * 100 + i)) << "rank " << rank;
+    }
+    uint16_t mine = F32ToBf16(static_cast<float>(rank) + 0.5f);
+    std::vector<uint16_t> gathered(size);
+    Tensor gathered_t(gathered.data(), DType::kBF16, {size, 1});
+    ASSERT_TRUE((*comm)->AllGather(&gathered_t, Tensor(&mine, DType::kBF16, {1})).ok());
+    for (int r = 0; r < size; ++r) EXPECT_EQ(Bf16ToF32(gathered[r]), static_cast<float>(r) + 0.5f);
+  });
+}
+
+// A stage waits at the barrier until the slowest (the last, after 100 ms per rank) has arrived.
+TEST_P(GlooSizeTest, Barrier) {
+  const int size = GetParam();
+  InMemoryRendezvousStore store;
+  std::atomic<int> arrived{0};
+  RunRanks(size, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    for (int round = 1; round <= 2; ++round) {
+      absl::SleepFor(absl::Milliseconds(100) * rank);
+      arrived.fetch_add(1);
+      ASSERT_TRUE((*comm)->Barrier().ok());
+      EXPECT_GE(arrived.load(), round * size) << "rank " << rank << " left barrier " << round << " early";
+    }
+  });
+  EXPECT_EQ(arrived.load(), 2 * size);
+}
+
+// A pipeline of three stages hands three micro-batches of different token counts down the line:
+// stage 0 makes the hidden state, each later stage receives it and adds 1, stage 2 checks it.
+TEST_F(CommunicatorTest, GlooSendRecvPipelineHandOff) {
+  constexpr int kStages = 3;
+  constexpr int64_t kHidden = 8;
+  InMemoryRendezvousStore store;
+  RunRanks(kStages, [&](int stage) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "pp", stage, kStages);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    for (int64_t tokens : {int64_t{1}, int64_t{4}, int64_t{7}}) {
+      std::vector<float> hidden(tokens * kHidden, -1.0f);
+      Tensor h(hidden.data(), DType::kF32, {tokens, kHidden});
+      if (stage == 0) {
+        for (int64_t i = 0; i < tokens * kHidden; ++i) hidden[i] = static_cast<float>(tokens * 1000 + i);
+      } else {
+        ASSERT_TRUE((*comm)->Recv(&h, stage - 1).ok()) << "stage " << stage;
+        for (float& v : hidden) v += 1.0f;
+      }
+      if (stage + 1 < kStages) {
+        ASSERT_TRUE((*comm)->Send(h, stage + 1).ok()) << "stage " << stage;
+      } else {
+        for (int64_t i = 0; i < tokens * kHidden; ++i) {
+          EXPECT_EQ(hidden[i], static_cast<float>(tokens * 1000 + i + kStages - 1)) << "tokens " << tokens;
+        }
+      }
+    }
+  });
+}
+
+// ---- Gloo: argument errors -------------------------------------------------------------------
+
+TEST_F(CommunicatorTest, GlooRejectsBadArgumentsAndThenStaysBroken) {
+  InMemoryRendezvousStore store;
+  float x[4] = {};
+  uint16_t h[4] = {};
+  Tensor f32(x, DType::kF32, {4}), bf16(h, DType::kBF16, {4});
+
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "bf16", 0, 1);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  absl::Status s = (*comm)->AllReduceSum(&bf16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("F32 and I32"));
+  s = (*comm)->AllReduceSum(&f32);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("F32 and I32"));  // it quotes the first error
+
+  comm = JoinGloo(&store, "gather", 0, 1);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  Tensor wrong(x, DType::kF32, {2, 2});  // should be [1, 4]
+  EXPECT_EQ((*comm)->AllGather(&wrong, f32).code(), absl::StatusCode::kInvalidArgument);
+
+  comm = JoinGloo(&store, "self", 0, 1);
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  EXPECT_EQ((*comm)->Send(f32, 0).code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(JoinGloo(&store, "g", 2, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(JoinGloo(&store, "", 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(JoinGloo(&store, "g", 0, 1, absl::ZeroDuration()).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(JoinGloo(nullptr, "g", 0, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  // 192.0.2.1 (TEST-NET-1) is no address of this machine.
+  absl::StatusOr<std::unique_ptr<Communicator>> unbindable =
+      MakeGlooCommunicator(&store, "g", 0, 1, "192.0.2.1", kTimeout);
+  EXPECT_EQ(unbindable.status().code(), absl::StatusCode::kInvalidArgument) << unbindable.status();
+}
+
+// The receiver names both shapes; the sender, whose payload is never taken, times out.
+TEST_F(CommunicatorTest, GlooRecvOfTheWrongShapeIsAnError) {
+  InMemoryRendezvousStore store;
+  absl::Notification sender_done;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "pp", rank, 2, kTimeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    if (rank == 0) {
+      std::vector<float> x(4 * 8, 1.0f);
+      const absl::Time start = absl::Now();
+      absl::Status s = (*comm)->Send(Tensor(x.data(), DType::kF32, {4, 8}), 1);
+      const absl::Duration took = absl::Now() - start;
+      sender_done.Notify();
+      PrintTime("Send whose Recv rejected the shape", took);
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_LT(took, kTimeoutBound);
+    } else {
+      std::vector<float> y(4 * 16, -1.0f);
+      Tensor t(y.data(), DType::kF32, {4, 16});
+      absl::Status s = (*comm)->Recv(&t, 0);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(s.message(), HasSubstr("rank 0 sent F32 [4, 8] but this rank expected F32 [4, 16]"));
+      EXPECT_EQ(y[0], -1.0f);  // no payload byte landed
+      EXPECT_EQ((*comm)->Recv(&t, 0).code(), absl::StatusCode::kFailedPrecondition);
+      sender_done.WaitForNotification();  // closing now would turn the sender's timeout into a lost connection
+    }
+  });
+}
+
+// ---- Gloo: peers that fail -------------------------------------------------------------------
+
+// Size 3; one rank never calls MakeGlooCommunicator. The other two time out, naming it.
+class GlooMissingRankTest : public Guarded<::testing::TestWithParam<int>> {};
+INSTANTIATE_TEST_SUITE_P(Ranks, GlooMissingRankTest, ::testing::Values(0, 2),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return absl::StrCat("MissingRank", info.param);
+                         });
+
+TEST_P(GlooMissingRankTest, RendezvousTimesOut) {
+  const int missing = GetParam();
+  InMemoryRendezvousStore store;
+  RunRanks(3, [&](int rank) {
+    if (rank == missing) return;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, 3, kTimeout);
+    const absl::Duration took = absl::Now() - start;
+    PrintTime(absl::StrCat("rank ", rank, " MakeGlooCommunicator without rank ", missing), took);
+    EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+    EXPECT_THAT(comm.status().message(), HasSubstr(absl::StrCat("rank ", missing, " did not join within 2s")));
+    EXPECT_THAT(comm.status().message(), HasSubstr("group 'tp'"));
+    EXPECT_GE(took, kTimeout - absl::Milliseconds(10));
+    EXPECT_LT(took, kTimeoutBound);
+  });
+}
+
+// Every rank does one all-reduce; then the last rank skips the second. The others must not hang:
+// each gets DeadlineExceeded, or Unavailable when a peer that timed out first closed its
+// connection before this rank's own timeout; the first to time out always gets DeadlineExceeded.
+// Every later call fails at once with FailedPrecondition.
+class GlooPeersTest : public Guarded<::testing::TestWithParam<int>> {};
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooPeersTest, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
+
+TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
+  const int size = GetParam();
+  const int skipper = size - 1;
+  InMemoryRendezvousStore store;
+  absl::BlockingCounter others_done(size - 1);
+  absl::Mutex mu;
+  std::vector<absl::StatusCode> codes;
+  RunRanks(size, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size, kTimeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    float x[3] = {1, 2, 3};
+    Tensor t(x, DType::kF32, {3});
+    ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+    if (rank == skipper) {
+      others_done.Wait();  // alive, but not calling; exiting would be a lost connection instead
+      return;
+    }
+    const absl::Time start = absl::Now();
+    absl::Status s = (*comm)->AllReduceSum(&t);
+    const absl::Duration took = absl::Now() - start;
+    others_done.DecrementCount();
+    PrintTime(absl::StrCat("rank ", rank, " AllReduceSum while rank ", skipper,
+                           " skips it: ", absl::StatusCodeToString(s.code())),
+              took);
+    EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kUnavailable)) << s;
+    EXPECT_THAT(s.message(), HasSubstr("AllReduceSum in group 'tp'"));
+    EXPECT_LT(took, kTimeoutBound);
+    {
+      absl::MutexLock lock(&mu);
+      codes.push_back(s.code());
+    }
+    const absl::Time again = absl::Now();
+    absl::Status later = (*comm)->Barrier();
+    EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition) << later;
+    EXPECT_THAT(later.message(), HasSubstr(s.message()));
+    EXPECT_LT(absl::Now() - again, absl::Milliseconds(100));
+  });
+  EXPECT_THAT(codes, ::testing::Contains(absl::StatusCode::kDeadlineExceeded));
+}
+
+// A rank that goes away (its communicator destroyed, as when its process exits) is a lost
+// connection for its peer, reported at once rather than after the timeout.
+TEST_F(CommunicatorTest, GlooPeerThatExitsIsUnavailable) {
+  InMemoryRendezvousStore store;
+  absl::Notification gone;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, 2, kTimeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    if (rank == 1) {
+      comm->reset();
+      gone.Notify();
+      return;
+    }
+    gone.WaitForNotification();
+    float x[3] = {1, 2, 3};
+    Tensor t(x, DType::kF32, {3});
+    const absl::Time start = absl::Now();
+    absl::Status s = (*comm)->AllReduceSum(&t);
+    const absl::Duration took = absl::Now() - start;
+    PrintTime("AllReduceSum with a peer that exited", took);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_LT(took, kTimeout);
+  });
+}
+
+// Gloo writes with writev, and a write to a connection the peer has closed raises SIGPIPE, whose
+// default action would end this process instead of giving an Unavailable error.
+TEST_F(CommunicatorTest, GlooLeavesSigpipeIgnored) {
+  InMemoryRendezvousStore store;
+  ASSERT_TRUE(JoinGloo(&store, "tp", 0, 1).ok());
+  struct sigaction action {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &action), 0);
+  EXPECT_EQ(action.sa_handler, SIG_IGN);
+}
+
+// A Send that no Recv ever matches.
+TEST_F(CommunicatorTest, GlooSendToAPeerThatNeverReceivesTimesOut) {
+  InMemoryRendezvousStore store;
+  absl::Notification sender_done;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "pp", rank, 2, kTimeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    if (rank == 1) {
+      sender_done.WaitForNotification();
+      return;
+    }
+    float x[3] = {1, 2, 3};
+    const absl::Time start = absl::Now();
+    absl::Status s = (*comm)->Send(Tensor(x, DType::kF32, {3}), 1);
+    const absl::Duration took = absl::Now() - start;
+    sender_done.Notify();
+    PrintTime("Send that no Recv matches", took);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr("Send in group 'pp' (rank 0 of 2): timed out: no progress from rank 1"));
+    EXPECT_LT(took, kTimeoutBound);
+  });
+}
+
+// ---- NCCL ------------------------------------------------------------------------------------
+
+#if SHARDSERVE_HAVE_CUDA
+
+// Why a test that needs `n` GPUs cannot run here, or "" when it can.
+std::string MissingGpus(int n) {
+  const int count = CudaDeviceCount();
+  if (count == 0) return "no CUDA device";
+  if (count < n) return absl::StrCat("needs ", n, " CUDA devices, found ", count);
+  return "";
+}
+
+// A device allocation on the current device with synchronous host copies, freed on destruction.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { EXPECT_EQ(cudaMalloc(&data_, bytes), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  void Upload(const void* host) { EXPECT_EQ(cudaMemcpy(data_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess); }
+  void Download(void* host) const { EXPECT_EQ(cudaMemcpy(host, data_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess); }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_;
+};
+
+// Rank `rank` of an NCCL group on GPU `device`, with a stream of its own; fn runs with the
+// communicator, which is destroyed before the stream.
+void WithNccl(RendezvousStore* store, const std::string& group, int rank, int size, int device, absl::Duration timeout,
+              const std::function<void(absl::StatusOr<std::unique_ptr<Communicator>>&)>& fn) {
+  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm =
+        MakeNcclCommunicator(store, group, rank, size, device, stream, timeout);
+    fn(comm);
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+TEST_F(CommunicatorTest, NcclGroupOfOne) {
+  if (std::string why = MissingGpus(1); !why.empty()) GTEST_SKIP() << why;
+  InMemoryRendezvousStore store;
+  WithNccl(&store, "tp", 0, 1, /*device=*/0, kNoTimeout, [&](absl::StatusOr<std::unique_ptr<Communicator>>& comm) {
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    const std::vector<float> x = {1.5f, -2.0f, 0.25f};
+    DeviceBuffer in(sizeof(float) * 3), out(sizeof(float) * 3);
+    in.Upload(x.data());
+    Tensor t(in.data(), DType::kF32, {3});
+    ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+    Tensor gathered(out.data(), DType::kF32, {1, 3});
+    ASSERT_TRUE((*comm)->AllGather(&gathered, t).ok());
+    ASSERT_TRUE((*comm)->Barrier().ok());
+    std::vector<float> got(3);
+    out.Download(got.data());
+    EXPECT_EQ(got, x);
+  });
+}
+
+// Size 2, and only one rank joins (on GPU 0): rank 0 waits for NCCL's init, rank 1 for the unique id.
+TEST_F(CommunicatorTest, NcclRankThatNeverJoinsTimesOut) {
+  if (std::string why = MissingGpus(1); !why.empty()) GTEST_SKIP() << why;
+  for (int present : {0, 1}) {
+    InMemoryRendezvousStore store;
+    std::thread alone([&] {
+      WithNccl(&store, "tp", present, 2, /*device=*/0, kTimeout,
+               [&](absl::StatusOr<std::unique_ptr<Communicator>>& comm) {
+                 EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
+               });
+    });
+    const absl::Time start = absl::Now();
+    alone.join();
+    const absl::Duration took = absl::Now() - start;
+    PrintTime(absl::StrCat("MakeNcclCommunicator of rank ", present, " alone"), took);
+    EXPECT_LT(took, kTimeoutBound);
+  }
+}
+
+// Two GPUs: sums in F32 and BF16, a gather, a pipeline hand-off each way, a barrier.
+TEST_F(CommunicatorTest, NcclTwoRanks) {
+  if (std::string why = MissingGpus(2); !why.empty()) GTEST_SKIP() << why;
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    WithNccl(&store, "tp", rank, 2, /*device=*/rank, kNoTimeout,
+             [&](absl::StatusOr<std::unique_ptr<Communicator>>& comm) {
+               ASSERT_TRUE(comm.ok()) << comm.status();
+               constexpr int64_t n = 1000;
+               std::vector<float> x(n);
+               for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(rank, i);
+               DeviceBuffer f32(sizeof(float) * n);
+               f32.Upload(x.data());
+               Tensor t(f32.data(), DType::kF32, {n});
+               ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+               f32.Download(x.data());
+               for (int64_t i = 0; i < n; ++i) EXPECT_EQ(x[i], AllReduceInput(0, i) + AllReduceInput(1, i)) << i;
+
+               std::vector<uint16_t> h(n);
+               for (int64_t i = 0; i < n; ++i) h[i] = F32ToBf16(AllReduceInput(rank, i));
+               DeviceBuffer bf16(sizeof(uint16_t) * n);
+               bf16.Upload(h.data());
+               Tensor hb(bf16.data(), DType::kBF16, {n});
+               ASSERT_TRUE((*comm)->AllReduceSum(&hb).ok());
+               bf16.Download(h.data());
+               for (int64_t i = 0; i < n; ++i)
+                 EXPECT_EQ(Bf16ToF32(h[i]), AllReduceInput(0, i) + AllReduceInput(1, i)) << i;
+
+               const std::vector<float> mine = {static_cast<float>(rank), static_cast<float>(rank) + 0.5f};
+               DeviceBuffer in(sizeof(float) * 2), out(sizeof(float) * 4);
+               in.Upload(mine.data());
+               Tensor gathered(out.data(), DType::kF32, {2, 2});
+               ASSERT_TRUE((*comm)->AllGather(&gathered, Tensor(in.data(), DType::kF32, {2})).ok());
+               std::vector<float> all(4);
+               out.Download(all.data());
+               EXPECT_EQ(all, (std::vector<float>{0.0f, 0.5f, 1.0f, 1.5f}));
+
+               // Stage 0 sends to stage 1, then stage 1 sends back: `in` carries the hidden state.
+               const int peer = 1 - rank;
+               Tensor hidden(in.data(), DType::kF32, {2});
+               if (rank == 0) {
+                 ASSERT_TRUE((*comm)->Send(hidden, peer).ok());
+                 ASSERT_TRUE((*comm)->Recv(&hidden, peer).ok());
+               } else {
+                 ASSERT_TRUE((*comm)->Recv(&hidden, peer).ok());
+                 ASSERT_TRUE((*comm)->Send(hidden, peer).ok());
+               }
+               std::vector<float> got(2);
+               in.Download(got.data());
+               EXPECT_EQ(got, (std::vector<float>{0.0f, 0.5f}));  // rank 0's values, on both ranks
+               ASSERT_TRUE((*comm)->Barrier().ok());
+             });
+  });
+}
+
+TEST_F(CommunicatorTest, NcclRankThatSkipsAnAllReduceIsATimeout) {
+  if (std::string why = MissingGpus(2); !why.empty()) GTEST_SKIP() << why;
+  InMemoryRendezvousStore store;
+  absl::Notification rank0_done;
+  RunRanks(2, [&](int rank) {
+    WithNccl(&store, "tp", rank, 2, /*device=*/rank, kTimeout,
+             [&](absl::StatusOr<std::unique_ptr<Communicator>>& comm) {
+               ASSERT_TRUE(comm.ok()) << comm.status();
+               DeviceBuffer buf(sizeof(float) * 4);
+               Tensor t(buf.data(), DType::kF32, {4});
+               ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+               if (rank == 1) {
+                 rank0_done.WaitForNotification();
+                 return;
+               }
+               const absl::Time start = absl::Now();
+               absl::Status s = (*comm)->AllReduceSum(&t);
+               const absl::Duration took = absl::Now() - start;
+               rank0_done.Notify();
+               PrintTime("NCCL AllReduceSum while rank 1 skips it", took);
+               EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+               EXPECT_LT(took, kTimeoutBound);
+               EXPECT_EQ((*comm)->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+             });
+  });
+}
+
+#else  // !SHARDSERVE_HAVE_CUDA
+
+TEST_F(CommunicatorTest, NcclIsUnimplementedWithoutCuda) {
+  InMemoryRendezvousStore store;
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeNcclCommunicator(&store, "tp", 0, 1, 0, nullptr, kTimeout);
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(comm.status().message(), HasSubstr("SHARDSERVE_WITH_CUDA"));
+}
+
+#endif  // SHARDSERVE_HAVE_CUDA
+
+}  // namespace
+}  // namespace shardserve
