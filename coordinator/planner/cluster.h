@@ -1,0 +1,60 @@
+// The machines a model is planned onto: nodes of alike GPUs, the links between them, and presets
+// for common machines ("2x1xA100-80GB": 2 nodes x 1 GPU per node x A100-80GB).
+//
+// Units: memory in bytes (presets carry the total nvidia-smi reports, e.g. 81920 MiB for an
+// A100-80GB); bandwidths in bytes per second, one direction; latencies in seconds.
+// Plain value types; thread-compatible.
+#ifndef SHARDSERVE_COORDINATOR_PLANNER_CLUSTER_H_
+#define SHARDSERVE_COORDINATOR_PLANNER_CLUSTER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardserve {
+
+// One kind of GPU (or, for CPU workers, one worker's share of a host).
+struct GpuSpec {
+  std::string name;            // "A100-80GB"
+  uint64_t memory_bytes = 0;   // total device memory
+  double hbm_bytes_per_s = 0;  // device memory bandwidth
+};
+
+struct ClusterSpec {
+  GpuSpec gpu;                     // every GPU is alike; pass the smallest when they are not
+  std::vector<int> gpus_per_node;  // one entry per node, each >= 1
+  // GPU to GPU inside a node (NVLink, or PCIe without it), per direction, and the fixed cost of
+  // one collective or message on it.
+  double intra_node_bytes_per_s = 0;
+  double intra_node_latency_s = 0;
+  // Node to node (the NIC), per direction, and the fixed cost of one message on it.
+  double inter_node_bytes_per_s = 0;
+  double inter_node_latency_s = 0;
+
+  int nodes() const { return static_cast<int>(gpus_per_node.size()); }
+  int total_gpus() const;
+  int max_gpus_per_node() const;
+  // "2 nodes x 1 x A100-80GB" or "nodes of 8+4 x H100-80GB" when they differ.
+  std::string Describe() const;
+};
+
+// A preset GPU by name, case-insensitive ("a100-80gb"), with its link defaults filled into a
+// one-node, one-GPU cluster. NotFound lists the known names.
+absl::StatusOr<ClusterSpec> GpuPreset(const std::string& gpu_name);
+
+// "NxGxGPU": N nodes of G GPUs of preset GPU, e.g. "2x1xA100-80GB", "1x8xH100-80GB".
+// InvalidArgument naming the problem for anything else.
+absl::StatusOr<ClusterSpec> ParseClusterPreset(const std::string& spec);
+
+// The known preset GPU names, for help texts.
+std::vector<std::string> GpuPresetNames();
+
+// InvalidArgument naming the field when a spec cannot be planned on (no nodes, zero memory or
+// bandwidth, negative latency).
+absl::Status ValidateCluster(const ClusterSpec& cluster);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_PLANNER_CLUSTER_H_

@@ -1,0 +1,530 @@
+#include "coordinator/planner/planner.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/planner/format.h"
+#include "coordinator/planner/weights.h"
+#include "model/sharding.h"
+
+namespace shardserve {
+namespace {
+
+namespace fmt = planner_format;
+
+// When max_model_len is not set and no layout holds max_position_embeddings tokens, the plan
+// lowers it to what the KV cache holds, but not below this: a shorter context is not worth serving.
+constexpr int64_t kMinLoweredModelLen = 2048;
+
+// Beyond these a config.json is not a model but a typo: products of its sizes could overflow 64
+// bits, or the layouts to weigh would not fit in memory. (The largest published dense models have
+// under 1e12 parameters and 128 layers.)
+constexpr double kMaxParameters = 1e15;
+constexpr int64_t kMaxLayers = 1024;
+
+// How well a layout fits: it holds the target sequence length, holds only a lowered one (when the
+// length was not set), or does not fit.
+enum class Tier { kFull = 0, kLowered = 1, kNone = 2 };
+
+// Everything one MakePlan call shares across the layouts it weighs.
+struct Context {
+  const ModelConfig& config;
+  const ClusterSpec& cluster;
+  const PlanOptions& options;
+  DType dtype;
+  uint64_t usable;     // bytes per GPU the worker may use
+  int64_t target_len;  // max_model_len wanted
+  int64_t min_len;     // the shortest max_model_len accepted (== target_len when it was set)
+  std::vector<WeightTensor> tensors;
+};
+
+// One layout, evaluated.
+struct Layout {
+  int tp = 1, pp = 1;
+  std::vector<StagePlan> stages;
+  std::vector<GpuPlan> gpus;
+  DecodeEstimate decode;
+  int64_t kv_blocks = 0;  // the smallest GPU's
+  Tier tier = Tier::kNone;
+  int64_t max_model_len = 0;
+  int64_t shortfall = 0;  // the largest GPU's
+  int worst_gpu = 0;      // index into gpus of that GPU
+};
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// TP groups of `tp` GPUs the cluster holds: a group never spans nodes.
+int StageSlots(const ClusterSpec& c, int tp) {
+  int slots = 0;
+  for (int g : c.gpus_per_node) slots += g / tp;
+  return slots;
+}
+
+// The TP sizes that divide the model's heads (model/sharding.h) and fit in the largest node.
+std::vector<int> ValidTpSizes(const ModelConfig& config, const ClusterSpec& cluster) {
+  std::vector<int> sizes;
+  for (int t = 1; t <= cluster.max_gpus_per_node(); ++t) {
+    if (CheckTpDivides(config, t).ok()) sizes.push_back(t);
+  }
+  return sizes;
+}
+
+// Layers per stage, balanced by weight bytes. Every layer has the same shapes, so a stage's bytes
+// are first/last extras + layers x layer_bytes: the embedding (first stage) and the final norm and
+// LM head (last stage) are the extras.
+//
+// Rule: start from an even split of the layer count (the remainder to the later stages), then
+// move one layer at a time from the heaviest stage to the lightest while that lowers the heavier
+// of the two, never below one layer per stage. Each move lowers the sum of squared loads, so it
+// ends; when it ends no layout has a lower maximum (the heaviest stage could only shed a layer to
+// a stage that would then be at least as heavy). An extra smaller than a layer therefore moves
+// nothing: Qwen2.5-72B on PP=2 is 40 + 40 (its embedding and LM head are 1.4 layers each, one at
+// each end), and on PP=3 it is 26 + 28 + 26.
+std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes, uint64_t first_extra,
+                                   uint64_t last_extra) {
+  std::vector<int64_t> count(pp, layers / pp);
+  for (int64_t i = 0; i < layers % pp; ++i) count[pp - 1 - i] += 1;
+  auto load = [&](int s) {
+    return (s == 0 ? first_extra : 0) + (s == pp - 1 ? last_extra : 0) + static_cast<uint64_t>(count[s]) * layer_bytes;
+  };
+  for (;;) {
+    int heavy = 0, light = 0;
+    for (int s = 1; s < pp; ++s) {
+      if (load(s) > load(heavy)) heavy = s;
+      if (load(s) < load(light)) light = s;
+    }
+    if (count[heavy] <= 1 || load(light) + layer_bytes >= load(heavy)) break;
+    --count[heavy];
+    ++count[light];
+  }
+  return count;
+}
+
+// The worker's step buffers, as LlamaShard::Load allocates them (worker/llama.cc): I32 step
+// inputs, the [tokens, width] activations of one layer at a time, and on the last stage the
+// logits (this rank's slice, the all-gathered slices and the assembled rows, F32). The block table
+// is sized for the target length, an upper bound on the one the workers get.
+uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
+  const ModelConfig& c = ctx.config;
+  const uint64_t n = ctx.options.max_tokens_per_step, m = ctx.options.max_seqs_per_step;
+  const uint64_t act = DTypeSize(ctx.dtype), H = c.hidden_size;
+  const uint64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
+  const uint64_t max_blocks = CeilDiv(ctx.target_len, ctx.options.block_size);
+  uint64_t bytes = 4 * (4 * n + m * max_blocks + m);    // ids, positions, token_seq, slots; block tables; logit rows
+  bytes += act * n * (3 * H + 2 * q + 2 * kv + 2 * f);  // hidden, normed, proj; q, attn; k, v; gate, up
+  bytes += 4 * static_cast<uint64_t>(c.head_dim / 2);   // RoPE inverse frequencies
+  if (last_stage) {
+    const uint64_t vr = s.vocab_rows_per_rank, t = s.tp_size;
+    bytes += act * m * H + 4 * m * vr * (1 + t) + 4 * m * static_cast<uint64_t>(c.vocab_size);
+  }
+  return bytes;
+}
+
+// Assigns stage s to the s-th TP group slot: nodes in order, groups packed from GPU 0, so
+// consecutive stages share a node whenever they can (their hop then stays on NVLink).
+void PlaceStages(const ClusterSpec& cluster, int tp, std::vector<StagePlan>* stages) {
+  size_t s = 0;
+  for (int node = 0; node < cluster.nodes() && s < stages->size(); ++node) {
+    for (int slot = 0; slot < cluster.gpus_per_node[node] / tp && s < stages->size(); ++slot, ++s) {
+      (*stages)[s].node = node;
+      (*stages)[s].first_gpu = slot * tp;
+    }
+  }
+}
+
+// Roofline of one decode token (batch 1) through every stage in turn. Memory-bound: a GPU reads
+// every weight byte it holds once per step. A ring all-reduce of M bytes over t GPUs moves
+// 2 (t-1)/t x M per GPU; the logits all-gather moves (t-1) slices of F32 logits; a stage hands
+// its hidden state (M bytes) to the next over NVLink or, between nodes, the NIC. Each collective
+// or message also pays the link's fixed latency, which is what dominates at batch 1.
+DecodeEstimate EstimateDecode(const Context& ctx, const Layout& l) {
+  const ClusterSpec& c = ctx.cluster;
+  const double M = static_cast<double>(ctx.config.hidden_size * DTypeSize(ctx.dtype));
+  const int t = l.tp;
+  DecodeEstimate e;
+  for (size_t s = 0; s < l.stages.size(); ++s) {
+    const StagePlan& st = l.stages[s];
+    uint64_t max_weights = 0;
+    for (int r = 0; r < t; ++r) max_weights = std::max(max_weights, l.gpus[s * t + r].weight_bytes);
+    e.weights_s += static_cast<double>(max_weights) / c.gpu.hbm_bytes_per_s;
+    if (t > 1) {
+      const double all_reduce = c.intra_node_latency_s + 2.0 * (t - 1) / t * M / c.intra_node_bytes_per_s;
+      const int64_t count = 2 * st.num_layers() + (st.embedding ? 1 : 0);  // o_proj, down_proj; embedding
+      e.collectives_s += static_cast<double>(count) * all_reduce;
+      if (st.lm_head) {
+        const double slice = 4.0 * static_cast<double>(CeilDiv(ctx.config.vocab_size, t));
+        e.collectives_s += c.intra_node_latency_s + (t - 1) * slice / c.intra_node_bytes_per_s;
+      }
+    }
+    if (s + 1 < l.stages.size()) {
+      const bool same_node = l.stages[s + 1].node == st.node;
+      e.transfers_s += same_node ? c.intra_node_latency_s + M / c.intra_node_bytes_per_s
+                                 : c.inter_node_latency_s + M / c.inter_node_bytes_per_s;
+    }
+  }
+  return e;
+}
+
+// Lays the model out as TP = tp, PP = pp (both valid for the model and the cluster) and measures
+// every GPU's memory.
+Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const std::vector<TpShard>& shards, int tp,
+                int pp) {
+  const ModelConfig& c = ctx.config;
+  const int64_t block = ctx.options.block_size;
+  Layout l;
+  l.tp = tp;
+  l.pp = pp;
+
+  // Stages, balanced on rank 0 (it holds the widest vocab slice; layers are alike on every rank).
+  const RankWeights& r0 = ranks[0];
+  std::vector<int64_t> counts =
+      BalanceLayers(c.num_hidden_layers, pp, r0.layers[0], r0.embedding, r0.final_norm + r0.lm_head);
+  int64_t next = 0;
+  for (int s = 0; s < pp; ++s) {
+    StagePlan st;
+    st.first_layer = next;
+    st.last_layer = next + counts[s] - 1;
+    st.embedding = s == 0;
+    st.lm_head = s == pp - 1;
+    next += counts[s];
+    l.stages.push_back(st);
+  }
+  PlaceStages(ctx.cluster, tp, &l.stages);
+
+  // Per GPU: weights, step buffers and reserve first; the KV cache takes what is left.
+  const int64_t need_tokens = CeilDiv(ctx.min_len, block) * block;
+  l.kv_blocks = INT64_MAX;
+  l.shortfall = INT64_MIN;
+  for (int s = 0; s < pp; ++s) {
+    const StagePlan& st = l.stages[s];
+    for (int r = 0; r < tp; ++r) {
+      GpuPlan g;
+      g.stage = s;
+      g.tp_rank = r;
+      g.node = st.node;
+      g.gpu = st.first_gpu + r;
+      g.weight_bytes = ranks[r].Stage(st.first_layer, st.last_layer + 1, st.embedding, st.lm_head);
+      g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
+      g.reserve_bytes = ctx.options.runtime_reserve_bytes;
+      g.kv_bytes_per_token = 2 * st.num_layers() * shards[r].kv_heads * c.head_dim * DTypeSize(ctx.dtype);
+      const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes);
+      const int64_t free = static_cast<int64_t>(ctx.usable) - fixed;
+      g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
+      g.shortfall_bytes =
+          fixed + static_cast<int64_t>(g.kv_bytes_per_token) * need_tokens - static_cast<int64_t>(ctx.usable);
+      l.kv_blocks = std::min(l.kv_blocks, g.kv_cache_tokens / block);
+      if (g.shortfall_bytes > l.shortfall) {
+        l.shortfall = g.shortfall_bytes;
+        l.worst_gpu = static_cast<int>(l.gpus.size());
+      }
+      l.gpus.push_back(g);
+    }
+  }
+  const int64_t capacity = l.kv_blocks * block;
+  if (capacity >= ctx.target_len) {
+    l.tier = Tier::kFull;
+    l.max_model_len = ctx.target_len;
+  } else if (capacity >= ctx.min_len) {
+    l.tier = Tier::kLowered;
+    l.max_model_len = capacity;
+  } else {
+    l.tier = Tier::kNone;
+    l.max_model_len = ctx.target_len;
+  }
+  l.decode = EstimateDecode(ctx, l);
+  return l;
+}
+
+// Orders layouts best first: those holding the target length, then those holding a lowered one,
+// each by estimated decode step (ties: fewer GPUs, then the larger TP); then those that do not
+// fit, closest first.
+bool Better(const Layout& a, const Layout& b) {
+  if (a.tier != b.tier) return a.tier < b.tier;
+  if (a.tier == Tier::kNone) {
+    return std::tuple(a.shortfall, a.tp * a.pp, -a.tp) < std::tuple(b.shortfall, b.tp * b.pp, -b.tp);
+  }
+  return std::tuple(a.decode.total_s(), a.tp * a.pp, -a.tp) < std::tuple(b.decode.total_s(), b.tp * b.pp, -b.tp);
+}
+
+std::string GpuName(const GpuPlan& g) { return absl::StrCat("node ", g.node, " GPU ", g.gpu); }
+
+LayoutOption Summarize(const Context& ctx, const Layout& l) {
+  LayoutOption o;
+  o.tp = l.tp;
+  o.pp = l.pp;
+  o.fits = l.tier != Tier::kNone;
+  o.max_model_len = o.fits ? l.max_model_len : 0;
+  o.kv_cache_tokens = l.kv_blocks * ctx.options.block_size;
+  for (const GpuPlan& g : l.gpus) o.max_weight_bytes = std::max(o.max_weight_bytes, g.weight_bytes);
+  o.shortfall_bytes = o.fits ? 0 : l.shortfall;
+  o.decode_step_s = l.decode.total_s();
+  switch (l.tier) {
+    case Tier::kFull: o.note = "fits"; break;
+    case Tier::kLowered: o.note = absl::StrCat("fits with max_model_len ", fmt::Count(l.max_model_len)); break;
+    case Tier::kNone:
+      o.note = absl::StrCat("short by ", fmt::Size(l.shortfall), " on ", GpuName(l.gpus[l.worst_gpu]));
+      break;
+  }
+  return o;
+}
+
+// Why the chosen layout, for a plan that fits.
+std::string FitReason(const Context& ctx, const Layout& chosen, const std::vector<const Layout*>& fitting,
+                      bool forced) {
+  std::string why = absl::StrCat(fmt::Layout(chosen.tp, chosen.pp), " on ", chosen.tp * chosen.pp, " GPU",
+                                 chosen.tp * chosen.pp == 1 ? "" : "s", " fits with KV cache for ",
+                                 fmt::Count(chosen.kv_blocks * ctx.options.block_size), " tokens");
+  // What the layouts it was chosen among have in common.
+  const bool full = chosen.tier == Tier::kFull;
+  const std::string sequence = absl::StrCat(" a ", fmt::Count(ctx.target_len), "-token sequence");
+  if (forced) {
+    absl::StrAppend(&why, " (layout forced)");
+  } else if (fitting.size() == 1) {
+    absl::StrAppend(&why, "; it is the only layout that ", full ? "holds" + sequence : "fits");
+  } else {
+    absl::StrAppend(&why, "; the fastest estimated decode step (", fmt::Ms(chosen.decode.total_s()), ") of the ",
+                    fitting.size(), " layouts that ", full ? "hold" + sequence : "fit",
+                    " (next: ", fmt::Layout(fitting[1]->tp, fitting[1]->pp), ", ",
+                    fmt::Ms(fitting[1]->decode.total_s()), ")");
+  }
+  if (chosen.tier == Tier::kLowered) {
+    absl::StrAppend(&why, ". max_model_len lowered from ", fmt::Count(ctx.target_len), " to ",
+                    fmt::Count(chosen.max_model_len), ": no layout's KV cache holds a ", fmt::Count(ctx.target_len),
+                    "-token sequence (set max_model_len, add GPUs or raise gpu_memory_utilization)");
+  }
+  return why + ".";
+}
+
+// Why nothing fits, by how much, and what would help.
+std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t model_bytes, bool forced) {
+  const ModelConfig& c = ctx.config;
+  const GpuPlan& g = closest.gpus[closest.worst_gpu];
+  const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.block_size) * ctx.options.block_size;
+  const uint64_t kv = g.kv_bytes_per_token * need_tokens;
+  const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes;
+  std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s in %s) does not fit on %s. ", c.architecture_name,
+                                    c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
+                                    PlanDTypeName(ctx.dtype), ctx.cluster.Describe());
+  absl::StrAppend(&why, forced ? "The forced layout, " : "The closest layout, ", fmt::Layout(closest.tp, closest.pp),
+                  ", needs ", fmt::Size(fixed + kv), " on ", GpuName(g), " (", fmt::Size(g.weight_bytes), " weights + ",
+                  fmt::Size(g.activation_bytes), " step buffers + ", fmt::Size(g.reserve_bytes), " runtime reserve + ",
+                  fmt::Size(kv), " KV cache for ", fmt::Count(need_tokens), " tokens) but ", fmt::Size(ctx.usable),
+                  absl::StrFormat(" is usable (%.2f x %s)", ctx.options.gpu_memory_utilization,
+                                  fmt::Size(ctx.cluster.gpu.memory_bytes)),
+                  ": short by ", fmt::Size(g.shortfall_bytes), ".");
+  if (fixed <= ctx.usable) {
+    // Weights fit; the KV cache is what is missing.
+    absl::StrAppend(&why, " Its KV cache holds only ", fmt::Count(closest.kv_blocks * ctx.options.block_size),
+                    " tokens: lower max_model_len to at most that, raise gpu_memory_utilization or add GPUs.");
+  } else if (ctx.usable > ctx.options.runtime_reserve_bytes + g.activation_bytes) {
+    const uint64_t room = ctx.usable - ctx.options.runtime_reserve_bytes - g.activation_bytes;
+    absl::StrAppend(&why, " The weights alone need at least ", CeilDiv(model_bytes, room), " GPUs of this size.");
+  }
+  return why;
+}
+
+absl::Status ValidateOptions(const PlanOptions& o) {
+  if (!(o.gpu_memory_utilization > 0 && o.gpu_memory_utilization <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gpu_memory_utilization must be in (0, 1], got ", o.gpu_memory_utilization));
+  }
+  if (o.max_model_len < 0 || o.max_model_len > (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_model_len must be 0 (the model's) or in [1, 2^31], got ", o.max_model_len));
+  }
+  if (o.runtime_reserve_bytes > (uint64_t{1} << 50)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("runtime_reserve_bytes must be at most 2^50, got ", o.runtime_reserve_bytes));
+  }
+  if (o.tp < 0 || o.pp < 0) return absl::InvalidArgumentError("TP and PP must be >= 1 when forced");
+  for (auto [name, v, max] : {std::tuple{"max_tokens_per_step", o.max_tokens_per_step, int64_t{1} << 20},
+                              {"max_seqs_per_step", o.max_seqs_per_step, int64_t{1} << 20},
+                              {"block_size", o.block_size, int64_t{1} << 16}}) {
+    if (v < 1 || v > max) return absl::InvalidArgumentError(absl::StrCat(name, " must be in [1, ", max, "], got ", v));
+  }
+  if (o.dtype && *o.dtype == DType::kI32) return absl::InvalidArgumentError("the model dtype must be F32, F16 or BF16");
+  return absl::OkStatus();
+}
+
+// Checks a forced TP and/or PP against the model and the cluster, with errors naming the numbers.
+absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster, int tp, int pp) {
+  if (tp > 0) {
+    if (absl::Status s = CheckTpDivides(c, tp); !s.ok()) {
+      std::vector<int> valid = ValidTpSizes(c, cluster);
+      return absl::InvalidArgumentError(
+          absl::StrCat("TP=", tp, ": ", s.message(), " (", c.num_attention_heads, " heads, ", c.num_key_value_heads,
+                       " KV heads, intermediate size ", c.intermediate_size,
+                       "); TP sizes that work on this cluster: ", absl::StrJoin(valid, ", ")));
+    }
+    if (tp > cluster.max_gpus_per_node()) {
+      return absl::InvalidArgumentError(absl::StrCat("TP=", tp, " needs ", tp, " GPUs in one node (tensor parallelism ",
+                                                     "stays inside a node) but the largest node has ",
+                                                     cluster.max_gpus_per_node()));
+    }
+  }
+  if (pp > 0 && pp > c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("PP=", pp, " needs ", pp, " stages of at least one layer but the ",
+                                                   "model has ", c.num_hidden_layers, " layers"));
+  }
+  if (pp > cluster.total_gpus()) {
+    return absl::InvalidArgumentError(absl::StrCat("PP=", pp, " needs ", pp, " GPUs (one TP group per stage) but ",
+                                                   cluster.Describe(), " has ", cluster.total_gpus()));
+  }
+  if (tp > 0 && pp > 0 && pp > StageSlots(cluster, tp)) {
+    return absl::InvalidArgumentError(absl::StrCat(fmt::Layout(tp, pp), " needs ", pp, " groups of ", tp,
+                                                   " GPUs inside nodes; ", cluster.Describe(), " has room for ",
+                                                   StageSlots(cluster, tp)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<DType> ParsePlanDType(const std::string& name) {
+  const std::string n = absl::AsciiStrToLower(name);
+  if (n == "bf16" || n == "bfloat16") return DType::kBF16;
+  if (n == "fp16" || n == "f16" || n == "float16") return DType::kF16;
+  if (n == "fp32" || n == "f32" || n == "float32") return DType::kF32;
+  return absl::InvalidArgumentError(absl::StrCat("dtype \"", name, "\" is not one of bf16, fp16, fp32"));
+}
+
+const char* PlanDTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "fp16";
+    case DType::kF32: return "fp32";
+    case DType::kI32: return "i32";
+  }
+  return "?";
+}
+
+absl::StatusOr<PlannerModel> OpenPlannerModel(const std::filesystem::path& path) {
+  PlannerModel m;
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(path);
+  if (!config.ok()) return config.status();
+  m.config = std::move(*config);
+  if (std::filesystem::is_directory(path)) {
+    bool has_weights = false;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
+      if (entry.path().extension() == ".safetensors") has_weights = true;
+    }
+    if (ec) return absl::NotFoundError(absl::StrCat(path.string(), ": cannot list the directory: ", ec.message()));
+    if (has_weights) {
+      absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(path);
+      if (!ckpt.ok()) return ckpt.status();
+      m.checkpoint = std::move(*ckpt);
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* checkpoint, const ClusterSpec& cluster,
+                              const PlanOptions& options) {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  if (absl::Status s = ValidateCluster(cluster); !s.ok()) return s;
+  const ModelConfig& c = config;
+  // A float estimate first, so that no integer product of the sizes below can overflow.
+  const double params =
+      static_cast<double>(c.num_hidden_layers) * (2.0 * c.hidden_size * c.q_dim() + 2.0 * c.hidden_size * c.kv_dim() +
+                                                  3.0 * c.hidden_size * c.intermediate_size) +
+      2.0 * c.vocab_size * c.hidden_size;
+  if (!(params <= kMaxParameters)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("config.json describes %.3g parameters; the planner stops at %.0g", params, kMaxParameters));
+  }
+  if (c.num_hidden_layers > kMaxLayers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json has ", c.num_hidden_layers, " layers; the planner stops at ", kMaxLayers));
+  }
+  if (options.max_model_len == 0 && c.max_position_embeddings <= 0) {
+    return absl::InvalidArgumentError("config.json has no max_position_embeddings: set max_model_len");
+  }
+  if (c.max_position_embeddings > 0 && options.max_model_len > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("max_model_len ", options.max_model_len,
+                                                   " is longer than the model's max_position_embeddings (",
+                                                   c.max_position_embeddings, ")"));
+  }
+  if (absl::Status s = CheckForcedLayout(c, cluster, options.tp, options.pp); !s.ok()) return s;
+
+  Context ctx{c, cluster, options, options.dtype.value_or(c.dtype), 0, 0, 0, {}};
+  ctx.usable = static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(cluster.gpu.memory_bytes));
+  ctx.target_len = options.max_model_len > 0 ? options.max_model_len : c.max_position_embeddings;
+  ctx.min_len = options.max_model_len > 0 ? ctx.target_len : std::min(ctx.target_len, kMinLoweredModelLen);
+  if (checkpoint != nullptr) {
+    absl::StatusOr<std::vector<WeightTensor>> w = CheckpointWeights(c, *checkpoint);
+    if (!w.ok()) return w.status();
+    ctx.tensors = std::move(*w);
+  } else {
+    ctx.tensors = ExpectedWeights(c);
+  }
+
+  // Weigh every layout the request allows.
+  std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp} : ValidTpSizes(c, cluster);
+  std::vector<Layout> layouts;
+  for (int tp : tps) {
+    std::vector<TpShard> shards;
+    std::vector<RankWeights> ranks;
+    for (int r = 0; r < tp; ++r) {
+      absl::StatusOr<TpShard> shard = ComputeTpShard(c, r, tp);
+      if (!shard.ok()) return shard.status();
+      shards.push_back(*shard);
+      ranks.push_back(CountRankWeights(c, ctx.tensors, *shard, ctx.dtype));
+    }
+    const int max_pp = static_cast<int>(std::min<int64_t>(c.num_hidden_layers, StageSlots(cluster, tp)));
+    for (int pp = 1; pp <= max_pp; ++pp) {
+      if (options.pp != 0 && options.pp != pp) continue;
+      layouts.push_back(Evaluate(ctx, ranks, shards, tp, pp));
+      // A deeper pipeline reads the same weights per token one stage after another and adds a hop
+      // per stage, so once a layout holds the target length no larger PP with this TP can win.
+      if (layouts.back().tier == Tier::kFull) break;
+    }
+  }
+  std::stable_sort(layouts.begin(), layouts.end(), Better);
+  const Layout& best = layouts.front();
+
+  Plan plan;
+  plan.architecture = c.architecture_name;
+  plan.weights_from = checkpoint != nullptr ? absl::StrCat("checkpoint ", checkpoint->dir().string()) : "config.json";
+  plan.num_layers = c.num_hidden_layers;
+  plan.parameters = c.ParameterCount();
+  for (const WeightTensor& w : ctx.tensors) {
+    int64_t n = 1;
+    for (int64_t d : w.shape) n *= d;
+    plan.model_weight_bytes += static_cast<uint64_t>(n) * DTypeSize(ctx.dtype);
+  }
+  plan.dtype = ctx.dtype;
+  plan.cluster = cluster;
+  plan.options = options;
+  plan.options.dtype = ctx.dtype;
+  plan.usable_bytes_per_gpu = ctx.usable;
+  plan.tp = best.tp;
+  plan.pp = best.pp;
+  plan.stages = best.stages;
+  plan.per_gpu = best.gpus;
+  plan.max_model_len = best.max_model_len;
+  plan.target_max_model_len = ctx.target_len;
+  plan.kv_cache_tokens = best.kv_blocks * options.block_size;
+  plan.sizing = {options.max_tokens_per_step, options.max_seqs_per_step, options.block_size, best.kv_blocks,
+                 CeilDiv(best.max_model_len, options.block_size)};
+  plan.decode = best.decode;
+  for (const Layout& l : layouts) plan.layouts.push_back(Summarize(ctx, l));
+  plan.fits = best.tier != Tier::kNone;
+  const bool forced = options.tp > 0 && options.pp > 0;
+  if (plan.fits) {
+    std::vector<const Layout*> fitting;
+    for (const Layout& l : layouts) {
+      if (l.tier == best.tier) fitting.push_back(&l);
+    }
+    plan.reason = FitReason(ctx, best, fitting, forced);
+  } else {
+    plan.reason = RefusalReason(ctx, best, plan.model_weight_bytes, forced);
+  }
+  return plan;
+}
+
+}  // namespace shardserve

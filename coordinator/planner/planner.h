@@ -1,0 +1,164 @@
+// The planner: how a model is split over a cluster. It chooses the tensor-parallel degree (TP,
+// inside one node, dividing the attention heads) and the pipeline-parallel degree (PP, stages of
+// consecutive layers, across nodes), gives each stage its layers, and says per GPU how many bytes
+// of weights it holds and how many tokens of KV cache fit beside them. A roofline estimate of one
+// decode step (weights read from HBM, all-reduces, stage-to-stage hops) ranks the layouts that fit.
+// docs/planner.md explains the memory math and the cost model with worked numbers.
+//
+// Used by the coordinator (with the registered workers grouped by node) and by `shardserve plan`.
+// Everything here is a pure function of its inputs; thread-compatible.
+#ifndef SHARDSERVE_COORDINATOR_PLANNER_PLANNER_H_
+#define SHARDSERVE_COORDINATOR_PLANNER_PLANNER_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "coordinator/planner/cluster.h"
+#include "kernels/tensor.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+
+namespace shardserve {
+
+struct PlanOptions {
+  // Fraction of each GPU's memory the worker may use, in (0, 1]; the rest is left to others.
+  double gpu_memory_utilization = 0.9;
+  // Longest sequence (prompt + output) to serve; the KV cache must hold one. 0: the model's
+  // max_position_embeddings, lowered to what the KV cache holds when no layout holds that many
+  // (but not below 2048 tokens, or the model's maximum when that is smaller).
+  int64_t max_model_len = 0;
+  // Force a layout (0: the planner chooses).
+  int tp = 0;
+  int pp = 0;
+  // Dtype of weights, activations and KV cache on the GPU. Unset: config.json's torch_dtype.
+  std::optional<DType> dtype;
+  // What one step may carry: the workers size their scratch buffers for it (worker/llama.h).
+  int64_t max_tokens_per_step = 2048;
+  int64_t max_seqs_per_step = 256;
+  int64_t block_size = 16;  // tokens per KV cache block
+  // Memory a GPU process uses beyond the worker's own buffers: CUDA context, cuBLAS workspace,
+  // NCCL buffers, allocator slack.
+  uint64_t runtime_reserve_bytes = uint64_t{1} << 30;
+};
+
+// One pipeline stage: consecutive layers on one TP group inside one node.
+struct StagePlan {
+  int64_t first_layer = 0;  // inclusive
+  int64_t last_layer = 0;   // inclusive
+  int node = 0;
+  int first_gpu = 0;       // GPU index inside the node of TP rank 0; rank r uses first_gpu + r
+  bool embedding = false;  // holds embed_tokens (the first stage)
+  bool lm_head = false;    // holds the final norm and the LM head (the last stage)
+  int64_t num_layers() const { return last_layer - first_layer + 1; }
+};
+
+// One GPU's share. Memory: weight + activation + reserve + kv_bytes_per_token x KV tokens <= the
+// usable memory (gpu_memory_utilization x total).
+struct GpuPlan {
+  int stage = 0;
+  int tp_rank = 0;
+  int node = 0;
+  int gpu = 0;                      // index inside the node
+  uint64_t weight_bytes = 0;        // this rank's slice of the stage's weights
+  uint64_t activation_bytes = 0;    // the worker's step buffers (hidden states, q/k/v, MLP, logits)
+  uint64_t reserve_bytes = 0;       // PlanOptions::runtime_reserve_bytes
+  uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x stage layers x local KV heads x head_dim x dtype
+  int64_t kv_cache_tokens = 0;      // tokens the memory left after the above holds
+  int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
+};
+
+// Roofline of one decode step for one sequence through every stage in turn (seconds).
+struct DecodeEstimate {
+  double weights_s = 0;      // each stage's largest weight slice / HBM bandwidth, summed over stages
+  double collectives_s = 0;  // TP all-reduces (2 per layer, 1 for the embedding) and the logits all-gather
+  double transfers_s = 0;    // the hidden state from each stage to the next
+  double total_s() const { return weights_s + collectives_s + transfers_s; }
+};
+
+// The per-worker sizes the coordinator passes on (worker/llama.h RuntimeOptions).
+struct WorkerSizing {
+  int64_t max_tokens_per_step = 0;
+  int64_t max_seqs_per_step = 0;
+  int64_t block_size = 0;
+  int64_t num_kv_blocks = 0;  // the same on every worker: block tables are shared by all stages
+  int64_t max_blocks_per_seq = 0;
+};
+
+// One (TP, PP) layout the planner weighed.
+struct LayoutOption {
+  int tp = 0;
+  int pp = 0;
+  bool fits = false;
+  int64_t max_model_len = 0;      // what it serves when it fits
+  int64_t kv_cache_tokens = 0;    // the smallest GPU capacity, whole blocks
+  uint64_t max_weight_bytes = 0;  // the largest GPU's weights
+  int64_t shortfall_bytes = 0;    // the largest GPU's, when it does not fit
+  double decode_step_s = 0;
+  std::string note;  // why it fits or not, in a few words
+};
+
+struct Plan {
+  // ---- The model and the inputs ----
+  std::string architecture;  // "Qwen2ForCausalLM"
+  std::string weights_from;  // "config.json" or "checkpoint <dir>"
+  int64_t num_layers = 0;
+  int64_t parameters = 0;
+  uint64_t model_weight_bytes = 0;  // the whole model, unsharded, in `dtype`
+  DType dtype = DType::kBF16;
+  ClusterSpec cluster;
+  PlanOptions options;
+  uint64_t usable_bytes_per_gpu = 0;  // gpu_memory_utilization x memory
+
+  // ---- The chosen layout (the closest one when nothing fits) ----
+  int tp = 1;
+  int pp = 1;
+  std::vector<StagePlan> stages;
+  std::vector<GpuPlan> per_gpu;  // stage-major: per_gpu[stage * tp + tp_rank]
+  int64_t max_model_len = 0;     // served; below the target when lowered to fit
+  int64_t target_max_model_len = 0;
+  int64_t kv_cache_tokens = 0;  // sizing.num_kv_blocks x block_size: what the scheduler may use
+  WorkerSizing sizing;
+  DecodeEstimate decode;
+
+  // Every layout weighed: the chosen one first, then the others that fit (fastest first), then
+  // those that do not.
+  std::vector<LayoutOption> layouts;
+
+  bool fits = false;
+  std::string reason;  // why this layout, or why nothing fits and what would help
+};
+
+// Plans `config` (with the tensors of `checkpoint` when not null, else as config.json implies)
+// onto `cluster`.
+//
+// Errors (InvalidArgument, with the numbers) for requests no cluster could satisfy: a forced TP
+// that does not divide the heads or exceeds a node, more stages than layers, a forced layout
+// larger than the cluster, options out of range. FailedPrecondition when the checkpoint does not
+// match config.json. A model that is merely too big is not an error: the Plan says fits = false
+// and by how much it falls short.
+absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* checkpoint, const ClusterSpec& cluster,
+                              const PlanOptions& options);
+
+// A model to plan, as `shardserve plan` reads it: `path` is a checkpoint directory (config.json
+// plus safetensors, which are opened to check their tensors without reading data; a directory with
+// only config.json is planned from it) or a config.json file. Errors name the file; an
+// architecture the workers cannot run is Unimplemented naming it.
+struct PlannerModel {
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> checkpoint;  // null: no safetensors at `path`
+};
+absl::StatusOr<PlannerModel> OpenPlannerModel(const std::filesystem::path& path);
+
+// "bf16", "bfloat16", "fp16", "f16", "float16", "fp32", "f32", "float32" (any case).
+absl::StatusOr<DType> ParsePlanDType(const std::string& name);
+// "bf16", "fp16", "fp32".
+const char* PlanDTypeName(DType dtype);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_PLANNER_PLANNER_H_

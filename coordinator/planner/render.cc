@@ -1,0 +1,178 @@
+#include "coordinator/planner/render.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "coordinator/planner/format.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve {
+namespace {
+
+namespace fmt = planner_format;
+using json = nlohmann::json;
+
+constexpr size_t kMaxLayoutRows = 10;
+
+constexpr size_t kWidth = 100;
+
+std::string GBps(double bytes_per_s) { return absl::StrFormat("%.0f GB/s", bytes_per_s / 1e9); }
+
+// `text` broken at spaces into lines of at most kWidth columns, each starting with `indent`.
+std::string Wrap(const std::string& text, const std::string& indent) {
+  std::string out, line = indent;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (line.size() > indent.size() && line.size() + 1 + word.size() > kWidth) {
+      absl::StrAppend(&out, line, "\n");
+      line = indent;
+    }
+    absl::StrAppend(&line, line.size() > indent.size() ? " " : "", word);
+  }
+  return absl::StrCat(out, line, "\n");
+}
+
+}  // namespace
+
+std::string PlanTable(const Plan& p) {
+  const ClusterSpec& c = p.cluster;
+  std::string out;
+  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s (weights from %s)\n", p.architecture,
+                        p.num_layers, fmt::Parameters(p.parameters), fmt::Size(p.model_weight_bytes),
+                        PlanDTypeName(p.dtype), p.weights_from);
+  absl::StrAppendFormat(&out, "cluster  %s: %s, HBM %s; intra-node %s, inter-node %s\n", c.Describe(),
+                        fmt::Size(c.gpu.memory_bytes), GBps(c.gpu.hbm_bytes_per_s), GBps(c.intra_node_bytes_per_s),
+                        GBps(c.inter_node_bytes_per_s));
+  absl::StrAppendFormat(&out, "usable   %.2f x %s = %s per GPU\n\n", p.options.gpu_memory_utilization,
+                        fmt::Size(c.gpu.memory_bytes), fmt::Size(p.usable_bytes_per_gpu));
+
+  if (p.fits) {
+    absl::StrAppendFormat(&out, "plan     %s on %d GPU%s, max_model_len %s, KV cache %s tokens (%s blocks of %d)\n",
+                          fmt::Layout(p.tp, p.pp), p.tp * p.pp, p.tp * p.pp == 1 ? "" : "s",
+                          fmt::Count(p.max_model_len), fmt::Count(p.kv_cache_tokens),
+                          fmt::Count(p.sizing.num_kv_blocks), p.sizing.block_size);
+  } else {
+    absl::StrAppendFormat(&out, "plan     DOES NOT FIT (closest layout shown: %s)\n", fmt::Layout(p.tp, p.pp));
+  }
+  absl::StrAppend(&out, Wrap(p.reason, "         "), "\n");
+
+  absl::StrAppendFormat(&out, "%5s  %-15s  %4s  %-6s  %s\n", "stage", "layers", "node", "GPUs", "also holds");
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const StagePlan& st = p.stages[s];
+    std::vector<std::string> extras;
+    if (st.embedding) extras.push_back("embedding");
+    if (st.lm_head) extras.push_back("final norm + LM head");
+    const std::string gpus =
+        p.tp == 1 ? absl::StrCat(st.first_gpu) : absl::StrCat(st.first_gpu, "-", st.first_gpu + p.tp - 1);
+    absl::StrAppendFormat(&out, "%5d  %-15s  %4d  %-6s  %s\n", s,
+                          absl::StrFormat("%d-%d (%d)", st.first_layer, st.last_layer, st.num_layers()), st.node, gpus,
+                          extras.empty() ? "-" : absl::StrJoin(extras, ", "));
+  }
+  absl::StrAppend(&out, "\n");
+
+  absl::StrAppendFormat(&out, "%4s  %3s  %5s  %7s  %11s  %12s  %10s  %10s  %15s\n", "node", "GPU", "stage", "TP rank",
+                        "weights", "step buffers", "reserve", "KV/token", "KV cache tokens");
+  for (const GpuPlan& g : p.per_gpu) {
+    absl::StrAppendFormat(&out, "%4d  %3d  %5d  %7d  %11s  %12s  %10s  %10s  %15s\n", g.node, g.gpu, g.stage, g.tp_rank,
+                          fmt::Size(g.weight_bytes), fmt::Size(g.activation_bytes), fmt::Size(g.reserve_bytes),
+                          absl::StrFormat("%.1f KiB", g.kv_bytes_per_token / 1024.0), fmt::Count(g.kv_cache_tokens));
+  }
+  absl::StrAppend(&out, "\n");
+
+  const DecodeEstimate& d = p.decode;
+  absl::StrAppendFormat(&out, "decode   %s per token at batch 1 (%.1f tokens/s), by roofline:\n", fmt::Ms(d.total_s()),
+                        1.0 / d.total_s());
+  absl::StrAppendFormat(&out, "         %s weights from HBM + %s TP collectives + %s stage hops\n\n",
+                        fmt::Ms(d.weights_s), fmt::Ms(d.collectives_s), fmt::Ms(d.transfers_s));
+
+  absl::StrAppend(&out, "layouts weighed, best first:\n");
+  absl::StrAppendFormat(&out, "   %3s  %3s  %4s  %11s  %10s  %11s  %s\n", "TP", "PP", "GPUs", "weights/GPU",
+                        "KV tokens", "decode step", "verdict");
+  for (size_t i = 0; i < p.layouts.size() && i < kMaxLayoutRows; ++i) {
+    const LayoutOption& l = p.layouts[i];
+    absl::StrAppendFormat(&out, " %s %3d  %3d  %4d  %11s  %10s  %11s  %s\n", i == 0 ? "*" : " ", l.tp, l.pp,
+                          l.tp * l.pp, fmt::Size(l.max_weight_bytes), l.fits ? fmt::Count(l.kv_cache_tokens) : "-",
+                          l.fits ? fmt::Ms(l.decode_step_s) : "-", l.note);
+  }
+  if (p.layouts.size() > kMaxLayoutRows) {
+    absl::StrAppendFormat(&out, "   (%d more; --json lists them all)\n", p.layouts.size() - kMaxLayoutRows);
+  }
+  return out;
+}
+
+std::string PlanJson(const Plan& p) {
+  const ClusterSpec& c = p.cluster;
+  json j;
+  j["model"] = {{"architecture", p.architecture},  {"weights_from", p.weights_from},
+                {"num_layers", p.num_layers},      {"parameters", p.parameters},
+                {"dtype", PlanDTypeName(p.dtype)}, {"weight_bytes", p.model_weight_bytes}};
+  j["cluster"] = {{"gpu", c.gpu.name},
+                  {"gpus_per_node", c.gpus_per_node},
+                  {"gpu_memory_bytes", c.gpu.memory_bytes},
+                  {"hbm_bytes_per_s", c.gpu.hbm_bytes_per_s},
+                  {"intra_node_bytes_per_s", c.intra_node_bytes_per_s},
+                  {"intra_node_latency_s", c.intra_node_latency_s},
+                  {"inter_node_bytes_per_s", c.inter_node_bytes_per_s},
+                  {"inter_node_latency_s", c.inter_node_latency_s}};
+  j["options"] = {{"gpu_memory_utilization", p.options.gpu_memory_utilization},
+                  {"usable_bytes_per_gpu", p.usable_bytes_per_gpu},
+                  {"runtime_reserve_bytes", p.options.runtime_reserve_bytes},
+                  {"target_max_model_len", p.target_max_model_len}};
+  j["tp"] = p.tp;
+  j["pp"] = p.pp;
+  j["stages"] = json::array();
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    const StagePlan& st = p.stages[s];
+    j["stages"].push_back({{"stage", s},
+                           {"first_layer", st.first_layer},
+                           {"last_layer", st.last_layer},
+                           {"node", st.node},
+                           {"first_gpu", st.first_gpu},
+                           {"embedding", st.embedding},
+                           {"lm_head", st.lm_head}});
+  }
+  j["per_gpu"] = json::array();
+  for (const GpuPlan& g : p.per_gpu) {
+    j["per_gpu"].push_back({{"stage", g.stage},
+                            {"tp_rank", g.tp_rank},
+                            {"node", g.node},
+                            {"gpu", g.gpu},
+                            {"weight_bytes", g.weight_bytes},
+                            {"activation_bytes", g.activation_bytes},
+                            {"reserve_bytes", g.reserve_bytes},
+                            {"kv_bytes_per_token", g.kv_bytes_per_token},
+                            {"kv_cache_tokens", g.kv_cache_tokens},
+                            {"shortfall_bytes", std::max<int64_t>(g.shortfall_bytes, 0)}});
+  }
+  j["max_model_len"] = p.max_model_len;
+  j["kv_cache_tokens"] = p.kv_cache_tokens;
+  j["worker_sizing"] = {{"max_tokens_per_step", p.sizing.max_tokens_per_step},
+                        {"max_seqs_per_step", p.sizing.max_seqs_per_step},
+                        {"block_size", p.sizing.block_size},
+                        {"num_kv_blocks", p.sizing.num_kv_blocks},
+                        {"max_blocks_per_seq", p.sizing.max_blocks_per_seq}};
+  j["decode_step"] = {{"weights_s", p.decode.weights_s},
+                      {"collectives_s", p.decode.collectives_s},
+                      {"transfers_s", p.decode.transfers_s},
+                      {"total_s", p.decode.total_s()},
+                      {"tokens_per_s", 1.0 / p.decode.total_s()}};
+  j["layouts"] = json::array();
+  for (const LayoutOption& l : p.layouts) {
+    j["layouts"].push_back({{"tp", l.tp},
+                            {"pp", l.pp},
+                            {"fits", l.fits},
+                            {"max_model_len", l.max_model_len},
+                            {"kv_cache_tokens", l.kv_cache_tokens},
+                            {"max_weight_bytes", l.max_weight_bytes},
+                            {"shortfall_bytes", l.shortfall_bytes},
+                            {"decode_step_s", l.decode_step_s},
+                            {"note", l.note}});
+  }
+  j["fits"] = p.fits;
+  j["reason"] = p.reason;
+  return j.dump(2);
+}
+
+}  // namespace shardserve

@@ -1,0 +1,118 @@
+#include "coordinator/planner/weights.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardserve {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+}  // namespace
+
+std::vector<WeightTensor> ExpectedWeights(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, Q = c.q_dim(), KV = c.kv_dim();
+  std::vector<WeightTensor> w;
+  w.push_back({"model.embed_tokens.weight", {V, H}, WeightPart::kEmbedding, -1, ShardAxis::kVocabRows});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    auto layer = [&](const std::string& name, std::vector<int64_t> shape, ShardAxis axis) {
+      w.push_back({p + name, std::move(shape), WeightPart::kLayer, i, axis});
+    };
+    layer("input_layernorm.weight", {H}, ShardAxis::kReplicated);
+    layer("self_attn.q_proj.weight", {Q, H}, ShardAxis::kQRows);
+    layer("self_attn.k_proj.weight", {KV, H}, ShardAxis::kKvRows);
+    layer("self_attn.v_proj.weight", {KV, H}, ShardAxis::kKvRows);
+    if (c.attention_bias) {
+      layer("self_attn.q_proj.bias", {Q}, ShardAxis::kQRows);
+      layer("self_attn.k_proj.bias", {KV}, ShardAxis::kKvRows);
+      layer("self_attn.v_proj.bias", {KV}, ShardAxis::kKvRows);
+    }
+    layer("self_attn.o_proj.weight", {H, Q}, ShardAxis::kQCols);
+    layer("post_attention_layernorm.weight", {H}, ShardAxis::kReplicated);
+    layer("mlp.gate_proj.weight", {I, H}, ShardAxis::kMlpRows);
+    layer("mlp.up_proj.weight", {I, H}, ShardAxis::kMlpRows);
+    layer("mlp.down_proj.weight", {H, I}, ShardAxis::kMlpCols);
+  }
+  w.push_back({"model.norm.weight", {H}, WeightPart::kFinalNorm, -1, ShardAxis::kReplicated});
+  if (!c.tie_word_embeddings) w.push_back({"lm_head.weight", {V, H}, WeightPart::kLmHead, -1, ShardAxis::kVocabRows});
+  return w;
+}
+
+absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint) {
+  std::vector<WeightTensor> weights = ExpectedWeights(config);
+  const std::string where = checkpoint.dir().string();
+  for (WeightTensor& w : weights) {
+    auto it = checkpoint.tensors().find(w.name);
+    if (it == checkpoint.tensors().end()) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", w.name,
+                                                        "\", which config.json (", config.architecture_name, ", ",
+                                                        config.num_hidden_layers, " layers) needs"));
+    }
+    const TensorInfo& t = it->second;
+    if (t.shape != w.shape) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", w.name, "\" has shape ",
+                                                        ShapeString(t.shape), " but config.json implies ",
+                                                        ShapeString(w.shape)));
+    }
+    if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", w.name, "\" is stored as ",
+                                                        DTypeName(t.dtype), "; the workers load F32, F16 or BF16"));
+    }
+    w.shape = t.shape;
+  }
+  return weights;
+}
+
+int64_t ShardElements(const WeightTensor& t, const TpShard& s) {
+  // Elements of the dimensions other than the cut one.
+  auto others = [&](size_t cut) {
+    int64_t n = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) n *= d == cut ? 1 : t.shape[d];
+    return n;
+  };
+  switch (t.axis) {
+    case ShardAxis::kReplicated: return others(t.shape.size());
+    case ShardAxis::kVocabRows: return s.vocab_rows.size() * others(0);
+    case ShardAxis::kQRows: return s.q_rows.size() * others(0);
+    case ShardAxis::kKvRows: return s.kv_rows.size() * others(0);
+    case ShardAxis::kMlpRows: return s.mlp_rows.size() * others(0);
+    case ShardAxis::kQCols: return s.q_rows.size() * others(1);
+    case ShardAxis::kMlpCols: return s.mlp_rows.size() * others(1);
+  }
+  return 0;
+}
+
+RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
+                             DType dtype) {
+  RankWeights r;
+  r.layers.assign(config.num_hidden_layers, 0);
+  r.tied = config.tie_word_embeddings;
+  for (const WeightTensor& t : tensors) {
+    const uint64_t bytes = static_cast<uint64_t>(ShardElements(t, shard)) * DTypeSize(dtype);
+    switch (t.part) {
+      case WeightPart::kEmbedding: r.embedding += bytes; break;
+      case WeightPart::kLayer: r.layers[t.layer] += bytes; break;
+      case WeightPart::kFinalNorm: r.final_norm += bytes; break;
+      case WeightPart::kLmHead: r.lm_head += bytes; break;
+    }
+  }
+  if (r.tied) r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice
+  return r;
+}
+
+uint64_t RankWeights::Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const {
+  uint64_t bytes = 0;
+  for (int64_t i = first_layer; i < end_layer; ++i) bytes += layers[i];
+  if (first_stage) bytes += embedding;
+  if (last_stage) {
+    bytes += final_norm;
+    // A tied LM head on the first stage is the embedding already counted (worker/llama.cc shares it).
+    if (!(tied && first_stage)) bytes += lm_head;
+  }
+  return bytes;
+}
+
+}  // namespace shardserve

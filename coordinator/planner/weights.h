@@ -1,0 +1,80 @@
+// The weights a worker loads and the bytes one tensor-parallel rank's slice of them takes, cut
+// exactly as the worker cuts them (model/sharding.h, worker/llama.cc), so the planner's memory
+// figures are the worker's.
+//
+// The list comes from config.json (when no safetensors are at hand: a 72B model can be planned
+// from its config alone) or from a checkpoint, whose tensors are then checked against config.json:
+// every tensor a worker reads must be there, with the shape config.json implies and a dtype the
+// loader converts. Plain value types; thread-compatible.
+#ifndef SHARDSERVE_COORDINATOR_PLANNER_WEIGHTS_H_
+#define SHARDSERVE_COORDINATOR_PLANNER_WEIGHTS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/sharding.h"
+
+namespace shardserve {
+
+// Which stage loads a tensor.
+enum class WeightPart {
+  kEmbedding,  // model.embed_tokens.weight: the first stage
+  kLayer,      // model.layers.{i}.*: the stage owning layer i
+  kFinalNorm,  // model.norm.weight: the last stage
+  kLmHead,     // lm_head.weight: the last stage (absent when tie_word_embeddings)
+};
+
+// How a tensor is cut across TP ranks (see model/sharding.h for the ranges).
+enum class ShardAxis {
+  kReplicated,  // norms: every rank holds all of it
+  kVocabRows,   // embed_tokens, lm_head: rows vocab_rows
+  kQRows,       // q_proj weight and bias: rows q_rows
+  kKvRows,      // k_proj, v_proj weights and biases: rows kv_rows (replicated heads when TP > KV heads)
+  kMlpRows,     // gate_proj, up_proj: rows mlp_rows
+  kQCols,       // o_proj: columns q_rows
+  kMlpCols,     // down_proj: columns mlp_rows
+};
+
+struct WeightTensor {
+  std::string name;            // "model.layers.3.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // full (unsharded) shape
+  WeightPart part = WeightPart::kLayer;
+  int64_t layer = -1;  // kLayer only
+  ShardAxis axis = ShardAxis::kReplicated;
+};
+
+// Every tensor the workers load, with the shapes config.json implies. Tied models have no
+// lm_head.weight: their last stage loads embed_tokens.weight as its LM head.
+std::vector<WeightTensor> ExpectedWeights(const ModelConfig& config);
+
+// The same list, read from `checkpoint` (shapes as stored). FailedPrecondition naming the tensor,
+// the checkpoint directory and both shapes when a tensor is missing, has another shape than
+// config.json implies, or is stored in a dtype the loader cannot convert (F32, F16, BF16 only).
+absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint);
+
+// Elements of `tensor` that the rank described by `shard` holds.
+int64_t ShardElements(const WeightTensor& tensor, const TpShard& shard);
+
+// One TP rank's weight bytes, by part, in the dtype the workers load weights in.
+struct RankWeights {
+  uint64_t embedding = 0;        // first stage
+  std::vector<uint64_t> layers;  // per decoder layer
+  uint64_t final_norm = 0;       // last stage
+  uint64_t lm_head = 0;          // last stage; for tied models, the embedding slice again
+  bool tied = false;             // lm_head is embed_tokens: one copy when one stage is first and last
+
+  // Bytes of the stage holding layers [first_layer, end_layer).
+  uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
+};
+
+RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
+                             DType dtype);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_PLANNER_WEIGHTS_H_

@@ -1,0 +1,192 @@
+// shardserve plan: how a model would be split over a cluster (TP inside nodes, PP across them),
+// with every GPU's memory and a roofline estimate of a decode step. Reads only config.json and
+// the safetensors headers; no GPU needed. See docs/planner.md.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/planner/cluster.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/planner/render.h"
+#include "tools/cli/command.h"
+#include "tools/cli/flags.h"
+
+namespace shardserve::cli {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32]\n"
+    "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
+    "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P] [--json]\n"
+    "\n"
+    "  Chooses tensor parallelism (TP, inside a node) and pipeline parallelism (PP, across nodes)\n"
+    "  for a model on a cluster, and prints each stage's layers and each GPU's weights, KV cache\n"
+    "  capacity and a roofline estimate of a decode step. Exit code 0 when the plan fits, 1 when it\n"
+    "  does not (or the model cannot be planned), 2 for bad flags.\n"
+    "\n"
+    "model:\n"
+    "  --model DIR                 checkpoint directory: config.json (+ safetensors, checked, not read)\n"
+    "  --config FILE               a config.json alone; weights are counted from it\n"
+    "  --dtype D                   weights and KV cache dtype on the GPU (default: torch_dtype)\n"
+    "cluster:\n"
+    "  --cluster NxGxGPU           N nodes of G GPUs, e.g. 2x1xA100-80GB, 1x8xH100-80GB; GPUs: %s\n"
+    "  --nodes N                   nodes (overrides the preset; default 1)\n"
+    "  --gpus-per-node G           GPUs in each node (overrides the preset; default 1)\n"
+    "  --gpu-memory-gb G           memory per GPU in GiB, as sold (\"80GB\" = 80 GiB)\n"
+    "  --hbm-gbps B                GPU memory bandwidth, GB/s\n"
+    "  --intra-node-gbps B         GPU-to-GPU bandwidth in a node per direction, GB/s (default 32, PCIe)\n"
+    "  --inter-node-gbps B         node-to-node bandwidth per direction, GB/s (default 25)\n"
+    "serving:\n"
+    "  --gpu-memory-utilization F  fraction of GPU memory to use (default 0.9)\n"
+    "  --max-model-len N           longest sequence (default: the model's, lowered to fit if needed)\n"
+    "  --max-tokens-per-step N     tokens per step the buffers are sized for (default 2048)\n"
+    "  --max-seqs-per-step N       sequences per step (default 256)\n"
+    "  --runtime-reserve-gb G      GiB per GPU for the CUDA context, cuBLAS and NCCL (default 1)\n"
+    "  --tp T, --pp P              force a layout\n"
+    "  --json                      print one JSON object instead of the table\n";
+
+// Defaults for a cluster given by explicit flags only: PCIe between GPUs, one 200 Gb/s NIC.
+constexpr double kDefaultIntraGbps = 32, kDefaultInterGbps = 25;
+constexpr double kPcieLatency = 20e-6, kNicLatency = 30e-6;
+
+int Usage(const std::string& msg) {
+  std::fprintf(stderr, "shardserve plan: %s (see shardserve plan --help)\n", msg.c_str());
+  return 2;
+}
+
+// A positive finite number flag; `*out` keeps its value when the flag is absent.
+absl::Status PositiveFlag(const Flags& f, const std::string& name, double* out) {
+  absl::StatusOr<double> v = f.GetDouble(name, *out);
+  if (!v.ok()) return v.status();
+  if (f.Has(name) && !(std::isfinite(*v) && *v > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --", name, " must be a positive number, got ", f.Get(name)));
+  }
+  *out = *v;
+  return absl::OkStatus();
+}
+
+// An integer flag in [lo, hi]; `*out` keeps its value when the flag is absent.
+template <typename T>
+absl::Status IntFlag(const Flags& f, const std::string& name, int64_t lo, int64_t hi, T* out) {
+  absl::StatusOr<int64_t> v = f.GetInt(name, *out);
+  if (!v.ok()) return v.status();
+  if (f.Has(name) && (*v < lo || *v > hi)) {
+    return absl::InvalidArgumentError(absl::StrCat("flag --", name, " must be in [", lo, ", ", hi, "], got ", *v));
+  }
+  *out = static_cast<T>(*v);
+  return absl::OkStatus();
+}
+
+// The cluster from --cluster and the explicit flags, which override the preset's fields.
+absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
+  ClusterSpec c;
+  if (f.Has("cluster")) {
+    absl::StatusOr<ClusterSpec> preset = ParseClusterPreset(f.Get("cluster"));
+    if (!preset.ok()) return preset.status();
+    c = *preset;
+  } else {
+    if (!f.Has("gpu-memory-gb") || !f.Has("hbm-gbps")) {
+      return absl::InvalidArgumentError("give --cluster NODESxGPUSxGPU, or --gpu-memory-gb and --hbm-gbps");
+    }
+    c.gpus_per_node = {1};
+    c.intra_node_bytes_per_s = kDefaultIntraGbps * 1e9;
+    c.intra_node_latency_s = kPcieLatency;
+    c.inter_node_bytes_per_s = kDefaultInterGbps * 1e9;
+    c.inter_node_latency_s = kNicLatency;
+  }
+  int nodes = c.nodes(), gpus = c.gpus_per_node.front();
+  if (absl::Status s = IntFlag(f, "nodes", 1, 4096, &nodes); !s.ok()) return s;
+  if (absl::Status s = IntFlag(f, "gpus-per-node", 1, 4096, &gpus); !s.ok()) return s;
+  c.gpus_per_node.assign(nodes, gpus);
+
+  double memory_gib = static_cast<double>(c.gpu.memory_bytes) / (1 << 30);
+  double hbm = c.gpu.hbm_bytes_per_s / 1e9, intra = c.intra_node_bytes_per_s / 1e9,
+         inter = c.inter_node_bytes_per_s / 1e9;
+  for (auto [name, value] : {std::pair{"gpu-memory-gb", &memory_gib},
+                             {"hbm-gbps", &hbm},
+                             {"intra-node-gbps", &intra},
+                             {"inter-node-gbps", &inter}}) {
+    if (absl::Status s = PositiveFlag(f, name, value); !s.ok()) return s;
+  }
+  if (memory_gib > 1e6) return absl::InvalidArgumentError("flag --gpu-memory-gb is above a million GiB");
+  if (f.Has("gpu-memory-gb")) {
+    c.gpu.memory_bytes = static_cast<uint64_t>(memory_gib * (1 << 30));
+    c.gpu.name = f.Has("cluster") ? absl::StrFormat("%s with %g GiB", c.gpu.name, memory_gib)
+                                  : absl::StrFormat("%g GiB GPU", memory_gib);
+  }
+  c.gpu.hbm_bytes_per_s = hbm * 1e9;
+  c.intra_node_bytes_per_s = intra * 1e9;
+  c.inter_node_bytes_per_s = inter * 1e9;
+  return c;
+}
+
+absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
+  PlanOptions o;
+  double util = o.gpu_memory_utilization;
+  if (absl::Status s = PositiveFlag(f, "gpu-memory-utilization", &util); !s.ok()) return s;
+  if (util > 1) return absl::InvalidArgumentError("flag --gpu-memory-utilization must be in (0, 1]");
+  o.gpu_memory_utilization = util;
+  if (absl::Status s = IntFlag(f, "max-model-len", 1, int64_t{1} << 31, &o.max_model_len); !s.ok()) return s;
+  if (absl::Status s = IntFlag(f, "max-tokens-per-step", 1, int64_t{1} << 20, &o.max_tokens_per_step); !s.ok())
+    return s;
+  if (absl::Status s = IntFlag(f, "max-seqs-per-step", 1, int64_t{1} << 20, &o.max_seqs_per_step); !s.ok()) return s;
+  absl::StatusOr<double> reserve_gib =
+      f.GetDouble("runtime-reserve-gb", static_cast<double>(o.runtime_reserve_bytes) / (1 << 30));
+  if (!reserve_gib.ok()) return reserve_gib.status();
+  if (!(std::isfinite(*reserve_gib) && *reserve_gib >= 0 && *reserve_gib <= 1e6)) {
+    return absl::InvalidArgumentError("flag --runtime-reserve-gb must be in [0, 1e6]");
+  }
+  o.runtime_reserve_bytes = static_cast<uint64_t>(*reserve_gib * (1 << 30));
+  if (absl::Status s = IntFlag(f, "tp", 1, 4096, &o.tp); !s.ok()) return s;
+  if (absl::Status s = IntFlag(f, "pp", 1, 1 << 20, &o.pp); !s.ok()) return s;
+  if (f.Has("dtype")) {
+    absl::StatusOr<DType> d = ParsePlanDType(f.Get("dtype"));
+    if (!d.ok()) return d.status();
+    o.dtype = *d;
+  }
+  return o;
+}
+
+int Run(const std::vector<std::string>& args) {
+  absl::StatusOr<Flags> flags =
+      Flags::Parse(args,
+                   {"model", "config", "dtype", "cluster", "nodes", "gpus-per-node", "gpu-memory-gb", "hbm-gbps",
+                    "intra-node-gbps", "inter-node-gbps", "gpu-memory-utilization", "max-model-len",
+                    "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp"},
+                   {"json", "help"});
+  if (!flags.ok()) return Usage(std::string(flags.status().message()));
+  if (flags->Has("help")) {
+    std::printf(kUsage, absl::StrJoin(GpuPresetNames(), ", ").c_str());
+    return 0;
+  }
+  if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
+  if (flags->Has("model") == flags->Has("config")) return Usage("give exactly one of --model DIR and --config FILE");
+  absl::StatusOr<ClusterSpec> cluster = ClusterFromFlags(*flags);
+  if (!cluster.ok()) return Usage(std::string(cluster.status().message()));
+  absl::StatusOr<PlanOptions> options = OptionsFromFlags(*flags);
+  if (!options.ok()) return Usage(std::string(options.status().message()));
+
+  absl::StatusOr<PlannerModel> model = OpenPlannerModel(flags->Get(flags->Has("model") ? "model" : "config"));
+  if (!model.ok()) {
+    std::fprintf(stderr, "shardserve plan: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  absl::StatusOr<Plan> plan = MakePlan(model->config, model->checkpoint.get(), *cluster, *options);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "shardserve plan: %s\n", std::string(plan.status().message()).c_str());
+    return 1;
+  }
+  const std::string text = flags->Has("json") ? PlanJson(*plan) + "\n" : PlanTable(*plan);
+  std::fputs(text.c_str(), stdout);
+  return plan->fits ? 0 : 1;
+}
+
+const CommandRegistration kRegistration({"plan", "choose TP/PP for a model on a cluster and show the memory math",
+                                         Run});
+
+}  // namespace
+}  // namespace shardserve::cli
