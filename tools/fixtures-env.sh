@@ -32,6 +32,10 @@ if ! "$PYTHON" -c "import torch, ensurepip" 2>/dev/null; then
   $SUDO apt-get install -y -q python3-torch python3-venv
 fi
 
+# For tools/train_demo_model.py only: the King James Bible text (bible-kjv-text, public domain) and
+# `bible` (bible-kjv), the reader that decompresses it.
+if ! command -v bible >/dev/null; then $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bible-kjv bible-kjv-text; fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "fixtures-env: creating $VENV"
   "$PYTHON" -m venv --system-site-packages "$VENV"
