@@ -1,0 +1,235 @@
+#include "coordinator/server/generation.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/random/random.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+namespace {
+
+constexpr int32_t kDefaultMaxTokens = 16;
+// Bounds on a request's stop conditions and id: far above any real use, low enough that a
+// request cannot make each token's checks expensive.
+constexpr int kMaxStops = 16;
+constexpr size_t kMaxStopBytes = 256;
+constexpr int kMaxStopTokenIds = 256;
+constexpr size_t kMaxRequestIdBytes = 128;
+
+absl::Status Invalid(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
+                                                   int64_t max_model_len, const std::string& default_request_id) {
+  GenerationParams p;
+  const int64_t vocab = model.config.vocab_size;
+
+  if (request.request_id().size() > kMaxRequestIdBytes ||
+      !std::all_of(request.request_id().begin(), request.request_id().end(),
+                   [](char c) { return c > ' ' && c < 127; })) {
+    return Invalid("request_id", absl::StrCat("at most ", kMaxRequestIdBytes, " printable characters without spaces"));
+  }
+  p.request_id = request.request_id().empty() ? default_request_id : request.request_id();
+
+  switch (request.prompt_case()) {
+    case v1::GenerateRequest::kText: {
+      if (model.tokenizer == nullptr) {
+        return Invalid("prompt.text", absl::StrCat("the model ", model.name,
+                                                   " has no tokenizer.json, so it takes token ids only: send "
+                                                   "prompt.token_ids"));
+      }
+      absl::StatusOr<std::vector<int32_t>> ids = model.tokenizer->Encode(request.text(), /*add_special_tokens=*/true);
+      if (!ids.ok()) return Invalid("prompt.text", ids.status().message());
+      p.prompt = std::move(*ids);
+      break;
+    }
+    case v1::GenerateRequest::kTokenIds:
+      p.prompt.assign(request.token_ids().ids().begin(), request.token_ids().ids().end());
+      for (int i = 0; i < request.token_ids().ids_size(); ++i) {
+        const int32_t id = request.token_ids().ids(i);
+        if (id < 0 || id >= vocab) {
+          return Invalid(absl::StrCat("prompt.token_ids.ids[", i, "]"),
+                         absl::StrCat(id, " is outside the vocabulary [0, ", vocab, ")"));
+        }
+      }
+      break;
+    case v1::GenerateRequest::PROMPT_NOT_SET:
+      return Invalid("prompt", "set text or token_ids");
+  }
+  if (p.prompt.empty()) return Invalid("prompt", "it has no tokens");
+
+  const v1::SamplingParams& s = request.sampling();
+  if (s.max_tokens() < 0) return Invalid("sampling.max_tokens", absl::StrCat("must be >= 0, got ", s.max_tokens()));
+  p.max_tokens = s.max_tokens() == 0 ? kDefaultMaxTokens : s.max_tokens();
+  const int64_t total = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
+  if (total > max_model_len) {
+    return Invalid("sampling.max_tokens", absl::StrCat("the prompt's ", p.prompt.size(), " tokens + max_tokens ",
+                                                       p.max_tokens, " = ", total, " exceed max_model_len ",
+                                                       max_model_len));
+  }
+  if (!(std::isfinite(s.temperature()) && s.temperature() >= 0)) {
+    return Invalid("sampling.temperature", absl::StrCat("must be >= 0, got ", s.temperature()));
+  }
+  if (s.top_k() < 0) return Invalid("sampling.top_k", absl::StrCat("must be >= 0, got ", s.top_k()));
+  if (!(std::isfinite(s.top_p()) && s.top_p() >= 0 && s.top_p() <= 1)) {
+    return Invalid("sampling.top_p", absl::StrCat("must be in [0, 1], got ", s.top_p()));
+  }
+  p.temperature = s.temperature();
+  p.top_k = s.top_k();
+  p.top_p = s.top_p() == 0 ? 1.0f : s.top_p();
+  p.seed = s.has_seed() ? s.seed() : absl::Uniform<uint64_t>(absl::BitGen());
+
+  if (s.stop_size() > kMaxStops) return Invalid("sampling.stop", absl::StrCat("at most ", kMaxStops, " strings"));
+  if (s.stop_size() > 0 && model.tokenizer == nullptr) {
+    return Invalid("sampling.stop", absl::StrCat("the model ", model.name,
+                                                 " has no tokenizer.json, so there is no text to match; use "
+                                                 "stop_token_ids"));
+  }
+  for (int i = 0; i < s.stop_size(); ++i) {
+    if (s.stop(i).empty() || s.stop(i).size() > kMaxStopBytes) {
+      return Invalid(absl::StrCat("sampling.stop[", i, "]"), absl::StrCat("must be 1 to ", kMaxStopBytes, " bytes"));
+    }
+    p.stop.push_back(s.stop(i));
+  }
+  if (s.stop_token_ids_size() > kMaxStopTokenIds) {
+    return Invalid("sampling.stop_token_ids", absl::StrCat("at most ", kMaxStopTokenIds, " ids"));
+  }
+  for (int i = 0; i < s.stop_token_ids_size(); ++i) {
+    const int32_t id = s.stop_token_ids(i);
+    if (id < 0 || id >= vocab) {
+      return Invalid(absl::StrCat("sampling.stop_token_ids[", i, "]"),
+                     absl::StrCat(id, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+    p.stop_token_ids.push_back(id);
+  }
+  p.ignore_eos = s.ignore_eos();
+  return p;
+}
+
+// ---- StopStringFilter ---------------------------------------------------------------------------
+
+std::string StopStringFilter::Add(absl::string_view text, bool* stopped) {
+  *stopped = false;
+  held_.append(text.data(), text.size());
+  size_t cut = std::string::npos;
+  for (const std::string& stop : stops_) cut = std::min(cut, held_.find(stop));
+  if (cut != std::string::npos) {
+    *stopped = true;
+    std::string out = held_.substr(0, cut);
+    held_.clear();
+    return out;
+  }
+  // Hold the longest end of the text that begins some stop string.
+  size_t hold = 0;
+  for (const std::string& stop : stops_) {
+    for (size_t n = std::min(stop.size() - 1, held_.size()); n > hold; --n) {
+      if (absl::StartsWith(stop, absl::string_view(held_).substr(held_.size() - n))) {
+        hold = n;
+        break;
+      }
+    }
+  }
+  std::string out = held_.substr(0, held_.size() - hold);
+  held_.erase(0, held_.size() - hold);
+  return out;
+}
+
+std::string StopStringFilter::Flush() {
+  std::string out;
+  out.swap(held_);
+  return out;
+}
+
+// ---- Generation ---------------------------------------------------------------------------------
+
+Generation::Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids,
+                       const Tokenizer* tokenizer, int64_t max_tokens_per_step, int64_t max_blocks_per_seq)
+    : params_(params),
+      eos_ids_(eos_ids),
+      max_tokens_per_step_(max_tokens_per_step),
+      max_blocks_per_seq_(max_blocks_per_seq),
+      filter_(params.stop) {
+  if (tokenizer != nullptr) {
+    detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, /*skip_special_tokens=*/true);
+  }
+}
+
+bool Generation::NextStep(uint64_t step_id, v1::StepPlan* step) {
+  step->Clear();
+  step->set_step_id(step_id);
+  const int64_t prompt = static_cast<int64_t>(params_.prompt.size());
+  int64_t first, count;  // positions [first, first + count)
+  if (prefilled_ < prompt) {
+    first = prefilled_;
+    count = std::min(prompt - prefilled_, max_tokens_per_step_);
+    step->mutable_token_ids()->Add(params_.prompt.begin() + first, params_.prompt.begin() + first + count);
+    prefilled_ += count;
+  } else {
+    first = prompt + generated_ - 1;  // the last sampled token is not in the cache yet
+    count = 1;
+    step->add_token_ids(last_token_);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const int32_t position = static_cast<int32_t>(first + t);
+    step->add_positions(position);
+    step->add_token_seq(0);
+    step->add_slots(position);  // identity block table: slot == position
+  }
+  step->set_num_seqs(1);
+  for (int64_t b = 0; b < max_blocks_per_seq_; ++b) step->add_block_tables(static_cast<int32_t>(b));
+  const bool samples = prefilled_ == prompt;
+  if (samples) {
+    step->add_logit_rows(static_cast<int32_t>(count - 1));
+    v1::RowSampling* s = step->add_sampling();
+    s->set_temperature(params_.temperature);
+    s->set_top_k(params_.top_k);
+    s->set_top_p(params_.top_p);
+    s->set_seed(params_.seed);
+    s->set_draw_index(static_cast<uint64_t>(generated_));
+  }
+  return samples;
+}
+
+bool Generation::Accept(int32_t id, v1::GenerateResponse* response) {
+  response->Clear();
+  ++generated_;
+  last_token_ = id;
+  const bool eos = !params_.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
+  const bool stop_id = std::find(params_.stop_token_ids.begin(), params_.stop_token_ids.end(), id) !=
+                       params_.stop_token_ids.end();
+  bool stopped = false;
+  std::string text = filter_.Add(detokenizer_ ? detokenizer_->Add(id) : std::string(), &stopped);
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  if (stopped) {
+    finish = v1::FINISH_REASON_STOP_STRING;
+  } else if (eos || stop_id) {
+    finish = v1::FINISH_REASON_STOP_TOKEN;
+  } else if (generated_ >= params_.max_tokens) {
+    finish = v1::FINISH_REASON_LENGTH;
+  }
+  if (finish != v1::FINISH_REASON_UNSPECIFIED && !stopped) {
+    // The end: what the detokenizer held back may still complete a stop string; the rest of the
+    // held text turned out not to be one.
+    if (detokenizer_) text += filter_.Add(detokenizer_->Finish(), &stopped);
+    if (stopped) {
+      finish = v1::FINISH_REASON_STOP_STRING;
+    } else {
+      text += filter_.Flush();
+    }
+  }
+  response->add_token_ids(id);
+  response->set_text(std::move(text));
+  if (finish != v1::FINISH_REASON_UNSPECIFIED) {
+    response->set_finish_reason(finish);
+    response->mutable_usage()->set_prompt_tokens(static_cast<int32_t>(params_.prompt.size()));
+    response->mutable_usage()->set_completion_tokens(static_cast<int32_t>(generated_));
+  }
+  return finish != v1::FINISH_REASON_UNSPECIFIED;
+}
+
+}  // namespace shardserve

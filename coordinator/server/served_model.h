@@ -1,0 +1,41 @@
+// The model the coordinator serves, read once at startup from its Hugging Face checkpoint
+// directory: config.json, the safetensors headers (the planner counts their bytes; no weight is
+// read), tokenizer.json when there is one, and the ids that end a generation.
+//
+// Immutable after Open(); every member may be read from any thread.
+#ifndef SHARDSERVE_COORDINATOR_SERVER_SERVED_MODEL_H_
+#define SHARDSERVE_COORDINATOR_SERVER_SERVED_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+
+namespace shardserve {
+
+struct ServedModel {
+  // Opens the checkpoint at `dir`. Errors name the file: a missing or invalid config.json, a bad
+  // safetensors header, a tokenizer.json this build cannot run, a malformed
+  // generation_config.json. A directory without tokenizer.json is fine: token-id prompts only.
+  static absl::StatusOr<std::unique_ptr<ServedModel>> Open(const std::string& dir);
+
+  std::string dir;   // absolute: the workers open the same path
+  std::string name;  // the directory's base name
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json
+  // config.json's eos_token_id, generation_config.json's and the tokenizer's, sorted, unique.
+  std::vector<int32_t> eos_ids;
+
+  // config.json's torch_dtype as Hugging Face spells it ("bfloat16").
+  std::string dtype_name() const;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_SERVER_SERVED_MODEL_H_

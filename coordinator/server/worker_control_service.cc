@@ -1,0 +1,121 @@
+#include "coordinator/server/worker_control_service.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "coordinator/server/grpc_status.h"
+#include "coordinator/server/log.h"
+
+namespace shardserve {
+namespace {
+
+// Rendezvous bounds: Gloo's keys are short and its values are a few hundred bytes of addresses
+// per rank; NCCL's unique id is 128 bytes.
+constexpr size_t kMaxKeyBytes = 1024;
+constexpr size_t kMaxValueBytes = 64 * 1024;
+constexpr size_t kMaxTableBytes = 64 * 1024 * 1024;
+// The longest a RendezvousGet waits, whatever deadline its caller set (or none).
+constexpr absl::Duration kMaxRendezvousWait = absl::Minutes(10);
+constexpr absl::Duration kCancelPoll = absl::Milliseconds(100);
+
+// A worker's Connect stream as the pool sees it. Lives on the Connect handler's stack.
+class StreamLink final : public WorkerLink {
+ public:
+  StreamLink(grpc::ServerContext* context, grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream)
+      : context_(context), stream_(stream) {}
+
+  bool Send(const v1::CoordinatorMessage& message) override {
+    absl::MutexLock lock(&mu_);
+    return stream_->Write(message);
+  }
+  void Cancel() override { context_->TryCancel(); }
+
+ private:
+  grpc::ServerContext* const context_;
+  grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* const stream_;
+  absl::Mutex mu_;  // gRPC allows one writer at a time
+};
+
+}  // namespace
+
+absl::Status RendezvousTable::Set(const std::string& key, const std::string& value) {
+  if (key.empty() || key.size() > kMaxKeyBytes || value.size() > kMaxValueBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous keys are 1 to ", kMaxKeyBytes,
+                                                   " bytes and values at most ", kMaxValueBytes, " bytes"));
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = values_.find(key);
+  const size_t old = it == values_.end() ? 0 : key.size() + it->second.size();
+  if (bytes_ - old + key.size() + value.size() > kMaxTableBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("the rendezvous table is full (", kMaxTableBytes, " bytes)"));
+  }
+  bytes_ = bytes_ - old + key.size() + value.size();
+  values_[key] = value;
+  set_.SignalAll();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RendezvousTable::Get(const std::string& key, absl::Time deadline,
+                                                 const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    if (auto it = values_.find(key); it != values_.end()) return it->second;
+    if (cancelled()) return absl::CancelledError(absl::StrCat("rendezvous wait for key '", key, "' was cancelled"));
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("rendezvous key '", key, "' was not set in time"));
+    }
+    set_.WaitWithDeadline(&mu_, std::min(deadline, now + kCancelPoll));
+  }
+}
+
+grpc::Status WorkerControlService::Connect(
+    grpc::ServerContext* context, grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  v1::WorkerMessage message;
+  if (!stream->Read(&message)) return grpc::Status::OK;  // gone before it said anything
+  StreamLink link(context, stream);
+  absl::StatusOr<int> index =
+      message.msg_case() == v1::WorkerMessage::kRegister
+          ? pool_->Register(message.register_(), &link)
+          : absl::InvalidArgumentError("the first message of a Connect stream must be register");
+  if (!index.ok()) {
+    CoordinatorLog(absl::StrCat("worker at ", context->peer()), absl::StrCat("refused: ", index.status().message()));
+    v1::CoordinatorMessage bye;
+    bye.mutable_shutdown()->set_reason(std::string(index.status().message()));
+    link.Send(bye);
+    return ToGrpcStatus(index.status());
+  }
+  while (stream->Read(&message)) pool_->OnMessage(*index, message);
+  pool_->Disconnect(*index);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext*, const v1::RendezvousSetRequest* request,
+                                                 v1::RendezvousSetResponse*) {
+  return ToGrpcStatus(table_.Set(request->key(), request->value()));
+}
+
+grpc::Status WorkerControlService::RendezvousGet(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,
+                                                 v1::RendezvousGetResponse* response) {
+  const absl::Time deadline = std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxRendezvousWait);
+  absl::StatusOr<std::string> value = table_.Get(request->key(), deadline, [&] {
+    absl::MutexLock lock(&mu_);
+    return shutting_down_ || context->IsCancelled();
+  });
+  if (!value.ok()) {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down");
+    return ToGrpcStatus(value.status());
+  }
+  response->set_value(std::move(*value));
+  return grpc::Status::OK;
+}
+
+void WorkerControlService::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shutting_down_ = true;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,617 @@
+#include "coordinator/server/worker_pool.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <string_view>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "coordinator/planner/render.h"
+#include "coordinator/server/log.h"
+
+namespace shardserve {
+namespace {
+
+// The API version this coordinator speaks (worker.proto Register.protocol_version).
+constexpr int kProtocolVersion = 1;
+// How often the monitor looks for silent workers.
+constexpr absl::Duration kMonitorPeriod = absl::Milliseconds(200);
+// When a step breaks, how long to wait for the other workers' news before answering: a killed
+// worker's peers report their own failure (a lost connection) at about the time its stream ends,
+// and the message should name the worker that vanished, not only the peers that noticed.
+constexpr absl::Duration kLossSettle = absl::Seconds(1);
+// Lengths of the strings a worker sends that are kept and shown.
+constexpr size_t kMaxNameLength = 256;
+constexpr size_t kMaxFailureLength = 4096;
+// Why a worker whose stream is gone is lost, whether the reader or a writer noticed first.
+constexpr char kStreamEnded[] =
+    "its control stream ended (the process exited or was killed, or the connection dropped)";
+// Memory assumed per worker when planning only to check the layout (Create): enough for any model.
+constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
+
+// The planner's cluster for the workers. The figures for the links and the memory bandwidth only
+// feed the planner's decode estimate, which chooses nothing here (the layout is fixed by the
+// flags): a server's DRAM bandwidth, and loopback or Ethernet between processes.
+ClusterSpec ClusterFor(int nodes, int gpus_per_node, const std::string& device, uint64_t memory_bytes) {
+  ClusterSpec c;
+  c.gpu = GpuSpec{device, memory_bytes, 20e9};
+  c.gpus_per_node.assign(nodes, gpus_per_node);
+  c.intra_node_bytes_per_s = 10e9;
+  c.intra_node_latency_s = 20e-6;
+  c.inter_node_bytes_per_s = 1.25e9;
+  c.inter_node_latency_s = 50e-6;
+  return c;
+}
+
+PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
+  PlanOptions p;
+  p.tp = o.gpus_per_node;
+  p.pp = o.nodes;
+  p.max_model_len = o.max_model_len;
+  p.max_tokens_per_step = o.max_tokens_per_step;
+  p.max_seqs_per_step = 1;  // one sequence at a time
+  p.block_size = o.block_size;
+  if (cpu_only) {
+    p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
+    p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces
+  }
+  return p;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Node names in natural order, digits as numbers: "n2" before "n10", so that stage i is node i
+// for nodes named with their index.
+bool NaturalLess(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (std::isdigit(static_cast<unsigned char>(a[i])) && std::isdigit(static_cast<unsigned char>(b[j]))) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie]))) ++ie;
+      while (je < b.size() && std::isdigit(static_cast<unsigned char>(b[je]))) ++je;
+      // Compare the digit runs as numbers: without leading zeros, the longer one is larger.
+      std::string_view x(a.data() + i, ie - i), y(b.data() + j, je - j);
+      x.remove_prefix(std::min(x.find_first_not_of('0'), x.size()));
+      y.remove_prefix(std::min(y.find_first_not_of('0'), y.size()));
+      if (x.size() != y.size()) return x.size() < y.size();
+      if (x != y) return x < y;
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return a[i] < b[j];
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j || (a.size() - i == b.size() - j && a < b);
+}
+
+bool Printable(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](char c) { return c > ' ' && c < 127; });
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const ServedModel* model, const PoolOptions& options) {
+  if (options.nodes < 1 || options.gpus_per_node < 1 || options.nodes > 4096 || options.gpus_per_node > 4096 ||
+      options.nodes * options.gpus_per_node > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("--nodes ", options.nodes, " x --gpus-per-node ",
+                                                   options.gpus_per_node, ": need 1 to 4096 workers"));
+  }
+  absl::StatusOr<Plan> plan =
+      MakePlan(model->config, model->checkpoint.get(),
+               ClusterFor(options.nodes, options.gpus_per_node, "worker", kProvisionalMemory),
+               PlanOptionsFor(options, /*cpu_only=*/false));
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot serve ", model->name, " as TP=", options.gpus_per_node,
+                                                   " (workers per node) x PP=", options.nodes, " (nodes): ",
+                                                   plan.status().message()));
+  }
+  return std::unique_ptr<WorkerPool>(new WorkerPool(model, options, *plan));
+}
+
+WorkerPool::WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional)
+    : model_(model), options_(options), target_max_model_len_(provisional.max_model_len) {
+  monitor_ = std::thread([this] { MonitorLoop(); });
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_monitor_ = true;
+  }
+  monitor_.join();
+}
+
+void WorkerPool::SetServingListener(std::function<void(bool)> listener) {
+  absl::MutexLock lock(&mu_);
+  listener_ = std::move(listener);
+  listener_(phase_ == Phase::kServing);
+}
+
+// ---- Registration and the group ---------------------------------------------------------------
+
+absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* link) {
+  if (hello.protocol_version() != kProtocolVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("the worker speaks protocol version ", hello.protocol_version(),
+                                                      "; this coordinator speaks ", kProtocolVersion));
+  }
+  for (auto [field, value] : {std::pair{"node", &hello.node()}, {"device", &hello.device()},
+                              {"address", &hello.address()}, {"collective_host", &hello.collective_host()}}) {
+    if (value->empty() || value->size() > kMaxNameLength || !Printable(*value)) {
+      return absl::InvalidArgumentError(absl::StrCat("register.", field, " must be 1 to ", kMaxNameLength,
+                                                     " printable characters without spaces"));
+    }
+  }
+  if (hello.memory_bytes() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes must be > 0, got ", hello.memory_bytes()));
+  }
+
+  std::vector<std::pair<int, v1::CoordinatorMessage>> to_send;
+  int index = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int expected = options_.nodes * options_.gpus_per_node;
+    switch (phase_) {
+      case Phase::kWaiting: break;
+      case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
+      case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
+      default:
+        return absl::FailedPreconditionError(
+            absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
+                         " workers); this coordinator does not replace workers: restart it to form a new group"));
+    }
+    std::map<std::string, int> per_node;
+    for (int i : pending_) ++per_node[workers_[i]->hello.node()];
+    if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
+      std::vector<std::string> names;
+      for (const auto& [name, count] : per_node) names.push_back(name);
+      return absl::FailedPreconditionError(absl::StrCat("the group already has its ", options_.nodes, " nodes (",
+                                                        absl::StrJoin(names, ", "), "): node ", hello.node(),
+                                                        " is one too many (--nodes)"));
+    }
+    if (per_node[hello.node()] >= options_.gpus_per_node) {
+      return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
+                                                        options_.gpus_per_node, " workers (--gpus-per-node)"));
+    }
+    index = static_cast<int>(workers_.size());
+    auto w = std::make_unique<Worker>();
+    w->id = absl::StrCat("w", index);
+    w->hello = hello;
+    w->last_heard = absl::Now();
+    w->link = link;
+    workers_.push_back(std::move(w));
+    pending_.push_back(index);
+    CoordinatorLog(workers_[index]->id,
+                   absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                                "): ", pending_.size(), " of ", expected, " workers"));
+    if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+  }
+  for (const auto& [i, message] : to_send) {
+    if (!SendTo(i, message)) {
+      absl::MutexLock lock(&mu_);
+      MarkLostLocked(i, LossCause::kStreamEnded, kStreamEnded);
+    }
+  }
+  return index;
+}
+
+std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked() {
+  const int tp = options_.gpus_per_node, pp = options_.nodes;
+  // Nodes in the natural order of their names are the stages; a node's workers in registration
+  // order its TP ranks.
+  std::map<std::string, std::vector<int>, bool (*)(const std::string&, const std::string&)> by_node(&NaturalLess);
+  uint64_t memory = UINT64_MAX;
+  bool cpu_only = true;
+  for (int i : pending_) {
+    const v1::Register& h = workers_[i]->hello;
+    by_node[h.node()].push_back(i);
+    memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
+    cpu_only = cpu_only && h.device() == "cpu";
+  }
+  std::vector<std::string> nodes;
+  for (const auto& [name, members] : by_node) nodes.push_back(name);
+  const std::string device = workers_[pending_.front()]->hello.device();
+
+  absl::StatusOr<Plan> plan = MakePlan(model_->config, model_->checkpoint.get(), ClusterFor(pp, tp, device, memory),
+                                       PlanOptionsFor(options_, cpu_only));
+  std::string error;
+  if (!plan.ok()) {
+    error = std::string(plan.status().message());
+  } else if (!plan->fits) {
+    error = plan->reason;
+  }
+  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
+  if (error.empty()) {
+    for (const GpuPlan& g : plan->per_gpu) {
+      if (g.node < 0 || g.node >= pp || g.gpu < 0 || g.gpu >= tp || g.stage != g.node || g.tp_rank != g.gpu) {
+        error = absl::StrCat("the planner placed stage ", g.stage, " rank ", g.tp_rank, " on node ", g.node, " GPU ",
+                             g.gpu, "; this coordinator needs one stage per node");
+        break;
+      }
+    }
+  }
+  if (!error.empty()) {
+    failed_reason_ = absl::StrCat("cannot plan ", model_->name, " on the registered workers: ", error);
+    CoordinatorLog("group", failed_reason_);
+    SetPhaseLocked(Phase::kFailed);
+    for (int i : pending_) {
+      v1::CoordinatorMessage m;
+      m.mutable_shutdown()->set_reason(failed_reason_);
+      out.emplace_back(i, std::move(m));
+    }
+    return out;
+  }
+
+  plan_ = std::move(*plan);
+  sizing_ = StepSizing{options_.max_tokens_per_step, CeilDiv(plan_->max_model_len, options_.block_size),
+                       options_.block_size};
+  group_.assign(tp * pp, -1);
+  std::vector<std::string> stages;
+  for (const GpuPlan& g : plan_->per_gpu) {
+    const int i = by_node[nodes[g.node]][g.gpu];
+    Worker& w = *workers_[i];
+    const StagePlan& st = plan_->stages[g.stage];
+    w.stage = g.stage;
+    w.tp_rank = g.tp_rank;
+    w.first_layer = st.first_layer;
+    w.end_layer = st.last_layer + 1;
+    w.state = v1::WORKER_STATE_LOADING;
+    group_[g.stage * tp + g.tp_rank] = i;
+
+    v1::CoordinatorMessage m;
+    v1::Assignment* a = m.mutable_assignment();
+    a->set_worker_id(w.id);
+    a->set_model_path(model_->dir);
+    a->set_stage(g.stage);
+    a->set_num_stages(pp);
+    a->set_tp_rank(g.tp_rank);
+    a->set_tp_size(tp);
+    a->set_first_layer(static_cast<int32_t>(w.first_layer));
+    a->set_end_layer(static_cast<int32_t>(w.end_layer));
+    // Group names: this coordinator forms one group in its life, so they are unique in its store.
+    a->set_tp_group(absl::StrCat("tp/stage", g.stage));
+    if (g.stage + 1 < pp) a->set_send_group(absl::StrCat("pp/stage", g.stage, "-", g.stage + 1, "/tp", g.tp_rank));
+    if (g.stage > 0) a->set_recv_group(absl::StrCat("pp/stage", g.stage - 1, "-", g.stage, "/tp", g.tp_rank));
+    a->set_max_tokens_per_step(sizing_.max_tokens_per_step);
+    a->set_max_seqs_per_step(1);
+    a->set_block_size(sizing_.block_size);
+    a->set_num_kv_blocks(sizing_.max_blocks_per_seq);
+    a->set_max_blocks_per_seq(sizing_.max_blocks_per_seq);
+    a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
+    out.emplace_back(i, std::move(m));
+    if (g.tp_rank == 0) {
+      stages.push_back(absl::StrCat("stage ", g.stage, " = node ", nodes[g.node], " (layers ", st.first_layer, "-",
+                                    st.last_layer, ")"));
+    }
+  }
+  pending_.clear();
+  SetPhaseLocked(Phase::kLoading);
+  CoordinatorLog("group", absl::StrCat("complete; planned TP=", tp, " x PP=", pp, ", max_model_len ",
+                                       plan_->max_model_len, ": ", absl::StrJoin(stages, ", "), "; loading"));
+  return out;
+}
+
+void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
+  absl::MutexLock lock(&mu_);
+  Worker& w = *workers_[index];
+  w.last_heard = absl::Now();
+  if (w.state == v1::WORKER_STATE_LOST) return;  // too late: nothing it says matters now
+  switch (message.msg_case()) {
+    case v1::WorkerMessage::kHeartbeat:
+      break;
+    case v1::WorkerMessage::kLoaded: {
+      if (w.state != v1::WORKER_STATE_LOADING) {
+        MarkLostLocked(index, LossCause::kMalformed, "sent Loaded without an assignment to load");
+        break;
+      }
+      w.state = v1::WORKER_STATE_READY;
+      w.weight_bytes = message.loaded().weight_bytes();
+      CoordinatorLog(NameLocked(index), absl::StrCat("loaded in ", message.loaded().load_seconds(), " s"));
+      const bool all_ready = std::all_of(group_.begin(), group_.end(), [&](int i) {
+        return workers_[i]->state == v1::WORKER_STATE_READY;
+      });
+      if (phase_ == Phase::kLoading && all_ready) {
+        SetPhaseLocked(Phase::kServing);
+        CoordinatorLog("group", "every worker is loaded: SERVING");
+      }
+      break;
+    }
+    case v1::WorkerMessage::kStepResult: {
+      const v1::StepResult& r = message.step_result();
+      if (!step_in_flight_ || r.step_id() != current_step_ || w.answered) break;  // stale
+      if (absl::Status s = CheckResultLocked(index, r); !s.ok()) {
+        MarkLostLocked(index, LossCause::kMalformed, absl::StrCat("sent a malformed result: ", s.message()));
+        break;
+      }
+      w.result = r;
+      w.answered = true;
+      changed_.SignalAll();
+      break;
+    }
+    case v1::WorkerMessage::kFailure: {
+      std::string why = message.failure().message().substr(0, kMaxFailureLength);
+      MarkLostLocked(index, LossCause::kFailure, absl::StrCat("reported a failure: ", why));
+      break;
+    }
+    case v1::WorkerMessage::kRegister:
+      MarkLostLocked(index, LossCause::kMalformed, "sent a second Register");
+      break;
+    case v1::WorkerMessage::MSG_NOT_SET:
+      break;  // a message of a newer protocol: nothing to do with it
+  }
+}
+
+void WorkerPool::Disconnect(int index) {
+  absl::MutexLock lock(&mu_);
+  Worker& w = *workers_[index];
+  w.link = nullptr;
+  mu_.Await(absl::Condition(+[](int* sends) { return *sends == 0; }, &w.sends_in_flight));
+  if (phase_ != Phase::kShuttingDown) {
+    MarkLostLocked(index, LossCause::kStreamEnded, kStreamEnded);
+  }
+}
+
+bool WorkerPool::SendTo(int index, const v1::CoordinatorMessage& message) {
+  Worker* w;
+  WorkerLink* link;
+  {
+    absl::MutexLock lock(&mu_);
+    w = workers_[index].get();
+    link = w->link;
+    if (link == nullptr) return false;
+    ++w->sends_in_flight;
+  }
+  const bool ok = link->Send(message);
+  absl::MutexLock lock(&mu_);
+  --w->sends_in_flight;
+  return ok;
+}
+
+void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& detail) {
+  Worker& w = *workers_[index];
+  if (w.state == v1::WORKER_STATE_LOST) return;
+  w.state = v1::WORKER_STATE_LOST;
+  w.cause = cause;
+  w.detail = detail;
+  w.lost_at = absl::Now();
+  // A failed worker keeps its stream (it stays up, NOT_SERVING, for a person to inspect); any
+  // other lost worker's stream is ended, which also unblocks a send stuck on it.
+  if (cause != LossCause::kFailure && w.link != nullptr) w.link->Cancel();
+  changed_.SignalAll();
+  if (w.stage < 0) {
+    // Not in a group yet: it just leaves, and another worker may take its place.
+    pending_.erase(std::remove(pending_.begin(), pending_.end(), index), pending_.end());
+    CoordinatorLog(w.id, absl::StrCat("left before the group was complete: ", detail));
+    return;
+  }
+  CoordinatorLog(NameLocked(index), absl::StrCat("LOST: ", detail));
+  if (phase_ == Phase::kLoading || phase_ == Phase::kServing) {
+    SetPhaseLocked(Phase::kBroken);
+    CoordinatorLog("group", "broken: NOT_SERVING; requests are refused until the coordinator is restarted");
+  }
+}
+
+void WorkerPool::SetPhaseLocked(Phase phase) {
+  const bool was_serving = phase_ == Phase::kServing;
+  phase_ = phase;
+  changed_.SignalAll();
+  if (was_serving != (phase == Phase::kServing) && listener_) listener_(phase == Phase::kServing);
+}
+
+std::string WorkerPool::NameLocked(int index) const {
+  const Worker& w = *workers_[index];
+  if (w.stage < 0) return absl::StrCat("worker ", w.id, " (node ", w.hello.node(), ")");
+  return absl::StrCat("worker ", w.id, " (node ", w.hello.node(), ", stage ", w.stage, ", tp rank ", w.tp_rank, ")");
+}
+
+absl::Status WorkerPool::NotServingLocked() const {
+  const int expected = options_.nodes * options_.gpus_per_node;
+  switch (phase_) {
+    case Phase::kServing:
+      return absl::OkStatus();
+    case Phase::kWaiting:
+      return absl::UnavailableError(absl::StrCat("the worker group is not complete: ", pending_.size(), " of ",
+                                                 expected, " workers have registered (", options_.nodes,
+                                                 " nodes x ", options_.gpus_per_node, " workers)"));
+    case Phase::kLoading: {
+      const auto ready = std::count_if(group_.begin(), group_.end(), [&](int i) {
+        return workers_[i]->state == v1::WORKER_STATE_READY;
+      });
+      return absl::UnavailableError(
+          absl::StrCat("the workers are loading the model: ", ready, " of ", expected, " loaded"));
+    }
+    case Phase::kBroken: {
+      std::vector<int> lost;
+      for (int i : group_) {
+        if (workers_[i]->state == v1::WORKER_STATE_LOST) lost.push_back(i);
+      }
+      std::sort(lost.begin(), lost.end(), [&](int a, int b) {
+        return std::tuple(workers_[a]->cause, workers_[a]->lost_at) < std::tuple(workers_[b]->cause, workers_[b]->lost_at);
+      });
+      std::string message = "the worker group is broken: ";
+      for (size_t k = 0; k < lost.size(); ++k) {
+        absl::StrAppend(&message, k == 0 ? "" : "; also lost: ", NameLocked(lost[k]), k == 0 ? " is lost: " : ": ",
+                        workers_[lost[k]]->detail);
+      }
+      absl::StrAppend(&message, ". This coordinator does not re-form groups: restart it and the workers");
+      return absl::UnavailableError(message);
+    }
+    case Phase::kFailed:
+    case Phase::kShuttingDown:
+      return absl::UnavailableError(failed_reason_);
+  }
+  return absl::InternalError("unknown phase");
+}
+
+absl::Status WorkerPool::CheckServing() {
+  absl::MutexLock lock(&mu_);
+  return NotServingLocked();
+}
+
+// ---- Steps --------------------------------------------------------------------------------------
+
+bool WorkerPool::StepSettledLocked() const {
+  return std::all_of(group_.begin(), group_.end(), [&](int i) {
+    return workers_[i]->answered || workers_[i]->state == v1::WORKER_STATE_LOST;
+  });
+}
+
+absl::Status WorkerPool::CheckResultLocked(int index, const v1::StepResult& r) const {
+  const Worker& w = *workers_[index];
+  const bool sampler = w.stage == options_.nodes - 1 && w.tp_rank == 0;
+  const int want = sampler ? current_rows_ : 0;
+  if (r.sampled_ids_size() != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", r.step_id(), " came back with ", r.sampled_ids_size(), " sampled ids, expected ", want));
+  }
+  for (int32_t id : r.sampled_ids()) {
+    if (id < 0 || id >= model_->config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " sampled id ", id,
+                                                     " outside the vocabulary [0, ", model_->config.vocab_size, ")"));
+    }
+  }
+  if (!(std::isfinite(r.forward_seconds()) && r.forward_seconds() >= 0 && std::isfinite(r.collective_seconds()) &&
+        r.collective_seconds() >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " timings are not finite and >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerPool::RunStep(const v1::StepPlan& step, absl::Duration timeout, StepOutcome* outcome) {
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<int> group;
+  {
+    absl::MutexLock lock(&mu_);
+    if (phase_ != Phase::kServing) return NotServingLocked();
+    step_in_flight_ = true;
+    current_step_ = step.step_id();
+    current_rows_ = step.logit_rows_size();
+    for (int i : group_) workers_[i]->answered = false;
+    group = group_;
+  }
+  v1::CoordinatorMessage message;
+  *message.mutable_step() = step;
+  for (int i : group) {
+    if (!SendTo(i, message)) {
+      absl::MutexLock lock(&mu_);
+      MarkLostLocked(i, LossCause::kStreamEnded, kStreamEnded);
+    }
+  }
+
+  absl::MutexLock lock(&mu_);
+  absl::Cleanup done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { step_in_flight_ = false; };
+  while (phase_ == Phase::kServing && !StepSettledLocked()) {
+    if (changed_.WaitWithDeadline(&mu_, deadline)) break;
+  }
+  if (phase_ == Phase::kServing && !StepSettledLocked()) {
+    for (int i : group_) {
+      if (!workers_[i]->answered) {
+        MarkLostLocked(i, LossCause::kStepDeadline,
+                       absl::StrCat("did not answer step ", step.step_id(), " within ", absl::FormatDuration(timeout),
+                                    " (--step-timeout-seconds)"));
+      }
+    }
+  }
+  if (phase_ != Phase::kServing) {
+    // Give the other workers a moment to report, so that the message names every worker involved.
+    const absl::Time settle = absl::Now() + kLossSettle;
+    while (!StepSettledLocked() && phase_ != Phase::kShuttingDown) {
+      if (changed_.WaitWithDeadline(&mu_, settle)) break;
+    }
+    return NotServingLocked();
+  }
+  outcome->sampled_ids.clear();
+  outcome->forward_seconds = outcome->collective_seconds = 0;
+  for (int i : group_) {
+    const v1::StepResult& r = workers_[i]->result;
+    if (r.sampled_ids_size() > 0) outcome->sampled_ids.assign(r.sampled_ids().begin(), r.sampled_ids().end());
+    outcome->forward_seconds = std::max(outcome->forward_seconds, r.forward_seconds());
+    outcome->collective_seconds = std::max(outcome->collective_seconds, r.collective_seconds());
+  }
+  return absl::OkStatus();
+}
+
+// ---- Status, monitor, shutdown ------------------------------------------------------------------
+
+int64_t WorkerPool::max_model_len() {
+  absl::MutexLock lock(&mu_);
+  return plan_ ? plan_->max_model_len : target_max_model_len_;
+}
+
+StepSizing WorkerPool::sizing() {
+  absl::MutexLock lock(&mu_);
+  return sizing_;
+}
+
+void WorkerPool::FillStatus(v1::ClusterStatus* status) {
+  absl::MutexLock lock(&mu_);
+  status->set_tp(options_.gpus_per_node);
+  status->set_pp(options_.nodes);
+  if (plan_) status->set_plan_text(PlanTable(*plan_));
+  for (int i : group_.empty() ? pending_ : group_) {
+    const Worker& w = *workers_[i];
+    v1::WorkerStatus* s = status->add_workers();
+    s->set_worker_id(w.id);
+    s->set_node(w.hello.node());
+    s->set_device(w.hello.device());
+    s->set_address(w.hello.address());
+    s->set_stage(w.stage);
+    s->set_tp_rank(w.tp_rank);
+    if (w.stage >= 0) {
+      s->set_first_layer(static_cast<int32_t>(w.first_layer));
+      s->set_last_layer(static_cast<int32_t>(w.end_layer - 1));
+    }
+    s->set_state(w.state);
+    s->set_weight_bytes(w.weight_bytes);
+    s->set_detail(w.detail);
+  }
+  status->set_serving(phase_ == Phase::kServing);
+}
+
+void WorkerPool::MonitorLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_monitor_) {
+    if (mu_.AwaitWithTimeout(absl::Condition(&stop_monitor_), kMonitorPeriod)) break;
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      const Worker& w = *workers_[i];
+      if (w.link == nullptr || w.state == v1::WORKER_STATE_LOST) continue;
+      const absl::Duration silent = now - w.last_heard;
+      if (silent > options_.heartbeat_timeout) {
+        MarkLostLocked(static_cast<int>(i), LossCause::kHeartbeat,
+                       absl::StrCat("sent nothing, not even a heartbeat, for ", absl::FormatDuration(silent),
+                                    " (it is hung, stopped, or unreachable)"));
+      }
+    }
+  }
+}
+
+void WorkerPool::Shutdown(const std::string& reason) {
+  std::vector<int> connected;
+  {
+    absl::MutexLock lock(&mu_);
+    if (phase_ == Phase::kShuttingDown) return;
+    failed_reason_ = reason;
+    SetPhaseLocked(Phase::kShuttingDown);
+    for (size_t i = 0; i < workers_.size(); ++i) {
+      if (workers_[i]->link != nullptr) connected.push_back(static_cast<int>(i));
+    }
+  }
+  v1::CoordinatorMessage message;
+  message.mutable_shutdown()->set_reason(reason);
+  for (int i : connected) SendTo(i, message);
+  absl::MutexLock lock(&mu_);
+  for (int i : connected) {
+    if (workers_[i]->link != nullptr) workers_[i]->link->Cancel();
+  }
+  CoordinatorLog("group", absl::StrCat("shut down (", connected.size(), " workers told to stop): ", reason));
+}
+
+}  // namespace shardserve

@@ -1,0 +1,212 @@
+// The coordinator's view of its workers: who registered, the plan that places them, their state,
+// and the steps they run together.
+//
+// Life of the group:
+//   1. Waiting: workers register (worker.proto Register) until nodes x gpus_per_node have come.
+//      Workers are grouped by node name: each node is one pipeline stage (stages in the natural
+//      order of the node names: "n2" before "n10") and its workers are that stage's TP ranks (in
+//      registration order).
+//      A worker that would make a node too large, or add a node too many, is refused. A worker
+//      that leaves now just leaves (another may take its place).
+//   2. Loading: the planner (coordinator/planner) lays the model out as TP = gpus_per_node x
+//      PP = nodes; every worker gets its Assignment and loads; each answers Loaded.
+//   3. Serving: every worker is READY; RunStep() broadcasts a StepPlan and gathers every
+//      worker's StepResult.
+//   4. Broken: a worker is LOST: its control stream ended, it sent a Failure, it sent nothing for
+//      heartbeat_timeout, it missed a step deadline, or it sent a malformed message. Steps fail
+//      at once with UNAVAILABLE naming the worker (node, stage, TP rank) and the cause, and so
+//      does every later request: the communicators of a broken group cannot be trusted, and this
+//      coordinator does not re-form groups (a restart does).
+// Failed (the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final too.
+//
+// Ownership: borrows the ServedModel, which must outlive the pool; a WorkerLink is borrowed from
+// Register() until Disconnect() returns. Owns a monitor thread (heartbeats), joined in the
+// destructor.
+// Threading: every method is thread-safe. Connect handlers (one thread per worker) call
+// Register / OnMessage / Disconnect; requests call RunStep one at a time (the caller serializes
+// them); status calls come from anywhere. The serving listener is called with mu_ held, so it
+// must not call back into the pool.
+#ifndef SHARDSERVE_COORDINATOR_SERVER_WORKER_POOL_H_
+#define SHARDSERVE_COORDINATOR_SERVER_WORKER_POOL_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/planner/planner.h"
+#include "coordinator/server/served_model.h"
+#include "shardserve/v1/inference.pb.h"
+#include "shardserve/v1/worker.pb.h"
+
+namespace shardserve {
+
+struct PoolOptions {
+  int nodes = 1;          // pipeline stages
+  int gpus_per_node = 1;  // TP ranks per stage
+  // Longest sequence served; 0: the planner's choice (the model's max_position_embeddings).
+  int64_t max_model_len = 0;
+  // What one step may carry. A sequence is served at a time; longer prompts are prefilled in
+  // chunks of max_tokens_per_step.
+  int64_t max_tokens_per_step = 256;
+  int64_t block_size = 16;
+  absl::Duration collective_timeout = absl::Seconds(5);
+  absl::Duration heartbeat_timeout = absl::Seconds(3);
+};
+
+// The runtime sizes every worker got (worker/llama.h RuntimeOptions), for building steps.
+struct StepSizing {
+  int64_t max_tokens_per_step = 0;
+  int64_t max_blocks_per_seq = 0;  // == num_kv_blocks: the cache holds one max_model_len sequence
+  int64_t block_size = 0;
+};
+
+// What a step came back with.
+struct StepOutcome {
+  std::vector<int32_t> sampled_ids;  // one per logit row
+  double forward_seconds = 0;        // the slowest worker's
+  double collective_seconds = 0;     // the slowest worker's
+};
+
+// Where the pool's messages to one worker go: the gRPC service implements it over the worker's
+// Connect stream.
+class WorkerLink {
+ public:
+  virtual ~WorkerLink() = default;
+  // Sends one message; false once the stream is broken. Thread-safe (writes are serialized).
+  virtual bool Send(const v1::CoordinatorMessage& message) = 0;
+  // Ends the stream from the coordinator's side, so that a Send in progress and the reader
+  // return. Thread-safe; does not block.
+  virtual void Cancel() = 0;
+};
+
+class WorkerPool {
+ public:
+  // Checks that TP = gpus_per_node x PP = nodes can hold `model` (TP divides the heads, PP at most
+  // the layers, ...): InvalidArgument naming the numbers otherwise.
+  static absl::StatusOr<std::unique_ptr<WorkerPool>> Create(const ServedModel* model, const PoolOptions& options);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // Called with true when the group starts serving and false when it stops (and at once with the
+  // current state). Replaces the previous listener. Called with mu_ held: it must not call the pool.
+  void SetServingListener(std::function<void(bool serving)> listener);
+
+  // ---- A worker's Connect stream, in this order ----
+  // Admits a worker from its first message; `link` must stay valid until Disconnect(index)
+  // returns. Returns the worker's index, or why it is refused (the caller tells the worker with a
+  // Shutdown and ends the stream). May send the Assignments (when this worker completes the group).
+  absl::StatusOr<int> Register(const v1::Register& hello, WorkerLink* link);
+  // Every later message from the worker.
+  void OnMessage(int worker, const v1::WorkerMessage& message);
+  // The stream ended. The pool no longer uses the link once this returns.
+  void Disconnect(int worker);
+
+  // ---- Serving ----
+  // OK while serving; otherwise Unavailable saying why (waiting for workers, loading, which
+  // worker is lost and why, ...).
+  absl::Status CheckServing();
+  // Sends `step` to every worker and waits for every StepResult, at most `timeout`. Unavailable,
+  // naming the lost workers, when the group is not serving or breaks during the step (a worker
+  // that misses the deadline is marked LOST). When a worker is lost during the step, waits up to
+  // 1 s more for the others' news, so that the message names every worker involved, the ones that
+  // vanished or hung first and those that failed because of them after. Calls must not overlap.
+  absl::Status RunStep(const v1::StepPlan& step, absl::Duration timeout, StepOutcome* outcome);
+
+  // The longest sequence served (the plan's once planned, the target before).
+  int64_t max_model_len();
+  StepSizing sizing();
+  // Fills tp, pp, plan_text, workers and serving.
+  void FillStatus(v1::ClusterStatus* status);
+
+  // Tells every connected worker to stop, ends their streams and refuses everything afterwards.
+  void Shutdown(const std::string& reason);
+
+ private:
+  enum class Phase { kWaiting, kLoading, kServing, kBroken, kFailed, kShuttingDown };
+
+  // Why a worker was lost, in the order a message lists them: a worker that vanished or hung is
+  // more likely the cause than one that failed because a peer vanished.
+  enum class LossCause { kStreamEnded = 0, kHeartbeat = 1, kStepDeadline = 2, kMalformed = 3, kFailure = 4 };
+
+  struct Worker {
+    // ---- Set at Register ----
+    std::string id;  // "w3"
+    v1::Register hello;
+    // ---- Set when the group is formed ----
+    int stage = -1;
+    int tp_rank = -1;
+    int64_t first_layer = 0, end_layer = 0;
+    // ---- State ----
+    v1::WorkerState state = v1::WORKER_STATE_REGISTERED;
+    LossCause cause = LossCause::kStreamEnded;
+    std::string detail;  // why LOST
+    absl::Time lost_at;
+    int64_t weight_bytes = 0;
+    absl::Time last_heard;
+    WorkerLink* link = nullptr;  // null once disconnected
+    int sends_in_flight = 0;     // Send calls running on `link` outside mu_
+    // ---- The current step ----
+    bool answered = false;
+    v1::StepResult result;
+  };
+
+  WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional);
+
+  // Sends `message` to worker `index` outside mu_ (the link stays valid: Disconnect waits for
+  // sends in flight). False when the worker is gone or the stream is broken.
+  bool SendTo(int index, const v1::CoordinatorMessage& message) ABSL_LOCKS_EXCLUDED(mu_);
+  // Plans the group once every worker has registered and returns the messages to send: the
+  // Assignments, or Shutdowns when no plan can be made.
+  std::vector<std::pair<int, v1::CoordinatorMessage>> FormGroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkLostLocked(int index, LossCause cause, const std::string& detail) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetPhaseLocked(Phase phase) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unavailable explaining why steps cannot run now.
+  absl::Status NotServingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "worker w3 (node n1, stage 1, tp rank 0)".
+  std::string NameLocked(int index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every worker of the group answered the current step or is lost.
+  bool StepSettledLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks the result of the current step worker `index` sent; an error says what is wrong.
+  absl::Status CheckResultLocked(int index, const v1::StepResult& result) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks workers silent for heartbeat_timeout lost, until the pool is destroyed.
+  void MonitorLoop();
+
+  // ---- Constant after construction ----
+  const ServedModel* const model_;
+  const PoolOptions options_;
+  const int64_t target_max_model_len_;  // from the plan made at Create
+
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;  // a result arrived, a worker was lost, a send finished, ...
+  Phase phase_ ABSL_GUARDED_BY(mu_) = Phase::kWaiting;
+  std::string failed_reason_ ABSL_GUARDED_BY(mu_);    // kFailed, kShuttingDown
+  std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);  // by index, every one ever registered
+  std::vector<int> pending_ ABSL_GUARDED_BY(mu_);     // kWaiting: the registered workers
+  // Once formed: group_[stage * tp + tp_rank] is a worker index.
+  std::vector<int> group_ ABSL_GUARDED_BY(mu_);
+  std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
+  StepSizing sizing_ ABSL_GUARDED_BY(mu_);
+  // The step in flight (RunStep), and how many ids its sampler must return. Results are taken
+  // while the step is in flight, also after the group broke during it (they tell who answered).
+  bool step_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t current_step_ ABSL_GUARDED_BY(mu_) = 0;
+  int current_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
+  bool stop_monitor_ ABSL_GUARDED_BY(mu_) = false;
+
+  std::thread monitor_;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_SERVER_WORKER_POOL_H_

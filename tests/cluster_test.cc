@@ -1,0 +1,736 @@
+// The coordinator and the workers together: real shardserve-coordinator and shardserve-worker
+// processes on 127.0.0.1, driven through the client API.
+//
+// - Parity: for every fixture and every layout the model allows (TP in {1, 2} inside a node, PP in
+//   {1, 2, 3} nodes), the cluster's greedy tokens equal Hugging Face's (golden.json). Exact
+//   equality, no tolerance: every layout computes in float32 and only the order of summation
+//   differs (the TP all-reduce adds partial sums), which moves logits by ~1e-6 relative while the
+//   smallest gap between the top two logits along any golden sequence is 2e-3.
+// - Chunked prefill: a prompt longer than a step gives the tokens of a single-process run.
+// - The client API on one cluster: streaming, usage, finish reasons, stop ids, seeded sampling,
+//   bad requests, model info, cluster status.
+// - Failures: a worker killed (SIGKILL) or stopped (SIGSTOP) in the middle of a generation ends the
+//   stream with UNAVAILABLE naming it within 10 s; the coordinator reports NOT_SERVING, refuses new
+//   requests with the same message and keeps running.
+//
+// Every process runs in its own process group and dies with the test (PR_SET_PDEATHSIG); every
+// wait is bounded; teardown kills and reaps every child.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "coordinator/tokenizer/tokenizer.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "nlohmann/json.hpp"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "worker/communicator.h"
+#include "worker/llama.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A port no one listens on now: the kernel's choice for a socket bound to port 0, released.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return 0;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string Tail(const fs::path& file, size_t bytes = 3000) {
+  std::ifstream in(file);
+  std::stringstream s;
+  s << in.rdbuf();
+  const std::string text = s.str();
+  return text.size() > bytes ? "..." + text.substr(text.size() - bytes) : text;
+}
+
+// A child process in a process group of its own, with stdout and stderr in a log file. It gets
+// SIGKILL if this test process dies; the destructor kills and reaps it.
+class Process {
+ public:
+  Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
+    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+    std::vector<char*> args;
+    for (std::string& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    std::vector<std::string> env_strings = {"OPENBLAS_NUM_THREADS=1"};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string(*e).rfind("OPENBLAS_NUM_THREADS=", 0) != 0) env_strings.push_back(*e);
+    }
+    std::vector<char*> env;
+    for (std::string& e : env_strings) env.push_back(e.data());
+    env.push_back(nullptr);
+    const std::string log_path = log_.string();
+    const pid_t parent = getpid();
+
+    pid_ = fork();
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the parent died before prctl
+      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+      }
+      execve(args[0], args.data(), env.data());
+      _exit(127);
+    }
+    if (pid_ > 0) setpgid(pid_, pid_);  // also here, so that a signal right after fork finds the group
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+  ~Process() { Kill(); }
+
+  pid_t pid() const { return pid_; }
+  const fs::path& log() const { return log_; }
+  // Sends `sig` to the process's group.
+  void Signal(int sig) {
+    if (running()) kill(-pid_, sig);
+  }
+  bool running() {
+    Reap(WNOHANG);
+    return pid_ > 0 && !exited_;
+  }
+  // Waits up to `timeout` for the process to exit; its exit status (WEXITSTATUS, or 128 + signal),
+  // or -1 when it is still running.
+  int Wait(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (running() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return exited_ ? exit_code_ : -1;
+  }
+  void Kill() {
+    if (!running()) return;
+    kill(-pid_, SIGKILL);
+    Reap(0);
+  }
+
+ private:
+  void Reap(int flags) {
+    if (pid_ <= 0 || exited_) return;
+    int status = 0;
+    if (waitpid(pid_, &status, flags) == pid_) {
+      exited_ = true;
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+  }
+
+  const fs::path log_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int exit_code_ = -1;
+};
+
+struct ClusterSpecForTest {
+  std::string fixture;
+  int nodes = 1;          // PP
+  int gpus_per_node = 1;  // TP
+  std::vector<std::string> worker_flags;
+};
+
+// A coordinator and nodes x gpus_per_node workers ("n0", "n1", ...: node i is stage i).
+class Cluster {
+ public:
+  explicit Cluster(ClusterSpecForTest spec) : spec_(std::move(spec)) {
+    char pattern[] = "/tmp/cluster_test.XXXXXX";
+    dir_ = mkdtemp(pattern);
+  }
+  ~Cluster() {
+    for (auto& w : workers_) w->Kill();
+    if (coordinator_) coordinator_->Kill();
+    if (::testing::Test::HasFailure()) {
+      std::printf("[ logs     ] kept in %s\n", dir_.c_str());
+    } else {
+      std::error_code ec;
+      fs::remove_all(dir_, ec);
+    }
+  }
+
+  // Starts everything and waits until the coordinator's health is SERVING. Failures (with the
+  // processes' logs) are reported through gtest; returns whether it got there.
+  bool Start() {
+    const auto start = Clock::now();
+    const fs::path port_file = dir_ / "port";
+    coordinator_ = std::make_unique<Process>(
+        std::vector<std::string>{SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen",
+                                 "127.0.0.1:0", "--nodes", std::to_string(spec_.nodes), "--gpus-per-node",
+                                 std::to_string(spec_.gpus_per_node), "--port-file", port_file.string()},
+        dir_ / "coordinator.log");
+    while (!fs::exists(port_file)) {
+      if (!coordinator_->running() || SecondsSince(start) > 30) {
+        ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::ifstream(port_file) >> port_;
+    address_ = "127.0.0.1:" + std::to_string(port_);
+    channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    client_ = v1::InferenceService::NewStub(channel_);
+    health_ = grpc::health::v1::Health::NewStub(channel_);
+
+    for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
+      const std::string node = "n" + std::to_string(i / spec_.gpus_per_node);
+      const std::string listen = "127.0.0.1:" + std::to_string(FreePort());
+      std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
+                                       "--listen", listen, "--memory-gb", "4"};
+      argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
+      worker_addresses_.push_back(listen);
+      workers_.push_back(
+          std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));
+    }
+    while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
+      if (!coordinator_->running() || SecondsSince(start) > 90) {
+        ADD_FAILURE() << "the cluster did not reach SERVING:\n" << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    start_seconds_ = SecondsSince(start);
+    return true;
+  }
+
+  // The coordinator's overall grpc.health.v1 status (UNKNOWN when the call fails).
+  grpc::health::v1::HealthCheckResponse::ServingStatus HealthStatus() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    if (!health_->Check(&context, request, &response).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+    return response.status();
+  }
+
+  v1::ClusterStatus Status() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ClusterStatus status;
+    EXPECT_TRUE(client_->GetClusterStatus(&context, v1::GetClusterStatusRequest(), &status).ok());
+    return status;
+  }
+
+  // Every process's log, for failure messages.
+  std::string Logs() {
+    std::string out = "---- coordinator ----\n" + Tail(coordinator_->log()) + "\n";
+    for (auto& w : workers_) out += "---- " + w->log().filename().string() + " ----\n" + Tail(w->log()) + "\n";
+    return out;
+  }
+
+  v1::InferenceService::Stub* client() { return client_.get(); }
+  const std::string& address() const { return address_; }
+  const fs::path& dir() const { return dir_; }
+  Process& coordinator() { return *coordinator_; }
+  Process& worker(int i) { return *workers_[i]; }
+  int num_workers() const { return static_cast<int>(workers_.size()); }
+  const std::string& worker_address(int i) const { return worker_addresses_[i]; }
+  double start_seconds() const { return start_seconds_; }
+
+ private:
+  const ClusterSpecForTest spec_;
+  fs::path dir_;
+  int port_ = 0;
+  std::string address_;
+  std::unique_ptr<Process> coordinator_;
+  std::vector<std::unique_ptr<Process>> workers_;
+  std::vector<std::string> worker_addresses_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::InferenceService::Stub> client_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  double start_seconds_ = 0;
+};
+
+struct Golden {
+  std::vector<int32_t> prompt, greedy;
+};
+
+Golden LoadGolden(const std::string& fixture) {
+  std::ifstream in(kFixtures / fixture / "golden.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  return Golden{j["prompt_ids"].get<std::vector<int32_t>>(), j["greedy_ids"].get<std::vector<int32_t>>()};
+}
+
+v1::GenerateRequest TokenRequest(const std::vector<int32_t>& prompt, int max_tokens) {
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->mutable_ids()->Add(prompt.begin(), prompt.end());
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+struct Streamed {
+  grpc::Status status;
+  std::vector<v1::GenerateResponse> messages;
+  std::vector<int32_t> tokens;
+  double seconds = 0;
+};
+
+Streamed Generate(v1::InferenceService::Stub* client, const v1::GenerateRequest& request,
+                  std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  const auto start = Clock::now();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = client->Generate(&context, request);
+  Streamed out;
+  v1::GenerateResponse message;
+  while (reader->Read(&message)) {
+    out.tokens.insert(out.tokens.end(), message.token_ids().begin(), message.token_ids().end());
+    out.messages.push_back(message);
+  }
+  out.status = reader->Finish();
+  out.seconds = SecondsSince(start);
+  return out;
+}
+
+// ---- Parity with Hugging Face, every layout ---------------------------------------------------------
+
+struct Layout {
+  std::string fixture;
+  int tp;
+  int pp;
+};
+
+void PrintTo(const Layout& l, std::ostream* os) { *os << "TP=" << l.tp << " PP=" << l.pp << " " << l.fixture; }
+
+std::vector<Layout> Layouts() {
+  // The fixtures' layer counts (checked against config.json by the test): PP may not exceed them.
+  const std::vector<std::pair<std::string, int>> fixtures = {
+      {"llama3_rope", 2}, {"llama_bf16", 3}, {"llama_gqa", 5}, {"mistral_sharded", 4}, {"qwen2_tied_bias", 3}};
+  std::vector<Layout> out;
+  for (const auto& [name, layers] : fixtures) {
+    for (int tp : {1, 2}) {
+      for (int pp : {1, 2, 3}) {
+        if (pp <= layers) out.push_back({name, tp, pp});
+      }
+    }
+  }
+  return out;
+}
+
+class ClusterParityTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
+  const Layout& l = GetParam();
+  std::ifstream config_file(kFixtures / l.fixture / "config.json");
+  ASSERT_GE(nlohmann::json::parse(config_file)["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
+  const Golden golden = LoadGolden(l.fixture);
+  Cluster cluster({l.fixture, l.pp, l.tp, {}});
+  ASSERT_TRUE(cluster.Start());
+
+  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, golden.greedy);
+  ASSERT_FALSE(r.messages.empty());
+  EXPECT_EQ(r.messages.back().finish_reason(), v1::FINISH_REASON_LENGTH);
+  std::printf("[ timing   ] TP=%d PP=%d %s: cluster up in %.2f s, 32 tokens in %.2f s\n", l.tp, l.pp,
+              l.fixture.c_str(), cluster.start_seconds(), r.seconds);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts()),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
+// ---- The client API, on one cluster (TP=2 x PP=2, llama_gqa: 5 layers split 2 + 3) -------------------
+
+class ClusterApiTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cluster_ = new Cluster({"llama_gqa", 2, 2, {}});
+    if (!cluster_->Start()) {
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(cluster_, nullptr) << "the cluster did not start"; }
+
+  static Cluster* cluster_;
+};
+Cluster* ClusterApiTest::cluster_ = nullptr;
+
+TEST_F(ClusterApiTest, StreamsOneTokenPerMessageWithUsageOnTheLast) {
+  const Golden golden = LoadGolden("llama_gqa");
+  v1::GenerateRequest request = TokenRequest(golden.prompt, 5);
+  request.set_request_id("usage-test");
+  const Streamed r = Generate(cluster_->client(), request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_EQ(r.messages.size(), 5u);
+  for (size_t i = 0; i < r.messages.size(); ++i) {
+    const v1::GenerateResponse& m = r.messages[i];
+    EXPECT_EQ(m.token_ids_size(), 1);
+    EXPECT_EQ(m.token_ids(0), golden.greedy[i]);
+    EXPECT_EQ(m.text(), "") << "a model without tokenizer.json streams ids only";
+    EXPECT_EQ(m.request_id(), "usage-test");
+    EXPECT_GT(m.timings().step_seconds(), 0);
+    EXPECT_GE(m.timings().step_seconds(), m.timings().forward_seconds());
+    const bool last = i + 1 == r.messages.size();
+    EXPECT_EQ(m.finish_reason(), last ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_UNSPECIFIED);
+    EXPECT_EQ(m.has_usage(), last);
+  }
+  EXPECT_EQ(r.messages.back().usage().prompt_tokens(), static_cast<int>(golden.prompt.size()));
+  EXPECT_EQ(r.messages.back().usage().completion_tokens(), 5);
+}
+
+TEST_F(ClusterApiTest, StopsAfterAStopTokenId) {
+  const Golden golden = LoadGolden("llama_gqa");
+  // The first greedy token that did not appear before it.
+  size_t k = 3;
+  while (std::find(golden.greedy.begin(), golden.greedy.begin() + k, golden.greedy[k]) != golden.greedy.begin() + k) ++k;
+  v1::GenerateRequest request = TokenRequest(golden.prompt, 32);
+  request.mutable_sampling()->add_stop_token_ids(golden.greedy[k]);
+  const Streamed r = Generate(cluster_->client(), request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(r.tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + k + 1));
+  EXPECT_EQ(r.messages.back().finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+  EXPECT_EQ(r.messages.back().usage().completion_tokens(), static_cast<int>(k + 1));
+}
+
+TEST_F(ClusterApiTest, SeededSamplingIsReproducible) {
+  const Golden golden = LoadGolden("llama_gqa");
+  v1::GenerateRequest request = TokenRequest(golden.prompt, 12);
+  request.mutable_sampling()->set_temperature(1.5f);
+  request.mutable_sampling()->set_top_k(50);
+  request.mutable_sampling()->set_seed(7);
+  const Streamed a = Generate(cluster_->client(), request);
+  const Streamed b = Generate(cluster_->client(), request);
+  ASSERT_TRUE(a.status.ok()) << a.status.error_message();
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(a.tokens.size(), 12u);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_NE(a.tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + 12))
+      << "temperature 1.5 should not reproduce greedy decoding";
+}
+
+TEST_F(ClusterApiTest, ConcurrentRequestsAreServedOneAtATime) {
+  const Golden golden = LoadGolden("llama_gqa");
+  Streamed results[3];
+  std::vector<std::thread> threads;
+  for (Streamed& r : results) {
+    threads.emplace_back([&] { r = Generate(cluster_->client(), TokenRequest(golden.prompt, 8)); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Streamed& r : results) {
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+    EXPECT_EQ(r.tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + 8));
+  }
+}
+
+TEST_F(ClusterApiTest, BadRequestsAreInvalidArgumentNamingTheField) {
+  const Golden golden = LoadGolden("llama_gqa");
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    std::string field;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"no prompt", v1::GenerateRequest(), "prompt"});
+  v1::GenerateRequest r = TokenRequest({1, 600, 3}, 4);
+  cases.push_back({"id outside the vocabulary", r, "prompt.token_ids.ids[1]"});
+  r = TokenRequest(golden.prompt, 4);
+  r.set_text("hello");
+  cases.push_back({"text without tokenizer.json", r, "tokenizer.json"});
+  r = TokenRequest(golden.prompt, 250);
+  cases.push_back({"longer than max_model_len", r, "max_model_len"});
+  r = TokenRequest(golden.prompt, 4);
+  r.mutable_sampling()->set_temperature(-1);
+  cases.push_back({"negative temperature", r, "sampling.temperature"});
+  r = TokenRequest(golden.prompt, 4);
+  r.mutable_sampling()->set_top_p(1.5f);
+  cases.push_back({"top_p above 1", r, "sampling.top_p"});
+  r = TokenRequest(golden.prompt, 4);
+  r.mutable_sampling()->add_stop_token_ids(-3);
+  cases.push_back({"stop id outside the vocabulary", r, "sampling.stop_token_ids[0]"});
+  for (const Case& c : cases) {
+    const Streamed s = Generate(cluster_->client(), c.request);
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name;
+    EXPECT_NE(s.status.error_message().find(c.field), std::string::npos)
+        << c.name << ": '" << s.status.error_message() << "' does not name " << c.field;
+    EXPECT_TRUE(s.messages.empty()) << c.name;
+  }
+  grpc::ClientContext context;
+  v1::TokenizeRequest tokenize;
+  tokenize.set_text("hello");
+  v1::TokenizeResponse ids;
+  EXPECT_EQ(cluster_->client()->Tokenize(&context, tokenize, &ids).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {
+  grpc::ClientContext context;
+  v1::ModelInfo info;
+  ASSERT_TRUE(cluster_->client()->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.name(), "llama_gqa");
+  EXPECT_EQ(info.architecture(), "LlamaForCausalLM");
+  EXPECT_EQ(info.vocab_size(), 512);
+  EXPECT_EQ(info.num_layers(), 5);
+  EXPECT_EQ(info.max_model_len(), 256);
+  EXPECT_EQ(info.dtype(), "float32");
+  EXPECT_EQ(std::vector<int32_t>(info.eos_token_ids().begin(), info.eos_token_ids().end()), std::vector<int32_t>{2});
+
+  const v1::ClusterStatus status = cluster_->Status();
+  EXPECT_EQ(status.tp(), 2);
+  EXPECT_EQ(status.pp(), 2);
+  EXPECT_TRUE(status.serving());
+  EXPECT_NE(status.plan_text(), "");
+  EXPECT_EQ(status.model().name(), "llama_gqa");
+  ASSERT_EQ(status.workers_size(), 4);
+  std::vector<int> layers_held(5, 0);
+  for (const v1::WorkerStatus& w : status.workers()) {
+    EXPECT_EQ(w.state(), v1::WORKER_STATE_READY) << w.worker_id();
+    EXPECT_EQ(w.node(), "n" + std::to_string(w.stage())) << "node i is stage i";
+    EXPECT_GT(w.weight_bytes(), 0);
+    for (int l = w.first_layer(); l <= w.last_layer(); ++l) layers_held[l] += 1;
+  }
+  EXPECT_EQ(layers_held, std::vector<int>(5, 2)) << "every layer on both TP ranks of exactly one stage";
+}
+
+TEST_F(ClusterApiTest, AWorkerBeyondTheGroupIsRefusedAndTheGroupServesOn) {
+  const fs::path log = cluster_->dir() / "extra-worker.log";
+  Process extra({SHARDSERVE_WORKER_BIN, "--coordinator", cluster_->address(), "--node", "n9", "--listen",
+                 "127.0.0.1:0", "--memory-gb", "4"},
+                log);
+  EXPECT_EQ(extra.Wait(std::chrono::seconds(20)), 1) << Tail(log);
+  EXPECT_NE(Tail(log).find("refused this worker: the worker group is already complete"), std::string::npos)
+      << Tail(log);
+  EXPECT_EQ(cluster_->HealthStatus(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(cluster_->Status().workers_size(), 4);
+}
+
+// ---- Text in, text out, on the demo model (it has a tokenizer.json) -----------------------------
+
+// TP=2 x PP=2 on models/demo, as tools/demo.sh runs it. The streamed text deltas must concatenate
+// to the decode of the streamed ids, and a stop string must cut the text before it.
+class DemoTextTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string demo = (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo").string();
+    auto tokenizer = Tokenizer::FromDirectory(demo);
+    ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+    tokenizer_ = tokenizer->release();
+    cluster_ = new Cluster({demo, 2, 2, {}});  // an absolute path replaces the fixtures folder
+    if (!cluster_->Start()) {
+      delete cluster_;
+      cluster_ = nullptr;
+    }
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    delete tokenizer_;
+    cluster_ = nullptr;
+    tokenizer_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(cluster_, nullptr) << "the cluster did not start"; }
+
+  static v1::GenerateRequest TextRequest(const std::string& prompt, int max_tokens) {
+    v1::GenerateRequest r;
+    r.set_text(prompt);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    return r;
+  }
+  static std::string Text(const Streamed& r) {
+    std::string text;
+    for (const auto& m : r.messages) text += m.text();
+    return text;
+  }
+
+  static Cluster* cluster_;
+  static Tokenizer* tokenizer_;
+};
+Cluster* DemoTextTest::cluster_ = nullptr;
+Tokenizer* DemoTextTest::tokenizer_ = nullptr;
+
+TEST_F(DemoTextTest, TextDeltasConcatenateToTheDecodedIds) {
+  const std::string prompt = "And the LORD said unto Moses,";
+  const Streamed r = Generate(cluster_->client(), TextRequest(prompt, 40));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  ASSERT_FALSE(r.tokens.empty());
+  EXPECT_EQ(Text(r), tokenizer_->Decode(r.tokens, /*skip_special_tokens=*/true));
+  absl::StatusOr<std::vector<int32_t>> prompt_ids = tokenizer_->Encode(prompt, /*add_special_tokens=*/true);
+  ASSERT_TRUE(prompt_ids.ok());
+  EXPECT_EQ(r.messages.back().usage().prompt_tokens(), static_cast<int>(prompt_ids->size()));
+  EXPECT_EQ(r.messages.back().usage().completion_tokens(), static_cast<int>(r.tokens.size()));
+  EXPECT_NE(r.messages.back().finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+  std::printf("[ demo     ] %s%s\n", prompt.c_str(), Text(r).c_str());
+}
+
+TEST_F(DemoTextTest, StopStringEndsTheTextBeforeIt) {
+  const std::string prompt = "In the beginning";
+  const Streamed full = Generate(cluster_->client(), TextRequest(prompt, 40));
+  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+  const std::string text = Text(full);
+  // A stop string from the middle of the greedy text: it may span tokens, so the server must hold
+  // back text that could be its start and never stream it.
+  ASSERT_GT(text.size(), 24u) << text;
+  const std::string stop = text.substr(text.size() / 2, 5);
+  v1::GenerateRequest request = TextRequest(prompt, 40);
+  request.mutable_sampling()->add_stop(stop);
+  const Streamed r = Generate(cluster_->client(), request);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(Text(r), text.substr(0, text.find(stop))) << "stop string '" << stop << "'";
+  EXPECT_EQ(r.messages.back().finish_reason(), v1::FINISH_REASON_STOP_STRING);
+}
+
+// ---- Chunked prefill ----------------------------------------------------------------------------------
+
+// A prompt longer than a step (256 tokens) is prefilled in chunks, each handed down the pipeline.
+// The cluster (TP=1, so that only the chunking and the stages differ) must give the tokens one
+// process gives with the whole prompt in a single step.
+TEST(ClusterPrefillTest, LongPromptIsPrefilledInChunksAcrossStages) {
+  const std::string fixture = "llama3_rope";  // max_position_embeddings 1024
+  const Golden golden = LoadGolden(fixture);
+  std::vector<int32_t> prompt;
+  while (prompt.size() < 600) prompt.insert(prompt.end(), golden.prompt.begin(), golden.prompt.end());
+
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / fixture);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(kFixtures / fixture);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp(backend.get());
+  RuntimeOptions whole_prompt;
+  whole_prompt.max_tokens_per_step = 1024;
+  whole_prompt.max_seqs_per_step = 1;
+  whole_prompt.num_kv_blocks = whole_prompt.max_blocks_per_seq = 64;
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model =
+      LlamaShard::Load(**checkpoint, *config, ShardSpec{}, whole_prompt, backend.get(), &tp);
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<std::vector<int32_t>> reference = GreedyGenerate(model->get(), prompt, 16);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+
+  Cluster cluster({fixture, 2, 1, {}});
+  ASSERT_TRUE(cluster.Start());
+  const Streamed r = Generate(cluster.client(), TokenRequest(prompt, 16));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, *reference);
+  EXPECT_EQ(r.messages.back().usage().prompt_tokens(), 600);
+}
+
+// ---- Failures ---------------------------------------------------------------------------------------
+
+// Starts a generation long enough to outlive `act`, reads a few tokens, runs `act` on the worker
+// at `victim`, and checks the stream ends with UNAVAILABLE naming that worker within 10 s; then
+// that the coordinator is NOT_SERVING, refuses a new request with the same news, and runs on.
+void ExpectWorkerLossIsReported(Cluster& cluster, int victim, int sig, const std::string& cause) {
+  // Who the victim is, as the coordinator names it.
+  std::string victim_id;
+  int stage = -1, tp_rank = -1;
+  const v1::ClusterStatus before = cluster.Status();
+  for (const v1::WorkerStatus& w : before.workers()) {
+    if (w.address() == cluster.worker_address(victim)) {
+      victim_id = w.worker_id();
+      stage = w.stage();
+      tp_rank = w.tp_rank();
+    }
+  }
+  ASSERT_NE(victim_id, "") << "no worker listens on " << cluster.worker_address(victim);
+  const std::string name = "worker " + victim_id + " (node n" + std::to_string(stage) + ", stage " +
+                           std::to_string(stage) + ", tp rank " + std::to_string(tp_rank) + ")";
+
+  // llama3_rope serves 1024 tokens; with the workers' 20 ms step delay this runs ~20 s.
+  const Golden golden = LoadGolden("llama3_rope");
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  auto reader = cluster.client()->Generate(&context, TokenRequest(golden.prompt, 900));
+  v1::GenerateResponse message;
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(reader->Read(&message)) << reader->Finish().error_message();
+  ASSERT_EQ(message.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
+
+  const auto hit = Clock::now();
+  cluster.worker(victim).Signal(sig);
+  int more = 0;
+  while (reader->Read(&message)) ++more;
+  const grpc::Status status = reader->Finish();
+  const double seconds = SecondsSince(hit);
+  std::printf("[ timing   ] signal %d -> UNAVAILABLE after %.2f s (%d more tokens streamed): %s\n", sig, seconds, more,
+              status.error_message().c_str());
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(status.error_message().find(name + " is lost"), std::string::npos)
+      << "'" << status.error_message() << "' does not name " << name << " first";
+  EXPECT_NE(status.error_message().find(cause), std::string::npos) << status.error_message();
+
+  EXPECT_EQ(cluster.HealthStatus(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const Streamed again = Generate(cluster.client(), TokenRequest(golden.prompt, 4), std::chrono::seconds(15));
+  EXPECT_EQ(again.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(again.status.error_message().find(name), std::string::npos) << again.status.error_message();
+  EXPECT_TRUE(cluster.coordinator().running());
+
+  const v1::ClusterStatus after = cluster.Status();
+  EXPECT_FALSE(after.serving());
+  for (const v1::WorkerStatus& w : after.workers()) {
+    if (w.worker_id() == victim_id) {
+      EXPECT_EQ(w.state(), v1::WORKER_STATE_LOST);
+      EXPECT_NE(w.detail().find(cause), std::string::npos) << w.detail();
+    }
+  }
+}
+
+TEST(ClusterFailureTest, KilledWorkerEndsTheStreamWithUnavailable) {
+  Cluster cluster({"llama3_rope", 2, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  ExpectWorkerLossIsReported(cluster, /*victim=*/3, SIGKILL, "control stream ended");
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+
+  // SIGTERM stops the coordinator cleanly; the workers left stop when their streams end.
+  cluster.coordinator().Signal(SIGTERM);
+  EXPECT_EQ(cluster.coordinator().Wait(std::chrono::seconds(10)), 0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(cluster.worker(i).Wait(std::chrono::seconds(10)), 0) << "worker " << i;
+}
+
+TEST(ClusterFailureTest, HungWorkerIsLostAfterItsHeartbeatsStop) {
+  Cluster cluster({"llama3_rope", 2, 1, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  ExpectWorkerLossIsReported(cluster, /*victim=*/1, SIGSTOP, "not even a heartbeat");
+
+  // SIGTERM stops the other worker cleanly, after its step failed on the hung peer's timeout.
+  cluster.worker(0).Signal(SIGTERM);
+  EXPECT_EQ(cluster.worker(0).Wait(std::chrono::seconds(15)), 0);
+  EXPECT_TRUE(cluster.coordinator().running());
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,175 @@
+// The coordinator's request logic (coordinator/server/generation.h) without processes: the steps a
+// request needs, the text it streams (stop strings held back, never streamed), finish reasons and
+// usage. The fixtures have no tokenizer.json, so the text path is tested here with a tiny one.
+#include "coordinator/server/generation.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace shardserve {
+namespace {
+
+// Characters as tokens, decoded by concatenation; id 9 is a special EOS.
+constexpr char kTinyTokenizer[] = R"({
+  "version": "1.0",
+  "added_tokens": [{"id": 9, "content": "</s>", "special": true}],
+  "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+  "decoder": {"type": "Fuse"},
+  "model": {"type": "BPE", "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, " ": 4, "S": 5, "T": 6, "P": 7, "!": 8},
+            "merges": []}
+})";
+constexpr int32_t kH = 0, kE = 1, kL = 2, kO = 3, kSpace = 4, kS = 5, kT = 6, kP = 7, kBang = 8, kEos = 9;
+
+std::unique_ptr<Tokenizer> TinyTokenizer() {
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::FromJson(kTinyTokenizer);
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? std::move(*t) : nullptr;
+}
+
+// Feeds `ids` as the sampled tokens; returns the streamed text and the last response.
+struct Fed {
+  std::string text;
+  std::vector<int32_t> tokens;
+  v1::GenerateResponse last;
+  int accepted = 0;
+};
+Fed Feed(Generation& g, const std::vector<int32_t>& ids) {
+  Fed r;
+  for (int32_t id : ids) {
+    ++r.accepted;
+    const bool done = g.Accept(id, &r.last);
+    r.text += r.last.text();
+    r.tokens.insert(r.tokens.end(), r.last.token_ids().begin(), r.last.token_ids().end());
+    if (done) break;
+  }
+  return r;
+}
+
+TEST(StopStringFilterTest, HoldsBackWhatMayStartAStopStringAndCutsAtIt) {
+  StopStringFilter f({"STOP", "!!"});
+  bool stopped = false;
+  EXPECT_EQ(f.Add("hello S", &stopped), "hello ");  // "S" may start "STOP"
+  EXPECT_FALSE(stopped);
+  EXPECT_EQ(f.Add("T", &stopped), "");  // "ST" still may
+  EXPECT_EQ(f.Add("x", &stopped), "STx");  // it was not one after all
+  EXPECT_EQ(f.Add("ab!", &stopped), "ab");
+  EXPECT_EQ(f.Add("!tail", &stopped), "");  // "!!" appeared: nothing of it or after it
+  EXPECT_TRUE(stopped);
+}
+
+TEST(StopStringFilterTest, FlushReleasesHeldTextAtTheEnd) {
+  StopStringFilter f({"STOP"});
+  bool stopped = false;
+  EXPECT_EQ(f.Add("oh ST", &stopped), "oh ");
+  EXPECT_EQ(f.Flush(), "ST");
+}
+
+TEST(StopStringFilterTest, EarliestStopStringWins) {
+  StopStringFilter f({"lo", "hel"});
+  bool stopped = false;
+  EXPECT_EQ(f.Add("hello", &stopped), "");
+  EXPECT_TRUE(stopped);
+}
+
+GenerationParams Params(std::vector<int32_t> prompt, int max_tokens) {
+  GenerationParams p;
+  p.request_id = "test";
+  p.prompt = std::move(prompt);
+  p.max_tokens = max_tokens;
+  return p;
+}
+
+TEST(GenerationTest, PrefillsInChunksThenDecodesOneTokenPerStep) {
+  const GenerationParams p = Params({1, 2, 3, 4, 5}, 3);
+  const std::vector<int32_t> eos;
+  Generation g(p, eos, nullptr, /*max_tokens_per_step=*/2, /*max_blocks_per_seq=*/4);
+  v1::StepPlan step;
+  // Chunks of 2, 2, 1 prompt tokens; only the last one samples, from its last row.
+  EXPECT_FALSE(g.NextStep(1, &step));
+  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(std::vector<int32_t>(step.positions().begin(), step.positions().end()), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(step.logit_rows_size(), 0);
+  EXPECT_EQ(step.block_tables_size(), 4);
+  EXPECT_FALSE(g.NextStep(2, &step));
+  EXPECT_EQ(std::vector<int32_t>(step.slots().begin(), step.slots().end()), (std::vector<int32_t>{2, 3}));
+  EXPECT_TRUE(g.NextStep(3, &step));
+  EXPECT_EQ(step.step_id(), 3u);
+  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{5}));
+  EXPECT_EQ(std::vector<int32_t>(step.logit_rows().begin(), step.logit_rows().end()), (std::vector<int32_t>{0}));
+  ASSERT_EQ(step.sampling_size(), 1);
+  EXPECT_EQ(step.sampling(0).draw_index(), 0u);
+  v1::GenerateResponse response;
+  EXPECT_FALSE(g.Accept(42, &response));
+  // Decode: the sampled token at the next position, drawn as the completion's second token.
+  EXPECT_TRUE(g.NextStep(4, &step));
+  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{42}));
+  EXPECT_EQ(std::vector<int32_t>(step.positions().begin(), step.positions().end()), (std::vector<int32_t>{5}));
+  EXPECT_EQ(step.sampling(0).draw_index(), 1u);
+  EXPECT_FALSE(g.Accept(43, &response));
+  EXPECT_TRUE(g.Accept(44, &response));
+  EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(response.usage().prompt_tokens(), 5);
+  EXPECT_EQ(response.usage().completion_tokens(), 3);
+}
+
+TEST(GenerationTest, StreamsTextAndNeverAStopString) {
+  std::unique_ptr<Tokenizer> tok = TinyTokenizer();
+  ASSERT_NE(tok, nullptr);
+  GenerationParams p = Params({kH}, 20);
+  p.stop = {"ST!"};
+  const std::vector<int32_t> eos = {kEos};
+  Generation g(p, eos, tok.get(), 16, 4);
+  const Fed r = Feed(g, {kE, kL, kL, kO, kSpace, kS, kT, kBang, kP, kBang});
+  EXPECT_EQ(r.text, "ello ");
+  EXPECT_EQ(r.accepted, 8) << "stops at the token that completes the stop string";
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_STRING);
+  EXPECT_EQ(r.last.usage().completion_tokens(), 8);
+}
+
+TEST(GenerationTest, HeldTextThatIsNoStopStringIsStreamedAtTheEnd) {
+  std::unique_ptr<Tokenizer> tok = TinyTokenizer();
+  ASSERT_NE(tok, nullptr);
+  GenerationParams p = Params({kH}, 3);
+  p.stop = {"STOP"};
+  const std::vector<int32_t> eos = {kEos};
+  Generation g(p, eos, tok.get(), 16, 4);
+  const Fed r = Feed(g, {kO, kS, kT});
+  EXPECT_EQ(r.text, "oST");
+  EXPECT_EQ(r.last.text(), "ST");
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_LENGTH);
+}
+
+TEST(GenerationTest, EosStopsUnlessIgnoredAndIsNotStreamedAsText) {
+  std::unique_ptr<Tokenizer> tok = TinyTokenizer();
+  ASSERT_NE(tok, nullptr);
+  const std::vector<int32_t> eos = {kEos};
+  GenerationParams p = Params({kH}, 5);
+  Generation stops(p, eos, tok.get(), 16, 4);
+  Fed r = Feed(stops, {kE, kEos, kL});
+  EXPECT_EQ(r.tokens, (std::vector<int32_t>{kE, kEos}));
+  EXPECT_EQ(r.text, "e");
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+
+  p.ignore_eos = true;
+  Generation ignores(p, eos, tok.get(), 16, 4);
+  r = Feed(ignores, {kE, kEos, kL, kL, kO});
+  EXPECT_EQ(r.text, "ello");
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_LENGTH);
+}
+
+TEST(GenerationTest, StopTokenIdsStopAndAreReturned) {
+  GenerationParams p = Params({1}, 10);
+  p.stop_token_ids = {7};
+  const std::vector<int32_t> eos;
+  Generation g(p, eos, nullptr, 16, 4);
+  const Fed r = Feed(g, {3, 7, 8});
+  EXPECT_EQ(r.tokens, (std::vector<int32_t>{3, 7}));
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+  EXPECT_EQ(r.last.usage().completion_tokens(), 2);
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,77 @@
+// shardserve status: the plan and every worker's state, as the coordinator sees them.
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "tools/cli/client.h"
+#include "tools/cli/command.h"
+#include "tools/cli/flags.h"
+
+namespace shardserve::cli {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: shardserve status [--address HOST:PORT]\n"
+    "  Prints the coordinator's health, the model, the plan and each worker's state.\n";
+
+int Run(const std::vector<std::string>& args) {
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"address"}, {"help"});
+  if (!flags.ok()) {
+    std::fprintf(stderr, "shardserve status: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
+    return 2;
+  }
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
+  }
+  const std::string address = flags->Get("address", kDefaultAddress);
+  auto channel = ConnectToCoordinator(address);
+  auto deadline = [] { return std::chrono::system_clock::now() + std::chrono::seconds(5); };
+
+  grpc::ClientContext hctx;
+  hctx.set_deadline(deadline());
+  grpc::health::v1::HealthCheckRequest hreq;
+  grpc::health::v1::HealthCheckResponse hresp;
+  grpc::Status hs = grpc::health::v1::Health::NewStub(channel)->Check(&hctx, hreq, &hresp);
+  if (!hs.ok()) {
+    std::fprintf(stderr, "shardserve status: cannot reach the coordinator at %s: %s\n", address.c_str(),
+                 hs.error_message().c_str());
+    return 1;
+  }
+  std::printf("coordinator %s: %s\n", address.c_str(),
+              grpc::health::v1::HealthCheckResponse::ServingStatus_Name(hresp.status()).c_str());
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(deadline());
+  v1::ClusterStatus cs;
+  grpc::Status s = v1::InferenceService::NewStub(channel)->GetClusterStatus(&ctx, v1::GetClusterStatusRequest(), &cs);
+  if (!s.ok()) {
+    std::fprintf(stderr, "shardserve status: GetClusterStatus: %s\n", s.error_message().c_str());
+    return 1;
+  }
+  const v1::ModelInfo& m = cs.model();
+  std::printf("model %s (%s, %lld layers, vocab %lld, %s, max length %lld)\n", m.name().c_str(), m.architecture().c_str(),
+              static_cast<long long>(m.num_layers()), static_cast<long long>(m.vocab_size()), m.dtype().c_str(),
+              static_cast<long long>(m.max_model_len()));
+  std::printf("layout TP=%d x PP=%d, %s\n\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
+  if (!cs.plan_text().empty()) std::printf("%s\n", cs.plan_text().c_str());
+  std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %s\n", "worker", "node", "device", "stage", "tp", "layers",
+              "state", "address", "detail");
+  for (const v1::WorkerStatus& w : cs.workers()) {
+    std::string layers = std::to_string(w.first_layer()) + "-" + std::to_string(w.last_layer());
+    std::string state = v1::WorkerState_Name(w.state());
+    state = state.substr(state.rfind('_') + 1);
+    std::printf("%-10s %-8s %-7s %-6d %-4d %-9s %-11s %-22s %s\n", w.worker_id().c_str(), w.node().c_str(),
+                w.device().c_str(), w.stage(), w.tp_rank(), layers.c_str(), state.c_str(), w.address().c_str(),
+                w.detail().c_str());
+  }
+  return cs.serving() ? 0 : 1;
+}
+
+const CommandRegistration kRegistration({"status", "the plan and each worker's health", Run});
+
+}  // namespace
+}  // namespace shardserve::cli

@@ -1,0 +1,254 @@
+#include "worker/step_executor.h"
+
+#include <chrono>
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/sampling.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/nccl_communicator.h"
+
+namespace shardserve {
+namespace {
+
+// Bounds on what an assignment may ask for: far above any real deployment, low enough that no
+// product of them overflows and a corrupt message cannot ask for absurd allocations.
+constexpr int64_t kMaxRanks = 1024;
+constexpr int64_t kMaxStepTokens = int64_t{1} << 20;
+constexpr int64_t kMaxCacheTokens = int64_t{1} << 31;
+constexpr double kMaxCollectiveTimeoutSeconds = 24 * 3600;
+
+absl::Status CheckAssignment(const v1::Assignment& a) {
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("assignment: ", parts...)); };
+  if (a.model_path().empty()) return bad("model_path is empty");
+  if (a.num_stages() < 1 || a.num_stages() > kMaxRanks) return bad("num_stages ", a.num_stages(), " outside [1, ", kMaxRanks, "]");
+  if (a.stage() < 0 || a.stage() >= a.num_stages()) return bad("stage ", a.stage(), " outside [0, ", a.num_stages(), ")");
+  if (a.tp_size() < 1 || a.tp_size() > kMaxRanks) return bad("tp_size ", a.tp_size(), " outside [1, ", kMaxRanks, "]");
+  if (a.tp_rank() < 0 || a.tp_rank() >= a.tp_size()) return bad("tp_rank ", a.tp_rank(), " outside [0, ", a.tp_size(), ")");
+  if (a.tp_size() > 1 && a.tp_group().empty()) return bad("tp_group is empty but tp_size is ", a.tp_size());
+  if (a.stage() > 0 && a.recv_group().empty()) return bad("recv_group is empty on stage ", a.stage());
+  if (a.stage() + 1 < a.num_stages() && a.send_group().empty()) return bad("send_group is empty on stage ", a.stage());
+  for (auto [name, v] : {std::pair{"max_tokens_per_step", a.max_tokens_per_step()},
+                         {"max_seqs_per_step", a.max_seqs_per_step()},
+                         {"block_size", a.block_size()},
+                         {"num_kv_blocks", a.num_kv_blocks()},
+                         {"max_blocks_per_seq", a.max_blocks_per_seq()}}) {
+    if (v < 1 || v > kMaxStepTokens) return bad(name, " ", v, " outside [1, ", kMaxStepTokens, "]");
+  }
+  if (a.num_kv_blocks() * a.block_size() > kMaxCacheTokens ||
+      a.max_blocks_per_seq() * a.block_size() > kMaxCacheTokens) {
+    return bad("a KV cache of ", a.num_kv_blocks(), " x ", a.block_size(), " tokens (", a.max_blocks_per_seq(),
+               " blocks per sequence) is beyond ", kMaxCacheTokens, " tokens");
+  }
+  if (a.max_seqs_per_step() * a.max_blocks_per_seq() > kMaxStepTokens) {
+    return bad("block tables of ", a.max_seqs_per_step(), " x ", a.max_blocks_per_seq(), " entries are too large");
+  }
+  if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
+    return bad("collective_timeout_seconds ", a.collective_timeout_seconds(), " outside (0, ",
+               kMaxCollectiveTimeoutSeconds, "]");
+  }
+  return absl::OkStatus();
+}
+
+// Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
+// Gloo on the CPU, NCCL on a GPU. NCCL runs on the legacy default stream, not the backend's
+// (Backend does not expose its stream); TimedCommunicator synchronizes the backend before each
+// collective, which orders the two.
+absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* store, const std::string& group, int rank,
+                                                             int size, Backend* backend, int cuda_ordinal,
+                                                             const std::string& collective_host,
+                                                             absl::Duration timeout) {
+  absl::StatusOr<std::unique_ptr<Communicator>> comm;
+  if (size == 1) {
+    comm = std::make_unique<LocalCommunicator>(backend);
+  } else if (cuda_ordinal < 0) {
+    comm = MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+  } else {
+    comm = MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
+  }
+  if (!comm.ok()) return comm.status();
+  return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
+}
+
+}  // namespace
+
+absl::StatusOr<int> ParseDevice(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  int ordinal = -1;
+  if (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &ordinal) && ordinal >= 0) {
+    return ordinal;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("device '", device, "' is not cpu, cuda or cuda:K"));
+}
+
+absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
+                                                                   RendezvousStore* store,
+                                                                   const std::string& collective_host) {
+  if (absl::Status s = CheckAssignment(a); !s.ok()) return s;
+  absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
+  if (!cuda_ordinal.ok()) return cuda_ordinal.status();
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(a.model_path());
+  if (!config.ok()) return config.status();
+
+  std::unique_ptr<StepExecutor> e(new StepExecutor());
+  if (*cuda_ordinal < 0) {
+    e->backend_ = MakeCpuBackend();
+  } else {
+    // On a GPU the activations keep the checkpoint's dtype.
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);
+    if (!cuda.ok()) return cuda.status();
+    e->backend_ = std::move(*cuda);
+  }
+  Backend* backend = e->backend_.get();
+
+  // Groups, in an order that cannot deadlock: every rank joins its TP group first; then stage s
+  // joins the pair (s-1, s) before the pair (s, s+1), so the pairs form from the first stage on.
+  const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
+  const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
+  absl::StatusOr<std::unique_ptr<TimedCommunicator>> comm =
+      JoinGroup(store, a.tp_group(), a.tp_rank(), a.tp_size(), backend, *cuda_ordinal, collective_host, timeout);
+  if (!comm.ok()) return comm.status();
+  e->tp_ = std::move(*comm);
+  if (!first) {
+    comm = JoinGroup(store, a.recv_group(), 1, 2, backend, *cuda_ordinal, collective_host, timeout);
+    if (!comm.ok()) return comm.status();
+    e->recv_ = std::move(*comm);
+  }
+  if (!last) {
+    comm = JoinGroup(store, a.send_group(), 0, 2, backend, *cuda_ordinal, collective_host, timeout);
+    if (!comm.ok()) return comm.status();
+    e->send_ = std::move(*comm);
+  }
+
+  // The shard. The checkpoint is only read during Load (the weights are copied into the shard).
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(a.model_path());
+  if (!checkpoint.ok()) return checkpoint.status();
+  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size()};
+  const RuntimeOptions options{a.max_tokens_per_step(), a.max_seqs_per_step(), a.block_size(), a.num_kv_blocks(),
+                               a.max_blocks_per_seq()};
+  absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+      LlamaShard::Load(**checkpoint, *config, spec, options, backend, e->tp_.get());
+  if (!shard.ok()) return shard.status();
+  e->shard_ = std::move(*shard);
+  if (e->shard_->is_first_stage() != first || e->shard_->is_last_stage() != last) {
+    return absl::InvalidArgumentError(absl::StrCat("assignment: stage ", a.stage(), " of ", a.num_stages(),
+                                                   " does not match layers [", a.first_layer(), ", ", a.end_layer(),
+                                                   ") of ", config->num_hidden_layers));
+  }
+
+  // Step buffers, for the largest step.
+  e->samples_ = last && a.tp_rank() == 0;
+  const int64_t n = options.max_tokens_per_step, m = options.max_seqs_per_step;
+  for (std::vector<int32_t>* v : {&e->batch_.token_ids, &e->batch_.positions, &e->batch_.token_seq, &e->batch_.slots}) {
+    v->reserve(n);
+  }
+  e->batch_.block_tables.reserve(m * options.max_blocks_per_seq);
+  e->batch_.logit_rows.reserve(m);
+  absl::StatusOr<Buffer> sampled = backend->Allocate(m * sizeof(int32_t));
+  if (!sampled.ok()) return sampled.status();
+  e->sampled_buf_ = std::move(*sampled);
+  e->sampled_host_.resize(m);
+  e->row_params_.resize(1);
+  return e;
+}
+
+absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
+  const RuntimeOptions& opt = shard_->options();
+  const int n = p.positions_size();
+  if (n < 1 || n > opt.max_tokens_per_step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", p.step_id(), " has ", n, " tokens; a step takes 1 to ", opt.max_tokens_per_step));
+  }
+  if (p.logit_rows_size() > opt.max_seqs_per_step || p.sampling_size() != p.logit_rows_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " has ", p.logit_rows_size(),
+                                                   " logit rows and ", p.sampling_size(),
+                                                   " sampling entries; they must match and be at most ",
+                                                   opt.max_seqs_per_step));
+  }
+  if (static_cast<int64_t>(p.block_tables_size()) > opt.max_seqs_per_step * opt.max_blocks_per_seq ||
+      p.token_ids_size() > opt.max_tokens_per_step || p.token_seq_size() > opt.max_tokens_per_step ||
+      p.slots_size() > opt.max_tokens_per_step) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " is larger than this worker's buffers"));
+  }
+  // Within the reserved capacity: assign() does not allocate.
+  batch_.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
+  batch_.positions.assign(p.positions().begin(), p.positions().end());
+  batch_.token_seq.assign(p.token_seq().begin(), p.token_seq().end());
+  batch_.slots.assign(p.slots().begin(), p.slots().end());
+  batch_.block_tables.assign(p.block_tables().begin(), p.block_tables().end());
+  batch_.num_seqs = p.num_seqs();
+  batch_.logit_rows.assign(p.logit_rows().begin(), p.logit_rows().end());
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* result) {
+  const auto start = std::chrono::steady_clock::now();
+  result->Clear();
+  result->set_step_id(plan.step_id());
+  for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
+    if (c != nullptr) c->ResetSeconds();
+  }
+  if (absl::Status s = ToBatch(plan); !s.ok()) return s;
+  const int64_t n = static_cast<int64_t>(batch_.positions.size());
+
+  // The previous stage's output is this stage's input.
+  Tensor hidden = shard_->hidden(n);
+  if (recv_ != nullptr) {
+    if (absl::Status s = recv_->Recv(&hidden, 0); !s.ok()) return s;
+  }
+  if (absl::Status s = shard_->Forward(batch_); !s.ok()) return s;
+  if (send_ != nullptr) {
+    if (absl::Status s = send_->Send(hidden, 1); !s.ok()) return s;
+  }
+  if (samples_ && plan.logit_rows_size() > 0) {
+    if (absl::Status s = Sample(plan, result); !s.ok()) return s;
+  }
+
+  double collective = 0;
+  for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
+    if (c != nullptr) collective += c->seconds();
+  }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result->set_collective_seconds(collective);
+  result->set_forward_seconds(std::max(0.0, total - collective));
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::Sample(const v1::StepPlan& plan, v1::StepResult* result) {
+  const int m = plan.logit_rows_size();
+  const Tensor logits = shard_->logits(m);
+  const Tensor sampled(sampled_buf_.data(), DType::kI32, {m});
+  for (int i = 0; i < m; ++i) {
+    const v1::RowSampling& rs = plan.sampling(i);
+    Tensor out = sampled.Rows(i, i + 1);
+    const Tensor row = logits.Rows(i, i + 1);
+    if (!(std::isfinite(rs.temperature()) && rs.temperature() >= 0) || rs.top_k() < 0 ||
+        !(std::isfinite(rs.top_p()) && rs.top_p() >= 0 && rs.top_p() <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " row ", i, ": temperature ",
+                                                     rs.temperature(), ", top_k ", rs.top_k(), ", top_p ", rs.top_p(),
+                                                     " out of range"));
+    }
+    absl::Status s;
+    if (rs.temperature() == 0) {
+      s = backend_->Argmax(&out, row);
+    } else {
+      row_params_[0] = SampleParams{rs.temperature(), rs.top_k(), rs.top_p() == 0 ? 1.0f : rs.top_p(),
+                                    SampleUniform(rs.seed(), rs.draw_index())};
+      s = backend_->Sample(&out, row, row_params_);
+    }
+    if (!s.ok()) return s;
+  }
+  if (absl::Status s = backend_->CopyToHost(sampled_host_.data(), sampled.data, m * sizeof(int32_t)); !s.ok()) {
+    return s;
+  }
+  result->mutable_sampled_ids()->Add(sampled_host_.begin(), sampled_host_.begin() + m);
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

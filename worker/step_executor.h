@@ -1,0 +1,85 @@
+// One worker's part of every step. Built from the coordinator's Assignment, it holds the worker's
+// shard of the model (LlamaShard), the collective groups the shard needs (its stage's TP group,
+// and the pipeline pairs with the previous and the next stage), and executes StepPlans:
+//
+//   stage > 0:       Recv the previous stage's hidden state [n, hidden] into the shard's input
+//   every stage:     Forward (embedding on stage 0, the stage's layers, TP all-reduces inside)
+//   stage < last:    Send the hidden state [n, hidden] to the next stage's worker of the same
+//                    TP rank
+//   last, rank 0:    sample one id per logit row (temperature 0: argmax; else Sample with the
+//                    row's draw SampleUniform(seed, draw_index))
+//
+// Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
+// worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
+//
+// Ownership: owns the backend, the communicators, the shard and every step buffer. Nothing is
+// allocated per step: the host vectors are reserved for the largest step at creation.
+// Threading: not thread-safe; one step at a time, on one thread.
+#ifndef SHARDSERVE_WORKER_STEP_EXECUTOR_H_
+#define SHARDSERVE_WORKER_STEP_EXECUTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "shardserve/v1/worker.pb.h"
+#include "worker/comm/rendezvous.h"
+#include "worker/llama.h"
+#include "worker/timed_communicator.h"
+
+namespace shardserve {
+
+// "cpu" -> -1; "cuda" -> 0; "cuda:K" -> K. InvalidArgument for anything else.
+absl::StatusOr<int> ParseDevice(const std::string& device);
+
+class StepExecutor {
+ public:
+  // Checks the assignment, creates the backend for `device` ("cpu" or "cuda:K"), joins the
+  // collective groups the assignment names through `store` (used only during this call; Gloo
+  // listens on `collective_host`), then loads the shard from the checkpoint at
+  // assignment.model_path. Every rank of every group must call this at about the same time: a
+  // group whose ranks do not all join within the collective timeout is DeadlineExceeded.
+  //
+  // On CPU the groups are Gloo; on CUDA they are NCCL (and Unimplemented in a build without it).
+  static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(const v1::Assignment& assignment,
+                                                              const std::string& device, RendezvousStore* store,
+                                                              const std::string& collective_host);
+
+  // Runs this worker's part of `plan` and fills `result` (cleared first): the step id, the timings
+  // and, on the last stage's TP rank 0, one sampled id per logit row. After an error the
+  // communicators are unusable (see Communicator): run no further steps.
+  absl::Status Execute(const v1::StepPlan& plan, v1::StepResult* result);
+
+  uint64_t weight_bytes() const { return shard_->weight_bytes(); }
+  int64_t kv_blocks() const { return shard_->options().num_kv_blocks; }
+  std::string backend_name() const { return backend_->Describe(); }
+
+ private:
+  StepExecutor() = default;
+  // Copies the plan into batch_ (no allocation) and checks what must hold before the first
+  // collective; LlamaShard::Forward checks the rest.
+  absl::Status ToBatch(const v1::StepPlan& plan);
+  // Samples every logit row into result->sampled_ids.
+  absl::Status Sample(const v1::StepPlan& plan, v1::StepResult* result);
+
+  // ---- Constant after Create ----
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<TimedCommunicator> tp_;    // the stage's TP group (a LocalCommunicator for TP = 1)
+  std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
+  std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
+  std::unique_ptr<LlamaShard> shard_;
+  bool samples_ = false;  // last stage, TP rank 0
+
+  // ---- Step buffers, sized at Create ----
+  StepBatch batch_;
+  Buffer sampled_buf_;                     // [max_seqs_per_step] I32 on the device
+  std::vector<int32_t> sampled_host_;      // [max_seqs_per_step]
+  std::vector<SampleParams> row_params_;   // [1]: Sample runs one row at a time
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_STEP_EXECUTOR_H_

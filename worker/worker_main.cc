@@ -1,0 +1,188 @@
+// shardserve-worker: one worker process (one GPU, or one CPU shard). It dials the coordinator,
+// registers, loads the shard it is assigned and executes steps until the coordinator stops it or
+// SIGTERM/SIGINT arrives (worker/worker_service.h). It also serves grpc.health.v1 and server
+// reflection on --listen.
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#if SHARDSERVE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "worker/step_executor.h"
+#include "worker/worker_log.h"
+#include "worker/worker_service.h"
+
+namespace shardserve {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
+    "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
+    "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
+    "  --coordinator            the coordinator's address (default localhost:50051)\n"
+    "  --node                   node name; the workers of one node form a tensor-parallel group\n"
+    "                           (default: this host's name)\n"
+    "  --device                 cpu (default) or cuda:K\n"
+    "  --listen                 this worker's gRPC server (health, reflection); port 0 picks a free\n"
+    "                           port (default 127.0.0.1:0)\n"
+    "  --memory-gb              memory for weights and KV cache, GiB (default: the host's memory on\n"
+    "                           cpu, the GPU's on cuda)\n"
+    "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
+    "                           (default: the host of --listen)\n"
+    "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
+    "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n";
+
+int Usage(const std::string& error) {
+  std::fprintf(stderr, "shardserve-worker: %s\n%s", error.c_str(), kUsage);
+  return 2;
+}
+
+// "127.0.0.1:0" -> "127.0.0.1"; "[::1]:0" -> "[::1]".
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+bool IsWildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::"; }
+
+// What the device holds: the host's physical memory for cpu, the GPU's for cuda:K.
+absl::StatusOr<int64_t> DeviceMemoryBytes(int cuda_ordinal) {
+  if (cuda_ordinal < 0) return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+#if SHARDSERVE_HAVE_CUDA
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaSetDevice(cuda_ordinal) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cannot read the memory of cuda:", cuda_ordinal, ": set --memory-gb"));
+  }
+  return static_cast<int64_t>(total_bytes);
+#else
+  return absl::UnavailableError("this build has no CUDA");
+#endif
+}
+
+int Main(int argc, char** argv) {
+  // `--name value` or `--name=value`; every flag takes a value. Defaults:
+  std::map<std::string, std::string> v = {
+      {"coordinator", "localhost:50051"}, {"node", ""},       {"device", "cpu"},
+      {"listen", "127.0.0.1:0"},          {"memory-gb", "0"}, {"collective-host", ""},
+      {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
+  };
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+    if (arg.rfind("--", 0) != 0) return Usage(absl::StrCat("unexpected argument '", arg, "'"));
+    std::string name = arg.substr(2), value;
+    const size_t eq = name.find('=');
+    if (eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return Usage(absl::StrCat("flag --", name, " needs a value"));
+    }
+    if (!v.count(name)) return Usage(absl::StrCat("unknown flag --", name));
+    v[name] = value;
+  }
+
+  WorkerOptions options;
+  options.coordinator = v["coordinator"];
+  options.device = v["device"];
+  options.node = v["node"];
+  if (options.node.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.node = host;
+  }
+  absl::StatusOr<int> cuda_ordinal = ParseDevice(options.device);
+  if (!cuda_ordinal.ok()) return Usage(std::string(cuda_ordinal.status().message()));
+  double memory_gb = 0, connect_timeout = 0;
+  int64_t delay_ms = 0;
+  if (!absl::SimpleAtod(v["memory-gb"], &memory_gb) || !(memory_gb >= 0 && memory_gb < (1 << 24))) {
+    return Usage("--memory-gb must be a number of GiB >= 0");
+  }
+  if (!absl::SimpleAtod(v["connect-timeout-seconds"], &connect_timeout) || !(connect_timeout > 0)) {
+    return Usage("--connect-timeout-seconds must be > 0");
+  }
+  if (!absl::SimpleAtoi(v["debug-step-delay-ms"], &delay_ms) || delay_ms < 0) {
+    return Usage("--debug-step-delay-ms must be an integer >= 0");
+  }
+  if (memory_gb == 0) {
+    absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);
+    if (!memory.ok()) return Usage(std::string(memory.status().message()));
+    options.memory_bytes = *memory;
+  } else {
+    options.memory_bytes = static_cast<int64_t>(memory_gb * (1ull << 30));
+  }
+  options.connect_timeout = absl::Seconds(connect_timeout);
+  options.debug_step_delay = absl::Milliseconds(delay_ms);
+  options.collective_host = v["collective-host"].empty() ? HostOf(v["listen"]) : v["collective-host"];
+  if (IsWildcard(options.collective_host)) {
+    return Usage("--listen binds every address: set --collective-host to the address the peers reach");
+  }
+
+  // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(v["listen"], grpc::InsecureServerCredentials(), &port);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n", v["listen"].c_str());
+    return 1;
+  }
+  options.address = absl::StrCat(HostOf(v["listen"]), ":", port);
+
+  WorkerService service(options, server->GetHealthCheckService());
+  std::atomic<bool> done{false};
+  std::thread watcher([&] {
+    const timespec poll = {0, 200 * 1000 * 1000};
+    while (!done.load()) {
+      const int sig = sigtimedwait(&signals, nullptr, &poll);
+      if (sig > 0) {
+        WorkerLog(absl::StrCat("worker (node ", options.node, ")"), absl::StrCat("got signal ", sig, ", stopping"));
+        service.Stop();
+      }
+    }
+  });
+  const absl::Status status = service.Run();
+  done.store(true);
+  watcher.join();
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  if (!status.ok()) {
+    std::fprintf(stderr, "shardserve-worker: %s\n", std::string(status.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardserve
+
+int main(int argc, char** argv) { return shardserve::Main(argc, argv); }

@@ -1,0 +1,220 @@
+#include "worker/worker_service.h"
+
+#include <chrono>
+#include <thread>
+#include <utility>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "worker/grpc_rendezvous.h"
+#include "worker/worker_log.h"
+
+namespace shardserve {
+namespace {
+
+// The API version this worker speaks (worker.proto Register.protocol_version).
+constexpr int kProtocolVersion = 1;
+constexpr absl::Duration kHeartbeatInterval = absl::Seconds(1);
+// How often WaitForCoordinator checks for Stop() while the coordinator is not up.
+constexpr absl::Duration kConnectPoll = absl::Milliseconds(250);
+
+}  // namespace
+
+WorkerService::WorkerService(WorkerOptions options, grpc::HealthCheckServiceInterface* health)
+    : options_(std::move(options)), health_(health) {
+  SetServing(false);
+}
+
+void WorkerService::Stop() {
+  absl::MutexLock lock(&mu_);
+  stop_requested_ = true;
+  if (context_ != nullptr) context_->TryCancel();
+}
+
+void WorkerService::SetServing(bool serving) {
+  if (health_ != nullptr) health_->SetServingStatus(serving);
+}
+
+std::string WorkerService::Who() const {
+  if (!assigned_) return absl::StrCat("worker (node ", options_.node, ")");
+  return absl::StrCat("worker ", assignment_.worker_id(), " (node ", options_.node, ", stage ", assignment_.stage(),
+                      ", tp rank ", assignment_.tp_rank(), ")");
+}
+
+absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
+  const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  while (!channel->WaitForConnected(absl::ToChronoTime(std::min(deadline, absl::Now() + kConnectPoll)))) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_requested_) return absl::OkStatus();  // Run() sees the request and returns
+    }
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator, " within ",
+                                                 absl::FormatDuration(options_.connect_timeout)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::Run() {
+  WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator));
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
+  if (absl::Status s = WaitForCoordinator(channel.get()); !s.ok()) return s;
+  std::unique_ptr<v1::WorkerControl::Stub> stub = v1::WorkerControl::NewStub(channel);
+
+  grpc::ClientContext context;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_requested_) return absl::OkStatus();
+    context_ = &context;
+  }
+  std::unique_ptr<Stream> stream = stub->Connect(&context);
+
+  v1::WorkerMessage hello;
+  v1::Register* r = hello.mutable_register_();
+  r->set_protocol_version(kProtocolVersion);
+  r->set_node(options_.node);
+  r->set_device(options_.device);
+  r->set_memory_bytes(options_.memory_bytes);
+  r->set_address(options_.address);
+  r->set_collective_host(options_.collective_host);
+  absl::Status result;
+  std::thread heartbeat;
+  if (!Write(stream.get(), hello)) {
+    result = absl::UnavailableError(absl::StrCat("the coordinator at ", options_.coordinator,
+                                                 " closed the control stream before registration"));
+  } else {
+    WorkerLog(Who(), absl::StrCat("registered (", options_.device, ", listening on ", options_.address, ")"));
+    heartbeat = std::thread([this, s = stream.get()] { HeartbeatLoop(s); });
+    result = Serve(stream.get(), stub.get());
+  }
+
+  // End the call from this side too, which also makes a heartbeat stuck in a write return; stop
+  // the heartbeat thread, drain the call and close it.
+  {
+    absl::MutexLock lock(&mu_);
+    context_ = nullptr;
+    stream_done_ = true;
+  }
+  context.TryCancel();
+  if (heartbeat.joinable()) heartbeat.join();
+  while (stream->Read(&in_)) {
+  }
+  stream->Finish().IgnoreError();  // what went wrong, if anything, is known and logged already
+  executor_.reset();  // closes the collective connections; peers see them drop
+  SetServing(false);
+  WorkerLog(Who(), "stopped");
+  return result;
+}
+
+absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterface* stub) {
+  while (stream->Read(&in_)) {
+    switch (in_.msg_case()) {
+      case v1::CoordinatorMessage::kAssignment:
+        if (assigned_) {
+          Fail(stream, absl::StrCat(Who(), ": the coordinator sent a second assignment"));
+        } else {
+          Load(stream, stub);
+        }
+        break;
+      case v1::CoordinatorMessage::kStep:
+        RunStep(stream);
+        break;
+      case v1::CoordinatorMessage::kShutdown:
+        if (!assigned_) {
+          return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
+                                                            " refused this worker: ", in_.shutdown().reason()));
+        }
+        WorkerLog(Who(), absl::StrCat("shutdown requested by the coordinator: ", in_.shutdown().reason()));
+        return absl::OkStatus();
+      case v1::CoordinatorMessage::MSG_NOT_SET:
+        WorkerLog(Who(), "ignoring an empty message from the coordinator (a newer protocol?)");
+        break;
+    }
+  }
+  WorkerLog(Who(), "the coordinator ended the control stream");
+  return absl::OkStatus();
+}
+
+void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub) {
+  assignment_ = in_.assignment();
+  assigned_ = true;
+  const v1::Assignment& a = assignment_;
+  WorkerLog(Who(), absl::StrCat("assigned layers [", a.first_layer(), ", ", a.end_layer(), ") of ", a.model_path(),
+                                ", stage ", a.stage(), " of ", a.num_stages(), ", tp rank ", a.tp_rank(), " of ",
+                                a.tp_size()));
+  const auto start = std::chrono::steady_clock::now();
+  GrpcRendezvousStore store(stub);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
+      StepExecutor::Create(a, options_.device, &store, options_.collective_host);
+  if (!executor.ok()) {
+    Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
+    return;
+  }
+  executor_ = std::move(*executor);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  v1::WorkerMessage loaded;
+  v1::Loaded* l = loaded.mutable_loaded();
+  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
+  l->set_kv_blocks(executor_->kv_blocks());
+  l->set_load_seconds(seconds);
+  SetServing(true);
+  WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights, %d KV blocks, %s", seconds,
+                                   static_cast<double>(executor_->weight_bytes()) / (1 << 20), executor_->kv_blocks(),
+                                   executor_->backend_name()));
+  Write(stream, loaded);
+}
+
+void WorkerService::RunStep(Stream* stream) {
+  const v1::StepPlan& plan = in_.step();
+  if (!failure_.empty() || executor_ == nullptr) {
+    // This worker cannot take part; say so rather than leave the coordinator waiting.
+    v1::WorkerMessage failure;
+    failure.mutable_failure()->set_message(
+        failure_.empty() ? absl::StrCat(Who(), ": got step ", plan.step_id(), " before an assignment") : failure_);
+    Write(stream, failure);
+    return;
+  }
+  if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
+  if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {
+    Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()));
+    return;
+  }
+  Write(stream, reply_);
+}
+
+void WorkerService::Fail(Stream* stream, const std::string& message) {
+  if (failure_.empty()) failure_ = message;
+  SetServing(false);
+  WorkerLog(Who(), absl::StrCat("FAILED, now NOT_SERVING until the coordinator stops it: ", message));
+  v1::WorkerMessage failure;
+  failure.mutable_failure()->set_message(message);
+  Write(stream, failure);
+}
+
+bool WorkerService::Write(Stream* stream, const v1::WorkerMessage& message) {
+  absl::MutexLock lock(&write_mu_);
+  return stream->Write(message);
+}
+
+void WorkerService::HeartbeatLoop(Stream* stream) {
+  const v1::WorkerMessage heartbeat = [] {
+    v1::WorkerMessage m;
+    m.mutable_heartbeat();
+    return m;
+  }();
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stream_done_), kHeartbeatInterval)) return;
+    }
+    if (!Write(stream, heartbeat)) return;  // the stream is broken; Run() notices on its next Read
+  }
+}
+
+}  // namespace shardserve

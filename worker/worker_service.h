@@ -1,0 +1,119 @@
+// The worker process's life on its control stream with the coordinator (worker.proto Connect):
+//
+//   worker                                   coordinator
+//   Register {node, device, memory, ...}  ->
+//                                         <-  Assignment {stage, tp rank, layers, groups, sizes}
+//   (joins its groups through RendezvousSet/Get, loads its shard)
+//   Loaded {weight bytes, kv blocks}      ->
+//                                         <-  StepPlan           (one per step, to every worker)
+//   StepResult {sampled ids, timings}     ->  (every worker answers every step)
+//   ...
+//   Heartbeat, every second, from a thread of its own, whatever the main thread is doing.
+//
+// A load error, a step error or a collective timeout is sent as a Failure naming this worker
+// (node, stage, TP rank) and the cause; the worker then marks itself NOT_SERVING in its health
+// service, answers every later step with that Failure, and stays connected (the other workers and
+// the coordinator keep running) until the coordinator sends Shutdown or ends the stream, or Stop()
+// is called.
+//
+// Ownership: borrows the health service, which must outlive this. Threading: Run() is called
+// once, on one thread; Stop() may be called from any thread (a signal handler's thread), at any
+// time, any number of times.
+#ifndef SHARDSERVE_WORKER_WORKER_SERVICE_H_
+#define SHARDSERVE_WORKER_WORKER_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "shardserve/v1/worker.grpc.pb.h"
+#include "worker/step_executor.h"
+
+namespace shardserve {
+
+struct WorkerOptions {
+  std::string coordinator;      // host:port of the coordinator
+  std::string node;             // node name: the workers of one node form a TP group
+  std::string device;           // "cpu" or "cuda:K"
+  int64_t memory_bytes = 0;     // memory for weights and KV cache, reported to the planner
+  std::string address;          // this worker's own gRPC server (health), host:port
+  std::string collective_host;  // address this worker's collectives listen on
+  // How long to wait for the coordinator to accept a connection.
+  absl::Duration connect_timeout = absl::Seconds(60);
+  // Test-only: sleep this long before each step, so that a test can act in the middle of a
+  // generation. Zero in production.
+  absl::Duration debug_step_delay = absl::ZeroDuration();
+};
+
+class WorkerService {
+ public:
+  // `health` (not owned; may be null) is this process's gRPC health service: NOT_SERVING until the
+  // shard is loaded, SERVING while steps run, NOT_SERVING after a failure.
+  WorkerService(WorkerOptions options, grpc::HealthCheckServiceInterface* health);
+  WorkerService(const WorkerService&) = delete;
+  WorkerService& operator=(const WorkerService&) = delete;
+
+  // Connects, registers and serves until the coordinator ends the stream or sends Shutdown, or
+  // Stop() is called: then OK, also after a failure was reported. An error when the coordinator
+  // cannot be reached within connect_timeout, or refuses this worker (a node with too many
+  // workers, a group already complete).
+  absl::Status Run();
+
+  // Makes Run() return soon: the control stream is cancelled at once; a step or a load in progress
+  // finishes first (each collective is bounded by the collective timeout).
+  void Stop();
+
+ private:
+  using Stream = grpc::ClientReaderWriterInterface<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+  // Waits until the channel to the coordinator is up or Stop() is called (OK), or connect_timeout
+  // passes (Unavailable).
+  absl::Status WaitForCoordinator(grpc::Channel* channel);
+  // The protocol after Register, until the stream ends or Shutdown. FailedPrecondition when the
+  // coordinator refuses this worker (a Shutdown before any assignment).
+  absl::Status Serve(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  void Load(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  void RunStep(Stream* stream);
+  // Sends heartbeats every second until the stream is done.
+  void HeartbeatLoop(Stream* stream);
+  // Writes one message; serialized with the heartbeat thread's writes.
+  bool Write(Stream* stream, const v1::WorkerMessage& message);
+  // Records the first failure, reports it to the coordinator and marks this worker NOT_SERVING.
+  void Fail(Stream* stream, const std::string& message);
+  void SetServing(bool serving);
+  // "worker w3 (node n1, stage 1, tp rank 0)", or "worker (node n1)" before the assignment: who
+  // speaks, in the log and in Failure messages.
+  std::string Who() const;
+
+  // ---- Constant after construction ----
+  const WorkerOptions options_;
+  grpc::HealthCheckServiceInterface* const health_;
+
+  // ---- Shared with Stop() and the heartbeat thread ----
+  absl::Mutex mu_;
+  grpc::ClientContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;  // the Connect call's, while it runs
+  bool stop_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool stream_done_ ABSL_GUARDED_BY(mu_) = false;  // the heartbeat thread stops
+
+  // Serializes writes to the control stream (gRPC allows one writer at a time).
+  absl::Mutex write_mu_;
+
+  // ---- Used only by the thread in Run() ----
+  bool assigned_ = false;
+  v1::Assignment assignment_;
+  std::unique_ptr<StepExecutor> executor_;
+  std::string failure_;         // the first failure; not empty: no more steps run
+  v1::CoordinatorMessage in_;   // the message being handled
+  v1::WorkerMessage reply_;     // holds a step_result, reused step after step
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_WORKER_SERVICE_H_
