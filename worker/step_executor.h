@@ -53,6 +53,14 @@ class StepExecutor {
   // communicators are unusable (see Communicator): run no further steps.
   absl::Status Execute(const v1::StepPlan& plan, v1::StepResult* result);
 
+  // Reports every collective call of later steps to `observer` (borrowed, must outlive this; null:
+  // nowhere).
+  void SetCollectiveObserver(CollectiveObserver* observer) {
+    for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
+      if (c != nullptr) c->set_observer(observer);
+    }
+  }
+
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   int64_t kv_blocks() const { return shard_->options().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }

@@ -6,18 +6,33 @@
 // orders a collective that runs on another CUDA stream than the backend's after the kernels that
 // produce its input (the worker runs NCCL on the legacy default stream: step_executor.cc).
 //
-// Ownership: owns the inner communicator; borrows the backend, which must outlive it.
+// Each call can also be reported to a CollectiveObserver (the worker's Prometheus metrics).
+//
+// Ownership: owns the inner communicator; borrows the backend and the observer, which must outlive
+// it.
 // Threading: as any Communicator, one thread at a time.
 #ifndef SHARDSERVE_WORKER_TIMED_COMMUNICATOR_H_
 #define SHARDSERVE_WORKER_TIMED_COMMUNICATOR_H_
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <utility>
 
 #include "worker/communicator.h"
 
 namespace shardserve {
+
+enum class CollectiveOp { kAllReduce, kAllGather, kSend, kRecv, kBarrier };
+
+// Told about every collective call as it returns: its op, seconds and bytes (the tensor this rank
+// reduced, contributed to the gather, sent or received; 0 for a barrier). Called on the step's
+// thread; must not block.
+class CollectiveObserver {
+ public:
+  virtual ~CollectiveObserver() = default;
+  virtual void Observe(CollectiveOp op, double seconds, uint64_t bytes) = 0;
+};
 
 class TimedCommunicator final : public Communicator {
  public:
@@ -27,20 +42,23 @@ class TimedCommunicator final : public Communicator {
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   absl::Status AllReduceSum(Tensor* t) override {
-    return Timed([&] { return inner_->AllReduceSum(t); });
+    return Timed(CollectiveOp::kAllReduce, t->bytes(), [&] { return inner_->AllReduceSum(t); });
   }
   absl::Status AllGather(Tensor* out, const Tensor& in) override {
-    return Timed([&] { return inner_->AllGather(out, in); });
+    return Timed(CollectiveOp::kAllGather, in.bytes(), [&] { return inner_->AllGather(out, in); });
   }
   absl::Status Send(const Tensor& t, int peer) override {
-    return Timed([&] { return inner_->Send(t, peer); });
+    return Timed(CollectiveOp::kSend, t.bytes(), [&] { return inner_->Send(t, peer); });
   }
   absl::Status Recv(Tensor* t, int peer) override {
-    return Timed([&] { return inner_->Recv(t, peer); });
+    return Timed(CollectiveOp::kRecv, t->bytes(), [&] { return inner_->Recv(t, peer); });
   }
   absl::Status Barrier() override {
-    return Timed([&] { return inner_->Barrier(); });
+    return Timed(CollectiveOp::kBarrier, 0, [&] { return inner_->Barrier(); });
   }
+
+  // Where every call is reported from now on (null: nowhere).
+  void set_observer(CollectiveObserver* observer) { observer_ = observer; }
 
   // Seconds spent in calls since the last ResetSeconds() (or construction).
   double seconds() const { return seconds_; }
@@ -48,16 +66,19 @@ class TimedCommunicator final : public Communicator {
 
  private:
   template <typename Call>
-  absl::Status Timed(Call&& call) {
+  absl::Status Timed(CollectiveOp op, uint64_t bytes, Call&& call) {
     if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
     const auto start = std::chrono::steady_clock::now();
     absl::Status s = call();
-    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    seconds_ += seconds;
+    if (observer_ != nullptr) observer_->Observe(op, seconds, bytes);
     return s;
   }
 
   const std::unique_ptr<Communicator> inner_;
   Backend* const backend_;
+  CollectiveObserver* observer_ = nullptr;
   double seconds_ = 0;
 };
 

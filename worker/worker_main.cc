@@ -25,6 +25,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "telemetry/log.h"
+#include "telemetry/metrics_http.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"
 #include "worker/worker_service.h"
@@ -36,6 +38,7 @@ constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
+    "                         [--metrics-listen HOST:PORT] [--log-format text|json]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -47,7 +50,11 @@ constexpr char kUsage[] =
     "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
     "                           (default: the host of --listen)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
-    "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n";
+    "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n"
+    "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
+    "                           and reported to the coordinator (default 127.0.0.1:0;\n"
+    "                           docs/metrics.md lists the metrics)\n"
+    "  --log-format             text (default) or json: one JSON object per line\n";
 
 int Usage(const std::string& error) {
   std::fprintf(stderr, "shardserve-worker: %s\n%s", error.c_str(), kUsage);
@@ -82,6 +89,7 @@ int Main(int argc, char** argv) {
       {"coordinator", "localhost:50051"}, {"node", ""},       {"device", "cpu"},
       {"listen", "127.0.0.1:0"},          {"memory-gb", "0"}, {"collective-host", ""},
       {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
+      {"metrics-listen", "127.0.0.1:0"},  {"log-format", "text"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -103,6 +111,10 @@ int Main(int argc, char** argv) {
     if (!v.count(name)) return Usage(absl::StrCat("unknown flag --", name));
     v[name] = value;
   }
+
+  LogFormat log_format;
+  if (!ParseLogFormat(v["log-format"], &log_format)) return Usage("--log-format must be text or json");
+  SetLogFormat(log_format);
 
   WorkerOptions options;
   options.coordinator = v["coordinator"];
@@ -147,6 +159,15 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // The metrics are created once the worker is assigned (they carry its stage and rank), in this
+  // registry, which the exposer serves from now on.
+  auto registry = std::make_shared<prometheus::Registry>();
+  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
+      ServeMetrics(v["metrics-listen"], registry, &options.metrics_address);
+  if (!exposer.ok()) {
+    std::fprintf(stderr, "shardserve-worker: %s\n", std::string(exposer.status().message()).c_str());
+    return 1;
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -158,6 +179,11 @@ int Main(int argc, char** argv) {
     return 1;
   }
   options.address = absl::StrCat(HostOf(v["listen"]), ":", port);
+  options.metrics_registry = registry.get();
+  LogIds ids;
+  ids.node = options.node;
+  WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
+            absl::StrCat("metrics on http://", options.metrics_address, "/metrics"), ids);
 
   WorkerService service(options, server->GetHealthCheckService());
   std::atomic<bool> done{false};
@@ -166,7 +192,7 @@ int Main(int argc, char** argv) {
     while (!done.load()) {
       const int sig = sigtimedwait(&signals, nullptr, &poll);
       if (sig > 0) {
-        WorkerLog(absl::StrCat("worker (node ", options.node, ")"), absl::StrCat("got signal ", sig, ", stopping"));
+        WorkerLog(absl::StrCat("worker (node ", options.node, ")"), absl::StrCat("got signal ", sig, ", stopping"), ids);
         service.Stop();
       }
     }
@@ -175,6 +201,7 @@ int Main(int argc, char** argv) {
   done.store(true);
   watcher.join();
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  exposer->reset();
   if (!status.ok()) {
     std::fprintf(stderr, "shardserve-worker: %s\n", std::string(status.message()).c_str());
     return 1;

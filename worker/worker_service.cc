@@ -1,6 +1,7 @@
 #include "worker/worker_service.h"
 
 #include <chrono>
+#include <filesystem>
 #include <thread>
 #include <utility>
 
@@ -45,6 +46,18 @@ std::string WorkerService::Who() const {
                       ", tp rank ", assignment_.tp_rank(), ")");
 }
 
+LogIds WorkerService::Ids(const char* level) const {
+  LogIds ids;
+  ids.node = options_.node;
+  ids.level = level;
+  if (assigned_) {
+    ids.worker = assignment_.worker_id();
+    ids.stage = assignment_.stage();
+    ids.rank = assignment_.tp_rank();
+  }
+  return ids;
+}
+
 absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
   while (!channel->WaitForConnected(absl::ToChronoTime(std::min(deadline, absl::Now() + kConnectPoll)))) {
@@ -61,7 +74,7 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
 }
 
 absl::Status WorkerService::Run() {
-  WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator));
+  WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator), Ids());
   std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
   if (absl::Status s = WaitForCoordinator(channel.get()); !s.ok()) return s;
   std::unique_ptr<v1::WorkerControl::Stub> stub = v1::WorkerControl::NewStub(channel);
@@ -82,13 +95,18 @@ absl::Status WorkerService::Run() {
   r->set_memory_bytes(options_.memory_bytes);
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
+  r->set_metrics_address(options_.metrics_address);
   absl::Status result;
   std::thread heartbeat;
   if (!Write(stream.get(), hello)) {
     result = absl::UnavailableError(absl::StrCat("the coordinator at ", options_.coordinator,
                                                  " closed the control stream before registration"));
   } else {
-    WorkerLog(Who(), absl::StrCat("registered (", options_.device, ", listening on ", options_.address, ")"));
+    WorkerLog(Who(),
+              absl::StrCat("registered (", options_.device, ", listening on ", options_.address,
+                           options_.metrics_address.empty() ? "" : ", metrics on http://", options_.metrics_address,
+                           options_.metrics_address.empty() ? "" : "/metrics", ")"),
+              Ids());
     heartbeat = std::thread([this, s = stream.get()] { HeartbeatLoop(s); });
     result = Serve(stream.get(), stub.get());
   }
@@ -107,7 +125,7 @@ absl::Status WorkerService::Run() {
   stream->Finish().IgnoreError();  // what went wrong, if anything, is known and logged already
   executor_.reset();  // closes the collective connections; peers see them drop
   SetServing(false);
-  WorkerLog(Who(), "stopped");
+  WorkerLog(Who(), "stopped", Ids());
   return result;
 }
 
@@ -129,14 +147,14 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
           return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
                                                             " refused this worker: ", in_.shutdown().reason()));
         }
-        WorkerLog(Who(), absl::StrCat("shutdown requested by the coordinator: ", in_.shutdown().reason()));
+        WorkerLog(Who(), absl::StrCat("shutdown requested by the coordinator: ", in_.shutdown().reason()), Ids());
         return absl::OkStatus();
       case v1::CoordinatorMessage::MSG_NOT_SET:
-        WorkerLog(Who(), "ignoring an empty message from the coordinator (a newer protocol?)");
+        WorkerLog(Who(), "ignoring an empty message from the coordinator (a newer protocol?)", Ids());
         break;
     }
   }
-  WorkerLog(Who(), "the coordinator ended the control stream");
+  WorkerLog(Who(), "the coordinator ended the control stream", Ids());
   return absl::OkStatus();
 }
 
@@ -146,7 +164,8 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   const v1::Assignment& a = assignment_;
   WorkerLog(Who(), absl::StrCat("assigned layers [", a.first_layer(), ", ", a.end_layer(), ") of ", a.model_path(),
                                 ", stage ", a.stage(), " of ", a.num_stages(), ", tp rank ", a.tp_rank(), " of ",
-                                a.tp_size()));
+                                a.tp_size()),
+            Ids());
   const auto start = std::chrono::steady_clock::now();
   GrpcRendezvousStore store(stub);
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
@@ -156,6 +175,15 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
     return;
   }
   executor_ = std::move(*executor);
+  if (options_.metrics_registry != nullptr) {
+    // The checkpoint directory's base name, computed as the coordinator's ServedModel::name.
+    const std::filesystem::path path = std::filesystem::path(a.model_path()).lexically_normal();
+    std::string model = path.filename().string();
+    if (model.empty()) model = path.parent_path().filename().string();
+    metrics_ = std::make_unique<WorkerMetrics>(options_.metrics_registry, model, options_.node, a.stage(), a.tp_rank());
+    metrics_->SetWeightBytes(executor_->weight_bytes());
+    executor_->SetCollectiveObserver(metrics_.get());
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   v1::WorkerMessage loaded;
@@ -166,7 +194,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights, %d KV blocks, %s", seconds,
                                    static_cast<double>(executor_->weight_bytes()) / (1 << 20), executor_->kv_blocks(),
-                                   executor_->backend_name()));
+                                   executor_->backend_name()), Ids());
   Write(stream, loaded);
 }
 
@@ -181,9 +209,14 @@ void WorkerService::RunStep(Stream* stream) {
     return;
   }
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
+  const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {
     Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()));
     return;
+  }
+  if (metrics_ != nullptr) {
+    metrics_->StepDone(/*prefill=*/plan.token_ids_size() > plan.num_seqs(),
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   Write(stream, reply_);
 }
@@ -191,7 +224,7 @@ void WorkerService::RunStep(Stream* stream) {
 void WorkerService::Fail(Stream* stream, const std::string& message) {
   if (failure_.empty()) failure_ = message;
   SetServing(false);
-  WorkerLog(Who(), absl::StrCat("FAILED, now NOT_SERVING until the coordinator stops it: ", message));
+  WorkerLog(Who(), absl::StrCat("FAILED, now NOT_SERVING until the coordinator stops it: ", message), Ids("error"));
   v1::WorkerMessage failure;
   failure.mutable_failure()->set_message(message);
   Write(stream, failure);

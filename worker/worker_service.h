@@ -28,13 +28,16 @@
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <prometheus/registry.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "telemetry/log.h"
 #include "shardserve/v1/worker.grpc.pb.h"
 #include "worker/step_executor.h"
+#include "worker/worker_metrics.h"
 
 namespace shardserve {
 
@@ -45,6 +48,11 @@ struct WorkerOptions {
   int64_t memory_bytes = 0;     // memory for weights and KV cache, reported to the planner
   std::string address;          // this worker's own gRPC server (health), host:port
   std::string collective_host;  // address this worker's collectives listen on
+  // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
+  // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
+  // must outlive the service; null: no metrics).
+  std::string metrics_address;
+  prometheus::Registry* metrics_registry = nullptr;
   // How long to wait for the coordinator to accept a connection.
   absl::Duration connect_timeout = absl::Seconds(60);
   // Test-only: sleep this long before each step, so that a test can act in the middle of a
@@ -91,6 +99,8 @@ class WorkerService {
   // "worker w3 (node n1, stage 1, tp rank 0)", or "worker (node n1)" before the assignment: who
   // speaks, in the log and in Failure messages.
   std::string Who() const;
+  // The ids of this worker for a log line: node, and worker id, stage and rank once assigned.
+  LogIds Ids(const char* level = "info") const;
 
   // ---- Constant after construction ----
   const WorkerOptions options_;
@@ -108,7 +118,8 @@ class WorkerService {
   // ---- Used only by the thread in Run() ----
   bool assigned_ = false;
   v1::Assignment assignment_;
-  std::unique_ptr<StepExecutor> executor_;
+  std::unique_ptr<WorkerMetrics> metrics_;  // once assigned, when options_.metrics_registry is set
+  std::unique_ptr<StepExecutor> executor_;  // declared after metrics_: destroyed first
   std::string failure_;         // the first failure; not empty: no more steps run
   v1::CoordinatorMessage in_;   // the message being handled
   v1::WorkerMessage reply_;     // holds a step_result, reused step after step

@@ -18,11 +18,13 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "coordinator/server/inference_service.h"
 #include "coordinator/server/log.h"
+#include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_control_service.h"
 #include "coordinator/server/worker_pool.h"
@@ -34,6 +36,7 @@ constexpr char kUsage[] =
     "usage: shardserve-coordinator --model DIR [--listen HOST:PORT] [--nodes N] [--gpus-per-node G]\n"
     "                              [--max-model-len L] [--collective-timeout-seconds S]\n"
     "                              [--step-timeout-seconds S] [--port-file FILE]\n"
+    "                              [--metrics-listen HOST:PORT] [--log-format text|json]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -46,7 +49,10 @@ constexpr char kUsage[] =
     "                                (default 5)\n"
     "  --step-timeout-seconds        how long a step may take before its silent workers are lost\n"
     "                                (default 10)\n"
-    "  --port-file                   once listening, write the port to FILE (for scripts and tests)\n";
+    "  --port-file                   once listening, write the port to FILE (for scripts and tests)\n"
+    "  --metrics-listen              Prometheus /metrics HTTP address; port 0 picks a free port\n"
+    "                                (default 127.0.0.1:9400; docs/metrics.md lists the metrics)\n"
+    "  --log-format                  text (default) or json: one JSON object per line\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -71,6 +77,8 @@ int Main(int argc, char** argv) {
       {"collective-timeout-seconds", "5"},
       {"step-timeout-seconds", "10"},
       {"port-file", ""},
+      {"metrics-listen", "127.0.0.1:9400"},
+      {"log-format", "text"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -93,6 +101,9 @@ int Main(int argc, char** argv) {
     v[name] = value;
   }
   if (v["model"].empty()) return Usage("--model is required");
+  LogFormat log_format;
+  if (!ParseLogFormat(v["log-format"], &log_format)) return Usage("--log-format must be text or json");
+  SetLogFormat(log_format);
   PoolOptions pool_options;
   double collective_timeout = 0, step_timeout = 0;
   if (!absl::SimpleAtoi(v["nodes"], &pool_options.nodes) || pool_options.nodes < 1) {
@@ -129,7 +140,16 @@ int Main(int argc, char** argv) {
                                        (*pool)->max_model_len(), ")",
                                        (*model)->tokenizer ? "" : "; no tokenizer.json: token-id prompts only"));
 
-  InferenceService inference(model->get(), pool->get(), absl::Seconds(step_timeout));
+  CoordinatorMetrics metrics((*model)->name);
+  (*pool)->SetMetrics(&metrics);
+  absl::Cleanup unset_metrics = [&] { (*pool)->SetMetrics(nullptr); };  // metrics die before the pool
+  std::string metrics_address;
+  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
+      ServeMetrics(v["metrics-listen"], metrics.registry(), &metrics_address);
+  if (!exposer.ok()) return Fail(std::string(exposer.status().message()));
+  CoordinatorLog("server", absl::StrCat("metrics on http://", metrics_address, "/metrics"));
+
+  InferenceService inference(model->get(), pool->get(), absl::Seconds(step_timeout), &metrics);
   WorkerControlService control(pool->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -165,6 +185,7 @@ int Main(int argc, char** argv) {
   (*pool)->Shutdown("the coordinator is shutting down");
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   server.reset();
+  exposer->reset();
   return 0;
 }
 

@@ -12,12 +12,14 @@
 #define SHARDSERVE_COORDINATOR_SERVER_INFERENCE_SERVICE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/server/generation.h"
+#include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_pool.h"
 #include "shardserve/v1/inference.grpc.pb.h"
@@ -26,9 +28,11 @@ namespace shardserve {
 
 class InferenceService final : public v1::InferenceService::Service {
  public:
-  // `step_timeout` bounds each step (--step-timeout-seconds).
-  InferenceService(const ServedModel* model, WorkerPool* pool, absl::Duration step_timeout)
-      : model_(model), pool_(pool), step_timeout_(step_timeout) {}
+  // `step_timeout` bounds each step (--step-timeout-seconds). `metrics` (borrowed, may be null:
+  // no metrics) must outlive the service.
+  InferenceService(const ServedModel* model, WorkerPool* pool, absl::Duration step_timeout,
+                   CoordinatorMetrics* metrics = nullptr)
+      : model_(model), pool_(pool), step_timeout_(step_timeout), metrics_(metrics) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -50,13 +54,19 @@ class InferenceService final : public v1::InferenceService::Service {
   void ReleaseTurn();
   bool TurnFree() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !busy_ || shutting_down_; }
   // Runs a checked request to its end; an error is the status the stream ends with.
+  // `arrival`: when the call came in (for the latency metrics).
   absl::Status Run(grpc::ServerContext* context, const GenerationParams& params,
-                   grpc::ServerWriter<v1::GenerateResponse>* writer);
+                   std::chrono::steady_clock::time_point arrival, grpc::ServerWriter<v1::GenerateResponse>* writer);
+  // Generate without the end-of-call metrics.
+  absl::Status GenerateStatus(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                              std::chrono::steady_clock::time_point arrival,
+                              grpc::ServerWriter<v1::GenerateResponse>* writer);
   void FillModelInfo(v1::ModelInfo* info);
 
   const ServedModel* const model_;
   WorkerPool* const pool_;
   const absl::Duration step_timeout_;
+  CoordinatorMetrics* const metrics_;  // may be null
 
   std::atomic<uint64_t> next_request_ = 1;  // for ids of requests that bring none
   std::atomic<uint64_t> next_step_ = 1;     // step ids, increasing across requests

@@ -149,6 +149,10 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                                      " printable characters without spaces"));
     }
   }
+  if (hello.metrics_address().size() > kMaxNameLength || !Printable(hello.metrics_address())) {
+    return absl::InvalidArgumentError(absl::StrCat("register.metrics_address must be at most ", kMaxNameLength,
+                                                   " printable characters without spaces"));
+  }
   if (hello.memory_bytes() <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes must be > 0, got ", hello.memory_bytes()));
   }
@@ -190,7 +194,9 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     pending_.push_back(index);
     CoordinatorLog(workers_[index]->id,
                    absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                "): ", pending_.size(), " of ", expected, " workers"));
+                                hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
+                                pending_.size(), " of ", expected, " workers"),
+                   LogIds{"", workers_[index]->id, hello.node()});
     if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
   }
   for (const auto& [i, message] : to_send) {
@@ -253,6 +259,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   sizing_ = StepSizing{options_.max_tokens_per_step, CeilDiv(plan_->max_model_len, options_.block_size),
                        options_.block_size};
   group_.assign(tp * pp, -1);
+  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(sizing_.max_blocks_per_seq));
   std::vector<std::string> stages;
   for (const GpuPlan& g : plan_->per_gpu) {
     const int i = by_node[nodes[g.node]][g.gpu];
@@ -264,6 +271,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     w.end_layer = st.last_layer + 1;
     w.state = v1::WORKER_STATE_LOADING;
     group_[g.stage * tp + g.tp_rank] = i;
+    if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, true);
 
     v1::CoordinatorMessage m;
     v1::Assignment* a = m.mutable_assignment();
@@ -313,7 +321,8 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
       }
       w.state = v1::WORKER_STATE_READY;
       w.weight_bytes = message.loaded().weight_bytes();
-      CoordinatorLog(NameLocked(index), absl::StrCat("loaded in ", message.loaded().load_seconds(), " s"));
+      CoordinatorLog(NameLocked(index), absl::StrCat("loaded in ", message.loaded().load_seconds(), " s"),
+                     LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
       const bool all_ready = std::all_of(group_.begin(), group_.end(), [&](int i) {
         return workers_[i]->state == v1::WORKER_STATE_READY;
       });
@@ -388,10 +397,13 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   if (w.stage < 0) {
     // Not in a group yet: it just leaves, and another worker may take its place.
     pending_.erase(std::remove(pending_.begin(), pending_.end(), index), pending_.end());
-    CoordinatorLog(w.id, absl::StrCat("left before the group was complete: ", detail));
+    CoordinatorLog(w.id, absl::StrCat("left before the group was complete: ", detail),
+                   LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
     return;
   }
-  CoordinatorLog(NameLocked(index), absl::StrCat("LOST: ", detail));
+  if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, false);
+  CoordinatorLog(NameLocked(index), absl::StrCat("LOST: ", detail),
+                 LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
   if (phase_ == Phase::kLoading || phase_ == Phase::kServing) {
     SetPhaseLocked(Phase::kBroken);
     CoordinatorLog("group", "broken: NOT_SERVING; requests are refused until the coordinator is restarted");
@@ -550,6 +562,11 @@ StepSizing WorkerPool::sizing() {
   return sizing_;
 }
 
+void WorkerPool::SetMetrics(CoordinatorMetrics* metrics) {
+  absl::MutexLock lock(&mu_);
+  metrics_ = metrics;
+}
+
 void WorkerPool::FillStatus(v1::ClusterStatus* status) {
   absl::MutexLock lock(&mu_);
   status->set_tp(options_.gpus_per_node);
@@ -562,6 +579,7 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
     s->set_node(w.hello.node());
     s->set_device(w.hello.device());
     s->set_address(w.hello.address());
+    s->set_metrics_address(w.hello.metrics_address());
     s->set_stage(w.stage);
     s->set_tp_rank(w.tp_rank);
     if (w.stage >= 0) {

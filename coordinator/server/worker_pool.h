@@ -43,6 +43,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/planner/planner.h"
+#include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
 #include "shardserve/v1/inference.pb.h"
 #include "shardserve/v1/worker.pb.h"
@@ -100,6 +101,10 @@ class WorkerPool {
   // Called with true when the group starts serving and false when it stops (and at once with the
   // current state). Replaces the previous listener. Called with mu_ held: it must not call the pool.
   void SetServingListener(std::function<void(bool serving)> listener);
+
+  // Where the pool reports shardserve_worker_up and shardserve_kv_blocks_total (borrowed; must
+  // outlive the pool; null: nowhere). Call before the first worker registers.
+  void SetMetrics(CoordinatorMetrics* metrics);
 
   // ---- A worker's Connect stream, in this order ----
   // Admits a worker from its first message; `link` must stay valid until Disconnect(index)
@@ -202,6 +207,7 @@ class WorkerPool {
   uint64_t current_step_ ABSL_GUARDED_BY(mu_) = 0;
   int current_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
+  CoordinatorMetrics* metrics_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool stop_monitor_ ABSL_GUARDED_BY(mu_) = false;
 
   std::thread monitor_;

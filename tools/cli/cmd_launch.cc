@@ -30,9 +30,13 @@ namespace fs = std::filesystem;
 constexpr char kUsage[] =
     "usage: shardserve launch [--model DIR] [--nodes N] [--gpus-per-node G] [--device cpu|cuda]\n"
     "                         [--address HOST:PORT] [--max-model-len L] [--log-dir DIR] [--ready-timeout-seconds S]\n"
+    "                         [--metrics-port-base P] [--log-format text|json]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051) until Ctrl-C or SIGTERM, which stop\n"
-    "  every process it started. Each process logs to a file in --log-dir.\n";
+    "  every process it started. Each process logs to a file in --log-dir (--log-format: text or json).\n"
+    "  Prometheus /metrics on 127.0.0.1: the coordinator on port P (default 9400), the workers on\n"
+    "  P+1, P+2, ... (docs/metrics.md); P = 0: each process picks a free port (see its log and\n"
+    "  shardserve status).\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
@@ -132,7 +136,8 @@ std::string TailOf(const std::string& path) {
 
 int Run(const std::vector<std::string>& args) {
   absl::StatusOr<Flags> flags = Flags::Parse(
-      args, {"model", "nodes", "gpus-per-node", "device", "address", "max-model-len", "log-dir", "ready-timeout-seconds"},
+      args, {"model", "nodes", "gpus-per-node", "device", "address", "max-model-len", "log-dir", "ready-timeout-seconds",
+             "metrics-port-base", "log-format"},
       {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
@@ -146,6 +151,16 @@ int Run(const std::vector<std::string>& args) {
                           ready_timeout = flags->GetInt("ready-timeout-seconds", 300);
   if (!nodes.ok() || !gpus.ok() || !ready_timeout.ok() || *nodes < 1 || *gpus < 1 || *nodes * *gpus > 64) {
     std::fprintf(stderr, "shardserve launch: --nodes and --gpus-per-node must be positive (at most 64 workers)\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> metrics_base = flags->GetInt("metrics-port-base", 9400);
+  if (!metrics_base.ok() || *metrics_base < 0 || *metrics_base + *nodes * *gpus > 65535) {
+    std::fprintf(stderr, "shardserve launch: --metrics-port-base must be 0 or a port with room for every worker after it\n");
+    return 2;
+  }
+  const std::string log_format = flags->Get("log-format", "text");
+  if (log_format != "text" && log_format != "json") {
+    std::fprintf(stderr, "shardserve launch: --log-format must be text or json, got '%s'\n", log_format.c_str());
     return 2;
   }
   const std::string device = flags->Get("device", "cpu");
@@ -187,7 +202,12 @@ int Run(const std::vector<std::string>& args) {
   };
 
   std::vector<std::string> coord = {(bin / "shardserve-coordinator").string(), "--model", model, "--listen", address,
-                                    "--nodes", std::to_string(*nodes), "--gpus-per-node", std::to_string(*gpus)};
+                                    "--nodes", std::to_string(*nodes), "--gpus-per-node", std::to_string(*gpus),
+                                    "--metrics-listen", absl::StrCat("127.0.0.1:", *metrics_base),
+                                    "--log-format", log_format};
+  // Port `base + k`, or 0 (a free one) for every process when the base is 0.
+  auto metrics_port = [&](int64_t k) { return *metrics_base == 0 ? 0 : *metrics_base + k; };
+  std::vector<std::string> metrics_lines = {absl::StrCat("  coordinator      http://127.0.0.1:", metrics_port(0), "/metrics")};
   if (flags->Has("max-model-len")) {
     coord.push_back("--max-model-len");
     coord.push_back(flags->Get("max-model-len"));
@@ -197,14 +217,23 @@ int Run(const std::vector<std::string>& args) {
     for (int64_t g = 0; ok && g < *gpus; ++g) {
       const std::string node = absl::StrCat("node", n);
       const std::string dev = device == "cpu" ? "cpu" : absl::StrCat("cuda:", g);
+      const int64_t port = metrics_port(1 + n * *gpus + g);  // consecutive after the coordinator's
       ok = start(absl::StrCat("worker ", node, "/", g),
-                 {(bin / "shardserve-worker").string(), "--coordinator", address, "--node", node, "--device", dev},
+                 {(bin / "shardserve-worker").string(), "--coordinator", address, "--node", node, "--device", dev,
+                  "--metrics-listen", absl::StrCat("127.0.0.1:", port), "--log-format", log_format},
                  absl::StrCat("worker-", node, "-", g, ".log"));
+      metrics_lines.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", port, "/metrics"));
     }
   }
   std::printf("shardserve launch: coordinator + %lld workers (%lld node(s) x %lld), model %s, logs in %s\n",
               static_cast<long long>(*nodes * *gpus), static_cast<long long>(*nodes), static_cast<long long>(*gpus),
               model.c_str(), log_dir.c_str());
+  if (*metrics_base == 0) {
+    std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");
+  } else {
+    std::printf("shardserve launch: Prometheus metrics:\n");
+    for (const std::string& line : metrics_lines) std::printf("%s\n", line.c_str());
+  }
   std::fflush(stdout);
 
   auto health = grpc::health::v1::Health::NewStub(ConnectToCoordinator(address));

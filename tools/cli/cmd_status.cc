@@ -58,15 +58,15 @@ int Run(const std::vector<std::string>& args) {
               static_cast<long long>(m.max_model_len()));
   std::printf("layout TP=%d x PP=%d, %s\n\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
   if (!cs.plan_text().empty()) std::printf("%s\n", cs.plan_text().c_str());
-  std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %s\n", "worker", "node", "device", "stage", "tp", "layers",
-              "state", "address", "detail");
+  std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %-22s %s\n", "worker", "node", "device", "stage", "tp",
+              "layers", "state", "address", "metrics", "detail");
   for (const v1::WorkerStatus& w : cs.workers()) {
     std::string layers = std::to_string(w.first_layer()) + "-" + std::to_string(w.last_layer());
     std::string state = v1::WorkerState_Name(w.state());
     state = state.substr(state.rfind('_') + 1);
-    std::printf("%-10s %-8s %-7s %-6d %-4d %-9s %-11s %-22s %s\n", w.worker_id().c_str(), w.node().c_str(),
+    std::printf("%-10s %-8s %-7s %-6d %-4d %-9s %-11s %-22s %-22s %s\n", w.worker_id().c_str(), w.node().c_str(),
                 w.device().c_str(), w.stage(), w.tp_rank(), layers.c_str(), state.c_str(), w.address().c_str(),
-                w.detail().c_str());
+                w.metrics_address().empty() ? "-" : w.metrics_address().c_str(), w.detail().c_str());
   }
   return cs.serving() ? 0 : 1;
 }

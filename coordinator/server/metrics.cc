@@ -1,0 +1,85 @@
+#include "coordinator/server/metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+namespace {
+
+prometheus::Histogram& AddHistogram(prometheus::Registry& registry, const std::string& name, const std::string& help,
+                                    const std::string& model) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry).Add({{"model", model}},
+                                                                                     LatencyBuckets());
+}
+
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name, const std::string& help,
+                            const std::string& model) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({{"model", model}});
+}
+
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name, const std::string& help,
+                                const std::string& model) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({{"model", model}});
+}
+
+}  // namespace
+
+CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
+    : model_(model),
+      registry_(std::make_shared<prometheus::Registry>()),
+      finished_family_(prometheus::BuildCounter()
+                           .Name("shardserve_requests_finished_total")
+                           .Help("Generations that finished normally, by reason (stop_token, stop_string, length).")
+                           .Register(*registry_)),
+      requests_family_(prometheus::BuildCounter()
+                           .Name("shardserve_requests_total")
+                           .Help("Generate requests by final gRPC status code name.")
+                           .Register(*registry_)),
+      worker_up_family_(prometheus::BuildGauge()
+                            .Name("shardserve_worker_up")
+                            .Help("1 while the coordinator sees the worker healthy, 0 once it is lost.")
+                            .Register(*registry_)),
+      time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
+                                       "Seconds from a request's arrival to its first token sent.", model)),
+      inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
+                                       "Seconds between two consecutive tokens of one request.", model)),
+      request_duration(AddHistogram(*registry_, "shardserve_request_duration_seconds",
+                                    "Seconds from a Generate request's arrival to its final status.", model)),
+      request_queue(AddHistogram(*registry_, "shardserve_request_queue_seconds",
+                                 "Seconds a Generate request waited before its first step.", model)),
+      requests_running(AddGauge(*registry_, "shardserve_requests_running", "Generate requests running steps.", model)),
+      requests_waiting(AddGauge(*registry_, "shardserve_requests_waiting", "Generate requests queued for their turn.",
+                                model)),
+      kv_blocks_used(AddGauge(*registry_, "shardserve_kv_blocks_used", "KV cache blocks held by running sequences.",
+                              model)),
+      kv_blocks_total(AddGauge(*registry_, "shardserve_kv_blocks_total", "KV cache blocks per worker (num_kv_blocks).",
+                               model)),
+      prompt_tokens(AddCounter(*registry_, "shardserve_prompt_tokens_total", "Prompt tokens of requests that ran.",
+                               model)),
+      generated_tokens(AddCounter(*registry_, "shardserve_generated_tokens_total", "Completion tokens sent to clients.",
+                                  model)) {
+  // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
+  for (const char* reason : {"stop_token", "stop_string", "length"}) {
+    finished_family_.Add({{"model", model_}, {"reason", reason}});
+  }
+  requests_family_.Add({{"model", model_}, {"code", "OK"}});
+}
+
+void CoordinatorMetrics::Finished(absl::string_view reason) {
+  finished_family_.Add({{"model", model_}, {"reason", std::string(reason)}}).Increment();
+}
+
+void CoordinatorMetrics::Ended(absl::string_view code_name) {
+  requests_family_.Add({{"model", model_}, {"code", std::string(code_name)}}).Increment();
+}
+
+void CoordinatorMetrics::SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up) {
+  worker_up_family_
+      .Add({{"model", model_},
+            {"worker", worker},
+            {"node", node},
+            {"stage", absl::StrCat(stage)},
+            {"rank", absl::StrCat(rank)}})
+      .Set(up ? 1 : 0);
+}
+
+}  // namespace shardserve

@@ -1,0 +1,316 @@
+// Real shardserve-coordinator and shardserve-worker processes on 127.0.0.1 for tests
+// (cluster_test, metrics_test): a Process in a process group of its own that dies with the test,
+// a Cluster of one coordinator and nodes x gpus_per_node workers on free ports, and Generate()
+// through the client API. Every wait is bounded; destructors kill and reap every child.
+//
+// The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
+// SHARDSERVE_WORKER_BIN. Single-threaded use.
+#ifndef SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
+#define SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shardserve/v1/inference.grpc.pb.h"
+
+namespace shardserve {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+inline const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
+
+inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A port no one listens on now: the kernel's choice for a socket bound to port 0, released.
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return 0;
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
+  std::ifstream in(file);
+  std::stringstream s;
+  s << in.rdbuf();
+  const std::string text = s.str();
+  return text.size() > bytes ? "..." + text.substr(text.size() - bytes) : text;
+}
+
+// A child process in a process group of its own, with stdout and stderr in a log file. It gets
+// SIGKILL if this test process dies; the destructor kills and reaps it.
+class Process {
+ public:
+  Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
+    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+    std::vector<char*> args;
+    for (std::string& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    std::vector<std::string> env_strings = {"OPENBLAS_NUM_THREADS=1"};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::string(*e).rfind("OPENBLAS_NUM_THREADS=", 0) != 0) env_strings.push_back(*e);
+    }
+    std::vector<char*> env;
+    for (std::string& e : env_strings) env.push_back(e.data());
+    env.push_back(nullptr);
+    const std::string log_path = log_.string();
+    const pid_t parent = getpid();
+
+    pid_ = fork();
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);  // the parent died before prctl
+      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+      }
+      execve(args[0], args.data(), env.data());
+      _exit(127);
+    }
+    if (pid_ > 0) setpgid(pid_, pid_);  // also here, so that a signal right after fork finds the group
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+  ~Process() { Kill(); }
+
+  pid_t pid() const { return pid_; }
+  const fs::path& log() const { return log_; }
+  // Sends `sig` to the process's group.
+  void Signal(int sig) {
+    if (running()) kill(-pid_, sig);
+  }
+  bool running() {
+    Reap(WNOHANG);
+    return pid_ > 0 && !exited_;
+  }
+  // Waits up to `timeout` for the process to exit; its exit status (WEXITSTATUS, or 128 + signal),
+  // or -1 when it is still running.
+  int Wait(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    while (running() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return exited_ ? exit_code_ : -1;
+  }
+  void Kill() {
+    if (!running()) return;
+    kill(-pid_, SIGKILL);
+    Reap(0);
+  }
+
+ private:
+  void Reap(int flags) {
+    if (pid_ <= 0 || exited_) return;
+    int status = 0;
+    if (waitpid(pid_, &status, flags) == pid_) {
+      exited_ = true;
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+  }
+
+  const fs::path log_;
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int exit_code_ = -1;
+};
+
+struct ClusterSpecForTest {
+  std::string fixture;
+  int nodes = 1;          // PP
+  int gpus_per_node = 1;  // TP
+  std::vector<std::string> worker_flags;
+};
+
+// A coordinator and nodes x gpus_per_node workers ("n0", "n1", ...: node i is stage i).
+class Cluster {
+ public:
+  explicit Cluster(ClusterSpecForTest spec) : spec_(std::move(spec)) {
+    char pattern[] = "/tmp/cluster_test.XXXXXX";
+    dir_ = mkdtemp(pattern);
+  }
+  ~Cluster() {
+    for (auto& w : workers_) w->Kill();
+    if (coordinator_) coordinator_->Kill();
+    if (::testing::Test::HasFailure()) {
+      std::printf("[ logs     ] kept in %s\n", dir_.c_str());
+    } else {
+      std::error_code ec;
+      fs::remove_all(dir_, ec);
+    }
+  }
+
+  // Starts everything and waits until the coordinator's health is SERVING. Failures (with the
+  // processes' logs) are reported through gtest; returns whether it got there.
+  bool Start() {
+    const auto start = Clock::now();
+    const fs::path port_file = dir_ / "port";
+    metrics_address_ = "127.0.0.1:" + std::to_string(FreePort());  // never the fixed default: tests run in parallel
+    coordinator_ = std::make_unique<Process>(
+        std::vector<std::string>{SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen",
+                                 "127.0.0.1:0", "--nodes", std::to_string(spec_.nodes), "--gpus-per-node",
+                                 std::to_string(spec_.gpus_per_node), "--port-file", port_file.string(),
+                                 "--metrics-listen", metrics_address_},
+        dir_ / "coordinator.log");
+    while (!fs::exists(port_file)) {
+      if (!coordinator_->running() || SecondsSince(start) > 30) {
+        ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::ifstream(port_file) >> port_;
+    address_ = "127.0.0.1:" + std::to_string(port_);
+    channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
+    client_ = v1::InferenceService::NewStub(channel_);
+    health_ = grpc::health::v1::Health::NewStub(channel_);
+
+    for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
+      const std::string node = "n" + std::to_string(i / spec_.gpus_per_node);
+      const std::string listen = "127.0.0.1:" + std::to_string(FreePort());
+      std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
+                                       "--listen", listen, "--memory-gb", "4"};
+      argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
+      worker_addresses_.push_back(listen);
+      workers_.push_back(
+          std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));
+    }
+    while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
+      if (!coordinator_->running() || SecondsSince(start) > 90) {
+        ADD_FAILURE() << "the cluster did not reach SERVING:\n" << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    start_seconds_ = SecondsSince(start);
+    return true;
+  }
+
+  // The coordinator's overall grpc.health.v1 status (UNKNOWN when the call fails).
+  grpc::health::v1::HealthCheckResponse::ServingStatus HealthStatus() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    if (!health_->Check(&context, request, &response).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+    return response.status();
+  }
+
+  v1::ClusterStatus Status() {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ClusterStatus status;
+    EXPECT_TRUE(client_->GetClusterStatus(&context, v1::GetClusterStatusRequest(), &status).ok());
+    return status;
+  }
+
+  // Every process's log, for failure messages.
+  std::string Logs() {
+    std::string out = "---- coordinator ----\n" + Tail(coordinator_->log()) + "\n";
+    for (auto& w : workers_) out += "---- " + w->log().filename().string() + " ----\n" + Tail(w->log()) + "\n";
+    return out;
+  }
+
+  v1::InferenceService::Stub* client() { return client_.get(); }
+  const std::string& address() const { return address_; }
+  // The coordinator's Prometheus /metrics host:port (the workers report theirs in Status()).
+  const std::string& metrics_address() const { return metrics_address_; }
+  const fs::path& dir() const { return dir_; }
+  Process& coordinator() { return *coordinator_; }
+  Process& worker(int i) { return *workers_[i]; }
+  int num_workers() const { return static_cast<int>(workers_.size()); }
+  const std::string& worker_address(int i) const { return worker_addresses_[i]; }
+  double start_seconds() const { return start_seconds_; }
+
+ private:
+  const ClusterSpecForTest spec_;
+  fs::path dir_;
+  int port_ = 0;
+  std::string address_;
+  std::string metrics_address_;
+  std::unique_ptr<Process> coordinator_;
+  std::vector<std::unique_ptr<Process>> workers_;
+  std::vector<std::string> worker_addresses_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::InferenceService::Stub> client_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+  double start_seconds_ = 0;
+};
+
+struct Golden {
+  std::vector<int32_t> prompt, greedy;
+};
+
+inline Golden LoadGolden(const std::string& fixture) {
+  std::ifstream in(kFixtures / fixture / "golden.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  return Golden{j["prompt_ids"].get<std::vector<int32_t>>(), j["greedy_ids"].get<std::vector<int32_t>>()};
+}
+
+inline v1::GenerateRequest TokenRequest(const std::vector<int32_t>& prompt, int max_tokens) {
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->mutable_ids()->Add(prompt.begin(), prompt.end());
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_ignore_eos(true);
+  return r;
+}
+
+struct Streamed {
+  grpc::Status status;
+  std::vector<v1::GenerateResponse> messages;
+  std::vector<int32_t> tokens;
+  double seconds = 0;
+};
+
+inline Streamed Generate(v1::InferenceService::Stub* client, const v1::GenerateRequest& request,
+                  std::chrono::seconds timeout = std::chrono::seconds(60)) {
+  const auto start = Clock::now();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = client->Generate(&context, request);
+  Streamed out;
+  v1::GenerateResponse message;
+  while (reader->Read(&message)) {
+    out.tokens.insert(out.tokens.end(), message.token_ids().begin(), message.token_ids().end());
+    out.messages.push_back(message);
+  }
+  out.status = reader->Finish();
+  out.seconds = SecondsSince(start);
+  return out;
+}
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_TESTS_CLUSTER_HARNESS_H_

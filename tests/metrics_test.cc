@@ -1,0 +1,200 @@
+// The Prometheus metrics of a real cluster (docs/metrics.md): a coordinator and TP=2 x PP=2
+// workers on 127.0.0.1 generate tokens; the test then scrapes every process's /metrics over HTTP
+// and checks that
+// - every metric docs/metrics.md names is exposed by the service whose table names it (the names
+//   are read from the doc, so the doc cannot drift from the code), and
+// - the counters moved with the work: generated tokens == tokens streamed, prompt tokens == the
+//   prompts' tokens, TTFT count == requests, one finished{reason="length"} and one
+//   requests_total{code="OK"} per request, every worker up, and every worker counted the steps
+//   the requests needed and the collectives its place in the layout implies.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "tests/cluster_harness.h"
+
+namespace shardserve {
+namespace {
+
+// GET http://<host:port>/metrics with a bare socket (HTTP/1.0: the server closes when done). The
+// body, or "" on any error.
+std::string HttpGetMetrics(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  const std::string host = address.substr(0, colon);
+  const int port = std::atoi(address.substr(colon + 1).c_str());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return "";
+  }
+  std::string response;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  if (response.rfind("HTTP/1.", 0) != 0 || response.find(" 200 ") == std::string::npos || body == std::string::npos) {
+    return "";
+  }
+  return response.substr(body + 4);
+}
+
+// Every sample of an exposition: "name{labels}" (labels as the server prints them) -> value.
+std::map<std::string, double> ParseSamples(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    if (space == std::string::npos) continue;
+    out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
+  }
+  return out;
+}
+
+// The sum of the samples of `name` (exactly; for a histogram pass name_count) whose labels
+// contain every `needle` ("reason=\"length\"").
+double Sum(const std::map<std::string, double>& samples, const std::string& name,
+           const std::vector<std::string>& needles = {}) {
+  double sum = 0;
+  for (const auto& [key, value] : samples) {
+    const std::string base = key.substr(0, key.find('{'));
+    if (base != name) continue;
+    bool all = true;
+    for (const std::string& n : needles) all = all && key.find(n) != std::string::npos;
+    if (all) sum += value;
+  }
+  return sum;
+}
+
+bool Exposes(const std::map<std::string, double>& samples, const std::string& name) {
+  for (const auto& [key, value] : samples) {
+    const std::string base = key.substr(0, key.find('{'));
+    if (base == name || base == name + "_count") return true;
+  }
+  return false;
+}
+
+// The metric names of docs/metrics.md: the first backquoted word of each table row, by section
+// ("Coordinator" or "Worker", from the "## " heading above the table).
+std::map<std::string, std::vector<std::string>> DocumentedMetrics() {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "docs/metrics.md");
+  std::map<std::string, std::vector<std::string>> out;
+  std::string section;
+  const std::regex row(R"(^\|\s*`(shardserve_[a-z0-9_]+)`)");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("## ", 0) == 0) section = line.substr(3, line.find(' ', 3) - 3);
+    std::smatch m;
+    if (std::regex_search(line, m, row)) out[section].push_back(m[1]);
+  }
+  return out;
+}
+
+TEST(MetricsTest, DocListsBothServices) {
+  std::map<std::string, std::vector<std::string>> doc = DocumentedMetrics();
+  EXPECT_GE(doc["Coordinator"].size(), 13u);
+  EXPECT_GE(doc["Worker"].size(), 5u);
+}
+
+TEST(MetricsTest, EveryDocumentedMetricIsExposedAndCountersMove) {
+  const std::string fixture = "llama3_rope";
+  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/2, {}});
+  ASSERT_TRUE(cluster.Start());
+
+  // Two requests, each to max_tokens (ignore_eos): finish reason length.
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  const int kRequests = 2, kMaxTokens = 6;
+  size_t streamed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    Streamed s = Generate(cluster.client(), TokenRequest(prompt, kMaxTokens));
+    ASSERT_TRUE(s.status.ok()) << s.status.error_message() << "\n" << cluster.Logs();
+    streamed += s.tokens.size();
+  }
+  ASSERT_EQ(streamed, static_cast<size_t>(kRequests * kMaxTokens));
+
+  const std::map<std::string, std::vector<std::string>> doc = DocumentedMetrics();
+  const std::string model = "model=\"" + fixture + "\"";
+
+  // ---- The coordinator ----
+  const std::string coordinator_text = HttpGetMetrics(cluster.metrics_address());
+  ASSERT_FALSE(coordinator_text.empty()) << "no /metrics at " << cluster.metrics_address() << "\n" << cluster.Logs();
+  const std::map<std::string, double> c = ParseSamples(coordinator_text);
+  for (const std::string& name : doc.at("Coordinator")) {
+    EXPECT_TRUE(Exposes(c, name)) << name << " is in docs/metrics.md but not exposed by the coordinator";
+  }
+  EXPECT_EQ(Sum(c, "shardserve_generated_tokens_total", {model}), static_cast<double>(streamed));
+  EXPECT_EQ(Sum(c, "shardserve_prompt_tokens_total", {model}), static_cast<double>(kRequests * prompt.size()));
+  EXPECT_EQ(Sum(c, "shardserve_time_to_first_token_seconds_count", {model}), kRequests);
+  EXPECT_EQ(Sum(c, "shardserve_inter_token_latency_seconds_count"), kRequests * (kMaxTokens - 1));
+  EXPECT_EQ(Sum(c, "shardserve_request_duration_seconds_count"), kRequests);
+  EXPECT_EQ(Sum(c, "shardserve_request_queue_seconds_count"), kRequests);
+  EXPECT_EQ(Sum(c, "shardserve_requests_finished_total", {"reason=\"length\""}), kRequests);
+  EXPECT_EQ(Sum(c, "shardserve_requests_total", {"code=\"OK\""}), kRequests);
+  EXPECT_EQ(Sum(c, "shardserve_requests_running"), 0);
+  EXPECT_EQ(Sum(c, "shardserve_requests_waiting"), 0);
+  EXPECT_GT(Sum(c, "shardserve_kv_blocks_total"), 0);
+  EXPECT_EQ(Sum(c, "shardserve_worker_up"), cluster.num_workers());
+
+  // A bad request is counted by its code.
+  v1::GenerateRequest bad = TokenRequest(prompt, kMaxTokens);
+  bad.mutable_sampling()->set_temperature(-1);
+  EXPECT_EQ(Generate(cluster.client(), bad).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Sum(ParseSamples(HttpGetMetrics(cluster.metrics_address())), "shardserve_requests_total",
+                {"code=\"INVALID_ARGUMENT\""}),
+            1);
+
+  // ---- Every worker, at the address it registered ----
+  const v1::ClusterStatus status = cluster.Status();
+  ASSERT_EQ(status.workers_size(), cluster.num_workers());
+  for (const v1::WorkerStatus& w : status.workers()) {
+    SCOPED_TRACE("worker " + w.worker_id() + " stage " + std::to_string(w.stage()) + " rank " +
+                 std::to_string(w.tp_rank()));
+    ASSERT_FALSE(w.metrics_address().empty());
+    const std::map<std::string, double> m = ParseSamples(HttpGetMetrics(w.metrics_address()));
+    ASSERT_FALSE(m.empty()) << "no /metrics at " << w.metrics_address();
+    for (const std::string& name : doc.at("Worker")) {
+      EXPECT_TRUE(Exposes(m, name)) << name << " is in docs/metrics.md but not exposed by the worker";
+    }
+    const std::vector<std::string> ids = {model, "node=\"" + w.node() + "\"",
+                                          "stage=\"" + std::to_string(w.stage()) + "\"",
+                                          "rank=\"" + std::to_string(w.tp_rank()) + "\""};
+    // One prefill step (the prompt fits one step) and max_tokens - 1 decode steps per request.
+    EXPECT_EQ(Sum(m, "shardserve_worker_steps_total", ids), kRequests * kMaxTokens);
+    EXPECT_EQ(Sum(m, "shardserve_worker_step_seconds_count", {"phase=\"prefill\""}), kRequests);
+    EXPECT_EQ(Sum(m, "shardserve_worker_step_seconds_count", {"phase=\"decode\""}), kRequests * (kMaxTokens - 1));
+    EXPECT_GT(Sum(m, "shardserve_worker_weight_bytes", ids), 0);
+    // TP = 2: every step all-reduces; PP = 2: stage 0 sends, stage 1 receives.
+    EXPECT_GT(Sum(m, "shardserve_worker_collective_seconds_count", {"op=\"all_reduce\""}), 0);
+    EXPECT_GT(Sum(m, "shardserve_worker_collective_bytes_total", {"op=\"all_reduce\""}), 0);
+    const char* hop = w.stage() == 0 ? "op=\"send\"" : "op=\"recv\"";
+    EXPECT_EQ(Sum(m, "shardserve_worker_collective_seconds_count", {hop}), kRequests * kMaxTokens);
+    EXPECT_GT(Sum(m, "shardserve_worker_collective_bytes_total", {hop}), 0);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,64 @@
+#include "worker/worker_metrics.h"
+
+#include "absl/strings/str_cat.h"
+#include "telemetry/metrics_http.h"
+
+namespace shardserve {
+namespace {
+
+prometheus::Labels With(prometheus::Labels labels, const std::string& name, const std::string& value) {
+  labels.emplace(name, value);
+  return labels;
+}
+
+}  // namespace
+
+WorkerMetrics::WorkerMetrics(prometheus::Registry* registry, const std::string& model, const std::string& node,
+                             int stage, int rank) {
+  const prometheus::Labels base = {
+      {"model", model}, {"node", node}, {"stage", absl::StrCat(stage)}, {"rank", absl::StrCat(rank)}};
+  auto& step = prometheus::BuildHistogram()
+                   .Name("shardserve_worker_step_seconds")
+                   .Help("Seconds this worker spent executing one step, by phase (prefill: more tokens than "
+                         "sequences; decode).")
+                   .Register(*registry);
+  prefill_seconds_ = &step.Add(With(base, "phase", "prefill"), LatencyBuckets());
+  decode_seconds_ = &step.Add(With(base, "phase", "decode"), LatencyBuckets());
+  auto& seconds = prometheus::BuildHistogram()
+                      .Name("shardserve_worker_collective_seconds")
+                      .Help("Seconds of one collective call, by op (all_reduce, all_gather, send, recv).")
+                      .Register(*registry);
+  auto& bytes = prometheus::BuildCounter()
+                    .Name("shardserve_worker_collective_bytes_total")
+                    .Help("Bytes this worker reduced, contributed to a gather, sent or received, by op.")
+                    .Register(*registry);
+  const char* const names[kOps] = {"all_reduce", "all_gather", "send", "recv"};
+  for (int i = 0; i < kOps; ++i) {
+    collective_seconds_[i] = &seconds.Add(With(base, "op", names[i]), LatencyBuckets());
+    collective_bytes_[i] = &bytes.Add(With(base, "op", names[i]));
+  }
+  weight_bytes_ = &prometheus::BuildGauge()
+                       .Name("shardserve_worker_weight_bytes")
+                       .Help("Bytes of model weights this worker holds.")
+                       .Register(*registry)
+                       .Add(base);
+  steps_ = &prometheus::BuildCounter()
+                .Name("shardserve_worker_steps_total")
+                .Help("Steps this worker executed successfully.")
+                .Register(*registry)
+                .Add(base);
+}
+
+void WorkerMetrics::StepDone(bool prefill, double seconds) {
+  (prefill ? prefill_seconds_ : decode_seconds_)->Observe(seconds);
+  steps_->Increment();
+}
+
+void WorkerMetrics::Observe(CollectiveOp op, double seconds, uint64_t bytes) {
+  const int i = static_cast<int>(op);
+  if (i < 0 || i >= kOps) return;  // a barrier
+  collective_seconds_[i]->Observe(seconds);
+  collective_bytes_[i]->Increment(static_cast<double>(bytes));
+}
+
+}  // namespace shardserve

@@ -1,0 +1,50 @@
+// The worker's Prometheus metrics, all defined here (docs/metrics.md lists them; a test checks
+// that every one named there is exposed). Each carries the labels model (the checkpoint
+// directory's base name), node, stage and rank (TP rank), known once the worker is assigned: the
+// metrics are created then, in a registry the process already serves (telemetry/metrics_http.h).
+//
+// Ownership: borrows the registry, which must outlive this; the metrics stay in the registry.
+// Threading: thread-safe (prometheus-cpp metrics are atomic). Every series the hot path touches is
+// resolved at construction: observing allocates nothing.
+#ifndef SHARDSERVE_WORKER_WORKER_METRICS_H_
+#define SHARDSERVE_WORKER_WORKER_METRICS_H_
+
+#include <cstdint>
+#include <string>
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "worker/timed_communicator.h"
+
+namespace shardserve {
+
+class WorkerMetrics final : public CollectiveObserver {
+ public:
+  WorkerMetrics(prometheus::Registry* registry, const std::string& model, const std::string& node, int stage,
+                int rank);
+  WorkerMetrics(const WorkerMetrics&) = delete;
+  WorkerMetrics& operator=(const WorkerMetrics&) = delete;
+
+  // A step ran successfully in `seconds`; `prefill` when it carried more tokens than sequences.
+  void StepDone(bool prefill, double seconds);
+  void SetWeightBytes(uint64_t bytes) { weight_bytes_->Set(static_cast<double>(bytes)); }
+  // CollectiveObserver. Barriers are not counted.
+  void Observe(CollectiveOp op, double seconds, uint64_t bytes) override;
+
+ private:
+  static constexpr int kOps = 4;  // all_reduce, all_gather, send, recv (CollectiveOp order)
+  // ---- Constant after construction (the series they point to live in the registry) ----
+  prometheus::Histogram* prefill_seconds_ = nullptr;
+  prometheus::Histogram* decode_seconds_ = nullptr;
+  prometheus::Histogram* collective_seconds_[kOps] = {};
+  prometheus::Counter* collective_bytes_[kOps] = {};
+  prometheus::Gauge* weight_bytes_ = nullptr;
+  prometheus::Counter* steps_ = nullptr;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_WORKER_METRICS_H_
