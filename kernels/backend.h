@@ -146,12 +146,17 @@ class Backend {
   // (measured on the top-k renormalized mass). `out` may be host or device memory.
   // Among the kept tokens (in vocabulary order) it returns the first whose cumulative
   // renormalized probability exceeds uniform, so one draw gives one answer on every backend.
+  // A -inf logit is a masked token (probability 0, never returned); a row needs one finite logit.
   virtual absl::Status Sample(Tensor* out /*[n] i32*/, const Tensor& logits /*[n, v] f32*/,
                               const std::vector<SampleParams>& params /*[n], host*/) = 0;
 };
 
 // The CPU backend: float32 activations, OpenBLAS for matrix products. Never fails to create.
-std::unique_ptr<Backend> MakeCpuBackend();
+// threads > 0: OpenBLAS runs matrix products on that many threads (openblas_set_num_threads).
+// That setting is process-wide (OpenBLAS has one thread pool), so it also applies to CPU backends
+// created before; the backend has no threads of its own (its other ops run on the calling
+// thread). threads <= 0 leaves OpenBLAS as it is: OPENBLAS_NUM_THREADS, else one per core.
+std::unique_ptr<Backend> MakeCpuBackend(int threads = 0);
 
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
 // Unavailable when built without CUDA or when no GPU is present; the status says which.

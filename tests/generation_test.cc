@@ -82,34 +82,16 @@ GenerationParams Params(std::vector<int32_t> prompt, int max_tokens) {
   return p;
 }
 
-TEST(GenerationTest, PrefillsInChunksThenDecodesOneTokenPerStep) {
+TEST(GenerationTest, FinishesAtMaxTokensWithUsage) {
   const GenerationParams p = Params({1, 2, 3, 4, 5}, 3);
   const std::vector<int32_t> eos;
-  Generation g(p, eos, nullptr, /*max_tokens_per_step=*/2, /*max_blocks_per_seq=*/4);
-  v1::StepPlan step;
-  // Chunks of 2, 2, 1 prompt tokens; only the last one samples, from its last row.
-  EXPECT_FALSE(g.NextStep(1, &step));
-  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{1, 2}));
-  EXPECT_EQ(std::vector<int32_t>(step.positions().begin(), step.positions().end()), (std::vector<int32_t>{0, 1}));
-  EXPECT_EQ(step.logit_rows_size(), 0);
-  EXPECT_EQ(step.block_tables_size(), 4);
-  EXPECT_FALSE(g.NextStep(2, &step));
-  EXPECT_EQ(std::vector<int32_t>(step.slots().begin(), step.slots().end()), (std::vector<int32_t>{2, 3}));
-  EXPECT_TRUE(g.NextStep(3, &step));
-  EXPECT_EQ(step.step_id(), 3u);
-  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{5}));
-  EXPECT_EQ(std::vector<int32_t>(step.logit_rows().begin(), step.logit_rows().end()), (std::vector<int32_t>{0}));
-  ASSERT_EQ(step.sampling_size(), 1);
-  EXPECT_EQ(step.sampling(0).draw_index(), 0u);
+  Generation g(p, eos, nullptr);
   v1::GenerateResponse response;
   EXPECT_FALSE(g.Accept(42, &response));
-  // Decode: the sampled token at the next position, drawn as the completion's second token.
-  EXPECT_TRUE(g.NextStep(4, &step));
-  EXPECT_EQ(std::vector<int32_t>(step.token_ids().begin(), step.token_ids().end()), (std::vector<int32_t>{42}));
-  EXPECT_EQ(std::vector<int32_t>(step.positions().begin(), step.positions().end()), (std::vector<int32_t>{5}));
-  EXPECT_EQ(step.sampling(0).draw_index(), 1u);
+  EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_UNSPECIFIED);
   EXPECT_FALSE(g.Accept(43, &response));
   EXPECT_TRUE(g.Accept(44, &response));
+  EXPECT_EQ(std::vector<int32_t>(response.token_ids().begin(), response.token_ids().end()), (std::vector<int32_t>{44}));
   EXPECT_EQ(response.finish_reason(), v1::FINISH_REASON_LENGTH);
   EXPECT_EQ(response.usage().prompt_tokens(), 5);
   EXPECT_EQ(response.usage().completion_tokens(), 3);
@@ -121,7 +103,7 @@ TEST(GenerationTest, StreamsTextAndNeverAStopString) {
   GenerationParams p = Params({kH}, 20);
   p.stop = {"ST!"};
   const std::vector<int32_t> eos = {kEos};
-  Generation g(p, eos, tok.get(), 16, 4);
+  Generation g(p, eos, tok.get());
   const Fed r = Feed(g, {kE, kL, kL, kO, kSpace, kS, kT, kBang, kP, kBang});
   EXPECT_EQ(r.text, "ello ");
   EXPECT_EQ(r.accepted, 8) << "stops at the token that completes the stop string";
@@ -135,7 +117,7 @@ TEST(GenerationTest, HeldTextThatIsNoStopStringIsStreamedAtTheEnd) {
   GenerationParams p = Params({kH}, 3);
   p.stop = {"STOP"};
   const std::vector<int32_t> eos = {kEos};
-  Generation g(p, eos, tok.get(), 16, 4);
+  Generation g(p, eos, tok.get());
   const Fed r = Feed(g, {kO, kS, kT});
   EXPECT_EQ(r.text, "oST");
   EXPECT_EQ(r.last.text(), "ST");
@@ -147,14 +129,14 @@ TEST(GenerationTest, EosStopsUnlessIgnoredAndIsNotStreamedAsText) {
   ASSERT_NE(tok, nullptr);
   const std::vector<int32_t> eos = {kEos};
   GenerationParams p = Params({kH}, 5);
-  Generation stops(p, eos, tok.get(), 16, 4);
+  Generation stops(p, eos, tok.get());
   Fed r = Feed(stops, {kE, kEos, kL});
   EXPECT_EQ(r.tokens, (std::vector<int32_t>{kE, kEos}));
   EXPECT_EQ(r.text, "e");
   EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
 
   p.ignore_eos = true;
-  Generation ignores(p, eos, tok.get(), 16, 4);
+  Generation ignores(p, eos, tok.get());
   r = Feed(ignores, {kE, kEos, kL, kL, kO});
   EXPECT_EQ(r.text, "ello");
   EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_LENGTH);
@@ -164,7 +146,7 @@ TEST(GenerationTest, StopTokenIdsStopAndAreReturned) {
   GenerationParams p = Params({1}, 10);
   p.stop_token_ids = {7};
   const std::vector<int32_t> eos;
-  Generation g(p, eos, nullptr, 16, 4);
+  Generation g(p, eos, nullptr);
   const Fed r = Feed(g, {3, 7, 8});
   EXPECT_EQ(r.tokens, (std::vector<int32_t>{3, 7}));
   EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);

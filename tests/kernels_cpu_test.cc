@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -263,6 +264,20 @@ TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
 }
 
 // ---- MatMul ----------------------------------------------------------------------------------
+
+// MakeCpuBackend(threads) sets OpenBLAS's (process-wide) thread count; 0 leaves it as it is.
+// Describe() reports it, as the worker's load log line shows.
+TEST_F(CpuBackendTest, ThreadsOptionSetsTheBlasThreads) {
+  const std::string before = backend_->Describe();  // "cpu (<config>, N threads)"
+  const size_t comma = before.rfind(", ");
+  ASSERT_NE(comma, std::string::npos) << before;
+  const int original = std::atoi(before.c_str() + comma + 2);
+  ASSERT_GT(original, 0) << before;
+
+  EXPECT_NE(MakeCpuBackend(1)->Describe().find(", 1 threads)"), std::string::npos);
+  EXPECT_NE(MakeCpuBackend(0)->Describe().find(", 1 threads)"), std::string::npos);  // unchanged
+  EXPECT_NE(MakeCpuBackend(original)->Describe().find(absl::StrCat(", ", original, " threads)")), std::string::npos);
+}
 
 TEST_F(CpuBackendTest, MatMul) {
   struct Case {
@@ -799,6 +814,54 @@ TEST_F(SampleTest, TemperatureSharpens) {
   EXPECT_EQ(Sample(logits, 2, {{.temperature = 1.0f, .uniform = 0.2f}})[0], 0);
   EXPECT_EQ(Sample(logits, 2, {{.temperature = 0.5f, .uniform = 0.2f}})[0], 1);
   EXPECT_EQ(Sample(logits, 2, {{.temperature = 0.5f, .uniform = 0.05f}})[0], 0);
+}
+
+// -inf logits are masked tokens (worker/sampler.cc masks min_p this way): probability 0, never
+// drawn, whatever top_k, top_p and the draw, and the other tokens renormalized among themselves.
+TEST_F(SampleTest, MaskedTokensAreNeverDrawn) {
+  // Every uniform of a fine grid, the last one just below 1 (the "last kept token" fallback).
+  std::vector<float> uniforms;
+  for (int i = 0; i < 100; ++i) uniforms.push_back(i / 100.0f);
+  uniforms.push_back(std::nextafter(1.0f, 0.0f));
+  const SampleParams limits[] = {{}, {.top_k = 1}, {.top_k = 3}, {.top_k = 10}, {.top_p = 0.5f},
+                                 {.temperature = 0.3f, .top_k = 2, .top_p = 0.9f}};
+  struct Case {
+    std::vector<float> logits;
+    std::vector<int32_t> allowed;
+  };
+  const Case cases[] = {
+      {{-kInf, -kInf, 2.0f, -kInf, -kInf}, {2}},               // all but one masked
+      {{-kInf, 0.0f, -kInf, 0.0f, -kInf, 0.0f}, {1, 3, 5}},   // ties between masked neighbours
+      {{1.0f, 3.0f, -kInf, 2.0f, -kInf}, {0, 1, 3}},          // masked last token
+      {{-kInf, -1.0f, 5.0f, -kInf, 4.0f, -kInf}, {1, 2, 4}},  // top_k 10 > the 3 finite tokens
+  };
+  for (const Case& c : cases) {
+    const int64_t v = static_cast<int64_t>(c.logits.size());
+    for (const SampleParams& limit : limits) {
+      std::vector<float> logits;
+      std::vector<SampleParams> params;
+      for (float u : uniforms) {
+        logits.insert(logits.end(), c.logits.begin(), c.logits.end());
+        params.push_back(limit);
+        params.back().uniform = u;
+      }
+      const std::vector<int32_t> got = Sample(logits, v, params);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_NE(std::find(c.allowed.begin(), c.allowed.end(), got[i]), c.allowed.end())
+            << "drew masked or invalid token " << got[i] << " with uniform " << params[i].uniform
+            << " top_k " << limit.top_k << " top_p " << limit.top_p;
+      }
+    }
+  }
+  // Three equal finite logits among masked ones share the mass in thirds, in vocabulary order.
+  const std::vector<float> ties = {-kInf, 0.0f, -kInf, 0.0f, -kInf, 0.0f};
+  EXPECT_EQ(Sample(ties, 6, {{.uniform = 0.0f}})[0], 1);
+  EXPECT_EQ(Sample(ties, 6, {{.uniform = 0.34f}})[0], 3);
+  EXPECT_EQ(Sample(ties, 6, {{.uniform = 0.67f}})[0], 5);
+  // The masked tokens take no mass: with (1, 3, -inf, 2, -inf) the kept probabilities are
+  // softmax(1, 3, 2) = (0.090, 0.665, 0.245), so uniform 0.5 lands on token 1 and 0.8 on token 3.
+  EXPECT_EQ(Sample({1.0f, 3.0f, -kInf, 2.0f, -kInf}, 5, {{.uniform = 0.5f}})[0], 1);
+  EXPECT_EQ(Sample({1.0f, 3.0f, -kInf, 2.0f, -kInf}, 5, {{.uniform = 0.8f}})[0], 3);
 }
 
 // Many seeded draws (SampleUniform, as workers make them) from one row of logits: the

@@ -3,8 +3,11 @@
 // the same last-position logits and the same 32 greedy tokens as transformers did.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -106,6 +109,146 @@ TEST_P(LlamaParity, WholePromptInOneStep) { CheckAgainstHuggingFace(GetParam(), 
 // Prefill in chunks of 5 tokens exercises attention over cache entries written by earlier steps
 // and block boundaries that fall inside a chunk.
 TEST_P(LlamaParity, ChunkedPrefill) { CheckAgainstHuggingFace(GetParam(), 5); }
+
+// Continuous batching over the paged KV cache, as the coordinator's scheduler plans steps: three
+// sequences of different prompt lengths share every step (each its own token_seq row, the rows
+// in a different order each step), their block tables hold disjoint, shuffled, non-contiguous
+// blocks of 4 tokens, prompts are fed in chunks of at most 4 tokens and start at different
+// steps, so decodes of one sequence run in the same step as prefill chunks of another. Every
+// sequence must get the greedy tokens and logits it gets alone (GreedyGenerate, whole prompt in
+// one step, blocks in order). The tolerance is the HF one above: only the GEMM shapes differ.
+TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
+  const std::string name = GetParam();
+  const fs::path dir = kFixtures / name;
+  const Golden g = LoadGolden(dir);
+  ASSERT_GE(g.prompt.size(), 9u);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp(backend.get());
+
+  constexpr int64_t kNewTokens = 10, kChunk = 4, kSeqs = 3;
+  struct Seq {
+    std::vector<int32_t> prompt;
+    int start_step;
+    std::vector<int32_t> want_ids;  // alone
+    std::vector<std::vector<float>> want_logits;
+    std::vector<int32_t> table;     // [max_blocks_per_seq] block ids
+    std::vector<int32_t> tokens;    // prompt, then the tokens generated so far
+    int64_t cached = 0;             // tokens[0, cached) are in the KV cache
+    std::vector<int32_t> got_ids;
+    std::vector<std::vector<float>> got_logits;
+  };
+  std::vector<Seq> seqs(kSeqs);
+  seqs[0].prompt = g.prompt;                                                  // 12 or 40 tokens, from step 0
+  seqs[1].prompt.assign(g.prompt.rbegin(), g.prompt.rbegin() + 9);           // 9 tokens, from step 2
+  seqs[2].prompt = {g.prompt[1], g.prompt[4], g.prompt[2]};                   // 3 tokens, from step 3
+  seqs[0].start_step = 0;
+  seqs[1].start_step = 2;
+  seqs[2].start_step = 3;
+
+  // Each sequence alone, on a fresh shard.
+  for (Seq& s : seqs) {
+    absl::StatusOr<std::unique_ptr<LlamaShard>> alone =
+        LlamaShard::Load(**ckpt, *config, ShardSpec{}, RuntimeOptions{}, backend.get(), &tp);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(alone->get(), s.prompt, kNewTokens, &s.want_logits);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    s.want_ids = *ids;
+  }
+
+  // All three in one shard: 48 blocks of 4 tokens, shuffled, 16 to each sequence.
+  RuntimeOptions opt;
+  opt.max_tokens_per_step = 16;
+  opt.max_seqs_per_step = kSeqs;
+  opt.block_size = 4;
+  opt.max_blocks_per_seq = 16;
+  opt.num_kv_blocks = kSeqs * opt.max_blocks_per_seq;
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model =
+      LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<int32_t> blocks(opt.num_kv_blocks);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(7));
+  for (int64_t i = 0; i < kSeqs; ++i) {
+    seqs[i].table.assign(blocks.begin() + i * opt.max_blocks_per_seq, blocks.begin() + (i + 1) * opt.max_blocks_per_seq);
+    seqs[i].tokens = seqs[i].prompt;
+  }
+  absl::StatusOr<Buffer> next_buf = backend->Allocate(kSeqs * sizeof(int32_t));
+  ASSERT_TRUE(next_buf.ok());
+  const int64_t V = config->vocab_size;
+
+  bool mixed = false;  // some step held a decode and a prefill chunk of more than one token
+  for (int step = 0;; ++step) {
+    ASSERT_LT(step, 100) << "the schedule does not finish";
+    std::vector<int> active;
+    for (int i = 0; i < kSeqs; ++i) {
+      if (step >= seqs[i].start_step && static_cast<int64_t>(seqs[i].got_ids.size()) < kNewTokens) active.push_back(i);
+    }
+    if (active.empty()) break;
+    std::rotate(active.begin(), active.begin() + step % active.size(), active.end());  // rows move between steps
+
+    StepBatch b;
+    b.num_seqs = static_cast<int32_t>(active.size());
+    std::vector<int> sampled;  // the sequence of each logit row
+    bool decode = false, prefill = false;
+    for (int row = 0; row < b.num_seqs; ++row) {
+      Seq& s = seqs[active[row]];
+      b.block_tables.insert(b.block_tables.end(), s.table.begin(), s.table.end());
+      const int64_t chunk = std::min<int64_t>(static_cast<int64_t>(s.tokens.size()) - s.cached, kChunk);
+      if (!s.got_ids.empty()) {
+        decode = true;
+      } else if (chunk > 1) {
+        prefill = true;
+      }
+      for (int64_t t = 0; t < chunk; ++t) {
+        const int64_t pos = s.cached + t;
+        b.token_ids.push_back(s.tokens[pos]);
+        b.positions.push_back(static_cast<int32_t>(pos));
+        b.token_seq.push_back(row);
+        b.slots.push_back(static_cast<int32_t>(s.table[pos / opt.block_size] * opt.block_size + pos % opt.block_size));
+      }
+      s.cached += chunk;
+      if (s.cached == static_cast<int64_t>(s.tokens.size())) {  // its last known token: sample the next
+        b.logit_rows.push_back(static_cast<int32_t>(b.positions.size()) - 1);
+        sampled.push_back(active[row]);
+      }
+    }
+    mixed |= decode && prefill;
+    ASSERT_TRUE(model->get()->Forward(b).ok()) << "step " << step;
+
+    const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+    if (m == 0) continue;
+    const Tensor logits = model->get()->logits(m);
+    Tensor next(next_buf->data(), DType::kI32, {m});
+    ASSERT_TRUE(backend->Argmax(&next, logits).ok());
+    std::vector<int32_t> ids(m);
+    ASSERT_TRUE(backend->CopyToHost(ids.data(), next.data, m * sizeof(int32_t)).ok());
+    for (int64_t i = 0; i < m; ++i) {
+      Seq& s = seqs[sampled[i]];
+      s.got_logits.emplace_back(V);
+      ASSERT_TRUE(backend->CopyToHost(s.got_logits.back().data(), logits.as<float>() + i * V, V * sizeof(float)).ok());
+      s.got_ids.push_back(ids[i]);
+      s.tokens.push_back(ids[i]);
+    }
+  }
+  EXPECT_TRUE(mixed) << "no step mixed a decode with a prefill chunk";
+
+  for (int i = 0; i < kSeqs; ++i) {
+    const Seq& s = seqs[i];
+    EXPECT_EQ(s.got_ids, s.want_ids) << name << " sequence " << i << ": batched greedy tokens differ from alone";
+    ASSERT_EQ(s.got_logits.size(), s.want_logits.size());
+    double worst = 0;
+    for (size_t k = 0; k < s.got_logits.size(); ++k) {
+      worst = std::max(worst, NormalizedError(s.got_logits[k], s.want_logits[k]));
+    }
+    EXPECT_LE(worst, kLogitsTolerance) << name << " sequence " << i << ": batched logits differ from alone";
+    std::printf("[ batched  ] %s sequence %d (%zu prompt tokens): worst logits error vs alone %.3g\n", name.c_str(), i,
+                s.prompt.size(), worst);
+  }
+}
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity, ::testing::ValuesIn(FixtureNames()),
                          [](const auto& info) { return info.param; });

@@ -1,13 +1,12 @@
 #include "worker/step_executor.h"
 
+#include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/sampling.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "worker/comm/gloo_communicator.h"
@@ -89,7 +88,8 @@ absl::StatusOr<int> ParseDevice(const std::string& device) {
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
                                                                    RendezvousStore* store,
-                                                                   const std::string& collective_host) {
+                                                                   const std::string& collective_host,
+                                                                   int cpu_threads) {
   if (absl::Status s = CheckAssignment(a); !s.ok()) return s;
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
@@ -98,7 +98,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
 
   std::unique_ptr<StepExecutor> e(new StepExecutor());
   if (*cuda_ordinal < 0) {
-    e->backend_ = MakeCpuBackend();
+    e->backend_ = MakeCpuBackend(cpu_threads);
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);
@@ -143,18 +143,17 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   }
 
   // Step buffers, for the largest step.
-  e->samples_ = last && a.tp_rank() == 0;
   const int64_t n = options.max_tokens_per_step, m = options.max_seqs_per_step;
   for (std::vector<int32_t>* v : {&e->batch_.token_ids, &e->batch_.positions, &e->batch_.token_seq, &e->batch_.slots}) {
     v->reserve(n);
   }
   e->batch_.block_tables.reserve(m * options.max_blocks_per_seq);
   e->batch_.logit_rows.reserve(m);
-  absl::StatusOr<Buffer> sampled = backend->Allocate(m * sizeof(int32_t));
-  if (!sampled.ok()) return sampled.status();
-  e->sampled_buf_ = std::move(*sampled);
-  e->sampled_host_.resize(m);
-  e->row_params_.resize(1);
+  if (last && a.tp_rank() == 0) {
+    absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
+    if (!sampler.ok()) return sampler.status();
+    e->sampler_ = std::move(*sampler);
+  }
   return e;
 }
 
@@ -176,6 +175,9 @@ absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
       p.slots_size() > opt.max_tokens_per_step) {
     return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " is larger than this worker's buffers"));
   }
+  // Every worker checks the sampling parameters, not only the one that samples: the plan is the
+  // same everywhere, so all fail here together instead of leaving peers waiting in a collective.
+  if (absl::Status s = Sampler::Validate(p.step_id(), p.sampling(), shard_->config().vocab_size); !s.ok()) return s;
   // Within the reserved capacity: assign() does not allocate.
   batch_.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
   batch_.positions.assign(p.positions().begin(), p.positions().end());
@@ -206,8 +208,9 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   if (send_ != nullptr) {
     if (absl::Status s = send_->Send(hidden, 1); !s.ok()) return s;
   }
-  if (samples_ && plan.logit_rows_size() > 0) {
-    if (absl::Status s = Sample(plan, result); !s.ok()) return s;
+  if (sampler_ != nullptr && plan.logit_rows_size() > 0) {
+    const Tensor logits = shard_->logits(plan.logit_rows_size());
+    if (absl::Status s = sampler_->Sample(plan.step_id(), logits, plan.sampling(), result); !s.ok()) return s;
   }
 
   double collective = 0;
@@ -217,37 +220,6 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result->set_collective_seconds(collective);
   result->set_forward_seconds(std::max(0.0, total - collective));
-  return absl::OkStatus();
-}
-
-absl::Status StepExecutor::Sample(const v1::StepPlan& plan, v1::StepResult* result) {
-  const int m = plan.logit_rows_size();
-  const Tensor logits = shard_->logits(m);
-  const Tensor sampled(sampled_buf_.data(), DType::kI32, {m});
-  for (int i = 0; i < m; ++i) {
-    const v1::RowSampling& rs = plan.sampling(i);
-    Tensor out = sampled.Rows(i, i + 1);
-    const Tensor row = logits.Rows(i, i + 1);
-    if (!(std::isfinite(rs.temperature()) && rs.temperature() >= 0) || rs.top_k() < 0 ||
-        !(std::isfinite(rs.top_p()) && rs.top_p() >= 0 && rs.top_p() <= 1)) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " row ", i, ": temperature ",
-                                                     rs.temperature(), ", top_k ", rs.top_k(), ", top_p ", rs.top_p(),
-                                                     " out of range"));
-    }
-    absl::Status s;
-    if (rs.temperature() == 0) {
-      s = backend_->Argmax(&out, row);
-    } else {
-      row_params_[0] = SampleParams{rs.temperature(), rs.top_k(), rs.top_p() == 0 ? 1.0f : rs.top_p(),
-                                    SampleUniform(rs.seed(), rs.draw_index())};
-      s = backend_->Sample(&out, row, row_params_);
-    }
-    if (!s.ok()) return s;
-  }
-  if (absl::Status s = backend_->CopyToHost(sampled_host_.data(), sampled.data, m * sizeof(int32_t)); !s.ok()) {
-    return s;
-  }
-  result->mutable_sampled_ids()->Add(sampled_host_.begin(), sampled_host_.begin() + m);
   return absl::OkStatus();
 }
 

@@ -6,14 +6,16 @@
 //   every stage:     Forward (embedding on stage 0, the stage's layers, TP all-reduces inside)
 //   stage < last:    Send the hidden state [n, hidden] to the next stage's worker of the same
 //                    TP rank
-//   last, rank 0:    sample one id per logit row (temperature 0: argmax; else Sample with the
-//                    row's draw SampleUniform(seed, draw_index))
+//   last, rank 0:    sample one id per logit row, and logprobs where asked (worker/sampler.h:
+//                    argmax or Sample on the device; rows with min_p, penalties or logprobs on
+//                    the host)
 //
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
 //
-// Ownership: owns the backend, the communicators, the shard and every step buffer. Nothing is
-// allocated per step: the host vectors are reserved for the largest step at creation.
+// Ownership: owns the backend, the communicators, the shard, the sampler and every step buffer.
+// Nothing is allocated per step: the host vectors are reserved for the largest step
+// (max_tokens_per_step tokens, max_seqs_per_step sequences and logit rows) at creation.
 // Threading: not thread-safe; one step at a time, on one thread.
 #ifndef SHARDSERVE_WORKER_STEP_EXECUTOR_H_
 #define SHARDSERVE_WORKER_STEP_EXECUTOR_H_
@@ -28,6 +30,7 @@
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/llama.h"
+#include "worker/sampler.h"
 #include "worker/timed_communicator.h"
 
 namespace shardserve {
@@ -44,13 +47,18 @@ class StepExecutor {
   // group whose ranks do not all join within the collective timeout is DeadlineExceeded.
   //
   // On CPU the groups are Gloo; on CUDA they are NCCL (and Unimplemented in a build without it).
+  // `cpu_threads` > 0 sets the CPU backend's math threads (MakeCpuBackend); 0 keeps the BLAS
+  // library's default. Ignored on CUDA.
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(const v1::Assignment& assignment,
                                                               const std::string& device, RendezvousStore* store,
-                                                              const std::string& collective_host);
+                                                              const std::string& collective_host,
+                                                              int cpu_threads = 0);
 
   // Runs this worker's part of `plan` and fills `result` (cleared first): the step id, the timings
-  // and, on the last stage's TP rank 0, one sampled id per logit row. After an error the
-  // communicators are unusable (see Communicator): run no further steps.
+  // and, on the last stage's TP rank 0, one sampled id per logit row (and the logprobs, when a row
+  // asks). Every worker checks the plan, sampling parameters included, before its first
+  // collective, so a bad plan fails on all of them alike. After an error the communicators are
+  // unusable (see Communicator): run no further steps.
   absl::Status Execute(const v1::StepPlan& plan, v1::StepResult* result);
 
   // Reports every collective call of later steps to `observer` (borrowed, must outlive this; null:
@@ -68,10 +76,8 @@ class StepExecutor {
  private:
   StepExecutor() = default;
   // Copies the plan into batch_ (no allocation) and checks what must hold before the first
-  // collective; LlamaShard::Forward checks the rest.
+  // collective (the sampling parameters too); LlamaShard::Forward checks the rest.
   absl::Status ToBatch(const v1::StepPlan& plan);
-  // Samples every logit row into result->sampled_ids.
-  absl::Status Sample(const v1::StepPlan& plan, v1::StepResult* result);
 
   // ---- Constant after Create ----
   std::unique_ptr<Backend> backend_;
@@ -79,13 +85,12 @@ class StepExecutor {
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
   std::unique_ptr<LlamaShard> shard_;
-  bool samples_ = false;  // last stage, TP rank 0
+  // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
+  // backend_, so destroyed before it.
+  std::unique_ptr<Sampler> sampler_;
 
   // ---- Step buffers, sized at Create ----
   StepBatch batch_;
-  Buffer sampled_buf_;                     // [max_seqs_per_step] I32 on the device
-  std::vector<int32_t> sampled_host_;      // [max_seqs_per_step]
-  std::vector<SampleParams> row_params_;   // [1]: Sample runs one row at a time
 };
 
 }  // namespace shardserve

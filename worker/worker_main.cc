@@ -38,7 +38,7 @@ constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
-    "                         [--metrics-listen HOST:PORT] [--log-format text|json]\n"
+    "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -54,7 +54,13 @@ constexpr char kUsage[] =
     "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
     "                           and reported to the coordinator (default 127.0.0.1:0;\n"
     "                           docs/metrics.md lists the metrics)\n"
-    "  --log-format             text (default) or json: one JSON object per line\n";
+    "  --log-format             text (default) or json: one JSON object per line\n"
+    "  --threads                --device cpu: threads for the CPU backend's matrix products (OpenBLAS;\n"
+    "                           its other ops run on the step thread); 0 (default): OpenBLAS's\n"
+    "                           default (OPENBLAS_NUM_THREADS, else one per core). Ignored on cuda\n";
+
+// Far above any host's core count; OpenBLAS caps at its own MAX_THREADS anyway.
+constexpr int kMaxThreads = 4096;
 
 int Usage(const std::string& error) {
   std::fprintf(stderr, "shardserve-worker: %s\n%s", error.c_str(), kUsage);
@@ -90,6 +96,7 @@ int Main(int argc, char** argv) {
       {"listen", "127.0.0.1:0"},          {"memory-gb", "0"}, {"collective-host", ""},
       {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
       {"metrics-listen", "127.0.0.1:0"},  {"log-format", "text"},
+      {"threads", "0"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -137,6 +144,10 @@ int Main(int argc, char** argv) {
   }
   if (!absl::SimpleAtoi(v["debug-step-delay-ms"], &delay_ms) || delay_ms < 0) {
     return Usage("--debug-step-delay-ms must be an integer >= 0");
+  }
+  if (!absl::SimpleAtoi(v["threads"], &options.cpu_threads) || options.cpu_threads < 0 ||
+      options.cpu_threads > kMaxThreads) {
+    return Usage(absl::StrCat("--threads must be an integer in [0, ", kMaxThreads, "]"));
   }
   if (memory_gb == 0) {
     absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);

@@ -169,7 +169,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   const auto start = std::chrono::steady_clock::now();
   GrpcRendezvousStore store(stub);
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
-      StepExecutor::Create(a, options_.device, &store, options_.collective_host);
+      StepExecutor::Create(a, options_.device, &store, options_.collective_host, options_.cpu_threads);
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;
@@ -215,7 +215,9 @@ void WorkerService::RunStep(Stream* stream) {
     return;
   }
   if (metrics_ != nullptr) {
-    metrics_->StepDone(/*prefill=*/plan.token_ids_size() > plan.num_seqs(),
+    // positions, not token_ids: every stage gets the positions, only the first stage needs the ids.
+    // A step that mixes prefill chunks and decodes counts as prefill (its cost is the prefill's).
+    metrics_->StepDone(/*prefill=*/plan.positions_size() > plan.num_seqs(),
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   Write(stream, reply_);

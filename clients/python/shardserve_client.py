@@ -12,8 +12,8 @@ As a library:
 import argparse
 import os
 import sys
-from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gen"))
 
@@ -32,6 +32,8 @@ class Delta:
     finish_reason: Optional[str]  # set on the last message: "STOP_TOKEN", "STOP_STRING", "LENGTH"
     prompt_tokens: int
     completion_tokens: int
+    # With logprobs=True: per token (token id, logprob, [(alternative id, logprob), ...]).
+    logprobs: List[Tuple[int, float, List[Tuple[int, float]]]] = field(default_factory=list)
 
 
 class Client:
@@ -50,10 +52,13 @@ class Client:
 
     def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop: Optional[List[str]] = None,
-                 timeout: float = 300.0) -> Iterator[Delta]:
-        """Streams a completion. Raises grpc.RpcError (e.g. UNAVAILABLE when a worker is down)."""
+                 timeout: float = 300.0, **sampling_fields) -> Iterator[Delta]:
+        """Streams a completion. Raises grpc.RpcError (e.g. UNAVAILABLE when a worker is down,
+        RESOURCE_EXHAUSTED when the server is full). `sampling_fields` sets any other SamplingParams
+        field (min_p, repetition_penalty, presence_penalty, frequency_penalty, logprobs,
+        top_logprobs, ignore_eos, stop_token_ids); the README lists them."""
         sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                                top_p=top_p, stop=stop or [])
+                                                top_p=top_p, stop=stop or [], **sampling_fields)
         if seed is not None:
             sampling.seed = seed
         request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling)
@@ -61,7 +66,10 @@ class Client:
             finish = None
             if msg.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
                 finish = inference_pb2.FinishReason.Name(msg.finish_reason).replace("FINISH_REASON_", "")
-            yield Delta(list(msg.token_ids), msg.text, finish, msg.usage.prompt_tokens, msg.usage.completion_tokens)
+            logprobs = [(l.token_id, l.logprob, [(t.token_id, t.logprob) for t in l.top_logprobs])
+                        for l in msg.logprobs]
+            yield Delta(list(msg.token_ids), msg.text, finish, msg.usage.prompt_tokens, msg.usage.completion_tokens,
+                        logprobs)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]:
         resp = self._stub.Tokenize(inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),

@@ -37,6 +37,8 @@ constexpr char kUsage[] =
     "                              [--max-model-len L] [--collective-timeout-seconds S]\n"
     "                              [--step-timeout-seconds S] [--port-file FILE]\n"
     "                              [--metrics-listen HOST:PORT] [--log-format text|json]\n"
+    "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
+    "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -52,7 +54,18 @@ constexpr char kUsage[] =
     "  --port-file                   once listening, write the port to FILE (for scripts and tests)\n"
     "  --metrics-listen              Prometheus /metrics HTTP address; port 0 picks a free port\n"
     "                                (default 127.0.0.1:9400; docs/metrics.md lists the metrics)\n"
-    "  --log-format                  text (default) or json: one JSON object per line\n";
+    "  --log-format                  text (default) or json: one JSON object per line\n"
+    "  --max-num-seqs                sequences in the running batch at most (default 64)\n"
+    "  --max-waiting-requests        requests waiting to join it at most; more are refused with\n"
+    "                                RESOURCE_EXHAUSTED (default 256)\n"
+    "  --max-tokens-per-step         tokens one step carries at most: decodes first, then prefill\n"
+    "                                chunks (default 512; at least --max-num-seqs)\n"
+    "  --num-kv-blocks               KV-cache blocks per worker (default 0: what the smallest\n"
+    "                                worker's memory holds beside its weights, at most 256 MiB of\n"
+    "                                cache on CPU workers); the served length is capped to what it holds\n"
+    "  --block-size                  tokens per KV-cache block (default 16)\n"
+    "  --micro-batches               steps in flight at once (default 0: the number of pipeline\n"
+    "                                stages, so that no stage idles; 1: one step at a time)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -79,6 +92,12 @@ int Main(int argc, char** argv) {
       {"port-file", ""},
       {"metrics-listen", "127.0.0.1:9400"},
       {"log-format", "text"},
+      {"max-num-seqs", "64"},
+      {"max-waiting-requests", "256"},
+      {"max-tokens-per-step", "512"},
+      {"num-kv-blocks", "0"},
+      {"block-size", "16"},
+      {"micro-batches", "0"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -123,6 +142,34 @@ int Main(int argc, char** argv) {
     return Usage("--step-timeout-seconds must be in [0.001, 3600]");
   }
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
+  EngineOptions engine_options;
+  engine_options.step_timeout = absl::Seconds(step_timeout);
+  if (!absl::SimpleAtoi(v["max-num-seqs"], &pool_options.max_num_seqs) || pool_options.max_num_seqs < 1 ||
+      pool_options.max_num_seqs > 4096) {
+    return Usage("--max-num-seqs must be an integer in [1, 4096]");
+  }
+  if (!absl::SimpleAtoi(v["max-waiting-requests"], &engine_options.max_waiting) || engine_options.max_waiting < 0 ||
+      engine_options.max_waiting > 1000000) {
+    return Usage("--max-waiting-requests must be an integer in [0, 1000000]");
+  }
+  if (!absl::SimpleAtoi(v["max-tokens-per-step"], &pool_options.max_tokens_per_step) ||
+      pool_options.max_tokens_per_step < pool_options.max_num_seqs || pool_options.max_tokens_per_step > 65536) {
+    return Usage(absl::StrCat("--max-tokens-per-step must be an integer in [--max-num-seqs (",
+                              pool_options.max_num_seqs, "), 65536], so that every running sequence's decode fits "
+                              "in one step"));
+  }
+  if (!absl::SimpleAtoi(v["num-kv-blocks"], &pool_options.num_kv_blocks) || pool_options.num_kv_blocks < 0 ||
+      pool_options.num_kv_blocks > (int64_t{1} << 24)) {
+    return Usage("--num-kv-blocks must be an integer in [0, 16777216] (0: from the workers' memory)");
+  }
+  if (!absl::SimpleAtoi(v["block-size"], &pool_options.block_size) || pool_options.block_size < 1 ||
+      pool_options.block_size > 1024) {
+    return Usage("--block-size must be an integer in [1, 1024]");
+  }
+  if (!absl::SimpleAtoi(v["micro-batches"], &engine_options.micro_batches) || engine_options.micro_batches < 0 ||
+      engine_options.micro_batches > 64) {
+    return Usage("--micro-batches must be an integer in [0, 64] (0: one per pipeline stage)");
+  }
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.
   sigset_t signals;
@@ -149,7 +196,8 @@ int Main(int argc, char** argv) {
   if (!exposer.ok()) return Fail(std::string(exposer.status().message()));
   CoordinatorLog("server", absl::StrCat("metrics on http://", metrics_address, "/metrics"));
 
-  InferenceService inference(model->get(), pool->get(), absl::Seconds(step_timeout), &metrics);
+  Engine engine(model->get(), pool->get(), engine_options, &metrics);
+  InferenceService inference(model->get(), pool->get(), &engine, &metrics);
   WorkerControlService control(pool->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -180,7 +228,7 @@ int Main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   CoordinatorLog("server", absl::StrCat("got signal ", sig, ", shutting down"));
-  inference.Shutdown();
+  engine.Shutdown();
   control.Shutdown();
   (*pool)->Shutdown("the coordinator is shutting down");
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

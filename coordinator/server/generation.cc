@@ -17,6 +17,8 @@ constexpr int kMaxStops = 16;
 constexpr size_t kMaxStopBytes = 256;
 constexpr int kMaxStopTokenIds = 256;
 constexpr size_t kMaxRequestIdBytes = 128;
+constexpr float kMaxRepetitionPenalty = 10;
+constexpr int32_t kMaxTopLogprobs = 20;
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -79,9 +81,35 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   if (!(std::isfinite(s.top_p()) && s.top_p() >= 0 && s.top_p() <= 1)) {
     return Invalid("sampling.top_p", absl::StrCat("must be in [0, 1], got ", s.top_p()));
   }
+  if (!(std::isfinite(s.min_p()) && s.min_p() >= 0 && s.min_p() <= 1)) {
+    return Invalid("sampling.min_p", absl::StrCat("must be in [0, 1], got ", s.min_p()));
+  }
+  if (!(std::isfinite(s.repetition_penalty()) && s.repetition_penalty() >= 0 &&
+        s.repetition_penalty() <= kMaxRepetitionPenalty)) {
+    return Invalid("sampling.repetition_penalty",
+                   absl::StrCat("must be in (0, ", kMaxRepetitionPenalty, "] (0 means off), got ", s.repetition_penalty()));
+  }
+  for (auto [field, value] : {std::pair{"sampling.presence_penalty", s.presence_penalty()},
+                              {"sampling.frequency_penalty", s.frequency_penalty()}}) {
+    if (!(std::isfinite(value) && value >= -2 && value <= 2)) {
+      return Invalid(field, absl::StrCat("must be in [-2, 2], got ", value));
+    }
+  }
+  if (s.top_logprobs() < 0 || s.top_logprobs() > kMaxTopLogprobs) {
+    return Invalid("sampling.top_logprobs", absl::StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", s.top_logprobs()));
+  }
+  if (s.top_logprobs() > 0 && !s.logprobs()) {
+    return Invalid("sampling.top_logprobs", "needs sampling.logprobs");
+  }
   p.temperature = s.temperature();
   p.top_k = s.top_k();
   p.top_p = s.top_p() == 0 ? 1.0f : s.top_p();
+  p.min_p = s.min_p();
+  p.repetition_penalty = s.repetition_penalty() == 0 ? 1.0f : s.repetition_penalty();
+  p.presence_penalty = s.presence_penalty();
+  p.frequency_penalty = s.frequency_penalty();
+  p.logprobs = s.logprobs();
+  p.top_logprobs = s.top_logprobs();
   p.seed = s.has_seed() ? s.seed() : absl::Uniform<uint64_t>(absl::BitGen());
 
   if (s.stop_size() > kMaxStops) return Invalid("sampling.stop", absl::StrCat("at most ", kMaxStops, " strings"));
@@ -109,6 +137,21 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   }
   p.ignore_eos = s.ignore_eos();
   return p;
+}
+
+v1::RowSampling SamplingTemplate(const GenerationParams& p) {
+  v1::RowSampling r;
+  r.set_temperature(p.temperature);
+  r.set_top_k(p.top_k);
+  r.set_top_p(p.top_p);
+  r.set_seed(p.seed);
+  r.set_min_p(p.min_p);
+  r.set_repetition_penalty(p.repetition_penalty == 1 ? 0 : p.repetition_penalty);
+  r.set_presence_penalty(p.presence_penalty);
+  r.set_frequency_penalty(p.frequency_penalty);
+  r.set_logprobs(p.logprobs);
+  r.set_top_logprobs(p.top_logprobs);
+  return r;
 }
 
 // ---- StopStringFilter ---------------------------------------------------------------------------
@@ -148,57 +191,16 @@ std::string StopStringFilter::Flush() {
 // ---- Generation ---------------------------------------------------------------------------------
 
 Generation::Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids,
-                       const Tokenizer* tokenizer, int64_t max_tokens_per_step, int64_t max_blocks_per_seq)
-    : params_(params),
-      eos_ids_(eos_ids),
-      max_tokens_per_step_(max_tokens_per_step),
-      max_blocks_per_seq_(max_blocks_per_seq),
-      filter_(params.stop) {
+                       const Tokenizer* tokenizer)
+    : params_(params), eos_ids_(eos_ids), filter_(params.stop) {
   if (tokenizer != nullptr) {
     detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, /*skip_special_tokens=*/true);
   }
 }
 
-bool Generation::NextStep(uint64_t step_id, v1::StepPlan* step) {
-  step->Clear();
-  step->set_step_id(step_id);
-  const int64_t prompt = static_cast<int64_t>(params_.prompt.size());
-  int64_t first, count;  // positions [first, first + count)
-  if (prefilled_ < prompt) {
-    first = prefilled_;
-    count = std::min(prompt - prefilled_, max_tokens_per_step_);
-    step->mutable_token_ids()->Add(params_.prompt.begin() + first, params_.prompt.begin() + first + count);
-    prefilled_ += count;
-  } else {
-    first = prompt + generated_ - 1;  // the last sampled token is not in the cache yet
-    count = 1;
-    step->add_token_ids(last_token_);
-  }
-  for (int64_t t = 0; t < count; ++t) {
-    const int32_t position = static_cast<int32_t>(first + t);
-    step->add_positions(position);
-    step->add_token_seq(0);
-    step->add_slots(position);  // identity block table: slot == position
-  }
-  step->set_num_seqs(1);
-  for (int64_t b = 0; b < max_blocks_per_seq_; ++b) step->add_block_tables(static_cast<int32_t>(b));
-  const bool samples = prefilled_ == prompt;
-  if (samples) {
-    step->add_logit_rows(static_cast<int32_t>(count - 1));
-    v1::RowSampling* s = step->add_sampling();
-    s->set_temperature(params_.temperature);
-    s->set_top_k(params_.top_k);
-    s->set_top_p(params_.top_p);
-    s->set_seed(params_.seed);
-    s->set_draw_index(static_cast<uint64_t>(generated_));
-  }
-  return samples;
-}
-
 bool Generation::Accept(int32_t id, v1::GenerateResponse* response) {
   response->Clear();
   ++generated_;
-  last_token_ = id;
   const bool eos = !params_.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
   const bool stop_id = std::find(params_.stop_token_ids.begin(), params_.stop_token_ids.end(), id) !=
                        params_.stop_token_ids.end();

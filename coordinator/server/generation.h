@@ -1,9 +1,6 @@
-// One generation request, apart from gRPC and from the workers: its checked parameters, the steps
-// it needs (prefill chunks, then one decode step per token), and what each sampled token adds to
-// the stream (its text, held back while it may be the start of a stop string; the finish reason).
-//
-// The KV cache holds one sequence (max_seqs_per_step 1): its block table is the identity, so a
-// token's cache slot is its position.
+// One generation request, apart from gRPC, the scheduler and the workers: its checked parameters
+// and what each sampled token adds to the stream (its text, held back while it may be the start
+// of a stop string; the finish reason).
 //
 // Threading: plain values and single-threaded objects; one Generation per request.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_GENERATION_H_
@@ -31,6 +28,12 @@ struct GenerationParams {
   float temperature = 0;  // 0: greedy
   int32_t top_k = 0;
   float top_p = 1;
+  float min_p = 0;               // 0: off
+  float repetition_penalty = 1;  // 1: off
+  float presence_penalty = 0;
+  float frequency_penalty = 0;
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
   uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
@@ -41,6 +44,10 @@ struct GenerationParams {
 // otherwise. `default_request_id` is used when the request has none.
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
                                                    int64_t max_model_len, const std::string& default_request_id);
+
+// The per-row sampling parameters of every step that samples for this request (the scheduler
+// fills draw_index and the penalty ids).
+v1::RowSampling SamplingTemplate(const GenerationParams& params);
 
 // Holds back the end of the streamed text while it may be the start of a stop string, and cuts
 // the text where a stop string begins. Text handed out is never taken back: a stop string that
@@ -65,13 +72,7 @@ class Generation {
  public:
   // `params`, `eos_ids` and `tokenizer` (may be null: token ids are then streamed with empty
   // text) are borrowed and must outlive this.
-  Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids, const Tokenizer* tokenizer,
-             int64_t max_tokens_per_step, int64_t max_blocks_per_seq);
-
-  // Fills `step` (cleared first) with the next step: the next prefill chunk of the prompt, or the
-  // decode step of the last sampled token. Returns whether the step samples a token (the last
-  // prefill chunk and every decode step do).
-  bool NextStep(uint64_t step_id, v1::StepPlan* step);
+  Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids, const Tokenizer* tokenizer);
 
   // Takes the token a sampling step produced and fills `response` (cleared first) with it, the
   // text it adds and, when it ends the generation, the finish reason and the usage. Returns true
@@ -83,13 +84,9 @@ class Generation {
  private:
   const GenerationParams& params_;
   const std::vector<int32_t>& eos_ids_;
-  const int64_t max_tokens_per_step_;
-  const int64_t max_blocks_per_seq_;
   std::unique_ptr<IncrementalDetokenizer> detokenizer_;  // null without a tokenizer
   StopStringFilter filter_;
-  int64_t prefilled_ = 0;   // prompt tokens already in the KV cache
-  int64_t generated_ = 0;   // completion tokens so far
-  int32_t last_token_ = 0;  // the token the next decode step feeds
+  int64_t generated_ = 0;  // completion tokens so far
 };
 
 }  // namespace shardserve

@@ -46,11 +46,25 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                     "Seconds from a Generate request's arrival to its final status.", model)),
       request_queue(AddHistogram(*registry_, "shardserve_request_queue_seconds",
                                  "Seconds a Generate request waited before its first step.", model)),
-      requests_running(AddGauge(*registry_, "shardserve_requests_running", "Generate requests running steps.", model)),
-      requests_waiting(AddGauge(*registry_, "shardserve_requests_waiting", "Generate requests queued for their turn.",
-                                model)),
+      step_sequences(prometheus::BuildHistogram()
+                         .Name("shardserve_step_sequences")
+                         .Help("Sequences in each step the coordinator sends (the running batch of a micro-batch).")
+                         .Register(*registry_)
+                         .Add({{"model", model}}, prometheus::Histogram::BucketBoundaries{1, 2, 4, 8, 16, 32, 64,
+                                                                                           128, 256})),
+      step_tokens(prometheus::BuildHistogram()
+                      .Name("shardserve_step_tokens")
+                      .Help("Tokens (prefill chunks and decodes) in each step the coordinator sends.")
+                      .Register(*registry_)
+                      .Add({{"model", model}}, prometheus::Histogram::BucketBoundaries{1, 4, 16, 64, 256, 1024, 4096})),
+      requests_running(AddGauge(*registry_, "shardserve_requests_running",
+                                "Sequences in the running batch (holding KV blocks).", model)),
+      requests_waiting(AddGauge(*registry_, "shardserve_requests_waiting",
+                                "Requests waiting to join the running batch (new or preempted).", model)),
       kv_blocks_used(AddGauge(*registry_, "shardserve_kv_blocks_used", "KV cache blocks held by running sequences.",
                               model)),
+      preemptions(AddCounter(*registry_, "shardserve_preemptions_total",
+                             "Sequences preempted for want of KV blocks (freed, recomputed later).", model)),
       kv_blocks_total(AddGauge(*registry_, "shardserve_kv_blocks_total", "KV cache blocks per worker (num_kv_blocks).",
                                model)),
       prompt_tokens(AddCounter(*registry_, "shardserve_prompt_tokens_total", "Prompt tokens of requests that ran.",

@@ -52,10 +52,13 @@ class CoordinatorMetrics {
   prometheus::Histogram& inter_token_latency;   // seconds between two tokens of a request
   prometheus::Histogram& request_duration;      // seconds, arrival -> final status
   prometheus::Histogram& request_queue;         // seconds, arrival -> first step
+  prometheus::Histogram& step_sequences;  // sequences per step sent
+  prometheus::Histogram& step_tokens;     // tokens per step sent
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
   prometheus::Gauge& kv_blocks_used;   // blocks held by running sequences
-  prometheus::Gauge& kv_blocks_total;  // num_kv_blocks of the plan
+  prometheus::Counter& preemptions;
+  prometheus::Gauge& kv_blocks_total;  // num_kv_blocks the workers hold
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generated_tokens;
 };

@@ -55,7 +55,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   p.pp = o.nodes;
   p.max_model_len = o.max_model_len;
   p.max_tokens_per_step = o.max_tokens_per_step;
-  p.max_seqs_per_step = 1;  // one sequence at a time
+  p.max_seqs_per_step = o.max_num_seqs;
   p.block_size = o.block_size;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
@@ -256,10 +256,32 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   }
 
   plan_ = std::move(*plan);
-  sizing_ = StepSizing{options_.max_tokens_per_step, CeilDiv(plan_->max_model_len, options_.block_size),
-                       options_.block_size};
+  // The KV cache: the plan's blocks (what the smallest worker holds beside its weights), capped on
+  // CPU workers, or what --num-kv-blocks says. A sequence must fit in the cache, so the served
+  // length is at most what the cache holds.
+  int64_t kv_blocks = plan_->sizing.num_kv_blocks;
+  std::string kv_from = "the workers' memory";
+  if (options_.num_kv_blocks > 0) {
+    kv_blocks = options_.num_kv_blocks;
+    kv_from = "--num-kv-blocks";
+  } else if (cpu_only) {
+    uint64_t per_block = 0;
+    for (const GpuPlan& g : plan_->per_gpu) per_block = std::max(per_block, g.kv_bytes_per_token * options_.block_size);
+    const int64_t cap = per_block == 0 ? kv_blocks : static_cast<int64_t>(kMaxCpuKvCacheBytes / per_block);
+    if (cap < kv_blocks) {
+      kv_blocks = cap;
+      kv_from = "256 MiB per CPU worker";
+    }
+  }
+  if (kv_blocks * options_.block_size < plan_->max_model_len) {
+    CoordinatorLog("group", absl::StrCat("max_model_len lowered from ", plan_->max_model_len, " to ",
+                                         kv_blocks * options_.block_size, ": the KV cache holds ", kv_blocks,
+                                         " blocks of ", options_.block_size, " tokens (", kv_from, ")"));
+    plan_->max_model_len = kv_blocks * options_.block_size;
+  }
+  sizing_ = StepSizing{options_.max_tokens_per_step, options_.max_num_seqs, options_.block_size, kv_blocks,
+                       CeilDiv(plan_->max_model_len, options_.block_size)};
   group_.assign(tp * pp, -1);
-  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(sizing_.max_blocks_per_seq));
   std::vector<std::string> stages;
   for (const GpuPlan& g : plan_->per_gpu) {
     const int i = by_node[nodes[g.node]][g.gpu];
@@ -288,9 +310,9 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     if (g.stage + 1 < pp) a->set_send_group(absl::StrCat("pp/stage", g.stage, "-", g.stage + 1, "/tp", g.tp_rank));
     if (g.stage > 0) a->set_recv_group(absl::StrCat("pp/stage", g.stage - 1, "-", g.stage, "/tp", g.tp_rank));
     a->set_max_tokens_per_step(sizing_.max_tokens_per_step);
-    a->set_max_seqs_per_step(1);
+    a->set_max_seqs_per_step(sizing_.max_seqs_per_step);
     a->set_block_size(sizing_.block_size);
-    a->set_num_kv_blocks(sizing_.max_blocks_per_seq);
+    a->set_num_kv_blocks(sizing_.num_kv_blocks);
     a->set_max_blocks_per_seq(sizing_.max_blocks_per_seq);
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
     out.emplace_back(i, std::move(m));
@@ -302,7 +324,9 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   pending_.clear();
   SetPhaseLocked(Phase::kLoading);
   CoordinatorLog("group", absl::StrCat("complete; planned TP=", tp, " x PP=", pp, ", max_model_len ",
-                                       plan_->max_model_len, ": ", absl::StrJoin(stages, ", "), "; loading"));
+                                       plan_->max_model_len, ", KV cache ", kv_blocks, " blocks of ",
+                                       options_.block_size, " tokens (", kv_from, "): ", absl::StrJoin(stages, ", "),
+                                       "; loading"));
   return out;
 }
 
@@ -334,13 +358,16 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
     }
     case v1::WorkerMessage::kStepResult: {
       const v1::StepResult& r = message.step_result();
-      if (!step_in_flight_ || r.step_id() != current_step_ || w.answered) break;  // stale
-      if (absl::Status s = CheckResultLocked(index, r); !s.ok()) {
+      auto it = steps_.find(r.step_id());
+      if (it == steps_.end() || w.stage < 0) break;  // stale
+      const int pos = w.stage * options_.gpus_per_node + w.tp_rank;
+      if (it->second.answered[pos]) break;
+      if (absl::Status s = CheckResultLocked(index, it->second, r); !s.ok()) {
         MarkLostLocked(index, LossCause::kMalformed, absl::StrCat("sent a malformed result: ", s.message()));
         break;
       }
-      w.result = r;
-      w.answered = true;
+      it->second.results[pos] = r;
+      it->second.answered[pos] = true;
       changed_.SignalAll();
       break;
     }
@@ -469,43 +496,55 @@ absl::Status WorkerPool::CheckServing() {
 
 // ---- Steps --------------------------------------------------------------------------------------
 
-bool WorkerPool::StepSettledLocked() const {
-  return std::all_of(group_.begin(), group_.end(), [&](int i) {
-    return workers_[i]->answered || workers_[i]->state == v1::WORKER_STATE_LOST;
-  });
+bool WorkerPool::StepSettledLocked(const InFlightStep& step) const {
+  for (size_t pos = 0; pos < group_.size(); ++pos) {
+    if (!step.answered[pos] && workers_[group_[pos]]->state != v1::WORKER_STATE_LOST) return false;
+  }
+  return true;
 }
 
-absl::Status WorkerPool::CheckResultLocked(int index, const v1::StepResult& r) const {
+absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, const v1::StepResult& r) const {
   const Worker& w = *workers_[index];
   const bool sampler = w.stage == options_.nodes - 1 && w.tp_rank == 0;
-  const int want = sampler ? current_rows_ : 0;
+  const int want = sampler ? step.rows : 0;
+  const int vocab = static_cast<int>(model_->config.vocab_size);
+  auto bad = [&](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " ", parts...)); };
   if (r.sampled_ids_size() != want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step ", r.step_id(), " came back with ", r.sampled_ids_size(), " sampled ids, expected ", want));
+    return bad("came back with ", r.sampled_ids_size(), " sampled ids, expected ", want);
   }
   for (int32_t id : r.sampled_ids()) {
-    if (id < 0 || id >= model_->config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " sampled id ", id,
-                                                     " outside the vocabulary [0, ", model_->config.vocab_size, ")"));
+    if (id < 0 || id >= vocab) return bad("sampled id ", id, " outside the vocabulary [0, ", vocab, ")");
+  }
+  const int want_logprobs = sampler && step.wants_logprobs ? step.rows : 0;
+  if (r.logprobs_size() != want_logprobs) {
+    return bad("came back with ", r.logprobs_size(), " logprob rows, expected ", want_logprobs);
+  }
+  for (const v1::RowLogprobs& l : r.logprobs()) {
+    if (l.top_ids_size() != l.top_logprobs_size() || l.top_ids_size() > 20 || std::isnan(l.logprob())) {
+      return bad("has a malformed logprob row");
+    }
+    for (int32_t id : l.top_ids()) {
+      if (id < 0 || id >= vocab) return bad("logprob id ", id, " outside the vocabulary [0, ", vocab, ")");
     }
   }
   if (!(std::isfinite(r.forward_seconds()) && r.forward_seconds() >= 0 && std::isfinite(r.collective_seconds()) &&
         r.collective_seconds() >= 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " timings are not finite and >= 0"));
+    return bad("timings are not finite and >= 0");
   }
   return absl::OkStatus();
 }
 
-absl::Status WorkerPool::RunStep(const v1::StepPlan& step, absl::Duration timeout, StepOutcome* outcome) {
-  const absl::Time deadline = absl::Now() + timeout;
+absl::Status WorkerPool::StartStep(const v1::StepPlan& step) {
   std::vector<int> group;
   {
     absl::MutexLock lock(&mu_);
     if (phase_ != Phase::kServing) return NotServingLocked();
-    step_in_flight_ = true;
-    current_step_ = step.step_id();
-    current_rows_ = step.logit_rows_size();
-    for (int i : group_) workers_[i]->answered = false;
+    InFlightStep& f = steps_[step.step_id()];
+    f.rows = step.logit_rows_size();
+    f.wants_logprobs = std::any_of(step.sampling().begin(), step.sampling().end(),
+                                   [](const v1::RowSampling& r) { return r.logprobs(); });
+    f.answered.assign(group_.size(), false);
+    f.results.assign(group_.size(), v1::StepResult());
     group = group_;
   }
   v1::CoordinatorMessage message;
@@ -516,17 +555,29 @@ absl::Status WorkerPool::RunStep(const v1::StepPlan& step, absl::Duration timeou
       MarkLostLocked(i, LossCause::kStreamEnded, kStreamEnded);
     }
   }
+  return absl::OkStatus();
+}
 
+void WorkerPool::DropSteps() {
   absl::MutexLock lock(&mu_);
-  absl::Cleanup done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { step_in_flight_ = false; };
-  while (phase_ == Phase::kServing && !StepSettledLocked()) {
+  steps_.clear();
+}
+
+absl::Status WorkerPool::FinishStep(uint64_t step_id, absl::Duration timeout, StepOutcome* outcome) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  auto it = steps_.find(step_id);
+  if (it == steps_.end()) return absl::InternalError(absl::StrCat("step ", step_id, " is not in flight"));
+  absl::Cleanup done = [this, step_id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { steps_.erase(step_id); };
+  const InFlightStep& step = it->second;
+  while (phase_ == Phase::kServing && !StepSettledLocked(step)) {
     if (changed_.WaitWithDeadline(&mu_, deadline)) break;
   }
-  if (phase_ == Phase::kServing && !StepSettledLocked()) {
-    for (int i : group_) {
-      if (!workers_[i]->answered) {
-        MarkLostLocked(i, LossCause::kStepDeadline,
-                       absl::StrCat("did not answer step ", step.step_id(), " within ", absl::FormatDuration(timeout),
+  if (phase_ == Phase::kServing && !StepSettledLocked(step)) {
+    for (size_t pos = 0; pos < group_.size(); ++pos) {
+      if (!step.answered[pos]) {
+        MarkLostLocked(group_[pos], LossCause::kStepDeadline,
+                       absl::StrCat("did not answer step ", step_id, " within ", absl::FormatDuration(timeout),
                                     " (--step-timeout-seconds)"));
       }
     }
@@ -534,16 +585,17 @@ absl::Status WorkerPool::RunStep(const v1::StepPlan& step, absl::Duration timeou
   if (phase_ != Phase::kServing) {
     // Give the other workers a moment to report, so that the message names every worker involved.
     const absl::Time settle = absl::Now() + kLossSettle;
-    while (!StepSettledLocked() && phase_ != Phase::kShuttingDown) {
+    while (!StepSettledLocked(step) && phase_ != Phase::kShuttingDown) {
       if (changed_.WaitWithDeadline(&mu_, settle)) break;
     }
     return NotServingLocked();
   }
   outcome->sampled_ids.clear();
+  outcome->logprobs.clear();
   outcome->forward_seconds = outcome->collective_seconds = 0;
-  for (int i : group_) {
-    const v1::StepResult& r = workers_[i]->result;
+  for (const v1::StepResult& r : step.results) {
     if (r.sampled_ids_size() > 0) outcome->sampled_ids.assign(r.sampled_ids().begin(), r.sampled_ids().end());
+    if (r.logprobs_size() > 0) outcome->logprobs.assign(r.logprobs().begin(), r.logprobs().end());
     outcome->forward_seconds = std::max(outcome->forward_seconds, r.forward_seconds());
     outcome->collective_seconds = std::max(outcome->collective_seconds, r.collective_seconds());
   }

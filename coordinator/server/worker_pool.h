@@ -10,8 +10,9 @@
 //      that leaves now just leaves (another may take its place).
 //   2. Loading: the planner (coordinator/planner) lays the model out as TP = gpus_per_node x
 //      PP = nodes; every worker gets its Assignment and loads; each answers Loaded.
-//   3. Serving: every worker is READY; RunStep() broadcasts a StepPlan and gathers every
-//      worker's StepResult.
+//   3. Serving: every worker is READY; StartStep() broadcasts a StepPlan and FinishStep() gathers
+//      every worker's StepResult. Several steps may be in flight (pipelined micro-batches): each
+//      worker runs them in the order they were sent.
 //   4. Broken: a worker is LOST: its control stream ended, it sent a Failure, it sent nothing for
 //      heartbeat_timeout, it missed a step deadline, or it sent a malformed message. Steps fail
 //      at once with UNAVAILABLE naming the worker (node, stage, TP rank) and the cause, and so
@@ -23,14 +24,15 @@
 // Register() until Disconnect() returns. Owns a monitor thread (heartbeats), joined in the
 // destructor.
 // Threading: every method is thread-safe. Connect handlers (one thread per worker) call
-// Register / OnMessage / Disconnect; requests call RunStep one at a time (the caller serializes
-// them); status calls come from anywhere. The serving listener is called with mu_ held, so it
+// Register / OnMessage / Disconnect; one thread (the engine's) starts and finishes steps; status
+// calls come from anywhere. The serving listener is called with mu_ held, so it
 // must not call back into the pool.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_WORKER_POOL_H_
 #define SHARDSERVE_COORDINATOR_SERVER_WORKER_POOL_H_
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,26 +57,37 @@ struct PoolOptions {
   int gpus_per_node = 1;  // TP ranks per stage
   // Longest sequence served; 0: the planner's choice (the model's max_position_embeddings).
   int64_t max_model_len = 0;
-  // What one step may carry. A sequence is served at a time; longer prompts are prefilled in
-  // chunks of max_tokens_per_step.
-  int64_t max_tokens_per_step = 256;
+  // What one step may carry: tokens, and sequences (the running batch's limit).
+  int64_t max_tokens_per_step = 512;
+  int64_t max_num_seqs = 64;
   int64_t block_size = 16;
+  // KV-cache blocks per worker; 0: as many as the smallest worker's memory holds beside its
+  // weights (the plan's), at most kMaxCpuKvCacheBytes per worker on CPU workers.
+  int64_t num_kv_blocks = 0;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };
 
+// KV cache a CPU worker allocates at most when --num-kv-blocks does not say: the host's memory
+// is shared with everything else on it, and a local cluster runs several workers on one host
+// (vLLM's CPU backend takes 4 GiB by default; 256 MiB holds thousands of tokens of small models).
+constexpr uint64_t kMaxCpuKvCacheBytes = uint64_t{256} << 20;
+
 // The runtime sizes every worker got (worker/llama.h RuntimeOptions), for building steps.
 struct StepSizing {
   int64_t max_tokens_per_step = 0;
-  int64_t max_blocks_per_seq = 0;  // == num_kv_blocks: the cache holds one max_model_len sequence
+  int64_t max_seqs_per_step = 0;
   int64_t block_size = 0;
+  int64_t num_kv_blocks = 0;
+  int64_t max_blocks_per_seq = 0;  // max_model_len / block_size, rounded up
 };
 
 // What a step came back with.
 struct StepOutcome {
-  std::vector<int32_t> sampled_ids;  // one per logit row
-  double forward_seconds = 0;        // the slowest worker's
-  double collective_seconds = 0;     // the slowest worker's
+  std::vector<int32_t> sampled_ids;          // one per logit row
+  std::vector<v1::RowLogprobs> logprobs;     // one per logit row when the step asked for any
+  double forward_seconds = 0;                // the slowest worker's
+  double collective_seconds = 0;             // the slowest worker's
 };
 
 // Where the pool's messages to one worker go: the gRPC service implements it over the worker's
@@ -102,8 +115,8 @@ class WorkerPool {
   // current state). Replaces the previous listener. Called with mu_ held: it must not call the pool.
   void SetServingListener(std::function<void(bool serving)> listener);
 
-  // Where the pool reports shardserve_worker_up and shardserve_kv_blocks_total (borrowed; must
-  // outlive the pool; null: nowhere). Call before the first worker registers.
+  // Where the pool reports shardserve_worker_up (borrowed; must outlive the pool; null: nowhere).
+  // Call before the first worker registers.
   void SetMetrics(CoordinatorMetrics* metrics);
 
   // ---- A worker's Connect stream, in this order ----
@@ -120,12 +133,17 @@ class WorkerPool {
   // OK while serving; otherwise Unavailable saying why (waiting for workers, loading, which
   // worker is lost and why, ...).
   absl::Status CheckServing();
-  // Sends `step` to every worker and waits for every StepResult, at most `timeout`. Unavailable,
-  // naming the lost workers, when the group is not serving or breaks during the step (a worker
-  // that misses the deadline is marked LOST). When a worker is lost during the step, waits up to
-  // 1 s more for the others' news, so that the message names every worker involved, the ones that
-  // vanished or hung first and those that failed because of them after. Calls must not overlap.
-  absl::Status RunStep(const v1::StepPlan& step, absl::Duration timeout, StepOutcome* outcome);
+  // Sends `step` (a new, increasing step_id) to every worker. Unavailable when the group is not
+  // serving. Steps are finished in the order they were started.
+  absl::Status StartStep(const v1::StepPlan& step);
+  // Waits for every worker's StepResult of the oldest step in flight, `step_id`, at most `timeout`.
+  // Unavailable, naming the lost workers, when the group is not serving or breaks during the step
+  // (a worker that misses the deadline is marked LOST). When a worker is lost during the step,
+  // waits up to 1 s more for the others' news, so that the message names every worker involved,
+  // the ones that vanished or hung first and those that failed because of them after.
+  absl::Status FinishStep(uint64_t step_id, absl::Duration timeout, StepOutcome* outcome);
+  // Forgets every step in flight (after a failure).
+  void DropSteps();
 
   // The longest sequence served (the plan's once planned, the target before).
   int64_t max_model_len();
@@ -160,9 +178,14 @@ class WorkerPool {
     absl::Time last_heard;
     WorkerLink* link = nullptr;  // null once disconnected
     int sends_in_flight = 0;     // Send calls running on `link` outside mu_
-    // ---- The current step ----
-    bool answered = false;
-    v1::StepResult result;
+  };
+
+  // A step sent and not finished.
+  struct InFlightStep {
+    int rows = 0;                         // logit rows: ids the sampler must return
+    bool wants_logprobs = false;          // some row asked for logprobs
+    std::vector<bool> answered;           // by position in group_
+    std::vector<v1::StepResult> results;  // by position in group_
   };
 
   WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional);
@@ -179,10 +202,11 @@ class WorkerPool {
   absl::Status NotServingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "worker w3 (node n1, stage 1, tp rank 0)".
   std::string NameLocked(int index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every worker of the group answered the current step or is lost.
-  bool StepSettledLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Checks the result of the current step worker `index` sent; an error says what is wrong.
-  absl::Status CheckResultLocked(int index, const v1::StepResult& result) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every worker of the group answered `step` or is lost.
+  bool StepSettledLocked(const InFlightStep& step) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Checks a result worker `index` sent for `step`; an error says what is wrong.
+  absl::Status CheckResultLocked(int index, const InFlightStep& step, const v1::StepResult& result) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks workers silent for heartbeat_timeout lost, until the pool is destroyed.
   void MonitorLoop();
 
@@ -201,11 +225,9 @@ class WorkerPool {
   std::vector<int> group_ ABSL_GUARDED_BY(mu_);
   std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
   StepSizing sizing_ ABSL_GUARDED_BY(mu_);
-  // The step in flight (RunStep), and how many ids its sampler must return. Results are taken
-  // while the step is in flight, also after the group broke during it (they tell who answered).
-  bool step_in_flight_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t current_step_ ABSL_GUARDED_BY(mu_) = 0;
-  int current_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // Steps started and not finished, by id. Results are taken while a step is in flight, also
+  // after the group broke during it (they tell who answered).
+  std::map<uint64_t, InFlightStep> steps_ ABSL_GUARDED_BY(mu_);
   std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
   CoordinatorMetrics* metrics_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool stop_monitor_ ABSL_GUARDED_BY(mu_) = false;

@@ -14,8 +14,9 @@
 // element-wise loops over contiguous rows, and dot products split into independent partial sums
 // (see Dot).
 //
-// Threading: OpenBLAS threads its GEMMs; the other loops run on the calling thread. A CpuBackend
-// is used by one thread at a time (backend.h); its scratch vectors rely on that.
+// Threading: OpenBLAS threads its GEMMs (MakeCpuBackend(threads) sets how many); the other loops
+// run on the calling thread. A CpuBackend is used by one thread at a time (backend.h); its scratch
+// vectors rely on that.
 #include <cblas.h>
 
 #include <algorithm>
@@ -144,8 +145,9 @@ float Dot(const float* a, const float* b, int64_t n) {
 
 // out = softmax(x / temperature) over one row of v, like torch.softmax(x / t, dim=-1) in float32:
 // scale, subtract the max, exp, multiply by 1 / sum (PyTorch's vectorized softmax multiplies by
-// the reciprocal too). out may alias x. Returns the normalizer; it is NaN when the row holds a
-// NaN or an infinity (and then so does out), otherwise it is >= 1 (the max contributes exp(0)).
+// the reciprocal too). out may alias x. -inf entries (masked tokens) get exactly 0 as long as
+// one entry is finite. Returns the normalizer; it is NaN when the row holds a NaN or +inf or is
+// all -inf (and then so does out), otherwise it is >= 1 (the max contributes exp(0)).
 double SoftmaxRow(float* out, const float* x, int64_t v, float temperature) {
   float max = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < v; ++i) {
@@ -568,7 +570,7 @@ absl::Status CpuBackend::Sample(Tensor* out, const Tensor& logits, const std::ve
   for (int64_t r = 0; r < n; ++r) {
     const SampleParams& p = params[r];
     if (!std::isfinite(SoftmaxRow(probs, logits.as<float>() + r * v, v, p.temperature))) {
-      return check.Error(absl::StrCat("row ", r, " of logits holds a NaN or an infinity"));
+      return check.Error(absl::StrCat("row ", r, " of logits holds a NaN or +inf, or is all -inf"));
     }
 
     // Tokens with prob >= keep_from are kept. Start with all of them.
@@ -633,6 +635,9 @@ absl::Status CpuBackend::Sample(Tensor* out, const Tensor& logits, const std::ve
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCpuBackend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> MakeCpuBackend(int threads) {
+  if (threads > 0) openblas_set_num_threads(threads);
+  return std::make_unique<CpuBackend>();
+}
 
 }  // namespace shardserve

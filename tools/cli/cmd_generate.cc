@@ -18,14 +18,17 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve generate [--address HOST:PORT] (--prompt TEXT | --prompt-ids 1,2,3) [--max-tokens N]\n"
     "                           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR] [--ignore-eos]\n"
-    "                           [--show-ids] [--deadline-seconds S]\n"
+    "                           [--min-p P] [--repetition-penalty R] [--presence-penalty X]\n"
+    "                           [--frequency-penalty X] [--logprobs N] [--show-ids] [--deadline-seconds S]\n"
     "  Streams a completion from the coordinator (default localhost:50051). Text goes to stdout as it\n"
-    "  arrives; the finish reason, token usage and speed go to stderr.\n";
+    "  arrives; the finish reason, token usage and speed go to stderr. --logprobs N prints each token's\n"
+    "  log-probability and its N most likely alternatives to stderr (N = 0: the token's only).\n";
 
 int Run(const std::vector<std::string>& args) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(args, {"address", "prompt", "prompt-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "stop",
-                          "deadline-seconds"},
+                          "deadline-seconds", "min-p", "repetition-penalty", "presence-penalty", "frequency-penalty",
+                          "logprobs"},
                    {"ignore-eos", "show-ids", "help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
@@ -55,8 +58,14 @@ int Run(const std::vector<std::string>& args) {
   v1::SamplingParams* s = req.mutable_sampling();
   absl::StatusOr<int64_t> max_tokens = flags->GetInt("max-tokens", 64), top_k = flags->GetInt("top-k", 0);
   absl::StatusOr<double> temperature = flags->GetDouble("temperature", 0), top_p = flags->GetDouble("top-p", 1),
-                         deadline = flags->GetDouble("deadline-seconds", 600);
-  for (const absl::Status& st : {max_tokens.status(), top_k.status(), temperature.status(), top_p.status(), deadline.status()}) {
+                         deadline = flags->GetDouble("deadline-seconds", 600), min_p = flags->GetDouble("min-p", 0),
+                         repetition = flags->GetDouble("repetition-penalty", 1),
+                         presence = flags->GetDouble("presence-penalty", 0),
+                         frequency = flags->GetDouble("frequency-penalty", 0);
+  absl::StatusOr<int64_t> logprobs = flags->GetInt("logprobs", 0);
+  for (const absl::Status& st : {max_tokens.status(), top_k.status(), temperature.status(), top_p.status(),
+                                 deadline.status(), min_p.status(), repetition.status(), presence.status(),
+                                 frequency.status(), logprobs.status()}) {
     if (!st.ok()) {
       std::fprintf(stderr, "shardserve generate: %s\n", std::string(st.message()).c_str());
       return 2;
@@ -66,6 +75,14 @@ int Run(const std::vector<std::string>& args) {
   s->set_temperature(static_cast<float>(*temperature));
   s->set_top_k(static_cast<int32_t>(*top_k));
   s->set_top_p(static_cast<float>(*top_p));
+  s->set_min_p(static_cast<float>(*min_p));
+  s->set_repetition_penalty(static_cast<float>(*repetition));
+  s->set_presence_penalty(static_cast<float>(*presence));
+  s->set_frequency_penalty(static_cast<float>(*frequency));
+  if (flags->Has("logprobs")) {
+    s->set_logprobs(true);
+    s->set_top_logprobs(static_cast<int32_t>(*logprobs));
+  }
   if (flags->Has("seed")) {
     absl::StatusOr<int64_t> seed = flags->GetInt("seed", 0);
     if (!seed.ok()) {
@@ -95,6 +112,11 @@ int Run(const std::vector<std::string>& args) {
     }
     std::fwrite(resp.text().data(), 1, resp.text().size(), stdout);
     std::fflush(stdout);
+    for (const v1::TokenLogprobs& l : resp.logprobs()) {
+      std::fprintf(stderr, "[%d: %.4f", l.token_id(), l.logprob());
+      for (const v1::TopLogprob& t : l.top_logprobs()) std::fprintf(stderr, " | %d: %.4f", t.token_id(), t.logprob());
+      std::fprintf(stderr, "]\n");
+    }
     if (resp.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       std::fprintf(stderr, "\n[finish: %s, prompt tokens %d, completion tokens %d, first token %.3f s, %.1f tokens/s]\n",

@@ -1,0 +1,214 @@
+#include "coordinator/scheduler/scheduler.h"
+
+#include <algorithm>
+
+namespace shardserve {
+
+Scheduler::Scheduler(const SchedulerOptions& options)
+    : options_(options), blocks_(options.num_kv_blocks, options.block_size), lanes_(std::max(1, options.lanes)) {}
+
+void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling) {
+  auto s = std::make_unique<Seq>();
+  s->id = id;
+  s->prompt_len = static_cast<int64_t>(prompt.size());
+  s->tokens = std::move(prompt);
+  s->sampling = sampling;
+  seqs_[id] = std::move(s);
+  waiting_.insert(id);
+}
+
+int64_t Scheduler::generated(uint64_t id) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return 0;
+  return static_cast<int64_t>(it->second->tokens.size()) - it->second->prompt_len;
+}
+
+void Scheduler::Preempt(Seq& s) {
+  blocks_.Free(&s.blocks);
+  s.num_computed = 0;
+  s.stalled = false;
+  --lanes_[s.lane].running;
+  s.lane = -1;
+  running_.erase(s.id);
+  waiting_.insert(s.id);
+  ++preemptions_;
+}
+
+bool Scheduler::Reserve(Seq& s, int64_t tokens) {
+  while (!blocks_.Grow(&s.blocks, tokens)) {
+    // The newest running sequence that no step holds.
+    Seq* victim = nullptr;
+    bool newer_in_a_step = false;
+    for (auto it = running_.rbegin(); it != running_.rend() && *it > s.id; ++it) {
+      Seq& v = *seqs_.at(*it);
+      if (v.in_batch || lanes_[v.lane].busy) {
+        newer_in_a_step = true;
+      } else {
+        victim = &v;
+        break;
+      }
+    }
+    if (victim != nullptr) {
+      Preempt(*victim);
+    } else if (newer_in_a_step) {
+      s.stalled = true;
+      return false;  // wait: a newer sequence in a step gives way when it next needs a block
+    } else {
+      Preempt(s);  // the newest of all gives way itself
+      return false;
+    }
+  }
+  s.stalled = false;
+  return true;
+}
+
+void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
+  MicroBatch::Entry e;
+  e.seq = s.id;
+  e.tokens = static_cast<int32_t>(chunk);
+  if (s.num_computed + chunk == static_cast<int64_t>(s.tokens.size())) e.logit_row = (*rows)++;
+  if (!s.started) {
+    s.started = true;
+    batch->started.push_back(s.id);
+  }
+  (chunk > 1 ? batch->prefill_tokens : batch->decode_tokens) += chunk;
+  s.in_batch = true;
+  batch->entries.push_back(e);
+}
+
+const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* step) {
+  Lane& l = lanes_[lane];
+  if (l.busy) return nullptr;
+  MicroBatch& batch = l.batch;
+  batch = MicroBatch{};
+  batch.lane = lane;
+  batch.step_id = step_id;
+  int64_t budget = options_.max_tokens_per_step;
+  int rows = 0;
+
+  // 1 and 2: the lane's running sequences, decodes first, then prefill (and recompute) chunks.
+  const std::vector<uint64_t> running(running_.begin(), running_.end());
+  for (const bool decodes : {true, false}) {
+    for (uint64_t id : running) {
+      if (budget == 0) break;
+      Seq& s = *seqs_.at(id);
+      const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
+      if (s.lane != lane || s.in_batch || !running_.count(id) || (need == 1) != decodes) continue;
+      const int64_t chunk = std::min(need, budget);
+      if (!Reserve(s, s.num_computed + chunk)) continue;
+      Place(s, chunk, &batch, &rows);
+      budget -= chunk;
+    }
+  }
+
+  // 3: admissions, while this lane holds less than its share of all sequences, and no running
+  // sequence waits for a block: the blocks freed next are its (else a sequence that preempts
+  // itself is admitted again at once, and with lanes > 1 it can take them back every step).
+  const int64_t share = (num_running() + num_waiting() + lanes() - 1) / lanes();
+  const bool stalled =
+      std::any_of(running_.begin(), running_.end(), [&](uint64_t id) { return seqs_.at(id)->stalled; });
+  while (!stalled && budget > 0 && !waiting_.empty() && num_running() < options_.max_running && l.running < share) {
+    Seq& s = *seqs_.at(*waiting_.begin());
+    const int64_t chunk = std::min(static_cast<int64_t>(s.tokens.size()), budget);
+    if (!blocks_.Grow(&s.blocks, chunk)) break;
+    waiting_.erase(waiting_.begin());
+    running_.insert(s.id);
+    s.lane = lane;
+    ++l.running;
+    Place(s, chunk, &batch, &rows);
+    budget -= chunk;
+  }
+
+  if (batch.entries.empty()) return nullptr;
+  WriteStep(batch, step);
+  for (const MicroBatch::Entry& e : batch.entries) seqs_.at(e.seq)->in_batch = false;
+  l.busy = true;
+  return &batch;
+}
+
+void Scheduler::WriteStep(const MicroBatch& batch, v1::StepPlan* step) {
+  step->Clear();
+  step->set_step_id(batch.step_id);
+  step->set_num_seqs(static_cast<int32_t>(batch.entries.size()));
+  const int64_t bs = options_.block_size;
+  for (size_t row = 0; row < batch.entries.size(); ++row) {
+    const MicroBatch::Entry& e = batch.entries[row];
+    const Seq& s = *seqs_.at(e.seq);
+    for (int64_t pos = s.num_computed; pos < s.num_computed + e.tokens; ++pos) {
+      step->add_token_ids(s.tokens[pos]);
+      step->add_positions(static_cast<int32_t>(pos));
+      step->add_token_seq(static_cast<int32_t>(row));
+      step->add_slots(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
+    }
+    for (int64_t b = 0; b < options_.max_blocks_per_seq; ++b) {
+      step->add_block_tables(b < static_cast<int64_t>(s.blocks.size()) ? s.blocks[b] : 0);
+    }
+    if (e.logit_row >= 0) {
+      step->add_logit_rows(step->positions_size() - 1);
+      v1::RowSampling* r = step->add_sampling();
+      *r = s.sampling;
+      const int64_t generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+      r->set_draw_index(static_cast<uint64_t>(generated));
+      const bool repetition = s.sampling.repetition_penalty() != 0 && s.sampling.repetition_penalty() != 1;
+      if (repetition) r->mutable_penalty_prompt_ids()->Add(s.tokens.begin(), s.tokens.begin() + s.prompt_len);
+      if (repetition || s.sampling.presence_penalty() != 0 || s.sampling.frequency_penalty() != 0) {
+        r->mutable_penalty_output_ids()->Add(s.tokens.begin() + s.prompt_len, s.tokens.end());
+      }
+    }
+  }
+}
+
+std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_t>& sampled) {
+  Lane& l = lanes_[lane];
+  std::vector<SampledToken> out;
+  if (!l.busy) return out;
+  l.busy = false;
+  for (const MicroBatch::Entry& e : l.batch.entries) {
+    auto it = seqs_.find(e.seq);
+    if (it == seqs_.end()) continue;
+    Seq& s = *it->second;
+    if (s.removed) {
+      Erase(s);
+      continue;
+    }
+    s.num_computed += e.tokens;
+    if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {
+      s.tokens.push_back(sampled[e.logit_row]);
+      out.push_back(SampledToken{s.id, sampled[e.logit_row], e.logit_row});
+    }
+  }
+  return out;
+}
+
+void Scheduler::Erase(Seq& s) {
+  blocks_.Free(&s.blocks);
+  if (running_.erase(s.id)) --lanes_[s.lane].running;
+  waiting_.erase(s.id);
+  seqs_.erase(s.id);  // destroys s
+}
+
+void Scheduler::Remove(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  Seq& s = *it->second;
+  if (running_.count(id) && lanes_[s.lane].busy) {
+    // In the step in flight (every running sequence of a busy lane may be): freed by Complete.
+    for (const MicroBatch::Entry& e : lanes_[s.lane].batch.entries) {
+      if (e.seq == id) {
+        s.removed = true;
+        return;
+      }
+    }
+  }
+  Erase(s);
+}
+
+void Scheduler::Clear() {
+  for (auto& [id, s] : seqs_) blocks_.Free(&s->blocks);
+  seqs_.clear();
+  running_.clear();
+  waiting_.clear();
+  for (Lane& l : lanes_) l = Lane{};
+}
+
+}  // namespace shardserve

@@ -1,0 +1,155 @@
+// The continuous-batching scheduler: which sequences run in the next step, with how many tokens,
+// where their KV goes, and which sequences give their cache blocks back when the cache is full.
+// It works in tokens and blocks only; the engine (coordinator/server/engine.h) owns the requests
+// (their text, stop conditions and streams) and the workers.
+//
+// A sequence is its tokens (prompt, then every sampled token) and how many of them are in the KV
+// cache. A step feeds each scheduled sequence its next tokens not yet cached: a prefill chunk, or
+// the one token sampled last. Whenever a step feeds a sequence up to its last token, the step
+// samples the sequence's next token. Preempted sequences lose their blocks and start over from
+// token 0 (recompute: prompt and generated tokens are prefilled again), so nothing is lost.
+//
+// Micro-batches: the sequences are split into `lanes` (PP for pipeline parallelism, else 1).
+// A sequence stays in the lane that admitted it; each lane has at most one step in flight, and
+// steps of different lanes are disjoint, so with PP = P stage k can work on one lane's step
+// while stage k+1 works on another's.
+//
+// Each step of a lane, in this order, within max_tokens_per_step tokens:
+//   1. decodes: every running sequence of the lane with one token to feed, oldest first;
+//   2. prefills: running sequences of the lane with more tokens to feed (a prompt chunk, or a
+//      recompute), oldest first, each chunked to the tokens left in the step;
+//   3. admissions: waiting sequences, oldest first (preempted ones before new ones), while
+//      fewer than max_running sequences run, the lane holds no more than its share of all
+//      sequences, no running sequence waits for a block, and free blocks hold the sequence's
+//      first chunk. A waiting sequence never takes blocks from a running one.
+// When a running sequence needs a block and none is free, the newest running sequence that is
+// neither in this step nor in a step in flight is preempted (the sequence itself, when it is the
+// newest of all); if every newer sequence is in a step, the sequence waits for the next step.
+// Decodes come first, so a long prompt never stalls running decodes: it only takes the tokens
+// they leave.
+//
+// Threading: not thread-safe; the engine's thread owns it.
+#ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
+#define SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "coordinator/scheduler/block_manager.h"
+#include "shardserve/v1/worker.pb.h"
+
+namespace shardserve {
+
+struct SchedulerOptions {
+  int64_t max_running = 64;           // sequences in the running batch (the workers' max_seqs_per_step)
+  int64_t max_tokens_per_step = 512;  // >= max_running, so that every decode fits in a step
+  int64_t num_kv_blocks = 0;
+  int64_t block_size = 16;
+  int64_t max_blocks_per_seq = 0;  // width of a block table: max_model_len / block_size, rounded up
+  int lanes = 1;                   // micro-batches in flight at most
+};
+
+// One step of one lane, as scheduled.
+struct MicroBatch {
+  struct Entry {
+    uint64_t seq = 0;
+    int32_t tokens = 0;      // fed this step
+    int32_t logit_row = -1;  // >= 0: the step samples this sequence's next token in that row
+  };
+  int lane = 0;
+  uint64_t step_id = 0;
+  std::vector<Entry> entries;   // block-table row i is entries[i]
+  std::vector<uint64_t> started;  // sequences scheduled for the first time (out of the queue)
+  int64_t prefill_tokens = 0;   // tokens of entries that feed more than one token
+  int64_t decode_tokens = 0;
+};
+
+// A token a step sampled for a sequence.
+struct SampledToken {
+  uint64_t seq = 0;
+  int32_t token = 0;
+  int32_t logit_row = 0;  // the row of the step's result it came from
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerOptions& options);
+
+  // Queues a sequence. `id`s increase with arrival (older = smaller = served first). `sampling`
+  // is the request's (draw_index and the penalty ids are filled per step). The prompt must be
+  // non-empty and the sequence must never need more than max_blocks_per_seq blocks (the caller
+  // checks prompt + max_tokens against the served length).
+  void Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling);
+
+  // Builds `lane`'s next step into `step` (cleared; `step_id` set). Returns the micro-batch, valid
+  // until the lane's Complete, or null when the lane has a step in flight or nothing to run.
+  const MicroBatch* Schedule(int lane, uint64_t step_id, v1::StepPlan* step);
+
+  // `lane`'s step came back with one sampled id per logit row: its tokens are cached now, and the
+  // sampled ids are appended to their sequences. Returns them in row order, leaving out sequences
+  // removed while the step was in flight (their blocks are freed now).
+  std::vector<SampledToken> Complete(int lane, const std::vector<int32_t>& sampled);
+
+  // Ends a sequence (finished, cancelled): its blocks are freed now, or when the step it is in
+  // comes back. Unknown ids are ignored.
+  void Remove(uint64_t id);
+  // Drops every sequence and forgets the steps in flight (the group broke): every block is free.
+  void Clear();
+
+  bool LaneBusy(int lane) const { return lanes_[lane].busy; }
+  int lanes() const { return static_cast<int>(lanes_.size()); }
+  bool Contains(uint64_t id) const { return seqs_.count(id) > 0; }
+  // Tokens sampled for `id` so far (0 for unknown ids).
+  int64_t generated(uint64_t id) const;
+
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_free_blocks() const { return blocks_.num_free(); }
+  int64_t num_blocks() const { return blocks_.num_blocks(); }
+  int64_t preemptions() const { return preemptions_; }
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Seq {
+    uint64_t id = 0;
+    std::vector<int32_t> tokens;  // prompt + generated
+    int64_t prompt_len = 0;
+    int64_t num_computed = 0;     // tokens in the KV cache
+    std::vector<int32_t> blocks;  // block table
+    int lane = -1;                // while running
+    bool started = false;         // scheduled at least once
+    bool in_batch = false;        // in the step being built
+    bool removed = false;         // Remove()d while in a step in flight
+    bool stalled = false;         // running, waits for a block a newer sequence in a step holds
+    v1::RowSampling sampling;
+  };
+  struct Lane {
+    bool busy = false;  // a step is in flight
+    int64_t running = 0;
+    MicroBatch batch;
+  };
+
+  // Makes room for `s` to hold `tokens` tokens, preempting newer sequences; false when it cannot
+  // now (`s` may have been preempted itself).
+  bool Reserve(Seq& s, int64_t tokens);
+  // Adds `chunk` of `s`'s uncached tokens to the step being built.
+  void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows);
+  void Preempt(Seq& s);
+  void Erase(Seq& s);
+  void WriteStep(const MicroBatch& batch, v1::StepPlan* step);
+
+  const SchedulerOptions options_;
+  BlockManager blocks_;
+  std::map<uint64_t, std::unique_ptr<Seq>> seqs_;  // every sequence not yet removed, by id
+  std::set<uint64_t> running_;                     // hold blocks, belong to a lane
+  std::set<uint64_t> waiting_;                     // no blocks: new, or preempted
+  std::vector<Lane> lanes_;
+  int64_t preemptions_ = 0;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_

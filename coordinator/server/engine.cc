@@ -1,0 +1,335 @@
+#include "coordinator/server/engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "coordinator/server/log.h"
+
+namespace shardserve {
+namespace {
+
+// How long the idle loop sleeps before looking again (it is woken for anything that matters).
+constexpr absl::Duration kIdleWait = absl::Milliseconds(100);
+
+double SecondsBetween(SteadyTime a, SteadyTime b) { return std::chrono::duration<double>(b - a).count(); }
+
+const char* FinishLabel(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP_TOKEN: return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING: return "stop_string";
+    case v1::FINISH_REASON_LENGTH: return "length";
+    default: return "unspecified";
+  }
+}
+
+const char* FinishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP_TOKEN: return "stop token";
+    case v1::FINISH_REASON_STOP_STRING: return "stop string";
+    case v1::FINISH_REASON_LENGTH: return "length";
+    default: return "unfinished";
+  }
+}
+
+}  // namespace
+
+// ---- RequestStream ------------------------------------------------------------------------------
+
+bool RequestStream::Next(absl::Duration wait, v1::GenerateResponse* response, std::optional<absl::Status>* ended) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !responses_.empty() || ended_.has_value(); };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
+  if (!responses_.empty()) {
+    *response = std::move(responses_.front());
+    responses_.pop_front();
+    return true;
+  }
+  *ended = ended_;
+  return false;
+}
+
+void RequestStream::Push(v1::GenerateResponse response) {
+  absl::MutexLock lock(&mu_);
+  responses_.push_back(std::move(response));
+}
+
+void RequestStream::End(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (!ended_) ended_ = std::move(status);
+}
+
+// ---- Engine: the handlers' side -----------------------------------------------------------------
+
+Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
+    : model_(model), pool_(pool), options_(options), metrics_(metrics) {
+  loop_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() { Shutdown(); }
+
+void Engine::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    wake_.SignalAll();
+  }
+  if (loop_.joinable()) loop_.join();
+}
+
+absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, SteadyTime arrival) {
+  if (absl::Status s = pool_->CheckServing(); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
+  if (queued_ >= options_.max_waiting) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server is full: ", stats_.running(), " sequences are running (--max-num-seqs ", stats_.max_running(),
+        ") and ", queued_, " requests are waiting (--max-waiting-requests ", options_.max_waiting,
+        "); retry later"));
+  }
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->stream = std::make_shared<RequestStream>();
+  r->params = std::move(params);
+  r->arrival = arrival;
+  Submitted out{r->id, r->stream};
+  inbox_.push_back(std::move(r));
+  ++queued_;
+  wake_.SignalAll();
+  return out;
+}
+
+void Engine::Cancel(uint64_t id, absl::Status why) {
+  absl::MutexLock lock(&mu_);
+  cancels_.emplace_back(id, std::move(why));
+  wake_.SignalAll();
+}
+
+void Engine::FillStatus(v1::SchedulerStatus* status) {
+  absl::MutexLock lock(&mu_);
+  *status = stats_;
+  status->set_waiting(static_cast<int32_t>(inbox_.size() + stats_.waiting()));
+}
+
+// ---- Engine: the loop ---------------------------------------------------------------------------
+
+void Engine::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<Request>> arrivals;
+    std::vector<std::pair<uint64_t, absl::Status>> cancels;
+    {
+      absl::MutexLock lock(&mu_);
+      if (in_flight_.empty() && inbox_.empty() && cancels_.empty() && !shutting_down_ &&
+          (scheduler_ == nullptr || scheduler_->num_running() + scheduler_->num_waiting() == 0)) {
+        wake_.WaitWithTimeout(&mu_, kIdleWait);
+      }
+      if (shutting_down_) break;
+      arrivals.swap(inbox_);
+      cancels.swap(cancels_);
+    }
+    if (!arrivals.empty() && !EnsureScheduler()) {
+      const absl::Status s = pool_->CheckServing();
+      for (auto& r : arrivals) {
+        CoordinatorRequestLog(r->params.request_id, absl::StrCat("refused: ", s.message()), "warn");
+        r->stream->End(s.ok() ? absl::UnavailableError("the worker group is not serving") : s);
+        absl::MutexLock lock(&mu_);
+        --queued_;
+      }
+      arrivals.clear();
+    }
+    for (auto& r : arrivals) Admit(std::move(r));
+    for (const auto& [id, why] : cancels) CancelNow(id, why);
+    if (scheduler_ == nullptr) continue;
+
+    absl::Status status = SendSteps();
+    if (status.ok() && !in_flight_.empty()) status = FinishOldest();
+    if (!status.ok()) FailAll(status);
+    PublishStats();
+  }
+  FailAll(absl::UnavailableError("the coordinator is shutting down"));
+}
+
+bool Engine::EnsureScheduler() {
+  if (scheduler_ != nullptr) return true;
+  if (!pool_->CheckServing().ok()) return false;
+  const StepSizing z = pool_->sizing();
+  v1::ClusterStatus cluster;
+  pool_->FillStatus(&cluster);
+  SchedulerOptions o;
+  o.max_running = z.max_seqs_per_step;
+  o.max_tokens_per_step = z.max_tokens_per_step;
+  o.num_kv_blocks = z.num_kv_blocks;
+  o.block_size = z.block_size;
+  o.max_blocks_per_seq = z.max_blocks_per_seq;
+  o.lanes = options_.micro_batches > 0 ? options_.micro_batches : std::max(1, cluster.pp());
+  scheduler_ = std::make_unique<Scheduler>(o);
+  CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.max_running, " sequences and ",
+                                           o.max_tokens_per_step, " tokens per step, ", o.lanes,
+                                           " micro-batch(es) in flight, KV cache ", o.num_kv_blocks, " blocks of ",
+                                           o.block_size, " tokens"));
+  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.num_kv_blocks));
+  PublishStats();
+  return true;
+}
+
+void Engine::Admit(std::unique_ptr<Request> r) {
+  const GenerationParams& p = r->params;
+  r->generation = std::make_unique<Generation>(r->params, model_->eos_ids, model_->tokenizer.get());
+  scheduler_->Add(r->id, p.prompt, SamplingTemplate(p));
+  if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
+  CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
+                                                      p.prompt.size(), p.max_tokens, p.temperature,
+                                                      p.ignore_eos ? ", ignore_eos" : ""));
+  requests_[r->id] = std::move(r);
+}
+
+void Engine::CancelNow(uint64_t id, const absl::Status& why) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;  // already ended
+  CoordinatorRequestLog(it->second->params.request_id,
+                        absl::StrCat(why.message(), " after ", it->second->generation->completion_tokens(),
+                                     " tokens: removed, its KV blocks freed"));
+  End(id, why);
+}
+
+absl::Status Engine::SendSteps() {
+  for (int lane = 0; lane < scheduler_->lanes(); ++lane) {
+    if (scheduler_->LaneBusy(lane)) continue;
+    const MicroBatch* batch = scheduler_->Schedule(lane, next_step_, &step_);
+    if (batch == nullptr) continue;
+    ++next_step_;
+    const auto now = std::chrono::steady_clock::now();
+    if (!batch->started.empty()) {
+      for (uint64_t id : batch->started) {
+        Request& r = *requests_.at(id);
+        r.started = now;
+        if (metrics_ != nullptr) metrics_->request_queue.Observe(SecondsBetween(r.arrival, now));
+      }
+      absl::MutexLock lock(&mu_);
+      queued_ -= static_cast<int64_t>(batch->started.size());
+    }
+    if (metrics_ != nullptr) {
+      metrics_->step_sequences.Observe(static_cast<double>(batch->entries.size()));
+      metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
+    }
+    if (absl::Status s = pool_->StartStep(step_); !s.ok()) return s;
+    in_flight_.push_back(InFlight{lane, batch->step_id, now});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::FinishOldest() {
+  const InFlight f = in_flight_.front();
+  in_flight_.pop_front();
+  if (absl::Status s = pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_); !s.ok()) return s;
+  const auto now = std::chrono::steady_clock::now();
+  const double step_seconds = SecondsBetween(f.sent, now);
+  for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {
+    Request& r = *requests_.at(t.seq);
+    v1::GenerateResponse response;
+    const bool done = r.generation->Accept(t.token, &response);
+    response.set_request_id(r.params.request_id);
+    v1::StepTimings* timings = response.mutable_timings();
+    timings->set_step_seconds(step_seconds);
+    timings->set_forward_seconds(outcome_.forward_seconds);
+    timings->set_collective_seconds(outcome_.collective_seconds);
+    if (r.params.logprobs && t.logit_row < static_cast<int32_t>(outcome_.logprobs.size())) {
+      const v1::RowLogprobs& row = outcome_.logprobs[t.logit_row];
+      v1::TokenLogprobs* l = response.add_logprobs();
+      l->set_token_id(t.token);
+      l->set_logprob(row.logprob());
+      for (int k = 0; k < row.top_ids_size(); ++k) {
+        v1::TopLogprob* top = l->add_top_logprobs();
+        top->set_token_id(row.top_ids(k));
+        top->set_logprob(row.top_logprobs(k));
+      }
+    }
+    const int32_t generated = r.generation->completion_tokens();
+    if (generated == 1) r.first_token_seconds = SecondsBetween(r.arrival, now);
+    if (metrics_ != nullptr) {
+      if (generated == 1) {
+        metrics_->time_to_first_token.Observe(SecondsBetween(r.arrival, now));
+      } else {
+        metrics_->inter_token_latency.Observe(SecondsBetween(r.last_token, now));
+      }
+      metrics_->generated_tokens.Increment(response.token_ids_size());
+      if (done) metrics_->Finished(FinishLabel(response.finish_reason()));
+    }
+    r.last_token = now;
+    if (done) {
+      const double seconds = SecondsBetween(r.arrival, now);
+      CoordinatorRequestLog(r.params.request_id,
+                            absl::StrFormat("finished (%s): %d + %d tokens in %.2f s, first token after %.3f s, "
+                                            "%.1f tokens/s",
+                                            FinishName(response.finish_reason()), r.params.prompt.size(), generated,
+                                            seconds, r.first_token_seconds, generated / std::max(seconds, 1e-9)));
+    }
+    r.stream->Push(std::move(response));
+    if (done) End(t.seq, absl::OkStatus());
+  }
+  return absl::OkStatus();
+}
+
+void Engine::End(uint64_t id, const absl::Status& status) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  it->second->stream->End(status);
+  if (it->second->started == SteadyTime()) {
+    absl::MutexLock lock(&mu_);
+    --queued_;
+  }
+  if (scheduler_ != nullptr) scheduler_->Remove(id);
+  requests_.erase(it);
+}
+
+void Engine::FailAll(const absl::Status& status) {
+  for (auto& [id, r] : requests_) {
+    CoordinatorRequestLog(r->params.request_id,
+                          absl::StrCat("aborted after ", r->generation->completion_tokens(), " tokens: ",
+                                       status.message()),
+                          "error");
+    r->stream->End(status);
+    if (r->started == SteadyTime()) {
+      absl::MutexLock lock(&mu_);
+      --queued_;
+    }
+  }
+  requests_.clear();
+  if (scheduler_ != nullptr) scheduler_->Clear();
+  in_flight_.clear();
+  pool_->DropSteps();
+  absl::MutexLock lock(&mu_);
+  for (auto& r : inbox_) {
+    r->stream->End(status);
+    --queued_;
+  }
+  inbox_.clear();
+}
+
+void Engine::PublishStats() {
+  if (scheduler_ == nullptr) return;
+  const SchedulerOptions& o = scheduler_->options();
+  v1::SchedulerStatus s;
+  s.set_kv_blocks_total(scheduler_->num_blocks());
+  s.set_kv_blocks_free(scheduler_->num_free_blocks());
+  s.set_block_size(o.block_size);
+  s.set_running(static_cast<int32_t>(scheduler_->num_running()));
+  s.set_waiting(static_cast<int32_t>(scheduler_->num_waiting()));  // FillStatus adds the inbox
+  s.set_max_running(static_cast<int32_t>(o.max_running));
+  s.set_max_waiting(static_cast<int32_t>(options_.max_waiting));
+  s.set_preemptions(scheduler_->preemptions());
+  s.set_micro_batches(o.lanes);
+  s.set_max_tokens_per_step(o.max_tokens_per_step);
+  if (metrics_ != nullptr) {
+    metrics_->kv_blocks_used.Set(static_cast<double>(s.kv_blocks_total() - s.kv_blocks_free()));
+    metrics_->requests_running.Set(static_cast<double>(s.running()));
+    const double new_preemptions = static_cast<double>(s.preemptions()) - metrics_->preemptions.Value();
+    if (new_preemptions > 0) metrics_->preemptions.Increment(new_preemptions);
+  }
+  absl::MutexLock lock(&mu_);
+  stats_ = s;
+  if (metrics_ != nullptr) metrics_->requests_waiting.Set(static_cast<double>(inbox_.size() + s.waiting()));
+}
+
+}  // namespace shardserve

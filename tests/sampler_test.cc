@@ -1,0 +1,775 @@
+// Tests of the last stage's sampler (worker/sampler.h) on the CPU backend, against brute-force
+// references written here in double precision: log-softmax of the raw logits, the Hugging Face /
+// vLLM penalty rules, min_p, and the draw Backend::Sample defines (the first kept token, in
+// vocabulary order, whose cumulative renormalized probability exceeds the draw).
+//
+// The host rows are also run through a backend that says it is not the CPU (DeviceLikeBackend),
+// so the copy-to-host path and the sampler's own CPU backend are covered without a GPU. The last
+// test runs the sampler inside a worker's StepExecutor on a parity fixture.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+#include "kernels/sampling.h"
+#include "shardserve/v1/worker.pb.h"
+#include "worker/comm/rendezvous.h"
+#include "worker/sampler.h"
+#include "worker/step_executor.h"
+
+namespace shardserve {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+using RowList = google::protobuf::RepeatedPtrField<v1::RowSampling>;
+
+// ---- References (double) ---------------------------------------------------------------------
+
+std::vector<double> LogSoftmax(const std::vector<float>& x) {
+  const double max = *std::max_element(x.begin(), x.end());
+  double sum = 0;
+  for (float xi : x) sum += std::exp(xi - max);
+  std::vector<double> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = x[i] - max - std::log(sum);
+  return out;
+}
+
+// The ids of the n largest values, largest first, ties lower id first.
+std::vector<int32_t> TopIds(const std::vector<float>& x, int n) {
+  std::vector<int32_t> ids(x.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return x[a] > x[b]; });
+  ids.resize(std::min<size_t>(n, ids.size()));
+  return ids;
+}
+
+// Hugging Face RepetitionPenaltyLogitsProcessor over the distinct ids of prompt and output, then
+// vLLM's frequency (per occurrence in the output) and presence (once per distinct output id).
+std::vector<double> Penalized(const std::vector<float>& x, const v1::RowSampling& r) {
+  std::vector<double> out(x.begin(), x.end());
+  const double rp = r.repetition_penalty();
+  if (rp != 0 && rp != 1) {
+    std::vector<bool> seen(x.size(), false);
+    for (const auto* ids : {&r.penalty_prompt_ids(), &r.penalty_output_ids()}) {
+      for (int32_t t : *ids) seen[t] = true;
+    }
+    for (size_t t = 0; t < x.size(); ++t) {
+      if (seen[t]) out[t] = out[t] > 0 ? out[t] / rp : out[t] * rp;
+    }
+  }
+  std::vector<int> count(x.size(), 0);
+  for (int32_t t : r.penalty_output_ids()) ++count[t];
+  for (size_t t = 0; t < x.size(); ++t) {
+    out[t] -= r.frequency_penalty() * count[t] + r.presence_penalty() * (count[t] > 0 ? 1 : 0);
+  }
+  return out;
+}
+
+// The distribution a sampled row draws from: softmax(x / T); min_p (p < min_p * p_max dropped);
+// top_k (ties with the k-th kept); top_p over what is left, renormalized (ties with the last
+// taken kept); renormalized.
+std::vector<double> Distribution(const std::vector<double>& x, const v1::RowSampling& r) {
+  const size_t v = x.size();
+  const double t = r.temperature();
+  const double max = *std::max_element(x.begin(), x.end());
+  std::vector<double> p(v);
+  double sum = 0;
+  for (size_t i = 0; i < v; ++i) sum += (p[i] = std::exp((x[i] - max) / t));
+  for (double& pi : p) pi /= sum;
+  const double p_max = *std::max_element(p.begin(), p.end());
+  for (double& pi : p) {
+    if (pi < r.min_p() * p_max) pi = 0;
+  }
+  double keep_from = 0;
+  if (r.top_k() > 0 && static_cast<size_t>(r.top_k()) < v) {
+    std::vector<double> sorted = p;
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    keep_from = sorted[r.top_k() - 1];
+  }
+  if (r.top_p() > 0 && r.top_p() < 1) {
+    std::vector<double> sorted;
+    for (double pi : p) {
+      if (pi >= keep_from && pi > 0) sorted.push_back(pi);
+    }
+    std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+    const double kept = std::accumulate(sorted.begin(), sorted.end(), 0.0);
+    double mass = 0;
+    for (double pi : sorted) {
+      mass += pi;
+      keep_from = pi;
+      if (mass >= r.top_p() * kept) break;
+    }
+  }
+  double kept = 0;
+  for (double& pi : p) kept += (pi = pi >= keep_from ? pi : 0);
+  for (double& pi : p) pi /= kept;
+  return p;
+}
+
+// The token Backend::Sample's rule picks for draw u, or -1 when u is within 1e-5 of a cumulative
+// boundary (float rounding may then go either way).
+int32_t InverseCdf(const std::vector<double>& p, double u) {
+  double cum = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] == 0) continue;
+    if (std::abs(cum - u) < 1e-5 || std::abs(cum + p[i] - u) < 1e-5) return -1;
+    cum += p[i];
+    if (cum > u) return static_cast<int32_t>(i);
+  }
+  return -1;
+}
+
+int32_t Argmax(const std::vector<double>& x) {
+  return static_cast<int32_t>(std::max_element(x.begin(), x.end()) - x.begin());
+}
+
+// The gap between the largest and the second largest value.
+double TopMargin(const std::vector<double>& x) {
+  std::vector<double> s = x;
+  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<double>());
+  return s[0] - s[1];
+}
+
+// ---- A backend that is not the CPU --------------------------------------------------------
+
+// The CPU backend under another device kind: the sampler then copies host rows with CopyToHost
+// and samples them on a CPU backend of its own, as it does on CUDA.
+class DeviceLikeBackend final : public Backend {
+ public:
+  DeviceKind device_kind() const override { return DeviceKind::kCuda; }
+  DType act_dtype() const override { return cpu_->act_dtype(); }
+  std::string Describe() const override { return "device-like " + cpu_->Describe(); }
+  absl::StatusOr<Buffer> Allocate(size_t bytes) override { return cpu_->Allocate(bytes); }
+  void Free(void* data) override { cpu_->Free(data); }
+  absl::Status CopyToDevice(void* d, const void* s, size_t n) override { return cpu_->CopyToDevice(d, s, n); }
+  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
+    ++copies_to_host;
+    return cpu_->CopyToHost(d, s, n);
+  }
+  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override { return cpu_->CopyOnDevice(d, s, n); }
+  absl::Status Fill0(void* d, size_t n) override { return cpu_->Fill0(d, n); }
+  absl::Status Synchronize() override { return cpu_->Synchronize(); }
+  absl::Status Embedding(Tensor* o, const Tensor& t, const Tensor& i, int64_t r) override {
+    return cpu_->Embedding(o, t, i, r);
+  }
+  absl::Status RmsNorm(Tensor* o, const Tensor& x, const Tensor& w, float e) override { return cpu_->RmsNorm(o, x, w, e); }
+  absl::Status MatMul(Tensor* o, const Tensor& x, const Tensor& w, const Tensor* b) override {
+    return cpu_->MatMul(o, x, w, b);
+  }
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& p, const Tensor& f, int hd) override {
+    return cpu_->Rope(q, k, p, f, hd);
+  }
+  absl::Status CacheWrite(Tensor* kc, Tensor* vc, const Tensor& k, const Tensor& v, const Tensor& s) override {
+    return cpu_->CacheWrite(kc, vc, k, v, s);
+  }
+  absl::Status Attention(Tensor* o, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& p,
+                         const Tensor& ts, const Tensor& bt, float sc) override {
+    return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc);
+  }
+  absl::Status SiluMul(Tensor* o, const Tensor& g, const Tensor& u) override { return cpu_->SiluMul(o, g, u); }
+  absl::Status Add(Tensor* o, const Tensor& a, const Tensor& b) override { return cpu_->Add(o, a, b); }
+  absl::Status Softmax(Tensor* o, const Tensor& x, float t) override { return cpu_->Softmax(o, x, t); }
+  absl::Status Argmax(Tensor* o, const Tensor& l) override { return cpu_->Argmax(o, l); }
+  absl::Status Sample(Tensor* o, const Tensor& l, const std::vector<SampleParams>& p) override {
+    return cpu_->Sample(o, l, p);
+  }
+
+  int copies_to_host = 0;
+
+ private:
+  std::unique_ptr<Backend> cpu_ = MakeCpuBackend();
+};
+
+// ---- Fixture ---------------------------------------------------------------------------------
+
+v1::RowSampling Greedy() { return v1::RowSampling(); }
+
+v1::RowSampling Sampled(float temperature, uint64_t seed, uint64_t draw_index, int32_t top_k = 0, float top_p = 0) {
+  v1::RowSampling r;
+  r.set_temperature(temperature);
+  r.set_seed(seed);
+  r.set_draw_index(draw_index);
+  r.set_top_k(top_k);
+  r.set_top_p(top_p);
+  return r;
+}
+
+class SamplerTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kMaxRows = 16;
+
+  // Samples `rows` over host logits [rows.size(), v] on `backend` (the CPU backend by default).
+  absl::StatusOr<v1::StepResult> Run(const std::vector<float>& logits, int64_t v, const std::vector<v1::RowSampling>& rows,
+                                     Backend* backend = nullptr) {
+    if (backend == nullptr) backend = cpu_.get();
+    absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, kMaxRows, v);
+    if (!sampler.ok()) return sampler.status();
+    const int64_t m = static_cast<int64_t>(rows.size());
+    absl::StatusOr<Buffer> buf = backend->Allocate(std::max<size_t>(logits.size() * sizeof(float), 1));
+    if (!buf.ok()) return buf.status();
+    if (absl::Status s = backend->CopyToDevice(buf->data(), logits.data(), logits.size() * sizeof(float)); !s.ok()) {
+      return s;
+    }
+    RowList list;
+    for (const v1::RowSampling& r : rows) *list.Add() = r;
+    v1::StepResult result;
+    const Tensor t(buf->data(), DType::kF32, {m, v});
+    if (absl::Status s = (*sampler)->Sample(/*step_id=*/7, t, list, &result); !s.ok()) return s;
+    return result;
+  }
+  // One row's sampled id.
+  int32_t One(const std::vector<float>& logits, const v1::RowSampling& r) {
+    absl::StatusOr<v1::StepResult> result = Run(logits, static_cast<int64_t>(logits.size()), {r});
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? result->sampled_ids(0) : -1;
+  }
+
+  std::vector<float> Random(size_t n, float lo, float hi) {
+    std::uniform_real_distribution<float> dist(lo, hi);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng_);
+    return v;
+  }
+
+  std::unique_ptr<Backend> cpu_ = MakeCpuBackend();
+  std::mt19937 rng_{20250101};
+};
+
+// A draw index whose SampleUniform(seed, index) lies in [lo, hi).
+uint64_t DrawIn(uint64_t seed, float lo, float hi) {
+  for (uint64_t i = 0;; ++i) {
+    const float u = SampleUniform(seed, i);
+    if (u >= lo && u < hi) return i;
+  }
+}
+
+// ---- Logprobs --------------------------------------------------------------------------------
+
+// 1e-5: the normalizer is summed in double and each logprob is one float rounding of x - lse
+// (|x - lse| < 20 here, so half an ulp is < 1e-6). Logprobs of the penalized or tempered logits
+// (rows 1 and 2) would be off by 0.1 or more.
+constexpr double kLogprobTolerance = 1e-5;
+
+TEST_F(SamplerTest, LogprobsAreLogSoftmaxOfTheRawLogits) {
+  const int64_t v = 1000;
+  std::vector<float> row = Random(v, -8.0f, 8.0f);
+  row[5] = row[10] = row[20] = 9.5f;  // a three-way tie for the most likely: ids 5, 10, 20 in that order
+  row[30] = row[31] = 9.0f;           // and a tie for 4th/5th
+  const std::vector<double> want = LogSoftmax(row);
+  const std::vector<int32_t> want_top = TopIds(row, 20);
+  ASSERT_EQ(std::vector<int32_t>(want_top.begin(), want_top.begin() + 5), (std::vector<int32_t>{5, 10, 20, 30, 31}));
+
+  v1::RowSampling greedy = Greedy();
+  v1::RowSampling sampled = Sampled(0.8f, 3, 4, 0, 0.9f);
+  v1::RowSampling penalized = Sampled(1.3f, 5, 6);  // logprobs stay those of the raw logits
+  penalized.set_repetition_penalty(1.7f);
+  penalized.set_presence_penalty(1.0f);
+  penalized.set_min_p(0.01f);
+  penalized.add_penalty_prompt_ids(5);
+  penalized.add_penalty_output_ids(10);
+  penalized.add_penalty_output_ids(10);
+  v1::RowSampling few = Sampled(1.0f, 8, 9);
+  few.set_top_logprobs(2);
+  for (v1::RowSampling* r : {&greedy, &sampled, &penalized}) r->set_top_logprobs(20);
+  for (v1::RowSampling* r : {&greedy, &sampled, &penalized, &few}) r->set_logprobs(true);
+  v1::RowSampling none = Sampled(1.0f, 1, 1);  // asks nothing: an empty entry
+
+  std::vector<float> logits;
+  for (int i = 0; i < 5; ++i) logits.insert(logits.end(), row.begin(), row.end());
+  for (Backend* backend : {cpu_.get(), static_cast<Backend*>(nullptr)}) {
+    DeviceLikeBackend device_like;
+    absl::StatusOr<v1::StepResult> result =
+        Run(logits, v, {greedy, sampled, penalized, few, none}, backend ? backend : &device_like);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->sampled_ids_size(), 5);
+    ASSERT_EQ(result->logprobs_size(), 5);
+    EXPECT_EQ(result->sampled_ids(0), 5);  // the first of the tied maxima
+    for (int i = 0; i < 4; ++i) {
+      const v1::RowLogprobs& lp = result->logprobs(i);
+      const int32_t id = result->sampled_ids(i);
+      EXPECT_NEAR(lp.logprob(), want[id], kLogprobTolerance) << "row " << i;
+      const int n = i == 3 ? 2 : 20;
+      ASSERT_EQ(lp.top_ids_size(), n) << "row " << i;
+      ASSERT_EQ(lp.top_logprobs_size(), n) << "row " << i;
+      for (int k = 0; k < n; ++k) {
+        EXPECT_EQ(lp.top_ids(k), want_top[k]) << "row " << i << " rank " << k;
+        EXPECT_NEAR(lp.top_logprobs(k), want[want_top[k]], kLogprobTolerance) << "row " << i << " rank " << k;
+      }
+    }
+    const v1::RowLogprobs& empty = result->logprobs(4);
+    EXPECT_EQ(empty.top_ids_size(), 0);
+    EXPECT_EQ(empty.logprob(), 0.0f);
+  }
+}
+
+TEST_F(SamplerTest, NoLogprobsWhenNoRowAsks) {
+  absl::StatusOr<v1::StepResult> result = Run(Random(2 * 50, -1, 1), 50, {Greedy(), Sampled(1, 2, 3)});
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->sampled_ids_size(), 2);
+  EXPECT_EQ(result->logprobs_size(), 0);
+}
+
+// ---- Penalties -------------------------------------------------------------------------------
+
+TEST_F(SamplerTest, RepetitionPenaltyFollowsHuggingFace) {
+  // A positive logit is divided: 3.0 / 2 = 1.5 < 2.0, so greedy moves from token 0 to token 1.
+  v1::RowSampling r = Greedy();
+  EXPECT_EQ(One({3.0f, 2.0f, -1.0f}, r), 0);
+  r.set_repetition_penalty(2.0f);
+  r.add_penalty_prompt_ids(0);
+  EXPECT_EQ(One({3.0f, 2.0f, -1.0f}, r), 1);
+
+  // A negative logit is multiplied: -1.0 * 1.5 = -1.5 < -1.2 (dividing would give -0.67 > -1.2).
+  v1::RowSampling neg = Greedy();
+  neg.set_repetition_penalty(1.5f);
+  neg.add_penalty_output_ids(0);
+  EXPECT_EQ(One({-1.0f, -1.2f, -3.0f}, neg), 1);
+
+  // Once per distinct id, however often it appears in prompt and output: 3.0 / 1.5 = 2.0 > 1.9
+  // (applied three times it would be 0.89).
+  v1::RowSampling once = Greedy();
+  once.set_repetition_penalty(1.5f);
+  for (int i = 0; i < 2; ++i) once.add_penalty_prompt_ids(0);
+  once.add_penalty_output_ids(0);
+  EXPECT_EQ(One({3.0f, 1.9f}, once), 0);
+
+  // A penalty below 1 encourages: 1.0 / 0.5 = 2.0 > 1.5.
+  v1::RowSampling encourage = Greedy();
+  encourage.set_repetition_penalty(0.5f);
+  encourage.add_penalty_prompt_ids(0);
+  EXPECT_EQ(One({1.0f, 1.5f}, encourage), 0);
+
+  // repetition_penalty 1 and 0 are off.
+  for (float off : {0.0f, 1.0f}) {
+    r.set_repetition_penalty(off);
+    EXPECT_EQ(One({3.0f, 2.0f, -1.0f}, r), 0);
+  }
+}
+
+TEST_F(SamplerTest, PresenceAndFrequencyCountOutputOccurrences) {
+  // frequency 0.3 per occurrence, presence 0.1 once: token 0 (twice) 2.0 - 0.6 - 0.1 = 1.3,
+  // token 1 (once) 1.75 - 0.3 - 0.1 = 1.35: token 1. Counting token 0 once would give it 1.6.
+  v1::RowSampling r = Greedy();
+  r.set_frequency_penalty(0.3f);
+  r.set_presence_penalty(0.1f);
+  for (int32_t id : {0, 1, 0}) r.add_penalty_output_ids(id);
+  EXPECT_EQ(One({2.0f, 1.75f, 1.0f}, r), 1);
+
+  // Presence once, not per occurrence: 2.0 - 0.5 = 1.5 > 1.4 (thrice would be 0.5).
+  v1::RowSampling presence = Greedy();
+  presence.set_presence_penalty(0.5f);
+  for (int i = 0; i < 3; ++i) presence.add_penalty_output_ids(0);
+  EXPECT_EQ(One({2.0f, 1.4f}, presence), 0);
+
+  // Negative frequency encourages repeats: 1.0 + 2 * 0.2 = 1.4 > 1.2.
+  v1::RowSampling encourage = Greedy();
+  encourage.set_frequency_penalty(-0.2f);
+  for (int i = 0; i < 2; ++i) encourage.add_penalty_output_ids(0);
+  EXPECT_EQ(One({1.0f, 1.2f}, encourage), 0);
+
+  // Prompt ids take no presence/frequency penalty.
+  v1::RowSampling prompt_only = Greedy();
+  prompt_only.set_presence_penalty(2.0f);
+  prompt_only.add_penalty_prompt_ids(0);
+  EXPECT_EQ(One({2.0f, 1.4f}, prompt_only), 0);
+}
+
+// Random rows and penalties against the reference: greedy must pick the reference's argmax, and
+// a sampled row (with min_p, top_k, top_p) the token the reference distribution's inverse CDF
+// gives for the row's draw.
+TEST_F(SamplerTest, RandomPenaltiesMatchTheReference) {
+  const int64_t v = 64;
+  std::uniform_int_distribution<int32_t> id(0, v - 1);
+  std::uniform_real_distribution<float> unit(0, 1);
+  int checked_greedy = 0, checked_sampled = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const std::vector<float> row = Random(v, -4.0f, 4.0f);
+    v1::RowSampling r = trial % 2 == 0 ? Greedy() : Sampled(0.5f + unit(rng_), 99, trial, trial % 3 == 0 ? 20 : 0,
+                                                         trial % 5 == 0 ? 0.9f : 0.0f);
+    r.set_repetition_penalty(trial % 4 == 0 ? 1.0f : 0.5f + 2.0f * unit(rng_));
+    r.set_presence_penalty(-2.0f + 4.0f * unit(rng_));
+    r.set_frequency_penalty(-2.0f + 4.0f * unit(rng_));
+    if (trial % 3 == 1) r.set_min_p(0.2f * unit(rng_));
+    for (int i = 0; i < 10; ++i) r.add_penalty_prompt_ids(id(rng_));
+    for (int i = 0; i < 12; ++i) r.add_penalty_output_ids(id(rng_) % 16);  // repeats are likely
+    const std::vector<double> pen = Penalized(row, r);
+    const int32_t got = One(row, r);
+    if (r.temperature() == 0) {
+      if (TopMargin(pen) < 1e-4) continue;  // float rounding may pick either
+      EXPECT_EQ(got, Argmax(pen)) << "trial " << trial;
+      ++checked_greedy;
+    } else {
+      const int32_t want = InverseCdf(Distribution(pen, r), SampleUniform(r.seed(), r.draw_index()));
+      if (want < 0) continue;
+      EXPECT_EQ(got, want) << "trial " << trial;
+      ++checked_sampled;
+    }
+  }
+  EXPECT_GT(checked_greedy, 190);
+  EXPECT_GT(checked_sampled, 190);
+}
+
+TEST_F(SamplerTest, GreedyWithPenaltyChangesTheArgmax) {
+  const std::vector<float> row = Random(100, -3.0f, 3.0f);
+  const int32_t plain = One(row, Greedy());
+  std::vector<double> raw(row.begin(), row.end());
+  ASSERT_EQ(plain, Argmax(raw));
+  v1::RowSampling r = Greedy();
+  r.set_frequency_penalty(2.0f);
+  for (int i = 0; i < 3; ++i) r.add_penalty_output_ids(plain);
+  const int32_t penalized = One(row, r);
+  EXPECT_NE(penalized, plain);
+  EXPECT_EQ(penalized, Argmax(Penalized(row, r)));
+}
+
+// ---- min_p -----------------------------------------------------------------------------------
+
+TEST_F(SamplerTest, MinPMasksExactlyTheTokensBelowTheThreshold) {
+  // Probabilities (0.05, 0.4, 0.1, 0.3, 0.15) at T = 1; min_p 0.3 keeps p >= 0.12: {1, 3, 4},
+  // renormalized 0.47, 0.35, 0.18.
+  const std::vector<double> probs = {0.05, 0.4, 0.1, 0.3, 0.15};
+  std::vector<float> row;
+  for (double p : probs) row.push_back(static_cast<float>(std::log(p)));
+  // A draw in [0, 0.05) picks token 0 without min_p, token 1 with it; one in [0.451, 0.469)
+  // picks token 2 without (cumulative 0.45, 0.55) and token 1 with it (cumulative 0.47).
+  for (auto [lo, hi, without] : {std::tuple{0.0f, 0.049f, 0}, std::tuple{0.451f, 0.469f, 2}}) {
+    v1::RowSampling r = Sampled(1.0f, 11, DrawIn(11, lo, hi));
+    EXPECT_EQ(One(row, r), without);
+    r.set_min_p(0.3f);
+    EXPECT_EQ(One(row, r), 1);
+  }
+  // Over many draws no masked token is ever drawn, and each draw is the reference's.
+  v1::RowSampling r = Sampled(1.0f, 12, 0);
+  r.set_min_p(0.3f);
+  const std::vector<double> raw(row.begin(), row.end());
+  const std::vector<double> want = Distribution(raw, r);
+  ASSERT_EQ(want[0], 0.0);
+  ASSERT_EQ(want[2], 0.0);
+  for (uint64_t i = 0; i < 500; ++i) {
+    r.set_draw_index(i);
+    const int32_t got = One(row, r);
+    EXPECT_TRUE(got == 1 || got == 3 || got == 4) << "draw " << i << " got masked token " << got;
+    const int32_t ref = InverseCdf(want, SampleUniform(12, i));
+    if (ref >= 0) {
+      EXPECT_EQ(got, ref) << "draw " << i;
+    }
+  }
+}
+
+TEST_F(SamplerTest, MinPAppliesAfterTemperature) {
+  // Relative probabilities p_i / p_max at T = 1: (0.125, 1, 0.25, 0.75, 0.375); at T = 2 their
+  // square roots: (0.354, 1, 0.5, 0.866, 0.612). min_p 0.4 masks {0, 2, 4} at T = 1, {0} at T = 2.
+  const std::vector<double> probs = {0.05, 0.4, 0.1, 0.3, 0.15};
+  std::vector<float> row;
+  for (double p : probs) row.push_back(static_cast<float>(std::log(p)));
+  for (float t : {1.0f, 2.0f}) {
+    std::vector<int> count(5, 0);
+    v1::RowSampling r = Sampled(t, 13, 0);
+    r.set_min_p(0.4f);
+    for (uint64_t i = 0; i < 400; ++i) {
+      r.set_draw_index(i);
+      ++count[One(row, r)];
+    }
+    EXPECT_EQ(count[0], 0) << "T " << t;
+    if (t == 1.0f) {
+      EXPECT_EQ(count[2] + count[4], 0);
+    } else {
+      EXPECT_GT(count[2], 0);
+      EXPECT_GT(count[4], 0);
+    }
+  }
+}
+
+// 20k draws of a 5-token row with temperature, top_p and min_p: frequencies match the reference
+// (min_p, then top_p over the renormalized rest). Each frequency has a standard deviation of at
+// most sqrt(0.25 / 20000) = 0.0035, so 0.02 is over 5 of them; a wrong order of min_p and top_p or
+// a missing renormalization moves some probability by more than 0.05 here.
+TEST_F(SamplerTest, DrawsFollowTheRenormalizedDistribution) {
+  const std::vector<float> row = {2.0f, 1.2f, -0.5f, 0.0f, 1.0f};
+  v1::RowSampling r = Sampled(0.8f, 2024, 0, 0, 0.8f);
+  r.set_min_p(0.15f);
+  const std::vector<double> want = Distribution(std::vector<double>(row.begin(), row.end()), r);
+  int masked = 0;
+  for (double p : want) masked += p == 0;
+  ASSERT_GE(masked, 2) << "the setting should drop tokens through both min_p and top_p";
+
+  constexpr int kDraws = 20000, kRowsPerStep = kMaxRows;
+  std::vector<int> count(row.size(), 0);
+  std::vector<float> logits;
+  for (int i = 0; i < kRowsPerStep; ++i) logits.insert(logits.end(), row.begin(), row.end());
+  for (int step = 0; step < kDraws / kRowsPerStep; ++step) {
+    std::vector<v1::RowSampling> rows(kRowsPerStep, r);
+    for (int i = 0; i < kRowsPerStep; ++i) rows[i].set_draw_index(step * kRowsPerStep + i);
+    absl::StatusOr<v1::StepResult> result = Run(logits, 5, rows);
+    ASSERT_TRUE(result.ok()) << result.status();
+    for (int32_t id : result->sampled_ids()) ++count[id];
+  }
+  double max_error = 0;
+  for (size_t i = 0; i < row.size(); ++i) {
+    if (want[i] == 0) {
+      EXPECT_EQ(count[i], 0) << "token " << i;
+    }
+    max_error = std::max(max_error, std::abs(static_cast<double>(count[i]) / kDraws - want[i]));
+  }
+  std::printf("    5-token row, T 0.8, top_p 0.8, min_p 0.15: max |freq - p| %.4f over %d draws\n", max_error, kDraws);
+  EXPECT_LT(max_error, 0.02);
+}
+
+// ---- Batch independence and routing ------------------------------------------------------------
+
+TEST_F(SamplerTest, RowsDoNotDependOnTheRestOfTheBatch) {
+  const int64_t v = 500;
+  const std::vector<float> row = Random(v, -5.0f, 5.0f);
+  v1::RowSampling host = Sampled(0.9f, 77, 3, 40, 0.95f);
+  host.set_min_p(0.02f);
+  host.set_repetition_penalty(1.2f);
+  host.set_logprobs(true);
+  host.set_top_logprobs(3);
+  for (int32_t id : {1, 2, 3}) host.add_penalty_output_ids(id);
+  const v1::RowSampling plain = Sampled(1.1f, 78, 4, 0, 0.9f);
+  v1::RowSampling greedy_lp = Greedy();
+  greedy_lp.set_logprobs(true);
+
+  // The batch: 8 different rows, the row under test at position 3.
+  std::vector<v1::RowSampling> others = {Greedy(), Sampled(0.7f, 1, 1), Sampled(1.5f, 2, 2, 5), Greedy(),
+                                         Sampled(1.0f, 3, 3), Greedy(), Sampled(0.5f, 4, 4)};
+  others[2].set_min_p(0.1f);
+  others[4].set_logprobs(true);
+  others[6].set_presence_penalty(1.0f);
+  others[6].add_penalty_output_ids(0);
+  for (const v1::RowSampling& subject : {host, plain, greedy_lp}) {
+    for (uint64_t draw = 0; draw < 20; ++draw) {
+      v1::RowSampling s = subject;
+      s.set_draw_index(draw);
+      absl::StatusOr<v1::StepResult> alone = Run(row, v, {s});
+      ASSERT_TRUE(alone.ok()) << alone.status();
+
+      std::vector<v1::RowSampling> rows = others;
+      rows.insert(rows.begin() + 3, s);
+      std::vector<float> logits;
+      for (int i = 0; i < 8; ++i) {
+        const std::vector<float> other = i == 3 ? row : Random(v, -5.0f, 5.0f);
+        logits.insert(logits.end(), other.begin(), other.end());
+      }
+      absl::StatusOr<v1::StepResult> batched = Run(logits, v, rows);
+      ASSERT_TRUE(batched.ok()) << batched.status();
+      ASSERT_EQ(batched->sampled_ids_size(), 8);
+      EXPECT_EQ(batched->sampled_ids(3), alone->sampled_ids(0)) << "draw " << draw;
+      if (s.logprobs()) {
+        EXPECT_EQ(batched->logprobs(3).SerializeAsString(), alone->logprobs(0).SerializeAsString());
+      }
+    }
+  }
+}
+
+TEST_F(SamplerTest, NeutralExtrasDrawWhatThePlainPathDraws) {
+  const int64_t v = 300;
+  for (int trial = 0; trial < 50; ++trial) {
+    const std::vector<float> row = Random(v, -6.0f, 6.0f);
+    v1::RowSampling plain = Sampled(0.6f + trial % 5 * 0.2f, 31, trial, trial % 3 == 0 ? 30 : 0,
+                                    trial % 2 == 0 ? 0.85f : 0.0f);
+    v1::RowSampling neutral = plain;  // the host path, with nothing that changes the row
+    neutral.set_logprobs(true);
+    neutral.set_top_logprobs(1);
+    neutral.set_repetition_penalty(trial % 2 == 0 ? 1.0f : 0.0f);
+    neutral.add_penalty_prompt_ids(0);  // ids with penalties off
+    const int32_t want = One(row, plain);
+    EXPECT_EQ(One(row, neutral), want) << "trial " << trial;
+    DeviceLikeBackend device_like;  // and the same through the copy-to-host path
+    std::vector<float> two_rows = row;
+    two_rows.insert(two_rows.end(), row.begin(), row.end());
+    absl::StatusOr<v1::StepResult> result = Run(two_rows, v, {neutral, plain}, &device_like);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->sampled_ids(0), want) << "trial " << trial;
+    EXPECT_EQ(result->sampled_ids(1), want) << "trial " << trial;
+    EXPECT_GT(device_like.copies_to_host, 0);
+  }
+}
+
+// ---- Bad parameters --------------------------------------------------------------------------
+
+TEST_F(SamplerTest, EachInvalidParameterIsInvalidArgumentNamingIt) {
+  const int64_t v = 10;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case {
+    std::string field;
+    std::function<void(v1::RowSampling*)> set;
+  };
+  const std::vector<Case> cases = {
+      {"temperature", [](auto* r) { r->set_temperature(-0.1f); }},
+      {"temperature", [&](auto* r) { r->set_temperature(nan); }},
+      {"temperature", [](auto* r) { r->set_temperature(kInf); }},
+      {"top_k", [](auto* r) { r->set_top_k(-1); }},
+      {"top_p", [](auto* r) { r->set_top_p(1.5f); }},
+      {"top_p", [](auto* r) { r->set_top_p(-0.1f); }},
+      {"top_p", [&](auto* r) { r->set_top_p(nan); }},
+      {"min_p", [](auto* r) { r->set_min_p(1.01f); }},
+      {"min_p", [](auto* r) { r->set_min_p(-0.5f); }},
+      {"repetition_penalty", [](auto* r) { r->set_repetition_penalty(-1.0f); }},
+      {"repetition_penalty", [](auto* r) { r->set_repetition_penalty(10.5f); }},
+      {"repetition_penalty", [&](auto* r) { r->set_repetition_penalty(nan); }},
+      {"presence_penalty", [](auto* r) { r->set_presence_penalty(2.5f); }},
+      {"presence_penalty", [](auto* r) { r->set_presence_penalty(-kInf); }},
+      {"frequency_penalty", [](auto* r) { r->set_frequency_penalty(-2.01f); }},
+      {"frequency_penalty", [&](auto* r) { r->set_frequency_penalty(nan); }},
+      {"top_logprobs", [](auto* r) { r->set_logprobs(true), r->set_top_logprobs(21); }},
+      {"top_logprobs", [](auto* r) { r->set_logprobs(true), r->set_top_logprobs(-1); }},
+      {"top_logprobs", [](auto* r) { r->set_top_logprobs(3); }},  // without logprobs
+      {"penalty_prompt_ids[1]", [](auto* r) { r->add_penalty_prompt_ids(0), r->add_penalty_prompt_ids(10); }},
+      {"penalty_prompt_ids[0]", [](auto* r) { r->add_penalty_prompt_ids(-1); }},
+      {"penalty_output_ids[0]", [](auto* r) { r->add_penalty_output_ids(v); }},
+  };
+  for (const Case& c : cases) {
+    v1::RowSampling bad = Sampled(1.0f, 1, 1);
+    c.set(&bad);
+    absl::StatusOr<v1::StepResult> result = Run(std::vector<float>(2 * v, 0.0f), v, {Greedy(), bad});
+    ASSERT_FALSE(result.ok()) << c.field;
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+    const std::string message(result.status().message());
+    EXPECT_NE(message.find("step 7 row 1: " + c.field), std::string::npos) << message;
+
+    RowList list;
+    *list.Add() = Greedy();
+    *list.Add() = bad;
+    EXPECT_EQ(Sampler::Validate(7, list, v).code(), absl::StatusCode::kInvalidArgument) << c.field;
+  }
+  // The edges of every range are valid.
+  v1::RowSampling edge = Sampled(1.0f, 1, 1, 0, 1.0f);
+  edge.set_min_p(1.0f);
+  edge.set_repetition_penalty(10.0f);
+  edge.set_presence_penalty(-2.0f);
+  edge.set_frequency_penalty(2.0f);
+  edge.set_logprobs(true);
+  edge.set_top_logprobs(20);
+  edge.add_penalty_prompt_ids(v - 1);
+  edge.add_penalty_output_ids(0);
+  absl::StatusOr<v1::StepResult> ok = Run(Random(v, -1, 1), v, {edge});
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->logprobs(0).top_ids_size(), v);  // top_logprobs 20 over a 10-token vocabulary
+}
+
+// Valid but extreme parameters must not overflow the logits into an error (which would fail the
+// worker for one request's parameters): a temperature below 1e-5 is greedy, and a tiny
+// repetition penalty makes its token overwhelmingly likely, not +inf.
+TEST_F(SamplerTest, ExtremeValidParametersDoNotOverflow) {
+  const std::vector<float> row = {1.0f, 3.0f, 2.0f, 0.5f};
+  for (float t : {1e-30f, std::numeric_limits<float>::denorm_min(), 9e-6f}) {
+    v1::RowSampling r = Sampled(t, 1, 2);
+    EXPECT_EQ(One(row, r), 1) << "temperature " << t;
+    r.set_logprobs(true);
+    r.set_min_p(0.5f);
+    EXPECT_EQ(One(row, r), 1) << "temperature " << t;
+  }
+  v1::RowSampling tiny = Sampled(0.5f, 1, 2);
+  tiny.set_repetition_penalty(std::numeric_limits<float>::denorm_min());
+  tiny.add_penalty_prompt_ids(3);
+  tiny.add_penalty_prompt_ids(0);  // both now at the +1e30 cap: a tie between 0 and 3
+  for (uint64_t draw = 0; draw < 20; ++draw) {
+    tiny.set_draw_index(draw);
+    const int32_t got = One(row, tiny);
+    EXPECT_TRUE(got == 0 || got == 3) << got;
+  }
+}
+
+TEST_F(SamplerTest, RejectsLogitsOfTheWrongShapeAndNonFiniteHostRows) {
+  // 3 rows of logits for 2 rows of sampling, and a vocabulary of 9 for a sampler of 10.
+  absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(cpu_.get(), kMaxRows, 10);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  std::vector<float> zeros(30, 0.0f);
+  RowList two;
+  *two.Add() = Greedy();
+  *two.Add() = Greedy();
+  v1::StepResult result;
+  EXPECT_EQ((*sampler)->Sample(1, Tensor(zeros.data(), DType::kF32, {3, 10}), two, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*sampler)->Sample(1, Tensor(zeros.data(), DType::kF32, {2, 9}), two, &result).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*sampler)->Sample(1, Tensor(zeros.data(), DType::kF32, {2, 10}), two, &result).ok());
+  std::vector<v1::RowSampling> too_many(kMaxRows + 1, Greedy());
+  EXPECT_EQ(Run(std::vector<float>(10 * (kMaxRows + 1), 0.0f), 10, too_many).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  v1::RowSampling lp = Greedy();
+  lp.set_logprobs(true);
+  std::vector<float> row(10, 0.0f);
+  row[4] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(Run(row, 10, {lp}).status().code(), absl::StatusCode::kInvalidArgument);
+  row[4] = kInf;
+  EXPECT_EQ(Run(row, 10, {lp}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- In the worker's step ----------------------------------------------------------------------
+
+// The sampler inside StepExecutor (the whole llama_gqa fixture in one worker): a step of two
+// prefilling sequences gets one id per logit row and logprobs for the row that asks; a step with
+// a bad sampling parameter fails before the forward pass with the field named.
+TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
+  const std::string model = std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/llama_gqa";
+  v1::Assignment a;
+  a.set_worker_id("w0");
+  a.set_model_path(model);
+  a.set_stage(0);
+  a.set_num_stages(1);
+  a.set_tp_rank(0);
+  a.set_tp_size(1);
+  a.set_first_layer(0);
+  a.set_end_layer(5);
+  a.set_max_tokens_per_step(16);
+  a.set_max_seqs_per_step(4);
+  a.set_block_size(4);
+  a.set_num_kv_blocks(16);
+  a.set_max_blocks_per_seq(4);
+  a.set_collective_timeout_seconds(10);
+  InMemoryRendezvousStore store;  // unused: every group has one rank
+  absl::StatusOr<std::unique_ptr<StepExecutor>> executor = StepExecutor::Create(a, "cpu", &store, "127.0.0.1");
+  ASSERT_TRUE(executor.ok()) << executor.status();
+
+  // Sequence 0: tokens 5, 6, 7 in block 3; sequence 1: tokens 8, 9 in block 9.
+  v1::StepPlan plan;
+  plan.set_step_id(1);
+  for (int32_t id : {5, 6, 7, 8, 9}) plan.add_token_ids(id);
+  for (int32_t pos : {0, 1, 2, 0, 1}) plan.add_positions(pos);
+  for (int32_t seq : {0, 0, 0, 1, 1}) plan.add_token_seq(seq);
+  for (int32_t slot : {12, 13, 14, 36, 37}) plan.add_slots(slot);
+  plan.set_num_seqs(2);
+  for (int32_t block : {3, 0, 0, 0, 9, 0, 0, 0}) plan.add_block_tables(block);
+  plan.add_logit_rows(2);
+  plan.add_logit_rows(4);
+  v1::RowSampling* greedy = plan.add_sampling();
+  greedy->set_logprobs(true);
+  greedy->set_top_logprobs(3);
+  *plan.add_sampling() = Sampled(0.7f, 5, 0, 10, 0.9f);
+  v1::StepResult result;
+  ASSERT_TRUE((*executor)->Execute(plan, &result).ok());
+  ASSERT_EQ(result.sampled_ids_size(), 2);
+  ASSERT_EQ(result.logprobs_size(), 2);
+  const v1::RowLogprobs& lp = result.logprobs(0);
+  ASSERT_EQ(lp.top_ids_size(), 3);
+  EXPECT_EQ(lp.top_ids(0), result.sampled_ids(0));  // greedy picks the most likely
+  EXPECT_EQ(lp.top_logprobs(0), lp.logprob());
+  EXPECT_LT(lp.logprob(), 0.0f);
+  EXPECT_GE(lp.top_logprobs(0), lp.top_logprobs(1));
+  EXPECT_EQ(result.logprobs(1).top_ids_size(), 0);
+  EXPECT_GE(result.sampled_ids(1), 0);
+  EXPECT_LT(result.sampled_ids(1), 512);
+
+  plan.set_step_id(2);
+  plan.mutable_sampling(1)->set_min_p(2.0f);
+  const absl::Status bad = (*executor)->Execute(plan, &result);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("step 2 row 1: min_p"), std::string::npos) << bad;
+}
+
+}  // namespace
+}  // namespace shardserve
