@@ -4,7 +4,8 @@
 // through the client API. Every wait is bounded; destructors kill and reap every child.
 //
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
-// SHARDSERVE_WORKER_BIN. Single-threaded use.
+// SHARDSERVE_WORKER_BIN. Single-threaded use, except that client() (a gRPC stub) and Generate() may
+// serve several threads at once.
 #ifndef SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 #define SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 
@@ -157,7 +158,10 @@ struct ClusterSpecForTest {
 // A coordinator and nodes x gpus_per_node workers ("n0", "n1", ...: node i is stage i).
 class Cluster {
  public:
-  explicit Cluster(ClusterSpecForTest spec) : spec_(std::move(spec)) {
+  explicit Cluster(ClusterSpecForTest spec) : Cluster(std::move(spec), {}) {}
+  // `coordinator_flags` are appended to the coordinator's command line (--max-num-seqs 2 ...).
+  Cluster(ClusterSpecForTest spec, std::vector<std::string> coordinator_flags)
+      : spec_(std::move(spec)), coordinator_flags_(std::move(coordinator_flags)) {
     char pattern[] = "/tmp/cluster_test.XXXXXX";
     dir_ = mkdtemp(pattern);
   }
@@ -178,12 +182,12 @@ class Cluster {
     const auto start = Clock::now();
     const fs::path port_file = dir_ / "port";
     metrics_address_ = "127.0.0.1:" + std::to_string(FreePort());  // never the fixed default: tests run in parallel
-    coordinator_ = std::make_unique<Process>(
-        std::vector<std::string>{SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen",
-                                 "127.0.0.1:0", "--nodes", std::to_string(spec_.nodes), "--gpus-per-node",
-                                 std::to_string(spec_.gpus_per_node), "--port-file", port_file.string(),
-                                 "--metrics-listen", metrics_address_},
-        dir_ / "coordinator.log");
+    std::vector<std::string> coordinator_argv = {
+        SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
+        "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
+        "--port-file", port_file.string(), "--metrics-listen", metrics_address_};
+    coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
     while (!fs::exists(port_file)) {
       if (!coordinator_->running() || SecondsSince(start) > 30) {
         ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
@@ -256,6 +260,7 @@ class Cluster {
 
  private:
   const ClusterSpecForTest spec_;
+  const std::vector<std::string> coordinator_flags_;
   fs::path dir_;
   int port_ = 0;
   std::string address_;

@@ -82,10 +82,13 @@ absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, Steady
   if (absl::Status s = pool_->CheckServing(); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
-  if (queued_ >= options_.max_waiting) {
+  // Requests not yet scheduled take the free places of the running batch first, then the queue.
+  const int64_t max_running = pool_->sizing().max_seqs_per_step;
+  const int64_t free_places = std::max<int64_t>(0, max_running - stats_.running());
+  if (queued_ >= options_.max_waiting + free_places) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the server is full: ", stats_.running(), " sequences are running (--max-num-seqs ", stats_.max_running(),
-        ") and ", queued_, " requests are waiting (--max-waiting-requests ", options_.max_waiting,
+        "the server is full: ", stats_.running(), " sequences are running (--max-num-seqs ", max_running, ") and ",
+        queued_ - free_places, " requests are waiting (--max-waiting-requests ", options_.max_waiting,
         "); retry later"));
   }
   auto r = std::make_unique<Request>();
@@ -107,9 +110,22 @@ void Engine::Cancel(uint64_t id, absl::Status why) {
 }
 
 void Engine::FillStatus(v1::SchedulerStatus* status) {
-  absl::MutexLock lock(&mu_);
-  *status = stats_;
-  status->set_waiting(static_cast<int32_t>(inbox_.size() + stats_.waiting()));
+  {
+    absl::MutexLock lock(&mu_);
+    *status = stats_;
+    status->set_waiting(static_cast<int32_t>(inbox_.size() + stats_.waiting()));
+    if (stats_.kv_blocks_total() > 0) return;
+  }
+  // The group serves but the loop has not made its scheduler yet (it does within kIdleWait).
+  if (!pool_->CheckServing().ok()) return;
+  const SchedulerOptions o = SchedulerOptionsFromPool();
+  status->set_kv_blocks_total(o.num_kv_blocks);
+  status->set_kv_blocks_free(o.num_kv_blocks);
+  status->set_block_size(o.block_size);
+  status->set_max_running(static_cast<int32_t>(o.max_running));
+  status->set_max_waiting(static_cast<int32_t>(options_.max_waiting));
+  status->set_micro_batches(o.lanes);
+  status->set_max_tokens_per_step(o.max_tokens_per_step);
 }
 
 // ---- Engine: the loop ---------------------------------------------------------------------------
@@ -128,7 +144,7 @@ void Engine::Loop() {
       arrivals.swap(inbox_);
       cancels.swap(cancels_);
     }
-    if (!arrivals.empty() && !EnsureScheduler()) {
+    if (!EnsureScheduler() && !arrivals.empty()) {
       const absl::Status s = pool_->CheckServing();
       for (auto& r : arrivals) {
         CoordinatorRequestLog(r->params.request_id, absl::StrCat("refused: ", s.message()), "warn");
@@ -141,6 +157,7 @@ void Engine::Loop() {
     for (auto& r : arrivals) Admit(std::move(r));
     for (const auto& [id, why] : cancels) CancelNow(id, why);
     if (scheduler_ == nullptr) continue;
+    if (!arrivals.empty() || !cancels.empty()) PublishStats();
 
     absl::Status status = SendSteps();
     if (status.ok() && !in_flight_.empty()) status = FinishOldest();
@@ -150,9 +167,7 @@ void Engine::Loop() {
   FailAll(absl::UnavailableError("the coordinator is shutting down"));
 }
 
-bool Engine::EnsureScheduler() {
-  if (scheduler_ != nullptr) return true;
-  if (!pool_->CheckServing().ok()) return false;
+SchedulerOptions Engine::SchedulerOptionsFromPool() {
   const StepSizing z = pool_->sizing();
   v1::ClusterStatus cluster;
   pool_->FillStatus(&cluster);
@@ -163,6 +178,13 @@ bool Engine::EnsureScheduler() {
   o.block_size = z.block_size;
   o.max_blocks_per_seq = z.max_blocks_per_seq;
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : std::max(1, cluster.pp());
+  return o;
+}
+
+bool Engine::EnsureScheduler() {
+  if (scheduler_ != nullptr) return true;
+  if (!pool_->CheckServing().ok()) return false;
+  const SchedulerOptions o = SchedulerOptionsFromPool();
   scheduler_ = std::make_unique<Scheduler>(o);
   CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.max_running, " sequences and ",
                                            o.max_tokens_per_step, " tokens per step, ", o.lanes,

@@ -109,7 +109,9 @@ class Engine {
   };
 
   void Loop();
-  // Creates the scheduler once the group serves (its sizes come from the plan).
+  // The scheduler's sizes: the plan's, as the pool gave them to the workers.
+  SchedulerOptions SchedulerOptionsFromPool();
+  // Creates the scheduler once the group serves.
   bool EnsureScheduler();
   void Admit(std::unique_ptr<Request> request);
   void CancelNow(uint64_t id, const absl::Status& why);

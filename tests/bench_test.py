@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""`shardserve bench` end to end, with real processes on loopback (stdlib only).
+
+1. `bench --compare tp1` starts a local cluster of the demo model (models/demo) on a free port,
+   runs 6 requests at concurrency 2 and prints JSON: one run, 6 completed, 0 failed, positive
+   output tokens/s, TTFT p50 <= p99, per-worker peak RSS and weight bytes; afterwards no
+   shardserve process of its session is left (pgrep -s on the binaries of BIN_DIR).
+2. `bench --address` on a port nobody listens on fails within seconds, non-zero, naming the address.
+3. Ctrl-C: SIGINT to bench while it loads a cluster: exit 130 within seconds, nothing left behind.
+4. Flag forwarding: `bench --compare pp2/serial` with scheduler flags and --worker-threads; the
+   command lines in its log dir (commands.sh) carry them (--micro-batches 1 from /serial), and the
+   run completes.
+
+bench runs in a session of its own (start_new_session), so "left behind" means a process of that
+session, and tests running beside this one in parallel are not counted. Every wait is bounded.
+
+usage: bench_test.py BIN_DIR [--old-binaries]
+  --old-binaries: for developing against binaries without worker --threads and the scheduler
+  flags: cases 1 and 3 pass --worker-threads 0, case 4 is reported SKIPPED.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+DEADLINE_S = 240  # per bench invocation; the demo model loads in well under a second
+
+
+def run_bench(bench_args, timeout=DEADLINE_S):
+    """Runs `shardserve bench ...` in a new session; returns (rc, stdout, stderr, session id)."""
+    proc = subprocess.Popen([os.path.join(BIN, "shardserve"), "bench", *bench_args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        fail(f"bench did not finish within {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    return proc.returncode, out, err, proc.pid
+
+
+def leftovers(sid):
+    """shardserve processes of BIN_DIR still in session `sid` (pgrep -s; none is the answer wanted)."""
+    r = subprocess.run(["pgrep", "-a", "-s", str(sid), "-f", os.path.join(BIN, "shardserve")], capture_output=True,
+                       text=True)
+    return r.stdout.strip()
+
+
+def kill_session(sid):
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def case_compare_tp1(work, old_binaries):
+    args = ["--compare", "tp1", "--num-requests", "6", "--concurrency", "2", "--input-len", "8", "--output-len", "8",
+            "--json", "--log-dir", os.path.join(work, "tp1-logs")]
+    if old_binaries:
+        args += ["--worker-threads", "0"]
+    start = time.monotonic()
+    rc, out, err, sid = run_bench(args)
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    check(rc == 0, f"bench --compare tp1 exited {rc}\nstdout:\n{out}\nstderr:\n{err}")
+    try:
+        result = json.loads(out)
+    except ValueError as e:
+        fail(f"stdout is not JSON ({e}):\n{out}")
+    runs = result.get("runs")
+    check(isinstance(runs, list) and len(runs) == 1, f"expected 1 run, got {runs!r}")
+    r = runs[0]
+    for key in ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s",
+                "itl_p90_s", "itl_p99_s", "e2e_p50_s", "e2e_p99_s", "completed", "failed", "duration_s", "concurrency",
+                "request_rate", "input_len", "output_len", "num_requests", "layout", "worker_peak_rss_bytes",
+                "worker_weight_bytes"):
+        check(key in r, f"run lacks key {key}: {r}")
+    check(r["layout"] == "tp1" and r["error"] is None, f"layout/error: {r['layout']!r} {r['error']!r}")
+    check(r["completed"] == 6 and r["failed"] == 0, f"completed {r['completed']}, failed {r['failed']}: {r['errors']}")
+    check(r["total_output_tokens"] == 48, f"total_output_tokens {r['total_output_tokens']}, expected 6 x 8")
+    check(r["output_tokens_per_s"] > 0, f"output_tokens_per_s {r['output_tokens_per_s']}")
+    check(0 < r["ttft_p50_s"] <= r["ttft_p99_s"], f"ttft p50 {r['ttft_p50_s']} p99 {r['ttft_p99_s']}")
+    check(0 < r["itl_p50_s"] <= r["itl_p99_s"], f"itl p50 {r['itl_p50_s']} p99 {r['itl_p99_s']}")
+    check(r["concurrency"] == 2 and r["request_rate"] is None and r["num_requests"] == 6, "load keys")
+    rss, weights = r["worker_peak_rss_bytes"], r["worker_weight_bytes"]
+    check(len(rss) == 1 and rss[0] > 0, f"worker_peak_rss_bytes {rss}")
+    # The demo model: 2,361,024 bf16 parameters = 4.7 MB; a TP=1 worker holds all of them.
+    check(len(weights) == 1 and 4_000_000 < weights[0] < 50_000_000, f"worker_weight_bytes {weights}")
+    check(rss[0] >= weights[0], f"peak RSS {rss[0]} below the weights {weights[0]}")
+    print(f"ok: --compare tp1: 6/6 completed, {r['output_tokens_per_s']:.1f} output tok/s, "
+          f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, peak RSS {rss[0] / 2**20:.1f} MiB, no process left "
+          f"({time.monotonic() - start:.1f} s)")
+
+
+def case_nobody_listens():
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    rc, out, err, sid = run_bench(["--address", address, "--num-requests", "2"], timeout=30)
+    took = time.monotonic() - start
+    kill_session(sid)
+    check(rc not in (0, None), f"bench against {address} (nobody listening) exited {rc}")
+    check("cannot reach the coordinator at " + address in err, f"unclear error:\n{err}")
+    check(took < 15, f"took {took:.1f} s to give up")
+    print(f"ok: nobody at {address}: exit {rc} after {took:.2f} s: {err.strip().splitlines()[-1][:100]}")
+
+
+def case_interrupt(work, old_binaries):
+    logs = os.path.join(work, "int-logs")
+    args = ["--compare", "tp1,pp2", "--num-requests", "100000", "--concurrency", "2", "--input-len", "8",
+            "--output-len", "64", "--log-dir", logs]
+    if old_binaries:
+        args += ["--worker-threads", "0"]
+    with open(os.path.join(work, "int.stderr"), "w+") as errf:
+        proc = subprocess.Popen([os.path.join(BIN, "shardserve"), "bench", *args], stdout=subprocess.DEVNULL,
+                                stderr=errf, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while "serving on" not in open(errf.name).read():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                kill_session(proc.pid)
+                proc.wait()
+                fail(f"bench never reported serving:\n{open(errf.name).read()}")
+            time.sleep(0.1)
+        time.sleep(1)  # requests in flight
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            proc.wait()
+            fail("bench did not stop within 30 s of SIGINT")
+        took = time.monotonic() - start
+        left = leftovers(proc.pid)
+        kill_session(proc.pid)
+        check(not left, f"processes left behind after SIGINT:\n{left}")
+        check(rc == 130, f"exit {rc} after SIGINT, expected 130:\n{open(errf.name).read()}")
+    print(f"ok: SIGINT during the load: exit 130 after {took:.2f} s, no process left")
+
+
+def case_forwarding(work, old_binaries):
+    if old_binaries:
+        print("SKIPPED: flag forwarding needs a coordinator with --micro-batches/--max-num-seqs and a worker with "
+              "--threads (--old-binaries)")
+        return
+    logs = os.path.join(work, "fwd-logs")
+    rc, out, err, sid = run_bench(["--compare", "pp2/serial", "--num-requests", "2", "--concurrency", "2",
+                                   "--input-len", "8", "--output-len", "4", "--warmup", "0", "--json",
+                                   "--max-num-seqs", "4", "--block-size", "16", "--worker-threads", "1",
+                                   "--log-dir", logs])
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    with open(os.path.join(logs, "pp2_serial", "commands.sh")) as f:
+        lines = f.read().splitlines()
+    coordinator = [l for l in lines if "shardserve-coordinator" in l]
+    workers = [l for l in lines if "shardserve-worker" in l]
+    check(len(coordinator) == 1, f"commands.sh: {lines}")
+    for flag in ("--nodes 2", "--gpus-per-node 1", "--max-num-seqs 4", "--block-size 16", "--micro-batches 1"):
+        check(flag in coordinator[0], f"coordinator command lacks '{flag}': {coordinator[0]}")
+    check(len(workers) == 2 and all(w.endswith("--threads 1") for w in workers), f"worker commands: {workers}")
+    check(rc == 0, f"bench --compare pp2/serial exited {rc}\nstderr:\n{err}")
+    r = json.loads(out)["runs"][0]
+    check(r["completed"] == 2 and r["failed"] == 0 and r["serial"], f"pp2/serial run: {r}")
+    print("ok: pp2/serial: --micro-batches 1, --max-num-seqs, --block-size to the coordinator, --threads to "
+          "both workers; 2/2 completed")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    BIN = os.path.abspath(sys.argv[1])
+    old = "--old-binaries" in sys.argv[2:]
+    work = tempfile.mkdtemp(prefix="bench_test.")
+    try:
+        case_nobody_listens()
+        case_compare_tp1(work, old)
+        case_interrupt(work, old)
+        case_forwarding(work, old)
+    except SystemExit:
+        print(f"logs kept in {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    print("PASS")

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The serving benchmarks: `shardserve bench` against local CPU clusters of the benchmark model
+# (tools/make_bench_model.py: a random-weights 78.7M-parameter Llama, vocabulary 4096).
+#
+#   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys.
+#   (2) PP=2: micro-batched pipeline vs one micro-batch in flight (pp2/serial), 16 streams.
+#
+# Every run: random prompts of 128 token ids (seed 0), 128 output tokens each (ignore_eos), greedy.
+# Request counts are chosen so that each measured run lasts at least ~20 s on a 2-core machine and
+# the whole script stays well under 15 minutes (about 6). Tables go to stdout; each run's JSON to $OUT_DIR.
+#
+#   tools/bench_serving.sh                       # builds build/ if needed, makes the model if absent
+#   BIN_DIR=/other/bin tools/bench_serving.sh    # use these binaries, build nothing
+#   QUICK=1 tools/bench_serving.sh               # a smoke test of the script: tiny runs, seconds
+#   BENCH_FLAGS="--worker-threads 0" ...         # extra flags for every bench invocation
+#
+# Environment: BUILD_DIR (default build), BIN_DIR (default $BUILD_DIR/bin), MODEL_DIR (default
+# build/bench-model), OUT_DIR (default /tmp/shardserve-bench-serving-<pid>).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${BUILD_DIR:-build}
+MODEL_DIR=${MODEL_DIR:-build/bench-model}
+OUT_DIR=${OUT_DIR:-/tmp/shardserve-bench-serving-$$}
+QUICK=${QUICK:-0}
+# shellcheck disable=SC2206
+EXTRA=(${BENCH_FLAGS:-})
+start=$(date +%s)
+
+if [ -z "${BIN_DIR:-}" ]; then
+  BIN_DIR=$BUILD_DIR/bin
+  if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+    cuda_flag=""
+    command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || cuda_flag=-DSHARDSERVE_WITH_CUDA=OFF
+    # shellcheck disable=SC2086
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release $cuda_flag
+  fi
+  cmake --build "$BUILD_DIR" -j "$(nproc)" --target shardserve shardserve-coordinator shardserve-worker
+fi
+for b in shardserve shardserve-coordinator shardserve-worker; do
+  [ -x "$BIN_DIR/$b" ] || { echo "bench_serving.sh: no $BIN_DIR/$b"; exit 1; }
+done
+
+if [ ! -f "$MODEL_DIR/model.safetensors" ] || [ ! -f "$MODEL_DIR/config.json" ]; then
+  python3 tools/make_bench_model.py "$MODEL_DIR"  # about a minute, standard library only
+fi
+mkdir -p "$OUT_DIR"
+
+if [ "$QUICK" = 1 ]; then
+  LEN=(--input-len 16 --output-len 8)
+  N_SINGLE=2 N_BATCH=8 N_PP=4
+else
+  LEN=(--input-len 128 --output-len 128)
+  # Measured on the 2-core CI machine (shared, so +-30%): one stream ~17 output tokens/s, so 5
+  # requests take ~35 s; 32 streams on TP=1 ~90 tokens/s, 64 requests ~95 s; PP=2 at 16 streams
+  # 50-65 tokens/s, 32 requests 65-85 s per layout. The whole script: about 6 minutes.
+  N_SINGLE=5 N_BATCH=64 N_PP=32
+fi
+
+bench() {  # bench NAME FLAGS...
+  local name=$1
+  shift
+  echo
+  echo "==== $name: shardserve bench $* ===="
+  "$BIN_DIR/shardserve" bench --model "$MODEL_DIR" --log-dir "$OUT_DIR/logs-$name" --json-out "$OUT_DIR/$name.json" \
+    "${LEN[@]}" "$@" "${EXTRA[@]}"
+}
+
+status=0
+# (1) TP=1, one stream (one warm-up request: at batch 1 each takes ~15 s), then 32 streams.
+bench tp1-c1 --compare tp1 --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
+bench tp1-c32 --compare tp1 --concurrency 32 --num-requests "$N_BATCH" --warmup 1 || status=1
+# (2) PP=2, micro-batches in flight (the coordinator's default: PP of them) vs one, 16 streams.
+bench pp2-c16 --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 || status=1
+
+echo
+echo "bench_serving.sh: done in $(( $(date +%s) - start )) s; JSON and logs in $OUT_DIR"
+exit $status

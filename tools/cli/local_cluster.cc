@@ -1,0 +1,291 @@
+#include "tools/cli/local_cluster.h"
+
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tools/cli/client.h"
+
+namespace shardserve::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited with code ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status))
+    return absl::StrCat("killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
+  return "stopped";
+}
+
+std::string TailOf(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "";
+  std::fseek(f, 0, SEEK_END);
+  long size = std::ftell(f);
+  std::fseek(f, size > 2000 ? size - 2000 : 0, SEEK_SET);
+  std::string s(2000, '\0');
+  s.resize(std::fread(s.data(), 1, s.size(), f));
+  std::fclose(f);
+  return s;
+}
+
+// 'it'\''s' quoting, only where needed, so that commands.sh can be pasted into a shell.
+std::string ShellQuote(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./:=,@+") ==
+                        std::string::npos) {
+    return s;
+  }
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// "host:port" -> port, or -1 when it has none.
+int64_t PortOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int64_t port;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) return -1;
+  return port;
+}
+
+}  // namespace
+
+absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std::string>& argv,
+                                 const std::string& log_name, bool worker) {
+  const std::string log = (fs::path(options_.log_dir) / log_name).string();
+  {
+    std::vector<std::string> quoted;
+    for (const std::string& a : argv) quoted.push_back(ShellQuote(a));
+    std::ofstream(fs::path(options_.log_dir) / "commands.sh", std::ios::app) << absl::StrJoin(quoted, " ") << "\n";
+  }
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::InternalError(absl::StrCat("cannot open log ", log, ": ", std::strerror(errno)));
+  // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  const std::string exec_failed = absl::StrCat("exec ", argv[0], " failed\n");
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int err = errno;
+    ::close(fd);
+    return absl::InternalError(absl::StrCat("fork: ", std::strerror(err)));
+  }
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(1);  // the parent died before prctl took effect
+    dup2(fd, 1);
+    dup2(fd, 2);
+    execv(cargv[0], cargv.data());
+    ssize_t ignored = ::write(2, exec_failed.data(), exec_failed.size());
+    (void)ignored;
+    _exit(127);
+  }
+  ::close(fd);
+  children_.push_back({name, pid, log, worker});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClusterOptions& options) {
+  std::unique_ptr<LocalCluster> c(new LocalCluster(options));
+  const LocalClusterOptions& o = c->options_;
+  std::error_code ec;
+  fs::create_directories(o.log_dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create log dir ", o.log_dir, ": ", ec.message()));
+  fs::remove(fs::path(o.log_dir) / "commands.sh", ec);
+  const int64_t port = PortOf(o.address);
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", o.address, "' is not HOST:PORT"));
+  }
+  const fs::path bin(o.bin_dir);
+
+  // Port `base + k`, or 0 (a free one) for every process when the base is 0.
+  auto metrics_port = [&](int64_t k) { return o.metrics_port_base == 0 ? 0 : o.metrics_port_base + k; };
+  std::vector<std::string> coord = {(bin / "shardserve-coordinator").string(),
+                                    "--model",
+                                    o.model,
+                                    "--listen",
+                                    o.address,
+                                    "--nodes",
+                                    std::to_string(o.nodes),
+                                    "--gpus-per-node",
+                                    std::to_string(o.gpus_per_node),
+                                    "--metrics-listen",
+                                    absl::StrCat("127.0.0.1:", metrics_port(0)),
+                                    "--log-format",
+                                    o.log_format};
+  const fs::path port_file = fs::path(o.log_dir) / "coordinator.port";
+  if (port == 0) {
+    fs::remove(port_file, ec);
+    coord.insert(coord.end(), {"--port-file", port_file.string()});
+  }
+  coord.insert(coord.end(), o.coordinator_flags.begin(), o.coordinator_flags.end());
+  c->metrics_lines_.push_back(absl::StrCat("  coordinator      http://127.0.0.1:", metrics_port(0), "/metrics"));
+  if (absl::Status s = c->Spawn("coordinator", coord, "coordinator.log", false); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("starting the coordinator: ", s.message()));
+  }
+
+  c->address_ = o.address;
+  if (port == 0) {
+    // The workers need the real port: wait for the coordinator to write it (atomically, by rename).
+    const auto deadline = std::chrono::steady_clock::now() + o.listen_timeout;
+    int64_t chosen = 0;
+    while (true) {
+      std::ifstream in(port_file);
+      if (in >> chosen && chosen > 0 && chosen <= 65535) break;
+      if (std::optional<ExitedProcess> dead = c->ReapExited()) {
+        return absl::UnavailableError(absl::StrCat("the coordinator ", dead->how, " before listening; last lines of ",
+                                                   dead->log, ":\n", dead->log_tail));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("the coordinator did not write its port to ",
+                                                        port_file.string(), " within ", o.listen_timeout.count(),
+                                                        " s; see ", c->children_[0].log));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    c->address_ = absl::StrCat(o.address.substr(0, o.address.rfind(':')), ":", chosen);
+  }
+
+  for (int64_t n = 0; n < o.nodes; ++n) {
+    for (int64_t g = 0; g < o.gpus_per_node; ++g) {
+      const std::string node = absl::StrCat("node", n);
+      const std::string dev = o.device == "cpu" ? "cpu" : absl::StrCat("cuda:", g);
+      const int64_t mport = metrics_port(1 + n * o.gpus_per_node + g);  // consecutive after the coordinator's
+      std::vector<std::string> argv = {(bin / "shardserve-worker").string(),
+                                       "--coordinator",
+                                       c->address_,
+                                       "--node",
+                                       node,
+                                       "--device",
+                                       dev,
+                                       "--metrics-listen",
+                                       absl::StrCat("127.0.0.1:", mport),
+                                       "--log-format",
+                                       o.log_format};
+      argv.insert(argv.end(), o.worker_flags.begin(), o.worker_flags.end());
+      const std::string name = absl::StrCat("worker ", node, "/", g);
+      if (absl::Status s = c->Spawn(name, argv, absl::StrCat("worker-", node, "-", g, ".log"), true); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
+      }
+      c->metrics_lines_.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", mport, "/metrics"));
+    }
+  }
+  c->health_ = grpc::health::v1::Health::NewStub(ConnectToCoordinator(c->address_));
+  return c;
+}
+
+std::vector<pid_t> LocalCluster::WorkerPids() const {
+  std::vector<pid_t> pids;
+  for (const Child& c : children_) {
+    if (c.worker) pids.push_back(c.pid);
+  }
+  return pids;
+}
+
+std::vector<std::string> LocalCluster::WorkerNames() const {
+  std::vector<std::string> names;
+  for (const Child& c : children_) {
+    if (c.worker) names.push_back(c.name.substr(c.name.find(' ') + 1));
+  }
+  return names;
+}
+
+bool LocalCluster::Serving() {
+  if (health_ == nullptr) return false;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  grpc::health::v1::HealthCheckResponse resp;
+  return health_->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
+         resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+std::optional<ExitedProcess> LocalCluster::ReapExited() {
+  for (Child& c : children_) {
+    int status;
+    if (c.pid > 0 && waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return ExitedProcess{c.name, DescribeExit(status), c.log, TailOf(c.log)};
+    }
+  }
+  return std::nullopt;
+}
+
+absl::Status LocalCluster::WaitUntilServing(std::chrono::seconds timeout, const std::atomic<bool>* stop) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    if (stop != nullptr && stop->load()) return absl::CancelledError("interrupted");
+    if (std::optional<ExitedProcess> dead = ReapExited()) {
+      return absl::UnavailableError(
+          absl::StrCat(dead->name, " ", dead->how, "; last lines of ", dead->log, ":\n", dead->log_tail));
+    }
+    if (Serving()) return absl::OkStatus();
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("not serving after ", timeout.count(), " s; see the logs in ", options_.log_dir));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+void LocalCluster::Stop(std::chrono::seconds grace) {
+  for (Child& c : children_) {
+    if (c.pid > 0) kill(c.pid, SIGTERM);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  for (Child& c : children_) {
+    while (c.pid > 0) {
+      int status;
+      const pid_t r = waitpid(c.pid, &status, WNOHANG);
+      if (r == c.pid || (r < 0 && errno == ECHILD)) {
+        c.pid = -1;
+      } else if (std::chrono::steady_clock::now() > deadline) {
+        kill(c.pid, SIGKILL);
+        waitpid(c.pid, &status, 0);
+        c.pid = -1;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+  }
+}
+
+int64_t DefaultWorkerThreads(int64_t workers) {
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
+}
+
+absl::StatusOr<int64_t> PeakRssBytes(pid_t pid) {
+  const std::string path = absl::StrCat("/proc/", pid, "/status");
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) != 0) continue;
+    std::istringstream fields(line.substr(6));
+    int64_t kib;
+    std::string unit;
+    if (!(fields >> kib >> unit) || unit != "kB" || kib < 0 || kib > (int64_t{1} << 50)) {
+      return absl::InternalError(absl::StrCat(path, ": cannot parse '", line, "'"));
+    }
+    return kib * 1024;
+  }
+  return absl::NotFoundError(absl::StrCat(path, " has no VmHWM"));
+}
+
+}  // namespace shardserve::cli

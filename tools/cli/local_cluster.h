@@ -1,0 +1,133 @@
+// A local cluster: one shardserve-coordinator and nodes x gpus-per-node shardserve-worker processes
+// on this machine, each worker reporting a simulated node name ("node0", "node1", ...) so that the
+// coordinator groups them exactly as it would real nodes. Used by `shardserve launch` (which serves
+// until Ctrl-C) and `shardserve bench --compare` (one cluster per layout).
+//
+// Processes: every child gets SIGTERM if this process dies (PR_SET_PDEATHSIG), stays in this
+// process's group (so a terminal's Ctrl-C reaches it too, and it stops itself), and logs stdout and
+// stderr to a file in the log directory. The command lines are written to <log_dir>/commands.sh, one
+// per process, shell-quoted. Stop() (and the destructor) sends SIGTERM, then SIGKILL after a grace
+// period, and reaps every child; no child outlives a LocalCluster.
+//
+// Thread-safety: none; one thread owns a LocalCluster. Start() forks; the child runs only
+// async-signal-safe calls before exec, so calling it from a process with other threads (gRPC) is
+// safe.
+#ifndef SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
+#define SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace shardserve::cli {
+
+struct LocalClusterOptions {
+  // Directory holding shardserve-coordinator and shardserve-worker.
+  std::string bin_dir;
+  // Hugging Face checkpoint directory (coordinator --model; the workers read the same path).
+  std::string model;
+  int64_t nodes = 1;          // pipeline stages
+  int64_t gpus_per_node = 1;  // tensor-parallel ranks per stage
+  // "cpu": every worker --device cpu; "cuda": worker g of each node --device cuda:g.
+  std::string device = "cpu";
+  // Where the coordinator serves clients and workers. Port 0: the coordinator picks a free port
+  // (--port-file), and the workers are started once it is known; address() then has it.
+  std::string address;
+  // Log files (coordinator.log, worker-node<N>-<G>.log) and commands.sh; created if missing.
+  std::string log_dir;
+  // Prometheus /metrics: the coordinator on 127.0.0.1:base, worker k on base + 1 + k; 0: every
+  // process picks a free port.
+  int64_t metrics_port_base = 0;
+  std::string log_format = "text";
+  // Appended to the coordinator's and to every worker's command line as given ("--flag", "value").
+  std::vector<std::string> coordinator_flags;
+  std::vector<std::string> worker_flags;
+  // How long the coordinator may take to write its port file when the address has port 0.
+  std::chrono::seconds listen_timeout{30};
+};
+
+// A child that exited on its own, reaped.
+struct ExitedProcess {
+  std::string name;      // "coordinator", "worker node1/0"
+  std::string how;       // "exited with code 2", "killed by signal 9 (Killed)"
+  std::string log;       // its log file
+  std::string log_tail;  // the last 2000 bytes of it
+};
+
+class LocalCluster {
+ public:
+  // Starts the coordinator and the workers and returns without waiting for them to serve. On an
+  // error every process already started is stopped and reaped before it returns.
+  static absl::StatusOr<std::unique_ptr<LocalCluster>> Start(const LocalClusterOptions& options);
+
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
+  ~LocalCluster() { Stop(std::chrono::seconds(10)); }
+
+  // The address clients connect to (with the chosen port when the options had port 0).
+  const std::string& address() const { return address_; }
+  const LocalClusterOptions& options() const { return options_; }
+  // "  coordinator      http://127.0.0.1:9400/metrics", one line per process, as launch prints them.
+  const std::vector<std::string>& metrics_lines() const { return metrics_lines_; }
+  // Processes started (coordinator + workers), running or not.
+  size_t size() const { return children_.size(); }
+  // The workers' pids in start order (node0/0, node0/1, node1/0, ...); -1 for a reaped one.
+  std::vector<pid_t> WorkerPids() const;
+  // Worker names in the same order ("node0/0", ...).
+  std::vector<std::string> WorkerNames() const;
+
+  // One health check (1 s deadline): is the coordinator SERVING?
+  bool Serving();
+  // Reaps a child that has exited, if any, and describes it.
+  std::optional<ExitedProcess> ReapExited();
+  // Polls until the coordinator serves. Fails if a process exits first (naming it, with the end of
+  // its log), after `timeout`, or when *stop becomes true (Ctrl-C).
+  absl::Status WaitUntilServing(std::chrono::seconds timeout, const std::atomic<bool>* stop);
+  // SIGTERM to every running child, SIGKILL to those still running after `grace`; reaps all.
+  // Idempotent.
+  void Stop(std::chrono::seconds grace);
+
+ private:
+  struct Child {
+    std::string name;  // "coordinator", "worker node1/0"
+    pid_t pid = -1;    // -1 once reaped
+    std::string log;
+    bool worker = false;
+  };
+
+  explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
+  absl::Status Spawn(const std::string& name, const std::vector<std::string>& argv, const std::string& log_name,
+                     bool worker);
+
+  const LocalClusterOptions options_;
+  std::string address_;
+  std::vector<std::string> metrics_lines_;
+  std::vector<Child> children_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+// The scheduler flags of the coordinator that `launch` and `bench --compare` take and pass through
+// unchanged, each only when given (so that the coordinator's defaults apply otherwise).
+inline constexpr const char* kCoordinatorPassThroughFlags[] = {
+    "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size"};
+
+// BLAS threads per CPU worker when --worker-threads is not given: the cores shared out among the
+// workers, at least one each, so that workers do not oversubscribe the machine.
+int64_t DefaultWorkerThreads(int64_t workers);
+
+// Peak resident set size of a live process: VmHWM in /proc/PID/status, in bytes.
+absl::StatusOr<int64_t> PeakRssBytes(pid_t pid);
+
+}  // namespace shardserve::cli
+
+#endif  // SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
