@@ -128,20 +128,6 @@ bool Overlaps(const Tensor& a, const Tensor& b) {
 
 // ---- Math helpers ------------------------------------------------------------------------------
 
-// Float dot product with eight independent partial sums. Without -ffast-math a compiler may not
-// reorder one running sum, but it vectorizes eight independent ones; the split order is also
-// what a SIMD BLAS kernel does.
-float Dot(const float* a, const float* b, int64_t n) {
-  float partial[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int lane = 0; lane < 8; ++lane) partial[lane] += a[i + lane] * b[i + lane];
-  }
-  float sum = 0.0f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (float p : partial) sum += p;
-  return sum;
-}
 
 // out = softmax(x / temperature) over one row of v, like torch.softmax(x / t, dim=-1) in float32:
 // scale, subtract the max, exp, multiply by 1 / sum (PyTorch's vectorized softmax multiplies by
@@ -450,6 +436,7 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
     const int32_t* table = tables + seq[t] * max_blocks;
     for (int64_t j = 0; j < context; ++j) attn_slots_[j] = table[j / block_size] * block_size + j % block_size;
 
+    const int64_t blocks = (context + block_size - 1) / block_size;
     for (int64_t h = 0; h < q_heads; ++h) {
       const float* qh = q.as<float>() + t * q.dim(1) + h * head_dim;
       const float* k_base = k_cache.as<float>() + (h / group) * head_dim;  // kv head h / group, slot 0
@@ -457,27 +444,33 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
       float* weights = attn_weights_.data();
 
       // Scores as transformers' eager attention: (q . k) * scale, then a float32 softmax with the
-      // max subtracted.
-      float max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < context; ++j) {
-        weights[j] = Dot(qh, k_base + attn_slots_[j] * slot_stride, head_dim) * scale;
-        max = std::max(max, weights[j]);
+      // max subtracted. A block's slots are consecutive in the cache, slot_stride floats apart:
+      // one matrix-vector product per block.
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t rows = std::min(block_size, context - b * block_size);
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(rows), static_cast<int>(head_dim), scale,
+                    k_base + attn_slots_[b * block_size] * slot_stride, static_cast<int>(slot_stride), qh, 1, 0.0f,
+                    weights + b * block_size, 1);
       }
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < context; ++j) max = std::max(max, weights[j]);
       double sum = 0.0;
       for (int64_t j = 0; j < context; ++j) {
         weights[j] = std::exp(weights[j] - max);
         sum += weights[j];
       }
       const float inv_sum = static_cast<float>(1.0 / sum);
+      for (int64_t j = 0; j < context; ++j) weights[j] *= inv_sum;
 
-      // out = sum_j p_j v_j, accumulated in float. q's head is no longer needed, so this is
-      // correct even if out is q.
+      // out = sum_j p_j v_j, accumulated in float, a block at a time. q's head is no longer
+      // needed, so this is correct even if out is q.
       float* oh = out->as<float>() + t * q.dim(1) + h * head_dim;
       std::fill(oh, oh + head_dim, 0.0f);
-      for (int64_t j = 0; j < context; ++j) {
-        const float p = weights[j] * inv_sum;
-        const float* vj = v_base + attn_slots_[j] * slot_stride;
-        for (int64_t d = 0; d < head_dim; ++d) oh[d] += p * vj[d];
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t rows = std::min(block_size, context - b * block_size);
+        cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<int>(rows), static_cast<int>(head_dim), 1.0f,
+                    v_base + attn_slots_[b * block_size] * slot_stride, static_cast<int>(slot_stride),
+                    weights + b * block_size, 1, 1.0f, oh, 1);
       }
     }
   }
