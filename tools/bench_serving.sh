@@ -4,6 +4,7 @@
 #
 #   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys.
 #   (2) PP=2: micro-batched pipeline vs one micro-batch in flight (pp2/serial), 16 streams.
+#   (3) (2) again with 512-token prompts and 32-token outputs.
 #
 # Every run: random prompts of 128 token ids (seed 0), 128 output tokens each (ignore_eos), greedy.
 # Request counts are chosen so that each measured run lasts at least ~20 s on a 2-core machine and
@@ -72,6 +73,9 @@ bench tp1-c1 --compare tp1 --concurrency 1 --num-requests "$N_SINGLE" --warmup 1
 bench tp1-c32 --compare tp1 --concurrency 32 --num-requests "$N_BATCH" --warmup 1 || status=1
 # (2) PP=2, micro-batches in flight (the coordinator's default: PP of them) vs one, 16 streams.
 bench pp2-c16 --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 || status=1
+# (3) The same with long prompts and short outputs (512 in, 32 out): the stages are compute-bound.
+if [ "$QUICK" = 1 ]; then LONG=(--input-len 32 --output-len 4); else LONG=(--input-len 512 --output-len 32); fi
+bench pp2-c16-long --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 "${LONG[@]}" || status=1
 
 echo
 echo "bench_serving.sh: done in $(( $(date +%s) - start )) s; JSON and logs in $OUT_DIR"
