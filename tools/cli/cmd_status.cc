@@ -56,7 +56,13 @@ int Run(const std::vector<std::string>& args) {
   std::printf("model %s (%s, %lld layers, vocab %lld, %s, max length %lld)\n", m.name().c_str(), m.architecture().c_str(),
               static_cast<long long>(m.num_layers()), static_cast<long long>(m.vocab_size()), m.dtype().c_str(),
               static_cast<long long>(m.max_model_len()));
-  std::printf("layout TP=%d x PP=%d, %s\n\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
+  std::printf("layout TP=%d x PP=%d, %s\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
+  const v1::SchedulerStatus& q = cs.scheduler();
+  std::printf("scheduler: %d running (max %d), %d waiting (max %d), KV blocks %lld free of %lld (%lld tokens each), "
+              "%lld preemptions, %d micro-batch(es), %lld tokens per step\n\n",
+              q.running(), q.max_running(), q.waiting(), q.max_waiting(), static_cast<long long>(q.kv_blocks_free()),
+              static_cast<long long>(q.kv_blocks_total()), static_cast<long long>(q.block_size()),
+              static_cast<long long>(q.preemptions()), q.micro_batches(), static_cast<long long>(q.max_tokens_per_step()));
   if (!cs.plan_text().empty()) std::printf("%s\n", cs.plan_text().c_str());
   std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %-22s %s\n", "worker", "node", "device", "stage", "tp",
               "layers", "state", "address", "metrics", "detail");
