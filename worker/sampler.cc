@@ -108,9 +108,9 @@ absl::Status Sampler::Validate(uint64_t step_id, const RowList& rows, int64_t vo
     }
     for (auto [field, value] : {std::pair{"presence_penalty", r.presence_penalty()},
                                 std::pair{"frequency_penalty", r.frequency_penalty()}}) {
-      if (!(value >= -kMaxAbsPresenceFrequency && value <= kMaxAbsPresenceFrequency)) {
+      if (!(value >= -kMaxAbsPresenceFrequencyPenalty && value <= kMaxAbsPresenceFrequencyPenalty)) {
         return bad(field, value,
-                   absl::StrCat("is outside [", -kMaxAbsPresenceFrequency, ", ", kMaxAbsPresenceFrequency, "]"));
+                   absl::StrCat("is outside [", -kMaxAbsPresenceFrequencyPenalty, ", ", kMaxAbsPresenceFrequencyPenalty, "]"));
       }
     }
     if (r.top_logprobs() < 0 || r.top_logprobs() > kMaxTopLogprobs) {

@@ -46,11 +46,6 @@ namespace shardserve {
 
 class Sampler {
  public:
-  // Limits on a row's parameters (worker.proto RowSampling).
-  static constexpr float kMaxRepetitionPenalty = 10.0f;
-  static constexpr float kMaxAbsPresenceFrequency = 2.0f;
-  static constexpr int32_t kMaxTopLogprobs = 20;
-
   // For steps of up to `max_rows` logit rows over a vocabulary of `vocab_size` ids, on `device`.
   static absl::StatusOr<std::unique_ptr<Sampler>> Create(Backend* device, int64_t max_rows, int64_t vocab_size);
 

@@ -148,9 +148,7 @@ void Engine::Loop() {
       const absl::Status s = pool_->CheckServing();
       for (auto& r : arrivals) {
         CoordinatorRequestLog(r->params.request_id, absl::StrCat("refused: ", s.message()), "warn");
-        r->stream->End(s.ok() ? absl::UnavailableError("the worker group is not serving") : s);
-        absl::MutexLock lock(&mu_);
-        --queued_;
+        EndStream(*r, s.ok() ? absl::UnavailableError("the worker group is not serving") : s);
       }
       arrivals.clear();
     }
@@ -169,15 +167,13 @@ void Engine::Loop() {
 
 SchedulerOptions Engine::SchedulerOptionsFromPool() {
   const StepSizing z = pool_->sizing();
-  v1::ClusterStatus cluster;
-  pool_->FillStatus(&cluster);
   SchedulerOptions o;
   o.max_running = z.max_seqs_per_step;
   o.max_tokens_per_step = z.max_tokens_per_step;
   o.num_kv_blocks = z.num_kv_blocks;
   o.block_size = z.block_size;
   o.max_blocks_per_seq = z.max_blocks_per_seq;
-  o.lanes = options_.micro_batches > 0 ? options_.micro_batches : std::max(1, cluster.pp());
+  o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
   return o;
 }
 
@@ -271,7 +267,7 @@ absl::Status Engine::FinishOldest() {
     if (generated == 1) r.first_token_seconds = SecondsBetween(r.arrival, now);
     if (metrics_ != nullptr) {
       if (generated == 1) {
-        metrics_->time_to_first_token.Observe(SecondsBetween(r.arrival, now));
+        metrics_->time_to_first_token.Observe(r.first_token_seconds);
       } else {
         metrics_->inter_token_latency.Observe(SecondsBetween(r.last_token, now));
       }
@@ -293,14 +289,18 @@ absl::Status Engine::FinishOldest() {
   return absl::OkStatus();
 }
 
-void Engine::End(uint64_t id, const absl::Status& status) {
-  auto it = requests_.find(id);
-  if (it == requests_.end()) return;
-  it->second->stream->End(status);
-  if (it->second->started == SteadyTime()) {
+void Engine::EndStream(Request& r, const absl::Status& status) {
+  r.stream->End(status);
+  if (r.started == SteadyTime()) {  // never scheduled: it was still counted as queued
     absl::MutexLock lock(&mu_);
     --queued_;
   }
+}
+
+void Engine::End(uint64_t id, const absl::Status& status) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  EndStream(*it->second, status);
   if (scheduler_ != nullptr) scheduler_->Remove(id);
   requests_.erase(it);
 }
@@ -311,22 +311,18 @@ void Engine::FailAll(const absl::Status& status) {
                           absl::StrCat("aborted after ", r->generation->completion_tokens(), " tokens: ",
                                        status.message()),
                           "error");
-    r->stream->End(status);
-    if (r->started == SteadyTime()) {
-      absl::MutexLock lock(&mu_);
-      --queued_;
-    }
+    EndStream(*r, status);
   }
   requests_.clear();
   if (scheduler_ != nullptr) scheduler_->Clear();
   in_flight_.clear();
   pool_->DropSteps();
-  absl::MutexLock lock(&mu_);
-  for (auto& r : inbox_) {
-    r->stream->End(status);
-    --queued_;
+  std::vector<std::unique_ptr<Request>> inbox;
+  {
+    absl::MutexLock lock(&mu_);
+    inbox.swap(inbox_);
   }
-  inbox_.clear();
+  for (auto& r : inbox) EndStream(*r, status);
 }
 
 void Engine::PublishStats() {

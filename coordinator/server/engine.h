@@ -119,6 +119,8 @@ class Engine {
   absl::Status SendSteps();
   // Waits for the oldest step in flight and streams its tokens.
   absl::Status FinishOldest();
+  // Ends `r`'s stream with `status`; a request never scheduled leaves the queued count.
+  void EndStream(Request& r, const absl::Status& status);
   // Ends request `id` (finished: OK, or an error) and removes it from the scheduler.
   void End(uint64_t id, const absl::Status& status);
   // Ends every request with `status` (the group broke, or shutdown).

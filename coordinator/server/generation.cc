@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/sampling.h"
 
 namespace shardserve {
 namespace {
@@ -17,8 +18,6 @@ constexpr int kMaxStops = 16;
 constexpr size_t kMaxStopBytes = 256;
 constexpr int kMaxStopTokenIds = 256;
 constexpr size_t kMaxRequestIdBytes = 128;
-constexpr float kMaxRepetitionPenalty = 10;
-constexpr int32_t kMaxTopLogprobs = 20;
 
 absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -91,8 +90,10 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   }
   for (auto [field, value] : {std::pair{"sampling.presence_penalty", s.presence_penalty()},
                               {"sampling.frequency_penalty", s.frequency_penalty()}}) {
-    if (!(std::isfinite(value) && value >= -2 && value <= 2)) {
-      return Invalid(field, absl::StrCat("must be in [-2, 2], got ", value));
+    if (!(std::isfinite(value) && value >= -kMaxAbsPresenceFrequencyPenalty &&
+          value <= kMaxAbsPresenceFrequencyPenalty)) {
+      return Invalid(field, absl::StrCat("must be in [", -kMaxAbsPresenceFrequencyPenalty, ", ",
+                                         kMaxAbsPresenceFrequencyPenalty, "], got ", value));
     }
   }
   if (s.top_logprobs() < 0 || s.top_logprobs() > kMaxTopLogprobs) {

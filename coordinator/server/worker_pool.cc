@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "coordinator/planner/render.h"
 #include "coordinator/server/log.h"
+#include "kernels/sampling.h"
 
 namespace shardserve {
 namespace {
@@ -520,7 +521,7 @@ absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, 
     return bad("came back with ", r.logprobs_size(), " logprob rows, expected ", want_logprobs);
   }
   for (const v1::RowLogprobs& l : r.logprobs()) {
-    if (l.top_ids_size() != l.top_logprobs_size() || l.top_ids_size() > 20 || std::isnan(l.logprob())) {
+    if (l.top_ids_size() != l.top_logprobs_size() || l.top_ids_size() > kMaxTopLogprobs || std::isnan(l.logprob())) {
       return bad("has a malformed logprob row");
     }
     for (int32_t id : l.top_ids()) {

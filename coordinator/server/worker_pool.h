@@ -148,6 +148,8 @@ class WorkerPool {
   // The longest sequence served (the plan's once planned, the target before).
   int64_t max_model_len();
   StepSizing sizing();
+  // Pipeline stages (--nodes).
+  int num_stages() const { return options_.nodes; }
   // Fills tp, pp, plan_text, workers and serving.
   void FillStatus(v1::ClusterStatus* status);
 
