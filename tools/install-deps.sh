@@ -14,6 +14,7 @@ PACKAGES=(
   nlohmann-json3-dev
   libgtest-dev libgmock-dev
   python3 python3-venv
+  procps                    # pgrep: tests/bench_test.py checks that no process is left behind
   prometheus                # promtool: tests/deploy_test.sh checks deploy/prometheus
 )
 
