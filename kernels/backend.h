@@ -1,5 +1,5 @@
 // The math a Llama-family forward pass needs, behind one interface with two implementations:
-// CpuBackend (float32, OpenBLAS for matrix products) and CudaBackend (F32/F16/BF16 activations,
+// CpuBackend (float32, oneDNN for matrix products) and CudaBackend (F32/F16/BF16 activations,
 // cuBLAS for matrix products, our own kernels for the rest).
 //
 // Conventions
@@ -78,7 +78,7 @@ class Backend {
 
   virtual DeviceKind device_kind() const = 0;
   virtual DType act_dtype() const = 0;
-  virtual std::string Describe() const = 0;  // e.g. "cpu (OpenBLAS, 2 threads)", "cuda:0 (H100, bf16)"
+  virtual std::string Describe() const = 0;  // e.g. "cpu (oneDNN 2.6.3, 2 threads)", "cuda:0 (H100, bf16)"
 
   // ---- Memory --------------------------------------------------------------------------------
   virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;
@@ -88,6 +88,15 @@ class Backend {
   virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status Fill0(void* dst, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
+
+  // Stores a MatMul weight w [m, k] in the layout this backend's GEMM reads fastest, once, at
+  // load. Returns the buffer holding the repacked copy and sets *packed to an [m, k] tensor
+  // viewing it, to pass to MatMul as w from then on; w itself may then be freed. A packed tensor
+  // is only for MatMul, whole: other ops cannot read it and MatMul refuses a view of part of it.
+  // The CPU backend packs F32 weights into oneDNN's blocked layout, so that each step's GEMM
+  // streams the weight once instead of repacking it; a backend that reads plain weights
+  // directly (CUDA) returns an empty Buffer and sets *packed = w.
+  virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed);
 
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.
@@ -100,8 +109,8 @@ class Backend {
   virtual absl::Status RmsNorm(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/,
                                const Tensor& w /*[d] act*/, float eps) = 0;
 
-  // out = x @ w^T (+ bias): w is stored as in Hugging Face Linear, [out_features, in_features].
-  // out may be F32 (logits) or act. bias may be null.
+  // out = x @ w^T (+ bias): w is stored as in Hugging Face Linear, [out_features, in_features],
+  // plain or as PackMatMulWeight made it. out may be F32 (logits) or act. bias may be null.
   virtual absl::Status MatMul(Tensor* out /*[n, m]*/, const Tensor& x /*[n, k] act*/,
                               const Tensor& w /*[m, k] act*/, const Tensor* bias /*[m] act*/) = 0;
 
@@ -151,11 +160,9 @@ class Backend {
                               const std::vector<SampleParams>& params /*[n], host*/) = 0;
 };
 
-// The CPU backend: float32 activations, OpenBLAS for matrix products. Never fails to create.
-// threads > 0: OpenBLAS runs matrix products on that many threads (openblas_set_num_threads).
-// That setting is process-wide (OpenBLAS has one thread pool), so it also applies to CPU backends
-// created before; the backend has no threads of its own (its other ops run on the calling
-// thread). threads <= 0 leaves OpenBLAS as it is: OPENBLAS_NUM_THREADS, else one per core.
+// The CPU backend: float32 activations, oneDNN for matrix products. Never fails to create. threads > 0: matrix products and attention run
+// on that many (OpenMP) threads; threads <= 0: on OpenMP's default (OMP_NUM_THREADS, else one per
+// core). The backend's other ops run on the calling thread.
 std::unique_ptr<Backend> MakeCpuBackend(int threads = 0);
 
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -207,6 +208,13 @@ class Cluster {
       std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
                                        "--listen", listen, "--memory-gb", "4"};
       argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
+      if (std::find(argv.begin(), argv.end(), "--threads") == argv.end()) {
+        // Each worker its share of the cores, as `shardserve launch` gives them: more compute
+        // threads than cores, across processes, spin against each other.
+        const int workers = spec_.nodes * spec_.gpus_per_node;
+        const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+        argv.insert(argv.end(), {"--threads", std::to_string(std::max(1, cores / workers))});
+      }
       worker_addresses_.push_back(listen);
       workers_.push_back(
           std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));

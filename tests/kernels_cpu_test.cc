@@ -253,7 +253,7 @@ TEST(ConvertOnHostTest, ConvertsBetweenFloatTypes) {
 TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
   EXPECT_EQ(backend_->device_kind(), DeviceKind::kCpu);
   EXPECT_EQ(backend_->act_dtype(), DType::kF32);
-  EXPECT_NE(backend_->Describe().find("OpenBLAS"), std::string::npos) << backend_->Describe();
+  EXPECT_NE(backend_->Describe().find("oneDNN"), std::string::npos) << backend_->Describe();
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, size_t{4096}}) {
     absl::StatusOr<Buffer> b = backend_->Allocate(bytes);
     ASSERT_TRUE(b.ok()) << b.status();
@@ -265,18 +265,34 @@ TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
 
 // ---- MatMul ----------------------------------------------------------------------------------
 
-// MakeCpuBackend(threads) sets OpenBLAS's (process-wide) thread count; 0 leaves it as it is.
-// Describe() reports it, as the worker's load log line shows.
-TEST_F(CpuBackendTest, ThreadsOptionSetsTheBlasThreads) {
-  const std::string before = backend_->Describe();  // "cpu (<config>, N threads)"
-  const size_t comma = before.rfind(", ");
-  ASSERT_NE(comma, std::string::npos) << before;
-  const int original = std::atoi(before.c_str() + comma + 2);
-  ASSERT_GT(original, 0) << before;
+// MakeCpuBackend(threads) sets how many threads that backend's matrix products use (oneDNN's,
+// per backend); 0 takes OpenMP's default. Describe() reports it, as the worker's load log shows.
+TEST_F(CpuBackendTest, ThreadsOptionSetsTheMatMulThreads) {
+  const auto threads_of = [](const Backend& b) {  // "cpu (<libraries>, N threads)"
+    const std::string d = b.Describe();
+    const size_t comma = d.rfind(", ");
+    return comma == std::string::npos ? -1 : std::atoi(d.c_str() + comma + 2);
+  };
+  const int original = threads_of(*backend_);
+  EXPECT_GT(original, 0) << backend_->Describe();
+  EXPECT_EQ(threads_of(*MakeCpuBackend(1)), 1);
+  EXPECT_EQ(threads_of(*MakeCpuBackend(3)), 3);
+  EXPECT_EQ(threads_of(*MakeCpuBackend(0)), original);
+  EXPECT_EQ(threads_of(*backend_), original);  // others' settings do not change this one's
+}
 
-  EXPECT_NE(MakeCpuBackend(1)->Describe().find(", 1 threads)"), std::string::npos);
-  EXPECT_NE(MakeCpuBackend(0)->Describe().find(", 1 threads)"), std::string::npos);  // unchanged
-  EXPECT_NE(MakeCpuBackend(original)->Describe().find(absl::StrCat(", ", original, " threads)")), std::string::npos);
+// x [n, k] @ w[m, k]^T (+ b) in double.
+std::vector<double> MatMulReference(const std::vector<float>& x, const std::vector<float>& w,
+                                    const std::vector<float>* b, int64_t n, int64_t k, int64_t m) {
+  std::vector<double> want(n * m);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < m; ++j) {
+      double s = b != nullptr ? (*b)[j] : 0.0;
+      for (int64_t l = 0; l < k; ++l) s += static_cast<double>(x[i * k + l]) * w[j * k + l];
+      want[i * m + j] = s;
+    }
+  }
+  return want;
 }
 
 TEST_F(CpuBackendTest, MatMul) {
@@ -293,14 +309,7 @@ TEST_F(CpuBackendTest, MatMul) {
     DeviceTensor out = Output(DType::kF32, {c.n, c.m});
     ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), dw.t(), c.bias ? &db.t() : nullptr).ok()) << what;
 
-    std::vector<double> want(c.n * c.m);
-    for (int64_t i = 0; i < c.n; ++i) {
-      for (int64_t j = 0; j < c.m; ++j) {
-        double s = c.bias ? b[j] : 0.0;
-        for (int64_t l = 0; l < c.k; ++l) s += static_cast<double>(x[i * c.k + l]) * w[j * c.k + l];
-        want[i * c.m + j] = s;
-      }
-    }
+    const std::vector<double> want = MatMulReference(x, w, c.bias ? &b : nullptr, c.n, c.k, c.m);
     // A float32 sum of k <= 300 products of values in [-1, 1] rounds each partial sum (size
     // ~sqrt(k)/3) by up to 2^-24 of itself; as a random walk over k additions that is
     // ~k * 2^-24 / 3 = 6e-6 absolute, against max|out| ~ sqrt(k) = 17: a few 1e-7 normalized.
@@ -309,6 +318,95 @@ TEST_F(CpuBackendTest, MatMul) {
     ExpectClose(what, out.Download<float>(), want, 1e-5);
     EXPECT_TRUE(out.GuardsIntact()) << what;
   }
+}
+
+// PackMatMulWeight repacks into oneDNN's blocked layout (a different copy, not a view of w), and
+// MatMul with the packed weight gives the same products for any row count, bias or not, after
+// the plain weight is gone.
+TEST_F(CpuBackendTest, MatMulWithPackedWeight) {
+  struct Case {
+    int64_t k, m;
+  };
+  for (const Case& c : {Case{64, 1}, Case{129, 33}, Case{17, 300}, Case{300, 7}, Case{768, 256}}) {
+    const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
+    Tensor packed;
+    Buffer packed_buffer;
+    {
+      DeviceTensor dw = F32({c.m, c.k}, w);
+      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      ASSERT_NE(buffer->data(), nullptr);
+      EXPECT_EQ(packed.data, buffer->data());
+      EXPECT_EQ(packed.ShapeString(), dw.t().ShapeString());
+      packed_buffer = std::move(*buffer);
+      dw.Poison();  // and then freed: MatMul must read only the packed copy
+    }
+    DeviceTensor db = F32({c.m}, b);
+    for (int64_t n : {1, 3, 16, 17, 64, 300}) {
+      for (bool bias : {false, true}) {
+        const std::string what = absl::StrCat("packed MatMul n=", n, " k=", c.k, " m=", c.m, bias ? " +bias" : "");
+        const std::vector<float> x = Random(rng_, n * c.k);
+        DeviceTensor dx = F32({n, c.k}, x);
+        DeviceTensor out = Output(DType::kF32, {n, c.m});
+        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+        // As for plain MatMul (above): k <= 768 terms in [-1, 1], float accumulation.
+        ExpectClose(what, out.Download<float>(), MatMulReference(x, w, bias ? &b : nullptr, n, c.k, c.m), 1e-5);
+        EXPECT_TRUE(out.GuardsIntact()) << what;
+      }
+    }
+  }
+}
+
+// Continuous batching relies on this (tests/batching_test.cc): a row's product with a packed
+// weight is bitwise the same whatever other rows share the call, for any row count and on any
+// number of threads.
+TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
+  const int64_t k = 768, m = 256, rows = 300;
+  const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
+  for (int threads : {1, 2}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
+    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+    dw.Upload(w);
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
+    all_x.Upload(x);
+    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
+    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
+    const std::vector<float> want = all_out.Download<float>();
+    for (int64_t n : {1, 2, 7, 16, 31, 64, 129}) {
+      for (int64_t first : {int64_t{0}, rows - n}) {  // rows [first, first + n) alone
+        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
+        const std::vector<float> got = part_out.Download<float>();
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+            << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
+            << " (" << threads << " threads)";
+      }
+    }
+  }
+}
+
+// A packed weight is used whole: a view of some of its rows is refused (its bytes are in
+// oneDNN's layout, not rows), and so is packing something that is not an F32 matrix.
+TEST_F(CpuBackendTest, PackedWeightRefusesPartsAndBadInput) {
+  const int64_t k = 32, m = 48;
+  DeviceTensor dw = F32({m, k}, Random(rng_, m * k));
+  Tensor packed;
+  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  DeviceTensor x = F32({2, k}, Random(rng_, 2 * k));
+  DeviceTensor out = Output(DType::kF32, {2, m - 16});
+  const absl::Status s = backend_->MatMul(out.ptr(), x.t(), packed.Rows(16, m), nullptr);
+  EXPECT_TRUE(IsInvalidArgumentNaming(s, "MatMul")) << s;
+  EXPECT_NE(s.message().find("packed"), std::string::npos) << s;
+
+  DeviceTensor ids = I32({2, 2}, {1, 2, 3, 4});
+  DeviceTensor vec = F32({k}, Random(rng_, k));
+  Tensor unused;
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->PackMatMulWeight(ids.t(), &unused).status(), "PackMatMulWeight"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->PackMatMulWeight(vec.t(), &unused).status(), "PackMatMulWeight"));
 }
 
 // ---- RmsNorm ---------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ double NormalizedError(const std::vector<float>& a, const std::vector<float>& b)
   return diff / scale;
 }
 
-// 1e-4: both sides compute in float32, and only the order of summation differs (OpenBLAS vs
+// 1e-4: both sides compute in float32, and only the order of summation differs (oneDNN vs
 // PyTorch's kernels), which moves logits by ~1e-6 relative here. A real mistake (a wrong rope
 // frequency, a missing bias, a wrong head mapping) moves them by 1e-2 or more.
 constexpr double kLogitsTolerance = 1e-4;

@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev
   prometheus-cpp-dev
   libgloo-dev
-  libopenblas-dev
+  libdnnl-dev               # oneDNN: the CPU backend's matrix products
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
   libgtest-dev libgmock-dev

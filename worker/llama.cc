@@ -53,6 +53,16 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std:
   return t;
 }
 
+absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
+                                                    std::vector<int64_t> full_shape, const Slice& slice) {
+  Tensor plain, packed;
+  ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
+  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed);
+  if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
+  if (buffer->data() != nullptr) buffers_.back() = std::move(*buffer);  // the packed copy replaces the plain one
+  return packed;
+}
+
 absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const RuntimeOptions& opt,
                                                              Backend* backend, Communicator* tp) {
@@ -94,19 +104,19 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
     const std::string p = absl::StrCat("model.layers.", i, ".");
     Layer l;
     ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
-    ASSIGN_OR_RETURN(l.q_proj, m->LoadWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
-    ASSIGN_OR_RETURN(l.k_proj, m->LoadWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
-    ASSIGN_OR_RETURN(l.v_proj, m->LoadWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
+    ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
+    ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
+    ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
     if (config.attention_bias) {
       ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
       ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
       ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
     }
-    ASSIGN_OR_RETURN(l.o_proj, m->LoadWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
+    ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
     ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
-    ASSIGN_OR_RETURN(l.gate_proj, m->LoadWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
-    ASSIGN_OR_RETURN(l.up_proj, m->LoadWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
-    ASSIGN_OR_RETURN(l.down_proj, m->LoadWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
+    ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
+    ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
+    ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
     // The paged KV cache of this layer: this rank's KV heads only.
     ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
     ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
@@ -117,11 +127,11 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
   if (m->is_last_stage()) {
     ASSIGN_OR_RETURN(m->norm_, m->LoadWeight(ckpt, "model.norm.weight", {H}, all));
     if (!config.tie_word_embeddings) {
-      ASSIGN_OR_RETURN(m->lm_head_, m->LoadWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
+      ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
     } else if (m->is_first_stage()) {
       m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage
     } else {
-      ASSIGN_OR_RETURN(m->lm_head_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+      ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
     }
   }
   std::vector<float> inv_freq = RopeInvFreq(config);

@@ -95,6 +95,9 @@ class LlamaShard {
   LlamaShard() = default;
   absl::StatusOr<Tensor> LoadWeight(const Checkpoint& ckpt, const std::string& name, std::vector<int64_t> full_shape,
                                     const Slice& slice);
+  // LoadWeight, then the backend's PackMatMulWeight: for weights only MatMul reads.
+  absl::StatusOr<Tensor> LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
+                                          std::vector<int64_t> full_shape, const Slice& slice);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
   absl::Status CheckBatch(const StepBatch& batch) const;
   absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);

@@ -55,11 +55,12 @@ constexpr char kUsage[] =
     "                           and reported to the coordinator (default 127.0.0.1:0;\n"
     "                           docs/metrics.md lists the metrics)\n"
     "  --log-format             text (default) or json: one JSON object per line\n"
-    "  --threads                --device cpu: threads for the CPU backend's matrix products (OpenBLAS;\n"
-    "                           its other ops run on the step thread); 0 (default): OpenBLAS's\n"
-    "                           default (OPENBLAS_NUM_THREADS, else one per core). Ignored on cuda\n";
+    "  --threads                --device cpu: threads for the CPU backend's matrix products and\n"
+    "                           attention (oneDNN, OpenMP; its other ops run on the step thread); 0\n"
+    "                           (default): OpenMP's default (OMP_NUM_THREADS, else one per core).\n"
+    "                           Give each worker its share of the cores. Ignored on cuda\n";
 
-// Far above any host's core count; OpenBLAS caps at its own MAX_THREADS anyway.
+// Far above any host's core count.
 constexpr int kMaxThreads = 4096;
 
 int Usage(const std::string& error) {

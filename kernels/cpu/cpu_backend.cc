@@ -1,5 +1,5 @@
-// The CPU backend: float32 activations in host memory, OpenBLAS (CBLAS) for matrix products,
-// plain loops for everything else.
+// The CPU backend: float32 activations in host memory; oneDNN for matrix products (with the
+// model's weights packed once, at load, into its blocked layout), plain loops for everything else.
 //
 // Numerics follow PyTorch float32 as Hugging Face transformers uses it, so that the CPU path can
 // be compared with transformers directly:
@@ -12,12 +12,13 @@
 //
 // Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
 // element-wise loops over contiguous rows, and dot products split into independent partial sums
-// (see Dot).
+// (see BlockScores).
 //
-// Threading: OpenBLAS threads its GEMMs (MakeCpuBackend(threads) sets how many); the other loops
-// run on the calling thread. A CpuBackend is used by one thread at a time (backend.h); its scratch
-// vectors rely on that.
-#include <cblas.h>
+// Threading: matrix products (oneDNN) and attention (one (token, head) pair per iteration) run on
+// the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the other ops run on the
+// calling thread. A CpuBackend is used by one thread at a time (backend.h); its scratch vectors
+// rely on that.
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -27,8 +28,11 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "oneapi/dnnl/dnnl.hpp"
 
 namespace shardserve {
 namespace {
@@ -150,19 +155,69 @@ double SoftmaxRow(float* out, const float* x, int64_t v, float temperature) {
   return sum;
 }
 
+// Attention's inner loops over one KV block: `rows` cache rows of one kv head, `stride` floats
+// apart, head_dim hd. Cloned for AVX-512 and AVX2 (chosen at load by the CPU), since the build
+// targets baseline x86-64.
+// Scores w[r] = (q . k_r) * scale, each dot product in 16 independent float partial sums (so that
+// it vectorizes without reassociation), added pairwise.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void BlockScores(
+    float* w, const float* q, const float* k, int64_t rows, int64_t stride, int64_t hd, float scale) {
+  constexpr int kLanes = 16;
+  for (int64_t r = 0; r < rows; ++r, k += stride) {
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= hd; i += kLanes) {
+      for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * k[i + j];
+    }
+    for (int j = 0; i < hd; ++i, ++j) acc[j] += q[i] * k[i];
+    for (int width = kLanes / 2; width > 0; width /= 2) {
+      for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+    }
+    w[r] = acc[0] * scale;
+  }
+}
+
+// out += sum_r p[r] v_r, in float, row by row.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void BlockWeightedSum(
+    float* out, const float* p, const float* v, int64_t rows, int64_t stride, int64_t hd) {
+  for (int64_t r = 0; r < rows; ++r, v += stride) {
+    for (int64_t i = 0; i < hd; ++i) out[i] += p[r] * v[i];
+  }
+}
+
+// A oneDNN matmul's primitive descriptor (bias_desc null: no bias), in the API of oneDNN 2 (Debian
+// 12) or 3 (which dropped the op descriptors).
+dnnl::matmul::primitive_desc MatMulPrimitiveDesc(const dnnl::engine& engine, const dnnl::memory::desc& src,
+                                                 const dnnl::memory::desc& weights, const dnnl::memory::desc* bias,
+                                                 const dnnl::memory::desc& dst) {
+#if DNNL_VERSION_MAJOR >= 3
+  return bias != nullptr ? dnnl::matmul::primitive_desc(engine, src, weights, *bias, dst)
+                         : dnnl::matmul::primitive_desc(engine, src, weights, dst);
+#else
+  return dnnl::matmul::primitive_desc(
+      bias != nullptr ? dnnl::matmul::desc(src, weights, *bias, dst) : dnnl::matmul::desc(src, weights, dst), engine);
+#endif
+}
+
 // ---- The backend -------------------------------------------------------------------------------
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(int threads) : threads_(threads) {}
+
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
-    // openblas_get_config() reads like "OpenBLAS 0.3.21 DYNAMIC_ARCH NO_AFFINITY Haswell MAX_THREADS=64".
-    return absl::StrCat("cpu (", openblas_get_config(), ", ", openblas_get_num_threads(), " threads)");
+    const dnnl_version_t* v = dnnl_version();
+    return absl::StrCat("cpu (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ", threads_, " threads)");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
-  void Free(void* data) override { std::free(data); }
+  void Free(void* data) override {
+    packed_.erase(data);
+    std::free(data);
+  }
+  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy("CopyToDevice", dst, host_src, bytes);
   }
@@ -191,14 +246,36 @@ class CpuBackend final : public Backend {
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
 
  private:
+  // A weight PackMatMulWeight repacked, keyed in packed_ by the address of its buffer.
+  struct PackedWeight {
+    int64_t m = 0, k = 0;      // the logical [m, k]
+    size_t bytes = 0;          // of the buffer
+    dnnl::memory::desc desc;   // oneDNN's layout of it, as the [k, m] "weights" of a matmul
+  };
+
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
+  // The packed weight w views, or null when w is plain. An error when w lies inside a packed
+  // buffer without being the whole of it (a Rows() view, say).
+  absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
+  // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN; w [m, k] is plain when packed is null.
+  // Throws dnnl::error.
+  void OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed, void* w,
+                    const float* bias);
+
+  const int threads_;  // oneDNN's (OpenMP's) threads for this backend's products
+  const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream_{engine_};
+  std::map<const void*, PackedWeight> packed_;
+  // oneDNN matmuls by (n, m, k, bias, packed): one per shape a step has used, made
+  // (JIT-compiled, ~0.4 ms) on first use. Steps have at most max_tokens_per_step rows and a
+  // model has a handful of weight shapes, so this stays small.
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul> matmuls_;
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.
   std::vector<float> rope_cos_;       // [head_dim / 2] cos of one token's angles
   std::vector<float> rope_sin_;       // [head_dim / 2] sin of one token's angles
-  std::vector<int64_t> attn_slots_;   // [longest context] cache slot of each position of one token's sequence
-  std::vector<float> attn_weights_;   // [longest context] scores, then probabilities, of one query head
+  std::vector<float> attn_weights_;   // [threads, longest context] scores, then probabilities, of one query head
   std::vector<float> sample_probs_;   // [vocab] probabilities of one row
   std::vector<float> sample_sorted_;  // [vocab] probabilities partially sorted for top-k / top-p
 };
@@ -283,26 +360,101 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if (w.dim(1) != k || out->dim(0) != n || out->dim(1) != m || (bias != nullptr && bias->dim(0) != m)) {
     return check.Error("want out [n, m], x [n, k], w [m, k], bias [m]");
   }
-  constexpr int64_t kBlasMax = std::numeric_limits<int>::max();  // CBLAS sizes are int
-  if (n > kBlasMax || m > kBlasMax || k > kBlasMax) return check.Error("a dimension exceeds CBLAS's int range");
   if (Overlaps(*out, x) || Overlaps(*out, w) || (bias != nullptr && Overlaps(*out, *bias))) {
     return check.Error("out must not overlap an input");
   }
   if (n == 0 || m == 0) return absl::OkStatus();
 
+  absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
+  if (!packed.ok()) return check.Error(packed.status().message());
   float* y = out->as<float>();
-  // With a bias, out starts as the bias broadcast over rows and GEMM adds to it (beta = 1), as
-  // torch.addmm does for nn.Linear.
-  if (bias != nullptr) {
-    for (int64_t r = 0; r < n; ++r) std::memcpy(y + r * m, bias->data, static_cast<size_t>(m) * sizeof(float));
+  if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
+    for (int64_t r = 0; r < n; ++r) {
+      if (bias != nullptr) {
+        std::memcpy(y + r * m, bias->data, static_cast<size_t>(m) * sizeof(float));
+      } else {
+        std::fill(y + r * m, y + (r + 1) * m, 0.0f);
+      }
+    }
+    return absl::OkStatus();
   }
-  // Row-major out[n, m] = x[n, k] @ w[m, k]^T. Leading dimensions must be >= 1 even when k = 0
-  // (then GEMM only applies beta).
-  const int ld = static_cast<int>(std::max<int64_t>(k, 1));
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(m),
-              static_cast<int>(k), 1.0f, x.as<float>(), ld, w.as<float>(), ld, bias != nullptr ? 1.0f : 0.0f, y,
-              static_cast<int>(m));
+  try {
+    OneDnnMatMul(y, x.as<float>(), n, m, k, *packed, w.data, bias != nullptr ? bias->as<float>() : nullptr);
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(absl::StrCat("MatMul: oneDNN failed (", e.what(), ") on x ", x.ShapeString(), ", ",
+                                            *packed != nullptr ? "packed " : "", "w ", w.ShapeString()));
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
+  auto it = packed_.upper_bound(w.data);  // the first buffer above w.data
+  if (it == packed_.begin()) return nullptr;
+  --it;  // the last buffer at or below w.data
+  const auto* begin = static_cast<const char*>(it->first);
+  if (static_cast<const char*>(w.data) >= begin + it->second.bytes) return nullptr;
+  if (w.data != it->first || w.dim(0) != it->second.m || w.dim(1) != it->second.k) {
+    return absl::InvalidArgumentError(absl::StrCat("w views part of a packed [", it->second.m, ", ", it->second.k,
+                                                   "] weight; pass the whole tensor PackMatMulWeight made"));
+  }
+  return &it->second;
+}
+
+void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed,
+                              void* w, const float* bias) {
+  using dnnl::memory;
+  constexpr auto f32 = memory::data_type::f32;
+  constexpr auto ab = memory::format_tag::ab;
+  // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
+  omp_set_num_threads(threads_);
+  const memory::desc src_desc({n, k}, f32, ab), dst_desc({n, m}, f32, ab), bias_desc({1, m}, f32, ab);
+  // A plain w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
+  const memory::desc weights_desc = packed != nullptr ? packed->desc : memory::desc({k, m}, f32, memory::format_tag::ba);
+  const auto key = std::make_tuple(n, m, k, bias != nullptr, packed != nullptr);
+  auto it = matmuls_.find(key);
+  if (it == matmuls_.end()) {
+    const dnnl::matmul::primitive_desc pd =
+        MatMulPrimitiveDesc(engine_, src_desc, weights_desc, bias != nullptr ? &bias_desc : nullptr, dst_desc);
+    it = matmuls_.emplace(key, dnnl::matmul(pd)).first;
+  }
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, const_cast<float*>(x))},
+                                          {DNNL_ARG_WEIGHTS, memory(weights_desc, engine_, w)},
+                                          {DNNL_ARG_DST, memory(dst_desc, engine_, y)}};
+  if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
+  it->second.execute(stream_, args);
+  stream_.wait();
+}
+
+absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
+  const ArgCheck check("PackMatMulWeight", {{"w", &w, kF32, 2}});
+  if (absl::Status s = check.Types(); !s.ok()) return s;
+  *packed = w;
+  const int64_t m = w.dim(0), k = w.dim(1);
+  if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  using dnnl::memory;
+  constexpr auto f32 = memory::data_type::f32;
+  // The layout oneDNN picks for 16-row products; its brgemm kernels take it for every row count.
+  constexpr int64_t kRows = 16;
+  try {
+    const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
+        engine_, memory::desc({kRows, k}, f32, memory::format_tag::ab), memory::desc({k, m}, f32, memory::format_tag::any),
+        nullptr, memory::desc({kRows, m}, f32, memory::format_tag::ab));
+    const memory::desc layout = pd.weights_desc();
+    absl::StatusOr<Buffer> buffer = Allocate(layout.get_size());
+    if (!buffer.ok()) return buffer.status();
+    // w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
+    memory plain(memory::desc({k, m}, f32, memory::format_tag::ba), engine_, w.data);
+    memory blocked(layout, engine_, buffer->data());
+    omp_set_num_threads(threads_);
+    dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
+    stream_.wait();
+    packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    *packed = Tensor(buffer->data(), kF32, {m, k});
+    return buffer;
+  } catch (const dnnl::error& e) {
+    *packed = w;
+    return absl::InternalError(absl::StrCat("PackMatMulWeight: oneDNN failed (", e.what(), ") on w ", w.ShapeString()));
+  }
 }
 
 absl::Status CpuBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
@@ -426,52 +578,40 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
     longest = std::max(longest, int64_t{pos[t]} + 1);
   }
 
-  attn_slots_.resize(static_cast<size_t>(longest));
-  attn_weights_.resize(static_cast<size_t>(longest));
+  // One (token, query head) pair per iteration, spread over the backend's threads; each thread
+  // has its own row of attn_weights_.
+  attn_weights_.resize(static_cast<size_t>(threads_ * longest));
   const int64_t group = q_heads / kv_heads;   // query heads per kv head (GQA)
   const int64_t slot_stride = kv_heads * head_dim;  // floats between consecutive cache slots
-  for (int64_t t = 0; t < n; ++t) {
-    // Resolve the block table once per token: position j lives in cache slot attn_slots_[j].
+  const int64_t pairs = n * q_heads;
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 4) if (pairs > 1)
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t t = i / q_heads, h = i % q_heads;
     const int64_t context = int64_t{pos[t]} + 1;
-    const int32_t* table = tables + seq[t] * max_blocks;
-    for (int64_t j = 0; j < context; ++j) attn_slots_[j] = table[j / block_size] * block_size + j % block_size;
-
     const int64_t blocks = (context + block_size - 1) / block_size;
-    for (int64_t h = 0; h < q_heads; ++h) {
-      const float* qh = q.as<float>() + t * q.dim(1) + h * head_dim;
-      const float* k_base = k_cache.as<float>() + (h / group) * head_dim;  // kv head h / group, slot 0
-      const float* v_base = v_cache.as<float>() + (h / group) * head_dim;
-      float* weights = attn_weights_.data();
+    const int32_t* table = tables + seq[t] * max_blocks;  // position j lives in block table[j / block_size]
+    const float* qh = q.as<float>() + t * q.dim(1) + h * head_dim;
+    const float* k_base = k_cache.as<float>() + (h / group) * head_dim;  // kv head h / group, slot 0
+    const float* v_base = v_cache.as<float>() + (h / group) * head_dim;
+    float* weights = attn_weights_.data() + omp_get_thread_num() * longest;
 
-      // Scores as transformers' eager attention: (q . k) * scale, then a float32 softmax with the
-      // max subtracted. A block's slots are consecutive in the cache, slot_stride floats apart:
-      // one matrix-vector product per block.
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t rows = std::min(block_size, context - b * block_size);
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, static_cast<int>(rows), static_cast<int>(head_dim), scale,
-                    k_base + attn_slots_[b * block_size] * slot_stride, static_cast<int>(slot_stride), qh, 1, 0.0f,
-                    weights + b * block_size, 1);
-      }
-      float max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < context; ++j) max = std::max(max, weights[j]);
-      double sum = 0.0;
-      for (int64_t j = 0; j < context; ++j) {
-        weights[j] = std::exp(weights[j] - max);
-        sum += weights[j];
-      }
-      const float inv_sum = static_cast<float>(1.0 / sum);
-      for (int64_t j = 0; j < context; ++j) weights[j] *= inv_sum;
+    // Scores as transformers' eager attention: (q . k) * scale, then a float32 softmax with the
+    // max subtracted. A block's slots are consecutive in the cache, slot_stride floats apart.
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t rows = std::min(block_size, context - b * block_size);
+      BlockScores(weights + b * block_size, qh, k_base + table[b] * block_size * slot_stride, rows, slot_stride,
+                  head_dim, scale);
+    }
+    SoftmaxRow(weights, weights, context, 1.0f);
 
-      // out = sum_j p_j v_j, accumulated in float, a block at a time. q's head is no longer
-      // needed, so this is correct even if out is q.
-      float* oh = out->as<float>() + t * q.dim(1) + h * head_dim;
-      std::fill(oh, oh + head_dim, 0.0f);
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t rows = std::min(block_size, context - b * block_size);
-        cblas_sgemv(CblasRowMajor, CblasTrans, static_cast<int>(rows), static_cast<int>(head_dim), 1.0f,
-                    v_base + attn_slots_[b * block_size] * slot_stride, static_cast<int>(slot_stride),
-                    weights + b * block_size, 1, 1.0f, oh, 1);
-      }
+    // out = sum_j p_j v_j, accumulated in float, a block at a time. Only this pair reads q's
+    // head, and it is no longer needed, so this is correct even if out is q.
+    float* oh = out->as<float>() + t * q.dim(1) + h * head_dim;
+    std::fill(oh, oh + head_dim, 0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t rows = std::min(block_size, context - b * block_size);
+      BlockWeightedSum(oh, weights + b * block_size, v_base + table[b] * block_size * slot_stride, rows, slot_stride,
+                       head_dim);
     }
   }
   return absl::OkStatus();
@@ -629,8 +769,7 @@ absl::Status CpuBackend::Sample(Tensor* out, const Tensor& logits, const std::ve
 }  // namespace
 
 std::unique_ptr<Backend> MakeCpuBackend(int threads) {
-  if (threads > 0) openblas_set_num_threads(threads);
-  return std::make_unique<CpuBackend>();
+  return std::make_unique<CpuBackend>(threads > 0 ? threads : omp_get_max_threads());
 }
 
 }  // namespace shardserve

@@ -90,7 +90,7 @@ constexpr char kUsage[] =
     "                     runs the load, reads each worker's peak RSS (VmHWM) and weight bytes, and\n"
     "                     stops it; then prints the layouts side by side (--json: {\"runs\": [...]}).\n"
     "                     Logs in --log-dir/<layout> (default /tmp/shardserve-bench-<pid>).\n"
-    "  --worker-threads   BLAS threads per worker (worker --threads); default on cpu: cores / workers\n"
+    "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"

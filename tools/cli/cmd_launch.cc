@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "  Prometheus /metrics on 127.0.0.1: the coordinator on port P (default 9400), the workers on\n"
     "  P+1, P+2, ... (docs/metrics.md); P = 0: each process picks a free port (see its log and\n"
     "  shardserve status).\n"
-    "  --worker-threads      BLAS threads of each worker (worker --threads); default on cpu: the cores\n"
+    "  --worker-threads      CPU threads of each worker (worker --threads); default on cpu: the cores\n"
     "                        divided by the number of workers, at least 1; 0: the worker's default\n"
     "  --max-num-seqs, --max-waiting-requests, --max-tokens-per-step, --num-kv-blocks, --micro-batches,\n"
     "  --block-size          the coordinator's scheduler flags, passed through when given\n"

@@ -121,7 +121,7 @@ class LocalCluster {
 inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size"};
 
-// BLAS threads per CPU worker when --worker-threads is not given: the cores shared out among the
+// CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
 // workers, at least one each, so that workers do not oversubscribe the machine.
 int64_t DefaultWorkerThreads(int64_t workers);
 
