@@ -7,8 +7,8 @@
 #   (3) (2) again with 512-token prompts and 32-token outputs.
 #
 # Every run: random prompts of 128 token ids (seed 0), 128 output tokens each (ignore_eos), greedy.
-# Request counts are chosen so that each measured run lasts at least ~20 s on a 2-core machine and
-# the whole script stays well under 15 minutes (about 6). Tables go to stdout; each run's JSON to $OUT_DIR.
+# Request counts are chosen so that each measured run lasts at least ~15 s on a 2-core machine and
+# the whole script stays well under 15 minutes (about 5). Tables go to stdout; each run's JSON to $OUT_DIR.
 #
 #   tools/bench_serving.sh                       # builds build/ if needed, makes the model if absent
 #   BIN_DIR=/other/bin tools/bench_serving.sh    # use these binaries, build nothing
@@ -52,9 +52,9 @@ if [ "$QUICK" = 1 ]; then
   N_SINGLE=2 N_BATCH=8 N_PP=4
 else
   LEN=(--input-len 128 --output-len 128)
-  # Measured on the 2-core CI machine (shared, so +-30%): one stream ~17 output tokens/s, so 5
-  # requests take ~35 s; 32 streams on TP=1 ~90 tokens/s, 64 requests ~95 s; PP=2 at 16 streams
-  # 50-65 tokens/s, 32 requests 65-85 s per layout. The whole script: about 6 minutes.
+  # Measured on the 2-core CI machine (shared, so +-30%): one stream ~40 output tokens/s, so 5
+  # requests take ~16 s; 32 streams on TP=1 ~225 tokens/s, 64 requests ~36 s; PP=2 at 16 streams
+  # 115-160 tokens/s, 32 requests 26-35 s per layout. The whole script: about 5 minutes.
   N_SINGLE=5 N_BATCH=64 N_PP=32
 fi
 
