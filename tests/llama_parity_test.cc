@@ -70,25 +70,43 @@ Golden LoadGolden(const fs::path& dir) {
 
 class LlamaParity : public ::testing::TestWithParam<std::string> {};
 
+// A fixture's config and checkpoint, with a CPU backend and a one-rank TP group to load whole-model
+// shards of it.
+struct LoadedFixture {
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> ckpt;
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp{backend.get()};
+
+  absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const RuntimeOptions& opt) {
+    return LlamaShard::Load(*ckpt, config, ShardSpec{}, opt, backend.get(), &tp);
+  }
+};
+
+void OpenFixture(const fs::path& dir, LoadedFixture* f) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  f->config = *config;
+  f->ckpt = std::move(*ckpt);
+}
+
 // Runs greedy generation with prefill chunks of `chunk` tokens and checks it against HF.
 void CheckAgainstHuggingFace(const std::string& name, int64_t chunk) {
   const fs::path dir = kFixtures / name;
   const Golden g = LoadGolden(dir);
   ASSERT_EQ(g.greedy.size(), 32u);
 
-  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  std::unique_ptr<Backend> backend = MakeCpuBackend();
-  LocalCommunicator tp(backend.get());
+  LoadedFixture f;
+  ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, &f));
   RuntimeOptions opt;
   opt.max_tokens_per_step = chunk;
   opt.max_seqs_per_step = 1;
   opt.block_size = 16;
   opt.max_blocks_per_seq = 8;
   opt.num_kv_blocks = 8;
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
 
   std::vector<std::vector<float>> logits;
@@ -122,12 +140,9 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   const fs::path dir = kFixtures / name;
   const Golden g = LoadGolden(dir);
   ASSERT_GE(g.prompt.size(), 9u);
-  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
-  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  std::unique_ptr<Backend> backend = MakeCpuBackend();
-  LocalCommunicator tp(backend.get());
+  LoadedFixture f;
+  ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, &f));
+  Backend* backend = f.backend.get();
 
   constexpr int64_t kNewTokens = 10, kChunk = 4, kSeqs = 3;
   struct Seq {
@@ -151,8 +166,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
 
   // Each sequence alone, on a fresh shard.
   for (Seq& s : seqs) {
-    absl::StatusOr<std::unique_ptr<LlamaShard>> alone =
-        LlamaShard::Load(**ckpt, *config, ShardSpec{}, RuntimeOptions{}, backend.get(), &tp);
+    absl::StatusOr<std::unique_ptr<LlamaShard>> alone = f.Load(RuntimeOptions{});
     ASSERT_TRUE(alone.ok()) << alone.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(alone->get(), s.prompt, kNewTokens, &s.want_logits);
     ASSERT_TRUE(ids.ok()) << ids.status();
@@ -166,8 +180,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   opt.block_size = 4;
   opt.max_blocks_per_seq = 16;
   opt.num_kv_blocks = kSeqs * opt.max_blocks_per_seq;
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model =
-      LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<int32_t> blocks(opt.num_kv_blocks);
   std::iota(blocks.begin(), blocks.end(), 0);
@@ -178,7 +191,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   }
   absl::StatusOr<Buffer> next_buf = backend->Allocate(kSeqs * sizeof(int32_t));
   ASSERT_TRUE(next_buf.ok());
-  const int64_t V = config->vocab_size;
+  const int64_t V = f.config.vocab_size;
 
   bool mixed = false;  // some step held a decode and a prefill chunk of more than one token
   for (int step = 0;; ++step) {
