@@ -36,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
+#include "tools/cli/local_cluster.h"
 
 namespace shardserve {
 
@@ -211,9 +212,8 @@ class Cluster {
       if (std::find(argv.begin(), argv.end(), "--threads") == argv.end()) {
         // Each worker its share of the cores, as `shardserve launch` gives them: more compute
         // threads than cores, across processes, spin against each other.
-        const int workers = spec_.nodes * spec_.gpus_per_node;
-        const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-        argv.insert(argv.end(), {"--threads", std::to_string(std::max(1, cores / workers))});
+        const int64_t threads = cli::DefaultWorkerThreads(spec_.nodes * spec_.gpus_per_node);
+        argv.insert(argv.end(), {"--threads", std::to_string(threads)});
       }
       worker_addresses_.push_back(listen);
       workers_.push_back(

@@ -265,11 +265,6 @@ void LocalCluster::Stop(std::chrono::seconds grace) {
   }
 }
 
-int64_t DefaultWorkerThreads(int64_t workers) {
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
-}
-
 absl::StatusOr<int64_t> PeakRssBytes(pid_t pid) {
   const std::string path = absl::StrCat("/proc/", pid, "/status");
   std::ifstream in(path);

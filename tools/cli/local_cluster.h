@@ -17,12 +17,14 @@
 
 #include <sys/types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -122,8 +124,12 @@ inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size"};
 
 // CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
-// workers, at least one each, so that workers do not oversubscribe the machine.
-int64_t DefaultWorkerThreads(int64_t workers);
+// workers, at least one each, so that workers do not oversubscribe the machine. (The test
+// harness, tests/cluster_harness.h, gives its workers the same.)
+inline int64_t DefaultWorkerThreads(int64_t workers) {
+  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
+  return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
+}
 
 // Peak resident set size of a live process: VmHWM in /proc/PID/status, in bytes.
 absl::StatusOr<int64_t> PeakRssBytes(pid_t pid);
