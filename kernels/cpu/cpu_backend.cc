@@ -249,8 +249,7 @@ class CpuBackend final : public Backend {
   // A weight PackMatMulWeight repacked, keyed in packed_ by the address of its buffer.
   struct PackedWeight {
     int64_t m = 0, k = 0;      // the logical [m, k]
-    size_t bytes = 0;          // of the buffer
-    dnnl::memory::desc desc;   // oneDNN's layout of it, as the [k, m] "weights" of a matmul
+    dnnl::memory::desc desc;   // oneDNN's layout of it, as the [k, m] "weights" of a matmul (its size: the buffer's)
   };
 
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
@@ -392,7 +391,7 @@ absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Ten
   if (it == packed_.begin()) return nullptr;
   --it;  // the last buffer at or below w.data
   const auto* begin = static_cast<const char*>(it->first);
-  if (static_cast<const char*>(w.data) >= begin + it->second.bytes) return nullptr;
+  if (static_cast<const char*>(w.data) >= begin + it->second.desc.get_size()) return nullptr;
   if (w.data != it->first || w.dim(0) != it->second.m || w.dim(1) != it->second.k) {
     return absl::InvalidArgumentError(absl::StrCat("w views part of a packed [", it->second.m, ", ", it->second.k,
                                                    "] weight; pass the whole tensor PackMatMulWeight made"));
@@ -448,7 +447,7 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     omp_set_num_threads(threads_);
     dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
     stream_.wait();
-    packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    packed_[buffer->data()] = PackedWeight{m, k, layout};
     *packed = Tensor(buffer->data(), kF32, {m, k});
     return buffer;
   } catch (const dnnl::error& e) {
