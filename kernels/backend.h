@@ -91,7 +91,8 @@ class Backend {
 
   // Stores a MatMul weight w [m, k] in the layout this backend's GEMM reads fastest, once, at
   // load. Returns the buffer holding the repacked copy and sets *packed to an [m, k] tensor
-  // viewing it, to pass to MatMul as w from then on; w itself may then be freed. A packed tensor
+  // viewing it (of the stored dtype: BF16 for CpuMatMul::kBF16), to pass to MatMul as w from then
+  // on; w itself may then be freed. A packed tensor
   // is only for MatMul, whole: other ops cannot read it and MatMul refuses a view of part of it.
   // The CPU backend packs F32 weights into oneDNN's blocked layout, so that each step's GEMM
   // streams the weight once instead of repacking it; a backend that reads plain weights
@@ -160,10 +161,20 @@ class Backend {
                               const std::vector<SampleParams>& params /*[n], host*/) = 0;
 };
 
-// The CPU backend: float32 activations, oneDNN for matrix products. Never fails to create. threads > 0: matrix products and attention run
-// on that many (OpenMP) threads; threads <= 0: on OpenMP's default (OMP_NUM_THREADS, else one per
-// core). The backend's other ops run on the calling thread.
-std::unique_ptr<Backend> MakeCpuBackend(int threads = 0);
+// How the CPU backend multiplies by packed weights (PackMatMulWeight). kF32: in float32, which
+// matches Hugging Face's float32 CPU reference. kBF16: the packed weights are stored in bfloat16
+// (half the memory) and each product rounds its input rows to bfloat16 and accumulates in float32
+// (oneDNN's AMX or AVX-512 BF16 kernels; about 3 significant digits per input, so logits differ
+// from float32 ones by ~1e-2). Activations stay float32 either way, and plain (unpacked) weights
+// are always multiplied in float32.
+enum class CpuMatMul : uint8_t { kF32, kBF16 };
+
+// The CPU backend: float32 activations, oneDNN for matrix products. Never fails to create (a CPU
+// without bfloat16 support in oneDNN fails at PackMatMulWeight, saying so). threads > 0: matrix
+// products and the heavier loops (attention, SiluMul) run on that many (OpenMP) threads; threads
+// <= 0: on OpenMP's default (OMP_NUM_THREADS, else one per core). The backend's other ops run on
+// the calling thread.
+std::unique_ptr<Backend> MakeCpuBackend(int threads = 0, CpuMatMul matmul = CpuMatMul::kF32);
 
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
 // Unavailable when built without CUDA or when no GPU is present; the status says which.

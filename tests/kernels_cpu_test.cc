@@ -363,8 +363,9 @@ TEST_F(CpuBackendTest, MatMulWithPackedWeight) {
 TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
   const int64_t k = 768, m = 256, rows = 300;
   const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
-  for (int threads : {1, 2}) {
-    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
+  for (auto [threads, matmul] : {std::pair{1, CpuMatMul::kF32}, std::pair{2, CpuMatMul::kF32},
+                                 std::pair{1, CpuMatMul::kBF16}, std::pair{2, CpuMatMul::kBF16}}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads, matmul);
     DeviceTensor dw(backend.get(), DType::kF32, {m, k});
     dw.Upload(w);
     Tensor packed;
@@ -382,10 +383,68 @@ TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
         const std::vector<float> got = part_out.Download<float>();
         EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
             << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
-            << " (" << threads << " threads)";
+            << " (" << threads << " threads, " << (matmul == CpuMatMul::kBF16 ? "bf16" : "f32") << " products)";
       }
     }
   }
+}
+
+// bf16 products (CpuMatMul::kBF16): the weight is stored in bf16 (half the bytes, a BF16 tensor)
+// and each product is the float32 sum of the bf16-rounded inputs' products: within float
+// accumulation error of that sum computed in double, and visibly not the float32 product.
+float RoundToBf16(float f) {  // to nearest, ties to even; the test values are finite
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+TEST_F(CpuBackendTest, Bf16ProductsRoundTheirInputs) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(2, CpuMatMul::kBF16);
+  EXPECT_NE(backend->Describe().find("bf16"), std::string::npos) << backend->Describe();
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {300, 7}, {768, 256}}) {
+    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
+    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+    dw.Upload(w);
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_EQ(packed.dtype, DType::kBF16);
+    if (m % 64 == 0 && k % 64 == 0) EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * k * 2));  // else padded
+    dw.Poison();
+    DeviceTensor db(backend.get(), DType::kF32, {m});
+    db.Upload(b);
+    std::vector<float> w16(w.size());
+    std::transform(w.begin(), w.end(), w16.begin(), RoundToBf16);
+    for (int64_t n : {1, 16, 17, 300}) {
+      const std::string what = absl::StrCat("bf16 MatMul n=", n, " k=", k, " m=", m);
+      const std::vector<float> x = Random(rng_, n * k);
+      std::vector<float> x16(x.size());
+      std::transform(x.begin(), x.end(), x16.begin(), RoundToBf16);
+      DeviceTensor dx(backend.get(), DType::kF32, {n, k});
+      dx.Upload(x);
+      DeviceTensor out(backend.get(), DType::kF32, {n, m});
+      ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, &db.t()).ok()) << what;
+      ExpectClose(what, out.Download<float>(), MatMulReference(x16, w16, &b, n, k, m), 1e-5);
+    }
+  }
+  // 1 + 2^-10 rounds to 1 in bf16: sixteen of them times ones is exactly 16, not 16.015625.
+  const int64_t k = 16, m = 16;
+  DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+  dw.Upload(std::vector<float>(m * k, 1.0f));
+  Tensor packed;
+  absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  DeviceTensor dx(backend.get(), DType::kF32, {1, k});
+  dx.Upload(std::vector<float>(k, 1.0f + 1.0f / 1024));
+  DeviceTensor out(backend.get(), DType::kF32, {1, m});
+  ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, nullptr).ok());
+  for (float y : out.Download<float>()) EXPECT_EQ(y, 16.0f);
+  // A BF16 tensor that PackMatMulWeight did not make is not a weight MatMul can read.
+  DeviceTensor stray(backend.get(), DType::kBF16, {m, k});
+  const absl::Status s = backend->MatMul(out.ptr(), dx.t(), stray.t(), nullptr);
+  EXPECT_TRUE(IsInvalidArgumentNaming(s, "MatMul")) << s;
 }
 
 // A packed weight is used whole: a view of some of its rows is refused (its bytes are in

@@ -59,7 +59,10 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, cons
   ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
-  if (buffer->data() != nullptr) buffers_.back() = std::move(*buffer);  // the packed copy replaces the plain one
+  if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
+    weight_bytes_ = weight_bytes_ - plain.bytes() + packed.bytes();  // logical bytes, as the planner counts
+    buffers_.back() = std::move(*buffer);
+  }
   return packed;
 }
 

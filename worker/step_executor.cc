@@ -89,7 +89,7 @@ absl::StatusOr<int> ParseDevice(const std::string& device) {
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
                                                                    RendezvousStore* store,
                                                                    const std::string& collective_host,
-                                                                   int cpu_threads) {
+                                                                   int cpu_threads, CpuMatMul cpu_matmul) {
   if (absl::Status s = CheckAssignment(a); !s.ok()) return s;
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
@@ -98,7 +98,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
 
   std::unique_ptr<StepExecutor> e(new StepExecutor());
   if (*cuda_ordinal < 0) {
-    e->backend_ = MakeCpuBackend(cpu_threads);
+    e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul);
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);

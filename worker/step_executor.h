@@ -47,12 +47,13 @@ class StepExecutor {
   // group whose ranks do not all join within the collective timeout is DeadlineExceeded.
   //
   // On CPU the groups are Gloo; on CUDA they are NCCL (and Unimplemented in a build without it).
-  // `cpu_threads` > 0 sets the CPU backend's math threads (MakeCpuBackend); 0 keeps the BLAS
-  // library's default. Ignored on CUDA.
+  // `cpu_threads` > 0 sets the CPU backend's math threads and `cpu_matmul` its products'
+  // precision (MakeCpuBackend); 0 threads: OpenMP's default. Both are ignored on CUDA.
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(const v1::Assignment& assignment,
                                                               const std::string& device, RendezvousStore* store,
                                                               const std::string& collective_host,
-                                                              int cpu_threads = 0);
+                                                              int cpu_threads = 0,
+                                                              CpuMatMul cpu_matmul = CpuMatMul::kF32);
 
   // Runs this worker's part of `plan` and fills `result` (cleared first): the step id, the timings
   // and, on the last stage's TP rank 0, one sampled id per logit row (and the logprobs, when a row

@@ -169,7 +169,8 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   const auto start = std::chrono::steady_clock::now();
   GrpcRendezvousStore store(stub);
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
-      StepExecutor::Create(a, options_.device, &store, options_.collective_host, options_.cpu_threads);
+      StepExecutor::Create(a, options_.device, &store, options_.collective_host, options_.cpu_threads,
+                           options_.cpu_matmul);
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;

@@ -48,7 +48,8 @@ struct WorkerOptions {
   int64_t memory_bytes = 0;     // memory for weights and KV cache, reported to the planner
   std::string address;          // this worker's own gRPC server (health), host:port
   std::string collective_host;  // address this worker's collectives listen on
-  int cpu_threads = 0;          // --device cpu: math threads (MakeCpuBackend); 0: the BLAS default
+  int cpu_threads = 0;          // --device cpu: math threads (MakeCpuBackend); 0: OpenMP's default
+  CpuMatMul cpu_matmul = CpuMatMul::kF32;  // --device cpu: the products' precision (MakeCpuBackend)
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).

@@ -9,15 +9,18 @@
 //   context) accumulate in double and round once. PyTorch's vectorized cascade sums are within
 //   a few ulp of that correctly rounded value; a plain float running sum over 150k logits is not.
 // - Short dot products (one head, head_dim terms) are float, like a SIMD BLAS kernel.
+// - exp is a vectorized polynomial (ExpVec) within an ulp or two of glibc's expf, as PyTorch's
+//   vectorized softmax and SiLU use their own (Sleef's) rather than libm's.
+// - CpuMatMul::kBF16 (backend.h) departs from this on purpose: products of bf16-rounded inputs.
 //
 // Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
-// element-wise loops over contiguous rows, and dot products split into independent partial sums
-// (see BlockScores).
+// element-wise loops over contiguous rows; attention, softmax and SiLU with GCC vector extensions
+// (see Vec16), dot products in independent partial sums (see BlockScores).
 //
-// Threading: matrix products (oneDNN) and attention (one (token, head) pair per iteration) run on
-// the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the other ops run on the
-// calling thread. A CpuBackend is used by one thread at a time (backend.h); its scratch vectors
-// rely on that.
+// Threading: matrix products (oneDNN), attention (up to 16 tokens of one sequence per iteration)
+// and SiluMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
+// other ops run on the calling thread. A CpuBackend is used by one thread at a time (backend.h);
+// its scratch vectors rely on that.
 #include <omp.h>
 
 #include <algorithm>
@@ -32,6 +35,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -52,6 +56,7 @@ constexpr size_t kAlignment = 64;
 
 constexpr DType kF32 = DType::kF32;
 constexpr DType kI32 = DType::kI32;
+constexpr DType kBF16 = DType::kBF16;
 
 // ---- Argument checks ---------------------------------------------------------------------------
 
@@ -133,55 +138,166 @@ bool Overlaps(const Tensor& a, const Tensor& b) {
 
 // ---- Math helpers ------------------------------------------------------------------------------
 
+// Loops that matter are written with GCC vector extensions over 16 floats (one AVX-512 register,
+// two AVX2 ones) in functions cloned for AVX-512 and AVX2 (chosen at load by the CPU), since the
+// build targets baseline x86-64. The helpers below are always inlined into the clones, so that a
+// vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a Vec16's
+// ABI differs between targets).
+using Vec16 = float __attribute__((vector_size(64)));
+using Vec16i = int32_t __attribute__((vector_size(64)));
+constexpr int64_t kVecLanes = 16;
+#define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// Loads (stores) 16 floats at p, or only the first `count` of them (the other lanes zero, or
+// untouched): the fixed-size copies compile to one vector move each.
+[[gnu::always_inline]] inline Vec16 LoadVec(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+[[gnu::always_inline]] inline void StoreVec(float* p, const Vec16& v) { std::memcpy(p, &v, sizeof v); }
+[[gnu::always_inline]] inline Vec16 LoadVec(const float* p, int64_t count) {
+  if (count == kVecLanes) return LoadVec(p);
+  Vec16 v = {};
+  std::memcpy(&v, p, static_cast<size_t>(count) * sizeof(float));
+  return v;
+}
+[[gnu::always_inline]] inline void StoreVec(float* p, const Vec16& v, int64_t count) {
+  if (count == kVecLanes) return StoreVec(p, v);
+  std::memcpy(p, &v, static_cast<size_t>(count) * sizeof(float));
+}
+
+// e^x of 16 floats, with Cephes' expf polynomial (relative error about 2e-7, like glibc's expf
+// within an ulp or two): x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n e^r. Below -87.3 (where expf
+// turns subnormal) it gives 0, above 88 +inf (exp(88) is 1.7e38, close to FLT_MAX); NaN stays NaN.
+[[gnu::always_inline]] inline Vec16 ExpVec(Vec16 x) {
+  constexpr float kLow = -87.3f, kHigh = 88.0f, kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec16 xc = x < kLow ? Vec16{} + kLow : (x > kHigh ? Vec16{} + kHigh : x);  // NaN fails both tests
+  const Vec16 t = xc * 1.44269504088896341f + kRound;  // n + kRound, n = round(x / ln2)
+  const Vec16 n = t - kRound;
+  Vec16 r = xc - n * 0.693359375f;  // ln2 in two parts, so that r is exact
+  r = r - n * -2.12194440e-4f;
+  Vec16 p = Vec16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec16 e_r = p * r * r + r + 1.0f;
+  Vec16i bits;  // 2^n: the exponent field n + 127, n in [-126, 127]
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;  // 0x4B400000: kRound's bits, so bits - it = n
+  Vec16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const Vec16 e = e_r * two_n;
+  return x < kLow ? Vec16{} : (x > kHigh ? Vec16{} + std::numeric_limits<float>::infinity() : e);
+}
+
 
 // out = softmax(x / temperature) over one row of v, like torch.softmax(x / t, dim=-1) in float32:
 // scale, subtract the max, exp, multiply by 1 / sum (PyTorch's vectorized softmax multiplies by
 // the reciprocal too). out may alias x. -inf entries (masked tokens) get exactly 0 as long as
 // one entry is finite. Returns the normalizer; it is NaN when the row holds a NaN or +inf or is
 // all -inf (and then so does out), otherwise it is >= 1 (the max contributes exp(0)).
-double SoftmaxRow(float* out, const float* x, int64_t v, float temperature) {
-  float max = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < v; ++i) {
-    out[i] = x[i] / temperature;
-    max = std::max(max, out[i]);
+SHARDSERVE_VECTOR_CLONES double SoftmaxRow(float* out, const float* x, int64_t v, float temperature) {
+  // The max, lane by lane (NaN entries never win, as with std::max), then across lanes.
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  Vec16 lane_max = Vec16{} + kNegInf;
+  for (int64_t i = 0; i < v; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, v - i);
+    Vec16 xi = LoadVec(x + i, lanes) / temperature;
+    StoreVec(out + i, xi, lanes);
+    for (int64_t j = lanes; j < kVecLanes; ++j) xi[j] = kNegInf;
+    lane_max = lane_max < xi ? xi : lane_max;
+  }
+  float max = kNegInf;
+  for (int64_t j = 0; j < kVecLanes; ++j) max = std::max(max, lane_max[j]);
+  // The normalizer in double, 16 partial sums (one per lane) added at the end.
+  using Vec16d = double __attribute__((vector_size(128)));
+  Vec16d lane_sum = {};
+  for (int64_t i = 0; i < v; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, v - i);
+    const Vec16 e = ExpVec(LoadVec(out + i, lanes) - max);
+    StoreVec(out + i, e, lanes);
+    Vec16 counted = e;
+    for (int64_t j = lanes; j < kVecLanes; ++j) counted[j] = 0.0f;
+    lane_sum += __builtin_convertvector(counted, Vec16d);
   }
   double sum = 0.0;
-  for (int64_t i = 0; i < v; ++i) {
-    out[i] = std::exp(out[i] - max);
-    sum += out[i];
-  }
+  for (int64_t j = 0; j < kVecLanes; ++j) sum += lane_sum[j];
   const float inv_sum = static_cast<float>(1.0 / sum);
   for (int64_t i = 0; i < v; ++i) out[i] *= inv_sum;
   return sum;
 }
 
 // Attention's inner loops over one KV block: `rows` cache rows of one kv head, `stride` floats
-// apart, head_dim hd. Cloned for AVX-512 and AVX2 (chosen at load by the CPU), since the build
-// targets baseline x86-64.
-// Scores w[r] = (q . k_r) * scale, each dot product in 16 independent float partial sums (so that
-// it vectorizes without reassociation), added pairwise.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void BlockScores(
+// apart, head_dim hd. A head_dim that is not a multiple of 16 ends in a chunk padded with zeros,
+// which adds nothing.
+
+// Scores w[r] = (q . k_r) * scale. Each dot product keeps 16 float partial sums (lane j adds
+// q[i] k_r[i] for i = j mod 16, in order), then adds them pairwise: j + j+8, then j + j+4, j + j+2,
+// 0 + 1. The pairwise sums of 16 rows are done together, as a transpose: after FoldN, lane l
+// holds partial l % N of row l / N of the rows in a and b.
+[[gnu::always_inline]] inline Vec16 Fold8(Vec16 a, Vec16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+[[gnu::always_inline]] inline Vec16 Fold4(Vec16 a, Vec16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+[[gnu::always_inline]] inline Vec16 Fold2(Vec16 a, Vec16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+[[gnu::always_inline]] inline Vec16 Fold1(Vec16 a, Vec16 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+SHARDSERVE_VECTOR_CLONES void BlockScores(
     float* w, const float* q, const float* k, int64_t rows, int64_t stride, int64_t hd, float scale) {
-  constexpr int kLanes = 16;
-  for (int64_t r = 0; r < rows; ++r, k += stride) {
-    float acc[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= hd; i += kLanes) {
-      for (int j = 0; j < kLanes; ++j) acc[j] += q[i + j] * k[i + j];
+  for (int64_t r0 = 0; r0 < rows; r0 += kVecLanes) {
+    const int64_t count = std::min(kVecLanes, rows - r0);
+    const int64_t full = hd - hd % kVecLanes;  // head_dim in whole vectors; the rest is a padded tail
+    Vec16 acc[kVecLanes];
+    for (int64_t r = 0; r < kVecLanes; ++r) {
+      acc[r] = Vec16{};
+      if (r >= count) continue;
+      const float* kr = k + (r0 + r) * stride;
+      for (int64_t i = 0; i < full; i += kVecLanes) acc[r] += LoadVec(q + i) * LoadVec(kr + i);
+      if (full < hd) acc[r] += LoadVec(q + full, hd - full) * LoadVec(kr + full, hd - full);
     }
-    for (int j = 0; i < hd; ++i, ++j) acc[j] += q[i] * k[i];
-    for (int width = kLanes / 2; width > 0; width /= 2) {
-      for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
-    }
-    w[r] = acc[0] * scale;
+    Vec16 half[8], quarter[4], eighth[2];
+    for (int j = 0; j < 8; ++j) half[j] = Fold8(acc[2 * j], acc[2 * j + 1]);
+    for (int j = 0; j < 4; ++j) quarter[j] = Fold4(half[2 * j], half[2 * j + 1]);
+    for (int j = 0; j < 2; ++j) eighth[j] = Fold2(quarter[2 * j], quarter[2 * j + 1]);
+    StoreVec(w + r0, Fold1(eighth[0], eighth[1]) * scale, count);
   }
 }
 
-// out += sum_r p[r] v_r, in float, row by row.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void BlockWeightedSum(
+// out += sum_r p[r] v_r, in float, row by row (each element adds its rows in order), 16 elements
+// of out at a time held in registers.
+SHARDSERVE_VECTOR_CLONES void BlockWeightedSum(
     float* out, const float* p, const float* v, int64_t rows, int64_t stride, int64_t hd) {
-  for (int64_t r = 0; r < rows; ++r, v += stride) {
-    for (int64_t i = 0; i < hd; ++i) out[i] += p[r] * v[i];
+  for (int64_t i = 0; i < hd; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, hd - i);
+    Vec16 o = LoadVec(out + i, lanes);
+    if (lanes == kVecLanes) {
+      for (int64_t r = 0; r < rows; ++r) o += p[r] * LoadVec(v + r * stride + i);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) o += p[r] * LoadVec(v + r * stride + i, lanes);
+    }
+    StoreVec(out + i, o, lanes);
+  }
+}
+
+// y[i] = silu(g[i]) * u[i] for i in [begin, end): see CpuBackend::SiluMul.
+SHARDSERVE_VECTOR_CLONES void SiluMulRange(float* y, const float* g, const float* u, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, end - i);
+    const Vec16 gi = LoadVec(g + i, lanes);
+    StoreVec(y + i, gi / (1.0f + ExpVec(-gi)) * LoadVec(u + i, lanes), lanes);
   }
 }
 
@@ -203,13 +319,14 @@ dnnl::matmul::primitive_desc MatMulPrimitiveDesc(const dnnl::engine& engine, con
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) : threads_(threads) {}
+  CpuBackend(int threads, CpuMatMul matmul) : threads_(threads), matmul_(matmul) {}
 
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();
-    return absl::StrCat("cpu (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ", threads_, " threads)");
+    return absl::StrCat("cpu (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ", threads_, " threads",
+                        matmul_ == CpuMatMul::kBF16 ? ", bf16 products" : "", ")");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
@@ -257,11 +374,12 @@ class CpuBackend final : public Backend {
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
   // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN; w [m, k] is plain when packed is null.
-  // Throws dnnl::error.
+  // A bf16 packed weight multiplies x rounded to bf16 (in src_bf16_). Throws dnnl::error.
   void OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed, void* w,
                     const float* bias);
 
   const int threads_;  // oneDNN's (OpenMP's) threads for this backend's products
+  const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;
@@ -269,12 +387,17 @@ class CpuBackend final : public Backend {
   // (JIT-compiled, ~0.4 ms) on first use. Steps have at most max_tokens_per_step rows and a
   // model has a handful of weight shapes, so this stays small.
   std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul> matmuls_;
+  // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
+  std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
+  std::vector<uint16_t> src_bf16_;
+  std::vector<float> pair_rows_;  // a lone bf16 row's input, doubled [2, k], then its output [2, m]
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.
   std::vector<float> rope_cos_;       // [head_dim / 2] cos of one token's angles
   std::vector<float> rope_sin_;       // [head_dim / 2] sin of one token's angles
-  std::vector<float> attn_weights_;   // [threads, longest context] scores, then probabilities, of one query head
+  std::vector<std::pair<int64_t, int64_t>> attn_items_;  // [first, last) tokens of one sequence
+  std::vector<float> attn_weights_;   // [threads, item rows, longest context] scores, then probabilities
   std::vector<float> sample_probs_;   // [vocab] probabilities of one row
   std::vector<float> sample_sorted_;  // [vocab] probabilities partially sorted for top-k / top-p
 };
@@ -350,9 +473,10 @@ absl::Status CpuBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, 
 }
 
 absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+  // w is F32, or BF16 when PackMatMulWeight stored it so (checked below).
   const ArgCheck check("MatMul", {{"out", out, kF32, 2},
                                   {"x", &x, kF32, 2},
-                                  {"w", &w, kF32, 2},
+                                  {"w", &w, w.dtype == kBF16 ? kBF16 : kF32, 2},
                                   {"bias", bias, kF32, 1, /*optional=*/true}});
   if (absl::Status s = check.Types(); !s.ok()) return s;
   const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
@@ -366,6 +490,10 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
 
   absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
   if (!packed.ok()) return check.Error(packed.status().message());
+  const bool packed_bf16 = *packed != nullptr && (*packed)->desc.data_type() == dnnl::memory::data_type::bf16;
+  if ((w.dtype == kBF16) != packed_bf16) {
+    return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
+  }
   float* y = out->as<float>();
   if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
     for (int64_t r = 0; r < n; ++r) {
@@ -406,9 +534,35 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
   constexpr auto ab = memory::format_tag::ab;
   // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
   omp_set_num_threads(threads_);
-  const memory::desc src_desc({n, k}, f32, ab), dst_desc({n, m}, f32, ab), bias_desc({1, m}, f32, ab);
   // A plain w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
   const memory::desc weights_desc = packed != nullptr ? packed->desc : memory::desc({k, m}, f32, memory::format_tag::ba);
+  const bool bf16 = weights_desc.data_type() == memory::data_type::bf16;
+  const memory::desc x_desc({n, k}, f32, ab), dst_desc({n, m}, f32, ab), bias_desc({1, m}, f32, ab);
+  const memory::desc src_desc = bf16 ? memory::desc({n, k}, memory::data_type::bf16, ab) : x_desc;
+  void* src = const_cast<float*>(x);
+  if (bf16 && n == 1) {
+    // oneDNN multiplies a single bf16 row with another kernel than 2 or more rows, whose sums
+    // differ in the last bits: a lone row is multiplied as the first of two (the second a copy),
+    // so that a sequence's logits never depend on how many others share its step.
+    pair_rows_.resize(static_cast<size_t>(2 * (k + m)));
+    float* pair_x = pair_rows_.data();
+    float* pair_y = pair_x + 2 * k;
+    std::copy(x, x + k, pair_x);
+    std::copy(x, x + k, pair_x + k);
+    OneDnnMatMul(pair_y, pair_x, 2, m, k, packed, w, bias);
+    std::copy(pair_y, pair_y + m, y);
+    return;
+  }
+  if (bf16) {  // round x to bf16 (to nearest even), with a reorder made once per shape
+    src_bf16_.resize(static_cast<size_t>(n * k));
+    auto r = to_bf16_.find({n, k});
+    if (r == to_bf16_.end()) {
+      r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(dnnl::reorder::primitive_desc(engine_, x_desc, engine_, src_desc))).first;
+    }
+    memory from(x_desc, engine_, src), to(src_desc, engine_, src_bf16_.data());
+    r->second.execute(stream_, from, to);
+    src = src_bf16_.data();
+  }
   const auto key = std::make_tuple(n, m, k, bias != nullptr, packed != nullptr);
   auto it = matmuls_.find(key);
   if (it == matmuls_.end()) {
@@ -416,7 +570,7 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
         MatMulPrimitiveDesc(engine_, src_desc, weights_desc, bias != nullptr ? &bias_desc : nullptr, dst_desc);
     it = matmuls_.emplace(key, dnnl::matmul(pd)).first;
   }
-  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, const_cast<float*>(x))},
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, src)},
                                           {DNNL_ARG_WEIGHTS, memory(weights_desc, engine_, w)},
                                           {DNNL_ARG_DST, memory(dst_desc, engine_, y)}};
   if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
@@ -432,26 +586,32 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
   using dnnl::memory;
   constexpr auto f32 = memory::data_type::f32;
+  const auto dt = matmul_ == CpuMatMul::kBF16 ? memory::data_type::bf16 : f32;  // of the weights and the input
   // The layout oneDNN picks for 16-row products; its brgemm kernels take it for every row count.
   constexpr int64_t kRows = 16;
   try {
     const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
-        engine_, memory::desc({kRows, k}, f32, memory::format_tag::ab), memory::desc({k, m}, f32, memory::format_tag::any),
+        engine_, memory::desc({kRows, k}, dt, memory::format_tag::ab), memory::desc({k, m}, dt, memory::format_tag::any),
         nullptr, memory::desc({kRows, m}, f32, memory::format_tag::ab));
     const memory::desc layout = pd.weights_desc();
     absl::StatusOr<Buffer> buffer = Allocate(layout.get_size());
     if (!buffer.ok()) return buffer.status();
-    // w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
+    // w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order. The reorder
+    // also converts to bf16 (rounding to nearest even) when the layout is bf16.
     memory plain(memory::desc({k, m}, f32, memory::format_tag::ba), engine_, w.data);
     memory blocked(layout, engine_, buffer->data());
     omp_set_num_threads(threads_);
     dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
     stream_.wait();
     packed_[buffer->data()] = PackedWeight{m, k, layout};
-    *packed = Tensor(buffer->data(), kF32, {m, k});
+    *packed = Tensor(buffer->data(), matmul_ == CpuMatMul::kBF16 ? kBF16 : kF32, {m, k});
     return buffer;
   } catch (const dnnl::error& e) {
     *packed = w;
+    if (matmul_ == CpuMatMul::kBF16 && e.status == dnnl_unimplemented) {
+      return absl::FailedPreconditionError(
+          "PackMatMulWeight: oneDNN has no bf16 matrix product for this CPU (it needs AVX-512); multiply in f32");
+    }
     return absl::InternalError(absl::StrCat("PackMatMulWeight: oneDNN failed (", e.what(), ") on w ", w.ShapeString()));
   }
 }
@@ -577,40 +737,82 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
     longest = std::max(longest, int64_t{pos[t]} + 1);
   }
 
-  // One (token, query head) pair per iteration, spread over the backend's threads; each thread
-  // has its own row of attn_weights_.
-  attn_weights_.resize(static_cast<size_t>(threads_ * longest));
-  const int64_t group = q_heads / kv_heads;   // query heads per kv head (GQA)
+  // Work items: up to kChunk consecutive tokens of one sequence (and all its kv heads, or a share
+  // of them when there are fewer chunks than threads), spread over the backend's threads. An
+  // item's query rows (each token's query heads on those kv heads) share its sequence's cache
+  // blocks, which it reads a block at a time, all its kv heads together, prefetching the next
+  // block: so each block streams from memory once per item, in address order, and then from L1.
+  // Every query row's arithmetic is the same whatever else is in its item or the batch, so a
+  // token's output does not depend on the batch's composition.
+  constexpr int64_t kChunk = 16;
+  const int64_t group = q_heads / kv_heads;         // query heads per kv head (GQA)
   const int64_t slot_stride = kv_heads * head_dim;  // floats between consecutive cache slots
-  const int64_t pairs = n * q_heads;
-#pragma omp parallel for num_threads(threads_) schedule(dynamic, 4) if (pairs > 1)
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int64_t t = i / q_heads, h = i % q_heads;
-    const int64_t context = int64_t{pos[t]} + 1;
-    const int64_t blocks = (context + block_size - 1) / block_size;
-    const int32_t* table = tables + seq[t] * max_blocks;  // position j lives in block table[j / block_size]
-    const float* qh = q.as<float>() + t * q.dim(1) + h * head_dim;
-    const float* k_base = k_cache.as<float>() + (h / group) * head_dim;  // kv head h / group, slot 0
-    const float* v_base = v_cache.as<float>() + (h / group) * head_dim;
-    float* weights = attn_weights_.data() + omp_get_thread_num() * longest;
+  attn_items_.clear();
+  for (int64_t t = 0; t < n;) {
+    int64_t end = t + 1;
+    while (end < n && end - t < kChunk && seq[end] == seq[t]) ++end;
+    attn_items_.push_back({t, end});
+    t = end;
+  }
+  const auto chunks = static_cast<int64_t>(attn_items_.size());
+  const int64_t splits = chunks < threads_ ? std::min<int64_t>(kv_heads, threads_) : 1;  // kv-head shares per chunk
+  const int64_t max_rows = std::min(n, kChunk) * q_heads;  // query rows in one item at most
+  attn_weights_.resize(static_cast<size_t>(threads_ * max_rows * longest));
+  const int64_t items = chunks * splits;
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) if (items > 1)
+  for (int64_t i = 0; i < items; ++i) {
+    const auto [first, last] = attn_items_[i / splits];
+    const int64_t kv_begin = kv_heads * (i % splits) / splits, kv_end = kv_heads * (i % splits + 1) / splits;
+    const int32_t* table = tables + seq[first] * max_blocks;  // position j lives in block table[j / block_size]
+    float* weights = attn_weights_.data() + omp_get_thread_num() * max_rows * longest;  // [rows, longest]
+    int64_t item_context = 0;
+    for (int64_t t = first; t < last; ++t) item_context = std::max(item_context, int64_t{pos[t]} + 1);
+    const int64_t blocks = (item_context + block_size - 1) / block_size;
+    // Query row r of the item: token first + r / heads, query head kv_begin * group + r % heads,
+    // which reads kv head (that head) / group, at that offset in each cache slot.
+    const int64_t heads = (kv_end - kv_begin) * group;
+    const int64_t rows = (last - first) * heads;
+    auto head_of = [&](int64_t r) { return kv_begin * group + r % heads; };
+    auto context_of = [&](int64_t r) { return int64_t{pos[first + r / heads]} + 1; };
+    auto q_offset = [&](int64_t r) { return (first + r / heads) * q.dim(1) + head_of(r) * head_dim; };
+    auto kv_offset = [&](int64_t r) { return head_of(r) / group * head_dim; };
+    // Asks for this item's part of a block's slots ahead of its use.
+    auto prefetch = [&](const float* block) {
+      for (int64_t slot = 0; slot < block_size; ++slot) {
+        for (int64_t f = kv_begin * head_dim; f < kv_end * head_dim; f += 64 / sizeof(float)) {
+          __builtin_prefetch(block + slot * slot_stride + f);
+        }
+      }
+    };
 
     // Scores as transformers' eager attention: (q . k) * scale, then a float32 softmax with the
     // max subtracted. A block's slots are consecutive in the cache, slot_stride floats apart.
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t rows = std::min(block_size, context - b * block_size);
-      BlockScores(weights + b * block_size, qh, k_base + table[b] * block_size * slot_stride, rows, slot_stride,
-                  head_dim, scale);
+      const float* k_block = k_cache.as<float>() + table[b] * block_size * slot_stride;
+      if (b + 1 < blocks) prefetch(k_cache.as<float>() + table[b + 1] * block_size * slot_stride);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t valid = std::min(block_size, context_of(r) - b * block_size);
+        if (valid > 0) {
+          BlockScores(weights + r * longest + b * block_size, q.as<float>() + q_offset(r), k_block + kv_offset(r),
+                      valid, slot_stride, head_dim, scale);
+        }
+      }
     }
-    SoftmaxRow(weights, weights, context, 1.0f);
+    for (int64_t r = 0; r < rows; ++r) SoftmaxRow(weights + r * longest, weights + r * longest, context_of(r), 1.0f);
 
-    // out = sum_j p_j v_j, accumulated in float, a block at a time. Only this pair reads q's
-    // head, and it is no longer needed, so this is correct even if out is q.
-    float* oh = out->as<float>() + t * q.dim(1) + h * head_dim;
-    std::fill(oh, oh + head_dim, 0.0f);
+    // out = sum_j p_j v_j, accumulated in float, a block at a time. q's rows of this item are all
+    // read above, and no other item reads them, so this is correct even if out is q.
+    for (int64_t r = 0; r < rows; ++r) std::fill_n(out->as<float>() + q_offset(r), head_dim, 0.0f);
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t rows = std::min(block_size, context - b * block_size);
-      BlockWeightedSum(oh, weights + b * block_size, v_base + table[b] * block_size * slot_stride, rows, slot_stride,
-                       head_dim);
+      const float* v_block = v_cache.as<float>() + table[b] * block_size * slot_stride;
+      if (b + 1 < blocks) prefetch(v_cache.as<float>() + table[b + 1] * block_size * slot_stride);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t valid = std::min(block_size, context_of(r) - b * block_size);
+        if (valid > 0) {
+          BlockWeightedSum(out->as<float>() + q_offset(r), weights + r * longest + b * block_size,
+                           v_block + kv_offset(r), valid, slot_stride, head_dim);
+        }
+      }
     }
   }
   return absl::OkStatus();
@@ -626,8 +828,11 @@ absl::Status CpuBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor& 
   const float* u = up.as<float>();
   float* y = out->as<float>();
   // silu(g) = g / (1 + exp(-g)), as PyTorch's CPU kernel; exp(-g) = inf for very negative g
-  // gives -0, the right limit.
-  for (int64_t i = 0; i < count; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  // gives -0, the right limit. In chunks over the backend's threads.
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(threads_) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) SiluMulRange(y, g, u, c * kChunk, std::min(count, (c + 1) * kChunk));
   return absl::OkStatus();
 }
 
@@ -767,8 +972,8 @@ absl::Status CpuBackend::Sample(Tensor* out, const Tensor& logits, const std::ve
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCpuBackend(int threads) {
-  return std::make_unique<CpuBackend>(threads > 0 ? threads : omp_get_max_threads());
+std::unique_ptr<Backend> MakeCpuBackend(int threads, CpuMatMul matmul) {
+  return std::make_unique<CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul);
 }
 
 }  // namespace shardserve

@@ -62,7 +62,8 @@ constexpr char kUsage[] =
     "                        [--input-len I] [--output-len O] [--range-ratio X] [--seed S] [--temperature T]\n"
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
-    "                        [--log-dir DIR] [--ready-timeout-seconds S] [--max-model-len L]\n"
+    "                        [--worker-matmul-dtype f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
+    "                        [--max-model-len L]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B]  [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
@@ -92,6 +93,7 @@ constexpr char kUsage[] =
     "                     Logs in --log-dir/<layout> (default /tmp/shardserve-bench-<pid>).\n"
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
+    "  --worker-matmul-dtype  cpu workers' products: f32 (default) or bf16 (worker --matmul-dtype)\n"
     "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
     "  cluster could not be started, 2 for a usage error, 130 when interrupted.\n";
@@ -607,6 +609,7 @@ struct CompareOptions {
   std::string log_dir;
   int64_t ready_timeout_s = 300;
   std::optional<int64_t> worker_threads;       // unset: DefaultWorkerThreads on cpu
+  std::vector<std::string> worker_flags;       // more worker flags (--matmul-dtype)
   std::vector<std::string> coordinator_flags;  // pass-through (--max-model-len, scheduler flags)
   std::string micro_batches;                   // --micro-batches as given, for non-serial layouts
 };
@@ -657,6 +660,7 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   }
   const int64_t threads = o.worker_threads.value_or(o.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
+  co.worker_flags.insert(co.worker_flags.end(), o.worker_flags.begin(), o.worker_flags.end());
 
   std::fprintf(stderr, "bench: %s: starting a coordinator and %lld worker(s) (TP=%lld x PP=%lld%s), logs in %s\n",
                layout.name.c_str(), static_cast<long long>(workers), static_cast<long long>(layout.tp),
@@ -819,7 +823,8 @@ int Run(const std::vector<std::string>& args) {
       "address", "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
       "temperature", "warmup", "timeout-seconds", "json-out",
       // --compare
-      "compare", "model", "device", "worker-threads", "log-dir", "ready-timeout-seconds", "max-model-len"};
+      "compare", "model", "device", "worker-threads", "worker-matmul-dtype", "log-dir", "ready-timeout-seconds",
+      "max-model-len"};
   // clang-format on
   for (const char* f : kCoordinatorPassThroughFlags) with_value.insert(f);
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help"});
@@ -883,7 +888,8 @@ int Run(const std::vector<std::string>& args) {
   sigaction(SIGTERM, &sa, nullptr);
 
   if (!flags->Has("compare")) {
-    for (const char* f : {"model", "device", "worker-threads", "log-dir", "ready-timeout-seconds", "max-model-len"}) {
+    for (const char* f :
+         {"model", "device", "worker-threads", "worker-matmul-dtype", "log-dir", "ready-timeout-seconds", "max-model-len"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {
@@ -935,6 +941,9 @@ int Run(const std::vector<std::string>& args) {
     if (!t.ok() || *t < 0) return Usage("--worker-threads must be a non-negative integer");
     o.worker_threads = *t;
   }
+  absl::StatusOr<std::vector<std::string>> matmul = WorkerMatMulFlags(flags->Get("worker-matmul-dtype", ""));
+  if (!matmul.ok()) return Usage(std::string(matmul.status().message()));
+  o.worker_flags = *std::move(matmul);
   if (flags->Has("max-model-len")) o.coordinator_flags = {"--max-model-len", flags->Get("max-model-len")};
   for (const char* f : kCoordinatorPassThroughFlags) {
     if (!flags->Has(f)) continue;
