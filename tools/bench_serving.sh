@@ -2,7 +2,8 @@
 # The serving benchmarks: `shardserve bench` against local CPU clusters of the benchmark model
 # (tools/make_bench_model.py: a random-weights 78.7M-parameter Llama, vocabulary 4096).
 #
-#   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys.
+#   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys; with the
+#       workers' default float32 products, then with bf16 products (--worker-matmul-dtype bf16).
 #   (2) PP=2: micro-batched pipeline vs one micro-batch in flight (pp2/serial), 16 streams.
 #   (3) (2) again with 512-token prompts and 32-token outputs.
 #
@@ -49,13 +50,14 @@ mkdir -p "$OUT_DIR"
 
 if [ "$QUICK" = 1 ]; then
   LEN=(--input-len 16 --output-len 8)
-  N_SINGLE=2 N_BATCH=8 N_PP=4
+  N_SINGLE=2 N_BATCH=8 N_BATCH_BF16=8 N_PP=4
 else
   LEN=(--input-len 128 --output-len 128)
-  # Measured on the 2-core CI machine (shared, so +-30%): one stream ~40 output tokens/s, so 5
-  # requests take ~16 s; 32 streams on TP=1 ~225 tokens/s, 64 requests ~36 s; PP=2 at 16 streams
-  # 115-160 tokens/s, 32 requests 26-35 s per layout. The whole script: about 5 minutes.
-  N_SINGLE=5 N_BATCH=64 N_PP=32
+  # Measured on the 2-core CI machine (shared, so +-30%): one stream 45-60 output tokens/s, so 5
+  # requests take ~12 s; 32 streams on TP=1 ~300 tokens/s (f32), 64 requests ~27 s, and ~450
+  # (bf16), 96 requests ~27 s; PP=2 at 16 streams 150-200 tokens/s, 32 requests ~25 s per layout.
+  # The whole script: about 5 minutes.
+  N_SINGLE=5 N_BATCH=64 N_BATCH_BF16=96 N_PP=32
 fi
 
 bench() {  # bench NAME FLAGS...
@@ -71,6 +73,9 @@ status=0
 # (1) TP=1, one stream (one warm-up request: at batch 1 each takes ~15 s), then 32 streams.
 bench tp1-c1 --compare tp1 --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
 bench tp1-c32 --compare tp1 --concurrency 32 --num-requests "$N_BATCH" --warmup 1 || status=1
+BF16=(--worker-matmul-dtype bf16)
+bench tp1-bf16-c1 --compare tp1 "${BF16[@]}" --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
+bench tp1-bf16-c32 --compare tp1 "${BF16[@]}" --concurrency 32 --num-requests "$N_BATCH_BF16" --warmup 1 || status=1
 # (2) PP=2, micro-batches in flight (the coordinator's default: PP of them) vs one, 16 streams.
 bench pp2-c16 --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 || status=1
 # (3) The same with long prompts and short outputs (512 in, 32 out): the stages are compute-bound.
