@@ -92,8 +92,8 @@ class Backend {
   // Stores a MatMul weight w [m, k] in the layout this backend's GEMM reads fastest, once, at
   // load. Returns the buffer holding the repacked copy and sets *packed to an [m, k] tensor
   // viewing it (of the stored dtype: BF16 for CpuMatMul::kBF16), to pass to MatMul as w from then
-  // on; w itself may then be freed. A packed tensor
-  // is only for MatMul, whole: other ops cannot read it and MatMul refuses a view of part of it.
+  // on; w itself may then be freed. A packed tensor is only for MatMul, whole: other ops cannot
+  // read it and MatMul refuses a view of part of it.
   // The CPU backend packs F32 weights into oneDNN's blocked layout, so that each step's GEMM
   // streams the weight once instead of repacking it; a backend that reads plain weights
   // directly (CUDA) returns an empty Buffer and sets *packed = w.

@@ -557,7 +557,8 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
     src_bf16_.resize(static_cast<size_t>(n * k));
     auto r = to_bf16_.find({n, k});
     if (r == to_bf16_.end()) {
-      r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(dnnl::reorder::primitive_desc(engine_, x_desc, engine_, src_desc))).first;
+      const dnnl::reorder::primitive_desc pd(engine_, x_desc, engine_, src_desc);
+      r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(pd)).first;
     }
     memory from(x_desc, engine_, src), to(src_desc, engine_, src_bf16_.data());
     r->second.execute(stream_, from, to);
@@ -591,7 +592,8 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   constexpr int64_t kRows = 16;
   try {
     const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
-        engine_, memory::desc({kRows, k}, dt, memory::format_tag::ab), memory::desc({k, m}, dt, memory::format_tag::any),
+        engine_, memory::desc({kRows, k}, dt, memory::format_tag::ab),
+        memory::desc({k, m}, dt, memory::format_tag::any),
         nullptr, memory::desc({kRows, m}, f32, memory::format_tag::ab));
     const memory::desc layout = pd.weights_desc();
     absl::StatusOr<Buffer> buffer = Allocate(layout.get_size());

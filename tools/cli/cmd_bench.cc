@@ -888,8 +888,8 @@ int Run(const std::vector<std::string>& args) {
   sigaction(SIGTERM, &sa, nullptr);
 
   if (!flags->Has("compare")) {
-    for (const char* f :
-         {"model", "device", "worker-threads", "worker-matmul-dtype", "log-dir", "ready-timeout-seconds", "max-model-len"}) {
+    for (const char* f : {"model", "device", "worker-threads", "worker-matmul-dtype", "log-dir",
+                          "ready-timeout-seconds", "max-model-len"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {
