@@ -320,38 +320,62 @@ TEST_F(CpuBackendTest, MatMul) {
   }
 }
 
+float RoundToBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
+
 // PackMatMulWeight repacks into oneDNN's blocked layout (a different copy, not a view of w), and
 // MatMul with the packed weight gives the same products for any row count, bias or not, after
-// the plain weight is gone.
+// the plain weight is gone. With bf16 products (CpuMatMul::kBF16) the weight is stored in bf16
+// (a BF16 tensor, half the bytes) and each product is the float32 sum of the bf16-rounded inputs'
+// products: the same check, against the reference of the rounded inputs.
 TEST_F(CpuBackendTest, MatMulWithPackedWeight) {
   struct Case {
     int64_t k, m;
   };
-  for (const Case& c : {Case{64, 1}, Case{129, 33}, Case{17, 300}, Case{300, 7}, Case{768, 256}}) {
-    const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
-    Tensor packed;
-    Buffer packed_buffer;
-    {
-      DeviceTensor dw = F32({c.m, c.k}, w);
-      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed);
-      ASSERT_TRUE(buffer.ok()) << buffer.status();
-      ASSERT_NE(buffer->data(), nullptr);
-      EXPECT_EQ(packed.data, buffer->data());
-      EXPECT_EQ(packed.ShapeString(), dw.t().ShapeString());
-      packed_buffer = std::move(*buffer);
-      dw.Poison();  // and then freed: MatMul must read only the packed copy
-    }
-    DeviceTensor db = F32({c.m}, b);
-    for (int64_t n : {1, 3, 16, 17, 64, 300}) {
-      for (bool bias : {false, true}) {
-        const std::string what = absl::StrCat("packed MatMul n=", n, " k=", c.k, " m=", c.m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * c.k);
-        DeviceTensor dx = F32({n, c.k}, x);
-        DeviceTensor out = Output(DType::kF32, {n, c.m});
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        // As for plain MatMul (above): k <= 768 terms in [-1, 1], float accumulation.
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, w, bias ? &b : nullptr, n, c.k, c.m), 1e-5);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
+  for (CpuMatMul matmul : {CpuMatMul::kF32, CpuMatMul::kBF16}) {
+    const bool bf16 = matmul == CpuMatMul::kBF16;
+    std::unique_ptr<Backend> backend = MakeCpuBackend(0, matmul);
+    auto rounded = [bf16](std::vector<float> v) {
+      if (bf16) std::transform(v.begin(), v.end(), v.begin(), RoundToBf16);
+      return v;
+    };
+    for (const Case& c : {Case{64, 1}, Case{129, 33}, Case{17, 300}, Case{300, 7}, Case{768, 256}}) {
+      const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
+      Tensor packed;
+      Buffer packed_buffer;
+      {
+        DeviceTensor dw(backend.get(), DType::kF32, {c.m, c.k});
+        dw.Upload(w);
+        absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+        ASSERT_TRUE(buffer.ok()) << buffer.status();
+        ASSERT_NE(buffer->data(), nullptr);
+        EXPECT_EQ(packed.data, buffer->data());
+        EXPECT_EQ(packed.dtype, bf16 ? DType::kBF16 : DType::kF32);
+        EXPECT_EQ(packed.dim(0), c.m);
+        EXPECT_EQ(packed.dim(1), c.k);
+        if (c.m % 64 == 0 && c.k % 64 == 0) {  // else padded to oneDNN's blocks
+          EXPECT_EQ(buffer->bytes(), static_cast<size_t>(c.m * c.k) * (bf16 ? 2 : 4));
+        }
+        packed_buffer = std::move(*buffer);
+        dw.Poison();  // and then freed: MatMul must read only the packed copy
+      }
+      DeviceTensor db(backend.get(), DType::kF32, {c.m});
+      db.Upload(b);
+      const std::vector<float> w_used = rounded(w);
+      for (int64_t n : {1, 3, 16, 17, 64, 300}) {
+        for (bool bias : {false, true}) {
+          const std::string what = absl::StrCat(bf16 ? "bf16" : "packed", " MatMul n=", n, " k=", c.k, " m=", c.m,
+                                                bias ? " +bias" : "");
+          const std::vector<float> x = Random(rng_, n * c.k);
+          DeviceTensor dx(backend.get(), DType::kF32, {n, c.k});
+          dx.Upload(x);
+          DeviceTensor out(backend.get(), DType::kF32, {n, c.m});
+          out.Poison();
+          ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+          // As for plain MatMul (above): k <= 768 terms in [-1, 1], float accumulation.
+          ExpectClose(what, out.Download<float>(), MatMulReference(rounded(x), w_used, bias ? &b : nullptr, n, c.k, c.m),
+                      1e-5);
+          EXPECT_TRUE(out.GuardsIntact()) << what;
+        }
       }
     }
   }
@@ -389,48 +413,11 @@ TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
   }
 }
 
-// bf16 products (CpuMatMul::kBF16): the weight is stored in bf16 (half the bytes, a BF16 tensor)
-// and each product is the float32 sum of the bf16-rounded inputs' products: within float
-// accumulation error of that sum computed in double, and visibly not the float32 product.
-float RoundToBf16(float f) {  // to nearest, ties to even; the test values are finite
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
+// bf16 products really round (MatMulWithPackedWeight above checks them against the rounded
+// inputs' products), and a BF16 tensor is only a weight when PackMatMulWeight made it.
 TEST_F(CpuBackendTest, Bf16ProductsRoundTheirInputs) {
   std::unique_ptr<Backend> backend = MakeCpuBackend(2, CpuMatMul::kBF16);
   EXPECT_NE(backend->Describe().find("bf16"), std::string::npos) << backend->Describe();
-  for (auto [m, k] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {300, 7}, {768, 256}}) {
-    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
-    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
-    dw.Upload(w);
-    Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
-    ASSERT_TRUE(buffer.ok()) << buffer.status();
-    EXPECT_EQ(packed.dtype, DType::kBF16);
-    if (m % 64 == 0 && k % 64 == 0) {  // else padded to oneDNN's blocks
-      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * k * 2));
-    }
-    dw.Poison();
-    DeviceTensor db(backend.get(), DType::kF32, {m});
-    db.Upload(b);
-    std::vector<float> w16(w.size());
-    std::transform(w.begin(), w.end(), w16.begin(), RoundToBf16);
-    for (int64_t n : {1, 16, 17, 300}) {
-      const std::string what = absl::StrCat("bf16 MatMul n=", n, " k=", k, " m=", m);
-      const std::vector<float> x = Random(rng_, n * k);
-      std::vector<float> x16(x.size());
-      std::transform(x.begin(), x.end(), x16.begin(), RoundToBf16);
-      DeviceTensor dx(backend.get(), DType::kF32, {n, k});
-      dx.Upload(x);
-      DeviceTensor out(backend.get(), DType::kF32, {n, m});
-      ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, &db.t()).ok()) << what;
-      ExpectClose(what, out.Download<float>(), MatMulReference(x16, w16, &b, n, k, m), 1e-5);
-    }
-  }
   // 1 + 2^-10 rounds to 1 in bf16: sixteen of them times ones is exactly 16, not 16.015625.
   const int64_t k = 16, m = 16;
   DeviceTensor dw(backend.get(), DType::kF32, {m, k});
