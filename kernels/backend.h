@@ -176,6 +176,11 @@ enum class CpuMatMul : uint8_t { kF32, kBF16 };
 // the calling thread.
 std::unique_ptr<Backend> MakeCpuBackend(int threads = 0, CpuMatMul matmul = CpuMatMul::kF32);
 
+// Whether oneDNN multiplies bf16 on this CPU with bf16 instructions (AVX512-BF16 or AMX; within any
+// DNNL_MAX_CPU_ISA cap). Without them CpuMatMul::kBF16 may still work on AVX-512 (emulated, no
+// faster than float32) or fail (older CPUs).
+bool CpuHasNativeBf16MatMul();
+
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
 // Unavailable when built without CUDA or when no GPU is present; the status says which.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act);

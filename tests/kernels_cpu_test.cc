@@ -383,31 +383,36 @@ TEST_F(CpuBackendTest, MatMulWithPackedWeight) {
 
 // Continuous batching relies on this (tests/batching_test.cc): a row's product with a packed
 // weight is bitwise the same whatever other rows share the call, for any row count and on any
-// number of threads.
+// number of threads. The shapes: a mid-sized one, a small one (oneDNN's bf16 kernels for few
+// rows of it summed differently) and a long sum (k = 4096: its AMX kernel split k differently by
+// row count), as the demo model's TP=2 slices and large models' down projections have.
 TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
-  const int64_t k = 768, m = 256, rows = 300;
-  const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
-  for (auto [threads, matmul] : {std::pair{1, CpuMatMul::kF32}, std::pair{2, CpuMatMul::kF32},
-                                 std::pair{1, CpuMatMul::kBF16}, std::pair{2, CpuMatMul::kBF16}}) {
-    std::unique_ptr<Backend> backend = MakeCpuBackend(threads, matmul);
-    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
-    dw.Upload(w);
-    Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
-    ASSERT_TRUE(buffer.ok()) << buffer.status();
-    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
-    all_x.Upload(x);
-    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
-    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
-    const std::vector<float> want = all_out.Download<float>();
-    for (int64_t n : {1, 2, 7, 16, 31, 64, 129}) {
-      for (int64_t first : {int64_t{0}, rows - n}) {  // rows [first, first + n) alone
-        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
-        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
-        const std::vector<float> got = part_out.Download<float>();
-        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
-            << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
-            << " (" << threads << " threads, " << (matmul == CpuMatMul::kBF16 ? "bf16" : "f32") << " products)";
+  const int64_t rows = 300;
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{256, 768}, {32, 192}, {256, 4096}}) {
+    const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
+    for (auto [threads, matmul] : {std::pair{1, CpuMatMul::kF32}, std::pair{2, CpuMatMul::kF32},
+                                   std::pair{1, CpuMatMul::kBF16}, std::pair{2, CpuMatMul::kBF16}}) {
+      std::unique_ptr<Backend> backend = MakeCpuBackend(threads, matmul);
+      DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+      dw.Upload(w);
+      Tensor packed;
+      absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
+      all_x.Upload(x);
+      DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
+      ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
+      const std::vector<float> want = all_out.Download<float>();
+      for (int64_t n : {1, 2, 5, 7, 16, 31, 64, 129}) {
+        for (int64_t first : {int64_t{0}, rows - n}) {  // rows [first, first + n) alone
+          DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+          ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
+          const std::vector<float> got = part_out.Download<float>();
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+              << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
+              << " (w [" << m << ", " << k << "], " << threads << " threads, "
+              << (matmul == CpuMatMul::kBF16 ? "bf16" : "f32") << " products)";
+        }
       }
     }
   }

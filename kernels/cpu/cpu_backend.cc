@@ -54,6 +54,10 @@ namespace {
 // split lines.
 constexpr size_t kAlignment = 64;
 
+// Rows per oneDNN call of a bf16 product (CpuBackend::OneDnnMatMul): one AMX tile's rows, so that
+// a lone decoding row costs little more than itself.
+constexpr int64_t kBf16Rows = 16;
+
 constexpr DType kF32 = DType::kF32;
 constexpr DType kI32 = DType::kI32;
 constexpr DType kBF16 = DType::kBF16;
@@ -374,7 +378,8 @@ class CpuBackend final : public Backend {
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
   // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN; w [m, k] is plain when packed is null.
-  // A bf16 packed weight multiplies x rounded to bf16 (in src_bf16_). Throws dnnl::error.
+  // A bf16 packed weight multiplies x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time.
+  // Throws dnnl::error.
   void OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed, void* w,
                     const float* bias);
 
@@ -383,14 +388,14 @@ class CpuBackend final : public Backend {
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;
-  // oneDNN matmuls by (n, m, k, bias, packed): one per shape a step has used, made
-  // (JIT-compiled, ~0.4 ms) on first use. Steps have at most max_tokens_per_step rows and a
-  // model has a handful of weight shapes, so this stays small.
-  std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool>, dnnl::matmul> matmuls_;
+  // oneDNN matmuls by (rows, m, k, bias, packed, input dtype): one per shape a step has used,
+  // made (JIT-compiled, ~0.4 ms) on first use. Steps have at most max_tokens_per_step rows (bf16
+  // products: always kBf16Rows) and a model has a handful of weight shapes, so this stays small.
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool, dnnl::memory::data_type>, dnnl::matmul> matmuls_;
   // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
   std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
   std::vector<uint16_t> src_bf16_;
-  std::vector<float> pair_rows_;  // a lone bf16 row's input, doubled [2, k], then its output [2, m]
+  std::vector<float> padded_out_;  // a bf16 product's output, rows padded to a multiple of kBf16Rows
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.
@@ -531,52 +536,68 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
                               void* w, const float* bias) {
   using dnnl::memory;
   constexpr auto f32 = memory::data_type::f32;
+  constexpr auto bf16 = memory::data_type::bf16;
   constexpr auto ab = memory::format_tag::ab;
   // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
   omp_set_num_threads(threads_);
   // A plain w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
   const memory::desc weights_desc = packed != nullptr ? packed->desc : memory::desc({k, m}, f32, memory::format_tag::ba);
-  const bool bf16 = weights_desc.data_type() == memory::data_type::bf16;
-  const memory::desc x_desc({n, k}, f32, ab), dst_desc({n, m}, f32, ab), bias_desc({1, m}, f32, ab);
-  const memory::desc src_desc = bf16 ? memory::desc({n, k}, memory::data_type::bf16, ab) : x_desc;
-  void* src = const_cast<float*>(x);
-  if (bf16 && n == 1) {
-    // oneDNN multiplies a single bf16 row with another kernel than 2 or more rows, whose sums
-    // differ in the last bits: a lone row is multiplied as the first of two (the second a copy),
-    // so that a sequence's logits never depend on how many others share its step.
-    pair_rows_.resize(static_cast<size_t>(2 * (k + m)));
-    float* pair_x = pair_rows_.data();
-    float* pair_y = pair_x + 2 * k;
-    std::copy(x, x + k, pair_x);
-    std::copy(x, x + k, pair_x + k);
-    OneDnnMatMul(pair_y, pair_x, 2, m, k, packed, w, bias);
-    std::copy(pair_y, pair_y + m, y);
+  const memory::desc bias_desc({1, m}, f32, ab);
+  // The oneDNN matmul for [rows, k] inputs of `dt`, made (JIT-compiled, ~0.4 ms) on first use.
+  auto matmul = [&](int64_t rows, memory::data_type dt) -> const dnnl::matmul& {
+    const auto key = std::make_tuple(rows, m, k, bias != nullptr, packed != nullptr, dt);
+    auto it = matmuls_.find(key);
+    if (it == matmuls_.end()) {
+      const dnnl::matmul::primitive_desc pd =
+          MatMulPrimitiveDesc(engine_, memory::desc({rows, k}, dt, ab), weights_desc,
+                              bias != nullptr ? &bias_desc : nullptr, memory::desc({rows, m}, f32, ab));
+      it = matmuls_.emplace(key, dnnl::matmul(pd)).first;
+    }
+    return it->second;
+  };
+  auto run = [&](const dnnl::matmul& mm, const memory::desc& src_desc, void* src, const memory::desc& dst_desc,
+                 float* dst) {
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, src)},
+                                            {DNNL_ARG_WEIGHTS, memory(weights_desc, engine_, w)},
+                                            {DNNL_ARG_DST, memory(dst_desc, engine_, dst)}};
+    if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
+    mm.execute(stream_, args);
+  };
+  const memory::desc x_desc({n, k}, f32, ab);
+
+  if (weights_desc.data_type() != bf16) {
+    run(matmul(n, f32), x_desc, const_cast<float*>(x), memory::desc({n, m}, f32, ab), y);
+    stream_.wait();
     return;
   }
-  if (bf16) {  // round x to bf16 (to nearest even), with a reorder made once per shape
-    src_bf16_.resize(static_cast<size_t>(n * k));
-    auto r = to_bf16_.find({n, k});
-    if (r == to_bf16_.end()) {
-      const dnnl::reorder::primitive_desc pd(engine_, x_desc, engine_, src_desc);
-      r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(pd)).first;
-    }
-    memory from(x_desc, engine_, src), to(src_desc, engine_, src_bf16_.data());
-    r->second.execute(stream_, from, to);
-    src = src_bf16_.data();
+  // bf16: round x to bf16 (to nearest even) with a reorder made once per shape, into rows padded
+  // with zeros to a multiple of kBf16Rows; then multiply kBf16Rows rows at a time. oneDNN's bf16
+  // kernels sum in an order that depends on the row count (AMX and AVX-512 kernels for different
+  // row counts and tails, K split differently), so a row's result would depend on how many rows
+  // share its step; one primitive for every chunk gives every row the same arithmetic. Each
+  // chunk re-reads the weight (a layer's matrix, from cache after the first chunk).
+  const int64_t padded = (n + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
+  src_bf16_.resize(static_cast<size_t>(padded * k));
+  const memory::desc rounded_desc({n, k}, bf16, ab);
+  auto r = to_bf16_.find({n, k});
+  if (r == to_bf16_.end()) {
+    r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(dnnl::reorder::primitive_desc(engine_, x_desc, engine_,
+                                                                                          rounded_desc)))
+            .first;
   }
-  const auto key = std::make_tuple(n, m, k, bias != nullptr, packed != nullptr);
-  auto it = matmuls_.find(key);
-  if (it == matmuls_.end()) {
-    const dnnl::matmul::primitive_desc pd =
-        MatMulPrimitiveDesc(engine_, src_desc, weights_desc, bias != nullptr ? &bias_desc : nullptr, dst_desc);
-    it = matmuls_.emplace(key, dnnl::matmul(pd)).first;
+  memory from(x_desc, engine_, const_cast<float*>(x)), to(rounded_desc, engine_, src_bf16_.data());
+  r->second.execute(stream_, from, to);
+  std::fill(src_bf16_.begin() + n * k, src_bf16_.begin() + padded * k, uint16_t{0});
+  float* dst = y;
+  if (padded != n) {  // the last chunk's output rows past n land in scratch
+    padded_out_.resize(static_cast<size_t>(padded * m));
+    dst = padded_out_.data();
   }
-  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, src)},
-                                          {DNNL_ARG_WEIGHTS, memory(weights_desc, engine_, w)},
-                                          {DNNL_ARG_DST, memory(dst_desc, engine_, y)}};
-  if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
-  it->second.execute(stream_, args);
+  const dnnl::matmul& mm = matmul(kBf16Rows, bf16);
+  const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
+  for (int64_t c = 0; c < padded; c += kBf16Rows) run(mm, chunk_src, src_bf16_.data() + c * k, chunk_dst, dst + c * m);
   stream_.wait();
+  if (dst != y) std::copy(dst, dst + n * m, y);
 }
 
 absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
@@ -976,6 +997,13 @@ absl::Status CpuBackend::Sample(Tensor* out, const Tensor& logits, const std::ve
 
 std::unique_ptr<Backend> MakeCpuBackend(int threads, CpuMatMul matmul) {
   return std::make_unique<CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul);
+}
+
+bool CpuHasNativeBf16MatMul() {
+  // oneDNN's ISA values are supersets by bits: AMX's include AVX512-BF16's.
+  const auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core_bf16);
+  return (isa & bf16) == bf16;
 }
 
 }  // namespace shardserve
