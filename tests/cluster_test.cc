@@ -3,7 +3,8 @@
 //
 // - Parity: for every fixture and every layout the model allows (TP in {1, 2} inside a node, PP in
 //   {1, 2, 3} nodes), the cluster's greedy tokens equal Hugging Face's (golden.json). Exact
-//   equality, no tolerance: every layout computes in float32 and only the order of summation
+//   equality, no tolerance: every layout computes in float32 (worker --matmul-dtype f32, also for
+//   the bf16 checkpoint, whose golden tokens are float32's) and only the order of summation
 //   differs (the TP all-reduce adds partial sums), which moves logits by ~1e-6 relative while the
 //   smallest gap between the top two logits along any golden sequence is 2e-3.
 // - Chunked prefill: a prompt longer than a step gives the tokens of a single-process run.
@@ -87,7 +88,7 @@ TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
   std::ifstream config_file(kFixtures / l.fixture / "config.json");
   ASSERT_GE(nlohmann::json::parse(config_file)["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
   const Golden golden = LoadGolden(l.fixture);
-  Cluster cluster({l.fixture, l.pp, l.tp, {}});
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}});
   ASSERT_TRUE(cluster.Start());
 
   const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -711,20 +712,18 @@ TEST_F(SamplerTest, RejectsLogitsOfTheWrongShapeAndNonFiniteHostRows) {
 
 // ---- In the worker's step ----------------------------------------------------------------------
 
-// The sampler inside StepExecutor (the whole llama_gqa fixture in one worker): a step of two
-// prefilling sequences gets one id per logit row and logprobs for the row that asks; a step with
-// a bad sampling parameter fails before the forward pass with the field named.
-TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
-  const std::string model = std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/llama_gqa";
+// A whole fixture model (`layers` layers) in one CPU worker.
+absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string& fixture, int layers,
+                                                                std::optional<CpuMatMul> matmul = std::nullopt) {
   v1::Assignment a;
   a.set_worker_id("w0");
-  a.set_model_path(model);
+  a.set_model_path(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture);
   a.set_stage(0);
   a.set_num_stages(1);
   a.set_tp_rank(0);
   a.set_tp_size(1);
   a.set_first_layer(0);
-  a.set_end_layer(5);
+  a.set_end_layer(layers);
   a.set_max_tokens_per_step(16);
   a.set_max_seqs_per_step(4);
   a.set_block_size(4);
@@ -732,7 +731,14 @@ TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
   a.set_max_blocks_per_seq(4);
   a.set_collective_timeout_seconds(10);
   InMemoryRendezvousStore store;  // unused: every group has one rank
-  absl::StatusOr<std::unique_ptr<StepExecutor>> executor = StepExecutor::Create(a, "cpu", &store, "127.0.0.1");
+  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", /*cpu_threads=*/0, matmul);
+}
+
+// The sampler inside StepExecutor (the whole llama_gqa fixture in one worker): a step of two
+// prefilling sequences gets one id per logit row and logprobs for the row that asks; a step with
+// a bad sampling parameter fails before the forward pass with the field named.
+TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
+  absl::StatusOr<std::unique_ptr<StepExecutor>> executor = WholeModelWorker("llama_gqa", 5);
   ASSERT_TRUE(executor.ok()) << executor.status();
 
   // Sequence 0: tokens 5, 6, 7 in block 3; sequence 1: tokens 8, 9 in block 9.
@@ -769,6 +775,34 @@ TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
   const absl::Status bad = (*executor)->Execute(plan, &result);
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
   EXPECT_NE(bad.message().find("step 2 row 1: min_p"), std::string::npos) << bad;
+}
+
+// The products' precision when the worker is not told one (--matmul-dtype auto): a bf16
+// checkpoint's are bf16 where the CPU has bf16 instructions, which halves its packed weights; an
+// f32 checkpoint's stay f32; a precision given explicitly wins.
+TEST(StepExecutorCpuMatMul, AutoFollowsTheCheckpointDtype) {
+  const bool native = CpuHasNativeBf16MatMul();
+  EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kF32), CpuMatMul::kF32);
+  EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kF16), CpuMatMul::kF32);
+  EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kBF16), native ? CpuMatMul::kBF16 : CpuMatMul::kF32);
+
+  absl::StatusOr<std::unique_ptr<StepExecutor>> bf16_auto = WholeModelWorker("llama_bf16", 3);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> bf16_f32 = WholeModelWorker("llama_bf16", 3, CpuMatMul::kF32);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> f32_auto = WholeModelWorker("llama_gqa", 5);
+  ASSERT_TRUE(bf16_auto.ok()) << bf16_auto.status();
+  ASSERT_TRUE(bf16_f32.ok()) << bf16_f32.status();
+  ASSERT_TRUE(f32_auto.ok()) << f32_auto.status();
+  const bool bf16_products = (*bf16_auto)->backend_name().find("bf16 products") != std::string::npos;
+  EXPECT_EQ(bf16_products, native) << (*bf16_auto)->backend_name();
+  EXPECT_EQ((*bf16_f32)->backend_name().find("bf16"), std::string::npos) << (*bf16_f32)->backend_name();
+  EXPECT_EQ((*f32_auto)->backend_name().find("bf16"), std::string::npos) << (*f32_auto)->backend_name();
+  // llama_bf16: 155k parameters in products (untied LM head), 33k in the float32 embedding table.
+  if (native) {
+    EXPECT_LT((*bf16_auto)->weight_bytes(), (*bf16_f32)->weight_bytes() * 3 / 4);
+  } else {
+    std::printf("[ note     ] this CPU has no bf16 instructions: auto chose f32 products\n");
+    EXPECT_EQ((*bf16_auto)->weight_bytes(), (*bf16_f32)->weight_bytes());
+  }
 }
 
 }  // namespace

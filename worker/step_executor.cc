@@ -86,10 +86,15 @@ absl::StatusOr<int> ParseDevice(const std::string& device) {
   return absl::InvalidArgumentError(absl::StrCat("device '", device, "' is not cpu, cuda or cuda:K"));
 }
 
+CpuMatMul StepExecutor::ChooseCpuMatMul(DType checkpoint_dtype) {
+  return checkpoint_dtype == DType::kBF16 && CpuHasNativeBf16MatMul() ? CpuMatMul::kBF16 : CpuMatMul::kF32;
+}
+
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
                                                                    RendezvousStore* store,
                                                                    const std::string& collective_host,
-                                                                   int cpu_threads, CpuMatMul cpu_matmul) {
+                                                                   int cpu_threads,
+                                                                   std::optional<CpuMatMul> cpu_matmul) {
   if (absl::Status s = CheckAssignment(a); !s.ok()) return s;
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
@@ -98,7 +103,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
 
   std::unique_ptr<StepExecutor> e(new StepExecutor());
   if (*cuda_ordinal < 0) {
-    e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul);
+    e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);

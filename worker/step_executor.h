@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,13 +48,20 @@ class StepExecutor {
   // group whose ranks do not all join within the collective timeout is DeadlineExceeded.
   //
   // On CPU the groups are Gloo; on CUDA they are NCCL (and Unimplemented in a build without it).
-  // `cpu_threads` > 0 sets the CPU backend's math threads and `cpu_matmul` its products'
-  // precision (MakeCpuBackend); 0 threads: OpenMP's default. Both are ignored on CUDA.
+  // `cpu_threads` > 0 sets the CPU backend's math threads (0: OpenMP's default) and `cpu_matmul`
+  // its products' precision (MakeCpuBackend; none: ChooseCpuMatMul's for the checkpoint). Both
+  // are ignored on CUDA.
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(const v1::Assignment& assignment,
                                                               const std::string& device, RendezvousStore* store,
                                                               const std::string& collective_host,
                                                               int cpu_threads = 0,
-                                                              CpuMatMul cpu_matmul = CpuMatMul::kF32);
+                                                              std::optional<CpuMatMul> cpu_matmul = std::nullopt);
+
+  // The CPU products' precision for a checkpoint of `checkpoint_dtype` (config.json's
+  // torch_dtype) when the worker is not told one (--matmul-dtype auto): as on a GPU, the
+  // checkpoint's own dtype where this CPU has it in hardware, so bf16 when the checkpoint is bf16
+  // and CpuHasNativeBf16MatMul(); float32 otherwise (f32 and f16 checkpoints, older CPUs).
+  static CpuMatMul ChooseCpuMatMul(DType checkpoint_dtype);
 
   // Runs this worker's part of `plan` and fills `result` (cleared first): the step id, the timings
   // and, on the last stage's TP rank 0, one sampled id per logit row (and the logprobs, when a row

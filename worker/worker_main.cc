@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
-    "                         [--matmul-dtype f32|bf16]\n"
+    "                         [--matmul-dtype auto|f32|bf16]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -60,11 +60,13 @@ constexpr char kUsage[] =
     "                           attention (oneDNN, OpenMP; its other ops run on the step thread); 0\n"
     "                           (default): OpenMP's default (OMP_NUM_THREADS, else one per core).\n"
     "                           Give each worker its share of the cores. Ignored on cuda\n"
-    "  --matmul-dtype           --device cpu: f32 (default) or bf16: keep the weights of the matrix\n"
-    "                           products in bfloat16 (half the memory) and round their inputs to\n"
-    "                           bfloat16, accumulating in float32 (oneDNN's AMX / AVX-512 kernels;\n"
-    "                           needs AVX-512). Faster, but logits move by ~1e-2 from the float32\n"
-    "                           reference. Ignored on cuda (products use the checkpoint's dtype)\n";
+    "  --matmul-dtype           --device cpu: the matrix products' precision. bf16: weights kept in\n"
+    "                           bfloat16 (half the memory), inputs rounded to bfloat16, sums in\n"
+    "                           float32 (oneDNN's AMX / AVX-512 kernels; needs AVX-512): faster, logits\n"
+    "                           ~1e-2 from float32's. f32: float32 throughout (Hugging Face's float32\n"
+    "                           reference within 1e-4). auto (default): bf16 for a bf16 checkpoint\n"
+    "                           (config.json torch_dtype) on a CPU with bf16 instructions (AVX512-BF16\n"
+    "                           or AMX), else f32. Ignored on cuda (products use the checkpoint's dtype)\n";
 
 // Far above any host's core count.
 constexpr int kMaxThreads = 4096;
@@ -103,7 +105,7 @@ int Main(int argc, char** argv) {
       {"listen", "127.0.0.1:0"},          {"memory-gb", "0"}, {"collective-host", ""},
       {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
       {"metrics-listen", "127.0.0.1:0"},  {"log-format", "text"},
-      {"threads", "0"},                   {"matmul-dtype", "f32"},
+      {"threads", "0"},                   {"matmul-dtype", "auto"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -158,8 +160,10 @@ int Main(int argc, char** argv) {
   }
   if (v["matmul-dtype"] == "bf16") {
     options.cpu_matmul = CpuMatMul::kBF16;
-  } else if (v["matmul-dtype"] != "f32") {
-    return Usage("--matmul-dtype must be f32 or bf16");
+  } else if (v["matmul-dtype"] == "f32") {
+    options.cpu_matmul = CpuMatMul::kF32;
+  } else if (v["matmul-dtype"] != "auto") {
+    return Usage("--matmul-dtype must be auto, f32 or bf16");
   }
   if (memory_gb == 0) {
     absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);

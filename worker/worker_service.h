@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <grpcpp/client_context.h>
@@ -49,7 +50,9 @@ struct WorkerOptions {
   std::string address;          // this worker's own gRPC server (health), host:port
   std::string collective_host;  // address this worker's collectives listen on
   int cpu_threads = 0;          // --device cpu: math threads (MakeCpuBackend); 0: OpenMP's default
-  CpuMatMul cpu_matmul = CpuMatMul::kF32;  // --device cpu: the products' precision (MakeCpuBackend)
+  // --device cpu: the products' precision (MakeCpuBackend); none: the checkpoint's where the CPU
+  // has it (StepExecutor::ChooseCpuMatMul).
+  std::optional<CpuMatMul> cpu_matmul;
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).

@@ -62,7 +62,7 @@ constexpr char kUsage[] =
     "                        [--input-len I] [--output-len O] [--range-ratio X] [--seed S] [--temperature T]\n"
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
-    "                        [--worker-matmul-dtype f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
+    "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                        [--max-model-len L]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B]  [load flags as above]\n"
@@ -93,7 +93,7 @@ constexpr char kUsage[] =
     "                     Logs in --log-dir/<layout> (default /tmp/shardserve-bench-<pid>).\n"
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
-    "  --worker-matmul-dtype  cpu workers' products: f32 (default) or bf16 (worker --matmul-dtype)\n"
+    "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
     "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
     "  cluster could not be started, 2 for a usage error, 130 when interrupted.\n";

@@ -131,12 +131,13 @@ inline int64_t DefaultWorkerThreads(int64_t workers) {
   return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
 }
 
-// The worker flags for `launch` and `bench --compare`'s --worker-matmul-dtype VALUE: f32 or bf16
-// becomes worker --matmul-dtype VALUE; empty (not given): none, the worker's default.
+// The worker flags for `launch` and `bench --compare`'s --worker-matmul-dtype VALUE: auto, f32 or
+// bf16 becomes worker --matmul-dtype VALUE; empty (not given): none, the worker's default (auto).
 inline absl::StatusOr<std::vector<std::string>> WorkerMatMulFlags(const std::string& value) {
   if (value.empty()) return std::vector<std::string>{};
-  if (value != "f32" && value != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat("--worker-matmul-dtype must be f32 or bf16, got '", value, "'"));
+  if (value != "auto" && value != "f32" && value != "bf16") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--worker-matmul-dtype must be auto, f32 or bf16, got '", value, "'"));
   }
   return std::vector<std::string>{"--matmul-dtype", value};
 }
