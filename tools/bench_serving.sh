@@ -2,14 +2,15 @@
 # The serving benchmarks: `shardserve bench` against local CPU clusters of the benchmark model
 # (tools/make_bench_model.py: a random-weights 78.7M-parameter Llama, vocabulary 4096).
 #
-#   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys; with the
-#       workers' default float32 products, then with bf16 products (--worker-matmul-dtype bf16).
+#   (1) TP=1: one stream, then 32 concurrent streams (closed loop): what batching buys.
 #   (2) PP=2: micro-batched pipeline vs one micro-batch in flight (pp2/serial), 16 streams.
 #   (3) (2) again with 512-token prompts and 32-token outputs.
+# Each with the workers' default products (--matmul-dtype auto: bf16 for this bf16 checkpoint on a
+# CPU with bf16 instructions, else float32), then with float32 products (--worker-matmul-dtype f32).
 #
 # Every run: random prompts of 128 token ids (seed 0), 128 output tokens each (ignore_eos), greedy.
 # Request counts are chosen so that each measured run lasts at least ~15 s on a 2-core machine and
-# the whole script stays well under 15 minutes (about 5). Tables go to stdout; each run's JSON to $OUT_DIR.
+# the whole script stays well under 15 minutes (about 6). Tables go to stdout; each run's JSON to $OUT_DIR.
 #
 #   tools/bench_serving.sh                       # builds build/ if needed, makes the model if absent
 #   BIN_DIR=/other/bin tools/bench_serving.sh    # use these binaries, build nothing
@@ -50,15 +51,16 @@ mkdir -p "$OUT_DIR"
 
 if [ "$QUICK" = 1 ]; then
   LEN=(--input-len 16 --output-len 8)
-  N_SINGLE=2 N_BATCH=8 N_BATCH_BF16=8 N_PP=4
+  N_SINGLE=2 N_BATCH=8 N_BATCH_F32=8 N_PP=4
 else
   LEN=(--input-len 128 --output-len 128)
-  # Measured on the 2-core CI machine (shared, so +-30%): one stream 45-60 output tokens/s, so 5
-  # requests take ~12 s; 32 streams on TP=1 ~300 tokens/s (f32), 64 requests ~27 s, and ~450
-  # (bf16), 96 requests ~27 s; PP=2 at 16 streams 150-200 tokens/s, 32 requests ~25 s per layout.
-  # The whole script: about 5 minutes.
-  N_SINGLE=5 N_BATCH=64 N_BATCH_BF16=96 N_PP=32
+  # Measured on the 2-core CI machine (shared, so +-30%): one stream 40-60 output tokens/s, so 5
+  # requests take ~12 s; 32 streams on TP=1 ~450 tokens/s with bf16 products, 96 requests ~27 s,
+  # ~300 with float32, 64 requests ~27 s; PP=2 at 16 streams 150-200 tokens/s, 32 requests ~25 s
+  # per layout. The whole script: about 6 minutes.
+  N_SINGLE=5 N_BATCH=96 N_BATCH_F32=64 N_PP=32
 fi
+if [ "$QUICK" = 1 ]; then LONG=(--input-len 32 --output-len 4); else LONG=(--input-len 512 --output-len 32); fi
 
 bench() {  # bench NAME FLAGS...
   local name=$1
@@ -70,17 +72,19 @@ bench() {  # bench NAME FLAGS...
 }
 
 status=0
-# (1) TP=1, one stream (one warm-up request: at batch 1 each takes ~15 s), then 32 streams.
-bench tp1-c1 --compare tp1 --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
-bench tp1-c32 --compare tp1 --concurrency 32 --num-requests "$N_BATCH" --warmup 1 || status=1
-BF16=(--worker-matmul-dtype bf16)
-bench tp1-bf16-c1 --compare tp1 "${BF16[@]}" --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
-bench tp1-bf16-c32 --compare tp1 "${BF16[@]}" --concurrency 32 --num-requests "$N_BATCH_BF16" --warmup 1 || status=1
-# (2) PP=2, micro-batches in flight (the coordinator's default: PP of them) vs one, 16 streams.
-bench pp2-c16 --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 || status=1
-# (3) The same with long prompts and short outputs (512 in, 32 out): the stages are compute-bound.
-if [ "$QUICK" = 1 ]; then LONG=(--input-len 32 --output-len 4); else LONG=(--input-len 512 --output-len 32); fi
-bench pp2-c16-long --compare pp2,pp2/serial --concurrency 16 --num-requests "$N_PP" --warmup 1 "${LONG[@]}" || status=1
+# Each block twice: the workers' default products ("" below), then float32 ones.
+for products in "" f32; do
+  P=() tag="" n_batch=$N_BATCH
+  if [ -n "$products" ]; then P=(--worker-matmul-dtype "$products") tag="-$products" n_batch=$N_BATCH_F32; fi
+  # (1) TP=1, one stream (one warm-up request), then 32 streams.
+  bench "tp1$tag-c1" --compare tp1 "${P[@]}" --concurrency 1 --num-requests "$N_SINGLE" --warmup 1 || status=1
+  bench "tp1$tag-c32" --compare tp1 "${P[@]}" --concurrency 32 --num-requests "$n_batch" --warmup 1 || status=1
+  # (2) PP=2, micro-batches in flight (the coordinator's default: PP of them) vs one, 16 streams.
+  bench "pp2$tag-c16" --compare pp2,pp2/serial "${P[@]}" --concurrency 16 --num-requests "$N_PP" --warmup 1 || status=1
+  # (3) The same with long prompts and short outputs (512 in, 32 out): the stages are compute-bound.
+  bench "pp2$tag-c16-long" --compare pp2,pp2/serial "${P[@]}" --concurrency 16 --num-requests "$N_PP" --warmup 1 \
+    "${LONG[@]}" || status=1
+done
 
 echo
 echo "bench_serving.sh: done in $(( $(date +%s) - start )) s; JSON and logs in $OUT_DIR"
