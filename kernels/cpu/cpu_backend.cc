@@ -395,7 +395,7 @@ class CpuBackend final : public Backend {
   // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
   std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
   std::vector<uint16_t> src_bf16_;
-  std::vector<float> padded_out_;  // a bf16 product's output, rows padded to a multiple of kBf16Rows
+  std::vector<float> last_chunk_out_;  // [kBf16Rows, m]: a bf16 product's last, partial chunk of rows
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.
@@ -588,16 +588,16 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
   memory from(x_desc, engine_, const_cast<float*>(x)), to(rounded_desc, engine_, src_bf16_.data());
   r->second.execute(stream_, from, to);
   std::fill(src_bf16_.begin() + n * k, src_bf16_.begin() + padded * k, uint16_t{0});
-  float* dst = y;
-  if (padded != n) {  // the last chunk's output rows past n land in scratch
-    padded_out_.resize(static_cast<size_t>(padded * m));
-    dst = padded_out_.data();
-  }
   const dnnl::matmul& mm = matmul(kBf16Rows, bf16);
   const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
-  for (int64_t c = 0; c < padded; c += kBf16Rows) run(mm, chunk_src, src_bf16_.data() + c * k, chunk_dst, dst + c * m);
+  const int64_t whole = n / kBf16Rows * kBf16Rows;  // rows in whole chunks, written straight to y
+  for (int64_t c = 0; c < whole; c += kBf16Rows) run(mm, chunk_src, src_bf16_.data() + c * k, chunk_dst, y + c * m);
+  if (whole < n) {  // the last, partial chunk: its output rows past n land in scratch
+    last_chunk_out_.resize(static_cast<size_t>(kBf16Rows * m));
+    run(mm, chunk_src, src_bf16_.data() + whole * k, chunk_dst, last_chunk_out_.data());
+  }
   stream_.wait();
-  if (dst != y) std::copy(dst, dst + n * m, y);
+  if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
 }
 
 absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
