@@ -195,6 +195,8 @@ class SimCluster {
   int64_t steps() const { return static_cast<int64_t>(next_step_id_); }
   int64_t restarts() const { return restarts_; }
   int64_t max_in_flight_seen() const { return max_in_flight_seen_; }
+  // Rows scheduled while a step feeding the same sequence (an earlier prompt chunk) was in flight.
+  int64_t chunks_behind_chunks() const { return chunks_behind_chunks_; }
 
   // Runs the oldest step in flight on the fake cache, completes it, and removes the sequences
   // that reached max_tokens.
@@ -206,6 +208,19 @@ class SimCluster {
     const int64_t bs = o_.block_size;
     const int64_t mbps = o_.max_blocks_per_seq;
 
+    // Workers run the steps in the order they were sent: every row's earlier positions (what its
+    // attention reads) were written by this sequence in earlier steps, the steps in flight
+    // before this one included (prompt chunks may follow each other without a round trip).
+    for (size_t row = 0; row < f.rows.size(); ++row) {
+      const uint64_t id = f.rows[row];
+      for (int64_t pos = 0; pos < f.firsts[row]; ++pos) {
+        const int32_t block = p.block_tables(static_cast<int>(row * mbps + pos / bs));
+        const Cell& c = cache_[block * bs + pos % bs];
+        ASSERT_EQ(c.seq, static_cast<int64_t>(id)) << "step " << p.step_id() << " seq " << id << " reads pos " << pos
+                                                   << " before a step wrote it";
+        ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id;
+      }
+    }
     // Write every token's KV.
     for (int i = 0; i < p.token_ids_size(); ++i) {
       Cell& c = cache_[p.slots(i)];
@@ -245,7 +260,8 @@ class SimCluster {
     }
     for (size_t row = 0; row < f.rows.size(); ++row) {
       Seq& s = seqs_.at(f.rows[row]);
-      s.in_flight = false;
+      --s.in_flight;
+      if (f.ends[row] == static_cast<int64_t>(s.tokens.size())) s.sampling_in_flight = false;
       s.cached = f.ends[row];
     }
     for (const SampledToken& t : got) {
@@ -262,7 +278,9 @@ class SimCluster {
       }
     }
     for (int32_t slot : f.slots) busy_slots_.erase(slot);
-    for (int32_t b : f.blocks) busy_blocks_.erase(b);
+    for (int32_t b : f.blocks) {
+      if (--busy_blocks_.at(b).second == 0) busy_blocks_.erase(b);
+    }
   }
 
   // Removes a sequence now (cancellation), whether or not it is in a step in flight.
@@ -283,9 +301,12 @@ class SimCluster {
     int64_t prompt_len = 0;
     int64_t max_tokens = 0;
     int64_t cached = 0;            // positions whose KV the completed steps wrote
+    int64_t fed = 0;               // positions fed to the steps sent so far
+    int in_flight = 0;             // steps in flight that feed it
+    bool sampling_in_flight = false;  // one of them samples its next token
     std::vector<int32_t> table;    // blocks seen in its last step (prefix in use)
     v1::RowSampling sampling;
-    bool started = false, in_flight = false, done = false, removed = false;
+    bool started = false, done = false, removed = false;
   };
   struct Cell {
     int64_t seq = -1;
@@ -296,6 +317,7 @@ class SimCluster {
     int lane = 0;
     v1::StepPlan plan;
     std::vector<uint64_t> rows;   // sequence of each block-table row
+    std::vector<int64_t> firsts;  // each row's first position
     std::vector<int64_t> ends;    // position after each row's last token
     std::vector<int32_t> slots;   // written by this step
     std::vector<int32_t> blocks;  // held by its sequences
@@ -323,21 +345,22 @@ class SimCluster {
     ASSERT_EQ(p.block_tables_size(), n * mbps) << at;
     ASSERT_EQ(p.sampling_size(), p.logit_rows_size()) << at;
 
-    // Rows: distinct sequences, known, live, not in another step in flight.
+    // Rows: distinct sequences, known, live, not waiting for a token a step in flight samples.
     std::set<uint64_t> in_step;
     for (int row = 0; row < n; ++row) {
       const uint64_t id = batch.entries[row].seq;
       ASSERT_TRUE(seqs_.count(id)) << at << ": unknown seq " << id;
       const Seq& s = seqs_.at(id);
       ASSERT_FALSE(s.removed) << at << ": removed seq " << id << " scheduled";
-      ASSERT_FALSE(s.in_flight) << at << ": seq " << id << " in two steps in flight";
+      ASSERT_FALSE(s.sampling_in_flight) << at << ": seq " << id << " scheduled before the token it samples is back";
+      if (s.in_flight > 0) ++chunks_behind_chunks_;
       ASSERT_TRUE(in_step.insert(id).second) << at << ": seq " << id << " in two rows";
       f->rows.push_back(id);
     }
 
-    // Tokens: rows in range, positions contiguous from what the sequence had cached (or from 0 for
-    // a recompute), the sequence's own tokens, slots through the block table, no slot written twice
-    // by steps in flight together.
+    // Tokens: rows in range, positions contiguous from what the steps sent so far fed (or from 0
+    // for a recompute, which no step in flight feeds), the sequence's own tokens, slots through the
+    // block table, no slot written twice by steps in flight together.
     std::vector<int64_t> next(n, -1), first(n, -1), count(n, 0);
     std::set<int32_t> step_slots;
     for (int i = 0; i < num_tokens; ++i) {
@@ -348,8 +371,9 @@ class SimCluster {
       const int64_t pos = p.positions(i);
       if (next[row] < 0) {
         first[row] = pos;
-        ASSERT_TRUE(pos == s.cached || pos == 0)
-            << at << ": seq " << f->rows[row] << " starts at " << pos << ", had " << s.cached << " cached";
+        ASSERT_TRUE(pos == s.fed || pos == 0)
+            << at << ": seq " << f->rows[row] << " starts at " << pos << ", had " << s.fed << " fed";
+        if (pos == 0 && s.fed > 0) ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
       } else {
         ASSERT_EQ(pos, next[row]) << at << ": seq " << f->rows[row] << " positions not contiguous";
       }
@@ -378,11 +402,12 @@ class SimCluster {
       ASSERT_GE(count[row], 1) << at << ": row " << row << " feeds no token";
       ASSERT_EQ(count[row], e.tokens) << at;
       (e.tokens > 1 ? prefill : decode) += e.tokens;
-      if (first[row] == 0 && s.cached > 0) {  // recompute after a preemption
+      if (first[row] == 0 && s.fed > 0) {  // recompute after a preemption
         ++restarts_;
         s.table.clear();
       }
       const int64_t end = next[row];
+      f->firsts.push_back(first[row]);
       f->ends.push_back(end);
       if (end == static_cast<int64_t>(s.tokens.size())) {
         ASSERT_EQ(e.logit_row, logit_rows) << at << ": seq " << e.seq << " reaches its end";
@@ -409,14 +434,15 @@ class SimCluster {
         ASSERT_EQ(e.logit_row, -1) << at << ": seq " << e.seq << " samples before its end";
       }
       // The blocks the sequence uses: in range, its earlier blocks kept, none shared with another
-      // sequence of this step or of a step in flight.
+      // sequence of this step or of a step in flight (its own earlier chunks' steps may hold them).
       std::vector<int32_t> table;
       for (int64_t b = 0; b < (end + bs - 1) / bs; ++b) {
         const int32_t block = p.block_tables(row * mbps + b);
         ASSERT_GE(block, 0) << at;
         ASSERT_LT(block, o_.num_kv_blocks) << at;
         ASSERT_TRUE(step_blocks.insert(block).second) << at << ": block " << block << " used twice in the step";
-        ASSERT_FALSE(busy_blocks_.count(block)) << at << ": block " << block << " also in a step in flight";
+        ASSERT_TRUE(!busy_blocks_.count(block) || busy_blocks_.at(block).first == e.seq)
+            << at << ": block " << block << " also in a step in flight for seq " << busy_blocks_.at(block).first;
         table.push_back(block);
       }
       ASSERT_GE(table.size(), s.table.size()) << at;
@@ -425,7 +451,9 @@ class SimCluster {
       s.table = table;
       if (!s.started) started.insert(e.seq);
       s.started = true;
-      s.in_flight = true;
+      ++s.in_flight;
+      s.sampling_in_flight = end == static_cast<int64_t>(s.tokens.size());
+      s.fed = end;
     }
     ASSERT_EQ(logit_rows, p.logit_rows_size()) << at;
     ASSERT_EQ(batch.prefill_tokens, prefill) << at;
@@ -435,7 +463,13 @@ class SimCluster {
 
     f->blocks.assign(step_blocks.begin(), step_blocks.end());
     busy_slots_.insert(step_slots.begin(), step_slots.end());
-    busy_blocks_.insert(step_blocks.begin(), step_blocks.end());
+    for (size_t row = 0; row < f->rows.size(); ++row) {
+      for (int64_t b = 0; b < (f->ends[row] + bs - 1) / bs; ++b) {
+        auto& [seq, count] = busy_blocks_[p.block_tables(static_cast<int>(row * mbps + b))];
+        seq = f->rows[row];
+        ++count;
+      }
+    }
     max_in_flight_seen_ = std::max<int64_t>(max_in_flight_seen_, static_cast<int64_t>(in_flight_.size()) + 1);
   }
 
@@ -444,10 +478,12 @@ class SimCluster {
   std::vector<Cell> cache_;  // [num_kv_blocks * block_size]
   std::map<uint64_t, Seq> seqs_;
   std::deque<Flight> in_flight_;  // oldest first
-  std::set<int32_t> busy_slots_, busy_blocks_;
+  std::set<int32_t> busy_slots_;
+  std::map<int32_t, std::pair<uint64_t, int>> busy_blocks_;  // block: its sequence, steps in flight
   uint64_t next_step_id_ = 0;
   int64_t restarts_ = 0;
   int64_t max_in_flight_seen_ = 0;
+  int64_t chunks_behind_chunks_ = 0;
 };
 
 // ---- End to end: many sequences through the simulated cluster -----------------------------------
@@ -560,6 +596,12 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   if (param.lanes > 1 && param.num_kv_blocks != kTinyCache) {
     EXPECT_GT(sim.max_in_flight_seen(), 1) << "the lanes never overlapped";
   }
+  // With 8-token steps, prompts of up to 40 tokens are chunked, and with several lanes a chunk
+  // follows the one before it while that one is still in flight.
+  if (param.lanes > 1 && param.budget == 8 && param.num_kv_blocks != kTinyCache) {
+    EXPECT_GT(sim.chunks_behind_chunks(), 0) << "no prompt chunk followed one in flight";
+  }
+  if (param.lanes == 1) EXPECT_EQ(sim.chunks_behind_chunks(), 0);
   RecordProperty("steps", static_cast<int>(sim.steps()));
   RecordProperty("preemptions", static_cast<int>(s.preemptions()));
 }
@@ -698,6 +740,75 @@ TEST(SchedulerTest, LanesShareTheSequences) {
   EXPECT_EQ(s.num_waiting(), 0);
 }
 
+// With 2 lanes a 40-token prompt flows through the pipeline: each lane's step takes the next 8
+// tokens while the chunk before is still in flight, and only the last chunk samples.
+TEST(SchedulerTest, PromptChunksFlowThroughThePipeline) {
+  SchedulerOptions o = SmallOptions();  // 8 tokens per step
+  o.lanes = 2;
+  Scheduler s(o);
+  s.Add(1, Prompt(40), {});
+  v1::StepPlan p[2];
+  int64_t fed = 0;
+  std::deque<int> in_flight;
+  for (int step = 0; fed < 40; ++step) {
+    ASSERT_LT(step, 10);
+    const int lane = step % 2;
+    const MicroBatch* b = s.Schedule(lane, step, &p[lane]);
+    ASSERT_NE(b, nullptr) << "step " << step;
+    ASSERT_EQ(b->entries.size(), 1u);
+    EXPECT_EQ(b->entries[0].tokens, 8);
+    EXPECT_EQ(p[lane].positions(0), fed) << "step " << step;
+    fed += 8;
+    EXPECT_EQ(b->entries[0].logit_row, fed == 40 ? 0 : -1);
+    in_flight.push_back(lane);
+    if (step == 1) EXPECT_TRUE(s.LaneBusy(0) && s.LaneBusy(1)) << "the second chunk waited for the first";
+    if (in_flight.size() == 2) {  // the engine completes the oldest step before scheduling its lane again
+      EXPECT_TRUE(s.Complete(in_flight.front(), Sampled(p[in_flight.front()])).empty());
+      in_flight.pop_front();
+    }
+  }
+  const std::vector<SampledToken> last = s.Complete(in_flight.front(), Sampled(p[in_flight.front()]));
+  ASSERT_EQ(last.size(), 1u);
+  EXPECT_EQ(s.generated(1), 1);
+  s.Remove(1);
+  EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
+}
+
+// With 2 lanes a 400-token prompt is split evenly enough that both lanes' steps work: 256 tokens
+// (budget / lanes, the least a split takes) in lane 0, the other 144 in lane 1, whose chunk samples,
+// so the sequence decodes in lane 1 from then on.
+TEST(SchedulerTest, APromptIsSplitAcrossTheLanes) {
+  SchedulerOptions o = SmallOptions();
+  o.max_tokens_per_step = 512;
+  o.max_running = 64;
+  o.lanes = 2;
+  Scheduler s(o);
+  s.Add(1, Prompt(400), {});
+  v1::StepPlan p0, p1;
+  const MicroBatch* b0 = s.Schedule(0, 0, &p0);
+  ASSERT_NE(b0, nullptr);
+  EXPECT_EQ(b0->prefill_tokens, 256);
+  const MicroBatch* b1 = s.Schedule(1, 1, &p1);
+  ASSERT_NE(b1, nullptr);
+  EXPECT_EQ(b1->prefill_tokens, 144);
+  EXPECT_EQ(p1.positions(0), 256);
+  EXPECT_EQ(b1->entries[0].logit_row, 0);
+  EXPECT_TRUE(s.Complete(0, Sampled(p0)).empty());
+  EXPECT_EQ(s.Complete(1, Sampled(p1)).size(), 1u);
+  EXPECT_EQ(s.Schedule(0, 2, &p0), nullptr) << "the sequence moved to lane 1";
+  const MicroBatch* d = s.Schedule(1, 2, &p1);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->decode_tokens, 1);
+
+  // With one lane the same prompt is one chunk.
+  o.lanes = 1;
+  Scheduler one(o);
+  one.Add(1, Prompt(400), {});
+  const MicroBatch* whole = one.Schedule(0, 0, &p0);
+  ASSERT_NE(whole, nullptr);
+  EXPECT_EQ(whole->prefill_tokens, 400);
+}
+
 // Remove: a sequence in a step in flight is freed when the step comes back and is not returned by
 // Complete; a waiting one frees nothing and is never scheduled.
 TEST(SchedulerTest, RemoveWhileInFlight) {
@@ -808,6 +919,7 @@ TEST(SchedulerTest, AStalledRunningSequenceGoesBeforeAdmissions) {
   SchedulerOptions o = SmallOptions();
   o.num_kv_blocks = 4;  // 16 tokens: two 8-token prompts fill it
   o.max_blocks_per_seq = 4;
+  o.max_tokens_per_step = 16;  // 8-token prompts are not split across the lanes
   o.lanes = 2;
   Scheduler s(o);
   v1::StepPlan p0, p1;

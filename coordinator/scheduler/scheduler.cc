@@ -25,7 +25,7 @@ int64_t Scheduler::generated(uint64_t id) const {
 
 void Scheduler::Preempt(Seq& s) {
   blocks_.Free(&s.blocks);
-  s.num_computed = 0;
+  s.num_fed = 0;
   s.stalled = false;
   --lanes_[s.lane].running;
   s.lane = -1;
@@ -41,7 +41,7 @@ bool Scheduler::Reserve(Seq& s, int64_t tokens) {
     bool newer_in_a_step = false;
     for (auto it = running_.rbegin(); it != running_.rend() && *it > s.id; ++it) {
       Seq& v = *seqs_.at(*it);
-      if (v.in_batch || lanes_[v.lane].busy) {
+      if (v.in_batch || v.in_flight > 0) {
         newer_in_a_step = true;
       } else {
         victim = &v;
@@ -50,9 +50,10 @@ bool Scheduler::Reserve(Seq& s, int64_t tokens) {
     }
     if (victim != nullptr) {
       Preempt(*victim);
-    } else if (newer_in_a_step) {
+    } else if (newer_in_a_step || s.in_flight > 0) {
       s.stalled = true;
-      return false;  // wait: a newer sequence in a step gives way when it next needs a block
+      return false;  // wait: a newer sequence in a step gives way when it next needs a block, or
+                     // the step in flight that feeds `s` ends
     } else {
       Preempt(s);  // the newest of all gives way itself
       return false;
@@ -66,7 +67,7 @@ void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
   MicroBatch::Entry e;
   e.seq = s.id;
   e.tokens = static_cast<int32_t>(chunk);
-  if (s.num_computed + chunk == static_cast<int64_t>(s.tokens.size())) e.logit_row = (*rows)++;
+  if (s.num_fed + chunk == static_cast<int64_t>(s.tokens.size())) e.logit_row = (*rows)++;
   if (!s.started) {
     s.started = true;
     batch->started.push_back(s.id);
@@ -74,6 +75,25 @@ void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
   (chunk > 1 ? batch->prefill_tokens : batch->decode_tokens) += chunk;
   s.in_batch = true;
   batch->entries.push_back(e);
+}
+
+int64_t Scheduler::PrefillCap() const {
+  if (lanes() == 1) return options_.max_tokens_per_step;
+  int64_t work = 0;
+  for (const Lane& l : lanes_) {
+    if (l.busy) work += l.batch.prefill_tokens;
+  }
+  for (uint64_t id : running_) {
+    const Seq& s = *seqs_.at(id);
+    const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_fed;
+    if (need > 1 || (need == 1 && s.in_flight > 0)) work += need;
+  }
+  int64_t admissible = options_.max_running - num_running();
+  for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
+    work += static_cast<int64_t>(seqs_.at(*it)->tokens.size());
+  }
+  // Never below budget / lanes: a shorter prompt is not worth the split.
+  return std::max<int64_t>({1, (work + lanes() - 1) / lanes(), options_.max_tokens_per_step / lanes()});
 }
 
 const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* step) {
@@ -84,32 +104,50 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   batch.lane = lane;
   batch.step_id = step_id;
   int64_t budget = options_.max_tokens_per_step;
+  int64_t prefill_budget = PrefillCap();
   int rows = 0;
+  // The lanes' share of all sequences: admissions stop there, and a prompt's last chunk moves
+  // its sequence into this lane only below it.
+  const int64_t share = (num_running() + num_waiting() + lanes() - 1) / lanes();
 
-  // 1 and 2: the lane's running sequences, decodes first, then prefill (and recompute) chunks.
+  // 1 and 2: running sequences: the lane's decodes first, then prompt (and recompute) chunks of
+  // any lane.
   const std::vector<uint64_t> running(running_.begin(), running_.end());
   for (const bool decodes : {true, false}) {
     for (uint64_t id : running) {
-      if (budget == 0) break;
+      if (budget == 0 || (!decodes && prefill_budget == 0)) break;
+      if (!running_.count(id)) continue;  // preempted while this step was built
       Seq& s = *seqs_.at(id);
-      const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_computed;
-      if (s.lane != lane || s.in_batch || !running_.count(id) || (need == 1) != decodes) continue;
-      const int64_t chunk = std::min(need, budget);
-      if (!Reserve(s, s.num_computed + chunk)) continue;
+      const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_fed;
+      if (s.in_batch || need == 0) continue;
+      const bool decode = need == 1 && s.in_flight == 0;  // the token sampled last
+      if (decode != decodes || (decode && s.lane != lane)) continue;
+      int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
+      if (chunk == need && s.lane != lane && l.running >= share) {
+        chunk = need - 1;  // the chunk that samples waits for the home lane
+        if (chunk == 0) continue;
+      }
+      if (!Reserve(s, s.num_fed + chunk)) continue;
+      if (chunk == need && s.lane != lane) {
+        --lanes_[s.lane].running;
+        s.lane = lane;
+        ++l.running;
+      }
       Place(s, chunk, &batch, &rows);
       budget -= chunk;
+      if (!decode) prefill_budget -= chunk;
     }
   }
 
   // 3: admissions, while this lane holds less than its share of all sequences, and no running
   // sequence waits for a block: the blocks freed next are its (else a sequence that preempts
   // itself is admitted again at once, and with lanes > 1 it can take them back every step).
-  const int64_t share = (num_running() + num_waiting() + lanes() - 1) / lanes();
   const bool stalled =
       std::any_of(running_.begin(), running_.end(), [&](uint64_t id) { return seqs_.at(id)->stalled; });
-  while (!stalled && budget > 0 && !waiting_.empty() && num_running() < options_.max_running && l.running < share) {
+  while (!stalled && budget > 0 && prefill_budget > 0 && !waiting_.empty() &&
+         num_running() < options_.max_running && l.running < share) {
     Seq& s = *seqs_.at(*waiting_.begin());
-    const int64_t chunk = std::min(static_cast<int64_t>(s.tokens.size()), budget);
+    const int64_t chunk = std::min({static_cast<int64_t>(s.tokens.size()), budget, prefill_budget});
     if (!blocks_.Grow(&s.blocks, chunk)) break;
     waiting_.erase(waiting_.begin());
     running_.insert(s.id);
@@ -117,11 +155,17 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     ++l.running;
     Place(s, chunk, &batch, &rows);
     budget -= chunk;
+    prefill_budget -= chunk;
   }
 
   if (batch.entries.empty()) return nullptr;
   WriteStep(batch, step);
-  for (const MicroBatch::Entry& e : batch.entries) seqs_.at(e.seq)->in_batch = false;
+  for (const MicroBatch::Entry& e : batch.entries) {
+    Seq& s = *seqs_.at(e.seq);
+    s.num_fed += e.tokens;
+    ++s.in_flight;
+    s.in_batch = false;
+  }
   l.busy = true;
   return &batch;
 }
@@ -134,7 +178,7 @@ void Scheduler::WriteStep(const MicroBatch& batch, v1::StepPlan* step) {
   for (size_t row = 0; row < batch.entries.size(); ++row) {
     const MicroBatch::Entry& e = batch.entries[row];
     const Seq& s = *seqs_.at(e.seq);
-    for (int64_t pos = s.num_computed; pos < s.num_computed + e.tokens; ++pos) {
+    for (int64_t pos = s.num_fed; pos < s.num_fed + e.tokens; ++pos) {
       step->add_token_ids(s.tokens[pos]);
       step->add_positions(static_cast<int32_t>(pos));
       step->add_token_seq(static_cast<int32_t>(row));
@@ -167,11 +211,11 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
     auto it = seqs_.find(e.seq);
     if (it == seqs_.end()) continue;
     Seq& s = *it->second;
+    --s.in_flight;
     if (s.removed) {
-      Erase(s);
+      if (s.in_flight == 0) Erase(s);
       continue;
     }
-    s.num_computed += e.tokens;
     if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {
       s.tokens.push_back(sampled[e.logit_row]);
       out.push_back(SampledToken{s.id, sampled[e.logit_row], e.logit_row});
@@ -191,14 +235,9 @@ void Scheduler::Remove(uint64_t id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return;
   Seq& s = *it->second;
-  if (running_.count(id) && lanes_[s.lane].busy) {
-    // In the step in flight (every running sequence of a busy lane may be): freed by Complete.
-    for (const MicroBatch::Entry& e : lanes_[s.lane].batch.entries) {
-      if (e.seq == id) {
-        s.removed = true;
-        return;
-      }
-    }
+  if (s.in_flight > 0) {
+    s.removed = true;  // freed when the last step in flight that feeds it comes back
+    return;
   }
   Erase(s);
 }

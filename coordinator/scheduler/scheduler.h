@@ -3,30 +3,41 @@
 // It works in tokens and blocks only; the engine (coordinator/server/engine.h) owns the requests
 // (their text, stop conditions and streams) and the workers.
 //
-// A sequence is its tokens (prompt, then every sampled token) and how many of them are in the KV
-// cache. A step feeds each scheduled sequence its next tokens not yet cached: a prefill chunk, or
-// the one token sampled last. Whenever a step feeds a sequence up to its last token, the step
-// samples the sequence's next token. Preempted sequences lose their blocks and start over from
-// token 0 (recompute: prompt and generated tokens are prefilled again), so nothing is lost.
+// A sequence is its tokens (prompt, then every sampled token) and how many of them were fed to
+// steps already sent (their KV is in the cache once those steps come back). A step feeds each
+// scheduled sequence its next tokens not yet fed: a prefill chunk, or the one token sampled last.
+// Whenever a step feeds a sequence up to its last token, the step samples the sequence's next
+// token. Preempted sequences lose their blocks and start over from token 0 (recompute: prompt and
+// generated tokens are prefilled again), so nothing is lost.
 //
-// Micro-batches: the sequences are split into `lanes` (PP for pipeline parallelism, else 1).
-// A sequence stays in the lane that admitted it; each lane has at most one step in flight, and
-// steps of different lanes are disjoint, so with PP = P stage k can work on one lane's step
-// while stage k+1 works on another's.
+// Micro-batches: the running sequences are split into `lanes` (PP for pipeline parallelism, else
+// 1). Each lane has at most one step in flight; a sequence decodes in its lane (its home), which
+// keeps the lanes' batches apart, so with PP = P stage k can work on one lane's step while stage
+// k+1 works on another's. Prompt chunks need no sampled token, only the KV of the chunks before
+// them, and every worker runs steps in the order they were sent: so the next chunk of a prompt
+// may go into any lane's step while the chunk before it is still in flight, and a long prompt
+// flows through the pipeline back to back instead of one chunk per round trip. The chunk that
+// ends a prompt (it samples) moves the sequence to the step's lane when that lane holds less than
+// its share of the sequences; otherwise that last token waits for the home lane.
 //
 // Each step of a lane, in this order, within max_tokens_per_step tokens:
-//   1. decodes: every running sequence of the lane with one token to feed, oldest first;
-//   2. prefills: running sequences of the lane with more tokens to feed (a prompt chunk, or a
-//      recompute), oldest first, each chunked to the tokens left in the step;
+//   1. decodes: every sequence of the lane with one sampled token to feed, oldest first;
+//   2. prefills: running sequences with prompt (or recompute) tokens left to feed, oldest first,
+//      each chunked to the prefill tokens left in the step;
 //   3. admissions: waiting sequences, oldest first (preempted ones before new ones), while
 //      fewer than max_running sequences run, the lane holds no more than its share of all
 //      sequences, no running sequence waits for a block, and free blocks hold the sequence's
 //      first chunk. A waiting sequence never takes blocks from a running one.
+// With several lanes, the prefill tokens a step takes are capped at an even split, across the
+// lanes, of the prefill work in flight and not yet fed (but never below max_tokens_per_step /
+// lanes): a prompt is cut into equal chunks for the lanes' steps, so that a step with a prompt
+// chunk and a step with decodes alone do not leave one stage idle while the other works
+// (pipeline bubbles). With one lane there is no cap.
 // When a running sequence needs a block and none is free, the newest running sequence that is
 // neither in this step nor in a step in flight is preempted (the sequence itself, when it is the
-// newest of all); if every newer sequence is in a step, the sequence waits for the next step.
-// Decodes come first, so a long prompt never stalls running decodes: it only takes the tokens
-// they leave.
+// newest of all and in no step in flight); if every newer sequence is in a step, the sequence
+// waits for the next step. Decodes come first, so a long prompt never stalls running decodes: it
+// only takes the tokens they leave.
 //
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
@@ -117,9 +128,10 @@ class Scheduler {
     uint64_t id = 0;
     std::vector<int32_t> tokens;  // prompt + generated
     int64_t prompt_len = 0;
-    int64_t num_computed = 0;     // tokens in the KV cache
+    int64_t num_fed = 0;          // tokens fed to steps sent (in the KV cache once they come back)
     std::vector<int32_t> blocks;  // block table
-    int lane = -1;                // while running
+    int lane = -1;                // while running: its home lane, where it decodes
+    int in_flight = 0;            // steps in flight that feed it (> 1 only for prompt chunks)
     bool started = false;         // scheduled at least once
     bool in_batch = false;        // in the step being built
     bool removed = false;         // Remove()d while in a step in flight
@@ -135,8 +147,11 @@ class Scheduler {
   // Makes room for `s` to hold `tokens` tokens, preempting newer sequences; false when it cannot
   // now (`s` may have been preempted itself).
   bool Reserve(Seq& s, int64_t tokens);
-  // Adds `chunk` of `s`'s uncached tokens to the step being built.
+  // Adds `chunk` of `s`'s unfed tokens to the step being built.
   void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows);
+  // The most prefill tokens the next step takes: no limit with one lane, else an even split across
+  // the lanes of the prefill tokens in flight and of those not yet fed, at least budget / lanes.
+  int64_t PrefillCap() const;
   void Preempt(Seq& s);
   void Erase(Seq& s);
   void WriteStep(const MicroBatch& batch, v1::StepPlan* step);
