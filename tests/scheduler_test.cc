@@ -809,6 +809,51 @@ TEST(SchedulerTest, APromptIsSplitAcrossTheLanes) {
   EXPECT_EQ(whole->prefill_tokens, 400);
 }
 
+// A lane at its share of the sequences still takes prompt work while another lane's step is in
+// flight: it carries a new sequence's first chunk, and the sequence samples and decodes in the
+// other lane, which was below its share.
+TEST(SchedulerTest, ALaneAtItsShareCarriesAPromptForABusyLane) {
+  SchedulerOptions o = SmallOptions();
+  o.max_tokens_per_step = 512;
+  o.max_running = 64;
+  o.lanes = 2;
+  Scheduler s(o);
+  v1::StepPlan p0, p1;
+  auto tokens_of = [](const MicroBatch* b, uint64_t seq) {
+    for (const MicroBatch::Entry& e : b->entries) {
+      if (e.seq == seq) return e;
+    }
+    return MicroBatch::Entry{};
+  };
+  s.Add(1, Prompt(5), {});
+  s.Add(2, Prompt(5), {});
+  ASSERT_NE(s.Schedule(0, 0, &p0), nullptr);  // seq 1 (lane 1 is free: it takes seq 2 itself)
+  const MicroBatch* b1 = s.Schedule(1, 1, &p1);
+  ASSERT_NE(b1, nullptr);
+  EXPECT_EQ(tokens_of(b1, 2).tokens, 5);
+  ASSERT_EQ(s.Complete(0, Sampled(p0)).size(), 1u);
+  ASSERT_EQ(s.Complete(1, Sampled(p1)).size(), 1u);
+
+  s.Add(3, Prompt(400), {});
+  const MicroBatch* b0 = s.Schedule(0, 2, &p0);  // seq 1's decode, seq 3's first 256 tokens
+  ASSERT_NE(b0, nullptr);
+  EXPECT_EQ(tokens_of(b0, 3).tokens, 256);
+  s.Add(4, Prompt(400), {});
+  b1 = s.Schedule(1, 3, &p1);  // seq 2's decode, the rest of seq 3 (it moves here), seq 4's start
+  ASSERT_NE(b1, nullptr);
+  EXPECT_EQ(tokens_of(b1, 2).tokens, 1);
+  EXPECT_EQ(tokens_of(b1, 3).tokens, 144);
+  EXPECT_GE(tokens_of(b1, 3).logit_row, 0);
+  EXPECT_EQ(tokens_of(b1, 4).tokens, 256) << "lane 1 holds its share, lane 0 is busy: seq 4 starts here";
+  EXPECT_EQ(tokens_of(b1, 4).logit_row, -1);
+  EXPECT_TRUE(s.Complete(0, Sampled(p0)).size() == 1u);
+  b0 = s.Schedule(0, 4, &p0);  // seq 1's decode and the rest of seq 4, which samples here
+  ASSERT_NE(b0, nullptr);
+  EXPECT_EQ(tokens_of(b0, 4).tokens, 144);
+  EXPECT_GE(tokens_of(b0, 4).logit_row, 0);
+  EXPECT_EQ(p0.positions(p0.positions_size() - 1), 399);
+}
+
 // Remove: a sequence in a step in flight is freed when the step comes back and is not returned by
 // Complete; a waiting one frees nothing and is never scheduled.
 TEST(SchedulerTest, RemoveWhileInFlight) {

@@ -139,20 +139,30 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     }
   }
 
-  // 3: admissions, while this lane holds less than its share of all sequences, and no running
-  // sequence waits for a block: the blocks freed next are its (else a sequence that preempts
-  // itself is admitted again at once, and with lanes > 1 it can take them back every step).
+  // 3: admissions, while no running sequence waits for a block (the blocks freed next are its;
+  // else a sequence that preempts itself is admitted again at once, and with lanes > 1 it can take
+  // them back every step). A sequence joins this lane while it holds less than its share of all
+  // sequences; past that, it joins another lane below its share that has a step in flight (it
+  // cannot take the prompt now), and this step carries its first chunk, all but the last token,
+  // which samples in its own lane.
   const bool stalled =
       std::any_of(running_.begin(), running_.end(), [&](uint64_t id) { return seqs_.at(id)->stalled; });
   while (!stalled && budget > 0 && prefill_budget > 0 && !waiting_.empty() &&
-         num_running() < options_.max_running && l.running < share) {
+         num_running() < options_.max_running) {
+    int home = lane;
+    for (int i = 0; home == lane && l.running >= share && i < lanes(); ++i) {
+      if (i != lane && lanes_[i].busy && lanes_[i].running < share) home = i;
+    }
+    if (lanes_[home].running >= share) break;
     Seq& s = *seqs_.at(*waiting_.begin());
-    const int64_t chunk = std::min({static_cast<int64_t>(s.tokens.size()), budget, prefill_budget});
-    if (!blocks_.Grow(&s.blocks, chunk)) break;
+    const int64_t need = static_cast<int64_t>(s.tokens.size());
+    int64_t chunk = std::min({need, budget, prefill_budget});
+    if (home != lane && chunk == need) chunk = need - 1;
+    if (chunk == 0 || !blocks_.Grow(&s.blocks, chunk)) break;
     waiting_.erase(waiting_.begin());
     running_.insert(s.id);
-    s.lane = lane;
-    ++l.running;
+    s.lane = home;
+    ++lanes_[home].running;
     Place(s, chunk, &batch, &rows);
     budget -= chunk;
     prefill_budget -= chunk;

@@ -25,9 +25,11 @@
 //   2. prefills: running sequences with prompt (or recompute) tokens left to feed, oldest first,
 //      each chunked to the prefill tokens left in the step;
 //   3. admissions: waiting sequences, oldest first (preempted ones before new ones), while
-//      fewer than max_running sequences run, the lane holds no more than its share of all
-//      sequences, no running sequence waits for a block, and free blocks hold the sequence's
-//      first chunk. A waiting sequence never takes blocks from a running one.
+//      fewer than max_running sequences run, no running sequence waits for a block, and free
+//      blocks hold the sequence's first chunk. A sequence joins the lane while the lane holds less
+//      than its share of all sequences; past that, it joins another lane below its share that has
+//      a step in flight, and this step carries its prompt but the last token (which samples in
+//      its own lane). A waiting sequence never takes blocks from a running one.
 // With several lanes, the prefill tokens a step takes are capped at an even split, across the
 // lanes, of the prefill work in flight and not yet fed (but never below max_tokens_per_step /
 // lanes): a prompt is cut into equal chunks for the lanes' steps, so that a step with a prompt
