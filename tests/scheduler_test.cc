@@ -636,6 +636,15 @@ SchedulerOptions SmallOptions() {
   return o;
 }
 
+// Two lanes, 512 tokens per step, up to 64 sequences.
+SchedulerOptions TwoLanes() {
+  SchedulerOptions o = SmallOptions();
+  o.max_running = 64;
+  o.max_tokens_per_step = 512;
+  o.lanes = 2;
+  return o;
+}
+
 std::vector<int32_t> Prompt(int n, int32_t first = 1) {
   std::vector<int32_t> p(n);
   for (int i = 0; i < n; ++i) p[i] = first + i;
@@ -714,10 +723,7 @@ TEST(SchedulerTest, MaxRunningLimitsTheBatch) {
 
 // 16 sequences at once over 2 lanes: each lane's first step takes its share of 8, disjoint.
 TEST(SchedulerTest, LanesShareTheSequences) {
-  SchedulerOptions o = SmallOptions();
-  o.max_running = 64;
-  o.max_tokens_per_step = 512;
-  o.lanes = 2;
+  SchedulerOptions o = TwoLanes();
   Scheduler s(o);
   for (int i = 1; i <= 16; ++i) s.Add(i, Prompt(5), {});
   v1::StepPlan p0, p1;
@@ -778,10 +784,7 @@ TEST(SchedulerTest, PromptChunksFlowThroughThePipeline) {
 // (budget / lanes, the least a split takes) in lane 0, the other 144 in lane 1, whose chunk samples,
 // so the sequence decodes in lane 1 from then on.
 TEST(SchedulerTest, APromptIsSplitAcrossTheLanes) {
-  SchedulerOptions o = SmallOptions();
-  o.max_tokens_per_step = 512;
-  o.max_running = 64;
-  o.lanes = 2;
+  SchedulerOptions o = TwoLanes();
   Scheduler s(o);
   s.Add(1, Prompt(400), {});
   v1::StepPlan p0, p1;
@@ -813,10 +816,7 @@ TEST(SchedulerTest, APromptIsSplitAcrossTheLanes) {
 // flight: it carries a new sequence's first chunk, and the sequence samples and decodes in the
 // other lane, which was below its share.
 TEST(SchedulerTest, ALaneAtItsShareCarriesAPromptForABusyLane) {
-  SchedulerOptions o = SmallOptions();
-  o.max_tokens_per_step = 512;
-  o.max_running = 64;
-  o.lanes = 2;
+  SchedulerOptions o = TwoLanes();
   Scheduler s(o);
   v1::StepPlan p0, p1;
   auto tokens_of = [](const MicroBatch* b, uint64_t seq) {
