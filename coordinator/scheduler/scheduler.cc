@@ -67,7 +67,7 @@ void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
   MicroBatch::Entry e;
   e.seq = s.id;
   e.tokens = static_cast<int32_t>(chunk);
-  if (s.num_fed + chunk == static_cast<int64_t>(s.tokens.size())) e.logit_row = (*rows)++;
+  if (chunk == s.unfed()) e.logit_row = (*rows)++;
   if (!s.started) {
     s.started = true;
     batch->started.push_back(s.id);
@@ -85,8 +85,7 @@ int64_t Scheduler::PrefillCap() const {
   }
   for (uint64_t id : running_) {
     const Seq& s = *seqs_.at(id);
-    const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_fed;
-    if (need > 1 || (need == 1 && s.in_flight > 0)) work += need;
+    if (!s.decodes()) work += s.unfed();
   }
   int64_t admissible = options_.max_running - num_running();
   for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
@@ -118,9 +117,9 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       if (budget == 0 || (!decodes && prefill_budget == 0)) break;
       if (!running_.count(id)) continue;  // preempted while this step was built
       Seq& s = *seqs_.at(id);
-      const int64_t need = static_cast<int64_t>(s.tokens.size()) - s.num_fed;
+      const int64_t need = s.unfed();
       if (s.in_batch || need == 0) continue;
-      const bool decode = need == 1 && s.in_flight == 0;  // the token sampled last
+      const bool decode = s.decodes();
       if (decode != decodes || (decode && s.lane != lane)) continue;
       int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
       if (chunk == need && s.lane != lane && l.running >= share) {

@@ -139,6 +139,11 @@ class Scheduler {
     bool removed = false;         // Remove()d while in a step in flight
     bool stalled = false;         // running, waits for a block a newer sequence in a step holds
     v1::RowSampling sampling;
+
+    int64_t unfed() const { return static_cast<int64_t>(tokens.size()) - num_fed; }
+    // Its next token to feed is the one sampled last (else, with unfed() > 0, a prompt or
+    // recompute chunk).
+    bool decodes() const { return unfed() == 1 && in_flight == 0; }
   };
   struct Lane {
     bool busy = false;  // a step is in flight
