@@ -30,6 +30,7 @@
 #include "kernels/backend.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
+#include "tests/bf16_products.h"
 
 namespace shardserve {
 namespace {
@@ -253,7 +254,7 @@ TEST(ConvertOnHostTest, ConvertsBetweenFloatTypes) {
 TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
   EXPECT_EQ(backend_->device_kind(), DeviceKind::kCpu);
   EXPECT_EQ(backend_->act_dtype(), DType::kF32);
-  EXPECT_NE(backend_->Describe().find("oneDNN"), std::string::npos) << backend_->Describe();
+  EXPECT_NE(backend_->Describe().find("f32 products"), std::string::npos) << backend_->Describe();
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{100}, size_t{4096}}) {
     absl::StatusOr<Buffer> b = backend_->Allocate(bytes);
     ASSERT_TRUE(b.ok()) << b.status();
@@ -265,10 +266,10 @@ TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
 
 // ---- MatMul ----------------------------------------------------------------------------------
 
-// MakeCpuBackend(threads) sets how many threads that backend's matrix products use (oneDNN's,
+// MakeCpuBackend(threads) sets how many threads that backend's matrix products use (OpenMP's,
 // per backend); 0 takes OpenMP's default. Describe() reports it, as the worker's load log shows.
 TEST_F(CpuBackendTest, ThreadsOptionSetsTheMatMulThreads) {
-  const auto threads_of = [](const Backend& b) {  // "cpu (<libraries>, N threads)"
+  const auto threads_of = [](const Backend& b) {  // "cpu (<products>, N threads)"
     const std::string d = b.Describe();
     const size_t comma = d.rfind(", ");
     return comma == std::string::npos ? -1 : std::atoi(d.c_str() + comma + 2);
@@ -322,77 +323,86 @@ TEST_F(CpuBackendTest, MatMul) {
 
 float RoundToBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
 
-// PackMatMulWeight repacks into oneDNN's blocked layout (a different copy, not a view of w), and
-// MatMul with the packed weight gives the same products for any row count, bias or not, after
-// the plain weight is gone. With bf16 products (CpuMatMul::kBF16) the weight is stored in bf16
-// (a BF16 tensor, half the bytes) and each product is the float32 sum of the bf16-rounded inputs'
-// products: the same check, against the reference of the rounded inputs.
-TEST_F(CpuBackendTest, MatMulWithPackedWeight) {
+// The tests below run once per CpuMatMul (named F32 and BF16); the BF16 ones report themselves
+// skipped where the CPU has no bf16 products (bf16_products.h).
+class CpuProductsTest : public CpuBackendTest, public ::testing::WithParamInterface<CpuMatMul> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == CpuMatMul::kBF16 && !CpuRunsBf16Products()) GTEST_SKIP() << kNoBf16Products;
+  }
+  bool bf16() const { return GetParam() == CpuMatMul::kBF16; }
+};
+
+// PackMatMulWeight repacks (a different copy, not a view of w: float32 panels, or oneDNN's
+// blocked bf16 layout), and MatMul with the packed weight gives the same products for any row
+// count, bias or not, after the plain weight is gone. With bf16 products the weight is stored in
+// bf16 (a BF16 tensor, half the bytes) and each product is the float32 sum of the bf16-rounded
+// inputs' products: the same check, against the reference of the rounded inputs.
+TEST_P(CpuProductsTest, MatMulWithPackedWeight) {
   struct Case {
     int64_t k, m;
   };
-  for (CpuMatMul matmul : {CpuMatMul::kF32, CpuMatMul::kBF16}) {
-    const bool bf16 = matmul == CpuMatMul::kBF16;
-    std::unique_ptr<Backend> backend = MakeCpuBackend(0, matmul);
-    auto rounded = [bf16](std::vector<float> v) {
-      if (bf16) std::transform(v.begin(), v.end(), v.begin(), RoundToBf16);
-      return v;
-    };
-    for (const Case& c : {Case{64, 1}, Case{129, 33}, Case{17, 300}, Case{300, 7}, Case{768, 256}}) {
-      const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
-      Tensor packed;
-      Buffer packed_buffer;
-      {
-        DeviceTensor dw(backend.get(), DType::kF32, {c.m, c.k});
-        dw.Upload(w);
-        absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
-        ASSERT_TRUE(buffer.ok()) << buffer.status();
-        ASSERT_NE(buffer->data(), nullptr);
-        EXPECT_EQ(packed.data, buffer->data());
-        EXPECT_EQ(packed.dtype, bf16 ? DType::kBF16 : DType::kF32);
-        EXPECT_EQ(packed.dim(0), c.m);
-        EXPECT_EQ(packed.dim(1), c.k);
-        if (c.m % 64 == 0 && c.k % 64 == 0) {  // else padded to oneDNN's blocks
-          EXPECT_EQ(buffer->bytes(), static_cast<size_t>(c.m * c.k) * (bf16 ? 2 : 4));
-        }
-        packed_buffer = std::move(*buffer);
-        dw.Poison();  // and then freed: MatMul must read only the packed copy
+  const bool bf16 = this->bf16();
+  std::unique_ptr<Backend> backend = MakeCpuBackend(0, GetParam());
+  auto rounded = [bf16](std::vector<float> v) {
+    if (bf16) std::transform(v.begin(), v.end(), v.begin(), RoundToBf16);
+    return v;
+  };
+  for (const Case& c : {Case{64, 1}, Case{129, 33}, Case{17, 300}, Case{300, 7}, Case{768, 256}}) {
+    const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
+    Tensor packed;
+    Buffer packed_buffer;
+    {
+      DeviceTensor dw(backend.get(), DType::kF32, {c.m, c.k});
+      dw.Upload(w);
+      absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      ASSERT_NE(buffer->data(), nullptr);
+      EXPECT_EQ(packed.data, buffer->data());
+      EXPECT_EQ(packed.dtype, bf16 ? DType::kBF16 : DType::kF32);
+      EXPECT_EQ(packed.dim(0), c.m);
+      EXPECT_EQ(packed.dim(1), c.k);
+      if (c.m % 64 == 0 && c.k % 64 == 0) {  // else padded to whole panels or blocks
+        EXPECT_EQ(buffer->bytes(), static_cast<size_t>(c.m * c.k) * (bf16 ? 2 : 4));
       }
-      DeviceTensor db(backend.get(), DType::kF32, {c.m});
-      db.Upload(b);
-      const std::vector<float> w_used = rounded(w);
-      for (int64_t n : {1, 3, 16, 17, 64, 300}) {
-        for (bool bias : {false, true}) {
-          const std::string what = absl::StrCat(bf16 ? "bf16" : "packed", " MatMul n=", n, " k=", c.k, " m=", c.m,
-                                                bias ? " +bias" : "");
-          const std::vector<float> x = Random(rng_, n * c.k);
-          DeviceTensor dx(backend.get(), DType::kF32, {n, c.k});
-          dx.Upload(x);
-          DeviceTensor out(backend.get(), DType::kF32, {n, c.m});
-          out.Poison();
-          ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-          // As for plain MatMul (above): k <= 768 terms in [-1, 1], float accumulation.
-          ExpectClose(what, out.Download<float>(), MatMulReference(rounded(x), w_used, bias ? &b : nullptr, n, c.k, c.m),
-                      1e-5);
-          EXPECT_TRUE(out.GuardsIntact()) << what;
-        }
+      packed_buffer = std::move(*buffer);
+      dw.Poison();  // and then freed: MatMul must read only the packed copy
+    }
+    DeviceTensor db(backend.get(), DType::kF32, {c.m});
+    db.Upload(b);
+    const std::vector<float> w_used = rounded(w);
+    for (int64_t n : {1, 3, 16, 17, 64, 300}) {
+      for (bool bias : {false, true}) {
+        const std::string what = absl::StrCat(bf16 ? "bf16" : "packed", " MatMul n=", n, " k=", c.k, " m=", c.m,
+                                              bias ? " +bias" : "");
+        const std::vector<float> x = Random(rng_, n * c.k);
+        DeviceTensor dx(backend.get(), DType::kF32, {n, c.k});
+        dx.Upload(x);
+        DeviceTensor out(backend.get(), DType::kF32, {n, c.m});
+        out.Poison();
+        ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+        // As for plain MatMul (above): k <= 768 terms in [-1, 1], float accumulation.
+        ExpectClose(what, out.Download<float>(), MatMulReference(rounded(x), w_used, bias ? &b : nullptr, n, c.k, c.m),
+                    1e-5);
+        EXPECT_TRUE(out.GuardsIntact()) << what;
       }
     }
   }
 }
 
-// Continuous batching relies on this (tests/batching_test.cc): a row's product with a packed
-// weight is bitwise the same whatever other rows share the call, for any row count and on any
-// number of threads. The shapes: a mid-sized one, a small one (oneDNN's bf16 kernels for few
-// rows of it summed differently) and a long sum (k = 4096: its AMX kernel split k differently by
-// row count), as the demo model's TP=2 slices and large models' down projections have.
-TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
+// Continuous batching relies on this (tests/batching_test.cc): a row's product is bitwise the
+// same whatever other rows share the call, for any row count and on any number of threads, by a
+// packed weight and (float32 products) by a plain one, which also gives bitwise the packed
+// weight's results. The shapes: a mid-sized one, a small one (oneDNN's bf16 kernels for few rows
+// of it summed differently) and a long sum (k = 4096: its AMX kernel split k differently by row
+// count), as the demo model's TP=2 slices and large models' down projections have. oneDNN's own
+// float32 matmul on AVX2 failed this at every row count tried, which is why panel_matmul.h exists.
+TEST_P(CpuProductsTest, MatMulRowsDoNotDependOnTheBatch) {
   const int64_t rows = 300;
   for (auto [m, k] : {std::pair<int64_t, int64_t>{256, 768}, {32, 192}, {256, 4096}}) {
     const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
-    for (auto [threads, matmul] : {std::pair{1, CpuMatMul::kF32}, std::pair{2, CpuMatMul::kF32},
-                                   std::pair{1, CpuMatMul::kBF16}, std::pair{2, CpuMatMul::kBF16}}) {
-      std::unique_ptr<Backend> backend = MakeCpuBackend(threads, matmul);
+    for (int threads : {1, 2}) {
+      std::unique_ptr<Backend> backend = MakeCpuBackend(threads, GetParam());
       DeviceTensor dw(backend.get(), DType::kF32, {m, k});
       dw.Upload(w);
       Tensor packed;
@@ -403,24 +413,41 @@ TEST_F(CpuBackendTest, PackedMatMulRowsDoNotDependOnTheBatch) {
       DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
       ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
       const std::vector<float> want = all_out.Download<float>();
-      for (int64_t n : {1, 2, 5, 7, 16, 31, 64, 129}) {
-        for (int64_t first : {int64_t{0}, rows - n}) {  // rows [first, first + n) alone
-          DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
-          ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
-          const std::vector<float> got = part_out.Download<float>();
-          EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
-              << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
-              << " (w [" << m << ", " << k << "], " << threads << " threads, "
-              << (matmul == CpuMatMul::kBF16 ? "bf16" : "f32") << " products)";
+      std::vector<std::pair<const char*, const Tensor*>> weights = {{"packed", &packed}};
+      if (!bf16()) {  // bf16 products need a packed weight; float32 ones also take a plain one
+        weights.push_back({"plain", &dw.t()});
+        DeviceTensor plain_out(backend.get(), DType::kF32, {rows, m});
+        ASSERT_TRUE(backend->MatMul(plain_out.ptr(), all_x.t(), dw.t(), nullptr).ok());
+        EXPECT_TRUE(plain_out.Download<float>() == want)
+            << "a plain w [" << m << ", " << k << "] gives other products than the packed one (" << threads
+            << " threads)";
+      }
+      for (auto [layout, weight] : weights) {
+        for (int64_t n : {1, 2, 5, 7, 16, 31, 64, 129}) {
+          for (int64_t first : {int64_t{0}, rows - n}) {  // rows [first, first + n) alone
+            DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+            ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), *weight, nullptr).ok());
+            const std::vector<float> got = part_out.Download<float>();
+            EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+                << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
+                << " (" << layout << " w [" << m << ", " << k << "], " << threads << " threads, "
+                << (bf16() ? "bf16" : "f32") << " products)";
+          }
         }
       }
     }
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Products, CpuProductsTest, ::testing::Values(CpuMatMul::kF32, CpuMatMul::kBF16),
+                         [](const ::testing::TestParamInfo<CpuMatMul>& info) {
+                           return info.param == CpuMatMul::kBF16 ? "BF16" : "F32";
+                         });
+
 // bf16 products really round (MatMulWithPackedWeight above checks them against the rounded
 // inputs' products), and a BF16 tensor is only a weight when PackMatMulWeight made it.
 TEST_F(CpuBackendTest, Bf16ProductsRoundTheirInputs) {
+  if (!CpuRunsBf16Products()) GTEST_SKIP() << kNoBf16Products;
   std::unique_ptr<Backend> backend = MakeCpuBackend(2, CpuMatMul::kBF16);
   EXPECT_NE(backend->Describe().find("bf16"), std::string::npos) << backend->Describe();
   // 1 + 2^-10 rounds to 1 in bf16: sixteen of them times ones is exactly 16, not 16.015625.

@@ -1,5 +1,6 @@
-// The CPU backend: float32 activations in host memory; oneDNN for matrix products (with the
-// model's weights packed once, at load, into its blocked layout), plain loops for everything else.
+// The CPU backend: float32 activations in host memory; matrix products on weights packed once, at
+// load (float32: panel_matmul.h's loops, whose rows never depend on the batch; bf16: oneDNN), plain
+// loops for everything else.
 //
 // Numerics follow PyTorch float32 as Hugging Face transformers uses it, so that the CPU path can
 // be compared with transformers directly:
@@ -17,7 +18,7 @@
 // element-wise loops over contiguous rows; attention, softmax and SiLU with GCC vector extensions
 // (see Vec16), dot products in independent partial sums (see BlockScores).
 //
-// Threading: matrix products (oneDNN), attention (up to 16 tokens of one sequence per iteration)
+// Threading: matrix products, attention (up to 16 tokens of one sequence per iteration)
 // and SiluMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
 // other ops run on the calling thread. A CpuBackend is used by one thread at a time (backend.h);
 // its scratch vectors rely on that.
@@ -44,6 +45,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/panel_matmul.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -329,8 +331,10 @@ class CpuBackend final : public Backend {
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();
-    return absl::StrCat("cpu (oneDNN ", v->major, ".", v->minor, ".", v->patch, ", ", threads_, " threads",
-                        matmul_ == CpuMatMul::kBF16 ? ", bf16 products" : "", ")");
+    const std::string products = matmul_ == CpuMatMul::kBF16
+                                     ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch)
+                                     : "f32 products";
+    return absl::StrCat("cpu (", products, ", ", threads_, " threads)");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
@@ -370,32 +374,35 @@ class CpuBackend final : public Backend {
   // A weight PackMatMulWeight repacked, keyed in packed_ by the address of its buffer.
   struct PackedWeight {
     int64_t m = 0, k = 0;      // the logical [m, k]
-    dnnl::memory::desc desc;   // oneDNN's layout of it, as the [k, m] "weights" of a matmul (its size: the buffer's)
+    size_t bytes = 0;          // the buffer's size
+    // bf16 weights: oneDNN's layout of them, as the [k, m] "weights" of a matmul. Float32
+    // weights: none (data_type undef); they are panels (panel_matmul.h).
+    dnnl::memory::desc desc;
+    bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
-  // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN; w [m, k] is plain when packed is null.
-  // A bf16 packed weight multiplies x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time.
-  // Throws dnnl::error.
-  void OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed, void* w,
-                    const float* bias);
+  // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN, for a weight `packed` stored in bf16 at w:
+  // x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time. Throws dnnl::error.
+  void Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed, void* w,
+                  const float* bias);
 
   const int threads_;  // oneDNN's (OpenMP's) threads for this backend's products
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;
-  // oneDNN matmuls by (rows, m, k, bias, packed, input dtype): one per shape a step has used,
-  // made (JIT-compiled, ~0.4 ms) on first use. Steps have at most max_tokens_per_step rows (bf16
-  // products: always kBf16Rows) and a model has a handful of weight shapes, so this stays small.
-  std::map<std::tuple<int64_t, int64_t, int64_t, bool, bool, dnnl::memory::data_type>, dnnl::matmul> matmuls_;
+  // oneDNN bf16 matmuls of kBf16Rows rows by (m, k, bias): one per weight shape, made
+  // (JIT-compiled, ~0.4 ms) on first use. A model has a handful of weight shapes.
+  std::map<std::tuple<int64_t, int64_t, bool>, dnnl::matmul> bf16_matmuls_;
   // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
   std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
   std::vector<uint16_t> src_bf16_;
   std::vector<float> last_chunk_out_;  // [kBf16Rows, m]: a bf16 product's last, partial chunk of rows
+  std::vector<float> plain_panels_;    // [threads, k, 16]: float32 products by a plain weight (panel_matmul.h)
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.
@@ -495,7 +502,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
 
   absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
   if (!packed.ok()) return check.Error(packed.status().message());
-  const bool packed_bf16 = *packed != nullptr && (*packed)->desc.data_type() == dnnl::memory::data_type::bf16;
+  const bool packed_bf16 = *packed != nullptr && (*packed)->bf16();
   if ((w.dtype == kBF16) != packed_bf16) {
     return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
   }
@@ -510,11 +517,17 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     }
     return absl::OkStatus();
   }
+  const float* b = bias != nullptr ? bias->as<float>() : nullptr;
+  if (!packed_bf16) {
+    cpu::PanelMatMul(y, x.as<float>(), n, m, k, w.as<float>(), /*plain=*/*packed == nullptr, b, threads_,
+                     &plain_panels_);
+    return absl::OkStatus();
+  }
   try {
-    OneDnnMatMul(y, x.as<float>(), n, m, k, *packed, w.data, bias != nullptr ? bias->as<float>() : nullptr);
+    Bf16MatMul(y, x.as<float>(), n, m, k, **packed, w.data, b);
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("MatMul: oneDNN failed (", e.what(), ") on x ", x.ShapeString(), ", ",
-                                            *packed != nullptr ? "packed " : "", "w ", w.ShapeString()));
+    return absl::InternalError(
+        absl::StrCat("MatMul: oneDNN failed (", e.what(), ") on x ", x.ShapeString(), ", packed bf16 w ", w.ShapeString()));
   }
   return absl::OkStatus();
 }
@@ -524,7 +537,7 @@ absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Ten
   if (it == packed_.begin()) return nullptr;
   --it;  // the last buffer at or below w.data
   const auto* begin = static_cast<const char*>(it->first);
-  if (static_cast<const char*>(w.data) >= begin + it->second.desc.get_size()) return nullptr;
+  if (static_cast<const char*>(w.data) >= begin + it->second.bytes) return nullptr;
   if (w.data != it->first || w.dim(0) != it->second.m || w.dim(1) != it->second.k) {
     return absl::InvalidArgumentError(absl::StrCat("w views part of a packed [", it->second.m, ", ", it->second.k,
                                                    "] weight; pass the whole tensor PackMatMulWeight made"));
@@ -532,50 +545,38 @@ absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Ten
   return &it->second;
 }
 
-void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight* packed,
-                              void* w, const float* bias) {
+void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed,
+                            void* w, const float* bias) {
   using dnnl::memory;
   constexpr auto f32 = memory::data_type::f32;
   constexpr auto bf16 = memory::data_type::bf16;
   constexpr auto ab = memory::format_tag::ab;
   // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
   omp_set_num_threads(threads_);
-  // A plain w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order.
-  const memory::desc weights_desc = packed != nullptr ? packed->desc : memory::desc({k, m}, f32, memory::format_tag::ba);
   const memory::desc bias_desc({1, m}, f32, ab);
-  // The oneDNN matmul for [rows, k] inputs of `dt`, made (JIT-compiled, ~0.4 ms) on first use.
-  auto matmul = [&](int64_t rows, memory::data_type dt) -> const dnnl::matmul& {
-    const auto key = std::make_tuple(rows, m, k, bias != nullptr, packed != nullptr, dt);
-    auto it = matmuls_.find(key);
-    if (it == matmuls_.end()) {
-      const dnnl::matmul::primitive_desc pd =
-          MatMulPrimitiveDesc(engine_, memory::desc({rows, k}, dt, ab), weights_desc,
-                              bias != nullptr ? &bias_desc : nullptr, memory::desc({rows, m}, f32, ab));
-      it = matmuls_.emplace(key, dnnl::matmul(pd)).first;
-    }
-    return it->second;
-  };
-  auto run = [&](const dnnl::matmul& mm, const memory::desc& src_desc, void* src, const memory::desc& dst_desc,
-                 float* dst) {
-    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(src_desc, engine_, src)},
-                                            {DNNL_ARG_WEIGHTS, memory(weights_desc, engine_, w)},
-                                            {DNNL_ARG_DST, memory(dst_desc, engine_, dst)}};
+  const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
+  // The oneDNN matmul for this weight's shape, made (JIT-compiled, ~0.4 ms) on first use.
+  auto it = bf16_matmuls_.find({m, k, bias != nullptr});
+  if (it == bf16_matmuls_.end()) {
+    const dnnl::matmul::primitive_desc pd =
+        MatMulPrimitiveDesc(engine_, chunk_src, packed.desc, bias != nullptr ? &bias_desc : nullptr, chunk_dst);
+    it = bf16_matmuls_.emplace(std::make_tuple(m, k, bias != nullptr), dnnl::matmul(pd)).first;
+  }
+  const dnnl::matmul& mm = it->second;
+  auto run = [&](void* src, float* dst) {
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(chunk_src, engine_, src)},
+                                            {DNNL_ARG_WEIGHTS, memory(packed.desc, engine_, w)},
+                                            {DNNL_ARG_DST, memory(chunk_dst, engine_, dst)}};
     if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
     mm.execute(stream_, args);
   };
-  const memory::desc x_desc({n, k}, f32, ab);
-
-  if (weights_desc.data_type() != bf16) {
-    run(matmul(n, f32), x_desc, const_cast<float*>(x), memory::desc({n, m}, f32, ab), y);
-    stream_.wait();
-    return;
-  }
-  // bf16: round x to bf16 (to nearest even) with a reorder made once per shape, into rows padded
-  // with zeros to a multiple of kBf16Rows; then multiply kBf16Rows rows at a time. oneDNN's bf16
+  // Round x to bf16 (to nearest even) with a reorder made once per shape, into rows padded with
+  // zeros to a multiple of kBf16Rows; then multiply kBf16Rows rows at a time. oneDNN's bf16
   // kernels sum in an order that depends on the row count (AMX and AVX-512 kernels for different
   // row counts and tails, K split differently), so a row's result would depend on how many rows
   // share its step; one primitive for every chunk gives every row the same arithmetic. Each
   // chunk re-reads the weight (a layer's matrix, from cache after the first chunk).
+  const memory::desc x_desc({n, k}, f32, ab);
   const int64_t padded = (n + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
   src_bf16_.resize(static_cast<size_t>(padded * k));
   const memory::desc rounded_desc({n, k}, bf16, ab);
@@ -588,13 +589,11 @@ void CpuBackend::OneDnnMatMul(float* y, const float* x, int64_t n, int64_t m, in
   memory from(x_desc, engine_, const_cast<float*>(x)), to(rounded_desc, engine_, src_bf16_.data());
   r->second.execute(stream_, from, to);
   std::fill(src_bf16_.begin() + n * k, src_bf16_.begin() + padded * k, uint16_t{0});
-  const dnnl::matmul& mm = matmul(kBf16Rows, bf16);
-  const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
   const int64_t whole = n / kBf16Rows * kBf16Rows;  // rows in whole chunks, written straight to y
-  for (int64_t c = 0; c < whole; c += kBf16Rows) run(mm, chunk_src, src_bf16_.data() + c * k, chunk_dst, y + c * m);
+  for (int64_t c = 0; c < whole; c += kBf16Rows) run(src_bf16_.data() + c * k, y + c * m);
   if (whole < n) {  // the last, partial chunk: its output rows past n land in scratch
     last_chunk_out_.resize(static_cast<size_t>(kBf16Rows * m));
-    run(mm, chunk_src, src_bf16_.data() + whole * k, chunk_dst, last_chunk_out_.data());
+    run(src_bf16_.data() + whole * k, last_chunk_out_.data());
   }
   stream_.wait();
   if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
@@ -606,32 +605,39 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   *packed = w;
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops
+    const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);
+    absl::StatusOr<Buffer> buffer = Allocate(bytes);
+    if (!buffer.ok()) return buffer.status();
+    cpu::PackPanels(static_cast<float*>(buffer->data()), w.as<float>(), m, k);
+    packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
+    *packed = Tensor(buffer->data(), kF32, {m, k});
+    return buffer;
+  }
   using dnnl::memory;
-  constexpr auto f32 = memory::data_type::f32;
-  const auto dt = matmul_ == CpuMatMul::kBF16 ? memory::data_type::bf16 : f32;  // of the weights and the input
-  // The layout oneDNN picks for 16-row products; its brgemm kernels take it for every row count.
-  constexpr int64_t kRows = 16;
+  constexpr auto bf16 = memory::data_type::bf16;
+  // The layout oneDNN picks for kBf16Rows-row products, the only row count Bf16MatMul uses.
   try {
     const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
-        engine_, memory::desc({kRows, k}, dt, memory::format_tag::ab),
-        memory::desc({k, m}, dt, memory::format_tag::any),
-        nullptr, memory::desc({kRows, m}, f32, memory::format_tag::ab));
+        engine_, memory::desc({kBf16Rows, k}, bf16, memory::format_tag::ab),
+        memory::desc({k, m}, bf16, memory::format_tag::any), nullptr,
+        memory::desc({kBf16Rows, m}, memory::data_type::f32, memory::format_tag::ab));
     const memory::desc layout = pd.weights_desc();
     absl::StatusOr<Buffer> buffer = Allocate(layout.get_size());
     if (!buffer.ok()) return buffer.status();
     // w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order. The reorder
-    // also converts to bf16 (rounding to nearest even) when the layout is bf16.
-    memory plain(memory::desc({k, m}, f32, memory::format_tag::ba), engine_, w.data);
+    // converts to bf16, rounding to nearest even.
+    memory plain(memory::desc({k, m}, memory::data_type::f32, memory::format_tag::ba), engine_, w.data);
     memory blocked(layout, engine_, buffer->data());
     omp_set_num_threads(threads_);
     dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
     stream_.wait();
-    packed_[buffer->data()] = PackedWeight{m, k, layout};
-    *packed = Tensor(buffer->data(), matmul_ == CpuMatMul::kBF16 ? kBF16 : kF32, {m, k});
+    packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    *packed = Tensor(buffer->data(), kBF16, {m, k});
     return buffer;
   } catch (const dnnl::error& e) {
     *packed = w;
-    if (matmul_ == CpuMatMul::kBF16 && e.status == dnnl_unimplemented) {
+    if (e.status == dnnl_unimplemented) {
       return absl::FailedPreconditionError(
           "PackMatMulWeight: oneDNN has no bf16 matrix product for this CPU (it needs AVX-512); multiply in f32");
     }

@@ -1,0 +1,45 @@
+// The CPU backend's float32 matrix product, y [n, m] = x [n, k] @ w^T (+ bias), written so that a
+// row's result never depends on the other rows of the call.
+//
+// Why not oneDNN here: continuous batching (tests/batching_test.cc) and seeded sampling need a
+// row's product to be bitwise the same whether it is multiplied alone or among 300 others.
+// oneDNN 2.6's float32 matmul does not give that on AVX2 CPUs (its gemm:jit picks gemv, small-M
+// and blocked paths by row count, and repacks the weight on every call); on AVX-512 its brgemm
+// happened to, as a property of its internals, not of its contract. Here it holds by construction:
+// every output element is one float chain over k, k = 0, 1, ..., k - 1, each step a fused
+// multiply-add (a multiply and an add on CPUs without FMA), whatever n, the row's position, the
+// thread count or the weight's layout. oneDNN still does the bf16 products (cpu_backend.cc),
+// which need instructions (AMX, AVX512-BF16) it has and these loops do not use.
+//
+// Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:
+// panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
+// contiguous stream that a tile of rows reads once. A plain w is packed panel by panel into
+// per-thread scratch as the product runs, giving bitwise the same results as a packed one.
+//
+// Thread-safety: the functions are reentrant; they run on `threads` OpenMP threads of the caller.
+#ifndef SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
+#define SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
+
+#include <cstdint>
+#include <vector>
+
+namespace shardserve::cpu {
+
+// Output columns per panel: two 8-float vectors (AVX2 registers) per tile row.
+inline constexpr int64_t kPanelCols = 16;
+
+// Floats a packed w [m, k] takes: ceil(m / 16) panels of k x 16.
+int64_t PanelMatMulFloats(int64_t m, int64_t k);
+
+// packed [PanelMatMulFloats(m, k)] = w [m, k] (row-major) in panels. m, k >= 0.
+void PackPanels(float* packed, const float* w, int64_t m, int64_t k);
+
+// y [n, m] = x [n, k] @ w^T (+ bias [m], added to the finished sum) on `threads` threads (>= 1),
+// w given packed by PackPanels, or plain [m, k] row-major when `plain` (packed then into
+// `scratch`, grown to threads x k x 16 floats). y must not overlap the inputs. n, m, k >= 1.
+void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
+                 const float* bias, int threads, std::vector<float>* scratch);
+
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
