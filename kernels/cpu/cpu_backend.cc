@@ -145,14 +145,15 @@ bool Overlaps(const Tensor& a, const Tensor& b) {
 // ---- Math helpers ------------------------------------------------------------------------------
 
 // Loops that matter are written with GCC vector extensions over 16 floats (one AVX-512 register,
-// two AVX2 ones) in functions cloned for AVX-512 and AVX2 (chosen at load by the CPU), since the
-// build targets baseline x86-64. The helpers below are always inlined into the clones, so that a
+// two AVX2 ones) in functions cloned for AVX-512 (x86-64-v4) and AVX2 + FMA (x86-64-v3; "avx2"
+// alone would multiply and add separately), chosen at load by the CPU, since the build targets
+// baseline x86-64. The helpers below are always inlined into the clones, so that a
 // vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a Vec16's
 // ABI differs between targets).
 using Vec16 = float __attribute__((vector_size(64)));
 using Vec16i = int32_t __attribute__((vector_size(64)));
 constexpr int64_t kVecLanes = 16;
-#define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 // Loads (stores) 16 floats at p, or only the first `count` of them (the other lanes zero, or
 // untouched): the fixed-size copies compile to one vector move each.
