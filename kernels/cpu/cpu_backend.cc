@@ -149,7 +149,10 @@ bool Overlaps(const Tensor& a, const Tensor& b) {
 // alone would multiply and add separately), chosen at load by the CPU, since the build targets
 // baseline x86-64. The helpers below are always inlined into the clones, so that a
 // vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a Vec16's
-// ABI differs between targets).
+// ABI differs between targets). On AVX2, GCC 12 has no register mode for a 16-float vector, so one
+// that lives across loop iterations (BlockWeightedSum's accumulator, BlockScores' partial sums)
+// goes through the stack on every step; panel_matmul.cc's 8-float halves avoid that, and these
+// loops would gain from the same (docs/benchmarks.md, the AVX2 profile).
 using Vec16 = float __attribute__((vector_size(64)));
 using Vec16i = int32_t __attribute__((vector_size(64)));
 constexpr int64_t kVecLanes = 16;
@@ -391,7 +394,7 @@ class CpuBackend final : public Backend {
   void Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed, void* w,
                   const float* bias);
 
-  const int threads_;  // oneDNN's (OpenMP's) threads for this backend's products
+  const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
