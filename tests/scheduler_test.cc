@@ -373,7 +373,9 @@ class SimCluster {
         first[row] = pos;
         ASSERT_TRUE(pos == s.fed || pos == 0)
             << at << ": seq " << f->rows[row] << " starts at " << pos << ", had " << s.fed << " fed";
-        if (pos == 0 && s.fed > 0) ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
+        if (pos == 0 && s.fed > 0) {
+          ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
+        }
       } else {
         ASSERT_EQ(pos, next[row]) << at << ": seq " << f->rows[row] << " positions not contiguous";
       }
@@ -601,7 +603,9 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   if (param.lanes > 1 && param.budget == 8 && param.num_kv_blocks != kTinyCache) {
     EXPECT_GT(sim.chunks_behind_chunks(), 0) << "no prompt chunk followed one in flight";
   }
-  if (param.lanes == 1) EXPECT_EQ(sim.chunks_behind_chunks(), 0);
+  if (param.lanes == 1) {
+    EXPECT_EQ(sim.chunks_behind_chunks(), 0);
+  }
   RecordProperty("steps", static_cast<int>(sim.steps()));
   RecordProperty("preemptions", static_cast<int>(s.preemptions()));
 }
@@ -767,7 +771,9 @@ TEST(SchedulerTest, PromptChunksFlowThroughThePipeline) {
     fed += 8;
     EXPECT_EQ(b->entries[0].logit_row, fed == 40 ? 0 : -1);
     in_flight.push_back(lane);
-    if (step == 1) EXPECT_TRUE(s.LaneBusy(0) && s.LaneBusy(1)) << "the second chunk waited for the first";
+    if (step == 1) {
+      EXPECT_TRUE(s.LaneBusy(0) && s.LaneBusy(1)) << "the second chunk waited for the first";
+    }
     if (in_flight.size() == 2) {  // the engine completes the oldest step before scheduling its lane again
       EXPECT_TRUE(s.Complete(in_flight.front(), Sampled(p[in_flight.front()])).empty());
       in_flight.pop_front();
