@@ -94,8 +94,9 @@ class Backend {
   // viewing it (of the stored dtype: BF16 for CpuMatMul::kBF16), to pass to MatMul as w from then
   // on; w itself may then be freed. A packed tensor is only for MatMul, whole: other ops cannot
   // read it and MatMul refuses a view of part of it.
-  // The CPU backend packs F32 weights into oneDNN's blocked layout, so that each step's GEMM
-  // streams the weight once instead of repacking it; a backend that reads plain weights
+  // The CPU backend packs F32 weights into 16-column panels (kernels/cpu/panel_matmul.h), or for
+  // bf16 products into oneDNN's blocked bf16 layout, so that each step's GEMM streams the weight
+  // once instead of repacking it; a backend that reads plain weights
   // directly (CUDA) returns an empty Buffer and sets *packed = w.
   virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed);
 
@@ -169,7 +170,7 @@ class Backend {
 // are always multiplied in float32.
 enum class CpuMatMul : uint8_t { kF32, kBF16 };
 
-// The CPU backend: float32 activations, oneDNN for matrix products. Never fails to create (a CPU
+// The CPU backend: float32 activations; float32 products in its own loops, bf16 ones in oneDNN. Never fails to create (a CPU
 // without bfloat16 support in oneDNN fails at PackMatMulWeight, saying so). threads > 0: matrix
 // products and the heavier loops (attention, SiluMul) run on that many (OpenMP) threads; threads
 // <= 0: on OpenMP's default (OMP_NUM_THREADS, else one per core). The backend's other ops run on

@@ -69,6 +69,9 @@ template <int R>
 }
 static_assert(kTileRows == 6, "PanelRows' switch covers tails of 1 to 5 rows");
 
+// Panels a weight of m output columns takes.
+int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }
+
 // Panel p of w [m, k] (row-major) into out [k, 16], zero-padded past column m.
 void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
   const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, m - c0);
@@ -82,7 +85,7 @@ void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
 SHARDSERVE_MATMUL_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                      const float* bias, int threads, float* scratch) {
-  const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
+  const int64_t panels = Panels(m);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -100,11 +103,10 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 
 }  // namespace
 
-int64_t PanelMatMulFloats(int64_t m, int64_t k) { return (m + kPanelCols - 1) / kPanelCols * k * kPanelCols; }
+int64_t PanelMatMulFloats(int64_t m, int64_t k) { return Panels(m) * k * kPanelCols; }
 
 void PackPanels(float* packed, const float* w, int64_t m, int64_t k) {
-  const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
-  for (int64_t p = 0; p < panels; ++p) PackPanel(packed + p * k * kPanelCols, w, m, k, p);
+  for (int64_t p = 0; p < Panels(m); ++p) PackPanel(packed + p * k * kPanelCols, w, m, k, p);
 }
 
 void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
