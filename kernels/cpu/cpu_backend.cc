@@ -15,8 +15,8 @@
 // - CpuMatMul::kBF16 (backend.h) departs from this on purpose: products of bf16-rounded inputs.
 //
 // Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
-// element-wise loops over contiguous rows; attention, softmax and SiLU with GCC vector extensions
-// (see Vec16), dot products in independent partial sums (see BlockScores).
+// element-wise loops over contiguous rows; attention, softmax and SiLU with 8-float GCC vectors
+// (kernels/cpu/vec.h), dot products in independent partial sums (see BlockScores).
 //
 // Threading: matrix products, attention (up to 16 tokens of one sequence per iteration)
 // and SiluMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
@@ -46,6 +46,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/vec.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -144,63 +145,39 @@ bool Overlaps(const Tensor& a, const Tensor& b) {
 
 // ---- Math helpers ------------------------------------------------------------------------------
 
-// Loops that matter are written with GCC vector extensions over 16 floats (one AVX-512 register,
-// two AVX2 ones) in functions cloned for AVX-512 (x86-64-v4) and AVX2 + FMA (x86-64-v3; "avx2"
-// alone would multiply and add separately), chosen at load by the CPU, since the build targets
-// baseline x86-64. The helpers below are always inlined into the clones, so that a
-// vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a Vec16's
-// ABI differs between targets). On AVX2, GCC 12 has no register mode for a 16-float vector, so one
-// that lives across loop iterations (BlockWeightedSum's accumulator, BlockScores' partial sums)
-// goes through the stack on every step; panel_matmul.cc's 8-float halves avoid that, and these
-// loops would gain from the same (docs/benchmarks.md, the AVX2 profile).
-using Vec16 = float __attribute__((vector_size(64)));
-using Vec16i = int32_t __attribute__((vector_size(64)));
-constexpr int64_t kVecLanes = 16;
-#define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// Loops that matter are written with 8-float GCC vectors (kernels/cpu/vec.h) in functions cloned
+// per instruction set.
+using cpu::KeepLanes;
+using cpu::kVecLanes;
+using cpu::LoadVec;
+using cpu::StoreVec;
+using cpu::Vec8;
+using cpu::Vec8i;
 
-// Loads (stores) 16 floats at p, or only the first `count` of them (the other lanes zero, or
-// untouched): the fixed-size copies compile to one vector move each.
-[[gnu::always_inline]] inline Vec16 LoadVec(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-[[gnu::always_inline]] inline void StoreVec(float* p, const Vec16& v) { std::memcpy(p, &v, sizeof v); }
-[[gnu::always_inline]] inline Vec16 LoadVec(const float* p, int64_t count) {
-  if (count == kVecLanes) return LoadVec(p);
-  Vec16 v = {};
-  std::memcpy(&v, p, static_cast<size_t>(count) * sizeof(float));
-  return v;
-}
-[[gnu::always_inline]] inline void StoreVec(float* p, const Vec16& v, int64_t count) {
-  if (count == kVecLanes) return StoreVec(p, v);
-  std::memcpy(p, &v, static_cast<size_t>(count) * sizeof(float));
-}
-
-// e^x of 16 floats, with Cephes' expf polynomial (relative error about 2e-7, like glibc's expf
+// e^x of 8 floats, with Cephes' expf polynomial (relative error about 2e-7, like glibc's expf
 // within an ulp or two): x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n e^r. Below -87.3 (where expf
 // turns subnormal) it gives 0, above 88 +inf (exp(88) is 1.7e38, close to FLT_MAX); NaN stays NaN.
-[[gnu::always_inline]] inline Vec16 ExpVec(Vec16 x) {
+[[gnu::always_inline]] inline Vec8 ExpVec(Vec8 x) {
   constexpr float kLow = -87.3f, kHigh = 88.0f, kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const Vec16 xc = x < kLow ? Vec16{} + kLow : (x > kHigh ? Vec16{} + kHigh : x);  // NaN fails both tests
-  const Vec16 t = xc * 1.44269504088896341f + kRound;  // n + kRound, n = round(x / ln2)
-  const Vec16 n = t - kRound;
-  Vec16 r = xc - n * 0.693359375f;  // ln2 in two parts, so that r is exact
+  const Vec8 xc = x < kLow ? Vec8{} + kLow : (x > kHigh ? Vec8{} + kHigh : x);  // NaN fails both tests
+  const Vec8 t = xc * 1.44269504088896341f + kRound;  // n + kRound, n = round(x / ln2)
+  const Vec8 n = t - kRound;
+  Vec8 r = xc - n * 0.693359375f;  // ln2 in two parts, so that r is exact
   r = r - n * -2.12194440e-4f;
-  Vec16 p = Vec16{} + 1.9875691500e-4f;
+  Vec8 p = Vec8{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const Vec16 e_r = p * r * r + r + 1.0f;
-  Vec16i bits;  // 2^n: the exponent field n + 127, n in [-126, 127]
+  const Vec8 e_r = p * r * r + r + 1.0f;
+  Vec8i bits;  // 2^n: the exponent field n + 127, n in [-126, 127]
   std::memcpy(&bits, &t, sizeof bits);
   bits = (bits - 0x4B400000 + 127) << 23;  // 0x4B400000: kRound's bits, so bits - it = n
-  Vec16 two_n;
+  Vec8 two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  const Vec16 e = e_r * two_n;
-  return x < kLow ? Vec16{} : (x > kHigh ? Vec16{} + std::numeric_limits<float>::infinity() : e);
+  const Vec8 e = e_r * two_n;
+  return x < kLow ? Vec8{} : (x > kHigh ? Vec8{} + std::numeric_limits<float>::infinity() : e);
 }
 
 
@@ -212,92 +189,112 @@ constexpr int64_t kVecLanes = 16;
 SHARDSERVE_VECTOR_CLONES double SoftmaxRow(float* out, const float* x, int64_t v, float temperature) {
   // The max, lane by lane (NaN entries never win, as with std::max), then across lanes.
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  Vec16 lane_max = Vec16{} + kNegInf;
+  Vec8 lane_max = Vec8{} + kNegInf;
   for (int64_t i = 0; i < v; i += kVecLanes) {
     const int64_t lanes = std::min(kVecLanes, v - i);
-    Vec16 xi = LoadVec(x + i, lanes) / temperature;
+    const Vec8 xi = LoadVec(x + i, lanes) / temperature;
     StoreVec(out + i, xi, lanes);
-    for (int64_t j = lanes; j < kVecLanes; ++j) xi[j] = kNegInf;
-    lane_max = lane_max < xi ? xi : lane_max;
+    const Vec8 counted = KeepLanes(xi, lanes, kNegInf);
+    lane_max = lane_max < counted ? counted : lane_max;
   }
   float max = kNegInf;
   for (int64_t j = 0; j < kVecLanes; ++j) max = std::max(max, lane_max[j]);
-  // The normalizer in double, 16 partial sums (one per lane) added at the end.
-  using Vec16d = double __attribute__((vector_size(128)));
-  Vec16d lane_sum = {};
-  for (int64_t i = 0; i < v; i += kVecLanes) {
-    const int64_t lanes = std::min(kVecLanes, v - i);
-    const Vec16 e = ExpVec(LoadVec(out + i, lanes) - max);
-    StoreVec(out + i, e, lanes);
-    Vec16 counted = e;
-    for (int64_t j = lanes; j < kVecLanes; ++j) counted[j] = 0.0f;
-    lane_sum += __builtin_convertvector(counted, Vec16d);
+  // The normalizer in double: 16 partial sums (element i goes to partial i mod 16), as four
+  // vectors of 4 doubles, added in order at the end.
+  using Vec4d = double __attribute__((vector_size(32)));
+  Vec4d sum0 = {}, sum1 = {}, sum2 = {}, sum3 = {};
+  for (int64_t i = 0; i < v; i += 2 * kVecLanes) {
+    const int64_t lanes = v - i;  // of the 16 from i, those in the row (the first `lanes`)
+    const Vec8 lo = ExpVec(LoadVec(out + i, lanes) - max);
+    const Vec8 hi = ExpVec(LoadVec(out + i + kVecLanes, lanes - kVecLanes) - max);
+    StoreVec(out + i, lo, lanes);
+    StoreVec(out + i + kVecLanes, hi, lanes - kVecLanes);
+    const Vec8 lo_counted = KeepLanes(lo, lanes, 0.0f), hi_counted = KeepLanes(hi, lanes - kVecLanes, 0.0f);
+    sum0 += __builtin_convertvector(__builtin_shufflevector(lo_counted, lo_counted, 0, 1, 2, 3), Vec4d);
+    sum1 += __builtin_convertvector(__builtin_shufflevector(lo_counted, lo_counted, 4, 5, 6, 7), Vec4d);
+    sum2 += __builtin_convertvector(__builtin_shufflevector(hi_counted, hi_counted, 0, 1, 2, 3), Vec4d);
+    sum3 += __builtin_convertvector(__builtin_shufflevector(hi_counted, hi_counted, 4, 5, 6, 7), Vec4d);
   }
   double sum = 0.0;
-  for (int64_t j = 0; j < kVecLanes; ++j) sum += lane_sum[j];
+  for (const Vec4d& part : {sum0, sum1, sum2, sum3}) {
+    for (int j = 0; j < 4; ++j) sum += part[j];
+  }
   const float inv_sum = static_cast<float>(1.0 / sum);
   for (int64_t i = 0; i < v; ++i) out[i] *= inv_sum;
   return sum;
 }
 
 // Attention's inner loops over one KV block: `rows` cache rows of one kv head, `stride` floats
-// apart, head_dim hd. A head_dim that is not a multiple of 16 ends in a chunk padded with zeros,
-// which adds nothing.
+// apart, head_dim hd.
 
 // Scores w[r] = (q . k_r) * scale. Each dot product keeps 16 float partial sums (lane j adds
-// q[i] k_r[i] for i = j mod 16, in order), then adds them pairwise: j + j+8, then j + j+4, j + j+2,
-// 0 + 1. The pairwise sums of 16 rows are done together, as a transpose: after FoldN, lane l
-// holds partial l % N of row l / N of the rows in a and b.
-[[gnu::always_inline]] inline Vec16 Fold8(Vec16 a, Vec16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// q[i] k_r[i] for i = j mod 16, in order; lanes 0-7 in one half, 8-15 in the other), then adds
+// them pairwise: j + j+8 (the two halves), then j + j+4, j + j+2, 0 + 1. The pairwise sums of 16
+// rows are done together, as a transpose: after FoldN, lane l of the result holds partial l % N
+// of row l / N of the rows in a and b.
+[[gnu::always_inline]] inline Vec8 Fold4(Vec8 a, Vec8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-[[gnu::always_inline]] inline Vec16 Fold4(Vec16 a, Vec16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+[[gnu::always_inline]] inline Vec8 Fold2(Vec8 a, Vec8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
 }
-[[gnu::always_inline]] inline Vec16 Fold2(Vec16 a, Vec16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-}
-[[gnu::always_inline]] inline Vec16 Fold1(Vec16 a, Vec16 b) {
-  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+[[gnu::always_inline]] inline Vec8 Fold1(Vec8 a, Vec8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 
 SHARDSERVE_VECTOR_CLONES void BlockScores(
     float* w, const float* q, const float* k, int64_t rows, int64_t stride, int64_t hd, float scale) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kVecLanes) {
-    const int64_t count = std::min(kVecLanes, rows - r0);
-    const int64_t full = hd - hd % kVecLanes;  // head_dim in whole vectors; the rest is a padded tail
-    Vec16 acc[kVecLanes];
-    for (int64_t r = 0; r < kVecLanes; ++r) {
-      acc[r] = Vec16{};
-      if (r >= count) continue;
-      const float* kr = k + (r0 + r) * stride;
-      for (int64_t i = 0; i < full; i += kVecLanes) acc[r] += LoadVec(q + i) * LoadVec(kr + i);
-      if (full < hd) acc[r] += LoadVec(q + full, hd - full) * LoadVec(kr + full, hd - full);
+  constexpr int64_t kRows = 2 * kVecLanes;       // rows scored together
+  const int64_t full = hd - hd % (2 * kVecLanes);  // head_dim in whole 16-float steps; the rest is a padded tail
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t count = std::min(kRows, rows - r0);
+    Vec8 sums[kRows];  // row r's partial sums j + j+8
+    for (int64_t r = 0; r < kRows; ++r) {
+      Vec8 lo = {}, hi = {};
+      if (r < count) {
+        const float* kr = k + (r0 + r) * stride;
+        for (int64_t i = 0; i < full; i += 2 * kVecLanes) {
+          lo += LoadVec(q + i) * LoadVec(kr + i);
+          hi += LoadVec(q + i + kVecLanes) * LoadVec(kr + i + kVecLanes);
+        }
+        if (full < hd) {
+          const int64_t rest = hd - full;
+          lo += LoadVec(q + full, rest) * LoadVec(kr + full, rest);
+          hi += LoadVec(q + full + kVecLanes, rest - kVecLanes) * LoadVec(kr + full + kVecLanes, rest - kVecLanes);
+        }
+      }
+      sums[r] = lo + hi;
     }
-    Vec16 half[8], quarter[4], eighth[2];
-    for (int j = 0; j < 8; ++j) half[j] = Fold8(acc[2 * j], acc[2 * j + 1]);
-    for (int j = 0; j < 4; ++j) quarter[j] = Fold4(half[2 * j], half[2 * j + 1]);
-    for (int j = 0; j < 2; ++j) eighth[j] = Fold2(quarter[2 * j], quarter[2 * j + 1]);
+    Vec8 quarter[8], eighth[4];
+    for (int j = 0; j < 8; ++j) quarter[j] = Fold4(sums[2 * j], sums[2 * j + 1]);
+    for (int j = 0; j < 4; ++j) eighth[j] = Fold2(quarter[2 * j], quarter[2 * j + 1]);
     StoreVec(w + r0, Fold1(eighth[0], eighth[1]) * scale, count);
+    StoreVec(w + r0 + kVecLanes, Fold1(eighth[2], eighth[3]) * scale, count - kVecLanes);
   }
 }
 
-// out += sum_r p[r] v_r, in float, row by row (each element adds its rows in order), 16 elements
-// of out at a time held in registers.
+// out += sum_r p[r] v_r, in float, row by row (each element adds its rows in order), 64 elements
+// of out at a time held in registers (8 independent chains), then 8 at a time.
 SHARDSERVE_VECTOR_CLONES void BlockWeightedSum(
     float* out, const float* p, const float* v, int64_t rows, int64_t stride, int64_t hd) {
-  for (int64_t i = 0; i < hd; i += kVecLanes) {
-    const int64_t lanes = std::min(kVecLanes, hd - i);
-    Vec16 o = LoadVec(out + i, lanes);
-    if (lanes == kVecLanes) {
-      for (int64_t r = 0; r < rows; ++r) o += p[r] * LoadVec(v + r * stride + i);
-    } else {
-      for (int64_t r = 0; r < rows; ++r) o += p[r] * LoadVec(v + r * stride + i, lanes);
+  constexpr int64_t kChains = 8;
+  int64_t i = 0;
+  for (; i + kChains * kVecLanes <= hd; i += kChains * kVecLanes) {
+    Vec8 o[kChains];
+    for (int64_t j = 0; j < kChains; ++j) o[j] = LoadVec(out + i + j * kVecLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* vr = v + r * stride + i;
+      for (int64_t j = 0; j < kChains; ++j) o[j] += p[r] * LoadVec(vr + j * kVecLanes);
     }
+    for (int64_t j = 0; j < kChains; ++j) StoreVec(out + i + j * kVecLanes, o[j]);
+  }
+  for (; i < hd; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, hd - i);
+    Vec8 o = LoadVec(out + i, lanes);
+    for (int64_t r = 0; r < rows; ++r) o += p[r] * LoadVec(v + r * stride + i, lanes);
     StoreVec(out + i, o, lanes);
   }
 }
@@ -306,7 +303,7 @@ SHARDSERVE_VECTOR_CLONES void BlockWeightedSum(
 SHARDSERVE_VECTOR_CLONES void SiluMulRange(float* y, const float* g, const float* u, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; i += kVecLanes) {
     const int64_t lanes = std::min(kVecLanes, end - i);
-    const Vec16 gi = LoadVec(g + i, lanes);
+    const Vec8 gi = LoadVec(g + i, lanes);
     StoreVec(y + i, gi / (1.0f + ExpVec(-gi)) * LoadVec(u + i, lanes), lanes);
   }
 }

@@ -7,21 +7,15 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/vec.h"
+
 namespace shardserve::cpu {
 namespace {
-
-// Eight floats: one AVX2 register. A 16-float GCC vector would be one AVX-512 register, but GCC
-// 12 keeps arrays of them on the stack when it must split them for AVX2 (7 GFLOP/s instead of 80).
-using Vec8 = float __attribute__((vector_size(32)));
 
 // Rows per tile: 6 rows x 2 vectors = 12 accumulators, plus the two panel vectors and a broadcast,
 // fill AVX2's 16 registers. Measured on one core of an AMD EPYC (AVX2), one PP=2 stage of the
 // benchmark model: 4 rows 21.7 ms at 16 rows of x, 6 rows 21.6 ms; 6 rows 85.6 GFLOP/s at 512.
 constexpr int kTileRows = 6;
-
-// Clones for AVX-512 (x86-64-v4) and AVX2 + FMA (x86-64-v3) CPUs, and baseline x86-64. "avx2"
-// alone would leave out FMA; which clone runs is fixed per machine, so a row's results are too.
-#define SHARDSERVE_MATMUL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ one panel [k, 16] (+ bias [cols]).
 // Each output is one chain over k in order: the arithmetic is the same for every R and tile.
@@ -31,9 +25,7 @@ template <int R>
   Vec8 lo[R], hi[R];  // columns 0-7 and 8-15 of each row
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec8{};
   for (int64_t kk = 0; kk < k; ++kk) {
-    Vec8 b_lo, b_hi;
-    std::memcpy(&b_lo, panel + kk * kPanelCols, sizeof b_lo);
-    std::memcpy(&b_hi, panel + kk * kPanelCols + 8, sizeof b_hi);
+    const Vec8 b_lo = LoadVec(panel + kk * kPanelCols), b_hi = LoadVec(panel + kk * kPanelCols + kVecLanes);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k + kk];
       lo[r] += b_lo * xr;
@@ -42,8 +34,8 @@ template <int R>
   }
   for (int r = 0; r < R; ++r) {
     float out[kPanelCols];
-    std::memcpy(out, &lo[r], sizeof lo[r]);
-    std::memcpy(out + 8, &hi[r], sizeof hi[r]);
+    StoreVec(out, lo[r]);
+    StoreVec(out + kVecLanes, hi[r]);
     float* yr = y + r * ldy;
     if (bias != nullptr) {
       for (int64_t c = 0; c < cols; ++c) yr[c] = out[c] + bias[c];
@@ -82,7 +74,7 @@ void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
   }
 }
 
-SHARDSERVE_MATMUL_CLONES
+SHARDSERVE_VECTOR_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                      const float* bias, int threads, float* scratch) {
   const int64_t panels = Panels(m);
