@@ -19,14 +19,12 @@ constexpr int kTileRows = 6;
 
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ one panel [k, 16] (+ bias [cols]).
 // Each output is one chain over k in order: the arithmetic is the same for every R and tile.
-// Asks for the k x 64 bytes at `ahead` (the next panel's weights) on the way.
 template <int R>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
-                                        int64_t cols, const float* bias, const float* ahead) {
+                                        int64_t cols, const float* bias) {
   Vec8 lo[R], hi[R];  // columns 0-7 and 8-15 of each row
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec8{};
   for (int64_t kk = 0; kk < k; ++kk) {
-    __builtin_prefetch(ahead + kk * kPanelCols);
     const Vec8 b_lo = LoadVec(panel + kk * kPanelCols), b_hi = LoadVec(panel + kk * kPanelCols + kVecLanes);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k + kk];
@@ -47,26 +45,17 @@ template <int R>
   }
 }
 
-// Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile. From 4
-// rows on, the first tile asks for `next` (the next panel's k x 64 bytes) on the way, so that
-// memory streams weights while the tiles compute (the others ask for their own panel, in cache
-// already: one prefetch more per step beats a branch). Fewer rows make a stream the hardware
-// prefetcher keeps up with alone. bench_matmul, one core of an AMD EPYC: 8 to 32 rows 10-15%
-// faster, 1 row and 512 rows unchanged (within the machine's noise).
+// Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile.
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
-                                             const float* panel, int64_t cols, const float* bias, const float* next) {
-  const float* first_ahead = n >= 4 ? next : panel;  // what the first tile asks for
+                                             const float* panel, int64_t cols, const float* bias) {
   int64_t r = 0;
-  for (; r + kTileRows <= n; r += kTileRows) {
-    Tile<kTileRows>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, r == 0 ? first_ahead : panel);
-  }
-  const float* ahead = r == 0 ? first_ahead : panel;
+  for (; r + kTileRows <= n; r += kTileRows) Tile<kTileRows>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias);
   switch (n - r) {
-    case 5: Tile<5>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead); break;
-    case 4: Tile<4>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead); break;
-    case 3: Tile<3>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead); break;
-    case 2: Tile<2>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead); break;
-    case 1: Tile<1>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead); break;
+    case 5: Tile<5>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
+    case 4: Tile<4>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
+    case 3: Tile<3>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
+    case 2: Tile<2>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
+    case 1: Tile<1>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
     default: break;
   }
 }
@@ -99,12 +88,8 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
       PackPanel(own, w, m, k, p);
       panel = own;
     }
-    // The next panel's weights, packed or plain (rows of w), are the k x 16 floats after this
-    // panel's, where there are that many; else the tiles ask for this panel again.
-    const bool next_whole = plain ? (p + 2) * kPanelCols <= m : p + 1 < panels;
-    const float* next = next_whole ? w + (p + 1) * k * kPanelCols : panel;
     const int64_t c0 = p * kPanelCols;
-    PanelRows(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr, next);
+    PanelRows(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr);
   }
 }
 
