@@ -58,8 +58,8 @@ else
   # requests take ~12 s. An Intel Xeon with AMX: 32 streams on TP=1 ~450 tokens/s with bf16
   # products (96 requests ~27 s), ~300 with float32 (64 requests ~27 s); PP=2 at 16 streams
   # 150-200 tokens/s; the whole script about 6 minutes. An AMD EPYC with AVX2 only (no bf16
-  # products, so both blocks run float32): 32 streams ~170 tokens/s (96 requests ~70 s), PP=2
-  # 90-130 tokens/s (~30-45 s per layout); the whole script about 15 minutes.
+  # products, so both blocks run float32): 32 streams 270-360 tokens/s (96 requests 35-45 s), PP=2
+  # 145-240 tokens/s (~20-30 s per layout); the whole script roughly 10 minutes (not timed end to end).
   N_SINGLE=5 N_BATCH=96 N_BATCH_F32=64 N_PP=32
 fi
 if [ "$QUICK" = 1 ]; then LONG=(--input-len 32 --output-len 4); else LONG=(--input-len 512 --output-len 32); fi
