@@ -25,26 +25,17 @@
 
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "tools/bench_util.h"
 
 namespace {
 
 using shardserve::Backend;
 using shardserve::DType;
 using shardserve::Tensor;
+using shardserve::bench::Flag;
+using shardserve::bench::Median;
 
 constexpr int64_t kBlockSize = 16;  // tokens per KV block, as the worker's default (worker/llama.h)
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-int64_t Flag(int argc, char** argv, const char* name, int64_t fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
-  }
-  return fallback;
-}
 
 uint64_t Fnv1a(const std::vector<float>& v) {
   uint64_t h = 1469598103934665603ULL;

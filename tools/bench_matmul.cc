@@ -25,6 +25,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
+#include "tools/bench_util.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace {
@@ -33,6 +34,8 @@ using shardserve::Backend;
 using shardserve::Buffer;
 using shardserve::DType;
 using shardserve::Tensor;
+using shardserve::bench::Flag;
+using shardserve::bench::Median;
 
 // A matmul primitive descriptor in oneDNN 2's API (Debian 12) or 3's (no op descriptors).
 dnnl::matmul::primitive_desc MatMulDesc(const dnnl::engine& engine, const dnnl::memory::desc& src,
@@ -81,18 +84,6 @@ class OneDnnProduct {
   std::vector<float> packed_;
   std::map<int64_t, dnnl::matmul> by_rows_;
 };
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-int64_t Flag(int argc, char** argv, const char* name, int64_t fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
-  }
-  return fallback;
-}
 
 }  // namespace
 
