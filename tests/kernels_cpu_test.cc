@@ -618,14 +618,15 @@ TEST_F(CpuBackendTest, CacheWriteFillsExactlyTheNamedSlots) {
 struct AttentionParam {
   int64_t q_heads, kv_heads;
   const char* name;
+  // 20: one 16-float step of the dot products plus a tail of 4. 72: four steps plus a tail of 8,
+  // and the weighted sums' 64-float path (8 chains) plus a tail of 8.
+  int64_t head_dim = 20;
 };
 void PrintTo(const AttentionParam& p, std::ostream* os) { *os << p.name; }
 
 class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterface<AttentionParam> {
  protected:
   static constexpr int64_t kBlocks = 16, kBlockSize = 4;
-  // 20: two vectors of 8 plus a tail of 4, so Dot's remainder loop runs too.
-  static constexpr int64_t kHeadDim = 20;
 
   // One sequence of the batch: `length` positions are in the cache; the last `new_tokens` of
   // them are queries in this call. `blocks` is its block table.
@@ -638,7 +639,7 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
   // new tokens of all sequences in one call, and compares it with attention computed in double
   // from the dense k/v.
   void Run(const std::string& what, const std::vector<Seq>& seqs) {
-    const int64_t qh = GetParam().q_heads, kvh = GetParam().kv_heads, hd = kHeadDim;
+    const int64_t qh = GetParam().q_heads, kvh = GetParam().kv_heads, hd = GetParam().head_dim;
     const int64_t kv_row = kvh * hd, q_row = qh * hd;
     int64_t max_blocks = 0;
     for (const Seq& s : seqs) max_blocks = std::max<int64_t>(max_blocks, s.blocks.size());
@@ -706,7 +707,7 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
         }
       }
     }
-    // Float32 dot products of 20 terms, a float32 softmax over <= 10 positions and a float32
+    // Float32 dot products of 20 (72) terms, a float32 softmax over <= 10 positions and a float32
     // weighted sum of <= 10 rows: each a few ulp, so ~5e-7 of outputs ~0.5. 2e-6 gives headroom;
     // a wrong slot, head or mask changes outputs by O(0.1).
     ExpectClose(std::string(GetParam().name) + " " + what, out.Download<float>(), want, 2e-6);
@@ -725,7 +726,8 @@ TEST_P(AttentionTest, PrefillAndDecodeBatched) {
 
 INSTANTIATE_TEST_SUITE_P(Heads, AttentionTest,
                          ::testing::Values(AttentionParam{4, 4, "MHA_Q4_KV4"}, AttentionParam{4, 2, "GQA_Q4_KV2"},
-                                           AttentionParam{4, 1, "MQA_Q4_KV1"}),
+                                           AttentionParam{4, 1, "MQA_Q4_KV1"},
+                                           AttentionParam{4, 2, "GQA_Q4_KV2_HeadDim72", 72}),
                          [](const ::testing::TestParamInfo<AttentionParam>& info) { return info.param.name; });
 
 // Bad metadata is InvalidArgument, never a read outside the cache, and out is left as it was
