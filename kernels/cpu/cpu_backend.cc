@@ -225,7 +225,8 @@ SHARDSERVE_VECTOR_CLONES double SoftmaxRow(float* out, const float* x, int64_t v
 }
 
 // Attention's inner loops over one KV block: `rows` cache rows of one kv head, `stride` floats
-// apart, head_dim hd.
+// apart, head_dim hd. A head_dim that is not a multiple of 16 (scores) or 8 (weighted sums) ends
+// in a chunk padded with zeros, which adds nothing.
 
 // Scores w[r] = (q . k_r) * scale. Each dot product keeps 16 float partial sums (lane j adds
 // q[i] k_r[i] for i = j mod 16, in order; lanes 0-7 in one half, 8-15 in the other), then adds
