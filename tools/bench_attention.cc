@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -26,14 +26,14 @@
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "tools/bench_util.h"
+#include "tools/cli/bench_stats.h"
 
 namespace {
 
 using shardserve::Backend;
 using shardserve::DType;
 using shardserve::Tensor;
-using shardserve::bench::Flag;
-using shardserve::bench::Median;
+using shardserve::cli::Percentile;
 
 constexpr int64_t kBlockSize = 16;  // tokens per KV block, as the worker's default (worker/llama.h)
 
@@ -55,25 +55,21 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc || std::strncmp(argv[i], "--", 2) != 0) {
-      std::fprintf(stderr,
-                   "usage: bench_attention [--threads N] [--layers L] [--q-heads H] [--kv-heads KV] [--head-dim D] "
-                   "[--seqs S] [--context C] [--prefill P] [--repeat R]\n");
-      return 2;
-    }
-  }
-  const int threads = static_cast<int>(Flag(argc, argv, "--threads", 1));
-  const int64_t layers = Flag(argc, argv, "--layers", 12), q_heads = Flag(argc, argv, "--q-heads", 12);
-  const int64_t kv_heads = Flag(argc, argv, "--kv-heads", 4), head_dim = Flag(argc, argv, "--head-dim", 64);
-  const int64_t seqs = Flag(argc, argv, "--seqs", 32), context = Flag(argc, argv, "--context", 192);
-  const int64_t prefill = Flag(argc, argv, "--prefill", 128);
-  const int repeat = static_cast<int>(Flag(argc, argv, "--repeat", 9));
-  if (threads < 1 || layers < 1 || q_heads < 1 || kv_heads < 1 || head_dim < 1 || seqs < 1 || context < 1 ||
-      prefill < 1 || repeat < 1) {
-    std::fprintf(stderr, "bench_attention: every flag takes a number >= 1\n");
+  const absl::StatusOr<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlags(
+      argc, argv,
+      {{"threads", 1}, {"layers", 12}, {"q-heads", 12}, {"kv-heads", 4}, {"head-dim", 64}, {"seqs", 32},
+       {"context", 192}, {"prefill", 128}, {"repeat", 9}});
+  if (!flags.ok()) {
+    std::fprintf(stderr,
+                 "bench_attention: %s\nusage: bench_attention [--threads N] [--layers L] [--q-heads H] [--kv-heads KV] "
+                 "[--head-dim D] [--seqs S] [--context C] [--prefill P] [--repeat R]\n",
+                 std::string(flags.status().message()).c_str());
     return 2;
   }
+  const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
+  const int64_t layers = flags->at("layers"), q_heads = flags->at("q-heads"), kv_heads = flags->at("kv-heads");
+  const int64_t head_dim = flags->at("head-dim"), seqs = flags->at("seqs"), context = flags->at("context");
+  const int64_t prefill = flags->at("prefill");
   if (q_heads % kv_heads != 0) {
     std::fprintf(stderr, "bench_attention: --q-heads must be a multiple of --kv-heads\n");
     return 2;
@@ -151,7 +147,7 @@ int main(int argc, char** argv) {
       run(*c);
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    const double t = Median(times);
+    const double t = Percentile(times, 50);
     const int64_t longest = c == &decode ? context : prefill;
     std::printf("%-8s %6zu %8lld  %10.3f %8.2f  %016llx\n", c->name, c->positions.size(),
                 static_cast<long long>(longest), t * 1e3, c->flops * static_cast<double>(layers) / t / 1e9,

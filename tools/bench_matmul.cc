@@ -26,6 +26,7 @@
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "tools/bench_util.h"
+#include "tools/cli/bench_stats.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace {
@@ -34,8 +35,7 @@ using shardserve::Backend;
 using shardserve::Buffer;
 using shardserve::DType;
 using shardserve::Tensor;
-using shardserve::bench::Flag;
-using shardserve::bench::Median;
+using shardserve::cli::Percentile;
 
 // A matmul primitive descriptor in oneDNN 2's API (Debian 12) or 3's (no op descriptors).
 dnnl::matmul::primitive_desc MatMulDesc(const dnnl::engine& engine, const dnnl::memory::desc& src,
@@ -88,20 +88,17 @@ class OneDnnProduct {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc || std::strncmp(argv[i], "--", 2) != 0) {
-      std::fprintf(stderr, "usage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] [--repeat R]\n");
-      return 2;
-    }
-  }
-  const int threads = static_cast<int>(Flag(argc, argv, "--threads", 1));
-  const int64_t layers = Flag(argc, argv, "--layers", 6), hidden = Flag(argc, argv, "--hidden", 768);
-  const int64_t kv = Flag(argc, argv, "--kv", 256), mlp = Flag(argc, argv, "--mlp", 2048);
-  const int repeat = static_cast<int>(Flag(argc, argv, "--repeat", 7));
-  if (threads < 1 || layers < 1 || hidden < 1 || kv < 1 || mlp < 1 || repeat < 1) {
-    std::fprintf(stderr, "bench_matmul: every flag takes a number >= 1\n");
+  const absl::StatusOr<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlags(
+      argc, argv, {{"threads", 1}, {"layers", 6}, {"hidden", 768}, {"kv", 256}, {"mlp", 2048}, {"repeat", 7}});
+  if (!flags.ok()) {
+    std::fprintf(stderr,
+                 "bench_matmul: %s\nusage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] "
+                 "[--repeat R]\n",
+                 std::string(flags.status().message()).c_str());
     return 2;
   }
+  const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
+  const int64_t layers = flags->at("layers"), hidden = flags->at("hidden"), kv = flags->at("kv"), mlp = flags->at("mlp");
   omp_set_num_threads(threads);
   struct Shape {
     int64_t m, k;
@@ -180,7 +177,7 @@ int main(int argc, char** argv) {
     const bool ours_same = std::memcmp(part.data(), ours_all.data(), part.size() * sizeof(float)) == 0;
     weights[0].onednn->Run(stream, part.data(), x.data(), n);
     const bool onednn_same = std::memcmp(part.data(), onednn_all.data(), part.size() * sizeof(float)) == 0;
-    const double a = Median(t_ours), b = Median(t_onednn), flops = 2.0 * static_cast<double>(n) * params;
+    const double a = Percentile(t_ours, 50), b = Percentile(t_onednn, 50), flops = 2.0 * static_cast<double>(n) * params;
     std::printf("%6lld  %12.2f %8.1f %6s  %12.2f %8.1f %6s  %6.2fx\n", static_cast<long long>(n), a * 1e3,
                 flops / a / 1e9, ours_same ? "yes" : "NO", b * 1e3, flops / b / 1e9, onednn_same ? "yes" : "NO", b / a);
   }

@@ -1,26 +1,40 @@
-// Helpers the kernel benchmarks (bench_matmul, bench_attention) share: their flags and medians.
+// The kernel benchmarks' (bench_matmul, bench_attention) command lines: every flag is `--name N`
+// with N a positive integer, parsed by the CLI's flag parser (tools/cli/flags.h).
 #ifndef SHARDSERVE_TOOLS_BENCH_UTIL_H_
 #define SHARDSERVE_TOOLS_BENCH_UTIL_H_
 
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
+#include <map>
+#include <set>
+#include <string>
 #include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "tools/cli/flags.h"
 
 namespace shardserve::bench {
 
-inline double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// The number after `name` on the command line ("--repeat 7"), or `fallback`.
-inline int64_t Flag(int argc, char** argv, const char* name, int64_t fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
+// Each flag of `defaults` as given on the command line, else its default. An unknown flag, an
+// argument that is not a flag, a value that is not an integer or one below 1 is an error naming it.
+inline absl::StatusOr<std::map<std::string, int64_t>> PositiveIntFlags(int argc, char** argv,
+                                                                       const std::map<std::string, int64_t>& defaults) {
+  std::set<std::string> names;
+  for (const auto& [name, fallback] : defaults) names.insert(name);
+  absl::StatusOr<cli::Flags> flags = cli::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc), names);
+  if (!flags.ok()) return flags.status();
+  if (!flags->positional().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
   }
-  return fallback;
+  std::map<std::string, int64_t> values;
+  for (const auto& [name, fallback] : defaults) {
+    absl::StatusOr<int64_t> value = flags->GetInt(name, fallback);
+    if (!value.ok()) return value.status();
+    if (*value < 1) return absl::InvalidArgumentError(absl::StrCat("flag --", name, " must be >= 1, not ", *value));
+    values[name] = *value;
+  }
+  return values;
 }
 
 }  // namespace shardserve::bench
