@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "coordinator/tokenizer/tokenizer.h"
+#include "tools/cli/bench_stats.h"
 #include "tools/cli/flags.h"
 
 namespace {
@@ -87,8 +88,7 @@ int main(int argc, char** argv) {
     if (absl::StatusOr<size_t> n = pass(/*hash=*/false); !n.ok()) return Fail(n.status().ToString());
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  std::sort(seconds.begin(), seconds.end());
-  const double median = seconds[seconds.size() / 2];
+  const double median = shardserve::cli::Percentile(seconds, 50);  // as bench_tokenizer_hf.py's statistics.median
   std::printf(
       "{\"impl\": \"shardserve\", \"bytes\": %zu, \"chunks\": %zu, \"tokens\": %zu, \"median_s\": %.6f, "
       "\"tokens_per_s\": %.0f, \"mb_per_s\": %.3f, \"checksum\": \"%016llx\"}\n",
