@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <memory>
 #include <random>
 #include <string>
@@ -55,17 +56,14 @@ struct Case {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const absl::StatusOr<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlags(
+  const std::optional<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlagsOrUsage(
+      "bench_attention",
+      "usage: bench_attention [--threads N] [--layers L] [--q-heads H] [--kv-heads KV] [--head-dim D] [--seqs S] "
+      "[--context C] [--prefill P] [--repeat R]\n",
       argc, argv,
       {{"threads", 1}, {"layers", 12}, {"q-heads", 12}, {"kv-heads", 4}, {"head-dim", 64}, {"seqs", 32},
        {"context", 192}, {"prefill", 128}, {"repeat", 9}});
-  if (!flags.ok()) {
-    std::fprintf(stderr,
-                 "bench_attention: %s\nusage: bench_attention [--threads N] [--layers L] [--q-heads H] [--kv-heads KV] "
-                 "[--head-dim D] [--seqs S] [--context C] [--prefill P] [--repeat R]\n",
-                 std::string(flags.status().message()).c_str());
-    return 2;
-  }
+  if (!flags) return 2;
   const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
   const int64_t layers = flags->at("layers"), q_heads = flags->at("q-heads"), kv_heads = flags->at("kv-heads");
   const int64_t head_dim = flags->at("head-dim"), seqs = flags->at("seqs"), context = flags->at("context");

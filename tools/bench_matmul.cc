@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <memory>
 #include <random>
 #include <string>
@@ -88,15 +89,10 @@ class OneDnnProduct {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const absl::StatusOr<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlags(
+  const std::optional<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlagsOrUsage(
+      "bench_matmul", "usage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] [--repeat R]\n",
       argc, argv, {{"threads", 1}, {"layers", 6}, {"hidden", 768}, {"kv", 256}, {"mlp", 2048}, {"repeat", 7}});
-  if (!flags.ok()) {
-    std::fprintf(stderr,
-                 "bench_matmul: %s\nusage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] "
-                 "[--repeat R]\n",
-                 std::string(flags.status().message()).c_str());
-    return 2;
-  }
+  if (!flags) return 2;
   const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
   const int64_t layers = flags->at("layers"), hidden = flags->at("hidden"), kv = flags->at("kv"), mlp = flags->at("mlp");
   omp_set_num_threads(threads);

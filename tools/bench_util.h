@@ -4,7 +4,9 @@
 #define SHARDSERVE_TOOLS_BENCH_UTIL_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -35,6 +37,18 @@ inline absl::StatusOr<std::map<std::string, int64_t>> PositiveIntFlags(int argc,
     values[name] = *value;
   }
   return values;
+}
+
+// PositiveIntFlags, or nothing after printing "<tool>: <what is wrong>" and `usage` to stderr (the
+// caller then exits with status 2).
+inline std::optional<std::map<std::string, int64_t>> PositiveIntFlagsOrUsage(
+    const char* tool, const char* usage, int argc, char** argv, const std::map<std::string, int64_t>& defaults) {
+  absl::StatusOr<std::map<std::string, int64_t>> flags = PositiveIntFlags(argc, argv, defaults);
+  if (!flags.ok()) {
+    std::fprintf(stderr, "%s: %s\n%s", tool, std::string(flags.status().message()).c_str(), usage);
+    return std::nullopt;
+  }
+  return *std::move(flags);
 }
 
 }  // namespace shardserve::bench
