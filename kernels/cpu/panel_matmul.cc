@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -17,14 +18,33 @@ namespace {
 // benchmark model: 4 rows 21.7 ms at 16 rows of x, 6 rows 21.6 ms; 6 rows 85.6 GFLOP/s at 512.
 constexpr int kTileRows = 6;
 
+// Where a panel's tiles ask for the next panel's weights while they compute (see PanelRows).
+struct NextPanel {
+  const float* line = nullptr;  // the next 16 floats (one k step) to ask for
+  int64_t left = 0;             // k steps of it not asked for yet; 0 when there is no next panel
+  int every = 1;                // k steps of a tile between two requests
+};
+
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ one panel [k, 16] (+ bias [cols]).
-// Each output is one chain over k in order: the arithmetic is the same for every R and tile.
-template <int R>
+// Each output is one chain over k in order: the arithmetic is the same for every R and tile, and
+// with or without kPrefetch (which only asks the cache for `next`'s lines on the way).
+template <int R, bool kPrefetch>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
-                                        int64_t cols, const float* bias) {
+                                        int64_t cols, const float* bias, NextPanel* next) {
   Vec8 lo[R], hi[R];  // columns 0-7 and 8-15 of each row
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec8{};
+  int countdown = next->every;
   for (int64_t kk = 0; kk < k; ++kk) {
+    if constexpr (kPrefetch) {
+      if (--countdown == 0) {
+        countdown = next->every;
+        if (next->left > 0) {
+          __builtin_prefetch(next->line);
+          next->line += kPanelCols;
+          --next->left;
+        }
+      }
+    }
     const Vec8 b_lo = LoadVec(panel + kk * kPanelCols), b_hi = LoadVec(panel + kk * kPanelCols + kVecLanes);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k + kk];
@@ -45,17 +65,22 @@ template <int R>
   }
 }
 
-// Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile.
+// Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile. With
+// kPrefetch the tiles share out the next panel's k lines between them, one request every `tiles`
+// k steps, so that memory streams that panel while this one's tiles compute.
+template <bool kPrefetch>
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
-                                             const float* panel, int64_t cols, const float* bias) {
+                                             const float* panel, int64_t cols, const float* bias, NextPanel* next) {
   int64_t r = 0;
-  for (; r + kTileRows <= n; r += kTileRows) Tile<kTileRows>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias);
+  for (; r + kTileRows <= n; r += kTileRows) {
+    Tile<kTileRows, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next);
+  }
   switch (n - r) {
-    case 5: Tile<5>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
-    case 4: Tile<4>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
-    case 3: Tile<3>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
-    case 2: Tile<2>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
-    case 1: Tile<1>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias); break;
+    case 5: Tile<5, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
+    case 4: Tile<4, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
+    case 3: Tile<3, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
+    case 2: Tile<2, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
+    case 1: Tile<1, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
     default: break;
   }
 }
@@ -74,26 +99,73 @@ void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
   }
 }
 
+// Panel p of the product (PanelMatMul's arguments), packing it first into this thread's scratch
+// when w is plain. Always inlined, so that it is compiled for the caller's instruction set.
+template <bool kPrefetch>
+[[gnu::always_inline]] inline void PanelProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
+                                                const float* w, bool plain, const float* bias, float* scratch,
+                                                int64_t p, NextPanel* next) {
+  const float* panel = w + p * k * kPanelCols;
+  if (plain) {
+    float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * k * kPanelCols;
+    PackPanel(own, w, m, k, p);
+    panel = own;
+  }
+  const int64_t c0 = p * kPanelCols;
+  PanelRows<kPrefetch>(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr,
+                       next);
+}
+
+// Row counts whose tiles ask for the next panel's weights while they compute: 2 to 4 tiles. Then
+// the first tile of a panel reads it from memory, the others from cache, and without the requests
+// the first one waits for memory while no arithmetic overlaps it. One PP=2 stage's products
+// (bench_matmul, AMD EPYC, medians of 3 alternating runs): 8 and 16 rows take 29-33% less time on
+// one core, 10-20% less on two; PP=2 at 16 streams (8- and 16-row decode steps) serves 8-10% more
+// output tokens/s, one micro-batch at a time or two in flight (docs/benchmarks.md). One tile gained
+// little or nothing (2 rows on two cores: up to 10% slower); from 32 rows on the arithmetic
+// dominates and the gain was within the machine's noise.
+constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTileRows;
+
+// Panels a thread takes at a time. Threads take them as they come free, not in fixed shares: a
+// worker shares its cores with the coordinator, clients and the hypervisor, and with fixed shares a
+// thread they preempt leaves the others spinning at the end of the loop (AMD EPYC, 2 vCPUs, TP=1 at
+// 32 streams: 9.7% more output tokens/s than schedule(static), median of 5 alternating rounds;
+// docs/benchmarks.md).
+constexpr int64_t kPanelsPerClaim = 2;
+
 SHARDSERVE_VECTOR_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                      const float* bias, int threads, float* scratch) {
   const int64_t panels = Panels(m);
+  const int tiles = static_cast<int>((n + kTileRows - 1) / kTileRows);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
-  // They take two panels at a time as they come free: a worker shares its cores with the
-  // coordinator, clients and the hypervisor, and with fixed shares a thread they preempt leaves
-  // the others spinning at the end of the loop (AMD EPYC, 2 vCPUs, TP=1 at 32 streams: 9.7% more
-  // output tokens/s than schedule(static), median of 5 alternating rounds; docs/benchmarks.md).
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 2)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* panel = w + p * k * kPanelCols;
-    if (plain) {
-      float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * k * kPanelCols;
-      PackPanel(own, w, m, k, p);
-      panel = own;
+  if (plain || n < kPrefetchMinRows || n > kPrefetchMaxRows) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsPerClaim)
+    for (int64_t p = 0; p < panels; ++p) {
+      NextPanel none;
+      PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p, &none);
     }
-    const int64_t c0 = p * kPanelCols;
-    PanelRows(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr);
+    return;
+  }
+  // The same sharing out, by hand: a thread has to know which panel it does next before it starts
+  // this one, so it claims the next two as it starts the last of its claim.
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t p = claimed.fetch_add(kPanelsPerClaim, std::memory_order_relaxed);
+    int64_t claim_end = std::min(p + kPanelsPerClaim, panels);
+    while (p < panels) {
+      int64_t after = p + 1;
+      if (after >= claim_end) {
+        after = claimed.fetch_add(kPanelsPerClaim, std::memory_order_relaxed);
+        claim_end = std::min(after + kPanelsPerClaim, panels);
+      }
+      NextPanel next = after < panels ? NextPanel{.line = w + after * k * kPanelCols, .left = k, .every = tiles}
+                                      : NextPanel{.every = tiles};
+      PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p, &next);
+      p = after;
+    }
   }
 }
 
