@@ -3,7 +3,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -116,14 +115,17 @@ template <bool kPrefetch>
                        next);
 }
 
-// Row counts whose tiles ask for the next panel's weights while they compute: 2 to 4 tiles. Then
-// the first tile of a panel reads it from memory, the others from cache, and without the requests
-// the first one waits for memory while no arithmetic overlaps it. One PP=2 stage's products
-// (bench_matmul, AMD EPYC, medians of 3 alternating runs): 8 and 16 rows take 29-33% less time on
-// one core, 10-20% less on two; PP=2 at 16 streams (8- and 16-row decode steps) serves 8-10% more
-// output tokens/s, one micro-batch at a time or two in flight (docs/benchmarks.md). One tile gained
-// little or nothing (2 rows on two cores: up to 10% slower); from 32 rows on the arithmetic
-// dominates and the gain was within the machine's noise.
+// Products whose tiles ask for the next panel's weights while they compute: from 7 to 24 rows (2 to
+// 4 tiles), on one thread. Then the first tile of a panel reads it from memory, the others from
+// cache, and without the requests the first one waits for memory while no arithmetic overlaps it.
+// One PP=2 stage's products (bench_matmul, AMD EPYC, medians of 3 alternating runs): 8 and 16 rows
+// take 29-33% less time on one core; PP=2 at 16 streams (one thread per worker, 8- and 16-row
+// decode steps) serves 8-10% more output tokens/s, one micro-batch at a time or two in flight
+// (docs/benchmarks.md). One tile gained little or nothing; from 32 rows on the arithmetic
+// dominates. On two threads the loop needs each thread to claim its next panels before it starts
+// the last of its claim: 8 and 16 rows alone took 10-20% less time, but TP=1 serving with its two
+// threads (which share the cores with the coordinator and the clients) gave 3-14% fewer output
+// tokens/s at 32 streams in 7 of 7 alternating rounds, so two threads keep the plain loop.
 constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTileRows;
 
 // Panels a thread takes at a time. Threads take them as they come free, not in fixed shares: a
@@ -140,32 +142,18 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
   const int tiles = static_cast<int>((n + kTileRows - 1) / kTileRows);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
-  if (plain || n < kPrefetchMinRows || n > kPrefetchMaxRows) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsPerClaim)
+  if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
     for (int64_t p = 0; p < panels; ++p) {
-      NextPanel none;
-      PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p, &none);
+      NextPanel next = p + 1 < panels ? NextPanel{.line = w + (p + 1) * k * kPanelCols, .left = k, .every = tiles}
+                                      : NextPanel{.every = tiles};
+      PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p, &next);
     }
     return;
   }
-  // The same sharing out, by hand: a thread has to know which panel it does next before it starts
-  // this one, so it claims the next two as it starts the last of its claim.
-  std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(threads)
-  {
-    int64_t p = claimed.fetch_add(kPanelsPerClaim, std::memory_order_relaxed);
-    int64_t claim_end = std::min(p + kPanelsPerClaim, panels);
-    while (p < panels) {
-      int64_t after = p + 1;
-      if (after >= claim_end) {
-        after = claimed.fetch_add(kPanelsPerClaim, std::memory_order_relaxed);
-        claim_end = std::min(after + kPanelsPerClaim, panels);
-      }
-      NextPanel next = after < panels ? NextPanel{.line = w + after * k * kPanelCols, .left = k, .every = tiles}
-                                      : NextPanel{.every = tiles};
-      PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p, &next);
-      p = after;
-    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsPerClaim)
+  for (int64_t p = 0; p < panels; ++p) {
+    NextPanel none;
+    PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p, &none);
   }
 }
 
