@@ -119,13 +119,13 @@ template <bool kPrefetch>
 // 4 tiles), on one thread. Then the first tile of a panel reads it from memory, the others from
 // cache, and without the requests the first one waits for memory while no arithmetic overlaps it.
 // One PP=2 stage's products (bench_matmul, AMD EPYC, medians of 3 alternating runs): 8 and 16 rows
-// take 29-33% less time on one core; PP=2 at 16 streams (one thread per worker, 8- and 16-row
+// take 29-36% less time on one core; PP=2 at 16 streams (one thread per worker, 8- and 16-row
 // decode steps) serves 8-10% more output tokens/s, one micro-batch at a time or two in flight
 // (docs/benchmarks.md). One tile gained little or nothing; from 32 rows on the arithmetic
 // dominates. On two threads the loop needs each thread to claim its next panels before it starts
-// the last of its claim: 8 and 16 rows alone took 10-20% less time, but TP=1 serving with its two
-// threads (which share the cores with the coordinator and the clients) gave 3-14% fewer output
-// tokens/s at 32 streams in 7 of 7 alternating rounds, so two threads keep the plain loop.
+// the last of its claim: 8 and 16 rows alone took 10-22% less time, but TP=1 serving with its two
+// threads (which share the cores with the coordinator and the clients) gave fewer output tokens/s
+// at 32 streams in 6 of 7 alternating rounds (3-14% fewer), so two threads keep the plain loop.
 constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTileRows;
 
 // Panels a thread takes at a time. Threads take them as they come free, not in fixed shares: a
