@@ -17,31 +17,22 @@ namespace {
 // benchmark model: 4 rows 21.7 ms at 16 rows of x, 6 rows 21.6 ms; 6 rows 85.6 GFLOP/s at 512.
 constexpr int kTileRows = 6;
 
-// Where a panel's tiles ask for the next panel's weights while they compute (see PanelRows).
-struct NextPanel {
-  const float* line = nullptr;  // the next 16 floats (one k step) to ask for
-  int64_t left = 0;             // k steps of it not asked for yet; 0 when there is no next panel
-  int every = 1;                // k steps of a tile between two requests
-};
-
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ one panel [k, 16] (+ bias [cols]).
 // Each output is one chain over k in order: the arithmetic is the same for every R and tile, and
-// with or without kPrefetch (which only asks the cache for `next`'s lines on the way).
+// with or without kPrefetch, which only asks the cache for 16 floats at `ahead` (then the 16 after
+// them, ...) every `every` k steps on the way.
 template <int R, bool kPrefetch>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
-                                        int64_t cols, const float* bias, NextPanel* next) {
+                                        int64_t cols, const float* bias, const float* ahead, int64_t every) {
   Vec8 lo[R], hi[R];  // columns 0-7 and 8-15 of each row
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec8{};
-  int countdown = next->every;
+  int64_t countdown = every;
   for (int64_t kk = 0; kk < k; ++kk) {
     if constexpr (kPrefetch) {
       if (--countdown == 0) {
-        countdown = next->every;
-        if (next->left > 0) {
-          __builtin_prefetch(next->line);
-          next->line += kPanelCols;
-          --next->left;
-        }
+        countdown = every;
+        __builtin_prefetch(ahead);
+        ahead += kPanelCols;
       }
     }
     const Vec8 b_lo = LoadVec(panel + kk * kPanelCols), b_hi = LoadVec(panel + kk * kPanelCols + kVecLanes);
@@ -65,21 +56,24 @@ template <int R, bool kPrefetch>
 }
 
 // Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile. With
-// kPrefetch the tiles share out the next panel's k lines between them, one request every `tiles`
-// k steps, so that memory streams that panel while this one's tiles compute.
+// kPrefetch the t tiles share out the next panel's k x 16 floats (at `next`) between them: each
+// asks for k / t of its k steps' worth, one step's every t steps, so that memory streams that
+// panel while this one's tiles compute.
 template <bool kPrefetch>
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
-                                             const float* panel, int64_t cols, const float* bias, NextPanel* next) {
+                                             const float* panel, int64_t cols, const float* bias, const float* next) {
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows, share = k / tiles * kPanelCols;
   int64_t r = 0;
   for (; r + kTileRows <= n; r += kTileRows) {
-    Tile<kTileRows, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next);
+    Tile<kTileRows, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles);
+    if constexpr (kPrefetch) next += share;
   }
   switch (n - r) {
-    case 5: Tile<5, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
-    case 4: Tile<4, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
-    case 3: Tile<3, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
-    case 2: Tile<2, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
-    case 1: Tile<1, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next); break;
+    case 5: Tile<5, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
+    case 4: Tile<4, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
+    case 3: Tile<3, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
+    case 2: Tile<2, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
+    case 1: Tile<1, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
     default: break;
   }
 }
@@ -99,11 +93,12 @@ void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
 }
 
 // Panel p of the product (PanelMatMul's arguments), packing it first into this thread's scratch
-// when w is plain. Always inlined, so that it is compiled for the caller's instruction set.
+// when w is plain; with kPrefetch its tiles ask for panel p + 1 of a packed w. Always inlined, so
+// that it is compiled for the caller's instruction set.
 template <bool kPrefetch>
 [[gnu::always_inline]] inline void PanelProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                                 const float* w, bool plain, const float* bias, float* scratch,
-                                                int64_t p, NextPanel* next) {
+                                                int64_t p) {
   const float* panel = w + p * k * kPanelCols;
   if (plain) {
     float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * k * kPanelCols;
@@ -112,7 +107,7 @@ template <bool kPrefetch>
   }
   const int64_t c0 = p * kPanelCols;
   PanelRows<kPrefetch>(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr,
-                       next);
+                       kPrefetch ? w + (p + 1) * k * kPanelCols : nullptr);
 }
 
 // Products whose tiles ask for the next panel's weights while they compute: from 7 to 24 rows (2 to
@@ -133,28 +128,21 @@ constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTile
 // thread they preempt leaves the others spinning at the end of the loop (AMD EPYC, 2 vCPUs, TP=1 at
 // 32 streams: 9.7% more output tokens/s than schedule(static), median of 5 alternating rounds;
 // docs/benchmarks.md).
-constexpr int64_t kPanelsPerClaim = 2;
+constexpr int64_t kPanelsAtATime = 2;
 
 SHARDSERVE_VECTOR_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                      const float* bias, int threads, float* scratch) {
   const int64_t panels = Panels(m);
-  const int tiles = static_cast<int>((n + kTileRows - 1) / kTileRows);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
   if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
-    for (int64_t p = 0; p < panels; ++p) {
-      NextPanel next = p + 1 < panels ? NextPanel{.line = w + (p + 1) * k * kPanelCols, .left = k, .every = tiles}
-                                      : NextPanel{.every = tiles};
-      PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p, &next);
-    }
+    for (int64_t p = 0; p + 1 < panels; ++p) PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p);
+    PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, panels - 1);  // no panel after it
     return;
   }
-#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsPerClaim)
-  for (int64_t p = 0; p < panels; ++p) {
-    NextPanel none;
-    PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p, &none);
-  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsAtATime)
+  for (int64_t p = 0; p < panels; ++p) PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p);
 }
 
 }  // namespace
