@@ -39,7 +39,7 @@ using shardserve::cli::Percentile;
 constexpr int64_t kBlockSize = 16;  // tokens per KV block, as the worker's default (worker/llama.h)
 
 uint64_t Fnv1a(const std::vector<float>& v) {
-  uint64_t h = 1469598103934665603ULL;
+  uint64_t h = 14695981039346656037ULL;
   const auto* bytes = reinterpret_cast<const unsigned char*>(v.data());
   for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ bytes[i]) * 1099511628211ULL;
   return h;
