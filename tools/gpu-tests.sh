@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Runs the GPU tests on a machine that has a GPU, the CUDA 13 runtime, cuBLAS and NCCL, but not
+# the Debian packages the project builds with (a cloud GPU box, a CUDA container): build here,
+# pack, copy the bundle over, run there.
+#
+#   tools/gpu-tests.sh pack [BUNDLE]     here: copies the GPU test binaries, the shardserve CLI and
+#                                        services, and every shared library they need except the C
+#                                        runtime and CUDA's own (libcudart, libcublas(Lt), libnccl)
+#                                        into BUNDLE (default build/gpu-bundle), as one .tar.xz
+#   tools/gpu-tests.sh run [BUNDLE]      there, from a checkout of the same commit: unpacks if
+#                                        needed, finds CUDA's libraries, and runs
+#                                          kernels_cuda_test    every CUDA op against the CPU backend
+#                                          communicator_test    the NCCL tests (*Nccl*)
+#                                          llama_parity_test    Hugging Face parity on the CUDA backend
+#                                        then the demo model: `generate-ids` on cuda:0 beside
+#                                        cpu (agreement reported), and `launch --device cuda` streaming
+#                                        a completion. Logs and the tests' XML go to $LOG_DIR
+#                                        (default BUNDLE/logs); each step is stopped after
+#                                        $STEP_TIMEOUT s (default 300). Exits non-zero if any
+#                                        step failed.
+#   tools/gpu-tests.sh exec CMD [ARG...] there: runs CMD with build/gpu-bundle's libraries, e.g.
+#                                        build/gpu-bundle/bin/shardserve bench --device cuda ...
+#
+# The tests find their fixtures under the source directory compiled into them; where that path is
+# absent on the GPU machine, `run` links it to this checkout.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BINARIES=(kernels_cuda_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
+# Left to the GPU machine: the C runtime, and CUDA's libraries, which must match its driver.
+SYSTEM_LIBS='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnccl)'
+
+pack() {
+  local bundle=${1:-build/gpu-bundle} bin=${BUILD_DIR:-build}/bin
+  rm -rf "$bundle" && mkdir -p "$bundle/bin" "$bundle/lib" || return 1
+  for b in "${BINARIES[@]}"; do
+    [ -x "$bin/$b" ] || { echo "gpu-tests: $bin/$b is missing; build it first" >&2; return 1; }
+    cp "$bin/$b" "$bundle/bin/"
+  done
+  ldd "${BINARIES[@]/#/$bin/}" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | sort -u |
+    while read -r name path; do
+      [[ $name =~ $SYSTEM_LIBS ]] || cp -L "$path" "$bundle/lib/$name"
+    done
+  echo "$(cd "$PWD" && pwd)" >"$bundle/source-dir"
+  tar -C "$bundle" -cJf "$bundle.tar.xz" bin lib source-dir && rm -rf "$bundle" || return 1
+  echo "gpu-tests: packed $(du -h "$bundle.tar.xz" | cut -f1) into $bundle.tar.xz"
+}
+
+# The directories holding CUDA's libraries on this machine (toolkit or pip wheels).
+cuda_lib_dirs() {
+  local dirs=() lib found
+  for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+    found=$(find /usr/local /usr/lib /opt -name "$lib" 2>/dev/null | head -1)
+    [ -n "$found" ] || { echo "gpu-tests: $lib not found on this machine" >&2; return 1; }
+    dirs+=("$(dirname "$found")")
+  done
+  printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:
+}
+
+# Unpacks BUNDLE if needed, links the compiled-in source directory to this checkout where it is
+# absent, and points LD_LIBRARY_PATH at the bundle's and CUDA's libraries.
+setup() {
+  local bundle=$1 src cuda_dirs
+  [ -d "$bundle" ] || { mkdir -p "$bundle" && tar -C "$bundle" -xJf "$bundle.tar.xz"; } || return 1
+  src=$(cat "$bundle/source-dir")
+  if [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
+  cuda_dirs=$(cuda_lib_dirs) || return 1
+  export LD_LIBRARY_PATH=$PWD/$bundle/lib:$cuda_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+}
+
+run() {
+  local bundle=${1:-build/gpu-bundle} failed=0
+  setup "$bundle" || return 1
+  local logs=${LOG_DIR:-$bundle/logs} bin=$bundle/bin
+  mkdir -p "$logs"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
+
+  step() {  # step NAME COMMAND...: runs it with a time limit, logs it, records a failure
+    local name=$1 rc
+    shift
+    echo "== $name: $*"
+    timeout "${STEP_TIMEOUT:-300}" "$@" >"$logs/$name.log" 2>&1
+    rc=$?
+    tail -n 25 "$logs/$name.log"
+    echo "== $name: exit $rc"
+    [ $rc -eq 0 ] || failed=1
+  }
+  step kernels_cuda_test "$bin/kernels_cuda_test" --gtest_output="xml:$logs/kernels_cuda_test.xml"
+  step communicator_nccl "$bin/communicator_test" --gtest_filter='*Nccl*' --gtest_output="xml:$logs/communicator_nccl.xml"
+  step llama_parity_test "$bin/llama_parity_test" --gtest_output="xml:$logs/llama_parity_test.xml"
+
+  # The demo model (a bf16 checkpoint) in one process: cuda:0 computes in bf16, the CPU in
+  # float32, so greedy ids may part at a near-tie; how many agree is reported, not checked (the
+  # parity suite above checks the arithmetic).
+  local prompt_ids=(1 450 3681 310 278 3186 338)
+  step generate_ids_cpu "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cpu "${prompt_ids[@]}"
+  step generate_ids_cuda "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cuda:0 "${prompt_ids[@]}"
+  paste -d'\n' <(tail -n 1 "$logs/generate_ids_cpu.log") <(tail -n 1 "$logs/generate_ids_cuda.log") |
+    awk 'NR == 1 {n = split($0, a)} NR == 2 {split($0, b); k = 0; while (k < n && a[k + 1] == b[k + 1]) ++k;
+         print "gpu-tests: the first " k " of " n " greedy ids on cuda:0 (bf16) equal the CPU'"'"'s (float32)"}'
+
+  # A one-GPU cluster (coordinator + one CUDA worker) streaming a completion.
+  local address=127.0.0.1:50071
+  "$bin/shardserve" launch --model models/demo --device cuda --nodes 1 --gpus-per-node 1 --address "$address" \
+    >"$logs/launch.log" 2>&1 &
+  local launch=$!
+  local ready=0
+  for _ in $(seq 1 120); do
+    if "$bin/shardserve" status --address "$address" >"$logs/status.log" 2>&1; then ready=1; break; fi
+    kill -0 $launch 2>/dev/null || break
+    sleep 0.5
+  done
+  if [ $ready -eq 1 ]; then
+    cat "$logs/status.log"
+    step generate_stream "$bin/shardserve" generate --address "$address" --prompt "And the LORD said unto Moses," \
+      --max-tokens 48 --temperature 0.8 --top-k 40 --seed 7
+  else
+    echo "gpu-tests: the one-GPU cluster did not become ready"; tail -n 30 "$logs/launch.log"; failed=1
+  fi
+  kill -TERM $launch 2>/dev/null; wait $launch 2>/dev/null
+  tail -n 5 "$logs/launch.log"
+  return $failed
+}
+
+case "${1:-}" in
+  pack) shift; pack "$@" ;;
+  run) shift; run "$@" ;;
+  exec) shift; setup build/gpu-bundle && exec "$@" ;;
+  *) sed -n 2,24p "$0"; exit 2 ;;
+esac
