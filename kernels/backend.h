@@ -41,6 +41,10 @@ namespace shardserve {
 
 class Backend;
 
+// Slots are I32 (above), so a KV cache holds at most 2^31 tokens, whatever the memory: the
+// planner sizes no cache beyond it and a worker accepts none.
+constexpr int64_t kMaxKvCacheTokens = int64_t{1} << 31;
+
 // Owns one allocation on a backend's device. Move-only; frees on destruction. The Backend that
 // made it must outlive it.
 class Buffer {

@@ -285,6 +285,25 @@ TEST(Planner, KvCacheTakesWhatIsLeft) {
   EXPECT_GT(p.kv_cache_tokens, 3 * 131072);
 }
 
+// A tiny model on a very large GPU: its memory would hold more KV tokens than int32 cache slots
+// address (kernels/backend.h kMaxKvCacheTokens). The plan stops at that many, which every worker
+// accepts. (Seen on an H100: the 4-layer demo model's 71 GiB of KV cache were 4.6M blocks, which
+// workers then refused under an older, lower bound.)
+TEST(Planner, KvCacheStopsAtWhatInt32SlotsAddress) {
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(kModels / "qwen2_tied_bias");  // 384 B of KV per token in fp32
+  ASSERT_TRUE(c.ok()) << c.status();
+  ClusterSpec cluster = Cluster("1x1xH200-141GB");
+  cluster.gpu.memory_bytes = uint64_t{1} << 40;  // 1 TiB: about 2.6e9 tokens of this model
+  PlanOptions o;
+  o.dtype = DType::kF32;
+  const Plan p = MustPlan(*c, cluster, o);
+  ASSERT_TRUE(p.fits) << p.reason;
+  ASSERT_EQ(p.per_gpu.size(), 1u);
+  EXPECT_GT(p.per_gpu[0].kv_cache_tokens, kMaxKvCacheTokens);  // what the memory holds
+  EXPECT_EQ(p.sizing.num_kv_blocks, kMaxKvCacheTokens / 16);
+  EXPECT_EQ(p.kv_cache_tokens, kMaxKvCacheTokens);
+}
+
 // TP above the KV head count replicates KV heads: each rank still holds (and caches) one.
 TEST(Planner, KvHeadsReplicatedWhenTpExceedsThem) {
   absl::StatusOr<ModelConfig> c = LoadModelConfig(kModels / "qwen2_tied_bias");  // 4 heads, 1 KV head

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/sampling.h"
 #include "shardserve/v1/worker.pb.h"
@@ -714,7 +715,8 @@ TEST_F(SamplerTest, RejectsLogitsOfTheWrongShapeAndNonFiniteHostRows) {
 
 // A whole fixture model (`layers` layers) in one CPU worker.
 absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string& fixture, int layers,
-                                                                std::optional<CpuMatMul> matmul = std::nullopt) {
+                                                                std::optional<CpuMatMul> matmul = std::nullopt,
+                                                                int64_t num_kv_blocks = 16) {
   v1::Assignment a;
   a.set_worker_id("w0");
   a.set_model_path(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture);
@@ -727,11 +729,25 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string
   a.set_max_tokens_per_step(16);
   a.set_max_seqs_per_step(4);
   a.set_block_size(4);
-  a.set_num_kv_blocks(16);
+  a.set_num_kv_blocks(num_kv_blocks);
   a.set_max_blocks_per_seq(4);
   a.set_collective_timeout_seconds(10);
   InMemoryRendezvousStore store;  // unused: every group has one rank
   return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", /*cpu_threads=*/0, matmul);
+}
+
+// A worker refuses a KV cache that int32 slots cannot address (more than kMaxKvCacheTokens
+// tokens) with the field named, before it allocates anything; the bound is the slots', not a
+// lower one (an H100 planned 4.6M blocks of 16 for the demo model, 74M tokens, and must get them).
+TEST(StepExecutorAssignment, KvCacheIsBoundedByInt32Slots) {
+  const int64_t max_blocks = kMaxKvCacheTokens / 4;  // blocks of 4 tokens
+  for (int64_t blocks : {int64_t{0}, max_blocks + 1, int64_t{1} << 62}) {
+    absl::StatusOr<std::unique_ptr<StepExecutor>> executor = WholeModelWorker("llama_gqa", 5, std::nullopt, blocks);
+    ASSERT_FALSE(executor.ok()) << blocks << " blocks";
+    EXPECT_EQ(executor.status().code(), absl::StatusCode::kInvalidArgument) << executor.status();
+    const std::string want = absl::StrCat("num_kv_blocks ", blocks, " outside [1, ", max_blocks, "]");
+    EXPECT_NE(executor.status().message().find(want), std::string::npos) << executor.status();
+  }
 }
 
 // The sampler inside StepExecutor (the whole llama_gqa fixture in one worker): a step of two

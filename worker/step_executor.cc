@@ -19,7 +19,6 @@ namespace {
 // product of them overflows and a corrupt message cannot ask for absurd allocations.
 constexpr int64_t kMaxRanks = 1024;
 constexpr int64_t kMaxStepTokens = int64_t{1} << 20;
-constexpr int64_t kMaxCacheTokens = int64_t{1} << 31;
 constexpr double kMaxCollectiveTimeoutSeconds = 24 * 3600;
 
 absl::Status CheckAssignment(const v1::Assignment& a) {
@@ -35,14 +34,18 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
   for (auto [name, v] : {std::pair{"max_tokens_per_step", a.max_tokens_per_step()},
                          {"max_seqs_per_step", a.max_seqs_per_step()},
                          {"block_size", a.block_size()},
-                         {"num_kv_blocks", a.num_kv_blocks()},
                          {"max_blocks_per_seq", a.max_blocks_per_seq()}}) {
     if (v < 1 || v > kMaxStepTokens) return bad(name, " ", v, " outside [1, ", kMaxStepTokens, "]");
   }
-  if (a.num_kv_blocks() * a.block_size() > kMaxCacheTokens ||
-      a.max_blocks_per_seq() * a.block_size() > kMaxCacheTokens) {
-    return bad("a KV cache of ", a.num_kv_blocks(), " x ", a.block_size(), " tokens (", a.max_blocks_per_seq(),
-               " blocks per sequence) is beyond ", kMaxCacheTokens, " tokens");
+  // Blocks of block_size tokens addressed by I32 slots (kernels/backend.h).
+  const int64_t max_blocks = kMaxKvCacheTokens / a.block_size();
+  if (a.num_kv_blocks() < 1 || a.num_kv_blocks() > max_blocks) {
+    return bad("num_kv_blocks ", a.num_kv_blocks(), " outside [1, ", max_blocks, "]: a KV cache holds at most ",
+               kMaxKvCacheTokens, " tokens");
+  }
+  if (a.max_blocks_per_seq() > max_blocks) {
+    return bad("max_blocks_per_seq ", a.max_blocks_per_seq(), " x ", a.block_size(), " tokens is beyond ",
+               kMaxKvCacheTokens, " tokens");
   }
   if (a.max_seqs_per_step() * a.max_blocks_per_seq() > kMaxStepTokens) {
     return bad("block tables of ", a.max_seqs_per_step(), " x ", a.max_blocks_per_seq(), " entries are too large");

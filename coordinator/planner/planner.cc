@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "coordinator/planner/format.h"
 #include "coordinator/planner/weights.h"
+#include "kernels/backend.h"
 #include "model/sharding.h"
 
 namespace shardserve {
@@ -224,6 +225,8 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       l.gpus.push_back(g);
     }
   }
+  // A small model on a large GPU: memory would hold more tokens than I32 slots can address.
+  l.kv_blocks = std::min(l.kv_blocks, kMaxKvCacheTokens / block);
   const int64_t capacity = l.kv_blocks * block;
   if (capacity >= ctx.target_len) {
     l.tier = Tier::kFull;

@@ -28,6 +28,7 @@
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_control_service.h"
 #include "coordinator/server/worker_pool.h"
+#include "kernels/backend.h"
 
 namespace shardserve {
 namespace {
@@ -165,6 +166,10 @@ int Main(int argc, char** argv) {
   if (!absl::SimpleAtoi(v["block-size"], &pool_options.block_size) || pool_options.block_size < 1 ||
       pool_options.block_size > 1024) {
     return Usage("--block-size must be an integer in [1, 1024]");
+  }
+  if (pool_options.num_kv_blocks * pool_options.block_size > kMaxKvCacheTokens) {
+    return Usage(absl::StrCat("--num-kv-blocks x --block-size must be at most ", kMaxKvCacheTokens,
+                              " tokens (KV cache slots are 32-bit)"));
   }
   if (!absl::SimpleAtoi(v["micro-batches"], &engine_options.micro_batches) || engine_options.micro_batches < 0 ||
       engine_options.micro_batches > 64) {
