@@ -69,15 +69,14 @@ constexpr int kRmsNormThreads = 256;
 // batch), so a wide block keeps more loads in flight per row. 512 leaves room for the double
 // accumulators of Sample without spilling.
 constexpr int kRowThreads = 512;
-// Attention: one block per (token, query head); 4 warps score 64 keys per chunk (16 each, one key
-// per warp at a time, lanes split head_dim) and then every thread owns head_dim / 128 output
-// dimensions. Head dims up to 512 are supported (Llama-family models use 64-256).
+// Attention: one block per (token, query head); each thread scores one key of a 128-key chunk,
+// then owns head_dim / 128 output dimensions. Head dims up to 512 are supported (Llama-family
+// models use 64-256). (Lanes splitting head_dim per key, one key per warp at a time, left every
+// key's loads waiting on the previous key's: 72 us for 140 keys of a 64-dim head on an H100.)
 constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kAttnChunk = 64;
+constexpr int kAttnChunk = kAttnThreads;
 constexpr int kAttnMaxHeadDim = 512;
 constexpr int kAttnDimsPerThread = kAttnMaxHeadDim / kAttnThreads;
-static_assert(kAttnChunk <= kAttnThreads, "one thread turns each score of a chunk into a weight");
 
 // Bits of the device error word.
 enum : unsigned {
@@ -487,12 +486,34 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // ---- Attention --------------------------------------------------------------------------------
+// q . k of one key, q in shared memory as float. Rows of 16 bytes' worth of T are read with one
+// 16-byte load each where head_dim allows it and the row is 16-byte aligned (`vec`).
+template <typename T>
+__device__ __forceinline__ float DotQK(const float* q_s, const T* k, int head_dim, bool vec) {
+  float dot = 0.0f;
+  if (vec) {
+    constexpr int kE = 16 / sizeof(T);
+    const uint4* k4 = reinterpret_cast<const uint4*>(k);
+    for (int i = 0; i < head_dim / kE; ++i) {
+      const uint4 raw = k4[i];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kE; ++j) dot += q_s[i * kE + j] * ToFloat(e[j]);
+    }
+  } else {
+    for (int d = 0; d < head_dim; ++d) dot += q_s[d] * ToFloat(k[d]);
+  }
+  return dot;
+}
+
 // One block per (token t, query head h); blockIdx.x = t * q_heads + h. The context (positions
 // 0..p of the token's sequence) is walked in chunks of kAttnChunk keys with an online softmax:
 // a running max m, running denominator l and running numerator acc[] (per output dim), rescaled
-// by exp(m_old - m_new) whenever the max grows. Every index taken from device metadata is checked;
-// an out-of-range one sets an error bit and is skipped (the output row is zero when nothing valid
-// is left).
+// by exp(m_old - m_new) whenever the max grows. In a chunk every thread scores one key (its whole
+// q . k, so a chunk's key loads are all in flight at once), then every thread owns head_dim / 128
+// output dimensions and sums the chunk's weighted values, loads independent of each other. Every
+// index taken from device metadata is checked; an out-of-range one sets an error bit and its key
+// gets weight 0 (the output row is zero when nothing valid is left).
 template <typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     AttentionKernel(T* out /*[n, q_heads * hd]*/, const T* q /*[n, q_heads * hd]*/,
@@ -502,14 +523,13 @@ __global__ void __launch_bounds__(kAttnThreads)
                     int q_heads, int kv_heads, int head_dim, int block_size, int64_t num_blocks, int64_t num_seqs,
                     int64_t max_blocks, float scale, unsigned* errors) {
   __shared__ float q_s[kAttnMaxHeadDim];
-  __shared__ float w_s[kAttnChunk];       // scores, then softmax weights, of the chunk's keys
-  __shared__ int64_t base_s[kAttnChunk];  // element offset of each key's head in the cache, -1 = skip
+  __shared__ float w_s[kAttnChunk];       // softmax weights of the chunk's keys (0: skipped)
+  __shared__ int64_t base_s[kAttnChunk];  // element offset of each key's head in the cache
+  __shared__ float scratch_s[32];
 
   const int64_t t = blockIdx.x / q_heads;
   const int h = static_cast<int>(blockIdx.x - t * q_heads);
   const int kv_head = h / (q_heads / kv_heads);
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
   const T* qh = q + (t * q_heads + h) * head_dim;
   T* oh = out + (t * q_heads + h) * head_dim;
 
@@ -528,6 +548,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int32_t* table = block_tables + seq * max_blocks;
   const int64_t context = pos + 1;
   const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
+  const bool vec = head_dim % (16 / static_cast<int>(sizeof(T))) == 0 &&
+                   reinterpret_cast<uintptr_t>(k_cache) % 16 == 0;  // then every head's row is aligned too
   float m = -INFINITY;
   float l = 0.0f;
   float acc[kAttnDimsPerThread];
@@ -535,47 +557,40 @@ __global__ void __launch_bounds__(kAttnThreads)
   for (int r = 0; r < kAttnDimsPerThread; ++r) acc[r] = 0.0f;
 
   for (int64_t start = 0; start < context; start += kAttnChunk) {
-    // Scores: warp w takes keys w, w + 4, ...; lanes split head_dim and reduce.
-    for (int c = warp; c < kAttnChunk; c += kAttnWarps) {
-      const int64_t j = start + c;
-      float score = -INFINITY;
-      int64_t base = -1;
-      if (j < context) {  // uniform over the warp
-        const int64_t block = table[j / block_size];  // j / block_size <= pos / block_size < max_blocks
-        if (block >= 0 && block < num_blocks) {
-          base = (block * block_size + j % block_size) * slot_elems + static_cast<int64_t>(kv_head) * head_dim;
-          float dot = 0.0f;
-          for (int d = lane; d < head_dim; d += 32) dot += q_s[d] * ToFloat(k_cache[base + d]);
-          score = WarpAllReduce(dot, SumOp{}) * scale;
-        } else if (lane == 0) {
-          atomicOr(errors, kErrAttentionBlock);
-        }
-      }
-      if (lane == 0) {
-        w_s[c] = score;
-        base_s[c] = base;
+    const int keys = static_cast<int>(context - start < kAttnChunk ? context - start : kAttnChunk);
+    // This thread's key: its score, and where its head's row starts (0, with no weight, if none).
+    float score = -INFINITY;
+    int64_t base = 0;
+    if (threadIdx.x < keys) {
+      const int64_t j = start + threadIdx.x;
+      const int64_t block = table[j / block_size];  // j / block_size <= pos / block_size < max_blocks
+      if (block >= 0 && block < num_blocks) {
+        base = (block * block_size + j % block_size) * slot_elems + static_cast<int64_t>(kv_head) * head_dim;
+        score = DotQK(q_s, k_cache + base, head_dim, vec) * scale;
+      } else {
+        atomicOr(errors, kErrAttentionBlock);
       }
     }
-    __syncthreads();
-    float chunk_max = -INFINITY;
-    for (int c = 0; c < kAttnChunk; ++c) chunk_max = fmaxf(chunk_max, w_s[c]);
-    const float m_new = fmaxf(m, chunk_max);
-    __syncthreads();                  // all scores read before they become weights
+    const float m_new = fmaxf(m, BlockAllReduce(score, MaxOp{}, scratch_s));
     if (m_new == -INFINITY) continue;  // no valid key so far (bad blocks); uniform over the block
-    if (threadIdx.x < kAttnChunk) w_s[threadIdx.x] = expf(w_s[threadIdx.x] - m_new);  // -inf -> 0
-    __syncthreads();
+    const float w = score == -INFINITY ? 0.0f : expf(score - m_new);
+    w_s[threadIdx.x] = w;  // kAttnChunk == kAttnThreads
+    base_s[threadIdx.x] = base;
+    const float chunk_sum = BlockAllReduce(w, SumOp{}, scratch_s);  // its barriers also publish w_s, base_s
     const float alpha = expf(m - m_new);  // 0 on the first valid chunk (m = -inf)
-    float chunk_sum = 0.0f;
-    for (int c = 0; c < kAttnChunk; ++c) chunk_sum += w_s[c];
     l = l * alpha + chunk_sum;
 #pragma unroll
     for (int r = 0; r < kAttnDimsPerThread; ++r) {
       const int d = threadIdx.x + r * kAttnThreads;
       if (d < head_dim) {
         float a = acc[r] * alpha;
-        for (int c = 0; c < kAttnChunk; ++c) {
-          const int64_t base = base_s[c];
-          if (base >= 0) a += w_s[c] * ToFloat(v_cache[base + d]);
+#pragma unroll 8
+        for (int c = 0; c < keys; ++c) {
+          // A skipped key's row is read but not used: a select, so that garbage there (NaN) never
+          // reaches the sum, and the loads stay unconditional, independent of each other.
+          const float wc = w_s[c];
+          const float vc = ToFloat(v_cache[base_s[c] + d]);
+          a += wc != 0.0f ? wc * vc : 0.0f;
         }
         acc[r] = a;
       }
