@@ -285,8 +285,11 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
   Tensor local_logits(local_logits_.data, DType::kF32, {m, local});
   RETURN_IF_ERROR(be.MatMul(&local_logits, last_normed, lm_head_, nullptr));
   Tensor padded(local_logits_.data, DType::kF32, {m, w});  // the last rank's slice may be short
-  Tensor gathered(gathered_logits_.data, DType::kF32, {spec_.tp_size, m, w});
+  // With one rank, gathered [1][row][vocab] is logits [row][vocab]: gather straight into it.
+  const bool one_rank = spec_.tp_size == 1;
+  Tensor gathered(one_rank ? logits_.data : gathered_logits_.data, DType::kF32, {spec_.tp_size, m, w});
   RETURN_IF_ERROR(tp_->AllGather(&gathered, padded));
+  if (one_rank) return absl::OkStatus();
   // gathered is [rank][row][w]; logits are [row][vocab]: copy each rank's columns into place.
   const int64_t V = config_.vocab_size;
   for (int r = 0; r < spec_.tp_size; ++r) {

@@ -1,8 +1,8 @@
 // A Communicator that forwards every call to another one and adds up the time the calls take, so
 // that a step can report its forward time and its collective time apart (StepResult).
 //
-// Before each call it waits for the work the backend has queued (Backend::Synchronize). On the CPU
-// backend that costs nothing. On CUDA it keeps the kernels' time out of the collective's, and it
+// Before each call with peers it waits for the work the backend has queued (Backend::Synchronize).
+// On the CPU backend that costs nothing. On CUDA it keeps the kernels' time out of the collective's, and it
 // orders a collective that runs on another CUDA stream than the backend's after the kernels that
 // produce its input (the worker runs NCCL on the legacy default stream: step_executor.cc).
 //
@@ -67,7 +67,12 @@ class TimedCommunicator final : public Communicator {
  private:
   template <typename Call>
   absl::Status Timed(CollectiveOp op, uint64_t bytes, Call&& call) {
-    if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    // A group of one (LocalCommunicator) communicates nothing: its calls are the identity or a copy
+    // queued on the backend itself, so there is nothing to order or time, and on CUDA a wait here
+    // would stall the step twice per layer.
+    if (inner_->size() > 1) {
+      if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+    }
     const auto start = std::chrono::steady_clock::now();
     absl::Status s = call();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
