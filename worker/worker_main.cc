@@ -89,8 +89,12 @@ absl::StatusOr<int64_t> DeviceMemoryBytes(int cuda_ordinal) {
   if (cuda_ordinal < 0) return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
 #if SHARDSERVE_HAVE_CUDA
   size_t free_bytes = 0, total_bytes = 0;
-  if (cudaSetDevice(cuda_ordinal) != cudaSuccess || cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("cannot read the memory of cuda:", cuda_ordinal, ": set --memory-gb"));
+  cudaError_t err = cudaSetDevice(cuda_ordinal);
+  if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (err != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cannot read the memory of cuda:", cuda_ordinal, " (",
+                                               cudaGetErrorName(err), ": ", cudaGetErrorString(err),
+                                               "); set --memory-gb to give it"));
   }
   return static_cast<int64_t>(total_bytes);
 #else
@@ -167,7 +171,10 @@ int Main(int argc, char** argv) {
   }
   if (memory_gb == 0) {
     absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);
-    if (!memory.ok()) return Usage(std::string(memory.status().message()));
+    if (!memory.ok()) {  // the device, not the command line: no usage text, exit 1
+      std::fprintf(stderr, "shardserve-worker: %s\n", std::string(memory.status().message()).c_str());
+      return 1;
+    }
     options.memory_bytes = *memory;
   } else {
     options.memory_bytes = static_cast<int64_t>(memory_gb * (1ull << 30));
