@@ -41,7 +41,7 @@ pack() {
     while read -r name path; do
       [[ $name =~ $SYSTEM_LIBS ]] || cp -L "$path" "$bundle/lib/$name"
     done
-  echo "$(cd "$PWD" && pwd)" >"$bundle/source-dir"
+  pwd >"$bundle/source-dir"
   tar -C "$bundle" -cJf "$bundle.tar.xz" bin lib source-dir && rm -rf "$bundle" || return 1
   echo "gpu-tests: packed $(du -h "$bundle.tar.xz" | cut -f1) into $bundle.tar.xz"
 }
@@ -57,11 +57,15 @@ cuda_lib_dirs() {
   printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:
 }
 
-# Unpacks BUNDLE if needed, links the compiled-in source directory to this checkout where it is
-# absent, and points LD_LIBRARY_PATH at the bundle's and CUDA's libraries.
+# Unpacks BUNDLE.tar.xz where it is present (afresh, so that no earlier bundle's binaries stay),
+# links the compiled-in source directory to this checkout where it is absent, and points
+# LD_LIBRARY_PATH at the bundle's and CUDA's libraries.
 setup() {
   local bundle=$1 src cuda_dirs
-  [ -d "$bundle" ] || { mkdir -p "$bundle" && tar -C "$bundle" -xJf "$bundle.tar.xz"; } || return 1
+  if [ -f "$bundle.tar.xz" ]; then
+    rm -rf "$bundle" && mkdir -p "$bundle" && tar -C "$bundle" -xJf "$bundle.tar.xz" || return 1
+  fi
+  [ -f "$bundle/source-dir" ] || { echo "gpu-tests: no bundle at $bundle(.tar.xz); run pack first" >&2; return 1; }
   src=$(cat "$bundle/source-dir")
   if [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
   cuda_dirs=$(cuda_lib_dirs) || return 1
