@@ -130,5 +130,5 @@ case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) shift; run "$@" ;;
   exec) shift; setup build/gpu-bundle && exec "$@" ;;
-  *) sed -n 2,24p "$0"; exit 2 ;;
+  *) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 2 ;;  # the header comment
 esac
