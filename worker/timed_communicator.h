@@ -2,9 +2,10 @@
 // that a step can report its forward time and its collective time apart (StepResult).
 //
 // Before each call with peers it waits for the work the backend has queued (Backend::Synchronize).
-// On the CPU backend that costs nothing. On CUDA it keeps the kernels' time out of the collective's, and it
-// orders a collective that runs on another CUDA stream than the backend's after the kernels that
-// produce its input (the worker runs NCCL on the legacy default stream: step_executor.cc).
+// On the CPU backend that costs nothing. On CUDA it keeps the kernels' time out of the
+// collective's, and it orders a collective that runs on another CUDA stream than the backend's
+// after the kernels that produce its input (the worker runs NCCL on the legacy default stream:
+// step_executor.cc).
 //
 // Each call can also be reported to a CollectiveObserver (the worker's Prometheus metrics).
 //
