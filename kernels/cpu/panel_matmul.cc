@@ -55,29 +55,36 @@ template <int R, bool kPrefetch>
   }
 }
 
-// Rows [0, n) of x times one panel, in tiles of kTileRows rows and one shorter last tile. With
-// kPrefetch the t tiles share out the next panel's k x 16 floats (at `next`) between them: each
-// asks for k / t of its k steps' worth, one step's every t steps, so that memory streams that
-// panel while this one's tiles compute.
+// Rows [0, n) of x times one panel, in the fewest tiles of at most kTileRows rows, their sizes
+// differing by one at most (8 rows: 4 + 4, not 6 + 2). A tile of r rows keeps 2r FMA chains going,
+// and below 4 rows (8 chains) it waits on their latency, not on the two FMA units. With kPrefetch
+// the t tiles share out the next panel's k x 16 floats (at `next`) between them: each asks for
+// k / t of its k steps' worth, one step's every t steps, so that memory streams that panel while
+// this one's tiles compute.
 template <bool kPrefetch>
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
                                              const float* panel, int64_t cols, const float* bias, const float* next) {
   const int64_t tiles = (n + kTileRows - 1) / kTileRows, share = k / tiles * kPanelCols;
+  const int64_t base = n / tiles, longer = n % tiles;  // the first `longer` tiles take base + 1 rows
   int64_t r = 0;
-  for (; r + kTileRows <= n; r += kTileRows) {
-    Tile<kTileRows, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles);
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = base + (t < longer ? 1 : 0);
+    float* yt = y + r * ldy;
+    const float* xt = x + r * k;
+    switch (rows) {
+      case 6: Tile<6, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      case 5: Tile<5, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      case 4: Tile<4, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      case 3: Tile<3, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      case 2: Tile<2, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      case 1: Tile<1, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
+      default: break;
+    }
+    r += rows;
     if constexpr (kPrefetch) next += share;
   }
-  switch (n - r) {
-    case 5: Tile<5, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
-    case 4: Tile<4, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
-    case 3: Tile<3, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
-    case 2: Tile<2, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
-    case 1: Tile<1, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles); break;
-    default: break;
-  }
 }
-static_assert(kTileRows == 6, "PanelRows' switch covers tails of 1 to 5 rows");
+static_assert(kTileRows == 6, "PanelRows' switch covers tiles of 1 to 6 rows");
 
 // Panels a weight of m output columns takes.
 int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }
