@@ -580,7 +580,7 @@ class PlannerFixtureLayouts : public ::testing::TestWithParam<FixtureCase> {};
 // Plans every TP in {1, 2} x PP in {1, 2, 3} the model allows (a 2-layer model refuses PP=3),
 // checks that weights counted from the checkpoint equal those counted from config.json, then
 // loads every shard of the layout with the worker's loader, sized as the plan says, and compares
-// the loader's own weight byte count with the plan's.
+// the loader's own weight and step-buffer byte counts with the plan's.
 TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   const FixtureCase& k = GetParam();
   absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / k.model);
@@ -617,6 +617,7 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
         LlamaShard::Load(*m->checkpoint, c, spec, runtime, backend.get(), &comm);
     ASSERT_TRUE(shard.ok()) << "stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
+    EXPECT_EQ((*shard)->step_buffer_bytes(), g.activation_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
   }
 }
 

@@ -31,6 +31,12 @@ absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t>
   return view;
 }
 
+absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, std::initializer_list<int64_t> dims) {
+  absl::StatusOr<Tensor> view = Alloc(t, dims);
+  if (view.ok()) step_buffer_bytes_ += view->bytes();
+  return view;
+}
+
 absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std::string& name,
                                               std::vector<int64_t> full_shape, const Slice& slice) {
   std::vector<int64_t> local = full_shape;
@@ -138,32 +144,34 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
     }
   }
   std::vector<float> inv_freq = RopeInvFreq(config);
-  ASSIGN_OR_RETURN(m->inv_freq_, m->Alloc(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
+  ASSIGN_OR_RETURN(m->inv_freq_, m->AllocStepBuffer(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
   RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
 
   // ---- Scratch: everything a step needs, allocated once ----
   const DType act = backend->act_dtype();
   const int64_t n = opt.max_tokens_per_step, ms = opt.max_seqs_per_step;
-  ASSIGN_OR_RETURN(m->ids_, m->Alloc(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->positions_, m->Alloc(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->token_seq_, m->Alloc(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->slots_, m->Alloc(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->block_tables_, m->Alloc(DType::kI32, {ms, opt.max_blocks_per_seq}));
-  ASSIGN_OR_RETURN(m->logit_rows_, m->Alloc(DType::kI32, {ms}));
-  ASSIGN_OR_RETURN(m->hidden_, m->Alloc(act, {n, H}));
-  ASSIGN_OR_RETURN(m->normed_, m->Alloc(act, {n, H}));
-  ASSIGN_OR_RETURN(m->q_, m->Alloc(act, {n, q}));
-  ASSIGN_OR_RETURN(m->k_, m->Alloc(act, {n, kv}));
-  ASSIGN_OR_RETURN(m->v_, m->Alloc(act, {n, kv}));
-  ASSIGN_OR_RETURN(m->attn_, m->Alloc(act, {n, q}));
-  ASSIGN_OR_RETURN(m->proj_, m->Alloc(act, {n, H}));
-  ASSIGN_OR_RETURN(m->gate_, m->Alloc(act, {n, f}));
-  ASSIGN_OR_RETURN(m->up_, m->Alloc(act, {n, f}));
+  ASSIGN_OR_RETURN(m->ids_, m->AllocStepBuffer(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->positions_, m->AllocStepBuffer(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->token_seq_, m->AllocStepBuffer(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->slots_, m->AllocStepBuffer(DType::kI32, {n}));
+  ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq}));
+  ASSIGN_OR_RETURN(m->logit_rows_, m->AllocStepBuffer(DType::kI32, {ms}));
+  ASSIGN_OR_RETURN(m->hidden_, m->AllocStepBuffer(act, {n, H}));
+  ASSIGN_OR_RETURN(m->normed_, m->AllocStepBuffer(act, {n, H}));
+  ASSIGN_OR_RETURN(m->q_, m->AllocStepBuffer(act, {n, q}));
+  ASSIGN_OR_RETURN(m->k_, m->AllocStepBuffer(act, {n, kv}));
+  ASSIGN_OR_RETURN(m->v_, m->AllocStepBuffer(act, {n, kv}));
+  ASSIGN_OR_RETURN(m->attn_, m->AllocStepBuffer(act, {n, q}));
+  ASSIGN_OR_RETURN(m->proj_, m->AllocStepBuffer(act, {n, H}));
+  ASSIGN_OR_RETURN(m->gate_, m->AllocStepBuffer(act, {n, f}));
+  ASSIGN_OR_RETURN(m->up_, m->AllocStepBuffer(act, {n, f}));
   if (m->is_last_stage()) {
-    ASSIGN_OR_RETURN(m->last_, m->Alloc(act, {ms, H}));
-    ASSIGN_OR_RETURN(m->local_logits_, m->Alloc(DType::kF32, {ms, s.vocab_rows_per_rank}));
-    ASSIGN_OR_RETURN(m->gathered_logits_, m->Alloc(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
-    ASSIGN_OR_RETURN(m->logits_, m->Alloc(DType::kF32, {ms, V}));
+    ASSIGN_OR_RETURN(m->last_, m->AllocStepBuffer(act, {ms, H}));
+    ASSIGN_OR_RETURN(m->local_logits_, m->AllocStepBuffer(DType::kF32, {ms, s.vocab_rows_per_rank}));
+    if (spec.tp_size > 1) {  // with one rank the slice is gathered straight into logits_
+      ASSIGN_OR_RETURN(m->gathered_logits_, m->AllocStepBuffer(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
+    }
+    ASSIGN_OR_RETURN(m->logits_, m->AllocStepBuffer(DType::kF32, {ms, V}));
   }
   return m;
 }

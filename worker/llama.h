@@ -76,6 +76,9 @@ class LlamaShard {
   const ModelConfig& config() const { return config_; }
   const RuntimeOptions& options() const { return options_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
+  // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
+  // the planner counts as activation bytes (coordinator/planner/planner.cc).
+  uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
   Backend* backend() const { return backend_; }
 
  private:
@@ -99,6 +102,8 @@ class LlamaShard {
   absl::StatusOr<Tensor> LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
                                           std::vector<int64_t> full_shape, const Slice& slice);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
+  // Alloc, counted in step_buffer_bytes().
+  absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);
   absl::Status CheckBatch(const StepBatch& batch) const;
   absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);
 
@@ -112,6 +117,7 @@ class LlamaShard {
   Communicator* tp_ = nullptr;
   std::vector<Buffer> buffers_;  // every allocation; tensors below view into these
   uint64_t weight_bytes_ = 0;
+  uint64_t step_buffer_bytes_ = 0;
 
   Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)
   std::vector<Layer> layers_;
@@ -129,7 +135,7 @@ class LlamaShard {
   Tensor gate_, up_;  // [n, f]
   Tensor last_;       // [m, hidden] rows whose logits are wanted
   Tensor local_logits_;   // [m, vocab_rows_per_rank] F32
-  Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32
+  Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32; only when tp > 1
   Tensor logits_;     // [m, vocab] F32
 };
 

@@ -107,8 +107,8 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
 
 // The worker's step buffers, as LlamaShard::Load allocates them (worker/llama.cc): I32 step
 // inputs, the [tokens, width] activations of one layer at a time, and on the last stage the
-// logits (this rank's slice, the all-gathered slices and the assembled rows, F32). The block table
-// is sized for the target length, an upper bound on the one the workers get.
+// logits (this rank's slice, the all-gathered slices when TP > 1, and the assembled rows, F32). The
+// block table is sized for the target length, an upper bound on the one the workers get.
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
   const ModelConfig& c = ctx.config;
   const uint64_t n = ctx.options.max_tokens_per_step, m = ctx.options.max_seqs_per_step;
@@ -119,8 +119,8 @@ uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) 
   bytes += act * n * (3 * H + 2 * q + 2 * kv + 2 * f);  // hidden, normed, proj; q, attn; k, v; gate, up
   bytes += 4 * static_cast<uint64_t>(c.head_dim / 2);   // RoPE inverse frequencies
   if (last_stage) {
-    const uint64_t vr = s.vocab_rows_per_rank, t = s.tp_size;
-    bytes += act * m * H + 4 * m * vr * (1 + t) + 4 * m * static_cast<uint64_t>(c.vocab_size);
+    const uint64_t vr = s.vocab_rows_per_rank, slices = s.tp_size > 1 ? 1 + s.tp_size : 1;
+    bytes += act * m * H + 4 * m * vr * slices + 4 * m * static_cast<uint64_t>(c.vocab_size);
   }
   return bytes;
 }
