@@ -111,7 +111,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
 class ClusterApiTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    cluster_ = new Cluster({"llama_gqa", 2, 2, {}});
+    // The bandwidth only feeds the plan's decode estimate (checked in ModelInfoAndClusterStatus).
+    cluster_ = new Cluster({"llama_gqa", 2, 2, {"--memory-bandwidth-gbps", "50"}});
     if (!cluster_->Start()) {
       delete cluster_;
       cluster_ = nullptr;
@@ -249,7 +250,8 @@ TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {
   EXPECT_EQ(status.tp(), 2);
   EXPECT_EQ(status.pp(), 2);
   EXPECT_TRUE(status.serving());
-  EXPECT_NE(status.plan_text(), "");
+  EXPECT_NE(status.plan_text().find("HBM 50 GB/s"), std::string::npos)
+      << "the workers' --memory-bandwidth-gbps:\n" << status.plan_text();
   EXPECT_EQ(status.model().name(), "llama_gqa");
   ASSERT_EQ(status.workers_size(), 4);
   std::vector<int> layers_held(5, 0);
@@ -260,6 +262,21 @@ TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {
     for (int l = w.first_layer(); l <= w.last_layer(); ++l) layers_held[l] += 1;
   }
   EXPECT_EQ(layers_held, std::vector<int>(5, 2)) << "every layer on both TP ranks of exactly one stage";
+}
+
+TEST(WorkerFlagsTest, BadMemoryBandwidthIsAUsageErrorNamingTheFlag) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  for (const char* value : {"-1", "fast", "nan", "1e9"}) {
+    const fs::path log = dir / "worker.log";
+    Process worker({SHARDSERVE_WORKER_BIN, "--memory-bandwidth-gbps", value}, log);
+    EXPECT_EQ(worker.Wait(std::chrono::seconds(20)), 2) << value;
+    const std::string output = Tail(log, 1 << 16);  // the error, then the whole usage text
+    EXPECT_NE(output.find("--memory-bandwidth-gbps must be a number of GB/s"), std::string::npos)
+        << value << ": " << output;
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
 }
 
 TEST_F(ClusterApiTest, AWorkerBeyondTheGroupIsRefusedAndTheGroupServesOn) {

@@ -39,7 +39,7 @@ constexpr char kUsage[] =
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
-    "                         [--matmul-dtype auto|f32|bf16]\n"
+    "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -48,6 +48,9 @@ constexpr char kUsage[] =
     "                           port (default 127.0.0.1:0)\n"
     "  --memory-gb              memory for weights and KV cache, GiB (default: the host's memory on\n"
     "                           cpu, the GPU's on cuda)\n"
+    "  --memory-bandwidth-gbps  that memory's peak bandwidth, GB/s, for the decode estimate of the\n"
+    "                           plan (`shardserve status`); it places nothing (default 0: on cuda the\n"
+    "                           GPU's, from CUDA; on cpu none, and the coordinator assumes 20)\n"
     "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
     "                           (default: the host of --listen)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
@@ -102,6 +105,23 @@ absl::StatusOr<int64_t> DeviceMemoryBytes(int cuda_ordinal) {
 #endif
 }
 
+// The peak bandwidth of cuda:K's memory, bytes/s: its memory clock (kHz) x bus width (bits) / 8 x 2
+// (double data rate); 0 for cpu, in a build without CUDA, or when the device does not say.
+double DeviceMemoryBandwidth(int cuda_ordinal) {
+  if (cuda_ordinal < 0) return 0;
+#if SHARDSERVE_HAVE_CUDA
+  int clock_khz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, cuda_ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, cuda_ordinal) != cudaSuccess) {
+    cudaGetLastError();  // clear it: the bandwidth only feeds an estimate
+    return 0;
+  }
+  return 2.0 * clock_khz * 1e3 * bus_bits / 8;
+#else
+  return 0;
+#endif
+}
+
 int Main(int argc, char** argv) {
   // `--name value` or `--name=value`; every flag takes a value. Defaults:
   std::map<std::string, std::string> v = {
@@ -110,6 +130,7 @@ int Main(int argc, char** argv) {
       {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
       {"metrics-listen", "127.0.0.1:0"},  {"log-format", "text"},
       {"threads", "0"},                   {"matmul-dtype", "auto"},
+      {"memory-bandwidth-gbps", "0"},
   };
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -152,6 +173,11 @@ int Main(int argc, char** argv) {
   if (!absl::SimpleAtod(v["memory-gb"], &memory_gb) || !(memory_gb >= 0 && memory_gb < (1 << 24))) {
     return Usage("--memory-gb must be a number of GiB >= 0");
   }
+  double bandwidth_gbps = 0;
+  if (!absl::SimpleAtod(v["memory-bandwidth-gbps"], &bandwidth_gbps) ||
+      !(bandwidth_gbps >= 0 && bandwidth_gbps < 1e6)) {
+    return Usage("--memory-bandwidth-gbps must be a number of GB/s >= 0 and < 1e6");
+  }
   if (!absl::SimpleAtod(v["connect-timeout-seconds"], &connect_timeout) || !(connect_timeout > 0)) {
     return Usage("--connect-timeout-seconds must be > 0");
   }
@@ -179,6 +205,7 @@ int Main(int argc, char** argv) {
   } else {
     options.memory_bytes = static_cast<int64_t>(memory_gb * (1ull << 30));
   }
+  options.memory_bytes_per_s = bandwidth_gbps > 0 ? bandwidth_gbps * 1e9 : DeviceMemoryBandwidth(*cuda_ordinal);
   options.connect_timeout = absl::Seconds(connect_timeout);
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.collective_host = v["collective-host"].empty() ? HostOf(v["listen"]) : v["collective-host"];

@@ -93,6 +93,7 @@ absl::Status WorkerService::Run() {
   r->set_node(options_.node);
   r->set_device(options_.device);
   r->set_memory_bytes(options_.memory_bytes);
+  r->set_memory_bytes_per_s(options_.memory_bytes_per_s);
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
   r->set_metrics_address(options_.metrics_address);

@@ -47,6 +47,7 @@ struct WorkerOptions {
   std::string node;             // node name: the workers of one node form a TP group
   std::string device;           // "cpu" or "cuda:K"
   int64_t memory_bytes = 0;     // memory for weights and KV cache, reported to the planner
+  double memory_bytes_per_s = 0;  // that memory's peak bandwidth, reported to the planner; 0: unknown
   std::string address;          // this worker's own gRPC server (health), host:port
   std::string collective_host;  // address this worker's collectives listen on
   int cpu_threads = 0;          // --device cpu: math threads (MakeCpuBackend); 0: OpenMP's default

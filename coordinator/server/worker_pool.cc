@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <string_view>
 #include <map>
 #include <tuple>
@@ -36,12 +37,17 @@ constexpr char kStreamEnded[] =
 // Memory assumed per worker when planning only to check the layout (Create): enough for any model.
 constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
 
+// Memory bandwidth assumed where a worker reports none (a CPU worker without
+// --memory-bandwidth-gbps): a server's DRAM.
+constexpr double kAssumedMemoryBytesPerS = 20e9;
+
 // The planner's cluster for the workers. The figures for the links and the memory bandwidth only
 // feed the planner's decode estimate, which chooses nothing here (the layout is fixed by the
-// flags): a server's DRAM bandwidth, and loopback or Ethernet between processes.
-ClusterSpec ClusterFor(int nodes, int gpus_per_node, const std::string& device, uint64_t memory_bytes) {
+// flags): the workers' memory bandwidth, and loopback or Ethernet between processes.
+ClusterSpec ClusterFor(int nodes, int gpus_per_node, const std::string& device, uint64_t memory_bytes,
+                       double memory_bytes_per_s) {
   ClusterSpec c;
-  c.gpu = GpuSpec{device, memory_bytes, 20e9};
+  c.gpu = GpuSpec{device, memory_bytes, memory_bytes_per_s};
   c.gpus_per_node.assign(nodes, gpus_per_node);
   c.intra_node_bytes_per_s = 10e9;
   c.intra_node_latency_s = 20e-6;
@@ -107,7 +113,7 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const ServedModel
   }
   absl::StatusOr<Plan> plan =
       MakePlan(model->config, model->checkpoint.get(),
-               ClusterFor(options.nodes, options.gpus_per_node, "worker", kProvisionalMemory),
+               ClusterFor(options.nodes, options.gpus_per_node, "worker", kProvisionalMemory, kAssumedMemoryBytesPerS),
                PlanOptionsFor(options, /*cpu_only=*/false));
   if (!plan.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("cannot serve ", model->name, " as TP=", options.gpus_per_node,
@@ -215,19 +221,23 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   // order its TP ranks.
   std::map<std::string, std::vector<int>, bool (*)(const std::string&, const std::string&)> by_node(&NaturalLess);
   uint64_t memory = UINT64_MAX;
+  double bandwidth = std::numeric_limits<double>::infinity();  // the slowest worker's; 0 if any is unknown
   bool cpu_only = true;
   for (int i : pending_) {
     const v1::Register& h = workers_[i]->hello;
     by_node[h.node()].push_back(i);
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
+    const double reported = h.memory_bytes_per_s();  // NaN, infinite or negative: unknown
+    bandwidth = std::min(bandwidth, std::isfinite(reported) && reported > 0 ? reported : 0.0);
     cpu_only = cpu_only && h.device() == "cpu";
   }
   std::vector<std::string> nodes;
   for (const auto& [name, members] : by_node) nodes.push_back(name);
   const std::string device = workers_[pending_.front()]->hello.device();
 
-  absl::StatusOr<Plan> plan = MakePlan(model_->config, model_->checkpoint.get(), ClusterFor(pp, tp, device, memory),
-                                       PlanOptionsFor(options_, cpu_only));
+  const ClusterSpec cluster = ClusterFor(pp, tp, device, memory, bandwidth > 0 ? bandwidth : kAssumedMemoryBytesPerS);
+  absl::StatusOr<Plan> plan =
+      MakePlan(model_->config, model_->checkpoint.get(), cluster, PlanOptionsFor(options_, cpu_only));
   std::string error;
   if (!plan.ok()) {
     error = std::string(plan.status().message());
