@@ -267,12 +267,12 @@ TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {
 TEST(WorkerFlagsTest, BadMemoryBandwidthIsAUsageErrorNamingTheFlag) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
-  for (const char* value : {"-1", "fast", "nan", "1e9"}) {
+  for (const char* value : {"-1", "fast", "nan", "1e9", "1e-9"}) {
     const fs::path log = dir / "worker.log";
     Process worker({SHARDSERVE_WORKER_BIN, "--memory-bandwidth-gbps", value}, log);
     EXPECT_EQ(worker.Wait(std::chrono::seconds(20)), 2) << value;
     const std::string output = Tail(log, 1 << 16);  // the error, then the whole usage text
-    EXPECT_NE(output.find("--memory-bandwidth-gbps must be a number of GB/s"), std::string::npos)
+    EXPECT_NE(output.find("--memory-bandwidth-gbps must be 0 or a number of GB/s"), std::string::npos)
         << value << ": " << output;
   }
   std::error_code ec;

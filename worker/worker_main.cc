@@ -175,8 +175,8 @@ int Main(int argc, char** argv) {
   }
   double bandwidth_gbps = 0;
   if (!absl::SimpleAtod(v["memory-bandwidth-gbps"], &bandwidth_gbps) ||
-      !(bandwidth_gbps >= 0 && bandwidth_gbps < 1e6)) {
-    return Usage("--memory-bandwidth-gbps must be a number of GB/s >= 0 and < 1e6");
+      !(bandwidth_gbps == 0 || (bandwidth_gbps >= 1e-3 && bandwidth_gbps <= 1e6))) {
+    return Usage("--memory-bandwidth-gbps must be 0 or a number of GB/s in [0.001, 1e6]");
   }
   if (!absl::SimpleAtod(v["connect-timeout-seconds"], &connect_timeout) || !(connect_timeout > 0)) {
     return Usage("--connect-timeout-seconds must be > 0");
