@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""`shardserve plan` as a user runs it (stdlib only; no process but the CLI itself).
+
+1. The worked example of docs/planner.md: Qwen2.5-72B on 1x2xA100-80GB fits as TP=2 x PP=1 with
+   KV cache for 17,520 tokens; exit 0; `--json` says the same and names the cluster's bandwidth.
+2. A model that does not fit (72B on one L4-24GB): exit 1, "DOES NOT FIT" and the reason.
+3. Bad flags: exit 2 and a message naming the flag (or the unknown GPU): unknown flags, an unknown
+   GPU, bandwidths that are negative, NaN, or outside [0.001, 1e6] GB/s.
+
+usage: plan_cli_test.py BIN_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests/fixtures/configs/qwen2.5-72b-instruct.json")
+
+
+def plan(*args):
+    p = subprocess.run([os.path.join(BIN, "shardserve"), "plan", "--config", CONFIG, *args], capture_output=True,
+                       text=True, timeout=60)
+    return p.returncode, p.stdout, p.stderr
+
+
+def check(cond, what, out=""):
+    if not cond:
+        print(f"FAIL: {what}\n{out}")
+        sys.exit(1)
+
+
+def main():
+    rc, out, err = plan("--cluster", "1x2xA100-80GB")
+    check(rc == 0, f"the worked example exits 0, got {rc}", out + err)
+    check("TP=2 x PP=1 on 2 GPUs" in out and "KV cache 17,520 tokens" in out, "the worked example's layout", out)
+    check("HBM 2039 GB/s" in out, "the A100's bandwidth in the table", out)
+    rc, out, err = plan("--cluster", "1x2xA100-80GB", "--json")
+    check(rc == 0, f"--json exits 0, got {rc}", err)
+    j = json.loads(out)
+    check(j["fits"] and j["tp"] == 2 and j["pp"] == 1 and j["kv_cache_tokens"] == 17520, "the JSON plan", out)
+    check(j["cluster"]["hbm_bytes_per_s"] == 2039e9, "the JSON cluster's bandwidth", out)
+
+    rc, out, err = plan("--cluster", "1x1xL4-24GB")
+    check(rc == 1, f"a plan that does not fit exits 1, got {rc}", out + err)
+    check("DOES NOT FIT" in out and "does not fit on 1 node" in out, "the reason it does not fit", out)
+
+    bad = [
+        (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
+        (["--cluster", "1x2xB999"], 'unknown GPU "B999"'),
+        (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "-3"], "--hbm-gbps must be a positive number"),
+        (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "nan"], "--hbm-gbps must be a positive number"),
+        (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "1e-300"], "--hbm-gbps must be in [0.001, 1e6] GB/s"),
+        (["--cluster", "1x2xA100-80GB", "--intra-node-gbps", "1e7"], "--intra-node-gbps must be in [0.001, 1e6] GB/s"),
+        (["--cluster", "1x2xA100-80GB", "--inter-node-gbps", "0.0001"], "--inter-node-gbps must be in [0.001, 1e6]"),
+    ]
+    for args, message in bad:
+        rc, out, err = plan(*args)
+        check(rc == 2, f"{args}: exit 2, got {rc}", out + err)
+        check(message in err, f"{args}: the message names {message!r}", err)
+    print(f"PASS: 3 checks of the worked example, 1 that does not fit, {len(bad)} bad flags")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    BIN = sys.argv[1]
+    main()
