@@ -416,11 +416,23 @@ TEST(Planner, BadOptionsAreRefused) {
   absl::StatusOr<Plan> too_long = MakePlan(c, nullptr, Cluster("1x1xA100-80GB"), o);
   ASSERT_FALSE(too_long.ok());
   EXPECT_THAT(too_long.status().message(), HasSubstr("max_position_embeddings (131072)"));
-  ClusterSpec no_bandwidth = Cluster("1x1xA100-80GB");
-  no_bandwidth.gpu.hbm_bytes_per_s = 0;
-  absl::StatusOr<Plan> p = MakePlan(c, nullptr, no_bandwidth, {});
+  // Bandwidths outside [1 MB/s, 1 PB/s], where the estimates would run to hundreds of digits.
+  for (double hbm : {0.0, -1.0, 1e-300, 999e3, 1.001e15, std::nan("")}) {
+    ClusterSpec bad = Cluster("1x1xA100-80GB");
+    bad.gpu.hbm_bytes_per_s = hbm;
+    absl::StatusOr<Plan> p = MakePlan(c, nullptr, bad, {});
+    ASSERT_FALSE(p.ok()) << hbm;
+    EXPECT_THAT(p.status().message(), HasSubstr("HBM bandwidth must be in [1e6, 1e15] bytes/s")) << hbm;
+  }
+  ClusterSpec slow_link = Cluster("2x1xA100-80GB");
+  slow_link.inter_node_bytes_per_s = 1e3;
+  absl::StatusOr<Plan> p = MakePlan(c, nullptr, slow_link, {});
   ASSERT_FALSE(p.ok());
-  EXPECT_THAT(p.status().message(), HasSubstr("HBM bandwidth"));
+  EXPECT_THAT(p.status().message(), HasSubstr("inter-node bandwidth"));
+  ClusterSpec ends = Cluster("2x1xA100-80GB");  // both ends are taken
+  ends.gpu.hbm_bytes_per_s = kMaxBandwidthBytesPerS;
+  ends.inter_node_bytes_per_s = kMinBandwidthBytesPerS;
+  EXPECT_TRUE(MakePlan(c, nullptr, ends, {}).ok());
 }
 
 // A checkpoint whose tensors disagree with config.json could not be loaded: refused up front,

@@ -127,7 +127,9 @@ absl::Status ValidateCluster(const ClusterSpec& c) {
   for (auto [field, v] : {std::pair{"HBM bandwidth", c.gpu.hbm_bytes_per_s},
                           {"intra-node bandwidth", c.intra_node_bytes_per_s},
                           {"inter-node bandwidth", c.inter_node_bytes_per_s}}) {
-    if (!(std::isfinite(v) && v > 0)) return absl::InvalidArgumentError(absl::StrCat(field, " must be > 0, got ", v));
+    if (!(v >= kMinBandwidthBytesPerS && v <= kMaxBandwidthBytesPerS)) {  // false for NaN
+      return absl::InvalidArgumentError(absl::StrCat(field, " must be in [1e6, 1e15] bytes/s, got ", v));
+    }
   }
   for (auto [field, v] :
        {std::pair{"intra-node latency", c.intra_node_latency_s}, {"inter-node latency", c.inter_node_latency_s}}) {

@@ -51,8 +51,13 @@ absl::StatusOr<ClusterSpec> ParseClusterPreset(const std::string& spec);
 // The known preset GPU names, for help texts.
 std::vector<std::string> GpuPresetNames();
 
-// InvalidArgument naming the field when a spec cannot be planned on (no nodes, zero memory or
-// bandwidth, negative latency).
+// The bandwidths the planner takes, in bytes per second: 1 MB/s to 1 PB/s. Below that range its
+// estimates run to hundreds of digits; no link or memory comes near either end.
+inline constexpr double kMinBandwidthBytesPerS = 1e6;
+inline constexpr double kMaxBandwidthBytesPerS = 1e15;
+
+// InvalidArgument naming the field when a spec cannot be planned on (no nodes, zero memory, a
+// bandwidth outside [kMinBandwidthBytesPerS, kMaxBandwidthBytesPerS], negative latency).
 absl::Status ValidateCluster(const ClusterSpec& cluster);
 
 }  // namespace shardserve

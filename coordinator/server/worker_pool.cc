@@ -38,9 +38,8 @@ constexpr char kStreamEnded[] =
 constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
 
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
-// --memory-bandwidth-gbps) or a figure outside the flag's range, [1 MB/s, 1 PB/s]: a server's DRAM.
+// --memory-bandwidth-gbps) or a figure the planner does not take (cluster.h): a server's DRAM.
 constexpr double kAssumedMemoryBytesPerS = 20e9;
-constexpr double kMinMemoryBytesPerS = 1e6, kMaxMemoryBytesPerS = 1e15;
 
 // The planner's cluster for the workers. The figures for the links and the memory bandwidth only
 // feed the planner's decode estimate, which chooses nothing here (the layout is fixed by the
@@ -229,7 +228,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     by_node[h.node()].push_back(i);
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
     const double reported = h.memory_bytes_per_s();
-    const bool known = reported >= kMinMemoryBytesPerS && reported <= kMaxMemoryBytesPerS;  // false for NaN
+    const bool known = reported >= kMinBandwidthBytesPerS && reported <= kMaxBandwidthBytesPerS;  // false for NaN
     bandwidth = std::min(bandwidth, known ? reported : 0.0);
     cpu_only = cpu_only && h.device() == "cpu";
   }

@@ -113,9 +113,9 @@ absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
     if (absl::Status s = PositiveFlag(f, name, value); !s.ok()) return s;
   }
   if (memory_gib > 1e6) return absl::InvalidArgumentError("flag --gpu-memory-gb is above a million GiB");
-  // The workers' --memory-bandwidth-gbps range: below it the estimates run to hundreds of digits.
+  // The planner's range (cluster.h), said here in the flags' unit.
   for (auto [name, gbps] : {std::pair{"hbm-gbps", hbm}, {"intra-node-gbps", intra}, {"inter-node-gbps", inter}}) {
-    if (gbps < 1e-3 || gbps > 1e6) {
+    if (!(gbps * 1e9 >= kMinBandwidthBytesPerS && gbps * 1e9 <= kMaxBandwidthBytesPerS)) {
       return absl::InvalidArgumentError(
           absl::StrCat("flag --", name, " must be in [0.001, 1e6] GB/s, got ", f.Get(name)));
     }
