@@ -10,10 +10,8 @@
 #define SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -47,21 +45,19 @@ inline const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtu
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// A port no one listens on now: the kernel's choice for a socket bound to port 0, released.
-inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) close(fd);
-    return 0;
+// The HOST:PORT that follows `key` on the first line of `log` that has it, up to `end`; empty when
+// no line has it yet. The services bind port 0 and log the port they got: a port picked here and
+// released could be taken by another process's port 0 before the service binds it (seen in CI: a
+// worker's gRPC port had become another worker's /metrics port).
+inline std::string LoggedAddress(const fs::path& log, const std::string& key, char end) {
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find(key);
+    if (at == std::string::npos) continue;
+    const size_t begin = at + key.size();
+    return line.substr(begin, line.find(end, begin) - begin);
   }
-  close(fd);
-  return ntohs(addr.sin_port);
+  return "";
 }
 
 inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
@@ -183,11 +179,10 @@ class Cluster {
   bool Start() {
     const auto start = Clock::now();
     const fs::path port_file = dir_ / "port";
-    metrics_address_ = "127.0.0.1:" + std::to_string(FreePort());  // never the fixed default: tests run in parallel
     std::vector<std::string> coordinator_argv = {
         SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
         "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
-        "--port-file", port_file.string(), "--metrics-listen", metrics_address_};
+        "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
     coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
     coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
     while (!fs::exists(port_file)) {
@@ -198,6 +193,7 @@ class Cluster {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::ifstream(port_file) >> port_;
+    metrics_address_ = LoggedAddress(coordinator_->log(), "metrics on http://", '/');  // logged before the port file
     address_ = "127.0.0.1:" + std::to_string(port_);
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     client_ = v1::InferenceService::NewStub(channel_);
@@ -205,9 +201,8 @@ class Cluster {
 
     for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
       const std::string node = "n" + std::to_string(i / spec_.gpus_per_node);
-      const std::string listen = "127.0.0.1:" + std::to_string(FreePort());
       std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
-                                       "--listen", listen, "--memory-gb", "4"};
+                                       "--listen", "127.0.0.1:0", "--memory-gb", "4"};
       argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
       if (std::find(argv.begin(), argv.end(), "--threads") == argv.end()) {
         // Each worker its share of the cores, as `shardserve launch` gives them: more compute
@@ -215,13 +210,14 @@ class Cluster {
         const int64_t threads = cli::DefaultWorkerThreads(spec_.nodes * spec_.gpus_per_node);
         argv.insert(argv.end(), {"--threads", std::to_string(threads)});
       }
-      worker_addresses_.push_back(listen);
       workers_.push_back(
           std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));
     }
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
-      if (!coordinator_->running() || SecondsSince(start) > 90) {
-        ADD_FAILURE() << "the cluster did not reach SERVING:\n" << Logs();
+      const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
+      if (!coordinator_->running() || worker_exited || SecondsSince(start) > 90) {
+        ADD_FAILURE() << "the cluster did not reach SERVING" << (worker_exited ? " (a worker exited)" : "") << ":\n"
+                      << Logs();
         return false;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -263,7 +259,9 @@ class Cluster {
   Process& coordinator() { return *coordinator_; }
   Process& worker(int i) { return *workers_[i]; }
   int num_workers() const { return static_cast<int>(workers_.size()); }
-  const std::string& worker_address(int i) const { return worker_addresses_[i]; }
+  // Worker i's gRPC address, from its log once it has registered ("registered (cpu, listening on
+  // HOST:PORT, ..."); empty before that.
+  std::string worker_address(int i) const { return LoggedAddress(workers_[i]->log(), ", listening on ", ','); }
   double start_seconds() const { return start_seconds_; }
 
  private:
@@ -275,7 +273,6 @@ class Cluster {
   std::string metrics_address_;
   std::unique_ptr<Process> coordinator_;
   std::vector<std::unique_ptr<Process>> workers_;
-  std::vector<std::string> worker_addresses_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::InferenceService::Stub> client_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;

@@ -17,10 +17,8 @@
 // Every process runs in its own process group and dies with the test (PR_SET_PDEATHSIG); every
 // wait is bounded; teardown kills and reaps every child.
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
