@@ -104,18 +104,14 @@ absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
   c.gpus_per_node.assign(nodes, gpus);
 
   double memory_gib = static_cast<double>(c.gpu.memory_bytes) / (1 << 30);
+  if (absl::Status s = PositiveFlag(f, "gpu-memory-gb", &memory_gib); !s.ok()) return s;
+  if (memory_gib > 1e6) return absl::InvalidArgumentError("flag --gpu-memory-gb is above a million GiB");
   double hbm = c.gpu.hbm_bytes_per_s / 1e9, intra = c.intra_node_bytes_per_s / 1e9,
          inter = c.inter_node_bytes_per_s / 1e9;
-  for (auto [name, value] : {std::pair{"gpu-memory-gb", &memory_gib},
-                             {"hbm-gbps", &hbm},
-                             {"intra-node-gbps", &intra},
-                             {"inter-node-gbps", &inter}}) {
-    if (absl::Status s = PositiveFlag(f, name, value); !s.ok()) return s;
-  }
-  if (memory_gib > 1e6) return absl::InvalidArgumentError("flag --gpu-memory-gb is above a million GiB");
-  // The planner's range (cluster.h), said here in the flags' unit.
-  for (auto [name, gbps] : {std::pair{"hbm-gbps", hbm}, {"intra-node-gbps", intra}, {"inter-node-gbps", inter}}) {
-    if (!(gbps * 1e9 >= kMinBandwidthBytesPerS && gbps * 1e9 <= kMaxBandwidthBytesPerS)) {
+  for (auto [name, gbps] : {std::pair{"hbm-gbps", &hbm}, {"intra-node-gbps", &intra}, {"inter-node-gbps", &inter}}) {
+    if (absl::Status s = PositiveFlag(f, name, gbps); !s.ok()) return s;
+    // The planner's range (cluster.h), said here in the flags' unit.
+    if (!(*gbps * 1e9 >= kMinBandwidthBytesPerS && *gbps * 1e9 <= kMaxBandwidthBytesPerS)) {
       return absl::InvalidArgumentError(
           absl::StrCat("flag --", name, " must be in [0.001, 1e6] GB/s, got ", f.Get(name)));
     }
