@@ -397,11 +397,15 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
 // connection for its peer, reported at once rather than after the timeout.
 TEST_F(CommunicatorTest, GlooPeerThatExitsIsUnavailable) {
   InMemoryRendezvousStore store;
-  absl::Notification gone;
+  absl::Notification joined, gone;
   RunRanks(2, [&](int rank) {
     absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, 2, kTimeout);
+    if (rank == 0) joined.Notify();  // also on failure, so that rank 1 never waits for nothing
     ASSERT_TRUE(comm.ok()) << comm.status();
     if (rank == 1) {
+      // Only once rank 0 has joined too: leaving while it still connects fails its join instead
+      // (seen in CI: "Connection closed by peer" from rank 0's rendezvous).
+      joined.WaitForNotification();
       comm->reset();
       gone.Notify();
       return;
