@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
@@ -180,7 +181,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::filesyst
     }
     ::close(fd);
     std::vector<TensorInfo> infos;
-    if (absl::Status s = ParseSafetensorsHeader(mapping->data, mapping->size, path, &infos); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(ParseSafetensorsHeader(mapping->data, mapping->size, path, &infos));
     for (TensorInfo& info : infos) {
       info.file = f;
       auto wm = weight_map.find(info.name);

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
@@ -64,12 +65,6 @@ absl::Status GetBool(const json& j, const std::string& source, const char* field
   return absl::OkStatus();
 }
 
-#define RETURN_IF_ERROR(expr)            \
-  do {                                   \
-    absl::Status _s = (expr);            \
-    if (!_s.ok()) return _s;             \
-  } while (0)
-
 absl::Status ParseRopeScaling(const json& j, const std::string& source, RopeScaling* out) {
   auto it = j.find("rope_scaling");
   if (it == j.end() || it->is_null()) return absl::OkStatus();
@@ -88,10 +83,10 @@ absl::Status ParseRopeScaling(const json& j, const std::string& source, RopeScal
                       absl::StrCat("has type \"", type, "\", which is not supported (supported: llama3, default)"));
   }
   out->type = RopeScaling::Type::kLlama3;
-  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "factor", &out->factor));
-  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "low_freq_factor", &out->low_freq_factor));
-  RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "high_freq_factor", &out->high_freq_factor));
-  RETURN_IF_ERROR(GetInt(r, source + " rope_scaling", "original_max_position_embeddings", false,
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "factor", &out->factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "low_freq_factor", &out->low_freq_factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "high_freq_factor", &out->high_freq_factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(r, source + " rope_scaling", "original_max_position_embeddings", false,
                          &out->original_max_position_embeddings));
   if (out->factor <= 0 || out->low_freq_factor <= 0 || out->high_freq_factor <= out->low_freq_factor ||
       out->original_max_position_embeddings <= 0) {
@@ -127,20 +122,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
                                                  "Qwen2ForCausalLM, MistralForCausalLM)"));
   }
 
-  RETURN_IF_ERROR(GetInt(j, source, "vocab_size", true, &c.vocab_size));
-  RETURN_IF_ERROR(GetInt(j, source, "hidden_size", true, &c.hidden_size));
-  RETURN_IF_ERROR(GetInt(j, source, "intermediate_size", true, &c.intermediate_size));
-  RETURN_IF_ERROR(GetInt(j, source, "num_hidden_layers", true, &c.num_hidden_layers));
-  RETURN_IF_ERROR(GetInt(j, source, "num_attention_heads", true, &c.num_attention_heads));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "vocab_size", true, &c.vocab_size));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "hidden_size", true, &c.hidden_size));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "intermediate_size", true, &c.intermediate_size));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_hidden_layers", true, &c.num_hidden_layers));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_attention_heads", true, &c.num_attention_heads));
   c.num_key_value_heads = c.num_attention_heads;
-  RETURN_IF_ERROR(GetInt(j, source, "num_key_value_heads", false, &c.num_key_value_heads));
-  RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
-  RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
-  RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &c.rope_theta));
-  RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
-  if (c.architecture != Architecture::kQwen2) RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
-  RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
-  RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_key_value_heads", false, &c.num_key_value_heads));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &c.rope_theta));
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
+  if (c.architecture != Architecture::kQwen2) SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
+  SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
 
   for (auto [field, value] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
                               {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
@@ -150,7 +145,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     if (value <= 0 || value > (int64_t{1} << 31)) return FieldError(source, field, absl::StrCat("must be in [1, 2^31], got ", value));
   }
   c.head_dim = c.hidden_size / c.num_attention_heads;
-  RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
   if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
     return FieldError(source, "head_dim", absl::StrCat("must be even and in [2, 1024], got ", c.head_dim));
   }
@@ -171,7 +166,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     // Sliding-window attention only differs once a sequence is longer than the window; we cap the
     // context to the window (see max_position_embeddings) rather than implement the mask.
     int64_t window = 0;
-    RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
+    SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
     if (window > 0 && (c.max_position_embeddings == 0 || window < c.max_position_embeddings)) {
       c.max_position_embeddings = window;
     }
@@ -201,7 +196,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
       return FieldError(source, "eos_token_id", "must be an integer or a list of integers");
     }
   }
-  RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
   return c;
 }
 

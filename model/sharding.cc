@@ -1,6 +1,7 @@
 #include "model/sharding.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardserve {
 
@@ -20,7 +21,7 @@ absl::Status CheckTpDivides(const ModelConfig& c, int t) {
 }
 
 absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
-  if (absl::Status s = CheckTpDivides(c, t); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(CheckTpDivides(c, t));
   if (r < 0 || r >= t) return absl::InvalidArgumentError(absl::StrCat("tensor parallel rank ", r, " outside [0, ", t, ")"));
   TpShard s;
   s.tp_rank = r;

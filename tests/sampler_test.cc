@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/sampling.h"
 #include "shardserve/v1/worker.pb.h"
@@ -228,7 +229,7 @@ class SamplerTest : public ::testing::Test {
     for (const v1::RowSampling& r : rows) *list.Add() = r;
     v1::StepResult result;
     const Tensor t(buf->data(), DType::kF32, {m, v});
-    if (absl::Status s = (*sampler)->Sample(/*step_id=*/7, t, list, &result); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR((*sampler)->Sample(/*step_id=*/7, t, list, &result));
     return result;
   }
   // One row's sampled id.

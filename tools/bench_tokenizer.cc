@@ -18,7 +18,7 @@
 
 #include "coordinator/tokenizer/tokenizer.h"
 #include "tools/cli/bench_stats.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ int Fail(const std::string& message) {
 
 int main(int argc, char** argv) {
   using shardserve::Tokenizer;
-  absl::StatusOr<shardserve::cli::Flags> flags = shardserve::cli::Flags::Parse(
+  absl::StatusOr<shardserve::Flags> flags = shardserve::Flags::Parse(
       std::vector<std::string>(argv + 1, argv + argc), {"model", "text", "chunk-bytes", "repeat"});
   if (!flags.ok() || !flags->Has("model") || !flags->Has("text")) {
     std::fprintf(stderr, "%s", kUsage);

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 
 namespace shardserve::bench {
 
@@ -24,7 +24,7 @@ inline absl::StatusOr<std::map<std::string, int64_t>> PositiveIntFlags(int argc,
                                                                        const std::map<std::string, int64_t>& defaults) {
   std::set<std::string> names;
   for (const auto& [name, fallback] : defaults) names.insert(name);
-  absl::StatusOr<cli::Flags> flags = cli::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc), names);
+  absl::StatusOr<Flags> flags = Flags::Parse(std::vector<std::string>(argv + 1, argv + argc), names);
   if (!flags.ok()) return flags.status();
   if (!flags->positional().empty()) {
     return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));

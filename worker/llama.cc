@@ -5,22 +5,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/tensor.h"
 
 namespace shardserve {
-
-#define RETURN_IF_ERROR(expr)  \
-  do {                         \
-    absl::Status _s = (expr);  \
-    if (!_s.ok()) return _s;   \
-  } while (0)
-
-#define ASSIGN_OR_RETURN(lhs, expr)          \
-  do {                                       \
-    auto _r = (expr);                        \
-    if (!_r.ok()) return _r.status();        \
-    lhs = std::move(*_r);                    \
-  } while (0)
 
 absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t> dims) {
   Tensor view(nullptr, t, dims);
@@ -43,17 +31,17 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std:
   local[slice.dim] = (slice.end < 0 ? full_shape[slice.dim] : slice.end) - slice.begin;
   Tensor t;
   if (local.size() == 1) {
-    ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0]}));
+    SHARDSERVE_ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0]}));
   } else {
-    ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0], local[1]}));
+    SHARDSERVE_ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {local[0], local[1]}));
   }
   if (backend_->device_kind() == DeviceKind::kCpu) {
     // Host memory: read the slice straight into place.
-    RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, t.data));
+    SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, t.data));
   } else {
     std::vector<uint8_t> staging(t.bytes());
-    RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging.data()));
-    RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging.data(), staging.size()));
+    SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging.data()));
+    SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging.data(), staging.size()));
   }
   weight_bytes_ += t.bytes();
   return t;
@@ -62,7 +50,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std:
 absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
                                                     std::vector<int64_t> full_shape, const Slice& slice) {
   Tensor plain, packed;
-  ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
@@ -97,7 +85,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
                          {"max_blocks_per_seq", opt.max_blocks_per_seq}}) {
     if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("runtime option ", name, " must be > 0, got ", v));
   }
-  ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
   const TpShard& s = m->tp_shard_;
   const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
   const int64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
@@ -107,71 +95,71 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
 
   // ---- Weights: this rank's slice of this stage's tensors ----
   if (m->is_first_stage()) {
-    ASSIGN_OR_RETURN(m->embed_tokens_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(m->embed_tokens_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
   }
   for (int64_t i = m->first_layer_; i < m->end_layer_; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     Layer l;
-    ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
-    ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
-    ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
-    ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
     if (config.attention_bias) {
-      ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
-      ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
-      ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
+      SHARDSERVE_ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
+      SHARDSERVE_ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
+      SHARDSERVE_ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
     }
-    ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
-    ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
-    ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
-    ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
-    ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
     // The paged KV cache of this layer: this rank's KV heads only.
-    ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
-    ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
-    RETURN_IF_ERROR(backend->Fill0(l.k_cache.data, l.k_cache.bytes()));
-    RETURN_IF_ERROR(backend->Fill0(l.v_cache.data, l.v_cache.bytes()));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+    SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.k_cache.data, l.k_cache.bytes()));
+    SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.v_cache.data, l.v_cache.bytes()));
     m->layers_.push_back(l);
   }
   if (m->is_last_stage()) {
-    ASSIGN_OR_RETURN(m->norm_, m->LoadWeight(ckpt, "model.norm.weight", {H}, all));
+    SHARDSERVE_ASSIGN_OR_RETURN(m->norm_, m->LoadWeight(ckpt, "model.norm.weight", {H}, all));
     if (!config.tie_word_embeddings) {
-      ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
+      SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
     } else if (m->is_first_stage()) {
       m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage
     } else {
-      ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+      SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
     }
   }
   std::vector<float> inv_freq = RopeInvFreq(config);
-  ASSIGN_OR_RETURN(m->inv_freq_, m->AllocStepBuffer(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
-  RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->inv_freq_, m->AllocStepBuffer(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
+  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
 
   // ---- Scratch: everything a step needs, allocated once ----
   const DType act = backend->act_dtype();
   const int64_t n = opt.max_tokens_per_step, ms = opt.max_seqs_per_step;
-  ASSIGN_OR_RETURN(m->ids_, m->AllocStepBuffer(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->positions_, m->AllocStepBuffer(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->token_seq_, m->AllocStepBuffer(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->slots_, m->AllocStepBuffer(DType::kI32, {n}));
-  ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq}));
-  ASSIGN_OR_RETURN(m->logit_rows_, m->AllocStepBuffer(DType::kI32, {ms}));
-  ASSIGN_OR_RETURN(m->hidden_, m->AllocStepBuffer(act, {n, H}));
-  ASSIGN_OR_RETURN(m->normed_, m->AllocStepBuffer(act, {n, H}));
-  ASSIGN_OR_RETURN(m->q_, m->AllocStepBuffer(act, {n, q}));
-  ASSIGN_OR_RETURN(m->k_, m->AllocStepBuffer(act, {n, kv}));
-  ASSIGN_OR_RETURN(m->v_, m->AllocStepBuffer(act, {n, kv}));
-  ASSIGN_OR_RETURN(m->attn_, m->AllocStepBuffer(act, {n, q}));
-  ASSIGN_OR_RETURN(m->proj_, m->AllocStepBuffer(act, {n, H}));
-  ASSIGN_OR_RETURN(m->gate_, m->AllocStepBuffer(act, {n, f}));
-  ASSIGN_OR_RETURN(m->up_, m->AllocStepBuffer(act, {n, f}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->ids_, m->AllocStepBuffer(DType::kI32, {n}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->positions_, m->AllocStepBuffer(DType::kI32, {n}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->token_seq_, m->AllocStepBuffer(DType::kI32, {n}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->slots_, m->AllocStepBuffer(DType::kI32, {n}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->logit_rows_, m->AllocStepBuffer(DType::kI32, {ms}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->hidden_, m->AllocStepBuffer(act, {n, H}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->normed_, m->AllocStepBuffer(act, {n, H}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->q_, m->AllocStepBuffer(act, {n, q}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->k_, m->AllocStepBuffer(act, {n, kv}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->v_, m->AllocStepBuffer(act, {n, kv}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->attn_, m->AllocStepBuffer(act, {n, q}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->proj_, m->AllocStepBuffer(act, {n, H}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->gate_, m->AllocStepBuffer(act, {n, f}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->up_, m->AllocStepBuffer(act, {n, f}));
   if (m->is_last_stage()) {
-    ASSIGN_OR_RETURN(m->last_, m->AllocStepBuffer(act, {ms, H}));
-    ASSIGN_OR_RETURN(m->local_logits_, m->AllocStepBuffer(DType::kF32, {ms, s.vocab_rows_per_rank}));
+    SHARDSERVE_ASSIGN_OR_RETURN(m->last_, m->AllocStepBuffer(act, {ms, H}));
+    SHARDSERVE_ASSIGN_OR_RETURN(m->local_logits_, m->AllocStepBuffer(DType::kF32, {ms, s.vocab_rows_per_rank}));
     if (spec.tp_size > 1) {  // with one rank the slice is gathered straight into logits_
-      ASSIGN_OR_RETURN(m->gathered_logits_, m->AllocStepBuffer(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
+      SHARDSERVE_ASSIGN_OR_RETURN(m->gathered_logits_, m->AllocStepBuffer(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
     }
-    ASSIGN_OR_RETURN(m->logits_, m->AllocStepBuffer(DType::kF32, {ms, V}));
+    SHARDSERVE_ASSIGN_OR_RETURN(m->logits_, m->AllocStepBuffer(DType::kF32, {ms, V}));
   }
   return m;
 }
@@ -225,7 +213,7 @@ absl::Status LlamaShard::Upload(const Tensor& dst, const std::vector<int32_t>& s
 }
 
 absl::Status LlamaShard::Forward(const StepBatch& b) {
-  RETURN_IF_ERROR(CheckBatch(b));
+  SHARDSERVE_RETURN_IF_ERROR(CheckBatch(b));
   const int64_t n = static_cast<int64_t>(b.positions.size());
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
   const float eps = static_cast<float>(config_.rms_norm_eps);
@@ -235,11 +223,11 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
   // Step metadata to the device.
   Tensor ids = ids_.Rows(0, n), positions = positions_.Rows(0, n), token_seq = token_seq_.Rows(0, n),
          slots = slots_.Rows(0, n), tables = block_tables_.Rows(0, b.num_seqs), rows = logit_rows_.Rows(0, m);
-  RETURN_IF_ERROR(Upload(positions, b.positions));
-  RETURN_IF_ERROR(Upload(token_seq, b.token_seq));
-  RETURN_IF_ERROR(Upload(slots, b.slots));
-  RETURN_IF_ERROR(Upload(tables, b.block_tables));
-  RETURN_IF_ERROR(Upload(rows, b.logit_rows));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(positions, b.positions));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(token_seq, b.token_seq));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(slots, b.slots));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(tables, b.block_tables));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(rows, b.logit_rows));
 
   Tensor x = hidden_.Rows(0, n), normed = normed_.Rows(0, n), q = q_.Rows(0, n), k = k_.Rows(0, n),
          v = v_.Rows(0, n), attn = attn_.Rows(0, n), proj = proj_.Rows(0, n), gate = gate_.Rows(0, n),
@@ -247,63 +235,63 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
 
   // Embedding (first stage): vocab-parallel lookup, then all-reduce fills in the other ranks' rows.
   if (is_first_stage()) {
-    RETURN_IF_ERROR(Upload(ids, b.token_ids));
-    RETURN_IF_ERROR(be.Embedding(&x, embed_tokens_, ids, tp_shard_.vocab_rows.begin));
-    RETURN_IF_ERROR(tp_->AllReduceSum(&x));
+    SHARDSERVE_RETURN_IF_ERROR(Upload(ids, b.token_ids));
+    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&x, embed_tokens_, ids, tp_shard_.vocab_rows.begin));
+    SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&x));
   }
 
   for (Layer& l : layers_) {
     // attention norm
-    RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
     // q, k, v projections (column-parallel: this rank's heads)
-    RETURN_IF_ERROR(be.MatMul(&q, normed, l.q_proj, l.q_bias.data ? &l.q_bias : nullptr));
-    RETURN_IF_ERROR(be.MatMul(&k, normed, l.k_proj, l.k_bias.data ? &l.k_bias : nullptr));
-    RETURN_IF_ERROR(be.MatMul(&v, normed, l.v_proj, l.v_bias.data ? &l.v_bias : nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&q, normed, l.q_proj, l.q_bias.data ? &l.q_bias : nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&k, normed, l.k_proj, l.k_bias.data ? &l.k_bias : nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&v, normed, l.v_proj, l.v_bias.data ? &l.v_bias : nullptr));
     // rotary position embedding
-    RETURN_IF_ERROR(be.Rope(&q, &k, positions, inv_freq_, static_cast<int>(config_.head_dim)));
+    SHARDSERVE_RETURN_IF_ERROR(be.Rope(&q, &k, positions, inv_freq_, static_cast<int>(config_.head_dim)));
     // write k/v to the paged cache
-    RETURN_IF_ERROR(be.CacheWrite(&l.k_cache, &l.v_cache, k, v, slots));
+    SHARDSERVE_RETURN_IF_ERROR(be.CacheWrite(&l.k_cache, &l.v_cache, k, v, slots));
     // causal attention over the cache
-    RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
+    SHARDSERVE_RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
     // o_proj (row-parallel) + all-reduce of the partial sums
-    RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, nullptr));
-    RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
     // residual
-    RETURN_IF_ERROR(be.Add(&x, x, proj));
+    SHARDSERVE_RETURN_IF_ERROR(be.Add(&x, x, proj));
     // mlp norm
-    RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.post_attention_layernorm, eps));
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.post_attention_layernorm, eps));
     // SwiGLU mlp: gate/up column-parallel, down row-parallel + all-reduce
-    RETURN_IF_ERROR(be.MatMul(&gate, normed, l.gate_proj, nullptr));
-    RETURN_IF_ERROR(be.MatMul(&up, normed, l.up_proj, nullptr));
-    RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
-    RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
-    RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&gate, normed, l.gate_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&up, normed, l.up_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
     // residual
-    RETURN_IF_ERROR(be.Add(&x, x, proj));
+    SHARDSERVE_RETURN_IF_ERROR(be.Add(&x, x, proj));
   }
 
   if (!is_last_stage() || m == 0) return absl::OkStatus();
   // The rows whose logits are wanted (Embedding with the hidden state as the table is a row gather).
   Tensor last = last_.Rows(0, m), last_normed = normed_.Rows(0, m);
-  RETURN_IF_ERROR(be.Embedding(&last, x, rows, 0));
+  SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&last, x, rows, 0));
   // final norm
-  RETURN_IF_ERROR(be.RmsNorm(&last_normed, last, norm_, eps));
+  SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&last_normed, last, norm_, eps));
   // LM head (vocab-parallel), then all-gather every rank's slice of the vocabulary
   const int64_t w = tp_shard_.vocab_rows_per_rank, local = tp_shard_.vocab_rows.size();
   Tensor local_logits(local_logits_.data, DType::kF32, {m, local});
-  RETURN_IF_ERROR(be.MatMul(&local_logits, last_normed, lm_head_, nullptr));
+  SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&local_logits, last_normed, lm_head_, nullptr));
   Tensor padded(local_logits_.data, DType::kF32, {m, w});  // the last rank's slice may be short
   // With one rank, gathered [1][row][vocab] is logits [row][vocab]: gather straight into it.
   const bool one_rank = spec_.tp_size == 1;
   Tensor gathered(one_rank ? logits_.data : gathered_logits_.data, DType::kF32, {spec_.tp_size, m, w});
-  RETURN_IF_ERROR(tp_->AllGather(&gathered, padded));
+  SHARDSERVE_RETURN_IF_ERROR(tp_->AllGather(&gathered, padded));
   if (one_rank) return absl::OkStatus();
   // gathered is [rank][row][w]; logits are [row][vocab]: copy each rank's columns into place.
   const int64_t V = config_.vocab_size;
   for (int r = 0; r < spec_.tp_size; ++r) {
     const int64_t cols = std::min(w, V - r * w);
     for (int64_t i = 0; i < m; ++i) {
-      RETURN_IF_ERROR(be.CopyOnDevice(logits_.as<float>() + i * V + r * w,
+      SHARDSERVE_RETURN_IF_ERROR(be.CopyOnDevice(logits_.as<float>() + i * V + r * w,
                                       gathered_logits_.as<float>() + (r * m + i) * w, cols * sizeof(float)));
     }
   }
@@ -349,18 +337,18 @@ absl::StatusOr<std::vector<int32_t>> GreedyGenerate(LlamaShard* model, const std
     b.token_seq.assign(chunk, 0);
     b.logit_rows.clear();
     if (final_chunk) b.logit_rows.push_back(static_cast<int32_t>(chunk - 1));
-    RETURN_IF_ERROR(model->Forward(b));
+    SHARDSERVE_RETURN_IF_ERROR(model->Forward(b));
     pos += chunk;
     pending.erase(pending.begin(), pending.begin() + chunk);
     if (!final_chunk) continue;
 
     Tensor logits = model->logits(1);
-    RETURN_IF_ERROR(be->Argmax(&next, logits));
+    SHARDSERVE_RETURN_IF_ERROR(be->Argmax(&next, logits));
     int32_t id = 0;
-    RETURN_IF_ERROR(be->CopyToHost(&id, next.data, sizeof(id)));
+    SHARDSERVE_RETURN_IF_ERROR(be->CopyToHost(&id, next.data, sizeof(id)));
     if (step_logits != nullptr) {
       step_logits->emplace_back(V);
-      RETURN_IF_ERROR(be->CopyToHost(step_logits->back().data(), logits.data, V * sizeof(float)));
+      SHARDSERVE_RETURN_IF_ERROR(be->CopyToHost(step_logits->back().data(), logits.data, V * sizeof(float)));
     }
     out.push_back(id);
     pending.push_back(id);

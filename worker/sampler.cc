@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "base/status_macros.h"
 #include "kernels/sampling.h"
 
 namespace shardserve {
@@ -85,7 +86,7 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_
   // so that the first step does not allocate.
   Tensor out(s->host_ids_.data(), DType::kI32, {1});
   const Tensor row(s->work_.data(), DType::kF32, {1, vocab_size});
-  if (absl::Status st = s->host_->Sample(&out, row, s->one_params_); !st.ok()) return st;
+  SHARDSERVE_RETURN_IF_ERROR(s->host_->Sample(&out, row, s->one_params_));
   return s;
 }
 
@@ -138,7 +139,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
                                                    ") needs F32 logits [", m, ", ", vocab_size_, "]; got ",
                                                    DTypeName(logits.dtype), " ", logits.ShapeString()));
   }
-  if (absl::Status s = Validate(step_id, rows, vocab_size_); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(Validate(step_id, rows, vocab_size_));
 
   bool any_logprobs = false;
   for (int i = 0; i < m; ++i) {
@@ -212,7 +213,7 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   // The raw row on the host.
   const float* raw = device_row;
   if (host_ != device_) {
-    if (absl::Status s = device_->CopyToHost(raw_.data(), device_row, v * sizeof(float)); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(device_->CopyToHost(raw_.data(), device_row, v * sizeof(float)));
     raw = raw_.data();
   }
 

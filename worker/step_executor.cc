@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "worker/comm/gloo_communicator.h"
@@ -98,7 +99,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
                                                                    const std::string& collective_host,
                                                                    int cpu_threads,
                                                                    std::optional<CpuMatMul> cpu_matmul) {
-  if (absl::Status s = CheckAssignment(a); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(CheckAssignment(a));
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
   absl::StatusOr<ModelConfig> config = LoadModelConfig(a.model_path());
@@ -185,7 +186,7 @@ absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
   }
   // Every worker checks the sampling parameters, not only the one that samples: the plan is the
   // same everywhere, so all fail here together instead of leaving peers waiting in a collective.
-  if (absl::Status s = Sampler::Validate(p.step_id(), p.sampling(), shard_->config().vocab_size); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(Sampler::Validate(p.step_id(), p.sampling(), shard_->config().vocab_size));
   // Within the reserved capacity: assign() does not allocate.
   batch_.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
   batch_.positions.assign(p.positions().begin(), p.positions().end());
@@ -204,21 +205,21 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->ResetSeconds();
   }
-  if (absl::Status s = ToBatch(plan); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(ToBatch(plan));
   const int64_t n = static_cast<int64_t>(batch_.positions.size());
 
   // The previous stage's output is this stage's input.
   Tensor hidden = shard_->hidden(n);
   if (recv_ != nullptr) {
-    if (absl::Status s = recv_->Recv(&hidden, 0); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(recv_->Recv(&hidden, 0));
   }
-  if (absl::Status s = shard_->Forward(batch_); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(shard_->Forward(batch_));
   if (send_ != nullptr) {
-    if (absl::Status s = send_->Send(hidden, 1); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(send_->Send(hidden, 1));
   }
   if (sampler_ != nullptr && plan.logit_rows_size() > 0) {
     const Tensor logits = shard_->logits(plan.logit_rows_size());
-    if (absl::Status s = sampler_->Sample(plan.step_id(), logits, plan.sampling(), result); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, plan.sampling(), result));
   }
 
   double collective = 0;

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "worker/communicator.h"
+#include "base/status_macros.h"
 
 namespace shardserve {
 
@@ -72,7 +73,7 @@ class TimedCommunicator final : public Communicator {
     // queued on the backend itself, so there is nothing to order or time, and on CUDA a wait here
     // would stall the step twice per layer.
     if (inner_->size() > 1) {
-      if (absl::Status s = backend_->Synchronize(); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(backend_->Synchronize());
     }
     const auto start = std::chrono::steady_clock::now();
     absl::Status s = call();

@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <cstdio>
-#include <map>
 #include <string>
 #include <thread>
 
@@ -22,9 +21,9 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/flags.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
 #include "worker/step_executor.h"
@@ -123,44 +122,46 @@ double DeviceMemoryBandwidth(int cuda_ordinal) {
 }
 
 int Main(int argc, char** argv) {
-  // `--name value` or `--name=value`; every flag takes a value. Defaults:
-  std::map<std::string, std::string> v = {
-      {"coordinator", "localhost:50051"}, {"node", ""},       {"device", "cpu"},
-      {"listen", "127.0.0.1:0"},          {"memory-gb", "0"}, {"collective-host", ""},
-      {"connect-timeout-seconds", "60"},  {"debug-step-delay-ms", "0"},
-      {"metrics-listen", "127.0.0.1:0"},  {"log-format", "text"},
-      {"threads", "0"},                   {"matmul-dtype", "auto"},
-      {"memory-bandwidth-gbps", "0"},
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) return Usage(absl::StrCat("unexpected argument '", arg, "'"));
-    std::string name = arg.substr(2), value;
-    const size_t eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return Usage(absl::StrCat("flag --", name, " needs a value"));
-    }
-    if (!v.count(name)) return Usage(absl::StrCat("unknown flag --", name));
-    v[name] = value;
+  absl::StatusOr<Flags> flags =
+      Flags::Parse(argc, argv,
+                   {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
+                    "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
+                    "matmul-dtype", "memory-bandwidth-gbps"},
+                   {"help"});
+  if (!flags.ok()) return Usage(std::string(flags.status().message()));
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
   }
-
-  LogFormat log_format;
-  if (!ParseLogFormat(v["log-format"], &log_format)) return Usage("--log-format must be text or json");
-  SetLogFormat(log_format);
-
+  if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
+  const std::string listen = flags->Get("listen", "127.0.0.1:0");
+  std::string log_format_name = "text", matmul_dtype = "auto";
+  double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0;
+  int64_t delay_ms = 0;
   WorkerOptions options;
-  options.coordinator = v["coordinator"];
-  options.device = v["device"];
-  options.node = v["node"];
+  for (const absl::Status& s : {
+           flags->OneOf("log-format", {"text", "json"}, &log_format_name),
+           flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
+           flags->Double("connect-timeout-seconds", 0.001, 86400, &connect_timeout),
+           flags->Int("debug-step-delay-ms", 0, 3600000, &delay_ms),
+           flags->Int("threads", 0, kMaxThreads, &options.cpu_threads),
+           flags->OneOf("matmul-dtype", {"auto", "f32", "bf16"}, &matmul_dtype),
+       }) {
+    if (!s.ok()) return Usage(std::string(s.message()));
+  }
+  if (!flags->Double("memory-bandwidth-gbps", 0, 1e6, &bandwidth_gbps).ok() ||
+      !(bandwidth_gbps == 0 || bandwidth_gbps >= 1e-3)) {
+    return Usage("--memory-bandwidth-gbps must be 0 or a number of GB/s in [0.001, 1e6]");
+  }
+  LogFormat log_format;
+  ParseLogFormat(log_format_name, &log_format);
+  SetLogFormat(log_format);
+  if (matmul_dtype == "bf16") options.cpu_matmul = CpuMatMul::kBF16;
+  if (matmul_dtype == "f32") options.cpu_matmul = CpuMatMul::kF32;
+
+  options.coordinator = flags->Get("coordinator", "localhost:50051");
+  options.device = flags->Get("device", "cpu");
+  options.node = flags->Get("node");
   if (options.node.empty()) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
@@ -168,33 +169,6 @@ int Main(int argc, char** argv) {
   }
   absl::StatusOr<int> cuda_ordinal = ParseDevice(options.device);
   if (!cuda_ordinal.ok()) return Usage(std::string(cuda_ordinal.status().message()));
-  double memory_gb = 0, connect_timeout = 0;
-  int64_t delay_ms = 0;
-  if (!absl::SimpleAtod(v["memory-gb"], &memory_gb) || !(memory_gb >= 0 && memory_gb < (1 << 24))) {
-    return Usage("--memory-gb must be a number of GiB >= 0");
-  }
-  double bandwidth_gbps = 0;
-  if (!absl::SimpleAtod(v["memory-bandwidth-gbps"], &bandwidth_gbps) ||
-      !(bandwidth_gbps == 0 || (bandwidth_gbps >= 1e-3 && bandwidth_gbps <= 1e6))) {
-    return Usage("--memory-bandwidth-gbps must be 0 or a number of GB/s in [0.001, 1e6]");
-  }
-  if (!absl::SimpleAtod(v["connect-timeout-seconds"], &connect_timeout) || !(connect_timeout > 0)) {
-    return Usage("--connect-timeout-seconds must be > 0");
-  }
-  if (!absl::SimpleAtoi(v["debug-step-delay-ms"], &delay_ms) || delay_ms < 0) {
-    return Usage("--debug-step-delay-ms must be an integer >= 0");
-  }
-  if (!absl::SimpleAtoi(v["threads"], &options.cpu_threads) || options.cpu_threads < 0 ||
-      options.cpu_threads > kMaxThreads) {
-    return Usage(absl::StrCat("--threads must be an integer in [0, ", kMaxThreads, "]"));
-  }
-  if (v["matmul-dtype"] == "bf16") {
-    options.cpu_matmul = CpuMatMul::kBF16;
-  } else if (v["matmul-dtype"] == "f32") {
-    options.cpu_matmul = CpuMatMul::kF32;
-  } else if (v["matmul-dtype"] != "auto") {
-    return Usage("--matmul-dtype must be auto, f32 or bf16");
-  }
   if (memory_gb == 0) {
     absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);
     if (!memory.ok()) {  // the device, not the command line: no usage text, exit 1
@@ -208,7 +182,8 @@ int Main(int argc, char** argv) {
   options.memory_bytes_per_s = bandwidth_gbps > 0 ? bandwidth_gbps * 1e9 : DeviceMemoryBandwidth(*cuda_ordinal);
   options.connect_timeout = absl::Seconds(connect_timeout);
   options.debug_step_delay = absl::Milliseconds(delay_ms);
-  options.collective_host = v["collective-host"].empty() ? HostOf(v["listen"]) : v["collective-host"];
+  options.collective_host = flags->Get("collective-host");
+  if (options.collective_host.empty()) options.collective_host = HostOf(listen);
   if (IsWildcard(options.collective_host)) {
     return Usage("--listen binds every address: set --collective-host to the address the peers reach");
   }
@@ -224,7 +199,7 @@ int Main(int argc, char** argv) {
   // registry, which the exposer serves from now on.
   auto registry = std::make_shared<prometheus::Registry>();
   absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
-      ServeMetrics(v["metrics-listen"], registry, &options.metrics_address);
+      ServeMetrics(flags->Get("metrics-listen", "127.0.0.1:0"), registry, &options.metrics_address);
   if (!exposer.ok()) {
     std::fprintf(stderr, "shardserve-worker: %s\n", std::string(exposer.status().message()).c_str());
     return 1;
@@ -233,13 +208,13 @@ int Main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(v["listen"], grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n", v["listen"].c_str());
+    std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n", listen.c_str());
     return 1;
   }
-  options.address = absl::StrCat(HostOf(v["listen"]), ":", port);
+  options.address = absl::StrCat(HostOf(listen), ":", port);
   options.metrics_registry = registry.get();
   LogIds ids;
   ids.node = options.node;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "worker/grpc_rendezvous.h"
 #include "worker/worker_log.h"
 
@@ -76,7 +77,7 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
 absl::Status WorkerService::Run() {
   WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator), Ids());
   std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
-  if (absl::Status s = WaitForCoordinator(channel.get()); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(WaitForCoordinator(channel.get()));
   std::unique_ptr<v1::WorkerControl::Stub> stub = v1::WorkerControl::NewStub(channel);
 
   grpc::ClientContext context;

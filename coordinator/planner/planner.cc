@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "coordinator/planner/format.h"
 #include "coordinator/planner/weights.h"
 #include "kernels/backend.h"
@@ -428,8 +429,8 @@ absl::StatusOr<PlannerModel> OpenPlannerModel(const std::filesystem::path& path)
 
 absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* checkpoint, const ClusterSpec& cluster,
                               const PlanOptions& options) {
-  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
-  if (absl::Status s = ValidateCluster(cluster); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(ValidateOptions(options));
+  SHARDSERVE_RETURN_IF_ERROR(ValidateCluster(cluster));
   const ModelConfig& c = config;
   // A float estimate first, so that no integer product of the sizes below can overflow.
   const double params =
@@ -452,7 +453,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
                                                    " is longer than the model's max_position_embeddings (",
                                                    c.max_position_embeddings, ")"));
   }
-  if (absl::Status s = CheckForcedLayout(c, cluster, options.tp, options.pp); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(CheckForcedLayout(c, cluster, options.tp, options.pp));
 
   Context ctx{c, cluster, options, options.dtype.value_or(c.dtype), 0, 0, 0, {}};
   ctx.usable = static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(cluster.gpu.memory_bytes));

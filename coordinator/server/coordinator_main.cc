@@ -8,7 +8,6 @@
 
 #include <cstdio>
 #include <fstream>
-#include <map>
 #include <memory>
 #include <string>
 
@@ -19,9 +18,9 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/cleanup/cleanup.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/flags.h"
 #include "coordinator/server/inference_service.h"
 #include "coordinator/server/log.h"
 #include "coordinator/server/metrics.h"
@@ -81,99 +80,55 @@ int Fail(const std::string& error) {
 }
 
 int Main(int argc, char** argv) {
-  // `--name value` or `--name=value`; every flag takes a value. Defaults:
-  std::map<std::string, std::string> v = {
-      {"model", ""},
-      {"listen", "127.0.0.1:50051"},
-      {"nodes", "1"},
-      {"gpus-per-node", "1"},
-      {"max-model-len", "0"},
-      {"collective-timeout-seconds", "5"},
-      {"step-timeout-seconds", "10"},
-      {"port-file", ""},
-      {"metrics-listen", "127.0.0.1:9400"},
-      {"log-format", "text"},
-      {"max-num-seqs", "64"},
-      {"max-waiting-requests", "256"},
-      {"max-tokens-per-step", "512"},
-      {"num-kv-blocks", "0"},
-      {"block-size", "16"},
-      {"micro-batches", "0"},
-  };
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::printf("%s", kUsage);
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) return Usage(absl::StrCat("unexpected argument '", arg, "'"));
-    std::string name = arg.substr(2), value;
-    const size_t eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return Usage(absl::StrCat("flag --", name, " needs a value"));
-    }
-    if (!v.count(name)) return Usage(absl::StrCat("unknown flag --", name));
-    v[name] = value;
+  absl::StatusOr<Flags> flags =
+      Flags::Parse(argc, argv,
+                   {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
+                    "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
+                    "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches"},
+                   {"help"});
+  if (!flags.ok()) return Usage(std::string(flags.status().message()));
+  if (flags->Has("help")) {
+    std::printf("%s", kUsage);
+    return 0;
   }
-  if (v["model"].empty()) return Usage("--model is required");
+  if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
+  const std::string model_dir = flags->Get("model");
+  const std::string listen = flags->Get("listen", "127.0.0.1:50051");
+  const std::string port_file = flags->Get("port-file");
+  if (model_dir.empty()) return Usage("--model is required");
+  std::string log_format_name = "text";
   LogFormat log_format;
-  if (!ParseLogFormat(v["log-format"], &log_format)) return Usage("--log-format must be text or json");
-  SetLogFormat(log_format);
   PoolOptions pool_options;
-  double collective_timeout = 0, step_timeout = 0;
-  if (!absl::SimpleAtoi(v["nodes"], &pool_options.nodes) || pool_options.nodes < 1) {
-    return Usage("--nodes must be an integer >= 1");
-  }
-  if (!absl::SimpleAtoi(v["gpus-per-node"], &pool_options.gpus_per_node) || pool_options.gpus_per_node < 1) {
-    return Usage("--gpus-per-node must be an integer >= 1");
-  }
-  if (!absl::SimpleAtoi(v["max-model-len"], &pool_options.max_model_len) || pool_options.max_model_len < 0) {
-    return Usage("--max-model-len must be an integer >= 0 (0: the model's max_position_embeddings)");
-  }
-  if (!absl::SimpleAtod(v["collective-timeout-seconds"], &collective_timeout) ||
-      !(collective_timeout >= 0.001 && collective_timeout <= 3600)) {
-    return Usage("--collective-timeout-seconds must be in [0.001, 3600]");
-  }
-  if (!absl::SimpleAtod(v["step-timeout-seconds"], &step_timeout) || !(step_timeout >= 0.001 && step_timeout <= 3600)) {
-    return Usage("--step-timeout-seconds must be in [0.001, 3600]");
-  }
-  pool_options.collective_timeout = absl::Seconds(collective_timeout);
   EngineOptions engine_options;
+  double collective_timeout = 5, step_timeout = 10;
+  for (const absl::Status& s : {
+           flags->OneOf("log-format", {"text", "json"}, &log_format_name),
+           flags->Int("nodes", 1, 4096, &pool_options.nodes),
+           flags->Int("gpus-per-node", 1, 4096, &pool_options.gpus_per_node),
+           flags->Int("max-model-len", 0, int64_t{1} << 31, &pool_options.max_model_len),
+           flags->Double("collective-timeout-seconds", 0.001, 3600, &collective_timeout),
+           flags->Double("step-timeout-seconds", 0.001, 3600, &step_timeout),
+           flags->Int("max-num-seqs", 1, 4096, &pool_options.max_num_seqs),
+           flags->Int("max-waiting-requests", 0, 1000000, &engine_options.max_waiting),
+           flags->Int("max-tokens-per-step", 1, 65536, &pool_options.max_tokens_per_step),
+           flags->Int("num-kv-blocks", 0, int64_t{1} << 24, &pool_options.num_kv_blocks),
+           flags->Int("block-size", 1, 1024, &pool_options.block_size),
+           flags->Int("micro-batches", 0, 64, &engine_options.micro_batches),
+       }) {
+    if (!s.ok()) return Usage(std::string(s.message()));
+  }
+  ParseLogFormat(log_format_name, &log_format);
+  SetLogFormat(log_format);
+  pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
-  if (!absl::SimpleAtoi(v["max-num-seqs"], &pool_options.max_num_seqs) || pool_options.max_num_seqs < 1 ||
-      pool_options.max_num_seqs > 4096) {
-    return Usage("--max-num-seqs must be an integer in [1, 4096]");
-  }
-  if (!absl::SimpleAtoi(v["max-waiting-requests"], &engine_options.max_waiting) || engine_options.max_waiting < 0 ||
-      engine_options.max_waiting > 1000000) {
-    return Usage("--max-waiting-requests must be an integer in [0, 1000000]");
-  }
-  if (!absl::SimpleAtoi(v["max-tokens-per-step"], &pool_options.max_tokens_per_step) ||
-      pool_options.max_tokens_per_step < pool_options.max_num_seqs || pool_options.max_tokens_per_step > 65536) {
-    return Usage(absl::StrCat("--max-tokens-per-step must be an integer in [--max-num-seqs (",
-                              pool_options.max_num_seqs, "), 65536], so that every running sequence's decode fits "
-                              "in one step"));
-  }
-  if (!absl::SimpleAtoi(v["num-kv-blocks"], &pool_options.num_kv_blocks) || pool_options.num_kv_blocks < 0 ||
-      pool_options.num_kv_blocks > (int64_t{1} << 24)) {
-    return Usage("--num-kv-blocks must be an integer in [0, 16777216] (0: from the workers' memory)");
-  }
-  if (!absl::SimpleAtoi(v["block-size"], &pool_options.block_size) || pool_options.block_size < 1 ||
-      pool_options.block_size > 1024) {
-    return Usage("--block-size must be an integer in [1, 1024]");
+  if (pool_options.max_tokens_per_step < pool_options.max_num_seqs) {
+    return Usage(absl::StrCat("--max-tokens-per-step (", pool_options.max_tokens_per_step,
+                              ") must be at least --max-num-seqs (", pool_options.max_num_seqs,
+                              "), so that every running sequence's decode fits in one step"));
   }
   if (pool_options.num_kv_blocks * pool_options.block_size > kMaxKvCacheTokens) {
     return Usage(absl::StrCat("--num-kv-blocks x --block-size must be at most ", kMaxKvCacheTokens,
                               " tokens (KV cache slots are 32-bit)"));
-  }
-  if (!absl::SimpleAtoi(v["micro-batches"], &engine_options.micro_batches) || engine_options.micro_batches < 0 ||
-      engine_options.micro_batches > 64) {
-    return Usage("--micro-batches must be an integer in [0, 64] (0: one per pipeline stage)");
   }
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.
@@ -183,7 +138,7 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(v["model"]);
+  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model->get(), pool_options);
   if (!pool.ok()) return Fail(std::string(pool.status().message()));
@@ -197,7 +152,7 @@ int Main(int argc, char** argv) {
   absl::Cleanup unset_metrics = [&] { (*pool)->SetMetrics(nullptr); };  // metrics die before the pool
   std::string metrics_address;
   absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
-      ServeMetrics(v["metrics-listen"], metrics.registry(), &metrics_address);
+      ServeMetrics(flags->Get("metrics-listen", "127.0.0.1:9400"), metrics.registry(), &metrics_address);
   if (!exposer.ok()) return Fail(std::string(exposer.status().message()));
   CoordinatorLog("server", absl::StrCat("metrics on http://", metrics_address, "/metrics"));
 
@@ -208,24 +163,23 @@ int Main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(v["listen"], grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&inference);
   builder.RegisterService(&control);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return Fail(absl::StrCat("cannot listen on ", v["listen"]));
+  if (server == nullptr || port == 0) return Fail(absl::StrCat("cannot listen on ", listen));
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   (*pool)->SetServingListener([health](bool serving) {
     health->SetServingStatus(kInferenceServiceName, serving);
     health->SetServingStatus(serving);
   });
-  if (!v["port-file"].empty()) {
-    const std::string tmp = v["port-file"] + ".tmp";
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";
-    if (std::rename(tmp.c_str(), v["port-file"].c_str()) != 0) {
-      return Fail(absl::StrCat("cannot write --port-file ", v["port-file"]));
+    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) {
+      return Fail(absl::StrCat("cannot write --port-file ", port_file));
     }
   }
-  const std::string listen = v["listen"];
   CoordinatorLog("server", absl::StrCat("listening on ", listen.substr(0, listen.rfind(':')), ":", port,
                                         "; waiting for ", pool_options.nodes, " nodes x ", pool_options.gpus_per_node,
                                         " workers"));

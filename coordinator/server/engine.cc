@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "coordinator/server/log.h"
 
 namespace shardserve {
@@ -79,7 +80,7 @@ void Engine::Shutdown() {
 }
 
 absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, SteadyTime arrival) {
-  if (absl::Status s = pool_->CheckServing(); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(pool_->CheckServing());
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
   // Requests not yet scheduled take the free places of the running batch first, then the queue.
@@ -231,7 +232,7 @@ absl::Status Engine::SendSteps() {
       metrics_->step_sequences.Observe(static_cast<double>(batch->entries.size()));
       metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
     }
-    if (absl::Status s = pool_->StartStep(step_); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_));
     in_flight_.push_back(InFlight{lane, batch->step_id, now});
   }
   return absl::OkStatus();
@@ -240,7 +241,7 @@ absl::Status Engine::SendSteps() {
 absl::Status Engine::FinishOldest() {
   const InFlight f = in_flight_.front();
   in_flight_.pop_front();
-  if (absl::Status s = pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_));
   const auto now = std::chrono::steady_clock::now();
   const double step_seconds = SecondsBetween(f.sent, now);
   for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
@@ -66,7 +67,7 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
   for (int64_t id : m->config.eos_token_ids) {
     if (id >= 0 && id <= INT32_MAX) m->eos_ids.push_back(static_cast<int32_t>(id));
   }
-  if (absl::Status s = ReadGenerationEos(path / "generation_config.json", &m->eos_ids); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(ReadGenerationEos(path / "generation_config.json", &m->eos_ids));
   std::sort(m->eos_ids.begin(), m->eos_ids.end());
   m->eos_ids.erase(std::unique(m->eos_ids.begin(), m->eos_ids.end()), m->eos_ids.end());
   return m;

@@ -6,6 +6,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "coordinator/tokenizer/unicode.h"
 
 namespace shardserve::tokenizer_internal {
@@ -71,8 +72,8 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const Json& config,
     if (!dropout->is_number()) return Malformed(kWhere, "'dropout' must be a number or null");
     if (dropout->get<double>() != 0.0) return Unsupported(kWhere, "BPE dropout (non-deterministic encoding)");
   }
-  if (absl::Status s = RequireEmptyOption(config, "continuing_subword_prefix"); !s.ok()) return s;
-  if (absl::Status s = RequireEmptyOption(config, "end_of_word_suffix"); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(RequireEmptyOption(config, "continuing_subword_prefix"));
+  SHARDSERVE_RETURN_IF_ERROR(RequireEmptyOption(config, "end_of_word_suffix"));
   absl::StatusOr<bool> fuse_unk = GetBool(config, "fuse_unk", false, kWhere);
   absl::StatusOr<bool> byte_fallback = GetBool(config, "byte_fallback", false, kWhere);
   absl::StatusOr<bool> ignore_merges = GetBool(config, "ignore_merges", false, kWhere);

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "coordinator/tokenizer/unicode.h"
 
 namespace shardserve::tokenizer_internal {
@@ -49,7 +50,7 @@ absl::StatusOr<std::unique_ptr<Decoder>> Decoder::FromJson(const Json& config) {
     d->join_with_spaces_ = true;
     return d;
   }
-  if (absl::Status s = AddStages(config, &d->stages_); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(AddStages(config, &d->stages_));
   return d;
 }
 
@@ -61,7 +62,7 @@ absl::Status Decoder::AddStages(const Json& config, std::vector<Stage>* stages) 
     absl::StatusOr<const Json*> items = GetArray(config, "decoders", where);
     if (!items.ok()) return items.status();
     for (const Json& item : **items) {
-      if (absl::Status s = AddStages(item, stages); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(AddStages(item, stages));
     }
     return absl::OkStatus();
   }
@@ -79,7 +80,7 @@ absl::Status Decoder::AddStages(const Json& config, std::vector<Stage>* stages) 
     stage.kind = Stage::Kind::kReplace;
     std::string pattern;
     bool is_regex = false;
-    if (absl::Status s = GetPattern(config, where, &pattern, &is_regex); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(GetPattern(config, where, &pattern, &is_regex));
     if (pattern.empty()) return Unsupported(where, "an empty pattern");
     absl::StatusOr<std::string> content = GetString(config, "content", where);
     if (!content.ok()) return content.status();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "coordinator/tokenizer/pattern.h"
 #include "coordinator/tokenizer/unicode.h"
 
@@ -147,7 +148,7 @@ class SequenceNormalizer final : public Normalizer {
 
   absl::Status Normalize(std::string* text, std::string* scratch) const override {
     for (const auto& step : steps_) {
-      if (absl::Status s = step->Normalize(text, scratch); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(step->Normalize(text, scratch));
     }
     return absl::OkStatus();
   }
@@ -173,7 +174,7 @@ absl::StatusOr<std::unique_ptr<Normalizer>> Normalizer::FromJson(const Json& con
   if (*type == "Replace") {
     std::string pattern;
     bool is_regex = false;
-    if (absl::Status s = GetPattern(config, where, &pattern, &is_regex); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(GetPattern(config, where, &pattern, &is_regex));
     absl::StatusOr<std::string> content = GetString(config, "content", where);
     if (!content.ok()) return content.status();
     std::unique_ptr<Pattern> compiled;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "base/status_macros.h"
 
 namespace shardserve::tokenizer_internal {
 
@@ -109,7 +110,7 @@ absl::Status PieceList::Rewrite(absl::FunctionRef<absl::Status(const Piece&, std
       continue;
     }
     const size_t begin = next_text_.size();
-    if (absl::Status s = rewrite(piece, PieceText(piece), &next_text_); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(rewrite(piece, PieceText(piece), &next_text_));
     if (next_text_.size() > begin) next_pieces_.push_back(Piece{begin, next_text_.size(), -1, piece.at_input_start});
   }
   std::swap(text_, next_text_);
@@ -211,7 +212,7 @@ class SequencePreTokenizer final : public PreTokenizer {
 
   absl::Status PreTokenize(PieceList* list) const override {
     for (const auto& step : steps_) {
-      if (absl::Status s = step->PreTokenize(list); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(step->PreTokenize(list));
     }
     return absl::OkStatus();
   }
@@ -249,7 +250,7 @@ absl::StatusOr<std::unique_ptr<PreTokenizer>> PreTokenizer::FromJson(const Json&
   if (*type == "Split") {
     std::string pattern;
     bool is_regex = false;
-    if (absl::Status s = GetPattern(config, where, &pattern, &is_regex); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(GetPattern(config, where, &pattern, &is_regex));
     absl::StatusOr<SplitBehavior> behavior = ParseBehavior(config, where);
     if (!behavior.ok()) return behavior.status();
     absl::StatusOr<bool> invert = GetBool(config, "invert", false, where);

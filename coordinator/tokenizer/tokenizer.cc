@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "coordinator/tokenizer/added_vocabulary.h"
 #include "coordinator/tokenizer/bpe.h"
 #include "coordinator/tokenizer/decoder.h"
@@ -97,7 +98,7 @@ absl::Status ParsePostProcessor(const Json& config, std::vector<int32_t>* prefix
     absl::StatusOr<const Json*> items = tokenizer_internal::GetArray(config, "processors", where);
     if (!items.ok()) return items.status();
     for (const Json& item : **items) {
-      if (absl::Status s = ParsePostProcessor(item, prefix, suffix); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(ParsePostProcessor(item, prefix, suffix));
     }
     return absl::OkStatus();
   }
@@ -210,7 +211,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
   if (!decoder.ok()) return decoder.status();
   t->decoder_ = *std::move(decoder);
   if (const Json* p = Field(*root, "post_processor"); p != nullptr) {
-    if (absl::Status s = ParsePostProcessor(*p, &t->prefix_ids_, &t->suffix_ids_); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(ParsePostProcessor(*p, &t->prefix_ids_, &t->suffix_ids_));
   }
 
   absl::StatusOr<std::vector<AddedToken>> added_tokens = ParseAddedTokens(*root);
@@ -219,8 +220,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
   if (!added.ok()) return added.status();
   t->added_ = std::make_unique<AddedVocabulary>(*std::move(added));
 
-  if (absl::Status s = t->IndexTokens(); !s.ok()) return s;
-  if (absl::Status s = t->ReadBosEos(tokenizer_config_json, generation_config_json); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(t->IndexTokens());
+  SHARDSERVE_RETURN_IF_ERROR(t->ReadBosEos(tokenizer_config_json, generation_config_json));
   return t;
 } catch (const std::exception& e) {
   // The parsers above check types before use; this keeps anything unforeseen inside the library.
@@ -299,20 +300,20 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bo
   }
   PieceList list;
   list.Reset(text);
-  if (absl::Status s = added_->Extract(&list, /*normalized_set=*/false); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(added_->Extract(&list, /*normalized_set=*/false));
   if (normalizer_ != nullptr) {
     std::string piece, scratch;
     absl::Status s = list.Rewrite([&](const tokenizer_internal::Piece&, std::string_view in, std::string* out) {
       piece.assign(in);
-      if (absl::Status n = normalizer_->Normalize(&piece, &scratch); !n.ok()) return n;
+      SHARDSERVE_RETURN_IF_ERROR(normalizer_->Normalize(&piece, &scratch));
       out->append(piece);
       return absl::OkStatus();
     });
     if (!s.ok()) return s;
   }
-  if (absl::Status s = added_->Extract(&list, /*normalized_set=*/true); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(added_->Extract(&list, /*normalized_set=*/true));
   if (pre_tokenizer_ != nullptr) {
-    if (absl::Status s = pre_tokenizer_->PreTokenize(&list); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(pre_tokenizer_->PreTokenize(&list));
   }
 
   std::vector<int32_t> ids;

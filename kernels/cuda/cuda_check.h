@@ -1,8 +1,8 @@
 // CUDA and cuBLAS error checks that become absl::Status, plus small launch helpers.
 //
-// Every CUDA runtime or cuBLAS call in kernels/cuda/ goes through one of the macros below, so an
-// error reaches the worker as a Status that names the call, the error and the file:line, never
-// as an exception or an abort. The macros `return` from the enclosing function, which must
+// Every CUDA runtime or cuBLAS call in kernels/cuda/ goes through one of the macros below (built
+// on base/status_macros.h), so an error reaches the worker as a Status that names the call, the
+// error and the file:line, never as an exception or an abort. The macros `return` from the enclosing function, which must
 // return absl::Status (or absl::StatusOr<T>, which converts from a non-OK Status).
 //
 //   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream));
@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardserve::cuda {
 
@@ -92,33 +93,18 @@ constexpr unsigned int GridFor(int64_t n, int threads, int64_t max_blocks = 4096
 }  // namespace shardserve::cuda
 
 // Returns a Status from the enclosing function when the CUDA runtime call `expr` fails.
-#define SHARDSERVE_CUDA_RETURN_IF_ERROR(expr)                                                         \
-  do {                                                                                                \
-    const cudaError_t shardserve_cuda_err_ = (expr);                                                  \
-    if (shardserve_cuda_err_ != cudaSuccess) {                                                        \
-      return ::shardserve::cuda::CudaErrorToStatus(shardserve_cuda_err_, #expr, __FILE__, __LINE__); \
-    }                                                                                                 \
-  } while (0)
+#define SHARDSERVE_CUDA_RETURN_IF_ERROR(expr) \
+  SHARDSERVE_RETURN_IF_ERROR(::shardserve::cuda::CudaErrorToStatus((expr), #expr, __FILE__, __LINE__))
 
 // Returns a Status from the enclosing function when the cuBLAS call `expr` fails.
-#define SHARDSERVE_CUBLAS_RETURN_IF_ERROR(expr)                                                          \
-  do {                                                                                                   \
-    const cublasStatus_t shardserve_cublas_st_ = (expr);                                                 \
-    if (shardserve_cublas_st_ != CUBLAS_STATUS_SUCCESS) {                                                \
-      return ::shardserve::cuda::CublasErrorToStatus(shardserve_cublas_st_, #expr, __FILE__, __LINE__); \
-    }                                                                                                    \
-  } while (0)
+#define SHARDSERVE_CUBLAS_RETURN_IF_ERROR(expr) \
+  SHARDSERVE_RETURN_IF_ERROR(::shardserve::cuda::CublasErrorToStatus((expr), #expr, __FILE__, __LINE__))
 
 // After a <<<...>>> launch: returns a Status when the launch itself failed (bad configuration,
 // no kernel image for this GPU, a sticky error from earlier work). `what` names the kernel.
 // Errors while the kernel runs surface at the next synchronizing call.
-#define SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR(what)                                                    \
-  do {                                                                                                  \
-    const cudaError_t shardserve_cuda_err_ = cudaGetLastError();                                        \
-    if (shardserve_cuda_err_ != cudaSuccess) {                                                          \
-      return ::shardserve::cuda::CudaErrorToStatus(shardserve_cuda_err_, "launch of " what, __FILE__, \
-                                                   __LINE__);                                           \
-    }                                                                                                   \
-  } while (0)
+#define SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR(what) \
+  SHARDSERVE_RETURN_IF_ERROR(                        \
+      ::shardserve::cuda::CudaErrorToStatus(cudaGetLastError(), "launch of " what, __FILE__, __LINE__))
 
 #endif  // SHARDSERVE_KERNELS_CUDA_CUDA_CHECK_H_

@@ -46,7 +46,7 @@
 #include "tools/cli/bench_stats.h"
 #include "tools/cli/client.h"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 #include "tools/cli/local_cluster.h"
 
 namespace shardserve::cli {

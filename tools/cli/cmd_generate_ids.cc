@@ -10,7 +10,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 #include "worker/llama.h"
 
 namespace shardserve::cli {

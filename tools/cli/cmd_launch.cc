@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "tools/cli/client.h"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 #include "tools/cli/local_cluster.h"
 
 namespace shardserve::cli {

@@ -9,11 +9,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "coordinator/planner/cluster.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/render.h"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 
 namespace shardserve::cli {
 namespace {
@@ -58,29 +59,6 @@ int Usage(const std::string& msg) {
   return 2;
 }
 
-// A positive finite number flag; `*out` keeps its value when the flag is absent.
-absl::Status PositiveFlag(const Flags& f, const std::string& name, double* out) {
-  absl::StatusOr<double> v = f.GetDouble(name, *out);
-  if (!v.ok()) return v.status();
-  if (f.Has(name) && !(std::isfinite(*v) && *v > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("flag --", name, " must be a positive number, got ", f.Get(name)));
-  }
-  *out = *v;
-  return absl::OkStatus();
-}
-
-// An integer flag in [lo, hi]; `*out` keeps its value when the flag is absent.
-template <typename T>
-absl::Status IntFlag(const Flags& f, const std::string& name, int64_t lo, int64_t hi, T* out) {
-  absl::StatusOr<int64_t> v = f.GetInt(name, *out);
-  if (!v.ok()) return v.status();
-  if (f.Has(name) && (*v < lo || *v > hi)) {
-    return absl::InvalidArgumentError(absl::StrCat("flag --", name, " must be in [", lo, ", ", hi, "], got ", *v));
-  }
-  *out = static_cast<T>(*v);
-  return absl::OkStatus();
-}
-
 // The cluster from --cluster and the explicit flags, which override the preset's fields.
 absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
   ClusterSpec c;
@@ -99,17 +77,17 @@ absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
     c.inter_node_latency_s = kNicLatency;
   }
   int nodes = c.nodes(), gpus = c.gpus_per_node.front();
-  if (absl::Status s = IntFlag(f, "nodes", 1, 4096, &nodes); !s.ok()) return s;
-  if (absl::Status s = IntFlag(f, "gpus-per-node", 1, 4096, &gpus); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("nodes", 1, 4096, &nodes));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("gpus-per-node", 1, 4096, &gpus));
   c.gpus_per_node.assign(nodes, gpus);
 
   double memory_gib = static_cast<double>(c.gpu.memory_bytes) / (1 << 30);
-  if (absl::Status s = PositiveFlag(f, "gpu-memory-gb", &memory_gib); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(f.Positive("gpu-memory-gb", &memory_gib));
   if (memory_gib > 1e6) return absl::InvalidArgumentError("flag --gpu-memory-gb is above a million GiB");
   double hbm = c.gpu.hbm_bytes_per_s / 1e9, intra = c.intra_node_bytes_per_s / 1e9,
          inter = c.inter_node_bytes_per_s / 1e9;
   for (auto [name, gbps] : {std::pair{"hbm-gbps", &hbm}, {"intra-node-gbps", &intra}, {"inter-node-gbps", &inter}}) {
-    if (absl::Status s = PositiveFlag(f, name, gbps); !s.ok()) return s;
+    SHARDSERVE_RETURN_IF_ERROR(f.Positive(name, gbps));
     // The planner's range (cluster.h), said here in the flags' unit.
     if (!(*gbps * 1e9 >= kMinBandwidthBytesPerS && *gbps * 1e9 <= kMaxBandwidthBytesPerS)) {
       return absl::InvalidArgumentError(
@@ -130,22 +108,17 @@ absl::StatusOr<ClusterSpec> ClusterFromFlags(const Flags& f) {
 absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   PlanOptions o;
   double util = o.gpu_memory_utilization;
-  if (absl::Status s = PositiveFlag(f, "gpu-memory-utilization", &util); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(f.Positive("gpu-memory-utilization", &util));
   if (util > 1) return absl::InvalidArgumentError("flag --gpu-memory-utilization must be in (0, 1]");
   o.gpu_memory_utilization = util;
-  if (absl::Status s = IntFlag(f, "max-model-len", 1, int64_t{1} << 31, &o.max_model_len); !s.ok()) return s;
-  if (absl::Status s = IntFlag(f, "max-tokens-per-step", 1, int64_t{1} << 20, &o.max_tokens_per_step); !s.ok())
-    return s;
-  if (absl::Status s = IntFlag(f, "max-seqs-per-step", 1, int64_t{1} << 20, &o.max_seqs_per_step); !s.ok()) return s;
-  absl::StatusOr<double> reserve_gib =
-      f.GetDouble("runtime-reserve-gb", static_cast<double>(o.runtime_reserve_bytes) / (1 << 30));
-  if (!reserve_gib.ok()) return reserve_gib.status();
-  if (!(std::isfinite(*reserve_gib) && *reserve_gib >= 0 && *reserve_gib <= 1e6)) {
-    return absl::InvalidArgumentError("flag --runtime-reserve-gb must be in [0, 1e6]");
-  }
-  o.runtime_reserve_bytes = static_cast<uint64_t>(*reserve_gib * (1 << 30));
-  if (absl::Status s = IntFlag(f, "tp", 1, 4096, &o.tp); !s.ok()) return s;
-  if (absl::Status s = IntFlag(f, "pp", 1, 1 << 20, &o.pp); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-model-len", 1, int64_t{1} << 31, &o.max_model_len));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-tokens-per-step", 1, int64_t{1} << 20, &o.max_tokens_per_step));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-seqs-per-step", 1, int64_t{1} << 20, &o.max_seqs_per_step));
+  double reserve_gib = static_cast<double>(o.runtime_reserve_bytes) / (1 << 30);
+  SHARDSERVE_RETURN_IF_ERROR(f.Double("runtime-reserve-gb", 0, 1e6, &reserve_gib));
+  o.runtime_reserve_bytes = static_cast<uint64_t>(reserve_gib * (1 << 30));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("tp", 1, 4096, &o.tp));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("pp", 1, 1 << 20, &o.pp));
   if (f.Has("dtype")) {
     absl::StatusOr<DType> d = ParsePlanDType(f.Get("dtype"));
     if (!d.ok()) return d.status();

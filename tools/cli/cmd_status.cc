@@ -8,7 +8,7 @@
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/client.h"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 
 namespace shardserve::cli {
 namespace {

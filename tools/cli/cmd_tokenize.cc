@@ -12,7 +12,7 @@
 #include "coordinator/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/cli/command.h"
-#include "tools/cli/flags.h"
+#include "base/flags.h"
 
 namespace shardserve::cli {
 namespace {

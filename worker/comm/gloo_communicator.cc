@@ -27,6 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "base/status_macros.h"
 #include "worker/comm/checks.h"
 
 namespace shardserve {
@@ -233,7 +234,7 @@ class GlooCommunicator final : public Communicator {
 
   absl::Status AllGather(Tensor* out, const Tensor& in) override {
     return Run("AllGather", other_ranks_, [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckAllGatherShapes(*out, in, size()); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckAllGatherShapes(*out, in, size()));
       if (in.bytes() == 0) return absl::OkStatus();
       gloo::AllgatherOptions opts(context_);
       // Gloo gathers bytes here: the dtype only sets the element size, and bytes need no reduction.
@@ -247,7 +248,7 @@ class GlooCommunicator final : public Communicator {
 
   absl::Status Send(const Tensor& t, int peer) override {
     return Run("Send", absl::StrCat("rank ", peer), [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckPeer(peer, rank(), size()); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank(), size()));
       P2pHeader header = HeaderOf(t);
       auto header_buf = context_->createUnboundBuffer(&header, sizeof(header));
       header_buf->send(peer, kHeaderSlot);
@@ -264,7 +265,7 @@ class GlooCommunicator final : public Communicator {
 
   absl::Status Recv(Tensor* t, int peer) override {
     return Run("Recv", absl::StrCat("rank ", peer), [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckPeer(peer, rank(), size()); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank(), size()));
       P2pHeader got{};
       auto header_buf = context_->createUnboundBuffer(&got, sizeof(got));
       header_buf->recv(peer, kHeaderSlot);
@@ -331,7 +332,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeGlooCommunicator(RendezvousSto
                                                                    const std::string& group_name, int rank, int size,
                                                                    const std::string& bind_address,
                                                                    absl::Duration timeout) {
-  if (absl::Status s = comm::CheckGroupArgs("Gloo", store, group_name, rank, size, timeout); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(comm::CheckGroupArgs("Gloo", store, group_name, rank, size, timeout));
   const std::string where = comm::GroupWhere(group_name, rank, size);
   IgnoreSigpipe();
 

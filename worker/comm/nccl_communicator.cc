@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/cuda_check.h"
 #include "worker/comm/checks.h"
 
@@ -142,38 +143,34 @@ class NcclCommunicator final : public Communicator {
 
   absl::Status AllReduceSum(Tensor* t) override {
     return Run("AllReduceSum", other_ranks_, [&]() -> absl::Status {
-      absl::StatusOr<ncclDataType_t> type = NcclType(t->dtype);
-      if (!type.ok()) return type.status();
-      return Accepted(ncclAllReduce(t->data, t->data, static_cast<size_t>(t->numel()), *type, ncclSum, comm_, stream_),
+      SHARDSERVE_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t->dtype));
+      return Accepted(ncclAllReduce(t->data, t->data, static_cast<size_t>(t->numel()), type, ncclSum, comm_, stream_),
                       comm_, "ncclAllReduce");
     });
   }
 
   absl::Status AllGather(Tensor* out, const Tensor& in) override {
     return Run("AllGather", other_ranks_, [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckAllGatherShapes(*out, in, size_); !s.ok()) return s;
-      absl::StatusOr<ncclDataType_t> type = NcclType(in.dtype);
-      if (!type.ok()) return type.status();
-      return Accepted(ncclAllGather(in.data, out->data, static_cast<size_t>(in.numel()), *type, comm_, stream_), comm_,
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckAllGatherShapes(*out, in, size_));
+      SHARDSERVE_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in.dtype));
+      return Accepted(ncclAllGather(in.data, out->data, static_cast<size_t>(in.numel()), type, comm_, stream_), comm_,
                       "ncclAllGather");
     });
   }
 
   absl::Status Send(const Tensor& t, int peer) override {
     return Run("Send", absl::StrCat("rank ", peer), [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckPeer(peer, rank_, size_); !s.ok()) return s;
-      absl::StatusOr<ncclDataType_t> type = NcclType(t.dtype);
-      if (!type.ok()) return type.status();
-      return Accepted(ncclSend(t.data, static_cast<size_t>(t.numel()), *type, peer, comm_, stream_), comm_, "ncclSend");
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank_, size_));
+      SHARDSERVE_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t.dtype));
+      return Accepted(ncclSend(t.data, static_cast<size_t>(t.numel()), type, peer, comm_, stream_), comm_, "ncclSend");
     });
   }
 
   absl::Status Recv(Tensor* t, int peer) override {
     return Run("Recv", absl::StrCat("rank ", peer), [&]() -> absl::Status {
-      if (absl::Status s = comm::CheckPeer(peer, rank_, size_); !s.ok()) return s;
-      absl::StatusOr<ncclDataType_t> type = NcclType(t->dtype);
-      if (!type.ok()) return type.status();
-      return Accepted(ncclRecv(t->data, static_cast<size_t>(t->numel()), *type, peer, comm_, stream_), comm_,
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank_, size_));
+      SHARDSERVE_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t->dtype));
+      return Accepted(ncclRecv(t->data, static_cast<size_t>(t->numel()), type, peer, comm_, stream_), comm_,
                       "ncclRecv");
     });
   }
@@ -198,10 +195,10 @@ class NcclCommunicator final : public Communicator {
     const absl::Time deadline = absl::Now() + timeout_;
     absl::Status status = [&]() -> absl::Status {
       SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-      if (absl::Status s = enqueue(); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(enqueue());
       // A non-blocking communicator may still be enqueuing (ncclInProgress); the stream holds the
       // work only once that is done.
-      if (absl::Status s = WaitForComm(deadline); !s.ok()) return s;
+      SHARDSERVE_RETURN_IF_ERROR(WaitForComm(deadline));
       SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(done_, stream_));
       return WaitForEvent(deadline);
     }();
@@ -280,10 +277,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(RendezvousSto
                                                                    const std::string& group_name, int rank, int size,
                                                                    int cuda_device, CUstream_st* stream,
                                                                    absl::Duration timeout) {
-  if (absl::Status s = comm::CheckGroupArgs("NCCL", store, group_name, rank, size, timeout); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(comm::CheckGroupArgs("NCCL", store, group_name, rank, size, timeout));
   auto communicator = std::make_unique<NcclCommunicator>(rank, size, cuda_device, stream,
                                                          comm::GroupWhere(group_name, rank, size), timeout);
-  if (absl::Status s = communicator->Init(store, group_name); !s.ok()) return s;
+  SHARDSERVE_RETURN_IF_ERROR(communicator->Init(store, group_name));
   return communicator;
 }
 
