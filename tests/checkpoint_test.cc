@@ -21,6 +21,10 @@ namespace shardserve {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Small step limits for loading a shard: 256 tokens and 16 sequences per step, 64 blocks of 16 tokens.
+constexpr StepLimits kLimits{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16,
+                             .num_kv_blocks = 64, .max_model_len = 512};
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
@@ -103,7 +107,7 @@ class CheckpointTest : public ::testing::Test {
     if (!ckpt.ok()) return ckpt.status();
     std::unique_ptr<Backend> backend = MakeCpuBackend();
     LocalCommunicator tp(backend.get());
-    return LlamaShard::Load(**ckpt, *config, ShardSpec{}, RuntimeOptions{}, backend.get(), &tp).status();
+    return LlamaShard::Load(**ckpt, *config, ShardSpec{}, kLimits, backend.get(), &tp).status();
   }
   std::string OpenError() {
     absl::StatusOr<std::unique_ptr<Checkpoint>> c = Checkpoint::Open(dir_);
@@ -341,7 +345,7 @@ TEST_F(CheckpointTest, BadStepInputIsAnErrorNotACrash) {
   ASSERT_TRUE(config.ok() && ckpt.ok());
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   LocalCommunicator tp(backend.get());
-  RuntimeOptions opt;
+  const StepLimits opt = kLimits;
   auto model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << model.status();
   StepBatch b;
@@ -350,7 +354,7 @@ TEST_F(CheckpointTest, BadStepInputIsAnErrorNotACrash) {
   b.token_seq = {0};
   b.slots = {0};
   b.num_seqs = 1;
-  b.block_tables.assign(opt.max_blocks_per_seq, 0);
+  b.block_tables.assign(opt.max_blocks_per_seq(), 0);
   absl::Status s = (*model)->Forward(b);
   EXPECT_THAT(std::string(s.message()), HasSubstr("token id 99"));
   b.token_ids = {1};

@@ -380,10 +380,8 @@ TEST(ClusterPrefillTest, LongPromptIsPrefilledInChunksAcrossStages) {
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   LocalCommunicator tp(backend.get());
-  RuntimeOptions whole_prompt;
-  whole_prompt.max_tokens_per_step = 1024;
-  whole_prompt.max_seqs_per_step = 1;
-  whole_prompt.num_kv_blocks = whole_prompt.max_blocks_per_seq = 64;
+  const StepLimits whole_prompt{.max_tokens_per_step = 1024, .max_seqs_per_step = 1, .block_size = 16,
+                                .num_kv_blocks = 64, .max_model_len = 64 * 16};
   absl::StatusOr<std::unique_ptr<LlamaShard>> model =
       LlamaShard::Load(**checkpoint, *config, ShardSpec{}, whole_prompt, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << model.status();

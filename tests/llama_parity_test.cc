@@ -159,7 +159,7 @@ struct LoadedFixture {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LocalCommunicator> tp;
 
-  absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const RuntimeOptions& opt) {
+  absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const StepLimits& opt) {
     return LlamaShard::Load(*ckpt, config, ShardSpec{}, opt, backend.get(), tp.get());
   }
 };
@@ -185,12 +185,8 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
 
   LoadedFixture f;
   ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine, &f));
-  RuntimeOptions opt;
-  opt.max_tokens_per_step = chunk;
-  opt.max_seqs_per_step = 1;
-  opt.block_size = 16;
-  opt.max_blocks_per_seq = 8;
-  opt.num_kv_blocks = 8;
+  const StepLimits opt{.max_tokens_per_step = chunk, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
+                       .max_model_len = 8 * 16};
   absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
 
@@ -225,8 +221,8 @@ TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
   ASSERT_EQ(g.greedy.size(), 32u);
   LoadedFixture f;
   ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine(), &f));
-  RuntimeOptions opt;
-  opt.max_blocks_per_seq = opt.num_kv_blocks = 8;
+  const StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 8,
+                       .max_model_len = 8 * 16};
   auto last_logits = [&](const std::vector<int32_t>& prompt, std::vector<int32_t>* ids) -> std::vector<float> {
     absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
     EXPECT_TRUE(model.ok()) << model.status();
@@ -294,7 +290,8 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
 
   // Each sequence alone, on a fresh shard.
   for (Seq& s : seqs) {
-    absl::StatusOr<std::unique_ptr<LlamaShard>> alone = f.Load(RuntimeOptions{});
+    absl::StatusOr<std::unique_ptr<LlamaShard>> alone = f.Load(StepLimits{
+        .max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 64, .max_model_len = 512});
     ASSERT_TRUE(alone.ok()) << alone.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(alone->get(), s.prompt, kNewTokens, &s.want_logits);
     ASSERT_TRUE(ids.ok()) << ids.status();
@@ -302,19 +299,15 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   }
 
   // All three in one shard: 48 blocks of 4 tokens, shuffled, 16 to each sequence.
-  RuntimeOptions opt;
-  opt.max_tokens_per_step = 16;
-  opt.max_seqs_per_step = kSeqs;
-  opt.block_size = 4;
-  opt.max_blocks_per_seq = 16;
-  opt.num_kv_blocks = kSeqs * opt.max_blocks_per_seq;
+  StepLimits opt{.max_tokens_per_step = 16, .max_seqs_per_step = kSeqs, .block_size = 4, .max_model_len = 16 * 4};
+  opt.num_kv_blocks = kSeqs * opt.max_blocks_per_seq();
   absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<int32_t> blocks(opt.num_kv_blocks);
   std::iota(blocks.begin(), blocks.end(), 0);
   std::shuffle(blocks.begin(), blocks.end(), std::mt19937(7));
   for (int64_t i = 0; i < kSeqs; ++i) {
-    seqs[i].table.assign(blocks.begin() + i * opt.max_blocks_per_seq, blocks.begin() + (i + 1) * opt.max_blocks_per_seq);
+    seqs[i].table.assign(blocks.begin() + i * opt.max_blocks_per_seq(), blocks.begin() + (i + 1) * opt.max_blocks_per_seq());
     seqs[i].tokens = seqs[i].prompt;
   }
   absl::StatusOr<Buffer> next_buf = backend->Allocate(kSeqs * sizeof(int32_t));

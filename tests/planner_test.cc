@@ -134,7 +134,7 @@ TEST(Planner, Qwen72B_ExplicitMaxModelLen) {
   Plan p = MustPlan(c, Cluster("1x2xA100-80GB"), o);
   EXPECT_TRUE(p.fits);
   EXPECT_EQ(p.max_model_len, 8192);
-  EXPECT_EQ(p.sizing.max_blocks_per_seq, 8192 / 16);
+  EXPECT_EQ(p.limits.max_blocks_per_seq(), 8192 / 16);
   // Asked for, 32768 is a requirement: refused, with the length that would fit.
   o.max_model_len = 32768;
   p = MustPlan(c, Cluster("1x2xA100-80GB"), o);
@@ -280,7 +280,7 @@ TEST(Planner, KvCacheTakesWhatIsLeft) {
   const uint64_t left = p.usable_bytes_per_gpu - g.weight_bytes - g.activation_bytes - g.reserve_bytes;
   EXPECT_EQ(g.kv_cache_tokens, static_cast<int64_t>(left / g.kv_bytes_per_token));
   EXPECT_EQ(p.kv_cache_tokens, g.kv_cache_tokens / 16 * 16);
-  EXPECT_EQ(p.sizing.num_kv_blocks, g.kv_cache_tokens / 16);
+  EXPECT_EQ(p.limits.num_kv_blocks, g.kv_cache_tokens / 16);
   EXPECT_EQ(p.max_model_len, 131072);
   EXPECT_GT(p.kv_cache_tokens, 3 * 131072);
 }
@@ -300,7 +300,7 @@ TEST(Planner, KvCacheStopsAtWhatInt32SlotsAddress) {
   ASSERT_TRUE(p.fits) << p.reason;
   ASSERT_EQ(p.per_gpu.size(), 1u);
   EXPECT_GT(p.per_gpu[0].kv_cache_tokens, kMaxKvCacheTokens);  // what the memory holds
-  EXPECT_EQ(p.sizing.num_kv_blocks, kMaxKvCacheTokens / 16);
+  EXPECT_EQ(p.limits.num_kv_blocks, kMaxKvCacheTokens / 16);
   EXPECT_EQ(p.kv_cache_tokens, kMaxKvCacheTokens);
 }
 
@@ -615,18 +615,12 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     EXPECT_EQ(p.per_gpu[i].weight_bytes, from_config.per_gpu[i].weight_bytes);
 
   std::unique_ptr<Backend> backend = MakeCpuBackend();
-  RuntimeOptions runtime;
-  runtime.max_tokens_per_step = p.sizing.max_tokens_per_step;
-  runtime.max_seqs_per_step = p.sizing.max_seqs_per_step;
-  runtime.block_size = p.sizing.block_size;
-  runtime.num_kv_blocks = p.sizing.num_kv_blocks;
-  runtime.max_blocks_per_seq = p.sizing.max_blocks_per_seq;
   for (const GpuPlan& g : p.per_gpu) {
     const StagePlan& s = p.stages[g.stage];
     LoadOnlyCommunicator comm(g.tp_rank, p.tp);
     const ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p.tp};
     absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-        LlamaShard::Load(*m->checkpoint, c, spec, runtime, backend.get(), &comm);
+        LlamaShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
     ASSERT_TRUE(shard.ok()) << "stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
     EXPECT_EQ((*shard)->step_buffer_bytes(), g.activation_bytes) << "stage " << g.stage << " rank " << g.tp_rank;

@@ -727,11 +727,9 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string
   a.set_tp_size(1);
   a.set_first_layer(0);
   a.set_end_layer(layers);
-  a.set_max_tokens_per_step(16);
-  a.set_max_seqs_per_step(4);
-  a.set_block_size(4);
-  a.set_num_kv_blocks(num_kv_blocks);
-  a.set_max_blocks_per_seq(4);
+  ToProto(StepLimits{.max_tokens_per_step = 16, .max_seqs_per_step = 4, .block_size = 4,
+                     .num_kv_blocks = num_kv_blocks, .max_model_len = 4 * 4},
+          a.mutable_limits());
   a.set_collective_timeout_seconds(10);
   InMemoryRendezvousStore store;  // unused: every group has one rank
   return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", /*cpu_threads=*/0, matmul);

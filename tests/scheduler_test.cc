@@ -157,7 +157,7 @@ bool PenaltyOn(const v1::RowSampling& s) {
 class SimCluster {
  public:
   explicit SimCluster(const SchedulerOptions& o)
-      : o_(o), sched_(o), cache_(static_cast<size_t>(o.num_kv_blocks * o.block_size)) {}
+      : o_(o), sched_(o), cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)) {}
 
   Scheduler& sched() { return sched_; }
 
@@ -205,8 +205,8 @@ class SimCluster {
     Flight f = std::move(in_flight_.front());
     in_flight_.pop_front();
     const v1::StepPlan& p = f.plan;
-    const int64_t bs = o_.block_size;
-    const int64_t mbps = o_.max_blocks_per_seq;
+    const int64_t bs = o_.limits.block_size;
+    const int64_t mbps = o_.limits.max_blocks_per_seq();
 
     // Workers run the steps in the order they were sent: every row's earlier positions (what its
     // attention reads) were written by this sequence in earlier steps, the steps in flight
@@ -325,8 +325,8 @@ class SimCluster {
 
   void CheckStep(const MicroBatch& batch, Flight* f) {
     const v1::StepPlan& p = f->plan;
-    const int64_t bs = o_.block_size;
-    const int64_t mbps = o_.max_blocks_per_seq;
+    const int64_t bs = o_.limits.block_size;
+    const int64_t mbps = o_.limits.max_blocks_per_seq();
     const int n = p.num_seqs();
     const int num_tokens = p.token_ids_size();
     const std::string at = "step " + std::to_string(p.step_id()) + " lane " + std::to_string(f->lane);
@@ -335,10 +335,10 @@ class SimCluster {
     ASSERT_EQ(batch.step_id, p.step_id()) << at;
     ASSERT_EQ(static_cast<size_t>(n), batch.entries.size()) << at;
     ASSERT_GE(n, 1) << at;
-    ASSERT_LE(n, o_.max_running) << at;
-    ASSERT_LE(sched_.num_running(), o_.max_running) << at;
+    ASSERT_LE(n, o_.limits.max_seqs_per_step) << at;
+    ASSERT_LE(sched_.num_running(), o_.limits.max_seqs_per_step) << at;
     ASSERT_GE(num_tokens, 1) << at;
-    ASSERT_LE(num_tokens, o_.max_tokens_per_step) << at;
+    ASSERT_LE(num_tokens, o_.limits.max_tokens_per_step) << at;
     ASSERT_EQ(p.positions_size(), num_tokens) << at;
     ASSERT_EQ(p.token_seq_size(), num_tokens) << at;
     ASSERT_EQ(p.slots_size(), num_tokens) << at;
@@ -386,7 +386,7 @@ class SimCluster {
       ASSERT_LT(pos / bs, mbps) << at;
       const int32_t block = p.block_tables(row * mbps + pos / bs);
       ASSERT_GE(block, 0) << at;
-      ASSERT_LT(block, o_.num_kv_blocks) << at;
+      ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
       ASSERT_EQ(p.slots(i), block * bs + pos % bs) << at << ": seq " << f->rows[row] << " pos " << pos;
       ASSERT_TRUE(step_slots.insert(p.slots(i)).second) << at << ": slot " << p.slots(i) << " written twice";
       ASSERT_FALSE(busy_slots_.count(p.slots(i))) << at << ": slot " << p.slots(i) << " also in a step in flight";
@@ -441,7 +441,7 @@ class SimCluster {
       for (int64_t b = 0; b < (end + bs - 1) / bs; ++b) {
         const int32_t block = p.block_tables(row * mbps + b);
         ASSERT_GE(block, 0) << at;
-        ASSERT_LT(block, o_.num_kv_blocks) << at;
+        ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
         ASSERT_TRUE(step_blocks.insert(block).second) << at << ": block " << block << " used twice in the step";
         ASSERT_TRUE(!busy_blocks_.count(block) || busy_blocks_.at(block).first == e.seq)
             << at << ": block " << block << " also in a step in flight for seq " << busy_blocks_.at(block).first;
@@ -511,11 +511,11 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   const ClusterParam& param = GetParam();
   SchedulerOptions o;
   o.lanes = param.lanes;
-  o.num_kv_blocks = param.num_kv_blocks;
-  o.block_size = kBlockSize;
-  o.max_blocks_per_seq = kMaxBlocksPerSeq;
-  o.max_tokens_per_step = param.budget;
-  o.max_running = std::min<int64_t>(param.budget, 32);  // max_tokens_per_step >= max_running
+  o.limits.num_kv_blocks = param.num_kv_blocks;
+  o.limits.block_size = kBlockSize;
+  o.limits.max_model_len = kMaxBlocksPerSeq * o.limits.block_size;
+  o.limits.max_tokens_per_step = param.budget;
+  o.limits.max_seqs_per_step = std::min<int64_t>(param.budget, 32);  // max_tokens_per_step >= max_running
   SimCluster sim(o);
 
   // 64 sequences, one of them as long as allowed (so the tiny cache holds exactly one of it).
@@ -631,11 +631,11 @@ INSTANTIATE_TEST_SUITE_P(Sim, SchedulerClusterTest, ::testing::ValuesIn(ClusterP
 
 SchedulerOptions SmallOptions() {
   SchedulerOptions o;
-  o.max_running = 8;
-  o.max_tokens_per_step = 8;
-  o.num_kv_blocks = 256;
-  o.block_size = 4;
-  o.max_blocks_per_seq = 64;
+  o.limits.max_seqs_per_step = 8;
+  o.limits.max_tokens_per_step = 8;
+  o.limits.num_kv_blocks = 256;
+  o.limits.block_size = 4;
+  o.limits.max_model_len = 64 * o.limits.block_size;
   o.lanes = 1;
   return o;
 }
@@ -643,8 +643,8 @@ SchedulerOptions SmallOptions() {
 // Two lanes, 512 tokens per step, up to 64 sequences.
 SchedulerOptions TwoLanes() {
   SchedulerOptions o = SmallOptions();
-  o.max_running = 64;
-  o.max_tokens_per_step = 512;
+  o.limits.max_seqs_per_step = 64;
+  o.limits.max_tokens_per_step = 512;
   o.lanes = 2;
   return o;
 }
@@ -694,8 +694,8 @@ TEST(SchedulerTest, DecodesFirstWhileALongPromptIsChunked) {
 // the running ones finish.
 TEST(SchedulerTest, MaxRunningLimitsTheBatch) {
   SchedulerOptions o = SmallOptions();
-  o.max_running = 3;
-  o.max_tokens_per_step = 64;
+  o.limits.max_seqs_per_step = 3;
+  o.limits.max_tokens_per_step = 64;
   Scheduler s(o);
   constexpr int kSeqs = 10;
   std::map<uint64_t, int64_t> max_tokens;
@@ -864,9 +864,9 @@ TEST(SchedulerTest, ALaneAtItsShareCarriesAPromptForABusyLane) {
 // Complete; a waiting one frees nothing and is never scheduled.
 TEST(SchedulerTest, RemoveWhileInFlight) {
   SchedulerOptions o = SmallOptions();
-  o.max_running = 16;
-  o.max_tokens_per_step = 64;
-  o.num_kv_blocks = 64;
+  o.limits.max_seqs_per_step = 16;
+  o.limits.max_tokens_per_step = 64;
+  o.limits.num_kv_blocks = 64;
   o.lanes = 2;
   Scheduler s(o);
   for (int i = 1; i <= 4; ++i) s.Add(i, Prompt(6), {});  // 2 blocks each
@@ -920,8 +920,8 @@ TEST(SchedulerTest, RemoveWhileInFlight) {
 TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   SchedulerOptions o = SmallOptions();
   o.lanes = 2;
-  o.num_kv_blocks = 24;
-  o.max_blocks_per_seq = 16;
+  o.limits.num_kv_blocks = 24;
+  o.limits.max_model_len = 16 * o.limits.block_size;
   SimCluster sim(o);
   std::mt19937_64 rng(99);
   constexpr int kSeqs = 40;
@@ -968,9 +968,9 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
 // and with 2 lanes neither sequence ever advanced.)
 TEST(SchedulerTest, AStalledRunningSequenceGoesBeforeAdmissions) {
   SchedulerOptions o = SmallOptions();
-  o.num_kv_blocks = 4;  // 16 tokens: two 8-token prompts fill it
-  o.max_blocks_per_seq = 4;
-  o.max_tokens_per_step = 16;  // 8-token prompts are not split across the lanes
+  o.limits.num_kv_blocks = 4;  // 16 tokens: two 8-token prompts fill it
+  o.limits.max_model_len = 4 * o.limits.block_size;
+  o.limits.max_tokens_per_step = 16;  // 8-token prompts are not split across the lanes
   o.lanes = 2;
   Scheduler s(o);
   v1::StepPlan p0, p1;

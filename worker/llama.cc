@@ -61,12 +61,12 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, cons
 }
 
 absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& ckpt, const ModelConfig& config,
-                                                             const ShardSpec& spec, const RuntimeOptions& opt,
+                                                             const ShardSpec& spec, const StepLimits& opt,
                                                              Backend* backend, Communicator* tp) {
   std::unique_ptr<LlamaShard> m(new LlamaShard());
   m->config_ = config;
   m->spec_ = spec;
-  m->options_ = opt;
+  m->limits_ = opt;
   m->backend_ = backend;
   m->tp_ = tp;
   const int64_t L = config.num_hidden_layers;
@@ -80,11 +80,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
   }
-  for (auto [name, v] : {std::pair{"max_tokens_per_step", opt.max_tokens_per_step}, {"max_seqs_per_step", opt.max_seqs_per_step},
-                         {"block_size", opt.block_size}, {"num_kv_blocks", opt.num_kv_blocks},
-                         {"max_blocks_per_seq", opt.max_blocks_per_seq}}) {
-    if (v <= 0) return absl::InvalidArgumentError(absl::StrCat("runtime option ", name, " must be > 0, got ", v));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(opt.ValidateDecided());
   SHARDSERVE_ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
   const TpShard& s = m->tp_shard_;
   const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
@@ -142,7 +138,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
   SHARDSERVE_ASSIGN_OR_RETURN(m->positions_, m->AllocStepBuffer(DType::kI32, {n}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->token_seq_, m->AllocStepBuffer(DType::kI32, {n}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->slots_, m->AllocStepBuffer(DType::kI32, {n}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq}));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq()}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->logit_rows_, m->AllocStepBuffer(DType::kI32, {ms}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->hidden_, m->AllocStepBuffer(act, {n, H}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->normed_, m->AllocStepBuffer(act, {n, H}));
@@ -170,28 +166,28 @@ Tensor LlamaShard::logits(int64_t m) const { return logits_.Rows(0, m); }
 absl::Status LlamaShard::CheckBatch(const StepBatch& b) const {
   const size_t n = b.positions.size();
   auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step batch: ", parts...)); };
-  if (n == 0 || static_cast<int64_t>(n) > options_.max_tokens_per_step) {
-    return bad(n, " tokens; a step takes 1 to ", options_.max_tokens_per_step);
+  if (n == 0 || static_cast<int64_t>(n) > limits_.max_tokens_per_step) {
+    return bad(n, " tokens; a step takes 1 to ", limits_.max_tokens_per_step);
   }
   if (b.token_seq.size() != n || b.slots.size() != n || (is_first_stage() && b.token_ids.size() != n)) {
     return bad("token_ids, positions, token_seq and slots must all have ", n, " entries");
   }
-  if (b.num_seqs <= 0 || b.num_seqs > options_.max_seqs_per_step) {
-    return bad(b.num_seqs, " sequences; a step takes 1 to ", options_.max_seqs_per_step);
+  if (b.num_seqs <= 0 || b.num_seqs > limits_.max_seqs_per_step) {
+    return bad(b.num_seqs, " sequences; a step takes 1 to ", limits_.max_seqs_per_step);
   }
-  if (static_cast<int64_t>(b.block_tables.size()) != b.num_seqs * options_.max_blocks_per_seq) {
+  if (static_cast<int64_t>(b.block_tables.size()) != b.num_seqs * limits_.max_blocks_per_seq()) {
     return bad("block_tables has ", b.block_tables.size(), " entries, expected ", b.num_seqs, " x ",
-               options_.max_blocks_per_seq);
+               limits_.max_blocks_per_seq());
   }
-  if (static_cast<int64_t>(b.logit_rows.size()) > options_.max_seqs_per_step) {
-    return bad(b.logit_rows.size(), " logit rows; at most ", options_.max_seqs_per_step);
+  if (static_cast<int64_t>(b.logit_rows.size()) > limits_.max_seqs_per_step) {
+    return bad(b.logit_rows.size(), " logit rows; at most ", limits_.max_seqs_per_step);
   }
-  const int64_t slots = options_.num_kv_blocks * options_.block_size;
+  const int64_t slots = limits_.num_kv_blocks * limits_.block_size;
   for (size_t t = 0; t < n; ++t) {
     if (is_first_stage() && (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size)) {
       return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config_.vocab_size, ")");
     }
-    if (b.positions[t] < 0 || b.positions[t] >= options_.max_blocks_per_seq * options_.block_size ||
+    if (b.positions[t] < 0 || b.positions[t] >= limits_.max_blocks_per_seq() * limits_.block_size ||
         (config_.max_position_embeddings > 0 && b.positions[t] >= config_.max_position_embeddings)) {
       return bad("position ", b.positions[t], " outside the context this shard serves");
     }
@@ -199,7 +195,7 @@ absl::Status LlamaShard::CheckBatch(const StepBatch& b) const {
     if (b.slots[t] < 0 || b.slots[t] >= slots) return bad("cache slot ", b.slots[t], " outside [0, ", slots, ")");
   }
   for (int32_t block : b.block_tables) {
-    if (block < 0 || block >= options_.num_kv_blocks) return bad("block ", block, " outside [0, ", options_.num_kv_blocks, ")");
+    if (block < 0 || block >= limits_.num_kv_blocks) return bad("block ", block, " outside [0, ", limits_.num_kv_blocks, ")");
   }
   for (int32_t r : b.logit_rows) {
     if (r < 0 || static_cast<size_t>(r) >= n) return bad("logit row ", r, " outside the step's ", n, " tokens");
@@ -301,16 +297,16 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
 absl::StatusOr<std::vector<int32_t>> GreedyGenerate(LlamaShard* model, const std::vector<int32_t>& prompt,
                                                     int64_t max_new_tokens,
                                                     std::vector<std::vector<float>>* step_logits) {
-  const RuntimeOptions& opt = model->options();
+  const StepLimits& opt = model->limits();
   if (prompt.empty()) return absl::InvalidArgumentError("the prompt is empty");
   if (!model->is_first_stage() || !model->is_last_stage()) {
     return absl::FailedPreconditionError("GreedyGenerate needs the whole model in this process");
   }
   const int64_t total = static_cast<int64_t>(prompt.size()) + max_new_tokens;
   const int64_t blocks = (total + opt.block_size - 1) / opt.block_size;
-  if (blocks > opt.max_blocks_per_seq || blocks > opt.num_kv_blocks) {
+  if (blocks > opt.max_blocks_per_seq() || blocks > opt.num_kv_blocks) {
     return absl::InvalidArgumentError(absl::StrCat(total, " tokens need ", blocks, " KV blocks of ", opt.block_size,
-                                                   "; this runtime has ", std::min(opt.max_blocks_per_seq, opt.num_kv_blocks)));
+                                                   "; this runtime has ", std::min(opt.max_blocks_per_seq(), opt.num_kv_blocks)));
   }
   Backend* be = model->backend();
   absl::StatusOr<Buffer> next_buf = be->Allocate(sizeof(int32_t));
@@ -320,7 +316,7 @@ absl::StatusOr<std::vector<int32_t>> GreedyGenerate(LlamaShard* model, const std
 
   StepBatch b;
   b.num_seqs = 1;
-  b.block_tables.assign(opt.max_blocks_per_seq, 0);
+  b.block_tables.assign(opt.max_blocks_per_seq(), 0);
   for (int64_t i = 0; i < blocks; ++i) b.block_tables[i] = static_cast<int32_t>(i);  // slot == position
 
   std::vector<int32_t> out;

@@ -17,6 +17,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/sharding.h"
+#include "model/step_limits.h"
 #include "worker/communicator.h"
 
 namespace shardserve {
@@ -27,15 +28,6 @@ struct ShardSpec {
   int64_t end_layer = -1;   // exclusive; -1 = through the last layer
   int tp_rank = 0;
   int tp_size = 1;
-};
-
-// Sizes of everything allocated at load.
-struct RuntimeOptions {
-  int64_t max_tokens_per_step = 256;  // prompt tokens + decode tokens in one step
-  int64_t max_seqs_per_step = 16;     // sequences (rows of the block table) in one step
-  int64_t block_size = 16;            // tokens per KV block
-  int64_t num_kv_blocks = 64;         // KV blocks per layer
-  int64_t max_blocks_per_seq = 32;    // width of the block table
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position
@@ -57,7 +49,7 @@ class LlamaShard {
   // Loads this shard's slice of the checkpoint's weights in the backend's activation dtype and
   // allocates the KV cache and every scratch buffer.
   static absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const Checkpoint& checkpoint, const ModelConfig& config,
-                                                          const ShardSpec& spec, const RuntimeOptions& options,
+                                                          const ShardSpec& spec, const StepLimits& limits,
                                                           Backend* backend, Communicator* tp);
 
   // Runs the shard's layers over a step. On the first stage the input is the batch's token ids;
@@ -74,7 +66,7 @@ class LlamaShard {
   bool is_first_stage() const { return first_layer_ == 0; }
   bool is_last_stage() const { return end_layer_ == config_.num_hidden_layers; }
   const ModelConfig& config() const { return config_; }
-  const RuntimeOptions& options() const { return options_; }
+  const StepLimits& limits() const { return limits_; }
   uint64_t weight_bytes() const { return weight_bytes_; }
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
@@ -110,7 +102,7 @@ class LlamaShard {
   // ---- Constant after Load ----
   ModelConfig config_;
   ShardSpec spec_;
-  RuntimeOptions options_;
+  StepLimits limits_;
   TpShard tp_shard_;
   int64_t first_layer_ = 0, end_layer_ = 0;
   Backend* backend_ = nullptr;

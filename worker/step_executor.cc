@@ -19,7 +19,6 @@ namespace {
 // Bounds on what an assignment may ask for: far above any real deployment, low enough that no
 // product of them overflows and a corrupt message cannot ask for absurd allocations.
 constexpr int64_t kMaxRanks = 1024;
-constexpr int64_t kMaxStepTokens = int64_t{1} << 20;
 constexpr double kMaxCollectiveTimeoutSeconds = 24 * 3600;
 
 absl::Status CheckAssignment(const v1::Assignment& a) {
@@ -32,25 +31,8 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
   if (a.tp_size() > 1 && a.tp_group().empty()) return bad("tp_group is empty but tp_size is ", a.tp_size());
   if (a.stage() > 0 && a.recv_group().empty()) return bad("recv_group is empty on stage ", a.stage());
   if (a.stage() + 1 < a.num_stages() && a.send_group().empty()) return bad("send_group is empty on stage ", a.stage());
-  for (auto [name, v] : {std::pair{"max_tokens_per_step", a.max_tokens_per_step()},
-                         {"max_seqs_per_step", a.max_seqs_per_step()},
-                         {"block_size", a.block_size()},
-                         {"max_blocks_per_seq", a.max_blocks_per_seq()}}) {
-    if (v < 1 || v > kMaxStepTokens) return bad(name, " ", v, " outside [1, ", kMaxStepTokens, "]");
-  }
-  // Blocks of block_size tokens addressed by I32 slots (kernels/backend.h).
-  const int64_t max_blocks = kMaxKvCacheTokens / a.block_size();
-  if (a.num_kv_blocks() < 1 || a.num_kv_blocks() > max_blocks) {
-    return bad("num_kv_blocks ", a.num_kv_blocks(), " outside [1, ", max_blocks, "]: a KV cache holds at most ",
-               kMaxKvCacheTokens, " tokens");
-  }
-  if (a.max_blocks_per_seq() > max_blocks) {
-    return bad("max_blocks_per_seq ", a.max_blocks_per_seq(), " x ", a.block_size(), " tokens is beyond ",
-               kMaxKvCacheTokens, " tokens");
-  }
-  if (a.max_seqs_per_step() * a.max_blocks_per_seq() > kMaxStepTokens) {
-    return bad("block tables of ", a.max_seqs_per_step(), " x ", a.max_blocks_per_seq(), " entries are too large");
-  }
+  if (!a.has_limits()) return bad("limits are missing");
+  if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
   if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
     return bad("collective_timeout_seconds ", a.collective_timeout_seconds(), " outside (0, ",
                kMaxCollectiveTimeoutSeconds, "]");
@@ -139,8 +121,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(a.model_path());
   if (!checkpoint.ok()) return checkpoint.status();
   const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size()};
-  const RuntimeOptions options{a.max_tokens_per_step(), a.max_seqs_per_step(), a.block_size(), a.num_kv_blocks(),
-                               a.max_blocks_per_seq()};
+  const StepLimits options = FromProto(a.limits());
   absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
       LlamaShard::Load(**checkpoint, *config, spec, options, backend, e->tp_.get());
   if (!shard.ok()) return shard.status();
@@ -156,7 +137,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   for (std::vector<int32_t>* v : {&e->batch_.token_ids, &e->batch_.positions, &e->batch_.token_seq, &e->batch_.slots}) {
     v->reserve(n);
   }
-  e->batch_.block_tables.reserve(m * options.max_blocks_per_seq);
+  e->batch_.block_tables.reserve(m * options.max_blocks_per_seq());
   e->batch_.logit_rows.reserve(m);
   if (last && a.tp_rank() == 0) {
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
@@ -167,7 +148,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
 }
 
 absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
-  const RuntimeOptions& opt = shard_->options();
+  const StepLimits& opt = shard_->limits();
   const int n = p.positions_size();
   if (n < 1 || n > opt.max_tokens_per_step) {
     return absl::InvalidArgumentError(
@@ -179,7 +160,7 @@ absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
                                                    " sampling entries; they must match and be at most ",
                                                    opt.max_seqs_per_step));
   }
-  if (static_cast<int64_t>(p.block_tables_size()) > opt.max_seqs_per_step * opt.max_blocks_per_seq ||
+  if (static_cast<int64_t>(p.block_tables_size()) > opt.max_seqs_per_step * opt.max_blocks_per_seq() ||
       p.token_ids_size() > opt.max_tokens_per_step || p.token_seq_size() > opt.max_tokens_per_step ||
       p.slots_size() > opt.max_tokens_per_step) {
     return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " is larger than this worker's buffers"));

@@ -79,7 +79,7 @@ class StepExecutor {
   }
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
-  int64_t kv_blocks() const { return shard_->options().num_kv_blocks; }
+  int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
 
  private:

@@ -513,8 +513,8 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.max_model_len = best.max_model_len;
   plan.target_max_model_len = ctx.target_len;
   plan.kv_cache_tokens = best.kv_blocks * options.block_size;
-  plan.sizing = {options.max_tokens_per_step, options.max_seqs_per_step, options.block_size, best.kv_blocks,
-                 CeilDiv(best.max_model_len, options.block_size)};
+  plan.limits = StepLimits{options.max_tokens_per_step, options.max_seqs_per_step, options.block_size, best.kv_blocks,
+                           best.max_model_len};
   plan.decode = best.decode;
   for (const Layout& l : layouts) plan.layouts.push_back(Summarize(ctx, l));
   plan.fits = best.tier != Tier::kNone;

@@ -22,6 +22,7 @@
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/step_limits.h"
 
 namespace shardserve {
 
@@ -80,15 +81,6 @@ struct DecodeEstimate {
   double total_s() const { return weights_s + collectives_s + transfers_s; }
 };
 
-// The per-worker sizes the coordinator passes on (worker/llama.h RuntimeOptions).
-struct WorkerSizing {
-  int64_t max_tokens_per_step = 0;
-  int64_t max_seqs_per_step = 0;
-  int64_t block_size = 0;
-  int64_t num_kv_blocks = 0;  // the same on every worker: block tables are shared by all stages
-  int64_t max_blocks_per_seq = 0;
-};
-
 // One (TP, PP) layout the planner weighed.
 struct LayoutOption {
   int tp = 0;
@@ -121,8 +113,10 @@ struct Plan {
   std::vector<GpuPlan> per_gpu;  // stage-major: per_gpu[stage * tp + tp_rank]
   int64_t max_model_len = 0;     // served; below the target when lowered to fit
   int64_t target_max_model_len = 0;
-  int64_t kv_cache_tokens = 0;  // sizing.num_kv_blocks x block_size: what the scheduler may use
-  WorkerSizing sizing;
+  int64_t kv_cache_tokens = 0;  // limits.kv_cache_tokens(): what the scheduler may use
+  // What every worker is sized for: the options' step limits, the KV blocks the smallest GPU
+  // holds (the same on every worker: block tables are shared by all stages), max_model_len.
+  StepLimits limits;
   DecodeEstimate decode;
 
   // Every layout weighed: the chosen one first, then the others that fit (fastest first), then

@@ -52,7 +52,7 @@ std::string PlanTable(const Plan& p) {
     absl::StrAppendFormat(&out, "plan     %s on %d GPU%s, max_model_len %s, KV cache %s tokens (%s blocks of %d)\n",
                           fmt::Layout(p.tp, p.pp), p.tp * p.pp, p.tp * p.pp == 1 ? "" : "s",
                           fmt::Count(p.max_model_len), fmt::Count(p.kv_cache_tokens),
-                          fmt::Count(p.sizing.num_kv_blocks), p.sizing.block_size);
+                          fmt::Count(p.limits.num_kv_blocks), p.limits.block_size);
   } else {
     absl::StrAppendFormat(&out, "plan     DOES NOT FIT (closest layout shown: %s)\n", fmt::Layout(p.tp, p.pp));
   }
@@ -148,11 +148,11 @@ std::string PlanJson(const Plan& p) {
   }
   j["max_model_len"] = p.max_model_len;
   j["kv_cache_tokens"] = p.kv_cache_tokens;
-  j["worker_sizing"] = {{"max_tokens_per_step", p.sizing.max_tokens_per_step},
-                        {"max_seqs_per_step", p.sizing.max_seqs_per_step},
-                        {"block_size", p.sizing.block_size},
-                        {"num_kv_blocks", p.sizing.num_kv_blocks},
-                        {"max_blocks_per_seq", p.sizing.max_blocks_per_seq}};
+  j["worker_sizing"] = {{"max_tokens_per_step", p.limits.max_tokens_per_step},
+                        {"max_seqs_per_step", p.limits.max_seqs_per_step},
+                        {"block_size", p.limits.block_size},
+                        {"num_kv_blocks", p.limits.num_kv_blocks},
+                        {"max_blocks_per_seq", p.limits.max_blocks_per_seq()}};
   j["decode_step"] = {{"weights_s", p.decode.weights_s},
                       {"collectives_s", p.decode.collectives_s},
                       {"transfers_s", p.decode.transfers_s},

@@ -5,7 +5,7 @@
 namespace shardserve {
 
 Scheduler::Scheduler(const SchedulerOptions& options)
-    : options_(options), blocks_(options.num_kv_blocks, options.block_size), lanes_(std::max(1, options.lanes)) {}
+    : options_(options), blocks_(options.limits.num_kv_blocks, options.limits.block_size), lanes_(std::max(1, options.lanes)) {}
 
 void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling) {
   auto s = std::make_unique<Seq>();
@@ -78,7 +78,7 @@ void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
 }
 
 int64_t Scheduler::PrefillCap() const {
-  if (lanes() == 1) return options_.max_tokens_per_step;
+  if (lanes() == 1) return options_.limits.max_tokens_per_step;
   int64_t work = 0;
   for (const Lane& l : lanes_) {
     if (l.busy) work += l.batch.prefill_tokens;
@@ -87,12 +87,12 @@ int64_t Scheduler::PrefillCap() const {
     const Seq& s = *seqs_.at(id);
     if (!s.decodes()) work += s.unfed();
   }
-  int64_t admissible = options_.max_running - num_running();
+  int64_t admissible = options_.limits.max_seqs_per_step - num_running();
   for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
     work += static_cast<int64_t>(seqs_.at(*it)->tokens.size());
   }
   // Never below budget / lanes: a shorter prompt is not worth the split.
-  return std::max<int64_t>({1, (work + lanes() - 1) / lanes(), options_.max_tokens_per_step / lanes()});
+  return std::max<int64_t>({1, (work + lanes() - 1) / lanes(), options_.limits.max_tokens_per_step / lanes()});
 }
 
 const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* step) {
@@ -102,7 +102,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   batch = MicroBatch{};
   batch.lane = lane;
   batch.step_id = step_id;
-  int64_t budget = options_.max_tokens_per_step;
+  int64_t budget = options_.limits.max_tokens_per_step;
   int64_t prefill_budget = PrefillCap();
   int rows = 0;
   // The lanes' share of all sequences: admissions stop there, and a prompt's last chunk moves
@@ -147,7 +147,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   const bool stalled =
       std::any_of(running_.begin(), running_.end(), [&](uint64_t id) { return seqs_.at(id)->stalled; });
   while (!stalled && budget > 0 && prefill_budget > 0 && !waiting_.empty() &&
-         num_running() < options_.max_running) {
+         num_running() < options_.limits.max_seqs_per_step) {
     int home = lane;
     for (int i = 0; home == lane && l.running >= share && i < lanes(); ++i) {
       if (i != lane && lanes_[i].busy && lanes_[i].running < share) home = i;
@@ -183,7 +183,7 @@ void Scheduler::WriteStep(const MicroBatch& batch, v1::StepPlan* step) {
   step->Clear();
   step->set_step_id(batch.step_id);
   step->set_num_seqs(static_cast<int32_t>(batch.entries.size()));
-  const int64_t bs = options_.block_size;
+  const int64_t bs = options_.limits.block_size;
   for (size_t row = 0; row < batch.entries.size(); ++row) {
     const MicroBatch::Entry& e = batch.entries[row];
     const Seq& s = *seqs_.at(e.seq);
@@ -193,7 +193,7 @@ void Scheduler::WriteStep(const MicroBatch& batch, v1::StepPlan* step) {
       step->add_token_seq(static_cast<int32_t>(row));
       step->add_slots(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
     }
-    for (int64_t b = 0; b < options_.max_blocks_per_seq; ++b) {
+    for (int64_t b = 0; b < options_.limits.max_blocks_per_seq(); ++b) {
       step->add_block_tables(b < static_cast<int64_t>(s.blocks.size()) ? s.blocks[b] : 0);
     }
     if (e.logit_row >= 0) {

@@ -25,7 +25,7 @@
 //   2. prefills: running sequences with prompt (or recompute) tokens left to feed, oldest first,
 //      each chunked to the prefill tokens left in the step;
 //   3. admissions: waiting sequences, oldest first (preempted ones before new ones), while
-//      fewer than max_running sequences run, no running sequence waits for a block, and free
+//      fewer than max_seqs_per_step sequences run, no running sequence waits for a block, and free
 //      blocks hold the sequence's first chunk. A sequence joins the lane while the lane holds less
 //      than its share of all sequences; past that, it joins another lane below its share that has
 //      a step in flight, and this step carries its prompt but the last token (which samples in
@@ -52,17 +52,16 @@
 #include <vector>
 
 #include "coordinator/scheduler/block_manager.h"
+#include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
 
 namespace shardserve {
 
 struct SchedulerOptions {
-  int64_t max_running = 64;           // sequences in the running batch (the workers' max_seqs_per_step)
-  int64_t max_tokens_per_step = 512;  // >= max_running, so that every decode fits in a step
-  int64_t num_kv_blocks = 0;
-  int64_t block_size = 16;
-  int64_t max_blocks_per_seq = 0;  // width of a block table: max_model_len / block_size, rounded up
-  int lanes = 1;                   // micro-batches in flight at most
+  // The running batch holds at most limits.max_seqs_per_step sequences; a step carries at most
+  // limits.max_tokens_per_step tokens; block tables are limits.max_blocks_per_seq() wide.
+  StepLimits limits;
+  int lanes = 1;  // micro-batches in flight at most
 };
 
 // One step of one lane, as scheduled.

@@ -27,7 +27,6 @@
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_control_service.h"
 #include "coordinator/server/worker_pool.h"
-#include "kernels/backend.h"
 
 namespace shardserve {
 namespace {
@@ -105,14 +104,14 @@ int Main(int argc, char** argv) {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Int("nodes", 1, 4096, &pool_options.nodes),
            flags->Int("gpus-per-node", 1, 4096, &pool_options.gpus_per_node),
-           flags->Int("max-model-len", 0, int64_t{1} << 31, &pool_options.max_model_len),
+           flags->Int("max-model-len", 0, int64_t{1} << 31, &pool_options.limits.max_model_len),
            flags->Double("collective-timeout-seconds", 0.001, 3600, &collective_timeout),
            flags->Double("step-timeout-seconds", 0.001, 3600, &step_timeout),
-           flags->Int("max-num-seqs", 1, 4096, &pool_options.max_num_seqs),
+           flags->Int("max-num-seqs", 1, 4096, &pool_options.limits.max_seqs_per_step),
            flags->Int("max-waiting-requests", 0, 1000000, &engine_options.max_waiting),
-           flags->Int("max-tokens-per-step", 1, 65536, &pool_options.max_tokens_per_step),
-           flags->Int("num-kv-blocks", 0, int64_t{1} << 24, &pool_options.num_kv_blocks),
-           flags->Int("block-size", 1, 1024, &pool_options.block_size),
+           flags->Int("max-tokens-per-step", 1, 65536, &pool_options.limits.max_tokens_per_step),
+           flags->Int("num-kv-blocks", 0, int64_t{1} << 24, &pool_options.limits.num_kv_blocks),
+           flags->Int("block-size", 1, 1024, &pool_options.limits.block_size),
            flags->Int("micro-batches", 0, 64, &engine_options.micro_batches),
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
@@ -121,15 +120,7 @@ int Main(int argc, char** argv) {
   SetLogFormat(log_format);
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
-  if (pool_options.max_tokens_per_step < pool_options.max_num_seqs) {
-    return Usage(absl::StrCat("--max-tokens-per-step (", pool_options.max_tokens_per_step,
-                              ") must be at least --max-num-seqs (", pool_options.max_num_seqs,
-                              "), so that every running sequence's decode fits in one step"));
-  }
-  if (pool_options.num_kv_blocks * pool_options.block_size > kMaxKvCacheTokens) {
-    return Usage(absl::StrCat("--num-kv-blocks x --block-size must be at most ", kMaxKvCacheTokens,
-                              " tokens (KV cache slots are 32-bit)"));
-  }
+  if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.
   sigset_t signals;

@@ -84,7 +84,7 @@ absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, Steady
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
   // Requests not yet scheduled take the free places of the running batch first, then the queue.
-  const int64_t max_running = pool_->sizing().max_seqs_per_step;
+  const int64_t max_running = pool_->limits().max_seqs_per_step;
   const int64_t free_places = std::max<int64_t>(0, max_running - stats_.running());
   if (queued_ >= options_.max_waiting + free_places) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -120,13 +120,13 @@ void Engine::FillStatus(v1::SchedulerStatus* status) {
   // The group serves but the loop has not made its scheduler yet (it does within kIdleWait).
   if (!pool_->CheckServing().ok()) return;
   const SchedulerOptions o = SchedulerOptionsFromPool();
-  status->set_kv_blocks_total(o.num_kv_blocks);
-  status->set_kv_blocks_free(o.num_kv_blocks);
-  status->set_block_size(o.block_size);
-  status->set_max_running(static_cast<int32_t>(o.max_running));
+  status->set_kv_blocks_total(o.limits.num_kv_blocks);
+  status->set_kv_blocks_free(o.limits.num_kv_blocks);
+  status->set_block_size(o.limits.block_size);
+  status->set_max_running(static_cast<int32_t>(o.limits.max_seqs_per_step));
   status->set_max_waiting(static_cast<int32_t>(options_.max_waiting));
   status->set_micro_batches(o.lanes);
-  status->set_max_tokens_per_step(o.max_tokens_per_step);
+  status->set_max_tokens_per_step(o.limits.max_tokens_per_step);
 }
 
 // ---- Engine: the loop ---------------------------------------------------------------------------
@@ -167,13 +167,8 @@ void Engine::Loop() {
 }
 
 SchedulerOptions Engine::SchedulerOptionsFromPool() {
-  const StepSizing z = pool_->sizing();
   SchedulerOptions o;
-  o.max_running = z.max_seqs_per_step;
-  o.max_tokens_per_step = z.max_tokens_per_step;
-  o.num_kv_blocks = z.num_kv_blocks;
-  o.block_size = z.block_size;
-  o.max_blocks_per_seq = z.max_blocks_per_seq;
+  o.limits = pool_->limits();
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
   return o;
 }
@@ -183,11 +178,11 @@ bool Engine::EnsureScheduler() {
   if (!pool_->CheckServing().ok()) return false;
   const SchedulerOptions o = SchedulerOptionsFromPool();
   scheduler_ = std::make_unique<Scheduler>(o);
-  CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.max_running, " sequences and ",
-                                           o.max_tokens_per_step, " tokens per step, ", o.lanes,
-                                           " micro-batch(es) in flight, KV cache ", o.num_kv_blocks, " blocks of ",
-                                           o.block_size, " tokens"));
-  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.num_kv_blocks));
+  CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.limits.max_seqs_per_step, " sequences and ",
+                                           o.limits.max_tokens_per_step, " tokens per step, ", o.lanes,
+                                           " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
+                                           o.limits.block_size, " tokens"));
+  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.limits.num_kv_blocks));
   PublishStats();
   return true;
 }
@@ -332,14 +327,14 @@ void Engine::PublishStats() {
   v1::SchedulerStatus s;
   s.set_kv_blocks_total(scheduler_->num_blocks());
   s.set_kv_blocks_free(scheduler_->num_free_blocks());
-  s.set_block_size(o.block_size);
+  s.set_block_size(o.limits.block_size);
   s.set_running(static_cast<int32_t>(scheduler_->num_running()));
   s.set_waiting(static_cast<int32_t>(scheduler_->num_waiting()));  // FillStatus adds the inbox
-  s.set_max_running(static_cast<int32_t>(o.max_running));
+  s.set_max_running(static_cast<int32_t>(o.limits.max_seqs_per_step));
   s.set_max_waiting(static_cast<int32_t>(options_.max_waiting));
   s.set_preemptions(scheduler_->preemptions());
   s.set_micro_batches(o.lanes);
-  s.set_max_tokens_per_step(o.max_tokens_per_step);
+  s.set_max_tokens_per_step(o.limits.max_tokens_per_step);
   if (metrics_ != nullptr) {
     metrics_->kv_blocks_used.Set(static_cast<double>(s.kv_blocks_total() - s.kv_blocks_free()));
     metrics_->requests_running.Set(static_cast<double>(s.running()));

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "coordinator/planner/render.h"
 #include "coordinator/server/log.h"
 #include "kernels/sampling.h"
@@ -60,18 +61,16 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   PlanOptions p;
   p.tp = o.gpus_per_node;
   p.pp = o.nodes;
-  p.max_model_len = o.max_model_len;
-  p.max_tokens_per_step = o.max_tokens_per_step;
-  p.max_seqs_per_step = o.max_num_seqs;
-  p.block_size = o.block_size;
+  p.max_model_len = o.limits.max_model_len;
+  p.max_tokens_per_step = o.limits.max_tokens_per_step;
+  p.max_seqs_per_step = o.limits.max_seqs_per_step;
+  p.block_size = o.limits.block_size;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
     p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces
   }
   return p;
 }
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Node names in natural order, digits as numbers: "n2" before "n10", so that stage i is node i
 // for nodes named with their index.
@@ -111,6 +110,7 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const ServedModel
     return absl::InvalidArgumentError(absl::StrCat("--nodes ", options.nodes, " x --gpus-per-node ",
                                                    options.gpus_per_node, ": need 1 to 4096 workers"));
   }
+  SHARDSERVE_RETURN_IF_ERROR(options.limits.Validate());
   absl::StatusOr<Plan> plan =
       MakePlan(model->config, model->checkpoint.get(),
                ClusterFor(options.nodes, options.gpus_per_node, "worker", kProvisionalMemory, kAssumedMemoryBytesPerS),
@@ -271,28 +271,30 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   // The KV cache: the plan's blocks (what the smallest worker holds beside its weights), capped on
   // CPU workers, or what --num-kv-blocks says. A sequence must fit in the cache, so the served
   // length is at most what the cache holds.
-  int64_t kv_blocks = plan_->sizing.num_kv_blocks;
+  int64_t kv_blocks = plan_->limits.num_kv_blocks;
+  const int64_t block_size = options_.limits.block_size;
   std::string kv_from = "the workers' memory";
-  if (options_.num_kv_blocks > 0) {
-    kv_blocks = options_.num_kv_blocks;
+  if (options_.limits.num_kv_blocks > 0) {
+    kv_blocks = options_.limits.num_kv_blocks;
     kv_from = "--num-kv-blocks";
   } else if (cpu_only) {
     uint64_t per_block = 0;
-    for (const GpuPlan& g : plan_->per_gpu) per_block = std::max(per_block, g.kv_bytes_per_token * options_.block_size);
+    for (const GpuPlan& g : plan_->per_gpu) per_block = std::max(per_block, g.kv_bytes_per_token * block_size);
     const int64_t cap = per_block == 0 ? kv_blocks : static_cast<int64_t>(kMaxCpuKvCacheBytes / per_block);
     if (cap < kv_blocks) {
       kv_blocks = cap;
       kv_from = "256 MiB per CPU worker";
     }
   }
-  if (kv_blocks * options_.block_size < plan_->max_model_len) {
+  if (kv_blocks * block_size < plan_->max_model_len) {
     CoordinatorLog("group", absl::StrCat("max_model_len lowered from ", plan_->max_model_len, " to ",
-                                         kv_blocks * options_.block_size, ": the KV cache holds ", kv_blocks,
-                                         " blocks of ", options_.block_size, " tokens (", kv_from, ")"));
-    plan_->max_model_len = kv_blocks * options_.block_size;
+                                         kv_blocks * block_size, ": the KV cache holds ", kv_blocks,
+                                         " blocks of ", block_size, " tokens (", kv_from, ")"));
+    plan_->max_model_len = kv_blocks * block_size;
   }
-  sizing_ = StepSizing{options_.max_tokens_per_step, options_.max_num_seqs, options_.block_size, kv_blocks,
-                       CeilDiv(plan_->max_model_len, options_.block_size)};
+  limits_ = options_.limits;
+  limits_.num_kv_blocks = kv_blocks;
+  limits_.max_model_len = plan_->max_model_len;
   group_.assign(tp * pp, -1);
   std::vector<std::string> stages;
   for (const GpuPlan& g : plan_->per_gpu) {
@@ -321,11 +323,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     a->set_tp_group(absl::StrCat("tp/stage", g.stage));
     if (g.stage + 1 < pp) a->set_send_group(absl::StrCat("pp/stage", g.stage, "-", g.stage + 1, "/tp", g.tp_rank));
     if (g.stage > 0) a->set_recv_group(absl::StrCat("pp/stage", g.stage - 1, "-", g.stage, "/tp", g.tp_rank));
-    a->set_max_tokens_per_step(sizing_.max_tokens_per_step);
-    a->set_max_seqs_per_step(sizing_.max_seqs_per_step);
-    a->set_block_size(sizing_.block_size);
-    a->set_num_kv_blocks(sizing_.num_kv_blocks);
-    a->set_max_blocks_per_seq(sizing_.max_blocks_per_seq);
+    ToProto(limits_, a->mutable_limits());
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
     out.emplace_back(i, std::move(m));
     if (g.tp_rank == 0) {
@@ -337,7 +335,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   SetPhaseLocked(Phase::kLoading);
   CoordinatorLog("group", absl::StrCat("complete; planned TP=", tp, " x PP=", pp, ", max_model_len ",
                                        plan_->max_model_len, ", KV cache ", kv_blocks, " blocks of ",
-                                       options_.block_size, " tokens (", kv_from, "): ", absl::StrJoin(stages, ", "),
+                                       block_size, " tokens (", kv_from, "): ", absl::StrJoin(stages, ", "),
                                        "; loading"));
   return out;
 }
@@ -621,9 +619,9 @@ int64_t WorkerPool::max_model_len() {
   return plan_ ? plan_->max_model_len : target_max_model_len_;
 }
 
-StepSizing WorkerPool::sizing() {
+StepLimits WorkerPool::limits() {
   absl::MutexLock lock(&mu_);
-  return sizing_;
+  return limits_;
 }
 
 void WorkerPool::SetMetrics(CoordinatorMetrics* metrics) {

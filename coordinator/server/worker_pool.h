@@ -47,6 +47,7 @@
 #include "coordinator/planner/planner.h"
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
+#include "model/step_limits.h"
 #include "shardserve/v1/inference.pb.h"
 #include "shardserve/v1/worker.pb.h"
 
@@ -55,15 +56,11 @@ namespace shardserve {
 struct PoolOptions {
   int nodes = 1;          // pipeline stages
   int gpus_per_node = 1;  // TP ranks per stage
-  // Longest sequence served; 0: the planner's choice (the model's max_position_embeddings).
-  int64_t max_model_len = 0;
-  // What one step may carry: tokens, and sequences (the running batch's limit).
-  int64_t max_tokens_per_step = 512;
-  int64_t max_num_seqs = 64;
-  int64_t block_size = 16;
-  // KV-cache blocks per worker; 0: as many as the smallest worker's memory holds beside its
-  // weights (the plan's), at most kMaxCpuKvCacheBytes per worker on CPU workers.
-  int64_t num_kv_blocks = 0;
+  // As the flags give them. Undecided (0) until the group forms: limits.max_model_len, the
+  // planner's choice (the model's max_position_embeddings, lowered to what the KV cache holds),
+  // and limits.num_kv_blocks, as many as the smallest worker's memory holds beside its weights
+  // (the plan's), at most kMaxCpuKvCacheBytes per worker on CPU workers.
+  StepLimits limits;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };
@@ -72,15 +69,6 @@ struct PoolOptions {
 // is shared with everything else on it, and a local cluster runs several workers on one host
 // (vLLM's CPU backend takes 4 GiB by default; 256 MiB holds thousands of tokens of small models).
 constexpr uint64_t kMaxCpuKvCacheBytes = uint64_t{256} << 20;
-
-// The runtime sizes every worker got (worker/llama.h RuntimeOptions), for building steps.
-struct StepSizing {
-  int64_t max_tokens_per_step = 0;
-  int64_t max_seqs_per_step = 0;
-  int64_t block_size = 0;
-  int64_t num_kv_blocks = 0;
-  int64_t max_blocks_per_seq = 0;  // max_model_len / block_size, rounded up
-};
 
 // What a step came back with.
 struct StepOutcome {
@@ -147,7 +135,8 @@ class WorkerPool {
 
   // The longest sequence served (the plan's once planned, the target before).
   int64_t max_model_len();
-  StepSizing sizing();
+  // The step limits every worker got (decided: see PoolOptions), once the group has formed.
+  StepLimits limits();
   // Pipeline stages (--nodes).
   int num_stages() const { return options_.nodes; }
   // Fills tp, pp, plan_text, workers and serving.
@@ -226,7 +215,7 @@ class WorkerPool {
   // Once formed: group_[stage * tp + tp_rank] is a worker index.
   std::vector<int> group_ ABSL_GUARDED_BY(mu_);
   std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
-  StepSizing sizing_ ABSL_GUARDED_BY(mu_);
+  StepLimits limits_ ABSL_GUARDED_BY(mu_);
   // Steps started and not finished, by id. Results are taken while a step is in flight, also
   // after the group broke during it (they tell who answered).
   std::map<uint64_t, InFlightStep> steps_ ABSL_GUARDED_BY(mu_);

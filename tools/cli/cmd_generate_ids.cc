@@ -83,10 +83,10 @@ int Run(const std::vector<std::string>& args) {
     return 2;
   }
 
-  RuntimeOptions opt;
-  opt.max_seqs_per_step = 1;
-  opt.max_blocks_per_seq = (static_cast<int64_t>(prompt.size()) + *max_new + opt.block_size - 1) / opt.block_size;
-  opt.num_kv_blocks = opt.max_blocks_per_seq;
+  // One sequence, prompt chunks of 256 tokens, a KV cache that holds it whole.
+  StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 0,
+                 .max_model_len = static_cast<int64_t>(prompt.size()) + *max_new};
+  opt.num_kv_blocks = opt.max_blocks_per_seq();
   LocalCommunicator tp(backend.get());
   absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
   if (!model.ok()) return Fail(std::string(model.status().message()));
