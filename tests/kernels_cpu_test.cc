@@ -1,4 +1,4 @@
-// Tests of the CPU backend (kernels/cpu/cpu_backend.cc) and the host float conversions
+// Tests of the CPU backend (kernels/cpu/) and the host float conversions
 // (kernels/tensor.cc).
 //
 // Each op runs on fresh random inputs from fixed seeds and is compared with a naive double-

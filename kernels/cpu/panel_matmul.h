@@ -8,7 +8,7 @@
 // happened to, as a property of its internals, not of its contract. Here it holds by construction:
 // every output element is one float chain over k, k = 0, 1, ..., k - 1, each step a fused
 // multiply-add (a multiply and an add on CPUs without FMA), whatever n, the row's position, the
-// thread count or the weight's layout. oneDNN still does the bf16 products (cpu_backend.cc),
+// thread count or the weight's layout. oneDNN still does the bf16 products (matmul.cc),
 // which need instructions (AMX, AVX512-BF16) it has and these loops do not use.
 //
 // Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:

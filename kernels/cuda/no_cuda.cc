@@ -1,4 +1,5 @@
-// Built instead of cuda_backend.cu when SHARDSERVE_WITH_CUDA is OFF.
+// Built instead of the CUDA backend (cuda_backend.cu and the op files beside it) when
+// SHARDSERVE_WITH_CUDA is OFF.
 #include "kernels/backend.h"
 
 namespace shardserve {

@@ -1,0 +1,260 @@
+// The CPU backend (kernels/backend.h): the CpuBackend class, shared by the files that define it:
+// cpu_backend.cc (memory, MakeCpuBackend), elementwise.cc, matmul.cc, attention.cc and sampling.cc
+// (the ops), and what those share: argument checks, ExpVec, SoftmaxRow. Internal to kernels/cpu/;
+// everything else uses MakeCpuBackend (kernels/backend.h).
+//
+// Float32 activations in host memory; matrix products on weights packed once, at
+// load (float32: panel_matmul.h's loops, whose rows never depend on the batch; bf16: oneDNN), plain
+// loops for everything else.
+//
+// Numerics follow PyTorch float32 as Hugging Face transformers uses it, so that the CPU path can
+// be compared with transformers directly:
+// - Element-wise math is done in float32, in the same order of operations as the transformers
+//   code it mirrors (noted per op).
+// - Long reductions (RmsNorm's sum of squares, softmax normalizers over a vocabulary or a
+//   context) accumulate in double and round once. PyTorch's vectorized cascade sums are within
+//   a few ulp of that correctly rounded value; a plain float running sum over 150k logits is not.
+// - Short dot products (one head, head_dim terms) are float, like a SIMD BLAS kernel.
+// - exp is a vectorized polynomial (ExpVec) within an ulp or two of glibc's expf, as PyTorch's
+//   vectorized softmax and SiLU use their own (Sleef's) rather than libm's.
+// - CpuMatMul::kBF16 (backend.h) departs from this on purpose: products of bf16-rounded inputs.
+//
+// Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
+// element-wise loops over contiguous rows; attention, softmax and SiLU with 8-float GCC vectors
+// (kernels/cpu/vec.h), dot products in independent partial sums (see BlockScores, attention.cc).
+//
+// Threading: matrix products, attention (up to 16 tokens of one sequence per iteration)
+// and SiluMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
+// other ops run on the calling thread. A CpuBackend is used by one thread at a time (backend.h);
+// its scratch vectors rely on that.
+#ifndef SHARDSERVE_KERNELS_CPU_CPU_BACKEND_H_
+#define SHARDSERVE_KERNELS_CPU_CPU_BACKEND_H_
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/vec.h"
+#include "kernels/tensor.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace shardserve::cpu {
+
+constexpr DType kF32 = DType::kF32;
+constexpr DType kI32 = DType::kI32;
+constexpr DType kBF16 = DType::kBF16;
+
+// ---- Argument checks ---------------------------------------------------------------------------
+
+// One tensor argument of an op and the dtype and rank the op expects of it.
+struct Arg {
+  const char* name;
+  const Tensor* tensor;  // null only for an optional argument that was not given
+  DType dtype;
+  int ndim;
+  bool optional = false;
+};
+
+// Checks an op's N tensor arguments and formats errors that name the op and every argument's
+// dtype and shape, e.g. "RmsNorm: want out and x [n, d], w [d]; got out F32 [2, 8], x F32 [2, 8],
+// w F32 [4]". Lives for one op call; the Tensors it points to must outlive it.
+template <size_t N>
+class ArgCheck {
+ public:
+  ArgCheck(const char* op, const Arg (&args)[N]) : op_(op) { std::copy(args, args + N, args_.begin()); }
+
+  // Dtype, rank, non-negative dimensions whose element count (and byte size) fits in int64,
+  // and data present whenever there are elements.
+  absl::Status Types() const {
+    for (const Arg& a : args_) {
+      if (a.tensor == nullptr) {
+        if (a.optional) continue;
+        return Error(absl::StrCat(a.name, " is null"));
+      }
+      const Tensor& t = *a.tensor;
+      if (t.dtype != a.dtype || t.ndim != a.ndim) {
+        return Error(absl::StrCat(a.name, " must be ", DTypeName(a.dtype), " with ", a.ndim, " dimension",
+                                  a.ndim == 1 ? "" : "s",
+                                  a.dtype == kF32 ? " (the CPU backend computes in float32)" : ""));
+      }
+      int64_t elements = 1;
+      for (int d = 0; d < t.ndim; ++d) {
+        if (t.shape[d] < 0 || __builtin_mul_overflow(elements, t.shape[d], &elements) ||
+            elements > std::numeric_limits<int64_t>::max() / 8) {
+          return Error(absl::StrCat(a.name, " has a negative or overflowing shape"));
+        }
+      }
+      if (elements > 0 && t.data == nullptr) return Error(absl::StrCat(a.name, " has no data"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Error(absl::string_view what) const {
+    std::string got;
+    for (const Arg& a : args_) {
+      if (a.tensor == nullptr) {
+        if (!a.optional) absl::StrAppend(&got, got.empty() ? "" : ", ", a.name, " null");
+        continue;
+      }
+      absl::StrAppend(&got, got.empty() ? "" : ", ", a.name, " ", DTypeName(a.tensor->dtype), " ",
+                      a.tensor->ShapeString());
+    }
+    return absl::InvalidArgumentError(absl::StrCat(op_, ": ", what, "; got ", got));
+  }
+
+ private:
+  const char* op_;
+  std::array<Arg, N> args_;
+};
+
+bool SameShape(const Tensor& a, const Tensor& b);  // cpu_backend.cc
+
+// ---- Math helpers ------------------------------------------------------------------------------
+
+// Loops that matter are written with 8-float GCC vectors (kernels/cpu/vec.h) in functions cloned
+// per instruction set.
+
+// e^x of 8 floats, with Cephes' expf polynomial (relative error about 2e-7, like glibc's expf
+// within an ulp or two): x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n e^r. Below -87.3 (where expf
+// turns subnormal) it gives 0, above 88 +inf (exp(88) is 1.7e38, close to FLT_MAX); NaN stays NaN.
+[[gnu::always_inline]] inline Vec8 ExpVec(Vec8 x) {
+  constexpr float kLow = -87.3f, kHigh = 88.0f, kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const Vec8 xc = x < kLow ? Vec8{} + kLow : (x > kHigh ? Vec8{} + kHigh : x);  // NaN fails both tests
+  const Vec8 t = xc * 1.44269504088896341f + kRound;  // n + kRound, n = round(x / ln2)
+  const Vec8 n = t - kRound;
+  Vec8 r = xc - n * 0.693359375f;  // ln2 in two parts, so that r is exact
+  r = r - n * -2.12194440e-4f;
+  Vec8 p = Vec8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec8 e_r = p * r * r + r + 1.0f;
+  Vec8i bits;  // 2^n: the exponent field n + 127, n in [-126, 127]
+  std::memcpy(&bits, &t, sizeof bits);
+  bits = (bits - 0x4B400000 + 127) << 23;  // 0x4B400000: kRound's bits, so bits - it = n
+  Vec8 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  const Vec8 e = e_r * two_n;
+  return x < kLow ? Vec8{} : (x > kHigh ? Vec8{} + std::numeric_limits<float>::infinity() : e);
+}
+
+// out = softmax(x / temperature) over one row of v, like torch.softmax(x / t, dim=-1) in float32:
+// scale, subtract the max, exp, multiply by 1 / sum (PyTorch's vectorized softmax multiplies by
+// the reciprocal too). out may alias x. -inf entries (masked tokens) get exactly 0 as long as
+// one entry is finite. Returns the normalizer; it is NaN when the row holds a NaN or +inf or is
+// all -inf (and then so does out), otherwise it is >= 1 (the max contributes exp(0)).
+// Defined in sampling.cc; attention.cc uses it too.
+double SoftmaxRow(float* out, const float* x, int64_t v, float temperature);
+
+// ---- The backend -------------------------------------------------------------------------------
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(int threads, CpuMatMul matmul) : threads_(threads), matmul_(matmul) {}
+
+  DeviceKind device_kind() const override { return DeviceKind::kCpu; }
+  DType act_dtype() const override { return kF32; }
+  std::string Describe() const override {
+    const dnnl_version_t* v = dnnl_version();
+    const std::string products = matmul_ == CpuMatMul::kBF16
+                                     ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch)
+                                     : "f32 products";
+    return absl::StrCat("cpu (", products, ", ", threads_, " threads)");
+  }
+
+  absl::StatusOr<Buffer> Allocate(size_t bytes) override;
+  void Free(void* data) override {
+    packed_.erase(data);
+    std::free(data);
+  }
+  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed) override;
+  absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
+    return Copy("CopyToDevice", dst, host_src, bytes);
+  }
+  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override {
+    return Copy("CopyToHost", host_dst, src, bytes);
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy("CopyOnDevice", dst, src, bytes);
+  }
+  absl::Status Fill0(void* dst, size_t bytes) override;
+  absl::Status Synchronize() override { return absl::OkStatus(); }  // every op is done when it returns
+
+  absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
+  absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;
+  absl::Status MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) override;
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
+  absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
+                          const Tensor& slots) override;
+  absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
+                         float scale) override;
+  absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
+  absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
+  absl::Status Argmax(Tensor* out, const Tensor& logits) override;
+  absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
+
+ private:
+  // A weight PackMatMulWeight repacked, keyed in packed_ by the address of its buffer.
+  struct PackedWeight {
+    int64_t m = 0, k = 0;      // the logical [m, k]
+    size_t bytes = 0;          // the buffer's size
+    // bf16 weights: oneDNN's layout of them, as the [k, m] "weights" of a matmul. Float32
+    // weights: none (data_type undef); they are panels (panel_matmul.h).
+    dnnl::memory::desc desc;
+    bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
+  };
+
+  static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
+  // The packed weight w views, or null when w is plain. An error when w lies inside a packed
+  // buffer without being the whole of it (a Rows() view, say).
+  absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
+  // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN, for a weight `packed` stored in bf16 at w:
+  // x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time. Throws dnnl::error.
+  void Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed, void* w,
+                  const float* bias);
+
+  const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
+  const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
+  const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream_{engine_};
+  std::map<const void*, PackedWeight> packed_;
+  // oneDNN bf16 matmuls of kBf16Rows rows by (m, k, bias): one per weight shape, made
+  // (JIT-compiled, ~0.4 ms) on first use. A model has a handful of weight shapes.
+  std::map<std::tuple<int64_t, int64_t, bool>, dnnl::matmul> bf16_matmuls_;
+  // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
+  std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
+  std::vector<uint16_t> src_bf16_;
+  std::vector<float> last_chunk_out_;  // [kBf16Rows, m]: a bf16 product's last, partial chunk of rows
+  std::vector<float> plain_panels_;    // [threads, k, 16]: float32 products by a plain weight (panel_matmul.h)
+
+  // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
+  // seen. Each vector only grows. Touched only by the one thread using the backend.
+  std::vector<float> rope_cos_;       // [head_dim / 2] cos of one token's angles
+  std::vector<float> rope_sin_;       // [head_dim / 2] sin of one token's angles
+  std::vector<std::pair<int64_t, int64_t>> attn_items_;  // [first, last) tokens of one sequence
+  std::vector<float> attn_weights_;   // [threads, item rows, longest context] scores, then probabilities
+  std::vector<float> sample_probs_;   // [vocab] probabilities of one row
+  std::vector<float> sample_sorted_;  // [vocab] probabilities partially sorted for top-k / top-p
+};
+
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_CPU_BACKEND_H_

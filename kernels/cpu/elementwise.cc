@@ -1,0 +1,142 @@
+// The CPU backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
+// SiluMul and Add.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+
+namespace shardserve::cpu {
+namespace {
+
+// y[i] = silu(g[i]) * u[i] for i in [begin, end): see CpuBackend::SiluMul.
+SHARDSERVE_VECTOR_CLONES void SiluMulRange(float* y, const float* g, const float* u, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += kVecLanes) {
+    const int64_t lanes = std::min(kVecLanes, end - i);
+    const Vec8 gi = LoadVec(g + i, lanes);
+    StoreVec(y + i, gi / (1.0f + ExpVec(-gi)) * LoadVec(u + i, lanes), lanes);
+  }
+}
+
+}  // namespace
+
+absl::Status CpuBackend::Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) {
+  const ArgCheck check("Embedding", {{"out", out, kF32, 2}, {"table", &table, kF32, 2}, {"ids", &ids, kI32, 1}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  const int64_t n = out->dim(0), d = out->dim(1), rows = table.dim(0);
+  if (table.dim(1) != d || ids.dim(0) != n) return check.Error("want out [n, d], table [rows, d], ids [n]");
+  if (row_offset < 0) return check.Error(absl::StrCat("row_offset ", row_offset, " is negative"));
+
+  const int32_t* id = ids.as<int32_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    float* dst = out->as<float>() + t * d;
+    const int64_t row = static_cast<int64_t>(id[t]) - row_offset;  // row in this shard's slice
+    if (row >= 0 && row < rows) {
+      std::memcpy(dst, table.as<float>() + row * d, static_cast<size_t>(d) * sizeof(float));
+    } else {
+      std::fill(dst, dst + d, 0.0f);  // another shard's row; the all-reduce fills it in
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) {
+  const ArgCheck check("RmsNorm", {{"out", out, kF32, 2}, {"x", &x, kF32, 2}, {"w", &w, kF32, 1}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  if (!SameShape(*out, x) || w.dim(0) != x.dim(1)) return check.Error("want out and x [n, d], w [d]");
+
+  const int64_t n = x.dim(0), d = x.dim(1);
+  const float* weight = w.as<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xr = x.as<float>() + t * d;
+    float* yr = out->as<float>() + t * d;
+    // LlamaRMSNorm: variance = x.pow(2).mean(-1) in float32; x * rsqrt(variance + eps); w * that.
+    double sum_squares = 0.0;
+    for (int64_t i = 0; i < d; ++i) sum_squares += static_cast<double>(xr[i]) * xr[i];
+    const float variance = static_cast<float>(sum_squares / static_cast<double>(d));
+    const float inv_rms = 1.0f / std::sqrt(variance + eps);
+    for (int64_t i = 0; i < d; ++i) yr[i] = weight[i] * (xr[i] * inv_rms);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
+  const ArgCheck check("Rope", {{"q", q, kF32, 2},
+                                {"k", k, kF32, 2},
+                                {"positions", &positions, kI32, 1},
+                                {"inv_freq", &inv_freq, kF32, 1}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  if (head_dim <= 0 || head_dim % 2 != 0) return check.Error(absl::StrCat("head_dim ", head_dim, " must be even and > 0"));
+  const int64_t n = q->dim(0), half = head_dim / 2;
+  if (k->dim(0) != n || positions.dim(0) != n || q->dim(1) % head_dim != 0 || k->dim(1) % head_dim != 0 ||
+      inv_freq.dim(0) != half) {
+    return check.Error(absl::StrCat("want q [n, q_heads * ", head_dim, "], k [n, kv_heads * ", head_dim,
+                                    "], positions [n], inv_freq [", half, "]"));
+  }
+
+  rope_cos_.resize(static_cast<size_t>(half));
+  rope_sin_.resize(static_cast<size_t>(half));
+  const float* freq = inv_freq.as<float>();
+  // Rotates every head of one token's row: x[i], x[i + half] -> x[i] cos - x[i + half] sin,
+  // x[i + half] cos + x[i] sin, which is transformers' q * cos + rotate_half(q) * sin.
+  const auto rotate_row = [&](float* row, int64_t width) {
+    for (float* head = row; head < row + width; head += head_dim) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = head[i], x2 = head[i + half];
+        head[i] = x1 * rope_cos_[i] - x2 * rope_sin_[i];
+        head[i + half] = x2 * rope_cos_[i] + x1 * rope_sin_[i];
+      }
+    }
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    // As transformers: freqs = inv_freq * position in float32, then cos and sin of that float.
+    const float pos = static_cast<float>(positions.as<int32_t>()[t]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = pos * freq[i];
+      rope_cos_[i] = std::cos(angle);
+      rope_sin_[i] = std::sin(angle);
+    }
+    rotate_row(q->as<float>() + t * q->dim(1), q->dim(1));
+    rotate_row(k->as<float>() + t * k->dim(1), k->dim(1));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) {
+  const ArgCheck check("SiluMul", {{"out", out, kF32, 2}, {"gate", &gate, kF32, 2}, {"up", &up, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  if (!SameShape(*out, gate) || !SameShape(gate, up)) return check.Error("want out, gate and up all [n, f]");
+
+  const int64_t count = gate.numel();
+  const float* g = gate.as<float>();
+  const float* u = up.as<float>();
+  float* y = out->as<float>();
+  // silu(g) = g / (1 + exp(-g)), as PyTorch's CPU kernel; exp(-g) = inf for very negative g
+  // gives -0, the right limit. In chunks over the backend's threads.
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(threads_) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) SiluMulRange(y, g, u, c * kChunk, std::min(count, (c + 1) * kChunk));
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Add(Tensor* out, const Tensor& a, const Tensor& b) {
+  const ArgCheck check("Add", {{"out", out, kF32, 2}, {"a", &a, kF32, 2}, {"b", &b, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  if (!SameShape(*out, a) || !SameShape(a, b)) return check.Error("want out, a and b all [n, d]");
+
+  const int64_t count = a.numel();
+  const float* x = a.as<float>();
+  const float* z = b.as<float>();
+  float* y = out->as<float>();
+  for (int64_t i = 0; i < count; ++i) y[i] = x[i] + z[i];  // element-wise, so out may alias a or b
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::cpu

@@ -1,0 +1,222 @@
+// The CPU backend's matrix products: MatMul, and PackMatMulWeight's packing of weights at load
+// (float32: panel_matmul.h's panels; bf16: oneDNN's layout, multiplied by oneDNN).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/panel_matmul.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace shardserve::cpu {
+namespace {
+
+// Rows per oneDNN call of a bf16 product (CpuBackend::OneDnnMatMul): one AMX tile's rows, so that
+// a lone decoding row costs little more than itself.
+constexpr int64_t kBf16Rows = 16;
+
+// Whether the memory of a and b overlaps (exact aliasing included).
+bool Overlaps(const Tensor& a, const Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.data);
+  const auto* b0 = static_cast<const char*>(b.data);
+  return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+}
+
+// A oneDNN matmul's primitive descriptor (bias_desc null: no bias), in the API of oneDNN 2 (Debian
+// 12) or 3 (which dropped the op descriptors).
+dnnl::matmul::primitive_desc MatMulPrimitiveDesc(const dnnl::engine& engine, const dnnl::memory::desc& src,
+                                                 const dnnl::memory::desc& weights, const dnnl::memory::desc* bias,
+                                                 const dnnl::memory::desc& dst) {
+#if DNNL_VERSION_MAJOR >= 3
+  return bias != nullptr ? dnnl::matmul::primitive_desc(engine, src, weights, *bias, dst)
+                         : dnnl::matmul::primitive_desc(engine, src, weights, dst);
+#else
+  return dnnl::matmul::primitive_desc(
+      bias != nullptr ? dnnl::matmul::desc(src, weights, *bias, dst) : dnnl::matmul::desc(src, weights, dst), engine);
+#endif
+}
+
+}  // namespace
+
+absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+  // w is F32, or BF16 when PackMatMulWeight stored it so (checked below).
+  const ArgCheck check("MatMul", {{"out", out, kF32, 2},
+                                  {"x", &x, kF32, 2},
+                                  {"w", &w, w.dtype == kBF16 ? kBF16 : kF32, 2},
+                                  {"bias", bias, kF32, 1, /*optional=*/true}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
+  if (w.dim(1) != k || out->dim(0) != n || out->dim(1) != m || (bias != nullptr && bias->dim(0) != m)) {
+    return check.Error("want out [n, m], x [n, k], w [m, k], bias [m]");
+  }
+  if (Overlaps(*out, x) || Overlaps(*out, w) || (bias != nullptr && Overlaps(*out, *bias))) {
+    return check.Error("out must not overlap an input");
+  }
+  if (n == 0 || m == 0) return absl::OkStatus();
+
+  absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
+  if (!packed.ok()) return check.Error(packed.status().message());
+  const bool packed_bf16 = *packed != nullptr && (*packed)->bf16();
+  if ((w.dtype == kBF16) != packed_bf16) {
+    return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
+  }
+  float* y = out->as<float>();
+  if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
+    for (int64_t r = 0; r < n; ++r) {
+      if (bias != nullptr) {
+        std::memcpy(y + r * m, bias->data, static_cast<size_t>(m) * sizeof(float));
+      } else {
+        std::fill(y + r * m, y + (r + 1) * m, 0.0f);
+      }
+    }
+    return absl::OkStatus();
+  }
+  const float* b = bias != nullptr ? bias->as<float>() : nullptr;
+  if (!packed_bf16) {
+    cpu::PanelMatMul(y, x.as<float>(), n, m, k, w.as<float>(), /*plain=*/*packed == nullptr, b, threads_,
+                     &plain_panels_);
+    return absl::OkStatus();
+  }
+  try {
+    Bf16MatMul(y, x.as<float>(), n, m, k, **packed, w.data, b);
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(
+        absl::StrCat("MatMul: oneDNN failed (", e.what(), ") on x ", x.ShapeString(), ", packed bf16 w ", w.ShapeString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
+  auto it = packed_.upper_bound(w.data);  // the first buffer above w.data
+  if (it == packed_.begin()) return nullptr;
+  --it;  // the last buffer at or below w.data
+  const auto* begin = static_cast<const char*>(it->first);
+  if (static_cast<const char*>(w.data) >= begin + it->second.bytes) return nullptr;
+  if (w.data != it->first || w.dim(0) != it->second.m || w.dim(1) != it->second.k) {
+    return absl::InvalidArgumentError(absl::StrCat("w views part of a packed [", it->second.m, ", ", it->second.k,
+                                                   "] weight; pass the whole tensor PackMatMulWeight made"));
+  }
+  return &it->second;
+}
+
+void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed,
+                            void* w, const float* bias) {
+  using dnnl::memory;
+  constexpr auto f32 = memory::data_type::f32;
+  constexpr auto bf16 = memory::data_type::bf16;
+  constexpr auto ab = memory::format_tag::ab;
+  // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
+  omp_set_num_threads(threads_);
+  const memory::desc bias_desc({1, m}, f32, ab);
+  const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
+  // The oneDNN matmul for this weight's shape, made (JIT-compiled, ~0.4 ms) on first use.
+  auto it = bf16_matmuls_.find({m, k, bias != nullptr});
+  if (it == bf16_matmuls_.end()) {
+    const dnnl::matmul::primitive_desc pd =
+        MatMulPrimitiveDesc(engine_, chunk_src, packed.desc, bias != nullptr ? &bias_desc : nullptr, chunk_dst);
+    it = bf16_matmuls_.emplace(std::make_tuple(m, k, bias != nullptr), dnnl::matmul(pd)).first;
+  }
+  const dnnl::matmul& mm = it->second;
+  auto run = [&](void* src, float* dst) {
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, memory(chunk_src, engine_, src)},
+                                            {DNNL_ARG_WEIGHTS, memory(packed.desc, engine_, w)},
+                                            {DNNL_ARG_DST, memory(chunk_dst, engine_, dst)}};
+    if (bias != nullptr) args.emplace(DNNL_ARG_BIAS, memory(bias_desc, engine_, const_cast<float*>(bias)));
+    mm.execute(stream_, args);
+  };
+  // Round x to bf16 (to nearest even) with a reorder made once per shape, into rows padded with
+  // zeros to a multiple of kBf16Rows; then multiply kBf16Rows rows at a time. oneDNN's bf16
+  // kernels sum in an order that depends on the row count (AMX and AVX-512 kernels for different
+  // row counts and tails, K split differently), so a row's result would depend on how many rows
+  // share its step; one primitive for every chunk gives every row the same arithmetic. Each
+  // chunk re-reads the weight (a layer's matrix, from cache after the first chunk).
+  const memory::desc x_desc({n, k}, f32, ab);
+  const int64_t padded = (n + kBf16Rows - 1) / kBf16Rows * kBf16Rows;
+  src_bf16_.resize(static_cast<size_t>(padded * k));
+  const memory::desc rounded_desc({n, k}, bf16, ab);
+  auto r = to_bf16_.find({n, k});
+  if (r == to_bf16_.end()) {
+    r = to_bf16_.emplace(std::make_pair(n, k), dnnl::reorder(dnnl::reorder::primitive_desc(engine_, x_desc, engine_,
+                                                                                          rounded_desc)))
+            .first;
+  }
+  memory from(x_desc, engine_, const_cast<float*>(x)), to(rounded_desc, engine_, src_bf16_.data());
+  r->second.execute(stream_, from, to);
+  std::fill(src_bf16_.begin() + n * k, src_bf16_.begin() + padded * k, uint16_t{0});
+  const int64_t whole = n / kBf16Rows * kBf16Rows;  // rows in whole chunks, written straight to y
+  for (int64_t c = 0; c < whole; c += kBf16Rows) run(src_bf16_.data() + c * k, y + c * m);
+  if (whole < n) {  // the last, partial chunk: its output rows past n land in scratch
+    last_chunk_out_.resize(static_cast<size_t>(kBf16Rows * m));
+    run(src_bf16_.data() + whole * k, last_chunk_out_.data());
+  }
+  stream_.wait();
+  if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
+}
+
+absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
+  const ArgCheck check("PackMatMulWeight", {{"w", &w, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  *packed = w;
+  const int64_t m = w.dim(0), k = w.dim(1);
+  if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops
+    const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);
+    absl::StatusOr<Buffer> buffer = Allocate(bytes);
+    if (!buffer.ok()) return buffer.status();
+    cpu::PackPanels(static_cast<float*>(buffer->data()), w.as<float>(), m, k);
+    packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
+    *packed = Tensor(buffer->data(), kF32, {m, k});
+    return buffer;
+  }
+  using dnnl::memory;
+  constexpr auto bf16 = memory::data_type::bf16;
+  // The layout oneDNN picks for kBf16Rows-row products, the only row count Bf16MatMul uses.
+  try {
+    const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
+        engine_, memory::desc({kBf16Rows, k}, bf16, memory::format_tag::ab),
+        memory::desc({k, m}, bf16, memory::format_tag::any), nullptr,
+        memory::desc({kBf16Rows, m}, memory::data_type::f32, memory::format_tag::ab));
+    const memory::desc layout = pd.weights_desc();
+    absl::StatusOr<Buffer> buffer = Allocate(layout.get_size());
+    if (!buffer.ok()) return buffer.status();
+    // w [m, k] row-major is the matmul's [k, m] weights in column-major ("ba") order. The reorder
+    // converts to bf16, rounding to nearest even.
+    memory plain(memory::desc({k, m}, memory::data_type::f32, memory::format_tag::ba), engine_, w.data);
+    memory blocked(layout, engine_, buffer->data());
+    omp_set_num_threads(threads_);
+    dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
+    stream_.wait();
+    packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    *packed = Tensor(buffer->data(), kBF16, {m, k});
+    return buffer;
+  } catch (const dnnl::error& e) {
+    *packed = w;
+    if (e.status == dnnl_unimplemented) {
+      return absl::FailedPreconditionError(
+          "PackMatMulWeight: oneDNN has no bf16 matrix product for this CPU (it needs AVX-512); multiply in f32");
+    }
+    return absl::InternalError(absl::StrCat("PackMatMulWeight: oneDNN failed (", e.what(), ") on w ", w.ShapeString()));
+  }
+}
+
+}  // namespace shardserve::cpu
+
+namespace shardserve {
+
+bool CpuHasNativeBf16MatMul() {
+  // oneDNN's ISA values are supersets by bits: AMX's include AVX512-BF16's.
+  const auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core_bf16);
+  return (isa & bf16) == bf16;
+}
+
+}  // namespace shardserve

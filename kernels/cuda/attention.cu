@@ -1,0 +1,240 @@
+// The CUDA backend's paged KV cache ops: CacheWrite (k, v into cache slots) and Attention (online
+// softmax over a sequence's cache blocks), their kernels and launches.
+#include <cstdint>
+#include <utility>
+
+#include "kernels/cuda/cuda_backend.cuh"
+#include "kernels/cuda/device_util.cuh"
+
+namespace shardserve::cuda {
+namespace {
+
+// One thread per element of k/v; `row` = kv_heads * head_dim elements per slot.
+template <typename T>
+__global__ void CacheWriteKernel(T* k_cache /*[num_slots, row]*/, T* v_cache /*[num_slots, row]*/,
+                                 const T* k /*[n, row]*/, const T* v /*[n, row]*/, const int32_t* slots /*[n]*/,
+                                 int64_t n, int64_t row, int64_t num_slots, unsigned* errors) {
+  GRID_STRIDE_LOOP(i, n * row) {
+    const int64_t t = i / row;
+    const int64_t j = i - t * row;
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) {
+      if (j == 0) atomicOr(errors, kErrCacheSlot);
+      continue;
+    }
+    k_cache[slot * row + j] = k[i];
+    v_cache[slot * row + j] = v[i];
+  }
+}
+
+// ---- Attention --------------------------------------------------------------------------------
+// q . k of one key, q in shared memory as float. Rows of 16 bytes' worth of T are read with one
+// 16-byte load each where head_dim allows it and the row is 16-byte aligned (`vec`).
+template <typename T>
+__device__ __forceinline__ float DotQK(const float* q_s, const T* k, int head_dim, bool vec) {
+  float dot = 0.0f;
+  if (vec) {
+    constexpr int kE = 16 / sizeof(T);
+    const uint4* k4 = reinterpret_cast<const uint4*>(k);
+    for (int i = 0; i < head_dim / kE; ++i) {
+      const uint4 raw = k4[i];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kE; ++j) dot += q_s[i * kE + j] * ToFloat(e[j]);
+    }
+  } else {
+    for (int d = 0; d < head_dim; ++d) dot += q_s[d] * ToFloat(k[d]);
+  }
+  return dot;
+}
+
+// One block per (token t, query head h); blockIdx.x = t * q_heads + h. The context (positions
+// 0..p of the token's sequence) is walked in chunks of kAttnChunk keys with an online softmax:
+// a running max m, running denominator l and running numerator acc[] (per output dim), rescaled
+// by exp(m_old - m_new) whenever the max grows. In a chunk every thread scores one key (its whole
+// q . k, so a chunk's key loads are all in flight at once), then every thread owns head_dim / 128
+// output dimensions and sums the chunk's weighted values, loads independent of each other. Every
+// index taken from device metadata is checked; an out-of-range one sets an error bit and its key
+// gets weight 0 (the output row is zero when nothing valid is left).
+template <typename T>
+__global__ void __launch_bounds__(kAttnThreads)
+    AttentionKernel(T* out /*[n, q_heads * hd]*/, const T* q /*[n, q_heads * hd]*/,
+                    const T* k_cache /*[num_blocks, block_size, kv_heads, hd]*/,
+                    const T* v_cache /*[num_blocks, block_size, kv_heads, hd]*/, const int32_t* positions /*[n]*/,
+                    const int32_t* token_seq /*[n]*/, const int32_t* block_tables /*[num_seqs, max_blocks]*/,
+                    int q_heads, int kv_heads, int head_dim, int block_size, int64_t num_blocks, int64_t num_seqs,
+                    int64_t max_blocks, float scale, unsigned* errors) {
+  __shared__ float q_s[kAttnMaxHeadDim];
+  __shared__ float w_s[kAttnChunk];       // softmax weights of the chunk's keys (0: skipped)
+  __shared__ int64_t base_s[kAttnChunk];  // element offset of each key's head in the cache
+  __shared__ float scratch_s[32];
+
+  const int64_t t = blockIdx.x / q_heads;
+  const int h = static_cast<int>(blockIdx.x - t * q_heads);
+  const int kv_head = h / (q_heads / kv_heads);
+  const T* qh = q + (t * q_heads + h) * head_dim;
+  T* oh = out + (t * q_heads + h) * head_dim;
+
+  const int64_t seq = token_seq[t];
+  const int64_t pos = positions[t];
+  const bool bad_seq = seq < 0 || seq >= num_seqs;
+  const bool bad_pos = pos < 0 || pos / block_size >= max_blocks;
+  if (bad_seq || bad_pos) {  // the same for every thread of the block
+    if (threadIdx.x == 0) atomicOr(errors, bad_seq ? kErrAttentionSeq : kErrAttentionPos);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) oh[d] = FromFloat<T>(0.0f);
+    return;
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = ToFloat(qh[d]);
+  __syncthreads();
+
+  const int32_t* table = block_tables + seq * max_blocks;
+  const int64_t context = pos + 1;
+  const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
+  const bool vec = head_dim % (16 / static_cast<int>(sizeof(T))) == 0 &&
+                   reinterpret_cast<uintptr_t>(k_cache) % 16 == 0;  // then every head's row is aligned too
+  float m = -INFINITY;
+  float l = 0.0f;
+  float acc[kAttnDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kAttnDimsPerThread; ++r) acc[r] = 0.0f;
+
+  for (int64_t start = 0; start < context; start += kAttnChunk) {
+    const int keys = static_cast<int>(context - start < kAttnChunk ? context - start : kAttnChunk);
+    // This thread's key: its score, and where its head's row starts (0, with no weight, if none).
+    float score = -INFINITY;
+    int64_t base = 0;
+    if (threadIdx.x < keys) {
+      const int64_t j = start + threadIdx.x;
+      const int64_t block = table[j / block_size];  // j / block_size <= pos / block_size < max_blocks
+      if (block >= 0 && block < num_blocks) {
+        base = (block * block_size + j % block_size) * slot_elems + static_cast<int64_t>(kv_head) * head_dim;
+        score = DotQK(q_s, k_cache + base, head_dim, vec) * scale;
+      } else {
+        atomicOr(errors, kErrAttentionBlock);
+      }
+    }
+    const float m_new = fmaxf(m, BlockAllReduce(score, MaxOp{}, scratch_s));
+    if (m_new == -INFINITY) continue;  // no valid key so far (bad blocks); uniform over the block
+    const float w = score == -INFINITY ? 0.0f : expf(score - m_new);
+    w_s[threadIdx.x] = w;  // kAttnChunk == kAttnThreads
+    base_s[threadIdx.x] = base;
+    const float chunk_sum = BlockAllReduce(w, SumOp{}, scratch_s);  // its barriers also publish w_s, base_s
+    const float alpha = expf(m - m_new);  // 0 on the first valid chunk (m = -inf)
+    l = l * alpha + chunk_sum;
+#pragma unroll
+    for (int r = 0; r < kAttnDimsPerThread; ++r) {
+      const int d = threadIdx.x + r * kAttnThreads;
+      if (d < head_dim) {
+        float a = acc[r] * alpha;
+#pragma unroll 8
+        for (int c = 0; c < keys; ++c) {
+          // A skipped key's row is read but not used: a select, so that garbage there (NaN) never
+          // reaches the sum, and the loads stay unconditional, independent of each other.
+          const float wc = w_s[c];
+          const float vc = ToFloat(v_cache[base_s[c] + d]);
+          a += wc != 0.0f ? wc * vc : 0.0f;
+        }
+        acc[r] = a;
+      }
+    }
+    m = m_new;
+    __syncthreads();  // weights and offsets read before the next chunk overwrites them
+  }
+#pragma unroll
+  for (int r = 0; r < kAttnDimsPerThread; ++r) {
+    const int d = threadIdx.x + r * kAttnThreads;
+    if (d < head_dim) oh[d] = FromFloat<T>(l > 0.0f ? acc[r] / l : 0.0f);
+  }
+}
+
+}  // namespace
+
+absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
+                                     const Tensor& slots) {
+  constexpr const char* kOp = "CacheWrite";
+  if (k_cache == nullptr || v_cache == nullptr) {
+    return Invalid(kOp, "k_cache and v_cache must not be null", {{"k_cache", k_cache}, {"v_cache", v_cache}});
+  }
+  const auto all = {std::pair<const char*, const Tensor*>{"k_cache", k_cache},
+                    {"v_cache", v_cache},
+                    {"k", &k},
+                    {"v", &v},
+                    {"slots", &slots}};
+  if (!Is(*k_cache, 4, act_) || !Is(*v_cache, 4, act_) || !Is(k, 2, act_) || !Is(v, 2, act_) ||
+      !Is(slots, 1, DType::kI32)) {
+    return Invalid(kOp,
+                   absl::StrCat("expected caches [blocks, bs, kv_heads, hd] and k, v [n, kv_heads * hd] ",
+                                DTypeName(act_), ", slots [n] I32"),
+                   all);
+  }
+  const int64_t n = k.dim(0), row = k_cache->dim(2) * k_cache->dim(3);
+  if (!SameShape(*k_cache, *v_cache) || !SameShape(k, v) || k.dim(1) != row || slots.dim(0) != n) {
+    return Invalid(kOp, "shapes do not match", all);
+  }
+  if (n * row == 0) return absl::OkStatus();
+  const int64_t num_slots = k_cache->dim(0) * k_cache->dim(1);
+  cache_limits_ = absl::StrCat("num_blocks ", k_cache->dim(0), ", block_size ", k_cache->dim(1));
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    CacheWriteKernel<T><<<GridFor(n * row, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+        k_cache->as<T>(), v_cache->as<T>(), k.as<const T>(), v.as<const T>(), slots.as<const int32_t>(), n, row,
+        num_slots, errors_dev_);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("CacheWriteKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                    const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
+                                    float scale) {
+  constexpr const char* kOp = "Attention";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"q", &q}, {"k_cache", &k_cache}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out},
+                    {"q", &q},
+                    {"k_cache", &k_cache},
+                    {"v_cache", &v_cache},
+                    {"positions", &positions},
+                    {"token_seq", &token_seq},
+                    {"block_tables", &block_tables}};
+  if (!Is(*out, 2, act_) || !Is(q, 2, act_) || !Is(k_cache, 4, act_) || !Is(v_cache, 4, act_) ||
+      !Is(positions, 1, DType::kI32) || !Is(token_seq, 1, DType::kI32) || !Is(block_tables, 2, DType::kI32)) {
+    return Invalid(kOp,
+                   absl::StrCat("expected out, q [n, q_heads * hd] and caches [blocks, bs, kv_heads, hd] ",
+                                DTypeName(act_), ", positions and token_seq [n] I32, block_tables [seqs, max_blocks] I32"),
+                   all);
+  }
+  const int64_t n = q.dim(0), num_blocks = k_cache.dim(0), block_size = k_cache.dim(1), kv_heads = k_cache.dim(2),
+                head_dim = k_cache.dim(3);
+  if (!SameShape(*out, q) || !SameShape(k_cache, v_cache) || positions.dim(0) != n || token_seq.dim(0) != n) {
+    return Invalid(kOp, "shapes do not match", all);
+  }
+  if (head_dim <= 0 || head_dim > kAttnMaxHeadDim || block_size <= 0 || kv_heads <= 0) {
+    return Invalid(kOp,
+                   absl::StrCat("need 0 < head_dim <= ", kAttnMaxHeadDim, ", block_size > 0 and kv_heads > 0"), all);
+  }
+  if (q.dim(1) % head_dim != 0 || (q.dim(1) / head_dim) % kv_heads != 0) {
+    return Invalid(kOp,
+                   absl::StrCat("q's width ", q.dim(1), " is not q_heads * head_dim with q_heads a multiple of kv_heads ",
+                                kv_heads, " (head_dim ", head_dim, ")"),
+                   all);
+  }
+  const int64_t q_heads = q.dim(1) / head_dim;
+  if (n == 0 || q_heads == 0) return absl::OkStatus();
+  if (!FitsInt(n * q_heads) || !FitsInt(block_size)) return Invalid(kOp, "too many (token, head) pairs", all);
+  attention_limits_ = absl::StrCat("seqs ", block_tables.dim(0), ", max_blocks ", block_tables.dim(1), ", num_blocks ",
+                                   num_blocks, ", block_size ", block_size);
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    AttentionKernel<T><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
+        out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
+        token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
+        static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
+        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel");
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace shardserve::cuda

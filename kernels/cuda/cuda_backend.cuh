@@ -1,0 +1,195 @@
+// The CUDA backend (kernels/backend.h): the CudaBackend class, shared by the files that define it:
+// cuda_backend.cu (lifetime, memory, error word), elementwise.cu, matmul.cu, attention.cu and
+// sampling.cu (the ops and their kernels). Internal to kernels/cuda/; everything else uses
+// MakeCudaBackend (kernels/backend.h).
+//
+// cuBLAS for MatMul, kernels for everything else.
+//
+// Activations are float, __half or __nv_bfloat16 (the backend's act dtype); every kernel converts
+// to float on load, accumulates in float (double for the sampling masses) and rounds once on
+// store. Logits, softmax output and sampling inputs are float32.
+//
+// Ownership and lifetime: a CudaBackend owns one cudaStream_t, one cublasHandle_t and a few small
+// scratch buffers, all created in MakeCudaBackend and destroyed in the destructor. Buffers it
+// hands out (Allocate) must be freed before it is destroyed. Not thread-safe: one thread at a
+// time, as backend.h says.
+//
+// Ordering: every op and CopyOnDevice/Fill0 are enqueued on the stream and return before the GPU
+// is done. CopyToDevice returns once the host source may be reused, CopyToHost once the host
+// destination holds the data (both synchronize the stream). Argmax and Sample with a host output
+// tensor also synchronize.
+//
+// Bad metadata: block-table entries, sequence ids, positions and cache slots live on the device,
+// so the host cannot check them without a synchronization. The kernels check them instead, skip
+// what is out of range (never reading or writing outside a tensor) and set a bit in a device
+// error word; the next Synchronize() or CopyToHost() (or Argmax/Sample to host) returns an
+// InvalidArgument naming the op and clears the word.
+#ifndef SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
+#define SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/tensor.h"
+
+// Returns from the enclosing function when `expr` (an absl::Status) is not OK.
+#define SHARDSERVE_RETURN_IF_NOT_OK(expr)                      \
+  do {                                                         \
+    absl::Status shardserve_status_ = (expr);                  \
+    if (!shardserve_status_.ok()) return shardserve_status_;   \
+  } while (0)
+
+namespace shardserve::cuda {
+
+// ---- Launch configuration (why these numbers) -------------------------------------------------
+// Elementwise ops: 256 threads per block is the usual sweet spot for memory-bound kernels on
+// A100/H100 (8 blocks per SM at full occupancy); grid-stride loops cap the grid (GridFor).
+constexpr int kElementwiseThreads = 256;
+// RmsNorm: one block per row; hidden sizes are 2k-16k, so 256 threads do 8-64 elements each and
+// several rows stay resident per SM.
+constexpr int kRmsNormThreads = 256;
+// Softmax, Argmax, Sample: one block per row over a vocabulary of 32k-152k; rows are few (the
+// batch), so a wide block keeps more loads in flight per row. 512 leaves room for the double
+// accumulators of Sample without spilling.
+constexpr int kRowThreads = 512;
+// Attention: one block per (token, query head); each thread scores one key of a 128-key chunk,
+// then owns head_dim / 128 output dimensions. Head dims up to 512 are supported (Llama-family
+// models use 64-256). (Lanes splitting head_dim per key, one key per warp at a time, left every
+// key's loads waiting on the previous key's: 72 us for 140 keys of a 64-dim head on an H100.)
+constexpr int kAttnThreads = 128;
+constexpr int kAttnChunk = kAttnThreads;
+constexpr int kAttnMaxHeadDim = 512;
+constexpr int kAttnDimsPerThread = kAttnMaxHeadDim / kAttnThreads;
+
+// Bits of the device error word.
+enum : unsigned {
+  kErrAttentionSeq = 1u << 0,    // token_seq[t] outside [0, seqs)
+  kErrAttentionPos = 1u << 1,    // positions[t] < 0 or beyond the block table
+  kErrAttentionBlock = 1u << 2,  // block table entry outside [0, num_blocks)
+  kErrCacheSlot = 1u << 3,       // slots[t] outside [0, num_blocks * block_size)
+};
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>{}) with T the device type of a float dtype.
+template <typename F>
+absl::Status DispatchFloat(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32:
+      return f(Tag<float>{});
+    case DType::kF16:
+      return f(Tag<__half>{});
+    case DType::kBF16:
+      return f(Tag<__nv_bfloat16>{});
+    default:
+      return absl::InternalError(absl::StrCat("CUDA backend: no kernels for dtype ", DTypeName(t)));
+  }
+}
+
+// ---- Host-side checks (cuda_backend.cu) -------------------------------------------------------
+std::string TensorDesc(const Tensor& t);
+
+// InvalidArgument "<op>: <why> (name [shape] dtype, ...)".
+absl::Status Invalid(const char* op, absl::string_view why,
+                     std::initializer_list<std::pair<const char*, const Tensor*>> tensors);
+
+bool Is(const Tensor& t, int ndim, DType dtype);
+
+bool SameShape(const Tensor& a, const Tensor& b);
+
+bool FitsInt(int64_t v);
+
+// ---- The backend ------------------------------------------------------------------------------
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int ordinal, DType act) : ordinal_(ordinal), act_(act) {}
+  ~CudaBackend() override;
+
+  // Creates the stream, the cuBLAS handle and the fixed scratch. Called once by MakeCudaBackend;
+  // on failure the destructor releases what was created.
+  absl::Status Init();
+
+  DeviceKind device_kind() const override { return DeviceKind::kCuda; }
+  DType act_dtype() const override { return act_; }
+  std::string Describe() const override {
+    return absl::StrCat("cuda:", ordinal_, " (", device_name_, ", ", absl::AsciiStrToLower(DTypeName(act_)), ")");
+  }
+
+  absl::StatusOr<Buffer> Allocate(size_t bytes) override;
+  void Free(void* data) override;
+  absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override;
+  absl::Status CopyToHost(void* host_dst, const void* src, size_t bytes) override;
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
+  absl::Status Fill0(void* dst, size_t bytes) override;
+  absl::Status Synchronize() override;
+
+  absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
+  absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;
+  absl::Status MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) override;
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
+  absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
+                          const Tensor& slots) override;
+  absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
+                         float scale) override;
+  absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
+  absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
+  absl::Status Argmax(Tensor* out, const Tensor& logits) override;
+  absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
+
+ private:
+  absl::Status Activate() const;
+  // Waits for the stream, then turns a set device error word into a Status (and clears it).
+  absl::Status SyncAndCheck();
+  // Where an op writes n i32 ids for `out`: `out` itself when it is this device's memory, else
+  // (host memory) the ids scratch, copied back by FinishIds.
+  absl::StatusOr<int32_t*> IdsTarget(const char* op, const Tensor& out, bool* to_host);
+  absl::Status FinishIds(const Tensor& out, bool to_host);
+  absl::Status UploadSampleParams(const std::vector<SampleParams>& params);
+  template <typename T>
+  absl::Status GrowDevice(T** ptr, size_t* capacity, size_t needed);
+
+  // Constant after Init().
+  const int ordinal_;
+  const DType act_;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  unsigned* errors_dev_ = nullptr;   // device error word (kErr* bits)
+  unsigned* errors_host_ = nullptr;  // pinned mirror, read after a stream sync
+  cudaEvent_t params_copied_ = nullptr;
+
+  // Scratch grown on demand (never shrunk), used only from the owning thread.
+  SampleParams* params_dev_ = nullptr;   // [params_capacity_]
+  SampleParams* params_host_ = nullptr;  // pinned staging for the upload, [params_capacity_]
+  size_t params_capacity_ = 0;
+  int32_t* ids_dev_ = nullptr;  // [ids_capacity_], Argmax/Sample results bound for host memory
+  size_t ids_capacity_ = 0;
+  // What the last Attention / CacheWrite launch allowed, for error messages.
+  std::string attention_limits_;
+  std::string cache_limits_;
+};
+
+}  // namespace shardserve::cuda
+
+#endif  // SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_

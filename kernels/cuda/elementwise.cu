@@ -1,0 +1,206 @@
+// The CUDA backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
+// SiluMul and Add, their kernels and launches.
+#include <cstdint>
+#include <utility>
+
+#include "kernels/cuda/cuda_backend.cuh"
+#include "kernels/cuda/device_util.cuh"
+
+namespace shardserve::cuda {
+namespace {
+
+template <typename T>
+__global__ void EmbeddingKernel(T* out /*[n, d]*/, const T* table /*[rows, d]*/, const int32_t* ids /*[n]*/, int64_t n,
+                                int64_t d, int64_t rows, int64_t row_offset) {
+  GRID_STRIDE_LOOP(i, n * d) {
+    const int64_t t = i / d;
+    const int64_t j = i - t * d;
+    const int64_t r = static_cast<int64_t>(ids[t]) - row_offset;
+    out[i] = (r >= 0 && r < rows) ? table[r * d + j] : FromFloat<T>(0.0f);
+  }
+}
+
+template <typename T>
+__global__ void SiluMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) {
+    const float g = ToFloat(gate[i]);
+    out[i] = FromFloat<T>(g / (1.0f + expf(-g)) * ToFloat(up[i]));
+  }
+}
+
+template <typename T>
+__global__ void AddKernel(T* out /*[n]*/, const T* a /*[n]*/, const T* b /*[n]*/, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) out[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
+}
+
+// One thread per rotated pair. Pairs are numbered token-major, then q heads, then k heads, then
+// i in [0, hd/2).
+template <typename T>
+__global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]*/, const int32_t* positions /*[n]*/,
+                           const float* inv_freq /*[hd / 2]*/, int64_t n, int q_heads, int kv_heads, int head_dim) {
+  const int half = head_dim / 2;
+  const int64_t per_token = static_cast<int64_t>(q_heads + kv_heads) * half;
+  GRID_STRIDE_LOOP(idx, n * per_token) {
+    const int64_t t = idx / per_token;
+    const int64_t r = idx - t * per_token;
+    const int head = static_cast<int>(r / half);
+    const int i = static_cast<int>(r - static_cast<int64_t>(head) * half);
+    T* x = head < q_heads ? q + (t * q_heads + head) * head_dim : k + (t * kv_heads + (head - q_heads)) * head_dim;
+    // The angle is formed in float exactly as Hugging Face does (float(pos) * inv_freq). sincosf
+    // is the full-range libdevice function, not the __sinf/__cosf intrinsics: those skip proper
+    // range reduction and lose accuracy fast as |angle| grows, and angles here reach
+    // pos * inv_freq[0] = pos radians (tens of thousands for long contexts).
+    const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float x1 = ToFloat(x[i]);
+    const float x2 = ToFloat(x[i + half]);
+    x[i] = FromFloat<T>(x1 * c - x2 * s);
+    x[i + half] = FromFloat<T>(x2 * c + x1 * s);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRmsNormThreads)
+    RmsNormKernel(T* out /*[rows, d]*/, const T* x /*[rows, d]*/, const T* w /*[d]*/, int64_t d, float eps) {
+  __shared__ float scratch[32];
+  const T* xr = x + static_cast<int64_t>(blockIdx.x) * d;
+  T* outr = out + static_cast<int64_t>(blockIdx.x) * d;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+    const float v = ToFloat(xr[i]);
+    ss += v * v;
+  }
+  ss = BlockAllReduce(ss, SumOp{}, scratch);
+  // IEEE sqrt and division (no fast-math), as the CPU reference.
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+  // Each thread rewrites only the elements it read, so out may alias x.
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) outr[i] = FromFloat<T>(ToFloat(xr[i]) * inv * ToFloat(w[i]));
+}
+
+}  // namespace
+
+absl::Status CudaBackend::Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) {
+  constexpr const char* kOp = "Embedding";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"table", &table}, {"ids", &ids}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"table", &table}, {"ids", &ids}};
+  if (!Is(*out, 2, act_) || !Is(table, 2, act_) || !Is(ids, 1, DType::kI32)) {
+    return Invalid(kOp, absl::StrCat("expected out [n, d] ", DTypeName(act_), ", table [rows, d] ", DTypeName(act_),
+                                     ", ids [n] I32"),
+                   all);
+  }
+  if (out->dim(0) != ids.dim(0) || out->dim(1) != table.dim(1)) return Invalid(kOp, "shapes do not match", all);
+  if (row_offset < 0) return Invalid(kOp, absl::StrCat("row_offset must be >= 0, got ", row_offset), all);
+  const int64_t n = out->dim(0), d = out->dim(1);
+  if (n * d == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    EmbeddingKernel<T><<<GridFor(n * d, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+        out->as<T>(), table.as<const T>(), ids.as<const int32_t>(), n, d, table.dim(0), row_offset);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("EmbeddingKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) {
+  constexpr const char* kOp = "RmsNorm";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"x", &x}, {"w", &w}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"w", &w}};
+  if (!Is(*out, 2, act_) || !Is(x, 2, act_) || !Is(w, 1, act_)) {
+    return Invalid(kOp, absl::StrCat("expected out, x [n, d] and w [d], all ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*out, x) || w.dim(0) != x.dim(1)) return Invalid(kOp, "shapes do not match", all);
+  if (!(eps >= 0.0f)) return Invalid(kOp, absl::StrCat("eps must be >= 0, got ", eps), all);
+  const int64_t n = x.dim(0), d = x.dim(1);
+  if (n * d == 0) return absl::OkStatus();
+  if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    RmsNormKernel<T><<<static_cast<unsigned>(n), kRmsNormThreads, 0, stream_>>>(out->as<T>(), x.as<const T>(),
+                                                                                 w.as<const T>(), d, eps);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RmsNormKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
+  constexpr const char* kOp = "Rope";
+  if (q == nullptr || k == nullptr) {
+    return Invalid(kOp, "q and k must not be null", {{"q", q}, {"k", k}, {"positions", &positions}});
+  }
+  const auto all = {std::pair<const char*, const Tensor*>{"q", q},
+                    {"k", k},
+                    {"positions", &positions},
+                    {"inv_freq", &inv_freq}};
+  if (!Is(*q, 2, act_) || !Is(*k, 2, act_) || !Is(positions, 1, DType::kI32) || !Is(inv_freq, 1, DType::kF32)) {
+    return Invalid(kOp,
+                   absl::StrCat("expected q [n, q_heads * hd] and k [n, kv_heads * hd] ", DTypeName(act_),
+                                ", positions [n] I32, inv_freq [hd / 2] F32"),
+                   all);
+  }
+  if (head_dim <= 0 || head_dim % 2 != 0) {
+    return Invalid(kOp, absl::StrCat("head_dim must be positive and even, got ", head_dim), all);
+  }
+  const int64_t n = q->dim(0);
+  if (k->dim(0) != n || positions.dim(0) != n || q->dim(1) % head_dim != 0 || k->dim(1) % head_dim != 0 ||
+      inv_freq.dim(0) != head_dim / 2) {
+    return Invalid(kOp, absl::StrCat("shapes do not match head_dim ", head_dim), all);
+  }
+  const int64_t q_heads = q->dim(1) / head_dim, kv_heads = k->dim(1) / head_dim;
+  if (!FitsInt(q_heads + kv_heads)) return Invalid(kOp, "too many heads", all);
+  const int64_t pairs = n * (q_heads + kv_heads) * (head_dim / 2);
+  if (pairs == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    RopeKernel<T><<<GridFor(pairs, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+        q->as<T>(), k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) {
+  constexpr const char* kOp = "SiluMul";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"gate", &gate}, {"up", &up}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"gate", &gate}, {"up", &up}};
+  if (!Is(*out, 2, act_) || !Is(gate, 2, act_) || !Is(up, 2, act_)) {
+    return Invalid(kOp, absl::StrCat("expected out, gate, up [n, f] ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*out, gate) || !SameShape(*out, up)) return Invalid(kOp, "shapes do not match", all);
+  const int64_t count = out->numel();
+  if (count == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    SiluMulKernel<T><<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+        out->as<T>(), gate.as<const T>(), up.as<const T>(), count);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("SiluMulKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Add(Tensor* out, const Tensor& a, const Tensor& b) {
+  constexpr const char* kOp = "Add";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"a", &a}, {"b", &b}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"a", &a}, {"b", &b}};
+  if (!Is(*out, 2, act_) || !Is(a, 2, act_) || !Is(b, 2, act_)) {
+    return Invalid(kOp, absl::StrCat("expected out, a, b [n, d] ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*out, a) || !SameShape(*out, b)) return Invalid(kOp, "shapes do not match", all);
+  const int64_t count = out->numel();
+  if (count == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    AddKernel<T><<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+        out->as<T>(), a.as<const T>(), b.as<const T>(), count);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AddKernel");
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace shardserve::cuda

@@ -1,0 +1,86 @@
+// The CUDA backend's MatMul: cuBLAS GEMM in float32 accumulation, with the bias broadcast into the
+// output first.
+#include <cstdint>
+#include <utility>
+
+#include "kernels/cuda/cuda_backend.cuh"
+#include "kernels/cuda/device_util.cuh"
+
+namespace shardserve::cuda {
+namespace {
+
+cudaDataType_t CudaDataType(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+// out[r, c] = bias[c] for every row: the C operand of the bias GEMM (beta = 1).
+template <typename TO, typename TB>
+__global__ void BroadcastRowsKernel(TO* out /*[n, m]*/, const TB* bias /*[m]*/, int64_t n, int64_t m) {
+  GRID_STRIDE_LOOP(i, n * m) out[i] = FromFloat<TO>(ToFloat(bias[i % m]));
+}
+
+}  // namespace
+
+absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+  constexpr const char* kOp = "MatMul";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"x", &x}, {"w", &w}, {"bias", bias}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"w", &w}, {"bias", bias}};
+  const bool out_ok = Is(*out, 2, DType::kF32) || Is(*out, 2, act_);
+  if (!out_ok || !Is(x, 2, act_) || !Is(w, 2, act_) || (bias != nullptr && !Is(*bias, 1, act_))) {
+    return Invalid(kOp,
+                   absl::StrCat("expected out [n, m] F32 or ", DTypeName(act_), ", x [n, k], w [m, k], bias [m] or null, ",
+                                "all ", DTypeName(act_)),
+                   all);
+  }
+  const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
+  if (w.dim(1) != k || out->dim(0) != n || out->dim(1) != m || (bias != nullptr && bias->dim(0) != m)) {
+    return Invalid(kOp, "shapes do not match", all);
+  }
+  if (!FitsInt(n) || !FitsInt(m) || !FitsInt(k)) return Invalid(kOp, "a dimension exceeds cuBLAS's int range", all);
+  if (n == 0 || m == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+
+  // With a bias, out starts as the bias broadcast over rows and the GEMM accumulates onto it
+  // (beta = 1), so x @ w^T + bias is rounded once, in float32 inside cuBLAS.
+  float beta = 0.0f;
+  if (bias != nullptr) {
+    SHARDSERVE_RETURN_IF_NOT_OK(DispatchFloat(act_, [&](auto tag) -> absl::Status {
+      using T = typename decltype(tag)::type;
+      const unsigned grid = GridFor(n * m, kElementwiseThreads);
+      if (out->dtype == DType::kF32) {
+        BroadcastRowsKernel<float, T>
+            <<<grid, kElementwiseThreads, 0, stream_>>>(out->as<float>(), bias->as<const T>(), n, m);
+      } else {
+        BroadcastRowsKernel<T, T><<<grid, kElementwiseThreads, 0, stream_>>>(out->as<T>(), bias->as<const T>(), n, m);
+      }
+      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("BroadcastRowsKernel");
+      return absl::OkStatus();
+    }));
+    beta = 1.0f;
+  }
+  if (k == 0) return bias != nullptr ? absl::OkStatus() : Fill0(out->data, out->bytes());
+
+  // Row-major out[n, m] = x[n, k] @ w[m, k]^T. cuBLAS is column-major, and a row-major [r, c]
+  // matrix is the column-major [c, r] matrix (its transpose) with leading dimension c. So in
+  // cuBLAS terms we compute the column-major out^T[m, n] = w[m, k] * x^T[k, n]:
+  //   A = w: column-major [k, m] with ld k (that is w^T), op(A) = T  -> [m, k]
+  //   B = x: column-major [k, n] with ld k (that is x^T), op(B) = N  -> [k, n]
+  //   C = out: column-major [m, n] with ld m (that is out^T)
+  // GEMM sizes (m, n, k) = (m, n, k). Compute in float32 (CUBLAS_COMPUTE_32F; alpha and beta are
+  // float); for F16/BF16 inputs cuBLAS uses tensor cores with float32 accumulation.
+  const float alpha = 1.0f;
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+      cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha,
+      w.data, CudaDataType(act_), static_cast<int>(k), x.data, CudaDataType(act_), static_cast<int>(k), &beta,
+      out->data, CudaDataType(out->dtype), static_cast<int>(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::cuda

@@ -1,0 +1,161 @@
+// shardserve bench --compare: parses the layouts and, for each, starts a local cluster
+// (local_cluster.h), runs the load against it, reads its workers' memory and stops it.
+#include <sys/types.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "tools/cli/bench.h"
+#include "tools/cli/client.h"
+#include "tools/cli/local_cluster.h"
+
+namespace shardserve::cli::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The coordinator's view of a cluster, read after the load: weights per worker (by stage, then TP
+// rank) and its scheduler (micro-batches in flight, KV blocks, preemptions). Empty on an error.
+struct ClusterFacts {
+  std::vector<int64_t> weight_bytes;
+  std::optional<v1::SchedulerStatus> scheduler;
+};
+
+ClusterFacts GetClusterFacts(const std::string& address) {
+  auto stub = v1::InferenceService::NewStub(ConnectToCoordinator(address));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ClusterStatus cs;
+  ClusterFacts facts;
+  if (!stub->GetClusterStatus(&ctx, v1::GetClusterStatusRequest(), &cs).ok()) return facts;
+  std::vector<v1::WorkerStatus> workers(cs.workers().begin(), cs.workers().end());
+  std::sort(workers.begin(), workers.end(), [](const v1::WorkerStatus& a, const v1::WorkerStatus& b) {
+    return std::pair(a.stage(), a.tp_rank()) < std::pair(b.stage(), b.tp_rank());
+  });
+  for (const v1::WorkerStatus& w : workers) facts.weight_bytes.push_back(w.weight_bytes());
+  if (cs.has_scheduler()) facts.scheduler = cs.scheduler();
+  return facts;
+}
+
+}  // namespace
+
+// tpN, ppM, tpNxppM, each optionally followed by /serial.
+absl::StatusOr<Layout> ParseLayout(const std::string& text) {
+  Layout l;
+  l.name = text;
+  std::string body = absl::AsciiStrToLower(text);
+  if (absl::EndsWith(body, "/serial")) {
+    l.serial = true;
+    body = body.substr(0, body.size() - 7);
+  }
+  auto bad = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout '", text, "' is not tpN, ppM or tpNxppM (optionally /serial), e.g. tp2xpp2/serial"));
+  };
+  const std::vector<std::string> parts = absl::StrSplit(body, 'x');
+  if (parts.empty() || parts.size() > 2) return bad();
+  bool seen_tp = false, seen_pp = false;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string& p = parts[i];
+    int64_t n;
+    if (p.size() < 3 || !absl::SimpleAtoi(p.substr(2), &n) || n < 1 || n > 64) return bad();
+    if (p.rfind("tp", 0) == 0 && !seen_tp && i == 0) {
+      l.tp = n;
+      seen_tp = true;
+    } else if (p.rfind("pp", 0) == 0 && !seen_pp) {
+      l.pp = n;
+      seen_pp = true;
+    } else {
+      return bad();
+    }
+  }
+  if (l.tp * l.pp > 64) return absl::InvalidArgumentError(absl::StrCat("layout '", text, "': at most 64 workers"));
+  return l;
+}
+
+CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig load) {
+  CompareRun out;
+  out.layout = layout;
+  const int64_t workers = layout.tp * layout.pp;
+  LocalClusterOptions co;
+  co.bin_dir = fs::read_symlink("/proc/self/exe").parent_path().string();
+  co.model = o.model;
+  co.nodes = layout.pp;
+  co.gpus_per_node = layout.tp;
+  co.device = o.device;
+  co.address = "127.0.0.1:0";  // the coordinator picks a free port: no clash with a cluster on 50051
+  std::string dir_name = layout.name;
+  std::replace(dir_name.begin(), dir_name.end(), '/', '_');
+  co.log_dir = (fs::path(o.log_dir) / dir_name).string();
+  co.metrics_port_base = 0;
+  co.coordinator_flags = o.coordinator_flags;
+  if (layout.serial) {
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
+  } else if (!o.micro_batches.empty()) {
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", o.micro_batches});
+  }
+  const int64_t threads = o.worker_threads.value_or(o.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
+  if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
+  co.worker_flags.insert(co.worker_flags.end(), o.worker_flags.begin(), o.worker_flags.end());
+
+  std::fprintf(stderr, "bench: %s: starting a coordinator and %lld worker(s) (TP=%lld x PP=%lld%s), logs in %s\n",
+               layout.name.c_str(), static_cast<long long>(workers), static_cast<long long>(layout.tp),
+               static_cast<long long>(layout.pp), layout.serial ? ", one micro-batch" : "", co.log_dir.c_str());
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<std::unique_ptr<LocalCluster>> cluster = LocalCluster::Start(co);
+  if (!cluster.ok()) {
+    out.error = std::string(cluster.status().message());
+    return out;
+  }
+  if (absl::Status s = (*cluster)->WaitUntilServing(std::chrono::seconds(o.ready_timeout_s), &g_stop); !s.ok()) {
+    out.error = std::string(s.message());
+    return out;  // the destructor stops and reaps every process
+  }
+  out.start_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::fprintf(stderr, "bench: %s: serving on %s after %.1f s; %s\n", layout.name.c_str(),
+               (*cluster)->address().c_str(), out.start_s, LoadLine(load).c_str());
+  out.address = (*cluster)->address();
+  load.address = (*cluster)->address();
+  absl::StatusOr<BenchRun> run = Benchmark(load);
+  ClusterFacts facts = GetClusterFacts(out.address);
+  out.worker_weight_bytes = facts.weight_bytes;
+  out.scheduler = facts.scheduler;
+  // Peak RSS of each worker, read while it still runs.
+  out.worker_names = (*cluster)->WorkerNames();
+  for (pid_t pid : (*cluster)->WorkerPids()) {
+    absl::StatusOr<int64_t> rss = pid > 0 ? PeakRssBytes(pid) : absl::NotFoundError("exited");
+    out.worker_peak_rss_bytes.push_back(rss.ok() ? *rss : -1);
+  }
+  if (std::optional<ExitedProcess> dead = (*cluster)->ReapExited()) {
+    out.error =
+        absl::StrCat(dead->name, " ", dead->how, " during the run; last lines of ", dead->log, ":\n", dead->log_tail);
+  }
+  (*cluster)->Stop(std::chrono::seconds(10));
+  if (!run.ok()) {
+    if (out.error.empty()) out.error = std::string(run.status().message());
+    return out;
+  }
+  out.run = *run;
+  const LoadResult& r = run->load;
+  std::fprintf(stderr, "bench: %s: %lld completed, %lld failed in %.1f s, %.1f output tokens/s; stopped\n",
+               layout.name.c_str(), static_cast<long long>(r.completed), static_cast<long long>(r.failed), r.duration_s,
+               PerSecond(static_cast<double>(r.total_output_tokens), r.duration_s));
+  return out;
+}
+
+}  // namespace shardserve::cli::bench

@@ -1,0 +1,351 @@
+// shardserve bench's load generator: random prompts from the seed, warm-up, then the measured
+// requests in a closed loop (--concurrency streams) or an open one (Poisson arrivals), each request
+// timed from its stream of responses.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "tools/cli/bench.h"
+#include "tools/cli/bench_stats.h"
+#include "tools/cli/client.h"
+
+namespace shardserve::cli::bench {
+namespace {
+
+// ---- Load description ---------------------------------------------------------------------------
+
+struct RequestSpec {
+  std::string id;
+  std::vector<int32_t> prompt;
+  int32_t output_len = 0;
+  std::optional<uint64_t> sampling_seed;
+};
+
+// Deterministic draws from std::mt19937_64, whose output sequence the C++ standard fixes (the
+// standard distributions are implementation-defined, so they are not used).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : gen_(seed) {}
+  // Uniform in [0, n), n > 0, by rejection (no modulo bias).
+  uint64_t Below(uint64_t n) {
+    const uint64_t limit = std::numeric_limits<uint64_t>::max() - std::numeric_limits<uint64_t>::max() % n;
+    uint64_t x;
+    do {
+      x = gen_();
+    } while (x >= limit);
+    return x % n;
+  }
+  // Uniform in [lo, hi].
+  int64_t Between(int64_t lo, int64_t hi) {
+    return lo + static_cast<int64_t>(Below(static_cast<uint64_t>(hi - lo) + 1));
+  }
+  // Uniform in [0, 1).
+  double Unit() { return static_cast<double>(gen_() >> 11) * 0x1.0p-53; }
+
+ private:
+  std::mt19937_64 gen_;
+};
+
+// [L*(1-X), L*(1+X)] as integers (vLLM's random dataset: int(L*(1-X)) .. int(L*(1+X))), at least 1.
+std::pair<int64_t, int64_t> LengthRange(int64_t len, double ratio) {
+  const int64_t lo = std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(len) * (1 - ratio)));
+  const int64_t hi = std::max<int64_t>(lo, static_cast<int64_t>(static_cast<double>(len) * (1 + ratio)));
+  return {lo, hi};
+}
+
+std::vector<int32_t> RandomPrompt(Rng& rng, int64_t len, int64_t vocab, const std::set<int32_t>& eos) {
+  std::vector<int32_t> ids;
+  ids.reserve(static_cast<size_t>(len));
+  while (static_cast<int64_t>(ids.size()) < len) {
+    const auto id = static_cast<int32_t>(rng.Below(static_cast<uint64_t>(vocab)));
+    if (!eos.count(id)) ids.push_back(id);
+  }
+  return ids;
+}
+
+// The measured requests (a function of the seed and the load flags only) and the warm-up ones
+// (fixed lengths, from a separate stream so that --warmup does not change the measured ones).
+std::vector<RequestSpec> MakeRequests(const LoadConfig& c, int64_t vocab, const std::set<int32_t>& eos,
+                                      std::vector<RequestSpec>* warmup) {
+  Rng rng(c.seed);
+  const auto [in_lo, in_hi] = LengthRange(c.input_len, c.range_ratio);
+  const auto [out_lo, out_hi] = LengthRange(c.output_len, c.range_ratio);
+  std::vector<RequestSpec> specs(static_cast<size_t>(c.num_requests));
+  for (int64_t i = 0; i < c.num_requests; ++i) {
+    RequestSpec& s = specs[static_cast<size_t>(i)];
+    s.id = absl::StrCat("bench-", i);
+    const int64_t in = rng.Between(in_lo, in_hi);
+    s.output_len = static_cast<int32_t>(rng.Between(out_lo, out_hi));
+    s.prompt = RandomPrompt(rng, in, vocab, eos);
+    if (c.temperature > 0) s.sampling_seed = c.seed + static_cast<uint64_t>(i);
+  }
+  Rng wrng(c.seed ^ 0x9e3779b97f4a7c15ULL);
+  for (int64_t k = 0; k < c.warmup; ++k) {
+    RequestSpec s;
+    s.id = absl::StrCat("bench-warmup-", k);
+    s.output_len = static_cast<int32_t>(c.output_len);
+    s.prompt = RandomPrompt(wrng, c.input_len, vocab, eos);
+    if (c.temperature > 0) s.sampling_seed = c.seed + 1000000007ULL + static_cast<uint64_t>(k);
+    warmup->push_back(std::move(s));
+  }
+  return specs;
+}
+
+// ---- Running requests ---------------------------------------------------------------------------
+
+// The ClientContexts of the requests in flight, so that Ctrl-C can cancel them. Thread-safe.
+class InFlight {
+ public:
+  void Add(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    contexts_.insert(ctx);
+    if (cancelled_) ctx->TryCancel();
+  }
+  // After Remove returns, CancelAll no longer touches `ctx`, so its owner may destroy it.
+  void Remove(grpc::ClientContext* ctx) {
+    absl::MutexLock lock(&mu_);
+    contexts_.erase(ctx);
+  }
+  void CancelAll() {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    for (grpc::ClientContext* ctx : contexts_) ctx->TryCancel();
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::set<grpc::ClientContext*> contexts_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+struct RequestResult {
+  bool done = false;  // ran (false: never started, e.g. interrupted)
+  bool ok = false;    // completed with exactly output_len tokens
+  std::string error;
+  int64_t input_tokens = 0;
+  int64_t output_tokens = 0;
+  double ttft_s = 0;
+  double e2e_s = 0;
+  std::vector<double> itl_s;
+};
+
+// "UNAVAILABLE", ...: gRPC's codes are Abseil's, number for number.
+std::string CodeName(grpc::StatusCode code) {
+  std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? "UNKNOWN_CODE" : name;
+}
+
+RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& spec, const LoadConfig& c,
+                         InFlight* inflight) {
+  RequestResult r;
+  r.done = true;
+  r.input_tokens = static_cast<int64_t>(spec.prompt.size());
+  v1::GenerateRequest req;
+  req.set_request_id(spec.id);
+  for (int32_t id : spec.prompt) req.mutable_token_ids()->add_ids(id);
+  v1::SamplingParams* s = req.mutable_sampling();
+  s->set_max_tokens(spec.output_len);
+  s->set_temperature(static_cast<float>(c.temperature));
+  s->set_ignore_eos(true);
+  if (spec.sampling_seed) s->set_seed(*spec.sampling_seed);
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(c.timeout_s * 1e6)));
+  inflight->Add(&ctx);
+  std::vector<double> arrivals;
+  std::vector<int> counts;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  int64_t usage_tokens = -1;
+  const Clock::time_point t0 = Clock::now();
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (resp.token_ids_size() > 0) {
+      arrivals.push_back(t);
+      counts.push_back(resp.token_ids_size());
+      r.output_tokens += resp.token_ids_size();
+    }
+    if (resp.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      finish = resp.finish_reason();
+      usage_tokens = resp.usage().completion_tokens();
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  r.e2e_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  inflight->Remove(&ctx);
+
+  if (!status.ok()) {
+    r.error = absl::StrCat(CodeName(status.error_code()), ": ", status.error_message());
+  } else if (r.output_tokens != spec.output_len) {
+    r.error = absl::StrCat("a request for ", spec.output_len, " tokens (ignore_eos) returned ", r.output_tokens,
+                           " (finish reason ", v1::FinishReason_Name(finish), ")");
+  } else if (usage_tokens != r.output_tokens) {
+    r.error = absl::StrCat("usage.completion_tokens ", usage_tokens, " differs from the ", r.output_tokens,
+                           " tokens streamed");
+  } else {
+    r.ok = true;
+    r.ttft_s = arrivals.front();
+    AppendInterTokenLatencies(arrivals, counts, &r.itl_s);
+  }
+  return r;
+}
+
+// Sends the measured requests; the warm-up ones first, one by one. Err only for a failed warm-up.
+absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadConfig& c,
+                                   const std::vector<RequestSpec>& specs, const std::vector<RequestSpec>& warmup) {
+  InFlight inflight;
+  LoadResult out;
+  std::atomic<int64_t> finished_threads{0};
+  // Until `thread_count` threads have ended: on Ctrl-C, cancel what is in flight (the threads start
+  // nothing new once g_stop is set).
+  auto watch = [&](int64_t thread_count) {
+    while (finished_threads.load() < thread_count) {
+      if (g_stop) inflight.CancelAll();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  std::string warmup_error;
+  std::thread warm([&] {
+    for (size_t k = 0; k < warmup.size() && !g_stop; ++k) {
+      RequestResult r = RunRequest(stub, warmup[k], c, &inflight);
+      if (!r.ok && !g_stop) {
+        warmup_error = r.error;
+        break;
+      }
+    }
+    ++finished_threads;
+  });
+  watch(1);
+  warm.join();
+  if (!warmup_error.empty()) return absl::UnavailableError(absl::StrCat("warm-up request failed: ", warmup_error));
+  finished_threads = 0;
+
+  std::vector<RequestResult> results(specs.size());
+  std::vector<std::thread> threads;
+  const Clock::time_point start = Clock::now();
+  if (!g_stop && !c.open_loop) {
+    std::atomic<int64_t> next{0};
+    const int64_t n = std::min<int64_t>(c.concurrency, static_cast<int64_t>(specs.size()));
+    for (int64_t t = 0; t < n; ++t) {
+      threads.emplace_back([&] {
+        for (int64_t i = next++; i < static_cast<int64_t>(specs.size()) && !g_stop; i = next++) {
+          results[static_cast<size_t>(i)] = RunRequest(stub, specs[static_cast<size_t>(i)], c, &inflight);
+        }
+        ++finished_threads;
+      });
+    }
+    watch(n);
+  } else if (!g_stop) {
+    // Poisson arrivals: exponential gaps with mean 1/R, from their own seeded stream.
+    Rng rng(c.seed * 0x2545f4914f6cdd1dULL + 1);
+    double at = 0;
+    for (size_t i = 0; i < specs.size() && !g_stop; ++i) {
+      if (std::isfinite(c.request_rate)) {
+        at += -std::log(1 - rng.Unit()) / c.request_rate;
+        const Clock::time_point when =
+            start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
+        while (!g_stop && Clock::now() < when) {
+          std::this_thread::sleep_until(std::min(when, Clock::now() + std::chrono::milliseconds(50)));
+        }
+        if (g_stop) break;
+      }
+      threads.emplace_back([&, i] {
+        results[i] = RunRequest(stub, specs[i], c, &inflight);
+        ++finished_threads;
+      });
+    }
+    watch(static_cast<int64_t>(threads.size()));
+  }
+  for (std::thread& t : threads) t.join();
+  out.duration_s = std::chrono::duration<double>(Clock::now() - start).count();
+  out.interrupted = g_stop.load();
+
+  std::vector<double> ttft, itl, e2e;
+  for (const RequestResult& r : results) {
+    if (!r.done) continue;
+    if (!r.ok) {
+      ++out.failed;
+      auto it = std::find_if(out.errors.begin(), out.errors.end(), [&](const auto& e) { return e.first == r.error; });
+      if (it == out.errors.end()) {
+        out.errors.emplace_back(r.error, 1);
+      } else {
+        ++it->second;
+      }
+      continue;
+    }
+    ++out.completed;
+    out.total_input_tokens += r.input_tokens;
+    out.total_output_tokens += r.output_tokens;
+    ttft.push_back(r.ttft_s);
+    e2e.push_back(r.e2e_s);
+    itl.insert(itl.end(), r.itl_s.begin(), r.itl_s.end());
+  }
+  out.ttft = Summarize(std::move(ttft));
+  out.itl = Summarize(std::move(itl));
+  out.e2e = Summarize(std::move(e2e));
+  return out;
+}
+
+absl::StatusOr<ServedModel> GetServedModel(v1::InferenceService::Stub* stub, const std::string& address) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ModelInfo info;
+  const grpc::Status s = stub->GetModelInfo(&ctx, v1::GetModelInfoRequest(), &info);
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", address, ": ",
+                                               CodeName(s.error_code()), ": ", s.error_message()));
+  }
+  ServedModel m;
+  m.name = info.name();
+  m.vocab_size = info.vocab_size();
+  m.max_model_len = info.max_model_len();
+  m.eos.insert(info.eos_token_ids().begin(), info.eos_token_ids().end());
+  if (m.vocab_size <= static_cast<int64_t>(m.eos.size()) || m.vocab_size > (int64_t{1} << 31)) {
+    return absl::FailedPreconditionError(absl::StrCat("the coordinator reports vocab_size ", m.vocab_size, " with ",
+                                                      m.eos.size(), " EOS ids: no prompt ids to draw"));
+  }
+  return m;
+}
+
+}  // namespace
+
+absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
+  auto stub = v1::InferenceService::NewStub(ConnectToCoordinator(c.address));
+  BenchRun run;
+  absl::StatusOr<ServedModel> model = GetServedModel(stub.get(), c.address);
+  if (!model.ok()) return model.status();
+  run.model = *model;
+  const int64_t longest =
+      LengthRange(c.input_len, c.range_ratio).second + LengthRange(c.output_len, c.range_ratio).second;
+  if (model->max_model_len > 0 && longest > model->max_model_len) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the longest request (", longest, " tokens: input + output at most) exceeds the model's max_model_len (",
+        model->max_model_len, "); lower --input-len/--output-len"));
+  }
+  std::vector<RequestSpec> warmup;
+  const std::vector<RequestSpec> specs = MakeRequests(c, model->vocab_size, model->eos, &warmup);
+  absl::StatusOr<LoadResult> load = RunLoad(stub.get(), c, specs, warmup);
+  if (!load.ok()) return load.status();
+  run.load = *load;
+  return run;
+}
+
+}  // namespace shardserve::cli::bench
