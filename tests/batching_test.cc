@@ -208,6 +208,14 @@ std::string Describe(const v1::SchedulerStatus& s) {
   return o.str();
 }
 
+// The bound on a wait for something that must happen: generous, because CI machines are small and
+// shared. Every such wait returns as soon as it holds, so only a hang takes this long, and what a
+// test checks about order comes from the events themselves (stream statuses, scheduler counts,
+// steps that take at least --debug-step-delay-ms each), never from how fast they came.
+constexpr std::chrono::seconds kNotHung(60);
+// The deadline of a stream that a test ends itself (a cancel) or that must finish: never reached.
+constexpr std::chrono::seconds kNoDeadline(300);
+
 // Polls the scheduler's status every 20 ms until `done` holds, for at most `timeout`. Returns
 // whether it held; *last is the last status seen.
 bool WaitForScheduler(Cluster& cluster, const std::function<bool(const v1::SchedulerStatus&)>& done,
@@ -230,8 +238,8 @@ void ExpectIdle(Cluster& cluster, const std::string& when) {
       [](const v1::SchedulerStatus& x) {
         return x.running() == 0 && x.waiting() == 0 && x.kv_blocks_free() == x.kv_blocks_total();
       },
-      std::chrono::seconds(5), &s);
-  EXPECT_TRUE(idle) << when << ": not idle after 5 s: " << Describe(s);
+      kNotHung, &s);
+  EXPECT_TRUE(idle) << when << ": not idle after " << kNotHung.count() << " s: " << Describe(s);
   EXPECT_GT(s.kv_blocks_total(), 0) << when;
 }
 
@@ -528,47 +536,62 @@ class BackgroundStream {
   std::thread thread_;
 };
 
-// The workers sleep 20 ms per step, so that a long stream lasts seconds.
-const std::vector<std::string> kSlowWorkers = {"--debug-step-delay-ms", "20"};
+// The workers sleep 100 ms per step, so that a 450-token stream lasts at least 45 s: it is still
+// running when a limits test, which cancels it, has seen what it checks, however loaded the machine
+// (short of a hang).
+const std::vector<std::string> kSlowWorkers = {"--debug-step-delay-ms", "100"};
 constexpr int kDemoBlockSize = 16;  // the coordinator's default --block-size
 
 // On PP = 2 a sequence may be cancelled while its step is in flight: its blocks are freed when
 // the step comes back.
 class BatchingCancelTest : public ::testing::TestWithParam<Layout> {};
 
+// The order of the events is fixed by the streams' lengths, not by how fast the machine runs: every
+// step takes at least kCancelStepDelayMs, so a stream of n tokens lasts at least n times that.
+// `expires` (deadline kExpiresDeadline) cannot finish before its deadline (450 tokens: >= 36 s);
+// `finishes` cannot end before that deadline plus 6 s (330 tokens: >= 26 s), nor `cancelled_last`
+// before `finishes` plus 9 s (450 tokens). The only things assumed fast are hang-level: the
+// streams' first tokens and the client cancel within the 20 s deadline, each observation within
+// those 6 and 9 s.
 TEST_P(BatchingCancelTest, CancelledAndExpiredStreamsLeaveAndFreeTheirBlocks) {
+  constexpr int kCancelStepDelayMs = 80;
+  constexpr std::chrono::seconds kExpiresDeadline(20);
+  constexpr int kFinishesTokens = 330;
   const Layout& l = GetParam();
-  std::unique_ptr<Cluster> cluster = StartDemo(l.tp, l.pp, {}, kSlowWorkers);
+  std::unique_ptr<Cluster> cluster =
+      StartDemo(l.tp, l.pp, {}, {"--debug-step-delay-ms", std::to_string(kCancelStepDelayMs)});
   ASSERT_NE(cluster, nullptr);
   auto request = [](int i, int max_tokens) {
     return Request(Prompt(20 + 10 * i, 31 * i, /*bos=*/true), max_tokens, /*ignore_eos=*/true,
                    "cancel-" + std::to_string(i));
   };
-  // 450 tokens at >= 20 ms a step: >= 9 s; 150: >= 3 s.
-  BackgroundStream cancelled(*cluster, request(0, 450), std::chrono::seconds(60));
-  BackgroundStream expires(*cluster, request(1, 450), std::chrono::milliseconds(2500));
-  BackgroundStream finishes(*cluster, request(2, 150), std::chrono::seconds(60));
-  BackgroundStream cancelled_last(*cluster, request(3, 450), std::chrono::seconds(60));
+  static_assert(450 * kCancelStepDelayMs > 1000 * kExpiresDeadline.count() + 10'000, "expires could finish");
+  static_assert(kFinishesTokens * kCancelStepDelayMs >= 1000 * kExpiresDeadline.count() + 6'000);
+  static_assert((450 - kFinishesTokens) * kCancelStepDelayMs >= 9'000);
+  BackgroundStream cancelled(*cluster, request(0, 450), kNoDeadline);
+  BackgroundStream expires(*cluster, request(1, 450), kExpiresDeadline);
+  BackgroundStream finishes(*cluster, request(2, kFinishesTokens), kNoDeadline);
+  BackgroundStream cancelled_last(*cluster, request(3, 450), kNoDeadline);
   for (BackgroundStream* b : {&cancelled, &expires, &finishes, &cancelled_last}) {
-    ASSERT_TRUE(b->WaitForTokens(3, std::chrono::seconds(10))) << "no tokens in 10 s\n" << cluster->Logs();
+    ASSERT_TRUE(b->WaitForTokens(3, kNotHung)) << "a stream ended or had no 3 tokens in " << kNotHung.count()
+                                               << " s\n" << cluster->Logs();
   }
   v1::SchedulerStatus s = cluster->Status().scheduler();
   EXPECT_EQ(s.running(), 4) << Describe(s);
   // Client cancel: the sequence leaves at the next step.
   cancelled.Cancel();
   EXPECT_EQ(cancelled.Join().error_code(), grpc::StatusCode::CANCELLED) << cancelled.Join().error_message();
-  EXPECT_TRUE(WaitForScheduler(*cluster, [](const v1::SchedulerStatus& x) { return x.running() <= 3; },
-                               std::chrono::seconds(5), &s))
+  EXPECT_TRUE(WaitForScheduler(*cluster, [](const v1::SchedulerStatus& x) { return x.running() <= 3; }, kNotHung, &s))
       << "after a client cancel: " << Describe(s);
-  EXPECT_FALSE(expires.done()) << "the 2.5 s deadline passed too early to tell the cancel apart";
+  EXPECT_FALSE(expires.done()) << "the " << kExpiresDeadline.count()
+                               << " s deadline passed before the cancel was seen: a hang-level stall";
   EXPECT_EQ(s.running(), 3) << Describe(s);
 
   // Deadline.
   EXPECT_EQ(expires.Join().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << expires.Join().error_message();
-  EXPECT_TRUE(WaitForScheduler(*cluster, [](const v1::SchedulerStatus& x) { return x.running() <= 2; },
-                               std::chrono::seconds(5), &s))
+  EXPECT_TRUE(WaitForScheduler(*cluster, [](const v1::SchedulerStatus& x) { return x.running() <= 2; }, kNotHung, &s))
       << "after a deadline: " << Describe(s);
-  EXPECT_FALSE(finishes.done()) << "the 150-token stream ended before the deadline was seen";
+  EXPECT_FALSE(finishes.done()) << "the " << kFinishesTokens << "-token stream ended before the deadline was seen";
   EXPECT_EQ(s.running(), 2) << Describe(s);
   // The two left hold no blocks: the used ones are at most what the two running need (prompt,
   // tokens the client has read, a few more streamed or in the step since, and one block each
@@ -583,7 +606,7 @@ TEST_P(BatchingCancelTest, CancelledAndExpiredStreamsLeaveAndFreeTheirBlocks) {
   // One finishes on its own, the last is cancelled.
   EXPECT_TRUE(finishes.Join().ok()) << finishes.Join().error_message();
   EXPECT_TRUE(finishes.finished());
-  EXPECT_EQ(finishes.tokens(), 150);
+  EXPECT_EQ(finishes.tokens(), kFinishesTokens);
   EXPECT_FALSE(cancelled_last.done());
   cancelled_last.Cancel();
   EXPECT_EQ(cancelled_last.Join().error_code(), grpc::StatusCode::CANCELLED);
@@ -617,28 +640,27 @@ TEST(BatchingLimitsTest, TP1_PP1_PastMaxNumSeqsAndMaxWaitingRequestsIsResourceEx
           *cluster,
           Request(Prompt(10 + i, 5 * i, /*bos=*/true), 450, /*ignore_eos=*/true,
                   "limit-" + std::to_string(round) + "-" + std::to_string(i)),
-          std::chrono::seconds(60)));
+          kNoDeadline));
       ASSERT_TRUE(WaitForScheduler(
           *cluster,
           [i](const v1::SchedulerStatus& x) {
             return x.running() == std::min(i + 1, 2) && x.waiting() == std::max(0, i - 1);
           },
-          std::chrono::seconds(5), &s))
+          kNotHung, &s))
           << "stream " << i << " started: " << Describe(s) << "\n" << cluster->Logs();
     }
     EXPECT_EQ(s.max_running(), 2);
     EXPECT_EQ(s.max_waiting(), 2);
 
     const Streamed refused =
-        Generate(cluster->client(), Request(Prompt(8, 3, true), 4, true, "limit-refused"), std::chrono::seconds(10));
+        Generate(cluster->client(), Request(Prompt(8, 3, true), 4, true, "limit-refused"), kNotHung);
     EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.status.error_message();
     EXPECT_NE(refused.status.error_message().find("--max-waiting-requests"), std::string::npos)
         << refused.status.error_message();
     EXPECT_TRUE(refused.messages.empty());
     // Polled: the status may lag the engine by a step.
     EXPECT_TRUE(WaitForScheduler(
-        *cluster, [](const v1::SchedulerStatus& x) { return x.running() == 2 && x.waiting() == 2; },
-        std::chrono::seconds(2), &s))
+        *cluster, [](const v1::SchedulerStatus& x) { return x.running() == 2 && x.waiting() == 2; }, kNotHung, &s))
         << "after the refusal: " << Describe(s);
 
     for (auto& b : streams) b->Cancel();
@@ -649,7 +671,7 @@ TEST(BatchingLimitsTest, TP1_PP1_PastMaxNumSeqsAndMaxWaitingRequestsIsResourceEx
   }
 
   const v1::GenerateRequest again = Request(Prompt(8, 3, true), 4, true, "limit-again");
-  const Streamed r = Generate(cluster->client(), again, std::chrono::seconds(20));
+  const Streamed r = Generate(cluster->client(), again, kNotHung);
   EXPECT_EQ(CheckStream(again, r), "");
   EXPECT_EQ(r.tokens.size(), 4u);
   if (HasFailure()) std::printf("%s", cluster->Logs().c_str());
@@ -665,12 +687,11 @@ TEST(BatchingLimitsTest, TP1_PP1_ABurstWithinMaxNumSeqsPlusMaxWaitingRequestsIsA
     streams.push_back(std::make_unique<BackgroundStream>(
         *cluster,
         Request(Prompt(10 + i, 5 * i, /*bos=*/true), 450, /*ignore_eos=*/true, "burst-" + std::to_string(i)),
-        std::chrono::seconds(60)));
+        kNoDeadline));
   }
   v1::SchedulerStatus s;
   EXPECT_TRUE(WaitForScheduler(
-      *cluster, [](const v1::SchedulerStatus& x) { return x.running() == 2 && x.waiting() == 2; },
-      std::chrono::seconds(5), &s))
+      *cluster, [](const v1::SchedulerStatus& x) { return x.running() == 2 && x.waiting() == 2; }, kNotHung, &s))
       << "4 streams at once, 2 may run and 2 wait: " << Describe(s);
   for (size_t i = 0; i < streams.size(); ++i) {
     if (streams[i]->done()) {
@@ -733,7 +754,7 @@ TEST(BatchingValidationTest, TP1_PP1_BadNewSamplingParametersAreInvalidArgumentN
   for (const Case& c : cases) {
     v1::GenerateRequest r = Request(Prompt(8, 0, true), 4, true, "invalid");
     c.set(r.mutable_sampling());
-    const Streamed s = Generate(cluster->client(), r, std::chrono::seconds(10));
+    const Streamed s = Generate(cluster->client(), r, kNotHung);
     EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name << ": " << s.status.error_message();
     EXPECT_NE(s.status.error_message().find(c.field), std::string::npos)
         << c.name << ": '" << s.status.error_message() << "' does not name " << c.field;

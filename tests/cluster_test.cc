@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <latch>
 #include <memory>
 #include <ostream>
 #include <sstream>
@@ -179,17 +180,41 @@ TEST_F(ClusterApiTest, SeededSamplingIsReproducible) {
       << "temperature 1.5 should not reproduce greedy decoding";
 }
 
-TEST_F(ClusterApiTest, ConcurrentRequestsAreServedOneAtATime) {
+// Three requests at once. The coordinator batches concurrent requests (continuous batching, its
+// schedule is tested in batching_test.cc) rather than serving them one at a time; whatever it
+// batched, each stream carries its own request only: the lone run's greedy tokens, its own request
+// id on every message, one finish reason and the usage, on its last message.
+TEST_F(ClusterApiTest, ConcurrentRequestsEachGetTheirOwnStream) {
   const Golden golden = LoadGolden("llama_gqa");
-  Streamed results[3];
+  const std::vector<int32_t> want(golden.greedy.begin(), golden.greedy.begin() + 8);
+  constexpr int kRequests = 3;
+  Streamed results[kRequests];
+  std::latch go(kRequests);
   std::vector<std::thread> threads;
-  for (Streamed& r : results) {
-    threads.emplace_back([&] { r = Generate(cluster_->client(), TokenRequest(golden.prompt, 8)); });
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      v1::GenerateRequest request = TokenRequest(golden.prompt, 8);
+      request.set_request_id("concurrent-" + std::to_string(i));
+      go.arrive_and_wait();  // released together
+      results[i] = Generate(cluster_->client(), request);
+    });
   }
   for (std::thread& t : threads) t.join();
-  for (const Streamed& r : results) {
+  for (int i = 0; i < kRequests; ++i) {
+    SCOPED_TRACE("request concurrent-" + std::to_string(i));
+    const Streamed& r = results[i];
     ASSERT_TRUE(r.status.ok()) << r.status.error_message();
-    EXPECT_EQ(r.tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + 8));
+    EXPECT_EQ(r.tokens, want);
+    ASSERT_FALSE(r.messages.empty());
+    for (size_t m = 0; m < r.messages.size(); ++m) {
+      const bool last = m + 1 == r.messages.size();
+      EXPECT_EQ(r.messages[m].request_id(), "concurrent-" + std::to_string(i)) << "message " << m;
+      EXPECT_EQ(r.messages[m].finish_reason(), last ? v1::FINISH_REASON_LENGTH : v1::FINISH_REASON_UNSPECIFIED)
+          << "message " << m;
+      EXPECT_EQ(r.messages[m].has_usage(), last) << "message " << m;
+    }
+    EXPECT_EQ(r.messages.back().usage().prompt_tokens(), static_cast<int>(golden.prompt.size()));
+    EXPECT_EQ(r.messages.back().usage().completion_tokens(), 8);
   }
 }
 

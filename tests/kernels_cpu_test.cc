@@ -324,7 +324,8 @@ TEST_F(CpuBackendTest, MatMul) {
 float RoundToBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
 
 // The tests below run once per CpuMatMul (named F32 and BF16); the BF16 ones report themselves
-// skipped where the CPU has no bf16 products (bf16_products.h).
+// skipped only where CPUID shows no AVX-512 and the backend refuses bf16 as documented; where the
+// CPU has AVX-512, a refusal fails them (bf16_products.h).
 class CpuProductsTest : public CpuBackendTest, public ::testing::WithParamInterface<CpuMatMul> {
  protected:
   void SetUp() override {

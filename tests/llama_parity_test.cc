@@ -44,7 +44,9 @@ std::vector<std::string> FixtureNames() {
 }
 
 // max|a - b| / max|b|: the error relative to the logits' scale, so one number bounds every entry.
+// Infinite where the two differ in length or are empty (callers check the lengths first, to say so).
 double NormalizedError(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size() || b.empty()) return INFINITY;
   double diff = 0, scale = 0;
   for (size_t i = 0; i < b.size(); ++i) {
     if (!std::isfinite(a[i])) return INFINITY;
@@ -195,6 +197,12 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   ASSERT_TRUE(ids.ok()) << ids.status();
   EXPECT_EQ(*ids, g.greedy) << name << ": greedy tokens differ from Hugging Face's";
   ASSERT_EQ(logits.size(), 32u);
+  // One logit per vocabulary entry, on both sides.
+  const size_t V = static_cast<size_t>(f.config.vocab_size);
+  ASSERT_EQ(g.prompt_last_logits.size(), V) << name << ": golden.json's prompt_last_logits";
+  ASSERT_EQ(g.final_logits.size(), V) << name << ": golden.json's final_logits";
+  ASSERT_EQ(logits.front().size(), V) << name << ": logits after the prompt";
+  ASSERT_EQ(logits.back().size(), V) << name << ": logits at the 32nd decode step";
   const double prefill_err = NormalizedError(logits.front(), g.prompt_last_logits);
   const double decode_err = NormalizedError(logits.back(), g.final_logits);
   EXPECT_LE(prefill_err, kLogitsTolerance) << name << ": logits after the prompt";
@@ -239,8 +247,13 @@ TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
   std::vector<int32_t> forced = g.prompt;
   forced.insert(forced.end(), g.greedy.begin(), g.greedy.end() - 1);
   const std::vector<float> decode = last_logits(forced, nullptr);
-  ASSERT_EQ(prefill.size(), g.prompt_last_logits.size());
-  ASSERT_EQ(decode.size(), g.final_logits.size());
+  // One logit per vocabulary entry, on both sides.
+  const size_t V = static_cast<size_t>(f.config.vocab_size);
+  ASSERT_EQ(g.prompt_last_logits.size(), V) << name() << ": golden.json's prompt_last_logits";
+  ASSERT_EQ(g.final_logits.size(), V) << name() << ": golden.json's final_logits";
+  ASSERT_EQ(prefill.size(), V) << name() << ": logits after the prompt";
+  ASSERT_EQ(decode.size(), V) << name() << ": logits after the prompt and 31 of HF's tokens";
+  ASSERT_EQ(ids.size(), 32u);
   const double prefill_err = NormalizedError(prefill, g.prompt_last_logits);
   const double decode_err = NormalizedError(decode, g.final_logits);
   EXPECT_LE(prefill_err, kLowPrecisionLogitsTolerance) << name() << ": logits after the prompt";
@@ -374,8 +387,11 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
     const Seq& s = seqs[i];
     EXPECT_EQ(s.got_ids, s.want_ids) << name << " sequence " << i << ": batched greedy tokens differ from alone";
     ASSERT_EQ(s.got_logits.size(), s.want_logits.size());
+    ASSERT_EQ(s.want_logits.size(), static_cast<size_t>(kNewTokens)) << name << " sequence " << i;
     double worst = 0;
     for (size_t k = 0; k < s.got_logits.size(); ++k) {
+      ASSERT_EQ(s.got_logits[k].size(), static_cast<size_t>(V)) << name << " sequence " << i << " token " << k;
+      ASSERT_EQ(s.want_logits[k].size(), static_cast<size_t>(V)) << name << " sequence " << i << " token " << k;
       worst = std::max(worst, NormalizedError(s.got_logits[k], s.want_logits[k]));
     }
     EXPECT_LE(worst, kLogitsTolerance) << name << " sequence " << i << ": batched logits differ from alone";

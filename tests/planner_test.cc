@@ -5,6 +5,7 @@
 // then loaded by the worker's own loader on the CPU backend.
 #include "coordinator/planner/planner.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <filesystem>
@@ -155,6 +156,7 @@ TEST(Planner, Qwen72B_PP3_BalancesEmbeddingAndHead) {
   EXPECT_EQ(p.stages[1].num_layers(), 28);
   EXPECT_EQ(p.stages[2].num_layers(), 26);
   // No stage could give a layer away without another becoming heavier than the heaviest now.
+  ASSERT_EQ(p.per_gpu.size(), 3u);
   uint64_t heaviest = 0;
   for (const GpuPlan& g : p.per_gpu) heaviest = std::max(heaviest, g.weight_bytes);
   const uint64_t layer = p.per_gpu[1].weight_bytes / 28;
@@ -382,8 +384,10 @@ TEST(Planner, MoreStagesThanLayersIsRefused) {
   absl::StatusOr<Plan> p = MakePlan(*c, nullptr, Cluster("1x8xA100-80GB"), o);
   ASSERT_FALSE(p.ok());
   EXPECT_THAT(p.status().message(), HasSubstr("PP=6 needs 6 stages of at least one layer but the model has 5 layers"));
-  // Left to choose, the planner never weighs more stages than layers.
+  // Left to choose, the planner never weighs more stages than layers (and it weighs some layouts:
+  // the loop checks at least one).
   const Plan chosen = MustPlan(*c, Cluster("2x8xA100-80GB"));
+  ASSERT_FALSE(chosen.layouts.empty()) << "no layout weighed";
   for (const LayoutOption& l : chosen.layouts) EXPECT_LE(l.pp, 5);
 }
 
@@ -609,6 +613,7 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   const Plan& p = *from_ckpt;
   ASSERT_TRUE(p.fits) << p.reason;
   EXPECT_EQ(p.weights_from, "checkpoint " + (kModels / k.model).string());
+  ASSERT_EQ(p.per_gpu.size(), static_cast<size_t>(k.tp * k.pp));
   const Plan from_config = MustPlan(c, SmallCpuCluster(), o);
   ASSERT_EQ(from_config.per_gpu.size(), p.per_gpu.size());
   for (size_t i = 0; i < p.per_gpu.size(); ++i)

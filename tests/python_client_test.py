@@ -78,9 +78,15 @@ class PythonClientTest(unittest.TestCase):
         print(f"completion: {text!r}")
 
     def test_seeded_sampling_reproduces(self):
-        a = "".join(d.text for d in self.client.generate("In the beginning", max_tokens=16, temperature=0.8, seed=7))
-        b = "".join(d.text for d in self.client.generate("In the beginning", max_tokens=16, temperature=0.8, seed=7))
-        self.assertEqual(a, b)
+        # The same seed twice: the same non-empty token ids, and so the same text.
+        a = list(self.client.generate("In the beginning", max_tokens=16, temperature=0.8, seed=7))
+        b = list(self.client.generate("In the beginning", max_tokens=16, temperature=0.8, seed=7))
+        ids_a = [i for d in a for i in d.token_ids]
+        ids_b = [i for d in b for i in d.token_ids]
+        self.assertTrue(ids_a, "the first seeded stream has no tokens")
+        self.assertTrue(ids_b, "the second seeded stream has no tokens")
+        self.assertEqual(ids_a, ids_b)
+        self.assertEqual("".join(d.text for d in a), "".join(d.text for d in b))
 
     def test_bad_request_is_invalid_argument(self):
         with self.assertRaises(grpc.RpcError) as ctx:

@@ -27,6 +27,7 @@
 #include "base/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/sampling.h"
+#include "tests/bf16_products.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/sampler.h"
@@ -794,9 +795,13 @@ TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
 
 // The products' precision when the worker is not told one (--matmul-dtype auto): a bf16
 // checkpoint's are bf16 where the CPU has bf16 instructions, which halves its packed weights; an
-// f32 checkpoint's stay f32; a precision given explicitly wins.
+// f32 checkpoint's stay f32; a precision given explicitly wins. Whether the CPU has bf16
+// instructions is read from CPUID (bf16_products.h), not from CpuHasNativeBf16MatMul(), which
+// ChooseCpuMatMul asks and which is checked against it here.
 TEST(StepExecutorCpuMatMul, AutoFollowsTheCheckpointDtype) {
-  const bool native = CpuHasNativeBf16MatMul();
+  const bool native = CpuHasBf16Instructions();
+  EXPECT_EQ(CpuHasNativeBf16MatMul(), native) << "CPUID says AVX512-BF16 " << (native ? "present" : "absent")
+                                              << OneDnnIsaCap();
   EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kF32), CpuMatMul::kF32);
   EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kF16), CpuMatMul::kF32);
   EXPECT_EQ(StepExecutor::ChooseCpuMatMul(DType::kBF16), native ? CpuMatMul::kBF16 : CpuMatMul::kF32);

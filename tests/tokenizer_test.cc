@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -387,23 +389,32 @@ TEST(TokenizerTest, MalformedFilesAreClearErrors) {
 
 // ---- Metadata --------------------------------------------------------------------------------
 
+// The id of `token`, which must be in the tokenizer's vocabulary: where it is not, a failure (and -1).
+int32_t IdOf(const Tokenizer& tok, std::string_view token) {
+  const std::optional<int32_t> id = tok.TokenToId(token);
+  EXPECT_TRUE(id.has_value()) << "'" << token << "' is not in the vocabulary";
+  return id.value_or(-1);
+}
+
 TEST(TokenizerTest, BosAndEosComeFromTheConfigFiles) {
   std::unique_ptr<Tokenizer> llama3 = LoadKind("llama3");
   ASSERT_NE(llama3, nullptr);
-  EXPECT_EQ(llama3->bos_id(), llama3->TokenToId("<|begin_of_text|>"));
+  ASSERT_TRUE(llama3->bos_id().has_value()) << "llama3 has no bos id";
+  EXPECT_EQ(*llama3->bos_id(), IdOf(*llama3, "<|begin_of_text|>"));
   // tokenizer_config.json's eos_token first, then generation_config.json's other ids.
-  EXPECT_EQ(llama3->eos_ids(),
-            (std::vector<int32_t>{*llama3->TokenToId("<|eot_id|>"), *llama3->TokenToId("<|end_of_text|>"),
-                                  *llama3->TokenToId("<|eom_id|>")}));
-  EXPECT_TRUE(llama3->IsSpecial(*llama3->TokenToId("<|eot_id|>")));
+  EXPECT_EQ(llama3->eos_ids(), (std::vector<int32_t>{IdOf(*llama3, "<|eot_id|>"), IdOf(*llama3, "<|end_of_text|>"),
+                                                     IdOf(*llama3, "<|eom_id|>")}));
+  EXPECT_TRUE(llama3->IsSpecial(IdOf(*llama3, "<|eot_id|>")));
 
   std::unique_ptr<Tokenizer> qwen2 = LoadKind("qwen2");
   ASSERT_NE(qwen2, nullptr);
   // bos_token is null in tokenizer_config.json; generation_config.json names <|endoftext|>.
-  EXPECT_EQ(qwen2->bos_id(), qwen2->TokenToId("<|endoftext|>"));
-  EXPECT_EQ(qwen2->eos_ids(),
-            (std::vector<int32_t>{*qwen2->TokenToId("<|im_end|>"), *qwen2->TokenToId("<|endoftext|>")}));
-  EXPECT_FALSE(qwen2->IsSpecial(*qwen2->TokenToId("<tool_call>")));  // added, not special
+  ASSERT_TRUE(qwen2->bos_id().has_value()) << "qwen2 has no bos id";
+  EXPECT_EQ(*qwen2->bos_id(), IdOf(*qwen2, "<|endoftext|>"));
+  EXPECT_EQ(qwen2->eos_ids(), (std::vector<int32_t>{IdOf(*qwen2, "<|im_end|>"), IdOf(*qwen2, "<|endoftext|>")}));
+  const int32_t tool_call = IdOf(*qwen2, "<tool_call>");
+  ASSERT_GE(tool_call, 0);
+  EXPECT_FALSE(qwen2->IsSpecial(tool_call));  // added, not special
 
   std::unique_ptr<Tokenizer> llama2 = LoadKind("llama2");
   ASSERT_NE(llama2, nullptr);
