@@ -296,8 +296,13 @@ void Engine::EndStream(Request& r, const absl::Status& status) {
 void Engine::End(uint64_t id, const absl::Status& status) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return;
+  // The scheduler and the published status (metrics, GetClusterStatus) let the sequence go before
+  // its client learns that it ended: a client that reads them next sees it gone.
+  if (scheduler_ != nullptr) {
+    scheduler_->Remove(id);
+    PublishStats();
+  }
   EndStream(*it->second, status);
-  if (scheduler_ != nullptr) scheduler_->Remove(id);
   requests_.erase(it);
 }
 

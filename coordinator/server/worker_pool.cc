@@ -1,10 +1,8 @@
 #include "coordinator/server/worker_pool.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <limits>
-#include <string_view>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -14,7 +12,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
-#include "coordinator/planner/render.h"
 #include "coordinator/server/log.h"
 #include "kernels/sampling.h"
 
@@ -23,8 +20,6 @@ namespace {
 
 // The API version this coordinator speaks (worker.proto Register.protocol_version).
 constexpr int kProtocolVersion = 1;
-// How often the monitor looks for silent workers.
-constexpr absl::Duration kMonitorPeriod = absl::Milliseconds(200);
 // When a step breaks, how long to wait for the other workers' news before answering: a killed
 // worker's peers report their own failure (a lost connection) at about the time its stream ends,
 // and the message should name the worker that vanished, not only the peers that noticed.
@@ -37,6 +32,8 @@ constexpr char kStreamEnded[] =
     "its control stream ended (the process exited or was killed, or the connection dropped)";
 // Memory assumed per worker when planning only to check the layout (Create): enough for any model.
 constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
+// This coordinator forms one group in its life, under the first epoch.
+constexpr uint64_t kFirstEpoch = 1;
 
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
 // --memory-bandwidth-gbps) or a figure the planner does not take (cluster.h): a server's DRAM.
@@ -72,31 +69,6 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   return p;
 }
 
-// Node names in natural order, digits as numbers: "n2" before "n10", so that stage i is node i
-// for nodes named with their index.
-bool NaturalLess(const std::string& a, const std::string& b) {
-  size_t i = 0, j = 0;
-  while (i < a.size() && j < b.size()) {
-    if (std::isdigit(static_cast<unsigned char>(a[i])) && std::isdigit(static_cast<unsigned char>(b[j]))) {
-      size_t ie = i, je = j;
-      while (ie < a.size() && std::isdigit(static_cast<unsigned char>(a[ie]))) ++ie;
-      while (je < b.size() && std::isdigit(static_cast<unsigned char>(b[je]))) ++je;
-      // Compare the digit runs as numbers: without leading zeros, the longer one is larger.
-      std::string_view x(a.data() + i, ie - i), y(b.data() + j, je - j);
-      x.remove_prefix(std::min(x.find_first_not_of('0'), x.size()));
-      y.remove_prefix(std::min(y.find_first_not_of('0'), y.size()));
-      if (x.size() != y.size()) return x.size() < y.size();
-      if (x != y) return x < y;
-      i = ie;
-      j = je;
-    } else {
-      if (a[i] != b[j]) return a[i] < b[j];
-      ++i;
-      ++j;
-    }
-  }
-  return a.size() - i < b.size() - j || (a.size() - i == b.size() - j && a < b);
-}
 
 bool Printable(const std::string& s) {
   return std::all_of(s.begin(), s.end(), [](char c) { return c > ' ' && c < 127; });
@@ -217,36 +189,38 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
 
 std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked() {
   const int tp = options_.gpus_per_node, pp = options_.nodes;
-  // Nodes in the natural order of their names are the stages; a node's workers in registration
-  // order its TP ranks.
-  std::map<std::string, std::vector<int>, bool (*)(const std::string&, const std::string&)> by_node(&NaturalLess);
+  // Slots, ranks and group names (coordinator/membership/group.h): the nodes in natural order are
+  // the stages, a node's workers in registration order its TP ranks.
+  std::vector<Member> members;
   uint64_t memory = UINT64_MAX;
   double bandwidth = std::numeric_limits<double>::infinity();  // the slowest worker's; 0 if one is unknown
   bool cpu_only = true;
   for (int i : pending_) {
     const v1::Register& h = workers_[i]->hello;
-    by_node[h.node()].push_back(i);
+    members.push_back(Member{i, h.node()});
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
     const double reported = h.memory_bytes_per_s();
     const bool known = reported >= kMinBandwidthBytesPerS && reported <= kMaxBandwidthBytesPerS;  // false for NaN
     bandwidth = std::min(bandwidth, known ? reported : 0.0);
     cpu_only = cpu_only && h.device() == "cpu";
   }
-  std::vector<std::string> nodes;
-  for (const auto& [name, members] : by_node) nodes.push_back(name);
+  absl::StatusOr<Group> group = FormGroup(GroupShape{tp, pp}, members, kFirstEpoch);
   const std::string device = workers_[pending_.front()]->hello.device();
 
+  // The plan: the layers of each stage and the memory of each worker.
   const ClusterSpec cluster = ClusterFor(pp, tp, device, memory, bandwidth > 0 ? bandwidth : kAssumedMemoryBytesPerS);
   absl::StatusOr<Plan> plan =
       MakePlan(model_->config, model_->checkpoint.get(), cluster, PlanOptionsFor(options_, cpu_only));
   std::string error;
-  if (!plan.ok()) {
+  if (!group.ok()) {
+    error = std::string(group.status().message());
+  } else if (!plan.ok()) {
     error = std::string(plan.status().message());
   } else if (!plan->fits) {
     error = plan->reason;
-  }
-  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
-  if (error.empty()) {
+  } else if (static_cast<int>(plan->stages.size()) != pp) {
+    error = absl::StrCat("the planner made ", plan->stages.size(), " stages, not ", pp);
+  } else {
     for (const GpuPlan& g : plan->per_gpu) {
       if (g.node < 0 || g.node >= pp || g.gpu < 0 || g.gpu >= tp || g.stage != g.node || g.tp_rank != g.gpu) {
         error = absl::StrCat("the planner placed stage ", g.stage, " rank ", g.tp_rank, " on node ", g.node, " GPU ",
@@ -255,6 +229,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
       }
     }
   }
+  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
   if (!error.empty()) {
     failed_reason_ = absl::StrCat("cannot plan ", model_->name, " on the registered workers: ", error);
     CoordinatorLog("group", failed_reason_);
@@ -295,48 +270,45 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   limits_ = options_.limits;
   limits_.num_kv_blocks = kv_blocks;
   limits_.max_model_len = plan_->max_model_len;
-  group_.assign(tp * pp, -1);
+  group_ = std::move(*group);
   std::vector<std::string> stages;
-  for (const GpuPlan& g : plan_->per_gpu) {
-    const int i = by_node[nodes[g.node]][g.gpu];
-    Worker& w = *workers_[i];
-    const StagePlan& st = plan_->stages[g.stage];
-    w.stage = g.stage;
-    w.tp_rank = g.tp_rank;
+  for (const Slot& slot : group_->slots) {
+    Worker& w = *workers_[slot.worker];
+    const StagePlan& st = plan_->stages[slot.stage];
+    w.stage = slot.stage;
+    w.tp_rank = slot.tp_rank;
     w.first_layer = st.first_layer;
     w.end_layer = st.last_layer + 1;
     w.state = v1::WORKER_STATE_LOADING;
-    group_[g.stage * tp + g.tp_rank] = i;
     if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, true);
 
     v1::CoordinatorMessage m;
     v1::Assignment* a = m.mutable_assignment();
     a->set_worker_id(w.id);
     a->set_model_path(model_->dir);
-    a->set_stage(g.stage);
+    a->set_stage(slot.stage);
     a->set_num_stages(pp);
-    a->set_tp_rank(g.tp_rank);
+    a->set_tp_rank(slot.tp_rank);
     a->set_tp_size(tp);
     a->set_first_layer(static_cast<int32_t>(w.first_layer));
     a->set_end_layer(static_cast<int32_t>(w.end_layer));
-    // Group names: this coordinator forms one group in its life, so they are unique in its store.
-    a->set_tp_group(absl::StrCat("tp/stage", g.stage));
-    if (g.stage + 1 < pp) a->set_send_group(absl::StrCat("pp/stage", g.stage, "-", g.stage + 1, "/tp", g.tp_rank));
-    if (g.stage > 0) a->set_recv_group(absl::StrCat("pp/stage", g.stage - 1, "-", g.stage, "/tp", g.tp_rank));
+    a->set_tp_group(slot.tp_group);
+    a->set_send_group(slot.send_group);
+    a->set_recv_group(slot.recv_group);
     ToProto(limits_, a->mutable_limits());
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
-    out.emplace_back(i, std::move(m));
-    if (g.tp_rank == 0) {
-      stages.push_back(absl::StrCat("stage ", g.stage, " = node ", nodes[g.node], " (layers ", st.first_layer, "-",
+    out.emplace_back(slot.worker, std::move(m));
+    if (slot.tp_rank == 0) {
+      stages.push_back(absl::StrCat("stage ", slot.stage, " = node ", slot.node, " (layers ", st.first_layer, "-",
                                     st.last_layer, ")"));
     }
   }
   pending_.clear();
   SetPhaseLocked(Phase::kLoading);
-  CoordinatorLog("group", absl::StrCat("complete; planned TP=", tp, " x PP=", pp, ", max_model_len ",
-                                       plan_->max_model_len, ", KV cache ", kv_blocks, " blocks of ",
-                                       block_size, " tokens (", kv_from, "): ", absl::StrJoin(stages, ", "),
-                                       "; loading"));
+  CoordinatorLog("group", absl::StrCat("complete (epoch ", group_->epoch, "); planned TP=", tp, " x PP=", pp,
+                                       ", max_model_len ", plan_->max_model_len, ", KV cache ", kv_blocks,
+                                       " blocks of ", block_size, " tokens (", kv_from,
+                                       "): ", absl::StrJoin(stages, ", "), "; loading"));
   return out;
 }
 
@@ -357,8 +329,8 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
       w.weight_bytes = message.loaded().weight_bytes();
       CoordinatorLog(NameLocked(index), absl::StrCat("loaded in ", message.loaded().load_seconds(), " s"),
                      LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
-      const bool all_ready = std::all_of(group_.begin(), group_.end(), [&](int i) {
-        return workers_[i]->state == v1::WORKER_STATE_READY;
+      const bool all_ready = std::all_of(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
+        return workers_[s.worker]->state == v1::WORKER_STATE_READY;
       });
       if (phase_ == Phase::kLoading && all_ready) {
         SetPhaseLocked(Phase::kServing);
@@ -370,7 +342,7 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
       const v1::StepResult& r = message.step_result();
       auto it = steps_.find(r.step_id());
       if (it == steps_.end() || w.stage < 0) break;  // stale
-      const int pos = w.stage * options_.gpus_per_node + w.tp_rank;
+      const int pos = RankOf(group_->shape, w.stage, w.tp_rank);
       if (it->second.answered[pos]) break;
       if (absl::Status s = CheckResultLocked(index, it->second, r); !s.ok()) {
         MarkLostLocked(index, LossCause::kMalformed, absl::StrCat("sent a malformed result: ", s.message()));
@@ -470,16 +442,16 @@ absl::Status WorkerPool::NotServingLocked() const {
                                                  expected, " workers have registered (", options_.nodes,
                                                  " nodes x ", options_.gpus_per_node, " workers)"));
     case Phase::kLoading: {
-      const auto ready = std::count_if(group_.begin(), group_.end(), [&](int i) {
-        return workers_[i]->state == v1::WORKER_STATE_READY;
+      const auto ready = std::count_if(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
+        return workers_[s.worker]->state == v1::WORKER_STATE_READY;
       });
       return absl::UnavailableError(
           absl::StrCat("the workers are loading the model: ", ready, " of ", expected, " loaded"));
     }
     case Phase::kBroken: {
       std::vector<int> lost;
-      for (int i : group_) {
-        if (workers_[i]->state == v1::WORKER_STATE_LOST) lost.push_back(i);
+      for (const Slot& s : group_->slots) {
+        if (workers_[s.worker]->state == v1::WORKER_STATE_LOST) lost.push_back(s.worker);
       }
       std::sort(lost.begin(), lost.end(), [&](int a, int b) {
         return std::tuple(workers_[a]->cause, workers_[a]->lost_at) < std::tuple(workers_[b]->cause, workers_[b]->lost_at);
@@ -507,8 +479,8 @@ absl::Status WorkerPool::CheckServing() {
 // ---- Steps --------------------------------------------------------------------------------------
 
 bool WorkerPool::StepSettledLocked(const InFlightStep& step) const {
-  for (size_t pos = 0; pos < group_.size(); ++pos) {
-    if (!step.answered[pos] && workers_[group_[pos]]->state != v1::WORKER_STATE_LOST) return false;
+  for (const Slot& s : group_->slots) {
+    if (!step.answered[s.rank] && workers_[s.worker]->state != v1::WORKER_STATE_LOST) return false;
   }
   return true;
 }
@@ -553,9 +525,9 @@ absl::Status WorkerPool::StartStep(const v1::StepPlan& step) {
     f.rows = step.logit_rows_size();
     f.wants_logprobs = std::any_of(step.sampling().begin(), step.sampling().end(),
                                    [](const v1::RowSampling& r) { return r.logprobs(); });
-    f.answered.assign(group_.size(), false);
-    f.results.assign(group_.size(), v1::StepResult());
-    group = group_;
+    f.answered.assign(group_->slots.size(), false);
+    f.results.assign(group_->slots.size(), v1::StepResult());
+    for (const Slot& s : group_->slots) group.push_back(s.worker);
   }
   v1::CoordinatorMessage message;
   *message.mutable_step() = step;
@@ -584,9 +556,9 @@ absl::Status WorkerPool::FinishStep(uint64_t step_id, absl::Duration timeout, St
     if (changed_.WaitWithDeadline(&mu_, deadline)) break;
   }
   if (phase_ == Phase::kServing && !StepSettledLocked(step)) {
-    for (size_t pos = 0; pos < group_.size(); ++pos) {
-      if (!step.answered[pos]) {
-        MarkLostLocked(group_[pos], LossCause::kStepDeadline,
+    for (const Slot& s : group_->slots) {
+      if (!step.answered[s.rank]) {
+        MarkLostLocked(s.worker, LossCause::kStepDeadline,
                        absl::StrCat("did not answer step ", step_id, " within ", absl::FormatDuration(timeout),
                                     " (--step-timeout-seconds)"));
       }
@@ -612,7 +584,7 @@ absl::Status WorkerPool::FinishStep(uint64_t step_id, absl::Duration timeout, St
   return absl::OkStatus();
 }
 
-// ---- Status, monitor, shutdown ------------------------------------------------------------------
+// ---- Sizes, metrics, shutdown (status: cluster_status.cc; heartbeats: heartbeat_monitor.cc) ------
 
 int64_t WorkerPool::max_model_len() {
   absl::MutexLock lock(&mu_);
@@ -627,50 +599,6 @@ StepLimits WorkerPool::limits() {
 void WorkerPool::SetMetrics(CoordinatorMetrics* metrics) {
   absl::MutexLock lock(&mu_);
   metrics_ = metrics;
-}
-
-void WorkerPool::FillStatus(v1::ClusterStatus* status) {
-  absl::MutexLock lock(&mu_);
-  status->set_tp(options_.gpus_per_node);
-  status->set_pp(options_.nodes);
-  if (plan_) status->set_plan_text(PlanTable(*plan_));
-  for (int i : group_.empty() ? pending_ : group_) {
-    const Worker& w = *workers_[i];
-    v1::WorkerStatus* s = status->add_workers();
-    s->set_worker_id(w.id);
-    s->set_node(w.hello.node());
-    s->set_device(w.hello.device());
-    s->set_address(w.hello.address());
-    s->set_metrics_address(w.hello.metrics_address());
-    s->set_stage(w.stage);
-    s->set_tp_rank(w.tp_rank);
-    if (w.stage >= 0) {
-      s->set_first_layer(static_cast<int32_t>(w.first_layer));
-      s->set_last_layer(static_cast<int32_t>(w.end_layer - 1));
-    }
-    s->set_state(w.state);
-    s->set_weight_bytes(w.weight_bytes);
-    s->set_detail(w.detail);
-  }
-  status->set_serving(phase_ == Phase::kServing);
-}
-
-void WorkerPool::MonitorLoop() {
-  absl::MutexLock lock(&mu_);
-  while (!stop_monitor_) {
-    if (mu_.AwaitWithTimeout(absl::Condition(&stop_monitor_), kMonitorPeriod)) break;
-    const absl::Time now = absl::Now();
-    for (size_t i = 0; i < workers_.size(); ++i) {
-      const Worker& w = *workers_[i];
-      if (w.link == nullptr || w.state == v1::WORKER_STATE_LOST) continue;
-      const absl::Duration silent = now - w.last_heard;
-      if (silent > options_.heartbeat_timeout) {
-        MarkLostLocked(static_cast<int>(i), LossCause::kHeartbeat,
-                       absl::StrCat("sent nothing, not even a heartbeat, for ", absl::FormatDuration(silent),
-                                    " (it is hung, stopped, or unreachable)"));
-      }
-    }
-  }
 }
 
 void WorkerPool::Shutdown(const std::string& reason) {

@@ -1,15 +1,15 @@
-// The coordinator's view of its workers: who registered, the plan that places them, their state,
-// and the steps they run together.
+// The coordinator's view of its workers: their connections, who registered, the plan that places
+// them, their state, and the steps they run together.
 //
 // Life of the group:
 //   1. Waiting: workers register (worker.proto Register) until nodes x gpus_per_node have come.
-//      Workers are grouped by node name: each node is one pipeline stage (stages in the natural
-//      order of the node names: "n2" before "n10") and its workers are that stage's TP ranks (in
-//      registration order).
 //      A worker that would make a node too large, or add a node too many, is refused. A worker
 //      that leaves now just leaves (another may take its place).
-//   2. Loading: the planner (coordinator/planner) lays the model out as TP = gpus_per_node x
-//      PP = nodes; every worker gets its Assignment and loads; each answers Loaded.
+//   2. Loading: the group is formed (coordinator/membership/group.h: each node is one pipeline
+//      stage, in the natural order of the node names, its workers that stage's TP ranks in
+//      registration order; ranks, TP and PP group names under epoch 1), and the planner
+//      (coordinator/planner) lays the model out as TP = gpus_per_node x PP = nodes: the layers of
+//      each stage and the KV cache. Every worker gets its Assignment and loads; each answers Loaded.
 //   3. Serving: every worker is READY; StartStep() broadcasts a StepPlan and FinishStep() gathers
 //      every worker's StepResult. Several steps may be in flight (pipelined micro-batches): each
 //      worker runs them in the order they were sent.
@@ -19,6 +19,9 @@
 //      does every later request: the communicators of a broken group cannot be trusted, and this
 //      coordinator does not re-form groups (a restart does).
 // Failed (the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final too.
+//
+// Files: worker_pool.cc registration, the group and steps; cluster_status.cc the status
+// (FillStatus); heartbeat_monitor.cc the monitor thread that marks silent workers lost.
 //
 // Ownership: borrows the ServedModel, which must outlive the pool; a WorkerLink is borrowed from
 // Register() until Disconnect() returns. Owns a monitor thread (heartbeats), joined in the
@@ -44,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/membership/group.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
@@ -139,8 +143,8 @@ class WorkerPool {
   StepLimits limits();
   // Pipeline stages (--nodes).
   int num_stages() const { return options_.nodes; }
-  // Fills tp, pp, plan_text, workers and serving.
-  void FillStatus(v1::ClusterStatus* status);
+  // Fills tp, pp, plan_text, workers and serving (defined in cluster_status.cc).
+  void FillStatus(v1::ClusterStatus* status) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Tells every connected worker to stop, ends their streams and refuses everything afterwards.
   void Shutdown(const std::string& reason);
@@ -175,8 +179,8 @@ class WorkerPool {
   struct InFlightStep {
     int rows = 0;                         // logit rows: ids the sampler must return
     bool wants_logprobs = false;          // some row asked for logprobs
-    std::vector<bool> answered;           // by position in group_
-    std::vector<v1::StepResult> results;  // by position in group_
+    std::vector<bool> answered;           // by rank in group_
+    std::vector<v1::StepResult> results;  // by rank in group_
   };
 
   WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional);
@@ -198,8 +202,9 @@ class WorkerPool {
   // Checks a result worker `index` sent for `step`; an error says what is wrong.
   absl::Status CheckResultLocked(int index, const InFlightStep& step, const v1::StepResult& result) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks workers silent for heartbeat_timeout lost, until the pool is destroyed.
-  void MonitorLoop();
+  // Marks workers silent for heartbeat_timeout lost, until the pool is destroyed (defined in
+  // heartbeat_monitor.cc).
+  void MonitorLoop() ABSL_LOCKS_EXCLUDED(mu_);
 
   // ---- Constant after construction ----
   const ServedModel* const model_;
@@ -212,8 +217,8 @@ class WorkerPool {
   std::string failed_reason_ ABSL_GUARDED_BY(mu_);    // kFailed, kShuttingDown
   std::vector<std::unique_ptr<Worker>> workers_ ABSL_GUARDED_BY(mu_);  // by index, every one ever registered
   std::vector<int> pending_ ABSL_GUARDED_BY(mu_);     // kWaiting: the registered workers
-  // Once formed: group_[stage * tp + tp_rank] is a worker index.
-  std::vector<int> group_ ABSL_GUARDED_BY(mu_);
+  // Once formed: who holds each slot, by rank, and the group names (never reset).
+  std::optional<Group> group_ ABSL_GUARDED_BY(mu_);
   std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
   StepLimits limits_ ABSL_GUARDED_BY(mu_);
   // Steps started and not finished, by id. Results are taken while a step is in flight, also

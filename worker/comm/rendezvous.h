@@ -4,8 +4,8 @@
 //
 // Keys: each communicator writes only under "<group name>/": "<group>/gloo/<Gloo's key>" and
 // "<group>/nccl/unique_id". Keys are never deleted, so a group name is used for one communicator
-// per store: a group rebuilt after a failure gets a new name (the coordinator appends a
-// generation). Several groups (TP groups, PP pairs) share one store.
+// per store: a group rebuilt after a failure gets a new name (the coordinator's names start with
+// the group's epoch, "e2/tp/stage0"). Several groups (TP groups, PP pairs) share one store.
 #ifndef SHARDSERVE_WORKER_COMM_RENDEZVOUS_H_
 #define SHARDSERVE_WORKER_COMM_RENDEZVOUS_H_
 

@@ -1,0 +1,41 @@
+// WorkerPool::FillStatus: the group as `shardserve status` shows it (inference.proto ClusterStatus).
+#include "coordinator/server/worker_pool.h"
+
+#include <vector>
+
+#include "coordinator/planner/render.h"
+
+namespace shardserve {
+
+void WorkerPool::FillStatus(v1::ClusterStatus* status) {
+  absl::MutexLock lock(&mu_);
+  status->set_tp(options_.gpus_per_node);
+  status->set_pp(options_.nodes);
+  if (plan_) status->set_plan_text(PlanTable(*plan_));
+  std::vector<int> shown = pending_;  // before the group is formed: the registered workers
+  if (group_) {
+    shown.clear();
+    for (const Slot& slot : group_->slots) shown.push_back(slot.worker);
+  }
+  for (int i : shown) {
+    const Worker& w = *workers_[i];
+    v1::WorkerStatus* s = status->add_workers();
+    s->set_worker_id(w.id);
+    s->set_node(w.hello.node());
+    s->set_device(w.hello.device());
+    s->set_address(w.hello.address());
+    s->set_metrics_address(w.hello.metrics_address());
+    s->set_stage(w.stage);
+    s->set_tp_rank(w.tp_rank);
+    if (w.stage >= 0) {
+      s->set_first_layer(static_cast<int32_t>(w.first_layer));
+      s->set_last_layer(static_cast<int32_t>(w.end_layer - 1));
+    }
+    s->set_state(w.state);
+    s->set_weight_bytes(w.weight_bytes);
+    s->set_detail(w.detail);
+  }
+  status->set_serving(phase_ == Phase::kServing);
+}
+
+}  // namespace shardserve
