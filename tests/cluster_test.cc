@@ -38,6 +38,8 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/strings/str_cat.h"
+#include "coordinator/planner/format.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -273,8 +275,18 @@ TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {
   EXPECT_EQ(status.tp(), 2);
   EXPECT_EQ(status.pp(), 2);
   EXPECT_TRUE(status.serving());
-  EXPECT_NE(status.plan_text().find("HBM 50 GB/s"), std::string::npos)
+  EXPECT_NE(status.plan_text().find("memory 50 GB/s"), std::string::npos)
       << "the workers' --memory-bandwidth-gbps:\n" << status.plan_text();
+  // CPU workers are called what they are, and the plan shows the KV cache the scheduler uses.
+  EXPECT_NE(status.plan_text().find("on 4 CPU workers"), std::string::npos) << status.plan_text();
+  EXPECT_EQ(status.plan_text().find("GPU"), std::string::npos) << status.plan_text();
+  EXPECT_EQ(status.plan_text().find("HBM"), std::string::npos) << status.plan_text();
+  const v1::SchedulerStatus& scheduler = status.scheduler();
+  ASSERT_GT(scheduler.kv_blocks_total(), 0) << status.ShortDebugString();
+  const std::string kv_line = absl::StrCat("KV cache ", planner_format::Count(scheduler.kv_blocks_total() * scheduler.block_size()),
+                                           " tokens (", planner_format::Count(scheduler.kv_blocks_total()), " blocks of ",
+                                           scheduler.block_size(), ")");
+  EXPECT_NE(status.plan_text().find(kv_line), std::string::npos) << kv_line << "\n" << status.plan_text();
   EXPECT_EQ(status.model().name(), "llama_gqa");
   ASSERT_EQ(status.workers_size(), 4);
   std::vector<int> layers_held(5, 0);

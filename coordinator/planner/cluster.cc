@@ -55,6 +55,8 @@ int ClusterSpec::max_gpus_per_node() const {
   return gpus_per_node.empty() ? 0 : *std::max_element(gpus_per_node.begin(), gpus_per_node.end());
 }
 
+std::string GpuSpec::Count(int64_t n) const { return absl::StrCat(n, " ", device_noun(), n == 1 ? "" : "s"); }
+
 std::string ClusterSpec::Describe() const {
   const bool alike =
       std::all_of(gpus_per_node.begin(), gpus_per_node.end(), [&](int g) { return g == gpus_per_node.front(); });

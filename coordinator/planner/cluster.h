@@ -17,9 +17,17 @@ namespace shardserve {
 
 // One kind of GPU (or, for CPU workers, one worker's share of a host).
 struct GpuSpec {
-  std::string name;            // "A100-80GB"
+  std::string name;            // "A100-80GB"; "cpu" for CPU workers (the coordinator's name for them)
   uint64_t memory_bytes = 0;   // total device memory
   double hbm_bytes_per_s = 0;  // device memory bandwidth
+
+  // How the plan names one device and its memory: "GPU" and "HBM", or "CPU worker" and "memory"
+  // for CPU workers, whose share of a host is planned as if it were a GPU.
+  bool is_cpu() const { return name == "cpu"; }
+  const char* device_noun() const { return is_cpu() ? "CPU worker" : "GPU"; }
+  const char* memory_noun() const { return is_cpu() ? "memory" : "HBM"; }
+  // "1 GPU", "4 GPUs", "4 CPU workers".
+  std::string Count(int64_t n) const;
 };
 
 struct ClusterSpec {

@@ -279,8 +279,8 @@ LayoutOption Summarize(const Context& ctx, const Layout& l) {
 // Why the chosen layout, for a plan that fits.
 std::string FitReason(const Context& ctx, const Layout& chosen, const std::vector<const Layout*>& fitting,
                       bool forced) {
-  std::string why = absl::StrCat(fmt::Layout(chosen.tp, chosen.pp), " on ", chosen.tp * chosen.pp, " GPU",
-                                 chosen.tp * chosen.pp == 1 ? "" : "s", " fits with KV cache for ",
+  std::string why = absl::StrCat(fmt::Layout(chosen.tp, chosen.pp), " on ", ctx.cluster.gpu.Count(chosen.tp * chosen.pp),
+                                 " fits with KV cache for ",
                                  fmt::Count(chosen.kv_blocks * ctx.options.block_size), " tokens");
   // What the layouts it was chosen among have in common.
   const bool full = chosen.tier == Tier::kFull;
@@ -502,6 +502,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     plan.model_weight_bytes += static_cast<uint64_t>(n) * DTypeSize(ctx.dtype);
   }
   plan.dtype = ctx.dtype;
+  plan.checkpoint_dtype = c.dtype;
   plan.cluster = cluster;
   plan.options = options;
   plan.options.dtype = ctx.dtype;

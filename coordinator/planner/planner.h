@@ -101,7 +101,8 @@ struct Plan {
   int64_t num_layers = 0;
   int64_t parameters = 0;
   uint64_t model_weight_bytes = 0;  // the whole model, unsharded, in `dtype`
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;             // what the workers hold weights, activations and KV cache in
+  DType checkpoint_dtype = DType::kBF16;  // config.json's torch_dtype
   ClusterSpec cluster;
   PlanOptions options;
   uint64_t usable_bytes_per_gpu = 0;  // gpu_memory_utilization x memory

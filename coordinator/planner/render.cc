@@ -39,18 +39,20 @@ std::string Wrap(const std::string& text, const std::string& indent) {
 std::string PlanTable(const Plan& p) {
   const ClusterSpec& c = p.cluster;
   std::string out;
-  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s (weights from %s)\n", p.architecture,
+  const std::string checkpoint_dtype =
+      p.checkpoint_dtype == p.dtype ? "" : absl::StrCat("; the checkpoint is ", PlanDTypeName(p.checkpoint_dtype));
+  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s (weights from %s%s)\n", p.architecture,
                         p.num_layers, fmt::Parameters(p.parameters), fmt::Size(p.model_weight_bytes),
-                        PlanDTypeName(p.dtype), p.weights_from);
-  absl::StrAppendFormat(&out, "cluster  %s: %s, HBM %s; intra-node %s, inter-node %s\n", c.Describe(),
-                        fmt::Size(c.gpu.memory_bytes), GBps(c.gpu.hbm_bytes_per_s), GBps(c.intra_node_bytes_per_s),
-                        GBps(c.inter_node_bytes_per_s));
-  absl::StrAppendFormat(&out, "usable   %.2f x %s = %s per GPU\n\n", p.options.gpu_memory_utilization,
-                        fmt::Size(c.gpu.memory_bytes), fmt::Size(p.usable_bytes_per_gpu));
+                        PlanDTypeName(p.dtype), p.weights_from, checkpoint_dtype);
+  absl::StrAppendFormat(&out, "cluster  %s: %s, %s %s; intra-node %s, inter-node %s\n", c.Describe(),
+                        fmt::Size(c.gpu.memory_bytes), c.gpu.memory_noun(), GBps(c.gpu.hbm_bytes_per_s),
+                        GBps(c.intra_node_bytes_per_s), GBps(c.inter_node_bytes_per_s));
+  absl::StrAppendFormat(&out, "usable   %.2f x %s = %s per %s\n\n", p.options.gpu_memory_utilization,
+                        fmt::Size(c.gpu.memory_bytes), fmt::Size(p.usable_bytes_per_gpu), c.gpu.device_noun());
 
   if (p.fits) {
-    absl::StrAppendFormat(&out, "plan     %s on %d GPU%s, max_model_len %s, KV cache %s tokens (%s blocks of %d)\n",
-                          fmt::Layout(p.tp, p.pp), p.tp * p.pp, p.tp * p.pp == 1 ? "" : "s",
+    absl::StrAppendFormat(&out, "plan     %s on %s, max_model_len %s, KV cache %s tokens (%s blocks of %d)\n",
+                          fmt::Layout(p.tp, p.pp), c.gpu.Count(p.tp * p.pp),
                           fmt::Count(p.max_model_len), fmt::Count(p.kv_cache_tokens),
                           fmt::Count(p.limits.num_kv_blocks), p.limits.block_size);
   } else {
@@ -58,7 +60,13 @@ std::string PlanTable(const Plan& p) {
   }
   absl::StrAppend(&out, Wrap(p.reason, "         "), "\n");
 
-  absl::StrAppendFormat(&out, "%5s  %-15s  %4s  %-6s  %s\n", "stage", "layers", "node", "GPUs", "also holds");
+  // Columns named for the devices: GPUs, or CPU workers.
+  const bool cpu = c.gpu.is_cpu();
+  const std::string devices = cpu ? "workers" : "GPUs", device = cpu ? "worker" : "GPU";
+  const int devices_w = static_cast<int>(devices.size()) > 6 ? static_cast<int>(devices.size()) : 6;
+  const int device_w = static_cast<int>(device.size());
+  absl::StrAppendFormat(&out, "%5s  %-15s  %4s  %-*s  %s\n", "stage", "layers", "node", devices_w, devices,
+                        "also holds");
   for (size_t s = 0; s < p.stages.size(); ++s) {
     const StagePlan& st = p.stages[s];
     std::vector<std::string> extras;
@@ -66,16 +74,18 @@ std::string PlanTable(const Plan& p) {
     if (st.lm_head) extras.push_back("final norm + LM head");
     const std::string gpus =
         p.tp == 1 ? absl::StrCat(st.first_gpu) : absl::StrCat(st.first_gpu, "-", st.first_gpu + p.tp - 1);
-    absl::StrAppendFormat(&out, "%5d  %-15s  %4d  %-6s  %s\n", s,
-                          absl::StrFormat("%d-%d (%d)", st.first_layer, st.last_layer, st.num_layers()), st.node, gpus,
-                          extras.empty() ? "-" : absl::StrJoin(extras, ", "));
+    absl::StrAppendFormat(&out, "%5d  %-15s  %4d  %-*s  %s\n", s,
+                          absl::StrFormat("%d-%d (%d)", st.first_layer, st.last_layer, st.num_layers()), st.node,
+                          devices_w, gpus, extras.empty() ? "-" : absl::StrJoin(extras, ", "));
   }
   absl::StrAppend(&out, "\n");
 
-  absl::StrAppendFormat(&out, "%4s  %3s  %5s  %7s  %11s  %12s  %10s  %10s  %15s\n", "node", "GPU", "stage", "TP rank",
+  absl::StrAppendFormat(&out, "%4s  %*s  %5s  %7s  %11s  %12s  %10s  %10s  %15s\n", "node", device_w, device, "stage",
+                        "TP rank",
                         "weights", "step buffers", "reserve", "KV/token", "KV cache tokens");
   for (const GpuPlan& g : p.per_gpu) {
-    absl::StrAppendFormat(&out, "%4d  %3d  %5d  %7d  %11s  %12s  %10s  %10s  %15s\n", g.node, g.gpu, g.stage, g.tp_rank,
+    absl::StrAppendFormat(&out, "%4d  %*d  %5d  %7d  %11s  %12s  %10s  %10s  %15s\n", g.node, device_w, g.gpu, g.stage,
+                          g.tp_rank,
                           fmt::Size(g.weight_bytes), fmt::Size(g.activation_bytes), fmt::Size(g.reserve_bytes),
                           absl::StrFormat("%.1f KiB", g.kv_bytes_per_token / 1024.0), fmt::Count(g.kv_cache_tokens));
   }
@@ -84,16 +94,18 @@ std::string PlanTable(const Plan& p) {
   const DecodeEstimate& d = p.decode;
   absl::StrAppendFormat(&out, "decode   %s per token at batch 1 (%.1f tokens/s), by roofline:\n", fmt::Ms(d.total_s()),
                         1.0 / d.total_s());
-  absl::StrAppendFormat(&out, "         %s weights from HBM + %s TP collectives + %s stage hops\n\n",
-                        fmt::Ms(d.weights_s), fmt::Ms(d.collectives_s), fmt::Ms(d.transfers_s));
+  absl::StrAppendFormat(&out, "         %s weights from %s + %s TP collectives + %s stage hops\n\n",
+                        fmt::Ms(d.weights_s), c.gpu.memory_noun(), fmt::Ms(d.collectives_s), fmt::Ms(d.transfers_s));
 
   absl::StrAppend(&out, "layouts weighed, best first:\n");
-  absl::StrAppendFormat(&out, "   %3s  %3s  %4s  %11s  %10s  %11s  %s\n", "TP", "PP", "GPUs", "weights/GPU",
-                        "KV tokens", "decode step", "verdict");
+  const std::string weights_per = absl::StrCat("weights/", device);
+  const int weights_w = std::max<int>(11, static_cast<int>(weights_per.size()));
+  absl::StrAppendFormat(&out, "   %3s  %3s  %4s  %*s  %10s  %11s  %s\n", "TP", "PP", cpu ? "wkrs" : "GPUs", weights_w,
+                        weights_per, "KV tokens", "decode step", "verdict");
   for (size_t i = 0; i < p.layouts.size() && i < kMaxLayoutRows; ++i) {
     const LayoutOption& l = p.layouts[i];
-    absl::StrAppendFormat(&out, " %s %3d  %3d  %4d  %11s  %10s  %11s  %s\n", i == 0 ? "*" : " ", l.tp, l.pp,
-                          l.tp * l.pp, fmt::Size(l.max_weight_bytes), l.fits ? fmt::Count(l.kv_cache_tokens) : "-",
+    absl::StrAppendFormat(&out, " %s %3d  %3d  %4d  %*s  %10s  %11s  %s\n", i == 0 ? "*" : " ", l.tp, l.pp,
+                          l.tp * l.pp, weights_w, fmt::Size(l.max_weight_bytes), l.fits ? fmt::Count(l.kv_cache_tokens) : "-",
                           l.fits ? fmt::Ms(l.decode_step_s) : "-", l.note);
   }
   if (p.layouts.size() > kMaxLayoutRows) {

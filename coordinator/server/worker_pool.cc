@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
+#include "coordinator/planner/format.h"
 #include "coordinator/server/log.h"
 #include "kernels/sampling.h"
 
@@ -270,6 +271,14 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   limits_ = options_.limits;
   limits_.num_kv_blocks = kv_blocks;
   limits_.max_model_len = plan_->max_model_len;
+  // The plan shown by `shardserve status` carries the cache the scheduler really uses.
+  if (kv_blocks != plan_->limits.num_kv_blocks) {
+    absl::StrAppend(&plan_->reason, " The KV cache used is ", planner_format::Count(limits_.kv_cache_tokens()),
+                    " tokens (", planner_format::Count(kv_blocks), " blocks of ", block_size, ": ", kv_from,
+                    "), not all that memory holds.");
+  }
+  plan_->limits = limits_;
+  plan_->kv_cache_tokens = limits_.kv_cache_tokens();
   group_ = std::move(*group);
   std::vector<std::string> stages;
   for (const Slot& slot : group_->slots) {

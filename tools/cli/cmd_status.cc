@@ -53,7 +53,7 @@ int Run(const std::vector<std::string>& args) {
     return 1;
   }
   const v1::ModelInfo& m = cs.model();
-  std::printf("model %s (%s, %lld layers, vocab %lld, %s, max length %lld)\n", m.name().c_str(), m.architecture().c_str(),
+  std::printf("model %s (%s, %lld layers, vocab %lld, checkpoint %s, max length %lld)\n", m.name().c_str(), m.architecture().c_str(),
               static_cast<long long>(m.num_layers()), static_cast<long long>(m.vocab_size()), m.dtype().c_str(),
               static_cast<long long>(m.max_model_len()));
   std::printf("layout TP=%d x PP=%d, %s\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
