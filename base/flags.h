@@ -63,11 +63,15 @@ class Flags {
     }
     return f;
   }
-  // argv[1..argc) of a main().
+  // argv[1..argc) of a service's main(), which takes no positional arguments.
   static absl::StatusOr<Flags> Parse(int argc, char** argv, const std::set<std::string>& with_value,
                                      const std::set<std::string>& switches = {}) {
-    return Parse(std::vector<std::string>(argv + (argc > 0 ? 1 : 0), argv + (argc > 0 ? argc : 0)), with_value,
-                 switches);
+    absl::StatusOr<Flags> f = Parse(std::vector<std::string>(argv + (argc > 0 ? 1 : 0), argv + (argc > 0 ? argc : 0)),
+                                    with_value, switches);
+    if (f.ok() && !f->positional().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", f->positional().front(), "'"));
+    }
+    return f;
   }
 
   bool Has(const std::string& name) const { return values_.count(name) > 0; }

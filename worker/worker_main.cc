@@ -133,7 +133,6 @@ int Main(int argc, char** argv) {
     std::printf("%s", kUsage);
     return 0;
   }
-  if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
   std::string log_format_name = "text", matmul_dtype = "auto";
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0;

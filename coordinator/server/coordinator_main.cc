@@ -90,7 +90,6 @@ int Main(int argc, char** argv) {
     std::printf("%s", kUsage);
     return 0;
   }
-  if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
   const std::string model_dir = flags->Get("model");
   const std::string listen = flags->Get("listen", "127.0.0.1:50051");
   const std::string port_file = flags->Get("port-file");

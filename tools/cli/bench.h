@@ -17,6 +17,7 @@
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/bench_stats.h"
+#include "tools/cli/local_cluster.h"
 
 namespace shardserve::cli::bench {
 
@@ -96,14 +97,8 @@ struct CompareRun {
 };
 
 struct CompareOptions {
-  std::string model;
-  std::string device;
+  ClusterFlags cluster;  // worker_threads unset: DefaultWorkerThreads on cpu; --micro-batches: non-serial layouts only
   std::string log_dir;
-  int64_t ready_timeout_s = 300;
-  std::optional<int64_t> worker_threads;       // unset: DefaultWorkerThreads on cpu
-  std::vector<std::string> worker_flags;       // more worker flags (--matmul-dtype)
-  std::vector<std::string> coordinator_flags;  // pass-through (--max-model-len, scheduler flags)
-  std::string micro_batches;                   // --micro-batches as given, for non-serial layouts
 };
 
 // Starts a local cluster for `layout`, runs `load` against it, reads its workers' facts and stops it.

@@ -94,24 +94,24 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   const int64_t workers = layout.tp * layout.pp;
   LocalClusterOptions co;
   co.bin_dir = fs::read_symlink("/proc/self/exe").parent_path().string();
-  co.model = o.model;
+  co.model = o.cluster.model;
   co.nodes = layout.pp;
   co.gpus_per_node = layout.tp;
-  co.device = o.device;
+  co.device = o.cluster.device;
   co.address = "127.0.0.1:0";  // the coordinator picks a free port: no clash with a cluster on 50051
   std::string dir_name = layout.name;
   std::replace(dir_name.begin(), dir_name.end(), '/', '_');
   co.log_dir = (fs::path(o.log_dir) / dir_name).string();
   co.metrics_port_base = 0;
-  co.coordinator_flags = o.coordinator_flags;
-  if (layout.serial) {
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
-  } else if (!o.micro_batches.empty()) {
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", o.micro_batches});
+  for (const auto& [name, value] : o.cluster.coordinator_flags) {
+    if (layout.serial && name == "micro-batches") continue;  // /serial layouts run one micro-batch
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
-  const int64_t threads = o.worker_threads.value_or(o.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
+  if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
+  const int64_t threads =
+      o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
-  co.worker_flags.insert(co.worker_flags.end(), o.worker_flags.begin(), o.worker_flags.end());
+  co.worker_flags.insert(co.worker_flags.end(), o.cluster.worker_flags.begin(), o.cluster.worker_flags.end());
 
   std::fprintf(stderr, "bench: %s: starting a coordinator and %lld worker(s) (TP=%lld x PP=%lld%s), logs in %s\n",
                layout.name.c_str(), static_cast<long long>(workers), static_cast<long long>(layout.tp),
@@ -122,7 +122,7 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
     out.error = std::string(cluster.status().message());
     return out;
   }
-  if (absl::Status s = (*cluster)->WaitUntilServing(std::chrono::seconds(o.ready_timeout_s), &g_stop); !s.ok()) {
+  if (absl::Status s = (*cluster)->WaitUntilServing(std::chrono::seconds(o.cluster.ready_timeout_s), &g_stop); !s.ok()) {
     out.error = std::string(s.message());
     return out;  // the destructor stops and reaps every process
   }

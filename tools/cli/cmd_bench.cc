@@ -105,11 +105,10 @@ int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = {
       "address", "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
       "temperature", "warmup", "timeout-seconds", "json-out",
-      // --compare
-      "compare", "model", "device", "worker-threads", "worker-matmul-dtype", "log-dir", "ready-timeout-seconds",
-      "max-model-len"};
+      // --compare (and ClusterFlags::Names())
+      "compare", "log-dir"};
   // clang-format on
-  for (const char* f : kCoordinatorPassThroughFlags) with_value.insert(f);
+  with_value.merge(ClusterFlags::Names());
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -208,37 +207,10 @@ int Run(const std::vector<std::string>& args) {
   }
   if (layouts.empty()) return Usage("--compare needs at least one layout, e.g. tp1,tp2,pp2");
   CompareOptions o;
-  o.model = flags->Get("model", SHARDSERVE_DEMO_MODEL_DIR);
-  if (!fs::exists(fs::path(o.model) / "config.json")) {
-    return Usage(absl::StrCat(o.model, " has no config.json (give a Hugging Face checkpoint directory)"));
-  }
-  o.device = flags->Get("device", "cpu");
-  if (o.device != "cpu" && o.device != "cuda")
-    return Usage(absl::StrCat("--device must be cpu or cuda, got '", o.device, "'"));
+  absl::StatusOr<ClusterFlags> cluster = ClusterFlags::Parse(*flags);
+  if (!cluster.ok()) return Usage(std::string(cluster.status().message()));
+  o.cluster = *std::move(cluster);
   o.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-bench-", getpid()));
-  absl::StatusOr<int64_t> ready = flags->GetInt("ready-timeout-seconds", 300);
-  if (!ready.ok() || *ready < 1) return Usage("--ready-timeout-seconds must be a positive integer");
-  o.ready_timeout_s = *ready;
-  if (flags->Has("worker-threads")) {
-    absl::StatusOr<int64_t> t = flags->GetInt("worker-threads", 0);
-    if (!t.ok() || *t < 0) return Usage("--worker-threads must be a non-negative integer");
-    o.worker_threads = *t;
-  }
-  absl::StatusOr<std::vector<std::string>> matmul = WorkerMatMulFlags(flags->Get("worker-matmul-dtype", ""));
-  if (!matmul.ok()) return Usage(std::string(matmul.status().message()));
-  o.worker_flags = *std::move(matmul);
-  if (flags->Has("max-model-len")) o.coordinator_flags = {"--max-model-len", flags->Get("max-model-len")};
-  for (const char* f : kCoordinatorPassThroughFlags) {
-    if (!flags->Has(f)) continue;
-    absl::StatusOr<int64_t> v = flags->GetInt(f, 0);
-    if (!v.ok() || *v < 0)
-      return Usage(absl::StrCat("--", f, " must be a non-negative integer, got '", flags->Get(f), "'"));
-    if (std::string(f) == "micro-batches") {
-      o.micro_batches = flags->Get(f);  // /serial layouts override it with 1
-    } else {
-      o.coordinator_flags.insert(o.coordinator_flags.end(), {absl::StrCat("--", f), flags->Get(f)});
-    }
-  }
 
   std::vector<CompareRun> runs;
   bool all_ok = true;

@@ -53,10 +53,8 @@ volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
 int Run(const std::vector<std::string>& args) {
-  std::set<std::string> with_value = {"model", "nodes", "gpus-per-node", "device", "address", "max-model-len",
-                                      "log-dir", "ready-timeout-seconds", "metrics-port-base", "log-format",
-                                      "worker-threads", "worker-matmul-dtype"};
-  for (const char* f : kCoordinatorPassThroughFlags) with_value.insert(f);
+  std::set<std::string> with_value = ClusterFlags::Names();
+  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format"});
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
@@ -66,9 +64,8 @@ int Run(const std::vector<std::string>& args) {
     std::printf("%s", kUsage);
     return 0;
   }
-  absl::StatusOr<int64_t> nodes = flags->GetInt("nodes", 2), gpus = flags->GetInt("gpus-per-node", 2),
-                          ready_timeout = flags->GetInt("ready-timeout-seconds", 300);
-  if (!nodes.ok() || !gpus.ok() || !ready_timeout.ok() || *nodes < 1 || *gpus < 1 || *nodes * *gpus > 64) {
+  absl::StatusOr<int64_t> nodes = flags->GetInt("nodes", 2), gpus = flags->GetInt("gpus-per-node", 2);
+  if (!nodes.ok() || !gpus.ok() || *nodes < 1 || *gpus < 1 || *nodes * *gpus > 64) {
     std::fprintf(stderr, "shardserve launch: --nodes and --gpus-per-node must be positive (at most 64 workers)\n");
     return 2;
   }
@@ -82,20 +79,16 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve launch: --log-format must be text or json, got '%s'\n", log_format.c_str());
     return 2;
   }
-  const std::string device = flags->Get("device", "cpu");
-  if (device != "cpu" && device != "cuda") {
-    std::fprintf(stderr, "shardserve launch: --device must be cpu or cuda, got '%s'\n", device.c_str());
+  const absl::StatusOr<ClusterFlags> cluster_flags = ClusterFlags::Parse(*flags);
+  if (!cluster_flags.ok()) {
+    std::fprintf(stderr, "shardserve launch: %s\n", std::string(cluster_flags.status().message()).c_str());
     return 2;
   }
-  const std::string model = flags->Get("model", SHARDSERVE_DEMO_MODEL_DIR);
-  if (!fs::exists(fs::path(model) / "config.json")) {
-    std::fprintf(stderr, "shardserve launch: %s has no config.json (give a Hugging Face checkpoint directory)\n",
-                 model.c_str());
-    return 2;
-  }
+  const std::string& device = cluster_flags->device;
+  const int64_t ready_timeout = cluster_flags->ready_timeout_s;
   LocalClusterOptions options;
   options.bin_dir = fs::read_symlink("/proc/self/exe").parent_path().string();
-  options.model = model;
+  options.model = cluster_flags->model;
   options.nodes = *nodes;
   options.gpus_per_node = *gpus;
   options.device = device;
@@ -103,32 +96,16 @@ int Run(const std::vector<std::string>& args) {
   options.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-", getpid()));
   options.metrics_port_base = *metrics_base;
   options.log_format = log_format;
-  if (flags->Has("max-model-len")) options.coordinator_flags = {"--max-model-len", flags->Get("max-model-len")};
-  for (const char* f : kCoordinatorPassThroughFlags) {
-    if (!flags->Has(f)) continue;
-    absl::StatusOr<int64_t> v = flags->GetInt(f, 0);
-    if (!v.ok() || *v < 0) {
-      std::fprintf(stderr, "shardserve launch: --%s must be a non-negative integer, got '%s'\n", f,
-                   flags->Get(f).c_str());
-      return 2;
-    }
-    options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", f), flags->Get(f)});
+  for (const auto& [name, value] : cluster_flags->coordinator_flags) {
+    options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.
-  const absl::StatusOr<int64_t> worker_threads =
-      flags->GetInt("worker-threads", device == "cpu" ? DefaultWorkerThreads(*nodes * *gpus) : 0);
-  if (!worker_threads.ok() || *worker_threads < 0) {
-    std::fprintf(stderr, "shardserve launch: --worker-threads must be a non-negative integer\n");
-    return 2;
-  }
-  if (*worker_threads > 0) options.worker_flags = {"--threads", std::to_string(*worker_threads)};
-  const absl::StatusOr<std::vector<std::string>> matmul = WorkerMatMulFlags(flags->Get("worker-matmul-dtype", ""));
-  if (!matmul.ok()) {
-    std::fprintf(stderr, "shardserve launch: %s\n", std::string(matmul.status().message()).c_str());
-    return 2;
-  }
-  options.worker_flags.insert(options.worker_flags.end(), matmul->begin(), matmul->end());
+  const int64_t worker_threads =
+      cluster_flags->worker_threads.value_or(device == "cpu" ? DefaultWorkerThreads(*nodes * *gpus) : 0);
+  if (worker_threads > 0) options.worker_flags = {"--threads", std::to_string(worker_threads)};
+  options.worker_flags.insert(options.worker_flags.end(), cluster_flags->worker_flags.begin(),
+                              cluster_flags->worker_flags.end());
 
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -144,7 +121,7 @@ int Run(const std::vector<std::string>& args) {
   const std::string& address = (*cluster)->address();
   std::printf("shardserve launch: coordinator + %lld workers (%lld node(s) x %lld), model %s, logs in %s\n",
               static_cast<long long>(*nodes * *gpus), static_cast<long long>(*nodes), static_cast<long long>(*gpus),
-              model.c_str(), options.log_dir.c_str());
+              options.model.c_str(), options.log_dir.c_str());
   if (*metrics_base == 0) {
     std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");
   } else {
@@ -153,7 +130,7 @@ int Run(const std::vector<std::string>& args) {
   }
   std::fflush(stdout);
 
-  const auto ready_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(*ready_timeout);
+  const auto ready_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(ready_timeout);
   bool ready = false;
   int exit_code = 0;
   while (!g_stop) {
@@ -175,7 +152,7 @@ int Run(const std::vector<std::string>& args) {
         std::fflush(stdout);
       } else if (std::chrono::steady_clock::now() > ready_deadline) {
         std::fprintf(stderr, "shardserve launch: not ready after %lld s; see the logs in %s\n",
-                     static_cast<long long>(*ready_timeout), options.log_dir.c_str());
+                     static_cast<long long>(ready_timeout), options.log_dir.c_str());
         exit_code = 1;
         break;
       }

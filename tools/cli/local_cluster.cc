@@ -17,9 +17,50 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "tools/cli/client.h"
 
 namespace shardserve::cli {
+
+std::set<std::string> ClusterFlags::Names() {
+  std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
+                                 "max-model-len"};
+  names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
+  return names;
+}
+
+absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
+  ClusterFlags c;
+  c.model = f.Get("model", SHARDSERVE_DEMO_MODEL_DIR);
+  if (!std::filesystem::exists(std::filesystem::path(c.model) / "config.json")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(c.model, " has no config.json (give a Hugging Face checkpoint directory)"));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(f.OneOf("device", {"cpu", "cuda"}, &c.device));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("ready-timeout-seconds", 1, 86400, &c.ready_timeout_s));
+  if (f.Has("worker-threads")) {
+    int64_t threads = 0;
+    SHARDSERVE_RETURN_IF_ERROR(f.Int("worker-threads", 0, 4096, &threads));
+    c.worker_threads = threads;
+  }
+  if (f.Has("worker-matmul-dtype")) {
+    std::string dtype;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-matmul-dtype", {"auto", "f32", "bf16"}, &dtype));
+    c.worker_flags = {"--matmul-dtype", dtype};
+  }
+  // Range-checked by the coordinator; here only whole numbers >= 0 pass.
+  std::vector<std::string> coordinator_names = {"max-model-len"};
+  coordinator_names.insert(coordinator_names.end(), std::begin(kCoordinatorPassThroughFlags),
+                           std::end(kCoordinatorPassThroughFlags));
+  for (const std::string& name : coordinator_names) {
+    if (!f.Has(name)) continue;
+    int64_t v = 0;
+    SHARDSERVE_RETURN_IF_ERROR(f.Int(name, 0, int64_t{1} << 31, &v));
+    c.coordinator_flags.emplace_back(name, f.Get(name));
+  }
+  return c;
+}
+
 namespace {
 
 namespace fs = std::filesystem;

@@ -23,12 +23,15 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/flags.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace shardserve::cli {
@@ -131,16 +134,21 @@ inline int64_t DefaultWorkerThreads(int64_t workers) {
   return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
 }
 
-// The worker flags for `launch` and `bench --compare`'s --worker-matmul-dtype VALUE: auto, f32 or
-// bf16 becomes worker --matmul-dtype VALUE; empty (not given): none, the worker's default (auto).
-inline absl::StatusOr<std::vector<std::string>> WorkerMatMulFlags(const std::string& value) {
-  if (value.empty()) return std::vector<std::string>{};
-  if (value != "auto" && value != "f32" && value != "bf16") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--worker-matmul-dtype must be auto, f32 or bf16, got '", value, "'"));
-  }
-  return std::vector<std::string>{"--matmul-dtype", value};
-}
+// The flags `launch` and `bench --compare` share for the clusters they start, checked once here.
+struct ClusterFlags {
+  std::string model;                      // --model: a directory with config.json (default: the demo model)
+  std::string device = "cpu";             // --device cpu|cuda
+  int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
+  std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
+  std::vector<std::string> worker_flags;  // --worker-matmul-dtype V as the workers' --matmul-dtype V
+  // --max-model-len and kCoordinatorPassThroughFlags as given, in that order: {"max-num-seqs", "8"}.
+  std::vector<std::pair<std::string, std::string>> coordinator_flags;
+
+  // The flags read, for Flags::Parse.
+  static std::set<std::string> Names();
+  // InvalidArgument naming the flag for a bad value.
+  static absl::StatusOr<ClusterFlags> Parse(const Flags& f);
+};
 
 // Peak resident set size of a live process: VmHWM in /proc/PID/status, in bytes.
 absl::StatusOr<int64_t> PeakRssBytes(pid_t pid);
