@@ -19,8 +19,12 @@ Buffer::~Buffer() {
   if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
 }
 
-absl::StatusOr<Buffer> Backend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
+absl::StatusOr<Buffer> Backend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {
   *packed = w;
+  if (quant != WeightQuant::kNone) {
+    return absl::UnimplementedError(absl::StrCat("PackMatMulWeight: the ", Describe(), " backend has no ",
+                                                 WeightQuantName(quant), " weights yet; load without quantization"));
+  }
   return Buffer();
 }
 

@@ -35,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/quant.h"
 #include "kernels/tensor.h"
 
 namespace shardserve {
@@ -102,7 +103,11 @@ class Backend {
   // bf16 products into oneDNN's blocked bf16 layout, so that each step's GEMM streams the weight
   // once instead of repacking it; a backend that reads plain weights
   // directly (CUDA) returns an empty Buffer and sets *packed = w.
-  virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed);
+  // `quant` other than kNone stores the weight quantized (kernels/quant.h; *packed is then I8 on
+  // the CPU backend); a backend without kernels for that format refuses with Unimplemented naming
+  // it (the CUDA backend, for now).
+  virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed,
+                                                  WeightQuant quant = WeightQuant::kNone);
 
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.

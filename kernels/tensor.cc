@@ -79,13 +79,15 @@ bool ConvertOnHost(void* dst, DType dst_type, const void* src, DType src_type, s
       case DType::kF32: value = static_cast<const float*>(src)[i]; break;
       case DType::kF16: value = F16ToF32(static_cast<const uint16_t*>(src)[i]); break;
       case DType::kBF16: value = Bf16ToF32(static_cast<const uint16_t*>(src)[i]); break;
-      case DType::kI32: return false;
+      case DType::kI32:
+      case DType::kI8: return false;
     }
     switch (dst_type) {
       case DType::kF32: static_cast<float*>(dst)[i] = value; break;
       case DType::kF16: static_cast<uint16_t*>(dst)[i] = F32ToF16(value); break;
       case DType::kBF16: static_cast<uint16_t*>(dst)[i] = F32ToBf16(value); break;
-      case DType::kI32: return false;
+      case DType::kI32:
+      case DType::kI8: return false;
     }
   }
   return true;

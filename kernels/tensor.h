@@ -15,8 +15,9 @@
 
 namespace shardserve {
 
-// Element types. F32/F16/BF16 for weights and activations, I32 for ids, positions, block tables.
-enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI32 = 3 };
+// Element types. F32/F16/BF16 for weights and activations, I32 for ids, positions, block tables,
+// I8 for quantized weights (kernels/quant.h).
+enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kI32 = 3, kI8 = 4 };
 
 inline size_t DTypeSize(DType t) {
   switch (t) {
@@ -24,6 +25,7 @@ inline size_t DTypeSize(DType t) {
     case DType::kF16: return 2;
     case DType::kBF16: return 2;
     case DType::kI32: return 4;
+    case DType::kI8: return 1;
   }
   return 0;
 }
@@ -34,6 +36,7 @@ inline const char* DTypeName(DType t) {
     case DType::kF16: return "F16";
     case DType::kBF16: return "BF16";
     case DType::kI32: return "I32";
+    case DType::kI8: return "I8";
   }
   return "?";
 }

@@ -433,6 +433,46 @@ TEST(ClusterPrefillTest, LongPromptIsPrefilledInChunksAcrossStages) {
   EXPECT_EQ(r.messages.back().usage().prompt_tokens(), 600);
 }
 
+// ---- Quantized weights ---------------------------------------------------------------------------
+
+// --quantization int8 on the coordinator reaches every worker, which quantizes its own layers at
+// load: with TP = 1 each layer is quantized whole, as in one process, so a TP=1 x PP=2 cluster
+// gives exactly the greedy tokens of one int8 process (and, the weights being quantized, not
+// those of the float32 one on this fixture: the test would pass vacuously otherwise). The plan in
+// the status counts int8 weights.
+TEST(ClusterQuantizationTest, Int8WeightsGiveTheTokensOfOneInt8Process) {
+  const std::string fixture = "llama_gqa";
+  const Golden golden = LoadGolden(fixture);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / fixture);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(kFixtures / fixture);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp(backend.get());
+  const StepLimits limits{.max_tokens_per_step = 256, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
+                          .max_model_len = 8 * 16};
+  std::vector<int32_t> reference[2];
+  for (WeightQuant quant : {WeightQuant::kNone, WeightQuant::kInt8}) {
+    ShardSpec spec;
+    spec.weight_quant = quant;
+    absl::StatusOr<std::unique_ptr<LlamaShard>> model =
+        LlamaShard::Load(**checkpoint, *config, spec, limits, backend.get(), &tp);
+    ASSERT_TRUE(model.ok()) << model.status();
+    absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    reference[quant == WeightQuant::kInt8] = *ids;
+  }
+  ASSERT_NE(reference[0], reference[1]) << "int8 and float32 weights give the same 24 tokens on " << fixture;
+
+  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/1, {}}, {"--quantization", "int8"});
+  ASSERT_TRUE(cluster.Start());
+  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 24));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, reference[1]);
+  EXPECT_NE(cluster.Status().plan_text().find("linear layers int8"), std::string::npos)
+      << cluster.Status().plan_text();
+}
+
 // ---- Failures ---------------------------------------------------------------------------------------
 
 // Starts a generation long enough to outlive `act`, reads a few tokens, runs `act` on the worker

@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/quant.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
 #include "tests/bf16_products.h"
@@ -444,6 +445,117 @@ INSTANTIATE_TEST_SUITE_P(Products, CpuProductsTest, ::testing::Values(CpuMatMul:
                          [](const ::testing::TestParamInfo<CpuMatMul>& info) {
                            return info.param == CpuMatMul::kBF16 ? "BF16" : "F32";
                          });
+
+// ---- int8 weights (kernels/quant.h, kernels/cpu/int8_matmul.h) ------------------------------
+
+// The layout's reference: each value within half a step (scale / 2) of the weight, the largest
+// magnitude of a row exactly +-127 steps, an all-zero row scale 0, a non-finite weight refused
+// with its place named.
+TEST(Int8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
+  std::mt19937 rng(11);
+  const int64_t m = 5, k = 37;
+  std::vector<float> w = Random(rng, m * k, -3.0f, 3.0f);
+  std::fill(w.begin() + 2 * k, w.begin() + 3 * k, 0.0f);  // row 2: all zero
+  std::vector<float> scale(m);
+  std::vector<int8_t> q(m * k);
+  ASSERT_TRUE(QuantizeInt8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+  std::vector<float> back(m * k);
+  DequantizeInt8Rows(back.data(), scale.data(), q.data(), m, k);
+  for (int64_t r = 0; r < m; ++r) {
+    float max_abs = 0;
+    int max_q = 0;
+    for (int64_t c = 0; c < k; ++c) {
+      max_abs = std::max(max_abs, std::fabs(w[r * k + c]));
+      max_q = std::max(max_q, std::abs(static_cast<int>(q[r * k + c])));
+      EXPECT_LE(std::fabs(back[r * k + c] - w[r * k + c]), scale[r] / 2 * (1 + 1e-6f)) << r << ", " << c;
+      EXPECT_EQ(back[r * k + c], static_cast<float>(q[r * k + c]) * scale[r]);
+    }
+    EXPECT_FLOAT_EQ(scale[r], max_abs / 127) << "row " << r;
+    EXPECT_EQ(max_q, r == 2 ? 0 : 127) << "row " << r;
+  }
+  w[3 * k + 4] = std::numeric_limits<float>::quiet_NaN();
+  const absl::Status s = QuantizeInt8Rows(scale.data(), q.data(), w.data(), m, k);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("[3, 4]"), std::string::npos) << s;
+  EXPECT_EQ(ParseWeightQuant("int8").value(), WeightQuant::kInt8);
+  EXPECT_EQ(ParseWeightQuant("none").value(), WeightQuant::kNone);
+  EXPECT_FALSE(ParseWeightQuant("int3").ok());
+}
+
+// A product by an int8 weight equals the product by its dequantized weight (the reference): the
+// kernel sums x x q in float32 and scales once, so it differs from the reference only by float32
+// rounding over k <= 768 terms (as the float32 products: 1e-5). Tails of every size (k not a
+// multiple of 8, m not of 4, odd n) and the bias are covered; outputs start as NaN and guards are
+// checked. The packed weight is I8 and holds exactly its values and scales.
+TEST_F(CpuBackendTest, Int8MatMulEqualsTheDequantizedProduct) {
+  for (auto [k, m] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {17, 300}, {300, 7}, {768, 256}, {7, 5}}) {
+    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
+    std::vector<float> scale(m);
+    std::vector<int8_t> q(m * k);
+    ASSERT_TRUE(QuantizeInt8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+    std::vector<float> dequantized(m * k);
+    DequantizeInt8Rows(dequantized.data(), scale.data(), q.data(), m, k);
+    Tensor packed;
+    Buffer packed_buffer;
+    {
+      DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
+      dw.Upload(w);
+      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt8);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      EXPECT_EQ(packed.dtype, DType::kI8);
+      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(Int8RowsLayout{m, k}.bytes()));
+      EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(buffer->data()) + m * sizeof(float), q.data(), m * k), 0);
+      packed_buffer = std::move(*buffer);
+      dw.Poison();  // MatMul must read only the packed copy
+    }
+    DeviceTensor db(backend_.get(), DType::kF32, {m});
+    db.Upload(b);
+    for (int64_t n : {1, 2, 3, 16, 17}) {
+      for (bool bias : {false, true}) {
+        const std::string what = absl::StrCat("int8 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
+        const std::vector<float> x = Random(rng_, n * k);
+        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
+        dx.Upload(x);
+        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
+        out.Poison();
+        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-5);
+        EXPECT_TRUE(out.GuardsIntact()) << what;
+      }
+    }
+  }
+}
+
+// As for the float32 products: a row's product by an int8 weight is bitwise the same whatever
+// other rows share the call, on 1 or 2 threads.
+TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
+  std::mt19937 rng(5);
+  const int64_t rows = 67, m = 70, k = 203;
+  const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
+  for (int threads : {1, 2}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
+    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+    dw.Upload(w);
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt8);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
+    all_x.Upload(x);
+    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
+    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
+    const std::vector<float> want = all_out.Download<float>();
+    for (int64_t n : {1, 2, 3, 5, 8}) {
+      for (int64_t first : {int64_t{0}, int64_t{1}, rows - n}) {
+        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
+        const std::vector<float> got = part_out.Download<float>();
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads)";
+      }
+    }
+  }
+}
 
 // bf16 products really round (MatMulWithPackedWeight above checks them against the rounded
 // inputs' products), and a BF16 tensor is only a weight when PackMatMulWeight made it.

@@ -630,6 +630,26 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
     EXPECT_EQ((*shard)->step_buffer_bytes(), g.activation_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
   }
+
+  // int8 weights: the plan counts a byte per linear-layer value and a scale per local output row,
+  // as the worker stores them, and fewer bytes than float32 on every rank.
+  PlanOptions int8 = o;
+  int8.weight_quant = WeightQuant::kInt8;
+  const Plan q = MustPlan(c, SmallCpuCluster(), int8);
+  ASSERT_EQ(q.per_gpu.size(), p.per_gpu.size());
+  EXPECT_LT(q.model_weight_bytes, p.model_weight_bytes);
+  for (size_t i = 0; i < q.per_gpu.size(); ++i) {
+    const GpuPlan& g = q.per_gpu[i];
+    const StagePlan& s = q.stages[g.stage];
+    LoadOnlyCommunicator comm(g.tp_rank, q.tp);
+    ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q.tp};
+    spec.weight_quant = WeightQuant::kInt8;
+    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+        LlamaShard::Load(*m->checkpoint, c, spec, q.limits, backend.get(), &comm);
+    ASSERT_TRUE(shard.ok()) << "int8 stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
+    EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
+    EXPECT_LT(g.weight_bytes, p.per_gpu[i].weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
+  }
 }
 
 std::vector<FixtureCase> FixtureCases() {

@@ -48,13 +48,15 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std:
 }
 
 absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
-                                                    std::vector<int64_t> full_shape, const Slice& slice) {
+                                                    std::vector<int64_t> full_shape, const Slice& slice,
+                                                    WeightQuant quant) {
   Tensor plain, packed;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
-  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed);
+  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
-    weight_bytes_ = weight_bytes_ - plain.bytes() + packed.bytes();  // logical bytes, as the planner counts
+    // Logical bytes, as the planner counts: int8 weights with their scales (kernels/quant.h).
+    weight_bytes_ = weight_bytes_ - plain.bytes() + (packed.dtype == DType::kI8 ? buffer->bytes() : packed.bytes());
     buffers_.back() = std::move(*buffer);
   }
   return packed;
@@ -97,19 +99,19 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
     const std::string p = absl::StrCat("model.layers.", i, ".");
     Layer l;
     SHARDSERVE_ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows, spec.weight_quant));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows, spec.weight_quant));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows, spec.weight_quant));
     if (config.attention_bias) {
       SHARDSERVE_ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
       SHARDSERVE_ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
       SHARDSERVE_ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
     }
-    SHARDSERVE_ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols, spec.weight_quant));
     SHARDSERVE_ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows, spec.weight_quant));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows, spec.weight_quant));
+    SHARDSERVE_ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols, spec.weight_quant));
     // The paged KV cache of this layer: this rank's KV heads only.
     SHARDSERVE_ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
     SHARDSERVE_ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));

@@ -28,6 +28,9 @@ struct ShardSpec {
   int64_t end_layer = -1;   // exclusive; -1 = through the last layer
   int tp_rank = 0;
   int tp_size = 1;
+  // How the linear layers' weights (q/k/v/o, gate/up/down) are stored: quantized at load, each rank
+  // its own slice (kernels/quant.h). Embeddings, norms and the LM head keep the activation dtype.
+  WeightQuant weight_quant = WeightQuant::kNone;
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position
@@ -92,7 +95,8 @@ class LlamaShard {
                                     const Slice& slice);
   // LoadWeight, then the backend's PackMatMulWeight: for weights only MatMul reads.
   absl::StatusOr<Tensor> LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
-                                          std::vector<int64_t> full_shape, const Slice& slice);
+                                          std::vector<int64_t> full_shape, const Slice& slice,
+                                          WeightQuant quant = WeightQuant::kNone);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
   // Alloc, counted in step_buffer_bytes().
   absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);

@@ -31,6 +31,9 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
   if (a.tp_size() > 1 && a.tp_group().empty()) return bad("tp_group is empty but tp_size is ", a.tp_size());
   if (a.stage() > 0 && a.recv_group().empty()) return bad("recv_group is empty on stage ", a.stage());
   if (a.stage() + 1 < a.num_stages() && a.send_group().empty()) return bad("send_group is empty on stage ", a.stage());
+  if (!v1::WeightQuantization_IsValid(a.weight_quantization())) {
+    return bad("weight_quantization ", static_cast<int>(a.weight_quantization()), " is not one this worker knows");
+  }
   if (!a.has_limits()) return bad("limits are missing");
   if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
   if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
@@ -120,7 +123,9 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   // The shard. The checkpoint is only read during Load (the weights are copied into the shard).
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(a.model_path());
   if (!checkpoint.ok()) return checkpoint.status();
-  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size()};
+  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(),
+                       a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8 ? WeightQuant::kInt8
+                                                                               : WeightQuant::kNone};
   const StepLimits options = FromProto(a.limits());
   absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
       LlamaShard::Load(**checkpoint, *config, spec, options, backend, e->tp_.get());

@@ -402,6 +402,7 @@ const char* PlanDTypeName(DType dtype) {
     case DType::kF16: return "fp16";
     case DType::kF32: return "fp32";
     case DType::kI32: return "i32";
+    case DType::kI8: return "int8";
   }
   return "?";
 }
@@ -477,7 +478,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
       absl::StatusOr<TpShard> shard = ComputeTpShard(c, r, tp);
       if (!shard.ok()) return shard.status();
       shards.push_back(*shard);
-      ranks.push_back(CountRankWeights(c, ctx.tensors, *shard, ctx.dtype));
+      ranks.push_back(CountRankWeights(c, ctx.tensors, *shard, ctx.dtype, options.weight_quant));
     }
     const int max_pp = static_cast<int>(std::min<int64_t>(c.num_hidden_layers, StageSlots(cluster, tp)));
     for (int pp = 1; pp <= max_pp; ++pp) {
@@ -496,11 +497,10 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.weights_from = checkpoint != nullptr ? absl::StrCat("checkpoint ", checkpoint->dir().string()) : "config.json";
   plan.num_layers = c.num_hidden_layers;
   plan.parameters = c.ParameterCount();
-  for (const WeightTensor& w : ctx.tensors) {
-    int64_t n = 1;
-    for (int64_t d : w.shape) n *= d;
-    plan.model_weight_bytes += static_cast<uint64_t>(n) * DTypeSize(ctx.dtype);
-  }
+  absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
+  if (!whole.ok()) return whole.status();
+  plan.model_weight_bytes = CountRankWeights(c, ctx.tensors, *whole, ctx.dtype, options.weight_quant)
+                                .Stage(0, c.num_hidden_layers, /*first_stage=*/true, /*last_stage=*/true);
   plan.dtype = ctx.dtype;
   plan.checkpoint_dtype = c.dtype;
   plan.cluster = cluster;

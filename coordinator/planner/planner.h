@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/planner/cluster.h"
+#include "kernels/quant.h"
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -38,6 +39,8 @@ struct PlanOptions {
   int pp = 0;
   // Dtype of weights, activations and KV cache on the GPU. Unset: config.json's torch_dtype.
   std::optional<DType> dtype;
+  // How the linear layers' weights are stored (kernels/quant.h): quantized weights need fewer bytes.
+  WeightQuant weight_quant = WeightQuant::kNone;
   // What one step may carry: the workers size their scratch buffers for it (worker/llama.h).
   int64_t max_tokens_per_step = 2048;
   int64_t max_seqs_per_step = 256;

@@ -41,9 +41,12 @@ std::string PlanTable(const Plan& p) {
   std::string out;
   const std::string checkpoint_dtype =
       p.checkpoint_dtype == p.dtype ? "" : absl::StrCat("; the checkpoint is ", PlanDTypeName(p.checkpoint_dtype));
-  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s (weights from %s%s)\n", p.architecture,
-                        p.num_layers, fmt::Parameters(p.parameters), fmt::Size(p.model_weight_bytes),
-                        PlanDTypeName(p.dtype), p.weights_from, checkpoint_dtype);
+  const std::string quant = p.options.weight_quant == WeightQuant::kNone
+                                ? ""
+                                : absl::StrCat(", linear layers ", WeightQuantName(p.options.weight_quant));
+  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s%s (weights from %s%s)\n",
+                        p.architecture, p.num_layers, fmt::Parameters(p.parameters), fmt::Size(p.model_weight_bytes),
+                        PlanDTypeName(p.dtype), quant, p.weights_from, checkpoint_dtype);
   absl::StrAppendFormat(&out, "cluster  %s: %s, %s %s; intra-node %s, inter-node %s\n", c.Describe(),
                         fmt::Size(c.gpu.memory_bytes), c.gpu.memory_noun(), GBps(c.gpu.hbm_bytes_per_s),
                         GBps(c.intra_node_bytes_per_s), GBps(c.inter_node_bytes_per_s));

@@ -1,5 +1,7 @@
 #include "coordinator/planner/weights.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -86,12 +88,20 @@ int64_t ShardElements(const WeightTensor& t, const TpShard& s) {
 }
 
 RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
-                             DType dtype) {
+                             DType dtype, WeightQuant quant) {
   RankWeights r;
   r.layers.assign(config.num_hidden_layers, 0);
   r.tied = config.tie_word_embeddings;
   for (const WeightTensor& t : tensors) {
-    const uint64_t bytes = static_cast<uint64_t>(ShardElements(t, shard)) * DTypeSize(dtype);
+    const int64_t elements = ShardElements(t, shard);
+    uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
+    if (quant == WeightQuant::kInt8 && t.part == WeightPart::kLayer && t.shape.size() == 2) {
+      // A linear layer's weight (q/k/v/o, gate/up/down): a byte per value and a float32 scale per
+      // local output row (kernels/quant.h Int8RowsLayout).
+      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
+      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
+      bytes = static_cast<uint64_t>(Int8RowsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
+    }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;
       case WeightPart::kLayer: r.layers[t.layer] += bytes; break;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/quant.h"
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -72,8 +73,9 @@ struct RankWeights {
   uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
 };
 
+// `quant`: how the linear layers' weights are stored (the worker's ShardSpec::weight_quant).
 RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
-                             DType dtype);
+                             DType dtype, WeightQuant quant = WeightQuant::kNone);
 
 }  // namespace shardserve
 

@@ -38,6 +38,7 @@ constexpr char kUsage[] =
     "                              [--metrics-listen HOST:PORT] [--log-format text|json]\n"
     "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
+    "                              [--quantization none|int8]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -64,7 +65,10 @@ constexpr char kUsage[] =
     "                                cache on CPU workers); the served length is capped to what it holds\n"
     "  --block-size                  tokens per KV-cache block (default 16)\n"
     "  --micro-batches               steps in flight at once (default 0: the number of pipeline\n"
-    "                                stages, so that no stage idles; 1: one step at a time)\n";
+    "                                stages, so that no stage idles; 1: one step at a time)\n"
+    "  --quantization                how the workers store the linear layers' weights: none (default,\n"
+    "                                the checkpoint's precision) or int8 (per output channel, quantized\n"
+    "                                at load, each worker its own slice; CPU workers only for now)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -83,7 +87,8 @@ int Main(int argc, char** argv) {
       Flags::Parse(argc, argv,
                    {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
                     "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
-                    "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches"},
+                    "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
+                    "quantization"},
                    {"help"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -115,6 +120,11 @@ int Main(int argc, char** argv) {
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
+  std::string quantization = "none";
+  if (absl::Status s = flags->OneOf("quantization", {"none", "int8"}, &quantization); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
+  pool_options.weight_quant = *ParseWeightQuant(quantization);
   ParseLogFormat(log_format_name, &log_format);
   SetLogFormat(log_format);
   pool_options.collective_timeout = absl::Seconds(collective_timeout);

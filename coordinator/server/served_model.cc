@@ -79,6 +79,7 @@ std::string ServedModel::dtype_name() const {
     case DType::kF16: return "float16";
     case DType::kBF16: return "bfloat16";
     case DType::kI32: return "int32";
+    case DType::kI8: return "int8";
   }
   return "unknown";
 }

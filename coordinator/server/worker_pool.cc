@@ -63,6 +63,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   p.max_tokens_per_step = o.limits.max_tokens_per_step;
   p.max_seqs_per_step = o.limits.max_seqs_per_step;
   p.block_size = o.limits.block_size;
+  p.weight_quant = o.weight_quant;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
     p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces
@@ -306,6 +307,8 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     a->set_recv_group(slot.recv_group);
     ToProto(limits_, a->mutable_limits());
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
+    a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8 ? v1::WEIGHT_QUANTIZATION_INT8
+                                                                           : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
     out.emplace_back(slot.worker, std::move(m));
     if (slot.tp_rank == 0) {
       stages.push_back(absl::StrCat("stage ", slot.stage, " = node ", slot.node, " (layers ", st.first_layer, "-",

@@ -65,6 +65,8 @@ struct PoolOptions {
   // and limits.num_kv_blocks, as many as the smallest worker's memory holds beside its weights
   // (the plan's), at most kMaxCpuKvCacheBytes per worker on CPU workers.
   StepLimits limits;
+  // How the workers store the linear layers' weights (--quantization; kernels/quant.h).
+  WeightQuant weight_quant = WeightQuant::kNone;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };

@@ -183,7 +183,7 @@ class CpuBackend final : public Backend {
     packed_.erase(data);
     std::free(data);
   }
-  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed) override;
+  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy("CopyToDevice", dst, host_src, bytes);
   }
@@ -219,6 +219,7 @@ class CpuBackend final : public Backend {
     // bf16 weights: oneDNN's layout of them, as the [k, m] "weights" of a matmul. Float32
     // weights: none (data_type undef); they are panels (panel_matmul.h).
     dnnl::memory::desc desc;
+    bool int8 = false;  // int8 rows (kernels/quant.h Int8RowsLayout): scales, then values
     bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 

@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/int8_matmul.h"
+#include "kernels/quant.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -48,10 +50,10 @@ dnnl::matmul::primitive_desc MatMulPrimitiveDesc(const dnnl::engine& engine, con
 }  // namespace
 
 absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
-  // w is F32, or BF16 when PackMatMulWeight stored it so (checked below).
+  // w is F32, or BF16 / I8 when PackMatMulWeight stored it so (checked below).
   const ArgCheck check("MatMul", {{"out", out, kF32, 2},
                                   {"x", &x, kF32, 2},
-                                  {"w", &w, w.dtype == kBF16 ? kBF16 : kF32, 2},
+                                  {"w", &w, w.dtype == kBF16 || w.dtype == DType::kI8 ? w.dtype : kF32, 2},
                                   {"bias", bias, kF32, 1, /*optional=*/true}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
   const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
@@ -69,6 +71,10 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if ((w.dtype == kBF16) != packed_bf16) {
     return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
   }
+  const bool packed_int8 = *packed != nullptr && (*packed)->int8;
+  if ((w.dtype == DType::kI8) != packed_int8) {
+    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8, and such a weight is I8");
+  }
   float* y = out->as<float>();
   if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
     for (int64_t r = 0; r < n; ++r) {
@@ -81,6 +87,12 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return absl::OkStatus();
   }
   const float* b = bias != nullptr ? bias->as<float>() : nullptr;
+  if (packed_int8) {
+    const auto* scale = static_cast<const float*>(w.data);
+    const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
+    cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+    return absl::OkStatus();
+  }
   if (!packed_bf16) {
     cpu::PanelMatMul(y, x.as<float>(), n, m, k, w.as<float>(), /*plain=*/*packed == nullptr, b, threads_,
                      &plain_panels_);
@@ -162,12 +174,22 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
 }
 
-absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed) {
+absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {
   const ArgCheck check("PackMatMulWeight", {{"w", &w, kF32, 2}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
   *packed = w;
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  if (quant == WeightQuant::kInt8) {  // kernels/quant.h's layout, for int8_matmul.h
+    const Int8RowsLayout layout{m, k};
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
+    auto* scale = static_cast<float*>(buffer.data());
+    auto* q = static_cast<int8_t*>(buffer.data()) + layout.scale_bytes();
+    if (absl::Status s = QuantizeInt8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
+    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, /*int8=*/true};
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    return buffer;
+  }
   if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops
     const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);
     absl::StatusOr<Buffer> buffer = Allocate(bytes);

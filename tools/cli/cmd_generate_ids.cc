@@ -17,9 +17,12 @@ namespace shardserve::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K] ID [ID ...]\n"
+    "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
+    "                               [--quantization none|int8] ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
-    "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n";
+    "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
+    "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel,\n"
+    "  quantized at load; cpu only for now), as the coordinator's --quantization does.\n";
 
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "shardserve generate-ids: %s\n", msg.c_str());
@@ -27,7 +30,7 @@ int Fail(const std::string& msg) {
 }
 
 int Run(const std::vector<std::string>& args) {
-  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device"}, {"help"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device", "quantization"}, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -53,6 +56,11 @@ int Run(const std::vector<std::string>& args) {
   }
   if (prompt.empty()) {
     std::fprintf(stderr, "shardserve generate-ids: give at least one prompt token id\n%s", kUsage);
+    return 2;
+  }
+  const absl::StatusOr<WeightQuant> quant = ParseWeightQuant(flags->Get("quantization", "none"));
+  if (!quant.ok()) {
+    std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(quant.status().message()).c_str());
     return 2;
   }
   absl::StatusOr<int64_t> max_new = flags->GetInt("max-new-tokens", 16);
@@ -88,7 +96,9 @@ int Run(const std::vector<std::string>& args) {
                  .max_model_len = static_cast<int64_t>(prompt.size()) + *max_new};
   opt.num_kv_blocks = opt.max_blocks_per_seq();
   LocalCommunicator tp(backend.get());
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  ShardSpec spec;
+  spec.weight_quant = *quant;
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, spec, opt, backend.get(), &tp);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), prompt, *max_new);
   if (!ids.ok()) return Fail(std::string(ids.status().message()));

@@ -32,7 +32,7 @@ constexpr char kUsage[] =
     "                         [--metrics-port-base P] [--log-format text|json] [--worker-threads N]\n"
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
-    "                         [--worker-matmul-dtype auto|f32|bf16]\n"
+    "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
     "  Ctrl-C or SIGTERM, which stop every process it started. Each process logs to a file in --log-dir\n"
@@ -47,7 +47,9 @@ constexpr char kUsage[] =
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
     "  --max-num-seqs, --max-waiting-requests, --max-tokens-per-step, --num-kv-blocks, --micro-batches,\n"
     "  --block-size          the coordinator's scheduler flags, passed through when given\n"
-    "                        (shardserve-coordinator --help)\n";
+    "                        (shardserve-coordinator --help)\n"
+    "  --quantization        the coordinator's: int8 stores the workers' linear-layer weights in int8\n"
+    "                        (one scale per output channel, quantized at load; cpu only for now)\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }

@@ -24,7 +24,7 @@ namespace shardserve::cli {
 
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
-                                 "max-model-len"};
+                                 "max-model-len", "quantization"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -57,6 +57,11 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     int64_t v = 0;
     SHARDSERVE_RETURN_IF_ERROR(f.Int(name, 0, int64_t{1} << 31, &v));
     c.coordinator_flags.emplace_back(name, f.Get(name));
+  }
+  if (f.Has("quantization")) {
+    std::string quantization;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("quantization", {"none", "int8"}, &quantization));
+    c.coordinator_flags.emplace_back("quantization", quantization);
   }
   return c;
 }

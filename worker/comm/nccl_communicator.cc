@@ -44,6 +44,7 @@ absl::StatusOr<ncclDataType_t> NcclType(DType t) {
     case DType::kF16: return ncclFloat16;
     case DType::kBF16: return ncclBfloat16;
     case DType::kI32: return ncclInt32;
+    case DType::kI8: return ncclInt8;
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown dtype #", static_cast<int>(t)));
 }
