@@ -750,28 +750,44 @@ TEST(StepExecutorAssignment, KvCacheIsBoundedByInt32Slots) {
   }
 }
 
+// A new sequence for a stateful plan: its blocks, settings and prompt length.
+void AddNewSeq(v1::StepPlan* plan, uint64_t id, std::vector<int32_t> blocks, const v1::RowSampling& sampling,
+               int32_t prompt_len) {
+  v1::NewSeq* n = plan->add_new_seqs();
+  n->set_seq_id(id);
+  n->mutable_block_ids()->Add(blocks.begin(), blocks.end());
+  *n->mutable_sampling() = sampling;
+  n->set_prompt_len(prompt_len);
+}
+
+// A row of a stateful plan: `tokens` fed to `id` from `start`.
+void AddRow(v1::StepPlan* plan, uint64_t id, int32_t start, std::vector<int32_t> tokens, bool sample) {
+  plan->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  plan->add_row_seq_ids(id);
+  plan->add_row_start_positions(start);
+  plan->add_row_num_tokens(static_cast<int32_t>(tokens.size()));
+  plan->add_row_samples(sample);
+}
+
 // The sampler inside StepExecutor (the whole llama_gqa fixture in one worker): a step of two
-// prefilling sequences gets one id per logit row and logprobs for the row that asks; a step with
-// a bad sampling parameter fails before the forward pass with the field named.
+// prefilling sequences gets one id per logit row and logprobs for the row that asks; the next
+// step decodes one of them from the state the first left (only its token travels); a step with a
+// bad sampling parameter fails before the forward pass with the field named, and so does a row
+// for a sequence the worker does not hold.
 TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor = WholeModelWorker("llama_gqa", 5);
   ASSERT_TRUE(executor.ok()) << executor.status();
 
-  // Sequence 0: tokens 5, 6, 7 in block 3; sequence 1: tokens 8, 9 in block 9.
+  // Sequence 10: tokens 5, 6, 7 in block 3; sequence 11: tokens 8, 9 in block 9.
   v1::StepPlan plan;
   plan.set_step_id(1);
-  for (int32_t id : {5, 6, 7, 8, 9}) plan.add_token_ids(id);
-  for (int32_t pos : {0, 1, 2, 0, 1}) plan.add_positions(pos);
-  for (int32_t seq : {0, 0, 0, 1, 1}) plan.add_token_seq(seq);
-  for (int32_t slot : {12, 13, 14, 36, 37}) plan.add_slots(slot);
-  plan.set_num_seqs(2);
-  for (int32_t block : {3, 0, 0, 0, 9, 0, 0, 0}) plan.add_block_tables(block);
-  plan.add_logit_rows(2);
-  plan.add_logit_rows(4);
-  v1::RowSampling* greedy = plan.add_sampling();
-  greedy->set_logprobs(true);
-  greedy->set_top_logprobs(3);
-  *plan.add_sampling() = Sampled(0.7f, 5, 0, 10, 0.9f);
+  v1::RowSampling greedy;
+  greedy.set_logprobs(true);
+  greedy.set_top_logprobs(3);
+  AddNewSeq(&plan, 10, {3}, greedy, 3);
+  AddNewSeq(&plan, 11, {9}, Sampled(0.7f, 5, 0, 10, 0.9f), 2);
+  AddRow(&plan, 10, 0, {5, 6, 7}, true);
+  AddRow(&plan, 11, 0, {8, 9}, true);
   v1::StepResult result;
   ASSERT_TRUE((*executor)->Execute(plan, &result).ok());
   ASSERT_EQ(result.sampled_ids_size(), 2);
@@ -786,11 +802,31 @@ TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
   EXPECT_GE(result.sampled_ids(1), 0);
   EXPECT_LT(result.sampled_ids(1), 512);
 
-  plan.set_step_id(2);
-  plan.mutable_sampling(1)->set_min_p(2.0f);
-  const absl::Status bad = (*executor)->Execute(plan, &result);
+  // Decode sequence 10: its token at position 3, the last slot of block 3.
+  v1::StepPlan decode;
+  decode.set_step_id(2);
+  AddRow(&decode, 10, 3, {result.sampled_ids(0)}, true);
+  ASSERT_TRUE((*executor)->Execute(decode, &result).ok());
+  ASSERT_EQ(result.sampled_ids_size(), 1);
+
+  // A new sequence with min_p 2 samples in row 1 of step 3.
+  v1::StepPlan bad_min_p;
+  bad_min_p.set_step_id(3);
+  v1::RowSampling min_p = Greedy();
+  min_p.set_min_p(2.0f);
+  AddNewSeq(&bad_min_p, 12, {4}, min_p, 1);
+  AddRow(&bad_min_p, 11, 2, {result.sampled_ids(0)}, true);
+  AddRow(&bad_min_p, 12, 0, {5}, true);
+  const absl::Status bad = (*executor)->Execute(bad_min_p, &result);
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
-  EXPECT_NE(bad.message().find("step 2 row 1: min_p"), std::string::npos) << bad;
+  EXPECT_NE(bad.message().find("step 3 row 1: min_p"), std::string::npos) << bad;
+
+  absl::StatusOr<std::unique_ptr<StepExecutor>> fresh = WholeModelWorker("llama_gqa", 5);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const absl::Status unknown = (*fresh)->Execute(decode, &result);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument) << unknown;
+  EXPECT_NE(unknown.message().find("step 2: row 0 names seq 10, which this worker does not hold"), std::string::npos)
+      << unknown;
 }
 
 // The products' precision when the worker is not told one (--matmul-dtype auto): a bf16

@@ -21,6 +21,7 @@
 
 #include "coordinator/scheduler/block_manager.h"
 #include "shardserve/v1/worker.pb.h"
+#include "worker/persistent_batch.h"
 
 namespace shardserve {
 namespace {
@@ -153,11 +154,16 @@ bool PenaltyOn(const v1::RowSampling& s) {
 // Drives a Scheduler like the engine (schedule every lane with no step in flight, complete the
 // oldest step in flight, remove sequences that reached max_tokens) and runs each step on a fake
 // KV cache, checking the plan's invariants with gtest assertions (fatal: callers check
-// HasFatalFailure()).
+// HasFatalFailure()). Plans are stateful: each is decoded, in the order sent, by the worker's own
+// PersistentBatch (worker/persistent_batch.h), which must accept it, and the checks read the
+// StepBatch and sampling rows it derives, as the model and the sampler would.
 class SimCluster {
  public:
   explicit SimCluster(const SchedulerOptions& o)
-      : o_(o), sched_(o), cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)) {}
+      : o_(o),
+        sched_(o),
+        worker_(o.limits, kVocab, /*keep_history=*/true),
+        cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)) {}
 
   Scheduler& sched() { return sched_; }
 
@@ -183,6 +189,21 @@ class SimCluster {
         continue;
       }
       ++next_step_id_;
+      plan_bytes_ += static_cast<int64_t>(f.plan.ByteSizeLong());
+      // What a worker does with it, in the order sent.
+      const absl::Status applied = worker_.Apply(f.plan, &f.batch, &f.sampling);
+      if (!applied.ok()) {
+        ADD_FAILURE() << "the worker refuses step " << f.plan.step_id() << ": " << applied;
+        return n;
+      }
+      // The worker holds only sequences the scheduler runs (freed ids come first in a plan).
+      for (const auto& [id, s] : seqs_) {
+        if (worker_.Holds(id) && !sched_.Contains(id)) {
+          ADD_FAILURE() << "step " << f.plan.step_id() << ": the worker still holds seq " << id << ", which ended";
+          return n;
+        }
+      }
+      EXPECT_LE(worker_.size(), sched_.num_running());
       CheckStep(*batch, &f);
       if (::testing::Test::HasFatalFailure()) return n;
       in_flight_.push_back(std::move(f));
@@ -197,6 +218,9 @@ class SimCluster {
   int64_t max_in_flight_seen() const { return max_in_flight_seen_; }
   // Rows scheduled while a step feeding the same sequence (an earlier prompt chunk) was in flight.
   int64_t chunks_behind_chunks() const { return chunks_behind_chunks_; }
+  // Serialized bytes of every plan sent.
+  int64_t plan_bytes() const { return plan_bytes_; }
+  const PersistentBatch& worker() const { return worker_; }
 
   // Runs the oldest step in flight on the fake cache, completes it, and removes the sequences
   // that reached max_tokens.
@@ -205,6 +229,7 @@ class SimCluster {
     Flight f = std::move(in_flight_.front());
     in_flight_.pop_front();
     const v1::StepPlan& p = f.plan;
+    const StepBatch& sb = f.batch;
     const int64_t bs = o_.limits.block_size;
     const int64_t mbps = o_.limits.max_blocks_per_seq();
 
@@ -214,7 +239,7 @@ class SimCluster {
     for (size_t row = 0; row < f.rows.size(); ++row) {
       const uint64_t id = f.rows[row];
       for (int64_t pos = 0; pos < f.firsts[row]; ++pos) {
-        const int32_t block = p.block_tables(static_cast<int>(row * mbps + pos / bs));
+        const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
         ASSERT_EQ(c.seq, static_cast<int64_t>(id)) << "step " << p.step_id() << " seq " << id << " reads pos " << pos
                                                    << " before a step wrote it";
@@ -223,30 +248,30 @@ class SimCluster {
     }
     // Write every token's KV.
     for (int i = 0; i < p.token_ids_size(); ++i) {
-      Cell& c = cache_[p.slots(i)];
-      c.seq = static_cast<int64_t>(f.rows[p.token_seq(i)]);
-      c.pos = p.positions(i);
+      Cell& c = cache_[sb.slots[i]];
+      c.seq = static_cast<int64_t>(f.rows[sb.token_seq[i]]);
+      c.pos = sb.positions[i];
       c.token = p.token_ids(i);
     }
     // Each sampled row reads its whole context back through its block table.
     std::vector<int32_t> sampled;
     std::vector<SampledToken> expected;
-    for (int k = 0; k < p.logit_rows_size(); ++k) {
-      const int t = p.logit_rows(k);
-      const int row = p.token_seq(t);
+    for (int k = 0; k < static_cast<int>(sb.logit_rows.size()); ++k) {
+      const int t = sb.logit_rows[k];
+      const int row = sb.token_seq[t];
       const uint64_t id = f.rows[row];
       const Seq& s = seqs_.at(id);
-      const int32_t last = p.positions(t);
+      const int32_t last = sb.positions[t];
       std::vector<int32_t> context;
       for (int32_t pos = 0; pos <= last; ++pos) {
-        const int32_t block = p.block_tables(row * mbps + pos / bs);
+        const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
         ASSERT_EQ(c.seq, static_cast<int64_t>(id)) << "step " << p.step_id() << " seq " << id << " pos " << pos;
         ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id;
         ASSERT_EQ(c.token, s.tokens[pos]) << "step " << p.step_id() << " seq " << id << " pos " << pos;
         context.push_back(c.token);
       }
-      sampled.push_back(NextToken(context, p.sampling(k).seed()));
+      sampled.push_back(NextToken(context, f.sampling[k].seed()));
       if (!s.removed) expected.push_back(SampledToken{id, sampled.back(), k});
     }
 
@@ -316,6 +341,8 @@ class SimCluster {
   struct Flight {
     int lane = 0;
     v1::StepPlan plan;
+    StepBatch batch;                                        // the plan as the worker expands it
+    google::protobuf::RepeatedPtrField<v1::RowSampling> sampling;  // one per logit row, likewise
     std::vector<uint64_t> rows;   // sequence of each block-table row
     std::vector<int64_t> firsts;  // each row's first position
     std::vector<int64_t> ends;    // position after each row's last token
@@ -325,9 +352,10 @@ class SimCluster {
 
   void CheckStep(const MicroBatch& batch, Flight* f) {
     const v1::StepPlan& p = f->plan;
+    const StepBatch& sb = f->batch;
     const int64_t bs = o_.limits.block_size;
     const int64_t mbps = o_.limits.max_blocks_per_seq();
-    const int n = p.num_seqs();
+    const int n = sb.num_seqs;
     const int num_tokens = p.token_ids_size();
     const std::string at = "step " + std::to_string(p.step_id()) + " lane " + std::to_string(f->lane);
 
@@ -339,11 +367,11 @@ class SimCluster {
     ASSERT_LE(sched_.num_running(), o_.limits.max_seqs_per_step) << at;
     ASSERT_GE(num_tokens, 1) << at;
     ASSERT_LE(num_tokens, o_.limits.max_tokens_per_step) << at;
-    ASSERT_EQ(p.positions_size(), num_tokens) << at;
-    ASSERT_EQ(p.token_seq_size(), num_tokens) << at;
-    ASSERT_EQ(p.slots_size(), num_tokens) << at;
-    ASSERT_EQ(p.block_tables_size(), n * mbps) << at;
-    ASSERT_EQ(p.sampling_size(), p.logit_rows_size()) << at;
+    ASSERT_EQ(static_cast<int>(sb.positions.size()), num_tokens) << at;
+    ASSERT_EQ(static_cast<int>(sb.token_seq.size()), num_tokens) << at;
+    ASSERT_EQ(static_cast<int>(sb.slots.size()), num_tokens) << at;
+    ASSERT_EQ(static_cast<int64_t>(sb.block_tables.size()), n * mbps) << at;
+    ASSERT_EQ(f->sampling.size(), static_cast<int>(sb.logit_rows.size())) << at;
 
     // Rows: distinct sequences, known, live, not waiting for a token a step in flight samples.
     std::set<uint64_t> in_step;
@@ -364,11 +392,11 @@ class SimCluster {
     std::vector<int64_t> next(n, -1), first(n, -1), count(n, 0);
     std::set<int32_t> step_slots;
     for (int i = 0; i < num_tokens; ++i) {
-      const int row = p.token_seq(i);
+      const int row = sb.token_seq[i];
       ASSERT_GE(row, 0) << at;
       ASSERT_LT(row, n) << at;
       const Seq& s = seqs_.at(f->rows[row]);
-      const int64_t pos = p.positions(i);
+      const int64_t pos = sb.positions[i];
       if (next[row] < 0) {
         first[row] = pos;
         ASSERT_TRUE(pos == s.fed || pos == 0)
@@ -384,13 +412,13 @@ class SimCluster {
       ASSERT_LT(pos, static_cast<int64_t>(s.tokens.size())) << at << ": seq " << f->rows[row] << " fed past its end";
       ASSERT_EQ(p.token_ids(i), s.tokens[pos]) << at << ": seq " << f->rows[row] << " pos " << pos;
       ASSERT_LT(pos / bs, mbps) << at;
-      const int32_t block = p.block_tables(row * mbps + pos / bs);
+      const int32_t block = sb.block_tables[row * mbps + pos / bs];
       ASSERT_GE(block, 0) << at;
       ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
-      ASSERT_EQ(p.slots(i), block * bs + pos % bs) << at << ": seq " << f->rows[row] << " pos " << pos;
-      ASSERT_TRUE(step_slots.insert(p.slots(i)).second) << at << ": slot " << p.slots(i) << " written twice";
-      ASSERT_FALSE(busy_slots_.count(p.slots(i))) << at << ": slot " << p.slots(i) << " also in a step in flight";
-      f->slots.push_back(p.slots(i));
+      ASSERT_EQ(sb.slots[i], block * bs + pos % bs) << at << ": seq " << f->rows[row] << " pos " << pos;
+      ASSERT_TRUE(step_slots.insert(sb.slots[i]).second) << at << ": slot " << sb.slots[i] << " written twice";
+      ASSERT_FALSE(busy_slots_.count(sb.slots[i])) << at << ": slot " << sb.slots[i] << " also in a step in flight";
+      f->slots.push_back(sb.slots[i]);
     }
 
     // Per row: token count, logit rows, block tables.
@@ -413,11 +441,11 @@ class SimCluster {
       f->ends.push_back(end);
       if (end == static_cast<int64_t>(s.tokens.size())) {
         ASSERT_EQ(e.logit_row, logit_rows) << at << ": seq " << e.seq << " reaches its end";
-        ASSERT_LT(logit_rows, p.logit_rows_size()) << at;
-        const int t = p.logit_rows(logit_rows);
-        ASSERT_EQ(p.token_seq(t), row) << at;
-        ASSERT_EQ(p.positions(t), end - 1) << at << ": logit row is not the last token of seq " << e.seq;
-        const v1::RowSampling& r = p.sampling(logit_rows);
+        ASSERT_LT(logit_rows, static_cast<int>(sb.logit_rows.size())) << at;
+        const int t = sb.logit_rows[logit_rows];
+        ASSERT_EQ(sb.token_seq[t], row) << at;
+        ASSERT_EQ(sb.positions[t], end - 1) << at << ": logit row is not the last token of seq " << e.seq;
+        const v1::RowSampling& r = f->sampling[logit_rows];
         const int64_t generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
         ASSERT_EQ(r.draw_index(), static_cast<uint64_t>(generated)) << at << ": seq " << e.seq;
         ASSERT_EQ(r.seed(), s.sampling.seed());
@@ -439,7 +467,7 @@ class SimCluster {
       // sequence of this step or of a step in flight (its own earlier chunks' steps may hold them).
       std::vector<int32_t> table;
       for (int64_t b = 0; b < (end + bs - 1) / bs; ++b) {
-        const int32_t block = p.block_tables(row * mbps + b);
+        const int32_t block = sb.block_tables[row * mbps + b];
         ASSERT_GE(block, 0) << at;
         ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
         ASSERT_TRUE(step_blocks.insert(block).second) << at << ": block " << block << " used twice in the step";
@@ -457,7 +485,7 @@ class SimCluster {
       s.sampling_in_flight = end == static_cast<int64_t>(s.tokens.size());
       s.fed = end;
     }
-    ASSERT_EQ(logit_rows, p.logit_rows_size()) << at;
+    ASSERT_EQ(logit_rows, static_cast<int>(sb.logit_rows.size())) << at;
     ASSERT_EQ(batch.prefill_tokens, prefill) << at;
     ASSERT_EQ(batch.decode_tokens, decode) << at;
     ASSERT_EQ(std::set<uint64_t>(batch.started.begin(), batch.started.end()), started) << at;
@@ -467,7 +495,7 @@ class SimCluster {
     busy_slots_.insert(step_slots.begin(), step_slots.end());
     for (size_t row = 0; row < f->rows.size(); ++row) {
       for (int64_t b = 0; b < (f->ends[row] + bs - 1) / bs; ++b) {
-        auto& [seq, count] = busy_blocks_[p.block_tables(static_cast<int>(row * mbps + b))];
+        auto& [seq, count] = busy_blocks_[sb.block_tables[row * mbps + b]];
         seq = f->rows[row];
         ++count;
       }
@@ -477,6 +505,8 @@ class SimCluster {
 
   const SchedulerOptions o_;
   Scheduler sched_;
+  PersistentBatch worker_;   // what every worker holds
+  int64_t plan_bytes_ = 0;
   std::vector<Cell> cache_;  // [num_kv_blocks * block_size]
   std::map<uint64_t, Seq> seqs_;
   std::deque<Flight> in_flight_;  // oldest first
@@ -655,10 +685,33 @@ std::vector<int32_t> Prompt(int n, int32_t first = 1) {
   return p;
 }
 
+// Rows of a plan that sample.
+int LogitRows(const v1::StepPlan& p) {
+  return static_cast<int>(std::count(p.row_samples().begin(), p.row_samples().end(), true));
+}
+
 // One id per logit row.
 std::vector<int32_t> Sampled(const v1::StepPlan& p, int32_t token = 7) {
-  return std::vector<int32_t>(p.logit_rows_size(), token);
+  return std::vector<int32_t>(LogitRows(p), token);
 }
+
+// A worker's view of one scheduler's plans: Apply them in the order built.
+class Decoder {
+ public:
+  explicit Decoder(const StepLimits& limits) : worker_(limits, kVocab, /*keep_history=*/true) {}
+  // The plan expanded; sampling() then holds its rows' settings.
+  StepBatch Apply(const v1::StepPlan& p) {
+    StepBatch b;
+    const absl::Status s = worker_.Apply(p, &b, &sampling_);
+    EXPECT_TRUE(s.ok()) << s;
+    return b;
+  }
+  const google::protobuf::RepeatedPtrField<v1::RowSampling>& sampling() const { return sampling_; }
+
+ private:
+  PersistentBatch worker_;
+  google::protobuf::RepeatedPtrField<v1::RowSampling> sampling_;
+};
 
 // A running decode is in every step while a 100-token prompt takes the 7 tokens it leaves.
 TEST(SchedulerTest, DecodesFirstWhileALongPromptIsChunked) {
@@ -744,8 +797,10 @@ TEST(SchedulerTest, LanesShareTheSequences) {
   EXPECT_EQ(ids.size(), 16u);
   EXPECT_EQ(b0->entries.front().seq, 1u);  // oldest first
   EXPECT_EQ(b1->entries.front().seq, 9u);
-  std::set<int32_t> slots0(p0.slots().begin(), p0.slots().end());
-  for (int32_t slot : p1.slots()) EXPECT_FALSE(slots0.count(slot)) << "slot " << slot << " in both lanes";
+  Decoder worker(o.limits);
+  const StepBatch d0 = worker.Apply(p0), d1 = worker.Apply(p1);
+  std::set<int32_t> slots0(d0.slots.begin(), d0.slots.end());
+  for (int32_t slot : d1.slots) EXPECT_FALSE(slots0.count(slot)) << "slot " << slot << " in both lanes";
   EXPECT_EQ(s.num_running(), 16);
   EXPECT_EQ(s.num_waiting(), 0);
 }
@@ -767,7 +822,7 @@ TEST(SchedulerTest, PromptChunksFlowThroughThePipeline) {
     ASSERT_NE(b, nullptr) << "step " << step;
     ASSERT_EQ(b->entries.size(), 1u);
     EXPECT_EQ(b->entries[0].tokens, 8);
-    EXPECT_EQ(p[lane].positions(0), fed) << "step " << step;
+    EXPECT_EQ(p[lane].row_start_positions(0), fed) << "step " << step;
     fed += 8;
     EXPECT_EQ(b->entries[0].logit_row, fed == 40 ? 0 : -1);
     in_flight.push_back(lane);
@@ -800,7 +855,7 @@ TEST(SchedulerTest, APromptIsSplitAcrossTheLanes) {
   const MicroBatch* b1 = s.Schedule(1, 1, &p1);
   ASSERT_NE(b1, nullptr);
   EXPECT_EQ(b1->prefill_tokens, 144);
-  EXPECT_EQ(p1.positions(0), 256);
+  EXPECT_EQ(p1.row_start_positions(0), 256);
   EXPECT_EQ(b1->entries[0].logit_row, 0);
   EXPECT_TRUE(s.Complete(0, Sampled(p0)).empty());
   EXPECT_EQ(s.Complete(1, Sampled(p1)).size(), 1u);
@@ -857,7 +912,9 @@ TEST(SchedulerTest, ALaneAtItsShareCarriesAPromptForABusyLane) {
   ASSERT_NE(b0, nullptr);
   EXPECT_EQ(tokens_of(b0, 4).tokens, 144);
   EXPECT_GE(tokens_of(b0, 4).logit_row, 0);
-  EXPECT_EQ(p0.positions(p0.positions_size() - 1), 399);
+  const int last = p0.row_seq_ids_size() - 1;
+  EXPECT_EQ(p0.row_seq_ids(last), 4u);
+  EXPECT_EQ(p0.row_start_positions(last) + p0.row_num_tokens(last) - 1, 399);
 }
 
 // Remove: a sequence in a step in flight is freed when the step comes back and is not returned by
@@ -1001,8 +1058,59 @@ TEST(SchedulerTest, AStalledRunningSequenceGoesBeforeAdmissions) {
   EXPECT_EQ(b1->entries[0].tokens, 1);
 }
 
-// Sampling rows: the request's template, the draw index, and the penalty ids only when a penalty
-// is on.
+// Plans are stateful: a decode step of N sequences costs a few bytes per sequence whatever their
+// context, and only the steps that cross into a new block carry one more block id each. In the
+// stateless plans of protocol version 1 each row carried its whole block table (max_blocks_per_seq
+// ids) and, with a penalty on, the whole history. Every plan is decoded by a worker's
+// PersistentBatch, which must accept it, and a finished sequence's state is dropped.
+TEST(SchedulerTest, DecodePlansStaySmallAsTheContextGrows) {
+  constexpr int kSeqs = 8;
+  SchedulerOptions o = SmallOptions();  // blocks of 4 tokens
+  o.limits.max_seqs_per_step = kSeqs;
+  o.limits.max_tokens_per_step = 64;
+  o.limits.max_model_len = 1024;
+  o.limits.num_kv_blocks = kSeqs * o.limits.max_blocks_per_seq();
+  Scheduler s(o);
+  Decoder worker(o.limits);
+  v1::RowSampling penalized;
+  penalized.set_repetition_penalty(1.2f);
+  penalized.set_frequency_penalty(0.5f);
+  for (int i = 1; i <= kSeqs; ++i) s.Add(i, Prompt(4, 10 * i), penalized);
+  v1::StepPlan p;
+  size_t early = 0, late = 0;
+  for (int step = 0; step < 1000; ++step) {
+    const MicroBatch* b = s.Schedule(0, step, &p);
+    ASSERT_NE(b, nullptr);
+    worker.Apply(p);
+    if (step > 0) {
+      ASSERT_EQ(b->decode_tokens, kSeqs);
+      ASSERT_EQ(p.new_seqs_size(), 0);
+      // About 8 bytes a row; every 4th step each sequence crosses into a new block, which costs
+      // its row a SeqBlocks of about 10 bytes more.
+      EXPECT_LE(p.ByteSizeLong(), kSeqs * (8 + 12) + 16u) << "step " << step;
+      if (p.appended_blocks_size() == 0) {
+        size_t& most = step < 100 ? early : late;
+        most = std::max(most, p.ByteSizeLong());
+      }
+    }
+    // The worker's sampler still sees the whole history.
+    ASSERT_EQ(worker.sampling().size(), kSeqs);
+    EXPECT_EQ(worker.sampling()[0].penalty_output_ids_size(), step);
+    EXPECT_EQ(worker.sampling()[0].penalty_prompt_ids_size(), 4);
+    s.Complete(0, Sampled(p, 900 + step % 7));
+  }
+  // Positions past 127 and 16383 take a varint byte more each; nothing else grows.
+  EXPECT_LE(late, early + 2 * kSeqs) << "decode plans grow with the context";
+  // Finished sequences are freed in the next plan.
+  for (int i = 1; i <= kSeqs; ++i) s.Remove(i);
+  s.Add(kSeqs + 1, Prompt(4), {});
+  ASSERT_NE(s.Schedule(0, 1000, &p), nullptr);
+  EXPECT_EQ(p.freed_seq_ids_size(), kSeqs);
+  worker.Apply(p);
+}
+
+// Sampling rows, as the worker derives them from the plans: the request's template, the draw
+// index, and the penalty ids only when a penalty is on (what the stateless plans carried).
 TEST(SchedulerTest, SamplingRows) {
   Scheduler s(SmallOptions());
   v1::RowSampling plain;
@@ -1026,14 +1134,16 @@ TEST(SchedulerTest, SamplingRows) {
     s.Add(id, prompt[id], templates[i]);
   }
   v1::StepPlan p;
+  Decoder worker(SmallOptions().limits);
   int rows_checked = 0;
   for (int step = 0; step < 4; ++step) {
     const MicroBatch* b = s.Schedule(0, step, &p);
     ASSERT_NE(b, nullptr);
+    worker.Apply(p);
     std::vector<int32_t> sampled;
     for (const MicroBatch::Entry& e : b->entries) {
       if (e.logit_row < 0) continue;
-      const v1::RowSampling& r = p.sampling(e.logit_row);
+      const v1::RowSampling& r = worker.sampling()[e.logit_row];
       const v1::RowSampling& t = templates[e.seq - 1];
       EXPECT_EQ(r.draw_index(), output[e.seq].size()) << "seq " << e.seq;
       EXPECT_EQ(r.temperature(), t.temperature());
@@ -1054,7 +1164,7 @@ TEST(SchedulerTest, SamplingRows) {
       ++rows_checked;
     }
     const std::vector<int32_t> ids = {11 + step, 22 + step, 33 + step, 44 + step, 55 + step};
-    for (int k = 0; k < p.logit_rows_size(); ++k) sampled.push_back(ids[k]);
+    for (int k = 0; k < LogitRows(p); ++k) sampled.push_back(ids[k]);
     for (const SampledToken& t : s.Complete(0, sampled)) output[t.seq].push_back(t.token);
   }
   EXPECT_GE(rows_checked, 15);

@@ -137,13 +137,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
                                                    ") of ", config->num_hidden_layers));
   }
 
-  // Step buffers, for the largest step.
-  const int64_t n = options.max_tokens_per_step, m = options.max_seqs_per_step;
-  for (std::vector<int32_t>* v : {&e->batch_.token_ids, &e->batch_.positions, &e->batch_.token_seq, &e->batch_.slots}) {
-    v->reserve(n);
-  }
-  e->batch_.block_tables.reserve(m * options.max_blocks_per_seq());
-  e->batch_.logit_rows.reserve(m);
+  // The persistent batch and the step buffers, for the largest step. The worker that samples
+  // keeps the fed tokens of sequences with a penalty on.
+  const int64_t m = options.max_seqs_per_step;
+  e->state_ = std::make_unique<PersistentBatch>(options, config->vocab_size, last && a.tp_rank() == 0);
+  e->state_->Reserve(&e->batch_);
   if (last && a.tp_rank() == 0) {
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
     if (!sampler.ok()) return sampler.status();
@@ -153,35 +151,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
 }
 
 absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
-  const StepLimits& opt = shard_->limits();
-  const int n = p.positions_size();
-  if (n < 1 || n > opt.max_tokens_per_step) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("step ", p.step_id(), " has ", n, " tokens; a step takes 1 to ", opt.max_tokens_per_step));
-  }
-  if (p.logit_rows_size() > opt.max_seqs_per_step || p.sampling_size() != p.logit_rows_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " has ", p.logit_rows_size(),
-                                                   " logit rows and ", p.sampling_size(),
-                                                   " sampling entries; they must match and be at most ",
-                                                   opt.max_seqs_per_step));
-  }
-  if (static_cast<int64_t>(p.block_tables_size()) > opt.max_seqs_per_step * opt.max_blocks_per_seq() ||
-      p.token_ids_size() > opt.max_tokens_per_step || p.token_seq_size() > opt.max_tokens_per_step ||
-      p.slots_size() > opt.max_tokens_per_step) {
-    return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), " is larger than this worker's buffers"));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(state_->Apply(p, &batch_, &sampling_));
   // Every worker checks the sampling parameters, not only the one that samples: the plan is the
   // same everywhere, so all fail here together instead of leaving peers waiting in a collective.
-  SHARDSERVE_RETURN_IF_ERROR(Sampler::Validate(p.step_id(), p.sampling(), shard_->config().vocab_size));
-  // Within the reserved capacity: assign() does not allocate.
-  batch_.token_ids.assign(p.token_ids().begin(), p.token_ids().end());
-  batch_.positions.assign(p.positions().begin(), p.positions().end());
-  batch_.token_seq.assign(p.token_seq().begin(), p.token_seq().end());
-  batch_.slots.assign(p.slots().begin(), p.slots().end());
-  batch_.block_tables.assign(p.block_tables().begin(), p.block_tables().end());
-  batch_.num_seqs = p.num_seqs();
-  batch_.logit_rows.assign(p.logit_rows().begin(), p.logit_rows().end());
-  return absl::OkStatus();
+  // (The penalty ids, kept only where the sampler is, are fed token ids the persistent batch
+  // checked on every worker alike.)
+  return Sampler::Validate(p.step_id(), sampling_, shard_->config().vocab_size);
 }
 
 absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* result) {
@@ -203,9 +178,9 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   if (send_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(send_->Send(hidden, 1));
   }
-  if (sampler_ != nullptr && plan.logit_rows_size() > 0) {
-    const Tensor logits = shard_->logits(plan.logit_rows_size());
-    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, plan.sampling(), result));
+  if (sampler_ != nullptr && !batch_.logit_rows.empty()) {
+    const Tensor logits = shard_->logits(static_cast<int64_t>(batch_.logit_rows.size()));
+    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, sampling_, result));
   }
 
   double collective = 0;

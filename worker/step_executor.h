@@ -13,9 +13,13 @@
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
 //
-// Ownership: owns the backend, the communicators, the shard, the sampler and every step buffer.
-// Nothing is allocated per step: the host vectors are reserved for the largest step
-// (max_tokens_per_step tokens, max_seqs_per_step sequences and logit rows) at creation.
+// Plans are stateful (worker.proto StepPlan): the executor holds the running batch by sequence id
+// (worker/persistent_batch.h) and expands each plan into the StepBatch the shard runs and the
+// RowSampling rows the sampler draws with.
+//
+// Ownership: owns the backend, the communicators, the shard, the sampler, the persistent batch and
+// every step buffer. Nothing is allocated per step: the host vectors are reserved for the largest
+// step (max_tokens_per_step tokens, max_seqs_per_step sequences and logit rows) at creation.
 // Threading: not thread-safe; one step at a time, on one thread.
 #ifndef SHARDSERVE_WORKER_STEP_EXECUTOR_H_
 #define SHARDSERVE_WORKER_STEP_EXECUTOR_H_
@@ -31,6 +35,7 @@
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/llama.h"
+#include "worker/persistent_batch.h"
 #include "worker/sampler.h"
 #include "worker/timed_communicator.h"
 
@@ -84,8 +89,9 @@ class StepExecutor {
 
  private:
   StepExecutor() = default;
-  // Copies the plan into batch_ (no allocation) and checks what must hold before the first
-  // collective (the sampling parameters too); LlamaShard::Forward checks the rest.
+  // Applies the plan to the persistent batch, which fills batch_ and sampling_ (no allocation), and
+  // checks what must hold before the first collective (the sampling parameters too);
+  // LlamaShard::Forward checks the rest.
   absl::Status ToBatch(const v1::StepPlan& plan);
 
   // ---- Constant after Create ----
@@ -98,8 +104,10 @@ class StepExecutor {
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
 
-  // ---- Step buffers, sized at Create ----
+  // ---- The running batch, and step buffers sized at Create ----
+  std::unique_ptr<PersistentBatch> state_;
   StepBatch batch_;
+  google::protobuf::RepeatedPtrField<v1::RowSampling> sampling_;  // one per logit row; elements reused
 };
 
 }  // namespace shardserve

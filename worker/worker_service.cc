@@ -19,7 +19,7 @@ namespace shardserve {
 namespace {
 
 // The API version this worker speaks (worker.proto Register.protocol_version).
-constexpr int kProtocolVersion = 1;
+constexpr int kProtocolVersion = 2;
 constexpr absl::Duration kHeartbeatInterval = absl::Seconds(1);
 // How often WaitForCoordinator checks for Stop() while the coordinator is not up.
 constexpr absl::Duration kConnectPoll = absl::Milliseconds(250);
@@ -218,9 +218,9 @@ void WorkerService::RunStep(Stream* stream) {
     return;
   }
   if (metrics_ != nullptr) {
-    // positions, not token_ids: every stage gets the positions, only the first stage needs the ids.
-    // A step that mixes prefill chunks and decodes counts as prefill (its cost is the prefill's).
-    metrics_->StepDone(/*prefill=*/plan.positions_size() > plan.num_seqs(),
+    // More tokens than rows: some row feeds a prompt chunk. A step that mixes prefill chunks and
+    // decodes counts as prefill (its cost is the prefill's).
+    metrics_->StepDone(/*prefill=*/plan.token_ids_size() > plan.row_seq_ids_size(),
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   Write(stream, reply_);

@@ -13,6 +13,10 @@ void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampl
   s->prompt_len = static_cast<int64_t>(prompt.size());
   s->tokens = std::move(prompt);
   s->sampling = sampling;
+  // Workers derive these per step (worker/persistent_batch.h); NewSeq carries them unset.
+  s->sampling.clear_draw_index();
+  s->sampling.clear_penalty_prompt_ids();
+  s->sampling.clear_penalty_output_ids();
   seqs_[id] = std::move(s);
   waiting_.insert(id);
 }
@@ -23,7 +27,15 @@ int64_t Scheduler::generated(uint64_t id) const {
   return static_cast<int64_t>(it->second->tokens.size()) - it->second->prompt_len;
 }
 
+void Scheduler::Forget(Seq& s) {
+  if (!s.sent) return;
+  freed_.push_back(s.id);
+  s.sent = false;
+  s.blocks_sent = 0;
+}
+
 void Scheduler::Preempt(Seq& s) {
+  Forget(s);  // it comes back as a new sequence, with new blocks
   blocks_.Free(&s.blocks);
   s.num_fed = 0;
   s.stalled = false;
@@ -179,34 +191,36 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   return &batch;
 }
 
-void Scheduler::WriteStep(const MicroBatch& batch, v1::StepPlan* step) {
+void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
   step->Clear();
   step->set_step_id(batch.step_id);
-  step->set_num_seqs(static_cast<int32_t>(batch.entries.size()));
-  const int64_t bs = options_.limits.block_size;
-  for (size_t row = 0; row < batch.entries.size(); ++row) {
-    const MicroBatch::Entry& e = batch.entries[row];
-    const Seq& s = *seqs_.at(e.seq);
-    for (int64_t pos = s.num_fed; pos < s.num_fed + e.tokens; ++pos) {
-      step->add_token_ids(s.tokens[pos]);
-      step->add_positions(static_cast<int32_t>(pos));
-      step->add_token_seq(static_cast<int32_t>(row));
-      step->add_slots(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
+  // Freed first: a sequence preempted while this step was built may come back in it as new.
+  step->mutable_freed_seq_ids()->Add(freed_.begin(), freed_.end());
+  freed_.clear();
+  for (const MicroBatch::Entry& e : batch.entries) {
+    Seq& s = *seqs_.at(e.seq);
+    const int64_t num_blocks = static_cast<int64_t>(s.blocks.size());
+    if (!s.sent) {
+      v1::NewSeq* n = step->add_new_seqs();
+      n->set_seq_id(s.id);
+      n->mutable_block_ids()->Add(s.blocks.begin(), s.blocks.end());
+      *n->mutable_sampling() = s.sampling;
+      n->set_prompt_len(static_cast<int32_t>(s.prompt_len));
+      s.sent = true;
+    } else if (num_blocks > s.blocks_sent) {
+      v1::SeqBlocks* a = step->add_appended_blocks();
+      a->set_seq_id(s.id);
+      a->mutable_block_ids()->Add(s.blocks.begin() + s.blocks_sent, s.blocks.end());
     }
-    for (int64_t b = 0; b < options_.limits.max_blocks_per_seq(); ++b) {
-      step->add_block_tables(b < static_cast<int64_t>(s.blocks.size()) ? s.blocks[b] : 0);
-    }
+    s.blocks_sent = num_blocks;
+    step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + e.tokens);
+    step->add_row_seq_ids(s.id);
+    step->add_row_start_positions(static_cast<int32_t>(s.num_fed));
+    step->add_row_num_tokens(e.tokens);
+    step->add_row_samples(e.logit_row >= 0);
     if (e.logit_row >= 0) {
-      step->add_logit_rows(step->positions_size() - 1);
-      v1::RowSampling* r = step->add_sampling();
-      *r = s.sampling;
-      const int64_t generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
-      r->set_draw_index(static_cast<uint64_t>(generated));
-      const bool repetition = s.sampling.repetition_penalty() != 0 && s.sampling.repetition_penalty() != 1;
-      if (repetition) r->mutable_penalty_prompt_ids()->Add(s.tokens.begin(), s.tokens.begin() + s.prompt_len);
-      if (repetition || s.sampling.presence_penalty() != 0 || s.sampling.frequency_penalty() != 0) {
-        r->mutable_penalty_output_ids()->Add(s.tokens.begin() + s.prompt_len, s.tokens.end());
-      }
+      ++batch.logit_rows;
+      batch.wants_logprobs = batch.wants_logprobs || s.sampling.logprobs();
     }
   }
 }
@@ -234,6 +248,7 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
 }
 
 void Scheduler::Erase(Seq& s) {
+  Forget(s);
   blocks_.Free(&s.blocks);
   if (running_.erase(s.id)) --lanes_[s.lane].running;
   waiting_.erase(s.id);
@@ -254,6 +269,7 @@ void Scheduler::Remove(uint64_t id) {
 void Scheduler::Clear() {
   for (auto& [id, s] : seqs_) blocks_.Free(&s->blocks);
   seqs_.clear();
+  freed_.clear();  // a new group's workers start empty
   running_.clear();
   waiting_.clear();
   for (Lane& l : lanes_) l = Lane{};

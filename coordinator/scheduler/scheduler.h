@@ -41,6 +41,15 @@
 // waits for the next step. Decodes come first, so a long prompt never stalls running decodes: it
 // only takes the tokens they leave.
 //
+// Plans are stateful (worker.proto StepPlan, as vLLM v1's scheduler output): the workers hold the
+// running batch by sequence id. All workers get the same plans in the same order, so one record
+// per sequence of what they hold suffices (Seq::sent, Seq::blocks_sent): a sequence goes out in
+// new_seqs (block table so far, sampling settings, prompt length) the first step that feeds it,
+// later steps send its new blocks and the tokens fed; a sequence preempted, finished or removed
+// that the workers hold goes out in freed_seq_ids of the next plan (a removed one still in a step
+// in flight once that step is back), and a preempted one comes back new. Freed ids come first in
+// a plan, so the workers hold at most the running set: max_seqs_per_step sequences.
+//
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
@@ -77,6 +86,8 @@ struct MicroBatch {
   std::vector<uint64_t> started;  // sequences scheduled for the first time (out of the queue)
   int64_t prefill_tokens = 0;   // tokens of entries that feed more than one token
   int64_t decode_tokens = 0;
+  int logit_rows = 0;           // entries that sample: the ids the step's result carries
+  bool wants_logprobs = false;  // one of them asks for logprobs
 };
 
 // A token a step sampled for a sequence.
@@ -91,13 +102,15 @@ class Scheduler {
   explicit Scheduler(const SchedulerOptions& options);
 
   // Queues a sequence. `id`s increase with arrival (older = smaller = served first). `sampling`
-  // is the request's (draw_index and the penalty ids are filled per step). The prompt must be
+  // is the request's (its draw_index and penalty ids are ignored: workers derive them per step). The prompt must be
   // non-empty and the sequence must never need more than max_blocks_per_seq blocks (the caller
   // checks prompt + max_tokens against the served length).
   void Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling);
 
   // Builds `lane`'s next step into `step` (cleared; `step_id` set). Returns the micro-batch, valid
   // until the lane's Complete, or null when the lane has a step in flight or nothing to run.
+  // Plans are stateful (worker.proto StepPlan): every plan returned must reach every worker, in
+  // the order built; when one cannot, the group is over (Clear()).
   const MicroBatch* Schedule(int lane, uint64_t step_id, v1::StepPlan* step);
 
   // `lane`'s step came back with one sampled id per logit row: its tokens are cached now, and the
@@ -137,6 +150,10 @@ class Scheduler {
     bool in_batch = false;        // in the step being built
     bool removed = false;         // Remove()d while in a step in flight
     bool stalled = false;         // running, waits for a block a newer sequence in a step holds
+    // What the workers hold of it (all get the same plans, in order): sent as a new sequence
+    // and not freed since, and how many of its blocks they have.
+    bool sent = false;
+    int64_t blocks_sent = 0;
     v1::RowSampling sampling;
 
     int64_t unfed() const { return static_cast<int64_t>(tokens.size()) - num_fed; }
@@ -158,9 +175,13 @@ class Scheduler {
   // The most prefill tokens the next step takes: no limit with one lane, else an even split across
   // the lanes of the prefill tokens in flight and of those not yet fed, at least budget / lanes.
   int64_t PrefillCap() const;
+  // The workers drop `s` with the next plan (when they hold it).
+  void Forget(Seq& s);
   void Preempt(Seq& s);
   void Erase(Seq& s);
-  void WriteStep(const MicroBatch& batch, v1::StepPlan* step);
+  // The plan of `batch` (its logit_rows and wants_logprobs set): what changed since the last
+  // plan for its sequences, and the ids freed since.
+  void WriteStep(MicroBatch& batch, v1::StepPlan* step);
 
   const SchedulerOptions options_;
   BlockManager blocks_;
@@ -168,6 +189,7 @@ class Scheduler {
   std::set<uint64_t> running_;                     // hold blocks, belong to a lane
   std::set<uint64_t> waiting_;                     // no blocks: new, or preempted
   std::vector<Lane> lanes_;
+  std::vector<uint64_t> freed_;  // sequences the workers hold and drop with the next plan
   int64_t preemptions_ = 0;
 };
 

@@ -226,8 +226,9 @@ absl::Status Engine::SendSteps() {
     if (metrics_ != nullptr) {
       metrics_->step_sequences.Observe(static_cast<double>(batch->entries.size()));
       metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
+      metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
     }
-    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_));
+    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs));
     in_flight_.push_back(InFlight{lane, batch->step_id, now});
   }
   return absl::OkStatus();

@@ -57,6 +57,10 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                       .Help("Tokens (prefill chunks and decodes) in each step the coordinator sends.")
                       .Register(*registry_)
                       .Add({{"model", model}}, prometheus::Histogram::BucketBoundaries{1, 4, 16, 64, 256, 1024, 4096})),
+      step_plan_bytes(AddCounter(*registry_, "shardserve_step_plan_bytes_total",
+                                 "Serialized bytes of the step plans sent, counted once per step (every worker gets "
+                                 "them).",
+                                 model)),
       requests_running(AddGauge(*registry_, "shardserve_requests_running",
                                 "Sequences in the running batch (holding KV blocks).", model)),
       requests_waiting(AddGauge(*registry_, "shardserve_requests_waiting",

@@ -54,6 +54,7 @@ class CoordinatorMetrics {
   prometheus::Histogram& request_queue;         // seconds, arrival -> first step
   prometheus::Histogram& step_sequences;  // sequences per step sent
   prometheus::Histogram& step_tokens;     // tokens per step sent
+  prometheus::Counter& step_plan_bytes;   // serialized StepPlan bytes, once per step (each worker gets them)
   prometheus::Gauge& requests_running;
   prometheus::Gauge& requests_waiting;
   prometheus::Gauge& kv_blocks_used;   // blocks held by running sequences

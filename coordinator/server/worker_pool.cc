@@ -20,7 +20,7 @@ namespace shardserve {
 namespace {
 
 // The API version this coordinator speaks (worker.proto Register.protocol_version).
-constexpr int kProtocolVersion = 1;
+constexpr int kProtocolVersion = 2;
 // When a step breaks, how long to wait for the other workers' news before answering: a killed
 // worker's peers report their own failure (a lost connection) at about the time its stream ends,
 // and the message should name the worker that vanished, not only the peers that noticed.
@@ -528,15 +528,14 @@ absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, 
   return absl::OkStatus();
 }
 
-absl::Status WorkerPool::StartStep(const v1::StepPlan& step) {
+absl::Status WorkerPool::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {
   std::vector<int> group;
   {
     absl::MutexLock lock(&mu_);
     if (phase_ != Phase::kServing) return NotServingLocked();
     InFlightStep& f = steps_[step.step_id()];
-    f.rows = step.logit_rows_size();
-    f.wants_logprobs = std::any_of(step.sampling().begin(), step.sampling().end(),
-                                   [](const v1::RowSampling& r) { return r.logprobs(); });
+    f.rows = logit_rows;
+    f.wants_logprobs = wants_logprobs;
     f.answered.assign(group_->slots.size(), false);
     f.results.assign(group_->slots.size(), v1::StepResult());
     for (const Slot& s : group_->slots) group.push_back(s.worker);

@@ -127,9 +127,12 @@ class WorkerPool {
   // OK while serving; otherwise Unavailable saying why (waiting for workers, loading, which
   // worker is lost and why, ...).
   absl::Status CheckServing();
-  // Sends `step` (a new, increasing step_id) to every worker. Unavailable when the group is not
-  // serving. Steps are finished in the order they were started.
-  absl::Status StartStep(const v1::StepPlan& step);
+  // Sends `step` (a new, increasing step_id) to every worker; its result carries `logit_rows`
+  // sampled ids (the rows that sample), and logprobs when `wants_logprobs`. Unavailable when the
+  // group is not serving. Steps are finished in the order they were started. Plans are stateful:
+  // after a failure here the group's workers must not get later plans (the engine clears its
+  // scheduler; a new group starts empty).
+  absl::Status StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs);
   // Waits for every worker's StepResult of the oldest step in flight, `step_id`, at most `timeout`.
   // Unavailable, naming the lost workers, when the group is not serving or breaks during the step
   // (a worker that misses the deadline is marked LOST). When a worker is lost during the step,

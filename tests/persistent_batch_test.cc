@@ -1,0 +1,379 @@
+// worker/persistent_batch.h: the running batch a worker holds from stateful step plans. What it
+// derives (positions, slots, block tables, logit rows, draw indices, penalty ids) is checked
+// against what the stateless plans carried, and every bad plan is InvalidArgument naming what is
+// wrong. The scheduler's randomized cluster tests (scheduler_test.cc) decode every plan with it too.
+#include "worker/persistent_batch.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace shardserve {
+namespace {
+
+using RowList = google::protobuf::RepeatedPtrField<v1::RowSampling>;
+
+// 4 rows and 12 tokens a step, blocks of 4 tokens, 16 blocks, tables of 4 blocks (16 tokens).
+constexpr StepLimits kLimits{.max_tokens_per_step = 12, .max_seqs_per_step = 4, .block_size = 4,
+                             .num_kv_blocks = 16, .max_model_len = 16};
+constexpr int64_t kVocab = 100;
+
+void AddNewSeq(v1::StepPlan* plan, uint64_t id, std::vector<int32_t> blocks, int32_t prompt_len,
+               const v1::RowSampling& sampling = v1::RowSampling()) {
+  v1::NewSeq* n = plan->add_new_seqs();
+  n->set_seq_id(id);
+  n->mutable_block_ids()->Add(blocks.begin(), blocks.end());
+  *n->mutable_sampling() = sampling;
+  n->set_prompt_len(prompt_len);
+}
+
+void AddBlocks(v1::StepPlan* plan, uint64_t id, std::vector<int32_t> blocks) {
+  v1::SeqBlocks* a = plan->add_appended_blocks();
+  a->set_seq_id(id);
+  a->mutable_block_ids()->Add(blocks.begin(), blocks.end());
+}
+
+void AddRow(v1::StepPlan* plan, uint64_t id, int32_t start, std::vector<int32_t> tokens, bool sample) {
+  plan->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  plan->add_row_seq_ids(id);
+  plan->add_row_start_positions(start);
+  plan->add_row_num_tokens(static_cast<int32_t>(tokens.size()));
+  plan->add_row_samples(sample);
+}
+
+class PersistentBatchTest : public ::testing::Test {
+ protected:
+  PersistentBatchTest() : state_(kLimits, kVocab, /*keep_history=*/true) { state_.Reserve(&batch_); }
+
+  absl::Status Apply(const v1::StepPlan& plan) { return state_.Apply(plan, &batch_, &sampling_); }
+
+  // Applies `plan` and expects InvalidArgument whose message has `want`.
+  void ExpectBad(const v1::StepPlan& plan, const std::string& want) {
+    const absl::Status s = Apply(plan);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want << ": " << s;
+    EXPECT_NE(s.message().find(want), std::string::npos) << "want '" << want << "' in: " << s.message();
+  }
+
+  // Seq 1: prompt {11, 12, 13, 14, 15} in blocks 7 and 2, fed whole, sampling.
+  v1::StepPlan Prefill(const v1::RowSampling& sampling = v1::RowSampling()) {
+    v1::StepPlan p;
+    p.set_step_id(1);
+    AddNewSeq(&p, 1, {7, 2}, 5, sampling);
+    AddRow(&p, 1, 0, {11, 12, 13, 14, 15}, true);
+    return p;
+  }
+
+  PersistentBatch state_;
+  StepBatch batch_;
+  RowList sampling_;
+};
+
+// A prefill, then a prompt chunk of a second sequence beside a decode of the first, then a decode
+// that crosses into an appended block: the batch is what a stateless plan carried.
+TEST_F(PersistentBatchTest, DerivesWhatStatelessPlansCarried) {
+  v1::RowSampling rs;
+  rs.set_seed(42);
+  rs.set_temperature(0.5f);
+  rs.set_repetition_penalty(1.3f);
+  ASSERT_TRUE(Apply(Prefill(rs)).ok());
+  EXPECT_EQ(batch_.token_ids, (std::vector<int32_t>{11, 12, 13, 14, 15}));
+  EXPECT_EQ(batch_.positions, (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(batch_.token_seq, (std::vector<int32_t>{0, 0, 0, 0, 0}));
+  EXPECT_EQ(batch_.slots, (std::vector<int32_t>{28, 29, 30, 31, 8}));
+  EXPECT_EQ(batch_.num_seqs, 1);
+  EXPECT_EQ(batch_.block_tables, (std::vector<int32_t>{7, 2, 0, 0}));
+  EXPECT_EQ(batch_.logit_rows, (std::vector<int32_t>{4}));
+  ASSERT_EQ(sampling_.size(), 1);
+  EXPECT_EQ(sampling_[0].seed(), 42u);
+  EXPECT_EQ(sampling_[0].draw_index(), 0u);
+  EXPECT_EQ(std::vector<int32_t>(sampling_[0].penalty_prompt_ids().begin(), sampling_[0].penalty_prompt_ids().end()),
+            (std::vector<int32_t>{11, 12, 13, 14, 15}));
+  EXPECT_EQ(sampling_[0].penalty_output_ids_size(), 0);
+
+  // Seq 1 decodes its sampled 50; seq 2 prefills 3 of its 6 prompt tokens (no sample).
+  v1::StepPlan p;
+  p.set_step_id(2);
+  AddNewSeq(&p, 2, {5, 6}, 6);
+  AddRow(&p, 1, 5, {50}, true);
+  AddRow(&p, 2, 0, {21, 22, 23}, false);
+  ASSERT_TRUE(Apply(p).ok());
+  EXPECT_EQ(batch_.positions, (std::vector<int32_t>{5, 0, 1, 2}));
+  EXPECT_EQ(batch_.token_seq, (std::vector<int32_t>{0, 1, 1, 1}));
+  EXPECT_EQ(batch_.slots, (std::vector<int32_t>{9, 20, 21, 22}));
+  EXPECT_EQ(batch_.block_tables, (std::vector<int32_t>{7, 2, 0, 0, 5, 6, 0, 0}));
+  EXPECT_EQ(batch_.logit_rows, (std::vector<int32_t>{0}));
+  ASSERT_EQ(sampling_.size(), 1);
+  EXPECT_EQ(sampling_[0].draw_index(), 1u);
+  EXPECT_EQ(std::vector<int32_t>(sampling_[0].penalty_output_ids().begin(), sampling_[0].penalty_output_ids().end()),
+            (std::vector<int32_t>{50}));
+  EXPECT_EQ(state_.fed(1), 6);
+  EXPECT_EQ(state_.fed(2), 3);
+
+  // Seq 1 fills block 2 (positions 6, 7) over two decodes, then crosses into appended block 11.
+  for (int32_t pos : {6, 7}) {
+    v1::StepPlan d;
+    d.set_step_id(static_cast<uint64_t>(pos) - 3);
+    AddRow(&d, 1, pos, {pos + 50}, true);
+    ASSERT_TRUE(Apply(d).ok());
+  }
+  v1::StepPlan cross;
+  cross.set_step_id(5);
+  AddBlocks(&cross, 1, {11});
+  AddRow(&cross, 1, 8, {58}, true);
+  ASSERT_TRUE(Apply(cross).ok());
+  EXPECT_EQ(batch_.slots, (std::vector<int32_t>{44}));
+  EXPECT_EQ(batch_.block_tables, (std::vector<int32_t>{7, 2, 11, 0}));
+  EXPECT_EQ(sampling_[0].draw_index(), 4u);
+  EXPECT_EQ(std::vector<int32_t>(sampling_[0].penalty_output_ids().begin(), sampling_[0].penalty_output_ids().end()),
+            (std::vector<int32_t>{50, 56, 57, 58}));
+  EXPECT_EQ(state_.blocks(1), (std::vector<int32_t>{7, 2, 11}));
+}
+
+// Penalty ids are kept only where asked (the worker that samples), and only for the penalties
+// that read them: the prompt for the repetition penalty, the completion for any.
+TEST_F(PersistentBatchTest, KeepsPenaltyIdsOnlyWhereNeeded) {
+  v1::RowSampling presence;
+  presence.set_presence_penalty(0.5f);
+  ASSERT_TRUE(Apply(Prefill(presence)).ok());
+  EXPECT_EQ(sampling_[0].penalty_prompt_ids_size(), 0);
+  EXPECT_EQ(sampling_[0].penalty_output_ids_size(), 0);
+  v1::StepPlan d;
+  d.set_step_id(2);
+  AddRow(&d, 1, 5, {9}, true);
+  ASSERT_TRUE(Apply(d).ok());
+  EXPECT_EQ(sampling_[0].penalty_output_ids_size(), 1);
+
+  PersistentBatch elsewhere(kLimits, kVocab, /*keep_history=*/false);
+  StepBatch b;
+  elsewhere.Reserve(&b);
+  ASSERT_TRUE(elsewhere.Apply(Prefill(presence), &b, &sampling_).ok());
+  ASSERT_TRUE(elsewhere.Apply(d, &b, &sampling_).ok());
+  EXPECT_EQ(sampling_[0].penalty_output_ids_size(), 0);
+  EXPECT_EQ(sampling_[0].presence_penalty(), 0.5f);
+}
+
+// A preempted sequence is freed and comes back new in the same plan, with other blocks, fed from
+// position 0; the history starts over with it.
+TEST_F(PersistentBatchTest, FreedSequenceComesBackNew) {
+  v1::RowSampling rs;
+  rs.set_frequency_penalty(1.0f);
+  ASSERT_TRUE(Apply(Prefill(rs)).ok());
+  v1::StepPlan p;
+  p.set_step_id(2);
+  p.add_freed_seq_ids(1);
+  AddNewSeq(&p, 1, {3, 4}, 5, rs);
+  AddRow(&p, 1, 0, {11, 12, 13, 14, 15, 50}, true);
+  ASSERT_TRUE(Apply(p).ok());
+  EXPECT_EQ(batch_.slots, (std::vector<int32_t>{12, 13, 14, 15, 16, 17}));
+  EXPECT_EQ(sampling_[0].draw_index(), 1u);
+  EXPECT_EQ(std::vector<int32_t>(sampling_[0].penalty_output_ids().begin(), sampling_[0].penalty_output_ids().end()),
+            (std::vector<int32_t>{50}));
+  EXPECT_EQ(state_.size(), 1);
+  v1::StepPlan f;
+  f.set_step_id(3);
+  f.add_freed_seq_ids(1);
+  AddNewSeq(&f, 2, {0}, 1);
+  AddRow(&f, 2, 0, {1}, true);
+  ASSERT_TRUE(Apply(f).ok());
+  EXPECT_FALSE(state_.Holds(1));
+  EXPECT_TRUE(state_.Holds(2));
+}
+
+TEST_F(PersistentBatchTest, RefusesUnknownSequences) {
+  v1::StepPlan row;
+  row.set_step_id(9);
+  AddRow(&row, 3, 0, {1}, true);
+  ExpectBad(row, "step 9: row 0 names seq 3, which this worker does not hold");
+
+  v1::StepPlan blocks;
+  blocks.set_step_id(9);
+  AddBlocks(&blocks, 3, {1});
+  AddRow(&blocks, 3, 0, {1}, true);
+  ExpectBad(blocks, "appended_blocks[0] names seq 3, which this worker does not hold");
+
+  v1::StepPlan freed;
+  freed.set_step_id(9);
+  freed.add_freed_seq_ids(3);
+  ExpectBad(freed, "freed_seq_ids names seq 3, which this worker does not hold");
+}
+
+TEST_F(PersistentBatchTest, RefusesARowForAFreedSequence) {
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan p;
+  p.set_step_id(2);
+  p.add_freed_seq_ids(1);
+  AddRow(&p, 1, 5, {1}, true);
+  ExpectBad(p, "row 0 names seq 1, which this worker does not hold");
+}
+
+TEST_F(PersistentBatchTest, RefusesASequenceFreedTwice) {
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan p;
+  p.set_step_id(2);
+  p.add_freed_seq_ids(1);
+  p.add_freed_seq_ids(1);
+  ExpectBad(p, "freed_seq_ids names seq 1, which this worker does not hold");
+}
+
+TEST_F(PersistentBatchTest, RefusesASequenceSentNewTwice) {
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan again = Prefill();
+  again.set_step_id(2);
+  ExpectBad(again, "new_seqs[0]: seq 1 is already held");
+
+  PersistentBatch other(kLimits, kVocab, true);
+  v1::StepPlan twice;
+  twice.set_step_id(3);
+  AddNewSeq(&twice, 4, {0}, 1);
+  AddNewSeq(&twice, 4, {1}, 1);
+  AddRow(&twice, 4, 0, {1}, true);
+  const absl::Status s = other.Apply(twice, &batch_, &sampling_);
+  EXPECT_NE(s.message().find("new_seqs[1]: seq 4 is already held"), std::string::npos) << s;
+}
+
+TEST_F(PersistentBatchTest, RefusesATableLongerThanMaxBlocksPerSeq) {
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {0, 1, 2, 3, 4}, 1);
+  AddRow(&p, 1, 0, {1}, true);
+  ExpectBad(p, "new_seqs gives seq 1 5 blocks; a table holds at most 4");
+
+  ASSERT_TRUE(Apply(Prefill()).ok());  // 2 blocks
+  v1::StepPlan grow;
+  grow.set_step_id(2);
+  AddBlocks(&grow, 1, {3, 4, 5});
+  AddRow(&grow, 1, 5, {1}, true);
+  ExpectBad(grow, "appended_blocks gives seq 1 5 blocks; a table holds at most 4");
+}
+
+TEST_F(PersistentBatchTest, RefusesBlocksOutsideTheCache) {
+  for (int32_t block : {-1, 16}) {
+    PersistentBatch state(kLimits, kVocab, true);
+    v1::StepPlan p;
+    p.set_step_id(1);
+    AddNewSeq(&p, 1, {0, block}, 1);
+    AddRow(&p, 1, 0, {1}, true);
+    const absl::Status s = state.Apply(p, &batch_, &sampling_);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(absl::StrCat("new_seqs gives seq 1 block ", block, " outside [0, 16)")),
+              std::string::npos)
+        << s;
+  }
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan grow;
+  grow.set_step_id(2);
+  AddBlocks(&grow, 1, {16});
+  AddRow(&grow, 1, 5, {1}, true);
+  ExpectBad(grow, "appended_blocks gives seq 1 block 16 outside [0, 16)");
+}
+
+TEST_F(PersistentBatchTest, RefusesPositionsBeyondTheTable) {
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {7}, 5);
+  AddRow(&p, 1, 0, {11, 12, 13, 14, 15}, true);
+  ExpectBad(p, "row 0 feeds seq 1 positions up to 4, beyond its table of 1 blocks of 4 tokens");
+}
+
+TEST_F(PersistentBatchTest, RefusesPositionsThatAreNotTheNextOnes) {
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  for (int32_t start : {4, 6, 0}) {
+    v1::StepPlan p;
+    p.set_step_id(2);
+    AddRow(&p, 1, start, {1}, true);
+    ExpectBad(p, absl::StrCat("row 0 starts seq 1 at position ", start, "; it was fed 5 tokens"));
+  }
+}
+
+TEST_F(PersistentBatchTest, RefusesASequenceInTwoRows) {
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan p;
+  p.set_step_id(2);
+  AddRow(&p, 1, 5, {1}, false);
+  AddRow(&p, 1, 6, {2}, true);
+  ExpectBad(p, "row 1 names seq 1 a second time");
+}
+
+TEST_F(PersistentBatchTest, RefusesMoreRowsOrTokensThanTheLimits) {
+  v1::StepPlan rows;
+  rows.set_step_id(1);
+  for (uint64_t id = 1; id <= 5; ++id) AddRow(&rows, id, 0, {1}, true);
+  ExpectBad(rows, "5 rows; a step takes 1 to 4");
+
+  v1::StepPlan none;
+  none.set_step_id(1);
+  ExpectBad(none, "0 rows; a step takes 1 to 4");
+
+  v1::StepPlan tokens;
+  tokens.set_step_id(1);
+  AddNewSeq(&tokens, 1, {0, 1, 2, 3}, 13);
+  AddRow(&tokens, 1, 0, std::vector<int32_t>(13, 1), true);
+  ExpectBad(tokens, "13 token ids; a step takes 1 to 12");
+}
+
+TEST_F(PersistentBatchTest, RefusesMoreHeldSequencesThanMaxSeqsPerStep) {
+  v1::StepPlan p;
+  p.set_step_id(1);
+  for (uint64_t id = 1; id <= 4; ++id) AddNewSeq(&p, id, {static_cast<int32_t>(id)}, 1);
+  for (uint64_t id = 1; id <= 4; ++id) AddRow(&p, id, 0, {1}, true);
+  ASSERT_TRUE(Apply(p).ok());
+  v1::StepPlan more;
+  more.set_step_id(2);
+  AddNewSeq(&more, 5, {5}, 1);
+  AddRow(&more, 5, 0, {1}, true);
+  ExpectBad(more, "new_seqs[0]: seq 5 would be the 5th sequence held; at most max_seqs_per_step = 4");
+}
+
+TEST_F(PersistentBatchTest, RefusesRowListsThatDoNotAgree) {
+  v1::StepPlan p = Prefill();
+  p.add_row_samples(true);
+  ExpectBad(p, "row lists have 1 seq ids, 1 start positions, 1 token counts and 2 sample flags");
+
+  PersistentBatch a(kLimits, kVocab, true), b(kLimits, kVocab, true), c(kLimits, kVocab, true);
+  v1::StepPlan extra = Prefill();
+  extra.add_token_ids(3);
+  absl::Status s = a.Apply(extra, &batch_, &sampling_);
+  EXPECT_NE(s.message().find("the rows feed 5 tokens but token_ids has 6"), std::string::npos) << s;
+
+  v1::StepPlan zero = Prefill();
+  zero.set_row_num_tokens(0, 0);
+  s = b.Apply(zero, &batch_, &sampling_);
+  EXPECT_NE(s.message().find("row 0 feeds seq 1 0 tokens"), std::string::npos) << s;
+
+  v1::StepPlan past = Prefill();
+  past.set_row_num_tokens(0, 6);
+  s = c.Apply(past, &batch_, &sampling_);
+  EXPECT_NE(s.message().find("row 0 feeds seq 1 6 tokens; the step's token_ids have 5 left"), std::string::npos) << s;
+}
+
+TEST_F(PersistentBatchTest, RefusesBadNewSequences) {
+  v1::StepPlan inside = Prefill();
+  inside.mutable_new_seqs(0)->set_prompt_len(6);
+  ExpectBad(inside, "row 0 samples seq 1 after 5 tokens, inside its prompt of 6");
+
+  for (int32_t len : {0, 17}) {
+    PersistentBatch state(kLimits, kVocab, true);
+    v1::StepPlan p = Prefill();
+    p.mutable_new_seqs(0)->set_prompt_len(len);
+    const absl::Status s = state.Apply(p, &batch_, &sampling_);
+    EXPECT_NE(s.message().find(absl::StrCat("new_seqs[0]: seq 1 prompt_len ", len, " outside [1, 16]")),
+              std::string::npos)
+        << s;
+  }
+  PersistentBatch state(kLimits, kVocab, true);
+  v1::RowSampling drawn;
+  drawn.set_draw_index(3);
+  const absl::Status s = state.Apply(Prefill(drawn), &batch_, &sampling_);
+  EXPECT_NE(s.message().find("sampling carries draw_index or penalty ids"), std::string::npos) << s;
+}
+
+TEST_F(PersistentBatchTest, RefusesTokenIdsOutsideTheVocabulary) {
+  v1::StepPlan p = Prefill();
+  p.set_token_ids(2, kVocab);
+  ExpectBad(p, "token id 100 outside the vocabulary [0, 100)");
+}
+
+}  // namespace
+}  // namespace shardserve

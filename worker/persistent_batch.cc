@@ -1,0 +1,202 @@
+#include "worker/persistent_batch.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve {
+namespace {
+
+bool RepetitionOn(const v1::RowSampling& r) { return r.repetition_penalty() != 0 && r.repetition_penalty() != 1; }
+
+bool PenaltyOn(const v1::RowSampling& r) {
+  return RepetitionOn(r) || r.presence_penalty() != 0 || r.frequency_penalty() != 0;
+}
+
+}  // namespace
+
+PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history)
+    : limits_(limits), vocab_size_(vocab_size), keep_history_(keep_history) {
+  const int64_t m = std::max<int64_t>(0, limits.max_seqs_per_step);
+  slots_.resize(m);
+  free_slots_.reserve(m);
+  for (int64_t i = m - 1; i >= 0; --i) {
+    slots_[i].blocks.reserve(limits.max_blocks_per_seq());
+    free_slots_.push_back(static_cast<int32_t>(i));
+  }
+  index_.reserve(m);
+}
+
+void PersistentBatch::Reserve(StepBatch* b) const {
+  const int64_t n = limits_.max_tokens_per_step, m = limits_.max_seqs_per_step;
+  for (std::vector<int32_t>* v : {&b->token_ids, &b->positions, &b->token_seq, &b->slots}) v->reserve(n);
+  b->block_tables.reserve(m * limits_.max_blocks_per_seq());
+  b->logit_rows.reserve(m);
+}
+
+int64_t PersistentBatch::fed(uint64_t seq_id) const {
+  auto it = index_.find(seq_id);
+  return it == index_.end() ? -1 : slots_[it->second].fed;
+}
+
+std::vector<int32_t> PersistentBatch::blocks(uint64_t seq_id) const {
+  auto it = index_.find(seq_id);
+  return it == index_.end() ? std::vector<int32_t>{} : slots_[it->second].blocks;
+}
+
+absl::Status PersistentBatch::AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,
+                                           const char* what) {
+  const int64_t width = limits_.max_blocks_per_seq();
+  if (static_cast<int64_t>(s.blocks.size()) + ids.size() > width) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id, " ",
+                                                   s.blocks.size() + ids.size(), " blocks; a table holds at most ",
+                                                   width));
+  }
+  for (int32_t b : ids) {
+    if (b < 0 || b >= limits_.num_kv_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id, " block ", b,
+                                                     " outside [0, ", limits_.num_kv_blocks, ")"));
+    }
+    s.blocks.push_back(b);  // within the capacity reserved at construction
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
+                                    google::protobuf::RepeatedPtrField<v1::RowSampling>* sampling) {
+  const uint64_t step = p.step_id();
+  auto bad = [step](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", step, ": ", parts...)); };
+  ++applied_;
+
+  // 1. Freed sequences.
+  for (uint64_t id : p.freed_seq_ids()) {
+    auto it = index_.find(id);
+    if (it == index_.end()) return bad("freed_seq_ids names seq ", id, ", which this worker does not hold");
+    Seq& s = slots_[it->second];
+    s.blocks.clear();
+    s.sampling.Clear();  // keeps the penalty ids' capacity
+    free_slots_.push_back(it->second);
+    index_.erase(it);
+  }
+
+  // 2. New sequences.
+  for (int i = 0; i < p.new_seqs_size(); ++i) {
+    const v1::NewSeq& n = p.new_seqs(i);
+    if (index_.contains(n.seq_id())) return bad("new_seqs[", i, "]: seq ", n.seq_id(), " is already held");
+    if (free_slots_.empty()) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " would be the ", size() + 1,
+                 "th sequence held; at most max_seqs_per_step = ", limits_.max_seqs_per_step);
+    }
+    if (n.prompt_len() < 1 || n.prompt_len() > limits_.max_model_len) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " prompt_len ", n.prompt_len(), " outside [1, ",
+                 limits_.max_model_len, "]");
+    }
+    const v1::RowSampling& r = n.sampling();
+    if (r.draw_index() != 0 || r.penalty_prompt_ids_size() > 0 || r.penalty_output_ids_size() > 0) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(),
+                 " sampling carries draw_index or penalty ids; workers derive them");
+    }
+    const int32_t slot = free_slots_.back();
+    Seq& s = slots_[slot];
+    s.id = n.seq_id();
+    s.blocks.clear();
+    s.fed = 0;
+    s.prompt_len = n.prompt_len();
+    s.repetition = RepetitionOn(r);
+    s.penalty = PenaltyOn(r);
+    s.last_step = 0;
+    s.sampling.CopyFrom(r);
+    absl::Status st = AppendBlocks(step, s, n.block_ids(), "new_seqs");
+    if (!st.ok()) return st;
+    free_slots_.pop_back();
+    index_[s.id] = slot;
+  }
+
+  // 3. Appended blocks.
+  for (int i = 0; i < p.appended_blocks_size(); ++i) {
+    const v1::SeqBlocks& a = p.appended_blocks(i);
+    auto it = index_.find(a.seq_id());
+    if (it == index_.end()) return bad("appended_blocks[", i, "] names seq ", a.seq_id(), ", which this worker does not hold");
+    absl::Status st = AppendBlocks(step, slots_[it->second], a.block_ids(), "appended_blocks");
+    if (!st.ok()) return st;
+  }
+
+  // 4. Rows.
+  const int rows = p.row_seq_ids_size();
+  if (p.row_start_positions_size() != rows || p.row_num_tokens_size() != rows || p.row_samples_size() != rows) {
+    return bad("row lists have ", rows, " seq ids, ", p.row_start_positions_size(), " start positions, ",
+               p.row_num_tokens_size(), " token counts and ", p.row_samples_size(), " sample flags; they must match");
+  }
+  if (rows < 1 || rows > limits_.max_seqs_per_step) {
+    return bad(rows, " rows; a step takes 1 to ", limits_.max_seqs_per_step);
+  }
+  const int64_t n = p.token_ids_size();
+  if (n < 1 || n > limits_.max_tokens_per_step) {
+    return bad(n, " token ids; a step takes 1 to ", limits_.max_tokens_per_step);
+  }
+  for (int t = 0; t < n; ++t) {
+    if (p.token_ids(t) < 0 || p.token_ids(t) >= vocab_size_) {
+      return bad("token id ", p.token_ids(t), " outside the vocabulary [0, ", vocab_size_, ")");
+    }
+  }
+  const int64_t width = limits_.max_blocks_per_seq(), bs = limits_.block_size;
+  batch->token_ids.assign(p.token_ids().begin(), p.token_ids().end());  // within the reserved capacity
+  batch->positions.clear();
+  batch->token_seq.clear();
+  batch->slots.clear();
+  batch->block_tables.clear();
+  batch->logit_rows.clear();
+  batch->num_seqs = rows;
+  sampling->Clear();  // keeps the elements for reuse
+  int64_t t = 0;      // the row's first token in token_ids
+  for (int row = 0; row < rows; ++row) {
+    const uint64_t id = p.row_seq_ids(row);
+    auto it = index_.find(id);
+    if (it == index_.end()) return bad("row ", row, " names seq ", id, ", which this worker does not hold");
+    Seq& s = slots_[it->second];
+    if (s.last_step == applied_) return bad("row ", row, " names seq ", id, " a second time");
+    s.last_step = applied_;
+    const int64_t start = p.row_start_positions(row), count = p.row_num_tokens(row);
+    if (start != s.fed) {
+      return bad("row ", row, " starts seq ", id, " at position ", start, "; it was fed ", s.fed,
+                 " tokens, so its next position is ", s.fed);
+    }
+    if (count < 1 || count > n - t) {
+      return bad("row ", row, " feeds seq ", id, " ", count, " tokens; the step's token_ids have ", n - t,
+                 " left (each row takes at least 1)");
+    }
+    const int64_t end = start + count;
+    if (end > static_cast<int64_t>(s.blocks.size()) * bs) {
+      return bad("row ", row, " feeds seq ", id, " positions up to ", end - 1, ", beyond its table of ",
+                 s.blocks.size(), " blocks of ", bs, " tokens");
+    }
+    for (int64_t pos = start; pos < end; ++pos, ++t) {
+      batch->positions.push_back(static_cast<int32_t>(pos));
+      batch->token_seq.push_back(row);
+      batch->slots.push_back(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
+      if (keep_history_) {
+        if (pos < s.prompt_len) {
+          if (s.repetition) s.sampling.add_penalty_prompt_ids(p.token_ids(static_cast<int>(t)));
+        } else if (s.penalty) {
+          s.sampling.add_penalty_output_ids(p.token_ids(static_cast<int>(t)));
+        }
+      }
+    }
+    s.fed = end;
+    batch->block_tables.insert(batch->block_tables.end(), s.blocks.begin(), s.blocks.end());
+    batch->block_tables.resize(static_cast<size_t>((row + 1) * width), 0);
+    if (p.row_samples(row)) {
+      if (end < s.prompt_len) {
+        return bad("row ", row, " samples seq ", id, " after ", end, " tokens, inside its prompt of ", s.prompt_len);
+      }
+      batch->logit_rows.push_back(static_cast<int32_t>(t - 1));
+      v1::RowSampling* r = sampling->Add();
+      r->CopyFrom(s.sampling);
+      r->set_draw_index(static_cast<uint64_t>(end - s.prompt_len));
+    }
+  }
+  if (t != n) return bad("the rows feed ", t, " tokens but token_ids has ", n);
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

@@ -1,0 +1,105 @@
+// The running batch as a worker holds it, by sequence id (worker.proto StepPlan, protocol version
+// 2, as vLLM v1's persistent batch): each sequence's block table, sampling settings, prompt
+// length, the number of tokens fed to it so far and, when the sampler needs them, the fed tokens
+// themselves. Apply() takes a stateful StepPlan, updates the state and expands the plan into
+// what the stateless plans of version 1 carried: a StepBatch for LlamaShard::Forward and one
+// RowSampling per logit row for the Sampler.
+//
+// What a worker derives, for a row of sequence s feeding n tokens from start_position p0:
+//   positions   p0 .. p0 + n - 1 (p0 must equal the tokens fed to s so far);
+//   slots       table[pos / block_size] * block_size + pos % block_size;
+//   block table s's, padded with block 0 to max_blocks_per_seq (row-major [rows, width]);
+//   logit row   the row's last token, when the row samples;
+//   draw_index  p0 + n - prompt_len (a row samples only once every token of s is fed, so this is
+//               the number of tokens generated so far: the coordinator's tokens.size() -
+//               prompt_len);
+//   penalties   penalty_prompt_ids = the fed tokens at positions < prompt_len (repetition penalty
+//               on), penalty_output_ids = those at positions >= prompt_len (any penalty on): the
+//               prompt and every token generated so far, in order, as the coordinator sent them
+//               in version 1 (a preempted sequence comes back new and is fed from position 0).
+//
+// Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown
+// or twice-new or twice-freed id, a table past max_blocks_per_seq, a block outside
+// [0, num_kv_blocks), a row whose positions are not the next ones or lie beyond its table, more
+// rows, tokens or held sequences than the limits, lists of unequal length, a token id outside the
+// vocabulary. The state is changed as the plan is read, so after an error it is undefined: the
+// worker runs no further steps (StepExecutor), and the coordinator starts a new group with new
+// workers.
+//
+// Bounds: at most max_seqs_per_step sequences are held (the coordinator's running set, whose
+// freed ids come before its new ones). Memory is allocated once, at construction: a slot per
+// sequence with its block table reserved to max_blocks_per_seq, the id map reserved, the batch's
+// vectors reserved to the limits. Token histories (kept only with `keep_history`, for sequences
+// with a penalty on) grow with their sequences; their capacity stays with the slot.
+//
+// Threading: not thread-safe; one plan at a time.
+#ifndef SHARDSERVE_WORKER_PERSISTENT_BATCH_H_
+#define SHARDSERVE_WORKER_PERSISTENT_BATCH_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "google/protobuf/repeated_ptr_field.h"
+#include "model/step_limits.h"
+#include "shardserve/v1/worker.pb.h"
+#include "worker/llama.h"
+
+namespace shardserve {
+
+class PersistentBatch {
+ public:
+  // For plans within `limits` (checked by the caller: ValidateDecided) over a vocabulary of
+  // `vocab_size` ids. With `keep_history` (the worker that samples) the fed tokens of sequences
+  // with a penalty on are kept and handed to the sampler; elsewhere the penalty ids stay empty.
+  PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history);
+
+  // Applies `plan` (freed ids, new sequences, appended blocks, rows: in that order) and fills
+  // `batch` (its vectors cleared and refilled within their capacity) and `sampling` (one per
+  // logit row, elements reused). `batch` should come from Reserve() for no allocation.
+  absl::Status Apply(const v1::StepPlan& plan, StepBatch* batch,
+                     google::protobuf::RepeatedPtrField<v1::RowSampling>* sampling);
+
+  // Reserves `batch`'s vectors for the largest step within the limits.
+  void Reserve(StepBatch* batch) const;
+
+  // Sequences held.
+  int64_t size() const { return static_cast<int64_t>(index_.size()); }
+  bool Holds(uint64_t seq_id) const { return index_.contains(seq_id); }
+  // Tokens fed to a held sequence so far; -1 for an unknown id.
+  int64_t fed(uint64_t seq_id) const;
+  // A held sequence's block table; empty for an unknown id.
+  std::vector<int32_t> blocks(uint64_t seq_id) const;
+
+ private:
+  struct Seq {
+    uint64_t id = 0;
+    std::vector<int32_t> blocks;  // block table, reserved to max_blocks_per_seq
+    int64_t fed = 0;              // tokens fed so far: the next row starts at this position
+    int64_t prompt_len = 0;
+    bool repetition = false;      // repetition penalty on: keep the prompt
+    bool penalty = false;         // any penalty on: keep the completion
+    uint64_t last_step = 0;       // Apply() call that last gave it a row (1-based; 0: none)
+    // Settings; with keep_history, the penalty ids hold the fed tokens (see the file comment).
+    v1::RowSampling sampling;
+  };
+
+  absl::Status AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,
+                            const char* what);
+
+  // ---- Constant after construction ----
+  StepLimits limits_;
+  int64_t vocab_size_ = 0;
+  bool keep_history_ = false;
+
+  // ---- State ----
+  std::vector<Seq> slots_;                        // [max_seqs_per_step]
+  std::vector<int32_t> free_slots_;               // indices into slots_ not holding a sequence
+  absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
+  uint64_t applied_ = 0;                          // Apply() calls so far
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_PERSISTENT_BATCH_H_
