@@ -19,15 +19,28 @@ const char* ArchitectureName(Architecture a) {
   return "?";
 }
 
-int64_t ModelConfig::ParameterCount() const {
-  const int64_t h = hidden_size;
-  int64_t per_layer = h * q_dim() + 2 * h * kv_dim() + q_dim() * h  // q, k, v, o
-                      + 3 * h * intermediate_size                  // gate, up, down
-                      + 2 * h;                                     // two norms
-  if (attention_bias) per_layer += q_dim() + 2 * kv_dim();
-  const int64_t embed = vocab_size * h;
-  return num_hidden_layers * per_layer + embed + (tie_word_embeddings ? 0 : embed) + h;
+namespace {
+
+// The parameters of `c`, in T: int64_t for ParameterCount, __int128 for the parser's bound (each
+// dimension <= 2^31 and head_dim <= 1024 keep every product below 2^104).
+template <typename T>
+T CountParameters(const ModelConfig& c) {
+  const T h = c.hidden_size, q = T{c.num_attention_heads} * c.head_dim, kv = T{c.num_key_value_heads} * c.head_dim;
+  T per_layer = h * q + 2 * h * kv + q * h  // q, k, v, o
+                + 3 * h * c.intermediate_size  // gate, up, down
+                + 2 * h;                       // two norms
+  if (c.attention_bias) per_layer += q + 2 * kv;
+  const T embed = T{c.vocab_size} * h;
+  return T{c.num_hidden_layers} * per_layer + embed + (c.tie_word_embeddings ? 0 : embed) + h;
 }
+
+// More parameters than any model this server could hold; the bound keeps ParameterCount (every
+// term non-negative, so every partial sum below the total) far from int64 overflow.
+constexpr int64_t kMaxParameters = int64_t{1} << 50;
+
+}  // namespace
+
+int64_t ModelConfig::ParameterCount() const { return CountParameters<int64_t>(*this); }
 
 namespace {
 
@@ -154,6 +167,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
                       absl::StrCat("(", c.num_key_value_heads, ") must divide num_attention_heads (",
                                    c.num_attention_heads, ")"));
   }
+  if (CountParameters<__int128>(c) > kMaxParameters) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": the dimensions describe more than 2^50 parameters"));
+  }
   if (c.rms_norm_eps <= 0) return FieldError(source, "rms_norm_eps", "must be > 0");
   if (c.rope_theta <= 0) return FieldError(source, "rope_theta", "must be > 0");
   if (c.mlp_bias) return FieldError(source, "mlp_bias", "true is not supported");
@@ -172,8 +188,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
 
-  std::string dtype = j.value("torch_dtype", std::string("float32"));
+  // Type first: json::value() throws when the field is there with another type.
   if (j.contains("torch_dtype") && !j["torch_dtype"].is_string()) return FieldError(source, "torch_dtype", "must be a string");
+  std::string dtype = j.value("torch_dtype", std::string("float32"));
   if (dtype == "float32") {
     c.dtype = DType::kF32;
   } else if (dtype == "float16") {
@@ -197,6 +214,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
+  // The worker computes RoPE in float32: a rope_theta or llama3 scaling that is positive in double
+  // can still give inf or NaN there (rope_theta 1e-50 rounds to 0).
+  for (float f : RopeInvFreq(c)) {
+    if (!std::isfinite(f)) {
+      return FieldError(source, c.rope_scaling.type == RopeScaling::Type::kNone ? "rope_theta" : "rope_scaling",
+                        "gives RoPE frequencies that are not finite in float32");
+    }
+  }
   return c;
 }
 

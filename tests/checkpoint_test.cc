@@ -215,6 +215,38 @@ TEST_F(CheckpointTest, UnsupportedConfigDtype) {
   EXPECT_THAT(std::string(config.status().message()), HasSubstr("torch_dtype"));
 }
 
+// Found with fuzz/config_fuzzer (fuzz/corpus/config/regress_*.json): each was an abort or
+// undefined behaviour before, and is an error naming the field now.
+TEST_F(CheckpointTest, ConfigDtypeOfAnotherTypeIsAnErrorNotAnException) {
+  json c = TinyConfig();
+  c["torch_dtype"] = 1;  // json::value() threw type_error here
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("\"torch_dtype\" must be a string"));
+}
+
+TEST_F(CheckpointTest, DimensionsWhoseParameterCountOverflowsAreRefused) {
+  // Each dimension is allowed on its own; their product overflowed int64 in ParameterCount().
+  json c = TinyConfig();
+  c["hidden_size"] = int64_t{1} << 31;
+  c["intermediate_size"] = int64_t{1} << 31;
+  c["num_hidden_layers"] = int64_t{1} << 31;
+  c["num_attention_heads"] = int64_t{1} << 21;
+  c["num_key_value_heads"] = int64_t{1} << 21;
+  c["head_dim"] = 1024;
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("more than 2^50 parameters"));
+}
+
+TEST_F(CheckpointTest, RopeThetaThatIsZeroInFloat32IsRefused) {
+  json c = TinyConfig();
+  c["rope_theta"] = 1e-50;  // > 0 in double, 0 in float32: RoPE frequencies were inf
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("\"rope_theta\" gives RoPE frequencies"));
+}
+
 TEST_F(CheckpointTest, HeadsThatDoNotDivide) {
   json c = TinyConfig();
   c["num_key_value_heads"] = 3;

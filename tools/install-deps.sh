@@ -16,6 +16,8 @@ PACKAGES=(
   python3 python3-venv
   procps                    # pgrep: tests/bench_test.py checks that no process is left behind
   prometheus                # promtool: tests/deploy_test.sh checks deploy/prometheus
+  clang libclang-rt-14-dev  # tools/fuzz.sh: clang and libFuzzer (libclang_rt.fuzzer-x86_64.a)
+  libomp-dev                # OpenMP for clang, which the fuzz build's configure looks for
 )
 
 SUDO=""

@@ -6,6 +6,9 @@
 #   BUILD_DIR=build-cpu CMAKE_ARGS=-DSHARDSERVE_WITH_CUDA=OFF tools/test.sh
 #
 # Tests that need a GPU report themselves as skipped where none is present.
+#
+# After CTest, the fuzz targets (fuzz/) are built with clang in build-fuzz/ and each runs for
+# FUZZ_CI_SECONDS (default 20) over its seed corpus (tools/fuzz.sh ci); FUZZ_CI_SECONDS=0 skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,5 +28,10 @@ cmake -S . -B "$BUILD_DIR" -G Ninja ${CMAKE_ARGS:-}
 cmake --build "$BUILD_DIR" -j "$JOBS"
 echo "test.sh: build took $(( $(date +%s) - start )) s"
 
-cd "$BUILD_DIR"
-ctest --output-on-failure -j "$JOBS" --timeout 900
+(cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS" --timeout 900)
+
+if [ "${FUZZ_CI_SECONDS:-20}" != 0 ]; then
+  start=$(date +%s)
+  FUZZ_CI_SECONDS=${FUZZ_CI_SECONDS:-20} JOBS=$JOBS tools/fuzz.sh ci
+  echo "test.sh: fuzz build and runs took $(( $(date +%s) - start )) s"
+fi

@@ -1,0 +1,25 @@
+// config.json text (model/config.h): ParseModelConfig, as LoadModelConfig calls it on the file's
+// contents, then what every parsed config meets in production: ParameterCount (planner,
+// ModelInfo) and RopeInvFreq (the worker's forward pass). Errors must be a Status; a config that
+// parses must keep these free of overflow (UBSan) and their results finite.
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "model/config.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  absl::StatusOr<shardserve::ModelConfig> config = shardserve::ParseModelConfig(text, "config.json");
+  if (!config.ok()) return 0;
+  if (config->ParameterCount() <= 0) std::abort();
+  if (config->q_dim() <= 0 || config->kv_dim() <= 0 || config->num_attention_heads % config->num_key_value_heads != 0) {
+    std::abort();
+  }
+  for (float f : shardserve::RopeInvFreq(*config)) {
+    if (!std::isfinite(f)) std::abort();
+  }
+  return 0;
+}

@@ -1,0 +1,91 @@
+// A GenerateRequest off the wire, as InferenceService::Generate receives it: protobuf parsing,
+// then the coordinator's validation (PrepareGeneration, coordinator/server/generation.h) against
+// the demo model (models/demo, loaded once as the coordinator loads it), then, for a request that
+// passes, the stream a Generation makes when the model "samples" the prompt's own ids back.
+//
+// Invariants: a refused request is InvalidArgument; an accepted one has prompt ids inside the
+// vocabulary and prompt + max_tokens within max_model_len; the streamed text is the decode of the
+// accepted ids (special tokens skipped), cut before the first stop string.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coordinator/server/generation.h"
+#include "coordinator/server/served_model.h"
+#include "google/protobuf/stubs/logging.h"
+#include "shardserve/v1/inference.pb.h"
+
+namespace {
+
+const shardserve::ServedModel& Model() {
+  static const shardserve::ServedModel* model = [] {
+    absl::StatusOr<std::unique_ptr<shardserve::ServedModel>> m =
+        shardserve::ServedModel::Open(std::string(SHARDSERVE_SOURCE_DIR) + "/models/demo");
+    if (!m.ok()) {
+      std::fprintf(stderr, "request_fuzzer: %s\n", std::string(m.status().message()).c_str());
+      std::abort();
+    }
+    return m->release();
+  }();
+  return *model;
+}
+
+void Check(bool ok, const char* what) {
+  if (ok) return;
+  std::fprintf(stderr, "request_fuzzer: %s\n", what);
+  std::abort();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  // Parsing refuses a text field that is not UTF-8, as gRPC does, and logs each refusal; quiet.
+  google::protobuf::SetLogHandler(nullptr);
+  Model();
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  shardserve::v1::GenerateRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(std::min<size_t>(size, INT32_MAX)))) return 0;
+  const shardserve::ServedModel& model = Model();
+  const int64_t max_model_len = model.config.max_position_embeddings;
+  absl::StatusOr<shardserve::GenerationParams> params =
+      shardserve::PrepareGeneration(request, model, max_model_len, "req-fuzz");
+  if (!params.ok()) {
+    Check(absl::IsInvalidArgument(params.status()), "a refusal that is not InvalidArgument");
+    return 0;
+  }
+  const int64_t vocab = model.config.vocab_size;
+  Check(!params->prompt.empty(), "empty prompt accepted");
+  for (int32_t id : params->prompt) Check(id >= 0 && id < vocab, "prompt id outside the vocabulary");
+  Check(params->max_tokens > 0 && static_cast<int64_t>(params->prompt.size()) + params->max_tokens <= max_model_len,
+        "prompt + max_tokens exceed max_model_len");
+  shardserve::SamplingTemplate(*params);
+
+  // Stream the prompt's ids back as if sampled.
+  shardserve::Generation generation(*params, model.eos_ids, model.tokenizer.get());
+  std::vector<int32_t> accepted;
+  std::string streamed;
+  bool finished = false;
+  shardserve::v1::GenerateResponse response;
+  for (int32_t id : params->prompt) {
+    if (accepted.size() >= 64) break;
+    accepted.push_back(id);
+    finished = generation.Accept(id, &response);
+    streamed += response.text();
+    if (finished) break;
+  }
+  if (finished) {
+    const std::string full = model.tokenizer->Decode(accepted, /*skip_special_tokens=*/true);
+    size_t cut = std::string::npos;
+    for (const std::string& stop : params->stop) cut = std::min(cut, full.find(stop));
+    Check(streamed == full.substr(0, cut), "streamed text is not the decode cut at the first stop string");
+  }
+  return 0;
+}

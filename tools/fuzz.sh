@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The libFuzzer targets of fuzz/ (docs/security.md, "Fuzzing"): build them with clang, ASan and
+# UBSan in build-fuzz/, and run each over a copy of its seed corpus for a bounded time.
+#
+#   tools/fuzz.sh build                 # configure + build build-fuzz/ (clang, no CUDA, no tests)
+#   tools/fuzz.sh run [SECONDS]         # each target for SECONDS (default 60); fails on any crash
+#   tools/fuzz.sh ci                    # build, then run each target for ${FUZZ_CI_SECONDS:-20} s
+#   tools/fuzz.sh runs N [TARGET...]    # each target for N executions (-runs=N), e.g. 1000000
+#
+# Runs use a scratch copy of fuzz/corpus/NAME (under build-fuzz/corpus/) so that the committed seeds
+# only change by hand; a crashing input is left in build-fuzz/crashes/NAME/ and the script fails.
+# Each run prints its executions, exec/s and the corpus size it ended with.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
+JOBS=${JOBS:-$(nproc)}
+TARGETS=(safetensors config tokenizer_json tokenize request)
+# Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB.
+declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096)
+
+build() {
+  local start
+  start=$(date +%s)
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_BUILD_TESTS=OFF -DSHARDSERVE_FUZZ=ON >/dev/null
+  cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]/%/_fuzzer}"
+  echo "fuzz.sh: build took $(( $(date +%s) - start )) s"
+}
+
+# run_one NAME LIBFUZZER_ARGS...: one target over a scratch copy of its corpus.
+run_one() {
+  local name=$1; shift
+  local bin=$BUILD_DIR/bin/${name}_fuzzer corpus=$BUILD_DIR/corpus/$name crashes=$BUILD_DIR/crashes/$name
+  local log=$BUILD_DIR/logs/$name.log
+  [ -x "$bin" ] || { echo "fuzz.sh: $bin is not built (tools/fuzz.sh build)"; return 1; }
+  rm -rf "$corpus" && mkdir -p "$corpus" "$crashes" "$(dirname "$log")"
+  cp fuzz/corpus/"$name"/* "$corpus"/
+  local start rc=0
+  start=$(date +%s%N)
+  # -print_final_stats: the number of runs and exec/s; -artifact_prefix: where a crash goes.
+  "$bin" "$@" -max_len="${MAX_LEN[$name]}" -rss_limit_mb=2048 -timeout=25 -print_final_stats=1 \
+    -artifact_prefix="$crashes/" "$corpus" >"$log" 2>&1 || rc=$?
+  local secs runs speed files
+  secs=$(( ($(date +%s%N) - start) / 1000000000 ))
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+  speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
+  files=$(find "$corpus" -type f | wc -l)
+  printf 'fuzz.sh: %-15s %10s executions %8s exec/s %6s s corpus %4s files  %s\n' \
+    "$name" "${runs:-?}" "${speed:-?}" "$secs" "$files" "$([ $rc -eq 0 ] && echo 'no crash' || echo "CRASH (rc $rc): $log")"
+  if [ $rc -ne 0 ]; then
+    grep -E "ERROR|SUMMARY|fuzzer:|Test unit written" "$log" | head -20
+    return 1
+  fi
+}
+
+run_all() {
+  local failed=0 name
+  for name in "$@"; do run_one "$name" "${EXTRA_ARGS[@]}" || failed=1; done
+  return $failed
+}
+
+cmd=${1:-}
+case "$cmd" in
+  build) build ;;
+  run)
+    EXTRA_ARGS=(-max_total_time="${2:-60}")
+    run_all "${TARGETS[@]}" ;;
+  runs)
+    EXTRA_ARGS=(-runs="${2:?tools/fuzz.sh runs N [TARGET...]}")
+    shift 2
+    if [ $# -gt 0 ]; then run_all "$@"; else run_all "${TARGETS[@]}"; fi ;;
+  ci)
+    build
+    EXTRA_ARGS=(-max_total_time="${FUZZ_CI_SECONDS:-20}")
+    run_all "${TARGETS[@]}" ;;
+  *)
+    sed -n '2,13p' "$0"
+    exit 2 ;;
+esac
