@@ -70,7 +70,10 @@ class Checkpoint {
 };
 
 // Parses one safetensors header (the 8-byte length and the JSON that follows) from the first
-// `file_size` bytes at `data`, appending the tensors. Exposed for tests and the planner.
+// `file_size` bytes at `data`, appending the tensors. Every entry is checked (dtype, shape,
+// data_offsets inside the file and matching the shape), and the entries' data_offsets must tile
+// the data section exactly, as the format requires: no two tensors share a byte, and no byte
+// belongs to no tensor. Exposed for tests and the planner.
 absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file_name,
                                     std::vector<TensorInfo>* out);
 

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -170,6 +171,33 @@ TEST_F(CheckpointTest, ConfigDefaultsAndLlama3RopeScaling) {
   EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 8 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8);
 }
 
+TEST_F(CheckpointTest, ZeroByteTensorsTileWithTheirNeighbours) {
+  WriteConfig(TinyConfig());
+  // "empty" [0] takes no bytes at offset 0, where "w" begins: still an exact tiling.
+  std::string h = R"({"empty": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},)"
+                  R"( "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->tensors().size(), 2u);
+}
+
+// Every committed checkpoint (written by the safetensors library, so its tensors tile the data
+// section) opens, with its config.json.
+TEST(CommittedCheckpointsTest, EveryFixtureAndTheDemoModelOpen) {
+  std::vector<fs::path> dirs = {fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo"};
+  for (const auto& e : fs::directory_iterator(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models")) {
+    if (e.is_directory()) dirs.push_back(e.path());
+  }
+  ASSERT_GE(dirs.size(), 6u) << "models/demo and the five fixtures";
+  for (const fs::path& d : dirs) {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(d);
+    EXPECT_TRUE(config.ok()) << d << ": " << config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(d);
+    EXPECT_TRUE(ckpt.ok()) << d << ": " << ckpt.status();
+  }
+}
+
 // ---- Bad input: one test per case ------------------------------------------------------------
 
 TEST_F(CheckpointTest, MissingConfigFile) {
@@ -302,6 +330,70 @@ TEST_F(CheckpointTest, OffsetsOverflow) {
   std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [18446744073709551615, 7]}})";
   WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
   EXPECT_THAT(OpenError(), HasSubstr("outside"));
+}
+
+// The data_offsets of the tensors must tile the data section: sorted by begin, the first begins at
+// 0, each begins where the previous ends, the last ends at the end of the file.
+TEST_F(CheckpointTest, TensorsThatShareBytesAreRefused) {
+  // A real checkpoint whose k_proj [4, 8] is pointed at the first half of q_proj's [8, 8] bytes:
+  // every entry is inside the file and matches its shape, but two tensors read the same bytes
+  // (the model would load and give different tokens).
+  WriteTiny();
+  const fs::path f = dir_ / "model.safetensors";
+  std::ifstream in(f, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  json header = json::parse(bytes.substr(8, len));
+  const uint64_t q_begin = header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0];
+  header["model.layers.0.self_attn.k_proj.weight"]["data_offsets"] = {q_begin, q_begin + 4 * 8 * 4};
+  const std::string h = header.dump();
+  WriteRaw(f, h.size(), h, 0);
+  std::ofstream(f, std::ios::binary | std::ios::app).write(bytes.data() + 8 + len, bytes.size() - 8 - len);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("model.safetensors"));
+  EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.k_proj.weight"));
+  EXPECT_THAT(err, HasSubstr("overlaps"));
+  EXPECT_THAT(err, HasSubstr("tile"));
+}
+
+TEST_F(CheckpointTest, TwoTensorsOnTheSameBytesAreRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                  R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("tensor \"b\" [0, 8] overlaps tensor \"a\" [0, 8]"));
+}
+
+TEST_F(CheckpointTest, AHoleBetweenTensorsIsRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                  R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 24);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [8, 16) belong to no tensor"));
+  EXPECT_THAT(err, HasSubstr("\"a\" [0, 8]"));
+  EXPECT_THAT(err, HasSubstr("\"b\" [16, 24]"));
+}
+
+TEST_F(CheckpointTest, AHoleBeforeTheFirstTensorIsRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 16);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [0, 8) belong to no tensor"));
+  EXPECT_THAT(err, HasSubstr("before the first tensor \"w\" [8, 16]"));
+}
+
+TEST_F(CheckpointTest, BytesAfterTheLastTensorAreRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 12);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [8, 12) after the last tensor \"w\" [0, 8] belong to no tensor"));
 }
 
 TEST_F(CheckpointTest, IndexNamesAMissingFile) {
