@@ -258,16 +258,23 @@ absl::StatusOr<const TensorInfo*> Checkpoint::Find(const std::string& name) cons
   return &it->second;
 }
 
-absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
-                              DType dst_type, void* dst) const {
+absl::Status Checkpoint::CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const {
   absl::StatusOr<const TensorInfo*> found = Find(name);
   if (!found.ok()) return found.status();
   const TensorInfo& t = **found;
-  const std::string where = (dir_ / t.file).string();
   if (t.shape != expected_shape) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has shape ", ShapeString(t.shape),
-                                                   " but config.json implies ", ShapeString(expected_shape)));
+    return absl::InvalidArgumentError(absl::StrCat((dir_ / t.file).string(), ": tensor \"", name, "\" has shape ",
+                                                   ShapeString(t.shape), " but config.json implies ",
+                                                   ShapeString(expected_shape)));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                              DType dst_type, void* dst) const {
+  SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, expected_shape));
+  const TensorInfo& t = tensors_.at(name);
+  const std::string where = (dir_ / t.file).string();
   if (t.shape.empty() || t.shape.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
                                                    "-D; only 1-D and 2-D tensors can be read"));

@@ -53,6 +53,11 @@ class Checkpoint {
   // NotFound naming the tensor and the checkpoint when absent.
   absl::StatusOr<const TensorInfo*> Find(const std::string& name) const;
 
+  // OK when tensor `name` exists with shape `expected_shape` (what config.json implies); else
+  // NotFound, or InvalidArgument naming the tensor, both shapes and config.json. Reads no data,
+  // so callers check shapes before they allocate anything sized from config.json.
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+
   // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16), reading
   // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds

@@ -251,6 +251,95 @@ TEST_F(CheckpointTest, HeadsThatDoNotDivide) {
   EXPECT_THAT(std::string(config.status().message()), HasSubstr("num_key_value_heads"));
 }
 
+// Each size in config.json is checked where it is parsed, naming the field and the value: at
+// least 1 and below a stated bound, so that no product of them overflows and a typo is an error
+// before anything is sized from it.
+TEST_F(CheckpointTest, ConfigSizesOutOfRangeNameTheFieldAndTheValue) {
+  struct Case {
+    std::string field;
+    json value;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"max_position_embeddings", 0, "field \"max_position_embeddings\" must be in [32, 2^31], got 0"},
+      {"max_position_embeddings", -5, "field \"max_position_embeddings\" must be in [32, 2^31], got -5"},
+      {"max_position_embeddings", 2, "field \"max_position_embeddings\" must be in [32, 2^31], got 2"},
+      {"max_position_embeddings", int64_t{1} << 40,
+       "field \"max_position_embeddings\" must be in [32, 2^31], got 1099511627776"},
+      {"vocab_size", int64_t{1} << 40, "field \"vocab_size\" must be in [1, 2^24], got 1099511627776"},
+      {"hidden_size", 1 << 20, "field \"hidden_size\" must be in [1, 2^18], got 1048576"},
+      {"intermediate_size", int64_t{1} << 33, "field \"intermediate_size\" must be in [1, 2^20], got 8589934592"},
+      {"intermediate_size", -12, "field \"intermediate_size\" must be in [1, 2^20], got -12"},
+      {"num_hidden_layers", 100000, "field \"num_hidden_layers\" must be in [1, 1024], got 100000"},
+      {"num_attention_heads", 0, "field \"num_attention_heads\" must be in [1, 2^14], got 0"},
+      {"num_key_value_heads", 1 << 20, "field \"num_key_value_heads\" must be in [1, 2^14], got 1048576"},
+      {"eos_token_id", 16, "field \"eos_token_id\" has 16, outside the vocabulary [0, 16)"},
+      {"eos_token_id", json::array({2, -1}), "field \"eos_token_id\" has -1, outside the vocabulary [0, 16)"},
+      {"bos_token_id", 99, "field \"bos_token_id\" is 99, outside the vocabulary [0, 16)"},
+  };
+  for (const Case& c : cases) {
+    json config = TinyConfig();
+    config[c.field] = c.value;
+    auto parsed = ParseModelConfig(config.dump(), "x/config.json");
+    ASSERT_FALSE(parsed.ok()) << c.field << " = " << c.value.dump() << " was accepted";
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("x/config.json: " + c.expected)) << c.value.dump();
+  }
+  // Mistral's sliding_window caps the context, so it is bounded the same way.
+  json mistral = TinyConfig();
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["sliding_window"] = 2;
+  auto parsed = ParseModelConfig(mistral.dump(), "config.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("field \"sliding_window\" must be null or in [32, 2^31], got 2"));
+  // Absent, max_position_embeddings is 0: the server then needs --max-model-len.
+  json absent = TinyConfig();
+  absent.erase("max_position_embeddings");
+  parsed = ParseModelConfig(absent.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->max_position_embeddings, 0);
+  // In range: the bounds themselves, and eos ids inside the vocabulary.
+  json edge = TinyConfig();
+  edge["max_position_embeddings"] = 32;
+  edge["eos_token_id"] = {0, 15};
+  edge["bos_token_id"] = 1;
+  parsed = ParseModelConfig(edge.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->eos_token_ids, (std::vector<int64_t>{0, 15}));
+}
+
+TEST_F(CheckpointTest, SizesThatTogetherDescribeTooManyParametersAreRefused) {
+  // Each size within its bound, but 1024 layers x 3 x 2^18 x 2^20 MLP weights is ~8.6e17.
+  json c = TinyConfig();
+  c["num_hidden_layers"] = 1024;
+  c["hidden_size"] = 1 << 18;
+  c["intermediate_size"] = 1 << 20;
+  c["num_attention_heads"] = 1 << 14;
+  c["num_key_value_heads"] = 1 << 14;
+  auto config = ParseModelConfig(c.dump(), "x/config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("x/config.json: the sizes describe"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("intermediate_size 1048576"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("1e+15"));
+}
+
+// A config.json whose sizes are within bounds but far larger than the checkpoint's tensors: the
+// shapes are checked before anything is allocated, so the error names the tensor and both shapes
+// (before, the loader first tried to allocate the 16 TiB embedding and failed with an
+// out-of-memory error that named no tensor).
+TEST_F(CheckpointTest, ShapesAreCheckedBeforeAnythingIsAllocated) {
+  json c = TinyConfig();
+  c["vocab_size"] = 1 << 24;
+  c["hidden_size"] = 1 << 18;
+  c["head_dim"] = 4;  // q_dim 8, kv_dim 4, as in the file
+  WriteTiny(TinyTensors(), c);
+  absl::Status s = LoadModel();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensor \"model.embed_tokens.weight\" has shape [16, 8] but "
+                                                  "config.json implies [16777216, 262144]"));
+}
+
 TEST_F(CheckpointTest, UnsupportedTensorDtype) {
   WriteConfig(TinyConfig());
   std::string h = R"({"w": {"dtype": "F64", "shape": [2], "data_offsets": [0, 16]}})";
