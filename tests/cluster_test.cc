@@ -236,6 +236,9 @@ TEST_F(ClusterApiTest, BadRequestsAreInvalidArgumentNamingTheField) {
   cases.push_back({"text without tokenizer.json", r, "tokenizer.json"});
   r = TokenRequest(golden.prompt, 250);
   cases.push_back({"longer than max_model_len", r, "max_model_len"});
+  // A prompt that alone fills the context (max_model_len 256) is the prompt's fault, not max_tokens'.
+  r = TokenRequest(std::vector<int32_t>(256, 1), 4);
+  cases.push_back({"prompt of max_model_len tokens", r, "prompt: its 256 tokens do not fit max_model_len 256"});
   // Invalid UTF-8 is refused by the server, naming the byte (not a request it cannot parse,
   // INTERNAL with no message), whether or not the model has a tokenizer.
   r = TokenRequest(golden.prompt, 4);

@@ -212,5 +212,37 @@ TEST(PrepareGenerationTest, InvalidUtf8InTextIsInvalidArgumentNamingTheFieldAndT
   EXPECT_EQ(p->stop, (std::vector<std::string>{"lo"}));
 }
 
+TEST(PrepareGenerationTest, APromptThatFillsTheContextIsReportedAgainstThePrompt) {
+  const std::unique_ptr<ServedModel> model = TinyModel();
+  auto ids = [](int n, int max_tokens) {
+    v1::GenerateRequest r;
+    for (int i = 0; i < n; ++i) r.mutable_token_ids()->add_ids(i % 10);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    return r;
+  };
+  // The prompt alone does not fit: the prompt is named, with both numbers, whatever max_tokens is.
+  for (int n : {8, 9, 100}) {
+    for (int max_tokens : {0, 1, 5}) {
+      const std::string what = absl::StrCat(n, " prompt tokens, max_tokens ", max_tokens);
+      ExpectRefused(ids(n, max_tokens), *model, 8,
+                    {absl::StrCat("prompt: its ", n, " tokens do not fit max_model_len 8"), "at most 7 tokens"}, what);
+      absl::StatusOr<GenerationParams> p = PrepareGeneration(ids(n, max_tokens), *model, 8, "req-1");
+      EXPECT_EQ(p.status().message().find("max_tokens"), std::string::npos) << what << ": " << p.status();
+    }
+  }
+  v1::GenerateRequest text;
+  text.set_text("hellohello");  // 10 tokens
+  ExpectRefused(text, *model, 10, {"prompt: its 10 tokens do not fit max_model_len 10"}, "text prompt");
+  // The prompt fits but not with max_tokens: max_tokens is named, with the numbers.
+  ExpectRefused(ids(7, 2), *model, 8,
+                {"sampling.max_tokens: the prompt's 7 tokens + max_tokens 2 = 9 exceed max_model_len 8"}, "7 + 2");
+  ExpectRefused(ids(1, 0), *model, 8, {"sampling.max_tokens", "+ max_tokens 16 = 17"}, "the default max_tokens");
+  // Both fit.
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(ids(7, 1), *model, 8, "req-1");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->prompt.size(), 7u);
+  EXPECT_EQ(p->max_tokens, 1);
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -68,11 +68,19 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
       return Invalid("prompt", "set text or token_ids");
   }
   if (p.prompt.empty()) return Invalid("prompt", "it has no tokens");
+  // A prompt that alone fills the context leaves no room for a generated token, whatever
+  // max_tokens says: the prompt is what must change.
+  const int64_t prompt_tokens = static_cast<int64_t>(p.prompt.size());
+  if (prompt_tokens >= max_model_len) {
+    return Invalid("prompt", absl::StrCat("its ", prompt_tokens, " tokens do not fit max_model_len ", max_model_len,
+                                          ": a prompt may have at most ", max_model_len - 1,
+                                          " tokens, leaving room for one generated token"));
+  }
 
   const v1::SamplingParams& s = request.sampling();
   if (s.max_tokens() < 0) return Invalid("sampling.max_tokens", absl::StrCat("must be >= 0, got ", s.max_tokens()));
   p.max_tokens = s.max_tokens() == 0 ? kDefaultMaxTokens : s.max_tokens();
-  const int64_t total = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
+  const int64_t total = prompt_tokens + p.max_tokens;
   if (total > max_model_len) {
     return Invalid("sampling.max_tokens", absl::StrCat("the prompt's ", p.prompt.size(), " tokens + max_tokens ",
                                                        p.max_tokens, " = ", total, " exceed max_model_len ",
