@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -40,6 +42,47 @@ bool MulChecked(int64_t a, int64_t b, int64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
+// One tensor's data_offsets, relative to the data section.
+struct Range {
+  uint64_t begin = 0, end = 0;
+  std::string name;
+};
+
+std::string RangeString(const Range& r) { return absl::StrCat("\"", r.name, "\" [", r.begin, ", ", r.end, "]"); }
+
+// The safetensors format requires the tensors' data_offsets to tile the data section exactly:
+// sorted by begin, the first begins at 0, each begins where the previous ends, and the last ends
+// at the end of the file. An overlap would let one tensor read another's bytes (a corrupt or
+// hostile header giving different tokens without an error); a hole is bytes nobody accounts for.
+absl::Status CheckRangesTile(std::vector<Range> ranges, uint64_t data_size, const std::string& file) {
+  // Zero-byte tensors sort before a tensor with the same begin, so they never look like overlaps.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name); });
+  constexpr char kRule[] = "; the tensors' data_offsets must tile the data section exactly (corrupt or lying header)";
+  uint64_t covered = 0;  // the data section's bytes [0, covered) belong to the ranges seen so far
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const Range& r = ranges[i];
+    if (r.begin < covered) {
+      return absl::DataLossError(absl::StrCat(file, ": tensor ", RangeString(r), " overlaps tensor ",
+                                              RangeString(ranges[i - 1]), kRule));
+    }
+    if (r.begin > covered) {
+      return absl::DataLossError(absl::StrCat(
+          file, ": data bytes [", covered, ", ", r.begin, ") belong to no tensor (a hole ",
+          i == 0 ? "before the first " : absl::StrCat("between tensor ", RangeString(ranges[i - 1]), " and "),
+          "tensor ", RangeString(r), ")", kRule));
+    }
+    covered = r.end;
+  }
+  if (covered != data_size) {
+    return absl::DataLossError(absl::StrCat(file, ": data bytes [", covered, ", ", data_size,
+                                            ") after the last tensor",
+                                            ranges.empty() ? "" : absl::StrCat(" ", RangeString(ranges.back())),
+                                            " belong to no tensor", kRule));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file,
@@ -55,6 +98,7 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
   }
   const uint64_t data_start = 8 + header_len;
   const uint64_t data_size = file_size - data_start;
+  std::vector<Range> ranges;  // every tensor's data_offsets, for CheckRangesTile
   json header = json::parse(data + 8, data + 8 + header_len, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return absl::DataLossError(absl::StrCat(file, ": header is not a valid JSON object"));
@@ -105,9 +149,10 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
     }
     info.offset = data_start + begin;
     info.nbytes = static_cast<uint64_t>(nbytes);
+    ranges.push_back(Range{begin, end, name});
     out->push_back(std::move(info));
   }
-  return absl::OkStatus();
+  return CheckRangesTile(std::move(ranges), data_size, file);
 }
 
 // One read-only mmap of a safetensors file.
@@ -213,16 +258,23 @@ absl::StatusOr<const TensorInfo*> Checkpoint::Find(const std::string& name) cons
   return &it->second;
 }
 
-absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
-                              DType dst_type, void* dst) const {
+absl::Status Checkpoint::CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const {
   absl::StatusOr<const TensorInfo*> found = Find(name);
   if (!found.ok()) return found.status();
   const TensorInfo& t = **found;
-  const std::string where = (dir_ / t.file).string();
   if (t.shape != expected_shape) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has shape ", ShapeString(t.shape),
-                                                   " but config.json implies ", ShapeString(expected_shape)));
+    return absl::InvalidArgumentError(absl::StrCat((dir_ / t.file).string(), ": tensor \"", name, "\" has shape ",
+                                                   ShapeString(t.shape), " but config.json implies ",
+                                                   ShapeString(expected_shape)));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                              DType dst_type, void* dst) const {
+  SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, expected_shape));
+  const TensorInfo& t = tensors_.at(name);
+  const std::string where = (dir_ / t.file).string();
   if (t.shape.empty() || t.shape.size() > 2) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
                                                    "-D; only 1-D and 2-D tensors can be read"));

@@ -53,6 +53,11 @@ class Checkpoint {
   // NotFound naming the tensor and the checkpoint when absent.
   absl::StatusOr<const TensorInfo*> Find(const std::string& name) const;
 
+  // OK when tensor `name` exists with shape `expected_shape` (what config.json implies); else
+  // NotFound, or InvalidArgument naming the tensor, both shapes and config.json. Reads no data,
+  // so callers check shapes before they allocate anything sized from config.json.
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+
   // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16), reading
   // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
@@ -70,7 +75,10 @@ class Checkpoint {
 };
 
 // Parses one safetensors header (the 8-byte length and the JSON that follows) from the first
-// `file_size` bytes at `data`, appending the tensors. Exposed for tests and the planner.
+// `file_size` bytes at `data`, appending the tensors. Every entry is checked (dtype, shape,
+// data_offsets inside the file and matching the shape), and the entries' data_offsets must tile
+// the data section exactly, as the format requires: no two tensors share a byte, and no byte
+// belongs to no tensor. Exposed for tests and the planner.
 absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file_name,
                                     std::vector<TensorInfo>* out);
 

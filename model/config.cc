@@ -3,6 +3,7 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -19,32 +20,38 @@ const char* ArchitectureName(Architecture a) {
   return "?";
 }
 
-namespace {
-
-// The parameters of `c`, in T: int64_t for ParameterCount, __int128 for the parser's bound (each
-// dimension <= 2^31 and head_dim <= 1024 keep every product below 2^104).
-template <typename T>
-T CountParameters(const ModelConfig& c) {
-  const T h = c.hidden_size, q = T{c.num_attention_heads} * c.head_dim, kv = T{c.num_key_value_heads} * c.head_dim;
-  T per_layer = h * q + 2 * h * kv + q * h  // q, k, v, o
-                + 3 * h * c.intermediate_size  // gate, up, down
-                + 2 * h;                       // two norms
-  if (c.attention_bias) per_layer += q + 2 * kv;
-  const T embed = T{c.vocab_size} * h;
-  return T{c.num_hidden_layers} * per_layer + embed + (c.tie_word_embeddings ? 0 : embed) + h;
+// The parser bounds every size and their total (kMaxParameters below), so no term overflows.
+int64_t ModelConfig::ParameterCount() const {
+  const int64_t h = hidden_size, q = num_attention_heads * head_dim, kv = num_key_value_heads * head_dim;
+  int64_t per_layer = h * q + 2 * h * kv + q * h  // q, k, v, o
+                      + 3 * h * intermediate_size  // gate, up, down
+                      + 2 * h;                     // two norms
+  if (attention_bias) per_layer += q + 2 * kv;
+  const int64_t embed = vocab_size * h;
+  return num_hidden_layers * per_layer + embed + (tie_word_embeddings ? 0 : embed) + h;
 }
-
-// More parameters than any model this server could hold; the bound keeps ParameterCount (every
-// term non-negative, so every partial sum below the total) far from int64 overflow.
-constexpr int64_t kMaxParameters = int64_t{1} << 50;
-
-}  // namespace
-
-int64_t ModelConfig::ParameterCount() const { return CountParameters<int64_t>(*this); }
 
 namespace {
 
 using json = nlohmann::json;
+
+// Upper bounds on config.json's sizes: far above any published model (Llama 3.1 405B has hidden
+// 16384, intermediate 53248, 126 layers and 128 heads; the largest vocabularies hold ~256k tokens,
+// the longest contexts ~10M), low enough that every product of them used to size a tensor fits
+// in int64 with room to spare (hidden x q_dim <= 2^18 x 2^24; vocab x hidden <= 2^42), so that
+// a typo is an error naming the field before anything is sized from it.
+constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+constexpr int64_t kMaxHiddenSize = int64_t{1} << 18;
+constexpr int64_t kMaxIntermediateSize = int64_t{1} << 20;
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxHeads = int64_t{1} << 14;
+constexpr int64_t kMaxPositionEmbeddings = int64_t{1} << 31;  // kMaxKvCacheTokens
+// The shortest context served: a default request alone asks for 16 new tokens after its prompt.
+constexpr int64_t kMinPositionEmbeddings = 32;
+// The most parameters the sizes may describe together (the planner's bound, planner.cc).
+constexpr double kMaxParameters = 1e15;
+// The most ids eos_token_id may list.
+constexpr size_t kMaxEosIds = 1024;
 
 absl::Status FieldError(const std::string& source, const std::string& field, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field, "\" ", what));
@@ -150,25 +157,45 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
   SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
 
-  for (auto [field, value] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
-                              {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
-                              {"num_attention_heads", c.num_attention_heads},
-                              {"num_key_value_heads", c.num_key_value_heads}}) {
-    // 2^31 bounds every dimension so products of two stay far from int64 overflow.
-    if (value <= 0 || value > (int64_t{1} << 31)) return FieldError(source, field, absl::StrCat("must be in [1, 2^31], got ", value));
+  for (auto [field, value, max, max_text] :
+       {std::tuple{"vocab_size", c.vocab_size, kMaxVocabSize, "2^24"},
+        {"hidden_size", c.hidden_size, kMaxHiddenSize, "2^18"},
+        {"intermediate_size", c.intermediate_size, kMaxIntermediateSize, "2^20"},
+        {"num_hidden_layers", c.num_hidden_layers, kMaxLayers, "1024"},
+        {"num_attention_heads", c.num_attention_heads, kMaxHeads, "2^14"},
+        {"num_key_value_heads", c.num_key_value_heads, kMaxHeads, "2^14"}}) {
+    if (value <= 0 || value > max) {
+      return FieldError(source, field, absl::StrCat("must be in [1, ", max_text, "], got ", value));
+    }
+  }
+  // 0 when absent (the server then needs --max-model-len); when present, a context to serve.
+  if (j.contains("max_position_embeddings") && !j["max_position_embeddings"].is_null() &&
+      (c.max_position_embeddings < kMinPositionEmbeddings || c.max_position_embeddings > kMaxPositionEmbeddings)) {
+    return FieldError(source, "max_position_embeddings",
+                      absl::StrCat("must be in [", kMinPositionEmbeddings, ", 2^31], got ", c.max_position_embeddings));
   }
   c.head_dim = c.hidden_size / c.num_attention_heads;
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
   if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
     return FieldError(source, "head_dim", absl::StrCat("must be even and in [2, 1024], got ", c.head_dim));
   }
+  // Every size is bounded above, so these products cannot overflow; together they must describe
+  // a model of at most kMaxParameters.
+  const double params = static_cast<double>(c.num_hidden_layers) *
+                            (2.0 * c.hidden_size * c.q_dim() + 2.0 * c.hidden_size * c.kv_dim() +
+                             3.0 * c.hidden_size * c.intermediate_size) +
+                        2.0 * c.vocab_size * c.hidden_size;
+  if (params > kMaxParameters) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": the sizes describe ", params, " parameters, above the ", kMaxParameters, " this server takes (",
+        "num_hidden_layers ", c.num_hidden_layers, ", hidden_size ", c.hidden_size, ", intermediate_size ",
+        c.intermediate_size, ", q/kv heads ", c.num_attention_heads, "/", c.num_key_value_heads, " x head_dim ",
+        c.head_dim, ", vocab_size ", c.vocab_size, ")"));
+  }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {
     return FieldError(source, "num_key_value_heads",
                       absl::StrCat("(", c.num_key_value_heads, ") must divide num_attention_heads (",
                                    c.num_attention_heads, ")"));
-  }
-  if (CountParameters<__int128>(c) > kMaxParameters) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": the dimensions describe more than 2^50 parameters"));
   }
   if (c.rms_norm_eps <= 0) return FieldError(source, "rms_norm_eps", "must be > 0");
   if (c.rope_theta <= 0) return FieldError(source, "rope_theta", "must be > 0");
@@ -183,6 +210,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     // context to the window (see max_position_embeddings) rather than implement the mask.
     int64_t window = 0;
     SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
+    if (window < kMinPositionEmbeddings || window > kMaxPositionEmbeddings) {
+      return FieldError(source, "sliding_window",
+                        absl::StrCat("must be null or in [", kMinPositionEmbeddings, ", 2^31], got ", window));
+    }
     if (window > 0 && (c.max_position_embeddings == 0 || window < c.max_position_embeddings)) {
       c.max_position_embeddings = window;
     }
@@ -204,16 +235,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {
     if (it->is_number_integer()) {
       c.eos_token_ids.push_back(it->get<int64_t>());
-    } else if (it->is_array()) {
+    } else if (it->is_array() && it->size() <= kMaxEosIds) {
       for (const auto& e : *it) {
         if (!e.is_number_integer()) return FieldError(source, "eos_token_id", "must be an integer or a list of integers");
         c.eos_token_ids.push_back(e.get<int64_t>());
       }
     } else {
-      return FieldError(source, "eos_token_id", "must be an integer or a list of integers");
+      return FieldError(source, "eos_token_id",
+                        absl::StrCat("must be an integer or a list of at most ", kMaxEosIds, " integers"));
+    }
+  }
+  for (int64_t id : c.eos_token_ids) {
+    if (id < 0 || id >= c.vocab_size) {
+      return FieldError(source, "eos_token_id",
+                        absl::StrCat("has ", id, ", outside the vocabulary [0, ", c.vocab_size, ") (vocab_size)"));
     }
   }
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
+  if (c.bos_token_id != -1 && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)) {
+    return FieldError(source, "bos_token_id",
+                      absl::StrCat("is ", c.bos_token_id, ", outside the vocabulary [0, ", c.vocab_size, ") (vocab_size)"));
+  }
   // The worker computes RoPE in float32: a rope_theta or llama3 scaling that is positive in double
   // can still give inf or NaN there (rope_theta 1e-50 rounds to 0).
   for (float f : RopeInvFreq(c)) {

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -170,6 +171,33 @@ TEST_F(CheckpointTest, ConfigDefaultsAndLlama3RopeScaling) {
   EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 8 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8);
 }
 
+TEST_F(CheckpointTest, ZeroByteTensorsTileWithTheirNeighbours) {
+  WriteConfig(TinyConfig());
+  // "empty" [0] takes no bytes at offset 0, where "w" begins: still an exact tiling.
+  std::string h = R"({"empty": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},)"
+                  R"( "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->tensors().size(), 2u);
+}
+
+// Every committed checkpoint (written by the safetensors library, so its tensors tile the data
+// section) opens, with its config.json.
+TEST(CommittedCheckpointsTest, EveryFixtureAndTheDemoModelOpen) {
+  std::vector<fs::path> dirs = {fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo"};
+  for (const auto& e : fs::directory_iterator(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models")) {
+    if (e.is_directory()) dirs.push_back(e.path());
+  }
+  ASSERT_GE(dirs.size(), 6u) << "models/demo and the five fixtures";
+  for (const fs::path& d : dirs) {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(d);
+    EXPECT_TRUE(config.ok()) << d << ": " << config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(d);
+    EXPECT_TRUE(ckpt.ok()) << d << ": " << ckpt.status();
+  }
+}
+
 // ---- Bad input: one test per case ------------------------------------------------------------
 
 TEST_F(CheckpointTest, MissingConfigFile) {
@@ -226,7 +254,8 @@ TEST_F(CheckpointTest, ConfigDtypeOfAnotherTypeIsAnErrorNotAnException) {
 }
 
 TEST_F(CheckpointTest, DimensionsWhoseParameterCountOverflowsAreRefused) {
-  // Each dimension is allowed on its own; their product overflowed int64 in ParameterCount().
+  // The fuzzer's input (every dimension at 2^31) overflowed int64 in ParameterCount(): each size
+  // is now bounded on its own (this one names hidden_size) ...
   json c = TinyConfig();
   c["hidden_size"] = int64_t{1} << 31;
   c["intermediate_size"] = int64_t{1} << 31;
@@ -236,7 +265,17 @@ TEST_F(CheckpointTest, DimensionsWhoseParameterCountOverflowsAreRefused) {
   c["head_dim"] = 1024;
   auto config = ParseModelConfig(c.dump(), "config.json");
   ASSERT_FALSE(config.ok());
-  EXPECT_THAT(std::string(config.status().message()), HasSubstr("more than 2^50 parameters"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("hidden_size"));
+  // ... and sizes each within bounds must still describe at most 1e15 parameters together
+  // (here ~9e15, which ParameterCount() holds in int64 without overflow).
+  c["hidden_size"] = int64_t{1} << 18;
+  c["intermediate_size"] = int64_t{1} << 20;
+  c["num_hidden_layers"] = 1024;
+  c["num_attention_heads"] = int64_t{1} << 14;
+  c["num_key_value_heads"] = int64_t{1} << 14;
+  config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("parameters, above the"));
 }
 
 TEST_F(CheckpointTest, RopeThetaThatIsZeroInFloat32IsRefused) {
@@ -253,6 +292,95 @@ TEST_F(CheckpointTest, HeadsThatDoNotDivide) {
   auto config = ParseModelConfig(c.dump(), "config.json");
   ASSERT_FALSE(config.ok());
   EXPECT_THAT(std::string(config.status().message()), HasSubstr("num_key_value_heads"));
+}
+
+// Each size in config.json is checked where it is parsed, naming the field and the value: at
+// least 1 and below a stated bound, so that no product of them overflows and a typo is an error
+// before anything is sized from it.
+TEST_F(CheckpointTest, ConfigSizesOutOfRangeNameTheFieldAndTheValue) {
+  struct Case {
+    std::string field;
+    json value;
+    std::string expected;
+  };
+  const std::vector<Case> cases = {
+      {"max_position_embeddings", 0, "field \"max_position_embeddings\" must be in [32, 2^31], got 0"},
+      {"max_position_embeddings", -5, "field \"max_position_embeddings\" must be in [32, 2^31], got -5"},
+      {"max_position_embeddings", 2, "field \"max_position_embeddings\" must be in [32, 2^31], got 2"},
+      {"max_position_embeddings", int64_t{1} << 40,
+       "field \"max_position_embeddings\" must be in [32, 2^31], got 1099511627776"},
+      {"vocab_size", int64_t{1} << 40, "field \"vocab_size\" must be in [1, 2^24], got 1099511627776"},
+      {"hidden_size", 1 << 20, "field \"hidden_size\" must be in [1, 2^18], got 1048576"},
+      {"intermediate_size", int64_t{1} << 33, "field \"intermediate_size\" must be in [1, 2^20], got 8589934592"},
+      {"intermediate_size", -12, "field \"intermediate_size\" must be in [1, 2^20], got -12"},
+      {"num_hidden_layers", 100000, "field \"num_hidden_layers\" must be in [1, 1024], got 100000"},
+      {"num_attention_heads", 0, "field \"num_attention_heads\" must be in [1, 2^14], got 0"},
+      {"num_key_value_heads", 1 << 20, "field \"num_key_value_heads\" must be in [1, 2^14], got 1048576"},
+      {"eos_token_id", 16, "field \"eos_token_id\" has 16, outside the vocabulary [0, 16)"},
+      {"eos_token_id", json::array({2, -1}), "field \"eos_token_id\" has -1, outside the vocabulary [0, 16)"},
+      {"bos_token_id", 99, "field \"bos_token_id\" is 99, outside the vocabulary [0, 16)"},
+  };
+  for (const Case& c : cases) {
+    json config = TinyConfig();
+    config[c.field] = c.value;
+    auto parsed = ParseModelConfig(config.dump(), "x/config.json");
+    ASSERT_FALSE(parsed.ok()) << c.field << " = " << c.value.dump() << " was accepted";
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("x/config.json: " + c.expected)) << c.value.dump();
+  }
+  // Mistral's sliding_window caps the context, so it is bounded the same way.
+  json mistral = TinyConfig();
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["sliding_window"] = 2;
+  auto parsed = ParseModelConfig(mistral.dump(), "config.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("field \"sliding_window\" must be null or in [32, 2^31], got 2"));
+  // Absent, max_position_embeddings is 0: the server then needs --max-model-len.
+  json absent = TinyConfig();
+  absent.erase("max_position_embeddings");
+  parsed = ParseModelConfig(absent.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->max_position_embeddings, 0);
+  // In range: the bounds themselves, and eos ids inside the vocabulary.
+  json edge = TinyConfig();
+  edge["max_position_embeddings"] = 32;
+  edge["eos_token_id"] = {0, 15};
+  edge["bos_token_id"] = 1;
+  parsed = ParseModelConfig(edge.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->eos_token_ids, (std::vector<int64_t>{0, 15}));
+}
+
+TEST_F(CheckpointTest, SizesThatTogetherDescribeTooManyParametersAreRefused) {
+  // Each size within its bound, but 1024 layers x 3 x 2^18 x 2^20 MLP weights is ~8.6e17.
+  json c = TinyConfig();
+  c["num_hidden_layers"] = 1024;
+  c["hidden_size"] = 1 << 18;
+  c["intermediate_size"] = 1 << 20;
+  c["num_attention_heads"] = 1 << 14;
+  c["num_key_value_heads"] = 1 << 14;
+  auto config = ParseModelConfig(c.dump(), "x/config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("x/config.json: the sizes describe"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("intermediate_size 1048576"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("1e+15"));
+}
+
+// A config.json whose sizes are within bounds but far larger than the checkpoint's tensors: the
+// shapes are checked before anything is allocated, so the error names the tensor and both shapes
+// (before, the loader first tried to allocate the 16 TiB embedding and failed with an
+// out-of-memory error that named no tensor).
+TEST_F(CheckpointTest, ShapesAreCheckedBeforeAnythingIsAllocated) {
+  json c = TinyConfig();
+  c["vocab_size"] = 1 << 24;
+  c["hidden_size"] = 1 << 18;
+  c["head_dim"] = 4;  // q_dim 8, kv_dim 4, as in the file
+  WriteTiny(TinyTensors(), c);
+  absl::Status s = LoadModel();
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("tensor \"model.embed_tokens.weight\" has shape [16, 8] but "
+                                                  "config.json implies [16777216, 262144]"));
 }
 
 TEST_F(CheckpointTest, UnsupportedTensorDtype) {
@@ -334,6 +462,70 @@ TEST_F(CheckpointTest, OffsetsOverflow) {
   std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [18446744073709551615, 7]}})";
   WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
   EXPECT_THAT(OpenError(), HasSubstr("outside"));
+}
+
+// The data_offsets of the tensors must tile the data section: sorted by begin, the first begins at
+// 0, each begins where the previous ends, the last ends at the end of the file.
+TEST_F(CheckpointTest, TensorsThatShareBytesAreRefused) {
+  // A real checkpoint whose k_proj [4, 8] is pointed at the first half of q_proj's [8, 8] bytes:
+  // every entry is inside the file and matches its shape, but two tensors read the same bytes
+  // (the model would load and give different tokens).
+  WriteTiny();
+  const fs::path f = dir_ / "model.safetensors";
+  std::ifstream in(f, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  json header = json::parse(bytes.substr(8, len));
+  const uint64_t q_begin = header["model.layers.0.self_attn.q_proj.weight"]["data_offsets"][0];
+  header["model.layers.0.self_attn.k_proj.weight"]["data_offsets"] = {q_begin, q_begin + 4 * 8 * 4};
+  const std::string h = header.dump();
+  WriteRaw(f, h.size(), h, 0);
+  std::ofstream(f, std::ios::binary | std::ios::app).write(bytes.data() + 8 + len, bytes.size() - 8 - len);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("model.safetensors"));
+  EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_THAT(err, HasSubstr("model.layers.0.self_attn.k_proj.weight"));
+  EXPECT_THAT(err, HasSubstr("overlaps"));
+  EXPECT_THAT(err, HasSubstr("tile"));
+}
+
+TEST_F(CheckpointTest, TwoTensorsOnTheSameBytesAreRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                  R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("tensor \"b\" [0, 8] overlaps tensor \"a\" [0, 8]"));
+}
+
+TEST_F(CheckpointTest, AHoleBetweenTensorsIsRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                  R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 24);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [8, 16) belong to no tensor"));
+  EXPECT_THAT(err, HasSubstr("\"a\" [0, 8]"));
+  EXPECT_THAT(err, HasSubstr("\"b\" [16, 24]"));
+}
+
+TEST_F(CheckpointTest, AHoleBeforeTheFirstTensorIsRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 16);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [0, 8) belong to no tensor"));
+  EXPECT_THAT(err, HasSubstr("before the first tensor \"w\" [8, 16]"));
+}
+
+TEST_F(CheckpointTest, BytesAfterTheLastTensorAreRefused) {
+  WriteConfig(TinyConfig());
+  std::string h = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  WriteRaw(dir_ / "model.safetensors", h.size(), h, 12);
+  const std::string err = OpenError();
+  EXPECT_THAT(err, HasSubstr("data bytes [8, 12) after the last tensor \"w\" [0, 8] belong to no tensor"));
 }
 
 TEST_F(CheckpointTest, IndexNamesAMissingFile) {

@@ -236,6 +236,17 @@ TEST_F(ClusterApiTest, BadRequestsAreInvalidArgumentNamingTheField) {
   cases.push_back({"text without tokenizer.json", r, "tokenizer.json"});
   r = TokenRequest(golden.prompt, 250);
   cases.push_back({"longer than max_model_len", r, "max_model_len"});
+  // A prompt that alone fills the context (max_model_len 256) is the prompt's fault, not max_tokens'.
+  r = TokenRequest(std::vector<int32_t>(256, 1), 4);
+  cases.push_back({"prompt of max_model_len tokens", r, "prompt: its 256 tokens do not fit max_model_len 256"});
+  // Invalid UTF-8 is refused by the server, naming the byte (not a request it cannot parse,
+  // INTERNAL with no message), whether or not the model has a tokenizer.
+  r = TokenRequest(golden.prompt, 4);
+  r.set_text("abc\xFF");
+  cases.push_back({"invalid UTF-8 text", r, "prompt.text: not valid UTF-8: byte 0xFF at offset 3"});
+  r = TokenRequest(golden.prompt, 4);
+  r.set_request_id("id\xC3");
+  cases.push_back({"request_id that is not ASCII", r, "request_id"});
   r = TokenRequest(golden.prompt, 4);
   r.mutable_sampling()->set_temperature(-1);
   cases.push_back({"negative temperature", r, "sampling.temperature"});
@@ -257,6 +268,12 @@ TEST_F(ClusterApiTest, BadRequestsAreInvalidArgumentNamingTheField) {
   tokenize.set_text("hello");
   v1::TokenizeResponse ids;
   EXPECT_EQ(cluster_->client()->Tokenize(&context, tokenize, &ids).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::ClientContext bad_utf8_context;
+  tokenize.set_text("ok \xF4\x90\x80\x80");  // above U+10FFFF
+  const grpc::Status bad_utf8 = cluster_->client()->Tokenize(&bad_utf8_context, tokenize, &ids);
+  EXPECT_EQ(bad_utf8.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad_utf8.error_message();
+  EXPECT_NE(bad_utf8.error_message().find("text: not valid UTF-8: byte 0xF4 at offset 3"), std::string::npos)
+      << bad_utf8.error_message();
 }
 
 TEST_F(ClusterApiTest, ModelInfoAndClusterStatus) {

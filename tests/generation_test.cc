@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace shardserve {
@@ -151,6 +152,96 @@ TEST(GenerationTest, StopTokenIdsStopAndAreReturned) {
   EXPECT_EQ(r.tokens, (std::vector<int32_t>{3, 7}));
   EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
   EXPECT_EQ(r.last.usage().completion_tokens(), 2);
+}
+
+// ---- PrepareGeneration: the checks at the edge -----------------------------------------------
+
+// The tiny tokenizer's model: 10 ids; `with_tokenizer` false is a checkpoint without tokenizer.json.
+std::unique_ptr<ServedModel> TinyModel(bool with_tokenizer = true) {
+  auto m = std::make_unique<ServedModel>();
+  m->name = "tiny";
+  m->config.vocab_size = 10;
+  if (with_tokenizer) m->tokenizer = TinyTokenizer();
+  return m;
+}
+
+// Checks that `request` is refused with InvalidArgument whose message has every one of `expected`.
+void ExpectRefused(const v1::GenerateRequest& request, const ServedModel& model, int64_t max_model_len,
+                   const std::vector<std::string>& expected, const std::string& what) {
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(request, model, max_model_len, "req-1");
+  ASSERT_FALSE(p.ok()) << what << " was accepted";
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << what;
+  for (const std::string& e : expected) {
+    EXPECT_NE(p.status().message().find(e), std::string::npos)
+        << what << ": '" << p.status().message() << "' does not say '" << e << "'";
+  }
+}
+
+TEST(PrepareGenerationTest, InvalidUtf8InTextIsInvalidArgumentNamingTheFieldAndTheOffset) {
+  const std::unique_ptr<ServedModel> model = TinyModel();
+  const std::unique_ptr<ServedModel> no_tokenizer = TinyModel(/*with_tokenizer=*/false);
+  v1::GenerateRequest r;
+  r.set_text("hel\xFFlo");
+  ExpectRefused(r, *model, 64, {"prompt.text: not valid UTF-8: byte 0xFF at offset 3"}, "text");
+  // The text is checked whatever the model: the answer does not depend on tokenizer.json.
+  ExpectRefused(r, *no_tokenizer, 64, {"prompt.text: not valid UTF-8: byte 0xFF at offset 3"}, "text, no tokenizer");
+  r.set_text("he\xC3");  // a character cut short
+  ExpectRefused(r, *model, 64, {"prompt.text", "byte 0xC3 at offset 2"}, "truncated character");
+
+  r.set_text("hello");
+  r.mutable_sampling()->add_stop("STOP");
+  r.mutable_sampling()->add_stop("S\xED\xA0\x80");  // a UTF-16 surrogate: never in decoded text
+  ExpectRefused(r, *model, 64, {"sampling.stop[1]: not valid UTF-8: byte 0xED at offset 1"}, "stop string");
+
+  v1::GenerateRequest id;
+  id.set_text("hello");
+  id.set_request_id("req\xFF");
+  ExpectRefused(id, *model, 64, {"request_id"}, "request_id");
+  id.set_request_id("two\nlines");
+  ExpectRefused(id, *model, 64, {"request_id"}, "request_id with a newline");
+  EXPECT_FALSE(IsValidRequestId("req\xFF"));
+  EXPECT_TRUE(IsValidRequestId("req-7"));
+
+  // Valid UTF-8 text and stop strings pass.
+  v1::GenerateRequest good;
+  good.set_text("hello");
+  good.mutable_sampling()->add_stop("lo");
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(good, *model, 64, "req-1");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->prompt, (std::vector<int32_t>{kH, kE, kL, kL, kO}));
+  EXPECT_EQ(p->stop, (std::vector<std::string>{"lo"}));
+}
+
+TEST(PrepareGenerationTest, APromptThatFillsTheContextIsReportedAgainstThePrompt) {
+  const std::unique_ptr<ServedModel> model = TinyModel();
+  auto ids = [](int n, int max_tokens) {
+    v1::GenerateRequest r;
+    for (int i = 0; i < n; ++i) r.mutable_token_ids()->add_ids(i % 10);
+    r.mutable_sampling()->set_max_tokens(max_tokens);
+    return r;
+  };
+  // The prompt alone does not fit: the prompt is named, with both numbers, whatever max_tokens is.
+  for (int n : {8, 9, 100}) {
+    for (int max_tokens : {0, 1, 5}) {
+      const std::string what = absl::StrCat(n, " prompt tokens, max_tokens ", max_tokens);
+      ExpectRefused(ids(n, max_tokens), *model, 8,
+                    {absl::StrCat("prompt: its ", n, " tokens do not fit max_model_len 8"), "at most 7 tokens"}, what);
+      absl::StatusOr<GenerationParams> p = PrepareGeneration(ids(n, max_tokens), *model, 8, "req-1");
+      EXPECT_EQ(p.status().message().find("max_tokens"), std::string::npos) << what << ": " << p.status();
+    }
+  }
+  v1::GenerateRequest text;
+  text.set_text("hellohello");  // 10 tokens
+  ExpectRefused(text, *model, 10, {"prompt: its 10 tokens do not fit max_model_len 10"}, "text prompt");
+  // The prompt fits but not with max_tokens: max_tokens is named, with the numbers.
+  ExpectRefused(ids(7, 2), *model, 8,
+                {"sampling.max_tokens: the prompt's 7 tokens + max_tokens 2 = 9 exceed max_model_len 8"}, "7 + 2");
+  ExpectRefused(ids(1, 0), *model, 8, {"sampling.max_tokens", "+ max_tokens 16 = 17"}, "the default max_tokens");
+  // Both fit.
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(ids(7, 1), *model, 8, "req-1");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->prompt.size(), 7u);
+  EXPECT_EQ(p->max_tokens, 1);
 }
 
 }  // namespace

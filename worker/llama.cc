@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -27,6 +29,9 @@ absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, std::initializer_lis
 
 absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std::string& name,
                                               std::vector<int64_t> full_shape, const Slice& slice) {
+  // Nothing is sized from config.json before the checkpoint confirms the shape (Load checks
+  // every tensor first; this keeps the rule for each one).
+  SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, full_shape));
   std::vector<int64_t> local = full_shape;
   local[slice.dim] = (slice.end < 0 ? full_shape[slice.dim] : slice.end) - slice.begin;
   Tensor t;
@@ -62,6 +67,41 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, cons
   return packed;
 }
 
+namespace {
+
+// Every tensor a shard of layers [first, end) reads, with the full shape config.json implies: the
+// tensors Load reads below, in the same order.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ShardTensors(const ModelConfig& c, int64_t first,
+                                                                       int64_t end, bool first_stage, bool last_stage) {
+  const int64_t H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t;
+  if (first_stage) t.push_back({"model.embed_tokens.weight", {V, H}});
+  for (int64_t i = first; i < end; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    t.push_back({p + "input_layernorm.weight", {H}});
+    t.push_back({p + "self_attn.q_proj.weight", {c.q_dim(), H}});
+    t.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), H}});
+    t.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), H}});
+    if (c.attention_bias) {
+      t.push_back({p + "self_attn.q_proj.bias", {c.q_dim()}});
+      t.push_back({p + "self_attn.k_proj.bias", {c.kv_dim()}});
+      t.push_back({p + "self_attn.v_proj.bias", {c.kv_dim()}});
+    }
+    t.push_back({p + "self_attn.o_proj.weight", {H, c.q_dim()}});
+    t.push_back({p + "post_attention_layernorm.weight", {H}});
+    t.push_back({p + "mlp.gate_proj.weight", {I, H}});
+    t.push_back({p + "mlp.up_proj.weight", {I, H}});
+    t.push_back({p + "mlp.down_proj.weight", {H, I}});
+  }
+  if (last_stage) {
+    t.push_back({"model.norm.weight", {H}});
+    t.push_back({c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", {V, H}});
+  }
+  return t;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const StepLimits& opt,
                                                              Backend* backend, Communicator* tp) {
@@ -90,6 +130,13 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& c
   const Slice q_rows{0, s.q_rows.begin, s.q_rows.end}, kv_rows{0, s.kv_rows.begin, s.kv_rows.end},
       mlp_rows{0, s.mlp_rows.begin, s.mlp_rows.end}, vocab_rows{0, s.vocab_rows.begin, s.vocab_rows.end};
   const Slice q_cols{1, s.q_rows.begin, s.q_rows.end}, mlp_cols{1, s.mlp_rows.begin, s.mlp_rows.end}, all{0, 0, -1};
+
+  // ---- Shapes first: config.json's sizes are only bounded (model/config.cc) until the
+  // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----
+  for (const auto& [name, shape] : ShardTensors(config, m->first_layer_, m->end_layer_, m->is_first_stage(),
+                                                m->is_last_stage())) {
+    SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
+  }
 
   // ---- Weights: this rank's slice of this stage's tensors ----
   if (m->is_first_stage()) {

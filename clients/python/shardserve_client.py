@@ -57,11 +57,13 @@ class Client:
         RESOURCE_EXHAUSTED when the server is full). `sampling_fields` sets any other SamplingParams
         field (min_p, repetition_penalty, presence_penalty, frequency_penalty, logprobs,
         top_logprobs, ignore_eos, stop_token_ids); the README lists them."""
+        # text, stop and request_id are bytes on the wire (inference.proto): UTF-8 here.
         sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                                top_p=top_p, stop=stop or [], **sampling_fields)
+                                                top_p=top_p, stop=[s.encode("utf-8") for s in stop or []],
+                                                **sampling_fields)
         if seed is not None:
             sampling.seed = seed
-        request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling)
+        request = inference_pb2.GenerateRequest(text=prompt.encode("utf-8"), sampling=sampling)
         for msg in self._stub.Generate(request, timeout=timeout):
             finish = None
             if msg.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
@@ -72,7 +74,8 @@ class Client:
                         logprobs)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        resp = self._stub.Tokenize(inference_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+        resp = self._stub.Tokenize(inference_pb2.TokenizeRequest(text=text.encode("utf-8"),
+                                                                 add_special_tokens=add_special_tokens),
                                    timeout=10)
         return list(resp.ids)
 

@@ -25,20 +25,25 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
 
 }  // namespace
 
+bool IsValidRequestId(absl::string_view id) {
+  return id.size() <= kMaxRequestIdBytes && std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c < 127; });
+}
+
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
                                                    int64_t max_model_len, const std::string& default_request_id) {
   GenerationParams p;
   const int64_t vocab = model.config.vocab_size;
 
-  if (request.request_id().size() > kMaxRequestIdBytes ||
-      !std::all_of(request.request_id().begin(), request.request_id().end(),
-                   [](char c) { return c > ' ' && c < 127; })) {
+  if (!IsValidRequestId(request.request_id())) {
     return Invalid("request_id", absl::StrCat("at most ", kMaxRequestIdBytes, " printable characters without spaces"));
   }
   p.request_id = request.request_id().empty() ? default_request_id : request.request_id();
 
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kText: {
+      // The text is bytes on the wire (a proto3 string would fail to parse, and gRPC would answer
+      // INTERNAL with no message): checked here, whatever the model, naming the offending byte.
+      if (absl::Status utf8 = CheckUtf8(request.text()); !utf8.ok()) return Invalid("prompt.text", utf8.message());
       if (model.tokenizer == nullptr) {
         return Invalid("prompt.text", absl::StrCat("the model ", model.name,
                                                    " has no tokenizer.json, so it takes token ids only: send "
@@ -63,11 +68,19 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
       return Invalid("prompt", "set text or token_ids");
   }
   if (p.prompt.empty()) return Invalid("prompt", "it has no tokens");
+  // A prompt that alone fills the context leaves no room for a generated token, whatever
+  // max_tokens says: the prompt is what must change.
+  const int64_t prompt_tokens = static_cast<int64_t>(p.prompt.size());
+  if (prompt_tokens >= max_model_len) {
+    return Invalid("prompt", absl::StrCat("its ", prompt_tokens, " tokens do not fit max_model_len ", max_model_len,
+                                          ": a prompt may have at most ", max_model_len - 1,
+                                          " tokens, leaving room for one generated token"));
+  }
 
   const v1::SamplingParams& s = request.sampling();
   if (s.max_tokens() < 0) return Invalid("sampling.max_tokens", absl::StrCat("must be >= 0, got ", s.max_tokens()));
   p.max_tokens = s.max_tokens() == 0 ? kDefaultMaxTokens : s.max_tokens();
-  const int64_t total = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
+  const int64_t total = prompt_tokens + p.max_tokens;
   if (total > max_model_len) {
     return Invalid("sampling.max_tokens", absl::StrCat("the prompt's ", p.prompt.size(), " tokens + max_tokens ",
                                                        p.max_tokens, " = ", total, " exceed max_model_len ",
@@ -122,6 +135,10 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   for (int i = 0; i < s.stop_size(); ++i) {
     if (s.stop(i).empty() || s.stop(i).size() > kMaxStopBytes) {
       return Invalid(absl::StrCat("sampling.stop[", i, "]"), absl::StrCat("must be 1 to ", kMaxStopBytes, " bytes"));
+    }
+    // Matched against the decoded text, which is valid UTF-8: invalid bytes could never match.
+    if (absl::Status utf8 = CheckUtf8(s.stop(i)); !utf8.ok()) {
+      return Invalid(absl::StrCat("sampling.stop[", i, "]"), utf8.message());
     }
     p.stop.push_back(s.stop(i));
   }

@@ -40,6 +40,10 @@ struct GenerationParams {
   bool ignore_eos = false;
 };
 
+// A client's request_id may be logged and echoed: at most 128 printable ASCII characters without
+// spaces (empty: the server makes one).
+bool IsValidRequestId(absl::string_view id);
+
 // Checks `request` against the model and `max_model_len`; InvalidArgument naming the field
 // otherwise. `default_request_id` is used when the request has none.
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,

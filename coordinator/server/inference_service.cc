@@ -46,7 +46,9 @@ absl::Status InferenceService::GenerateStatus(grpc::ServerContext* context, cons
   absl::StatusOr<GenerationParams> params =
       PrepareGeneration(*request, *model_, pool_->max_model_len(), fallback_id);
   if (!params.ok()) {
-    CoordinatorRequestLog(request->request_id().empty() ? fallback_id : request->request_id(),
+    // A malformed request_id is not written to the log (it may hold newlines or any byte).
+    const bool own_id = !request->request_id().empty() && IsValidRequestId(request->request_id());
+    CoordinatorRequestLog(own_id ? request->request_id() : fallback_id,
                           absl::StrCat("rejected: ", params.status().message()), "warn");
     return params.status();
   }
@@ -77,6 +79,10 @@ absl::Status InferenceService::GenerateStatus(grpc::ServerContext* context, cons
 
 grpc::Status InferenceService::Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* request,
                                         v1::TokenizeResponse* response) {
+  // Bytes on the wire (see inference.proto): checked whatever the model, naming the offending byte.
+  if (absl::Status utf8 = CheckUtf8(request->text()); !utf8.ok()) {
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("text: ", utf8.message())));
+  }
   if (model_->tokenizer == nullptr) {
     return ToGrpcStatus(absl::InvalidArgumentError(
         absl::StrCat("text: the model ", model_->name, " has no tokenizer.json, so it cannot tokenize text")));

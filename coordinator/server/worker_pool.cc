@@ -19,8 +19,6 @@
 namespace shardserve {
 namespace {
 
-// The API version this coordinator speaks (worker.proto Register.protocol_version).
-constexpr int kProtocolVersion = 2;
 // When a step breaks, how long to wait for the other workers' news before answering: a killed
 // worker's peers report their own failure (a lost connection) at about the time its stream ends,
 // and the message should name the worker that vanished, not only the peers that noticed.
@@ -37,8 +35,24 @@ constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
 constexpr uint64_t kFirstEpoch = 1;
 
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
-// --memory-bandwidth-gbps) or a figure the planner does not take (cluster.h): a server's DRAM.
+// --memory-bandwidth-gbps): a server's DRAM. Register refuses a figure the planner does not take.
 constexpr double kAssumedMemoryBytesPerS = 20e9;
+// The most memory a worker may report: the planner's bound on one device's (cluster.cc).
+constexpr int64_t kMaxWorkerMemory = int64_t{1} << 50;
+// The highest K of a "cuda:K" device a worker may report: far above the GPUs of any host.
+constexpr int kMaxDeviceOrdinal = 4095;
+
+// "cpu", "cuda" or "cuda:K", K a decimal number in [0, kMaxDeviceOrdinal] (the worker's
+// --device, as worker/step_executor.h ParseDevice takes it, without a sign or spaces).
+bool ValidDevice(const std::string& device) {
+  if (device == "cpu" || device == "cuda") return true;
+  if (device.rfind("cuda:", 0) != 0) return false;
+  const std::string k = device.substr(5);
+  if (k.empty() || k.size() > 4 || !std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return false;
+  }
+  return std::stoi(k) <= kMaxDeviceOrdinal;
+}
 
 // The planner's cluster for the workers. The figures for the links and the memory bandwidth only
 // feed the planner's decode estimate, which chooses nothing here (the layout is fixed by the
@@ -119,9 +133,9 @@ void WorkerPool::SetServingListener(std::function<void(bool)> listener) {
 // ---- Registration and the group ---------------------------------------------------------------
 
 absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* link) {
-  if (hello.protocol_version() != kProtocolVersion) {
+  if (hello.protocol_version() != kWorkerProtocolVersion) {
     return absl::FailedPreconditionError(absl::StrCat("the worker speaks protocol version ", hello.protocol_version(),
-                                                      "; this coordinator speaks ", kProtocolVersion));
+                                                      "; this coordinator speaks ", kWorkerProtocolVersion));
   }
   for (auto [field, value] : {std::pair{"node", &hello.node()}, {"device", &hello.device()},
                               {"address", &hello.address()}, {"collective_host", &hello.collective_host()}}) {
@@ -134,8 +148,21 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     return absl::InvalidArgumentError(absl::StrCat("register.metrics_address must be at most ", kMaxNameLength,
                                                    " printable characters without spaces"));
   }
-  if (hello.memory_bytes() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes must be > 0, got ", hello.memory_bytes()));
+  if (!ValidDevice(hello.device())) {
+    return absl::InvalidArgumentError(absl::StrCat("register.device must be cpu, cuda or cuda:K with K in [0, ",
+                                                   kMaxDeviceOrdinal, "], got \"", hello.device(), "\""));
+  }
+  if (hello.memory_bytes() <= 0 || hello.memory_bytes() > kMaxWorkerMemory) {
+    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes must be in [1, 2^50], got ",
+                                                   hello.memory_bytes()));
+  }
+  // 0: not reported (the planner assumes kAssumedMemoryBytesPerS); anything else is a figure the
+  // planner takes, or the worker is refused. NaN fails both comparisons.
+  const double bandwidth = hello.memory_bytes_per_s();
+  if (!(bandwidth == 0 || (bandwidth >= kMinBandwidthBytesPerS && bandwidth <= kMaxBandwidthBytesPerS))) {
+    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes_per_s must be 0 (not reported) or in [",
+                                                   kMinBandwidthBytesPerS, ", ", kMaxBandwidthBytesPerS,
+                                                   "] bytes/s, got ", bandwidth));
   }
 
   std::vector<std::pair<int, v1::CoordinatorMessage>> to_send;
@@ -201,9 +228,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     const v1::Register& h = workers_[i]->hello;
     members.push_back(Member{i, h.node()});
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
-    const double reported = h.memory_bytes_per_s();
-    const bool known = reported >= kMinBandwidthBytesPerS && reported <= kMaxBandwidthBytesPerS;  // false for NaN
-    bandwidth = std::min(bandwidth, known ? reported : 0.0);
+    bandwidth = std::min(bandwidth, h.memory_bytes_per_s());  // 0 or in range (Register checked)
     cpu_only = cpu_only && h.device() == "cpu";
   }
   absl::StatusOr<Group> group = FormGroup(GroupShape{tp, pp}, members, kFirstEpoch);

@@ -293,10 +293,17 @@ absl::Status Tokenizer::ReadBosEos(std::string_view tokenizer_config_json, std::
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
+absl::Status CheckUtf8(std::string_view text) {
   if (const size_t bad = tokenizer_internal::FindInvalidUtf8(text); bad != std::string_view::npos) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("text is not valid UTF-8: byte 0x%02X at offset %d", static_cast<uint8_t>(text[bad]), bad));
+        absl::StrFormat("not valid UTF-8: byte 0x%02X at offset %d", static_cast<uint8_t>(text[bad]), bad));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text, bool add_special_tokens) const {
+  if (absl::Status utf8 = CheckUtf8(text); !utf8.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("text is ", utf8.message()));
   }
   PieceList list;
   list.Reset(text);

@@ -50,6 +50,11 @@ class Normalizer;
 class PreTokenizer;
 }  // namespace tokenizer_internal
 
+// OK when `text` is valid UTF-8; otherwise InvalidArgument "not valid UTF-8: byte 0xFF at offset
+// 3", naming the first byte that is not part of a well-formed sequence and its offset. Callers
+// put the field's name in front. Thread-safe.
+absl::Status CheckUtf8(std::string_view text);
+
 class Tokenizer {
  public:
   // Loads tokenizer.json (required), tokenizer_config.json and generation_config.json (each

@@ -1,0 +1,138 @@
+// The coordinator's worker pool (coordinator/server/worker_pool.h) without processes: what a
+// worker's Register may say. Every field is checked where it enters; a bad one refuses the worker
+// with InvalidArgument naming the field and the value.
+#include "coordinator/server/worker_pool.h"
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+// A link that keeps what it is sent.
+class FakeLink : public WorkerLink {
+ public:
+  bool Send(const v1::CoordinatorMessage& message) override {
+    sent.push_back(message);
+    return true;
+  }
+  void Cancel() override {}
+  std::vector<v1::CoordinatorMessage> sent;
+};
+
+v1::Register GoodHello() {
+  v1::Register h;
+  h.set_protocol_version(kWorkerProtocolVersion);
+  h.set_node("n0");
+  h.set_device("cpu");
+  h.set_memory_bytes(int64_t{16} << 30);
+  h.set_address("127.0.0.1:1");
+  h.set_collective_host("127.0.0.1");
+  return h;
+}
+
+class WorkerPoolRegisterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<ServedModel>> model =
+        ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = std::move(*model);
+    // Two workers on one node: one good Register does not complete the group.
+    PoolOptions options;
+    options.nodes = 1;
+    options.gpus_per_node = 2;
+    options.limits = StepLimits{64, 8, 16, 0, 0};
+    absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model_.get(), options);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+  }
+  void TearDown() override {
+    for (int i : accepted_) pool_->Disconnect(i);
+    pool_.reset();
+  }
+  // Registers `hello`; on success remembers the worker for TearDown.
+  absl::StatusOr<int> Register(const v1::Register& hello) {
+    absl::StatusOr<int> index = pool_->Register(hello, &link_);
+    if (index.ok()) accepted_.push_back(*index);
+    return index;
+  }
+
+  std::unique_ptr<ServedModel> model_;
+  std::unique_ptr<WorkerPool> pool_;
+  FakeLink link_;
+  std::vector<int> accepted_;
+};
+
+TEST_F(WorkerPoolRegisterTest, BadFieldsRefuseTheWorkerNamingTheFieldAndTheValue) {
+  struct Case {
+    std::string name;
+    v1::Register hello;
+    std::vector<std::string> expected;  // substrings of the message
+  };
+  std::vector<Case> cases;
+  auto with = [](auto change) {
+    v1::Register h = GoodHello();
+    change(h);
+    return h;
+  };
+  cases.push_back({"NaN bandwidth",
+                   with([](v1::Register& h) { h.set_memory_bytes_per_s(std::numeric_limits<double>::quiet_NaN()); }),
+                   {"register.memory_bytes_per_s", "nan"}});
+  cases.push_back({"negative bandwidth", with([](v1::Register& h) { h.set_memory_bytes_per_s(-5e9); }),
+                   {"register.memory_bytes_per_s", "-5e+09"}});
+  cases.push_back({"infinite bandwidth",
+                   with([](v1::Register& h) { h.set_memory_bytes_per_s(std::numeric_limits<double>::infinity()); }),
+                   {"register.memory_bytes_per_s", "inf"}});
+  cases.push_back({"bandwidth below the planner's range", with([](v1::Register& h) { h.set_memory_bytes_per_s(10); }),
+                   {"register.memory_bytes_per_s", "got 10"}});
+  cases.push_back({"negative memory", with([](v1::Register& h) { h.set_memory_bytes(-1); }),
+                   {"register.memory_bytes", "got -1"}});
+  cases.push_back({"zero memory", with([](v1::Register& h) { h.set_memory_bytes(0); }),
+                   {"register.memory_bytes", "got 0"}});
+  cases.push_back({"memory above 2^50", with([](v1::Register& h) { h.set_memory_bytes(int64_t{1} << 51); }),
+                   {"register.memory_bytes", "2^50", "got 2251799813685248"}});
+  for (const char* device : {"tpu:-1", "tpu", "cuda:-1", "cuda:+1", "cuda:", "cuda:4096", "cuda:99999",
+                             "cuda:1x", "CPU"}) {
+    cases.push_back({absl::StrCat("device ", device), with([&](v1::Register& h) { h.set_device(device); }),
+                     {"register.device", absl::StrCat("\"", device, "\"")}});
+  }
+  for (const Case& c : cases) {
+    absl::StatusOr<int> index = Register(c.hello);
+    ASSERT_FALSE(index.ok()) << c.name << " was accepted";
+    EXPECT_EQ(index.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
+    for (const std::string& s : c.expected) {
+      EXPECT_THAT(std::string(index.status().message()), HasSubstr(s)) << c.name;
+    }
+  }
+  EXPECT_TRUE(link_.sent.empty());
+}
+
+TEST_F(WorkerPoolRegisterTest, ZeroBandwidthMeansNotReportedAndGoodDevicesAreAccepted) {
+  v1::Register unreported = GoodHello();  // memory_bytes_per_s 0: not reported
+  absl::StatusOr<int> a = Register(unreported);
+  EXPECT_TRUE(a.ok()) << a.status();
+  v1::Register gpu = GoodHello();
+  gpu.set_device("cuda:4095");
+  gpu.set_memory_bytes(int64_t{1} << 50);
+  gpu.set_memory_bytes_per_s(3.35e12);
+  // The second of two workers completes the group: it is formed and planned, and each worker is
+  // sent its Assignment.
+  absl::StatusOr<int> b = Register(gpu);
+  EXPECT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(link_.sent.size(), 2u) << "an Assignment (or a Shutdown) for each worker";
+}
+
+}  // namespace
+}  // namespace shardserve
