@@ -20,8 +20,8 @@ TARGETS=(safetensors config tokenizer_json tokenize request)
 declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096)
 # CI runs each target a fixed number of executions from a fixed seed, so that a CI run is the same
 # run every time (a time bound would test more or less on a faster or slower machine, and a crash
-# found by chance would make CI flaky): about 15 s each on a 2-core AMD EPYC (docs/security.md).
-declare -A CI_RUNS=([safetensors]=200000 [config]=300000 [tokenizer_json]=20000 [tokenize]=150000 [request]=600000)
+# found by chance would make CI flaky): 10 to 20 s each on a 2-core AMD EPYC (docs/security.md).
+declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 [tokenize]=400000 [request]=1500000)
 
 build() {
   local start
