@@ -1,0 +1,115 @@
+// The tiles of the CPU's int8 products (int8_matmul.h), as templates over how 8 int8 weights
+// become 8 floats (`Widen::Load(const int8_t*) -> Vec8`), instantiated once per instruction set:
+// int8_matmul_avx2.cc (compiled for AVX2 + FMA) and int8_matmul.cc (baseline x86-64). Internal to
+// those two files; everything here has internal linkage, so the two instances cannot mix.
+#ifndef SHARDSERVE_KERNELS_CPU_INT8_MATMUL_TILES_H_
+#define SHARDSERVE_KERNELS_CPU_INT8_MATMUL_TILES_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/vec.h"
+
+namespace shardserve::cpu {
+
+// The baseline-x86-64 and AVX2 instances of the columns [r0, r1) of y = x @ (q x scale)^T + bias.
+void Int8ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q,
+                         const float* scale, const float* bias, int64_t r0, int64_t r1);
+void Int8ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
+                     const float* bias, int64_t r0, int64_t r1);
+
+// Weight rows per tile of columns: 8 independent sums for a single input row (the chains two 4-deep
+// FMA units need), or 4 x 2 for a pair of input rows, each weight vector loaded once for both.
+inline constexpr int kInt8TileRows = 8;
+
+namespace {
+
+// The sum of v's lanes, in one fixed order.
+[[gnu::always_inline]] inline float SumLanes(const Vec8& v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// The first `count` (< 8) int8 weights at p as floats, the other lanes 0.
+template <class Widen>
+[[gnu::always_inline]] inline Vec8 LoadTail(const int8_t* p, int64_t count) {
+  int8_t padded[kVecLanes] = {};
+  std::memcpy(padded, p, static_cast<size_t>(count));
+  return Widen::Load(padded);
+}
+
+// y[i .. i+I) x columns [r, r+R): R x I sums, each over k in the same order whatever R and I
+// (the tile's size only decides which sums share a weight load), so that tails and full tiles
+// give every output the same bits. Bounds are compile-time so the sums stay in registers.
+template <class Widen, int R, int I>
+[[gnu::always_inline]] inline void Tile(float* y, const float* x, int64_t i, int64_t m, int64_t k, const int8_t* q,
+                                        const float* scale, const float* bias, int64_t r) {
+  Vec8 acc[I][R] = {};
+  // Whole vectors with fixed-size loads (a variable-size copy would be a library call per step),
+  // then the tail, zero-padded: the same sequence of operations for every output.
+  int64_t c = 0;
+  for (; c + kVecLanes <= k; c += kVecLanes) {
+    Vec8 xv[I];
+    for (int a = 0; a < I; ++a) xv[a] = LoadVec(x + (i + a) * k + c);
+    for (int b = 0; b < R; ++b) {
+      const Vec8 wv = Widen::Load(q + (r + b) * k + c);
+      for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
+    }
+  }
+  if (c < k) {
+    const int64_t count = k - c;
+    Vec8 xv[I];
+    for (int a = 0; a < I; ++a) xv[a] = LoadVec(x + (i + a) * k + c, count);
+    for (int b = 0; b < R; ++b) {
+      const Vec8 wv = LoadTail<Widen>(q + (r + b) * k + c, count);
+      for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
+    }
+  }
+  for (int a = 0; a < I; ++a) {
+    for (int b = 0; b < R; ++b) {
+      const float v = SumLanes(acc[a][b]) * scale[r + b];
+      y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
+    }
+  }
+}
+
+// Tile<R, I> for R known only at run time (1 to 8).
+template <class Widen, int I>
+[[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
+                                          const int8_t* q, const float* scale, const float* bias, int64_t r) {
+  switch (rows) {
+    case 8: Tile<Widen, 8, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 7: Tile<Widen, 7, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 6: Tile<Widen, 6, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 5: Tile<Widen, 5, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 4: Tile<Widen, 4, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 3: Tile<Widen, 3, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 2: Tile<Widen, 2, I>(y, x, i, m, k, q, scale, bias, r); break;
+    case 1: Tile<Widen, 1, I>(y, x, i, m, k, q, scale, bias, r); break;
+    default: break;
+  }
+}
+
+// Output columns [r0, r1) of every row of y, kInt8TileRows weight rows at a time (which stay in L1
+// while the input rows stream past): input rows in pairs (4 weight rows x 2 inputs = 8 sums), and
+// a last single input row (a decode step's usual case) 8 weight rows at a time, so that it too
+// keeps 8 independent sums in flight.
+template <class Widen>
+[[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
+                                           const int8_t* q, const float* scale, const float* bias, int64_t r0,
+                                           int64_t r1) {
+  for (int64_t r = r0; r < r1; r += kInt8TileRows) {
+    const int64_t rows = std::min<int64_t>(kInt8TileRows, r1 - r);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      TileOf<Widen, 2>(std::min<int64_t>(rows, 4), y, x, i, m, k, q, scale, bias, r);
+      if (rows > 4) TileOf<Widen, 2>(rows - 4, y, x, i, m, k, q, scale, bias, r + 4);
+    }
+    if (i < n) TileOf<Widen, 1>(rows, y, x, i, m, k, q, scale, bias, r);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_INT8_MATMUL_TILES_H_
