@@ -12,8 +12,6 @@ absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("load-format must be auto or dummy, got '", name, "'"));
 }
 
-const char* LoadFormatName(LoadFormat format) { return format == LoadFormat::kDummy ? "dummy" : "auto"; }
-
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesystem::path& dir,
                                                                const ModelConfig& config, LoadFormat format,
                                                                uint64_t dummy_seed) {

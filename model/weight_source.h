@@ -50,7 +50,6 @@ enum class LoadFormat { kAuto, kDummy };
 
 // "auto" or "dummy"; InvalidArgument naming the value otherwise.
 absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name);
-const char* LoadFormatName(LoadFormat format);
 
 // The weights of the model at `dir` (whose config.json is `config`): its checkpoint (kAuto), or
 // DummyWeights(config, dummy_seed) (kDummy: no safetensors needed, nothing under `dir` is read).
