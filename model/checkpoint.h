@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
+#include "model/weight_source.h"
 
 namespace shardserve {
 
@@ -31,20 +32,13 @@ struct TensorInfo {
   uint64_t nbytes = 0;
 };
 
-// A contiguous range of one dimension of a 2-D tensor (or of the only dimension of a 1-D one).
-struct Slice {
-  int dim = 0;        // 0: rows, 1: columns
-  int64_t begin = 0;
-  int64_t end = -1;   // -1: to the end
-};
-
-class Checkpoint {
+class Checkpoint : public WeightSource {
  public:
   // Opens every safetensors file of the directory and validates their headers. No tensor data is
   // read (the planner uses this to count bytes without touching weights).
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::filesystem::path& dir);
 
-  ~Checkpoint();
+  ~Checkpoint() override;
   Checkpoint(const Checkpoint&) = delete;
   Checkpoint& operator=(const Checkpoint&) = delete;
 
@@ -56,14 +50,14 @@ class Checkpoint {
   // OK when tensor `name` exists with shape `expected_shape` (what config.json implies); else
   // NotFound, or InvalidArgument naming the tensor, both shapes and config.json. Reads no data,
   // so callers check shapes before they allocate anything sized from config.json.
-  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const;
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
 
   // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16), reading
   // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
   // (slice length x other dimension) elements of dst_type, row-major.
   absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
-                    DType dst_type, void* dst) const;
+                    DType dst_type, void* dst) const override;
 
  private:
   struct Mapping;

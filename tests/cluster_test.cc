@@ -490,6 +490,74 @@ TEST(ClusterQuantizationTest, Int8WeightsGiveTheTokensOfOneInt8Process) {
       << cluster.Status().plan_text();
 }
 
+// ---- Dummy weights: a directory holding only config.json -------------------------------------------
+// --load-format dummy on the coordinator reaches every worker, each making only its own slice of
+// weights that are a function of (seed, tensor, element) alone: a TP=2 x PP=2 cluster gives the
+// greedy tokens of `shardserve generate-ids --load-format dummy`, one process. Exact equality, as in
+// ClusterParityTest and for the same reason: all float32 (worker --matmul-dtype f32; generate-ids'
+// CPU backend computes in float32), only the TP all-reduce's order of summation differs. No
+// tokenizer.json and no safetensors in the directory: token-id prompts only.
+TEST(ClusterDummyWeightsTest, Tp2Pp2GivesTheTokensOfOneProcess) {
+  char pattern[] = "/tmp/dummy_model.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  fs::copy_file(kFixtures / "llama_gqa" / "config.json", dir / "config.json");
+  const std::vector<int32_t> prompt = {1, 5, 99, 300, 17, 42, 7, 256};
+  const int new_tokens = 24;
+
+  std::string command = std::string(SHARDSERVE_CLI_BIN) + " generate-ids --model " + dir.string() +
+                        " --load-format dummy --dummy-seed 7 --max-new-tokens " + std::to_string(new_tokens);
+  for (int32_t id : prompt) command += " " + std::to_string(id);
+  std::vector<int32_t> reference;
+  {
+    FILE* out = popen((command + " 2>&1").c_str(), "r");
+    ASSERT_NE(out, nullptr);
+    std::string text;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), out)) text.append(buf, n);
+    ASSERT_EQ(pclose(out), 0) << command << ":\n" << text;
+    std::istringstream ids(text);
+    for (int32_t id; ids >> id;) reference.push_back(id);
+    ASSERT_EQ(reference.size(), static_cast<size_t>(new_tokens)) << text;
+  }
+
+  {
+    // The absolute directory replaces the harness's fixture directory (fs::path's operator/).
+    Cluster cluster({dir.string(), /*nodes=*/2, /*gpus_per_node=*/2, {"--matmul-dtype", "f32"}},
+                    {"--load-format", "dummy", "--dummy-seed", "7"});
+    ASSERT_TRUE(cluster.Start());
+    const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(r.tokens, reference);
+  }
+  // Another seed is another model (or the test above would pass with any weights).
+  {
+    Cluster cluster({dir.string(), 1, 1, {"--matmul-dtype", "f32"}}, {"--load-format", "dummy", "--dummy-seed", "8"});
+    ASSERT_TRUE(cluster.Start());
+    const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
+    ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+    EXPECT_NE(r.tokens, reference);
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// Without --load-format dummy the same directory is refused: there are no safetensors to read.
+TEST(ClusterDummyWeightsTest, ConfigOnlyDirectoryNeedsLoadFormatDummy) {
+  char pattern[] = "/tmp/dummy_model.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  fs::copy_file(kFixtures / "llama_gqa" / "config.json", dir / "config.json");
+  const std::string command = std::string(SHARDSERVE_CLI_BIN) + " generate-ids --model " + dir.string() + " 1 2 3 2>&1";
+  FILE* out = popen(command.c_str(), "r");
+  ASSERT_NE(out, nullptr);
+  std::string text;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), out)) text.append(buf, n);
+  EXPECT_NE(pclose(out), 0) << text;
+  EXPECT_NE(text.find("safetensors"), std::string::npos) << text;
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 // ---- Failures ---------------------------------------------------------------------------------------
 
 // Starts a generation long enough to outlive `act`, reads a few tokens, runs `act` on the worker

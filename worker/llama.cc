@@ -27,7 +27,7 @@ absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, std::initializer_lis
   return view;
 }
 
-absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std::string& name,
+absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const std::string& name,
                                               std::vector<int64_t> full_shape, const Slice& slice) {
   // Nothing is sized from config.json before the checkpoint confirms the shape (Load checks
   // every tensor first; this keeps the rule for each one).
@@ -52,7 +52,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const Checkpoint& ckpt, const std:
   return t;
 }
 
-absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
+absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                                     std::vector<int64_t> full_shape, const Slice& slice,
                                                     WeightQuant quant) {
   Tensor plain, packed;
@@ -102,7 +102,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> ShardTensors(const Mod
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const Checkpoint& ckpt, const ModelConfig& config,
+absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const StepLimits& opt,
                                                              Backend* backend, Communicator* tp) {
   std::unique_ptr<LlamaShard> m(new LlamaShard());

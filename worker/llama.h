@@ -14,10 +14,10 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
-#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/sharding.h"
 #include "model/step_limits.h"
+#include "model/weight_source.h"
 #include "worker/communicator.h"
 
 namespace shardserve {
@@ -49,9 +49,9 @@ struct StepBatch {
 
 class LlamaShard {
  public:
-  // Loads this shard's slice of the checkpoint's weights in the backend's activation dtype and
-  // allocates the KV cache and every scratch buffer.
-  static absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const Checkpoint& checkpoint, const ModelConfig& config,
+  // Loads this shard's slice of the weights (a Checkpoint, or DummyWeights) in the backend's
+  // activation dtype and allocates the KV cache and every scratch buffer.
+  static absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const WeightSource& weights, const ModelConfig& config,
                                                           const ShardSpec& spec, const StepLimits& limits,
                                                           Backend* backend, Communicator* tp);
 
@@ -91,10 +91,10 @@ class LlamaShard {
   };
 
   LlamaShard() = default;
-  absl::StatusOr<Tensor> LoadWeight(const Checkpoint& ckpt, const std::string& name, std::vector<int64_t> full_shape,
+  absl::StatusOr<Tensor> LoadWeight(const WeightSource& ckpt, const std::string& name, std::vector<int64_t> full_shape,
                                     const Slice& slice);
   // LoadWeight, then the backend's PackMatMulWeight: for weights only MatMul reads.
-  absl::StatusOr<Tensor> LoadMatMulWeight(const Checkpoint& ckpt, const std::string& name,
+  absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                           std::vector<int64_t> full_shape, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);

@@ -8,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "model/checkpoint.h"
+#include "model/weight_source.h"
 #include "model/config.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
@@ -120,15 +120,18 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     e->send_ = std::move(*comm);
   }
 
-  // The shard. The checkpoint is only read during Load (the weights are copied into the shard).
-  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(a.model_path());
-  if (!checkpoint.ok()) return checkpoint.status();
+  // The shard. The checkpoint (or the dummy weights' generator) is only read during Load: the
+  // weights are copied into the shard.
+  const LoadFormat format = a.load_format() == v1::LOAD_FORMAT_DUMMY ? LoadFormat::kDummy : LoadFormat::kAuto;
+  absl::StatusOr<std::unique_ptr<WeightSource>> weights =
+      OpenWeightSource(a.model_path(), *config, format, a.dummy_seed());
+  if (!weights.ok()) return weights.status();
   const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(),
                        a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8 ? WeightQuant::kInt8
                                                                                : WeightQuant::kNone};
   const StepLimits options = FromProto(a.limits());
   absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-      LlamaShard::Load(**checkpoint, *config, spec, options, backend, e->tp_.get());
+      LlamaShard::Load(**weights, *config, spec, options, backend, e->tp_.get());
   if (!shard.ok()) return shard.status();
   e->shard_ = std::move(*shard);
   if (e->shard_->is_first_stage() != first || e->shard_->is_last_stage() != last) {

@@ -27,6 +27,7 @@
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_control_service.h"
 #include "coordinator/server/worker_pool.h"
+#include "model/weight_source.h"
 
 namespace shardserve {
 namespace {
@@ -38,7 +39,7 @@ constexpr char kUsage[] =
     "                              [--metrics-listen HOST:PORT] [--log-format text|json]\n"
     "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
-    "                              [--quantization none|int8]\n"
+    "                              [--quantization none|int8] [--load-format auto|dummy] [--dummy-seed N]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -68,7 +69,11 @@ constexpr char kUsage[] =
     "                                stages, so that no stage idles; 1: one step at a time)\n"
     "  --quantization                how the workers store the linear layers' weights: none (default,\n"
     "                                the checkpoint's precision) or int8 (per output channel, quantized\n"
-    "                                at load, each worker its own slice; CPU workers only for now)\n";
+    "                                at load, each worker its own slice; CPU workers only for now)\n"
+    "  --load-format                 auto (default): the checkpoint's safetensors; dummy: weights made\n"
+    "                                from config.json alone and a seed, each worker its own slice (as\n"
+    "                                vLLM's; --model may hold only config.json: token-id prompts)\n"
+    "  --dummy-seed                  the dummy weights' seed (default 0; --load-format dummy only)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -88,7 +93,7 @@ int Main(int argc, char** argv) {
                    {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
                     "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
-                    "quantization"},
+                    "quantization", "load-format", "dummy-seed"},
                    {"help"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -125,6 +130,17 @@ int Main(int argc, char** argv) {
     return Usage(std::string(s.message()));
   }
   pool_options.weight_quant = *ParseWeightQuant(quantization);
+  std::string load_format = "auto";
+  if (absl::Status s = flags->OneOf("load-format", {"auto", "dummy"}, &load_format); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
+  pool_options.load_format = *ParseLoadFormat(load_format);
+  if (flags->Has("dummy-seed") && pool_options.load_format != LoadFormat::kDummy) {
+    return Usage("flag --dummy-seed needs --load-format dummy");
+  }
+  if (absl::Status s = flags->Int("dummy-seed", 0, INT64_MAX, &pool_options.dummy_seed); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
   ParseLogFormat(log_format_name, &log_format);
   SetLogFormat(log_format);
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
@@ -138,14 +154,17 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir);
+  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir, pool_options.load_format);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model->get(), pool_options);
   if (!pool.ok()) return Fail(std::string(pool.status().message()));
   CoordinatorLog("model", absl::StrCat((*model)->name, " (", (*model)->config.architecture_name, ", ",
                                        (*model)->config.num_hidden_layers, " layers, max_model_len ",
                                        (*pool)->max_model_len(), ")",
-                                       (*model)->tokenizer ? "" : "; no tokenizer.json: token-id prompts only"));
+                                       (*model)->tokenizer ? "" : "; no tokenizer.json: token-id prompts only",
+                                       pool_options.load_format == LoadFormat::kDummy
+                                           ? absl::StrCat("; dummy weights, seed ", pool_options.dummy_seed)
+                                           : ""));
 
   CoordinatorMetrics metrics((*model)->name);
   (*pool)->SetMetrics(&metrics);

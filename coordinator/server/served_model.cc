@@ -40,7 +40,7 @@ absl::Status ReadGenerationEos(const fs::path& file, std::vector<int32_t>* ids) 
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string& dir, LoadFormat load_format) {
   std::error_code ec;
   const fs::path path = fs::absolute(dir, ec);
   if (ec || !fs::is_directory(path)) {
@@ -54,9 +54,11 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
   absl::StatusOr<ModelConfig> config = LoadModelConfig(path);
   if (!config.ok()) return config.status();
   m->config = std::move(*config);
-  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);
-  if (!checkpoint.ok()) return checkpoint.status();
-  m->checkpoint = std::move(*checkpoint);
+  if (load_format == LoadFormat::kAuto) {
+    absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);
+    if (!checkpoint.ok()) return checkpoint.status();
+    m->checkpoint = std::move(*checkpoint);
+  }
 
   if (fs::exists(path / "tokenizer.json")) {
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromDirectory(path.string());

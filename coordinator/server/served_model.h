@@ -1,6 +1,7 @@
 // The model the coordinator serves, read once at startup from its Hugging Face checkpoint
 // directory: config.json, the safetensors headers (the planner counts their bytes; no weight is
-// read), tokenizer.json when there is one, and the ids that end a generation.
+// read; none with --load-format dummy), tokenizer.json when there is one, and the ids that end a
+// generation.
 //
 // Immutable after Open(); every member may be read from any thread.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_SERVED_MODEL_H_
@@ -15,6 +16,7 @@
 #include "coordinator/tokenizer/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/weight_source.h"
 
 namespace shardserve {
 
@@ -22,12 +24,15 @@ struct ServedModel {
   // Opens the checkpoint at `dir`. Errors name the file: a missing or invalid config.json, a bad
   // safetensors header, a tokenizer.json this build cannot run, a malformed
   // generation_config.json. A directory without tokenizer.json is fine: token-id prompts only.
-  static absl::StatusOr<std::unique_ptr<ServedModel>> Open(const std::string& dir);
+  // With LoadFormat::kDummy no safetensors are opened (checkpoint stays null: the planner counts
+  // the weights from config.json) and the directory may hold config.json alone.
+  static absl::StatusOr<std::unique_ptr<ServedModel>> Open(const std::string& dir,
+                                                           LoadFormat load_format = LoadFormat::kAuto);
 
   std::string dir;   // absolute: the workers open the same path
   std::string name;  // the directory's base name
   ModelConfig config;
-  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<Checkpoint> checkpoint;  // null with LoadFormat::kDummy
   std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json
   // config.json's eos_token_id, generation_config.json's and the tokenizer's, sorted, unique.
   std::vector<int32_t> eos_ids;

@@ -334,6 +334,10 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
     a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8 ? v1::WEIGHT_QUANTIZATION_INT8
                                                                            : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
+    if (options_.load_format == LoadFormat::kDummy) {
+      a->set_load_format(v1::LOAD_FORMAT_DUMMY);
+      a->set_dummy_seed(options_.dummy_seed);
+    }
     out.emplace_back(slot.worker, std::move(m));
     if (slot.tp_rank == 0) {
       stages.push_back(absl::StrCat("stage ", slot.stage, " = node ", slot.node, " (layers ", st.first_layer, "-",

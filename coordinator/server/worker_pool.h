@@ -67,6 +67,9 @@ struct PoolOptions {
   StepLimits limits;
   // How the workers store the linear layers' weights (--quantization; kernels/quant.h).
   WeightQuant weight_quant = WeightQuant::kNone;
+  // Where the workers' weights come from (--load-format, --dummy-seed; model/weight_source.h).
+  LoadFormat load_format = LoadFormat::kAuto;
+  uint64_t dummy_seed = 0;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };

@@ -56,7 +56,8 @@ constexpr char kUsage[] =
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
-    "                        [--max-model-len L]\n"
+    "                        [--max-model-len L] [--quantization none|int8] [--load-format auto|dummy]\n"
+    "                        [--dummy-seed N]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B]  [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
@@ -87,7 +88,9 @@ constexpr char kUsage[] =
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
-    "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"
+    "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
+    "                     --load-format dummy runs weights made from config.json alone (a --model\n"
+    "                     directory may then hold only config.json; bench sends token ids)\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
     "  cluster could not be started, 2 for a usage error, 130 when interrupted.\n";
 
@@ -171,7 +174,7 @@ int Run(const std::vector<std::string>& args) {
 
   if (!flags->Has("compare")) {
     for (const char* f : {"model", "device", "worker-threads", "worker-matmul-dtype", "log-dir",
-                          "ready-timeout-seconds", "max-model-len"}) {
+                          "ready-timeout-seconds", "max-model-len", "quantization", "load-format", "dummy-seed"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {

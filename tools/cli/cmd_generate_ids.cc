@@ -1,5 +1,6 @@
 // shardserve generate-ids: greedy generation in one process from token ids, no tokenizer, no
 // network. The smallest end-to-end check of a checkpoint and a backend.
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -7,7 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/backend.h"
-#include "model/checkpoint.h"
+#include "model/weight_source.h"
 #include "model/config.h"
 #include "tools/cli/command.h"
 #include "base/flags.h"
@@ -18,11 +19,14 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
-    "                               [--quantization none|int8] ID [ID ...]\n"
+    "                               [--quantization none|int8] [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                               ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
     "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel,\n"
-    "  quantized at load; cpu only for now), as the coordinator's --quantization does.\n";
+    "  quantized at load; cpu only for now), as the coordinator's --quantization does.\n"
+    "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
+    "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 
 int Fail(const std::string& msg) {
   std::fprintf(stderr, "shardserve generate-ids: %s\n", msg.c_str());
@@ -30,7 +34,7 @@ int Fail(const std::string& msg) {
 }
 
 int Run(const std::vector<std::string>& args) {
-  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device", "quantization"}, {"help"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device", "quantization", "load-format", "dummy-seed"}, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -63,6 +67,20 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(quant.status().message()).c_str());
     return 2;
   }
+  const absl::StatusOr<LoadFormat> load_format = ParseLoadFormat(flags->Get("load-format", "auto"));
+  if (!load_format.ok()) {
+    std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(load_format.status().message()).c_str());
+    return 2;
+  }
+  uint64_t dummy_seed = 0;
+  if (flags->Has("dummy-seed") && *load_format != LoadFormat::kDummy) {
+    std::fprintf(stderr, "shardserve generate-ids: flag --dummy-seed needs --load-format dummy\n");
+    return 2;
+  }
+  if (absl::Status s = flags->Int("dummy-seed", 0, INT64_MAX, &dummy_seed); !s.ok()) {
+    std::fprintf(stderr, "shardserve generate-ids: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   absl::StatusOr<int64_t> max_new = flags->GetInt("max-new-tokens", 16);
   if (!max_new.ok() || *max_new < 1) {
     std::fprintf(stderr, "shardserve generate-ids: --max-new-tokens must be a positive integer\n");
@@ -72,8 +90,8 @@ int Run(const std::vector<std::string>& args) {
   const std::string dir = flags->Get("model");
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok()) return Fail(std::string(config.status().message()));
-  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
-  if (!ckpt.ok()) return Fail(std::string(ckpt.status().message()));
+  absl::StatusOr<std::unique_ptr<WeightSource>> weights = OpenWeightSource(dir, *config, *load_format, dummy_seed);
+  if (!weights.ok()) return Fail(std::string(weights.status().message()));
 
   const std::string device = flags->Get("device", "cpu");
   std::unique_ptr<Backend> backend;
@@ -98,7 +116,7 @@ int Run(const std::vector<std::string>& args) {
   LocalCommunicator tp(backend.get());
   ShardSpec spec;
   spec.weight_quant = *quant;
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**ckpt, *config, spec, opt, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**weights, *config, spec, opt, backend.get(), &tp);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), prompt, *max_new);
   if (!ids.ok()) return Fail(std::string(ids.status().message()));

@@ -24,7 +24,7 @@ namespace shardserve::cli {
 
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
-                                 "max-model-len", "quantization"};
+                                 "max-model-len", "quantization", "load-format", "dummy-seed"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -34,7 +34,8 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
   c.model = f.Get("model", SHARDSERVE_DEMO_MODEL_DIR);
   if (!std::filesystem::exists(std::filesystem::path(c.model) / "config.json")) {
     return absl::InvalidArgumentError(
-        absl::StrCat(c.model, " has no config.json (give a Hugging Face checkpoint directory)"));
+        absl::StrCat(c.model, " has no config.json (give a Hugging Face checkpoint directory, or one holding only "
+                     "config.json with --load-format dummy)"));
   }
   SHARDSERVE_RETURN_IF_ERROR(f.OneOf("device", {"cpu", "cuda"}, &c.device));
   SHARDSERVE_RETURN_IF_ERROR(f.Int("ready-timeout-seconds", 1, 86400, &c.ready_timeout_s));
@@ -62,6 +63,17 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     std::string quantization;
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("quantization", {"none", "int8"}, &quantization));
     c.coordinator_flags.emplace_back("quantization", quantization);
+  }
+  if (f.Has("load-format")) {
+    std::string load_format;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("load-format", {"auto", "dummy"}, &load_format));
+    c.coordinator_flags.emplace_back("load-format", load_format);
+  }
+  if (f.Has("dummy-seed")) {
+    if (f.Get("load-format") != "dummy") return absl::InvalidArgumentError("flag --dummy-seed needs --load-format dummy");
+    int64_t seed = 0;
+    SHARDSERVE_RETURN_IF_ERROR(f.Int("dummy-seed", 0, INT64_MAX, &seed));
+    c.coordinator_flags.emplace_back("dummy-seed", f.Get("dummy-seed"));
   }
   return c;
 }

@@ -141,7 +141,8 @@ struct ClusterFlags {
   int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
   std::vector<std::string> worker_flags;  // --worker-matmul-dtype V as the workers' --matmul-dtype V
-  // --max-model-len, kCoordinatorPassThroughFlags and --quantization as given, in that order:
+  // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
+  // as given, in that order:
   // {"max-num-seqs", "8"}.
   std::vector<std::pair<std::string, std::string>> coordinator_flags;
 

@@ -1,0 +1,169 @@
+#include "model/dummy_weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardserve {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
+
+// SplitMix64's output function (Steele, Lea, Flood 2014): a bijection of 64-bit words whose
+// outputs for consecutive inputs pass BigCrush.
+uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+
+// FNV-1a, 64-bit: the tensor's name as a number.
+uint64_t HashName(const std::string& name) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001B3ull;
+  return h;
+}
+
+// The stream of tensor `name`: element i is Mix64(key + (i + 1) * gamma), i.e. the i-th output of a
+// SplitMix64 generator seeded with `key`, a function of the index alone.
+uint64_t TensorKey(uint64_t seed, const std::string& name) { return Mix64(seed ^ Mix64(HashName(name))); }
+
+// Half-width of the uniform distribution of tensor `name`'s elements; 0 marks the norms (1.0).
+//
+// Why activations stay finite over any number of layers (checked with 80 in
+// tests/dummy_weights_test.cc): every block of a Llama layer is pre-norm. It reads RMSNorm(h) x
+// norm weight (1.0), whose RMS is 1 whatever the residual h holds, and adds its output to h. With
+// a = 1/sqrt(in_features) an element has variance a^2 / 3 = 1 / (3 in), so a projection of a
+// unit-RMS input has RMS about 1/sqrt(3) = 0.58: q and k give attention scores q.k / sqrt(d) of
+// RMS ~0.33 (softmax far from saturating), attention averages v (RMS <= 0.58), o_proj brings it to
+// ~0.33; silu(gate) x up is ~0.2 and down_proj ~0.1. So each layer adds an increment of bounded
+// size (~0.4 RMS) that does not depend on h: the residual grows at most linearly in the layer
+// count (about as sqrt(L), the increments being nearly independent), a few units after 80 layers,
+// far inside float16's and bfloat16's range. The embedding rows are small (RMS 1/sqrt(3 hidden))
+// but the first RMSNorm scales them to 1 (eps 1e-6 is well below their mean square 1/(3 hidden)
+// for any hidden size up to ~10^5); the LM head of a unit-RMS vector gives logits of RMS ~0.58.
+// Biases stay small (0.1) beside the q/k/v outputs they shift.
+float ElementScale(const std::string& name, const std::vector<int64_t>& shape) {
+  if (absl::EndsWith(name, "norm.weight")) return 0;
+  if (absl::EndsWith(name, ".bias")) return 0.1f;
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.back())));
+}
+
+// Writes elements [first, first + n) of the tensor's stream, scaled by `a` (0: 1.0 exactly).
+void Fill(uint64_t key, float a, int64_t first, int64_t n, float* out) {
+  if (a == 0) {
+    for (int64_t i = 0; i < n; ++i) out[i] = 1.0f;
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t bits = Mix64(key + static_cast<uint64_t>(first + i + 1) * kGamma);
+    // The top 24 bits k give (2k + 1) / 2^24 - 1: symmetric around 0, inside (-1, 1), exact in float.
+    const float u = static_cast<float>(2 * (bits >> 40) + 1) * (1.0f / 16777216.0f) - 1.0f;
+    out[i] = a * u;
+  }
+}
+
+}  // namespace
+
+std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
+  std::map<std::string, std::vector<int64_t>> t;
+  t["model.embed_tokens.weight"] = {V, H};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    t[p + "input_layernorm.weight"] = {H};
+    t[p + "self_attn.q_proj.weight"] = {c.q_dim(), H};
+    t[p + "self_attn.k_proj.weight"] = {c.kv_dim(), H};
+    t[p + "self_attn.v_proj.weight"] = {c.kv_dim(), H};
+    if (c.attention_bias) {
+      t[p + "self_attn.q_proj.bias"] = {c.q_dim()};
+      t[p + "self_attn.k_proj.bias"] = {c.kv_dim()};
+      t[p + "self_attn.v_proj.bias"] = {c.kv_dim()};
+    }
+    t[p + "self_attn.o_proj.weight"] = {H, c.q_dim()};
+    t[p + "post_attention_layernorm.weight"] = {H};
+    t[p + "mlp.gate_proj.weight"] = {I, H};
+    t[p + "mlp.up_proj.weight"] = {I, H};
+    t[p + "mlp.down_proj.weight"] = {H, I};
+  }
+  t["model.norm.weight"] = {H};
+  if (!c.tie_word_embeddings) t["lm_head.weight"] = {V, H};
+  return t;
+}
+
+DummyWeights::DummyWeights(const ModelConfig& config, uint64_t seed) : seed_(seed), shapes_(ModelTensorShapes(config)) {}
+
+absl::Status DummyWeights::CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const {
+  auto it = shapes_.find(name);
+  if (it == shapes_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("dummy weights: tensor \"", name, "\" is not one config.json's model has"));
+  }
+  if (it->second != expected_shape) {
+    return absl::InvalidArgumentError(absl::StrCat("dummy weights: tensor \"", name, "\" has shape ",
+                                                   ShapeString(it->second), " from config.json, not ",
+                                                   ShapeString(expected_shape)));
+  }
+  return absl::OkStatus();
+}
+
+float DummyWeights::Element(const std::string& name, int64_t flat_index) const {
+  auto it = shapes_.find(name);
+  const float a = it == shapes_.end() ? 0 : ElementScale(name, it->second);
+  float v = 0;
+  Fill(TensorKey(seed_, name), a, flat_index, 1, &v);
+  return v;
+}
+
+absl::Status DummyWeights::Read(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                const Slice& slice, DType dst_type, void* dst) const {
+  if (absl::Status s = CheckShape(name, expected_shape); !s.ok()) return s;
+  const std::vector<int64_t>& shape = shapes_.at(name);
+  if (dst_type != DType::kF32 && dst_type != DType::kF16 && dst_type != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat("dummy weights: tensor \"", name, "\" asked for as ",
+                                                   DTypeName(dst_type), "; weights are F32, F16 or BF16"));
+  }
+  if (slice.dim < 0 || slice.dim >= static_cast<int>(shape.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice dimension ", slice.dim, " out of range"));
+  }
+  const int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
+  const int64_t extent = shape[slice.dim];
+  const int64_t begin = slice.begin, end = slice.end < 0 ? extent : slice.end;
+  if (begin < 0 || begin > end || end > extent) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice [", begin, ", ", end,
+                                                   ") of dimension ", slice.dim, " outside [0, ", extent, ")"));
+  }
+  const uint64_t key = TensorKey(seed_, name);
+  const float a = ElementScale(name, shape);
+  const size_t ds = DTypeSize(dst_type);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  // Runs of consecutive flat indices: one for a row range, one per row for a column range. Made in
+  // float32 through a small buffer, then converted into place.
+  constexpr int64_t kChunk = 4096;
+  float chunk[kChunk];
+  auto run = [&](int64_t first, int64_t n, uint8_t* to) {
+    for (int64_t done = 0; done < n; done += kChunk) {
+      const int64_t m = std::min(kChunk, n - done);
+      if (dst_type == DType::kF32) {
+        Fill(key, a, first + done, m, reinterpret_cast<float*>(to) + done);
+      } else {
+        Fill(key, a, first + done, m, chunk);
+        ConvertOnHost(to + static_cast<size_t>(done) * ds, dst_type, chunk, DType::kF32, static_cast<size_t>(m));
+      }
+    }
+  };
+  if (slice.dim == 0) {
+    run(begin * cols, (end - begin) * cols, out);
+  } else {
+    const int64_t n = end - begin;
+    for (int64_t r = 0; r < rows; ++r) run(r * cols + begin, n, out + static_cast<size_t>(r * n) * ds);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve

@@ -1,0 +1,57 @@
+// Weights without a checkpoint (--load-format dummy, as vLLM's): every tensor a Llama-family model
+// of this config.json has, with values made from a seed. For benchmarks of models one does not
+// have (a 72B planned and run from its config.json alone) and tests of layouts without fixtures.
+//
+// Element (r, c) of tensor `name` (shape [rows, cols]; 1-D tensors are [rows]) is a function of
+// (seed, name, r * cols + c) only, never of which slice is asked for: any rank's slice of any
+// tensor equals the same elements of the whole tensor, so every TP x PP layout runs the same model
+// as one process, each rank making only its own slice.
+//
+// Values (chosen so activations stay finite however many layers; see ElementScale in the .cc):
+//   norms (input_layernorm, post_attention_layernorm, model.norm): 1.0 exactly;
+//   2-D weights (q/k/v/o, gate/up/down, embed_tokens, lm_head): uniform in (-a, a), a = 1/sqrt(cols);
+//   biases (Qwen2's q/k/v): uniform in (-0.1, 0.1).
+//
+// Thread-safety: immutable after construction; Read and CheckShape are const and thread-safe.
+#ifndef SHARDSERVE_MODEL_DUMMY_WEIGHTS_H_
+#define SHARDSERVE_MODEL_DUMMY_WEIGHTS_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/weight_source.h"
+
+namespace shardserve {
+
+// Every tensor a worker of any layout reads for `config`, with its full shape: embed_tokens, each
+// layer's norms, q/k/v (and biases when attention_bias), o, gate/up/down, the final norm and
+// lm_head (absent when tie_word_embeddings).
+std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig& config);
+
+class DummyWeights : public WeightSource {
+ public:
+  DummyWeights(const ModelConfig& config, uint64_t seed);
+
+  // NotFound for a name the model has no tensor of; InvalidArgument naming both shapes for another
+  // shape (as Checkpoint does).
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                    DType dst_type, void* dst) const override;
+
+  // The value Read writes (before conversion to dst_type) for element `flat_index` (r * cols + c)
+  // of tensor `name`. No check of the name or the index: for tests.
+  float Element(const std::string& name, int64_t flat_index) const;
+
+  uint64_t seed() const { return seed_; }
+
+ private:
+  const uint64_t seed_;
+  const std::map<std::string, std::vector<int64_t>> shapes_;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_DUMMY_WEIGHTS_H_

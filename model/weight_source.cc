@@ -1,0 +1,24 @@
+#include "model/weight_source.h"
+
+#include "absl/strings/str_cat.h"
+#include "model/checkpoint.h"
+#include "model/dummy_weights.h"
+
+namespace shardserve {
+
+absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name) {
+  if (name == "auto") return LoadFormat::kAuto;
+  if (name == "dummy") return LoadFormat::kDummy;
+  return absl::InvalidArgumentError(absl::StrCat("load-format must be auto or dummy, got '", name, "'"));
+}
+
+absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesystem::path& dir,
+                                                               const ModelConfig& config, LoadFormat format,
+                                                               uint64_t dummy_seed) {
+  if (format == LoadFormat::kDummy) return std::make_unique<DummyWeights>(config, dummy_seed);
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
+  if (!checkpoint.ok()) return checkpoint.status();
+  return std::unique_ptr<WeightSource>(std::move(*checkpoint));
+}
+
+}  // namespace shardserve

@@ -1,0 +1,62 @@
+// Where a shard's weights come from: a checkpoint on disk (model/checkpoint.h) or weights made from
+// config.json alone (model/dummy_weights.h, --load-format dummy). LlamaShard::Load reads every
+// tensor through this interface and never knows which.
+//
+// Ownership and lifetime: whoever opened a source owns it; Load only reads during the call.
+// Thread-safety: implementations' methods are const and thread-safe.
+#ifndef SHARDSERVE_MODEL_WEIGHT_SOURCE_H_
+#define SHARDSERVE_MODEL_WEIGHT_SOURCE_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/tensor.h"
+#include "model/config.h"
+
+namespace shardserve {
+
+// A contiguous range of one dimension of a 2-D tensor (or of the only dimension of a 1-D one).
+struct Slice {
+  int dim = 0;        // 0: rows, 1: columns
+  int64_t begin = 0;
+  int64_t end = -1;   // -1: to the end
+};
+
+class WeightSource {
+ public:
+  virtual ~WeightSource() = default;
+
+  // OK when tensor `name` exists with shape `expected_shape` (what config.json implies); else
+  // NotFound, or InvalidArgument naming the tensor and both shapes. Reads no data, so callers check
+  // shapes before they allocate anything sized from config.json.
+  virtual absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const = 0;
+
+  // Writes `slice` of tensor `name` into `dst`, converted to `dst_type` (F32/F16/BF16): dst holds
+  // (slice length x other dimension) elements of dst_type, row-major. `expected_shape` (the full
+  // tensor) must match, as CheckShape says.
+  virtual absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                            DType dst_type, void* dst) const = 0;
+};
+
+// --load-format: auto reads the checkpoint's safetensors; dummy makes the weights from config.json
+// and a seed (as vLLM's --load-format dummy), for benchmarks and tests without a checkpoint.
+enum class LoadFormat { kAuto, kDummy };
+
+// "auto" or "dummy"; InvalidArgument naming the value otherwise.
+absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name);
+
+// The weights of the model at `dir` (whose config.json is `config`): its checkpoint (kAuto), or
+// DummyWeights(config, dummy_seed) (kDummy: no safetensors needed, nothing under `dir` is read).
+absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesystem::path& dir,
+                                                               const ModelConfig& config, LoadFormat format,
+                                                               uint64_t dummy_seed);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_WEIGHT_SOURCE_H_
