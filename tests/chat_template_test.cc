@@ -77,6 +77,29 @@ TEST(FixtureTest, EveryFamilyIsPresent) {
   }
 }
 
+// Small templates, one feature each, rendered by the jinja2 environment transformers compiles chat
+// templates with (tests/fixtures/chat_template_snippets.json).
+TEST(SnippetTest, MatchesTransformersJinja) {
+  const json snippets = json::parse(ReadText(kFixtures.parent_path() / "chat_template_snippets.json"));
+  ASSERT_GE(snippets["snippets"].size(), 60u);
+  for (const json& s : snippets["snippets"]) {
+    const std::string source = s["template"].get<std::string>();
+    SCOPED_TRACE(source);
+    absl::StatusOr<ChatTemplate> t = ChatTemplate::FromString(source);
+    ASSERT_TRUE(t.ok()) << t.status();
+    const json& vars = s["vars"];
+    const json messages = vars.contains("messages") ? vars["messages"] : json::array();
+    absl::StatusOr<std::string> out = t->Render(messages, false, nullptr, vars);
+    if (s.contains("error")) {
+      ASSERT_FALSE(out.ok()) << "expected an error: " << s["error"];
+      EXPECT_NE(out.status().message().find(s["error"].get<std::string>()), std::string::npos) << out.status();
+    } else {
+      ASSERT_TRUE(out.ok()) << out.status();
+      EXPECT_EQ(*out, s["expected"].get<std::string>());
+    }
+  }
+}
+
 // --- helpers for unit tests ---
 
 std::string R(const std::string& source, const json& vars = json::object()) {

@@ -360,5 +360,106 @@ def main():
         print(f"{family}: {len(cases)} cases ({n_err} raise)", file=sys.stderr)
 
 
+
+
+# --- snippets: small templates, each exercising one engine feature, rendered by the very jinja
+# environment apply_chat_template compiles with (transformers' _compile_jinja_template), written to
+# tests/fixtures/chat_template_snippets.json ---
+SNIPPETS = [
+    # whitespace control: trim_blocks, lstrip_blocks, -/+ modifiers, comments, trailing newline
+    ("{% if true %}\n  yes\n  {% endif %}\nend", {}),
+    ("{% for x in [1, 2] %}\n    {{ x }}\n{% endfor %}\n", {}),
+    ("a  \n {{- 'b' -}} \n c", {}),
+    ("  {%+ if true %}x{% endif %}  {% if true %}y{% endif %}", {}),
+    ("x\n\n", {}),
+    ("x\r\ny\rz", {}),
+    ("a{# c #}\nb {#- c -#} c\n  {# indented #}\nd", {}),
+    ("{%- if true -%}\n\n  a  \n\n{%- endif -%}\n\nb", {}),
+    ("line\n    {%- set x = 1 %}\n    {{ x }}\n", {}),
+    ("{% if true %}  {% endif %}|{% if true %}\n  {% endif %}|", {}),
+    ("{{ 'a' }}\n{{ 'b' }}\n", {}),
+    ("{% raw %}{{ x }}{% endraw %}", {}),
+    ("  {% for m in ms %}\n  - {{ m }}\n  {% endfor %}\n", {"ms": ["a", "b"]}),
+    ("{% macro f(x) %}\n  [{{ x }}]\n{% endmacro %}\n{{ f(1) }}{{ f(2) }}", {}),
+    # expressions and operators
+    ("{{ 1 + 2 * 3 }} {{ 2 ** 3 ** 2 }} {{ 7 // 2 }} {{ -7 // 2 }} {{ -7 % 3 }} {{ 7 / 2 }} {{ 6 / 3 }}", {}),
+    ("{{ 'a' ~ 1 * 2 }} {{ 1 ~ none ~ true }} {{ 'x' * 3 }} {{ [1] + [2] }}", {}),
+    ("{{ not 1 == 2 }} {{ 0 or 'x' }} {{ 1 and 'y' }} {{ [] or none }} {{ 1 if 0 else 2 }} {{ 'z' if false }}|", {}),
+    ("{{ 1 == 1.0 }} {{ 1 != '1' }} {{ 'a' < 'b' }} {{ [1, 2] < [1, 3] }} {{ true == 1 }}", {}),
+    ("{{ 'b' in 'abc' }} {{ 2 in [1, 2] }} {{ 'k' in {'k': 1} }} {{ 'z' not in 'abc' }} {{ 'k' in d }}", {"d": {"k": None}}),
+    ("{{ 1.0 }} {{ 0.1 + 0.2 }} {{ 1e20 }} {{ 1e-5 }} {{ 2.5e-3 }} {{ 1e16 }} {{ -0.0 }} {{ 10 / 4 }}", {}),
+    ("{{ [1, 'a', none, true, 1.5, {'k': [1]}] }} {{ {'a': 'it\\'s'} }} {{ none }} {{ true }}", {}),
+    ("{{ x }}|{{ x.y is defined }}|{{ d.missing }}|{{ d['missing'] }}|{{ l[5] }}", {"d": {}, "l": []}),
+    # strings
+    ("{{ '  a b  '.strip() }}|{{ 'xxaxx'.strip('x') }}|{{ ' a '.lstrip() }}|{{ ' a '.rstrip() }}|{{ '\u3000a\u00a0'.strip() }}", {}),
+    ("{{ 'a,b,,c'.split(',') }} {{ ' a  b '.split() }} {{ 'a b c'.split(' ', 1) }} {{ 'a<x>b'.split('<x>')[-1] }}", {}),
+    ("{{ 'abc'.startswith('ab') }} {{ 'abc'.endswith(('x', 'c')) }} {{ 'aXb'.upper() }} {{ 'aXb'.lower() }}", {}),
+    ("{{ 'hello wORLD-x'.title() }}|{{ 'hello wORLD-x (y)' | title }}|{{ 'hELLO' | capitalize }}|{{ 'hELLO'.capitalize() }}", {}),
+    ("{{ 'aaa'.replace('a', 'b', 2) }} {{ 'x-y' | replace('-', '+') }} {{ 'abc'.find('c') }} {{ 'a\\nb'.splitlines() }}", {}),
+    ("{{ 'héllo'[1:3] }} {{ 'héllo'[-1] }} {{ [1, 2, 3, 4][::-1] }} {{ [1, 2, 3][-1] }} {{ 'abc'[-2:] }} {{ [1,2,3,4,5][1::2] }}", {}),
+    ("{{ 'a\\tb\\u00e9\\x41\\\\' }} {{ \"d'q\" }} {{ 'adj' 'acent' }}", {}),
+    ("{{ '{{ braces }}' }} {{ '{% tag %}' }}", {}),
+    # filters
+    ("{{ [3, 1, 2] | sort | join(',') }} {{ ['b', 'A', 'c'] | sort }} {{ [3, 1] | sort(reverse=true) }} {{ [1, 2, 1] | unique | list }}", {}),
+    ("{{ ['a', 'b'] | first }} {{ ['a', 'b'] | last }} {{ 'héllo' | length }} {{ {'a': 1} | length }} {{ x | length }}", {}),
+    ("{{ x | default('d') }} {{ '' | default('e', true) }} {{ none | string }} {{ '7' | int + 1 }} {{ 'x' | int }} {{ 1.5 | string }} {{ '2.5' | float }}", {}),
+    ("{{ [{'a': 1}, {'a': 2}] | map(attribute='a') | list }} {{ ['a', 'b'] | map('upper') | join }}", {}),
+    ("{{ [1, 2, 3] | select('odd') | list }} {{ ['a', 'code', 'b'] | reject('equalto', 'code') | join }} {{ [0, 1, ''] | select | list }}", {}),
+    ("{{ ms | selectattr('role', 'equalto', 'user') | list | length }} {{ ms | rejectattr('role', 'equalto', 'user') | map(attribute='content') | join('/') }}", {"ms": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}),
+    ("{{ 'a\\nb\\n\\nc' | indent(2) }}|{{ 'a\\nb' | indent(2, true) }}|{{ 'a\\n\\nb' | indent(3, blank=true) }}", {}),
+    ("{{ d | items | list }} {{ d.items() | list }} {{ d.keys() | list }} {{ d.values() | list }} {{ d.get('a') }} {{ d.get('z', 0) }} {{ x | items | list }}", {"d": {"a": 1, "b": [2]}}),
+    ("{{ [1, 2, 3] | sum }} {{ [3, 1] | min }} {{ [3, 1] | max }} {{ -3 | abs }} {{ 2.567 | round(2) }} {{ [1, 2] | reverse | list }} {{ 'abc' | reverse }}", {}),
+    ("{{ ' x ' | trim }}|{{ 'xxyxx' | trim('x') }}|{{ 'a b' | upper }}|{{ 'A B' | lower }}|{{ 'a b c' | wordcount }}", {}),
+    ("{{ {'b': 1, 'a': 2} | dictsort }} {{ [1, 2, 3, 4, 5] | batch(2) | list }}", {}),
+    # tojson as transformers overrides it
+    ("{{ x | tojson }}", {"x": {"b": 1, "a": [1.5, None, True, "é\"\n</script>", 10**18]}}),
+    ("{{ x | tojson(indent=2) }}", {"x": {"a": [1, 2], "e": {}, "l": [], "n": {"k": "v"}}}),
+    ("{{ x | tojson(ensure_ascii=true) }} {{ x | tojson(ensure_ascii=false) }}", {"x": "é😀\u0001"}),
+    ("{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }} {{ [1, 2] | tojson(separators=(',', ':')) }} {{ 'x' | tojson }}", {}),
+    # tests
+    ("{{ x is defined }} {{ x is not defined }} {{ none is none }} {{ 'a' is string }} {{ {} is mapping }} {{ [] is sequence }}", {}),
+    ("{{ 'a' is iterable }} {{ 1 is iterable }} {{ x is iterable }} {{ 3 is divisibleby 3 }} {{ 2 is number }} {{ true is boolean }} {{ 1 is integer }} {{ 1.0 is float }}", {}),
+    ("{{ 2 is even }} {{ 3 is odd }} {{ 'ab' is lower }} {{ 'AB' is upper }} {{ 1 is eq 1 }} {{ 1 is ne 2 }} {{ 1 is lt 2 }} {{ 'a' is in 'abc' }} {{ x is none }}", {}),
+    # statements
+    ("{% for x in [1, 2, 3] %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }};{% endfor %}", {}),
+    ("{% for x in [1, 2, 3, 4] if x is even %}{{ x }}/{{ loop.length }}/{{ loop.last }} {% endfor %}", {}),
+    ("{% for x in [] %}a{% else %}empty{% endfor %} {% for x in none or [] %}{% endfor %}", {}),
+    ("{% for k, v in {'a': 1, 'b': 2}.items() %}{{ k }}={{ v }},{% endfor %}{% for k in {'x': 1} %}{{ k }}{% endfor %}", {}),
+    ("{% for x in [1, 2, 3] %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}{% endfor %}{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% endfor %}", {}),
+    ("{% for x in 'ab' %}{{ loop.previtem is defined }}{{ loop.nextitem }}{{ loop.cycle('o', 'e') }}{% endfor %}", {}),
+    ("{% set x = 1 %}{% for i in [1] %}{% set x = 2 %}{{ x }}{% endfor %}{{ x }}", {}),
+    ("{% set ns = namespace(x=1, s='') %}{% for i in [1, 2] %}{% set ns.x = ns.x + i %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.x }}{{ ns.s }}", {}),
+    ("{% if true %}{% set y = 'in if' %}{% endif %}{{ y }} {% set a, b = 1, 2 %}{{ b }}{{ a }} {% set s %}block {{ 1 }}{% endset %}[{{ s }}]", {}),
+    ("{% if 0 %}a{% elif none %}b{% elif 'x' %}c{% else %}d{% endif %}", {}),
+    ("{% macro hi(name, p='!') %}hi {{ name }}{{ p }}{% endmacro %}{{ hi('a') }} {{ hi('b', p='?') }} {{ hi(name='c') }}", {}),
+    ("{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(3) }}", {}),
+    ("{{ range(3) | list }} {{ range(1, 6, 2) | join }} {{ dict(a=1).a }} {{ namespace(a=1).a }}", {}),
+    ("{% set m = messages[1:] %}{{ m | length }} {{ messages[0]['role'] }} {{ messages[0].role }} {{ messages[-1].content }}", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}),
+    ("{% generation %}gen{% endgeneration %}", {}),
+    # errors
+    ("{{ raise_exception('Custom: ' ~ 42) }}", {}),
+    ("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok", {"messages": [{"role": "system"}]}),
+]
+
+
+def make_snippets():
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    out = []
+    for source, variables in SNIPPETS:
+        entry = {"template": source, "vars": variables}
+        try:
+            entry["expected"] = _compile_jinja_template(source).render(**variables)
+        except jinja2.exceptions.TemplateError as e:
+            entry["error"] = str(e)
+        out.append(entry)
+    path = os.path.join(ROOT, "tests", "fixtures", "chat_template_snippets.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"generator": f"transformers {transformers.__version__}, jinja2 {jinja2.__version__}", "snippets": out},
+                  f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"snippets: {len(out)} ({sum(1 for e in out if 'error' in e)} raise)", file=sys.stderr)
+
+
 if __name__ == "__main__":
     main()
+    make_snippets()

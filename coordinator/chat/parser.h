@@ -30,7 +30,7 @@ struct Expr {
     kLiteral,   // literal
     kName,      // name
     kList,      // args: items
-    kTuple,     // args: items (a list at run time, as Python tuples print differently only in repr)
+    kTuple,     // args: items (a tuple: a list that prints as (a, b))
     kDict,      // args: key0, value0, key1, value1 ...
     kGetAttr,   // args[0].name
     kGetItem,   // args[0][args[1]]

@@ -312,6 +312,12 @@ Value Value::List(std::vector<Value> items) {
   return v;
 }
 
+Value Value::Tuple(std::vector<Value> items) {
+  Value v = List(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
+
 Value Value::MakeDict(Dict dict) {
   Value v;
   v.kind_ = Kind::kDict;
@@ -431,8 +437,9 @@ std::string Value::Repr() const {
     case Kind::kFloat: return FloatRepr(float_);
     case Kind::kString: return PyStringRepr(*str_);
     case Kind::kList: {
-      std::string out = "[";
+      std::string out = tuple_ ? "(" : "[";
       for (size_t i = 0; i < list_->size(); ++i) out += (i ? ", " : "") + (*list_)[i].Repr();
+      if (tuple_) return out + (list_->size() == 1 ? ",)" : ")");
       return out + "]";
     }
     case Kind::kDict: {
@@ -524,7 +531,7 @@ bool Equals(const Value& a, const Value& b) {
     case Value::Kind::kString: return a.AsString() == b.AsString();
     case Value::Kind::kList: {
       const auto &x = a.AsList(), &y = b.AsList();
-      if (x.size() != y.size()) return false;
+      if (x.size() != y.size() || a.is_tuple() != b.is_tuple()) return false;
       for (size_t i = 0; i < x.size(); ++i) if (!Equals(x[i], y[i])) return false;
       return true;
     }
@@ -858,7 +865,7 @@ std::optional<Value> CallMethod(const Value& obj, const std::string& name, CallA
     const Dict& d = obj.AsDict();
     if (name == "items") {
       std::vector<Value> pairs;
-      for (const auto& [k, v] : d.items) pairs.push_back(Value::List({k, v}));
+      for (const auto& [k, v] : d.items) pairs.push_back(Value::Tuple({k, v}));
       return Value::List(std::move(pairs));
     }
     if (name == "keys" || name == "values") {
@@ -1208,7 +1215,7 @@ Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
     std::vector<Value> items;
     if (name == "dictsort") {
       if (!v.is_dict()) Fail("dictsort needs a mapping", where);
-      for (const auto& [k, val] : v.AsDict().items) items.push_back(Value::List({k, val}));
+      for (const auto& [k, val] : v.AsDict().items) items.push_back(Value::Tuple({k, val}));
     } else {
       items = Iterate(v, where);
     }

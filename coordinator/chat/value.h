@@ -61,6 +61,8 @@ class Value {
   static Value Undefined(std::string hint = "");
   static Value None();
   static Value List(std::vector<Value> items = {});
+  // A Python tuple: a list that prints as (a, b) and never equals a list.
+  static Value Tuple(std::vector<Value> items);
   static Value MakeDict(Dict dict = {});
   static Value Func(std::string name, Function fn);
   // JSON from the request or the tokenizer config: objects keep their key order.
@@ -77,6 +79,7 @@ class Value {
   bool is_list() const { return kind_ == Kind::kList; }
   bool is_dict() const { return kind_ == Kind::kDict; }
   bool is_function() const { return kind_ == Kind::kFunction; }
+  bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
 
   bool Truthy() const;
   int64_t AsInt() const { return int_; }  // kInt, kBool
@@ -103,6 +106,7 @@ class Value {
   Kind kind_ = Kind::kUndefined;
   int64_t int_ = 0;
   double float_ = 0;
+  bool tuple_ = false;
   std::string name_;  // undefined: the name looked up; function: its name
   std::shared_ptr<std::string> str_;
   std::shared_ptr<std::vector<Value>> list_;

@@ -197,7 +197,7 @@ class Renderer {
       case Expr::Kind::kTuple: {
         std::vector<Value> items;
         for (const ExprPtr& a : e.args) items.push_back(Eval(*a, scope));
-        return Value::List(std::move(items));
+        return e.kind == Expr::Kind::kTuple ? Value::Tuple(std::move(items)) : Value::List(std::move(items));
       }
       case Expr::Kind::kDict: {
         Dict d;
