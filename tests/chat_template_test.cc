@@ -285,6 +285,27 @@ TEST(ChatRuntimeTest, RuntimeErrorsCarryLineAndColumn) {
   EXPECT_EQ(R("{{ missing }}|{{ missing | length }}|{% for x in missing %}{% endfor %}"), "|0|");
 }
 
+TEST(ChatRuntimeTest, HostileTemplatesAreErrorsNotCrashes) {
+  // Nesting deeper than the parser allows.
+  absl::StatusOr<std::shared_ptr<const Template>> t = Parse("{% set x = " + std::string(100000, '(') + "1" + std::string(100000, ')') + " %}");
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("nested too deeply"), std::string::npos) << t.status();
+  t = Parse("{{ " + [] { std::string s; for (int i = 0; i < 50000; ++i) s += "not "; return s; }() + "1 }}");
+  ASSERT_FALSE(t.ok());
+  std::string blocks;
+  for (int i = 0; i < 50000; ++i) blocks += "{% if 1 %}";
+  EXPECT_FALSE(Parse(blocks).ok());
+  // Unbounded work and memory.
+  EXPECT_NE(R("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
+                .find("loop iterations"),
+            std::string::npos);
+  EXPECT_NE(R("{{ 'x' * 1000000000000 }}").find("larger than"), std::string::npos);
+  EXPECT_NE(R("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
+                .find("larger than"),
+            std::string::npos);
+  EXPECT_NE(R("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}").find("nested too deeply"), std::string::npos);
+}
+
 // --- loading ---
 
 TEST(ChatTemplateTest, LoadsTemplateListAndPicksToolUse) {

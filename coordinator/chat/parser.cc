@@ -35,6 +35,16 @@ class Parser {
   }
 
  private:
+  // Bounds the recursion of nested expressions and blocks, so that no template exhausts the stack.
+  struct DepthGuard {
+    DepthGuard(Parser* p, const Token& at) : parser(p) {
+      if (++parser->depth_ > kMaxDepth) parser->Fail("expressions or blocks nested too deeply", at);
+    }
+    ~DepthGuard() { --parser->depth_; }
+    Parser* parser;
+  };
+  static constexpr int kMaxDepth = 200;
+
   const Token& Peek(size_t ahead = 0) const {
     const size_t i = std::min(pos_ + ahead, tokens_.size() - 1);
     return tokens_[i];
@@ -121,6 +131,7 @@ class Parser {
   }
 
   StmtPtr ParseStatement() {
+    DepthGuard guard(this, Peek());
     Next();  // {%
     const Token kw = Next();
     auto s = std::make_unique<Stmt>();
@@ -237,6 +248,7 @@ class Parser {
   }
 
   ExprPtr ParseExpression() {
+    DepthGuard guard(this, Peek());
     ExprPtr e = ParseOr();
     while (IsName("if")) {
       const Location where = Peek().where;
@@ -283,6 +295,7 @@ class Parser {
   }
 
   ExprPtr ParseNot() {
+    DepthGuard guard(this, Peek());
     if (IsName("not")) {
       const Location where = Next().where;
       ExprPtr e = Make(Expr::Kind::kUnary, where);
@@ -353,7 +366,9 @@ class Parser {
     return e;
   }
 
+
   ExprPtr ParseUnary(bool with_filter) {
+    DepthGuard guard(this, Peek());
     ExprPtr e;
     if (IsOp("-") || IsOp("+")) {
       const Token& t = Next();
@@ -575,6 +590,7 @@ class Parser {
 
   std::vector<Token> tokens_;
   size_t pos_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace

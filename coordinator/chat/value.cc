@@ -570,7 +570,11 @@ bool Less(const Value& a, const Value& b, Location where) {
 // --- operators ---
 
 Value BinaryOp(const std::string& op, const Value& a, const Value& b, Location where) {
-  if (op == "~") return Value(a.Str() + b.Str());
+  if (op == "~") {
+    std::string out = a.Str() + b.Str();
+    if (out.size() > kMaxValueBytes) Fail(absl::StrCat("string larger than ", kMaxValueBytes, " bytes"), where);
+    return Value(std::move(out));
+  }
   if (op == "in") {
     if (b.is_string()) {
       if (!a.is_string()) Fail("'in <string>' requires string as left operand, not " + a.TypeName(), where);
@@ -618,13 +622,22 @@ Value BinaryOp(const std::string& op, const Value& a, const Value& b, Location w
     }
     return unsupported();
   }
-  if (op == "+" && a.is_string() && b.is_string()) return Value(a.AsString() + b.AsString());
+  if (op == "+" && a.is_string() && b.is_string()) {
+    if (a.AsString().size() + b.AsString().size() > kMaxValueBytes) {
+      Fail(absl::StrCat("string larger than ", kMaxValueBytes, " bytes"), where);
+    }
+    return Value(a.AsString() + b.AsString());
+  }
   if (op == "+" && a.is_list() && b.is_list()) {
     std::vector<Value> items = a.AsList();
     items.insert(items.end(), b.AsList().begin(), b.AsList().end());
     return Value::List(std::move(items));
   }
   if (op == "*" && (a.is_string() || a.is_list()) && (b.is_int() || b.is_bool())) {
+    const size_t unit = a.is_string() ? a.AsString().size() : a.AsList().size();
+    if (b.AsInt() > 0 && unit > 0 && static_cast<uint64_t>(b.AsInt()) > kMaxValueBytes / unit) {
+      Fail(absl::StrCat("repetition result larger than ", kMaxValueBytes, " bytes"), where);
+    }
     if (a.is_string()) {
       std::string out;
       for (int64_t i = 0; i < b.AsInt(); ++i) out += a.AsString();

@@ -114,6 +114,10 @@ class Value {
   std::shared_ptr<Function> fn_;
 };
 
+// The largest string or list a template may build (`'x' * n`, concatenation), and so the largest
+// render: chat prompts are at most megabytes; this keeps a hostile template from exhausting memory.
+inline constexpr size_t kMaxValueBytes = size_t{64} << 20;
+
 // Python ==.
 bool Equals(const Value& a, const Value& b);
 // Python <, for numbers, strings and lists; anything else throws TemplateError at `where`.

@@ -10,6 +10,9 @@ namespace shardserve::chat {
 namespace {
 
 constexpr int kMaxCallDepth = 200;  // macro recursion, so that a template cannot exhaust the stack
+// Loop iterations and macro calls in one render: real templates take O(messages^2) at worst (a loop
+// over the messages inside a loop over the messages); this stops a hostile one from running forever.
+constexpr int64_t kMaxSteps = 10'000'000;
 
 [[noreturn]] void Fail(const std::string& message, Location where) { throw TemplateError(message, where); }
 
@@ -50,8 +53,8 @@ class Renderer {
  private:
   Flow Exec(const Stmt& s, const ScopePtr& scope, std::string* out) {
     switch (s.kind) {
-      case Stmt::Kind::kText: *out += s.text; return Flow::kNormal;
-      case Stmt::Kind::kOutput: *out += Eval(*s.expr, scope).Str(); return Flow::kNormal;
+      case Stmt::Kind::kText: Append(s.text, s.where, out); return Flow::kNormal;
+      case Stmt::Kind::kOutput: Append(Eval(*s.expr, scope).Str(), s.where, out); return Flow::kNormal;
       case Stmt::Kind::kIf:
         for (const auto& [cond, body] : s.branches) {
           if (Eval(*cond, scope).Truthy()) return Exec(body, scope, out);
@@ -95,6 +98,17 @@ class Renderer {
     return Flow::kNormal;
   }
 
+  static void Append(const std::string& text, Location where, std::string* out) {
+    if (out->size() + text.size() > kMaxValueBytes) {
+      Fail(absl::StrCat("output larger than ", kMaxValueBytes, " bytes"), where);
+    }
+    *out += text;
+  }
+
+  void Step(Location where) {
+    if (++steps_ > kMaxSteps) Fail(absl::StrCat("more than ", kMaxSteps, " loop iterations and macro calls"), where);
+  }
+
   static void Assign(const std::vector<std::string>& targets, const Value& v, Scope& scope, Location where) {
     if (targets.size() == 1) {
       scope.vars[targets[0]] = v;
@@ -112,6 +126,7 @@ class Renderer {
     std::vector<Value> items;
     if (s.cond) {  // the `if` filter runs before the loop, so loop.length counts what passes
       for (const Value& item : all) {
+        Step(s.where);
         ScopePtr probe = Child(scope);
         Assign(s.targets, item, *probe, s.where);
         if (Eval(*s.cond, probe).Truthy()) items.push_back(item);
@@ -121,29 +136,37 @@ class Renderer {
     }
     if (items.empty()) return Exec(s.else_body, scope, out);
     const int64_t n = static_cast<int64_t>(items.size());
+    // One loop object for the whole loop, advanced each iteration, as jinja2's LoopContext.
+    auto index = std::make_shared<int64_t>(0);
+    Dict fields;
+    for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth", "depth0",
+                            "previtem", "nextitem"}) {
+      fields.items.emplace_back(Value(key), Value());
+    }
+    fields.items.emplace_back(Value("cycle"), Value::Func("loop.cycle", [index](CallArgs& args) {
+                                if (args.positional.empty()) Fail("no items for cycling given", args.where);
+                                return args.positional[static_cast<size_t>(*index) % args.positional.size()];
+                              }));
+    const Value loop = Value::MakeDict(std::move(fields));
+    auto& f = loop.AsDict().items;
     ++loop_depth;
     for (int64_t i = 0; i < n; ++i) {
+      Step(s.where);
+      *index = i;
+      f[0].second = Value(i + 1);
+      f[1].second = Value(i);
+      f[2].second = Value(n - i);
+      f[3].second = Value(n - i - 1);
+      f[4].second = Value(i == 0);
+      f[5].second = Value(i == n - 1);
+      f[6].second = Value(n);
+      f[7].second = Value(int64_t{1});
+      f[8].second = Value(int64_t{0});
+      f[9].second = i > 0 ? items[static_cast<size_t>(i - 1)] : Value::Undefined("loop.previtem");
+      f[10].second = i + 1 < n ? items[static_cast<size_t>(i + 1)] : Value::Undefined("loop.nextitem");
       ScopePtr iter = Child(scope);
       Assign(s.targets, items[static_cast<size_t>(i)], *iter, s.where);
-      Dict loop;
-      loop.items = {
-          {Value("index"), Value(i + 1)},
-          {Value("index0"), Value(i)},
-          {Value("revindex"), Value(n - i)},
-          {Value("revindex0"), Value(n - i - 1)},
-          {Value("first"), Value(i == 0)},
-          {Value("last"), Value(i == n - 1)},
-          {Value("length"), Value(n)},
-          {Value("depth"), Value(int64_t{1})},
-          {Value("depth0"), Value(int64_t{0})},
-          {Value("previtem"), i > 0 ? items[static_cast<size_t>(i - 1)] : Value::Undefined("loop.previtem")},
-          {Value("nextitem"), i + 1 < n ? items[static_cast<size_t>(i + 1)] : Value::Undefined("loop.nextitem")},
-          {Value("cycle"), Value::Func("loop.cycle", [i](CallArgs& args) {
-             if (args.positional.empty()) Fail("no items for cycling given", args.where);
-             return args.positional[static_cast<size_t>(i) % args.positional.size()];
-           })},
-      };
-      iter->vars["loop"] = Value::MakeDict(std::move(loop));
+      iter->vars["loop"] = loop;
       const Flow f = Exec(s.body, iter, out);
       if (f == Flow::kBreak) break;
     }
@@ -153,6 +176,7 @@ class Renderer {
 
   Value CallMacro(const Stmt& macro, const ScopePtr& defined_in, CallArgs& args) {
     if (++call_depth_ > kMaxCallDepth) Fail("macro calls nested too deeply", args.where);
+    Step(args.where);
     ScopePtr scope = Child(defined_in);
     for (size_t i = 0; i < macro.targets.size(); ++i) {
       const Value* given = args.Get(i, macro.targets[i]);
@@ -271,6 +295,7 @@ class Renderer {
   }
 
   int call_depth_ = 0;
+  int64_t steps_ = 0;
 };
 
 Value MakeNamespace(CallArgs& args) {
