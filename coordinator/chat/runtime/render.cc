@@ -40,6 +40,8 @@ enum class Flow { kNormal, kBreak, kContinue };
 
 class Renderer {
  public:
+  explicit Renderer(std::vector<Value>* mutables) : mutables_(mutables) {}
+
   Flow Exec(const Body& body, const ScopePtr& scope, std::string* out) {
     for (const StmtPtr& s : body) {
       const Flow f = Exec(*s, scope, out);
@@ -82,10 +84,14 @@ class Renderer {
         return Flow::kNormal;
       }
       case Stmt::Kind::kMacro: {
+        // The macro holds its scope weakly: the scope holds the macro, and a strong pointer both
+        // ways would be a cycle that outlives the render.
         const Stmt* macro = &s;
-        ScopePtr defined_in = scope;
+        std::weak_ptr<Scope> defined_in = scope;
         scope->vars[s.name] = Value::Func(s.name, [this, macro, defined_in](CallArgs& args) {
-          return CallMacro(*macro, defined_in, args);
+          ScopePtr home = defined_in.lock();
+          if (home == nullptr) Fail("macro '" + macro->name + "' called outside the scope that defined it", args.where);
+          return CallMacro(*macro, home, args);
         });
         return Flow::kNormal;
       }
@@ -148,6 +154,7 @@ class Renderer {
                                 return args.positional[static_cast<size_t>(*index) % args.positional.size()];
                               }));
     const Value loop = Value::MakeDict(std::move(fields));
+    mutables_->push_back(loop);
     auto& f = loop.AsDict().items;
     ++loop_depth;
     for (int64_t i = 0; i < n; ++i) {
@@ -296,6 +303,7 @@ class Renderer {
 
   int call_depth_ = 0;
   int64_t steps_ = 0;
+  std::vector<Value>* mutables_;  // see Render()
 };
 
 Value MakeNamespace(CallArgs& args) {
@@ -309,7 +317,7 @@ Value MakeNamespace(CallArgs& args) {
   return Value::MakeDict(std::move(d));
 }
 
-ScopePtr Globals() {
+ScopePtr Globals(std::vector<Value>* mutables) {
   auto g = std::make_shared<Scope>();
   g->vars["raise_exception"] = Value::Func("raise_exception", [](CallArgs& args) -> Value {
     const Value* msg = args.Get(0, "message");
@@ -325,7 +333,11 @@ ScopePtr Globals() {
     const size_t n = std::strftime(buf, sizeof(buf), fmt->AsString().c_str(), &local);
     return Value(std::string(buf, n));
   });
-  g->vars["namespace"] = Value::Func("namespace", MakeNamespace);
+  g->vars["namespace"] = Value::Func("namespace", [mutables](CallArgs& args) {
+    Value ns = MakeNamespace(args);
+    mutables->push_back(ns);
+    return ns;
+  });
   g->vars["dict"] = Value::Func("dict", [](CallArgs& args) {
     Dict d;
     for (const auto& [k, v] : args.kwargs) d.Set(Value(k), v);
@@ -361,14 +373,24 @@ ScopePtr Globals() {
 }  // namespace
 
 absl::StatusOr<std::string> Render(const Template& tmpl, const Value& context) {
-  ScopePtr globals = Globals();
+  // The only containers a template can change after creating them: namespaces and loop objects.
+  // Every reference cycle passes through one of them (an unchanged container can only hold what
+  // existed before it), so emptying them all when the render ends frees everything it made.
+  std::vector<Value> mutables;
+  struct ClearAtExit {
+    std::vector<Value>* values;
+    ~ClearAtExit() {
+      for (Value& v : *values) v.AsDict().items.clear();
+    }
+  } clear_at_exit{&mutables};
+  ScopePtr globals = Globals(&mutables);
   ScopePtr root = Child(globals);
   if (context.is_dict()) {
     for (const auto& [k, v] : context.AsDict().items) root->vars[k.Str()] = v;
   }
   std::string out;
   try {
-    Renderer r;
+    Renderer r(&mutables);
     r.Exec(tmpl.body, root, &out);
   } catch (const TemplateError& e) {
     if (e.raised()) {
