@@ -307,25 +307,33 @@ class Parser {
   }
 
   ExprPtr ParseCompare() {
-    ExprPtr e = ParseMath1();
+    ExprPtr first = ParseMath1();
+    ExprPtr chain;
     while (true) {
       const Token& t = Peek();
+      std::string op;
       if (t.kind == TokenKind::kOp &&
           (t.text == "==" || t.text == "!=" || t.text == "<" || t.text == "<=" || t.text == ">" || t.text == ">=")) {
-        const std::string op = t.text;
-        const Location where = Next().where;
-        e = Binary(op, std::move(e), ParseMath1(), where);
-      } else if (IsName("in")) {
-        const Location where = Next().where;
-        e = Binary("in", std::move(e), ParseMath1(), where);
-      } else if (IsName("not") && IsName("in", 1)) {
-        const Location where = Next().where;
+        op = t.text;
         Next();
-        e = Binary("not in", std::move(e), ParseMath1(), where);
+      } else if (IsName("in")) {
+        op = "in";
+        Next();
+      } else if (IsName("not") && IsName("in", 1)) {
+        op = "not in";
+        Next();
+        Next();
       } else {
-        return e;
+        break;
       }
+      if (!chain) {
+        chain = Make(Expr::Kind::kCompare, t.where);
+        chain->args.push_back(std::move(first));
+      }
+      chain->ops.push_back(op);
+      chain->args.push_back(ParseMath1());
     }
+    return chain ? std::move(chain) : std::move(first);
   }
 
   ExprPtr ParseMath1() {

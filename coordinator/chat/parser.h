@@ -41,6 +41,7 @@ struct Expr {
     kUnary,     // name in {"-", "+", "not"}; args[0]
     kBinary,    // args[0] name args[1]; name is an operator, "in", "not in", "and", "or"
     kCondExpr,  // args[0] if args[1] else args[2] (args[2] null: undefined)
+    kCompare,   // args[0] ops[0] args[1] ops[1] args[2] ...: a Python chain (a < b < c)
   };
   Kind kind;
   Location where;
@@ -49,6 +50,7 @@ struct Expr {
   bool negated = false;  // kTest: `is not`
   std::vector<ExprPtr> args;
   std::vector<std::pair<std::string, ExprPtr>> kwargs;
+  std::vector<std::string> ops;  // kCompare: "==", "!=", "<", "<=", ">", ">=", "in", "not in"
 };
 
 struct Stmt;

@@ -36,6 +36,17 @@ ScopePtr Child(const ScopePtr& parent) {
   return s;
 }
 
+bool Compare(const std::string& op, const Value& a, const Value& b, Location where) {
+  if (op == "==") return Equals(a, b);
+  if (op == "!=") return !Equals(a, b);
+  if (op == "<") return Less(a, b, where);
+  if (op == ">") return Less(b, a, where);
+  if (op == "<=") return !Less(b, a, where);
+  if (op == ">=") return !Less(a, b, where);
+  if (op == "in") return BinaryOp("in", a, b, where).Truthy();
+  return !BinaryOp("in", a, b, where).Truthy();  // not in
+}
+
 enum class Flow { kNormal, kBreak, kContinue };
 
 class Renderer {
@@ -283,16 +294,16 @@ class Renderer {
           if (a.Truthy() == (e.name == "or")) return a;
           return Eval(*e.args[1], scope);
         }
-        const Value a = Eval(*e.args[0], scope);
-        const Value b = Eval(*e.args[1], scope);
-        if (e.name == "==") return Value(Equals(a, b));
-        if (e.name == "!=") return Value(!Equals(a, b));
-        if (e.name == "<") return Value(Less(a, b, e.where));
-        if (e.name == ">") return Value(Less(b, a, e.where));
-        if (e.name == "<=") return Value(!Less(b, a, e.where));
-        if (e.name == ">=") return Value(!Less(a, b, e.where));
-        if (e.name == "not in") return Value(!BinaryOp("in", a, b, e.where).Truthy());
-        return BinaryOp(e.name, a, b, e.where);
+        return BinaryOp(e.name, Eval(*e.args[0], scope), Eval(*e.args[1], scope), e.where);
+      }
+      case Expr::Kind::kCompare: {  // a < b < c is a < b and b < c, each operand evaluated once
+        Value left = Eval(*e.args[0], scope);
+        for (size_t i = 0; i < e.ops.size(); ++i) {
+          Value right = Eval(*e.args[i + 1], scope);
+          if (!Compare(e.ops[i], left, right, e.where)) return Value(false);
+          left = std::move(right);
+        }
+        return Value(true);
       }
       case Expr::Kind::kCondExpr:
         if (Eval(*e.args[1], scope).Truthy()) return Eval(*e.args[0], scope);
