@@ -419,6 +419,7 @@ SNIPPETS = [
     ("{{ 'a,b,,c'.split(',') }} {{ ' a  b '.split() }} {{ 'a b c'.split(' ', 1) }} {{ 'a<x>b'.split('<x>')[-1] }}", {}),
     ("{{ 'abc'.startswith('ab') }} {{ 'abc'.endswith(('x', 'c')) }} {{ 'aXb'.upper() }} {{ 'aXb'.lower() }}", {}),
     ("{{ 'hello wORLD-x'.title() }}|{{ 'hello wORLD-x (y)' | title }}|{{ 'hELLO' | capitalize }}|{{ 'hELLO'.capitalize() }}", {}),
+    ("{{ 'grüne äpfel ǆ' | upper }}|{{ 'ÄÖÜ Σ'.lower() }}|{{ 'élan vital ǆx'.title() }}|{{ 'éA' | capitalize }}|{{ 'über-ärger' | title }}", {}),
     ("{{ 'aaa'.replace('a', 'b', 2) }} {{ 'x-y' | replace('-', '+') }} {{ 'abc'.find('c') }} {{ 'a\\nb'.splitlines() }}", {}),
     ("{{ 'héllo'[1:3] }} {{ 'héllo'[-1] }} {{ [1, 2, 3, 4][::-1] }} {{ [1, 2, 3][-1] }} {{ 'abc'[-2:] }} {{ [1,2,3,4,5][1::2] }}", {}),
     ("{{ 'a\\tb\\u00e9\\x41\\\\' }} {{ \"d'q\" }} {{ 'adj' 'acent' }}", {}),

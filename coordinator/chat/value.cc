@@ -1,5 +1,6 @@
 // Python semantics, as jinja2 running in transformers' ImmutableSandboxedEnvironment shows them.
-// Known approximations: upper/lower/title/capitalize change ASCII letters only.
+// Known approximations: case mapping is Unicode's simple mapping (see ToUpper); isalpha/isdigit/
+// isalnum look at ASCII only.
 #include "coordinator/chat/value.h"
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include <utf8proc.h>
 
 namespace shardserve::chat {
 namespace {
@@ -78,38 +80,57 @@ std::string Strip(const std::string& s, const Value* chars, bool left, bool righ
   return Encode(cps, b, e);
 }
 
-char AsciiUpper(char c) { return (c >= 'a' && c <= 'z') ? static_cast<char>(c - 32) : c; }
-char AsciiLower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c + 32) : c; }
 bool IsAsciiAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
-std::string Upper(std::string s) { for (char& c : s) c = AsciiUpper(c); return s; }
-std::string Lower(std::string s) { for (char& c : s) c = AsciiLower(c); return s; }
-std::string Capitalize(std::string s) {
-  for (size_t i = 0; i < s.size(); ++i) s[i] = i == 0 ? AsciiUpper(s[i]) : AsciiLower(s[i]);
-  return s;
+// Case mapping: Unicode's simple (one code point to one) mappings, through utf8proc. Python uses the
+// full mappings, which differ for a few code points ('ß'.upper() is 'SS' there, 'ß' here).
+uint32_t ToUpper(uint32_t c) { return static_cast<uint32_t>(utf8proc_toupper(static_cast<utf8proc_int32_t>(c))); }
+uint32_t ToLower(uint32_t c) { return static_cast<uint32_t>(utf8proc_tolower(static_cast<utf8proc_int32_t>(c))); }
+uint32_t ToTitle(uint32_t c) { return static_cast<uint32_t>(utf8proc_totitle(static_cast<utf8proc_int32_t>(c))); }
+bool IsCased(uint32_t c) {
+  const utf8proc_category_t cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  return cat == UTF8PROC_CATEGORY_LU || cat == UTF8PROC_CATEGORY_LL || cat == UTF8PROC_CATEGORY_LT;
 }
-// Python's str.title(): a cased letter after an uncased character starts a word.
-std::string PyTitle(std::string s) {
-  bool prev_cased = false;
-  for (char& c : s) {
-    const bool cased = IsAsciiAlpha(c) || (static_cast<unsigned char>(c) >= 0x80);
-    if (IsAsciiAlpha(c)) c = prev_cased ? AsciiLower(c) : AsciiUpper(c);
-    prev_cased = cased;
+
+std::string MapCase(const std::string& s, uint32_t (*f)(uint32_t)) {
+  std::string out;
+  for (uint32_t c : Decode(s)) AppendUtf8(&out, f(c));
+  return out;
+}
+std::string Upper(const std::string& s) { return MapCase(s, ToUpper); }
+std::string Lower(const std::string& s) { return MapCase(s, ToLower); }
+// Python's str.capitalize(): the first character in title case, the rest lower case.
+std::string Capitalize(const std::string& s) {
+  std::string out;
+  bool first = true;
+  for (uint32_t c : Decode(s)) {
+    AppendUtf8(&out, first ? ToTitle(c) : ToLower(c));
+    first = false;
   }
-  return s;
+  return out;
 }
-// jinja2's title filter: words start after whitespace, '-', '(', '{', '[' or '<'.
+// Python's str.title(): a character after a cased one is lowered, any other is title-cased.
+std::string PyTitle(const std::string& s) {
+  std::string out;
+  bool prev_cased = false;
+  for (uint32_t c : Decode(s)) {
+    AppendUtf8(&out, prev_cased ? ToLower(c) : ToTitle(c));
+    prev_cased = IsCased(c);
+  }
+  return out;
+}
+// jinja2's title filter: words start after whitespace, '-', '(', '{', '[' or '<'; each word is
+// word[0].upper() + word[1:].lower().
 std::string JinjaTitle(const std::string& s) {
   std::string out;
   bool start = true;
-  for (char c : s) {
-    const bool sep = c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v' || c == '-' || c == '(' ||
-                     c == '{' || c == '[' || c == '<';
+  for (uint32_t c : Decode(s)) {
+    const bool sep = IsPySpace(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<';
     if (sep) {
-      out.push_back(c);
+      AppendUtf8(&out, c);
       start = true;
     } else {
-      out.push_back(start ? AsciiUpper(c) : AsciiLower(c));
+      AppendUtf8(&out, start ? ToUpper(c) : ToLower(c));
       start = false;
     }
   }
