@@ -4,7 +4,7 @@ real model families rendered by transformers' apply_chat_template(tokenize=False
 coordinator/chat must reproduce byte for byte (tests/chat_template_test.cc).
 
 Environment (PyPI, pinned; no Hugging Face hub access is needed, the templates are written here):
-  python3 -m venv .venv-chat && .venv-chat/bin/pip install transformers==4.49.0 jinja2==3.1.6 tokenizers
+  python3 -m venv .venv-chat && .venv-chat/bin/pip install transformers==4.49.0 jinja2==3.1.6 tokenizers==0.21.4
   .venv-chat/bin/python tools/make_chat_template_fixtures.py
 
 The template strings are data copied from the models' tokenizer_config.json files (DeepSeek-R1 distill
