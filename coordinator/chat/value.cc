@@ -951,11 +951,8 @@ bool ApplyTest(const std::string& name, const Value& v, CallArgs& args) {
   if (name == "sequence") return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
   if (name == "callable") return v.is_function();
   if (name == "escaped") return false;
-  if (name == "sameas") {
-    const Value& o = arg(0);
-    if (v.is_none() || v.is_bool() || v.is_undefined()) return v.kind() == o.kind() && Equals(v, o);
-    return v.kind() == o.kind() && Equals(v, o);
-  }
+  // Python's `is`: exact for None, booleans and undefined; for other values, equal and of one kind.
+  if (name == "sameas") return v.kind() == arg(0).kind() && Equals(v, arg(0));
   if (name == "equalto" || name == "eq" || name == "==") return Equals(v, arg(0));
   if (name == "ne" || name == "!=") return !Equals(v, arg(0));
   if (name == "lt" || name == "<") return Less(v, arg(0), where);

@@ -139,7 +139,7 @@ Value Slice(const Value& obj, const Value* start, const Value* stop, const Value
 std::vector<Value> Iterate(const Value& v, Location where);
 
 // Filters (`x | name(args)`), tests (`x is name(args)`) and methods (`x.name(args)`). Unknown names
-// throw TemplateError naming them. `call_macro` lets map/select call back into the runtime.
+// throw TemplateError naming them, at args.where.
 Value ApplyFilter(const std::string& name, const Value& input, CallArgs& args);
 bool ApplyTest(const std::string& name, const Value& input, CallArgs& args);
 bool HasFilter(const std::string& name);
