@@ -7,9 +7,12 @@ Environment (PyPI, pinned; no Hugging Face hub access is needed, the templates a
   python3 -m venv .venv-chat && .venv-chat/bin/pip install transformers==4.49.0 jinja2==3.1.6 tokenizers==0.21.4
   .venv-chat/bin/python tools/make_chat_template_fixtures.py
 
-The template strings are data copied from the models' tokenizer_config.json files (DeepSeek-R1 distill
-and Hermes 3 tool use as kept in llama.cpp's models/templates corpus; the others as published on the
-models' hub pages, reproduced here). Each case: messages, add_generation_prompt, tools (or null),
+The template strings are data. Copied from llama.cpp's models/templates corpus: DeepSeek-R1 distill,
+Hermes 3 tool_use, Mistral Small 3.1, Command R7B tool_use. Qwen3 from a public copy of its template.
+ChatML, Llama 2, Llama 3, Llama 3.1, Qwen2.5, Mistral 7B v0.1, Gemma 2, Phi-3.5 and Hermes 3's default
+were written out from the models' published templates without a byte-for-byte check against the hub
+(no hub access here); whatever their exact bytes, transformers renders the very strings stored in the
+fixtures, so the engine is compared with transformers on them. Each case: messages, add_generation_prompt, tools (or null),
 extra keyword arguments, and either "expected" (the rendered text) or "error" (the message the template
 raised).
 """
