@@ -1,0 +1,58 @@
+// ChatTemplate: a model's chat template, loaded from its directory and rendered as transformers'
+// tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=..., tokenize=False,
+// **extra) renders it (transformers 4.49, jinja2 3.1: trim_blocks, lstrip_blocks, HF's tojson,
+// raise_exception, strftime_now).
+//
+// Loading (FromDirectory): chat_template.jinja when the directory has one, else tokenizer_config.json's
+// "chat_template": a string, or a list of {"name", "template"} (transformers picks "tool_use" when
+// tools are given and the model has one, else "default"). The special tokens (bos_token, eos_token,
+// unk_token, pad_token, ...) come from tokenizer_config.json, as strings or {"content": ...}.
+//
+// Immutable after loading; Render may be called from several threads at once.
+#ifndef SHARDSERVE_COORDINATOR_CHAT_CHAT_TEMPLATE_H_
+#define SHARDSERVE_COORDINATOR_CHAT_CHAT_TEMPLATE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace shardserve::chat {
+
+struct Template;
+
+class ChatTemplate {
+ public:
+  // Reads DIR/chat_template.jinja or DIR/tokenizer_config.json (which must exist for the special
+  // tokens unless chat_template.jinja does). NOT_FOUND when the model has no chat template.
+  static absl::StatusOr<ChatTemplate> FromDirectory(const std::string& dir);
+  // From the text of a tokenizer_config.json; `jinja_override`, when not empty, replaces its
+  // chat_template (a chat_template.jinja file).
+  static absl::StatusOr<ChatTemplate> FromTokenizerConfig(const std::string& config_json,
+                                                          const std::string& jinja_override = "");
+  // One template and the special tokens to expose ({"bos_token": "<s>", ...}).
+  static absl::StatusOr<ChatTemplate> FromString(const std::string& source,
+                                                 const nlohmann::ordered_json& special_tokens = nlohmann::ordered_json::object());
+
+  // messages: a JSON array of message objects; tools: an array or null; extra: an object of further
+  // template variables (date_string, enable_thinking ...) or null; they override the special tokens.
+  // INVALID_ARGUMENT for inputs of the wrong shape, for a template's raise_exception (the message
+  // first) and for errors while rendering (with the template line and column).
+  absl::StatusOr<std::string> Render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                     const nlohmann::ordered_json& tools = nullptr,
+                                     const nlohmann::ordered_json& extra = nullptr) const;
+
+  // The names of the templates ("default" for a single one).
+  std::vector<std::string> names() const;
+
+ private:
+  std::map<std::string, std::shared_ptr<const Template>> templates_;  // constant after loading
+  nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();
+};
+
+}  // namespace shardserve::chat
+
+#endif  // SHARDSERVE_COORDINATOR_CHAT_CHAT_TEMPLATE_H_

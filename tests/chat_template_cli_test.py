@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""shardserve chat-template (tools/cli/cmd_chat_template.cc): every fixture case of
+tests/fixtures/chat_templates rendered through the command line, stdout compared byte for byte with
+transformers' output, a raising template's message on stderr with exit code 1, and bad flags exit 2.
+Usage: chat_template_cli_test.py BIN_DIR"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "chat_templates")
+
+
+def main():
+    shardserve = os.path.join(sys.argv[1], "shardserve")
+    failures = 0
+    runs = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in sorted(os.listdir(FIXTURES)):
+            cases = json.load(open(os.path.join(FIXTURES, family, "cases.json"), encoding="utf-8"))["cases"]
+            for case in cases:
+                paths = {}
+                for key in ("messages", "tools", "extra"):
+                    if case[key] in (None, {}):
+                        continue
+                    paths[key] = os.path.join(tmp, f"{key}.json")
+                    with open(paths[key], "w", encoding="utf-8") as f:
+                        json.dump(case[key], f, ensure_ascii=False)
+                cmd = [shardserve, "chat-template", "--model", os.path.join(FIXTURES, family)]
+                for key, path in paths.items():
+                    cmd += [f"--{key}", path]
+                if not case["add_generation_prompt"]:
+                    cmd.append("--no-generation-prompt")
+                r = subprocess.run(cmd, capture_output=True, timeout=60)
+                runs += 1
+                if "error" in case:
+                    ok = r.returncode == 1 and case["error"].encode() in r.stderr and r.stdout == b""
+                else:
+                    ok = r.returncode == 0 and r.stdout == case["expected"].encode("utf-8")
+                if not ok:
+                    failures += 1
+                    print(f"FAIL {family}/{case['name']}: exit {r.returncode}, stderr {r.stderr[:300]!r}")
+        # Usage errors.
+        for bad in (["chat-template"], ["chat-template", "--model", FIXTURES], ["chat-template", "--bogus"]):
+            r = subprocess.run([shardserve] + bad, capture_output=True, timeout=60)
+            runs += 1
+            if r.returncode != 2:
+                failures += 1
+                print(f"FAIL {bad}: exit {r.returncode}, want 2")
+        r = subprocess.run([shardserve, "chat-template", "--model", os.path.join(tmp, "missing"), "--messages",
+                            os.path.join(tmp, "messages.json")], capture_output=True, timeout=60)
+        runs += 1
+        if r.returncode != 1 or b"NOT_FOUND" not in r.stderr:
+            failures += 1
+            print(f"FAIL missing model dir: exit {r.returncode}, stderr {r.stderr!r}")
+    print(f"chat_template_cli_test: {runs - failures}/{runs} passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
