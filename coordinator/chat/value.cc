@@ -37,23 +37,6 @@ std::vector<uint32_t> Decode(const std::string& s) {
   return out;
 }
 
-void AppendUtf8(std::string* out, uint32_t cp) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
 
 std::string Encode(const std::vector<uint32_t>& cps, size_t begin, size_t end) {
   std::string out;
@@ -284,6 +267,12 @@ int64_t ToIndex(const Value& v, Location where) {
 }
 
 }  // namespace
+
+void AppendUtf8(std::string* out, uint32_t cp) {
+  uint8_t bytes[4];
+  const utf8proc_ssize_t n = utf8proc_encode_char(static_cast<utf8proc_int32_t>(cp), bytes);
+  out->append(reinterpret_cast<const char*>(bytes), static_cast<size_t>(n));
+}
 
 // --- CallArgs, Dict ---
 

@@ -138,6 +138,10 @@ Value Slice(const Value& obj, const Value* start, const Value* stop, const Value
 // The items a `for` loop visits: list items, dict keys, string characters; undefined is empty.
 std::vector<Value> Iterate(const Value& v, Location where);
 
+// Appends code point `cp` to `out` as UTF-8 (utf8proc's encoder; the lexer's \u escapes and the
+// string methods share it).
+void AppendUtf8(std::string* out, uint32_t cp);
+
 // Filters (`x | name(args)`), tests (`x is name(args)`) and methods (`x.name(args)`). Unknown names
 // throw TemplateError naming them, at args.where.
 Value ApplyFilter(const std::string& name, const Value& input, CallArgs& args);
