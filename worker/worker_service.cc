@@ -18,8 +18,6 @@
 namespace shardserve {
 namespace {
 
-// The API version this worker speaks (worker.proto Register.protocol_version).
-constexpr int kProtocolVersion = 2;
 constexpr absl::Duration kHeartbeatInterval = absl::Seconds(1);
 // How often WaitForCoordinator checks for Stop() while the coordinator is not up.
 constexpr absl::Duration kConnectPoll = absl::Milliseconds(250);
@@ -90,7 +88,7 @@ absl::Status WorkerService::Run() {
 
   v1::WorkerMessage hello;
   v1::Register* r = hello.mutable_register_();
-  r->set_protocol_version(kProtocolVersion);
+  r->set_protocol_version(v1::PROTOCOL_VERSION_CURRENT);
   r->set_node(options_.node);
   r->set_device(options_.device);
   r->set_memory_bytes(options_.memory_bytes);

@@ -74,9 +74,8 @@ struct PoolOptions {
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };
 
-// The worker API version this coordinator speaks (worker.proto Register.protocol_version; the
-// worker's own is in worker/worker_service.cc): 2 since step plans became stateful.
-inline constexpr int kWorkerProtocolVersion = 2;
+// The worker API version this coordinator speaks (worker.proto, the workers' too).
+inline constexpr int kWorkerProtocolVersion = v1::PROTOCOL_VERSION_CURRENT;
 
 // KV cache a CPU worker allocates at most when --num-kv-blocks does not say: the host's memory
 // is shared with everything else on it, and a local cluster runs several workers on one host
