@@ -73,19 +73,25 @@ bool ConvertOnHost(void* dst, DType dst_type, const void* src, DType src_type, s
   // Widen each element to float32 (exact), then narrow to the destination type (round to
   // nearest even). float32 holds every F16 and BF16 value exactly, so going through it loses
   // nothing beyond the final rounding.
+  // Elements are loaded and stored with memcpy: src is often a tensor inside a mapped
+  // safetensors file, whose data offsets the format does not align (found by UBSan), and
+  // dereferencing a misaligned float* is undefined behaviour. The compiler emits plain moves.
+  const auto* from = static_cast<const uint8_t*>(src);
+  auto* to = static_cast<uint8_t*>(dst);
   for (size_t i = 0; i < n; ++i) {
     float value = 0.0f;
+    uint16_t half = 0;
     switch (src_type) {
-      case DType::kF32: value = static_cast<const float*>(src)[i]; break;
-      case DType::kF16: value = F16ToF32(static_cast<const uint16_t*>(src)[i]); break;
-      case DType::kBF16: value = Bf16ToF32(static_cast<const uint16_t*>(src)[i]); break;
+      case DType::kF32: std::memcpy(&value, from + i * 4, 4); break;
+      case DType::kF16: std::memcpy(&half, from + i * 2, 2); value = F16ToF32(half); break;
+      case DType::kBF16: std::memcpy(&half, from + i * 2, 2); value = Bf16ToF32(half); break;
       case DType::kI32:
       case DType::kI8: return false;
     }
     switch (dst_type) {
-      case DType::kF32: static_cast<float*>(dst)[i] = value; break;
-      case DType::kF16: static_cast<uint16_t*>(dst)[i] = F32ToF16(value); break;
-      case DType::kBF16: static_cast<uint16_t*>(dst)[i] = F32ToBf16(value); break;
+      case DType::kF32: std::memcpy(to + i * 4, &value, 4); break;
+      case DType::kF16: half = F32ToF16(value); std::memcpy(to + i * 2, &half, 2); break;
+      case DType::kBF16: half = F32ToBf16(value); std::memcpy(to + i * 2, &half, 2); break;
       case DType::kI32:
       case DType::kI8: return false;
     }

@@ -98,7 +98,8 @@ float F16ToF32(uint16_t h);
 uint16_t F32ToF16(float f);
 
 // Converts n elements between float types on the host. Supported: any of F32/F16/BF16 to any.
-// Returns false for an unsupported pair (I32 to a float type, say).
+// Returns false for an unsupported pair (I32 to a float type, say). Neither pointer needs to be
+// aligned (a tensor in a mapped safetensors file need not be).
 bool ConvertOnHost(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
 
 }  // namespace shardserve

@@ -250,6 +250,25 @@ TEST(ConvertOnHostTest, ConvertsBetweenFloatTypes) {
   EXPECT_FALSE(ConvertOnHost(back.data(), DType::kI32, src.data(), DType::kF32, src.size()));
 }
 
+// safetensors does not align tensor data: a checkpoint's F32 tensor can start at an odd offset of
+// the mapped file. Reading it through a float* was undefined behaviour (UBSan, tools/sanitize.sh).
+TEST(ConvertOnHostTest, AcceptsMisalignedPointers) {
+  const std::vector<float> src = {1.0f, -2.5f, 0.1f};
+  for (DType from : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (DType to : {DType::kF32, DType::kF16, DType::kBF16}) {
+      std::vector<uint8_t> in(1 + src.size() * 4), out(1 + src.size() * 4);
+      std::vector<uint8_t> packed(src.size() * DTypeSize(from));
+      ASSERT_TRUE(ConvertOnHost(packed.data(), from, src.data(), DType::kF32, src.size()));
+      std::memcpy(in.data() + 1, packed.data(), packed.size());
+      ASSERT_TRUE(ConvertOnHost(out.data() + 1, to, in.data() + 1, from, src.size()));
+      std::vector<uint8_t> expected(src.size() * DTypeSize(to));
+      ASSERT_TRUE(ConvertOnHost(expected.data(), to, packed.data(), from, src.size()));
+      EXPECT_EQ(0, std::memcmp(out.data() + 1, expected.data(), expected.size()))
+          << DTypeName(from) << " -> " << DTypeName(to);
+    }
+  }
+}
+
 // ---- Backend basics --------------------------------------------------------------------------
 
 TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
