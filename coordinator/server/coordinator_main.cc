@@ -125,11 +125,9 @@ int Main(int argc, char** argv) {
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
-  std::string quantization = "none";
-  if (absl::Status s = flags->OneOf("quantization", {"none", "int8"}, &quantization); !s.ok()) {
-    return Usage(std::string(s.message()));
-  }
-  pool_options.weight_quant = *ParseWeightQuant(quantization);
+  const absl::StatusOr<WeightQuant> quant = ParseWeightQuant(flags->Get("quantization", "none"));
+  if (!quant.ok()) return Usage(absl::StrCat("flag --", quant.status().message()));
+  pool_options.weight_quant = *quant;
   std::string load_format = "auto";
   if (absl::Status s = flags->OneOf("load-format", {"auto", "dummy"}, &load_format); !s.ok()) {
     return Usage(std::string(s.message()));

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "kernels/quant.h"
 #include "tools/cli/client.h"
 
 namespace shardserve::cli {
@@ -60,9 +61,9 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     c.coordinator_flags.emplace_back(name, f.Get(name));
   }
   if (f.Has("quantization")) {
-    std::string quantization;
-    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("quantization", {"none", "int8"}, &quantization));
-    c.coordinator_flags.emplace_back("quantization", quantization);
+    const absl::StatusOr<WeightQuant> quant = ParseWeightQuant(f.Get("quantization"));
+    if (!quant.ok()) return absl::InvalidArgumentError(absl::StrCat("flag --", quant.status().message()));
+    c.coordinator_flags.emplace_back("quantization", WeightQuantName(*quant));
   }
   if (f.Has("load-format")) {
     std::string load_format;
