@@ -1,6 +1,7 @@
 // Quantized weight formats: how a MatMul weight may be stored (Backend::PackMatMulWeight), one
 // declared layout per format and one dequantize reference per format, which the fast kernels
-// (kernels/cpu/int8_matmul.h) are tested against (tests/kernels_cpu_test.cc).
+// (kernels/cpu/int8_matmul.h, kernels/cpu/int4_matmul.h) are tested against
+// (tests/kernels_cpu_test.cc).
 //
 // Embeddings, norms and the LM head stay in the activation dtype, as in the peers (vLLM,
 // llama.cpp): only the linear layers' weights are quantized.
@@ -9,6 +10,7 @@
 
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -17,9 +19,10 @@ namespace shardserve {
 enum class WeightQuant : uint8_t {
   kNone = 0,  // the activation dtype (or the backend's own packing of it)
   kInt8 = 1,  // int8, symmetric, one float32 scale per output channel (below)
+  kInt4 = 2,  // 4-bit unsigned with a zero point, per group of 128 inputs (Int4Group128 below)
 };
 
-// "none", "int8".
+// "none", "int8", "int4".
 const char* WeightQuantName(WeightQuant q);
 // The inverse of WeightQuantName; InvalidArgument listing the names otherwise.
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name);
@@ -45,6 +48,48 @@ absl::Status QuantizeInt8Rows(float* scale /*[m]*/, int8_t* q /*[m, k]*/, const 
 // The reference: w [m, k] = q x scale per row.
 void DequantizeInt8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const int8_t* q /*[m, k]*/, int64_t m,
                         int64_t k);
+
+// ---- int4, groups of 128 along the input, asymmetric ------------------------------------------
+// A weight w [m, k] is stored as m x ceil(k / 128) blocks, row by row (block [r][g] holds
+// w[r][128 g .. min(128 g + 128, k))), each an Int4Group128: a float32 scale s, an integer zero
+// point z in [0, 15], and 128 unsigned 4-bit values q in [0, 15], with
+//   w[r][128 g + j] ~ (q_j - z) x s.
+// When k is not a multiple of 128 the last group of each row is shorter (k % 128 values; its
+// unused nibbles are 0 and multiply nothing). Tensor parallelism must not cut a group: a rank's
+// slice of a row-parallel weight (o_proj, down_proj) must be a whole number of groups, which
+// model/sharding.h CheckQuantizedShard checks, so that each rank's own quantization of its slice is
+// the same as quantizing the whole weight.
+// As GPTQ / AWQ's asymmetric 4-bit: the group's range [lo, hi] is widened to hold 0,
+// s = (hi - lo) / 15, z = round(-lo / s), q_j = clamp(round(w_j / s) + z, 0, 15) (round half away
+// from zero). Every weight is then off by at most s (half a step for its own rounding, up to half
+// a step more where the zero's rounding pushes it past 0 or 15 and it is clamped); an all-zero
+// group has s = 0, z = 0, q = 0.
+// Packing: byte j (0 <= j < 64) holds value j in its low nibble and value j + 64 in its high
+// nibble, so that 8 bytes give two runs of 8 consecutive inputs (what an 8-lane kernel multiplies).
+// 72 bytes per 128 weights: 4.5 bits a weight.
+inline constexpr int64_t kInt4GroupSize = 128;
+struct Int4Group128 {
+  float scale;                    // s
+  uint8_t zero;                   // z, in [0, 15]
+  uint8_t pad[3];                 // 0
+  uint8_t q[kInt4GroupSize / 2];  // value j in the low nibble of q[j] (j < 64), else the high one of q[j - 64]
+};
+static_assert(sizeof(Int4Group128) == 72, "Int4Group128 is 4 + 1 + 3 + 64 bytes, no padding");
+
+struct Int4GroupsLayout {
+  int64_t m = 0, k = 0;
+  int64_t groups_per_row() const { return (k + kInt4GroupSize - 1) / kInt4GroupSize; }
+  // Bytes of the whole stored weight: blocks only (scales and zeros inside them).
+  int64_t bytes() const { return m * groups_per_row() * static_cast<int64_t>(sizeof(Int4Group128)); }
+};
+
+// Quantizes w [m, k] float32 into m x ceil(k / 128) blocks. Non-finite weights are refused
+// (InvalidArgument naming the row and column) before anything is written.
+absl::Status QuantizeInt4Groups(Int4Group128* blocks /*[m, ceil(k / 128)]*/, const float* w /*[m, k]*/, int64_t m,
+                                int64_t k);
+// The reference: w [m, k] = (q - zero) x scale per group.
+void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, ceil(k / 128)]*/, int64_t m,
+                          int64_t k);
 
 }  // namespace shardserve
 

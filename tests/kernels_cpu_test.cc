@@ -576,6 +576,146 @@ TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
   }
 }
 
+// ---- int4 weights (kernels/quant.h Int4Group128, kernels/cpu/int4_matmul.h) ------------------
+
+// The block format's reference: every weight within one step (scale) of its value (half a step
+// from its own rounding, up to half more where the zero point's rounding clamps it at 0 or 15),
+// the zero point in [0, 15], an all-zero group scale 0, a short last group when k is not a
+// multiple of 128, a non-finite weight refused with its place named. Rows of k = 64, 128, 300 and
+// one 0..127 ramp whose packing is checked nibble by nibble against the declared layout.
+TEST(Int4QuantTest, QuantizeIsWithinAStepAndDequantizeInverts) {
+  static_assert(sizeof(Int4Group128) == 72);
+  std::mt19937 rng(13);
+  for (int64_t k : {64, 128, 300}) {
+    const int64_t m = 5;
+    const Int4GroupsLayout layout{m, k};
+    std::vector<float> w = Random(rng, m * k, -3.0f, 2.0f);
+    std::fill(w.begin() + 2 * k, w.begin() + 3 * k, 0.0f);  // row 2: all zero
+    for (int64_t c = 0; c < k; ++c) w[4 * k + c] = std::fabs(w[4 * k + c]);  // row 4: all >= 0, so zero 0
+    std::vector<Int4Group128> blocks(m * layout.groups_per_row());
+    ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
+    std::vector<float> back(m * k);
+    DequantizeInt4Groups(back.data(), blocks.data(), m, k);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < k; ++c) {
+        const Int4Group128& b = blocks[r * layout.groups_per_row() + c / kInt4GroupSize];
+        EXPECT_LE(b.zero, 15);
+        EXPECT_LE(std::fabs(back[r * k + c] - w[r * k + c]), b.scale * (1 + 1e-5f)) << k << ": " << r << ", " << c;
+        if (r == 2) {
+          EXPECT_EQ(b.scale, 0.0f);
+        }
+        if (r == 4) {
+          EXPECT_EQ(b.zero, 0);
+        }
+      }
+    }
+    // The short last group's unused nibbles are 0.
+    if (k % kInt4GroupSize != 0) {
+      const Int4Group128& last = blocks[layout.groups_per_row() - 1];
+      for (int64_t j = k % kInt4GroupSize; j < kInt4GroupSize; ++j) {
+        EXPECT_EQ(j < 64 ? (last.q[j] & 15) : (last.q[j - 64] >> 4), 0) << "unused value " << j;
+      }
+    }
+    w[3 * k + 4] = std::numeric_limits<float>::infinity();
+    const absl::Status s = QuantizeInt4Groups(blocks.data(), w.data(), m, k);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(s.message()).find("[3, 4]"), std::string::npos) << s;
+  }
+  // A ramp 0..127: lo 0, hi 127, scale 127 / 15, zero 0, value j -> round(15 j / 127), value j in
+  // the low nibble of byte j and value j + 64 in the high nibble of byte j.
+  std::vector<float> ramp(128);
+  for (int j = 0; j < 128; ++j) ramp[j] = static_cast<float>(j);
+  Int4Group128 b;
+  ASSERT_TRUE(QuantizeInt4Groups(&b, ramp.data(), 1, 128).ok());
+  EXPECT_FLOAT_EQ(b.scale, 127.0f / 15);
+  EXPECT_EQ(b.zero, 0);
+  for (int j = 0; j < 64; ++j) {
+    EXPECT_EQ(b.q[j] & 15, static_cast<int>(std::round(j / b.scale))) << j;
+    EXPECT_EQ(b.q[j] >> 4, static_cast<int>(std::round((j + 64) / b.scale))) << j + 64;
+  }
+  EXPECT_EQ(ParseWeightQuant("int4").value(), WeightQuant::kInt4);
+  EXPECT_STREQ(WeightQuantName(WeightQuant::kInt4), "int4");
+}
+
+// A product by an int4 weight equals the product by its dequantized weight (the reference). The
+// kernel sums x x q and x per group and applies scale x (sum x q - zero x sum x): the two sums
+// (q in [0, 15], not centred) are up to ~8x larger than their difference, so float32 rounding costs
+// ~10x the int8 products' 1e-5: 1e-4 normalized (measured up to 1.3e-5 on one output; a wrong
+// nibble, zero or scale gives > 1e-2). k
+// with and without a short last group, m with tile tails, n = 1, 4, 32 (and 3) with and without
+// bias; outputs start as NaN (a skipped output fails) and guards are checked. The packed weight
+// is I8 and holds exactly the reference's blocks.
+TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
+  for (auto [k, m] : {std::pair<int64_t, int64_t>{128, 1}, {256, 33}, {64, 7}, {300, 13}, {1024, 257}, {129, 5}}) {
+    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
+    const Int4GroupsLayout layout{m, k};
+    std::vector<Int4Group128> blocks(m * layout.groups_per_row());
+    ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
+    std::vector<float> dequantized(m * k);
+    DequantizeInt4Groups(dequantized.data(), blocks.data(), m, k);
+    Tensor packed;
+    Buffer packed_buffer;
+    {
+      DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
+      dw.Upload(w);
+      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt4);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      EXPECT_EQ(packed.dtype, DType::kI8);
+      ASSERT_EQ(buffer->bytes(), static_cast<size_t>(layout.bytes()));
+      EXPECT_EQ(std::memcmp(buffer->data(), blocks.data(), layout.bytes()), 0);
+      packed_buffer = std::move(*buffer);
+      dw.Poison();  // MatMul must read only the packed copy
+    }
+    DeviceTensor db(backend_.get(), DType::kF32, {m});
+    db.Upload(b);
+    for (int64_t n : {1, 3, 4, 32}) {
+      for (bool bias : {false, true}) {
+        const std::string what = absl::StrCat("int4 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
+        const std::vector<float> x = Random(rng_, n * k);
+        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
+        dx.Upload(x);
+        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
+        out.Poison();
+        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-4);
+        EXPECT_TRUE(out.GuardsIntact()) << what;
+      }
+    }
+  }
+  // The backend says which instance runs and what the CPU has.
+  EXPECT_NE(backend_->Describe().find("int8/int4 products"), std::string::npos) << backend_->Describe();
+}
+
+// As the int8 products: a row's product by an int4 weight is bitwise the same whatever other
+// rows share the call, on 1 or 2 threads.
+TEST(Int4QuantTest, MatMulRowsDoNotDependOnTheBatch) {
+  std::mt19937 rng(7);
+  const int64_t rows = 67, m = 70, k = 203;
+  const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
+  for (int threads : {1, 2}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
+    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+    dw.Upload(w);
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt4);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
+    all_x.Upload(x);
+    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
+    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
+    const std::vector<float> want = all_out.Download<float>();
+    for (int64_t n : {1, 2, 3, 5, 8}) {
+      for (int64_t first : {int64_t{0}, int64_t{1}, rows - n}) {
+        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
+        const std::vector<float> got = part_out.Download<float>();
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads)";
+      }
+    }
+  }
+}
+
 // bf16 products really round (MatMulWithPackedWeight above checks them against the rounded
 // inputs' products), and a BF16 tensor is only a weight when PackMatMulWeight made it.
 TEST_F(CpuBackendTest, Bf16ProductsRoundTheirInputs) {

@@ -175,7 +175,7 @@ class CpuBackend final : public Backend {
     const std::string products = matmul_ == CpuMatMul::kBF16
                                      ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch)
                                      : "f32 products";
-    return absl::StrCat("cpu (", products, ", ", threads_, " threads)");
+    return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(), ", ", threads_, " threads)");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
@@ -219,10 +219,15 @@ class CpuBackend final : public Backend {
     // bf16 weights: oneDNN's layout of them, as the [k, m] "weights" of a matmul. Float32
     // weights: none (data_type undef); they are panels (panel_matmul.h).
     dnnl::memory::desc desc;
-    bool int8 = false;  // int8 rows (kernels/quant.h Int8RowsLayout): scales, then values
+    // kInt8: int8 rows (kernels/quant.h Int8RowsLayout: scales, then values); kInt4: Int4Group128
+    // blocks (Int4GroupsLayout). Either is viewed as an I8 tensor [m, k] (whose bytes() is not the
+    // buffer's size: `bytes` is).
+    WeightQuant quant = WeightQuant::kNone;
     bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
+  // cpu/int4_matmul.h's QuantizedKernelsDescription (this header does not include the kernels').
+  static std::string QuantizedKernelsDescription();
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed
   // buffer without being the whole of it (a Rows() view, say).

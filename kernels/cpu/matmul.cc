@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
 #include "kernels/quant.h"
 #include "kernels/cpu/panel_matmul.h"
@@ -60,20 +61,25 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if (w.dim(1) != k || out->dim(0) != n || out->dim(1) != m || (bias != nullptr && bias->dim(0) != m)) {
     return check.Error("want out [n, m], x [n, k], w [m, k], bias [m]");
   }
-  if (Overlaps(*out, x) || Overlaps(*out, w) || (bias != nullptr && Overlaps(*out, *bias))) {
+  absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
+  if (!packed.ok()) return check.Error(packed.status().message());
+  // A quantized weight's I8 view is not its size: compare with the buffer's.
+  Tensor w_bytes = w;
+  if (*packed != nullptr && (*packed)->quant != WeightQuant::kNone) {
+    w_bytes = Tensor(w.data, DType::kI8, {static_cast<int64_t>((*packed)->bytes)});
+  }
+  if (Overlaps(*out, x) || Overlaps(*out, w_bytes) || (bias != nullptr && Overlaps(*out, *bias))) {
     return check.Error("out must not overlap an input");
   }
   if (n == 0 || m == 0) return absl::OkStatus();
 
-  absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
-  if (!packed.ok()) return check.Error(packed.status().message());
   const bool packed_bf16 = *packed != nullptr && (*packed)->bf16();
   if ((w.dtype == kBF16) != packed_bf16) {
     return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
   }
-  const bool packed_int8 = *packed != nullptr && (*packed)->int8;
-  if ((w.dtype == DType::kI8) != packed_int8) {
-    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8, and such a weight is I8");
+  const WeightQuant quant = *packed != nullptr ? (*packed)->quant : WeightQuant::kNone;
+  if ((w.dtype == DType::kI8) != (quant != WeightQuant::kNone)) {
+    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8 or int4, and such a weight is I8");
   }
   float* y = out->as<float>();
   if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
@@ -87,7 +93,11 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return absl::OkStatus();
   }
   const float* b = bias != nullptr ? bias->as<float>() : nullptr;
-  if (packed_int8) {
+  if (quant == WeightQuant::kInt4) {
+    cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_);
+    return absl::OkStatus();
+  }
+  if (quant == WeightQuant::kInt8) {
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
     cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
@@ -106,6 +116,8 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   }
   return absl::OkStatus();
 }
+
+std::string CpuBackend::QuantizedKernelsDescription() { return cpu::QuantizedKernelsDescription(); }
 
 absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
   auto it = packed_.upper_bound(w.data);  // the first buffer above w.data
@@ -186,7 +198,16 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     auto* scale = static_cast<float*>(buffer.data());
     auto* q = static_cast<int8_t*>(buffer.data()) + layout.scale_bytes();
     if (absl::Status s = QuantizeInt8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
-    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, /*int8=*/true};
+    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt8};
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    return buffer;
+  }
+  if (quant == WeightQuant::kInt4) {  // kernels/quant.h's Int4Group128 blocks, for int4_matmul.h
+    const Int4GroupsLayout layout{m, k};
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
+    auto* blocks = static_cast<Int4Group128*>(buffer.data());
+    if (absl::Status s = QuantizeInt4Groups(blocks, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
+    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     return buffer;
   }

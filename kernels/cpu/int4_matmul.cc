@@ -1,0 +1,59 @@
+#include "kernels/cpu/int4_matmul.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/int4_matmul_tiles.h"
+
+namespace shardserve::cpu {
+namespace {
+
+using Vec8u8 = uint8_t __attribute__((vector_size(8)));
+
+// How 8 packed bytes become 16 floats without AVX2 (GCC's generic vectors; the same exact values).
+struct UnpackPortable {
+  [[gnu::always_inline]] static inline void Load(const uint8_t* p, Vec8* lo, Vec8* hi) {
+    Vec8u8 v;
+    std::memcpy(&v, p, sizeof v);
+    const Vec8i bytes = __builtin_convertvector(v, Vec8i);
+    *lo = __builtin_convertvector(bytes & 15, Vec8);
+    *hi = __builtin_convertvector(bytes >> 4, Vec8);
+  }
+};
+
+bool HasAvx2Fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+}  // namespace
+
+void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                         const float* bias, int64_t r0, int64_t r1) {
+  Columns<UnpackPortable>(y, x, n, m, k, blocks, bias, r0, r1);
+}
+
+void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                const float* bias, int threads) {
+  // The instance for this CPU: fixed per machine, so a result is too.
+  static const bool avx2 = HasAvx2Fma();
+  // Columns in whole tiles per thread, so that every output is computed by the same tile code.
+  const int64_t tiles = (m + kInt4TileRows - 1) / kInt4TileRows;
+  const int nthreads = threads > 0 ? threads : omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles));
+#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t r0 = tiles * p / parts * kInt4TileRows, r1 = std::min(m, tiles * (p + 1) / parts * kInt4TileRows);
+    if (r0 < r1) (avx2 ? Int4ColumnsAvx2 : Int4ColumnsPortable)(y, x, n, m, k, blocks, bias, r0, r1);
+  }
+}
+
+std::string QuantizedKernelsDescription() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f"), vnni = __builtin_cpu_supports("avx512vnni");
+  return absl::StrCat("int8/int4 products on ", HasAvx2Fma() ? "avx2+fma" : "baseline x86-64 (no avx2+fma)",
+                      " [cpu: avx512f ", avx512 ? "yes" : "no", ", avx512-vnni ", vnni ? "yes" : "no",
+                      "; no avx512 or vnni kernels yet]");
+}
+
+}  // namespace shardserve::cpu

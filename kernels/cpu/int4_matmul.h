@@ -1,0 +1,33 @@
+// The CPU backend's products by int4 weights (kernels/quant.h's Int4Group128 blocks, groups of 128
+// along the input): the packed bytes are read once per step (4.5 bits a weight: about a seventh of
+// float32's traffic), each pair of nibbles unpacked to two 8-float vectors in registers and
+// multiplied against the float32 input. Per group, the kernel sums x x q and x alone, then adds
+// scale x (sum(x q) - zero x sum(x)) to the output's accumulator: the zero point costs one multiply
+// per group, not one per weight.
+//
+// Each output y[i][r] is one fixed sequence of operations over k whatever the other rows of x, so a
+// sequence's results do not depend on what else shares its step (as int8_matmul.h's products).
+//
+// Thread-safety: a pure function of its arguments; it runs `threads` OpenMP threads of its own.
+#ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_H_
+#define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "kernels/quant.h"
+
+namespace shardserve::cpu {
+
+// y [n, m] = x [n, k] @ w^T (+ bias [m], may be null), w [m, k] stored as `blocks`
+// [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default).
+void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                const float* bias, int threads);
+
+// Which instance Int4MatMul (and Int8MatMul) run on this CPU: "avx2+fma" or "portable" (baseline
+// x86-64), and what the CPU offers that they do not use yet (AVX-512, VNNI), for the worker's log.
+std::string QuantizedKernelsDescription();
+
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_INT4_MATMUL_H_

@@ -1,0 +1,119 @@
+// The tiles of the CPU's int4 products (int4_matmul.h), as templates over how 8 packed bytes become
+// two 8-float vectors (`Unpack::Load(const uint8_t*, Vec8* low, Vec8* high)`: the low nibbles, then
+// the high ones), instantiated once per instruction set: int4_matmul_avx2.cc (compiled for AVX2 +
+// FMA) and int4_matmul.cc (baseline x86-64). Internal to those two files; everything here has
+// internal linkage, so the two instances cannot mix.
+#ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
+#define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu/vec.h"
+#include "kernels/quant.h"
+
+namespace shardserve::cpu {
+
+// The baseline-x86-64 and AVX2 instances of the columns [r0, r1) of y = x @ w^T + bias.
+void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                         const float* bias, int64_t r0, int64_t r1);
+void Int4ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                     const float* bias, int64_t r0, int64_t r1);
+
+// Weight rows per tile of columns, as int8_matmul_tiles.h: 8 sums for one input row, 4 x 2 for two.
+inline constexpr int kInt4TileRows = 8;
+
+namespace {
+
+[[gnu::always_inline]] inline float SumLanes4(const Vec8& v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// One group g (inputs [128 g, 128 g + size)) of the R x I sums of a tile: sum x q and sum x over the
+// group, then acc += scale x (sum x q - zero x sum x). kFull: size == 128, fixed-size loads; else
+// the input is read zero-padded (the block's unused nibbles are 0 and meet zeros).
+template <class Unpack, int R, int I, bool kFull>
+[[gnu::always_inline]] inline void Group(Vec8 (&acc)[I][R], const float* x, int64_t i, int64_t k,
+                                         const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g,
+                                         int64_t size) {
+  constexpr int64_t kHalf = kInt4GroupSize / 2;
+  Vec8 part[I][R] = {};
+  Vec8 xsum[I] = {};
+  for (int64_t c = 0; c < kHalf; c += kVecLanes) {
+    Vec8 xlo[I], xhi[I];
+    for (int a = 0; a < I; ++a) {
+      const float* row = x + (i + a) * k + g * kInt4GroupSize;
+      xlo[a] = kFull ? LoadVec(row + c) : LoadVec(row + c, size - c);
+      xhi[a] = kFull ? LoadVec(row + kHalf + c) : (size > kHalf + c ? LoadVec(row + kHalf + c, size - kHalf - c) : Vec8{});
+      xsum[a] += xlo[a] + xhi[a];
+    }
+    for (int b = 0; b < R; ++b) {
+      Vec8 lo, hi;
+      Unpack::Load(blocks[(r + b) * groups + g].q + c, &lo, &hi);
+      for (int a = 0; a < I; ++a) {
+        part[a][b] += xlo[a] * lo;
+        part[a][b] += xhi[a] * hi;
+      }
+    }
+  }
+  for (int b = 0; b < R; ++b) {
+    const Int4Group128& block = blocks[(r + b) * groups + g];
+    const float s = block.scale, sz = block.scale * static_cast<float>(block.zero);
+    for (int a = 0; a < I; ++a) acc[a][b] += part[a][b] * s - xsum[a] * sz;
+  }
+}
+
+// y[i .. i+I) x columns [r, r+R): every output the same sequence of operations whatever R and I.
+template <class Unpack, int R, int I>
+[[gnu::always_inline]] inline void Tile(float* y, const float* x, int64_t i, int64_t m, int64_t k,
+                                        const Int4Group128* blocks, const float* bias, int64_t r) {
+  const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+  const int64_t whole = k / kInt4GroupSize;
+  Vec8 acc[I][R] = {};
+  for (int64_t g = 0; g < whole; ++g) Group<Unpack, R, I, true>(acc, x, i, k, blocks, groups, r, g, kInt4GroupSize);
+  if (whole < groups) Group<Unpack, R, I, false>(acc, x, i, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
+  for (int a = 0; a < I; ++a) {
+    for (int b = 0; b < R; ++b) {
+      const float v = SumLanes4(acc[a][b]);
+      y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
+    }
+  }
+}
+
+template <class Unpack, int I>
+[[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
+                                          const Int4Group128* blocks, const float* bias, int64_t r) {
+  switch (rows) {
+    case 8: Tile<Unpack, 8, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 7: Tile<Unpack, 7, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 6: Tile<Unpack, 6, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 5: Tile<Unpack, 5, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 4: Tile<Unpack, 4, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 3: Tile<Unpack, 3, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 2: Tile<Unpack, 2, I>(y, x, i, m, k, blocks, bias, r); break;
+    case 1: Tile<Unpack, 1, I>(y, x, i, m, k, blocks, bias, r); break;
+    default: break;
+  }
+}
+
+// Output columns [r0, r1) of every row of y, kInt4TileRows weight rows at a time (their blocks stay
+// in L1 while the input rows stream past): input rows in pairs (4 weight rows x 2 inputs), a last
+// single input row (a decode step's usual case) 8 weight rows at a time.
+template <class Unpack>
+[[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
+                                           const Int4Group128* blocks, const float* bias, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += kInt4TileRows) {
+    const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+      TileOf<Unpack, 2>(std::min<int64_t>(rows, 4), y, x, i, m, k, blocks, bias, r);
+      if (rows > 4) TileOf<Unpack, 2>(rows - 4, y, x, i, m, k, blocks, bias, r + 4);
+    }
+    if (i < n) TileOf<Unpack, 1>(rows, y, x, i, m, k, blocks, bias, r);
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
