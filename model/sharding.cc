@@ -1,5 +1,7 @@
 #include "model/sharding.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -43,6 +45,20 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
   s.vocab_rows = {std::min(c.vocab_size, r * s.vocab_rows_per_rank),
                   std::min(c.vocab_size, (r + 1) * s.vocab_rows_per_rank)};
   return s;
+}
+
+absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant) {
+  if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
+  const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
+  for (const auto& [name, width] : cut) {
+    if (width % t != 0 || (width / t) % kInt4GroupSize != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "int4 quantization: ", name, "'s input of ", width, " columns split over tensor parallel size ", t, " gives ",
+          width / t, " per rank, not a whole number of groups of ", kInt4GroupSize,
+          " (each rank quantizes its own slice); use a smaller TP, or int8"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardserve

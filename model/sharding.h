@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "kernels/quant.h"
 #include "model/config.h"
 
 namespace shardserve {
@@ -51,6 +52,15 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& config, int tp_rank, i
 
 // Checks only divisibility (for the planner's choice of TP before ranks exist).
 absl::Status CheckTpDivides(const ModelConfig& config, int tp_size);
+
+// Whether the linear layers can be stored as `quant` (kernels/quant.h) when split over tp_size
+// ranks, each rank quantizing its own slice. int4 groups run along the input, so with TP > 1 a
+// row-parallel weight's slice (o_proj: q heads x head_dim / t columns; down_proj:
+// intermediate_size / t) must be a whole number of groups of 128, or a rank's groups would not be
+// the whole weight's; InvalidArgument with the layer, its width, TP and the group size otherwise.
+// (With TP = 1, or along an uncut input, a width that is not a multiple of 128 ends each row in a
+// shorter group.) int8 and none: always OK. The planner and the worker's load both call this.
+absl::Status CheckQuantizedShard(const ModelConfig& config, int tp_size, WeightQuant quant);
 
 }  // namespace shardserve
 

@@ -5,7 +5,9 @@
    KV cache for 17,520 tokens; exit 0; `--json` says the same and names the cluster's bandwidth.
 2. A model that does not fit (72B on one L4-24GB): exit 1, "DOES NOT FIT" and the reason.
 3. Bad flags: exit 2 and a message naming the flag (or the unknown GPU): unknown flags, an unknown
-   GPU, bandwidths that are negative, NaN, or outside [0.001, 1e6] GB/s.
+   GPU, bandwidths that are negative, NaN, or outside [0.001, 1e6] GB/s, an unknown --quantization.
+4. --quantization int4 (issue 25): 72B fits on one A100-80GB with KV cache left, and the plan says
+   that bf16 does not; a forced TP=2 that cuts int4 groups is refused with the numbers.
 
 usage: plan_cli_test.py BIN_DIR
 """
@@ -45,7 +47,21 @@ def main():
     check(rc == 1, f"a plan that does not fit exits 1, got {rc}", out + err)
     check("DOES NOT FIT" in out and "does not fit on 1 node" in out, "the reason it does not fit", out)
 
+    rc, out, err = plan("--cluster", "1x1xA100-80GB", "--quantization", "int4")
+    check(rc == 0, f"int4 on one A100 exits 0, got {rc}", out + err)
+    check("TP=1 x PP=1 on 1 GPU" in out and "linear layers int4" in out, "int4 on one A100: the layout", out)
+    words = " ".join(out.split())  # the table wraps its notes
+    check("int4 against bf16" in words and "in bf16 does not fit on this cluster" in words, "int4 against bf16", out)
+    rc, out, err = plan("--cluster", "1x1xA100-80GB", "--quantization", "int4", "--json")
+    j = json.loads(out)
+    check(rc == 0 and j["fits"] and j["kv_cache_tokens"] > 32768 and j["quantization"] == "int4",
+          "the int4 JSON plan holds a 32k sequence", out)
+    check(j["unquantized"]["fits"] is False, "the int4 JSON plan says bf16 does not fit", out)
+    rc, out, err = plan("--cluster", "1x2xA100-80GB", "--quantization", "int4", "--tp", "2")
+    check(rc != 0 and "14784 per rank, not a whole number of groups of 128" in err, "int4 TP=2 refused", out + err)
+
     bad = [
+        (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8 or int4"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
         (["--cluster", "1x2xB999"], 'unknown GPU "B999"'),
         (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "-3"], "--hbm-gbps must be a positive number"),
@@ -58,7 +74,7 @@ def main():
         rc, out, err = plan(*args)
         check(rc == 2, f"{args}: exit 2, got {rc}", out + err)
         check(message in err, f"{args}: the message names {message!r}", err)
-    print(f"PASS: 3 checks of the worked example, 1 that does not fit, {len(bad)} bad flags")
+    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, {len(bad)} bad flags")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@
 
 #include "coordinator/planner/cluster.h"
 #include "coordinator/planner/format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "coordinator/planner/render.h"
 #include "coordinator/planner/weights.h"
 #include "gmock/gmock.h"
@@ -356,6 +358,70 @@ TEST(Planner, DecodeEstimateIsWeightsOverBandwidthPlusLinks) {
   EXPECT_EQ(p.decode.transfers_s, 0);
 }
 
+// ---- Quantized weights: Qwen2.5-72B in int4 on one A100-80GB ---------------------------------
+
+// The case: in int4 (groups of 128, Int4Group128's 72 bytes per 128 weights) the linear
+// layers take 72 / 256 of their bf16 bytes, so the 72B model fits on one A100-80GB with KV cache
+// left, where in bf16 it needs two; the plan says both. The weight bytes are recomputed here from
+// config.json's sizes: embeddings, norms and the LM head stay bf16.
+TEST(Planner, Qwen72B_Int4_FitsOnOneA100WithKvCacheLeft) {
+  const ModelConfig c = RealConfig("qwen2.5-72b-instruct");
+  PlanOptions o;
+  o.weight_quant = WeightQuant::kInt4;
+  const Plan p = MustPlan(c, Cluster("1x1xA100-80GB"), o);
+  ASSERT_TRUE(p.fits) << p.reason;
+  EXPECT_EQ(p.tp, 1);
+  EXPECT_EQ(p.pp, 1);
+  EXPECT_GT(p.kv_cache_tokens, 32768);  // at least one full-length (32k) sequence
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
+  const auto blocks = [](int64_t rows, int64_t cols) { return rows * ((cols + 127) / 128) * 72; };
+  const int64_t linear = blocks(c.q_dim(), H) + 2 * blocks(c.kv_dim(), H) + blocks(H, c.q_dim()) + 2 * blocks(I, H) +
+                         blocks(H, I);
+  const int64_t bf16 = 2 * ((c.q_dim() + 2 * c.kv_dim()) /*q/k/v biases*/ + 2 * H /*norms*/);
+  const int64_t expected = L * (linear + bf16) + 2 * (V * H /*embedding*/ + V * H /*lm_head*/ + H /*final norm*/);
+  EXPECT_EQ(p.model_weight_bytes, static_cast<uint64_t>(expected));
+  ASSERT_TRUE(p.unquantized.has_value());
+  EXPECT_FALSE(p.unquantized->fits);  // bf16: 145 GB on one 80 GB GPU
+  EXPECT_GT(p.unquantized->model_weight_bytes, 3 * p.model_weight_bytes);
+  // The table wraps its notes: compare its words.
+  const auto words = [](const std::string& text) {
+    return absl::StrJoin(absl::StrSplit(text, absl::ByAnyChar(" \n"), absl::SkipEmpty()), " ");
+  };
+  const std::string table = words(PlanTable(p));
+  EXPECT_THAT(table, HasSubstr("int4 against bf16"));
+  EXPECT_THAT(table, HasSubstr("in bf16 does not fit on this cluster"));
+  // On two A100s bf16 fits (TP=2) and int4 on one GPU of them: the plan says what each needs.
+  const Plan two = MustPlan(c, Cluster("1x2xA100-80GB"), o);
+  ASSERT_TRUE(two.fits && two.unquantized && two.unquantized->fits);
+  EXPECT_EQ(two.unquantized->tp * two.unquantized->pp, 2);
+  EXPECT_THAT(words(PlanTable(two)), HasSubstr("in bf16 2 GPUs (TP=2 x PP=1)"));
+  EXPECT_EQ(nlohmann::json::parse(PlanJson(two))["unquantized"]["tp"], 2);
+}
+
+// Qwen2.5-72B's intermediate size 29568 is 231 groups of 128 but 14784 (115.5 groups) per rank at
+// TP = 2: int4 refuses a forced TP = 2 with the numbers, and leaves TP = 2, 4, 8 out of its choice.
+TEST(Planner, Int4TpThatCutsAGroupIsRefused) {
+  const ModelConfig c = RealConfig("qwen2.5-72b-instruct");
+  PlanOptions o;
+  o.weight_quant = WeightQuant::kInt4;
+  o.tp = 2;
+  absl::StatusOr<Plan> p = MakePlan(c, nullptr, Cluster("1x8xA100-80GB"), o);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(),
+              HasSubstr("down_proj's input of 29568 columns split over tensor parallel size 2 gives 14784 per rank, "
+                        "not a whole number of groups of 128"));
+  EXPECT_THAT(p.status().message(), HasSubstr("TP sizes that work on this cluster: 1"));
+  o.tp = 0;
+  const Plan any = MustPlan(c, Cluster("1x8xA100-80GB"), o);
+  EXPECT_EQ(any.tp, 1);
+  for (const LayoutOption& l : any.layouts) EXPECT_EQ(l.tp, 1);
+  // int8 has no groups: TP = 2 is fine.
+  o.weight_quant = WeightQuant::kInt8;
+  o.tp = 2;
+  EXPECT_TRUE(MakePlan(c, nullptr, Cluster("1x8xA100-80GB"), o).ok());
+}
+
 // ---- Refusals --------------------------------------------------------------------------------
 
 TEST(Planner, ForcedTpThatDoesNotDivideTheHeadsIsRefused) {
@@ -649,6 +715,39 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     ASSERT_TRUE(shard.ok()) << "int8 stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
     EXPECT_LT(g.weight_bytes, p.per_gpu[i].weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
+  }
+
+  // int4 weights: with TP = 1 the plan counts the Int4Group128 blocks (these fixtures' rows of 64
+  // inputs are one short group each) as the worker stores them, fewer bytes than int8. With TP = 2
+  // o_proj's 64 inputs split into 32 per rank cut a group: the planner and the worker's loader both
+  // refuse, naming the numbers.
+  PlanOptions int4 = o;
+  int4.weight_quant = WeightQuant::kInt4;
+  if (k.tp == 1) {
+    const Plan q4 = MustPlan(c, SmallCpuCluster(), int4);
+    ASSERT_EQ(q4.per_gpu.size(), p.per_gpu.size());
+    EXPECT_LT(q4.model_weight_bytes, q.model_weight_bytes);
+    for (const GpuPlan& g : q4.per_gpu) {
+      const StagePlan& s = q4.stages[g.stage];
+      LoadOnlyCommunicator comm(g.tp_rank, q4.tp);
+      ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q4.tp};
+      spec.weight_quant = WeightQuant::kInt4;
+      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+          LlamaShard::Load(*m->checkpoint, c, spec, q4.limits, backend.get(), &comm);
+      ASSERT_TRUE(shard.ok()) << "int4 stage " << g.stage << ": " << shard.status();
+      EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "int4 stage " << g.stage;
+    }
+  } else {
+    absl::StatusOr<Plan> refused = MakePlan(c, nullptr, SmallCpuCluster(), int4);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_THAT(refused.status().message(), HasSubstr("o_proj's input of 64 columns split over tensor parallel size 2"));
+    LoadOnlyCommunicator comm(0, k.tp);
+    ShardSpec spec{0, -1, 0, k.tp};
+    spec.weight_quant = WeightQuant::kInt4;
+    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+        LlamaShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
+    ASSERT_FALSE(shard.ok());
+    EXPECT_THAT(shard.status().message(), HasSubstr("gives 32 per rank, not a whole number of groups of 128"));
   }
 }
 

@@ -60,7 +60,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
-    // Logical bytes, as the planner counts: int8 weights with their scales (kernels/quant.h).
+    // Logical bytes, as the planner counts: int8 / int4 weights with their scales (and zeros) (kernels/quant.h).
     weight_bytes_ = weight_bytes_ - plain.bytes() + (packed.dtype == DType::kI8 ? buffer->bytes() : packed.bytes());
     buffers_.back() = std::move(*buffer);
   }
@@ -124,6 +124,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   }
   SHARDSERVE_RETURN_IF_ERROR(opt.ValidateDecided());
   SHARDSERVE_ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
+  SHARDSERVE_RETURN_IF_ERROR(CheckQuantizedShard(config, spec.tp_size, spec.weight_quant));
   const TpShard& s = m->tp_shard_;
   const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
   const int64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();

@@ -126,9 +126,10 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   absl::StatusOr<std::unique_ptr<WeightSource>> weights =
       OpenWeightSource(a.model_path(), *config, format, a.dummy_seed());
   if (!weights.ok()) return weights.status();
-  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(),
-                       a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8 ? WeightQuant::kInt8
-                                                                               : WeightQuant::kNone};
+  const WeightQuant quant = a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8   ? WeightQuant::kInt8
+                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
+                                                                                      : WeightQuant::kNone;
+  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant};
   const StepLimits options = FromProto(a.limits());
   absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
       LlamaShard::Load(**weights, *config, spec, options, backend, e->tp_.get());

@@ -66,11 +66,12 @@ int StageSlots(const ClusterSpec& c, int tp) {
   return slots;
 }
 
-// The TP sizes that divide the model's heads (model/sharding.h) and fit in the largest node.
-std::vector<int> ValidTpSizes(const ModelConfig& config, const ClusterSpec& cluster) {
+// The TP sizes that divide the model's heads (model/sharding.h), cut no quantization group
+// (CheckQuantizedShard) and fit in the largest node.
+std::vector<int> ValidTpSizes(const ModelConfig& config, const ClusterSpec& cluster, WeightQuant quant) {
   std::vector<int> sizes;
   for (int t = 1; t <= cluster.max_gpus_per_node(); ++t) {
-    if (CheckTpDivides(config, t).ok()) sizes.push_back(t);
+    if (CheckTpDivides(config, t).ok() && CheckQuantizedShard(config, t, quant).ok()) sizes.push_back(t);
   }
   return sizes;
 }
@@ -355,10 +356,10 @@ absl::Status ValidateOptions(const PlanOptions& o) {
 }
 
 // Checks a forced TP and/or PP against the model and the cluster, with errors naming the numbers.
-absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster, int tp, int pp) {
+absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster, int tp, int pp, WeightQuant quant) {
   if (tp > 0) {
     if (absl::Status s = CheckTpDivides(c, tp); !s.ok()) {
-      std::vector<int> valid = ValidTpSizes(c, cluster);
+      std::vector<int> valid = ValidTpSizes(c, cluster, quant);
       return absl::InvalidArgumentError(
           absl::StrCat("TP=", tp, ": ", s.message(), " (", c.num_attention_heads, " heads, ", c.num_key_value_heads,
                        " KV heads, intermediate size ", c.intermediate_size,
@@ -368,6 +369,10 @@ absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster,
       return absl::InvalidArgumentError(absl::StrCat("TP=", tp, " needs ", tp, " GPUs in one node (tensor parallelism ",
                                                      "stays inside a node) but the largest node has ",
                                                      cluster.max_gpus_per_node()));
+    }
+    if (absl::Status s = CheckQuantizedShard(c, tp, quant); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("TP=", tp, ": ", s.message(), "; TP sizes that work on this cluster: ",
+                                                     absl::StrJoin(ValidTpSizes(c, cluster, quant), ", ")));
     }
   }
   if (pp > 0 && pp > c.num_hidden_layers) {
@@ -454,7 +459,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
                                                    " is longer than the model's max_position_embeddings (",
                                                    c.max_position_embeddings, ")"));
   }
-  SHARDSERVE_RETURN_IF_ERROR(CheckForcedLayout(c, cluster, options.tp, options.pp));
+  SHARDSERVE_RETURN_IF_ERROR(CheckForcedLayout(c, cluster, options.tp, options.pp, options.weight_quant));
 
   Context ctx{c, cluster, options, options.dtype.value_or(c.dtype), 0, 0, 0, {}};
   ctx.usable = static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(cluster.gpu.memory_bytes));
@@ -469,7 +474,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   }
 
   // Weigh every layout the request allows.
-  std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp} : ValidTpSizes(c, cluster);
+  std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp} : ValidTpSizes(c, cluster, options.weight_quant);
   std::vector<Layout> layouts;
   for (int tp : tps) {
     std::vector<TpShard> shards;
@@ -528,6 +533,14 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     plan.reason = FitReason(ctx, best, fitting, forced);
   } else {
     plan.reason = RefusalReason(ctx, best, plan.model_weight_bytes, forced);
+  }
+  if (options.weight_quant != WeightQuant::kNone) {
+    PlanOptions plain = options;
+    plain.weight_quant = WeightQuant::kNone;
+    absl::StatusOr<Plan> without = MakePlan(config, checkpoint, cluster, plain);
+    if (!without.ok()) return without.status();
+    plan.unquantized = Plan::Unquantized{without->fits, without->tp, without->pp, without->kv_cache_tokens,
+                                         without->model_weight_bytes};
   }
   return plan;
 }

@@ -129,6 +129,16 @@ struct Plan {
 
   bool fits = false;
   std::string reason;  // why this layout, or why nothing fits and what would help
+
+  // With options.weight_quant other than kNone: the same request planned without quantization (in
+  // `dtype`), so that the plan can say what quantizing changes (fewer GPUs, or more KV cache).
+  struct Unquantized {
+    bool fits = false;
+    int tp = 1, pp = 1;            // the layout it would choose (the closest one when nothing fits)
+    int64_t kv_cache_tokens = 0;
+    uint64_t model_weight_bytes = 0;
+  };
+  std::optional<Unquantized> unquantized;
 };
 
 // Plans `config` (with the tensors of `checkpoint` when not null, else as config.json implies)

@@ -62,6 +62,23 @@ std::string PlanTable(const Plan& p) {
     absl::StrAppendFormat(&out, "plan     DOES NOT FIT (closest layout shown: %s)\n", fmt::Layout(p.tp, p.pp));
   }
   absl::StrAppend(&out, Wrap(p.reason, "         "), "\n");
+  if (p.unquantized) {
+    const Plan::Unquantized& u = *p.unquantized;
+    const std::string q = WeightQuantName(p.options.weight_quant), plain = PlanDTypeName(p.dtype);
+    const std::string without =
+        u.fits ? absl::StrCat(c.gpu.Count(u.tp * u.pp), " (", fmt::Layout(u.tp, u.pp), ") with KV cache for ",
+                              fmt::Count(u.kv_cache_tokens), " tokens")
+               : "does not fit on this cluster";
+    const std::string with = p.fits ? absl::StrCat(c.gpu.Count(p.tp * p.pp), " (", fmt::Layout(p.tp, p.pp),
+                                                   ") with KV cache for ", fmt::Count(p.kv_cache_tokens), " tokens")
+                                    : "does not fit either";
+    std::string text = Wrap(absl::StrCat(q, " against ", plain, ": weights ", fmt::Size(p.model_weight_bytes),
+                                         " instead of ", fmt::Size(u.model_weight_bytes), "; in ", plain, " ", without,
+                                         ", in ", q, " ", with),
+                            "         ");
+    text.replace(0, 9, "quant    ");  // the first line's label
+    absl::StrAppend(&out, text, "\n");
+  }
 
   // Columns named for the devices: GPUs, or CPU workers.
   const bool cpu = c.gpu.is_cpu();
@@ -137,6 +154,14 @@ std::string PlanJson(const Plan& p) {
                   {"target_max_model_len", p.target_max_model_len}};
   j["tp"] = p.tp;
   j["pp"] = p.pp;
+  j["quantization"] = WeightQuantName(p.options.weight_quant);
+  if (p.unquantized) {
+    j["unquantized"] = {{"fits", p.unquantized->fits},
+                        {"tp", p.unquantized->tp},
+                        {"pp", p.unquantized->pp},
+                        {"kv_cache_tokens", p.unquantized->kv_cache_tokens},
+                        {"weight_bytes", p.unquantized->model_weight_bytes}};
+  }
   j["stages"] = json::array();
   for (size_t s = 0; s < p.stages.size(); ++s) {
     const StagePlan& st = p.stages[s];

@@ -102,6 +102,13 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
       bytes = static_cast<uint64_t>(Int8RowsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
     }
+    if (quant == WeightQuant::kInt4 && t.part == WeightPart::kLayer && t.shape.size() == 2) {
+      // Int4Group128 blocks: per local output row, ceil(local inputs / 128) blocks of 72 bytes (64
+      // bytes of packed values, a float32 scale, the zero point and padding) (kernels/quant.h).
+      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
+      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
+      bytes = static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
+    }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;
       case WeightPart::kLayer: r.layers[t.layer] += bytes; break;

@@ -332,8 +332,9 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     a->set_recv_group(slot.recv_group);
     ToProto(limits_, a->mutable_limits());
     a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
-    a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8 ? v1::WEIGHT_QUANTIZATION_INT8
-                                                                           : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
+    a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8   ? v1::WEIGHT_QUANTIZATION_INT8
+                               : options_.weight_quant == WeightQuant::kInt4 ? v1::WEIGHT_QUANTIZATION_INT4
+                                                                             : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
     if (options_.load_format == LoadFormat::kDummy) {
       a->set_load_format(v1::LOAD_FORMAT_DUMMY);
       a->set_dummy_seed(options_.dummy_seed);

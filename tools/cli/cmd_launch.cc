@@ -32,7 +32,7 @@ constexpr char kUsage[] =
     "                         [--metrics-port-base P] [--log-format text|json] [--worker-threads N]\n"
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
-    "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8]\n"
+    "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
@@ -50,7 +50,8 @@ constexpr char kUsage[] =
     "  --block-size          the coordinator's scheduler flags, passed through when given\n"
     "                        (shardserve-coordinator --help)\n"
     "  --quantization        the coordinator's: int8 stores the workers' linear-layer weights in int8\n"
-    "                        (one scale per output channel, quantized at load; cpu only for now)\n"
+    "                        (one scale per output channel), int4 in 4 bits (scale + zero point per\n"
+    "                        group of 128 inputs), quantized at load; cpu only for now\n"
     "  --load-format, --dummy-seed  the coordinator's: dummy makes the weights from config.json and the\n"
     "                        seed (default 0), each worker its own slice; --model may hold only\n"
     "                        config.json (then prompts are token ids)\n";

@@ -20,7 +20,7 @@ namespace shardserve::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32]\n"
+    "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
     "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P] [--json]\n"
     "\n"
@@ -33,6 +33,9 @@ constexpr char kUsage[] =
     "  --model DIR                 checkpoint directory: config.json (+ safetensors, checked, not read)\n"
     "  --config FILE               a config.json alone; weights are counted from it\n"
     "  --dtype D                   weights and KV cache dtype on the GPU (default: torch_dtype)\n"
+    "  --quantization Q            linear layers' weights as the workers' --quantization stores them:\n"
+    "                              none (default), int8 or int4; the plan then also says what the\n"
+    "                              model needs without it\n"
     "cluster:\n"
     "  --cluster NxGxGPU           N nodes of G GPUs, e.g. 2x1xA100-80GB, 1x8xH100-80GB; GPUs: %s\n"
     "  --nodes N                   nodes (overrides the preset; default 1)\n"
@@ -124,6 +127,11 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
     if (!d.ok()) return d.status();
     o.dtype = *d;
   }
+  if (f.Has("quantization")) {
+    absl::StatusOr<WeightQuant> q = ParseWeightQuant(f.Get("quantization"));
+    if (!q.ok()) return q.status();
+    o.weight_quant = *q;
+  }
   return o;
 }
 
@@ -132,7 +140,7 @@ int Run(const std::vector<std::string>& args) {
       Flags::Parse(args,
                    {"model", "config", "dtype", "cluster", "nodes", "gpus-per-node", "gpu-memory-gb", "hbm-gbps",
                     "intra-node-gbps", "inter-node-gbps", "gpu-memory-utilization", "max-model-len",
-                    "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp"},
+                    "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp", "quantization"},
                    {"json", "help"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
