@@ -96,14 +96,107 @@ template <class Unpack, int I>
   }
 }
 
+// Input rows per pass of PlaneTile: their sums wait on the stack while the groups go by.
+inline constexpr int64_t kInt4PlaneRows = 16;
+// From this many input rows on, Columns unpacks each group once into float planes (PlaneTile)
+// instead of once per pair of input rows (Tile): unpacking is about half of Tile's work.
+inline constexpr int64_t kInt4PlaneMinRows = 4;
+
+// One group g of PlaneTile: unpack the R rows' values into `plane`, then every input row's sums.
+// kFull: size == 128 (fixed-size loads), as Group.
+template <class Unpack, int R, bool kFull>
+[[gnu::always_inline]] inline void PlaneGroup(Vec8 (&acc)[kInt4PlaneRows][R], float (&plane)[R][kInt4GroupSize],
+                                              const float* x, int64_t i, int64_t count, int64_t k,
+                                              const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g,
+                                              int64_t size) {
+  constexpr int64_t kHalf = kInt4GroupSize / 2;
+  for (int b = 0; b < R; ++b) {
+    for (int64_t c = 0; c < kHalf; c += kVecLanes) {
+      Vec8 lo, hi;
+      Unpack::Load(blocks[(r + b) * groups + g].q + c, &lo, &hi);
+      StoreVec(plane[b] + c, lo);
+      StoreVec(plane[b] + kHalf + c, hi);
+    }
+  }
+  for (int64_t a = 0; a < count; ++a) {
+    const float* row = x + (i + a) * k + g * kInt4GroupSize;
+    Vec8 part[R] = {};
+    Vec8 xsum = {};
+    for (int64_t c = 0; c < kHalf; c += kVecLanes) {
+      const Vec8 xlo = kFull ? LoadVec(row + c) : LoadVec(row + c, size - c);
+      const Vec8 xhi = kFull ? LoadVec(row + kHalf + c)
+                             : (size > kHalf + c ? LoadVec(row + kHalf + c, size - kHalf - c) : Vec8{});
+      xsum += xlo + xhi;
+      for (int b = 0; b < R; ++b) {
+        part[b] += xlo * LoadVec(plane[b] + c);
+        part[b] += xhi * LoadVec(plane[b] + kHalf + c);
+      }
+    }
+    for (int b = 0; b < R; ++b) {
+      const Int4Group128& block = blocks[(r + b) * groups + g];
+      const float s = block.scale, sz = block.scale * static_cast<float>(block.zero);
+      acc[a][b] += part[b] * s - xsum * sz;
+    }
+  }
+}
+
+// Input rows [i, i + count) (count <= kInt4PlaneRows) x columns [r, r + R), the same sums as Tile,
+// operation for operation (so a row's result does not depend on which path its batch took): each
+// group's R x 128 values are unpacked once into a plane of floats, then every input row
+// multiplies them from L1.
+template <class Unpack, int R>
+[[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
+                                             const Int4Group128* blocks, const float* bias, int64_t r) {
+  const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+  const int64_t whole = k / kInt4GroupSize;
+  alignas(32) float plane[R][kInt4GroupSize];
+  Vec8 acc[kInt4PlaneRows][R] = {};
+  for (int64_t g = 0; g < whole; ++g) {
+    PlaneGroup<Unpack, R, true>(acc, plane, x, i, count, k, blocks, groups, r, g, kInt4GroupSize);
+  }
+  if (whole < groups) {
+    PlaneGroup<Unpack, R, false>(acc, plane, x, i, count, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
+  }
+  for (int64_t a = 0; a < count; ++a) {
+    for (int b = 0; b < R; ++b) {
+      const float v = SumLanes4(acc[a][b]);
+      y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
+    }
+  }
+}
+
+template <class Unpack>
+[[gnu::always_inline]] inline void PlaneTileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t count,
+                                               int64_t m, int64_t k, const Int4Group128* blocks, const float* bias,
+                                               int64_t r) {
+  switch (rows) {
+    case 8: PlaneTile<Unpack, 8>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 7: PlaneTile<Unpack, 7>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 6: PlaneTile<Unpack, 6>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 5: PlaneTile<Unpack, 5>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 4: PlaneTile<Unpack, 4>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 3: PlaneTile<Unpack, 3>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 2: PlaneTile<Unpack, 2>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 1: PlaneTile<Unpack, 1>(y, x, i, count, m, k, blocks, bias, r); break;
+    default: break;
+  }
+}
+
 // Output columns [r0, r1) of every row of y, kInt4TileRows weight rows at a time (their blocks stay
-// in L1 while the input rows stream past): input rows in pairs (4 weight rows x 2 inputs), a last
-// single input row (a decode step's usual case) 8 weight rows at a time.
+// in L1 while the input rows stream past). Fewer than kInt4PlaneMinRows input rows (decode): input
+// rows in pairs (4 weight rows x 2 inputs), a last single one 8 weight rows at a time, unpacking
+// in registers; more: PlaneTile, kInt4PlaneRows input rows a pass.
 template <class Unpack>
 [[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                            const Int4Group128* blocks, const float* bias, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
+    if (n >= kInt4PlaneMinRows) {
+      for (int64_t i = 0; i < n; i += kInt4PlaneRows) {
+        PlaneTileOf<Unpack>(rows, y, x, i, std::min(kInt4PlaneRows, n - i), m, k, blocks, bias, r);
+      }
+      continue;
+    }
     int64_t i = 0;
     for (; i + 2 <= n; i += 2) {
       TileOf<Unpack, 2>(std::min<int64_t>(rows, 4), y, x, i, m, k, blocks, bias, r);
