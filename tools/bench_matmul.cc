@@ -4,8 +4,9 @@
 // run: for each row count, the two alternate `--repeat` times and the medians are reported.
 // Also says, per row count, whether each one's rows equal the same rows of a 512-row product
 // (bitwise), the property continuous batching needs. A third column times the backend's products
-// by the same weights quantized to int8 (--quantization int8: kernels/cpu/int8_matmul.h), with the
-// weight bytes per second each product reads (4 per parameter for float32, 1 for int8).
+// by the same weights quantized to int8 (--quantization int8: kernels/cpu/int8_matmul.h) and a
+// fourth to int4 (--quantization int4: kernels/cpu/int4_matmul.h), with the weight bytes per
+// second each product reads (4 per parameter for float32, 1 for int8, 72 / 128 for int4).
 //
 //   bench_matmul [--threads 1] [--layers 6] [--hidden 768] [--kv 256] [--mlp 2048] [--repeat 7]
 //
@@ -119,13 +120,15 @@ int main(int argc, char** argv) {
     std::unique_ptr<OneDnnProduct> onednn;
     Buffer int8_buffer;
     Tensor int8;
+    Buffer int4_buffer;
+    Tensor int4;
   };
   std::vector<Weight> weights;
   for (int64_t l = 0; l < layers; ++l) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, {}, {}, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k)};
+      Weight weight{s, {}, {}, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, {}};
       auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &weight.packed);
       if (!buffer.ok()) {
         std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
@@ -139,6 +142,13 @@ int main(int argc, char** argv) {
         return 1;
       }
       weight.int8_buffer = std::move(*int8);
+      auto int4 = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &weight.int4,
+                                            shardserve::WeightQuant::kInt4);
+      if (!int4.ok()) {
+        std::fprintf(stderr, "bench_matmul: %s\n", std::string(int4.status().message()).c_str());
+        return 1;
+      }
+      weight.int4_buffer = std::move(*int4);
       weights.push_back(std::move(weight));
     }
   }
@@ -148,36 +158,40 @@ int main(int argc, char** argv) {
 
   // The first weight's products of all 512 rows, to compare each row count's rows with.
   const Shape first = weights[0].shape;
-  auto ours = [&](const Weight& w, float* out, int64_t n, bool int8 = false) {
+  // quant: 0 float32 panels, 8 int8, 4 int4.
+  auto ours = [&](const Weight& w, float* out, int64_t n, int quant = 0) {
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});
-    if (absl::Status s = backend->MatMul(&ty, tx, int8 ? w.int8 : w.packed, nullptr); !s.ok()) {
+    if (absl::Status s = backend->MatMul(&ty, tx, quant == 8 ? w.int8 : quant == 4 ? w.int4 : w.packed, nullptr);
+        !s.ok()) {
       std::fprintf(stderr, "bench_matmul: %s\n", std::string(s.message()).c_str());
       std::exit(1);
     }
   };
   std::vector<float> ours_all(static_cast<size_t>(max_rows * first.m)), onednn_all(ours_all.size()),
-      int8_all(ours_all.size());
+      int8_all(ours_all.size()), int4_all(ours_all.size());
   ours(weights[0], ours_all.data(), max_rows);
-  ours(weights[0], int8_all.data(), max_rows, /*int8=*/true);
+  ours(weights[0], int8_all.data(), max_rows, 8);
+  ours(weights[0], int4_all.data(), max_rows, 4);
   weights[0].onednn->Run(stream, onednn_all.data(), x.data(), max_rows);
 
   std::printf("one stage: %lld layers, %.1fM parameters of products, %d thread(s), median of %d\n",
               static_cast<long long>(layers), params / 1e6, threads, repeat);
-  std::printf("%6s  %12s %8s %6s  %12s %8s %6s  %7s  %10s %7s %6s %7s\n", "rows", "panels ms", "GFLOP/s", "same",
-              "oneDNN ms", "GFLOP/s", "same", "speedup", "int8 ms", "w GB/s", "same", "vs f32");
+  std::printf("%6s  %12s %8s %6s  %12s %8s %6s  %7s  %10s %7s %6s %7s  %10s %7s %6s %7s\n", "rows", "panels ms",
+              "GFLOP/s", "same", "oneDNN ms", "GFLOP/s", "same", "speedup", "int8 ms", "w GB/s", "same", "vs f32",
+              "int4 ms", "w GB/s", "same", "vs f32");
   for (int64_t n : {1, 2, 4, 8, 16, 32, 64, 128, 512}) {
-    std::vector<double> t_ours, t_onednn, t_int8;
+    std::vector<double> t_ours, t_onednn, t_int8, t_int4;
     for (int r = 0; r < repeat; ++r) {
-      for (int which = 0; which < 3; ++which) {
+      for (int which = 0; which < 4; ++which) {
         const auto t0 = std::chrono::steady_clock::now();
         for (Weight& w : weights) {
           if (which == 1) {
             w.onednn->Run(stream, y.data(), x.data(), n);
           } else {
-            ours(w, y.data(), n, /*int8=*/which == 2);
+            ours(w, y.data(), n, which == 2 ? 8 : which == 3 ? 4 : 0);
           }
         }
-        (which == 0 ? t_ours : which == 1 ? t_onednn : t_int8)
+        (which == 0 ? t_ours : which == 1 ? t_onednn : which == 2 ? t_int8 : t_int4)
             .push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
     }
@@ -186,13 +200,17 @@ int main(int argc, char** argv) {
     const bool ours_same = std::memcmp(part.data(), ours_all.data(), part.size() * sizeof(float)) == 0;
     weights[0].onednn->Run(stream, part.data(), x.data(), n);
     const bool onednn_same = std::memcmp(part.data(), onednn_all.data(), part.size() * sizeof(float)) == 0;
-    ours(weights[0], part.data(), n, /*int8=*/true);
+    ours(weights[0], part.data(), n, 8);
     const bool int8_same = std::memcmp(part.data(), int8_all.data(), part.size() * sizeof(float)) == 0;
+    ours(weights[0], part.data(), n, 4);
+    const bool int4_same = std::memcmp(part.data(), int4_all.data(), part.size() * sizeof(float)) == 0;
     const double a = Percentile(t_ours, 50), b = Percentile(t_onednn, 50), c = Percentile(t_int8, 50),
-                 flops = 2.0 * static_cast<double>(n) * params;
-    std::printf("%6lld  %12.2f %8.1f %6s  %12.2f %8.1f %6s  %6.2fx  %10.2f %7.1f %6s %6.2fx\n", static_cast<long long>(n),
-                a * 1e3, flops / a / 1e9, ours_same ? "yes" : "NO", b * 1e3, flops / b / 1e9, onednn_same ? "yes" : "NO",
-                b / a, c * 1e3, params / c / 1e9, int8_same ? "yes" : "NO", a / c);
+                 d = Percentile(t_int4, 50), flops = 2.0 * static_cast<double>(n) * params;
+    std::printf("%6lld  %12.2f %8.1f %6s  %12.2f %8.1f %6s  %6.2fx  %10.2f %7.1f %6s %6.2fx  %10.2f %7.1f %6s %6.2fx\n",
+                static_cast<long long>(n), a * 1e3, flops / a / 1e9, ours_same ? "yes" : "NO", b * 1e3,
+                flops / b / 1e9, onednn_same ? "yes" : "NO", b / a, c * 1e3, params / c / 1e9,
+                int8_same ? "yes" : "NO", a / c, d * 1e3, params * 72 / 128 / d / 1e9, int4_same ? "yes" : "NO",
+                a / d);
   }
   return 0;
 }
