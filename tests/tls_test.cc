@@ -1,7 +1,8 @@
 // TLS, mutual TLS and API keys on real processes on 127.0.0.1 (security/, docs/security.md):
 // - a mutual-TLS cluster streams the golden tokens; a worker with a certificate from another CA
 //   is refused at the handshake, a peer without a certificate is refused before registering
-//   (Connect and rendezvous), and neither takes a slot: the group waits for the right worker;
+//   (Connect and rendezvous), and neither takes a slot: the group waits for the right worker; a
+//   worker's own port takes only peers with a certificate from the CA;
 // - a plaintext client against the TLS port fails (UNAVAILABLE), not hangs;
 // - API keys: missing or wrong key is UNAUTHENTICATED and counted, the right key streams, health
 //   stays open, the key file is re-read when it changes, keys never reach the log;
@@ -267,6 +268,16 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   const Streamed r = Generate(stub.get(), TokenRequest(golden.prompt, static_cast<int>(golden.greedy.size())));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   EXPECT_EQ(r.tokens, golden.greedy);
+
+  // The workers' own ports are mutual TLS only: no certificate from the CA, no connection.
+  const std::string worker_port = LoggedAddress(processes_[1]->log(), ", listening on ", ',');
+  ASSERT_FALSE(worker_port.empty());
+  EXPECT_EQ(Health(Channel(worker_port, Files("client"))), grpc::health::v1::HealthCheckResponse::SERVING);
+  grpc::Status refused;
+  Health(Channel(worker_port, Files("", "ca.pem")), &refused);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  Health(Channel(worker_port, Files("other", "ca.pem")), &refused);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
 
   // A plaintext client against the TLS port: a clear UNAVAILABLE within its deadline, not a hang.
   grpc::Status plain;
