@@ -199,8 +199,16 @@ int Main(int argc, char** argv) {
   if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
     return Usage(std::string(s.message()));
   }
-  // Checked (files readable, valid now, key matching) before anything starts. The worker's own port
-  // takes only peers with a certificate from --tls-ca.
+  // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Checked (files readable, valid now, key matching) before anything starts; after the signal
+  // mask, since making credentials starts gRPC's threads. The worker's own port takes only peers
+  // with a certificate from --tls-ca.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
       MakeServerCredentials(*tls, PeerCertificates::kRequired);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_credentials = MakeChannelCredentials(*tls);
@@ -211,13 +219,6 @@ int Main(int argc, char** argv) {
     }
   }
   if (tls->any()) options.channel_credentials = *channel_credentials;
-
-  // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   // The metrics are created once the worker is assigned (they carry its stage and rank), in this
   // registry, which the exposer serves from now on.

@@ -160,10 +160,6 @@ int Main(int argc, char** argv) {
   if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
     return Usage(std::string(s.message()));
   }
-  // Checked (files readable, valid now, key matching) before anything starts.
-  const absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      MakeServerCredentials(*tls, PeerCertificates::kVerifyIfGiven);
-  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
   std::unique_ptr<ApiKeys> api_keys;
   if (flags->Has("api-keys-file")) {
     absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(flags->Get("api-keys-file"));
@@ -177,6 +173,12 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Checked (files readable, valid now, key matching) before anything starts. After the signal
+  // mask: making credentials starts gRPC's threads, which must not take SIGTERM.
+  const absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(*tls, PeerCertificates::kVerifyIfGiven);
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
 
   absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir, pool_options.load_format);
   if (!model.ok()) return Fail(std::string(model.status().message()));
