@@ -466,6 +466,21 @@ TEST_F(TlsTest, LaunchIsMutualTlsByDefaultAndClientCommandsNeedNoFlags) {
   EXPECT_EQ(launch->Wait(std::chrono::seconds(60)), 0);
   EXPECT_FALSE(fs::exists(state / "cluster.json"));
   EXPECT_FALSE(fs::exists(fs::path(file["ca"].get<std::string>()).parent_path()));
+
+  // A cluster.json left by a launch that was killed (its pid is gone) is ignored: the commands do
+  // not try its (missing) certificate files.
+  Process* gone = Spawn({"/bin/true"}, "true.log");
+  ASSERT_EQ(gone->Wait(std::chrono::seconds(10)), 0);
+  WriteText(state / "cluster.json", nlohmann::json({{"address", "127.0.0.1:1"},
+                                                    {"ca", F("missing-ca.pem")},
+                                                    {"cert", F("missing.pem")},
+                                                    {"key", F("missing.key")},
+                                                    {"pid", gone->pid()}})
+                                        .dump());
+  const auto [grc, gout] = Shell(cli + " status --address 127.0.0.1:1");  // the file's address
+  EXPECT_EQ(grc, 1) << gout;
+  EXPECT_EQ(gout.find("missing"), std::string::npos) << gout;
+  EXPECT_NE(gout.find("cannot reach the coordinator at 127.0.0.1:1"), std::string::npos) << gout;
 }
 
 }  // namespace

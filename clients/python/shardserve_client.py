@@ -85,6 +85,12 @@ class Client:
             return cls(DEFAULT_ADDRESS, api_key=api_key)
         with open(path) as f:
             c = json.load(f)
+        try:
+            os.kill(int(c.get("pid", 0)), 0)
+        except ProcessLookupError:  # left by a launch that was killed: no cluster there any more
+            return cls(DEFAULT_ADDRESS, api_key=api_key)
+        except (PermissionError, ValueError, OverflowError):
+            pass
         return cls(c["address"], tls_ca=c.get("ca") or None, tls_cert=c.get("cert") or None,
                    tls_key=c.get("key") or None, api_key=api_key)
 

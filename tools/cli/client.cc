@@ -1,6 +1,9 @@
 #include "tools/cli/client.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdio>
 #include <cstdlib>
@@ -131,6 +134,8 @@ std::optional<LocalClusterFile> ReadLocalClusterFile() {
   f.tls.key = str("key");
   const nlohmann::json& pid = j.value("pid", nlohmann::json());
   f.pid = pid.is_number_integer() ? pid.get<int64_t>() : 0;
+  // Left behind by a launch that was killed (SIGKILL skips its clean-up): not a cluster any more.
+  if (f.pid > 0 && kill(static_cast<pid_t>(f.pid), 0) != 0 && errno == ESRCH) return std::nullopt;
   return f;
 }
 

@@ -63,7 +63,8 @@ struct LocalClusterFile {
 };
 // Written atomically (0600).
 absl::Status WriteLocalClusterFile(const LocalClusterFile& file);
-// nullopt when there is no file (or it cannot be parsed: then a warning on stderr).
+// nullopt when there is no file, when the launch that wrote it is gone (killed before it could
+// remove it), or when it cannot be parsed (then with a warning on stderr).
 std::optional<LocalClusterFile> ReadLocalClusterFile();
 // Removes the file if it still names this process (another launch may have replaced it).
 void RemoveLocalClusterFile(int64_t pid);
