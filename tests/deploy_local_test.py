@@ -81,6 +81,9 @@ def main():
     try:
         base = free_port_block(5)
         grpc_port, prom_port = free_port_block(1), free_port_block(1)
+        # launch's default TLS: its CA and client certificate in cluster.json of our own state
+        # directory (tests run in parallel), which `generate` below reads.
+        os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(work, "state")
         launch = subprocess.Popen([cli, "launch", "--address", f"127.0.0.1:{grpc_port}", "--log-dir", work + "/logs",
                                    "--metrics-port-base", str(base)], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -35,13 +35,22 @@ class PythonClientTest(unittest.TestCase):
     def setUpClass(cls):
         cls.address = f"127.0.0.1:{free_port()}"
         cls.logs = tempfile.mkdtemp(prefix="shardserve-pyclient-")
+        # launch's default: mutual TLS inside the cluster, its CA and a client certificate named in
+        # cluster.json in this state directory (our own: tests run in parallel).
+        os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(cls.logs, "state")
         cls.launch = subprocess.Popen(
             [os.path.join(BIN, "shardserve"), "launch", "--model", os.path.join(ROOT, "models", "demo"),
              "--nodes", "1", "--gpus-per-node", "2", "--address", cls.address, "--log-dir", cls.logs,
              "--metrics-port-base", "0"],  # free metrics ports: tests run in parallel
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        cls.client = Client(cls.address)
         deadline = time.monotonic() + 120
+        cluster_file = os.path.join(cls.logs, "state", "cluster.json")
+        while not os.path.exists(cluster_file):
+            if cls.launch.poll() is not None or time.monotonic() > deadline:
+                out = cls.stop_cluster()
+                raise RuntimeError(f"launch wrote no {cluster_file}:\n{out}")
+            time.sleep(0.1)
+        cls.client = Client.from_local_cluster()
         while not cls.client.healthy():
             if cls.launch.poll() is not None or time.monotonic() > deadline:
                 out = cls.stop_cluster()
@@ -92,6 +101,15 @@ class PythonClientTest(unittest.TestCase):
         with self.assertRaises(grpc.RpcError) as ctx:
             list(self.client.generate("hello", max_tokens=-5))
         self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+
+    def test_launch_serves_tls(self):
+        # The client above speaks TLS with the CA launch made; a plaintext client gets no answer.
+        self.assertTrue(self.client.address == self.address)
+        plaintext = Client(self.address)
+        self.assertFalse(plaintext.healthy(timeout=5))
+        with self.assertRaises(grpc.RpcError) as ctx:
+            list(plaintext.generate("hello", max_tokens=2, timeout=10))
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.UNAVAILABLE)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/flags.h"
+#include "security/tls.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
 #include "worker/step_executor.h"
@@ -39,6 +40,7 @@ constexpr char kUsage[] =
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
+    "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -68,7 +70,12 @@ constexpr char kUsage[] =
     "                           ~1e-2 from float32's. f32: float32 throughout (Hugging Face's float32\n"
     "                           reference within 1e-4). auto (default): bf16 for a bf16 checkpoint\n"
     "                           (config.json torch_dtype) on a CPU with bf16 instructions (AVX512-BF16\n"
-    "                           or AMX), else f32. Ignored on cuda (products use the checkpoint's dtype)\n";
+    "                           or AMX), else f32. Ignored on cuda (products use the checkpoint's dtype)\n"
+    "  --tls-cert, --tls-key    this worker's certificate and key (PEM): it presents them to the\n"
+    "                           coordinator and serves --listen with TLS (re-read when they change)\n"
+    "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
+    "                           peers with a certificate from it (mutual TLS; docs/security.md)\n"
+    "  --insecure               allow plaintext on a --listen address beyond loopback\n";
 
 // Far above any host's core count.
 constexpr int kMaxThreads = 4096;
@@ -126,8 +133,8 @@ int Main(int argc, char** argv) {
       Flags::Parse(argc, argv,
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
                     "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
-                    "matmul-dtype", "memory-bandwidth-gbps"},
-                   {"help"});
+                    "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca"},
+                   {"help", "insecure"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -187,12 +194,31 @@ int Main(int argc, char** argv) {
     return Usage("--listen binds every address: set --collective-host to the address the peers reach");
   }
 
+  const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
+  if (!tls.ok()) return Usage(std::string(tls.status().message()));
+  if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
   // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Checked (files readable, valid now, key matching) before anything starts; after the signal
+  // mask, since making credentials starts gRPC's threads. The worker's own port takes only peers
+  // with a certificate from --tls-ca.
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> server_credentials =
+      MakeServerCredentials(*tls, PeerCertificates::kRequired);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> channel_credentials = MakeChannelCredentials(*tls);
+  for (const absl::Status& s : {server_credentials.status(), channel_credentials.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "shardserve-worker: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+  }
+  if (tls->any()) options.channel_credentials = *channel_credentials;
 
   // The metrics are created once the worker is assigned (they carry its stage and rank), in this
   // registry, which the exposer serves from now on.
@@ -207,7 +233,7 @@ int Main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *server_credentials, &port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n", listen.c_str());

@@ -65,8 +65,12 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
       if (stop_requested_) return absl::OkStatus();  // Run() sees the request and returns
     }
     if (absl::Now() >= deadline) {
-      return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator, " within ",
-                                                 absl::FormatDuration(options_.connect_timeout)));
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the coordinator at ", options_.coordinator, " within ",
+          absl::FormatDuration(options_.connect_timeout),
+          options_.channel_credentials ? " (or the TLS handshake failed: is the coordinator's certificate from "
+                                         "--tls-ca, and this worker's from the coordinator's --tls-ca?)"
+                                       : ""));
     }
   }
   return absl::OkStatus();
@@ -74,7 +78,8 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
 
 absl::Status WorkerService::Run() {
   WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator), Ids());
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      options_.coordinator, options_.channel_credentials ? options_.channel_credentials : grpc::InsecureChannelCredentials());
   SHARDSERVE_RETURN_IF_ERROR(WaitForCoordinator(channel.get()));
   std::unique_ptr<v1::WorkerControl::Stub> stub = v1::WorkerControl::NewStub(channel);
 
@@ -122,7 +127,12 @@ absl::Status WorkerService::Run() {
   if (heartbeat.joinable()) heartbeat.join();
   while (stream->Read(&in_)) {
   }
-  stream->Finish().IgnoreError();  // what went wrong, if anything, is known and logged already
+  const grpc::Status finish = stream->Finish();
+  if (result.ok() && !assigned_ && !finish.ok() && finish.error_code() != grpc::StatusCode::CANCELLED) {
+    // Refused before any assignment (UNAUTHENTICATED: no certificate from the coordinator's CA).
+    result = absl::FailedPreconditionError(
+        absl::StrCat("the coordinator at ", options_.coordinator, " refused this worker: ", finish.error_message()));
+  }  // else what went wrong, if anything, is known and logged already
   executor_.reset();  // closes the collective connections; peers see them drop
   SetServing(false);
   WorkerLog(Who(), "stopped", Ids());

@@ -29,6 +29,7 @@
 
 #include <grpcpp/client_context.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
 #include <prometheus/registry.h>
 
 #include "absl/base/thread_annotations.h"
@@ -44,6 +45,8 @@ namespace shardserve {
 
 struct WorkerOptions {
   std::string coordinator;      // host:port of the coordinator
+  // How to reach it (security/tls.h MakeChannelCredentials); null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> channel_credentials;
   std::string node;             // node name: the workers of one node form a TP group
   std::string device;           // "cpu" or "cuda:K"
   int64_t memory_bytes = 0;     // memory for weights and KV cache, reported to the planner

@@ -28,6 +28,8 @@
 #include "coordinator/server/worker_control_service.h"
 #include "coordinator/server/worker_pool.h"
 #include "model/weight_source.h"
+#include "security/api_keys.h"
+#include "security/tls.h"
 
 namespace shardserve {
 namespace {
@@ -40,6 +42,8 @@ constexpr char kUsage[] =
     "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
     "                              [--quantization none|int8|int4] [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
+    "                              [--insecure]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -74,7 +78,14 @@ constexpr char kUsage[] =
     "  --load-format                 auto (default): the checkpoint's safetensors; dummy: weights made\n"
     "                                from config.json alone and a seed, each worker its own slice (as\n"
     "                                vLLM's; --model may hold only config.json: token-id prompts)\n"
-    "  --dummy-seed                  the dummy weights' seed (default 0; --load-format dummy only)\n";
+    "  --dummy-seed                  the dummy weights' seed (default 0; --load-format dummy only)\n"
+    "  --tls-cert, --tls-key         serve TLS with this certificate and key (PEM), re-read when the\n"
+    "                                files change (docs/security.md)\n"
+    "  --tls-ca                      mutual TLS: workers (Connect, rendezvous) must present a\n"
+    "                                certificate from this CA; clients of the client API need none\n"
+    "  --api-keys-file               clients must send one of these keys (one per line) as\n"
+    "                                'authorization: Bearer <key>'; re-read when the file changes\n"
+    "  --insecure                    allow plaintext on a --listen address beyond loopback\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -94,8 +105,8 @@ int Main(int argc, char** argv) {
                    {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
                     "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
-                    "quantization", "load-format", "dummy-seed"},
-                   {"help"});
+                    "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file"},
+                   {"help", "insecure"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -145,6 +156,17 @@ int Main(int argc, char** argv) {
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
+  const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
+  if (!tls.ok()) return Usage(std::string(tls.status().message()));
+  if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
+  std::unique_ptr<ApiKeys> api_keys;
+  if (flags->Has("api-keys-file")) {
+    absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(flags->Get("api-keys-file"));
+    if (!keys.ok()) return Fail(std::string(keys.status().message()));
+    api_keys = *std::move(keys);
+  }
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.
   sigset_t signals;
@@ -152,6 +174,12 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  // Checked (files readable, valid now, key matching) before anything starts. After the signal
+  // mask: making credentials starts gRPC's threads, which must not take SIGTERM.
+  const absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(*tls, PeerCertificates::kVerifyIfGiven);
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
 
   absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir, pool_options.load_format);
   if (!model.ok()) return Fail(std::string(model.status().message()));
@@ -175,13 +203,13 @@ int Main(int argc, char** argv) {
   CoordinatorLog("server", absl::StrCat("metrics on http://", metrics_address, "/metrics"));
 
   Engine engine(model->get(), pool->get(), engine_options, &metrics);
-  InferenceService inference(model->get(), pool->get(), &engine, &metrics);
-  WorkerControlService control(pool->get());
+  InferenceService inference(model->get(), pool->get(), &engine, &metrics, api_keys.get());
+  WorkerControlService control(pool->get(), /*require_client_certificate=*/!tls->ca.empty(), &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *credentials, &port);
   builder.RegisterService(&inference);
   builder.RegisterService(&control);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -199,6 +227,10 @@ int Main(int argc, char** argv) {
     }
   }
   CoordinatorLog("server", absl::StrCat("listening on ", listen.substr(0, listen.rfind(':')), ":", port,
+                                        !tls->has_identity() ? " (plaintext)"
+                                        : tls->ca.empty()    ? " (TLS)"
+                                                             : " (TLS; workers need a certificate from --tls-ca)",
+                                        api_keys != nullptr ? absl::StrCat(", ", api_keys->size(), " API key(s)") : "",
                                         "; waiting for ", pool_options.nodes, " nodes x ", pool_options.gpus_per_node,
                                         " workers"));
 

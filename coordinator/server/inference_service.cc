@@ -1,6 +1,7 @@
 #include "coordinator/server/inference_service.h"
 
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -28,8 +29,22 @@ absl::Status ClientGone(grpc::ServerContext* context) {
 
 }  // namespace
 
+grpc::Status InferenceService::Authenticate(grpc::ServerContext* context) {
+  if (api_keys_ == nullptr) return grpc::Status::OK;
+  std::optional<absl::string_view> header;
+  const auto& metadata = context->client_metadata();
+  if (auto it = metadata.find(kAuthorizationMetadata); it != metadata.end()) {
+    header = absl::string_view(it->second.data(), it->second.size());
+  }
+  const ApiKeys::Verdict verdict = api_keys_->Check(header);
+  if (verdict == ApiKeys::Verdict::kOk) return grpc::Status::OK;
+  if (metrics_ != nullptr) metrics_->AuthFailure(verdict == ApiKeys::Verdict::kMissing ? "missing_key" : "invalid_key");
+  return ToGrpcStatus(ApiKeys::ToStatus(verdict));
+}
+
 grpc::Status InferenceService::Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                                         grpc::ServerWriter<v1::GenerateResponse>* writer) {
+  if (grpc::Status auth = Authenticate(context); !auth.ok()) return auth;
   const auto arrival = std::chrono::steady_clock::now();
   const absl::Status status = GenerateStatus(context, request, arrival, writer);
   if (metrics_ != nullptr) {
@@ -77,8 +92,9 @@ absl::Status InferenceService::GenerateStatus(grpc::ServerContext* context, cons
   }
 }
 
-grpc::Status InferenceService::Tokenize(grpc::ServerContext*, const v1::TokenizeRequest* request,
+grpc::Status InferenceService::Tokenize(grpc::ServerContext* context, const v1::TokenizeRequest* request,
                                         v1::TokenizeResponse* response) {
+  if (grpc::Status auth = Authenticate(context); !auth.ok()) return auth;
   // Bytes on the wire (see inference.proto): checked whatever the model, naming the offending byte.
   if (absl::Status utf8 = CheckUtf8(request->text()); !utf8.ok()) {
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("text: ", utf8.message())));
@@ -105,14 +121,16 @@ void InferenceService::FillModelInfo(v1::ModelInfo* info) {
   info->mutable_eos_token_ids()->Add(model_->eos_ids.begin(), model_->eos_ids.end());
 }
 
-grpc::Status InferenceService::GetModelInfo(grpc::ServerContext*, const v1::GetModelInfoRequest*,
+grpc::Status InferenceService::GetModelInfo(grpc::ServerContext* context, const v1::GetModelInfoRequest*,
                                             v1::ModelInfo* response) {
+  if (grpc::Status auth = Authenticate(context); !auth.ok()) return auth;
   FillModelInfo(response);
   return grpc::Status::OK;
 }
 
-grpc::Status InferenceService::GetClusterStatus(grpc::ServerContext*, const v1::GetClusterStatusRequest*,
+grpc::Status InferenceService::GetClusterStatus(grpc::ServerContext* context, const v1::GetClusterStatusRequest*,
                                                 v1::ClusterStatus* response) {
+  if (grpc::Status auth = Authenticate(context); !auth.ok()) return auth;
   pool_->FillStatus(response);
   FillModelInfo(response->mutable_model());
   engine_->FillStatus(response->mutable_scheduler());

@@ -7,8 +7,12 @@
 // step. A broken group ends the stream with UNAVAILABLE naming the lost worker. Tokenize,
 // GetModelInfo and GetClusterStatus answer whatever the group's state.
 //
-// Ownership: borrows the model, the pool, the engine and the metrics, which must outlive the
-// service.
+// With API keys (--api-keys-file, security/api_keys.h) every method first checks the call's
+// `authorization: Bearer <key>` metadata: UNAUTHENTICATED without a valid key, counted in
+// shardserve_auth_failures_total. (grpc.health.v1 is another service: it stays open for probes.)
+//
+// Ownership: borrows the model, the pool, the engine, the metrics and the API keys, which must
+// outlive the service.
 // Threading: gRPC calls the methods from its threads, concurrently; everything is thread-safe.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_INFERENCE_SERVICE_H_
 #define SHARDSERVE_COORDINATOR_SERVER_INFERENCE_SERVICE_H_
@@ -22,15 +26,17 @@
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_pool.h"
+#include "security/api_keys.h"
 #include "shardserve/v1/inference.grpc.pb.h"
 
 namespace shardserve {
 
 class InferenceService final : public v1::InferenceService::Service {
  public:
-  // `metrics` may be null (no metrics).
-  InferenceService(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics = nullptr)
-      : model_(model), pool_(pool), engine_(engine), metrics_(metrics) {}
+  // `metrics` may be null (no metrics); `api_keys` null: no key needed.
+  InferenceService(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics = nullptr,
+                   ApiKeys* api_keys = nullptr)
+      : model_(model), pool_(pool), engine_(engine), metrics_(metrics), api_keys_(api_keys) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
                         grpc::ServerWriter<v1::GenerateResponse>* writer) override;
@@ -47,11 +53,14 @@ class InferenceService final : public v1::InferenceService::Service {
                               std::chrono::steady_clock::time_point arrival,
                               grpc::ServerWriter<v1::GenerateResponse>* writer);
   void FillModelInfo(v1::ModelInfo* info);
+  // OK, or UNAUTHENTICATED (counted) when API keys are on and the call has no valid one.
+  grpc::Status Authenticate(grpc::ServerContext* context);
 
   const ServedModel* const model_;
   WorkerPool* const pool_;
   Engine* const engine_;
   CoordinatorMetrics* const metrics_;  // may be null
+  ApiKeys* const api_keys_;            // may be null
 
   std::atomic<uint64_t> next_request_ = 1;  // for ids of requests that bring none
 };

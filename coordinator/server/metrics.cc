@@ -38,6 +38,11 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                             .Name("shardserve_worker_up")
                             .Help("1 while the coordinator sees the worker healthy, 0 once it is lost.")
                             .Register(*registry_)),
+      auth_failures_family_(prometheus::BuildCounter()
+                                .Name("shardserve_auth_failures_total")
+                                .Help("Calls refused for want of credentials, by reason (missing_key, invalid_key, "
+                                      "no_client_certificate).")
+                                .Register(*registry_)),
       time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
                                        "Seconds from a request's arrival to its first token sent.", model)),
       inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
@@ -76,6 +81,9 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       generated_tokens(AddCounter(*registry_, "shardserve_generated_tokens_total", "Completion tokens sent to clients.",
                                   model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
+  for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate"}) {
+    auth_failures_family_.Add({{"model", model_}, {"reason", reason}});
+  }
   for (const char* reason : {"stop_token", "stop_string", "length"}) {
     finished_family_.Add({{"model", model_}, {"reason", reason}});
   }
@@ -84,6 +92,10 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
 
 void CoordinatorMetrics::Finished(absl::string_view reason) {
   finished_family_.Add({{"model", model_}, {"reason", std::string(reason)}}).Increment();
+}
+
+void CoordinatorMetrics::AuthFailure(absl::string_view reason) {
+  auth_failures_family_.Add({{"model", model_}, {"reason", std::string(reason)}}).Increment();
 }
 
 void CoordinatorMetrics::Ended(absl::string_view code_name) {

@@ -38,6 +38,10 @@ class CoordinatorMetrics {
   // How the coordinator sees a worker of the planned group: up (registered, loading, ready) or
   // lost.
   void SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up);
+  // A call refused for want of credentials: reason is "missing_key" or "invalid_key" (the client
+  // API's API keys) or "no_client_certificate" (a Connect or rendezvous call without a verified
+  // certificate from the cluster's CA).
+  void AuthFailure(absl::string_view reason);
 
  private:
   const std::string model_;
@@ -45,6 +49,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& finished_family_;
   prometheus::Family<prometheus::Counter>& requests_family_;
   prometheus::Family<prometheus::Gauge>& worker_up_family_;
+  prometheus::Family<prometheus::Counter>& auth_failures_family_;
 
  public:
   // ---- Observed directly by the inference service and the pool ----

@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "coordinator/server/grpc_status.h"
 #include "coordinator/server/log.h"
+#include "security/tls.h"
 
 namespace shardserve {
 namespace {
@@ -71,8 +72,19 @@ absl::StatusOr<std::string> RendezvousTable::Get(const std::string& key, absl::T
   }
 }
 
+grpc::Status WorkerControlService::Authenticate(grpc::ServerContext* context, const char* call) {
+  if (!require_client_certificate_ || PeerHasVerifiedCertificate(*context)) return grpc::Status::OK;
+  CoordinatorLog(absl::StrCat("worker at ", context->peer()),
+                 absl::StrCat("refused ", call, ": no client certificate from the cluster's CA (--tls-ca)"));
+  if (metrics_ != nullptr) metrics_->AuthFailure("no_client_certificate");
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      absl::StrCat(call, " needs a client certificate from the coordinator's CA (mutual TLS): start "
+                                         "the worker with --tls-cert and --tls-key from that CA"));
+}
+
 grpc::Status WorkerControlService::Connect(
     grpc::ServerContext* context, grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
+  if (grpc::Status auth = Authenticate(context, "Connect"); !auth.ok()) return auth;
   v1::WorkerMessage message;
   if (!stream->Read(&message)) return grpc::Status::OK;  // gone before it said anything
   StreamLink link(context, stream);
@@ -92,13 +104,15 @@ grpc::Status WorkerControlService::Connect(
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext*, const v1::RendezvousSetRequest* request,
+grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
                                                  v1::RendezvousSetResponse*) {
+  if (grpc::Status auth = Authenticate(context, "RendezvousSet"); !auth.ok()) return auth;
   return ToGrpcStatus(table_.Set(request->key(), request->value()));
 }
 
 grpc::Status WorkerControlService::RendezvousGet(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,
                                                  v1::RendezvousGetResponse* response) {
+  if (grpc::Status auth = Authenticate(context, "RendezvousGet"); !auth.ok()) return auth;
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxRendezvousWait);
   absl::StatusOr<std::string> value = table_.Get(request->key(), deadline, [&] {
     absl::MutexLock lock(&mu_);

@@ -1,7 +1,14 @@
 // The coordinator's side of worker.proto: each worker's Connect stream (handed to the WorkerPool)
 // and the rendezvous store the workers' collectives form their groups through.
 //
-// Ownership: borrows the pool, which must outlive the service. Threading: gRPC calls the methods
+// With mutual TLS (the coordinator's --tls-ca), every call must come from a peer that presented a
+// certificate from the cluster's CA: the port asks for one but, since it also serves the client
+// API, lets a client without one connect; such a call here is refused (UNAUTHENTICATED), logged
+// with the peer's address and counted (shardserve_auth_failures_total{reason="no_client_certificate"})
+// before a Connect's register is even read, so it never gets a slot. A certificate from another CA
+// fails the handshake itself.
+//
+// Ownership: borrows the pool and the metrics, which must outlive the service. Threading: gRPC calls the methods
 // from its threads, concurrently; everything here is thread-safe.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_WORKER_CONTROL_SERVICE_H_
 #define SHARDSERVE_COORDINATOR_SERVER_WORKER_CONTROL_SERVICE_H_
@@ -14,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/server/metrics.h"
 #include "coordinator/server/worker_pool.h"
 #include "shardserve/v1/worker.grpc.pb.h"
 
@@ -40,7 +48,10 @@ class RendezvousTable {
 
 class WorkerControlService final : public v1::WorkerControl::Service {
  public:
-  explicit WorkerControlService(WorkerPool* pool) : pool_(pool) {}
+  // `require_client_certificate`: mutual TLS (see above). `metrics` may be null.
+  explicit WorkerControlService(WorkerPool* pool, bool require_client_certificate = false,
+                                CoordinatorMetrics* metrics = nullptr)
+      : pool_(pool), require_client_certificate_(require_client_certificate), metrics_(metrics) {}
 
   grpc::Status Connect(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
@@ -53,7 +64,13 @@ class WorkerControlService final : public v1::WorkerControl::Service {
   void Shutdown();
 
  private:
+  // OK, or UNAUTHENTICATED (logged, counted) when mutual TLS is on and the peer has no verified
+  // certificate. `call` names the method for the log.
+  grpc::Status Authenticate(grpc::ServerContext* context, const char* call);
+
   WorkerPool* const pool_;
+  const bool require_client_certificate_;
+  CoordinatorMetrics* const metrics_;  // may be null
   RendezvousTable table_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

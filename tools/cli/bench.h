@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tools/cli/client.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/bench_stats.h"
@@ -31,7 +32,8 @@ extern std::atomic<bool> g_stop;
 // ---- The load (bench_load.cc) -------------------------------------------------------------------
 
 struct LoadConfig {
-  std::string address;
+  std::string address;  // client.address, for the report
+  ClientOptions client;
   bool open_loop = false;
   int64_t concurrency = 1;  // closed loop
   double request_rate = 0;  // open loop: requests/s; +inf: all at once

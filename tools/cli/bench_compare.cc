@@ -37,11 +37,15 @@ struct ClusterFacts {
 };
 
 ClusterFacts GetClusterFacts(const std::string& address) {
-  auto stub = v1::InferenceService::NewStub(ConnectToCoordinator(address));
+  ClientOptions client;  // bench --compare's clusters are plaintext on loopback
+  client.address = address;
+  ClusterFacts facts;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(client);
+  if (!channel.ok()) return facts;
+  auto stub = v1::InferenceService::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::ClusterStatus cs;
-  ClusterFacts facts;
   if (!stub->GetClusterStatus(&ctx, v1::GetClusterStatusRequest(), &cs).ok()) return facts;
   std::vector<v1::WorkerStatus> workers(cs.workers().begin(), cs.workers().end());
   std::sort(workers.begin(), workers.end(), [](const v1::WorkerStatus& a, const v1::WorkerStatus& b) {
@@ -131,6 +135,8 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
                (*cluster)->address().c_str(), out.start_s, LoadLine(load).c_str());
   out.address = (*cluster)->address();
   load.address = (*cluster)->address();
+  load.client = ClientOptions();
+  load.client.address = load.address;
   absl::StatusOr<BenchRun> run = Benchmark(load);
   ClusterFacts facts = GetClusterFacts(out.address);
   out.worker_weight_bytes = facts.weight_bytes;

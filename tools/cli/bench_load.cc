@@ -328,7 +328,9 @@ absl::StatusOr<ServedModel> GetServedModel(v1::InferenceService::Stub* stub, con
 }  // namespace
 
 absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
-  auto stub = v1::InferenceService::NewStub(ConnectToCoordinator(c.address));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(c.client);
+  if (!channel.ok()) return channel.status();
+  auto stub = v1::InferenceService::NewStub(*channel);
   BenchRun run;
   absl::StatusOr<ServedModel> model = GetServedModel(stub.get(), c.address);
   if (!model.ok()) return model.status();

@@ -63,7 +63,8 @@ constexpr char kUsage[] =
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
     "  latency. Every request has ignore_eos and max_tokens = its output length; one that fails or\n"
     "  returns fewer tokens counts as failed (each distinct error is shown once, with its count).\n"
-    "  --address          coordinator (default localhost:50051)\n"
+    "  --address, --tls-ca, --tls-cert, --tls-key, --api-key, --insecure  the coordinator and how to\n"
+    "                     reach it, as for `shardserve generate --help`\n"
     "  --concurrency      closed loop: N streams, each sends its next request when the previous ends\n"
     "                     (default 1)\n"
     "  --request-rate     open loop instead: Poisson arrivals at R requests/s; inf or 0: all at once\n"
@@ -106,13 +107,14 @@ int Usage(const std::string& error) {
 int Run(const std::vector<std::string>& args) {
   // clang-format off
   std::set<std::string> with_value = {
-      "address", "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
+      "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
       "temperature", "warmup", "timeout-seconds", "json-out",
       // --compare (and ClusterFlags::Names())
       "compare", "log-dir"};
   // clang-format on
   with_value.merge(ClusterFlags::Names());
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help"});
+  with_value.merge(ClientFlagNames());
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help", kInsecureFlag});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -121,7 +123,10 @@ int Run(const std::vector<std::string>& args) {
   if (!flags->positional().empty()) return Usage(absl::StrCat("unexpected argument '", flags->positional()[0], "'"));
 
   LoadConfig c;
-  c.address = flags->Get("address", kDefaultAddress);
+  absl::StatusOr<ClientOptions> client = ClientOptionsFromFlags(*flags);
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  c.client = *client;
+  c.address = c.client.address;
   absl::StatusOr<int64_t> concurrency = flags->GetInt("concurrency", 1), num = flags->GetInt("num-requests", 64),
                           in = flags->GetInt("input-len", 128), out = flags->GetInt("output-len", 128),
                           seed = flags->GetInt("seed", 0), warmup = flags->GetInt("warmup", 2);

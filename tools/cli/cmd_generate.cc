@@ -2,6 +2,7 @@
 // arrives.
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -20,22 +21,28 @@ constexpr char kUsage[] =
     "                           [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop STR] [--ignore-eos]\n"
     "                           [--min-p P] [--repetition-penalty R] [--presence-penalty X]\n"
     "                           [--frequency-penalty X] [--logprobs N] [--show-ids] [--deadline-seconds S]\n"
+    "                           [--tls-ca FILE] [--tls-cert FILE --tls-key FILE] [--api-key KEY] [--insecure]\n"
     "  Streams a completion from the coordinator (default localhost:50051). Text goes to stdout as it\n"
     "  arrives; the finish reason, token usage and speed go to stderr. --logprobs N prints each token's\n"
     "  log-probability and its N most likely alternatives to stderr (N = 0: the token's only).\n";
 
+const std::string kFullUsage = std::string(kUsage) + kClientFlagsUsage;
+
 int Run(const std::vector<std::string>& args) {
   absl::StatusOr<Flags> flags =
-      Flags::Parse(args, {"address", "prompt", "prompt-ids", "max-tokens", "temperature", "top-k", "top-p", "seed", "stop",
-                          "deadline-seconds", "min-p", "repetition-penalty", "presence-penalty", "frequency-penalty",
-                          "logprobs"},
-                   {"ignore-eos", "show-ids", "help"});
+      Flags::Parse(args, [] {
+        std::set<std::string> names = {"prompt", "prompt-ids", "max-tokens", "temperature", "top-k", "top-p", "seed",
+                                       "stop", "deadline-seconds", "min-p", "repetition-penalty", "presence-penalty",
+                                       "frequency-penalty", "logprobs"};
+        names.merge(ClientFlagNames());
+        return names;
+      }(), {"ignore-eos", "show-ids", "help", kInsecureFlag});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
   }
   if (flags->Has("help")) {
-    std::printf("%s", kUsage);
+    std::printf("%s", kFullUsage.c_str());
     return 0;
   }
   v1::GenerateRequest req;
@@ -94,8 +101,18 @@ int Run(const std::vector<std::string>& args) {
   if (flags->Has("stop")) s->add_stop(flags->Get("stop"));
   s->set_ignore_eos(flags->Has("ignore-eos"));
 
-  const std::string address = flags->Get("address", kDefaultAddress);
-  auto stub = v1::InferenceService::NewStub(ConnectToCoordinator(address));
+  const absl::StatusOr<ClientOptions> client = ClientOptionsFromFlags(*flags);
+  if (!client.ok()) {
+    std::fprintf(stderr, "shardserve generate: %s\n", std::string(client.status().message()).c_str());
+    return 2;
+  }
+  const std::string& address = client->address;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(*client);
+  if (!channel.ok()) {
+    std::fprintf(stderr, "shardserve generate: %s\n", std::string(channel.status().message()).c_str());
+    return 1;
+  }
+  auto stub = v1::InferenceService::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(*deadline * 1000)));
   const auto start = std::chrono::steady_clock::now();
@@ -127,9 +144,13 @@ int Run(const std::vector<std::string>& args) {
   }
   grpc::Status status = reader->Finish();
   if (!status.ok()) {
-    std::fprintf(stderr, "\nshardserve generate: %s: %s (coordinator %s)\n",
-                 status.error_code() == grpc::StatusCode::UNAVAILABLE ? "UNAVAILABLE" : "error",
-                 status.error_message().c_str(), address.c_str());
+    const bool unavailable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
+    std::fprintf(stderr, "\nshardserve generate: %s: %s (coordinator %s)%s\n",
+                 unavailable                                                 ? "UNAVAILABLE"
+                 : status.error_code() == grpc::StatusCode::UNAUTHENTICATED ? "UNAUTHENTICATED"
+                                                                             : "error",
+                 status.error_message().c_str(), address.c_str(),
+                 unavailable && !client->tls.any() ? "; if it serves TLS, give --tls-ca (docs/security.md)" : "");
     return 1;
   }
   return 0;

@@ -20,6 +20,8 @@
 #include "tools/cli/command.h"
 #include "base/flags.h"
 #include "tools/cli/local_cluster.h"
+#include "security/certificates.h"
+#include "security/tls.h"
 
 namespace shardserve::cli {
 namespace {
@@ -33,7 +35,8 @@ constexpr char kUsage[] =
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4]\n"
-    "                         [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
+    "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
     "  Ctrl-C or SIGTERM, which stop every process it started. Each process logs to a file in --log-dir\n"
@@ -54,15 +57,24 @@ constexpr char kUsage[] =
     "                        group of 128 inputs), quantized at load; cpu only for now\n"
     "  --load-format, --dummy-seed  the coordinator's: dummy makes the weights from config.json and the\n"
     "                        seed (default 0), each worker its own slice; --model may hold only\n"
-    "                        config.json (then prompts are token ids)\n";
+    "                        config.json (then prompts are token ids)\n"
+    "  Secure by default: launch makes a throw-away CA and certificates for 127.0.0.1/localhost (EC\n"
+    "  P-256, valid 7 days; keys 0600) in the state directory ($SHARDSERVE_STATE_DIR, else\n"
+    "  $XDG_RUNTIME_DIR/shardserve, else ~/.shardserve/local), so that the coordinator and the workers\n"
+    "  authenticate each other (mutual TLS), and writes cluster.json there: the client commands\n"
+    "  (generate, status, bench) read it and connect with TLS without flags. Both are removed on exit.\n"
+    "  --tls-cert, --tls-key, --tls-ca  your own certificate (for the coordinator and the workers) and CA\n"
+    "  --insecure            plaintext everywhere (no certificates)\n"
+    "  --api-keys-file       the coordinator's: clients must send one of these keys\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
-  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format"});
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help"});
+  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file"});
+  with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help", "insecure"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -91,6 +103,21 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve launch: %s\n", std::string(cluster_flags.status().message()).c_str());
     return 2;
   }
+  const absl::StatusOr<TlsFiles> given_tls = TlsFilesFromFlags(*flags);
+  if (!given_tls.ok()) {
+    std::fprintf(stderr, "shardserve launch: %s\n", std::string(given_tls.status().message()).c_str());
+    return 2;
+  }
+  const bool insecure = flags->Has("insecure");
+  if (insecure && given_tls->any()) {
+    std::fprintf(stderr, "shardserve launch: --insecure excludes --tls-cert, --tls-key and --tls-ca\n");
+    return 2;
+  }
+  if (given_tls->any() && (!given_tls->has_identity() || given_tls->ca.empty())) {
+    std::fprintf(stderr, "shardserve launch: give --tls-cert, --tls-key and --tls-ca together (the workers and the "
+                         "coordinator authenticate each other with them)\n");
+    return 2;
+  }
   const std::string& device = cluster_flags->device;
   const int64_t ready_timeout = cluster_flags->ready_timeout_s;
   LocalClusterOptions options;
@@ -103,6 +130,9 @@ int Run(const std::vector<std::string>& args) {
   options.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-", getpid()));
   options.metrics_port_base = *metrics_base;
   options.log_format = log_format;
+  if (flags->Has("api-keys-file")) {
+    options.coordinator_flags.insert(options.coordinator_flags.end(), {"--api-keys-file", flags->Get("api-keys-file")});
+  }
   for (const auto& [name, value] : cluster_flags->coordinator_flags) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
@@ -113,6 +143,46 @@ int Run(const std::vector<std::string>& args) {
   if (worker_threads > 0) options.worker_flags = {"--threads", std::to_string(worker_threads)};
   options.worker_flags.insert(options.worker_flags.end(), cluster_flags->worker_flags.begin(),
                               cluster_flags->worker_flags.end());
+
+  // TLS: the given files, or a throw-away CA and certificates made now (unless --insecure).
+  TlsFiles server_tls = *given_tls;
+  LocalClusterFile local_file;
+  local_file.pid = getpid();
+  std::string cert_dir;
+  if (!insecure && !given_tls->any()) {
+    cert_dir = absl::StrCat(StateDir(), "/launch-", getpid());
+    std::error_code ec;
+    fs::create_directories(StateDir(), ec);
+    fs::permissions(StateDir(), fs::perms::owner_all, ec);
+    absl::StatusOr<ClusterCertificateFiles> certs = WriteLocalClusterCertificates(cert_dir, absl::Hours(24 * 7));
+    if (!certs.ok()) {
+      std::fprintf(stderr, "shardserve launch: making the local cluster's certificates in %s: %s\n", cert_dir.c_str(),
+                   std::string(certs.status().message()).c_str());
+      return 1;
+    }
+    server_tls = {certs->server_cert, certs->server_key, certs->ca};
+    local_file.tls = {certs->client_cert, certs->client_key, certs->ca};
+  } else if (!insecure) {
+    local_file.tls.ca = given_tls->ca;  // clients verify the coordinator; the client API needs no certificate
+  }
+  if (insecure) options.coordinator_flags.push_back("--insecure");  // also beyond loopback, as asked
+  if (server_tls.any()) {
+    const std::vector<std::string> tls_flags = {"--tls-cert", server_tls.cert, "--tls-key", server_tls.key,
+                                                "--tls-ca",   server_tls.ca};
+    options.coordinator_flags.insert(options.coordinator_flags.end(), tls_flags.begin(), tls_flags.end());
+    options.worker_flags.insert(options.worker_flags.end(), tls_flags.begin(), tls_flags.end());
+    options.client_tls = local_file.tls;
+  }
+  // Whatever happens below, the certificates and the cluster file go with this process.
+  struct Cleanup {
+    std::string cert_dir;
+    int64_t pid;
+    ~Cleanup() {
+      RemoveLocalClusterFile(pid);
+      std::error_code ec;
+      if (!cert_dir.empty()) fs::remove_all(cert_dir, ec);
+    }
+  } cleanup{cert_dir, local_file.pid};
 
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -126,9 +196,20 @@ int Run(const std::vector<std::string>& args) {
     return 1;
   }
   const std::string& address = (*cluster)->address();
+  local_file.address = address;
+  if (absl::Status s = WriteLocalClusterFile(local_file); !s.ok()) {
+    std::fprintf(stderr, "shardserve launch: cannot write %s (client commands will need --tls-* flags): %s\n",
+                 LocalClusterFilePath().c_str(), std::string(s.message()).c_str());
+  }
   std::printf("shardserve launch: coordinator + %lld workers (%lld node(s) x %lld), model %s, logs in %s\n",
               static_cast<long long>(*nodes * *gpus), static_cast<long long>(*nodes), static_cast<long long>(*gpus),
               options.model.c_str(), options.log_dir.c_str());
+  if (insecure) {
+    std::printf("shardserve launch: plaintext (--insecure)\n");
+  } else {
+    std::printf("shardserve launch: mutual TLS (CA %s); client settings in %s\n", server_tls.ca.c_str(),
+                LocalClusterFilePath().c_str());
+  }
   if (*metrics_base == 0) {
     std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");
   } else {

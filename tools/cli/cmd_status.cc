@@ -14,21 +14,34 @@ namespace shardserve::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve status [--address HOST:PORT]\n"
+    "usage: shardserve status [--address HOST:PORT] [--tls-ca FILE] [--tls-cert FILE --tls-key FILE]\n"
+    "                         [--api-key KEY] [--insecure]\n"
     "  Prints the coordinator's health, the model, the plan and each worker's state.\n";
 
+const std::string kFullUsage = std::string(kUsage) + kClientFlagsUsage;
+
 int Run(const std::vector<std::string>& args) {
-  absl::StatusOr<Flags> flags = Flags::Parse(args, {"address"}, {"help"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, ClientFlagNames(), {"help", kInsecureFlag});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve status: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
   }
   if (flags->Has("help")) {
-    std::printf("%s", kUsage);
+    std::printf("%s", kFullUsage.c_str());
     return 0;
   }
-  const std::string address = flags->Get("address", kDefaultAddress);
-  auto channel = ConnectToCoordinator(address);
+  const absl::StatusOr<ClientOptions> client = ClientOptionsFromFlags(*flags);
+  if (!client.ok()) {
+    std::fprintf(stderr, "shardserve status: %s\n", std::string(client.status().message()).c_str());
+    return 2;
+  }
+  const std::string& address = client->address;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> connected = ConnectToCoordinator(*client);
+  if (!connected.ok()) {
+    std::fprintf(stderr, "shardserve status: %s\n", std::string(connected.status().message()).c_str());
+    return 1;
+  }
+  std::shared_ptr<grpc::Channel> channel = *connected;
   auto deadline = [] { return std::chrono::system_clock::now() + std::chrono::seconds(5); };
 
   grpc::ClientContext hctx;
@@ -37,8 +50,9 @@ int Run(const std::vector<std::string>& args) {
   grpc::health::v1::HealthCheckResponse hresp;
   grpc::Status hs = grpc::health::v1::Health::NewStub(channel)->Check(&hctx, hreq, &hresp);
   if (!hs.ok()) {
-    std::fprintf(stderr, "shardserve status: cannot reach the coordinator at %s: %s\n", address.c_str(),
-                 hs.error_message().c_str());
+    std::fprintf(stderr, "shardserve status: cannot reach the coordinator at %s: %s%s\n", address.c_str(),
+                 hs.error_message().c_str(),
+                 client->tls.any() ? "" : "; if it serves TLS, give --tls-ca (docs/security.md)");
     return 1;
   }
   std::printf("coordinator %s: %s\n", address.c_str(),

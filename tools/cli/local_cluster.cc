@@ -245,7 +245,12 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
       c->metrics_lines_.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", mport, "/metrics"));
     }
   }
-  c->health_ = grpc::health::v1::Health::NewStub(ConnectToCoordinator(c->address_));
+  ClientOptions client;
+  client.address = c->address_;
+  client.tls = o.client_tls;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(client);
+  if (!channel.ok()) return channel.status();
+  c->health_ = grpc::health::v1::Health::NewStub(*channel);
   return c;
 }
 

@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "base/flags.h"
+#include "security/tls.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace shardserve::cli {
@@ -57,6 +58,9 @@ struct LocalClusterOptions {
   // Appended to the coordinator's and to every worker's command line as given ("--flag", "value").
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
+  // How this process's health checks reach the coordinator: plaintext when empty; the CA (and a
+  // client certificate) when the coordinator serves TLS (then its --tls-* are in coordinator_flags).
+  TlsFiles client_tls;
   // How long the coordinator may take to write its port file when the address has port 0.
   std::chrono::seconds listen_timeout{30};
 };

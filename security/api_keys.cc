@@ -1,0 +1,123 @@
+#include "security/api_keys.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <sstream>
+
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace shardserve {
+namespace {
+
+constexpr absl::Duration kStatInterval = absl::Seconds(1);
+// A key longer than this is refused unhashed (bounded work per request).
+constexpr size_t kMaxKeyBytes = 4096;
+
+}  // namespace
+
+ApiKeys::Hash ApiKeys::Sha256(absl::string_view key) {
+  Hash h;
+  SHA256(reinterpret_cast<const unsigned char*>(key.data()), key.size(), h.data());
+  return h;
+}
+
+absl::StatusOr<std::vector<ApiKeys::Hash>> ApiKeys::Read(const std::string& path, FileId* id) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--api-keys-file ", path, ": cannot read the file"));
+  }
+  *id = FileId{st.st_dev, st.st_ino, st.st_size, int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--api-keys-file ", path, ": cannot read the file"));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::vector<Hash> hashes;
+  for (absl::string_view line : absl::StrSplit(text.str(), '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line.front() == '#') continue;
+    if (line.size() > kMaxKeyBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--api-keys-file ", path, ": a key is longer than ", kMaxKeyBytes, " bytes"));
+    }
+    hashes.push_back(Sha256(line));
+  }
+  if (hashes.empty()) return absl::InvalidArgumentError(absl::StrCat("--api-keys-file ", path, ": no key in the file"));
+  return hashes;
+}
+
+absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Load(const std::string& path) {
+  std::unique_ptr<ApiKeys> keys(new ApiKeys(path));
+  FileId id;
+  absl::StatusOr<std::vector<Hash>> hashes = Read(path, &id);
+  if (!hashes.ok()) return hashes.status();
+  absl::MutexLock lock(&keys->mu_);
+  keys->hashes_ = *std::move(hashes);
+  keys->file_ = id;
+  keys->last_stat_ = absl::Now();
+  return keys;
+}
+
+absl::Status ApiKeys::Reload() {
+  struct stat st;
+  absl::MutexLock lock(&mu_);
+  last_stat_ = absl::Now();
+  if (stat(path_.c_str(), &st) == 0 &&
+      FileId{st.st_dev, st.st_ino, st.st_size, int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec} == file_) {
+    return absl::OkStatus();
+  }
+  FileId id;
+  absl::StatusOr<std::vector<Hash>> hashes = Read(path_, &id);
+  if (!hashes.ok()) return hashes.status();
+  hashes_ = *std::move(hashes);
+  file_ = id;
+  return absl::OkStatus();
+}
+
+size_t ApiKeys::size() const {
+  absl::MutexLock lock(&mu_);
+  return hashes_.size();
+}
+
+ApiKeys::Verdict ApiKeys::Check(std::optional<absl::string_view> authorization) {
+  bool stale;
+  {
+    absl::MutexLock lock(&mu_);
+    stale = absl::Now() - last_stat_ >= kStatInterval;
+  }
+  if (stale) Reload().IgnoreError();  // a bad rewrite keeps the previous keys; Reload() reports it
+  if (!authorization.has_value()) return Verdict::kMissing;
+  absl::string_view value = absl::StripAsciiWhitespace(*authorization);
+  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) return Verdict::kMissing;
+  const absl::string_view key = absl::StripAsciiWhitespace(value.substr(7));
+  if (key.empty()) return Verdict::kMissing;
+  if (key.size() > kMaxKeyBytes) return Verdict::kInvalid;
+  const Hash presented = Sha256(key);
+  absl::MutexLock lock(&mu_);
+  int matches = 0;
+  for (const Hash& h : hashes_) matches |= CRYPTO_memcmp(h.data(), presented.data(), h.size()) == 0;
+  return matches ? Verdict::kOk : Verdict::kInvalid;
+}
+
+absl::Status ApiKeys::ToStatus(Verdict verdict) {
+  switch (verdict) {
+    case Verdict::kOk:
+      return absl::OkStatus();
+    case Verdict::kMissing:
+      return absl::UnauthenticatedError(
+          "this server needs an API key: send it as 'authorization: Bearer <key>' metadata (shardserve: --api-key "
+          "or SHARDSERVE_API_KEY)");
+    case Verdict::kInvalid:
+      break;
+  }
+  return absl::UnauthenticatedError("the API key is not valid");
+}
+
+}  // namespace shardserve

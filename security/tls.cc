@@ -1,0 +1,182 @@
+#include "security/tls.h"
+
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace shardserve {
+namespace {
+
+template <typename T, void (*F)(T*)>
+struct Deleter {
+  void operator()(T* p) const { F(p); }
+};
+using PKey = std::unique_ptr<EVP_PKEY, Deleter<EVP_PKEY, EVP_PKEY_free>>;
+using Cert = std::unique_ptr<X509, Deleter<X509, X509_free>>;
+using Bio = std::unique_ptr<BIO, Deleter<BIO, BIO_free_all>>;
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": cannot read the file"));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string OpenSslError() {
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  if (e == 0) return "no PEM data";
+  char buf[256];
+  ERR_error_string_n(e, buf, sizeof(buf));
+  return buf;
+}
+
+// Every certificate in a PEM file, each valid now.
+absl::StatusOr<std::vector<Cert>> ReadCertificates(const std::string& path, const char* flag) {
+  SHARDSERVE_ASSIGN_OR_RETURN(const std::string pem, ReadFile(path, flag));
+  Bio bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+  std::vector<Cert> certs;
+  while (X509* c = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) certs.emplace_back(c);
+  ERR_clear_error();  // the end of the file reads as an error
+  if (certs.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": no PEM certificate in the file"));
+  }
+  for (const Cert& c : certs) {
+    char subject[256];
+    X509_NAME_oneline(X509_get_subject_name(c.get()), subject, sizeof(subject));
+    if (X509_cmp_current_time(X509_get0_notAfter(c.get())) <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": the certificate ", subject,
+                                                     " has expired (notAfter ", [&] {
+                                                       Bio out(BIO_new(BIO_s_mem()));
+                                                       ASN1_TIME_print(out.get(), X509_get0_notAfter(c.get()));
+                                                       char* data = nullptr;
+                                                       const long n = BIO_get_mem_data(out.get(), &data);
+                                                       return std::string(data, static_cast<size_t>(n));
+                                                     }(),
+                                                     ")"));
+    }
+    if (X509_cmp_current_time(X509_get0_notBefore(c.get())) >= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " ", path, ": the certificate ", subject, " is not valid yet"));
+    }
+  }
+  return certs;
+}
+
+std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(const TlsFiles& files) {
+  if (files.ca.empty()) {
+    return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert,
+                                                                                kCertificateRefreshSeconds);
+  }
+  return std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(files.key, files.cert, files.ca,
+                                                                              kCertificateRefreshSeconds);
+}
+
+}  // namespace
+
+absl::StatusOr<TlsFiles> TlsFilesFromFlags(const Flags& flags) {
+  TlsFiles f;
+  f.cert = flags.Get("tls-cert");
+  f.key = flags.Get("tls-key");
+  f.ca = flags.Get("tls-ca");
+  if (f.cert.empty() != f.key.empty()) {
+    return absl::InvalidArgumentError(f.cert.empty() ? "flag --tls-key needs --tls-cert" : "flag --tls-cert needs --tls-key");
+  }
+  return f;
+}
+
+absl::Status CheckTlsFiles(const TlsFiles& files) {
+  if (!files.ca.empty()) SHARDSERVE_RETURN_IF_ERROR(ReadCertificates(files.ca, "tls-ca").status());
+  if (files.cert.empty()) return absl::OkStatus();
+  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<Cert> chain, ReadCertificates(files.cert, "tls-cert"));
+  SHARDSERVE_ASSIGN_OR_RETURN(const std::string key_pem, ReadFile(files.key, "tls-key"));
+  Bio bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())));
+  PKey key(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-key ", files.key, ": not a PEM private key (or one with a passphrase): ", OpenSslError()));
+  }
+  if (X509_check_private_key(chain.front().get(), key.get()) != 1) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls-key ", files.key, " is not the key of the certificate in --tls-cert ", files.cert));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& files,
+                                                                               PeerCertificates peers) {
+  if (!files.has_identity()) {
+    if (!files.ca.empty()) return absl::InvalidArgumentError("flag --tls-ca on a server needs --tls-cert and --tls-key");
+    return grpc::InsecureServerCredentials();
+  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckTlsFiles(files));
+  grpc::experimental::TlsServerCredentialsOptions options(Provider(files));
+  options.watch_identity_key_cert_pairs();
+  if (!files.ca.empty()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(peers == PeerCertificates::kRequired
+                                      ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                  : peers == PeerCertificates::kVerifyIfGiven
+                                      ? GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY
+                                      : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  } else {
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::experimental::TlsServerCredentials(options);
+  if (creds == nullptr) return absl::InternalError("gRPC could not make TLS server credentials");
+  return creds;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsFiles& files) {
+  if (!files.any()) return grpc::InsecureChannelCredentials();
+  SHARDSERVE_RETURN_IF_ERROR(CheckTlsFiles(files));
+  grpc::SslCredentialsOptions options;
+  if (!files.ca.empty()) {
+    SHARDSERVE_ASSIGN_OR_RETURN(options.pem_root_certs, ReadFile(files.ca, "tls-ca"));
+  }
+  if (files.has_identity()) {
+    SHARDSERVE_ASSIGN_OR_RETURN(options.pem_cert_chain, ReadFile(files.cert, "tls-cert"));
+    SHARDSERVE_ASSIGN_OR_RETURN(options.pem_private_key, ReadFile(files.key, "tls-key"));
+  }
+  return grpc::SslCredentials(options);
+}
+
+bool PeerHasVerifiedCertificate(const grpc::ServerContext& context) {
+  const std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return false;
+  const std::vector<grpc::string_ref> type = auth->FindPropertyValues("transport_security_type");
+  // "tls" from TlsServerCredentials, "ssl" from SslServerCredentials.
+  if (type.empty() || (type.front() != "tls" && type.front() != "ssl")) return false;
+  // With GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY a certificate the peer presents has been
+  // verified against the CA during the handshake, or there is no connection; present means verified.
+  return !auth->FindPropertyValues("x509_pem_cert").empty() && auth->IsPeerAuthenticated();
+}
+
+bool IsLoopbackAddress(const std::string& host_port) {
+  std::string host = host_port.substr(0, host_port.rfind(':'));
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool insecure) {
+  if (tls || insecure || IsLoopbackAddress(listen)) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("--listen ", listen, " is reachable beyond this machine: give --tls-cert and --tls-key (and "
+                   "--tls-ca for mutual TLS), or --insecure to serve it in plaintext"));
+}
+
+}  // namespace shardserve
