@@ -82,7 +82,7 @@ def main():
         base = free_port_block(5)
         grpc_port, prom_port = free_port_block(1), free_port_block(1)
         launch = subprocess.Popen([cli, "launch", "--address", f"127.0.0.1:{grpc_port}", "--log-dir", work + "/logs",
-                                   "--metrics-port-base", str(base)], stdout=subprocess.PIPE,
+                                   "--metrics-port-base", str(base), "--http-port", "0"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(launch)
         with open(os.path.join(ROOT, "deploy/prometheus/prometheus-local.yml")) as f:

@@ -33,7 +33,7 @@ constexpr char kUsage[] =
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8]\n"
-    "                         [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                         [--load-format auto|dummy] [--dummy-seed N] [--http-port P]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
     "  Ctrl-C or SIGTERM, which stop every process it started. Each process logs to a file in --log-dir\n"
@@ -53,14 +53,16 @@ constexpr char kUsage[] =
     "                        (one scale per output channel, quantized at load; cpu only for now)\n"
     "  --load-format, --dummy-seed  the coordinator's: dummy makes the weights from config.json and the\n"
     "                        seed (default 0), each worker its own slice; --model may hold only\n"
-    "                        config.json (then prompts are token ids)\n";
+    "                        config.json (then prompts are token ids)\n"
+    "  --http-port           the coordinator's OpenAI-compatible HTTP API on 127.0.0.1:P (default 8000;\n"
+    "                        0: off); README.md \"HTTP API\"\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
-  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format"});
+  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "http-port"});
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
@@ -78,6 +80,11 @@ int Run(const std::vector<std::string>& args) {
   const absl::StatusOr<int64_t> metrics_base = flags->GetInt("metrics-port-base", 9400);
   if (!metrics_base.ok() || *metrics_base < 0 || *metrics_base + *nodes * *gpus > 65535) {
     std::fprintf(stderr, "shardserve launch: --metrics-port-base must be 0 or a port with room for every worker after it\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> http_port = flags->GetInt("http-port", 8000);
+  if (!http_port.ok() || *http_port < 0 || *http_port > 65535) {
+    std::fprintf(stderr, "shardserve launch: --http-port must be a port, or 0 for no HTTP API\n");
     return 2;
   }
   const std::string log_format = flags->Get("log-format", "text");
@@ -105,6 +112,7 @@ int Run(const std::vector<std::string>& args) {
   for (const auto& [name, value] : cluster_flags->coordinator_flags) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
+  if (*http_port > 0) options.coordinator_flags.insert(options.coordinator_flags.end(), {"--http-port", absl::StrCat(*http_port)});
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.
   const int64_t worker_threads =
@@ -128,6 +136,9 @@ int Run(const std::vector<std::string>& args) {
   std::printf("shardserve launch: coordinator + %lld workers (%lld node(s) x %lld), model %s, logs in %s\n",
               static_cast<long long>(*nodes * *gpus), static_cast<long long>(*nodes), static_cast<long long>(*gpus),
               options.model.c_str(), options.log_dir.c_str());
+  if (*http_port > 0) {
+    std::printf("shardserve launch: OpenAI API on http://127.0.0.1:%lld/v1\n", static_cast<long long>(*http_port));
+  }
   if (*metrics_base == 0) {
     std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");
   } else {
