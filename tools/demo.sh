@@ -42,7 +42,7 @@ echo
 # turns the conversation into its prompt.
 echo "demo: chat through http://127.0.0.1:$HTTP_PORT/v1/chat/completions"
 curl -sS --fail-with-body "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-  -d '{"model": "demo", "max_tokens": 48, "temperature": 0.8, "seed": 7, "stop": ["\n\n"],
+  -d '{"model": "demo", "max_tokens": 48, "temperature": 0.8, "seed": 7, "stop": ["\n"],
        "messages": [{"role": "system", "content": "You speak as the King James Bible."},
                     {"role": "user", "content": "Who made the heaven and the earth?"}]}' |
   python3 -c 'import json, sys; r = json.load(sys.stdin); print("assistant:", r["choices"][0]["message"]["content"].strip()); print("usage:", r["usage"])'
