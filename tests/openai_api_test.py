@@ -5,7 +5,9 @@ processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has
 Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds, greedy output
 equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
 413, 429, 503), and that a client that disconnects mid-stream has its request cancelled (its KV
-blocks freed, the request never finishing). Always stops the cluster it started.
+blocks freed, the request never finishing). A second, one-worker cluster on a test fixture
+without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
+the clusters it started.
 
 Run by CTest as: clients/python/setup-env.sh, then
     .venv-client/bin/python tests/openai_api_test.py --bin <build>/bin
@@ -43,6 +45,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_ok(base: str, path: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + path, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_launch(args, http_base: str, log_dir: str) -> subprocess.Popen:
+    """`shardserve launch ARGS`, once its HTTP API answers /health with 200 (or raises, stopped)."""
+    launch = subprocess.Popen([os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0",
+                               "--log-dir", log_dir] + args,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not http_ok(http_base, "/health"):
+        if launch.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"cluster did not become ready:\n{stop_launch(launch)}")
+        time.sleep(0.25)
+    return launch
+
+
+def stop_launch(launch: subprocess.Popen) -> str:
+    """SIGTERM (launch stops and reaps its processes), SIGKILL to the group past 30 s; its output."""
+    if launch.poll() is None:
+        launch.send_signal(signal.SIGTERM)
+    try:
+        out, _ = launch.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        out, _ = launch.communicate()
+    return out or ""
+
+
 def wait_until(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -59,48 +94,28 @@ class OpenAIApiTest(unittest.TestCase):
         cls.address = f"127.0.0.1:{free_port()}"
         cls.http_port = free_port()
         cls.base = f"http://127.0.0.1:{cls.http_port}"
-        cls.logs = tempfile.mkdtemp(prefix="shardserve-openai-")
-        cls.launch = subprocess.Popen(
-            [os.path.join(BIN, "shardserve"), "launch", "--model", os.path.join(ROOT, "models", MODEL),
-             "--nodes", "1", "--gpus-per-node", "2", "--address", cls.address, "--log-dir", cls.logs,
-             "--metrics-port-base", "0", "--http-port", str(cls.http_port),
+        cls.launch = start_launch(
+            ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "2",
+             "--address", cls.address, "--http-port", str(cls.http_port),
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        cls.grpc = Client(cls.address)
-        deadline = time.monotonic() + 120
-        while not cls.http_ok("/health"):
-            if cls.launch.poll() is not None or time.monotonic() > deadline:
-                out = cls.stop_cluster()
-                raise RuntimeError(f"cluster did not become ready:\n{out}")
-            time.sleep(0.25)
-        with open(os.path.join(cls.logs, "coordinator.log")) as f:
-            cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
+            cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
+        try:  # tearDownClass does not run when setUpClass fails
+            cls.grpc = Client(cls.address)
+            with open(os.path.join(cls.launch.args[cls.launch.args.index("--log-dir") + 1], "coordinator.log")) as f:
+                cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
+        except BaseException:
+            stop_launch(cls.launch)
+            raise
         # No retries: a test must see the first answer (the client retries 429 and 5xx by default).
         cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     @classmethod
-    def http_ok(cls, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(cls.base + path, timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    @classmethod
-    def stop_cluster(cls) -> str:
-        if cls.launch.poll() is None:
-            cls.launch.send_signal(signal.SIGTERM)
-        try:
-            out, _ = cls.launch.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(cls.launch.pid, signal.SIGKILL)
-            out, _ = cls.launch.communicate()
-        return out or ""
-
-    @classmethod
     def tearDownClass(cls):
-        cls.stop_cluster()
+        stop_launch(cls.launch)
         assert cls.launch.returncode is not None
+
+    def http_ok(self, path: str) -> bool:
+        return http_ok(self.base, path)
 
     # ---- helpers ----
     def post_raw(self, path: str, body: bytes):
@@ -366,6 +381,42 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         self.assertEqual(ctx.exception.status_code, 503)
         self.assertEqual(ctx.exception.code, "not_serving")
+
+
+class NoChatTemplateTest(unittest.TestCase):
+    """A model without a chat template (a test fixture: config.json and weights, no tokenizer):
+    chat is refused with a 400 that says so; completions of token ids work."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model_dir = os.path.join(ROOT, "tests", "fixtures", "models", "llama_gqa")
+        cls.model = os.path.basename(cls.model_dir)
+        http_port = free_port()
+        base = f"http://127.0.0.1:{http_port}"
+        cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
+                                   "--address", f"127.0.0.1:{free_port()}", "--http-port", str(http_port)],
+                                  base, tempfile.mkdtemp(prefix="shardserve-openai-notemplate-"))
+        cls.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+        assert cls.launch.returncode is not None
+
+    def test_chat_is_400_saying_there_is_no_template(self):
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "Hi"}])
+        self.assertIn("has no chat template", ctx.exception.message)
+        self.assertEqual(ctx.exception.param, "messages")
+
+    def test_token_id_completion_works(self):
+        r = self.client.completions.create(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                           logprobs=1)
+        self.assertEqual(r.usage.completion_tokens, 4)
+        self.assertEqual(len(r.choices[0].logprobs.token_logprobs), 4)
+        with self.assertRaises(openai.BadRequestError) as ctx:  # text needs a tokenizer
+            self.client.completions.create(model=self.model, prompt="Hi")
+        self.assertEqual(ctx.exception.param, "prompt")
 
 
 if __name__ == "__main__":
