@@ -21,9 +21,9 @@
 // only places to change.
 //
 // Ownership: borrows the model, the pool, the engine and the metrics (may be null), which must
-// outlive it (Stop() before the engine's Shutdown is not needed: Shutdown ends the streams that
-// handlers wait on). Owns the listening thread and httplib's worker threads, joined by Stop() or
-// the destructor.
+// outlive it. Owns the listening thread and httplib's worker threads, joined by Stop() or the
+// destructor; shut the engine down first (Engine::Shutdown ends the streams that handlers wait on,
+// so that Stop() returns at once).
 // Threading: handlers run on httplib's threads, concurrently; Stop() from any one thread.
 #ifndef SHARDSERVE_COORDINATOR_OPENAI_HTTP_SERVER_H_
 #define SHARDSERVE_COORDINATOR_OPENAI_HTTP_SERVER_H_
