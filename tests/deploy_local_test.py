@@ -85,7 +85,7 @@ def main():
         # directory (tests run in parallel), which `generate` below reads.
         os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(work, "state")
         launch = subprocess.Popen([cli, "launch", "--address", f"127.0.0.1:{grpc_port}", "--log-dir", work + "/logs",
-                                   "--metrics-port-base", str(base)], stdout=subprocess.PIPE,
+                                   "--metrics-port-base", str(base), "--http-port", "0"], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         procs.append(launch)
         with open(os.path.join(ROOT, "deploy/prometheus/prometheus-local.yml")) as f:

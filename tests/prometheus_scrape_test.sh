@@ -65,7 +65,7 @@ TARGETS="'127.0.0.1:$METRICS_BASE', '127.0.0.1:$((METRICS_BASE + 1))', '127.0.0.
 # which `generate` below reads (tests run in parallel).
 export SHARDSERVE_STATE_DIR="$WORK/state"
 "$BIN/shardserve" launch --nodes 1 --gpus-per-node 2 --address "$ADDRESS" --metrics-port-base "$METRICS_BASE" \
-  --log-dir "$WORK/logs" --log-format json --ready-timeout-seconds 60 >"$WORK/launch.log" 2>&1 &
+  --http-port 0 --log-dir "$WORK/logs" --log-format json --ready-timeout-seconds 60 >"$WORK/launch.log" 2>&1 &
 LAUNCH_PID=$!
 
 cat >"$WORK/prometheus.yml" <<YML

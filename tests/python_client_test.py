@@ -41,7 +41,7 @@ class PythonClientTest(unittest.TestCase):
         cls.launch = subprocess.Popen(
             [os.path.join(BIN, "shardserve"), "launch", "--model", os.path.join(ROOT, "models", "demo"),
              "--nodes", "1", "--gpus-per-node", "2", "--address", cls.address, "--log-dir", cls.logs,
-             "--metrics-port-base", "0"],  # free metrics ports: tests run in parallel
+             "--metrics-port-base", "0", "--http-port", "0"],  # free metrics ports, no HTTP: tests run in parallel
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 120
         cluster_file = os.path.join(cls.logs, "state", "cluster.json")

@@ -15,14 +15,15 @@ cd "$(dirname "$0")/.."
 
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-$(nproc)}
-TARGETS=(safetensors config tokenizer_json tokenize request chat_template)
+TARGETS=(safetensors config tokenizer_json tokenize request chat_template openai_request)
 # Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB.
-declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=16384)
+declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=16384
+                       [openai_request]=8192)
 # CI runs each target a fixed number of executions from a fixed seed, so that a CI run is the same
 # run every time (a time bound would test more or less on a faster or slower machine, and a crash
 # found by chance would make CI flaky): 10 to 30 s each on a 2-core AMD EPYC (docs/security.md).
 declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 [tokenize]=400000 [request]=1500000
-                    [chat_template]=60000)
+                    [chat_template]=60000 [openai_request]=200000)
 
 build() {
   local start

@@ -106,7 +106,7 @@ run() {
   # A one-GPU cluster (coordinator + one CUDA worker) streaming a completion.
   local address=127.0.0.1:50071
   "$bin/shardserve" launch --model models/demo --device cuda --nodes 1 --gpus-per-node 1 --address "$address" \
-    >"$logs/launch.log" 2>&1 &
+    --http-port 0 >"$logs/launch.log" 2>&1 &
   local launch=$!
   local ready=0
   for _ in $(seq 1 120); do

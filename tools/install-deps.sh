@@ -13,8 +13,10 @@ PACKAGES=(
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
   libssl-dev                # OpenSSL: certificate checks, launch's CA, API key hashes (security/)
+  libcpp-httplib-dev        # the coordinator's OpenAI-compatible HTTP API (coordinator/openai)
   libgtest-dev libgmock-dev
   python3 python3-venv
+  curl                      # tools/demo.sh: a chat through the HTTP API
   procps                    # pgrep: tests/bench_test.py checks that no process is left behind
   prometheus                # promtool: tests/deploy_test.sh checks deploy/prometheus
   clang libclang-rt-14-dev  # tools/fuzz.sh: clang and libFuzzer (libclang_rt.fuzzer-x86_64.a)

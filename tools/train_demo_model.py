@@ -46,6 +46,13 @@ DEFAULT_OUT = REPO_ROOT / "models" / "demo"
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
+# The demo model's chat template (tokenizer_config.json), so that the OpenAI API's chat endpoint and
+# tools/demo.sh can show a conversation. The vocabulary has no chat tokens: turns are plain text
+# ("User: ...", "Assistant:"), which a model trained on prose continues as prose.
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}: "
+    "{{ message['content'] | trim }}\n\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
 PROMPTS = [
     "And the LORD said unto Moses,",
     "In the beginning",
@@ -293,6 +300,7 @@ def main() -> None:
     tc_path = out / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc["chat_template"] = DEMO_CHAT_TEMPLATE
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
     (out / "model.safetensors").chmod(0o644)  # written 0600 by way of a temporary file
     cfg = json.loads((out / "config.json").read_text())

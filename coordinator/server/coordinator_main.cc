@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "base/flags.h"
+#include "coordinator/openai/http_server.h"
 #include "coordinator/server/inference_service.h"
 #include "coordinator/server/log.h"
 #include "coordinator/server/metrics.h"
@@ -44,6 +45,7 @@ constexpr char kUsage[] =
     "                              [--quantization none|int8|int4] [--load-format auto|dummy] [--dummy-seed N]\n"
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
+    "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -85,7 +87,11 @@ constexpr char kUsage[] =
     "                                certificate from this CA; clients of the client API need none\n"
     "  --api-keys-file               clients must send one of these keys (one per line) as\n"
     "                                'authorization: Bearer <key>'; re-read when the file changes\n"
-    "  --insecure                    allow plaintext on a --listen address beyond loopback\n";
+    "  --insecure                    allow plaintext on a --listen address beyond loopback\n\n"
+    "  --http-port                   serve the OpenAI-compatible HTTP API (/v1/chat/completions,\n"
+    "                                /v1/completions, /v1/models, /health) on this port (default 0: off)\n"
+    "  --http-host                   the HTTP API's address (default 127.0.0.1; 0.0.0.0: every interface)\n"
+    "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -105,7 +111,8 @@ int Main(int argc, char** argv) {
                    {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
                     "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
-                    "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file"},
+                    "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
+                    "http-port", "http-host", "http-max-body-bytes"},
                    {"help", "insecure"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -121,6 +128,9 @@ int Main(int argc, char** argv) {
   PoolOptions pool_options;
   EngineOptions engine_options;
   double collective_timeout = 5, step_timeout = 10;
+  openai::HttpServerOptions http_options;
+  int64_t http_port = 0;
+  http_options.host = flags->Get("http-host", "127.0.0.1");
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Int("nodes", 1, 4096, &pool_options.nodes),
@@ -134,6 +144,8 @@ int Main(int argc, char** argv) {
            flags->Int("num-kv-blocks", 0, int64_t{1} << 24, &pool_options.limits.num_kv_blocks),
            flags->Int("block-size", 1, 1024, &pool_options.limits.block_size),
            flags->Int("micro-batches", 0, 64, &engine_options.micro_batches),
+           flags->Int("http-port", 0, 65535, &http_port),
+           flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
@@ -174,6 +186,8 @@ int Main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A write to a client that went away is an error to handle, not a reason to die.
+  signal(SIGPIPE, SIG_IGN);
 
   // Checked (files readable, valid now, key matching) before anything starts. After the signal
   // mask: making credentials starts gRPC's threads, which must not take SIGTERM.
@@ -193,6 +207,10 @@ int Main(int argc, char** argv) {
                                            ? absl::StrCat("; dummy weights, seed ", pool_options.dummy_seed)
                                            : ""));
 
+  if ((*model)->chat_template == nullptr && !absl::IsNotFound((*model)->chat_template_status)) {
+    CoordinatorLog("model", absl::StrCat("its chat template cannot be used, chat requests will be refused: ",
+                                         (*model)->chat_template_status.message()));
+  }
   CoordinatorMetrics metrics((*model)->name);
   (*pool)->SetMetrics(&metrics);
   absl::Cleanup unset_metrics = [&] { (*pool)->SetMetrics(nullptr); };  // metrics die before the pool
@@ -219,6 +237,16 @@ int Main(int argc, char** argv) {
     health->SetServingStatus(kInferenceServiceName, serving);
     health->SetServingStatus(serving);
   });
+  std::unique_ptr<openai::HttpServer> http;
+  if (http_port > 0) {
+    http_options.port = static_cast<int>(http_port);
+    absl::StatusOr<std::unique_ptr<openai::HttpServer>> started =
+        openai::HttpServer::Start(model->get(), pool->get(), &engine, &metrics, http_options);
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    http = *std::move(started);
+    CoordinatorLog("server", absl::StrCat("OpenAI API on http://", http_options.host, ":", http->port(), "/v1",
+                                          (*model)->chat_template ? "" : "; the model has no chat template"));
+  }
   if (!port_file.empty()) {
     const std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << port << "\n";
@@ -237,7 +265,8 @@ int Main(int argc, char** argv) {
   int sig = 0;
   sigwait(&signals, &sig);
   CoordinatorLog("server", absl::StrCat("got signal ", sig, ", shutting down"));
-  engine.Shutdown();
+  engine.Shutdown();  // ends every stream, so that HTTP handlers return
+  if (http) http->Stop();
   control.Shutdown();
   (*pool)->Shutdown("the coordinator is shutting down");
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

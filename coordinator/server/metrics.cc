@@ -43,6 +43,11 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                 .Help("Calls refused for want of credentials, by reason (missing_key, invalid_key, "
                                       "no_client_certificate).")
                                 .Register(*registry_)),
+      http_requests_family_(prometheus::BuildCounter()
+                                .Name("shardserve_http_requests_total")
+                                .Help("OpenAI API HTTP requests by endpoint and HTTP status (499: a streaming "
+                                      "client went away).")
+                                .Register(*registry_)),
       time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
                                        "Seconds from a request's arrival to its first token sent.", model)),
       inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
@@ -88,6 +93,9 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
     finished_family_.Add({{"model", model_}, {"reason", reason}});
   }
   requests_family_.Add({{"model", model_}, {"code", "OK"}});
+  for (const char* endpoint : {"/v1/chat/completions", "/v1/completions"}) {
+    http_requests_family_.Add({{"model", model_}, {"endpoint", endpoint}, {"status", "200"}});
+  }
 }
 
 void CoordinatorMetrics::Finished(absl::string_view reason) {
@@ -100,6 +108,11 @@ void CoordinatorMetrics::AuthFailure(absl::string_view reason) {
 
 void CoordinatorMetrics::Ended(absl::string_view code_name) {
   requests_family_.Add({{"model", model_}, {"code", std::string(code_name)}}).Increment();
+}
+
+void CoordinatorMetrics::HttpRequest(absl::string_view endpoint, int status) {
+  http_requests_family_.Add({{"model", model_}, {"endpoint", std::string(endpoint)}, {"status", absl::StrCat(status)}})
+      .Increment();
 }
 
 void CoordinatorMetrics::SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up) {

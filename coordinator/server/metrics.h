@@ -35,6 +35,9 @@ class CoordinatorMetrics {
   void Finished(absl::string_view reason);
   // A Generate call ended with the gRPC status code `code_name` ("OK", "UNAVAILABLE", ...).
   void Ended(absl::string_view code_name);
+  // An HTTP request (coordinator/openai) answered with `status` on `endpoint` ("/v1/completions",
+  // ..., "other"); 499: a streaming client that went away.
+  void HttpRequest(absl::string_view endpoint, int status);
   // How the coordinator sees a worker of the planned group: up (registered, loading, ready) or
   // lost.
   void SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up);
@@ -50,6 +53,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& requests_family_;
   prometheus::Family<prometheus::Gauge>& worker_up_family_;
   prometheus::Family<prometheus::Counter>& auth_failures_family_;
+  prometheus::Family<prometheus::Counter>& http_requests_family_;
 
  public:
   // ---- Observed directly by the inference service and the pool ----

@@ -66,6 +66,12 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
     m->tokenizer = std::move(*tokenizer);
     m->eos_ids = m->tokenizer->eos_ids();
   }
+  absl::StatusOr<chat::ChatTemplate> chat_template = chat::ChatTemplate::FromDirectory(path.string());
+  if (chat_template.ok()) {
+    m->chat_template = std::make_unique<chat::ChatTemplate>(*std::move(chat_template));
+  } else {
+    m->chat_template_status = chat_template.status();
+  }
   for (int64_t id : m->config.eos_token_ids) {
     if (id >= 0 && id <= INT32_MAX) m->eos_ids.push_back(static_cast<int32_t>(id));
   }

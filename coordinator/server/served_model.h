@@ -1,6 +1,7 @@
 // The model the coordinator serves, read once at startup from its Hugging Face checkpoint
 // directory: config.json, the safetensors headers (the planner counts their bytes; no weight is
-// read; none with --load-format dummy), tokenizer.json when there is one, and the ids that end a
+// read; none with --load-format dummy), tokenizer.json when there is one, the chat template
+// (chat_template.jinja or tokenizer_config.json's) when there is one, and the ids that end a
 // generation.
 //
 // Immutable after Open(); every member may be read from any thread.
@@ -12,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/chat/chat_template.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -34,6 +37,11 @@ struct ServedModel {
   ModelConfig config;
   std::unique_ptr<Checkpoint> checkpoint;  // null with LoadFormat::kDummy
   std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json
+  // Null without a chat template, or when the model's cannot be loaded (a template this build's
+  // Jinja cannot parse does not stop the model from serving completions): chat_template_status
+  // then says which (NOT_FOUND: the model has none).
+  std::unique_ptr<chat::ChatTemplate> chat_template;
+  absl::Status chat_template_status;
   // config.json's eos_token_id, generation_config.json's and the tokenizer's, sorted, unique.
   std::vector<int32_t> eos_ids;
 

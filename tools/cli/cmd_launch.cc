@@ -36,6 +36,7 @@ constexpr char kUsage[] =
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
+    "                         [--http-port P]\n"
     "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
@@ -65,14 +66,17 @@ constexpr char kUsage[] =
     "  (generate, status, bench) read it and connect with TLS without flags. Both are removed on exit.\n"
     "  --tls-cert, --tls-key, --tls-ca  your own certificate (for the coordinator and the workers) and CA\n"
     "  --insecure            plaintext everywhere (no certificates)\n"
-    "  --api-keys-file       the coordinator's: clients must send one of these keys\n";
+    "  --api-keys-file       the coordinator's: clients must send one of these keys\n\n"
+    "  --http-port           the coordinator's OpenAI-compatible HTTP API on 127.0.0.1:P (default 8000;\n"
+    "                        0: off); README.md \"HTTP API\"\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
 
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
-  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file"});
+  with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file",
+                     "http-port"});
   with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help", "insecure"});
   if (!flags.ok()) {
@@ -91,6 +95,11 @@ int Run(const std::vector<std::string>& args) {
   const absl::StatusOr<int64_t> metrics_base = flags->GetInt("metrics-port-base", 9400);
   if (!metrics_base.ok() || *metrics_base < 0 || *metrics_base + *nodes * *gpus > 65535) {
     std::fprintf(stderr, "shardserve launch: --metrics-port-base must be 0 or a port with room for every worker after it\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> http_port = flags->GetInt("http-port", 8000);
+  if (!http_port.ok() || *http_port < 0 || *http_port > 65535) {
+    std::fprintf(stderr, "shardserve launch: --http-port must be a port, or 0 for no HTTP API\n");
     return 2;
   }
   const std::string log_format = flags->Get("log-format", "text");
@@ -136,6 +145,7 @@ int Run(const std::vector<std::string>& args) {
   for (const auto& [name, value] : cluster_flags->coordinator_flags) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
+  if (*http_port > 0) options.coordinator_flags.insert(options.coordinator_flags.end(), {"--http-port", absl::StrCat(*http_port)});
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.
   const int64_t worker_threads =
@@ -209,6 +219,9 @@ int Run(const std::vector<std::string>& args) {
   } else {
     std::printf("shardserve launch: mutual TLS (CA %s); client settings in %s\n", server_tls.ca.c_str(),
                 LocalClusterFilePath().c_str());
+  }
+  if (*http_port > 0) {
+    std::printf("shardserve launch: OpenAI API on http://127.0.0.1:%lld/v1\n", static_cast<long long>(*http_port));
   }
   if (*metrics_base == 0) {
     std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");

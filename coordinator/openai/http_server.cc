@@ -1,0 +1,473 @@
+#include "coordinator/openai/http_server.h"
+
+#include <httplib.h>
+
+#include <atomic>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "coordinator/openai/protocol.h"
+#include "coordinator/server/generation.h"
+#include "coordinator/server/log.h"
+
+namespace shardserve::openai {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr char kJson[] = "application/json";
+// How long a handler waits for the next tokens before it looks again (at its other choices, or
+// whether a streaming client is still there).
+constexpr absl::Duration kPoll = absl::Milliseconds(50);
+constexpr absl::Duration kPollSeveral = absl::Milliseconds(10);
+// A client that disconnected mid-stream, as nginx logs it (the 200 was already sent).
+constexpr int kClientClosed = 499;
+
+// The endpoint label of a path: the routes, or "other" (no unbounded label values).
+std::string EndpointLabel(const std::string& path) {
+  for (const char* route : {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}) {
+    if (path == route) return route;
+  }
+  return "other";
+}
+
+void SetError(httplib::Response& res, const ApiError& error) {
+  res.status = error.http_status;
+  res.set_content(ErrorBody(error), kJson);
+}
+
+void SetError(httplib::Response& res, const absl::Status& status) { SetError(res, ErrorFromStatus(status)); }
+
+std::string RandomHex() {
+  absl::BitGen gen;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+// The place to make an httplib::SSLServer instead, when TLS comes.
+std::unique_ptr<httplib::Server> MakeServer() { return std::make_unique<httplib::Server>(); }
+
+// The place to check an API key, when keys come. Health stays open for probes.
+absl::Status Authorize(const httplib::Request&) { return absl::OkStatus(); }
+
+// One choice of a request: its engine submission and what it has produced.
+struct Choice {
+  uint64_t engine_id = 0;
+  std::shared_ptr<RequestStream> stream;
+  bool ended = false;
+  std::string text;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+  int64_t text_offset = 0;  // completions logprobs: bytes streamed so far
+  std::vector<v1::TokenLogprobs> logprobs;
+  std::string finish_reason;
+};
+
+// A request's choices in the engine, from submission to their end. Used by one thread at a time
+// (the handler, then httplib's content provider on the same connection).
+class Job {
+ public:
+  Job(Engine* engine, Request request, std::string id, int64_t prompt_tokens)
+      : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(prompt_tokens),
+        created_(absl::ToUnixSeconds(absl::Now())) {}
+  ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
+
+  const Request& request() const { return request_; }
+  bool chat() const { return request_.endpoint == Endpoint::kChatCompletions; }
+
+  // Submits every choice; on a refusal cancels those already submitted.
+  absl::Status Submit(const GenerationParams& first, std::chrono::steady_clock::time_point arrival) {
+    absl::BitGen gen;
+    for (int i = 0; i < request_.n; ++i) {
+      GenerationParams params = first;
+      if (request_.n > 1) params.request_id = absl::StrCat(first.request_id, "-", i);
+      if (i > 0) {
+        params.seed = request_.sampling.has_seed() ? first.seed + static_cast<uint64_t>(i) : absl::Uniform<uint64_t>(gen);
+      }
+      absl::StatusOr<Engine::Submitted> submitted = engine_->Submit(std::move(params), arrival);
+      if (!submitted.ok()) {
+        Cancel(absl::CancelledError("another choice of the request was refused"));
+        return submitted.status();
+      }
+      Choice c;
+      c.engine_id = submitted->id;
+      c.stream = std::move(submitted->stream);
+      choices_.push_back(std::move(c));
+    }
+    return absl::OkStatus();
+  }
+
+  // Cancels every choice still running.
+  void Cancel(const absl::Status& why) {
+    for (Choice& c : choices_) {
+      if (!c.ended) {
+        engine_->Cancel(c.engine_id, why);
+        c.ended = true;
+      }
+    }
+  }
+
+  bool done() const {
+    for (const Choice& c : choices_) {
+      if (!c.ended) return false;
+    }
+    return true;
+  }
+  const absl::Status& error() const { return error_; }
+
+  // Gathers what the choices produced, waiting at most about kPoll when none had anything.
+  // Returns (choice index, response) pairs in arrival order.
+  std::vector<std::pair<int, v1::GenerateResponse>> Poll() {
+    std::vector<std::pair<int, v1::GenerateResponse>> out;
+    const absl::Duration wait = choices_.size() > 1 ? kPollSeveral : kPoll;
+    for (int pass = 0; pass < 2 && out.empty(); ++pass) {
+      for (int i = 0; i < static_cast<int>(choices_.size()); ++i) {
+        Choice& c = choices_[i];
+        v1::GenerateResponse response;
+        std::optional<absl::Status> ended;
+        // Pass 0 drains what is there; pass 1 waits on the first choice still running.
+        while (!c.ended && c.stream->Next(pass == 0 ? absl::ZeroDuration() : wait, &response, &ended)) {
+          Apply(c, response);
+          out.emplace_back(i, std::move(response));
+          if (pass == 1) break;
+        }
+        if (!c.ended && ended.has_value()) {
+          c.ended = true;
+          if (!ended->ok() && error_.ok()) error_ = *ended;
+        }
+        if (pass == 1 && !c.ended) break;
+      }
+    }
+    if (!error_.ok()) Cancel(absl::CancelledError("another choice of the request failed"));
+    return out;
+  }
+
+  // ---- JSON ----
+  Json UsageJson() const {
+    int64_t completion = 0, cached = 0;
+    for (const Choice& c : choices_) {
+      completion += c.completion_tokens;
+      cached = std::max(cached, c.cached_tokens);
+    }
+    return openai::UsageJson(prompt_tokens_, completion, std::min(cached, prompt_tokens_));
+  }
+
+  // The whole answer, once done() without error.
+  Json Response(const Tokenizer* tokenizer) const {
+    Json choices = Json::array();
+    for (size_t i = 0; i < choices_.size(); ++i) {
+      const Choice& c = choices_[i];
+      Json logprobs = nullptr;
+      if (request_.sampling.logprobs()) {
+        logprobs = chat() ? Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer)}}
+                          : CompletionLogprobs(c.logprobs, tokenizer, 0);
+      }
+      Json choice = {{"index", i}};
+      if (chat()) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      } else {
+        choice["text"] = c.text;
+      }
+      choice["logprobs"] = logprobs;
+      choice["finish_reason"] = c.finish_reason;
+      choices.push_back(std::move(choice));
+    }
+    return Json{{"id", id_},
+                {"object", chat() ? "chat.completion" : "text_completion"},
+                {"created", created_},
+                {"model", request_.model},
+                {"choices", choices},
+                {"usage", UsageJson()},
+                {"system_fingerprint", nullptr}};
+  }
+
+  // A stream chunk of choice `index`: `delta` text (chat: a delta object), logprobs, finish.
+  Json Chunk(int index, const Json& delta_or_text, const Json& logprobs, const Json& finish) const {
+    Json choice = {{"index", index}};
+    choice[chat() ? "delta" : "text"] = delta_or_text;
+    choice["logprobs"] = logprobs;
+    choice["finish_reason"] = finish;
+    Json chunk = {{"id", id_},
+                  {"object", chat() ? "chat.completion.chunk" : "text_completion"},
+                  {"created", created_},
+                  {"model", request_.model},
+                  {"choices", Json::array({choice})},
+                  {"system_fingerprint", nullptr}};
+    if (request_.include_usage) chunk["usage"] = nullptr;
+    return chunk;
+  }
+
+  // The chunk of one response, or null when it adds nothing a client sees.
+  Json ChunkOf(int index, const v1::GenerateResponse& r, const Tokenizer* tokenizer) {
+    const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+    if (r.text().empty() && r.logprobs_size() == 0 && !finished) return nullptr;
+    const std::vector<v1::TokenLogprobs> entries(r.logprobs().begin(), r.logprobs().end());
+    Json logprobs = nullptr;
+    Choice& c = choices_[index];
+    if (request_.sampling.logprobs()) {
+      logprobs = chat() ? Json{{"content", ChatLogprobsContent(entries, tokenizer)}}
+                        : CompletionLogprobs(entries, tokenizer, c.text_offset);
+    }
+    c.text_offset += static_cast<int64_t>(r.text().size());
+    Json delta = chat() ? (r.text().empty() ? Json::object() : Json{{"content", r.text()}}) : Json(r.text());
+    return Chunk(index, delta, logprobs, finished ? Json(FinishReasonName(r.finish_reason())) : Json(nullptr));
+  }
+
+  // The last chunk with include_usage: no choices, the usage.
+  Json UsageChunk() const {
+    return Json{{"id", id_},
+                {"object", chat() ? "chat.completion.chunk" : "text_completion"},
+                {"created", created_},
+                {"model", request_.model},
+                {"choices", Json::array()},
+                {"system_fingerprint", nullptr},
+                {"usage", UsageJson()}};
+  }
+
+  int n() const { return static_cast<int>(choices_.size()); }
+  const std::string& id() const { return id_; }
+
+ private:
+  static void Apply(Choice& c, const v1::GenerateResponse& r) {
+    c.text += r.text();
+    c.completion_tokens += r.token_ids_size();
+    c.logprobs.insert(c.logprobs.end(), r.logprobs().begin(), r.logprobs().end());
+    if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      c.finish_reason = FinishReasonName(r.finish_reason());
+      c.completion_tokens = r.usage().completion_tokens();
+      c.cached_tokens = r.usage().cached_prompt_tokens();
+    }
+  }
+
+  Engine* const engine_;
+  const Request request_;
+  const std::string id_;
+  const int64_t prompt_tokens_;
+  const int64_t created_;
+  std::vector<Choice> choices_;
+  absl::Status error_;
+};
+
+std::string Event(const Json& data) {
+  return absl::StrCat("data: ", data.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+}
+
+}  // namespace
+
+HttpServer::HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
+                       const HttpServerOptions& options)
+    : model_(model), pool_(pool), engine_(engine), metrics_(metrics), options_(options),
+      created_(absl::ToUnixSeconds(absl::Now())), http_(MakeServer()) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel* model, WorkerPool* pool,
+                                                              Engine* engine, CoordinatorMetrics* metrics,
+                                                              const HttpServerOptions& options) {
+  std::unique_ptr<HttpServer> s(new HttpServer(model, pool, engine, metrics, options));
+  const int threads = std::max(1, options.threads);
+  s->http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
+  s->Routes();
+  if (options.port == 0) {
+    s->port_ = s->http_->bind_to_any_port(options.host);
+  } else if (s->http_->bind_to_port(options.host, options.port)) {
+    s->port_ = options.port;
+  }
+  if (s->port_ <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot listen for HTTP on ", options.host, ":", options.port, " (in use, or not this host's)"));
+  }
+  HttpServer* raw = s.get();
+  s->listener_ = std::thread([raw] { raw->http_->listen_after_bind(); });
+  return s;
+}
+
+void HttpServer::Stop() {
+  if (!listener_.joinable()) return;
+  http_->stop();
+  listener_.join();
+}
+
+void HttpServer::Routes() {
+  // Every request: its access checked first (health stays open).
+  http_->set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+    if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    if (absl::Status s = Authorize(req); !s.ok()) {
+      SetError(res, ApiError{401, "authentication_error", std::string(s.message()), "", "invalid_api_key"});
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  // httplib's own answers (no route, a body too large, a request it cannot parse) in OpenAI's shape.
+  const int64_t max_body = options_.max_body_bytes;
+  http_->set_error_handler(httplib::Server::HandlerWithResponse(
+      [max_body](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    ApiError e{res.status, "invalid_request_error", "", "", ""};
+    if (res.status == 404) {
+      e.message = absl::StrCat("no route ", req.method, " ", req.path);
+      e.code = "not_found";
+    } else if (res.status == 413) {
+      e.message = absl::StrCat("the request body is larger than ", max_body, " bytes (--http-max-body-bytes)");
+      e.code = "request_too_large";
+    } else {
+      e.message = absl::StrCat("HTTP ", res.status);
+    }
+    SetError(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  // Streaming answers are counted when their stream ends (see Generate).
+  http_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    if (metrics_ != nullptr && !res.content_provider_resource_releaser_) {
+      metrics_->HttpRequest(EndpointLabel(req.path), res.status);
+    }
+  });
+
+  http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (absl::Status s = pool_->CheckServing(); !s.ok()) return SetError(res, s);
+    res.set_content(R"({"status":"ok"})", kJson);
+  });
+  http_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    const Json body = {{"object", "list"},
+                       {"data", Json::array({{{"id", model_->name},
+                                              {"object", "model"},
+                                              {"created", created_},
+                                              {"owned_by", "shardserve"},
+                                              {"max_model_len", pool_->max_model_len()}}})}};
+    res.set_content(body.dump(), kJson);
+  });
+  http_->Post("/v1/chat/completions",
+              [this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); });
+  http_->Post("/v1/completions",
+              [this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); });
+}
+
+void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Response& res) {
+  const auto arrival = std::chrono::steady_clock::now();
+  const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
+  const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
+  auto reject = [&](const absl::Status& status) {
+    CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
+    SetError(res, status);
+  };
+
+  absl::StatusOr<Request> request = ParseRequest(endpoint, req.body);
+  if (!request.ok()) return reject(request.status());
+  if (request->model != model_->name) {
+    absl::Status s = absl::NotFoundError(
+        absl::StrCat("model: '", request->model, "' is not served here; this server serves '", model_->name, "'"));
+    s.SetPayload("type.shardserve/openai.param", absl::Cord("model"));
+    return reject(s);
+  }
+
+  // The prompt's token ids when this handler makes them (chat), else PrepareGeneration does.
+  std::optional<std::vector<int32_t>> ids;
+  if (chat) {
+    if (model_->chat_template == nullptr) {
+      return reject(InvalidField(
+          "messages", model_->chat_template_status.code() == absl::StatusCode::kNotFound
+                          ? absl::StrCat("the model ", model_->name,
+                                         " has no chat template (tokenizer_config.json chat_template, or "
+                                         "chat_template.jinja): use /v1/completions")
+                          : absl::StrCat("the model's chat template cannot be used: ",
+                                         model_->chat_template_status.message())));
+    }
+    if (model_->tokenizer == nullptr) {
+      return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+    }
+    absl::StatusOr<std::string> prompt =
+        model_->chat_template->Render(request->messages, request->add_generation_prompt, request->tools,
+                                      request->chat_template_kwargs);
+    if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
+    // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
+    absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+    if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
+    ids = std::move(*encoded);
+  } else if (request->prompt_is_ids) {
+    ids = request->prompt_ids;
+  }
+
+  // Unset max_tokens: 16 for completions, what the context leaves for chat (a prompt that fills
+  // it is PrepareGeneration's error).
+  const int64_t max_model_len = pool_->max_model_len();
+  int64_t max_tokens = request->max_tokens.value_or(16);
+  if (chat && !request->max_tokens.has_value()) {
+    max_tokens = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(ids->size()));
+  }
+  absl::StatusOr<GenerationParams> params = PrepareGeneration(
+      ToGenerateRequest(*request, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)),
+                        ids.has_value() ? &*ids : nullptr),
+      *model_, max_model_len, id);
+  if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint));
+
+  auto job = std::make_shared<Job>(engine_, *std::move(request), id, static_cast<int64_t>(params->prompt.size()));
+  if (absl::Status s = job->Submit(*params, arrival); !s.ok()) {
+    CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
+    return SetError(res, s);
+  }
+  const Tokenizer* tokenizer = model_->tokenizer.get();
+
+  if (!job->request().stream) {
+    while (!job->done()) job->Poll();
+    if (!job->error().ok()) return SetError(res, job->error());
+    res.set_content(job->Response(tokenizer).dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+    return;
+  }
+
+  // Streaming: the provider runs after this handler returns, on the same thread, once per batch of
+  // tokens, until it calls sink.done() or a write fails (the client went away).
+  auto first = std::make_shared<bool>(true);
+  auto counted = std::make_shared<std::atomic<bool>>(false);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [job, first, tokenizer](size_t, httplib::DataSink& sink) {
+        std::string out;
+        if (*first) {
+          *first = false;
+          // Chat: each choice opens with the assistant's role.
+          if (job->chat()) {
+            for (int i = 0; i < job->n(); ++i) {
+              out += Event(job->Chunk(i, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+            }
+          }
+        }
+        for (const auto& [index, response] : job->Poll()) {
+          Json chunk = job->ChunkOf(index, response, tokenizer);
+          if (!chunk.is_null()) out += Event(chunk);
+        }
+        if (job->done()) {
+          if (!job->error().ok()) {
+            // The 200 is sent: the error travels as an event, as OpenAI-compatible servers do.
+            const ApiError e = ErrorFromStatus(job->error());
+            out += Event(Json::parse(ErrorBody(e)));
+          } else if (job->request().include_usage) {
+            out += Event(job->UsageChunk());
+          }
+          out += "data: [DONE]\n\n";
+        }
+        if (!out.empty() && !sink.write(out.data(), out.size())) return false;
+        if (job->done()) sink.done();
+        return true;
+      },
+      [this, job, counted](bool success) {
+        // The stream ended: written to the end, or its client went away (cancel what runs).
+        if (counted->exchange(true)) return;
+        const bool gone = !success && !job->done();
+        if (gone) {
+          CoordinatorRequestLog(job->id(), "client disconnected: cancelled", "warn");
+          job->Cancel(absl::CancelledError("the HTTP client disconnected"));
+        }
+        if (metrics_ != nullptr) {
+          metrics_->HttpRequest(job->chat() ? "/v1/chat/completions" : "/v1/completions",
+                                success || !gone ? 200 : kClientClosed);
+        }
+      });
+}
+
+}  // namespace shardserve::openai

@@ -1,0 +1,427 @@
+"""The OpenAI-compatible HTTP API (coordinator/openai) through the official `openai` Python client,
+unchanged, against a real local cluster (`shardserve launch`: a coordinator and two worker
+processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has a chat template).
+
+Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds, greedy output
+equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
+413, 429, 503), and that a client that disconnects mid-stream has its request cancelled (its KV
+blocks freed, the request never finishing). A second, one-worker cluster on a test fixture
+without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
+the clusters it started.
+
+Run by CTest as: clients/python/setup-env.sh, then
+    .venv-client/bin/python tests/openai_api_test.py --bin <build>/bin
+"""
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python", "gen"))
+
+import openai  # noqa: E402
+from shardserve_client import Client  # noqa: E402
+from shardserve.v1 import inference_pb2  # noqa: E402
+
+BIN = None  # set from --bin
+MODEL = "demo"
+MAX_NUM_SEQS = 4  # with --max-waiting-requests 0: n = 16 overflows the engine's queue (429)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(base: str, path: str) -> bool:
+    try:
+        with urllib.request.urlopen(base + path, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def start_launch(args, http_base: str, log_dir: str) -> subprocess.Popen:
+    """`shardserve launch ARGS`, once its HTTP API answers /health with 200 (or raises, stopped)."""
+    launch = subprocess.Popen([os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0",
+                               "--log-dir", log_dir] + args,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not http_ok(http_base, "/health"):
+        if launch.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"cluster did not become ready:\n{stop_launch(launch)}")
+        time.sleep(0.25)
+    return launch
+
+
+def stop_launch(launch: subprocess.Popen) -> str:
+    """SIGTERM (launch stops and reaps its processes), SIGKILL to the group past 30 s; its output."""
+    if launch.poll() is None:
+        launch.send_signal(signal.SIGTERM)
+    try:
+        out, _ = launch.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        out, _ = launch.communicate()
+    return out or ""
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class OpenAIApiTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.address = f"127.0.0.1:{free_port()}"
+        cls.http_port = free_port()
+        cls.base = f"http://127.0.0.1:{cls.http_port}"
+        cls.launch = start_launch(
+            ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "2",
+             "--address", cls.address, "--http-port", str(cls.http_port),
+             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0"],
+            cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
+        try:  # tearDownClass does not run when setUpClass fails
+            cls.grpc = Client(cls.address)
+            with open(os.path.join(cls.launch.args[cls.launch.args.index("--log-dir") + 1], "coordinator.log")) as f:
+                cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
+        except BaseException:
+            stop_launch(cls.launch)
+            raise
+        # No retries: a test must see the first answer (the client retries 429 and 5xx by default).
+        cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+        assert cls.launch.returncode is not None
+
+    def http_ok(self, path: str) -> bool:
+        return http_ok(self.base, path)
+
+    # ---- helpers ----
+    def post_raw(self, path: str, body: bytes):
+        """(status, parsed JSON body) of a POST with `body` as it is."""
+        req = urllib.request.Request(self.base + path, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metric(self, name: str, **labels) -> float:
+        """The sum of the coordinator's series `name` whose labels include `labels`."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(have.get(k) == v for k, v in labels.items()):
+                total += float(m.group(3))
+        return total
+
+    def scheduler(self):
+        return self.grpc._stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10).scheduler
+
+    def grpc_greedy_ids(self, prompt_ids, max_tokens):
+        request = inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=prompt_ids),
+            sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0))
+        text, ids = "", []
+        for msg in self.grpc._stub.Generate(request, timeout=120):
+            text += msg.text
+            ids += list(msg.token_ids)
+        return text, ids
+
+    def chat_prompt_ids(self, messages):
+        # The demo model's template (models/demo/tokenizer_config.json), rendered by hand: BOS once.
+        text = "<|begin_of_text|>" + "".join(f"{m['role'].capitalize()}: {m['content'].strip()}\n\n"
+                                             for m in messages) + "Assistant:"
+        return self.grpc.tokenize(text, add_special_tokens=False)
+
+    # ---- endpoints ----
+    def test_models_and_health(self):
+        models = self.client.models.list()
+        self.assertEqual([m.id for m in models.data], [MODEL])
+        self.assertTrue(self.http_ok("/health"))
+
+    def test_completion_equals_grpc_for_the_same_prompt_ids(self):
+        ids = self.grpc.tokenize("And God said")
+        want_text, want_ids = self.grpc_greedy_ids(ids, 24)
+        r = self.client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+        self.assertEqual(r.object, "text_completion")
+        self.assertEqual(r.choices[0].text, want_text)
+        self.assertTrue(want_text.strip())
+        self.assertEqual(r.usage.prompt_tokens, len(ids))
+        self.assertEqual(r.usage.completion_tokens, len(want_ids))
+        self.assertEqual(r.usage.total_tokens, len(ids) + len(want_ids))
+        self.assertEqual(r.usage.prompt_tokens_details.cached_tokens, 0)
+        self.assertEqual(r.choices[0].finish_reason, "length" if len(want_ids) == 24 else "stop")
+        # The same prompt as text: the server tokenizes it as the gRPC API does (with BOS).
+        t = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=24, temperature=0)
+        self.assertEqual(t.choices[0].text, want_text)
+        self.assertEqual(t.usage.prompt_tokens, len(ids))
+
+    def test_completion_streams(self):
+        ids = self.grpc.tokenize("In the beginning")
+        want_text, want_ids = self.grpc_greedy_ids(ids, 16)
+        chunks = list(self.client.completions.create(model=MODEL, prompt="In the beginning", max_tokens=16,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        self.assertGreater(len(chunks), 2)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        self.assertEqual(text, want_text)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        self.assertEqual(finishes, ["length" if len(want_ids) == 16 else "stop"])
+        self.assertEqual(chunks[-1].choices, [])  # include_usage: the usage chunk comes last
+        self.assertEqual(chunks[-1].usage.completion_tokens, len(want_ids))
+        self.assertEqual(chunks[-1].usage.prompt_tokens, len(ids))
+        self.assertTrue(all(c.usage is None for c in chunks[:-1]))
+
+    def test_chat_equals_grpc_for_the_rendered_prompt(self):
+        messages = [{"role": "system", "content": "You are a scribe."},
+                    {"role": "user", "content": "Who made the heaven and the earth?"}]
+        ids = self.chat_prompt_ids(messages)
+        self.assertEqual(ids.count(0), 1, "BOS once: from the template, not added again")
+        want_text, want_ids = self.grpc_greedy_ids(ids, 20)
+        r = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+        self.assertEqual(r.object, "chat.completion")
+        self.assertEqual(r.choices[0].message.role, "assistant")
+        self.assertEqual(r.choices[0].message.content, want_text)
+        self.assertEqual(r.usage.prompt_tokens, len(ids))
+        self.assertEqual(r.usage.completion_tokens, len(want_ids))
+        # Streaming: the role first, then the same text; max_completion_tokens as max_tokens.
+        chunks = list(self.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20,
+                                                          temperature=0, stream=True))
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual("".join(c.choices[0].delta.content or "" for c in chunks), want_text)
+        self.assertEqual(chunks[-1].choices[0].finish_reason, r.choices[0].finish_reason)
+        self.assertTrue(all(c.usage is None for c in chunks))  # no include_usage: no usage chunk
+
+    def test_chat_without_max_tokens_runs_to_eos_or_the_context(self):
+        r = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                temperature=0, stop=["\n"])
+        self.assertIn(r.choices[0].finish_reason, ("stop", "length"))
+        self.assertNotIn("\n", r.choices[0].message.content)
+
+    def test_stop_string(self):
+        full = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=24, temperature=0)
+        text = full.choices[0].text
+        stop = text[6:10]  # a piece of the greedy text, past its start
+        want = text[:text.find(stop)]
+        for stops in (stop, [stop, "never-seen"]):
+            r = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=24, temperature=0,
+                                               stop=stops)
+            self.assertEqual(r.choices[0].text, want)
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+
+    def test_n_choices_and_seeds(self):
+        kw = dict(model=MODEL, prompt="In the beginning", max_tokens=12, temperature=0.9)
+        one = self.client.completions.create(n=1, seed=7, **kw)
+        two = self.client.completions.create(n=2, seed=7, **kw)
+        again = self.client.completions.create(n=2, seed=7, **kw)
+        self.assertEqual([c.index for c in two.choices], [0, 1])
+        # Choice 0 uses the seed itself, choice 1 one derived from it: reproducible, each its own.
+        self.assertEqual(two.choices[0].text, one.choices[0].text)
+        self.assertEqual([c.text for c in two.choices], [c.text for c in again.choices])
+        # usage counts every choice's tokens (logprobs=0: one entry per token, no alternatives).
+        counted = self.client.completions.create(n=2, seed=7, logprobs=0, **kw)
+        self.assertEqual([c.text for c in counted.choices], [c.text for c in two.choices])
+        self.assertEqual(counted.usage.completion_tokens, sum(len(c.logprobs.tokens) for c in counted.choices))
+        chat = [self.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Sing"}], max_tokens=10, temperature=1.0, seed=11)
+            .choices[0].message.content for _ in range(2)]
+        self.assertEqual(chat[0], chat[1])
+        # Streaming with n = 2: every chunk names its choice; each choice finishes once.
+        chunks = list(self.client.completions.create(n=2, seed=7, stream=True, **kw))
+        texts = {0: "", 1: ""}
+        finished = []
+        for c in chunks:
+            texts[c.choices[0].index] += c.choices[0].text
+            if c.choices[0].finish_reason:
+                finished.append(c.choices[0].index)
+        self.assertEqual(sorted(finished), [0, 1])
+        self.assertEqual([texts[0], texts[1]], [c.text for c in two.choices])
+
+    def test_logprobs(self):
+        r = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), r.usage.completion_tokens)
+        self.assertEqual("".join(t.token for t in content), r.choices[0].message.content)
+        for t in content:
+            self.assertLessEqual(t.logprob, 0)
+            self.assertEqual(len(t.top_logprobs), 3)
+            # Greedy: the chosen token is the most likely one.
+            self.assertEqual(t.top_logprobs[0].token, t.token)
+            self.assertAlmostEqual(t.top_logprobs[0].logprob, t.logprob, places=5)
+            self.assertEqual(bytes(t.bytes).decode(), t.token)
+        c = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=8, temperature=0,
+                                           logprobs=2)
+        lp = c.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), c.usage.completion_tokens)
+        self.assertEqual("".join(lp.tokens), c.choices[0].text)
+        self.assertEqual(len(lp.token_logprobs), len(lp.tokens))
+        self.assertTrue(all(len(alt) == 2 for alt in lp.top_logprobs))
+        self.assertEqual(lp.text_offset[0], 0)
+        self.assertEqual(lp.text_offset[1], len(lp.tokens[0].encode()))
+        plain = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=8, temperature=0)
+        self.assertIsNone(plain.choices[0].logprobs)
+
+    # ---- errors ----
+    def test_bad_requests_are_400_naming_the_field(self):
+        cases = [
+            (dict(prompt="x", temperature="hot"), "temperature"),
+            (dict(prompt="x", temperature=-1), "temperature"),
+            (dict(prompt="x", max_tokens=0), "max_tokens"),
+            (dict(prompt="x", n=0), "n"),
+            (dict(prompt="x", top_p=1.5), "top_p"),
+            (dict(prompt="x", stop=[1]), "stop[0]"),
+            (dict(prompt=[1, 2, 999999]), "prompt[2]"),
+            (dict(prompt="x", extra_body={"top_k": "many"}), "top_k"),
+        ]
+        for kwargs, param in cases:
+            with self.subTest(param=param), self.assertRaises(openai.BadRequestError) as ctx:
+                self.client.completions.create(model=MODEL, **kwargs)
+            self.assertEqual(ctx.exception.status_code, 400)
+            self.assertEqual(ctx.exception.param, param)
+            self.assertEqual(ctx.exception.type, "invalid_request_error")
+            self.assertIn(param, ctx.exception.message)
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": 5}])
+        self.assertEqual(ctx.exception.param, "messages[0].content")
+        # Malformed JSON, and a body that is not an object: 400 in OpenAI's error shape.
+        for body in (b"{not json", b"[1, 2]"):
+            status, err = self.post_raw("/v1/completions", body)
+            self.assertEqual(status, 400)
+            self.assertEqual(set(err["error"]), {"message", "type", "param", "code"})
+
+    def test_prompt_too_long_is_400_with_both_numbers(self):
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(model=MODEL, prompt=[5] * 600, max_tokens=4)
+        self.assertRegex(ctx.exception.message, r"600 tokens do not fit max_model_len 512")
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a " * 700}])
+        self.assertRegex(ctx.exception.message, r"its \d+ tokens do not fit max_model_len 512")
+        self.assertEqual(ctx.exception.param, "messages")
+
+    def test_unknown_model_is_404(self):
+        with self.assertRaises(openai.NotFoundError) as ctx:
+            self.client.completions.create(model="gpt-4", prompt="x")
+        self.assertEqual(ctx.exception.code, "model_not_found")
+        self.assertEqual(ctx.exception.param, "model")
+
+    def test_body_over_the_limit_is_413(self):
+        body = json.dumps({"model": MODEL, "prompt": "a" * (9 << 20)}).encode()  # over the 8 MiB default
+        status, err = self.post_raw("/v1/completions", body)
+        self.assertEqual(status, 413)
+        self.assertIn("8388608", err["error"]["message"])
+
+    def test_full_queue_is_429(self):
+        # n = 16 submissions: at most max-num-seqs run and none may wait (--max-waiting-requests 0).
+        with self.assertRaises(openai.RateLimitError) as ctx:
+            self.client.completions.create(model=MODEL, prompt="x", max_tokens=4, n=16)
+        self.assertEqual(ctx.exception.status_code, 429)
+        self.assertIn("--max-waiting-requests", ctx.exception.message)
+        # The choices already submitted were cancelled: nothing stays in the engine.
+        wait_until(lambda: self.scheduler().running == 0 and self.scheduler().waiting == 0, 60, "an idle engine")
+
+    def test_client_disconnect_cancels_the_request(self):
+        wait_until(lambda: self.scheduler().running == 0, 60, "an idle engine")
+        finished_before = self.metric("shardserve_requests_finished_total")
+        generated_before = self.metric("shardserve_generated_tokens_total")
+        gone_before = self.metric("shardserve_http_requests_total", endpoint="/v1/completions", status="499")
+        max_tokens = 480
+        stream = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=max_tokens,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True})
+        got = 0
+        for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        stream.close()  # closes the connection mid-stream
+        s = wait_until(lambda: (lambda s: s if s.running == 0 and s.kv_blocks_free == s.kv_blocks_total else None)(
+            self.scheduler()), 60, "the request to leave the engine and free its blocks")
+        self.assertGreater(s.kv_blocks_total, 0)
+        wait_until(lambda: self.metric("shardserve_http_requests_total", endpoint="/v1/completions",
+                                       status="499") == gone_before + 1, 30, "the disconnect to be counted")
+        # Cancelled, not finished: it never reached max_tokens.
+        self.assertEqual(self.metric("shardserve_requests_finished_total"), finished_before)
+        self.assertLess(self.metric("shardserve_generated_tokens_total") - generated_before, max_tokens)
+
+    def test_zz_lost_worker_is_503(self):
+        # Last (tests run in name order): a worker is killed, so the group stops serving.
+        workers = subprocess.run(["pgrep", "-P", str(self.launch.pid), "-f", "shardserve-worker"],
+                                 capture_output=True, text=True).stdout.split()
+        self.assertTrue(workers, "no worker process found")
+        os.kill(int(workers[0]), signal.SIGKILL)
+        wait_until(lambda: not self.http_ok("/health"), 60, "/health to report the lost worker")
+        with self.assertRaises(openai.InternalServerError) as ctx:
+            self.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        self.assertEqual(ctx.exception.status_code, 503)
+        self.assertEqual(ctx.exception.code, "not_serving")
+
+
+class NoChatTemplateTest(unittest.TestCase):
+    """A model without a chat template (a test fixture: config.json and weights, no tokenizer):
+    chat is refused with a 400 that says so; completions of token ids work."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model_dir = os.path.join(ROOT, "tests", "fixtures", "models", "llama_gqa")
+        cls.model = os.path.basename(cls.model_dir)
+        http_port = free_port()
+        base = f"http://127.0.0.1:{http_port}"
+        cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
+                                   "--address", f"127.0.0.1:{free_port()}", "--http-port", str(http_port)],
+                                  base, tempfile.mkdtemp(prefix="shardserve-openai-notemplate-"))
+        cls.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+        assert cls.launch.returncode is not None
+
+    def test_chat_is_400_saying_there_is_no_template(self):
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "Hi"}])
+        self.assertIn("has no chat template", ctx.exception.message)
+        self.assertEqual(ctx.exception.param, "messages")
+
+    def test_token_id_completion_works(self):
+        r = self.client.completions.create(model=self.model, prompt=[1, 2, 3], max_tokens=4, temperature=0,
+                                           logprobs=1)
+        self.assertEqual(r.usage.completion_tokens, 4)
+        self.assertEqual(len(r.choices[0].logprobs.token_logprobs), 4)
+        with self.assertRaises(openai.BadRequestError) as ctx:  # text needs a tokenizer
+            self.client.completions.create(model=self.model, prompt="Hi")
+        self.assertEqual(ctx.exception.param, "prompt")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin", required=True, help="directory holding shardserve, shardserve-coordinator, -worker")
+    args, rest = parser.parse_known_args()
+    BIN = args.bin
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

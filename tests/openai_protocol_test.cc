@@ -1,0 +1,304 @@
+// The OpenAI API's request checks and response JSON (coordinator/openai/protocol.h), without HTTP
+// or processes: every field's error names the field (and sets the error's param), accepted
+// requests become the GenerateRequest the gRPC API takes, PrepareGeneration's errors are renamed
+// to the OpenAI fields, statuses map to HTTP's.
+#include "coordinator/openai/protocol.h"
+
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
+
+namespace shardserve::openai {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+struct BadCase {
+  const char* name;
+  Endpoint endpoint;
+  const char* body;
+  const char* param;  // "" when the error names no field
+  const char* says;   // a piece of the message
+};
+
+void PrintTo(const BadCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr Endpoint kChat = Endpoint::kChatCompletions;
+constexpr Endpoint kCompl = Endpoint::kCompletions;
+
+class BadRequestTest : public testing::TestWithParam<BadCase> {};
+
+TEST_P(BadRequestTest, IsInvalidArgumentNamingTheField) {
+  const BadCase& c = GetParam();
+  absl::StatusOr<Request> r = ParseRequest(c.endpoint, c.body);
+  ASSERT_FALSE(r.ok()) << c.body;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParamOf(r.status()), c.param) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), c.says)) << r.status();
+  if (*c.param != '\0') {
+    EXPECT_TRUE(absl::StartsWith(r.status().message(), c.param)) << r.status();
+  }
+  const ApiError e = ErrorFromStatus(r.status());
+  EXPECT_EQ(e.http_status, 400);
+  EXPECT_EQ(e.type, "invalid_request_error");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    EveryField, BadRequestTest,
+    testing::Values(
+        BadCase{"NotJson", kCompl, "{\"model\": ", "", "not valid JSON"},
+        BadCase{"NotAnObject", kCompl, "[1]", "", "must be a JSON object"},
+        BadCase{"ModelMissing", kCompl, R"({"prompt": "x"})", "model", "is required"},
+        BadCase{"ModelNotString", kCompl, R"({"model": 3, "prompt": "x"})", "model", "must be a string"},
+        BadCase{"PromptMissing", kCompl, R"({"model": "m"})", "prompt", "is required"},
+        BadCase{"PromptWrongType", kCompl, R"({"model": "m", "prompt": {}})", "prompt", "a string or an array"},
+        BadCase{"PromptBatch", kCompl, R"({"model": "m", "prompt": ["a", "b"]})", "prompt", "batch"},
+        BadCase{"PromptIdNotInt", kCompl, R"({"model": "m", "prompt": [1, 2.5]})", "prompt[1]", "integer token id"},
+        BadCase{"PromptIdNegative", kCompl, R"({"model": "m", "prompt": [-1]})", "prompt[0]", "not a token id"},
+        BadCase{"MessagesMissing", kChat, R"({"model": "m"})", "messages", "is required"},
+        BadCase{"MessagesNotArray", kChat, R"({"model": "m", "messages": "hi"})", "messages", "an array"},
+        BadCase{"MessagesEmpty", kChat, R"({"model": "m", "messages": []})", "messages", "at least one"},
+        BadCase{"MessageNotObject", kChat, R"({"model": "m", "messages": [1]})", "messages[0]", "an object"},
+        BadCase{"RoleMissing", kChat, R"({"model": "m", "messages": [{"content": "x"}]})", "messages[0].role",
+                "must be a string"},
+        BadCase{"ContentNumber", kChat, R"({"model": "m", "messages": [{"role": "user", "content": 5}]})",
+                "messages[0].content", "a string, an array of content parts or null"},
+        BadCase{"ContentImage", kChat,
+                R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+                "messages[0].content[0].type", "text only"},
+        BadCase{"ContentPartNoText", kChat,
+                R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]})",
+                "messages[0].content[0].text", "must be a string"},
+        BadCase{"ToolsNotArray", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tools": {}})", "tools",
+                "an array"},
+        BadCase{"ToolNotObject", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tools": [1]})",
+                "tools[0]", "an object"},
+        BadCase{"KwargsNotObject", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "chat_template_kwargs": []})",
+                "chat_template_kwargs", "an object"},
+        BadCase{"AddGenerationPromptNotBool", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "add_generation_prompt": 1})",
+                "add_generation_prompt", "a boolean"},
+        BadCase{"NZero", kCompl, R"({"model": "m", "prompt": "x", "n": 0})", "n", "must be in [1, 16]"},
+        BadCase{"NTooMany", kCompl, R"({"model": "m", "prompt": "x", "n": 17})", "n", "must be in [1, 16]"},
+        BadCase{"NFloat", kCompl, R"({"model": "m", "prompt": "x", "n": 1.5})", "n", "an integer"},
+        BadCase{"StreamNotBool", kCompl, R"({"model": "m", "prompt": "x", "stream": "yes"})", "stream", "a boolean"},
+        BadCase{"StreamOptionsWithoutStream", kCompl,
+                R"({"model": "m", "prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
+                "stream: true"},
+        BadCase{"IncludeUsageNotBool", kCompl,
+                R"({"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
+                "stream_options.include_usage", "a boolean"},
+        BadCase{"MaxTokensZero", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 0})", "max_tokens",
+                "at least 1"},
+        BadCase{"MaxTokensNegative", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": -1})", "max_tokens",
+                "must be in"},
+        BadCase{"MaxTokensHuge", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 99999999999})", "max_tokens",
+                "must be in"},
+        BadCase{"MaxTokensString", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": "10"})", "max_tokens",
+                "an integer"},
+        BadCase{"MaxCompletionTokensDiffers", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "max_tokens": 4, "max_completion_tokens": 5})",
+                "max_completion_tokens", "send one"},
+        BadCase{"TemperatureString", kCompl, R"({"model": "m", "prompt": "x", "temperature": "hot"})", "temperature",
+                "a number, got a string"},
+        BadCase{"TopPString", kCompl, R"({"model": "m", "prompt": "x", "top_p": []})", "top_p", "a number"},
+        BadCase{"TopPZero", kCompl, R"({"model": "m", "prompt": "x", "top_p": 0})", "top_p", "(0, 1]"},
+        BadCase{"MinPBool", kCompl, R"({"model": "m", "prompt": "x", "min_p": true})", "min_p", "a number"},
+        BadCase{"TopKFloat", kCompl, R"({"model": "m", "prompt": "x", "top_k": 2.5})", "top_k", "an integer"},
+        BadCase{"TopKBelowMinusOne", kCompl, R"({"model": "m", "prompt": "x", "top_k": -2})", "top_k", "must be in"},
+        BadCase{"SeedString", kCompl, R"({"model": "m", "prompt": "x", "seed": "7"})", "seed", "an integer"},
+        BadCase{"PresencePenaltyString", kCompl, R"({"model": "m", "prompt": "x", "presence_penalty": "1"})",
+                "presence_penalty", "a number"},
+        BadCase{"FrequencyPenaltyObject", kCompl, R"({"model": "m", "prompt": "x", "frequency_penalty": {}})",
+                "frequency_penalty", "a number"},
+        BadCase{"RepetitionPenaltyString", kCompl, R"({"model": "m", "prompt": "x", "repetition_penalty": "x"})",
+                "repetition_penalty", "a number"},
+        BadCase{"StopNumber", kCompl, R"({"model": "m", "prompt": "x", "stop": 3})", "stop",
+                "a string or an array of strings"},
+        BadCase{"StopListItem", kCompl, R"({"model": "m", "prompt": "x", "stop": ["a", 1]})", "stop[1]", "a string"},
+        BadCase{"StopTokenIds", kCompl, R"({"model": "m", "prompt": "x", "stop_token_ids": [1, -1]})",
+                "stop_token_ids[1]", "a token id"},
+        BadCase{"IgnoreEosString", kCompl, R"({"model": "m", "prompt": "x", "ignore_eos": "true"})", "ignore_eos",
+                "a boolean"},
+        BadCase{"ChatLogprobsInt", kChat, R"({"model": "m", "messages": [{"role": "user"}], "logprobs": 2})",
+                "logprobs", "a boolean"},
+        BadCase{"ChatTopLogprobsWithoutLogprobs", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "top_logprobs": 2})", "top_logprobs",
+                "needs logprobs: true"},
+        BadCase{"ChatTopLogprobsNegative", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "logprobs": true, "top_logprobs": -1})",
+                "top_logprobs", "must be in"},
+        BadCase{"CompletionLogprobsBool", kCompl, R"({"model": "m", "prompt": "x", "logprobs": true})", "logprobs",
+                "an integer"},
+        BadCase{"UserNotString", kCompl, R"({"model": "m", "prompt": "x", "user": 5})", "user", "a string"},
+        BadCase{"Echo", kCompl, R"({"model": "m", "prompt": "x", "echo": true})", "echo", "not supported"},
+        BadCase{"Suffix", kCompl, R"({"model": "m", "prompt": "x", "suffix": "end"})", "suffix", "not supported"},
+        BadCase{"BestOf", kCompl, R"({"model": "m", "prompt": "x", "best_of": 3})", "best_of", "only 1"},
+        BadCase{"LogitBias", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": 10}})", "logit_bias",
+                "not supported"},
+        BadCase{"ResponseFormatJson", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
+                "response_format", "only"}),
+    [](const testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
+
+TEST(ParseRequestTest, CompletionWithEveryField) {
+  absl::StatusOr<Request> r = ParseRequest(kCompl, R"({
+    "model": "demo", "prompt": "And God said", "n": 2, "stream": true,
+    "stream_options": {"include_usage": true}, "max_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+    "top_k": 40, "min_p": 0.05, "seed": 11, "stop": ["\n", "Amen"], "presence_penalty": 0.5,
+    "frequency_penalty": -0.5, "logprobs": 3, "ignore_eos": true, "user": "u1", "unknown_field": [1],
+    "echo": false, "best_of": 1, "logit_bias": {}, "suffix": null})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model, "demo");
+  EXPECT_EQ(r->prompt_text, "And God said");
+  EXPECT_FALSE(r->prompt_is_ids);
+  EXPECT_EQ(r->n, 2);
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+  EXPECT_EQ(r->max_tokens, 7);
+  EXPECT_EQ(r->user, "u1");
+  const v1::SamplingParams& s = r->sampling;
+  EXPECT_FLOAT_EQ(s.temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(s.top_p(), 0.9f);
+  EXPECT_EQ(s.top_k(), 40);
+  EXPECT_FLOAT_EQ(s.min_p(), 0.05f);
+  EXPECT_EQ(s.seed(), 11u);
+  ASSERT_EQ(s.stop_size(), 2);
+  EXPECT_EQ(s.stop(1), "Amen");
+  EXPECT_FLOAT_EQ(s.presence_penalty(), 0.5f);
+  EXPECT_FLOAT_EQ(s.frequency_penalty(), -0.5f);
+  EXPECT_TRUE(s.logprobs());
+  EXPECT_EQ(s.top_logprobs(), 3);
+  EXPECT_TRUE(s.ignore_eos());
+
+  // Choice 1 of 2: seed + 1; the prompt as text for PrepareGeneration to tokenize.
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 1, 7, nullptr);
+  EXPECT_EQ(g.text(), "And God said");
+  EXPECT_EQ(g.sampling().max_tokens(), 7);
+  EXPECT_EQ(g.sampling().seed(), 12u);
+  EXPECT_EQ(g.sampling().stop_size(), 2);
+}
+
+TEST(ParseRequestTest, DefaultsFollowOpenAI) {
+  absl::StatusOr<Request> r = ParseRequest(kCompl, R"({"model": "m", "prompt": [[3, 4, 5]], "top_k": -1})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->prompt_is_ids);  // a list of one prompt is that prompt
+  EXPECT_EQ(r->prompt_ids, (std::vector<int32_t>{3, 4, 5}));
+  EXPECT_EQ(r->n, 1);
+  EXPECT_FALSE(r->stream);
+  EXPECT_FALSE(r->max_tokens.has_value());
+  EXPECT_FLOAT_EQ(r->sampling.temperature(), 1.0f);  // OpenAI's default: sampling
+  EXPECT_EQ(r->sampling.top_k(), 0);                 // -1: no limit
+  EXPECT_FALSE(r->sampling.has_seed());
+  EXPECT_FALSE(r->sampling.logprobs());
+  const std::vector<int32_t> ids = {3, 4, 5};
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 3, 16, &ids);
+  EXPECT_EQ(g.token_ids().ids_size(), 3);
+  EXPECT_FALSE(g.sampling().has_seed());  // unseeded choices stay unseeded: each draws its own
+}
+
+TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
+  absl::StatusOr<Request> r = ParseRequest(kChat, R"({
+    "model": "m", "messages": [
+      {"role": "system", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "c1"}]}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "chat_template_kwargs": {"enable_thinking": false}, "add_generation_prompt": false,
+    "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2, "response_format": {"type": "text"}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->messages.size(), 3u);
+  EXPECT_EQ(r->messages[1]["content"], "one\ntwo");  // text parts joined
+  EXPECT_TRUE(r->messages[2]["content"].is_null());
+  EXPECT_EQ(r->messages[2]["tool_calls"][0]["id"], "c1");  // other keys kept for the template
+  EXPECT_EQ(r->tools.size(), 1u);
+  EXPECT_EQ(r->chat_template_kwargs["enable_thinking"], false);
+  EXPECT_FALSE(r->add_generation_prompt);
+  EXPECT_EQ(r->max_tokens, 9);
+  EXPECT_TRUE(r->sampling.logprobs());
+  EXPECT_EQ(r->sampling.top_logprobs(), 2);
+}
+
+TEST(ParseRequestTest, NullIsAbsent) {
+  absl::StatusOr<Request> r =
+      ParseRequest(kCompl, R"({"model": "m", "prompt": "x", "temperature": null, "stop": null, "n": null})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FLOAT_EQ(r->sampling.temperature(), 1.0f);
+  EXPECT_EQ(r->sampling.stop_size(), 0);
+  EXPECT_EQ(r->n, 1);
+}
+
+TEST(RenameGenerationErrorTest, UsesTheOpenAIFieldNames) {
+  struct Case {
+    Endpoint endpoint;
+    const char* in;
+    const char* param;
+    const char* out;
+  };
+  for (const Case& c : {
+           Case{kCompl, "sampling.temperature: must be >= 0, got -1", "temperature", "temperature: must be >= 0, got -1"},
+           Case{kCompl, "sampling.stop[2]: must be 1 to 256 bytes", "stop[2]", "stop[2]: must be 1 to 256 bytes"},
+           Case{kCompl, "sampling.top_logprobs: must be in [0, 20], got 30", "logprobs",
+                "logprobs: must be in [0, 20], got 30"},
+           Case{kChat, "sampling.top_logprobs: must be in [0, 20], got 30", "top_logprobs",
+                "top_logprobs: must be in [0, 20], got 30"},
+           Case{kCompl, "prompt.token_ids.ids[4]: 9999 is outside the vocabulary [0, 4096)", "prompt[4]",
+                "prompt[4]: 9999 is outside the vocabulary [0, 4096)"},
+           Case{kCompl, "prompt.text: invalid UTF-8", "prompt", "prompt: invalid UTF-8"},
+           Case{kChat, "prompt: its 600 tokens do not fit max_model_len 512", "messages",
+                "messages: its 600 tokens do not fit max_model_len 512"},
+           Case{kCompl, "prompt: its 600 tokens do not fit max_model_len 512", "prompt",
+                "prompt: its 600 tokens do not fit max_model_len 512"},
+       }) {
+    const absl::Status s = RenameGenerationError(absl::InvalidArgumentError(c.in), c.endpoint);
+    EXPECT_EQ(s.message(), c.out);
+    EXPECT_EQ(ParamOf(s), c.param) << c.in;
+  }
+  // Other codes pass through.
+  const absl::Status unavailable = absl::UnavailableError("x: y");
+  EXPECT_EQ(RenameGenerationError(unavailable, kCompl), unavailable);
+}
+
+TEST(ErrorTest, StatusesMapToHttpAndOpenAIShape) {
+  EXPECT_EQ(ErrorFromStatus(absl::NotFoundError("model: no")).http_status, 404);
+  EXPECT_EQ(ErrorFromStatus(absl::NotFoundError("model: no")).code, "model_not_found");
+  EXPECT_EQ(ErrorFromStatus(absl::ResourceExhaustedError("full")).http_status, 429);
+  EXPECT_EQ(ErrorFromStatus(absl::UnavailableError("lost")).http_status, 503);
+  EXPECT_EQ(ErrorFromStatus(absl::InternalError("bug")).http_status, 500);
+  const Json body = Json::parse(ErrorBody(ErrorFromStatus(InvalidField("top_p", "must be in (0, 1]"))));
+  EXPECT_EQ(body, Json::parse(R"({"error": {"message": "top_p: must be in (0, 1]", "type": "invalid_request_error",
+                                            "param": "top_p", "code": null}})"));
+}
+
+TEST(ResponseJsonTest, UsageAndLogprobs) {
+  EXPECT_EQ(UsageJson(5, 3, 2), Json::parse(R"({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                                "prompt_tokens_details": {"cached_tokens": 2}})"));
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_LENGTH), "length");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_TOKEN), "stop");
+  EXPECT_STREQ(FinishReasonName(v1::FINISH_REASON_STOP_STRING), "stop");
+
+  std::vector<v1::TokenLogprobs> entries(2);
+  entries[0].set_token_id(7);
+  entries[0].set_logprob(-0.5f);
+  v1::TopLogprob* top = entries[0].add_top_logprobs();
+  top->set_token_id(7);
+  top->set_logprob(-0.5f);
+  entries[1].set_token_id(8);
+  entries[1].set_logprob(-1.5f);
+  // Without a tokenizer the token strings are empty; the numbers and the shape stay.
+  const Json chat = ChatLogprobsContent(entries, nullptr);
+  ASSERT_EQ(chat.size(), 2u);
+  EXPECT_EQ(chat[0]["logprob"], -0.5);
+  EXPECT_EQ(chat[0]["top_logprobs"].size(), 1u);
+  EXPECT_EQ(chat[0]["bytes"], Json::array());
+  const Json completion = CompletionLogprobs(entries, nullptr, 10);
+  EXPECT_EQ(completion["token_logprobs"], Json::parse("[-0.5, -1.5]"));
+  EXPECT_EQ(completion["text_offset"], Json::parse("[10, 10]"));
+  EXPECT_EQ(completion["top_logprobs"][1], Json::object());
+}
+
+}  // namespace
+}  // namespace shardserve::openai
