@@ -55,8 +55,11 @@ def http_ok(base: str, path: str) -> bool:
 
 def start_launch(args, http_base: str, log_dir: str) -> subprocess.Popen:
     """`shardserve launch ARGS`, once its HTTP API answers /health with 200 (or raises, stopped)."""
+    # launch's own state directory (its throw-away CA and cluster.json: grpc_client() reads them), so
+    # that it never meets another test's.
+    env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
     launch = subprocess.Popen([os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0",
-                               "--log-dir", log_dir] + args,
+                               "--log-dir", log_dir] + args, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not http_ok(http_base, "/health"):
@@ -64,6 +67,14 @@ def start_launch(args, http_base: str, log_dir: str) -> subprocess.Popen:
             raise RuntimeError(f"cluster did not become ready:\n{stop_launch(launch)}")
         time.sleep(0.25)
     return launch
+
+
+def grpc_client(log_dir: str) -> Client:
+    """A gRPC client of the cluster start_launch(..., log_dir) runs: mutual TLS with the
+    certificates launch made (its cluster.json), as the shardserve commands connect."""
+    with open(os.path.join(log_dir, "state", "cluster.json")) as f:
+        c = json.load(f)
+    return Client(c["address"], tls_ca=c["ca"], tls_cert=c["cert"], tls_key=c["key"])
 
 
 def stop_launch(launch: subprocess.Popen) -> str:
@@ -100,7 +111,7 @@ class OpenAIApiTest(unittest.TestCase):
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0"],
             cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
         try:  # tearDownClass does not run when setUpClass fails
-            cls.grpc = Client(cls.address)
+            cls.grpc = grpc_client(cls.launch.args[cls.launch.args.index("--log-dir") + 1])
             with open(os.path.join(cls.launch.args[cls.launch.args.index("--log-dir") + 1], "coordinator.log")) as f:
                 cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
         except BaseException:
