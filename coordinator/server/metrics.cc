@@ -38,6 +38,11 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                             .Name("shardserve_worker_up")
                             .Help("1 while the coordinator sees the worker healthy, 0 once it is lost.")
                             .Register(*registry_)),
+      cluster_state_family_(prometheus::BuildGauge()
+                                .Name("shardserve_cluster_state")
+                                .Help("1 for the worker group's current state (starting, serving, healing, "
+                                      "degraded), 0 for the others.")
+                                .Register(*registry_)),
       time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
                                        "Seconds from a request's arrival to its first token sent.", model)),
       inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
@@ -74,12 +79,35 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       prompt_tokens(AddCounter(*registry_, "shardserve_prompt_tokens_total", "Prompt tokens of requests that ran.",
                                model)),
       generated_tokens(AddCounter(*registry_, "shardserve_generated_tokens_total", "Completion tokens sent to clients.",
-                                  model)) {
+                                  model)),
+      heals(AddCounter(*registry_, "shardserve_heals_total",
+                       "Times the worker group re-formed after a lost or failed worker and served again.", model)),
+      heal_duration(prometheus::BuildHistogram()
+                        .Name("shardserve_heal_duration_seconds")
+                        .Help("Seconds from a worker's loss (or failure) to the group serving again.")
+                        .Register(*registry_)
+                        .Add({{"model", model}},
+                             prometheus::Histogram::BucketBoundaries{0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300})),
+      heal_requests_resumed(AddCounter(*registry_, "shardserve_heal_requests_resumed_total",
+                                       "Requests held through a heal and resumed by recompute.", model)),
+      heal_requests_failed(AddCounter(*registry_, "shardserve_heal_requests_failed_total",
+                                      "Requests failed with UNAVAILABLE because the group did not heal within "
+                                      "--heal-timeout-seconds.",
+                                      model)),
+      worker_restarts(AddCounter(*registry_, "shardserve_worker_restarts_total",
+                                 "Workers that registered to take the slot of a lost worker.", model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
   for (const char* reason : {"stop_token", "stop_string", "length"}) {
     finished_family_.Add({{"model", model_}, {"reason", reason}});
   }
   requests_family_.Add({{"model", model_}, {"code", "OK"}});
+  SetClusterState("starting");
+}
+
+void CoordinatorMetrics::SetClusterState(const std::string& state) {
+  for (const char* s : {"starting", "serving", "healing", "degraded"}) {
+    cluster_state_family_.Add({{"model", model_}, {"state", s}}).Set(state == s ? 1 : 0);
+  }
 }
 
 void CoordinatorMetrics::Finished(absl::string_view reason) {

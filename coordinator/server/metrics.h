@@ -38,6 +38,9 @@ class CoordinatorMetrics {
   // How the coordinator sees a worker of the planned group: up (registered, loading, ready) or
   // lost.
   void SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up);
+  // The group's state (WorkerPool::StateName: starting, serving, healing, degraded): its series is
+  // 1, the others 0.
+  void SetClusterState(const std::string& state);
 
  private:
   const std::string model_;
@@ -45,6 +48,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& finished_family_;
   prometheus::Family<prometheus::Counter>& requests_family_;
   prometheus::Family<prometheus::Gauge>& worker_up_family_;
+  prometheus::Family<prometheus::Gauge>& cluster_state_family_;
 
  public:
   // ---- Observed directly by the inference service and the pool ----
@@ -62,6 +66,12 @@ class CoordinatorMetrics {
   prometheus::Gauge& kv_blocks_total;  // num_kv_blocks the workers hold
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generated_tokens;
+  // ---- Healing (docs/healing.md) ----
+  prometheus::Counter& heals;                     // the group re-formed and serves again
+  prometheus::Histogram& heal_duration;           // seconds, loss -> serving again
+  prometheus::Counter& heal_requests_resumed;     // requests held through a heal that went on
+  prometheus::Counter& heal_requests_failed;      // requests failed because a heal took too long
+  prometheus::Counter& worker_restarts;           // workers registered for a lost slot
 };
 
 }  // namespace shardserve
