@@ -95,6 +95,10 @@ class LocalCluster {
   bool Serving();
   // Reaps a child that has exited, if any, and describes it.
   std::optional<ExitedProcess> ReapExited();
+  // Starts the reaped worker `name` ("worker node1/0") again with its command line, its log
+  // appended to. The coordinator gives it the lost slot of its node (docs/healing.md).
+  // FailedPrecondition when no reaped worker has that name.
+  absl::Status RestartWorker(const std::string& name);
   // Polls until the coordinator serves. Fails if a process exits first (naming it, with the end of
   // its log), after `timeout`, or when *stop becomes true (Ctrl-C).
   absl::Status WaitUntilServing(std::chrono::seconds timeout, const std::atomic<bool>* stop);
@@ -108,11 +112,14 @@ class LocalCluster {
     pid_t pid = -1;    // -1 once reaped
     std::string log;
     bool worker = false;
+    std::vector<std::string> argv;  // to restart it
   };
 
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status Spawn(const std::string& name, const std::vector<std::string>& argv, const std::string& log_name,
                      bool worker);
+  // Forks and execs `argv` with stdout and stderr to `log` (truncated, or appended to).
+  static absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv, const std::string& log, bool append);
 
   const LocalClusterOptions options_;
   std::string address_;
@@ -121,10 +128,12 @@ class LocalCluster {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
 
-// The scheduler flags of the coordinator that `launch` and `bench --compare` take and pass through
-// unchanged, each only when given (so that the coordinator's defaults apply otherwise).
+// The scheduler flags of the coordinator (and --heal-timeout-seconds) that `launch` and `bench
+// --compare` take and pass through unchanged, each only when given (so that the coordinator's
+// defaults apply otherwise).
 inline constexpr const char* kCoordinatorPassThroughFlags[] = {
-    "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size"};
+    "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size",
+    "heal-timeout-seconds"};
 
 // CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
 // workers, at least one each, so that workers do not oversubscribe the machine. (The test
