@@ -6,6 +6,8 @@
 //   0), with a replacement process started for its node about 1 s later: the stream finishes with
 //   exactly the tokens of an undisturbed run, and the group serves under the next epoch.
 // - The same with seeded sampling (temperature, top-p, a repetition penalty): the same tokens.
+// - A SIGSTOPped worker: lost after its heartbeats stop; its peer, stuck in a collective with it,
+//   fails that step, is not lost for it, and regroups with the replacement: the same tokens.
 // - No replacement: the stream fails after --heal-timeout-seconds with UNAVAILABLE naming the lost
 //   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
 //   (too little memory, another node) are refused saying why and the slot stays open; a fitting one
@@ -147,6 +149,41 @@ TEST(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
   ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
   EXPECT_EQ(run.tokens, reference.tokens);
   EXPECT_GE(cluster.Status().epoch(), 2u);
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+// A hung (SIGSTOPped) worker: its TP peer is stuck in an all-reduce with it until the collective
+// timeout, fails that step and is not lost for it; the stopped worker is lost when its heartbeats
+// stop, a replacement takes its slot, the survivor regroups, and the stream finishes unchanged.
+TEST(HealTest, StoppedWorkerIsReplacedAndTheSurvivorStuckInACollectiveRegroups) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const int victim = WorkerAt(cluster, 0, 1);
+  ASSERT_GE(victim, 0);
+  const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] {
+    cluster.worker(victim).Signal(SIGSTOP);
+    // A replacement registers once the coordinator has lost the stopped worker (3 s without
+    // heartbeats); before that the slot is not open.
+    const auto start = Clock::now();
+    while (WorkerAt(cluster, 0, 1) == victim && SecondsSince(start) < 60) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    cluster.AddWorker("n0");
+  });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_GE(status.epoch(), 2u);
+  // The survivor (tp rank 0) kept its slot: it was not lost, only regrouped.
+  const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
+  EXPECT_NE(log.find("(node n0, stage 0, tp rank 0): regrouped"), std::string::npos) << log;
+  EXPECT_EQ(log.find("tp rank 0): LOST"), std::string::npos) << log;
+  cluster.worker(victim).Kill();
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
