@@ -8,6 +8,7 @@
 // - The same with seeded sampling (temperature, top-p, a repetition penalty): the same tokens.
 // - A SIGSTOPped worker: lost after its heartbeats stop; its peer, stuck in a collective with it,
 //   fails that step, is not lost for it, and regroups with the replacement: the same tokens.
+// - A spare registered beforehand (worker --spare) takes the slot of a killed worker at once.
 // - No replacement: the stream fails after --heal-timeout-seconds with UNAVAILABLE naming the lost
 //   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
 //   (too little memory, another node) are refused saying why and the slot stays open; a fitting one
@@ -184,6 +185,37 @@ TEST(HealTest, StoppedWorkerIsReplacedAndTheSurvivorStuckInACollectiveRegroups) 
   EXPECT_NE(log.find("(node n0, stage 0, tp rank 0): regrouped"), std::string::npos) << log;
   EXPECT_EQ(log.find("tp rank 0): LOST"), std::string::npos) << log;
   cluster.worker(victim).Kill();
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+// A spare (worker --spare) registered beforehand takes the killed worker's slot at once: no new
+// process, and the stream finishes unchanged.
+TEST(HealTest, ASpareTakesTheSlotOfAKilledWorker) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  cluster.AddWorker("n0", {"--spare"});
+  const auto start = Clock::now();
+  while (cluster.Status().workers_size() < 3 && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(cluster.Status().workers_size(), 3) << "the spare did not register\n" << cluster.Logs();
+  EXPECT_EQ(cluster.Status().state(), "serving");
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const int victim = WorkerAt(cluster, 0, 1);
+  ASSERT_GE(victim, 0);
+  const StreamRun run =
+      StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(victim).Signal(SIGKILL); });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_GE(status.epoch(), 2u);
+  EXPECT_EQ(cluster.num_workers(), 3) << "no process was started for the heal";
+  const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
+  EXPECT_NE(log.find("spare takes slot (node n0, stage 0, tp rank 1)"), std::string::npos) << log;
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 

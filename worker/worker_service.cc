@@ -96,6 +96,7 @@ absl::Status WorkerService::Run() {
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
   r->set_metrics_address(options_.metrics_address);
+  r->set_spare(options_.spare);
   absl::Status result;
   std::thread heartbeat;
   if (!Write(stream.get(), hello)) {

@@ -69,6 +69,8 @@ struct WorkerOptions {
   // Test-only: sleep this long before each step, so that a test can act in the middle of a
   // generation. Zero in production.
   absl::Duration debug_step_delay = absl::ZeroDuration();
+  // Register as a spare (worker.proto Register.spare): no shard until a slot of this node is lost.
+  bool spare = false;
 };
 
 class WorkerService {

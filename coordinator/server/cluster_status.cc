@@ -19,6 +19,7 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
     for (const Slot& slot : group_->slots) shown.push_back(slot.worker);
     for (const auto& [rank, index] : replacements_) shown.push_back(index);
   }
+  shown.insert(shown.end(), spares_.begin(), spares_.end());  // idle spares: stage -1
   for (int i : shown) {
     const Worker& w = *workers_[i];
     v1::WorkerStatus* s = status->add_workers();

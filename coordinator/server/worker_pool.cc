@@ -175,44 +175,9 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     absl::MutexLock lock(&mu_);
     const int expected = options_.nodes * options_.gpus_per_node;
     const bool healing = phase_ == Phase::kHealing;
-    switch (phase_) {
-      case Phase::kWaiting: break;
-      case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
-      case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
-      case Phase::kHealing: {
-        absl::StatusOr<int> replacement = RegisterReplacementLocked(hello, link);
-        if (!replacement.ok()) {
-          CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
-                                               replacement.status().message()),
-                         LogIds{"", "", hello.node(), -1, -1, "warn"});
-          return replacement.status();
-        }
-        index = *replacement;
-        to_send = TryRegroupLocked();
-        break;
-      }
-      case Phase::kBroken:
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the worker group is broken (", NotServingLocked().message(), "); restart the coordinator"));
-      default:
-        return absl::FailedPreconditionError(
-            absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
-                         " workers); a worker takes a slot only when its worker is lost"));
-    }
-    if (!healing) {  // kWaiting: one more worker for the group
-      std::map<std::string, int> per_node;
-      for (int i : pending_) ++per_node[workers_[i]->hello.node()];
-      if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
-        std::vector<std::string> names;
-        for (const auto& [name, count] : per_node) names.push_back(name);
-        return absl::FailedPreconditionError(absl::StrCat("the group already has its ", options_.nodes, " nodes (",
-                                                          absl::StrJoin(names, ", "), "): node ", hello.node(),
-                                                          " is one too many (--nodes)"));
-      }
-      if (per_node[hello.node()] >= options_.gpus_per_node) {
-        return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
-                                                          options_.gpus_per_node, " workers (--gpus-per-node)"));
-      }
+    if (hello.spare()) {
+      if (phase_ == Phase::kShuttingDown) return absl::UnavailableError("the coordinator is shutting down");
+      if (phase_ == Phase::kFailed) return absl::FailedPreconditionError(failed_reason_);
       index = static_cast<int>(workers_.size());
       auto w = std::make_unique<Worker>();
       w->id = absl::StrCat("w", index);
@@ -220,13 +185,69 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
       w->last_heard = absl::Now();
       w->link = link;
       workers_.push_back(std::move(w));
-      pending_.push_back(index);
+      spares_.push_back(index);
       CoordinatorLog(workers_[index]->id,
                      absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                  hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
-                                  pending_.size(), " of ", expected, " workers"),
+                                  ") as a spare: ", spares_.size(), " spare(s) idle"),
                      LogIds{"", workers_[index]->id, hello.node()});
-      if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+      if (healing) {
+        UseSparesLocked();
+        to_send = TryRegroupLocked();
+      }
+    } else {
+      switch (phase_) {
+        case Phase::kWaiting: break;
+        case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
+        case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
+        case Phase::kHealing: {
+          absl::StatusOr<int> replacement = RegisterReplacementLocked(hello, link);
+          if (!replacement.ok()) {
+            CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
+                                                 replacement.status().message()),
+                           LogIds{"", "", hello.node(), -1, -1, "warn"});
+            return replacement.status();
+          }
+          index = *replacement;
+          to_send = TryRegroupLocked();
+          break;
+        }
+        case Phase::kBroken:
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the worker group is broken (", NotServingLocked().message(), "); restart the coordinator"));
+        default:
+          return absl::FailedPreconditionError(
+              absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
+                           " workers); a worker takes a slot only when its worker is lost"));
+      }
+      if (!healing) {  // kWaiting: one more worker for the group
+        std::map<std::string, int> per_node;
+        for (int i : pending_) ++per_node[workers_[i]->hello.node()];
+        if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
+          std::vector<std::string> names;
+          for (const auto& [name, count] : per_node) names.push_back(name);
+          return absl::FailedPreconditionError(absl::StrCat("the group already has its ", options_.nodes, " nodes (",
+                                                            absl::StrJoin(names, ", "), "): node ", hello.node(),
+                                                            " is one too many (--nodes)"));
+        }
+        if (per_node[hello.node()] >= options_.gpus_per_node) {
+          return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
+                                                            options_.gpus_per_node, " workers (--gpus-per-node)"));
+        }
+        index = static_cast<int>(workers_.size());
+        auto w = std::make_unique<Worker>();
+        w->id = absl::StrCat("w", index);
+        w->hello = hello;
+        w->last_heard = absl::Now();
+        w->link = link;
+        workers_.push_back(std::move(w));
+        pending_.push_back(index);
+        CoordinatorLog(workers_[index]->id,
+                       absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                                    hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
+                                    pending_.size(), " of ", expected, " workers"),
+                       LogIds{"", workers_[index]->id, hello.node()});
+        if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+      }
     }
   }
   SendAll(to_send);
@@ -533,6 +554,11 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   // other lost worker's stream is ended, which also unblocks a send stuck on it.
   if (cause != LossCause::kFailure && w.link != nullptr) w.link->Cancel();
   changed_.SignalAll();
+  if (auto spare = std::find(spares_.begin(), spares_.end(), index); spare != spares_.end()) {
+    spares_.erase(spare);
+    CoordinatorLog(w.id, absl::StrCat("spare left: ", detail), LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    return;
+  }
   for (auto it = replacements_.begin(); it != replacements_.end(); ++it) {
     if (it->second != index) continue;
     // A replacement that leaves before the group re-forms: its slot is open again.
@@ -563,11 +589,13 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
                             "restarted");
   } else if (phase_ == Phase::kServing) {
     StartHealLocked(absl::StrCat(NameLocked(index), " is lost: ", detail));
+    UseSparesLocked();
   } else if (phase_ == Phase::kHealing) {
     needs_new_epoch_ = true;  // whoever joined the next epoch's groups must form them again
     CoordinatorLog("group", absl::StrCat("healing: slot (node ", w.hello.node(), ", stage ", w.stage, ", tp rank ",
                                          w.tp_rank, ") is open again; waiting for a worker from node ",
                                          w.hello.node()));
+    UseSparesLocked();
   }
 }
 
@@ -596,6 +624,58 @@ void WorkerPool::StartHealLocked(const std::string& why) {
                  LogIds{"", "", "", -1, -1, "warn"});
 }
 
+absl::Status WorkerPool::CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const {
+  const Worker& lost = *workers_[slot.worker];
+  const std::string where = absl::StrCat("slot (node ", slot.node, ", stage ", slot.stage, ", tp rank ",
+                                         slot.tp_rank, ")");
+  if ((hello.device() == "cpu") != (lost.hello.device() == "cpu")) {
+    return absl::FailedPreconditionError(absl::StrCat("device ", hello.device(), " cannot take ", where,
+                                                      ": the group runs on ", lost.hello.device()));
+  }
+  // What the slot's shard needs: its weights, step buffers and reserve, and the KV cache every
+  // worker of the group holds (the plan's figures), at the planner's memory utilization.
+  const GpuPlan& g = plan_->per_gpu[slot.rank];
+  const double kv = static_cast<double>(g.kv_bytes_per_token) * static_cast<double>(limits_.num_kv_blocks) *
+                    static_cast<double>(limits_.block_size);
+  const double need = (static_cast<double>(g.weight_bytes + g.activation_bytes + g.reserve_bytes) + kv) /
+                      plan_->options.gpu_memory_utilization;
+  if (static_cast<double>(hello.memory_bytes()) < need) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "a worker with %.1f MiB of memory cannot take %s: its shard needs %.1f MiB (weights %.1f MiB, KV cache %.1f "
+        "MiB for %d blocks, buffers and reserve %.1f MiB, at memory utilization %.2f); give it more (--memory-gb)",
+        hello.memory_bytes() / 1048576.0, where, need / 1048576.0, g.weight_bytes / 1048576.0, kv / 1048576.0,
+        limits_.num_kv_blocks, (g.activation_bytes + g.reserve_bytes) / 1048576.0,
+        plan_->options.gpu_memory_utilization));
+  }
+  return absl::OkStatus();
+}
+
+void WorkerPool::UseSparesLocked() {
+  if (phase_ != Phase::kHealing) return;
+  for (const Slot& s : group_->slots) {
+    if (workers_[s.worker]->state != v1::WORKER_STATE_LOST || replacements_.count(s.rank)) continue;
+    for (auto it = spares_.begin(); it != spares_.end(); ++it) {
+      Worker& spare = *workers_[*it];
+      if (spare.hello.node() != s.node) continue;
+      if (absl::Status fits = CheckFitsSlotLocked(spare.hello, s); !fits.ok()) {
+        CoordinatorLog(NameLocked(*it), absl::StrCat("spare cannot take the slot: ", fits.message()),
+                       LogIds{"", spare.id, spare.hello.node(), -1, -1, "warn"});
+        continue;
+      }
+      spare.stage = s.stage;
+      spare.tp_rank = s.tp_rank;
+      replacements_[s.rank] = *it;
+      if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
+      CoordinatorLog(spare.id,
+                     absl::StrCat("spare takes slot (node ", s.node, ", stage ", s.stage, ", tp rank ", s.tp_rank,
+                                  ") of lost ", NameLocked(s.worker), " (epoch ", group_->epoch, ")"),
+                     LogIds{"", spare.id, spare.hello.node(), s.stage, s.tp_rank});
+      spares_.erase(it);
+      break;
+    }
+  }
+}
+
 absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {
   std::vector<std::string> open;
   const Slot* slot = nullptr;
@@ -610,28 +690,9 @@ absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& he
         open.empty() ? std::string("; every slot has a worker")
                      : absl::StrCat("; open slots: ", absl::StrJoin(open, ", "), " (a replacement uses its --node)")));
   }
-  const Worker& lost = *workers_[slot->worker];
+  SHARDSERVE_RETURN_IF_ERROR(CheckFitsSlotLocked(hello, *slot));
   const std::string where = absl::StrCat("slot (node ", slot->node, ", stage ", slot->stage, ", tp rank ",
                                          slot->tp_rank, ")");
-  if ((hello.device() == "cpu") != (lost.hello.device() == "cpu")) {
-    return absl::FailedPreconditionError(absl::StrCat("device ", hello.device(), " cannot take ", where,
-                                                      ": the group runs on ", lost.hello.device()));
-  }
-  // What the slot's shard needs: its weights, step buffers and reserve, and the KV cache every
-  // worker of the group holds (the plan's figures), at the planner's memory utilization.
-  const GpuPlan& g = plan_->per_gpu[slot->rank];
-  const double kv = static_cast<double>(g.kv_bytes_per_token) * static_cast<double>(limits_.num_kv_blocks) *
-                    static_cast<double>(limits_.block_size);
-  const double need = (static_cast<double>(g.weight_bytes + g.activation_bytes + g.reserve_bytes) + kv) /
-                      plan_->options.gpu_memory_utilization;
-  if (static_cast<double>(hello.memory_bytes()) < need) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "a worker with %.1f MiB of memory cannot take %s: its shard needs %.1f MiB (weights %.1f MiB, KV cache %.1f "
-        "MiB for %d blocks, buffers and reserve %.1f MiB, at memory utilization %.2f); give it more (--memory-gb)",
-        hello.memory_bytes() / 1048576.0, where, need / 1048576.0, g.weight_bytes / 1048576.0, kv / 1048576.0,
-        limits_.num_kv_blocks, (g.activation_bytes + g.reserve_bytes) / 1048576.0,
-        plan_->options.gpu_memory_utilization));
-  }
   const int index = static_cast<int>(workers_.size());
   auto w = std::make_unique<Worker>();
   w->id = absl::StrCat("w", index);

@@ -20,7 +20,8 @@
 //      stays, no new step starts, and the engine holds its requests (it recomputes them when the
 //      group is whole again, or fails them after --heal-timeout-seconds). A worker that registers
 //      from the lost slot's node, whose device and memory fit the slot's shard, takes the slot
-//      (else it is refused, saying why, and the slot stays open). Once every slot has a live
+//      (else it is refused, saying why, and the slot stays open); so does, at once, a spare of
+//      that node (Register.spare: registered in any phase, idle until then). Once every slot has a live
 //      worker and every survivor has answered every step it was sent (a survivor stuck in a
 //      collective with the dead peer errors out within the collective timeout), the group
 //      re-forms under a new epoch (membership/group.h Replace, NextEpoch): the replacement gets
@@ -254,6 +255,11 @@ class WorkerPool {
   // not (no open slot on that node, another device kind, too little memory for the shard).
   absl::StatusOr<int> RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when the worker `hello` describes can hold `slot`'s shard (the group's kind of device,
+  // memory for the shard and the KV cache), else FailedPrecondition saying why.
+  absl::Status CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // While healing: gives each open slot a spare of its node that fits, as its replacement.
+  void UseSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The Assignment of slot `slot` for its holder, under the group's epoch.
   v1::CoordinatorMessage AssignmentLocked(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends each message outside mu_; a worker whose stream is broken is lost.
@@ -289,6 +295,8 @@ class WorkerPool {
   bool needs_new_epoch_ ABSL_GUARDED_BY(mu_) = false;
   // Replacements registered for lost slots, by rank; they join at the next re-forming.
   std::map<int, int> replacements_ ABSL_GUARDED_BY(mu_);
+  // Spare workers (Register.spare), idle until a slot of their node is lost.
+  std::vector<int> spares_ ABSL_GUARDED_BY(mu_);
   // Re-formings since the last step that completed: past kMaxHealsWithoutProgress, Broken.
   int heals_without_progress_ ABSL_GUARDED_BY(mu_) = 0;
 

@@ -35,7 +35,7 @@ constexpr char kUsage[] =
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--heal-timeout-seconds S]\n"
-    "                         [--max-worker-restarts N]\n"
+    "                         [--max-worker-restarts N] [--spare-workers N]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
     "  Ctrl-C or SIGTERM, which stop every process it started. Each process logs to a file in --log-dir\n"
@@ -59,6 +59,10 @@ constexpr char kUsage[] =
     "  --max-worker-restarts  a worker that dies once the cluster serves is started again (backoff\n"
     "                        1 s, doubling up to 30 s) and takes its lost slot back, at most N times\n"
     "                        in all (default 5; 0: never)\n"
+    "  --spare-workers       N more workers started as spares (worker --spare), spread over the\n"
+    "                        nodes: registered and ready but holding no shard; one takes a lost\n"
+    "                        slot of its node at once, so a heal costs a shard load, not a process\n"
+    "                        start (default 0)\n"
     "  --load-format, --dummy-seed  the coordinator's: dummy makes the weights from config.json and the\n"
     "                        seed (default 0), each worker its own slice; --model may hold only\n"
     "                        config.json (then prompts are token ids)\n";
@@ -69,7 +73,8 @@ void OnSignal(int) { g_stop = 1; }
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
   with_value.insert(
-      {"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "max-worker-restarts"});
+      {"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "max-worker-restarts",
+       "spare-workers"});
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
@@ -87,6 +92,11 @@ int Run(const std::vector<std::string>& args) {
   const absl::StatusOr<int64_t> metrics_base = flags->GetInt("metrics-port-base", 9400);
   if (!metrics_base.ok() || *metrics_base < 0 || *metrics_base + *nodes * *gpus > 65535) {
     std::fprintf(stderr, "shardserve launch: --metrics-port-base must be 0 or a port with room for every worker after it\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> spares = flags->GetInt("spare-workers", 0);
+  if (!spares.ok() || *spares < 0 || *spares > 64) {
+    std::fprintf(stderr, "shardserve launch: --spare-workers must be 0 to 64\n");
     return 2;
   }
   const absl::StatusOr<int64_t> max_restarts = flags->GetInt("max-worker-restarts", 5);
@@ -116,6 +126,7 @@ int Run(const std::vector<std::string>& args) {
   options.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-", getpid()));
   options.metrics_port_base = *metrics_base;
   options.log_format = log_format;
+  options.spare_workers = *spares;
   for (const auto& [name, value] : cluster_flags->coordinator_flags) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }

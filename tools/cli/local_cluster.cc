@@ -263,6 +263,29 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
       c->metrics_lines_.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", mport, "/metrics"));
     }
   }
+  for (int64_t k = 0; k < o.spare_workers; ++k) {
+    const std::string node = absl::StrCat("node", k % o.nodes);
+    const std::string dev = o.device == "cpu" ? "cpu" : absl::StrCat("cuda:", o.gpus_per_node + k / o.nodes);
+    const int64_t mport = metrics_port(1 + o.nodes * o.gpus_per_node + k);
+    std::vector<std::string> argv = {(bin / "shardserve-worker").string(),
+                                     "--coordinator",
+                                     c->address_,
+                                     "--node",
+                                     node,
+                                     "--device",
+                                     dev,
+                                     "--metrics-listen",
+                                     absl::StrCat("127.0.0.1:", mport),
+                                     "--log-format",
+                                     o.log_format,
+                                     "--spare"};
+    argv.insert(argv.end(), o.worker_flags.begin(), o.worker_flags.end());
+    const std::string name = absl::StrCat("spare ", node, "/", k);
+    if (absl::Status s = c->Spawn(name, argv, absl::StrCat("spare-", node, "-", k, ".log"), true); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
+    }
+    c->metrics_lines_.push_back(absl::StrCat("  spare ", node, "/", k, "  http://127.0.0.1:", mport, "/metrics"));
+  }
   c->health_ = grpc::health::v1::Health::NewStub(ConnectToCoordinator(c->address_));
   return c;
 }

@@ -57,6 +57,10 @@ struct LocalClusterOptions {
   // Appended to the coordinator's and to every worker's command line as given ("--flag", "value").
   std::vector<std::string> coordinator_flags;
   std::vector<std::string> worker_flags;
+  // Spare workers (worker --spare), spread over the nodes (spare k on node k % nodes, device
+  // cuda:(gpus_per_node + k / nodes) on cuda); metrics after the workers'. Each takes a lost slot
+  // of its node at once (docs/healing.md).
+  int64_t spare_workers = 0;
   // How long the coordinator may take to write its port file when the address has port 0.
   std::chrono::seconds listen_timeout{30};
 };
