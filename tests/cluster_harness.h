@@ -200,18 +200,7 @@ class Cluster {
     health_ = grpc::health::v1::Health::NewStub(channel_);
 
     for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
-      const std::string node = "n" + std::to_string(i / spec_.gpus_per_node);
-      std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
-                                       "--listen", "127.0.0.1:0", "--memory-gb", "4"};
-      argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
-      if (std::find(argv.begin(), argv.end(), "--threads") == argv.end()) {
-        // Each worker its share of the cores, as `shardserve launch` gives them: more compute
-        // threads than cores, across processes, spin against each other.
-        const int64_t threads = cli::DefaultWorkerThreads(spec_.nodes * spec_.gpus_per_node);
-        argv.insert(argv.end(), {"--threads", std::to_string(threads)});
-      }
-      workers_.push_back(
-          std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));
+      AddWorker("n" + std::to_string(i / spec_.gpus_per_node));
     }
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
       const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
@@ -224,6 +213,26 @@ class Cluster {
     }
     start_seconds_ = SecondsSince(start);
     return true;
+  }
+
+  // Starts one more worker process for `node` (Start() starts the group's; later ones are
+  // replacements for lost slots, docs/healing.md), with the spec's worker flags, then `extra` (a
+  // flag given twice: the last wins). Returns its index for worker(i).
+  int AddWorker(const std::string& node, const std::vector<std::string>& extra = {}) {
+    const int i = static_cast<int>(workers_.size());
+    std::vector<std::string> argv = {SHARDSERVE_WORKER_BIN, "--coordinator", address_, "--node", node,
+                                     "--listen", "127.0.0.1:0", "--memory-gb", "4"};
+    argv.insert(argv.end(), spec_.worker_flags.begin(), spec_.worker_flags.end());
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    if (std::find(argv.begin(), argv.end(), "--threads") == argv.end()) {
+      // Each worker its share of the cores, as `shardserve launch` gives them: more compute
+      // threads than cores, across processes, spin against each other.
+      const int64_t threads = cli::DefaultWorkerThreads(spec_.nodes * spec_.gpus_per_node);
+      argv.insert(argv.end(), {"--threads", std::to_string(threads)});
+    }
+    workers_.push_back(
+        std::make_unique<Process>(std::move(argv), dir_ / ("worker" + std::to_string(i) + "-" + node + ".log")));
+    return i;
   }
 
   // The coordinator's overall grpc.health.v1 status (UNKNOWN when the call fails).

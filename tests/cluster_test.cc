@@ -10,9 +10,10 @@
 // - Chunked prefill: a prompt longer than a step gives the tokens of a single-process run.
 // - The client API on one cluster: streaming, usage, finish reasons, stop ids, seeded sampling,
 //   bad requests, model info, cluster status.
-// - Failures: a worker killed (SIGKILL) or stopped (SIGSTOP) in the middle of a generation ends the
-//   stream with UNAVAILABLE naming it within 10 s; the coordinator reports NOT_SERVING, refuses new
-//   requests with the same message and keeps running.
+// - Failures: a worker killed (SIGKILL) or stopped (SIGSTOP) in the middle of a generation, with no
+//   replacement, ends the stream with UNAVAILABLE naming it once the heal times out (here
+//   --heal-timeout-seconds 2; tests/heal_test.cc covers replacements); the coordinator reports
+//   NOT_SERVING, refuses new requests with the same message and keeps running.
 //
 // Every process runs in its own process group and dies with the test (PR_SET_PDEATHSIG); every
 // wait is bounded; teardown kills and reaps every child.
@@ -627,7 +628,8 @@ TEST(ClusterDummyWeightsTest, ConfigOnlyDirectoryNeedsLoadFormatDummy) {
 // ---- Failures ---------------------------------------------------------------------------------------
 
 // Starts a generation long enough to outlive `act`, reads a few tokens, runs `act` on the worker
-// at `victim`, and checks the stream ends with UNAVAILABLE naming that worker within 10 s; then
+// at `victim`, and checks the stream ends with UNAVAILABLE naming that worker within 10 s (the
+// cluster's heal timeout is 2 s and no replacement comes); then
 // that the coordinator is NOT_SERVING, refuses a new request with the same news, and runs on.
 void ExpectWorkerLossIsReported(Cluster& cluster, int victim, int sig, const std::string& cause) {
   // Who the victim is, as the coordinator names it.
@@ -685,7 +687,7 @@ void ExpectWorkerLossIsReported(Cluster& cluster, int victim, int sig, const std
 }
 
 TEST(ClusterFailureTest, KilledWorkerEndsTheStreamWithUnavailable) {
-  Cluster cluster({"llama3_rope", 2, 2, {"--debug-step-delay-ms", "20"}});
+  Cluster cluster({"llama3_rope", 2, 2, {"--debug-step-delay-ms", "20"}}, {"--heal-timeout-seconds", "2"});
   ASSERT_TRUE(cluster.Start());
   ExpectWorkerLossIsReported(cluster, /*victim=*/3, SIGKILL, "control stream ended");
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
@@ -697,7 +699,7 @@ TEST(ClusterFailureTest, KilledWorkerEndsTheStreamWithUnavailable) {
 }
 
 TEST(ClusterFailureTest, HungWorkerIsLostAfterItsHeartbeatsStop) {
-  Cluster cluster({"llama3_rope", 2, 1, {"--debug-step-delay-ms", "20"}});
+  Cluster cluster({"llama3_rope", 2, 1, {"--debug-step-delay-ms", "20"}}, {"--heal-timeout-seconds", "2"});
   ASSERT_TRUE(cluster.Start());
   ExpectWorkerLossIsReported(cluster, /*victim=*/1, SIGSTOP, "not even a heartbeat");
 

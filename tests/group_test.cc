@@ -269,6 +269,22 @@ TEST(GroupExampleTest, BadShapeEpochOrDuplicateIsAnError) {
 
 // ---- A replacement joining an existing group ------------------------------------------------------
 
+// The same workers re-form the group (a failed step, no one lost): same slots, next epoch, every
+// name new.
+TEST(GroupReplaceTest, NextEpochKeepsEverySlotAndRenamesEveryGroup) {
+  const std::vector<Member> members = {Member{0, "n0"}, Member{1, "n0"}, Member{2, "n1"}, Member{3, "n1"}};
+  absl::StatusOr<Group> g = FormGroup(GroupShape{2, 2}, members, 3);
+  ASSERT_TRUE(g.ok()) << g.status();
+  const Group next = NextEpoch(*g);
+  EXPECT_EQ(next.epoch, 4u);
+  ASSERT_EQ(next.slots.size(), g->slots.size());
+  for (const Slot& s : next.slots) {
+    EXPECT_EQ(s.worker, g->slots[s.rank].worker);
+    EXPECT_EQ(s.tp_group.rfind("e4/", 0), 0u) << s.tp_group;
+  }
+  for (const std::string& name : Names(next)) EXPECT_EQ(Names(*g).count(name), 0u) << name;
+}
+
 TEST(GroupReplaceTest, TP2_PP2_ReplaceStage1Tp0) {
   const std::vector<Member> members = {Member{0, "n0"}, Member{1, "n0"}, Member{2, "n1"}, Member{3, "n1"}};
   absl::StatusOr<Group> g = FormGroup(GroupShape{2, 2}, members, 1);

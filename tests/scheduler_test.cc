@@ -972,6 +972,75 @@ TEST(SchedulerTest, RemoveWhileInFlight) {
   EXPECT_EQ(s.Schedule(1, 3, &p1), nullptr);
 }
 
+// The group re-formed (docs/healing.md): with a step in flight and a sequence removed while in it,
+// every sequence goes back to waiting with its tokens, all blocks are free, and the next plans
+// bring every sequence to fresh workers as new, from position 0, with prompt + generated tokens;
+// the row that samples draws the sequence's next index (its prompt length stays).
+TEST(SchedulerTest, RequeueAllForRegroupRecomputesEverySequenceOnFreshWorkers) {
+  SchedulerOptions o = TwoLanes();
+  o.limits.max_tokens_per_step = 64;
+  Scheduler s(o);
+  Decoder old_workers(o.limits);
+  std::map<uint64_t, std::vector<int32_t>> tokens = {{1, Prompt(5)}, {2, Prompt(3, 100)}, {3, Prompt(4, 200)}};
+  for (const auto& [id, t] : tokens) s.Add(id, t, {});
+  v1::StepPlan p;
+  uint64_t step = 0;
+  for (int round = 0; round < 4; ++round) {
+    for (int lane = 0; lane < 2; ++lane) {
+      if (s.Schedule(lane, ++step, &p) == nullptr) continue;
+      old_workers.Apply(p);
+      for (const SampledToken& t : s.Complete(lane, Sampled(p, static_cast<int32_t>(10 + step)))) {
+        tokens[t.seq].push_back(t.token);
+      }
+    }
+  }
+  ASSERT_GT(s.generated(2), 1);
+  // A step in flight when the group breaks; sequence 1 is removed while in it.
+  const MicroBatch* b = s.Schedule(0, ++step, &p);
+  ASSERT_NE(b, nullptr);
+  s.Remove(b->entries[0].seq);
+  const uint64_t removed = b->entries[0].seq;
+  tokens.erase(removed);
+
+  s.RequeueAllForRegroup();
+  EXPECT_FALSE(s.Contains(removed));
+  EXPECT_EQ(s.num_running(), 0);
+  EXPECT_EQ(s.num_waiting(), 2);
+  EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
+  EXPECT_EQ(s.preemptions(), 0);
+  EXPECT_FALSE(s.LaneBusy(0));
+
+  Decoder new_workers(o.limits);
+  std::set<uint64_t> seen;
+  for (int i = 0; i < 4 && seen.size() < tokens.size(); ++i) {
+    for (int lane = 0; lane < 2; ++lane) {
+      if (s.Schedule(lane, ++step, &p) == nullptr) continue;
+      EXPECT_EQ(p.freed_seq_ids_size(), 0) << "the new workers hold nothing to free";
+      new_workers.Apply(p);
+      int offset = 0, row = 0;
+      for (int r = 0; r < p.row_seq_ids_size(); ++r) {
+        const uint64_t id = p.row_seq_ids(r);
+        const std::vector<int32_t>& want = tokens.at(id);
+        if (!seen.count(id)) {
+          EXPECT_EQ(p.row_start_positions(r), 0) << "seq " << id;
+          seen.insert(id);
+        }
+        const std::vector<int32_t> fed(p.token_ids().begin() + offset,
+                                       p.token_ids().begin() + offset + p.row_num_tokens(r));
+        EXPECT_TRUE(std::equal(fed.begin(), fed.end(), want.begin() + p.row_start_positions(r))) << "seq " << id;
+        offset += p.row_num_tokens(r);
+        if (p.row_samples(r)) {
+          // The index of the token it samples next: what it had generated before the regroup.
+          EXPECT_EQ(static_cast<int64_t>(new_workers.sampling()[row].draw_index()), s.generated(id)) << "seq " << id;
+          ++row;
+        }
+      }
+      s.Complete(lane, Sampled(p));
+    }
+  }
+  EXPECT_EQ(seen.size(), tokens.size());
+}
+
 // The ids of sequences removed while in flight in the simulated cluster: cancellations at random
 // points, including in the middle of a prefill and while steps of other lanes are in flight.
 TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {

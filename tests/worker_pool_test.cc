@@ -1,6 +1,7 @@
 // The coordinator's worker pool (coordinator/server/worker_pool.h) without processes: what a
-// worker's Register may say. Every field is checked where it enters; a bad one refuses the worker
-// with InvalidArgument naming the field and the value.
+// worker's Register may say (every field is checked where it enters; a bad one refuses the worker
+// with InvalidArgument naming the field and the value), and the heal protocol step by step
+// (docs/healing.md) with fake workers.
 #include "coordinator/server/worker_pool.h"
 
 #include <cmath>
@@ -132,6 +133,112 @@ TEST_F(WorkerPoolRegisterTest, ZeroBandwidthMeansNotReportedAndGoodDevicesAreAcc
   absl::StatusOr<int> b = Register(gpu);
   EXPECT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(link_.sent.size(), 2u) << "an Assignment (or a Shutdown) for each worker";
+}
+
+// ---- Healing, message by message (docs/healing.md) ----------------------------------------------
+
+v1::WorkerMessage LoadedMessage(uint64_t epoch) {
+  v1::WorkerMessage m;
+  m.mutable_loaded()->set_epoch(epoch);
+  m.mutable_loaded()->set_weight_bytes(1);
+  return m;
+}
+
+v1::WorkerMessage FailureMessage(uint64_t epoch, uint64_t step_id, const std::string& text) {
+  v1::WorkerMessage m;
+  m.mutable_failure()->set_epoch(epoch);
+  m.mutable_failure()->set_step_id(step_id);
+  m.mutable_failure()->set_message(text);
+  return m;
+}
+
+TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegroups) {
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  ASSERT_TRUE(model.ok()) << model.status();
+  PoolOptions options;
+  options.nodes = 1;
+  options.gpus_per_node = 2;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  WorkerPool& pool = **created;
+  FakeLink a, b, small_link, stranger_link, c;
+  const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  ASSERT_EQ(a.sent.size(), 1u);
+  ASSERT_TRUE(a.sent[0].has_assignment());
+  EXPECT_EQ(a.sent[0].assignment().epoch(), 1u);
+  EXPECT_EQ(a.sent[0].assignment().tp_group(), "e1/tp/stage0");
+  pool.OnMessage(*wa, LoadedMessage(1));
+  pool.OnMessage(*wb, LoadedMessage(1));
+  ASSERT_TRUE(pool.CheckServing().ok()) << pool.CheckServing();
+  EXPECT_EQ(pool.StateName(), "serving");
+
+  // A step in flight when worker b is lost: it fails naming b, and the group heals.
+  v1::StepPlan step;
+  step.set_step_id(7);
+  ASSERT_TRUE(pool.StartStep(step, 0, false).ok());
+  ASSERT_EQ(a.sent.size(), 2u);
+  EXPECT_EQ(a.sent[1].step().epoch(), 1u) << "every plan carries the epoch";
+  pool.Disconnect(*wb);
+  EXPECT_EQ(pool.StateName(), "healing");
+  ASSERT_TRUE(pool.HealingSince().has_value());
+  StepOutcome outcome;
+  const absl::Status failed = pool.FinishStep(7, absl::Seconds(5), &outcome);
+  EXPECT_TRUE(absl::IsUnavailable(failed));
+  EXPECT_THAT(failed.message(), HasSubstr("worker w1 (node n0, stage 0, tp rank 1) is lost"));
+  EXPECT_THAT(failed.message(), HasSubstr("its slot (node n0, stage 0, tp rank 1) waits for a worker from node n0"));
+  pool.DropSteps();
+  EXPECT_FALSE(pool.StartStep(step, 0, false).ok()) << "no step starts while healing";
+
+  // Replacements that do not fit are refused, saying why; the slot stays open.
+  v1::Register small = GoodHello();
+  small.set_memory_bytes(1024);
+  const absl::StatusOr<int> refused = pool.Register(small, &small_link);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("cannot take slot (node n0, stage 0, tp rank 1): its shard needs"));
+  v1::Register stranger = GoodHello();
+  stranger.set_node("n5");
+  const absl::StatusOr<int> elsewhere = pool.Register(stranger, &stranger_link);
+  ASSERT_FALSE(elsewhere.ok());
+  EXPECT_THAT(elsewhere.status().message(), HasSubstr("no open slot on node n5"));
+  EXPECT_EQ(pool.StateName(), "healing");
+
+  // Survivor a has not answered step 7 yet: a fitting replacement registers, but the group waits.
+  const absl::StatusOr<int> wc = pool.Register(GoodHello(), &c);
+  ASSERT_TRUE(wc.ok()) << wc.status();
+  EXPECT_TRUE(c.sent.empty());
+  // a's failure of step 7 (its all-reduce lost b) settles it; a is not lost for it.
+  pool.OnMessage(*wa, FailureMessage(1, 7, "step 7 failed: lost the connection to rank 1"));
+  ASSERT_EQ(c.sent.size(), 1u);
+  ASSERT_TRUE(c.sent[0].has_assignment());
+  EXPECT_EQ(c.sent[0].assignment().epoch(), 2u);
+  EXPECT_EQ(c.sent[0].assignment().tp_rank(), 1);
+  EXPECT_EQ(c.sent[0].assignment().tp_group(), "e2/tp/stage0");
+  ASSERT_EQ(a.sent.size(), 3u);
+  ASSERT_TRUE(a.sent[2].has_regroup());
+  EXPECT_EQ(a.sent[2].regroup().epoch(), 2u);
+  EXPECT_EQ(a.sent[2].regroup().tp_group(), "e2/tp/stage0");
+  EXPECT_EQ(pool.epoch(), 2u);
+
+  // A stale failure (epoch 1) changes nothing; Loaded under epoch 2 from both: serving again.
+  pool.OnMessage(*wa, FailureMessage(1, 8, "late news from the old group"));
+  pool.OnMessage(*wa, LoadedMessage(2));
+  EXPECT_EQ(pool.StateName(), "healing");
+  pool.OnMessage(*wc, LoadedMessage(2));
+  EXPECT_TRUE(pool.CheckServing().ok()) << pool.CheckServing();
+  EXPECT_FALSE(pool.HealingSince().has_value());
+  step.set_step_id(9);
+  ASSERT_TRUE(pool.StartStep(step, 0, false).ok());
+  ASSERT_EQ(c.sent.size(), 2u);
+  EXPECT_EQ(c.sent[1].step().epoch(), 2u);
+  v1::ClusterStatus status;
+  pool.FillStatus(&status);
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_EQ(status.epoch(), 2u);
+  pool.Shutdown("test over");
+  for (int i : {*wa, *wc}) pool.Disconnect(i);
 }
 
 }  // namespace

@@ -27,6 +27,16 @@ PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, b
   index_.reserve(m);
 }
 
+void PersistentBatch::Clear() {
+  free_slots_.clear();
+  for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) {
+    slots_[i] = Seq{};
+    slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
+    free_slots_.push_back(static_cast<int32_t>(i));
+  }
+  index_.clear();
+}
+
 void PersistentBatch::Reserve(StepBatch* b) const {
   const int64_t n = limits_.max_tokens_per_step, m = limits_.max_seqs_per_step;
   for (std::vector<int32_t>* v : {&b->token_ids, &b->positions, &b->token_seq, &b->slots}) v->reserve(n);

@@ -64,6 +64,9 @@ class PersistentBatch {
   // Reserves `batch`'s vectors for the largest step within the limits.
   void Reserve(StepBatch* batch) const;
 
+  // Drops every sequence (the group re-formed: the coordinator recomputes them all, as new ones).
+  void Clear();
+
   // Sequences held.
   int64_t size() const { return static_cast<int64_t>(index_.size()); }
   bool Holds(uint64_t seq_id) const { return index_.contains(seq_id); }

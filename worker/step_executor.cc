@@ -47,18 +47,21 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
 // Gloo on the CPU, NCCL on a GPU. NCCL runs on the legacy default stream, not the backend's
 // (Backend does not expose its stream); TimedCommunicator synchronizes the backend before each
 // collective, which orders the two.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* store, const std::string& group,
+                                                              int rank, int size, Backend* backend, int cuda_ordinal,
+                                                              const std::string& collective_host,
+                                                              absl::Duration timeout) {
+  if (size == 1) return std::make_unique<LocalCommunicator>(backend);
+  if (cuda_ordinal < 0) return MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+  return MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
+}
+
 absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* store, const std::string& group, int rank,
                                                              int size, Backend* backend, int cuda_ordinal,
                                                              const std::string& collective_host,
                                                              absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<Communicator>> comm;
-  if (size == 1) {
-    comm = std::make_unique<LocalCommunicator>(backend);
-  } else if (cuda_ordinal < 0) {
-    comm = MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
-  } else {
-    comm = MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
-  }
+  absl::StatusOr<std::unique_ptr<Communicator>> comm =
+      MakeCommunicator(store, group, rank, size, backend, cuda_ordinal, collective_host, timeout);
   if (!comm.ok()) return comm.status();
   return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
 }
@@ -91,6 +94,10 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   if (!config.ok()) return config.status();
 
   std::unique_ptr<StepExecutor> e(new StepExecutor());
+  e->assignment_ = a;
+  e->cuda_ordinal_ = *cuda_ordinal;
+  e->epoch_ = a.epoch();
+  e->collective_host_ = collective_host;
   if (*cuda_ordinal < 0) {
     e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
   } else {
@@ -154,6 +161,37 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   return e;
 }
 
+absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {
+  const v1::Assignment& a = assignment_;
+  const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
+  if (r.epoch() <= epoch_) {
+    return absl::InvalidArgumentError(absl::StrCat("regroup: epoch ", r.epoch(), " is not after the current ", epoch_));
+  }
+  if (a.tp_size() > 1 && r.tp_group().empty()) return absl::InvalidArgumentError("regroup: tp_group is empty");
+  if (!first && r.recv_group().empty()) return absl::InvalidArgumentError("regroup: recv_group is empty");
+  if (!last && r.send_group().empty()) return absl::InvalidArgumentError("regroup: send_group is empty");
+  // Whatever happens next, the old groups are gone and the running batch with them.
+  state_->Clear();
+  epoch_ = r.epoch();
+  for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
+    if (c != nullptr) c->Replace(nullptr);
+  }
+  // The order of Create: the TP group first, then the pair with the previous stage, then the next.
+  const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
+  Backend* backend = backend_.get();
+  auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm =
+        MakeCommunicator(store, group, rank, size, backend, cuda_ordinal_, collective_host_, timeout);
+    if (!comm.ok()) return comm.status();
+    c->Replace(std::move(*comm));
+    return absl::OkStatus();
+  };
+  SHARDSERVE_RETURN_IF_ERROR(join(tp_.get(), r.tp_group(), a.tp_rank(), a.tp_size()));
+  if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2));
+  if (!last) SHARDSERVE_RETURN_IF_ERROR(join(send_.get(), r.send_group(), 0, 2));
+  return absl::OkStatus();
+}
+
 absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
   SHARDSERVE_RETURN_IF_ERROR(state_->Apply(p, &batch_, &sampling_));
   // Every worker checks the sampling parameters, not only the one that samples: the plan is the
@@ -167,6 +205,11 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   const auto start = std::chrono::steady_clock::now();
   result->Clear();
   result->set_step_id(plan.step_id());
+  result->set_epoch(epoch_);
+  if (plan.epoch() != epoch_) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", plan.step_id(), " is of epoch ", plan.epoch(),
+                                                      "; this worker's group is epoch ", epoch_));
+  }
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->ResetSeconds();
   }

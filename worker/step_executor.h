@@ -75,6 +75,17 @@ class StepExecutor {
   // unusable (see Communicator): run no further steps.
   absl::Status Execute(const v1::StepPlan& plan, v1::StepResult* result);
 
+  // The group re-formed under `regroup.epoch` (worker.proto Regroup; after the epoch of the
+  // assignment or the last Regroup): drops the running batch, closes the old communicators (the
+  // peers see them drop) and joins the new groups through `store`, in Create's order; the weights
+  // stay. Every rank of every new group must call this (or Create, for a replacement) at about the
+  // same time: DeadlineExceeded when one does not join within the collective timeout. After an
+  // error the communicators are unusable: run no steps until a later Regroup succeeds.
+  absl::Status Regroup(const v1::Regroup& regroup, RendezvousStore* store);
+
+  // The group's epoch: the assignment's, then the last Regroup's. Execute refuses a plan of another.
+  uint64_t epoch() const { return epoch_; }
+
   // Reports every collective call of later steps to `observer` (borrowed, must outlive this; null:
   // nowhere).
   void SetCollectiveObserver(CollectiveObserver* observer) {
@@ -95,7 +106,12 @@ class StepExecutor {
   absl::Status ToBatch(const v1::StepPlan& plan);
 
   // ---- Constant after Create ----
+  v1::Assignment assignment_;
+  int cuda_ordinal_ = -1;
+  std::string collective_host_;
   std::unique_ptr<Backend> backend_;
+  // The communicators: the objects are constant after Create, their inner communicators are
+  // replaced by Regroup.
   std::unique_ptr<TimedCommunicator> tp_;    // the stage's TP group (a LocalCommunicator for TP = 1)
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
@@ -103,6 +119,8 @@ class StepExecutor {
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
+
+  uint64_t epoch_ = 0;  // the assignment's, then the last Regroup's
 
   // ---- The running batch, and step buffers sized at Create ----
   std::unique_ptr<PersistentBatch> state_;

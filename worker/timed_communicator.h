@@ -9,6 +9,9 @@
 //
 // Each call can also be reported to a CollectiveObserver (the worker's Prometheus metrics).
 //
+// The inner communicator can be replaced (Replace) when the group re-forms under a new epoch, so
+// that whoever holds this one (the shard holds the TP group's) keeps a valid pointer.
+//
 // Ownership: owns the inner communicator; borrows the backend and the observer, which must outlive
 // it.
 // Threading: as any Communicator, one thread at a time.
@@ -41,8 +44,8 @@ class TimedCommunicator final : public Communicator {
   TimedCommunicator(std::unique_ptr<Communicator> inner, Backend* backend)
       : inner_(std::move(inner)), backend_(backend) {}
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+  int rank() const override { return inner_ != nullptr ? inner_->rank() : 0; }
+  int size() const override { return inner_ != nullptr ? inner_->size() : 0; }
   absl::Status AllReduceSum(Tensor* t) override {
     return Timed(CollectiveOp::kAllReduce, t->bytes(), [&] { return inner_->AllReduceSum(t); });
   }
@@ -62,6 +65,13 @@ class TimedCommunicator final : public Communicator {
   // Where every call is reported from now on (null: nowhere).
   void set_observer(CollectiveObserver* observer) { observer_ = observer; }
 
+  // Closes the inner communicator (its peers see the connections drop) and forwards to `inner`
+  // from now on (null: only until the next Replace; no call may come in between).
+  void Replace(std::unique_ptr<Communicator> inner) {
+    inner_.reset();
+    inner_ = std::move(inner);
+  }
+
   // Seconds spent in calls since the last ResetSeconds() (or construction).
   double seconds() const { return seconds_; }
   void ResetSeconds() { seconds_ = 0; }
@@ -72,6 +82,7 @@ class TimedCommunicator final : public Communicator {
     // A group of one (LocalCommunicator) communicates nothing: its calls are the identity or a copy
     // queued on the backend itself, so there is nothing to order or time, and on CUDA a wait here
     // would stall the step twice per layer.
+    if (inner_ == nullptr) return absl::FailedPreconditionError("the collective group is closed (its regroup failed)");
     if (inner_->size() > 1) {
       SHARDSERVE_RETURN_IF_ERROR(backend_->Synchronize());
     }
@@ -83,7 +94,7 @@ class TimedCommunicator final : public Communicator {
     return s;
   }
 
-  const std::unique_ptr<Communicator> inner_;
+  std::unique_ptr<Communicator> inner_;
   Backend* const backend_;
   CollectiveObserver* observer_ = nullptr;
   double seconds_ = 0;

@@ -40,7 +40,7 @@ constexpr char kUsage[] =
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
-    "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure]\n"
+    "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -56,6 +56,8 @@ constexpr char kUsage[] =
     "                           (default: the host of --listen)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
     "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n"
+    "  --spare                  register as a spare: no shard until a worker of this node is lost,\n"
+    "                           then take its slot at once (docs/healing.md)\n"
     "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
     "                           and reported to the coordinator (default 127.0.0.1:0;\n"
     "                           docs/metrics.md lists the metrics)\n"
@@ -134,7 +136,7 @@ int Main(int argc, char** argv) {
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
                     "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca"},
-                   {"help", "insecure"});
+                   {"help", "insecure", "spare"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -188,6 +190,7 @@ int Main(int argc, char** argv) {
   options.memory_bytes_per_s = bandwidth_gbps > 0 ? bandwidth_gbps * 1e9 : DeviceMemoryBandwidth(*cuda_ordinal);
   options.connect_timeout = absl::Seconds(connect_timeout);
   options.debug_step_delay = absl::Milliseconds(delay_ms);
+  options.spare = flags->Has("spare");
   options.collective_host = flags->Get("collective-host");
   if (options.collective_host.empty()) options.collective_host = HostOf(listen);
   if (IsWildcard(options.collective_host)) {

@@ -101,6 +101,7 @@ absl::Status WorkerService::Run() {
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
   r->set_metrics_address(options_.metrics_address);
+  r->set_spare(options_.spare);
   absl::Status result;
   std::thread heartbeat;
   if (!Write(stream.get(), hello)) {
@@ -152,6 +153,9 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
       case v1::CoordinatorMessage::kStep:
         RunStep(stream);
         break;
+      case v1::CoordinatorMessage::kRegroup:
+        Regroup(stream, stub);
+        break;
       case v1::CoordinatorMessage::kShutdown:
         if (!assigned_) {
           return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
@@ -202,10 +206,50 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
   l->set_kv_blocks(executor_->kv_blocks());
   l->set_load_seconds(seconds);
+  l->set_epoch(a.epoch());
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights, %d KV blocks, %s", seconds,
                                    static_cast<double>(executor_->weight_bytes()) / (1 << 20), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
+  Write(stream, loaded);
+}
+
+uint64_t WorkerService::epoch() const {
+  return executor_ != nullptr ? executor_->epoch() : assignment_.epoch();
+}
+
+void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub) {
+  const v1::Regroup& r = in_.regroup();
+  if (executor_ == nullptr) {
+    Fail(stream, absl::StrCat(Who(), ": got a regroup to epoch ", r.epoch(), " without a loaded shard"));
+    return;
+  }
+  const uint64_t old_epoch = executor_->epoch();
+  WorkerLog(Who(), absl::StrCat("regrouping: epoch ", old_epoch, " -> ", r.epoch(),
+                                ": leaving the old collective groups, dropping the running batch, keeping the weights"),
+            Ids("warn"));
+  SetServing(false);
+  const auto start = std::chrono::steady_clock::now();
+  GrpcRendezvousStore store(stub);
+  const absl::Status s = executor_->Regroup(r, &store);
+  failure_.clear();  // the old epoch's failure is over; a new one is this regroup's
+  if (!s.ok()) {
+    Fail(stream, absl::StrCat(Who(), ": regrouping to epoch ", r.epoch(), " failed: ", s.message()));
+    return;
+  }
+  assignment_.set_epoch(r.epoch());
+  assignment_.set_tp_group(r.tp_group());
+  assignment_.set_send_group(r.send_group());
+  assignment_.set_recv_group(r.recv_group());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  v1::WorkerMessage loaded;
+  v1::Loaded* l = loaded.mutable_loaded();
+  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
+  l->set_kv_blocks(executor_->kv_blocks());
+  l->set_load_seconds(seconds);
+  l->set_epoch(r.epoch());
+  SetServing(true);
+  WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
   Write(stream, loaded);
 }
 
@@ -216,13 +260,15 @@ void WorkerService::RunStep(Stream* stream) {
     v1::WorkerMessage failure;
     failure.mutable_failure()->set_message(
         failure_.empty() ? absl::StrCat(Who(), ": got step ", plan.step_id(), " before an assignment") : failure_);
+    failure.mutable_failure()->set_epoch(epoch());
+    failure.mutable_failure()->set_step_id(plan.step_id());
     Write(stream, failure);
     return;
   }
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {
-    Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()));
+    Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()), plan.step_id());
     return;
   }
   if (metrics_ != nullptr) {
@@ -234,12 +280,17 @@ void WorkerService::RunStep(Stream* stream) {
   Write(stream, reply_);
 }
 
-void WorkerService::Fail(Stream* stream, const std::string& message) {
+void WorkerService::Fail(Stream* stream, const std::string& message, uint64_t step_id) {
   if (failure_.empty()) failure_ = message;
   SetServing(false);
-  WorkerLog(Who(), absl::StrCat("FAILED, now NOT_SERVING until the coordinator stops it: ", message), Ids("error"));
+  WorkerLog(Who(),
+            absl::StrCat("FAILED (epoch ", epoch(), "), now NOT_SERVING until the coordinator regroups or stops it: ",
+                         message),
+            Ids("error"));
   v1::WorkerMessage failure;
   failure.mutable_failure()->set_message(message);
+  failure.mutable_failure()->set_epoch(epoch());
+  failure.mutable_failure()->set_step_id(step_id);
   Write(stream, failure);
 }
 

@@ -8,13 +8,18 @@
 //                                         <-  StepPlan           (one per step, to every worker)
 //   StepResult {sampled ids, timings}     ->  (every worker answers every step)
 //   ...
+//                                         <-  Regroup {epoch, groups}  (a peer was lost and replaced)
+//   (closes its old groups, drops its running batch, keeps its weights, joins the new groups)
+//   Loaded {epoch}                        ->
+//   ...
 //   Heartbeat, every second, from a thread of its own, whatever the main thread is doing.
 //
 // A load error, a step error or a collective timeout is sent as a Failure naming this worker
-// (node, stage, TP rank) and the cause; the worker then marks itself NOT_SERVING in its health
-// service, answers every later step with that Failure, and stays connected (the other workers and
-// the coordinator keep running) until the coordinator sends Shutdown or ends the stream, or Stop()
-// is called.
+// (node, stage, TP rank), the cause, its epoch and the step; the worker then marks itself
+// NOT_SERVING in its health service, answers every later step with that Failure, and stays
+// connected (the other workers and the coordinator keep running) until the coordinator sends a
+// Regroup (a successful one clears the failure: the group heals, docs/healing.md) or Shutdown, or
+// ends the stream, or Stop() is called.
 //
 // Ownership: borrows the health service, which must outlive this. Threading: Run() is called
 // once, on one thread; Stop() may be called from any thread (a signal handler's thread), at any
@@ -67,6 +72,8 @@ struct WorkerOptions {
   // Test-only: sleep this long before each step, so that a test can act in the middle of a
   // generation. Zero in production.
   absl::Duration debug_step_delay = absl::ZeroDuration();
+  // Register as a spare (worker.proto Register.spare): no shard until a slot of this node is lost.
+  bool spare = false;
 };
 
 class WorkerService {
@@ -97,13 +104,18 @@ class WorkerService {
   // coordinator refuses this worker (a Shutdown before any assignment).
   absl::Status Serve(Stream* stream, v1::WorkerControl::StubInterface* stub);
   void Load(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  // Handles a Regroup: re-forms the collective groups under the new epoch, keeping the weights.
+  void Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub);
   void RunStep(Stream* stream);
   // Sends heartbeats every second until the stream is done.
   void HeartbeatLoop(Stream* stream);
   // Writes one message; serialized with the heartbeat thread's writes.
   bool Write(Stream* stream, const v1::WorkerMessage& message);
-  // Records the first failure, reports it to the coordinator and marks this worker NOT_SERVING.
-  void Fail(Stream* stream, const std::string& message);
+  // Records the first failure, reports it to the coordinator (with the epoch and `step_id`, 0 for
+  // none) and marks this worker NOT_SERVING.
+  void Fail(Stream* stream, const std::string& message, uint64_t step_id = 0);
+  // The group's epoch this worker is in: its assignment's, then its last Regroup's.
+  uint64_t epoch() const;
   void SetServing(bool serving);
   // "worker w3 (node n1, stage 1, tp rank 0)", or "worker (node n1)" before the assignment: who
   // speaks, in the log and in Failure messages.

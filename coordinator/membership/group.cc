@@ -114,6 +114,13 @@ absl::StatusOr<Group> FormGroup(const GroupShape& shape, const std::vector<Membe
   return g;
 }
 
+Group NextEpoch(const Group& g) {
+  Group next = g;
+  next.epoch = g.epoch + 1;
+  NameGroups(&next);
+  return next;
+}
+
 absl::StatusOr<Group> Replace(const Group& g, int stage, int tp_rank, const Member& replacement) {
   if (stage < 0 || stage >= g.shape.pp || tp_rank < 0 || tp_rank >= g.shape.tp) {
     return absl::InvalidArgumentError(absl::StrCat("slot (stage ", stage, ", tp rank ", tp_rank,

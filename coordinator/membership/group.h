@@ -102,6 +102,10 @@ absl::StatusOr<Group> FormGroup(const GroupShape& shape, const std::vector<Membe
 // the slot's (its TP peers are on that node, and node names order the stages).
 absl::StatusOr<Group> Replace(const Group& g, int stage, int tp_rank, const Member& replacement);
 
+// `g` re-formed by the same workers under epoch g.epoch + 1: every slot and rank as it was, every
+// group name new (the survivors of a failed step form new communicators).
+Group NextEpoch(const Group& g);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_COORDINATOR_MEMBERSHIP_GROUP_H_

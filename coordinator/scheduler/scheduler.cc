@@ -266,6 +266,30 @@ void Scheduler::Remove(uint64_t id) {
   Erase(s);
 }
 
+void Scheduler::RequeueAllForRegroup() {
+  freed_.clear();  // the new group's workers start empty
+  for (Lane& l : lanes_) l = Lane{};
+  running_.clear();
+  for (auto it = seqs_.begin(); it != seqs_.end();) {
+    Seq& s = *it->second;
+    blocks_.Free(&s.blocks);
+    if (s.removed) {
+      waiting_.erase(s.id);
+      it = seqs_.erase(it);
+      continue;
+    }
+    s.num_fed = 0;
+    s.lane = -1;
+    s.in_flight = 0;
+    s.in_batch = false;
+    s.stalled = false;
+    s.sent = false;
+    s.blocks_sent = 0;
+    waiting_.insert(s.id);
+    ++it;
+  }
+}
+
 void Scheduler::Clear() {
   for (auto& [id, s] : seqs_) blocks_.Free(&s->blocks);
   seqs_.clear();

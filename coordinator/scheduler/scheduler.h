@@ -123,6 +123,13 @@ class Scheduler {
   void Remove(uint64_t id);
   // Drops every sequence and forgets the steps in flight (the group broke): every block is free.
   void Clear();
+  // The group re-forms under a new epoch (a worker was lost or failed; docs/healing.md): the
+  // workers hold nothing and the KV cache is gone. Every sequence goes back to waiting, to be
+  // recomputed from token 0 (prompt + generated, as after a preemption: its prompt length stays,
+  // so its sampling draws continue where they stopped); the steps in flight are forgotten (their
+  // tokens never come); sequences removed while in one are dropped; nothing is left to free on
+  // the workers. Not counted as preemptions.
+  void RequeueAllForRegroup();
 
   bool LaneBusy(int lane) const { return lanes_[lane].busy; }
   int lanes() const { return static_cast<int>(lanes_.size()); }

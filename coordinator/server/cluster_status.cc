@@ -14,9 +14,12 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
   if (plan_) status->set_plan_text(PlanTable(*plan_));
   std::vector<int> shown = pending_;  // before the group is formed: the registered workers
   if (group_) {
+    // The slots' workers (a lost one while its slot is open), then replacements not yet placed.
     shown.clear();
     for (const Slot& slot : group_->slots) shown.push_back(slot.worker);
+    for (const auto& [rank, index] : replacements_) shown.push_back(index);
   }
+  shown.insert(shown.end(), spares_.begin(), spares_.end());  // idle spares: stage -1
   for (int i : shown) {
     const Worker& w = *workers_[i];
     v1::WorkerStatus* s = status->add_workers();
@@ -36,6 +39,8 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
     s->set_detail(w.detail);
   }
   status->set_serving(phase_ == Phase::kServing);
+  status->set_state(StateNameLocked());
+  status->set_epoch(group_ ? group_->epoch : 0);
 }
 
 }  // namespace shardserve

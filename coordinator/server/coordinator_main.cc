@@ -38,7 +38,8 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve-coordinator --model DIR [--listen HOST:PORT] [--nodes N] [--gpus-per-node G]\n"
     "                              [--max-model-len L] [--collective-timeout-seconds S]\n"
-    "                              [--step-timeout-seconds S] [--port-file FILE]\n"
+    "                              [--step-timeout-seconds S] [--heal-timeout-seconds S]\n"
+    "                              [--port-file FILE]\n"
     "                              [--metrics-listen HOST:PORT] [--log-format text|json]\n"
     "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
@@ -58,6 +59,9 @@ constexpr char kUsage[] =
     "                                (default 5)\n"
     "  --step-timeout-seconds        how long a step may take before its silent workers are lost\n"
     "                                (default 10)\n"
+    "  --heal-timeout-seconds        how long requests wait for a group that heals around a lost\n"
+    "                                worker (a replacement registers from its node) before they fail\n"
+    "                                with UNAVAILABLE naming the slot (default 60; docs/healing.md)\n"
     "  --port-file                   once listening, write the port to FILE (for scripts and tests)\n"
     "  --metrics-listen              Prometheus /metrics HTTP address; port 0 picks a free port\n"
     "                                (default 127.0.0.1:9400; docs/metrics.md lists the metrics)\n"
@@ -109,7 +113,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
                    {"model", "listen", "nodes", "gpus-per-node", "max-model-len", "collective-timeout-seconds",
-                    "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
+                    "step-timeout-seconds", "heal-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes"},
@@ -127,7 +131,7 @@ int Main(int argc, char** argv) {
   LogFormat log_format;
   PoolOptions pool_options;
   EngineOptions engine_options;
-  double collective_timeout = 5, step_timeout = 10;
+  double collective_timeout = 5, step_timeout = 10, heal_timeout = 60;
   openai::HttpServerOptions http_options;
   int64_t http_port = 0;
   http_options.host = flags->Get("http-host", "127.0.0.1");
@@ -138,6 +142,7 @@ int Main(int argc, char** argv) {
            flags->Int("max-model-len", 0, int64_t{1} << 31, &pool_options.limits.max_model_len),
            flags->Double("collective-timeout-seconds", 0.001, 3600, &collective_timeout),
            flags->Double("step-timeout-seconds", 0.001, 3600, &step_timeout),
+           flags->Double("heal-timeout-seconds", 0, 86400, &heal_timeout),
            flags->Int("max-num-seqs", 1, 4096, &pool_options.limits.max_seqs_per_step),
            flags->Int("max-waiting-requests", 0, 1000000, &engine_options.max_waiting),
            flags->Int("max-tokens-per-step", 1, 65536, &pool_options.limits.max_tokens_per_step),
@@ -167,6 +172,7 @@ int Main(int argc, char** argv) {
   SetLogFormat(log_format);
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
+  engine_options.heal_timeout = absl::Seconds(heal_timeout);
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
   if (!tls.ok()) return Usage(std::string(tls.status().message()));

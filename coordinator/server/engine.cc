@@ -80,7 +80,11 @@ void Engine::Shutdown() {
 }
 
 absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, SteadyTime arrival) {
-  SHARDSERVE_RETURN_IF_ERROR(pool_->CheckServing());
+  // A healing group takes requests (they wait for it), until the heal has lasted heal_timeout.
+  if (const std::optional<absl::Time> since = pool_->HealingSince();
+      !since.has_value() || absl::Now() - *since > options_.heal_timeout) {
+    SHARDSERVE_RETURN_IF_ERROR(pool_->CheckServing());
+  }
   absl::MutexLock lock(&mu_);
   if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
   // Requests not yet scheduled take the free places of the running batch first, then the queue.
@@ -137,8 +141,9 @@ void Engine::Loop() {
     std::vector<std::pair<uint64_t, absl::Status>> cancels;
     {
       absl::MutexLock lock(&mu_);
-      if (in_flight_.empty() && inbox_.empty() && cancels_.empty() && !shutting_down_ &&
-          (scheduler_ == nullptr || scheduler_->num_running() + scheduler_->num_waiting() == 0)) {
+      const bool idle = scheduler_ == nullptr || scheduler_->num_running() + scheduler_->num_waiting() == 0;
+      if (in_flight_.empty() && cancels_.empty() && !shutting_down_ &&
+          ((inbox_.empty() && idle) || pool_->HealingSince().has_value())) {
         wake_.WaitWithTimeout(&mu_, kIdleWait);
       }
       if (shutting_down_) break;
@@ -157,10 +162,17 @@ void Engine::Loop() {
     for (const auto& [id, why] : cancels) CancelNow(id, why);
     if (scheduler_ == nullptr) continue;
     if (!arrivals.empty() || !cancels.empty()) PublishStats();
+    if (WaitForHeal()) continue;
 
     absl::Status status = SendSteps();
     if (status.ok() && !in_flight_.empty()) status = FinishOldest();
-    if (!status.ok()) FailAll(status);
+    if (!status.ok()) {
+      if (pool_->HealingSince().has_value()) {
+        HoldForHeal(status);
+      } else {
+        FailAll(status);
+      }
+    }
     PublishStats();
   }
   FailAll(absl::UnavailableError("the coordinator is shutting down"));
@@ -325,6 +337,60 @@ void Engine::FailAll(const absl::Status& status) {
     inbox.swap(inbox_);
   }
   for (auto& r : inbox) EndStream(*r, status);
+}
+
+void Engine::HoldForHeal(const absl::Status& status) {
+  in_flight_.clear();
+  pool_->DropSteps();
+  scheduler_->RequeueAllForRegroup();
+  holding_ = true;
+  held_.clear();
+  for (auto& [id, r] : requests_) {
+    held_.push_back(id);
+    CoordinatorRequestLog(r->params.request_id,
+                          absl::StrCat("held after ", r->generation->completion_tokens(),
+                                       " tokens: it resumes by recompute when the worker group has healed (",
+                                       status.message(), ")"),
+                          "warn");
+  }
+}
+
+bool Engine::WaitForHeal() {
+  const std::optional<absl::Time> since = pool_->HealingSince();
+  const uint64_t epoch = pool_->epoch();
+  if (since.has_value()) {
+    if (!holding_) HoldForHeal(pool_->CheckServing());
+    if (absl::Now() - *since > options_.heal_timeout && !requests_.empty()) {
+      const absl::Status why = pool_->CheckServing();
+      const absl::Status status = absl::UnavailableError(absl::StrCat(
+          why.message(), "; the heal took longer than ", absl::FormatDuration(options_.heal_timeout),
+          " (--heal-timeout-seconds)"));
+      if (metrics_ != nullptr) metrics_->heal_requests_failed.Increment(static_cast<double>(requests_.size()));
+      FailAll(status);
+      held_.clear();
+    }
+    return true;
+  }
+  // The group re-formed (also when it healed between two looks: its epoch moved on).
+  if (!holding_ && scheduled_epoch_ != 0 && epoch != scheduled_epoch_) {
+    HoldForHeal(absl::UnavailableError(absl::StrCat("the worker group re-formed under epoch ", epoch)));
+  }
+  scheduled_epoch_ = epoch;
+  if (holding_) {
+    holding_ = false;
+    int64_t resumed = 0;
+    for (uint64_t id : held_) {
+      auto it = requests_.find(id);
+      if (it == requests_.end()) continue;
+      ++resumed;
+      CoordinatorRequestLog(it->second->params.request_id,
+                            absl::StrCat("resumed by recompute after ", it->second->generation->completion_tokens(),
+                                         " tokens (epoch ", epoch, ")"));
+    }
+    if (metrics_ != nullptr) metrics_->heal_requests_resumed.Increment(static_cast<double>(resumed));
+    held_.clear();
+  }
+  return false;
 }
 
 void Engine::PublishStats() {

@@ -10,8 +10,15 @@
 // goes away or its deadline passes, the handler cancels the request and the engine removes it
 // at the next step, freeing its KV blocks.
 //
-// Failure: when the group breaks (a step fails), every request in the engine ends with the
-// pool's UNAVAILABLE status naming the lost worker, and later requests are refused with it.
+// Failure: when a step fails because the group is healing (a worker was lost or failed; the pool
+// re-forms the group around a replacement, docs/healing.md), no step starts, every request is
+// held and its sequence goes back to waiting (Scheduler::RequeueAllForRegroup); new requests are
+// queued. When the group serves again, every sequence is recomputed from its prompt and the tokens
+// already streamed and its stream goes on: no token repeated or skipped. A heal that lasts longer
+// than heal_timeout fails every request held with the pool's UNAVAILABLE status naming the missing
+// worker and its slot, and refuses new ones with it until the group serves again. When the group
+// breaks for good, every request ends with the pool's UNAVAILABLE status, and later requests are
+// refused with it.
 //
 // Ownership: borrows the model, the pool and the metrics (may be null), which must outlive it.
 // Owns the loop thread, joined by Shutdown() or the destructor.
@@ -49,6 +56,8 @@ struct EngineOptions {
   int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
   int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
   absl::Duration step_timeout = absl::Seconds(10);
+  // How long requests wait for a healing group (--heal-timeout-seconds).
+  absl::Duration heal_timeout = absl::Seconds(60);
 };
 
 // The responses of one request, from the engine to its gRPC handler.
@@ -125,6 +134,12 @@ class Engine {
   void End(uint64_t id, const absl::Status& status);
   // Ends every request with `status` (the group broke, or shutdown).
   void FailAll(const absl::Status& status);
+  // A step failed while the pool heals: forgets the steps in flight and sends every sequence back
+  // to waiting, to be recomputed once the group is whole.
+  void HoldForHeal(const absl::Status& status);
+  // While the pool heals: past heal_timeout, fails every request with the pool's status. True
+  // while healing (no step may start).
+  bool WaitForHeal();
   void PublishStats();
 
   // ---- Constant after construction ----
@@ -148,6 +163,10 @@ class Engine {
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // in the scheduler
   std::deque<InFlight> in_flight_;
   uint64_t next_step_ = 1;
+  // Requests held by the heal in progress (resumed when the group serves again).
+  std::vector<uint64_t> held_;
+  bool holding_ = false;          // HoldForHeal ran for the heal in progress
+  uint64_t scheduled_epoch_ = 0;  // the group's epoch the scheduler's state is for
   StepOutcome outcome_;
   v1::StepPlan step_;
 

@@ -48,6 +48,11 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                 .Help("OpenAI API HTTP requests by endpoint and HTTP status (499: a streaming "
                                       "client went away).")
                                 .Register(*registry_)),
+      cluster_state_family_(prometheus::BuildGauge()
+                                .Name("shardserve_cluster_state")
+                                .Help("1 for the worker group's current state (starting, serving, healing, "
+                                      "degraded), 0 for the others.")
+                                .Register(*registry_)),
       time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
                                        "Seconds from a request's arrival to its first token sent.", model)),
       inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
@@ -84,7 +89,23 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       prompt_tokens(AddCounter(*registry_, "shardserve_prompt_tokens_total", "Prompt tokens of requests that ran.",
                                model)),
       generated_tokens(AddCounter(*registry_, "shardserve_generated_tokens_total", "Completion tokens sent to clients.",
-                                  model)) {
+                                  model)),
+      heals(AddCounter(*registry_, "shardserve_heals_total",
+                       "Times the worker group re-formed after a lost or failed worker and served again.", model)),
+      heal_duration(prometheus::BuildHistogram()
+                        .Name("shardserve_heal_duration_seconds")
+                        .Help("Seconds from a worker's loss (or failure) to the group serving again.")
+                        .Register(*registry_)
+                        .Add({{"model", model}},
+                             prometheus::Histogram::BucketBoundaries{0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300})),
+      heal_requests_resumed(AddCounter(*registry_, "shardserve_heal_requests_resumed_total",
+                                       "Requests held through a heal and resumed by recompute.", model)),
+      heal_requests_failed(AddCounter(*registry_, "shardserve_heal_requests_failed_total",
+                                      "Requests failed with UNAVAILABLE because the group did not heal within "
+                                      "--heal-timeout-seconds.",
+                                      model)),
+      worker_restarts(AddCounter(*registry_, "shardserve_worker_restarts_total",
+                                 "Workers that registered to take the slot of a lost worker.", model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
   for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate"}) {
     auth_failures_family_.Add({{"model", model_}, {"reason", reason}});
@@ -95,6 +116,13 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
   requests_family_.Add({{"model", model_}, {"code", "OK"}});
   for (const char* endpoint : {"/v1/chat/completions", "/v1/completions"}) {
     http_requests_family_.Add({{"model", model_}, {"endpoint", endpoint}, {"status", "200"}});
+  }
+  SetClusterState("starting");
+}
+
+void CoordinatorMetrics::SetClusterState(const std::string& state) {
+  for (const char* s : {"starting", "serving", "healing", "degraded"}) {
+    cluster_state_family_.Add({{"model", model_}, {"state", s}}).Set(state == s ? 1 : 0);
   }
 }
 

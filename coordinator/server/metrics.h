@@ -45,6 +45,9 @@ class CoordinatorMetrics {
   // API's API keys) or "no_client_certificate" (a Connect or rendezvous call without a verified
   // certificate from the cluster's CA).
   void AuthFailure(absl::string_view reason);
+  // The group's state (WorkerPool::StateName: starting, serving, healing, degraded): its series is
+  // 1, the others 0.
+  void SetClusterState(const std::string& state);
 
  private:
   const std::string model_;
@@ -54,6 +57,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Gauge>& worker_up_family_;
   prometheus::Family<prometheus::Counter>& auth_failures_family_;
   prometheus::Family<prometheus::Counter>& http_requests_family_;
+  prometheus::Family<prometheus::Gauge>& cluster_state_family_;
 
  public:
   // ---- Observed directly by the inference service and the pool ----
@@ -71,6 +75,12 @@ class CoordinatorMetrics {
   prometheus::Gauge& kv_blocks_total;  // num_kv_blocks the workers hold
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generated_tokens;
+  // ---- Healing (docs/healing.md) ----
+  prometheus::Counter& heals;                     // the group re-formed and serves again
+  prometheus::Histogram& heal_duration;           // seconds, loss -> serving again
+  prometheus::Counter& heal_requests_resumed;     // requests held through a heal that went on
+  prometheus::Counter& heal_requests_failed;      // requests failed because a heal took too long
+  prometheus::Counter& worker_restarts;           // workers registered for a lost slot
 };
 
 }  // namespace shardserve

@@ -9,6 +9,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
@@ -31,8 +32,11 @@ constexpr char kStreamEnded[] =
     "its control stream ended (the process exited or was killed, or the connection dropped)";
 // Memory assumed per worker when planning only to check the layout (Create): enough for any model.
 constexpr uint64_t kProvisionalMemory = uint64_t{1} << 40;
-// This coordinator forms one group in its life, under the first epoch.
+// The group first forms under epoch 1; each re-forming (a heal) takes the next.
 constexpr uint64_t kFirstEpoch = 1;
+// Re-formings without a step completing in between before the group is given up: a worker that
+// fails every step on its own (not because a peer died) would otherwise heal forever.
+constexpr int kMaxHealsWithoutProgress = 3;
 
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
 // --memory-bandwidth-gbps): a server's DRAM. Register refuses a figure the planner does not take.
@@ -170,50 +174,93 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
   {
     absl::MutexLock lock(&mu_);
     const int expected = options_.nodes * options_.gpus_per_node;
-    switch (phase_) {
-      case Phase::kWaiting: break;
-      case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
-      case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
-      default:
-        return absl::FailedPreconditionError(
-            absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
-                         " workers); this coordinator does not replace workers: restart it to form a new group"));
+    const bool healing = phase_ == Phase::kHealing;
+    if (hello.spare()) {
+      if (phase_ == Phase::kShuttingDown) return absl::UnavailableError("the coordinator is shutting down");
+      if (phase_ == Phase::kFailed) return absl::FailedPreconditionError(failed_reason_);
+      index = static_cast<int>(workers_.size());
+      auto w = std::make_unique<Worker>();
+      w->id = absl::StrCat("w", index);
+      w->hello = hello;
+      w->last_heard = absl::Now();
+      w->link = link;
+      workers_.push_back(std::move(w));
+      spares_.push_back(index);
+      CoordinatorLog(workers_[index]->id,
+                     absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                                  ") as a spare: ", spares_.size(), " spare(s) idle"),
+                     LogIds{"", workers_[index]->id, hello.node()});
+      if (healing) {
+        UseSparesLocked();
+        to_send = TryRegroupLocked();
+      }
+    } else {
+      switch (phase_) {
+        case Phase::kWaiting: break;
+        case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
+        case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
+        case Phase::kHealing: {
+          absl::StatusOr<int> replacement = RegisterReplacementLocked(hello, link);
+          if (!replacement.ok()) {
+            CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
+                                                 replacement.status().message()),
+                           LogIds{"", "", hello.node(), -1, -1, "warn"});
+            return replacement.status();
+          }
+          index = *replacement;
+          to_send = TryRegroupLocked();
+          break;
+        }
+        case Phase::kBroken:
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the worker group is broken (", NotServingLocked().message(), "); restart the coordinator"));
+        default:
+          return absl::FailedPreconditionError(
+              absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
+                           " workers); a worker takes a slot only when its worker is lost"));
+      }
+      if (!healing) {  // kWaiting: one more worker for the group
+        std::map<std::string, int> per_node;
+        for (int i : pending_) ++per_node[workers_[i]->hello.node()];
+        if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
+          std::vector<std::string> names;
+          for (const auto& [name, count] : per_node) names.push_back(name);
+          return absl::FailedPreconditionError(absl::StrCat("the group already has its ", options_.nodes, " nodes (",
+                                                            absl::StrJoin(names, ", "), "): node ", hello.node(),
+                                                            " is one too many (--nodes)"));
+        }
+        if (per_node[hello.node()] >= options_.gpus_per_node) {
+          return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
+                                                            options_.gpus_per_node, " workers (--gpus-per-node)"));
+        }
+        index = static_cast<int>(workers_.size());
+        auto w = std::make_unique<Worker>();
+        w->id = absl::StrCat("w", index);
+        w->hello = hello;
+        w->last_heard = absl::Now();
+        w->link = link;
+        workers_.push_back(std::move(w));
+        pending_.push_back(index);
+        CoordinatorLog(workers_[index]->id,
+                       absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                                    hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
+                                    pending_.size(), " of ", expected, " workers"),
+                       LogIds{"", workers_[index]->id, hello.node()});
+        if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+      }
     }
-    std::map<std::string, int> per_node;
-    for (int i : pending_) ++per_node[workers_[i]->hello.node()];
-    if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
-      std::vector<std::string> names;
-      for (const auto& [name, count] : per_node) names.push_back(name);
-      return absl::FailedPreconditionError(absl::StrCat("the group already has its ", options_.nodes, " nodes (",
-                                                        absl::StrJoin(names, ", "), "): node ", hello.node(),
-                                                        " is one too many (--nodes)"));
-    }
-    if (per_node[hello.node()] >= options_.gpus_per_node) {
-      return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
-                                                        options_.gpus_per_node, " workers (--gpus-per-node)"));
-    }
-    index = static_cast<int>(workers_.size());
-    auto w = std::make_unique<Worker>();
-    w->id = absl::StrCat("w", index);
-    w->hello = hello;
-    w->last_heard = absl::Now();
-    w->link = link;
-    workers_.push_back(std::move(w));
-    pending_.push_back(index);
-    CoordinatorLog(workers_[index]->id,
-                   absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
-                                pending_.size(), " of ", expected, " workers"),
-                   LogIds{"", workers_[index]->id, hello.node()});
-    if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
   }
-  for (const auto& [i, message] : to_send) {
+  SendAll(to_send);
+  return index;
+}
+
+void WorkerPool::SendAll(const std::vector<std::pair<int, v1::CoordinatorMessage>>& messages) {
+  for (const auto& [i, message] : messages) {
     if (!SendTo(i, message)) {
       absl::MutexLock lock(&mu_);
       MarkLostLocked(i, LossCause::kStreamEnded, kStreamEnded);
     }
   }
-  return index;
 }
 
 std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked() {
@@ -308,37 +355,8 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   group_ = std::move(*group);
   std::vector<std::string> stages;
   for (const Slot& slot : group_->slots) {
-    Worker& w = *workers_[slot.worker];
     const StagePlan& st = plan_->stages[slot.stage];
-    w.stage = slot.stage;
-    w.tp_rank = slot.tp_rank;
-    w.first_layer = st.first_layer;
-    w.end_layer = st.last_layer + 1;
-    w.state = v1::WORKER_STATE_LOADING;
-    if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, true);
-
-    v1::CoordinatorMessage m;
-    v1::Assignment* a = m.mutable_assignment();
-    a->set_worker_id(w.id);
-    a->set_model_path(model_->dir);
-    a->set_stage(slot.stage);
-    a->set_num_stages(pp);
-    a->set_tp_rank(slot.tp_rank);
-    a->set_tp_size(tp);
-    a->set_first_layer(static_cast<int32_t>(w.first_layer));
-    a->set_end_layer(static_cast<int32_t>(w.end_layer));
-    a->set_tp_group(slot.tp_group);
-    a->set_send_group(slot.send_group);
-    a->set_recv_group(slot.recv_group);
-    ToProto(limits_, a->mutable_limits());
-    a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
-    a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8   ? v1::WEIGHT_QUANTIZATION_INT8
-                               : options_.weight_quant == WeightQuant::kInt4 ? v1::WEIGHT_QUANTIZATION_INT4
-                                                                             : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
-    if (options_.load_format == LoadFormat::kDummy) {
-      a->set_load_format(v1::LOAD_FORMAT_DUMMY);
-      a->set_dummy_seed(options_.dummy_seed);
-    }
+    v1::CoordinatorMessage m = AssignmentLocked(slot);
     out.emplace_back(slot.worker, std::move(m));
     if (slot.tp_rank == 0) {
       stages.push_back(absl::StrCat("stage ", slot.stage, " = node ", slot.node, " (layers ", st.first_layer, "-",
@@ -354,58 +372,150 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   return out;
 }
 
-void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
-  absl::MutexLock lock(&mu_);
-  Worker& w = *workers_[index];
-  w.last_heard = absl::Now();
-  if (w.state == v1::WORKER_STATE_LOST) return;  // too late: nothing it says matters now
-  switch (message.msg_case()) {
-    case v1::WorkerMessage::kHeartbeat:
-      break;
-    case v1::WorkerMessage::kLoaded: {
-      if (w.state != v1::WORKER_STATE_LOADING) {
-        MarkLostLocked(index, LossCause::kMalformed, "sent Loaded without an assignment to load");
-        break;
-      }
-      w.state = v1::WORKER_STATE_READY;
-      w.weight_bytes = message.loaded().weight_bytes();
-      CoordinatorLog(NameLocked(index), absl::StrCat("loaded in ", message.loaded().load_seconds(), " s"),
-                     LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
-      const bool all_ready = std::all_of(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
-        return workers_[s.worker]->state == v1::WORKER_STATE_READY;
-      });
-      if (phase_ == Phase::kLoading && all_ready) {
-        SetPhaseLocked(Phase::kServing);
-        CoordinatorLog("group", "every worker is loaded: SERVING");
-      }
-      break;
-    }
-    case v1::WorkerMessage::kStepResult: {
-      const v1::StepResult& r = message.step_result();
-      auto it = steps_.find(r.step_id());
-      if (it == steps_.end() || w.stage < 0) break;  // stale
-      const int pos = RankOf(group_->shape, w.stage, w.tp_rank);
-      if (it->second.answered[pos]) break;
-      if (absl::Status s = CheckResultLocked(index, it->second, r); !s.ok()) {
-        MarkLostLocked(index, LossCause::kMalformed, absl::StrCat("sent a malformed result: ", s.message()));
-        break;
-      }
-      it->second.results[pos] = r;
-      it->second.answered[pos] = true;
-      changed_.SignalAll();
-      break;
-    }
-    case v1::WorkerMessage::kFailure: {
-      std::string why = message.failure().message().substr(0, kMaxFailureLength);
-      MarkLostLocked(index, LossCause::kFailure, absl::StrCat("reported a failure: ", why));
-      break;
-    }
-    case v1::WorkerMessage::kRegister:
-      MarkLostLocked(index, LossCause::kMalformed, "sent a second Register");
-      break;
-    case v1::WorkerMessage::MSG_NOT_SET:
-      break;  // a message of a newer protocol: nothing to do with it
+v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
+  const int tp = options_.gpus_per_node, pp = options_.nodes;
+  Worker& w = *workers_[slot.worker];
+  const StagePlan& st = plan_->stages[slot.stage];
+  w.stage = slot.stage;
+  w.tp_rank = slot.tp_rank;
+  w.first_layer = st.first_layer;
+  w.end_layer = st.last_layer + 1;
+  w.state = v1::WORKER_STATE_LOADING;
+  w.epoch = group_->epoch;
+  w.failed = false;
+  w.load_pending = true;
+  if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, true);
+
+  v1::CoordinatorMessage m;
+  v1::Assignment* a = m.mutable_assignment();
+  a->set_worker_id(w.id);
+  a->set_model_path(model_->dir);
+  a->set_stage(slot.stage);
+  a->set_num_stages(pp);
+  a->set_tp_rank(slot.tp_rank);
+  a->set_tp_size(tp);
+  a->set_first_layer(static_cast<int32_t>(w.first_layer));
+  a->set_end_layer(static_cast<int32_t>(w.end_layer));
+  a->set_tp_group(slot.tp_group);
+  a->set_send_group(slot.send_group);
+  a->set_recv_group(slot.recv_group);
+  ToProto(limits_, a->mutable_limits());
+  a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
+  a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8   ? v1::WEIGHT_QUANTIZATION_INT8
+                             : options_.weight_quant == WeightQuant::kInt4 ? v1::WEIGHT_QUANTIZATION_INT4
+                                                                           : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
+  if (options_.load_format == LoadFormat::kDummy) {
+    a->set_load_format(v1::LOAD_FORMAT_DUMMY);
+    a->set_dummy_seed(options_.dummy_seed);
   }
+  a->set_epoch(group_->epoch);
+  return m;
+}
+
+void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
+  std::vector<std::pair<int, v1::CoordinatorMessage>> to_send;
+  {
+    absl::MutexLock lock(&mu_);
+    Worker& w = *workers_[index];
+    w.last_heard = absl::Now();
+    if (w.state == v1::WORKER_STATE_LOST) return;  // too late: nothing it says matters now
+    switch (message.msg_case()) {
+      case v1::WorkerMessage::kHeartbeat:
+        if (phase_ == Phase::kHealing) to_send = TryRegroupLocked();  // kLossSettle may have passed
+        break;
+      case v1::WorkerMessage::kLoaded: {
+        const v1::Loaded& l = message.loaded();
+        if (w.load_pending && l.epoch() < w.epoch) break;  // the answer to an older Regroup: stale
+        if (w.state != v1::WORKER_STATE_LOADING || !w.load_pending || l.epoch() != w.epoch) {
+          MarkLostLocked(index, LossCause::kMalformed,
+                         absl::StrCat("sent Loaded for epoch ", l.epoch(), " without an assignment to load"));
+          break;
+        }
+        w.state = v1::WORKER_STATE_READY;
+        w.load_pending = false;
+        const bool regrouped = w.loaded;
+        w.loaded = true;
+        w.weight_bytes = l.weight_bytes();
+        w.detail.clear();
+        CoordinatorLog(NameLocked(index),
+                       absl::StrCat(regrouped ? "regrouped" : "loaded", " in ", l.load_seconds(), " s (epoch ",
+                                    w.epoch, ")"),
+                       LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
+        const bool all_ready = std::all_of(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
+          const Worker& h = *workers_[s.worker];
+          return h.state == v1::WORKER_STATE_READY && h.epoch == group_->epoch;
+        });
+        if (phase_ == Phase::kLoading && all_ready) {
+          SetPhaseLocked(Phase::kServing);
+          CoordinatorLog("group", "every worker is loaded: SERVING");
+        } else if (phase_ == Phase::kHealing && all_ready && !needs_new_epoch_) {
+          const double seconds = absl::ToDoubleSeconds(absl::Now() - heal_started_);
+          SetPhaseLocked(Phase::kServing);
+          if (metrics_ != nullptr) {
+            metrics_->heals.Increment();
+            metrics_->heal_duration.Observe(seconds);
+          }
+          CoordinatorLog("group", absl::StrFormat("healed in %.2f s: every worker is ready under epoch %d: SERVING",
+                                                  seconds, group_->epoch));
+        }
+        break;
+      }
+      case v1::WorkerMessage::kStepResult: {
+        const v1::StepResult& r = message.step_result();
+        w.last_step_answered = std::max(w.last_step_answered, r.step_id());
+        if (phase_ == Phase::kHealing) to_send = TryRegroupLocked();  // a survivor may be settled now
+        auto it = steps_.find(r.step_id());
+        if (it == steps_.end() || w.stage < 0 || r.epoch() != group_->epoch) break;  // stale
+        const int pos = RankOf(group_->shape, w.stage, w.tp_rank);
+        if (group_->slots[pos].worker != index || it->second.answered[pos]) break;
+        if (absl::Status s = CheckResultLocked(index, it->second, r); !s.ok()) {
+          MarkLostLocked(index, LossCause::kMalformed, absl::StrCat("sent a malformed result: ", s.message()));
+          break;
+        }
+        it->second.results[pos] = r;
+        it->second.answered[pos] = true;
+        changed_.SignalAll();
+        break;
+      }
+      case v1::WorkerMessage::kFailure: {
+        const v1::Failure& f = message.failure();
+        const std::string why = absl::StrCat("reported a failure: ", f.message().substr(0, kMaxFailureLength));
+        w.last_step_answered = std::max(w.last_step_answered, f.step_id());
+        if (f.epoch() < w.epoch) {
+          // A failure of an older epoch's step (it was in a collective with the lost peer): the
+          // group re-forms anyway. It settles the worker, though.
+          if (phase_ == Phase::kHealing) to_send = TryRegroupLocked();
+          break;
+        }
+        if (!w.loaded || phase_ == Phase::kLoading) {
+          // Its load failed (the first load, or a replacement's): it cannot hold its slot. A
+          // failed replacement is also let go (its process exits; a supervisor may start another).
+          MarkLostLocked(index, LossCause::kFailure, why);
+          if (phase_ == Phase::kHealing && w.link != nullptr) w.link->Cancel();
+          break;
+        }
+        if (f.step_id() == 0) w.load_pending = false;  // its Regroup failed
+        w.failed = true;
+        w.detail = why;
+        CoordinatorLog(NameLocked(index), absl::StrCat("FAILED under epoch ", w.epoch, ": ", f.message()),
+                       LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
+        if (phase_ == Phase::kServing) {
+          StartHealLocked(absl::StrCat(NameLocked(index), " ", why));
+        } else if (phase_ == Phase::kHealing) {
+          needs_new_epoch_ = true;
+          to_send = TryRegroupLocked();
+        }
+        changed_.SignalAll();
+        break;
+      }
+      case v1::WorkerMessage::kRegister:
+        MarkLostLocked(index, LossCause::kMalformed, "sent a second Register");
+        break;
+      case v1::WorkerMessage::MSG_NOT_SET:
+        break;  // a message of a newer protocol: nothing to do with it
+    }
+  }
+  SendAll(to_send);
 }
 
 void WorkerPool::Disconnect(int index) {
@@ -445,6 +555,19 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   // other lost worker's stream is ended, which also unblocks a send stuck on it.
   if (cause != LossCause::kFailure && w.link != nullptr) w.link->Cancel();
   changed_.SignalAll();
+  if (auto spare = std::find(spares_.begin(), spares_.end(), index); spare != spares_.end()) {
+    spares_.erase(spare);
+    CoordinatorLog(w.id, absl::StrCat("spare left: ", detail), LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    return;
+  }
+  for (auto it = replacements_.begin(); it != replacements_.end(); ++it) {
+    if (it->second != index) continue;
+    // A replacement that leaves before the group re-forms: its slot is open again.
+    replacements_.erase(it);
+    CoordinatorLog(NameLocked(index), absl::StrCat("replacement left before the group re-formed: ", detail),
+                   LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "warn"});
+    return;
+  }
   if (w.stage < 0) {
     // Not in a group yet: it just leaves, and another worker may take its place.
     pending_.erase(std::remove(pending_.begin(), pending_.end(), index), pending_.end());
@@ -452,19 +575,242 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
                    LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
     return;
   }
-  if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, false);
-  CoordinatorLog(NameLocked(index), absl::StrCat("LOST: ", detail),
-                 LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
-  if (phase_ == Phase::kLoading || phase_ == Phase::kServing) {
-    SetPhaseLocked(Phase::kBroken);
-    CoordinatorLog("group", "broken: NOT_SERVING; requests are refused until the coordinator is restarted");
+  if (!group_ || group_->slots[RankOf(group_->shape, w.stage, w.tp_rank)].worker != index) {
+    // It held a slot once and was replaced already: nothing depends on it.
+    CoordinatorLog(NameLocked(index), absl::StrCat("gone (replaced earlier): ", detail),
+                   LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
+    return;
   }
+  if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, false);
+  CoordinatorLog(NameLocked(index), absl::StrCat("LOST (epoch ", group_->epoch, "): ", detail),
+                 LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
+  if (phase_ == Phase::kLoading) {
+    SetPhaseLocked(Phase::kBroken);
+    CoordinatorLog("group", "broken while loading: NOT_SERVING; requests are refused until the coordinator is "
+                            "restarted");
+  } else if (phase_ == Phase::kServing) {
+    StartHealLocked(absl::StrCat(NameLocked(index), " is lost: ", detail));
+    UseSparesLocked();
+  } else if (phase_ == Phase::kHealing) {
+    needs_new_epoch_ = true;  // whoever joined the next epoch's groups must form them again
+    CoordinatorLog("group", absl::StrCat("healing: slot (node ", w.hello.node(), ", stage ", w.stage, ", tp rank ",
+                                         w.tp_rank, ") is open again; waiting for a worker from node ",
+                                         w.hello.node()));
+    UseSparesLocked();
+  }
+}
+
+void WorkerPool::StartHealLocked(const std::string& why) {
+  if (heals_without_progress_ >= kMaxHealsWithoutProgress) {
+    failed_reason_ = absl::StrCat("the worker group re-formed ", heals_without_progress_,
+                                  " times without completing a step; giving up (restart the coordinator and the "
+                                  "workers): ", why);
+    SetPhaseLocked(Phase::kFailed);
+    CoordinatorLog("group", failed_reason_, LogIds{"", "", "", -1, -1, "error"});
+    return;
+  }
+  heal_started_ = absl::Now();
+  needs_new_epoch_ = true;
+  SetPhaseLocked(Phase::kHealing);
+  std::vector<std::string> open;
+  for (const Slot& s : group_->slots) {
+    if (workers_[s.worker]->state == v1::WORKER_STATE_LOST) {
+      open.push_back(absl::StrCat("node ", s.node, ", stage ", s.stage, ", tp rank ", s.tp_rank));
+    }
+  }
+  CoordinatorLog("group", absl::StrCat("HEALING (epoch ", group_->epoch, "): ", why, "; requests are held",
+                                       open.empty() ? "; the same workers re-form the group"
+                                                    : absl::StrCat("; waiting for a worker for slot(s) ",
+                                                                   absl::StrJoin(open, "; "))),
+                 LogIds{"", "", "", -1, -1, "warn"});
+}
+
+absl::Status WorkerPool::CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const {
+  const Worker& lost = *workers_[slot.worker];
+  const std::string where = absl::StrCat("slot (node ", slot.node, ", stage ", slot.stage, ", tp rank ",
+                                         slot.tp_rank, ")");
+  if ((hello.device() == "cpu") != (lost.hello.device() == "cpu")) {
+    return absl::FailedPreconditionError(absl::StrCat("device ", hello.device(), " cannot take ", where,
+                                                      ": the group runs on ", lost.hello.device()));
+  }
+  // What the slot's shard needs: its weights, step buffers and reserve, and the KV cache every
+  // worker of the group holds (the plan's figures), at the planner's memory utilization.
+  const GpuPlan& g = plan_->per_gpu[slot.rank];
+  const double kv = static_cast<double>(g.kv_bytes_per_token) * static_cast<double>(limits_.num_kv_blocks) *
+                    static_cast<double>(limits_.block_size);
+  const double need = (static_cast<double>(g.weight_bytes + g.activation_bytes + g.reserve_bytes) + kv) /
+                      plan_->options.gpu_memory_utilization;
+  if (static_cast<double>(hello.memory_bytes()) < need) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "a worker with %.1f MiB of memory cannot take %s: its shard needs %.1f MiB (weights %.1f MiB, KV cache %.1f "
+        "MiB for %d blocks, buffers and reserve %.1f MiB, at memory utilization %.2f); give it more (--memory-gb)",
+        hello.memory_bytes() / 1048576.0, where, need / 1048576.0, g.weight_bytes / 1048576.0, kv / 1048576.0,
+        limits_.num_kv_blocks, (g.activation_bytes + g.reserve_bytes) / 1048576.0,
+        plan_->options.gpu_memory_utilization));
+  }
+  return absl::OkStatus();
+}
+
+void WorkerPool::UseSparesLocked() {
+  if (phase_ != Phase::kHealing) return;
+  for (const Slot& s : group_->slots) {
+    if (workers_[s.worker]->state != v1::WORKER_STATE_LOST || replacements_.count(s.rank)) continue;
+    for (auto it = spares_.begin(); it != spares_.end(); ++it) {
+      Worker& spare = *workers_[*it];
+      if (spare.hello.node() != s.node) continue;
+      if (absl::Status fits = CheckFitsSlotLocked(spare.hello, s); !fits.ok()) {
+        CoordinatorLog(NameLocked(*it), absl::StrCat("spare cannot take the slot: ", fits.message()),
+                       LogIds{"", spare.id, spare.hello.node(), -1, -1, "warn"});
+        continue;
+      }
+      spare.stage = s.stage;
+      spare.tp_rank = s.tp_rank;
+      replacements_[s.rank] = *it;
+      if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
+      CoordinatorLog(spare.id,
+                     absl::StrCat("spare takes slot (node ", s.node, ", stage ", s.stage, ", tp rank ", s.tp_rank,
+                                  ") of lost ", NameLocked(s.worker), " (epoch ", group_->epoch, ")"),
+                     LogIds{"", spare.id, spare.hello.node(), s.stage, s.tp_rank});
+      spares_.erase(it);
+      break;
+    }
+  }
+}
+
+absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {
+  std::vector<std::string> open;
+  const Slot* slot = nullptr;
+  for (const Slot& s : group_->slots) {
+    if (workers_[s.worker]->state != v1::WORKER_STATE_LOST || replacements_.count(s.rank)) continue;
+    open.push_back(absl::StrCat("node ", s.node, " stage ", s.stage, " tp rank ", s.tp_rank));
+    if (slot == nullptr && s.node == hello.node()) slot = &s;
+  }
+  if (slot == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the worker group is healing and has no open slot on node ", hello.node(),
+        open.empty() ? std::string("; every slot has a worker")
+                     : absl::StrCat("; open slots: ", absl::StrJoin(open, ", "), " (a replacement uses its --node)")));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckFitsSlotLocked(hello, *slot));
+  const std::string where = absl::StrCat("slot (node ", slot->node, ", stage ", slot->stage, ", tp rank ",
+                                         slot->tp_rank, ")");
+  const int index = static_cast<int>(workers_.size());
+  auto w = std::make_unique<Worker>();
+  w->id = absl::StrCat("w", index);
+  w->hello = hello;
+  w->last_heard = absl::Now();
+  w->link = link;
+  w->stage = slot->stage;
+  w->tp_rank = slot->tp_rank;
+  workers_.push_back(std::move(w));
+  replacements_[slot->rank] = index;
+  if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
+  CoordinatorLog(workers_[index]->id,
+                 absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                              ") as the replacement for ", where, " of lost ", NameLocked(slot->worker), " (epoch ",
+                              group_->epoch, ")"),
+                 LogIds{"", workers_[index]->id, hello.node(), slot->stage, slot->tp_rank});
+  return index;
+}
+
+std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::TryRegroupLocked() {
+  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
+  if (phase_ != Phase::kHealing || !needs_new_epoch_) return out;
+  // With no one to replace (a step failed, no worker lost yet), wait a moment: the failure was
+  // most likely caused by a peer whose loss the coordinator has not seen yet (a killed worker's
+  // peers report the broken connection at about the time its stream ends).
+  if (replacements_.empty() && absl::Now() - heal_started_ < kLossSettle) return out;
+  for (const Slot& s : group_->slots) {
+    auto r = replacements_.find(s.rank);
+    const Worker& h = *workers_[r != replacements_.end() ? r->second : s.worker];
+    if (h.state == v1::WORKER_STATE_LOST || h.link == nullptr) return out;  // the slot is open
+    // A survivor still in a step of the old epoch (bounded by the collective timeout), or in a
+    // load or regroup not answered: the new groups would wait for it.
+    if (r == replacements_.end() && (h.last_step_answered < h.last_step_sent || h.load_pending)) return out;
+  }
+  if (heals_without_progress_ >= kMaxHealsWithoutProgress) {
+    failed_reason_ = absl::StrCat("the worker group re-formed ", heals_without_progress_,
+                                  " times without completing a step; giving up (restart the coordinator and the "
+                                  "workers)");
+    SetPhaseLocked(Phase::kFailed);
+    CoordinatorLog("group", failed_reason_, LogIds{"", "", "", -1, -1, "error"});
+    return out;
+  }
+  Group next = *group_;
+  std::vector<std::string> replaced;
+  for (const auto& [rank, index] : replacements_) {
+    const Slot& s = next.slots[rank];
+    absl::StatusOr<Group> g = Replace(next, s.stage, s.tp_rank, Member{index, workers_[index]->hello.node()});
+    if (!g.ok()) {
+      // Register checked the node: this is a bug, not the replacement's fault.
+      CoordinatorLog("group", absl::StrCat("cannot place ", workers_[index]->id, ": ", g.status().message()),
+                     LogIds{"", "", "", -1, -1, "error"});
+      return out;
+    }
+    replaced.push_back(absl::StrCat(workers_[index]->id, " for ", workers_[s.worker]->id));
+    next = std::move(*g);
+  }
+  if (replacements_.empty()) next = NextEpoch(next);
+  const uint64_t old_epoch = group_->epoch;
+  group_ = std::move(next);
+  replacements_.clear();
+  needs_new_epoch_ = false;
+  ++heals_without_progress_;
+  for (const Slot& s : group_->slots) {
+    Worker& w = *workers_[s.worker];
+    if (!w.loaded) {
+      out.emplace_back(s.worker, AssignmentLocked(s));
+    } else {
+      w.state = v1::WORKER_STATE_LOADING;
+      w.epoch = group_->epoch;
+      w.failed = false;
+      v1::CoordinatorMessage m;
+      v1::Regroup* r = m.mutable_regroup();
+      r->set_epoch(group_->epoch);
+      r->set_tp_group(s.tp_group);
+      r->set_send_group(s.send_group);
+      r->set_recv_group(s.recv_group);
+      out.emplace_back(s.worker, std::move(m));
+    }
+    workers_[s.worker]->load_pending = true;
+  }
+  CoordinatorLog("group", absl::StrCat("re-forming: epoch ", old_epoch, " -> ", group_->epoch, "; ",
+                                       replaced.empty() ? "the same workers" : absl::StrJoin(replaced, ", "),
+                                       "; survivors keep their weights and join the new groups"));
+  return out;
+}
+
+std::optional<absl::Time> WorkerPool::HealingSince() {
+  absl::MutexLock lock(&mu_);
+  if (phase_ != Phase::kHealing) return std::nullopt;
+  return heal_started_;
+}
+
+std::string WorkerPool::StateName() {
+  absl::MutexLock lock(&mu_);
+  return StateNameLocked();
+}
+
+std::string WorkerPool::StateNameLocked() const {
+  switch (phase_) {
+    case Phase::kServing: return "serving";
+    case Phase::kHealing: return "healing";
+    case Phase::kWaiting:
+    case Phase::kLoading: return "starting";
+    default: return "degraded";
+  }
+}
+
+uint64_t WorkerPool::epoch() {
+  absl::MutexLock lock(&mu_);
+  return group_ ? group_->epoch : 0;
 }
 
 void WorkerPool::SetPhaseLocked(Phase phase) {
   const bool was_serving = phase_ == Phase::kServing;
   phase_ = phase;
   changed_.SignalAll();
+  if (metrics_ != nullptr) metrics_->SetClusterState(StateNameLocked());
   if (was_serving != (phase == Phase::kServing) && listener_) listener_(phase == Phase::kServing);
 }
 
@@ -503,7 +849,47 @@ absl::Status WorkerPool::NotServingLocked() const {
         absl::StrAppend(&message, k == 0 ? "" : "; also lost: ", NameLocked(lost[k]), k == 0 ? " is lost: " : ": ",
                         workers_[lost[k]]->detail);
       }
-      absl::StrAppend(&message, ". This coordinator does not re-form groups: restart it and the workers");
+      absl::StrAppend(&message, ". A worker lost while the group first loads is not replaced: restart the "
+                                "coordinator and the workers");
+      return absl::UnavailableError(message);
+    }
+    case Phase::kHealing: {
+      // The lost workers first (the likely cause, in the order of LossCause), then the failed ones.
+      std::vector<int> lost, failed;
+      for (const Slot& s : group_->slots) {
+        const Worker& w = *workers_[s.worker];
+        if (w.state == v1::WORKER_STATE_LOST) {
+          lost.push_back(s.worker);
+        } else if (w.failed) {
+          failed.push_back(s.worker);
+        }
+      }
+      std::sort(lost.begin(), lost.end(), [&](int a, int b) {
+        return std::tuple(workers_[a]->cause, workers_[a]->lost_at) < std::tuple(workers_[b]->cause, workers_[b]->lost_at);
+      });
+      std::string message = absl::StrFormat("the worker group is healing (for %.1f s, epoch %d): ",
+                                            absl::ToDoubleSeconds(absl::Now() - heal_started_), group_->epoch);
+      for (size_t k = 0; k < lost.size(); ++k) {
+        const Worker& w = *workers_[lost[k]];
+        const int rank = RankOf(group_->shape, w.stage, w.tp_rank);
+        absl::StrAppend(&message, k == 0 ? "" : "; ", NameLocked(lost[k]), " is lost: ", w.detail,
+                        replacements_.count(rank) ? absl::StrCat("; its replacement ", workers_[replacements_.at(rank)]->id,
+                                                                 " has registered")
+                                                  : absl::StrCat("; its slot (node ", w.hello.node(), ", stage ",
+                                                                 w.stage, ", tp rank ", w.tp_rank,
+                                                                 ") waits for a worker from node ", w.hello.node()));
+      }
+      for (size_t k = 0; k < failed.size(); ++k) {
+        absl::StrAppend(&message, lost.empty() && k == 0 ? "" : "; ", NameLocked(failed[k]), " ",
+                        workers_[failed[k]]->detail);
+      }
+      if (lost.empty() && failed.empty()) {
+        const auto ready = std::count_if(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
+          return workers_[s.worker]->state == v1::WORKER_STATE_READY;
+        });
+        absl::StrAppend(&message, "re-forming under epoch ", group_->epoch, ": ", ready, " of ", expected,
+                        " workers ready");
+      }
       return absl::UnavailableError(message);
     }
     case Phase::kFailed:
@@ -560,18 +946,24 @@ absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, 
 
 absl::Status WorkerPool::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {
   std::vector<int> group;
+  uint64_t epoch = 0;
   {
     absl::MutexLock lock(&mu_);
     if (phase_ != Phase::kServing) return NotServingLocked();
+    epoch = group_->epoch;
     InFlightStep& f = steps_[step.step_id()];
     f.rows = logit_rows;
     f.wants_logprobs = wants_logprobs;
     f.answered.assign(group_->slots.size(), false);
     f.results.assign(group_->slots.size(), v1::StepResult());
-    for (const Slot& s : group_->slots) group.push_back(s.worker);
+    for (const Slot& s : group_->slots) {
+      group.push_back(s.worker);
+      workers_[s.worker]->last_step_sent = step.step_id();
+    }
   }
   v1::CoordinatorMessage message;
   *message.mutable_step() = step;
+  message.mutable_step()->set_epoch(epoch);
   for (int i : group) {
     if (!SendTo(i, message)) {
       absl::MutexLock lock(&mu_);
@@ -606,13 +998,15 @@ absl::Status WorkerPool::FinishStep(uint64_t step_id, absl::Duration timeout, St
     }
   }
   if (phase_ != Phase::kServing) {
-    // Give the other workers a moment to report, so that the message names every worker involved.
+    // Give the other workers a moment to report, so that the message names every worker involved
+    // (not while healing: the requests wait, and the heal should not).
     const absl::Time settle = absl::Now() + kLossSettle;
-    while (!StepSettledLocked(step) && phase_ != Phase::kShuttingDown) {
+    while (!StepSettledLocked(step) && phase_ != Phase::kShuttingDown && phase_ != Phase::kHealing) {
       if (changed_.WaitWithDeadline(&mu_, settle)) break;
     }
     return NotServingLocked();
   }
+  heals_without_progress_ = 0;
   outcome->sampled_ids.clear();
   outcome->logprobs.clear();
   outcome->forward_seconds = outcome->collective_seconds = 0;
@@ -640,6 +1034,7 @@ StepLimits WorkerPool::limits() {
 void WorkerPool::SetMetrics(CoordinatorMetrics* metrics) {
   absl::MutexLock lock(&mu_);
   metrics_ = metrics;
+  if (metrics_ != nullptr) metrics_->SetClusterState(StateNameLocked());
 }
 
 void WorkerPool::Shutdown(const std::string& reason) {

@@ -13,11 +13,27 @@
 //   3. Serving: every worker is READY; StartStep() broadcasts a StepPlan and FinishStep() gathers
 //      every worker's StepResult. Several steps may be in flight (pipelined micro-batches): each
 //      worker runs them in the order they were sent.
-//   4. Broken: a worker is LOST: its control stream ended, it sent a Failure, it sent nothing for
-//      heartbeat_timeout, it missed a step deadline, or it sent a malformed message. Steps fail
-//      at once with UNAVAILABLE naming the worker (node, stage, TP rank) and the cause, and so
-//      does every later request: the communicators of a broken group cannot be trusted, and this
-//      coordinator does not re-form groups (a restart does).
+//   4. Healing (docs/healing.md): while serving, a worker is LOST (its control stream ended, it
+//      sent nothing for heartbeat_timeout, it missed a step deadline, or it sent a malformed
+//      message) or a worker reports a Failure (a step or a collective failed, most often because a
+//      peer died). The steps in flight fail at once with UNAVAILABLE naming the worker; the plan
+//      stays, no new step starts, and the engine holds its requests (it recomputes them when the
+//      group is whole again, or fails them after --heal-timeout-seconds). A worker that registers
+//      from the lost slot's node, whose device and memory fit the slot's shard, takes the slot
+//      (else it is refused, saying why, and the slot stays open); so does, at once, a spare of
+//      that node (Register.spare: registered in any phase, idle until then). Once every slot has a live
+//      worker and every survivor has answered every step it was sent (a survivor stuck in a
+//      collective with the dead peer errors out within the collective timeout), the group
+//      re-forms under a new epoch (membership/group.h Replace, NextEpoch): the replacement gets
+//      its slot's Assignment, every survivor a Regroup (new group names; it keeps its weights and
+//      drops its running batch). When every worker answers Loaded under the new epoch, the group
+//      serves again. A failure during the heal (another loss, a failed regroup) starts the
+//      re-forming over under the next epoch. Messages of an older epoch (results, failures,
+//      Loaded) are ignored; every StepPlan carries the epoch and the workers refuse another.
+//   5. Broken: a worker was lost while the group first loaded, or the group re-formed
+//      kMaxHealsWithoutProgress times without completing a step in between (a worker that fails
+//      on its own, not because of a peer). Steps and requests fail with UNAVAILABLE naming the
+//      worker; a coordinator restart forms a new group.
 // Failed (the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final too.
 //
 // Files: worker_pool.cc registration, the group and steps; cluster_status.cc the status
@@ -131,8 +147,16 @@ class WorkerPool {
 
   // ---- Serving ----
   // OK while serving; otherwise Unavailable saying why (waiting for workers, loading, which
-  // worker is lost and why, ...).
+  // worker is lost and why, which slot a heal waits for, ...).
   absl::Status CheckServing();
+  // Since when the group has been healing (a worker lost or failed while serving, and the group
+  // not yet re-formed); none when it is not healing. Requests wait while it heals.
+  std::optional<absl::Time> HealingSince();
+  // "serving", "healing", "degraded" (broken, failed or shutting down) or "starting" (waiting for
+  // workers, loading), and the group's epoch (0 before it forms): for status and metrics.
+  std::string StateName();
+  // The group's epoch: 1 once formed, one more at each re-forming; 0 before it forms.
+  uint64_t epoch();
   // Sends `step` (a new, increasing step_id) to every worker; its result carries `logit_rows`
   // sampled ids (the rows that sample), and logprobs when `wants_logprobs`. Unavailable when the
   // group is not serving. Steps are finished in the order they were started. Plans are stateful:
@@ -161,7 +185,7 @@ class WorkerPool {
   void Shutdown(const std::string& reason);
 
  private:
-  enum class Phase { kWaiting, kLoading, kServing, kBroken, kFailed, kShuttingDown };
+  enum class Phase { kWaiting, kLoading, kServing, kHealing, kBroken, kFailed, kShuttingDown };
 
   // Why a worker was lost, in the order a message lists them: a worker that vanished or hung is
   // more likely the cause than one that failed because a peer vanished.
@@ -184,6 +208,13 @@ class WorkerPool {
     absl::Time last_heard;
     WorkerLink* link = nullptr;  // null once disconnected
     int sends_in_flight = 0;     // Send calls running on `link` outside mu_
+    // ---- Healing ----
+    uint64_t epoch = 0;          // of the Assignment or Regroup it was last sent
+    bool loaded = false;         // has loaded its shard once (a Regroup keeps it)
+    bool failed = false;         // reported a Failure under `epoch`: the group must re-form
+    bool load_pending = false;   // sent an Assignment or Regroup it has not answered yet
+    uint64_t last_step_sent = 0;      // the last step it was sent
+    uint64_t last_step_answered = 0;  // the last step it answered (a result or a Failure)
   };
 
   // A step sent and not finished.
@@ -213,6 +244,26 @@ class WorkerPool {
   // Checks a result worker `index` sent for `step`; an error says what is wrong.
   absl::Status CheckResultLocked(int index, const InFlightStep& step, const v1::StepResult& result) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A heal starts (from Serving) or goes on: no step starts until the group re-forms.
+  void StartHealLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string StateNameLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // While healing: when every slot has a live worker and every survivor has answered every step
+  // it was sent, re-forms the group under a new epoch and returns the Assignments (replacements)
+  // and Regroups (survivors) to send; otherwise nothing.
+  std::vector<std::pair<int, v1::CoordinatorMessage>> TryRegroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `hello` as the replacement for a lost slot of its node while healing, or says why
+  // not (no open slot on that node, another device kind, too little memory for the shard).
+  absl::StatusOr<int> RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // OK when the worker `hello` describes can hold `slot`'s shard (the group's kind of device,
+  // memory for the shard and the KV cache), else FailedPrecondition saying why.
+  absl::Status CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // While healing: gives each open slot a spare of its node that fits, as its replacement.
+  void UseSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The Assignment of slot `slot` for its holder, under the group's epoch.
+  v1::CoordinatorMessage AssignmentLocked(const Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends each message outside mu_; a worker whose stream is broken is lost.
+  void SendAll(const std::vector<std::pair<int, v1::CoordinatorMessage>>& messages) ABSL_LOCKS_EXCLUDED(mu_);
   // Marks workers silent for heartbeat_timeout lost, until the pool is destroyed (defined in
   // heartbeat_monitor.cc).
   void MonitorLoop() ABSL_LOCKS_EXCLUDED(mu_);
@@ -238,6 +289,16 @@ class WorkerPool {
   std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
   CoordinatorMetrics* metrics_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool stop_monitor_ ABSL_GUARDED_BY(mu_) = false;
+  // ---- Healing ----
+  absl::Time heal_started_ ABSL_GUARDED_BY(mu_);
+  // A loss or failure since the last Regroup: the group must re-form under a new epoch.
+  bool needs_new_epoch_ ABSL_GUARDED_BY(mu_) = false;
+  // Replacements registered for lost slots, by rank; they join at the next re-forming.
+  std::map<int, int> replacements_ ABSL_GUARDED_BY(mu_);
+  // Spare workers (Register.spare), idle until a slot of their node is lost.
+  std::vector<int> spares_ ABSL_GUARDED_BY(mu_);
+  // Re-formings since the last step that completed: past kMaxHealsWithoutProgress, Broken.
+  int heals_without_progress_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread monitor_;
 };

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -36,7 +37,8 @@ constexpr char kUsage[] =
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
-    "                         [--http-port P]\n"
+    "                         [--http-port P] [--heal-timeout-seconds S]\n"
+    "                         [--max-worker-restarts N] [--spare-workers N]\n"
     "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
@@ -56,6 +58,16 @@ constexpr char kUsage[] =
     "  --quantization        the coordinator's: int8 stores the workers' linear-layer weights in int8\n"
     "                        (one scale per output channel), int4 in 4 bits (scale + zero point per\n"
     "                        group of 128 inputs), quantized at load; cpu only for now\n"
+    "  --heal-timeout-seconds  the coordinator's: how long requests wait for the group to heal around\n"
+    "                        a lost worker (a new worker process for its node) before they fail\n"
+    "                        (default 60; docs/healing.md)\n"
+    "  --max-worker-restarts  a worker that dies once the cluster serves is started again (backoff\n"
+    "                        1 s, doubling up to 30 s) and takes its lost slot back, at most N times\n"
+    "                        in all (default 5; 0: never)\n"
+    "  --spare-workers       N more workers started as spares (worker --spare), spread over the\n"
+    "                        nodes: registered and ready but holding no shard; one takes a lost\n"
+    "                        slot of its node at once, so a heal costs a shard load, not a process\n"
+    "                        start (default 0)\n"
     "  --load-format, --dummy-seed  the coordinator's: dummy makes the weights from config.json and the\n"
     "                        seed (default 0), each worker its own slice; --model may hold only\n"
     "                        config.json (then prompts are token ids)\n"
@@ -76,7 +88,8 @@ void OnSignal(int) { g_stop = 1; }
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
   with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file",
-                     "http-port"});
+                     "http-port",
+                     "max-worker-restarts", "spare-workers"});
   with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
   absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help", "insecure"});
   if (!flags.ok()) {
@@ -95,6 +108,16 @@ int Run(const std::vector<std::string>& args) {
   const absl::StatusOr<int64_t> metrics_base = flags->GetInt("metrics-port-base", 9400);
   if (!metrics_base.ok() || *metrics_base < 0 || *metrics_base + *nodes * *gpus > 65535) {
     std::fprintf(stderr, "shardserve launch: --metrics-port-base must be 0 or a port with room for every worker after it\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> spares = flags->GetInt("spare-workers", 0);
+  if (!spares.ok() || *spares < 0 || *spares > 64) {
+    std::fprintf(stderr, "shardserve launch: --spare-workers must be 0 to 64\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> max_restarts = flags->GetInt("max-worker-restarts", 5);
+  if (!max_restarts.ok() || *max_restarts < 0 || *max_restarts > 1000) {
+    std::fprintf(stderr, "shardserve launch: --max-worker-restarts must be 0 to 1000\n");
     return 2;
   }
   const absl::StatusOr<int64_t> http_port = flags->GetInt("http-port", 8000);
@@ -142,6 +165,7 @@ int Run(const std::vector<std::string>& args) {
   if (flags->Has("api-keys-file")) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {"--api-keys-file", flags->Get("api-keys-file")});
   }
+  options.spare_workers = *spares;
   for (const auto& [name, value] : cluster_flags->coordinator_flags) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
   }
@@ -234,6 +258,12 @@ int Run(const std::vector<std::string>& args) {
   const auto ready_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(ready_timeout);
   bool ready = false;
   int exit_code = 0;
+  // Supervision: a worker that dies once the cluster is ready is started again after a backoff
+  // (1 s, doubling up to 30 s), at most --max-worker-restarts times in all; the coordinator gives
+  // the new process its lost slot and the group heals (docs/healing.md).
+  std::map<std::string, int64_t> restarts;  // by worker name
+  std::map<std::string, std::chrono::steady_clock::time_point> restart_at;
+  int64_t total_restarts = 0;
   while (!g_stop) {
     if (std::optional<ExitedProcess> dead = (*cluster)->ReapExited()) {
       std::fprintf(stderr, "shardserve launch: %s %s; last lines of %s:\n%s\n", dead->name.c_str(), dead->how.c_str(),
@@ -242,7 +272,37 @@ int Run(const std::vector<std::string>& args) {
         exit_code = 1;
         break;  // a cluster that cannot start, or lost its coordinator, is torn down
       }
-      std::fprintf(stderr, "shardserve launch: the coordinator refuses requests until the group is whole again\n");
+      if (total_restarts < *max_restarts) {
+        const int64_t n = restarts[dead->name]++;
+        const auto backoff = std::chrono::seconds(std::min<int64_t>(30, int64_t{1} << std::min<int64_t>(n, 5)));
+        restart_at[dead->name] = std::chrono::steady_clock::now() + backoff;
+        ++total_restarts;
+        std::fprintf(stderr,
+                     "shardserve launch: restarting %s in %lld s (restart %lld of at most %lld); the group heals when "
+                     "it registers, requests wait up to the coordinator's --heal-timeout-seconds\n",
+                     dead->name.c_str(), static_cast<long long>(backoff.count()),
+                     static_cast<long long>(total_restarts), static_cast<long long>(*max_restarts));
+      } else {
+        std::fprintf(stderr,
+                     "shardserve launch: not restarting %s: %lld restarts already (--max-worker-restarts); the group "
+                     "heals when a worker for the lost slot registers (its line of %s/commands.sh)\n",
+                     dead->name.c_str(), static_cast<long long>(total_restarts), options.log_dir.c_str());
+      }
+      std::fflush(stderr);
+    }
+    for (auto it = restart_at.begin(); it != restart_at.end();) {
+      if (std::chrono::steady_clock::now() < it->second) {
+        ++it;
+        continue;
+      }
+      if (absl::Status s = (*cluster)->RestartWorker(it->first); !s.ok()) {
+        std::fprintf(stderr, "shardserve launch: cannot restart %s: %s\n", it->first.c_str(),
+                     std::string(s.message()).c_str());
+      } else {
+        std::fprintf(stderr, "shardserve launch: restarted %s\n", it->first.c_str());
+      }
+      std::fflush(stderr);
+      it = restart_at.erase(it);
     }
     if (!ready) {
       if ((*cluster)->Serving()) {

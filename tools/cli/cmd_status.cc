@@ -70,7 +70,11 @@ int Run(const std::vector<std::string>& args) {
   std::printf("model %s (%s, %lld layers, vocab %lld, checkpoint %s, max length %lld)\n", m.name().c_str(), m.architecture().c_str(),
               static_cast<long long>(m.num_layers()), static_cast<long long>(m.vocab_size()), m.dtype().c_str(),
               static_cast<long long>(m.max_model_len()));
-  std::printf("layout TP=%d x PP=%d, %s\n", cs.tp(), cs.pp(), cs.serving() ? "serving" : "NOT serving");
+  // state: starting, serving, healing (a lost worker is being replaced: docs/healing.md) or
+  // degraded; an older coordinator sends none.
+  std::printf("layout TP=%d x PP=%d, %s, state %s, epoch %llu\n", cs.tp(), cs.pp(),
+              cs.serving() ? "serving" : "NOT serving", cs.state().empty() ? "unknown" : cs.state().c_str(),
+              static_cast<unsigned long long>(cs.epoch()));
   const v1::SchedulerStatus& q = cs.scheduler();
   std::printf("scheduler: %d running (max %d), %d waiting (max %d), KV blocks %lld free of %lld (%lld tokens each), "
               "%lld preemptions, %d micro-batch(es), %lld tokens per step\n\n",

@@ -131,7 +131,26 @@ absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std:
     for (const std::string& a : argv) quoted.push_back(ShellQuote(a));
     std::ofstream(fs::path(options_.log_dir) / "commands.sh", std::ios::app) << absl::StrJoin(quoted, " ") << "\n";
   }
-  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  absl::StatusOr<pid_t> pid = ForkExec(argv, log, /*append=*/false);
+  if (!pid.ok()) return pid.status();
+  children_.push_back({name, *pid, log, worker, argv});
+  return absl::OkStatus();
+}
+
+absl::Status LocalCluster::RestartWorker(const std::string& name) {
+  for (Child& c : children_) {
+    if (!c.worker || c.name != name || c.pid > 0) continue;
+    absl::StatusOr<pid_t> pid = ForkExec(c.argv, c.log, /*append=*/true);
+    if (!pid.ok()) return pid.status();
+    c.pid = *pid;
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat("no exited worker named ", name));
+}
+
+absl::StatusOr<pid_t> LocalCluster::ForkExec(const std::vector<std::string>& argv, const std::string& log,
+                                             bool append) {
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | (append ? O_APPEND : O_TRUNC) | O_CLOEXEC, 0644);
   if (fd < 0) return absl::InternalError(absl::StrCat("cannot open log ", log, ": ", std::strerror(errno)));
   // Everything the child needs is built before fork: after it, only async-signal-safe calls.
   std::vector<char*> cargv;
@@ -156,8 +175,7 @@ absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std:
     _exit(127);
   }
   ::close(fd);
-  children_.push_back({name, pid, log, worker});
-  return absl::OkStatus();
+  return pid;
 }
 
 absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClusterOptions& options) {
@@ -244,6 +262,29 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
       }
       c->metrics_lines_.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", mport, "/metrics"));
     }
+  }
+  for (int64_t k = 0; k < o.spare_workers; ++k) {
+    const std::string node = absl::StrCat("node", k % o.nodes);
+    const std::string dev = o.device == "cpu" ? "cpu" : absl::StrCat("cuda:", o.gpus_per_node + k / o.nodes);
+    const int64_t mport = metrics_port(1 + o.nodes * o.gpus_per_node + k);
+    std::vector<std::string> argv = {(bin / "shardserve-worker").string(),
+                                     "--coordinator",
+                                     c->address_,
+                                     "--node",
+                                     node,
+                                     "--device",
+                                     dev,
+                                     "--metrics-listen",
+                                     absl::StrCat("127.0.0.1:", mport),
+                                     "--log-format",
+                                     o.log_format,
+                                     "--spare"};
+    argv.insert(argv.end(), o.worker_flags.begin(), o.worker_flags.end());
+    const std::string name = absl::StrCat("spare ", node, "/", k);
+    if (absl::Status s = c->Spawn(name, argv, absl::StrCat("spare-", node, "-", k, ".log"), true); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
+    }
+    c->metrics_lines_.push_back(absl::StrCat("  spare ", node, "/", k, "  http://127.0.0.1:", mport, "/metrics"));
   }
   ClientOptions client;
   client.address = c->address_;

@@ -61,6 +61,10 @@ struct LocalClusterOptions {
   // How this process's health checks reach the coordinator: plaintext when empty; the CA (and a
   // client certificate) when the coordinator serves TLS (then its --tls-* are in coordinator_flags).
   TlsFiles client_tls;
+  // Spare workers (worker --spare), spread over the nodes (spare k on node k % nodes, device
+  // cuda:(gpus_per_node + k / nodes) on cuda); metrics after the workers'. Each takes a lost slot
+  // of its node at once (docs/healing.md).
+  int64_t spare_workers = 0;
   // How long the coordinator may take to write its port file when the address has port 0.
   std::chrono::seconds listen_timeout{30};
 };
@@ -99,6 +103,10 @@ class LocalCluster {
   bool Serving();
   // Reaps a child that has exited, if any, and describes it.
   std::optional<ExitedProcess> ReapExited();
+  // Starts the reaped worker `name` ("worker node1/0") again with its command line, its log
+  // appended to. The coordinator gives it the lost slot of its node (docs/healing.md).
+  // FailedPrecondition when no reaped worker has that name.
+  absl::Status RestartWorker(const std::string& name);
   // Polls until the coordinator serves. Fails if a process exits first (naming it, with the end of
   // its log), after `timeout`, or when *stop becomes true (Ctrl-C).
   absl::Status WaitUntilServing(std::chrono::seconds timeout, const std::atomic<bool>* stop);
@@ -112,11 +120,14 @@ class LocalCluster {
     pid_t pid = -1;    // -1 once reaped
     std::string log;
     bool worker = false;
+    std::vector<std::string> argv;  // to restart it
   };
 
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status Spawn(const std::string& name, const std::vector<std::string>& argv, const std::string& log_name,
                      bool worker);
+  // Forks and execs `argv` with stdout and stderr to `log` (truncated, or appended to).
+  static absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv, const std::string& log, bool append);
 
   const LocalClusterOptions options_;
   std::string address_;
@@ -125,10 +136,12 @@ class LocalCluster {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
 
-// The scheduler flags of the coordinator that `launch` and `bench --compare` take and pass through
-// unchanged, each only when given (so that the coordinator's defaults apply otherwise).
+// The scheduler flags of the coordinator (and --heal-timeout-seconds) that `launch` and `bench
+// --compare` take and pass through unchanged, each only when given (so that the coordinator's
+// defaults apply otherwise).
 inline constexpr const char* kCoordinatorPassThroughFlags[] = {
-    "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size"};
+    "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size",
+    "heal-timeout-seconds"};
 
 // CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
 // workers, at least one each, so that workers do not oversubscribe the machine. (The test

@@ -1,0 +1,278 @@
+// A cluster that heals itself (docs/healing.md): real shardserve-coordinator and shardserve-worker
+// processes on 127.0.0.1 (tests/cluster_harness.h).
+//
+// - A worker SIGKILLed in the middle of a greedy stream, at each position of a TP=2 x PP=2 group
+//   (a TP rank of the first stage, the last stage's rank 0 that samples, the first stage's rank
+//   0), with a replacement process started for its node about 1 s later: the stream finishes with
+//   exactly the tokens of an undisturbed run, and the group serves under the next epoch.
+// - The same with seeded sampling (temperature, top-p, a repetition penalty): the same tokens.
+// - A SIGSTOPped worker: lost after its heartbeats stop; its peer, stuck in a collective with it,
+//   fails that step, is not lost for it, and regroups with the replacement: the same tokens.
+// - A spare registered beforehand (worker --spare) takes the slot of a killed worker at once.
+// - No replacement: the stream fails after --heal-timeout-seconds with UNAVAILABLE naming the lost
+//   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
+//   (too little memory, another node) are refused saying why and the slot stays open; a fitting one
+//   heals the group, which then serves again.
+//
+// Every process runs in its own process group and dies with the test; every wait is bounded;
+// teardown kills and reaps every child.
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "shardserve/v1/inference.grpc.pb.h"
+#include "tests/cluster_harness.h"
+
+namespace shardserve {
+namespace {
+
+// The harness index of the live worker process that holds slot (stage, tp_rank), found through
+// the address it registered; -1 when none does.
+int WorkerAt(Cluster& cluster, int stage, int tp_rank) {
+  const v1::ClusterStatus status = cluster.Status();
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.stage() != stage || w.tp_rank() != tp_rank || w.state() == v1::WORKER_STATE_LOST) continue;
+    for (int i = 0; i < cluster.num_workers(); ++i) {
+      if (cluster.worker(i).running() && cluster.worker_address(i) == w.address()) return i;
+    }
+  }
+  return -1;
+}
+
+struct StreamRun {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+};
+
+// Streams `request`; once `after` tokens have come, runs `act` (once), then reads to the end.
+StreamRun StreamWith(Cluster& cluster, const v1::GenerateRequest& request, int after, const std::function<void()>& act,
+               std::chrono::seconds timeout = std::chrono::seconds(240)) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  auto reader = cluster.client()->Generate(&context, request);
+  StreamRun out;
+  bool acted = false;
+  v1::GenerateResponse message;
+  while (reader->Read(&message)) {
+    out.tokens.insert(out.tokens.end(), message.token_ids().begin(), message.token_ids().end());
+    if (!acted && static_cast<int>(out.tokens.size()) >= after) {
+      acted = true;
+      act();
+    }
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+// SIGKILLs the worker in slot (stage, tp_rank) and starts a replacement for its node 1 s later.
+void KillAndReplace(Cluster& cluster, int stage, int tp_rank) {
+  const int victim = WorkerAt(cluster, stage, tp_rank);
+  ASSERT_GE(victim, 0) << "no live worker holds stage " << stage << " tp rank " << tp_rank << "\n" << cluster.Logs();
+  cluster.worker(victim).Signal(SIGKILL);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  cluster.AddWorker("n" + std::to_string(stage));
+}
+
+// Waits up to 120 s for the coordinator's status to say `state`.
+bool WaitForState(Cluster& cluster, const std::string& state) {
+  const auto start = Clock::now();
+  while (SecondsSince(start) < 120) {
+    if (cluster.Status().state() == state) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return false;
+}
+
+constexpr int kTokens = 96;
+
+TEST(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnchanged) {
+  Cluster cluster({"llama3_rope", 2, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  EXPECT_EQ(cluster.Status().state(), "serving");
+  EXPECT_EQ(cluster.Status().epoch(), 1u);
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  ASSERT_EQ(reference.tokens.size(), static_cast<size_t>(kTokens));
+
+  struct Position {
+    const char* what;
+    int stage, tp_rank;
+  };
+  uint64_t epoch = 1;
+  for (const Position& p : {Position{"a TP rank of the first stage", 0, 1},
+                            Position{"the last stage's sampling rank", 1, 0},
+                            Position{"the first stage's rank 0", 0, 0}}) {
+    SCOPED_TRACE(p.what);
+    const auto start = Clock::now();
+    const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] { KillAndReplace(cluster, p.stage, p.tp_rank); });
+    std::printf("[ heal     ] %s: killed, replaced, stream done in %.1f s\n", p.what, SecondsSince(start));
+    ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(run.tokens, reference.tokens) << cluster.Logs();
+    const v1::ClusterStatus status = cluster.Status();
+    EXPECT_EQ(status.state(), "serving");
+    EXPECT_GT(status.epoch(), epoch);
+    epoch = status.epoch();
+  }
+  // Each heal replaced one worker: the epoch moved on by (at least) one each time.
+  EXPECT_GE(epoch, 4u);
+  // The coordinator's log has one line per event with the slot and the epoch.
+  const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
+  EXPECT_NE(log.find("HEALING (epoch 1)"), std::string::npos);
+  EXPECT_NE(log.find("as the replacement for slot (node n0, stage 0, tp rank 1)"), std::string::npos);
+  EXPECT_NE(log.find("re-forming: epoch 1 -> 2"), std::string::npos);
+  EXPECT_NE(log.find("healed in"), std::string::npos);
+  EXPECT_NE(log.find("resumed by recompute"), std::string::npos);
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+TEST(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("llama3_rope");
+  v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  request.mutable_sampling()->set_temperature(0.9f);
+  request.mutable_sampling()->set_top_p(0.95f);
+  request.mutable_sampling()->set_repetition_penalty(1.1f);
+  request.mutable_sampling()->set_seed(1234);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  // The sampler's rank (TP rank 0 of the last stage) is the one killed: its replacement continues
+  // the draws from the sequence's token count alone.
+  const StreamRun run = StreamWith(cluster, request, /*after=*/12, [&] { KillAndReplace(cluster, 0, 0); });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  EXPECT_GE(cluster.Status().epoch(), 2u);
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+// A hung (SIGSTOPped) worker: its TP peer is stuck in an all-reduce with it until the collective
+// timeout, fails that step and is not lost for it; the stopped worker is lost when its heartbeats
+// stop, a replacement takes its slot, the survivor regroups, and the stream finishes unchanged.
+TEST(HealTest, StoppedWorkerIsReplacedAndTheSurvivorStuckInACollectiveRegroups) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const int victim = WorkerAt(cluster, 0, 1);
+  ASSERT_GE(victim, 0);
+  const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] {
+    cluster.worker(victim).Signal(SIGSTOP);
+    // A replacement registers once the coordinator has lost the stopped worker (3 s without
+    // heartbeats); before that the slot is not open.
+    const auto start = Clock::now();
+    while (WorkerAt(cluster, 0, 1) == victim && SecondsSince(start) < 60) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    cluster.AddWorker("n0");
+  });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_GE(status.epoch(), 2u);
+  // The survivor (tp rank 0) kept its slot: it was not lost, only regrouped.
+  const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
+  EXPECT_NE(log.find("(node n0, stage 0, tp rank 0): regrouped"), std::string::npos) << log;
+  EXPECT_EQ(log.find("tp rank 0): LOST"), std::string::npos) << log;
+  cluster.worker(victim).Kill();
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+// A spare (worker --spare) registered beforehand takes the killed worker's slot at once: no new
+// process, and the stream finishes unchanged.
+TEST(HealTest, ASpareTakesTheSlotOfAKilledWorker) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  cluster.AddWorker("n0", {"--spare"});
+  const auto start = Clock::now();
+  while (cluster.Status().workers_size() < 3 && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(cluster.Status().workers_size(), 3) << "the spare did not register\n" << cluster.Logs();
+  EXPECT_EQ(cluster.Status().state(), "serving");
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const int victim = WorkerAt(cluster, 0, 1);
+  ASSERT_GE(victim, 0);
+  const StreamRun run =
+      StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(victim).Signal(SIGKILL); });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_GE(status.epoch(), 2u);
+  EXPECT_EQ(cluster.num_workers(), 3) << "no process was started for the heal";
+  const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
+  EXPECT_NE(log.find("spare takes slot (node n0, stage 0, tp rank 1)"), std::string::npos) << log;
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+TEST(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRefused) {
+  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, {"--heal-timeout-seconds", "3"});
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("llama3_rope");
+  const int victim = WorkerAt(cluster, 0, 1);
+  ASSERT_GE(victim, 0);
+  std::string victim_id;
+  const v1::ClusterStatus before = cluster.Status();
+  for (const v1::WorkerStatus& w : before.workers()) {
+    if (w.address() == cluster.worker_address(victim)) victim_id = w.worker_id();
+  }
+  const std::string name = "worker " + victim_id + " (node n0, stage 0, tp rank 1) is lost";
+  const std::string slot = "slot (node n0, stage 0, tp rank 1)";
+
+  // No replacement: after the heal timeout the stream ends, naming the worker and its slot.
+  const auto start = Clock::now();
+  const StreamRun run = StreamWith(cluster, TokenRequest(golden.prompt, 600), /*after=*/5,
+                             [&] { cluster.worker(victim).Signal(SIGKILL); });
+  const double seconds = SecondsSince(start);
+  EXPECT_EQ(run.status.error_code(), grpc::StatusCode::UNAVAILABLE) << run.status.error_message();
+  EXPECT_NE(run.status.error_message().find(name), std::string::npos) << run.status.error_message();
+  EXPECT_NE(run.status.error_message().find(slot), std::string::npos) << run.status.error_message();
+  EXPECT_NE(run.status.error_message().find("--heal-timeout-seconds"), std::string::npos)
+      << run.status.error_message();
+  EXPECT_LT(seconds, 60.0);
+  EXPECT_LT(run.tokens.size(), 600u);
+  EXPECT_EQ(cluster.Status().state(), "healing");
+  EXPECT_EQ(cluster.HealthStatus(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // A new request is refused with the same news while the heal is past its timeout.
+  const Streamed refused = Generate(cluster.client(), TokenRequest(golden.prompt, 4), std::chrono::seconds(30));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(refused.status.error_message().find(slot), std::string::npos) << refused.status.error_message();
+
+  // Too little memory for the shard: refused, saying what it needs; the worker exits.
+  const int small = cluster.AddWorker("n0", {"--memory-gb", "0.0001"});
+  EXPECT_NE(cluster.worker(small).Wait(std::chrono::seconds(60)), 0);
+  EXPECT_NE(Tail(cluster.worker(small).log()).find("cannot take " + slot + ": its shard needs"), std::string::npos)
+      << Tail(cluster.worker(small).log());
+  // Another node: no open slot there.
+  const int stranger = cluster.AddWorker("n7");
+  EXPECT_NE(cluster.worker(stranger).Wait(std::chrono::seconds(60)), 0);
+  EXPECT_NE(Tail(cluster.worker(stranger).log()).find("no open slot on node n7"), std::string::npos)
+      << Tail(cluster.worker(stranger).log());
+  EXPECT_EQ(cluster.Status().state(), "healing");
+
+  // A fitting replacement heals the group, which serves again.
+  cluster.AddWorker("n0");
+  ASSERT_TRUE(WaitForState(cluster, "serving")) << cluster.Logs();
+  EXPECT_GE(cluster.Status().epoch(), 2u);
+  const Streamed after = Generate(cluster.client(), TokenRequest(golden.prompt, 8), std::chrono::seconds(60));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens.size(), 8u);
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+}  // namespace
+}  // namespace shardserve

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""`shardserve launch` supervision and spares (docs/healing.md).
+
+1. A worker SIGKILLed while the cluster serves is restarted by launch, takes its slot back, the
+   group heals under a new epoch and serves again.
+2. With --spare-workers 1 and --max-worker-restarts 0, the spare takes the killed worker's slot:
+   the group heals with no restart.
+
+Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
+waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
+not a spare), then checks the launch log, that `shardserve status` comes back to `state serving,
+epoch 2` and that a generation succeeds. Bounded in time; every process is stopped at the end.
+
+usage: launch_heal_test.py BIN_DIR
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def fail(message):
+    print(f"launch_heal_test.py: FAIL: {message}")
+    sys.exit(1)
+
+
+def children(pid):
+    """The pids of `pid`'s children (from /proc/PID/task/*/children)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    return out
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def run(bin_dir, spare):
+    cli = os.path.join(bin_dir, "shardserve")
+    log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
+    extra = ["--spare-workers", "1", "--max-worker-restarts", "0"] if spare else []
+    launch = subprocess.Popen(
+        [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
+         "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: [lines.append(l) for l in launch.stdout], daemon=True)
+    reader.start()
+
+    def wait_for(pattern, seconds):
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            for l in list(lines):
+                m = re.search(pattern, l)
+                if m:
+                    return m
+            if launch.poll() is not None:
+                fail(f"launch exited with {launch.returncode}:\n{''.join(lines)}")
+            time.sleep(0.1)
+        fail(f"no line like {pattern!r} within {seconds} s:\n{''.join(lines)}")
+
+    try:
+        address = wait_for(r"ready\. Connect to (\S+) ", 240).group(1)
+        workers = [p for p in children(launch.pid)
+                   if cmdline(p)[:1] and cmdline(p)[0].endswith(b"shardserve-worker") and b"--spare" not in cmdline(p)]
+        if len(workers) != 2:
+            fail(f"expected 2 worker processes (not spares) under launch, found {workers}")
+        victim = workers[1]
+        os.kill(victim, signal.SIGKILL)
+        if spare:
+            wait_for(r"not restarting worker node0/\d", 60)
+        else:
+            wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
+            wait_for(r"restarted worker node0/\d", 60)
+        deadline = time.time() + 180
+        status = ""
+        while time.time() < deadline:
+            r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30)
+            status = r.stdout + r.stderr
+            if r.returncode == 0 and "state serving, epoch 2" in status:
+                break
+            time.sleep(0.5)
+        else:
+            fail(f"the cluster did not serve again under epoch 2:\n{status}\n{''.join(lines)}")
+        r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "4"],
+                           capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
+        if spare and "spare takes slot" not in open(os.path.join(log_dir, "coordinator.log")).read():
+            fail("the coordinator's log does not say that the spare took the slot")
+        print(f"launch_heal_test.py: OK ({'a spare took the slot' if spare else 'worker restarted by launch'}, "
+              "group healed under epoch 2, generate OK)")
+    finally:
+        launch.send_signal(signal.SIGTERM)
+        try:
+            launch.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+            launch.wait()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], spare=False)
+    run(sys.argv[1], spare=True)
