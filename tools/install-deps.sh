@@ -12,6 +12,7 @@ PACKAGES=(
   libdnnl-dev               # oneDNN: the CPU backend's matrix products
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
+  libssl-dev                # OpenSSL's SHA-256: the prefix cache's block keys
   libgtest-dev libgmock-dev
   python3 python3-venv
   procps                    # pgrep: tests/bench_test.py checks that no process is left behind
