@@ -40,6 +40,7 @@ constexpr char kUsage[] =
     "                              [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                              [--num-kv-blocks N] [--block-size B] [--micro-batches K]\n"
     "                              [--quantization none|int8] [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                              [--no-prefix-caching]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -73,7 +74,11 @@ constexpr char kUsage[] =
     "  --load-format                 auto (default): the checkpoint's safetensors; dummy: weights made\n"
     "                                from config.json alone and a seed, each worker its own slice (as\n"
     "                                vLLM's; --model may hold only config.json: token-id prompts)\n"
-    "  --dummy-seed                  the dummy weights' seed (default 0; --load-format dummy only)\n";
+    "  --dummy-seed                  the dummy weights' seed (default 0; --load-format dummy only)\n"
+    "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
+    "                                kept after their request (evicted least recently used) and a\n"
+    "                                request whose first tokens match reuses them instead of computing\n"
+    "                                them again (docs/prefix-caching.md)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -94,7 +99,7 @@ int Main(int argc, char** argv) {
                     "step-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed"},
-                   {"help"});
+                   {"help", "no-prefix-caching"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -143,6 +148,7 @@ int Main(int argc, char** argv) {
   SetLogFormat(log_format);
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
+  engine_options.prefix_caching = !flags->Has("no-prefix-caching");
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.

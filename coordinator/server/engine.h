@@ -49,6 +49,7 @@ struct EngineOptions {
   int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
   int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
   absl::Duration step_timeout = absl::Seconds(10);
+  bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
 };
 
 // The responses of one request, from the engine to its gRPC handler.

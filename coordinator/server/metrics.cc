@@ -74,7 +74,13 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       prompt_tokens(AddCounter(*registry_, "shardserve_prompt_tokens_total", "Prompt tokens of requests that ran.",
                                model)),
       generated_tokens(AddCounter(*registry_, "shardserve_generated_tokens_total", "Completion tokens sent to clients.",
-                                  model)) {
+                                  model)),
+      prefix_cache_queries(AddCounter(*registry_, "shardserve_prefix_cache_queries_tokens_total",
+                                      "Tokens of admitted sequences looked up in the prefix cache.", model)),
+      prefix_cache_hits(AddCounter(*registry_, "shardserve_prefix_cache_hits_tokens_total",
+                                   "Tokens found in the prefix cache (their KV not computed again).", model)),
+      prefix_cache_blocks(AddGauge(*registry_, "shardserve_prefix_cache_blocks",
+                                   "KV cache blocks holding a cached prefix that no running sequence holds.", model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
   for (const char* reason : {"stop_token", "stop_string", "length"}) {
     finished_family_.Add({{"model", model_}, {"reason", reason}});

@@ -62,6 +62,9 @@ class CoordinatorMetrics {
   prometheus::Gauge& kv_blocks_total;  // num_kv_blocks the workers hold
   prometheus::Counter& prompt_tokens;
   prometheus::Counter& generated_tokens;
+  prometheus::Counter& prefix_cache_queries;  // tokens looked up in the prefix cache
+  prometheus::Counter& prefix_cache_hits;     // tokens found there
+  prometheus::Gauge& prefix_cache_blocks;     // blocks cached, held by no sequence
 };
 
 }  // namespace shardserve

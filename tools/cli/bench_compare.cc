@@ -103,10 +103,8 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   std::replace(dir_name.begin(), dir_name.end(), '/', '_');
   co.log_dir = (fs::path(o.log_dir) / dir_name).string();
   co.metrics_port_base = 0;
-  for (const auto& [name, value] : o.cluster.coordinator_flags) {
-    if (layout.serial && name == "micro-batches") continue;  // /serial layouts run one micro-batch
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {absl::StrCat("--", name), value});
-  }
+  // /serial layouts run one micro-batch.
+  co.coordinator_flags = o.cluster.CoordinatorArgs(layout.serial ? "micro-batches" : "");
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   const int64_t threads =
       o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);

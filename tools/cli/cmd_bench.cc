@@ -59,7 +59,8 @@ constexpr char kUsage[] =
     "                        [--max-model-len L] [--quantization none|int8] [--load-format auto|dummy]\n"
     "                        [--dummy-seed N]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
-    "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B]  [load flags as above]\n"
+    "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B] [--no-prefix-caching]\n"
+    "                        [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
     "  latency. Every request has ignore_eos and max_tokens = its output length; one that fails or\n"
     "  returns fewer tokens counts as failed (each distinct error is shown once, with its count).\n"
@@ -88,7 +89,8 @@ constexpr char kUsage[] =
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
-    "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
+    "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
+    "                     through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
     "                     --load-format dummy runs weights made from config.json alone (a --model\n"
     "                     directory may then hold only config.json; bench sends token ids)\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
@@ -112,7 +114,9 @@ int Run(const std::vector<std::string>& args) {
       "compare", "log-dir"};
   // clang-format on
   with_value.merge(ClusterFlags::Names());
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help"});
+  std::set<std::string> switches = ClusterFlags::Switches();
+  switches.insert({"json", "help"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, switches);
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -178,6 +182,9 @@ int Run(const std::vector<std::string>& args) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {
+      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
+    }
+    for (const std::string& f : ClusterFlags::Switches()) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
     }
     std::fprintf(stderr, "bench: %s: %s\n", c.address.c_str(), LoadLine(c).c_str());

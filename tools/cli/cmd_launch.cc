@@ -33,7 +33,7 @@ constexpr char kUsage[] =
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8]\n"
-    "                         [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                         [--load-format auto|dummy] [--dummy-seed N] [--no-prefix-caching]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
     "  Ctrl-C or SIGTERM, which stop every process it started. Each process logs to a file in --log-dir\n"
@@ -47,7 +47,7 @@ constexpr char kUsage[] =
     "                        bf16 for a bf16 checkpoint on a CPU with bf16 instructions, else f32),\n"
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
     "  --max-num-seqs, --max-waiting-requests, --max-tokens-per-step, --num-kv-blocks, --micro-batches,\n"
-    "  --block-size          the coordinator's scheduler flags, passed through when given\n"
+    "  --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed through when given\n"
     "                        (shardserve-coordinator --help)\n"
     "  --quantization        the coordinator's: int8 stores the workers' linear-layer weights in int8\n"
     "                        (one scale per output channel, quantized at load; cpu only for now)\n"
@@ -61,7 +61,9 @@ void OnSignal(int) { g_stop = 1; }
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
   with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format"});
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help"});
+  std::set<std::string> switches = ClusterFlags::Switches();
+  switches.insert("help");
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, switches);
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -102,9 +104,7 @@ int Run(const std::vector<std::string>& args) {
   options.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-", getpid()));
   options.metrics_port_base = *metrics_base;
   options.log_format = log_format;
-  for (const auto& [name, value] : cluster_flags->coordinator_flags) {
-    options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
-  }
+  options.coordinator_flags = cluster_flags->CoordinatorArgs();
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.
   const int64_t worker_threads =
