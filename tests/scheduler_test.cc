@@ -1272,8 +1272,13 @@ TEST(SchedulerTest, RemoveWhileInFlight) {
 
 // The ids of sequences removed while in flight in the simulated cluster: cancellations at random
 // points, including in the middle of a prefill and while steps of other lanes are in flight.
+// With the prefix cache on, half the prompts start with the same 12 tokens (3 blocks), so cancelled
+// sequences also let go of shared blocks that others still read.
 TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
+ for (const bool caching : {false, true}) {
+  SCOPED_TRACE(caching ? "prefix caching on" : "prefix caching off");
   SchedulerOptions o = SmallOptions();
+  o.prefix_caching = caching;
   o.lanes = 2;
   o.limits.num_kv_blocks = 24;
   o.limits.max_model_len = 16 * o.limits.block_size;
@@ -1282,8 +1287,12 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   constexpr int kSeqs = 40;
   std::vector<std::vector<int32_t>> prompts(kSeqs);
   std::vector<int64_t> max_tokens(kSeqs);
+  const std::vector<int32_t> shared = Prompt(12, 500);
   for (int i = 0; i < kSeqs; ++i) {
-    for (int j = 0, n = 1 + static_cast<int>(rng() % 30); j < n; ++j) prompts[i].push_back(static_cast<int32_t>(rng() % kVocab));
+    if (caching && i % 2 == 0) prompts[i] = shared;
+    for (int j = 0, n = 1 + static_cast<int>(rng() % 30) - static_cast<int>(prompts[i].size()) / 2; j < n; ++j) {
+      prompts[i].push_back(static_cast<int32_t>(rng() % kVocab));
+    }
     max_tokens[i] = 1 + static_cast<int64_t>(rng() % 20);
     v1::RowSampling r;
     r.set_seed(i);
@@ -1315,6 +1324,9 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   EXPECT_EQ(sim.sched().num_running(), 0);
   EXPECT_EQ(sim.sched().num_waiting(), 0);
   EXPECT_EQ(sim.sched().num_free_blocks(), sim.sched().num_blocks());
+  EXPECT_EQ(sim.sched().block_manager().num_used(), 0);
+  if (caching) EXPECT_GT(sim.cached_tokens(), 0);
+ }
 }
 
 // An older running sequence waiting for a block (the newer sequence that holds the cache is in a

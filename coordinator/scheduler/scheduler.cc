@@ -108,7 +108,7 @@ int64_t Scheduler::PrefillCap() const {
   }
   for (uint64_t id : running_) {
     const Seq& s = *seqs_.at(id);
-    if (!s.decodes()) work += s.unfed();
+    if (!s.decodes() && !s.removed) work += s.unfed();
   }
   int64_t admissible = options_.limits.max_seqs_per_step - num_running();
   for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
@@ -141,7 +141,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       if (!running_.count(id)) continue;  // preempted while this step was built
       Seq& s = *seqs_.at(id);
       const int64_t need = s.unfed();
-      if (s.in_batch || need == 0) continue;
+      if (s.in_batch || s.removed || need == 0) continue;  // removed: only waits for its step in flight
       const bool decode = s.decodes();
       if (decode != decodes || (decode && s.lane != lane)) continue;
       int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
