@@ -10,6 +10,11 @@
 4. Flag forwarding: `bench --compare pp2/serial` with scheduler flags and --worker-threads; the
    command lines in its log dir (commands.sh) carry them (--micro-batches 1 from /serial), and the
    run completes.
+5. The multi-turn chat load: `bench --compare tp1,tp1/no-prefix-caching --chat-turns 3` with a
+   shared system prompt: every turn completes in both; the first run has prefix caching on and
+   reports cached prompt tokens (more than the system prompt's full blocks alone, since later
+   turns find their history), the second has it off (--no-prefix-caching in its coordinator's
+   command line) and reports none; the input tokens are the same in both (the same prompts).
 
 bench runs in a session of its own (start_new_session), so "left behind" means a process of that
 session, and tests running beside this one in parallel are not counted. Every wait is bounded.
@@ -189,6 +194,32 @@ def case_forwarding(work, old_binaries):
           "both workers; 2/2 completed")
 
 
+def case_chat(work):
+    logs = os.path.join(work, "chat-logs")
+    rc, out, err, sid = run_bench(["--compare", "tp1,tp1/no-prefix-caching", "--chat-turns", "3",
+                                   "--system-prompt-len", "40", "--num-requests", "6", "--concurrency", "2",
+                                   "--input-len", "10", "--output-len", "8", "--warmup", "0", "--json",
+                                   "--log-dir", logs])
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    check(rc == 0, f"bench --compare tp1,tp1/no-prefix-caching --chat-turns 3 exited {rc}\nstderr:\n{err}")
+    with open(os.path.join(logs, "tp1_no-prefix-caching", "commands.sh")) as f:
+        check("--no-prefix-caching" in f.read(), "the /no-prefix-caching coordinator lacks --no-prefix-caching")
+    on, off = json.loads(out)["runs"]
+    for r in (on, off):
+        check(r["completed"] == 6 and r["failed"] == 0, f"{r['layout']}: {r['completed']} completed: {r['errors']}")
+        check(r["chat_turns"] == 3 and r["system_prompt_len"] == 40, f"{r['layout']}: chat keys")
+    # Turn k's prompt: 40 + k x 10 + (k - 1) x 8 tokens: 50, 68, 86 per conversation.
+    check(on["total_input_tokens"] == off["total_input_tokens"] == 2 * (50 + 68 + 86),
+          f"input tokens {on['total_input_tokens']} and {off['total_input_tokens']}, expected {2 * (50 + 68 + 86)}")
+    check(on["prefix_caching"] is True and off["prefix_caching"] is False, "prefix_caching keys")
+    check(on["total_cached_prompt_tokens"] > 2 * 32, f"cached prompt tokens {on['total_cached_prompt_tokens']}")
+    check(off["total_cached_prompt_tokens"] == 0, f"cached with caching off: {off['total_cached_prompt_tokens']}")
+    print(f"ok: chat load: {on['total_cached_prompt_tokens']} of {on['total_input_tokens']} prompt tokens cached "
+          "with prefix caching on, 0 off")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
@@ -200,6 +231,8 @@ if __name__ == "__main__":
         case_compare_tp1(work, old)
         case_interrupt(work, old)
         case_forwarding(work, old)
+        if not old:
+            case_chat(work)
     except SystemExit:
         print(f"logs kept in {work}")
         raise

@@ -369,6 +369,55 @@ TEST_F(PersistentBatchTest, RefusesBadNewSequences) {
   EXPECT_NE(s.message().find("sampling carries draw_index or penalty ids"), std::string::npos) << s;
 }
 
+// A sequence whose first blocks hold cached KV (the coordinator's prefix cache) starts after them:
+// its first row's positions and slots begin at num_cached_tokens, so the shared blocks are never
+// written; the draw index still counts from the prompt's end.
+TEST_F(PersistentBatchTest, StartsANewSequenceAfterItsCachedTokens) {
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {7, 2, 9}, 10);
+  p.mutable_new_seqs(0)->set_num_cached_tokens(8);
+  AddRow(&p, 1, 8, {18, 19}, true);
+  ASSERT_TRUE(Apply(p).ok());
+  EXPECT_EQ(batch_.positions, (std::vector<int32_t>{8, 9}));
+  EXPECT_EQ(batch_.slots, (std::vector<int32_t>{9 * 4 + 0, 9 * 4 + 1}));
+  EXPECT_EQ(state_.fed(1), 10);
+  ASSERT_EQ(sampling_.size(), 1);
+  EXPECT_EQ(sampling_[0].draw_index(), 0u);
+}
+
+TEST_F(PersistentBatchTest, RefusesBadNumCachedTokens) {
+  struct Case {
+    int32_t cached;
+    std::string want;
+  };
+  for (const Case& c : {Case{-4, "num_cached_tokens -4 is not a multiple of the block size 4 below the 8 tokens"},
+                        Case{3, "num_cached_tokens 3 is not a multiple"}, Case{8, "num_cached_tokens 8 is not"}}) {
+    PersistentBatch state(kLimits, kVocab, true);
+    v1::StepPlan p = Prefill();
+    p.mutable_new_seqs(0)->set_num_cached_tokens(c.cached);
+    const absl::Status s = state.Apply(p, &batch_, &sampling_);
+    EXPECT_NE(s.message().find(c.want), std::string::npos) << s;
+  }
+  // A penalty needs every token fed.
+  PersistentBatch state(kLimits, kVocab, true);
+  v1::RowSampling penalty;
+  penalty.set_frequency_penalty(0.5f);
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {7, 2}, 5, penalty);
+  p.mutable_new_seqs(0)->set_num_cached_tokens(4);
+  AddRow(&p, 1, 4, {15}, true);
+  const absl::Status s = state.Apply(p, &batch_, &sampling_);
+  EXPECT_NE(s.message().find("has a sampling penalty on and num_cached_tokens 4"), std::string::npos) << s;
+  // A row that starts before the cached tokens is refused like any other wrong start.
+  PersistentBatch other(kLimits, kVocab, true);
+  v1::StepPlan q = Prefill();
+  q.mutable_new_seqs(0)->set_num_cached_tokens(4);
+  const absl::Status t = other.Apply(q, &batch_, &sampling_);
+  EXPECT_NE(t.message().find("row 0 starts seq 1 at position 0; it was fed 4 tokens"), std::string::npos) << t;
+}
+
 TEST_F(PersistentBatchTest, RefusesTokenIdsOutsideTheVocabulary) {
   v1::StepPlan p = Prefill();
   p.set_token_ids(2, kVocab);

@@ -1,11 +1,13 @@
 // The continuous-batching scheduler (coordinator/scheduler) and its KV block manager.
 //
 // The core test (SchedulerClusterTest) drives the Scheduler the way the engine does, against a
-// simulated cluster: a fake KV cache holds, per slot, which (sequence, position, token) was written
-// there, and the "model" samples each token as a hash of the context it READS back through the
-// sequence's block table. A wrong slot, a block shared by two live sequences, a lost or duplicated
-// token, or a recompute that starts at the wrong place changes (or fails the read of) the context,
-// so every sequence's output is compared with the same hash run on that sequence alone.
+// simulated cluster: a fake KV cache holds, per slot, the context (every token up to and including
+// its position) whose KV was written there, which is what a real KV entry depends on, and the
+// "model" samples each token as a hash of the context it READS back through the sequence's block
+// table. A wrong slot, a block written while another sequence holds it, a prefix-cache hit on
+// other tokens, a lost or duplicated token, or a recompute that starts at the wrong place changes
+// (or fails the read of) the context, so every sequence's output is compared with the same hash
+// run on that sequence alone.
 #include "coordinator/scheduler/scheduler.h"
 
 #include <gtest/gtest.h>
@@ -119,6 +121,232 @@ TEST(BlockManagerTest, NoBlockHandedOutTwice) {
   EXPECT_EQ(bm.num_free(), kBlocks);
 }
 
+// ---- BlockManager: the prefix cache ------------------------------------------------------------
+
+// A prefix-cache key function under which every block collides.
+absl::uint128 CollidingKey(absl::uint128, const int32_t*, int64_t) { return 42; }
+
+std::vector<int32_t> Tokens(int n, int32_t first) {
+  std::vector<int32_t> t(n);
+  for (int i = 0; i < n; ++i) t[i] = first + i;
+  return t;
+}
+
+void ExpectAccounted(const BlockManager& bm) {
+  EXPECT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks());
+  EXPECT_EQ(bm.num_available(), bm.num_free() + bm.num_cached());
+}
+
+// A sequence's full blocks, registered, are found by another with the same first tokens and shared
+// by reference count; its partial last block is not; when both let go, the full ones stay cached.
+TEST(BlockManagerTest, SharedPrefixHitsAndRefcounts) {
+  BlockManager bm(16, 4);
+  const std::vector<int32_t> a_tokens = Tokens(10, 100);  // 2 full blocks and 2 tokens
+  std::vector<int32_t> a;
+  ASSERT_TRUE(bm.Grow(&a, 10));
+  BlockManager::Chain a_chain;
+  bm.Register(a, a_tokens, 10, &a_chain);
+  EXPECT_EQ(a_chain.blocks, 2);
+  EXPECT_EQ(a_chain.block, a[1]);
+
+  std::vector<int32_t> b_tokens(a_tokens.begin(), a_tokens.begin() + 9);  // the partial block differs
+  b_tokens.push_back(7);
+  b_tokens.push_back(8);
+  BlockManager::Chain b_chain;
+  const std::vector<int32_t> hit = bm.FindCached(b_tokens, 100, &b_chain);
+  EXPECT_EQ(hit, (std::vector<int32_t>{a[0], a[1]}));
+  EXPECT_EQ(b_chain.blocks, 2);
+  EXPECT_EQ(bm.CountCached(hit), 0) << "a holds them";
+  EXPECT_EQ(bm.FindCached(b_tokens, 1, &b_chain).size(), 1u) << "max_blocks caps the hit";
+  b_chain = BlockManager::Chain{};
+  ASSERT_EQ(bm.FindCached(b_tokens, 100, &b_chain).size(), 2u);
+
+  std::vector<int32_t> b;
+  bm.Share(hit, &b);
+  ASSERT_TRUE(bm.Grow(&b, 11));
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_NE(b[2], a[2]) << "a partial block is never shared";
+  EXPECT_EQ(bm.refcount(a[0]), 2);
+  EXPECT_EQ(bm.refcount(a[1]), 2);
+  EXPECT_EQ(bm.refcount(a[2]), 1);
+  EXPECT_EQ(bm.num_used(), 4);
+  ExpectAccounted(bm);
+  bm.Register(b, b_tokens, 11, &b_chain);  // nothing new full: b's third block has 3 tokens
+
+  bm.Free(&a);
+  EXPECT_EQ(bm.refcount(a_chain.block), 1);
+  EXPECT_EQ(bm.num_used(), 3);
+  EXPECT_EQ(bm.num_cached(), 0);
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_used(), 0);
+  EXPECT_EQ(bm.num_cached(), 2) << "the two full blocks stay cached";
+  EXPECT_EQ(bm.num_free(), 14);
+  ExpectAccounted(bm);
+
+  // Found again, now cached (refcount 0): sharing takes them out of what Grow may evict.
+  BlockManager::Chain c_chain;
+  const std::vector<int32_t> again = bm.FindCached(a_tokens, 100, &c_chain);
+  ASSERT_EQ(again.size(), 2u);
+  EXPECT_EQ(bm.CountCached(again), 2);
+  std::vector<int32_t> c;
+  bm.Share(again, &c);
+  EXPECT_EQ(bm.num_cached(), 0);
+  EXPECT_EQ(bm.num_used(), 2);
+  bm.Free(&c);
+
+  // Other first tokens: no hit, even with the same later ones.
+  std::vector<int32_t> d_tokens = a_tokens;
+  d_tokens[0] = 99;
+  EXPECT_TRUE(bm.FindCached(d_tokens, 100, &c_chain).empty());
+  // A block's key depends on the blocks before it: a's second block's tokens at the start miss.
+  EXPECT_TRUE(bm.FindCached(std::vector<int32_t>(a_tokens.begin() + 4, a_tokens.end()), 100, &c_chain).empty());
+}
+
+// With no block free, Grow evicts cached blocks least recently used first, a table's last block
+// before its first; an evicted block is no longer found, nor are the blocks registered after it.
+TEST(BlockManagerTest, EvictsLeastRecentlyUsedFirst) {
+  BlockManager bm(6, 2);
+  const std::vector<int32_t> x_tokens = Tokens(4, 10), y_tokens = Tokens(4, 50);
+  std::vector<int32_t> x, y;
+  BlockManager::Chain xc, yc;
+  ASSERT_TRUE(bm.Grow(&x, 4));
+  ASSERT_TRUE(bm.Grow(&y, 4));
+  bm.Register(x, x_tokens, 4, &xc);
+  bm.Register(y, y_tokens, 4, &yc);
+  const std::vector<int32_t> x_blocks = x, y_blocks = y;
+  bm.Free(&x);  // x first: least recently used
+  bm.Free(&y);
+  EXPECT_EQ(bm.num_cached(), 4);
+  EXPECT_EQ(bm.num_free(), 2);
+
+  std::vector<int32_t> z;
+  ASSERT_TRUE(bm.Grow(&z, 4));  // the 2 free blocks
+  EXPECT_EQ(bm.num_cached(), 4);
+  ASSERT_TRUE(bm.Grow(&z, 6));  // evicts x's last block
+  EXPECT_EQ(z.back(), x_blocks[1]);
+  BlockManager::Chain c;
+  EXPECT_EQ(bm.FindCached(x_tokens, 100, &c), (std::vector<int32_t>{x_blocks[0]}));
+  EXPECT_EQ(bm.FindCached(y_tokens, 100, &c), y_blocks);
+  ASSERT_TRUE(bm.Grow(&z, 8));  // then x's first
+  EXPECT_EQ(z.back(), x_blocks[0]);
+  EXPECT_TRUE(bm.FindCached(x_tokens, 100, &c).empty());
+  EXPECT_EQ(bm.FindCached(y_tokens, 100, &c), y_blocks);
+
+  // Touching y's blocks (shared and let go again) makes them the most recently used, but with
+  // nothing else cached they go next, the last first.
+  std::vector<int32_t> w;
+  bm.Share(bm.FindCached(y_tokens, 100, &c), &w);
+  EXPECT_FALSE(bm.Grow(&z, 10)) << "y's blocks are held: nothing to evict";
+  bm.Free(&w);
+  ASSERT_TRUE(bm.Grow(&z, 10));
+  EXPECT_EQ(z.back(), y_blocks[1]);
+  EXPECT_EQ(bm.FindCached(y_tokens, 100, &c), (std::vector<int32_t>{y_blocks[0]}));
+  ExpectAccounted(bm);
+
+  // A table's last block goes before its first, so its prefix stays found longest.
+  bm.Free(&z);
+  BlockManager bm2(3, 2);
+  std::vector<int32_t> p, q;
+  BlockManager::Chain pc, qc;
+  ASSERT_TRUE(bm2.Grow(&p, 4));
+  bm2.Register(p, x_tokens, 4, &pc);
+  const std::vector<int32_t> p_blocks = p;
+  bm2.Free(&p);  // LRU: p[1], p[0]
+  std::vector<int32_t> r = {};
+  ASSERT_TRUE(bm2.Grow(&r, 2));  // the free block
+  ASSERT_TRUE(bm2.Grow(&r, 4));  // evicts p[1] first
+  EXPECT_EQ(r.back(), p_blocks[1]);
+  EXPECT_EQ(bm2.FindCached(x_tokens, 100, &qc), (std::vector<int32_t>{p_blocks[0]}));
+}
+
+// Keys that all collide: a lookup compares the tokens and the parent, so it never hands out a block
+// with other tokens; only the first block registered under the key is found.
+TEST(BlockManagerTest, KeyCollisionsNeverGiveOtherTokens) {
+  BlockManager bm(16, 2, true, &CollidingKey);
+  const std::vector<int32_t> a_tokens = Tokens(6, 1), b_tokens = Tokens(6, 20);
+  std::vector<int32_t> a, b;
+  BlockManager::Chain ac, bc, c;
+  ASSERT_TRUE(bm.Grow(&a, 6));
+  bm.Register(a, a_tokens, 6, &ac);
+  EXPECT_EQ(ac.blocks, 3);
+  EXPECT_EQ(ac.block, -1) << "a's second block collides with its first: the chain stops there";
+  ASSERT_TRUE(bm.Grow(&b, 6));
+  bm.Register(b, b_tokens, 6, &bc);
+  EXPECT_TRUE(bm.FindCached(b_tokens, 100, &c).empty()) << "b's first block collides with a's";
+  EXPECT_EQ(bm.FindCached(a_tokens, 100, &c), (std::vector<int32_t>{a[0]}));
+  std::vector<int32_t> mixed = a_tokens;
+  mixed[1] = 77;  // the first block differs in its second token
+  EXPECT_TRUE(bm.FindCached(mixed, 100, &c).empty());
+  bm.Free(&a);
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_cached(), 1);
+  ExpectAccounted(bm);
+
+  // The real keys do not collide on these.
+  BlockManager real(16, 2);
+  ac = BlockManager::Chain{};
+  ASSERT_TRUE(real.Grow(&a, 6));
+  real.Register(a, a_tokens, 6, &ac);
+  EXPECT_EQ(real.FindCached(a_tokens, 100, &c).size(), 3u);
+  EXPECT_NE(BlockManager::Sha256Key(BlockManager::kRootKey, a_tokens.data(), 2),
+            BlockManager::Sha256Key(BlockManager::kRootKey, b_tokens.data(), 2));
+}
+
+// Two sequences computing the same blocks at once: the second's stay unregistered, its chain goes
+// on from the first's, and the blocks it registers later are found after the first's.
+TEST(BlockManagerTest, TheSameBlocksComputedTwice) {
+  BlockManager bm(16, 2);
+  const std::vector<int32_t> tokens = Tokens(8, 5);
+  std::vector<int32_t> a, b;
+  BlockManager::Chain ac, bc, c;
+  ASSERT_TRUE(bm.Grow(&a, 4));
+  ASSERT_TRUE(bm.Grow(&b, 8));
+  bm.Register(a, tokens, 4, &ac);
+  bm.Register(b, tokens, 8, &bc);  // its first two are a's; its last two are new
+  EXPECT_EQ(bc.blocks, 4);
+  EXPECT_EQ(bc.block, b[3]);
+  EXPECT_EQ(bm.FindCached(tokens, 100, &c), (std::vector<int32_t>{a[0], a[1], b[2], b[3]}));
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_cached(), 2);
+  EXPECT_EQ(bm.num_free(), 12) << "b's duplicates are free";
+  bm.Free(&a);
+  ExpectAccounted(bm);
+}
+
+// Off: nothing registered, nothing found, every freed block free.
+TEST(BlockManagerTest, PrefixCachingOff) {
+  BlockManager bm(8, 2, /*prefix_caching=*/false);
+  std::vector<int32_t> a;
+  BlockManager::Chain ac;
+  ASSERT_TRUE(bm.Grow(&a, 6));
+  bm.Register(a, Tokens(6, 1), 6, &ac);
+  EXPECT_TRUE(bm.FindCached(Tokens(6, 1), 100, &ac).empty());
+  bm.Free(&a);
+  EXPECT_EQ(bm.num_cached(), 0);
+  EXPECT_EQ(bm.num_free(), 8);
+}
+
+// DropCache: cached blocks become free and nothing is found any more.
+TEST(BlockManagerTest, DropCacheForgetsEveryBlock) {
+  BlockManager bm(8, 2);
+  std::vector<int32_t> a, b;
+  BlockManager::Chain ac, bc;
+  ASSERT_TRUE(bm.Grow(&a, 6));
+  ASSERT_TRUE(bm.Grow(&b, 2));
+  bm.Register(a, Tokens(6, 1), 6, &ac);
+  bm.Register(b, Tokens(2, 50), 2, &bc);
+  bm.Free(&a);
+  EXPECT_EQ(bm.num_cached(), 3);
+  bm.DropCache();
+  EXPECT_EQ(bm.num_cached(), 0);
+  EXPECT_EQ(bm.num_free(), 7);
+  EXPECT_EQ(bm.num_used(), 1) << "b keeps its block";
+  EXPECT_TRUE(bm.FindCached(Tokens(6, 1), 100, &ac).empty());
+  EXPECT_TRUE(bm.FindCached(Tokens(2, 50), 100, &bc).empty());
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_free(), 8);
+}
+
 // ---- The simulated cluster ---------------------------------------------------------------------
 
 constexpr int32_t kVocab = 1000;
@@ -215,6 +443,8 @@ class SimCluster {
   bool idle() const { return in_flight_.empty(); }
   int64_t steps() const { return static_cast<int64_t>(next_step_id_); }
   int64_t restarts() const { return restarts_; }
+  // Tokens that new sequences (first admissions and recomputes) took from the prefix cache.
+  int64_t cached_tokens() const { return cached_tokens_; }
   int64_t max_in_flight_seen() const { return max_in_flight_seen_; }
   // Rows scheduled while a step feeding the same sequence (an earlier prompt chunk) was in flight.
   int64_t chunks_behind_chunks() const { return chunks_behind_chunks_; }
@@ -238,20 +468,23 @@ class SimCluster {
     // before this one included (prompt chunks may follow each other without a round trip).
     for (size_t row = 0; row < f.rows.size(); ++row) {
       const uint64_t id = f.rows[row];
+      const Seq& s = seqs_.at(id);
       for (int64_t pos = 0; pos < f.firsts[row]; ++pos) {
         const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
-        ASSERT_EQ(c.seq, static_cast<int64_t>(id)) << "step " << p.step_id() << " seq " << id << " reads pos " << pos
-                                                   << " before a step wrote it";
-        ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id;
+        ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id << " reads pos " << pos
+                              << " before a step wrote it";
+        ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), s.tokens.begin(), s.tokens.begin() + pos + 1))
+            << "step " << p.step_id() << " seq " << id << " reads pos " << pos << " written for other tokens";
       }
     }
     // Write every token's KV.
     for (int i = 0; i < p.token_ids_size(); ++i) {
       Cell& c = cache_[sb.slots[i]];
-      c.seq = static_cast<int64_t>(f.rows[sb.token_seq[i]]);
+      const Seq& s = seqs_.at(f.rows[sb.token_seq[i]]);
       c.pos = sb.positions[i];
-      c.token = p.token_ids(i);
+      ASSERT_EQ(p.token_ids(i), s.tokens[c.pos]);
+      c.context.assign(s.tokens.begin(), s.tokens.begin() + c.pos + 1);
     }
     // Each sampled row reads its whole context back through its block table.
     std::vector<int32_t> sampled;
@@ -266,10 +499,11 @@ class SimCluster {
       for (int32_t pos = 0; pos <= last; ++pos) {
         const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
-        ASSERT_EQ(c.seq, static_cast<int64_t>(id)) << "step " << p.step_id() << " seq " << id << " pos " << pos;
         ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id;
-        ASSERT_EQ(c.token, s.tokens[pos]) << "step " << p.step_id() << " seq " << id << " pos " << pos;
-        context.push_back(c.token);
+        ASSERT_EQ(static_cast<int64_t>(c.context.size()), pos + 1) << "step " << p.step_id() << " seq " << id;
+        ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), s.tokens.begin()))
+            << "step " << p.step_id() << " seq " << id << " pos " << pos << " holds the KV of other tokens";
+        context.push_back(c.context.back());
       }
       sampled.push_back(NextToken(context, f.sampling[k].seed()));
       if (!s.removed) expected.push_back(SampledToken{id, sampled.back(), k});
@@ -303,9 +537,6 @@ class SimCluster {
       }
     }
     for (int32_t slot : f.slots) busy_slots_.erase(slot);
-    for (int32_t b : f.blocks) {
-      if (--busy_blocks_.at(b).second == 0) busy_blocks_.erase(b);
-    }
   }
 
   // Removes a sequence now (cancellation), whether or not it is in a step in flight.
@@ -334,9 +565,8 @@ class SimCluster {
     bool started = false, done = false, removed = false;
   };
   struct Cell {
-    int64_t seq = -1;
     int32_t pos = -1;
-    int32_t token = -1;
+    std::vector<int32_t> context;  // the tokens at positions 0 .. pos whose KV this is
   };
   struct Flight {
     int lane = 0;
@@ -347,7 +577,6 @@ class SimCluster {
     std::vector<int64_t> firsts;  // each row's first position
     std::vector<int64_t> ends;    // position after each row's last token
     std::vector<int32_t> slots;   // written by this step
-    std::vector<int32_t> blocks;  // held by its sequences
   };
 
   void CheckStep(const MicroBatch& batch, Flight* f) {
@@ -389,6 +618,8 @@ class SimCluster {
     // Tokens: rows in range, positions contiguous from what the steps sent so far fed (or from 0
     // for a recompute, which no step in flight feeds), the sequence's own tokens, slots through the
     // block table, no slot written twice by steps in flight together.
+    std::map<uint64_t, int64_t> new_seqs;  // id: num_cached_tokens
+    for (const v1::NewSeq& ns : p.new_seqs()) new_seqs[ns.seq_id()] = ns.num_cached_tokens();
     std::vector<int64_t> next(n, -1), first(n, -1), count(n, 0);
     std::set<int32_t> step_slots;
     for (int i = 0; i < num_tokens; ++i) {
@@ -399,10 +630,17 @@ class SimCluster {
       const int64_t pos = sb.positions[i];
       if (next[row] < 0) {
         first[row] = pos;
-        ASSERT_TRUE(pos == s.fed || pos == 0)
-            << at << ": seq " << f->rows[row] << " starts at " << pos << ", had " << s.fed << " fed";
-        if (pos == 0 && s.fed > 0) {
-          ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
+        // Where the workers hold it, from what was fed; new (or back after a preemption), from
+        // the tokens its cached blocks hold (0 with no prefix cache hit), on the block grid.
+        const auto ns = new_seqs.find(f->rows[row]);
+        if (ns == new_seqs.end()) {
+          ASSERT_EQ(pos, s.fed) << at << ": seq " << f->rows[row] << " starts at " << pos << ", had " << s.fed << " fed";
+        } else {
+          ASSERT_EQ(pos, ns->second) << at << ": new seq " << f->rows[row] << " num_cached_tokens";
+          ASSERT_EQ(pos % bs, 0) << at;
+          if (!o_.prefix_caching || PenaltyOn(s.sampling)) ASSERT_EQ(pos, 0) << at << ": seq " << f->rows[row];
+          if (s.fed > 0) ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
+          cached_tokens_ += pos;
         }
       } else {
         ASSERT_EQ(pos, next[row]) << at << ": seq " << f->rows[row] << " positions not contiguous";
@@ -421,8 +659,20 @@ class SimCluster {
       f->slots.push_back(sb.slots[i]);
     }
 
+    // Every block accounted for: the workers' tables hold exactly the blocks in use, each as many
+    // times as its reference count; the others are free or cached.
+    const BlockManager& bm = sched_.block_manager();
+    std::map<int32_t, int> holders;  // block: tables of held sequences with it
+    for (const auto& [id, s] : seqs_) {
+      if (!worker_.Holds(id)) continue;
+      for (int32_t b : worker_.blocks(id)) ++holders[b];
+    }
+    ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used()) << at;
+    for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << at << ": block " << b;
+    ASSERT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks()) << at;
+    if (!o_.prefix_caching) ASSERT_EQ(bm.num_cached(), 0) << at;
+
     // Per row: token count, logit rows, block tables.
-    std::set<int32_t> step_blocks;
     int logit_rows = 0;
     int64_t prefill = 0, decode = 0;
     std::set<uint64_t> started;
@@ -432,8 +682,8 @@ class SimCluster {
       ASSERT_GE(count[row], 1) << at << ": row " << row << " feeds no token";
       ASSERT_EQ(count[row], e.tokens) << at;
       (e.tokens > 1 ? prefill : decode) += e.tokens;
-      if (first[row] == 0 && s.fed > 0) {  // recompute after a preemption
-        ++restarts_;
+      if (new_seqs.count(e.seq)) {  // the table starts over; recompute after a preemption
+        if (s.fed > 0) ++restarts_;
         s.table.clear();
       }
       const int64_t end = next[row];
@@ -463,17 +713,21 @@ class SimCluster {
       } else {
         ASSERT_EQ(e.logit_row, -1) << at << ": seq " << e.seq << " samples before its end";
       }
-      // The blocks the sequence uses: in range, its earlier blocks kept, none shared with another
-      // sequence of this step or of a step in flight (its own earlier chunks' steps may hold them).
+      // The blocks the sequence uses: in range, its earlier blocks kept, none twice in its table.
       std::vector<int32_t> table;
+      std::set<int32_t> own;
       for (int64_t b = 0; b < (end + bs - 1) / bs; ++b) {
         const int32_t block = sb.block_tables[row * mbps + b];
         ASSERT_GE(block, 0) << at;
         ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
-        ASSERT_TRUE(step_blocks.insert(block).second) << at << ": block " << block << " used twice in the step";
-        ASSERT_TRUE(!busy_blocks_.count(block) || busy_blocks_.at(block).first == e.seq)
-            << at << ": block " << block << " also in a step in flight for seq " << busy_blocks_.at(block).first;
+        ASSERT_TRUE(own.insert(block).second) << at << ": block " << block << " twice in seq " << e.seq << "'s table";
         table.push_back(block);
+      }
+      // The blocks it writes: no other sequence the workers hold (live, or removed with a step in
+      // flight) has them in its table, so a shared (cached) block is only ever read.
+      for (int64_t b = first[row] / bs; b < (end + bs - 1) / bs; ++b) {
+        ASSERT_EQ(holders[table[b]], 1) << at << ": seq " << e.seq << " writes block " << table[b]
+                                       << ", which " << holders[table[b]] - 1 << " other sequence(s) hold";
       }
       ASSERT_GE(table.size(), s.table.size()) << at;
       ASSERT_TRUE(std::equal(s.table.begin(), s.table.end(), table.begin()))
@@ -491,15 +745,7 @@ class SimCluster {
     ASSERT_EQ(std::set<uint64_t>(batch.started.begin(), batch.started.end()), started) << at;
     ASSERT_EQ(batch.started.size(), started.size()) << at;
 
-    f->blocks.assign(step_blocks.begin(), step_blocks.end());
     busy_slots_.insert(step_slots.begin(), step_slots.end());
-    for (size_t row = 0; row < f->rows.size(); ++row) {
-      for (int64_t b = 0; b < (f->ends[row] + bs - 1) / bs; ++b) {
-        auto& [seq, count] = busy_blocks_[sb.block_tables[row * mbps + b]];
-        seq = f->rows[row];
-        ++count;
-      }
-    }
     max_in_flight_seen_ = std::max<int64_t>(max_in_flight_seen_, static_cast<int64_t>(in_flight_.size()) + 1);
   }
 
@@ -511,9 +757,9 @@ class SimCluster {
   std::map<uint64_t, Seq> seqs_;
   std::deque<Flight> in_flight_;  // oldest first
   std::set<int32_t> busy_slots_;
-  std::map<int32_t, std::pair<uint64_t, int>> busy_blocks_;  // block: its sequence, steps in flight
   uint64_t next_step_id_ = 0;
   int64_t restarts_ = 0;
+  int64_t cached_tokens_ = 0;
   int64_t max_in_flight_seen_ = 0;
   int64_t chunks_behind_chunks_ = 0;
 };
@@ -524,7 +770,11 @@ struct ClusterParam {
   int lanes;
   int64_t num_kv_blocks;
   int64_t budget;  // max_tokens_per_step
+  bool prefix_caching;
+  bool shared_prefixes;  // prompts share system prompts and continue earlier conversations
+  bool colliding_keys = false;  // every block key the same: hits only where the tokens match
 };
+
 
 constexpr int64_t kBlockSize = 4;
 constexpr int64_t kMaxPrompt = 40;
@@ -546,6 +796,8 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   o.limits.max_model_len = kMaxBlocksPerSeq * o.limits.block_size;
   o.limits.max_tokens_per_step = param.budget;
   o.limits.max_seqs_per_step = std::min<int64_t>(param.budget, 32);  // max_tokens_per_step >= max_running
+  o.prefix_caching = param.prefix_caching;
+  if (param.colliding_keys) o.prefix_key_fn = &CollidingKey;
   SimCluster sim(o);
 
   // 64 sequences, one of them as long as allowed (so the tiny cache holds exactly one of it).
@@ -569,6 +821,32 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   }
   std::shuffle(specs.begin() + 1, specs.end(), rng);  // the longest one is not always first
   std::swap(specs[0], specs[kSeqs / 3]);
+  if (param.shared_prefixes) {
+    // Chats: one of two system prompts (13 and 18 tokens: 3 and 4 full blocks and a partial one)
+    // then a question; the next sequence continues that conversation (its prompt, the answer it
+    // gets, a new question), so it can find blocks filled during decode; every third is random.
+    std::vector<int32_t> system[2];
+    for (int k = 0; k < 2; ++k) {
+      for (int j = 0; j < 13 + 5 * k; ++j) system[k].push_back(static_cast<int32_t>(rng() % kVocab));
+    }
+    for (int i = 0; i + 1 < kSeqs; i += 3) {
+      if (i == kSeqs / 3) continue;  // the longest one stays
+      Spec& first = specs[i];
+      first.prompt = system[i % 2];
+      for (int64_t j = 0, n = 1 + static_cast<int64_t>(rng() % 8); j < n; ++j) {
+        first.prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+      }
+      first.max_tokens = std::min<int64_t>(first.max_tokens, 8);
+      if (i + 1 == kSeqs / 3) continue;
+      Spec& next = specs[i + 1];
+      next.prompt = first.prompt;
+      for (int32_t t : Reference(first.prompt, first.max_tokens, first.sampling.seed())) next.prompt.push_back(t);
+      for (int64_t j = 0, n = 1 + static_cast<int64_t>(rng() % 5); j < n; ++j) {
+        next.prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+      }
+      ASSERT_LE(static_cast<int64_t>(next.prompt.size()), kMaxPrompt);
+    }
+  }
 
   // Ids increase with arrival; 8 at first, then 0-2 between steps.
   int added = 0;
@@ -616,7 +894,16 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   EXPECT_EQ(s.num_running(), 0);
   EXPECT_EQ(s.num_waiting(), 0);
   EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
-  EXPECT_EQ(sim.restarts(), s.preemptions()) << "every preempted sequence recomputes from position 0";
+  EXPECT_EQ(sim.restarts(), s.preemptions()) << "every preempted sequence starts over as a new one";
+  EXPECT_EQ(s.block_manager().num_used(), 0);
+  if (!param.prefix_caching) {
+    EXPECT_EQ(sim.cached_tokens(), 0);
+    EXPECT_EQ(s.prefix_query_tokens(), 0);
+  } else if (param.shared_prefixes && param.num_kv_blocks != kTinyCache) {
+    EXPECT_GT(sim.cached_tokens(), 0) << "no sequence found its system prompt or conversation cached";
+  }
+  EXPECT_LE(s.prefix_hit_tokens(), s.prefix_query_tokens());
+  EXPECT_EQ(s.prefix_hit_tokens(), sim.cached_tokens());
   if (param.num_kv_blocks == kTinyCache) {
     EXPECT_GT(s.preemptions(), 0);
   }
@@ -644,8 +931,13 @@ std::vector<ClusterParam> ClusterParams() {
   std::vector<ClusterParam> out;
   for (int lanes : {1, 2, 3}) {
     for (int64_t blocks : {kTinyCache, kMediumCache, kGenerousCache}) {
-      for (int64_t budget : {8, 256}) out.push_back({lanes, blocks, budget});
+      for (int64_t budget : {8, 256}) {
+        for (const auto& [caching, shared] : {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}}) {
+          out.push_back({lanes, blocks, budget, caching, shared});
+        }
+      }
     }
+    out.push_back({lanes, kMediumCache, 8, true, true, /*colliding_keys=*/true});
   }
   return out;
 }
@@ -654,13 +946,19 @@ INSTANTIATE_TEST_SUITE_P(Sim, SchedulerClusterTest, ::testing::ValuesIn(ClusterP
                          [](const ::testing::TestParamInfo<ClusterParam>& info) {
                            return "Lanes" + std::to_string(info.param.lanes) + "_Blocks" +
                                   std::to_string(info.param.num_kv_blocks) + "_Budget" +
-                                  std::to_string(info.param.budget);
+                                  std::to_string(info.param.budget) +
+                                  (info.param.prefix_caching ? "_Caching" : "_NoCaching") +
+                                  (info.param.shared_prefixes ? "_SharedPrefixes" : "_RandomPrompts") +
+                                  (info.param.colliding_keys ? "_CollidingKeys" : "");
                          });
 
 // ---- Focused behaviours ------------------------------------------------------------------------
 
+// Without the prefix cache: these tests pin schedules, and their prompts (Prompt()) share
+// prefixes; the prefix cache has its own tests below.
 SchedulerOptions SmallOptions() {
   SchedulerOptions o;
+  o.prefix_caching = false;
   o.limits.max_seqs_per_step = 8;
   o.limits.max_tokens_per_step = 8;
   o.limits.num_kv_blocks = 256;
@@ -1043,8 +1341,13 @@ TEST(SchedulerTest, RequeueAllForRegroupRecomputesEverySequenceOnFreshWorkers) {
 
 // The ids of sequences removed while in flight in the simulated cluster: cancellations at random
 // points, including in the middle of a prefill and while steps of other lanes are in flight.
+// With the prefix cache on, half the prompts start with the same 12 tokens (3 blocks), so cancelled
+// sequences also let go of shared blocks that others still read.
 TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
+ for (const bool caching : {false, true}) {
+  SCOPED_TRACE(caching ? "prefix caching on" : "prefix caching off");
   SchedulerOptions o = SmallOptions();
+  o.prefix_caching = caching;
   o.lanes = 2;
   o.limits.num_kv_blocks = 24;
   o.limits.max_model_len = 16 * o.limits.block_size;
@@ -1053,8 +1356,12 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   constexpr int kSeqs = 40;
   std::vector<std::vector<int32_t>> prompts(kSeqs);
   std::vector<int64_t> max_tokens(kSeqs);
+  const std::vector<int32_t> shared = Prompt(12, 500);
   for (int i = 0; i < kSeqs; ++i) {
-    for (int j = 0, n = 1 + static_cast<int>(rng() % 30); j < n; ++j) prompts[i].push_back(static_cast<int32_t>(rng() % kVocab));
+    if (caching && i % 2 == 0) prompts[i] = shared;
+    for (int j = 0, n = 1 + static_cast<int>(rng() % 30) - static_cast<int>(prompts[i].size()) / 2; j < n; ++j) {
+      prompts[i].push_back(static_cast<int32_t>(rng() % kVocab));
+    }
     max_tokens[i] = 1 + static_cast<int64_t>(rng() % 20);
     v1::RowSampling r;
     r.set_seed(i);
@@ -1086,6 +1393,9 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   EXPECT_EQ(sim.sched().num_running(), 0);
   EXPECT_EQ(sim.sched().num_waiting(), 0);
   EXPECT_EQ(sim.sched().num_free_blocks(), sim.sched().num_blocks());
+  EXPECT_EQ(sim.sched().block_manager().num_used(), 0);
+  if (caching) EXPECT_GT(sim.cached_tokens(), 0);
+ }
 }
 
 // An older running sequence waiting for a block (the newer sequence that holds the cache is in a
@@ -1238,6 +1548,174 @@ TEST(SchedulerTest, SamplingRows) {
   }
   EXPECT_GE(rows_checked, 15);
   for (uint64_t id = 1; id <= 5; ++id) EXPECT_EQ(s.generated(id), static_cast<int64_t>(output[id].size()));
+}
+
+
+// ---- The prefix cache in the scheduler ---------------------------------------------------------
+
+SchedulerOptions CachingOptions() {
+  SchedulerOptions o = SmallOptions();
+  o.prefix_caching = true;
+  o.limits.max_tokens_per_step = 64;
+  return o;
+}
+
+// Runs `id` alone until it has generated `n` tokens (sampling `token` each time), then removes it;
+// `worker`, when given, applies the plans.
+void RunToEnd(Scheduler& s, uint64_t id, int n, int32_t token, uint64_t* step, Decoder* worker = nullptr) {
+  v1::StepPlan p;
+  while (s.generated(id) < n) {
+    ASSERT_NE(s.Schedule(0, (*step)++, &p), nullptr);
+    if (worker != nullptr) worker->Apply(p);
+    s.Complete(0, Sampled(p, token));
+  }
+  s.Remove(id);
+}
+
+// A finished sequence's full blocks stay cached; a new one with the same first tokens starts after
+// them (its NewSeq says so, its first row starts there), its last prompt token always computed.
+TEST(SchedulerTest, PrefixCacheHitOnASharedPrompt) {
+  Scheduler s(CachingOptions());  // blocks of 4 tokens
+  Decoder worker(CachingOptions().limits);
+  uint64_t step = 0;
+  s.Add(1, Prompt(10), {});
+  RunToEnd(s, 1, 1, 7, &step, &worker);  // 10 prompt tokens fed: 2 full blocks cached, the partial one free
+  EXPECT_EQ(s.num_cached_blocks(), 2);
+  EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
+  EXPECT_EQ(s.prefix_query_tokens(), 10);
+  EXPECT_EQ(s.prefix_hit_tokens(), 0);
+
+  std::vector<int32_t> prompt = Prompt(9);
+  prompt.push_back(500);  // the third block differs
+  prompt.push_back(501);
+  s.Add(2, prompt, {});
+  v1::StepPlan p;
+  const MicroBatch* b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(p.new_seqs_size(), 1);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 8);
+  EXPECT_EQ(p.row_start_positions(0), 8);
+  EXPECT_EQ(b->entries[0].tokens, 3);
+  EXPECT_EQ(b->prefill_tokens, 3);
+  EXPECT_EQ(s.cached_prompt_tokens(2), 8);
+  EXPECT_EQ(s.prefix_query_tokens(), 21);
+  EXPECT_EQ(s.prefix_hit_tokens(), 8);
+  EXPECT_EQ(s.num_cached_blocks(), 0) << "seq 2 holds them";
+  EXPECT_EQ(s.block_manager().num_used(), 3);
+  const StepBatch d = worker.Apply(p);
+  EXPECT_EQ(d.positions, (std::vector<int32_t>{8, 9, 10}));
+  s.Complete(0, Sampled(p));
+  s.Remove(2);
+  EXPECT_EQ(s.num_cached_blocks(), 2) << "seq 2's third block is not full";
+
+  // The whole prompt cached (2 full blocks): the last block is computed again, so that the step
+  // samples; the hit is one block.
+  s.Add(3, Prompt(8), {});
+  b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 4);
+  EXPECT_EQ(b->entries[0].tokens, 4);
+  EXPECT_EQ(b->entries[0].logit_row, 0);
+  s.Complete(0, Sampled(p));
+  s.Remove(3);
+
+  // A penalty on: no hit (the workers need every token for it).
+  v1::RowSampling penalty;
+  penalty.set_presence_penalty(0.5f);
+  s.Add(4, Prompt(10), penalty);
+  b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 0);
+  EXPECT_EQ(b->entries[0].tokens, 10);
+  EXPECT_EQ(s.cached_prompt_tokens(4), 0);
+  s.Complete(0, Sampled(p));
+  s.Remove(4);
+
+  // Clear (the group broke): the cache is gone with the workers' KV.
+  EXPECT_GT(s.num_cached_blocks(), 0);
+  s.Clear();
+  EXPECT_EQ(s.num_cached_blocks(), 0);
+  EXPECT_EQ(s.block_manager().num_free(), s.num_blocks());
+  s.Add(5, Prompt(10), {});
+  b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 0);
+}
+
+// Blocks filled during decode are registered too: the next turn of a conversation (prompt, answer,
+// new message) finds all of them but the partial last one.
+TEST(SchedulerTest, PrefixCacheHitOnTheNextTurn) {
+  Scheduler s(CachingOptions());
+  uint64_t step = 0;
+  s.Add(1, Prompt(5), {});
+  RunToEnd(s, 1, 8, 7, &step);  // 5 + 8 tokens, 12 fed (the last sampled one never is): 3 blocks
+  EXPECT_EQ(s.num_cached_blocks(), 3);
+  std::vector<int32_t> next = Prompt(5);
+  for (int i = 0; i < 8; ++i) next.push_back(7);
+  next.push_back(900);
+  next.push_back(901);
+  s.Add(2, next, {});
+  v1::StepPlan p;
+  const MicroBatch* b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 12);
+  EXPECT_EQ(b->entries[0].tokens, 3);
+  EXPECT_EQ(s.cached_prompt_tokens(2), 12);
+
+  // With prefix caching off the same turns compute everything.
+  SchedulerOptions off = CachingOptions();
+  off.prefix_caching = false;
+  Scheduler t(off);
+  step = 0;
+  t.Add(1, Prompt(5), {});
+  RunToEnd(t, 1, 8, 7, &step);
+  EXPECT_EQ(t.num_cached_blocks(), 0);
+  t.Add(2, next, {});
+  b = t.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 0);
+  EXPECT_EQ(b->entries[0].tokens, 15);
+  EXPECT_EQ(t.cached_prompt_tokens(2), 0);
+  EXPECT_EQ(t.prefix_query_tokens(), 0);
+}
+
+// A preempted sequence's full blocks stay cached, and it finds them when it comes back; a removed
+// one in a step in flight keeps its blocks until the step is back.
+TEST(SchedulerTest, PreemptedAndRemovedSequencesLeaveTheirBlocksCached) {
+  SchedulerOptions o = CachingOptions();
+  o.limits.num_kv_blocks = 6;  // 24 tokens
+  o.limits.max_tokens_per_step = 16;
+  Scheduler s(o);
+  v1::StepPlan p;
+  uint64_t step = 0;
+  s.Add(1, Prompt(9, 1), {});    // 3 blocks
+  s.Add(2, Prompt(9, 100), {});  // 3 blocks
+  // Both decode until seq 1 needs a fourth block with none free: seq 2, the newer, is preempted
+  // with 11 tokens fed: its 2 full blocks stay cached, its third is free (and seq 1's at once).
+  for (int i = 0; i < 10 && s.preemptions() == 0; ++i) {
+    ASSERT_NE(s.Schedule(0, step++, &p), nullptr);
+    s.Complete(0, Sampled(p));
+  }
+  ASSERT_EQ(s.preemptions(), 1);
+  EXPECT_EQ(s.num_cached_blocks(), 2);
+  EXPECT_EQ(s.block_manager().num_used(), 4);
+  // Seq 2 would need 1 more block beside its 2 cached: none is free, so it waits (it never takes
+  // the blocks it would share as new ones). When seq 1 ends it comes back and finds them.
+  EXPECT_EQ(s.num_waiting(), 1);
+  s.Remove(1);
+  const MicroBatch* b = s.Schedule(0, step++, &p);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(p.new_seqs_size(), 1);
+  EXPECT_EQ(p.new_seqs(0).seq_id(), 2u);
+  EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 8);
+  EXPECT_EQ(b->entries[0].tokens, 12 - 8) << "9 prompt and 3 generated tokens, 8 of them cached";
+  // Removed while in flight: its blocks are held until the step is back, then full ones cached.
+  s.Remove(2);
+  EXPECT_GT(s.block_manager().num_used(), 0);
+  s.Complete(0, Sampled(p));
+  EXPECT_EQ(s.block_manager().num_used(), 0);
+  EXPECT_EQ(s.num_free_blocks(), 6);
+  EXPECT_GT(s.num_cached_blocks(), 0);
 }
 
 }  // namespace

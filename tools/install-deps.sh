@@ -12,7 +12,7 @@ PACKAGES=(
   libdnnl-dev               # oneDNN: the CPU backend's matrix products
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
-  libssl-dev                # OpenSSL: certificate checks, launch's CA, API key hashes (security/)
+  libssl-dev                # OpenSSL: certificate checks, launch's CA, API key hashes (security/), the prefix cache's block keys (SHA-256)
   libcpp-httplib-dev        # the coordinator's OpenAI-compatible HTTP API (coordinator/openai)
   libgtest-dev libgmock-dev
   python3 python3-venv

@@ -118,6 +118,18 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     s.sampling.CopyFrom(r);
     absl::Status st = AppendBlocks(step, s, n.block_ids(), "new_seqs");
     if (!st.ok()) return st;
+    // Its first row starts after the tokens whose KV its shared blocks hold.
+    const int64_t cached = n.num_cached_tokens(), bs = limits_.block_size;
+    if (cached < 0 || cached % bs != 0 || cached >= static_cast<int64_t>(s.blocks.size()) * bs) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " num_cached_tokens ", cached,
+                 " is not a multiple of the block size ", bs, " below the ", s.blocks.size() * bs,
+                 " tokens its blocks hold");
+    }
+    if (cached > 0 && s.penalty) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " has a sampling penalty on and num_cached_tokens ", cached,
+                 "; the penalties need every token fed");
+    }
+    s.fed = cached;
     free_slots_.pop_back();
     index_[s.id] = slot;
   }

@@ -6,7 +6,9 @@
 // RowSampling per logit row for the Sampler.
 //
 // What a worker derives, for a row of sequence s feeding n tokens from start_position p0:
-//   positions   p0 .. p0 + n - 1 (p0 must equal the tokens fed to s so far);
+//   positions   p0 .. p0 + n - 1 (p0 must equal the tokens fed to s so far; a new sequence
+//               counts the num_cached_tokens its shared blocks hold as fed: they are never
+//               written again, since slots come from positions >= p0 only);
 //   slots       table[pos / block_size] * block_size + pos % block_size;
 //   block table s's, padded with block 0 to max_blocks_per_seq (row-major [rows, width]);
 //   logit row   the row's last token, when the row samples;
@@ -19,7 +21,8 @@
 //               in version 1 (a preempted sequence comes back new and is fed from position 0).
 //
 // Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown
-// or twice-new or twice-freed id, a table past max_blocks_per_seq, a block outside
+// or twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with
+// a penalty on, a table past max_blocks_per_seq, a block outside
 // [0, num_kv_blocks), a row whose positions are not the next ones or lie beyond its table, more
 // rows, tokens or held sequences than the limits, lists of unequal length, a token id outside the
 // vocabulary. The state is changed as the plan is read, so after an error it is undefined: the
@@ -79,7 +82,7 @@ class PersistentBatch {
   struct Seq {
     uint64_t id = 0;
     std::vector<int32_t> blocks;  // block table, reserved to max_blocks_per_seq
-    int64_t fed = 0;              // tokens fed so far: the next row starts at this position
+    int64_t fed = 0;              // tokens fed so far (from num_cached_tokens): the next row starts here
     int64_t prompt_len = 0;
     bool repetition = false;      // repetition penalty on: keep the prompt
     bool penalty = false;         // any penalty on: keep the completion

@@ -5,7 +5,9 @@
 namespace shardserve {
 
 Scheduler::Scheduler(const SchedulerOptions& options)
-    : options_(options), blocks_(options.limits.num_kv_blocks, options.limits.block_size), lanes_(std::max(1, options.lanes)) {}
+    : options_(options),
+      blocks_(options.limits.num_kv_blocks, options.limits.block_size, options.prefix_caching, options.prefix_key_fn),
+      lanes_(std::max(1, options.lanes)) {}
 
 void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling) {
   auto s = std::make_unique<Seq>();
@@ -13,6 +15,8 @@ void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampl
   s->prompt_len = static_cast<int64_t>(prompt.size());
   s->tokens = std::move(prompt);
   s->sampling = sampling;
+  s->penalized = (sampling.repetition_penalty() != 0 && sampling.repetition_penalty() != 1) ||
+                 sampling.presence_penalty() != 0 || sampling.frequency_penalty() != 0;
   // Workers derive these per step (worker/persistent_batch.h); NewSeq carries them unset.
   s->sampling.clear_draw_index();
   s->sampling.clear_penalty_prompt_ids();
@@ -27,6 +31,12 @@ int64_t Scheduler::generated(uint64_t id) const {
   return static_cast<int64_t>(it->second->tokens.size()) - it->second->prompt_len;
 }
 
+int64_t Scheduler::cached_prompt_tokens(uint64_t id) const {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return 0;
+  return std::min(it->second->num_cached, it->second->prompt_len);
+}
+
 void Scheduler::Forget(Seq& s) {
   if (!s.sent) return;
   freed_.push_back(s.id);
@@ -36,8 +46,9 @@ void Scheduler::Forget(Seq& s) {
 
 void Scheduler::Preempt(Seq& s) {
   Forget(s);  // it comes back as a new sequence, with new blocks
-  blocks_.Free(&s.blocks);
+  blocks_.Free(&s.blocks);  // its full blocks stay cached: it may find them again
   s.num_fed = 0;
+  s.chain = BlockManager::Chain{};
   s.stalled = false;
   --lanes_[s.lane].running;
   s.lane = -1;
@@ -97,7 +108,7 @@ int64_t Scheduler::PrefillCap() const {
   }
   for (uint64_t id : running_) {
     const Seq& s = *seqs_.at(id);
-    if (!s.decodes()) work += s.unfed();
+    if (!s.decodes() && !s.removed) work += s.unfed();
   }
   int64_t admissible = options_.limits.max_seqs_per_step - num_running();
   for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
@@ -130,7 +141,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       if (!running_.count(id)) continue;  // preempted while this step was built
       Seq& s = *seqs_.at(id);
       const int64_t need = s.unfed();
-      if (s.in_batch || need == 0) continue;
+      if (s.in_batch || s.removed || need == 0) continue;  // removed: only waits for its step in flight
       const bool decode = s.decodes();
       if (decode != decodes || (decode && s.lane != lane)) continue;
       int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
@@ -166,10 +177,28 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     }
     if (lanes_[home].running >= share) break;
     Seq& s = *seqs_.at(*waiting_.begin());
-    const int64_t need = static_cast<int64_t>(s.tokens.size());
+    const int64_t bs = blocks_.block_size();
+    // The cached blocks that hold its longest prefix, all but its last token at most.
+    BlockManager::Chain chain;
+    const std::vector<int32_t> hit =
+        s.penalized ? std::vector<int32_t>{}
+                    : blocks_.FindCached(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, &chain);
+    const int64_t cached = static_cast<int64_t>(hit.size()) * bs;
+    const int64_t need = static_cast<int64_t>(s.tokens.size()) - cached;
     int64_t chunk = std::min({need, budget, prefill_budget});
     if (home != lane && chunk == need) chunk = need - 1;
-    if (chunk == 0 || !blocks_.Grow(&s.blocks, chunk)) break;
+    if (chunk == 0) break;
+    const int64_t new_blocks = blocks_.BlocksFor(cached + chunk) - static_cast<int64_t>(hit.size());
+    if (new_blocks > blocks_.num_available() - blocks_.CountCached(hit)) break;
+    blocks_.Share(hit, &s.blocks);
+    blocks_.Grow(&s.blocks, cached + chunk);  // cannot fail: checked above
+    s.num_fed = cached;
+    s.num_cached = cached;
+    s.chain = chain;
+    if (blocks_.prefix_caching() && !s.penalized) {
+      prefix_query_tokens_ += static_cast<int64_t>(s.tokens.size());
+      prefix_hit_tokens_ += cached;
+    }
     waiting_.erase(waiting_.begin());
     running_.insert(s.id);
     s.lane = home;
@@ -186,6 +215,8 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     s.num_fed += e.tokens;
     ++s.in_flight;
     s.in_batch = false;
+    // The blocks this step fills are written before any later step reads them.
+    blocks_.Register(s.blocks, s.tokens, s.num_fed, &s.chain);
   }
   l.busy = true;
   return &batch;
@@ -206,6 +237,7 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
       n->mutable_block_ids()->Add(s.blocks.begin(), s.blocks.end());
       *n->mutable_sampling() = s.sampling;
       n->set_prompt_len(static_cast<int32_t>(s.prompt_len));
+      n->set_num_cached_tokens(static_cast<int32_t>(s.num_fed));  // its first row starts there
       s.sent = true;
     } else if (num_blocks > s.blocks_sent) {
       v1::SeqBlocks* a = step->add_appended_blocks();
@@ -279,6 +311,8 @@ void Scheduler::RequeueAllForRegroup() {
       continue;
     }
     s.num_fed = 0;
+    s.num_cached = 0;
+    s.chain = BlockManager::Chain{};
     s.lane = -1;
     s.in_flight = 0;
     s.in_batch = false;
@@ -288,10 +322,14 @@ void Scheduler::RequeueAllForRegroup() {
     waiting_.insert(s.id);
     ++it;
   }
+  DropPrefixCache();  // the new group's workers hold no KV: no block may be found again
 }
+
+void Scheduler::DropPrefixCache() { blocks_.DropCache(); }
 
 void Scheduler::Clear() {
   for (auto& [id, s] : seqs_) blocks_.Free(&s->blocks);
+  DropPrefixCache();
   seqs_.clear();
   freed_.clear();  // a new group's workers start empty
   running_.clear();

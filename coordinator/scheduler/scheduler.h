@@ -41,14 +41,27 @@
 // waits for the next step. Decodes come first, so a long prompt never stalls running decodes: it
 // only takes the tokens they leave.
 //
+// Prefix caching (block_manager.h; SchedulerOptions::prefix_caching): the full blocks a step sent
+// fills are registered in the block manager at once (every worker runs steps in the order sent, so
+// a later step reads them written), during prefill and decode alike, so that a conversation's next
+// turn (its earlier prompt and answer, then the new message) finds them. An admitted sequence
+// (new, or preempted: recompute) takes the registered blocks holding the longest prefix of its
+// tokens, all but its last token at most (the step that feeds it must sample), and starts with
+// num_fed = the tokens they hold; the workers start it at that position (NewSeq.num_cached_tokens).
+// It never writes them: it feeds and appends only after them. A sequence with a sampling penalty
+// on takes no cached blocks (it still registers its own): the workers derive the penalties from the
+// tokens fed, which must then be all of them. Blocks that sequences let go stay cached until a
+// block is needed and none is empty; Clear() (the workers' KV is gone) drops them all.
+//
 // Plans are stateful (worker.proto StepPlan, as vLLM v1's scheduler output): the workers hold the
 // running batch by sequence id. All workers get the same plans in the same order, so one record
 // per sequence of what they hold suffices (Seq::sent, Seq::blocks_sent): a sequence goes out in
-// new_seqs (block table so far, sampling settings, prompt length) the first step that feeds it,
-// later steps send its new blocks and the tokens fed; a sequence preempted, finished or removed
-// that the workers hold goes out in freed_seq_ids of the next plan (a removed one still in a step
-// in flight once that step is back), and a preempted one comes back new. Freed ids come first in
-// a plan, so the workers hold at most the running set: max_seqs_per_step sequences.
+// new_seqs (block table so far, sampling settings, prompt length, the tokens it starts with from
+// the prefix cache) the first step that feeds it, later steps send its new blocks and the tokens
+// fed; a sequence preempted, finished or removed that the workers hold goes out in freed_seq_ids
+// of the next plan (a removed one still in a step in flight once that step is back), and a
+// preempted one comes back new. Freed ids come first in a plan, so the workers hold at most the
+// running set: max_seqs_per_step sequences.
 //
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
@@ -71,6 +84,10 @@ struct SchedulerOptions {
   // limits.max_tokens_per_step tokens; block tables are limits.max_blocks_per_seq() wide.
   StepLimits limits;
   int lanes = 1;  // micro-batches in flight at most
+  // Automatic prefix caching (see above); off: every sequence computes all its tokens.
+  bool prefix_caching = true;
+  // The prefix cache's block keys; null: SHA-256 (block_manager.h). Tests pass a colliding one.
+  BlockManager::KeyFn prefix_key_fn = nullptr;
 };
 
 // One step of one lane, as scheduled.
@@ -121,15 +138,19 @@ class Scheduler {
   // Ends a sequence (finished, cancelled): its blocks are freed now, or when the step it is in
   // comes back. Unknown ids are ignored.
   void Remove(uint64_t id);
-  // Drops every sequence and forgets the steps in flight (the group broke): every block is free.
+  // Drops every sequence and forgets the steps in flight (the group broke): every block is free,
+  // the prefix cache too (DropPrefixCache).
   void Clear();
   // The group re-forms under a new epoch (a worker was lost or failed; docs/healing.md): the
   // workers hold nothing and the KV cache is gone. Every sequence goes back to waiting, to be
   // recomputed from token 0 (prompt + generated, as after a preemption: its prompt length stays,
   // so its sampling draws continue where they stopped); the steps in flight are forgotten (their
   // tokens never come); sequences removed while in one are dropped; nothing is left to free on
-  // the workers. Not counted as preemptions.
+  // the workers; the prefix cache is dropped. Not counted as preemptions.
   void RequeueAllForRegroup();
+  // Forgets every cached block, so that no sequence admitted later takes KV that the workers no
+  // longer hold (a new group starts with an empty cache). Sequences running keep their blocks.
+  void DropPrefixCache();
 
   bool LaneBusy(int lane) const { return lanes_[lane].busy; }
   int lanes() const { return static_cast<int>(lanes_.size()); }
@@ -139,8 +160,19 @@ class Scheduler {
 
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
-  int64_t num_free_blocks() const { return blocks_.num_free(); }
+  // Blocks a sequence can be given: empty, or cached and no sequence's (evicted when taken).
+  int64_t num_free_blocks() const { return blocks_.num_available(); }
   int64_t num_blocks() const { return blocks_.num_blocks(); }
+  // Blocks holding a cached prefix that no sequence holds.
+  int64_t num_cached_blocks() const { return blocks_.num_cached(); }
+  const BlockManager& block_manager() const { return blocks_; }
+  // Prefix-cache lookups at admissions, in tokens: the tokens of the sequences admitted (each
+  // time, a preempted one again) that looked the cache up, and those found in it. Cumulative.
+  int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
+  int64_t prefix_hit_tokens() const { return prefix_hit_tokens_; }
+  // Prompt tokens of `id` whose KV came from the prefix cache at its latest admission (0 for
+  // unknown ids, and with prefix caching off).
+  int64_t cached_prompt_tokens(uint64_t id) const;
   int64_t preemptions() const { return preemptions_; }
   const SchedulerOptions& options() const { return options_; }
 
@@ -149,7 +181,11 @@ class Scheduler {
     uint64_t id = 0;
     std::vector<int32_t> tokens;  // prompt + generated
     int64_t prompt_len = 0;
-    int64_t num_fed = 0;          // tokens fed to steps sent (in the KV cache once they come back)
+    int64_t num_fed = 0;          // tokens fed to steps sent (in the KV cache once they come back),
+                                  // from the prefix cache's included
+    int64_t num_cached = 0;       // tokens its table's shared blocks held at its latest admission
+    bool penalized = false;       // a sampling penalty on: takes no cached blocks
+    BlockManager::Chain chain;    // its blocks registered (or found) so far
     std::vector<int32_t> blocks;  // block table
     int lane = -1;                // while running: its home lane, where it decodes
     int in_flight = 0;            // steps in flight that feed it (> 1 only for prompt chunks)
@@ -198,6 +234,8 @@ class Scheduler {
   std::vector<Lane> lanes_;
   std::vector<uint64_t> freed_;  // sequences the workers hold and drop with the next plan
   int64_t preemptions_ = 0;
+  int64_t prefix_query_tokens_ = 0;
+  int64_t prefix_hit_tokens_ = 0;
 };
 
 }  // namespace shardserve

@@ -47,6 +47,7 @@ constexpr char kUsage[] =
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
+    "                              [--no-prefix-caching]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -91,11 +92,15 @@ constexpr char kUsage[] =
     "                                certificate from this CA; clients of the client API need none\n"
     "  --api-keys-file               clients must send one of these keys (one per line) as\n"
     "                                'authorization: Bearer <key>'; re-read when the file changes\n"
-    "  --insecure                    allow plaintext on a --listen address beyond loopback\n\n"
+    "  --insecure                    allow plaintext on a --listen address beyond loopback\n"
     "  --http-port                   serve the OpenAI-compatible HTTP API (/v1/chat/completions,\n"
     "                                /v1/completions, /v1/models, /health) on this port (default 0: off)\n"
     "  --http-host                   the HTTP API's address (default 127.0.0.1; 0.0.0.0: every interface)\n"
-    "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n";
+    "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
+    "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
+    "                                kept after their request (evicted least recently used) and a\n"
+    "                                request whose first tokens match reuses them instead of computing\n"
+    "                                them again (docs/prefix-caching.md)\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -117,7 +122,7 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes"},
-                   {"help", "insecure"});
+                   {"help", "insecure", "no-prefix-caching"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -173,6 +178,7 @@ int Main(int argc, char** argv) {
   pool_options.collective_timeout = absl::Seconds(collective_timeout);
   engine_options.step_timeout = absl::Seconds(step_timeout);
   engine_options.heal_timeout = absl::Seconds(heal_timeout);
+  engine_options.prefix_caching = !flags->Has("no-prefix-caching");
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
   if (!tls.ok()) return Usage(std::string(tls.status().message()));

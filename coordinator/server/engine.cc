@@ -131,6 +131,7 @@ void Engine::FillStatus(v1::SchedulerStatus* status) {
   status->set_max_waiting(static_cast<int32_t>(options_.max_waiting));
   status->set_micro_batches(o.lanes);
   status->set_max_tokens_per_step(o.limits.max_tokens_per_step);
+  status->set_prefix_caching(o.prefix_caching);
 }
 
 // ---- Engine: the loop ---------------------------------------------------------------------------
@@ -182,6 +183,7 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   SchedulerOptions o;
   o.limits = pool_->limits();
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
+  o.prefix_caching = options_.prefix_caching;
   return o;
 }
 
@@ -193,7 +195,8 @@ bool Engine::EnsureScheduler() {
   CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.limits.max_seqs_per_step, " sequences and ",
                                            o.limits.max_tokens_per_step, " tokens per step, ", o.lanes,
                                            " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
-                                           o.limits.block_size, " tokens"));
+                                           o.limits.block_size, " tokens, prefix caching ",
+                                           o.prefix_caching ? "on" : "off"));
   if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.limits.num_kv_blocks));
   PublishStats();
   return true;
@@ -256,6 +259,8 @@ absl::Status Engine::FinishOldest() {
     Request& r = *requests_.at(t.seq);
     v1::GenerateResponse response;
     const bool done = r.generation->Accept(t.token, &response);
+    const int64_t cached = scheduler_->cached_prompt_tokens(t.seq);
+    if (response.has_usage()) response.mutable_usage()->set_cached_prompt_tokens(static_cast<int32_t>(cached));
     response.set_request_id(r.params.request_id);
     v1::StepTimings* timings = response.mutable_timings();
     timings->set_step_seconds(step_seconds);
@@ -287,10 +292,11 @@ absl::Status Engine::FinishOldest() {
     if (done) {
       const double seconds = SecondsBetween(r.arrival, now);
       CoordinatorRequestLog(r.params.request_id,
-                            absl::StrFormat("finished (%s): %d + %d tokens in %.2f s, first token after %.3f s, "
-                                            "%.1f tokens/s",
+                            absl::StrFormat("finished (%s): %d + %d tokens (%d prompt tokens from the prefix cache) "
+                                            "in %.2f s, first token after %.3f s, %.1f tokens/s",
                                             FinishName(response.finish_reason()), r.params.prompt.size(), generated,
-                                            seconds, r.first_token_seconds, generated / std::max(seconds, 1e-9)));
+                                            cached, seconds, r.first_token_seconds,
+                                            generated / std::max(seconds, 1e-9)));
     }
     r.stream->Push(std::move(response));
     if (done) End(t.seq, absl::OkStatus());
@@ -407,11 +413,22 @@ void Engine::PublishStats() {
   s.set_preemptions(scheduler_->preemptions());
   s.set_micro_batches(o.lanes);
   s.set_max_tokens_per_step(o.limits.max_tokens_per_step);
+  s.set_prefix_caching(o.prefix_caching);
+  s.set_kv_blocks_cached(scheduler_->num_cached_blocks());
+  s.set_prefix_cache_query_tokens(scheduler_->prefix_query_tokens());
+  s.set_prefix_cache_hit_tokens(scheduler_->prefix_hit_tokens());
   if (metrics_ != nullptr) {
     metrics_->kv_blocks_used.Set(static_cast<double>(s.kv_blocks_total() - s.kv_blocks_free()));
     metrics_->requests_running.Set(static_cast<double>(s.running()));
     const double new_preemptions = static_cast<double>(s.preemptions()) - metrics_->preemptions.Value();
     if (new_preemptions > 0) metrics_->preemptions.Increment(new_preemptions);
+    // The scheduler's counters are cumulative, like the metrics.
+    for (auto [counter, total] : {std::pair{&metrics_->prefix_cache_queries, s.prefix_cache_query_tokens()},
+                                  std::pair{&metrics_->prefix_cache_hits, s.prefix_cache_hit_tokens()}}) {
+      const double added = static_cast<double>(total) - counter->Value();
+      if (added > 0) counter->Increment(added);
+    }
+    metrics_->prefix_cache_blocks.Set(static_cast<double>(s.kv_blocks_cached()));
   }
   absl::MutexLock lock(&mu_);
   stats_ = s;

@@ -58,6 +58,7 @@ struct EngineOptions {
   absl::Duration step_timeout = absl::Seconds(10);
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
+  bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
 };
 
 // The responses of one request, from the engine to its gRPC handler.

@@ -105,7 +105,13 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                       "--heal-timeout-seconds.",
                                       model)),
       worker_restarts(AddCounter(*registry_, "shardserve_worker_restarts_total",
-                                 "Workers that registered to take the slot of a lost worker.", model)) {
+                                 "Workers that registered to take the slot of a lost worker.", model)),
+      prefix_cache_queries(AddCounter(*registry_, "shardserve_prefix_cache_queries_tokens_total",
+                                      "Tokens of admitted sequences looked up in the prefix cache.", model)),
+      prefix_cache_hits(AddCounter(*registry_, "shardserve_prefix_cache_hits_tokens_total",
+                                   "Tokens found in the prefix cache (their KV not computed again).", model)),
+      prefix_cache_blocks(AddGauge(*registry_, "shardserve_prefix_cache_blocks",
+                                   "KV cache blocks holding a cached prefix that no running sequence holds.", model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
   for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate"}) {
     auth_failures_family_.Add({{"model", model_}, {"reason", reason}});

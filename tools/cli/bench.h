@@ -45,6 +45,12 @@ struct LoadConfig {
   double temperature = 0;
   int64_t warmup = 2;
   double timeout_s = 600;
+  // Multi-turn chat (closed loop only): > 0: the requests are conversations of chat_turns turns,
+  // each stream running one conversation at a time. A conversation's first prompt is a system
+  // prompt of system_prompt_len tokens (the same for every conversation) and a message of
+  // input_len tokens; each next turn's prompt is the last prompt, its answer and a new message.
+  int64_t chat_turns = 0;
+  int64_t system_prompt_len = 0;
 };
 
 struct LoadResult {
@@ -54,6 +60,7 @@ struct LoadResult {
   int64_t failed = 0;
   int64_t total_input_tokens = 0;   // of completed requests
   int64_t total_output_tokens = 0;  // of completed requests
+  int64_t total_cached_tokens = 0;  // of completed requests: prompt tokens from the prefix cache
   LatencySummary ttft, itl, e2e;
   std::vector<std::pair<std::string, int64_t>> errors;  // distinct messages, first seen first, with counts
 };
@@ -81,9 +88,10 @@ struct Layout {
   int64_t tp = 1;
   int64_t pp = 1;
   bool serial = false;
+  bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
 };
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial.
+// tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text);
 
 struct CompareRun {

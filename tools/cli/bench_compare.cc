@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -58,18 +59,27 @@ ClusterFacts GetClusterFacts(const std::string& address) {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial.
+// tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
   std::string body = absl::AsciiStrToLower(text);
-  if (absl::EndsWith(body, "/serial")) {
-    l.serial = true;
-    body = body.substr(0, body.size() - 7);
+  for (bool more = true; more;) {
+    more = false;
+    if (absl::EndsWith(body, "/serial")) {
+      l.serial = more = true;
+      body.resize(body.size() - std::string_view("/serial").size());
+    }
+    if (absl::EndsWith(body, "/no-prefix-caching")) {
+      l.prefix_caching = false;
+      more = true;
+      body.resize(body.size() - std::string_view("/no-prefix-caching").size());
+    }
   }
   auto bad = [&] {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layout '", text, "' is not tpN, ppM or tpNxppM (optionally /serial), e.g. tp2xpp2/serial"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout '", text,
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching), e.g. tp2xpp2/serial"));
   };
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -107,11 +117,10 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   std::replace(dir_name.begin(), dir_name.end(), '/', '_');
   co.log_dir = (fs::path(o.log_dir) / dir_name).string();
   co.metrics_port_base = 0;
-  for (const auto& [name, value] : o.cluster.coordinator_flags) {
-    if (layout.serial && name == "micro-batches") continue;  // /serial layouts run one micro-batch
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {absl::StrCat("--", name), value});
-  }
+  // /serial layouts run one micro-batch.
+  co.coordinator_flags = o.cluster.CoordinatorArgs(layout.serial ? "micro-batches" : "");
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
+  if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
   const int64_t threads =
       o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};

@@ -1,6 +1,7 @@
 // shardserve bench's load generator: random prompts from the seed, warm-up, then the measured
 // requests in a closed loop (--concurrency streams) or an open one (Poisson arrivals), each request
-// timed from its stream of responses.
+// timed from its stream of responses. With --chat-turns, the closed loop runs conversations: each
+// turn's prompt is the one before, its answer and a new message, after a shared system prompt.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -32,7 +33,7 @@ namespace {
 
 struct RequestSpec {
   std::string id;
-  std::vector<int32_t> prompt;
+  std::vector<int32_t> prompt;  // chat: the turn's new message only (the history comes before it)
   int32_t output_len = 0;
   std::optional<uint64_t> sampling_seed;
 };
@@ -89,7 +90,8 @@ std::vector<RequestSpec> MakeRequests(const LoadConfig& c, int64_t vocab, const 
   std::vector<RequestSpec> specs(static_cast<size_t>(c.num_requests));
   for (int64_t i = 0; i < c.num_requests; ++i) {
     RequestSpec& s = specs[static_cast<size_t>(i)];
-    s.id = absl::StrCat("bench-", i);
+    s.id = c.chat_turns > 0 ? absl::StrCat("bench-chat-", i / c.chat_turns, "-turn-", i % c.chat_turns)
+                            : absl::StrCat("bench-", i);
     const int64_t in = rng.Between(in_lo, in_hi);
     s.output_len = static_cast<int32_t>(rng.Between(out_lo, out_hi));
     s.prompt = RandomPrompt(rng, in, vocab, eos);
@@ -140,6 +142,8 @@ struct RequestResult {
   std::string error;
   int64_t input_tokens = 0;
   int64_t output_tokens = 0;
+  int64_t cached_tokens = 0;  // Usage.cached_prompt_tokens
+  std::vector<int32_t> output_ids;
   double ttft_s = 0;
   double e2e_s = 0;
   std::vector<double> itl_s;
@@ -182,10 +186,12 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
       arrivals.push_back(t);
       counts.push_back(resp.token_ids_size());
       r.output_tokens += resp.token_ids_size();
+      r.output_ids.insert(r.output_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     }
     if (resp.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       finish = resp.finish_reason();
       usage_tokens = resp.usage().completion_tokens();
+      r.cached_tokens = resp.usage().cached_prompt_tokens();
     }
   }
   const grpc::Status status = reader->Finish();
@@ -208,9 +214,35 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
   return r;
 }
 
+// Runs conversation `conv` (specs[conv * turns, (conv + 1) * turns)) turn after turn into `results`:
+// each turn's prompt is the history (the system prompt, then every message and answer so far) and
+// its message. After a failed turn the rest of the conversation is not sent and counts as failed.
+void RunConversation(v1::InferenceService::Stub* stub, const LoadConfig& c, const std::vector<RequestSpec>& specs,
+                     const std::vector<int32_t>& system_prompt, int64_t conv, InFlight* inflight,
+                     std::vector<RequestResult>* results) {
+  std::vector<int32_t> history = system_prompt;
+  for (int64_t turn = 0; turn < c.chat_turns && !g_stop; ++turn) {
+    const size_t i = static_cast<size_t>(conv * c.chat_turns + turn);
+    RequestSpec spec = specs[i];
+    history.insert(history.end(), spec.prompt.begin(), spec.prompt.end());
+    spec.prompt = history;
+    RequestResult& r = (*results)[i] = RunRequest(stub, spec, c, inflight);
+    if (!r.ok) {
+      for (int64_t rest = turn + 1; rest < c.chat_turns; ++rest) {
+        RequestResult& skipped = (*results)[static_cast<size_t>(conv * c.chat_turns + rest)];
+        skipped.done = true;
+        skipped.error = "not sent: an earlier turn of its conversation failed";
+      }
+      return;
+    }
+    history.insert(history.end(), r.output_ids.begin(), r.output_ids.end());
+  }
+}
+
 // Sends the measured requests; the warm-up ones first, one by one. Err only for a failed warm-up.
 absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadConfig& c,
-                                   const std::vector<RequestSpec>& specs, const std::vector<RequestSpec>& warmup) {
+                                   const std::vector<RequestSpec>& specs, const std::vector<RequestSpec>& warmup,
+                                   const std::vector<int32_t>& system_prompt) {
   InFlight inflight;
   LoadResult out;
   std::atomic<int64_t> finished_threads{0};
@@ -241,7 +273,20 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
   std::vector<RequestResult> results(specs.size());
   std::vector<std::thread> threads;
   const Clock::time_point start = Clock::now();
-  if (!g_stop && !c.open_loop) {
+  if (!g_stop && c.chat_turns > 0) {
+    std::atomic<int64_t> next{0};
+    const int64_t conversations = static_cast<int64_t>(specs.size()) / c.chat_turns;
+    const int64_t n = std::min<int64_t>(c.concurrency, conversations);
+    for (int64_t t = 0; t < n; ++t) {
+      threads.emplace_back([&] {
+        for (int64_t conv = next++; conv < conversations && !g_stop; conv = next++) {
+          RunConversation(stub, c, specs, system_prompt, conv, &inflight, &results);
+        }
+        ++finished_threads;
+      });
+    }
+    watch(n);
+  } else if (!g_stop && !c.open_loop) {
     std::atomic<int64_t> next{0};
     const int64_t n = std::min<int64_t>(c.concurrency, static_cast<int64_t>(specs.size()));
     for (int64_t t = 0; t < n; ++t) {
@@ -294,6 +339,7 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
     ++out.completed;
     out.total_input_tokens += r.input_tokens;
     out.total_output_tokens += r.output_tokens;
+    out.total_cached_tokens += r.cached_tokens;
     ttft.push_back(r.ttft_s);
     e2e.push_back(r.e2e_s);
     itl.insert(itl.end(), r.itl_s.begin(), r.itl_s.end());
@@ -335,16 +381,23 @@ absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
   absl::StatusOr<ServedModel> model = GetServedModel(stub.get(), c.address);
   if (!model.ok()) return model.status();
   run.model = *model;
-  const int64_t longest =
+  const int64_t turn_len =
       LengthRange(c.input_len, c.range_ratio).second + LengthRange(c.output_len, c.range_ratio).second;
+  const int64_t longest = c.chat_turns > 0 ? c.system_prompt_len + c.chat_turns * turn_len : turn_len;
   if (model->max_model_len > 0 && longest > model->max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the longest request (", longest, " tokens: input + output at most) exceeds the model's max_model_len (",
-        model->max_model_len, "); lower --input-len/--output-len"));
+        "the longest request (", longest,
+        c.chat_turns > 0 ? " tokens: the system prompt and every turn's input + output at most"
+                         : " tokens: input + output at most",
+        ") exceeds the model's max_model_len (", model->max_model_len,
+        "); lower --input-len/--output-len", c.chat_turns > 0 ? "/--chat-turns/--system-prompt-len" : ""));
   }
   std::vector<RequestSpec> warmup;
   const std::vector<RequestSpec> specs = MakeRequests(c, model->vocab_size, model->eos, &warmup);
-  absl::StatusOr<LoadResult> load = RunLoad(stub.get(), c, specs, warmup);
+  // The chat's system prompt, from a stream of its own (the same for every conversation).
+  Rng system_rng(c.seed ^ 0x5bd1e9955bd1e995ULL);
+  const std::vector<int32_t> system_prompt = RandomPrompt(system_rng, c.system_prompt_len, model->vocab_size, model->eos);
+  absl::StatusOr<LoadResult> load = RunLoad(stub.get(), c, specs, warmup, system_prompt);
   if (!load.ok()) return load.status();
   run.load = *load;
   return run;

@@ -54,12 +54,15 @@ json ResultJson(const LoadConfig& c, const LoadResult& r) {
   j["seed"] = c.seed;
   j["temperature"] = c.temperature;
   j["warmup"] = c.warmup;
+  j["chat_turns"] = c.chat_turns;
+  j["system_prompt_len"] = c.system_prompt_len;
   j["interrupted"] = r.interrupted;
   j["duration_s"] = r.duration_s;
   j["completed"] = r.completed;
   j["failed"] = r.failed;
   j["total_input_tokens"] = r.total_input_tokens;
   j["total_output_tokens"] = r.total_output_tokens;
+  j["total_cached_prompt_tokens"] = r.total_cached_tokens;
   j["requests_per_s"] = PerSecond(static_cast<double>(r.completed), r.duration_s);
   j["output_tokens_per_s"] = PerSecond(static_cast<double>(r.total_output_tokens), r.duration_s);
   j["total_tokens_per_s"] = PerSecond(static_cast<double>(r.total_input_tokens + r.total_output_tokens), r.duration_s);
@@ -82,6 +85,11 @@ std::string LoadLine(const LoadConfig& c) {
                                 ? absl::StrFormat("open loop, Poisson arrivals at %g requests/s", c.request_rate)
                                 : std::string("open loop, all requests at once"))
                          : absl::StrCat("closed loop, concurrency ", c.concurrency);
+  if (c.chat_turns > 0) {
+    load = absl::StrFormat("%s; chat: %d conversations of %d turns after a shared %d-token system prompt (input: "
+                           "each turn's new message)",
+                           load, c.num_requests / c.chat_turns, c.chat_turns, c.system_prompt_len);
+  }
   return absl::StrFormat(
       "%s; %d requests (+%d warm-up), input %d, output %d tokens (range ratio %g), temperature %g, seed %d", load,
       c.num_requests, c.warmup, c.input_len, c.output_len, c.range_ratio, c.temperature, c.seed);
@@ -99,6 +107,8 @@ void PrintTable(const LoadConfig& c, const BenchRun& run) {
   std::printf("%-22s %12.1f\n", "output tokens/s", PerSecond(static_cast<double>(r.total_output_tokens), r.duration_s));
   std::printf("%-22s %12.1f\n", "total tokens/s",
               PerSecond(static_cast<double>(r.total_input_tokens + r.total_output_tokens), r.duration_s));
+  std::printf("%-22s %12.1f %%\n", "prompt tokens cached",
+              r.total_input_tokens > 0 ? 100.0 * r.total_cached_tokens / r.total_input_tokens : 0.0);
   std::printf("\n%-22s %10s %10s %10s %10s\n", "latency (ms)", "mean", "p50", "p90", "p99");
   for (const auto& [name, s] : {std::pair<const char*, const LatencySummary&>{"time to first token", r.ttft},
                                 {"inter-token", r.itl},
@@ -126,6 +136,13 @@ void PrintCompareTable(const LoadConfig& c, const std::vector<CompareRun>& runs)
   });
   row("preemptions", [](const CompareRun& r) {
     return r.scheduler ? absl::StrCat(r.scheduler->preemptions()) : std::string("-");
+  });
+  row("prefix caching", [](const CompareRun& r) {
+    return r.scheduler ? std::string(r.scheduler->prefix_caching() ? "on" : "off") : std::string("-");
+  });
+  row("prompt tok cached", [](const CompareRun& r) {
+    const LoadResult& l = r.run.load;
+    return absl::StrFormat("%.1f%%", l.total_input_tokens > 0 ? 100.0 * l.total_cached_tokens / l.total_input_tokens : 0.0);
   });
   row("completed / failed",
       [](const CompareRun& r) { return absl::StrCat(r.run.load.completed, " / ", r.run.load.failed); });
@@ -168,6 +185,7 @@ json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs) {
     j["tp"] = r.layout.tp;
     j["pp"] = r.layout.pp;
     j["serial"] = r.layout.serial;
+    j["prefix_caching"] = r.scheduler ? json(r.scheduler->prefix_caching()) : json(nullptr);
     j["workers"] = r.layout.tp * r.layout.pp;
     j["error"] = r.error.empty() ? json(nullptr) : json(r.error);
     j["model"] = r.run.model.name;

@@ -54,12 +54,14 @@ constexpr char kUsage[] =
     "usage: shardserve bench [--address HOST:PORT] [--concurrency N | --request-rate R] [--num-requests M]\n"
     "                        [--input-len I] [--output-len O] [--range-ratio X] [--seed S] [--temperature T]\n"
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
+    "                        [--chat-turns T [--system-prompt-len S]]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                        [--max-model-len L] [--quantization none|int8|int4] [--load-format auto|dummy]\n"
     "                        [--dummy-seed N]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
-    "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B]  [load flags as above]\n"
+    "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B] [--no-prefix-caching]\n"
+    "                        [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
     "  latency. Every request has ignore_eos and max_tokens = its output length; one that fails or\n"
     "  returns fewer tokens counts as failed (each distinct error is shown once, with its count).\n"
@@ -73,6 +75,11 @@ constexpr char kUsage[] =
     "  --output-len       generated tokens (default 128)\n"
     "  --range-ratio      0 (default): fixed lengths; X in (0, 1): each request's input and output\n"
     "                     lengths uniform in [L*(1-X), L*(1+X)]\n"
+    "  --chat-turns       multi-turn chat (closed loop): the requests are conversations of T turns,\n"
+    "                     each stream running one at a time; a turn's prompt is the turn before's\n"
+    "                     prompt and answer and a new message of --input-len tokens, after a system\n"
+    "                     prompt shared by every conversation (--num-requests: a multiple of T)\n"
+    "  --system-prompt-len  the chat's shared system prompt, in tokens (default 0)\n"
     "  --seed             prompts and lengths are a function of it (default 0)\n"
     "  --temperature      sampling temperature (default 0: greedy); sampling seed = seed + request index\n"
     "  --warmup           requests sent one by one before measuring, not counted (default 2)\n"
@@ -80,8 +87,9 @@ constexpr char kUsage[] =
     "  --json             one JSON object instead of the table\n"
     "  --json-out         also write that JSON object to FILE\n"
     "  --compare          comma-separated layouts tpN, ppM or tpNxppM, each optionally with /serial\n"
-    "                     (one micro-batch in flight: coordinator --micro-batches 1), e.g.\n"
-    "                     tp1,tp2,pp2,pp2/serial,tp2xpp2. For each, starts a local cluster of --model\n"
+    "                     (one micro-batch in flight: coordinator --micro-batches 1) and\n"
+    "                     /no-prefix-caching (coordinator --no-prefix-caching), e.g.\n"
+    "                     tp1,tp2,pp2,pp2/serial,tp2xpp2,tp1/no-prefix-caching. For each, starts a local cluster of --model\n"
     "                     (default: the embedded demo model) on a free port, waits until it serves,\n"
     "                     runs the load, reads each worker's peak RSS (VmHWM) and weight bytes, and\n"
     "                     stops it; then prints the layouts side by side (--json: {\"runs\": [...]}).\n"
@@ -89,7 +97,8 @@ constexpr char kUsage[] =
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
-    "  --max-num-seqs ... --block-size  the coordinator's scheduler flags, passed through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
+    "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
+    "                     through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
     "                     --load-format dummy runs weights made from config.json alone (a --model\n"
     "                     directory may then hold only config.json; bench sends token ids)\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
@@ -108,13 +117,15 @@ int Run(const std::vector<std::string>& args) {
   // clang-format off
   std::set<std::string> with_value = {
       "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
-      "temperature", "warmup", "timeout-seconds", "json-out",
+      "temperature", "warmup", "timeout-seconds", "json-out", "chat-turns", "system-prompt-len",
       // --compare (and ClusterFlags::Names())
       "compare", "log-dir"};
   // clang-format on
   with_value.merge(ClusterFlags::Names());
   with_value.merge(ClientFlagNames());
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"json", "help", kInsecureFlag});
+  std::set<std::string> switches = ClusterFlags::Switches();
+  switches.insert({"json", "help", kInsecureFlag});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, switches);
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -169,6 +180,22 @@ int Run(const std::vector<std::string>& args) {
     c.open_loop = true;
     c.request_rate = rate == 0 ? std::numeric_limits<double>::infinity() : rate;
   }
+  if (flags->Has("chat-turns")) {
+    absl::StatusOr<int64_t> turns = flags->GetInt("chat-turns", 1), system = flags->GetInt("system-prompt-len", 0);
+    if (!turns.ok()) return Usage(std::string(turns.status().message()));
+    if (!system.ok()) return Usage(std::string(system.status().message()));
+    if (*turns < 1 || *turns > 1000) return Usage("--chat-turns must be in [1, 1000]");
+    if (*system < 0 || *system > (1 << 24)) return Usage("--system-prompt-len must be in [0, 16777216]");
+    if (c.open_loop) return Usage("--chat-turns runs a closed loop (--concurrency); it excludes --request-rate");
+    if (c.num_requests % *turns != 0) {
+      return Usage(absl::StrCat("--num-requests (", c.num_requests, ") must be a multiple of --chat-turns (", *turns,
+                                "): whole conversations"));
+    }
+    c.chat_turns = *turns;
+    c.system_prompt_len = *system;
+  } else if (flags->Has("system-prompt-len")) {
+    return Usage("--system-prompt-len needs --chat-turns");
+  }
   const bool as_json = flags->Has("json");
   const std::string json_out = flags->Get("json-out");
 
@@ -183,6 +210,9 @@ int Run(const std::vector<std::string>& args) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {
+      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
+    }
+    for (const std::string& f : ClusterFlags::Switches()) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
     }
     std::fprintf(stderr, "bench: %s: %s\n", c.address.c_str(), LoadLine(c).c_str());

@@ -38,7 +38,7 @@ constexpr char kUsage[] =
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
     "                         [--http-port P] [--heal-timeout-seconds S]\n"
-    "                         [--max-worker-restarts N] [--spare-workers N]\n"
+    "                         [--max-worker-restarts N] [--spare-workers N] [--no-prefix-caching]\n"
     "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
@@ -53,7 +53,7 @@ constexpr char kUsage[] =
     "                        bf16 for a bf16 checkpoint on a CPU with bf16 instructions, else f32),\n"
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
     "  --max-num-seqs, --max-waiting-requests, --max-tokens-per-step, --num-kv-blocks, --micro-batches,\n"
-    "  --block-size          the coordinator's scheduler flags, passed through when given\n"
+    "  --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed through when given\n"
     "                        (shardserve-coordinator --help)\n"
     "  --quantization        the coordinator's: int8 stores the workers' linear-layer weights in int8\n"
     "                        (one scale per output channel), int4 in 4 bits (scale + zero point per\n"
@@ -91,7 +91,9 @@ int Run(const std::vector<std::string>& args) {
                      "http-port",
                      "max-worker-restarts", "spare-workers"});
   with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
-  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, {"help", "insecure"});
+  std::set<std::string> switches = ClusterFlags::Switches();
+  switches.insert({"help", "insecure"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, with_value, switches);
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve launch: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -162,13 +164,11 @@ int Run(const std::vector<std::string>& args) {
   options.log_dir = flags->Get("log-dir", absl::StrCat(fs::temp_directory_path().string(), "/shardserve-", getpid()));
   options.metrics_port_base = *metrics_base;
   options.log_format = log_format;
+  options.coordinator_flags = cluster_flags->CoordinatorArgs();
   if (flags->Has("api-keys-file")) {
     options.coordinator_flags.insert(options.coordinator_flags.end(), {"--api-keys-file", flags->Get("api-keys-file")});
   }
   options.spare_workers = *spares;
-  for (const auto& [name, value] : cluster_flags->coordinator_flags) {
-    options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), value});
-  }
   if (*http_port > 0) options.coordinator_flags.insert(options.coordinator_flags.end(), {"--http-port", absl::StrCat(*http_port)});
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.

@@ -77,10 +77,20 @@ int Run(const std::vector<std::string>& args) {
               static_cast<unsigned long long>(cs.epoch()));
   const v1::SchedulerStatus& q = cs.scheduler();
   std::printf("scheduler: %d running (max %d), %d waiting (max %d), KV blocks %lld free of %lld (%lld tokens each), "
-              "%lld preemptions, %d micro-batch(es), %lld tokens per step\n\n",
+              "%lld preemptions, %d micro-batch(es), %lld tokens per step\n",
               q.running(), q.max_running(), q.waiting(), q.max_waiting(), static_cast<long long>(q.kv_blocks_free()),
               static_cast<long long>(q.kv_blocks_total()), static_cast<long long>(q.block_size()),
               static_cast<long long>(q.preemptions()), q.micro_batches(), static_cast<long long>(q.max_tokens_per_step()));
+  if (q.prefix_caching()) {
+    std::printf("prefix cache: %lld free blocks cached, %lld of %lld prompt tokens looked up found (%.1f%%)\n\n",
+                static_cast<long long>(q.kv_blocks_cached()), static_cast<long long>(q.prefix_cache_hit_tokens()),
+                static_cast<long long>(q.prefix_cache_query_tokens()),
+                q.prefix_cache_query_tokens() > 0
+                    ? 100.0 * static_cast<double>(q.prefix_cache_hit_tokens()) / q.prefix_cache_query_tokens()
+                    : 0.0);
+  } else {
+    std::printf("prefix cache: off (--no-prefix-caching)\n\n");
+  }
   if (!cs.plan_text().empty()) std::printf("%s\n", cs.plan_text().c_str());
   std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %-22s %s\n", "worker", "node", "device", "stage", "tp",
               "layers", "state", "address", "metrics", "detail");

@@ -76,7 +76,17 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     SHARDSERVE_RETURN_IF_ERROR(f.Int("dummy-seed", 0, INT64_MAX, &seed));
     c.coordinator_flags.emplace_back("dummy-seed", f.Get("dummy-seed"));
   }
+  c.prefix_caching = !f.Has("no-prefix-caching");
   return c;
+}
+
+std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) const {
+  std::vector<std::string> args;
+  for (const auto& [name, value] : coordinator_flags) {
+    if (name != skip) args.insert(args.end(), {absl::StrCat("--", name), value});
+  }
+  if (!prefix_caching) args.push_back("--no-prefix-caching");
+  return args;
 }
 
 namespace {

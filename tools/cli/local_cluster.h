@@ -162,9 +162,14 @@ struct ClusterFlags {
   // as given, in that order:
   // {"max-num-seqs", "8"}.
   std::vector<std::pair<std::string, std::string>> coordinator_flags;
+  bool prefix_caching = true;  // off: --no-prefix-caching, passed to the coordinator
 
-  // The flags read, for Flags::Parse.
+  // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
+  static std::set<std::string> Switches() { return {"no-prefix-caching"}; }
+  // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
+  // --no-prefix-caching when off. `skip`: a flag name left out (its value set elsewhere).
+  std::vector<std::string> CoordinatorArgs(const std::string& skip = "") const;
   // InvalidArgument naming the flag for a bad value.
   static absl::StatusOr<ClusterFlags> Parse(const Flags& f);
 };
