@@ -108,7 +108,9 @@ class OpenAIApiTest(unittest.TestCase):
         cls.launch = start_launch(
             ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "2",
              "--address", cls.address, "--http-port", str(cls.http_port),
-             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0"],
+             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0",
+             # test_zz_lost_worker_is_503: no restart, so that a lost worker's heal times out.
+             "--max-worker-restarts", "0", "--heal-timeout-seconds", "2"],
             cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
         try:  # tearDownClass does not run when setUpClass fails
             cls.grpc = grpc_client(cls.launch.args[cls.launch.args.index("--log-dir") + 1])
@@ -382,7 +384,9 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertLess(self.metric("shardserve_generated_tokens_total") - generated_before, max_tokens)
 
     def test_zz_lost_worker_is_503(self):
-        # Last (tests run in name order): a worker is killed, so the group stops serving.
+        # Last (tests run in name order): a worker is killed and, with no restart (launch
+        # --max-worker-restarts 0), the group cannot heal: a request waits for the heal
+        # (--heal-timeout-seconds 2), then fails with 503 naming the lost worker's slot.
         workers = subprocess.run(["pgrep", "-P", str(self.launch.pid), "-f", "shardserve-worker"],
                                  capture_output=True, text=True).stdout.split()
         self.assertTrue(workers, "no worker process found")
@@ -392,6 +396,7 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         self.assertEqual(ctx.exception.status_code, 503)
         self.assertEqual(ctx.exception.code, "not_serving")
+        self.assertIn("stage", str(ctx.exception))
 
 
 class NoChatTemplateTest(unittest.TestCase):
