@@ -178,13 +178,7 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     if (hello.spare()) {
       if (phase_ == Phase::kShuttingDown) return absl::UnavailableError("the coordinator is shutting down");
       if (phase_ == Phase::kFailed) return absl::FailedPreconditionError(failed_reason_);
-      index = static_cast<int>(workers_.size());
-      auto w = std::make_unique<Worker>();
-      w->id = absl::StrCat("w", index);
-      w->hello = hello;
-      w->last_heard = absl::Now();
-      w->link = link;
-      workers_.push_back(std::move(w));
+      index = AddWorkerLocked(hello, link);
       spares_.push_back(index);
       CoordinatorLog(workers_[index]->id,
                      absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
@@ -233,13 +227,7 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
           return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
                                                             options_.gpus_per_node, " workers (--gpus-per-node)"));
         }
-        index = static_cast<int>(workers_.size());
-        auto w = std::make_unique<Worker>();
-        w->id = absl::StrCat("w", index);
-        w->hello = hello;
-        w->last_heard = absl::Now();
-        w->link = link;
-        workers_.push_back(std::move(w));
+        index = AddWorkerLocked(hello, link);
         pending_.push_back(index);
         CoordinatorLog(workers_[index]->id,
                        absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
@@ -677,6 +665,17 @@ void WorkerPool::UseSparesLocked() {
   }
 }
 
+int WorkerPool::AddWorkerLocked(const v1::Register& hello, WorkerLink* link) {
+  const int index = static_cast<int>(workers_.size());
+  auto w = std::make_unique<Worker>();
+  w->id = absl::StrCat("w", index);
+  w->hello = hello;
+  w->last_heard = absl::Now();
+  w->link = link;
+  workers_.push_back(std::move(w));
+  return index;
+}
+
 absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {
   std::vector<std::string> open;
   const Slot* slot = nullptr;
@@ -694,15 +693,9 @@ absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& he
   SHARDSERVE_RETURN_IF_ERROR(CheckFitsSlotLocked(hello, *slot));
   const std::string where = absl::StrCat("slot (node ", slot->node, ", stage ", slot->stage, ", tp rank ",
                                          slot->tp_rank, ")");
-  const int index = static_cast<int>(workers_.size());
-  auto w = std::make_unique<Worker>();
-  w->id = absl::StrCat("w", index);
-  w->hello = hello;
-  w->last_heard = absl::Now();
-  w->link = link;
-  w->stage = slot->stage;
-  w->tp_rank = slot->tp_rank;
-  workers_.push_back(std::move(w));
+  const int index = AddWorkerLocked(hello, link);
+  workers_[index]->stage = slot->stage;
+  workers_[index]->tp_rank = slot->tp_rank;
   replacements_[slot->rank] = index;
   if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
   CoordinatorLog(workers_[index]->id,

@@ -251,6 +251,8 @@ class WorkerPool {
   // it was sent, re-forms the group under a new epoch and returns the Assignments (replacements)
   // and Regroups (survivors) to send; otherwise nothing.
   std::vector<std::pair<int, v1::CoordinatorMessage>> TryRegroupLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends a worker for `hello` (id "w<index>", heard from now) and returns its index.
+  int AddWorkerLocked(const v1::Register& hello, WorkerLink* link) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Registers `hello` as the replacement for a lost slot of its node while healing, or says why
   // not (no open slot on that node, another device kind, too little memory for the shard).
   absl::StatusOr<int> RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link)
