@@ -28,11 +28,6 @@ std::string ShapeText(const std::vector<int64_t>& s) {
 
 }  // namespace
 
-int64_t GptqConfig::StoredBytes(int64_t out, int64_t in) const {
-  const int64_t p = values_per_int32(), g = groups(in);
-  return (in / p) * out * 4 + g * (out / p) * 4 + g * out * 2 + in * 4;
-}
-
 bool GptqMapsToInt4(const GptqConfig& c) { return c.bits == 4 && c.group_size == kInt4GroupSize && !c.desc_act; }
 
 absl::StatusOr<GptqConfig> ParseGptqConfig(const std::string& text, const std::string& source) {

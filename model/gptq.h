@@ -54,8 +54,6 @@ struct GptqConfig {
   int values_per_int32() const { return 32 / bits; }
   // Groups of an input of width `in`.
   int64_t groups(int64_t in) const { return group_size > 0 ? (in + group_size - 1) / group_size : 1; }
-  // Bytes of a [out, in] weight as stored: qweight + qzeros + f16 scales + g_idx.
-  int64_t StoredBytes(int64_t out, int64_t in) const;
 };
 
 // Whether every weight of such a checkpoint takes the mapped path (4 bits, group_size 128, no
