@@ -764,6 +764,8 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
     absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), SmallCpuOptions(tp, pp));
     ASSERT_TRUE(p.ok()) << variant << ": " << p.status();
     ASSERT_TRUE(p->fits) << p->reason;
+    EXPECT_THAT(PlanTable(*p), HasSubstr(m->config.gptq->bits == 4 ? "linear layers GPTQ 4-bit as int4 groups of 128"
+                                                                    : "linear layers GPTQ 8-bit dequantized to float32"));
     ASSERT_EQ(p->per_gpu.size(), static_cast<size_t>(tp * pp));
     std::unique_ptr<Backend> backend = MakeCpuBackend();
     for (const GpuPlan& g : p->per_gpu) {
@@ -800,6 +802,7 @@ TEST(PlannerGptq, Qwen72BGptqInt4FitsOnOneA100) {
                          2 * blocks(I, H) + blocks(H, I);
   const int64_t f16 = 2 * ((c->q_dim() + 2 * c->kv_dim()) /*q/k/v biases*/ + 2 * H /*norms*/);
   EXPECT_EQ(p.model_weight_bytes, static_cast<uint64_t>(L * (linear + f16) + 2 * (2 * V * H + H)));
+  EXPECT_THAT(PlanTable(p), HasSubstr("linear layers GPTQ 4-bit as int4 groups of 128"));
   PlanOptions tp2;
   tp2.tp = 2;
   EXPECT_TRUE(MakePlan(*c, nullptr, Cluster("1x2xA100-80GB"), tp2).ok());
