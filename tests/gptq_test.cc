@@ -10,17 +10,22 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/quant.h"
+#include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/gptq.h"
 #include "model/sharding.h"
+#include "model/weight_source.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
 #include "worker/llama.h"
@@ -296,6 +301,104 @@ TEST(GptqShardTest, RefusesALayoutThatCutsAGroup) {
   // 8 bits pack 4 zero points per int32: TP = 4 leaves k/v 16 rows (one replicated head), fine;
   // o_proj 64 / 4 = 16 inputs, not a whole group of 32.
   EXPECT_FALSE(CheckQuantizedShard(*g32, 4, WeightQuant::kNone).ok());
+}
+
+// Known answers, independent of tools/make_gptq_fixtures.py (which shares the loader's reading of
+// the format): AutoGPTQ's packing puts input 8r + j of column c in bits 4j.. of qweight[r][c]
+// (lowest first), output 8w + j's zero in bits 4j.. of qzeros[g][w], and v1 stores zero - 1
+// (AutoGPTQ's symmetric qzeros are 0x77777777: zero 8).
+class FakeGptqTensors : public WeightSource {
+ public:
+  void Add(const std::string& name, std::vector<int64_t> shape, DType dtype, std::vector<uint8_t> bytes) {
+    tensors_[name] = {std::move(shape), dtype, std::move(bytes)};
+  }
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return absl::NotFoundError(name);
+    return it->second.shape == shape ? absl::OkStatus() : absl::InvalidArgumentError(name + ": shape");
+  }
+  // Whole tensors only, in their own dtype (F16 widened to F32).
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType dst_type,
+                    void* dst) const override {
+    SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, shape));
+    const Stored& t = tensors_.at(name);
+    if (slice.begin != 0 || (slice.end != -1 && slice.end != t.shape[slice.dim])) {
+      return absl::UnimplementedError("whole tensors only");
+    }
+    if (t.dtype == DType::kI32 && dst_type == DType::kI32) {
+      std::memcpy(dst, t.bytes.data(), t.bytes.size());
+      return absl::OkStatus();
+    }
+    if (!ConvertOnHost(dst, dst_type, t.bytes.data(), t.dtype, t.bytes.size() / DTypeSize(t.dtype))) {
+      return absl::InvalidArgumentError(name + ": dtype");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Stored {
+    std::vector<int64_t> shape;
+    DType dtype;
+    std::vector<uint8_t> bytes;
+  };
+  std::map<std::string, Stored> tensors_;
+};
+
+template <typename T>
+std::vector<uint8_t> Bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+TEST(GptqKnownAnswers, DequantizedPathUnpacksAsAutoGptq) {
+  // [out 8, in 8], 4 bits, group_size -1, sym, v1: every qweight word 0xFEDCBA98 holds q = 8 + j for
+  // input j, the zero is 7 + 1 = 8 and the scale 1 (f16 0x3C00): w[c][i] = i.
+  FakeGptqTensors src;
+  src.Add("l.qweight", {1, 8}, DType::kI32, Bytes(std::vector<uint32_t>(8, 0xFEDCBA98u)));
+  src.Add("l.qzeros", {1, 1}, DType::kI32, Bytes(std::vector<uint32_t>{0x77777777u}));
+  src.Add("l.scales", {1, 8}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3C00)));
+  src.Add("l.g_idx", {8}, DType::kI32, Bytes(std::vector<int32_t>(8, 0)));
+  GptqConfig c;
+  c.group_size = -1;
+  absl::StatusOr<GptqLinearSlice> w = ReadGptqLinear(src, c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_FALSE(w->mapped);
+  for (int r = 0; r < 8; ++r) {
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(w->dense[r * 8 + i], static_cast<float>(i)) << r << ", " << i;
+  }
+}
+
+TEST(GptqKnownAnswers, MappedPathRepacksAsAutoGptq) {
+  // [out 8, in 128], 4 bits, group_size 128, asym, gptq_v2: qweight words 0x76543210 hold q = i % 8,
+  // qzeros 0x33333333 zero 3 for every output, scales 0.5 (f16 0x3800): w[c][i] = (i % 8 - 3) / 2.
+  FakeGptqTensors src;
+  src.Add("l.qweight", {16, 8}, DType::kI32, Bytes(std::vector<uint32_t>(16 * 8, 0x76543210u)));
+  src.Add("l.qzeros", {1, 1}, DType::kI32, Bytes(std::vector<uint32_t>{0x33333333u}));
+  src.Add("l.scales", {1, 8}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3800)));
+  std::vector<int32_t> g_idx(128, 0);
+  src.Add("l.g_idx", {128}, DType::kI32, Bytes(g_idx));
+  GptqConfig c;
+  c.sym = false;
+  c.v2 = true;
+  absl::StatusOr<GptqLinearSlice> w = ReadGptqLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(w->mapped);
+  ASSERT_EQ(w->blocks.size(), 8u);
+  EXPECT_EQ(w->blocks[0].zero, 3);
+  EXPECT_EQ(w->blocks[0].scale, 0.5f);
+  std::vector<float> dense(8 * 128);
+  DequantizeInt4Groups(dense.data(), w->blocks.data(), 8, 128);
+  for (int r = 0; r < 8; ++r) {
+    for (int i = 0; i < 128; ++i) {
+      EXPECT_EQ(dense[r * 128 + i], static_cast<float>(i % 8 - 3) * 0.5f) << r << ", " << i;
+    }
+  }
+  // The same checkpoint in v1 reads each zero as 3 + 1.
+  c.v2 = false;
+  w = ReadGptqLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->blocks[5].zero, 4);
 }
 
 TEST(GptqConfigTest, ParsesTheFields) {
