@@ -1,7 +1,8 @@
 // config.json text (model/config.h): ParseModelConfig, as LoadModelConfig calls it on the file's
 // contents, then what every parsed config meets in production: ParameterCount (planner,
-// ModelInfo) and RopeInvFreq (the worker's forward pass). Errors must be a Status; a config that
-// parses must keep these free of overflow (UBSan) and their results finite.
+// ModelInfo), RopeInvFreq (the worker's forward pass) and a GPTQ quantization_config's bounds.
+// Errors must be a Status; a config that parses must keep these free of overflow (UBSan) and
+// their results finite.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (config->ParameterCount() <= 0) std::abort();
   if (config->q_dim() <= 0 || config->kv_dim() <= 0 || config->num_attention_heads % config->num_key_value_heads != 0) {
     std::abort();
+  }
+  if (config->gptq.has_value()) {  // quantization_config (model/gptq.h): only what loads parses
+    const shardserve::GptqConfig& q = *config->gptq;
+    if ((q.bits != 4 && q.bits != 8) || q.groups(config->hidden_size) < 1) std::abort();
   }
   for (float f : shardserve::RopeInvFreq(*config)) {
     if (!std::isfinite(f)) std::abort();

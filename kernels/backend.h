@@ -108,6 +108,11 @@ class Backend {
   // it (the CUDA backend, for now).
   virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed,
                                                   WeightQuant quant = WeightQuant::kNone);
+  // A weight [m, k] already in kernels/quant.h's int4 blocks (Int4GroupsLayout{m, k}, host
+  // memory; a published GPTQ checkpoint repacked, model/gptq.h): stored as PackMatMulWeight
+  // stores an int4 weight, for MatMul. The base refuses with Unimplemented (the CUDA backend, for now).
+  virtual absl::StatusOr<Buffer> PackInt4Blocks(const Int4Group128* blocks /*host*/, int64_t m, int64_t k,
+                                                Tensor* packed);
 
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.

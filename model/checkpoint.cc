@@ -279,9 +279,12 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
                                                    "-D; only 1-D and 2-D tensors can be read"));
   }
-  if (t.dtype == DType::kI32 || dst_type == DType::kI32) {
+  // Float weights convert between F32, F16 and BF16; I32 tensors (GPTQ's packed values, zeros and
+  // g_idx, model/gptq.h) are read only as I32.
+  if ((t.dtype == DType::kI32) != (dst_type == DType::kI32)) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has dtype ", DTypeName(t.dtype),
-                                                   "; weights must be F32, F16 or BF16"));
+                                                   dst_type == DType::kI32 ? "; expected I32"
+                                                                           : "; weights must be F32, F16 or BF16"));
   }
   const int64_t rows = t.shape[0];
   const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
@@ -297,16 +300,22 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
   const uint8_t* base = files_.at(t.file)->data + t.offset;
   const size_t es = DTypeSize(t.dtype), ds = DTypeSize(dst_type);
   uint8_t* out = static_cast<uint8_t*>(dst);
+  const auto copy = [&](uint8_t* to, const uint8_t* from, size_t n) {
+    if (dst_type == DType::kI32) {
+      std::memcpy(to, from, n * 4);
+    } else {
+      ConvertOnHost(to, dst_type, from, t.dtype, n);
+    }
+  };
   if (slice.dim == 0) {
     // A row range is one contiguous run of bytes.
     const size_t n = static_cast<size_t>((end - begin) * cols);
-    ConvertOnHost(out, dst_type, base + static_cast<size_t>(begin * cols) * es, t.dtype, n);
+    copy(out, base + static_cast<size_t>(begin * cols) * es, n);
   } else {
     // A column range: one contiguous run per row.
     const size_t n = static_cast<size_t>(end - begin);
     for (int64_t r = 0; r < rows; ++r) {
-      ConvertOnHost(out + static_cast<size_t>(r) * n * ds, dst_type, base + static_cast<size_t>(r * cols + begin) * es,
-                    t.dtype, n);
+      copy(out + static_cast<size_t>(r) * n * ds, base + static_cast<size_t>(r * cols + begin) * es, n);
     }
   }
   return absl::OkStatus();

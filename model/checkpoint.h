@@ -52,7 +52,8 @@ class Checkpoint : public WeightSource {
   // so callers check shapes before they allocate anything sized from config.json.
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
 
-  // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16), reading
+  // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16; an I32
+  // tensor is read only as I32, for GPTQ, model/gptq.h), reading
   // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
   // (slice length x other dimension) elements of dst_type, row-major.

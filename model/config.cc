@@ -156,6 +156,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   if (c.architecture != Architecture::kQwen2) SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
   SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
+  if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
+    SHARDSERVE_ASSIGN_OR_RETURN(c.gptq, ParseGptqConfig(q->dump(), source));
+  }
 
   for (auto [field, value, max, max_text] :
        {std::tuple{"vocab_size", c.vocab_size, kMaxVocabSize, "2^24"},

@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
+#include "model/gptq.h"
 
 namespace shardserve {
 
@@ -46,6 +48,9 @@ struct ModelConfig {
   DType dtype = DType::kF32;    // torch_dtype
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
+  // quantization_config with quant_method "gptq": the linear layers are stored as GPTQ tensors
+  // (model/gptq.h). Absent: plain weights. Any other quant_method is refused at parse time.
+  std::optional<GptqConfig> gptq;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }

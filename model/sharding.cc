@@ -47,7 +47,51 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
   return s;
 }
 
+namespace {
+
+// model/gptq.h's rules for a GPTQ checkpoint split over t ranks.
+absl::Status CheckGptqShard(const ModelConfig& c, int t) {
+  const GptqConfig& q = *c.gptq;
+  const int64_t p = q.values_per_int32();
+  const int64_t kv_rows = t <= c.num_key_value_heads ? c.kv_dim() / t : c.head_dim;
+  const std::pair<const char*, int64_t> column[] = {
+      {"q_proj", c.q_dim() / t}, {"k_proj / v_proj", kv_rows}, {"gate_proj / up_proj", c.intermediate_size / t}};
+  for (const auto& [name, rows] : column) {
+    if (rows % p != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GPTQ ", q.bits, "-bit checkpoint: ", name, "'s ", rows, " outputs per rank at tensor parallel size ", t,
+          " are not a whole number of packed int32s of ", p, " zero points (qzeros)"));
+    }
+  }
+  const std::pair<const char*, int64_t> row[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
+  for (const auto& [name, width] : row) {
+    if (width % t != 0 || (width / t) % p != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("GPTQ ", q.bits, "-bit checkpoint: ", name, "'s input of ", width,
+                                                     " columns split over tensor parallel size ", t, " gives ",
+                                                     width / t, " per rank, not a whole number of packed int32s of ",
+                                                     p, " values (qweight)"));
+    }
+    if (t > 1 && q.group_size > 0 && !q.desc_act && (width / t) % q.group_size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "GPTQ checkpoint: ", name, "'s input of ", width, " columns split over tensor parallel size ", t, " gives ",
+          width / t, " per rank, not a whole number of groups of ", q.group_size,
+          " (quantization_config group_size); use a smaller TP"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant) {
+  if (c.gptq.has_value()) {
+    if (quant != WeightQuant::kNone) {
+      return absl::InvalidArgumentError(absl::StrCat("the checkpoint is already quantized (GPTQ ", c.gptq->bits,
+                                                     " bits); load it with --quantization none, not ",
+                                                     WeightQuantName(quant)));
+    }
+    return CheckGptqShard(c, t);
+  }
   if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
   const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
   for (const auto& [name, width] : cut) {

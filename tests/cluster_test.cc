@@ -557,6 +557,32 @@ TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
   fs::remove_all(dir, ec);
 }
 
+// ---- Published GPTQ checkpoints (model/gptq.h, tests/fixtures/gptq) ------------------------------
+// Real processes in the layouts each variant allows give Hugging Face's greedy tokens (of the
+// dequantized weights) exactly, as ClusterParityTest does for float32 checkpoints (worker
+// --matmul-dtype f32; the fixtures' smallest greedy margin is 2.8e-3, float32 rounding moves logits
+// by ~1e-6): the int4-mapped variant in PP = 2 (TP = 2 would cut its one group of 128, refused);
+// the dequantized ones in TP = 2 (each rank reading only its slice of qweight/qzeros/scales, g_idx
+// reordered by desc_act) and TP = 2 x PP = 2 (8 bits).
+TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
+  struct Case {
+    std::string variant;
+    int pp, tp;
+  };
+  for (const Case& c : {Case{"llama_sym4_g128_v1", 2, 1}, Case{"qwen2_asym4_g32_desc_act_v1", 1, 2},
+                        Case{"qwen2_asym8_g32_v2", 2, 2}}) {
+    const std::string fixture = "../gptq/" + c.variant;
+    const Golden golden = LoadGolden(fixture);
+    ASSERT_EQ(golden.greedy.size(), 32u);
+    Cluster cluster({fixture, /*nodes=*/c.pp, /*gpus_per_node=*/c.tp, {"--matmul-dtype", "f32"}});
+    ASSERT_TRUE(cluster.Start()) << c.variant;
+    const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+    ASSERT_TRUE(r.status.ok()) << c.variant << ": " << r.status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(r.tokens, golden.greedy) << c.variant << " TP=" << c.tp << " PP=" << c.pp;
+    EXPECT_NE(cluster.Logs().find("GPTQ"), std::string::npos) << "the worker log names the GPTQ path";
+  }
+}
+
 // ---- Dummy weights: a directory holding only config.json -------------------------------------------
 // --load-format dummy on the coordinator reaches every worker, each making only its own slice of
 // weights that are a function of (seed, tensor, element) alone: a TP=2 x PP=2 cluster gives the

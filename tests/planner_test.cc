@@ -751,6 +751,63 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   }
 }
 
+// Published GPTQ checkpoints (model/gptq.h, tests/fixtures/gptq): the plan counts each shard's
+// linear weights as the worker holds them (int4 blocks for 4 bits in groups of 128, float32 where
+// they are dequantized at load), which the worker's own byte count confirms shard by shard; the
+// checkpoint's GPTQ tensors are checked against config.json instead of `.weight` tensors.
+TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
+  const fs::path gptq = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/gptq";
+  for (auto [variant, tp, pp] : {std::tuple{"llama_sym4_g128_v1", 1, 2}, {"qwen2_asym8_g32_v2", 2, 1}}) {
+    absl::StatusOr<PlannerModel> m = OpenPlannerModel(gptq / variant);
+    ASSERT_TRUE(m.ok()) << variant << ": " << m.status();
+    ASSERT_TRUE(m->config.gptq.has_value());
+    absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), SmallCpuOptions(tp, pp));
+    ASSERT_TRUE(p.ok()) << variant << ": " << p.status();
+    ASSERT_TRUE(p->fits) << p->reason;
+    EXPECT_THAT(PlanTable(*p), HasSubstr(m->config.gptq->bits == 4 ? "linear layers GPTQ 4-bit as int4 groups of 128"
+                                                                    : "linear layers GPTQ 8-bit dequantized to float32"));
+    ASSERT_EQ(p->per_gpu.size(), static_cast<size_t>(tp * pp));
+    std::unique_ptr<Backend> backend = MakeCpuBackend();
+    for (const GpuPlan& g : p->per_gpu) {
+      const StagePlan& s = p->stages[g.stage];
+      LoadOnlyCommunicator comm(g.tp_rank, p->tp);
+      const ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p->tp};
+      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+          LlamaShard::Load(*m->checkpoint, m->config, spec, p->limits, backend.get(), &comm);
+      ASSERT_TRUE(shard.ok()) << variant << " stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
+      EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << variant << " stage " << g.stage << " rank " << g.tp_rank;
+    }
+  }
+}
+
+// Qwen2.5-72B-Instruct as Qwen publish it quantized (intermediate_size padded to 29696 = 232 groups
+// of 128, so TP = 2 cuts none) with a GPTQ 4-bit group-128 quantization_config: one A100-80GB holds
+// it, counted as int4 blocks, and TP = 2 is allowed. (The config is the published bf16 one with those
+// two changes, not a copy of the GPTQ repository's file.)
+TEST(PlannerGptq, Qwen72BGptqInt4FitsOnOneA100) {
+  std::ifstream in(kConfigs / "qwen2.5-72b-instruct.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  j["intermediate_size"] = 29696;
+  j["torch_dtype"] = "float16";
+  j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}, {"sym", true},
+                              {"desc_act", false}};
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(j.dump(), "qwen2.5-72b-gptq-int4 config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const Plan p = MustPlan(*c, Cluster("1x1xA100-80GB"), PlanOptions{});
+  ASSERT_TRUE(p.fits) << p.reason;
+  EXPECT_EQ(p.tp * p.pp, 1);
+  const int64_t H = c->hidden_size, I = c->intermediate_size, V = c->vocab_size, L = c->num_hidden_layers;
+  const auto blocks = [](int64_t rows, int64_t cols) { return rows * ((cols + 127) / 128) * 72; };
+  const int64_t linear = blocks(c->q_dim(), H) + 2 * blocks(c->kv_dim(), H) + blocks(H, c->q_dim()) +
+                         2 * blocks(I, H) + blocks(H, I);
+  const int64_t f16 = 2 * ((c->q_dim() + 2 * c->kv_dim()) /*q/k/v biases*/ + 2 * H /*norms*/);
+  EXPECT_EQ(p.model_weight_bytes, static_cast<uint64_t>(L * (linear + f16) + 2 * (2 * V * H + H)));
+  EXPECT_THAT(PlanTable(p), HasSubstr("linear layers GPTQ 4-bit as int4 groups of 128"));
+  PlanOptions tp2;
+  tp2.tp = 2;
+  EXPECT_TRUE(MakePlan(*c, nullptr, Cluster("1x2xA100-80GB"), tp2).ok());
+}
+
 std::vector<FixtureCase> FixtureCases() {
   std::vector<FixtureCase> cases;
   for (const std::string& model : ModelFixtures()) {

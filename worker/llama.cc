@@ -6,11 +6,22 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
+#include "model/gptq.h"
 
 namespace shardserve {
+
+namespace {
+
+// A decoder layer's linear weight: what GPTQ checkpoints store quantized.
+bool IsGptqLinear(const std::string& name) {
+  return absl::StartsWith(name, "model.layers.") && absl::EndsWith(name, "_proj.weight");
+}
+
+}  // namespace
 
 absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t> dims) {
   Tensor view(nullptr, t, dims);
@@ -52,9 +63,45 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const st
   return t;
 }
 
+absl::StatusOr<Tensor> LlamaShard::LoadGptqWeight(const WeightSource& ckpt, const std::string& name,
+                                                  const std::vector<int64_t>& full_shape, const Slice& slice) {
+  const std::string prefix = name.substr(0, name.size() - std::string(".weight").size());
+  SHARDSERVE_ASSIGN_OR_RETURN(GptqLinearSlice w,
+                              ReadGptqLinear(ckpt, *config_.gptq, prefix, full_shape[0], full_shape[1], slice));
+  Tensor packed;
+  if (w.mapped) {  // the int4 kernel's own blocks, bit for bit
+    absl::StatusOr<Buffer> buffer = backend_->PackInt4Blocks(w.blocks.data(), w.m, w.k, &packed);
+    if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(prefix, ": ", buffer.status().message()));
+    weight_bytes_ += Int4GroupsLayout{w.m, w.k}.bytes();
+    buffers_.push_back(std::move(*buffer));
+    ++gptq_mapped_;
+    return packed;
+  }
+  // Dequantized to float32 at load (exact): a plain weight from here on.
+  Tensor plain;
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, Alloc(backend_->act_dtype(), {w.m, w.k}));
+  std::vector<uint8_t> staging(plain.bytes());
+  if (!ConvertOnHost(staging.data(), plain.dtype, w.dense.data(), DType::kF32, w.dense.size())) {
+    return absl::InternalError(absl::StrCat(prefix, ": cannot convert to ", DTypeName(plain.dtype)));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging.data(), staging.size()));
+  weight_bytes_ += plain.bytes();
+  ++gptq_dequantized_;
+  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, WeightQuant::kNone);
+  if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
+  if (buffer->data() != nullptr) {
+    weight_bytes_ = weight_bytes_ - plain.bytes() + packed.bytes();
+    buffers_.back() = std::move(*buffer);
+  }
+  return packed;
+}
+
 absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                                     std::vector<int64_t> full_shape, const Slice& slice,
                                                     WeightQuant quant) {
+  // A GPTQ checkpoint stores the decoder layers' linear weights as GPTQ tensors (model/gptq.h);
+  // its embeddings and LM head are plain.
+  if (config_.gptq.has_value() && IsGptqLinear(name)) return LoadGptqWeight(ckpt, name, full_shape, slice);
   Tensor plain, packed;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
@@ -65,6 +112,19 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
     buffers_.back() = std::move(*buffer);
   }
   return packed;
+}
+
+std::string LlamaShard::QuantizationSummary() const {
+  if (!config_.gptq.has_value()) return WeightQuantName(spec_.weight_quant);
+  const GptqConfig& q = *config_.gptq;
+  std::string out = absl::StrCat("GPTQ ", q.bits, "-bit, group_size ", q.group_size, q.sym ? ", sym" : ", asym",
+                                 q.desc_act ? ", desc_act" : "", q.v2 ? ", gptq_v2" : ", gptq v1", ": ",
+                                 gptq_mapped_, " linear weights as int4 groups of 128");
+  if (gptq_dequantized_ > 0) {
+    absl::StrAppend(&out, ", ", gptq_dequantized_,
+                    " dequantized to float32 at load (this path saves no memory yet)");
+  }
+  return out;
 }
 
 namespace {
@@ -136,7 +196,12 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----
   for (const auto& [name, shape] : ShardTensors(config, m->first_layer_, m->end_layer_, m->is_first_stage(),
                                                 m->is_last_stage())) {
-    SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
+    if (config.gptq.has_value() && IsGptqLinear(name)) {
+      SHARDSERVE_RETURN_IF_ERROR(
+          CheckGptqLinear(ckpt, *config.gptq, name.substr(0, name.size() - 7), shape[0], shape[1]));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
+    }
   }
 
   // ---- Weights: this rank's slice of this stage's tensors ----

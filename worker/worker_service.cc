@@ -208,8 +208,9 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   l->set_load_seconds(seconds);
   l->set_epoch(a.epoch());
   SetServing(true);
-  WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights, %d KV blocks, %s", seconds,
-                                   static_cast<double>(executor_->weight_bytes()) / (1 << 20), executor_->kv_blocks(),
+  WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights (linear layers: %s), %d KV blocks, %s",
+                                   seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
+                                   executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
   Write(stream, loaded);
 }

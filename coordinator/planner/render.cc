@@ -41,7 +41,8 @@ std::string PlanTable(const Plan& p) {
   std::string out;
   const std::string checkpoint_dtype =
       p.checkpoint_dtype == p.dtype ? "" : absl::StrCat("; the checkpoint is ", PlanDTypeName(p.checkpoint_dtype));
-  const std::string quant = p.options.weight_quant == WeightQuant::kNone
+  const std::string quant = !p.gptq.empty() ? absl::StrCat(", linear layers ", p.gptq)
+                            : p.options.weight_quant == WeightQuant::kNone
                                 ? ""
                                 : absl::StrCat(", linear layers ", WeightQuantName(p.options.weight_quant));
   absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s%s (weights from %s%s)\n",

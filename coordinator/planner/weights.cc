@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "model/gptq.h"
 
 namespace shardserve {
 namespace {
@@ -43,10 +44,25 @@ std::vector<WeightTensor> ExpectedWeights(const ModelConfig& c) {
   return w;
 }
 
+namespace {
+
+// The decoder layers' linear weights (q/k/v/o, gate/up/down): what a GPTQ checkpoint quantizes.
+bool IsGptqLinearWeight(const WeightTensor& t) {
+  return t.part == WeightPart::kLayer && t.shape.size() == 2;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint) {
   std::vector<WeightTensor> weights = ExpectedWeights(config);
   const std::string where = checkpoint.dir().string();
   for (WeightTensor& w : weights) {
+    if (config.gptq.has_value() && IsGptqLinearWeight(w)) {  // stored as GPTQ tensors (model/gptq.h)
+      absl::Status s = CheckGptqLinear(checkpoint, *config.gptq, w.name.substr(0, w.name.size() - 7), w.shape[0],
+                                       w.shape[1]);
+      if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": ", s.message()));
+      continue;
+    }
     auto it = checkpoint.tensors().find(w.name);
     if (it == checkpoint.tensors().end()) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", w.name,
@@ -108,6 +124,16 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
       bytes = static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
+    }
+    if (config.gptq.has_value() && IsGptqLinearWeight(t)) {
+      // A GPTQ checkpoint's linear weight, as the worker holds it (model/gptq.h): the int4 kernel's
+      // blocks (packed values, scales and zero points) where the format maps onto them, else
+      // dequantized to float32 (that path saves no memory yet).
+      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
+      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
+      bytes = GptqMapsToInt4(*config.gptq)
+                  ? static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes())
+                  : static_cast<uint64_t>(elements) * sizeof(float);
     }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;

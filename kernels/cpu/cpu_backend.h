@@ -184,6 +184,7 @@ class CpuBackend final : public Backend {
     std::free(data);
   }
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
+  absl::StatusOr<Buffer> PackInt4Blocks(const Int4Group128* blocks, int64_t m, int64_t k, Tensor* packed) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy("CopyToDevice", dst, host_src, bytes);
   }

@@ -186,6 +186,18 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
 }
 
+absl::StatusOr<Buffer> CpuBackend::PackInt4Blocks(const Int4Group128* blocks, int64_t m, int64_t k, Tensor* packed) {
+  if (m <= 0 || k <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("PackInt4Blocks: an empty [", m, ", ", k, "] weight"));
+  }
+  const Int4GroupsLayout layout{m, k};
+  SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
+  std::memcpy(buffer.data(), blocks, static_cast<size_t>(layout.bytes()));
+  packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
+  *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+  return buffer;
+}
+
 absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {
   const ArgCheck check("PackMatMulWeight", {{"w", &w, kF32, 2}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
