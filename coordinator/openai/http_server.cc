@@ -314,17 +314,6 @@ absl::Status HttpServer::Authorize(const httplib::Request& req) {
 }
 
 void HttpServer::Routes() {
-  // Every request: its access checked first (health stays open for probes).
-  http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
-    if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
-    if (absl::Status s = Authorize(req); !s.ok()) {
-      // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
-      SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
-      res.set_header("WWW-Authenticate", "Bearer");
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
   // httplib's own answers (no route, a body too large, a request it cannot parse) in OpenAI's shape.
   const int64_t max_body = options_.max_body_bytes;
   http_->set_error_handler(httplib::Server::HandlerWithResponse(
@@ -354,7 +343,21 @@ void HttpServer::Routes() {
     if (absl::Status s = pool_->CheckServing(); !s.ok()) return SetError(res, s);
     res.set_content(R"({"status":"ok"})", kJson);
   });
-  http_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  // Every route but /health (open for probes): the key checked first. In the handler, after
+  // httplib has read the body: a refusal from a pre-routing handler would leave a POST's body
+  // unread on a kept-alive connection, to be parsed as the next request.
+  auto guarded = [this](httplib::Server::Handler handler) {
+    return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+      if (absl::Status s = Authorize(req); !s.ok()) {
+        // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
+        SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
+        res.set_header("WWW-Authenticate", "Bearer");
+        return;
+      }
+      handler(req, res);
+    };
+  };
+  http_->Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
     const Json body = {{"object", "list"},
                        {"data", Json::array({{{"id", model_->name},
                                               {"object", "model"},
@@ -362,11 +365,11 @@ void HttpServer::Routes() {
                                               {"owned_by", "shardserve"},
                                               {"max_model_len", pool_->max_model_len()}}})}};
     res.set_content(body.dump(), kJson);
-  });
+  }));
   http_->Post("/v1/chat/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); });
+              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); }));
   http_->Post("/v1/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); });
+              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); }));
 }
 
 void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Response& res) {
