@@ -3,6 +3,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <vector>
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 
 namespace shardserve {
@@ -166,10 +168,14 @@ bool PeerHasVerifiedCertificate(const grpc::ServerContext& context) {
   return !auth->FindPropertyValues("x509_pem_cert").empty() && auth->IsPeerAuthenticated();
 }
 
+bool IsLoopbackHost(const std::string& host) {
+  std::string h = host;
+  if (absl::StartsWith(h, "[") && absl::EndsWith(h, "]")) h = h.substr(1, h.size() - 2);
+  return h == "localhost" || h == "::1" || absl::StartsWith(h, "127.");
+}
+
 bool IsLoopbackAddress(const std::string& host_port) {
-  std::string host = host_port.substr(0, host_port.rfind(':'));
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) host = host.substr(1, host.size() - 2);
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+  return IsLoopbackHost(host_port.substr(0, host_port.rfind(':')));
 }
 
 absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool insecure) {
@@ -177,6 +183,17 @@ absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool inse
   return absl::FailedPreconditionError(
       absl::StrCat("--listen ", listen, " is reachable beyond this machine: give --tls-cert and --tls-key (and "
                    "--tls-ca for mutual TLS), or --insecure to serve it in plaintext"));
+}
+
+absl::Status CheckHttpListen(const std::string& host, bool tls, bool api_keys, bool insecure) {
+  if (insecure || IsLoopbackHost(host) || (tls && api_keys)) return absl::OkStatus();
+  std::vector<std::string> missing;
+  if (!tls) missing.push_back("--tls-cert and --tls-key (HTTPS)");
+  if (!api_keys) missing.push_back("--api-keys-file");
+  return absl::FailedPreconditionError(
+      absl::StrCat("--http-host ", host.empty() ? "(every interface)" : host,
+                   " is reachable beyond this machine: the OpenAI HTTP API there needs ", absl::StrJoin(missing, " and "),
+                   ", or --insecure to serve it as it is (--http-host 127.0.0.1 keeps it on this machine)"));
 }
 
 }  // namespace shardserve

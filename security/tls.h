@@ -91,6 +91,15 @@ bool IsLoopbackAddress(const std::string& host_port);
 // FailedPrecondition naming the flags otherwise.
 absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool insecure);
 
+// A host alone (no port): "127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]": true; "0.0.0.0",
+// "::", "10.0.0.5", "" (every interface), a name: false.
+bool IsLoopbackHost(const std::string& host);
+
+// The OpenAI HTTP API (--http-host) beyond loopback needs both TLS (`tls`: it serves HTTPS) and API
+// keys (`api_keys`), or --insecure: FailedPrecondition naming the flags otherwise. Loopback is
+// always allowed, in plain HTTP and without keys.
+absl::Status CheckHttpListen(const std::string& host, bool tls, bool api_keys, bool insecure);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_SECURITY_TLS_H_

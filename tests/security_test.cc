@@ -149,5 +149,36 @@ TEST(TlsAddressTest, LoopbackAddresses) {
   EXPECT_EQ(CheckPlaintextListen("0.0.0.0:1", false, false).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(TlsAddressTest, LoopbackHosts) {
+  for (const char* host : {"127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"}) {
+    EXPECT_TRUE(IsLoopbackHost(host)) << host;
+  }
+  for (const char* host : {"0.0.0.0", "::", "[::]", "", "10.0.0.5", "coordinator.svc", "128.0.0.1"}) {
+    EXPECT_FALSE(IsLoopbackHost(host)) << host;
+  }
+}
+
+TEST(TlsAddressTest, HttpBeyondLoopbackNeedsTlsAndKeysOrInsecure) {
+  // Loopback: plain HTTP without keys is fine.
+  EXPECT_TRUE(CheckHttpListen("127.0.0.1", false, false, false).ok());
+  EXPECT_TRUE(CheckHttpListen("::1", false, false, false).ok());
+  // Beyond: both, or --insecure.
+  EXPECT_TRUE(CheckHttpListen("0.0.0.0", /*tls=*/true, /*api_keys=*/true, false).ok());
+  EXPECT_TRUE(CheckHttpListen("0.0.0.0", false, false, /*insecure=*/true).ok());
+  const absl::Status neither = CheckHttpListen("0.0.0.0", false, false, false);
+  EXPECT_EQ(neither.code(), absl::StatusCode::kFailedPrecondition);
+  for (const char* flag : {"--http-host 0.0.0.0", "--tls-cert", "--api-keys-file", "--insecure"}) {
+    EXPECT_NE(std::string(neither.message()).find(flag), std::string::npos) << neither.message();
+  }
+  const absl::Status no_keys = CheckHttpListen("10.0.0.5", /*tls=*/true, false, false);
+  EXPECT_EQ(no_keys.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(no_keys.message()).find("--api-keys-file"), std::string::npos) << no_keys.message();
+  EXPECT_EQ(std::string(no_keys.message()).find("--tls-cert"), std::string::npos);
+  const absl::Status no_tls = CheckHttpListen("10.0.0.5", false, /*api_keys=*/true, false);
+  EXPECT_EQ(no_tls.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(no_tls.message()).find("--tls-cert"), std::string::npos) << no_tls.message();
+  EXPECT_EQ(std::string(no_tls.message()).find("--api-keys-file"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace shardserve

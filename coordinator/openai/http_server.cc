@@ -48,11 +48,11 @@ std::string RandomHex() {
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
 }
 
-// The place to make an httplib::SSLServer instead, when TLS comes.
-std::unique_ptr<httplib::Server> MakeServer() { return std::make_unique<httplib::Server>(); }
-
-// The place to check an API key, when keys come. Health stays open for probes.
-absl::Status Authorize(const httplib::Request&) { return absl::OkStatus(); }
+// HTTPS when a certificate is given (clients are not asked for theirs), else plain HTTP.
+std::unique_ptr<httplib::Server> MakeServer(const HttpServerOptions& options) {
+  if (options.tls_cert.empty()) return std::make_unique<httplib::Server>();
+  return std::make_unique<httplib::SSLServer>(options.tls_cert.c_str(), options.tls_key.c_str());
+}
 
 // One choice of a request: its engine submission and what it has produced.
 struct Choice {
@@ -261,14 +261,21 @@ std::string Event(const Json& data) {
 HttpServer::HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
                        const HttpServerOptions& options)
     : model_(model), pool_(pool), engine_(engine), metrics_(metrics), options_(options),
-      created_(absl::ToUnixSeconds(absl::Now())), http_(MakeServer()) {}
+      created_(absl::ToUnixSeconds(absl::Now())), http_(MakeServer(options)) {}
 
 HttpServer::~HttpServer() { Stop(); }
 
 absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel* model, WorkerPool* pool,
                                                               Engine* engine, CoordinatorMetrics* metrics,
                                                               const HttpServerOptions& options) {
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("the HTTP API's TLS needs both a certificate and a key");
+  }
   std::unique_ptr<HttpServer> s(new HttpServer(model, pool, engine, metrics, options));
+  if (!s->http_->is_valid()) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot serve HTTPS with the certificate ", options.tls_cert,
+                                                   " and the key ", options.tls_key, " (OpenSSL refused them)"));
+  }
   const int threads = std::max(1, options.threads);
   s->http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
@@ -293,16 +300,20 @@ void HttpServer::Stop() {
   listener_.join();
 }
 
+absl::Status HttpServer::Authorize(const httplib::Request& req) {
+  if (options_.api_keys == nullptr) return absl::OkStatus();
+  std::optional<absl::string_view> header;
+  if (auto it = req.headers.find("Authorization"); it != req.headers.end()) header = it->second;  // case-insensitive
+  const ApiKeys::Verdict verdict = options_.api_keys->Check(header);
+  if (verdict == ApiKeys::Verdict::kOk) return absl::OkStatus();
+  if (metrics_ != nullptr) metrics_->AuthFailure(verdict == ApiKeys::Verdict::kMissing ? "missing_key" : "invalid_key");
+  return absl::UnauthenticatedError(verdict == ApiKeys::Verdict::kMissing
+                                        ? "this server needs an API key: send the header 'Authorization: Bearer <key>' "
+                                          "(the openai client's api_key, or OPENAI_API_KEY)"
+                                        : "the API key is not valid");
+}
+
 void HttpServer::Routes() {
-  // Every request: its access checked first (health stays open).
-  http_->set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
-    if (req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
-    if (absl::Status s = Authorize(req); !s.ok()) {
-      SetError(res, ApiError{401, "authentication_error", std::string(s.message()), "", "invalid_api_key"});
-      return httplib::Server::HandlerResponse::Handled;
-    }
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
   // httplib's own answers (no route, a body too large, a request it cannot parse) in OpenAI's shape.
   const int64_t max_body = options_.max_body_bytes;
   http_->set_error_handler(httplib::Server::HandlerWithResponse(
@@ -332,7 +343,21 @@ void HttpServer::Routes() {
     if (absl::Status s = pool_->CheckServing(); !s.ok()) return SetError(res, s);
     res.set_content(R"({"status":"ok"})", kJson);
   });
-  http_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  // Every route but /health (open for probes): the key checked first. In the handler, after
+  // httplib has read the body: a refusal from a pre-routing handler would leave a POST's body
+  // unread on a kept-alive connection, to be parsed as the next request.
+  auto guarded = [this](httplib::Server::Handler handler) {
+    return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+      if (absl::Status s = Authorize(req); !s.ok()) {
+        // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
+        SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
+        res.set_header("WWW-Authenticate", "Bearer");
+        return;
+      }
+      handler(req, res);
+    };
+  };
+  http_->Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
     const Json body = {{"object", "list"},
                        {"data", Json::array({{{"id", model_->name},
                                               {"object", "model"},
@@ -340,11 +365,11 @@ void HttpServer::Routes() {
                                               {"owned_by", "shardserve"},
                                               {"max_model_len", pool_->max_model_len()}}})}};
     res.set_content(body.dump(), kJson);
-  });
+  }));
   http_->Post("/v1/chat/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); });
+              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); }));
   http_->Post("/v1/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); });
+              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); }));
 }
 
 void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Response& res) {

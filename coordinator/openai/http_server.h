@@ -16,12 +16,16 @@
 // cancelled in the engine (their KV blocks freed at the next step). A non-streaming request runs
 // to its end.
 //
-// TLS and API keys: every connection goes through MakeServer (where an httplib::SSLServer would be
-// made instead) and every request through Authorize (where a key would be checked); both are the
-// only places to change.
+// TLS and API keys (docs/security.md): with options.tls_cert/tls_key it serves HTTPS
+// (httplib::SSLServer, OpenSSL) with that certificate; clients are not asked for one (they
+// authenticate by key). cpp-httplib 0.11 reads the files once, at start: a restart picks up a new
+// certificate. With options.api_keys, every /v1/ route (not GET /health) must carry
+// `Authorization: Bearer <key>` (what the openai client sends as api_key); without one, or with an
+// unknown one, it is answered 401 in OpenAI's shape (code invalid_api_key) and counted in
+// shardserve_auth_failures_total{reason="missing_key"|"invalid_key"}. Keys are never logged.
 //
-// Ownership: borrows the model, the pool, the engine and the metrics (may be null), which must
-// outlive it. Owns the listening thread and httplib's worker threads, joined by Stop() or the
+// Ownership: borrows the model, the pool, the engine, the metrics (may be null) and the API keys
+// (may be null: no keys asked), which must outlive it. Owns the listening thread and httplib's worker threads, joined by Stop() or the
 // destructor; shut the engine down first (Engine::Shutdown ends the streams that handlers wait on,
 // so that Stop() returns at once).
 // Threading: handlers run on httplib's threads, concurrently; Stop() from any one thread.
@@ -39,6 +43,7 @@
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
 #include "coordinator/server/worker_pool.h"
+#include "security/api_keys.h"
 
 namespace httplib {
 class Server;
@@ -54,11 +59,18 @@ struct HttpServerOptions {
   int64_t max_body_bytes = int64_t{8} << 20;  // larger bodies: 413
   // Connections served at once; each streaming or waiting request holds one.
   int threads = 128;
+  // HTTPS with this certificate (PEM, a chain, leaf first) and key; both empty: plain HTTP. The
+  // caller checks the files first (CheckTlsFiles).
+  std::string tls_cert;
+  std::string tls_key;
+  // Borrowed; null: no key asked.
+  ApiKeys* api_keys = nullptr;
 };
 
 class HttpServer {
  public:
-  // Binds host:port and starts serving. FailedPrecondition naming the address when it cannot bind.
+  // Binds host:port and starts serving. FailedPrecondition naming the address when it cannot bind,
+  // InvalidArgument naming the files when OpenSSL cannot use the certificate or key.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const ServedModel* model, WorkerPool* pool, Engine* engine,
                                                            CoordinatorMetrics* metrics,
                                                            const HttpServerOptions& options);
@@ -67,6 +79,7 @@ class HttpServer {
   HttpServer& operator=(const HttpServer&) = delete;
 
   int port() const { return port_; }
+  bool https() const { return !options_.tls_cert.empty(); }
   // Stops accepting, waits for the handlers running, joins the threads. Idempotent.
   void Stop();
 
@@ -74,6 +87,8 @@ class HttpServer {
   HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
              const HttpServerOptions& options);
   void Routes();
+  // OK, or UNAUTHENTICATED saying what to send (counted in the metrics).
+  absl::Status Authorize(const httplib::Request& req);
   void Generate(bool chat, const httplib::Request& req, httplib::Response& res);
 
   // ---- Constant after construction ----

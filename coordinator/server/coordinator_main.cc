@@ -47,6 +47,7 @@ constexpr char kUsage[] =
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
+    "                              [--http-plaintext]\n"
     "                              [--no-prefix-caching]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
@@ -92,10 +93,17 @@ constexpr char kUsage[] =
     "                                certificate from this CA; clients of the client API need none\n"
     "  --api-keys-file               clients must send one of these keys (one per line) as\n"
     "                                'authorization: Bearer <key>'; re-read when the file changes\n"
-    "  --insecure                    allow plaintext on a --listen address beyond loopback\n"
+    "  --insecure                    allow plaintext on a --listen address beyond loopback, and the\n"
+    "                                HTTP API beyond loopback without HTTPS and API keys\n"
     "  --http-port                   serve the OpenAI-compatible HTTP API (/v1/chat/completions,\n"
-    "                                /v1/completions, /v1/models, /health) on this port (default 0: off)\n"
-    "  --http-host                   the HTTP API's address (default 127.0.0.1; 0.0.0.0: every interface)\n"
+    "                                /v1/completions, /v1/models, /health) on this port (default 0: off);\n"
+    "                                HTTPS with --tls-cert/--tls-key (no client certificate asked), and\n"
+    "                                'Authorization: Bearer <key>' required with --api-keys-file\n"
+    "                                (/health stays open)\n"
+    "  --http-host                   the HTTP API's address (default 127.0.0.1; 0.0.0.0: every interface,\n"
+    "                                which needs HTTPS and --api-keys-file, or --insecure)\n"
+    "  --http-plaintext              serve the HTTP API in plain HTTP even with --tls-cert (what launch\n"
+    "                                does with its throw-away certificates; loopback only unless --insecure)\n"
     "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
     "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
     "                                kept after their request (evicted least recently used) and a\n"
@@ -122,7 +130,7 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes"},
-                   {"help", "insecure", "no-prefix-caching"});
+                   {"help", "insecure", "no-prefix-caching", "http-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -191,6 +199,19 @@ int Main(int argc, char** argv) {
     if (!keys.ok()) return Fail(std::string(keys.status().message()));
     api_keys = *std::move(keys);
   }
+  // The HTTP API: HTTPS with the gRPC port's certificate (unless --http-plaintext), and the same keys.
+  const bool http_tls = tls->has_identity() && !flags->Has("http-plaintext");
+  if (http_port > 0) {
+    if (absl::Status s = CheckHttpListen(http_options.host, http_tls, api_keys != nullptr, flags->Has("insecure"));
+        !s.ok()) {
+      return Usage(std::string(s.message()));
+    }
+    if (http_tls) {
+      http_options.tls_cert = tls->cert;
+      http_options.tls_key = tls->key;
+    }
+    http_options.api_keys = api_keys.get();
+  }
 
   // SIGTERM and SIGINT are taken by sigwait below only: block them before any thread starts.
   sigset_t signals;
@@ -256,7 +277,10 @@ int Main(int argc, char** argv) {
         openai::HttpServer::Start(model->get(), pool->get(), &engine, &metrics, http_options);
     if (!started.ok()) return Fail(std::string(started.status().message()));
     http = *std::move(started);
-    CoordinatorLog("server", absl::StrCat("OpenAI API on http://", http_options.host, ":", http->port(), "/v1",
+    const bool v6 = http_options.host.find(':') != std::string::npos && http_options.host.front() != '[';
+    CoordinatorLog("server", absl::StrCat("OpenAI API on ", http->https() ? "https://" : "http://",
+                                          v6 ? absl::StrCat("[", http_options.host, "]") : http_options.host, ":",
+                                          http->port(), "/v1", api_keys != nullptr ? " (API keys required)" : "",
                                           (*model)->chat_template ? "" : "; the model has no chat template"));
   }
   if (!port_file.empty()) {

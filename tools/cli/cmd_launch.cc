@@ -78,9 +78,9 @@ constexpr char kUsage[] =
     "  (generate, status, bench) read it and connect with TLS without flags. Both are removed on exit.\n"
     "  --tls-cert, --tls-key, --tls-ca  your own certificate (for the coordinator and the workers) and CA\n"
     "  --insecure            plaintext everywhere (no certificates)\n"
-    "  --api-keys-file       the coordinator's: clients must send one of these keys\n\n"
+    "  --api-keys-file       the coordinator's: clients must send one of these keys (gRPC and HTTP)\n\n"
     "  --http-port           the coordinator's OpenAI-compatible HTTP API on 127.0.0.1:P (default 8000;\n"
-    "                        0: off); README.md \"HTTP API\"\n";
+    "                        0: off): plain HTTP, or HTTPS with your own --tls-cert; README.md \"HTTP API\"\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
@@ -207,6 +207,10 @@ int Run(const std::vector<std::string>& args) {
     options.worker_flags.insert(options.worker_flags.end(), tls_flags.begin(), tls_flags.end());
     options.client_tls = local_file.tls;
   }
+  // The HTTP API on 127.0.0.1: HTTPS with your own certificate; plain HTTP beside the throw-away
+  // ones (curl and the openai client work without a CA to trust).
+  const bool http_tls = given_tls->has_identity();
+  if (*http_port > 0 && !cert_dir.empty()) options.coordinator_flags.push_back("--http-plaintext");
   // Whatever happens below, the certificates and the cluster file go with this process.
   struct Cleanup {
     std::string cert_dir;
@@ -245,7 +249,8 @@ int Run(const std::vector<std::string>& args) {
                 LocalClusterFilePath().c_str());
   }
   if (*http_port > 0) {
-    std::printf("shardserve launch: OpenAI API on http://127.0.0.1:%lld/v1\n", static_cast<long long>(*http_port));
+    std::printf("shardserve launch: OpenAI API on %s://127.0.0.1:%lld/v1%s\n", http_tls ? "https" : "http",
+                static_cast<long long>(*http_port), flags->Has("api-keys-file") ? " (API keys required)" : "");
   }
   if (*metrics_base == 0) {
     std::printf("shardserve launch: Prometheus metrics on free ports (each process logs its own)\n");
