@@ -49,6 +49,10 @@ INSTANTIATE_TEST_SUITE_P(
     EveryField, BadRequestTest,
     testing::Values(
         BadCase{"NotJson", kCompl, "{\"model\": ", "", "not valid JSON"},
+        // A number nlohmann cannot hold is an out_of_range exception, not a parse_error (found by
+        // fuzz/openai_request_fuzzer; its input is in the seed corpus as number_overflow).
+        BadCase{"NumberOverflow", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 1e1111})", "",
+                "number overflow"},
         BadCase{"NotAnObject", kCompl, "[1]", "", "must be a JSON object"},
         BadCase{"ModelMissing", kCompl, R"({"prompt": "x"})", "model", "is required"},
         BadCase{"ModelNotString", kCompl, R"({"model": 3, "prompt": "x"})", "model", "must be a string"},

@@ -226,8 +226,9 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   Json json;
   try {
     json = Json::parse(body);
-  } catch (const Json::parse_error& e) {
-    // e.what(): where the JSON breaks ("parse error at line 1, column 7: ...").
+  } catch (const Json::exception& e) {
+    // e.what(): where the JSON breaks ("parse error at line 1, column 7: ..."), or a number out
+    // of range ("number overflow parsing '1e1111'": out_of_range, not a parse_error).
     return absl::InvalidArgumentError(absl::StrCat("the body is not valid JSON: ", e.what()));
   }
   if (!json.is_object()) return absl::InvalidArgumentError(absl::StrCat("the body must be a JSON object, got ", TypeName(json)));
