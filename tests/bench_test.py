@@ -15,6 +15,17 @@
    reports cached prompt tokens (more than the system prompt's full blocks alone, since later
    turns find their history), the second has it off (--no-prefix-caching in its coordinator's
    command line) and reports none; the input tokens are the same in both (the same prompts).
+6. The OpenAI backend beside gRPC: `bench --compare tp1,tp1/http` runs the same load over the
+   coordinator's gRPC API and over its OpenAI HTTP API (streamed /v1/completions): both complete
+   every request with the same input and output token counts (6 x 8 each), positive TTFT.
+7. `bench --backend openai --base-url` against a real `launch` cluster's HTTP port, and
+   `bench` over gRPC against the same cluster (its cluster.json, mutual TLS): the same completed
+   requests and token counts.
+8. `--backend openai` at a port nobody listens on: exit 1 within seconds, naming the URL and the
+   refused connection.
+9. Bad flags refused with exit 2 and a message naming the flag: --backend other, openai without
+   --base-url or --vocab-size, an https or portless URL, --base-url with gRPC, --chat-turns over
+   HTTP, --address with openai.
 
 bench runs in a session of its own (start_new_session), so "left behind" means a process of that
 session, and tests running beside this one in parallel are not counted. Every wait is bounded.
@@ -32,6 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 DEADLINE_S = 240  # per bench invocation; the demo model loads in well under a second
 
@@ -220,6 +233,107 @@ def case_chat(work):
           "with prefix caching on, 0 off")
 
 
+def case_http_vs_grpc(work):
+    rc, out, err, sid = run_bench(["--compare", "tp1,tp1/http", "--num-requests", "6", "--concurrency", "2",
+                                   "--input-len", "8", "--output-len", "8", "--json",
+                                   "--log-dir", os.path.join(work, "http-logs")])
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    check(rc == 0, f"bench --compare tp1,tp1/http exited {rc}\nstdout:\n{out}\nstderr:\n{err}")
+    grpc, http = json.loads(out)["runs"]
+    check(grpc["backend"] == "grpc" and http["backend"] == "openai", f"backends {grpc['backend']} {http['backend']}")
+    for r in (grpc, http):
+        check(r["completed"] == 6 and r["failed"] == 0, f"{r['layout']}: {r['completed']} completed: {r['errors']}")
+        check(r["total_output_tokens"] == 48 and r["total_input_tokens"] == 48,
+              f"{r['layout']}: tokens in {r['total_input_tokens']} out {r['total_output_tokens']}, expected 48 each")
+        check(0 < r["ttft_p50_s"] <= r["ttft_p99_s"], f"{r['layout']}: ttft {r['ttft_p50_s']} {r['ttft_p99_s']}")
+    print(f"ok: tp1 over gRPC and over HTTP: 6/6 each, 48 tokens in and out each; output tok/s "
+          f"{grpc['output_tokens_per_s']:.1f} vs {http['output_tokens_per_s']:.1f}")
+
+
+def case_openai_launch(work):
+    """--backend openai against `shardserve launch`'s HTTP port; gRPC against the same cluster."""
+    log_dir = os.path.join(work, "launch")
+    http_port = free_port()
+    env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
+    launch = subprocess.Popen([os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0",
+                               "--log-dir", log_dir, "--address", f"127.0.0.1:{free_port()}",
+                               "--http-port", str(http_port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{http_port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            check(launch.poll() is None and time.monotonic() < deadline, "launch did not serve /health in 120 s")
+            time.sleep(0.25)
+        load = ["--num-requests", "4", "--concurrency", "2", "--input-len", "12", "--output-len", "6", "--json"]
+        proc = subprocess.run([os.path.join(BIN, "shardserve"), "bench", "--backend", "openai", "--base-url", base,
+                               "--vocab-size", "4096", *load], capture_output=True, text=True, timeout=DEADLINE_S)
+        check(proc.returncode == 0, f"bench --backend openai exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        http = json.loads(proc.stdout)
+        proc = subprocess.run([os.path.join(BIN, "shardserve"), "bench", *load], capture_output=True, text=True,
+                              env=env, timeout=DEADLINE_S)
+        check(proc.returncode == 0, f"bench over gRPC exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        grpc = json.loads(proc.stdout)
+    finally:
+        if launch.poll() is None:
+            launch.send_signal(signal.SIGTERM)
+        try:
+            launch.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    check(http["backend"] == "openai" and http["base_url"] == base and grpc["backend"] == "grpc", "backend keys")
+    for key in ("completed", "failed", "total_input_tokens", "total_output_tokens"):
+        check(http[key] == grpc[key], f"{key}: {http[key]} over HTTP, {grpc[key]} over gRPC")
+    check(http["completed"] == 4 and http["total_output_tokens"] == 24 and http["total_input_tokens"] == 48,
+          f"HTTP: {http['completed']} completed, {http['total_input_tokens']} in, {http['total_output_tokens']} out")
+    check(len(http["model"]) > 0 and http["model"] == grpc["model"], f"model {http['model']!r} vs {grpc['model']!r}")
+    print(f"ok: launch's HTTP port and its gRPC API: 4/4 each, 48 tokens in and 24 out each")
+
+
+def case_openai_nobody_listens():
+    base = f"http://127.0.0.1:{free_port()}/v1"
+    start = time.monotonic()
+    rc, out, err, sid = run_bench(["--backend", "openai", "--base-url", base, "--vocab-size", "100",
+                                   "--num-requests", "2"], timeout=30)
+    took = time.monotonic() - start
+    kill_session(sid)
+    check(rc == 1, f"bench --backend openai at {base} (nobody listening) exited {rc}\n{err}")
+    check(f"cannot reach {base}/models" in err and "connection refused" in err, f"unclear error:\n{err}")
+    check(took < 15, f"took {took:.1f} s to give up")
+    print(f"ok: nobody at {base}: exit 1 after {took:.2f} s: {err.strip().splitlines()[-1][:120]}")
+
+
+def case_bad_flags():
+    base = "http://127.0.0.1:1/v1"
+    cases = [
+        (["--backend", "smoke-signals"], "--backend must be grpc or openai"),
+        (["--backend", "openai", "--vocab-size", "100"], "needs --base-url"),
+        (["--backend", "openai", "--base-url", base], "needs --vocab-size"),
+        (["--backend", "openai", "--base-url", "https://x:1/v1", "--vocab-size", "100"], "https"),
+        (["--backend", "openai", "--base-url", "http://127.0.0.1:notaport/v1", "--vocab-size", "100"], "port"),
+        (["--backend", "openai", "--base-url", base, "--vocab-size", "1"], "--vocab-size must be"),
+        (["--base-url", base], "--base-url applies to --backend openai only"),
+        (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--chat-turns", "2"], "--chat-turns"),
+        (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--address", "x:1"], "--address"),
+        (["--compare", "tp1/http", "--chat-turns", "2", "--num-requests", "2"], "--chat-turns"),
+        (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--compare", "tp1"], "--compare"),
+    ]
+    for args, want in cases:
+        rc, out, err, sid = run_bench(args, timeout=30)
+        kill_session(sid)
+        check(rc == 2 and want in err, f"bench {' '.join(args)}: exit {rc}, wanted 2 and {want!r} in:\n{err}")
+    print(f"ok: {len(cases)} bad flag combinations refused with exit 2")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
@@ -228,11 +342,15 @@ if __name__ == "__main__":
     work = tempfile.mkdtemp(prefix="bench_test.")
     try:
         case_nobody_listens()
+        case_openai_nobody_listens()
+        case_bad_flags()
         case_compare_tp1(work, old)
         case_interrupt(work, old)
         case_forwarding(work, old)
         if not old:
             case_chat(work)
+            case_http_vs_grpc(work)
+            case_openai_launch(work)
     except SystemExit:
         print(f"logs kept in {work}")
         raise

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <cstdint>
 #include <optional>
 #include <set>
@@ -31,7 +32,19 @@ extern std::atomic<bool> g_stop;
 
 // ---- The load (bench_load.cc) -------------------------------------------------------------------
 
+// Which API the load drives: the coordinator's gRPC API, or any OpenAI-compatible HTTP server
+// (bench_openai.cc: streamed /v1/completions with token-id prompts).
+enum class Backend { kGrpc, kOpenAI };
+
 struct LoadConfig {
+  Backend backend = Backend::kGrpc;
+  // kOpenAI: "http://HOST:PORT[/PREFIX]" up to and including /v1 (no trailing slash); requests go to
+  // base_url + "/completions". model_name: each request's "model" (empty: the first of GET /models);
+  // vocab_size: prompt ids are drawn from [0, vocab_size) (0: from the server, which only
+  // --compare's /http layouts know over gRPC). The API key is client.api_key (a Bearer token).
+  std::string base_url;
+  std::string model_name;
+  int64_t vocab_size = 0;
   std::string address;  // client.address, for the report
   ClientOptions client;
   bool open_loop = false;
@@ -65,6 +78,28 @@ struct LoadResult {
   std::vector<std::pair<std::string, int64_t>> errors;  // distinct messages, first seen first, with counts
 };
 
+// One request of the load, and what came of it (bench_load.cc makes and runs them; bench_openai.cc
+// runs them over HTTP).
+struct RequestSpec {
+  std::string id;
+  std::vector<int32_t> prompt;  // chat: the turn's new message only (the history comes before it)
+  int32_t output_len = 0;
+  std::optional<uint64_t> sampling_seed;
+};
+
+struct RequestResult {
+  bool done = false;  // ran (false: never started, e.g. interrupted)
+  bool ok = false;    // completed with exactly output_len tokens
+  std::string error;
+  int64_t input_tokens = 0;
+  int64_t output_tokens = 0;
+  int64_t cached_tokens = 0;  // usage's cached prompt tokens
+  std::vector<int32_t> output_ids;  // gRPC only (an OpenAI server returns text)
+  double ttft_s = 0;
+  double e2e_s = 0;
+  std::vector<double> itl_s;
+};
+
 // What the server says about itself, for prompts and the length check.
 struct ServedModel {
   std::string name;
@@ -81,6 +116,36 @@ struct BenchRun {
 
 absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c);
 
+// ---- The OpenAI backend (bench_openai.cc) -------------------------------------------------------
+
+// Checks c.base_url ("http://HOST:PORT[/PATH]"); InvalidArgument naming what is wrong.
+absl::Status CheckBaseUrl(const std::string& base_url);
+
+// One keep-alive HTTP connection to c.base_url's server: one per stream. Not thread-safe: one
+// thread uses it at a time, but Stop. Send never blocks past c.timeout_s without data, and stops (the request
+// counts as failed) once g_stop is set.
+class OpenAIConnection {
+ public:
+  explicit OpenAIConnection(const LoadConfig& c);
+  ~OpenAIConnection();
+  OpenAIConnection(const OpenAIConnection&) = delete;
+  OpenAIConnection& operator=(const OpenAIConnection&) = delete;
+
+  // GET /models: the model's name (c.model_name, which must be listed, or the first) and its
+  // max_model_len when the server says it (shardserve and vLLM do); vocab_size from c.vocab_size.
+  absl::StatusOr<ServedModel> GetModel();
+  // POST /completions, streamed with include_usage: TTFT and ITL per SSE chunk carrying text,
+  // tokens counted from usage.completion_tokens.
+  RequestResult Send(const RequestSpec& spec);
+  // Shuts the connection (a Send in flight ends, failed); callable from any thread (Ctrl-C).
+  void Stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  const LoadConfig& c_;
+};
+
 // ---- --compare (bench_compare.cc) ---------------------------------------------------------------
 
 struct Layout {
@@ -89,6 +154,7 @@ struct Layout {
   int64_t pp = 1;
   bool serial = false;
   bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
+  bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
 };
 
 // tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).

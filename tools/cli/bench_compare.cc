@@ -1,6 +1,13 @@
 // shardserve bench --compare: parses the layouts and, for each, starts a local cluster
 // (local_cluster.h), runs the load against it, reads its workers' memory and stops it.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <chrono>
@@ -57,6 +64,26 @@ ClusterFacts GetClusterFacts(const std::string& address) {
   return facts;
 }
 
+// A port free on 127.0.0.1 now, for the coordinator's --http-port (which has no port file):
+// the kernel's pick for a socket bound to port 0, closed again.
+absl::StatusOr<int> FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  const int err = errno;
+  close(fd);
+  if (port <= 0) return absl::InternalError(absl::StrCat("cannot find a free port on 127.0.0.1: ", std::strerror(err)));
+  return port;
+}
+
 }  // namespace
 
 // tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).
@@ -70,6 +97,10 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.serial = more = true;
       body.resize(body.size() - std::string_view("/serial").size());
     }
+    if (absl::EndsWith(body, "/http")) {
+      l.http = more = true;
+      body.resize(body.size() - std::string_view("/http").size());
+    }
     if (absl::EndsWith(body, "/no-prefix-caching")) {
       l.prefix_caching = false;
       more = true;
@@ -79,7 +110,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching), e.g. tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /http), e.g. tp2xpp2/serial"));
   };
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -121,6 +152,16 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   co.coordinator_flags = o.cluster.CoordinatorArgs(layout.serial ? "micro-batches" : "");
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
+  int http_port = 0;
+  if (layout.http) {
+    absl::StatusOr<int> port = FreeLoopbackPort();
+    if (!port.ok()) {
+      out.error = std::string(port.status().message());
+      return out;
+    }
+    http_port = *port;
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--http-port", std::to_string(http_port)});
+  }
   const int64_t threads =
       o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
@@ -146,6 +187,13 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   load.address = (*cluster)->address();
   load.client = ClientOptions();
   load.client.address = load.address;
+  if (layout.http) {
+    // Over HTTP; the vocabulary and EOS ids (vocab_size 0) still from gRPC, so the prompts are the
+    // gRPC layouts' own.
+    load.backend = Backend::kOpenAI;
+    load.base_url = absl::StrCat("http://127.0.0.1:", http_port, "/v1");
+    load.vocab_size = 0;
+  }
   absl::StatusOr<BenchRun> run = Benchmark(load);
   ClusterFacts facts = GetClusterFacts(out.address);
   out.worker_weight_bytes = facts.weight_bytes;

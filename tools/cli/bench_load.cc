@@ -31,13 +31,6 @@ namespace {
 
 // ---- Load description ---------------------------------------------------------------------------
 
-struct RequestSpec {
-  std::string id;
-  std::vector<int32_t> prompt;  // chat: the turn's new message only (the history comes before it)
-  int32_t output_len = 0;
-  std::optional<uint64_t> sampling_seed;
-};
-
 // Deterministic draws from std::mt19937_64, whose output sequence the C++ standard fixes (the
 // standard distributions are implementation-defined, so they are not used).
 class Rng {
@@ -128,25 +121,25 @@ class InFlight {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
     for (grpc::ClientContext* ctx : contexts_) ctx->TryCancel();
+    for (OpenAIConnection* conn : connections_) conn->Stop();
+  }
+  // The same for an HTTP stream's connection (its requests also end at g_stop between reads; Stop
+  // ends one that waits for its first byte).
+  void Add(OpenAIConnection* conn) {
+    absl::MutexLock lock(&mu_);
+    connections_.insert(conn);
+    if (cancelled_) conn->Stop();
+  }
+  void Remove(OpenAIConnection* conn) {
+    absl::MutexLock lock(&mu_);
+    connections_.erase(conn);
   }
 
  private:
   absl::Mutex mu_;
   std::set<grpc::ClientContext*> contexts_ ABSL_GUARDED_BY(mu_);
+  std::set<OpenAIConnection*> connections_ ABSL_GUARDED_BY(mu_);
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-};
-
-struct RequestResult {
-  bool done = false;  // ran (false: never started, e.g. interrupted)
-  bool ok = false;    // completed with exactly output_len tokens
-  std::string error;
-  int64_t input_tokens = 0;
-  int64_t output_tokens = 0;
-  int64_t cached_tokens = 0;  // Usage.cached_prompt_tokens
-  std::vector<int32_t> output_ids;
-  double ttft_s = 0;
-  double e2e_s = 0;
-  std::vector<double> itl_s;
 };
 
 // "UNAVAILABLE", ...: gRPC's codes are Abseil's, number for number.
@@ -214,19 +207,45 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
   return r;
 }
 
+// One stream's way to the server, used by one thread at a time: over gRPC the stub of the shared
+// channel; over HTTP a keep-alive connection of its own, opened at its first request.
+class Stream {
+ public:
+  Stream(v1::InferenceService::Stub* stub, const LoadConfig& c, InFlight* inflight)
+      : stub_(stub), c_(c), inflight_(inflight) {}
+  ~Stream() {
+    if (http_ != nullptr) inflight_->Remove(http_.get());
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  RequestResult Run(const RequestSpec& spec) {
+    if (c_.backend == Backend::kGrpc) return RunRequest(stub_, spec, c_, inflight_);
+    if (http_ == nullptr) {
+      http_ = std::make_unique<OpenAIConnection>(c_);
+      inflight_->Add(http_.get());
+    }
+    return http_->Send(spec);
+  }
+
+ private:
+  v1::InferenceService::Stub* stub_;  // null over HTTP
+  const LoadConfig& c_;
+  InFlight* inflight_;
+  std::unique_ptr<OpenAIConnection> http_;
+};
+
 // Runs conversation `conv` (specs[conv * turns, (conv + 1) * turns)) turn after turn into `results`:
 // each turn's prompt is the history (the system prompt, then every message and answer so far) and
 // its message. After a failed turn the rest of the conversation is not sent and counts as failed.
-void RunConversation(v1::InferenceService::Stub* stub, const LoadConfig& c, const std::vector<RequestSpec>& specs,
-                     const std::vector<int32_t>& system_prompt, int64_t conv, InFlight* inflight,
-                     std::vector<RequestResult>* results) {
+void RunConversation(Stream* stream, const LoadConfig& c, const std::vector<RequestSpec>& specs,
+                     const std::vector<int32_t>& system_prompt, int64_t conv, std::vector<RequestResult>* results) {
   std::vector<int32_t> history = system_prompt;
   for (int64_t turn = 0; turn < c.chat_turns && !g_stop; ++turn) {
     const size_t i = static_cast<size_t>(conv * c.chat_turns + turn);
     RequestSpec spec = specs[i];
     history.insert(history.end(), spec.prompt.begin(), spec.prompt.end());
     spec.prompt = history;
-    RequestResult& r = (*results)[i] = RunRequest(stub, spec, c, inflight);
+    RequestResult& r = (*results)[i] = stream->Run(spec);
     if (!r.ok) {
       for (int64_t rest = turn + 1; rest < c.chat_turns; ++rest) {
         RequestResult& skipped = (*results)[static_cast<size_t>(conv * c.chat_turns + rest)];
@@ -256,8 +275,9 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
   };
   std::string warmup_error;
   std::thread warm([&] {
+    Stream stream(stub, c, &inflight);
     for (size_t k = 0; k < warmup.size() && !g_stop; ++k) {
-      RequestResult r = RunRequest(stub, warmup[k], c, &inflight);
+      RequestResult r = stream.Run(warmup[k]);
       if (!r.ok && !g_stop) {
         warmup_error = r.error;
         break;
@@ -279,8 +299,9 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
     const int64_t n = std::min<int64_t>(c.concurrency, conversations);
     for (int64_t t = 0; t < n; ++t) {
       threads.emplace_back([&] {
+        Stream stream(stub, c, &inflight);
         for (int64_t conv = next++; conv < conversations && !g_stop; conv = next++) {
-          RunConversation(stub, c, specs, system_prompt, conv, &inflight, &results);
+          RunConversation(&stream, c, specs, system_prompt, conv, &results);
         }
         ++finished_threads;
       });
@@ -291,8 +312,9 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
     const int64_t n = std::min<int64_t>(c.concurrency, static_cast<int64_t>(specs.size()));
     for (int64_t t = 0; t < n; ++t) {
       threads.emplace_back([&] {
+        Stream stream(stub, c, &inflight);
         for (int64_t i = next++; i < static_cast<int64_t>(specs.size()) && !g_stop; i = next++) {
-          results[static_cast<size_t>(i)] = RunRequest(stub, specs[static_cast<size_t>(i)], c, &inflight);
+          results[static_cast<size_t>(i)] = stream.Run(specs[static_cast<size_t>(i)]);
         }
         ++finished_threads;
       });
@@ -313,7 +335,7 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
         if (g_stop) break;
       }
       threads.emplace_back([&, i] {
-        results[i] = RunRequest(stub, specs[i], c, &inflight);
+        results[i] = Stream(stub, c, &inflight).Run(specs[i]);
         ++finished_threads;
       });
     }
@@ -374,13 +396,30 @@ absl::StatusOr<ServedModel> GetServedModel(v1::InferenceService::Stub* stub, con
 }  // namespace
 
 absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(c.client);
-  if (!channel.ok()) return channel.status();
-  auto stub = v1::InferenceService::NewStub(*channel);
+  // gRPC: the load's channel, and the model's facts (--compare's /http layouts too: their clusters
+  // serve both APIs, and the same vocabulary and EOS ids give the same prompts as over gRPC).
+  std::unique_ptr<v1::InferenceService::Stub> stub;
   BenchRun run;
-  absl::StatusOr<ServedModel> model = GetServedModel(stub.get(), c.address);
-  if (!model.ok()) return model.status();
-  run.model = *model;
+  if (c.backend == Backend::kGrpc || c.vocab_size == 0) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(c.client);
+    if (!channel.ok()) return channel.status();
+    stub = v1::InferenceService::NewStub(*channel);
+    absl::StatusOr<ServedModel> model = GetServedModel(stub.get(), c.address);
+    if (!model.ok()) return model.status();
+    run.model = *model;
+  }
+  if (c.backend == Backend::kOpenAI) {
+    OpenAIConnection conn(c);
+    absl::StatusOr<ServedModel> model = conn.GetModel();
+    if (!model.ok()) return model.status();
+    if (c.vocab_size > 0) {
+      run.model = *model;
+    } else {
+      run.model.name = model->name;
+      if (model->max_model_len > 0) run.model.max_model_len = model->max_model_len;
+    }
+  }
+  const ServedModel* model = &run.model;
   const int64_t turn_len =
       LengthRange(c.input_len, c.range_ratio).second + LengthRange(c.output_len, c.range_ratio).second;
   const int64_t longest = c.chat_turns > 0 ? c.system_prompt_len + c.chat_turns * turn_len : turn_len;
@@ -397,7 +436,10 @@ absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
   // The chat's system prompt, from a stream of its own (the same for every conversation).
   Rng system_rng(c.seed ^ 0x5bd1e9955bd1e995ULL);
   const std::vector<int32_t> system_prompt = RandomPrompt(system_rng, c.system_prompt_len, model->vocab_size, model->eos);
-  absl::StatusOr<LoadResult> load = RunLoad(stub.get(), c, specs, warmup, system_prompt);
+  // Over HTTP every request names the model (OpenAI's "model" is required): the one GET /models gave.
+  LoadConfig with_model = c;
+  if (c.backend == Backend::kOpenAI) with_model.model_name = run.model.name;
+  absl::StatusOr<LoadResult> load = RunLoad(stub.get(), with_model, specs, warmup, system_prompt);
   if (!load.ok()) return load.status();
   run.load = *load;
   return run;

@@ -44,6 +44,7 @@ double PerSecond(double n, double s) { return s > 0 ? n / s : 0; }
 // The keys every run has (single run, and each of --compare's runs).
 json ResultJson(const LoadConfig& c, const LoadResult& r) {
   json j;
+  j["backend"] = c.backend == Backend::kOpenAI ? "openai" : "grpc";
   j["mode"] = c.open_loop ? "open" : "closed";
   j["concurrency"] = c.open_loop ? json(nullptr) : json(c.concurrency);
   j["request_rate"] = RateJson(c);
@@ -192,6 +193,7 @@ json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs) {
     j["address"] = r.address;
     j["cluster_start_s"] = r.start_s;
     j.update(ResultJson(c, r.run.load));
+    j["backend"] = r.layout.http ? "openai" : "grpc";  // /http: the OpenAI API, whatever c says
     j["worker_names"] = r.worker_names;
     j["worker_peak_rss_bytes"] = r.worker_peak_rss_bytes;
     j["worker_weight_bytes"] = r.worker_weight_bytes;

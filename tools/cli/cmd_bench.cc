@@ -55,6 +55,8 @@ constexpr char kUsage[] =
     "                        [--input-len I] [--output-len O] [--range-ratio X] [--seed S] [--temperature T]\n"
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
     "                        [--chat-turns T [--system-prompt-len S]]\n"
+    "       shardserve bench --backend openai --base-url URL --vocab-size V [--model NAME] [--api-key KEY]\n"
+    "                        [load flags as above but --chat-turns]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                        [--max-model-len L] [--quantization none|int8|int4] [--load-format auto|dummy]\n"
@@ -67,6 +69,19 @@ constexpr char kUsage[] =
     "  returns fewer tokens counts as failed (each distinct error is shown once, with its count).\n"
     "  --address, --tls-ca, --tls-cert, --tls-key, --api-key, --insecure  the coordinator and how to\n"
     "                     reach it, as for `shardserve generate --help`\n"
+    "  --backend          grpc (default): the coordinator's gRPC API at --address; openai: any\n"
+    "                     OpenAI-compatible HTTP server at --base-url (http://HOST:PORT/v1): each request\n"
+    "                     is POST /completions with the prompt as token ids (shardserve, vLLM and\n"
+    "                     llama.cpp's server take them; a server that takes only text cannot be driven),\n"
+    "                     max_tokens, ignore_eos, stream with stream_options.include_usage, one keep-alive\n"
+    "                     connection per stream. TTFT is the first SSE chunk with text; ITL is one gap per\n"
+    "                     chunk with text (a chunk may carry several tokens, counted as one gap); tokens\n"
+    "                     are counted from usage.completion_tokens. A refused connection, a non-200, a\n"
+    "                     malformed stream or a read stalled past --timeout-seconds fails the request.\n"
+    "  --base-url         --backend openai: the server, up to /v1 (e.g. http://127.0.0.1:8000/v1)\n"
+    "  --vocab-size       --backend openai: prompt ids are drawn from [0, V) (config.json vocab_size)\n"
+    "  --model            --backend openai: each request's model (default: the first of GET /models)\n"
+    "  --api-key          --backend openai: sent as Authorization: Bearer KEY\n"
     "  --concurrency      closed loop: N streams, each sends its next request when the previous ends\n"
     "                     (default 1)\n"
     "  --request-rate     open loop instead: Poisson arrivals at R requests/s; inf or 0: all at once\n"
@@ -89,7 +104,9 @@ constexpr char kUsage[] =
     "  --compare          comma-separated layouts tpN, ppM or tpNxppM, each optionally with /serial\n"
     "                     (one micro-batch in flight: coordinator --micro-batches 1) and\n"
     "                     /no-prefix-caching (coordinator --no-prefix-caching), e.g.\n"
-    "                     tp1,tp2,pp2,pp2/serial,tp2xpp2,tp1/no-prefix-caching. For each, starts a local cluster of --model\n"
+    "                     tp1,tp2,pp2,pp2/serial,tp2xpp2,tp1/no-prefix-caching, and /http: the same\n"
+    "                     load over the coordinator's OpenAI API (as --backend openai) instead of gRPC,\n"
+    "                     e.g. tp1,tp1/http,tp1,tp1/http. For each, starts a local cluster of --model\n"
     "                     (default: the embedded demo model) on a free port, waits until it serves,\n"
     "                     runs the load, reads each worker's peak RSS (VmHWM) and weight bytes, and\n"
     "                     stops it; then prints the layouts side by side (--json: {\"runs\": [...]}).\n"
@@ -118,6 +135,7 @@ int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = {
       "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
       "temperature", "warmup", "timeout-seconds", "json-out", "chat-turns", "system-prompt-len",
+      "backend", "base-url", "vocab-size",
       // --compare (and ClusterFlags::Names())
       "compare", "log-dir"};
   // clang-format on
@@ -196,6 +214,40 @@ int Run(const std::vector<std::string>& args) {
   } else if (flags->Has("system-prompt-len")) {
     return Usage("--system-prompt-len needs --chat-turns");
   }
+  const std::string backend = flags->Get("backend", "grpc");
+  if (backend == "openai") {
+    c.backend = Backend::kOpenAI;
+    if (!flags->Has("base-url")) return Usage("--backend openai needs --base-url, e.g. http://127.0.0.1:8000/v1");
+    c.base_url = flags->Get("base-url");
+    while (!c.base_url.empty() && c.base_url.back() == '/') c.base_url.pop_back();
+    if (absl::Status s = CheckBaseUrl(c.base_url); !s.ok()) return Usage(std::string(s.message()));
+    if (flags->Has("compare")) {
+      return Usage("--backend openai and --compare exclude each other (--compare's /http layouts drive the OpenAI API)");
+    }
+    for (const char* f : {"address", "tls-ca", "tls-cert", "tls-key", kInsecureFlag}) {
+      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " is for the gRPC backend; --backend openai uses --base-url"));
+    }
+    if (!flags->Has("vocab-size")) {
+      return Usage("--backend openai needs --vocab-size (the model's config.json vocab_size): prompts are random token ids");
+    }
+    absl::StatusOr<int64_t> vocab = flags->GetInt("vocab-size", 0);
+    if (!vocab.ok()) return Usage(std::string(vocab.status().message()));
+    if (*vocab < 2 || *vocab > (int64_t{1} << 31)) return Usage("--vocab-size must be in [2, 2147483648]");
+    c.vocab_size = *vocab;
+    c.model_name = flags->Get("model");
+    c.address = c.base_url;
+  } else if (backend != "grpc") {
+    return Usage(absl::StrCat("--backend must be grpc or openai, got '", backend, "'"));
+  } else {
+    for (const char* f : {"base-url", "vocab-size"}) {
+      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --backend openai only"));
+    }
+  }
+  if (c.chat_turns > 0 && c.backend == Backend::kOpenAI) {
+    return Usage(
+        "--chat-turns is not supported with --backend openai: a turn's prompt holds the answer before it as token "
+        "ids, which /v1/completions does not return");
+  }
   const bool as_json = flags->Has("json");
   const std::string json_out = flags->Get("json-out");
 
@@ -205,7 +257,8 @@ int Run(const std::vector<std::string>& args) {
   sigaction(SIGTERM, &sa, nullptr);
 
   if (!flags->Has("compare")) {
-    for (const char* f : {"model", "device", "worker-threads", "worker-matmul-dtype", "log-dir",
+    if (c.backend == Backend::kGrpc && flags->Has("model")) return Usage("--model applies to --compare (or --backend openai) only");
+    for (const char* f : {"device", "worker-threads", "worker-matmul-dtype", "log-dir",
                           "ready-timeout-seconds", "max-model-len", "quantization", "load-format", "dummy-seed"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
@@ -222,7 +275,7 @@ int Run(const std::vector<std::string>& args) {
       std::fprintf(stderr, "shardserve bench: %s\n", std::string(run.status().message()).c_str());
       return absl::IsInvalidArgument(run.status()) ? 2 : 1;
     }
-    json j = {{"address", c.address}, {"model", run->model.name}};
+    json j = {{c.backend == Backend::kOpenAI ? "base_url" : "address", c.address}, {"model", run->model.name}};
     j.update(ResultJson(c, run->load));
     if (!WriteJsonOut(json_out, j)) return 1;
     if (as_json) {
@@ -241,6 +294,10 @@ int Run(const std::vector<std::string>& args) {
   for (absl::string_view piece : absl::StrSplit(flags->Get("compare"), ',', absl::SkipWhitespace())) {
     absl::StatusOr<Layout> l = ParseLayout(std::string(absl::StripAsciiWhitespace(piece)));
     if (!l.ok()) return Usage(std::string(l.status().message()));
+    if (l->http && c.chat_turns > 0) {
+      return Usage(absl::StrCat("layout '", l->name, "': --chat-turns is not supported over HTTP (/http): a turn's ",
+                                "prompt holds the answer before it as token ids, which /v1/completions does not return"));
+    }
     layouts.push_back(*l);
   }
   if (layouts.empty()) return Usage("--compare needs at least one layout, e.g. tp1,tp2,pp2");
