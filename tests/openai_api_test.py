@@ -88,16 +88,19 @@ def grpc_client(log_dir: str) -> Client:
 
 
 def stop_launch(launch: subprocess.Popen) -> str:
-    """SIGTERM (launch stops and reaps its processes), SIGKILL to the group past 30 s; its output."""
+    """SIGTERM (launch stops and reaps its processes), SIGKILL to the group past 30 s; its output
+    (from start_launch's file, or from the pipe of a launch started with stdout=PIPE)."""
     if launch.poll() is None:
         launch.send_signal(signal.SIGTERM)
     try:
-        launch.wait(timeout=30)
+        out, _ = launch.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(launch.pid, signal.SIGKILL)
-        launch.wait()
-    with open(launch.out_path) as f:
-        return f.read()
+        out, _ = launch.communicate()
+    if hasattr(launch, "out_path"):
+        with open(launch.out_path) as f:
+            out = f.read()
+    return out or ""
 
 
 def wait_until(predicate, timeout: float, what: str):
