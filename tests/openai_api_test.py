@@ -410,6 +410,8 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.completions.create(model=MODEL, prompt="x", max_tokens=4)
         self.assertEqual(ctx.exception.status_code, 503)
         self.assertEqual(ctx.exception.code, "not_serving")
+        # The message names the lost worker's slot (the heal cannot finish), not a shutdown.
+        self.assertRegex(str(ctx.exception), r"stage \d+, tp rank \d+")
 
 
 class NoChatTemplateTest(unittest.TestCase):

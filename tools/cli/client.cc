@@ -88,11 +88,17 @@ absl::StatusOr<ClientOptions> ClientOptionsFromFlags(const Flags& flags) {
 absl::StatusOr<std::shared_ptr<grpc::Channel>> ConnectToCoordinator(const ClientOptions& options) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials = MakeChannelCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
-  if (options.api_key.empty()) return grpc::CreateChannel(options.address, *credentials);
+  // gRPC's default reconnect backoff grows to 120 s: a client that starts before its coordinator
+  // listens (launch's health checks, a command run while the coordinator restarts) would then see
+  // it serve only minutes later. A local control client retries at least once a second instead.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  if (options.api_key.empty()) return grpc::CreateCustomChannel(options.address, *credentials, args);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<ApiKeyInterceptorFactory>(options.api_key));
-  return grpc::experimental::CreateCustomChannelWithInterceptors(options.address, *credentials,
-                                                                 grpc::ChannelArguments(), std::move(interceptors));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(options.address, *credentials, args,
+                                                                 std::move(interceptors));
 }
 
 std::string StateDir() {

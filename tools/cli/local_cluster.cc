@@ -325,6 +325,9 @@ bool LocalCluster::Serving() {
   if (health_ == nullptr) return false;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  // Waits for the channel to connect (within the deadline) instead of failing at once while it
+  // is between reconnect attempts.
+  ctx.set_wait_for_ready(true);
   grpc::health::v1::HealthCheckResponse resp;
   return health_->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp).ok() &&
          resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
