@@ -17,17 +17,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "security/openssl.h"
 
 namespace shardserve {
 namespace {
 
-template <typename T, void (*F)(T*)>
-struct Deleter {
-  void operator()(T* p) const { F(p); }
-};
-using PKey = std::unique_ptr<EVP_PKEY, Deleter<EVP_PKEY, EVP_PKEY_free>>;
-using Cert = std::unique_ptr<X509, Deleter<X509, X509_free>>;
-using Bio = std::unique_ptr<BIO, Deleter<BIO, BIO_free_all>>;
+using openssl::Bio;
+using openssl::Cert;
+using openssl::PKey;
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
   std::ifstream in(path, std::ios::binary);
@@ -37,14 +34,7 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) 
   return s.str();
 }
 
-std::string OpenSslError() {
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return "no PEM data";
-  char buf[256];
-  ERR_error_string_n(e, buf, sizeof(buf));
-  return buf;
-}
+std::string OpenSslError() { return openssl::LastError("no PEM data"); }
 
 // Every certificate in a PEM file, each valid now.
 absl::StatusOr<std::vector<Cert>> ReadCertificates(const std::string& path, const char* flag) {
