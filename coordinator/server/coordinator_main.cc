@@ -60,7 +60,9 @@ constexpr char kUsage[] =
     "  --collective-timeout-seconds  how long a worker's collective may wait for its peers\n"
     "                                (default 5)\n"
     "  --step-timeout-seconds        how long a step may take before its silent workers are lost\n"
-    "                                (default 10)\n"
+    "                                (default 60: a loaded CPU worker can take 10 s on one step;\n"
+    "                                a dead or frozen worker is found sooner, by its stream or\n"
+    "                                its heartbeats)\n"
     "  --heal-timeout-seconds        how long requests wait for a group that heals around a lost\n"
     "                                worker (a replacement registers from its node) before they fail\n"
     "                                with UNAVAILABLE naming the slot (default 60; docs/healing.md)\n"
@@ -144,7 +146,7 @@ int Main(int argc, char** argv) {
   LogFormat log_format;
   PoolOptions pool_options;
   EngineOptions engine_options;
-  double collective_timeout = 5, step_timeout = 10, heal_timeout = 60;
+  double collective_timeout = 5, step_timeout = 60, heal_timeout = 60;
   openai::HttpServerOptions http_options;
   int64_t http_port = 0;
   http_options.host = flags->Get("http-host", "127.0.0.1");

@@ -55,7 +55,7 @@ using SteadyTime = std::chrono::steady_clock::time_point;
 struct EngineOptions {
   int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
   int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
-  absl::Duration step_timeout = absl::Seconds(10);
+  absl::Duration step_timeout = absl::Seconds(60);
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
