@@ -400,6 +400,10 @@ TEST_F(GptqRefusalTest, CompressedTensorsTensors) {
   Poke("model.layers.0.self_attn.q_proj.weight_shape", 0, &rows, 8);
   ExpectRefused({"model.layers.0.self_attn.q_proj.weight_shape is [65, 64]", "[64, 64]"});
   Copy(v);
+  const int64_t huge = int64_t{1} << 40;  // I64, read as I32: refused, not truncated
+  Poke("model.layers.0.self_attn.q_proj.weight_shape", 8, &huge, 8);
+  ExpectRefused({"model.layers.0.self_attn.q_proj.weight_shape", "(I64) holds a value outside the int32 range"});
+  Copy(v);
   const uint16_t zero = 0;
   Poke("model.layers.0.self_attn.o_proj.weight_scale", 2 * (2 * 2 + 1), &zero, 2);  // [2][1] of [64, 2]
   ExpectRefused({"model.layers.0.self_attn.o_proj.weight_scale[2][1]", "finite and nonzero"});
