@@ -1,6 +1,6 @@
 // config.json text (model/config.h): ParseModelConfig, as LoadModelConfig calls it on the file's
 // contents, then what every parsed config meets in production: ParameterCount (planner,
-// ModelInfo), RopeInvFreq (the worker's forward pass) and a GPTQ quantization_config's bounds.
+// ModelInfo), RopeInvFreq (the worker's forward pass) and a quantized checkpoint's quantization_config bounds.
 // Errors must be a Status; a config that parses must keep these free of overflow (UBSan) and
 // their results finite.
 #include <cmath>
@@ -19,9 +19,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (config->q_dim() <= 0 || config->kv_dim() <= 0 || config->num_attention_heads % config->num_key_value_heads != 0) {
     std::abort();
   }
-  if (config->gptq.has_value()) {  // quantization_config (model/gptq.h): only what loads parses
-    const shardserve::GptqConfig& q = *config->gptq;
+  if (config->checkpoint_quant.has_value()) {  // quantization_config (model/quantized_checkpoint.h): only what loads parses
+    const shardserve::CheckpointQuant& q = *config->checkpoint_quant;
     if ((q.bits != 4 && q.bits != 8) || q.groups(config->hidden_size) < 1) std::abort();
+    if (q.output_multiple() < 1 || q.input_multiple(/*split=*/true) < 1) std::abort();
+    if (q.method == shardserve::QuantMethod::kFp8 && (q.block_out < 1 || q.block_in < 1)) std::abort();
+    (void)q.Quantizes("model.layers.0.mlp.down_proj");  // the ignore list's patterns compiled at parse time
   }
   for (float f : shardserve::RopeInvFreq(*config)) {
     if (!std::isfinite(f)) std::abort();

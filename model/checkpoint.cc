@@ -6,18 +6,30 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "model/quantized_checkpoint.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
+
+const char* TensorInfo::dtype_name() const {
+  switch (extra) {
+    case Extra::kF8E4M3: return "F8_E4M3";
+    case Extra::kI64: return "I64";
+    case Extra::kNone: break;
+  }
+  return DTypeName(dtype);
+}
 
 namespace {
 
@@ -28,12 +40,27 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 
 std::string ShapeString(const std::vector<int64_t>& s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
 
-absl::StatusOr<DType> ParseDType(const std::string& s) {
-  if (s == "F32") return DType::kF32;
-  if (s == "F16") return DType::kF16;
-  if (s == "BF16") return DType::kBF16;
-  if (s == "I32") return DType::kI32;
-  return absl::UnimplementedError(absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32)"));
+// The stored dtype of a header entry into info->dtype / info->extra (TensorInfo).
+absl::Status ParseDType(const std::string& s, TensorInfo* info) {
+  if (s == "F32") {
+    info->dtype = DType::kF32;
+  } else if (s == "F16") {
+    info->dtype = DType::kF16;
+  } else if (s == "BF16") {
+    info->dtype = DType::kBF16;
+  } else if (s == "I32") {
+    info->dtype = DType::kI32;
+  } else if (s == "F8_E4M3") {
+    info->dtype = DType::kI8;
+    info->extra = TensorInfo::Extra::kF8E4M3;
+  } else if (s == "I64") {
+    info->dtype = DType::kI32;
+    info->extra = TensorInfo::Extra::kI64;
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32, I64, F8_E4M3)"));
+  }
+  return absl::OkStatus();
 }
 
 // a * b into *out, false on int64 overflow or negative operands.
@@ -114,11 +141,11 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
       return bad("entry needs dtype, shape and data_offsets");
     }
     if (!t["dtype"].is_string()) return bad("dtype is not a string");
-    absl::StatusOr<DType> dtype = ParseDType(t["dtype"].get<std::string>());
-    if (!dtype.ok()) return absl::UnimplementedError(absl::StrCat(file, ": tensor \"", name, "\": ", dtype.status().message()));
     TensorInfo info;
+    if (absl::Status dtype = ParseDType(t["dtype"].get<std::string>(), &info); !dtype.ok()) {
+      return absl::UnimplementedError(absl::StrCat(file, ": tensor \"", name, "\": ", dtype.message()));
+    }
     info.name = name;
-    info.dtype = *dtype;
     info.file = file;
     if (!t["shape"].is_array() || t["shape"].size() > 4) return bad("shape is not a list of at most 4 dimensions");
     int64_t numel = 1;
@@ -131,7 +158,7 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
       info.shape.push_back(static_cast<int64_t>(dim));
     }
     int64_t nbytes = 0;
-    if (!MulChecked(numel, static_cast<int64_t>(DTypeSize(info.dtype)), &nbytes)) {
+    if (!MulChecked(numel, static_cast<int64_t>(info.element_size()), &nbytes)) {
       return bad(absl::StrCat("shape ", t["shape"].dump(), " overflows"));
     }
     const json& off = t["data_offsets"];
@@ -144,7 +171,7 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
                               " data bytes of the file (truncated or lying header)"));
     }
     if (end - begin != static_cast<uint64_t>(nbytes)) {
-      return bad(absl::StrCat("data_offsets span ", end - begin, " bytes but dtype ", DTypeName(info.dtype), " x shape ",
+      return bad(absl::StrCat("data_offsets span ", end - begin, " bytes but dtype ", info.dtype_name(), " x shape ",
                               ShapeString(info.shape), " needs ", nbytes));
     }
     info.offset = data_start + begin;
@@ -279,12 +306,18 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
                                                    "-D; only 1-D and 2-D tensors can be read"));
   }
-  // Float weights convert between F32, F16 and BF16; I32 tensors (GPTQ's packed values, zeros and
-  // g_idx, model/gptq.h) are read only as I32.
-  if ((t.dtype == DType::kI32) != (dst_type == DType::kI32)) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has dtype ", DTypeName(t.dtype),
+  // Float weights convert between F32, F16 and BF16; I32 / I64 tensors (packed values, zeros,
+  // g_idx, shapes: model/quantized_checkpoint.h) are read only as I32; F8_E4M3 as a float type
+  // (decoded) or as I8 (raw).
+  const bool int_src = t.dtype == DType::kI32, fp8_src = t.extra == TensorInfo::Extra::kF8E4M3;
+  const bool ok_type = int_src ? dst_type == DType::kI32
+                               : dst_type != DType::kI32 && (dst_type != DType::kI8 || fp8_src);
+  if (!ok_type) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has dtype ", t.dtype_name(),
                                                    dst_type == DType::kI32 ? "; expected I32"
-                                                                           : "; weights must be F32, F16 or BF16"));
+                                                   : fp8_src || int_src
+                                                       ? absl::StrCat("; it cannot be read as ", DTypeName(dst_type))
+                                                       : "; weights must be F32, F16 or BF16"));
   }
   const int64_t rows = t.shape[0];
   const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
@@ -298,11 +331,24 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
                                                    ") of dimension ", slice.dim, " outside [0, ", extent, ")"));
   }
   const uint8_t* base = files_.at(t.file)->data + t.offset;
-  const size_t es = DTypeSize(t.dtype), ds = DTypeSize(dst_type);
+  const size_t es = t.element_size(), ds = DTypeSize(dst_type);
   uint8_t* out = static_cast<uint8_t*>(dst);
+  bool narrowed = true;  // every I64 value fits in I32
   const auto copy = [&](uint8_t* to, const uint8_t* from, size_t n) {
-    if (dst_type == DType::kI32) {
-      std::memcpy(to, from, n * 4);
+    if (t.extra == TensorInfo::Extra::kI64) {
+      for (size_t i = 0; i < n; ++i) {
+        int64_t v;
+        std::memcpy(&v, from + 8 * i, 8);
+        narrowed = narrowed && v >= INT32_MIN && v <= INT32_MAX;
+        const auto v32 = static_cast<int32_t>(v);
+        std::memcpy(to + 4 * i, &v32, 4);
+      }
+    } else if (dst_type == DType::kI32 || dst_type == DType::kI8) {
+      std::memcpy(to, from, n * ds);
+    } else if (fp8_src) {
+      std::vector<float> f(n);
+      for (size_t i = 0; i < n; ++i) f[i] = DecodeE4m3(from[i]);
+      ConvertOnHost(to, dst_type, f.data(), DType::kF32, n);
     } else {
       ConvertOnHost(to, dst_type, from, t.dtype, n);
     }
@@ -317,6 +363,10 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
     for (int64_t r = 0; r < rows; ++r) {
       copy(out + static_cast<size_t>(r) * n * ds, base + static_cast<size_t>(r * cols + begin) * es, n);
     }
+  }
+  if (!narrowed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": tensor \"", name, "\" (I64) holds a value outside the int32 range"));
   }
   return absl::OkStatus();
 }

@@ -24,12 +24,23 @@
 namespace shardserve {
 
 struct TensorInfo {
+  // Safetensors dtypes that kernels/tensor.h has no DType for, read only for published quantized
+  // checkpoints (model/quantized_checkpoint.h): F8_E4M3 (`dtype` kI8 holds its bytes; read as
+  // F32/F16/BF16, decoded, or as I8, the raw bytes) and I64 (`dtype` kI32 nominally; read as I32,
+  // refused where a value does not fit).
+  enum class Extra : uint8_t { kNone, kF8E4M3, kI64 };
+
   std::string name;
   DType dtype = DType::kF32;
+  Extra extra = Extra::kNone;
   std::vector<int64_t> shape;
   std::string file;       // file name inside the checkpoint directory
   uint64_t offset = 0;    // byte offset of the data inside that file (after the header)
   uint64_t nbytes = 0;
+
+  size_t element_size() const { return extra == Extra::kI64 ? 8 : DTypeSize(dtype); }
+  // The safetensors name of the stored dtype ("F8_E4M3", "I64", or DTypeName's).
+  const char* dtype_name() const;
 };
 
 class Checkpoint : public WeightSource {
@@ -52,8 +63,8 @@ class Checkpoint : public WeightSource {
   // so callers check shapes before they allocate anything sized from config.json.
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
 
-  // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16; an I32
-  // tensor is read only as I32, for GPTQ, model/gptq.h), reading
+  // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16; an I32 or
+  // I64 tensor is read only as I32, an F8_E4M3 one as a float type or raw as I8: TensorInfo), reading
   // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
   // (slice length x other dimension) elements of dst_type, row-major.

@@ -157,7 +157,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
   SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
-    SHARDSERVE_ASSIGN_OR_RETURN(c.gptq, ParseGptqConfig(q->dump(), source));
+    SHARDSERVE_ASSIGN_OR_RETURN(c.checkpoint_quant, ParseCheckpointQuant(q->dump(), source));
   }
 
   for (auto [field, value, max, max_text] :

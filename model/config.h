@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
-#include "model/gptq.h"
+#include "model/quantized_checkpoint.h"
 
 namespace shardserve {
 
@@ -48,9 +48,10 @@ struct ModelConfig {
   DType dtype = DType::kF32;    // torch_dtype
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
-  // quantization_config with quant_method "gptq": the linear layers are stored as GPTQ tensors
-  // (model/gptq.h). Absent: plain weights. Any other quant_method is refused at parse time.
-  std::optional<GptqConfig> gptq;
+  // quantization_config of a published quantized checkpoint (GPTQ, AWQ, compressed-tensors, FP8):
+  // the linear layers are stored in that format (model/quantized_checkpoint.h). Absent: plain
+  // weights. Any other quant_method is refused at parse time.
+  std::optional<CheckpointQuant> checkpoint_quant;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }

@@ -49,32 +49,33 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
 
 namespace {
 
-// model/gptq.h's rules for a GPTQ checkpoint split over t ranks.
-absl::Status CheckGptqShard(const ModelConfig& c, int t) {
-  const GptqConfig& q = *c.gptq;
-  const int64_t p = q.values_per_int32();
+// model/quantized_checkpoint.h's rules for a published quantized checkpoint split over t ranks.
+absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t) {
+  const CheckpointQuant& q = *c.checkpoint_quant;
+  const int64_t out_multiple = q.output_multiple();
   const int64_t kv_rows = t <= c.num_key_value_heads ? c.kv_dim() / t : c.head_dim;
   const std::pair<const char*, int64_t> column[] = {
       {"q_proj", c.q_dim() / t}, {"k_proj / v_proj", kv_rows}, {"gate_proj / up_proj", c.intermediate_size / t}};
   for (const auto& [name, rows] : column) {
-    if (rows % p != 0) {
+    if (rows % out_multiple != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "GPTQ ", q.bits, "-bit checkpoint: ", name, "'s ", rows, " outputs per rank at tensor parallel size ", t,
-          " are not a whole number of packed int32s of ", p, " zero points (qzeros)"));
+          q.Describe(), " checkpoint: ", name, "'s ", rows, " outputs per rank at tensor parallel size ", t,
+          " are not a whole number of packed int32s of ", out_multiple, " zero points"));
     }
   }
+  const int64_t packed = q.input_multiple(/*split=*/false), whole = q.input_multiple(/*split=*/t > 1);
   const std::pair<const char*, int64_t> row[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
   for (const auto& [name, width] : row) {
-    if (width % t != 0 || (width / t) % p != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("GPTQ ", q.bits, "-bit checkpoint: ", name, "'s input of ", width,
+    if (width % t != 0 || (width / t) % packed != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(q.Describe(), " checkpoint: ", name, "'s input of ", width,
                                                      " columns split over tensor parallel size ", t, " gives ",
                                                      width / t, " per rank, not a whole number of packed int32s of ",
-                                                     p, " values (qweight)"));
+                                                     packed, " values"));
     }
-    if (t > 1 && q.group_size > 0 && !q.desc_act && (width / t) % q.group_size != 0) {
+    if ((width / t) % whole != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "GPTQ checkpoint: ", name, "'s input of ", width, " columns split over tensor parallel size ", t, " gives ",
-          width / t, " per rank, not a whole number of groups of ", q.group_size,
+          q.Describe(), " checkpoint: ", name, "'s input of ", width, " columns split over tensor parallel size ", t,
+          " gives ", width / t, " per rank, not a whole number of groups of ", q.group_size,
           " (quantization_config group_size); use a smaller TP"));
     }
   }
@@ -84,13 +85,14 @@ absl::Status CheckGptqShard(const ModelConfig& c, int t) {
 }  // namespace
 
 absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant) {
-  if (c.gptq.has_value()) {
+  if (c.checkpoint_quant.has_value()) {
     if (quant != WeightQuant::kNone) {
-      return absl::InvalidArgumentError(absl::StrCat("the checkpoint is already quantized (GPTQ ", c.gptq->bits,
-                                                     " bits); load it with --quantization none, not ",
+      return absl::InvalidArgumentError(absl::StrCat("the checkpoint is already quantized (",
+                                                     c.checkpoint_quant->Describe(),
+                                                     "); load it with --quantization none, not ",
                                                      WeightQuantName(quant)));
     }
-    return CheckGptqShard(c, t);
+    return CheckCheckpointQuantShard(c, t);
   }
   if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
   const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};

@@ -60,9 +60,11 @@ absl::Status CheckTpDivides(const ModelConfig& config, int tp_size);
 // the whole weight's; InvalidArgument with the layer, its width, TP and the group size otherwise.
 // (With TP = 1, or along an uncut input, a width that is not a multiple of 128 ends each row in a
 // shorter group.) int8 and none: always OK. The planner and the worker's load both call this.
-// A GPTQ checkpoint (config.gptq) takes only `quant` none and its own rules (model/gptq.h): each
-// rank's outputs of q/k/v/gate/up and inputs of o/down a whole number of packed int32s, and the
-// inputs of o/down a whole number of groups when TP > 1 and groups are contiguous (no desc_act).
+// A published quantized checkpoint (config.checkpoint_quant: GPTQ, AWQ, compressed-tensors, FP8)
+// takes only `quant` none and its format's rules (model/quantized_checkpoint.h): each rank's
+// outputs of q/k/v/gate/up and inputs of o/down a whole number of packed int32s
+// (CheckpointQuant::output_multiple / input_multiple), and the inputs of o/down a whole number of
+// groups when TP > 1 and groups are contiguous (not GPTQ desc_act).
 absl::Status CheckQuantizedShard(const ModelConfig& config, int tp_size, WeightQuant quant);
 
 }  // namespace shardserve

@@ -557,21 +557,26 @@ TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
   fs::remove_all(dir, ec);
 }
 
-// ---- Published GPTQ checkpoints (model/gptq.h, tests/fixtures/gptq) ------------------------------
+// ---- Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
+// compressed_tensors}) ----
 // Real processes in the layouts each variant allows give Hugging Face's greedy tokens (of the
 // dequantized weights) exactly, as ClusterParityTest does for float32 checkpoints (worker
-// --matmul-dtype f32; the fixtures' smallest greedy margin is 2.8e-3, float32 rounding moves logits
+// --matmul-dtype f32; the fixtures' smallest greedy margin is 2.2e-3, float32 rounding moves logits
 // by ~1e-6): the int4-mapped variant in PP = 2 (TP = 2 would cut its one group of 128, refused);
-// the dequantized ones in TP = 2 (each rank reading only its slice of qweight/qzeros/scales, g_idx
-// reordered by desc_act) and TP = 2 x PP = 2 (8 bits).
+// the dequantized ones in TP = 2 (each rank reading only its slice of the packed tensors, g_idx
+// reordered by desc_act) and TP = 2 x PP = 2; one variant of each other format.
 TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
   struct Case {
-    std::string variant;
+    std::string variant;  // under tests/fixtures
     int pp, tp;
+    std::string log;      // what the worker log names
   };
-  for (const Case& c : {Case{"llama_sym4_g128_v1", 2, 1}, Case{"qwen2_asym4_g32_desc_act_v1", 1, 2},
-                        Case{"qwen2_asym8_g32_v2", 2, 2}}) {
-    const std::string fixture = "../gptq/" + c.variant;
+  for (const Case& c : {Case{"gptq/llama_sym4_g128_v1", 2, 1, "GPTQ"}, Case{"gptq/qwen2_asym4_g32_desc_act_v1", 1, 2, "GPTQ"},
+                        Case{"gptq/qwen2_asym8_g32_v2", 2, 2, "GPTQ"}, Case{"awq/awq_qwen2_g32", 1, 2, "AWQ"},
+                        Case{"fp8/fp8_qwen2_block32x64", 2, 2, "FP8"},
+                        Case{"compressed_tensors/ct_int4_asym_g32_qwen2", 1, 2, "compressed-tensors"},
+                        Case{"compressed_tensors/ct_fp8_channel_qwen2", 2, 1, "compressed-tensors"}}) {
+    const std::string fixture = "../" + c.variant;
     const Golden golden = LoadGolden(fixture);
     ASSERT_EQ(golden.greedy.size(), 32u);
     Cluster cluster({fixture, /*nodes=*/c.pp, /*gpus_per_node=*/c.tp, {"--matmul-dtype", "f32"}});
@@ -579,7 +584,7 @@ TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
     const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
     ASSERT_TRUE(r.status.ok()) << c.variant << ": " << r.status.error_message() << "\n" << cluster.Logs();
     EXPECT_EQ(r.tokens, golden.greedy) << c.variant << " TP=" << c.tp << " PP=" << c.pp;
-    EXPECT_NE(cluster.Logs().find("GPTQ"), std::string::npos) << "the worker log names the GPTQ path";
+    EXPECT_NE(cluster.Logs().find(c.log), std::string::npos) << "the worker log names the format";
   }
 }
 

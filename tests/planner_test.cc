@@ -751,21 +751,31 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   }
 }
 
-// Published GPTQ checkpoints (model/gptq.h, tests/fixtures/gptq): the plan counts each shard's
-// linear weights as the worker holds them (int4 blocks for 4 bits in groups of 128, float32 where
-// they are dequantized at load), which the worker's own byte count confirms shard by shard; the
-// checkpoint's GPTQ tensors are checked against config.json instead of `.weight` tensors.
+// Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
+// compressed_tensors}): the plan counts each shard's linear weights as the worker holds them (int4
+// blocks for 4 bits in groups of 128, float32 where they are dequantized at load, the checkpoint's
+// dtype for modules its ignore list keeps plain), which the worker's own byte count confirms shard
+// by shard; the checkpoint's format tensors are checked against config.json instead of `.weight`
+// tensors.
 TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
-  const fs::path gptq = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/gptq";
-  for (auto [variant, tp, pp] : {std::tuple{"llama_sym4_g128_v1", 1, 2}, {"qwen2_asym8_g32_v2", 2, 1}}) {
-    absl::StatusOr<PlannerModel> m = OpenPlannerModel(gptq / variant);
+  const fs::path fixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures";
+  for (auto [variant, tp, pp, label] :
+       {std::tuple{"gptq/llama_sym4_g128_v1", 1, 2, "linear layers GPTQ 4-bit as int4 groups of 128"},
+        {"gptq/qwen2_asym8_g32_v2", 2, 1, "linear layers GPTQ 8-bit dequantized to float32"},
+        {"awq/awq_llama_g128", 1, 2, "linear layers AWQ 4-bit as int4 groups of 128"},
+        {"awq/awq_qwen2_g32", 2, 1, "linear layers AWQ 4-bit dequantized to float32"},
+        {"fp8/fp8_qwen2_block32x64", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
+        {"compressed_tensors/ct_int4_sym_g128_llama", 1, 2,
+         "linear layers compressed-tensors int4 as int4 groups of 128"},
+        {"compressed_tensors/ct_int8_channel_qwen2", 2, 1, "linear layers compressed-tensors int8 dequantized"},
+        {"compressed_tensors/ct_fp8_channel_qwen2", 1, 2, "linear layers compressed-tensors fp8 dequantized"}}) {
+    absl::StatusOr<PlannerModel> m = OpenPlannerModel(fixtures / variant);
     ASSERT_TRUE(m.ok()) << variant << ": " << m.status();
-    ASSERT_TRUE(m->config.gptq.has_value());
+    ASSERT_TRUE(m->config.checkpoint_quant.has_value());
     absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), SmallCpuOptions(tp, pp));
     ASSERT_TRUE(p.ok()) << variant << ": " << p.status();
     ASSERT_TRUE(p->fits) << p->reason;
-    EXPECT_THAT(PlanTable(*p), HasSubstr(m->config.gptq->bits == 4 ? "linear layers GPTQ 4-bit as int4 groups of 128"
-                                                                    : "linear layers GPTQ 8-bit dequantized to float32"));
+    EXPECT_THAT(PlanTable(*p), HasSubstr(label));
     ASSERT_EQ(p->per_gpu.size(), static_cast<size_t>(tp * pp));
     std::unique_ptr<Backend> backend = MakeCpuBackend();
     for (const GpuPlan& g : p->per_gpu) {

@@ -10,15 +10,18 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
-#include "model/gptq.h"
+#include "model/quantized_checkpoint.h"
 
 namespace shardserve {
 
 namespace {
 
-// A decoder layer's linear weight: what GPTQ checkpoints store quantized.
-bool IsGptqLinear(const std::string& name) {
-  return absl::StartsWith(name, "model.layers.") && absl::EndsWith(name, "_proj.weight");
+// A decoder layer's linear weight that a published quantized checkpoint stores quantized (not in
+// its ignore list): model/quantized_checkpoint.h.
+bool IsQuantizedLinear(const ModelConfig& config, const std::string& name) {
+  return config.checkpoint_quant.has_value() && absl::StartsWith(name, "model.layers.") &&
+         absl::EndsWith(name, "_proj.weight") &&
+         config.checkpoint_quant->Quantizes(name.substr(0, name.size() - std::string(".weight").size()));
 }
 
 }  // namespace
@@ -63,18 +66,18 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const st
   return t;
 }
 
-absl::StatusOr<Tensor> LlamaShard::LoadGptqWeight(const WeightSource& ckpt, const std::string& name,
+absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSource& ckpt, const std::string& name,
                                                   const std::vector<int64_t>& full_shape, const Slice& slice) {
   const std::string prefix = name.substr(0, name.size() - std::string(".weight").size());
-  SHARDSERVE_ASSIGN_OR_RETURN(GptqLinearSlice w,
-                              ReadGptqLinear(ckpt, *config_.gptq, prefix, full_shape[0], full_shape[1], slice));
+  SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice w,
+                              ReadQuantizedLinear(ckpt, *config_.checkpoint_quant, prefix, full_shape[0], full_shape[1], slice));
   Tensor packed;
   if (w.mapped) {  // the int4 kernel's own blocks, bit for bit
     absl::StatusOr<Buffer> buffer = backend_->PackInt4Blocks(w.blocks.data(), w.m, w.k, &packed);
     if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(prefix, ": ", buffer.status().message()));
     weight_bytes_ += Int4GroupsLayout{w.m, w.k}.bytes();
     buffers_.push_back(std::move(*buffer));
-    ++gptq_mapped_;
+    ++quant_mapped_;
     return packed;
   }
   // Dequantized to float32 at load (exact): a plain weight from here on.
@@ -86,7 +89,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadGptqWeight(const WeightSource& ckpt, cons
   }
   SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging.data(), staging.size()));
   weight_bytes_ += plain.bytes();
-  ++gptq_dequantized_;
+  ++quant_dequantized_;
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, WeightQuant::kNone);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {
@@ -99,9 +102,9 @@ absl::StatusOr<Tensor> LlamaShard::LoadGptqWeight(const WeightSource& ckpt, cons
 absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                                     std::vector<int64_t> full_shape, const Slice& slice,
                                                     WeightQuant quant) {
-  // A GPTQ checkpoint stores the decoder layers' linear weights as GPTQ tensors (model/gptq.h);
-  // its embeddings and LM head are plain.
-  if (config_.gptq.has_value() && IsGptqLinear(name)) return LoadGptqWeight(ckpt, name, full_shape, slice);
+  // A published quantized checkpoint stores the decoder layers' linear weights in its format
+  // (model/quantized_checkpoint.h); its embeddings, LM head and ignored modules are plain.
+  if (IsQuantizedLinear(config_, name)) return LoadQuantizedCheckpointWeight(ckpt, name, full_shape, slice);
   Tensor plain, packed;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
@@ -115,13 +118,11 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
 }
 
 std::string LlamaShard::QuantizationSummary() const {
-  if (!config_.gptq.has_value()) return WeightQuantName(spec_.weight_quant);
-  const GptqConfig& q = *config_.gptq;
-  std::string out = absl::StrCat("GPTQ ", q.bits, "-bit, group_size ", q.group_size, q.sym ? ", sym" : ", asym",
-                                 q.desc_act ? ", desc_act" : "", q.v2 ? ", gptq_v2" : ", gptq v1", ": ",
-                                 gptq_mapped_, " linear weights as int4 groups of 128");
-  if (gptq_dequantized_ > 0) {
-    absl::StrAppend(&out, ", ", gptq_dequantized_,
+  if (!config_.checkpoint_quant.has_value()) return WeightQuantName(spec_.weight_quant);
+  std::string out = absl::StrCat(config_.checkpoint_quant->Describe(), ": ", quant_mapped_,
+                                 " linear weights as int4 groups of 128");
+  if (quant_dequantized_ > 0) {
+    absl::StrAppend(&out, ", ", quant_dequantized_,
                     " dequantized to float32 at load (this path saves no memory yet)");
   }
   return out;
@@ -196,9 +197,9 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----
   for (const auto& [name, shape] : ShardTensors(config, m->first_layer_, m->end_layer_, m->is_first_stage(),
                                                 m->is_last_stage())) {
-    if (config.gptq.has_value() && IsGptqLinear(name)) {
+    if (IsQuantizedLinear(config, name)) {
       SHARDSERVE_RETURN_IF_ERROR(
-          CheckGptqLinear(ckpt, *config.gptq, name.substr(0, name.size() - 7), shape[0], shape[1]));
+          CheckQuantizedLinear(ckpt, *config.checkpoint_quant, name.substr(0, name.size() - 7), shape[0], shape[1]));
     } else {
       SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
     }

@@ -75,8 +75,8 @@ class LlamaShard {
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
   Backend* backend() const { return backend_; }
-  // How the linear weights are held, for the worker log: the --quantization name, or for a GPTQ
-  // checkpoint its format and how many weights took each path (model/gptq.h).
+  // How the linear weights are held, for the worker log: the --quantization name, or for a published
+  // quantized checkpoint its format and how many weights took each path (model/quantized_checkpoint.h).
   std::string QuantizationSummary() const;
 
  private:
@@ -100,10 +100,10 @@ class LlamaShard {
   absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                           std::vector<int64_t> full_shape, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
-  // A GPTQ checkpoint's linear weight `name` (<prefix>.weight): repacked as int4 blocks, or
-  // dequantized to float32 and packed as a plain weight (model/gptq.h).
-  absl::StatusOr<Tensor> LoadGptqWeight(const WeightSource& ckpt, const std::string& name,
-                                        const std::vector<int64_t>& full_shape, const Slice& slice);
+  // A published quantized checkpoint's linear weight `name` (<prefix>.weight): repacked as int4 blocks, or
+  // dequantized to float32 and packed as a plain weight (model/quantized_checkpoint.h).
+  absl::StatusOr<Tensor> LoadQuantizedCheckpointWeight(const WeightSource& ckpt, const std::string& name,
+                                                       const std::vector<int64_t>& full_shape, const Slice& slice);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
   // Alloc, counted in step_buffer_bytes().
   absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);
@@ -121,7 +121,7 @@ class LlamaShard {
   std::vector<Buffer> buffers_;  // every allocation; tensors below view into these
   uint64_t weight_bytes_ = 0;
   uint64_t step_buffer_bytes_ = 0;
-  int gptq_mapped_ = 0, gptq_dequantized_ = 0;  // GPTQ linear weights by path
+  int quant_mapped_ = 0, quant_dequantized_ = 0;  // a quantized checkpoint's linear weights by path
 
   Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)
   std::vector<Layer> layers_;

@@ -11,7 +11,7 @@
 #include "coordinator/planner/format.h"
 #include "coordinator/planner/weights.h"
 #include "kernels/backend.h"
-#include "model/gptq.h"
+#include "model/quantized_checkpoint.h"
 #include "model/sharding.h"
 
 namespace shardserve {
@@ -509,9 +509,10 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
                                 .Stage(0, c.num_hidden_layers, /*first_stage=*/true, /*last_stage=*/true);
   plan.dtype = ctx.dtype;
   plan.checkpoint_dtype = c.dtype;
-  if (c.gptq.has_value()) {
-    plan.gptq = absl::StrCat("GPTQ ", c.gptq->bits, "-bit",
-                             GptqMapsToInt4(*c.gptq) ? " as int4 groups of 128" : " dequantized to float32");
+  if (c.checkpoint_quant.has_value()) {
+    plan.checkpoint_quant = absl::StrCat(c.checkpoint_quant->Name(), CheckpointQuantMapsToInt4(*c.checkpoint_quant)
+                                                                   ? " as int4 groups of 128"
+                                                                   : " dequantized to float32");
   }
   plan.cluster = cluster;
   plan.options = options;

@@ -106,9 +106,9 @@ struct Plan {
   uint64_t model_weight_bytes = 0;  // the whole model, unsharded, in `dtype`
   DType dtype = DType::kBF16;             // what the workers hold weights, activations and KV cache in
   DType checkpoint_dtype = DType::kBF16;  // config.json's torch_dtype
-  // A published GPTQ checkpoint's linear layers as counted (model/gptq.h), e.g. "GPTQ 4-bit as int4
-  // groups of 128"; empty for plain checkpoints.
-  std::string gptq;
+  // A published quantized checkpoint's linear layers as counted (model/quantized_checkpoint.h), e.g.
+  // "GPTQ 4-bit as int4 groups of 128", "FP8 e4m3 dequantized to float32"; empty for plain checkpoints.
+  std::string checkpoint_quant;
   ClusterSpec cluster;
   PlanOptions options;
   uint64_t usable_bytes_per_gpu = 0;  // gpu_memory_utilization x memory

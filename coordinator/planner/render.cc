@@ -41,7 +41,7 @@ std::string PlanTable(const Plan& p) {
   std::string out;
   const std::string checkpoint_dtype =
       p.checkpoint_dtype == p.dtype ? "" : absl::StrCat("; the checkpoint is ", PlanDTypeName(p.checkpoint_dtype));
-  const std::string quant = !p.gptq.empty() ? absl::StrCat(", linear layers ", p.gptq)
+  const std::string quant = !p.checkpoint_quant.empty() ? absl::StrCat(", linear layers ", p.checkpoint_quant)
                             : p.options.weight_quant == WeightQuant::kNone
                                 ? ""
                                 : absl::StrCat(", linear layers ", WeightQuantName(p.options.weight_quant));

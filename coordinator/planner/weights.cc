@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "model/gptq.h"
+#include "model/quantized_checkpoint.h"
 
 namespace shardserve {
 namespace {
@@ -46,9 +46,11 @@ std::vector<WeightTensor> ExpectedWeights(const ModelConfig& c) {
 
 namespace {
 
-// The decoder layers' linear weights (q/k/v/o, gate/up/down): what a GPTQ checkpoint quantizes.
-bool IsGptqLinearWeight(const WeightTensor& t) {
-  return t.part == WeightPart::kLayer && t.shape.size() == 2;
+// The decoder layers' linear weights (q/k/v/o, gate/up/down) that a published quantized checkpoint
+// stores quantized (model/quantized_checkpoint.h): all but its ignore list.
+bool IsQuantizedLinearWeight(const ModelConfig& config, const WeightTensor& t) {
+  return config.checkpoint_quant.has_value() && t.part == WeightPart::kLayer && t.shape.size() == 2 &&
+         config.checkpoint_quant->Quantizes(t.name.substr(0, t.name.size() - std::string(".weight").size()));
 }
 
 }  // namespace
@@ -57,8 +59,8 @@ absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& c
   std::vector<WeightTensor> weights = ExpectedWeights(config);
   const std::string where = checkpoint.dir().string();
   for (WeightTensor& w : weights) {
-    if (config.gptq.has_value() && IsGptqLinearWeight(w)) {  // stored as GPTQ tensors (model/gptq.h)
-      absl::Status s = CheckGptqLinear(checkpoint, *config.gptq, w.name.substr(0, w.name.size() - 7), w.shape[0],
+    if (IsQuantizedLinearWeight(config, w)) {  // stored in its format's tensors (model/quantized_checkpoint.h)
+      absl::Status s = CheckQuantizedLinear(checkpoint, *config.checkpoint_quant, w.name.substr(0, w.name.size() - 7), w.shape[0],
                                        w.shape[1]);
       if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": ", s.message()));
       continue;
@@ -77,7 +79,7 @@ absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& c
     }
     if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", w.name, "\" is stored as ",
-                                                        DTypeName(t.dtype), "; the workers load F32, F16 or BF16"));
+                                                        t.dtype_name(), "; the workers load F32, F16 or BF16"));
     }
     w.shape = t.shape;
   }
@@ -125,13 +127,13 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
       bytes = static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
     }
-    if (config.gptq.has_value() && IsGptqLinearWeight(t)) {
-      // A GPTQ checkpoint's linear weight, as the worker holds it (model/gptq.h): the int4 kernel's
+    if (IsQuantizedLinearWeight(config, t)) {
+      // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h): the int4 kernel's
       // blocks (packed values, scales and zero points) where the format maps onto them, else
       // dequantized to float32 (that path saves no memory yet).
       const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      bytes = GptqMapsToInt4(*config.gptq)
+      bytes = CheckpointQuantMapsToInt4(*config.checkpoint_quant)
                   ? static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes())
                   : static_cast<uint64_t>(elements) * sizeof(float);
     }

@@ -1,7 +1,8 @@
-// Published GPTQ checkpoints (model/gptq.h): every fixture under tests/fixtures/gptq (made by
-// tools/make_gptq_fixtures.py) gives Hugging Face's greedy tokens and logits in one process, by
-// the path it should take (the int4 kernel's blocks, or float32 dequantized at load), and every
-// malformed checkpoint or config is refused with an error naming the tensor or the field.
+// Published quantized checkpoints (model/quantized_checkpoint.h): every fixture under
+// tests/fixtures/{gptq,awq,fp8,compressed_tensors} (made by tools/make_quantized_fixtures.py) gives
+// Hugging Face's greedy tokens and logits in one process, by the path it should take (the int4
+// kernel's blocks, or float32 dequantized at load), and every malformed checkpoint or config is
+// refused with an error naming the tensor or the field.
 // (The multi-process layouts are in tests/cluster_test.cc, ClusterGptqTest.)
 #include <algorithm>
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -23,7 +25,7 @@
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
-#include "model/gptq.h"
+#include "model/quantized_checkpoint.h"
 #include "model/sharding.h"
 #include "model/weight_source.h"
 #include "nlohmann/json.hpp"
@@ -35,14 +37,16 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kGptqFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/gptq";
+const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures";
+const fs::path kGptqFixtures = kFixtures / "gptq";
 
-// The weights are exactly what HF ran (an f16 scale times a small integer, in float32), so the only
-// difference is float32 rounding: the dequantized path sums as the float32 parity tests do (1e-6
-// relative measured there); the mapped path's int4 kernel sums scale x (sum x q - zero x sum x)
-// per group, ~10x more rounding (tests/llama_parity_test.cc, kInt4DequantizedTolerance). 1e-4 of the
-// logits' scale bounds both with room; a wrong nibble, zero point (the v1 + 1), scale or g_idx
-// moves the logits by 1e-2 or more.
+// The weights are exactly what HF ran (an f16 / bf16 / f32 scale times a small integer or an e4m3
+// value, in float32), so the only difference is float32 rounding: the dequantized path sums as the
+// float32 parity tests do (1e-6 relative measured there); the mapped path's int4 kernel sums
+// scale x (sum x q - zero x sum x) per group, ~10x more rounding (tests/llama_parity_test.cc,
+// kInt4DequantizedTolerance). 1e-4 of the logits' scale bounds both with room; a wrong nibble
+// (AWQ's interleave), zero point (GPTQ v1's + 1, compressed-tensors' offset), scale, block index or
+// g_idx moves the logits by 1e-2 or more.
 constexpr double kTolerance = 1e-4;
 
 struct Golden {
@@ -86,23 +90,36 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LoadModel(const fs::path& dir, Backe
 }
 
 struct Variant {
+  std::string dir;   // under tests/fixtures
   std::string name;
-  bool mapped;  // every linear weight takes the int4 path (else every one is dequantized)
+  bool mapped;       // every quantized linear weight takes the int4 path (else every one is dequantized)
+  int plain = 0;     // linear weights the checkpoint's ignore list keeps plain
 };
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.dir << "/" << v.name; }
 
 const Variant kVariants[] = {
-    {"llama_sym4_g128_v1", true},           {"qwen2_asym4_g128_v2", true},
-    {"qwen2_asym4_g32_desc_act_v1", false}, {"qwen2_sym4_gall_v1", false},
-    {"qwen2_asym8_g32_v2", false},
+    {"gptq", "llama_sym4_g128_v1", true},
+    {"gptq", "qwen2_asym4_g128_v2", true},
+    {"gptq", "qwen2_asym4_g32_desc_act_v1", false},
+    {"gptq", "qwen2_sym4_gall_v1", false},
+    {"gptq", "qwen2_asym8_g32_v2", false},
+    {"awq", "awq_llama_g128", true},
+    {"awq", "awq_qwen2_g32", false},
+    {"fp8", "fp8_qwen2_block32x64", false},
+    {"compressed_tensors", "ct_int4_sym_g128_llama", true},
+    {"compressed_tensors", "ct_int4_asym_g32_qwen2", false},
+    {"compressed_tensors", "ct_int8_channel_qwen2", false},
+    {"compressed_tensors", "ct_fp8_channel_qwen2", false, /*plain=*/1},
 };
 
-class GptqParity : public ::testing::TestWithParam<Variant> {};
+class QuantizedParity : public ::testing::TestWithParam<Variant> {};
 
 // HF's 32 greedy tokens exactly, and its logits after the prompt and at the last step within
 // kTolerance; the worker's summary names the path every weight took.
-TEST_P(GptqParity, GivesHuggingFaceTokensAndLogits) {
+TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   const Variant& v = GetParam();
-  const fs::path dir = kGptqFixtures / v.name;
+  const fs::path dir = kFixtures / v.dir / v.name;
   const Golden g = LoadGolden(dir);
   ASSERT_EQ(g.greedy.size(), 32u);
   std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
@@ -112,10 +129,12 @@ TEST_P(GptqParity, GivesHuggingFaceTokensAndLogits) {
   const std::string summary = (*model)->QuantizationSummary();
   const int layers = static_cast<int>((*model)->config().num_hidden_layers);
   if (v.mapped) {
-    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(7 * layers, " linear weights as int4"))) << summary;
+    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": ", 7 * layers - v.plain, " linear weights as int4")))
+        << summary;
     EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
   } else {
-    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(7 * layers, " dequantized to float32"))) << summary;
+    EXPECT_TRUE(absl::StrContains(summary, ": 0 linear weights as int4")) << summary;
+    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(7 * layers - v.plain, " dequantized to float32"))) << summary;
   }
   std::vector<std::vector<float>> logits;
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), g.prompt, 32, &logits);
@@ -126,11 +145,11 @@ TEST_P(GptqParity, GivesHuggingFaceTokensAndLogits) {
   const double last = NormalizedError(logits.back(), g.final_logits);
   EXPECT_LE(first, kTolerance) << v.name << ": logits after the prompt";
   EXPECT_LE(last, kTolerance) << v.name << ": logits of the last greedy step";
-  std::printf("[ gptq     ] %s: %s; logits error %.3g after the prompt, %.3g at step 32\n", v.name.c_str(),
+  std::printf("[ quantized ] %s: %s; logits error %.3g after the prompt, %.3g at step 32\n", v.name.c_str(),
               summary.c_str(), first, last);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GptqParity, ::testing::ValuesIn(kVariants),
+INSTANTIATE_TEST_SUITE_P(Fixtures, QuantizedParity, ::testing::ValuesIn(kVariants),
                          [](const ::testing::TestParamInfo<Variant>& info) { return info.param.name; });
 
 // ---- Refusals: a corrupted copy of a fixture in a temporary directory ----------------------------
@@ -146,15 +165,21 @@ class GptqRefusalTest : public ::testing::Test {
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
+  // `variant`: a GPTQ fixture's name, or "<format dir>/<name>" under tests/fixtures.
   void Copy(const std::string& variant) {
-    for (const auto& e : fs::directory_iterator(kGptqFixtures / variant)) {
+    const fs::path from = variant.find('/') != std::string::npos ? kFixtures / variant : kGptqFixtures / variant;
+    for (const auto& e : fs::directory_iterator(from)) {
       fs::copy_file(e.path(), dir_ / e.path().filename(), fs::copy_options::overwrite_existing);
     }
   }
   void EditConfig(const std::string& field, const nlohmann::json& value) {
+    EditQuant([&](nlohmann::json& q) { q[field] = value; });
+  }
+  // Any change to quantization_config (nested fields).
+  void EditQuant(const std::function<void(nlohmann::json&)>& edit) {
     std::ifstream in(dir_ / "config.json");
     nlohmann::json j = nlohmann::json::parse(in);
-    j["quantization_config"][field] = value;
+    edit(j["quantization_config"]);
     std::ofstream(dir_ / "config.json") << j.dump(2);
   }
   // Overwrites `n` bytes of tensor `name` at byte `at` of its data.
@@ -206,8 +231,12 @@ TEST_F(GptqRefusalTest, TheUnchangedCopyLoads) {
 
 TEST_F(GptqRefusalTest, AnotherQuantMethod) {
   Copy("qwen2_asym4_g128_v2");
+  EditConfig("quant_method", "bitsandbytes");
+  ExpectRefused({"quant_method", "\"bitsandbytes\""});
+  // A GPTQ checkpoint labelled AWQ: AWQ's qweight is [in, out / 8], GPTQ's [in / 8, out].
+  Copy("qwen2_asym4_g128_v2");
   EditConfig("quant_method", "awq");
-  ExpectRefused({"quant_method", "\"awq\""});
+  ExpectRefused({"model.layers.0.self_attn.q_proj.qweight", "AWQ 4-bit gemm"});
 }
 
 TEST_F(GptqRefusalTest, UnsupportedBits) {
@@ -242,7 +271,7 @@ TEST_F(GptqRefusalTest, ShapesThatDisagreeWithTheConfig) {
   // 8 bits on a 4-bit checkpoint: qweight [in / 4, out] expected, [in / 8, out] stored.
   Copy("qwen2_asym4_g128_v2");
   EditConfig("bits", 8);
-  ExpectRefused({".qweight", "8 bits"});
+  ExpectRefused({".qweight", "GPTQ 8-bit"});
 }
 
 TEST_F(GptqRefusalTest, NanInfAndZeroScales) {
@@ -284,6 +313,110 @@ TEST_F(GptqRefusalTest, QuantizingAGptqCheckpointAgain) {
   ExpectRefused({"already quantized", "--quantization none"}, spec);
 }
 
+// ---- AWQ, FP8, compressed-tensors refusals ---------------------------------------------------------
+
+TEST_F(GptqRefusalTest, AwqUnsupportedFieldsAndShapes) {
+  Copy("awq/awq_qwen2_g32");
+  EditConfig("version", "gemv");
+  ExpectRefused({"\"version\"", "gemv"});
+  Copy("awq/awq_qwen2_g32");
+  EditConfig("bits", 8);
+  ExpectRefused({"\"bits\"", "8", "AWQ"});
+  Copy("awq/awq_qwen2_g32");
+  EditConfig("group_size", 64);  // 1 group of 64 expected along o_proj's 64 inputs, 2 stored
+  ExpectRefused({".qzeros", "AWQ 4-bit gemm, group_size 64"});
+  Copy("awq/awq_qwen2_g32");
+  Rename("model.layers.2.self_attn.v_proj.qzeros", "model.layers.2.self_attn.v_proj.qzeroz");
+  ExpectRefused({"model.layers.2.self_attn.v_proj.qzeros"});
+}
+
+TEST_F(GptqRefusalTest, AwqNanAndZeroScales) {
+  for (uint16_t bad : {uint16_t{0x7e00} /*NaN*/, uint16_t{0} /*zero*/}) {
+    Copy("awq/awq_qwen2_g32");
+    Poke("model.layers.1.mlp.down_proj.scales", 2 * (64 + 5), &bad, 2);  // scales[1][5]
+    ExpectRefused({"model.layers.1.mlp.down_proj.scales[1][5]", "finite and nonzero"});
+  }
+}
+
+TEST_F(GptqRefusalTest, Fp8FieldsTensorsAndValues) {
+  Copy("fp8/fp8_qwen2_block32x64");
+  EditConfig("weight_block_size", nlohmann::json::array({0, 128}));
+  ExpectRefused({"\"weight_block_size\"", "[0,128]"});
+  Copy("fp8/fp8_qwen2_block32x64");
+  EditConfig("activation_scheme", "static");
+  ExpectRefused({"\"activation_scheme\"", "static"});
+  Copy("fp8/fp8_qwen2_block32x64");
+  EditConfig("weight_block_size", nlohmann::json::array({64, 64}));  // 1 x 1 blocks expected, 2 x 1 stored
+  ExpectRefused({"model.layers.0.self_attn.q_proj.weight_scale_inv", "[1, 1]", "64x64 blocks"});
+  Copy("fp8/fp8_qwen2_block32x64");
+  Rename("model.layers.0.self_attn.k_proj.weight_scale_inv", "model.layers.0.self_attn.k_proj.weight_scale_inX");
+  ExpectRefused({"model.layers.0.self_attn.k_proj.weight_scale_inv"});
+  for (float bad : {NAN, 0.0f, INFINITY}) {
+    Copy("fp8/fp8_qwen2_block32x64");
+    Poke("model.layers.2.mlp.down_proj.weight_scale_inv", 4 * 3, &bad, 4);  // [1][1] of 2 x 2 blocks
+    ExpectRefused({"model.layers.2.mlp.down_proj.weight_scale_inv[1][1]", "finite and nonzero"});
+  }
+  Copy("fp8/fp8_qwen2_block32x64");
+  const uint8_t nan = 0x7f;
+  Poke("model.layers.1.mlp.down_proj.weight", 3 * 128 + 5, &nan, 1);
+  ExpectRefused({"model.layers.1.mlp.down_proj.weight[3][5] is NaN"});
+}
+
+TEST_F(GptqRefusalTest, CompressedTensorsConfig) {
+  const std::string v = "compressed_tensors/ct_int4_asym_g32_qwen2";
+  Copy(v);
+  EditConfig("format", "naive-quantized");
+  ExpectRefused({"\"format\"", "naive-quantized"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_0"]["weights"]["num_bits"] = 2; });
+  ExpectRefused({"config_groups.group_0.weights.num_bits", "2"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "block"; });
+  ExpectRefused({"config_groups.group_0.weights.strategy", "block"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_1"] = q["config_groups"]["group_0"]; });
+  ExpectRefused({"\"config_groups\"", "exactly one group"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_0"]["targets"] = {"re:.*q_proj"}; });
+  ExpectRefused({"config_groups.group_0.targets", "re:.*q_proj"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_0"]["weights"]["actorder"] = "group"; });
+  ExpectRefused({"config_groups.group_0.weights.actorder"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["ignore"] = {"re:("}; });
+  ExpectRefused({"\"ignore\"", "not a valid regular expression"});
+}
+
+TEST_F(GptqRefusalTest, CompressedTensorsTensors) {
+  const std::string v = "compressed_tensors/ct_int4_asym_g32_qwen2";
+  Copy(v);
+  Rename("model.layers.1.mlp.up_proj.weight_zero_point", "model.layers.1.mlp.up_proj.weight_zero_poinX");
+  ExpectRefused({"model.layers.1.mlp.up_proj.weight_zero_point"});
+  Copy(v);
+  EditQuant([](nlohmann::json& q) { q["config_groups"]["group_0"]["weights"]["group_size"] = 64; });
+  ExpectRefused({"weight_scale", "group_size 64"});
+  Copy(v);
+  const int64_t rows = 65;
+  Poke("model.layers.0.self_attn.q_proj.weight_shape", 0, &rows, 8);
+  ExpectRefused({"model.layers.0.self_attn.q_proj.weight_shape is [65, 64]", "[64, 64]"});
+  Copy(v);
+  const int64_t huge = int64_t{1} << 40;  // I64, read as I32: refused, not truncated
+  Poke("model.layers.0.self_attn.q_proj.weight_shape", 8, &huge, 8);
+  ExpectRefused({"model.layers.0.self_attn.q_proj.weight_shape", "(I64) holds a value outside the int32 range"});
+  Copy(v);
+  const uint16_t zero = 0;
+  Poke("model.layers.0.self_attn.o_proj.weight_scale", 2 * (2 * 2 + 1), &zero, 2);  // [2][1] of [64, 2]
+  ExpectRefused({"model.layers.0.self_attn.o_proj.weight_scale[2][1]", "finite and nonzero"});
+  Copy("compressed_tensors/ct_fp8_channel_qwen2");
+  const uint16_t bf16_nan = 0x7fc0;
+  Poke("model.layers.2.self_attn.q_proj.weight_scale", 2 * 3, &bf16_nan, 2);
+  ExpectRefused({"model.layers.2.self_attn.q_proj.weight_scale[3][0]", "finite and nonzero"});
+  // The ignored module is plain: without the ignore entry its quantized tensors are looked for.
+  Copy("compressed_tensors/ct_fp8_channel_qwen2");
+  EditConfig("ignore", nlohmann::json::array({"lm_head"}));
+  ExpectRefused({"model.layers.0.mlp.down_proj.weight_scale"});
+}
+
 // TP = 2 would cut o_proj's 64 inputs (one short group of 128) into 32 per rank: refused with the
 // numbers, by the check the planner uses too. Groups of 32 split cleanly.
 TEST(GptqShardTest, RefusesALayoutThatCutsAGroup) {
@@ -303,7 +436,7 @@ TEST(GptqShardTest, RefusesALayoutThatCutsAGroup) {
   EXPECT_FALSE(CheckQuantizedShard(*g32, 4, WeightQuant::kNone).ok());
 }
 
-// Known answers, independent of tools/make_gptq_fixtures.py (which shares the loader's reading of
+// Known answers, independent of tools/make_quantized_fixtures.py (which shares the loader's reading of
 // the format): AutoGPTQ's packing puts input 8r + j of column c in bits 4j.. of qweight[r][c]
 // (lowest first), output 8w + j's zero in bits 4j.. of qzeros[g][w], and v1 stores zero - 1
 // (AutoGPTQ's symmetric qzeros are 0x77777777: zero 8).
@@ -317,7 +450,7 @@ class FakeGptqTensors : public WeightSource {
     if (it == tensors_.end()) return absl::NotFoundError(name);
     return it->second.shape == shape ? absl::OkStatus() : absl::InvalidArgumentError(name + ": shape");
   }
-  // Whole tensors only, in their own dtype (F16 widened to F32).
+  // Whole tensors only, in their own dtype (F16 widened to F32; kI8 stands for F8_E4M3, decoded).
   absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType dst_type,
                     void* dst) const override {
     SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, shape));
@@ -327,6 +460,10 @@ class FakeGptqTensors : public WeightSource {
     }
     if (t.dtype == DType::kI32 && dst_type == DType::kI32) {
       std::memcpy(dst, t.bytes.data(), t.bytes.size());
+      return absl::OkStatus();
+    }
+    if (t.dtype == DType::kI8 && dst_type == DType::kF32) {  // stands for F8_E4M3 here
+      for (size_t i = 0; i < t.bytes.size(); ++i) static_cast<float*>(dst)[i] = DecodeE4m3(t.bytes[i]);
       return absl::OkStatus();
     }
     if (!ConvertOnHost(dst, dst_type, t.bytes.data(), t.dtype, t.bytes.size() / DTypeSize(t.dtype))) {
@@ -359,9 +496,9 @@ TEST(GptqKnownAnswers, DequantizedPathUnpacksAsAutoGptq) {
   src.Add("l.qzeros", {1, 1}, DType::kI32, Bytes(std::vector<uint32_t>{0x77777777u}));
   src.Add("l.scales", {1, 8}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3C00)));
   src.Add("l.g_idx", {8}, DType::kI32, Bytes(std::vector<int32_t>(8, 0)));
-  GptqConfig c;
+  CheckpointQuant c;
   c.group_size = -1;
-  absl::StatusOr<GptqLinearSlice> w = ReadGptqLinear(src, c, "l", 8, 8, Slice{0, 0, -1});
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, c, "l", 8, 8, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_FALSE(w->mapped);
   for (int r = 0; r < 8; ++r) {
@@ -378,10 +515,10 @@ TEST(GptqKnownAnswers, MappedPathRepacksAsAutoGptq) {
   src.Add("l.scales", {1, 8}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3800)));
   std::vector<int32_t> g_idx(128, 0);
   src.Add("l.g_idx", {128}, DType::kI32, Bytes(g_idx));
-  GptqConfig c;
+  CheckpointQuant c;
   c.sym = false;
   c.v2 = true;
-  absl::StatusOr<GptqLinearSlice> w = ReadGptqLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(w->mapped);
   ASSERT_EQ(w->blocks.size(), 8u);
@@ -396,13 +533,106 @@ TEST(GptqKnownAnswers, MappedPathRepacksAsAutoGptq) {
   }
   // The same checkpoint in v1 reads each zero as 3 + 1.
   c.v2 = false;
-  w = ReadGptqLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
+  w = ReadQuantizedLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_EQ(w->blocks[5].zero, 4);
 }
 
+// AutoAWQ's gemm packing: output 8 w + t is nibble [0,4,1,5,2,6,3,7][t] of the word (its packing
+// order [0,2,4,6,1,3,5,7] puts output ORDER[j] in nibble j), zeros stored without an offset.
+TEST(QuantizedKnownAnswers, AwqInterleavedNibbles) {
+  // [out 8, in 8], one group: nibble j of each qweight word holds ORDER[j], so output t's q is t;
+  // zeros 1 (0x11111111), scales 1: w[t][i] = t - 1.
+  FakeGptqTensors src;
+  src.Add("l.qweight", {8, 1}, DType::kI32, Bytes(std::vector<uint32_t>(8, 0x75316420u)));
+  src.Add("l.qzeros", {1, 1}, DType::kI32, Bytes(std::vector<uint32_t>{0x11111111u}));
+  src.Add("l.scales", {1, 8}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3C00)));
+  absl::StatusOr<CheckpointQuant> c =
+      ParseCheckpointQuant(R"({"quant_method": "awq", "bits": 4, "group_size": -1, "version": "gemm"})", "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_FALSE(w->mapped);
+  for (int t = 0; t < 8; ++t) {
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(w->dense[t * 8 + i], static_cast<float>(t - 1)) << t << ", " << i;
+  }
+}
+
+// compressed-tensors pack_to_int32: values along the input, zero points along the output, both
+// stored + 2^(bits - 1); w = scale x (q - zp) on the signed values.
+TEST(QuantizedKnownAnswers, CompressedTensorsPackQuantized) {
+  // [out 8, in 8], int4 asym per channel: every weight word 0x76543210 stores input i as i
+  // (signed i - 8); the zero-point word 0x76543210 stores output r's as r (signed r - 8);
+  // scales 0.5: w[r][i] = ((i - 8) - (r - 8)) / 2 = (i - r) / 2.
+  FakeGptqTensors src;
+  src.Add("l.weight_packed", {8, 1}, DType::kI32, Bytes(std::vector<uint32_t>(8, 0x76543210u)));
+  src.Add("l.weight_zero_point", {1, 1}, DType::kI32, Bytes(std::vector<uint32_t>{0x76543210u}));
+  src.Add("l.weight_scale", {8, 1}, DType::kF16, Bytes(std::vector<uint16_t>(8, 0x3800)));
+  src.Add("l.weight_shape", {2}, DType::kI32, Bytes(std::vector<int32_t>{8, 8}));
+  absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
+      R"({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+          "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": false,
+          "strategy": "channel"}}}, "ignore": ["lm_head"]})",
+      "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (int r = 0; r < 8; ++r) {
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(w->dense[r * 8 + i], (i - r) * 0.5f) << r << ", " << i;
+  }
+  EXPECT_FALSE(c->Quantizes("lm_head"));
+  EXPECT_TRUE(c->Quantizes("model.layers.0.mlp.up_proj"));
+}
+
+// FP8 128 x 128 blocks: w[r][c] = e4m3 x weight_scale_inv[r / 128][c / 128].
+TEST(QuantizedKnownAnswers, Fp8BlockScales) {
+  FakeGptqTensors src;
+  src.Add("l.weight", {256, 384}, DType::kI8, std::vector<uint8_t>(256 * 384, 0x38));  // e4m3 1.0
+  src.Add("l.weight_scale_inv", {2, 3}, DType::kF32, Bytes(std::vector<float>{1, 2, 3, 4, 5, 6}));
+  absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
+      R"({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})", "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 256, 384, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  for (int r : {0, 127, 128, 255}) {
+    for (int i : {0, 127, 128, 255, 256, 383}) {
+      EXPECT_EQ(w->dense[r * 384 + i], static_cast<float>(1 + (r / 128) * 3 + i / 128)) << r << ", " << i;
+    }
+  }
+}
+
+TEST(QuantizedKnownAnswers, DecodesE4m3) {
+  EXPECT_EQ(DecodeE4m3(0x38), 1.0f);
+  EXPECT_EQ(DecodeE4m3(0xC0), -2.0f);
+  EXPECT_EQ(DecodeE4m3(0x7E), 448.0f);
+  EXPECT_EQ(DecodeE4m3(0x08), std::ldexp(1.0f, -6));  // smallest normal
+  EXPECT_EQ(DecodeE4m3(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(DecodeE4m3(0x00), 0.0f);
+  EXPECT_TRUE(std::isnan(DecodeE4m3(0x7F)));
+  EXPECT_TRUE(std::isnan(DecodeE4m3(0xFF)));
+}
+
+// Each format's TP rules (CheckQuantizedShard via CheckpointQuant::output_multiple / input_multiple).
+TEST(QuantizedShardTest, EachFormatsRules) {
+  auto load = [](const std::string& v) {
+    absl::StatusOr<ModelConfig> c = LoadModelConfig(kFixtures / v);
+    EXPECT_TRUE(c.ok()) << v << ": " << c.status();
+    return *c;
+  };
+  EXPECT_TRUE(CheckQuantizedShard(load("awq/awq_qwen2_g32"), 2, WeightQuant::kNone).ok());
+  absl::Status s = CheckQuantizedShard(load("awq/awq_llama_g128"), 2, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(s.message(), "not a whole number of groups of 128")) << s;
+  EXPECT_TRUE(CheckQuantizedShard(load("compressed_tensors/ct_int4_asym_g32_qwen2"), 2, WeightQuant::kNone).ok());
+  s = CheckQuantizedShard(load("compressed_tensors/ct_int4_asym_g32_qwen2"), 4, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(s.message(), "o_proj's input of 64 columns split over tensor parallel size 4 gives 16"))
+      << s;
+  EXPECT_TRUE(CheckQuantizedShard(load("fp8/fp8_qwen2_block32x64"), 4, WeightQuant::kNone).ok());
+  s = CheckQuantizedShard(load("fp8/fp8_qwen2_block32x64"), 1, WeightQuant::kInt8);
+  EXPECT_TRUE(absl::StrContains(s.message(), "already quantized (FP8 e4m3, 32x64 blocks)")) << s;
+}
+
 TEST(GptqConfigTest, ParsesTheFields) {
-  absl::StatusOr<GptqConfig> c = ParseGptqConfig(
+  absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
       R"({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": false, "desc_act": true,
           "checkpoint_format": "gptq_v2"})",
       "config.json");
@@ -413,12 +643,12 @@ TEST(GptqConfigTest, ParsesTheFields) {
   EXPECT_FALSE(c->sym);
   EXPECT_TRUE(c->desc_act);
   EXPECT_TRUE(c->v2);
-  EXPECT_FALSE(GptqMapsToInt4(*c));
+  EXPECT_FALSE(CheckpointQuantMapsToInt4(*c));
   for (const char* bad : {R"({"bits": 4, "group_size": 128})", R"({"quant_method": "gptq", "group_size": 128})",
                           R"({"quant_method": "gptq", "bits": 4})", R"({"quant_method": "gptq", "bits": 4,
                           "group_size": -2})", R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": 1})",
                           R"([1])"}) {
-    EXPECT_FALSE(ParseGptqConfig(bad, "config.json").ok()) << bad;
+    EXPECT_FALSE(ParseCheckpointQuant(bad, "config.json").ok()) << bad;
   }
 }
 
