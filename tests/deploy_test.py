@@ -7,7 +7,7 @@
   metrics in that expression. A missing docs/metrics.md is a failure: it is the list checked against.
 - The dashboard: valid JSON, datasource as a template variable used by every panel and target,
   the panels the deployment docs promise, unique ids.
-- The Dockerfiles: multi-stage, the stated bases, a non-root USER, an ENTRYPOINT.
+- The Dockerfiles: multi-stage, the stated bases, a numeric non-root USER, an ENTRYPOINT.
 """
 import json
 import os
@@ -217,6 +217,9 @@ def check_dockerfiles():
         users = [l.split(None, 1)[1] for l in last if l.upper().startswith("USER ")]
         if not users or users[-1].split(":")[0] in ("root", "0"):
             fail(f"Dockerfile.{name}: the runtime stage has no non-root USER")
+        elif not re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1].strip()):
+            # The kubelet can enforce runAsNonRoot only on a numeric user; deploy/k8s runs 10001.
+            fail(f"Dockerfile.{name}: USER {users[-1]!r} is not a numeric non-root uid:gid")
         if not any("tools/install-deps.sh" in l for l in logical if l.upper().startswith("RUN ")):
             fail(f"Dockerfile.{name}: the build stage does not run tools/install-deps.sh")
         if not any(l.upper().startswith("ENTRYPOINT ") for l in last):

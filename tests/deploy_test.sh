@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks deploy/ with the real tools (run by CTest; exit 77 = skipped, when a tool is missing).
 # usage: tests/deploy_test.sh prometheus        promtool: configs, rules, rule unit tests
-#        tests/deploy_test.sh k8s BUILD_DIR     kubectl kustomize each overlay, then validate
+#        tests/deploy_test.sh k8s BUILD_DIR     kubectl kustomize each overlay (cpu-demo, gpu, lws), then validate
 #                                               every object (tests/deploy_k8s_check.py)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,7 +68,7 @@ k8s() {
   local args=() i=0
   for k in "${kubectls[@]}"; do
     echo "== $k ($("$k" version --client 2>/dev/null | head -1))"
-    for o in cpu-demo gpu; do
+    for o in cpu-demo gpu lws; do
       local out="$build/deploy-rendered-$i-$o.yaml"
       if "$k" kustomize "$ROOT/deploy/k8s/overlays/$o" >"$out" 2>"$out.err"; then
         args+=("$o($i)=$out")

@@ -2,7 +2,8 @@
 // - a mutual-TLS cluster streams the golden tokens; a worker with a certificate from another CA
 //   is refused at the handshake, a peer without a certificate is refused before registering
 //   (Connect and rendezvous), and neither takes a slot: the group waits for the right worker; a
-//   worker's own port takes only peers with a certificate from the CA;
+//   worker's own port takes only peers with a certificate from the CA, and its --health-listen
+//   port answers health in plaintext (Kubernetes' gRPC probes);
 // - a plaintext client against the TLS port fails (UNAVAILABLE), not hangs;
 // - API keys: missing or wrong key is UNAUTHENTICATED and counted, the right key streams, health
 //   stays open, the key file is re-read when it changes, keys never reach the log;
@@ -260,8 +261,11 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
     EXPECT_NE(Health(client), grpc::health::v1::HealthCheckResponse::SERVING);
   }
 
-  // The right second worker completes the group, which serves over TLS.
-  StartWorker(address, "worker1", TlsFlags("worker"));
+  // The right second worker completes the group, which serves over TLS. It also serves its health
+  // in plaintext on --health-listen (for Kubernetes' gRPC probes, which speak no TLS).
+  std::vector<std::string> worker1_flags = TlsFlags("worker");
+  worker1_flags.insert(worker1_flags.end(), {"--health-listen", "127.0.0.1:0"});
+  Process* worker1 = StartWorker(address, "worker1", worker1_flags);
   ASSERT_TRUE(WaitFor([&] { return Health(client) == grpc::health::v1::HealthCheckResponse::SERVING; }, 120));
   const Golden golden = LoadGolden(kFixture);
   auto stub = v1::InferenceService::NewStub(client);
@@ -278,6 +282,12 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
   Health(Channel(worker_port, Files("other", "ca.pem")), &refused);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  // ... except its --health-listen port, which answers the same status to anyone in plaintext.
+  const std::string health_port = LoggedAddress(worker1->log(), "plaintext health on ", ' ');
+  ASSERT_FALSE(health_port.empty()) << ReadText(worker1->log());
+  EXPECT_NE(health_port, LoggedAddress(worker1->log(), ", listening on ", ','));
+  EXPECT_EQ(Health(grpc::CreateChannel(health_port, grpc::InsecureChannelCredentials())),
+            grpc::health::v1::HealthCheckResponse::SERVING);
 
   // A plaintext client against the TLS port: a clear UNAVAILABLE within its deadline, not a hang.
   grpc::Status plain;

@@ -41,6 +41,7 @@ constexpr char kUsage[] =
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
+    "                         [--health-listen HOST:PORT]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -77,7 +78,10 @@ constexpr char kUsage[] =
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
     "                           peers with a certificate from it (mutual TLS; docs/security.md)\n"
-    "  --insecure               allow plaintext on a --listen address beyond loopback\n";
+    "  --insecure               allow plaintext on a --listen address beyond loopback\n"
+    "  --health-listen          also serve grpc.health.v1 (and reflection) in plaintext on this\n"
+    "                           address, for probes that speak no TLS (Kubernetes' gRPC probes);\n"
+    "                           it tells only SERVING or NOT_SERVING (default: none)\n";
 
 // Far above any host's core count.
 constexpr int kMaxThreads = 4096;
@@ -135,7 +139,7 @@ int Main(int argc, char** argv) {
       Flags::Parse(argc, argv,
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
                     "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
-                    "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca"},
+                    "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen"},
                    {"help", "insecure", "spare"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -237,9 +241,15 @@ int Main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, *server_credentials, &port);
+  // The same server (so the same health status) on a second, plaintext port: the kubelet's gRPC
+  // probes cannot present a certificate, and this server holds nothing but health and reflection.
+  const std::string health_listen = flags->Get("health-listen");
+  int health_port = 0;
+  if (!health_listen.empty()) builder.AddListeningPort(health_listen, grpc::InsecureServerCredentials(), &health_port);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) {
-    std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n", listen.c_str());
+  if (server == nullptr || port == 0 || (!health_listen.empty() && health_port == 0)) {
+    std::fprintf(stderr, "shardserve-worker: cannot listen on %s\n",
+                 (port == 0 || health_listen.empty() ? listen : health_listen).c_str());
     return 1;
   }
   options.address = absl::StrCat(HostOf(listen), ":", port);
@@ -248,6 +258,10 @@ int Main(int argc, char** argv) {
   ids.node = options.node;
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
             absl::StrCat("metrics on http://", options.metrics_address, "/metrics"), ids);
+  if (!health_listen.empty()) {
+    WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
+              absl::StrCat("plaintext health on ", HostOf(health_listen), ":", health_port, " (grpc.health.v1)"), ids);
+  }
 
   WorkerService service(options, server->GetHealthCheckService());
   std::atomic<bool> done{false};
