@@ -199,6 +199,12 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
     metrics_->SetWeightBytes(executor_->weight_bytes());
     executor_->SetCollectiveObserver(metrics_.get());
   }
+  if (options_.debug_load_delay > absl::ZeroDuration()) {
+    WorkerLog(Who(), absl::StrCat("TEST-ONLY: holding the load for ", absl::FormatDuration(options_.debug_load_delay),
+                                  " (--debug-load-delay-ms)"),
+              Ids());
+    absl::SleepFor(options_.debug_load_delay);
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   v1::WorkerMessage loaded;
