@@ -3,8 +3,9 @@
 
 1. A worker SIGKILLed while the cluster serves is restarted by launch, takes its slot back, the
    group heals under a new epoch and serves again.
-2. With --spare-workers 1 and --max-worker-restarts 0, the spare takes the killed worker's slot:
-   the group heals with no restart.
+2. With --spare-workers 1 and --max-worker-restarts 1, the spare takes the killed worker's slot at
+   once, and launch restarts the killed worker as a spare (not as a replacement, which the complete
+   group would refuse): the group heals and has a spare again.
 
 Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
 waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
@@ -48,7 +49,7 @@ def cmdline(pid):
 def run(bin_dir, spare):
     cli = os.path.join(bin_dir, "shardserve")
     log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
-    extra = ["--spare-workers", "1", "--max-worker-restarts", "0"] if spare else []
+    extra = ["--spare-workers", "1", "--max-worker-restarts", "1"] if spare else []
     launch = subprocess.Popen(
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
          "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra,
@@ -78,7 +79,7 @@ def run(bin_dir, spare):
         victim = workers[1]
         os.kill(victim, signal.SIGKILL)
         if spare:
-            wait_for(r"not restarting worker node0/\d", 60)
+            wait_for(r"restarted worker node0/\d as a spare", 60)
         else:
             wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
             wait_for(r"restarted worker node0/\d", 60)
@@ -96,9 +97,18 @@ def run(bin_dir, spare):
                            capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
-        if spare and "spare takes slot" not in open(os.path.join(log_dir, "coordinator.log")).read():
-            fail("the coordinator's log does not say that the spare took the slot")
-        print(f"launch_heal_test.py: OK ({'a spare took the slot' if spare else 'worker restarted by launch'}, "
+        if spare:
+            coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
+            if "spare takes slot" not in coordinator_log:
+                fail("the coordinator's log does not say that the spare took the slot")
+            # The restarted worker registers as the next spare (bounded wait: it may still be starting).
+            deadline = time.time() + 120
+            while coordinator_log.count("as a spare:") < 2 and time.time() < deadline:
+                time.sleep(0.5)
+                coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
+            if coordinator_log.count("as a spare:") < 2:
+                fail(f"the restarted worker did not register as a spare:\n{coordinator_log[-3000:]}")
+        print(f"launch_heal_test.py: OK ({'a spare took the slot, the worker came back as a spare' if spare else 'worker restarted by launch'}, "
               "group healed under epoch 2, generate OK)")
     finally:
         launch.send_signal(signal.SIGTERM)

@@ -304,7 +304,8 @@ int Run(const std::vector<std::string>& args) {
         std::fprintf(stderr, "shardserve launch: cannot restart %s: %s\n", it->first.c_str(),
                      std::string(s.message()).c_str());
       } else {
-        std::fprintf(stderr, "shardserve launch: restarted %s\n", it->first.c_str());
+        std::fprintf(stderr, "shardserve launch: restarted %s%s\n", it->first.c_str(),
+                     options.spare_workers > 0 ? " as a spare" : "");
       }
       std::fflush(stderr);
       it = restart_at.erase(it);
