@@ -74,12 +74,28 @@ StreamRun StreamWith(Cluster& cluster, const v1::GenerateRequest& request, int a
   return out;
 }
 
+// Whether the coordinator's status shows the worker registered from `address` as lost.
+bool CoordinatorSeesLost(Cluster& cluster, const std::string& address) {
+  const v1::ClusterStatus status = cluster.Status();
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.address() == address && w.state() == v1::WORKER_STATE_LOST) return true;
+  }
+  return false;
+}
+
 // SIGKILLs the worker in slot (stage, tp_rank) and starts a replacement for its node 1 s later.
 void KillAndReplace(Cluster& cluster, int stage, int tp_rank) {
   const int victim = WorkerAt(cluster, stage, tp_rank);
   ASSERT_GE(victim, 0) << "no live worker holds stage " << stage << " tp rank " << tp_rank << "\n" << cluster.Logs();
+  const std::string address = cluster.worker_address(victim);
   cluster.worker(victim).Signal(SIGKILL);
   std::this_thread::sleep_for(std::chrono::seconds(1));
+  // A worker that registers before the coordinator has seen the loss finds the group complete and
+  // is refused (on a loaded machine the loss can take longer than the 1 s): wait for it, bounded.
+  const auto start = Clock::now();
+  while (!CoordinatorSeesLost(cluster, address) && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   cluster.AddWorker("n" + std::to_string(stage));
 }
 
@@ -149,6 +165,10 @@ TEST(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUncha
   EXPECT_NE(log.find("re-forming: epoch 1 -> 2"), std::string::npos);
   EXPECT_NE(log.find("healed in"), std::string::npos);
   EXPECT_NE(log.find("resumed by recompute"), std::string::npos);
+  // A survivor whose step fails closes its collective groups at once (StepExecutor::LeaveGroups),
+  // so a peer blocked on it (a stage waiting for a hidden state from a stage that failed) fails
+  // too, at once: no survivor waits out the collective timeout.
+  EXPECT_EQ(log.find("timed out: no progress"), std::string::npos) << log;
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
@@ -316,7 +336,8 @@ TEST(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRefu
   EXPECT_NE(run.status.error_message().find(slot), std::string::npos) << run.status.error_message();
   EXPECT_NE(run.status.error_message().find("--heal-timeout-seconds"), std::string::npos)
       << run.status.error_message();
-  EXPECT_LT(seconds, 60.0);
+  // Well before the stream's own deadline (240 s): the heal timeout (3 s) ended it, not the client.
+  EXPECT_LT(seconds, 200.0);
   EXPECT_LT(run.tokens.size(), 600u);
   EXPECT_EQ(cluster.Status().state(), "healing");
   EXPECT_EQ(cluster.HealthStatus(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);

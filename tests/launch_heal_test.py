@@ -2,7 +2,8 @@
 """`shardserve launch` supervision and spares (docs/healing.md).
 
 1. A worker SIGKILLed while the cluster serves is restarted by launch, takes its slot back, the
-   group heals under a new epoch and serves again.
+   group heals under a new epoch and serves again. Killed again 12 s later, it is restarted after
+   1 s again (not 2: it was not crash-looping), and the group heals under epoch 3.
 2. With --spare-workers 1 and --max-worker-restarts 1, the spare takes the killed worker's slot at
    once, and launch restarts the killed worker as a spare (not as a replacement, which the complete
    group would refuse): the group heals and has a spare again.
@@ -97,6 +98,27 @@ def run(bin_dir, spare):
                            capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
+        if not spare:
+            # Killed again well after its restart (it was not crash-looping): restarted after 1 s
+            # again, not 2 (the backoff doubles only for a worker that dies within 10 s of its restart).
+            time.sleep(12)
+            again = [p for p in children(launch.pid)
+                     if cmdline(p)[:1] and cmdline(p)[0].endswith(b"shardserve-worker") and p not in workers]
+            if len(again) != 1:
+                fail(f"expected the one restarted worker process under launch, found {again}")
+            os.kill(again[0], signal.SIGKILL)
+            wait_for(r"restarting worker node0/\d in 1 s \(restart 2 of at most 5\)", 60)
+            deadline = time.time() + 60
+            while sum("restarted worker node0/" in l for l in list(lines)) < 2 and time.time() < deadline:
+                time.sleep(0.1)
+            deadline = time.time() + 180
+            while time.time() < deadline:
+                r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30)
+                if r.returncode == 0 and "state serving, epoch 3" in r.stdout + r.stderr:
+                    break
+                time.sleep(0.5)
+            else:
+                fail(f"the cluster did not serve again under epoch 3:\n{r.stdout}{r.stderr}\n{''.join(lines)}")
         if spare:
             coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
             if "spare takes slot" not in coordinator_log:

@@ -275,6 +275,7 @@ void WorkerService::RunStep(Stream* stream) {
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {
+    executor_->LeaveGroups();  // peers stuck in a collective with this worker fail now, not after the timeout
     Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()), plan.step_id());
     return;
   }
