@@ -50,11 +50,14 @@ def cmdline(pid):
 def run(bin_dir, spare):
     cli = os.path.join(bin_dir, "shardserve")
     log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
+    # A state directory of its own: launch's cluster.json (address, TLS files), which the client
+    # commands below read, is not overwritten or removed by another launch running beside this test.
+    env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
     extra = ["--spare-workers", "1", "--max-worker-restarts", "1"] if spare else []
     launch = subprocess.Popen(
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
          "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     reader = threading.Thread(target=lambda: [lines.append(l) for l in launch.stdout], daemon=True)
     reader.start()
@@ -87,7 +90,7 @@ def run(bin_dir, spare):
         deadline = time.time() + 180
         status = ""
         while time.time() < deadline:
-            r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30)
+            r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
             status = r.stdout + r.stderr
             if r.returncode == 0 and "state serving, epoch 2" in status:
                 break
@@ -95,7 +98,7 @@ def run(bin_dir, spare):
         else:
             fail(f"the cluster did not serve again under epoch 2:\n{status}\n{''.join(lines)}")
         r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "4"],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:
             fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
         if not spare:
@@ -113,7 +116,7 @@ def run(bin_dir, spare):
                 time.sleep(0.1)
             deadline = time.time() + 180
             while time.time() < deadline:
-                r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30)
+                r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
                 if r.returncode == 0 and "state serving, epoch 3" in r.stdout + r.stderr:
                     break
                 time.sleep(0.5)

@@ -74,7 +74,10 @@ class Launch:
                "--spare-workers", str(args.spare_workers)] + args.launch_flags
         self.command = cmd
         self.out = open(self.out_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+        # A state directory of its own: launch writes cluster.json there, not over the one of a
+        # cluster the user (or a test running beside this one) has started.
+        env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def output(self):
         with open(self.out_path, errors="replace") as f:
