@@ -2,9 +2,11 @@
 """`shardserve launch` supervision and spares (docs/healing.md).
 
 1. A worker SIGKILLed while the cluster serves is restarted by launch, takes its slot back, the
-   group heals under a new epoch and serves again.
-2. With --spare-workers 1 and --max-worker-restarts 0, the spare takes the killed worker's slot:
-   the group heals with no restart.
+   group heals under a new epoch and serves again. Killed again 12 s later, it is restarted after
+   1 s again (not 2: it was not crash-looping), and the group heals under epoch 3.
+2. With --spare-workers 1 and --max-worker-restarts 1, the spare takes the killed worker's slot at
+   once, and launch restarts the killed worker as a spare (not as a replacement, which the complete
+   group would refuse): the group heals and has a spare again.
 
 Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
 waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
@@ -48,11 +50,14 @@ def cmdline(pid):
 def run(bin_dir, spare):
     cli = os.path.join(bin_dir, "shardserve")
     log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
-    extra = ["--spare-workers", "1", "--max-worker-restarts", "0"] if spare else []
+    # A state directory of its own: launch's cluster.json (address, TLS files), which the client
+    # commands below read, is not overwritten or removed by another launch running beside this test.
+    env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
+    extra = ["--spare-workers", "1", "--max-worker-restarts", "1"] if spare else []
     launch = subprocess.Popen(
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
          "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     reader = threading.Thread(target=lambda: [lines.append(l) for l in launch.stdout], daemon=True)
     reader.start()
@@ -78,14 +83,14 @@ def run(bin_dir, spare):
         victim = workers[1]
         os.kill(victim, signal.SIGKILL)
         if spare:
-            wait_for(r"not restarting worker node0/\d", 60)
+            wait_for(r"restarted worker node0/\d as a spare", 60)
         else:
             wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
             wait_for(r"restarted worker node0/\d", 60)
         deadline = time.time() + 180
         status = ""
         while time.time() < deadline:
-            r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30)
+            r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
             status = r.stdout + r.stderr
             if r.returncode == 0 and "state serving, epoch 2" in status:
                 break
@@ -93,12 +98,42 @@ def run(bin_dir, spare):
         else:
             fail(f"the cluster did not serve again under epoch 2:\n{status}\n{''.join(lines)}")
         r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "4"],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:
             fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
-        if spare and "spare takes slot" not in open(os.path.join(log_dir, "coordinator.log")).read():
-            fail("the coordinator's log does not say that the spare took the slot")
-        print(f"launch_heal_test.py: OK ({'a spare took the slot' if spare else 'worker restarted by launch'}, "
+        if not spare:
+            # Killed again well after its restart (it was not crash-looping): restarted after 1 s
+            # again, not 2 (the backoff doubles only for a worker that dies within 10 s of its restart).
+            time.sleep(12)
+            again = [p for p in children(launch.pid)
+                     if cmdline(p)[:1] and cmdline(p)[0].endswith(b"shardserve-worker") and p not in workers]
+            if len(again) != 1:
+                fail(f"expected the one restarted worker process under launch, found {again}")
+            os.kill(again[0], signal.SIGKILL)
+            wait_for(r"restarting worker node0/\d in 1 s \(restart 2 of at most 5\)", 60)
+            deadline = time.time() + 60
+            while sum("restarted worker node0/" in l for l in list(lines)) < 2 and time.time() < deadline:
+                time.sleep(0.1)
+            deadline = time.time() + 180
+            while time.time() < deadline:
+                r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
+                if r.returncode == 0 and "state serving, epoch 3" in r.stdout + r.stderr:
+                    break
+                time.sleep(0.5)
+            else:
+                fail(f"the cluster did not serve again under epoch 3:\n{r.stdout}{r.stderr}\n{''.join(lines)}")
+        if spare:
+            coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
+            if "spare takes slot" not in coordinator_log:
+                fail("the coordinator's log does not say that the spare took the slot")
+            # The restarted worker registers as the next spare (bounded wait: it may still be starting).
+            deadline = time.time() + 120
+            while coordinator_log.count("as a spare:") < 2 and time.time() < deadline:
+                time.sleep(0.5)
+                coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
+            if coordinator_log.count("as a spare:") < 2:
+                fail(f"the restarted worker did not register as a spare:\n{coordinator_log[-3000:]}")
+        print(f"launch_heal_test.py: OK ({'a spare took the slot, the worker came back as a spare' if spare else 'worker restarted by launch'}, "
               "group healed under epoch 2, generate OK)")
     finally:
         launch.send_signal(signal.SIGTERM)

@@ -82,7 +82,7 @@ class TimedCommunicator final : public Communicator {
     // A group of one (LocalCommunicator) communicates nothing: its calls are the identity or a copy
     // queued on the backend itself, so there is nothing to order or time, and on CUDA a wait here
     // would stall the step twice per layer.
-    if (inner_ == nullptr) return absl::FailedPreconditionError("the collective group is closed (its regroup failed)");
+    if (inner_ == nullptr) return absl::FailedPreconditionError("the collective group is closed (a step or a regroup failed; it re-forms at the next regroup)");
     if (inner_->size() > 1) {
       SHARDSERVE_RETURN_IF_ERROR(backend_->Synchronize());
     }

@@ -37,7 +37,7 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
-    "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
+    "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS] [--debug-load-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
@@ -57,6 +57,8 @@ constexpr char kUsage[] =
     "                           (default: the host of --listen)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
     "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n"
+    "  --debug-load-delay-ms    TEST-ONLY: after loading the assigned shard, sleep this long before\n"
+    "                           saying it is loaded (default 0)\n"
     "  --spare                  register as a spare: no shard until a worker of this node is lost,\n"
     "                           then take its slot at once (docs/healing.md)\n"
     "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
@@ -138,7 +140,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
-                    "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
+                    "connect-timeout-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen"},
                    {"help", "insecure", "spare"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
@@ -149,13 +151,14 @@ int Main(int argc, char** argv) {
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
   std::string log_format_name = "text", matmul_dtype = "auto";
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0;
-  int64_t delay_ms = 0;
+  int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
            flags->Double("connect-timeout-seconds", 0.001, 86400, &connect_timeout),
            flags->Int("debug-step-delay-ms", 0, 3600000, &delay_ms),
+           flags->Int("debug-load-delay-ms", 0, 3600000, &load_delay_ms),
            flags->Int("threads", 0, kMaxThreads, &options.cpu_threads),
            flags->OneOf("matmul-dtype", {"auto", "f32", "bf16"}, &matmul_dtype),
        }) {
@@ -194,6 +197,7 @@ int Main(int argc, char** argv) {
   options.memory_bytes_per_s = bandwidth_gbps > 0 ? bandwidth_gbps * 1e9 : DeviceMemoryBandwidth(*cuda_ordinal);
   options.connect_timeout = absl::Seconds(connect_timeout);
   options.debug_step_delay = absl::Milliseconds(delay_ms);
+  options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
   options.collective_host = flags->Get("collective-host");
   if (options.collective_host.empty()) options.collective_host = HostOf(listen);

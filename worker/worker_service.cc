@@ -199,6 +199,12 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
     metrics_->SetWeightBytes(executor_->weight_bytes());
     executor_->SetCollectiveObserver(metrics_.get());
   }
+  if (options_.debug_load_delay > absl::ZeroDuration()) {
+    WorkerLog(Who(), absl::StrCat("TEST-ONLY: holding the load for ", absl::FormatDuration(options_.debug_load_delay),
+                                  " (--debug-load-delay-ms)"),
+              Ids());
+    absl::SleepFor(options_.debug_load_delay);
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   v1::WorkerMessage loaded;
@@ -269,6 +275,7 @@ void WorkerService::RunStep(Stream* stream) {
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {
+    executor_->LeaveGroups();  // peers stuck in a collective with this worker fail now, not after the timeout
     Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()), plan.step_id());
     return;
   }

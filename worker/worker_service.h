@@ -72,6 +72,9 @@ struct WorkerOptions {
   // Test-only: sleep this long before each step, so that a test can act in the middle of a
   // generation. Zero in production.
   absl::Duration debug_step_delay = absl::ZeroDuration();
+  // TEST-ONLY (--debug-load-delay-ms): after loading an assigned shard, wait this long before
+  // answering Loaded, so that a test can kill a worker that is still loading (tests/heal_test.cc).
+  absl::Duration debug_load_delay = absl::ZeroDuration();
   // Register as a spare (worker.proto Register.spare): no shard until a slot of this node is lost.
   bool spare = false;
 };

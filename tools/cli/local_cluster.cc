@@ -150,6 +150,12 @@ absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std:
 absl::Status LocalCluster::RestartWorker(const std::string& name) {
   for (Child& c : children_) {
     if (!c.worker || c.name != name || c.pid > 0) continue;
+    // With spares, the lost slot has most likely been taken by a spare already: the new process
+    // comes back as a spare (it takes a slot still open when it registers, docs/healing.md), not
+    // as a replacement that the complete group would refuse.
+    if (options_.spare_workers > 0 && std::find(c.argv.begin(), c.argv.end(), "--spare") == c.argv.end()) {
+      c.argv.push_back("--spare");
+    }
     absl::StatusOr<pid_t> pid = ForkExec(c.argv, c.log, /*append=*/true);
     if (!pid.ok()) return pid.status();
     c.pid = *pid;
