@@ -83,6 +83,17 @@ class StepExecutor {
   // error the communicators are unusable: run no steps until a later Regroup succeeds.
   absl::Status Regroup(const v1::Regroup& regroup, RendezvousStore* store);
 
+  // The coordinator went away (docs/healing.md "The coordinator restarts"): drops the running batch
+  // and closes the communicators (the peers see them drop); the weights stay. Run no steps until
+  // Adopt or a Regroup succeeds.
+  void LeaveGroup();
+
+  // A new coordinator adopts this worker: `assignment` must be for the shard it holds (SameShard,
+  // model/shard_identity.h: FailedPrecondition naming the difference otherwise) under a later
+  // epoch. Takes the new assignment (worker id, groups, collective timeout) and joins its groups as
+  // Regroup does, keeping the weights.
+  absl::Status Adopt(const v1::Assignment& assignment, RendezvousStore* store);
+
   // The group's epoch: the assignment's, then the last Regroup's. Execute refuses a plan of another.
   uint64_t epoch() const { return epoch_; }
 
