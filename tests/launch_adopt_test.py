@@ -22,26 +22,16 @@ import threading
 import time
 import urllib.request
 
+from launch_heal_test import children, cmdline  # noqa: E402 (this directory is on sys.path)
+
 
 def fail(message):
     print(f"launch_adopt_test.py: FAIL: {message}")
     sys.exit(1)
 
 
-def children(pid):
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
-
-
 def exe(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0]
-    except OSError:
-        return b""
+    return (cmdline(pid) or [b""])[0]
 
 
 def main(bin_dir):

@@ -306,12 +306,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  v1::WorkerMessage loaded;
-  v1::Loaded* l = loaded.mutable_loaded();
-  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
-  l->set_kv_blocks(executor_->kv_blocks());
-  l->set_load_seconds(seconds);
-  l->set_epoch(a.epoch());
+  const v1::WorkerMessage loaded = LoadedMessage(a.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights (linear layers: %s), %d KV blocks, %s",
                                    seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
@@ -343,12 +338,7 @@ void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub
     return;
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  v1::WorkerMessage loaded;
-  v1::Loaded* l = loaded.mutable_loaded();
-  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
-  l->set_kv_blocks(executor_->kv_blocks());
-  l->set_load_seconds(seconds);
-  l->set_epoch(a.epoch());
+  const v1::WorkerMessage loaded = LoadedMessage(a.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("adopted by the coordinator at %s (was %s under epoch %d): kept its weights "
                                    "(%.1f MiB, no reload), joined the groups of epoch %d in %.2f s",
@@ -356,6 +346,16 @@ void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub
                                    static_cast<double>(executor_->weight_bytes()) / (1 << 20), a.epoch(), seconds),
             Ids());
   Write(stream, loaded);
+}
+
+v1::WorkerMessage WorkerService::LoadedMessage(uint64_t epoch, double seconds) const {
+  v1::WorkerMessage loaded;
+  v1::Loaded* l = loaded.mutable_loaded();
+  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
+  l->set_kv_blocks(executor_->kv_blocks());
+  l->set_load_seconds(seconds);
+  l->set_epoch(epoch);
+  return loaded;
 }
 
 uint64_t WorkerService::epoch() const {
@@ -386,12 +386,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   assignment_.set_send_group(r.send_group());
   assignment_.set_recv_group(r.recv_group());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  v1::WorkerMessage loaded;
-  v1::Loaded* l = loaded.mutable_loaded();
-  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
-  l->set_kv_blocks(executor_->kv_blocks());
-  l->set_load_seconds(seconds);
-  l->set_epoch(r.epoch());
+  const v1::WorkerMessage loaded = LoadedMessage(r.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
   Write(stream, loaded);

@@ -136,6 +136,8 @@ class WorkerService {
   // Records the first failure, reports it to the coordinator (with the epoch and `step_id`, 0 for
   // none) and marks this worker NOT_SERVING.
   void Fail(Stream* stream, const std::string& message, uint64_t step_id = 0);
+  // Loaded {epoch} for the shard executor_ holds, ready after `seconds` of loading or joining.
+  v1::WorkerMessage LoadedMessage(uint64_t epoch, double seconds) const;
   // The group's epoch this worker is in: its assignment's, then its last Regroup's.
   uint64_t epoch() const;
   void SetServing(bool serving);
