@@ -1,6 +1,7 @@
 // Real shardserve-coordinator and shardserve-worker processes on 127.0.0.1 for tests
 // (cluster_test, metrics_test): a Process in a process group of its own that dies with the test,
-// a Cluster of one coordinator and nodes x gpus_per_node workers on free ports, and Generate()
+// a Cluster of one coordinator (which RestartCoordinator can replace) and nodes x gpus_per_node
+// workers on free ports, and Generate()
 // through the client API. Every wait is bounded; destructors kill and reap every child.
 //
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
@@ -184,6 +185,7 @@ class Cluster {
         "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
         "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
     coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    coordinator_argv_ = coordinator_argv;
     coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
     while (!fs::exists(port_file)) {
       if (!coordinator_->running() || SecondsSince(start) > 30) {
@@ -235,6 +237,53 @@ class Cluster {
     return i;
   }
 
+  // SIGKILLs the coordinator (the workers outlive it for their --coordinator-grace-seconds;
+  // docs/healing.md) and starts a new one on the same port with the same flags, then `extra` (a
+  // flag given twice: the last wins), logging to coordinator-<k>.log. Returns once it listens (it
+  // serves once it has adopted the workers); false, reported through gtest, when it does not
+  // within 60 s.
+  bool RestartCoordinator(const std::vector<std::string>& extra = {}) {
+    coordinator_->Signal(SIGKILL);
+    coordinator_->Wait(std::chrono::seconds(10));
+    std::vector<std::string> argv = coordinator_argv_;
+    for (size_t k = 0; k + 1 < argv.size(); ++k) {
+      if (argv[k] == "--listen") argv[k + 1] = address_;
+    }
+    const fs::path port_file = dir_ / ("port" + std::to_string(old_coordinators_.size() + 1));
+    for (size_t k = 0; k + 1 < argv.size(); ++k) {
+      if (argv[k] == "--port-file") argv[k + 1] = port_file.string();
+    }
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    old_coordinators_.push_back(std::move(coordinator_));
+    const fs::path log = dir_ / ("coordinator-" + std::to_string(old_coordinators_.size() + 1) + ".log");
+    const auto start = Clock::now();
+    // The port was the old process's: binding it again may fail for a moment (then try again).
+    while (true) {
+      coordinator_ = std::make_unique<Process>(argv, log);
+      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < 60) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (fs::exists(port_file)) break;
+      if (SecondsSince(start) >= 60) {
+        ADD_FAILURE() << "the restarted coordinator did not listen on " << address_ << ":\n" << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    metrics_address_ = LoggedAddress(coordinator_->log(), "metrics on http://", '/');
+    return true;
+  }
+
+  // Waits up to `seconds` for the coordinator's health to be SERVING.
+  bool WaitForServing(double seconds) {
+    const auto start = Clock::now();
+    while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
+      if (!coordinator_->running() || SecondsSince(start) > seconds) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return true;
+  }
+
   // The coordinator's overall grpc.health.v1 status (UNKNOWN when the call fails).
   grpc::health::v1::HealthCheckResponse::ServingStatus HealthStatus() {
     grpc::ClientContext context;
@@ -255,7 +304,9 @@ class Cluster {
 
   // Every process's log, for failure messages.
   std::string Logs() {
-    std::string out = "---- coordinator ----\n" + Tail(coordinator_->log()) + "\n";
+    std::string out;
+    for (auto& c : old_coordinators_) out += "---- " + c->log().filename().string() + " ----\n" + Tail(c->log()) + "\n";
+    out += "---- coordinator ----\n" + Tail(coordinator_->log()) + "\n";
     for (auto& w : workers_) out += "---- " + w->log().filename().string() + " ----\n" + Tail(w->log()) + "\n";
     return out;
   }
@@ -281,6 +332,8 @@ class Cluster {
   std::string address_;
   std::string metrics_address_;
   std::unique_ptr<Process> coordinator_;
+  std::vector<std::string> coordinator_argv_;
+  std::vector<std::unique_ptr<Process>> old_coordinators_;  // killed by RestartCoordinator
   std::vector<std::unique_ptr<Process>> workers_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::InferenceService::Stub> client_;

@@ -10,6 +10,7 @@
 #include "base/status_macros.h"
 #include "model/weight_source.h"
 #include "model/config.h"
+#include "model/shard_identity.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 
@@ -190,6 +191,25 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
   if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2));
   if (!last) SHARDSERVE_RETURN_IF_ERROR(join(send_.get(), r.send_group(), 0, 2));
   return absl::OkStatus();
+}
+
+void StepExecutor::LeaveCoordinator() {
+  state_->Clear();
+  LeaveGroups();
+}
+
+absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store) {
+  SHARDSERVE_RETURN_IF_ERROR(SameShard(assignment_, a));
+  v1::Regroup r;
+  r.set_epoch(a.epoch());
+  r.set_tp_group(a.tp_group());
+  r.set_send_group(a.send_group());
+  r.set_recv_group(a.recv_group());
+  if (r.epoch() <= epoch_) {
+    return absl::InvalidArgumentError(absl::StrCat("adopt: epoch ", r.epoch(), " is not after the current ", epoch_));
+  }
+  assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
+  return Regroup(r, store);
 }
 
 absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {

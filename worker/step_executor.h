@@ -94,6 +94,17 @@ class StepExecutor {
     }
   }
 
+  // The coordinator went away (docs/healing.md "The coordinator restarts"): drops the running batch
+  // and leaves the groups (LeaveGroups); the weights stay. Run no steps until Adopt or a Regroup
+  // succeeds.
+  void LeaveCoordinator();
+
+  // A new coordinator adopts this worker: `assignment` must be for the shard it holds (SameShard,
+  // model/shard_identity.h: FailedPrecondition naming the difference otherwise) under a later
+  // epoch. Takes the new assignment (worker id, groups, collective timeout) and joins its groups as
+  // Regroup does, keeping the weights.
+  absl::Status Adopt(const v1::Assignment& assignment, RendezvousStore* store);
+
   // The group's epoch: the assignment's, then the last Regroup's. Execute refuses a plan of another.
   uint64_t epoch() const { return epoch_; }
 

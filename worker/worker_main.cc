@@ -37,7 +37,8 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
     "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
-    "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS] [--debug-load-delay-ms MS]\n"
+    "                         [--connect-timeout-seconds S] [--coordinator-grace-seconds S]\n"
+    "                         [--debug-step-delay-ms MS] [--debug-load-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
@@ -56,6 +57,10 @@ constexpr char kUsage[] =
     "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
     "                           (default: the host of --listen)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
+    "  --coordinator-grace-seconds  how long to outlive a coordinator that went away (its process\n"
+    "                           died): the worker keeps its shard and registers again, so that a\n"
+    "                           restarted coordinator adopts it without a reload; then it exits\n"
+    "                           (default 60; 0: exit with the coordinator; docs/healing.md)\n"
     "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n"
     "  --debug-load-delay-ms    TEST-ONLY: after loading the assigned shard, sleep this long before\n"
     "                           saying it is loaded (default 0)\n"
@@ -140,7 +145,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
-                    "connect-timeout-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
+                    "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen"},
                    {"help", "insecure", "spare"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
@@ -150,13 +155,14 @@ int Main(int argc, char** argv) {
   }
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
   std::string log_format_name = "text", matmul_dtype = "auto";
-  double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0;
+  double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0, coordinator_grace = 60;
   int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
            flags->Double("connect-timeout-seconds", 0.001, 86400, &connect_timeout),
+           flags->Double("coordinator-grace-seconds", 0, 86400, &coordinator_grace),
            flags->Int("debug-step-delay-ms", 0, 3600000, &delay_ms),
            flags->Int("debug-load-delay-ms", 0, 3600000, &load_delay_ms),
            flags->Int("threads", 0, kMaxThreads, &options.cpu_threads),
@@ -196,6 +202,7 @@ int Main(int argc, char** argv) {
   }
   options.memory_bytes_per_s = bandwidth_gbps > 0 ? bandwidth_gbps * 1e9 : DeviceMemoryBandwidth(*cuda_ordinal);
   options.connect_timeout = absl::Seconds(connect_timeout);
+  options.coordinator_grace = absl::Seconds(coordinator_grace);
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");

@@ -1,5 +1,6 @@
 #include "worker/worker_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -7,11 +8,13 @@
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
+#include "model/shard_identity.h"
 #include "worker/grpc_rendezvous.h"
 #include "worker/worker_log.h"
 
@@ -21,6 +24,9 @@ namespace {
 constexpr absl::Duration kHeartbeatInterval = absl::Seconds(1);
 // How often WaitForCoordinator checks for Stop() while the coordinator is not up.
 constexpr absl::Duration kConnectPoll = absl::Milliseconds(250);
+// Waits between tries to re-register after the coordinator went away: doubling, bounded.
+constexpr absl::Duration kReconnectBackoffMin = absl::Milliseconds(250);
+constexpr absl::Duration kReconnectBackoffMax = absl::Seconds(2);
 
 }  // namespace
 
@@ -76,19 +82,83 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
   return absl::OkStatus();
 }
 
+bool WorkerService::SleepUnlessStopped(absl::Duration d) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(absl::Condition(&stop_requested_), d);
+}
+
 absl::Status WorkerService::Run() {
   WorkerLog(Who(), absl::StrCat("connecting to the coordinator at ", options_.coordinator), Ids());
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      options_.coordinator, options_.channel_credentials ? options_.channel_credentials : grpc::InsecureChannelCredentials());
+  // Reconnect backoff held to at most a second, so that a restarted coordinator is found soon
+  // (gRPC's default grows to 120 s).
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 250);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      options_.coordinator, options_.channel_credentials ? options_.channel_credentials : grpc::InsecureChannelCredentials(),
+      args);
   SHARDSERVE_RETURN_IF_ERROR(WaitForCoordinator(channel.get()));
   std::unique_ptr<v1::WorkerControl::Stub> stub = v1::WorkerControl::NewStub(channel);
 
+  // Since when no coordinator has given this worker a shard (or taken it in as a spare); none while
+  // one has.
+  std::optional<absl::Time> orphaned_since;
+  absl::Duration backoff = kReconnectBackoffMin;
+  absl::Status result;
+  for (;;) {
+    bool coordinator_gone = false;
+    result = Session(stub.get(), &coordinator_gone);
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_requested_) break;
+    }
+    if (!coordinator_gone || options_.coordinator_grace <= absl::ZeroDuration()) break;
+    if (accepted_this_stream_ || !orphaned_since.has_value()) {
+      // The coordinator that had this worker is gone: outlive it, holding the shard.
+      orphaned_since = absl::Now();
+      backoff = kReconnectBackoffMin;
+      if (executor_ != nullptr) executor_->LeaveCoordinator();
+      failure_.clear();  // the old group's failure went with it
+      SetServing(false);
+      WorkerLog(Who(),
+                absl::StrCat("the coordinator at ", options_.coordinator, " is gone; ",
+                             executor_ != nullptr ? "keeping the shard (dropped the running batch, left the "
+                                                    "collective groups), "
+                                                  : "",
+                             "re-registering for up to ", absl::FormatDuration(options_.coordinator_grace),
+                             " (--coordinator-grace-seconds)"),
+                Ids("warn"));
+    }
+    const absl::Duration left = options_.coordinator_grace - (absl::Now() - *orphaned_since);
+    if (left <= absl::ZeroDuration()) {
+      result = absl::UnavailableError(absl::StrCat(
+          "no coordinator at ", options_.coordinator, " took this worker back within ",
+          absl::FormatDuration(options_.coordinator_grace), " (--coordinator-grace-seconds); exiting"));
+      WorkerLog(Who(), std::string(result.message()), Ids("error"));
+      break;
+    }
+    if (SleepUnlessStopped(std::min(backoff, left))) break;
+    backoff = std::min(backoff * 2, kReconnectBackoffMax);
+  }
+  executor_.reset();  // closes the collective connections; peers see them drop
+  SetServing(false);
+  WorkerLog(Who(), "stopped", Ids());
+  return result;
+}
+
+absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, bool* coordinator_gone) {
   grpc::ClientContext context;
   {
     absl::MutexLock lock(&mu_);
     if (stop_requested_) return absl::OkStatus();
     context_ = &context;
+    stream_done_ = false;
   }
+  accepted_this_stream_ = false;
+  assigned_this_stream_ = false;
+  told_to_stop_ = false;
+  peer_ended_ = false;
   std::unique_ptr<Stream> stream = stub->Connect(&context);
 
   v1::WorkerMessage hello;
@@ -101,42 +171,55 @@ absl::Status WorkerService::Run() {
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
   r->set_metrics_address(options_.metrics_address);
-  r->set_spare(options_.spare);
+  // A spare that took a slot holds a shard now: it comes back as that slot's worker.
+  r->set_spare(options_.spare && executor_ == nullptr);
+  if (executor_ != nullptr) {
+    *r->mutable_held()->mutable_assignment() = assignment_;
+    r->mutable_held()->set_model_fingerprint(model_fingerprint_);
+  }
   absl::Status result;
   std::thread heartbeat;
   if (!Write(stream.get(), hello)) {
+    peer_ended_ = true;
     result = absl::UnavailableError(absl::StrCat("the coordinator at ", options_.coordinator,
                                                  " closed the control stream before registration"));
   } else {
     WorkerLog(Who(),
               absl::StrCat("registered (", options_.device, ", listening on ", options_.address,
                            options_.metrics_address.empty() ? "" : ", metrics on http://", options_.metrics_address,
-                           options_.metrics_address.empty() ? "" : "/metrics", ")"),
+                           options_.metrics_address.empty() ? "" : "/metrics",
+                           executor_ != nullptr ? absl::StrCat(", holding stage ", assignment_.stage(), " tp rank ",
+                                                               assignment_.tp_rank(), " of epoch ", assignment_.epoch())
+                                                : "",
+                           ")"),
               Ids());
     heartbeat = std::thread([this, s = stream.get()] { HeartbeatLoop(s); });
-    result = Serve(stream.get(), stub.get());
+    result = Serve(stream.get(), stub);
   }
 
-  // End the call from this side too, which also makes a heartbeat stuck in a write return; stop
+  // Unless the coordinator ended the call (its status then tells why: UNAVAILABLE when it went
+  // away), end it from this side too, which also makes a heartbeat stuck in a write return; stop
   // the heartbeat thread, drain the call and close it.
   {
     absl::MutexLock lock(&mu_);
     context_ = nullptr;
     stream_done_ = true;
   }
-  context.TryCancel();
+  if (!peer_ended_) context.TryCancel();
   if (heartbeat.joinable()) heartbeat.join();
   while (stream->Read(&in_)) {
   }
   const grpc::Status finish = stream->Finish();
-  if (result.ok() && !assigned_ && !finish.ok() && finish.error_code() != grpc::StatusCode::CANCELLED) {
+  if (result.ok() && !assigned_ && !told_to_stop_ && !finish.ok() &&
+      finish.error_code() != grpc::StatusCode::CANCELLED && finish.error_code() != grpc::StatusCode::UNAVAILABLE) {
     // Refused before any assignment (UNAUTHENTICATED: no certificate from the coordinator's CA).
     result = absl::FailedPreconditionError(
         absl::StrCat("the coordinator at ", options_.coordinator, " refused this worker: ", finish.error_message()));
   }  // else what went wrong, if anything, is known and logged already
-  executor_.reset();  // closes the collective connections; peers see them drop
-  SetServing(false);
-  WorkerLog(Who(), "stopped", Ids());
+  // The coordinator process died or the connection dropped (not a Shutdown, a refusal, or the
+  // coordinator ending this worker's stream on purpose, which is CANCELLED).
+  *coordinator_gone = !told_to_stop_ && finish.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                      !absl::IsFailedPrecondition(result);
   return result;
 }
 
@@ -144,8 +227,10 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
   while (stream->Read(&in_)) {
     switch (in_.msg_case()) {
       case v1::CoordinatorMessage::kAssignment:
-        if (assigned_) {
+        if (assigned_this_stream_) {
           Fail(stream, absl::StrCat(Who(), ": the coordinator sent a second assignment"));
+        } else if (in_.assignment().adopt()) {
+          Adopt(stream, stub);
         } else {
           Load(stream, stub);
         }
@@ -154,10 +239,12 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
         RunStep(stream);
         break;
       case v1::CoordinatorMessage::kRegroup:
+        accepted_this_stream_ = true;
         Regroup(stream, stub);
         break;
       case v1::CoordinatorMessage::kShutdown:
-        if (!assigned_) {
+        told_to_stop_ = true;
+        if (!assigned_this_stream_) {
           return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
                                                             " refused this worker: ", in_.shutdown().reason()));
         }
@@ -168,14 +255,32 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
         break;
     }
   }
+  peer_ended_ = true;
   WorkerLog(Who(), "the coordinator ended the control stream", Ids());
   return absl::OkStatus();
 }
 
 void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub) {
+  if (executor_ != nullptr) {
+    WorkerLog(Who(), absl::StrCat("dropping the shard it holds (stage ", assignment_.stage(), ", tp rank ",
+                                  assignment_.tp_rank(), ", layers [", assignment_.first_layer(), ", ",
+                                  assignment_.end_layer(), ")): the coordinator assigns another"),
+              Ids("warn"));
+    executor_.reset();
+  }
   assignment_ = in_.assignment();
   assigned_ = true;
+  assigned_this_stream_ = true;
+  accepted_this_stream_ = true;
+  failure_.clear();
   const v1::Assignment& a = assignment_;
+  // What the weights about to be loaded are, for a later coordinator that would adopt this worker.
+  absl::StatusOr<std::string> fingerprint = ModelFingerprint(a.model_path());
+  model_fingerprint_ = fingerprint.ok() ? *fingerprint : "";
+  if (!fingerprint.ok()) {
+    WorkerLog(Who(), absl::StrCat("no model fingerprint (a restarted coordinator cannot adopt this worker): ",
+                                  fingerprint.status().message()), Ids("warn"));
+  }
   WorkerLog(Who(), absl::StrCat("assigned layers [", a.first_layer(), ", ", a.end_layer(), ") of ", a.model_path(),
                                 ", stage ", a.stage(), " of ", a.num_stages(), ", tp rank ", a.tp_rank(), " of ",
                                 a.tp_size()),
@@ -190,7 +295,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
     return;
   }
   executor_ = std::move(*executor);
-  if (options_.metrics_registry != nullptr) {
+  if (options_.metrics_registry != nullptr && metrics_ == nullptr) {
     // The checkpoint directory's base name, computed as the coordinator's ServedModel::name.
     const std::filesystem::path path = std::filesystem::path(a.model_path()).lexically_normal();
     std::string model = path.filename().string();
@@ -207,18 +312,56 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  v1::WorkerMessage loaded;
-  v1::Loaded* l = loaded.mutable_loaded();
-  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
-  l->set_kv_blocks(executor_->kv_blocks());
-  l->set_load_seconds(seconds);
-  l->set_epoch(a.epoch());
+  const v1::WorkerMessage loaded = LoadedMessage(a.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("loaded in %.2f s: %.1f MiB of weights (linear layers: %s), %d KV blocks, %s",
                                    seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
                                    executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
   Write(stream, loaded);
+}
+
+void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub) {
+  const v1::Assignment& a = in_.assignment();
+  assigned_this_stream_ = true;
+  accepted_this_stream_ = true;
+  if (executor_ == nullptr) {
+    assignment_ = a;
+    assigned_ = true;
+    Fail(stream, absl::StrCat(Who(), ": asked to keep a shard it does not hold"));
+    return;
+  }
+  const uint64_t old_epoch = executor_->epoch();
+  const std::string old_id = assignment_.worker_id();
+  const auto start = std::chrono::steady_clock::now();
+  GrpcRendezvousStore store(stub);
+  const absl::Status s = executor_->Adopt(a, &store);
+  assignment_ = a;
+  failure_.clear();
+  if (!s.ok()) {
+    executor_.reset();  // no shard it can serve: the Failure carries the new epoch, and it holds nothing
+    Fail(stream, absl::StrCat(Who(), ": adoption under epoch ", a.epoch(), " failed: ", s.message()));
+    return;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const v1::WorkerMessage loaded = LoadedMessage(a.epoch(), seconds);
+  SetServing(true);
+  WorkerLog(Who(), absl::StrFormat("adopted by the coordinator at %s (was %s under epoch %d): kept its weights "
+                                   "(%.1f MiB, no reload), joined the groups of epoch %d in %.2f s",
+                                   options_.coordinator, old_id, old_epoch,
+                                   static_cast<double>(executor_->weight_bytes()) / (1 << 20), a.epoch(), seconds),
+            Ids());
+  Write(stream, loaded);
+}
+
+v1::WorkerMessage WorkerService::LoadedMessage(uint64_t epoch, double seconds) const {
+  v1::WorkerMessage loaded;
+  v1::Loaded* l = loaded.mutable_loaded();
+  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
+  l->set_kv_blocks(executor_->kv_blocks());
+  l->set_load_seconds(seconds);
+  l->set_epoch(epoch);
+  return loaded;
 }
 
 uint64_t WorkerService::epoch() const {
@@ -249,12 +392,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   assignment_.set_send_group(r.send_group());
   assignment_.set_recv_group(r.recv_group());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  v1::WorkerMessage loaded;
-  v1::Loaded* l = loaded.mutable_loaded();
-  l->set_weight_bytes(static_cast<int64_t>(executor_->weight_bytes()));
-  l->set_kv_blocks(executor_->kv_blocks());
-  l->set_load_seconds(seconds);
-  l->set_epoch(r.epoch());
+  const v1::WorkerMessage loaded = LoadedMessage(r.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
   Write(stream, loaded);

@@ -14,6 +14,15 @@
 //   ...
 //   Heartbeat, every second, from a thread of its own, whatever the main thread is doing.
 //
+// The coordinator going away (the stream ends with UNAVAILABLE: its process died, the connection
+// dropped; not a Shutdown, a refusal or the coordinator ending this worker's stream on purpose)
+// does not end the worker: it drops its running batch, leaves its collective groups, keeps its
+// shard and registers again (backoff 0.25 s doubling to 2 s) with the same address, presenting the
+// shard it holds (Register.held). A new coordinator adopts it (Assignment.adopt: it only joins the
+// new groups, then answers Loaded) or gives it another shard to load (it drops its own first).
+// After --coordinator-grace-seconds without a coordinator taking it back, Run() returns an error
+// (the process exits 1). docs/healing.md "The coordinator restarts".
+//
 // A load error, a step error or a collective timeout is sent as a Failure naming this worker
 // (node, stage, TP rank), the cause, its epoch and the step; the worker then marks itself
 // NOT_SERVING in its health service, answers every later step with that Failure, and stays
@@ -77,6 +86,9 @@ struct WorkerOptions {
   absl::Duration debug_load_delay = absl::ZeroDuration();
   // Register as a spare (worker.proto Register.spare): no shard until a slot of this node is lost.
   bool spare = false;
+  // How long to outlive a coordinator that went away, re-registering (--coordinator-grace-seconds);
+  // zero: stop with it, as before protocol version 4.
+  absl::Duration coordinator_grace = absl::Seconds(60);
 };
 
 class WorkerService {
@@ -87,10 +99,11 @@ class WorkerService {
   WorkerService(const WorkerService&) = delete;
   WorkerService& operator=(const WorkerService&) = delete;
 
-  // Connects, registers and serves until the coordinator ends the stream or sends Shutdown, or
-  // Stop() is called: then OK, also after a failure was reported. An error when the coordinator
-  // cannot be reached within connect_timeout, or refuses this worker (a node with too many
-  // workers, a group already complete).
+  // Connects, registers and serves until the coordinator ends the stream on purpose or sends
+  // Shutdown, or Stop() is called: then OK, also after a failure was reported. A coordinator that
+  // goes away is waited for (see above). An error when the coordinator cannot be reached within
+  // connect_timeout, refuses this worker (a node with too many workers, a group already complete),
+  // or none takes it back within coordinator_grace.
   absl::Status Run();
 
   // Makes Run() return soon: the control stream is cancelled at once; a step or a load in progress
@@ -103,10 +116,19 @@ class WorkerService {
   // Waits until the channel to the coordinator is up or Stop() is called (OK), or connect_timeout
   // passes (Unavailable).
   absl::Status WaitForCoordinator(grpc::Channel* channel);
+  // One control stream: registers (with the shard it holds, if any) and serves until the stream
+  // ends. *coordinator_gone: it ended because the coordinator went away (UNAVAILABLE), not on
+  // purpose; then Run() registers again.
+  absl::Status Session(v1::WorkerControl::Stub* stub, bool* coordinator_gone);
+  // Sleeps `d` unless Stop() is called first (then true, at once).
+  bool SleepUnlessStopped(absl::Duration d);
   // The protocol after Register, until the stream ends or Shutdown. FailedPrecondition when the
   // coordinator refuses this worker (a Shutdown before any assignment).
   absl::Status Serve(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  // Loads the assigned shard (dropping one it holds first).
   void Load(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  // Handles an Assignment with adopt: keeps the shard it holds, joins the new groups.
+  void Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub);
   // Handles a Regroup: re-forms the collective groups under the new epoch, keeping the weights.
   void Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub);
   void RunStep(Stream* stream);
@@ -117,6 +139,8 @@ class WorkerService {
   // Records the first failure, reports it to the coordinator (with the epoch and `step_id`, 0 for
   // none) and marks this worker NOT_SERVING.
   void Fail(Stream* stream, const std::string& message, uint64_t step_id = 0);
+  // Loaded {epoch} for the shard executor_ holds, ready after `seconds` of loading or joining.
+  v1::WorkerMessage LoadedMessage(uint64_t epoch, double seconds) const;
   // The group's epoch this worker is in: its assignment's, then its last Regroup's.
   uint64_t epoch() const;
   void SetServing(bool serving);
@@ -140,8 +164,13 @@ class WorkerService {
   absl::Mutex write_mu_;
 
   // ---- Used only by the thread in Run() ----
-  bool assigned_ = false;
-  v1::Assignment assignment_;
+  bool assigned_ = false;               // has had an assignment (from any coordinator)
+  bool assigned_this_stream_ = false;   // the current control stream brought an Assignment
+  bool accepted_this_stream_ = false;   // ... or a Regroup: this coordinator had taken the worker in
+  bool told_to_stop_ = false;           // the current stream brought a Shutdown
+  bool peer_ended_ = false;             // the coordinator's side ended the current stream
+  v1::Assignment assignment_;           // the last one, updated by Regroup and Adopt
+  std::string model_fingerprint_;       // ModelFingerprint of assignment_.model_path at load; "" unknown
   std::unique_ptr<WorkerMetrics> metrics_;  // once assigned, when options_.metrics_registry is set
   std::unique_ptr<StepExecutor> executor_;  // declared after metrics_: destroyed first
   std::string failure_;         // the first failure; not empty: no more steps run

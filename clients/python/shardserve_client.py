@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
@@ -29,6 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 DEFAULT_ADDRESS = "localhost:50051"
+# generate(): how often a request that failed with UNAVAILABLE before its first streamed message is
+# sent again (a coordinator restarting, a group healing), and the first wait (doubling, at most
+# _MAX_RETRY_BACKOFF_S).
+DEFAULT_RETRIES = 5
+DEFAULT_RETRY_BACKOFF_S = 0.5
+_MAX_RETRY_BACKOFF_S = 8.0
 
 
 @dataclass
@@ -104,11 +111,17 @@ class Client:
 
     def generate(self, prompt: str, max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: Optional[int] = None, stop: Optional[List[str]] = None,
-                 timeout: float = 300.0, **sampling_fields) -> Iterator[Delta]:
+                 timeout: float = 300.0, retries: int = DEFAULT_RETRIES,
+                 retry_backoff: float = DEFAULT_RETRY_BACKOFF_S, **sampling_fields) -> Iterator[Delta]:
         """Streams a completion. Raises grpc.RpcError (e.g. UNAVAILABLE when a worker is down,
         RESOURCE_EXHAUSTED when the server is full). `sampling_fields` sets any other SamplingParams
         field (min_p, repetition_penalty, presence_penalty, frequency_penalty, logprobs,
-        top_logprobs, ignore_eos, stop_token_ids); the README lists them."""
+        top_logprobs, ignore_eos, stop_token_ids); the README lists them.
+
+        A request that fails with UNAVAILABLE before its first streamed message (the coordinator
+        restarting or not yet serving, a connection refused) is sent again, at most `retries`
+        times, after `retry_backoff` seconds, doubling up to 8 s, within `timeout` in all. One that
+        fails after a message came is not (its caller has seen tokens): the error is raised."""
         # text, stop and request_id are bytes on the wire (inference.proto): UTF-8 here.
         sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                                 top_p=top_p, stop=[s.encode("utf-8") for s in stop or []],
@@ -116,20 +129,37 @@ class Client:
         if seed is not None:
             sampling.seed = seed
         request = inference_pb2.GenerateRequest(text=prompt.encode("utf-8"), sampling=sampling)
-        for msg in self._stub.Generate(request, timeout=timeout, metadata=self._metadata):
-            finish = None
-            if msg.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
-                finish = inference_pb2.FinishReason.Name(msg.finish_reason).replace("FINISH_REASON_", "")
-            logprobs = [(l.token_id, l.logprob, [(t.token_id, t.logprob) for t in l.top_logprobs])
-                        for l in msg.logprobs]
-            yield Delta(list(msg.token_ids), msg.text, finish, msg.usage.prompt_tokens, msg.usage.completion_tokens,
-                        logprobs)
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            started = False
+            try:
+                for msg in self._stub.Generate(request, timeout=max(0.001, deadline - time.monotonic()),
+                                               metadata=self._metadata):
+                    started = True
+                    yield _delta(msg)
+                return
+            except grpc.RpcError as e:
+                wait = min(retry_backoff * (2 ** attempt), _MAX_RETRY_BACKOFF_S)
+                if (started or e.code() != grpc.StatusCode.UNAVAILABLE or attempt >= retries
+                        or time.monotonic() + wait >= deadline):
+                    raise
+                attempt += 1
+                time.sleep(wait)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> List[int]:
         resp = self._stub.Tokenize(inference_pb2.TokenizeRequest(text=text.encode("utf-8"),
                                                                  add_special_tokens=add_special_tokens),
                                    timeout=10, metadata=self._metadata)
         return list(resp.ids)
+
+
+def _delta(msg) -> Delta:
+    finish = None
+    if msg.finish_reason != inference_pb2.FINISH_REASON_UNSPECIFIED:
+        finish = inference_pb2.FinishReason.Name(msg.finish_reason).replace("FINISH_REASON_", "")
+    logprobs = [(l.token_id, l.logprob, [(t.token_id, t.logprob) for t in l.top_logprobs]) for l in msg.logprobs]
+    return Delta(list(msg.token_ids), msg.text, finish, msg.usage.prompt_tokens, msg.usage.completion_tokens, logprobs)
 
 
 def main() -> int:

@@ -106,6 +106,10 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                       model)),
       worker_restarts(AddCounter(*registry_, "shardserve_worker_restarts_total",
                                  "Workers that registered to take the slot of a lost worker.", model)),
+      workers_adopted(AddCounter(*registry_, "shardserve_workers_adopted_total",
+                                 "Workers that outlived an earlier coordinator and were adopted into their slot "
+                                 "keeping the shard they held (no reload).",
+                                 model)),
       prefix_cache_queries(AddCounter(*registry_, "shardserve_prefix_cache_queries_tokens_total",
                                       "Tokens of admitted sequences looked up in the prefix cache.", model)),
       prefix_cache_hits(AddCounter(*registry_, "shardserve_prefix_cache_hits_tokens_total",

@@ -81,6 +81,7 @@ class CoordinatorMetrics {
   prometheus::Counter& heal_requests_resumed;     // requests held through a heal that went on
   prometheus::Counter& heal_requests_failed;      // requests failed because a heal took too long
   prometheus::Counter& worker_restarts;           // workers registered for a lost slot
+  prometheus::Counter& workers_adopted;           // workers a (restarted) coordinator adopted, shard kept
   // ---- Prefix caching ----
   prometheus::Counter& prefix_cache_queries;  // tokens looked up in the prefix cache
   prometheus::Counter& prefix_cache_hits;     // tokens found there

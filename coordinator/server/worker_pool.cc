@@ -15,6 +15,7 @@
 #include "base/status_macros.h"
 #include "coordinator/planner/format.h"
 #include "coordinator/server/log.h"
+#include "model/shard_identity.h"
 #include "kernels/sampling.h"
 
 namespace shardserve {
@@ -37,6 +38,9 @@ constexpr uint64_t kFirstEpoch = 1;
 // Re-formings without a step completing in between before the group is given up: a worker that
 // fails every step on its own (not because a peer died) would otherwise heal forever.
 constexpr int kMaxHealsWithoutProgress = 3;
+// Held epochs (Register.held) from this one on are ignored when choosing the first epoch (one more
+// must not overflow).
+constexpr uint64_t kMaxHeldEpoch = uint64_t{1} << 62;
 
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
 // --memory-bandwidth-gbps): a server's DRAM. Register refuses a figure the planner does not take.
@@ -112,11 +116,20 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const ServedModel
                                                    " (workers per node) x PP=", options.nodes, " (nodes): ",
                                                    plan.status().message()));
   }
-  return std::unique_ptr<WorkerPool>(new WorkerPool(model, options, *plan));
+  absl::StatusOr<std::string> fingerprint = ModelFingerprint(model->dir);
+  if (!fingerprint.ok()) {
+    CoordinatorLog("group", absl::StrCat("no fingerprint of the model (workers of an earlier coordinator will reload "
+                                         "their shards): ", fingerprint.status().message()));
+  }
+  return std::unique_ptr<WorkerPool>(new WorkerPool(model, options, *plan, fingerprint.ok() ? *fingerprint : ""));
 }
 
-WorkerPool::WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional)
-    : model_(model), options_(options), target_max_model_len_(provisional.max_model_len) {
+WorkerPool::WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional,
+                       std::string model_fingerprint)
+    : model_(model),
+      options_(options),
+      target_max_model_len_(provisional.max_model_len),
+      model_fingerprint_(std::move(model_fingerprint)) {
   monitor_ = std::thread([this] { MonitorLoop(); });
 }
 
@@ -231,8 +244,13 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
         pending_.push_back(index);
         CoordinatorLog(workers_[index]->id,
                        absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                    hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(), "): ",
-                                    pending_.size(), " of ", expected, " workers"),
+                                    hello.metrics_address().empty() ? "" : ", metrics ", hello.metrics_address(),
+                                    hello.has_held() ? absl::StrCat(", holding stage ", hello.held().assignment().stage(),
+                                                                    " tp rank ", hello.held().assignment().tp_rank(),
+                                                                    " of epoch ", hello.held().assignment().epoch(),
+                                                                    " from an earlier coordinator")
+                                                     : "",
+                                    "): ", pending_.size(), " of ", expected, " workers"),
                        LogIds{"", workers_[index]->id, hello.node()});
         if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
       }
@@ -255,18 +273,50 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   const int tp = options_.gpus_per_node, pp = options_.nodes;
   // Slots, ranks and group names (coordinator/membership/group.h): the nodes in natural order are
   // the stages, a node's workers in registration order its TP ranks.
-  std::vector<Member> members;
   uint64_t memory = UINT64_MAX;
   double bandwidth = std::numeric_limits<double>::infinity();  // the slowest worker's; 0 if one is unknown
   bool cpu_only = true;
+  // The first epoch: after every epoch a worker held under an earlier coordinator, so that epochs
+  // only grow across coordinator restarts (and an adopted worker's Regroup is to a later one).
+  uint64_t first_epoch = kFirstEpoch;
   for (int i : pending_) {
     const v1::Register& h = workers_[i]->hello;
-    members.push_back(Member{i, h.node()});
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
     bandwidth = std::min(bandwidth, h.memory_bytes_per_s());  // 0 or in range (Register checked)
     cpu_only = cpu_only && h.device() == "cpu";
+    if (h.has_held() && h.held().assignment().epoch() < kMaxHeldEpoch) {
+      first_epoch = std::max(first_epoch, h.held().assignment().epoch() + 1);
+    }
   }
-  absl::StatusOr<Group> group = FormGroup(GroupShape{tp, pp}, members, kFirstEpoch);
+  // A node's workers in registration order are its TP ranks, except that a worker holding a shard
+  // of this layout (an earlier coordinator's) takes its rank when it is free, so that it can be
+  // adopted.
+  std::map<std::string, std::vector<int>> by_rank;  // node -> worker index per TP rank, -1: free
+  std::vector<std::string> node_order;
+  std::vector<int> unplaced;
+  for (int i : pending_) {
+    const v1::Register& h = workers_[i]->hello;
+    std::vector<int>& ranks = by_rank[h.node()];
+    if (ranks.empty()) {
+      ranks.assign(tp, -1);
+      node_order.push_back(h.node());
+    }
+    const int held = h.has_held() && h.held().assignment().tp_size() == tp ? h.held().assignment().tp_rank() : -1;
+    if (held >= 0 && held < tp && ranks[held] < 0) {
+      ranks[held] = i;
+    } else {
+      unplaced.push_back(i);
+    }
+  }
+  for (int i : unplaced) {  // Register keeps a node at most tp workers: a free rank is left
+    std::vector<int>& ranks = by_rank[workers_[i]->hello.node()];
+    *std::find(ranks.begin(), ranks.end(), -1) = i;
+  }
+  std::vector<Member> members;
+  for (const std::string& node : node_order) {
+    for (int i : by_rank[node]) members.push_back(Member{i, node});
+  }
+  absl::StatusOr<Group> group = FormGroup(GroupShape{tp, pp}, members, first_epoch);
   const std::string device = workers_[pending_.front()]->hello.device();
 
   // The plan: the layers of each stage and the memory of each worker.
@@ -397,6 +447,38 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
     a->set_dummy_seed(options_.dummy_seed);
   }
   a->set_epoch(group_->epoch);
+  w.adopting = false;
+  if (w.hello.has_held() && !w.loaded) {
+    // It outlived an earlier coordinator holding a shard: adopt it when that shard is this slot's.
+    const v1::HeldShard& held = w.hello.held();
+    const std::string where = absl::StrCat("slot (node ", slot.node, ", stage ", slot.stage, ", tp rank ",
+                                           slot.tp_rank, ")");
+    absl::Status same =
+        model_fingerprint_.empty() ? absl::FailedPreconditionError("this coordinator has no fingerprint of its model")
+        : held.model_fingerprint() != model_fingerprint_
+            ? absl::FailedPreconditionError(absl::StrCat("it holds another model than ", model_->dir,
+                                                         " (another config.json or checkpoint files)"))
+            : SameShard(held.assignment(), *a);
+    if (same.ok() && held.assignment().epoch() >= group_->epoch) {
+      same = absl::FailedPreconditionError(absl::StrCat("its epoch ", held.assignment().epoch(),
+                                                        " is not before the group's ", group_->epoch));
+    }
+    if (same.ok()) {
+      a->set_adopt(true);
+      w.adopting = true;
+      CoordinatorLog(NameLocked(slot.worker),
+                     absl::StrCat("adopting into ", where, " under epoch ", group_->epoch,
+                                  ": it holds that shard (loaded as ", held.assignment().worker_id().substr(0, 64),
+                                  " of epoch ", held.assignment().epoch(), " for an earlier coordinator); it keeps "
+                                  "its weights and joins the new groups"),
+                     LogIds{"", w.id, w.hello.node(), slot.stage, slot.tp_rank});
+    } else {
+      CoordinatorLog(NameLocked(slot.worker),
+                     absl::StrCat("holds another shard than ", where, " needs (", same.message(),
+                                  "): it drops it and loads the slot's"),
+                     LogIds{"", w.id, w.hello.node(), slot.stage, slot.tp_rank, "warn"});
+    }
+  }
   return m;
 }
 
@@ -425,10 +507,14 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
         w.loaded = true;
         w.weight_bytes = l.weight_bytes();
         w.detail.clear();
+        if (w.adopting && metrics_ != nullptr) metrics_->workers_adopted.Increment();
         CoordinatorLog(NameLocked(index),
-                       absl::StrCat(regrouped ? "regrouped" : "loaded", " in ", l.load_seconds(), " s (epoch ",
-                                    w.epoch, ")"),
+                       absl::StrCat(w.adopting ? "adopted (kept its weights, joined the groups)"
+                                    : regrouped ? "regrouped"
+                                                : "loaded",
+                                    " in ", l.load_seconds(), " s (epoch ", w.epoch, ")"),
                        LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank});
+        w.adopting = false;
         const bool all_ready = std::all_of(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
           const Worker& h = *workers_[s.worker];
           return h.state == v1::WORKER_STATE_READY && h.epoch == group_->epoch;

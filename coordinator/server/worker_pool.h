@@ -36,6 +36,15 @@
 //      worker; a coordinator restart forms a new group.
 // Failed (the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final too.
 //
+// A restarted coordinator (docs/healing.md "The coordinator restarts"): workers outlive their
+// coordinator and register again presenting the shard they hold (Register.held). The group forms
+// as in 2., except that a worker takes the TP rank of the shard it holds when that rank of its node
+// is free, and the first epoch is one more than the highest held. A worker whose held shard is
+// exactly its slot's (the same model fingerprint and SameShard, model/shard_identity.h) gets an
+// Assignment with adopt: it keeps its weights and only joins the new groups. Any other held shard
+// is dropped and the slot's loaded (logged, saying what differs). The same holds for a replacement
+// that registers while healing with a held shard.
+//
 // Files: worker_pool.cc registration, the group and steps; cluster_status.cc the status
 // (FillStatus); heartbeat_monitor.cc the monitor thread that marks silent workers lost.
 //
@@ -213,6 +222,7 @@ class WorkerPool {
     bool loaded = false;         // has loaded its shard once (a Regroup keeps it)
     bool failed = false;         // reported a Failure under `epoch`: the group must re-form
     bool load_pending = false;   // sent an Assignment or Regroup it has not answered yet
+    bool adopting = false;       // its Assignment adopts the shard it held (Register.held)
     uint64_t last_step_sent = 0;      // the last step it was sent
     uint64_t last_step_answered = 0;  // the last step it answered (a result or a Failure)
   };
@@ -225,7 +235,8 @@ class WorkerPool {
     std::vector<v1::StepResult> results;  // by rank in group_
   };
 
-  WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional);
+  WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional,
+             std::string model_fingerprint);
 
   // Sends `message` to worker `index` outside mu_ (the link stays valid: Disconnect waits for
   // sends in flight). False when the worker is gone or the stream is broken.
@@ -274,6 +285,9 @@ class WorkerPool {
   const ServedModel* const model_;
   const PoolOptions options_;
   const int64_t target_max_model_len_;  // from the plan made at Create
+  // model/shard_identity.h ModelFingerprint of the served model ("" when it cannot be made: then no
+  // worker is adopted).
+  const std::string model_fingerprint_;
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;  // a result arrived, a worker was lost, a send finished, ...

@@ -39,6 +39,7 @@ constexpr char kUsage[] =
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
     "                         [--http-port P] [--heal-timeout-seconds S]\n"
     "                         [--max-worker-restarts N] [--spare-workers N] [--no-prefix-caching]\n"
+    "                         [--max-coordinator-restarts N] [--coordinator-grace-seconds S]\n"
     "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
     "  Starts a coordinator and N x G workers on this machine (default 2 x 2 on cpu, serving the embedded\n"
     "  demo model) and serves on --address (default localhost:50051; port 0: a free port, printed) until\n"
@@ -65,6 +66,13 @@ constexpr char kUsage[] =
     "                        1 s, doubling up to 30 s while it dies again within 10 s of its\n"
     "                        restart, else 1 s again) and takes its lost slot back, at most N times\n"
     "                        in all (default 5; 0: never)\n"
+    "  --max-coordinator-restarts  a coordinator that dies once the cluster serves is started again\n"
+    "                        (backoff 1 s, doubling up to 30 s) on the same address, at most N times\n"
+    "                        (default 5; 0: a dead coordinator stops the cluster); the workers keep\n"
+    "                        their shards and the new coordinator adopts them without a reload;\n"
+    "                        requests in flight on the dead one fail with UNAVAILABLE\n"
+    "  --coordinator-grace-seconds  the workers': how long they outlive a dead coordinator, waiting\n"
+    "                        for a new one (default 60; docs/healing.md)\n"
     "  --spare-workers       N more workers started as spares (worker --spare), spread over the\n"
     "                        nodes: registered and ready but holding no shard; one takes a lost\n"
     "                        slot of its node at once, so a heal costs a shard load, not a process\n"
@@ -90,7 +98,8 @@ int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
   with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file",
                      "http-port",
-                     "max-worker-restarts", "spare-workers"});
+                     "max-worker-restarts", "spare-workers", "max-coordinator-restarts",
+                     "coordinator-grace-seconds"});
   with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
   std::set<std::string> switches = ClusterFlags::Switches();
   switches.insert({"help", "insecure"});
@@ -121,6 +130,16 @@ int Run(const std::vector<std::string>& args) {
   const absl::StatusOr<int64_t> max_restarts = flags->GetInt("max-worker-restarts", 5);
   if (!max_restarts.ok() || *max_restarts < 0 || *max_restarts > 1000) {
     std::fprintf(stderr, "shardserve launch: --max-worker-restarts must be 0 to 1000\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> max_coordinator_restarts = flags->GetInt("max-coordinator-restarts", 5);
+  if (!max_coordinator_restarts.ok() || *max_coordinator_restarts < 0 || *max_coordinator_restarts > 1000) {
+    std::fprintf(stderr, "shardserve launch: --max-coordinator-restarts must be 0 to 1000\n");
+    return 2;
+  }
+  const absl::StatusOr<int64_t> coordinator_grace = flags->GetInt("coordinator-grace-seconds", 60);
+  if (!coordinator_grace.ok() || *coordinator_grace < 0 || *coordinator_grace > 86400) {
+    std::fprintf(stderr, "shardserve launch: --coordinator-grace-seconds must be 0 to 86400\n");
     return 2;
   }
   const absl::StatusOr<int64_t> http_port = flags->GetInt("http-port", 8000);
@@ -178,6 +197,8 @@ int Run(const std::vector<std::string>& args) {
   if (worker_threads > 0) options.worker_flags = {"--threads", std::to_string(worker_threads)};
   options.worker_flags.insert(options.worker_flags.end(), cluster_flags->worker_flags.begin(),
                               cluster_flags->worker_flags.end());
+  options.worker_flags.insert(options.worker_flags.end(),
+                              {"--coordinator-grace-seconds", absl::StrCat(*coordinator_grace)});
 
   // TLS: the given files, or a throw-away CA and certificates made now (unless --insecure).
   TlsFiles server_tls = *given_tls;
@@ -277,13 +298,42 @@ int Run(const std::vector<std::string>& args) {
   constexpr auto kStableRun = std::chrono::seconds(10);
   std::map<std::string, std::chrono::steady_clock::time_point> restarted_at;
   int64_t total_restarts = 0;
+  // The coordinator too: started again on the same address (same backoff), at most
+  // --max-coordinator-restarts times; the workers outlive it and the new one adopts them.
+  int64_t coordinator_restarts = 0;
+  bool coordinator_restart_due = false;  // at coordinator_restart_at
+  std::chrono::steady_clock::time_point coordinator_restart_at{};
+  bool coordinator_restarted = false;  // since the last time it was seen serving
   while (!g_stop) {
     if (std::optional<ExitedProcess> dead = (*cluster)->ReapExited()) {
       std::fprintf(stderr, "shardserve launch: %s %s; last lines of %s:\n%s\n", dead->name.c_str(), dead->how.c_str(),
                    dead->log.c_str(), dead->log_tail.c_str());
-      if (!ready || dead->name == "coordinator") {
+      if (!ready) {
         exit_code = 1;
-        break;  // a cluster that cannot start, or lost its coordinator, is torn down
+        break;  // a cluster that cannot start is torn down
+      }
+      if (dead->name == "coordinator") {
+        if (coordinator_restarts >= *max_coordinator_restarts) {
+          std::fprintf(stderr,
+                       "shardserve launch: not restarting the coordinator: %lld restarts already "
+                       "(--max-coordinator-restarts); stopping the cluster\n",
+                       static_cast<long long>(coordinator_restarts));
+          exit_code = 1;
+          break;
+        }
+        const auto backoff =
+            std::chrono::seconds(std::min<int64_t>(30, int64_t{1} << std::min<int64_t>(coordinator_restarts, 5)));
+        ++coordinator_restarts;
+        coordinator_restart_at = std::chrono::steady_clock::now() + backoff;
+        coordinator_restart_due = true;
+        std::fprintf(stderr,
+                     "shardserve launch: restarting the coordinator in %lld s (restart %lld of at most %lld); the "
+                     "workers keep their shards and wait for it (--coordinator-grace-seconds %lld); requests in "
+                     "flight on it failed with UNAVAILABLE\n",
+                     static_cast<long long>(backoff.count()), static_cast<long long>(coordinator_restarts),
+                     static_cast<long long>(*max_coordinator_restarts), static_cast<long long>(*coordinator_grace));
+        std::fflush(stderr);
+        continue;
       }
       if (total_restarts < *max_restarts) {
         if (auto r = restarted_at.find(dead->name);
@@ -306,6 +356,24 @@ int Run(const std::vector<std::string>& args) {
                      dead->name.c_str(), static_cast<long long>(total_restarts), options.log_dir.c_str());
       }
       std::fflush(stderr);
+    }
+    if (coordinator_restart_due && std::chrono::steady_clock::now() >= coordinator_restart_at) {
+      coordinator_restart_due = false;
+      if (absl::Status s = (*cluster)->RestartCoordinator(); !s.ok()) {
+        std::fprintf(stderr, "shardserve launch: cannot restart the coordinator: %s; stopping the cluster\n",
+                     std::string(s.message()).c_str());
+        exit_code = 1;
+        break;
+      }
+      coordinator_restarted = true;
+      std::fprintf(stderr, "shardserve launch: restarted the coordinator on %s (restart %lld)\n", address.c_str(),
+                   static_cast<long long>(coordinator_restarts));
+      std::fflush(stderr);
+    }
+    if (coordinator_restarted && (*cluster)->Serving()) {
+      coordinator_restarted = false;
+      std::printf("shardserve launch: the restarted coordinator serves again\n");
+      std::fflush(stdout);
     }
     for (auto it = restart_at.begin(); it != restart_at.end();) {
       if (std::chrono::steady_clock::now() < it->second) {

@@ -147,13 +147,17 @@ absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std:
   return absl::OkStatus();
 }
 
-absl::Status LocalCluster::RestartWorker(const std::string& name) {
+absl::Status LocalCluster::RestartWorker(const std::string& name) { return Restart(name, /*worker=*/true); }
+
+absl::Status LocalCluster::RestartCoordinator() { return Restart("coordinator", /*worker=*/false); }
+
+absl::Status LocalCluster::Restart(const std::string& name, bool worker) {
   for (Child& c : children_) {
-    if (!c.worker || c.name != name || c.pid > 0) continue;
+    if (c.worker != worker || c.name != name || c.pid > 0) continue;
     // With spares, the lost slot has most likely been taken by a spare already: the new process
     // comes back as a spare (it takes a slot still open when it registers, docs/healing.md), not
     // as a replacement that the complete group would refuse.
-    if (options_.spare_workers > 0 && std::find(c.argv.begin(), c.argv.end(), "--spare") == c.argv.end()) {
+    if (worker && options_.spare_workers > 0 && std::find(c.argv.begin(), c.argv.end(), "--spare") == c.argv.end()) {
       c.argv.push_back("--spare");
     }
     absl::StatusOr<pid_t> pid = ForkExec(c.argv, c.log, /*append=*/true);
@@ -161,7 +165,7 @@ absl::Status LocalCluster::RestartWorker(const std::string& name) {
     c.pid = *pid;
     return absl::OkStatus();
   }
-  return absl::FailedPreconditionError(absl::StrCat("no exited worker named ", name));
+  return absl::FailedPreconditionError(absl::StrCat("no exited ", worker ? "worker" : "process", " named ", name));
 }
 
 absl::StatusOr<pid_t> LocalCluster::ForkExec(const std::vector<std::string>& argv, const std::string& log,
@@ -253,6 +257,13 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     c->address_ = absl::StrCat(o.address.substr(0, o.address.rfind(':')), ":", chosen);
+    // A restarted coordinator listens where the workers and clients know it is.
+    std::vector<std::string>& argv = c->children_[0].argv;
+    for (size_t k = 0; k + 1 < argv.size(); ++k) {
+      if (argv[k] == "--listen") argv[k + 1] = c->address_;
+    }
+    const auto port_flag = std::find(argv.begin(), argv.end(), "--port-file");
+    if (port_flag != argv.end()) argv.erase(port_flag, port_flag + 2);
   }
 
   for (int64_t n = 0; n < o.nodes; ++n) {

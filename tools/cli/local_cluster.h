@@ -109,6 +109,11 @@ class LocalCluster {
   // slot already, and the new process becomes the next spare (or takes a slot still open).
   // FailedPrecondition when no reaped worker has that name.
   absl::Status RestartWorker(const std::string& name);
+  // Starts the reaped coordinator again with its command line (on the port it had, also when the
+  // options asked for port 0), its log appended to. The workers, which outlive it for their
+  // --coordinator-grace-seconds, register again and are adopted (docs/healing.md).
+  // FailedPrecondition when the coordinator has not exited and been reaped.
+  absl::Status RestartCoordinator();
   // Polls until the coordinator serves. Fails if a process exits first (naming it, with the end of
   // its log), after `timeout`, or when *stop becomes true (Ctrl-C).
   absl::Status WaitUntilServing(std::chrono::seconds timeout, const std::atomic<bool>* stop);
@@ -128,6 +133,8 @@ class LocalCluster {
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status Spawn(const std::string& name, const std::vector<std::string>& argv, const std::string& log_name,
                      bool worker);
+  // Starts the reaped child `name` (a worker when `worker`) again; see RestartWorker.
+  absl::Status Restart(const std::string& name, bool worker);
   // Forks and execs `argv` with stdout and stderr to `log` (truncated, or appended to).
   static absl::StatusOr<pid_t> ForkExec(const std::vector<std::string>& argv, const std::string& log, bool append);
 
