@@ -21,29 +21,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "security/openssl.h"
 
 namespace shardserve {
 namespace {
 
-template <typename T, void (*F)(T*)>
-struct Deleter {
-  void operator()(T* p) const { F(p); }
-};
-using PKey = std::unique_ptr<EVP_PKEY, Deleter<EVP_PKEY, EVP_PKEY_free>>;
-using Cert = std::unique_ptr<X509, Deleter<X509, X509_free>>;
-using Bio = std::unique_ptr<BIO, Deleter<BIO, BIO_free_all>>;
+using openssl::Bio;
+using openssl::Cert;
+using openssl::PKey;
 
-// The last OpenSSL error queued, for messages ("...: error:1E08010C:DECODER routines::unsupported").
-std::string OpenSslError() {
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return "unknown OpenSSL error";
-  char buf[256];
-  ERR_error_string_n(e, buf, sizeof(buf));
-  return buf;
-}
-
-absl::Status Fail(const std::string& what) { return absl::InternalError(absl::StrCat(what, ": ", OpenSslError())); }
+absl::Status Fail(const std::string& what) { return absl::InternalError(absl::StrCat(what, ": ", openssl::LastError("unknown OpenSSL error"))); }
 
 absl::Status AddExtension(X509* cert, X509* issuer, int nid, const std::string& value) {
   X509V3_CTX ctx;

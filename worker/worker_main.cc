@@ -41,6 +41,7 @@ constexpr char kUsage[] =
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
+    "                         [--metrics-plaintext]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -60,7 +61,9 @@ constexpr char kUsage[] =
     "                           then take its slot at once (docs/healing.md)\n"
     "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
     "                           and reported to the coordinator (default 127.0.0.1:0;\n"
-    "                           docs/metrics.md lists the metrics)\n"
+    "                           docs/metrics.md lists the metrics); HTTPS with --tls-cert/--tls-key\n"
+    "  --metrics-plaintext      serve /metrics in plain HTTP even with --tls-cert (loopback only\n"
+    "                           unless --insecure)\n"
     "  --log-format             text (default) or json: one JSON object per line\n"
     "  --threads                --device cpu: threads for the CPU backend's matrix products and\n"
     "                           attention (oneDNN, OpenMP; its other ops run on the step thread); 0\n"
@@ -77,7 +80,8 @@ constexpr char kUsage[] =
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
     "                           peers with a certificate from it (mutual TLS; docs/security.md)\n"
-    "  --insecure               allow plaintext on a --listen address beyond loopback\n";
+    "  --insecure               allow plaintext on a --listen or --metrics-listen address beyond\n"
+    "                           loopback\n";
 
 // Far above any host's core count.
 constexpr int kMaxThreads = 4096;
@@ -136,7 +140,7 @@ int Main(int argc, char** argv) {
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
                     "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca"},
-                   {"help", "insecure", "spare"});
+                   {"help", "insecure", "spare", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -202,6 +206,12 @@ int Main(int argc, char** argv) {
   if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
     return Usage(std::string(s.message()));
   }
+  // /metrics: HTTPS with the worker's certificate (unless --metrics-plaintext).
+  const std::string metrics_listen = flags->Get("metrics-listen", "127.0.0.1:0");
+  const TlsFiles metrics_tls = flags->Has("metrics-plaintext") ? TlsFiles{} : TlsFiles{tls->cert, tls->key, ""};
+  if (absl::Status s = CheckMetricsListen(metrics_listen, metrics_tls.has_identity(), flags->Has("insecure")); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
   // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
   sigset_t signals;
   sigemptyset(&signals);
@@ -226,12 +236,12 @@ int Main(int argc, char** argv) {
   // The metrics are created once the worker is assigned (they carry its stage and rank), in this
   // registry, which the exposer serves from now on.
   auto registry = std::make_shared<prometheus::Registry>();
-  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
-      ServeMetrics(flags->Get("metrics-listen", "127.0.0.1:0"), registry, &options.metrics_address);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer = ServeMetrics(metrics_listen, metrics_tls, registry);
   if (!exposer.ok()) {
     std::fprintf(stderr, "shardserve-worker: %s\n", std::string(exposer.status().message()).c_str());
     return 1;
   }
+  options.metrics_address = (*exposer)->address();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -247,7 +257,7 @@ int Main(int argc, char** argv) {
   LogIds ids;
   ids.node = options.node;
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
-            absl::StrCat("metrics on http://", options.metrics_address, "/metrics"), ids);
+            absl::StrCat("metrics on ", (*exposer)->url()), ids);
 
   WorkerService service(options, server->GetHealthCheckService());
   std::atomic<bool> done{false};
