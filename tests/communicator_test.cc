@@ -121,6 +121,16 @@ TEST_F(CommunicatorTest, StoreGetWaitsForSet) {
   EXPECT_EQ(*value, std::string("v\0w", 3));
 }
 
+TEST_F(CommunicatorTest, StoreKeysAreWrittenOnce) {
+  InMemoryRendezvousStore store;
+  ASSERT_TRUE(store.Set("e1/g/k", "first").ok());
+  const absl::Status second = store.Set("e1/g/k", "second");
+  EXPECT_EQ(second.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(second.message(), HasSubstr("'e1/g/k'"));
+  EXPECT_TRUE(store.Set("e1/g/k", "first").ok());  // the same value: a retry
+  EXPECT_EQ(*store.Get("e1/g/k", kNoTimeout), "first");
+}
+
 TEST_F(CommunicatorTest, StoreGetTimesOut) {
   InMemoryRendezvousStore store;
   ASSERT_TRUE(store.Set("g/other", "x").ok());
