@@ -27,6 +27,7 @@
 #include "security/tls.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
+#include "worker/comm/interface.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"
 #include "worker/worker_service.h"
@@ -36,7 +37,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
-    "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
+    "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST | --collective-interface IFACE]\n"
     "                         [--connect-timeout-seconds S] [--debug-step-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
@@ -55,6 +56,9 @@ constexpr char kUsage[] =
     "                           GPU's, from CUDA; on cpu none, and the coordinator assumes 20)\n"
     "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
     "                           (default: the host of --listen)\n"
+    "  --collective-interface   bind the collectives to this network interface's address instead\n"
+    "                           (e.g. the cluster network's eth1; also NCCL_SOCKET_IFNAME unless set;\n"
+    "                           docs/security.md: the collective ports are not authenticated)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
     "  --debug-step-delay-ms    TEST-ONLY: sleep this long before every step (default 0)\n"
     "  --spare                  register as a spare: no shard until a worker of this node is lost,\n"
@@ -137,7 +141,7 @@ double DeviceMemoryBandwidth(int cuda_ordinal) {
 int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
-                   {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
+                   {"coordinator", "node", "device", "listen", "memory-gb", "collective-host", "collective-interface",
                     "connect-timeout-seconds", "debug-step-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca"},
                    {"help", "insecure", "spare", "metrics-plaintext"});
@@ -196,6 +200,14 @@ int Main(int argc, char** argv) {
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.spare = flags->Has("spare");
   options.collective_host = flags->Get("collective-host");
+  if (flags->Has("collective-interface")) {
+    if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");
+    const std::string iface = flags->Get("collective-interface");
+    absl::StatusOr<std::string> address = InterfaceAddress(iface);
+    if (!address.ok()) return Usage(absl::StrCat("--collective-interface: ", address.status().message()));
+    options.collective_host = *address;
+    setenv("NCCL_SOCKET_IFNAME", iface.c_str(), /*overwrite=*/0);  // NCCL picks its own sockets' interface
+  }
   if (options.collective_host.empty()) options.collective_host = HostOf(listen);
   if (IsWildcard(options.collective_host)) {
     return Usage("--listen binds every address: set --collective-host to the address the peers reach");
