@@ -1,7 +1,5 @@
 #include "security/api_keys.h"
 
-#include <sys/stat.h>
-
 #include <fstream>
 #include <sstream>
 
@@ -30,11 +28,10 @@ ApiKeys::Hash ApiKeys::Sha256(absl::string_view key) {
 }
 
 absl::StatusOr<std::vector<ApiKeys::Hash>> ApiKeys::Read(const std::string& path, FileId* id) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) {
+  *id = FileId::Of(path);
+  if (*id == FileId{}) {
     return absl::InvalidArgumentError(absl::StrCat("--api-keys-file ", path, ": cannot read the file"));
   }
-  *id = FileId{st.st_dev, st.st_ino, st.st_size, int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec};
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("--api-keys-file ", path, ": cannot read the file"));
   std::stringstream text;
@@ -66,13 +63,9 @@ absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Load(const std::string& path) 
 }
 
 absl::Status ApiKeys::Reload() {
-  struct stat st;
   absl::MutexLock lock(&mu_);
   last_stat_ = absl::Now();
-  if (stat(path_.c_str(), &st) == 0 &&
-      FileId{st.st_dev, st.st_ino, st.st_size, int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec} == file_) {
-    return absl::OkStatus();
-  }
+  if (const FileId now = FileId::Of(path_); now != FileId{} && now == file_) return absl::OkStatus();
   FileId id;
   absl::StatusOr<std::vector<Hash>> hashes = Read(path_, &id);
   if (!hashes.ok()) return hashes.status();

@@ -14,8 +14,6 @@
 #ifndef SHARDSERVE_SECURITY_API_KEYS_H_
 #define SHARDSERVE_SECURITY_API_KEYS_H_
 
-#include <sys/types.h>
-
 #include <array>
 #include <memory>
 #include <optional>
@@ -28,6 +26,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "security/file_id.h"
 
 namespace shardserve {
 
@@ -56,13 +55,6 @@ class ApiKeys {
 
  private:
   using Hash = std::array<unsigned char, 32>;
-  struct FileId {
-    dev_t dev = 0;
-    ino_t ino = 0;
-    off_t size = 0;
-    int64_t mtime_ns = 0;
-    bool operator==(const FileId&) const = default;
-  };
   explicit ApiKeys(std::string path) : path_(std::move(path)) {}
   // Reads and parses the file.
   static absl::StatusOr<std::vector<Hash>> Read(const std::string& path, FileId* id);

@@ -30,9 +30,7 @@ using openssl::Bio;
 using openssl::Cert;
 using openssl::PKey;
 
-std::string OpenSslError() { return openssl::LastError("unknown OpenSSL error"); }
-
-absl::Status Fail(const std::string& what) { return absl::InternalError(absl::StrCat(what, ": ", OpenSslError())); }
+absl::Status Fail(const std::string& what) { return absl::InternalError(absl::StrCat(what, ": ", openssl::LastError("unknown OpenSSL error"))); }
 
 absl::Status AddExtension(X509* cert, X509* issuer, int nid, const std::string& value) {
   X509V3_CTX ctx;

@@ -1,14 +1,20 @@
-// The OpenSSL handles security/ holds, as owning smart pointers, and OpenSSL's error queue as a
-// message. Internal to security/ (the rest of the project sees only its own types); no state.
-#pragma once
+// The OpenSSL pieces security/'s files share (tls.cc, certificates.cc, https.cc): owning pointers
+// for OpenSSL's objects, the last queued error as text, and reading a PEM certificate chain and its
+// private key with the checks every port makes (valid now, key matching). Internal to security/.
+//
+// Thread-safety: reentrant (OpenSSL 3's error queue is per thread).
+#ifndef SHARDSERVE_SECURITY_OPENSSL_H_
+#define SHARDSERVE_SECURITY_OPENSSL_H_
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <openssl/bio.h>
-#include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/x509.h>
+
+#include "absl/status/statusor.h"
 
 namespace shardserve::openssl {
 
@@ -20,15 +26,25 @@ using PKey = std::unique_ptr<EVP_PKEY, Deleter<EVP_PKEY, EVP_PKEY_free>>;
 using Cert = std::unique_ptr<X509, Deleter<X509, X509_free>>;
 using Bio = std::unique_ptr<BIO, Deleter<BIO, BIO_free_all>>;
 
-// The last error OpenSSL queued, for messages ("error:1E08010C:DECODER routines::unsupported"),
-// or `if_none` when the queue is empty; clears the queue.
-inline std::string LastError(const char* if_none) {
-  const unsigned long e = ERR_get_error();
-  ERR_clear_error();
-  if (e == 0) return if_none;
-  char buf[256];
-  ERR_error_string_n(e, buf, sizeof(buf));
-  return buf;
-}
+// The last OpenSSL error queued ("error:1E08010C:DECODER routines::unsupported"), or `if_none`;
+// clears the queue.
+std::string LastError(const char* if_none);
+
+// The file's bytes; InvalidArgument "--FLAG PATH: cannot read the file".
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag);
+
+// Every certificate in a PEM file, each valid now: InvalidArgument naming --FLAG, the file and
+// what is wrong (no certificate, expired with its notAfter, not valid yet).
+absl::StatusOr<std::vector<Cert>> ReadCertificates(const std::string& path, const char* flag);
+
+// A certificate chain (leaf first) and its private key, as --tls-cert and --tls-key give them.
+struct Identity {
+  std::vector<Cert> chain;
+  PKey key;
+};
+// Reads both files; the key must be the leaf's. InvalidArgument naming the flag and file otherwise.
+absl::StatusOr<Identity> ReadIdentity(const std::string& cert_path, const std::string& key_path);
 
 }  // namespace shardserve::openssl
+
+#endif  // SHARDSERVE_SECURITY_OPENSSL_H_

@@ -1,17 +1,10 @@
 #include "security/tls.h"
 
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <vector>
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
-#include <openssl/bio.h>
-#include <openssl/err.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -22,51 +15,8 @@
 namespace shardserve {
 namespace {
 
-using openssl::Bio;
-using openssl::Cert;
-using openssl::PKey;
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": cannot read the file"));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-std::string OpenSslError() { return openssl::LastError("no PEM data"); }
-
-// Every certificate in a PEM file, each valid now.
-absl::StatusOr<std::vector<Cert>> ReadCertificates(const std::string& path, const char* flag) {
-  SHARDSERVE_ASSIGN_OR_RETURN(const std::string pem, ReadFile(path, flag));
-  Bio bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-  std::vector<Cert> certs;
-  while (X509* c = PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)) certs.emplace_back(c);
-  ERR_clear_error();  // the end of the file reads as an error
-  if (certs.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": no PEM certificate in the file"));
-  }
-  for (const Cert& c : certs) {
-    char subject[256];
-    X509_NAME_oneline(X509_get_subject_name(c.get()), subject, sizeof(subject));
-    if (X509_cmp_current_time(X509_get0_notAfter(c.get())) <= 0) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", path, ": the certificate ", subject,
-                                                     " has expired (notAfter ", [&] {
-                                                       Bio out(BIO_new(BIO_s_mem()));
-                                                       ASN1_TIME_print(out.get(), X509_get0_notAfter(c.get()));
-                                                       char* data = nullptr;
-                                                       const long n = BIO_get_mem_data(out.get(), &data);
-                                                       return std::string(data, static_cast<size_t>(n));
-                                                     }(),
-                                                     ")"));
-    }
-    if (X509_cmp_current_time(X509_get0_notBefore(c.get())) >= 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", flag, " ", path, ": the certificate ", subject, " is not valid yet"));
-    }
-  }
-  return certs;
-}
+using openssl::ReadCertificates;
+using openssl::ReadFile;
 
 std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(const TlsFiles& files) {
   if (files.ca.empty()) {
@@ -93,20 +43,7 @@ absl::StatusOr<TlsFiles> TlsFilesFromFlags(const Flags& flags) {
 absl::Status CheckTlsFiles(const TlsFiles& files) {
   if (!files.ca.empty()) SHARDSERVE_RETURN_IF_ERROR(ReadCertificates(files.ca, "tls-ca").status());
   if (files.cert.empty()) return absl::OkStatus();
-  SHARDSERVE_ASSIGN_OR_RETURN(std::vector<Cert> chain, ReadCertificates(files.cert, "tls-cert"));
-  SHARDSERVE_ASSIGN_OR_RETURN(const std::string key_pem, ReadFile(files.key, "tls-key"));
-  Bio bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())));
-  PKey key(PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr));
-  if (key == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key ", files.key, ": not a PEM private key (or one with a passphrase): ", OpenSslError()));
-  }
-  if (X509_check_private_key(chain.front().get(), key.get()) != 1) {
-    ERR_clear_error();
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls-key ", files.key, " is not the key of the certificate in --tls-cert ", files.cert));
-  }
-  return absl::OkStatus();
+  return openssl::ReadIdentity(files.cert, files.key).status();
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsFiles& files,
@@ -173,6 +110,13 @@ absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool inse
   return absl::FailedPreconditionError(
       absl::StrCat("--listen ", listen, " is reachable beyond this machine: give --tls-cert and --tls-key (and "
                    "--tls-ca for mutual TLS), or --insecure to serve it in plaintext"));
+}
+
+absl::Status CheckMetricsListen(const std::string& listen, bool https, bool insecure) {
+  if (https || insecure || IsLoopbackAddress(listen)) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("--metrics-listen ", listen, " is reachable beyond this machine: serve /metrics over HTTPS (--tls-cert "
+                   "and --tls-key, without --metrics-plaintext), or give --insecure to serve it in plain HTTP"));
 }
 
 absl::Status CheckHttpListen(const std::string& host, bool tls, bool api_keys, bool insecure) {

@@ -91,6 +91,10 @@ bool IsLoopbackAddress(const std::string& host_port);
 // FailedPrecondition naming the flags otherwise.
 absl::Status CheckPlaintextListen(const std::string& listen, bool tls, bool insecure);
 
+// /metrics (--metrics-listen) in plain HTTP (`https` false: no certificate, or --metrics-plaintext)
+// beyond loopback needs --insecure: FailedPrecondition naming the flags otherwise.
+absl::Status CheckMetricsListen(const std::string& listen, bool https, bool insecure);
+
 // A host alone (no port): "127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]": true; "0.0.0.0",
 // "::", "10.0.0.5", "" (every interface), a name: false.
 bool IsLoopbackHost(const std::string& host);

@@ -37,6 +37,7 @@
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/interface.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
 
@@ -119,6 +120,35 @@ TEST_F(CommunicatorTest, StoreGetWaitsForSet) {
   setter.join();
   ASSERT_TRUE(value.ok()) << value.status();
   EXPECT_EQ(*value, std::string("v\0w", 3));
+}
+
+TEST_F(CommunicatorTest, StoreKeysAreWrittenOnce) {
+  InMemoryRendezvousStore store;
+  ASSERT_TRUE(store.Set("e1/g/k", "first").ok());
+  const absl::Status second = store.Set("e1/g/k", "second");
+  EXPECT_EQ(second.code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(second.message(), HasSubstr("'e1/g/k'"));
+  EXPECT_TRUE(store.Set("e1/g/k", "first").ok());  // the same value: a retry
+  EXPECT_EQ(*store.Get("e1/g/k", kNoTimeout), "first");
+}
+
+// --collective-interface: the loopback interface's address binds a working group; an unknown
+// interface is an error naming the ones there are.
+TEST_F(CommunicatorTest, InterfaceAddressBindsTheGroupToTheNamedInterface) {
+  absl::StatusOr<std::string> lo = InterfaceAddress("lo");
+  ASSERT_TRUE(lo.ok()) << lo.status();
+  EXPECT_EQ(*lo, "127.0.0.1");
+  const absl::Status missing = InterfaceAddress("nosuch0").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), HasSubstr("'nosuch0' does not exist"));
+  EXPECT_THAT(missing.message(), HasSubstr("lo"));
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm =
+        MakeGlooCommunicator(&store, "e1/iface", rank, 2, *lo, absl::Seconds(60));
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_TRUE((*comm)->Barrier().ok());
+  });
 }
 
 TEST_F(CommunicatorTest, StoreGetTimesOut) {

@@ -85,7 +85,8 @@ class HttpsAndKeysTest(unittest.TestCase):
                     raise RuntimeError(f"cluster did not become ready:\n{stop_launch(cls.launch)}")
                 time.sleep(0.25)
             with open(os.path.join(log_dir, "coordinator.log")) as f:
-                cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
+                # launch given certificates serves /metrics over HTTPS with them too.
+                cls.metrics_url = re.search(r"metrics on (https://\S+/metrics)", f.read()).group(1)
         except BaseException:
             stop_launch(cls.launch)
             raise
@@ -109,7 +110,8 @@ class HttpsAndKeysTest(unittest.TestCase):
                                                          timeout=30))
 
     def auth_failures(self, reason: str) -> float:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+        with urllib.request.urlopen(self.metrics_url, timeout=5,
+                                    context=ssl.create_default_context(cafile=self.ca)) as r:
             text = r.read().decode()
         m = re.search(r'^shardserve_auth_failures_total\{[^}]*reason="%s"[^}]*\} (\S+)$' % reason, text, re.M)
         return float(m.group(1)) if m else 0.0

@@ -1,6 +1,7 @@
 // security/ in one process: API keys (parsing, the Bearer scheme, hashing, rotation and a bad
 // rewrite), the certificate checks at start (expired, not yet valid, key mismatch, unreadable,
-// no PEM) on certificates made with OpenSSL here, and which addresses count as loopback. The
+// no PEM) on certificates made with OpenSSL here, and which addresses count as loopback (and what
+// may listen beyond it in plaintext). The
 // processes that use them are tested in tests/tls_test.cc.
 #include <unistd.h>
 
@@ -155,6 +156,18 @@ TEST(TlsAddressTest, LoopbackHosts) {
   }
   for (const char* host : {"0.0.0.0", "::", "[::]", "", "10.0.0.5", "coordinator.svc", "128.0.0.1"}) {
     EXPECT_FALSE(IsLoopbackHost(host)) << host;
+  }
+}
+
+TEST(TlsAddressTest, PlainMetricsBeyondLoopbackNeedInsecure) {
+  EXPECT_TRUE(CheckMetricsListen("127.0.0.1:9400", /*https=*/false, false).ok());
+  EXPECT_TRUE(CheckMetricsListen("[::1]:0", false, false).ok());
+  EXPECT_TRUE(CheckMetricsListen("0.0.0.0:9400", /*https=*/true, false).ok());
+  EXPECT_TRUE(CheckMetricsListen("0.0.0.0:9400", false, /*insecure=*/true).ok());
+  const absl::Status plain = CheckMetricsListen("10.0.0.5:9400", false, false);
+  EXPECT_EQ(plain.code(), absl::StatusCode::kFailedPrecondition);
+  for (const char* flag : {"--metrics-listen 10.0.0.5:9400", "--tls-cert", "--metrics-plaintext", "--insecure"}) {
+    EXPECT_NE(std::string(plain.message()).find(flag), std::string::npos) << plain.message();
   }
 }
 

@@ -26,6 +26,7 @@
 #include "security/tls.h"
 #include "shardserve/v1/worker.grpc.pb.h"
 #include "tests/cluster_harness.h"
+#include "tests/test_certificates.h"
 
 namespace shardserve {
 namespace {
@@ -64,11 +65,16 @@ double MetricValue(const std::string& text, const std::string& series) {
   return -1;
 }
 
-std::string Scrape(const std::string& host_port) {
-  return Shell("python3 -c \"import urllib.request,sys; sys.stdout.write(urllib.request.urlopen('http://" + host_port +
-               "/metrics', timeout=10).read().decode())\"")
-      .second;
+// GET `url` (http:// or https://, then verified with the CA file `ca`); its exit code (0: got a
+// 200) and the body, or the error.
+std::pair<int, std::string> Fetch(const std::string& url, const std::string& ca = "") {
+  return Shell("python3 -c \"import ssl,sys,urllib.request; ctx = ssl.create_default_context(cafile=sys.argv[2]) if "
+               "sys.argv[2] else None; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10, "
+               "context=ctx).read().decode())\" '" +
+               url + "' '" + ca + "'");
 }
+
+std::string Scrape(const std::string& url, const std::string& ca = "") { return Fetch(url, ca).second; }
 
 class TlsTest : public ::testing::Test {
  protected:
@@ -104,16 +110,7 @@ class TlsTest : public ::testing::Test {
   }
 
   PemKeyPair Make(const std::string& name, const PemKeyPair* issuer, bool is_ca = false) {
-    CertificateSpec spec;
-    spec.common_name = name;
-    spec.is_ca = is_ca;
-    if (!is_ca) {
-      spec.dns_names = {"localhost"};
-      spec.ip_addresses = {"127.0.0.1"};
-    }
-    absl::StatusOr<PemKeyPair> pair = MakeCertificate(spec, issuer);
-    EXPECT_TRUE(pair.ok()) << pair.status();
-    return pair.ok() ? *pair : PemKeyPair();
+    return MakeTestCertificate(name, issuer, is_ca);
   }
   void Save(const std::string& name, const std::string& text) { WriteText(dir_ / name, text); }
   void SaveKeyPair(const std::string& name, const PemKeyPair& pair) {
@@ -151,7 +148,7 @@ class TlsTest : public ::testing::Test {
     }
     int port = 0;
     std::ifstream(port_file) >> port;
-    metrics_address_ = LoggedAddress(coordinator_->log(), "metrics on http://", '/');
+    metrics_url_ = LoggedAddress(coordinator_->log(), "metrics on ", ' ');
     return "127.0.0.1:" + std::to_string(port);
   }
 
@@ -203,7 +200,7 @@ class TlsTest : public ::testing::Test {
   PemKeyPair ca_, other_ca_;
   std::vector<std::unique_ptr<Process>> processes_;
   Process* coordinator_ = nullptr;
-  std::string metrics_address_;
+  std::string metrics_url_;  // http://host:port/metrics, or https://
 };
 
 TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate) {
@@ -297,7 +294,14 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   EXPECT_EQ(plain.error_code(), grpc::StatusCode::UNAVAILABLE) << plain.error_message();
   EXPECT_LT(SecondsSince(start), 30);
 
-  const std::string metrics = Scrape(metrics_address_);
+  // /metrics is HTTPS with the coordinator's certificate: scraped with the CA, refused without it.
+  ASSERT_EQ(metrics_url_.rfind("https://127.0.0.1:", 0), 0u) << metrics_url_;
+  const auto [untrusted_rc, untrusted] = Fetch(metrics_url_, F("other-ca.pem"));
+  EXPECT_NE(untrusted_rc, 0) << untrusted;
+  EXPECT_NE(untrusted.find("CERTIFICATE_VERIFY_FAILED"), std::string::npos) << untrusted;
+  const auto [plain_rc, plain_answer] = Fetch("http://" + metrics_url_.substr(8));
+  EXPECT_NE(plain_rc, 0) << "plain HTTP against the HTTPS /metrics port got an answer: " << plain_answer;
+  const std::string metrics = Scrape(metrics_url_, F("ca.pem"));
   EXPECT_GE(MetricValue(metrics, "shardserve_auth_failures_total{model=\"llama_gqa\",reason=\"no_client_certificate\"}"),
             2)
       << metrics;
@@ -353,7 +357,8 @@ TEST_F(TlsTest, ApiKeysGuardTheClientApiAndAreReReadWhenTheFileChanges) {
   EXPECT_EQ(rc, 1);
   EXPECT_NE(out.find("UNAUTHENTICATED"), std::string::npos) << out;
 
-  const std::string metrics = Scrape(metrics_address_);
+  ASSERT_EQ(metrics_url_.rfind("http://127.0.0.1:", 0), 0u) << metrics_url_;  // no certificate: plain HTTP
+  const std::string metrics = Scrape(metrics_url_);
   EXPECT_GE(MetricValue(metrics, "shardserve_auth_failures_total{model=\"llama_gqa\",reason=\"missing_key\"}"), 3)
       << metrics;
   EXPECT_GE(MetricValue(metrics, "shardserve_auth_failures_total{model=\"llama_gqa\",reason=\"invalid_key\"}"), 1)
@@ -385,15 +390,22 @@ TEST_F(TlsTest, CertificateFilesAreReReadWhenTheyChange) {
     Health(Channel(address, Files("", ca)), &s);  // a new channel: a new handshake
     return s.ok();
   };
+  // /metrics serves the same certificate over HTTPS (httplib, security/https.h), also re-read.
+  auto scrapes = [&](const std::string& ca) { return Fetch(metrics_url_, F(ca)).first == 0; };
   // (gRPC's file watcher hands the server its first certificate on its own thread: allow it a moment.)
   ASSERT_TRUE(WaitFor([&] { return reaches("ca.pem"); }, 30));
   EXPECT_FALSE(reaches("other-ca.pem"));
+  EXPECT_TRUE(scrapes("ca.pem")) << Fetch(metrics_url_, F("ca.pem")).second;
+  EXPECT_FALSE(scrapes("other-ca.pem"));
   // Replace the key, then the certificate, by another CA's (each by a rename, as docs/security.md says).
   PemKeyPair next = Make("rotated coordinator", &other_ca_);
   Save("live.key", next.key);
   Save("live.pem", next.cert);
   EXPECT_TRUE(WaitFor([&] { return reaches("other-ca.pem"); }, 30)) << "the new certificate was not picked up";
   EXPECT_FALSE(reaches("ca.pem"));
+  EXPECT_TRUE(WaitFor([&] { return scrapes("other-ca.pem"); }, 30))
+      << "/metrics did not pick up the new certificate: " << Fetch(metrics_url_, F("other-ca.pem")).second;
+  EXPECT_FALSE(scrapes("ca.pem"));
 }
 
 TEST_F(TlsTest, BadCertificatesAndPlaintextBeyondLoopbackAreClearStartErrors) {
@@ -431,6 +443,16 @@ TEST_F(TlsTest, BadCertificatesAndPlaintextBeyondLoopbackAreClearStartErrors) {
     const auto [rc, log] = run({"--listen", "0.0.0.0:0"}, "wildcard.log");
     EXPECT_EQ(rc, 2);
     EXPECT_NE(log.find("give --tls-cert and --tls-key"), std::string::npos) << log;
+    EXPECT_NE(log.find("--insecure"), std::string::npos) << log;
+  }
+  // /metrics beyond loopback in plain HTTP: without a certificate, or with one and --metrics-plaintext.
+  for (const bool with_cert : {false, true}) {
+    std::vector<std::string> extra = {"--metrics-listen", "0.0.0.0:0"};
+    if (with_cert) extra.insert(extra.end(), {"--tls-cert", F("server.pem"), "--tls-key", F("server.key"),
+                                              "--metrics-plaintext"});
+    const auto [rc, log] = run(extra, with_cert ? "metrics-plaintext.log" : "metrics-wildcard.log");
+    EXPECT_EQ(rc, 2);
+    EXPECT_NE(log.find("--metrics-listen 0.0.0.0:0 is reachable beyond this machine"), std::string::npos) << log;
     EXPECT_NE(log.find("--insecure"), std::string::npos) << log;
   }
   {

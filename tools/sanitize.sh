@@ -2,6 +2,7 @@
 # The test programs built and run under sanitizers (README.md, "Sanitizers"): GCC, no CUDA.
 #
 #   tools/sanitize.sh asan [PROGRAM...]   # build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer
+#   tools/sanitize.sh ci                  # the same, for CI's list (tools/test.sh runs it)
 #   tools/sanitize.sh tsan [PROGRAM...]   # build-tsan/: ThreadSanitizer
 #
 # PROGRAM is a test program of tests/CMakeLists.txt (kernels_cpu_test, scheduler_test, ...); only
@@ -9,15 +10,26 @@
 # Without PROGRAMs, each mode builds and runs its default list below. Any sanitizer report fails
 # the test it happens in (-fno-sanitize-recover=undefined, ASan and TSan abort by default here).
 #
-# Not part of tools/test.sh: the ASan build of the default list alone took 10 minutes on a 2-core
-# machine (then 35 s of tests), beyond CI's budget. Run it by hand after touching memory or
-# threading code; docs/security.md ("Sanitizers") says what it covers and what it found.
+# tools/test.sh runs `ci`: ASan + UBSan on the programs that test the parsers of untrusted bytes
+# and the newest memory-heavy code (CI_PROGRAMS below), which fit CI's budget; the full default
+# list took 10 minutes to build on a 2-core machine (then 35 s of tests), beyond it. Run `asan` and
+# `tsan` by hand after touching memory or threading code; docs/security.md ("Sanitizers") says what
+# each covers and what it found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODE=${1:?usage: tools/sanitize.sh asan|tsan [PROGRAM...]}
+MODE=${1:?usage: tools/sanitize.sh asan|tsan [PROGRAM...] | ci}
 shift
 JOBS=${JOBS:-$(nproc)}
+
+# CI's ASan + UBSan set: the OpenAI request and chat template parsers, the TLS/HTTPS/API-key code,
+# checkpoint and GPTQ loading (safetensors headers, config.json, packed weights), the tokenizer.
+CI_PROGRAMS=(openai_protocol_test chat_template_test security_test https_test checkpoint_test quantized_checkpoint_test tokenizer_test)
+
+if [ "$MODE" = ci ]; then
+  MODE=asan
+  set -- "${CI_PROGRAMS[@]}"
+fi
 
 case "$MODE" in
   asan)
@@ -44,7 +56,7 @@ case "$MODE" in
     export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
     ;;
   *)
-    echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...]" >&2
+    echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...] | ci" >&2
     exit 2
     ;;
 esac

@@ -9,7 +9,8 @@
 #
 # After CTest, the fuzz targets (fuzz/) are built with clang in build-fuzz/ and each runs a fixed
 # number of executions from a fixed seed over its seed corpus (tools/fuzz.sh ci, ~15 s each);
-# FUZZ=0 skips them.
+# FUZZ=0 skips them. Then CI's set of test programs is built with GCC under ASan + UBSan in
+# build-asan/ and run (tools/sanitize.sh ci); SANITIZE=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,4 +36,10 @@ if [ "${FUZZ:-1}" != 0 ]; then
   start=$(date +%s)
   JOBS=$JOBS tools/fuzz.sh ci
   echo "test.sh: fuzz build and runs took $(( $(date +%s) - start )) s"
+fi
+
+if [ "${SANITIZE:-1}" != 0 ]; then
+  start=$(date +%s)
+  JOBS=$JOBS tools/sanitize.sh ci
+  echo "test.sh: sanitizer build and runs took $(( $(date +%s) - start )) s"
 fi

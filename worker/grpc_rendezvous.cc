@@ -23,6 +23,7 @@ absl::Status GrpcRendezvousStore::Set(const std::string& key, const std::string&
   request.set_value(value);
   v1::RendezvousSetResponse response;
   const grpc::Status s = stub_->RendezvousSet(&context, request, &response);
+  if (s.error_code() == grpc::StatusCode::ALREADY_EXISTS) return absl::AlreadyExistsError(s.error_message());
   return s.ok() ? absl::OkStatus() : RpcError("RendezvousSet", key, s);
 }
 

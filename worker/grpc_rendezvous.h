@@ -21,7 +21,8 @@ class GrpcRendezvousStore final : public RendezvousStore {
   explicit GrpcRendezvousStore(v1::WorkerControl::StubInterface* stub, absl::Duration set_timeout = absl::Seconds(10))
       : stub_(stub), set_timeout_(set_timeout) {}
 
-  // Unavailable (with gRPC's code and message) when the coordinator cannot be reached.
+  // AlreadyExists (the coordinator's message) when another peer set `key` first; Unavailable
+  // (with gRPC's code and message) when the coordinator cannot be reached.
   absl::Status Set(const std::string& key, const std::string& value) override;
   // DeadlineExceeded naming the key when it is not set within `timeout`; Unavailable when the
   // coordinator cannot be reached.

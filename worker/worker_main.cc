@@ -27,6 +27,7 @@
 #include "security/tls.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
+#include "worker/comm/interface.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"
 #include "worker/worker_service.h"
@@ -36,13 +37,13 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: shardserve-worker [--coordinator HOST:PORT] [--node NAME] [--device cpu|cuda:K]\n"
-    "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST]\n"
+    "                         [--listen HOST:PORT] [--memory-gb G] [--collective-host HOST | --collective-interface IFACE]\n"
     "                         [--connect-timeout-seconds S] [--coordinator-grace-seconds S]\n"
     "                         [--debug-step-delay-ms MS] [--debug-load-delay-ms MS]\n"
     "                         [--metrics-listen HOST:PORT] [--log-format text|json] [--threads N]\n"
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
-    "                         [--health-listen HOST:PORT]\n"
+    "                         [--metrics-plaintext] [--health-listen HOST:PORT]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -56,6 +57,9 @@ constexpr char kUsage[] =
     "                           GPU's, from CUDA; on cpu none, and the coordinator assumes 20)\n"
     "  --collective-host        address the collectives (Gloo) listen on; peers must reach it\n"
     "                           (default: the host of --listen)\n"
+    "  --collective-interface   bind the collectives to this network interface's address instead\n"
+    "                           (e.g. the cluster network's eth1; also NCCL_SOCKET_IFNAME unless set;\n"
+    "                           docs/security.md: the collective ports are not authenticated)\n"
     "  --connect-timeout-seconds  how long to wait for the coordinator (default 60)\n"
     "  --coordinator-grace-seconds  how long to outlive a coordinator that went away (its process\n"
     "                           died): the worker keeps its shard and registers again, so that a\n"
@@ -68,7 +72,9 @@ constexpr char kUsage[] =
     "                           then take its slot at once (docs/healing.md)\n"
     "  --metrics-listen         Prometheus /metrics HTTP address; port 0 picks a free port, logged\n"
     "                           and reported to the coordinator (default 127.0.0.1:0;\n"
-    "                           docs/metrics.md lists the metrics)\n"
+    "                           docs/metrics.md lists the metrics); HTTPS with --tls-cert/--tls-key\n"
+    "  --metrics-plaintext      serve /metrics in plain HTTP even with --tls-cert (loopback only\n"
+    "                           unless --insecure)\n"
     "  --log-format             text (default) or json: one JSON object per line\n"
     "  --threads                --device cpu: threads for the CPU backend's matrix products and\n"
     "                           attention (oneDNN, OpenMP; its other ops run on the step thread); 0\n"
@@ -85,7 +91,8 @@ constexpr char kUsage[] =
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
     "                           peers with a certificate from it (mutual TLS; docs/security.md)\n"
-    "  --insecure               allow plaintext on a --listen address beyond loopback\n"
+    "  --insecure               allow plaintext on a --listen or --metrics-listen address beyond\n"
+    "                           loopback\n"
     "  --health-listen          also serve grpc.health.v1 (and reflection) in plaintext on this\n"
     "                           address, for probes that speak no TLS (Kubernetes' gRPC probes);\n"
     "                           it tells only SERVING or NOT_SERVING (default: none)\n";
@@ -144,10 +151,10 @@ double DeviceMemoryBandwidth(int cuda_ordinal) {
 int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
-                   {"coordinator", "node", "device", "listen", "memory-gb", "collective-host",
+                   {"coordinator", "node", "device", "listen", "memory-gb", "collective-host", "collective-interface",
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen"},
-                   {"help", "insecure", "spare"});
+                   {"help", "insecure", "spare", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -207,6 +214,14 @@ int Main(int argc, char** argv) {
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
   options.collective_host = flags->Get("collective-host");
+  if (flags->Has("collective-interface")) {
+    if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");
+    const std::string iface = flags->Get("collective-interface");
+    absl::StatusOr<std::string> address = InterfaceAddress(iface);
+    if (!address.ok()) return Usage(absl::StrCat("--collective-interface: ", address.status().message()));
+    options.collective_host = *address;
+    setenv("NCCL_SOCKET_IFNAME", iface.c_str(), /*overwrite=*/0);  // NCCL picks its own sockets' interface
+  }
   if (options.collective_host.empty()) options.collective_host = HostOf(listen);
   if (IsWildcard(options.collective_host)) {
     return Usage("--listen binds every address: set --collective-host to the address the peers reach");
@@ -215,6 +230,12 @@ int Main(int argc, char** argv) {
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
   if (!tls.ok()) return Usage(std::string(tls.status().message()));
   if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
+  // /metrics: HTTPS with the worker's certificate (unless --metrics-plaintext).
+  const std::string metrics_listen = flags->Get("metrics-listen", "127.0.0.1:0");
+  const TlsFiles metrics_tls = flags->Has("metrics-plaintext") ? TlsFiles{} : TlsFiles{tls->cert, tls->key, ""};
+  if (absl::Status s = CheckMetricsListen(metrics_listen, metrics_tls.has_identity(), flags->Has("insecure")); !s.ok()) {
     return Usage(std::string(s.message()));
   }
   // SIGTERM and SIGINT go to the watcher thread below only: block them before any thread starts.
@@ -241,12 +262,12 @@ int Main(int argc, char** argv) {
   // The metrics are created once the worker is assigned (they carry its stage and rank), in this
   // registry, which the exposer serves from now on.
   auto registry = std::make_shared<prometheus::Registry>();
-  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
-      ServeMetrics(flags->Get("metrics-listen", "127.0.0.1:0"), registry, &options.metrics_address);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer = ServeMetrics(metrics_listen, metrics_tls, registry);
   if (!exposer.ok()) {
     std::fprintf(stderr, "shardserve-worker: %s\n", std::string(exposer.status().message()).c_str());
     return 1;
   }
+  options.metrics_address = (*exposer)->address();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -268,7 +289,7 @@ int Main(int argc, char** argv) {
   LogIds ids;
   ids.node = options.node;
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
-            absl::StrCat("metrics on http://", options.metrics_address, "/metrics"), ids);
+            absl::StrCat("metrics on ", (*exposer)->url()), ids);
   if (!health_listen.empty()) {
     WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
               absl::StrCat("plaintext health on ", HostOf(health_listen), ":", health_port, " (grpc.health.v1)"), ids);

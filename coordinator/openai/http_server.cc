@@ -14,6 +14,7 @@
 #include "coordinator/openai/protocol.h"
 #include "coordinator/server/generation.h"
 #include "coordinator/server/log.h"
+#include "security/https.h"
 
 namespace shardserve::openai {
 namespace {
@@ -46,17 +47,6 @@ void SetError(httplib::Response& res, const absl::Status& status) { SetError(res
 std::string RandomHex() {
   absl::BitGen gen;
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
-}
-
-// HTTPS when a certificate is given (clients are not asked for theirs), else plain HTTP.
-// TCP_NODELAY: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to
-// 40 ms), which shows as time to first token (shardserve bench --backend openai measured it).
-std::unique_ptr<httplib::Server> MakeServer(const HttpServerOptions& options) {
-  std::unique_ptr<httplib::Server> server =
-      options.tls_cert.empty() ? std::make_unique<httplib::Server>()
-                               : std::make_unique<httplib::SSLServer>(options.tls_cert.c_str(), options.tls_key.c_str());
-  server->set_tcp_nodelay(true);
-  return server;
 }
 
 // One choice of a request: its engine submission and what it has produced.
@@ -266,7 +256,7 @@ std::string Event(const Json& data) {
 HttpServer::HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
                        const HttpServerOptions& options)
     : model_(model), pool_(pool), engine_(engine), metrics_(metrics), options_(options),
-      created_(absl::ToUnixSeconds(absl::Now())), http_(MakeServer(options)) {}
+      created_(absl::ToUnixSeconds(absl::Now())) {}
 
 HttpServer::~HttpServer() { Stop(); }
 
@@ -277,10 +267,12 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     return absl::InvalidArgumentError("the HTTP API's TLS needs both a certificate and a key");
   }
   std::unique_ptr<HttpServer> s(new HttpServer(model, pool, engine, metrics, options));
-  if (!s->http_->is_valid()) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot serve HTTPS with the certificate ", options.tls_cert,
-                                                   " and the key ", options.tls_key, " (OpenSSL refused them)"));
-  }
+  // HTTPS when a certificate is given, re-read when its files change (security/https.h); TCP_NODELAY
+  // there: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to 40 ms),
+  // which shows as time to first token (shardserve bench --backend openai measured it).
+  absl::StatusOr<std::unique_ptr<httplib::Server>> http = MakeHttpServer(TlsFiles{options.tls_cert, options.tls_key, ""});
+  if (!http.ok()) return http.status();
+  s->http_ = *std::move(http);
   const int threads = std::max(1, options.threads);
   s->http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));

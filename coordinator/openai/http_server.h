@@ -17,9 +17,8 @@
 // to its end.
 //
 // TLS and API keys (docs/security.md): with options.tls_cert/tls_key it serves HTTPS
-// (httplib::SSLServer, OpenSSL) with that certificate; clients are not asked for one (they
-// authenticate by key). cpp-httplib 0.11 reads the files once, at start: a restart picks up a new
-// certificate. With options.api_keys, every /v1/ route (not GET /health) must carry
+// (security/https.h: httplib::SSLServer, OpenSSL) with that certificate, re-read when its files
+// change (new handshakes get the new one); clients are not asked for one (they authenticate by key). With options.api_keys, every /v1/ route (not GET /health) must carry
 // `Authorization: Bearer <key>` (what the openai client sends as api_key); without one, or with an
 // unknown one, it is answered 401 in OpenAI's shape (code invalid_api_key) and counted in
 // shardserve_auth_failures_total{reason="missing_key"|"invalid_key"}. Keys are never logged.

@@ -47,7 +47,7 @@ constexpr char kUsage[] =
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
-    "                              [--http-plaintext]\n"
+    "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--no-prefix-caching]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
@@ -68,7 +68,10 @@ constexpr char kUsage[] =
     "                                with UNAVAILABLE naming the slot (default 60; docs/healing.md)\n"
     "  --port-file                   once listening, write the port to FILE (for scripts and tests)\n"
     "  --metrics-listen              Prometheus /metrics HTTP address; port 0 picks a free port\n"
-    "                                (default 127.0.0.1:9400; docs/metrics.md lists the metrics)\n"
+    "                                (default 127.0.0.1:9400; docs/metrics.md lists the metrics);\n"
+    "                                HTTPS with --tls-cert/--tls-key (re-read when they change)\n"
+    "  --metrics-plaintext           serve /metrics in plain HTTP even with --tls-cert (what launch does\n"
+    "                                with its throw-away certificates; loopback only unless --insecure)\n"
     "  --log-format                  text (default) or json: one JSON object per line\n"
     "  --max-num-seqs                sequences in the running batch at most (default 64)\n"
     "  --max-waiting-requests        requests waiting to join it at most; more are refused with\n"
@@ -95,8 +98,8 @@ constexpr char kUsage[] =
     "                                certificate from this CA; clients of the client API need none\n"
     "  --api-keys-file               clients must send one of these keys (one per line) as\n"
     "                                'authorization: Bearer <key>'; re-read when the file changes\n"
-    "  --insecure                    allow plaintext on a --listen address beyond loopback, and the\n"
-    "                                HTTP API beyond loopback without HTTPS and API keys\n"
+    "  --insecure                    allow plaintext on a --listen or --metrics-listen address beyond\n"
+    "                                loopback, and the HTTP API beyond loopback without HTTPS and API keys\n"
     "  --http-port                   serve the OpenAI-compatible HTTP API (/v1/chat/completions,\n"
     "                                /v1/completions, /v1/models, /health) on this port (default 0: off);\n"
     "                                HTTPS with --tls-cert/--tls-key (no client certificate asked), and\n"
@@ -132,7 +135,7 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes"},
-                   {"help", "insecure", "no-prefix-caching", "http-plaintext"});
+                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -195,6 +198,12 @@ int Main(int argc, char** argv) {
   if (absl::Status s = CheckPlaintextListen(listen, tls->has_identity(), flags->Has("insecure")); !s.ok()) {
     return Usage(std::string(s.message()));
   }
+  // /metrics: HTTPS with the gRPC port's certificate (unless --metrics-plaintext).
+  const std::string metrics_listen = flags->Get("metrics-listen", "127.0.0.1:9400");
+  const TlsFiles metrics_tls = flags->Has("metrics-plaintext") ? TlsFiles{} : TlsFiles{tls->cert, tls->key, ""};
+  if (absl::Status s = CheckMetricsListen(metrics_listen, metrics_tls.has_identity(), flags->Has("insecure")); !s.ok()) {
+    return Usage(std::string(s.message()));
+  }
   std::unique_ptr<ApiKeys> api_keys;
   if (flags->Has("api-keys-file")) {
     absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(flags->Get("api-keys-file"));
@@ -249,11 +258,9 @@ int Main(int argc, char** argv) {
   CoordinatorMetrics metrics((*model)->name);
   (*pool)->SetMetrics(&metrics);
   absl::Cleanup unset_metrics = [&] { (*pool)->SetMetrics(nullptr); };  // metrics die before the pool
-  std::string metrics_address;
-  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer =
-      ServeMetrics(flags->Get("metrics-listen", "127.0.0.1:9400"), metrics.registry(), &metrics_address);
+  absl::StatusOr<std::unique_ptr<MetricsServer>> exposer = ServeMetrics(metrics_listen, metrics_tls, metrics.registry());
   if (!exposer.ok()) return Fail(std::string(exposer.status().message()));
-  CoordinatorLog("server", absl::StrCat("metrics on http://", metrics_address, "/metrics"));
+  CoordinatorLog("server", absl::StrCat("metrics on ", (*exposer)->url()));
 
   Engine engine(model->get(), pool->get(), engine_options, &metrics);
   InferenceService inference(model->get(), pool->get(), &engine, &metrics, api_keys.get());

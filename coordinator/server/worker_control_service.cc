@@ -47,12 +47,17 @@ absl::Status RendezvousTable::Set(const std::string& key, const std::string& val
                                                    " bytes and values at most ", kMaxValueBytes, " bytes"));
   }
   absl::MutexLock lock(&mu_);
-  auto it = values_.find(key);
-  const size_t old = it == values_.end() ? 0 : key.size() + it->second.size();
-  if (bytes_ - old + key.size() + value.size() > kMaxTableBytes) {
+  if (auto it = values_.find(key); it != values_.end()) {
+    // Written once: the first writer wins. The same value again is a retried Set (its reply lost).
+    if (it->second == value) return absl::OkStatus();
+    return absl::AlreadyExistsError(absl::StrCat("rendezvous key '", key,
+                                                 "' is already set to another value; keys are written once per "
+                                                 "epoch (the first writer wins)"));
+  }
+  if (bytes_ + key.size() + value.size() > kMaxTableBytes) {
     return absl::ResourceExhaustedError(absl::StrCat("the rendezvous table is full (", kMaxTableBytes, " bytes)"));
   }
-  bytes_ = bytes_ - old + key.size() + value.size();
+  bytes_ += key.size() + value.size();
   values_[key] = value;
   set_.SignalAll();
   return absl::OkStatus();
@@ -107,7 +112,13 @@ grpc::Status WorkerControlService::Connect(
 grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
                                                  v1::RendezvousSetResponse*) {
   if (grpc::Status auth = Authenticate(context, "RendezvousSet"); !auth.ok()) return auth;
-  return ToGrpcStatus(table_.Set(request->key(), request->value()));
+  const absl::Status s = table_.Set(request->key(), request->value());
+  if (absl::IsAlreadyExists(s)) {
+    // Another peer's address already stands under this key: a second writer is a confused or
+    // hostile peer trying to take a rank's place in a collective group.
+    CoordinatorLog(absl::StrCat("worker at ", context->peer()), absl::StrCat("refused RendezvousSet: ", s.message()));
+  }
+  return ToGrpcStatus(s);
 }
 
 grpc::Status WorkerControlService::RendezvousGet(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,

@@ -233,6 +233,12 @@ int Run(const std::vector<std::string>& args) {
   // ones (curl and the openai client work without a CA to trust).
   const bool http_tls = given_tls->has_identity();
   if (*http_port > 0 && !cert_dir.empty()) options.coordinator_flags.push_back("--http-plaintext");
+  // /metrics on 127.0.0.1 likewise: plain HTTP beside the throw-away certificates, so that
+  // deploy/prometheus/prometheus-local.yml scrapes them as it is; HTTPS with your own.
+  if (!cert_dir.empty()) {
+    options.coordinator_flags.push_back("--metrics-plaintext");
+    options.worker_flags.push_back("--metrics-plaintext");
+  }
   // Whatever happens below, the certificates and the cluster file go with this process.
   struct Cleanup {
     std::string cert_dir;

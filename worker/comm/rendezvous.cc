@@ -6,6 +6,10 @@ namespace shardserve {
 
 absl::Status InMemoryRendezvousStore::Set(const std::string& key, const std::string& value) {
   absl::MutexLock lock(&mu_);
+  if (auto it = values_.find(key); it != values_.end()) {
+    if (it->second == value) return absl::OkStatus();
+    return absl::AlreadyExistsError(absl::StrCat("rendezvous key '", key, "' is already set to another value"));
+  }
   values_[key] = value;
   key_added_.SignalAll();
   return absl::OkStatus();

@@ -5,7 +5,8 @@
 // Keys: each communicator writes only under "<group name>/": "<group>/gloo/<Gloo's key>" and
 // "<group>/nccl/unique_id". Keys are never deleted, so a group name is used for one communicator
 // per store: a group rebuilt after a failure gets a new name (the coordinator's names start with
-// the group's epoch, "e2/tp/stage0"). Several groups (TP groups, PP pairs) share one store.
+// the group's epoch, "e2/tp/stage0"). Several groups (TP groups, PP pairs) share one store. Keys
+// are write-once, so a peer cannot replace the address a rank published for its epoch.
 #ifndef SHARDSERVE_WORKER_COMM_RENDEZVOUS_H_
 #define SHARDSERVE_WORKER_COMM_RENDEZVOUS_H_
 
@@ -25,7 +26,9 @@ namespace shardserve {
 class RendezvousStore {
  public:
   virtual ~RendezvousStore() = default;
-  // Stores `value` (any bytes) under `key`, replacing an earlier value.
+  // Stores `value` (any bytes) under `key`. A key is written once (the first writer wins: an
+  // epoch's group name is in every key): AlreadyExists, naming the key, when it holds another
+  // value; the same value again is OK (a retried Set).
   virtual absl::Status Set(const std::string& key, const std::string& value) = 0;
   // Waits until `key` exists and returns its value. DeadlineExceeded, naming the key, when it
   // does not exist within `timeout`.
