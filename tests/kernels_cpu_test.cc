@@ -576,6 +576,80 @@ TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
   }
 }
 
+// ---- fp8 e4m3 weights (kernels/quant.h Fp8RowsLayout) ---------------------------------------
+
+// Every one of the 256 codes against the E4M3FN definition (sign, exponent bias 7, 3 mantissa
+// bits, subnormals below 2^-6, 0x7F / 0xFF NaN, no infinity), computed here independently by
+// bits; every non-NaN code survives FloatToFp8E4m3(Fp8E4m3ToFloat(c)); values between two
+// neighbours go to the nearer one and halfway ones to the even mantissa; beyond 448 saturates.
+TEST(Fp8QuantTest, E4m3CodesRoundTripAndRoundToNearestEven) {
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    const float v = Fp8E4m3ToFloat(code);
+    if ((c & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      EXPECT_TRUE(Fp8E4m3IsNan(code));
+      continue;
+    }
+    const int e = (c >> 3) & 15, mant = c & 7;
+    const double want = (c & 0x80 ? -1.0 : 1.0) * (e == 0 ? mant / 8.0 * std::pow(2.0, -6) : (1 + mant / 8.0) * std::pow(2.0, e - 7));
+    EXPECT_EQ(v, static_cast<float>(want)) << "code " << c;
+    EXPECT_EQ(FloatToFp8E4m3(v), c == 0x80 ? 0x80 : code) << "code " << c << " = " << v;
+  }
+  EXPECT_EQ(Fp8E4m3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(Fp8E4m3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(Fp8E4m3ToFloat(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(FloatToFp8E4m3(1000.0f), 0x7E);
+  EXPECT_EQ(FloatToFp8E4m3(-std::numeric_limits<float>::infinity()), 0xFE);
+  EXPECT_EQ(FloatToFp8E4m3(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+  // Neighbours 1 (0x38) and 1.125 (0x39): 1.0625 is halfway (to even: 1), just above goes up.
+  EXPECT_EQ(FloatToFp8E4m3(1.0625f), 0x38);
+  EXPECT_EQ(FloatToFp8E4m3(std::nextafter(1.0625f, 2.0f)), 0x39);
+  EXPECT_EQ(FloatToFp8E4m3(1.1875f), 0x3A);  // halfway between 1.125 (odd) and 1.25 (even)
+  // Subnormals are m x 2^-9 (m < 8); 7.5 x 2^-9 rounds to the even 8 x 2^-9, the first normal.
+  EXPECT_EQ(FloatToFp8E4m3(7.5f * std::ldexp(1.0f, -9)), 0x08);  // halfway 7 (odd) / 8 (even)
+  EXPECT_EQ(FloatToFp8E4m3(6.5f * std::ldexp(1.0f, -9)), 0x06);  // halfway 6 (even) / 7
+  EXPECT_EQ(FloatToFp8E4m3(0.2f * std::ldexp(1.0f, -9)), 0x00);
+  EXPECT_EQ(FloatToFp8E4m3(-0.7f * std::ldexp(1.0f, -9)), 0x81);
+}
+
+// The layout's reference: the largest magnitude of a row is exactly +-448 x scale, every weight
+// within 2^-4 of its magnitude (half of e4m3's relative step) or, below e4m3's normal range,
+// within half a subnormal step (2^-10 x scale); an all-zero row scale 0; a non-finite weight
+// refused with its place named.
+TEST(Fp8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
+  std::mt19937 rng(17);
+  const int64_t m = 5, k = 301;
+  std::vector<float> w = Random(rng, m * k, -3.0f, 3.0f);
+  std::fill(w.begin() + 2 * k, w.begin() + 3 * k, 0.0f);  // row 2: all zero
+  for (int64_t c = 0; c < k; c += 7) w[4 * k + c] *= 1e-4f;  // row 4: some values in e4m3's subnormal range
+  std::vector<float> scale(m);
+  std::vector<uint8_t> q(m * k);
+  ASSERT_TRUE(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+  std::vector<float> back(m * k);
+  DequantizeFp8Rows(back.data(), scale.data(), q.data(), m, k);
+  for (int64_t r = 0; r < m; ++r) {
+    float max_abs = 0, max_back = 0;
+    for (int64_t c = 0; c < k; ++c) {
+      const float v = w[r * k + c];
+      max_abs = std::max(max_abs, std::fabs(v));
+      max_back = std::max(max_back, std::fabs(back[r * k + c]));
+      EXPECT_FALSE(Fp8E4m3IsNan(q[r * k + c]));
+      const float bound = std::max(std::fabs(v) * 0x1p-4f, scale[r] * 0x1p-10f) * (1 + 1e-6f);
+      EXPECT_LE(std::fabs(back[r * k + c] - v), bound) << r << ", " << c << ": " << v;
+      EXPECT_EQ(back[r * k + c], Fp8E4m3ToFloat(q[r * k + c]) * scale[r]);
+    }
+    EXPECT_FLOAT_EQ(scale[r], max_abs / 448) << "row " << r;
+    EXPECT_FLOAT_EQ(max_back, max_abs) << "row " << r;
+  }
+  w[3 * k + 4] = -std::numeric_limits<float>::infinity();
+  const absl::Status s = QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("[3, 4]"), std::string::npos) << s;
+  EXPECT_STREQ(WeightQuantName(WeightQuant::kFp8), "fp8");
+  EXPECT_EQ((Fp8RowsLayout{3, 10}.bytes()), 3 * 4 + 30);
+}
+
 // ---- int4 weights (kernels/quant.h Int4Group128, kernels/cpu/int4_matmul.h) ------------------
 
 // The block format's reference: every weight within one step (scale) of its value (half a step
