@@ -19,11 +19,20 @@ const char* WeightQuantName(WeightQuant q) {
 }
 
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name) {
-  // fp8 is parsed once the workers and kernels take it.
-  for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kInt4}) {
+  for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
     if (name == WeightQuantName(q)) return q;
   }
-  return absl::InvalidArgumentError(absl::StrCat("quantization must be none, int8 or int4, got '", name, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("quantization must be none, int8, int4 or fp8, got '", name, "'"));
+}
+
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k) {
+  switch (q) {
+    case WeightQuant::kNone: return m * k * static_cast<int64_t>(sizeof(float));
+    case WeightQuant::kInt8: return Int8RowsLayout{m, k}.bytes();
+    case WeightQuant::kInt4: return Int4GroupsLayout{m, k}.bytes();
+    case WeightQuant::kFp8: return Fp8RowsLayout{m, k}.bytes();
+  }
+  return 0;
 }
 
 absl::Status QuantizeInt8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {

@@ -1,6 +1,6 @@
 // Quantized weight formats: how a MatMul weight may be stored (Backend::PackMatMulWeight), one
 // declared layout per format and one dequantize reference per format, which the fast kernels
-// (kernels/cpu/int8_matmul.h, kernels/cpu/int4_matmul.h, kernels/cpu/fp8_matmul.h) are tested against
+// (kernels/cpu/int8_matmul.h: int8 and fp8, kernels/cpu/int4_matmul.h) are tested against
 // (tests/kernels_cpu_test.cc).
 //
 // Embeddings, norms and the LM head stay in the activation dtype, as in the peers (vLLM,
@@ -27,6 +27,10 @@ enum class WeightQuant : uint8_t {
 const char* WeightQuantName(WeightQuant q);
 // The inverse of WeightQuantName; InvalidArgument listing the names otherwise.
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name);
+
+// Bytes of a weight [m, k] stored as `q` (its layout's below: values, scales and zeros); m x k x 4
+// (float32) for kNone.
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k);
 
 // ---- int8, per output channel ----------------------------------------------------------------
 // A weight w [m, k] (row r = output channel r) is stored as
