@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 
@@ -12,15 +13,26 @@ const char* WeightQuantName(WeightQuant q) {
     case WeightQuant::kNone: return "none";
     case WeightQuant::kInt8: return "int8";
     case WeightQuant::kInt4: return "int4";
+    case WeightQuant::kFp8: return "fp8";
   }
   return "?";
 }
 
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name) {
-  for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kInt4}) {
+  for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
     if (name == WeightQuantName(q)) return q;
   }
-  return absl::InvalidArgumentError(absl::StrCat("quantization must be none, int8 or int4, got '", name, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("quantization must be none, int8, int4 or fp8, got '", name, "'"));
+}
+
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k) {
+  switch (q) {
+    case WeightQuant::kNone: return m * k * static_cast<int64_t>(sizeof(float));
+    case WeightQuant::kInt8: return Int8RowsLayout{m, k}.bytes();
+    case WeightQuant::kInt4: return Int4GroupsLayout{m, k}.bytes();
+    case WeightQuant::kFp8: return Fp8RowsLayout{m, k}.bytes();
+  }
+  return 0;
 }
 
 absl::Status QuantizeInt8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {
@@ -48,6 +60,58 @@ absl::Status QuantizeInt8Rows(float* scale, int8_t* q, const float* w, int64_t m
 void DequantizeInt8Rows(float* w, const float* scale, const int8_t* q, int64_t m, int64_t k) {
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < k; ++c) w[r * k + c] = static_cast<float>(q[r * k + c]) * scale[r];
+  }
+}
+
+float Fp8E4m3ToFloat(uint8_t v) {
+  if (Fp8E4m3IsNan(v)) return std::numeric_limits<float>::quiet_NaN();
+  const int exponent = (v >> 3) & 15, mantissa = v & 7;
+  // Exponent 0: subnormal, m / 8 x 2^-6; else (1 + m / 8) x 2^(e - 7).
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                        : std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  return (v & 0x80) != 0 ? -magnitude : magnitude;
+}
+
+uint8_t FloatToFp8E4m3(float v) {
+  if (std::isnan(v)) return 0x7F;
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  const float a = std::fmin(std::fabs(v), kFp8E4m3Max);  // saturate (inf too)
+  if (a == 0) return sign;
+  // The step between neighbours at a's binade: 2^(e - 3) for normal a in [2^e, 2^(e+1)), e >= -6;
+  // 2^-9 below 2^-6 (subnormal). a / step is then exact in float32 and rounds (to even) to the
+  // number of steps, whose bits are the code's exponent and mantissa fields.
+  int e;
+  std::frexp(a, &e);  // a = f x 2^e, f in [0.5, 1): a in [2^(e-1), 2^e)
+  const int binade = std::max(e - 1, -6);
+  const float steps = std::nearbyint(std::ldexp(a, 3 - binade));  // in [8, 16] (normal) or [0, 8] (subnormal)
+  // 16 steps is the next binade's 8 (mantissa carries into the exponent); below 2^-6 the code is
+  // the step count itself (exponent 0 or, at 8 steps, exponent 1 mantissa 0: the same bits).
+  const int code = binade == -6 && steps < 8 ? static_cast<int>(steps)
+                                             : ((binade + 7) << 3) + static_cast<int>(steps) - 8;
+  return static_cast<uint8_t>(sign | std::min(code, 0x7E));
+}
+
+absl::Status QuantizeFp8Rows(float* scale, uint8_t* q, const float* w, int64_t m, int64_t k) {
+  for (int64_t i = 0; i < m * k; ++i) {
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("fp8 quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = w + r * k;
+    float max_abs = 0;
+    for (int64_t c = 0; c < k; ++c) max_abs = std::fmax(max_abs, std::fabs(row[c]));
+    scale[r] = max_abs / kFp8E4m3Max;
+    uint8_t* out = q + r * k;
+    for (int64_t c = 0; c < k; ++c) out[c] = scale[r] == 0 ? 0 : FloatToFp8E4m3(row[c] / scale[r]);
+  }
+  return absl::OkStatus();
+}
+
+void DequantizeFp8Rows(float* w, const float* scale, const uint8_t* q, int64_t m, int64_t k) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < k; ++c) w[r * k + c] = Fp8E4m3ToFloat(q[r * k + c]) * scale[r];
   }
 }
 

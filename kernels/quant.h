@@ -1,6 +1,6 @@
 // Quantized weight formats: how a MatMul weight may be stored (Backend::PackMatMulWeight), one
 // declared layout per format and one dequantize reference per format, which the fast kernels
-// (kernels/cpu/int8_matmul.h, kernels/cpu/int4_matmul.h) are tested against
+// (kernels/cpu/int8_matmul.h: int8 and fp8, kernels/cpu/int4_matmul.h) are tested against
 // (tests/kernels_cpu_test.cc).
 //
 // Embeddings, norms and the LM head stay in the activation dtype, as in the peers (vLLM,
@@ -20,12 +20,17 @@ enum class WeightQuant : uint8_t {
   kNone = 0,  // the activation dtype (or the backend's own packing of it)
   kInt8 = 1,  // int8, symmetric, one float32 scale per output channel (below)
   kInt4 = 2,  // 4-bit unsigned with a zero point, per group of 128 inputs (Int4Group128 below)
+  kFp8 = 3,   // fp8 e4m3 (OCP E4M3FN), one float32 scale per output channel (Fp8RowsLayout below)
 };
 
-// "none", "int8", "int4".
+// "none", "int8", "int4", "fp8".
 const char* WeightQuantName(WeightQuant q);
 // The inverse of WeightQuantName; InvalidArgument listing the names otherwise.
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name);
+
+// Bytes of a weight [m, k] stored as `q` (its layout's below: values, scales and zeros); m x k x 4
+// (float32) for kNone.
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k);
 
 // ---- int8, per output channel ----------------------------------------------------------------
 // A weight w [m, k] (row r = output channel r) is stored as
@@ -48,6 +53,42 @@ absl::Status QuantizeInt8Rows(float* scale /*[m]*/, int8_t* q /*[m, k]*/, const 
 // The reference: w [m, k] = q x scale per row.
 void DequantizeInt8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const int8_t* q /*[m, k]*/, int64_t m,
                         int64_t k);
+
+// ---- fp8 e4m3, per output channel ---------------------------------------------------------------
+// A weight w [m, k] is stored as
+//   scale [m] float32, then q [m, k] bytes, each an OCP "E4M3FN" fp8 number (the byte of
+//   torch.float8_e4m3fn / __nv_fp8_e4m3): sign bit, 4 exponent bits (bias 7), 3 mantissa bits;
+//   exponent 0 is subnormal (m / 8 x 2^-6); no infinities; 0x7F / 0xFF are NaN; largest 448,
+// with scale[r] = max_c |w[r][c]| / 448 and q[r][c] = e4m3(w[r][c] / scale[r]), rounded to the
+// nearest e4m3 number (ties to even mantissa) and saturated at +-448; an all-zero row has scale 0
+// and q 0. So w[r][c] ~ Fp8E4m3ToFloat(q[r][c]) x scale[r], off by at most 2^-4 of |w[r][c]|
+// (half of e4m3's relative step 2^-3) where |w / scale| >= 2^-6 (e4m3's normal range), and by at
+// most 2^-10 x scale[r] below it (the subnormals' half step).
+// The same bytes and per-channel scales as a compressed-tensors "float-quantized" channel-wise fp8
+// checkpoint (weight_scale [m, 1]), so a loader may copy those in as they are; per-tensor scales
+// repeat per row. A loader must refuse NaN bytes (0x7F, 0xFF: Fp8E4m3IsNan): the kernels read
+// them as +-480, the reference as NaN. 1 byte a weight plus 4 bytes a row.
+struct Fp8RowsLayout {
+  int64_t m = 0, k = 0;
+  // Bytes of the whole stored weight, and where q starts (scales first: 4-byte aligned).
+  int64_t bytes() const { return scale_bytes() + m * k; }
+  int64_t scale_bytes() const { return m * static_cast<int64_t>(sizeof(float)); }
+};
+inline constexpr float kFp8E4m3Max = 448.0f;
+
+// One e4m3 byte's value (exact in float32); NaN for 0x7F and 0xFF.
+float Fp8E4m3ToFloat(uint8_t v);
+// The e4m3 byte nearest to v (ties to even), saturated at +-448; NaN gives 0x7F.
+uint8_t FloatToFp8E4m3(float v);
+inline bool Fp8E4m3IsNan(uint8_t v) { return (v & 0x7F) == 0x7F; }
+
+// Quantizes w [m, k] float32 into `scale` [m] and `q` [m, k]. Non-finite weights are refused
+// (InvalidArgument naming the row and column) before anything is written.
+absl::Status QuantizeFp8Rows(float* scale /*[m]*/, uint8_t* q /*[m, k]*/, const float* w /*[m, k]*/, int64_t m,
+                             int64_t k);
+// The reference: w [m, k] = Fp8E4m3ToFloat(q) x scale per row.
+void DequantizeFp8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const uint8_t* q /*[m, k]*/, int64_t m,
+                       int64_t k);
 
 // ---- int4, groups of 128 along the input, asymmetric ------------------------------------------
 // A weight w [m, k] is stored as m x ceil(k / 128) blocks, row by row (block [r][g] holds

@@ -13,6 +13,8 @@
 #include <initializer_list>
 #include <string>
 
+#include "kernels/quant.h"
+
 namespace shardserve {
 
 // Element types. F32/F16/BF16 for weights and activations, I32 for ids, positions, block tables,
@@ -51,6 +53,9 @@ struct Tensor {
   DType dtype = DType::kF32;
   int ndim = 0;
   std::array<int64_t, kMaxDims> shape{};
+  // A quantized weight (Backend::PackMatMulWeight): an I8 [m, k] view of its kernels/quant.h
+  // layout, whose bytes() are that layout's (scales and zeros included), not m x k.
+  WeightQuant quant = WeightQuant::kNone;
 
   Tensor() = default;
   Tensor(void* d, DType t, std::initializer_list<int64_t> dims) : data(d), dtype(t) {
@@ -63,8 +68,11 @@ struct Tensor {
     for (int i = 0; i < ndim; ++i) n *= shape[i];
     return n;
   }
-  size_t bytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype); }
-  // Rows of a 2-D view: [begin, end) of dimension 0.
+  size_t bytes() const {
+    if (quant != WeightQuant::kNone && ndim == 2) return static_cast<size_t>(QuantizedWeightBytes(quant, shape[0], shape[1]));
+    return static_cast<size_t>(numel()) * DTypeSize(dtype);
+  }
+  // Rows of a 2-D view: [begin, end) of dimension 0 (not of a quantized weight's).
   Tensor Rows(int64_t begin, int64_t end) const {
     Tensor t = *this;
     t.shape[0] = end - begin;

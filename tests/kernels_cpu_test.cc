@@ -28,6 +28,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/int4_matmul.h"
+#include "kernels/cpu/int8_matmul.h"
+#include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
@@ -576,6 +579,255 @@ TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
   }
 }
 
+// ---- fp8 e4m3 weights (kernels/quant.h Fp8RowsLayout) ---------------------------------------
+
+// Every one of the 256 codes against the E4M3FN definition (sign, exponent bias 7, 3 mantissa
+// bits, subnormals below 2^-6, 0x7F / 0xFF NaN, no infinity), computed here independently by
+// bits; every non-NaN code survives FloatToFp8E4m3(Fp8E4m3ToFloat(c)); values between two
+// neighbours go to the nearer one and halfway ones to the even mantissa; beyond 448 saturates.
+TEST(Fp8QuantTest, E4m3CodesRoundTripAndRoundToNearestEven) {
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    const float v = Fp8E4m3ToFloat(code);
+    if ((c & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(v)) << c;
+      EXPECT_TRUE(Fp8E4m3IsNan(code));
+      continue;
+    }
+    const int e = (c >> 3) & 15, mant = c & 7;
+    const double want = (c & 0x80 ? -1.0 : 1.0) * (e == 0 ? mant / 8.0 * std::pow(2.0, -6) : (1 + mant / 8.0) * std::pow(2.0, e - 7));
+    EXPECT_EQ(v, static_cast<float>(want)) << "code " << c;
+    EXPECT_EQ(FloatToFp8E4m3(v), c == 0x80 ? 0x80 : code) << "code " << c << " = " << v;
+  }
+  EXPECT_EQ(Fp8E4m3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(Fp8E4m3ToFloat(0x38), 1.0f);
+  EXPECT_EQ(Fp8E4m3ToFloat(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(FloatToFp8E4m3(1000.0f), 0x7E);
+  EXPECT_EQ(FloatToFp8E4m3(-std::numeric_limits<float>::infinity()), 0xFE);
+  EXPECT_EQ(FloatToFp8E4m3(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+  // Neighbours 1 (0x38) and 1.125 (0x39): 1.0625 is halfway (to even: 1), just above goes up.
+  EXPECT_EQ(FloatToFp8E4m3(1.0625f), 0x38);
+  EXPECT_EQ(FloatToFp8E4m3(std::nextafter(1.0625f, 2.0f)), 0x39);
+  EXPECT_EQ(FloatToFp8E4m3(1.1875f), 0x3A);  // halfway between 1.125 (odd) and 1.25 (even)
+  // Subnormals are m x 2^-9 (m < 8); 7.5 x 2^-9 rounds to the even 8 x 2^-9, the first normal.
+  EXPECT_EQ(FloatToFp8E4m3(7.5f * std::ldexp(1.0f, -9)), 0x08);  // halfway 7 (odd) / 8 (even)
+  EXPECT_EQ(FloatToFp8E4m3(6.5f * std::ldexp(1.0f, -9)), 0x06);  // halfway 6 (even) / 7
+  EXPECT_EQ(FloatToFp8E4m3(0.2f * std::ldexp(1.0f, -9)), 0x00);
+  EXPECT_EQ(FloatToFp8E4m3(-0.7f * std::ldexp(1.0f, -9)), 0x81);
+}
+
+// The layout's reference: the largest magnitude of a row is exactly +-448 x scale, every weight
+// within 2^-4 of its magnitude (half of e4m3's relative step) or, below e4m3's normal range,
+// within half a subnormal step (2^-10 x scale); an all-zero row scale 0; a non-finite weight
+// refused with its place named.
+TEST(Fp8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
+  std::mt19937 rng(17);
+  const int64_t m = 5, k = 301;
+  std::vector<float> w = Random(rng, m * k, -3.0f, 3.0f);
+  std::fill(w.begin() + 2 * k, w.begin() + 3 * k, 0.0f);  // row 2: all zero
+  for (int64_t c = 0; c < k; c += 7) w[4 * k + c] *= 1e-4f;  // row 4: some values in e4m3's subnormal range
+  std::vector<float> scale(m);
+  std::vector<uint8_t> q(m * k);
+  ASSERT_TRUE(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+  std::vector<float> back(m * k);
+  DequantizeFp8Rows(back.data(), scale.data(), q.data(), m, k);
+  for (int64_t r = 0; r < m; ++r) {
+    float max_abs = 0, max_back = 0;
+    for (int64_t c = 0; c < k; ++c) {
+      const float v = w[r * k + c];
+      max_abs = std::max(max_abs, std::fabs(v));
+      max_back = std::max(max_back, std::fabs(back[r * k + c]));
+      EXPECT_FALSE(Fp8E4m3IsNan(q[r * k + c]));
+      const float bound = std::max(std::fabs(v) * 0x1p-4f, scale[r] * 0x1p-10f) * (1 + 1e-6f);
+      EXPECT_LE(std::fabs(back[r * k + c] - v), bound) << r << ", " << c << ": " << v;
+      EXPECT_EQ(back[r * k + c], Fp8E4m3ToFloat(q[r * k + c]) * scale[r]);
+    }
+    EXPECT_FLOAT_EQ(scale[r], max_abs / 448) << "row " << r;
+    EXPECT_FLOAT_EQ(max_back, max_abs) << "row " << r;
+  }
+  w[3 * k + 4] = -std::numeric_limits<float>::infinity();
+  const absl::Status s = QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("[3, 4]"), std::string::npos) << s;
+  EXPECT_STREQ(WeightQuantName(WeightQuant::kFp8), "fp8");
+  EXPECT_EQ((Fp8RowsLayout{3, 10}.bytes()), 3 * 4 + 30);
+}
+
+// A product by an fp8 weight equals the product by its dequantized weight (the reference): as
+// int8's, x x e4m3 summed in float32 and scaled once, so float32 rounding over k <= 768 terms:
+// 1e-5. The packed weight is I8 with quant kFp8, holds exactly the reference's scales and bytes,
+// and its bytes() are the layout's (scales included).
+TEST_F(CpuBackendTest, Fp8MatMulEqualsTheDequantizedProduct) {
+  for (auto [k, m] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {17, 300}, {300, 7}, {768, 256}, {7, 5}}) {
+    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
+    std::vector<float> scale(m);
+    std::vector<uint8_t> q(m * k);
+    ASSERT_TRUE(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+    std::vector<float> dequantized(m * k);
+    DequantizeFp8Rows(dequantized.data(), scale.data(), q.data(), m, k);
+    Tensor packed;
+    Buffer packed_buffer;
+    {
+      DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
+      dw.Upload(w);
+      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kFp8);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      EXPECT_EQ(packed.dtype, DType::kI8);
+      EXPECT_EQ(packed.quant, WeightQuant::kFp8);
+      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(Fp8RowsLayout{m, k}.bytes()));
+      EXPECT_EQ(packed.bytes(), buffer->bytes());
+      EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(static_cast<char*>(buffer->data()) + m * sizeof(float), q.data(), m * k), 0);
+      packed_buffer = std::move(*buffer);
+      dw.Poison();  // MatMul must read only the packed copy
+    }
+    DeviceTensor db(backend_.get(), DType::kF32, {m});
+    db.Upload(b);
+    for (int64_t n : {1, 2, 3, 16, 17}) {
+      for (bool bias : {false, true}) {
+        const std::string what = absl::StrCat("fp8 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
+        const std::vector<float> x = Random(rng_, n * k);
+        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
+        dx.Upload(x);
+        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
+        out.Poison();
+        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-5);
+        EXPECT_TRUE(out.GuardsIntact()) << what;
+      }
+    }
+  }
+}
+
+// A quantized weight's bytes() are its layout's (values, scales, zeros), for every format, through
+// PackMatMulWeight and by hand, and survive copying the view; a plain view keeps numel x size.
+// (Before, an I8 [m, k] view said m x k bytes, which the worker's weight count had to work around.)
+TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
+  const int64_t m = 6, k = 300;
+  const std::vector<float> w = Random(rng_, m * k);
+  DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
+  dw.Upload(w);
+  for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, quant);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    const Tensor copy = packed;
+    EXPECT_EQ(copy.quant, quant);
+    EXPECT_EQ(copy.bytes(), buffer->bytes()) << WeightQuantName(quant);
+    EXPECT_EQ(copy.bytes(), static_cast<size_t>(QuantizedWeightBytes(quant, m, k))) << WeightQuantName(quant);
+    // An output placed in the weight's last bytes (for int8 and fp8 past the m x k bytes an I8
+    // view used to claim) overlaps it.
+    Tensor inside(static_cast<char*>(buffer->data()) + buffer->bytes() - m * sizeof(float), DType::kF32, {1, m});
+    DeviceTensor x(backend_.get(), DType::kF32, {1, k});
+    x.Upload(Random(rng_, k));
+    EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MatMul(&inside, x.t(), packed, nullptr), "MatMul"))
+        << WeightQuantName(quant);
+    // A view that lies about its format is refused.
+    Tensor lying = packed;
+    lying.quant = quant == WeightQuant::kInt8 ? WeightQuant::kFp8 : WeightQuant::kInt8;
+    DeviceTensor out(backend_.get(), DType::kF32, {1, m});
+    EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MatMul(out.ptr(), x.t(), lying, nullptr), "MatMul"));
+  }
+  EXPECT_EQ((Int8RowsLayout{m, k}.bytes()), m * 4 + m * k);
+  EXPECT_EQ((Int4GroupsLayout{m, k}.bytes()), m * 3 * 72);
+  Tensor plain(nullptr, DType::kI8, {m, k});
+  EXPECT_EQ(plain.bytes(), static_cast<size_t>(m * k));
+  plain.quant = WeightQuant::kInt4;
+  EXPECT_EQ(plain.bytes(), static_cast<size_t>(m * 3 * 72));
+}
+
+// ---- every instance of the quantized products (kernels/cpu/quant_isa.h) ---------------------
+
+// Each instruction set's instance (baseline x86-64, AVX2 + FMA, AVX-512) of the int8, fp8 and int4
+// products, called directly, against the dequantize-then-multiply reference at 1, 4, 32 and 64
+// input rows and odd ones (3, 65), k and m with tails (k not a multiple of 8 / 16 / 128, m not of
+// the 8-row tiles), with bias. Outputs start NaN between guard bytes (a missed or stray write
+// fails). Limits as the backend tests': 1e-5 for int8 / fp8 (float32 rounding of k <= 1024
+// terms, lane sums in a fixed order), 1e-4 for int4 (its two sums per group, see
+// Int4MatMulEqualsTheDequantizedProduct). A NaN in one input row makes that row's outputs NaN
+// and no other's; an Inf row gives +-Inf or NaN there and leaves the others exact. An instance
+// this CPU lacks is skipped, saying so.
+// The VNNI instance's int8 product rounds each activation to int8 (scale max |x| / 127): an error
+// of up to 1/254 of the row's largest per activation, uniform, so an output moves by ~(1/127) /
+// sqrt(12) x |w| rms against outputs of ~|x||w| / sqrt(3): about 4e-3 normalized on these uniform
+// inputs (measured 2e-4 to 9.2e-3, the largest at k = 64, AMD EPYC, 2026-11-24). kVnniLimit =
+// 2e-2 leaves room for the maximum over many outputs; a wrong sign mask or scale gives ~1.
+constexpr double kVnniLimit = 2e-2;
+class QuantIsaTest : public ::testing::TestWithParam<cpu::QuantIsa> {};
+
+TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
+  const cpu::QuantIsa isa = GetParam();
+  if (!cpu::QuantIsaSupported(isa)) GTEST_SKIP() << "this CPU lacks " << cpu::QuantIsaName(isa);
+  std::mt19937 rng(23 + static_cast<int>(isa));
+  constexpr size_t kGuard = 64;
+  for (auto [k, m] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {300, 7}, {1024, 40}, {23, 17}}) {
+    const std::vector<float> w = Random(rng, m * k), b = Random(rng, m);
+    // The three formats' stored weights and their references.
+    std::vector<float> s8(m), sf8(m), ref8(m * k), reff8(m * k), ref4(m * k);
+    std::vector<int8_t> q8(m * k);
+    std::vector<uint8_t> qf8(m * k);
+    std::vector<Int4Group128> blocks(m * Int4GroupsLayout{m, k}.groups_per_row());
+    ASSERT_TRUE(QuantizeInt8Rows(s8.data(), q8.data(), w.data(), m, k).ok());
+    ASSERT_TRUE(QuantizeFp8Rows(sf8.data(), qf8.data(), w.data(), m, k).ok());
+    ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
+    DequantizeInt8Rows(ref8.data(), s8.data(), q8.data(), m, k);
+    DequantizeFp8Rows(reff8.data(), sf8.data(), qf8.data(), m, k);
+    DequantizeInt4Groups(ref4.data(), blocks.data(), m, k);
+    for (int64_t n : {1, 3, 4, 32, 64, 65}) {
+      std::vector<float> x = Random(rng, n * k);
+      for (int format = 0; format < 3; ++format) {
+        const char* name = format == 0 ? "int8" : format == 1 ? "fp8" : "int4";
+        const std::string what =
+            absl::StrCat(cpu::QuantIsaName(isa), " ", name, " n=", n, " k=", k, " m=", m);
+        std::vector<float> y(kGuard + n * m + kGuard, std::numeric_limits<float>::quiet_NaN());
+        std::fill(y.begin(), y.begin() + kGuard, 7.0f);
+        std::fill(y.end() - kGuard, y.end(), 7.0f);
+        float* out = y.data() + kGuard;
+        const auto run = [&](const std::vector<float>& in) {
+          if (format == 0) cpu::Int8MatMul(out, in.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, isa);
+          if (format == 1) cpu::Fp8MatMul(out, in.data(), n, m, k, qf8.data(), sf8.data(), b.data(), 2, isa);
+          if (format == 2) cpu::Int4MatMul(out, in.data(), n, m, k, blocks.data(), b.data(), 2, isa);
+        };
+        run(x);
+        const std::vector<float>& ref = format == 0 ? ref8 : format == 1 ? reff8 : ref4;
+        const bool vnni = isa == cpu::QuantIsa::kAvx512Vnni && format == 0;
+        ExpectClose(what, std::vector<float>(out, out + n * m), MatMulReference(x, ref, &b, n, k, m),
+                    vnni ? kVnniLimit : format == 2 ? 1e-4 : 1e-5);
+        for (size_t g = 0; g < kGuard; ++g) {
+          ASSERT_EQ(y[g], 7.0f) << what << ": guard before";
+          ASSERT_EQ(y[kGuard + n * m + g], 7.0f) << what << ": guard after";
+        }
+        if (n < 3) continue;
+        // Non-finite inputs stay in their row.
+        const std::vector<float> clean(out, out + n * m);
+        std::vector<float> bad = x;
+        bad[1 * k + k / 2] = std::numeric_limits<float>::quiet_NaN();
+        bad[2 * k] = std::numeric_limits<float>::infinity();
+        run(bad);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t r = 0; r < m; ++r) {
+            const float v = out[i * m + r];
+            if (i == 1) {
+              EXPECT_TRUE(std::isnan(v)) << what << ": NaN row, column " << r;
+            } else if (i == 2) {
+              EXPECT_FALSE(std::isfinite(v)) << what << ": Inf row, column " << r;
+            } else {
+              ASSERT_EQ(v, clean[i * m + r]) << what << ": row " << i << " changed by another row's NaN / Inf";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, QuantIsaTest,
+                         ::testing::Values(cpu::QuantIsa::kPortable, cpu::QuantIsa::kAvx2, cpu::QuantIsa::kAvx512,
+                                           cpu::QuantIsa::kAvx512Vnni),
+                         [](const ::testing::TestParamInfo<cpu::QuantIsa>& info) {
+                           return std::string(cpu::QuantIsaName(info.param));
+                         });
+
 // ---- int4 weights (kernels/quant.h Int4Group128, kernels/cpu/int4_matmul.h) ------------------
 
 // The block format's reference: every weight within one step (scale) of its value (half a step
@@ -683,7 +935,7 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
     }
   }
   // The backend says which instance runs and what the CPU has.
-  EXPECT_NE(backend_->Describe().find("int8/int4 products"), std::string::npos) << backend_->Describe();
+  EXPECT_NE(backend_->Describe().find("int8/fp8/int4 products on "), std::string::npos) << backend_->Describe();
 }
 
 // As the int8 products: a row's product by an int4 weight is bitwise the same whatever other

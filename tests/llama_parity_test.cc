@@ -78,6 +78,9 @@ constexpr double kInt8LogitsTolerance = 1e-1;
 // int4 weights (LlamaInt4Weights below says why).
 constexpr double kInt4LogitsTolerance = 1.0;
 constexpr double kInt4DequantizedTolerance = 1e-4;
+// fp8 weights (LlamaFp8Weights below says why).
+constexpr double kFp8LogitsTolerance = 0.5;
+constexpr double kFp8DequantizedTolerance = 1e-4;
 
 struct Golden {
   std::vector<int32_t> prompt, greedy;
@@ -166,9 +169,10 @@ class LlamaLowPrecision : public FixtureTest {};
 // A checkpoint whose linear layers' weights (q/k/v/o, gate/up/down) read as their int4
 // round trip, DequantizeInt4Groups(QuantizeInt4Groups(w)), whole (TP = 1 only): the float32
 // engine on these runs the model --quantization int4 approximates, exactly up to float rounding.
-class DequantizedInt4Weights : public WeightSource {
+class DequantizedWeights : public WeightSource {
  public:
-  explicit DequantizedInt4Weights(const WeightSource* inner) : inner_(inner) {}
+  // quant: kInt4 or kFp8.
+  DequantizedWeights(const WeightSource* inner, WeightQuant quant) : inner_(inner), quant_(quant) {}
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
     return inner_->CheckShape(name, shape);
   }
@@ -181,11 +185,18 @@ class DequantizedInt4Weights : public WeightSource {
     if (!linear) return inner_->Read(name, shape, slice, dtype, dst);
     if (dtype != DType::kF32 || shape.size() != 2 || slice.begin != 0 ||
         (slice.end != -1 && slice.end != shape[slice.dim])) {
-      return absl::UnimplementedError("DequantizedInt4Weights: whole float32 matrices only");
+      return absl::UnimplementedError("DequantizedWeights: whole float32 matrices only");
     }
     const int64_t m = shape[0], k = shape[1];
     std::vector<float> w(m * k);
     SHARDSERVE_RETURN_IF_ERROR(inner_->Read(name, shape, Slice{}, DType::kF32, w.data()));
+    if (quant_ == WeightQuant::kFp8) {
+      std::vector<float> scale(m);
+      std::vector<uint8_t> q(m * k);
+      SHARDSERVE_RETURN_IF_ERROR(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k));
+      DequantizeFp8Rows(static_cast<float*>(dst), scale.data(), q.data(), m, k);
+      return absl::OkStatus();
+    }
     std::vector<Int4Group128> blocks(m * Int4GroupsLayout{m, k}.groups_per_row());
     SHARDSERVE_RETURN_IF_ERROR(QuantizeInt4Groups(blocks.data(), w.data(), m, k));
     DequantizeInt4Groups(static_cast<float*>(dst), blocks.data(), m, k);
@@ -194,6 +205,7 @@ class DequantizedInt4Weights : public WeightSource {
 
  private:
   const WeightSource* inner_;
+  WeightQuant quant_;
 };
 
 struct LoadedFixture {
@@ -488,7 +500,7 @@ TEST(LlamaInt8Weights, StayCloseToHuggingFace) {
 // int4 weights (--quantization int4: the linear layers' weights quantized at load in groups of 128
 // inputs, a scale and a zero point each; these fixtures' rows of 64 inputs are one short group,
 // their rows of 128 one whole group). Two checks:
-// 1. Against the float32 engine running the int4 weights' round trip (DequantizedInt4Weights, the
+// 1. Against the float32 engine running the int4 weights' round trip (DequantizedWeights, the
 //    model int4 stands for; LlamaParity holds the float32 engine to Hugging Face's logits within
 //    kLogitsTolerance): the same logits up to float32 rounding (measured 2.7e-6 to 7.4e-6 over 32
 //    steps, AMD EPYC, 2026-11-24; the int4 product's per-group zero-point sums round ~10x more than
@@ -521,7 +533,7 @@ TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
     std::vector<std::vector<float>> int4_logits, dequantized_logits, int8_logits;
     absl::StatusOr<std::vector<int32_t>> int4 = run(*f.ckpt, WeightQuant::kInt4, &int4_logits);
     ASSERT_TRUE(int4.ok()) << name << ": " << int4.status();
-    const DequantizedInt4Weights dequantized_weights(f.ckpt.get());
+    const DequantizedWeights dequantized_weights(f.ckpt.get(), WeightQuant::kInt4);
     absl::StatusOr<std::vector<int32_t>> dequantized = run(dequantized_weights, WeightQuant::kNone, &dequantized_logits);
     ASSERT_TRUE(dequantized.ok()) << name << ": " << dequantized.status();
     ASSERT_TRUE(run(*f.ckpt, WeightQuant::kInt8, &int8_logits).ok()) << name;
@@ -543,6 +555,64 @@ TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
     std::printf("[ parity   ] %s with int4 weights: logits error %.3g against the dequantized model (32 steps' "
                 "worst), %.3g against HF after the prompt (int8: %.3g); the first %d of 32 greedy tokens equal HF's\n",
                 name.c_str(), worst, err, int8_err, same);
+  }
+}
+
+// fp8 weights (--quantization fp8: e4m3 with one scale per output channel, quantized at load).
+// As int4's, two checks:
+// 1. Against the float32 engine running the fp8 weights' round trip (DequantizedWeights): the same
+//    logits up to float32 rounding (an fp8 product rounds as an int8 one: 1e-5 per op in
+//    tests/kernels_cpu_test.cc; over the layers and 32 steps int4 measured < 1e-5), within
+//    kFp8DequantizedTolerance, and the same 32 greedy tokens. A wrong bit in the e4m3 conversion
+//    moves a weight by >= 2^-3 of itself and the logits by >> 1e-3.
+// 2. Against Hugging Face's float32 logits: e4m3 keeps 3 mantissa bits, so each weight moves by
+//    up to 2^-4 of itself (half its relative step 2^-3): on these uniformly random weights an rms
+//    error of ~1.6% of a row's largest against int8's ~0.23% (half-step rms (largest / 127) /
+//    sqrt(12)), ~7x int8's; the logits measured 0.12 to 0.19 of their scale (AMD EPYC,
+//    2026-11-24; 2.8e-6 at worst in check 1) against int8's 0.026 to 0.055 (3-5x). The bound is
+//    int8's measured worst x 7 ~ 0.39, rounded up to kFp8LogitsTolerance; a wrong scale or layout
+//    gives ~1. Greedy tokens are only reported, as int8's (the first 0 to 10 of 32 equal HF's on
+//    these 64-wide random models).
+TEST(LlamaFp8Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
+  for (const std::string& name : FixtureNames()) {
+    const fs::path dir = kFixtures / name;
+    const Golden g = LoadGolden(dir);
+    ASSERT_EQ(g.greedy.size(), 32u);
+    LoadedFixture f;
+    ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));
+    const StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 8,
+                         .max_model_len = 8 * 16};
+    const auto run = [&](const WeightSource& weights, WeightQuant quant, std::vector<std::vector<float>>* logits)
+        -> absl::StatusOr<std::vector<int32_t>> {
+      ShardSpec spec;
+      spec.weight_quant = quant;
+      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<LlamaShard> model,
+                                  LlamaShard::Load(weights, f.config, spec, opt, f.backend.get(), f.tp.get()));
+      return GreedyGenerate(model.get(), g.prompt, 32, logits);
+    };
+    std::vector<std::vector<float>> fp8_logits, dequantized_logits;
+    absl::StatusOr<std::vector<int32_t>> fp8 = run(*f.ckpt, WeightQuant::kFp8, &fp8_logits);
+    ASSERT_TRUE(fp8.ok()) << name << ": " << fp8.status();
+    const DequantizedWeights dequantized_weights(f.ckpt.get(), WeightQuant::kFp8);
+    absl::StatusOr<std::vector<int32_t>> dequantized = run(dequantized_weights, WeightQuant::kNone, &dequantized_logits);
+    ASSERT_TRUE(dequantized.ok()) << name << ": " << dequantized.status();
+    const size_t V = static_cast<size_t>(f.config.vocab_size);
+    ASSERT_EQ(g.prompt_last_logits.size(), V) << name;
+    ASSERT_EQ(fp8_logits.front().size(), V) << name;
+    double worst = 0;
+    for (size_t step = 0; step < fp8_logits.size(); ++step) {
+      worst = std::max(worst, NormalizedError(fp8_logits[step], dequantized_logits[step]));
+    }
+    EXPECT_LE(worst, kFp8DequantizedTolerance) << name << ": fp8 against its dequantized weights in float32";
+    EXPECT_EQ(*fp8, *dequantized) << name << ": greedy tokens of fp8 and of its dequantized weights";
+    const double err = NormalizedError(fp8_logits.front(), g.prompt_last_logits);
+    EXPECT_GT(err, 0) << name << ": fp8 weights gave HF's float32 logits exactly";
+    EXPECT_LE(err, kFp8LogitsTolerance) << name << ": fp8 logits after the prompt";
+    int same = 0;
+    while (same < 32 && (*fp8)[same] == g.greedy[same]) ++same;
+    std::printf("[ parity   ] %s with fp8 weights: logits error %.3g against the dequantized model (32 steps' "
+                "worst), %.3g against HF after the prompt; the first %d of 32 greedy tokens equal HF's\n",
+                name.c_str(), worst, err, same);
   }
 }
 

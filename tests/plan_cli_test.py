@@ -61,7 +61,7 @@ def main():
     check(rc != 0 and "14784 per rank, not a whole number of groups of 128" in err, "int4 TP=2 refused", out + err)
 
     bad = [
-        (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8 or int4"),
+        (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
         (["--cluster", "1x2xB999"], 'unknown GPU "B999"'),
         (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "-3"], "--hbm-gbps must be a positive number"),

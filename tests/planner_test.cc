@@ -717,6 +717,26 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     EXPECT_LT(g.weight_bytes, p.per_gpu[i].weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
   }
 
+  // fp8 weights: a byte per value and a scale per local output row, as int8 (Fp8RowsLayout), as
+  // the worker stores them.
+  PlanOptions fp8 = o;
+  fp8.weight_quant = WeightQuant::kFp8;
+  const Plan q8 = MustPlan(c, SmallCpuCluster(), fp8);
+  ASSERT_EQ(q8.per_gpu.size(), q.per_gpu.size());
+  EXPECT_EQ(q8.model_weight_bytes, q.model_weight_bytes);
+  for (size_t i = 0; i < q8.per_gpu.size(); ++i) {
+    const GpuPlan& g = q8.per_gpu[i];
+    const StagePlan& s = q8.stages[g.stage];
+    LoadOnlyCommunicator comm(g.tp_rank, q8.tp);
+    ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q8.tp};
+    spec.weight_quant = WeightQuant::kFp8;
+    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+        LlamaShard::Load(*m->checkpoint, c, spec, q8.limits, backend.get(), &comm);
+    ASSERT_TRUE(shard.ok()) << "fp8 stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
+    EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "fp8 stage " << g.stage << " rank " << g.tp_rank;
+    EXPECT_EQ(g.weight_bytes, q.per_gpu[i].weight_bytes) << "fp8 stage " << g.stage << " rank " << g.tp_rank;
+  }
+
   // int4 weights: with TP = 1 the plan counts the Int4Group128 blocks (these fixtures' rows of 64
   // inputs are one short group each) as the worker stores them, fewer bytes than int8. With TP = 2
   // o_proj's 64 inputs split into 32 per rank cut a group: the planner and the worker's loader both

@@ -1,21 +1,26 @@
 // bench_matmul: the CPU backend's float32 matrix products (kernels/cpu/panel_matmul.h) beside
 // oneDNN's matmul as the backend used it before (weights reordered once into the layout oneDNN
-// picks, one primitive per row count), over the weights of one pipeline stage, side by side in one
-// run: for each row count, the two alternate `--repeat` times and the medians are reported.
-// Also says, per row count, whether each one's rows equal the same rows of a 512-row product
-// (bitwise), the property continuous batching needs. A third column times the backend's products
-// by the same weights quantized to int8 (--quantization int8: kernels/cpu/int8_matmul.h) and a
-// fourth to int4 (--quantization int4: kernels/cpu/int4_matmul.h), with the weight bytes per
-// second each product reads (4 per parameter for float32, 1 for int8, 72 / 128 for int4).
+// picks, one primitive per row count), and the backend's products by the same weights quantized
+// to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
+// instruction set this CPU has (AVX2, AVX-512, and int8 on AVX-512 VNNI with its activations
+// quantized: kernels/cpu/quant_isa.h), over the weights of one
+// pipeline stage, side by side in one run: for each row count, all of them alternate `--repeat`
+// times and the medians are reported, with the weight bytes per second each product reads (4 per
+// parameter for float32, 1 for int8 and fp8, 72 / 128 for int4), and whether each one's rows
+// equal the same rows of a 256-row product (bitwise), the property continuous batching needs.
+// oneDNN runs on --threads OpenMP threads, as ours (its CPU time / wall time is printed to show it).
 //
 //   bench_matmul [--threads 1] [--layers 6] [--hidden 768] [--kv 256] [--mlp 2048] [--repeat 7]
 //
 // Defaults: one PP=2 stage of the benchmark model (tools/make_bench_model.py), one thread (what
-// each of two PP=2 workers gets on a 2-core machine). Random weights and inputs in [-0.05, 0.05].
+// each of two PP=2 workers gets on a 2-core machine). Llama-3-8B's shapes (4096 x 4096, 14336 x
+// 4096, 4096 x 14336): --layers 1 --hidden 4096 --kv 1024 --mlp 14336. Random weights and inputs
+// in [-0.05, 0.05].
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -27,7 +32,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/quant_isa.h"
+#include "kernels/quant.h"
 #include "kernels/tensor.h"
 #include "tools/bench_util.h"
 #include "tools/cli/bench_stats.h"
@@ -89,15 +97,26 @@ class OneDnnProduct {
   std::map<int64_t, dnnl::matmul> by_rows_;
 };
 
+double CpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  using shardserve::WeightQuant;
+  using shardserve::cpu::QuantIsa;
   const std::optional<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlagsOrUsage(
       "bench_matmul", "usage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] [--repeat R]\n",
       argc, argv, {{"threads", 1}, {"layers", 6}, {"hidden", 768}, {"kv", 256}, {"mlp", 2048}, {"repeat", 7}});
   if (!flags) return 2;
   const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
   const int64_t layers = flags->at("layers"), hidden = flags->at("hidden"), kv = flags->at("kv"), mlp = flags->at("mlp");
+  // oneDNN (built with OpenMP on Debian) takes its thread count from this thread's OpenMP setting
+  // when it runs; dynamic adjustment off, so that it is exactly that.
+  omp_set_dynamic(0);
   omp_set_num_threads(threads);
   struct Shape {
     int64_t m, k;
@@ -113,104 +132,99 @@ int main(int argc, char** argv) {
   dnnl::stream stream(engine);
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> dist(-0.05f, 0.05f);
+  // The kernels compared: float32 panels, oneDNN float32, then each format on each instruction set.
+  struct Kernel {
+    std::string name;
+    WeightQuant quant;
+    std::optional<QuantIsa> isa;  // quantized ones only
+    double bytes_per_param;
+  };
+  std::vector<Kernel> kernels = {{"f32 panels", WeightQuant::kNone, std::nullopt, 4},
+                                 {"f32 oneDNN", WeightQuant::kNone, std::nullopt, 4}};
+  for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512, QuantIsa::kAvx512Vnni}) {
+    if (!shardserve::cpu::QuantIsaSupported(isa)) continue;
+    for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
+      if (isa == QuantIsa::kAvx512Vnni && q != WeightQuant::kInt8) continue;  // int8 only
+      kernels.push_back({absl::StrCat(shardserve::WeightQuantName(q), " ", shardserve::cpu::QuantIsaName(isa)), q, isa,
+                         q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
+    }
+  }
   struct Weight {
     Shape shape;
-    Buffer buffer;
-    Tensor packed;
     std::unique_ptr<OneDnnProduct> onednn;
-    Buffer int8_buffer;
-    Tensor int8;
-    Buffer int4_buffer;
-    Tensor int4;
+    std::map<WeightQuant, std::pair<Buffer, Tensor>> packed;  // kNone: float32 panels
   };
   std::vector<Weight> weights;
   for (int64_t l = 0; l < layers; ++l) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, {}, {}, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, {}};
-      auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &weight.packed);
-      if (!buffer.ok()) {
-        std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
-        return 1;
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}};
+      for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
+        Tensor packed;
+        auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed, q);
+        if (!buffer.ok()) {
+          std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
+          return 1;
+        }
+        weight.packed[q] = {std::move(*buffer), packed};
       }
-      weight.buffer = std::move(*buffer);
-      auto int8 = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &weight.int8,
-                                            shardserve::WeightQuant::kInt8);
-      if (!int8.ok()) {
-        std::fprintf(stderr, "bench_matmul: %s\n", std::string(int8.status().message()).c_str());
-        return 1;
-      }
-      weight.int8_buffer = std::move(*int8);
-      auto int4 = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &weight.int4,
-                                            shardserve::WeightQuant::kInt4);
-      if (!int4.ok()) {
-        std::fprintf(stderr, "bench_matmul: %s\n", std::string(int4.status().message()).c_str());
-        return 1;
-      }
-      weight.int4_buffer = std::move(*int4);
       weights.push_back(std::move(weight));
     }
   }
-  const int64_t max_rows = 512, widest = std::max({hidden, kv, mlp});
+  const int64_t max_rows = 256, widest = std::max({hidden, kv, mlp});
   std::vector<float> x(static_cast<size_t>(max_rows * widest)), y(static_cast<size_t>(max_rows * widest));
   for (float& v : x) v = dist(rng);
 
-  // The first weight's products of all 512 rows, to compare each row count's rows with.
-  const Shape first = weights[0].shape;
-  // quant: 0 float32 panels, 8 int8, 4 int4.
-  auto ours = [&](const Weight& w, float* out, int64_t n, int quant = 0) {
+  const auto run = [&](const Kernel& kernel, Weight& w, float* out, int64_t n) {
+    if (kernel.name == "f32 oneDNN") {
+      omp_set_num_threads(threads);
+      w.onednn->Run(stream, out, x.data(), n);
+      return;
+    }
+    shardserve::cpu::SetQuantIsaOverride(kernel.isa);
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});
-    if (absl::Status s = backend->MatMul(&ty, tx, quant == 8 ? w.int8 : quant == 4 ? w.int4 : w.packed, nullptr);
-        !s.ok()) {
+    if (absl::Status s = backend->MatMul(&ty, tx, w.packed[kernel.quant].second, nullptr); !s.ok()) {
       std::fprintf(stderr, "bench_matmul: %s\n", std::string(s.message()).c_str());
       std::exit(1);
     }
   };
-  std::vector<float> ours_all(static_cast<size_t>(max_rows * first.m)), onednn_all(ours_all.size()),
-      int8_all(ours_all.size()), int4_all(ours_all.size());
-  ours(weights[0], ours_all.data(), max_rows);
-  ours(weights[0], int8_all.data(), max_rows, 8);
-  ours(weights[0], int4_all.data(), max_rows, 4);
-  weights[0].onednn->Run(stream, onednn_all.data(), x.data(), max_rows);
+  // The first weight's products of all max_rows rows, to compare each row count's rows with.
+  const Shape first = weights[0].shape;
+  std::vector<std::vector<float>> all(kernels.size(), std::vector<float>(static_cast<size_t>(max_rows * first.m)));
+  for (size_t i = 0; i < kernels.size(); ++i) run(kernels[i], weights[0], all[i].data(), max_rows);
 
-  std::printf("one stage: %lld layers, %.1fM parameters of products, %d thread(s), median of %d\n",
-              static_cast<long long>(layers), params / 1e6, threads, repeat);
-  std::printf("%6s  %12s %8s %6s  %12s %8s %6s  %7s  %10s %7s %6s %7s  %10s %7s %6s %7s\n", "rows", "panels ms",
-              "GFLOP/s", "same", "oneDNN ms", "GFLOP/s", "same", "speedup", "int8 ms", "w GB/s", "same", "vs f32",
-              "int4 ms", "w GB/s", "same", "vs f32");
-  for (int64_t n : {1, 2, 4, 8, 16, 32, 64, 128, 512}) {
-    std::vector<double> t_ours, t_onednn, t_int8, t_int4;
+  shardserve::cpu::SetQuantIsaOverride(std::nullopt);  // the description says what the backend picks
+  std::printf("one stage: %lld layers, %.1fM parameters of products, %d thread(s), median of %d; %s\n",
+              static_cast<long long>(layers), params / 1e6, threads, repeat,
+              shardserve::cpu::QuantizedKernelsDescription().c_str());
+  std::printf("%6s  %-12s %10s %8s %8s %6s %7s %9s\n", "rows", "kernel", "ms", "GFLOP/s", "w GB/s", "same",
+              "vs f32", "cpu/wall");
+  for (int64_t n : {1, 4, 32, 64}) {
+    std::vector<std::vector<double>> t(kernels.size());
+    std::vector<double> cpu(kernels.size(), 0), wall(kernels.size(), 0);
     for (int r = 0; r < repeat; ++r) {
-      for (int which = 0; which < 4; ++which) {
+      for (size_t i = 0; i < kernels.size(); ++i) {
+        const double c0 = CpuSeconds();
         const auto t0 = std::chrono::steady_clock::now();
-        for (Weight& w : weights) {
-          if (which == 1) {
-            w.onednn->Run(stream, y.data(), x.data(), n);
-          } else {
-            ours(w, y.data(), n, which == 2 ? 8 : which == 3 ? 4 : 0);
-          }
-        }
-        (which == 0 ? t_ours : which == 1 ? t_onednn : which == 2 ? t_int8 : t_int4)
-            .push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        for (Weight& w : weights) run(kernels[i], w, y.data(), n);
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        t[i].push_back(dt);
+        wall[i] += dt;
+        cpu[i] += CpuSeconds() - c0;
       }
     }
-    std::vector<float> part(static_cast<size_t>(n * first.m));
-    ours(weights[0], part.data(), n);
-    const bool ours_same = std::memcmp(part.data(), ours_all.data(), part.size() * sizeof(float)) == 0;
-    weights[0].onednn->Run(stream, part.data(), x.data(), n);
-    const bool onednn_same = std::memcmp(part.data(), onednn_all.data(), part.size() * sizeof(float)) == 0;
-    ours(weights[0], part.data(), n, 8);
-    const bool int8_same = std::memcmp(part.data(), int8_all.data(), part.size() * sizeof(float)) == 0;
-    ours(weights[0], part.data(), n, 4);
-    const bool int4_same = std::memcmp(part.data(), int4_all.data(), part.size() * sizeof(float)) == 0;
-    const double a = Percentile(t_ours, 50), b = Percentile(t_onednn, 50), c = Percentile(t_int8, 50),
-                 d = Percentile(t_int4, 50), flops = 2.0 * static_cast<double>(n) * params;
-    std::printf("%6lld  %12.2f %8.1f %6s  %12.2f %8.1f %6s  %6.2fx  %10.2f %7.1f %6s %6.2fx  %10.2f %7.1f %6s %6.2fx\n",
-                static_cast<long long>(n), a * 1e3, flops / a / 1e9, ours_same ? "yes" : "NO", b * 1e3,
-                flops / b / 1e9, onednn_same ? "yes" : "NO", b / a, c * 1e3, params / c / 1e9,
-                int8_same ? "yes" : "NO", a / c, d * 1e3, params * 72 / 128 / d / 1e9, int4_same ? "yes" : "NO",
-                a / d);
+    const double f32 = Percentile(t[0], 50), flops = 2.0 * static_cast<double>(n) * params;
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      std::vector<float> part(static_cast<size_t>(n * first.m));
+      run(kernels[i], weights[0], part.data(), n);
+      const bool same = std::memcmp(part.data(), all[i].data(), part.size() * sizeof(float)) == 0;
+      const double a = Percentile(t[i], 50);
+      std::printf("%6lld  %-12s %10.2f %8.1f %8.1f %6s %6.2fx %9.2f\n", static_cast<long long>(n),
+                  kernels[i].name.c_str(), a * 1e3, flops / a / 1e9, params * kernels[i].bytes_per_param / a / 1e9,
+                  same ? "yes" : "NO", f32 / a, cpu[i] / wall[i]);
+    }
   }
+  shardserve::cpu::SetQuantIsaOverride(std::nullopt);
   return 0;
 }

@@ -75,7 +75,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   if (w.mapped) {  // the int4 kernel's own blocks, bit for bit
     absl::StatusOr<Buffer> buffer = backend_->PackInt4Blocks(w.blocks.data(), w.m, w.k, &packed);
     if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(prefix, ": ", buffer.status().message()));
-    weight_bytes_ += Int4GroupsLayout{w.m, w.k}.bytes();
+    weight_bytes_ += packed.bytes();
     buffers_.push_back(std::move(*buffer));
     ++quant_mapped_;
     return packed;
@@ -110,8 +110,8 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
-    // Logical bytes, as the planner counts: int8 / int4 weights with their scales (and zeros) (kernels/quant.h).
-    weight_bytes_ = weight_bytes_ - plain.bytes() + (packed.dtype == DType::kI8 ? buffer->bytes() : packed.bytes());
+    // Logical bytes, as the planner counts: quantized weights with their scales (and zeros) (kernels/quant.h).
+    weight_bytes_ = weight_bytes_ - plain.bytes() + packed.bytes();
     buffers_.back() = std::move(*buffer);
   }
   return packed;

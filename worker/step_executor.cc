@@ -136,6 +136,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   if (!weights.ok()) return weights.status();
   const WeightQuant quant = a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8   ? WeightQuant::kInt8
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
+                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_FP8  ? WeightQuant::kFp8
                                                                                       : WeightQuant::kNone;
   const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant};
   const StepLimits options = FromProto(a.limits());

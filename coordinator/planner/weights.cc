@@ -113,19 +113,14 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
   for (const WeightTensor& t : tensors) {
     const int64_t elements = ShardElements(t, shard);
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
-    if (quant == WeightQuant::kInt8 && t.part == WeightPart::kLayer && t.shape.size() == 2) {
-      // A linear layer's weight (q/k/v/o, gate/up/down): a byte per value and a float32 scale per
-      // local output row (kernels/quant.h Int8RowsLayout).
+    if (quant != WeightQuant::kNone && t.part == WeightPart::kLayer && t.shape.size() == 2) {
+      // A linear layer's weight (q/k/v/o, gate/up/down) in its kernels/quant.h layout, per local
+      // output row: int8 and fp8 a byte per value and a float32 scale; int4 ceil(local inputs /
+      // 128) blocks of 72 bytes (64 bytes of packed values, a float32 scale, the zero point and
+      // padding).
       const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      bytes = static_cast<uint64_t>(Int8RowsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
-    }
-    if (quant == WeightQuant::kInt4 && t.part == WeightPart::kLayer && t.shape.size() == 2) {
-      // Int4Group128 blocks: per local output row, ceil(local inputs / 128) blocks of 72 bytes (64
-      // bytes of packed values, a float32 scale, the zero point and padding) (kernels/quant.h).
-      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
-      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      bytes = static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes());
+      bytes = static_cast<uint64_t>(QuantizedWeightBytes(quant, rows, elements / std::max<int64_t>(rows, 1)));
     }
     if (IsQuantizedLinearWeight(config, t)) {
       // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h): the int4 kernel's

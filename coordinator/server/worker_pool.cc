@@ -441,6 +441,7 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
   a->set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
   a->set_weight_quantization(options_.weight_quant == WeightQuant::kInt8   ? v1::WEIGHT_QUANTIZATION_INT8
                              : options_.weight_quant == WeightQuant::kInt4 ? v1::WEIGHT_QUANTIZATION_INT4
+                             : options_.weight_quant == WeightQuant::kFp8  ? v1::WEIGHT_QUANTIZATION_FP8
                                                                            : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
   if (options_.load_format == LoadFormat::kDummy) {
     a->set_load_format(v1::LOAD_FORMAT_DUMMY);

@@ -220,14 +220,14 @@ class CpuBackend final : public Backend {
     // bf16 weights: oneDNN's layout of them, as the [k, m] "weights" of a matmul. Float32
     // weights: none (data_type undef); they are panels (panel_matmul.h).
     dnnl::memory::desc desc;
-    // kInt8: int8 rows (kernels/quant.h Int8RowsLayout: scales, then values); kInt4: Int4Group128
-    // blocks (Int4GroupsLayout). Either is viewed as an I8 tensor [m, k] (whose bytes() is not the
-    // buffer's size: `bytes` is).
+    // kInt8: int8 rows (kernels/quant.h Int8RowsLayout: scales, then values); kFp8: e4m3 rows
+    // (Fp8RowsLayout, the same order); kInt4: Int4Group128 blocks (Int4GroupsLayout). Each is
+    // viewed as an I8 tensor [m, k] whose `quant` says which (so that its bytes() are `bytes`).
     WeightQuant quant = WeightQuant::kNone;
     bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
-  // cpu/int4_matmul.h's QuantizedKernelsDescription (this header does not include the kernels').
+  // cpu/quant_isa.h's QuantizedKernelsDescription (this header does not include the kernels').
   static std::string QuantizedKernelsDescription();
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed

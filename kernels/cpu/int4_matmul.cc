@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
 
 namespace shardserve::cpu {
@@ -24,8 +23,6 @@ struct UnpackPortable {
   }
 };
 
-bool HasAvx2Fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-
 }  // namespace
 
 void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
@@ -34,9 +31,10 @@ void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t
 }
 
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
-                const float* bias, int threads) {
-  // The instance for this CPU: fixed per machine, so a result is too.
-  static const bool avx2 = HasAvx2Fma();
+                const float* bias, int threads, QuantIsa isa) {
+  const auto columns = isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx512Vnni ? Int4ColumnsAvx512
+                       : isa == QuantIsa::kAvx2 ? Int4ColumnsAvx2
+                                                : Int4ColumnsPortable;
   // Columns in whole tiles per thread, so that every output is computed by the same tile code.
   const int64_t tiles = (m + kInt4TileRows - 1) / kInt4TileRows;
   const int nthreads = threads > 0 ? threads : omp_get_max_threads();
@@ -44,16 +42,8 @@ void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
 #pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
   for (int64_t p = 0; p < parts; ++p) {
     const int64_t r0 = tiles * p / parts * kInt4TileRows, r1 = std::min(m, tiles * (p + 1) / parts * kInt4TileRows);
-    if (r0 < r1) (avx2 ? Int4ColumnsAvx2 : Int4ColumnsPortable)(y, x, n, m, k, blocks, bias, r0, r1);
+    if (r0 < r1) columns(y, x, n, m, k, blocks, bias, r0, r1);
   }
-}
-
-std::string QuantizedKernelsDescription() {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f"), vnni = __builtin_cpu_supports("avx512vnni");
-  return absl::StrCat("int8/int4 products on ", HasAvx2Fma() ? "avx2+fma" : "baseline x86-64 (no avx2+fma)",
-                      " [cpu: avx512f ", avx512 ? "yes" : "no", ", avx512-vnni ", vnni ? "yes" : "no",
-                      "; no avx512 or vnni kernels yet]");
 }
 
 }  // namespace shardserve::cpu

@@ -13,20 +13,18 @@
 #define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_H_
 
 #include <cstdint>
-#include <string>
 
+#include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 
 namespace shardserve::cpu {
 
 // y [n, m] = x [n, k] @ w^T (+ bias [m], may be null), w [m, k] stored as `blocks`
-// [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default).
+// [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default),
+// with `isa`'s instance (which the CPU must support; kAvx512's is AVX2's 8-lane code with two input
+// rows per pass over an unpacked group, int4_matmul_avx512.cc).
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
-                const float* bias, int threads);
-
-// Which instance Int4MatMul (and Int8MatMul) run on this CPU: "avx2+fma" or "portable" (baseline
-// x86-64), and what the CPU offers that they do not use yet (AVX-512, VNNI), for the worker's log.
-std::string QuantizedKernelsDescription();
+                const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
 
 }  // namespace shardserve::cpu
 

@@ -14,11 +14,13 @@
 
 namespace shardserve::cpu {
 
-// The baseline-x86-64 and AVX2 instances of the columns [r0, r1) of y = x @ w^T + bias.
+// The baseline-x86-64, AVX2 and AVX-512 instances of the columns [r0, r1) of y = x @ w^T + bias.
 void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                          const float* bias, int64_t r0, int64_t r1);
 void Int4ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                      const float* bias, int64_t r0, int64_t r1);
+void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                       const float* bias, int64_t r0, int64_t r1);
 
 // Weight rows per tile of columns, as int8_matmul_tiles.h: 8 sums for one input row, 4 x 2 for two.
 inline constexpr int kInt4TileRows = 8;
@@ -104,7 +106,7 @@ inline constexpr int64_t kInt4PlaneMinRows = 4;
 
 // One group g of PlaneTile: unpack the R rows' values into `plane`, then every input row's sums.
 // kFull: size == 128 (fixed-size loads), as Group.
-template <class Unpack, int R, bool kFull>
+template <class Unpack, int R, bool kFull, bool kPairs>
 [[gnu::always_inline]] inline void PlaneGroup(Vec8 (&acc)[kInt4PlaneRows][R], float (&plane)[R][kInt4GroupSize],
                                               const float* x, int64_t i, int64_t count, int64_t k,
                                               const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g,
@@ -118,7 +120,41 @@ template <class Unpack, int R, bool kFull>
       StoreVec(plane[b] + kHalf + c, hi);
     }
   }
-  for (int64_t a = 0; a < count; ++a) {
+  int64_t a = 0;
+  // kPairs: two input rows per pass over the plane (each plane vector loaded once for both: 16
+  // sums, which need AVX-512's 32 registers); each row's sums are the same operations either way.
+  if constexpr (kPairs) {
+    for (; a + 2 <= count; a += 2) {
+      const float* row0 = x + (i + a) * k + g * kInt4GroupSize;
+      const float* row1 = row0 + k;
+      Vec8 part0[R] = {}, part1[R] = {};
+      Vec8 xsum0 = {}, xsum1 = {};
+      for (int64_t c = 0; c < kHalf; c += kVecLanes) {
+        const Vec8 xlo0 = kFull ? LoadVec(row0 + c) : LoadVec(row0 + c, size - c);
+        const Vec8 xhi0 = kFull ? LoadVec(row0 + kHalf + c)
+                                : (size > kHalf + c ? LoadVec(row0 + kHalf + c, size - kHalf - c) : Vec8{});
+        const Vec8 xlo1 = kFull ? LoadVec(row1 + c) : LoadVec(row1 + c, size - c);
+        const Vec8 xhi1 = kFull ? LoadVec(row1 + kHalf + c)
+                                : (size > kHalf + c ? LoadVec(row1 + kHalf + c, size - kHalf - c) : Vec8{});
+        xsum0 += xlo0 + xhi0;
+        xsum1 += xlo1 + xhi1;
+        for (int b = 0; b < R; ++b) {
+          const Vec8 plo = LoadVec(plane[b] + c), phi = LoadVec(plane[b] + kHalf + c);
+          part0[b] += xlo0 * plo;
+          part0[b] += xhi0 * phi;
+          part1[b] += xlo1 * plo;
+          part1[b] += xhi1 * phi;
+        }
+      }
+      for (int b = 0; b < R; ++b) {
+        const Int4Group128& block = blocks[(r + b) * groups + g];
+        const float s = block.scale, sz = block.scale * static_cast<float>(block.zero);
+        acc[a][b] += part0[b] * s - xsum0 * sz;
+        acc[a + 1][b] += part1[b] * s - xsum1 * sz;
+      }
+    }
+  }
+  for (; a < count; ++a) {
     const float* row = x + (i + a) * k + g * kInt4GroupSize;
     Vec8 part[R] = {};
     Vec8 xsum = {};
@@ -144,7 +180,7 @@ template <class Unpack, int R, bool kFull>
 // operation for operation (so a row's result does not depend on which path its batch took): each
 // group's R x 128 values are unpacked once into a plane of floats, then every input row
 // multiplies them from L1.
-template <class Unpack, int R>
+template <class Unpack, int R, bool kPairs>
 [[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
                                              const Int4Group128* blocks, const float* bias, int64_t r) {
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
@@ -152,10 +188,10 @@ template <class Unpack, int R>
   alignas(32) float plane[R][kInt4GroupSize];
   Vec8 acc[kInt4PlaneRows][R] = {};
   for (int64_t g = 0; g < whole; ++g) {
-    PlaneGroup<Unpack, R, true>(acc, plane, x, i, count, k, blocks, groups, r, g, kInt4GroupSize);
+    PlaneGroup<Unpack, R, true, kPairs>(acc, plane, x, i, count, k, blocks, groups, r, g, kInt4GroupSize);
   }
   if (whole < groups) {
-    PlaneGroup<Unpack, R, false>(acc, plane, x, i, count, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
+    PlaneGroup<Unpack, R, false, kPairs>(acc, plane, x, i, count, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
   }
   for (int64_t a = 0; a < count; ++a) {
     for (int b = 0; b < R; ++b) {
@@ -165,19 +201,19 @@ template <class Unpack, int R>
   }
 }
 
-template <class Unpack>
+template <class Unpack, bool kPairs>
 [[gnu::always_inline]] inline void PlaneTileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t count,
                                                int64_t m, int64_t k, const Int4Group128* blocks, const float* bias,
                                                int64_t r) {
   switch (rows) {
-    case 8: PlaneTile<Unpack, 8>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 7: PlaneTile<Unpack, 7>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 6: PlaneTile<Unpack, 6>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 5: PlaneTile<Unpack, 5>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 4: PlaneTile<Unpack, 4>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 3: PlaneTile<Unpack, 3>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 2: PlaneTile<Unpack, 2>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 1: PlaneTile<Unpack, 1>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 8: PlaneTile<Unpack, 8, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 7: PlaneTile<Unpack, 7, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 6: PlaneTile<Unpack, 6, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 5: PlaneTile<Unpack, 5, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 4: PlaneTile<Unpack, 4, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 3: PlaneTile<Unpack, 3, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 2: PlaneTile<Unpack, 2, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
+    case 1: PlaneTile<Unpack, 1, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
     default: break;
   }
 }
@@ -185,15 +221,16 @@ template <class Unpack>
 // Output columns [r0, r1) of every row of y, kInt4TileRows weight rows at a time (their blocks stay
 // in L1 while the input rows stream past). Fewer than kInt4PlaneMinRows input rows (decode): input
 // rows in pairs (4 weight rows x 2 inputs), a last single one 8 weight rows at a time, unpacking
-// in registers; more: PlaneTile, kInt4PlaneRows input rows a pass.
-template <class Unpack>
+// in registers; more: PlaneTile, kInt4PlaneRows input rows a pass (kPairs: two at a time over
+// each plane, for instances with 32 vector registers).
+template <class Unpack, bool kPairs = false>
 [[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                            const Int4Group128* blocks, const float* bias, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
     if (n >= kInt4PlaneMinRows) {
       for (int64_t i = 0; i < n; i += kInt4PlaneRows) {
-        PlaneTileOf<Unpack>(rows, y, x, i, std::min(kInt4PlaneRows, n - i), m, k, blocks, bias, r);
+        PlaneTileOf<Unpack, kPairs>(rows, y, x, i, std::min(kInt4PlaneRows, n - i), m, k, blocks, bias, r);
       }
       continue;
     }

@@ -1,7 +1,9 @@
-// The tiles of the CPU's int8 products (int8_matmul.h), as templates over how 8 int8 weights
-// become 8 floats (`Widen::Load(const int8_t*) -> Vec8`), instantiated once per instruction set:
-// int8_matmul_avx2.cc (compiled for AVX2 + FMA) and int8_matmul.cc (baseline x86-64). Internal to
-// those two files; everything here has internal linkage, so the two instances cannot mix.
+// The tiles of the CPU's products by one-byte weights with one float32 scale per output channel
+// (int8_matmul.h: int8 and fp8 e4m3), as templates over how a vector's worth of weight bytes
+// becomes floats (`Widen::V`, a GCC vector of floats, and `Widen::Load(const uint8_t*) -> V`, exact
+// for every byte), instantiated once per format and instruction set: int8_matmul.cc (baseline
+// x86-64), int8_matmul_avx2.cc (AVX2 + FMA, 8 lanes) and int8_matmul_avx512.cc (AVX-512, 16
+// lanes). Internal to those files; everything here has internal linkage, so instances cannot mix.
 #ifndef SHARDSERVE_KERNELS_CPU_INT8_MATMUL_TILES_H_
 #define SHARDSERVE_KERNELS_CPU_INT8_MATMUL_TILES_H_
 
@@ -13,11 +15,20 @@
 
 namespace shardserve::cpu {
 
-// The baseline-x86-64 and AVX2 instances of the columns [r0, r1) of y = x @ (q x scale)^T + bias.
-void Int8ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q,
-                         const float* scale, const float* bias, int64_t r0, int64_t r1);
-void Int8ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
-                     const float* bias, int64_t r0, int64_t r1);
+// The instances of the columns [r0, r1) of y = x @ (widen(q) x scale)^T + bias, q [m, k] bytes.
+#define SHARDSERVE_BYTE_COLUMNS(name)                                                                         \
+  void name(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale, \
+            const float* bias, int64_t r0, int64_t r1)
+SHARDSERVE_BYTE_COLUMNS(Int8ColumnsPortable);
+SHARDSERVE_BYTE_COLUMNS(Int8ColumnsAvx2);
+SHARDSERVE_BYTE_COLUMNS(Int8ColumnsAvx512);
+SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsPortable);
+SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsAvx2);
+SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsAvx512);
+#undef SHARDSERVE_BYTE_COLUMNS
+// int8_matmul_vnni.cc: the whole int8 product with activations quantized (QuantIsa::kAvx512Vnni).
+void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
+                    const float* bias, int threads);
 
 // Weight rows per tile of columns: 8 independent sums for a single input row (the chains two 4-deep
 // FMA units need), or 4 x 2 for a pair of input rows, each weight vector loaded once for both.
@@ -25,15 +36,37 @@ inline constexpr int kInt8TileRows = 8;
 
 namespace {
 
-// The sum of v's lanes, in one fixed order.
-[[gnu::always_inline]] inline float SumLanes(const Vec8& v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+template <class V>
+inline constexpr int64_t kLanesOf = static_cast<int64_t>(sizeof(V) / sizeof(float));
+
+// The first `count` floats at p (all the vector's lanes when count >= its lanes), the rest 0.
+template <class V>
+[[gnu::always_inline]] inline V LoadLanes(const float* p, int64_t count = kLanesOf<V>) {
+  V v = {};
+  if (count >= kLanesOf<V>) {
+    std::memcpy(&v, p, sizeof v);
+  } else if (count > 0) {
+    std::memcpy(&v, p, static_cast<size_t>(count) * sizeof(float));
+  }
+  return v;
 }
 
-// The first `count` (< 8) int8 weights at p as floats, the other lanes 0.
+// The sum of v's lanes, in one fixed order (halves added until one lane is left).
+template <class V>
+[[gnu::always_inline]] inline float SumLanes(const V& v) {
+  float t[kLanesOf<V>];
+  std::memcpy(t, &v, sizeof v);
+  for (int64_t w = kLanesOf<V> / 2; w >= 1; w /= 2) {
+    for (int64_t j = 0; j < w; ++j) t[j] += t[j + w];
+  }
+  return t[0];
+}
+
+// The first `count` (< lanes) weights at p widened, the other lanes 0 (a zero byte is 0.0 in int8
+// and in e4m3).
 template <class Widen>
-[[gnu::always_inline]] inline Vec8 LoadTail(const int8_t* p, int64_t count) {
-  int8_t padded[kVecLanes] = {};
+[[gnu::always_inline]] inline typename Widen::V LoadTail(const uint8_t* p, int64_t count) {
+  uint8_t padded[kLanesOf<typename Widen::V>] = {};
   std::memcpy(padded, p, static_cast<size_t>(count));
   return Widen::Load(padded);
 }
@@ -42,26 +75,28 @@ template <class Widen>
 // (the tile's size only decides which sums share a weight load), so that tails and full tiles
 // give every output the same bits. Bounds are compile-time so the sums stay in registers.
 template <class Widen, int R, int I>
-[[gnu::always_inline]] inline void Tile(float* y, const float* x, int64_t i, int64_t m, int64_t k, const int8_t* q,
+[[gnu::always_inline]] inline void Tile(float* y, const float* x, int64_t i, int64_t m, int64_t k, const uint8_t* q,
                                         const float* scale, const float* bias, int64_t r) {
-  Vec8 acc[I][R] = {};
+  using V = typename Widen::V;
+  constexpr int64_t L = kLanesOf<V>;
+  V acc[I][R] = {};
   // Whole vectors with fixed-size loads (a variable-size copy would be a library call per step),
   // then the tail, zero-padded: the same sequence of operations for every output.
   int64_t c = 0;
-  for (; c + kVecLanes <= k; c += kVecLanes) {
-    Vec8 xv[I];
-    for (int a = 0; a < I; ++a) xv[a] = LoadVec(x + (i + a) * k + c);
+  for (; c + L <= k; c += L) {
+    V xv[I];
+    for (int a = 0; a < I; ++a) xv[a] = LoadLanes<V>(x + (i + a) * k + c);
     for (int b = 0; b < R; ++b) {
-      const Vec8 wv = Widen::Load(q + (r + b) * k + c);
+      const V wv = Widen::Load(q + (r + b) * k + c);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }
   }
   if (c < k) {
     const int64_t count = k - c;
-    Vec8 xv[I];
-    for (int a = 0; a < I; ++a) xv[a] = LoadVec(x + (i + a) * k + c, count);
+    V xv[I];
+    for (int a = 0; a < I; ++a) xv[a] = LoadLanes<V>(x + (i + a) * k + c, count);
     for (int b = 0; b < R; ++b) {
-      const Vec8 wv = LoadTail<Widen>(q + (r + b) * k + c, count);
+      const V wv = LoadTail<Widen>(q + (r + b) * k + c, count);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }
   }
@@ -76,7 +111,7 @@ template <class Widen, int R, int I>
 // Tile<R, I> for R known only at run time (1 to 8).
 template <class Widen, int I>
 [[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
-                                          const int8_t* q, const float* scale, const float* bias, int64_t r) {
+                                          const uint8_t* q, const float* scale, const float* bias, int64_t r) {
   switch (rows) {
     case 8: Tile<Widen, 8, I>(y, x, i, m, k, q, scale, bias, r); break;
     case 7: Tile<Widen, 7, I>(y, x, i, m, k, q, scale, bias, r); break;
@@ -96,7 +131,7 @@ template <class Widen, int I>
 // keeps 8 independent sums in flight.
 template <class Widen>
 [[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
-                                           const int8_t* q, const float* scale, const float* bias, int64_t r0,
+                                           const uint8_t* q, const float* scale, const float* bias, int64_t r0,
                                            int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt8TileRows) {
     const int64_t rows = std::min<int64_t>(kInt8TileRows, r1 - r);

@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
+#include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -63,12 +64,13 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   }
   absl::StatusOr<const PackedWeight*> packed = FindPacked(w);
   if (!packed.ok()) return check.Error(packed.status().message());
-  // A quantized weight's I8 view is not its size: compare with the buffer's.
-  Tensor w_bytes = w;
-  if (*packed != nullptr && (*packed)->quant != WeightQuant::kNone) {
-    w_bytes = Tensor(w.data, DType::kI8, {static_cast<int64_t>((*packed)->bytes)});
+  const WeightQuant quant = *packed != nullptr ? (*packed)->quant : WeightQuant::kNone;
+  if (w.quant != quant) {
+    return check.Error(absl::StrCat("w says it is quantized as ", WeightQuantName(w.quant), ", its packed buffer holds ",
+                                    WeightQuantName(quant)));
   }
-  if (Overlaps(*out, x) || Overlaps(*out, w_bytes) || (bias != nullptr && Overlaps(*out, *bias))) {
+  // (A quantized w's bytes() are its layout's: scales and zeros included.)
+  if (Overlaps(*out, x) || Overlaps(*out, w) || (bias != nullptr && Overlaps(*out, *bias))) {
     return check.Error("out must not overlap an input");
   }
   if (n == 0 || m == 0) return absl::OkStatus();
@@ -77,9 +79,8 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if ((w.dtype == kBF16) != packed_bf16) {
     return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
   }
-  const WeightQuant quant = *packed != nullptr ? (*packed)->quant : WeightQuant::kNone;
   if ((w.dtype == DType::kI8) != (quant != WeightQuant::kNone)) {
-    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8 or int4, and such a weight is I8");
+    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8, int4 or fp8, and such a weight is I8");
   }
   float* y = out->as<float>();
   if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
@@ -101,6 +102,12 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
     cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+    return absl::OkStatus();
+  }
+  if (quant == WeightQuant::kFp8) {
+    const auto* scale = static_cast<const float*>(w.data);
+    const auto* q = static_cast<const uint8_t*>(w.data) + Fp8RowsLayout{m, k}.scale_bytes();
+    cpu::Fp8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
     return absl::OkStatus();
   }
   if (!packed_bf16) {
@@ -195,6 +202,7 @@ absl::StatusOr<Buffer> CpuBackend::PackInt4Blocks(const Int4Group128* blocks, in
   std::memcpy(buffer.data(), blocks, static_cast<size_t>(layout.bytes()));
   packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
   *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+  packed->quant = WeightQuant::kInt4;
   return buffer;
 }
 
@@ -212,6 +220,18 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     if (absl::Status s = QuantizeInt8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
     packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt8};
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = WeightQuant::kInt8;
+    return buffer;
+  }
+  if (quant == WeightQuant::kFp8) {  // kernels/quant.h's layout, for int8_matmul.h's Fp8MatMul
+    const Fp8RowsLayout layout{m, k};
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
+    auto* scale = static_cast<float*>(buffer.data());
+    auto* q = static_cast<uint8_t*>(buffer.data()) + layout.scale_bytes();
+    if (absl::Status s = QuantizeFp8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
+    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kFp8};
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = WeightQuant::kFp8;
     return buffer;
   }
   if (quant == WeightQuant::kInt4) {  // kernels/quant.h's Int4Group128 blocks, for int4_matmul.h
@@ -221,6 +241,7 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     if (absl::Status s = QuantizeInt4Groups(blocks, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
     packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = WeightQuant::kInt4;
     return buffer;
   }
   if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops

@@ -59,7 +59,7 @@ constexpr char kUsage[] =
     "                        [load flags as above but --chat-turns]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
-    "                        [--max-model-len L] [--quantization none|int8|int4] [--load-format auto|dummy]\n"
+    "                        [--max-model-len L] [--quantization none|int8|int4|fp8] [--load-format auto|dummy]\n"
     "                        [--dummy-seed N]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B] [--no-prefix-caching]\n"

@@ -19,13 +19,13 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
-    "                               [--quantization none|int8|int4] [--load-format auto|dummy] [--dummy-seed N]\n"
+    "                               [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
     "                               ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
     "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel),\n"
-    "  int4 in 4 bits (a scale and zero point per group of 128 inputs), quantized at load (cpu only for\n"
-    "  now), as the coordinator's --quantization does.\n"
+    "  int4 in 4 bits (a scale and zero point per group of 128 inputs), fp8 in e4m3 (one scale per\n"
+    "  output channel), quantized at load (cpu only for now), as the coordinator's --quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
     "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 

@@ -20,7 +20,7 @@ namespace shardserve::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4]\n"
+    "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4|fp8]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
     "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P] [--json]\n"
     "\n"
@@ -34,7 +34,7 @@ constexpr char kUsage[] =
     "  --config FILE               a config.json alone; weights are counted from it\n"
     "  --dtype D                   weights and KV cache dtype on the GPU (default: torch_dtype)\n"
     "  --quantization Q            linear layers' weights as the workers' --quantization stores them:\n"
-    "                              none (default), int8 or int4; the plan then also says what the\n"
+    "                              none (default), int8, int4 or fp8; the plan then also says what the\n"
     "                              model needs without it\n"
     "cluster:\n"
     "  --cluster NxGxGPU           N nodes of G GPUs, e.g. 2x1xA100-80GB, 1x8xH100-80GB; GPUs: %s\n"

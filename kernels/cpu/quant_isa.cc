@@ -1,0 +1,61 @@
+#include "kernels/cpu/quant_isa.h"
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardserve::cpu {
+namespace {
+
+// -1: no override; else a QuantIsa.
+std::atomic<int> g_override{-1};
+
+}  // namespace
+
+const char* QuantIsaName(QuantIsa isa) {
+  switch (isa) {
+    case QuantIsa::kPortable: return "portable";
+    case QuantIsa::kAvx2: return "avx2";
+    case QuantIsa::kAvx512: return "avx512";
+    case QuantIsa::kAvx512Vnni: return "avx512vnni";
+  }
+  return "?";
+}
+
+bool QuantIsaSupported(QuantIsa isa) {
+  __builtin_cpu_init();
+  // libgcc's answers include the OS's: AVX-512 only where XCR0 enables the zmm state.
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  switch (isa) {
+    case QuantIsa::kPortable: return true;
+    case QuantIsa::kAvx2: return avx2;
+    case QuantIsa::kAvx512: return avx512;
+    case QuantIsa::kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
+  }
+  return false;
+}
+
+QuantIsa ActiveQuantIsa() {
+  static const QuantIsa best = QuantIsaSupported(QuantIsa::kAvx512) ? QuantIsa::kAvx512
+                               : QuantIsaSupported(QuantIsa::kAvx2) ? QuantIsa::kAvx2
+                                                                    : QuantIsa::kPortable;
+  const int o = g_override.load(std::memory_order_relaxed);
+  return o < 0 ? best : static_cast<QuantIsa>(o);
+}
+
+void SetQuantIsaOverride(std::optional<QuantIsa> isa) {
+  g_override.store(isa.has_value() ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
+}
+
+std::string QuantizedKernelsDescription() {
+  __builtin_cpu_init();
+  const auto yes = [](bool b) { return b ? "yes" : "no"; };
+  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(ActiveQuantIsa()), " [cpu: avx2+fma ",
+                      yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
+                      yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ",
+                      yes(QuantIsaSupported(QuantIsa::kAvx512Vnni)), ": not used, inexact]");
+}
+
+}  // namespace shardserve::cpu

@@ -1,0 +1,44 @@
+// Which instruction set the CPU's quantized products (int8_matmul.h, int4_matmul.h) run on: one
+// instance per set, picked at run time by CPUID (the build targets baseline x86-64), and the line
+// the worker logs about it.
+//
+// Thread-safety: all functions may be called from any thread; SetQuantIsaOverride is for tools
+// and tests, before products run.
+#ifndef SHARDSERVE_KERNELS_CPU_QUANT_ISA_H_
+#define SHARDSERVE_KERNELS_CPU_QUANT_ISA_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace shardserve::cpu {
+
+enum class QuantIsa : uint8_t {
+  kPortable = 0,  // baseline x86-64 (GCC vectors, no FMA)
+  kAvx2 = 1,      // AVX2 + FMA, 8 lanes
+  kAvx512 = 2,    // AVX-512 F/BW/VL + FMA, 16 lanes
+  // AVX-512 VNNI, int8 only: the activations quantized to int8 per row (scale max |x| / 127) and
+  // multiplied in integers (VPDPBUSD), as llama.cpp's Q8_0 does. Not exact against the
+  // dequantized weights (each activation moves by up to 1/254 of its row's largest: ~5e-3 of an
+  // output, tests/kernels_cpu_test.cc), so never picked by ActiveQuantIsa: only when asked for
+  // (bench_matmul, tests). fp8 and int4 run kAvx512's instance under it.
+  kAvx512Vnni = 3,
+};
+
+// "portable", "avx2", "avx512", "avx512vnni".
+const char* QuantIsaName(QuantIsa isa);
+// Whether this CPU (and its OS) can run `isa`'s instance.
+bool QuantIsaSupported(QuantIsa isa);
+// The instance the products use: the override when one is set, else the widest exact one this CPU
+// has (kAvx512, kAvx2 or kPortable).
+QuantIsa ActiveQuantIsa();
+// Makes ActiveQuantIsa return `isa` (which must be supported; nullopt: back to the CPU's best).
+// For bench_matmul's side-by-side runs.
+void SetQuantIsaOverride(std::optional<QuantIsa> isa);
+
+// For the worker's log: which instance runs and what the CPU has (AVX2, FMA, AVX-512, VNNI).
+std::string QuantizedKernelsDescription();
+
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_QUANT_ISA_H_
