@@ -15,23 +15,16 @@ usage: plan_cli_test.py BIN_DIR
 """
 import json
 import os
-import subprocess
 import sys
+
+from cli_check import check, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests/fixtures/configs/qwen2.5-72b-instruct.json")
 
 
 def plan(*args, config=CONFIG):
-    p = subprocess.run([os.path.join(BIN, "shardserve"), "plan", "--config", config, *args], capture_output=True,
-                       text=True, timeout=60)
-    return p.returncode, p.stdout, p.stderr
-
-
-def check(cond, what, out=""):
-    if not cond:
-        print(f"FAIL: {what}\n{out}")
-        sys.exit(1)
+    return run([os.path.join(BIN, "shardserve"), "plan", "--config", config, *args])
 
 
 def main():

@@ -24,7 +24,7 @@
 # The tests find their fixtures under the source directory compiled into them; where that path is
 # absent on the GPU machine, `run` links it to this checkout.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BINARIES=(kernels_cuda_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
 # Left to the GPU machine: the C runtime, and CUDA's libraries, which must match its driver.
@@ -125,6 +125,9 @@ run() {
   tail -n 5 "$logs/launch.log"
   return $failed
 }
+
+# Sourced (tools/gpu-bench.sh uses pack and setup): define the functions only.
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0
 
 case "${1:-}" in
   pack) shift; pack "$@" ;;
