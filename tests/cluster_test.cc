@@ -28,8 +28,10 @@
 #include <filesystem>
 #include <fstream>
 #include <latch>
+#include <map>
 #include <memory>
 #include <ostream>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -663,6 +665,24 @@ TEST(ClusterDummyWeightsTest, Tp2Pp2GivesTheTokensOfOneProcess) {
     const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
     ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
     EXPECT_EQ(r.tokens, reference);
+    // Each worker logs the plan's memory beside what it allocated (issue 29 part 3): its weights,
+    // KV cache and step buffers are the plan's to the byte, on every stage and rank.
+    for (int i = 0; i < cluster.num_workers(); ++i) {
+      std::ifstream log(cluster.worker(i).log());
+      std::map<std::string, std::pair<int64_t, int64_t>> items;  // name -> (planned, measured)
+      const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
+      for (std::string text; std::getline(log, text);) {
+        std::smatch match;
+        if (std::regex_search(text, match, line)) {
+          items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
+        }
+      }
+      for (const char* name : {"weights", "kv_cache", "step_buffers"}) {
+        ASSERT_TRUE(items.count(name)) << "worker " << i << " logged no memory " << name << "\n" << cluster.Logs();
+        EXPECT_GT(items[name].first, 0) << "worker " << i << " " << name;
+        EXPECT_EQ(items[name].first, items[name].second) << "worker " << i << " " << name;
+      }
+    }
   }
   // Another seed is another model (or the test above would pass with any weights).
   {

@@ -8,28 +8,23 @@
    GPU, bandwidths that are negative, NaN, or outside [0.001, 1e6] GB/s, an unknown --quantization.
 4. --quantization int4 (issue 25): 72B fits on one A100-80GB with KV cache left, and the plan says
    that bf16 does not; a forced TP=2 that cuts int4 groups is refused with the numbers.
+5. The itemised memory (issue 29 part 3): Llama-3-8B on one H100-80GB prints a row per GPU with
+   each item, and in --json the nine items add up to the GPU's memory, weights 2 bytes a parameter.
 
 usage: plan_cli_test.py BIN_DIR
 """
 import json
 import os
-import subprocess
 import sys
+
+from cli_check import check, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests/fixtures/configs/qwen2.5-72b-instruct.json")
 
 
-def plan(*args):
-    p = subprocess.run([os.path.join(BIN, "shardserve"), "plan", "--config", CONFIG, *args], capture_output=True,
-                       text=True, timeout=60)
-    return p.returncode, p.stdout, p.stderr
-
-
-def check(cond, what, out=""):
-    if not cond:
-        print(f"FAIL: {what}\n{out}")
-        sys.exit(1)
+def plan(*args, config=CONFIG):
+    return run([os.path.join(BIN, "shardserve"), "plan", "--config", config, *args])
 
 
 def main():
@@ -60,6 +55,25 @@ def main():
     rc, out, err = plan("--cluster", "1x2xA100-80GB", "--quantization", "int4", "--tp", "2")
     check(rc != 0 and "14784 per rank, not a whole number of groups of 128" in err, "int4 TP=2 refused", out + err)
 
+    llama = os.path.join(ROOT, "tests/fixtures/configs/llama-3-8b.json")
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", config=llama)
+    check(rc == 0, f"Llama-3-8B on one H100 exits 0, got {rc}", out + err)
+    check("memory per GPU, itemised (adds up to 79.65 GiB):" in out, "the itemised memory's heading", out)
+    header = next((l for l in out.splitlines() if "cuBLAS ws" in l), "")
+    check(all(w in header for w in ["weights", "KV cache", "step bufs", "graphs", "NCCL", "context", "free",
+                                    "held back"]), "the itemised memory's columns", out)
+    rows = out.split(header, 1)[1].splitlines()[1:2] if header else []
+    check(rows and "14.96 GiB" in rows[0] and "32.00 MiB" in rows[0], "the GPU's row: weights, cuBLAS workspace", out)
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", "--json", config=llama)
+    j = json.loads(out)
+    memory = j["per_gpu"][0]["memory"]
+    names = {"weights", "kv_cache", "step_buffers", "cublas_workspace", "cuda_graph_pools", "nccl_buffers",
+             "cuda_context", "free", "held_back"}
+    check(rc == 0 and set(memory) == names, "the JSON memory items", out)
+    check(sum(memory.values()) == j["cluster"]["gpu_memory_bytes"], "the JSON memory items add up to the GPU", out)
+    check(memory["weights"] == 2 * 8030261248 and memory["nccl_buffers"] == 0, "the JSON weights and NCCL", out)
+    check(0 <= memory["free"] < 16 * 131072, "the KV cache leaves less than a block free", out)
+
     bad = [
         (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
@@ -74,7 +88,7 @@ def main():
         rc, out, err = plan(*args)
         check(rc == 2, f"{args}: exit 2, got {rc}", out + err)
         check(message in err, f"{args}: the message names {message!r}", err)
-    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, {len(bad)} bad flags")
+    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, 7 of itemised memory, {len(bad)} bad flags")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 
 #include "coordinator/planner/cluster.h"
 #include "coordinator/planner/format.h"
+#include "coordinator/planner/memory.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/planner/render.h"
@@ -559,6 +560,106 @@ TEST(Cluster, UnevenNodesPlaceTpGroupsInsideNodes) {
   EXPECT_EQ(p.stages[1].first_gpu, 0);
 }
 
+// ---- Memory, itemised (memory.h) ----------------------------------------------------------------
+
+int64_t Item(const GpuPlan& g, const std::string& name) {
+  for (const MemoryItem& item : g.memory) {
+    if (item.name == name) return item.bytes;
+  }
+  ADD_FAILURE() << "no memory item " << name;
+  return -1;
+}
+
+int64_t ItemSum(const GpuPlan& g) {
+  int64_t sum = 0;
+  for (const MemoryItem& item : g.memory) sum += item.bytes;
+  return sum;
+}
+
+// On every GPU of every plan the items add up to the GPU's memory, name the same nine things in
+// the same order, and only "free" may be negative (on a plan that does not fit).
+TEST(PlannerMemory, ItemsAddUpToTheDeviceMemory) {
+  const std::vector<std::string> names = {kMemWeights,    kMemKvCache,   kMemStepBuffers, kMemCublasWorkspace,
+                                          kMemCudaGraphPools, kMemNcclBuffers, kMemCudaContext, kMemFree,
+                                          kMemHeldBack};
+  for (const auto& [config, cluster] : std::vector<std::pair<std::string, std::string>>{
+           {"llama-3-8b", "1x1xH100-80GB"},
+           {"llama-3-8b", "1x2xA100-40GB"},
+           {"qwen2.5-72b-instruct", "2x1xH100-80GB"},
+           {"qwen2.5-72b-instruct", "1x4xH100-80GB"},
+           {"qwen2.5-72b-instruct", "3x2xL40S-48GB"},
+           {"qwen2.5-72b-instruct", "1x1xA100-80GB"}}) {  // the last does not fit
+    const Plan p = MustPlan(RealConfig(config), Cluster(cluster));
+    ASSERT_FALSE(p.per_gpu.empty());
+    for (const GpuPlan& g : p.per_gpu) {
+      const std::string where = config + " on " + cluster + ", stage " + std::to_string(g.stage) + " rank " +
+                                std::to_string(g.tp_rank);
+      std::vector<std::string> got;
+      for (const MemoryItem& item : g.memory) {
+        got.push_back(item.name);
+        if (item.name != kMemFree) EXPECT_GE(item.bytes, 0) << where << " " << item.name;
+      }
+      EXPECT_EQ(got, names) << where;
+      EXPECT_EQ(ItemSum(g), static_cast<int64_t>(p.cluster.gpu.memory_bytes)) << where;
+      if (p.fits) EXPECT_GE(Item(g, kMemFree), 0) << where;
+    }
+    if (!p.fits) EXPECT_LT(Item(p.per_gpu[0], kMemFree), 0) << config << " on " << cluster;
+  }
+}
+
+// Llama-3-8B (bf16) on one H100-80GB, every item counted here from the published shapes alone.
+TEST(PlannerMemory, Llama3_8B_OneH100_EachItemMatchesAnIndependentCount) {
+  const Plan p = MustPlan(RealConfig("llama-3-8b"), Cluster("1x1xH100-80GB"));
+  ASSERT_TRUE(p.fits) << p.reason;
+  ASSERT_EQ(p.per_gpu.size(), 1u);
+  const GpuPlan& g = p.per_gpu[0];
+  const int64_t memory = int64_t{81559} << 20;  // the preset: what nvidia-smi reports for an H100 SXM
+  const int64_t usable = static_cast<int64_t>(0.9 * static_cast<double>(memory));
+  EXPECT_EQ(Item(g, kMemWeights), int64_t{8'030'261'248} * 2);  // the published parameter count x bf16
+  const int64_t kv_per_token = 2 * 32 * 8 * 128 * 2;             // K and V x layers x KV heads x head_dim x bf16
+  EXPECT_EQ(Item(g, kMemKvCache), kv_per_token * p.kv_cache_tokens);
+  // Step buffers for the default limits (2048 tokens, 256 sequences, max_model_len 8192): I32 ids,
+  // positions, sequence ids and slots, block tables and logit rows; bf16 activations (hidden,
+  // normed, projection, q, attention output, k, v, gate, up); f32 RoPE frequencies; the last
+  // stage's rows, its logits and the assembled logits (one rank: no gathered slices).
+  const int64_t n = 2048, m = 256, H = 4096, Q = 4096, KV = 1024, F = 14336, V = 128256;
+  const int64_t step = 4 * (4 * n + m * (8192 / 16) + m) + 2 * n * (3 * H + 2 * Q + 2 * KV + 2 * F) + 4 * 64 +
+                       2 * m * H + 4 * m * V + 4 * m * V;
+  EXPECT_EQ(Item(g, kMemStepBuffers), step);
+  EXPECT_EQ(Item(g, kMemCublasWorkspace), int64_t{32} << 20);  // cuBLAS's default on Hopper
+  EXPECT_EQ(Item(g, kMemCudaGraphPools), 0);                   // no graphs captured yet
+  EXPECT_EQ(Item(g, kMemNcclBuffers), 0);                      // TP = PP = 1: no communicator
+  EXPECT_EQ(Item(g, kMemCudaContext), (int64_t{1} << 30) - (int64_t{32} << 20));  // the rest of the 1 GiB reserve
+  EXPECT_EQ(Item(g, kMemHeldBack), memory - usable);
+  EXPECT_EQ(Item(g, kMemFree), usable - (Item(g, kMemWeights) + Item(g, kMemKvCache) + step + (int64_t{1} << 30)));
+  // The KV cache takes what is left in whole blocks, less than one block of it stays free beyond
+  // the step buffers' bound (the planner sizes block tables for max_model_len, as here).
+  EXPECT_GE(Item(g, kMemFree), 0);
+  EXPECT_LT(Item(g, kMemFree), kv_per_token * 16);
+}
+
+// Qwen2.5-72B over two H100-80GB nodes (PP = 2, 40 layers each): one NCCL pair per stage; over
+// four GPUs of one node (TP = 4): the TP group. A100s get cuBLAS's pre-Hopper workspace.
+TEST(PlannerMemory, NcclBuffersFollowTheGroupsAndCublasTheGpu) {
+  const Plan pp2 = MustPlan(RealConfig("qwen2.5-72b-instruct"), Cluster("2x1xH100-80GB"));
+  ASSERT_EQ(pp2.pp, 2);
+  ASSERT_EQ(pp2.tp, 1);
+  const int64_t per_comm = Item(pp2.per_gpu[0], kMemNcclBuffers);
+  EXPECT_GT(per_comm, 0);
+  EXPECT_EQ(Item(pp2.per_gpu[1], kMemNcclBuffers), per_comm);
+  EXPECT_EQ(pp2.stages[0].num_layers(), 40);
+
+  PlanOptions forced;
+  forced.tp = 2;
+  forced.pp = 2;
+  const Plan tp2pp2 = MustPlan(RealConfig("qwen2.5-72b-instruct"), Cluster("2x2xH100-80GB"), forced);
+  for (const GpuPlan& g : tp2pp2.per_gpu) EXPECT_EQ(Item(g, kMemNcclBuffers), 2 * per_comm);  // TP group + a pair
+
+  const Plan a100 = MustPlan(RealConfig("llama-3-8b"), Cluster("1x1xA100-80GB"));
+  EXPECT_EQ(Item(a100.per_gpu[0], kMemCublasWorkspace), int64_t{4} << 20);
+  EXPECT_EQ(Item(a100.per_gpu[0], kMemNcclBuffers), 0);
+}
+
 // ---- Rendering -------------------------------------------------------------------------------
 
 TEST(Render, JsonHasTheIssueFields) {
@@ -580,6 +681,12 @@ TEST(Render, JsonHasTheIssueFields) {
     }
   }
   EXPECT_EQ(j["per_gpu"][1]["weight_bytes"].get<uint64_t>(), p.per_gpu[1].weight_bytes);
+  // The itemised memory, by name.
+  for (size_t i = 0; i < p.per_gpu.size(); ++i) {
+    const nlohmann::json& memory = j["per_gpu"][i].at("memory");
+    ASSERT_EQ(memory.size(), p.per_gpu[i].memory.size());
+    for (const MemoryItem& item : p.per_gpu[i].memory) EXPECT_EQ(memory.at(item.name).get<int64_t>(), item.bytes);
+  }
 }
 
 TEST(Render, TableShowsStagesGpusAndLayouts) {
@@ -695,6 +802,10 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     ASSERT_TRUE(shard.ok()) << "stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
     EXPECT_EQ((*shard)->step_buffer_bytes(), g.activation_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
+    // The itemised memory (memory.h) names what the loader allocated, byte for byte.
+    EXPECT_EQ(Item(g, kMemWeights), static_cast<int64_t>((*shard)->weight_bytes()));
+    EXPECT_EQ(Item(g, kMemKvCache), static_cast<int64_t>((*shard)->kv_cache_bytes()));
+    EXPECT_EQ(Item(g, kMemStepBuffers), static_cast<int64_t>((*shard)->step_buffer_bytes()));
   }
 
   // int8 weights: the plan counts a byte per linear-layer value and a scale per local output row,

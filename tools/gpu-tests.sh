@@ -6,7 +6,8 @@
 #   tools/gpu-tests.sh pack [BUNDLE]     here: copies the GPU test binaries, the shardserve CLI and
 #                                        services, and every shared library they need except the C
 #                                        runtime and CUDA's own (libcudart, libcublas(Lt), libnccl)
-#                                        into BUNDLE (default build/gpu-bundle), as one .tar.xz
+#                                        into BUNDLE (default build/gpu-bundle), debug info stripped
+#                                        (KEEP_DEBUG=1 keeps it), as one .tar.xz
 #   tools/gpu-tests.sh run [BUNDLE]      there, from a checkout of the same commit: unpacks if
 #                                        needed, finds CUDA's libraries, and runs
 #                                          kernels_cuda_test    every CUDA op against the CPU backend
@@ -24,7 +25,7 @@
 # The tests find their fixtures under the source directory compiled into them; where that path is
 # absent on the GPU machine, `run` links it to this checkout.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BINARIES=(kernels_cuda_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
 # Left to the GPU machine: the C runtime, and CUDA's libraries, which must match its driver.
@@ -41,6 +42,9 @@ pack() {
     while read -r name path; do
       [[ $name =~ $SYSTEM_LIBS ]] || cp -L "$path" "$bundle/lib/$name"
     done
+  # Debug info is most of a RelWithDebInfo binary's size and of no use there: stripped, the bundle
+  # fits in what a device run carries (KEEP_DEBUG=1 keeps it).
+  if [ "${KEEP_DEBUG:-0}" != 1 ]; then strip --strip-debug "$bundle"/bin/* "$bundle"/lib/* || return 1; fi
   pwd >"$bundle/source-dir"
   tar -C "$bundle" -cJf "$bundle.tar.xz" bin lib source-dir && rm -rf "$bundle" || return 1
   echo "gpu-tests: packed $(du -h "$bundle.tar.xz" | cut -f1) into $bundle.tar.xz"
@@ -125,6 +129,9 @@ run() {
   tail -n 5 "$logs/launch.log"
   return $failed
 }
+
+# Sourced (tools/gpu-bench.sh uses pack and setup): define the functions only.
+[[ "${BASH_SOURCE[0]}" == "$0" ]] || return 0
 
 case "${1:-}" in
   pack) shift; pack "$@" ;;

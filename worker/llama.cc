@@ -231,6 +231,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
     SHARDSERVE_ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.k_cache.data, l.k_cache.bytes()));
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.v_cache.data, l.v_cache.bytes()));
+    m->kv_cache_bytes_ += l.k_cache.bytes() + l.v_cache.bytes();
     m->layers_.push_back(l);
   }
   if (m->is_last_stage()) {

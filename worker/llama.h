@@ -74,6 +74,8 @@ class LlamaShard {
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
+  // Bytes of this shard's paged KV cache (K and V of every layer it holds).
+  uint64_t kv_cache_bytes() const { return kv_cache_bytes_; }
   Backend* backend() const { return backend_; }
   // How the linear weights are held, for the worker log: the --quantization name, or for a published
   // quantized checkpoint its format and how many weights took each path (model/quantized_checkpoint.h).
@@ -121,6 +123,7 @@ class LlamaShard {
   std::vector<Buffer> buffers_;  // every allocation; tensors below view into these
   uint64_t weight_bytes_ = 0;
   uint64_t step_buffer_bytes_ = 0;
+  uint64_t kv_cache_bytes_ = 0;
   int quant_mapped_ = 0, quant_dequantized_ = 0;  // a quantized checkpoint's linear weights by path
 
   Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)

@@ -2,17 +2,22 @@
 
 #include <algorithm>
 #include <chrono>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "model/weight_source.h"
 #include "model/config.h"
 #include "model/shard_identity.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
+#if SHARDSERVE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace shardserve {
 namespace {
@@ -67,6 +72,27 @@ absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* st
   return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
 }
 
+// cudaMemGetInfo of cuda:K: {total, free}; {-1, -1} on cpu, in a build without CUDA or on an error
+// (the figures only feed the memory report).
+std::pair<int64_t, int64_t> DeviceMemoryInfo(int cuda_ordinal) {
+#if SHARDSERVE_HAVE_CUDA
+  if (cuda_ordinal >= 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaSetDevice(cuda_ordinal) == cudaSuccess && cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      return {static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes)};
+    }
+    (void)cudaGetLastError();
+  }
+#else
+  (void)cuda_ordinal;
+#endif
+  return {-1, -1};
+}
+
+std::string Bytes(int64_t bytes) {
+  return absl::StrFormat("%d B (%.2f MiB)", bytes, static_cast<double>(bytes) / (1 << 20));
+}
+
 }  // namespace
 
 absl::StatusOr<int> ParseDevice(const std::string& device) {
@@ -99,6 +125,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   e->cuda_ordinal_ = *cuda_ordinal;
   e->epoch_ = a.epoch();
   e->collective_host_ = collective_host;
+  std::tie(e->device_memory_.total, e->device_memory_.free_start) = DeviceMemoryInfo(*cuda_ordinal);
   if (*cuda_ordinal < 0) {
     e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
   } else {
@@ -108,6 +135,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     e->backend_ = std::move(*cuda);
   }
   Backend* backend = e->backend_.get();
+  e->device_memory_.free_backend = DeviceMemoryInfo(*cuda_ordinal).second;
 
   // Groups, in an order that cannot deadlock: every rank joins its TP group first; then stage s
   // joins the pair (s-1, s) before the pair (s, s+1), so the pairs form from the first stage on.
@@ -127,6 +155,8 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     if (!comm.ok()) return comm.status();
     e->send_ = std::move(*comm);
   }
+
+  e->device_memory_.free_groups = DeviceMemoryInfo(*cuda_ordinal).second;
 
   // The shard. The checkpoint (or the dummy weights' generator) is only read during Load: the
   // weights are copied into the shard.
@@ -160,7 +190,53 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     if (!sampler.ok()) return sampler.status();
     e->sampler_ = std::move(*sampler);
   }
+  if (*cuda_ordinal >= 0) SHARDSERVE_RETURN_IF_ERROR(backend->Synchronize());  // the loads have landed
+  e->device_memory_.free_loaded = DeviceMemoryInfo(*cuda_ordinal).second;
   return e;
+}
+
+std::vector<std::string> StepExecutor::MemoryReport() const {
+  const DeviceMemory& d = device_memory_;
+  const bool cuda = d.total >= 0 && d.free_start >= 0 && d.free_backend >= 0 && d.free_groups >= 0 &&
+                    d.free_loaded >= 0;
+  const int64_t own = static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() +
+                                           shard_->step_buffer_bytes());
+  std::vector<std::string> lines;
+  for (const v1::MemoryItem& item : assignment_.planned_memory()) {
+    const std::string& name = item.name();
+    std::string measured;
+    if (name == "weights") {
+      measured = Bytes(static_cast<int64_t>(shard_->weight_bytes())) + ", the shard's own count";
+    } else if (name == "kv_cache") {
+      measured = Bytes(static_cast<int64_t>(shard_->kv_cache_bytes())) + ", the shard's own count";
+    } else if (name == "step_buffers") {
+      measured = Bytes(static_cast<int64_t>(shard_->step_buffer_bytes())) + ", the shard's own count";
+    } else if (name == "cuda_graph_pools") {
+      measured = Bytes(0) + ", no CUDA graphs are captured";
+    } else if (!cuda) {
+      measured = "not measured on this device";
+    } else if (name == "nccl_buffers") {
+      measured = Bytes(d.free_backend - d.free_groups) + ", cudaMemGetInfo across joining the groups";
+    } else if (name == "cuda_context") {
+      measured = Bytes(d.total - d.free_backend) +
+                 ", cudaMemGetInfo: used once the backend was made (other processes on the GPU included)";
+    } else if (name == "free") {
+      measured = Bytes(d.free_loaded) + ", cudaMemGetInfo after loading (cuBLAS's workspace still to come)";
+    } else if (name == "cublas_workspace") {
+      measured = "not measured: cuBLAS allocates it at the first product";
+    } else {
+      measured = "not measured";
+    }
+    lines.push_back(absl::StrCat(name, ": planned ", Bytes(item.bytes()), ", measured ", measured));
+  }
+  if (cuda) {
+    // What loading took from the device beyond the shard's own counts: allocator rounding, the
+    // sampler's and the backend's small scratch.
+    const int64_t loaded = d.free_groups - d.free_loaded;
+    lines.push_back(absl::StrCat("loading took ", Bytes(loaded), " of the device for ", Bytes(own),
+                                 " of weights, KV cache and step buffers (", Bytes(loaded - own), " beyond them)"));
+  }
+  return lines;
 }
 
 absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {

@@ -121,6 +121,13 @@ class StepExecutor {
   std::string quantization_summary() const { return shard_->QuantizationSummary(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
+  // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
+  // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
+  // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
+  // and step buffers; on CUDA also cudaMemGetInfo's free bytes before the backend, after it, after
+  // the collective groups and after the shard and sampler (docs/gpu.md says how to read them). An
+  // item that cannot be measured here says so instead of a number.
+  std::vector<std::string> MemoryReport() const;
 
  private:
   StepExecutor() = default;
@@ -145,6 +152,12 @@ class StepExecutor {
   std::unique_ptr<Sampler> sampler_;
 
   uint64_t epoch_ = 0;  // the assignment's, then the last Regroup's
+  // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at
+  // the start, after the backend, after the groups and after the shard and the sampler.
+  struct DeviceMemory {
+    int64_t total = -1, free_start = -1, free_backend = -1, free_groups = -1, free_loaded = -1;
+  };
+  DeviceMemory device_memory_;
 
   // ---- The running batch, and step buffers sized at Create ----
   std::unique_ptr<PersistentBatch> state_;

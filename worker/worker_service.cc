@@ -318,6 +318,8 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
                                    executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
+  // The plan's memory beside what this worker allocated and measured, item by item (docs/gpu.md).
+  for (const std::string& line : executor_->MemoryReport()) WorkerLog(Who(), "memory " + line, Ids());
   Write(stream, loaded);
 }
 

@@ -108,24 +108,12 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
   return count;
 }
 
-// The worker's step buffers, as LlamaShard::Load allocates them (worker/llama.cc): I32 step
-// inputs, the [tokens, width] activations of one layer at a time, and on the last stage the
-// logits (this rank's slice, the all-gathered slices when TP > 1, and the assembled rows, F32). The
-// block table is sized for the target length, an upper bound on the one the workers get.
+// The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
+// length, an upper bound on the one the workers get.
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
-  const ModelConfig& c = ctx.config;
-  const uint64_t n = ctx.options.max_tokens_per_step, m = ctx.options.max_seqs_per_step;
-  const uint64_t act = DTypeSize(ctx.dtype), H = c.hidden_size;
-  const uint64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
-  const uint64_t max_blocks = CeilDiv(ctx.target_len, ctx.options.block_size);
-  uint64_t bytes = 4 * (4 * n + m * max_blocks + m);    // ids, positions, token_seq, slots; block tables; logit rows
-  bytes += act * n * (3 * H + 2 * q + 2 * kv + 2 * f);  // hidden, normed, proj; q, attn; k, v; gate, up
-  bytes += 4 * static_cast<uint64_t>(c.head_dim / 2);   // RoPE inverse frequencies
-  if (last_stage) {
-    const uint64_t vr = s.vocab_rows_per_rank, slices = s.tp_size > 1 ? 1 + s.tp_size : 1;
-    bytes += act * m * H + 4 * m * vr * slices + 4 * m * static_cast<uint64_t>(c.vocab_size);
-  }
-  return bytes;
+  const StepLimits limits{ctx.options.max_tokens_per_step, ctx.options.max_seqs_per_step, ctx.options.block_size, 0,
+                          ctx.target_len};
+  return StepBufferBytes(ctx.config, s, ctx.dtype, limits, last_stage);
 }
 
 // Assigns stage s to the s-th TP group slot: nodes in order, groups packed from GPU 0, so
@@ -530,6 +518,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.decode = best.decode;
   for (const Layout& l : layouts) plan.layouts.push_back(Summarize(ctx, l));
   plan.fits = best.tier != Tier::kNone;
+  FillMemoryItems(c, &plan);
   const bool forced = options.tp > 0 && options.pp > 0;
   if (plan.fits) {
     std::vector<const Layout*> fitting;

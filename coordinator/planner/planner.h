@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/planner/cluster.h"
+#include "coordinator/planner/memory.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
@@ -74,6 +75,9 @@ struct GpuPlan {
   uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x stage layers x local KV heads x head_dim x dtype
   int64_t kv_cache_tokens = 0;      // tokens the memory left after the above holds
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
+  // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they
+  // add up to the GPU's memory.
+  std::vector<MemoryItem> memory;
 };
 
 // Roofline of one decode step for one sequence through every stage in turn (seconds).

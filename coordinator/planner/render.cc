@@ -112,6 +112,18 @@ std::string PlanTable(const Plan& p) {
   }
   absl::StrAppend(&out, "\n");
 
+  // Each device's memory item by item (memory.h); they add up to the device's memory.
+  absl::StrAppendFormat(&out, "memory per %s, itemised (adds up to %s):\n", device, fmt::Size(c.gpu.memory_bytes));
+  absl::StrAppendFormat(&out, "%4s  %*s  %10s  %10s  %10s  %10s  %10s  %10s  %10s  %10s  %10s\n", "node", device_w,
+                        device, "weights", "KV cache", "step bufs", "cuBLAS ws", "graphs", "NCCL", "context", "free",
+                        "held back");
+  for (const GpuPlan& g : p.per_gpu) {
+    absl::StrAppendFormat(&out, "%4d  %*d", g.node, device_w, g.gpu);
+    for (const MemoryItem& item : g.memory) absl::StrAppendFormat(&out, "  %10s", fmt::Size(item.bytes));
+    absl::StrAppend(&out, "\n");
+  }
+  absl::StrAppend(&out, "\n");
+
   const DecodeEstimate& d = p.decode;
   absl::StrAppendFormat(&out, "decode   %s per token at batch 1 (%.1f tokens/s), by roofline:\n", fmt::Ms(d.total_s()),
                         1.0 / d.total_s());
@@ -186,6 +198,9 @@ std::string PlanJson(const Plan& p) {
                             {"kv_bytes_per_token", g.kv_bytes_per_token},
                             {"kv_cache_tokens", g.kv_cache_tokens},
                             {"shortfall_bytes", std::max<int64_t>(g.shortfall_bytes, 0)}});
+    json memory = json::object();  // item name -> bytes, in the order of memory.h
+    for (const MemoryItem& item : g.memory) memory[item.name] = item.bytes;
+    j["per_gpu"].back()["memory"] = memory;
   }
   j["max_model_len"] = p.max_model_len;
   j["kv_cache_tokens"] = p.kv_cache_tokens;

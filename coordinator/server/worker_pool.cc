@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "coordinator/planner/format.h"
+#include "coordinator/planner/memory.h"
 #include "coordinator/server/log.h"
 #include "model/shard_identity.h"
 #include "kernels/sampling.h"
@@ -390,6 +391,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   }
   plan_->limits = limits_;
   plan_->kv_cache_tokens = limits_.kv_cache_tokens();
+  FillMemoryItems(model_->config, &*plan_);  // for the limits the workers get
   group_ = std::move(*group);
   std::vector<std::string> stages;
   for (const Slot& slot : group_->slots) {
@@ -479,6 +481,11 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
                                   "): it drops it and loads the slot's"),
                      LogIds{"", w.id, w.hello.node(), slot.stage, slot.tp_rank, "warn"});
     }
+  }
+  for (const MemoryItem& item : plan_->per_gpu[slot.stage * tp + slot.tp_rank].memory) {
+    v1::MemoryItem* planned = a->add_planned_memory();
+    planned->set_name(item.name);
+    planned->set_bytes(item.bytes);
   }
   return m;
 }

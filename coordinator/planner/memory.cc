@@ -1,0 +1,108 @@
+#include "coordinator/planner/memory.h"
+
+#include <algorithm>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "coordinator/planner/planner.h"
+
+namespace shardserve {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// cuBLAS's workspace. kernels/cuda/cuda_backend.cu makes one cublasHandle_t per worker and sets no
+// workspace (no cublasSetWorkspace), so cuBLAS allocates its default pool on the first GEMM: the
+// cuBLAS documentation (cublasSetWorkspace) gives 32 MiB on Hopper (sm_90) and 4 MiB on the
+// architectures before it. Names we cannot place (a worker's "cuda:0") get the larger figure.
+constexpr uint64_t kCublasWorkspaceHopper = 32 * kMiB;
+constexpr uint64_t kCublasWorkspaceOlder = 4 * kMiB;
+
+// CUDA graph pools: the CUDA backend captures no graphs (kernels/cuda has no cudaStreamBeginCapture;
+// issue 29 part 4 will add them behind a flag), so they take nothing.
+constexpr uint64_t kCudaGraphPoolBytes = 0;
+
+// NCCL's buffers per communicator, an estimate until a GPU run measures it (the worker logs the
+// cudaMemGetInfo delta of its group joins beside it): NCCL_BUFFSIZE's default 4 MiB (the SIMPLE
+// protocol's buffer per peer and channel, NCCL's environment documentation) x 2 ring peers x 16
+// channels, which NCCL opens between NVLink-connected GPUs. worker/comm/nccl_communicator.cc sets
+// no buffer size (NCCL_CONFIG_INITIALIZER) and allocates 4 bytes of its own.
+constexpr uint64_t kNcclBufferBytes = 4 * kMiB;
+constexpr uint64_t kNcclPeers = 2;
+constexpr uint64_t kNcclChannels = 16;
+constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * kNcclChannels;
+
+}  // namespace
+
+uint64_t CublasWorkspaceBytes(const GpuSpec& gpu) {
+  if (gpu.is_cpu()) return 0;
+  const std::string name = absl::AsciiStrToUpper(gpu.name);
+  for (const char* older : {"A100", "A10", "A30", "A40", "L40", "L4", "V100", "T4"}) {
+    if (absl::StartsWith(name, older)) return kCublasWorkspaceOlder;
+  }
+  return kCublasWorkspaceHopper;  // H100, H200, GH200 and names we cannot place
+}
+
+int NcclCommunicators(int tp, int pp, int stage) {
+  return (tp > 1 ? 1 : 0) + (stage > 0 ? 1 : 0) + (stage + 1 < pp ? 1 : 0);
+}
+
+RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes) {
+  RuntimeMemory r;
+  if (gpu.is_cpu()) {  // no CUDA: the reserve (0 for CPU workers) is the process's own
+    r.cuda_context = reserve_bytes;
+    return r;
+  }
+  r.cublas_workspace = CublasWorkspaceBytes(gpu);
+  r.cuda_graph_pools = kCudaGraphPoolBytes;
+  r.nccl_buffers = static_cast<uint64_t>(NcclCommunicators(tp, pp, stage)) * kNcclBytesPerCommunicator;
+  // The context (its code modules, cuBLAS's kernels, the allocator's slack) takes the rest. When the
+  // named items exceed the reserve, the context is counted as 0 and "free" shows the overdraft.
+  const uint64_t named = r.cublas_workspace + r.cuda_graph_pools + r.nccl_buffers;
+  r.cuda_context = reserve_bytes > named ? reserve_bytes - named : 0;
+  return r;
+}
+
+uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype, const StepLimits& limits,
+                         bool last_stage) {
+  const uint64_t n = limits.max_tokens_per_step, m = limits.max_seqs_per_step;
+  const uint64_t act = DTypeSize(act_dtype), H = c.hidden_size;
+  const uint64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
+  const uint64_t max_blocks = limits.max_blocks_per_seq();
+  uint64_t bytes = 4 * (4 * n + m * max_blocks + m);    // ids, positions, token_seq, slots; block tables; logit rows
+  bytes += act * n * (3 * H + 2 * q + 2 * kv + 2 * f);  // hidden, normed, proj; q, attn; k, v; gate, up
+  bytes += 4 * static_cast<uint64_t>(c.head_dim / 2);   // RoPE inverse frequencies
+  if (last_stage) {
+    const uint64_t vr = s.vocab_rows_per_rank, slices = s.tp_size > 1 ? 1 + s.tp_size : 1;
+    bytes += act * m * H + 4 * m * vr * slices + 4 * m * static_cast<uint64_t>(c.vocab_size);
+  }
+  return bytes;
+}
+
+std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g) {
+  const GpuSpec& gpu = plan.cluster.gpu;
+  const StagePlan& stage = plan.stages[g.stage];
+  absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp);
+  const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
+  const uint64_t kv = g.kv_bytes_per_token * static_cast<uint64_t>(plan.limits.kv_cache_tokens());
+  const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes);
+  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + r.total());
+  const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
+  return {
+      {kMemWeights, static_cast<int64_t>(g.weight_bytes)},
+      {kMemKvCache, static_cast<int64_t>(kv)},
+      {kMemStepBuffers, static_cast<int64_t>(step)},
+      {kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)},
+      {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},
+      {kMemNcclBuffers, static_cast<int64_t>(r.nccl_buffers)},
+      {kMemCudaContext, static_cast<int64_t>(r.cuda_context)},
+      {kMemFree, usable - used},
+      {kMemHeldBack, static_cast<int64_t>(gpu.memory_bytes) - usable},
+  };
+}
+
+void FillMemoryItems(const ModelConfig& config, Plan* plan) {
+  for (GpuPlan& g : plan->per_gpu) g.memory = GpuMemoryItems(config, *plan, g);
+}
+
+}  // namespace shardserve

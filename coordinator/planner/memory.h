@@ -1,0 +1,85 @@
+// A device's memory, item by item, as the plan expects it: the worker's own buffers (weights, KV
+// cache, step buffers) and what the runtime beside them takes (cuBLAS workspace, CUDA graph pools,
+// NCCL buffers, the CUDA context), what the plan leaves free and what gpu_memory_utilization holds
+// back. The items of one device add up to its memory exactly.
+//
+// `shardserve plan` prints them per GPU; the coordinator sends each worker its own
+// (Assignment.planned_memory) and the worker logs every item beside what it allocated or measured
+// (worker/step_executor.h), so a GPU run compares them line by line (docs/gpu.md).
+//
+// Where each runtime figure comes from is said at its constant in memory.cc. Pure functions;
+// thread-compatible.
+#ifndef SHARDSERVE_COORDINATOR_PLANNER_MEMORY_H_
+#define SHARDSERVE_COORDINATOR_PLANNER_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "coordinator/planner/cluster.h"
+#include "kernels/tensor.h"
+#include "model/config.h"
+#include "model/sharding.h"
+#include "model/step_limits.h"
+
+namespace shardserve {
+
+struct Plan;
+struct GpuPlan;
+
+// The item names, in the order they are listed.
+inline constexpr const char* kMemWeights = "weights";
+inline constexpr const char* kMemKvCache = "kv_cache";
+inline constexpr const char* kMemStepBuffers = "step_buffers";
+inline constexpr const char* kMemCublasWorkspace = "cublas_workspace";
+inline constexpr const char* kMemCudaGraphPools = "cuda_graph_pools";
+inline constexpr const char* kMemNcclBuffers = "nccl_buffers";
+inline constexpr const char* kMemCudaContext = "cuda_context";
+inline constexpr const char* kMemFree = "free";
+inline constexpr const char* kMemHeldBack = "held_back";
+
+struct MemoryItem {
+  std::string name;  // one of the kMem* names
+  int64_t bytes = 0;  // >= 0, except "free" on a device the plan overfills
+};
+
+// The runtime's share of PlanOptions::runtime_reserve_bytes on one device, by item; the CUDA
+// context (and allocator slack) is what the named items leave of the reserve.
+struct RuntimeMemory {
+  uint64_t cublas_workspace = 0;
+  uint64_t cuda_graph_pools = 0;
+  uint64_t nccl_buffers = 0;
+  uint64_t cuda_context = 0;
+  uint64_t total() const { return cublas_workspace + cuda_graph_pools + nccl_buffers + cuda_context; }
+};
+
+// cuBLAS's default workspace for `gpu` (memory.cc says which figure for which GPU); 0 for CPU workers.
+uint64_t CublasWorkspaceBytes(const GpuSpec& gpu);
+
+// NCCL communicators a worker of stage `stage` (of `pp`) in a TP group of `tp` creates on CUDA:
+// its TP group when tp > 1, and one pair with each neighbouring stage (worker/step_executor.cc).
+int NcclCommunicators(int tp, int pp, int stage);
+
+// The runtime items of one device of `gpu`, splitting `reserve_bytes`.
+RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes);
+
+// The bytes of the buffers one step works in, as LlamaShard::Load allocates them for `limits`
+// (worker/llama.cc): I32 step inputs and block tables, the [tokens, width] activations of one
+// layer at a time in `act`, RoPE frequencies, and on the last stage the logits (this rank's slice,
+// the gathered slices when TP > 1, and the assembled rows, F32).
+uint64_t StepBufferBytes(const ModelConfig& config, const TpShard& shard, DType act, const StepLimits& limits,
+                         bool last_stage);
+
+// One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
+// (plan.limits.num_kv_blocks blocks, the same on every device), the step buffers for plan.limits,
+// the runtime items, what is left free of the usable memory and what gpu_memory_utilization holds
+// back. They sum to plan.cluster.gpu.memory_bytes.
+std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);
+
+// Sets every GpuPlan::memory of `plan` from its current limits (MakePlan does; the coordinator
+// again after it changes the KV cache or max_model_len).
+void FillMemoryItems(const ModelConfig& config, Plan* plan);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_PLANNER_MEMORY_H_

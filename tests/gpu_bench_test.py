@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The cheap parts of tools/gpu-bench.sh's dry run (ctest label gpu_bench_dry_run; no GPU, no build).
+
+1. tools/gpu-bench.sh: no verb, an unknown verb or extra arguments are a usage error (exit 2).
+2. gpu_bench_report.py junit on canned gtest XML: a case skipped for want of a GPU fails the step on a
+   GPU machine (--gpu) and names the case; without --gpu it is counted, not failed; a skip whose message
+   matches --allow-skip (the CPU's own bf16 instructions) is allowed; a file with no case fails.
+3. gpu_bench_report.py record + report on canned records and a canned worker log: the memory lines
+   are read (planned, measured, ratio; "not measured" kept as such), the decode rate comes from the
+   inter-token latency, the roofline fraction from the measured bandwidth (3000 GB/s over 16e9 bytes a
+   step is 187.5 tokens/s; 125 tokens/s is 0.667 of it), the markdown lists every step in order with
+   '|' in notes escaped, and a failed step makes the report exit 1.
+4. tools/bench_hf_generate.py --check on the Llama-3-8B config (no torch needed) and its refusals.
+
+usage: gpu_bench_test.py
+"""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from cli_check import check, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIX = os.path.join(ROOT, "tests/fixtures/gpu_bench")
+REPORT = [sys.executable, os.path.join(ROOT, "tools/gpu_bench_report.py")]
+
+
+def main():
+    checks = 0
+    script = os.path.join(ROOT, "tools/gpu-bench.sh")
+    for args in ([], ["frobnicate"], ["run", "a", "b"]):
+        rc, out, err = run(["bash", script, *args])
+        check(rc == 2 and "tools/gpu-bench.sh dry-run" in err, f"gpu-bench.sh {args}: usage, exit 2 (got {rc})", err)
+        checks += 1
+
+    xml = os.path.join(FIX, "cuda_ops.xml")
+    rc, out, err = run([*REPORT, "junit", xml, "--gpu"])
+    check(rc == 1 and "Dtypes/CudaTest.Attention/BF16" in err, "a skipped CUDA case fails on a GPU, by name", out + err)
+    counts = json.loads(out)
+    check(counts["tests"] == 3 and counts["skipped"] == 1 and counts["failures"] == 0, "the counts", out)
+    rc, out, err = run([*REPORT, "junit", xml])
+    check(rc == 0, "without a GPU a skipped case is counted, not failed", out + err)
+    rc, out, err = run([*REPORT, "junit", os.path.join(FIX, "parity.xml"), "--gpu", "--allow-skip", "no AVX-512"])
+    check(rc == 0 and json.loads(out)["skipped"] == 0, "a CPU-only skip is allowed by --allow-skip", out + err)
+    rc, out, err = run([*REPORT, "junit", os.path.join(FIX, "parity.xml"), "--gpu"])
+    check(rc == 1, "the same skip without --allow-skip fails on a GPU", out + err)
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = os.path.join(tmp, "empty.xml")
+        with open(empty, "w") as f:
+            f.write('<?xml version="1.0"?><testsuites tests="0"></testsuites>\n')
+        rc, out, err = run([*REPORT, "junit", empty])
+        check(rc == 1 and "no test case" in err, "an XML with no case fails", out + err)
+    checks += 5
+
+    with tempfile.TemporaryDirectory() as tmp:
+        records = os.path.join(tmp, "records")
+        shutil.copytree(os.path.join(FIX, "records"), records)
+        rc, out, err = run([*REPORT, "record", records, "06-llama8b-c64", "passed", "80", "--metric", "batch=64",
+                            "--metric", "itl_p50_s=0.02", "--memory", os.path.join(FIX, "logs/llama8b-b1"),
+                            "--note", "canned"])
+        check(rc == 0, "record", out + err)
+        with open(os.path.join(records, "06-llama8b-c64.json")) as f:
+            rec = json.load(f)
+        mem = rec["memory"]["worker0-node0.log"]
+        check(mem["weights"] == {"planned": 16060522496, "measured": 16060522496, "ratio": 1.0,
+                                 "how": "the shard's own count"}, "the weights line", json.dumps(mem))
+        check(mem["cuda_context"]["ratio"] == round(566231040 / 1040187392, 4), "the context's ratio", json.dumps(mem))
+        check(mem["cublas_workspace"]["measured"] is None and "not measured" in mem["cublas_workspace"]["how"],
+              "an item not measured stays so", json.dumps(mem))
+        rc, out, err = run([*REPORT, "record", records, "x", "great", "1"])
+        check(rc == 2 and "is not one of" in err, "a bad status is refused", err)
+
+        out_json, out_md = os.path.join(tmp, "results.json"), os.path.join(tmp, "results.md")
+        rc, out, err = run([*REPORT, "report", records, out_json, out_md])
+        check(rc == 0, "the report of passed steps exits 0", out + err)
+        with open(out_json) as f:
+            res = json.load(f)
+        steps = {s["step"]: s for s in res["steps"]}
+        b1 = steps["05-llama8b-b1"]["metrics"]
+        check(b1["decode_tokens_per_s"] == 125.0 and b1["roofline_tokens_per_s"] == 187.5 and
+              b1["roofline_fraction"] == 0.667, "decode rate and roofline", json.dumps(b1))
+        check(steps["06-llama8b-c64"]["metrics"]["decode_tokens_per_s"] == 3200.0, "64 streams: batch / ITL", out)
+        with open(out_md) as f:
+            md = f.read()
+        order = [md.find(f"| {s} |") for s in ("00-gpu", "01-membw", "05-llama8b-b1", "06-llama8b-c64",
+                                                  "09-tp-on-one-gpu")]
+        check(all(i >= 0 for i in order) and order == sorted(order), "every step in the table, in order", md)
+        check("a \\| in the note" in md, "'|' in a note is escaped", md)
+        check("| 06-llama8b-c64 | worker0-node0.log | weights | 14.96 GiB | 14.96 GiB | 1.0 |" in md,
+              "the memory table", md)
+        check("of roofline 0.667" in md and "GB/s best 3000" in md, "the figures in the table", md)
+
+        rc, out, err = run([*REPORT, "record", records, "07-hf-b1", "failed", "3", "--note", "boom"])
+        rc, out, err = run([*REPORT, "report", records, out_json, out_md])
+        check(rc == 1 and "07-hf-b1" in err, "a failed step fails the report, by name", out + err)
+    checks += 10
+
+    hf = [sys.executable, os.path.join(ROOT, "tools/bench_hf_generate.py")]
+    cfg = os.path.join(ROOT, "tests/fixtures/configs/llama-3-8b.json")
+    rc, out, err = run([*hf, "--config", cfg, "--batch", "64", "--input-len", "512", "--check"])
+    check(rc == 0 and json.loads(out)["layers"] == 32, "the HF script's --check", out + err)
+    rc, out, err = run([*hf, "--config", cfg, "--batch", "0", "--check"])
+    check(rc == 2 and "--batch must be in" in err, "the HF script refuses batch 0", err)
+    rc, out, err = run([*hf, "--config", cfg, "--input-len", "8192", "--check"])
+    check(rc == 2 and "max_position_embeddings" in err, "the HF script refuses a context beyond the model's", err)
+    checks += 3
+    print(f"PASS: {checks} checks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+#!/usr/bin/env bash
+# Issue 29's GPU run: the CUDA op tests, the parity tests and the benchmarks at real sizes, in one
+# command of at most 10 minutes on a one-GPU machine with no network and no Debian packages
+# (docs/gpu.md gives the exact `run` invocation). Packing and setup are tools/gpu-tests.sh's.
+#
+#   tools/gpu-bench.sh pack       here: packs the binaries of $BUILD_DIR (default build-cuda, a
+#                                 CUDA build) into build/gpu-bundle.tar.xz with gpu-tests.sh pack,
+#                                 then checks that the bundle plus the working tree that travels
+#                                 with it stay under the 64 MiB a run carries, printing the sizes
+#   tools/gpu-bench.sh dry-run    here, without a GPU: pack (BUILD_DIR=build will do for a rehearsal),
+#                                 then every step of `run` with its command checked (the binary or
+#                                 script there and executable, the configs written, the HF script's
+#                                 --check) instead of run, and the results written as `run` writes
+#                                 them (each step "skipped: dry run")
+#   tools/gpu-bench.sh run [OUT]  there: every step, each bounded in time and the whole within
+#                                 $BUDGET_S seconds (default 540); results in OUT (default $OUT, as
+#                                 the device machine sets it): results.json, results.md (a table for
+#                                 docs/benchmarks.md) and logs.tar.gz. Exit 1 if a step failed.
+#
+# STEPS="gpu membw ..." (names below) runs only those steps, to split the run over several
+# commands of 10 minutes (docs/gpu.md); unset: all of them.
+#
+# Steps, in order (cheapest and most needed first, so that a run cut short keeps them):
+#   gpu            nvidia-smi's name, memory and driver; the card's datasheet bandwidth by name
+#   membw          tools/bench_membw.cu built with the machine's nvcc: streaming-read GB/s (the roofline)
+#   cuda-ops       kernels_cuda_test; a skipped case is a failure on a GPU
+#   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
+#                  listed as not run (needs 2 GPUs) by name
+#   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
+#   llama8b-b1     Llama-3-8B shapes, dummy bf16 weights, TP=1: batch-1 decode (bench --compare tp1,
+#                  128 in / 128 out); cold start (launch to SERVING) and planner vs measured memory
+#                  from the workers' logs
+#   llama8b-c64    the same, 64 streams of 512 in / 128 out
+#   hf-b1, hf-c64  Hugging Face transformers, same config, random bf16, static cache + torch.compile
+#   qwen72b-stage-b1, qwen72b-stage-c64
+#                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
+#                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
+#                  the planner's figure
+#   tp-on-one-gpu  TP=2 / PP=2 as worker processes sharing the GPU over Gloo: not supported (see note)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck source=tools/gpu-tests.sh
+source tools/gpu-tests.sh
+
+BUNDLE=build/gpu-bundle
+CARRY_LIMIT=$((64 << 20))
+REPORT=(python3 tools/gpu_bench_report.py)
+NOT_SUPPORTED_TP="CUDA workers always join NCCL groups (worker/step_executor.cc MakeCommunicator) and NCCL refuses two ranks on one GPU; the Gloo communicator takes host tensors only, so TP/PP across processes sharing one GPU needs a host-staged Gloo path for CUDA workers, not written yet"
+
+usage() {
+  sed -n '2,/^[^#]/{/^#/p}' "$0" >&2
+  exit 2
+}
+
+# Bytes of the working tree a run carries: tracked and untracked-not-ignored files.
+tree_bytes() {
+  git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | awk 'END {print $1 + 0}'
+}
+
+pack_checked() {
+  BUILD_DIR=${BUILD_DIR:-build-cuda} pack "$BUNDLE" || return 1
+  local bundle tree total
+  bundle=$(stat -c %s "$BUNDLE.tar.xz") || return 1
+  tree=$(tree_bytes)
+  total=$((bundle + tree))
+  awk -v b="$bundle" -v t="$tree" -v l="$CARRY_LIMIT" 'BEGIN {
+    printf "gpu-bench: bundle %.1f MiB + working tree %.1f MiB = %.1f MiB of the %.0f MiB a run carries\n",
+           b / 1048576, t / 1048576, (b + t) / 1048576, l / 1048576 }'
+  if [ "$total" -gt "$CARRY_LIMIT" ]; then
+    echo "gpu-bench: too large to carry: leave binaries out or trim the tree" >&2
+    return 1
+  fi
+}
+
+# The card's datasheet memory bandwidth, GB/s, from nvidia-smi's name; 0 when unknown.
+datasheet_gbps() {
+  case "$1" in
+    *H200*) echo 4800 ;;
+    *H100*NVL*) echo 3900 ;;
+    *H100*PCIe*) echo 2000 ;;
+    *H100*) echo 3350 ;;  # SXM (HBM3)
+    *A100*80GB*PCIe*) echo 1935 ;;
+    *A100*80GB*) echo 2039 ;;
+    *A100*) echo 1555 ;;
+    *L40S*) echo 864 ;;
+    *) echo 0 ;;
+  esac
+}
+
+# The planner's cluster preset closest to the GPU (for `shardserve plan`).
+plan_preset() {
+  case "$1" in
+    *H200*) echo 1x1xH200-141GB ;;
+    *A100*80GB*) echo 1x1xA100-80GB ;;
+    *A100*) echo 1x1xA100-40GB ;;
+    *) echo 1x1xH100-80GB ;;
+  esac
+}
+
+remaining() { echo $((BUDGET - (SECONDS - START))); }
+
+# Whether step NAME is to run ($STEPS unset, or naming it).
+want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+
+# step NAME LIMIT CMD...: runs CMD (stdout and stderr to $LOGS/NAME.log) for at most LIMIT seconds
+# and what is left of the budget; sets STEP_RC and STEP_S. Dry run: checks that CMD's program is
+# there and executable (or a function of this script), and runs nothing (STEP_RC 0), unless
+# DRY_RUN_RUNS=1 is set for the call (a command that is cheap and needs no GPU, e.g. --check).
+step() {
+  local name=$1 limit=$2 left
+  shift 2
+  STEP_S=0
+  echo "== $name: $*"
+  if [ "$DRY_RUN" = 1 ] && [ "${DRY_RUN_RUNS:-0}" != 1 ]; then
+    if [ "$(type -t "$1")" = function ] || [ -x "$1" ] || command -v "$1" >/dev/null; then
+      STEP_RC=0
+    else
+      echo "gpu-bench: dry run: $name: $1 is not there" >&2
+      STEP_RC=127
+    fi
+    return
+  fi
+  left=$(($(remaining) - 15))
+  [ "$DRY_RUN" = 1 ] && left=$limit
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then
+    echo "== $name: not run, out of time"
+    STEP_RC=124
+    return
+  fi
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  STEP_RC=$?
+  STEP_S=$((SECONDS - t0))
+  tail -n 15 "$LOGS/$name.log"
+  echo "== $name: exit $STEP_RC in ${STEP_S}s"
+}
+
+# record NAME [ARGS...]: the step's record from STEP_RC (0 passed; 124/137 after a time-out, noted).
+record() {
+  local name=$1 status=passed note=""
+  shift
+  if [ "$DRY_RUN" = 1 ]; then
+    [ "$STEP_RC" = 0 ] && status=skipped || status=failed
+    note="dry run: command checked, not run"
+    [ "$STEP_RC" = 0 ] || note="dry run: the command is not there or failed (exit $STEP_RC)"
+  elif [ "$STEP_RC" = 124 ] || [ "$STEP_RC" = 137 ]; then
+    status=failed
+    note="stopped at its time limit (or not started: out of time)"
+  elif [ "$STEP_RC" != 0 ]; then
+    status=failed
+    note="exit $STEP_RC; see logs/$name.log"
+  fi
+  "${REPORT[@]}" record "$RECORDS" "$(printf '%02d' "$STEP_NO")-$name" "$status" "$STEP_S" --note "$note" "$@" ||
+    echo "gpu-bench: could not record $name" >&2
+  STEP_NO=$((STEP_NO + 1))
+}
+
+# gtest_step NAME LIMIT [--allow-skip REGEX] BINARY [GTEST ARGS...]: runs a gtest binary with XML
+# output and judges it by the XML (a skipped case fails on a GPU), not only by its exit code.
+gtest_step() {
+  local name=$1 limit=$2 allow=()
+  want "$name" || return 0
+  shift 2
+  if [ "$1" = --allow-skip ]; then allow=(--allow-skip "$2"); shift 2; fi
+  local xml=$LOGS/$name.xml
+  step "$name" "$limit" "$@" --gtest_output="xml:$xml"
+  local counts=""
+  if [ "$DRY_RUN" != 1 ]; then
+    local rc=$STEP_RC
+    counts=$("${REPORT[@]}" junit "$xml" ${GPUS:+--gpu} "${allow[@]}" 2>>"$LOGS/$name.log")
+    [ $? -ne 0 ] && [ "$rc" = 0 ] && STEP_RC=1  # a skip on a GPU, or no XML
+    echo "$counts" >"$LOGS/$name.counts.json"
+  fi
+  local metrics=()
+  if [ -s "$LOGS/$name.counts.json" ]; then metrics=(--json "$LOGS/$name.counts.json"); fi
+  record "$name" "${metrics[@]}"
+}
+
+# A --model directory holding only config.json (--load-format dummy needs nothing else).
+config_dir() {  # config_dir NAME SOURCE_JSON [PYTHON EXPRESSION ON c]
+  local dir=$WORK/models/$1
+  mkdir -p "$dir" &&
+    python3 - "$2" "$dir/config.json" "${3:-}" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+if sys.argv[3]:
+    exec(sys.argv[3])
+json.dump(c, open(sys.argv[2], "w"), indent=2)
+EOF
+  echo "$dir"
+}
+
+# bench_step NAME MODEL_DIR PRESET CONCURRENCY REQUESTS INPUT OUTPUT: shardserve bench --compare tp1
+# with dummy weights on cuda, recorded with its figures, the bytes a decode step reads (weights +
+# the mean context's KV cache, from the plan) and the workers' memory lines.
+bench_step() {
+  local name=$1 model=$2 preset=$3 conc=$4 reqs=$5 in=$6 out=$7
+  want "$name" || return 0
+  local json=$WORK/$name.json plan=$WORK/$name.plan.json
+  "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json >"$plan" 2>/dev/null
+  step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format dummy \
+    --concurrency "$conc" --num-requests "$reqs" --warmup 1 --input-len "$in" --output-len "$out" \
+    --log-dir "$LOGS/$name" --json-out "$json"
+  local derived=()
+  if [ -s "$plan" ]; then
+    derived=($(python3 - "$plan" "$conc" "$in" "$out" <<'EOF'
+import json, sys
+p = json.load(open(sys.argv[1])); conc, i, o = map(int, sys.argv[2:5])
+g = p["per_gpu"][0]
+# One decode step reads the weights once and each stream's KV cache (its mean context: the
+# prompt and half the output).
+print(f"--metric bytes_per_decode_step={g['weight_bytes'] + conc * g['kv_bytes_per_token'] * (i + o // 2)}")
+print(f"--metric planned_kv_tokens={p['kv_cache_tokens']} --metric batch={conc}")
+EOF
+    ))
+  fi
+  local figures=()
+  [ -s "$json" ] && figures=(--json "$json")
+  record "$name" "${figures[@]}" "${derived[@]}" --memory "$LOGS/$name"
+}
+
+run_steps() {
+  STEP_NO=0 STEP_S=0 STEP_RC=0
+  local name driver mem
+  # ---- The GPU ----
+  if [ "$DRY_RUN" = 1 ]; then
+    name="(dry run: no GPU)"
+  else
+    IFS=, read -r name mem driver < <(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)
+  fi
+  GPU_NAME=$(echo "$name" | sed 's/^ *//;s/ *$//')
+  STEP_RC=0
+  [ -z "$GPU_NAME" ] && STEP_RC=1
+  record gpu --metric "gpu=$GPU_NAME" --metric "memory=${mem:-}" --metric "driver=${driver:-}" \
+    --metric "datasheet_gbps=$(datasheet_gbps "$GPU_NAME")" --metric "commit=$(git rev-parse --short HEAD 2>/dev/null)"
+
+  # ---- The roofline: streaming-read bandwidth on this GPU ----
+  command -v nvcc >/dev/null || PATH=$PATH:/usr/local/cuda/bin
+  want membw && step membw-build 120 nvcc -O3 -arch=native -o "$WORK/bench_membw" tools/bench_membw.cu
+  if ! want membw; then
+    :
+  elif [ "$STEP_RC" = 0 ]; then
+    step membw 60 bash -c "set -o pipefail; '$WORK/bench_membw' 4 20 | tee '$WORK/membw.json'"
+    local m=()
+    [ -s "$WORK/membw.json" ] && m=(--json "$WORK/membw.json")
+    record membw "${m[@]}" --metric "datasheet_gbps=$(datasheet_gbps "$GPU_NAME")"
+  else
+    record membw
+  fi
+
+  # ---- Tests ----
+  gtest_step cuda-ops 180 "$BIN/kernels_cuda_test"
+  local nccl_filter='*Nccl*' two_rank="CommunicatorTest.NcclTwoRanks, CommunicatorTest.NcclRankThatSkipsAnAllReduceIsATimeout"
+  if [ "${GPUS:-0}" -lt 2 ]; then
+    nccl_filter='*NcclGroupOfOne*:*NcclRankThatNeverJoinsTimesOut*'
+  fi
+  gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$nccl_filter"
+  if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
+    STEP_RC=0 STEP_S=0
+    "${REPORT[@]}" record "$RECORDS" "$(printf '%02d' "$STEP_NO")-nccl-two-ranks" "not run" 0 \
+      --note "not run (needs 2 GPUs): $two_rank"
+    STEP_NO=$((STEP_NO + 1))
+  fi
+  gtest_step parity 180 --allow-skip 'no AVX-512' "$BIN/llama_parity_test"
+
+  # ---- Benchmarks (dummy bf16 weights) ----
+  local preset llama qwen
+  preset=$(plan_preset "$GPU_NAME")
+  llama=$(config_dir llama-3-8b tests/fixtures/configs/llama-3-8b.json)
+  qwen=$(config_dir qwen2.5-72b-stage0 tests/fixtures/configs/qwen2.5-72b-instruct.json \
+    'c["num_hidden_layers"] = 40; c["tie_word_embeddings"] = True')
+  bench_step llama8b-b1 "$llama" "$preset" 1 4 128 128
+  bench_step llama8b-c64 "$llama" "$preset" 64 128 512 128
+  for hf in "hf-b1 1 128" "hf-c64 64 512"; do
+    set -- $hf
+    want "$1" || continue
+    DRY_RUN_RUNS=1 step "$1" 150 python3 tools/bench_hf_generate.py --config "$llama/config.json" --batch "$2" \
+      --input-len "$3" --output-len 128 --out "$WORK/$1.json" $([ "$DRY_RUN" = 1 ] && echo --check)
+    local h=()
+    [ -s "$WORK/$1.json" ] && h=(--json "$WORK/$1.json")
+    record "$1" "${h[@]}"
+  done
+  bench_step qwen72b-stage-b1 "$qwen" "$preset" 1 2 128 64
+  bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
+
+  # ---- TP and PP on one GPU (issue 29 part 6) ----
+  want tp-on-one-gpu && "${REPORT[@]}" record "$RECORDS" "$(printf '%02d' "$STEP_NO")-tp-on-one-gpu" "not run" 0 \
+    --note "not supported: $NOT_SUPPORTED_TP"
+}
+
+main() {
+  DRY_RUN=0
+  case "${1:-}" in
+    pack) pack_checked; return ;;
+    dry-run) DRY_RUN=1; shift ;;
+    run) shift ;;
+    *) usage ;;
+  esac
+  [ $# -le 1 ] || usage
+  local out=${1:-${OUT:-}}
+  if [ -z "$out" ]; then
+    [ "$DRY_RUN" = 1 ] && out=$BUNDLE-dry-run || { echo "gpu-bench: run needs OUT (or \$OUT)" >&2; return 2; }
+  fi
+  START=$SECONDS
+  BUDGET=${BUDGET_S:-540}
+  mkdir -p "$out" || return 1
+  WORK=$(mktemp -d /tmp/gpu-bench.XXXXXX) || return 1
+  RECORDS=$WORK/records
+  LOGS=$WORK/logs
+  mkdir -p "$RECORDS" "$LOGS"
+  BIN=$BUNDLE/bin
+  if [ "$DRY_RUN" = 1 ]; then
+    BUILD_DIR=${BUILD_DIR:-build} pack_checked || return 1
+    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -C "$BUNDLE" -xJf "$BUNDLE.tar.xz" || return 1
+    GPUS=""
+  else
+    setup "$BUNDLE" || return 1
+    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "$GPUS" -ge 1 ] || { echo "gpu-bench: nvidia-smi lists no GPU" >&2; return 1; }
+  fi
+  run_steps
+  "${REPORT[@]}" report "$RECORDS" "$out/results.json" "$out/results.md"
+  local rc=$?
+  tar -C "$WORK" -czf "$out/logs.tar.gz" logs records 2>/dev/null
+  echo "gpu-bench: $(($SECONDS - START)) s; results in $out (results.json, results.md, logs.tar.gz)"
+  return $rc
+}
+
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && { main "$@"; exit $?; }
