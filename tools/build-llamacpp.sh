@@ -21,6 +21,7 @@
 # machine usable (where every other build runs at nice 0, NICE=10 gets it a few per cent of the CPU).
 set -euo pipefail
 
+TOOLS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 DIR="${1:-/work/llamacpp-build}"
 JOBS="${JOBS:-2}"
 VERSION=0.3.36
@@ -47,7 +48,7 @@ fi
 if [ ! -f build/CMakeCache.txt ]; then
   cmake -S "$LCPP" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DLLAMA_CURL=OFF \
       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-      -DCMAKE_PROJECT_INCLUDE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/llamacpp/unity-models.cmake"
+      -DCMAKE_PROJECT_INCLUDE="$TOOLS/llamacpp/unity-models.cmake"
 fi
 nice -n "${NICE:-10}" cmake --build build -j "$JOBS" --target llama-bench llama-batched-bench llama-server \
     llama-quantize llama-simple
