@@ -43,14 +43,19 @@ def check_podmonitor(pm, objs):
         fail(f"PodMonitor {name}: needs metadata.name, spec.selector, spec.podMetricsEndpoints")
         return
     allowed = {"port", "portNumber", "targetPort", "path", "interval", "scrapeTimeout", "scheme", "relabelings",
-               "metricRelabelings", "honorLabels", "honorTimestamps"}
+               "metricRelabelings", "honorLabels", "honorTimestamps", "tlsConfig"}
     ports = set()
+    https_ports = set()  # port names on which a matched container serves HTTPS
     matched = [t for _, _, t in pod_templates(objs) if selector_matches(sel, t["metadata"]["labels"])]
     if not matched:
         fail(f"PodMonitor {name}: selector {sel} matches no pod template")
     for t in matched:
         for c in t["spec"]["containers"]:
             ports.update(p.get("name") for p in c.get("ports", []))
+            https_ports.update(p.get("name") for p in c.get("ports", []) if serves_https(c, p["containerPort"]))
+    # The names each certificate carries, by its Secret (cert-manager overlays).
+    cert_names = {c.get("spec", {}).get("secretName"): c.get("spec", {}).get("dnsNames", [])
+                  for c in objs if c.get("kind") == "Certificate"}
     found = 0
     for ep in spec["podMetricsEndpoints"]:
         extra = set(ep) - allowed
@@ -59,6 +64,20 @@ def check_podmonitor(pm, objs):
         if not isinstance(ep.get("port"), str):
             fail(f"PodMonitor {name}: endpoint without a port name")
         found += ep.get("port") in ports
+        if ep.get("port") in https_ports:
+            tls = ep.get("tlsConfig", {})
+            ca = tls.get("ca", {}).get("secret") or tls.get("ca", {}).get("configMap") or {}
+            if ep.get("scheme") != "https":
+                fail(f"PodMonitor {name}: scrapes port {ep['port']} without scheme https, but /metrics there is HTTPS "
+                     "(--tls-cert): every scrape would fail")
+            elif not ca.get("name") or not ca.get("key"):
+                fail(f"PodMonitor {name}: port {ep['port']}: no tlsConfig.ca (the cluster CA) to verify /metrics with")
+            elif not tls.get("serverName"):
+                fail(f"PodMonitor {name}: port {ep['port']}: no tlsConfig.serverName (Prometheus dials pod IPs, "
+                     "which no certificate names)")
+            elif ca["name"] in cert_names and not any(host_matches(p, tls["serverName"]) for p in cert_names[ca["name"]]):
+                fail(f"PodMonitor {name}: port {ep['port']}: serverName {tls['serverName']} is not a name of the "
+                     f"certificate in Secret {ca['name']} ({cert_names[ca['name']]})")
     if matched and not found:
         fail(f"PodMonitor {name}: no endpoint port is declared by the pods ({sorted(ports)})")
 
@@ -97,6 +116,25 @@ def flag(container, name):
         if a.startswith(f"--{name}="):
             return a.split("=", 1)[1]
     return None
+
+
+def serves_https(container, port):
+    """True when the container's process serves HTTPS on `port` (a number): /metrics
+    (--metrics-listen) and the coordinator's HTTP API (--http-port, 8000 by default) use the
+    --tls-cert certificate unless --metrics-plaintext / --http-plaintext."""
+    if flag(container, "tls-cert") is None:
+        return False
+    metrics = flag(container, "metrics-listen")
+    if metrics and metrics.rsplit(":", 1)[-1] == str(port):
+        return flag(container, "metrics-plaintext") is None
+    http = flag(container, "http-port")
+    if role_of_container(container) == "coordinator" and str(port) == (http or "8000"):
+        return flag(container, "http-plaintext") is None
+    return False
+
+
+def role_of_container(container):
+    return "coordinator" if container.get("image", "").split("/")[-1].startswith("shardserve-coordinator") else "worker"
 
 
 def selector_matches(selector, labels):
@@ -205,6 +243,15 @@ def check_probes(overlay, where, spec, role, heal_timeout):
             # The kubelet's gRPC probes speak no TLS: only the plaintext --health-listen port.
             if probe.get("grpc") and port != health_port:
                 fail(f"{cw}: {kind} is a gRPC probe on port {port}, which serves TLS (not --health-listen)")
+            # An HTTP probe speaks what the port serves (the kubelet does not verify certificates).
+            if probe.get("httpGet") and port is not None:
+                https = serves_https(c, port)
+                scheme = probe["httpGet"].get("scheme", "HTTP")
+                if https and scheme != "HTTPS":
+                    fail(f"{cw}: {kind} is plain HTTP on port {port}, which serves HTTPS (--tls-cert): it "
+                         "would fail every time and the kubelet would restart the process")
+                elif not https and scheme == "HTTPS":
+                    fail(f"{cw}: {kind} is HTTPS on port {port}, which serves plain HTTP")
         live = c.get("livenessProbe")
         if not live:
             fail(f"{cw}: no livenessProbe")
@@ -422,6 +469,30 @@ def check_certificates(overlay, kinds, mounted, coordinator_hosts):
         if not any(host_matches(p, host) for p in coord.get("dnsNames", [])):
             fail(f"{overlay}: the coordinator's certificate does not name {host}, which the workers dial "
                  f"(dnsNames {coord.get('dnsNames')})")
+
+
+def check_prometheus_k8s():
+    """deploy/prometheus/prometheus-k8s.yml scrapes the pods' HTTPS /metrics: scheme https, the
+    cluster CA and a server name the pods' certificates carry (deploy/k8s/cert-manager)."""
+    path = os.path.join(ROOT, "deploy/prometheus/prometheus-k8s.yml")
+    with open(path, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f)
+    with open(os.path.join(ROOT, "deploy/k8s/cert-manager/certificates.yaml"), encoding="utf-8") as f:
+        names = [n for c in yaml.safe_load_all(f) if c and c.get("kind") == "Certificate"
+                 for n in c["spec"].get("dnsNames", [])]
+    jobs = cfg.get("scrape_configs", [])
+    if not jobs:
+        fail("prometheus-k8s.yml: no scrape_configs")
+    for job in jobs:
+        who = f"prometheus-k8s.yml job {job.get('job_name')}"
+        tls = job.get("tls_config", {})
+        if job.get("scheme") != "https":
+            fail(f"{who}: scheme is not https, but the pods serve /metrics over HTTPS (--tls-cert)")
+        if not tls.get("ca_file"):
+            fail(f"{who}: no tls_config.ca_file (the cluster CA)")
+        if tls.get("server_name") not in names:
+            fail(f"{who}: tls_config.server_name {tls.get('server_name')!r} is not a name of the certificates in "
+                 "deploy/k8s/cert-manager")
 
 
 def load_rendered(path):
@@ -658,6 +729,23 @@ DEFECTS = [
     ("an LWS that restarts the whole group", "lws",
      lambda o: lws_spec(o).update(restartPolicy="RecreateGroupOnPodRestart"), "restartPolicy"),
     ("an LWS group of the wrong size", "lws", lambda o: lws_spec(o).update(size=2), "size 2"),
+    ("a /metrics liveness probe in plain HTTP", "sts",
+     lambda o: deploy_pod(o)["containers"][0]["livenessProbe"]["httpGet"].pop("scheme"),
+     "livenessProbe is plain HTTP on port 9400, which serves HTTPS"),
+    ("a worker's /metrics liveness probe in plain HTTP", "lws",
+     lambda o: lws_spec(o)["workerTemplate"]["spec"]["containers"][1]["livenessProbe"]["httpGet"].pop("scheme"),
+     "which serves HTTPS"),
+    ("a PodMonitor scraping HTTPS /metrics in plain HTTP", "sts",
+     lambda o: find(o, "PodMonitor", "shardserve-worker")["spec"]["podMetricsEndpoints"][0].pop("scheme"),
+     "scrapes port metrics-0 without scheme https"),
+    ("a PodMonitor without the cluster CA", "lws",
+     lambda o: find(o, "PodMonitor", "shardserve-coordinator")["spec"]["podMetricsEndpoints"][0].pop("tlsConfig"),
+     "no tlsConfig.ca"),
+    ("a PodMonitor checking a name the certificate lacks", "sts",
+     lambda o: find(o, "PodMonitor", "shardserve-worker")["spec"]["podMetricsEndpoints"][1]["tlsConfig"].update(
+         serverName="shardserve-coordinator"), "is not a name of the certificate"),
+    ("--metrics-plaintext with an HTTPS liveness probe", "sts",
+     lambda o: deploy_pod(o)["containers"][0]["args"].append("--metrics-plaintext"), "which serves plain HTTP"),
     ("a certificate that does not name the coordinator", "sts",
      lambda o: find(o, "Certificate", "shardserve-coordinator-tls")["spec"].update(dnsNames=["x"]), "does not name"),
 ]
@@ -697,6 +785,7 @@ def main():
     if not any(o.get("kind") == "LeaderWorkerSet" for _, objs in renders for o in objs):
         fail("no rendering with a LeaderWorkerSet: overlays/lws did not render")
     check_lws_matches_base()
+    check_prometheus_k8s()
     self_test(renders, version)
     if failures:
         print(f"{len(failures)} failure(s)")

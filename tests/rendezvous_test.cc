@@ -1,18 +1,21 @@
 // The rendezvous store the workers' collectives form their groups through, on the coordinator
 // (RendezvousTable, served by WorkerControlService's RendezvousSet/Get) and as the workers reach it
 // (GrpcRendezvousStore), over a real gRPC server on 127.0.0.1 in this process: keys are written
-// once per epoch (the first writer wins; a second writer with another value is refused with
-// ALREADY_EXISTS and logged with its address; the same value again is a retry and passes), and
-// the bounds on keys and values.
+// once per epoch (the first writer wins; a second write with another value is refused with
+// ALREADY_EXISTS and logged with its address; the same value again is a retry and passes), the
+// bounds on keys and values, and who may write and read which key (RendezvousGrants: a key only
+// from the rank it names, only to its group's members, PERMISSION_DENIED naming the key otherwise).
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <array>
 #include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "coordinator/server/rendezvous_grants.h"
 #include "coordinator/server/worker_control_service.h"
 #include "worker/grpc_rendezvous.h"
 
@@ -49,10 +52,80 @@ TEST(RendezvousTableTest, BoundsKeysAndValues) {
   EXPECT_EQ(table.Get("missing", kSoon, never).status().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
-// WorkerControlService on 127.0.0.1 (plaintext: this test is about the store, tls_test about who
-// may reach it); its Connect is not used, so it has no pool.
+TEST(RendezvousGrantsTest, AKeyIsWrittenOnlyByTheRankItNamesAndReadOnlyByItsGroup) {
+  RendezvousGrants grants;
+  // TP2 x PP2, epoch 1: worker 0 is stage 0 rank 0 (TP group e1/tp/stage0, sends on the pair
+  // e1/pp/tp0/stage0-1), worker 3 is stage 1 tp rank 1 (receives on e1/pp/tp1/stage0-1).
+  Slot s0, s3;
+  s0.tp_group = "e1/tp/stage0";
+  s0.send_group = "e1/pp/tp0/stage0-1";
+  s3.stage = 1;
+  s3.tp_rank = 1;
+  s3.tp_group = "e1/tp/stage1";
+  s3.recv_group = "e1/pp/tp1/stage0-1";
+  const std::string t0 = grants.Grant(0, "worker w0", 1, RendezvousGroupsOf(s0));
+  const std::string t3 = grants.Grant(3, "worker w3", 1, RendezvousGroupsOf(s3));
+  EXPECT_NE(t0, t3);
+  EXPECT_TRUE(grants.CheckSet(t0, "e1/tp/stage0/gloo/0").ok());
+  EXPECT_TRUE(grants.CheckSet(t0, "e1/tp/stage0/gloo/rank_0").ok());
+  EXPECT_TRUE(grants.CheckSet(t0, "e1/tp/stage0/nccl/unique_id").ok());  // NCCL's id: rank 0's
+  EXPECT_TRUE(grants.CheckSet(t0, "e1/pp/tp0/stage0-1/gloo/0").ok());    // the sender is rank 0 of its pair
+  EXPECT_TRUE(grants.CheckSet(t3, "e1/tp/stage1/gloo/1").ok());
+  EXPECT_TRUE(grants.CheckSet(t3, "e1/pp/tp1/stage0-1/gloo/rank_1").ok());  // the receiver is rank 1
+  EXPECT_TRUE(grants.CheckGet(t0, "e1/tp/stage0/gloo/1").ok());
+  EXPECT_TRUE(grants.CheckGet(t3, "e1/pp/tp1/stage0-1/gloo/0").ok());
+
+  auto denied = [](const absl::Status& s, const std::string& why) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+    EXPECT_THAT(s.message(), HasSubstr(why)) << s;
+  };
+  // Another rank's key of its own group.
+  denied(grants.CheckSet(t0, "e1/tp/stage0/gloo/1"), "belongs to rank 1 of group 'e1/tp/stage0'");
+  denied(grants.CheckSet(t0, "e1/tp/stage0/gloo/rank_1"), "and worker w0 holds rank 0");
+  denied(grants.CheckSet(t3, "e1/tp/stage1/nccl/unique_id"), "belongs to rank 0");
+  denied(grants.CheckSet(t3, "e1/pp/tp1/stage0-1/gloo/0"), "belongs to rank 0 of group 'e1/pp/tp1/stage0-1'");
+  // Keys of other groups, of another epoch, or that name no rank.
+  denied(grants.CheckSet(t0, "e1/tp/stage1/gloo/0"), "worker w0 is not a member of the key's group under epoch 1");
+  denied(grants.CheckGet(t0, "e1/tp/stage1/gloo/1"), "'e1/tp/stage1/gloo/1' refused");
+  denied(grants.CheckGet(t3, "e1/pp/tp0/stage0-1/gloo/0"), "not a member");
+  denied(grants.CheckSet(t0, "e2/tp/stage0/gloo/0"), "not a member");
+  denied(grants.CheckSet(t0, "e1/tp/stage0x/gloo/0"), "not a member");
+  denied(grants.CheckGet(t0, "e1/tp/stage0"), "not a member");
+  for (const char* key : {"e1/tp/stage0/other", "e1/tp/stage0/gloo/", "e1/tp/stage0/gloo/0x", "e1/tp/stage0/gloo/-0",
+                          "e1/tp/stage0/gloo/rank_", "e1/tp/stage0/nccl/unique_id2"}) {
+    denied(grants.CheckSet(t0, key), "names no rank of group 'e1/tp/stage0'");
+  }
+  // No token, a malformed one, another worker's index with this one's secret, a guessed secret.
+  denied(grants.CheckSet("", "e1/tp/stage0/gloo/0"), "carries no rendezvous token");
+  denied(grants.CheckGet("", "e1/tp/stage0/gloo/0"), "RendezvousGet of rendezvous key 'e1/tp/stage0/gloo/0'");
+  denied(grants.CheckSet("nonsense", "e1/tp/stage0/gloo/0"), "malformed");
+  const std::string secret0 = t0.substr(t0.find('.') + 1);
+  denied(grants.CheckSet("3." + secret0, "e1/tp/stage1/gloo/1"), "unknown or no longer valid");
+  denied(grants.CheckSet("0." + std::string(secret0.size(), '0'), "e1/tp/stage0/gloo/0"), "unknown");
+  denied(grants.CheckSet("0." + secret0.substr(1), "e1/tp/stage0/gloo/0"), "unknown");
+  EXPECT_THAT(t0, ::testing::MatchesRegex("0\\.[0-9a-f]{64}"));
+
+  // A Regroup's grant replaces the previous one: the old epoch's keys are no longer its own.
+  Slot next = s0;
+  next.tp_group = "e2/tp/stage0";
+  next.send_group = "e2/pp/tp0/stage0-1";
+  const std::string t0b = grants.Grant(0, "worker w0", 2, RendezvousGroupsOf(next));
+  EXPECT_TRUE(grants.CheckSet(t0b, "e2/tp/stage0/gloo/0").ok());
+  denied(grants.CheckSet(t0, "e2/tp/stage0/gloo/0"), "no longer valid");
+  denied(grants.CheckGet(t0b, "e1/tp/stage0/gloo/1"), "under epoch 2");
+  // A revoked worker (its stream ended) has no grant.
+  grants.Revoke(0);
+  denied(grants.CheckGet(t0b, "e2/tp/stage0/gloo/0"), "no longer valid");
+  EXPECT_TRUE(grants.CheckGet(t3, "e1/tp/stage1/gloo/0").ok());
+}
+
+// WorkerControlService on 127.0.0.1 (plaintext: this test is about the store and its grants,
+// tls_test about who may reach it); its Connect is not used, so it has no pool: the test grants
+// the tokens the pool's Assignments would carry. Peers 0 and 1 are ranks 0 and 1 of group A
+// (e3/tp/stage1), peer 2 is rank 0 of group B (e3/tp/stage2), and peer 3 a stranger with no token.
 class RendezvousServiceTest : public ::testing::Test {
  protected:
+  static constexpr int kPeers = 4;
   void SetUp() override {
     grpc::ServerBuilder builder;
     int port = 0;
@@ -61,11 +134,17 @@ class RendezvousServiceTest : public ::testing::Test {
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(port, 0);
-    // Two peers, each with its own channel.
-    for (int i = 0; i < 2; ++i) {
+    tokens_ = {
+        grants_.Grant(0, "worker a0", 3, {{"e3/tp/stage1", 0}}),
+        grants_.Grant(1, "worker a1", 3, {{"e3/tp/stage1", 1}}),
+        grants_.Grant(2, "worker b0", 3, {{"e3/tp/stage2", 0}}),
+        "",
+    };
+    // Each peer with its own channel.
+    for (int i = 0; i < kPeers; ++i) {
       channels_[i] = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
       stubs_[i] = v1::WorkerControl::NewStub(channels_[i]);
-      stores_[i] = std::make_unique<GrpcRendezvousStore>(stubs_[i].get(), absl::Seconds(30));
+      stores_[i] = std::make_unique<GrpcRendezvousStore>(stubs_[i].get(), tokens_[i], absl::Seconds(30));
     }
   }
   void TearDown() override {
@@ -73,31 +152,70 @@ class RendezvousServiceTest : public ::testing::Test {
     server_->Shutdown();
   }
 
-  WorkerControlService service_{/*pool=*/nullptr};
+  RendezvousGrants grants_;
+  std::array<std::string, kPeers> tokens_;
+  WorkerControlService service_{/*pool=*/nullptr, /*require_client_certificate=*/false, /*metrics=*/nullptr, &grants_};
   std::unique_ptr<grpc::Server> server_;
-  std::shared_ptr<grpc::Channel> channels_[2];
-  std::unique_ptr<v1::WorkerControl::Stub> stubs_[2];
-  std::unique_ptr<GrpcRendezvousStore> stores_[2];
+  std::shared_ptr<grpc::Channel> channels_[kPeers];
+  std::unique_ptr<v1::WorkerControl::Stub> stubs_[kPeers];
+  std::unique_ptr<GrpcRendezvousStore> stores_[kPeers];
 };
 
-TEST_F(RendezvousServiceTest, ASecondPeerCannotOverwriteAKeyOfTheEpoch) {
+TEST_F(RendezvousServiceTest, AKeyOfTheEpochIsWrittenOnceByItsRank) {
   const std::string key = "e3/tp/stage1/gloo/1";
-  ASSERT_TRUE(stores_[0]->Set(key, "the rank's address").ok());
+  ASSERT_TRUE(stores_[1]->Set(key, "the rank's address").ok());
   ::testing::internal::CaptureStderr();
-  const absl::Status hijack = stores_[1]->Set(key, "another peer's address");
+  const absl::Status again = stores_[1]->Set(key, "another address");
   const std::string log = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(hijack.code(), absl::StatusCode::kAlreadyExists) << hijack;
-  EXPECT_THAT(hijack.message(), HasSubstr("'" + key + "' is already set"));
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists) << again;
+  EXPECT_THAT(again.message(), HasSubstr("'" + key + "' is already set"));
   // Logged with the peer's address and the key.
   EXPECT_THAT(log, HasSubstr("worker at ipv4:127.0.0.1:"));
   EXPECT_THAT(log, HasSubstr("refused RendezvousSet: rendezvous key '" + key + "' is already set"));
-  // Every peer still reads the first writer's value; a retry with that value passes.
-  for (auto& store : stores_) {
-    absl::StatusOr<std::string> value = store->Get(key, absl::Seconds(30));
+  // Both members read the first value; a retry with that value passes.
+  for (int i : {0, 1}) {
+    absl::StatusOr<std::string> value = stores_[i]->Get(key, absl::Seconds(30));
     ASSERT_TRUE(value.ok()) << value.status();
     EXPECT_EQ(*value, "the rank's address");
   }
-  EXPECT_TRUE(stores_[0]->Set(key, "the rank's address").ok());
+  EXPECT_TRUE(stores_[1]->Set(key, "the rank's address").ok());
+}
+
+TEST_F(RendezvousServiceTest, AWorkerOfGroupACannotWriteOrReadGroupBsKeysNorAnotherRanks) {
+  const std::string a0 = "e3/tp/stage1/gloo/0", a1 = "e3/tp/stage1/gloo/1", b0 = "e3/tp/stage2/gloo/0";
+  ASSERT_TRUE(stores_[0]->Set(a0, "a0's address").ok());
+  ASSERT_TRUE(stores_[2]->Set(b0, "b0's address").ok());
+  auto denied = [](const absl::Status& s, const std::string& key, const std::string& why) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+    EXPECT_THAT(s.message(), HasSubstr("rendezvous key '" + key + "' refused: " + why)) << s;
+  };
+  ::testing::internal::CaptureStderr();
+  // Group A's rank 0 may not publish rank 1's address (nobody has yet: the hole mutual TLS left).
+  denied(stores_[0]->Set(a1, "a0 posing as a1"), a1, "the key belongs to rank 1 of group 'e3/tp/stage1'");
+  // Group B's worker may neither write into group A nor read its addresses.
+  denied(stores_[2]->Set(a1, "b0 posing as a1"), a1, "worker b0 is not a member of the key's group");
+  denied(stores_[2]->Get(a0, absl::Seconds(30)).status(), a0, "worker b0 is not a member");
+  // ... nor group A's into group B.
+  denied(stores_[0]->Get(b0, absl::Seconds(30)).status(), b0, "worker a0 is not a member");
+  denied(stores_[1]->Set("e3/tp/stage2/gloo/rank_1", "x"), "e3/tp/stage2/gloo/rank_1", "worker a1 is not a member");
+  // A stranger without a token: neither.
+  denied(stores_[3]->Set(a1, "stranger"), a1, "the call carries no rendezvous token");
+  denied(stores_[3]->Get(a0, absl::Seconds(30)).status(), a0, "the call carries no rendezvous token");
+  // A revoked token (its worker's stream ended) is refused too.
+  grants_.Revoke(1);
+  denied(stores_[1]->Set(a1, "a1's address"), a1, "the rendezvous token is unknown or no longer valid");
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  // Each refusal logged with the peer's address, naming the key (and never a token).
+  EXPECT_THAT(log, HasSubstr("worker at ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("RendezvousSet of rendezvous key '" + a1 + "' refused: the key belongs to rank 1"));
+  EXPECT_THAT(log, HasSubstr("RendezvousGet of rendezvous key '" + a0 + "' refused: worker b0 is not a member"));
+  for (int i : {0, 1, 2}) EXPECT_THAT(log, ::testing::Not(HasSubstr(tokens_[i].substr(2, 16))));
+  // Nothing was written by the refused calls: a1's key is still free for its rank (re-granted).
+  stores_[1] = std::make_unique<GrpcRendezvousStore>(stubs_[1].get(), grants_.Grant(1, "worker a1", 3, {{"e3/tp/stage1", 1}}),
+                                                     absl::Seconds(30));
+  ASSERT_TRUE(stores_[1]->Set(a1, "a1's address").ok());
+  EXPECT_EQ(*stores_[0]->Get(a1, absl::Seconds(30)), "a1's address");
+  EXPECT_EQ(*stores_[1]->Get(a0, absl::Seconds(30)), "a0's address");
 }
 
 }  // namespace

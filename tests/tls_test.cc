@@ -286,6 +286,42 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   EXPECT_EQ(Health(grpc::CreateChannel(health_port, grpc::InsecureChannelCredentials())),
             grpc::health::v1::HealthCheckResponse::SERVING);
 
+  // A stranger holding a certificate of the cluster's CA (here the client's) but no rendezvous
+  // token of an Assignment: mutual TLS lets it in, the rendezvous does not. It can neither publish
+  // a key nobody has published yet (a rank's address in the next epoch's group) nor read the
+  // group's addresses; a forged token fares the same. Refusals are logged with the peer and counted.
+  {
+    auto stranger = v1::WorkerControl::NewStub(Channel(address, Files("client")));
+    for (const std::string& token : {std::string(), "0." + std::string(64, '0')}) {
+      grpc::ClientContext set_context;
+      set_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::RendezvousSetRequest set;
+      set.set_key("e2/tp/stage0/gloo/1");
+      set.set_value("the stranger's address");
+      set.set_token(token);
+      v1::RendezvousSetResponse set_response;
+      const grpc::Status set_status = stranger->RendezvousSet(&set_context, set, &set_response);
+      EXPECT_EQ(set_status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << set_status.error_message();
+      EXPECT_NE(set_status.error_message().find("rendezvous key 'e2/tp/stage0/gloo/1' refused"), std::string::npos)
+          << set_status.error_message();
+      grpc::ClientContext get_context;
+      get_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::RendezvousGetRequest get;
+      get.set_key("e1/tp/stage0/gloo/0");
+      get.set_token(token);
+      v1::RendezvousGetResponse get_response;
+      const grpc::Status get_status = stranger->RendezvousGet(&get_context, get, &get_response);
+      EXPECT_EQ(get_status.error_code(), grpc::StatusCode::PERMISSION_DENIED) << get_status.error_message();
+      EXPECT_TRUE(get_response.value().empty());
+    }
+    const std::string log = ReadText(coordinator_->log());
+    EXPECT_NE(log.find("RendezvousSet of rendezvous key 'e2/tp/stage0/gloo/1' refused: the call carries no "
+                       "rendezvous token"),
+              std::string::npos)
+        << log;
+    EXPECT_NE(log.find("refused: the rendezvous token is unknown"), std::string::npos) << log;
+  }
+
   // A plaintext client against the TLS port: a clear UNAVAILABLE within its deadline, not a hang.
   grpc::Status plain;
   const auto start = Clock::now();
@@ -304,6 +340,10 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   const std::string metrics = Scrape(metrics_url_, F("ca.pem"));
   EXPECT_GE(MetricValue(metrics, "shardserve_auth_failures_total{model=\"llama_gqa\",reason=\"no_client_certificate\"}"),
             2)
+      << metrics;
+  // The four calls of the stranger above, and none from the workers forming their groups.
+  EXPECT_EQ(MetricValue(metrics, "shardserve_auth_failures_total{model=\"llama_gqa\",reason=\"rendezvous_denied\"}"),
+            4)
       << metrics;
 }
 

@@ -221,6 +221,18 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   EXPECT_EQ(a.sent[2].regroup().epoch(), 2u);
   EXPECT_EQ(a.sent[2].regroup().tp_group(), "e2/tp/stage0");
   EXPECT_EQ(pool.epoch(), 2u);
+  // Each Assignment and Regroup grants its worker the epoch's groups and its rank in them
+  // (rendezvous_grants.h); the Regroup's token replaces the one of epoch 1.
+  RendezvousGrants* grants = pool.rendezvous_grants();
+  const std::string token_a1 = a.sent[0].assignment().rendezvous_token();
+  const std::string token_a2 = a.sent[2].regroup().rendezvous_token();
+  const std::string token_c2 = c.sent[0].assignment().rendezvous_token();
+  EXPECT_TRUE(grants->CheckSet(token_a2, "e2/tp/stage0/gloo/0").ok());
+  EXPECT_TRUE(grants->CheckSet(token_c2, "e2/tp/stage0/gloo/rank_1").ok());
+  EXPECT_TRUE(grants->CheckGet(token_c2, "e2/tp/stage0/gloo/0").ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckSet(token_c2, "e2/tp/stage0/gloo/0")));
+  EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckSet(token_a1, "e2/tp/stage0/gloo/0")));
+  EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckGet(token_a1, "e1/tp/stage0/gloo/1")));
 
   // A stale failure (epoch 1) changes nothing; Loaded under epoch 2 from both: serving again.
   pool.OnMessage(*wa, FailureMessage(1, 8, "late news from the old group"));

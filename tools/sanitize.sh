@@ -3,7 +3,7 @@
 #
 #   tools/sanitize.sh asan [PROGRAM...]   # build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer
 #   tools/sanitize.sh ci                  # the same, for CI's list (tools/test.sh runs it)
-#   tools/sanitize.sh tsan [PROGRAM...]   # build-tsan/: ThreadSanitizer
+#   tools/sanitize.sh tsan [PROGRAM...]   # build-tsan/: ThreadSanitizer (not in CI: docs/security.md)
 #
 # PROGRAM is a test program of tests/CMakeLists.txt (kernels_cpu_test, scheduler_test, ...); only
 # those are built, and CTest runs their cases (each case is labelled with its program's name).
@@ -51,9 +51,16 @@ case "$MODE" in
   tsan)
     BUILD_DIR=${BUILD_DIR:-build-tsan}
     SANITIZE=thread
-    # The multi-threaded parts. Not yet run to completion (README.md says what has run).
-    DEFAULT=(scheduler_test persistent_batch_test generation_test group_test communicator_test worker_pool_test)
-    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
+    # The programs that run threads of ours in-process: the communicators (ranks as threads over
+    # Gloo), the rendezvous service (gRPC's threads, the table, the grants), the worker pool (its
+    # monitor thread), the HTTPS server, the tokenizer (concurrent encodes); then the scheduler,
+    # batch, generation and group logic they call. tsan_absl_mutex_test checks
+    # tools/tsan_absl_mutex.cc, which every program of this build links (docs/security.md).
+    DEFAULT=(tsan_absl_mutex_test communicator_test rendezvous_test worker_pool_test https_test tokenizer_test
+             scheduler_test persistent_batch_test generation_test group_test)
+    # halt_on_error: the first report ends the program (the case fails). tools/tsan.supp lists what
+    # is not ours, each entry with its reason.
+    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/tsan.supp}
     ;;
   *)
     echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...] | ci" >&2

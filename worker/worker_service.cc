@@ -175,6 +175,7 @@ absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, bool* coordin
   r->set_spare(options_.spare && executor_ == nullptr);
   if (executor_ != nullptr) {
     *r->mutable_held()->mutable_assignment() = assignment_;
+    r->mutable_held()->mutable_assignment()->clear_rendezvous_token();  // the old coordinator's secret
     r->mutable_held()->set_model_fingerprint(model_fingerprint_);
   }
   absl::Status result;
@@ -286,7 +287,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                 a.tp_size()),
             Ids());
   const auto start = std::chrono::steady_clock::now();
-  GrpcRendezvousStore store(stub);
+  GrpcRendezvousStore store(stub, a.rendezvous_token());
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
       StepExecutor::Create(a, options_.device, &store, options_.collective_host, options_.cpu_threads,
                            options_.cpu_matmul);
@@ -336,7 +337,7 @@ void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub
   const uint64_t old_epoch = executor_->epoch();
   const std::string old_id = assignment_.worker_id();
   const auto start = std::chrono::steady_clock::now();
-  GrpcRendezvousStore store(stub);
+  GrpcRendezvousStore store(stub, a.rendezvous_token());
   const absl::Status s = executor_->Adopt(a, &store);
   assignment_ = a;
   failure_.clear();
@@ -382,7 +383,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
             Ids("warn"));
   SetServing(false);
   const auto start = std::chrono::steady_clock::now();
-  GrpcRendezvousStore store(stub);
+  GrpcRendezvousStore store(stub, r.rendezvous_token());
   const absl::Status s = executor_->Regroup(r, &store);
   failure_.clear();  // the old epoch's failure is over; a new one is this regroup's
   if (!s.ok()) {

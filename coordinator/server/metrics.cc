@@ -41,7 +41,7 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       auth_failures_family_(prometheus::BuildCounter()
                                 .Name("shardserve_auth_failures_total")
                                 .Help("Calls refused for want of credentials, by reason (missing_key, invalid_key, "
-                                      "no_client_certificate).")
+                                      "no_client_certificate, rendezvous_denied).")
                                 .Register(*registry_)),
       http_requests_family_(prometheus::BuildCounter()
                                 .Name("shardserve_http_requests_total")
@@ -117,7 +117,7 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       prefix_cache_blocks(AddGauge(*registry_, "shardserve_prefix_cache_blocks",
                                    "KV cache blocks holding a cached prefix that no running sequence holds.", model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
-  for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate"}) {
+  for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate", "rendezvous_denied"}) {
     auth_failures_family_.Add({{"model", model_}, {"reason", reason}});
   }
   for (const char* reason : {"stop_token", "stop_string", "length"}) {

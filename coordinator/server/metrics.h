@@ -43,7 +43,8 @@ class CoordinatorMetrics {
   void SetWorkerUp(const std::string& worker, const std::string& node, int stage, int rank, bool up);
   // A call refused for want of credentials: reason is "missing_key" or "invalid_key" (the client
   // API's API keys) or "no_client_certificate" (a Connect or rendezvous call without a verified
-  // certificate from the cluster's CA).
+  // certificate from the cluster's CA) or "rendezvous_denied" (a rendezvous call whose token does not
+  // grant its key: rendezvous_grants.h).
   void AuthFailure(absl::string_view reason);
   // The group's state (WorkerPool::StateName: starting, serving, healing, degraded): its series is
   // 1, the others 0.

@@ -87,6 +87,13 @@ grpc::Status WorkerControlService::Authenticate(grpc::ServerContext* context, co
                                          "the worker with --tls-cert and --tls-key from that CA"));
 }
 
+grpc::Status WorkerControlService::Authorize(grpc::ServerContext* context, const absl::Status& check) {
+  if (check.ok()) return grpc::Status::OK;
+  CoordinatorLog(absl::StrCat("worker at ", context->peer()), std::string(check.message()));
+  if (metrics_ != nullptr) metrics_->AuthFailure("rendezvous_denied");
+  return ToGrpcStatus(check);
+}
+
 grpc::Status WorkerControlService::Connect(
     grpc::ServerContext* context, grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
   if (grpc::Status auth = Authenticate(context, "Connect"); !auth.ok()) return auth;
@@ -106,12 +113,19 @@ grpc::Status WorkerControlService::Connect(
   }
   while (stream->Read(&message)) pool_->OnMessage(*index, message);
   pool_->Disconnect(*index);
+  if (grants_ != nullptr) grants_->Revoke(*index);  // its rendezvous token dies with its stream
   return grpc::Status::OK;
 }
 
 grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
                                                  v1::RendezvousSetResponse*) {
   if (grpc::Status auth = Authenticate(context, "RendezvousSet"); !auth.ok()) return auth;
+  if (grpc::Status allowed = Authorize(
+          context, grants_ != nullptr ? grants_->CheckSet(request->token(), request->key())
+                                      : absl::PermissionDeniedError("this coordinator grants no rendezvous"));
+      !allowed.ok()) {
+    return allowed;
+  }
   const absl::Status s = table_.Set(request->key(), request->value());
   if (absl::IsAlreadyExists(s)) {
     // Another peer's address already stands under this key: a second writer is a confused or
@@ -124,6 +138,12 @@ grpc::Status WorkerControlService::RendezvousSet(grpc::ServerContext* context, c
 grpc::Status WorkerControlService::RendezvousGet(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,
                                                  v1::RendezvousGetResponse* response) {
   if (grpc::Status auth = Authenticate(context, "RendezvousGet"); !auth.ok()) return auth;
+  if (grpc::Status allowed = Authorize(
+          context, grants_ != nullptr ? grants_->CheckGet(request->token(), request->key())
+                                      : absl::PermissionDeniedError("this coordinator grants no rendezvous"));
+      !allowed.ok()) {
+    return allowed;
+  }
   const absl::Time deadline = std::min(absl::FromChrono(context->deadline()), absl::Now() + kMaxRendezvousWait);
   absl::StatusOr<std::string> value = table_.Get(request->key(), deadline, [&] {
     absl::MutexLock lock(&mu_);

@@ -8,6 +8,12 @@
 // before a Connect's register is even read, so it never gets a slot. A certificate from another CA
 // fails the handshake itself.
 //
+// Rendezvous calls are bound to their writer as well: each carries the token of the caller's
+// Assignment or Regroup, and a key is taken only from the rank it names and given only to the
+// members of its group (rendezvous_grants.h); anything else is PERMISSION_DENIED naming the key and
+// why, logged with the peer's address and counted
+// (shardserve_auth_failures_total{reason="rendezvous_denied"}).
+//
 // Ownership: borrows the pool and the metrics, which must outlive the service. Threading: gRPC calls the methods
 // from its threads, concurrently; everything here is thread-safe.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_WORKER_CONTROL_SERVICE_H_
@@ -22,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/server/metrics.h"
+#include "coordinator/server/rendezvous_grants.h"
 #include "coordinator/server/worker_pool.h"
 #include "shardserve/v1/worker.grpc.pb.h"
 
@@ -52,10 +59,14 @@ class RendezvousTable {
 
 class WorkerControlService final : public v1::WorkerControl::Service {
  public:
-  // `require_client_certificate`: mutual TLS (see above). `metrics` may be null.
+  // `require_client_certificate`: mutual TLS (see above). `metrics` may be null. `grants`: who may
+  // rendezvous (borrowed); null: the pool's. With neither, every rendezvous call is refused.
   explicit WorkerControlService(WorkerPool* pool, bool require_client_certificate = false,
-                                CoordinatorMetrics* metrics = nullptr)
-      : pool_(pool), require_client_certificate_(require_client_certificate), metrics_(metrics) {}
+                                CoordinatorMetrics* metrics = nullptr, RendezvousGrants* grants = nullptr)
+      : pool_(pool),
+        require_client_certificate_(require_client_certificate),
+        metrics_(metrics),
+        grants_(grants != nullptr ? grants : pool != nullptr ? pool->rendezvous_grants() : nullptr) {}
 
   grpc::Status Connect(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
@@ -71,10 +82,13 @@ class WorkerControlService final : public v1::WorkerControl::Service {
   // OK, or UNAUTHENTICATED (logged, counted) when mutual TLS is on and the peer has no verified
   // certificate. `call` names the method for the log.
   grpc::Status Authenticate(grpc::ServerContext* context, const char* call);
+  // OK, or PERMISSION_DENIED (logged with the peer, counted) when `check` refused the call.
+  grpc::Status Authorize(grpc::ServerContext* context, const absl::Status& check);
 
   WorkerPool* const pool_;
   const bool require_client_certificate_;
   CoordinatorMetrics* const metrics_;  // may be null
+  RendezvousGrants* const grants_;     // may be null: no rendezvous allowed
   RendezvousTable table_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -450,6 +450,7 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
     a->set_dummy_seed(options_.dummy_seed);
   }
   a->set_epoch(group_->epoch);
+  a->set_rendezvous_token(rendezvous_grants_.Grant(slot.worker, w.id, group_->epoch, RendezvousGroupsOf(slot)));
   w.adopting = false;
   if (w.hello.has_held() && !w.loaded) {
     // It outlived an earlier coordinator holding a shard: adopt it when that shard is this slot's.
@@ -857,6 +858,7 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::TryRegroupLocked
       r->set_tp_group(s.tp_group);
       r->set_send_group(s.send_group);
       r->set_recv_group(s.recv_group);
+      r->set_rendezvous_token(rendezvous_grants_.Grant(s.worker, w.id, group_->epoch, RendezvousGroupsOf(s)));
       out.emplace_back(s.worker, std::move(m));
     }
     workers_[s.worker]->load_pending = true;

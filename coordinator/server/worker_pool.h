@@ -75,6 +75,7 @@
 #include "coordinator/membership/group.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/server/metrics.h"
+#include "coordinator/server/rendezvous_grants.h"
 #include "coordinator/server/served_model.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/inference.pb.h"
@@ -143,6 +144,11 @@ class WorkerPool {
   // Where the pool reports shardserve_worker_up (borrowed; must outlive the pool; null: nowhere).
   // Call before the first worker registers.
   void SetMetrics(CoordinatorMetrics* metrics);
+
+  // Who may write and read which rendezvous keys: every Assignment and Regroup the pool sends
+  // grants its worker that epoch's groups (rendezvous_grants.h). WorkerControlService checks each
+  // RendezvousSet/Get against it and revokes a worker's grant when its stream ends.
+  RendezvousGrants* rendezvous_grants() { return &rendezvous_grants_; }
 
   // ---- A worker's Connect stream, in this order ----
   // Admits a worker from its first message; `link` must stay valid until Disconnect(index)
@@ -304,6 +310,7 @@ class WorkerPool {
   std::map<uint64_t, InFlightStep> steps_ ABSL_GUARDED_BY(mu_);
   std::function<void(bool)> listener_ ABSL_GUARDED_BY(mu_);
   CoordinatorMetrics* metrics_ ABSL_GUARDED_BY(mu_) = nullptr;
+  RendezvousGrants rendezvous_grants_;  // thread-safe on its own; Grant is called under mu_
   bool stop_monitor_ ABSL_GUARDED_BY(mu_) = false;
   // ---- Healing ----
   absl::Time heal_started_ ABSL_GUARDED_BY(mu_);
