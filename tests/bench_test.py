@@ -20,12 +20,16 @@
    every request with the same input and output token counts (6 x 8 each), positive TTFT.
 7. `bench --backend openai --base-url` against a real `launch` cluster's HTTP port, and
    `bench` over gRPC against the same cluster (its cluster.json, mutual TLS): the same completed
-   requests and token counts.
+   requests and token counts. Then the multi-turn chat load over HTTP against the same cluster
+   (`--chat-turns 3`, /v1/chat/completions, no --vocab-size): every turn completes with its output
+   tokens, later turns find their history in the prefix cache (cached prompt tokens), and each
+   turn's answer is sent back in the next turn's messages: the same load with --output-len 16
+   instead of 8 (the same messages, from the same seed) has more input tokens.
 8. `--backend openai` at a port nobody listens on: exit 1 within seconds, naming the URL and the
    refused connection.
 9. Bad flags refused with exit 2 and a message naming the flag: --backend other, openai without
-   --base-url or --vocab-size, an https or portless URL, --base-url with gRPC, --chat-turns over
-   HTTP, --address with openai.
+   --base-url or --vocab-size (but for the chat load), an https or portless URL, --base-url with
+   gRPC, --address with openai.
 
 bench runs in a session of its own (start_new_session), so "left behind" means a process of that
 session, and tests running beside this one in parallel are not counted. Every wait is bounded.
@@ -282,6 +286,15 @@ def case_openai_launch(work):
                               env=env, timeout=DEADLINE_S)
         check(proc.returncode == 0, f"bench over gRPC exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         grpc = json.loads(proc.stdout)
+        chats = []
+        for output_len in ("8", "16"):
+            chat = ["--chat-turns", "3", "--system-prompt-len", "40", "--num-requests", "6", "--concurrency", "2",
+                    "--input-len", "10", "--output-len", output_len, "--warmup", "1", "--json"]
+            proc = subprocess.run([os.path.join(BIN, "shardserve"), "bench", "--backend", "openai", "--base-url",
+                                   base, *chat], capture_output=True, text=True, timeout=DEADLINE_S)
+            check(proc.returncode == 0,
+                  f"bench --backend openai {' '.join(chat)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+            chats.append(json.loads(proc.stdout))
     finally:
         if launch.poll() is None:
             launch.send_signal(signal.SIGTERM)
@@ -297,6 +310,21 @@ def case_openai_launch(work):
           f"HTTP: {http['completed']} completed, {http['total_input_tokens']} in, {http['total_output_tokens']} out")
     check(len(http["model"]) > 0 and http["model"] == grpc["model"], f"model {http['model']!r} vs {grpc['model']!r}")
     print(f"ok: launch's HTTP port and its gRPC API: 4/4 each, 48 tokens in and 24 out each")
+    short, long = chats
+    for r, out in ((short, 8), (long, 16)):
+        check(r["backend"] == "openai" and r["chat_turns"] == 3 and r["system_prompt_len"] == 40, f"chat keys: {r}")
+        check(r["completed"] == 6 and r["failed"] == 0, f"chat over HTTP: {r['completed']} completed: {r['errors']}")
+        check(r["total_output_tokens"] == 6 * out, f"chat output tokens {r['total_output_tokens']}, want 6 x {out}")
+        # At least the words: 3 x 40 system + 10 + 20 + 30 message words per conversation.
+        check(r["total_input_tokens"] >= 2 * (3 * 40 + 60), f"chat input tokens {r['total_input_tokens']}")
+        # Prefix caching is on (launch's default): the system prompt, then the history, are found.
+        check(r["total_cached_prompt_tokens"] > 0, f"no cached prompt tokens: {r}")
+    # The same messages with longer answers: more input tokens, since every answer goes back to the
+    # server in the next turn's messages.
+    check(long["total_input_tokens"] > short["total_input_tokens"],
+          f"input tokens {long['total_input_tokens']} with 16-token answers, {short['total_input_tokens']} with 8")
+    print(f"ok: chat over HTTP: 6/6 turns twice; input tokens {short['total_input_tokens']} with 8-token answers, "
+          f"{long['total_input_tokens']} with 16; cached {short['total_cached_prompt_tokens']}")
 
 
 def case_openai_nobody_listens():
@@ -322,9 +350,8 @@ def case_bad_flags():
         (["--backend", "openai", "--base-url", "http://127.0.0.1:notaport/v1", "--vocab-size", "100"], "port"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "1"], "--vocab-size must be"),
         (["--base-url", base], "--base-url applies to --backend openai only"),
-        (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--chat-turns", "2"], "--chat-turns"),
+        (["--backend", "openai", "--base-url", base, "--chat-turns", "2", "--num-requests", "3"], "multiple of"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--address", "x:1"], "--address"),
-        (["--compare", "tp1/http", "--chat-turns", "2", "--num-requests", "2"], "--chat-turns"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--compare", "tp1"], "--compare"),
     ]
     for args, want in cases:

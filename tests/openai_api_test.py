@@ -4,8 +4,8 @@ processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has
 
 Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds, greedy output
 equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
-413, 429, 503), and that a client that disconnects mid-stream has its request cancelled (its KV
-blocks freed, the request never finishing). A second, one-worker cluster on a test fixture
+413, 429, 503), and that a client that disconnects, mid-stream or while waiting for a whole
+answer, has its request cancelled (its KV blocks freed, the request never finishing). A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
 the clusters it started.
 
@@ -396,6 +396,33 @@ class OpenAIApiTest(unittest.TestCase):
         # Cancelled, not finished: it never reached max_tokens.
         self.assertEqual(self.metric("shardserve_requests_finished_total"), finished_before)
         self.assertLess(self.metric("shardserve_generated_tokens_total") - generated_before, max_tokens)
+
+    def test_client_disconnect_cancels_a_waiting_request(self):
+        # Not streaming: the handler waits for the whole answer and writes nothing before it; the
+        # server must still see the closed connection, cancel the request and free its blocks.
+        max_tokens = 480
+        for path, body in (("/v1/completions", {"prompt": "And God said"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "And God said"}]})):
+            with self.subTest(path=path):
+                wait_until(lambda: self.scheduler().running == 0, 60, "an idle engine")
+                finished_before = self.metric("shardserve_requests_finished_total")
+                generated_before = self.metric("shardserve_generated_tokens_total")
+                gone_before = self.metric("shardserve_http_requests_total", endpoint=path, status="499")
+                payload = json.dumps(dict(body, model=MODEL, max_tokens=max_tokens, temperature=0,
+                                          ignore_eos=True)).encode()
+                with socket.create_connection(("127.0.0.1", self.http_port), timeout=30) as s:
+                    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                              f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                    wait_until(lambda: self.scheduler().running == 1, 60, "the request to run")
+                # Closed: the request leaves the engine long before its 480 tokens.
+                s = wait_until(lambda: (lambda s: s if s.running == 0 and s.kv_blocks_free == s.kv_blocks_total
+                                        else None)(self.scheduler()), 60,
+                               "the request to leave the engine and free its blocks")
+                self.assertGreater(s.kv_blocks_total, 0)
+                wait_until(lambda: self.metric("shardserve_http_requests_total", endpoint=path,
+                                               status="499") == gone_before + 1, 30, "the disconnect to be counted")
+                self.assertEqual(self.metric("shardserve_requests_finished_total"), finished_before)
+                self.assertLess(self.metric("shardserve_generated_tokens_total") - generated_before, max_tokens)
 
     def test_zz_lost_worker_is_503(self):
         # Last (tests run in name order): a worker is killed and, with no restart (launch

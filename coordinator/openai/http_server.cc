@@ -1,8 +1,11 @@
 #include "coordinator/openai/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -11,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "coordinator/openai/connection_pool.h"
+#include "coordinator/openai/peer_watch.h"
 #include "coordinator/openai/protocol.h"
 #include "coordinator/server/generation.h"
 #include "coordinator/server/log.h"
@@ -26,8 +31,14 @@ constexpr char kJson[] = "application/json";
 // whether a streaming client is still there).
 constexpr absl::Duration kPoll = absl::Milliseconds(50);
 constexpr absl::Duration kPollSeveral = absl::Milliseconds(10);
-// A client that disconnected mid-stream, as nginx logs it (the 200 was already sent).
+// A client that disconnected before its answer was complete, as nginx logs it.
 constexpr int kClientClosed = 499;
+// Threads that answer, at once, the connections that find every serving thread taken.
+constexpr int kOverflowThreads = 2;
+// Connections the kernel completes before the listening thread accepts them. httplib's is 5: a burst
+// of clients connecting at once (a benchmark's streams) overflows it, and the kernel then drops
+// their handshakes, to be retried a second or more later.
+constexpr int kListenBacklog = SOMAXCONN;
 
 // The endpoint label of a path: the routes, or "other" (no unbounded label values).
 std::string EndpointLabel(const std::string& path) {
@@ -274,7 +285,13 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
   if (!http.ok()) return http.status();
   s->http_ = *std::move(http);
   const int threads = std::max(1, options.threads);
-  s->http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  s->http_->new_task_queue = [threads] { return new ConnectionPool(threads, kOverflowThreads); };
+  // The listening socket, to widen its backlog once bound (httplib's is fixed at 5 in its library).
+  int listen_fd = -1;
+  s->http_->set_socket_options([&listen_fd](socket_t sock) {
+    httplib::default_socket_options(sock);
+    listen_fd = sock;  // the last one tried is the one bound
+  });
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
   s->Routes();
   if (options.port == 0) {
@@ -286,6 +303,14 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     return absl::FailedPreconditionError(
         absl::StrCat("cannot listen for HTTP on ", options.host, ":", options.port, " (in use, or not this host's)"));
   }
+  // Listening already: listen() again only changes the backlog.
+  if (listen_fd >= 0 && ::listen(listen_fd, kListenBacklog) != 0) {
+    LogIds ids;
+    ids.level = "warn";
+    CoordinatorLog("http", absl::StrCat("cannot widen the listen backlog to ", kListenBacklog, ": ", std::strerror(errno)),
+                   ids);
+  }
+  s->http_->set_socket_options(httplib::default_socket_options);
   HttpServer* raw = s.get();
   s->listener_ = std::thread([raw] { raw->http_->listen_after_bind(); });
   return s;
@@ -329,9 +354,10 @@ void HttpServer::Routes() {
     SetError(res, e);
     return httplib::Server::HandlerResponse::Handled;
   }));
-  // Streaming answers are counted when their stream ends (see Generate).
+  // Streaming answers are counted when their stream ends, and a non-streaming one whose client went
+  // away by its handler (see Generate): httplib logs only what it could write.
   http_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    if (metrics_ != nullptr && !res.content_provider_resource_releaser_) {
+    if (metrics_ != nullptr && !res.content_provider_resource_releaser_ && res.status != kClientClosed) {
       metrics_->HttpRequest(EndpointLabel(req.path), res.status);
     }
   });
@@ -373,6 +399,18 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Respo
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
+  if (ConnectionPool::OnOverflowThread()) {
+    // Every serving thread holds a connection: a clear refusal now, not a wait in a queue.
+    CoordinatorRequestLog(id, "refused: every HTTP connection thread is taken", "warn");
+    SetError(res, ApiError{503, "service_unavailable_error",
+                           absl::StrCat("the server is serving as many HTTP connections as it has threads (",
+                                        options_.threads, "; from --max-num-seqs and --max-waiting-requests): ",
+                                        "retry shortly"),
+                           "", "server_busy"});
+    res.set_header("Retry-After", "1");
+    res.set_header("Connection", "close");
+    return;
+  }
   auto reject = [&](const absl::Status& status) {
     CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
     SetError(res, status);
@@ -435,7 +473,19 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Respo
   const Tokenizer* tokenizer = model_->tokenizer.get();
 
   if (!job->request().stream) {
-    while (!job->done()) job->Poll();
+    // httplib notices a closed connection only when it writes: watch the socket while waiting, so
+    // that a client that gives up frees its KV blocks now, not when its answer is complete.
+    const std::optional<PeerWatch> peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+    while (!job->done()) {
+      job->Poll();
+      if (peer.has_value() && !job->done() && peer->Closed()) {
+        CoordinatorRequestLog(id, "client disconnected: cancelled", "warn");
+        job->Cancel(absl::CancelledError("the HTTP client disconnected"));
+        res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
+        if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
+        return;
+      }
+    }
     if (!job->error().ok()) return SetError(res, job->error());
     res.set_content(job->Response(tokenizer).dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
     return;

@@ -12,9 +12,10 @@
 // the status HTTP means: 400 (a bad field, named), 404 (unknown model or path), 413 (a body over
 // max_body_bytes), 429 (the engine's queue is full), 503 (the group is not serving).
 //
-// A streaming client that goes away is noticed at the next chunk written; its requests are
-// cancelled in the engine (their KV blocks freed at the next step). A non-streaming request runs
-// to its end.
+// A client that goes away has its requests cancelled in the engine (their KV blocks freed at the
+// next step) and is counted with status 499: streaming, noticed at the next chunk written;
+// non-streaming, noticed while the handler waits (peer_watch.h polls the connection's socket every
+// 50 ms or so).
 //
 // TLS and API keys (docs/security.md): with options.tls_cert/tls_key it serves HTTPS
 // (security/https.h: httplib::SSLServer, OpenSSL) with that certificate, re-read when its files
@@ -52,11 +53,19 @@ class Response;
 
 namespace shardserve::openai {
 
+// The connection threads the coordinator gives its HTTP API beyond one per request the engine takes
+// (--max-num-seqs + --max-waiting-requests): probes, /v1/models, idle keep-alive connections. And
+// at most this many in all.
+inline constexpr int kSpareHttpThreads = 32;
+inline constexpr int kMaxHttpThreads = 4096;
+
 struct HttpServerOptions {
   std::string host = "127.0.0.1";
   int port = 8000;                         // 0: a free port (port() says which)
   int64_t max_body_bytes = int64_t{8} << 20;  // larger bodies: 413
-  // Connections served at once; each streaming or waiting request holds one.
+  // Connections served at once; each streaming or waiting request holds one, and an idle
+  // keep-alive connection holds one for up to 5 s. A connection beyond them is answered 503
+  // (code server_busy, Retry-After: 1, Connection: close) at once (connection_pool.h).
   int threads = 128;
   // HTTPS with this certificate (PEM, a chain, leaf first) and key; both empty: plain HTTP. The
   // caller checks the files first (CheckTlsFiles).

@@ -111,6 +111,8 @@ constexpr char kUsage[] =
     "  --http-plaintext              serve the HTTP API in plain HTTP even with --tls-cert (what launch\n"
     "                                does with its throw-away certificates; loopback only unless --insecure)\n"
     "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
+    "                                (the HTTP API serves --max-num-seqs + --max-waiting-requests + 32\n"
+    "                                connections at once, at most 4096; one more is answered 503 at once)\n"
     "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
     "                                kept after their request (evicted least recently used) and a\n"
     "                                request whose first tokens match reuses them instead of computing\n"
@@ -283,6 +285,11 @@ int Main(int argc, char** argv) {
   std::unique_ptr<openai::HttpServer> http;
   if (http_port > 0) {
     http_options.port = static_cast<int>(http_port);
+    // A thread per connection: one for every request the engine takes at once (running and
+    // waiting; more are refused with 429), and some for probes and idle keep-alive connections.
+    http_options.threads = static_cast<int>(std::min<int64_t>(
+        openai::kMaxHttpThreads,
+        pool_options.limits.max_seqs_per_step + engine_options.max_waiting + openai::kSpareHttpThreads));
     absl::StatusOr<std::unique_ptr<openai::HttpServer>> started =
         openai::HttpServer::Start(model->get(), pool->get(), &engine, &metrics, http_options);
     if (!started.ok()) return Fail(std::string(started.status().message()));

@@ -33,7 +33,8 @@ extern std::atomic<bool> g_stop;
 // ---- The load (bench_load.cc) -------------------------------------------------------------------
 
 // Which API the load drives: the coordinator's gRPC API, or any OpenAI-compatible HTTP server
-// (bench_openai.cc: streamed /v1/completions with token-id prompts).
+// (bench_openai.cc: streamed /v1/completions with token-id prompts; with chat_turns, streamed
+// /v1/chat/completions with text messages).
 enum class Backend { kGrpc, kOpenAI };
 
 struct LoadConfig {
@@ -62,6 +63,11 @@ struct LoadConfig {
   // each stream running one conversation at a time. A conversation's first prompt is a system
   // prompt of system_prompt_len tokens (the same for every conversation) and a message of
   // input_len tokens; each next turn's prompt is the last prompt, its answer and a new message.
+  // Over HTTP the conversation is text (POST /chat/completions: system, user, assistant, user, ...
+  // messages, rendered by the server's chat template): each message and the system prompt are that
+  // many words from a fixed list of common English words (one token each in most tokenizers; the
+  // input tokens reported are the server's usage.prompt_tokens), and each answer is the text the
+  // server streamed.
   int64_t chat_turns = 0;
   int64_t system_prompt_len = 0;
 };
@@ -78,11 +84,22 @@ struct LoadResult {
   std::vector<std::pair<std::string, int64_t>> errors;  // distinct messages, first seen first, with counts
 };
 
+// A chat message over HTTP: role "system", "user" or "assistant", and its text.
+struct ChatMessage {
+  std::string role;
+  std::string content;
+};
+
 // One request of the load, and what came of it (bench_load.cc makes and runs them; bench_openai.cc
 // runs them over HTTP).
 struct RequestSpec {
   std::string id;
   std::vector<int32_t> prompt;  // chat: the turn's new message only (the history comes before it)
+  // Chat over HTTP: the turn's new message as text (made by MakeRequests; prompt is then empty) and,
+  // once its conversation gets there, the messages sent: the history ending with that message.
+  // Non-empty messages: Send posts /chat/completions instead of /completions.
+  std::string message;
+  std::vector<ChatMessage> messages;
   int32_t output_len = 0;
   std::optional<uint64_t> sampling_seed;
 };
@@ -95,6 +112,7 @@ struct RequestResult {
   int64_t output_tokens = 0;
   int64_t cached_tokens = 0;  // usage's cached prompt tokens
   std::vector<int32_t> output_ids;  // gRPC only (an OpenAI server returns text)
+  std::string output_text;          // chat over HTTP: the answer's text (the next turn's history)
   double ttft_s = 0;
   double e2e_s = 0;
   std::vector<double> itl_s;
@@ -134,8 +152,10 @@ class OpenAIConnection {
   // GET /models: the model's name (c.model_name, which must be listed, or the first) and its
   // max_model_len when the server says it (shardserve and vLLM do); vocab_size from c.vocab_size.
   absl::StatusOr<ServedModel> GetModel();
-  // POST /completions, streamed with include_usage: TTFT and ITL per SSE chunk carrying text,
-  // tokens counted from usage.completion_tokens.
+  // POST /completions (spec.prompt as token ids) or, when spec.messages is set, POST
+  // /chat/completions, streamed with include_usage: TTFT and ITL per SSE chunk carrying text
+  // (chat: delta.content), tokens counted from usage.completion_tokens; for chat, the input tokens
+  // from usage.prompt_tokens and the answer's text in output_text.
   RequestResult Send(const RequestSpec& spec);
   // Shuts the connection (a Send in flight ends, failed); callable from any thread (Ctrl-C).
   void Stop();

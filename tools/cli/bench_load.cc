@@ -1,7 +1,8 @@
 // shardserve bench's load generator: random prompts from the seed, warm-up, then the measured
 // requests in a closed loop (--concurrency streams) or an open one (Poisson arrivals), each request
 // timed from its stream of responses. With --chat-turns, the closed loop runs conversations: each
-// turn's prompt is the one before, its answer and a new message, after a shared system prompt.
+// turn's prompt is the one before, its answer and a new message, after a shared system prompt (over
+// gRPC as token ids; over HTTP as chat messages of text).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -20,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/bench.h"
@@ -73,8 +75,37 @@ std::vector<int32_t> RandomPrompt(Rng& rng, int64_t len, int64_t vocab, const st
   return ids;
 }
 
+// Common English words that most tokenizers (Llama's, Qwen's, GPT's, the demo model's) make one
+// token each, with the space before them: the chat load's text over HTTP, where prompts cannot be
+// token ids.
+constexpr char kWordList[] =
+    "the and that shall for his him they them with not all you was which there said their will "
+    "have man from son king are out were upon day when say this but hear again her people house "
+    "came had child hand into your come one children before ever land she men also against "
+    "father went made saying even over who word our every after great things let may make down "
+    "know did pass earth because these name heart see then put give year any right away among "
+    "should way brought days city call good eat where two might take bring what took like work "
+    "set place more now sent under heard about called through time than own first law turn mount "
+    "seven saw done yet water light";
+
+// `n` words drawn from kWordList, separated by spaces.
+std::string RandomWords(Rng& rng, int64_t n) {
+  static const std::vector<std::string>* const words =
+      new std::vector<std::string>(absl::StrSplit(kWordList, ' ', absl::SkipEmpty()));
+  std::string text;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i > 0) text += ' ';
+    text += (*words)[rng.Below(words->size())];
+  }
+  return text;
+}
+
+// Whether the load is the chat load over HTTP (text messages, POST /chat/completions).
+bool ChatOverHttp(const LoadConfig& c) { return c.chat_turns > 0 && c.backend == Backend::kOpenAI; }
+
 // The measured requests (a function of the seed and the load flags only) and the warm-up ones
 // (fixed lengths, from a separate stream so that --warmup does not change the measured ones).
+// Chat over HTTP: each request's message is text, and a warm-up request is a one-message chat.
 std::vector<RequestSpec> MakeRequests(const LoadConfig& c, int64_t vocab, const std::set<int32_t>& eos,
                                       std::vector<RequestSpec>* warmup) {
   Rng rng(c.seed);
@@ -87,7 +118,11 @@ std::vector<RequestSpec> MakeRequests(const LoadConfig& c, int64_t vocab, const 
                             : absl::StrCat("bench-", i);
     const int64_t in = rng.Between(in_lo, in_hi);
     s.output_len = static_cast<int32_t>(rng.Between(out_lo, out_hi));
-    s.prompt = RandomPrompt(rng, in, vocab, eos);
+    if (ChatOverHttp(c)) {
+      s.message = RandomWords(rng, in);
+    } else {
+      s.prompt = RandomPrompt(rng, in, vocab, eos);
+    }
     if (c.temperature > 0) s.sampling_seed = c.seed + static_cast<uint64_t>(i);
   }
   Rng wrng(c.seed ^ 0x9e3779b97f4a7c15ULL);
@@ -95,7 +130,11 @@ std::vector<RequestSpec> MakeRequests(const LoadConfig& c, int64_t vocab, const 
     RequestSpec s;
     s.id = absl::StrCat("bench-warmup-", k);
     s.output_len = static_cast<int32_t>(c.output_len);
-    s.prompt = RandomPrompt(wrng, c.input_len, vocab, eos);
+    if (ChatOverHttp(c)) {
+      s.messages = {{"user", RandomWords(wrng, c.input_len)}};
+    } else {
+      s.prompt = RandomPrompt(wrng, c.input_len, vocab, eos);
+    }
     if (c.temperature > 0) s.sampling_seed = c.seed + 1000000007ULL + static_cast<uint64_t>(k);
     warmup->push_back(std::move(s));
   }
@@ -234,17 +273,31 @@ class Stream {
   std::unique_ptr<OpenAIConnection> http_;
 };
 
+// The chat's shared system prompt: token ids over gRPC, text over HTTP (then `ids` is empty).
+struct SystemPrompt {
+  std::vector<int32_t> ids;
+  std::string text;
+};
+
 // Runs conversation `conv` (specs[conv * turns, (conv + 1) * turns)) turn after turn into `results`:
 // each turn's prompt is the history (the system prompt, then every message and answer so far) and
-// its message. After a failed turn the rest of the conversation is not sent and counts as failed.
+// its message; over HTTP the same as chat messages (system, then user and assistant in turn). After
+// a failed turn the rest of the conversation is not sent and counts as failed.
 void RunConversation(Stream* stream, const LoadConfig& c, const std::vector<RequestSpec>& specs,
-                     const std::vector<int32_t>& system_prompt, int64_t conv, std::vector<RequestResult>* results) {
-  std::vector<int32_t> history = system_prompt;
+                     const SystemPrompt& system_prompt, int64_t conv, std::vector<RequestResult>* results) {
+  std::vector<int32_t> history = system_prompt.ids;
+  std::vector<ChatMessage> messages;
+  if (!system_prompt.text.empty()) messages.push_back({"system", system_prompt.text});
   for (int64_t turn = 0; turn < c.chat_turns && !g_stop; ++turn) {
     const size_t i = static_cast<size_t>(conv * c.chat_turns + turn);
     RequestSpec spec = specs[i];
-    history.insert(history.end(), spec.prompt.begin(), spec.prompt.end());
-    spec.prompt = history;
+    if (ChatOverHttp(c)) {
+      messages.push_back({"user", spec.message});
+      spec.messages = messages;
+    } else {
+      history.insert(history.end(), spec.prompt.begin(), spec.prompt.end());
+      spec.prompt = history;
+    }
     RequestResult& r = (*results)[i] = stream->Run(spec);
     if (!r.ok) {
       for (int64_t rest = turn + 1; rest < c.chat_turns; ++rest) {
@@ -255,13 +308,14 @@ void RunConversation(Stream* stream, const LoadConfig& c, const std::vector<Requ
       return;
     }
     history.insert(history.end(), r.output_ids.begin(), r.output_ids.end());
+    messages.push_back({"assistant", r.output_text});
   }
 }
 
 // Sends the measured requests; the warm-up ones first, one by one. Err only for a failed warm-up.
 absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadConfig& c,
                                    const std::vector<RequestSpec>& specs, const std::vector<RequestSpec>& warmup,
-                                   const std::vector<int32_t>& system_prompt) {
+                                   const SystemPrompt& system_prompt) {
   InFlight inflight;
   LoadResult out;
   std::atomic<int64_t> finished_threads{0};
@@ -400,7 +454,8 @@ absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
   // serve both APIs, and the same vocabulary and EOS ids give the same prompts as over gRPC).
   std::unique_ptr<v1::InferenceService::Stub> stub;
   BenchRun run;
-  if (c.backend == Backend::kGrpc || c.vocab_size == 0) {
+  // Chat over HTTP needs no vocabulary: its prompts are text.
+  if (c.backend == Backend::kGrpc || (c.vocab_size == 0 && !ChatOverHttp(c))) {
     absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = ConnectToCoordinator(c.client);
     if (!channel.ok()) return channel.status();
     stub = v1::InferenceService::NewStub(*channel);
@@ -426,7 +481,9 @@ absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
   if (model->max_model_len > 0 && longest > model->max_model_len) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the longest request (", longest,
-        c.chat_turns > 0 ? " tokens: the system prompt and every turn's input + output at most"
+        ChatOverHttp(c) ? " words and tokens, at least as many tokens: the system prompt and every turn's input + "
+                          "output at most"
+        : c.chat_turns > 0 ? " tokens: the system prompt and every turn's input + output at most"
                          : " tokens: input + output at most",
         ") exceeds the model's max_model_len (", model->max_model_len,
         "); lower --input-len/--output-len", c.chat_turns > 0 ? "/--chat-turns/--system-prompt-len" : ""));
@@ -435,7 +492,12 @@ absl::StatusOr<BenchRun> Benchmark(const LoadConfig& c) {
   const std::vector<RequestSpec> specs = MakeRequests(c, model->vocab_size, model->eos, &warmup);
   // The chat's system prompt, from a stream of its own (the same for every conversation).
   Rng system_rng(c.seed ^ 0x5bd1e9955bd1e995ULL);
-  const std::vector<int32_t> system_prompt = RandomPrompt(system_rng, c.system_prompt_len, model->vocab_size, model->eos);
+  SystemPrompt system_prompt;
+  if (ChatOverHttp(c)) {
+    system_prompt.text = RandomWords(system_rng, c.system_prompt_len);
+  } else {
+    system_prompt.ids = RandomPrompt(system_rng, c.system_prompt_len, model->vocab_size, model->eos);
+  }
   // Over HTTP every request names the model (OpenAI's "model" is required): the one GET /models gave.
   LoadConfig with_model = c;
   if (c.backend == Backend::kOpenAI) with_model.model_name = run.model.name;

@@ -1,10 +1,12 @@
 // shardserve bench --backend openai: the load's requests over an OpenAI-compatible HTTP API, by
 // cpp-httplib's client (a Debian package). Each request is POST /completions with the prompt as a
-// list of token ids (shardserve, vLLM and llama.cpp's server take them), max_tokens = its output
+// list of token ids (shardserve, vLLM and llama.cpp's server take them) or, for the multi-turn chat
+// load, POST /chat/completions with the conversation's messages as text; max_tokens = its output
 // length, ignore_eos, stream with stream_options.include_usage. The stream's server-sent events
-// are parsed as they arrive: the first chunk with text is the first token (TTFT); the gaps between
-// chunks with text are the inter-token latencies, one per chunk (a chunk may carry several tokens,
-// which then count as one gap); the tokens are counted from the final usage.completion_tokens.
+// are parsed as they arrive: the first chunk with text (chat: delta.content) is the first token
+// (TTFT); the gaps between chunks with text are the inter-token latencies, one per chunk (a chunk
+// may carry several tokens, which then count as one gap); the tokens are counted from the final
+// usage.completion_tokens.
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -169,12 +171,21 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
     r.error = impl_->url_error;
     return r;
   }
-  nlohmann::json body = {{"prompt", spec.prompt},
-                         {"max_tokens", spec.output_len},
-                         {"temperature", c_.temperature},
-                         {"ignore_eos", true},
-                         {"stream", true},
-                         {"stream_options", {{"include_usage", true}}}};
+  const bool chat = !spec.messages.empty();
+  const std::string path = chat ? "/chat/completions" : "/completions";
+  nlohmann::json body;
+  if (chat) {
+    nlohmann::json messages = nlohmann::json::array();
+    for (const ChatMessage& m : spec.messages) messages.push_back({{"role", m.role}, {"content", m.content}});
+    body["messages"] = std::move(messages);
+  } else {
+    body["prompt"] = spec.prompt;
+  }
+  body["max_tokens"] = spec.output_len;
+  body["temperature"] = c_.temperature;
+  body["ignore_eos"] = true;
+  body["stream"] = true;
+  body["stream_options"] = {{"include_usage", true}};
   if (!c_.model_name.empty()) body["model"] = c_.model_name;
   if (spec.sampling_seed) body["seed"] = *spec.sampling_seed;
 
@@ -183,6 +194,7 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
   int status = 0;
   bool done = false;
   int64_t usage_tokens = -1;
+  int64_t usage_prompt_tokens = -1;
   std::string finish;
   std::string parse_error;
   std::vector<double> arrivals;
@@ -208,8 +220,16 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
       if (j.contains("choices") && j["choices"].is_array()) {
         for (const nlohmann::json& ch : j["choices"]) {
           if (!ch.is_object()) continue;
-          if (ch.contains("text") && ch["text"].is_string() && !ch["text"].get_ref<const std::string&>().empty()) {
+          // Completions: "text"; chat: "delta": {"content": ...} (the first delta may be the role alone).
+          const nlohmann::json* text = nullptr;
+          if (!chat && ch.contains("text")) {
+            text = &ch["text"];
+          } else if (chat && ch.contains("delta") && ch["delta"].is_object() && ch["delta"].contains("content")) {
+            text = &ch["delta"]["content"];
+          }
+          if (text != nullptr && text->is_string() && !text->get_ref<const std::string&>().empty()) {
             arrivals.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+            if (chat) r.output_text += text->get_ref<const std::string&>();
           }
           if (ch.contains("finish_reason") && ch["finish_reason"].is_string()) finish = ch["finish_reason"];
         }
@@ -218,6 +238,9 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
         const nlohmann::json& u = j["usage"];
         if (u.contains("completion_tokens") && u["completion_tokens"].is_number_integer()) {
           usage_tokens = u["completion_tokens"].get<int64_t>();
+        }
+        if (u.contains("prompt_tokens") && u["prompt_tokens"].is_number_integer()) {
+          usage_prompt_tokens = u["prompt_tokens"].get<int64_t>();
         }
         if (u.contains("prompt_tokens_details") && u["prompt_tokens_details"].is_object() &&
             u["prompt_tokens_details"].contains("cached_tokens") &&
@@ -230,7 +253,7 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
 
   httplib::Request req;
   req.method = "POST";
-  req.path = impl_->url.prefix + "/completions";
+  req.path = impl_->url.prefix + path;
   req.headers = impl_->headers;
   req.headers.emplace("Accept", "text/event-stream");
   req.body = body.dump();
@@ -256,7 +279,7 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
   r.e2e_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!pending.empty() && status == 200) on_event(pending);  // a last event without its blank line
 
-  const std::string what = absl::StrCat("POST ", c_.base_url, "/completions");
+  const std::string what = absl::StrCat("POST ", c_.base_url, path);
   if (g_stop) {
     r.error = "interrupted";
   } else if (r.e2e_s > c_.timeout_s) {
@@ -269,8 +292,9 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
     r.error = absl::StrCat(what, ": ", parse_error);
   } else if (!done) {
     r.error = absl::StrCat(what, ": the stream ended without data: [DONE]");
-  } else if (usage_tokens < 0) {
-    r.error = absl::StrCat(what, ": the stream has no usage.completion_tokens (stream_options.include_usage unsupported?)");
+  } else if (usage_tokens < 0 || (chat && usage_prompt_tokens < 0)) {
+    r.error = absl::StrCat(what, ": the stream has no usage.", usage_tokens < 0 ? "completion_tokens" : "prompt_tokens",
+                           " (stream_options.include_usage unsupported?)");
   } else if (usage_tokens != spec.output_len) {
     r.error = absl::StrCat("a request for ", spec.output_len, " tokens (ignore_eos) returned ", usage_tokens,
                            " (finish reason ", finish.empty() ? "none" : finish, ")");
@@ -279,6 +303,7 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
   } else {
     r.ok = true;
     r.output_tokens = usage_tokens;
+    if (chat) r.input_tokens = usage_prompt_tokens;
     r.ttft_s = arrivals.front();
     for (size_t i = 1; i < arrivals.size(); ++i) r.itl_s.push_back(arrivals[i] - arrivals[i - 1]);
   }

@@ -86,7 +86,11 @@ std::string LoadLine(const LoadConfig& c) {
                                 ? absl::StrFormat("open loop, Poisson arrivals at %g requests/s", c.request_rate)
                                 : std::string("open loop, all requests at once"))
                          : absl::StrCat("closed loop, concurrency ", c.concurrency);
-  if (c.chat_turns > 0) {
+  if (c.chat_turns > 0 && c.backend == Backend::kOpenAI) {
+    load = absl::StrFormat("%s; chat over /chat/completions: %d conversations of %d turns after a shared %d-word "
+                           "system prompt (input: each turn's new message, in words)",
+                           load, c.num_requests / c.chat_turns, c.chat_turns, c.system_prompt_len);
+  } else if (c.chat_turns > 0) {
     load = absl::StrFormat("%s; chat: %d conversations of %d turns after a shared %d-token system prompt (input: "
                            "each turn's new message)",
                            load, c.num_requests / c.chat_turns, c.chat_turns, c.system_prompt_len);

@@ -56,7 +56,7 @@ constexpr char kUsage[] =
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
     "                        [--chat-turns T [--system-prompt-len S]]\n"
     "       shardserve bench --backend openai --base-url URL --vocab-size V [--model NAME] [--api-key KEY]\n"
-    "                        [load flags as above but --chat-turns]\n"
+    "                        [load flags as above]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                        [--max-model-len L] [--quantization none|int8|int4|fp8] [--load-format auto|dummy]\n"
@@ -78,6 +78,11 @@ constexpr char kUsage[] =
     "                     chunk with text (a chunk may carry several tokens, counted as one gap); tokens\n"
     "                     are counted from usage.completion_tokens. A refused connection, a non-200, a\n"
     "                     malformed stream or a read stalled past --timeout-seconds fails the request.\n"
+    "                     With --chat-turns: POST /chat/completions with the conversation as text\n"
+    "                     messages (system, user, assistant, ...), each message --input-len words (and the\n"
+    "                     system prompt --system-prompt-len words) from a list of common English words,\n"
+    "                     about one token each; input tokens are the server's usage.prompt_tokens;\n"
+    "                     --vocab-size is then not needed\n"
     "  --base-url         --backend openai: the server, up to /v1 (e.g. http://127.0.0.1:8000/v1)\n"
     "  --vocab-size       --backend openai: prompt ids are drawn from [0, V) (config.json vocab_size)\n"
     "  --model            --backend openai: each request's model (default: the first of GET /models)\n"
@@ -93,7 +98,8 @@ constexpr char kUsage[] =
     "  --chat-turns       multi-turn chat (closed loop): the requests are conversations of T turns,\n"
     "                     each stream running one at a time; a turn's prompt is the turn before's\n"
     "                     prompt and answer and a new message of --input-len tokens, after a system\n"
-    "                     prompt shared by every conversation (--num-requests: a multiple of T)\n"
+    "                     prompt shared by every conversation (--num-requests: a multiple of T); over\n"
+    "                     HTTP (--backend openai, /http) the turns are chat messages of text, see --backend\n"
     "  --system-prompt-len  the chat's shared system prompt, in tokens (default 0)\n"
     "  --seed             prompts and lengths are a function of it (default 0)\n"
     "  --temperature      sampling temperature (default 0: greedy); sampling seed = seed + request index\n"
@@ -227,13 +233,16 @@ int Run(const std::vector<std::string>& args) {
     for (const char* f : {"address", "tls-ca", "tls-cert", "tls-key", kInsecureFlag}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " is for the gRPC backend; --backend openai uses --base-url"));
     }
-    if (!flags->Has("vocab-size")) {
+    // The chat load's prompts are text (/chat/completions): no vocabulary needed.
+    if (!flags->Has("vocab-size") && c.chat_turns == 0) {
       return Usage("--backend openai needs --vocab-size (the model's config.json vocab_size): prompts are random token ids");
     }
-    absl::StatusOr<int64_t> vocab = flags->GetInt("vocab-size", 0);
-    if (!vocab.ok()) return Usage(std::string(vocab.status().message()));
-    if (*vocab < 2 || *vocab > (int64_t{1} << 31)) return Usage("--vocab-size must be in [2, 2147483648]");
-    c.vocab_size = *vocab;
+    if (flags->Has("vocab-size")) {
+      absl::StatusOr<int64_t> vocab = flags->GetInt("vocab-size", 0);
+      if (!vocab.ok()) return Usage(std::string(vocab.status().message()));
+      if (*vocab < 2 || *vocab > (int64_t{1} << 31)) return Usage("--vocab-size must be in [2, 2147483648]");
+      c.vocab_size = *vocab;
+    }
     c.model_name = flags->Get("model");
     c.address = c.base_url;
   } else if (backend != "grpc") {
@@ -242,11 +251,6 @@ int Run(const std::vector<std::string>& args) {
     for (const char* f : {"base-url", "vocab-size"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --backend openai only"));
     }
-  }
-  if (c.chat_turns > 0 && c.backend == Backend::kOpenAI) {
-    return Usage(
-        "--chat-turns is not supported with --backend openai: a turn's prompt holds the answer before it as token "
-        "ids, which /v1/completions does not return");
   }
   const bool as_json = flags->Has("json");
   const std::string json_out = flags->Get("json-out");
@@ -294,10 +298,6 @@ int Run(const std::vector<std::string>& args) {
   for (absl::string_view piece : absl::StrSplit(flags->Get("compare"), ',', absl::SkipWhitespace())) {
     absl::StatusOr<Layout> l = ParseLayout(std::string(absl::StripAsciiWhitespace(piece)));
     if (!l.ok()) return Usage(std::string(l.status().message()));
-    if (l->http && c.chat_turns > 0) {
-      return Usage(absl::StrCat("layout '", l->name, "': --chat-turns is not supported over HTTP (/http): a turn's ",
-                                "prompt holds the answer before it as token ids, which /v1/completions does not return"));
-    }
     layouts.push_back(*l);
   }
   if (layouts.empty()) return Usage("--compare needs at least one layout, e.g. tp1,tp2,pp2");
