@@ -6,21 +6,39 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace shardserve {
 
-absl::StatusOr<std::string> ModelFingerprint(const std::string& dir) {
+namespace {
+
+std::string Sha256Hex(const std::string& bytes) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), digest);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+}
+
+// An entry "KEY VALUE" split at its last space (file names may hold spaces, values do not).
+std::pair<std::string, std::string> SplitEntry(const std::string& entry) {
+  const size_t space = entry.rfind(' ');
+  if (space == std::string::npos) return {entry, ""};
+  return {entry.substr(0, space), entry.substr(space + 1)};
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> ModelManifest(const std::string& dir) {
   namespace fs = std::filesystem;
   std::ifstream config(fs::path(dir) / "config.json", std::ios::binary);
   if (!config) return absl::NotFoundError(absl::StrCat("cannot read ", dir, "/config.json"));
   std::stringstream bytes;
   bytes << config.rdbuf();
-  std::string text = absl::StrCat("config.json\n", bytes.str(), "\n");
   std::vector<std::pair<std::string, uintmax_t>> files;
   std::error_code ec;
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
@@ -31,10 +49,42 @@ absl::StatusOr<std::string> ModelFingerprint(const std::string& dir) {
   }
   if (ec) return absl::NotFoundError(absl::StrCat("cannot list ", dir, ": ", ec.message()));
   std::sort(files.begin(), files.end());
-  for (const auto& [name, size] : files) absl::StrAppend(&text, name, " ", size, "\n");
-  unsigned char digest[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest);
-  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), sizeof(digest)));
+  std::vector<std::string> manifest = {absl::StrCat("config.json sha256 ", Sha256Hex(bytes.str()))};
+  for (const auto& [name, size] : files) manifest.push_back(absl::StrCat(name, " ", size));
+  return manifest;
+}
+
+absl::Status SameModelFiles(const std::vector<std::string>& here, const std::vector<std::string>& wanted) {
+  std::map<std::string, std::string> mine, theirs;
+  for (const std::string& e : here) mine.insert(SplitEntry(e));
+  for (const std::string& e : wanted) theirs.insert(SplitEntry(e));
+  for (const auto& [key, value] : theirs) {
+    auto it = mine.find(key);
+    if (key == "config.json sha256") {
+      if (it == mine.end() || it->second != value) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "config.json differs (SHA-256 ", it == mine.end() ? "none" : it->second.substr(0, 16), "... here, ",
+            value.substr(0, 16), "... at the coordinator)"));
+      }
+    } else if (it == mine.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(key, " is missing here (", value, " bytes at the coordinator)"));
+    } else if (it->second != value) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(key, " is ", it->second, " bytes here, ", value, " bytes at the coordinator"));
+    }
+  }
+  for (const auto& [key, value] : mine) {
+    if (!theirs.count(key)) {
+      return absl::FailedPreconditionError(absl::StrCat(key, " is here (", value, " bytes) but not at the coordinator"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ModelFingerprint(const std::string& dir) {
+  absl::StatusOr<std::vector<std::string>> manifest = ModelManifest(dir);
+  if (!manifest.ok()) return manifest.status();
+  return Sha256Hex(absl::StrJoin(*manifest, "\n"));
 }
 
 absl::Status SameShard(const v1::Assignment& held, const v1::Assignment& wanted) {

@@ -8,6 +8,7 @@
 #define SHARDSERVE_MODEL_SHARD_IDENTITY_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,10 +16,20 @@
 
 namespace shardserve {
 
-// A fingerprint of the checkpoint directory `dir`: the hex SHA-256 of config.json's bytes and of
-// the name and size of every *.safetensors and *.json file in it (sorted by name). Cheap (the
-// weights are not read); it tells apart another model, another config and a re-saved checkpoint of
-// another size, not a same-sized file rewritten in place. NotFound without a readable config.json.
+// What identifies the checkpoint directory `dir`, one entry each: "config.json sha256 <hex of its
+// bytes>", then "<name> <size in bytes>" for every *.safetensors and *.json file in it, sorted by
+// name. Cheap (the weights are not read); it tells apart another model, another config and a
+// re-saved checkpoint of another size, not a same-sized file rewritten in place. NotFound without a
+// readable config.json.
+absl::StatusOr<std::vector<std::string>> ModelManifest(const std::string& dir);
+
+// OK when the manifests `here` (this process's copy) and `wanted` (the coordinator's) are the same;
+// FailedPrecondition naming the first difference otherwise ("model.safetensors is 1200 bytes here,
+// 1180 at the coordinator", "config.json differs (SHA-256 ... here, ... at the coordinator)",
+// "tokenizer.json is missing here", ...).
+absl::Status SameModelFiles(const std::vector<std::string>& here, const std::vector<std::string>& wanted);
+
+// A fingerprint of the checkpoint directory `dir`: the hex SHA-256 of its ModelManifest.
 absl::StatusOr<std::string> ModelFingerprint(const std::string& dir);
 
 // OK when a worker holding the shard `held` was loaded for (an earlier coordinator's Assignment)

@@ -148,7 +148,7 @@ class Process {
 };
 
 struct ClusterSpecForTest {
-  std::string fixture;
+  std::string fixture;  // a directory of tests/fixtures/models, or an absolute path to a model
   int nodes = 1;          // PP
   int gpus_per_node = 1;  // TP
   std::vector<std::string> worker_flags;
@@ -179,6 +179,27 @@ class Cluster {
   // processes' logs) are reported through gtest; returns whether it got there.
   bool Start() {
     const auto start = Clock::now();
+    if (!StartCoordinator()) return false;
+    for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
+      AddWorker("n" + std::to_string(i / spec_.gpus_per_node));
+    }
+    while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
+      const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
+      if (!coordinator_->running() || worker_exited || SecondsSince(start) > 90) {
+        ADD_FAILURE() << "the cluster did not reach SERVING" << (worker_exited ? " (a worker exited)" : "") << ":\n"
+                      << Logs();
+        return false;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    start_seconds_ = SecondsSince(start);
+    return true;
+  }
+
+  // Starts only the coordinator and waits until it listens (the test then starts the workers with
+  // AddWorker). Failures are reported through gtest; returns whether it got there.
+  bool StartCoordinator() {
+    const auto start = Clock::now();
     const fs::path port_file = dir_ / "port";
     std::vector<std::string> coordinator_argv = {
         SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
@@ -200,20 +221,6 @@ class Cluster {
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
     client_ = v1::InferenceService::NewStub(channel_);
     health_ = grpc::health::v1::Health::NewStub(channel_);
-
-    for (int i = 0; i < spec_.nodes * spec_.gpus_per_node; ++i) {
-      AddWorker("n" + std::to_string(i / spec_.gpus_per_node));
-    }
-    while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
-      const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
-      if (!coordinator_->running() || worker_exited || SecondsSince(start) > 90) {
-        ADD_FAILURE() << "the cluster did not reach SERVING" << (worker_exited ? " (a worker exited)" : "") << ":\n"
-                      << Logs();
-        return false;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    start_seconds_ = SecondsSince(start);
     return true;
   }
 

@@ -202,7 +202,7 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   stranger.set_node("n5");
   const absl::StatusOr<int> elsewhere = pool.Register(stranger, &stranger_link);
   ASSERT_FALSE(elsewhere.ok());
-  EXPECT_THAT(elsewhere.status().message(), HasSubstr("no open slot on node n5"));
+  EXPECT_THAT(elsewhere.status().message(), HasSubstr("node n5 is not one of its nodes (n0)"));
   EXPECT_EQ(pool.StateName(), "healing");
 
   // Survivor a has not answered step 7 yet: a fitting replacement registers, but the group waits.

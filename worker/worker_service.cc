@@ -27,6 +27,9 @@ constexpr absl::Duration kConnectPoll = absl::Milliseconds(250);
 // Waits between tries to re-register after the coordinator went away: doubling, bounded.
 constexpr absl::Duration kReconnectBackoffMin = absl::Milliseconds(250);
 constexpr absl::Duration kReconnectBackoffMax = absl::Seconds(2);
+// How many times in a row the worker registers again after the coordinator ended its stream without
+// a load or a step completing in between (Run()).
+constexpr int kMaxRejoins = 3;
 
 }  // namespace
 
@@ -107,13 +110,41 @@ absl::Status WorkerService::Run() {
   absl::Duration backoff = kReconnectBackoffMin;
   absl::Status result;
   for (;;) {
-    bool coordinator_gone = false;
-    result = Session(stub.get(), &coordinator_gone);
+    SessionEnd end = SessionEnd::kDone;
+    result = Session(stub.get(), &end);
     {
       absl::MutexLock lock(&mu_);
       if (stop_requested_) break;
     }
-    if (!coordinator_gone || options_.coordinator_grace <= absl::ZeroDuration()) break;
+    if (end == SessionEnd::kEndedByCoordinator) {
+      // The coordinator let this worker go without a Shutdown: it was lost to the group (frozen past
+      // the heartbeat timeout, a step deadline missed, a malformed message) while this process went
+      // on. Register again: the coordinator gives it its slot back if that is still open (adopting
+      // the shard it holds), makes it a spare of its node if the slot was taken, or refuses it
+      // (a Shutdown: Run() then returns the reason). Bounded, so that a worker the coordinator keeps
+      // letting go does not register forever.
+      if (++rejoins_ > kMaxRejoins) {
+        result = absl::FailedPreconditionError(absl::StrCat(
+            "the coordinator at ", options_.coordinator, " ended this worker's control stream ", rejoins_,
+            " times in a row without it loading or completing a step in between; exiting"));
+        WorkerLog(Who(), std::string(result.message()), Ids("error"));
+        break;
+      }
+      if (executor_ != nullptr) executor_->LeaveCoordinator();
+      failure_.clear();
+      SetServing(false);
+      WorkerLog(Who(),
+                absl::StrCat("the coordinator at ", options_.coordinator,
+                             " ended this worker's control stream without a shutdown (it lost this worker: frozen, "
+                             "too slow or silent); registering again",
+                             executor_ != nullptr ? ", holding its shard (left the collective groups)" : "",
+                             ": it takes its slot back if that is still open, else it waits as a spare of node ",
+                             options_.node),
+                Ids("warn"));
+      if (SleepUnlessStopped(kReconnectBackoffMin)) break;
+      continue;
+    }
+    if (end != SessionEnd::kCoordinatorGone || options_.coordinator_grace <= absl::ZeroDuration()) break;
     if (accepted_this_stream_ || !orphaned_since.has_value()) {
       // The coordinator that had this worker is gone: outlive it, holding the shard.
       orphaned_since = absl::Now();
@@ -147,7 +178,7 @@ absl::Status WorkerService::Run() {
   return result;
 }
 
-absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, bool* coordinator_gone) {
+absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, SessionEnd* end) {
   grpc::ClientContext context;
   {
     absl::MutexLock lock(&mu_);
@@ -219,8 +250,12 @@ absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, bool* coordin
   }  // else what went wrong, if anything, is known and logged already
   // The coordinator process died or the connection dropped (not a Shutdown, a refusal, or the
   // coordinator ending this worker's stream on purpose, which is CANCELLED).
-  *coordinator_gone = !told_to_stop_ && finish.error_code() == grpc::StatusCode::UNAVAILABLE &&
-                      !absl::IsFailedPrecondition(result);
+  const bool coordinator_gone = !told_to_stop_ && finish.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                               !absl::IsFailedPrecondition(result);
+  // The coordinator ended this stream on purpose (CANCELLED from its side) without a Shutdown: it
+  // marked this worker lost.
+  const bool ended = peer_ended_ && !told_to_stop_ && result.ok() && finish.error_code() == grpc::StatusCode::CANCELLED;
+  *end = coordinator_gone ? SessionEnd::kCoordinatorGone : ended ? SessionEnd::kEndedByCoordinator : SessionEnd::kDone;
   return result;
 }
 
@@ -228,7 +263,9 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
   while (stream->Read(&in_)) {
     switch (in_.msg_case()) {
       case v1::CoordinatorMessage::kAssignment:
-        if (assigned_this_stream_) {
+        // A second Assignment on one stream only under a later epoch: after this worker's load
+        // failed, the re-formed group gives it its slot again (docs/healing.md).
+        if (assigned_this_stream_ && in_.assignment().epoch() <= epoch()) {
           Fail(stream, absl::StrCat(Who(), ": the coordinator sent a second assignment"));
         } else if (in_.assignment().adopt()) {
           Adopt(stream, stub);
@@ -248,6 +285,11 @@ absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterfa
         if (!assigned_this_stream_) {
           return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
                                                             " refused this worker: ", in_.shutdown().reason()));
+        }
+        if (in_.shutdown().let_go()) {
+          // Let go for its own failure (a replacement whose load failed): not a clean stop.
+          return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
+                                                            " let this worker go: ", in_.shutdown().reason()));
         }
         WorkerLog(Who(), absl::StrCat("shutdown requested by the coordinator: ", in_.shutdown().reason()), Ids());
         return absl::OkStatus();
@@ -275,6 +317,18 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   accepted_this_stream_ = true;
   failure_.clear();
   const v1::Assignment& a = assignment_;
+  if (a.model_manifest_size() > 0) {
+    // The checkpoint at model_path must be the coordinator's own: this machine's copy may differ.
+    const absl::StatusOr<std::vector<std::string>> here = ModelManifest(a.model_path());
+    const absl::Status same =
+        here.ok() ? SameModelFiles(*here, std::vector<std::string>(a.model_manifest().begin(), a.model_manifest().end()))
+                  : here.status();
+    if (!same.ok()) {
+      Fail(stream, absl::StrCat(Who(), ": refusing to load ", a.model_path(),
+                                ": this worker's copy is not the coordinator's model: ", same.message()));
+      return;
+    }
+  }
   // What the weights about to be loaded are, for a later coordinator that would adopt this worker.
   absl::StatusOr<std::string> fingerprint = ModelFingerprint(a.model_path());
   model_fingerprint_ = fingerprint.ok() ? *fingerprint : "";
@@ -321,6 +375,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    executor_->backend_name()), Ids());
   // The plan's memory beside what this worker allocated and measured, item by item (docs/gpu.md).
   for (const std::string& line : executor_->MemoryReport()) WorkerLog(Who(), "memory " + line, Ids());
+  rejoins_ = 0;
   Write(stream, loaded);
 }
 
@@ -354,6 +409,7 @@ void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub
                                    options_.coordinator, old_id, old_epoch,
                                    static_cast<double>(executor_->weight_bytes()) / (1 << 20), a.epoch(), seconds),
             Ids());
+  rejoins_ = 0;
   Write(stream, loaded);
 }
 
@@ -398,6 +454,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   const v1::WorkerMessage loaded = LoadedMessage(r.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
+  rejoins_ = 0;
   Write(stream, loaded);
 }
 
@@ -426,6 +483,7 @@ void WorkerService::RunStep(Stream* stream) {
     metrics_->StepDone(/*prefill=*/plan.token_ids_size() > plan.row_seq_ids_size(),
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
+  rejoins_ = 0;
   Write(stream, reply_);
 }
 

@@ -23,6 +23,14 @@
 // After --coordinator-grace-seconds without a coordinator taking it back, Run() returns an error
 // (the process exits 1). docs/healing.md "The coordinator restarts".
 //
+// The coordinator ending the stream without a Shutdown (CANCELLED: it marked this worker lost, for
+// example after it was frozen past the heartbeat timeout) does not end the worker either: it leaves
+// its collective groups, keeps its shard and registers again at once; the coordinator gives it its
+// slot back if that is still open, makes it a spare of its node if the slot was taken, or refuses
+// it (Run() then returns the reason: exit 1). At most 3 times in a row without a load or a step
+// completing in between. A Shutdown that lets this worker go (Shutdown.let_go: a replacement whose
+// load failed) is an error too; a Shutdown otherwise (the coordinator stops) ends Run() with OK.
+//
 // A load error, a step error or a collective timeout is sent as a Failure naming this worker
 // (node, stage, TP rank), the cause, its epoch and the step; the worker then marks itself
 // NOT_SERVING in its health service, answers every later step with that Failure, and stays
@@ -99,11 +107,12 @@ class WorkerService {
   WorkerService(const WorkerService&) = delete;
   WorkerService& operator=(const WorkerService&) = delete;
 
-  // Connects, registers and serves until the coordinator ends the stream on purpose or sends
-  // Shutdown, or Stop() is called: then OK, also after a failure was reported. A coordinator that
-  // goes away is waited for (see above). An error when the coordinator cannot be reached within
-  // connect_timeout, refuses this worker (a node with too many workers, a group already complete),
-  // or none takes it back within coordinator_grace.
+  // Connects, registers and serves until the coordinator sends Shutdown or Stop() is called: then
+  // OK (an error for a Shutdown that lets it go). A coordinator that goes away is waited for, and a
+  // stream the coordinator ends is followed by a new registration (see above). An error when the
+  // coordinator cannot be reached within connect_timeout, refuses this worker (a node with too many
+  // workers, a node not in the group, too little memory), or none takes it back within
+  // coordinator_grace.
   absl::Status Run();
 
   // Makes Run() return soon: the control stream is cancelled at once; a step or a load in progress
@@ -116,10 +125,15 @@ class WorkerService {
   // Waits until the channel to the coordinator is up or Stop() is called (OK), or connect_timeout
   // passes (Unavailable).
   absl::Status WaitForCoordinator(grpc::Channel* channel);
+  // How a control stream ended, for Run().
+  enum class SessionEnd {
+    kDone,                // a Shutdown, a refusal, Stop(), or an error: Run() returns
+    kCoordinatorGone,     // the coordinator went away (UNAVAILABLE): re-register within the grace
+    kEndedByCoordinator,  // the coordinator ended it without a Shutdown (it lost this worker): rejoin
+  };
   // One control stream: registers (with the shard it holds, if any) and serves until the stream
-  // ends. *coordinator_gone: it ended because the coordinator went away (UNAVAILABLE), not on
-  // purpose; then Run() registers again.
-  absl::Status Session(v1::WorkerControl::Stub* stub, bool* coordinator_gone);
+  // ends; *end says how.
+  absl::Status Session(v1::WorkerControl::Stub* stub, SessionEnd* end);
   // Sleeps `d` unless Stop() is called first (then true, at once).
   bool SleepUnlessStopped(absl::Duration d);
   // The protocol after Register, until the stream ends or Shutdown. FailedPrecondition when the
@@ -169,6 +183,7 @@ class WorkerService {
   bool accepted_this_stream_ = false;   // ... or a Regroup: this coordinator had taken the worker in
   bool told_to_stop_ = false;           // the current stream brought a Shutdown
   bool peer_ended_ = false;             // the coordinator's side ended the current stream
+  int rejoins_ = 0;                     // registrations after an ended stream since the last load or step
   v1::Assignment assignment_;           // the last one, updated by Regroup and Adopt
   std::string model_fingerprint_;       // ModelFingerprint of assignment_.model_path at load; "" unknown
   std::unique_ptr<WorkerMetrics> metrics_;  // once assigned, when options_.metrics_registry is set

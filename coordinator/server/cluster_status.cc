@@ -3,6 +3,8 @@
 
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 #include "coordinator/planner/render.h"
 
 namespace shardserve {
@@ -19,8 +21,10 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
     for (const Slot& slot : group_->slots) shown.push_back(slot.worker);
     for (const auto& [rank, index] : replacements_) shown.push_back(index);
   }
+  const size_t first_spare = shown.size();
   shown.insert(shown.end(), spares_.begin(), spares_.end());  // idle spares: stage -1
-  for (int i : shown) {
+  for (size_t k = 0; k < shown.size(); ++k) {
+    const int i = shown[k];
     const Worker& w = *workers_[i];
     v1::WorkerStatus* s = status->add_workers();
     s->set_worker_id(w.id);
@@ -36,7 +40,8 @@ void WorkerPool::FillStatus(v1::ClusterStatus* status) {
     }
     s->set_state(w.state);
     s->set_weight_bytes(w.weight_bytes);
-    s->set_detail(w.detail);
+    s->set_detail(k >= first_spare ? absl::StrCat("spare: takes the next lost slot of node ", w.hello.node())
+                                   : w.detail);
   }
   status->set_serving(phase_ == Phase::kServing);
   status->set_state(StateNameLocked());

@@ -117,20 +117,24 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const ServedModel
                                                    " (workers per node) x PP=", options.nodes, " (nodes): ",
                                                    plan.status().message()));
   }
+  absl::StatusOr<std::vector<std::string>> manifest = ModelManifest(model->dir);
   absl::StatusOr<std::string> fingerprint = ModelFingerprint(model->dir);
-  if (!fingerprint.ok()) {
+  if (!manifest.ok() || !fingerprint.ok()) {
     CoordinatorLog("group", absl::StrCat("no fingerprint of the model (workers of an earlier coordinator will reload "
-                                         "their shards): ", fingerprint.status().message()));
+                                         "their shards; the workers' copies of it are not checked): ",
+                                         (manifest.ok() ? fingerprint.status() : manifest.status()).message()));
   }
-  return std::unique_ptr<WorkerPool>(new WorkerPool(model, options, *plan, fingerprint.ok() ? *fingerprint : ""));
+  return std::unique_ptr<WorkerPool>(new WorkerPool(model, options, *plan, fingerprint.ok() ? *fingerprint : "",
+                                                    manifest.ok() ? *manifest : std::vector<std::string>{}));
 }
 
 WorkerPool::WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional,
-                       std::string model_fingerprint)
+                       std::string model_fingerprint, std::vector<std::string> model_manifest)
     : model_(model),
       options_(options),
       target_max_model_len_(provisional.max_model_len),
-      model_fingerprint_(std::move(model_fingerprint)) {
+      model_fingerprint_(std::move(model_fingerprint)),
+      model_manifest_(std::move(model_manifest)) {
   monitor_ = std::thread([this] { MonitorLoop(); });
 }
 
@@ -207,27 +211,26 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
         case Phase::kWaiting: break;
         case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
         case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
-        case Phase::kHealing: {
-          absl::StatusOr<int> replacement = RegisterReplacementLocked(hello, link);
-          if (!replacement.ok()) {
+        case Phase::kHealing:
+        case Phase::kLoading:
+        case Phase::kServing: {
+          // A slot of its node is open (healing): it takes it. Otherwise (most often the worker of a
+          // slot a spare or a replacement has taken, started again by a supervisor, or a lost worker
+          // that registers again) it becomes a spare of its node.
+          const bool open = healing && HasOpenSlotLocked(hello.node());
+          absl::StatusOr<int> joined = open ? RegisterReplacementLocked(hello, link) : RegisterAsSpareLocked(hello, link);
+          if (!joined.ok()) {
             CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
-                                                 replacement.status().message()),
+                                                 joined.status().message()),
                            LogIds{"", "", hello.node(), -1, -1, "warn"});
-            return replacement.status();
+            return joined.status();
           }
-          index = *replacement;
-          to_send = TryRegroupLocked();
+          index = *joined;
+          if (healing) to_send = TryRegroupLocked();
           break;
         }
-        case Phase::kBroken:
-          return absl::FailedPreconditionError(absl::StrCat(
-              "the worker group is broken (", NotServingLocked().message(), "); restart the coordinator"));
-        default:
-          return absl::FailedPreconditionError(
-              absl::StrCat("the worker group is already complete (", options_.nodes, " nodes x ", options_.gpus_per_node,
-                           " workers); a worker takes a slot only when its worker is lost"));
       }
-      if (!healing) {  // kWaiting: one more worker for the group
+      if (phase_ == Phase::kWaiting) {  // one more worker for the group
         std::map<std::string, int> per_node;
         for (int i : pending_) ++per_node[workers_[i]->hello.node()];
         if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
@@ -451,6 +454,7 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
   }
   a->set_epoch(group_->epoch);
   a->set_rendezvous_token(rendezvous_grants_.Grant(slot.worker, w.id, group_->epoch, RendezvousGroupsOf(slot)));
+  a->mutable_model_manifest()->Add(model_manifest_.begin(), model_manifest_.end());
   w.adopting = false;
   if (w.hello.has_held() && !w.loaded) {
     // It outlived an earlier coordinator holding a shard: adopt it when that shard is this slot's.
@@ -540,6 +544,8 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
           }
           CoordinatorLog("group", absl::StrFormat("healed in %.2f s: every worker is ready under epoch %d: SERVING",
                                                   seconds, group_->epoch));
+        } else if (phase_ == Phase::kHealing) {
+          to_send = TryRegroupLocked();  // a survivor of the first load may have been the last to settle
         }
         break;
       }
@@ -570,19 +576,29 @@ void WorkerPool::OnMessage(int index, const v1::WorkerMessage& message) {
           if (phase_ == Phase::kHealing) to_send = TryRegroupLocked();
           break;
         }
-        if (!w.loaded || phase_ == Phase::kLoading) {
-          // Its load failed (the first load, or a replacement's): it cannot hold its slot. A
-          // failed replacement is also let go (its process exits; a supervisor may start another).
+        if (!w.loaded && w.replacement) {
+          // A replacement's load failed: it cannot hold its slot, which opens again. It is let go
+          // (told why: its process exits 1; a supervisor may start another).
           MarkLostLocked(index, LossCause::kFailure, why);
-          if (phase_ == Phase::kHealing && w.link != nullptr) w.link->Cancel();
+          v1::CoordinatorMessage bye;
+          bye.mutable_shutdown()->set_reason(absl::StrCat("this worker could not load its slot's shard and is let go (",
+                                                          f.message().substr(0, kMaxFailureLength), ")"));
+          bye.mutable_shutdown()->set_let_go(true);
+          to_send.emplace_back(index, std::move(bye));
           break;
         }
-        if (f.step_id() == 0) w.load_pending = false;  // its Regroup failed
+        // A worker of the group's first load (or of an adoption) whose load failed keeps its slot,
+        // as a survivor whose step failed does: most often a peer died under it (a rendezvous or a
+        // connection that never came); it is sent its Assignment again when the group re-forms. One
+        // that fails on its own gives up the group after kMaxHealsWithoutProgress re-formings.
+        if (f.step_id() == 0) w.load_pending = false;  // its load or Regroup failed
+        if (w.adopting) w.hello.clear_held();  // its shard is gone: the next Assignment loads one
+        w.adopting = false;
         w.failed = true;
         w.detail = why;
         CoordinatorLog(NameLocked(index), absl::StrCat("FAILED under epoch ", w.epoch, ": ", f.message()),
                        LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
-        if (phase_ == Phase::kServing) {
+        if (phase_ == Phase::kServing || phase_ == Phase::kLoading) {
           StartHealLocked(absl::StrCat(NameLocked(index), " ", why));
         } else if (phase_ == Phase::kHealing) {
           needs_new_epoch_ = true;
@@ -667,11 +683,9 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   if (metrics_ != nullptr) metrics_->SetWorkerUp(w.id, w.hello.node(), w.stage, w.tp_rank, false);
   CoordinatorLog(NameLocked(index), absl::StrCat("LOST (epoch ", group_->epoch, "): ", detail),
                  LogIds{"", w.id, w.hello.node(), w.stage, w.tp_rank, "error"});
-  if (phase_ == Phase::kLoading) {
-    SetPhaseLocked(Phase::kBroken);
-    CoordinatorLog("group", "broken while loading: NOT_SERVING; requests are refused until the coordinator is "
-                            "restarted");
-  } else if (phase_ == Phase::kServing) {
+  if (phase_ == Phase::kServing || phase_ == Phase::kLoading) {
+    // Lost while the group serves, or while it first loads (or a new coordinator adopts it): the
+    // same heal; survivors still loading finish their load first (TryRegroupLocked waits for them).
     StartHealLocked(absl::StrCat(NameLocked(index), " is lost: ", detail));
     UseSparesLocked();
   } else if (phase_ == Phase::kHealing) {
@@ -748,6 +762,7 @@ void WorkerPool::UseSparesLocked() {
       }
       spare.stage = s.stage;
       spare.tp_rank = s.tp_rank;
+      spare.replacement = true;
       replacements_[s.rank] = *it;
       if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
       CoordinatorLog(spare.id,
@@ -771,6 +786,43 @@ int WorkerPool::AddWorkerLocked(const v1::Register& hello, WorkerLink* link) {
   return index;
 }
 
+bool WorkerPool::HasOpenSlotLocked(const std::string& node) const {
+  return std::any_of(group_->slots.begin(), group_->slots.end(), [&](const Slot& s) {
+    return s.node == node && workers_[s.worker]->state == v1::WORKER_STATE_LOST && !replacements_.count(s.rank);
+  });
+}
+
+absl::StatusOr<int> WorkerPool::RegisterAsSpareLocked(const v1::Register& hello, WorkerLink* link) {
+  const Slot* slot = nullptr;  // the first slot of its node: any of them is the one it would take
+  std::vector<std::string> nodes;
+  for (const Slot& s : group_->slots) {
+    if (slot == nullptr && s.node == hello.node()) slot = &s;
+    if (s.tp_rank == 0) nodes.push_back(s.node);
+  }
+  if (slot == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        phase_ == Phase::kHealing ? "the worker group is healing (" : "the worker group is already complete (",
+        options_.nodes, " nodes x ", options_.gpus_per_node, " workers) and node ", hello.node(),
+        " is not one of its nodes (", absl::StrJoin(nodes, ", "),
+        "): a worker takes a slot of its own node (--node) when that slot's worker is lost, or waits as its spare"));
+  }
+  // A spare that could never take a slot of its node is of no use: refused, saying why.
+  SHARDSERVE_RETURN_IF_ERROR(CheckFitsSlotLocked(hello, *slot));
+  const int index = AddWorkerLocked(hello, link);
+  spares_.push_back(index);
+  CoordinatorLog(workers_[index]->id,
+                 absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                              hello.has_held() ? absl::StrCat(", holding stage ", hello.held().assignment().stage(),
+                                                              " tp rank ", hello.held().assignment().tp_rank(),
+                                                              " of epoch ", hello.held().assignment().epoch())
+                                               : "",
+                              ") as a spare: every slot of node ", hello.node(),
+                              " has a worker (a lost worker's slot is taken by a spare or a replacement); ",
+                              spares_.size(), " spare(s) idle"),
+                 LogIds{"", workers_[index]->id, hello.node()});
+  return index;
+}
+
 absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {
   std::vector<std::string> open;
   const Slot* slot = nullptr;
@@ -791,6 +843,7 @@ absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& he
   const int index = AddWorkerLocked(hello, link);
   workers_[index]->stage = slot->stage;
   workers_[index]->tp_rank = slot->tp_rank;
+  workers_[index]->replacement = true;
   replacements_[slot->rank] = index;
   if (metrics_ != nullptr) metrics_->worker_restarts.Increment();
   CoordinatorLog(workers_[index]->id,
@@ -924,23 +977,6 @@ absl::Status WorkerPool::NotServingLocked() const {
       });
       return absl::UnavailableError(
           absl::StrCat("the workers are loading the model: ", ready, " of ", expected, " loaded"));
-    }
-    case Phase::kBroken: {
-      std::vector<int> lost;
-      for (const Slot& s : group_->slots) {
-        if (workers_[s.worker]->state == v1::WORKER_STATE_LOST) lost.push_back(s.worker);
-      }
-      std::sort(lost.begin(), lost.end(), [&](int a, int b) {
-        return std::tuple(workers_[a]->cause, workers_[a]->lost_at) < std::tuple(workers_[b]->cause, workers_[b]->lost_at);
-      });
-      std::string message = "the worker group is broken: ";
-      for (size_t k = 0; k < lost.size(); ++k) {
-        absl::StrAppend(&message, k == 0 ? "" : "; also lost: ", NameLocked(lost[k]), k == 0 ? " is lost: " : ": ",
-                        workers_[lost[k]]->detail);
-      }
-      absl::StrAppend(&message, ". A worker lost while the group first loads is not replaced: restart the "
-                                "coordinator and the workers");
-      return absl::UnavailableError(message);
     }
     case Phase::kHealing: {
       // The lost workers first (the likely cause, in the order of LossCause), then the failed ones.

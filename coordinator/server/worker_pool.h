@@ -13,9 +13,9 @@
 //   3. Serving: every worker is READY; StartStep() broadcasts a StepPlan and FinishStep() gathers
 //      every worker's StepResult. Several steps may be in flight (pipelined micro-batches): each
 //      worker runs them in the order they were sent.
-//   4. Healing (docs/healing.md): while serving, a worker is LOST (its control stream ended, it
-//      sent nothing for heartbeat_timeout, it missed a step deadline, or it sent a malformed
-//      message) or a worker reports a Failure (a step or a collective failed, most often because a
+//   4. Healing (docs/healing.md): while serving or loading, a worker is LOST (its control stream
+//      ended, it sent nothing for heartbeat_timeout, it missed a step deadline, or it sent a
+//      malformed message) or a worker reports a Failure (a step or a collective failed, most often because a
 //      peer died). The steps in flight fail at once with UNAVAILABLE naming the worker; the plan
 //      stays, no new step starts, and the engine holds its requests (it recomputes them when the
 //      group is whole again, or fails them after --heal-timeout-seconds). A worker that registers
@@ -30,11 +30,13 @@
 //      serves again. A failure during the heal (another loss, a failed regroup) starts the
 //      re-forming over under the next epoch. Messages of an older epoch (results, failures,
 //      Loaded) are ignored; every StepPlan carries the epoch and the workers refuse another.
-//   5. Broken: a worker was lost while the group first loaded, or the group re-formed
-//      kMaxHealsWithoutProgress times without completing a step in between (a worker that fails
-//      on its own, not because of a peer). Steps and requests fail with UNAVAILABLE naming the
-//      worker; a coordinator restart forms a new group.
-// Failed (the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final too.
+//      A worker that registers once the group has formed, from one of its nodes, when no slot of
+//      that node is open (the worker of a slot a spare took, started again; a lost worker that
+//      registers again) becomes a spare of its node (it fits the node's shard, or it is refused).
+//   5. Failed: the group re-formed kMaxHealsWithoutProgress times without completing a step in
+//      between (a worker that fails on its own, not because of a peer). Steps and requests fail
+//      with UNAVAILABLE saying why; a coordinator restart forms a new group.
+// Failed (also when the plan cannot be made, e.g. the model does not fit) and ShuttingDown are final.
 //
 // A restarted coordinator (docs/healing.md "The coordinator restarts"): workers outlive their
 // coordinator and register again presenting the shard they hold (Register.held). The group forms
@@ -200,7 +202,7 @@ class WorkerPool {
   void Shutdown(const std::string& reason);
 
  private:
-  enum class Phase { kWaiting, kLoading, kServing, kHealing, kBroken, kFailed, kShuttingDown };
+  enum class Phase { kWaiting, kLoading, kServing, kHealing, kFailed, kShuttingDown };
 
   // Why a worker was lost, in the order a message lists them: a worker that vanished or hung is
   // more likely the cause than one that failed because a peer vanished.
@@ -229,6 +231,7 @@ class WorkerPool {
     bool failed = false;         // reported a Failure under `epoch`: the group must re-form
     bool load_pending = false;   // sent an Assignment or Regroup it has not answered yet
     bool adopting = false;       // its Assignment adopts the shard it held (Register.held)
+    bool replacement = false;    // took a lost worker's slot (not in the group as first formed)
     uint64_t last_step_sent = 0;      // the last step it was sent
     uint64_t last_step_answered = 0;  // the last step it answered (a result or a Failure)
   };
@@ -242,7 +245,7 @@ class WorkerPool {
   };
 
   WorkerPool(const ServedModel* model, const PoolOptions& options, const Plan& provisional,
-             std::string model_fingerprint);
+             std::string model_fingerprint, std::vector<std::string> model_manifest);
 
   // Sends `message` to worker `index` outside mu_ (the link stays valid: Disconnect waits for
   // sends in flight). False when the worker is gone or the stream is broken.
@@ -274,6 +277,14 @@ class WorkerPool {
   // not (no open slot on that node, another device kind, too little memory for the shard).
   absl::StatusOr<int> RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a slot of `node` is lost and has no replacement yet (a heal waits for it).
+  bool HasOpenSlotLocked(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `hello` (not Register.spare) as a spare of its node once the group is formed and
+  // every slot of its node has a worker: the worker of a slot that a spare or a replacement took,
+  // coming back. FailedPrecondition when its node is not one of the group's or it cannot hold that
+  // node's shard.
+  absl::StatusOr<int> RegisterAsSpareLocked(const v1::Register& hello, WorkerLink* link)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when the worker `hello` describes can hold `slot`'s shard (the group's kind of device,
   // memory for the shard and the KV cache), else FailedPrecondition saying why.
   absl::Status CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -294,6 +305,9 @@ class WorkerPool {
   // model/shard_identity.h ModelFingerprint of the served model ("" when it cannot be made: then no
   // worker is adopted).
   const std::string model_fingerprint_;
+  // Its ModelManifest, sent in every Assignment: a worker whose copy differs does not load it
+  // (empty when it cannot be made: then not checked).
+  const std::vector<std::string> model_manifest_;
 
   mutable absl::Mutex mu_;
   absl::CondVar changed_;  // a result arrived, a worker was lost, a send finished, ...
@@ -320,7 +334,7 @@ class WorkerPool {
   std::map<int, int> replacements_ ABSL_GUARDED_BY(mu_);
   // Spare workers (Register.spare), idle until a slot of their node is lost.
   std::vector<int> spares_ ABSL_GUARDED_BY(mu_);
-  // Re-formings since the last step that completed: past kMaxHealsWithoutProgress, Broken.
+  // Re-formings since the last step that completed: past kMaxHealsWithoutProgress, Failed.
   int heals_without_progress_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread monitor_;

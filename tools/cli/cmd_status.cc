@@ -95,7 +95,9 @@ int Run(const std::vector<std::string>& args) {
   std::printf("%-10s %-8s %-7s %-6s %-4s %-9s %-11s %-22s %-22s %s\n", "worker", "node", "device", "stage", "tp",
               "layers", "state", "address", "metrics", "detail");
   for (const v1::WorkerStatus& w : cs.workers()) {
-    std::string layers = std::to_string(w.first_layer()) + "-" + std::to_string(w.last_layer());
+    // A spare (stage -1) holds no layers.
+    std::string layers =
+        w.stage() < 0 ? "-" : std::to_string(w.first_layer()) + "-" + std::to_string(w.last_layer());
     std::string state = v1::WorkerState_Name(w.state());
     state = state.substr(state.rfind('_') + 1);
     std::printf("%-10s %-8s %-7s %-6d %-4d %-9s %-11s %-22s %-22s %s\n", w.worker_id().c_str(), w.node().c_str(),

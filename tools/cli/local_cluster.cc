@@ -147,6 +147,32 @@ absl::Status LocalCluster::Spawn(const std::string& name, const std::vector<std:
   return absl::OkStatus();
 }
 
+absl::Status LocalCluster::SpawnWorker(const std::string& name, const std::string& node, int64_t gpu,
+                                       int64_t metrics_port, bool spare) {
+  std::vector<std::string> argv = {(fs::path(options_.bin_dir) / "shardserve-worker").string(),
+                                   "--coordinator",
+                                   address_,
+                                   "--node",
+                                   node,
+                                   "--device",
+                                   options_.device == "cpu" ? "cpu" : absl::StrCat("cuda:", gpu),
+                                   "--metrics-listen",
+                                   absl::StrCat("127.0.0.1:", metrics_port),
+                                   "--log-format",
+                                   options_.log_format};
+  if (spare) argv.push_back("--spare");
+  argv.insert(argv.end(), options_.worker_flags.begin(), options_.worker_flags.end());
+  // "worker node1/0" -> worker-node1-0.log, "spare node0/2" -> spare-node0-2.log.
+  std::string log_name = absl::StrCat(name, ".log");
+  std::replace(log_name.begin(), log_name.end(), ' ', '-');
+  std::replace(log_name.begin(), log_name.end(), '/', '-');
+  if (absl::Status s = Spawn(name, argv, log_name, /*worker=*/true); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
+  }
+  metrics_lines_.push_back(absl::StrCat("  ", name, "  http://127.0.0.1:", metrics_port, "/metrics"));
+  return absl::OkStatus();
+}
+
 absl::Status LocalCluster::RestartWorker(const std::string& name) { return Restart(name, /*worker=*/true); }
 
 absl::Status LocalCluster::RestartCoordinator() { return Restart("coordinator", /*worker=*/false); }
@@ -266,52 +292,20 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
     if (port_flag != argv.end()) argv.erase(port_flag, port_flag + 2);
   }
 
+  // Worker k (slots first, node by node, then the spares) gets the k-th metrics port after the
+  // coordinator's.
   for (int64_t n = 0; n < o.nodes; ++n) {
     for (int64_t g = 0; g < o.gpus_per_node; ++g) {
       const std::string node = absl::StrCat("node", n);
-      const std::string dev = o.device == "cpu" ? "cpu" : absl::StrCat("cuda:", g);
-      const int64_t mport = metrics_port(1 + n * o.gpus_per_node + g);  // consecutive after the coordinator's
-      std::vector<std::string> argv = {(bin / "shardserve-worker").string(),
-                                       "--coordinator",
-                                       c->address_,
-                                       "--node",
-                                       node,
-                                       "--device",
-                                       dev,
-                                       "--metrics-listen",
-                                       absl::StrCat("127.0.0.1:", mport),
-                                       "--log-format",
-                                       o.log_format};
-      argv.insert(argv.end(), o.worker_flags.begin(), o.worker_flags.end());
-      const std::string name = absl::StrCat("worker ", node, "/", g);
-      if (absl::Status s = c->Spawn(name, argv, absl::StrCat("worker-", node, "-", g, ".log"), true); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
-      }
-      c->metrics_lines_.push_back(absl::StrCat("  worker ", node, "/", g, "  http://127.0.0.1:", mport, "/metrics"));
+      SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("worker ", node, "/", g), node, g,
+                                                metrics_port(1 + n * o.gpus_per_node + g), /*spare=*/false));
     }
   }
   for (int64_t k = 0; k < o.spare_workers; ++k) {
     const std::string node = absl::StrCat("node", k % o.nodes);
-    const std::string dev = o.device == "cpu" ? "cpu" : absl::StrCat("cuda:", o.gpus_per_node + k / o.nodes);
-    const int64_t mport = metrics_port(1 + o.nodes * o.gpus_per_node + k);
-    std::vector<std::string> argv = {(bin / "shardserve-worker").string(),
-                                     "--coordinator",
-                                     c->address_,
-                                     "--node",
-                                     node,
-                                     "--device",
-                                     dev,
-                                     "--metrics-listen",
-                                     absl::StrCat("127.0.0.1:", mport),
-                                     "--log-format",
-                                     o.log_format,
-                                     "--spare"};
-    argv.insert(argv.end(), o.worker_flags.begin(), o.worker_flags.end());
-    const std::string name = absl::StrCat("spare ", node, "/", k);
-    if (absl::Status s = c->Spawn(name, argv, absl::StrCat("spare-", node, "-", k, ".log"), true); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("starting ", name, ": ", s.message()));
-    }
-    c->metrics_lines_.push_back(absl::StrCat("  spare ", node, "/", k, "  http://127.0.0.1:", mport, "/metrics"));
+    SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("spare ", node, "/", k), node,
+                                              o.gpus_per_node + k / o.nodes,
+                                              metrics_port(1 + o.nodes * o.gpus_per_node + k), /*spare=*/true));
   }
   ClientOptions client;
   client.address = c->address_;

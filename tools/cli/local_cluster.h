@@ -133,6 +133,11 @@ class LocalCluster {
   explicit LocalCluster(LocalClusterOptions options) : options_(std::move(options)) {}
   absl::Status Spawn(const std::string& name, const std::vector<std::string>& argv, const std::string& log_name,
                      bool worker);
+  // Starts worker `name` ("worker node0/1", "spare node1/3") for `node` on GPU `gpu` (device
+  // cuda:gpu; cpu on CPU clusters), its metrics on 127.0.0.1:metrics_port, with --spare when
+  // `spare`, then the options' worker flags; logs to <name with '-' for ' ' and '/'>.log.
+  absl::Status SpawnWorker(const std::string& name, const std::string& node, int64_t gpu, int64_t metrics_port,
+                           bool spare);
   // Starts the reaped child `name` (a worker when `worker`) again; see RestartWorker.
   absl::Status Restart(const std::string& name, bool worker);
   // Forks and execs `argv` with stdout and stderr to `log` (truncated, or appended to).
