@@ -1,5 +1,10 @@
 #include "kernels/backend.h"
 
+#include <cstdint>
+#include <vector>
+
+#include "base/status_macros.h"
+
 namespace shardserve {
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
@@ -17,6 +22,17 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 Buffer::~Buffer() {
   if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
+}
+
+absl::Status Backend::FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckCounterUniformSlice("FillCounterUniform", *out, slice));
+  if (device_kind() == DeviceKind::kCpu) {
+    FillCounterUniformOnHost(out->data, out->dtype, slice);
+    return absl::OkStatus();
+  }
+  std::vector<uint8_t> staging(out->bytes());
+  FillCounterUniformOnHost(staging.data(), out->dtype, slice);
+  return CopyToDevice(out->data, staging.data(), staging.size());
 }
 
 absl::StatusOr<Buffer> Backend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {

@@ -35,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/counter_uniform.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
 
@@ -93,6 +94,18 @@ class Backend {
   virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status Fill0(void* dst, size_t bytes) = 0;
   virtual absl::Status Synchronize() = 0;
+
+  // Writes a slice of a counter-generated tensor (kernels/counter_uniform.h) into `out` on this
+  // backend's device (F32, F16 or BF16; out_rows() x out_cols() elements): the dummy weights,
+  // made where they live. Every backend writes the same bits as FillCounterUniformOnHost. The
+  // base makes them on the host (directly into `out` on the CPU; through a host buffer and
+  // CopyToDevice elsewhere); the CUDA backend makes them with a kernel, no host copy.
+  virtual absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice);
+
+  // Kernels this backend has launched since the process started: on CUDA each of our kernel
+  // launches and each cuBLAS call (counted as one, whatever cuBLAS launches inside it); 0 on the
+  // CPU, which launches none. For the kernels-per-step figure (docs/gpu.md).
+  virtual uint64_t kernel_launches() const { return 0; }
 
   // Stores a MatMul weight w [m, k] in the layout this backend's GEMM reads fastest, once, at
   // load. Returns the buffer holding the repacked copy and sets *packed to an [m, k] tensor

@@ -7,20 +7,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/backend.h"
 
 namespace shardserve {
 namespace {
 
 std::string ShapeString(const std::vector<int64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
-
-// SplitMix64's output function (Steele, Lea, Flood 2014): a bijection of 64-bit words whose
-// outputs for consecutive inputs pass BigCrush.
-uint64_t Mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
 
 // FNV-1a, 64-bit: the tensor's name as a number.
 uint64_t HashName(const std::string& name) {
@@ -29,9 +21,10 @@ uint64_t HashName(const std::string& name) {
   return h;
 }
 
-// The stream of tensor `name`: element i is Mix64(key + (i + 1) * gamma), i.e. the i-th output of a
-// SplitMix64 generator seeded with `key`, a function of the index alone.
-uint64_t TensorKey(uint64_t seed, const std::string& name) { return Mix64(seed ^ Mix64(HashName(name))); }
+// The key of tensor `name`'s counter-based stream (kernels/counter_uniform.h).
+uint64_t TensorKey(uint64_t seed, const std::string& name) {
+  return SplitMix64Mix(seed ^ SplitMix64Mix(HashName(name)));
+}
 
 // Half-width of the uniform distribution of tensor `name`'s elements; 0 marks the norms (1.0).
 //
@@ -52,20 +45,6 @@ float ElementScale(const std::string& name, const std::vector<int64_t>& shape) {
   if (absl::EndsWith(name, "norm.weight")) return 0;
   if (absl::EndsWith(name, ".bias")) return 0.1f;
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.back())));
-}
-
-// Writes elements [first, first + n) of the tensor's stream, scaled by `a` (0: 1.0 exactly).
-void Fill(uint64_t key, float a, int64_t first, int64_t n, float* out) {
-  if (a == 0) {
-    for (int64_t i = 0; i < n; ++i) out[i] = 1.0f;
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t bits = Mix64(key + static_cast<uint64_t>(first + i + 1) * kGamma);
-    // The top 24 bits k give (2k + 1) / 2^24 - 1: symmetric around 0, inside (-1, 1), exact in float.
-    const float u = static_cast<float>(2 * (bits >> 40) + 1) * (1.0f / 16777216.0f) - 1.0f;
-    out[i] = a * u;
-  }
 }
 
 }  // namespace
@@ -96,7 +75,8 @@ std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig&
   return t;
 }
 
-DummyWeights::DummyWeights(const ModelConfig& config, uint64_t seed) : seed_(seed), shapes_(ModelTensorShapes(config)) {}
+DummyWeights::DummyWeights(const ModelConfig& config, uint64_t seed, bool on_device)
+    : seed_(seed), on_device_(on_device), shapes_(ModelTensorShapes(config)) {}
 
 absl::Status DummyWeights::CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const {
   auto it = shapes_.find(name);
@@ -115,53 +95,53 @@ absl::Status DummyWeights::CheckShape(const std::string& name, const std::vector
 float DummyWeights::Element(const std::string& name, int64_t flat_index) const {
   auto it = shapes_.find(name);
   const float a = it == shapes_.end() ? 0 : ElementScale(name, it->second);
-  float v = 0;
-  Fill(TensorKey(seed_, name), a, flat_index, 1, &v);
-  return v;
+  return CounterUniformValue(TensorKey(seed_, name), a, static_cast<uint64_t>(flat_index));
 }
 
-absl::Status DummyWeights::Read(const std::string& name, const std::vector<int64_t>& expected_shape,
-                                const Slice& slice, DType dst_type, void* dst) const {
+absl::StatusOr<CounterUniformSlice> DummyWeights::SliceOf(const std::string& name,
+                                                          const std::vector<int64_t>& expected_shape,
+                                                          const Slice& slice) const {
   if (absl::Status s = CheckShape(name, expected_shape); !s.ok()) return s;
   const std::vector<int64_t>& shape = shapes_.at(name);
-  if (dst_type != DType::kF32 && dst_type != DType::kF16 && dst_type != DType::kBF16) {
-    return absl::InvalidArgumentError(absl::StrCat("dummy weights: tensor \"", name, "\" asked for as ",
-                                                   DTypeName(dst_type), "; weights are F32, F16 or BF16"));
-  }
   if (slice.dim < 0 || slice.dim >= static_cast<int>(shape.size())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice dimension ", slice.dim, " out of range"));
   }
-  const int64_t rows = shape[0], cols = shape.size() == 2 ? shape[1] : 1;
   const int64_t extent = shape[slice.dim];
   const int64_t begin = slice.begin, end = slice.end < 0 ? extent : slice.end;
   if (begin < 0 || begin > end || end > extent) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice [", begin, ", ", end,
                                                    ") of dimension ", slice.dim, " outside [0, ", extent, ")"));
   }
-  const uint64_t key = TensorKey(seed_, name);
-  const float a = ElementScale(name, shape);
-  const size_t ds = DTypeSize(dst_type);
-  uint8_t* out = static_cast<uint8_t*>(dst);
-  // Runs of consecutive flat indices: one for a row range, one per row for a column range. Made in
-  // float32 through a small buffer, then converted into place.
-  constexpr int64_t kChunk = 4096;
-  float chunk[kChunk];
-  auto run = [&](int64_t first, int64_t n, uint8_t* to) {
-    for (int64_t done = 0; done < n; done += kChunk) {
-      const int64_t m = std::min(kChunk, n - done);
-      if (dst_type == DType::kF32) {
-        Fill(key, a, first + done, m, reinterpret_cast<float*>(to) + done);
-      } else {
-        Fill(key, a, first + done, m, chunk);
-        ConvertOnHost(to + static_cast<size_t>(done) * ds, dst_type, chunk, DType::kF32, static_cast<size_t>(m));
-      }
-    }
-  };
-  if (slice.dim == 0) {
-    run(begin * cols, (end - begin) * cols, out);
-  } else {
-    const int64_t n = end - begin;
-    for (int64_t r = 0; r < rows; ++r) run(r * cols + begin, n, out + static_cast<size_t>(r * n) * ds);
+  CounterUniformSlice s;
+  s.key = TensorKey(seed_, name);
+  s.scale = ElementScale(name, shape);
+  s.rows = shape[0];
+  s.cols = shape.size() == 2 ? shape[1] : 1;
+  s.dim = slice.dim;
+  s.begin = begin;
+  s.end = end;
+  return s;
+}
+
+absl::Status DummyWeights::Read(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                const Slice& slice, DType dst_type, void* dst) const {
+  absl::StatusOr<CounterUniformSlice> s = SliceOf(name, expected_shape, slice);
+  if (!s.ok()) return s.status();
+  if (dst_type != DType::kF32 && dst_type != DType::kF16 && dst_type != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat("dummy weights: tensor \"", name, "\" asked for as ",
+                                                   DTypeName(dst_type), "; weights are F32, F16 or BF16"));
+  }
+  FillCounterUniformOnHost(dst, dst_type, *s);
+  return absl::OkStatus();
+}
+
+absl::Status DummyWeights::ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                        const Slice& slice, Backend* backend, Tensor* dst) const {
+  if (!on_device_) return WeightSource::ReadOnDevice(name, expected_shape, slice, backend, dst);
+  absl::StatusOr<CounterUniformSlice> s = SliceOf(name, expected_shape, slice);
+  if (!s.ok()) return s.status();
+  if (absl::Status st = backend->FillCounterUniform(dst, *s); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("dummy weights: tensor \"", name, "\": ", st.message()));
   }
   return absl::OkStatus();
 }

@@ -5,7 +5,10 @@
 // Element (r, c) of tensor `name` (shape [rows, cols]; 1-D tensors are [rows]) is a function of
 // (seed, name, r * cols + c) only, never of which slice is asked for: any rank's slice of any
 // tensor equals the same elements of the whole tensor, so every TP x PP layout runs the same model
-// as one process, each rank making only its own slice.
+// as one process, each rank making only its own slice. The function is kernels/counter_uniform.h's
+// counter-based generator (SplitMix64 of the element index, keyed by the seed and a hash of the
+// name), so a slice can also be made directly in device memory (ReadOnDevice: the CUDA backend's
+// kernel writes the same bits; no host copy of the weights).
 //
 // Values (chosen so activations stay finite however many layers; see ElementScale in the .cc):
 //   norms (input_layernorm, post_attention_layernorm, model.norm): 1.0 exactly;
@@ -21,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/counter_uniform.h"
 #include "model/config.h"
 #include "model/weight_source.h"
 
@@ -33,13 +37,23 @@ std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig&
 
 class DummyWeights : public WeightSource {
  public:
-  DummyWeights(const ModelConfig& config, uint64_t seed);
+  // on_device: ReadOnDevice makes each slice in the backend's memory (Backend::FillCounterUniform)
+  // instead of refusing (the loader then reads on the host and copies). Off by default until the
+  // CUDA kernel has passed its test on a GPU (docs/gpu.md; worker --dummy-weights device).
+  DummyWeights(const ModelConfig& config, uint64_t seed, bool on_device = false);
 
   // NotFound for a name the model has no tensor of; InvalidArgument naming both shapes for another
   // shape (as Checkpoint does).
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
   absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
                     DType dst_type, void* dst) const override;
+  absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
+                            Backend* backend, Tensor* dst) const override;
+
+  // The counter-generated slice Read and ReadOnDevice write: CheckShape's errors, or
+  // InvalidArgument naming the tensor for a slice outside it.
+  absl::StatusOr<CounterUniformSlice> SliceOf(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                              const Slice& slice) const;
 
   // The value Read writes (before conversion to dst_type) for element `flat_index` (r * cols + c)
   // of tensor `name`. No check of the name or the index: for tests.
@@ -49,6 +63,7 @@ class DummyWeights : public WeightSource {
 
  private:
   const uint64_t seed_;
+  const bool on_device_;
   const std::map<std::string, std::vector<int64_t>> shapes_;
 };
 

@@ -12,10 +12,15 @@ absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("load-format must be auto or dummy, got '", name, "'"));
 }
 
+absl::Status WeightSource::ReadOnDevice(const std::string& name, const std::vector<int64_t>&, const Slice&, Backend*,
+                                        Tensor*) const {
+  return absl::UnimplementedError(absl::StrCat("tensor \"", name, "\": this weight source reads on the host only"));
+}
+
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesystem::path& dir,
                                                                const ModelConfig& config, LoadFormat format,
-                                                               uint64_t dummy_seed) {
-  if (format == LoadFormat::kDummy) return std::make_unique<DummyWeights>(config, dummy_seed);
+                                                               uint64_t dummy_seed, bool dummy_on_device) {
+  if (format == LoadFormat::kDummy) return std::make_unique<DummyWeights>(config, dummy_seed, dummy_on_device);
   absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
   if (!checkpoint.ok()) return checkpoint.status();
   return std::unique_ptr<WeightSource>(std::move(*checkpoint));

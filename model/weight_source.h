@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "model/config.h"
 
@@ -44,6 +45,12 @@ class WeightSource {
   // tensor) must match, as CheckShape says.
   virtual absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
                             DType dst_type, void* dst) const = 0;
+
+  // Makes `slice` of tensor `name` directly in `backend`'s memory: `dst` (allocated by `backend`,
+  // of its act dtype and the slice's shape). Sources that can (DummyWeights with on_device) save
+  // the host copy; the base refuses with Unimplemented and the caller reads on the host instead.
+  virtual absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape,
+                                    const Slice& slice, Backend* backend, Tensor* dst) const;
 };
 
 // --load-format: auto reads the checkpoint's safetensors; dummy makes the weights from config.json
@@ -54,10 +61,11 @@ enum class LoadFormat { kAuto, kDummy };
 absl::StatusOr<LoadFormat> ParseLoadFormat(absl::string_view name);
 
 // The weights of the model at `dir` (whose config.json is `config`): its checkpoint (kAuto), or
-// DummyWeights(config, dummy_seed) (kDummy: no safetensors needed, nothing under `dir` is read).
+// DummyWeights(config, dummy_seed, dummy_on_device) (kDummy: no safetensors needed, nothing under
+// `dir` is read).
 absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesystem::path& dir,
                                                                const ModelConfig& config, LoadFormat format,
-                                                               uint64_t dummy_seed);
+                                                               uint64_t dummy_seed, bool dummy_on_device = false);
 
 }  // namespace shardserve
 

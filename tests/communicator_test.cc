@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -40,6 +41,7 @@
 #include "worker/comm/interface.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
+#include "worker/comm/staged_communicator.h"
 
 #if SHARDSERVE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -282,6 +284,107 @@ TEST_F(CommunicatorTest, GlooSendRecvPipelineHandOff) {
       }
     }
   });
+}
+
+// ---- Host-staged (StagedCommunicator over Gloo) ---------------------------------------------------
+
+// A "device" whose memory holds every byte XOR 0x5A: only a communicator that copies through the
+// copier sees the real values, so one that handed device pointers to Gloo would sum, gather and
+// send scrambled bytes and fail these checks. `fail_after` copies succeed, then every copy fails.
+class ScramblingCopier final : public DeviceCopier {
+ public:
+  explicit ScramblingCopier(int fail_after = -1) : fail_after_(fail_after) {}
+  absl::Status ToHost(void* host_dst, const void* device_src, size_t bytes) override {
+    return Copy(host_dst, device_src, bytes);
+  }
+  absl::Status ToDevice(void* device_dst, const void* host_src, size_t bytes) override {
+    return Copy(device_dst, host_src, bytes);
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  static void Scramble(void* p, size_t bytes) {
+    for (size_t i = 0; i < bytes; ++i) static_cast<uint8_t*>(p)[i] ^= 0x5A;
+  }
+
+ private:
+  absl::Status Copy(void* dst, const void* src, size_t bytes) {
+    if (fail_after_ >= 0 && copies_++ >= fail_after_) return absl::InternalError("test copier: the device is gone");
+    std::memcpy(dst, src, bytes);
+    Scramble(dst, bytes);
+    return absl::OkStatus();
+  }
+  const int fail_after_;
+  int copies_ = 0;
+};
+
+// Two ranks, as two CUDA workers sharing one GPU with --collectives gloo would run them: an
+// all-reduce of F32 and of BF16 (widened to float32 on the host: Gloo sums F32 and I32 only), an
+// all-gather, a pipeline send/recv and a barrier, every tensor in "device" memory.
+TEST_F(CommunicatorTest, StagedOverGlooMovesDeviceTensors) {
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> gloo = JoinGloo(&store, "staged", rank, 2);
+    ASSERT_TRUE(gloo.ok()) << gloo.status();
+    StagedCommunicator comm(std::move(*gloo), std::make_unique<ScramblingCopier>());
+    EXPECT_EQ(comm.rank(), rank);
+    EXPECT_EQ(comm.size(), 2);
+    // F32, 300007 elements (over Gloo's 1 MiB segment).
+    const int64_t n = 300007;
+    std::vector<float> x(n);
+    for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(rank, i);
+    ScramblingCopier::Scramble(x.data(), n * sizeof(float));
+    Tensor t(x.data(), DType::kF32, {n});
+    ASSERT_TRUE(comm.AllReduceSum(&t).ok());
+    ScramblingCopier::Scramble(x.data(), n * sizeof(float));
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; ++i) wrong += x[i] != AllReduceInput(0, i) + AllReduceInput(1, i);
+    EXPECT_EQ(wrong, 0) << "rank " << rank;
+    // BF16: multiples of 1/4 below 8 are exact in bfloat16, and so are their sums.
+    std::vector<uint16_t> h(5);
+    for (int i = 0; i < 5; ++i) h[i] = F32ToBf16(AllReduceInput(rank, i));
+    ScramblingCopier::Scramble(h.data(), h.size() * 2);
+    Tensor hb(h.data(), DType::kBF16, {5});
+    ASSERT_TRUE(comm.AllReduceSum(&hb).ok());
+    ScramblingCopier::Scramble(h.data(), h.size() * 2);
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(Bf16ToF32(h[i]), AllReduceInput(0, i) + AllReduceInput(1, i)) << i;
+    // AllGather of [3] per rank into [2, 3].
+    std::vector<float> in = {rank * 10.0f, rank * 10.0f + 1, rank * 10.0f + 2}, out(6, -1.0f);
+    ScramblingCopier::Scramble(in.data(), 12);
+    Tensor out_t(out.data(), DType::kF32, {2, 3});
+    ASSERT_TRUE(comm.AllGather(&out_t, Tensor(in.data(), DType::kF32, {3})).ok());
+    ScramblingCopier::Scramble(out.data(), 24);
+    EXPECT_EQ(out, (std::vector<float>{0, 1, 2, 10, 11, 12})) << "rank " << rank;
+    // Rank 0 sends its hidden state to rank 1.
+    std::vector<float> hidden(4);
+    for (int i = 0; i < 4; ++i) hidden[i] = rank == 0 ? 0.5f * i : -1.0f;
+    ScramblingCopier::Scramble(hidden.data(), 16);
+    Tensor ht(hidden.data(), DType::kF32, {1, 4});
+    if (rank == 0) {
+      ASSERT_TRUE(comm.Send(ht, 1).ok());
+    } else {
+      ASSERT_TRUE(comm.Recv(&ht, 0).ok());
+      ScramblingCopier::Scramble(hidden.data(), 16);
+      EXPECT_EQ(hidden, (std::vector<float>{0, 0.5f, 1, 1.5f}));
+    }
+    EXPECT_TRUE(comm.Barrier().ok());
+  });
+}
+
+// A failed copy breaks the communicator as a failed collective does: the error comes back, and
+// every later call is FailedPrecondition quoting it (the peers are no longer in step).
+TEST_F(CommunicatorTest, StagedCopyFailureBreaksTheCommunicator) {
+  InMemoryRendezvousStore store;
+  absl::StatusOr<std::unique_ptr<Communicator>> gloo = JoinGloo(&store, "staged-fail", 0, 1);
+  ASSERT_TRUE(gloo.ok()) << gloo.status();
+  StagedCommunicator comm(std::move(*gloo), std::make_unique<ScramblingCopier>(/*fail_after=*/2));
+  float x[3] = {1, 2, 3};
+  Tensor t(x, DType::kF32, {3});
+  ASSERT_TRUE(comm.AllReduceSum(&t).ok());  // two copies
+  absl::Status s = comm.AllReduceSum(&t);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the device is gone"));
+  s = comm.Barrier();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the device is gone"));
 }
 
 // ---- Gloo: argument errors -------------------------------------------------------------------

@@ -4,6 +4,8 @@
 #include "model/dummy_weights.h"
 
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -124,6 +126,61 @@ TEST(DummyWeightsTest, RefusesWhatTheModelDoesNotHaveAsACheckpointDoes) {
   EXPECT_TRUE(absl::IsNotFound(tied.CheckShape("lm_head.weight", {1, 1})));
   const ModelConfig q = Config("qwen2_tied_bias");
   EXPECT_TRUE(tied.CheckShape("model.layers.0.self_attn.q_proj.bias", {q.q_dim()}).ok());
+}
+
+// Values pinned from an independent reimplementation of the formula (FNV-1a of the name, SplitMix64
+// of the seed and the element index, the top 24 bits k to float(2k + 1) / 2^24 - 1, times
+// 1/sqrt(cols) or 0.1 for biases, each step rounded to float32 as C++ rounds it), written in Python
+// when the generator moved to kernels/counter_uniform.h: the
+// move kept every value, and a change of the formula (which would change every dummy-based
+// expectation and the GPU kernel's) fails here first.
+TEST(DummyWeightsTest, KnownValues) {
+  const DummyWeights w(Config("qwen2_tied_bias"), 7);  // hidden 64, intermediate 128
+  EXPECT_EQ(w.Element("model.embed_tokens.weight", 0), 0x1.962148p-4f);
+  EXPECT_EQ(w.Element("model.embed_tokens.weight", 1), 0x1.ea05f0p-4f);
+  EXPECT_EQ(w.Element("model.embed_tokens.weight", 12345), 0x1.feff20p-4f);
+  EXPECT_EQ(w.Element("model.layers.2.mlp.down_proj.weight", 0), -0x1.403214p-4f);
+  EXPECT_EQ(w.Element("model.layers.2.mlp.down_proj.weight", 7), -0x1.315434p-4f);
+  EXPECT_EQ(w.Element("model.layers.2.mlp.down_proj.weight", 8191), 0x1.676b4cp-5f);
+  EXPECT_EQ(w.Element("model.layers.0.self_attn.q_proj.bias", 0), -0x1.f13cfep-5f);
+  EXPECT_EQ(w.Element("model.layers.0.self_attn.q_proj.bias", 63), 0x1.7b396ep-4f);
+}
+
+// ReadOnDevice (the path a CUDA worker takes with --dummy-weights device) writes what Read writes,
+// through Backend::FillCounterUniform; here on the CPU backend, the same bytes in F32 and (through
+// the host conversion) BF16. Without on_device it refuses with Unimplemented, and the loader reads
+// on the host as before. The CUDA kernel's bytes are checked against the host generator's in
+// kernels_cuda_test (CudaVsCpu.CounterUniform).
+TEST(DummyWeightsTest, ReadOnDeviceWritesWhatReadWrites) {
+  const ModelConfig c = Config("qwen2_tied_bias");
+  const DummyWeights on(c, 5, /*on_device=*/true), off(c, 5);
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  const std::string name = "model.layers.1.mlp.gate_proj.weight";
+  const std::vector<int64_t> shape = {c.intermediate_size, c.hidden_size};
+  for (const Slice& slice : {Slice{0, 0, -1}, Slice{0, 32, 64}, Slice{1, 16, 48}}) {
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      const int64_t rows = slice.dim == 0 ? (slice.end < 0 ? shape[0] : slice.end) - slice.begin : shape[0];
+      const int64_t cols = slice.dim == 1 ? slice.end - slice.begin : shape[1];
+      absl::StatusOr<Buffer> buf = cpu->Allocate(static_cast<size_t>(rows * cols) * DTypeSize(t));
+      ASSERT_TRUE(buf.ok()) << buf.status();
+      Tensor dst = buf->View(t, {rows, cols});
+      std::memset(dst.data, 0xFF, dst.bytes());
+      absl::Status s = on.ReadOnDevice(name, shape, slice, cpu.get(), &dst);
+      ASSERT_TRUE(s.ok()) << s;
+      std::vector<uint8_t> want(dst.bytes(), 0);
+      ASSERT_TRUE(off.Read(name, shape, slice, t, want.data()).ok());
+      EXPECT_EQ(std::memcmp(dst.data, want.data(), want.size()), 0) << DTypeName(t) << " slice dim " << slice.dim;
+      EXPECT_TRUE(absl::IsUnimplemented(off.ReadOnDevice(name, shape, slice, cpu.get(), &dst)));
+    }
+  }
+  // Errors name the tensor: a wrong shape, and an output of the wrong size.
+  absl::StatusOr<Buffer> small = cpu->Allocate(16);
+  ASSERT_TRUE(small.ok());
+  Tensor tiny = small->View(DType::kF32, {2, 2});
+  absl::Status s = on.ReadOnDevice(name, shape, Slice{0, 0, -1}, cpu.get(), &tiny);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find(name), std::string::npos) << s;
+  EXPECT_TRUE(absl::IsInvalidArgument(on.ReadOnDevice(name, {1, 1}, Slice{0, 0, -1}, cpu.get(), &tiny)));
 }
 
 // The argument in model/dummy_weights.cc (pre-norm blocks add increments of bounded size) checked:

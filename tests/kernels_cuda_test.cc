@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/counter_uniform.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
 
@@ -299,6 +300,48 @@ class CudaChecks : public CudaTest {};
 std::string DTypeParamName(const ::testing::TestParamInfo<DType>& info) { return DTypeName(info.param); }
 
 // ---- Ops --------------------------------------------------------------------------------------
+
+// The dummy weights' generator made in device memory (kernels/cuda/counter_uniform.cu) against the
+// host generator the CPU path uses (FillCounterUniformOnHost): the same bytes, exactly, for a row
+// range, a column range, a 1-D tensor and a tensor of ones (scale 0), each in the act dtype; and
+// each launch counted once in kernel_launches().
+TEST_P(CudaVsCpu, CounterUniform) {
+  struct Case {
+    const char* what;
+    CounterUniformSlice s;
+  };
+  const uint64_t key = 0x1234567890ABCDEFull;
+  const std::vector<Case> cases = {
+      {"rows [3, 17) of [40, 333]", {key, 0.05f, 40, 333, 0, 3, 17}},
+      {"columns [100, 301) of [29, 333]", {key ^ 1, 0.05f, 29, 333, 1, 100, 301}},
+      {"a 1-D slice [5, 1005) of [4099]", {key ^ 2, 0.1f, 4099, 1, 0, 5, 1005}},
+      {"ones (scale 0) [7, 64]", {key ^ 3, 0.0f, 7, 64, 0, 0, 7}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const int64_t rows = c.s.out_rows(), cols = c.s.out_cols();
+    SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {rows, cols}));
+    const uint64_t launches = cuda_->kernel_launches();
+    SS_RUN_OP("CUDA", cuda_->FillCounterUniform(&g_out.t, c.s));
+    EXPECT_EQ(cuda_->kernel_launches(), launches + 1);
+    std::string guard_error;
+    absl::StatusOr<std::vector<uint8_t>> got = ReadBytes(cuda_.get(), g_out, &guard_error);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(guard_error.empty()) << "stray " << guard_error;
+    std::vector<uint8_t> want(got->size());
+    FillCounterUniformOnHost(want.data(), act(), c.s);
+    size_t first_diff = want.size();
+    for (size_t i = 0; i < want.size() && first_diff == want.size(); ++i) {
+      if ((*got)[i] != want[i]) first_diff = i;
+    }
+    EXPECT_EQ(first_diff, want.size()) << "first differing byte " << first_diff << " of " << want.size();
+  }
+  // A slice outside the tensor is refused before any launch.
+  SS_ASSIGN_OR_FAIL(Guarded g_bad, Output(cuda_.get(), act(), {2, 10}));
+  CounterUniformSlice bad{key, 0.05f, 4, 10, 0, 3, 5};
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda_->FillCounterUniform(&g_bad.t, bad)));
+}
+
 
 TEST_P(CudaVsCpu, Embedding) {
   const int64_t vocab = 500, rows = 300, row_offset = 100, d = 200;

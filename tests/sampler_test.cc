@@ -733,7 +733,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string
           a.mutable_limits());
   a.set_collective_timeout_seconds(10);
   InMemoryRendezvousStore store;  // unused: every group has one rank
-  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", /*cpu_threads=*/0, matmul);
+  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = matmul});
 }
 
 // A worker refuses a KV cache that int32 slots cannot address (more than kMaxKvCacheTokens

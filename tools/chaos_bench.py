@@ -41,7 +41,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +53,9 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python", "gen"))
 import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from launch_process import LaunchProcess  # noqa: E402
+
 
 def log(message):
     print(f"chaos_bench: {message}", flush=True)
@@ -61,55 +63,16 @@ def log(message):
 
 # ---- launch and its processes -------------------------------------------------------------------
 
-class Launch:
-    """`shardserve launch` in a session of its own; stop() ends it and everything it started."""
+class Launch(LaunchProcess):
+    """`shardserve launch` of the benchmark's cluster, in a session of its own (tools/launch_process.py)."""
 
     def __init__(self, args, log_dir):
-        self.log_dir = log_dir
-        self.out_path = os.path.join(log_dir, "launch.out")
         cmd = [os.path.join(args.bin_dir, "shardserve"), "launch", "--model", args.model, "--nodes", str(args.nodes),
                "--gpus-per-node", str(args.gpus_per_node), "--address", "127.0.0.1:0", "--metrics-port-base", "0",
                "--http-port", "0", "--insecure", "--log-dir", log_dir, "--log-format", "json",
                "--max-worker-restarts", "1000", "--heal-timeout-seconds", str(args.heal_timeout),
                "--spare-workers", str(args.spare_workers)] + args.launch_flags
-        self.command = cmd
-        self.out = open(self.out_path, "w")
-        # A state directory of its own: launch writes cluster.json there, not over the one of a
-        # cluster the user (or a test running beside this one) has started.
-        env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-
-    def output(self):
-        with open(self.out_path, errors="replace") as f:
-            return f.read()
-
-    def wait_ready(self, seconds):
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            m = re.search(r"ready\. Connect to (\S+) ", self.output())
-            if m:
-                return m.group(1)
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            time.sleep(0.2)
-        raise RuntimeError(f"launch not ready within {seconds} s:\n{self.output()[-4000:]}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in its session
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.out.close()
+        super().__init__(cmd, log_dir)
 
 
 def children(pid):

@@ -18,7 +18,9 @@
 #                                 docs/benchmarks.md) and logs.tar.gz. Exit 1 if a step failed.
 #
 # STEPS="gpu membw ..." (names below) runs only those steps, to split the run over several
-# commands of 10 minutes (docs/gpu.md); unset: all of them.
+# commands of 10 minutes (docs/gpu.md); unset: all of them. BENCH_FLAGS="--worker-dummy-weights
+# device" adds flags to every benchmark's `shardserve bench --compare` (dummy weights made on the
+# GPU: once cuda-ops' CounterUniform cases have passed); TP_LAYOUTS replaces tp-on-one-gpu's list.
 #
 # Steps, in order (cheapest and most needed first, so that a run cut short keeps them):
 #   gpu            nvidia-smi's name, memory and driver; the card's datasheet bandwidth by name
@@ -36,7 +38,10 @@
 #                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
 #                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
 #                  the planner's figure
-#   tp-on-one-gpu  TP=2 / PP=2 as worker processes sharing the GPU over Gloo: not supported (see note)
+#   tp-on-one-gpu  tools/gpu_layouts_check.py: TP=2, PP=2 and TP2xPP2 as worker processes sharing the
+#                  GPU (--worker-collectives gloo: host-staged), and TP=1 with the dummy weights made
+#                  in GPU memory, each against generate-ids (one process): the same greedy tokens
+#                  (TP_LAYOUTS overrides the list); the workers' kernels per decode step
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=tools/gpu-tests.sh
@@ -45,7 +50,6 @@ source tools/gpu-tests.sh
 BUNDLE=build/gpu-bundle
 CARRY_LIMIT=$((64 << 20))
 REPORT=(python3 tools/gpu_bench_report.py)
-NOT_SUPPORTED_TP="CUDA workers always join NCCL groups (worker/step_executor.cc MakeCommunicator) and NCCL refuses two ranks on one GPU; the Gloo communicator takes host tensors only, so TP/PP across processes sharing one GPU needs a host-staged Gloo path for CUDA workers, not written yet"
 
 usage() {
   sed -n '2,/^[^#]/{/^#/p}' "$0" >&2
@@ -191,6 +195,15 @@ EOF
   echo "$dir"
 }
 
+# kernels_metric LOG_DIR: "--metric kernels_per_decode_step=N", N the largest figure of the
+# workers' "kernels per decode step: N" log lines under LOG_DIR (a CUDA worker logs it when it
+# changes: worker/worker_service.cc; with TP = 1 the one worker's is the model's), or nothing.
+kernels_metric() {
+  local n
+  n=$(grep -rhoE 'kernels per decode step: [0-9]+' "$1" 2>/dev/null | awk '{print $NF}' | sort -n | tail -1)
+  [ -n "$n" ] && echo "--metric kernels_per_decode_step=$n"
+}
+
 # bench_step NAME MODEL_DIR PRESET CONCURRENCY REQUESTS INPUT OUTPUT: shardserve bench --compare tp1
 # with dummy weights on cuda, recorded with its figures, the bytes a decode step reads (weights +
 # the mean context's KV cache, from the plan) and the workers' memory lines.
@@ -201,7 +214,7 @@ bench_step() {
   "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json >"$plan" 2>/dev/null
   step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format dummy \
     --concurrency "$conc" --num-requests "$reqs" --warmup 1 --input-len "$in" --output-len "$out" \
-    --log-dir "$LOGS/$name" --json-out "$json"
+    --log-dir "$LOGS/$name" --json-out "$json" ${BENCH_FLAGS:-}
   local derived=()
   if [ -s "$plan" ]; then
     derived=($(python3 - "$plan" "$conc" "$in" "$out" <<'EOF'
@@ -217,7 +230,7 @@ EOF
   fi
   local figures=()
   [ -s "$json" ] && figures=(--json "$json")
-  record "$name" "${figures[@]}" "${derived[@]}" --memory "$LOGS/$name"
+  record "$name" "${figures[@]}" "${derived[@]}" $(kernels_metric "$LOGS/$name") --memory "$LOGS/$name"
 }
 
 run_steps() {
@@ -285,8 +298,24 @@ run_steps() {
   bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
 
   # ---- TP and PP on one GPU (issue 29 part 6) ----
-  want tp-on-one-gpu && "${REPORT[@]}" record "$RECORDS" "$(printf '%02d' "$STEP_NO")-tp-on-one-gpu" "not run" 0 \
-    --note "not supported: $NOT_SUPPORTED_TP"
+  # Worker processes sharing the GPU, their groups over Gloo staged through host memory
+  # (--worker-collectives gloo), against one process (generate-ids): the same greedy tokens. tp1 with
+  # --worker-dummy-weights device checks the weights made in GPU memory against the host-made ones.
+  # The dry run rehearses it for real on the CPU with a small model (tests/fixtures/models/llama_gqa's
+  # config: hidden 64, 4 heads, 2 KV heads, 5 layers).
+  if want tp-on-one-gpu; then
+    local lmodel=$llama ldev=cuda
+    if [ "$DRY_RUN" = 1 ]; then
+      lmodel=$(config_dir llama-gqa tests/fixtures/models/llama_gqa/config.json)
+      ldev=cpu
+    fi
+    DRY_RUN_RUNS=1 step tp-on-one-gpu 420 python3 tools/gpu_layouts_check.py --bin "$BIN" --model "$lmodel" \
+      --device "$ldev" --layouts "${TP_LAYOUTS:-tp1+--worker-dummy-weights=device,tp2,pp2,tp2xpp2}" \
+      --launch-flag=--worker-collectives=gloo --launch-flag=--num-kv-blocks=256 --max-new-tokens 16 \
+      --log-dir "$LOGS/tp-on-one-gpu" --out "$WORK/tp-on-one-gpu.json" --timeout-seconds 400
+    record tp-on-one-gpu --metric "layouts=${TP_LAYOUTS:-tp1+--worker-dummy-weights=device,tp2,pp2,tp2xpp2}" \
+      $(kernels_metric "$LOGS/tp-on-one-gpu")
+  fi
 }
 
 main() {

@@ -199,6 +199,7 @@ SHOWN = [
     ("roofline_tokens_per_s", "roofline tok/s"), ("roofline_fraction", "of roofline"),
     ("cluster_start_s", "start s"), ("kv_blocks_total", "KV blocks"), ("planned_kv_tokens", "planned KV tokens"),
     ("tests", "tests"), ("failures", "failures"), ("skipped", "skipped"),
+    ("kernels_per_decode_step", "kernels/decode step"), ("layouts", "layouts"),
 ]
 
 

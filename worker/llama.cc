@@ -57,6 +57,9 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const st
   if (backend_->device_kind() == DeviceKind::kCpu) {
     // Host memory: read the slice straight into place.
     SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, t.data));
+  } else if (absl::Status s = ckpt.ReadOnDevice(name, full_shape, slice, backend_, &t); !absl::IsUnimplemented(s)) {
+    // Made in device memory (dummy weights with --dummy-weights device): no host copy.
+    SHARDSERVE_RETURN_IF_ERROR(s);
   } else {
     std::vector<uint8_t> staging(t.bytes());
     SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging.data()));

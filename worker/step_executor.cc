@@ -15,6 +15,7 @@
 #include "model/shard_identity.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
+#include "worker/comm/staged_communicator.h"
 #if SHARDSERVE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -50,24 +51,32 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
 }
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
-// Gloo on the CPU, NCCL on a GPU. NCCL runs on the legacy default stream, not the backend's
-// (Backend does not expose its stream); TimedCommunicator synchronizes the backend before each
-// collective, which orders the two.
+// Gloo on the CPU, NCCL on a GPU, or Gloo staged through host memory on a GPU (kGloo). NCCL runs
+// on the legacy default stream, not the backend's (Backend does not expose its stream);
+// TimedCommunicator synchronizes the backend before each collective, which orders the two.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* store, const std::string& group,
                                                               int rank, int size, Backend* backend, int cuda_ordinal,
+                                                              Collectives collectives,
                                                               const std::string& collective_host,
                                                               absl::Duration timeout) {
   if (size == 1) return std::make_unique<LocalCommunicator>(backend);
   if (cuda_ordinal < 0) return MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+  if (collectives == Collectives::kGloo) {
+    absl::StatusOr<std::unique_ptr<Communicator>> gloo =
+        MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+    if (!gloo.ok()) return gloo.status();
+    return std::make_unique<StagedCommunicator>(std::move(*gloo), std::make_unique<BackendCopier>(backend));
+  }
   return MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
 }
 
 absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* store, const std::string& group, int rank,
                                                              int size, Backend* backend, int cuda_ordinal,
+                                                             Collectives collectives,
                                                              const std::string& collective_host,
                                                              absl::Duration timeout) {
   absl::StatusOr<std::unique_ptr<Communicator>> comm =
-      MakeCommunicator(store, group, rank, size, backend, cuda_ordinal, collective_host, timeout);
+      MakeCommunicator(store, group, rank, size, backend, cuda_ordinal, collectives, collective_host, timeout);
   if (!comm.ok()) return comm.status();
   return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
 }
@@ -105,6 +114,13 @@ absl::StatusOr<int> ParseDevice(const std::string& device) {
   return absl::InvalidArgumentError(absl::StrCat("device '", device, "' is not cpu, cuda or cuda:K"));
 }
 
+absl::StatusOr<Collectives> ParseCollectives(const std::string& name) {
+  if (name == "auto") return Collectives::kAuto;
+  if (name == "gloo") return Collectives::kGloo;
+  if (name == "nccl") return Collectives::kNccl;
+  return absl::InvalidArgumentError(absl::StrCat("collectives '", name, "' is not auto, gloo or nccl"));
+}
+
 CpuMatMul StepExecutor::ChooseCpuMatMul(DType checkpoint_dtype) {
   return checkpoint_dtype == DType::kBF16 && CpuHasNativeBf16MatMul() ? CpuMatMul::kBF16 : CpuMatMul::kF32;
 }
@@ -112,22 +128,26 @@ CpuMatMul StepExecutor::ChooseCpuMatMul(DType checkpoint_dtype) {
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
                                                                    RendezvousStore* store,
                                                                    const std::string& collective_host,
-                                                                   int cpu_threads,
-                                                                   std::optional<CpuMatMul> cpu_matmul) {
+                                                                   const StepExecutorOptions& worker_options) {
   SHARDSERVE_RETURN_IF_ERROR(CheckAssignment(a));
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
+  if (*cuda_ordinal < 0 && worker_options.collectives == Collectives::kNccl) {
+    return absl::InvalidArgumentError("collectives nccl needs a CUDA device; a cpu worker's groups are Gloo");
+  }
   absl::StatusOr<ModelConfig> config = LoadModelConfig(a.model_path());
   if (!config.ok()) return config.status();
 
   std::unique_ptr<StepExecutor> e(new StepExecutor());
   e->assignment_ = a;
   e->cuda_ordinal_ = *cuda_ordinal;
+  e->collectives_ = worker_options.collectives;
   e->epoch_ = a.epoch();
   e->collective_host_ = collective_host;
   std::tie(e->device_memory_.total, e->device_memory_.free_start) = DeviceMemoryInfo(*cuda_ordinal);
   if (*cuda_ordinal < 0) {
-    e->backend_ = MakeCpuBackend(cpu_threads, cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
+    e->backend_ = MakeCpuBackend(worker_options.cpu_threads,
+                                 worker_options.cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);
@@ -142,16 +162,19 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
   absl::StatusOr<std::unique_ptr<TimedCommunicator>> comm =
-      JoinGroup(store, a.tp_group(), a.tp_rank(), a.tp_size(), backend, *cuda_ordinal, collective_host, timeout);
+      JoinGroup(store, a.tp_group(), a.tp_rank(), a.tp_size(), backend, *cuda_ordinal, worker_options.collectives,
+                collective_host, timeout);
   if (!comm.ok()) return comm.status();
   e->tp_ = std::move(*comm);
   if (!first) {
-    comm = JoinGroup(store, a.recv_group(), 1, 2, backend, *cuda_ordinal, collective_host, timeout);
+    comm = JoinGroup(store, a.recv_group(), 1, 2, backend, *cuda_ordinal, worker_options.collectives,
+                     collective_host, timeout);
     if (!comm.ok()) return comm.status();
     e->recv_ = std::move(*comm);
   }
   if (!last) {
-    comm = JoinGroup(store, a.send_group(), 0, 2, backend, *cuda_ordinal, collective_host, timeout);
+    comm = JoinGroup(store, a.send_group(), 0, 2, backend, *cuda_ordinal, worker_options.collectives,
+                     collective_host, timeout);
     if (!comm.ok()) return comm.status();
     e->send_ = std::move(*comm);
   }
@@ -162,7 +185,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   // weights are copied into the shard.
   const LoadFormat format = a.load_format() == v1::LOAD_FORMAT_DUMMY ? LoadFormat::kDummy : LoadFormat::kAuto;
   absl::StatusOr<std::unique_ptr<WeightSource>> weights =
-      OpenWeightSource(a.model_path(), *config, format, a.dummy_seed());
+      OpenWeightSource(a.model_path(), *config, format, a.dummy_seed(), worker_options.dummy_weights_on_device);
   if (!weights.ok()) return weights.status();
   const WeightQuant quant = a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8   ? WeightQuant::kInt8
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
@@ -259,7 +282,7 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
   Backend* backend = backend_.get();
   auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size) -> absl::Status {
     absl::StatusOr<std::unique_ptr<Communicator>> comm =
-        MakeCommunicator(store, group, rank, size, backend, cuda_ordinal_, collective_host_, timeout);
+        MakeCommunicator(store, group, rank, size, backend, cuda_ordinal_, collectives_, collective_host_, timeout);
     if (!comm.ok()) return comm.status();
     c->Replace(std::move(*comm));
     return absl::OkStatus();
@@ -312,6 +335,7 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   }
   SHARDSERVE_RETURN_IF_ERROR(ToBatch(plan));
   const int64_t n = static_cast<int64_t>(batch_.positions.size());
+  const uint64_t launches_before = backend_->kernel_launches();
 
   // The previous stage's output is this stage's input.
   Tensor hidden = shard_->hidden(n);
@@ -332,6 +356,7 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     if (c != nullptr) collective += c->seconds();
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  last_step_kernel_launches_ = backend_->kernel_launches() - launches_before;
   result->set_collective_seconds(collective);
   result->set_forward_seconds(std::max(0.0, total - collective));
   return absl::OkStatus();

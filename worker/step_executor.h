@@ -44,6 +44,23 @@ namespace shardserve {
 // "cpu" -> -1; "cuda" -> 0; "cuda:K" -> K. InvalidArgument for anything else.
 absl::StatusOr<int> ParseDevice(const std::string& device);
 
+// The library of a worker's collective groups (worker --collectives): kAuto is Gloo on the CPU and
+// NCCL on CUDA; kGloo on CUDA stages each device tensor through host memory
+// (worker/comm/staged_communicator.h), so that several ranks can share one GPU, which NCCL
+// refuses; kNccl on the CPU is refused.
+enum class Collectives { kAuto, kGloo, kNccl };
+
+// "auto", "gloo" or "nccl"; InvalidArgument naming the value otherwise.
+absl::StatusOr<Collectives> ParseCollectives(const std::string& name);
+
+// How a worker runs besides its assignment (worker flags).
+struct StepExecutorOptions {
+  int cpu_threads = 0;                  // --threads: the CPU backend's math threads (0: OpenMP's default)
+  std::optional<CpuMatMul> cpu_matmul;  // --matmul-dtype: none: StepExecutor::ChooseCpuMatMul's
+  Collectives collectives = Collectives::kAuto;  // --collectives
+  bool dummy_weights_on_device = false;          // --dummy-weights device (DummyWeights on_device)
+};
+
 class StepExecutor {
  public:
   // Checks the assignment, creates the backend for `device` ("cpu" or "cuda:K"), joins the
@@ -52,15 +69,15 @@ class StepExecutor {
   // assignment.model_path. Every rank of every group must call this at about the same time: a
   // group whose ranks do not all join within the collective timeout is DeadlineExceeded.
   //
-  // On CPU the groups are Gloo; on CUDA they are NCCL (and Unimplemented in a build without it).
-  // `cpu_threads` > 0 sets the CPU backend's math threads (0: OpenMP's default) and `cpu_matmul`
-  // its products' precision (MakeCpuBackend; none: ChooseCpuMatMul's for the checkpoint). Both
-  // are ignored on CUDA.
+  // The groups: Gloo on CPU; on CUDA NCCL (Unimplemented in a build without it), or with
+  // worker_options.collectives kGloo, Gloo on host copies of the device tensors
+  // (StagedCommunicator: several ranks on one GPU). worker_options.cpu_threads and cpu_matmul set
+  // the CPU backend (ignored on CUDA); dummy_weights_on_device makes --load-format dummy weights in
+  // device memory (CUDA).
   static absl::StatusOr<std::unique_ptr<StepExecutor>> Create(const v1::Assignment& assignment,
                                                               const std::string& device, RendezvousStore* store,
                                                               const std::string& collective_host,
-                                                              int cpu_threads = 0,
-                                                              std::optional<CpuMatMul> cpu_matmul = std::nullopt);
+                                                              const StepExecutorOptions& worker_options = {});
 
   // The CPU products' precision for a checkpoint of `checkpoint_dtype` (config.json's
   // torch_dtype) when the worker is not told one (--matmul-dtype auto): as on a GPU, the
@@ -116,6 +133,10 @@ class StepExecutor {
     }
   }
 
+  // Kernel launches of the last step Execute ran (Backend::kernel_launches: on CUDA each of our
+  // launches and each cuBLAS call; 0 on the CPU): the kernels-per-step figure of docs/gpu.md.
+  uint64_t last_step_kernel_launches() const { return last_step_kernel_launches_; }
+
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   // How the linear weights are held (LlamaShard::QuantizationSummary), for the worker log.
   std::string quantization_summary() const { return shard_->QuantizationSummary(); }
@@ -139,6 +160,7 @@ class StepExecutor {
   // ---- Constant after Create ----
   v1::Assignment assignment_;
   int cuda_ordinal_ = -1;
+  Collectives collectives_ = Collectives::kAuto;
   std::string collective_host_;
   std::unique_ptr<Backend> backend_;
   // The communicators: the objects are constant after Create, their inner communicators are
@@ -152,6 +174,7 @@ class StepExecutor {
   std::unique_ptr<Sampler> sampler_;
 
   uint64_t epoch_ = 0;  // the assignment's, then the last Regroup's
+  uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at
   // the start, after the backend, after the groups and after the shard and the sampler.
   struct DeviceMemory {

@@ -44,6 +44,7 @@ constexpr char kUsage[] =
     "                         [--matmul-dtype auto|f32|bf16] [--memory-bandwidth-gbps B]\n"
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
     "                         [--metrics-plaintext] [--health-listen HOST:PORT]\n"
+    "                         [--collectives auto|gloo|nccl] [--dummy-weights host|device]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -87,6 +88,13 @@ constexpr char kUsage[] =
     "                           reference within 1e-4). auto (default): bf16 for a bf16 checkpoint\n"
     "                           (config.json torch_dtype) on a CPU with bf16 instructions (AVX512-BF16\n"
     "                           or AMX), else f32. Ignored on cuda (products use the checkpoint's dtype)\n"
+    "  --collectives            the collective groups' library: auto (default: Gloo on cpu, NCCL on\n"
+    "                           cuda), gloo (on cuda: each device tensor copied to host memory, Gloo,\n"
+    "                           copied back; for TP/PP ranks sharing one GPU, which NCCL refuses) or\n"
+    "                           nccl (cuda only). Every worker of a cluster must use the same\n"
+    "  --dummy-weights          --load-format dummy on cuda: host (default; made on the host and\n"
+    "                           copied) or device (made by a CUDA kernel in GPU memory, the same\n"
+    "                           values; not yet run on a GPU: docs/gpu.md)\n"
     "  --tls-cert, --tls-key    this worker's certificate and key (PEM): it presents them to the\n"
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
@@ -153,7 +161,8 @@ int Main(int argc, char** argv) {
       Flags::Parse(argc, argv,
                    {"coordinator", "node", "device", "listen", "memory-gb", "collective-host", "collective-interface",
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
-                    "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen"},
+                    "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen",
+                    "collectives", "dummy-weights"},
                    {"help", "insecure", "spare", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -161,7 +170,7 @@ int Main(int argc, char** argv) {
     return 0;
   }
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
-  std::string log_format_name = "text", matmul_dtype = "auto";
+  std::string log_format_name = "text", matmul_dtype = "auto", collectives = "auto", dummy_weights = "host";
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0, coordinator_grace = 60;
   int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
@@ -174,6 +183,8 @@ int Main(int argc, char** argv) {
            flags->Int("debug-load-delay-ms", 0, 3600000, &load_delay_ms),
            flags->Int("threads", 0, kMaxThreads, &options.cpu_threads),
            flags->OneOf("matmul-dtype", {"auto", "f32", "bf16"}, &matmul_dtype),
+           flags->OneOf("collectives", {"auto", "gloo", "nccl"}, &collectives),
+           flags->OneOf("dummy-weights", {"host", "device"}, &dummy_weights),
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
@@ -189,6 +200,8 @@ int Main(int argc, char** argv) {
 
   options.coordinator = flags->Get("coordinator", "localhost:50051");
   options.device = flags->Get("device", "cpu");
+  options.collectives = *ParseCollectives(collectives);  // one of OneOf's three
+  options.dummy_weights_on_device = dummy_weights == "device";
   options.node = flags->Get("node");
   if (options.node.empty()) {
     char host[256] = {};
@@ -197,6 +210,7 @@ int Main(int argc, char** argv) {
   }
   absl::StatusOr<int> cuda_ordinal = ParseDevice(options.device);
   if (!cuda_ordinal.ok()) return Usage(std::string(cuda_ordinal.status().message()));
+  if (*cuda_ordinal < 0 && options.collectives == Collectives::kNccl) return Usage("--collectives nccl needs --device cuda:K");
   if (memory_gb == 0) {
     absl::StatusOr<int64_t> memory = DeviceMemoryBytes(*cuda_ordinal);
     if (!memory.ok()) {  // the device, not the command line: no usage text, exit 1

@@ -47,10 +47,18 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* registry, const std::string& 
                 .Help("Steps this worker executed successfully.")
                 .Register(*registry)
                 .Add(base);
+  auto& kernels = prometheus::BuildCounter()
+                      .Name("shardserve_worker_kernel_launches_total")
+                      .Help("GPU kernels this worker launched in its steps (each cuBLAS call counted as one; 0 on "
+                            "the CPU), by phase: divided by shardserve_worker_step_seconds_count, kernels per step.")
+                      .Register(*registry);
+  prefill_kernels_ = &kernels.Add(With(base, "phase", "prefill"));
+  decode_kernels_ = &kernels.Add(With(base, "phase", "decode"));
 }
 
-void WorkerMetrics::StepDone(bool prefill, double seconds) {
+void WorkerMetrics::StepDone(bool prefill, double seconds, uint64_t kernel_launches) {
   (prefill ? prefill_seconds_ : decode_seconds_)->Observe(seconds);
+  (prefill ? prefill_kernels_ : decode_kernels_)->Increment(static_cast<double>(kernel_launches));
   steps_->Increment();
 }
 

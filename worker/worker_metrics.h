@@ -28,8 +28,9 @@ class WorkerMetrics final : public CollectiveObserver {
   WorkerMetrics(const WorkerMetrics&) = delete;
   WorkerMetrics& operator=(const WorkerMetrics&) = delete;
 
-  // A step ran successfully in `seconds`; `prefill` when it carried more tokens than sequences.
-  void StepDone(bool prefill, double seconds);
+  // A step ran successfully in `seconds` with `kernel_launches` kernels (0 on the CPU); `prefill`
+  // when it carried more tokens than sequences.
+  void StepDone(bool prefill, double seconds, uint64_t kernel_launches = 0);
   void SetWeightBytes(uint64_t bytes) { weight_bytes_->Set(static_cast<double>(bytes)); }
   // CollectiveObserver. Barriers are not counted.
   void Observe(CollectiveOp op, double seconds, uint64_t bytes) override;
@@ -43,6 +44,8 @@ class WorkerMetrics final : public CollectiveObserver {
   prometheus::Counter* collective_bytes_[kOps] = {};
   prometheus::Gauge* weight_bytes_ = nullptr;
   prometheus::Counter* steps_ = nullptr;
+  prometheus::Counter* prefill_kernels_ = nullptr;
+  prometheus::Counter* decode_kernels_ = nullptr;
 };
 
 }  // namespace shardserve

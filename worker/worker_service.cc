@@ -343,8 +343,9 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   const auto start = std::chrono::steady_clock::now();
   GrpcRendezvousStore store(stub, a.rendezvous_token());
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
-      StepExecutor::Create(a, options_.device, &store, options_.collective_host, options_.cpu_threads,
-                           options_.cpu_matmul);
+      StepExecutor::Create(a, options_.device, &store, options_.collective_host,
+                           {options_.cpu_threads, options_.cpu_matmul, options_.collectives,
+                            options_.dummy_weights_on_device});
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;
@@ -477,11 +478,17 @@ void WorkerService::RunStep(Stream* stream) {
     Fail(stream, absl::StrCat(Who(), ": step ", plan.step_id(), " failed: ", s.message()), plan.step_id());
     return;
   }
+  // More tokens than rows: some row feeds a prompt chunk. A step that mixes prefill chunks and
+  // decodes counts as prefill (its cost is the prefill's).
+  const bool prefill = plan.token_ids_size() > plan.row_seq_ids_size();
+  const uint64_t kernels = executor_->last_step_kernel_launches();
   if (metrics_ != nullptr) {
-    // More tokens than rows: some row feeds a prompt chunk. A step that mixes prefill chunks and
-    // decodes counts as prefill (its cost is the prefill's).
-    metrics_->StepDone(/*prefill=*/plan.token_ids_size() > plan.row_seq_ids_size(),
-                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    metrics_->StepDone(prefill, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                       kernels);
+  }
+  if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu-bench.sh reads this line
+    WorkerLog(Who(), absl::StrCat("kernels per decode step: ", kernels, " (", plan.row_seq_ids_size(), " rows)"), Ids());
+    logged_decode_kernels_ = kernels;
   }
   rejoins_ = 0;
   Write(stream, reply_);

@@ -79,6 +79,8 @@ struct WorkerOptions {
   // --device cpu: the products' precision (MakeCpuBackend); none: the checkpoint's where the CPU
   // has it (StepExecutor::ChooseCpuMatMul).
   std::optional<CpuMatMul> cpu_matmul;
+  Collectives collectives = Collectives::kAuto;  // --collectives (StepExecutor::Options)
+  bool dummy_weights_on_device = false;          // --dummy-weights device
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).
@@ -189,6 +191,7 @@ class WorkerService {
   std::unique_ptr<WorkerMetrics> metrics_;  // once assigned, when options_.metrics_registry is set
   std::unique_ptr<StepExecutor> executor_;  // declared after metrics_: destroyed first
   std::string failure_;         // the first failure; not empty: no more steps run
+  uint64_t logged_decode_kernels_ = 0;  // kernels per decode step in the last such log line
   v1::CoordinatorMessage in_;   // the message being handled
   v1::WorkerMessage reply_;     // holds a step_result, reused step after step
 };

@@ -1,6 +1,6 @@
 // The CUDA backend (kernels/backend.h): the CudaBackend class, shared by the files that define it:
 // cuda_backend.cu (lifetime, memory, error word), elementwise.cu, matmul.cu, attention.cu and
-// sampling.cu (the ops and their kernels). Internal to kernels/cuda/; everything else uses
+// sampling.cu (the ops and their kernels), counter_uniform.cu (the dummy weights' generator). Internal to kernels/cuda/; everything else uses
 // MakeCudaBackend (kernels/backend.h).
 //
 // cuBLAS for MatMul, kernels for everything else.
@@ -141,6 +141,8 @@ class CudaBackend final : public Backend {
   absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill0(void* dst, size_t bytes) override;
   absl::Status Synchronize() override;
+  absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) override;  // counter_uniform.cu
+  uint64_t kernel_launches() const override { return KernelLaunches().load(std::memory_order_relaxed); }
 
   absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
   absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;

@@ -17,6 +17,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -78,6 +79,15 @@ inline absl::Status CublasErrorToStatus(cublasStatus_t s, const char* expr, cons
   }
 }
 
+// Kernels launched by this process (Backend::kernel_launches): every launch checked with
+// SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR adds one, and so does each cuBLAS call that runs a
+// product (CountLaunch before it). Relaxed atomic: a count, read between steps.
+inline std::atomic<uint64_t>& KernelLaunches() {
+  static std::atomic<uint64_t> launches{0};
+  return launches;
+}
+inline void CountLaunch() { KernelLaunches().fetch_add(1, std::memory_order_relaxed); }
+
 // Ceil(a / b) for a >= 0, b > 0.
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -103,8 +113,12 @@ constexpr unsigned int GridFor(int64_t n, int threads, int64_t max_blocks = 4096
 // After a <<<...>>> launch: returns a Status when the launch itself failed (bad configuration,
 // no kernel image for this GPU, a sticky error from earlier work). `what` names the kernel.
 // Errors while the kernel runs surface at the next synchronizing call.
-#define SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR(what) \
-  SHARDSERVE_RETURN_IF_ERROR(                        \
-      ::shardserve::cuda::CudaErrorToStatus(cudaGetLastError(), "launch of " what, __FILE__, __LINE__))
+// Counts the launch (KernelLaunches).
+#define SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR(what)                                                        \
+  do {                                                                                                      \
+    ::shardserve::cuda::CountLaunch();                                                                      \
+    SHARDSERVE_RETURN_IF_ERROR(                                                                             \
+        ::shardserve::cuda::CudaErrorToStatus(cudaGetLastError(), "launch of " what, __FILE__, __LINE__)); \
+  } while (0)
 
 #endif  // SHARDSERVE_KERNELS_CUDA_CUDA_CHECK_H_

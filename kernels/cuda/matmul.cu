@@ -76,6 +76,7 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
   // GEMM sizes (m, n, k) = (m, n, k). Compute in float32 (CUBLAS_COMPUTE_32F; alpha and beta are
   // float); for F16/BF16 inputs cuBLAS uses tensor cores with float32 accumulation.
   const float alpha = 1.0f;
+  CountLaunch();
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
       cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha,
       w.data, CudaDataType(act_), static_cast<int>(k), x.data, CudaDataType(act_), static_cast<int>(k), &beta,

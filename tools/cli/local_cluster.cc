@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "kernels/backend.h"
 #include "kernels/quant.h"
 #include "tools/cli/client.h"
 
@@ -25,7 +26,8 @@ namespace shardserve::cli {
 
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
-                                 "max-model-len", "quantization", "load-format", "dummy-seed"};
+                                 "worker-collectives", "worker-dummy-weights", "max-model-len", "quantization",
+                                 "load-format", "dummy-seed"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -49,6 +51,17 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     std::string dtype;
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-matmul-dtype", {"auto", "f32", "bf16"}, &dtype));
     c.worker_flags = {"--matmul-dtype", dtype};
+  }
+  // The workers' --collectives and --dummy-weights (worker/worker_main.cc says what they do).
+  if (f.Has("worker-collectives")) {
+    std::string value;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-collectives", {"auto", "gloo", "nccl"}, &value));
+    c.worker_flags.insert(c.worker_flags.end(), {"--collectives", value});
+  }
+  if (f.Has("worker-dummy-weights")) {
+    std::string value;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
+    c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
   // Range-checked by the coordinator; here only whole numbers >= 0 pass.
   std::vector<std::string> coordinator_names = {"max-model-len"};
@@ -292,19 +305,31 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
     if (port_flag != argv.end()) argv.erase(port_flag, port_flag + 2);
   }
 
+  // Worker g of a node takes cuda:g. With the workers' collectives over Gloo (--worker-collectives
+  // gloo) on a machine with fewer GPUs than workers per node, the workers share them: cuda:(g mod
+  // GPUs), e.g. TP=2 on one GPU (NCCL refuses two ranks on one GPU; staged Gloo does not).
+  const bool gloo_on_cuda = [&] {
+    for (size_t k = 0; k + 1 < o.worker_flags.size(); ++k) {
+      if (o.worker_flags[k] == "--collectives" && o.worker_flags[k + 1] == "gloo") return true;
+    }
+    return false;
+  }();
+  const int64_t gpus = o.device == "cpu" || !gloo_on_cuda ? 0 : CudaDeviceCount();
+  auto gpu_of = [gpus](int64_t g) { return gpus > 0 ? g % gpus : g; };
   // Worker k (slots first, node by node, then the spares) gets the k-th metrics port after the
   // coordinator's.
   for (int64_t n = 0; n < o.nodes; ++n) {
     for (int64_t g = 0; g < o.gpus_per_node; ++g) {
       const std::string node = absl::StrCat("node", n);
-      SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("worker ", node, "/", g), node, g,
+      SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("worker ", node, "/", g), node,
+gpu_of(g),
                                                 metrics_port(1 + n * o.gpus_per_node + g), /*spare=*/false));
     }
   }
   for (int64_t k = 0; k < o.spare_workers; ++k) {
     const std::string node = absl::StrCat("node", k % o.nodes);
     SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("spare ", node, "/", k), node,
-                                              o.gpus_per_node + k / o.nodes,
+                                              gpu_of(o.gpus_per_node + k / o.nodes),
                                               metrics_port(1 + o.nodes * o.gpus_per_node + k), /*spare=*/true));
   }
   ClientOptions client;

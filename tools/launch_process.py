@@ -1,0 +1,58 @@
+"""`shardserve launch` as a child process in a session of its own, for the tools that start local
+clusters and drive them (tools/chaos_bench.py, tools/gpu_layouts_check.py).
+
+LaunchProcess(cmd, log_dir) starts `cmd` (a `shardserve launch ... --address 127.0.0.1:0` command
+line) with its output in LOG_DIR/launch.out and a state directory of its own (launch writes
+cluster.json there, not over the one of a cluster the user, or a test running beside this one, has
+started). wait_ready(seconds) returns the address it serves on once it says "ready. Connect to";
+stop() ends it and everything it started (SIGTERM, then SIGKILL of the session), whatever state it
+is in. Not thread-safe.
+"""
+import os
+import re
+import signal
+import subprocess
+import time
+
+
+class LaunchProcess:
+    def __init__(self, cmd, log_dir):
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.command = cmd
+        self.out_path = os.path.join(log_dir, "launch.out")
+        self.out = open(self.out_path, "w")
+        env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def output(self):
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, seconds):
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            m = re.search(r"ready\. Connect to (\S+) ", self.output())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"launch not ready within {seconds:.0f} s:\n{self.output()[-4000:]}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything left in its session
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.out.close()
