@@ -322,7 +322,7 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
     for (int64_t g = 0; g < o.gpus_per_node; ++g) {
       const std::string node = absl::StrCat("node", n);
       SHARDSERVE_RETURN_IF_ERROR(c->SpawnWorker(absl::StrCat("worker ", node, "/", g), node,
-gpu_of(g),
+                                                gpu_of(g),
                                                 metrics_port(1 + n * o.gpus_per_node + g), /*spare=*/false));
     }
   }
