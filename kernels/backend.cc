@@ -44,9 +44,10 @@ absl::StatusOr<Buffer> Backend::PackMatMulWeight(const Tensor& w, Tensor* packed
   return Buffer();
 }
 
-absl::StatusOr<Buffer> Backend::PackInt4Blocks(const Int4Group128*, int64_t, int64_t, Tensor*) {
-  return absl::UnimplementedError(absl::StrCat("PackInt4Blocks: the ", Describe(),
-                                               " backend has no int4 weights yet (GPTQ checkpoints load on the CPU)"));
+absl::StatusOr<Buffer> Backend::PackQuantizedWeight(WeightQuant quant, const void*, int64_t, int64_t, Tensor*) {
+  return absl::UnimplementedError(absl::StrCat("PackQuantizedWeight: the ", Describe(), " backend has no ",
+                                               WeightQuantName(quant),
+                                               " weights yet (quantized checkpoints load on the CPU)"));
 }
 
 }  // namespace shardserve

@@ -121,11 +121,13 @@ class Backend {
   // it (the CUDA backend, for now).
   virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed,
                                                   WeightQuant quant = WeightQuant::kNone);
-  // A weight [m, k] already in kernels/quant.h's int4 blocks (Int4GroupsLayout{m, k}, host
-  // memory; a published GPTQ checkpoint repacked, model/gptq.h): stored as PackMatMulWeight
-  // stores an int4 weight, for MatMul. The base refuses with Unimplemented (the CUDA backend, for now).
-  virtual absl::StatusOr<Buffer> PackInt4Blocks(const Int4Group128* blocks /*host*/, int64_t m, int64_t k,
-                                                Tensor* packed);
+  // A weight [m, k] already in kernels/quant.h's layout for `quant` (kInt8: Int8RowsLayout, kFp8:
+  // Fp8RowsLayout, kInt4: Int4GroupsLayout; host memory, layout.bytes() bytes at `stored`; a
+  // published quantized checkpoint's codes and scales, model/quantized_checkpoint.h): copied as it
+  // is, the same as PackMatMulWeight's own packing of such a weight, for MatMul. The caller keeps
+  // `stored`. The base refuses with Unimplemented (the CUDA backend, for now).
+  virtual absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored /*host*/, int64_t m,
+                                                     int64_t k, Tensor* packed);
 
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.

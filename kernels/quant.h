@@ -38,6 +38,9 @@ int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k);
 // with scale[r] = max_c |w[r][c]| / 127 and q[r][c] = round(w[r][c] / scale[r]) in [-127, 127]
 // (round half away from zero; an all-zero row has scale 0 and q 0). So w[r][c] ~ q[r][c] x
 // scale[r], off by at most scale[r] / 2, and a product x @ w^T is (x @ q^T) x scale per column.
+// The kernels read every int8 value, -128 included: a published symmetric 8-bit checkpoint's codes
+// (GPTQ sym with zero point 128, compressed-tensors int8) reach -128 and are copied in as they are
+// (model/quantized_checkpoint.h).
 struct Int8RowsLayout {
   int64_t m = 0, k = 0;
   // Bytes of the whole stored weight, and where q starts (scales first: 4-byte aligned).

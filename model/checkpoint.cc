@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
-#include "model/quantized_checkpoint.h"
+#include "kernels/quant.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
@@ -347,7 +347,7 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
       std::memcpy(to, from, n * ds);
     } else if (fp8_src) {
       std::vector<float> f(n);
-      for (size_t i = 0; i < n; ++i) f[i] = DecodeE4m3(from[i]);
+      for (size_t i = 0; i < n; ++i) f[i] = Fp8E4m3ToFloat(from[i]);
       ConvertOnHost(to, dst_type, f.data(), DType::kF32, n);
     } else {
       ConvertOnHost(to, dst_type, from, t.dtype, n);

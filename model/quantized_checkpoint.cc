@@ -309,15 +309,24 @@ struct IntWeight {
   std::vector<int32_t> group;  // [k]: each local input's group
 };
 
-QuantizedLinearSlice Finish(const IntWeight& w) {
+// Sets result->rows to a kernels/quant.h one-byte-rows layout (Int8RowsLayout / Fp8RowsLayout,
+// the same bytes): the scales [m] (as float32 bytes), then room for the codes [m, k].
+void StartRows(QuantizedLinearSlice* result, WeightQuant kernel, const float* scale) {
+  result->kernel = kernel;
+  const int64_t scale_bytes = Int8RowsLayout{result->m, result->k}.scale_bytes();
+  result->rows.resize(static_cast<size_t>(Int8RowsLayout{result->m, result->k}.bytes()));
+  std::memcpy(result->rows.data(), scale, static_cast<size_t>(scale_bytes));
+}
+
+QuantizedLinearSlice Finish(const IntWeight& w, bool map) {
   QuantizedLinearSlice result;
   result.m = w.m;
   result.k = w.k;
   // The int4 blocks hold 4-bit values in groups of 128 that start where this rank's inputs do.
-  bool contiguous128 = w.bits == 4 && w.group_size == kInt4GroupSize && w.i0 % kInt4GroupSize == 0;
+  bool contiguous128 = map && w.bits == 4 && w.group_size == kInt4GroupSize && w.i0 % kInt4GroupSize == 0;
   for (int64_t li = 0; li < w.k && contiguous128; ++li) contiguous128 = w.group[li] == (w.i0 + li) / kInt4GroupSize;
-  result.mapped = contiguous128;
-  if (result.mapped) {
+  if (contiguous128) {
+    result.kernel = WeightQuant::kInt4;
     const Int4GroupsLayout layout{w.m, w.k};
     const int64_t gpr = layout.groups_per_row();
     result.blocks.assign(w.m * gpr, Int4Group128{});
@@ -339,14 +348,39 @@ QuantizedLinearSlice Finish(const IntWeight& w) {
         }
       }
     }
+    return result;
+  }
+  // The int8 rows hold one symmetric scale per output: every local input in one group, every zero
+  // point 128, so that w = scale x (q - 128) with q - 128 an int8 (-128 included).
+  bool one_group = map && w.bits == 8 && w.k > 0;
+  for (int64_t li = 1; li < w.k && one_group; ++li) one_group = w.group[li] == w.group[0];
+  bool zero128 = one_group;
+  for (int64_t r = 0; r < w.m && zero128; ++r) zero128 = w.zero[w.group[0] * w.m + r] == 128;
+  if (zero128) {
+    StartRows(&result, WeightQuant::kInt8, &w.scale[w.group[0] * w.m]);
+    uint8_t* codes = result.rows.data() + Int8RowsLayout{w.m, w.k}.scale_bytes();
+    for (int64_t i = 0; i < w.m * w.k; ++i) codes[i] = static_cast<uint8_t>(w.q[i] ^ 0x80);  // q - 128, two's complement
+    return result;
+  }
+  const std::string groups =
+      w.group_size > 0 ? absl::StrCat("groups of ", w.group_size) : std::string("one group per output channel");
+  if (!map) {
+    result.why_dense = "asked for";
+  } else if (w.bits == 8) {
+    result.why_dense = !one_group ? absl::StrCat("8 bits in ", groups,
+                                                 " along the input: the int8 kernel has one scale per output channel")
+                                  : "8 bits with zero points other than 128: the int8 kernel is symmetric";
   } else {
-    result.dense.resize(w.m * w.k);
-    for (int64_t r = 0; r < w.m; ++r) {
-      for (int64_t li = 0; li < w.k; ++li) {
-        const int64_t g = w.group[li];
-        result.dense[r * w.k + li] =
-            static_cast<float>(static_cast<int32_t>(w.q[r * w.k + li]) - w.zero[g * w.m + r]) * w.scale[g * w.m + r];
-      }
+    result.why_dense = w.group_size != kInt4GroupSize
+                           ? absl::StrCat("4 bits in ", groups, ": the int4 kernel's groups are 128 inputs")
+                           : "4 bits in groups that g_idx reorders: the int4 kernel's groups are 128 contiguous inputs";
+  }
+  result.dense.resize(w.m * w.k);
+  for (int64_t r = 0; r < w.m; ++r) {
+    for (int64_t li = 0; li < w.k; ++li) {
+      const int64_t g = w.group[li];
+      result.dense[r * w.k + li] =
+          static_cast<float>(static_cast<int32_t>(w.q[r * w.k + li]) - w.zero[g * w.m + r]) * w.scale[g * w.m + r];
     }
   }
   return result;
@@ -506,25 +540,25 @@ absl::StatusOr<IntWeight> ReadPackQuantized(const WeightSource& ckpt, const Chec
   return w;
 }
 
-// fp8 formats: dequantized straight to float32.
+// fp8 formats: compressed-tensors' per-channel / per-tensor scales onto the fp8 rows as stored;
+// FP8's block scales dequantized to float32.
 absl::StatusOr<QuantizedLinearSlice> ReadFp8(const WeightSource& ckpt, const CheckpointQuant& c,
                                              const std::string& prefix, int64_t out, int64_t in, const Ranges& rg,
-                                             const Slice& slice) {
+                                             const Slice& slice, bool map) {
   QuantizedLinearSlice result;
   result.m = rg.m();
   result.k = rg.k();
   const int64_t m = rg.m(), k = rg.k();
-  result.dense.resize(m * k);
-  SHARDSERVE_RETURN_IF_ERROR(
-      ckpt.Read(prefix + ".weight", {out, in}, Slice{slice.dim, slice.begin, slice.end}, DType::kF32,
-                result.dense.data()));
-  for (int64_t i = 0; i < m * k; ++i) {
-    if (std::isnan(result.dense[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(prefix, ".weight[", rg.o0 + i / k, "][", rg.i0 + i % k,
-                                                     "] is NaN (an e4m3 0x7f / 0xff)"));
-    }
-  }
+  const Slice weight_slice{slice.dim, slice.begin, slice.end};
   if (c.method == QuantMethod::kFp8) {
+    result.dense.resize(m * k);
+    SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(prefix + ".weight", {out, in}, weight_slice, DType::kF32, result.dense.data()));
+    for (int64_t i = 0; i < m * k; ++i) {
+      if (std::isnan(result.dense[i])) {
+        return absl::InvalidArgumentError(absl::StrCat(prefix, ".weight[", rg.o0 + i / k, "][", rg.i0 + i % k,
+                                                       "] is NaN (an e4m3 0x7f / 0xff)"));
+      }
+    }
     const int64_t bo = (out + c.block_out - 1) / c.block_out, bi = (in + c.block_in - 1) / c.block_in;
     std::vector<float> s(bo * bi);
     SHARDSERVE_RETURN_IF_ERROR(
@@ -536,6 +570,8 @@ absl::StatusOr<QuantizedLinearSlice> ReadFp8(const WeightSource& ckpt, const Che
       const float* srow = &s[((rg.o0 + r) / c.block_out) * bi];
       for (int64_t li = 0; li < k; ++li) result.dense[r * k + li] *= srow[(rg.i0 + li) / c.block_in];
     }
+    result.why_dense = absl::StrCat("e4m3 with ", c.block_out, "x", c.block_in,
+                                    " block scales: the fp8 kernel has one scale per output channel");
     return result;
   }
   // compressed-tensors float-quantized: one scale per output channel, or one for the tensor.
@@ -549,22 +585,27 @@ absl::StatusOr<QuantizedLinearSlice> ReadFp8(const WeightSource& ckpt, const Che
   SHARDSERVE_RETURN_IF_ERROR(CheckScales(prefix + ".weight_scale", s, [&](size_t i) {
     return c.per_tensor ? std::string("[0]") : absl::StrCat("[", rg.o0 + static_cast<int64_t>(i), "][0]");
   }));
-  for (int64_t r = 0; r < m; ++r) {
-    const float sr = s[c.per_tensor ? 0 : r];
-    for (int64_t li = 0; li < k; ++li) result.dense[r * k + li] *= sr;
+  if (c.per_tensor) s.assign(m, s[0]);
+  StartRows(&result, WeightQuant::kFp8, s.data());
+  uint8_t* codes = result.rows.data() + Fp8RowsLayout{m, k}.scale_bytes();
+  SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(prefix + ".weight", {out, in}, weight_slice, DType::kI8, codes));
+  for (int64_t i = 0; i < m * k; ++i) {
+    if (Fp8E4m3IsNan(codes[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, ".weight[", rg.o0 + i / k, "][", rg.i0 + i % k,
+                                                     "] is NaN (an e4m3 0x7f / 0xff)"));
+    }
+  }
+  if (!map) {
+    result.dense.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) result.dense[i] = Fp8E4m3ToFloat(codes[i]) * s[i / k];
+    result.rows.clear();
+    result.kernel = WeightQuant::kNone;
+    result.why_dense = "asked for";
   }
   return result;
 }
 
 }  // namespace
-
-float DecodeE4m3(uint8_t b) {
-  const int sign = b >> 7, exp = (b >> 3) & 0xf, mant = b & 7;
-  if (exp == 0xf && mant == 7) return NAN;
-  const float v = exp == 0 ? std::ldexp(static_cast<float>(mant) / 8.0f, -6)
-                           : std::ldexp(1.0f + static_cast<float>(mant) / 8.0f, exp - 7);
-  return sign ? -v : v;
-}
 
 int64_t CheckpointQuant::output_multiple() const {
   switch (method) {
@@ -617,8 +658,29 @@ std::string CheckpointQuant::Name() const {
   return absl::StrCat(MethodName(method), " ", bits, "-bit");
 }
 
-bool CheckpointQuantMapsToInt4(const CheckpointQuant& c) {
-  return !c.fp8 && c.bits == 4 && c.group_size == kInt4GroupSize && !(c.method == QuantMethod::kGptq && c.desc_act);
+WeightQuant CheckpointQuantKernel(const CheckpointQuant& c) {
+  if (c.fp8) return c.method == QuantMethod::kCompressedTensors ? WeightQuant::kFp8 : WeightQuant::kNone;
+  if (c.bits == 4) {
+    return c.group_size == kInt4GroupSize && !(c.method == QuantMethod::kGptq && c.desc_act) ? WeightQuant::kInt4
+                                                                                             : WeightQuant::kNone;
+  }
+  return c.bits == 8 && c.group_size == -1 && c.sym ? WeightQuant::kInt8 : WeightQuant::kNone;
+}
+
+const void* QuantizedLinearSlice::stored() const {
+  switch (kernel) {
+    case WeightQuant::kInt4: return blocks.data();
+    case WeightQuant::kInt8:
+    case WeightQuant::kFp8: return rows.data();
+    case WeightQuant::kNone: return nullptr;
+  }
+  return nullptr;
+}
+
+float QuantizedLinearSlice::row_scale(int64_t r) const {
+  float v;
+  std::memcpy(&v, rows.data() + r * static_cast<int64_t>(sizeof(float)), sizeof v);
+  return v;
 }
 
 absl::StatusOr<CheckpointQuant> ParseCheckpointQuant(const std::string& text, const std::string& source) {
@@ -660,7 +722,7 @@ absl::Status CheckQuantizedLinear(const WeightSource& ckpt, const CheckpointQuan
 
 absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckpt, const CheckpointQuant& c,
                                                          const std::string& prefix, int64_t out, int64_t in,
-                                                         const Slice& slice) {
+                                                         const Slice& slice, bool map) {
   SHARDSERVE_RETURN_IF_ERROR(CheckQuantizedLinear(ckpt, c, prefix, out, in));
   SHARDSERVE_ASSIGN_OR_RETURN(const Ranges rg, SliceRanges(c, prefix, out, in, slice));
   absl::StatusOr<IntWeight> w;
@@ -668,13 +730,13 @@ absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckp
     case QuantMethod::kGptq: w = ReadGptq(ckpt, c, prefix, out, in, rg); break;
     case QuantMethod::kAwq: w = ReadAwq(ckpt, c, prefix, out, in, rg); break;
     case QuantMethod::kCompressedTensors:
-      if (c.fp8) return ReadFp8(ckpt, c, prefix, out, in, rg, slice);
+      if (c.fp8) return ReadFp8(ckpt, c, prefix, out, in, rg, slice, map);
       w = ReadPackQuantized(ckpt, c, prefix, out, in, rg);
       break;
-    case QuantMethod::kFp8: return ReadFp8(ckpt, c, prefix, out, in, rg, slice);
+    case QuantMethod::kFp8: return ReadFp8(ckpt, c, prefix, out, in, rg, slice, map);
   }
   if (!w.ok()) return w.status();
-  return Finish(*w);
+  return Finish(*w, map);
 }
 
 }  // namespace shardserve

@@ -47,16 +47,25 @@
 //   <prefix>.weight_scale_inv  F32/BF16/F16 [ceil(out / bn), ceil(in / bk)]
 //   w[c][i] = weight[c][i] x weight_scale_inv[c / bn][i / bk]; modules_to_not_convert stored plain.
 //
-// How a worker holds each weight (ReadQuantizedLinear):
-// - mapped: 4 bits in contiguous groups of 128 (GPTQ without a reordering g_idx, AWQ group_size
+// How a worker holds each weight (ReadQuantizedLinear): on a quantized kernel where the stored
+// codes and scales are that kernel's layout (kernels/quant.h) bit for bit, with no requantization
+// (exact), else dequantized:
+// - int4: 4 bits in contiguous groups of 128 (GPTQ without a reordering g_idx, AWQ group_size
 //   128, compressed-tensors int4 group_size 128): the values, scales (widened to f32, exact) and
-//   zero points are repacked, bit for bit, into kernels/quant.h's Int4Group128 blocks, which the
-//   int4 kernels multiply (4.5 bits a weight).
-// - dequantized: everything else (8-bit integers, other group sizes, desc_act reorders, every
-//   fp8 format): w is computed exactly in float32 at load (f16 / bf16 / e4m3 times a small
-//   integer or an f32 scale) and multiplied as a plain weight. This path saves no memory yet
-//   (the worker log says so).
-//
+//   zero points are repacked into Int4Group128 blocks (4.5 bits a weight).
+// - int8: 8 bits with one scale per output channel over this rank's inputs (GPTQ group_size -1,
+//   compressed-tensors strategy "channel") and every zero point 128 (symmetric: GPTQ sym,
+//   compressed-tensors symmetric): code - 128 is the int8 value (-128 included) and the scale
+//   (widened to f32) the row's, as Int8RowsLayout (8 bits + 4 bytes a row).
+// - fp8: compressed-tensors float-quantized e4m3 with strategy "channel" or "tensor" (the one
+//   scale repeated per row): the bytes as stored, as Fp8RowsLayout.
+// - dequantized: everything else (8 bits in groups along the input or with zero points,
+//   other group sizes, desc_act reorders, FP8's block scales): w is computed exactly in float32
+//   at load (f16 / bf16 / e4m3 times a small integer or an f32 scale) and multiplied as a plain
+//   weight; QuantizedLinearSlice::why_dense says why, the worker log too. This path saves no
+//   memory. FP8 block scales stay here: a row's 128-input blocks have different scales, and
+//   folding them into one per-row scale would round the e4m3 codes again (up to 2^-4 of each
+//   weight, the load-time fp8 quantizer's error, where the format promises the stored values).
 // Tensor parallelism: column-parallel layers (q/k/v/gate/up) take a range of the outputs,
 // row-parallel ones (o/down) a range of the inputs; each format needs those ranges to be whole
 // packed int32s and (for row-parallel) whole groups: CheckpointQuant::output_multiple /
@@ -115,10 +124,11 @@ struct CheckpointQuant {
   std::string Name() const;
 };
 
-// Whether every quantized weight of such a checkpoint takes the mapped path (4 bits, contiguous
-// groups of 128), as the planner counts it. (A GPTQ desc_act checkpoint whose g_idx turns out
-// trivial is mapped too; the planner then counts float32 for it, an overestimate.)
-bool CheckpointQuantMapsToInt4(const CheckpointQuant& config);
+// The kernel layout every quantized weight of such a checkpoint takes (kInt4, kInt8, kFp8), or
+// kNone where they are dequantized to float32, as the planner counts them. (A GPTQ desc_act
+// checkpoint whose g_idx turns out trivial, or an 8-bit one whose zero points all happen to be
+// 128, is mapped too; the planner then counts float32 for it, an overestimate.)
+WeightQuant CheckpointQuantKernel(const CheckpointQuant& config);
 
 // Parses config.json's quantization_config (the JSON text of that object). `source` names the file
 // in errors. A quant_method other than the four above, bits, formats, strategies or fields this
@@ -135,21 +145,27 @@ absl::Status CheckQuantizedLinear(const WeightSource& ckpt, const CheckpointQuan
 // One rank's slice of a quantized linear layer, as MatMul will hold it.
 struct QuantizedLinearSlice {
   int64_t m = 0, k = 0;               // local out, local in
-  bool mapped = false;                // true: `blocks`; false: `dense`
-  std::vector<Int4Group128> blocks;   // [m, ceil(k / 128)], Int4GroupsLayout{m, k}
-  std::vector<float> dense;           // [m, k], row-major
+  WeightQuant kernel = WeightQuant::kNone;  // the layout below that holds it; kNone: `dense`
+  std::vector<Int4Group128> blocks;   // kInt4: [m, ceil(k / 128)], Int4GroupsLayout{m, k}
+  std::vector<uint8_t> rows;          // kInt8 / kFp8: Int8RowsLayout{m, k} / Fp8RowsLayout{m, k}'s bytes
+  std::vector<float> dense;           // kNone: [m, k], row-major
+  std::string why_dense;              // kNone: why no kernel layout holds it, for the worker log
+
+  // kernels/quant.h's layout of `kernel` (kNone: null): what Backend::PackQuantizedWeight takes.
+  const void* stored() const;
+  // kInt8 / kFp8: row r's scale and codes [m, k] inside `rows`.
+  float row_scale(int64_t r) const;
+  const uint8_t* codes() const { return rows.data() + m * static_cast<int64_t>(sizeof(float)); }
 };
 
 // Reads `slice` (dim 0: a range of the outputs, dim 1: a range of the inputs; Slice.end -1: to the
-// end) of the [out, in] quantized weight `prefix` and converts it (mapped or dequantized, above).
+// end) of the [out, in] quantized weight `prefix` and converts it (onto a kernel layout or
+// dequantized, above; `map` false: always dequantized, what the tests compare the layouts with).
 // Errors name the tensor and what is wrong: NaN / Inf / zero scales, NaN fp8 values, g_idx out of
 // [0, G), zero points that disagree with sym, a slice that cuts a packed int32.
 absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckpt, const CheckpointQuant& config,
                                                          const std::string& prefix, int64_t out, int64_t in,
-                                                         const Slice& slice);
-
-// e4m3 (float8_e4m3fn: bias 7, no infinities, 0x7f / 0xff NaN) to float32, exact.
-float DecodeE4m3(uint8_t bits);
+                                                         const Slice& slice, bool map = true);
 
 }  // namespace shardserve
 

@@ -35,6 +35,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
+#include "tests/golden.h"
 #include "tools/cli/local_cluster.h"
 
 namespace shardserve {
@@ -348,15 +349,8 @@ class Cluster {
   double start_seconds_ = 0;
 };
 
-struct Golden {
-  std::vector<int32_t> prompt, greedy;
-};
-
-inline Golden LoadGolden(const std::string& fixture) {
-  std::ifstream in(kFixtures / fixture / "golden.json");
-  const nlohmann::json j = nlohmann::json::parse(in);
-  return Golden{j["prompt_ids"].get<std::vector<int32_t>>(), j["greedy_ids"].get<std::vector<int32_t>>()};
-}
+// Fixture `fixture`'s golden.json (tests/golden.h), under tests/fixtures/models.
+inline Golden LoadGolden(const std::string& fixture) { return ReadGolden(kFixtures / fixture); }
 
 inline v1::GenerateRequest TokenRequest(const std::vector<int32_t>& prompt, int max_tokens) {
   v1::GenerateRequest r;

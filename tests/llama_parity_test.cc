@@ -24,6 +24,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "nlohmann/json.hpp"
+#include "tests/golden.h"
 #include "tests/bf16_products.h"
 #include "worker/communicator.h"
 #include "worker/llama.h"
@@ -46,18 +47,6 @@ std::vector<std::string> FixtureNames() {
   return names;
 }
 
-// max|a - b| / max|b|: the error relative to the logits' scale, so one number bounds every entry.
-// Infinite where the two differ in length or are empty (callers check the lengths first, to say so).
-double NormalizedError(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size() || b.empty()) return INFINITY;
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
-  }
-  return diff / scale;
-}
 
 // 1e-4: both sides compute in float32, and only the order of summation differs (oneDNN vs
 // PyTorch's kernels), which moves logits by ~1e-6 relative here. A real mistake (a wrong rope
@@ -82,21 +71,6 @@ constexpr double kInt4DequantizedTolerance = 1e-4;
 constexpr double kFp8LogitsTolerance = 0.5;
 constexpr double kFp8DequantizedTolerance = 1e-4;
 
-struct Golden {
-  std::vector<int32_t> prompt, greedy;
-  std::vector<float> prompt_last_logits, final_logits;
-};
-
-Golden LoadGolden(const fs::path& dir) {
-  std::ifstream in(dir / "golden.json");
-  nlohmann::json j = nlohmann::json::parse(in);
-  Golden g;
-  g.prompt = j.at("prompt_ids").get<std::vector<int32_t>>();
-  g.greedy = j.at("greedy_ids").get<std::vector<int32_t>>();
-  g.prompt_last_logits = j.at("prompt_last_logits").get<std::vector<float>>();
-  g.final_logits = j.at("final_logits").get<std::vector<float>>();
-  return g;
-}
 
 // Where a forward pass runs: a backend and the precision of its arithmetic.
 enum class Engine {
@@ -237,7 +211,7 @@ void OpenFixture(const fs::path& dir, Engine engine, LoadedFixture* f) {
 // Runs greedy generation with prefill chunks of `chunk` tokens on `engine` and checks it against HF.
 void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chunk) {
   const fs::path dir = kFixtures / name;
-  const Golden g = LoadGolden(dir);
+  const Golden g = ReadGolden(dir);
   ASSERT_EQ(g.greedy.size(), 32u);
 
   LoadedFixture f;
@@ -280,7 +254,7 @@ TEST_P(LlamaParity, ChunkedPrefill) { CheckAgainstHuggingFace(name(), engine(), 
 // tokens), so they are only reported.
 TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
   const fs::path dir = kFixtures / name();
-  const Golden g = LoadGolden(dir);
+  const Golden g = ReadGolden(dir);
   ASSERT_EQ(g.greedy.size(), 32u);
   LoadedFixture f;
   ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine(), &f));
@@ -330,7 +304,7 @@ TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
 TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   const std::string& name = this->name();
   const fs::path dir = kFixtures / name;
-  const Golden g = LoadGolden(dir);
+  const Golden g = ReadGolden(dir);
   ASSERT_GE(g.prompt.size(), 9u);
   LoadedFixture f;
   ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine(), &f));
@@ -466,7 +440,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
 TEST(LlamaInt8Weights, StayCloseToHuggingFace) {
   for (const std::string& name : FixtureNames()) {
     const fs::path dir = kFixtures / name;
-    const Golden g = LoadGolden(dir);
+    const Golden g = ReadGolden(dir);
     ASSERT_EQ(g.greedy.size(), 32u);
     LoadedFixture f;
     ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));
@@ -516,7 +490,7 @@ TEST(LlamaInt8Weights, StayCloseToHuggingFace) {
 TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
   for (const std::string& name : FixtureNames()) {
     const fs::path dir = kFixtures / name;
-    const Golden g = LoadGolden(dir);
+    const Golden g = ReadGolden(dir);
     ASSERT_EQ(g.greedy.size(), 32u);
     LoadedFixture f;
     ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));
@@ -576,7 +550,7 @@ TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
 TEST(LlamaFp8Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
   for (const std::string& name : FixtureNames()) {
     const fs::path dir = kFixtures / name;
-    const Golden g = LoadGolden(dir);
+    const Golden g = ReadGolden(dir);
     ASSERT_EQ(g.greedy.size(), 32u);
     LoadedFixture f;
     ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));

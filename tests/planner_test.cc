@@ -884,7 +884,8 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
 
 // Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
 // compressed_tensors}): the plan counts each shard's linear weights as the worker holds them (int4
-// blocks for 4 bits in groups of 128, float32 where they are dequantized at load, the checkpoint's
+// blocks for 4 bits in groups of 128, int8 / fp8 rows for per-channel 8-bit and fp8 checkpoints,
+// float32 where they are dequantized at load, the checkpoint's
 // dtype for modules its ignore list keeps plain), which the worker's own byte count confirms shard
 // by shard; the checkpoint's format tensors are checked against config.json instead of `.weight`
 // tensors.
@@ -898,8 +899,10 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
         {"fp8/fp8_qwen2_block32x64", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
         {"compressed_tensors/ct_int4_sym_g128_llama", 1, 2,
          "linear layers compressed-tensors int4 as int4 groups of 128"},
-        {"compressed_tensors/ct_int8_channel_qwen2", 2, 1, "linear layers compressed-tensors int8 dequantized"},
-        {"compressed_tensors/ct_fp8_channel_qwen2", 1, 2, "linear layers compressed-tensors fp8 dequantized"}}) {
+        {"compressed_tensors/ct_int8_channel_qwen2", 2, 1,
+         "linear layers compressed-tensors int8 as int8 per output channel"},
+        {"compressed_tensors/ct_fp8_channel_qwen2", 1, 2,
+         "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"}}) {
     absl::StatusOr<PlannerModel> m = OpenPlannerModel(fixtures / variant);
     ASSERT_TRUE(m.ok()) << variant << ": " << m.status();
     ASSERT_TRUE(m->config.checkpoint_quant.has_value());

@@ -1,7 +1,7 @@
 // Published quantized checkpoints (model/quantized_checkpoint.h): every fixture under
 // tests/fixtures/{gptq,awq,fp8,compressed_tensors} (made by tools/make_quantized_fixtures.py) gives
-// Hugging Face's greedy tokens and logits in one process, by the path it should take (the int4
-// kernel's blocks, or float32 dequantized at load), and every malformed checkpoint or config is
+// Hugging Face's greedy tokens and logits in one process, by the path it should take (the int4,
+// int8 or fp8 kernel's layout, or float32 dequantized at load), and every malformed checkpoint or config is
 // refused with an error naming the tensor or the field.
 // (The multi-process layouts are in tests/cluster_test.cc, ClusterGptqTest.)
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -29,6 +30,7 @@
 #include "model/sharding.h"
 #include "model/weight_source.h"
 #include "nlohmann/json.hpp"
+#include "tests/golden.h"
 #include "worker/communicator.h"
 #include "worker/llama.h"
 
@@ -42,39 +44,15 @@ const fs::path kGptqFixtures = kFixtures / "gptq";
 
 // The weights are exactly what HF ran (an f16 / bf16 / f32 scale times a small integer or an e4m3
 // value, in float32), so the only difference is float32 rounding: the dequantized path sums as the
-// float32 parity tests do (1e-6 relative measured there); the mapped path's int4 kernel sums
-// scale x (sum x q - zero x sum x) per group, ~10x more rounding (tests/llama_parity_test.cc,
+// float32 parity tests do (1e-6 relative measured there); the int8 / fp8 kernels sum x x code in
+// float32 lanes and scale once per output (the same rounding, 1e-5 in the kernel tests); the int4
+// kernel sums scale x (sum x q - zero x sum x) per group, ~10x more rounding (tests/llama_parity_test.cc,
 // kInt4DequantizedTolerance). 1e-4 of the logits' scale bounds both with room; a wrong nibble
 // (AWQ's interleave), zero point (GPTQ v1's + 1, compressed-tensors' offset), scale, block index or
 // g_idx moves the logits by 1e-2 or more.
 constexpr double kTolerance = 1e-4;
 
-struct Golden {
-  std::vector<int32_t> prompt, greedy;
-  std::vector<float> prompt_last_logits, final_logits;
-};
 
-Golden LoadGolden(const fs::path& dir) {
-  std::ifstream in(dir / "golden.json");
-  nlohmann::json j = nlohmann::json::parse(in);
-  Golden g;
-  g.prompt = j.at("prompt_ids").get<std::vector<int32_t>>();
-  g.greedy = j.at("greedy_ids").get<std::vector<int32_t>>();
-  g.prompt_last_logits = j.at("prompt_last_logits").get<std::vector<float>>();
-  g.final_logits = j.at("final_logits").get<std::vector<float>>();
-  return g;
-}
-
-double NormalizedError(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size() || b.empty()) return INFINITY;
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - b[i]));
-    scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
-  }
-  return diff / scale;
-}
 
 const StepLimits kLimits{.max_tokens_per_step = 256, .max_seqs_per_step = 4, .block_size = 16, .num_kv_blocks = 8,
                          .max_model_len = 8 * 16};
@@ -92,26 +70,39 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LoadModel(const fs::path& dir, Backe
 struct Variant {
   std::string dir;   // under tests/fixtures
   std::string name;
-  bool mapped;       // every quantized linear weight takes the int4 path (else every one is dequantized)
+  WeightQuant kernel;  // the layout every quantized linear weight takes (kNone: every one dequantized)
   int plain = 0;     // linear weights the checkpoint's ignore list keeps plain
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.dir << "/" << v.name; }
 
+constexpr WeightQuant kInt4 = WeightQuant::kInt4, kInt8 = WeightQuant::kInt8, kFp8 = WeightQuant::kFp8,
+                      kDense = WeightQuant::kNone;
 const Variant kVariants[] = {
-    {"gptq", "llama_sym4_g128_v1", true},
-    {"gptq", "qwen2_asym4_g128_v2", true},
-    {"gptq", "qwen2_asym4_g32_desc_act_v1", false},
-    {"gptq", "qwen2_sym4_gall_v1", false},
-    {"gptq", "qwen2_asym8_g32_v2", false},
-    {"awq", "awq_llama_g128", true},
-    {"awq", "awq_qwen2_g32", false},
-    {"fp8", "fp8_qwen2_block32x64", false},
-    {"compressed_tensors", "ct_int4_sym_g128_llama", true},
-    {"compressed_tensors", "ct_int4_asym_g32_qwen2", false},
-    {"compressed_tensors", "ct_int8_channel_qwen2", false},
-    {"compressed_tensors", "ct_fp8_channel_qwen2", false, /*plain=*/1},
+    {"gptq", "llama_sym4_g128_v1", kInt4},
+    {"gptq", "qwen2_asym4_g128_v2", kInt4},
+    {"gptq", "qwen2_asym4_g32_desc_act_v1", kDense},
+    {"gptq", "qwen2_sym4_gall_v1", kDense},
+    {"gptq", "qwen2_asym8_g32_v2", kDense},
+    {"awq", "awq_llama_g128", kInt4},
+    {"awq", "awq_qwen2_g32", kDense},
+    {"fp8", "fp8_qwen2_block32x64", kDense},
+    {"compressed_tensors", "ct_int4_sym_g128_llama", kInt4},
+    {"compressed_tensors", "ct_int4_asym_g32_qwen2", kDense},
+    {"compressed_tensors", "ct_int8_channel_qwen2", kInt8},
+    {"compressed_tensors", "ct_fp8_channel_qwen2", kFp8, /*plain=*/1},
 };
+
+// What the worker's summary says of `n` weights in `kernel`'s layout (LlamaShard::QuantizationSummary).
+std::string PathWords(WeightQuant kernel, int n) {
+  switch (kernel) {
+    case WeightQuant::kInt4: return absl::StrCat(n, " as int4 groups of 128");
+    case WeightQuant::kInt8: return absl::StrCat(n, " as int8 per output channel");
+    case WeightQuant::kFp8: return absl::StrCat(n, " as fp8 e4m3 per output channel");
+    case WeightQuant::kNone: return absl::StrCat(n, " dequantized to float32");
+  }
+  return "?";
+}
 
 class QuantizedParity : public ::testing::TestWithParam<Variant> {};
 
@@ -120,7 +111,7 @@ class QuantizedParity : public ::testing::TestWithParam<Variant> {};
 TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   const Variant& v = GetParam();
   const fs::path dir = kFixtures / v.dir / v.name;
-  const Golden g = LoadGolden(dir);
+  const Golden g = ReadGolden(dir);
   ASSERT_EQ(g.greedy.size(), 32u);
   std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
   LocalCommunicator tp(backend.get());
@@ -128,14 +119,10 @@ TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   ASSERT_TRUE(model.ok()) << v.name << ": " << model.status();
   const std::string summary = (*model)->QuantizationSummary();
   const int layers = static_cast<int>((*model)->config().num_hidden_layers);
-  if (v.mapped) {
-    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": ", 7 * layers - v.plain, " linear weights as int4")))
-        << summary;
-    EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
-  } else {
-    EXPECT_TRUE(absl::StrContains(summary, ": 0 linear weights as int4")) << summary;
-    EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(7 * layers - v.plain, " dequantized to float32"))) << summary;
-  }
+  EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": linear weights ", PathWords(v.kernel, 7 * layers - v.plain))))
+      << summary;
+  if (v.kernel != kDense) EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
+  EXPECT_EQ(CheckpointQuantKernel(*(*model)->config().checkpoint_quant), v.kernel) << "what the planner counts";
   std::vector<std::vector<float>> logits;
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), g.prompt, 32, &logits);
   ASSERT_TRUE(ids.ok()) << ids.status();
@@ -450,20 +437,35 @@ class FakeGptqTensors : public WeightSource {
     if (it == tensors_.end()) return absl::NotFoundError(name);
     return it->second.shape == shape ? absl::OkStatus() : absl::InvalidArgumentError(name + ": shape");
   }
-  // Whole tensors only, in their own dtype (F16 widened to F32; kI8 stands for F8_E4M3, decoded).
+  // A range of rows or columns, in the stored dtype (F16 widened to F32; kI8 stands for F8_E4M3,
+  // decoded or raw).
   absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType dst_type,
                     void* dst) const override {
     SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, shape));
-    const Stored& t = tensors_.at(name);
-    if (slice.begin != 0 || (slice.end != -1 && slice.end != t.shape[slice.dim])) {
-      return absl::UnimplementedError("whole tensors only");
+    const Stored& whole = tensors_.at(name);
+    // The slice's elements, in the stored dtype (a range of rows, or of each row's columns).
+    Stored t{whole.shape, whole.dtype, {}};
+    const size_t es = DTypeSize(whole.dtype);
+    const int64_t rows = whole.shape[0], cols = whole.shape.size() == 2 ? whole.shape[1] : 1;
+    const int64_t end = slice.end < 0 ? whole.shape[slice.dim] : slice.end;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t at = slice.dim == 0 ? r : c;
+        if (at < slice.begin || at >= end) continue;
+        const uint8_t* from = whole.bytes.data() + static_cast<size_t>(r * cols + c) * es;
+        t.bytes.insert(t.bytes.end(), from, from + es);
+      }
     }
     if (t.dtype == DType::kI32 && dst_type == DType::kI32) {
       std::memcpy(dst, t.bytes.data(), t.bytes.size());
       return absl::OkStatus();
     }
+    if (t.dtype == DType::kI8 && dst_type == DType::kI8) {  // F8_E4M3 read raw
+      std::memcpy(dst, t.bytes.data(), t.bytes.size());
+      return absl::OkStatus();
+    }
     if (t.dtype == DType::kI8 && dst_type == DType::kF32) {  // stands for F8_E4M3 here
-      for (size_t i = 0; i < t.bytes.size(); ++i) static_cast<float*>(dst)[i] = DecodeE4m3(t.bytes[i]);
+      for (size_t i = 0; i < t.bytes.size(); ++i) static_cast<float*>(dst)[i] = Fp8E4m3ToFloat(t.bytes[i]);
       return absl::OkStatus();
     }
     if (!ConvertOnHost(dst, dst_type, t.bytes.data(), t.dtype, t.bytes.size() / DTypeSize(t.dtype))) {
@@ -500,7 +502,8 @@ TEST(GptqKnownAnswers, DequantizedPathUnpacksAsAutoGptq) {
   c.group_size = -1;
   absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, c, "l", 8, 8, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
-  ASSERT_FALSE(w->mapped);
+  ASSERT_EQ(w->kernel, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(w->why_dense, "4 bits in one group per output channel")) << w->why_dense;
   for (int r = 0; r < 8; ++r) {
     for (int i = 0; i < 8; ++i) EXPECT_EQ(w->dense[r * 8 + i], static_cast<float>(i)) << r << ", " << i;
   }
@@ -520,7 +523,7 @@ TEST(GptqKnownAnswers, MappedPathRepacksAsAutoGptq) {
   c.v2 = true;
   absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, c, "l", 8, 128, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
-  ASSERT_TRUE(w->mapped);
+  ASSERT_EQ(w->kernel, WeightQuant::kInt4);
   ASSERT_EQ(w->blocks.size(), 8u);
   EXPECT_EQ(w->blocks[0].zero, 3);
   EXPECT_EQ(w->blocks[0].scale, 0.5f);
@@ -552,7 +555,7 @@ TEST(QuantizedKnownAnswers, AwqInterleavedNibbles) {
   ASSERT_TRUE(c.ok()) << c.status();
   absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
   ASSERT_TRUE(w.ok()) << w.status();
-  ASSERT_FALSE(w->mapped);
+  ASSERT_EQ(w->kernel, WeightQuant::kNone);
   for (int t = 0; t < 8; ++t) {
     for (int i = 0; i < 8; ++i) EXPECT_EQ(w->dense[t * 8 + i], static_cast<float>(t - 1)) << t << ", " << i;
   }
@@ -601,15 +604,195 @@ TEST(QuantizedKnownAnswers, Fp8BlockScales) {
   }
 }
 
-TEST(QuantizedKnownAnswers, DecodesE4m3) {
-  EXPECT_EQ(DecodeE4m3(0x38), 1.0f);
-  EXPECT_EQ(DecodeE4m3(0xC0), -2.0f);
-  EXPECT_EQ(DecodeE4m3(0x7E), 448.0f);
-  EXPECT_EQ(DecodeE4m3(0x08), std::ldexp(1.0f, -6));  // smallest normal
-  EXPECT_EQ(DecodeE4m3(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
-  EXPECT_EQ(DecodeE4m3(0x00), 0.0f);
-  EXPECT_TRUE(std::isnan(DecodeE4m3(0x7F)));
-  EXPECT_TRUE(std::isnan(DecodeE4m3(0xFF)));
+// ---- Checkpoints kept in a kernel's layout (int8, fp8): the codes and scales as stored ----------
+
+// Int8RowsLayout's reference applied to a slice held as int8 rows (or Fp8RowsLayout's for fp8).
+std::vector<float> DequantizeRows(const QuantizedLinearSlice& w) {
+  std::vector<float> out(w.m * w.k), scale(w.m);
+  for (int64_t r = 0; r < w.m; ++r) scale[r] = w.row_scale(r);
+  if (w.kernel == WeightQuant::kInt8) {
+    DequantizeInt8Rows(out.data(), scale.data(), reinterpret_cast<const int8_t*>(w.codes()), w.m, w.k);
+  } else {
+    DequantizeFp8Rows(out.data(), scale.data(), w.codes(), w.m, w.k);
+  }
+  return out;
+}
+
+// [out 8, in 8] 8-bit codes, 4 per int32 along the input (lowest byte first): each word 0x01FF8000
+// stores inputs 4j .. 4j + 3 as 0x00, 0x80, 0xFF, 0x01, i.e. q - 128 = -128, 0, 127, -127; output
+// r's scale is r + 1 (f16 1 .. 8): w[r][i] = (r + 1) x kCodes[i % 4].
+constexpr int kCodes[4] = {-128, 0, 127, -127};
+const std::vector<uint16_t> kF16OneToEight = {0x3C00, 0x4000, 0x4200, 0x4400, 0x4500, 0x4600, 0x4700, 0x4800};
+
+void ExpectInt8KnownAnswer(const QuantizedLinearSlice& w, const std::string& what) {
+  ASSERT_EQ(w.kernel, WeightQuant::kInt8) << what << ": " << w.why_dense;
+  ASSERT_EQ(w.rows.size(), static_cast<size_t>(Int8RowsLayout{8, 8}.bytes())) << what;
+  const std::vector<float> back = DequantizeRows(w);
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_EQ(w.row_scale(r), static_cast<float>(r + 1)) << what << " row " << r;
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_EQ(static_cast<int8_t>(w.codes()[r * 8 + i]), kCodes[i % 4]) << what << ": " << r << ", " << i;
+      EXPECT_EQ(back[r * 8 + i], static_cast<float>((r + 1) * kCodes[i % 4])) << what << ": " << r << ", " << i;
+    }
+  }
+}
+
+TEST(QuantizedKnownAnswers, Gptq8BitSymPerChannelKeepsItsInt8Codes) {
+  // GPTQ v1 stores the zero point 128 as 127 (0x7F7F7F7F).
+  FakeGptqTensors src;
+  src.Add("l.qweight", {2, 8}, DType::kI32, Bytes(std::vector<uint32_t>(2 * 8, 0x01FF8000u)));
+  src.Add("l.qzeros", {1, 2}, DType::kI32, Bytes(std::vector<uint32_t>(2, 0x7F7F7F7Fu)));
+  src.Add("l.scales", {1, 8}, DType::kF16, Bytes(kF16OneToEight));
+  src.Add("l.g_idx", {8}, DType::kI32, Bytes(std::vector<int32_t>(8, 0)));
+  absl::StatusOr<CheckpointQuant> c =
+      ParseCheckpointQuant(R"({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": true})", "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kInt8);
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ExpectInt8KnownAnswer(*w, "GPTQ");
+  // The dequantized path gives the same floats.
+  absl::StatusOr<QuantizedLinearSlice> dense = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1}, /*map=*/false);
+  ASSERT_TRUE(dense.ok()) << dense.status();
+  EXPECT_EQ(dense->dense, DequantizeRows(*w));
+  // Asymmetric with zero points other than 128 (v1 stores 0x7E: 127): dequantized, saying why.
+  src.Add("l.qzeros", {1, 2}, DType::kI32, Bytes(std::vector<uint32_t>(2, 0x7E7E7E7Eu)));
+  c->sym = false;
+  w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->kernel, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(w->why_dense, "zero points other than 128")) << w->why_dense;
+  EXPECT_EQ(w->dense[3 * 8 + 2], 4.0f * (255 - 127));
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kNone);
+}
+
+TEST(QuantizedKnownAnswers, CompressedTensorsInt8ChannelKeepsItsInt8Codes) {
+  FakeGptqTensors src;
+  src.Add("l.weight_packed", {8, 2}, DType::kI32, Bytes(std::vector<uint32_t>(8 * 2, 0x01FF8000u)));
+  src.Add("l.weight_scale", {8, 1}, DType::kF16, Bytes(kF16OneToEight));
+  src.Add("l.weight_shape", {2}, DType::kI32, Bytes(std::vector<int32_t>{8, 8}));
+  absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
+      R"({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+          "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": true,
+          "strategy": "channel"}}}})",
+      "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kInt8);
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  ExpectInt8KnownAnswer(*w, "compressed-tensors");
+  // Groups of 4 along the input: two scales per row, dequantized, saying why.
+  src.Add("l.weight_scale", {8, 2}, DType::kF16, Bytes(std::vector<uint16_t>(16, 0x3C00)));
+  c->group_size = 4;
+  w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->kernel, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(w->why_dense, "8 bits in groups of 4 along the input")) << w->why_dense;
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kNone);
+}
+
+// compressed-tensors float-quantized: the e4m3 bytes as stored, one scale per row (a per-tensor
+// scale repeated), every byte but the NaNs 0x7F and 0xFF (0x7E, 0xFE in their place); half the rows
+// or inputs (TP slices) too.
+TEST(QuantizedKnownAnswers, CompressedTensorsFp8KeepsItsBytes) {
+  std::vector<uint8_t> bytes(8 * 32);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(Fp8E4m3IsNan(static_cast<uint8_t>(i)) ? i - 1 : i);
+  for (const char* strategy : {"channel", "tensor"}) {
+    const bool tensor = std::string(strategy) == "tensor";
+    FakeGptqTensors src;
+    src.Add("l.weight", {8, 32}, DType::kI8, bytes);
+    if (tensor) {
+      src.Add("l.weight_scale", {1}, DType::kF32, Bytes(std::vector<float>{0.25f}));
+    } else {
+      src.Add("l.weight_scale", {8, 1}, DType::kF16, Bytes(kF16OneToEight));
+    }
+    absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
+        absl::StrCat(R"({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+          "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": ")",
+                     strategy, R"("}}}})"),
+        "t");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kFp8);
+    for (const Slice slice : {Slice{0, 0, -1}, Slice{0, 4, 8}, Slice{1, 16, 32}}) {
+      const std::string what = absl::StrCat(strategy, " slice dim ", slice.dim, " from ", slice.begin);
+      absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 32, slice);
+      ASSERT_TRUE(w.ok()) << what << ": " << w.status();
+      ASSERT_EQ(w->kernel, WeightQuant::kFp8) << what;
+      const int64_t r0 = slice.dim == 0 ? slice.begin : 0, i0 = slice.dim == 1 ? slice.begin : 0;
+      for (int64_t r = 0; r < w->m; ++r) {
+        EXPECT_EQ(w->row_scale(r), tensor ? 0.25f : static_cast<float>(r0 + r + 1)) << what;
+        for (int64_t i = 0; i < w->k; ++i) {
+          ASSERT_EQ(w->codes()[r * w->k + i], bytes[(r0 + r) * 32 + i0 + i]) << what << ": " << r << ", " << i;
+        }
+      }
+      absl::StatusOr<QuantizedLinearSlice> dense = ReadQuantizedLinear(src, *c, "l", 8, 32, slice, /*map=*/false);
+      ASSERT_TRUE(dense.ok()) << dense.status();
+      EXPECT_EQ(dense->dense, DequantizeRows(*w)) << what;
+    }
+  }
+}
+
+TEST(QuantizedKnownAnswers, Fp8BlockScalesStayDequantizedSayingWhy) {
+  FakeGptqTensors src;
+  src.Add("l.weight", {256, 384}, DType::kI8, std::vector<uint8_t>(256 * 384, 0x38));
+  src.Add("l.weight_scale_inv", {2, 3}, DType::kF32, Bytes(std::vector<float>{1, 2, 3, 4, 5, 6}));
+  absl::StatusOr<CheckpointQuant> c = ParseCheckpointQuant(
+      R"({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})", "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kNone);
+  absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 256, 384, Slice{0, 0, -1});
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->kernel, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(w->why_dense, "128x128 block scales")) << w->why_dense;
+}
+
+// Every fixture whose weights take a kernel layout: each quantized linear weight of every layer, in
+// the layout, is exactly (==) the dequantized path's float32 weight by that layout's reference
+// (kernels/quant.h), whole and as each of two TP ranks' slices. (The parity tests above then show
+// the kernels multiply them as HF does.)
+TEST(QuantizedKnownAnswers, FixtureWeightsInKernelLayoutsEqualTheDequantizedOnes) {
+  for (const Variant& v : kVariants) {
+    if (v.kernel == kDense) continue;
+    const fs::path dir = kFixtures / v.dir / v.name;
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    const CheckpointQuant& c = *config->checkpoint_quant;
+    const int64_t H = config->hidden_size, I = config->intermediate_size;
+    int checked = 0;
+    for (int64_t layer = 0; layer < config->num_hidden_layers; ++layer) {
+      const std::string p = absl::StrCat("model.layers.", layer, ".");
+      for (const auto& [name, out, in, dim] :
+           {std::tuple{"self_attn.q_proj", config->q_dim(), H, 0}, {"self_attn.k_proj", config->kv_dim(), H, 0},
+            {"self_attn.v_proj", config->kv_dim(), H, 0}, {"self_attn.o_proj", H, config->q_dim(), 1},
+            {"mlp.gate_proj", I, H, 0}, {"mlp.up_proj", I, H, 0}, {"mlp.down_proj", H, I, 1}}) {
+        const std::string prefix = p + name;
+        if (!c.Quantizes(prefix)) continue;
+        const int64_t extent = dim == 0 ? out : in;
+        for (const Slice slice : {Slice{dim, 0, -1}, Slice{dim, 0, extent / 2}, Slice{dim, extent / 2, -1}}) {
+          // Slices that cut int4 groups are refused by the planner (CheckQuantizedShard); skip them.
+          if (slice.dim == 1 && slice.end != -1 && v.kernel == kInt4 && extent / 2 % kInt4GroupSize != 0) continue;
+          if (slice.dim == 1 && slice.begin > 0 && v.kernel == kInt4 && slice.begin % kInt4GroupSize != 0) continue;
+          const std::string what = absl::StrCat(v.name, " ", prefix, " slice ", slice.dim, ":", slice.begin);
+          absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(**ckpt, c, prefix, out, in, slice);
+          ASSERT_TRUE(w.ok()) << what << ": " << w.status();
+          ASSERT_EQ(w->kernel, v.kernel) << what << ": " << w->why_dense;
+          absl::StatusOr<QuantizedLinearSlice> dense = ReadQuantizedLinear(**ckpt, c, prefix, out, in, slice, false);
+          ASSERT_TRUE(dense.ok()) << what << ": " << dense.status();
+          std::vector<float> back(w->m * w->k);
+          if (v.kernel == kInt4) {
+            DequantizeInt4Groups(back.data(), w->blocks.data(), w->m, w->k);
+          } else {
+            back = DequantizeRows(*w);
+          }
+          ASSERT_EQ(back, dense->dense) << what;
+          ++checked;
+        }
+      }
+    }
+    EXPECT_GT(checked, 0) << v.name;
+  }
 }
 
 // Each format's TP rules (CheckQuantizedShard via CheckpointQuant::output_multiple / input_multiple).
@@ -643,7 +826,7 @@ TEST(GptqConfigTest, ParsesTheFields) {
   EXPECT_FALSE(c->sym);
   EXPECT_TRUE(c->desc_act);
   EXPECT_TRUE(c->v2);
-  EXPECT_FALSE(CheckpointQuantMapsToInt4(*c));
+  EXPECT_EQ(CheckpointQuantKernel(*c), WeightQuant::kNone);  // 8 bits with zero points
   for (const char* bad : {R"({"bits": 4, "group_size": 128})", R"({"quant_method": "gptq", "group_size": 128})",
                           R"({"quant_method": "gptq", "bits": 4})", R"({"quant_method": "gptq", "bits": 4,
                           "group_size": -2})", R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": 1})",

@@ -2,7 +2,7 @@
 // oneDNN's matmul as the backend used it before (weights reordered once into the layout oneDNN
 // picks, one primitive per row count), and the backend's products by the same weights quantized
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
-// instruction set this CPU has (AVX2, AVX-512, and int8 on AVX-512 VNNI with its activations
+// instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
 // quantized: kernels/cpu/quant_isa.h), over the weights of one
 // pipeline stage, side by side in one run: for each row count, all of them alternate `--repeat`
 // times and the medians are reported, with the weight bytes per second each product reads (4 per
@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
   for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512, QuantIsa::kAvx512Vnni}) {
     if (!shardserve::cpu::QuantIsaSupported(isa)) continue;
     for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
-      if (isa == QuantIsa::kAvx512Vnni && q != WeightQuant::kInt8) continue;  // int8 only
+      if (isa == QuantIsa::kAvx512Vnni && q == WeightQuant::kFp8) continue;  // int8 and int4 only
       kernels.push_back({absl::StrCat(shardserve::WeightQuantName(q), " ", shardserve::cpu::QuantIsaName(isa)), q, isa,
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
     }

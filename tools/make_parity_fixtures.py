@@ -255,21 +255,33 @@ def build(fixture: Fixture, out_root: pathlib.Path) -> None:
     generator = torch.Generator().manual_seed(fixture.seed + 1)
     prompt = torch.randint(1, config.vocab_size, (fixture.prompt_len,), generator=generator)
     prompt = prompt.tolist()
-    result = greedy(model, prompt)
+    write_checked_golden(
+        out,
+        fixture.name,
+        model,
+        prompt,
+        {"model": fixture.name, "architecture": config.architectures[0]},
+    )
 
+
+def write_checked_golden(
+    out: pathlib.Path, name: str, model: PreTrainedModel, prompt: list[int], fields: dict
+) -> None:
+    """Greedy-decodes `prompt`, refuses a degenerate continuation or a near-tie (which float
+    rounding could flip), and writes out/golden.json: `fields`, the library versions, the prompt and
+    the greedy tokens and logits. Shared by tools/make_quantized_fixtures.py."""
+    result = greedy(model, prompt)
     distinct = len(set(result["greedy_ids"]))
     margin = result["greedy_min_margin"]
     print(f"    greedy: {distinct} distinct of {GREEDY_STEPS}, min top-2 margin {margin:.4g}")
     if distinct < MIN_DISTINCT_TOKENS:
-        raise SystemExit(f"{fixture.name}: degenerate greedy continuation; raise init_std")
+        raise SystemExit(f"{name}: degenerate greedy continuation; raise init_std or change the seed")
     if margin < MIN_GREEDY_MARGIN:
-        raise SystemExit(f"{fixture.name}: near-tie in greedy decoding; change the seed")
-
+        raise SystemExit(f"{name}: near-tie in greedy decoding; change the seed")
     write_golden(
         out / "golden.json",
         {
-            "model": fixture.name,
-            "architecture": config.architectures[0],
+            **fields,
             "transformers_version": transformers.__version__,
             "torch_version": torch.__version__,
             "prompt_ids": prompt,

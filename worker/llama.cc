@@ -75,14 +75,15 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice w,
                               ReadQuantizedLinear(ckpt, *config_.checkpoint_quant, prefix, full_shape[0], full_shape[1], slice));
   Tensor packed;
-  if (w.mapped) {  // the int4 kernel's own blocks, bit for bit
-    absl::StatusOr<Buffer> buffer = backend_->PackInt4Blocks(w.blocks.data(), w.m, w.k, &packed);
+  ++quant_paths_[static_cast<int>(w.kernel)];
+  if (w.kernel != WeightQuant::kNone) {  // the kernel's own layout, bit for bit
+    absl::StatusOr<Buffer> buffer = backend_->PackQuantizedWeight(w.kernel, w.stored(), w.m, w.k, &packed);
     if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(prefix, ": ", buffer.status().message()));
     weight_bytes_ += packed.bytes();
     buffers_.push_back(std::move(*buffer));
-    ++quant_mapped_;
     return packed;
   }
+  if (quant_why_dense_.empty()) quant_why_dense_ = w.why_dense;
   // Dequantized to float32 at load (exact): a plain weight from here on.
   Tensor plain;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, Alloc(backend_->act_dtype(), {w.m, w.k}));
@@ -92,7 +93,6 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   }
   SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging.data(), staging.size()));
   weight_bytes_ += plain.bytes();
-  ++quant_dequantized_;
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, WeightQuant::kNone);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {
@@ -122,11 +122,22 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
 
 std::string LlamaShard::QuantizationSummary() const {
   if (!config_.checkpoint_quant.has_value()) return WeightQuantName(spec_.weight_quant);
-  std::string out = absl::StrCat(config_.checkpoint_quant->Describe(), ": ", quant_mapped_,
-                                 " linear weights as int4 groups of 128");
-  if (quant_dequantized_ > 0) {
-    absl::StrAppend(&out, ", ", quant_dequantized_,
-                    " dequantized to float32 at load (this path saves no memory yet)");
+  constexpr std::pair<WeightQuant, const char*> kPaths[] = {
+      {WeightQuant::kInt4, "as int4 groups of 128"},
+      {WeightQuant::kInt8, "as int8 per output channel"},
+      {WeightQuant::kFp8, "as fp8 e4m3 per output channel"}};
+  std::string out = absl::StrCat(config_.checkpoint_quant->Describe(), ": linear weights");
+  bool any = false;
+  for (const auto& [kernel, what] : kPaths) {
+    if (const int n = quant_paths_[static_cast<int>(kernel)]; n > 0) {
+      absl::StrAppend(&out, any ? ", " : " ", n, " ", what, " (the checkpoint's codes and scales, exact)");
+      any = true;
+    }
+  }
+  if (const int n = quant_paths_[static_cast<int>(WeightQuant::kNone)]; n > 0 || !any) {
+    absl::StrAppend(&out, any ? ", " : " ", n, " dequantized to float32 at load",
+                    quant_why_dense_.empty() ? "" : absl::StrCat(" (", quant_why_dense_, ")"),
+                    n > 0 ? ", which saves no memory" : "");
   }
   return out;
 }

@@ -102,8 +102,9 @@ class LlamaShard {
   absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
                                           std::vector<int64_t> full_shape, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
-  // A published quantized checkpoint's linear weight `name` (<prefix>.weight): repacked as int4 blocks, or
-  // dequantized to float32 and packed as a plain weight (model/quantized_checkpoint.h).
+  // A published quantized checkpoint's linear weight `name` (<prefix>.weight): its codes and scales
+  // in an int4 / int8 / fp8 kernel layout, or dequantized to float32 and packed as a plain weight
+  // (model/quantized_checkpoint.h).
   absl::StatusOr<Tensor> LoadQuantizedCheckpointWeight(const WeightSource& ckpt, const std::string& name,
                                                        const std::vector<int64_t>& full_shape, const Slice& slice);
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
@@ -124,7 +125,10 @@ class LlamaShard {
   uint64_t weight_bytes_ = 0;
   uint64_t step_buffer_bytes_ = 0;
   uint64_t kv_cache_bytes_ = 0;
-  int quant_mapped_ = 0, quant_dequantized_ = 0;  // a quantized checkpoint's linear weights by path
+  // A quantized checkpoint's linear weights by the layout that holds them (kNone: dequantized to
+  // float32), indexed by WeightQuant, and why the first dequantized one is.
+  int quant_paths_[4] = {};
+  std::string quant_why_dense_;
 
   Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)
   std::vector<Layer> layers_;

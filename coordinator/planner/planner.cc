@@ -498,9 +498,13 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.dtype = ctx.dtype;
   plan.checkpoint_dtype = c.dtype;
   if (c.checkpoint_quant.has_value()) {
-    plan.checkpoint_quant = absl::StrCat(c.checkpoint_quant->Name(), CheckpointQuantMapsToInt4(*c.checkpoint_quant)
-                                                                   ? " as int4 groups of 128"
-                                                                   : " dequantized to float32");
+    switch (CheckpointQuantKernel(*c.checkpoint_quant)) {
+      case WeightQuant::kInt4: plan.checkpoint_quant = " as int4 groups of 128"; break;
+      case WeightQuant::kInt8: plan.checkpoint_quant = " as int8 per output channel"; break;
+      case WeightQuant::kFp8: plan.checkpoint_quant = " as fp8 e4m3 per output channel"; break;
+      case WeightQuant::kNone: plan.checkpoint_quant = " dequantized to float32"; break;
+    }
+    plan.checkpoint_quant = absl::StrCat(c.checkpoint_quant->Name(), plan.checkpoint_quant);
   }
   plan.cluster = cluster;
   plan.options = options;

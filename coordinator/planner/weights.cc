@@ -123,13 +123,14 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       bytes = static_cast<uint64_t>(QuantizedWeightBytes(quant, rows, elements / std::max<int64_t>(rows, 1)));
     }
     if (IsQuantizedLinearWeight(config, t)) {
-      // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h): the int4 kernel's
-      // blocks (packed values, scales and zero points) where the format maps onto them, else
-      // dequantized to float32 (that path saves no memory yet).
+      // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h):
+      // the int4 / int8 / fp8 kernel's layout (codes, scales and zero points) where the format maps
+      // onto one, else dequantized to float32 (that path saves no memory).
       const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
       const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      bytes = CheckpointQuantMapsToInt4(*config.checkpoint_quant)
-                  ? static_cast<uint64_t>(Int4GroupsLayout{rows, elements / std::max<int64_t>(rows, 1)}.bytes())
+      const WeightQuant kernel = CheckpointQuantKernel(*config.checkpoint_quant);
+      bytes = kernel != WeightQuant::kNone
+                  ? static_cast<uint64_t>(QuantizedWeightBytes(kernel, rows, elements / std::max<int64_t>(rows, 1)))
                   : static_cast<uint64_t>(elements) * sizeof(float);
     }
     switch (t.part) {

@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -184,7 +185,8 @@ class CpuBackend final : public Backend {
     std::free(data);
   }
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
-  absl::StatusOr<Buffer> PackInt4Blocks(const Int4Group128* blocks, int64_t m, int64_t k, Tensor* packed) override;
+  absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
+                                             Tensor* packed) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy("CopyToDevice", dst, host_src, bytes);
   }
@@ -230,6 +232,10 @@ class CpuBackend final : public Backend {
   // cpu/quant_isa.h's QuantizedKernelsDescription (this header does not include the kernels').
   static std::string QuantizedKernelsDescription();
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
+  // Allocates `quant`'s layout of an [m, k] weight, lets `fill` write it, registers it in packed_
+  // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy).
+  absl::StatusOr<Buffer> PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
+                                       absl::FunctionRef<absl::Status(void*)> fill);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;

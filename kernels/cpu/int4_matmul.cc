@@ -1,10 +1,9 @@
 #include "kernels/cpu/int4_matmul.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
 
 namespace shardserve::cpu {
@@ -32,18 +31,15 @@ void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t
 
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                 const float* bias, int threads, QuantIsa isa) {
-  const auto columns = isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx512Vnni ? Int4ColumnsAvx512
+  if (isa == QuantIsa::kAvx512Vnni) {
+    Int4MatMulVnni(y, x, n, m, k, blocks, bias, threads);
+    return;
+  }
+  const auto columns = isa == QuantIsa::kAvx512 ? Int4ColumnsAvx512
                        : isa == QuantIsa::kAvx2 ? Int4ColumnsAvx2
                                                 : Int4ColumnsPortable;
-  // Columns in whole tiles per thread, so that every output is computed by the same tile code.
-  const int64_t tiles = (m + kInt4TileRows - 1) / kInt4TileRows;
-  const int nthreads = threads > 0 ? threads : omp_get_max_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles));
-#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t r0 = tiles * p / parts * kInt4TileRows, r1 = std::min(m, tiles * (p + 1) / parts * kInt4TileRows);
-    if (r0 < r1) columns(y, x, n, m, k, blocks, bias, r0, r1);
-  }
+  ForEachColumnRange(m, kInt4TileRows, threads,
+                     [&](int64_t r0, int64_t r1) { columns(y, x, n, m, k, blocks, bias, r0, r1); });
 }
 
 }  // namespace shardserve::cpu

@@ -22,7 +22,8 @@ namespace shardserve::cpu {
 // y [n, m] = x [n, k] @ w^T (+ bias [m], may be null), w [m, k] stored as `blocks`
 // [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default),
 // with `isa`'s instance (which the CPU must support; kAvx512's is AVX2's 8-lane code with two input
-// rows per pass over an unpacked group, int4_matmul_avx512.cc).
+// rows per pass over an unpacked group, int4_matmul_avx512.cc; kAvx512Vnni's multiplies int8-rounded
+// activations in integers, inexact, int4_matmul_vnni.cc).
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                 const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
 

@@ -1,14 +1,19 @@
 // The tiles of the CPU's int4 products (int4_matmul.h), as templates over how 8 packed bytes become
 // two 8-float vectors (`Unpack::Load(const uint8_t*, Vec8* low, Vec8* high)`: the low nibbles, then
-// the high ones), instantiated once per instruction set: int4_matmul_avx2.cc (compiled for AVX2 +
-// FMA) and int4_matmul.cc (baseline x86-64). Internal to those two files; everything here has
-// internal linkage, so the two instances cannot mix.
+// the high ones), instantiated once per instruction set: int4_matmul.cc (baseline x86-64),
+// int4_matmul_avx2.cc (AVX2 + FMA) and int4_matmul_avx512.cc (AVX-512, UnpackAvx2 below too).
+// Internal to those files; everything here has internal linkage, so the instances cannot mix.
 #ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 #define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 
 #include <algorithm>
 #include <cstdint>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/quant.h"
 
@@ -21,11 +26,27 @@ void Int4ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
                      const float* bias, int64_t r0, int64_t r1);
 void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                        const float* bias, int64_t r0, int64_t r1);
+// int4_matmul_vnni.cc: the whole int4 product with activations quantized (QuantIsa::kAvx512Vnni).
+void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                    const float* bias, int threads);
 
 // Weight rows per tile of columns, as int8_matmul_tiles.h: 8 sums for one input row, 4 x 2 for two.
 inline constexpr int kInt4TileRows = 8;
 
 namespace {
+
+#if defined(__AVX2__)
+// 8 packed bytes as 16 floats: zero-extend each byte to int32, then its low nibble and its high
+// nibble (a shift: the byte is below 256), each converted exactly. For the files compiled with AVX2
+// (AVX-512's too: its instance keeps the 8-lane code, kPairs below).
+struct UnpackAvx2 {
+  [[gnu::always_inline]] static inline void Load(const uint8_t* p, Vec8* lo, Vec8* hi) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    *lo = reinterpret_cast<Vec8>(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15))));
+    *hi = reinterpret_cast<Vec8>(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
+  }
+};
+#endif
 
 [[gnu::always_inline]] inline float SumLanes4(const Vec8& v) {
   return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
@@ -234,12 +255,9 @@ template <class Unpack, bool kPairs = false>
       }
       continue;
     }
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2) {
-      TileOf<Unpack, 2>(std::min<int64_t>(rows, 4), y, x, i, m, k, blocks, bias, r);
-      if (rows > 4) TileOf<Unpack, 2>(rows - 4, y, x, i, m, k, blocks, bias, r + 4);
-    }
-    if (i < n) TileOf<Unpack, 1>(rows, y, x, i, m, k, blocks, bias, r);
+    ForEachRowTile(
+        n, rows, r, [&](int64_t count, int64_t i, int64_t rr) { TileOf<Unpack, 2>(count, y, x, i, m, k, blocks, bias, rr); },
+        [&](int64_t count, int64_t i, int64_t rr) { TileOf<Unpack, 1>(count, y, x, i, m, k, blocks, bias, rr); });
   }
 }
 

@@ -1,11 +1,10 @@
 #include "kernels/cpu/int8_matmul.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <array>
 #include <cstring>
 
+#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int8_matmul_tiles.h"
 #include "kernels/quant.h"
 
@@ -45,17 +44,10 @@ struct WidenFp8Portable {
 using ColumnsFn = void (*)(float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, const float*,
                            const float*, int64_t, int64_t);
 
-// Columns in whole tiles per thread, so that every output is computed by the same tile code.
 void Run(ColumnsFn columns, float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
          const float* scale, const float* bias, int threads) {
-  const int64_t tiles = (m + kInt8TileRows - 1) / kInt8TileRows;
-  const int nthreads = threads > 0 ? threads : omp_get_max_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles));
-#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t r0 = tiles * p / parts * kInt8TileRows, r1 = std::min(m, tiles * (p + 1) / parts * kInt8TileRows);
-    if (r0 < r1) columns(y, x, n, m, k, q, scale, bias, r0, r1);
-  }
+  ForEachColumnRange(m, kInt8TileRows, threads,
+                     [&](int64_t r0, int64_t r1) { columns(y, x, n, m, k, q, scale, bias, r0, r1); });
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/vec.h"
 
 namespace shardserve::cpu {
@@ -134,13 +135,10 @@ template <class Widen>
                                            const uint8_t* q, const float* scale, const float* bias, int64_t r0,
                                            int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt8TileRows) {
-    const int64_t rows = std::min<int64_t>(kInt8TileRows, r1 - r);
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2) {
-      TileOf<Widen, 2>(std::min<int64_t>(rows, 4), y, x, i, m, k, q, scale, bias, r);
-      if (rows > 4) TileOf<Widen, 2>(rows - 4, y, x, i, m, k, q, scale, bias, r + 4);
-    }
-    if (i < n) TileOf<Widen, 1>(rows, y, x, i, m, k, q, scale, bias, r);
+    ForEachRowTile(
+        n, std::min<int64_t>(kInt8TileRows, r1 - r), r,
+        [&](int64_t rows, int64_t i, int64_t rr) { TileOf<Widen, 2>(rows, y, x, i, m, k, q, scale, bias, rr); },
+        [&](int64_t rows, int64_t i, int64_t rr) { TileOf<Widen, 1>(rows, y, x, i, m, k, q, scale, bias, rr); });
   }
 }
 

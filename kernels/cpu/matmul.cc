@@ -193,16 +193,29 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
 }
 
-absl::StatusOr<Buffer> CpuBackend::PackInt4Blocks(const Int4Group128* blocks, int64_t m, int64_t k, Tensor* packed) {
-  if (m <= 0 || k <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("PackInt4Blocks: an empty [", m, ", ", k, "] weight"));
+absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
+                                                       Tensor* packed) {
+  if (quant == WeightQuant::kNone) {
+    return absl::InvalidArgumentError("PackQuantizedWeight: kNone is no quantized layout; use PackMatMulWeight");
   }
-  const Int4GroupsLayout layout{m, k};
-  SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
-  std::memcpy(buffer.data(), blocks, static_cast<size_t>(layout.bytes()));
-  packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
+  if (m <= 0 || k <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: an empty [", m, ", ", k, "] ",
+                                                   WeightQuantName(quant), " weight"));
+  }
+  return PackQuantized(quant, m, k, packed, [&](void* to) {
+    std::memcpy(to, stored, static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
+                                                 absl::FunctionRef<absl::Status(void*)> fill) {
+  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+  SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(bytes));
+  SHARDSERVE_RETURN_IF_ERROR(fill(buffer.data()));
+  packed_[buffer.data()] = PackedWeight{m, k, bytes, {}, quant};
   *packed = Tensor(buffer.data(), DType::kI8, {m, k});
-  packed->quant = WeightQuant::kInt4;
+  packed->quant = quant;
   return buffer;
 }
 
@@ -212,37 +225,22 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   *packed = w;
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
-  if (quant == WeightQuant::kInt8) {  // kernels/quant.h's layout, for int8_matmul.h
-    const Int8RowsLayout layout{m, k};
-    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
-    auto* scale = static_cast<float*>(buffer.data());
-    auto* q = static_cast<int8_t*>(buffer.data()) + layout.scale_bytes();
-    if (absl::Status s = QuantizeInt8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
-    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt8};
-    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
-    packed->quant = WeightQuant::kInt8;
-    return buffer;
-  }
-  if (quant == WeightQuant::kFp8) {  // kernels/quant.h's layout, for int8_matmul.h's Fp8MatMul
-    const Fp8RowsLayout layout{m, k};
-    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
-    auto* scale = static_cast<float*>(buffer.data());
-    auto* q = static_cast<uint8_t*>(buffer.data()) + layout.scale_bytes();
-    if (absl::Status s = QuantizeFp8Rows(scale, q, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
-    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kFp8};
-    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
-    packed->quant = WeightQuant::kFp8;
-    return buffer;
-  }
-  if (quant == WeightQuant::kInt4) {  // kernels/quant.h's Int4Group128 blocks, for int4_matmul.h
-    const Int4GroupsLayout layout{m, k};
-    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(static_cast<size_t>(layout.bytes())));
-    auto* blocks = static_cast<Int4Group128*>(buffer.data());
-    if (absl::Status s = QuantizeInt4Groups(blocks, w.as<float>(), m, k); !s.ok()) return check.Error(s.message());
-    packed_[buffer.data()] = PackedWeight{m, k, static_cast<size_t>(layout.bytes()), {}, WeightQuant::kInt4};
-    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
-    packed->quant = WeightQuant::kInt4;
-    return buffer;
+  if (quant != WeightQuant::kNone) {  // kernels/quant.h's layouts, for int8_matmul.h and int4_matmul.h
+    return PackQuantized(quant, m, k, packed, [&](void* to) -> absl::Status {
+      absl::Status s;
+      if (quant == WeightQuant::kInt8) {
+        const Int8RowsLayout layout{m, k};
+        s = QuantizeInt8Rows(static_cast<float*>(to), static_cast<int8_t*>(to) + layout.scale_bytes(), w.as<float>(),
+                             m, k);
+      } else if (quant == WeightQuant::kFp8) {
+        const Fp8RowsLayout layout{m, k};
+        s = QuantizeFp8Rows(static_cast<float*>(to), static_cast<uint8_t*>(to) + layout.scale_bytes(), w.as<float>(),
+                            m, k);
+      } else {
+        s = QuantizeInt4Groups(static_cast<Int4Group128*>(to), w.as<float>(), m, k);
+      }
+      return s.ok() ? s : check.Error(s.message());
+    });
   }
   if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops
     const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);

@@ -17,11 +17,11 @@ enum class QuantIsa : uint8_t {
   kPortable = 0,  // baseline x86-64 (GCC vectors, no FMA)
   kAvx2 = 1,      // AVX2 + FMA, 8 lanes
   kAvx512 = 2,    // AVX-512 F/BW/VL + FMA, 16 lanes
-  // AVX-512 VNNI, int8 only: the activations quantized to int8 per row (scale max |x| / 127) and
-  // multiplied in integers (VPDPBUSD), as llama.cpp's Q8_0 does. Not exact against the
-  // dequantized weights (each activation moves by up to 1/254 of its row's largest: ~5e-3 of an
-  // output, tests/kernels_cpu_test.cc), so never picked by ActiveQuantIsa: only when asked for
-  // (bench_matmul, tests). fp8 and int4 run kAvx512's instance under it.
+  // AVX-512 VNNI, int8 and int4: the activations quantized to int8 per row (scale max |x| / 127,
+  // activation_rows.h) and multiplied in integers (VPDPBUSD), as llama.cpp's Q8_0 / Q4_0 products
+  // do. Not exact against the dequantized weights (each activation moves by up to 1/254 of its
+  // row's largest: ~5e-3 of an output, tests/kernels_cpu_test.cc), so never picked by
+  // ActiveQuantIsa: only when asked for (bench_matmul, tests). fp8 runs kAvx512's instance under it.
   kAvx512Vnni = 3,
 };
 

@@ -1,0 +1,59 @@
+// How the CPU's quantized products (int8_matmul.h, int4_matmul.h and their VNNI instances) split
+// their work: output columns in whole tiles per OpenMP thread (so that every output is computed by
+// the same tile code, whatever the thread count), and within a tile of up to 8 weight rows, input
+// rows in pairs over 4 weight rows at a time (8 sums) and a last single input row over all of them
+// (a decode step's case: 8 independent sums too).
+//
+// Thread-safety: ForEachColumnRange runs `columns` on up to `threads` OpenMP threads at once, on
+// disjoint ranges.
+#ifndef SHARDSERVE_KERNELS_CPU_COLUMN_TILES_H_
+#define SHARDSERVE_KERNELS_CPU_COLUMN_TILES_H_
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace shardserve::cpu {
+// Internal linkage: each instruction set's file gets its own copy (as int8_matmul_tiles.h).
+namespace {
+
+// columns(r0, r1) for contiguous ranges covering [0, m), each a whole number of `tile_rows`-row
+// tiles but the last, one range per thread (threads <= 0: OpenMP's default).
+template <class Columns>
+inline void ForEachColumnRange(int64_t m, int64_t tile_rows, int threads, const Columns& columns) {
+  const int64_t tiles = (m + tile_rows - 1) / tile_rows;
+  const int nthreads = threads > 0 ? threads : omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nthreads, tiles));
+#pragma omp parallel for num_threads(static_cast<int>(parts)) schedule(static)
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t r0 = tiles * p / parts * tile_rows, r1 = std::min(m, tiles * (p + 1) / parts * tile_rows);
+    if (r0 < r1) columns(r0, r1);
+  }
+}
+
+// One tile of `rows` (<= 8) weight rows from r, over input rows [0, n): pair(count, i, r') for
+// input rows i, i + 1 and `count` weight rows from r', single(count, i, r') for a last odd one.
+template <class Pair, class Single>
+[[gnu::always_inline]] inline void ForEachRowTile(int64_t n, int64_t rows, int64_t r, const Pair& pair,
+                                                  const Single& single) {
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    pair(std::min<int64_t>(rows, 4), i, r);
+    if (rows > 4) pair(rows - 4, i, r + 4);
+  }
+  if (i < n) single(rows, i, r);
+}
+
+// Both: every tile of [0, m) x [0, n), the column ranges on `threads` threads.
+template <class Pair, class Single>
+inline void ForEachTile(int64_t n, int64_t m, int64_t tile_rows, int threads, const Pair& pair, const Single& single) {
+  ForEachColumnRange(m, tile_rows, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r += tile_rows) ForEachRowTile(n, std::min(tile_rows, r1 - r), r, pair, single);
+  });
+}
+
+}  // namespace
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_COLUMN_TILES_H_
