@@ -597,13 +597,19 @@ TEST(PlannerMemory, ItemsAddUpToTheDeviceMemory) {
       std::vector<std::string> got;
       for (const MemoryItem& item : g.memory) {
         got.push_back(item.name);
-        if (item.name != kMemFree) EXPECT_GE(item.bytes, 0) << where << " " << item.name;
+        if (item.name != kMemFree) {
+          EXPECT_GE(item.bytes, 0) << where << " " << item.name;
+        }
       }
       EXPECT_EQ(got, names) << where;
       EXPECT_EQ(ItemSum(g), static_cast<int64_t>(p.cluster.gpu.memory_bytes)) << where;
-      if (p.fits) EXPECT_GE(Item(g, kMemFree), 0) << where;
+      if (p.fits) {
+        EXPECT_GE(Item(g, kMemFree), 0) << where;
+      }
     }
-    if (!p.fits) EXPECT_LT(Item(p.per_gpu[0], kMemFree), 0) << config << " on " << cluster;
+    if (!p.fits) {
+      EXPECT_LT(Item(p.per_gpu[0], kMemFree), 0) << config << " on " << cluster;
+    }
   }
 }
 
