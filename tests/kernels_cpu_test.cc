@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -507,6 +508,31 @@ TEST(Int8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
 // The test parameter's name: "int8", "fp8", "int4".
 std::string QuantParamName(const ::testing::TestParamInfo<WeightQuant>& info) { return WeightQuantName(info.param); }
 
+// The quantized products' check through the backend: for each n in `batches`, with and without
+// the bias b [m], MatMul by `packed` (a weight [m, k] in `quant`'s format) against the product by
+// `dequantized` (the reference) within `limit`, on fresh inputs from `rng`; outputs start as NaN
+// and their guards are checked. Reports through gtest: call it in ASSERT_NO_FATAL_FAILURE.
+void ExpectQuantizedProducts(Backend* backend, std::mt19937& rng, WeightQuant quant, const Tensor& packed,
+                             const std::vector<float>& dequantized, const std::vector<float>& b, int64_t k, int64_t m,
+                             std::initializer_list<int64_t> batches, double limit) {
+  DeviceTensor db(backend, DType::kF32, {m});
+  db.Upload(b);
+  for (int64_t n : batches) {
+    for (bool bias : {false, true}) {
+      const std::string what =
+          absl::StrCat(WeightQuantName(quant), " MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
+      const std::vector<float> x = Random(rng, n * k);
+      DeviceTensor dx(backend, DType::kF32, {n, k});
+      dx.Upload(x);
+      DeviceTensor out(backend, DType::kF32, {n, m});
+      out.Poison();
+      ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+      ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), limit);
+      EXPECT_TRUE(out.GuardsIntact()) << what;
+    }
+  }
+}
+
 // A product by an int8 or fp8 weight equals the product by its dequantized weight (the
 // reference): the kernel sums x x q (q an int8 or e4m3 code) in float32 and scales once, so it
 // differs from the reference only by float32 rounding over k <= 768 terms (as the float32
@@ -547,22 +573,8 @@ TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
-    DeviceTensor db(backend_.get(), DType::kF32, {m});
-    db.Upload(b);
-    for (int64_t n : {1, 2, 3, 16, 17}) {
-      for (bool bias : {false, true}) {
-        const std::string what =
-            absl::StrCat(WeightQuantName(quant), " MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * k);
-        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
-        dx.Upload(x);
-        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
-        out.Poison();
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-5);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        ExpectQuantizedProducts(backend_.get(), rng_, quant, packed, dequantized, b, k, m, {1, 2, 3, 16, 17}, 1e-5));
   }
 }
 
@@ -902,21 +914,8 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
-    DeviceTensor db(backend_.get(), DType::kF32, {m});
-    db.Upload(b);
-    for (int64_t n : {1, 3, 4, 32}) {
-      for (bool bias : {false, true}) {
-        const std::string what = absl::StrCat("int4 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * k);
-        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
-        dx.Upload(x);
-        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
-        out.Poison();
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-4);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectQuantizedProducts(backend_.get(), rng_, WeightQuant::kInt4, packed, dequantized, b,
+                                                    k, m, {1, 3, 4, 32}, 1e-4));
   }
   // The backend says which instance runs and what the CPU has.
   EXPECT_NE(backend_->Describe().find("int8/fp8/int4 products on "), std::string::npos) << backend_->Describe();
