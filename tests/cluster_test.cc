@@ -456,12 +456,17 @@ TEST(ClusterPrefillTest, LongPromptIsPrefilledInChunksAcrossStages) {
 
 // ---- Quantized weights ---------------------------------------------------------------------------
 
-// --quantization int8 on the coordinator reaches every worker, which quantizes its own layers at
-// load: with TP = 1 each layer is quantized whole, as in one process, so a TP=1 x PP=2 cluster
-// gives exactly the greedy tokens of one int8 process (and, the weights being quantized, not
-// those of the float32 one on this fixture: the test would pass vacuously otherwise). The plan in
-// the status counts int8 weights.
-TEST(ClusterQuantizationTest, Int8WeightsGiveTheTokensOfOneInt8Process) {
+// --quantization int8 or fp8 (e4m3, a scale per output channel) on the coordinator reaches every
+// worker, which quantizes its own layers at load: with TP = 1 each layer is quantized whole, as in
+// one process, so a TP=1 x PP=2 cluster gives exactly the greedy tokens of one process with the
+// same quantization (and, the weights being quantized, not those of the float32 one on this
+// fixture: the test would pass vacuously otherwise). The plan in the status counts the quantized
+// weights. (int4 below needs a wider model, whose rows TP = 2 cuts on a group boundary.)
+class ClusterQuantizationPerChannelTest : public ::testing::TestWithParam<WeightQuant> {};
+
+TEST_P(ClusterQuantizationPerChannelTest, WeightsGiveTheTokensOfOneProcessOfTheSameQuantization) {
+  const WeightQuant quantized = GetParam();
+  const std::string name = WeightQuantName(quantized);
   const std::string fixture = "llama_gqa";
   const Golden golden = LoadGolden(fixture);
   absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / fixture);
@@ -473,7 +478,7 @@ TEST(ClusterQuantizationTest, Int8WeightsGiveTheTokensOfOneInt8Process) {
   const StepLimits limits{.max_tokens_per_step = 256, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
                           .max_model_len = 8 * 16};
   std::vector<int32_t> reference[2];
-  for (WeightQuant quant : {WeightQuant::kNone, WeightQuant::kInt8}) {
+  for (WeightQuant quant : {WeightQuant::kNone, quantized}) {
     ShardSpec spec;
     spec.weight_quant = quant;
     absl::StatusOr<std::unique_ptr<LlamaShard>> model =
@@ -481,55 +486,24 @@ TEST(ClusterQuantizationTest, Int8WeightsGiveTheTokensOfOneInt8Process) {
     ASSERT_TRUE(model.ok()) << model.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
     ASSERT_TRUE(ids.ok()) << ids.status();
-    reference[quant == WeightQuant::kInt8] = *ids;
+    reference[quant == quantized] = *ids;
   }
-  ASSERT_NE(reference[0], reference[1]) << "int8 and float32 weights give the same 24 tokens on " << fixture;
+  ASSERT_NE(reference[0], reference[1]) << name << " and float32 weights give the same 24 tokens on " << fixture;
 
-  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/1, {}}, {"--quantization", "int8"});
+  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/1, {}}, {"--quantization", name});
   ASSERT_TRUE(cluster.Start());
   const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 24));
   ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
   EXPECT_EQ(r.tokens, reference[1]);
-  EXPECT_NE(cluster.Status().plan_text().find("linear layers int8"), std::string::npos)
+  EXPECT_NE(cluster.Status().plan_text().find("linear layers " + name), std::string::npos)
       << cluster.Status().plan_text();
 }
 
-// --quantization fp8 (e4m3, a scale per output channel) on two nodes (PP = 2): each worker
-// quantizes its own layers, so the cluster gives the greedy tokens of one process with fp8
-// weights exactly (which differ from the float32 ones on this fixture, as int8's above), and the
-// plan counts fp8 weights.
-TEST(ClusterQuantizationTest, Fp8WeightsGiveTheTokensOfOneFp8Process) {
-  const std::string fixture = "llama_gqa";
-  const Golden golden = LoadGolden(fixture);
-  absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / fixture);
-  ASSERT_TRUE(config.ok()) << config.status();
-  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(kFixtures / fixture);
-  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
-  std::unique_ptr<Backend> backend = MakeCpuBackend();
-  LocalCommunicator tp(backend.get());
-  const StepLimits limits{.max_tokens_per_step = 256, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
-                          .max_model_len = 8 * 16};
-  std::vector<int32_t> reference[2];
-  for (WeightQuant quant : {WeightQuant::kNone, WeightQuant::kFp8}) {
-    ShardSpec spec;
-    spec.weight_quant = quant;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> model =
-        LlamaShard::Load(**checkpoint, *config, spec, limits, backend.get(), &tp);
-    ASSERT_TRUE(model.ok()) << model.status();
-    absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
-    ASSERT_TRUE(ids.ok()) << ids.status();
-    reference[quant == WeightQuant::kFp8] = *ids;
-  }
-  ASSERT_NE(reference[0], reference[1]) << "fp8 and float32 weights give the same 24 tokens on " << fixture;
-
-  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/1, {}}, {"--quantization", "fp8"});
-  ASSERT_TRUE(cluster.Start());
-  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 24));
-  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
-  EXPECT_EQ(r.tokens, reference[1]);
-  EXPECT_NE(cluster.Status().plan_text().find("linear layers fp8"), std::string::npos)
-      << cluster.Status().plan_text();
-}
+INSTANTIATE_TEST_SUITE_P(Quantizations, ClusterQuantizationPerChannelTest,
+                         ::testing::Values(WeightQuant::kInt8, WeightQuant::kFp8),
+                         [](const ::testing::TestParamInfo<WeightQuant>& info) {
+                           return std::string(WeightQuantName(info.param));
+                         });
 
 // --quantization int4 in every layout: each worker quantizes its own slice in groups of 128 inputs,
 // and since a row-parallel slice here is a whole number of groups (o_proj 256 / 2 = 128 inputs,

@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -146,7 +147,37 @@ int CountOf(const std::string& log, const std::string& text) {
 
 constexpr int kTokens = 96;
 
-TEST(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnchanged) {
+// The cases that kill or stop a worker of a TP=2 group in the middle of a stream start alike
+// (StartTp2); the others start clusters of their own.
+class HealTest : public ::testing::Test {
+ protected:
+  // Starts a TP=2 group of llama3_rope on one node (n0), 20 ms a step (so that a stream of kTokens
+  // lasts long enough to act in) and a patient heal; with `spare`, a spare worker of n0 (worker
+  // --spare) registers before the reference is taken. Then streams `request` undisturbed into
+  // reference_: the tokens a disturbed stream must still give. Reports through gtest: call it in
+  // ASSERT_NO_FATAL_FAILURE.
+  void StartTp2(const v1::GenerateRequest& request, bool spare = false) {
+    cluster_.emplace(ClusterSpecForTest{"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
+    Cluster& cluster = *cluster_;
+    ASSERT_TRUE(cluster.Start());
+    if (spare) {
+      cluster.AddWorker("n0", {"--spare"});
+      const auto start = Clock::now();
+      while (cluster.Status().workers_size() < 3 && SecondsSince(start) < 60) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      ASSERT_EQ(cluster.Status().workers_size(), 3) << "the spare did not register\n" << cluster.Logs();
+      EXPECT_EQ(cluster.Status().state(), "serving");
+    }
+    reference_ = Generate(cluster.client(), request, std::chrono::seconds(120));
+    ASSERT_TRUE(reference_.status.ok()) << reference_.status.error_message();
+  }
+
+  std::optional<Cluster> cluster_;  // StartTp2's
+  Streamed reference_;              // StartTp2's undisturbed stream
+};
+
+TEST_F(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnchanged) {
   Cluster cluster({"llama3_rope", 2, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
   ASSERT_TRUE(cluster.Start());
   EXPECT_EQ(cluster.Status().state(), "serving");
@@ -192,17 +223,15 @@ TEST(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUncha
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
-TEST(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
-  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
-  ASSERT_TRUE(cluster.Start());
-  const Golden golden = LoadGolden("llama3_rope");
-  v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+TEST_F(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
+  v1::GenerateRequest request = TokenRequest(LoadGolden("llama3_rope").prompt, kTokens);
   request.mutable_sampling()->set_temperature(0.9f);
   request.mutable_sampling()->set_top_p(0.95f);
   request.mutable_sampling()->set_repetition_penalty(1.1f);
   request.mutable_sampling()->set_seed(1234);
-  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
-  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  ASSERT_NO_FATAL_FAILURE(StartTp2(request));
+  Cluster& cluster = *cluster_;
+  const Streamed& reference = reference_;
   // The sampler's rank (TP rank 0 of the last stage) is the one killed: its replacement continues
   // the draws from the sequence's token count alone.
   const StreamRun run = StreamWith(cluster, request, /*after=*/12, [&] { KillAndReplace(cluster, 0, 0); });
@@ -222,13 +251,11 @@ TEST(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
 //    replacement; the stream finishes unchanged. Let go on then, the stopped worker registers
 //    again, finds its slot taken and becomes a spare of its node (it does not exit); the healed
 //    group serves the same tokens again.
-TEST(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASpare) {
-  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
-  ASSERT_TRUE(cluster.Start());
-  const Golden golden = LoadGolden("llama3_rope");
-  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
-  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
-  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASpare) {
+  const v1::GenerateRequest request = TokenRequest(LoadGolden("llama3_rope").prompt, kTokens);
+  ASSERT_NO_FATAL_FAILURE(StartTp2(request));
+  Cluster& cluster = *cluster_;
+  const Streamed& reference = reference_;
   const int victim = WorkerAt(cluster, 0, 1);
   ASSERT_GE(victim, 0);
   const std::string victim_address = cluster.worker_address(victim);
@@ -287,13 +314,11 @@ TEST(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASpar
 // A replacement that dies while it loads its shard (SIGKILLed while --debug-load-delay-ms holds it
 // after the load, before it says Loaded): the coordinator loses it, its slot opens again under the
 // next epoch, and a second replacement heals the group; the stream finishes unchanged.
-TEST(HealTest, ReplacementKilledWhileLoadingReopensTheSlotAndASecondReplacementHeals) {
-  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
-  ASSERT_TRUE(cluster.Start());
-  const Golden golden = LoadGolden("llama3_rope");
-  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
-  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
-  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+TEST_F(HealTest, ReplacementKilledWhileLoadingReopensTheSlotAndASecondReplacementHeals) {
+  const v1::GenerateRequest request = TokenRequest(LoadGolden("llama3_rope").prompt, kTokens);
+  ASSERT_NO_FATAL_FAILURE(StartTp2(request));
+  Cluster& cluster = *cluster_;
+  const Streamed& reference = reference_;
   const int victim = WorkerAt(cluster, 0, 1);
   ASSERT_GE(victim, 0);
   int doomed = -1;
@@ -332,20 +357,11 @@ TEST(HealTest, ReplacementKilledWhileLoadingReopensTheSlotAndASecondReplacementH
 // process, and the stream finishes unchanged. The killed worker, started again with its --node (as
 // launch or Kubernetes would), finds its slot taken and registers as a spare of its node: the
 // cluster has a spare again, which takes the slot of a second killed worker.
-TEST(HealTest, ASpareTakesTheSlotOfAKilledWorkerWhichComesBackAsTheNextSpare) {
-  Cluster cluster({"llama3_rope", 1, 2, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
-  ASSERT_TRUE(cluster.Start());
-  cluster.AddWorker("n0", {"--spare"});
-  const auto start = Clock::now();
-  while (cluster.Status().workers_size() < 3 && SecondsSince(start) < 60) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_EQ(cluster.Status().workers_size(), 3) << "the spare did not register\n" << cluster.Logs();
-  EXPECT_EQ(cluster.Status().state(), "serving");
-  const Golden golden = LoadGolden("llama3_rope");
-  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
-  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
-  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+TEST_F(HealTest, ASpareTakesTheSlotOfAKilledWorkerWhichComesBackAsTheNextSpare) {
+  const v1::GenerateRequest request = TokenRequest(LoadGolden("llama3_rope").prompt, kTokens);
+  ASSERT_NO_FATAL_FAILURE(StartTp2(request, /*spare=*/true));
+  Cluster& cluster = *cluster_;
+  const Streamed& reference = reference_;
   const int victim = WorkerAt(cluster, 0, 1);
   ASSERT_GE(victim, 0);
   const StreamRun run =
@@ -389,7 +405,7 @@ TEST(HealTest, ASpareTakesTheSlotOfAKilledWorkerWhichComesBackAsTheNextSpare) {
 // its load, before it says Loaded) heals like a later loss: the slot opens, a replacement for its
 // node loads it, the survivor keeps its weights and regroups, and the group serves Hugging Face's
 // greedy tokens.
-TEST(HealTest, WorkerLostDuringTheFirstLoadIsReplacedAndTheGroupServes) {
+TEST_F(HealTest, WorkerLostDuringTheFirstLoadIsReplacedAndTheGroupServes) {
   Cluster cluster({"llama3_rope", 1, 2, {}}, kPatientHeal);
   ASSERT_TRUE(cluster.StartCoordinator());
   const int survivor = cluster.AddWorker("n0");
@@ -440,7 +456,7 @@ struct ModelCopy {
   fs::path dir;
 };
 
-TEST(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRefused) {
+TEST_F(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRefused) {
   const ModelCopy model("llama3_rope");  // the harness takes an absolute path as the fixture
   Cluster cluster({model.dir.string(), 1, 2, {"--debug-step-delay-ms", "20"}}, {"--heal-timeout-seconds", "3"});
   ASSERT_TRUE(cluster.Start());

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -504,55 +505,89 @@ TEST(Int8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
   EXPECT_FALSE(ParseWeightQuant("int3").ok());
 }
 
-// A product by an int8 weight equals the product by its dequantized weight (the reference): the
-// kernel sums x x q in float32 and scales once, so it differs from the reference only by float32
-// rounding over k <= 768 terms (as the float32 products: 1e-5). Tails of every size (k not a
-// multiple of 8, m not of 4, odd n) and the bias are covered; outputs start as NaN and guards are
-// checked. The packed weight is I8 and holds exactly its values and scales.
-TEST_F(CpuBackendTest, Int8MatMulEqualsTheDequantizedProduct) {
+// The test parameter's name: "int8", "fp8", "int4".
+std::string QuantParamName(const ::testing::TestParamInfo<WeightQuant>& info) { return WeightQuantName(info.param); }
+
+// The quantized products' check through the backend: for each n in `batches`, with and without
+// the bias b [m], MatMul by `packed` (a weight [m, k] in `quant`'s format) against the product by
+// `dequantized` (the reference) within `limit`, on fresh inputs from `rng`; outputs start as NaN
+// and their guards are checked. Reports through gtest: call it in ASSERT_NO_FATAL_FAILURE.
+void ExpectQuantizedProducts(Backend* backend, std::mt19937& rng, WeightQuant quant, const Tensor& packed,
+                             const std::vector<float>& dequantized, const std::vector<float>& b, int64_t k, int64_t m,
+                             std::initializer_list<int64_t> batches, double limit) {
+  DeviceTensor db(backend, DType::kF32, {m});
+  db.Upload(b);
+  for (int64_t n : batches) {
+    for (bool bias : {false, true}) {
+      const std::string what =
+          absl::StrCat(WeightQuantName(quant), " MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
+      const std::vector<float> x = Random(rng, n * k);
+      DeviceTensor dx(backend, DType::kF32, {n, k});
+      dx.Upload(x);
+      DeviceTensor out(backend, DType::kF32, {n, m});
+      out.Poison();
+      ASSERT_TRUE(backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
+      ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), limit);
+      EXPECT_TRUE(out.GuardsIntact()) << what;
+    }
+  }
+}
+
+// A product by an int8 or fp8 weight equals the product by its dequantized weight (the
+// reference): the kernel sums x x q (q an int8 or e4m3 code) in float32 and scales once, so it
+// differs from the reference only by float32 rounding over k <= 768 terms (as the float32
+// products: 1e-5). Tails of every size (k not a multiple of 8, m not of 4, odd n) and the bias are
+// covered; outputs start as NaN and guards are checked. The packed weight is I8 with the format's
+// quant, holds exactly the reference's scales and codes, and its bytes() are the layout's
+// (Int8RowsLayout, Fp8RowsLayout: scales included).
+class RowsQuantMatMulTest : public CpuBackendTest, public ::testing::WithParamInterface<WeightQuant> {};
+
+TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
+  const WeightQuant quant = GetParam();
+  const bool fp8 = quant == WeightQuant::kFp8;
   for (auto [k, m] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {17, 300}, {300, 7}, {768, 256}, {7, 5}}) {
     const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
     std::vector<float> scale(m);
-    std::vector<int8_t> q(m * k);
-    ASSERT_TRUE(QuantizeInt8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+    std::vector<uint8_t> q(m * k);  // int8 codes, or e4m3 ones
     std::vector<float> dequantized(m * k);
-    DequantizeInt8Rows(dequantized.data(), scale.data(), q.data(), m, k);
+    if (fp8) {
+      ASSERT_TRUE(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k).ok());
+      DequantizeFp8Rows(dequantized.data(), scale.data(), q.data(), m, k);
+    } else {
+      ASSERT_TRUE(QuantizeInt8Rows(scale.data(), reinterpret_cast<int8_t*>(q.data()), w.data(), m, k).ok());
+      DequantizeInt8Rows(dequantized.data(), scale.data(), reinterpret_cast<const int8_t*>(q.data()), m, k);
+    }
     Tensor packed;
     Buffer packed_buffer;
     {
       DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
       dw.Upload(w);
-      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt8);
+      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, quant);
       ASSERT_TRUE(buffer.ok()) << buffer.status();
       EXPECT_EQ(packed.dtype, DType::kI8);
-      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(Int8RowsLayout{m, k}.bytes()));
+      EXPECT_EQ(packed.quant, quant);
+      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(fp8 ? Fp8RowsLayout{m, k}.bytes() : Int8RowsLayout{m, k}.bytes()));
+      EXPECT_EQ(packed.bytes(), buffer->bytes());
       EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
       EXPECT_EQ(std::memcmp(static_cast<char*>(buffer->data()) + m * sizeof(float), q.data(), m * k), 0);
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
-    DeviceTensor db(backend_.get(), DType::kF32, {m});
-    db.Upload(b);
-    for (int64_t n : {1, 2, 3, 16, 17}) {
-      for (bool bias : {false, true}) {
-        const std::string what = absl::StrCat("int8 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * k);
-        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
-        dx.Upload(x);
-        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
-        out.Poison();
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-5);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        ExpectQuantizedProducts(backend_.get(), rng_, quant, packed, dequantized, b, k, m, {1, 2, 3, 16, 17}, 1e-5));
   }
 }
 
-// As for the float32 products: a row's product by an int8 weight is bitwise the same whatever
-// other rows share the call, on 1 or 2 threads.
-TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
-  std::mt19937 rng(5);
+INSTANTIATE_TEST_SUITE_P(Formats, RowsQuantMatMulTest, ::testing::Values(WeightQuant::kInt8, WeightQuant::kFp8),
+                         QuantParamName);
+
+// As for the float32 products: a row's product by an int8 or int4 weight is bitwise the same
+// whatever other rows share the call, on 1 or 2 threads.
+class QuantMatMulRowsTest : public ::testing::TestWithParam<WeightQuant> {};
+
+TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
+  const WeightQuant quant = GetParam();
+  std::mt19937 rng(quant == WeightQuant::kInt8 ? 5 : 7);
   const int64_t rows = 67, m = 70, k = 203;
   const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
   for (int threads : {1, 2}) {
@@ -560,7 +595,7 @@ TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
     DeviceTensor dw(backend.get(), DType::kF32, {m, k});
     dw.Upload(w);
     Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt8);
+    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, quant);
     ASSERT_TRUE(buffer.ok()) << buffer.status();
     DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
     all_x.Upload(x);
@@ -578,6 +613,9 @@ TEST(Int8QuantTest, MatMulRowsDoNotDependOnTheBatch) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantMatMulRowsTest, ::testing::Values(WeightQuant::kInt8, WeightQuant::kInt4),
+                         QuantParamName);
 
 // ---- fp8 e4m3 weights (kernels/quant.h Fp8RowsLayout) ---------------------------------------
 
@@ -651,52 +689,6 @@ TEST(Fp8QuantTest, QuantizeIsWithinHalfAStepAndDequantizeInverts) {
   EXPECT_NE(std::string(s.message()).find("[3, 4]"), std::string::npos) << s;
   EXPECT_STREQ(WeightQuantName(WeightQuant::kFp8), "fp8");
   EXPECT_EQ((Fp8RowsLayout{3, 10}.bytes()), 3 * 4 + 30);
-}
-
-// A product by an fp8 weight equals the product by its dequantized weight (the reference): as
-// int8's, x x e4m3 summed in float32 and scaled once, so float32 rounding over k <= 768 terms:
-// 1e-5. The packed weight is I8 with quant kFp8, holds exactly the reference's scales and bytes,
-// and its bytes() are the layout's (scales included).
-TEST_F(CpuBackendTest, Fp8MatMulEqualsTheDequantizedProduct) {
-  for (auto [k, m] : {std::pair<int64_t, int64_t>{64, 1}, {129, 33}, {17, 300}, {300, 7}, {768, 256}, {7, 5}}) {
-    const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
-    std::vector<float> scale(m);
-    std::vector<uint8_t> q(m * k);
-    ASSERT_TRUE(QuantizeFp8Rows(scale.data(), q.data(), w.data(), m, k).ok());
-    std::vector<float> dequantized(m * k);
-    DequantizeFp8Rows(dequantized.data(), scale.data(), q.data(), m, k);
-    Tensor packed;
-    Buffer packed_buffer;
-    {
-      DeviceTensor dw(backend_.get(), DType::kF32, {m, k});
-      dw.Upload(w);
-      absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kFp8);
-      ASSERT_TRUE(buffer.ok()) << buffer.status();
-      EXPECT_EQ(packed.dtype, DType::kI8);
-      EXPECT_EQ(packed.quant, WeightQuant::kFp8);
-      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(Fp8RowsLayout{m, k}.bytes()));
-      EXPECT_EQ(packed.bytes(), buffer->bytes());
-      EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
-      EXPECT_EQ(std::memcmp(static_cast<char*>(buffer->data()) + m * sizeof(float), q.data(), m * k), 0);
-      packed_buffer = std::move(*buffer);
-      dw.Poison();  // MatMul must read only the packed copy
-    }
-    DeviceTensor db(backend_.get(), DType::kF32, {m});
-    db.Upload(b);
-    for (int64_t n : {1, 2, 3, 16, 17}) {
-      for (bool bias : {false, true}) {
-        const std::string what = absl::StrCat("fp8 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * k);
-        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
-        dx.Upload(x);
-        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
-        out.Poison();
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-5);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
-      }
-    }
-  }
 }
 
 // A quantized weight's bytes() are its layout's (values, scales, zeros), for every format, through
@@ -922,54 +914,11 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
-    DeviceTensor db(backend_.get(), DType::kF32, {m});
-    db.Upload(b);
-    for (int64_t n : {1, 3, 4, 32}) {
-      for (bool bias : {false, true}) {
-        const std::string what = absl::StrCat("int4 MatMul n=", n, " k=", k, " m=", m, bias ? " +bias" : "");
-        const std::vector<float> x = Random(rng_, n * k);
-        DeviceTensor dx(backend_.get(), DType::kF32, {n, k});
-        dx.Upload(x);
-        DeviceTensor out(backend_.get(), DType::kF32, {n, m});
-        out.Poison();
-        ASSERT_TRUE(backend_->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr).ok()) << what;
-        ExpectClose(what, out.Download<float>(), MatMulReference(x, dequantized, bias ? &b : nullptr, n, k, m), 1e-4);
-        EXPECT_TRUE(out.GuardsIntact()) << what;
-      }
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectQuantizedProducts(backend_.get(), rng_, WeightQuant::kInt4, packed, dequantized, b,
+                                                    k, m, {1, 3, 4, 32}, 1e-4));
   }
   // The backend says which instance runs and what the CPU has.
   EXPECT_NE(backend_->Describe().find("int8/fp8/int4 products on "), std::string::npos) << backend_->Describe();
-}
-
-// As the int8 products: a row's product by an int4 weight is bitwise the same whatever other
-// rows share the call, on 1 or 2 threads.
-TEST(Int4QuantTest, MatMulRowsDoNotDependOnTheBatch) {
-  std::mt19937 rng(7);
-  const int64_t rows = 67, m = 70, k = 203;
-  const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
-  for (int threads : {1, 2}) {
-    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
-    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
-    dw.Upload(w);
-    Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt4);
-    ASSERT_TRUE(buffer.ok()) << buffer.status();
-    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
-    all_x.Upload(x);
-    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
-    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
-    const std::vector<float> want = all_out.Download<float>();
-    for (int64_t n : {1, 2, 3, 5, 8}) {
-      for (int64_t first : {int64_t{0}, int64_t{1}, rows - n}) {
-        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
-        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
-        const std::vector<float> got = part_out.Download<float>();
-        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
-            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads)";
-      }
-    }
-  }
 }
 
 // bf16 products really round (MatMulWithPackedWeight above checks them against the rounded

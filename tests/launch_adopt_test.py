@@ -18,11 +18,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
 from launch_heal_test import children, cmdline  # noqa: E402 (this directory is on sys.path)
+from launch_process import LaunchProcess  # noqa: E402 (tools/, which launch_heal_test puts on sys.path)
 
 
 def fail(message):
@@ -38,31 +38,16 @@ def main(bin_dir):
     cli = os.path.join(bin_dir, "shardserve")
     log_dir = tempfile.mkdtemp(prefix="launch_adopt_test.")
     env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
-    launch = subprocess.Popen(
+    launch = LaunchProcess(  # with the same SHARDSERVE_STATE_DIR as env's
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
-         "0", "--http-port", "0", "--log-dir", log_dir, "--worker-threads", "1", "--insecure"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    reader = threading.Thread(target=lambda: [lines.append(l) for l in launch.stdout], daemon=True)
-    reader.start()
-
-    def wait_for(pattern, seconds):
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            for l in list(lines):
-                m = re.search(pattern, l)
-                if m:
-                    return m
-            if launch.poll() is not None:
-                fail(f"launch exited with {launch.returncode}:\n{''.join(lines)}")
-            time.sleep(0.1)
-        fail(f"no line like {pattern!r} within {seconds} s:\n{''.join(lines)}")
+         "0", "--http-port", "0", "--log-dir", log_dir, "--worker-threads", "1", "--insecure"], log_dir)
+    wait_for = launch.wait_for  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
 
     def generate(address):
         r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "8",
                             "--temperature", "0"], capture_output=True, text=True, timeout=120, env=env)
         if r.returncode != 0:
-            fail(f"generate failed: {r.stdout}{r.stderr}\n{''.join(lines)}")
+            fail(f"generate failed: {r.stdout}{r.stderr}\n{launch.output()}")
         return r.stdout
 
     try:
@@ -88,7 +73,7 @@ def main(bin_dir):
                 break
             time.sleep(0.5)
         else:
-            fail(f"the cluster did not serve again under epoch 2:\n{status}\n{''.join(lines)}")
+            fail(f"the cluster did not serve again under epoch 2:\n{status}\n{launch.output()}")
         now = sorted(p for p in children(launch.pid) if exe(p).endswith(b"shardserve-worker"))
         if now != workers:
             fail(f"the worker processes changed: {workers} -> {now}")
@@ -113,13 +98,11 @@ def main(bin_dir):
         print("launch_adopt_test.py: OK (coordinator SIGKILLed, restarted by launch, both workers adopted without "
               "a reload, epoch 2, same greedy text)")
     finally:
-        launch.send_signal(signal.SIGTERM)
-        try:
-            launch.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            launch.kill()
-            launch.wait()
+        launch.stop()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except RuntimeError as e:  # from LaunchProcess.wait_for: launch exited, or no such line in time
+        fail(e)

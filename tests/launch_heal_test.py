@@ -16,13 +16,14 @@ epoch 2` and that a generation succeeds. Bounded in time; every process is stopp
 usage: launch_heal_test.py BIN_DIR
 """
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from launch_process import LaunchProcess  # noqa: E402
 
 
 def fail(message):
@@ -51,28 +52,14 @@ def run(bin_dir, spare):
     cli = os.path.join(bin_dir, "shardserve")
     log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
     # A state directory of its own: launch's cluster.json (address, TLS files), which the client
-    # commands below read, is not overwritten or removed by another launch running beside this test.
+    # commands below read, is not overwritten or removed by another launch running beside this test
+    # (LaunchProcess starts launch with this SHARDSERVE_STATE_DIR).
     env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
     extra = ["--spare-workers", "1", "--max-worker-restarts", "1"] if spare else []
-    launch = subprocess.Popen(
+    launch = LaunchProcess(
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
-         "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    reader = threading.Thread(target=lambda: [lines.append(l) for l in launch.stdout], daemon=True)
-    reader.start()
-
-    def wait_for(pattern, seconds):
-        deadline = time.time() + seconds
-        while time.time() < deadline:
-            for l in list(lines):
-                m = re.search(pattern, l)
-                if m:
-                    return m
-            if launch.poll() is not None:
-                fail(f"launch exited with {launch.returncode}:\n{''.join(lines)}")
-            time.sleep(0.1)
-        fail(f"no line like {pattern!r} within {seconds} s:\n{''.join(lines)}")
+         "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra, log_dir)
+    wait_for = launch.wait_for  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
 
     try:
         address = wait_for(r"ready\. Connect to (\S+) ", 240).group(1)
@@ -96,7 +83,7 @@ def run(bin_dir, spare):
                 break
             time.sleep(0.5)
         else:
-            fail(f"the cluster did not serve again under epoch 2:\n{status}\n{''.join(lines)}")
+            fail(f"the cluster did not serve again under epoch 2:\n{status}\n{launch.output()}")
         r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "4"],
                            capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:
@@ -112,7 +99,7 @@ def run(bin_dir, spare):
             os.kill(again[0], signal.SIGKILL)
             wait_for(r"restarting worker node0/\d in 1 s \(restart 2 of at most 5\)", 60)
             deadline = time.time() + 60
-            while sum("restarted worker node0/" in l for l in list(lines)) < 2 and time.time() < deadline:
+            while sum("restarted worker node0/" in l for l in launch.lines()) < 2 and time.time() < deadline:
                 time.sleep(0.1)
             deadline = time.time() + 180
             while time.time() < deadline:
@@ -121,7 +108,7 @@ def run(bin_dir, spare):
                     break
                 time.sleep(0.5)
             else:
-                fail(f"the cluster did not serve again under epoch 3:\n{r.stdout}{r.stderr}\n{''.join(lines)}")
+                fail(f"the cluster did not serve again under epoch 3:\n{r.stdout}{r.stderr}\n{launch.output()}")
         if spare:
             coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
             if "spare takes slot" not in coordinator_log:
@@ -136,14 +123,12 @@ def run(bin_dir, spare):
         print(f"launch_heal_test.py: OK ({'a spare took the slot, the worker came back as a spare' if spare else 'worker restarted by launch'}, "
               "group healed under epoch 2, generate OK)")
     finally:
-        launch.send_signal(signal.SIGTERM)
-        try:
-            launch.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            launch.kill()
-            launch.wait()
+        launch.stop()
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], spare=False)
-    run(sys.argv[1], spare=True)
+    try:
+        run(sys.argv[1], spare=False)
+        run(sys.argv[1], spare=True)
+    except RuntimeError as e:  # from LaunchProcess.wait_for: launch exited, or no such line in time
+        fail(e)

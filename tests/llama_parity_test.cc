@@ -64,10 +64,10 @@ constexpr double kLogitsTolerance = 1e-4;
 constexpr double kLowPrecisionLogitsTolerance = 5e-2;
 // int8 weights (LlamaInt8Weights below says why).
 constexpr double kInt8LogitsTolerance = 1e-1;
-// int4 weights (LlamaInt4Weights below says why).
+// int4 weights (LlamaQuantizedWeights below says why).
 constexpr double kInt4LogitsTolerance = 1.0;
 constexpr double kInt4DequantizedTolerance = 1e-4;
-// fp8 weights (LlamaFp8Weights below says why).
+// fp8 weights (LlamaQuantizedWeights below says why).
 constexpr double kFp8LogitsTolerance = 0.5;
 constexpr double kFp8DequantizedTolerance = 1e-4;
 
@@ -487,51 +487,6 @@ TEST(LlamaInt8Weights, StayCloseToHuggingFace) {
 //    int8's measured worst x 17 ~ 0.95, rounded to kInt4LogitsTolerance. On models this small
 //    (64-wide rows, uniformly random weights) 4 bits change the model, so greedy tokens are only
 //    reported; the first check is the one that catches a broken int4 path.
-TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
-  for (const std::string& name : FixtureNames()) {
-    const fs::path dir = kFixtures / name;
-    const Golden g = ReadGolden(dir);
-    ASSERT_EQ(g.greedy.size(), 32u);
-    LoadedFixture f;
-    ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));
-    const StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 8,
-                         .max_model_len = 8 * 16};
-    const auto run = [&](const WeightSource& weights, WeightQuant quant, std::vector<std::vector<float>>* logits)
-        -> absl::StatusOr<std::vector<int32_t>> {
-      ShardSpec spec;
-      spec.weight_quant = quant;
-      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<LlamaShard> model,
-                                  LlamaShard::Load(weights, f.config, spec, opt, f.backend.get(), f.tp.get()));
-      return GreedyGenerate(model.get(), g.prompt, 32, logits);
-    };
-    std::vector<std::vector<float>> int4_logits, dequantized_logits, int8_logits;
-    absl::StatusOr<std::vector<int32_t>> int4 = run(*f.ckpt, WeightQuant::kInt4, &int4_logits);
-    ASSERT_TRUE(int4.ok()) << name << ": " << int4.status();
-    const DequantizedWeights dequantized_weights(f.ckpt.get(), WeightQuant::kInt4);
-    absl::StatusOr<std::vector<int32_t>> dequantized = run(dequantized_weights, WeightQuant::kNone, &dequantized_logits);
-    ASSERT_TRUE(dequantized.ok()) << name << ": " << dequantized.status();
-    ASSERT_TRUE(run(*f.ckpt, WeightQuant::kInt8, &int8_logits).ok()) << name;
-    const size_t V = static_cast<size_t>(f.config.vocab_size);
-    ASSERT_EQ(g.prompt_last_logits.size(), V) << name;
-    ASSERT_EQ(int4_logits.front().size(), V) << name;
-
-    double worst = 0;
-    for (size_t step = 0; step < int4_logits.size(); ++step) {
-      worst = std::max(worst, NormalizedError(int4_logits[step], dequantized_logits[step]));
-    }
-    EXPECT_LE(worst, kInt4DequantizedTolerance) << name << ": int4 against its dequantized weights in float32";
-    EXPECT_EQ(*int4, *dequantized) << name << ": greedy tokens of int4 and of its dequantized weights";
-    const double err = NormalizedError(int4_logits.front(), g.prompt_last_logits);
-    const double int8_err = NormalizedError(int8_logits.front(), g.prompt_last_logits);
-    EXPECT_LE(err, kInt4LogitsTolerance) << name << ": int4 logits after the prompt";
-    int same = 0;
-    while (same < 32 && (*int4)[same] == g.greedy[same]) ++same;
-    std::printf("[ parity   ] %s with int4 weights: logits error %.3g against the dequantized model (32 steps' "
-                "worst), %.3g against HF after the prompt (int8: %.3g); the first %d of 32 greedy tokens equal HF's\n",
-                name.c_str(), worst, err, int8_err, same);
-  }
-}
-
 // fp8 weights (--quantization fp8: e4m3 with one scale per output channel, quantized at load).
 // As int4's, two checks:
 // 1. Against the float32 engine running the fp8 weights' round trip (DequantizedWeights): the same
@@ -547,7 +502,15 @@ TEST(LlamaInt4Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
 //    int8's measured worst x 7 ~ 0.39, rounded up to kFp8LogitsTolerance; a wrong scale or layout
 //    gives ~1. Greedy tokens are only reported, as int8's (the first 0 to 10 of 32 equal HF's on
 //    these 64-wide random models).
-TEST(LlamaFp8Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
+// Both checks, for int4 and for fp8 (the test parameter); int8's logits against Hugging Face's are
+// printed beside them for scale (LlamaInt8Weights checks int8).
+class LlamaQuantizedWeights : public ::testing::TestWithParam<WeightQuant> {};
+
+TEST_P(LlamaQuantizedWeights, MatchTheDequantizedModelAndStayNearHuggingFace) {
+  const WeightQuant quant = GetParam();
+  const std::string q = WeightQuantName(quant);
+  const double dequantized_tolerance = quant == WeightQuant::kInt4 ? kInt4DequantizedTolerance : kFp8DequantizedTolerance;
+  const double logits_tolerance = quant == WeightQuant::kInt4 ? kInt4LogitsTolerance : kFp8LogitsTolerance;
   for (const std::string& name : FixtureNames()) {
     const fs::path dir = kFixtures / name;
     const Golden g = ReadGolden(dir);
@@ -556,39 +519,47 @@ TEST(LlamaFp8Weights, MatchTheDequantizedModelAndStayNearHuggingFace) {
     ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, Engine::kCpu, &f));
     const StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 8,
                          .max_model_len = 8 * 16};
-    const auto run = [&](const WeightSource& weights, WeightQuant quant, std::vector<std::vector<float>>* logits)
+    const auto run = [&](const WeightSource& weights, WeightQuant weight_quant, std::vector<std::vector<float>>* logits)
         -> absl::StatusOr<std::vector<int32_t>> {
       ShardSpec spec;
-      spec.weight_quant = quant;
+      spec.weight_quant = weight_quant;
       SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<LlamaShard> model,
                                   LlamaShard::Load(weights, f.config, spec, opt, f.backend.get(), f.tp.get()));
       return GreedyGenerate(model.get(), g.prompt, 32, logits);
     };
-    std::vector<std::vector<float>> fp8_logits, dequantized_logits;
-    absl::StatusOr<std::vector<int32_t>> fp8 = run(*f.ckpt, WeightQuant::kFp8, &fp8_logits);
-    ASSERT_TRUE(fp8.ok()) << name << ": " << fp8.status();
-    const DequantizedWeights dequantized_weights(f.ckpt.get(), WeightQuant::kFp8);
+    std::vector<std::vector<float>> quantized_logits, dequantized_logits, int8_logits;
+    absl::StatusOr<std::vector<int32_t>> quantized = run(*f.ckpt, quant, &quantized_logits);
+    ASSERT_TRUE(quantized.ok()) << name << ": " << quantized.status();
+    const DequantizedWeights dequantized_weights(f.ckpt.get(), quant);
     absl::StatusOr<std::vector<int32_t>> dequantized = run(dequantized_weights, WeightQuant::kNone, &dequantized_logits);
     ASSERT_TRUE(dequantized.ok()) << name << ": " << dequantized.status();
+    ASSERT_TRUE(run(*f.ckpt, WeightQuant::kInt8, &int8_logits).ok()) << name;
     const size_t V = static_cast<size_t>(f.config.vocab_size);
     ASSERT_EQ(g.prompt_last_logits.size(), V) << name;
-    ASSERT_EQ(fp8_logits.front().size(), V) << name;
+    ASSERT_EQ(quantized_logits.front().size(), V) << name;
+
     double worst = 0;
-    for (size_t step = 0; step < fp8_logits.size(); ++step) {
-      worst = std::max(worst, NormalizedError(fp8_logits[step], dequantized_logits[step]));
+    for (size_t step = 0; step < quantized_logits.size(); ++step) {
+      worst = std::max(worst, NormalizedError(quantized_logits[step], dequantized_logits[step]));
     }
-    EXPECT_LE(worst, kFp8DequantizedTolerance) << name << ": fp8 against its dequantized weights in float32";
-    EXPECT_EQ(*fp8, *dequantized) << name << ": greedy tokens of fp8 and of its dequantized weights";
-    const double err = NormalizedError(fp8_logits.front(), g.prompt_last_logits);
-    EXPECT_GT(err, 0) << name << ": fp8 weights gave HF's float32 logits exactly";
-    EXPECT_LE(err, kFp8LogitsTolerance) << name << ": fp8 logits after the prompt";
+    EXPECT_LE(worst, dequantized_tolerance) << name << ": " << q << " against its dequantized weights in float32";
+    EXPECT_EQ(*quantized, *dequantized) << name << ": greedy tokens of " << q << " and of its dequantized weights";
+    const double err = NormalizedError(quantized_logits.front(), g.prompt_last_logits);
+    const double int8_err = NormalizedError(int8_logits.front(), g.prompt_last_logits);
+    EXPECT_GT(err, 0) << name << ": " << q << " weights gave HF's float32 logits exactly";
+    EXPECT_LE(err, logits_tolerance) << name << ": " << q << " logits after the prompt";
     int same = 0;
-    while (same < 32 && (*fp8)[same] == g.greedy[same]) ++same;
-    std::printf("[ parity   ] %s with fp8 weights: logits error %.3g against the dequantized model (32 steps' "
-                "worst), %.3g against HF after the prompt; the first %d of 32 greedy tokens equal HF's\n",
-                name.c_str(), worst, err, same);
+    while (same < 32 && (*quantized)[same] == g.greedy[same]) ++same;
+    std::printf("[ parity   ] %s with %s weights: logits error %.3g against the dequantized model (32 steps' "
+                "worst), %.3g against HF after the prompt (int8: %.3g); the first %d of 32 greedy tokens equal HF's\n",
+                name.c_str(), q.c_str(), worst, err, int8_err, same);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Formats, LlamaQuantizedWeights, ::testing::Values(WeightQuant::kInt4, WeightQuant::kFp8),
+                         [](const ::testing::TestParamInfo<WeightQuant>& info) {
+                           return std::string(WeightQuantName(info.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),

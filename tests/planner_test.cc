@@ -18,6 +18,7 @@
 #include "coordinator/planner/cluster.h"
 #include "coordinator/planner/format.h"
 #include "coordinator/planner/memory.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/planner/render.h"
@@ -814,6 +815,24 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     EXPECT_EQ(Item(g, kMemStepBuffers), static_cast<int64_t>((*shard)->step_buffer_bytes()));
   }
 
+  // Loads every rank's shard of `plan` with `quant` (`plan` made with that quantization) and checks
+  // that the worker holds the weight bytes the plan counts for it. Reports through gtest: call it
+  // in ASSERT_NO_FATAL_FAILURE.
+  const auto expect_worker_holds = [&](const Plan& plan, WeightQuant quant) {
+    for (const GpuPlan& g : plan.per_gpu) {
+      const StagePlan& s = plan.stages[g.stage];
+      LoadOnlyCommunicator comm(g.tp_rank, plan.tp);
+      ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, plan.tp};
+      spec.weight_quant = quant;
+      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
+          LlamaShard::Load(*m->checkpoint, c, spec, plan.limits, backend.get(), &comm);
+      const std::string where =
+          absl::StrCat(WeightQuantName(quant), " stage ", g.stage, " rank ", g.tp_rank);
+      ASSERT_TRUE(shard.ok()) << where << ": " << shard.status();
+      EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << where;
+    }
+  };
+
   // int8 weights: the plan counts a byte per linear-layer value and a scale per local output row,
   // as the worker stores them, and fewer bytes than float32 on every rank.
   PlanOptions int8 = o;
@@ -821,17 +840,10 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   const Plan q = MustPlan(c, SmallCpuCluster(), int8);
   ASSERT_EQ(q.per_gpu.size(), p.per_gpu.size());
   EXPECT_LT(q.model_weight_bytes, p.model_weight_bytes);
+  ASSERT_NO_FATAL_FAILURE(expect_worker_holds(q, WeightQuant::kInt8));
   for (size_t i = 0; i < q.per_gpu.size(); ++i) {
-    const GpuPlan& g = q.per_gpu[i];
-    const StagePlan& s = q.stages[g.stage];
-    LoadOnlyCommunicator comm(g.tp_rank, q.tp);
-    ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q.tp};
-    spec.weight_quant = WeightQuant::kInt8;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-        LlamaShard::Load(*m->checkpoint, c, spec, q.limits, backend.get(), &comm);
-    ASSERT_TRUE(shard.ok()) << "int8 stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
-    EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
-    EXPECT_LT(g.weight_bytes, p.per_gpu[i].weight_bytes) << "int8 stage " << g.stage << " rank " << g.tp_rank;
+    EXPECT_LT(q.per_gpu[i].weight_bytes, p.per_gpu[i].weight_bytes) << "int8 stage " << q.per_gpu[i].stage
+                                                                     << " rank " << q.per_gpu[i].tp_rank;
   }
 
   // fp8 weights: a byte per value and a scale per local output row, as int8 (Fp8RowsLayout), as
@@ -841,17 +853,10 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   const Plan q8 = MustPlan(c, SmallCpuCluster(), fp8);
   ASSERT_EQ(q8.per_gpu.size(), q.per_gpu.size());
   EXPECT_EQ(q8.model_weight_bytes, q.model_weight_bytes);
+  ASSERT_NO_FATAL_FAILURE(expect_worker_holds(q8, WeightQuant::kFp8));
   for (size_t i = 0; i < q8.per_gpu.size(); ++i) {
-    const GpuPlan& g = q8.per_gpu[i];
-    const StagePlan& s = q8.stages[g.stage];
-    LoadOnlyCommunicator comm(g.tp_rank, q8.tp);
-    ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q8.tp};
-    spec.weight_quant = WeightQuant::kFp8;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-        LlamaShard::Load(*m->checkpoint, c, spec, q8.limits, backend.get(), &comm);
-    ASSERT_TRUE(shard.ok()) << "fp8 stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
-    EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "fp8 stage " << g.stage << " rank " << g.tp_rank;
-    EXPECT_EQ(g.weight_bytes, q.per_gpu[i].weight_bytes) << "fp8 stage " << g.stage << " rank " << g.tp_rank;
+    EXPECT_EQ(q8.per_gpu[i].weight_bytes, q.per_gpu[i].weight_bytes) << "fp8 stage " << q8.per_gpu[i].stage
+                                                                      << " rank " << q8.per_gpu[i].tp_rank;
   }
 
   // int4 weights: with TP = 1 the plan counts the Int4Group128 blocks (these fixtures' rows of 64
@@ -864,16 +869,7 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     const Plan q4 = MustPlan(c, SmallCpuCluster(), int4);
     ASSERT_EQ(q4.per_gpu.size(), p.per_gpu.size());
     EXPECT_LT(q4.model_weight_bytes, q.model_weight_bytes);
-    for (const GpuPlan& g : q4.per_gpu) {
-      const StagePlan& s = q4.stages[g.stage];
-      LoadOnlyCommunicator comm(g.tp_rank, q4.tp);
-      ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, q4.tp};
-      spec.weight_quant = WeightQuant::kInt4;
-      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-          LlamaShard::Load(*m->checkpoint, c, spec, q4.limits, backend.get(), &comm);
-      ASSERT_TRUE(shard.ok()) << "int4 stage " << g.stage << ": " << shard.status();
-      EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "int4 stage " << g.stage;
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_worker_holds(q4, WeightQuant::kInt4));
   } else {
     absl::StatusOr<Plan> refused = MakePlan(c, nullptr, SmallCpuCluster(), int4);
     ASSERT_FALSE(refused.ok());

@@ -1,11 +1,14 @@
-"""`shardserve launch` as a child process in a session of its own, for the tools that start local
-clusters and drive them (tools/chaos_bench.py, tools/gpu_layouts_check.py).
+"""`shardserve launch` as a child process in a session of its own, for the tools and tests that
+start local clusters and drive them (tools/chaos_bench.py, tools/gpu_layouts_check.py,
+tests/launch_heal_test.py, tests/launch_adopt_test.py).
 
 LaunchProcess(cmd, log_dir) starts `cmd` (a `shardserve launch ... --address 127.0.0.1:0` command
 line) with its output in LOG_DIR/launch.out and a state directory of its own (launch writes
 cluster.json there, not over the one of a cluster the user, or a test running beside this one, has
-started). wait_ready(seconds) returns the address it serves on once it says "ready. Connect to";
-stop() ends it and everything it started (SIGTERM, then SIGKILL of the session), whatever state it
+started). wait_for(pattern, seconds) returns the re.Match of the first line of its output that
+matches `pattern`, waiting up to `seconds`; wait_ready(seconds) returns the address it serves on once
+it says "ready. Connect to". Both raise RuntimeError, with the output's tail, if launch exits or the
+time passes first. `pid` is launch's process id. stop() ends it and everything it started (SIGTERM, then SIGKILL of the session), whatever state it
 is in. Not thread-safe.
 """
 import os
@@ -24,21 +27,31 @@ class LaunchProcess:
         self.out = open(self.out_path, "w")
         env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.pid = self.proc.pid
 
     def output(self):
         with open(self.out_path, errors="replace") as f:
             return f.read()
 
-    def wait_ready(self, seconds):
+    def lines(self):
+        return self.output().splitlines(keepends=True)
+
+    def wait_for(self, pattern, seconds, timeout_message=None):
         deadline = time.time() + seconds
         while time.time() < deadline:
-            m = re.search(r"ready\. Connect to (\S+) ", self.output())
-            if m:
-                return m.group(1)
+            for line in self.lines():
+                m = re.search(pattern, line)
+                if m:
+                    return m
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launch exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
             time.sleep(0.2)
-        raise RuntimeError(f"launch not ready within {seconds:.0f} s:\n{self.output()[-4000:]}")
+        message = timeout_message or f"no line like {pattern!r} within {seconds} s"
+        raise RuntimeError(f"{message}:\n{self.output()[-4000:]}")
+
+    def wait_ready(self, seconds):
+        return self.wait_for(r"ready\. Connect to (\S+) ", seconds,
+                             timeout_message=f"launch not ready within {seconds:.0f} s").group(1)
 
     def stop(self):
         if self.proc.poll() is None:

@@ -14,6 +14,7 @@
 #endif
 
 #include "kernels/cpu/column_tiles.h"
+#include "kernels/cpu/tile_rows.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/quant.h"
 
@@ -106,17 +107,8 @@ template <class Unpack, int R, int I>
 template <class Unpack, int I>
 [[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
                                           const Int4Group128* blocks, const float* bias, int64_t r) {
-  switch (rows) {
-    case 8: Tile<Unpack, 8, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 7: Tile<Unpack, 7, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 6: Tile<Unpack, 6, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 5: Tile<Unpack, 5, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 4: Tile<Unpack, 4, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 3: Tile<Unpack, 3, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 2: Tile<Unpack, 2, I>(y, x, i, m, k, blocks, bias, r); break;
-    case 1: Tile<Unpack, 1, I>(y, x, i, m, k, blocks, bias, r); break;
-    default: break;
-  }
+  WithTileRows<kInt4TileRows>(
+      rows, [&](auto R) __attribute__((always_inline)) { Tile<Unpack, R, I>(y, x, i, m, k, blocks, bias, r); });
 }
 
 // Input rows per pass of PlaneTile: their sums wait on the stack while the groups go by.
@@ -226,17 +218,9 @@ template <class Unpack, bool kPairs>
 [[gnu::always_inline]] inline void PlaneTileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t count,
                                                int64_t m, int64_t k, const Int4Group128* blocks, const float* bias,
                                                int64_t r) {
-  switch (rows) {
-    case 8: PlaneTile<Unpack, 8, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 7: PlaneTile<Unpack, 7, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 6: PlaneTile<Unpack, 6, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 5: PlaneTile<Unpack, 5, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 4: PlaneTile<Unpack, 4, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 3: PlaneTile<Unpack, 3, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 2: PlaneTile<Unpack, 2, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    case 1: PlaneTile<Unpack, 1, kPairs>(y, x, i, count, m, k, blocks, bias, r); break;
-    default: break;
-  }
+  WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
+    PlaneTile<Unpack, R, kPairs>(y, x, i, count, m, k, blocks, bias, r);
+  });
 }
 
 // Output columns [r0, r1) of every row of y, kInt4TileRows weight rows at a time (their blocks stay

@@ -15,6 +15,7 @@
 #include "kernels/cpu/activation_rows.h"
 #include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
+#include "kernels/cpu/tile_rows.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -67,17 +68,8 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
 template <int I>
 inline void TileOf(int64_t rows, float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_t k,
                    const Int4Group128* blocks, const float* bias, int64_t r) {
-  switch (rows) {
-    case 8: Tile<8, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 7: Tile<7, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 6: Tile<6, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 5: Tile<5, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 4: Tile<4, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 3: Tile<3, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 2: Tile<2, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 1: Tile<1, I>(y, xq, i, m, k, blocks, bias, r); break;
-    default: break;
-  }
+  WithTileRows<kInt4TileRows>(
+      rows, [&](auto R) __attribute__((always_inline)) { Tile<R, I>(y, xq, i, m, k, blocks, bias, r); });
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "kernels/cpu/column_tiles.h"
+#include "kernels/cpu/tile_rows.h"
 #include "kernels/cpu/vec.h"
 
 namespace shardserve::cpu {
@@ -113,17 +114,8 @@ template <class Widen, int R, int I>
 template <class Widen, int I>
 [[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
                                           const uint8_t* q, const float* scale, const float* bias, int64_t r) {
-  switch (rows) {
-    case 8: Tile<Widen, 8, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 7: Tile<Widen, 7, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 6: Tile<Widen, 6, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 5: Tile<Widen, 5, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 4: Tile<Widen, 4, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 3: Tile<Widen, 3, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 2: Tile<Widen, 2, I>(y, x, i, m, k, q, scale, bias, r); break;
-    case 1: Tile<Widen, 1, I>(y, x, i, m, k, q, scale, bias, r); break;
-    default: break;
-  }
+  WithTileRows<kInt8TileRows>(
+      rows, [&](auto R) __attribute__((always_inline)) { Tile<Widen, R, I>(y, x, i, m, k, q, scale, bias, r); });
 }
 
 // Output columns [r0, r1) of every row of y, kInt8TileRows weight rows at a time (which stay in L1

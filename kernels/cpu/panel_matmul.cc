@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/tile_rows.h"
 #include "kernels/cpu/vec.h"
 
 namespace shardserve::cpu {
@@ -71,20 +72,13 @@ template <bool kPrefetch>
     const int64_t rows = base + (t < longer ? 1 : 0);
     float* yt = y + r * ldy;
     const float* xt = x + r * k;
-    switch (rows) {
-      case 6: Tile<6, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      case 5: Tile<5, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      case 4: Tile<4, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      case 3: Tile<3, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      case 2: Tile<2, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      case 1: Tile<1, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles); break;
-      default: break;
-    }
+    WithTileRows<kTileRows>(rows, [&](auto R) __attribute__((always_inline)) {
+      Tile<R, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles);
+    });
     r += rows;
     if constexpr (kPrefetch) next += share;
   }
 }
-static_assert(kTileRows == 6, "PanelRows' switch covers tiles of 1 to 6 rows");
 
 // Panels a weight of m output columns takes.
 int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }

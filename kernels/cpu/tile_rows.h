@@ -1,0 +1,41 @@
+// A tile's row count, known at run time, turned into the compile-time one the CPU kernels' tiles
+// take (so that their R x I sums stay in registers): one switch for the int8 / fp8 tiles
+// (int8_matmul_tiles.h), the int4 ones (int4_matmul_tiles.h), the VNNI ones (int8_matmul_vnni.cc,
+// int4_matmul_vnni.cc) and the float32 panels (panel_matmul.cc). The tiles themselves differ.
+//
+// Thread-safety: none needed (calls `tile` on the calling thread).
+#ifndef SHARDSERVE_KERNELS_CPU_TILE_ROWS_H_
+#define SHARDSERVE_KERNELS_CPU_TILE_ROWS_H_
+
+#include <cstdint>
+#include <type_traits>
+
+namespace shardserve::cpu {
+// Internal linkage: each instruction set's file gets its own copy (as int8_matmul_tiles.h).
+namespace {
+
+// tile(std::integral_constant<int, rows>{}) for rows in [1, kMaxRows]; nothing for any other
+// value. The callers pass a lambda marked `__attribute__((always_inline))` after its parameters
+// (the GNU spelling: [[gnu::always_inline]] there would name the lambda's type and be ignored), so
+// that each case compiles to the tile itself, as a hand-written switch over Tile<8> ... Tile<1>
+// does, with no call in between.
+template <int kMaxRows, class Tile>
+[[gnu::always_inline]] inline void WithTileRows(int64_t rows, const Tile& tile) {
+  static_assert(1 <= kMaxRows && kMaxRows <= 8, "tiles of 1 to 8 rows");
+  switch (rows) {
+    case 8: if constexpr (kMaxRows >= 8) tile(std::integral_constant<int, 8>{}); break;
+    case 7: if constexpr (kMaxRows >= 7) tile(std::integral_constant<int, 7>{}); break;
+    case 6: if constexpr (kMaxRows >= 6) tile(std::integral_constant<int, 6>{}); break;
+    case 5: if constexpr (kMaxRows >= 5) tile(std::integral_constant<int, 5>{}); break;
+    case 4: if constexpr (kMaxRows >= 4) tile(std::integral_constant<int, 4>{}); break;
+    case 3: if constexpr (kMaxRows >= 3) tile(std::integral_constant<int, 3>{}); break;
+    case 2: if constexpr (kMaxRows >= 2) tile(std::integral_constant<int, 2>{}); break;
+    case 1: tile(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+}  // namespace
+}  // namespace shardserve::cpu
+
+#endif  // SHARDSERVE_KERNELS_CPU_TILE_ROWS_H_
