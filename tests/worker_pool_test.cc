@@ -253,5 +253,135 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   for (int i : {*wa, *wc}) pool.Disconnect(i);
 }
 
+// ---- Spares of a group that is still forming --------------------------------------------------
+
+// A pool of `nodes` x `gpus_per_node` workers serving the llama_gqa fixture (owns its model).
+struct TestPool {
+  std::unique_ptr<ServedModel> model;
+  std::unique_ptr<WorkerPool> pool;
+};
+
+TestPool MakePool(int nodes, int gpus_per_node) {
+  TestPool t;
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return t;
+  t.model = std::move(*model);
+  PoolOptions options;
+  options.nodes = nodes;
+  options.gpus_per_node = gpus_per_node;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(t.model.get(), options);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (pool.ok()) t.pool = std::move(*pool);
+  return t;
+}
+
+v1::Register HelloFrom(const std::string& node, bool spare = false) {
+  v1::Register h = GoodHello();
+  h.set_node(node);
+  h.set_spare(spare);
+  return h;
+}
+
+v1::WorkerMessage HeartbeatMessage() {
+  v1::WorkerMessage m;
+  m.mutable_heartbeat();
+  return m;
+}
+
+// The worker ids the status shows as idle spares (cluster_status.cc: "spare: takes the next ...").
+std::vector<std::string> SparesIn(WorkerPool& pool) {
+  v1::ClusterStatus status;
+  pool.FillStatus(&status);
+  std::vector<std::string> ids;
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.detail().rfind("spare:", 0) == 0) ids.push_back(w.worker_id());
+  }
+  return ids;
+}
+
+TEST(WorkerPoolSpareTest, AWorkerForAFullNodeWhileTheGroupFormsWaitsAsItsSpareAndTakesALostSlot) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/1);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b, small_link, gpu_link, stranger_link, c;
+  const absl::StatusOr<int> wa = pool.Register(HelloFrom("n0"), &a);
+  ASSERT_TRUE(wa.ok()) << wa.status();
+  // Node n0 has its one worker and the group is not complete: b waits as a spare of n0.
+  const absl::StatusOr<int> wb = pool.Register(HelloFrom("n0"), &b);
+  ASSERT_TRUE(wb.ok()) << wb.status();
+  // One that could never hold n0's shard (too little memory) is let go when the group forms,
+  // saying why; one on another kind of device is refused at once.
+  v1::Register small = HelloFrom("n0");
+  small.set_memory_bytes(1024);
+  const absl::StatusOr<int> wsmall = pool.Register(small, &small_link);
+  ASSERT_TRUE(wsmall.ok()) << wsmall.status();
+  v1::Register gpu = HelloFrom("n0");
+  gpu.set_device("cuda:0");
+  const absl::StatusOr<int> wgpu = pool.Register(gpu, &gpu_link);
+  ASSERT_FALSE(wgpu.ok());
+  EXPECT_EQ(wgpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wgpu.status().message(), HasSubstr("device cuda:0 cannot be a spare of node n0"));
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w1", "w2"}));
+  EXPECT_EQ(pool.StateName(), "starting");
+
+  // n1's worker completes the group: a and c are assigned, b stays a spare, the small one is let go.
+  const absl::StatusOr<int> wc = pool.Register(HelloFrom("n1"), &c);
+  ASSERT_TRUE(wc.ok()) << wc.status();
+  ASSERT_EQ(a.sent.size(), 1u);
+  ASSERT_TRUE(a.sent[0].has_assignment());
+  EXPECT_EQ(a.sent[0].assignment().stage(), 0);
+  ASSERT_EQ(c.sent.size(), 1u);
+  ASSERT_TRUE(c.sent[0].has_assignment());
+  EXPECT_EQ(c.sent[0].assignment().stage(), 1);
+  EXPECT_TRUE(b.sent.empty());
+  ASSERT_EQ(small_link.sent.size(), 1u);
+  ASSERT_TRUE(small_link.sent[0].has_shutdown());
+  EXPECT_THAT(small_link.sent[0].shutdown().reason(), HasSubstr("cannot take slot (node n0, stage 0, tp rank 0)"));
+  EXPECT_FALSE(small_link.sent[0].shutdown().let_go()) << "refused, not let go after an assignment";
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w1"}));
+  // A worker from a node that is not one of the group's is still refused.
+  const absl::StatusOr<int> stranger = pool.Register(HelloFrom("n7"), &stranger_link);
+  ASSERT_FALSE(stranger.ok());
+  EXPECT_THAT(stranger.status().message(), HasSubstr("node n7 is not one of its nodes (n0, n1)"));
+
+  // a is lost once the group serves: the spare b takes its slot under epoch 2.
+  pool.OnMessage(*wa, LoadedMessage(1));
+  pool.OnMessage(*wc, LoadedMessage(1));
+  ASSERT_TRUE(pool.CheckServing().ok()) << pool.CheckServing();
+  pool.Disconnect(*wa);
+  pool.OnMessage(*wc, HeartbeatMessage());  // the survivor is settled: the group re-forms
+  ASSERT_EQ(b.sent.size(), 1u);
+  ASSERT_TRUE(b.sent[0].has_assignment());
+  EXPECT_EQ(b.sent[0].assignment().epoch(), 2u);
+  EXPECT_EQ(b.sent[0].assignment().stage(), 0);
+  pool.Shutdown("test over");
+  for (int i : {*wb, *wsmall, *wc}) pool.Disconnect(i);
+}
+
+TEST(WorkerPoolSpareTest, ASpareTakesThePlaceOfAWorkerThatLeavesBeforeTheGroupForms) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/1);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b, c;
+  const absl::StatusOr<int> wa = pool.Register(HelloFrom("n0"), &a);
+  const absl::StatusOr<int> wb = pool.Register(HelloFrom("n0"), &b);
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  pool.Disconnect(*wa);
+  EXPECT_TRUE(SparesIn(pool).empty()) << "the spare joined the forming group";
+  const absl::StatusOr<int> wc = pool.Register(HelloFrom("n1"), &c);
+  ASSERT_TRUE(wc.ok()) << wc.status();
+  ASSERT_EQ(b.sent.size(), 1u);
+  ASSERT_TRUE(b.sent[0].has_assignment());
+  EXPECT_EQ(b.sent[0].assignment().stage(), 0);
+  ASSERT_EQ(c.sent.size(), 1u);
+  EXPECT_EQ(c.sent[0].assignment().stage(), 1);
+  EXPECT_TRUE(a.sent.empty());
+  pool.Shutdown("test over");
+  for (int i : {*wb, *wc}) pool.Disconnect(i);
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -241,8 +241,10 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                                             " is one too many (--nodes)"));
         }
         if (per_node[hello.node()] >= options_.gpus_per_node) {
-          return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
-                                                            options_.gpus_per_node, " workers (--gpus-per-node)"));
+          // Its node has its workers already (most often one of them, started again by a
+          // supervisor, or one too many started for it): it waits as a spare of its node, as it
+          // would once the group serves.
+          return RegisterSpareWhileWaitingLocked(hello, link);
         }
         index = AddWorkerLocked(hello, link);
         pending_.push_back(index);
@@ -350,10 +352,12 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     failed_reason_ = absl::StrCat("cannot plan ", model_->name, " on the registered workers: ", error);
     CoordinatorLog("group", failed_reason_);
     SetPhaseLocked(Phase::kFailed);
-    for (int i : pending_) {
-      v1::CoordinatorMessage m;
-      m.mutable_shutdown()->set_reason(failed_reason_);
-      out.emplace_back(i, std::move(m));
+    for (const std::vector<int>* workers : {&pending_, &spares_}) {
+      for (int i : *workers) {
+        v1::CoordinatorMessage m;
+        m.mutable_shutdown()->set_reason(failed_reason_);
+        out.emplace_back(i, std::move(m));
+      }
     }
     return out;
   }
@@ -407,6 +411,8 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     }
   }
   pending_.clear();
+  // Spares that registered while the group formed can be checked against their node's slots now.
+  for (auto& message : LetGoUnfitSparesLocked()) out.push_back(std::move(message));
   SetPhaseLocked(Phase::kLoading);
   CoordinatorLog("group", absl::StrCat("complete (epoch ", group_->epoch, "); planned TP=", tp, " x PP=", pp,
                                        ", max_model_len ", plan_->max_model_len, ", KV cache ", kv_blocks,
@@ -672,6 +678,18 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
     pending_.erase(std::remove(pending_.begin(), pending_.end(), index), pending_.end());
     CoordinatorLog(w.id, absl::StrCat("left before the group was complete: ", detail),
                    LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    // A spare of its node takes its place (the group had fewer than all its workers, so it still
+    // has fewer: this never completes it).
+    auto spare = std::find_if(spares_.begin(), spares_.end(),
+                              [&](int i) { return workers_[i]->hello.node() == w.hello.node(); });
+    if (phase_ == Phase::kWaiting && spare != spares_.end()) {
+      pending_.push_back(*spare);
+      CoordinatorLog(workers_[*spare]->id,
+                     absl::StrCat("spare joins the forming group in place of ", w.id, " (node ", w.hello.node(),
+                                  "): ", pending_.size(), " of ", options_.nodes * options_.gpus_per_node, " workers"),
+                     LogIds{"", workers_[*spare]->id, w.hello.node()});
+      spares_.erase(spare);
+    }
     return;
   }
   if (!group_ || group_->slots[RankOf(group_->shape, w.stage, w.tp_rank)].worker != index) {
@@ -821,6 +839,62 @@ absl::StatusOr<int> WorkerPool::RegisterAsSpareLocked(const v1::Register& hello,
                               spares_.size(), " spare(s) idle"),
                  LogIds{"", workers_[index]->id, hello.node()});
   return index;
+}
+
+absl::StatusOr<int> WorkerPool::RegisterSpareWhileWaitingLocked(const v1::Register& hello, WorkerLink* link) {
+  // Whether it fits its node's slots is known only once the group is planned (the KV cache follows
+  // the smallest worker's memory): FormGroupLocked checks it then. The kind of device is known now.
+  for (int i : pending_) {
+    const v1::Register& member = workers_[i]->hello;
+    if ((member.device() == "cpu") != (hello.device() == "cpu")) {
+      return absl::FailedPreconditionError(absl::StrCat("device ", hello.device(), " cannot be a spare of node ",
+                                                        hello.node(), ": the group's workers run on ",
+                                                        member.device()));
+    }
+  }
+  const int index = AddWorkerLocked(hello, link);
+  spares_.push_back(index);
+  CoordinatorLog(workers_[index]->id,
+                 absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                              ") as a spare: node ", hello.node(), " already has its ", options_.gpus_per_node,
+                              " workers (--gpus-per-node), the group is not complete yet; ", spares_.size(),
+                              " spare(s) idle"),
+                 LogIds{"", workers_[index]->id, hello.node()});
+  return index;
+}
+
+std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::LetGoUnfitSparesLocked() {
+  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
+  std::vector<std::string> nodes;
+  for (const Slot& s : group_->slots) {
+    if (s.tp_rank == 0) nodes.push_back(s.node);
+  }
+  for (auto it = spares_.begin(); it != spares_.end();) {
+    Worker& w = *workers_[*it];
+    const auto slot = std::find_if(group_->slots.begin(), group_->slots.end(),
+                                   [&](const Slot& s) { return s.node == w.hello.node(); });
+    absl::Status fits =
+        slot == group_->slots.end()
+            ? absl::FailedPreconditionError(absl::StrCat("node ", w.hello.node(), " is not one of the group's nodes (",
+                                                         absl::StrJoin(nodes, ", "),
+                                                         "): a spare takes a slot of its own node (--node)"))
+            : CheckFitsSlotLocked(w.hello, *slot);
+    if (fits.ok()) {
+      ++it;
+      continue;
+    }
+    // Refused now that the group is planned: told why (its process exits 1), then forgotten. It
+    // is marked lost here, so that its stream ending says nothing more.
+    w.state = v1::WORKER_STATE_LOST;
+    w.detail = absl::StrCat("spare refused when the group formed: ", fits.message());
+    w.lost_at = absl::Now();
+    CoordinatorLog(w.id, w.detail, LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    v1::CoordinatorMessage bye;
+    bye.mutable_shutdown()->set_reason(std::string(fits.message()));
+    out.emplace_back(*it, std::move(bye));
+    it = spares_.erase(it);
+  }
+  return out;
 }
 
 absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {

@@ -3,8 +3,11 @@
 //
 // Life of the group:
 //   1. Waiting: workers register (worker.proto Register) until nodes x gpus_per_node have come.
-//      A worker that would make a node too large, or add a node too many, is refused. A worker
-//      that leaves now just leaves (another may take its place).
+//      A worker that would add a node too many is refused. One for a node that has its workers
+//      already waits as a spare of that node (as a spare worker, Register.spare, may): when the
+//      group forms, a spare that is not of one of its nodes or could never hold its node's shard
+//      is refused then (told why in a Shutdown). A worker that leaves now just leaves; a spare of
+//      its node takes its place, or another worker may.
 //   2. Loading: the group is formed (coordinator/membership/group.h: each node is one pipeline
 //      stage, in the natural order of the node names, its workers that stage's TP ranks in
 //      registration order; ranks, TP and PP group names under epoch 1), and the planner
@@ -285,6 +288,15 @@ class WorkerPool {
   // node's shard.
   absl::StatusOr<int> RegisterAsSpareLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `hello` as a spare of its node while the group forms (its node has its workers
+  // already). FailedPrecondition when its kind of device is not the group's; whether it fits its
+  // node's slots is checked when the group forms (LetGoUnfitSparesLocked).
+  absl::StatusOr<int> RegisterSpareWhileWaitingLocked(const v1::Register& hello, WorkerLink* link)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once the group is formed: removes every spare that is not of one of the group's nodes or could
+  // never hold its node's shard (CheckFitsSlotLocked), marks it lost and returns the Shutdown (its
+  // refusal, saying why) to send it.
+  std::vector<std::pair<int, v1::CoordinatorMessage>> LetGoUnfitSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when the worker `hello` describes can hold `slot`'s shard (the group's kind of device,
   // memory for the shard and the KV cache), else FailedPrecondition saying why.
   absl::Status CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
