@@ -383,5 +383,55 @@ TEST(WorkerPoolSpareTest, ASpareTakesThePlaceOfAWorkerThatLeavesBeforeTheGroupFo
   for (int i : {*wb, *wc}) pool.Disconnect(i);
 }
 
+// A spare worker (Register.spare) that could never take a slot is refused, naming its node and the
+// group's nodes, or why it does not fit: at once when that is known (the forming group has all its
+// nodes; the group has formed), else when the group forms. Spares may still come first.
+TEST(WorkerPoolSpareTest, ASpareThatCanNeverTakeASlotIsRefusedNamingItsNodeAndTheGroupsNodes) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink first, unknown_node, a0, a1, too_many, b0, b1, stranger, small_link, late;
+  // Before any worker: spares of n0 and n5 are kept (the group's nodes are not known yet).
+  const absl::StatusOr<int> s_first = pool.Register(HelloFrom("n0", /*spare=*/true), &first);
+  ASSERT_TRUE(s_first.ok()) << s_first.status();
+  const absl::StatusOr<int> s_n5 = pool.Register(HelloFrom("n5", /*spare=*/true), &unknown_node);
+  ASSERT_TRUE(s_n5.ok()) << s_n5.status();
+  const absl::StatusOr<int> w_a0 = pool.Register(HelloFrom("n0"), &a0), w_a1 = pool.Register(HelloFrom("n1"), &a1);
+  ASSERT_TRUE(w_a0.ok() && w_a1.ok());
+  // The forming group has its 2 nodes: a spare of a third is refused at once.
+  const absl::StatusOr<int> s_n7 = pool.Register(HelloFrom("n7", /*spare=*/true), &too_many);
+  ASSERT_FALSE(s_n7.ok()) << "a spare of node n7 was accepted";
+  EXPECT_EQ(s_n7.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_n7.status().message(), HasSubstr("the group already has its 2 nodes (n0, n1): node n7"));
+  // The group forms: n5's spare is told why it is refused; n0's stays.
+  const absl::StatusOr<int> w_b0 = pool.Register(HelloFrom("n0"), &b0), w_b1 = pool.Register(HelloFrom("n1"), &b1);
+  ASSERT_TRUE(w_b0.ok() && w_b1.ok());
+  ASSERT_EQ(a0.sent.size(), 1u);
+  ASSERT_TRUE(a0.sent[0].has_assignment());
+  EXPECT_TRUE(first.sent.empty());
+  ASSERT_EQ(unknown_node.sent.size(), 1u);
+  ASSERT_TRUE(unknown_node.sent[0].has_shutdown());
+  EXPECT_THAT(unknown_node.sent[0].shutdown().reason(), HasSubstr("node n5 is not one of the group's nodes (n0, n1)"));
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w0"}));
+
+  // Once the group has formed: a spare of another node, or one too small for its node's shard, is
+  // refused at once; a fitting one of n1 is kept.
+  const absl::StatusOr<int> s_stranger = pool.Register(HelloFrom("n7", /*spare=*/true), &stranger);
+  ASSERT_FALSE(s_stranger.ok()) << "a spare of node n7 was accepted";
+  EXPECT_EQ(s_stranger.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_stranger.status().message(), HasSubstr("node n7 is not one of its nodes (n0, n1)"));
+  v1::Register small = HelloFrom("n1", /*spare=*/true);
+  small.set_memory_bytes(1024);
+  const absl::StatusOr<int> s_small = pool.Register(small, &small_link);
+  ASSERT_FALSE(s_small.ok()) << "a spare too small for n1's shard was accepted";
+  EXPECT_EQ(s_small.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_small.status().message(), HasSubstr("cannot take slot (node n1, stage 1, tp rank 0)"));
+  const absl::StatusOr<int> s_late = pool.Register(HelloFrom("n1", /*spare=*/true), &late);
+  ASSERT_TRUE(s_late.ok()) << s_late.status();
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w0", "w6"}));
+  pool.Shutdown("test over");
+  for (int i : {*s_first, *s_n5, *w_a0, *w_a1, *w_b0, *w_b1, *s_late}) pool.Disconnect(i);
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -193,44 +193,10 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     absl::MutexLock lock(&mu_);
     const int expected = options_.nodes * options_.gpus_per_node;
     const bool healing = phase_ == Phase::kHealing;
-    if (hello.spare()) {
-      if (phase_ == Phase::kShuttingDown) return absl::UnavailableError("the coordinator is shutting down");
-      if (phase_ == Phase::kFailed) return absl::FailedPreconditionError(failed_reason_);
-      index = AddWorkerLocked(hello, link);
-      spares_.push_back(index);
-      CoordinatorLog(workers_[index]->id,
-                     absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                  ") as a spare: ", spares_.size(), " spare(s) idle"),
-                     LogIds{"", workers_[index]->id, hello.node()});
-      if (healing) {
-        UseSparesLocked();
-        to_send = TryRegroupLocked();
-      }
-    } else {
-      switch (phase_) {
-        case Phase::kWaiting: break;
-        case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
-        case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
-        case Phase::kHealing:
-        case Phase::kLoading:
-        case Phase::kServing: {
-          // A slot of its node is open (healing): it takes it. Otherwise (most often the worker of a
-          // slot a spare or a replacement has taken, started again by a supervisor, or a lost worker
-          // that registers again) it becomes a spare of its node.
-          const bool open = healing && HasOpenSlotLocked(hello.node());
-          absl::StatusOr<int> joined = open ? RegisterReplacementLocked(hello, link) : RegisterAsSpareLocked(hello, link);
-          if (!joined.ok()) {
-            CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
-                                                 joined.status().message()),
-                           LogIds{"", "", hello.node(), -1, -1, "warn"});
-            return joined.status();
-          }
-          index = *joined;
-          if (healing) to_send = TryRegroupLocked();
-          break;
-        }
-      }
-      if (phase_ == Phase::kWaiting) {  // one more worker for the group
+    switch (phase_) {
+      case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
+      case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
+      case Phase::kWaiting: {  // one more worker for the group, or a spare
         std::map<std::string, int> per_node;
         for (int i : pending_) ++per_node[workers_[i]->hello.node()];
         if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
@@ -240,9 +206,9 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                                             absl::StrJoin(names, ", "), "): node ", hello.node(),
                                                             " is one too many (--nodes)"));
         }
-        if (per_node[hello.node()] >= options_.gpus_per_node) {
-          // Its node has its workers already (most often one of them, started again by a
-          // supervisor, or one too many started for it): it waits as a spare of its node, as it
+        if (hello.spare() || per_node[hello.node()] >= options_.gpus_per_node) {
+          // A spare, or its node has its workers already (most often one of them, started again by
+          // a supervisor, or one too many started for it): it waits as a spare of its node, as it
           // would once the group serves.
           return RegisterSpareWhileWaitingLocked(hello, link);
         }
@@ -259,6 +225,30 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                     "): ", pending_.size(), " of ", expected, " workers"),
                        LogIds{"", workers_[index]->id, hello.node()});
         if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+        break;
+      }
+      case Phase::kHealing:
+      case Phase::kLoading:
+      case Phase::kServing: {
+        // A worker (not Register.spare) takes an open slot of its node (healing). Otherwise (most
+        // often the worker of a slot a spare or a replacement has taken, started again by a
+        // supervisor, or a lost worker that registers again), and always for Register.spare, it
+        // becomes a spare of its node, if it is of one of the group's nodes and fits its slots; a
+        // spare takes an open slot of its node at once.
+        const bool open = healing && !hello.spare() && HasOpenSlotLocked(hello.node());
+        absl::StatusOr<int> joined = open ? RegisterReplacementLocked(hello, link) : RegisterAsSpareLocked(hello, link);
+        if (!joined.ok()) {
+          CoordinatorLog("group", absl::StrCat("refused a ", hello.spare() ? "spare" : "worker", " from node ",
+                                               hello.node(), ": ", joined.status().message()),
+                         LogIds{"", "", hello.node(), -1, -1, "warn"});
+          return joined.status();
+        }
+        index = *joined;
+        if (healing) {
+          UseSparesLocked();
+          to_send = TryRegroupLocked();
+        }
+        break;
       }
     }
   }
@@ -834,9 +824,12 @@ absl::StatusOr<int> WorkerPool::RegisterAsSpareLocked(const v1::Register& hello,
                                                               " tp rank ", hello.held().assignment().tp_rank(),
                                                               " of epoch ", hello.held().assignment().epoch())
                                                : "",
-                              ") as a spare: every slot of node ", hello.node(),
-                              " has a worker (a lost worker's slot is taken by a spare or a replacement); ",
-                              spares_.size(), " spare(s) idle"),
+                              ") as a spare: ",
+                              hello.spare() ? "a spare worker (--spare)"
+                                            : absl::StrCat("every slot of node ", hello.node(),
+                                                           " has a worker (a lost worker's slot is taken by a spare "
+                                                           "or a replacement)"),
+                              "; ", spares_.size(), " spare(s) idle"),
                  LogIds{"", workers_[index]->id, hello.node()});
   return index;
 }
@@ -856,9 +849,11 @@ absl::StatusOr<int> WorkerPool::RegisterSpareWhileWaitingLocked(const v1::Regist
   spares_.push_back(index);
   CoordinatorLog(workers_[index]->id,
                  absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                              ") as a spare: node ", hello.node(), " already has its ", options_.gpus_per_node,
-                              " workers (--gpus-per-node), the group is not complete yet; ", spares_.size(),
-                              " spare(s) idle"),
+                              ") as a spare: ",
+                              hello.spare() ? "a spare worker (--spare)"
+                                            : absl::StrCat("node ", hello.node(), " already has its ",
+                                                           options_.gpus_per_node, " workers (--gpus-per-node)"),
+                              ", the group is not complete yet; ", spares_.size(), " spare(s) idle"),
                  LogIds{"", workers_[index]->id, hello.node()});
   return index;
 }

@@ -24,7 +24,8 @@
 //      group is whole again, or fails them after --heal-timeout-seconds). A worker that registers
 //      from the lost slot's node, whose device and memory fit the slot's shard, takes the slot
 //      (else it is refused, saying why, and the slot stays open); so does, at once, a spare of
-//      that node (Register.spare: registered in any phase, idle until then). Once every slot has a live
+//      that node (Register.spare: registered in any phase, idle until then; once the group has
+//      formed, one from a node outside the group or that cannot hold its node's shard is refused). Once every slot has a live
 //      worker and every survivor has answered every step it was sent (a survivor stuck in a
 //      collective with the dead peer errors out within the collective timeout), the group
 //      re-forms under a new epoch (membership/group.h Replace, NextEpoch): the replacement gets
@@ -282,14 +283,14 @@ class WorkerPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a slot of `node` is lost and has no replacement yet (a heal waits for it).
   bool HasOpenSlotLocked(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Registers `hello` (not Register.spare) as a spare of its node once the group is formed and
-  // every slot of its node has a worker: the worker of a slot that a spare or a replacement took,
-  // coming back. FailedPrecondition when its node is not one of the group's or it cannot hold that
-  // node's shard.
+  // Registers `hello` as a spare of its node once the group is formed: a spare worker
+  // (Register.spare), or a worker that finds every slot of its node held (the worker of a slot
+  // that a spare or a replacement took, coming back). FailedPrecondition naming its node and the
+  // group's nodes when its node is not one of them, or saying why it cannot hold that node's shard.
   absl::StatusOr<int> RegisterAsSpareLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Registers `hello` as a spare of its node while the group forms (its node has its workers
-  // already). FailedPrecondition when its kind of device is not the group's; whether it fits its
+  // Registers `hello` as a spare of its node while the group forms (Register.spare, or its node
+  // has its workers already). FailedPrecondition when its kind of device is not the group's; whether it fits its
   // node's slots is checked when the group forms (LetGoUnfitSparesLocked).
   absl::StatusOr<int> RegisterSpareWhileWaitingLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
