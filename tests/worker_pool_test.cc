@@ -253,6 +253,75 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   for (int i : {*wa, *wc}) pool.Disconnect(i);
 }
 
+// A worker the pool marks lost while its stream stays open (a malformed message; a frozen worker
+// that sends no heartbeat) loses its rendezvous grant at once, not only when its stream ends; its
+// peer's grant stands.
+TEST(WorkerPoolHealTest, ALostWorkersRendezvousTokenIsRevokedWhileItsStreamIsOpen) {
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  ASSERT_TRUE(model.ok()) << model.status();
+  PoolOptions options;
+  options.nodes = 1;
+  options.gpus_per_node = 2;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  WorkerPool& pool = **created;
+  FakeLink a, b;
+  const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  ASSERT_EQ(a.sent.size(), 1u);
+  ASSERT_EQ(b.sent.size(), 1u);
+  const std::string token_a = a.sent[0].assignment().rendezvous_token();
+  const std::string token_b = b.sent[0].assignment().rendezvous_token();
+  RendezvousGrants* grants = pool.rendezvous_grants();
+  ASSERT_TRUE(grants->CheckSet(token_a, "e1/tp/stage0/gloo/0").ok());
+  // A second Register on its stream: a is lost (malformed), its stream not ended (no Disconnect).
+  v1::WorkerMessage again;
+  *again.mutable_register_() = GoodHello();
+  pool.OnMessage(*wa, again);
+  const absl::Status denied = grants->CheckSet(token_a, "e1/tp/stage0/gloo/0");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckGet(token_a, "e1/tp/stage0/gloo/1")));
+  EXPECT_TRUE(grants->CheckSet(token_b, "e1/tp/stage0/gloo/1").ok());
+  pool.Shutdown("test over");
+  for (int i : {*wa, *wb}) pool.Disconnect(i);
+}
+
+TEST(WorkerPoolHealTest, AFrozenWorkersRendezvousTokenIsRevokedWhenItsHeartbeatsStop) {
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  ASSERT_TRUE(model.ok()) << model.status();
+  PoolOptions options;
+  options.nodes = 1;
+  options.gpus_per_node = 2;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  options.heartbeat_timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  WorkerPool& pool = **created;
+  FakeLink a, b;
+  const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  ASSERT_EQ(a.sent.size(), 1u);
+  const std::string token = a.sent[0].assignment().rendezvous_token();
+  // Silent (frozen) with its stream open: the monitor marks it lost after the heartbeat timeout.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  bool lost = false;
+  while (!lost && absl::Now() < deadline) {
+    v1::ClusterStatus status;
+    pool.FillStatus(&status);
+    lost = status.workers_size() >= 1 && status.workers(0).worker_id() == "w0" &&
+           status.workers(0).state() == v1::WORKER_STATE_LOST;
+    if (!lost) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(lost) << "the silent worker was not marked lost";
+  const absl::Status denied = pool.rendezvous_grants()->CheckSet(token, "e1/tp/stage0/gloo/0");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  pool.Shutdown("test over");
+  for (int i : {*wa, *wb}) pool.Disconnect(i);
+}
+
 // ---- Spares of a group that is still forming --------------------------------------------------
 
 // A pool of `nodes` x `gpus_per_node` workers serving the llama_gqa fixture (owns its model).

@@ -646,6 +646,9 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   w.cause = cause;
   w.detail = detail;
   w.lost_at = absl::Now();
+  // Lost is lost: a frozen worker whose stream is still open must not write or read rendezvous
+  // keys any more (its slot's next holder gets a grant of its own).
+  rendezvous_grants_.Revoke(index);
   // A failed worker keeps its stream (it stays up, NOT_SERVING, for a person to inspect); any
   // other lost worker's stream is ended, which also unblocks a send stuck on it.
   if (cause != LossCause::kFailure && w.link != nullptr) w.link->Cancel();

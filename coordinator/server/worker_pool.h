@@ -153,7 +153,9 @@ class WorkerPool {
 
   // Who may write and read which rendezvous keys: every Assignment and Regroup the pool sends
   // grants its worker that epoch's groups (rendezvous_grants.h). WorkerControlService checks each
-  // RendezvousSet/Get against it and revokes a worker's grant when its stream ends.
+  // RendezvousSet/Get against it. A worker's grant is revoked when the pool marks it LOST (also
+  // while its stream is still open: frozen, a step deadline missed, a malformed message) and
+  // when its stream ends (WorkerControlService).
   RendezvousGrants* rendezvous_grants() { return &rendezvous_grants_; }
 
   // ---- A worker's Connect stream, in this order ----
