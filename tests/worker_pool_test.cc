@@ -43,21 +43,43 @@ v1::Register GoodHello() {
   return h;
 }
 
+// A pool of `nodes` x `gpus_per_node` workers serving the llama_gqa fixture (owns its model).
+struct TestPool {
+  // Shuts the pool down and ends the streams of `workers` (the registered ones still connected).
+  void Close(std::initializer_list<int> workers) {
+    pool->Shutdown("test over");
+    for (int i : workers) pool->Disconnect(i);
+  }
+  std::unique_ptr<ServedModel> model;
+  std::unique_ptr<WorkerPool> pool;
+};
+
+TestPool MakePool(int nodes, int gpus_per_node, absl::Duration heartbeat_timeout = absl::Seconds(3)) {
+  TestPool t;
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return t;
+  t.model = std::move(*model);
+  PoolOptions options;
+  options.nodes = nodes;
+  options.gpus_per_node = gpus_per_node;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  options.heartbeat_timeout = heartbeat_timeout;
+  absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(t.model.get(), options);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (pool.ok()) t.pool = std::move(*pool);
+  return t;
+}
+
 class WorkerPoolRegisterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<std::unique_ptr<ServedModel>> model =
-        ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::move(*model);
     // Two workers on one node: one good Register does not complete the group.
-    PoolOptions options;
-    options.nodes = 1;
-    options.gpus_per_node = 2;
-    options.limits = StepLimits{64, 8, 16, 0, 0};
-    absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model_.get(), options);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
+    TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+    ASSERT_NE(t.pool, nullptr);
+    model_ = std::move(t.model);
+    pool_ = std::move(t.pool);
   }
   void TearDown() override {
     for (int i : accepted_) pool_->Disconnect(i);
@@ -153,16 +175,9 @@ v1::WorkerMessage FailureMessage(uint64_t epoch, uint64_t step_id, const std::st
 }
 
 TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegroups) {
-  absl::StatusOr<std::unique_ptr<ServedModel>> model =
-      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-  ASSERT_TRUE(model.ok()) << model.status();
-  PoolOptions options;
-  options.nodes = 1;
-  options.gpus_per_node = 2;
-  options.limits = StepLimits{64, 8, 16, 0, 0};
-  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  WorkerPool& pool = **created;
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
   FakeLink a, b, small_link, stranger_link, c;
   const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
   ASSERT_TRUE(wa.ok() && wb.ok());
@@ -249,29 +264,31 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   pool.FillStatus(&status);
   EXPECT_EQ(status.state(), "serving");
   EXPECT_EQ(status.epoch(), 2u);
-  pool.Shutdown("test over");
-  for (int i : {*wa, *wc}) pool.Disconnect(i);
+  t.Close({*wa, *wc});
+}
+
+// Registers two workers of node n0 with `pool` (1 x 2: the group forms) at *wa and *wb; each link
+// got its Assignment.
+void RegisterPair(WorkerPool& pool, FakeLink* a, FakeLink* b, int* wa, int* wb) {
+  const absl::StatusOr<int> ia = pool.Register(GoodHello(), a), ib = pool.Register(GoodHello(), b);
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  ASSERT_EQ(a->sent.size(), 1u);
+  ASSERT_EQ(b->sent.size(), 1u);
+  ASSERT_TRUE(a->sent[0].has_assignment() && b->sent[0].has_assignment());
+  *wa = *ia;
+  *wb = *ib;
 }
 
 // A worker the pool marks lost while its stream stays open (a malformed message; a frozen worker
 // that sends no heartbeat) loses its rendezvous grant at once, not only when its stream ends; its
 // peer's grant stands.
 TEST(WorkerPoolHealTest, ALostWorkersRendezvousTokenIsRevokedWhileItsStreamIsOpen) {
-  absl::StatusOr<std::unique_ptr<ServedModel>> model =
-      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-  ASSERT_TRUE(model.ok()) << model.status();
-  PoolOptions options;
-  options.nodes = 1;
-  options.gpus_per_node = 2;
-  options.limits = StepLimits{64, 8, 16, 0, 0};
-  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  WorkerPool& pool = **created;
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
   FakeLink a, b;
-  const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
-  ASSERT_TRUE(wa.ok() && wb.ok());
-  ASSERT_EQ(a.sent.size(), 1u);
-  ASSERT_EQ(b.sent.size(), 1u);
+  int wa = -1, wb = -1;
+  ASSERT_NO_FATAL_FAILURE(RegisterPair(pool, &a, &b, &wa, &wb));
   const std::string token_a = a.sent[0].assignment().rendezvous_token();
   const std::string token_b = b.sent[0].assignment().rendezvous_token();
   RendezvousGrants* grants = pool.rendezvous_grants();
@@ -279,31 +296,21 @@ TEST(WorkerPoolHealTest, ALostWorkersRendezvousTokenIsRevokedWhileItsStreamIsOpe
   // A second Register on its stream: a is lost (malformed), its stream not ended (no Disconnect).
   v1::WorkerMessage again;
   *again.mutable_register_() = GoodHello();
-  pool.OnMessage(*wa, again);
+  pool.OnMessage(wa, again);
   const absl::Status denied = grants->CheckSet(token_a, "e1/tp/stage0/gloo/0");
   EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
   EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckGet(token_a, "e1/tp/stage0/gloo/1")));
   EXPECT_TRUE(grants->CheckSet(token_b, "e1/tp/stage0/gloo/1").ok());
-  pool.Shutdown("test over");
-  for (int i : {*wa, *wb}) pool.Disconnect(i);
+  t.Close({wa, wb});
 }
 
 TEST(WorkerPoolHealTest, AFrozenWorkersRendezvousTokenIsRevokedWhenItsHeartbeatsStop) {
-  absl::StatusOr<std::unique_ptr<ServedModel>> model =
-      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-  ASSERT_TRUE(model.ok()) << model.status();
-  PoolOptions options;
-  options.nodes = 1;
-  options.gpus_per_node = 2;
-  options.limits = StepLimits{64, 8, 16, 0, 0};
-  options.heartbeat_timeout = absl::Milliseconds(300);
-  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  WorkerPool& pool = **created;
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2, /*heartbeat_timeout=*/absl::Milliseconds(300));
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
   FakeLink a, b;
-  const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
-  ASSERT_TRUE(wa.ok() && wb.ok());
-  ASSERT_EQ(a.sent.size(), 1u);
+  int wa = -1, wb = -1;
+  ASSERT_NO_FATAL_FAILURE(RegisterPair(pool, &a, &b, &wa, &wb));
   const std::string token = a.sent[0].assignment().rendezvous_token();
   // Silent (frozen) with its stream open: the monitor marks it lost after the heartbeat timeout.
   const absl::Time deadline = absl::Now() + absl::Seconds(60);
@@ -318,34 +325,10 @@ TEST(WorkerPoolHealTest, AFrozenWorkersRendezvousTokenIsRevokedWhenItsHeartbeats
   ASSERT_TRUE(lost) << "the silent worker was not marked lost";
   const absl::Status denied = pool.rendezvous_grants()->CheckSet(token, "e1/tp/stage0/gloo/0");
   EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
-  pool.Shutdown("test over");
-  for (int i : {*wa, *wb}) pool.Disconnect(i);
+  t.Close({wa, wb});
 }
 
 // ---- Spares of a group that is still forming --------------------------------------------------
-
-// A pool of `nodes` x `gpus_per_node` workers serving the llama_gqa fixture (owns its model).
-struct TestPool {
-  std::unique_ptr<ServedModel> model;
-  std::unique_ptr<WorkerPool> pool;
-};
-
-TestPool MakePool(int nodes, int gpus_per_node) {
-  TestPool t;
-  absl::StatusOr<std::unique_ptr<ServedModel>> model =
-      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-  EXPECT_TRUE(model.ok()) << model.status();
-  if (!model.ok()) return t;
-  t.model = std::move(*model);
-  PoolOptions options;
-  options.nodes = nodes;
-  options.gpus_per_node = gpus_per_node;
-  options.limits = StepLimits{64, 8, 16, 0, 0};
-  absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(t.model.get(), options);
-  EXPECT_TRUE(pool.ok()) << pool.status();
-  if (pool.ok()) t.pool = std::move(*pool);
-  return t;
-}
 
 v1::Register HelloFrom(const std::string& node, bool spare = false) {
   v1::Register h = GoodHello();
@@ -426,8 +409,7 @@ TEST(WorkerPoolSpareTest, AWorkerForAFullNodeWhileTheGroupFormsWaitsAsItsSpareAn
   ASSERT_TRUE(b.sent[0].has_assignment());
   EXPECT_EQ(b.sent[0].assignment().epoch(), 2u);
   EXPECT_EQ(b.sent[0].assignment().stage(), 0);
-  pool.Shutdown("test over");
-  for (int i : {*wb, *wsmall, *wc}) pool.Disconnect(i);
+  t.Close({*wb, *wsmall, *wc});
 }
 
 TEST(WorkerPoolSpareTest, ASpareTakesThePlaceOfAWorkerThatLeavesBeforeTheGroupForms) {
@@ -448,8 +430,7 @@ TEST(WorkerPoolSpareTest, ASpareTakesThePlaceOfAWorkerThatLeavesBeforeTheGroupFo
   ASSERT_EQ(c.sent.size(), 1u);
   EXPECT_EQ(c.sent[0].assignment().stage(), 1);
   EXPECT_TRUE(a.sent.empty());
-  pool.Shutdown("test over");
-  for (int i : {*wb, *wc}) pool.Disconnect(i);
+  t.Close({*wb, *wc});
 }
 
 // A spare worker (Register.spare) that could never take a slot is refused, naming its node and the
@@ -498,8 +479,7 @@ TEST(WorkerPoolSpareTest, ASpareThatCanNeverTakeASlotIsRefusedNamingItsNodeAndTh
   const absl::StatusOr<int> s_late = pool.Register(HelloFrom("n1", /*spare=*/true), &late);
   ASSERT_TRUE(s_late.ok()) << s_late.status();
   EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w0", "w6"}));
-  pool.Shutdown("test over");
-  for (int i : {*s_first, *s_n5, *w_a0, *w_a1, *w_b0, *w_b1, *s_late}) pool.Disconnect(i);
+  t.Close({*s_first, *s_n5, *w_a0, *w_a1, *w_b0, *w_b1, *s_late});
 }
 
 }  // namespace
