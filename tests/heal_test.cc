@@ -15,6 +15,8 @@
 //   its slot opens again, a second replacement heals the group, the stream finishes unchanged.
 // - A spare registered beforehand (worker --spare) takes the slot of a killed worker at once; the
 //   killed worker, started again, becomes the next spare and heals a second kill.
+// - A worker started for a node that has its workers while the group still forms waits as that
+//   node's spare and takes the slot of the node's killed worker: the same tokens, no new process.
 // - No replacement: the stream fails after --heal-timeout-seconds with UNAVAILABLE naming the lost
 //   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
 //   (too little memory, another node, another copy of the model) are refused saying why and the
@@ -146,6 +148,25 @@ int CountOf(const std::string& log, const std::string& text) {
 }
 
 constexpr int kTokens = 96;
+
+// SIGKILLs the worker that holds slot (stage, tp_rank) once a stream of `request` has 10 tokens,
+// and expects the stream to finish with `reference`'s tokens and the group to serve again under a
+// later epoch. Returns the killed worker's harness index, -1 when no live worker held the slot.
+int KillMidStreamExpectingTheSameTokens(Cluster& cluster, const v1::GenerateRequest& request,
+                                        const Streamed& reference, int stage, int tp_rank) {
+  const int victim = WorkerAt(cluster, stage, tp_rank);
+  EXPECT_GE(victim, 0) << "no live worker holds stage " << stage << " tp rank " << tp_rank;
+  if (victim < 0) return -1;
+  const uint64_t epoch = cluster.Status().epoch();
+  const StreamRun run =
+      StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(victim).Signal(SIGKILL); });
+  EXPECT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_GT(status.epoch(), epoch);
+  return victim;
+}
 
 // The cases that kill or stop a worker of a TP=2 group in the middle of a stream start alike
 // (StartTp2); the others start clusters of their own.
@@ -362,15 +383,8 @@ TEST_F(HealTest, ASpareTakesTheSlotOfAKilledWorkerWhichComesBackAsTheNextSpare) 
   ASSERT_NO_FATAL_FAILURE(StartTp2(request, /*spare=*/true));
   Cluster& cluster = *cluster_;
   const Streamed& reference = reference_;
-  const int victim = WorkerAt(cluster, 0, 1);
-  ASSERT_GE(victim, 0);
-  const StreamRun run =
-      StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(victim).Signal(SIGKILL); });
-  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
-  EXPECT_EQ(run.tokens, reference.tokens);
-  const v1::ClusterStatus status = cluster.Status();
-  EXPECT_EQ(status.state(), "serving");
-  EXPECT_GE(status.epoch(), 2u);
+  ASSERT_GE(KillMidStreamExpectingTheSameTokens(cluster, request, reference, 0, 1), 0);
+  ASSERT_FALSE(HasFailure()) << cluster.Logs();
   EXPECT_EQ(cluster.num_workers(), 3) << "no process was started for the heal";
   const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
   EXPECT_NE(log.find("spare takes slot (node n0, stage 0, tp rank 1)"), std::string::npos) << log;
@@ -388,16 +402,42 @@ TEST_F(HealTest, ASpareTakesTheSlotOfAKilledWorkerWhichComesBackAsTheNextSpare) 
   EXPECT_EQ(cluster.Status().state(), "serving");
 
   // A second kill: the returned worker, now the spare, takes the slot; the stream is unchanged.
-  const int second = WorkerAt(cluster, 0, 0);
-  ASSERT_GE(second, 0);
-  const StreamRun run2 =
-      StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(second).Signal(SIGKILL); });
-  ASSERT_TRUE(run2.status.ok()) << run2.status.error_message() << "\n" << cluster.Logs();
-  EXPECT_EQ(run2.tokens, reference.tokens);
-  EXPECT_EQ(cluster.Status().state(), "serving");
+  ASSERT_GE(KillMidStreamExpectingTheSameTokens(cluster, request, reference, 0, 0), 0);
   EXPECT_EQ(WorkerAt(cluster, 0, 0), back) << cluster.Logs();
   EXPECT_EQ(cluster.num_workers(), 4);
   EXPECT_EQ(CountOf(Tail(cluster.coordinator().log(), 1 << 20), "spare takes slot"), 2) << cluster.Logs();
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+// A second worker for node n0 of a TP=1 x PP=2 group, registering before n1's worker completes the
+// group, finds n0's one slot taken: it waits as n0's spare (it was refused before), and when n0's
+// worker is SIGKILLed mid-stream it takes the slot at once; the stream goes on unchanged.
+TEST_F(HealTest, AWorkerForAFullNodeBeforeTheGroupFormsWaitsAsItsSpareAndHealsAKill) {
+  Cluster cluster({"llama3_rope", 2, 1, {"--debug-step-delay-ms", "20"}}, kPatientHeal);
+  ASSERT_TRUE(cluster.StartCoordinator());
+  cluster.AddWorker("n0");
+  cluster.AddWorker("n0");
+  const auto start = Clock::now();
+  while (cluster.Status().workers_size() < 2 && SecondsSince(start) < 60) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_EQ(cluster.Status().workers_size(), 2) << "n0's second worker was not kept\n" << cluster.Logs();
+  ASSERT_TRUE(WaitForLog(cluster, "already has its 1 workers (--gpus-per-node), the group is not complete yet"))
+      << cluster.Logs();
+  cluster.AddWorker("n1");
+  ASSERT_TRUE(WaitForState(cluster, "serving")) << cluster.Logs();
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const int victim = KillMidStreamExpectingTheSameTokens(cluster, request, reference, 0, 0);
+  ASSERT_GE(victim, 0);
+  EXPECT_EQ(cluster.num_workers(), 3) << "no process was started for the heal";
+  EXPECT_NE(Tail(cluster.coordinator().log(), 1 << 20).find("spare takes slot (node n0, stage 0, tp rank 0)"),
+            std::string::npos)
+      << cluster.Logs();
+  const int holder = WorkerAt(cluster, 0, 0);
+  EXPECT_TRUE(holder >= 0 && holder != victim) << cluster.Logs();
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 

@@ -5,8 +5,9 @@
    group heals under a new epoch and serves again. Killed again 12 s later, it is restarted after
    1 s again (not 2: it was not crash-looping), and the group heals under epoch 3.
 2. With --spare-workers 1 and --max-worker-restarts 1, the spare takes the killed worker's slot at
-   once, and launch restarts the killed worker as a spare (not as a replacement, which the complete
-   group would refuse): the group heals and has a spare again.
+   once, and launch restarts the killed worker with its own command line (no --spare): the
+   coordinator, finding every slot of its node held, makes it a spare; the group heals and has a
+   spare again.
 
 Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
 waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
@@ -70,7 +71,7 @@ def run(bin_dir, spare):
         victim = workers[1]
         os.kill(victim, signal.SIGKILL)
         if spare:
-            wait_for(r"restarted worker node0/\d as a spare", 60)
+            wait_for(r"restarted worker node0/\d$", 60)
         else:
             wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
             wait_for(r"restarted worker node0/\d", 60)
@@ -113,12 +114,19 @@ def run(bin_dir, spare):
             coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
             if "spare takes slot" not in coordinator_log:
                 fail("the coordinator's log does not say that the spare took the slot")
-            # The restarted worker registers as the next spare (bounded wait: it may still be starting).
+            # The restarted worker, a plain worker again, is made the next spare by the coordinator
+            # (bounded wait: it may still be starting).
+            restarted = [p for p in children(launch.pid)
+                         if cmdline(p)[:1] and cmdline(p)[0].endswith(b"shardserve-worker") and p not in workers
+                         and b"--spare" not in cmdline(p)]
+            if len(restarted) != 1:
+                fail(f"expected the restarted worker under launch without --spare, found {restarted}")
             deadline = time.time() + 120
-            while coordinator_log.count("as a spare:") < 2 and time.time() < deadline:
+            made_spare = "as a spare: every slot of node node0 has a worker"
+            while made_spare not in coordinator_log and time.time() < deadline:
                 time.sleep(0.5)
                 coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
-            if coordinator_log.count("as a spare:") < 2:
+            if made_spare not in coordinator_log or coordinator_log.count("as a spare:") < 2:
                 fail(f"the restarted worker did not register as a spare:\n{coordinator_log[-3000:]}")
         print(f"launch_heal_test.py: OK ({'a spare took the slot, the worker came back as a spare' if spare else 'worker restarted by launch'}, "
               "group healed under epoch 2, generate OK)")

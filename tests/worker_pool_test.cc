@@ -43,21 +43,43 @@ v1::Register GoodHello() {
   return h;
 }
 
+// A pool of `nodes` x `gpus_per_node` workers serving the llama_gqa fixture (owns its model).
+struct TestPool {
+  // Shuts the pool down and ends the streams of `workers` (the registered ones still connected).
+  void Close(std::initializer_list<int> workers) {
+    pool->Shutdown("test over");
+    for (int i : workers) pool->Disconnect(i);
+  }
+  std::unique_ptr<ServedModel> model;
+  std::unique_ptr<WorkerPool> pool;
+};
+
+TestPool MakePool(int nodes, int gpus_per_node, absl::Duration heartbeat_timeout = absl::Seconds(3)) {
+  TestPool t;
+  absl::StatusOr<std::unique_ptr<ServedModel>> model =
+      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return t;
+  t.model = std::move(*model);
+  PoolOptions options;
+  options.nodes = nodes;
+  options.gpus_per_node = gpus_per_node;
+  options.limits = StepLimits{64, 8, 16, 0, 0};
+  options.heartbeat_timeout = heartbeat_timeout;
+  absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(t.model.get(), options);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (pool.ok()) t.pool = std::move(*pool);
+  return t;
+}
+
 class WorkerPoolRegisterTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<std::unique_ptr<ServedModel>> model =
-        ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::move(*model);
     // Two workers on one node: one good Register does not complete the group.
-    PoolOptions options;
-    options.nodes = 1;
-    options.gpus_per_node = 2;
-    options.limits = StepLimits{64, 8, 16, 0, 0};
-    absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model_.get(), options);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
+    TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+    ASSERT_NE(t.pool, nullptr);
+    model_ = std::move(t.model);
+    pool_ = std::move(t.pool);
   }
   void TearDown() override {
     for (int i : accepted_) pool_->Disconnect(i);
@@ -153,16 +175,9 @@ v1::WorkerMessage FailureMessage(uint64_t epoch, uint64_t step_id, const std::st
 }
 
 TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegroups) {
-  absl::StatusOr<std::unique_ptr<ServedModel>> model =
-      ServedModel::Open((fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa").string());
-  ASSERT_TRUE(model.ok()) << model.status();
-  PoolOptions options;
-  options.nodes = 1;
-  options.gpus_per_node = 2;
-  options.limits = StepLimits{64, 8, 16, 0, 0};
-  absl::StatusOr<std::unique_ptr<WorkerPool>> created = WorkerPool::Create(model->get(), options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  WorkerPool& pool = **created;
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
   FakeLink a, b, small_link, stranger_link, c;
   const absl::StatusOr<int> wa = pool.Register(GoodHello(), &a), wb = pool.Register(GoodHello(), &b);
   ASSERT_TRUE(wa.ok() && wb.ok());
@@ -249,8 +264,222 @@ TEST(WorkerPoolHealTest, ALostWorkerIsReplacedUnderANewEpochAndTheSurvivorRegrou
   pool.FillStatus(&status);
   EXPECT_EQ(status.state(), "serving");
   EXPECT_EQ(status.epoch(), 2u);
-  pool.Shutdown("test over");
-  for (int i : {*wa, *wc}) pool.Disconnect(i);
+  t.Close({*wa, *wc});
+}
+
+// Registers two workers of node n0 with `pool` (1 x 2: the group forms) at *wa and *wb; each link
+// got its Assignment.
+void RegisterPair(WorkerPool& pool, FakeLink* a, FakeLink* b, int* wa, int* wb) {
+  const absl::StatusOr<int> ia = pool.Register(GoodHello(), a), ib = pool.Register(GoodHello(), b);
+  ASSERT_TRUE(ia.ok() && ib.ok());
+  ASSERT_EQ(a->sent.size(), 1u);
+  ASSERT_EQ(b->sent.size(), 1u);
+  ASSERT_TRUE(a->sent[0].has_assignment() && b->sent[0].has_assignment());
+  *wa = *ia;
+  *wb = *ib;
+}
+
+// A worker the pool marks lost while its stream stays open (a malformed message; a frozen worker
+// that sends no heartbeat) loses its rendezvous grant at once, not only when its stream ends; its
+// peer's grant stands.
+TEST(WorkerPoolHealTest, ALostWorkersRendezvousTokenIsRevokedWhileItsStreamIsOpen) {
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b;
+  int wa = -1, wb = -1;
+  ASSERT_NO_FATAL_FAILURE(RegisterPair(pool, &a, &b, &wa, &wb));
+  const std::string token_a = a.sent[0].assignment().rendezvous_token();
+  const std::string token_b = b.sent[0].assignment().rendezvous_token();
+  RendezvousGrants* grants = pool.rendezvous_grants();
+  ASSERT_TRUE(grants->CheckSet(token_a, "e1/tp/stage0/gloo/0").ok());
+  // A second Register on its stream: a is lost (malformed), its stream not ended (no Disconnect).
+  v1::WorkerMessage again;
+  *again.mutable_register_() = GoodHello();
+  pool.OnMessage(wa, again);
+  const absl::Status denied = grants->CheckSet(token_a, "e1/tp/stage0/gloo/0");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  EXPECT_TRUE(absl::IsPermissionDenied(grants->CheckGet(token_a, "e1/tp/stage0/gloo/1")));
+  EXPECT_TRUE(grants->CheckSet(token_b, "e1/tp/stage0/gloo/1").ok());
+  t.Close({wa, wb});
+}
+
+TEST(WorkerPoolHealTest, AFrozenWorkersRendezvousTokenIsRevokedWhenItsHeartbeatsStop) {
+  TestPool t = MakePool(/*nodes=*/1, /*gpus_per_node=*/2, /*heartbeat_timeout=*/absl::Milliseconds(300));
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b;
+  int wa = -1, wb = -1;
+  ASSERT_NO_FATAL_FAILURE(RegisterPair(pool, &a, &b, &wa, &wb));
+  const std::string token = a.sent[0].assignment().rendezvous_token();
+  // Silent (frozen) with its stream open: the monitor marks it lost after the heartbeat timeout.
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  bool lost = false;
+  while (!lost && absl::Now() < deadline) {
+    v1::ClusterStatus status;
+    pool.FillStatus(&status);
+    lost = status.workers_size() >= 1 && status.workers(0).worker_id() == "w0" &&
+           status.workers(0).state() == v1::WORKER_STATE_LOST;
+    if (!lost) absl::SleepFor(absl::Milliseconds(50));
+  }
+  ASSERT_TRUE(lost) << "the silent worker was not marked lost";
+  const absl::Status denied = pool.rendezvous_grants()->CheckSet(token, "e1/tp/stage0/gloo/0");
+  EXPECT_TRUE(absl::IsPermissionDenied(denied)) << denied;
+  t.Close({wa, wb});
+}
+
+// ---- Spares of a group that is still forming --------------------------------------------------
+
+v1::Register HelloFrom(const std::string& node, bool spare = false) {
+  v1::Register h = GoodHello();
+  h.set_node(node);
+  h.set_spare(spare);
+  return h;
+}
+
+v1::WorkerMessage HeartbeatMessage() {
+  v1::WorkerMessage m;
+  m.mutable_heartbeat();
+  return m;
+}
+
+// The worker ids the status shows as idle spares (cluster_status.cc: "spare: takes the next ...").
+std::vector<std::string> SparesIn(WorkerPool& pool) {
+  v1::ClusterStatus status;
+  pool.FillStatus(&status);
+  std::vector<std::string> ids;
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.detail().rfind("spare:", 0) == 0) ids.push_back(w.worker_id());
+  }
+  return ids;
+}
+
+TEST(WorkerPoolSpareTest, AWorkerForAFullNodeWhileTheGroupFormsWaitsAsItsSpareAndTakesALostSlot) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/1);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b, small_link, gpu_link, stranger_link, c;
+  const absl::StatusOr<int> wa = pool.Register(HelloFrom("n0"), &a);
+  ASSERT_TRUE(wa.ok()) << wa.status();
+  // Node n0 has its one worker and the group is not complete: b waits as a spare of n0.
+  const absl::StatusOr<int> wb = pool.Register(HelloFrom("n0"), &b);
+  ASSERT_TRUE(wb.ok()) << wb.status();
+  // One that could never hold n0's shard (too little memory) is let go when the group forms,
+  // saying why; one on another kind of device is refused at once.
+  v1::Register small = HelloFrom("n0");
+  small.set_memory_bytes(1024);
+  const absl::StatusOr<int> wsmall = pool.Register(small, &small_link);
+  ASSERT_TRUE(wsmall.ok()) << wsmall.status();
+  v1::Register gpu = HelloFrom("n0");
+  gpu.set_device("cuda:0");
+  const absl::StatusOr<int> wgpu = pool.Register(gpu, &gpu_link);
+  ASSERT_FALSE(wgpu.ok());
+  EXPECT_EQ(wgpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(wgpu.status().message(), HasSubstr("device cuda:0 cannot be a spare of node n0"));
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w1", "w2"}));
+  EXPECT_EQ(pool.StateName(), "starting");
+
+  // n1's worker completes the group: a and c are assigned, b stays a spare, the small one is let go.
+  const absl::StatusOr<int> wc = pool.Register(HelloFrom("n1"), &c);
+  ASSERT_TRUE(wc.ok()) << wc.status();
+  ASSERT_EQ(a.sent.size(), 1u);
+  ASSERT_TRUE(a.sent[0].has_assignment());
+  EXPECT_EQ(a.sent[0].assignment().stage(), 0);
+  ASSERT_EQ(c.sent.size(), 1u);
+  ASSERT_TRUE(c.sent[0].has_assignment());
+  EXPECT_EQ(c.sent[0].assignment().stage(), 1);
+  EXPECT_TRUE(b.sent.empty());
+  ASSERT_EQ(small_link.sent.size(), 1u);
+  ASSERT_TRUE(small_link.sent[0].has_shutdown());
+  EXPECT_THAT(small_link.sent[0].shutdown().reason(), HasSubstr("cannot take slot (node n0, stage 0, tp rank 0)"));
+  EXPECT_FALSE(small_link.sent[0].shutdown().let_go()) << "refused, not let go after an assignment";
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w1"}));
+  // A worker from a node that is not one of the group's is still refused.
+  const absl::StatusOr<int> stranger = pool.Register(HelloFrom("n7"), &stranger_link);
+  ASSERT_FALSE(stranger.ok());
+  EXPECT_THAT(stranger.status().message(), HasSubstr("node n7 is not one of its nodes (n0, n1)"));
+
+  // a is lost once the group serves: the spare b takes its slot under epoch 2.
+  pool.OnMessage(*wa, LoadedMessage(1));
+  pool.OnMessage(*wc, LoadedMessage(1));
+  ASSERT_TRUE(pool.CheckServing().ok()) << pool.CheckServing();
+  pool.Disconnect(*wa);
+  pool.OnMessage(*wc, HeartbeatMessage());  // the survivor is settled: the group re-forms
+  ASSERT_EQ(b.sent.size(), 1u);
+  ASSERT_TRUE(b.sent[0].has_assignment());
+  EXPECT_EQ(b.sent[0].assignment().epoch(), 2u);
+  EXPECT_EQ(b.sent[0].assignment().stage(), 0);
+  t.Close({*wb, *wsmall, *wc});
+}
+
+TEST(WorkerPoolSpareTest, ASpareTakesThePlaceOfAWorkerThatLeavesBeforeTheGroupForms) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/1);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink a, b, c;
+  const absl::StatusOr<int> wa = pool.Register(HelloFrom("n0"), &a);
+  const absl::StatusOr<int> wb = pool.Register(HelloFrom("n0"), &b);
+  ASSERT_TRUE(wa.ok() && wb.ok());
+  pool.Disconnect(*wa);
+  EXPECT_TRUE(SparesIn(pool).empty()) << "the spare joined the forming group";
+  const absl::StatusOr<int> wc = pool.Register(HelloFrom("n1"), &c);
+  ASSERT_TRUE(wc.ok()) << wc.status();
+  ASSERT_EQ(b.sent.size(), 1u);
+  ASSERT_TRUE(b.sent[0].has_assignment());
+  EXPECT_EQ(b.sent[0].assignment().stage(), 0);
+  ASSERT_EQ(c.sent.size(), 1u);
+  EXPECT_EQ(c.sent[0].assignment().stage(), 1);
+  EXPECT_TRUE(a.sent.empty());
+  t.Close({*wb, *wc});
+}
+
+// A spare worker (Register.spare) that could never take a slot is refused, naming its node and the
+// group's nodes, or why it does not fit: at once when that is known (the forming group has all its
+// nodes; the group has formed), else when the group forms. Spares may still come first.
+TEST(WorkerPoolSpareTest, ASpareThatCanNeverTakeASlotIsRefusedNamingItsNodeAndTheGroupsNodes) {
+  TestPool t = MakePool(/*nodes=*/2, /*gpus_per_node=*/2);
+  ASSERT_NE(t.pool, nullptr);
+  WorkerPool& pool = *t.pool;
+  FakeLink first, unknown_node, a0, a1, too_many, b0, b1, stranger, small_link, late;
+  // Before any worker: spares of n0 and n5 are kept (the group's nodes are not known yet).
+  const absl::StatusOr<int> s_first = pool.Register(HelloFrom("n0", /*spare=*/true), &first);
+  ASSERT_TRUE(s_first.ok()) << s_first.status();
+  const absl::StatusOr<int> s_n5 = pool.Register(HelloFrom("n5", /*spare=*/true), &unknown_node);
+  ASSERT_TRUE(s_n5.ok()) << s_n5.status();
+  const absl::StatusOr<int> w_a0 = pool.Register(HelloFrom("n0"), &a0), w_a1 = pool.Register(HelloFrom("n1"), &a1);
+  ASSERT_TRUE(w_a0.ok() && w_a1.ok());
+  // The forming group has its 2 nodes: a spare of a third is refused at once.
+  const absl::StatusOr<int> s_n7 = pool.Register(HelloFrom("n7", /*spare=*/true), &too_many);
+  ASSERT_FALSE(s_n7.ok()) << "a spare of node n7 was accepted";
+  EXPECT_EQ(s_n7.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_n7.status().message(), HasSubstr("the group already has its 2 nodes (n0, n1): node n7"));
+  // The group forms: n5's spare is told why it is refused; n0's stays.
+  const absl::StatusOr<int> w_b0 = pool.Register(HelloFrom("n0"), &b0), w_b1 = pool.Register(HelloFrom("n1"), &b1);
+  ASSERT_TRUE(w_b0.ok() && w_b1.ok());
+  ASSERT_EQ(a0.sent.size(), 1u);
+  ASSERT_TRUE(a0.sent[0].has_assignment());
+  EXPECT_TRUE(first.sent.empty());
+  ASSERT_EQ(unknown_node.sent.size(), 1u);
+  ASSERT_TRUE(unknown_node.sent[0].has_shutdown());
+  EXPECT_THAT(unknown_node.sent[0].shutdown().reason(), HasSubstr("node n5 is not one of the group's nodes (n0, n1)"));
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w0"}));
+
+  // Once the group has formed: a spare of another node, or one too small for its node's shard, is
+  // refused at once; a fitting one of n1 is kept.
+  const absl::StatusOr<int> s_stranger = pool.Register(HelloFrom("n7", /*spare=*/true), &stranger);
+  ASSERT_FALSE(s_stranger.ok()) << "a spare of node n7 was accepted";
+  EXPECT_EQ(s_stranger.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_stranger.status().message(), HasSubstr("node n7 is not one of its nodes (n0, n1)"));
+  v1::Register small = HelloFrom("n1", /*spare=*/true);
+  small.set_memory_bytes(1024);
+  const absl::StatusOr<int> s_small = pool.Register(small, &small_link);
+  ASSERT_FALSE(s_small.ok()) << "a spare too small for n1's shard was accepted";
+  EXPECT_EQ(s_small.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s_small.status().message(), HasSubstr("cannot take slot (node n1, stage 1, tp rank 0)"));
+  const absl::StatusOr<int> s_late = pool.Register(HelloFrom("n1", /*spare=*/true), &late);
+  ASSERT_TRUE(s_late.ok()) << s_late.status();
+  EXPECT_EQ(SparesIn(pool), (std::vector<std::string>{"w0", "w6"}));
+  t.Close({*s_first, *s_n5, *w_a0, *w_a1, *w_b0, *w_b1, *s_late});
 }
 
 }  // namespace

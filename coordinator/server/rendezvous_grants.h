@@ -10,7 +10,9 @@
 //     "<group>/nccl/unique_id" by rank 0; any other key under a group is refused;
 //   - a key may be read only by a member of its group (any rank granted <group>);
 //   - a worker's grant is replaced by its next one (a Regroup's groups are the next epoch's, so the
-//     old epoch's keys are no longer its to read or write) and revoked when its stream ends.
+//     old epoch's keys are no longer its to read or write) and revoked when the pool marks the
+//     worker lost (worker_pool.h: also a frozen worker whose stream is still open) or its stream
+//     ends.
 //
 // Everything else (no token, an unknown or revoked one, another group's key) is PermissionDenied
 // naming the key and why; WorkerControlService logs the refusal with the peer's address.
@@ -52,7 +54,7 @@ class RendezvousGrants {
   // Grants worker `worker` (the pool's index, >= 0; `name` for the log of refusals) `groups` under
   // `epoch`, replacing its earlier grant. Returns the token it must present.
   std::string Grant(int worker, const std::string& name, uint64_t epoch, std::vector<GroupRank> groups);
-  // Ends worker `worker`'s grant (its stream ended); a no-op when it has none.
+  // Ends worker `worker`'s grant (it was lost, or its stream ended); a no-op when it has none.
   void Revoke(int worker);
 
   // OK when `token` grants writing `key`; PermissionDenied naming the key and why otherwise.

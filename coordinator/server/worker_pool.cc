@@ -193,44 +193,10 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
     absl::MutexLock lock(&mu_);
     const int expected = options_.nodes * options_.gpus_per_node;
     const bool healing = phase_ == Phase::kHealing;
-    if (hello.spare()) {
-      if (phase_ == Phase::kShuttingDown) return absl::UnavailableError("the coordinator is shutting down");
-      if (phase_ == Phase::kFailed) return absl::FailedPreconditionError(failed_reason_);
-      index = AddWorkerLocked(hello, link);
-      spares_.push_back(index);
-      CoordinatorLog(workers_[index]->id,
-                     absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
-                                  ") as a spare: ", spares_.size(), " spare(s) idle"),
-                     LogIds{"", workers_[index]->id, hello.node()});
-      if (healing) {
-        UseSparesLocked();
-        to_send = TryRegroupLocked();
-      }
-    } else {
-      switch (phase_) {
-        case Phase::kWaiting: break;
-        case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
-        case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
-        case Phase::kHealing:
-        case Phase::kLoading:
-        case Phase::kServing: {
-          // A slot of its node is open (healing): it takes it. Otherwise (most often the worker of a
-          // slot a spare or a replacement has taken, started again by a supervisor, or a lost worker
-          // that registers again) it becomes a spare of its node.
-          const bool open = healing && HasOpenSlotLocked(hello.node());
-          absl::StatusOr<int> joined = open ? RegisterReplacementLocked(hello, link) : RegisterAsSpareLocked(hello, link);
-          if (!joined.ok()) {
-            CoordinatorLog("group", absl::StrCat("refused a worker from node ", hello.node(), ": ",
-                                                 joined.status().message()),
-                           LogIds{"", "", hello.node(), -1, -1, "warn"});
-            return joined.status();
-          }
-          index = *joined;
-          if (healing) to_send = TryRegroupLocked();
-          break;
-        }
-      }
-      if (phase_ == Phase::kWaiting) {  // one more worker for the group
+    switch (phase_) {
+      case Phase::kShuttingDown: return absl::UnavailableError("the coordinator is shutting down");
+      case Phase::kFailed: return absl::FailedPreconditionError(failed_reason_);
+      case Phase::kWaiting: {  // one more worker for the group, or a spare
         std::map<std::string, int> per_node;
         for (int i : pending_) ++per_node[workers_[i]->hello.node()];
         if (!per_node.count(hello.node()) && static_cast<int>(per_node.size()) == options_.nodes) {
@@ -240,9 +206,11 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                                             absl::StrJoin(names, ", "), "): node ", hello.node(),
                                                             " is one too many (--nodes)"));
         }
-        if (per_node[hello.node()] >= options_.gpus_per_node) {
-          return absl::FailedPreconditionError(absl::StrCat("node ", hello.node(), " already has its ",
-                                                            options_.gpus_per_node, " workers (--gpus-per-node)"));
+        if (hello.spare() || per_node[hello.node()] >= options_.gpus_per_node) {
+          // A spare, or its node has its workers already (most often one of them, started again by
+          // a supervisor, or one too many started for it): it waits as a spare of its node, as it
+          // would once the group serves.
+          return RegisterSpareWhileWaitingLocked(hello, link);
         }
         index = AddWorkerLocked(hello, link);
         pending_.push_back(index);
@@ -257,6 +225,30 @@ absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* 
                                     "): ", pending_.size(), " of ", expected, " workers"),
                        LogIds{"", workers_[index]->id, hello.node()});
         if (static_cast<int>(pending_.size()) == expected) to_send = FormGroupLocked();
+        break;
+      }
+      case Phase::kHealing:
+      case Phase::kLoading:
+      case Phase::kServing: {
+        // A worker (not Register.spare) takes an open slot of its node (healing). Otherwise (most
+        // often the worker of a slot a spare or a replacement has taken, started again by a
+        // supervisor, or a lost worker that registers again), and always for Register.spare, it
+        // becomes a spare of its node, if it is of one of the group's nodes and fits its slots; a
+        // spare takes an open slot of its node at once.
+        const bool open = healing && !hello.spare() && HasOpenSlotLocked(hello.node());
+        absl::StatusOr<int> joined = open ? RegisterReplacementLocked(hello, link) : RegisterAsSpareLocked(hello, link);
+        if (!joined.ok()) {
+          CoordinatorLog("group", absl::StrCat("refused a ", hello.spare() ? "spare" : "worker", " from node ",
+                                               hello.node(), ": ", joined.status().message()),
+                         LogIds{"", "", hello.node(), -1, -1, "warn"});
+          return joined.status();
+        }
+        index = *joined;
+        if (healing) {
+          UseSparesLocked();
+          to_send = TryRegroupLocked();
+        }
+        break;
       }
     }
   }
@@ -350,10 +342,12 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     failed_reason_ = absl::StrCat("cannot plan ", model_->name, " on the registered workers: ", error);
     CoordinatorLog("group", failed_reason_);
     SetPhaseLocked(Phase::kFailed);
-    for (int i : pending_) {
-      v1::CoordinatorMessage m;
-      m.mutable_shutdown()->set_reason(failed_reason_);
-      out.emplace_back(i, std::move(m));
+    for (const std::vector<int>* workers : {&pending_, &spares_}) {
+      for (int i : *workers) {
+        v1::CoordinatorMessage m;
+        m.mutable_shutdown()->set_reason(failed_reason_);
+        out.emplace_back(i, std::move(m));
+      }
     }
     return out;
   }
@@ -407,6 +401,8 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     }
   }
   pending_.clear();
+  // Spares that registered while the group formed can be checked against their node's slots now.
+  for (auto& message : LetGoUnfitSparesLocked()) out.push_back(std::move(message));
   SetPhaseLocked(Phase::kLoading);
   CoordinatorLog("group", absl::StrCat("complete (epoch ", group_->epoch, "); planned TP=", tp, " x PP=", pp,
                                        ", max_model_len ", plan_->max_model_len, ", KV cache ", kv_blocks,
@@ -650,6 +646,9 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
   w.cause = cause;
   w.detail = detail;
   w.lost_at = absl::Now();
+  // Lost is lost: a frozen worker whose stream is still open must not write or read rendezvous
+  // keys any more (its slot's next holder gets a grant of its own).
+  rendezvous_grants_.Revoke(index);
   // A failed worker keeps its stream (it stays up, NOT_SERVING, for a person to inspect); any
   // other lost worker's stream is ended, which also unblocks a send stuck on it.
   if (cause != LossCause::kFailure && w.link != nullptr) w.link->Cancel();
@@ -672,6 +671,18 @@ void WorkerPool::MarkLostLocked(int index, LossCause cause, const std::string& d
     pending_.erase(std::remove(pending_.begin(), pending_.end(), index), pending_.end());
     CoordinatorLog(w.id, absl::StrCat("left before the group was complete: ", detail),
                    LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    // A spare of its node takes its place (the group had fewer than all its workers, so it still
+    // has fewer: this never completes it).
+    auto spare = std::find_if(spares_.begin(), spares_.end(),
+                              [&](int i) { return workers_[i]->hello.node() == w.hello.node(); });
+    if (phase_ == Phase::kWaiting && spare != spares_.end()) {
+      pending_.push_back(*spare);
+      CoordinatorLog(workers_[*spare]->id,
+                     absl::StrCat("spare joins the forming group in place of ", w.id, " (node ", w.hello.node(),
+                                  "): ", pending_.size(), " of ", options_.nodes * options_.gpus_per_node, " workers"),
+                     LogIds{"", workers_[*spare]->id, w.hello.node()});
+      spares_.erase(spare);
+    }
     return;
   }
   if (!group_ || group_->slots[RankOf(group_->shape, w.stage, w.tp_rank)].worker != index) {
@@ -816,11 +827,72 @@ absl::StatusOr<int> WorkerPool::RegisterAsSpareLocked(const v1::Register& hello,
                                                               " tp rank ", hello.held().assignment().tp_rank(),
                                                               " of epoch ", hello.held().assignment().epoch())
                                                : "",
-                              ") as a spare: every slot of node ", hello.node(),
-                              " has a worker (a lost worker's slot is taken by a spare or a replacement); ",
-                              spares_.size(), " spare(s) idle"),
+                              ") as a spare: ",
+                              hello.spare() ? "a spare worker (--spare)"
+                                            : absl::StrCat("every slot of node ", hello.node(),
+                                                           " has a worker (a lost worker's slot is taken by a spare "
+                                                           "or a replacement)"),
+                              "; ", spares_.size(), " spare(s) idle"),
                  LogIds{"", workers_[index]->id, hello.node()});
   return index;
+}
+
+absl::StatusOr<int> WorkerPool::RegisterSpareWhileWaitingLocked(const v1::Register& hello, WorkerLink* link) {
+  // Whether it fits its node's slots is known only once the group is planned (the KV cache follows
+  // the smallest worker's memory): FormGroupLocked checks it then. The kind of device is known now.
+  for (int i : pending_) {
+    const v1::Register& member = workers_[i]->hello;
+    if ((member.device() == "cpu") != (hello.device() == "cpu")) {
+      return absl::FailedPreconditionError(absl::StrCat("device ", hello.device(), " cannot be a spare of node ",
+                                                        hello.node(), ": the group's workers run on ",
+                                                        member.device()));
+    }
+  }
+  const int index = AddWorkerLocked(hello, link);
+  spares_.push_back(index);
+  CoordinatorLog(workers_[index]->id,
+                 absl::StrCat("registered from node ", hello.node(), " (", hello.device(), ", ", hello.address(),
+                              ") as a spare: ",
+                              hello.spare() ? "a spare worker (--spare)"
+                                            : absl::StrCat("node ", hello.node(), " already has its ",
+                                                           options_.gpus_per_node, " workers (--gpus-per-node)"),
+                              ", the group is not complete yet; ", spares_.size(), " spare(s) idle"),
+                 LogIds{"", workers_[index]->id, hello.node()});
+  return index;
+}
+
+std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::LetGoUnfitSparesLocked() {
+  std::vector<std::pair<int, v1::CoordinatorMessage>> out;
+  std::vector<std::string> nodes;
+  for (const Slot& s : group_->slots) {
+    if (s.tp_rank == 0) nodes.push_back(s.node);
+  }
+  for (auto it = spares_.begin(); it != spares_.end();) {
+    Worker& w = *workers_[*it];
+    const auto slot = std::find_if(group_->slots.begin(), group_->slots.end(),
+                                   [&](const Slot& s) { return s.node == w.hello.node(); });
+    absl::Status fits =
+        slot == group_->slots.end()
+            ? absl::FailedPreconditionError(absl::StrCat("node ", w.hello.node(), " is not one of the group's nodes (",
+                                                         absl::StrJoin(nodes, ", "),
+                                                         "): a spare takes a slot of its own node (--node)"))
+            : CheckFitsSlotLocked(w.hello, *slot);
+    if (fits.ok()) {
+      ++it;
+      continue;
+    }
+    // Refused now that the group is planned: told why (its process exits 1), then forgotten. It
+    // is marked lost here, so that its stream ending says nothing more.
+    w.state = v1::WORKER_STATE_LOST;
+    w.detail = absl::StrCat("spare refused when the group formed: ", fits.message());
+    w.lost_at = absl::Now();
+    CoordinatorLog(w.id, w.detail, LogIds{"", w.id, w.hello.node(), -1, -1, "warn"});
+    v1::CoordinatorMessage bye;
+    bye.mutable_shutdown()->set_reason(std::string(fits.message()));
+    out.emplace_back(*it, std::move(bye));
+    it = spares_.erase(it);
+  }
+  return out;
 }
 
 absl::StatusOr<int> WorkerPool::RegisterReplacementLocked(const v1::Register& hello, WorkerLink* link) {

@@ -3,8 +3,11 @@
 //
 // Life of the group:
 //   1. Waiting: workers register (worker.proto Register) until nodes x gpus_per_node have come.
-//      A worker that would make a node too large, or add a node too many, is refused. A worker
-//      that leaves now just leaves (another may take its place).
+//      A worker that would add a node too many is refused. One for a node that has its workers
+//      already waits as a spare of that node (as a spare worker, Register.spare, may): when the
+//      group forms, a spare that is not of one of its nodes or could never hold its node's shard
+//      is refused then (told why in a Shutdown). A worker that leaves now just leaves; a spare of
+//      its node takes its place, or another worker may.
 //   2. Loading: the group is formed (coordinator/membership/group.h: each node is one pipeline
 //      stage, in the natural order of the node names, its workers that stage's TP ranks in
 //      registration order; ranks, TP and PP group names under epoch 1), and the planner
@@ -21,7 +24,8 @@
 //      group is whole again, or fails them after --heal-timeout-seconds). A worker that registers
 //      from the lost slot's node, whose device and memory fit the slot's shard, takes the slot
 //      (else it is refused, saying why, and the slot stays open); so does, at once, a spare of
-//      that node (Register.spare: registered in any phase, idle until then). Once every slot has a live
+//      that node (Register.spare: registered in any phase, idle until then; once the group has
+//      formed, one from a node outside the group or that cannot hold its node's shard is refused). Once every slot has a live
 //      worker and every survivor has answered every step it was sent (a survivor stuck in a
 //      collective with the dead peer errors out within the collective timeout), the group
 //      re-forms under a new epoch (membership/group.h Replace, NextEpoch): the replacement gets
@@ -149,7 +153,9 @@ class WorkerPool {
 
   // Who may write and read which rendezvous keys: every Assignment and Regroup the pool sends
   // grants its worker that epoch's groups (rendezvous_grants.h). WorkerControlService checks each
-  // RendezvousSet/Get against it and revokes a worker's grant when its stream ends.
+  // RendezvousSet/Get against it. A worker's grant is revoked when the pool marks it LOST (also
+  // while its stream is still open: frozen, a step deadline missed, a malformed message) and
+  // when its stream ends (WorkerControlService).
   RendezvousGrants* rendezvous_grants() { return &rendezvous_grants_; }
 
   // ---- A worker's Connect stream, in this order ----
@@ -279,12 +285,21 @@ class WorkerPool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a slot of `node` is lost and has no replacement yet (a heal waits for it).
   bool HasOpenSlotLocked(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Registers `hello` (not Register.spare) as a spare of its node once the group is formed and
-  // every slot of its node has a worker: the worker of a slot that a spare or a replacement took,
-  // coming back. FailedPrecondition when its node is not one of the group's or it cannot hold that
-  // node's shard.
+  // Registers `hello` as a spare of its node once the group is formed: a spare worker
+  // (Register.spare), or a worker that finds every slot of its node held (the worker of a slot
+  // that a spare or a replacement took, coming back). FailedPrecondition naming its node and the
+  // group's nodes when its node is not one of them, or saying why it cannot hold that node's shard.
   absl::StatusOr<int> RegisterAsSpareLocked(const v1::Register& hello, WorkerLink* link)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `hello` as a spare of its node while the group forms (Register.spare, or its node
+  // has its workers already). FailedPrecondition when its kind of device is not the group's; whether it fits its
+  // node's slots is checked when the group forms (LetGoUnfitSparesLocked).
+  absl::StatusOr<int> RegisterSpareWhileWaitingLocked(const v1::Register& hello, WorkerLink* link)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Once the group is formed: removes every spare that is not of one of the group's nodes or could
+  // never hold its node's shard (CheckFitsSlotLocked), marks it lost and returns the Shutdown (its
+  // refusal, saying why) to send it.
+  std::vector<std::pair<int, v1::CoordinatorMessage>> LetGoUnfitSparesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // OK when the worker `hello` describes can hold `slot`'s shard (the group's kind of device,
   // memory for the shard and the KV cache), else FailedPrecondition saying why.
   absl::Status CheckFitsSlotLocked(const v1::Register& hello, const Slot& slot) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

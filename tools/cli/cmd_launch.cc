@@ -399,8 +399,7 @@ int Run(const std::vector<std::string>& args) {
                      std::string(s.message()).c_str());
       } else {
         restarted_at[it->first] = std::chrono::steady_clock::now();
-        std::fprintf(stderr, "shardserve launch: restarted %s%s\n", it->first.c_str(),
-                     options.spare_workers > 0 ? " as a spare" : "");
+        std::fprintf(stderr, "shardserve launch: restarted %s\n", it->first.c_str());
       }
       std::fflush(stderr);
       it = restart_at.erase(it);

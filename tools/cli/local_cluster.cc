@@ -193,12 +193,8 @@ absl::Status LocalCluster::RestartCoordinator() { return Restart("coordinator", 
 absl::Status LocalCluster::Restart(const std::string& name, bool worker) {
   for (Child& c : children_) {
     if (c.worker != worker || c.name != name || c.pid > 0) continue;
-    // With spares, the lost slot has most likely been taken by a spare already: the new process
-    // comes back as a spare (it takes a slot still open when it registers, docs/healing.md), not
-    // as a replacement that the complete group would refuse.
-    if (worker && options_.spare_workers > 0 && std::find(c.argv.begin(), c.argv.end(), "--spare") == c.argv.end()) {
-      c.argv.push_back("--spare");
-    }
+    // Its command line as it was: the coordinator gives a returning worker its node's open slot,
+    // or makes it a spare of its node when a spare took the slot already (docs/healing.md).
     absl::StatusOr<pid_t> pid = ForkExec(c.argv, c.log, /*append=*/true);
     if (!pid.ok()) return pid.status();
     c.pid = *pid;

@@ -104,9 +104,8 @@ class LocalCluster {
   // Reaps a child that has exited, if any, and describes it.
   std::optional<ExitedProcess> ReapExited();
   // Starts the reaped worker `name` ("worker node1/0") again with its command line, its log
-  // appended to. The coordinator gives it the lost slot of its node (docs/healing.md). With
-  // spare_workers > 0 it is started as a spare (--spare added): a spare has most likely taken the
-  // slot already, and the new process becomes the next spare (or takes a slot still open).
+  // appended to. The coordinator gives it the lost slot of its node, or makes it a spare of its
+  // node when a spare took the slot already (docs/healing.md).
   // FailedPrecondition when no reaped worker has that name.
   absl::Status RestartWorker(const std::string& name);
   // Starts the reaped coordinator again with its command line (on the port it had, also when the
