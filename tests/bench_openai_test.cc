@@ -229,29 +229,14 @@ RequestSpec Spec(int i, int32_t output_len) {
   return s;
 }
 
-// llama-server's case: it closes the connection after every streamed response (no "Connection:
-// close"), so every request after the first meets a closed connection.
-TEST(BenchOpenAI, EveryRequestSucceedsWhenTheServerClosesAfterEachResponse) {
-  FakeServer server({.answered_per_connection = 1});
-  const LoadConfig c = ConfigFor(server);
-  OpenAIConnection conn(c);
-  constexpr int kRequests = 5;
-  for (int i = 0; i < kRequests; ++i) {
-    const RequestResult r = conn.Send(Spec(i, 3));
-    EXPECT_TRUE(r.ok) << "request " << i << ": " << r.error;
-    EXPECT_EQ(r.output_tokens, 3) << "request " << i;
-    EXPECT_EQ(r.resent, i > 0) << "request " << i;
-  }
-  const FakeServerLog log = server.Log();
-  EXPECT_EQ(log.answered, kRequests);
-  // Requests 2..5 each met the previous connection's close once, then went on a fresh one.
-  EXPECT_EQ(log.closed_unanswered, kRequests - 1);
-  EXPECT_EQ(log.connections, kRequests);
-}
+// A server that closes each keep-alive connection under the request after its N-th (N = 1 is
+// llama-server's case: it closes the connection after every streamed response, with no
+// "Connection: close"). Every request must complete; each one the close met is resent once.
+class BenchOpenAIServerCloses : public testing::TestWithParam<int> {};
 
-// A server that closes each keep-alive connection under its third request.
-TEST(BenchOpenAI, EveryRequestSucceedsWhenTheServerClosesAfterTwoResponses) {
-  FakeServer server({.answered_per_connection = 2});
+TEST_P(BenchOpenAIServerCloses, EveryRequestSucceeds) {
+  const int n = GetParam();
+  FakeServer server({.answered_per_connection = n});
   const LoadConfig c = ConfigFor(server);
   OpenAIConnection conn(c);
   constexpr int kRequests = 7;
@@ -260,13 +245,16 @@ TEST(BenchOpenAI, EveryRequestSucceedsWhenTheServerClosesAfterTwoResponses) {
     EXPECT_TRUE(r.ok) << "request " << i << ": " << r.error;
     EXPECT_EQ(r.output_tokens, 4) << "request " << i;
     EXPECT_EQ(r.itl_s.size(), 3u) << "request " << i;  // 4 events with text: 3 gaps
-    EXPECT_EQ(r.resent, i == 2 || i == 4 || i == 6) << "request " << i;
+    EXPECT_EQ(r.resent, i > 0 && i % n == 0) << "request " << i;  // the first on each closed connection
   }
   const FakeServerLog log = server.Log();
   EXPECT_EQ(log.answered, kRequests);
-  EXPECT_EQ(log.closed_unanswered, 3);  // under requests 3, 5 and 7
-  EXPECT_EQ(log.connections, 4);
+  EXPECT_EQ(log.closed_unanswered, (kRequests - 1) / n);
+  EXPECT_EQ(log.connections, (kRequests + n - 1) / n);
 }
+
+INSTANTIATE_TEST_SUITE_P(AfterNResponses, BenchOpenAIServerCloses, testing::Values(1, 2, 3),
+                         [](const testing::TestParamInfo<int>& p) { return absl::StrCat("ClosesAfter", p.param); });
 
 // A request that fails on a connection the client has just opened is the server's failure: reported,
 // not sent again.
@@ -277,7 +265,9 @@ TEST(BenchOpenAI, AFailureOnAFreshConnectionIsNotRetried) {
   const RequestResult r = conn.Send(Spec(0, 2));
   EXPECT_FALSE(r.ok);
   EXPECT_FALSE(r.resent);
-  EXPECT_NE(r.error.find("the connection failed or timed out while reading the response"), std::string::npos)
+  // The reset meets the client's read, or its write when the body goes out after the headers.
+  EXPECT_TRUE(r.error.find("the connection failed or timed out while reading the response") != std::string::npos ||
+              r.error.find("the connection failed while sending the request") != std::string::npos)
       << r.error;
   const FakeServerLog log = server.Log();
   EXPECT_EQ(log.closed_unanswered, 1);
