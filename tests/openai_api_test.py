@@ -5,7 +5,8 @@ processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has
 Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds, greedy output
 equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
 413, 429, 503), and that a client that disconnects, mid-stream or while waiting for a whole
-answer, has its request cancelled (its KV blocks freed, the request never finishing). A second, one-worker cluster on a test fixture
+answer, has its request cancelled (its KV blocks freed, the request never finishing), and that one
+keep-alive connection serves more than httplib's default 5 requests. A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
 the clusters it started.
 
@@ -13,6 +14,7 @@ Run by CTest as: clients/python/setup-env.sh, then
     .venv-client/bin/python tests/openai_api_test.py --bin <build>/bin
 """
 import argparse
+import http.client
 import json
 import os
 import re
@@ -192,6 +194,27 @@ class OpenAIApiTest(unittest.TestCase):
         models = self.client.models.list()
         self.assertEqual([m.id for m in models.data], [MODEL])
         self.assertTrue(self.http_ok("/health"))
+
+    def test_keep_alive_connection_serves_many_requests(self):
+        # A long-lived client's connection is not closed every fifth request (httplib 0.11.4's
+        # default keep-alive count): streamed completions and model lists, one connection.
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=60)
+        try:
+            body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
+            for i in range(12):
+                if i % 2:
+                    conn.request("GET", "/v1/models")
+                else:
+                    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                data = r.read().decode()
+                self.assertEqual(r.status, 200, data)
+                self.assertFalse(r.will_close, f"request {i + 1}: the server closed the connection "
+                                                f"(Connection: {r.getheader('Connection')})")
+                if i % 2 == 0:
+                    self.assertTrue(data.rstrip().endswith("data: [DONE]"), data)
+        finally:
+            conn.close()
 
     def test_completion_equals_grpc_for_the_same_prompt_ids(self):
         ids = self.grpc.tokenize("And God said")

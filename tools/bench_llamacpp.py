@@ -251,7 +251,7 @@ def bench_openai(base_url, concurrency, requests, n_in, n_out, tag):
     if not j:
         return {"error": True}
     keys = ("completed", "failed", "duration_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
-            "itl_p99_s", "e2e_p50_s")
+            "itl_p99_s", "e2e_p50_s", "resent_on_new_connection")
     rec = {k: j.get(k) for k in keys}
     rec["tpot_s"] = tpot(j, n_out)
     rec["errors"] = j.get("errors")

@@ -39,6 +39,14 @@ constexpr int kOverflowThreads = 2;
 // of clients connecting at once (a benchmark's streams) overflows it, and the kernel then drops
 // their handshakes, to be retried a second or more later.
 constexpr int kListenBacklog = SOMAXCONN;
+// Requests on one keep-alive connection before the server closes it ("Connection: close" on the
+// last). httplib 0.11.4's 5 makes a long-lived client (a benchmark's stream, an SDK's connection
+// pool) open a new connection every fifth request: a handshake, and the new connection is admitted
+// to the ConnectionPool again, where it may find the threads taken (503) before the connection it
+// replaces has given its thread back. 100 is httplib's own default since 0.17 (and llama-server's).
+// The 5 s idle timeout stays: an idle connection holds a serving thread, so a longer one would
+// turn idle clients into 503s for new ones.
+constexpr size_t kKeepAliveMaxCount = 100;
 
 // The endpoint label of a path: the routes, or "other" (no unbounded label values).
 std::string EndpointLabel(const std::string& path) {
@@ -293,6 +301,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     listen_fd = sock;  // the last one tried is the one bound
   });
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
+  s->http_->set_keep_alive_max_count(kKeepAliveMaxCount);
   s->Routes();
   if (options.port == 0) {
     s->port_ = s->http_->bind_to_any_port(options.host);

@@ -77,6 +77,7 @@ struct LoadResult {
   double duration_s = 0;
   int64_t completed = 0;
   int64_t failed = 0;
+  int64_t resent = 0;  // requests (completed or not) resent on a new connection (RequestResult.resent)
   int64_t total_input_tokens = 0;   // of completed requests
   int64_t total_output_tokens = 0;  // of completed requests
   int64_t total_cached_tokens = 0;  // of completed requests: prompt tokens from the prefix cache
@@ -113,6 +114,9 @@ struct RequestResult {
   int64_t cached_tokens = 0;  // usage's cached prompt tokens
   std::vector<int32_t> output_ids;  // gRPC only (an OpenAI server returns text)
   std::string output_text;          // chat over HTTP: the answer's text (the next turn's history)
+  // Over HTTP: sent a second time, on a new connection, because the server had closed the
+  // keep-alive connection it first went on (bench_openai.cc); its times count from the first send.
+  bool resent = false;
   double ttft_s = 0;
   double e2e_s = 0;
   std::vector<double> itl_s;

@@ -402,6 +402,7 @@ absl::StatusOr<LoadResult> RunLoad(v1::InferenceService::Stub* stub, const LoadC
   std::vector<double> ttft, itl, e2e;
   for (const RequestResult& r : results) {
     if (!r.done) continue;
+    if (r.resent) ++out.resent;
     if (!r.ok) {
       ++out.failed;
       auto it = std::find_if(out.errors.begin(), out.errors.end(), [&](const auto& e) { return e.first == r.error; });

@@ -275,7 +275,22 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
     const bool late = std::chrono::duration<double>(Clock::now() - t0).count() > c_.timeout_s;
     return !g_stop && !late;
   };
+  // A keep-alive connection may be closed by the server as this request goes out on it (RFC 9112
+  // 9.3): cpp-httplib servers close one after 5 idle seconds, llama-server after every streamed
+  // response, without "Connection: close". httplib checks the socket before reusing it, but a close
+  // that arrives after that check leaves the request unanswered: no response byte, Error::Read or
+  // Error::Write. Such a request is sent once more on a new connection (httplib closed the failed
+  // one), as the openai clients do for a connection error. Safe for these POSTs: nothing came back, so
+  // nothing is measured twice, and a completion changes no server state (had the server read it, it
+  // only computed it once more). Not on a connection opened for this request, nor once a response
+  // began, nor past the deadline: those are the server's failures and are reported.
+  const bool reused = impl_->client->is_socket_open() != 0;
   httplib::Result res = impl_->client->send(req);
+  if (!res && reused && status == 0 && (res.error() == httplib::Error::Read || res.error() == httplib::Error::Write) &&
+      !g_stop && std::chrono::duration<double>(Clock::now() - t0).count() < c_.timeout_s) {
+    r.resent = true;
+    res = impl_->client->send(req);
+  }
   r.e2e_s = std::chrono::duration<double>(Clock::now() - t0).count();
   if (!pending.empty() && status == 200) on_event(pending);  // a last event without its blank line
 

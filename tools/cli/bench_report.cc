@@ -61,6 +61,7 @@ json ResultJson(const LoadConfig& c, const LoadResult& r) {
   j["duration_s"] = r.duration_s;
   j["completed"] = r.completed;
   j["failed"] = r.failed;
+  j["resent_on_new_connection"] = r.resent;
   j["total_input_tokens"] = r.total_input_tokens;
   j["total_output_tokens"] = r.total_output_tokens;
   j["total_cached_prompt_tokens"] = r.total_cached_tokens;
@@ -107,6 +108,10 @@ void PrintTable(const LoadConfig& c, const BenchRun& run) {
   std::printf("load: %s%s\n\n", LoadLine(c).c_str(), r.interrupted ? " (INTERRUPTED)" : "");
   std::printf("%-22s %12lld\n", "completed", static_cast<long long>(r.completed));
   std::printf("%-22s %12lld\n", "failed", static_cast<long long>(r.failed));
+  if (r.resent > 0) {
+    std::printf("%-22s %12lld   (the server had closed their keep-alive connection)\n", "resent",
+                static_cast<long long>(r.resent));
+  }
   std::printf("%-22s %12.2f s\n", "duration", r.duration_s);
   std::printf("%-22s %12.3f\n", "requests/s", PerSecond(static_cast<double>(r.completed), r.duration_s));
   std::printf("%-22s %12.1f\n", "output tokens/s", PerSecond(static_cast<double>(r.total_output_tokens), r.duration_s));
