@@ -22,6 +22,8 @@ import threading
 import time
 import urllib.request
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 from launch_heal_test import children, cmdline  # noqa: E402 (this directory is on sys.path)
 
 
@@ -47,7 +49,7 @@ def main(bin_dir):
     reader.start()
 
     def wait_for(pattern, seconds):
-        deadline = time.time() + seconds
+        deadline = time.time() + scaled(seconds)
         while time.time() < deadline:
             for l in list(lines):
                 m = re.search(pattern, l)
@@ -78,7 +80,7 @@ def main(bin_dir):
         os.kill(coordinators[0], signal.SIGKILL)
         wait_for(r"restarting the coordinator in 1 s \(restart 1 of at most 5\)", 60)
         wait_for(r"restarted the coordinator on ", 60)
-        deadline = time.time() + 180
+        deadline = time.time() + scaled(180)
         status = ""
         while time.time() < deadline:
             r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30,

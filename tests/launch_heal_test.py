@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 
 def fail(message):
     print(f"launch_heal_test.py: FAIL: {message}")
@@ -63,7 +65,7 @@ def run(bin_dir, spare):
     reader.start()
 
     def wait_for(pattern, seconds):
-        deadline = time.time() + seconds
+        deadline = time.time() + scaled(seconds)
         while time.time() < deadline:
             for l in list(lines):
                 m = re.search(pattern, l)
@@ -87,7 +89,7 @@ def run(bin_dir, spare):
         else:
             wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
             wait_for(r"restarted worker node0/\d", 60)
-        deadline = time.time() + 180
+        deadline = time.time() + scaled(180)
         status = ""
         while time.time() < deadline:
             r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
@@ -111,10 +113,10 @@ def run(bin_dir, spare):
                 fail(f"expected the one restarted worker process under launch, found {again}")
             os.kill(again[0], signal.SIGKILL)
             wait_for(r"restarting worker node0/\d in 1 s \(restart 2 of at most 5\)", 60)
-            deadline = time.time() + 60
+            deadline = time.time() + scaled(60)
             while sum("restarted worker node0/" in l for l in list(lines)) < 2 and time.time() < deadline:
                 time.sleep(0.1)
-            deadline = time.time() + 180
+            deadline = time.time() + scaled(180)
             while time.time() < deadline:
                 r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
                 if r.returncode == 0 and "state serving, epoch 3" in r.stdout + r.stderr:
@@ -127,7 +129,7 @@ def run(bin_dir, spare):
             if "spare takes slot" not in coordinator_log:
                 fail("the coordinator's log does not say that the spare took the slot")
             # The restarted worker registers as the next spare (bounded wait: it may still be starting).
-            deadline = time.time() + 120
+            deadline = time.time() + scaled(120)
             while coordinator_log.count("as a spare:") < 2 and time.time() < deadline:
                 time.sleep(0.5)
                 coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
