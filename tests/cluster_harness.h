@@ -101,7 +101,8 @@ inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
 }
 
 // A child process in a process group of its own, with stdout and stderr in a log file. It gets
-// SIGKILL if this test process dies; the destructor kills and reaps it.
+// SIGKILL if this test process dies; the destructor kills and reaps it. A child that dies of SIGABRT
+// fails the running test (ADD_FAILURE, with its log's tail).
 class Process {
  public:
   Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
@@ -169,6 +170,12 @@ class Process {
     if (waitpid(pid_, &status, flags) == pid_) {
       exited_ = true;
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      // No test aborts a process of ours: SIGABRT is a failed assertion, or a sanitizer report
+      // (tools/sanitize.sh sets abort_on_error for ASan, LeakSanitizer and UBSan), which fails the
+      // test even where it does not look at this process's exit.
+      if (WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) {
+        ADD_FAILURE() << log_.filename() << ": the process aborted (SIGABRT):\n" << Tail(log_);
+      }
     }
   }
 
