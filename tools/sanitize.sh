@@ -51,9 +51,8 @@ case "$MODE" in
   asan)
     BUILD_DIR=${BUILD_DIR:-build-asan}
     SANITIZE=address,undefined
-    # The test programs that start no processes. cluster_test and batching_test start real
-    # coordinator and worker processes and are not in the list (their timeouts are set for
-    # uninstrumented binaries).
+    # The test programs that start no processes. The multi-process ones (cluster_test,
+    # batching_test, ...) and the Python tests need every binary built: asan-all runs them.
     DEFAULT=(kernels_cpu_test checkpoint_test tokenizer_test planner_test scheduler_test
              step_limits_test group_test persistent_batch_test sampler_test generation_test
              chat_template_test dummy_weights_test llama_parity_test communicator_test worker_pool_test)
