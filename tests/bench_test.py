@@ -50,7 +50,9 @@ import time
 import urllib.error
 import urllib.request
 
-DEADLINE_S = 240  # per bench invocation; the demo model loads in well under a second
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
+DEADLINE_S = scaled(240)  # per bench invocation; the demo model loads in well under a second
 
 
 def run_bench(bench_args, timeout=DEADLINE_S):
@@ -159,7 +161,7 @@ def case_interrupt(work, old_binaries):
     with open(os.path.join(work, "int.stderr"), "w+") as errf:
         proc = subprocess.Popen([os.path.join(BIN, "shardserve"), "bench", *args], stdout=subprocess.DEVNULL,
                                 stderr=errf, start_new_session=True)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while "serving on" not in open(errf.name).read():
             if proc.poll() is not None or time.monotonic() > deadline:
                 kill_session(proc.pid)
@@ -267,7 +269,7 @@ def case_openai_launch(work):
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{http_port}/v1"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as r:

@@ -4,6 +4,11 @@
 // workers on free ports, and Generate()
 // through the client API. Every wait is bounded; destructors kill and reap every child.
 //
+// SHARDSERVE_TEST_TIME_SCALE (a float, default 1) multiplies every deadline a test waits for a
+// process: tools/sanitize.sh sets it for the instrumented, slower binaries. The harness's own waits
+// (Start, StartCoordinator, RestartCoordinator, WaitForServing, Process::Wait, Generate) apply it;
+// a test's own loop bounds use Scaled().
+//
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
 // SHARDSERVE_WORKER_BIN. Single-threaded use, except that client() (a gRPC stub) and Generate() may
 // serve several threads at once.
@@ -19,6 +24,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -47,6 +53,30 @@ inline const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtu
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// SHARDSERVE_TEST_TIME_SCALE, read once: 1 when unset; a value that is not a number >= 1 fails the
+// test program at its first deadline (a typo must not shorten every deadline silently).
+inline double TimeScale() {
+  static const double scale = [] {
+    const char* text = std::getenv("SHARDSERVE_TEST_TIME_SCALE");
+    if (text == nullptr || *text == '\0') return 1.0;
+    char* end = nullptr;
+    const double value = std::strtod(text, &end);
+    if (*end != '\0' || !(value >= 1.0) || value > 1000.0) {
+      std::fprintf(stderr, "SHARDSERVE_TEST_TIME_SCALE=%s: expected a number from 1 to 1000\n", text);
+      std::abort();
+    }
+    return value;
+  }();
+  return scale;
+}
+// A deadline of `seconds` for uninstrumented binaries, scaled by TimeScale().
+inline double Scaled(double seconds) { return seconds * TimeScale(); }
+template <typename Rep, typename Period>
+std::chrono::milliseconds Scaled(std::chrono::duration<Rep, Period> d) {
+  return std::chrono::milliseconds(
+      static_cast<int64_t>(std::chrono::duration<double, std::milli>(d).count() * TimeScale()));
+}
+
 // The HOST:PORT that follows `key` on the first line of `log` that has it, up to `end`; empty when
 // no line has it yet. The services bind port 0 and log the port they got: a port picked here and
 // released could be taken by another process's port 0 before the service binds it (seen in CI: a
@@ -71,7 +101,8 @@ inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
 }
 
 // A child process in a process group of its own, with stdout and stderr in a log file. It gets
-// SIGKILL if this test process dies; the destructor kills and reaps it.
+// SIGKILL if this test process dies; the destructor kills and reaps it. A child that dies of SIGABRT
+// fails the running test (ADD_FAILURE, with its log's tail).
 class Process {
  public:
   Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
@@ -119,10 +150,10 @@ class Process {
     Reap(WNOHANG);
     return pid_ > 0 && !exited_;
   }
-  // Waits up to `timeout` for the process to exit; its exit status (WEXITSTATUS, or 128 + signal),
+  // Waits up to `timeout` (scaled: TimeScale()) for the process to exit; its exit status (WEXITSTATUS, or 128 + signal),
   // or -1 when it is still running.
   int Wait(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + Scaled(timeout);
     while (running() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     return exited_ ? exit_code_ : -1;
   }
@@ -139,6 +170,12 @@ class Process {
     if (waitpid(pid_, &status, flags) == pid_) {
       exited_ = true;
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      // No test aborts a process of ours: SIGABRT is a failed assertion, or a sanitizer report
+      // (tools/sanitize.sh sets abort_on_error for ASan, LeakSanitizer and UBSan), which fails the
+      // test even where it does not look at this process's exit.
+      if (WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) {
+        ADD_FAILURE() << log_.filename() << ": the process aborted (SIGABRT):\n" << Tail(log_);
+      }
     }
   }
 
@@ -186,7 +223,7 @@ class Cluster {
     }
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
       const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
-      if (!coordinator_->running() || worker_exited || SecondsSince(start) > 90) {
+      if (!coordinator_->running() || worker_exited || SecondsSince(start) > Scaled(90)) {
         ADD_FAILURE() << "the cluster did not reach SERVING" << (worker_exited ? " (a worker exited)" : "") << ":\n"
                       << Logs();
         return false;
@@ -210,7 +247,7 @@ class Cluster {
     coordinator_argv_ = coordinator_argv;
     coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
     while (!fs::exists(port_file)) {
-      if (!coordinator_->running() || SecondsSince(start) > 30) {
+      if (!coordinator_->running() || SecondsSince(start) > Scaled(30)) {
         ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
         return false;
       }
@@ -249,7 +286,7 @@ class Cluster {
   // docs/healing.md) and starts a new one on the same port with the same flags, then `extra` (a
   // flag given twice: the last wins), logging to coordinator-<k>.log. Returns once it listens (it
   // serves once it has adopted the workers); false, reported through gtest, when it does not
-  // within 60 s.
+  // within 60 s (scaled).
   bool RestartCoordinator(const std::vector<std::string>& extra = {}) {
     coordinator_->Signal(SIGKILL);
     coordinator_->Wait(std::chrono::seconds(10));
@@ -268,11 +305,11 @@ class Cluster {
     // The port was the old process's: binding it again may fail for a moment (then try again).
     while (true) {
       coordinator_ = std::make_unique<Process>(argv, log);
-      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < 60) {
+      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < Scaled(60)) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       if (fs::exists(port_file)) break;
-      if (SecondsSince(start) >= 60) {
+      if (SecondsSince(start) >= Scaled(60)) {
         ADD_FAILURE() << "the restarted coordinator did not listen on " << address_ << ":\n" << Logs();
         return false;
       }
@@ -282,8 +319,9 @@ class Cluster {
     return true;
   }
 
-  // Waits up to `seconds` for the coordinator's health to be SERVING.
+  // Waits up to `seconds` (scaled) for the coordinator's health to be SERVING.
   bool WaitForServing(double seconds) {
+    seconds = Scaled(seconds);
     const auto start = Clock::now();
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
       if (!coordinator_->running() || SecondsSince(start) > seconds) return false;
@@ -371,7 +409,7 @@ inline Streamed Generate(v1::InferenceService::Stub* client, const v1::GenerateR
                   std::chrono::seconds timeout = std::chrono::seconds(60)) {
   const auto start = Clock::now();
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  context.set_deadline(std::chrono::system_clock::now() + Scaled(timeout));
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = client->Generate(&context, request);
   Streamed out;
   v1::GenerateResponse message;

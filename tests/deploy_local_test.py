@@ -25,6 +25,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SKIP = 77
 
@@ -104,7 +106,7 @@ def main():
         procs.append(promp)
 
         # wait until the cluster serves: `generate` succeeds
-        deadline = time.time() + 180
+        deadline = time.time() + scaled(180)
         while True:
             g = subprocess.run([cli, "generate", "--address", f"127.0.0.1:{grpc_port}", "--prompt", "And God said",
                                 "--max-tokens", "16"], capture_output=True, text=True, timeout=120)
@@ -118,7 +120,7 @@ def main():
                         "--max-tokens", "16"], capture_output=True, timeout=120)
 
         # targets up
-        deadline = time.time() + 60
+        deadline = time.time() + scaled(60)
         while True:
             try:
                 t = api(prom_port, "targets")["data"]["activeTargets"]

@@ -21,6 +21,8 @@ import tempfile
 import time
 import urllib.request
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 from launch_heal_test import children, cmdline  # noqa: E402 (this directory is on sys.path)
 from launch_process import LaunchProcess  # noqa: E402 (tools/, which launch_heal_test puts on sys.path)
 
@@ -41,7 +43,7 @@ def main(bin_dir):
     launch = LaunchProcess(  # with the same SHARDSERVE_STATE_DIR as env's
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
          "0", "--http-port", "0", "--log-dir", log_dir, "--worker-threads", "1", "--insecure"], log_dir)
-    wait_for = launch.wait_for  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
+    wait_for = lambda pattern, seconds: launch.wait_for(pattern, scaled(seconds))  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
 
     def generate(address):
         r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "8",
@@ -63,7 +65,7 @@ def main(bin_dir):
         os.kill(coordinators[0], signal.SIGKILL)
         wait_for(r"restarting the coordinator in 1 s \(restart 1 of at most 5\)", 60)
         wait_for(r"restarted the coordinator on ", 60)
-        deadline = time.time() + 180
+        deadline = time.time() + scaled(180)
         status = ""
         while time.time() < deadline:
             r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, timeout=30,

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from launch_process import LaunchProcess  # noqa: E402
+from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 
 
 def fail(message):
@@ -60,7 +61,7 @@ def run(bin_dir, spare):
     launch = LaunchProcess(
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
          "0", "--log-dir", log_dir, "--worker-threads", "1", "--heal-timeout-seconds", "120"] + extra, log_dir)
-    wait_for = launch.wait_for  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
+    wait_for = lambda pattern, seconds: launch.wait_for(pattern, scaled(seconds))  # raises RuntimeError: `finally` stops launch, then __main__ fails the test
 
     try:
         address = wait_for(r"ready\. Connect to (\S+) ", 240).group(1)
@@ -75,7 +76,7 @@ def run(bin_dir, spare):
         else:
             wait_for(r"restarting worker node0/\d in 1 s \(restart 1 of at most 5\)", 60)
             wait_for(r"restarted worker node0/\d", 60)
-        deadline = time.time() + 180
+        deadline = time.time() + scaled(180)
         status = ""
         while time.time() < deadline:
             r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
@@ -99,10 +100,10 @@ def run(bin_dir, spare):
                 fail(f"expected the one restarted worker process under launch, found {again}")
             os.kill(again[0], signal.SIGKILL)
             wait_for(r"restarting worker node0/\d in 1 s \(restart 2 of at most 5\)", 60)
-            deadline = time.time() + 60
+            deadline = time.time() + scaled(60)
             while sum("restarted worker node0/" in l for l in launch.lines()) < 2 and time.time() < deadline:
                 time.sleep(0.1)
-            deadline = time.time() + 180
+            deadline = time.time() + scaled(180)
             while time.time() < deadline:
                 r = subprocess.run([cli, "status", "--address", address], capture_output=True, text=True, env=env, timeout=30)
                 if r.returncode == 0 and "state serving, epoch 3" in r.stdout + r.stderr:

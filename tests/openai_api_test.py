@@ -28,6 +28,8 @@ import unittest
 import urllib.error
 import urllib.request
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python", "gen"))
@@ -73,7 +75,7 @@ def start_launch(args, http_base: str, log_dir: str) -> subprocess.Popen:
         with open(out_path) as f:
             return "shardserve launch: ready" in f.read() and http_ok(http_base, "/health")
 
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not ready():
         if launch.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"cluster did not become ready:\n{stop_launch(launch)}")
@@ -106,7 +108,7 @@ def stop_launch(launch: subprocess.Popen) -> str:
 
 
 def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         value = predicate()
         if value:

@@ -25,6 +25,8 @@ import time
 import unittest
 import urllib.request
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 import httpx
 import openai
 
@@ -79,7 +81,7 @@ class HttpsAndKeysTest(unittest.TestCase):
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             cls.https = httpx.Client(verify=ssl.create_default_context(cafile=cls.ca), timeout=10)
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + scaled(120)
             while not cls.health_ok():
                 if cls.launch.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"cluster did not become ready:\n{stop_launch(cls.launch)}")
@@ -181,7 +183,7 @@ class LoopbackRuleTest(unittest.TestCase):
     def test_insecure_allows_it(self):
         p = self.coordinator("--http-host", "0.0.0.0", "--insecure")
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + scaled(60)
             lines = []
             while time.monotonic() < deadline:
                 line = p.stdout.readline()

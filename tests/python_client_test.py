@@ -15,6 +15,8 @@ import tempfile
 import time
 import unittest
 
+from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 
@@ -43,7 +45,7 @@ class PythonClientTest(unittest.TestCase):
              "--nodes", "1", "--gpus-per-node", "2", "--address", cls.address, "--log-dir", cls.logs,
              "--metrics-port-base", "0", "--http-port", "0"],  # free metrics ports, no HTTP: tests run in parallel
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         cluster_file = os.path.join(cls.logs, "state", "cluster.json")
         while not os.path.exists(cluster_file):
             if cls.launch.poll() is not None or time.monotonic() > deadline:

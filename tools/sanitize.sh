@@ -2,6 +2,7 @@
 # The test programs built and run under sanitizers (README.md, "Sanitizers"): GCC, no CUDA.
 #
 #   tools/sanitize.sh asan [PROGRAM...]   # build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer
+#   tools/sanitize.sh asan-all            # build-asan/: every target, the WHOLE CTest suite
 #   tools/sanitize.sh ci                  # the same, for CI's list (tools/test.sh runs it)
 #   tools/sanitize.sh tsan [PROGRAM...]   # build-tsan/: ThreadSanitizer (not in CI: docs/security.md)
 #
@@ -15,10 +16,20 @@
 # list took 10 minutes to build on a 2-core machine (then 35 s of tests), beyond it. Run `asan` and
 # `tsan` by hand after touching memory or threading code; docs/security.md ("Sanitizers") says what
 # each covers and what it found.
+#
+# asan-all builds every target of the project in build-asan/ (shardserve, shardserve-coordinator,
+# shardserve-worker, the tools, every test program) and runs every CTest case: the multi-process
+# C++ tests and the Python tests start the instrumented binaries of build-asan/bin. Their deadlines
+# are multiplied by SHARDSERVE_TEST_TIME_SCALE (default here 3; tests/cluster_harness.h and
+# tests/cli_check.py read it). Every process's ASan and LeakSanitizer report goes to a file under
+# build-asan/sanitizer-reports/ (log_path), so that a report in a coordinator or worker a test
+# started fails the run even where that test does not look at the process's exit status or log; the
+# files are printed at the end. A UBSan report aborts its process (SIGABRT), which fails a test of
+# tests/cluster_harness.h. Not in CI: far beyond its budget (docs/security.md, "Sanitizers").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MODE=${1:?usage: tools/sanitize.sh asan|tsan [PROGRAM...] | ci}
+MODE=${1:?usage: tools/sanitize.sh asan|tsan [PROGRAM...] | asan-all | ci}
 shift
 JOBS=${JOBS:-$(nproc)}
 
@@ -26,18 +37,22 @@ JOBS=${JOBS:-$(nproc)}
 # checkpoint and GPTQ loading (safetensors headers, config.json, packed weights), the tokenizer.
 CI_PROGRAMS=(openai_protocol_test chat_template_test security_test https_test checkpoint_test quantized_checkpoint_test tokenizer_test)
 
+ALL=0
 if [ "$MODE" = ci ]; then
   MODE=asan
   set -- "${CI_PROGRAMS[@]}"
+elif [ "$MODE" = asan-all ]; then
+  [ $# -eq 0 ] || { echo "tools/sanitize.sh asan-all takes no PROGRAM (it runs the whole suite)" >&2; exit 2; }
+  MODE=asan
+  ALL=1
 fi
 
 case "$MODE" in
   asan)
     BUILD_DIR=${BUILD_DIR:-build-asan}
     SANITIZE=address,undefined
-    # The test programs that start no processes. cluster_test and batching_test start real
-    # coordinator and worker processes and are not in the list (their timeouts are set for
-    # uninstrumented binaries).
+    # The test programs that start no processes. The multi-process ones (cluster_test,
+    # batching_test, ...) and the Python tests need every binary built: asan-all runs them.
     DEFAULT=(kernels_cpu_test checkpoint_test tokenizer_test planner_test scheduler_test
              step_limits_test group_test persistent_batch_test sampler_test generation_test
              chat_template_test dummy_weights_test llama_parity_test communicator_test worker_pool_test)
@@ -47,6 +62,18 @@ case "$MODE" in
     export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tools/lsan.supp:print_suppressions=0}
+    if [ "$ALL" = 1 ]; then
+      # The processes the tests start inherit these. log_path: each process's reports go to
+      # REPORTS/report.<program>.<pid> instead of its stderr, which the harness keeps only when the
+      # test fails.
+      REPORTS=$PWD/$BUILD_DIR/sanitizer-reports
+      rm -rf "$REPORTS" && mkdir -p "$REPORTS"
+      # UBSan, linked beside ASan (GCC's libubsan), ignores log_path and reports on stderr: its
+      # abort_on_error makes a report a SIGABRT, which tests/cluster_harness.h fails the test on.
+      export ASAN_OPTIONS="$ASAN_OPTIONS:log_path=$REPORTS/report:log_exe_name=1"
+      export UBSAN_OPTIONS="$UBSAN_OPTIONS:abort_on_error=1"
+      export SHARDSERVE_TEST_TIME_SCALE=${SHARDSERVE_TEST_TIME_SCALE:-3}
+    fi
     ;;
   tsan)
     BUILD_DIR=${BUILD_DIR:-build-tsan}
@@ -63,7 +90,7 @@ case "$MODE" in
     export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/tsan.supp}
     ;;
   *)
-    echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...] | ci" >&2
+    echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...] | asan-all | ci" >&2
     exit 2
     ;;
 esac
@@ -71,6 +98,26 @@ esac
 PROGRAMS=("$@")
 if [ ${#PROGRAMS[@]} -eq 0 ]; then
   PROGRAMS=("${DEFAULT[@]}")
+fi
+
+if [ "$ALL" = 1 ]; then
+  echo "sanitize.sh: asan-all at $(git rev-parse --short HEAD), $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)," \
+       "SHARDSERVE_TEST_TIME_SCALE=$SHARDSERVE_TEST_TIME_SCALE"
+  start=$(date +%s)
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_SANITIZE="$SANITIZE" >/dev/null
+  cmake --build "$BUILD_DIR" -j "$JOBS"
+  echo "sanitize.sh: asan-all build took $(( $(date +%s) - start )) s"
+  start=$(date +%s)
+  rc=0
+  (cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS" --timeout 900) || rc=$?
+  echo "sanitize.sh: asan-all tests took $(( $(date +%s) - start )) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  reports=("$REPORTS"/report.*)
+  if [ -e "${reports[0]}" ]; then
+    for f in "${reports[@]}"; do echo "==== $f"; cat "$f"; done
+    echo "sanitize.sh: ${#reports[@]} sanitizer report(s) under $REPORTS (above)" >&2
+    rc=1
+  fi
+  exit "$rc"
 fi
 
 start=$(date +%s)
