@@ -216,11 +216,11 @@ constexpr std::chrono::seconds kNotHung(60);
 // The deadline of a stream that a test ends itself (a cancel) or that must finish: never reached.
 constexpr std::chrono::seconds kNoDeadline(300);
 
-// Polls the scheduler's status every 20 ms until `done` holds, for at most `timeout`. Returns
-// whether it held; *last is the last status seen.
+// Polls the scheduler's status every 20 ms until `done` holds, for at most `timeout` (scaled).
+// Returns whether it held; *last is the last status seen.
 bool WaitForScheduler(Cluster& cluster, const std::function<bool(const v1::SchedulerStatus&)>& done,
                       std::chrono::milliseconds timeout, v1::SchedulerStatus* last) {
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + Scaled(timeout);
   for (;;) {
     *last = cluster.Status().scheduler();
     if (done(*last)) return true;
@@ -510,9 +510,9 @@ class BackgroundStream {
     if (thread_.joinable()) thread_.join();
   }
 
-  // Waits up to `timeout` for `n` tokens.
+  // Waits up to `timeout` (scaled) for `n` tokens.
   bool WaitForTokens(int n, std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = Clock::now() + Scaled(timeout);
     while (tokens_ < n && !done_ && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     return tokens_ >= n;
   }

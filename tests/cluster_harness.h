@@ -4,10 +4,12 @@
 // workers on free ports, and Generate()
 // through the client API. Every wait is bounded; destructors kill and reap every child.
 //
-// SHARDSERVE_TEST_TIME_SCALE (a float, default 1) multiplies every deadline a test waits for a
-// process: tools/sanitize.sh sets it for the instrumented, slower binaries. The harness's own waits
-// (Start, StartCoordinator, RestartCoordinator, WaitForServing, Process::Wait, Generate) apply it;
-// a test's own loop bounds use Scaled().
+// Sanitizer builds (tools/sanitize.sh): SHARDSERVE_TEST_TIME_SCALE (a float, default 1) multiplies
+// every deadline the harness waits for a process (Process::Wait, the cluster's start, a stream's
+// deadline, ...; a test's own wait loops use ScaledSeconds), for binaries that run slower under
+// instrumentation (ThreadSanitizer 5-15x). A sanitizer report in a child's log (its stderr) fails
+// the test when the child is reaped (~Process), whether the child exited on it (halt_on_error),
+// was killed later, or ran on.
 //
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
 // SHARDSERVE_WORKER_BIN. Single-threaded use, except that client() (a gRPC stub) and Generate() may
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -53,28 +56,42 @@ inline const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtu
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// SHARDSERVE_TEST_TIME_SCALE, read once: 1 when unset; a value that is not a number >= 1 fails the
-// test program at its first deadline (a typo must not shorten every deadline silently).
+// SHARDSERVE_TEST_TIME_SCALE, read once: 1 when unset; a value that is not a finite number > 0 ends
+// the test program naming it (a deadline silently left unscaled would fail as a hang instead).
 inline double TimeScale() {
   static const double scale = [] {
     const char* text = std::getenv("SHARDSERVE_TEST_TIME_SCALE");
     if (text == nullptr || *text == '\0') return 1.0;
     char* end = nullptr;
     const double value = std::strtod(text, &end);
-    if (*end != '\0' || !(value >= 1.0) || value > 1000.0) {
-      std::fprintf(stderr, "SHARDSERVE_TEST_TIME_SCALE=%s: expected a number from 1 to 1000\n", text);
-      std::abort();
+    if (*end != '\0' || !std::isfinite(value) || value <= 0) {
+      std::fprintf(stderr, "SHARDSERVE_TEST_TIME_SCALE='%s': expected a number > 0 (1 = unscaled)\n", text);
+      std::exit(2);
     }
     return value;
   }();
   return scale;
 }
-// A deadline of `seconds` for uninstrumented binaries, scaled by TimeScale().
-inline double Scaled(double seconds) { return seconds * TimeScale(); }
+// A deadline the test waits for a process, times SHARDSERVE_TEST_TIME_SCALE.
+inline double ScaledSeconds(double seconds) { return seconds * TimeScale(); }
 template <typename Rep, typename Period>
-std::chrono::milliseconds Scaled(std::chrono::duration<Rep, Period> d) {
-  return std::chrono::milliseconds(
-      static_cast<int64_t>(std::chrono::duration<double, std::milli>(d).count() * TimeScale()));
+std::chrono::milliseconds Scaled(std::chrono::duration<Rep, Period> timeout) {
+  return std::chrono::milliseconds(static_cast<int64_t>(
+      std::chrono::duration<double, std::milli>(timeout).count() * TimeScale()));
+}
+
+// The first line of `log` where a sanitizer report begins (ThreadSanitizer's, AddressSanitizer's,
+// LeakSanitizer's or UndefinedBehaviorSanitizer's), or empty when there is none.
+inline std::string SanitizerReport(const fs::path& log) {
+  static const char* const kMarkers[] = {"WARNING: ThreadSanitizer:", "ERROR: AddressSanitizer:",
+                                         "ERROR: LeakSanitizer:", ": runtime error: "};
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    for (const char* marker : kMarkers) {
+      if (line.find(marker) != std::string::npos) return line;
+    }
+  }
+  return "";
 }
 
 // The HOST:PORT that follows `key` on the first line of `log` that has it, up to `end`; empty when
@@ -101,8 +118,8 @@ inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
 }
 
 // A child process in a process group of its own, with stdout and stderr in a log file. It gets
-// SIGKILL if this test process dies; the destructor kills and reaps it. A child that dies of SIGABRT
-// fails the running test (ADD_FAILURE, with its log's tail).
+// SIGKILL if this test process dies; the destructor kills and reaps it, and fails the test when
+// the log has a sanitizer report (SanitizerReport).
 class Process {
  public:
   Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
@@ -138,7 +155,14 @@ class Process {
   }
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
-  ~Process() { Kill(); }
+  ~Process() {
+    Kill();
+    const std::string report = SanitizerReport(log_);
+    if (!report.empty()) {
+      ADD_FAILURE() << "a sanitizer report in " << log_.filename().string() << " (exit status " << exit_code_
+                    << "): " << report << "\n" << Tail(log_, 12000);
+    }
+  }
 
   pid_t pid() const { return pid_; }
   const fs::path& log() const { return log_; }
@@ -150,8 +174,8 @@ class Process {
     Reap(WNOHANG);
     return pid_ > 0 && !exited_;
   }
-  // Waits up to `timeout` (scaled: TimeScale()) for the process to exit; its exit status (WEXITSTATUS, or 128 + signal),
-  // or -1 when it is still running.
+  // Waits up to `timeout` (times SHARDSERVE_TEST_TIME_SCALE) for the process to exit; its exit
+  // status (WEXITSTATUS, or 128 + signal), or -1 when it is still running.
   int Wait(std::chrono::milliseconds timeout) {
     const auto deadline = Clock::now() + Scaled(timeout);
     while (running() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -203,8 +227,11 @@ class Cluster {
     dir_ = mkdtemp(pattern);
   }
   ~Cluster() {
-    for (auto& w : workers_) w->Kill();
-    if (coordinator_) coordinator_->Kill();
+    // Each ~Process kills and reaps its process and fails the test on a sanitizer report in its
+    // log: before the logs may be removed below.
+    workers_.clear();
+    coordinator_.reset();
+    old_coordinators_.clear();
     if (::testing::Test::HasFailure()) {
       std::printf("[ logs     ] kept in %s\n", dir_.c_str());
     } else {
@@ -223,7 +250,7 @@ class Cluster {
     }
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
       const bool worker_exited = std::any_of(workers_.begin(), workers_.end(), [](auto& w) { return !w->running(); });
-      if (!coordinator_->running() || worker_exited || SecondsSince(start) > Scaled(90)) {
+      if (!coordinator_->running() || worker_exited || SecondsSince(start) > ScaledSeconds(90)) {
         ADD_FAILURE() << "the cluster did not reach SERVING" << (worker_exited ? " (a worker exited)" : "") << ":\n"
                       << Logs();
         return false;
@@ -247,7 +274,7 @@ class Cluster {
     coordinator_argv_ = coordinator_argv;
     coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
     while (!fs::exists(port_file)) {
-      if (!coordinator_->running() || SecondsSince(start) > Scaled(30)) {
+      if (!coordinator_->running() || SecondsSince(start) > ScaledSeconds(30)) {
         ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
         return false;
       }
@@ -305,11 +332,11 @@ class Cluster {
     // The port was the old process's: binding it again may fail for a moment (then try again).
     while (true) {
       coordinator_ = std::make_unique<Process>(argv, log);
-      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < Scaled(60)) {
+      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < ScaledSeconds(60)) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       if (fs::exists(port_file)) break;
-      if (SecondsSince(start) >= Scaled(60)) {
+      if (SecondsSince(start) >= ScaledSeconds(60)) {
         ADD_FAILURE() << "the restarted coordinator did not listen on " << address_ << ":\n" << Logs();
         return false;
       }
@@ -321,10 +348,9 @@ class Cluster {
 
   // Waits up to `seconds` (scaled) for the coordinator's health to be SERVING.
   bool WaitForServing(double seconds) {
-    seconds = Scaled(seconds);
     const auto start = Clock::now();
     while (HealthStatus() != grpc::health::v1::HealthCheckResponse::SERVING) {
-      if (!coordinator_->running() || SecondsSince(start) > seconds) return false;
+      if (!coordinator_->running() || SecondsSince(start) > ScaledSeconds(seconds)) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     return true;
@@ -333,7 +359,7 @@ class Cluster {
   // The coordinator's overall grpc.health.v1 status (UNKNOWN when the call fails).
   grpc::health::v1::HealthCheckResponse::ServingStatus HealthStatus() {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    context.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(2)));
     grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
     if (!health_->Check(&context, request, &response).ok()) return grpc::health::v1::HealthCheckResponse::UNKNOWN;
@@ -342,7 +368,7 @@ class Cluster {
 
   v1::ClusterStatus Status() {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    context.set_deadline(std::chrono::system_clock::now() + Scaled(std::chrono::seconds(5)));
     v1::ClusterStatus status;
     EXPECT_TRUE(client_->GetClusterStatus(&context, v1::GetClusterStatusRequest(), &status).ok());
     return status;
@@ -405,6 +431,7 @@ struct Streamed {
   double seconds = 0;
 };
 
+// One streamed Generate call; `timeout` (scaled) is its deadline.
 inline Streamed Generate(v1::InferenceService::Stub* client, const v1::GenerateRequest& request,
                   std::chrono::seconds timeout = std::chrono::seconds(60)) {
   const auto start = Clock::now();

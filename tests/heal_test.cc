@@ -64,7 +64,7 @@ struct StreamRun {
 StreamRun StreamWith(Cluster& cluster, const v1::GenerateRequest& request, int after, const std::function<void()>& act,
                std::chrono::seconds timeout = std::chrono::seconds(240)) {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  context.set_deadline(std::chrono::system_clock::now() + Scaled(timeout));
   auto reader = cluster.client()->Generate(&context, request);
   StreamRun out;
   bool acted = false;
@@ -99,7 +99,7 @@ void KillAndReplace(Cluster& cluster, int stage, int tp_rank) {
   // A worker that registers before the coordinator has seen the loss finds the group complete and
   // is refused (on a loaded machine the loss can take longer than the 1 s): wait for it, bounded.
   const auto start = Clock::now();
-  while (!CoordinatorSeesLost(cluster, address) && SecondsSince(start) < 60) {
+  while (!CoordinatorSeesLost(cluster, address) && SecondsSince(start) < ScaledSeconds(60)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   cluster.AddWorker("n" + std::to_string(stage));
@@ -110,20 +110,20 @@ void KillAndReplace(Cluster& cluster, int stage, int tp_rank) {
 // turn a heal into a timeout. The timeout itself is tested with 3 s below.
 const std::vector<std::string> kPatientHeal = {"--heal-timeout-seconds", "600"};
 
-// Waits until the coordinator's log has `text`, at most `seconds`.
+// Waits until the coordinator's log has `text`, at most `seconds` (scaled).
 bool WaitForLog(Cluster& cluster, const std::string& text, double seconds = 120) {
   const auto start = Clock::now();
-  while (SecondsSince(start) < seconds) {
+  while (SecondsSince(start) < ScaledSeconds(seconds)) {
     if (Tail(cluster.coordinator().log(), 1 << 20).find(text) != std::string::npos) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return false;
 }
 
-// Waits up to 120 s for the coordinator's status to say `state`.
+// Waits up to 120 s (scaled) for the coordinator's status to say `state`.
 bool WaitForState(Cluster& cluster, const std::string& state) {
   const auto start = Clock::now();
-  while (SecondsSince(start) < 120) {
+  while (SecondsSince(start) < ScaledSeconds(120)) {
     if (cluster.Status().state() == state) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

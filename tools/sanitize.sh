@@ -32,6 +32,10 @@ cd "$(dirname "$0")/.."
 MODE=${1:?usage: tools/sanitize.sh asan|tsan [PROGRAM...] | asan-all | ci}
 shift
 JOBS=${JOBS:-$(nproc)}
+# Multi-process test programs built beside the default list, and the regex (ctest -R) of their
+# cases that run after it, one at a time (tsan only).
+PROCESS_PROGRAMS=()
+PROCESS_CASES=
 
 # CI's ASan + UBSan set: the OpenAI request and chat template parsers, the TLS/HTTPS/API-key code,
 # checkpoint and GPTQ loading (safetensors headers, config.json, packed weights), the tokenizer.
@@ -82,12 +86,30 @@ case "$MODE" in
     # Gloo), the rendezvous service (gRPC's threads, the table, the grants), the worker pool (its
     # monitor thread), the HTTPS server, the tokenizer (concurrent encodes); then the scheduler,
     # batch, generation and group logic they call. tsan_absl_mutex_test checks
-    # tools/tsan_absl_mutex.cc, which every program of this build links (docs/security.md).
-    DEFAULT=(tsan_absl_mutex_test communicator_test rendezvous_test worker_pool_test https_test tokenizer_test
-             scheduler_test persistent_batch_test generation_test group_test)
+    # tools/tsan_absl_mutex.cc, which every program of this build links (docs/security.md);
+    # tsan_grpc_test that tools/tsan.supp hides no race of ours in a gRPC handler.
+    DEFAULT=(tsan_absl_mutex_test tsan_grpc_test communicator_test rendezvous_test worker_pool_test https_test
+             tokenizer_test scheduler_test persistent_batch_test generation_test group_test)
+    # Then the engine, the scheduler's loop, the worker service and the step executor, which run
+    # only in the coordinator and worker processes: a subset of the multi-process tests (TP2, PP2,
+    # TP2xPP2 parity; TP2xPP2 streaming, concurrent streams and a killed worker; a heal; continuous
+    # batching, preemption and cancellation) against the TSan-built services, with every deadline
+    # the harness waits for a process scaled by SHARDSERVE_TEST_TIME_SCALE. A report in a child
+    # process fails its test (tests/cluster_harness.h reads the child's log when it reaps it).
+    PROCESS_PROGRAMS=(cluster_test heal_test batching_test)
+    PROCESS_CASES='ClusterParityTest[.]GreedyTokensMatchHuggingFace/TP(2_PP1|1_PP2|2_PP2)_llama3_rope( |$)'
+    PROCESS_CASES+='|ClusterApiTest[.](StreamsOneTokenPerMessageWithUsageOnTheLast|ConcurrentRequestsEachGetTheirOwnStream)$'
+    PROCESS_CASES+='|ClusterFailureTest[.]KilledWorkerEndsTheStreamWithUnavailable$'
+    PROCESS_CASES+='|HealTest[.]SeededSamplingGivesTheSameTokensAcrossAHeal$'
+    # Not the one-worker (TP1_PP1) batching layouts: that worker runs 2 compute threads, whose
+    # OpenMP loops crawl under TSan (0.3 tokens/s; 64 streams twice), and libgomp is not checked.
+    PROCESS_CASES+='|^Layouts/(BatchingTest|PreemptionTest|BatchingCancelTest)[.].*/TP(1_PP2|2_PP2)( |$)'
+    export SHARDSERVE_TEST_TIME_SCALE=${SHARDSERVE_TEST_TIME_SCALE:-10}
     # halt_on_error: the first report ends the program (the case fails). tools/tsan.supp lists what
-    # is not ours, each entry with its reason.
-    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tools/tsan.supp}
+    # is not ours, each entry with its reason. history_size=7 (the most): the earlier access's stack
+    # is restored more often, which the entries that match a library's frames (libgomp's threads)
+    # need; a stack that still fails to restore leaves the report standing (a failure, not a hidden race).
+    export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:history_size=7:suppressions=$PWD/tools/tsan.supp}
     ;;
   *)
     echo "usage: tools/sanitize.sh asan|tsan [PROGRAM...] | asan-all | ci" >&2
@@ -98,6 +120,8 @@ esac
 PROGRAMS=("$@")
 if [ ${#PROGRAMS[@]} -eq 0 ]; then
   PROGRAMS=("${DEFAULT[@]}")
+else
+  PROCESS_PROGRAMS=()  # the PROGRAMs named, each with all its cases
 fi
 
 if [ "$ALL" = 1 ]; then
@@ -122,10 +146,14 @@ fi
 
 start=$(date +%s)
 cmake -S . -B "$BUILD_DIR" -G Ninja -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_SANITIZE="$SANITIZE" >/dev/null
-cmake --build "$BUILD_DIR" -j "$JOBS" --target "${PROGRAMS[@]}"
+cmake --build "$BUILD_DIR" -j "$JOBS" --target "${PROGRAMS[@]}" "${PROCESS_PROGRAMS[@]}"
 echo "sanitize.sh: $MODE build took $(( $(date +%s) - start )) s"
 
 labels=$(IFS='|'; echo "${PROGRAMS[*]}")
 start=$(date +%s)
 (cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS" --timeout 900 -L "^($labels)\$")
+if [ ${#PROCESS_PROGRAMS[@]} -gt 0 ]; then
+  # One case at a time: each starts a coordinator and up to four workers.
+  (cd "$BUILD_DIR" && ctest --output-on-failure -j 1 --timeout 1800 -R "$PROCESS_CASES")
+fi
 echo "sanitize.sh: $MODE tests took $(( $(date +%s) - start )) s"

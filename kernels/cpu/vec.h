@@ -23,7 +23,16 @@ inline constexpr int64_t kVecLanes = 8;
 // fixed per machine, so a result is too. The helpers below are always inlined into the clones, so
 // that a vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a
 // vector's calling convention differs between targets).
+//
+// ThreadSanitizer builds (tools/sanitize.sh tsan) have no clones, only the baseline code: the
+// clones' resolver (an IFUNC) runs while the dynamic loader relocates the program, before the TSan
+// runtime is initialized, and its instrumentation then crashed every program that links the
+// kernels (SIGSEGV in SoftmaxRow's resolver, before main).
+#if defined(__SANITIZE_THREAD__)
+#define SHARDSERVE_VECTOR_CLONES
+#else
 #define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 
 // Loads 8 floats at p, or only the first `count` of them (none when count <= 0), the other lanes
 // zero. The fixed-size copy compiles to one vector move.
