@@ -31,6 +31,7 @@
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/sampler.h"
+#include "worker/step_checks.h"
 #include "worker/step_executor.h"
 
 namespace shardserve {
@@ -647,7 +648,7 @@ TEST_F(SamplerTest, EachInvalidParameterIsInvalidArgumentNamingIt) {
     RowList list;
     *list.Add() = Greedy();
     *list.Add() = bad;
-    EXPECT_EQ(Sampler::Validate(7, list, v).code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_EQ(CheckRowSampling(7, list, v).code(), absl::StatusCode::kInvalidArgument) << c.field;
   }
   // The edges of every range are valid.
   v1::RowSampling edge = Sampled(1.0f, 1, 1, 0, 1.0f);

@@ -189,17 +189,12 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   const int64_t L = config.num_hidden_layers;
   m->first_layer_ = spec.first_layer;
   m->end_layer_ = spec.end_layer < 0 ? L : spec.end_layer;
-  if (m->first_layer_ < 0 || m->first_layer_ >= m->end_layer_ || m->end_layer_ > L) {
-    return absl::InvalidArgumentError(absl::StrCat("layer range [", m->first_layer_, ", ", m->end_layer_,
-                                                   ") is not a non-empty part of the model's ", L, " layers"));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckShard(config, spec, opt));
   if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
   }
-  SHARDSERVE_RETURN_IF_ERROR(opt.ValidateDecided());
   SHARDSERVE_ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
-  SHARDSERVE_RETURN_IF_ERROR(CheckQuantizedShard(config, spec.tp_size, spec.weight_quant));
   const TpShard& s = m->tp_shard_;
   const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
   const int64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
@@ -294,53 +289,13 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
 Tensor LlamaShard::hidden(int64_t n) const { return hidden_.Rows(0, n); }
 Tensor LlamaShard::logits(int64_t m) const { return logits_.Rows(0, m); }
 
-absl::Status LlamaShard::CheckBatch(const StepBatch& b) const {
-  const size_t n = b.positions.size();
-  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step batch: ", parts...)); };
-  if (n == 0 || static_cast<int64_t>(n) > limits_.max_tokens_per_step) {
-    return bad(n, " tokens; a step takes 1 to ", limits_.max_tokens_per_step);
-  }
-  if (b.token_seq.size() != n || b.slots.size() != n || (is_first_stage() && b.token_ids.size() != n)) {
-    return bad("token_ids, positions, token_seq and slots must all have ", n, " entries");
-  }
-  if (b.num_seqs <= 0 || b.num_seqs > limits_.max_seqs_per_step) {
-    return bad(b.num_seqs, " sequences; a step takes 1 to ", limits_.max_seqs_per_step);
-  }
-  if (static_cast<int64_t>(b.block_tables.size()) != b.num_seqs * limits_.max_blocks_per_seq()) {
-    return bad("block_tables has ", b.block_tables.size(), " entries, expected ", b.num_seqs, " x ",
-               limits_.max_blocks_per_seq());
-  }
-  if (static_cast<int64_t>(b.logit_rows.size()) > limits_.max_seqs_per_step) {
-    return bad(b.logit_rows.size(), " logit rows; at most ", limits_.max_seqs_per_step);
-  }
-  const int64_t slots = limits_.num_kv_blocks * limits_.block_size;
-  for (size_t t = 0; t < n; ++t) {
-    if (is_first_stage() && (b.token_ids[t] < 0 || b.token_ids[t] >= config_.vocab_size)) {
-      return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config_.vocab_size, ")");
-    }
-    if (b.positions[t] < 0 || b.positions[t] >= limits_.max_blocks_per_seq() * limits_.block_size ||
-        (config_.max_position_embeddings > 0 && b.positions[t] >= config_.max_position_embeddings)) {
-      return bad("position ", b.positions[t], " outside the context this shard serves");
-    }
-    if (b.token_seq[t] < 0 || b.token_seq[t] >= b.num_seqs) return bad("token_seq ", b.token_seq[t], " out of range");
-    if (b.slots[t] < 0 || b.slots[t] >= slots) return bad("cache slot ", b.slots[t], " outside [0, ", slots, ")");
-  }
-  for (int32_t block : b.block_tables) {
-    if (block < 0 || block >= limits_.num_kv_blocks) return bad("block ", block, " outside [0, ", limits_.num_kv_blocks, ")");
-  }
-  for (int32_t r : b.logit_rows) {
-    if (r < 0 || static_cast<size_t>(r) >= n) return bad("logit row ", r, " outside the step's ", n, " tokens");
-  }
-  return absl::OkStatus();
-}
-
 absl::Status LlamaShard::Upload(const Tensor& dst, const std::vector<int32_t>& src) {
   if (src.empty()) return absl::OkStatus();
   return backend_->CopyToDevice(dst.data, src.data(), src.size() * sizeof(int32_t));
 }
 
 absl::Status LlamaShard::Forward(const StepBatch& b) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckBatch(b));
+  SHARDSERVE_RETURN_IF_ERROR(CheckStepBatch(b, limits_, config_, is_first_stage()));
   const int64_t n = static_cast<int64_t>(b.positions.size());
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
   const float eps = static_cast<float>(config_.rms_norm_eps);

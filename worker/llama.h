@@ -19,33 +19,9 @@
 #include "model/step_limits.h"
 #include "model/weight_source.h"
 #include "worker/communicator.h"
+#include "worker/step_checks.h"  // ShardSpec, StepBatch
 
 namespace shardserve {
-
-// Which part of the model this process holds.
-struct ShardSpec {
-  int64_t first_layer = 0;  // inclusive
-  int64_t end_layer = -1;   // exclusive; -1 = through the last layer
-  int tp_rank = 0;
-  int tp_size = 1;
-  // How the linear layers' weights (q/k/v/o, gate/up/down) are stored: quantized at load, each rank
-  // its own slice (kernels/quant.h). Embeddings, norms and the LM head keep the activation dtype.
-  WeightQuant weight_quant = WeightQuant::kNone;
-};
-
-// One step's work, on the host. Token t belongs to sequence token_seq[t] at position
-// positions[t], and its K/V go to cache slot slots[t]. Block tables are row-major
-// [num_seqs, max_blocks_per_seq]. logit_rows lists the tokens whose logits are wanted (the last
-// token of each sequence that samples this step).
-struct StepBatch {
-  std::vector<int32_t> token_ids;  // [n] (first stage only)
-  std::vector<int32_t> positions;  // [n]
-  std::vector<int32_t> token_seq;  // [n]
-  std::vector<int32_t> slots;      // [n]
-  std::vector<int32_t> block_tables;
-  int32_t num_seqs = 0;
-  std::vector<int32_t> logit_rows;  // [m]
-};
 
 class LlamaShard {
  public:
@@ -110,7 +86,6 @@ class LlamaShard {
   absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
   // Alloc, counted in step_buffer_bytes().
   absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);
-  absl::Status CheckBatch(const StepBatch& batch) const;
   absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);
 
   // ---- Constant after Load ----

@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
 #include "kernels/sampling.h"
+#include "worker/step_checks.h"
 
 namespace shardserve {
 namespace {
@@ -90,47 +91,6 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_
   return s;
 }
 
-absl::Status Sampler::Validate(uint64_t step_id, const RowList& rows, int64_t vocab_size) {
-  for (int i = 0; i < rows.size(); ++i) {
-    const v1::RowSampling& r = rows[i];
-    const auto bad = [&](absl::string_view field, const auto& value, absl::string_view want) {
-      return absl::InvalidArgumentError(absl::StrCat("step ", step_id, " row ", i, ": ", field, " ", value, " ", want));
-    };
-    // Written so that NaN fails every check.
-    if (!(std::isfinite(r.temperature()) && r.temperature() >= 0)) {
-      return bad("temperature", r.temperature(), "must be finite and >= 0 (0: greedy)");
-    }
-    if (r.top_k() < 0) return bad("top_k", r.top_k(), "must be >= 0 (0: no limit)");
-    if (!(r.top_p() >= 0 && r.top_p() <= 1)) return bad("top_p", r.top_p(), "is outside [0, 1] (0 or 1: no limit)");
-    if (!(r.min_p() >= 0 && r.min_p() <= 1)) return bad("min_p", r.min_p(), "is outside [0, 1] (0: off)");
-    if (!(r.repetition_penalty() >= 0 && r.repetition_penalty() <= kMaxRepetitionPenalty)) {
-      return bad("repetition_penalty", r.repetition_penalty(),
-                 absl::StrCat("must be 0 (off) or in (0, ", kMaxRepetitionPenalty, "]"));
-    }
-    for (auto [field, value] : {std::pair{"presence_penalty", r.presence_penalty()},
-                                std::pair{"frequency_penalty", r.frequency_penalty()}}) {
-      if (!(value >= -kMaxAbsPresenceFrequencyPenalty && value <= kMaxAbsPresenceFrequencyPenalty)) {
-        return bad(field, value,
-                   absl::StrCat("is outside [", -kMaxAbsPresenceFrequencyPenalty, ", ", kMaxAbsPresenceFrequencyPenalty, "]"));
-      }
-    }
-    if (r.top_logprobs() < 0 || r.top_logprobs() > kMaxTopLogprobs) {
-      return bad("top_logprobs", r.top_logprobs(), absl::StrCat("is outside [0, ", kMaxTopLogprobs, "]"));
-    }
-    if (r.top_logprobs() > 0 && !r.logprobs()) return bad("top_logprobs", r.top_logprobs(), "is set without logprobs");
-    for (auto [field, ids] : {std::pair{"penalty_prompt_ids", &r.penalty_prompt_ids()},
-                              std::pair{"penalty_output_ids", &r.penalty_output_ids()}}) {
-      for (int j = 0; j < ids->size(); ++j) {
-        if ((*ids)[j] < 0 || (*ids)[j] >= vocab_size) {
-          return bad(absl::StrCat(field, "[", j, "]"), (*ids)[j],
-                     absl::StrCat("is outside the vocabulary [0, ", vocab_size, ")"));
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowList& rows, v1::StepResult* result) {
   const int m = rows.size();
   if (logits.dtype != DType::kF32 || logits.ndim != 2 || logits.dim(0) != m || logits.dim(1) != vocab_size_ ||
@@ -139,7 +99,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
                                                    ") needs F32 logits [", m, ", ", vocab_size_, "]; got ",
                                                    DTypeName(logits.dtype), " ", logits.ShapeString()));
   }
-  SHARDSERVE_RETURN_IF_ERROR(Validate(step_id, rows, vocab_size_));
+  SHARDSERVE_RETURN_IF_ERROR(CheckRowSampling(step_id, rows, vocab_size_));
 
   bool any_logprobs = false;
   for (int i = 0; i < m; ++i) {

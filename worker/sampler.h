@@ -49,19 +49,11 @@ class Sampler {
   // For steps of up to `max_rows` logit rows over a vocabulary of `vocab_size` ids, on `device`.
   static absl::StatusOr<std::unique_ptr<Sampler>> Create(Backend* device, int64_t max_rows, int64_t vocab_size);
 
-  // Checks every row's parameters; InvalidArgument naming step `step_id`, the row and the field
-  // for the first out-of-range one: temperature finite >= 0; top_k >= 0; top_p and min_p in
-  // [0, 1]; repetition_penalty 0 or in (0, 10]; presence/frequency_penalty in [-2, 2];
-  // top_logprobs in [0, 20] and only with logprobs; penalty ids in [0, vocab_size). Pure: every
-  // worker of a step can run it on the plan before the first collective, and all agree.
-  static absl::Status Validate(uint64_t step_id, const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows,
-                               int64_t vocab_size);
-
-  // Validates (as above), then samples row i of `logits` ([rows.size(), vocab_size] F32 on the
-  // device) with rows[i]. Replaces result->sampled_ids with one id per row and result->logprobs
-  // with, when any row asked for logprobs, one RowLogprobs per row (empty for the rows that did
-  // not ask), else nothing. A NaN or +inf logit in a host-path row is InvalidArgument. The logits
-  // are not modified.
+  // Checks the rows (CheckRowSampling, worker/step_checks.h), then samples row i of `logits`
+  // ([rows.size(), vocab_size] F32 on the device) with rows[i]. Replaces result->sampled_ids with
+  // one id per row and result->logprobs with, when any row asked for logprobs, one RowLogprobs per
+  // row (empty for the rows that did not ask), else nothing. A NaN or +inf logit in a host-path row
+  // is InvalidArgument. The logits are not modified.
   absl::Status Sample(uint64_t step_id, const Tensor& logits,
                       const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows, v1::StepResult* result);
 

@@ -12,43 +12,16 @@
 #include "base/status_macros.h"
 #include "model/weight_source.h"
 #include "model/config.h"
-#include "model/shard_identity.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/staged_communicator.h"
+#include "worker/step_checks.h"
 #if SHARDSERVE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
 
 namespace shardserve {
 namespace {
-
-// Bounds on what an assignment may ask for: far above any real deployment, low enough that no
-// product of them overflows and a corrupt message cannot ask for absurd allocations.
-constexpr int64_t kMaxRanks = 1024;
-constexpr double kMaxCollectiveTimeoutSeconds = 24 * 3600;
-
-absl::Status CheckAssignment(const v1::Assignment& a) {
-  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("assignment: ", parts...)); };
-  if (a.model_path().empty()) return bad("model_path is empty");
-  if (a.num_stages() < 1 || a.num_stages() > kMaxRanks) return bad("num_stages ", a.num_stages(), " outside [1, ", kMaxRanks, "]");
-  if (a.stage() < 0 || a.stage() >= a.num_stages()) return bad("stage ", a.stage(), " outside [0, ", a.num_stages(), ")");
-  if (a.tp_size() < 1 || a.tp_size() > kMaxRanks) return bad("tp_size ", a.tp_size(), " outside [1, ", kMaxRanks, "]");
-  if (a.tp_rank() < 0 || a.tp_rank() >= a.tp_size()) return bad("tp_rank ", a.tp_rank(), " outside [0, ", a.tp_size(), ")");
-  if (a.tp_size() > 1 && a.tp_group().empty()) return bad("tp_group is empty but tp_size is ", a.tp_size());
-  if (a.stage() > 0 && a.recv_group().empty()) return bad("recv_group is empty on stage ", a.stage());
-  if (a.stage() + 1 < a.num_stages() && a.send_group().empty()) return bad("send_group is empty on stage ", a.stage());
-  if (!v1::WeightQuantization_IsValid(a.weight_quantization())) {
-    return bad("weight_quantization ", static_cast<int>(a.weight_quantization()), " is not one this worker knows");
-  }
-  if (!a.has_limits()) return bad("limits are missing");
-  if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
-  if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
-    return bad("collective_timeout_seconds ", a.collective_timeout_seconds(), " outside (0, ",
-               kMaxCollectiveTimeoutSeconds, "]");
-  }
-  return absl::OkStatus();
-}
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
 // Gloo on the CPU, NCCL on a GPU, or Gloo staged through host memory on a GPU (kGloo). NCCL runs
@@ -187,21 +160,13 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   absl::StatusOr<std::unique_ptr<WeightSource>> weights =
       OpenWeightSource(a.model_path(), *config, format, a.dummy_seed(), worker_options.dummy_weights_on_device);
   if (!weights.ok()) return weights.status();
-  const WeightQuant quant = a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8   ? WeightQuant::kInt8
-                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
-                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_FP8  ? WeightQuant::kFp8
-                                                                                      : WeightQuant::kNone;
-  const ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant};
+  const ShardSpec spec = ShardSpecOf(a);
   const StepLimits options = FromProto(a.limits());
   absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
       LlamaShard::Load(**weights, *config, spec, options, backend, e->tp_.get());
   if (!shard.ok()) return shard.status();
   e->shard_ = std::move(*shard);
-  if (e->shard_->is_first_stage() != first || e->shard_->is_last_stage() != last) {
-    return absl::InvalidArgumentError(absl::StrCat("assignment: stage ", a.stage(), " of ", a.num_stages(),
-                                                   " does not match layers [", a.first_layer(), ", ", a.end_layer(),
-                                                   ") of ", config->num_hidden_layers));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckStageLayers(a, *config));
 
   // The persistent batch and the step buffers, for the largest step. The worker that samples
   // keeps the fed tokens of sequences with a penalty on.
@@ -265,12 +230,7 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
 absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {
   const v1::Assignment& a = assignment_;
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
-  if (r.epoch() <= epoch_) {
-    return absl::InvalidArgumentError(absl::StrCat("regroup: epoch ", r.epoch(), " is not after the current ", epoch_));
-  }
-  if (a.tp_size() > 1 && r.tp_group().empty()) return absl::InvalidArgumentError("regroup: tp_group is empty");
-  if (!first && r.recv_group().empty()) return absl::InvalidArgumentError("regroup: recv_group is empty");
-  if (!last && r.send_group().empty()) return absl::InvalidArgumentError("regroup: send_group is empty");
+  SHARDSERVE_RETURN_IF_ERROR(CheckRegroup(a, epoch_, r));
   // Whatever happens next, the old groups are gone and the running batch with them.
   state_->Clear();
   epoch_ = r.epoch();
@@ -299,17 +259,9 @@ void StepExecutor::LeaveCoordinator() {
 }
 
 absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store) {
-  SHARDSERVE_RETURN_IF_ERROR(SameShard(assignment_, a));
-  v1::Regroup r;
-  r.set_epoch(a.epoch());
-  r.set_tp_group(a.tp_group());
-  r.set_send_group(a.send_group());
-  r.set_recv_group(a.recv_group());
-  if (r.epoch() <= epoch_) {
-    return absl::InvalidArgumentError(absl::StrCat("adopt: epoch ", r.epoch(), " is not after the current ", epoch_));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckAdopt(assignment_, epoch_, a));
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
-  return Regroup(r, store);
+  return Regroup(RegroupOf(a), store);
 }
 
 absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
@@ -318,7 +270,7 @@ absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
   // same everywhere, so all fail here together instead of leaving peers waiting in a collective.
   // (The penalty ids, kept only where the sampler is, are fed token ids the persistent batch
   // checked on every worker alike.)
-  return Sampler::Validate(p.step_id(), sampling_, shard_->config().vocab_size);
+  return CheckRowSampling(p.step_id(), sampling_, shard_->config().vocab_size);
 }
 
 absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* result) {

@@ -29,33 +29,11 @@
 #include "absl/time/time.h"
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/rendezvous_grants.h"
+#include "coordinator/server/rendezvous_table.h"
 #include "coordinator/server/worker_pool.h"
 #include "shardserve/v1/worker.grpc.pb.h"
 
 namespace shardserve {
-
-// Keys and values published by the workers' collectives while they form their groups
-// (worker/comm/rendezvous.h explains the keys). Bounded in the number and size of entries, so a
-// confused or hostile client cannot exhaust the coordinator's memory. Each key is written once: the
-// group names in the keys carry the epoch ("e2/tp/stage0/..."), so a key stands for one rank of one
-// epoch's group, and a second writer cannot replace the address the first one published (the
-// service logs the refusal with the peer's address). Thread-safe.
-class RendezvousTable {
- public:
-  // InvalidArgument for an empty or oversized key or value; AlreadyExists when the key holds
-  // another value (the same value again is OK: a retried Set); ResourceExhausted when full.
-  absl::Status Set(const std::string& key, const std::string& value);
-  // Waits until `key` is set (its value), `deadline` passes (DeadlineExceeded naming the key), or
-  // `cancelled` turns true (Cancelled). `cancelled` is polled every 100 ms.
-  absl::StatusOr<std::string> Get(const std::string& key, absl::Time deadline,
-                                  const std::function<bool()>& cancelled);
-
- private:
-  absl::Mutex mu_;
-  absl::CondVar set_;  // signalled on every Set
-  absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
-  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 class WorkerControlService final : public v1::WorkerControl::Service {
  public:

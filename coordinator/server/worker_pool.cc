@@ -26,9 +26,6 @@ namespace {
 // worker's peers report their own failure (a lost connection) at about the time its stream ends,
 // and the message should name the worker that vanished, not only the peers that noticed.
 constexpr absl::Duration kLossSettle = absl::Seconds(1);
-// Lengths of the strings a worker sends that are kept and shown.
-constexpr size_t kMaxNameLength = 256;
-constexpr size_t kMaxFailureLength = 4096;
 // Why a worker whose stream is gone is lost, whether the reader or a writer noticed first.
 constexpr char kStreamEnded[] =
     "its control stream ended (the process exited or was killed, or the connection dropped)";
@@ -46,22 +43,6 @@ constexpr uint64_t kMaxHeldEpoch = uint64_t{1} << 62;
 // Memory bandwidth assumed where a worker reports none (a CPU worker without
 // --memory-bandwidth-gbps): a server's DRAM. Register refuses a figure the planner does not take.
 constexpr double kAssumedMemoryBytesPerS = 20e9;
-// The most memory a worker may report: the planner's bound on one device's (cluster.cc).
-constexpr int64_t kMaxWorkerMemory = int64_t{1} << 50;
-// The highest K of a "cuda:K" device a worker may report: far above the GPUs of any host.
-constexpr int kMaxDeviceOrdinal = 4095;
-
-// "cpu", "cuda" or "cuda:K", K a decimal number in [0, kMaxDeviceOrdinal] (the worker's
-// --device, as worker/step_executor.h ParseDevice takes it, without a sign or spaces).
-bool ValidDevice(const std::string& device) {
-  if (device == "cpu" || device == "cuda") return true;
-  if (device.rfind("cuda:", 0) != 0) return false;
-  const std::string k = device.substr(5);
-  if (k.empty() || k.size() > 4 || !std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return false;
-  }
-  return std::stoi(k) <= kMaxDeviceOrdinal;
-}
 
 // The planner's cluster for the workers. The figures for the links and the memory bandwidth only
 // feed the planner's decode estimate, which chooses nothing here (the layout is fixed by the
@@ -94,10 +75,6 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   return p;
 }
 
-
-bool Printable(const std::string& s) {
-  return std::all_of(s.begin(), s.end(), [](char c) { return c > ' ' && c < 127; });
-}
 
 }  // namespace
 
@@ -155,37 +132,7 @@ void WorkerPool::SetServingListener(std::function<void(bool)> listener) {
 // ---- Registration and the group ---------------------------------------------------------------
 
 absl::StatusOr<int> WorkerPool::Register(const v1::Register& hello, WorkerLink* link) {
-  if (hello.protocol_version() != kWorkerProtocolVersion) {
-    return absl::FailedPreconditionError(absl::StrCat("the worker speaks protocol version ", hello.protocol_version(),
-                                                      "; this coordinator speaks ", kWorkerProtocolVersion));
-  }
-  for (auto [field, value] : {std::pair{"node", &hello.node()}, {"device", &hello.device()},
-                              {"address", &hello.address()}, {"collective_host", &hello.collective_host()}}) {
-    if (value->empty() || value->size() > kMaxNameLength || !Printable(*value)) {
-      return absl::InvalidArgumentError(absl::StrCat("register.", field, " must be 1 to ", kMaxNameLength,
-                                                     " printable characters without spaces"));
-    }
-  }
-  if (hello.metrics_address().size() > kMaxNameLength || !Printable(hello.metrics_address())) {
-    return absl::InvalidArgumentError(absl::StrCat("register.metrics_address must be at most ", kMaxNameLength,
-                                                   " printable characters without spaces"));
-  }
-  if (!ValidDevice(hello.device())) {
-    return absl::InvalidArgumentError(absl::StrCat("register.device must be cpu, cuda or cuda:K with K in [0, ",
-                                                   kMaxDeviceOrdinal, "], got \"", hello.device(), "\""));
-  }
-  if (hello.memory_bytes() <= 0 || hello.memory_bytes() > kMaxWorkerMemory) {
-    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes must be in [1, 2^50], got ",
-                                                   hello.memory_bytes()));
-  }
-  // 0: not reported (the planner assumes kAssumedMemoryBytesPerS); anything else is a figure the
-  // planner takes, or the worker is refused. NaN fails both comparisons.
-  const double bandwidth = hello.memory_bytes_per_s();
-  if (!(bandwidth == 0 || (bandwidth >= kMinBandwidthBytesPerS && bandwidth <= kMaxBandwidthBytesPerS))) {
-    return absl::InvalidArgumentError(absl::StrCat("register.memory_bytes_per_s must be 0 (not reported) or in [",
-                                                   kMinBandwidthBytesPerS, ", ", kMaxBandwidthBytesPerS,
-                                                   "] bytes/s, got ", bandwidth));
-  }
+  SHARDSERVE_RETURN_IF_ERROR(CheckRegister(hello));
 
   std::vector<std::pair<int, v1::CoordinatorMessage>> to_send;
   int index = 0;
@@ -1114,31 +1061,7 @@ absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, 
   const Worker& w = *workers_[index];
   const bool sampler = w.stage == options_.nodes - 1 && w.tp_rank == 0;
   const int want = sampler ? step.rows : 0;
-  const int vocab = static_cast<int>(model_->config.vocab_size);
-  auto bad = [&](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " ", parts...)); };
-  if (r.sampled_ids_size() != want) {
-    return bad("came back with ", r.sampled_ids_size(), " sampled ids, expected ", want);
-  }
-  for (int32_t id : r.sampled_ids()) {
-    if (id < 0 || id >= vocab) return bad("sampled id ", id, " outside the vocabulary [0, ", vocab, ")");
-  }
-  const int want_logprobs = sampler && step.wants_logprobs ? step.rows : 0;
-  if (r.logprobs_size() != want_logprobs) {
-    return bad("came back with ", r.logprobs_size(), " logprob rows, expected ", want_logprobs);
-  }
-  for (const v1::RowLogprobs& l : r.logprobs()) {
-    if (l.top_ids_size() != l.top_logprobs_size() || l.top_ids_size() > kMaxTopLogprobs || std::isnan(l.logprob())) {
-      return bad("has a malformed logprob row");
-    }
-    for (int32_t id : l.top_ids()) {
-      if (id < 0 || id >= vocab) return bad("logprob id ", id, " outside the vocabulary [0, ", vocab, ")");
-    }
-  }
-  if (!(std::isfinite(r.forward_seconds()) && r.forward_seconds() >= 0 && std::isfinite(r.collective_seconds()) &&
-        r.collective_seconds() >= 0)) {
-    return bad("timings are not finite and >= 0");
-  }
-  return absl::OkStatus();
+  return CheckStepResult(r, want, sampler && step.wants_logprobs ? step.rows : 0, model_->config.vocab_size);
 }
 
 absl::Status WorkerPool::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {

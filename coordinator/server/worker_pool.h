@@ -83,6 +83,7 @@
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/rendezvous_grants.h"
 #include "coordinator/server/served_model.h"
+#include "coordinator/server/worker_messages.h"  // kWorkerProtocolVersion, CheckRegister
 #include "model/step_limits.h"
 #include "shardserve/v1/inference.pb.h"
 #include "shardserve/v1/worker.pb.h"
@@ -105,9 +106,6 @@ struct PoolOptions {
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };
-
-// The worker API version this coordinator speaks (worker.proto, the workers' too).
-inline constexpr int kWorkerProtocolVersion = v1::PROTOCOL_VERSION_CURRENT;
 
 // KV cache a CPU worker allocates at most when --num-kv-blocks does not say: the host's memory
 // is shared with everything else on it, and a local cluster runs several workers on one host

@@ -1,0 +1,371 @@
+// The worker's side of its control stream, against a hostile coordinator: a sequence of
+// CoordinatorMessages (each varint-length-delimited, as protobuf's SerializeDelimitedTo writes
+// them; at most kMaxMessages), handled as WorkerService::Serve handles them, through the checks a
+// worker runs before it acts (worker/step_checks.h), against the demo model's config.json
+// (models/demo, loaded once; the Assignment's model_path is not opened):
+//
+//   Assignment   a second one on the stream only under a later epoch; with adopt: CheckAdopt
+//                against the shard held; else CheckAssignment, CheckShard and CheckStageLayers,
+//                then a fresh PersistentBatch for its limits (StepExecutor::Create, minus the
+//                backend, the collectives and the weights)
+//   StepPlan     refused before an assignment, after a failure or under another epoch; else
+//                PersistentBatch::Apply, CheckRowSampling and CheckStepBatch (StepExecutor::ToBatch
+//                and LlamaShard::Forward's check): a failure makes the worker refuse every later
+//                step, as it does
+//   Regroup      CheckRegroup; the running batch dropped, the failure cleared
+//   Shutdown     ends the stream
+//
+// Invariants: every refusal is InvalidArgument (FailedPrecondition for an adoption of another
+// shard); an accepted step is executable without an out-of-range index, checked here again on
+// its own terms: equal-length token lists within the limits, token ids in the vocabulary, block
+// table entries in [0, num_kv_blocks), each token's cache slot the one its sequence's table gives
+// for its position, positions within the table and max_position_embeddings, logit rows among the
+// step's tokens and one sampling row each with penalty ids in the vocabulary.
+//
+// Seeds: SHARDSERVE_FUZZ_WRITE_SEEDS=DIR coordinator_message_fuzzer writes the seed corpus (valid
+// streams for four layouts: prefill, decode, prefix-cached blocks, penalties and logprobs, a
+// regroup, an adoption, a shutdown) into DIR and exits. With SHARDSERVE_FUZZ_VERBOSE set, every
+// refusal and accepted step is printed (each seed's steps are all accepted).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fuzz/message_stream.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "model/config.h"
+#include "model/step_limits.h"
+#include "shardserve/v1/worker.pb.h"
+#include "worker/persistent_batch.h"
+#include "worker/step_checks.h"
+
+namespace {
+
+using shardserve::v1::CoordinatorMessage;
+
+constexpr int kMaxMessages = 64;
+
+const shardserve::ModelConfig& Config() {
+  static const shardserve::ModelConfig* config = [] {
+    absl::StatusOr<shardserve::ModelConfig> c =
+        shardserve::LoadModelConfig(std::string(SHARDSERVE_SOURCE_DIR) + "/models/demo");
+    if (!c.ok()) {
+      std::fprintf(stderr, "coordinator_message_fuzzer: %s\n", std::string(c.status().message()).c_str());
+      std::abort();
+    }
+    return new shardserve::ModelConfig(*c);
+  }();
+  return *config;
+}
+
+void Check(bool ok, const char* what) {
+  if (ok) return;
+  std::fprintf(stderr, "coordinator_message_fuzzer: %s\n", what);
+  std::abort();
+}
+
+void CheckRefusal(const absl::Status& s, bool may_be_precondition = false) {
+  shardserve_fuzz::Say("refused", s);
+  Check(absl::IsInvalidArgument(s) || (may_be_precondition && absl::IsFailedPrecondition(s)),
+        "a refusal that is not InvalidArgument");
+}
+
+// The shard a worker holds after a successful load (what StepExecutor keeps).
+struct Shard {
+  shardserve::v1::Assignment assignment;
+  shardserve::StepLimits limits;
+  uint64_t epoch = 0;
+  bool first = false;
+  std::unique_ptr<shardserve::PersistentBatch> state;
+  shardserve::StepBatch batch;
+  google::protobuf::RepeatedPtrField<shardserve::v1::RowSampling> sampling;
+};
+
+// An accepted step, checked on its own terms: what the kernels index with these vectors.
+void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
+  const shardserve::ModelConfig& config = Config();
+  const shardserve::StepLimits& l = shard.limits;
+  const shardserve::StepBatch& b = shard.batch;
+  const int64_t n = static_cast<int64_t>(b.positions.size()), width = l.max_blocks_per_seq(), bs = l.block_size;
+  Check(n >= 1 && n <= l.max_tokens_per_step, "tokens outside [1, max_tokens_per_step]");
+  Check(static_cast<int64_t>(b.token_seq.size()) == n && static_cast<int64_t>(b.slots.size()) == n,
+        "token lists of unequal length");
+  Check(!shard.first || static_cast<int64_t>(b.token_ids.size()) == n, "token ids of another length");
+  Check(b.num_seqs >= 1 && b.num_seqs <= l.max_seqs_per_step && b.num_seqs == plan.row_seq_ids_size(),
+        "sequences outside [1, max_seqs_per_step]");
+  Check(static_cast<int64_t>(b.block_tables.size()) == b.num_seqs * width, "block tables of the wrong size");
+  for (int32_t block : b.block_tables) Check(block >= 0 && block < l.num_kv_blocks, "a block outside the cache");
+  for (int64_t t = 0; t < n; ++t) {
+    if (shard.first) Check(b.token_ids[t] >= 0 && b.token_ids[t] < config.vocab_size, "a token id outside the vocabulary");
+    const int64_t seq = b.token_seq[t], pos = b.positions[t];
+    Check(seq >= 0 && seq < b.num_seqs, "a token of no sequence");
+    Check(t == 0 || b.token_seq[t - 1] <= seq, "a sequence's tokens not together");
+    Check(pos >= 0 && pos < width * bs && pos < config.max_position_embeddings, "a position outside the context");
+    const int64_t slot = static_cast<int64_t>(b.block_tables[seq * width + pos / bs]) * bs + pos % bs;
+    Check(b.slots[t] == slot, "a cache slot that is not the table's for its position");
+    Check(slot >= 0 && slot < l.num_kv_blocks * bs, "a cache slot outside the cache");
+  }
+  Check(static_cast<int>(b.logit_rows.size()) == shard.sampling.size() &&
+            static_cast<int64_t>(b.logit_rows.size()) <= l.max_seqs_per_step,
+        "logit rows and sampling rows differ");
+  for (int32_t r : b.logit_rows) Check(r >= 0 && r < n, "a logit row outside the step");
+  for (const shardserve::v1::RowSampling& r : shard.sampling) {
+    Check(r.top_logprobs() >= 0 && r.top_logprobs() <= 20, "top_logprobs outside [0, 20]");
+    for (int32_t id : r.penalty_prompt_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
+    for (int32_t id : r.penalty_output_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
+  }
+}
+
+// ---- The seed corpus (SHARDSERVE_FUZZ_WRITE_SEEDS) ----
+
+shardserve::v1::Assignment SeedAssignment(int stage, int num_stages, int tp_rank, int tp_size, uint64_t epoch) {
+  shardserve::v1::Assignment a;
+  a.set_worker_id("w" + std::to_string(stage * tp_size + tp_rank));
+  a.set_model_path("models/demo");
+  a.set_stage(stage);
+  a.set_num_stages(num_stages);
+  a.set_tp_rank(tp_rank);
+  a.set_tp_size(tp_size);
+  const int layers = static_cast<int>(Config().num_hidden_layers);
+  a.set_first_layer(layers * stage / num_stages);
+  a.set_end_layer(layers * (stage + 1) / num_stages);
+  if (tp_size > 1) a.set_tp_group("tp-s" + std::to_string(stage) + "-e" + std::to_string(epoch));
+  if (stage > 0) a.set_recv_group("pp-" + std::to_string(stage - 1) + "-e" + std::to_string(epoch));
+  if (stage + 1 < num_stages) a.set_send_group("pp-" + std::to_string(stage) + "-e" + std::to_string(epoch));
+  a.set_collective_timeout_seconds(60);
+  shardserve::StepLimits limits{.max_tokens_per_step = 64, .max_seqs_per_step = 4, .block_size = 16,
+                                .num_kv_blocks = 32, .max_model_len = 256};
+  shardserve::ToProto(limits, a.mutable_limits());
+  a.set_epoch(epoch);
+  a.set_rendezvous_token("token");
+  return a;
+}
+
+// A step feeding `count` tokens to each of `rows` (seq id, start position, samples).
+struct Row {
+  uint64_t seq;
+  int start, count;
+  bool samples;
+};
+CoordinatorMessage SeedStep(uint64_t step_id, uint64_t epoch, const std::vector<Row>& rows) {
+  CoordinatorMessage m;
+  shardserve::v1::StepPlan* p = m.mutable_step();
+  p->set_step_id(step_id);
+  p->set_epoch(epoch);
+  for (const Row& r : rows) {
+    p->add_row_seq_ids(r.seq);
+    p->add_row_start_positions(r.start);
+    p->add_row_num_tokens(r.count);
+    p->add_row_samples(r.samples);
+    for (int i = 0; i < r.count; ++i) p->add_token_ids(static_cast<int32_t>((r.start + i) * 37 % Config().vocab_size));
+  }
+  return m;
+}
+
+shardserve::v1::NewSeq* AddSeq(CoordinatorMessage* m, uint64_t id, std::vector<int32_t> blocks, int prompt_len) {
+  shardserve::v1::NewSeq* s = m->mutable_step()->add_new_seqs();
+  s->set_seq_id(id);
+  for (int32_t b : blocks) s->add_block_ids(b);
+  s->set_prompt_len(prompt_len);
+  return s;
+}
+
+void WriteSeed(const std::string& dir, const std::string& name, const std::vector<CoordinatorMessage>& stream) {
+  std::string bytes;
+  for (const CoordinatorMessage& m : stream) bytes += shardserve_fuzz::Delimited(m);
+  shardserve_fuzz::WriteFile(dir, name, bytes);
+}
+
+void WriteSeeds(const std::string& dir) {
+  auto assignment = [](const shardserve::v1::Assignment& a) {
+    CoordinatorMessage m;
+    *m.mutable_assignment() = a;
+    return m;
+  };
+  CoordinatorMessage shutdown;
+  shutdown.mutable_shutdown()->set_reason("the coordinator stops");
+
+  // One stage, TP 1: a prefill that samples, a decode, then a second sequence with penalties and
+  // logprobs after the first is freed.
+  {
+    std::vector<CoordinatorMessage> s{assignment(SeedAssignment(0, 1, 0, 1, 1))};
+    CoordinatorMessage prefill = SeedStep(1, 1, {{1, 0, 20, true}});
+    AddSeq(&prefill, 1, {0, 1}, 20);
+    s.push_back(prefill);
+    s.push_back(SeedStep(2, 1, {{1, 20, 1, true}}));
+    CoordinatorMessage second = SeedStep(3, 1, {{2, 0, 5, true}});
+    second.mutable_step()->add_freed_seq_ids(1);
+    shardserve::v1::RowSampling* r = AddSeq(&second, 2, {2}, 5)->mutable_sampling();
+    r->set_temperature(0.7f);
+    r->set_top_k(40);
+    r->set_top_p(0.9f);
+    r->set_seed(7);
+    r->set_repetition_penalty(1.2f);
+    r->set_presence_penalty(0.5f);
+    r->set_logprobs(true);
+    r->set_top_logprobs(3);
+    s.push_back(second);
+    s.push_back(SeedStep(4, 1, {{2, 5, 1, true}}));
+    s.push_back(shutdown);
+    WriteSeed(dir, "single_stage", s);
+  }
+  // The last of two stages, TP rank 0 of 2: a sequence whose first block is shared (prefix cache),
+  // blocks appended as it grows, two sequences in one step, then a regroup under epoch 2.
+  {
+    std::vector<CoordinatorMessage> s{assignment(SeedAssignment(1, 2, 0, 2, 3))};
+    CoordinatorMessage first = SeedStep(1, 3, {{5, 16, 4, true}, {6, 0, 3, false}});
+    AddSeq(&first, 5, {3, 4}, 20)->set_num_cached_tokens(16);
+    AddSeq(&first, 6, {7}, 10);
+    s.push_back(first);
+    CoordinatorMessage grow = SeedStep(2, 3, {{5, 20, 1, true}, {6, 3, 7, true}});
+    shardserve::v1::SeqBlocks* more = grow.mutable_step()->add_appended_blocks();
+    more->set_seq_id(6);
+    more->add_block_ids(8);
+    s.push_back(grow);
+    CoordinatorMessage regroup;
+    regroup.mutable_regroup()->set_epoch(4);
+    regroup.mutable_regroup()->set_tp_group("tp-s1-e4");
+    regroup.mutable_regroup()->set_recv_group("pp-0-e4");
+    regroup.mutable_regroup()->set_rendezvous_token("token2");
+    s.push_back(regroup);
+    CoordinatorMessage again = SeedStep(3, 4, {{5, 0, 21, true}});
+    AddSeq(&again, 5, {9, 10}, 20);
+    s.push_back(again);
+    WriteSeed(dir, "last_stage_tp2_regroup", s);
+  }
+  // The first of two stages: a long prefill in two chunks (the first does not sample).
+  {
+    std::vector<CoordinatorMessage> s{assignment(SeedAssignment(0, 2, 0, 1, 1))};
+    CoordinatorMessage chunk = SeedStep(1, 1, {{9, 0, 64, false}});
+    AddSeq(&chunk, 9, {0, 1, 2, 3, 4}, 70);
+    s.push_back(chunk);
+    s.push_back(SeedStep(2, 1, {{9, 64, 6, true}}));
+    WriteSeed(dir, "first_stage_chunked", s);
+  }
+  // A new coordinator adopts the shard under epoch 2 (another worker id and groups), then a step.
+  {
+    shardserve::v1::Assignment held = SeedAssignment(0, 1, 0, 1, 1);
+    shardserve::v1::Assignment adopt = SeedAssignment(0, 1, 0, 1, 2);
+    adopt.set_worker_id("w9");
+    adopt.set_adopt(true);
+    std::vector<CoordinatorMessage> s{assignment(held), assignment(adopt)};
+    CoordinatorMessage step = SeedStep(1, 2, {{1, 0, 3, true}});
+    AddSeq(&step, 1, {5}, 3);
+    s.push_back(step);
+    WriteSeed(dir, "adopt", s);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  Config();
+  shardserve_fuzz::Initialize(WriteSeeds);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  google::protobuf::io::ArrayInputStream bytes(data, static_cast<int>(std::min<size_t>(size, INT32_MAX)));
+  google::protobuf::io::CodedInputStream in(&bytes);
+  const shardserve::ModelConfig& config = Config();
+  std::unique_ptr<Shard> shard;
+  bool assigned_this_stream = false, failed = false;
+  uint64_t epoch = 0;  // the held shard's; the last assignment's before any load
+  CoordinatorMessage m;
+  for (int i = 0; i < kMaxMessages; ++i) {
+    if (!shardserve_fuzz::Next(&in, &m)) break;
+    switch (m.msg_case()) {
+      case CoordinatorMessage::kAssignment: {
+        const shardserve::v1::Assignment& a = m.assignment();
+        if (assigned_this_stream && a.epoch() <= epoch) {
+          failed = true;  // a second assignment
+          break;
+        }
+        assigned_this_stream = true;
+        if (a.adopt()) {
+          if (shard == nullptr) {
+            failed = true;
+            break;
+          }
+          const absl::Status s = shardserve::CheckAdopt(shard->assignment, shard->epoch, a);
+          if (!s.ok()) {
+            CheckRefusal(s, /*may_be_precondition=*/true);
+            shard.reset();
+            failed = true;
+            break;
+          }
+          shard->assignment = a;
+          shard->epoch = epoch = a.epoch();
+          shard->state->Clear();
+          failed = false;
+          break;
+        }
+        shard.reset();  // a load drops the shard held first
+        epoch = a.epoch();
+        failed = false;
+        absl::Status s = shardserve::CheckAssignment(a);
+        const shardserve::StepLimits limits = shardserve::FromProto(a.limits());
+        if (s.ok()) s = shardserve::CheckShard(config, shardserve::ShardSpecOf(a), limits);
+        if (s.ok()) s = shardserve::CheckStageLayers(a, config);
+        if (!s.ok()) {
+          CheckRefusal(s);
+          failed = true;
+          break;
+        }
+        shard = std::make_unique<Shard>();
+        shard->assignment = a;
+        shard->limits = limits;
+        shard->epoch = a.epoch();
+        shard->first = a.stage() == 0;
+        const bool samples = a.stage() + 1 == a.num_stages() && a.tp_rank() == 0;
+        shard->state = std::make_unique<shardserve::PersistentBatch>(limits, config.vocab_size, samples);
+        shard->state->Reserve(&shard->batch);
+        break;
+      }
+      case CoordinatorMessage::kStep: {
+        const shardserve::v1::StepPlan& plan = m.step();
+        if (failed || shard == nullptr || plan.epoch() != shard->epoch) break;  // refused before any check
+        absl::Status s = shard->state->Apply(plan, &shard->batch, &shard->sampling);
+        if (s.ok()) s = shardserve::CheckRowSampling(plan.step_id(), shard->sampling, config.vocab_size);
+        if (s.ok()) s = shardserve::CheckStepBatch(shard->batch, shard->limits, config, shard->first);
+        if (!s.ok()) {
+          CheckRefusal(s);
+          failed = true;  // the running batch is undefined now: no more steps until a regroup
+          break;
+        }
+        CheckAccepted(*shard, plan);
+        shardserve_fuzz::Say("accepted step", absl::OkStatus());
+        break;
+      }
+      case CoordinatorMessage::kRegroup: {
+        if (shard == nullptr) {
+          failed = true;
+          break;
+        }
+        const shardserve::v1::Regroup& r = m.regroup();
+        const absl::Status s = shardserve::CheckRegroup(shard->assignment, shard->epoch, r);
+        if (!s.ok()) {
+          CheckRefusal(s);
+          failed = true;
+          break;
+        }
+        shard->state->Clear();
+        failed = false;
+        shard->epoch = epoch = r.epoch();
+        shard->assignment.set_epoch(r.epoch());
+        break;
+      }
+      case CoordinatorMessage::kShutdown:
+        return 0;
+      case CoordinatorMessage::MSG_NOT_SET:
+        break;
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,191 @@
+#include "worker/step_checks.h"
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "base/status_macros.h"
+#include "kernels/sampling.h"
+#include "model/shard_identity.h"
+#include "model/sharding.h"
+
+namespace shardserve {
+namespace {
+
+// Bounds on what an assignment may ask for: far above any real deployment, low enough that no
+// product of them overflows and a corrupt message cannot ask for absurd allocations.
+constexpr int64_t kMaxRanks = 1024;
+constexpr double kMaxCollectiveTimeoutSeconds = 24 * 3600;
+
+// The end of `spec`'s layer range, -1 resolved.
+int64_t EndLayer(const ShardSpec& spec, const ModelConfig& config) {
+  return spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
+}
+
+}  // namespace
+
+absl::Status CheckAssignment(const v1::Assignment& a) {
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("assignment: ", parts...)); };
+  if (a.model_path().empty()) return bad("model_path is empty");
+  if (a.num_stages() < 1 || a.num_stages() > kMaxRanks) return bad("num_stages ", a.num_stages(), " outside [1, ", kMaxRanks, "]");
+  if (a.stage() < 0 || a.stage() >= a.num_stages()) return bad("stage ", a.stage(), " outside [0, ", a.num_stages(), ")");
+  if (a.tp_size() < 1 || a.tp_size() > kMaxRanks) return bad("tp_size ", a.tp_size(), " outside [1, ", kMaxRanks, "]");
+  if (a.tp_rank() < 0 || a.tp_rank() >= a.tp_size()) return bad("tp_rank ", a.tp_rank(), " outside [0, ", a.tp_size(), ")");
+  if (a.tp_size() > 1 && a.tp_group().empty()) return bad("tp_group is empty but tp_size is ", a.tp_size());
+  if (a.stage() > 0 && a.recv_group().empty()) return bad("recv_group is empty on stage ", a.stage());
+  if (a.stage() + 1 < a.num_stages() && a.send_group().empty()) return bad("send_group is empty on stage ", a.stage());
+  if (!v1::WeightQuantization_IsValid(a.weight_quantization())) {
+    return bad("weight_quantization ", static_cast<int>(a.weight_quantization()), " is not one this worker knows");
+  }
+  if (!a.has_limits()) return bad("limits are missing");
+  if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
+  if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
+    return bad("collective_timeout_seconds ", a.collective_timeout_seconds(), " outside (0, ",
+               kMaxCollectiveTimeoutSeconds, "]");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const StepLimits& limits) {
+  const int64_t L = config.num_hidden_layers, end = EndLayer(spec, config);
+  if (spec.first_layer < 0 || spec.first_layer >= end || end > L) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", spec.first_layer, ", ", end,
+                                                   ") is not a non-empty part of the model's ", L, " layers"));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(limits.ValidateDecided());
+  SHARDSERVE_RETURN_IF_ERROR(ComputeTpShard(config, spec.tp_rank, spec.tp_size).status());
+  return CheckQuantizedShard(config, spec.tp_size, spec.weight_quant);
+}
+
+ShardSpec ShardSpecOf(const v1::Assignment& a) {
+  const WeightQuant quant = a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT8   ? WeightQuant::kInt8
+                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
+                            : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_FP8  ? WeightQuant::kFp8
+                                                                                      : WeightQuant::kNone;
+  return ShardSpec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant};
+}
+
+absl::Status CheckStageLayers(const v1::Assignment& a, const ModelConfig& config) {
+  const ShardSpec spec = ShardSpecOf(a);
+  const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
+  if ((spec.first_layer == 0) != first || (EndLayer(spec, config) == config.num_hidden_layers) != last) {
+    return absl::InvalidArgumentError(absl::StrCat("assignment: stage ", a.stage(), " of ", a.num_stages(),
+                                                   " does not match layers [", a.first_layer(), ", ", a.end_layer(),
+                                                   ") of ", config.num_hidden_layers));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRegroup(const v1::Assignment& a, uint64_t epoch, const v1::Regroup& r) {
+  const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
+  if (r.epoch() <= epoch) {
+    return absl::InvalidArgumentError(absl::StrCat("regroup: epoch ", r.epoch(), " is not after the current ", epoch));
+  }
+  if (a.tp_size() > 1 && r.tp_group().empty()) return absl::InvalidArgumentError("regroup: tp_group is empty");
+  if (!first && r.recv_group().empty()) return absl::InvalidArgumentError("regroup: recv_group is empty");
+  if (!last && r.send_group().empty()) return absl::InvalidArgumentError("regroup: send_group is empty");
+  return absl::OkStatus();
+}
+
+v1::Regroup RegroupOf(const v1::Assignment& a) {
+  v1::Regroup r;
+  r.set_epoch(a.epoch());
+  r.set_tp_group(a.tp_group());
+  r.set_send_group(a.send_group());
+  r.set_recv_group(a.recv_group());
+  r.set_rendezvous_token(a.rendezvous_token());
+  return r;
+}
+
+absl::Status CheckAdopt(const v1::Assignment& held, uint64_t epoch, const v1::Assignment& wanted) {
+  SHARDSERVE_RETURN_IF_ERROR(SameShard(held, wanted));
+  if (wanted.epoch() <= epoch) {
+    return absl::InvalidArgumentError(absl::StrCat("adopt: epoch ", wanted.epoch(), " is not after the current ", epoch));
+  }
+  return CheckRegroup(wanted, epoch, RegroupOf(wanted));
+}
+
+absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows,
+                              int64_t vocab_size) {
+  for (int i = 0; i < rows.size(); ++i) {
+    const v1::RowSampling& r = rows[i];
+    const auto bad = [&](absl::string_view field, const auto& value, absl::string_view want) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step_id, " row ", i, ": ", field, " ", value, " ", want));
+    };
+    // Written so that NaN fails every check.
+    if (!(std::isfinite(r.temperature()) && r.temperature() >= 0)) {
+      return bad("temperature", r.temperature(), "must be finite and >= 0 (0: greedy)");
+    }
+    if (r.top_k() < 0) return bad("top_k", r.top_k(), "must be >= 0 (0: no limit)");
+    if (!(r.top_p() >= 0 && r.top_p() <= 1)) return bad("top_p", r.top_p(), "is outside [0, 1] (0 or 1: no limit)");
+    if (!(r.min_p() >= 0 && r.min_p() <= 1)) return bad("min_p", r.min_p(), "is outside [0, 1] (0: off)");
+    if (!(r.repetition_penalty() >= 0 && r.repetition_penalty() <= kMaxRepetitionPenalty)) {
+      return bad("repetition_penalty", r.repetition_penalty(),
+                 absl::StrCat("must be 0 (off) or in (0, ", kMaxRepetitionPenalty, "]"));
+    }
+    for (auto [field, value] : {std::pair{"presence_penalty", r.presence_penalty()},
+                                std::pair{"frequency_penalty", r.frequency_penalty()}}) {
+      if (!(value >= -kMaxAbsPresenceFrequencyPenalty && value <= kMaxAbsPresenceFrequencyPenalty)) {
+        return bad(field, value,
+                   absl::StrCat("is outside [", -kMaxAbsPresenceFrequencyPenalty, ", ", kMaxAbsPresenceFrequencyPenalty, "]"));
+      }
+    }
+    if (r.top_logprobs() < 0 || r.top_logprobs() > kMaxTopLogprobs) {
+      return bad("top_logprobs", r.top_logprobs(), absl::StrCat("is outside [0, ", kMaxTopLogprobs, "]"));
+    }
+    if (r.top_logprobs() > 0 && !r.logprobs()) return bad("top_logprobs", r.top_logprobs(), "is set without logprobs");
+    for (auto [field, ids] : {std::pair{"penalty_prompt_ids", &r.penalty_prompt_ids()},
+                              std::pair{"penalty_output_ids", &r.penalty_output_ids()}}) {
+      for (int j = 0; j < ids->size(); ++j) {
+        if ((*ids)[j] < 0 || (*ids)[j] >= vocab_size) {
+          return bad(absl::StrCat(field, "[", j, "]"), (*ids)[j],
+                     absl::StrCat("is outside the vocabulary [0, ", vocab_size, ")"));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStepBatch(const StepBatch& b, const StepLimits& limits, const ModelConfig& config, bool first_stage) {
+  const size_t n = b.positions.size();
+  auto bad = [](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step batch: ", parts...)); };
+  if (n == 0 || static_cast<int64_t>(n) > limits.max_tokens_per_step) {
+    return bad(n, " tokens; a step takes 1 to ", limits.max_tokens_per_step);
+  }
+  if (b.token_seq.size() != n || b.slots.size() != n || (first_stage && b.token_ids.size() != n)) {
+    return bad("token_ids, positions, token_seq and slots must all have ", n, " entries");
+  }
+  if (b.num_seqs <= 0 || b.num_seqs > limits.max_seqs_per_step) {
+    return bad(b.num_seqs, " sequences; a step takes 1 to ", limits.max_seqs_per_step);
+  }
+  if (static_cast<int64_t>(b.block_tables.size()) != b.num_seqs * limits.max_blocks_per_seq()) {
+    return bad("block_tables has ", b.block_tables.size(), " entries, expected ", b.num_seqs, " x ",
+               limits.max_blocks_per_seq());
+  }
+  if (static_cast<int64_t>(b.logit_rows.size()) > limits.max_seqs_per_step) {
+    return bad(b.logit_rows.size(), " logit rows; at most ", limits.max_seqs_per_step);
+  }
+  const int64_t slots = limits.num_kv_blocks * limits.block_size;
+  for (size_t t = 0; t < n; ++t) {
+    if (first_stage && (b.token_ids[t] < 0 || b.token_ids[t] >= config.vocab_size)) {
+      return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config.vocab_size, ")");
+    }
+    if (b.positions[t] < 0 || b.positions[t] >= limits.max_blocks_per_seq() * limits.block_size ||
+        (config.max_position_embeddings > 0 && b.positions[t] >= config.max_position_embeddings)) {
+      return bad("position ", b.positions[t], " outside the context this shard serves");
+    }
+    if (b.token_seq[t] < 0 || b.token_seq[t] >= b.num_seqs) return bad("token_seq ", b.token_seq[t], " out of range");
+    if (b.slots[t] < 0 || b.slots[t] >= slots) return bad("cache slot ", b.slots[t], " outside [0, ", slots, ")");
+  }
+  for (int32_t block : b.block_tables) {
+    if (block < 0 || block >= limits.num_kv_blocks) return bad("block ", block, " outside [0, ", limits.num_kv_blocks, ")");
+  }
+  for (int32_t r : b.logit_rows) {
+    if (r < 0 || static_cast<size_t>(r) >= n) return bad("logit row ", r, " outside the step's ", n, " tokens");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve
