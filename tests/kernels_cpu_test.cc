@@ -740,10 +740,11 @@ TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
 
 // Each instruction set's instance (baseline x86-64, AVX2 + FMA, AVX-512) of the int8, fp8 and int4
 // products, called directly, against the dequantize-then-multiply reference at 1, 4, 32 and 64
-// input rows and odd ones (3, 65), k and m with tails (k not a multiple of 8 / 16 / 128, m not of
-// the 8-row tiles), with bias. Outputs start NaN between guard bytes (a missed or stray write
-// fails). Limits as the backend tests': 1e-5 for int8 / fp8 (float32 rounding of k <= 1024
-// terms, lane sums in a fixed order), 1e-4 for int4 (its two sums per group, see
+// input rows and others (2, 3, 65: the VNNI int4 tiles of 2 and 3 input rows, odd ones), k and m
+// with tails (k not a multiple of 8 / 16 / 128, m not of the 8-row tiles), with bias. Outputs
+// start NaN between guard bytes (a missed or stray write fails). Limits as the backend tests':
+// 1e-5 for int8 / fp8 (float32 rounding of k <= 1024 terms, lane sums in a fixed order), 1e-4
+// for int4 (its two sums per group, see
 // Int4MatMulEqualsTheDequantizedProduct). A NaN in one input row makes that row's outputs NaN
 // and no other's; an Inf row gives +-Inf or NaN there and leaves the others exact. An instance
 // this CPU lacks is skipped, saying so. Every fifth int8 code is -128 (a checkpoint's, not the
@@ -777,7 +778,7 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
     DequantizeInt8Rows(ref8.data(), s8.data(), q8.data(), m, k);
     DequantizeFp8Rows(reff8.data(), sf8.data(), qf8.data(), m, k);
     DequantizeInt4Groups(ref4.data(), blocks.data(), m, k);
-    for (int64_t n : {1, 3, 4, 32, 64, 65}) {
+    for (int64_t n : {1, 2, 3, 4, 32, 64, 65}) {
       std::vector<float> x = Random(rng, n * k);
       for (int format = 0; format < 3; ++format) {
         const char* name = format == 0 ? "int8" : format == 1 ? "fp8" : "int4";

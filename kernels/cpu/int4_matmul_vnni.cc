@@ -1,16 +1,21 @@
 // The AVX-512 VNNI instance of the int4 products (int4_matmul_tiles.h's Int4MatMulVnni): the input
-// rows quantized to int8 (activation_rows.h), each group's 4-bit values multiplied against them as
-// integers, 64 at a time (VPDPBUSD: the unsigned nibbles times the signed activations, summed in
-// int32, exact), then scaled per group in float32:
-//   y[i][r] = sx[i] x sum_g s[r][g] x (sum_j q_j xq_j - z[r][g] x sum_j xq_j).
+// rows quantized to int8 (activation_rows.h), each group's 4-bit values less its zero point
+// multiplied against them as integers, 64 at a time (VPDPBUSD), then scaled per group in float32:
+//   y[i][r] = sx[i] x sum_g s[r][g] x sum_j (q_j - z[r][g]) xq_j.
+// VPDPBUSD multiplies unsigned by signed bytes: the activations go in as xq + 128 (unsigned) and the
+// weights as q - z (signed, in [-15, 15]), and each group's sum starts from -128 x sum_j (q_j - z),
+// so that the int32 sum is sum_j (q_j - z) xq_j exactly (|(q - z)(xq + 128)| x 128 < 2^19).
 // Inexact as the int8 VNNI product (the activations' rounding), so only when asked for
-// (QuantIsa::kAvx512Vnni). Its gain is in decode: a group's 128 weights take one 64-byte load, a
-// shift, two masks and two VPDPBUSD, against the float instances' 16 conversions and 16 FMAs.
+// (QuantIsa::kAvx512Vnni). A tile is up to 4 weight rows x 4 input rows (16 float32 sums, the
+// input rows' bytes and one weight row's in registers: each weight group is unpacked once per 4
+// input rows), or 8 weight rows x 1 input row for a lone (decode) row. Per group and pair of rows
+// the work is two VPDPBUSD, one conversion and one FMA.
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni
 // (kernels/CMakeLists.txt); Int4MatMul calls it only on CPUs that have them.
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cpu/activation_rows.h"
 #include "kernels/cpu/column_tiles.h"
@@ -20,63 +25,65 @@ namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: one zmm of bytes, the low (or high) nibbles of a block
+constexpr int kMaxInputs = 4;                  // input rows per tile
+constexpr int kRowsWithInputs = 4;             // weight rows per tile of 2 or more input rows
+constexpr int kRowsAlone = 8;                  // weight rows per tile of one input row
 
 // y[i .. i+I) x columns [r, r+R): per group, the int32 dot products in 16 lanes, converted and
-// scaled by the group's scale into float32 lanes; the zero points' part (z x s x sum xq) summed
-// apart; one lane sum at the end.
+// scaled by the group's scale into float32 lanes; one lane sum at the end.
 template <int R, int I>
 inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_t k, const Int4Group128* blocks,
                  const float* bias, int64_t r) {
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
   __m512 acc[I][R];
-  float zero_part[I][R] = {};
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) acc[a][b] = _mm512_setzero_ps();
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // xq + 128, and the 128 of the start
   for (int64_t g = 0; g < groups; ++g) {
     __m512i xlo[I], xhi[I];
     for (int a = 0; a < I; ++a) {
       const int8_t* row = xq.values.data() + ((i + a) * xq.blocks + g) * kInt4GroupSize;
-      xlo[a] = _mm512_loadu_si512(row);
-      xhi[a] = _mm512_loadu_si512(row + kHalf);
+      xlo[a] = _mm512_xor_si512(_mm512_loadu_si512(row), flip);
+      xhi[a] = _mm512_xor_si512(_mm512_loadu_si512(row + kHalf), flip);
     }
     for (int b = 0; b < R; ++b) {
       const Int4Group128& block = blocks[(r + b) * groups + g];
       // Byte j: value j in its low nibble, value j + 64 in its high one (kernels/quant.h). A short
-      // last group's unused nibbles are 0 and meet the activations' zero padding.
+      // last group's unused nibbles are 0: as q - z = -z against xq + 128 = 128 (the activations'
+      // zero padding) they add -128 z, which the start takes away again.
       const __m512i bytes = _mm512_loadu_si512(block.q);
-      const __m512i qlo = _mm512_and_si512(bytes, low);
-      const __m512i qhi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const __m512i z = _mm512_set1_epi8(static_cast<char>(block.zero));
+      const __m512i qlo = _mm512_sub_epi8(_mm512_and_si512(bytes, low), z);
+      const __m512i qhi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low), z);
+      const __m512i start =
+          _mm512_sub_epi32(_mm512_setzero_si512(),
+                           _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, qlo), flip, qhi));
       const __m512 s = _mm512_set1_ps(block.scale);
       for (int a = 0; a < I; ++a) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qlo, xlo[a]), qhi, xhi[a]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, xlo[a], qlo), xhi[a], qhi);
         acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[a][b]);
-        zero_part[a][b] += block.scale * static_cast<float>(block.zero * xq.block_sum[(i + a) * xq.blocks + g]);
       }
     }
   }
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) {
-      const float v = (_mm512_reduce_add_ps(acc[a][b]) - zero_part[a][b]) * xq.scale[i + a];
+      const float v = _mm512_reduce_add_ps(acc[a][b]) * xq.scale[i + a];
       y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
     }
   }
 }
 
-template <int I>
-inline void TileOf(int64_t rows, float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_t k,
-                   const Int4Group128* blocks, const float* bias, int64_t r) {
-  switch (rows) {
-    case 8: Tile<8, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 7: Tile<7, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 6: Tile<6, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 5: Tile<5, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 4: Tile<4, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 3: Tile<3, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 2: Tile<2, I>(y, xq, i, m, k, blocks, bias, r); break;
-    case 1: Tile<1, I>(y, xq, i, m, k, blocks, bias, r); break;
-    default: break;
+// f(std::integral_constant<int, count>) for count in [1, N].
+template <int N, class F>
+inline void WithCount(int64_t count, const F& f) {
+  if constexpr (N > 0) {
+    if (count == N) {
+      f(std::integral_constant<int, N>{});
+    } else {
+      WithCount<N - 1>(count, f);
+    }
   }
 }
 
@@ -87,10 +94,22 @@ void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
   QuantizeActivationRows(&xq, x, n, k, kInt4GroupSize);
   const ActivationRows& rows_q = xq;
-  ForEachTile(
-      n, m, kInt4TileRows, threads,
-      [&](int64_t rows, int64_t i, int64_t r) { TileOf<2>(rows, y, rows_q, i, m, k, blocks, bias, r); },
-      [&](int64_t rows, int64_t i, int64_t r) { TileOf<1>(rows, y, rows_q, i, m, k, blocks, bias, r); });
+  const int64_t tile_rows = n == 1 ? kRowsAlone : kRowsWithInputs;
+  ForEachColumnRange(m, kInt4TileRows, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r += tile_rows) {
+      const int64_t rows = std::min(tile_rows, r1 - r);
+      for (int64_t i = 0; i < n; i += kMaxInputs) {
+        const int64_t inputs = std::min<int64_t>(kMaxInputs, n - i);
+        if (n == 1) {
+          WithCount<kRowsAlone>(rows, [&](auto R) { Tile<R(), 1>(y, rows_q, i, m, k, blocks, bias, r); });
+        } else {
+          WithCount<kRowsWithInputs>(rows, [&](auto R) {
+            WithCount<kMaxInputs>(inputs, [&](auto I) { Tile<R(), I()>(y, rows_q, i, m, k, blocks, bias, r); });
+          });
+        }
+      }
+    }
+  });
 }
 
 }  // namespace shardserve::cpu
