@@ -6,28 +6,23 @@
 // weights as q - z (signed, in [-15, 15]), and each group's sum starts from -128 x sum_j (q_j - z),
 // so that the int32 sum is sum_j (q_j - z) xq_j exactly (|(q - z)(xq + 128)| x 128 < 2^19).
 // Inexact as the int8 VNNI product (the activations' rounding), so only when asked for
-// (QuantIsa::kAvx512Vnni). A tile is up to 4 weight rows x 4 input rows (16 float32 sums, the
-// input rows' bytes and one weight row's in registers: each weight group is unpacked once per 4
-// input rows), or 8 weight rows x 1 input row for a lone (decode) row. Per group and pair of rows
+// (QuantIsa::kAvx512Vnni). Tiles as vnni_tiles.h's (up to 4 weight x 4 input rows: each weight
+// group unpacked once per 4 input rows; 8 x 1 for a lone input row). Per group and pair of rows
 // the work is two VPDPBUSD, one conversion and one FMA.
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni
 // (kernels/CMakeLists.txt); Int4MatMul calls it only on CPUs that have them.
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/cpu/activation_rows.h"
-#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
+#include "kernels/cpu/vnni_tiles.h"
 
 namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: one zmm of bytes, the low (or high) nibbles of a block
-constexpr int kMaxInputs = 4;                  // input rows per tile
-constexpr int kRowsWithInputs = 4;             // weight rows per tile of 2 or more input rows
-constexpr int kRowsAlone = 8;                  // weight rows per tile of one input row
 
 // y[i .. i+I) x columns [r, r+R): per group, the int32 dot products in 16 lanes, converted and
 // scaled by the group's scale into float32 lanes; one lane sum at the end.
@@ -75,18 +70,6 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
   }
 }
 
-// f(std::integral_constant<int, count>) for count in [1, N].
-template <int N, class F>
-inline void WithCount(int64_t count, const F& f) {
-  if constexpr (N > 0) {
-    if (count == N) {
-      f(std::integral_constant<int, N>{});
-    } else {
-      WithCount<N - 1>(count, f);
-    }
-  }
-}
-
 }  // namespace
 
 void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
@@ -94,21 +77,8 @@ void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
   QuantizeActivationRows(&xq, x, n, k, kInt4GroupSize);
   const ActivationRows& rows_q = xq;
-  const int64_t tile_rows = n == 1 ? kRowsAlone : kRowsWithInputs;
-  ForEachColumnRange(m, kInt4TileRows, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; r += tile_rows) {
-      const int64_t rows = std::min(tile_rows, r1 - r);
-      for (int64_t i = 0; i < n; i += kMaxInputs) {
-        const int64_t inputs = std::min<int64_t>(kMaxInputs, n - i);
-        if (n == 1) {
-          WithCount<kRowsAlone>(rows, [&](auto R) { Tile<R(), 1>(y, rows_q, i, m, k, blocks, bias, r); });
-        } else {
-          WithCount<kRowsWithInputs>(rows, [&](auto R) {
-            WithCount<kMaxInputs>(inputs, [&](auto I) { Tile<R(), I()>(y, rows_q, i, m, k, blocks, bias, r); });
-          });
-        }
-      }
-    }
+  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) {
+    Tile<R(), I()>(y, rows_q, i, m, k, blocks, bias, r);
   });
 }
 
