@@ -850,6 +850,59 @@ INSTANTIATE_TEST_SUITE_P(Isa, QuantIsaTest,
                            return std::string(cpu::QuantIsaName(info.param));
                          });
 
+// --activation-quantization int8 (CpuActivationQuant::kInt8): the backend's products by int8 and
+// int4 weights are the VNNI instances' (bitwise the same as cpu::Int8MatMul / Int4MatMul called
+// with kAvx512Vnni on the packed buffer), so within kVnniLimit of the exact backend's and not
+// equal to them; fp8's stay the exact instance's, bit for bit. Describe says which runs. On a CPU
+// without AVX-512 VNNI, MakeCpuBackend refuses, naming VNNI. The names parse both ways.
+TEST(CpuActivationQuantTest, IntWeightsRunTheVnniInstance) {
+  EXPECT_EQ(*ParseCpuActivationQuant("none"), CpuActivationQuant::kNone);
+  EXPECT_EQ(*ParseCpuActivationQuant("int8"), CpuActivationQuant::kInt8);
+  EXPECT_STREQ(CpuActivationQuantName(CpuActivationQuant::kInt8), "int8");
+  const absl::StatusOr<CpuActivationQuant> bad = ParseCpuActivationQuant("int4");
+  EXPECT_TRUE(IsInvalidArgumentNaming(bad.status(), "'int4'")) << bad.status();
+  absl::StatusOr<std::unique_ptr<Backend>> act = MakeCpuBackend(2, CpuMatMul::kF32, CpuActivationQuant::kInt8);
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+    EXPECT_EQ(act.status().code(), absl::StatusCode::kFailedPrecondition) << act.status();
+    EXPECT_NE(act.status().message().find("VNNI"), std::string::npos) << act.status();
+    GTEST_SKIP() << "this CPU lacks AVX-512 VNNI: refused, as it must be";
+  }
+  ASSERT_TRUE(act.ok()) << act.status();
+  EXPECT_NE((*act)->Describe().find("int8/int4 products on avx512vnni"), std::string::npos) << (*act)->Describe();
+  std::unique_ptr<Backend> exact = MakeCpuBackend(2);
+  std::mt19937 rng(41);
+  const int64_t n = 5, m = 33, k = 300;
+  std::vector<float> w = Random(rng, m * k), x = Random(rng, n * k);
+  const Tensor tx(x.data(), DType::kF32, {n, k});
+  for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
+    const std::string what = absl::StrCat(WeightQuantName(quant), " weights");
+    std::vector<float> y_act(n * m), y_exact(n * m), y_direct(n * m);
+    Tensor packed_act, packed_exact;
+    absl::StatusOr<Buffer> b_act = (*act)->PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &packed_act, quant);
+    absl::StatusOr<Buffer> b_exact = exact->PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &packed_exact, quant);
+    ASSERT_TRUE(b_act.ok() && b_exact.ok()) << what;
+    Tensor ty_act(y_act.data(), DType::kF32, {n, m}), ty_exact(y_exact.data(), DType::kF32, {n, m});
+    ASSERT_TRUE((*act)->MatMul(&ty_act, tx, packed_act, nullptr).ok()) << what;
+    ASSERT_TRUE(exact->MatMul(&ty_exact, tx, packed_exact, nullptr).ok()) << what;
+    if (quant == WeightQuant::kFp8) {
+      EXPECT_EQ(y_act, y_exact) << what << ": fp8 has no integer instance and must stay exact";
+      continue;
+    }
+    if (quant == WeightQuant::kInt8) {
+      const auto* scale = static_cast<const float*>(packed_act.data);
+      const auto* q = static_cast<const int8_t*>(packed_act.data) + Int8RowsLayout{m, k}.scale_bytes();
+      cpu::Int8MatMul(y_direct.data(), x.data(), n, m, k, q, scale, nullptr, 1, cpu::QuantIsa::kAvx512Vnni);
+    } else {
+      cpu::Int4MatMul(y_direct.data(), x.data(), n, m, k, static_cast<const Int4Group128*>(packed_act.data), nullptr,
+                      1, cpu::QuantIsa::kAvx512Vnni);
+    }
+    EXPECT_EQ(y_act, y_direct) << what << ": the backend's product is not the VNNI instance's";
+    EXPECT_NE(y_act, y_exact) << what << ": int8 activations gave the exact products bit for bit";
+    ExpectClose(what + " with int8 activations", y_act, std::vector<double>(y_exact.begin(), y_exact.end()),
+                kVnniLimit);
+  }
+}
+
 // ---- int4 weights (kernels/quant.h Int4Group128, kernels/cpu/int4_matmul.h) ------------------
 
 // The block format's reference: every weight within one step (scale) of its value (half a step
