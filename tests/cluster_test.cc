@@ -528,6 +528,51 @@ INSTANTIATE_TEST_SUITE_P(Quantizations, ClusterQuantizationPerChannelTest,
                            return std::string(WeightQuantName(info.param));
                          });
 
+// Worker --activation-quantization int8 (launch and bench pass it to every worker) with
+// --quantization int4 on two nodes (PP = 2, TP = 1: every product sees whole input rows, so each
+// row's int8 scale is the one process's): the cluster gives exactly the greedy tokens of one
+// process whose backend rounds the activations (MakeCpuBackend with CpuActivationQuant::kInt8),
+// which differ from the exact int4 tokens on this fixture (the flag really reached the workers),
+// and each worker's log names the VNNI instance. Skipped on a CPU without AVX-512 VNNI, where the
+// workers refuse the flag (CpuActivationQuantTest checks the refusal).
+TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
+  absl::StatusOr<std::unique_ptr<Backend>> act_backend = MakeCpuBackend(0, CpuMatMul::kF32, CpuActivationQuant::kInt8);
+  if (!act_backend.ok()) GTEST_SKIP() << act_backend.status();
+  const std::string fixture = "llama_gqa";
+  const Golden golden = LoadGolden(fixture);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / fixture);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(kFixtures / fixture);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<Backend> exact_backend = MakeCpuBackend();
+  const StepLimits limits{.max_tokens_per_step = 256, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
+                          .max_model_len = 8 * 16};
+  std::vector<int32_t> reference[2];
+  for (Backend* backend : {exact_backend.get(), act_backend->get()}) {
+    LocalCommunicator tp(backend);
+    ShardSpec spec;
+    spec.weight_quant = WeightQuant::kInt4;
+    absl::StatusOr<std::unique_ptr<LlamaShard>> model =
+        LlamaShard::Load(**checkpoint, *config, spec, limits, backend, &tp);
+    ASSERT_TRUE(model.ok()) << model.status();
+    absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    reference[backend == act_backend->get()] = *ids;
+  }
+  ASSERT_NE(reference[0], reference[1]) << "int8 activations give the exact int4 tokens on " << fixture;
+
+  Cluster cluster({fixture, /*nodes=*/2, /*gpus_per_node=*/1, {"--activation-quantization", "int8"}},
+                  {"--quantization", "int4"});
+  ASSERT_TRUE(cluster.Start());
+  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 24));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, reference[1]);
+  for (int i = 0; i < cluster.num_workers(); ++i) {
+    const std::string log = Tail(cluster.worker(i).log(), size_t{1} << 20);
+    EXPECT_NE(log.find("int8/int4 products on avx512vnni"), std::string::npos) << "worker " << i << "\n" << log;
+  }
+}
+
 // --quantization int4 in every layout: each worker quantizes its own slice in groups of 128 inputs,
 // and since a row-parallel slice here is a whole number of groups (o_proj 256 / 2 = 128 inputs,
 // down_proj 512 / 2 = 256), every layout holds the very int4 weights of one process. TP = 1, TP = 2,

@@ -27,6 +27,9 @@ servers: per round, per format, llama-server (-np 32, continuous batching, -c 32
 `shardserve launch` (one CPU worker, --http-port), each driven by `shardserve bench --backend openai`
 at 1 stream and at 32 with the same token-id prompts (bench draws them from --vocab-size with --seed
 0, never an EOS id; both servers take a list of ids as the prompt, so no tokenizer is involved).
+--shardserve-args 'NAME=FLAGS' (repeatable; decode and servers) adds a shardserve variant with more
+launch / bench flags, e.g. --shardserve-args 'act8=--activation-quantization int8': its records say
+engine "shardserve[NAME]" and the report puts it beside plain shardserve, each against llama.cpp.
 Every process this script starts is in a session of its own and is killed with its group at exit.
 """
 import argparse
@@ -160,9 +163,20 @@ def llama_bench(fmt, threads, n_in, n_out, extra):
     return {"prompt_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"]}
 
 
-def shardserve_bench_one(fmt, threads, n_in, n_out, requests):
+def variants(a):
+    """The shardserve engines of a run: [(engine name, extra flags)], plain shardserve first."""
+    out = [("shardserve", [])]
+    for v in a.shardserve_args or []:
+        name, sep, flags = v.partition("=")
+        if not sep or not name or " " in name:
+            sys.exit(f"--shardserve-args wants NAME=FLAGS, got {v!r}")
+        out.append((f"shardserve[{name}]", flags.split()))
+    return out
+
+
+def shardserve_bench_one(fmt, threads, n_in, n_out, requests, extra=()):
     j = run_json([os.path.join(BIN, "shardserve"), "bench", "--model", MODEL, "--compare", "tp1",
-                  "--worker-threads", str(threads), *FORMATS[fmt][2], "--concurrency", "1",
+                  "--worker-threads", str(threads), *FORMATS[fmt][2], *extra, "--concurrency", "1",
                   "--num-requests", str(requests), "--input-len", str(n_in), "--output-len", str(n_out),
                   "--warmup", "1", "--json", "--log-dir", os.path.join(OUT, "logs", f"decode-{fmt}-t{threads}")])
     if not j or j["runs"][0].get("error") or j["runs"][0]["failed"]:
@@ -178,13 +192,14 @@ def decode(a):
     for rnd in range(1, a.rounds + 1):
         for fmt in a.formats.split(","):
             for t in (int(x) for x in a.threads.split(",")):
-                order = ["llama.cpp", "shardserve"] if rnd % 2 else ["shardserve", "llama.cpp"]
-                for engine in order:
+                engines = [("llama.cpp", [])] + variants(a)
+                order = engines if rnd % 2 else engines[::-1]
+                for engine, extra in order:
                     la = loadavg()
                     if engine == "llama.cpp":
                         r = llama_bench(fmt, t, a.input_len, a.output_len, a.llama_args.split())
                     else:
-                        r = shardserve_bench_one(fmt, t, a.input_len, a.output_len, a.requests)
+                        r = shardserve_bench_one(fmt, t, a.input_len, a.output_len, a.requests, extra)
                     rec = {"kind": "decode", "round": rnd, "format": fmt, "threads": t, "engine": engine,
                            "load_before": la, "load_after": loadavg(), **(r or {"error": True})}
                     out.write(json.dumps(rec) + "\n")
@@ -265,12 +280,12 @@ def tpot(j, n_out):
     return (j["e2e_p50_s"] - j["ttft_p50_s"]) / (n_out - 1)
 
 
-def shardserve_launch(fmt, port, threads, tmp):
+def shardserve_launch(fmt, port, threads, tmp, extra=()):
     env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(tmp, "state"))
     p = start([os.path.join(BIN, "shardserve"), "launch", "--model", MODEL, "--nodes", "1", "--gpus-per-node", "1",
                "--device", "cpu", "--worker-threads", str(threads), "--insecure", "--address", "127.0.0.1:0",
                "--metrics-port-base", "0", "--http-port", str(port), "--log-dir", os.path.join(tmp, "logs"),
-               *FORMATS[fmt][2]], os.path.join(OUT, "logs", f"launch-{fmt}.log"), env=env)
+               *FORMATS[fmt][2], *extra], os.path.join(OUT, "logs", f"launch-{fmt}.log"), env=env)
     wait_http(f"http://127.0.0.1:{port}/health", p, 600, f"shardserve launch ({fmt})")  # 503 until loaded
     return p
 
@@ -280,14 +295,15 @@ def servers(a):
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     for rnd in range(1, a.rounds + 1):
         for fmt in a.formats.split(","):
-            order = ["llama.cpp", "shardserve"] if rnd % 2 else ["shardserve", "llama.cpp"]
-            for engine in order:
+            engines = [("llama.cpp", [])] + variants(a)
+            order = engines if rnd % 2 else engines[::-1]
+            for engine, extra in order:
                 with tempfile.TemporaryDirectory(prefix="lcpp-bench-") as tmp:
                     port = free_port()
                     if engine == "llama.cpp":
                         p = llama_server(fmt, port, a.threads, 32, 32 * a.slot_ctx, a.llama_args.split())
                     else:
-                        p = shardserve_launch(fmt, port, a.threads, tmp)
+                        p = shardserve_launch(fmt, port, a.threads, tmp, extra)
                     try:
                         for conc, reqs in ((1, a.requests_1), (32, a.requests_32)):
                             la = loadavg()
@@ -326,12 +342,14 @@ def report_file(path):
                 rows = [r for r in dec if r["format"] == fmt and r["threads"] == t]
                 if not rows:
                     continue
-                cells = []
-                for key in ("decode_tok_s", "prompt_tok_s"):
-                    l = med(r[key] for r in rows if r["engine"] == "llama.cpp")
-                    s = med(r[key] for r in rows if r["engine"] == "shardserve")
-                    cells += [f"{l:.1f}", f"{s:.1f}", f"{s / l:.2f}x"]
-                print(f"| {fmt} | {t} | " + " | ".join(cells) + f" | {len({r['round'] for r in rows})} |")
+                for engine in sorted({r["engine"] for r in rows} - {"llama.cpp"}):
+                    cells = []
+                    for key in ("decode_tok_s", "prompt_tok_s"):
+                        l = med(r[key] for r in rows if r["engine"] == "llama.cpp")
+                        s = med(r[key] for r in rows if r["engine"] == engine)
+                        cells += [f"{l:.1f}", f"{s:.1f}", f"{s / l:.2f}x"]
+                    label = fmt if engine == "shardserve" else f"{fmt} {engine[len('shardserve'):]}"
+                    print(f"| {label} | {t} | " + " | ".join(cells) + f" | {len({r['round'] for r in rows})} |")
     srv = [r for r in recs if r["kind"] == "servers" and not r.get("error")]
     if srv:
         print("| format | streams | engine | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT ms | ITL p50 ms "
@@ -340,7 +358,8 @@ def report_file(path):
         for fmt in FORMATS:
             for conc in sorted({r["streams"] for r in srv}):
                 tput = {}
-                for engine in ("llama.cpp", "shardserve"):
+                engines = ["llama.cpp"] + sorted({r["engine"] for r in srv} - {"llama.cpp"})
+                for engine in engines:
                     rows = [r for r in srv if r["format"] == fmt and r["streams"] == conc and r["engine"] == engine]
                     if not rows:
                         continue
@@ -349,9 +368,10 @@ def report_file(path):
                     print(f"| {fmt} | {conc} | {engine} | {tput[engine]:.1f} | {ms('ttft_p50_s'):.0f} | "
                           f"{ms('ttft_p99_s'):.0f} | {ms('tpot_s'):.1f} | {ms('itl_p50_s'):.1f} | "
                           f"{sum(r['failed'] or 0 for r in rows)} | {len(rows)} |")
-                if len(tput) == 2:
-                    print(f"| {fmt} | {conc} | shardserve / llama.cpp | {tput['shardserve'] / tput['llama.cpp']:.2f}x "
-                          "| | | | | | |")
+                for engine in engines[1:]:
+                    if "llama.cpp" in tput and engine in tput:
+                        print(f"| {fmt} | {conc} | {engine} / llama.cpp | {tput[engine] / tput['llama.cpp']:.2f}x "
+                              "| | | | | | |")
     if loads:
         print(f"load average (1 min) over the runs: {min(loads):.1f} to {max(loads):.1f}, median {med(loads):.1f}")
 
@@ -371,6 +391,8 @@ def main():
     d.add_argument("--requests", type=int, default=3)
     d.add_argument("--out", default=os.path.join(OUT, "decode.jsonl"))
     d.add_argument("--llama-args", default="", help="more llama-bench flags, e.g. '--poll 0'")
+    d.add_argument("--shardserve-args", action="append", metavar="NAME=FLAGS",
+                   help="a shardserve variant with more bench flags (repeatable)")
     g = sub.add_parser("agree")
     g.add_argument("--tokens", type=int, default=32)
     g.add_argument("--prompt", default="0,791,1062,1419,3993,353,927,279,1605,679")
@@ -385,6 +407,9 @@ def main():
     s.add_argument("--slot-ctx", type=int, default=512)
     s.add_argument("--out", default=os.path.join(OUT, "servers.jsonl"))
     s.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0'")
+    s.add_argument("--shardserve-args", action="append", metavar="NAME=FLAGS",
+                   help="a shardserve variant with more launch flags (repeatable), e.g. "
+                        "'act8=--activation-quantization int8'")
     r = sub.add_parser("report")
     r.add_argument("file")
     a = ap.parse_args()

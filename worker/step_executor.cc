@@ -119,8 +119,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   e->collective_host_ = collective_host;
   std::tie(e->device_memory_.total, e->device_memory_.free_start) = DeviceMemoryInfo(*cuda_ordinal);
   if (*cuda_ordinal < 0) {
-    e->backend_ = MakeCpuBackend(worker_options.cpu_threads,
-                                 worker_options.cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)));
+    absl::StatusOr<std::unique_ptr<Backend>> cpu =
+        MakeCpuBackend(worker_options.cpu_threads, worker_options.cpu_matmul.value_or(ChooseCpuMatMul(config->dtype)),
+                       worker_options.cpu_activation_quant);
+    if (!cpu.ok()) return cpu.status();
+    e->backend_ = std::move(*cpu);
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);

@@ -59,6 +59,8 @@ struct StepExecutorOptions {
   std::optional<CpuMatMul> cpu_matmul;  // --matmul-dtype: none: StepExecutor::ChooseCpuMatMul's
   Collectives collectives = Collectives::kAuto;  // --collectives
   bool dummy_weights_on_device = false;          // --dummy-weights device (DummyWeights on_device)
+  // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
+  CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
 };
 
 class StepExecutor {

@@ -345,7 +345,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   absl::StatusOr<std::unique_ptr<StepExecutor>> executor =
       StepExecutor::Create(a, options_.device, &store, options_.collective_host,
                            {options_.cpu_threads, options_.cpu_matmul, options_.collectives,
-                            options_.dummy_weights_on_device});
+                            options_.dummy_weights_on_device, options_.cpu_activation_quant});
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;

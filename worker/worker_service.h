@@ -81,6 +81,8 @@ struct WorkerOptions {
   std::optional<CpuMatMul> cpu_matmul;
   Collectives collectives = Collectives::kAuto;  // --collectives (StepExecutor::Options)
   bool dummy_weights_on_device = false;          // --dummy-weights device
+  // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
+  CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).

@@ -3,6 +3,8 @@
 // quantizes activations for its integer dot products: each activation moves by up to 1/254 of its
 // row's largest, so those products are not exact against the dequantized weights (quant_isa.h).
 //
+// QuantizeActivationRows is AVX-512 code (activation_rows.cc): call it only where those products run.
+//
 // Thread-compatible value type; QuantizeActivationRows is a pure function of its arguments.
 #ifndef SHARDSERVE_KERNELS_CPU_ACTIVATION_ROWS_H_
 #define SHARDSERVE_KERNELS_CPU_ACTIVATION_ROWS_H_

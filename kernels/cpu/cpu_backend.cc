@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/quant_isa.h"
 
 namespace shardserve {
 namespace cpu {
@@ -65,6 +66,25 @@ absl::Status CpuBackend::Fill0(void* dst, size_t bytes) {
 
 std::unique_ptr<Backend> MakeCpuBackend(int threads, CpuMatMul matmul) {
   return std::make_unique<cpu::CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul);
+}
+
+absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name) {
+  if (name == "none") return CpuActivationQuant::kNone;
+  if (name == "int8") return CpuActivationQuant::kInt8;
+  return absl::InvalidArgumentError(absl::StrCat("activation-quantization must be none or int8, got '", name, "'"));
+}
+
+const char* CpuActivationQuantName(CpuActivationQuant act) { return act == CpuActivationQuant::kInt8 ? "int8" : "none"; }
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act) {
+  if (act == CpuActivationQuant::kInt8 && !cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+    // No fall back: the flag asks for llama.cpp's arithmetic, and a silent exact run would be
+    // another model's figures.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "activation-quantization int8 runs the int8/int4 products on AVX-512 VNNI, which this CPU lacks (",
+        cpu::QuantizedKernelsDescription(), "); run without it (none: the exact products)"));
+  }
+  return std::make_unique<cpu::CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul, act);
 }
 
 }  // namespace shardserve

@@ -167,7 +167,9 @@ double SoftmaxRow(float* out, const float* x, int64_t v, float temperature);
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int threads, CpuMatMul matmul) : threads_(threads), matmul_(matmul) {}
+  // act kInt8 only on a CPU with AVX-512 VNNI (MakeCpuBackend checks).
+  CpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act = CpuActivationQuant::kNone)
+      : threads_(threads), matmul_(matmul), act_(act) {}
 
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }
   DType act_dtype() const override { return kF32; }
@@ -176,7 +178,7 @@ class CpuBackend final : public Backend {
     const std::string products = matmul_ == CpuMatMul::kBF16
                                      ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch)
                                      : "f32 products";
-    return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(), ", ", threads_, " threads)");
+    return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(act_), ", ", threads_, " threads)");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
@@ -229,8 +231,9 @@ class CpuBackend final : public Backend {
     bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
-  // cpu/quant_isa.h's QuantizedKernelsDescription (this header does not include the kernels').
-  static std::string QuantizedKernelsDescription();
+  // cpu/quant_isa.h's QuantizedKernelsDescription for the int8/int4 instance `act` picks (this
+  // header does not include the kernels').
+  static std::string QuantizedKernelsDescription(CpuActivationQuant act);
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // Allocates `quant`'s layout of an [m, k] weight, lets `fill` write it, registers it in packed_
   // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy).
@@ -246,6 +249,7 @@ class CpuBackend final : public Backend {
 
   const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
+  const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on QuantIsa::kAvx512Vnni
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;

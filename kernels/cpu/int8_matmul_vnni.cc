@@ -1,29 +1,31 @@
 // The AVX-512 VNNI instance of the int8 products (int8_matmul.h's Int8MatMulVnni): activations
 // quantized to int8 per row, integer dot products (VPDPBUSD) against the int8 weights. This file
 // alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni (kernels/CMakeLists.txt);
-// Int8MatMul calls it only when asked for QuantIsa::kAvx512Vnni on a CPU that has it.
+// Int8MatMul calls it only when asked for QuantIsa::kAvx512Vnni on a CPU that has it. Tiles as
+// vnni_tiles.h's: up to 4 weight x 4 input rows (each weight chunk loaded and offset once per 4
+// input rows), 8 x 1 for a lone input row.
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "kernels/cpu/activation_rows.h"
-#include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int8_matmul.h"
-#include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/vnni_tiles.h"
 
 namespace shardserve::cpu {
 namespace {
 
 constexpr int64_t kChunk = 64;  // int8 values per zmm register
-constexpr int kTileRows = 8;    // weight rows per tile, as the float kernels'
 
 // The weights go in as q + 128 (q XOR 0x80) against the activations' signed bytes
 // (activation_rows.h): every int8 weight, -128 included (a published checkpoint's codes,
 // kernels/quant.h), then has an unsigned byte, and sum (q + 128) xq - 128 sum xq = sum q xq exactly.
 // (int32 holds sum (q + 128) xq <= 255 x 127 x k for k < 66,000 inputs; the largest models' are < 30,000.)
 
-// y[i .. i+I) x columns [r, r+R) as exact int32 dot products, then scaled.
+// y[i .. i+I) x columns [r, r+R) as exact int32 dot products, then scaled. Whole 64-byte chunks
+// with plain loads, a last partial one with masked loads (the weights' tail bytes read as 0, which
+// become 128 against x's zero padding).
 template <int R, int I>
 inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_t k, const int8_t* q,
                  const float* scale, const float* bias, int64_t r) {
@@ -32,17 +34,20 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
     for (int b = 0; b < R; ++b) acc[a][b] = _mm512_setzero_si512();
   }
   const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t c = 0; c < xq.blocks; ++c) {
-    const int64_t left = k - c * kChunk;
-    const __mmask64 load = left >= kChunk ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+  const auto chunk = [&](int64_t c, __mmask64 load) {
     __m512i xv[I];
     for (int a = 0; a < I; ++a) xv[a] = _mm512_loadu_si512(xq.values.data() + ((i + a) * xq.blocks + c) * kChunk);
     for (int b = 0; b < R; ++b) {
-      // q + 128 as unsigned bytes (the tail's padding too: it meets x's zero padding).
-      const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(load, q + (r + b) * k + c * kChunk), offset);
+      // q + 128 as unsigned bytes.
+      const int8_t* row = q + (r + b) * k + c * kChunk;
+      const __m512i w = _mm512_xor_si512(
+          load == ~__mmask64{0} ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi8(load, row), offset);
       for (int a = 0; a < I; ++a) acc[a][b] = _mm512_dpbusd_epi32(acc[a][b], w, xv[a]);
     }
-  }
+  };
+  const int64_t whole = k / kChunk;
+  for (int64_t c = 0; c < whole; ++c) chunk(c, ~__mmask64{0});
+  if (whole < xq.blocks) chunk(whole, (__mmask64{1} << (k - whole * kChunk)) - 1);
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) {
       const int32_t dot = _mm512_reduce_add_epi32(acc[a][b]) - 128 * xq.sum[i + a];
@@ -52,13 +57,6 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
   }
 }
 
-template <int I>
-inline void TileOf(int64_t rows, float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_t k, const int8_t* q,
-                   const float* scale, const float* bias, int64_t r) {
-  WithTileRows<kTileRows>(
-      rows, [&](auto R) __attribute__((always_inline)) { Tile<R, I>(y, xq, i, m, k, q, scale, bias, r); });
-}
-
 }  // namespace
 
 void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
@@ -66,10 +64,9 @@ void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
   QuantizeActivationRows(&xq, x, n, k, kChunk);
   const ActivationRows& rows_q = xq;
-  ForEachTile(
-      n, m, kTileRows, threads,
-      [&](int64_t rows, int64_t i, int64_t r) { TileOf<2>(rows, y, rows_q, i, m, k, q, scale, bias, r); },
-      [&](int64_t rows, int64_t i, int64_t r) { TileOf<1>(rows, y, rows_q, i, m, k, q, scale, bias, r); });
+  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) {
+    Tile<R(), I()>(y, rows_q, i, m, k, q, scale, bias, r);
+  });
 }
 
 }  // namespace shardserve::cpu

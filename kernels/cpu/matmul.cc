@@ -94,14 +94,17 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return absl::OkStatus();
   }
   const float* b = bias != nullptr ? bias->as<float>() : nullptr;
+  // int8 and int4 weights: the exact instance this CPU runs best, or under act_ kInt8 the one with
+  // int8-rounded activations.
+  const QuantIsa int_isa = act_ == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni : ActiveQuantIsa();
   if (quant == WeightQuant::kInt4) {
-    cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_);
+    cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
     return absl::OkStatus();
   }
   if (quant == WeightQuant::kInt8) {
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
-    cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+    cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_, int_isa);
     return absl::OkStatus();
   }
   if (quant == WeightQuant::kFp8) {
@@ -124,7 +127,9 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   return absl::OkStatus();
 }
 
-std::string CpuBackend::QuantizedKernelsDescription() { return cpu::QuantizedKernelsDescription(); }
+std::string CpuBackend::QuantizedKernelsDescription(CpuActivationQuant act) {
+  return cpu::QuantizedKernelsDescription(act == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni : ActiveQuantIsa());
+}
 
 absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
   auto it = packed_.upper_bound(w.data);  // the first buffer above w.data

@@ -49,13 +49,18 @@ void SetQuantIsaOverride(std::optional<QuantIsa> isa) {
   g_override.store(isa.has_value() ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
 }
 
-std::string QuantizedKernelsDescription() {
+std::string QuantizedKernelsDescription(QuantIsa int_isa) {
   __builtin_cpu_init();
   const auto yes = [](bool b) { return b ? "yes" : "no"; };
-  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(ActiveQuantIsa()), " [cpu: avx2+fma ",
-                      yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
-                      yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ",
-                      yes(QuantIsaSupported(QuantIsa::kAvx512Vnni)), ": not used, inexact]");
+  const bool vnni = QuantIsaSupported(QuantIsa::kAvx512Vnni);
+  const std::string cpu = absl::StrCat("[cpu: avx2+fma ", yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
+                                       yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ", yes(vnni));
+  if (int_isa == QuantIsa::kAvx512Vnni) {
+    // fp8 has no integer instance: it runs AVX-512's (Fp8MatMul).
+    return absl::StrCat("int8/int4 products on avx512vnni (activations rounded to int8), fp8 on avx512 ", cpu, "]");
+  }
+  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu,
+                      vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
 }
 
 }  // namespace shardserve::cpu

@@ -21,7 +21,8 @@ enum class QuantIsa : uint8_t {
   // activation_rows.h) and multiplied in integers (VPDPBUSD), as llama.cpp's Q8_0 / Q4_0 products
   // do. Not exact against the dequantized weights (each activation moves by up to 1/254 of its
   // row's largest: ~5e-3 of an output, tests/kernels_cpu_test.cc), so never picked by
-  // ActiveQuantIsa: only when asked for (bench_matmul, tests). fp8 runs kAvx512's instance under it.
+  // ActiveQuantIsa: only when asked for (the CPU backend under CpuActivationQuant::kInt8, worker
+  // --activation-quantization int8; bench_matmul, tests). fp8 runs kAvx512's instance under it.
   kAvx512Vnni = 3,
 };
 
@@ -36,8 +37,10 @@ QuantIsa ActiveQuantIsa();
 // For bench_matmul's side-by-side runs.
 void SetQuantIsaOverride(std::optional<QuantIsa> isa);
 
-// For the worker's log: which instance runs and what the CPU has (AVX2, FMA, AVX-512, VNNI).
-std::string QuantizedKernelsDescription();
+// For the worker's log: which instance the int8 and int4 products run on (`int_isa`: the CPU
+// backend passes kAvx512Vnni under --activation-quantization int8), which one fp8's runs on, and
+// what the CPU has (AVX2, FMA, AVX-512, VNNI).
+std::string QuantizedKernelsDescription(QuantIsa int_isa = ActiveQuantIsa());
 
 }  // namespace shardserve::cpu
 

@@ -60,6 +60,7 @@ constexpr char kUsage[] =
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
     "                        [--worker-matmul-dtype auto|f32|bf16] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                        [--max-model-len L] [--quantization none|int8|int4|fp8] [--load-format auto|dummy]\n"
+    "                        [--activation-quantization none|int8]\n"
     "                        [--dummy-seed N] [--worker-collectives auto|gloo|nccl] [--worker-dummy-weights host|device]\n"
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B] [--no-prefix-caching]\n"
@@ -120,6 +121,8 @@ constexpr char kUsage[] =
     "  --worker-threads   CPU threads per worker (worker --threads); default on cpu: cores / workers\n"
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
+    "  --activation-quantization  the workers' (int8: the int8/int4 products on int8-rounded inputs,\n"
+    "                     AVX-512 VNNI; README, Quantization)\n"
     "  --worker-collectives, --worker-dummy-weights  the workers' --collectives (gloo: TP/PP ranks\n"
     "                     sharing one GPU) and --dummy-weights (device: made in GPU memory)\n"
     "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
@@ -265,7 +268,8 @@ int Run(const std::vector<std::string>& args) {
   if (!flags->Has("compare")) {
     if (c.backend == Backend::kGrpc && flags->Has("model")) return Usage("--model applies to --compare (or --backend openai) only");
     for (const char* f : {"device", "worker-threads", "worker-matmul-dtype", "worker-collectives", "worker-dummy-weights", "log-dir",
-                          "ready-timeout-seconds", "max-model-len", "quantization", "load-format", "dummy-seed"}) {
+                          "ready-timeout-seconds", "max-model-len", "quantization", "load-format", "dummy-seed",
+                          "activation-quantization"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "kernels/backend.h"
 #include "model/weight_source.h"
@@ -20,12 +21,14 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
     "                               [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
-    "                               ID [ID ...]\n"
+    "                               [--activation-quantization none|int8] ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
     "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel),\n"
     "  int4 in 4 bits (a scale and zero point per group of 128 inputs), fp8 in e4m3 (one scale per\n"
     "  output channel), quantized at load (cpu only for now), as the coordinator's --quantization does.\n"
+    "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
+    "  only), as the worker's --activation-quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
     "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 
@@ -35,7 +38,8 @@ int Fail(const std::string& msg) {
 }
 
 int Run(const std::vector<std::string>& args) {
-  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device", "quantization", "load-format", "dummy-seed"}, {"help"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "max-new-tokens", "device", "quantization", "load-format", "dummy-seed",
+                                                          "activation-quantization"}, {"help"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -68,6 +72,11 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(quant.status().message()).c_str());
     return 2;
   }
+  const absl::StatusOr<CpuActivationQuant> act = ParseCpuActivationQuant(flags->Get("activation-quantization", "none"));
+  if (!act.ok()) {
+    std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(act.status().message()).c_str());
+    return 2;
+  }
   const absl::StatusOr<LoadFormat> load_format = ParseLoadFormat(flags->Get("load-format", "auto"));
   if (!load_format.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(load_format.status().message()).c_str());
@@ -97,8 +106,14 @@ int Run(const std::vector<std::string>& args) {
   const std::string device = flags->Get("device", "cpu");
   std::unique_ptr<Backend> backend;
   if (device == "cpu") {
-    backend = MakeCpuBackend();
+    absl::StatusOr<std::unique_ptr<Backend>> cpu = MakeCpuBackend(0, CpuMatMul::kF32, *act);
+    if (!cpu.ok()) return Fail(absl::StrCat("--", cpu.status().message()));
+    backend = std::move(*cpu);
   } else if (device.rfind("cuda", 0) == 0) {
+    if (*act != CpuActivationQuant::kNone) {
+      std::fprintf(stderr, "shardserve generate-ids: --activation-quantization applies to --device cpu only\n");
+      return 2;
+    }
     int ordinal = 0;
     if (device.size() > 5 && !absl::SimpleAtoi(device.substr(5), &ordinal)) return Fail("bad --device " + device);
     // On GPU the activations keep the checkpoint's dtype.

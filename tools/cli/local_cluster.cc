@@ -27,7 +27,7 @@ namespace shardserve::cli {
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
                                  "worker-collectives", "worker-dummy-weights", "max-model-len", "quantization",
-                                 "load-format", "dummy-seed"};
+                                 "load-format", "dummy-seed", "activation-quantization"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -62,6 +62,12 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     std::string value;
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
+  }
+  // Beside --quantization, but the workers' (their CPU products' kernels): --activation-quantization.
+  if (f.Has("activation-quantization")) {
+    const absl::StatusOr<CpuActivationQuant> act = ParseCpuActivationQuant(f.Get("activation-quantization"));
+    if (!act.ok()) return absl::InvalidArgumentError(absl::StrCat("flag --", act.status().message()));
+    c.worker_flags.insert(c.worker_flags.end(), {"--activation-quantization", CpuActivationQuantName(*act)});
   }
   // Range-checked by the coordinator; here only whole numbers >= 0 pass.
   std::vector<std::string> coordinator_names = {"max-model-len"};

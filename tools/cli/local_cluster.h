@@ -170,7 +170,9 @@ struct ClusterFlags {
   std::string device = "cpu";             // --device cpu|cuda
   int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
-  std::vector<std::string> worker_flags;  // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V
+  // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
+  // --activation-quantization V as theirs under the same name.
+  std::vector<std::string> worker_flags;
   // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
   // as given, in that order:
   // {"max-num-seqs", "8"}.
