@@ -14,10 +14,11 @@
 //
 // MatMul out [n, m] = x [n, k] @ w^T (+ bias):
 // - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. One warp per output row
-//   (kGemvWarps rows a block), each lane a strided run of the row's words; the weights are
-//   widened in registers and multiplied by all n input rows (read through L1/L2: the same x for
-//   every warp), summed in float32, reduced across the warp with shuffles; lane 0 scales (int8,
-//   fp8: by the row's scale once; int4: per group), adds the bias, rounds once to out's dtype.
+//   (kGemvWarps rows a block), each lane a strided run of the row's words, kGemvLoads loads in
+//   flight; the weights are widened in registers and multiplied by all n input rows (read through
+//   L1/L2: the same x for every warp), summed in float32, reduced across the warp with shuffles;
+//   lane 0 scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds
+//   once to out's dtype.
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kDequantScratchBytes
 //   worth of rows at a time, into a scratch buffer, then cuBLAS (Gemm, matmul.cu) for that block
 //   of out's columns, accumulating onto the broadcast bias. The weight is read once per call; the
@@ -43,6 +44,9 @@ constexpr int kGemvMaxRows = 8;
 // Output rows (warps) per GEMV block: 128 threads; the grid is ceil(m / 4) blocks (m <= INT_MAX).
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * 32;
+// Weight loads a lane issues before using the first (4 x 16 B of int8 / fp8, 4 x 8 B of int4): a
+// decode GEMV is bound by the bytes in flight (an H100 needs ~15 KB per SM to cover its latency).
+constexpr int kGemvLoads = 4;
 // The dequantized block of rows for the cuBLAS path: at most this much act-dtype memory (or one
 // row, when a single row is larger), unless CudaBackendOptions::quantized_scratch_bytes says.
 constexpr size_t kDequantScratchBytes = size_t{64} << 20;
@@ -155,15 +159,26 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
   for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
   if (vec_w) {
-    for (int64_t c = int64_t{lane} * 16; c < k; c += 32 * 16) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(qr + c));
-      const uint32_t words[4] = {u.x, u.y, u.z, u.w};
-      float w[16];
+    // kGemvLoads loads of 16 bytes issued before any is used (more bytes in flight per warp).
+    for (int64_t base = int64_t{lane} * 16; base < k; base += 32 * 16 * kGemvLoads) {
+      uint4 loaded[kGemvLoads];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) w[j] = RowValue<kFp8>((words[j / 4] >> (8 * (j % 4))) & 0xFFu);
+      for (int l = 0; l < kGemvLoads; ++l) {
+        const int64_t c = base + int64_t{32 * 16} * l;
+        loaded[l] = c < k ? __ldg(reinterpret_cast<const uint4*>(qr + c)) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-      for (int i = 0; i < kGemvMaxRows; ++i) {
-        if (i < n) acc[i] += Dot16(x + i * k, c, c + 8, k, vec_x, w, w + 8);
+      for (int l = 0; l < kGemvLoads; ++l) {
+        const int64_t c = base + int64_t{32 * 16} * l;
+        if (c >= k) break;
+        const uint32_t words[4] = {loaded[l].x, loaded[l].y, loaded[l].z, loaded[l].w};
+        float w[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) w[j] = RowValue<kFp8>((words[j / 4] >> (8 * (j % 4))) & 0xFFu);
+#pragma unroll
+        for (int i = 0; i < kGemvMaxRows; ++i) {
+          if (i < n) acc[i] += Dot16(x + i * k, c, c + 8, k, vec_x, w, w + 8);
+        }
       }
     }
   } else {
@@ -198,24 +213,36 @@ __global__ void __launch_bounds__(kGemvThreads)
   float acc[kGemvMaxRows];
 #pragma unroll
   for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
-  for (int64_t wi = lane; wi < row_words; wi += 32) {
-    const int64_t g = wi / kInt4Words;
-    const int p = static_cast<int>(wi - g * kInt4Words);
-    if (p == 0) continue;
-    const uint2 u = __ldg(words + wi);
-    const float s = __ldg(&row[g].scale);
-    const float z = static_cast<float>(__ldg(&row[g].zero));
-    const int64_t c = g * kInt4GroupSize + (p - 1) * 8;
-    float lo[8], hi[8];
+  // kGemvLoads words issued before any is used (more bytes in flight per warp).
+  for (int64_t base = lane; base < row_words; base += 32 * kGemvLoads) {
+    uint2 loaded[kGemvLoads];
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const uint32_t b = ((t < 4 ? u.x : u.y) >> (8 * (t % 4))) & 0xFFu;
-      lo[t] = static_cast<float>(b & 15u) - z;
-      hi[t] = static_cast<float>(b >> 4) - z;
+    for (int l = 0; l < kGemvLoads; ++l) {
+      const int64_t wi = base + 32 * l;
+      loaded[l] = wi < row_words ? __ldg(words + wi) : make_uint2(0, 0);
     }
 #pragma unroll
-    for (int i = 0; i < kGemvMaxRows; ++i) {
-      if (i < n) acc[i] += s * Dot16(x + i * k, c, c + kInt4GroupSize / 2, k, vec_x, lo, hi);
+    for (int l = 0; l < kGemvLoads; ++l) {
+      const int64_t wi = base + 32 * l;
+      if (wi >= row_words) break;
+      const int64_t g = wi / kInt4Words;
+      const int p = static_cast<int>(wi - g * kInt4Words);
+      if (p == 0) continue;  // the header: its scale and zero are read (from L1) by the lanes below
+      const uint2 u = loaded[l];
+      const float s = __ldg(&row[g].scale);
+      const float z = static_cast<float>(__ldg(&row[g].zero));
+      const int64_t c = g * kInt4GroupSize + (p - 1) * 8;
+      float lo[8], hi[8];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const uint32_t b = ((t < 4 ? u.x : u.y) >> (8 * (t % 4))) & 0xFFu;
+        lo[t] = static_cast<float>(b & 15u) - z;
+        hi[t] = static_cast<float>(b >> 4) - z;
+      }
+#pragma unroll
+      for (int i = 0; i < kGemvMaxRows; ++i) {
+        if (i < n) acc[i] += s * Dot16(x + i * k, c, c + kInt4GroupSize / 2, k, vec_x, lo, hi);
+      }
     }
   }
   FinishRow<T, TO>(out, acc, 1.0f, bias, n, m, r);
