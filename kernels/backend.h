@@ -116,16 +116,17 @@ class Backend {
   // bf16 products into oneDNN's blocked bf16 layout, so that each step's GEMM streams the weight
   // once instead of repacking it; a backend that reads plain weights
   // directly (CUDA) returns an empty Buffer and sets *packed = w.
-  // `quant` other than kNone stores the weight quantized (kernels/quant.h; *packed is then I8 on
-  // the CPU backend); a backend without kernels for that format refuses with Unimplemented naming
-  // it (the CUDA backend, for now).
+  // `quant` other than kNone stores the weight quantized (kernels/quant.h; *packed is then an I8
+  // view of that layout, on both backends); a backend without kernels for that format refuses with
+  // Unimplemented naming it (the CUDA backend unless CudaBackendOptions::quantized_kernels).
   virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed,
                                                   WeightQuant quant = WeightQuant::kNone);
   // A weight [m, k] already in kernels/quant.h's layout for `quant` (kInt8: Int8RowsLayout, kFp8:
   // Fp8RowsLayout, kInt4: Int4GroupsLayout; host memory, layout.bytes() bytes at `stored`; a
   // published quantized checkpoint's codes and scales, model/quantized_checkpoint.h): copied as it
   // is, the same as PackMatMulWeight's own packing of such a weight, for MatMul. The caller keeps
-  // `stored`. The base refuses with Unimplemented (the CUDA backend, for now).
+  // `stored`. The base refuses with Unimplemented (the CUDA backend without
+  // CudaBackendOptions::quantized_kernels).
   virtual absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored /*host*/, int64_t m,
                                                      int64_t k, Tensor* packed);
 
@@ -228,9 +229,22 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul m
 // faster than float32) or fail (older CPUs).
 bool CpuHasNativeBf16MatMul();
 
+// Paths of the CUDA backend that stay off until they have passed their tests on a GPU
+// (docs/gpu.md, "CUDA paths: where they last passed").
+struct CudaBackendOptions {
+  // Int8, int4 and fp8 weights (PackMatMulWeight / PackQuantizedWeight with a WeightQuant, and
+  // MatMul by them: kernels/cuda/quant_matmul.cu). Off: those are refused with Unimplemented, as
+  // before the kernels existed. Worker --cuda-quantized-kernels. Never run on a GPU yet.
+  bool quantized_kernels = false;
+  // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
+  // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: 64 MiB. (Tests set a few
+  // KiB to cover several blocks.)
+  size_t quantized_scratch_bytes = 0;
+};
+
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
 // Unavailable when built without CUDA or when no GPU is present; the status says which.
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act);
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act, const CudaBackendOptions& options = {});
 
 // Number of CUDA devices usable by this build (0 when built without CUDA or none present).
 int CudaDeviceCount();

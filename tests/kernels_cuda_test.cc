@@ -15,7 +15,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -25,6 +28,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -32,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/counter_uniform.h"
+#include "kernels/quant.h"
 #include "kernels/sampling.h"
 #include "kernels/tensor.h"
 
@@ -921,6 +926,258 @@ TEST_P(CudaChecks, FactoryRejectsBadArguments) {
   EXPECT_EQ(cuda_->act_dtype(), act());
   EXPECT_EQ(cuda_->device_kind(), DeviceKind::kCuda);
 }
+
+// ---- Quantized weights (kernels/cuda/quant_matmul.cu; never run on a GPU yet) -----------------
+// MatMul by int8, fp8 and int4 weights on a backend made with CudaBackendOptions::quantized_kernels,
+// against kernels/quant.h's dequantize reference on the host: x (rounded to the act dtype) @
+// dequantized(w)^T + bias, in double. n covers the GEMV (1, 3, 8) and the dequantize + cuBLAS path
+// (33, 128), the latter over several blocks of rows (a 64 KiB scratch); the shapes cover the GEMV's
+// vector loads (k % 16 == 0, m % 4 == 0) and its byte loads (m, k odd), and for int4 a k that is
+// not a multiple of 128 (a short last group). Every element must be within
+//   (2 u + 1e-5) x (sum_c |x_c w_c| + |bias|),
+// u the act dtype's unit roundoff: the cuBLAS path rounds the dequantized weights to the act dtype
+// (u each), the output is rounded once (u), and float32 sums in another order stay far below 1e-5
+// of the sum of magnitudes. A wrong nibble, scale or group shifts whole rows by far more (F32,
+// where the bound is 1e-5, catches a single wrong weight).
+class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>> {
+ protected:
+  void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    absl::StatusOr<std::unique_ptr<Backend>> cuda =
+        MakeCudaBackend(0, act(), {.quantized_kernels = true, .quantized_scratch_bytes = 64 << 10});
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    cuda_ = std::move(*cuda);
+    RecordProperty("cuda_backend", cuda_->Describe());
+  }
+  WeightQuant quant() const { return std::get<0>(GetParam()); }
+  DType act() const { return std::get<1>(GetParam()); }
+
+  // kernels/quant.h's layout of w [m, k] for quant(), by its own quantizer.
+  std::vector<uint8_t> Quantize(const std::vector<float>& w, int64_t m, int64_t k) const {
+    std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant(), m, k)));
+    absl::Status s;
+    if (quant() == WeightQuant::kInt8) {
+      s = QuantizeInt8Rows(reinterpret_cast<float*>(stored.data()),
+                           reinterpret_cast<int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), w.data(), m, k);
+    } else if (quant() == WeightQuant::kFp8) {
+      s = QuantizeFp8Rows(reinterpret_cast<float*>(stored.data()), stored.data() + Fp8RowsLayout{m, k}.scale_bytes(),
+                          w.data(), m, k);
+    } else {
+      s = QuantizeInt4Groups(reinterpret_cast<Int4Group128*>(stored.data()), w.data(), m, k);
+    }
+    EXPECT_TRUE(s.ok()) << s;
+    return stored;
+  }
+  // The reference dequantization of `stored`.
+  std::vector<float> Dequantize(const std::vector<uint8_t>& stored, int64_t m, int64_t k) const {
+    std::vector<float> w(static_cast<size_t>(m * k));
+    if (quant() == WeightQuant::kInt8) {
+      DequantizeInt8Rows(w.data(), reinterpret_cast<const float*>(stored.data()),
+                         reinterpret_cast<const int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), m, k);
+    } else if (quant() == WeightQuant::kFp8) {
+      DequantizeFp8Rows(w.data(), reinterpret_cast<const float*>(stored.data()),
+                        stored.data() + Fp8RowsLayout{m, k}.scale_bytes(), m, k);
+    } else {
+      DequantizeInt4Groups(w.data(), reinterpret_cast<const Int4Group128*>(stored.data()), m, k);
+    }
+    return w;
+  }
+
+  std::unique_ptr<Backend> cuda_;
+};
+
+std::string QuantParamName(const ::testing::TestParamInfo<std::tuple<WeightQuant, DType>>& info) {
+  return std::string(WeightQuantName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));
+}
+
+TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
+  struct Shape {
+    int64_t m, k;
+  };
+  const std::vector<Shape> shapes =
+      quant() == WeightQuant::kInt4
+          ? std::vector<Shape>{{520, 384}, {37, 1024}, {130, 300}}   // last: a 44-input last group
+          : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}};  // vector loads; byte loads of w; of w and x
+  const double u = UnitRoundoff(act());
+  uint32_t salt = 0;
+  for (const Shape& sh : shapes) {
+    const int64_t m = sh.m, k = sh.k;
+    const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), 7000 + salt++), DType::kF32);
+    const std::vector<uint8_t> stored = Quantize(w, m, k);
+    const std::vector<float> w_ref = Dequantize(stored, m, k);
+    Tensor packed;
+    SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda_->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
+    ASSERT_EQ(packed.quant, quant());
+    ASSERT_EQ(packed.bytes(), stored.size());
+    const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 7100 + salt), act());
+    // n: bias?, F32 out? (every combination on both paths)
+    for (const auto& [n, with_bias, f32_out] : std::vector<std::tuple<int64_t, bool, bool>>{
+             {1, false, false}, {3, true, false}, {8, true, true}, {33, true, false}, {128, false, true}}) {
+      SCOPED_TRACE(::testing::Message() << WeightQuantName(quant()) << " m " << m << ", k " << k << ", n " << n
+                                        << (with_bias ? ", bias" : "") << (f32_out ? ", F32 out" : ", act out"));
+      const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), 7200 + salt + static_cast<uint32_t>(n)), act());
+      SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, k}));
+      SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), b, act(), {m}));
+      SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), f32_out ? DType::kF32 : act(), {n, m}));
+      SS_ASSERT_OK(cuda_->MatMul(&g_out.t, g_x.t, packed, with_bias ? &g_b.t : nullptr));
+      SS_READ_F(got, cuda_.get(), g_out);
+      double worst = 0.0;
+      int64_t worst_at = -1;
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t r = 0; r < m; ++r) {
+          double sum = with_bias ? b[r] : 0.0, mag = with_bias ? std::fabs(b[r]) : 0.0;
+          for (int64_t c = 0; c < k; ++c) {
+            const double p = static_cast<double>(x[i * k + c]) * w_ref[r * k + c];
+            sum += p;
+            mag += std::fabs(p);
+          }
+          const double g = got[i * m + r];
+          ASSERT_TRUE(std::isfinite(g)) << "row " << i << ", column " << r << ": " << g;
+          const double ratio = std::fabs(g - sum) / ((2.0 * u + 1e-5) * mag + 1e-30);
+          if (ratio > worst) {
+            worst = ratio;
+            worst_at = i * m + r;
+          }
+        }
+      }
+      EXPECT_LE(worst, 1.0) << "worst at row " << worst_at / m << ", column " << worst_at % m
+                            << " (error / bound)";
+    }
+  }
+}
+
+// PackMatMulWeight quantizes an act-dtype weight on the device into exactly the bytes the host
+// quantizer makes of the same (rounded) values, and MatMul refuses a view of part of a quantized
+// weight and a quantized weight another backend made.
+TEST_P(CudaQuant, PackMatMulWeightStoresTheHostQuantizersBytes) {
+  const int64_t m = 45, k = 256;
+  const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), 7300), act());
+  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {m, k}));
+  Tensor packed;
+  SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda_->PackMatMulWeight(g_w.t, &packed, quant()));
+  ASSERT_EQ(packed.quant, quant());
+  ASSERT_EQ(packed.dtype, DType::kI8);
+  const std::vector<uint8_t> want = Quantize(w, m, k);
+  std::vector<uint8_t> got(want.size());
+  SS_ASSERT_OK(cuda_->CopyToHost(got.data(), packed.data, got.size()));
+  EXPECT_TRUE(got == want) << "the device copy differs from kernels/quant.h's quantization";
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), RandomValues(k, 1, act()), act(), {1, k}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {1, m - 1}));
+  Tensor part = packed;
+  part.shape[0] = m - 1;
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda_->MatMul(&g_out.t, g_x.t, part, nullptr)));
+  Tensor stranger = packed;
+  stranger.data = g_w.t.data;  // device memory, but no quantized weight of this backend's
+  SS_ASSIGN_OR_FAIL(Guarded g_out_m, Output(cuda_.get(), act(), {1, m}));
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda_->MatMul(&g_out_m.t, g_x.t, stranger, nullptr)));
+}
+
+// Off by default: a backend made without the option refuses quantized weights, saying how to turn
+// them on, as it did before the kernels existed.
+TEST_P(CudaQuant, OffByDefault) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> plain, MakeCudaBackend(0, act()));
+  const int64_t m = 4, k = 128;
+  const std::vector<uint8_t> stored = Quantize(std::vector<float>(m * k, 0.5f), m, k);
+  Tensor packed;
+  const absl::StatusOr<Buffer> refused = plain->PackQuantizedWeight(quant(), stored.data(), m, k, &packed);
+  ASSERT_TRUE(absl::IsUnimplemented(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("--cuda-quantized-kernels"), std::string::npos) << refused.status();
+  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(plain.get(), std::vector<float>(m * k, 0.5f), act(), {m, k}));
+  EXPECT_TRUE(absl::IsUnimplemented(plain->PackMatMulWeight(g_w.t, &packed, quant()).status()));
+}
+
+// The decode figure of issue 25 (tools/gpu-bench.sh steps quant-int4-b1, quant-int8-b1; excluded
+// from cuda-ops): Llama-3-8B's linear layers (32 x q, k, v, o, gate, up, down: 4096 x 4096, 1024 x
+// 4096 twice, 4096 x 4096, 14336 x 4096 twice, 4096 x 14336), each layer its own weights, multiplied
+// by one bf16 token as a decode step would, on a backend with the opt-in
+// (CudaBackendOptions::quantized_kernels). Writes SHARDSERVE_QUANT_BENCH_JSON: the packed bytes a
+// token reads (bytes_per_decode_step), tokens/s and GB/s; gpu_bench_report.py puts them beside the
+// streaming-read roofline of the same run. The weights' codes are random (the speed does not
+// depend on them). Skipped unless SHARDSERVE_QUANT_BENCH names the format (int4, int8 or fp8).
+TEST(CudaQuantBench, Llama8bDecodeBatch1) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  const char* format = std::getenv("SHARDSERVE_QUANT_BENCH");
+  const char* json_path = std::getenv("SHARDSERVE_QUANT_BENCH_JSON");
+  if (format == nullptr || json_path == nullptr) {
+    GTEST_SKIP() << "a benchmark: set SHARDSERVE_QUANT_BENCH (int4, int8, fp8) and SHARDSERVE_QUANT_BENCH_JSON";
+  }
+  SS_ASSIGN_OR_FAIL(const WeightQuant quant, ParseWeightQuant(format));
+  ASSERT_NE(quant, WeightQuant::kNone);
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda,
+                    MakeCudaBackend(0, DType::kBF16, {.quantized_kernels = true}));
+  constexpr int kLayers = 32, kWarmup = 3, kTokens = 20;
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{4096, 4096}, {1024, 4096},  {1024, 4096}, {4096, 4096},
+                                                           {14336, 4096}, {14336, 4096}, {4096, 14336}};
+  std::mt19937 rng(25);
+  std::vector<Buffer> buffers;
+  std::vector<Tensor> weights;
+  int64_t bytes_per_token = 0;
+  for (const auto& [m, k] : shapes) {
+    // One host image per shape (valid headers: scale 2^-7, zero 8; random codes), copied per layer.
+    std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));
+    for (uint8_t& b : stored) b = static_cast<uint8_t>(rng());
+    if (quant == WeightQuant::kInt4) {
+      auto* blocks = reinterpret_cast<Int4Group128*>(stored.data());
+      for (int64_t g = 0; g < m * Int4GroupsLayout{m, k}.groups_per_row(); ++g) {
+        blocks[g].scale = 1.0f / 128;
+        blocks[g].zero = 8;
+        blocks[g].pad[0] = blocks[g].pad[1] = blocks[g].pad[2] = 0;
+      }
+    } else {
+      auto* scale = reinterpret_cast<float*>(stored.data());
+      for (int64_t r = 0; r < m; ++r) scale[r] = 1.0f / 128;
+      if (quant == WeightQuant::kFp8) {
+        for (size_t i = static_cast<size_t>(4 * m); i < stored.size(); ++i) stored[i] &= 0xF7;  // no NaN bytes
+      }
+    }
+    for (int l = 0; l < kLayers; ++l) {
+      Tensor packed;
+      SS_ASSIGN_OR_FAIL(Buffer b, cuda->PackQuantizedWeight(quant, stored.data(), m, k, &packed));
+      buffers.push_back(std::move(b));
+      weights.push_back(packed);
+      bytes_per_token += static_cast<int64_t>(packed.bytes());
+    }
+  }
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda.get(), RandomValues(14336, 26, DType::kBF16), DType::kBF16, {1, 14336}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda.get(), DType::kBF16, {1, 14336}));
+  auto token = [&]() -> absl::Status {
+    for (int l = 0; l < kLayers; ++l) {
+      for (size_t s = 0; s < shapes.size(); ++s) {
+        const Tensor& w = weights[s * kLayers + l];
+        Tensor x(g_x.t.data, DType::kBF16, {1, w.dim(1)});
+        Tensor out(g_out.t.data, DType::kBF16, {1, w.dim(0)});
+        absl::Status st = cuda->MatMul(&out, x, w, nullptr);
+        if (!st.ok()) return st;
+      }
+    }
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < kWarmup; ++i) SS_ASSERT_OK(token());
+  SS_ASSERT_OK(cuda->Synchronize());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < kTokens; ++i) SS_ASSERT_OK(token());
+  SS_ASSERT_OK(cuda->Synchronize());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens_per_s = kTokens / seconds;
+  const double gbps = static_cast<double>(bytes_per_token) * tokens_per_s / 1e9;
+  std::ostringstream json;
+  json << "{\"format\": \"" << WeightQuantName(quant) << "\", \"device\": \"" << cuda->Describe()
+       << "\", \"batch\": 1, \"layers\": " << kLayers << ", \"tokens\": " << kTokens
+       << ", \"bytes_per_decode_step\": " << bytes_per_token << ", \"decode_tokens_per_s\": " << tokens_per_s
+       << ", \"us_per_token\": " << 1e6 / tokens_per_s << ", \"weight_gbps\": " << gbps << "}\n";
+  std::FILE* f = std::fopen(json_path, "w");
+  ASSERT_NE(f, nullptr) << json_path;
+  std::fputs(json.str().c_str(), f);
+  std::fclose(f);
+  std::printf("%s", json.str().c_str());
+  RecordProperty("weight_gbps", std::to_string(gbps));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CudaQuant,
+                         ::testing::Combine(::testing::Values(WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8),
+                                            ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
+                         QuantParamName);
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaVsCpu, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);
 INSTANTIATE_TEST_SUITE_P(Ops, CudaChecks, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);

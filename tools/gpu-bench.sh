@@ -25,7 +25,12 @@
 # Steps, in order (cheapest and most needed first, so that a run cut short keeps them):
 #   gpu            nvidia-smi's name, memory and driver; the card's datasheet bandwidth by name
 #   membw          tools/bench_membw.cu built with the machine's nvcc: streaming-read GB/s (the roofline)
-#   cuda-ops       kernels_cuda_test; a skipped case is a failure on a GPU
+#   cuda-ops       kernels_cuda_test (but the CudaQuantBench benchmark); a skipped case is a failure
+#                  on a GPU
+#   quant-int4-b1, quant-int8-b1
+#                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
+#                  batch 1 with the CUDA quantized-weight GEMV (the opt-in, CudaBackendOptions::
+#                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -263,7 +268,23 @@ run_steps() {
   fi
 
   # ---- Tests ----
-  gtest_step cuda-ops 180 "$BIN/kernels_cuda_test"
+  gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter='-CudaQuantBench.*'
+  # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
+  # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
+  local fmt qname
+  for fmt in int4 int8; do
+    qname=quant-$fmt-b1
+    want "$qname" || continue
+    SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
+      step "$qname" 150 "$BIN/kernels_cuda_test" --gtest_filter='CudaQuantBench.*' --gtest_output="xml:$LOGS/$qname.xml"
+    if [ "$DRY_RUN" != 1 ] && [ "$STEP_RC" = 0 ] &&
+      ! "${REPORT[@]}" junit "$LOGS/$qname.xml" ${GPUS:+--gpu} >/dev/null 2>>"$LOGS/$qname.log"; then
+      STEP_RC=1
+    fi
+    local q=()
+    [ -s "$WORK/$qname.json" ] && q=(--json "$WORK/$qname.json")
+    record "$qname" "${q[@]}"
+  done
   local nccl_filter='*Nccl*' two_rank="CommunicatorTest.NcclTwoRanks, CommunicatorTest.NcclRankThatSkipsAnAllReduceIsATimeout"
   if [ "${GPUS:-0}" -lt 2 ]; then
     nccl_filter='*NcclGroupOfOne*:*NcclRankThatNeverJoinsTimesOut*'

@@ -126,7 +126,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     e->backend_ = std::move(*cpu);
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
-    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype);
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype, {.quantized_kernels = worker_options.cuda_quantized_kernels});
     if (!cuda.ok()) return cuda.status();
     e->backend_ = std::move(*cuda);
   }

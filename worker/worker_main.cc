@@ -45,7 +45,7 @@ constexpr char kUsage[] =
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
     "                         [--metrics-plaintext] [--health-listen HOST:PORT]\n"
     "                         [--collectives auto|gloo|nccl] [--dummy-weights host|device]\n"
-    "                         [--activation-quantization none|int8]\n"
+    "                         [--activation-quantization none|int8] [--cuda-quantized-kernels]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -102,6 +102,10 @@ constexpr char kUsage[] =
     "  --dummy-weights          --load-format dummy on cuda: host (default; made on the host and\n"
     "                           copied) or device (made by a CUDA kernel in GPU memory, the same\n"
     "                           values; not yet run on a GPU: docs/gpu.md)\n"
+    "  --cuda-quantized-kernels  --device cuda: multiply by int8 / int4 / fp8 weights (coordinator\n"
+    "                           --quantization, quantized checkpoints) with the CUDA kernels for them;\n"
+    "                           not yet run on a GPU (docs/gpu.md), so off by default: without it a\n"
+    "                           quantized assignment is refused on cuda. Ignored on cpu\n"
     "  --tls-cert, --tls-key    this worker's certificate and key (PEM): it presents them to the\n"
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
@@ -170,7 +174,7 @@ int Main(int argc, char** argv) {
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen",
                     "collectives", "dummy-weights", "activation-quantization"},
-                   {"help", "insecure", "spare", "metrics-plaintext"});
+                   {"help", "insecure", "spare", "metrics-plaintext", "cuda-quantized-kernels"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -245,6 +249,7 @@ int Main(int argc, char** argv) {
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
+  options.cuda_quantized_kernels = flags->Has("cuda-quantized-kernels");
   options.collective_host = flags->Get("collective-host");
   if (flags->Has("collective-interface")) {
     if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");

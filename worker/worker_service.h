@@ -83,6 +83,7 @@ struct WorkerOptions {
   bool dummy_weights_on_device = false;          // --dummy-weights device
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
+  bool cuda_quantized_kernels = false;  // --cuda-quantized-kernels (CudaBackendOptions::quantized_kernels)
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).

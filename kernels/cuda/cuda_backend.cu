@@ -53,6 +53,7 @@ CudaBackend::~CudaBackend() {
   if (params_dev_ != nullptr) (void)cudaFree(params_dev_);
   if (params_host_ != nullptr) (void)cudaFreeHost(params_host_);
   if (ids_dev_ != nullptr) (void)cudaFree(ids_dev_);
+  if (dequant_dev_ != nullptr) (void)cudaFree(dequant_dev_);
   if (errors_dev_ != nullptr) (void)cudaFree(errors_dev_);
   if (errors_host_ != nullptr) (void)cudaFreeHost(errors_host_);
   if (params_copied_ != nullptr) (void)cudaEventDestroy(params_copied_);
@@ -133,6 +134,7 @@ absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
 
 void CudaBackend::Free(void* data) {
   if (data == nullptr) return;
+  quantized_.erase(data);
   (void)cudaSetDevice(ordinal_);
   (void)cudaFree(data);  // waits for work still using it
 }
@@ -178,7 +180,7 @@ absl::Status CudaBackend::Synchronize() {
 
 }  // namespace cuda
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act, const CudaBackendOptions& options) {
   if (act != DType::kF32 && act != DType::kF16 && act != DType::kBF16) {
     return absl::InvalidArgumentError(absl::StrCat("MakeCudaBackend: activation dtype ", DTypeName(act),
                                                    " is not supported; use F32, F16 or BF16"));
@@ -198,7 +200,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act)
                                                    " is out of range; this machine has ", count,
                                                    " CUDA device(s), ordinals 0..", count - 1));
   }
-  auto backend = std::make_unique<cuda::CudaBackend>(ordinal, act);
+  auto backend = std::make_unique<cuda::CudaBackend>(ordinal, act, options);
   SHARDSERVE_RETURN_IF_NOT_OK(backend->Init());
   return std::unique_ptr<Backend>(std::move(backend));
 }

@@ -1,9 +1,11 @@
 // The CUDA backend (kernels/backend.h): the CudaBackend class, shared by the files that define it:
 // cuda_backend.cu (lifetime, memory, error word), elementwise.cu, matmul.cu, attention.cu and
-// sampling.cu (the ops and their kernels), counter_uniform.cu (the dummy weights' generator). Internal to kernels/cuda/; everything else uses
-// MakeCudaBackend (kernels/backend.h).
+// sampling.cu (the ops and their kernels), counter_uniform.cu (the dummy weights' generator),
+// quant_matmul.cu (int8 / int4 / fp8 weights, behind CudaBackendOptions::quantized_kernels).
+// Internal to kernels/cuda/; everything else uses MakeCudaBackend (kernels/backend.h).
 //
-// cuBLAS for MatMul, kernels for everything else.
+// cuBLAS for MatMul, kernels for everything else; by quantized weights, our GEMV for decode and
+// dequantize + cuBLAS for more rows (quant_matmul.cu).
 //
 // Activations are float, __half or __nv_bfloat16 (the backend's act dtype); every kernel converts
 // to float on load, accumulates in float (double for the sampling masses) and rounds once on
@@ -32,9 +34,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -121,7 +125,8 @@ bool FitsInt(int64_t v);
 // ---- The backend ------------------------------------------------------------------------------
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int ordinal, DType act) : ordinal_(ordinal), act_(act) {}
+  CudaBackend(int ordinal, DType act, const CudaBackendOptions& options)
+      : ordinal_(ordinal), act_(act), options_(options) {}
   ~CudaBackend() override;
 
   // Creates the stream, the cuBLAS handle and the fixed scratch. Called once by MakeCudaBackend;
@@ -143,6 +148,12 @@ class CudaBackend final : public Backend {
   absl::Status Synchronize() override;
   absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) override;  // counter_uniform.cu
   uint64_t kernel_launches() const override { return KernelLaunches().load(std::memory_order_relaxed); }
+  // Quantized weights (quant_matmul.cu): kernels/quant.h's layouts copied to the device as they
+  // are; kNone is the base's (plain weights, no copy). Unimplemented unless
+  // options_.quantized_kernels.
+  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
+  absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
+                                             Tensor* packed) override;
 
   absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
   absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;
@@ -170,10 +181,19 @@ class CudaBackend final : public Backend {
   absl::Status UploadSampleParams(const std::vector<SampleParams>& params);
   template <typename T>
   absl::Status GrowDevice(T** ptr, size_t* capacity, size_t needed);
+  // MatMul by a weight PackMatMulWeight / PackQuantizedWeight stored quantized (quant_matmul.cu).
+  absl::Status QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);
+  // Out starts as the bias broadcast over its rows (matmul.cu), for a GEMM with beta = 1.
+  absl::Status BroadcastBias(Tensor* out, const Tensor& bias);
+  // The cuBLAS product out[:, r0 : r0 + rows] (=) x @ w^T for w [rows, k] in the act dtype, out
+  // [n, m] (ld m), accumulating onto out when beta is 1 (matmul.cu).
+  absl::Status Gemm(void* out, DType out_dtype, int64_t m, const void* x, const void* w, int64_t n, int64_t rows,
+                    int64_t k, float beta);
 
   // Constant after Init().
   const int ordinal_;
   const DType act_;
+  const CudaBackendOptions options_;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
@@ -187,10 +207,38 @@ class CudaBackend final : public Backend {
   size_t params_capacity_ = 0;
   int32_t* ids_dev_ = nullptr;  // [ids_capacity_], Argmax/Sample results bound for host memory
   size_t ids_capacity_ = 0;
+  // The quantized weights this backend stored, by their buffer's address (PackQuantized in
+  // quant_matmul.cu; Free forgets them): MatMul checks that a quantized w is one of them, whole.
+  struct QuantizedWeight {
+    int64_t m = 0, k = 0;
+    WeightQuant quant = WeightQuant::kNone;
+  };
+  std::map<const void*, QuantizedWeight> quantized_;
+  // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown on demand up
+  // to kDequantScratchBytes (quant_matmul.cu), never shrunk.
+  uint8_t* dequant_dev_ = nullptr;
+  size_t dequant_capacity_ = 0;
   // What the last Attention / CacheWrite launch allowed, for error messages.
   std::string attention_limits_;
   std::string cache_limits_;
 };
+
+// (Scratch growth, shared by sampling.cu and quant_matmul.cu.)
+template <typename T>
+inline absl::Status CudaBackend::GrowDevice(T** ptr, size_t* capacity, size_t needed) {
+  if (needed <= *capacity) return absl::OkStatus();
+  // Rare (the batch grew): wait for work that may still use the old buffer, then reallocate with
+  // headroom so that the next few growths are free. The capacity reads 0 until the new buffer
+  // exists, so a failure here leaves no stale capacity behind.
+  const size_t cap = std::max<size_t>({needed, 64, 2 * *capacity});
+  *capacity = 0;
+  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (*ptr != nullptr) SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaFree(*ptr));
+  *ptr = nullptr;
+  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(ptr), cap * sizeof(T)));
+  *capacity = cap;
+  return absl::OkStatus();
+}
 
 }  // namespace shardserve::cuda
 

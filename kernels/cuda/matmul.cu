@@ -1,5 +1,5 @@
 // The CUDA backend's MatMul: cuBLAS GEMM in float32 accumulation, with the bias broadcast into the
-// output first.
+// output first. (By quantized weights: quant_matmul.cu, which uses BroadcastBias and Gemm.)
 #include <cstdint>
 #include <utility>
 
@@ -31,6 +31,8 @@ __global__ void BroadcastRowsKernel(TO* out /*[n, m]*/, const TB* bias /*[m]*/, 
 absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
   constexpr const char* kOp = "MatMul";
   if (out == nullptr) return Invalid(kOp, "out is null", {{"x", &x}, {"w", &w}, {"bias", bias}});
+  // A weight stored quantized (PackMatMulWeight / PackQuantizedWeight): quant_matmul.cu.
+  if (w.quant != WeightQuant::kNone || w.dtype == DType::kI8) return QuantizedMatMul(out, x, w, bias);
   const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"w", &w}, {"bias", bias}};
   const bool out_ok = Is(*out, 2, DType::kF32) || Is(*out, 2, act_);
   if (!out_ok || !Is(x, 2, act_) || !Is(w, 2, act_) || (bias != nullptr && !Is(*bias, 1, act_))) {
@@ -49,24 +51,28 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
 
   // With a bias, out starts as the bias broadcast over rows and the GEMM accumulates onto it
   // (beta = 1), so x @ w^T + bias is rounded once, in float32 inside cuBLAS.
-  float beta = 0.0f;
-  if (bias != nullptr) {
-    SHARDSERVE_RETURN_IF_NOT_OK(DispatchFloat(act_, [&](auto tag) -> absl::Status {
-      using T = typename decltype(tag)::type;
-      const unsigned grid = GridFor(n * m, kElementwiseThreads);
-      if (out->dtype == DType::kF32) {
-        BroadcastRowsKernel<float, T>
-            <<<grid, kElementwiseThreads, 0, stream_>>>(out->as<float>(), bias->as<const T>(), n, m);
-      } else {
-        BroadcastRowsKernel<T, T><<<grid, kElementwiseThreads, 0, stream_>>>(out->as<T>(), bias->as<const T>(), n, m);
-      }
-      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("BroadcastRowsKernel");
-      return absl::OkStatus();
-    }));
-    beta = 1.0f;
-  }
+  if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
   if (k == 0) return bias != nullptr ? absl::OkStatus() : Fill0(out->data, out->bytes());
+  return Gemm(out->data, out->dtype, m, x.data, w.data, n, m, k, bias != nullptr ? 1.0f : 0.0f);
+}
 
+absl::Status CudaBackend::BroadcastBias(Tensor* out, const Tensor& bias) {
+  const int64_t n = out->dim(0), m = out->dim(1);
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    const unsigned grid = GridFor(n * m, kElementwiseThreads);
+    if (out->dtype == DType::kF32) {
+      BroadcastRowsKernel<float, T><<<grid, kElementwiseThreads, 0, stream_>>>(out->as<float>(), bias.as<const T>(), n, m);
+    } else {
+      BroadcastRowsKernel<T, T><<<grid, kElementwiseThreads, 0, stream_>>>(out->as<T>(), bias.as<const T>(), n, m);
+    }
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("BroadcastRowsKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::Gemm(void* out, DType out_dtype, int64_t m, const void* x, const void* w, int64_t n,
+                               int64_t rows, int64_t k, float beta) {
   // Row-major out[n, m] = x[n, k] @ w[m, k]^T. cuBLAS is column-major, and a row-major [r, c]
   // matrix is the column-major [c, r] matrix (its transpose) with leading dimension c. So in
   // cuBLAS terms we compute the column-major out^T[m, n] = w[m, k] * x^T[k, n]:
@@ -75,12 +81,14 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
   //   C = out: column-major [m, n] with ld m (that is out^T)
   // GEMM sizes (m, n, k) = (m, n, k). Compute in float32 (CUBLAS_COMPUTE_32F; alpha and beta are
   // float); for F16/BF16 inputs cuBLAS uses tensor cores with float32 accumulation.
+  // For `rows` < m (a block of w's rows, quant_matmul.cu) `out` points at column r0 of out's first
+  // row, and C is the [rows, n] block of out^T, still with ld m.
   const float alpha = 1.0f;
   CountLaunch();
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
-      cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha,
-      w.data, CudaDataType(act_), static_cast<int>(k), x.data, CudaDataType(act_), static_cast<int>(k), &beta,
-      out->data, CudaDataType(out->dtype), static_cast<int>(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), &alpha,
+      w, CudaDataType(act_), static_cast<int>(k), x, CudaDataType(act_), static_cast<int>(k), &beta, out,
+      CudaDataType(out_dtype), static_cast<int>(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return absl::OkStatus();
 }
 

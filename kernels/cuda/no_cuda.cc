@@ -4,7 +4,7 @@
 
 namespace shardserve {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, DType) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, DType, const CudaBackendOptions&) {
   return absl::UnimplementedError(
       "this shardserve was built without CUDA (SHARDSERVE_WITH_CUDA=OFF); use --device cpu or rebuild with CUDA");
 }

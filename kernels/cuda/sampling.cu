@@ -215,22 +215,6 @@ __global__ void __launch_bounds__(kRowThreads)
 
 }  // namespace
 
-template <typename T>
-absl::Status CudaBackend::GrowDevice(T** ptr, size_t* capacity, size_t needed) {
-  if (needed <= *capacity) return absl::OkStatus();
-  // Rare (the batch grew): wait for work that may still use the old buffer, then reallocate with
-  // headroom so that the next few growths are free. The capacity reads 0 until the new buffer
-  // exists, so a failure here leaves no stale capacity behind.
-  const size_t cap = std::max<size_t>({needed, 64, 2 * *capacity});
-  *capacity = 0;
-  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  if (*ptr != nullptr) SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaFree(*ptr));
-  *ptr = nullptr;
-  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(ptr), cap * sizeof(T)));
-  *capacity = cap;
-  return absl::OkStatus();
-}
-
 // Copies the per-row sampling parameters to params_dev_ through a pinned staging buffer (so the
 // copy is a real async DMA); both buffers are allocated once and grown only when the batch grows.
 absl::Status CudaBackend::UploadSampleParams(const std::vector<SampleParams>& params) {

@@ -125,6 +125,8 @@ constexpr char kUsage[] =
     "                     AVX-512 VNNI; README, Quantization)\n"
     "  --worker-collectives, --worker-dummy-weights  the workers' --collectives (gloo: TP/PP ranks\n"
     "                     sharing one GPU) and --dummy-weights (device: made in GPU memory)\n"
+    "  --worker-cuda-quantized-kernels  the workers' --cuda-quantized-kernels (--quantization on cuda;\n"
+    "                     never run on a GPU yet: docs/gpu.md)\n"
     "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
     "                     through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
     "                     --load-format dummy runs weights made from config.json alone (a --model\n"
@@ -276,7 +278,7 @@ int Run(const std::vector<std::string>& args) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
     }
     for (const std::string& f : ClusterFlags::Switches()) {
-      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it is a coordinator flag)"));
+      if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it sets up the cluster it starts)"));
     }
     std::fprintf(stderr, "bench: %s: %s\n", c.address.c_str(), LoadLine(c).c_str());
     absl::StatusOr<BenchRun> run = Benchmark(c);

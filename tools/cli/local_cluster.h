@@ -171,7 +171,8 @@ struct ClusterFlags {
   int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
   // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
-  // --activation-quantization V as theirs under the same name.
+  // --activation-quantization V as theirs under the same name, and the switch
+  // --worker-cuda-quantized-kernels as their --cuda-quantized-kernels.
   std::vector<std::string> worker_flags;
   // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
   // as given, in that order:
@@ -181,7 +182,7 @@ struct ClusterFlags {
 
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
-  static std::set<std::string> Switches() { return {"no-prefix-caching"}; }
+  static std::set<std::string> Switches() { return {"no-prefix-caching", "worker-cuda-quantized-kernels"}; }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
   // --no-prefix-caching when off. `skip`: a flag name left out (its value set elsewhere).
   std::vector<std::string> CoordinatorArgs(const std::string& skip = "") const;

@@ -1,0 +1,442 @@
+// The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
+// int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (worker
+// --cuda-quantized-kernels). NEVER RUN ON A GPU YET: written and compiled without one, so off by
+// default until tests/kernels_cuda_test.cc's CudaQuant cases pass on a GPU (docs/gpu.md).
+//
+// Storage: the CPU's layouts, byte for byte (PackQuantizedWeight is a copy to the device). One
+// layout for both backends and for the checkpoints' loader (model/quantized_checkpoint.h), and the
+// planner's byte counts hold as they are. What the GPU kernels want from it they get: an int8 / fp8
+// row is k contiguous bytes (16-byte loads when k % 16 == 0 and m % 4 == 0, else byte loads); an
+// int4 row is groups x 72 contiguous bytes, read as 8-byte words (9 a group: the scale-and-zero
+// header, then 64 bytes of nibbles), so a warp's loads are whole 256-byte runs. A Marlin-style
+// repack (scales apart, nibbles interleaved for tensor-core fragments) would come with a
+// tensor-core kernel; not written.
+//
+// MatMul out [n, m] = x [n, k] @ w^T (+ bias):
+// - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. One warp per output row
+//   (kGemvWarps rows a block), each lane a strided run of the row's words, kGemvLoads loads in
+//   flight; the weights are widened in registers and multiplied by all n input rows (read through
+//   L1/L2: the same x for every warp), summed in float32, reduced across the warp with shuffles;
+//   lane 0 scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds
+//   once to out's dtype.
+// - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kDequantScratchBytes
+//   worth of rows at a time, into a scratch buffer, then cuBLAS (Gemm, matmul.cu) for that block
+//   of out's columns, accumulating onto the broadcast bias. The weight is read once per call; the
+//   dequantized rows are rounded to the act dtype (bf16: 2^-9 relative), as any bf16 GEMM's are.
+//   fp8 through cuBLASLt's fp8 GEMM on sm_89+ (no dequantize) is a follow-up.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda/cuda_backend.cuh"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/quant.h"
+
+namespace shardserve::cuda {
+namespace {
+
+// Rows of x (tokens) up to which MatMul takes the GEMV: decode batches. Above, the weight is read
+// once for all rows by cuBLAS after dequantizing; at 8 rows the GEMV's x traffic (L2) is still far
+// below its weight traffic.
+constexpr int kGemvMaxRows = 8;
+// Output rows (warps) per GEMV block: 128 threads; the grid is ceil(m / 4) blocks (m <= INT_MAX).
+constexpr int kGemvWarps = 4;
+constexpr int kGemvThreads = kGemvWarps * 32;
+// Weight loads a lane issues before using the first (4 x 16 B of int8 / fp8, 4 x 8 B of int4): a
+// decode GEMV is bound by the bytes in flight (an H100 needs ~15 KB per SM to cover its latency).
+constexpr int kGemvLoads = 4;
+// The dequantized block of rows for the cuBLAS path: at most this much act-dtype memory (or one
+// row, when a single row is larger), unless CudaBackendOptions::quantized_scratch_bytes says.
+constexpr size_t kDequantScratchBytes = size_t{64} << 20;
+// An int4 group as 8-byte words: word 0 is the header (scale, zero, pad), words 1..8 the nibbles.
+constexpr int kInt4Words = static_cast<int>(sizeof(Int4Group128) / 8);
+static_assert(sizeof(Int4Group128) % 8 == 0 && offsetof(Int4Group128, q) == 8,
+              "the int4 GEMV reads a group as 9 aligned 8-byte words, the nibbles from the second on");
+
+// An OCP E4M3FN byte's value (Fp8E4m3ToFloat's, exactly; the NaN bytes 0x7F / 0xFF read as +-480,
+// as the CPU kernels read them: loaders refuse them). The 7 magnitude bits placed at float's
+// exponent-and-mantissa top give 2^(e - 127) (1 + m / 8); e4m3's bias is 7, hence e + 120. Exponent
+// 0 is subnormal: m x 2^-9.
+__device__ __forceinline__ float Fp8ToFloat(uint32_t v) {
+  const uint32_t e = (v >> 3) & 0xFu, man = v & 7u;
+  const float f = e == 0 ? static_cast<float>(man) * 0.001953125f : __uint_as_float(((e + 120u) << 23) | (man << 20));
+  return (v & 0x80u) != 0 ? -f : f;
+}
+
+// A stored byte of an int8 (two's complement) or fp8 row, as float.
+template <bool kFp8>
+__device__ __forceinline__ float RowValue(uint32_t byte) {
+  if constexpr (kFp8) {
+    return Fp8ToFloat(byte);
+  } else {
+    return static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(byte)));
+  }
+}
+
+// A 16-bit act value's bits as float (exact).
+template <typename T>
+__device__ __forceinline__ float HalfBitsToFloat(uint32_t bits);
+template <>
+__device__ __forceinline__ float HalfBitsToFloat<__half>(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+template <>
+__device__ __forceinline__ float HalfBitsToFloat<__nv_bfloat16>(uint32_t bits) {
+  return __uint_as_float(bits << 16);
+}
+
+// v[j] = row[c + j] for j < 8, 0 at and past k. `vec`: the row is 16-byte aligned and holds a
+// multiple of 16 bytes (checked by the host), and c is a multiple of 8, so a whole run of 8 is one
+// or two 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void LoadX8(const T* row, int64_t c, int64_t k, bool vec, float v[8]) {
+  if (vec && c + 8 <= k) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(row + c));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(row + c + 4));
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+      const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + c));
+      const uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = HalfBitsToFloat<T>(words[j] & 0xFFFFu);
+        v[2 * j + 1] = HalfBitsToFloat<T>(words[j] >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? ToFloat(row[c + j]) : 0.0f;
+  }
+}
+
+// sum_j a[j] x[c0 + j] + b[j] x[c1 + j] over j < 8 (LoadX8's runs: 0 at and past k).
+template <typename T>
+__device__ __forceinline__ float Dot16(const T* row, int64_t c0, int64_t c1, int64_t k, bool vec, const float* a,
+                                       const float* b) {
+  float xv[8];
+  float d = 0.0f;
+  LoadX8(row, c0, k, vec, xv);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) d += a[j] * xv[j];
+  LoadX8(row, c1, k, vec, xv);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) d += b[j] * xv[j];
+  return d;
+}
+
+// Lane 0 of the warp of output row r writes out[i][r] = sum over lanes of acc[i], x `scale`, + bias.
+// Every lane calls (the shuffles need the whole warp).
+template <typename T, typename TO>
+__device__ __forceinline__ void FinishRow(TO* out, const float (&acc)[kGemvMaxRows], float scale, const T* bias,
+                                          int n, int64_t m, int64_t r) {
+  const int lane = threadIdx.x & 31;
+  const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
+#pragma unroll
+  for (int i = 0; i < kGemvMaxRows; ++i) {
+    if (i < n) {  // n is the same for the whole warp
+      const float sum = WarpAllReduce(acc[i], SumOp{});
+      if (lane == 0) out[i * m + r] = FromFloat<TO>(sum * scale + b);
+    }
+  }
+}
+
+// Int8 or fp8 rows (Int8RowsLayout / Fp8RowsLayout): warp w of block b is output row 4 b + w.
+// vec: q's rows are 16-byte aligned and k % 16 == 0 (16 weights a load, lane-strided: a warp
+// reads 512 contiguous bytes a step); else one byte a lane a step (still coalesced).
+template <typename T, typename TO, bool kFp8>
+__global__ void __launch_bounds__(kGemvThreads)
+    RowsGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
+                   const float* __restrict__ scale /*[m]*/, const uint8_t* __restrict__ q /*[m, k]*/,
+                   const T* __restrict__ bias /*[m] or null*/, int n, int64_t m, int64_t k, bool vec_w, bool vec_x) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
+  if (r >= m) return;  // the whole warp: r is the warp's
+  const uint8_t* qr = q + r * k;
+  float acc[kGemvMaxRows];
+#pragma unroll
+  for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
+  if (vec_w) {
+    // kGemvLoads loads of 16 bytes issued before any is used (more bytes in flight per warp).
+    for (int64_t base = int64_t{lane} * 16; base < k; base += 32 * 16 * kGemvLoads) {
+      uint4 loaded[kGemvLoads];
+#pragma unroll
+      for (int l = 0; l < kGemvLoads; ++l) {
+        const int64_t c = base + int64_t{32 * 16} * l;
+        loaded[l] = c < k ? __ldg(reinterpret_cast<const uint4*>(qr + c)) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int l = 0; l < kGemvLoads; ++l) {
+        const int64_t c = base + int64_t{32 * 16} * l;
+        if (c >= k) break;
+        const uint32_t words[4] = {loaded[l].x, loaded[l].y, loaded[l].z, loaded[l].w};
+        float w[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) w[j] = RowValue<kFp8>((words[j / 4] >> (8 * (j % 4))) & 0xFFu);
+#pragma unroll
+        for (int i = 0; i < kGemvMaxRows; ++i) {
+          if (i < n) acc[i] += Dot16(x + i * k, c, c + 8, k, vec_x, w, w + 8);
+        }
+      }
+    }
+  } else {
+    for (int64_t c = lane; c < k; c += 32) {
+      const float w = RowValue<kFp8>(__ldg(qr + c));
+#pragma unroll
+      for (int i = 0; i < kGemvMaxRows; ++i) {
+        if (i < n) acc[i] += w * ToFloat(x[i * k + c]);
+      }
+    }
+  }
+  FinishRow<T, TO>(out, acc, __ldg(scale + r), bias, n, m, r);
+}
+
+// Int4 groups (Int4GroupsLayout): warp w of block b is output row 4 b + w, whose groups x 72 bytes
+// are read as 8-byte words, lane-strided (a warp reads 256 contiguous bytes a step). A lane with a
+// header word skips it; a lane with nibble word p (1..8) of group g reads its group's scale and
+// zero (the header's bytes, which the warp has just loaded: an L1 hit) and multiplies
+// inputs 128 g + 8 (p - 1) + [0, 8) (low nibbles) and the same + 64 (high nibbles). Inputs at or
+// past k (the last group of a row when k % 128 != 0) are 0 and add nothing.
+template <typename T, typename TO>
+__global__ void __launch_bounds__(kGemvThreads)
+    Int4GemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
+                   const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
+                   int n, int64_t m, int64_t k, int64_t groups, bool vec_x) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
+  if (r >= m) return;  // the whole warp
+  const Int4Group128* row = blocks + r * groups;
+  const uint2* words = reinterpret_cast<const uint2*>(row);
+  const int64_t row_words = groups * kInt4Words;
+  float acc[kGemvMaxRows];
+#pragma unroll
+  for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
+  // kGemvLoads words issued before any is used (more bytes in flight per warp).
+  for (int64_t base = lane; base < row_words; base += 32 * kGemvLoads) {
+    uint2 loaded[kGemvLoads];
+#pragma unroll
+    for (int l = 0; l < kGemvLoads; ++l) {
+      const int64_t wi = base + 32 * l;
+      loaded[l] = wi < row_words ? __ldg(words + wi) : make_uint2(0, 0);
+    }
+#pragma unroll
+    for (int l = 0; l < kGemvLoads; ++l) {
+      const int64_t wi = base + 32 * l;
+      if (wi >= row_words) break;
+      const int64_t g = wi / kInt4Words;
+      const int p = static_cast<int>(wi - g * kInt4Words);
+      if (p == 0) continue;  // the header: its scale and zero are read (from L1) by the lanes below
+      const uint2 u = loaded[l];
+      const float s = __ldg(&row[g].scale);
+      const float z = static_cast<float>(__ldg(&row[g].zero));
+      const int64_t c = g * kInt4GroupSize + (p - 1) * 8;
+      float lo[8], hi[8];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const uint32_t b = ((t < 4 ? u.x : u.y) >> (8 * (t % 4))) & 0xFFu;
+        lo[t] = static_cast<float>(b & 15u) - z;
+        hi[t] = static_cast<float>(b >> 4) - z;
+      }
+#pragma unroll
+      for (int i = 0; i < kGemvMaxRows; ++i) {
+        if (i < n) acc[i] += s * Dot16(x + i * k, c, c + kInt4GroupSize / 2, k, vec_x, lo, hi);
+      }
+    }
+  }
+  FinishRow<T, TO>(out, acc, 1.0f, bias, n, m, r);
+}
+
+// w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
+// DequantizeInt8Rows / DequantizeFp8Rows do (value x scale in float32), rounded once.
+template <typename T, bool kFp8>
+__global__ void DequantRowsKernel(T* __restrict__ w, const float* __restrict__ scale, const uint8_t* __restrict__ q,
+                                  int64_t r0, int64_t rows, int64_t k) {
+  const uint8_t* q0 = q + r0 * k;
+  GRID_STRIDE_LOOP(i, rows * k) w[i] = FromFloat<T>(RowValue<kFp8>(q0[i]) * scale[r0 + i / k]);
+}
+
+// The same for int4 groups, as DequantizeInt4Groups: (q - zero) x scale.
+template <typename T>
+__global__ void DequantInt4Kernel(T* __restrict__ w, const Int4Group128* __restrict__ blocks, int64_t r0,
+                                  int64_t rows, int64_t k, int64_t groups) {
+  GRID_STRIDE_LOOP(i, rows * k) {
+    const int64_t r = i / k, c = i - r * k;
+    const Int4Group128& b = blocks[(r0 + r) * groups + c / kInt4GroupSize];
+    const int j = static_cast<int>(c % kInt4GroupSize);
+    const int byte = b.q[j % (kInt4GroupSize / 2)];
+    const int v = j < kInt4GroupSize / 2 ? (byte & 15) : (byte >> 4);
+    w[i] = FromFloat<T>(static_cast<float>(v - b.zero) * b.scale);
+  }
+}
+
+bool Aligned(const void* p, size_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
+
+absl::Status Off(const char* op, WeightQuant quant) {
+  return absl::UnimplementedError(absl::StrCat(
+      op, ": the CUDA kernels for ", WeightQuantName(quant),
+      " weights have not yet passed their tests on a GPU, so they are off by default; turn them on with "
+      "shardserve-worker --cuda-quantized-kernels (launch / bench --compare: --worker-cuda-quantized-kernels; "
+      "docs/gpu.md), or load without quantization"));
+}
+
+}  // namespace
+
+absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
+                                                        Tensor* packed) {
+  if (quant == WeightQuant::kNone) {
+    return absl::InvalidArgumentError("PackQuantizedWeight: kNone is no quantized layout; use PackMatMulWeight");
+  }
+  if (!options_.quantized_kernels) return Off("PackQuantizedWeight", quant);
+  if (m <= 0 || k <= 0 || !FitsInt(m) || !FitsInt(k)) {
+    return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: a [", m, ", ", k, "] ", WeightQuantName(quant),
+                                                   " weight (want 0 < m, k <= 2^31 - 1)"));
+  }
+  if (stored == nullptr) return absl::InvalidArgumentError("PackQuantizedWeight: stored is null");
+  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+  absl::StatusOr<Buffer> buffer = Allocate(bytes);
+  if (!buffer.ok()) return buffer.status();
+  SHARDSERVE_RETURN_IF_NOT_OK(CopyToDevice(buffer->data(), stored, bytes));
+  quantized_[buffer->data()] = QuantizedWeight{m, k, quant};
+  *packed = Tensor(buffer->data(), DType::kI8, {m, k});
+  packed->quant = quant;
+  return buffer;
+}
+
+absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {
+  if (quant == WeightQuant::kNone) return Backend::PackMatMulWeight(w, packed, quant);
+  *packed = w;
+  if (!options_.quantized_kernels) return Off("PackMatMulWeight", quant);
+  if (!Is(w, 2, act_)) {
+    return Invalid("PackMatMulWeight", absl::StrCat("expected w [m, k] ", DTypeName(act_)), {{"w", &w}});
+  }
+  const int64_t m = w.dim(0), k = w.dim(1);
+  if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  // Quantized on the host by kernels/quant.h's own quantizers (once, at load), so that both
+  // backends hold the same bytes for the same weight.
+  std::vector<uint8_t> raw(w.bytes());
+  SHARDSERVE_RETURN_IF_NOT_OK(CopyToHost(raw.data(), w.data, raw.size()));
+  std::vector<float> f(static_cast<size_t>(m * k));
+  if (!ConvertOnHost(f.data(), DType::kF32, raw.data(), act_, f.size())) {
+    return absl::InternalError(absl::StrCat("PackMatMulWeight: cannot widen ", DTypeName(act_), " to F32"));
+  }
+  raw.clear();
+  raw.shrink_to_fit();
+  std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));  // new[]: 16-byte aligned
+  const absl::Status s = [&]() -> absl::Status {
+    if (quant == WeightQuant::kInt8) {
+      return QuantizeInt8Rows(reinterpret_cast<float*>(stored.data()),
+                              reinterpret_cast<int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), f.data(),
+                              m, k);
+    }
+    if (quant == WeightQuant::kFp8) {
+      return QuantizeFp8Rows(reinterpret_cast<float*>(stored.data()), stored.data() + Fp8RowsLayout{m, k}.scale_bytes(),
+                             f.data(), m, k);
+    }
+    return QuantizeInt4Groups(reinterpret_cast<Int4Group128*>(stored.data()), f.data(), m, k);
+  }();
+  if (!s.ok()) return Invalid("PackMatMulWeight", s.message(), {{"w", &w}});
+  return PackQuantizedWeight(quant, stored.data(), m, k, packed);
+}
+
+absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+  constexpr const char* kOp = "MatMul";
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"w", &w}, {"bias", bias}};
+  if (w.quant == WeightQuant::kNone || !Is(w, 2, DType::kI8)) {
+    return Invalid(kOp, "an I8 w must be a weight PackMatMulWeight / PackQuantizedWeight stored quantized", all);
+  }
+  if (!options_.quantized_kernels) return Off(kOp, w.quant);
+  const auto it = quantized_.find(w.data);
+  if (it == quantized_.end() || it->second.m != w.dim(0) || it->second.k != w.dim(1) || it->second.quant != w.quant) {
+    return Invalid(kOp,
+                   absl::StrCat("w (", WeightQuantName(w.quant),
+                                ") is not the whole of a quantized weight this backend stored; pass the tensor "
+                                "PackMatMulWeight / PackQuantizedWeight made"),
+                   all);
+  }
+  const bool out_ok = Is(*out, 2, DType::kF32) || Is(*out, 2, act_);
+  if (!out_ok || !Is(x, 2, act_) || (bias != nullptr && !Is(*bias, 1, act_))) {
+    return Invalid(kOp,
+                   absl::StrCat("expected out [n, m] F32 or ", DTypeName(act_), ", x [n, k] and bias [m] or null ",
+                                DTypeName(act_), ", w quantized [m, k]"),
+                   all);
+  }
+  const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
+  if (w.dim(1) != k || out->dim(0) != n || out->dim(1) != m || (bias != nullptr && bias->dim(0) != m)) {
+    return Invalid(kOp, "shapes do not match", all);
+  }
+  if (!FitsInt(n)) return Invalid(kOp, "n exceeds cuBLAS's int range", all);
+  if (n == 0) return absl::OkStatus();  // (m, k > 0: PackQuantizedWeight refuses empty weights)
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  const WeightQuant quant = w.quant;
+  const int64_t scale_bytes = Int8RowsLayout{m, k}.scale_bytes();  // the same for fp8
+  const auto* scale = static_cast<const float*>(w.data);
+  const auto* q = static_cast<const uint8_t*>(w.data) + scale_bytes;
+  const auto* blocks = static_cast<const Int4Group128*>(w.data);
+  const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+  if (!Aligned(w.data, 8)) return Invalid(kOp, "a quantized w must be 8-byte aligned", all);
+
+  if (n <= kGemvMaxRows) {
+    const bool vec_x = Aligned(x.data, 16) && (k * static_cast<int64_t>(DTypeSize(act_))) % 16 == 0;
+    const bool vec_w = Aligned(q, 16) && k % 16 == 0;
+    const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvWarps));
+    return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+      using T = typename decltype(tag)::type;
+      const T* xs = x.as<const T>();
+      const T* b = bias != nullptr ? bias->as<const T>() : nullptr;
+      auto launch = [&](auto* y) -> absl::Status {
+        using TO = std::remove_pointer_t<decltype(y)>;
+        const int rows = static_cast<int>(n);
+        if (quant == WeightQuant::kInt4) {
+          Int4GemvKernel<T, TO><<<grid, kGemvThreads, 0, stream_>>>(y, xs, blocks, b, rows, m, k, groups, vec_x);
+          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4GemvKernel");
+        } else if (quant == WeightQuant::kInt8) {
+          RowsGemvKernel<T, TO, false><<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, m, k, vec_w, vec_x);
+          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<int8>");
+        } else {
+          RowsGemvKernel<T, TO, true><<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, m, k, vec_w, vec_x);
+          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<fp8>");
+        }
+        return absl::OkStatus();
+      };
+      return out->dtype == DType::kF32 ? launch(out->as<float>()) : launch(out->as<T>());
+    });
+  }
+
+  // Dequantize a block of rows into the scratch, multiply it with cuBLAS into its columns of out.
+  if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
+  const auto row_bytes = static_cast<size_t>(k) * DTypeSize(act_);
+  const size_t limit = options_.quantized_scratch_bytes > 0 ? options_.quantized_scratch_bytes : kDequantScratchBytes;
+  const int64_t block_rows = std::clamp<int64_t>(static_cast<int64_t>(limit / row_bytes), 1, m);
+  // A power of two up to `limit` (GrowDevice's doubling then stays within twice it), or one row.
+  size_t want = 64;
+  while (want < static_cast<size_t>(block_rows) * row_bytes && want < limit) want *= 2;
+  want = std::max(want, row_bytes);
+  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, want));
+  const size_t out_elem = DTypeSize(out->dtype);
+  for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m - r0);
+    SHARDSERVE_RETURN_IF_NOT_OK(DispatchFloat(act_, [&](auto tag) -> absl::Status {
+      using T = typename decltype(tag)::type;
+      T* dst = reinterpret_cast<T*>(dequant_dev_);
+      const unsigned grid = GridFor(rows * k, kElementwiseThreads);
+      if (quant == WeightQuant::kInt4) {
+        DequantInt4Kernel<T><<<grid, kElementwiseThreads, 0, stream_>>>(dst, blocks, r0, rows, k, groups);
+        SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantInt4Kernel");
+      } else if (quant == WeightQuant::kInt8) {
+        DequantRowsKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k);
+        SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantRowsKernel<int8>");
+      } else {
+        DequantRowsKernel<T, true><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k);
+        SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantRowsKernel<fp8>");
+      }
+      return absl::OkStatus();
+    }));
+    SHARDSERVE_RETURN_IF_NOT_OK(Gemm(static_cast<char*>(out->data) + static_cast<size_t>(r0) * out_elem, out->dtype, m,
+                                     x.data, dequant_dev_, n, rows, k, bias != nullptr ? 1.0f : 0.0f));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve::cuda
