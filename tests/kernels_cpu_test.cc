@@ -582,7 +582,9 @@ INSTANTIATE_TEST_SUITE_P(Formats, RowsQuantMatMulTest, ::testing::Values(WeightQ
                          QuantParamName);
 
 // As for the float32 products: a row's product by an int8 or int4 weight is bitwise the same
-// whatever other rows share the call, on 1 or 2 threads.
+// whatever other rows share the call, on 1 or 2 threads; with --activation-quantization int8 too
+// where the CPU has VNNI (its one-row 8 x 1 tiles against its 4 x 4 ones: the same integer sums
+// and the same float32 steps).
 class QuantMatMulRowsTest : public ::testing::TestWithParam<WeightQuant> {};
 
 TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
@@ -590,8 +592,12 @@ TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
   std::mt19937 rng(quant == WeightQuant::kInt8 ? 5 : 7);
   const int64_t rows = 67, m = 70, k = 203;
   const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
-  for (int threads : {1, 2}) {
-    std::unique_ptr<Backend> backend = MakeCpuBackend(threads);
+  std::vector<CpuActivationQuant> acts = {CpuActivationQuant::kNone};
+  if (cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) acts.push_back(CpuActivationQuant::kInt8);
+  for (auto [threads, act] : {std::pair{1, acts[0]}, {2, acts[0]}, {1, acts.back()}, {2, acts.back()}}) {
+    absl::StatusOr<std::unique_ptr<Backend>> made = MakeCpuBackend(threads, CpuMatMul::kF32, act);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(*made);
     DeviceTensor dw(backend.get(), DType::kF32, {m, k});
     dw.Upload(w);
     Tensor packed;
@@ -608,7 +614,8 @@ TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
         ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
         const std::vector<float> got = part_out.Download<float>();
         EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
-            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads)";
+            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads, activations "
+            << CpuActivationQuantName(act) << ")";
       }
     }
   }

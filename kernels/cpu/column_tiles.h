@@ -18,6 +18,15 @@ namespace shardserve::cpu {
 // Internal linkage: each instruction set's file gets its own copy (as int8_matmul_tiles.h).
 namespace {
 
+// How far ahead, in weight rows, the quantized tiles ask for the weights they will read next
+// (__builtin_prefetch of the same bytes kPrefetchRows rows on: a hint, which changes no result). A
+// decode step's weight rows are short (the bench model's 768 inputs: 432 bytes in int4, 768 in
+// int8), so a tile's 8 rows are 8 streams of a few cache lines each, too short for the hardware
+// prefetcher to follow: at one input row the int4 VNNI product took 0.65 ms for the bench model's
+// stage from L3 and 0.34 ms with its weights in L1. 32 rows (4 tiles of 8) ahead measured best of
+// 8, 16, 32 and 64 (docs/benchmarks.md, issue 25).
+inline constexpr int64_t kPrefetchRows = 32;
+
 // columns(r0, r1) for contiguous ranges covering [0, m), each a whole number of `tile_rows`-row
 // tiles but the last, one range per thread (threads <= 0: OpenMP's default).
 template <class Columns>

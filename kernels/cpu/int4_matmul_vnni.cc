@@ -48,6 +48,8 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
       // Byte j: value j in its low nibble, value j + 64 in its high one (kernels/quant.h). A short
       // last group's unused nibbles are 0: as q - z = -z against xq + 128 = 128 (the activations'
       // zero padding) they add -128 z, which the start takes away again.
+      // The same group kPrefetchRows rows on (column_tiles.h; the last row's near the end).
+      PrefetchInt4Group(blocks + std::min(r + b + kPrefetchRows, m - 1) * groups + g);
       const __m512i bytes = _mm512_loadu_si512(block.q);
       const __m512i z = _mm512_set1_epi8(static_cast<char>(block.zero));
       const __m512i qlo = _mm512_sub_epi8(_mm512_and_si512(bytes, low), z);
@@ -77,7 +79,7 @@ void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
   QuantizeActivationRows(&xq, x, n, k, kInt4GroupSize);
   const ActivationRows& rows_q = xq;
-  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) {
+  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
     Tile<R(), I()>(y, rows_q, i, m, k, blocks, bias, r);
   });
 }

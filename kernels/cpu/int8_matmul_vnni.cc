@@ -40,6 +40,8 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
     for (int b = 0; b < R; ++b) {
       // q + 128 as unsigned bytes.
       const int8_t* row = q + (r + b) * k + c * kChunk;
+      // The same chunk kPrefetchRows rows on (column_tiles.h; the last row's near the end).
+      __builtin_prefetch(q + std::min(r + b + kPrefetchRows, m - 1) * k + c * kChunk, 0, 3);
       const __m512i w = _mm512_xor_si512(
           load == ~__mmask64{0} ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi8(load, row), offset);
       for (int a = 0; a < I; ++a) acc[a][b] = _mm512_dpbusd_epi32(acc[a][b], w, xv[a]);
@@ -64,7 +66,7 @@ void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
   QuantizeActivationRows(&xq, x, n, k, kChunk);
   const ActivationRows& rows_q = xq;
-  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) {
+  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
     Tile<R(), I()>(y, rows_q, i, m, k, q, scale, bias, r);
   });
 }
