@@ -1,6 +1,6 @@
 // tests/process_harness.h, which every multi-process test builds on: a child's sanitizer report or
-// abort fails the test that started it, and its reports go to its log whatever log_path this
-// process was given.
+// abort fails the test that started it, its reports go to its log whatever log_path this process
+// was given, and SHARDSERVE_TEST_TIME_SCALE is read by the same rule as tests/cli_check.py's.
 // Children here are /bin/sh one-liners: nothing to build beyond this file.
 #include <unistd.h>
 
@@ -133,6 +133,33 @@ TEST(HarnessTest, AChildsSanitizerReportsGoToItsLog) {
   EXPECT_EQ(Tail(p.log()),
             "asan[halt_on_error=1:log_path=/tmp/reports/report:log_exe_name=1:log_path=stderr] lsan[unset] "
             "ubsan[log_path=stderr] tsan[halt_on_error=1:log_path=stderr]\n");
+}
+
+// SHARDSERVE_TEST_TIME_SCALE: a decimal number from 1 to 1000, 1 when empty; nothing else, so that
+// no typo shortens or drops a deadline. tests/cli_check_test.py checks the Python side against the
+// same values and the same message.
+TEST(HarnessTest, TimeScaleIsADecimalFrom1To1000) {
+  EXPECT_EQ(ParseTimeScale(""), 1.0);
+  EXPECT_EQ(ParseTimeScale("1"), 1.0);
+  EXPECT_EQ(ParseTimeScale("3"), 3.0);
+  EXPECT_EQ(ParseTimeScale("2.5"), 2.5);
+  EXPECT_EQ(ParseTimeScale("1000"), 1000.0);
+  for (const char* refused : {"0", "0.5", "0.99", "1000.5", "1001", "-3", "abc", "3x", " 3", "3 ", "1e2", "inf",
+                              "nan", "1.", ".5", "1_000", "0x10", "+3"}) {
+    EXPECT_EQ(ParseTimeScale(refused), std::nullopt) << refused;
+  }
+  EXPECT_EQ(TimeScaleError("0.5"), "SHARDSERVE_TEST_TIME_SCALE='0.5': expected a number from 1 to 1000 (1 = unscaled)");
+}
+
+TEST(HarnessTest, ARefusedTimeScaleEndsTheTestProgram) {
+  EXPECT_EXIT(
+      {
+        setenv("SHARDSERVE_TEST_TIME_SCALE", "0.5", 1);
+        TimeScaleFromEnvironment();
+      },
+      ::testing::ExitedWithCode(2), "SHARDSERVE_TEST_TIME_SCALE='0.5': expected a number from 1 to 1000 \\(1 = unscaled\\)");
+  ScopedEnv scale("SHARDSERVE_TEST_TIME_SCALE", "4");
+  EXPECT_EQ(TimeScaleFromEnvironment(), 4.0);
 }
 
 }  // namespace

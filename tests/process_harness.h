@@ -4,7 +4,8 @@
 // a test waits for a process, scaled by SHARDSERVE_TEST_TIME_SCALE.
 //
 // Sanitizer builds (tools/sanitize.sh, whose header says where every report goes):
-// - SHARDSERVE_TEST_TIME_SCALE (a number > 0, default 1) multiplies every deadline a test waits for a
+// - SHARDSERVE_TEST_TIME_SCALE, a decimal number from 1 to 1000 (default 1; tests/cli_check.py
+//   reads it by the same rule, with the same error), multiplies every deadline a test waits for a
 //   process (Process::Wait, the cluster's start, a stream's deadline, ...; a test's own wait loops
 //   use ScaledSeconds or Scaled), for binaries that run slower under instrumentation (ASan about 3x,
 //   ThreadSanitizer 5-15x).
@@ -27,7 +28,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -49,20 +49,45 @@ using Clock = std::chrono::steady_clock;
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// SHARDSERVE_TEST_TIME_SCALE, read once: 1 when unset; a value that is not a finite number > 0 ends
-// the test program naming it (a deadline silently left unscaled would fail as a hang instead).
+// SHARDSERVE_TEST_TIME_SCALE's value `text`: a decimal number (digits, optionally a point and
+// digits) from 1 to 1000; 1 when `text` is empty. nullopt for anything else: a scale below 1 would
+// shorten every deadline, one above 1000 would make a hang wait for CTest's limit; a typo must not
+// do either silently. tests/cli_check.py's parse_time_scale() is the same rule.
+inline std::optional<double> ParseTimeScale(std::string_view text) {
+  if (text.empty()) return 1.0;
+  const size_t point = text.find('.');
+  const std::string_view whole = text.substr(0, point);
+  const std::string_view fraction = point == std::string_view::npos ? "" : text.substr(point + 1);
+  const auto digits = [](std::string_view s) {
+    return !s.empty() && s.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  if (!digits(whole) || (point != std::string_view::npos && !digits(fraction))) return std::nullopt;
+  const double value = std::strtod(std::string(text).c_str(), nullptr);
+  if (value < 1 || value > 1000) return std::nullopt;
+  return value;
+}
+
+// The error for a refused SHARDSERVE_TEST_TIME_SCALE, word for word tests/cli_check.py's.
+inline std::string TimeScaleError(std::string_view text) {
+  return "SHARDSERVE_TEST_TIME_SCALE='" + std::string(text) + "': expected a number from 1 to 1000 (1 = unscaled)";
+}
+
+// SHARDSERVE_TEST_TIME_SCALE from the environment, read now; a refused value ends the test
+// program (exit status 2) with TimeScaleError: a deadline silently left unscaled would fail as a
+// hang instead.
+inline double TimeScaleFromEnvironment() {
+  const char* text = std::getenv("SHARDSERVE_TEST_TIME_SCALE");
+  const std::optional<double> scale = ParseTimeScale(text == nullptr ? "" : text);
+  if (!scale.has_value()) {
+    std::fprintf(stderr, "%s\n", TimeScaleError(text).c_str());
+    std::exit(2);
+  }
+  return *scale;
+}
+
+// SHARDSERVE_TEST_TIME_SCALE, read once.
 inline double TimeScale() {
-  static const double scale = [] {
-    const char* text = std::getenv("SHARDSERVE_TEST_TIME_SCALE");
-    if (text == nullptr || *text == '\0') return 1.0;
-    char* end = nullptr;
-    const double value = std::strtod(text, &end);
-    if (*end != '\0' || !std::isfinite(value) || value <= 0) {
-      std::fprintf(stderr, "SHARDSERVE_TEST_TIME_SCALE='%s': expected a number > 0 (1 = unscaled)\n", text);
-      std::exit(2);
-    }
-    return value;
-  }();
+  static const double scale = TimeScaleFromEnvironment();
   return scale;
 }
 // A deadline the test waits for a process, times SHARDSERVE_TEST_TIME_SCALE.
