@@ -1,21 +1,33 @@
 """What the command-line tests share (stdlib only): run a command, stop at the first failed check,
 and scale a deadline for slower (instrumented) binaries."""
 import os
+import re
 import subprocess
 import sys
 
 
-def _time_scale():
-    text = os.environ.get("SHARDSERVE_TEST_TIME_SCALE", "")
+def time_scale_error(text):
+    """The error for a refused SHARDSERVE_TEST_TIME_SCALE, word for word tests/process_harness.h's."""
+    return f"SHARDSERVE_TEST_TIME_SCALE='{text}': expected a number from 1 to 1000 (1 = unscaled)"
+
+
+def parse_time_scale(text):
+    """SHARDSERVE_TEST_TIME_SCALE's value `text`: a decimal number (digits, optionally a point and digits)
+    from 1 to 1000; 1 when empty. Anything else raises ValueError(time_scale_error(text)): a scale below 1
+    would shorten every deadline, a typo must not do that silently. The rule of tests/process_harness.h's
+    ParseTimeScale (not Python's float(), which takes "1_000", " 3" and "inf")."""
     if not text:
         return 1.0
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or not 1.0 <= float(text) <= 1000.0:
+        raise ValueError(time_scale_error(text))
+    return float(text)
+
+
+def _time_scale():
     try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 1.0 <= value <= 1000.0:  # a typo must not shorten every deadline silently
-        sys.exit(f"SHARDSERVE_TEST_TIME_SCALE={text}: expected a number from 1 to 1000")
-    return value
+        return parse_time_scale(os.environ.get("SHARDSERVE_TEST_TIME_SCALE", ""))
+    except ValueError as e:
+        sys.exit(str(e))  # exit status 1, the message on stderr
 
 
 TIME_SCALE = _time_scale()
@@ -23,7 +35,7 @@ TIME_SCALE = _time_scale()
 
 def scaled(seconds):
     """`seconds`, a deadline for waiting on a process of ours, times SHARDSERVE_TEST_TIME_SCALE (default
-    1; tools/sanitize.sh asan-all sets it for the ASan binaries, as tests/cluster_harness.h reads it)."""
+    1; tools/sanitize.sh asan-all sets it for the ASan binaries, as tests/process_harness.h reads it)."""
     return seconds * TIME_SCALE
 
 

@@ -1,15 +1,8 @@
 // Real shardserve-coordinator and shardserve-worker processes on 127.0.0.1 for tests
-// (cluster_test, metrics_test): a Process in a process group of its own that dies with the test,
-// a Cluster of one coordinator (which RestartCoordinator can replace) and nodes x gpus_per_node
-// workers on free ports, and Generate()
-// through the client API. Every wait is bounded; destructors kill and reap every child.
-//
-// Sanitizer builds (tools/sanitize.sh): SHARDSERVE_TEST_TIME_SCALE (a float, default 1) multiplies
-// every deadline the harness waits for a process (Process::Wait, the cluster's start, a stream's
-// deadline, ...; a test's own wait loops use ScaledSeconds), for binaries that run slower under
-// instrumentation (ThreadSanitizer 5-15x). A sanitizer report in a child's log (its stderr) fails
-// the test when the child is reaped (~Process), whether the child exited on it (halt_on_error),
-// was killed later, or ran on.
+// (cluster_test, metrics_test): a Cluster of one coordinator (which RestartCoordinator can replace)
+// and nodes x gpus_per_node workers on free ports, each a Process of tests/process_harness.h (which
+// says how deadlines are scaled and how a sanitizer report in a child fails the test), and
+// Generate() through the client API. Every wait is bounded; destructors kill and reap every child.
 //
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
 // SHARDSERVE_WORKER_BIN. Single-threaded use, except that client() (a gRPC stub) and Generate() may
@@ -17,21 +10,16 @@
 #ifndef SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 #define SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,169 +33,12 @@
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tests/golden.h"
+#include "tests/process_harness.h"
 #include "tools/cli/local_cluster.h"
 
 namespace shardserve {
 
-namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
-
 inline const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
-
-inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// SHARDSERVE_TEST_TIME_SCALE, read once: 1 when unset; a value that is not a finite number > 0 ends
-// the test program naming it (a deadline silently left unscaled would fail as a hang instead).
-inline double TimeScale() {
-  static const double scale = [] {
-    const char* text = std::getenv("SHARDSERVE_TEST_TIME_SCALE");
-    if (text == nullptr || *text == '\0') return 1.0;
-    char* end = nullptr;
-    const double value = std::strtod(text, &end);
-    if (*end != '\0' || !std::isfinite(value) || value <= 0) {
-      std::fprintf(stderr, "SHARDSERVE_TEST_TIME_SCALE='%s': expected a number > 0 (1 = unscaled)\n", text);
-      std::exit(2);
-    }
-    return value;
-  }();
-  return scale;
-}
-// A deadline the test waits for a process, times SHARDSERVE_TEST_TIME_SCALE.
-inline double ScaledSeconds(double seconds) { return seconds * TimeScale(); }
-template <typename Rep, typename Period>
-std::chrono::milliseconds Scaled(std::chrono::duration<Rep, Period> timeout) {
-  return std::chrono::milliseconds(static_cast<int64_t>(
-      std::chrono::duration<double, std::milli>(timeout).count() * TimeScale()));
-}
-
-// The first line of `log` where a sanitizer report begins (ThreadSanitizer's, AddressSanitizer's,
-// LeakSanitizer's or UndefinedBehaviorSanitizer's), or empty when there is none.
-inline std::string SanitizerReport(const fs::path& log) {
-  static const char* const kMarkers[] = {"WARNING: ThreadSanitizer:", "ERROR: AddressSanitizer:",
-                                         "ERROR: LeakSanitizer:", ": runtime error: "};
-  std::ifstream in(log);
-  for (std::string line; std::getline(in, line);) {
-    for (const char* marker : kMarkers) {
-      if (line.find(marker) != std::string::npos) return line;
-    }
-  }
-  return "";
-}
-
-// The HOST:PORT that follows `key` on the first line of `log` that has it, up to `end`; empty when
-// no line has it yet. The services bind port 0 and log the port they got: a port picked here and
-// released could be taken by another process's port 0 before the service binds it (seen in CI: a
-// worker's gRPC port had become another worker's /metrics port).
-inline std::string LoggedAddress(const fs::path& log, const std::string& key, char end) {
-  std::ifstream in(log);
-  for (std::string line; std::getline(in, line);) {
-    const size_t at = line.find(key);
-    if (at == std::string::npos) continue;
-    const size_t begin = at + key.size();
-    return line.substr(begin, line.find(end, begin) - begin);
-  }
-  return "";
-}
-
-inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
-  std::ifstream in(file);
-  std::stringstream s;
-  s << in.rdbuf();
-  const std::string text = s.str();
-  return text.size() > bytes ? "..." + text.substr(text.size() - bytes) : text;
-}
-
-// A child process in a process group of its own, with stdout and stderr in a log file. It gets
-// SIGKILL if this test process dies; the destructor kills and reaps it, and fails the test when
-// the log has a sanitizer report (SanitizerReport).
-class Process {
- public:
-  Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
-    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
-    std::vector<char*> args;
-    for (std::string& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    std::vector<std::string> env_strings = {"OPENBLAS_NUM_THREADS=1"};
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (std::string(*e).rfind("OPENBLAS_NUM_THREADS=", 0) != 0) env_strings.push_back(*e);
-    }
-    std::vector<char*> env;
-    for (std::string& e : env_strings) env.push_back(e.data());
-    env.push_back(nullptr);
-    const std::string log_path = log_.string();
-    const pid_t parent = getpid();
-
-    pid_ = fork();
-    if (pid_ == 0) {
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != parent) _exit(127);  // the parent died before prctl
-      const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        dup2(fd, 1);
-        dup2(fd, 2);
-        close(fd);
-      }
-      execve(args[0], args.data(), env.data());
-      _exit(127);
-    }
-    if (pid_ > 0) setpgid(pid_, pid_);  // also here, so that a signal right after fork finds the group
-  }
-  Process(const Process&) = delete;
-  Process& operator=(const Process&) = delete;
-  ~Process() {
-    Kill();
-    const std::string report = SanitizerReport(log_);
-    if (!report.empty()) {
-      ADD_FAILURE() << "a sanitizer report in " << log_.filename().string() << " (exit status " << exit_code_
-                    << "): " << report << "\n" << Tail(log_, 12000);
-    }
-  }
-
-  pid_t pid() const { return pid_; }
-  const fs::path& log() const { return log_; }
-  // Sends `sig` to the process's group.
-  void Signal(int sig) {
-    if (running()) kill(-pid_, sig);
-  }
-  bool running() {
-    Reap(WNOHANG);
-    return pid_ > 0 && !exited_;
-  }
-  // Waits up to `timeout` (times SHARDSERVE_TEST_TIME_SCALE) for the process to exit; its exit
-  // status (WEXITSTATUS, or 128 + signal), or -1 when it is still running.
-  int Wait(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + Scaled(timeout);
-    while (running() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return exited_ ? exit_code_ : -1;
-  }
-  void Kill() {
-    if (!running()) return;
-    kill(-pid_, SIGKILL);
-    Reap(0);
-  }
-
- private:
-  void Reap(int flags) {
-    if (pid_ <= 0 || exited_) return;
-    int status = 0;
-    if (waitpid(pid_, &status, flags) == pid_) {
-      exited_ = true;
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      // No test aborts a process of ours: SIGABRT is a failed assertion, or a sanitizer report
-      // (tools/sanitize.sh sets abort_on_error for ASan, LeakSanitizer and UBSan), which fails the
-      // test even where it does not look at this process's exit.
-      if (WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) {
-        ADD_FAILURE() << log_.filename() << ": the process aborted (SIGABRT):\n" << Tail(log_);
-      }
-    }
-  }
-
-  const fs::path log_;
-  pid_t pid_ = -1;
-  bool exited_ = false;
-  int exit_code_ = -1;
-};
 
 struct ClusterSpecForTest {
   std::string fixture;  // a directory of tests/fixtures/models, or an absolute path to a model

@@ -46,7 +46,6 @@
 #include "coordinator/planner/format.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "gtest/gtest-spi.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
@@ -60,29 +59,7 @@
 namespace shardserve {
 namespace {
 
-// The process helpers, the Cluster and Generate() are in tests/cluster_harness.h.
-
-// ---- The harness ---------------------------------------------------------------------------------
-
-// A child that dies of SIGABRT (how a sanitizer report ends a process under tools/sanitize.sh) fails
-// the test, though the test never asks for its exit status; one that exits, or is killed, does not.
-TEST(HarnessTest, AChildThatAbortsFailsTheTest) {
-  // The logs in a directory of this process's (EXPECT_NONFATAL_FAILURE's statement sees no locals).
-  static const fs::path dir = fs::path(::testing::TempDir()) / ("harness_test." + std::to_string(getpid()));
-  fs::create_directories(dir);
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "echo about to abort; kill -ABRT $$"}, dir / "abort.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process aborted (SIGABRT):\nabout to abort");
-  Process exits({"/bin/sh", "-c", "exit 3"}, dir / "exit.log");
-  EXPECT_EQ(exits.Wait(std::chrono::seconds(60)), 3);
-  Process killed({"/bin/sleep", "600"}, dir / "kill.log");
-  killed.Kill();
-  EXPECT_FALSE(killed.running());
-  fs::remove_all(dir);
-}
+// The Cluster and Generate() are in tests/cluster_harness.h; tests/harness_test.cc tests its processes.
 
 // ---- Parity with Hugging Face, every layout ---------------------------------------------------------
 

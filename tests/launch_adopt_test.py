@@ -23,8 +23,8 @@ import urllib.request
 
 from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
 
-from launch_heal_test import children, cmdline  # noqa: E402 (this directory is on sys.path)
-from launch_process import LaunchProcess  # noqa: E402 (tools/, which launch_heal_test puts on sys.path)
+from launch_heal_test import cmdline  # noqa: E402 (this directory is on sys.path)
+from launch_process import LaunchProcess, children  # noqa: E402 (tools/, which launch_heal_test puts on sys.path)
 
 
 def fail(message):

@@ -24,22 +24,13 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from launch_process import LaunchProcess  # noqa: E402
+from launch_process import LaunchProcess, children  # noqa: E402
 from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 
 
 def fail(message):
     print(f"launch_heal_test.py: FAIL: {message}")
     sys.exit(1)
-
-
-def children(pid):
-    """The pids of `pid`'s children (from /proc/PID/task/*/children)."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
 
 
 def cmdline(pid):

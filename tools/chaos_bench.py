@@ -54,7 +54,7 @@ import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_process import LaunchProcess  # noqa: E402
+from launch_process import LaunchProcess, children  # noqa: E402
 
 
 def log(message):
@@ -73,17 +73,6 @@ class Launch(LaunchProcess):
                "--max-worker-restarts", "1000", "--heal-timeout-seconds", str(args.heal_timeout),
                "--spare-workers", str(args.spare_workers)] + args.launch_flags
         super().__init__(cmd, log_dir)
-
-
-def children(pid):
-    out = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                out += [int(p) for p in f.read().split()]
-    except OSError:
-        pass
-    return out
 
 
 def listening_ports(pid):

@@ -10,12 +10,32 @@ matches `pattern`, waiting up to `seconds`; wait_ready(seconds) returns the addr
 it says "ready. Connect to". Both raise RuntimeError, with the output's tail, if launch exits or the
 time passes first. `pid` is launch's process id. stop() ends it and everything it started (SIGTERM, then SIGKILL of the session), whatever state it
 is in. Not thread-safe.
+
+children(pid) lists a process's children (launch's coordinator and workers), for the tools and tests
+that kill or watch one of them.
 """
 import os
 import re
 import signal
 import subprocess
 import time
+
+
+def children(pid):
+    """The pids of `pid`'s children (from /proc/PID/task/*/children); [] once `pid` has exited. A thread
+    that exits while they are read is skipped."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+    return out
 
 
 class LaunchProcess:

@@ -8,8 +8,23 @@
 #
 # PROGRAM is a test program of tests/CMakeLists.txt (kernels_cpu_test, scheduler_test, ...); only
 # those are built, and CTest runs their cases (each case is labelled with its program's name).
-# Without PROGRAMs, each mode builds and runs its default list below. Any sanitizer report fails
-# the test it happens in (-fno-sanitize-recover=undefined, ASan and TSan abort by default here).
+# Without PROGRAMs, each mode builds and runs its default list below.
+#
+# Where a sanitizer report goes, and what fails on it (every mode; halt_on_error everywhere, and
+# -fno-sanitize-recover=undefined, so the first report ends its process):
+# - In a test program itself: its case fails on the exit status (ASan and UBSan 1, TSan 66).
+# - In a process tests/process_harness.h starts (the coordinators and workers of the multi-process
+#   C++ tests): on that child's stderr, its log (the harness appends log_path=stderr to the
+#   *SAN_OPTIONS it passes on); the harness scans the log when it reaps the child and fails the
+#   test that started it, however the child ended. Per test, with the child's log kept.
+# - In any other process (asan-all: those the Python, deploy and launch tests start, through
+#   `shardserve launch` or directly, and the test programs themselves): ASan and LeakSanitizer
+#   write it to build-asan/sanitizer-reports/report.<program>.<pid> (log_path), which nobody
+#   deletes; asan-all prints those files at the end and fails if there is one. GCC's libubsan,
+#   linked beside libasan, ignores log_path: a UBSan report there stays on that process's stderr
+#   and ends it (exit status 1), which its test sees only as that process's failure.
+# No sanitizer runs with abort_on_error, so a SIGABRT is our code's own abort (a failed CHECK),
+# which the harness also fails a test on.
 #
 # tools/test.sh runs `ci`: ASan + UBSan on the programs that test the parsers of untrusted bytes
 # and the newest memory-heavy code (CI_PROGRAMS below), which fit CI's budget; the full default
@@ -20,12 +35,8 @@
 # asan-all builds every target of the project in build-asan/ (shardserve, shardserve-coordinator,
 # shardserve-worker, the tools, every test program) and runs every CTest case: the multi-process
 # C++ tests and the Python tests start the instrumented binaries of build-asan/bin. Their deadlines
-# are multiplied by SHARDSERVE_TEST_TIME_SCALE (default here 3; tests/cluster_harness.h and
-# tests/cli_check.py read it). Every process's ASan and LeakSanitizer report goes to a file under
-# build-asan/sanitizer-reports/ (log_path), so that a report in a coordinator or worker a test
-# started fails the run even where that test does not look at the process's exit status or log; the
-# files are printed at the end. A UBSan report aborts its process (SIGABRT), which fails a test of
-# tests/cluster_harness.h. Not in CI: far beyond its budget (docs/security.md, "Sanitizers").
+# are multiplied by SHARDSERVE_TEST_TIME_SCALE (default here 3; tests/process_harness.h and
+# tests/cli_check.py read it). Not in CI: far beyond its budget (docs/security.md, "Sanitizers").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,19 +74,15 @@ case "$MODE" in
     # halt_on_error: the first report ends the program, so a test cannot pass over it.
     # detect_leaks=1 stays on (the default): leak reports are findings like any other, except the
     # few in third-party code that tools/lsan.supp lists, each with its reason.
-    export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=1:detect_stack_use_after_return=1}
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:detect_stack_use_after_return=1}
     export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
     export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tools/lsan.supp:print_suppressions=0}
     if [ "$ALL" = 1 ]; then
-      # The processes the tests start inherit these. log_path: each process's reports go to
-      # REPORTS/report.<program>.<pid> instead of its stderr, which the harness keeps only when the
-      # test fails.
+      # The processes the tests start inherit these. log_path: the reports of a process that no
+      # harness watches go to REPORTS/report.<program>.<pid> (the header above).
       REPORTS=$PWD/$BUILD_DIR/sanitizer-reports
       rm -rf "$REPORTS" && mkdir -p "$REPORTS"
-      # UBSan, linked beside ASan (GCC's libubsan), ignores log_path and reports on stderr: its
-      # abort_on_error makes a report a SIGABRT, which tests/cluster_harness.h fails the test on.
       export ASAN_OPTIONS="$ASAN_OPTIONS:log_path=$REPORTS/report:log_exe_name=1"
-      export UBSAN_OPTIONS="$UBSAN_OPTIONS:abort_on_error=1"
       export SHARDSERVE_TEST_TIME_SCALE=${SHARDSERVE_TEST_TIME_SCALE:-3}
     fi
     ;;
@@ -95,7 +102,7 @@ case "$MODE" in
     # TP2xPP2 parity; TP2xPP2 streaming, concurrent streams and a killed worker; a heal; continuous
     # batching, preemption and cancellation) against the TSan-built services, with every deadline
     # the harness waits for a process scaled by SHARDSERVE_TEST_TIME_SCALE. A report in a child
-    # process fails its test (tests/cluster_harness.h reads the child's log when it reaps it).
+    # process fails its test (tests/process_harness.h reads the child's log when it reaps it).
     PROCESS_PROGRAMS=(cluster_test heal_test batching_test)
     PROCESS_CASES='ClusterParityTest[.]GreedyTokensMatchHuggingFace/TP(2_PP1|1_PP2|2_PP2)_llama3_rope( |$)'
     PROCESS_CASES+='|ClusterApiTest[.](StreamsOneTokenPerMessageWithUsageOnTheLast|ConcurrentRequestsEachGetTheirOwnStream)$'
