@@ -35,8 +35,9 @@ constexpr int64_t kBf16Rows = 16;
 
 // Up to this many rows, a bf16 product whose weight is in bf16_matmul.h's layout runs that file's
 // product (reading the weight once per step at memory speed) rather than oneDNN's, which pads the
-// rows to kBf16Rows (docs/benchmarks.md, issue 25: bench_matmul at 1 to 16 rows).
-constexpr int64_t kBf16BlockedRows = 4;
+// rows to kBf16Rows (docs/benchmarks.md, issue 25: bench_matmul at 1 to 16 rows, on a loaded
+// machine: the hand-written one took less time up to 8 rows; at 16, about the same).
+constexpr int64_t kBf16BlockedRows = 8;
 
 // -1: no override of kBf16BlockedRows.
 std::atomic<int64_t> g_bf16_blocked_rows{-1};
