@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -29,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
 #include "kernels/cpu/quant_isa.h"
@@ -457,6 +459,76 @@ TEST_P(CpuProductsTest, MatMulRowsDoNotDependOnTheBatch) {
                 << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
                 << " (" << layout << " w [" << m << ", " << k << "], " << threads << " threads, "
                 << (bf16() ? "bf16" : "f32") << " products)";
+          }
+        }
+      }
+    }
+  }
+}
+
+// The bf16 product for few rows (kernels/cpu/bf16_matmul.h), which reads the weight in the blocked
+// layout oneDNN picked for it, called directly on the packed weight at every row count (so that it
+// is checked beyond the rows the backend gives it), summing all inputs at once and in chunks of 64:
+// the float32 sum of the bf16-rounded inputs' products (the reference, as MatMulWithPackedWeight).
+// Through the backend, its default dispatch (that product up to Bf16BlockedRows rows, with the
+// chunk it found for the weight) gives bitwise what oneDNN alone gives (Bf16BlockedRows 0), which
+// MatMulRowsDoNotDependOnTheBatch relies on; for k <= 512 that is one chunk, the direct product's.
+// Shapes whose m and k are not multiples of the layout's blocks (64 columns, 32 inputs), nor of the
+// kernel's tiles (2 blocks, 4 rows), and a model's, on 1 and 2 threads.
+TEST_F(CpuBackendTest, Bf16BlockedProductMatchesOneDnn) {
+  if (!CpuHasBf16Instructions() || !cpu::CpuHasAvx512Bf16()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
+  struct Case {
+    int64_t k, m;
+  };
+  for (int threads : {1, 2}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads, CpuMatMul::kBF16);
+    EXPECT_NE(backend->Describe().find("avx512-bf16"), std::string::npos) << backend->Describe();
+    for (const Case& c : {Case{100, 200}, Case{300, 77}, Case{17, 129}, Case{768, 256}, Case{33, 1}}) {
+      const std::vector<float> w = Random(rng_, c.m * c.k), b = Random(rng_, c.m);
+      DeviceTensor dw(backend.get(), DType::kF32, {c.m, c.k});
+      dw.Upload(w);
+      Tensor packed;
+      absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      DeviceTensor db(backend.get(), DType::kF32, {c.m});
+      db.Upload(b);
+      std::vector<float> w_used = w;
+      std::transform(w_used.begin(), w_used.end(), w_used.begin(), RoundToBf16);
+      for (int64_t n : {1, 2, 3, 4, 5, 16, 17}) {
+        for (bool bias : {false, true}) {
+          const std::string what = absl::StrCat("bf16 blocked n=", n, " k=", c.k, " m=", c.m, bias ? " +bias" : "",
+                                                ", ", threads, " threads");
+          const std::vector<float> x = Random(rng_, n * c.k);
+          std::vector<float> x_used = x;
+          std::transform(x_used.begin(), x_used.end(), x_used.begin(), RoundToBf16);
+          const std::vector<double> want = MatMulReference(x_used, w_used, bias ? &b : nullptr, n, c.k, c.m);
+          std::vector<float> one_chunk;
+          for (int64_t chunk : {0, 64}) {
+            std::vector<float> direct(static_cast<size_t>(n * c.m) + 16, -7.0f);  // 16 guards past the end
+            cpu::Bf16BlockedMatMul(direct.data(), x.data(), n, c.m, c.k, static_cast<const uint16_t*>(packed.data),
+                                   bias ? b.data() : nullptr, chunk, threads);
+            EXPECT_TRUE(std::all_of(direct.end() - 16, direct.end(), [](float v) { return v == -7.0f; })) << what;
+            direct.resize(static_cast<size_t>(n * c.m));
+            // As MatMulWithPackedWeight: k <= 768 terms in [-1, 1], float accumulation.
+            ExpectClose(absl::StrCat(what, " chunk ", chunk), direct, want, 1e-5);
+            if (chunk == 0) one_chunk = direct;
+          }
+          DeviceTensor dx(backend.get(), DType::kF32, {n, c.k});
+          dx.Upload(x);
+          std::vector<std::vector<float>> outs;
+          for (std::optional<int64_t> rows : {std::optional<int64_t>(0), std::optional<int64_t>(std::nullopt)}) {
+            cpu::SetBf16BlockedRowsOverride(rows);
+            DeviceTensor out(backend.get(), DType::kF32, {n, c.m});
+            out.Poison();
+            const absl::Status s = backend->MatMul(out.ptr(), dx.t(), packed, bias ? &db.t() : nullptr);
+            cpu::SetBf16BlockedRowsOverride(std::nullopt);
+            ASSERT_TRUE(s.ok()) << what << ": " << s;
+            EXPECT_TRUE(out.GuardsIntact()) << what;
+            outs.push_back(out.Download<float>());
+          }
+          EXPECT_TRUE(outs[0] == outs[1]) << what << ": the backend's default product differs from oneDNN's";
+          if (c.k <= 512) {
+            EXPECT_TRUE(outs[0] == one_chunk) << what << ": oneDNN's product differs from the blocked one";
           }
         }
       }

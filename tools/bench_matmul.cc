@@ -1,6 +1,8 @@
 // bench_matmul: the CPU backend's float32 matrix products (kernels/cpu/panel_matmul.h) beside
 // oneDNN's matmul as the backend used it before (weights reordered once into the layout oneDNN
-// picks, one primitive per row count), and the backend's products by the same weights quantized
+// picks, one primitive per row count), the backend's bf16 products where the CPU has them (oneDNN's
+// in chunks of 16 rows, "bf16 oneDNN", and what the backend runs, "bf16": kernels/cpu/bf16_matmul.h's
+// product up to a few rows), and the backend's products by the same weights quantized
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
 // quantized: kernels/cpu/quant_isa.h), over the weights of one
@@ -8,7 +10,7 @@
 // times and the medians are reported (and the minimum, "min ms", and the mean CPU time of this
 // process per run, "cpu ms": on a machine shared with other work, the least disturbed run and the
 // time the product itself spent on the cores), with the weight bytes per second each product reads (4 per
-// parameter for float32, 1 for int8 and fp8, 72 / 128 for int4), and whether each one's rows
+// parameter for float32, 2 for bf16, 1 for int8 and fp8, 72 / 128 for int4), and whether each one's rows
 // equal the same rows of a 256-row product (bitwise), the property continuous batching needs.
 // oneDNN runs on --threads OpenMP threads, as ours (its CPU time / wall time is printed to show it).
 //
@@ -36,6 +38,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
@@ -130,6 +133,8 @@ int main(int argc, char** argv) {
   for (const Shape& s : layer) params += static_cast<double>(s.m * s.k) * static_cast<double>(layers);
 
   std::unique_ptr<Backend> backend = shardserve::MakeCpuBackend(threads, shardserve::CpuMatMul::kF32);
+  const bool bf16 = shardserve::CpuHasNativeBf16MatMul();
+  std::unique_ptr<Backend> bf16_backend = bf16 ? shardserve::MakeCpuBackend(threads, shardserve::CpuMatMul::kBF16) : nullptr;
   const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   std::mt19937 rng(1);
@@ -140,9 +145,15 @@ int main(int argc, char** argv) {
     WeightQuant quant;
     std::optional<QuantIsa> isa;  // quantized ones only
     double bytes_per_param;
+    // bf16 ones only: Bf16BlockedRows's override (0: oneDNN at every row count; nullopt: the backend's choice).
+    std::optional<int64_t> bf16_rows = std::nullopt;
   };
   std::vector<Kernel> kernels = {{"f32 panels", WeightQuant::kNone, std::nullopt, 4},
                                  {"f32 oneDNN", WeightQuant::kNone, std::nullopt, 4}};
+  if (bf16) {
+    kernels.push_back({"bf16 oneDNN", WeightQuant::kNone, std::nullopt, 2, 0});
+    kernels.push_back({"bf16", WeightQuant::kNone, std::nullopt, 2, std::nullopt});
+  }
   for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512, QuantIsa::kAvx512Vnni}) {
     if (!shardserve::cpu::QuantIsaSupported(isa)) continue;
     for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
@@ -155,13 +166,14 @@ int main(int argc, char** argv) {
     Shape shape;
     std::unique_ptr<OneDnnProduct> onednn;
     std::map<WeightQuant, std::pair<Buffer, Tensor>> packed;  // kNone: float32 panels
+    std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
   };
   std::vector<Weight> weights;
   for (int64_t l = 0; l < layers; ++l) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed, q);
@@ -170,6 +182,15 @@ int main(int argc, char** argv) {
           return 1;
         }
         weight.packed[q] = {std::move(*buffer), packed};
+      }
+      if (bf16) {
+        Tensor packed;
+        auto buffer = bf16_backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed);
+        if (!buffer.ok()) {
+          std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
+          return 1;
+        }
+        weight.bf16 = {std::move(*buffer), packed};
       }
       weights.push_back(std::move(weight));
     }
@@ -185,8 +206,12 @@ int main(int argc, char** argv) {
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);
+    const bool is_bf16 = kernel.name.rfind("bf16", 0) == 0;
+    if (is_bf16) shardserve::cpu::SetBf16BlockedRowsOverride(kernel.bf16_rows);
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});
-    if (absl::Status s = backend->MatMul(&ty, tx, w.packed[kernel.quant].second, nullptr); !s.ok()) {
+    if (absl::Status s = is_bf16 ? bf16_backend->MatMul(&ty, tx, w.bf16.second, nullptr)
+                                 : backend->MatMul(&ty, tx, w.packed[kernel.quant].second, nullptr);
+        !s.ok()) {
       std::fprintf(stderr, "bench_matmul: %s\n", std::string(s.message()).c_str());
       std::exit(1);
     }
@@ -202,7 +227,7 @@ int main(int argc, char** argv) {
               shardserve::cpu::QuantizedKernelsDescription().c_str());
   std::printf("%6s  %-16s %10s %8s %8s %8s %8s %6s %7s %9s\n", "rows", "kernel", "ms", "min ms", "cpu ms", "GFLOP/s",
               "w GB/s", "same", "vs f32", "cpu/wall");
-  for (int64_t n : {1, 4, 32, 64}) {
+  for (int64_t n : {1, 2, 4, 8, 16, 32, 64}) {
     std::vector<std::vector<double>> t(kernels.size());
     std::vector<double> cpu(kernels.size(), 0), wall(kernels.size(), 0);
     for (int r = 0; r < repeat; ++r) {
@@ -228,5 +253,6 @@ int main(int argc, char** argv) {
     }
   }
   shardserve::cpu::SetQuantIsaOverride(std::nullopt);
+  shardserve::cpu::SetBf16BlockedRowsOverride(std::nullopt);
   return 0;
 }

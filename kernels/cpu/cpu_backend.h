@@ -49,6 +49,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -176,7 +177,10 @@ class CpuBackend final : public Backend {
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();
     const std::string products = matmul_ == CpuMatMul::kBF16
-                                     ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch)
+                                     ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch,
+                                                    CpuHasAvx512Bf16()
+                                                        ? absl::StrCat(", up to ", Bf16BlockedRows(), " rows on avx512-bf16")
+                                                        : "")
                                      : "f32 products";
     return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(act_), ", ", threads_, " threads)");
   }
@@ -228,6 +232,10 @@ class CpuBackend final : public Backend {
     // (Fp8RowsLayout, the same order); kInt4: Int4Group128 blocks (Int4GroupsLayout). Each is
     // viewed as an I8 tensor [m, k] whose `quant` says which (so that its bytes() are `bytes`).
     WeightQuant quant = WeightQuant::kNone;
+    // bf16 weights whose `desc` is the blocked layout bf16_matmul.h's product reads too, on a CPU
+    // that runs it, and whose oneDNN products that product repeats bitwise with this chunk (its
+    // `chunk` argument, found by FindBf16Chunk): Bf16MatMul multiplies few rows by it. 0: oneDNN only.
+    int64_t bf16_chunk = 0;
     bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
@@ -243,9 +251,15 @@ class CpuBackend final : public Backend {
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
   // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN, for a weight `packed` stored in bf16 at w:
-  // x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time. Throws dnnl::error.
+  // x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time; up to kBf16BlockedRows rows by
+  // bf16_matmul.h's product instead where packed.bf16_blocked. Throws dnnl::error.
   void Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed, void* w,
                   const float* bias);
+  // The chunk with which bf16_matmul.h's product gives bitwise oneDNN's (Bf16MatMul's) products by
+  // the bf16 weight `packed` at w, in the layout that product reads: the first of k rounded up to 32
+  // and 32 x 2^j (j = 0 .. 10) that matches on a probe row, with a bias; 0 if none does. Cached by
+  // shape in bf16_chunks_. Throws dnnl::error.
+  int64_t FindBf16Chunk(const PackedWeight& packed, void* w);
 
   const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
@@ -256,6 +270,7 @@ class CpuBackend final : public Backend {
   // oneDNN bf16 matmuls of kBf16Rows rows by (m, k, bias): one per weight shape, made
   // (JIT-compiled, ~0.4 ms) on first use. A model has a handful of weight shapes.
   std::map<std::tuple<int64_t, int64_t, bool>, dnnl::matmul> bf16_matmuls_;
+  std::map<std::pair<int64_t, int64_t>, int64_t> bf16_chunks_;  // FindBf16Chunk's answers by (m, k)
   // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
   std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;
   std::vector<uint16_t> src_bf16_;

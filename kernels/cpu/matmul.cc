@@ -1,18 +1,23 @@
 // The CPU backend's matrix products: MatMul, and PackMatMulWeight's packing of weights at load
-// (float32: panel_matmul.h's panels; bf16: oneDNN's layout, multiplied by oneDNN).
+// (float32: panel_matmul.h's panels; bf16: oneDNN's layout, multiplied by oneDNN, or by
+// bf16_matmul.h's product for a few rows).
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
@@ -27,6 +32,15 @@ namespace {
 // Rows per oneDNN call of a bf16 product (CpuBackend::OneDnnMatMul): one AMX tile's rows, so that
 // a lone decoding row costs little more than itself.
 constexpr int64_t kBf16Rows = 16;
+
+// Up to this many rows, a bf16 product whose weight is in bf16_matmul.h's layout runs that file's
+// product (reading the weight once per step at memory speed) rather than oneDNN's, which pads the
+// rows to kBf16Rows (docs/benchmarks.md, issue 25: bench_matmul at 1 to 16 rows, on a loaded
+// machine: the hand-written one took less time up to 8 rows; at 16, about the same).
+constexpr int64_t kBf16BlockedRows = 8;
+
+// -1: no override of kBf16BlockedRows.
+std::atomic<int64_t> g_bf16_blocked_rows{-1};
 
 // Whether the memory of a and b overlaps (exact aliasing included).
 bool Overlaps(const Tensor& a, const Tensor& b) {
@@ -50,6 +64,22 @@ dnnl::matmul::primitive_desc MatMulPrimitiveDesc(const dnnl::engine& engine, con
 }
 
 }  // namespace
+
+bool CpuHasAvx512Bf16() {
+  __builtin_cpu_init();
+  // libgcc's answers include the OS's: AVX-512 only where XCR0 enables the zmm state.
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+int64_t Bf16BlockedRows() {
+  const int64_t o = g_bf16_blocked_rows.load(std::memory_order_relaxed);
+  return o < 0 ? kBf16BlockedRows : o;
+}
+
+void SetBf16BlockedRowsOverride(std::optional<int64_t> rows) {
+  g_bf16_blocked_rows.store(rows.has_value() ? std::max<int64_t>(0, *rows) : -1, std::memory_order_relaxed);
+}
 
 absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
   // w is F32, or BF16 / I8 when PackMatMulWeight stored it so (checked below).
@@ -152,6 +182,10 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   constexpr auto ab = memory::format_tag::ab;
   // OpenMP's thread count is per calling thread; the step thread is not the one that made us.
   omp_set_num_threads(threads_);
+  if (packed.bf16_chunk > 0 && n <= Bf16BlockedRows()) {
+    cpu::Bf16BlockedMatMul(y, x, n, m, k, static_cast<const uint16_t*>(w), bias, packed.bf16_chunk, threads_);
+    return;
+  }
   const memory::desc bias_desc({1, m}, f32, ab);
   const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
   // The oneDNN matmul for this weight's shape, made (JIT-compiled, ~0.4 ms) on first use.
@@ -196,6 +230,34 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   }
   stream_.wait();
   if (whole < n) std::copy_n(last_chunk_out_.data(), (n - whole) * m, y + whole * m);
+}
+
+int64_t CpuBackend::FindBf16Chunk(const PackedWeight& packed, void* w) {
+  const int64_t m = packed.m, k = packed.k;
+  auto found = bf16_chunks_.find({m, k});
+  if (found != bf16_chunks_.end()) return found->second;
+  // A probe row and bias with full float32 mantissas (in [-1, 1)), the same on every call.
+  std::mt19937 rng(25);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(k)), bias(static_cast<size_t>(m));
+  for (float& v : x) v = dist(rng);
+  for (float& v : bias) v = dist(rng);
+  std::vector<float> want(static_cast<size_t>(m)), got(static_cast<size_t>(m));
+  PackedWeight onednn = packed;
+  onednn.bf16_chunk = 0;
+  Bf16MatMul(want.data(), x.data(), 1, m, k, onednn, w, bias.data());
+  const int64_t padded_k = (k + kBf16BlockInputs - 1) / kBf16BlockInputs * kBf16BlockInputs;
+  int64_t chunk = 0;
+  for (int64_t c = padded_k, j = -1; j <= 10; c = kBf16BlockInputs << ++j) {
+    if (j >= 0 && c >= padded_k) break;  // one chunk: tried first
+    cpu::Bf16BlockedMatMul(got.data(), x.data(), 1, m, k, static_cast<const uint16_t*>(w), bias.data(), c, threads_);
+    if (got == want) {
+      chunk = c;
+      break;
+    }
+  }
+  bf16_chunks_[{m, k}] = chunk;
+  return chunk;
 }
 
 absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
@@ -274,7 +336,13 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     omp_set_num_threads(threads_);
     dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
     stream_.wait();
-    packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    PackedWeight& p = packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
+    // bf16_matmul.h reads oneDNN's layout where it is the one that file knows (oneDNN's choice on
+    // AVX-512 BF16 without AMX) and it sums as oneDNN does.
+    static const bool avx512_bf16 = cpu::CpuHasAvx512Bf16();
+    if (avx512_bf16 && layout == memory::desc({k, m}, bf16, memory::format_tag::BA16a64b2a)) {
+      p.bf16_chunk = FindBf16Chunk(p, buffer->data());
+    }
     *packed = Tensor(buffer->data(), kBF16, {m, k});
     return buffer;
   } catch (const dnnl::error& e) {

@@ -56,6 +56,71 @@ template <int R, bool kPrefetch>
   }
 }
 
+// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ P adjacent panels [k, 16] each (the
+// first at `panel`; cols <= 16 P of their columns kept, + bias [cols]), for R = 1 to 3 rows, whose
+// tiles of one panel keep only 2R FMA chains going and wait on their latency: P panels at a time
+// keep 2RP. Each output is the same chain over k as Tile's (bitwise its result).
+template <int R, int P>
+[[gnu::always_inline]] inline void PanelsTile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
+                                              int64_t cols, const float* bias) {
+  Vec8 lo[R][P], hi[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) lo[r][q] = hi[r][q] = Vec8{};
+  }
+  const int64_t stride = k * kPanelCols;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    Vec8 b_lo[P], b_hi[P];
+    for (int q = 0; q < P; ++q) {
+      b_lo[q] = LoadVec(panel + q * stride + kk * kPanelCols);
+      b_hi[q] = LoadVec(panel + q * stride + kk * kPanelCols + kVecLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * k + kk];
+      for (int q = 0; q < P; ++q) {
+        lo[r][q] += b_lo[q] * xr;
+        hi[r][q] += b_hi[q] * xr;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) {
+      const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
+      float out[kPanelCols];
+      StoreVec(out, lo[r][q]);
+      StoreVec(out + kVecLanes, hi[r][q]);
+      float* yr = y + r * ldy + c0;
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < n; ++c) yr[c] = out[c] + bias[c0 + c];
+      } else {
+        std::memcpy(yr, out, static_cast<size_t>(n) * sizeof(float));
+      }
+    }
+  }
+}
+
+// Panels a PanelsTile of R rows takes at once: 8 to 12 chains.
+constexpr int PanelsPerTile(int rows) { return rows == 1 ? 4 : 2; }
+
+// Rows [0, n) (n <= 3) of x times the panels [p, p + PanelsPerTile(n)) of a packed w (those below
+// `panels`), in one PanelsTile.
+[[gnu::always_inline]] inline void FewRowsProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
+                                                  const float* w, const float* bias, int64_t panels, int64_t p) {
+  const int64_t c0 = p * kPanelCols, cols = std::min(m - c0, PanelsPerTile(static_cast<int>(n)) * kPanelCols);
+  const float* panel = w + p * k * kPanelCols;
+  const float* b = bias != nullptr ? bias + c0 : nullptr;
+  const int64_t have = std::min<int64_t>(panels - p, PanelsPerTile(static_cast<int>(n)));
+  WithTileRows<3>(n, [&](auto R) __attribute__((always_inline)) {
+    constexpr int kP = PanelsPerTile(R());
+    if (have == kP) {
+      PanelsTile<R(), kP>(y + c0, m, x, k, panel, cols, b);
+    } else {
+      WithTileRows<kP>(have, [&](auto Q) __attribute__((always_inline)) {
+        PanelsTile<R(), Q()>(y + c0, m, x, k, panel, cols, b);
+      });
+    }
+  });
+}
+
 // Rows [0, n) of x times one panel, in the fewest tiles of at most kTileRows rows, their sizes
 // differing by one at most (8 rows: 4 + 4, not 6 + 2). A tile of r rows keeps 2r FMA chains going,
 // and below 4 rows (8 chains) it waits on their latency, not on the two FMA units. With kPrefetch
@@ -131,12 +196,22 @@ constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTile
 // docs/benchmarks.md).
 constexpr int64_t kPanelsAtATime = 2;
 
+// Up to this many rows, products by a packed w run FewRowsProduct's tiles of several panels (a
+// thread claims one tile, PanelsPerTile panels, at a time).
+constexpr int64_t kFewRows = 3;
+
 SHARDSERVE_VECTOR_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                      const float* bias, int threads, float* scratch) {
   const int64_t panels = Panels(m);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
+  if (!plain && n <= kFewRows) {
+    const int64_t per = PanelsPerTile(static_cast<int>(n)), groups = (panels + per - 1) / per;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) FewRowsProduct(y, x, n, m, k, w, bias, panels, g * per);
+    return;
+  }
   if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
     for (int64_t p = 0; p + 1 < panels; ++p) PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p);
     PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, panels - 1);  // no panel after it

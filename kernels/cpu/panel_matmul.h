@@ -14,7 +14,9 @@
 // Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:
 // panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
 // contiguous stream that a tile of rows reads once. A plain w is packed panel by panel into
-// per-thread scratch as the product runs, giving bitwise the same results as a packed one.
+// per-thread scratch as the product runs, giving bitwise the same results as a packed one. Up to 3
+// rows (a decode step), a packed w's tiles take 2 to 4 panels at a time, so that 8 to 12 chains
+// hide the FMA latency (one panel's 2 per row would not); the chains are the same.
 //
 // Thread-safety: the functions are reentrant; they run on `threads` OpenMP threads of the caller.
 #ifndef SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
