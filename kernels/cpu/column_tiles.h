@@ -27,6 +27,12 @@ namespace {
 // 8, 16, 32 and 64 (docs/benchmarks.md, issue 25).
 inline constexpr int64_t kPrefetchRows = 32;
 
+// The row whose weights a tile at weight row `row` of [0, m) asks for: kPrefetchRows on, the last
+// row near the end.
+[[gnu::always_inline]] inline int64_t PrefetchRow(int64_t row, int64_t m) {
+  return row + kPrefetchRows < m ? row + kPrefetchRows : m - 1;
+}
+
 // columns(r0, r1) for contiguous ranges covering [0, m), each a whole number of `tile_rows`-row
 // tiles but the last, one range per thread (threads <= 0: OpenMP's default).
 template <class Columns>

@@ -252,7 +252,7 @@ class CpuBackend final : public Backend {
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;
   // y [n, m] = x [n, k] @ w^T (+ bias [m]) with oneDNN, for a weight `packed` stored in bf16 at w:
   // x rounded to bf16 (in src_bf16_), kBf16Rows rows at a time; up to kBf16BlockedRows rows by
-  // bf16_matmul.h's product instead where packed.bf16_blocked. Throws dnnl::error.
+  // bf16_matmul.h's product instead where packed.bf16_chunk > 0. Throws dnnl::error.
   void Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const PackedWeight& packed, void* w,
                   const float* bias);
   // The chunk with which bf16_matmul.h's product gives bitwise oneDNN's (Bf16MatMul's) products by

@@ -103,7 +103,7 @@ template <class Unpack, int R, int I>
   Vec8 acc[I][R] = {};
   for (int64_t g = 0; g < whole; ++g) {
     // The same group kPrefetchRows rows on (column_tiles.h).
-    for (int b = 0; b < R; ++b) PrefetchInt4Group(blocks + std::min(r + b + kPrefetchRows, m - 1) * groups + g);
+    for (int b = 0; b < R; ++b) PrefetchInt4Group(blocks + PrefetchRow(r + b, m) * groups + g);
     Group<Unpack, R, I, true>(acc, x, i, k, blocks, groups, r, g, kInt4GroupSize);
   }
   if (whole < groups) Group<Unpack, R, I, false>(acc, x, i, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);

@@ -49,7 +49,7 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
       // last group's unused nibbles are 0: as q - z = -z against xq + 128 = 128 (the activations'
       // zero padding) they add -128 z, which the start takes away again.
       // The same group kPrefetchRows rows on (column_tiles.h; the last row's near the end).
-      PrefetchInt4Group(blocks + std::min(r + b + kPrefetchRows, m - 1) * groups + g);
+      PrefetchInt4Group(blocks + PrefetchRow(r + b, m) * groups + g);
       const __m512i bytes = _mm512_loadu_si512(block.q);
       const __m512i z = _mm512_set1_epi8(static_cast<char>(block.zero));
       const __m512i qlo = _mm512_sub_epi8(_mm512_and_si512(bytes, low), z);

@@ -90,7 +90,7 @@ template <class Widen, int R, int I>
     for (int a = 0; a < I; ++a) xv[a] = LoadLanes<V>(x + (i + a) * k + c);
     for (int b = 0; b < R; ++b) {
       // Each cache line of the row kPrefetchRows on, once (column_tiles.h).
-      if ((c & 63) == 0) __builtin_prefetch(q + std::min(r + b + kPrefetchRows, m - 1) * k + c, 0, 3);
+      if ((c & 63) == 0) __builtin_prefetch(q + PrefetchRow(r + b, m) * k + c, 0, 3);
       const V wv = Widen::Load(q + (r + b) * k + c);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }

@@ -41,7 +41,7 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
       // q + 128 as unsigned bytes.
       const int8_t* row = q + (r + b) * k + c * kChunk;
       // The same chunk kPrefetchRows rows on (column_tiles.h; the last row's near the end).
-      __builtin_prefetch(q + std::min(r + b + kPrefetchRows, m - 1) * k + c * kChunk, 0, 3);
+      __builtin_prefetch(q + PrefetchRow(r + b, m) * k + c * kChunk, 0, 3);
       const __m512i w = _mm512_xor_si512(
           load == ~__mmask64{0} ? _mm512_loadu_si512(row) : _mm512_maskz_loadu_epi8(load, row), offset);
       for (int a = 0; a < I; ++a) acc[a][b] = _mm512_dpbusd_epi32(acc[a][b], w, xv[a]);
