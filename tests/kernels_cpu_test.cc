@@ -421,12 +421,13 @@ TEST_P(CpuProductsTest, MatMulWithPackedWeight) {
 // same whatever other rows share the call, for any row count and on any number of threads, by a
 // packed weight and (float32 products) by a plain one, which also gives bitwise the packed
 // weight's results. The shapes: a mid-sized one, a small one (oneDNN's bf16 kernels for few rows
-// of it summed differently) and a long sum (k = 4096: its AMX kernel split k differently by row
-// count), as the demo model's TP=2 slices and large models' down projections have. oneDNN's own
+// of it summed differently), a long sum (k = 4096: its AMX kernel split k differently by row
+// count), as the demo model's TP=2 slices and large models' down projections have, and one off
+// every tile (m = 37: a part panel; k = 131: not whole 8 x 8 blocks of a plain w). oneDNN's own
 // float32 matmul on AVX2 failed this at every row count tried, which is why panel_matmul.h exists.
 TEST_P(CpuProductsTest, MatMulRowsDoNotDependOnTheBatch) {
   const int64_t rows = 300;
-  for (auto [m, k] : {std::pair<int64_t, int64_t>{256, 768}, {32, 192}, {256, 4096}}) {
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{256, 768}, {32, 192}, {256, 4096}, {37, 131}}) {
     const std::vector<float> w = Random(rng_, m * k), x = Random(rng_, rows * k);
     for (int threads : {1, 2}) {
       std::unique_ptr<Backend> backend = MakeCpuBackend(threads, GetParam());

@@ -6,7 +6,8 @@
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
 // quantized: kernels/cpu/quant_isa.h), over the weights of one
-// pipeline stage, side by side in one run: for each row count, all of them alternate `--repeat`
+// pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
+// LM head is), side by side in one run: for each row count, all of them alternate `--repeat`
 // times and the medians are reported (and the minimum, "min ms", and the mean CPU time of this
 // process per run, "cpu ms": on a machine shared with other work, the least disturbed run and the
 // time the product itself spent on the cores), with the weight bytes per second each product reads (4 per
@@ -149,6 +150,7 @@ int main(int argc, char** argv) {
     std::optional<int64_t> bf16_rows = std::nullopt;
   };
   std::vector<Kernel> kernels = {{"f32 panels", WeightQuant::kNone, std::nullopt, 4},
+                                 {"f32 plain w", WeightQuant::kNone, std::nullopt, 4},
                                  {"f32 oneDNN", WeightQuant::kNone, std::nullopt, 4}};
   if (bf16) {
     kernels.push_back({"bf16 oneDNN", WeightQuant::kNone, std::nullopt, 2, 0});
@@ -167,13 +169,14 @@ int main(int argc, char** argv) {
     std::unique_ptr<OneDnnProduct> onednn;
     std::map<WeightQuant, std::pair<Buffer, Tensor>> packed;  // kNone: float32 panels
     std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
+    std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
   };
   std::vector<Weight> weights;
   for (int64_t l = 0; l < layers; ++l) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, w};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed, q);
@@ -209,8 +212,9 @@ int main(int argc, char** argv) {
     const bool is_bf16 = kernel.name.rfind("bf16", 0) == 0;
     if (is_bf16) shardserve::cpu::SetBf16BlockedRowsOverride(kernel.bf16_rows);
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});
-    if (absl::Status s = is_bf16 ? bf16_backend->MatMul(&ty, tx, w.bf16.second, nullptr)
-                                 : backend->MatMul(&ty, tx, w.packed[kernel.quant].second, nullptr);
+    const Tensor plain(w.plain.data(), DType::kF32, {w.shape.m, w.shape.k});
+    const Tensor& tw = kernel.name == "f32 plain w" ? plain : w.packed[kernel.quant].second;
+    if (absl::Status s = is_bf16 ? bf16_backend->MatMul(&ty, tx, w.bf16.second, nullptr) : backend->MatMul(&ty, tx, tw, nullptr);
         !s.ok()) {
       std::fprintf(stderr, "bench_matmul: %s\n", std::string(s.message()).c_str());
       std::exit(1);

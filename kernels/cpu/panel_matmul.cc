@@ -101,14 +101,15 @@ template <int R, int P>
 // Panels a PanelsTile of R rows takes at once: 8 to 12 chains.
 constexpr int PanelsPerTile(int rows) { return rows == 1 ? 4 : 2; }
 
-// Rows [0, n) (n <= 3) of x times the panels [p, p + PanelsPerTile(n)) of a packed w (those below
-// `panels`), in one PanelsTile.
+// The most: a thread's scratch holds this many panels of a plain w.
+constexpr int64_t kFewRowsPanels = PanelsPerTile(1);
+
+// Rows [0, n) (n <= 3) of x times `have` (<= PanelsPerTile(n)) adjacent panels of a packed w, the
+// first at `panel`, output columns [c0, m), in one PanelsTile.
 [[gnu::always_inline]] inline void FewRowsProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
-                                                  const float* w, const float* bias, int64_t panels, int64_t p) {
-  const int64_t c0 = p * kPanelCols, cols = std::min(m - c0, PanelsPerTile(static_cast<int>(n)) * kPanelCols);
-  const float* panel = w + p * k * kPanelCols;
+                                                  const float* panel, const float* bias, int64_t have, int64_t c0) {
+  const int64_t cols = std::min(m - c0, PanelsPerTile(static_cast<int>(n)) * kPanelCols);
   const float* b = bias != nullptr ? bias + c0 : nullptr;
-  const int64_t have = std::min<int64_t>(panels - p, PanelsPerTile(static_cast<int>(n)));
   WithTileRows<3>(n, [&](auto R) __attribute__((always_inline)) {
     constexpr int kP = PanelsPerTile(R());
     if (have == kP) {
@@ -148,13 +149,47 @@ template <bool kPrefetch>
 // Panels a weight of m output columns takes.
 int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }
 
-// Panel p of w [m, k] (row-major) into out [k, 16], zero-padded past column m.
-void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
+// Rows [r0, r0 + 8) of w [m, k] (row-major), inputs [kk, kk + 8), transposed into out[i * 16 + j]
+// = w[r0 + j][kk + i]: eight loads, three rounds of shuffles (AVX's unpack, shuffle and lane
+// permute of an 8 x 8 transpose), eight stores.
+[[gnu::always_inline]] inline void Transpose8x8(float* out, const float* w, int64_t k, int64_t r0, int64_t kk) {
+  Vec8 a[8], b[8];
+  for (int j = 0; j < 8; ++j) a[j] = LoadVec(w + (r0 + j) * k + kk);
+  for (int j = 0; j < 8; j += 2) {  // pairs of rows interleaved
+    b[j] = __builtin_shufflevector(a[j], a[j + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    b[j + 1] = __builtin_shufflevector(a[j], a[j + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int j = 0; j < 8; j += 4) {  // then pairs of pairs
+    for (int h = 0; h < 2; ++h) {
+      a[j + h] = __builtin_shufflevector(b[j + h], b[j + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      a[j + h + 2] = __builtin_shufflevector(b[j + h], b[j + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  // a[0..3]: rows 0-3 at inputs {0, 4}, {2, 6}, {1, 5}, {3, 7} (low half, high half); a[4..7] rows 4-7.
+  constexpr int kInput[4] = {0, 2, 1, 3};
+  for (int q = 0; q < 4; ++q) {
+    StoreVec(out + kInput[q] * kPanelCols, __builtin_shufflevector(a[q], a[q + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    StoreVec(out + (kInput[q] + 4) * kPanelCols, __builtin_shufflevector(a[q], a[q + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// Panel p of w [m, k] (row-major) into out [k, 16], zero-padded past column m. Whole panels go 8 x 8
+// blocks at a time (a plain weight is packed so on every product, panel_matmul.h), the rest element
+// by element; either way the same floats.
+[[gnu::always_inline]] inline void PackPanel(float* out, const float* w, int64_t m, int64_t k, int64_t p) {
   const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, m - c0);
-  if (cols < kPanelCols) std::fill(out, out + k * kPanelCols, 0.0f);
+  int64_t done = 0;  // inputs [0, done) packed
+  if (cols == kPanelCols) {
+    for (; done + kVecLanes <= k; done += kVecLanes) {
+      Transpose8x8(out + done * kPanelCols, w, k, c0, done);
+      Transpose8x8(out + done * kPanelCols + kVecLanes, w, k, c0 + kVecLanes, done);
+    }
+  } else {
+    std::fill(out, out + k * kPanelCols, 0.0f);
+  }
   for (int64_t c = 0; c < cols; ++c) {
     const float* wr = w + (c0 + c) * k;
-    for (int64_t kk = 0; kk < k; ++kk) out[kk * kPanelCols + c] = wr[kk];
+    for (int64_t kk = done; kk < k; ++kk) out[kk * kPanelCols + c] = wr[kk];
   }
 }
 
@@ -167,7 +202,7 @@ template <bool kPrefetch>
                                                 int64_t p) {
   const float* panel = w + p * k * kPanelCols;
   if (plain) {
-    float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * k * kPanelCols;
+    float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
     PackPanel(own, w, m, k, p);
     panel = own;
   }
@@ -206,10 +241,19 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
   const int64_t panels = Panels(m);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
-  if (!plain && n <= kFewRows) {
+  if (n <= kFewRows) {
     const int64_t per = PanelsPerTile(static_cast<int>(n)), groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t g = 0; g < groups; ++g) FewRowsProduct(y, x, n, m, k, w, bias, panels, g * per);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t p = g * per, have = std::min(per, panels - p);
+      const float* panel = w + p * k * kPanelCols;
+      if (plain) {  // packed into this thread's scratch first
+        float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
+        for (int64_t q = 0; q < have; ++q) PackPanel(own + q * k * kPanelCols, w, m, k, p + q);
+        panel = own;
+      }
+      FewRowsProduct(y, x, n, m, k, panel, bias, have, p * kPanelCols);
+    }
     return;
   }
   if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
@@ -232,7 +276,7 @@ void PackPanels(float* packed, const float* w, int64_t m, int64_t k) {
 void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                  const float* bias, int threads, std::vector<float>* scratch) {
   if (plain) {
-    const auto need = static_cast<size_t>(threads * k * kPanelCols);
+    const auto need = static_cast<size_t>(threads * kFewRowsPanels * k * kPanelCols);
     if (scratch->size() < need) scratch->resize(need);
   }
   PanelMatMulImpl(y, x, n, m, k, w, plain, bias, threads, plain ? scratch->data() : nullptr);

@@ -13,10 +13,11 @@
 //
 // Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:
 // panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
-// contiguous stream that a tile of rows reads once. A plain w is packed panel by panel into
-// per-thread scratch as the product runs, giving bitwise the same results as a packed one. Up to 3
-// rows (a decode step), a packed w's tiles take 2 to 4 panels at a time, so that 8 to 12 chains
-// hide the FMA latency (one panel's 2 per row would not); the chains are the same.
+// contiguous stream that a tile of rows reads once. A plain w (a tied LM head: the embedding table,
+// which lookups read by rows) is packed panel by panel into per-thread scratch as the product runs
+// (8 x 8 blocks transposed in registers), giving bitwise the same results as a packed one. Up to 3
+// rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to 12 chains hide the
+// FMA latency (one panel's 2 per row would not); the chains are the same.
 //
 // Thread-safety: the functions are reentrant; they run on `threads` OpenMP threads of the caller.
 #ifndef SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
@@ -38,7 +39,7 @@ void PackPanels(float* packed, const float* w, int64_t m, int64_t k);
 
 // y [n, m] = x [n, k] @ w^T (+ bias [m], added to the finished sum) on `threads` threads (>= 1),
 // w given packed by PackPanels, or plain [m, k] row-major when `plain` (packed then into
-// `scratch`, grown to threads x k x 16 floats). y must not overlap the inputs. n, m, k >= 1.
+// `scratch`, grown to threads x 4 x k x 16 floats). y must not overlap the inputs. n, m, k >= 1.
 void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                  const float* bias, int threads, std::vector<float>* scratch);
 
