@@ -1,5 +1,7 @@
 #include "kernels/backend.h"
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <vector>
 
@@ -22,6 +24,18 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 Buffer::~Buffer() {
   if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
+}
+
+int64_t CudaDequantBlockRows(int64_t m, int64_t k, DType act, uint64_t limit) {
+  if (m <= 0 || k <= 0) return 0;
+  const uint64_t row_bytes = static_cast<uint64_t>(k) * DTypeSize(act);
+  return static_cast<int64_t>(std::clamp<uint64_t>(limit / row_bytes, 1, static_cast<uint64_t>(m)));
+}
+
+uint64_t CudaDequantScratchBytes(int64_t m, int64_t k, DType act, uint64_t limit) {
+  if (m <= 0 || k <= 0) return 0;
+  const uint64_t rows = static_cast<uint64_t>(CudaDequantBlockRows(m, k, act, limit));
+  return std::bit_ceil(std::max<uint64_t>(rows * static_cast<uint64_t>(k) * DTypeSize(act), 64));
 }
 
 absl::Status Backend::FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) {

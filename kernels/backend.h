@@ -107,6 +107,11 @@ class Backend {
   // CPU, which launches none. For the kernels-per-step figure (docs/gpu.md).
   virtual uint64_t kernel_launches() const { return 0; }
 
+  // Device memory this backend holds to dequantize quantized weights for its products: on CUDA the
+  // scratch its quantized MatMul uses above 8 rows (CudaDequantScratchBytes of the largest quantized
+  // weight stored so far); 0 on the CPU, whose products read the quantized weights directly.
+  virtual uint64_t dequant_scratch_bytes() const { return 0; }
+
   // Stores a MatMul weight w [m, k] in the layout this backend's GEMM reads fastest, once, at
   // load. Returns the buffer holding the repacked copy and sets *packed to an [m, k] tensor
   // viewing it (of the stored dtype: BF16 for CpuMatMul::kBF16), to pass to MatMul as w from then
@@ -237,10 +242,26 @@ struct CudaBackendOptions {
   // before the kernels existed. Worker --cuda-quantized-kernels. Never run on a GPU yet.
   bool quantized_kernels = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
-  // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: 64 MiB. (Tests set a few
-  // KiB to cover several blocks.)
+  // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
+  // (Tests set a few KiB to cover several blocks.)
   size_t quantized_scratch_bytes = 0;
 };
+
+// The default of CudaBackendOptions::quantized_scratch_bytes: at most this much device memory holds a
+// quantized weight's rows dequantized to the act dtype (a single row larger than it is taken whole).
+inline constexpr uint64_t kCudaDequantScratchBytes = uint64_t{64} << 20;
+
+// The rows of a quantized weight [m, k] (m, k > 0) the CUDA backend's MatMul dequantizes at a time
+// (activations of `act`): as many whole rows as fit in `limit` bytes, at least one, at most m.
+int64_t CudaDequantBlockRows(int64_t m, int64_t k, DType act, uint64_t limit = kCudaDequantScratchBytes);
+
+// The dequantize scratch that MatMul needs for such a weight: CudaDequantBlockRows of it, rounded up
+// to a power of two, at least 64 bytes. A power of two, so that the scratch grown weight after
+// weight (doubling, CudaBackend::GrowDevice) ends exactly at the largest of them. The backend grows
+// its scratch to this as it stores each quantized weight (at load: no step allocates it), and
+// reports the total (Backend::dequant_scratch_bytes); the planner counts the largest over a worker's
+// quantized weights (coordinator/planner/memory.h). One function for both, so that they agree.
+uint64_t CudaDequantScratchBytes(int64_t m, int64_t k, DType act, uint64_t limit = kCudaDequantScratchBytes);
 
 // The CUDA backend on device `ordinal`, with activations in `act` (F32, F16 or BF16).
 // Unavailable when built without CUDA or when no GPU is present; the status says which.

@@ -1,31 +1,18 @@
 """What the command-line tests share (stdlib only): run a command, stop at the first failed check,
 and scale a deadline for slower (instrumented) binaries."""
 import os
-import re
 import subprocess
 import sys
 
-
-def time_scale_error(text):
-    """The error for a refused SHARDSERVE_TEST_TIME_SCALE, word for word tests/process_harness.h's."""
-    return f"SHARDSERVE_TEST_TIME_SCALE='{text}': expected a number from 1 to 1000 (1 = unscaled)"
-
-
-def parse_time_scale(text):
-    """SHARDSERVE_TEST_TIME_SCALE's value `text`: a decimal number (digits, optionally a point and digits)
-    from 1 to 1000; 1 when empty. Anything else raises ValueError(time_scale_error(text)): a scale below 1
-    would shorten every deadline, a typo must not do that silently. The rule of tests/process_harness.h's
-    ParseTimeScale (not Python's float(), which takes "1_000", " 3" and "inf")."""
-    if not text:
-        return 1.0
-    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or not 1.0 <= float(text) <= 1000.0:
-        raise ValueError(time_scale_error(text))
-    return float(text)
+# SHARDSERVE_TEST_TIME_SCALE's rule has one home in Python, tools/launch_process.py (the tools the tests
+# run scale their deadlines by it too); re-exported here for the tests.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from launch_process import parse_time_scale, time_scale, time_scale_error  # noqa: E402,F401
 
 
 def _time_scale():
     try:
-        return parse_time_scale(os.environ.get("SHARDSERVE_TEST_TIME_SCALE", ""))
+        return time_scale()
     except ValueError as e:
         sys.exit(str(e))  # exit status 1, the message on stderr
 

@@ -11,6 +11,8 @@
    step is 187.5 tokens/s; 125 tokens/s is 0.667 of it), the markdown lists every step in order with
    '|' in notes escaped, and a failed step makes the report exit 1.
 4. tools/bench_hf_generate.py --check on the Llama-3-8B config (no torch needed) and its refusals.
+5. tools/gpu-tests.sh run's gtest steps use the same judgement (judge_gtest): a fake kernels_cuda_test
+   that exits 0 with every case skipped fails on a machine with a GPU, and passes (counted) without one.
 
 usage: gpu_bench_test.py
 """
@@ -53,6 +55,32 @@ def main():
         rc, out, err = run([*REPORT, "junit", empty])
         check(rc == 1 and "no test case" in err, "an XML with no case fails", out + err)
     checks += 5
+
+    # tools/gpu-tests.sh run judges its gtest steps as gpu-bench.sh does (judge_gtest, one home): a fake
+    # kernels_cuda_test that exits 0 after skipping every case fails the step on a machine with a GPU
+    # (GPUS=1), naming a case; without one (GPUS empty) the skips are counted and the step passes.
+    all_skipped = os.path.join(FIX, "cuda_ops_all_skipped.xml")
+    with tempfile.TemporaryDirectory() as tmp:
+        fake = os.path.join(tmp, "kernels_cuda_test")
+        with open(fake, "w") as f:
+            f.write(f'#!/bin/sh\nfor a; do case "$a" in --gtest_output=xml:*) cp "{all_skipped}" "${{a#--gtest_output=xml:}}";; '
+                    f'esac; done\necho "[  PASSED  ] 0 tests."\nexit 0\n')
+        os.chmod(fake, 0o755)
+        gpu_tests = os.path.join(ROOT, "tools/gpu-tests.sh")
+        for gpus, want_failed in (("1", "1"), ("", "0")):
+            script = (f'source "{gpu_tests}" && logs="{tmp}" failed=0 GPUS="{gpus}" && '
+                      f'run_gtest kernels_cuda_test "{fake}" --gtest_filter="$CUDA_OPS_FILTER" && echo "failed=$failed"')
+            rc, out, err = run(["bash", "-c", script])
+            with open(os.path.join(tmp, "kernels_cuda_test.log")) as f:
+                log = f.read()
+            check(rc == 0 and out.strip().endswith(f"failed={want_failed}"),
+                  f"gpu-tests.sh, every CUDA case skipped, GPUS={gpus!r}: failed={want_failed}", out + err + log)
+            if gpus:
+                check("FAILED by its XML" in out and "Ops/CudaQuant.MatMulMatchesTheDequantizedReference/int4_BF16" in log,
+                      "the failure names a skipped case", out + log)
+        rc, out, err = run(["bash", "-c", f'source "{gpu_tests}" && GPUS=1 judge_gtest "{all_skipped}"'])
+        check(rc == 1 and json.loads(out)["skipped"] == 4, "judge_gtest: 4 skipped cases on a GPU fail", out + err)
+    checks += 4
 
     with tempfile.TemporaryDirectory() as tmp:
         records = os.path.join(tmp, "records")

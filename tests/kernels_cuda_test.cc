@@ -1000,6 +1000,7 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
           : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}};  // vector loads; byte loads of w; of w and x
   const double u = UnitRoundoff(act());
   uint32_t salt = 0;
+  uint64_t scratch = 0;  // the largest CudaDequantScratchBytes so far: what the planner counts
   for (const Shape& sh : shapes) {
     const int64_t m = sh.m, k = sh.k;
     const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), 7000 + salt++), DType::kF32);
@@ -1009,6 +1010,8 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
     SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda_->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
     ASSERT_EQ(packed.quant, quant());
     ASSERT_EQ(packed.bytes(), stored.size());
+    scratch = std::max(scratch, CudaDequantScratchBytes(m, k, act(), 64 << 10));
+    EXPECT_EQ(cuda_->dequant_scratch_bytes(), scratch) << "the dequantize scratch, grown as the weight is stored";
     const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 7100 + salt), act());
     // n: bias?, F32 out? (every combination on both paths)
     for (const auto& [n, with_bias, f32_out] : std::vector<std::tuple<int64_t, bool, bool>>{

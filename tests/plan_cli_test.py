@@ -9,7 +9,8 @@
 4. --quantization int4 (issue 25): 72B fits on one A100-80GB with KV cache left, and the plan says
    that bf16 does not; a forced TP=2 that cuts int4 groups is refused with the numbers.
 5. The itemised memory (issue 29 part 3): Llama-3-8B on one H100-80GB prints a row per GPU with
-   each item, and in --json the nine items add up to the GPU's memory, weights 2 bytes a parameter.
+   each item, and in --json the nine items add up to the GPU's memory, weights 2 bytes a parameter;
+   with --quantization int4 a tenth, the dequantize scratch of the CUDA quantized products (64 MiB).
 
 usage: plan_cli_test.py BIN_DIR
 """
@@ -73,6 +74,18 @@ def main():
     check(sum(memory.values()) == j["cluster"]["gpu_memory_bytes"], "the JSON memory items add up to the GPU", out)
     check(memory["weights"] == 2 * 8030261248 and memory["nccl_buffers"] == 0, "the JSON weights and NCCL", out)
     check(0 <= memory["free"] < 16 * 131072, "the KV cache leaves less than a block free", out)
+    # int4 weights on CUDA: the quantized products' dequantize scratch is a column and an item of its own
+    # (64 MiB for the 8B's bf16 rows), taken out of the CUDA context's share of the 1 GiB reserve.
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", "--quantization", "int4", config=llama)
+    header = next((l for l in out.splitlines() if "cuBLAS ws" in l), "")
+    rows = out.split(header, 1)[1].splitlines()[1:2] if header else []
+    check(rc == 0 and "dequant" in header and header.index("cuBLAS ws") < header.index("dequant") <
+          header.index("graphs") and rows and "64.00 MiB" in rows[0], "the int4 plan's dequant column", out + err)
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", "--quantization", "int4", "--json", config=llama)
+    memory = json.loads(out)["per_gpu"][0]["memory"]
+    check(rc == 0 and set(memory) == names | {"dequant_scratch"} and memory["dequant_scratch"] == 64 << 20 and
+          memory["cuda_context"] == (1 << 30) - (32 << 20) - (64 << 20) and
+          sum(memory.values()) == json.loads(out)["cluster"]["gpu_memory_bytes"], "the int4 plan's JSON items", out)
 
     bad = [
         (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
@@ -88,7 +101,7 @@ def main():
         rc, out, err = plan(*args)
         check(rc == 2, f"{args}: exit 2, got {rc}", out + err)
         check(message in err, f"{args}: the message names {message!r}", err)
-    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, 7 of itemised memory, {len(bad)} bad flags")
+    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, 9 of itemised memory, {len(bad)} bad flags")
 
 
 if __name__ == "__main__":

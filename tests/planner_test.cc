@@ -884,6 +884,88 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   }
 }
 
+// The CUDA quantized products' dequantize scratch (kernels/cuda/quant_matmul.cu): whole rows of the
+// act dtype up to the limit, at least one (the rows it dequantizes at a time), rounded up to a power
+// of two (at least 64 bytes).
+TEST(PlannerMemory, DequantScratchIsWholeRowsUpToTheLimitRoundedToAPowerOfTwo) {
+  EXPECT_EQ(kCudaDequantScratchBytes, uint64_t{64} << 20);
+  // Llama-3-8B's gate_proj in bf16: 8 KiB rows, 8192 of them fill the 64 MiB.
+  EXPECT_EQ(CudaDequantBlockRows(14336, 4096, DType::kBF16), 8192);
+  EXPECT_EQ(CudaDequantScratchBytes(14336, 4096, DType::kBF16), uint64_t{64} << 20);
+  // Its down_proj: 28 KiB rows, 2340 fit (65,520 KiB), rounded up to 64 MiB.
+  EXPECT_EQ(CudaDequantBlockRows(4096, 14336, DType::kBF16), 2340);
+  EXPECT_EQ(CudaDequantScratchBytes(4096, 14336, DType::kBF16), uint64_t{64} << 20);
+  // A weight smaller than the limit: all its rows (520 x 384 x 4 = 780 KiB), rounded up to 1 MiB.
+  EXPECT_EQ(CudaDequantBlockRows(520, 384, DType::kF32), 520);
+  EXPECT_EQ(CudaDequantScratchBytes(520, 384, DType::kF32), uint64_t{1} << 20);
+  // A limit of 64 KiB over 1000-element F16 rows (2000 bytes): 32 rows, 64,000 bytes -> 64 KiB.
+  EXPECT_EQ(CudaDequantScratchBytes(301, 1000, DType::kF16, 64 << 10), uint64_t{64} << 10);
+  // A row larger than the limit is taken whole: 3000 bytes -> 4 KiB; tiny weights get 64 bytes.
+  EXPECT_EQ(CudaDequantBlockRows(10, 1500, DType::kBF16, 1024), 1);
+  EXPECT_EQ(CudaDequantScratchBytes(10, 1500, DType::kBF16, 1024), uint64_t{4} << 10);
+  EXPECT_EQ(CudaDequantScratchBytes(1, 4, DType::kF32), uint64_t{64});
+  EXPECT_EQ(CudaDequantScratchBytes(0, 4, DType::kF32), uint64_t{0});
+  EXPECT_EQ(CudaDequantBlockRows(4, 0, DType::kF32), 0);
+}
+
+// Quantized weights on CUDA: the dequantize scratch is an item of its own, after cuBLAS's workspace,
+// taken out of the runtime reserve (the CUDA context's share shrinks by it), the largest of the
+// shard's weights' CudaDequantScratchBytes. Plain weights, or quantized weights on CPU workers, list
+// no such item.
+TEST(PlannerMemory, QuantizedWeightsOnCudaCountTheDequantizeScratch) {
+  const std::vector<std::string> with = {kMemWeights,        kMemKvCache,     kMemStepBuffers, kMemCublasWorkspace,
+                                         kMemDequantScratch, kMemCudaGraphPools, kMemNcclBuffers, kMemCudaContext,
+                                         kMemFree,           kMemHeldBack};
+  PlanOptions int4;
+  int4.weight_quant = WeightQuant::kInt4;
+  const Plan p = MustPlan(RealConfig("llama-3-8b"), Cluster("1x1xH100-80GB"), int4);
+  ASSERT_TRUE(p.fits) << p.reason;
+  ASSERT_EQ(p.per_gpu.size(), 1u);
+  const GpuPlan& g = p.per_gpu[0];
+  std::vector<std::string> got;
+  for (const MemoryItem& item : g.memory) got.push_back(item.name);
+  EXPECT_EQ(got, with);
+  EXPECT_EQ(ItemSum(g), static_cast<int64_t>(p.cluster.gpu.memory_bytes));
+  // bf16 rows of 4096 inputs (q, k, v, gate, up: 8 KiB) or 14336 (down: 28 KiB): 64 MiB holds
+  // 8192 and 2340 of them, each rounded up to 64 MiB.
+  EXPECT_EQ(Item(g, kMemDequantScratch), int64_t{64} << 20);
+  EXPECT_EQ(g.dequant_scratch_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(Item(g, kMemCudaContext), (int64_t{1} << 30) - (int64_t{32} << 20) - (int64_t{64} << 20));
+  // Taken out of the reserve: the KV cache is what it is without the item.
+  const Plan plain = MustPlan(RealConfig("llama-3-8b"), Cluster("1x1xH100-80GB"));
+  EXPECT_EQ(plain.per_gpu[0].dequant_scratch_bytes, 0u);
+  for (const MemoryItem& item : plain.per_gpu[0].memory) EXPECT_NE(item.name, kMemDequantScratch);
+
+  // A small model, TP = 2 x PP = 2, int8 in f32: each rank's largest weight is whole, gate / up
+  // [128 / 2, 64] or down [64, 128 / 2] in F32 = 16 KiB; o_proj [64, 64 / 2] is smaller.
+  absl::StatusOr<ModelConfig> gqa = LoadModelConfig(kModels / "llama_gqa" / "config.json");
+  ASSERT_TRUE(gqa.ok()) << gqa.status();
+  PlanOptions int8;
+  int8.weight_quant = WeightQuant::kInt8;
+  int8.tp = 2;
+  int8.pp = 2;
+  int8.max_model_len = 256;
+  const Plan q = MustPlan(*gqa, Cluster("2x2xH100-80GB"), int8);
+  ASSERT_EQ(q.per_gpu.size(), 4u);
+  for (const GpuPlan& gq : q.per_gpu) {
+    EXPECT_EQ(Item(gq, kMemDequantScratch), int64_t{16} << 10) << "stage " << gq.stage << " rank " << gq.tp_rank;
+    EXPECT_EQ(ItemSum(gq), static_cast<int64_t>(q.cluster.gpu.memory_bytes));
+  }
+  // The same on CPU workers (the device the coordinator plans them on, "cpu"): no CUDA, no item.
+  ClusterSpec cpu_workers = SmallCpuCluster();
+  cpu_workers.gpu.name = "cpu";
+  ASSERT_TRUE(cpu_workers.gpu.is_cpu());
+  const Plan cpu = MustPlan(*gqa, cpu_workers, [] {
+    PlanOptions o = SmallCpuOptions(2, 2);
+    o.weight_quant = WeightQuant::kInt8;
+    return o;
+  }());
+  for (const GpuPlan& gc : cpu.per_gpu) {
+    EXPECT_EQ(gc.dequant_scratch_bytes, 0u);
+    for (const MemoryItem& item : gc.memory) EXPECT_NE(item.name, kMemDequantScratch);
+  }
+}
+
 // Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
 // compressed_tensors}): the plan counts each shard's linear weights as the worker holds them (int4
 // blocks for 4 bits in groups of 128, int8 / fp8 rows for per-channel 8-bit and fp8 checkpoints,
@@ -923,6 +1005,13 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
       ASSERT_TRUE(shard.ok()) << variant << " stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
       EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << variant << " stage " << g.stage << " rank " << g.tp_rank;
     }
+    // On a GPU the products by int4 / int8 / fp8 layouts dequantize into a scratch (an item of the
+    // plan); weights dequantized to float32 at load need none.
+    absl::StatusOr<Plan> gpu = MakePlan(m->config, m->checkpoint.get(), Cluster("1x1xH100-80GB"), PlanOptions{});
+    ASSERT_TRUE(gpu.ok()) << variant << ": " << gpu.status();
+    const bool kernel = CheckpointQuantKernel(*m->config.checkpoint_quant) != WeightQuant::kNone;
+    EXPECT_EQ(gpu->per_gpu[0].dequant_scratch_bytes > 0, kernel) << variant;
+    EXPECT_EQ(ItemSum(gpu->per_gpu[0]), static_cast<int64_t>(gpu->cluster.gpu.memory_bytes)) << variant;
   }
 }
 
@@ -949,6 +1038,9 @@ TEST(PlannerGptq, Qwen72BGptqInt4FitsOnOneA100) {
   const int64_t f16 = 2 * ((c->q_dim() + 2 * c->kv_dim()) /*q/k/v biases*/ + 2 * H /*norms*/);
   EXPECT_EQ(p.model_weight_bytes, static_cast<uint64_t>(L * (linear + f16) + 2 * (2 * V * H + H)));
   EXPECT_THAT(PlanTable(p), HasSubstr("linear layers GPTQ 4-bit as int4 groups of 128"));
+  // The int4 products on CUDA dequantize into a scratch: f16 rows of 8192 inputs (16 KiB), 4096 of
+  // them in 64 MiB.
+  EXPECT_EQ(Item(p.per_gpu[0], kMemDequantScratch), int64_t{64} << 20);
   PlanOptions tp2;
   tp2.tp = 2;
   EXPECT_TRUE(MakePlan(*c, nullptr, Cluster("1x2xA100-80GB"), tp2).ok());

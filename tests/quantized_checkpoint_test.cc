@@ -121,7 +121,9 @@ TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   const int layers = static_cast<int>((*model)->config().num_hidden_layers);
   EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": linear weights ", PathWords(v.kernel, 7 * layers - v.plain))))
       << summary;
-  if (v.kernel != kDense) EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
+  if (v.kernel != kDense) {
+    EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
+  }
   EXPECT_EQ(CheckpointQuantKernel(*(*model)->config().checkpoint_quant), v.kernel) << "what the planner counts";
   std::vector<std::vector<float>> logits;
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), g.prompt, 32, &logits);

@@ -31,11 +31,15 @@
      loaded), resume (-> the first resumed token: the recompute prefill of the held requests).
 
 Bounded in time: every RPC has a deadline, the whole run a hard limit; launch runs in a session of
-its own and is stopped (SIGTERM, then SIGKILL to its process group) whatever happens.
+its own and is stopped (SIGTERM, then SIGKILL to its process group) whatever happens. Every deadline
+(--ready-timeout, --heal-timeout, which the coordinator gets too, the RPCs' and the hard limit) is
+multiplied by SHARDSERVE_TEST_TIME_SCALE (tools/launch_process.py's time_scale(): slow, instrumented
+builds); --duration and --kill-every are not deadlines and stay as given.
 Exit status: 0 when no request was lost or differed and every kill healed, 1 otherwise, 2 on usage.
 """
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -54,7 +58,10 @@ import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_process import LaunchProcess, children  # noqa: E402
+from launch_process import LaunchProcess, children, time_scale  # noqa: E402
+
+# SHARDSERVE_TEST_TIME_SCALE, set by main() before any deadline is used.
+TIME_SCALE = 1.0
 
 
 def log(message):
@@ -70,7 +77,7 @@ class Launch(LaunchProcess):
         cmd = [os.path.join(args.bin_dir, "shardserve"), "launch", "--model", args.model, "--nodes", str(args.nodes),
                "--gpus-per-node", str(args.gpus_per_node), "--address", "127.0.0.1:0", "--metrics-port-base", "0",
                "--http-port", "0", "--insecure", "--log-dir", log_dir, "--log-format", "json",
-               "--max-worker-restarts", "1000", "--heal-timeout-seconds", str(args.heal_timeout),
+               "--max-worker-restarts", "1000", "--heal-timeout-seconds", str(math.ceil(args.heal_timeout)),
                "--spare-workers", str(args.spare_workers)] + args.launch_flags
         super().__init__(cmd, log_dir)
 
@@ -103,7 +110,7 @@ def listening_ports(pid):
 
 
 def status(stub):
-    return stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10)
+    return stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10 * TIME_SCALE)
 
 
 def slot_holders(stub, launch_pid):
@@ -262,6 +269,13 @@ def main():
     args = p.parse_args()
     if args.streams < 1 or args.duration <= 0 or args.kill_every <= 0 or args.num_prompts < 1:
         p.error("--streams, --duration, --kill-every and --num-prompts must be positive")
+    global TIME_SCALE
+    try:
+        TIME_SCALE = time_scale()
+    except ValueError as e:
+        p.error(str(e))
+    args.ready_timeout *= TIME_SCALE
+    args.heal_timeout *= TIME_SCALE
     for b in ("shardserve", "shardserve-coordinator", "shardserve-worker"):
         if not os.access(os.path.join(args.bin_dir, b), os.X_OK):
             p.error(f"no {b} in {args.bin_dir}")
@@ -272,7 +286,7 @@ def main():
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="chaos_bench.")
     os.makedirs(log_dir, exist_ok=True)
     # Every wait below is bounded; this is the bound of the whole run, whatever hangs.
-    hard_limit = args.ready_timeout + 3 * args.duration + 4 * args.heal_timeout + 600
+    hard_limit = args.ready_timeout + 3 * args.duration + 4 * args.heal_timeout + 600 * TIME_SCALE
     watchdog = threading.Timer(hard_limit, lambda: os.kill(os.getpid(), signal.SIGTERM))
     watchdog.daemon = True
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -287,7 +301,7 @@ def main():
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         log(f"cluster ready at {address} (TP={args.gpus_per_node} x PP={args.nodes}, {args.spare_workers} spare(s)); "
             f"logs in {log_dir}")
-        request_timeout = args.heal_timeout * 2 + 300
+        request_timeout = args.heal_timeout * 2 + 300 * TIME_SCALE
         pool = make_pool(args, vocab)
         t0 = time.time()
         reference = run_pool_once(stub, pool, args.streams, request_timeout)
@@ -380,6 +394,7 @@ def main():
         report.update({
             "layout": f"TP={args.gpus_per_node} x PP={args.nodes}", "spare_workers": args.spare_workers,
             "streams": args.streams, "duration_s": round(chaos_seconds, 1), "kill_every_s": args.kill_every,
+            "time_scale": TIME_SCALE,
             "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
             "pool": len(pool), "reference_seconds": round(reference_seconds, 1),
             "undisturbed_mismatches": undisturbed_mismatches,

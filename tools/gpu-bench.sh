@@ -166,7 +166,8 @@ record() {
 }
 
 # gtest_step NAME LIMIT [--allow-skip REGEX] BINARY [GTEST ARGS...]: runs a gtest binary with XML
-# output and judges it by the XML (a skipped case fails on a GPU), not only by its exit code.
+# output and judges it by the XML (judge_gtest, tools/gpu-tests.sh: a skipped case fails on a GPU),
+# not only by its exit code.
 gtest_step() {
   local name=$1 limit=$2 allow=()
   want "$name" || return 0
@@ -177,7 +178,7 @@ gtest_step() {
   local counts=""
   if [ "$DRY_RUN" != 1 ]; then
     local rc=$STEP_RC
-    counts=$("${REPORT[@]}" junit "$xml" ${GPUS:+--gpu} "${allow[@]}" 2>>"$LOGS/$name.log")
+    counts=$(judge_gtest "$xml" "${allow[@]}" 2>>"$LOGS/$name.log")
     [ $? -ne 0 ] && [ "$rc" = 0 ] && STEP_RC=1  # a skip on a GPU, or no XML
     echo "$counts" >"$LOGS/$name.counts.json"
   fi
@@ -268,7 +269,7 @@ run_steps() {
   fi
 
   # ---- Tests ----
-  gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter='-CudaQuantBench.*'
+  gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
   # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
   # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
   local fmt qname
@@ -278,25 +279,21 @@ run_steps() {
     SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
       step "$qname" 150 "$BIN/kernels_cuda_test" --gtest_filter='CudaQuantBench.*' --gtest_output="xml:$LOGS/$qname.xml"
     if [ "$DRY_RUN" != 1 ] && [ "$STEP_RC" = 0 ] &&
-      ! "${REPORT[@]}" junit "$LOGS/$qname.xml" ${GPUS:+--gpu} >/dev/null 2>>"$LOGS/$qname.log"; then
+      ! judge_gtest "$LOGS/$qname.xml" >/dev/null 2>>"$LOGS/$qname.log"; then
       STEP_RC=1
     fi
     local q=()
     [ -s "$WORK/$qname.json" ] && q=(--json "$WORK/$qname.json")
     record "$qname" "${q[@]}"
   done
-  local nccl_filter='*Nccl*' two_rank="CommunicatorTest.NcclTwoRanks, CommunicatorTest.NcclRankThatSkipsAnAllReduceIsATimeout"
-  if [ "${GPUS:-0}" -lt 2 ]; then
-    nccl_filter='*NcclGroupOfOne*:*NcclRankThatNeverJoinsTimesOut*'
-  fi
-  gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$nccl_filter"
+  gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
     "${REPORT[@]}" record "$RECORDS" "$(printf '%02d' "$STEP_NO")-nccl-two-ranks" "not run" 0 \
-      --note "not run (needs 2 GPUs): $two_rank"
+      --note "not run (needs 2 GPUs): $NCCL_TWO_RANK_CASES"
     STEP_NO=$((STEP_NO + 1))
   fi
-  gtest_step parity 180 --allow-skip 'no AVX-512' "$BIN/llama_parity_test"
+  gtest_step parity 180 --allow-skip "$PARITY_ALLOWED_SKIP" "$BIN/llama_parity_test"
 
   # ---- Benchmarks (dummy bf16 weights) ----
   local preset llama qwen
@@ -366,7 +363,7 @@ main() {
     GPUS=""
   else
     setup "$BUNDLE" || return 1
-    GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    GPUS=$(gpu_count)
     [ "$GPUS" -ge 1 ] || { echo "gpu-bench: nvidia-smi lists no GPU" >&2; return 1; }
   fi
   run_steps

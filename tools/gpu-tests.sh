@@ -11,8 +11,14 @@
 #   tools/gpu-tests.sh run [BUNDLE]      there, from a checkout of the same commit: unpacks if
 #                                        needed, finds CUDA's libraries, and runs
 #                                          kernels_cuda_test    every CUDA op against the CPU backend
-#                                          communicator_test    the NCCL tests (*Nccl*)
+#                                                               (not the CudaQuantBench benchmark)
+#                                          communicator_test    the NCCL tests one GPU can run (all
+#                                                               with two GPUs; else the two-rank cases
+#                                                               are reported as not run, by name)
 #                                          llama_parity_test    Hugging Face parity on the CUDA backend
+#                                        each judged by its gtest XML (judge_gtest below): a failed
+#                                        or a skipped case fails it (a GPU machine skips nothing but
+#                                        the CPU's own AVX-512 bf16 cases), not only its exit code;
 #                                        then the demo model: `generate-ids` on cuda:0 beside
 #                                        cpu (agreement reported), and `launch --device cuda` streaming
 #                                        a completion. Logs and the tests' XML go to $LOG_DIR
@@ -30,6 +36,31 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BINARIES=(kernels_cuda_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
 # Left to the GPU machine: the C runtime, and CUDA's libraries, which must match its driver.
 SYSTEM_LIBS='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnccl)'
+
+# The gtest judgement of both GPU scripts (this one's run, tools/gpu-bench.sh's steps), one home:
+# judge_gtest XML [--allow-skip REGEX] prints the XML's case counts as JSON (tools/gpu_bench_report.py
+# junit) and fails when a case failed, when the XML holds no case, or, with $GPUS set (the number of
+# GPUs; unset or empty where there is none, as in gpu-bench's dry run), when a case was skipped whose
+# message does not match REGEX: on a GPU machine a CUDA case that skips (a driver problem, a missing
+# library) is a failure, not a pass.
+judge_gtest() {
+  python3 "$(dirname "${BASH_SOURCE[0]}")/gpu_bench_report.py" junit "$@" ${GPUS:+--gpu}
+}
+# kernels_cuda_test's op tests: all but CudaQuantBench, a benchmark that skips unless asked for
+# (SHARDSERVE_QUANT_BENCH; gpu-bench.sh's quant-* steps run it).
+CUDA_OPS_FILTER='-CudaQuantBench.*'
+# The GPUs nvidia-smi lists (0 without it).
+gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+# The skips llama_parity_test may make on a GPU machine: the CPU's own bf16 cases on a CPU without
+# AVX-512 BF16.
+PARITY_ALLOWED_SKIP='no AVX-512'
+# communicator_test's NCCL cases for a machine with N GPUs (nccl_filter N): all of them with two or
+# more; on one GPU those one rank can run (NCCL refuses two ranks on one GPU), the others,
+# NCCL_TWO_RANK_CASES, reported as not run by name.
+NCCL_TWO_RANK_CASES="CommunicatorTest.NcclTwoRanks, CommunicatorTest.NcclRankThatSkipsAnAllReduceIsATimeout"
+nccl_filter() {
+  if [ "${1:-0}" -ge 2 ]; then echo '*Nccl*'; else echo '*NcclGroupOfOne*:*NcclRankThatNeverJoinsTimesOut*'; fi
+}
 
 pack() {
   local bundle=${1:-build/gpu-bundle} bin=${BUILD_DIR:-build}/bin
@@ -76,33 +107,53 @@ setup() {
   export LD_LIBRARY_PATH=$PWD/$bundle/lib:$cuda_dirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 }
 
+# run's steps. run_step NAME COMMAND...: runs COMMAND for at most $STEP_TIMEOUT s, its output in
+# $logs/NAME.log (the last lines echoed), and sets failed=1 unless it exits 0. run_gtest NAME
+# [--allow-skip REGEX] BINARY [ARGS...]: run_step with gtest's XML output, then judge_gtest on the XML
+# (its counts in $logs/NAME.counts.json): a failed or, on a GPU, skipped case sets failed=1 too. Both
+# use the caller's $logs and $failed (run's locals).
+run_step() {
+  local name=$1 rc
+  shift
+  echo "== $name: $*"
+  timeout "${STEP_TIMEOUT:-300}" "$@" >"$logs/$name.log" 2>&1
+  rc=$?
+  tail -n 25 "$logs/$name.log"
+  echo "== $name: exit $rc"
+  [ $rc -eq 0 ] || failed=1
+}
+run_gtest() {
+  local name=$1 allow=()
+  shift
+  if [ "$1" = --allow-skip ]; then allow=(--allow-skip "$2"); shift 2; fi
+  run_step "$name" "$@" --gtest_output="xml:$logs/$name.xml"
+  if ! judge_gtest "$logs/$name.xml" "${allow[@]}" >"$logs/$name.counts.json" 2>>"$logs/$name.log"; then
+    echo "== $name: FAILED by its XML: $(tail -n 1 "$logs/$name.log")"
+    failed=1
+  fi
+}
+
 run() {
   local bundle=${1:-build/gpu-bundle} failed=0
   setup "$bundle" || return 1
   local logs=${LOG_DIR:-$bundle/logs} bin=$bundle/bin
   mkdir -p "$logs"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
+  local GPUS
+  GPUS=$(gpu_count)
+  [ "$GPUS" -ge 1 ] || { echo "gpu-tests: nvidia-smi lists no GPU" >&2; return 1; }
 
-  step() {  # step NAME COMMAND...: runs it with a time limit, logs it, records a failure
-    local name=$1 rc
-    shift
-    echo "== $name: $*"
-    timeout "${STEP_TIMEOUT:-300}" "$@" >"$logs/$name.log" 2>&1
-    rc=$?
-    tail -n 25 "$logs/$name.log"
-    echo "== $name: exit $rc"
-    [ $rc -eq 0 ] || failed=1
-  }
-  step kernels_cuda_test "$bin/kernels_cuda_test" --gtest_output="xml:$logs/kernels_cuda_test.xml"
-  step communicator_nccl "$bin/communicator_test" --gtest_filter='*Nccl*' --gtest_output="xml:$logs/communicator_nccl.xml"
-  step llama_parity_test "$bin/llama_parity_test" --gtest_output="xml:$logs/llama_parity_test.xml"
+  run_gtest kernels_cuda_test "$bin/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
+  run_gtest communicator_nccl "$bin/communicator_test" --gtest_filter="$(nccl_filter "$GPUS")"
+  [ "$GPUS" -ge 2 ] || echo "gpu-tests: not run (needs 2 GPUs): $NCCL_TWO_RANK_CASES"
+  run_gtest llama_parity_test --allow-skip "$PARITY_ALLOWED_SKIP" "$bin/llama_parity_test"
 
   # The demo model (a bf16 checkpoint) in one process: cuda:0 computes in bf16, the CPU in
   # float32, so greedy ids may part at a near-tie; how many agree is reported, not checked (the
   # parity suite above checks the arithmetic).
   local prompt_ids=(1 450 3681 310 278 3186 338)
-  step generate_ids_cpu "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cpu "${prompt_ids[@]}"
-  step generate_ids_cuda "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cuda:0 "${prompt_ids[@]}"
+  run_step generate_ids_cpu "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cpu "${prompt_ids[@]}"
+  run_step generate_ids_cuda "$bin/shardserve" generate-ids --model models/demo --max-new-tokens 32 --device cuda:0 "${prompt_ids[@]}"
   paste -d'\n' <(tail -n 1 "$logs/generate_ids_cpu.log") <(tail -n 1 "$logs/generate_ids_cuda.log") |
     awk 'NR == 1 {n = split($0, a)} NR == 2 {split($0, b); k = 0; while (k < n && a[k + 1] == b[k + 1]) ++k;
          print "gpu-tests: the first " k " of " n " greedy ids on cuda:0 (bf16) equal the CPU'"'"'s (float32)"}'
@@ -120,7 +171,7 @@ run() {
   done
   if [ $ready -eq 1 ]; then
     cat "$logs/status.log"
-    step generate_stream "$bin/shardserve" generate --address "$address" --prompt "And the LORD said unto Moses," \
+    run_step generate_stream "$bin/shardserve" generate --address "$address" --prompt "And the LORD said unto Moses," \
       --max-tokens 48 --temperature 0.8 --top-k 40 --seed 7
   else
     echo "gpu-tests: the one-GPU cluster did not become ready"; tail -n 30 "$logs/launch.log"; failed=1

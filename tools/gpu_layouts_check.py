@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_process import LaunchProcess  # noqa: E402
+from launch_process import LaunchProcess, time_scale  # noqa: E402
 
 LAYOUT = re.compile(r"^(?:tp(\d+))?(?:x?pp(\d+))?$")
 
@@ -71,8 +71,14 @@ def main():
                     help="a flag for every launch, e.g. --launch-flag=--worker-collectives=gloo")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--timeout-seconds", type=float, default=540, help="for the whole check")
+    ap.add_argument("--timeout-seconds", type=float, default=540,
+                    help="for the whole check, times SHARDSERVE_TEST_TIME_SCALE (tools/launch_process.py)")
     args = ap.parse_args()
+    try:
+        scale = time_scale()
+    except ValueError as e:
+        print(f"gpu_layouts_check: {e}", file=sys.stderr)
+        return 2
     try:
         layouts = [parse_layout(x) for x in args.layouts.split(",") if x]
         prompt = [int(x) for x in args.prompt_ids.split(",") if x]
@@ -87,13 +93,13 @@ def main():
         return 2
     shardserve = os.path.join(args.bin, "shardserve")
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="gpu-layouts-")
-    deadline = time.time() + args.timeout_seconds
+    deadline = time.time() + args.timeout_seconds * scale
     launch_flags = []
     for f in args.launch_flag:
         launch_flags += f.split("=", 1)
     summary = {"model": args.model, "device": args.device, "prompt_ids": prompt,
                "max_new_tokens": args.max_new_tokens, "dummy_seed": args.dummy_seed, "launch_flags": launch_flags,
-               "layouts": []}
+               "time_scale": scale, "layouts": []}
 
     def left():
         return max(1.0, deadline - time.time())

@@ -13,12 +13,39 @@ is in. Not thread-safe.
 
 children(pid) lists a process's children (launch's coordinator and workers), for the tools and tests
 that kill or watch one of them.
+
+time_scale() is SHARDSERVE_TEST_TIME_SCALE, the factor every deadline waiting on a process of ours is
+multiplied by (slow, instrumented builds: tools/sanitize.sh sets it), by the one rule
+(parse_time_scale; tests/process_harness.h's ParseTimeScale is its C++ twin): the tools these classes
+serve scale their deadlines by it, and tests/cli_check.py's scaled() reads it from here.
 """
 import os
 import re
 import signal
 import subprocess
 import time
+
+
+def time_scale_error(text):
+    """The error for a refused SHARDSERVE_TEST_TIME_SCALE, word for word tests/process_harness.h's."""
+    return f"SHARDSERVE_TEST_TIME_SCALE='{text}': expected a number from 1 to 1000 (1 = unscaled)"
+
+
+def parse_time_scale(text):
+    """SHARDSERVE_TEST_TIME_SCALE's value `text`: a decimal number (digits, optionally a point and digits)
+    from 1 to 1000; 1 when empty. Anything else raises ValueError(time_scale_error(text)): a scale below 1
+    would shorten every deadline, a typo must not do that silently. The rule of tests/process_harness.h's
+    ParseTimeScale (not Python's float(), which takes "1_000", " 3" and "inf")."""
+    if not text:
+        return 1.0
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) or not 1.0 <= float(text) <= 1000.0:
+        raise ValueError(time_scale_error(text))
+    return float(text)
+
+
+def time_scale():
+    """SHARDSERVE_TEST_TIME_SCALE from the environment, read now (1 when unset); ValueError as above."""
+    return parse_time_scale(os.environ.get("SHARDSERVE_TEST_TIME_SCALE", ""))
 
 
 def children(pid):

@@ -190,8 +190,9 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
   const DeviceMemory& d = device_memory_;
   const bool cuda = d.total >= 0 && d.free_start >= 0 && d.free_backend >= 0 && d.free_groups >= 0 &&
                     d.free_loaded >= 0;
+  const int64_t scratch = static_cast<int64_t>(backend_->dequant_scratch_bytes());
   const int64_t own = static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() +
-                                           shard_->step_buffer_bytes());
+                                           shard_->step_buffer_bytes()) + scratch;
   std::vector<std::string> lines;
   for (const v1::MemoryItem& item : assignment_.planned_memory()) {
     const std::string& name = item.name();
@@ -202,6 +203,8 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = Bytes(static_cast<int64_t>(shard_->kv_cache_bytes())) + ", the shard's own count";
     } else if (name == "step_buffers") {
       measured = Bytes(static_cast<int64_t>(shard_->step_buffer_bytes())) + ", the shard's own count";
+    } else if (name == "dequant_scratch") {
+      measured = Bytes(scratch) + ", the backend's own count (grown as the quantized weights were stored)";
     } else if (name == "cuda_graph_pools") {
       measured = Bytes(0) + ", no CUDA graphs are captured";
     } else if (!cuda) {
@@ -221,11 +224,12 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
     lines.push_back(absl::StrCat(name, ": planned ", Bytes(item.bytes()), ", measured ", measured));
   }
   if (cuda) {
-    // What loading took from the device beyond the shard's own counts: allocator rounding, the
-    // sampler's and the backend's small scratch.
+    // What loading took from the device beyond the shard's and the backend's own counts: allocator
+    // rounding, the sampler's and the backend's small scratch.
     const int64_t loaded = d.free_groups - d.free_loaded;
     lines.push_back(absl::StrCat("loading took ", Bytes(loaded), " of the device for ", Bytes(own),
-                                 " of weights, KV cache and step buffers (", Bytes(loaded - own), " beyond them)"));
+                                 " of weights, KV cache, step buffers and dequantize scratch (", Bytes(loaded - own),
+                                 " beyond them)"));
   }
   return lines;
 }

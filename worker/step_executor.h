@@ -150,7 +150,7 @@ class StepExecutor {
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
   // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
   // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
-  // and step buffers; on CUDA also cudaMemGetInfo's free bytes before the backend, after it, after
+  // and step buffers, the backend's of its dequantize scratch; on CUDA also cudaMemGetInfo's free bytes before the backend, after it, after
   // the collective groups and after the shard and sampler (docs/gpu.md says how to read them). An
   // item that cannot be measured here says so instead of a number.
   std::vector<std::string> MemoryReport() const;

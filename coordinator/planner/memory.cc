@@ -18,6 +18,12 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kCublasWorkspaceHopper = 32 * kMiB;
 constexpr uint64_t kCublasWorkspaceOlder = 4 * kMiB;
 
+// The quantized products' dequantize scratch (kernels/cuda/quant_matmul.cu) is the backend's own
+// figure: CudaDequantScratchBytes (kernels/backend.h) of the worker's largest quantized weight, which
+// the backend allocates as it stores the weights (GpuPlan::dequant_scratch_bytes, from weights.cc).
+// It is counted whenever a CUDA plan holds quantized weights: without the kernels
+// (--cuda-quantized-kernels) such a worker refuses to load, so no running plan goes without it.
+
 // CUDA graph pools: the CUDA backend captures no graphs (kernels/cuda has no cudaStreamBeginCapture;
 // issue 29 part 4 will add them behind a flag), so they take nothing.
 constexpr uint64_t kCudaGraphPoolBytes = 0;
@@ -47,18 +53,20 @@ int NcclCommunicators(int tp, int pp, int stage) {
   return (tp > 1 ? 1 : 0) + (stage > 0 ? 1 : 0) + (stage + 1 < pp ? 1 : 0);
 }
 
-RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes) {
+RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
+                                  uint64_t dequant_scratch_bytes) {
   RuntimeMemory r;
   if (gpu.is_cpu()) {  // no CUDA: the reserve (0 for CPU workers) is the process's own
     r.cuda_context = reserve_bytes;
     return r;
   }
   r.cublas_workspace = CublasWorkspaceBytes(gpu);
+  r.dequant_scratch = dequant_scratch_bytes;
   r.cuda_graph_pools = kCudaGraphPoolBytes;
   r.nccl_buffers = static_cast<uint64_t>(NcclCommunicators(tp, pp, stage)) * kNcclBytesPerCommunicator;
   // The context (its code modules, cuBLAS's kernels, the allocator's slack) takes the rest. When the
   // named items exceed the reserve, the context is counted as 0 and "free" shows the overdraft.
-  const uint64_t named = r.cublas_workspace + r.cuda_graph_pools + r.nccl_buffers;
+  const uint64_t named = r.cublas_workspace + r.dequant_scratch + r.cuda_graph_pools + r.nccl_buffers;
   r.cuda_context = reserve_bytes > named ? reserve_bytes - named : 0;
   return r;
 }
@@ -85,20 +93,24 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp);
   const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
   const uint64_t kv = g.kv_bytes_per_token * static_cast<uint64_t>(plan.limits.kv_cache_tokens());
-  const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes);
+  const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
   const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
-  return {
+  std::vector<MemoryItem> items = {
       {kMemWeights, static_cast<int64_t>(g.weight_bytes)},
       {kMemKvCache, static_cast<int64_t>(kv)},
       {kMemStepBuffers, static_cast<int64_t>(step)},
       {kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)},
+  };
+  if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
+  items.insert(items.end(), {
       {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},
       {kMemNcclBuffers, static_cast<int64_t>(r.nccl_buffers)},
       {kMemCudaContext, static_cast<int64_t>(r.cuda_context)},
       {kMemFree, usable - used},
       {kMemHeldBack, static_cast<int64_t>(gpu.memory_bytes) - usable},
-  };
+  });
+  return items;
 }
 
 void FillMemoryItems(const ModelConfig& config, Plan* plan) {

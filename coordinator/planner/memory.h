@@ -1,7 +1,8 @@
 // A device's memory, item by item, as the plan expects it: the worker's own buffers (weights, KV
-// cache, step buffers) and what the runtime beside them takes (cuBLAS workspace, CUDA graph pools,
-// NCCL buffers, the CUDA context), what the plan leaves free and what gpu_memory_utilization holds
-// back. The items of one device add up to its memory exactly.
+// cache, step buffers) and what the runtime beside them takes (cuBLAS workspace, the quantized
+// products' dequantize scratch, CUDA graph pools, NCCL buffers, the CUDA context), what the plan
+// leaves free and what gpu_memory_utilization holds back. The items of one device add up to its
+// memory exactly.
 //
 // `shardserve plan` prints them per GPU; the coordinator sends each worker its own
 // (Assignment.planned_memory) and the worker logs every item beside what it allocated or measured
@@ -32,6 +33,8 @@ inline constexpr const char* kMemWeights = "weights";
 inline constexpr const char* kMemKvCache = "kv_cache";
 inline constexpr const char* kMemStepBuffers = "step_buffers";
 inline constexpr const char* kMemCublasWorkspace = "cublas_workspace";
+// Listed only where it is not 0: quantized weights on CUDA (GpuPlan::dequant_scratch_bytes).
+inline constexpr const char* kMemDequantScratch = "dequant_scratch";
 inline constexpr const char* kMemCudaGraphPools = "cuda_graph_pools";
 inline constexpr const char* kMemNcclBuffers = "nccl_buffers";
 inline constexpr const char* kMemCudaContext = "cuda_context";
@@ -47,10 +50,13 @@ struct MemoryItem {
 // context (and allocator slack) is what the named items leave of the reserve.
 struct RuntimeMemory {
   uint64_t cublas_workspace = 0;
+  uint64_t dequant_scratch = 0;
   uint64_t cuda_graph_pools = 0;
   uint64_t nccl_buffers = 0;
   uint64_t cuda_context = 0;
-  uint64_t total() const { return cublas_workspace + cuda_graph_pools + nccl_buffers + cuda_context; }
+  uint64_t total() const {
+    return cublas_workspace + dequant_scratch + cuda_graph_pools + nccl_buffers + cuda_context;
+  }
 };
 
 // cuBLAS's default workspace for `gpu` (memory.cc says which figure for which GPU); 0 for CPU workers.
@@ -60,8 +66,10 @@ uint64_t CublasWorkspaceBytes(const GpuSpec& gpu);
 // its TP group when tp > 1, and one pair with each neighbouring stage (worker/step_executor.cc).
 int NcclCommunicators(int tp, int pp, int stage);
 
-// The runtime items of one device of `gpu`, splitting `reserve_bytes`.
-RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes);
+// The runtime items of one device of `gpu`, splitting `reserve_bytes`; `dequant_scratch_bytes`
+// (GpuPlan's) is the backend's own figure, taken as it is.
+RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
+                                  uint64_t dequant_scratch_bytes = 0);
 
 // The bytes of the buffers one step works in, as LlamaShard::Load allocates them for `limits`
 // (worker/llama.cc): I32 step inputs and block tables, the [tokens, width] activations of one
@@ -72,8 +80,8 @@ uint64_t StepBufferBytes(const ModelConfig& config, const TpShard& shard, DType 
 
 // One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
 // (plan.limits.num_kv_blocks blocks, the same on every device), the step buffers for plan.limits,
-// the runtime items, what is left free of the usable memory and what gpu_memory_utilization holds
-// back. They sum to plan.cluster.gpu.memory_bytes.
+// the runtime items (the dequantize scratch only where g has one), what is left free of the usable
+// memory and what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);
 
 // Sets every GpuPlan::memory of `plan` from its current limits (MakePlan does; the coordinator

@@ -72,6 +72,10 @@ struct GpuPlan {
   uint64_t weight_bytes = 0;        // this rank's slice of the stage's weights
   uint64_t activation_bytes = 0;    // the worker's step buffers (hidden states, q/k/v, MLP, logits)
   uint64_t reserve_bytes = 0;       // PlanOptions::runtime_reserve_bytes
+  // Of the reserve, on CUDA with quantized weights: the backend's dequantize scratch for its
+  // products above 8 rows (the largest of its weights' CudaDequantScratchBytes, kernels/backend.h);
+  // 0 on the CPU and for plain weights.
+  uint64_t dequant_scratch_bytes = 0;
   uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x stage layers x local KV heads x head_dim x dtype
   int64_t kv_cache_tokens = 0;      // tokens the memory left after the above holds
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence

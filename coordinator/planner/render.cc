@@ -1,6 +1,7 @@
 #include "coordinator/planner/render.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -32,6 +33,19 @@ std::string Wrap(const std::string& text, const std::string& indent) {
     absl::StrAppend(&line, line.size() > indent.size() ? " " : "", word);
   }
   return absl::StrCat(out, line, "\n");
+}
+
+// The itemised memory's column heading for a memory.h item name.
+std::string MemoryHeading(const std::string& name) {
+  constexpr std::pair<const char*, const char*> kHeadings[] = {
+      {kMemWeights, "weights"},           {kMemKvCache, "KV cache"},          {kMemStepBuffers, "step bufs"},
+      {kMemCublasWorkspace, "cuBLAS ws"}, {kMemDequantScratch, "dequant"},    {kMemCudaGraphPools, "graphs"},
+      {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemFree, "free"},
+      {kMemHeldBack, "held back"}};
+  for (const auto& [item, heading] : kHeadings) {
+    if (name == item) return heading;
+  }
+  return name;
 }
 
 }  // namespace
@@ -114,9 +128,12 @@ std::string PlanTable(const Plan& p) {
 
   // Each device's memory item by item (memory.h); they add up to the device's memory.
   absl::StrAppendFormat(&out, "memory per %s, itemised (adds up to %s):\n", device, fmt::Size(c.gpu.memory_bytes));
-  absl::StrAppendFormat(&out, "%4s  %*s  %10s  %10s  %10s  %10s  %10s  %10s  %10s  %10s  %10s\n", "node", device_w,
-                        device, "weights", "KV cache", "step bufs", "cuBLAS ws", "graphs", "NCCL", "context", "free",
-                        "held back");
+  // The columns are the items of the first device (every device of a plan lists the same ones).
+  absl::StrAppendFormat(&out, "%4s  %*s", "node", device_w, device);
+  if (!p.per_gpu.empty()) {
+    for (const MemoryItem& item : p.per_gpu[0].memory) absl::StrAppendFormat(&out, "  %10s", MemoryHeading(item.name));
+  }
+  absl::StrAppend(&out, "\n");
   for (const GpuPlan& g : p.per_gpu) {
     absl::StrAppendFormat(&out, "%4d  %*d", g.node, device_w, g.gpu);
     for (const MemoryItem& item : g.memory) absl::StrAppendFormat(&out, "  %10s", fmt::Size(item.bytes));

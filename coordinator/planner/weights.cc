@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/backend.h"
 #include "model/quantized_checkpoint.h"
 
 namespace shardserve {
@@ -109,29 +110,34 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
                              DType dtype, WeightQuant quant) {
   RankWeights r;
   r.layers.assign(config.num_hidden_layers, 0);
+  r.dequant_scratch.assign(config.num_hidden_layers, 0);
   r.tied = config.tie_word_embeddings;
   for (const WeightTensor& t : tensors) {
     const int64_t elements = ShardElements(t, shard);
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
+    // This rank's [rows, cols] of a linear layer's weight (what a quantized layout is counted on).
+    const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
+    const int64_t rows = t.shape.size() != 2 ? 0 : cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
+    const int64_t cols = elements / std::max<int64_t>(rows, 1);
+    WeightQuant stored = WeightQuant::kNone;  // how the worker stores it, when quantized
     if (quant != WeightQuant::kNone && t.part == WeightPart::kLayer && t.shape.size() == 2) {
       // A linear layer's weight (q/k/v/o, gate/up/down) in its kernels/quant.h layout, per local
       // output row: int8 and fp8 a byte per value and a float32 scale; int4 ceil(local inputs /
       // 128) blocks of 72 bytes (64 bytes of packed values, a float32 scale, the zero point and
       // padding).
-      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
-      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      bytes = static_cast<uint64_t>(QuantizedWeightBytes(quant, rows, elements / std::max<int64_t>(rows, 1)));
+      stored = quant;
+      bytes = static_cast<uint64_t>(QuantizedWeightBytes(quant, rows, cols));
     }
     if (IsQuantizedLinearWeight(config, t)) {
       // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h):
       // the int4 / int8 / fp8 kernel's layout (codes, scales and zero points) where the format maps
       // onto one, else dequantized to float32 (that path saves no memory).
-      const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
-      const int64_t rows = cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
-      const WeightQuant kernel = CheckpointQuantKernel(*config.checkpoint_quant);
-      bytes = kernel != WeightQuant::kNone
-                  ? static_cast<uint64_t>(QuantizedWeightBytes(kernel, rows, elements / std::max<int64_t>(rows, 1)))
-                  : static_cast<uint64_t>(elements) * sizeof(float);
+      stored = CheckpointQuantKernel(*config.checkpoint_quant);
+      bytes = stored != WeightQuant::kNone ? static_cast<uint64_t>(QuantizedWeightBytes(stored, rows, cols))
+                                           : static_cast<uint64_t>(elements) * sizeof(float);
+    }
+    if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {
+      r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], CudaDequantScratchBytes(rows, cols, dtype));
     }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;
@@ -142,6 +148,12 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
   }
   if (r.tied) r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice
   return r;
+}
+
+uint64_t RankWeights::DequantScratch(int64_t first_layer, int64_t end_layer) const {
+  uint64_t bytes = 0;
+  for (int64_t i = first_layer; i < end_layer; ++i) bytes = std::max(bytes, dequant_scratch[i]);
+  return bytes;
 }
 
 uint64_t RankWeights::Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const {

@@ -68,9 +68,15 @@ struct RankWeights {
   uint64_t final_norm = 0;       // last stage
   uint64_t lm_head = 0;          // last stage; for tied models, the embedding slice again
   bool tied = false;             // lm_head is embed_tokens: one copy when one stage is first and last
+  // Per decoder layer: the CUDA backend's dequantize scratch for its largest quantized weight
+  // (CudaDequantScratchBytes, kernels/backend.h, in the dtype counted); 0 where none is quantized.
+  std::vector<uint64_t> dequant_scratch;
 
   // Bytes of the stage holding layers [first_layer, end_layer).
   uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
+  // The dequantize scratch a CUDA worker holding layers [first_layer, end_layer) allocates: the
+  // largest of theirs (the backend grows one scratch to its largest weight's need).
+  uint64_t DequantScratch(int64_t first_layer, int64_t end_layer) const;
 };
 
 // `quant`: how the linear layers' weights are stored (the worker's ShardSpec::weight_quant).

@@ -148,6 +148,7 @@ class CudaBackend final : public Backend {
   absl::Status Synchronize() override;
   absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) override;  // counter_uniform.cu
   uint64_t kernel_launches() const override { return KernelLaunches().load(std::memory_order_relaxed); }
+  uint64_t dequant_scratch_bytes() const override { return dequant_capacity_; }
   // Quantized weights (quant_matmul.cu): kernels/quant.h's layouts copied to the device as they
   // are; kNone is the base's (plain weights, no copy). Unimplemented unless
   // options_.quantized_kernels.
@@ -181,6 +182,14 @@ class CudaBackend final : public Backend {
   absl::Status UploadSampleParams(const std::vector<SampleParams>& params);
   template <typename T>
   absl::Status GrowDevice(T** ptr, size_t* capacity, size_t needed);
+  // The dequantize scratch's limit (options_.quantized_scratch_bytes, else kCudaDequantScratchBytes)
+  // and what a quantized weight [m, k] needs of it (CudaDequantScratchBytes, kernels/backend.h).
+  uint64_t DequantScratchLimit() const {
+    return options_.quantized_scratch_bytes > 0 ? options_.quantized_scratch_bytes : kCudaDequantScratchBytes;
+  }
+  size_t DequantScratchBytes(int64_t m, int64_t k) const {
+    return static_cast<size_t>(CudaDequantScratchBytes(m, k, act_, DequantScratchLimit()));
+  }
   // MatMul by a weight PackMatMulWeight / PackQuantizedWeight stored quantized (quant_matmul.cu).
   absl::Status QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);
   // Out starts as the bias broadcast over its rows (matmul.cu), for a GEMM with beta = 1.
@@ -214,8 +223,9 @@ class CudaBackend final : public Backend {
     WeightQuant quant = WeightQuant::kNone;
   };
   std::map<const void*, QuantizedWeight> quantized_;
-  // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown on demand up
-  // to kDequantScratchBytes (quant_matmul.cu), never shrunk.
+  // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown as each
+  // quantized weight is stored to DequantScratchBytes of it (a power of two: the largest of them),
+  // never shrunk.
   uint8_t* dequant_dev_ = nullptr;
   size_t dequant_capacity_ = 0;
   // What the last Attention / CacheWrite launch allowed, for error messages.

@@ -19,8 +19,9 @@
 //   L1/L2: the same x for every warp), summed in float32, reduced across the warp with shuffles;
 //   lane 0 scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds
 //   once to out's dtype.
-// - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kDequantScratchBytes
-//   worth of rows at a time, into a scratch buffer, then cuBLAS (Gemm, matmul.cu) for that block
+// - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
+//   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
+//   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
 //   of out's columns, accumulating onto the broadcast bias. The weight is read once per call; the
 //   dequantized rows are rounded to the act dtype (bf16: 2^-9 relative), as any bf16 GEMM's are.
 //   fp8 through cuBLASLt's fp8 GEMM on sm_89+ (no dequantize) is a follow-up.
@@ -47,9 +48,6 @@ constexpr int kGemvThreads = kGemvWarps * 32;
 // Weight loads a lane issues before using the first (4 x 16 B of int8 / fp8, 4 x 8 B of int4): a
 // decode GEMV is bound by the bytes in flight (an H100 needs ~15 KB per SM to cover its latency).
 constexpr int kGemvLoads = 4;
-// The dequantized block of rows for the cuBLAS path: at most this much act-dtype memory (or one
-// row, when a single row is larger), unless CudaBackendOptions::quantized_scratch_bytes says.
-constexpr size_t kDequantScratchBytes = size_t{64} << 20;
 // An int4 group as 8-byte words: word 0 is the header (scale, zero, pad), words 1..8 the nibbles.
 constexpr int kInt4Words = static_cast<int>(sizeof(Int4Group128) / 8);
 static_assert(sizeof(Int4Group128) % 8 == 0 && offsetof(Int4Group128, q) == 8,
@@ -298,6 +296,9 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
   absl::StatusOr<Buffer> buffer = Allocate(bytes);
   if (!buffer.ok()) return buffer.status();
   SHARDSERVE_RETURN_IF_NOT_OK(CopyToDevice(buffer->data(), stored, bytes));
+  // The scratch MatMul dequantizes this weight's rows into (above kGemvMaxRows rows of x), grown now,
+  // at load, so that no step allocates it and the worker can report it beside the plan.
+  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
   quantized_[buffer->data()] = QuantizedWeight{m, k, quant};
   *packed = Tensor(buffer->data(), DType::kI8, {m, k});
   packed->quant = quant;
@@ -406,14 +407,9 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
 
   // Dequantize a block of rows into the scratch, multiply it with cuBLAS into its columns of out.
   if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
-  const auto row_bytes = static_cast<size_t>(k) * DTypeSize(act_);
-  const size_t limit = options_.quantized_scratch_bytes > 0 ? options_.quantized_scratch_bytes : kDequantScratchBytes;
-  const int64_t block_rows = std::clamp<int64_t>(static_cast<int64_t>(limit / row_bytes), 1, m);
-  // A power of two up to `limit` (GrowDevice's doubling then stays within twice it), or one row.
-  size_t want = 64;
-  while (want < static_cast<size_t>(block_rows) * row_bytes && want < limit) want *= 2;
-  want = std::max(want, row_bytes);
-  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, want));
+  const int64_t block_rows = CudaDequantBlockRows(m, k, act_, DequantScratchLimit());
+  // Grown when w was stored (PackQuantizedWeight); a no-op here unless that failed half-way.
+  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
   const size_t out_elem = DTypeSize(out->dtype);
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
