@@ -1,15 +1,15 @@
 // The AVX-512 instance of the exact int4 products (int4_matmul.h), 16 lanes wide. Each group's 16
 // possible weight values, (j - zero) x scale for j in [0, 15] (DequantizeInt4Groups's, bit for
-// bit), are computed once into one register, and each nibble becomes its float by a lookup in it
-// (VPERMPS reads only an index's low 4 bits, so the low nibbles need no mask; the high ones a
-// shift): per 32 weights one zero-extending load, two lookups and one shift, where the 8-lane
-// instances spend a load, a mask, a shift and two conversions per 16. Every output is then
-// sum_j x_j w_j over the dequantized weights, in 16 lanes (lane l sums the inputs j = l mod 16 in
-// the order of k, one FMA each), the lanes added at the end: the dequantize-then-multiply
-// reference in another order of additions (no per-group x q and x sums, so no cancellation
-// between them), whatever the path:
-//   - fewer than kInt4PlaneMinRows input rows (decode): the weights looked up in registers, for one or
-//     two input rows at a time;
+// bit: one multiply of a row of kZeroTable), sit in one register, and each nibble becomes its
+// float by a lookup in it (VPERMPS reads only an index's low 4 bits, so the low nibbles need no
+// mask; the high ones a shift): per 32 weights one zero-extending load, two lookups and one shift,
+// where the 8-lane instances spend a load, a mask, a shift and two conversions per 16. Every
+// output is then sum_j x_j w_j over the dequantized weights, in 16 lanes (lane l sums the inputs
+// j = l mod 16 in the order of k, one FMA each), the lanes added at the end: the
+// dequantize-then-multiply reference in another order of additions (no per-group x q and x sums,
+// so no cancellation between them), whatever the path:
+//   - fewer than kPlaneMinRows input rows (decode, small batches): the weights looked up in
+//     registers, for up to three input rows at a time;
 //   - more: each group's R x 128 weights looked up once into a plane of floats, then two input
 //     rows at a time multiply it from L1.
 // Both paths run the same FMAs on the same values in the same order, so a row's result does not
@@ -30,12 +30,29 @@ namespace {
 
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: the low nibbles' values, then the high ones'
 constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
+// From this many input rows on, Int4ColumnsAvx512 looks each group up once into a plane
+// (PlaneTile); below, up to three input rows share each lookup in registers (Tile). Measured on the
+// bench model's stage (AMD EPYC, AVX-512, one thread): 8 rows 0.57 ms as Tile (3 + 3 + 2) against
+// 0.66 as PlaneTile, 12 about even, 16 and more PlaneTile's (docs/benchmarks.md).
+constexpr int64_t kPlaneMinRows = 9;
+
+// (j - z) for j in [0, 15], one row per zero point z a block can hold (a uint8: the quantizer
+// writes 0-15, a GPTQ v1 checkpoint up to 16, model/quantized_checkpoint.cc), exact small integers:
+// so a group's values cost one multiply, and any zero byte reads inside the table. 16 KB, of which
+// a model touches the rows of the zeros it has (64 bytes each).
+struct ZeroTable {
+  alignas(64) float v[256][16];
+  constexpr ZeroTable() : v() {
+    for (int z = 0; z < 256; ++z) {
+      for (int j = 0; j < 16; ++j) v[z][j] = static_cast<float>(j - z);
+    }
+  }
+};
+constexpr ZeroTable kZeroTable;
 
 // The group's 16 weight values: (j - zero) x scale, as DequantizeInt4Groups computes them.
 [[gnu::always_inline]] inline __m512 GroupValues(const Int4Group128& block) {
-  const __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i q = _mm512_sub_epi32(j, _mm512_set1_epi32(block.zero));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(block.scale));
+  return _mm512_mul_ps(_mm512_load_ps(kZeroTable.v[block.zero]), _mm512_set1_ps(block.scale));
 }
 
 // Bytes [16 c, 16 c + 16) of the block as the weights 16 c + l (low nibbles) and 64 + 16 c + l
@@ -178,7 +195,7 @@ void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k
                        const float* bias, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
-    if (n >= kInt4PlaneMinRows) {
+    if (n >= kPlaneMinRows) {
       for (int64_t i = 0; i < n; i += kInt4PlaneRows) {
         const int64_t count = std::min(kInt4PlaneRows, n - i);
         WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
@@ -187,11 +204,18 @@ void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k
       }
       continue;
     }
+    // Three input rows at a time (24 sums: AVX-512's 32 registers), then two, then one.
     int64_t i = 0;
-    for (; i + 2 <= n; i += 2) {
+    for (; i + 3 <= n; i += 3) {
+      WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
+        Tile<R, 3>(y, x, i, m, k, blocks, bias, r);
+      });
+    }
+    if (i + 2 <= n) {
       WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
         Tile<R, 2>(y, x, i, m, k, blocks, bias, r);
       });
+      i += 2;
     }
     if (i < n) {
       WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
