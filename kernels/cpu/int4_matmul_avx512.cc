@@ -31,10 +31,14 @@ namespace {
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: the low nibbles' values, then the high ones'
 constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
 // From this many input rows on, Int4ColumnsAvx512 looks each group up once into a plane
-// (PlaneTile); below, up to three input rows share each lookup in registers (Tile). Measured on the
-// bench model's stage (AMD EPYC, AVX-512, one thread): 8 rows 0.57 ms as Tile (3 + 3 + 2) against
-// 0.66 as PlaneTile, 12 about even, 16 and more PlaneTile's (docs/benchmarks.md).
+// (PlaneTile); below, up to three input rows share each lookup in registers (Tile). Measured on
+// one layer of the bench stage (AMD EPYC, AVX-512, one thread): 8 rows 0.57 ms as Tile
+// (3 + 3 + 2) against 0.66 as PlaneTile, 12 about even, PlaneTile ahead from 16.
 constexpr int64_t kPlaneMinRows = 9;
+// Input rows per PlaneTile pass, their sums waiting on the stack while the groups go by (16 KB of
+// them): each group's lookup is shared by twice the 8-lane instances' kInt4PlaneRows (32 rows: 2.01
+// ms against 2.16 with 16, one layer of the bench stage).
+constexpr int64_t kPlaneRows = 32;
 
 // (j - z) for j in [0, 15], one row per zero point z a block can hold (a uint8: the quantizer
 // writes 0-15, a GPTQ v1 checkpoint up to 16, model/quantized_checkpoint.cc), exact small integers:
@@ -136,7 +140,7 @@ template <int R, int I>
 // One group g of PlaneTile: the R rows' weights into `plane`, then each input row's sums, two rows
 // at a time (each plane vector loaded once for both).
 template <int R, bool kFull>
-[[gnu::always_inline]] inline void PlaneGroup(__m512 (&acc)[kInt4PlaneRows][R], __m512 (&plane)[R][2 * kChunks],
+[[gnu::always_inline]] inline void PlaneGroup(__m512 (&acc)[kPlaneRows][R], __m512 (&plane)[R][2 * kChunks],
                                               const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
                                               const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g) {
   const int64_t size = std::min(kInt4GroupSize, k - g * kInt4GroupSize);
@@ -170,7 +174,7 @@ template <int R, bool kFull>
   }
 }
 
-// Input rows [i, i + count) (count <= kInt4PlaneRows) x columns [r, r + R): Tile's sums, operation for
+// Input rows [i, i + count) (count <= kPlaneRows) x columns [r, r + R): Tile's sums, operation for
 // operation, each group's weights looked up once for all the input rows.
 template <int R>
 [[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
@@ -178,7 +182,7 @@ template <int R>
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
   const int64_t whole = k / kInt4GroupSize;
   __m512 plane[R][2 * kChunks];
-  __m512 acc[kInt4PlaneRows][R];
+  __m512 acc[kPlaneRows][R];
   for (int64_t a = 0; a < count; ++a) {
     for (int b = 0; b < R; ++b) acc[a][b] = _mm512_setzero_ps();
   }
@@ -196,8 +200,8 @@ void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
     if (n >= kPlaneMinRows) {
-      for (int64_t i = 0; i < n; i += kInt4PlaneRows) {
-        const int64_t count = std::min(kInt4PlaneRows, n - i);
+      for (int64_t i = 0; i < n; i += kPlaneRows) {
+        const int64_t count = std::min(kPlaneRows, n - i);
         WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
           PlaneTile<R>(y, x, i, count, m, k, blocks, bias, r);
         });
