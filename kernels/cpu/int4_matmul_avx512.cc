@@ -5,7 +5,7 @@
 // mask; the high ones a shift): per 32 weights one zero-extending load, two lookups and one shift,
 // where the 8-lane instances spend a load, a mask, a shift and two conversions per 16. Every
 // output is then sum_j x_j w_j over the dequantized weights, in 16 lanes (lane l sums the inputs
-// j = l mod 16 in the order of k, one FMA each), the lanes added at the end: the
+// j = l mod 16, group by group, one FMA each, AddGroup's order), the lanes added at the end: the
 // dequantize-then-multiply reference in another order of additions (no per-group x q and x sums,
 // so no cancellation between them), whatever the path:
 //   - fewer than kPlaneMinRows input rows (decode, small batches): the weights looked up in
