@@ -5,6 +5,13 @@
 // scale x (sum(x q) - zero x sum(x)) to the output's accumulator: the zero point costs one multiply
 // per group, not one per weight.
 //
+// That is the 8-lane instances' way (baseline x86-64, AVX2). The AVX-512 instance
+// (int4_matmul_avx512.cc) looks each nibble up among its group's 16 dequantized values instead and
+// sums x x w over the dequantized weights in 16 lanes: fewer instructions per weight, and
+// DequantizeInt4Groups's weights bit for bit (only the order of the additions differs from the
+// reference, and FMA's single rounding). The instances' results
+// differ from each other by float32 rounding; each is held to the reference (QuantIsaTest).
+//
 // Each output y[i][r] is one fixed sequence of operations over k whatever the other rows of x, so a
 // sequence's results do not depend on what else shares its step (as int8_matmul.h's products).
 //
@@ -21,9 +28,9 @@ namespace shardserve::cpu {
 
 // y [n, m] = x [n, k] @ w^T (+ bias [m], may be null), w [m, k] stored as `blocks`
 // [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default),
-// with `isa`'s instance (which the CPU must support; kAvx512's is AVX2's 8-lane code with two input
-// rows per pass over an unpacked group, int4_matmul_avx512.cc; kAvx512Vnni's multiplies int8-rounded
-// activations in integers, inexact, int4_matmul_vnni.cc).
+// with `isa`'s instance (which the CPU must support; kAvx512's is the 16-lane lookup above,
+// int4_matmul_avx512.cc; kAvx512Vnni's multiplies int8-rounded activations in integers, inexact,
+// int4_matmul_vnni.cc).
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                 const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
 

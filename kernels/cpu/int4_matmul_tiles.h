@@ -1,7 +1,8 @@
 // The tiles of the CPU's int4 products (int4_matmul.h), as templates over how 8 packed bytes become
 // two 8-float vectors (`Unpack::Load(const uint8_t*, Vec8* low, Vec8* high)`: the low nibbles, then
-// the high ones), instantiated once per instruction set: int4_matmul.cc (baseline x86-64),
-// int4_matmul_avx2.cc (AVX2 + FMA) and int4_matmul_avx512.cc (AVX-512, UnpackAvx2 below too).
+// the high ones), instantiated once per 8-lane instruction set: int4_matmul.cc (baseline x86-64)
+// and int4_matmul_avx2.cc (AVX2 + FMA). The AVX-512 instance is its own 16-lane code
+// (int4_matmul_avx512.cc), sharing only the declarations, kInt4TileRows and PrefetchInt4Group.
 // Internal to those files; everything here has internal linkage, so the instances cannot mix.
 #ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 #define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
@@ -45,8 +46,7 @@ namespace {
 
 #if defined(__AVX2__)
 // 8 packed bytes as 16 floats: zero-extend each byte to int32, then its low nibble and its high
-// nibble (a shift: the byte is below 256), each converted exactly. For the files compiled with AVX2
-// (AVX-512's too: its instance keeps the 8-lane code, kPairs below).
+// nibble (a shift: the byte is below 256), each converted exactly. For the file compiled with AVX2.
 struct UnpackAvx2 {
   [[gnu::always_inline]] static inline void Load(const uint8_t* p, Vec8* lo, Vec8* hi) {
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -130,7 +130,7 @@ inline constexpr int64_t kInt4PlaneMinRows = 4;
 
 // One group g of PlaneTile: unpack the R rows' values into `plane`, then every input row's sums.
 // kFull: size == 128 (fixed-size loads), as Group.
-template <class Unpack, int R, bool kFull, bool kPairs>
+template <class Unpack, int R, bool kFull>
 [[gnu::always_inline]] inline void PlaneGroup(Vec8 (&acc)[kInt4PlaneRows][R], float (&plane)[R][kInt4GroupSize],
                                               const float* x, int64_t i, int64_t count, int64_t k,
                                               const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g,
@@ -144,41 +144,7 @@ template <class Unpack, int R, bool kFull, bool kPairs>
       StoreVec(plane[b] + kHalf + c, hi);
     }
   }
-  int64_t a = 0;
-  // kPairs: two input rows per pass over the plane (each plane vector loaded once for both: 16
-  // sums, which need AVX-512's 32 registers); each row's sums are the same operations either way.
-  if constexpr (kPairs) {
-    for (; a + 2 <= count; a += 2) {
-      const float* row0 = x + (i + a) * k + g * kInt4GroupSize;
-      const float* row1 = row0 + k;
-      Vec8 part0[R] = {}, part1[R] = {};
-      Vec8 xsum0 = {}, xsum1 = {};
-      for (int64_t c = 0; c < kHalf; c += kVecLanes) {
-        const Vec8 xlo0 = kFull ? LoadVec(row0 + c) : LoadVec(row0 + c, size - c);
-        const Vec8 xhi0 = kFull ? LoadVec(row0 + kHalf + c)
-                                : (size > kHalf + c ? LoadVec(row0 + kHalf + c, size - kHalf - c) : Vec8{});
-        const Vec8 xlo1 = kFull ? LoadVec(row1 + c) : LoadVec(row1 + c, size - c);
-        const Vec8 xhi1 = kFull ? LoadVec(row1 + kHalf + c)
-                                : (size > kHalf + c ? LoadVec(row1 + kHalf + c, size - kHalf - c) : Vec8{});
-        xsum0 += xlo0 + xhi0;
-        xsum1 += xlo1 + xhi1;
-        for (int b = 0; b < R; ++b) {
-          const Vec8 plo = LoadVec(plane[b] + c), phi = LoadVec(plane[b] + kHalf + c);
-          part0[b] += xlo0 * plo;
-          part0[b] += xhi0 * phi;
-          part1[b] += xlo1 * plo;
-          part1[b] += xhi1 * phi;
-        }
-      }
-      for (int b = 0; b < R; ++b) {
-        const Int4Group128& block = blocks[(r + b) * groups + g];
-        const float s = block.scale, sz = block.scale * static_cast<float>(block.zero);
-        acc[a][b] += part0[b] * s - xsum0 * sz;
-        acc[a + 1][b] += part1[b] * s - xsum1 * sz;
-      }
-    }
-  }
-  for (; a < count; ++a) {
+  for (int64_t a = 0; a < count; ++a) {
     const float* row = x + (i + a) * k + g * kInt4GroupSize;
     Vec8 part[R] = {};
     Vec8 xsum = {};
@@ -204,7 +170,7 @@ template <class Unpack, int R, bool kFull, bool kPairs>
 // operation for operation (so a row's result does not depend on which path its batch took): each
 // group's R x 128 values are unpacked once into a plane of floats, then every input row
 // multiplies them from L1.
-template <class Unpack, int R, bool kPairs>
+template <class Unpack, int R>
 [[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
                                              const Int4Group128* blocks, const float* bias, int64_t r) {
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
@@ -212,10 +178,10 @@ template <class Unpack, int R, bool kPairs>
   alignas(32) float plane[R][kInt4GroupSize];
   Vec8 acc[kInt4PlaneRows][R] = {};
   for (int64_t g = 0; g < whole; ++g) {
-    PlaneGroup<Unpack, R, true, kPairs>(acc, plane, x, i, count, k, blocks, groups, r, g, kInt4GroupSize);
+    PlaneGroup<Unpack, R, true>(acc, plane, x, i, count, k, blocks, groups, r, g, kInt4GroupSize);
   }
   if (whole < groups) {
-    PlaneGroup<Unpack, R, false, kPairs>(acc, plane, x, i, count, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
+    PlaneGroup<Unpack, R, false>(acc, plane, x, i, count, k, blocks, groups, r, whole, k - whole * kInt4GroupSize);
   }
   for (int64_t a = 0; a < count; ++a) {
     for (int b = 0; b < R; ++b) {
@@ -225,28 +191,27 @@ template <class Unpack, int R, bool kPairs>
   }
 }
 
-template <class Unpack, bool kPairs>
+template <class Unpack>
 [[gnu::always_inline]] inline void PlaneTileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t count,
                                                int64_t m, int64_t k, const Int4Group128* blocks, const float* bias,
                                                int64_t r) {
   WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-    PlaneTile<Unpack, R, kPairs>(y, x, i, count, m, k, blocks, bias, r);
+    PlaneTile<Unpack, R>(y, x, i, count, m, k, blocks, bias, r);
   });
 }
 
 // Output columns [r0, r1) of every row of y, kInt4TileRows weight rows at a time (their blocks stay
 // in L1 while the input rows stream past). Fewer than kInt4PlaneMinRows input rows (decode): input
 // rows in pairs (4 weight rows x 2 inputs), a last single one 8 weight rows at a time, unpacking
-// in registers; more: PlaneTile, kInt4PlaneRows input rows a pass (kPairs: two at a time over
-// each plane, for instances with 32 vector registers).
-template <class Unpack, bool kPairs = false>
+// in registers; more: PlaneTile, kInt4PlaneRows input rows a pass.
+template <class Unpack>
 [[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                            const Int4Group128* blocks, const float* bias, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
     if (n >= kInt4PlaneMinRows) {
       for (int64_t i = 0; i < n; i += kInt4PlaneRows) {
-        PlaneTileOf<Unpack, kPairs>(rows, y, x, i, std::min(kInt4PlaneRows, n - i), m, k, blocks, bias, r);
+        PlaneTileOf<Unpack>(rows, y, x, i, std::min(kInt4PlaneRows, n - i), m, k, blocks, bias, r);
       }
       continue;
     }
