@@ -469,11 +469,12 @@ TEST_P(CpuProductsTest, MatMulRowsDoNotDependOnTheBatch) {
 }
 
 // The float32 panels' two tile families (kernels/cpu/panel_matmul.h): the AVX-512 tiles (from 4
-// rows, one zmm per panel per row, 2 to 4 panels at a time) give bitwise what the 8-float ones
-// give, on the same inputs, for every row count 1..64 (every tile shape and split of rows into
-// tiles, with and without the one-thread prefetch), by a packed and a plain w, bias or not, at
-// shapes off every tile (m not a multiple of 16 nor of a group of panels, k odd, k = 1), and write
-// nothing past y. Skipped (and reported so) where the CPU has no AVX-512.
+// rows, one zmm per panel per row, 2 to 4 panels at a time; and up to 3 rows by a plain w, read
+// as it is, 16 x 16 blocks transposed in registers) give bitwise what the 8-float ones give, on
+// the same inputs, for every row count 1..64 (every tile shape and split of rows into tiles, with
+// and without the one-thread prefetch), by a packed and a plain w, bias or not, at shapes off every
+// tile (m not a multiple of 16 nor of a group of panels, k odd, k = 1, k not whole 16 x 16
+// blocks), and write nothing past y. Skipped (and reported so) where the CPU has no AVX-512.
 TEST(PanelTilesTest, Avx512TilesGiveTheVec8TilesResultsBitwise) {
   if (!cpu::PanelTilesSupported(cpu::PanelTiles::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512F";
   std::mt19937 rng(41);

@@ -287,6 +287,16 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
     WideProduct(y, x, n, m, k, w, plain, bias, threads, scratch);
     return;
   }
+  if (wide && plain && n <= kPlainTileRows) {  // a plain w read as it is, kPlainPanels panels' rows at a time
+    const int64_t groups = (panels + kPlainPanels - 1) / kPlainPanels;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * kPlainPanels * kPanelCols;
+      PlainPanelsAvx512(y + c0, m, x, n, k, w + c0 * k, std::min(kPlainPanels * kPanelCols, m - c0),
+                        bias != nullptr ? bias + c0 : nullptr);
+    }
+    return;
+  }
   if (n <= kFewRows) {
     const int64_t per = PanelsPerTile(static_cast<int>(n)), groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

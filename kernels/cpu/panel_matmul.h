@@ -20,8 +20,9 @@
 // FMA latency (one panel's 2 per row would not); the chains are the same.
 //
 // From 4 rows, on CPUs with AVX-512F, the products run AVX-512 tiles (panel_matmul_avx512.h: one
-// zmm per panel per row, up to 14 rows x 2 panels at a time) instead of the 8-float ones: the same
-// chains, so bitwise the same results.
+// zmm per panel per row, up to 14 rows x 2 panels at a time) instead of the 8-float ones, and up to
+// 3 rows a plain w is multiplied as it is, with no scratch (16 x 16 blocks of it transposed in
+// registers, one panel's 16 rows of w at a time): the same chains, so bitwise the same results.
 //
 // Thread-safety: the products are reentrant; they run on `threads` OpenMP threads of the caller.
 // SetPanelTilesOverride is for tools and tests, before products run.

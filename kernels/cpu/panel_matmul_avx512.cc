@@ -84,7 +84,99 @@ void Group(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const fl
   }
 }
 
+// Floats ahead of each row's block that the plain tiles ask the cache for.
+constexpr int64_t kPlainAhead = 128;
+
+// The 16 x 16 block w[j0 + j][kk + i] (i, j < 16; rows j >= `rows` read as zeros), transposed:
+// col[i] = w[j0 .. j0 + 15][kk + i]. Four rounds of 16 shuffles: pairs of rows interleaved, then
+// pairs of pairs (column c's four rows of each quad in lane c / 4, element c % 4), then the 128-bit
+// lanes gathered twice.
+[[gnu::always_inline]] inline void Transpose16x16(__m512 col[16], const float* w, int64_t k, int64_t kk, int rows) {
+  __m512 a[16], b[16];
+  for (int j = 0; j < 16; ++j) {
+    if (j < rows) _mm_prefetch(reinterpret_cast<const char*>(w + j * k + kk + kPlainAhead), _MM_HINT_T0);
+    a[j] = j < rows ? _mm512_loadu_ps(w + j * k + kk) : _mm512_setzero_ps();
+  }
+  for (int j = 0; j < 16; j += 2) {
+    b[j] = _mm512_unpacklo_ps(a[j], a[j + 1]);
+    b[j + 1] = _mm512_unpackhi_ps(a[j], a[j + 1]);
+  }
+  // quad q (rows 4q .. 4q + 3), element e of each lane: a[4q + e]
+  for (int q = 0; q < 4; ++q) {
+    const __m512d lo0 = _mm512_castps_pd(b[4 * q]), hi0 = _mm512_castps_pd(b[4 * q + 1]);
+    const __m512d lo1 = _mm512_castps_pd(b[4 * q + 2]), hi1 = _mm512_castps_pd(b[4 * q + 3]);
+    a[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+    a[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+    a[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+    a[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+  }
+  for (int e = 0; e < 4; ++e) {
+    // rows 0-7: lanes 0, 2 (columns e, 8 + e) and 1, 3 (4 + e, 12 + e); then rows 8-15
+    const __m512 even_lo = _mm512_shuffle_f32x4(a[e], a[4 + e], 0x88), odd_lo = _mm512_shuffle_f32x4(a[e], a[4 + e], 0xdd);
+    const __m512 even_hi = _mm512_shuffle_f32x4(a[8 + e], a[12 + e], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(a[8 + e], a[12 + e], 0xdd);
+    col[e] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    col[8 + e] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xdd);
+    col[4 + e] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    col[12 + e] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xdd);
+  }
+}
+
+// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ w [cols, k]^T (+ bias), cols <= 16 P
+// rows of a plain (row-major) w at `w`, P panels' worth read straight from it: blocks of 16 x 16
+// transposed in registers, then the same FMA chains as a packed panel's tiles (k in order); the
+// last k % 16 inputs column by column (a gather each).
+template <int R, int P>
+[[gnu::always_inline]] inline void PlainTile(float* y, int64_t ldy, const float* x, int64_t k, const float* w,
+                                             int64_t cols, const float* bias) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  }
+  int rows[P];
+  for (int q = 0; q < P; ++q) rows[q] = static_cast<int>(std::clamp<int64_t>(cols - q * kPanelCols, 0, kPanelCols));
+  int64_t kk = 0;
+  for (; kk + kPanelCols <= k; kk += kPanelCols) {
+    for (int q = 0; q < P; ++q) {
+      __m512 col[16];
+      Transpose16x16(col, w + q * kPanelCols * k, k, kk, rows[q]);
+      for (int i = 0; i < 16; ++i) {
+        for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(col[i], _mm512_set1_ps(x[r * k + kk + i]), acc[r][q]);
+      }
+    }
+  }
+  if (kk < k) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(k)));
+    for (; kk < k; ++kk) {
+      for (int q = 0; q < P; ++q) {
+        const __mmask16 mask = static_cast<__mmask16>((1u << rows[q]) - 1);
+        const __m512 c = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, at, w + q * kPanelCols * k + kk, 4);
+        for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * k + kk]), acc[r][q]);
+      }
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows[q]) - 1);
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + q * kPanelCols) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], add) : acc[r][q];
+      _mm512_mask_storeu_ps(y + r * ldy + q * kPanelCols, mask, v);
+    }
+  }
+}
+
 }  // namespace
+
+void PlainPanelsAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* w, int64_t cols,
+                       const float* bias) {
+  const int64_t have = (cols + kPanelCols - 1) / kPanelCols;
+  WithTileRows<kPlainTileRows>(n, [&](auto R) __attribute__((always_inline)) {
+    WithTileRows<kPlainPanels>(have, [&](auto Q) __attribute__((always_inline)) {
+      PlainTile<R(), Q()>(y, ldy, x, k, w, cols, bias);
+    });
+  });
+}
 
 void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* panel, int64_t have,
                       int64_t cols, const float* bias, const float* next, int64_t next_have) {

@@ -40,6 +40,21 @@ constexpr int64_t WidePanelsPerGroup(int64_t n) {
 void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* panel, int64_t have,
                       int64_t cols, const float* bias, const float* next, int64_t next_have);
 
+// Up to this many rows, a plain w's products (a tied LM head's, panel_matmul.h) run
+// PlainPanelsAvx512, reading w itself, kPlainPanels panels' rows at a time: one panel's 16 rows
+// (each asked for 128 floats ahead), as bench_matmul measured ("f32 plain w", AMD EPYC, shared
+// machine, minima): 1 and 2 rows on one thread 2.05-2.14 ms against 2.59-2.83 for the 8-float
+// tiles on a per-thread packed copy; 2 panels' 32 rows at a time, no prefetch, 2.85-3.39, slower.
+inline constexpr int64_t kPlainTileRows = 3;
+inline constexpr int64_t kPlainPanels = 1;
+
+// y [n, cols] (row stride ldy) = x [n, k] (row stride k) @ w [cols, k]^T (+ bias [cols]): cols <=
+// 16 kPlainPanels rows of a plain, row-major w (row stride k), multiplied as PackPanels would pack
+// them (the same chains, bitwise), with no copy: 16 x 16 blocks transposed in registers. n <=
+// kPlainTileRows; n, k >= 1.
+void PlainPanelsAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* w, int64_t cols,
+                       const float* bias);
+
 }  // namespace shardserve::cpu
 
 #endif  // SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_AVX512_H_
