@@ -43,8 +43,9 @@ void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t 
 // Up to this many rows, a plain w's products (a tied LM head's, panel_matmul.h) run
 // PlainPanelsAvx512, reading w itself, kPlainPanels panels' rows at a time: one panel's 16 rows
 // (each asked for 128 floats ahead), as bench_matmul measured ("f32 plain w", AMD EPYC, shared
-// machine, minima): 1 and 2 rows on one thread 2.05-2.14 ms against 2.59-2.83 for the 8-float
-// tiles on a per-thread packed copy; 2 panels' 32 rows at a time, no prefetch, 2.85-3.39, slower.
+// machine, minima): 1 and 2 rows on one thread 2.04-2.14 ms against 2.59-3.17 for the 8-float
+// tiles on a per-thread packed copy; 2 panels' 32 rows at a time, no prefetch, 2.85-3.39, slower;
+// 16 rows with no prefetch 2.27-2.56 (docs/benchmarks.md).
 inline constexpr int64_t kPlainTileRows = 3;
 inline constexpr int64_t kPlainPanels = 1;
 
