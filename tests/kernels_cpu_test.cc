@@ -33,6 +33,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
+#include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/sampling.h"
@@ -460,6 +461,51 @@ TEST_P(CpuProductsTest, MatMulRowsDoNotDependOnTheBatch) {
                 << "rows " << first << ".." << first + n << " alone differ from the same rows in a batch of " << rows
                 << " (" << layout << " w [" << m << ", " << k << "], " << threads << " threads, "
                 << (bf16() ? "bf16" : "f32") << " products)";
+          }
+        }
+      }
+    }
+  }
+}
+
+// The float32 panels' two tile families (kernels/cpu/panel_matmul.h): the AVX-512 tiles (from 4
+// rows, one zmm per panel per row, 2 to 4 panels at a time; and up to 3 rows by a plain w, read
+// as it is, 16 x 16 blocks transposed in registers) give bitwise what the 8-float ones give, on
+// the same inputs, for every row count 1..64 (every tile shape and split of rows into tiles, with
+// and without the one-thread prefetch), by a packed and a plain w, bias or not, at shapes off every
+// tile (m not a multiple of 16 nor of a group of panels, k odd, k = 1, k not whole 16 x 16
+// blocks), and write nothing past y. Skipped (and reported so) where the CPU has no AVX-512.
+TEST(PanelTilesTest, Avx512TilesGiveTheVec8TilesResultsBitwise) {
+  if (!cpu::PanelTilesSupported(cpu::PanelTiles::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512F";
+  std::mt19937 rng(41);
+  constexpr size_t kGuard = 64;
+  constexpr float kSentinel = -12345.0f;
+  std::vector<float> scratch;
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{37, 131}, {100, 1}, {16, 7}, {300, 64}, {5, 33}}) {
+    const std::vector<float> w = Random(rng, m * k), b = Random(rng, m), x = Random(rng, 64 * k);
+    std::vector<float> packed(cpu::PanelMatMulFloats(m, k));
+    cpu::PackPanels(packed.data(), w.data(), m, k);
+    for (int threads : {1, 2}) {
+      for (bool plain : {false, true}) {
+        for (bool bias : {false, true}) {
+          for (int64_t n = 1; n <= 64; ++n) {
+            std::vector<float> got[2];
+            for (cpu::PanelTiles tiles : {cpu::PanelTiles::kVec8, cpu::PanelTiles::kAvx512}) {
+              std::vector<float>& y = got[static_cast<int>(tiles)];
+              y.assign(n * m + kGuard, kSentinel);
+              cpu::SetPanelTilesOverride(tiles);
+              cpu::PanelMatMul(y.data(), x.data(), n, m, k, plain ? w.data() : packed.data(), plain,
+                               bias ? b.data() : nullptr, threads, &scratch);
+            }
+            cpu::SetPanelTilesOverride(std::nullopt);
+            const std::string what = absl::StrCat("n=", n, " m=", m, " k=", k, plain ? " plain" : " packed",
+                                                  bias ? " +bias" : "", " threads=", threads);
+            EXPECT_TRUE(std::all_of(got[1].end() - kGuard, got[1].end(), [&](float v) { return v == kSentinel; }))
+                << what << ": the AVX-512 tiles wrote past y";
+            EXPECT_TRUE(std::none_of(got[1].begin(), got[1].end() - kGuard, [&](float v) { return v == kSentinel; }))
+                << what << ": the AVX-512 tiles left outputs unwritten";
+            EXPECT_EQ(std::memcmp(got[0].data(), got[1].data(), got[0].size() * sizeof(float)), 0)
+                << what << ": the AVX-512 tiles' products differ from the 8-float tiles'";
           }
         }
       }

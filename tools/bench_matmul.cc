@@ -7,10 +7,11 @@
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
 // quantized: kernels/cpu/quant_isa.h), over the weights of one
 // pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
-// LM head is), side by side in one run: for each row count, all of them alternate `--repeat`
-// times and the medians are reported (and the minimum, "min ms", and the mean CPU time of this
-// process per run, "cpu ms": on a machine shared with other work, the least disturbed run and the
-// time the product itself spent on the cores), with the weight bytes per second each product reads (4 per
+// LM head is; and, where the CPU has AVX-512, the float32 panels' 8-float tiles, "f32 vec8 tiles",
+// beside the AVX-512 ones the backend runs from 4 rows), side by side in one run: for each row
+// count, all of them alternate `--repeat` times and the medians are reported (and the minimum,
+// "min ms", and the mean CPU time of this process per run, "cpu ms": on a machine shared with other
+// work, the least disturbed run and the time the product itself spent on the cores), with the weight bytes per second each product reads (4 per
 // parameter for float32, 2 for bf16, 1 for int8 and fp8, 72 / 128 for int4), and whether each one's rows
 // equal the same rows of a 256-row product (bitwise), the property continuous batching needs.
 // oneDNN runs on --threads OpenMP threads, as ours (its CPU time / wall time is printed to show it).
@@ -40,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
@@ -54,6 +56,7 @@ using shardserve::Buffer;
 using shardserve::DType;
 using shardserve::Tensor;
 using shardserve::cli::Percentile;
+using shardserve::cpu::PanelTiles;
 
 // A matmul primitive descriptor in oneDNN 2's API (Debian 12) or 3's (no op descriptors).
 dnnl::matmul::primitive_desc MatMulDesc(const dnnl::engine& engine, const dnnl::memory::desc& src,
@@ -148,10 +151,15 @@ int main(int argc, char** argv) {
     double bytes_per_param;
     // bf16 ones only: Bf16BlockedRows's override (0: oneDNN at every row count; nullopt: the backend's choice).
     std::optional<int64_t> bf16_rows = std::nullopt;
+    // float32 ones only: the panels' tiles (nullopt: the backend's choice; kernels/cpu/panel_matmul.h).
+    std::optional<PanelTiles> tiles = std::nullopt;
   };
   std::vector<Kernel> kernels = {{"f32 panels", WeightQuant::kNone, std::nullopt, 4},
                                  {"f32 plain w", WeightQuant::kNone, std::nullopt, 4},
                                  {"f32 oneDNN", WeightQuant::kNone, std::nullopt, 4}};
+  if (shardserve::cpu::PanelTilesSupported(PanelTiles::kAvx512)) {  // the 8-float tiles beside the AVX-512 ones
+    kernels.insert(kernels.begin() + 1, {"f32 vec8 tiles", WeightQuant::kNone, std::nullopt, 4, std::nullopt, PanelTiles::kVec8});
+  }
   if (bf16) {
     kernels.push_back({"bf16 oneDNN", WeightQuant::kNone, std::nullopt, 2, 0});
     kernels.push_back({"bf16", WeightQuant::kNone, std::nullopt, 2, std::nullopt});
@@ -209,6 +217,7 @@ int main(int argc, char** argv) {
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);
+    shardserve::cpu::SetPanelTilesOverride(kernel.tiles);
     const bool is_bf16 = kernel.name.rfind("bf16", 0) == 0;
     if (is_bf16) shardserve::cpu::SetBf16BlockedRowsOverride(kernel.bf16_rows);
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});

@@ -50,6 +50,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -181,7 +182,9 @@ class CpuBackend final : public Backend {
                                                     CpuHasAvx512Bf16()
                                                         ? absl::StrCat(", up to ", Bf16BlockedRows(), " rows on avx512-bf16")
                                                         : "")
-                                     : "f32 products";
+                                     : absl::StrCat("f32 products", ActivePanelTiles() == PanelTiles::kAvx512
+                                                                        ? ", avx512 tiles from 4 rows"
+                                                                        : "");
     return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(act_), ", ", threads_, " threads)");
   }
 

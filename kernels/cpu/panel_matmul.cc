@@ -3,10 +3,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
+#include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
 #include "kernels/cpu/vec.h"
 
@@ -235,12 +238,65 @@ constexpr int64_t kPanelsAtATime = 2;
 // thread claims one tile, PanelsPerTile panels, at a time).
 constexpr int64_t kFewRows = 3;
 
+// From this many rows, products run the AVX-512 tiles (panel_matmul_avx512.h) where the CPU has them.
+constexpr int64_t kWideMinRows = kFewRows + 1;
+
+// PanelMatMulImpl's products by the AVX-512 tiles: groups of WidePanelsPerGroup(n) panels (a
+// plain w's packed into this thread's scratch first), a thread claiming one group at a time; with
+// the prefetch as the 8-float tiles' (kPrefetchMinRows to kPrefetchMaxRows rows, one thread).
+// Cloned, not inlined into PanelMatMulImpl: GCC outlines an OpenMP loop's body before it inlines,
+// with the target of the function the loop is written in (so a plain w's packing, inlined into it,
+// is compiled for AVX-512 in the AVX-512 clone, not for baseline x86-64: 4x slower).
+SHARDSERVE_VECTOR_CLONES
+void WideProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
+                 const float* bias, int threads, float* scratch) {
+  const int64_t panels = Panels(m), per = WidePanelsPerGroup(n), groups = (panels + per - 1) / per;
+  const int64_t group_floats = per * k * kPanelCols;
+  const auto group = [&](int64_t g, const float* panel, const float* next, int64_t next_have) {
+    const int64_t p = g * per, have = std::min(per, panels - p), c0 = p * kPanelCols;
+    PanelGroupAvx512(y + c0, m, x, n, k, panel, have, std::min(per * kPanelCols, m - c0),
+                     bias != nullptr ? bias + c0 : nullptr, next, next_have);
+  };
+  if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const bool last = g + 1 == groups;
+      group(g, w + g * group_floats, last ? nullptr : w + (g + 1) * group_floats,
+            last ? 0 : std::min(per, panels - (g + 1) * per));
+    }
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* panel = w + g * group_floats;
+    if (plain) {
+      float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
+      for (int64_t q = 0; q < std::min(per, panels - g * per); ++q) PackPanel(own + q * k * kPanelCols, w, m, k, g * per + q);
+      panel = own;
+    }
+    group(g, panel, nullptr, 0);
+  }
+}
+
 SHARDSERVE_VECTOR_CLONES
 void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
-                     const float* bias, int threads, float* scratch) {
+                     const float* bias, int threads, float* scratch, bool wide) {
   const int64_t panels = Panels(m);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
+  if (wide && n >= kWideMinRows) {
+    WideProduct(y, x, n, m, k, w, plain, bias, threads, scratch);
+    return;
+  }
+  if (wide && plain && n <= kPlainTileRows) {  // a plain w read as it is, kPlainPanels panels' rows at a time
+    const int64_t groups = (panels + kPlainPanels - 1) / kPlainPanels;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * kPlainPanels * kPanelCols;
+      PlainPanelsAvx512(y + c0, m, x, n, k, w + c0 * k, std::min(kPlainPanels * kPanelCols, m - c0),
+                        bias != nullptr ? bias + c0 : nullptr);
+    }
+    return;
+  }
   if (n <= kFewRows) {
     const int64_t per = PanelsPerTile(static_cast<int>(n)), groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -265,7 +321,28 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
   for (int64_t p = 0; p < panels; ++p) PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p);
 }
 
+// The override of ActivePanelTiles: -1 none, else a PanelTiles.
+std::atomic<int> g_tiles_override{-1};
+
 }  // namespace
+
+bool PanelTilesSupported(PanelTiles tiles) {
+  if (tiles == PanelTiles::kVec8) return true;
+  __builtin_cpu_init();
+  // libgcc's answer includes the OS's: AVX-512 only where XCR0 enables the zmm state.
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+}
+
+PanelTiles ActivePanelTiles() {
+  const int o = g_tiles_override.load(std::memory_order_relaxed);
+  if (o >= 0) return static_cast<PanelTiles>(o);
+  static const PanelTiles best = PanelTilesSupported(PanelTiles::kAvx512) ? PanelTiles::kAvx512 : PanelTiles::kVec8;
+  return best;
+}
+
+void SetPanelTilesOverride(std::optional<PanelTiles> tiles) {
+  g_tiles_override.store(tiles.has_value() ? static_cast<int>(*tiles) : -1, std::memory_order_relaxed);
+}
 
 int64_t PanelMatMulFloats(int64_t m, int64_t k) { return Panels(m) * k * kPanelCols; }
 
@@ -279,7 +356,8 @@ void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
     const auto need = static_cast<size_t>(threads * kFewRowsPanels * k * kPanelCols);
     if (scratch->size() < need) scratch->resize(need);
   }
-  PanelMatMulImpl(y, x, n, m, k, w, plain, bias, threads, plain ? scratch->data() : nullptr);
+  PanelMatMulImpl(y, x, n, m, k, w, plain, bias, threads, plain ? scratch->data() : nullptr,
+                  ActivePanelTiles() == PanelTiles::kAvx512);
 }
 
 }  // namespace shardserve::cpu

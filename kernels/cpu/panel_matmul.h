@@ -19,16 +19,23 @@
 // rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to 12 chains hide the
 // FMA latency (one panel's 2 per row would not); the chains are the same.
 //
-// Thread-safety: the functions are reentrant; they run on `threads` OpenMP threads of the caller.
+// From 4 rows, on CPUs with AVX-512F, the products run AVX-512 tiles (panel_matmul_avx512.h: one
+// zmm per panel per row, up to 14 rows x 2 panels at a time) instead of the 8-float ones, and up to
+// 3 rows a plain w is multiplied as it is, with no scratch (16 x 16 blocks of it transposed in
+// registers, one panel's 16 rows of w at a time): the same chains, so bitwise the same results.
+//
+// Thread-safety: the products are reentrant; they run on `threads` OpenMP threads of the caller.
+// SetPanelTilesOverride is for tools and tests, before products run.
 #ifndef SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
 #define SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace shardserve::cpu {
 
-// Output columns per panel: two 8-float vectors (AVX2 registers) per tile row.
+// Output columns per panel: two 8-float vectors (AVX2 registers) per tile row, or one AVX-512 one.
 inline constexpr int64_t kPanelCols = 16;
 
 // Floats a packed w [m, k] takes: ceil(m / 16) panels of k x 16.
@@ -42,6 +49,17 @@ void PackPanels(float* packed, const float* w, int64_t m, int64_t k);
 // `scratch`, grown to threads x 4 x k x 16 floats). y must not overlap the inputs. n, m, k >= 1.
 void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                  const float* bias, int threads, std::vector<float>* scratch);
+
+// Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
+// ones (kAvx512, CPUs with AVX-512F and FMA).
+enum class PanelTiles : uint8_t { kVec8 = 0, kAvx512 = 1 };
+// Whether this CPU (and its OS) runs `tiles`.
+bool PanelTilesSupported(PanelTiles tiles);
+// The tiles the products run: the override when one is set, else kAvx512 where supported.
+PanelTiles ActivePanelTiles();
+// Makes ActivePanelTiles return `tiles` (which must be supported; nullopt: back to the CPU's best).
+// For tests and bench_matmul's side-by-side runs.
+void SetPanelTilesOverride(std::optional<PanelTiles> tiles);
 
 }  // namespace shardserve::cpu
 

@@ -1,7 +1,8 @@
 // A tile's row count, known at run time, turned into the compile-time one the CPU kernels' tiles
 // take (so that their R x I sums stay in registers): one switch for the int8 / fp8 tiles
 // (int8_matmul_tiles.h), the int4 ones (int4_matmul_tiles.h), the VNNI ones (int8_matmul_vnni.cc,
-// int4_matmul_vnni.cc) and the float32 panels (panel_matmul.cc). The tiles themselves differ.
+// int4_matmul_vnni.cc) and the float32 panels (panel_matmul.cc, panel_matmul_avx512.cc). The tiles
+// themselves differ.
 //
 // Thread-safety: none needed (calls `tile` on the calling thread).
 #ifndef SHARDSERVE_KERNELS_CPU_TILE_ROWS_H_
@@ -21,8 +22,16 @@ namespace {
 // does, with no call in between.
 template <int kMaxRows, class Tile>
 [[gnu::always_inline]] inline void WithTileRows(int64_t rows, const Tile& tile) {
-  static_assert(1 <= kMaxRows && kMaxRows <= 8, "tiles of 1 to 8 rows");
+  static_assert(1 <= kMaxRows && kMaxRows <= 16, "tiles of 1 to 16 rows");
   switch (rows) {
+    case 16: if constexpr (kMaxRows >= 16) tile(std::integral_constant<int, 16>{}); break;
+    case 15: if constexpr (kMaxRows >= 15) tile(std::integral_constant<int, 15>{}); break;
+    case 14: if constexpr (kMaxRows >= 14) tile(std::integral_constant<int, 14>{}); break;
+    case 13: if constexpr (kMaxRows >= 13) tile(std::integral_constant<int, 13>{}); break;
+    case 12: if constexpr (kMaxRows >= 12) tile(std::integral_constant<int, 12>{}); break;
+    case 11: if constexpr (kMaxRows >= 11) tile(std::integral_constant<int, 11>{}); break;
+    case 10: if constexpr (kMaxRows >= 10) tile(std::integral_constant<int, 10>{}); break;
+    case 9: if constexpr (kMaxRows >= 9) tile(std::integral_constant<int, 9>{}); break;
     case 8: if constexpr (kMaxRows >= 8) tile(std::integral_constant<int, 8>{}); break;
     case 7: if constexpr (kMaxRows >= 7) tile(std::integral_constant<int, 7>{}); break;
     case 6: if constexpr (kMaxRows >= 6) tile(std::integral_constant<int, 6>{}); break;
