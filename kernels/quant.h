@@ -96,7 +96,8 @@ void DequantizeFp8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const ui
 // ---- int4, groups of 128 along the input, asymmetric ------------------------------------------
 // A weight w [m, k] is stored as m x ceil(k / 128) blocks, row by row (block [r][g] holds
 // w[r][128 g .. min(128 g + 128, k))), each an Int4Group128: a float32 scale s, an integer zero
-// point z in [0, 15], and 128 unsigned 4-bit values q in [0, 15], with
+// point z (in [0, 15] from the quantizer below; up to 16 from a GPTQ v1 checkpoint, whose stored
+// zeros are off by one: model/quantized_checkpoint.cc), and 128 unsigned 4-bit values q in [0, 15], with
 //   w[r][128 g + j] ~ (q_j - z) x s.
 // When k is not a multiple of 128 the last group of each row is shorter (k % 128 values; its
 // unused nibbles are 0 and multiply nothing). Tensor parallelism must not cut a group: a rank's
@@ -114,7 +115,7 @@ void DequantizeFp8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const ui
 inline constexpr int64_t kInt4GroupSize = 128;
 struct Int4Group128 {
   float scale;                    // s
-  uint8_t zero;                   // z, in [0, 15]
+  uint8_t zero;                   // z: 0-15 quantized here, up to 16 from GPTQ v1
   uint8_t pad[3];                 // 0
   uint8_t q[kInt4GroupSize / 2];  // value j in the low nibble of q[j] (j < 64), else the high one of q[j - 64]
 };

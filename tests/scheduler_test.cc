@@ -638,8 +638,8 @@ class SimCluster {
         } else {
           ASSERT_EQ(pos, ns->second) << at << ": new seq " << f->rows[row] << " num_cached_tokens";
           ASSERT_EQ(pos % bs, 0) << at;
-          if (!o_.prefix_caching || PenaltyOn(s.sampling)) ASSERT_EQ(pos, 0) << at << ": seq " << f->rows[row];
-          if (s.fed > 0) ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight";
+          if (!o_.prefix_caching || PenaltyOn(s.sampling)) { ASSERT_EQ(pos, 0) << at << ": seq " << f->rows[row]; }
+          if (s.fed > 0) { ASSERT_EQ(s.in_flight, 0) << at << ": seq " << f->rows[row] << " recomputed in flight"; }
           cached_tokens_ += pos;
         }
       } else {
@@ -670,7 +670,7 @@ class SimCluster {
     ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used()) << at;
     for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << at << ": block " << b;
     ASSERT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks()) << at;
-    if (!o_.prefix_caching) ASSERT_EQ(bm.num_cached(), 0) << at;
+    if (!o_.prefix_caching) { ASSERT_EQ(bm.num_cached(), 0) << at; }
 
     // Per row: token count, logit rows, block tables.
     int logit_rows = 0;
@@ -1394,7 +1394,7 @@ TEST(SchedulerTest, CancellationsInTheSimulatedCluster) {
   EXPECT_EQ(sim.sched().num_waiting(), 0);
   EXPECT_EQ(sim.sched().num_free_blocks(), sim.sched().num_blocks());
   EXPECT_EQ(sim.sched().block_manager().num_used(), 0);
-  if (caching) EXPECT_GT(sim.cached_tokens(), 0);
+  if (caching) { EXPECT_GT(sim.cached_tokens(), 0); }
  }
 }
 

@@ -240,6 +240,9 @@ constexpr int64_t kFewRows = 3;
 
 // From this many rows, products run the AVX-512 tiles (panel_matmul_avx512.h) where the CPU has them.
 constexpr int64_t kWideMinRows = kFewRows + 1;
+// A plain w's group of those panels is packed into the same per-thread scratch as the few rows' ones.
+static_assert(WidePanelsPerGroup(kWideMinRows) <= kFewRowsPanels && WidePanelsPerGroup(1024) <= kFewRowsPanels,
+              "PanelMatMul's scratch holds kFewRowsPanels panels a thread");
 
 // PanelMatMulImpl's products by the AVX-512 tiles: groups of WidePanelsPerGroup(n) panels (a
 // plain w's packed into this thread's scratch first), a thread claiming one group at a time; with

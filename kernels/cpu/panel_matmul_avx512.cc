@@ -1,5 +1,5 @@
 // PanelGroupAvx512 (panel_matmul_avx512.h): this file alone is compiled with -mavx512f -mfma
-// (kernels/CMakeLists.txt); panel_matmul.cc calls it only where PanelTilesAvx512Supported().
+// (kernels/CMakeLists.txt); panel_matmul.cc calls it only where PanelTilesSupported(PanelTiles::kAvx512).
 #include "kernels/cpu/panel_matmul_avx512.h"
 
 #include <immintrin.h>

@@ -6,7 +6,7 @@
 // (tests/kernels_cpu_test.cc compares the two families).
 //
 // panel_matmul_avx512.cc alone is compiled with AVX-512 flags (kernels/CMakeLists.txt);
-// panel_matmul.cc calls it only where PanelTilesAvx512Supported().
+// panel_matmul.cc calls it only where PanelTilesSupported(PanelTiles::kAvx512).
 //
 // Thread-safety: PanelGroupAvx512 is reentrant and runs on the calling thread.
 #ifndef SHARDSERVE_KERNELS_CPU_PANEL_MATMUL_AVX512_H_
