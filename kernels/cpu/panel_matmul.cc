@@ -196,6 +196,17 @@ int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }
   }
 }
 
+// Panels [p, p + have) (have <= kFewRowsPanels) of the product's w: where they lie in a packed w,
+// or, for a plain w, packed into this thread's part of `scratch` first. Always inlined, so that
+// the packing is compiled for the caller's instruction set.
+[[gnu::always_inline]] inline const float* PanelsOf(const float* w, bool plain, int64_t m, int64_t k, float* scratch,
+                                                    int64_t p, int64_t have) {
+  if (!plain) return w + p * k * kPanelCols;
+  float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
+  for (int64_t q = 0; q < have; ++q) PackPanel(own + q * k * kPanelCols, w, m, k, p + q);
+  return own;
+}
+
 // Panel p of the product (PanelMatMul's arguments), packing it first into this thread's scratch
 // when w is plain; with kPrefetch its tiles ask for panel p + 1 of a packed w. Always inlined, so
 // that it is compiled for the caller's instruction set.
@@ -203,12 +214,7 @@ template <bool kPrefetch>
 [[gnu::always_inline]] inline void PanelProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                                 const float* w, bool plain, const float* bias, float* scratch,
                                                 int64_t p) {
-  const float* panel = w + p * k * kPanelCols;
-  if (plain) {
-    float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
-    PackPanel(own, w, m, k, p);
-    panel = own;
-  }
+  const float* panel = PanelsOf(w, plain, m, k, scratch, p, 1);
   const int64_t c0 = p * kPanelCols;
   PanelRows<kPrefetch>(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr,
                        kPrefetch ? w + (p + 1) * k * kPanelCols : nullptr);
@@ -270,13 +276,7 @@ void WideProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t g = 0; g < groups; ++g) {
-    const float* panel = w + g * group_floats;
-    if (plain) {
-      float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
-      for (int64_t q = 0; q < std::min(per, panels - g * per); ++q) PackPanel(own + q * k * kPanelCols, w, m, k, g * per + q);
-      panel = own;
-    }
-    group(g, panel, nullptr, 0);
+    group(g, PanelsOf(w, plain, m, k, scratch, g * per, std::min(per, panels - g * per)), nullptr, 0);
   }
 }
 
@@ -305,13 +305,7 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * per, have = std::min(per, panels - p);
-      const float* panel = w + p * k * kPanelCols;
-      if (plain) {  // packed into this thread's scratch first
-        float* own = scratch + static_cast<int64_t>(omp_get_thread_num()) * kFewRowsPanels * k * kPanelCols;
-        for (int64_t q = 0; q < have; ++q) PackPanel(own + q * k * kPanelCols, w, m, k, p + q);
-        panel = own;
-      }
-      FewRowsProduct(y, x, n, m, k, panel, bias, have, p * kPanelCols);
+      FewRowsProduct(y, x, n, m, k, PanelsOf(w, plain, m, k, scratch, p, have), bias, have, p * kPanelCols);
     }
     return;
   }
