@@ -32,8 +32,12 @@ constexpr int64_t kBf16BlockColumns = 64;
 constexpr int64_t kBf16BlockInputs = 32;
 
 // Whether this CPU (and its OS) runs Bf16BlockedMatMul: AVX-512 F/BW/VL and BF16. (This and the
-// two below are defined in matmul.cc, compiled for baseline x86-64.)
+// three below are defined in matmul.cc, compiled for baseline x86-64.)
 bool CpuHasAvx512Bf16();
+// Whether oneDNN's bf16 products run on AMX tiles here (Intel Xeon from Sapphire Rapids on). Its
+// AMX kernels sum in an order of their own, which Bf16BlockedMatMul does not reproduce, so every
+// weight stays on oneDNN there (CpuBackend::FindBf16Chunk finds no chunk; the tests say so).
+bool OneDnnBf16UsesAmx();
 // Up to how many rows the CPU backend's bf16 products run Bf16BlockedMatMul (where the weight is
 // in its layout): the override when one is set, else the default (matmul.cc, measured).
 int64_t Bf16BlockedRows();

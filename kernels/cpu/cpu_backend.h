@@ -179,7 +179,8 @@ class CpuBackend final : public Backend {
     const dnnl_version_t* v = dnnl_version();
     const std::string products = matmul_ == CpuMatMul::kBF16
                                      ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch,
-                                                    CpuHasAvx512Bf16()
+                                                    OneDnnBf16UsesAmx() ? ", every row on its amx tiles"
+                                                    : CpuHasAvx512Bf16()
                                                         ? absl::StrCat(", up to ", Bf16BlockedRows(), " rows on avx512-bf16")
                                                         : "")
                                      : absl::StrCat("f32 products", ActivePanelTiles() == PanelTiles::kAvx512

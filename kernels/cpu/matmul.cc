@@ -72,6 +72,13 @@ bool CpuHasAvx512Bf16() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
+bool OneDnnBf16UsesAmx() {
+  // oneDNN's ISA values are supersets by bits, as in CpuHasNativeBf16MatMul below.
+  const auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const auto amx = static_cast<unsigned>(dnnl_cpu_isa_avx512_core_amx);
+  return (isa & amx) == amx;
+}
+
 int64_t Bf16BlockedRows() {
   const int64_t o = g_bf16_blocked_rows.load(std::memory_order_relaxed);
   return o < 0 ? kBf16BlockedRows : o;
@@ -337,10 +344,11 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     dnnl::reorder(plain, blocked).execute(stream_, plain, blocked);
     stream_.wait();
     PackedWeight& p = packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
-    // bf16_matmul.h reads oneDNN's layout where it is the one that file knows (oneDNN's choice on
-    // AVX-512 BF16 without AMX) and it sums as oneDNN does.
-    static const bool avx512_bf16 = cpu::CpuHasAvx512Bf16();
-    if (avx512_bf16 && layout == memory::desc({k, m}, bf16, memory::format_tag::BA16a64b2a)) {
+    // bf16_matmul.h reads oneDNN's layout where it is the one that file knows and it sums as oneDNN
+    // does: on AVX-512 BF16 without AMX. (With AMX oneDNN picks the same layout, but its tiles sum
+    // in their own order: docs/benchmarks.md, "Intel Xeon with AMX, issue 25".)
+    static const bool blocked_bf16 = cpu::CpuHasAvx512Bf16() && !cpu::OneDnnBf16UsesAmx();
+    if (blocked_bf16 && layout == memory::desc({k, m}, bf16, memory::format_tag::BA16a64b2a)) {
       p.bf16_chunk = FindBf16Chunk(p, buffer->data());
     }
     *packed = Tensor(buffer->data(), kBF16, {m, k});
