@@ -10,7 +10,8 @@
 #                        whose vendor/llama.cpp is the llama.cpp that was measured
 #   build/bin/           llama-bench, llama-batched-bench, llama-server, llama-quantize, llama-simple:
 #                        llama.cpp's own CMake, Release, CPU only, its defaults for this CPU
-#                        (-march=native, OpenMP, llamafile's sgemm), no curl / OpenSSL; its model graph
+#                        (-march=native, less AMX where the CPU has it: below; OpenMP, llamafile's
+#                        sgemm), no curl / OpenSSL; its model graph
 #                        builders (src/models/*.cpp) in unity batches, for build time only
 #                        (tools/llamacpp/unity-models.cmake says which files and why)
 #   venv/                numpy + the gguf package vendored with it (gguf-py) + safetensors, which is what
@@ -45,9 +46,20 @@ if [ "${CONVERTER:-0}" = 1 ] && ! venv/bin/python -c "import torch, transformers
   venv/bin/pip install -r "$LCPP/requirements/requirements-convert_hf_to_gguf.txt"
 fi
 
+# On a CPU with AMX (Intel Xeon from Sapphire Rapids on), -march=native compiles ggml's AMX products
+# for Q4_0 / Q8_0, and on this project's Intel VM they crash at their first tile instruction
+# (llama-bench and llama-server: SIGSEGV at ldtilecfg in ggml_backend_amx_mul_mat for Q8_0, SIGILL
+# for Q4_0; llama.cpp issue 20824, fix proposed in pull request 26954: tile-data permission asked
+# for on the main thread only, and a tile config the compiler may drop). So there, everything
+# -march=native gives except AMX (AVX-512, VNNI, BF16 and the weight repacking stay on).
+NO_AMX=()
+if grep -qw amx_tile /proc/cpuinfo; then
+  NO_AMX=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+          -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 if [ ! -f build/CMakeCache.txt ]; then
   cmake -S "$LCPP" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF "${NO_AMX[@]}" \
       -DCMAKE_PROJECT_INCLUDE="$TOOLS/llamacpp/unity-models.cmake"
 fi
 nice -n "${NICE:-10}" cmake --build build -j "$JOBS" --target llama-bench llama-batched-bench llama-server \
