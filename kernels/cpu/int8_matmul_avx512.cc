@@ -33,12 +33,12 @@ struct WidenFp8Avx512 {
 
 void Int8ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
                        const float* scale, const float* bias, int64_t r0, int64_t r1) {
-  Columns<WidenInt8Avx512>(y, x, n, m, k, q, scale, bias, r0, r1);
+  Columns<WidenInt8Avx512, true>(y, x, n, m, k, q, scale, bias, r0, r1);
 }
 
 void Fp8ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
                       const float* scale, const float* bias, int64_t r0, int64_t r1) {
-  Columns<WidenFp8Avx512>(y, x, n, m, k, q, scale, bias, r0, r1);
+  Columns<WidenFp8Avx512, true>(y, x, n, m, k, q, scale, bias, r0, r1);
 }
 
 }  // namespace shardserve::cpu
