@@ -54,6 +54,10 @@ def main(bin_dir):
 
     try:
         address = wait_for(r"ready\. Connect to (\S+) ", 240).group(1)
+        # SHARDSERVE_STATE_DIR did not exist and --insecure makes no certificates in it: launch makes it
+        # for cluster.json, which the client commands read when they are given no --address.
+        if not os.path.exists(os.path.join(log_dir, "state", "cluster.json")) or "cannot write" in launch.output():
+            fail(f"launch did not write {log_dir}/state/cluster.json:\n{launch.output()}")
         before = generate(address)
         if not before.strip():
             fail("generate printed nothing before the restart")

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -113,6 +114,12 @@ std::string StateDir() {
 std::string LocalClusterFilePath() { return absl::StrCat(StateDir(), "/cluster.json"); }
 
 absl::Status WriteLocalClusterFile(const LocalClusterFile& file) {
+  // The state directory may not exist yet (a new SHARDSERVE_STATE_DIR, or --insecure, which makes no
+  // certificates there first): made as launch makes it for the certificates, for its owner only.
+  std::error_code ec;
+  if (std::filesystem::create_directories(StateDir(), ec)) {
+    std::filesystem::permissions(StateDir(), std::filesystem::perms::owner_all, ec);
+  }
   const nlohmann::json j = {{"address", file.address}, {"ca", file.tls.ca},   {"cert", file.tls.cert},
                             {"key", file.tls.key},     {"pid", file.pid}};
   return WriteFileAtomically(LocalClusterFilePath(), j.dump(2) + "\n", 0600);
