@@ -345,8 +345,8 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     stream_.wait();
     PackedWeight& p = packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
     // bf16_matmul.h reads oneDNN's layout where it is the one that file knows and it sums as oneDNN
-    // does: on AVX-512 BF16 without AMX. (With AMX oneDNN picks the same layout, but its tiles sum
-    // in their own order: docs/benchmarks.md, "Intel Xeon with AMX, issue 25".)
+    // does: on AVX-512 BF16 without AMX. (With AMX its tiles sum in their own order, and some shapes
+    // get 48-column blocks: docs/benchmarks.md, "Intel Xeon with AMX: all four formats ...".)
     static const bool blocked_bf16 = cpu::CpuHasAvx512Bf16() && !cpu::OneDnnBf16UsesAmx();
     if (blocked_bf16 && layout == memory::desc({k, m}, bf16, memory::format_tag::BA16a64b2a)) {
       p.bf16_chunk = FindBf16Chunk(p, buffer->data());
