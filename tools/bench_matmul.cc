@@ -13,10 +13,12 @@
 // "min ms", and the mean CPU time of this process per run, "cpu ms": on a machine shared with other
 // work, the least disturbed run and the time the product itself spent on the cores), with the weight bytes per second each product reads (4 per
 // parameter for float32, 2 for bf16, 1 for int8 and fp8, 72 / 128 for int4), and whether each one's rows
-// equal the same rows of a 256-row product (bitwise), the property continuous batching needs.
+// equal the same rows of a product of max(256, --max-rows) rows (bitwise), the property continuous
+// batching needs. Row counts: 1, 2, 4, ... up to --max-rows (512: a prefill step's).
 // oneDNN runs on --threads OpenMP threads, as ours (its CPU time / wall time is printed to show it).
 //
 //   bench_matmul [--threads 1] [--layers 6] [--hidden 768] [--kv 256] [--mlp 2048] [--repeat 7]
+//                [--max-rows 64]
 //
 // Defaults: one PP=2 stage of the benchmark model (tools/make_bench_model.py), one thread (what
 // each of two PP=2 workers gets on a 2-core machine). Llama-3-8B's shapes (4096 x 4096, 14336 x
@@ -118,8 +120,10 @@ int main(int argc, char** argv) {
   using shardserve::WeightQuant;
   using shardserve::cpu::QuantIsa;
   const std::optional<std::map<std::string, int64_t>> flags = shardserve::bench::PositiveIntFlagsOrUsage(
-      "bench_matmul", "usage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] [--repeat R]\n",
-      argc, argv, {{"threads", 1}, {"layers", 6}, {"hidden", 768}, {"kv", 256}, {"mlp", 2048}, {"repeat", 7}});
+      "bench_matmul", "usage: bench_matmul [--threads N] [--layers L] [--hidden H] [--kv KV] [--mlp I] [--repeat R] "
+      "[--max-rows M]\n",
+      argc, argv,
+      {{"threads", 1}, {"layers", 6}, {"hidden", 768}, {"kv", 256}, {"mlp", 2048}, {"repeat", 7}, {"max-rows", 64}});
   if (!flags) return 2;
   const int threads = static_cast<int>(flags->at("threads")), repeat = static_cast<int>(flags->at("repeat"));
   const int64_t layers = flags->at("layers"), hidden = flags->at("hidden"), kv = flags->at("kv"), mlp = flags->at("mlp");
@@ -206,7 +210,7 @@ int main(int argc, char** argv) {
       weights.push_back(std::move(weight));
     }
   }
-  const int64_t max_rows = 256, widest = std::max({hidden, kv, mlp});
+  const int64_t max_rows = std::max<int64_t>(256, flags->at("max-rows")), widest = std::max({hidden, kv, mlp});
   std::vector<float> x(static_cast<size_t>(max_rows * widest)), y(static_cast<size_t>(max_rows * widest));
   for (float& v : x) v = dist(rng);
 
@@ -240,7 +244,7 @@ int main(int argc, char** argv) {
               shardserve::cpu::QuantizedKernelsDescription().c_str());
   std::printf("%6s  %-16s %10s %8s %8s %8s %8s %6s %7s %9s\n", "rows", "kernel", "ms", "min ms", "cpu ms", "GFLOP/s",
               "w GB/s", "same", "vs f32", "cpu/wall");
-  for (int64_t n : {1, 2, 4, 8, 16, 32, 64}) {
+  for (int64_t n = 1; n <= flags->at("max-rows"); n *= 2) {
     std::vector<std::vector<double>> t(kernels.size());
     std::vector<double> cpu(kernels.size(), 0), wall(kernels.size(), 0);
     for (int r = 0; r < repeat; ++r) {

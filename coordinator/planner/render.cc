@@ -215,7 +215,7 @@ std::string PlanJson(const Plan& p) {
                             {"kv_bytes_per_token", g.kv_bytes_per_token},
                             {"kv_cache_tokens", g.kv_cache_tokens},
                             {"shortfall_bytes", std::max<int64_t>(g.shortfall_bytes, 0)}});
-    json memory = json::object();  // item name -> bytes, in the order of memory.h
+    json memory = json::object();  // item name -> bytes (nlohmann::json sorts an object's keys)
     for (const MemoryItem& item : g.memory) memory[item.name] = item.bytes;
     j["per_gpu"].back()["memory"] = memory;
   }
