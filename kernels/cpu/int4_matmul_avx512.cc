@@ -35,10 +35,11 @@ constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
 // one layer of the bench stage (AMD EPYC, AVX-512, one thread): 8 rows 0.57 ms as Tile
 // (3 + 3 + 2) against 0.66 as PlaneTile, 12 about even, PlaneTile ahead from 16.
 constexpr int64_t kPlaneMinRows = 9;
-// Input rows per PlaneTile pass, their sums waiting on the stack while the groups go by (16 KB of
-// them): each group's lookup is shared by twice the 8-lane instances' kInt4PlaneRows (32 rows: 2.01
-// ms against 2.16 with 16, one layer of the bench stage).
-constexpr int64_t kPlaneRows = 32;
+// Input rows per PlaneTile pass, their sums waiting on the stack while the groups go by (32 KB of
+// them): each group's lookup is shared by four times the 8-lane instances' kInt4PlaneRows (32 rows:
+// 2.01 ms against 2.16 with 16, one layer of the bench stage, AMD EPYC; 64 rows: 1.5-2.5% less
+// time than 32 from 64 to 512 rows on the Intel Xeon, `bench_matmul --threads 2 --max-rows 512`).
+constexpr int64_t kPlaneRows = 64;
 
 // (j - z) for j in [0, 15], one row per zero point z a block can hold (a uint8: the quantizer
 // writes 0-15, a GPTQ v1 checkpoint up to 16, model/quantized_checkpoint.cc), exact small integers:
