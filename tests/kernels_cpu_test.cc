@@ -513,15 +513,6 @@ TEST(PanelTilesTest, Avx512TilesGiveTheVec8TilesResultsBitwise) {
   }
 }
 
-// The bf16 product for few rows (kernels/cpu/bf16_matmul.h), which reads the weight in the blocked
-// layout oneDNN picked for it, called directly on the packed weight at every row count (so that it
-// is checked beyond the rows the backend gives it), summing all inputs at once and in chunks of 64:
-// the float32 sum of the bf16-rounded inputs' products (the reference, as MatMulWithPackedWeight).
-// Through the backend, its default dispatch (that product up to Bf16BlockedRows rows, with the
-// chunk it found for the weight) gives bitwise what oneDNN alone gives (Bf16BlockedRows 0), which
-// MatMulRowsDoNotDependOnTheBatch relies on; for k <= 512 that is one chunk, the direct product's.
-// Shapes whose m and k are not multiples of the layout's blocks (64 columns, 32 inputs), nor of the
-// kernel's tiles (2 blocks, 4 rows), and a model's, on 1 and 2 threads.
 // w [m, k] in bf16_matmul.h's layout (oneDNN's "BA16a64b2a" of the [k, m] weights), rounded to bf16
 // to nearest even as oneDNN's reorder rounds: what oneDNN packs on AVX-512 BF16 without AMX, written
 // here so that the kernel is checked on every CPU that runs it, whatever layout oneDNN picks there
@@ -540,6 +531,17 @@ std::vector<uint16_t> PackBf16Blocked(const std::vector<float>& w, int64_t m, in
   return packed;
 }
 
+// The bf16 product for few rows (kernels/cpu/bf16_matmul.h), which reads the weight in the blocked
+// layout oneDNN picks for it without AMX, called directly on that layout (PackBf16Blocked) at every
+// row count (so that it is checked beyond the rows the backend gives it), summing all inputs at once
+// and in chunks of 64: the float32 sum of the bf16-rounded inputs' products (the reference, as
+// MatMulWithPackedWeight).
+// Through the backend, its default dispatch (that product up to Bf16BlockedRows rows, with the
+// chunk it found for the weight) gives bitwise what oneDNN alone gives (Bf16BlockedRows 0), which
+// MatMulRowsDoNotDependOnTheBatch relies on; for k <= 512 without AMX that is one chunk, the direct
+// product's (with AMX the backend keeps every weight on oneDNN).
+// Shapes whose m and k are not multiples of the layout's blocks (64 columns, 32 inputs), nor of the
+// kernel's tiles (2 blocks, 4 rows), and a model's, on 1 and 2 threads.
 TEST_F(CpuBackendTest, Bf16BlockedProductMatchesOneDnn) {
   if (!CpuHasBf16Instructions() || !cpu::CpuHasAvx512Bf16()) GTEST_SKIP() << "no AVX512-BF16 on this CPU";
   struct Case {

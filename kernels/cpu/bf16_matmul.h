@@ -35,8 +35,8 @@ constexpr int64_t kBf16BlockInputs = 32;
 // three below are defined in matmul.cc, compiled for baseline x86-64.)
 bool CpuHasAvx512Bf16();
 // Whether oneDNN's bf16 products run on AMX tiles here (Intel Xeon from Sapphire Rapids on). Its
-// AMX kernels sum in an order of their own, which Bf16BlockedMatMul does not reproduce, so every
-// weight stays on oneDNN there (CpuBackend::FindBf16Chunk finds no chunk; the tests say so).
+// AMX kernels sum in an order of their own, which Bf16BlockedMatMul does not reproduce, so the CPU
+// backend keeps every weight on oneDNN there (matmul.cc).
 bool OneDnnBf16UsesAmx();
 // Up to how many rows the CPU backend's bf16 products run Bf16BlockedMatMul (where the weight is
 // in its layout): the override when one is set, else the default (matmul.cc, measured).

@@ -2,7 +2,8 @@
 // their work: output columns in whole tiles per OpenMP thread (so that every output is computed by
 // the same tile code, whatever the thread count), and within a tile of up to 8 weight rows, input
 // rows in pairs over 4 weight rows at a time (8 sums) and a last single input row over all of them
-// (a decode step's case: 8 independent sums too).
+// (a decode step's case: 8 independent sums too). (The AVX-512 int8 / fp8 tiles take 4 input rows x 4
+// weight rows from 4 input rows on: int8_matmul_tiles.h's QuadColumns.)
 //
 // Thread-safety: ForEachColumnRange runs `columns` on up to `threads` OpenMP threads at once, on
 // disjoint ranges.
