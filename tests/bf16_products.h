@@ -2,9 +2,8 @@
 // (the compiler's __builtin_cpu_supports, which also checks that the OS saves the AVX-512
 // registers) and never from oneDNN or the backend, whose answers are what the tests check:
 // oneDNN multiplies bf16 on AVX-512 CPUs (natively with AVX512-BF16, which AMX CPUs have too;
-// emulated without it) and not on older ones (AVX2), where PackMatMulWeight must refuse with
-// FailedPrecondition naming bf16. Tests of bf16 products run wherever the CPU has AVX-512, so
-// that oneDNN or the backend refusing them there is a failure, and skip only where it has not.
+// emulated without it); on older ones (AVX2) the backend multiplies bf16 on its own bf16 panels
+// (kernels/cpu/panel_matmul.h). Tests of bf16 products run on every CPU: a refusal is a failure.
 #ifndef SHARDSERVE_TESTS_BF16_PRODUCTS_H_
 #define SHARDSERVE_TESTS_BF16_PRODUCTS_H_
 
@@ -53,28 +52,21 @@ inline std::string OneDnnIsaCap() {
   return cap;
 }
 
-// Whether tests of bf16 products run here. Where CPUID shows AVX-512, they must: the backend
-// packing a bf16 weight is checked, and its refusal is a failure (and they run on, to fail
-// further). Where it does not, the backend must refuse as documented (FailedPrecondition naming
-// bf16, also checked) and they are skipped; should it multiply bf16 all the same (a later oneDNN
-// on a CPU with other bf16 instructions), they run.
+// Whether tests of bf16 products run here: on every CPU, where the backend must pack a bf16 weight
+// (oneDNN's layout on AVX-512 CPUs, its bf16 panels elsewhere). A refusal fails the calling test,
+// which then skips the rest.
 inline bool CpuRunsBf16Products() {
   std::unique_ptr<Backend> backend = MakeCpuBackend(1, CpuMatMul::kBF16);
   std::vector<float> w(16 * 16, 1.0f);
   Tensor packed;
   const absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {16, 16}), &packed);
-  if (CpuHasAvx512Core()) {
-    EXPECT_TRUE(buffer.ok()) << "this CPU has AVX-512 (CPUID), so the CPU backend must multiply bf16, but: "
-                             << buffer.status() << OneDnnIsaCap();
-    return true;
-  }
-  if (buffer.ok()) return true;
-  EXPECT_EQ(buffer.status().code(), absl::StatusCode::kFailedPrecondition) << buffer.status();
-  EXPECT_NE(std::string(buffer.status().message()).find("bf16"), std::string::npos) << buffer.status();
-  return false;
+  EXPECT_TRUE(buffer.ok()) << "the CPU backend multiplies bf16 on every CPU ("
+                           << (CpuHasAvx512Core() ? "oneDNN's products: CPUID shows AVX-512" : "its bf16 panels")
+                           << "), but: " << buffer.status() << OneDnnIsaCap();
+  return buffer.ok();
 }
 
-inline constexpr char kNoBf16Products[] = "this CPU has no AVX-512 (CPUID), which oneDNN's bf16 products need";
+inline constexpr char kNoBf16Products[] = "the CPU backend refused to pack a bf16 weight (a failure, reported above)";
 
 }  // namespace shardserve
 

@@ -513,6 +513,44 @@ TEST(PanelTilesTest, Avx512TilesGiveTheVec8TilesResultsBitwise) {
   }
 }
 
+// The bf16 panels (kernels/cpu/panel_matmul.h's PackPanelsBf16 / PanelMatMulBf16, the CPU
+// backend's bf16 products where oneDNN has none): bitwise the float32 panels' products by the
+// weight rounded to bf16 (to nearest even), for every row count 1..40 (the few-rows tiles of 1 to 3
+// rows, the tiles of up to 6, the one-thread prefetch from 7 to 24 rows), bias or not, 1 and 2
+// threads, at shapes off every tile (m not a multiple of 16 nor of 4 panels, k odd, k = 1); they
+// write nothing past y, and take half the float32 panels' bytes. Runs on every CPU.
+TEST(PanelTilesTest, Bf16PanelsGiveTheF32PanelsResultsOnTheRoundedWeight) {
+  std::mt19937 rng(43);
+  constexpr size_t kGuard = 64;
+  constexpr float kSentinel = -12345.0f;
+  std::vector<float> scratch;
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{37, 131}, {100, 1}, {16, 7}, {300, 64}, {5, 33}, {72, 768}}) {
+    const std::vector<float> w = Random(rng, m * k), b = Random(rng, m), x = Random(rng, 40 * k);
+    std::vector<float> rounded(w.size());
+    std::transform(w.begin(), w.end(), rounded.begin(), [](float v) { return Bf16ToF32(F32ToBf16(v)); });
+    std::vector<float> packed(cpu::PanelMatMulFloats(m, k));
+    cpu::PackPanels(packed.data(), rounded.data(), m, k);
+    std::vector<uint16_t> packed_bf16(cpu::PanelMatMulFloats(m, k));  // half the float32 panels' bytes
+    cpu::PackPanelsBf16(packed_bf16.data(), w.data(), m, k);
+    for (int threads : {1, 2}) {
+      for (bool bias : {false, true}) {
+        for (int64_t n = 1; n <= 40; ++n) {
+          std::vector<float> want(n * m), got(n * m + kGuard, kSentinel);
+          cpu::PanelMatMul(want.data(), x.data(), n, m, k, packed.data(), /*plain=*/false, bias ? b.data() : nullptr,
+                           threads, &scratch);
+          cpu::PanelMatMulBf16(got.data(), x.data(), n, m, k, packed_bf16.data(), bias ? b.data() : nullptr, threads);
+          const std::string what =
+              absl::StrCat("n=", n, " m=", m, " k=", k, bias ? " +bias" : "", " threads=", threads);
+          EXPECT_TRUE(std::all_of(got.end() - kGuard, got.end(), [&](float v) { return v == kSentinel; }))
+              << what << ": the bf16 panels wrote past y";
+          EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+              << what << ": the bf16 panels' products differ from the float32 panels' on the rounded weight";
+        }
+      }
+    }
+  }
+}
+
 // w [m, k] in bf16_matmul.h's layout (oneDNN's "BA16a64b2a" of the [k, m] weights), rounded to bf16
 // to nearest even as oneDNN's reorder rounds: what oneDNN packs on AVX-512 BF16 without AMX, written
 // here so that the kernel is checked on every CPU that runs it, whatever layout oneDNN picks there
@@ -1156,6 +1194,9 @@ TEST_F(CpuBackendTest, Bf16ProductsRoundTheirInputs) {
   if (!CpuRunsBf16Products()) GTEST_SKIP() << kNoBf16Products;
   std::unique_ptr<Backend> backend = MakeCpuBackend(2, CpuMatMul::kBF16);
   EXPECT_NE(backend->Describe().find("bf16"), std::string::npos) << backend->Describe();
+  // Where oneDNN has no bf16 product (CPUID shows no AVX-512) the backend's bf16 panels run them.
+  EXPECT_EQ(backend->Describe().find("bf16 products on 8-float panels") != std::string::npos, !CpuHasAvx512Core())
+      << backend->Describe() << OneDnnIsaCap();
   // 1 + 2^-10 rounds to 1 in bf16: sixteen of them times ones is exactly 16, not 16.015625.
   const int64_t k = 16, m = 16;
   DeviceTensor dw(backend.get(), DType::kF32, {m, k});

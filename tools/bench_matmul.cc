@@ -2,7 +2,8 @@
 // oneDNN's matmul as the backend used it before (weights reordered once into the layout oneDNN
 // picks, one primitive per row count), the backend's bf16 products where the CPU has them (oneDNN's
 // in chunks of 16 rows, "bf16 oneDNN", and what the backend runs, "bf16": kernels/cpu/bf16_matmul.h's
-// product up to a few rows), and the backend's products by the same weights quantized
+// product up to a few rows; where oneDNN has no bf16 product, the backend's bf16 panels, "bf16
+// panels": kernels/cpu/panel_matmul.h), and the backend's products by the same weights quantized
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
 // quantized: kernels/cpu/quant_isa.h), over the weights of one
@@ -141,7 +142,10 @@ int main(int argc, char** argv) {
   for (const Shape& s : layer) params += static_cast<double>(s.m * s.k) * static_cast<double>(layers);
 
   std::unique_ptr<Backend> backend = shardserve::MakeCpuBackend(threads, shardserve::CpuMatMul::kF32);
-  const bool bf16 = shardserve::CpuHasNativeBf16MatMul();
+  // bf16 products where the CPU has bf16 instructions (oneDNN's and the backend's), or where oneDNN
+  // has none at all, the backend's bf16 panels (kernels/cpu/panel_matmul.h).
+  const bool bf16_panels = !shardserve::cpu::OneDnnHasBf16MatMul();
+  const bool bf16 = shardserve::CpuHasNativeBf16MatMul() || bf16_panels;
   std::unique_ptr<Backend> bf16_backend = bf16 ? shardserve::MakeCpuBackend(threads, shardserve::CpuMatMul::kBF16) : nullptr;
   const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
@@ -164,7 +168,9 @@ int main(int argc, char** argv) {
   if (shardserve::cpu::PanelTilesSupported(PanelTiles::kAvx512)) {  // the 8-float tiles beside the AVX-512 ones
     kernels.insert(kernels.begin() + 1, {"f32 vec8 tiles", WeightQuant::kNone, std::nullopt, 4, std::nullopt, PanelTiles::kVec8});
   }
-  if (bf16) {
+  if (bf16_panels) {
+    kernels.push_back({"bf16 panels", WeightQuant::kNone, std::nullopt, 2, std::nullopt});
+  } else if (bf16) {
     kernels.push_back({"bf16 oneDNN", WeightQuant::kNone, std::nullopt, 2, 0});
     kernels.push_back({"bf16", WeightQuant::kNone, std::nullopt, 2, std::nullopt});
   }

@@ -32,8 +32,12 @@ constexpr int64_t kBf16BlockColumns = 64;
 constexpr int64_t kBf16BlockInputs = 32;
 
 // Whether this CPU (and its OS) runs Bf16BlockedMatMul: AVX-512 F/BW/VL and BF16. (This and the
-// three below are defined in matmul.cc, compiled for baseline x86-64.)
+// four below are defined in matmul.cc, compiled for baseline x86-64.)
 bool CpuHasAvx512Bf16();
+// Whether oneDNN multiplies bf16 here: its avx512_core ISA or more (with AVX512-BF16 natively, else
+// emulated). Where it does not (AVX2 CPUs), the CPU backend's bf16 products run panel_matmul.h's
+// bf16 panels.
+bool OneDnnHasBf16MatMul();
 // Whether oneDNN's bf16 products run on AMX tiles here (Intel Xeon from Sapphire Rapids on). Its
 // AMX kernels sum in an order of their own, which Bf16BlockedMatMul does not reproduce, so the CPU
 // backend keeps every weight on oneDNN there (matmul.cc).

@@ -4,7 +4,8 @@
 // everything else uses MakeCpuBackend (kernels/backend.h).
 //
 // Float32 activations in host memory; matrix products on weights packed once, at
-// load (float32: panel_matmul.h's loops, whose rows never depend on the batch; bf16: oneDNN), plain
+// load (float32: panel_matmul.h's loops, whose rows never depend on the batch; bf16: oneDNN, or
+// panel_matmul.h's bf16 panels where oneDNN has no bf16 product), plain
 // loops for everything else.
 //
 // Numerics follow PyTorch float32 as Hugging Face transformers uses it, so that the CPU path can
@@ -177,13 +178,16 @@ class CpuBackend final : public Backend {
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();
-    const std::string products = matmul_ == CpuMatMul::kBF16
-                                     ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch,
-                                                    OneDnnBf16UsesAmx() ? ", every row on its amx tiles"
-                                                    : CpuHasAvx512Bf16()
-                                                        ? absl::StrCat(", up to ", Bf16BlockedRows(), " rows on avx512-bf16")
-                                                        : "")
-                                     : absl::StrCat("f32 products", ActivePanelTiles() == PanelTiles::kAvx512
+    const std::string products =
+        matmul_ == CpuMatMul::kBF16 && !OneDnnHasBf16MatMul()
+            ? "bf16 products on 8-float panels (oneDNN has none for this CPU: bf16 weights widened in registers, "
+              "inputs rounded to bf16)"
+        : matmul_ == CpuMatMul::kBF16
+            ? absl::StrCat("bf16 products on oneDNN ", v->major, ".", v->minor, ".", v->patch,
+                           OneDnnBf16UsesAmx()  ? ", every row on its amx tiles"
+                           : CpuHasAvx512Bf16() ? absl::StrCat(", up to ", Bf16BlockedRows(), " rows on avx512-bf16")
+                                                : "")
+            : absl::StrCat("f32 products", ActivePanelTiles() == PanelTiles::kAvx512
                                                                         ? ", avx512 tiles from 4 rows"
                                                                         : "");
     return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(act_), ", ", threads_, " threads)");
@@ -240,7 +244,10 @@ class CpuBackend final : public Backend {
     // that runs it, and whose oneDNN products that product repeats bitwise with this chunk (its
     // `chunk` argument, found by FindBf16Chunk): Bf16MatMul multiplies few rows by it. 0: oneDNN only.
     int64_t bf16_chunk = 0;
-    bool bf16() const { return desc.data_type() == dnnl::memory::data_type::bf16; }
+    // bf16 weights on a CPU where oneDNN has no bf16 product: panel_matmul.h's bf16 panels (desc
+    // undef), which PanelMatMulBf16 multiplies.
+    bool bf16_panels = false;
+    bool bf16() const { return bf16_panels || desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
   // cpu/quant_isa.h's QuantizedKernelsDescription for the int8/int4 instance `act` picks (this
@@ -280,6 +287,7 @@ class CpuBackend final : public Backend {
   std::vector<uint16_t> src_bf16_;
   std::vector<float> last_chunk_out_;  // [kBf16Rows, m]: a bf16 product's last, partial chunk of rows
   std::vector<float> plain_panels_;    // [threads, k, 16]: float32 products by a plain weight (panel_matmul.h)
+  std::vector<float> bf16_x_;          // [n, k]: a bf16 panels product's input, rounded to bf16
 
   // Scratch reused across calls, so that ops do not allocate once the largest shapes have been
   // seen. Each vector only grows. Touched only by the one thread using the backend.

@@ -1,6 +1,7 @@
 // The CPU backend's matrix products: MatMul, and PackMatMulWeight's packing of weights at load
 // (float32: panel_matmul.h's panels; bf16: oneDNN's layout, multiplied by oneDNN, or by
-// bf16_matmul.h's product for a few rows).
+// bf16_matmul.h's product for a few rows; where oneDNN has no bf16 product, panel_matmul.h's bf16
+// panels).
 #include <omp.h>
 
 #include <algorithm>
@@ -70,6 +71,13 @@ bool CpuHasAvx512Bf16() {
   // libgcc's answers include the OS's: AVX-512 only where XCR0 enables the zmm state.
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+bool OneDnnHasBf16MatMul() {
+  // oneDNN's ISA values are supersets by bits, as in CpuHasNativeBf16MatMul below.
+  const auto isa = static_cast<unsigned>(dnnl_get_effective_cpu_isa());
+  const auto avx512 = static_cast<unsigned>(dnnl_cpu_isa_avx512_core);
+  return (isa & avx512) == avx512;
 }
 
 bool OneDnnBf16UsesAmx() {
@@ -148,6 +156,14 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const uint8_t*>(w.data) + Fp8RowsLayout{m, k}.scale_bytes();
     cpu::Fp8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+    return absl::OkStatus();
+  }
+  if (packed_bf16 && (*packed)->bf16_panels) {
+    // The inputs rounded to bf16 (to nearest even), as oneDNN's bf16 products round them.
+    const float* xf = x.as<float>();
+    bf16_x_.resize(static_cast<size_t>(n * k));
+    for (int64_t i = 0; i < n * k; ++i) bf16_x_[i] = Bf16ToF32(F32ToBf16(xf[i]));
+    cpu::PanelMatMulBf16(y, bf16_x_.data(), n, m, k, static_cast<const uint16_t*>(w.data), b, threads_);
     return absl::OkStatus();
   }
   if (!packed_bf16) {
@@ -323,6 +339,16 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     cpu::PackPanels(static_cast<float*>(buffer->data()), w.as<float>(), m, k);
     packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
     *packed = Tensor(buffer->data(), kF32, {m, k});
+    return buffer;
+  }
+  if (!OneDnnHasBf16MatMul()) {  // bf16 panels for panel_matmul.h's loops
+    const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(uint16_t);
+    absl::StatusOr<Buffer> buffer = Allocate(bytes);
+    if (!buffer.ok()) return buffer.status();
+    cpu::PackPanelsBf16(static_cast<uint16_t*>(buffer->data()), w.as<float>(), m, k);
+    PackedWeight& p = packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
+    p.bf16_panels = true;
+    *packed = Tensor(buffer->data(), kBF16, {m, k});
     return buffer;
   }
   using dnnl::memory;

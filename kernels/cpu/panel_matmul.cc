@@ -12,6 +12,7 @@
 #include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
 #include "kernels/cpu/vec.h"
+#include "kernels/tensor.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -21,13 +22,46 @@ namespace {
 // benchmark model: 4 rows 21.7 ms at 16 rows of x, 6 rows 21.6 ms; 6 rows 85.6 GFLOP/s at 512.
 constexpr int kTileRows = 6;
 
+// How a panel's 16 weights at one input become the tiles' two 8-float vectors (columns 0-7 and
+// 8-15): float32 panels (PackPanels) load them; bf16 panels (PackPanelsBf16) widen them, exactly
+// (a bf16 value is the high half of its float32), so the tiles' arithmetic is the same either way.
+struct F32Panels {
+  using T = float;
+  [[gnu::always_inline]] static inline void Load(const float* p, Vec8* lo, Vec8* hi) {
+    *lo = LoadVec(p);
+    *hi = LoadVec(p + kVecLanes);
+  }
+};
+
+using Vec16u16 = uint16_t __attribute__((vector_size(32)));
+
+// A bf16 panel's 16 values at one input are stored in the order kBf16PanelOrder gives, so that
+// interleaving them with zeros within each 128-bit half of a register (VPUNPCKLWD / VPUNPCKHWD
+// on AVX2, one instruction each) yields columns 0-7 and 8-15 as float32 bits.
+struct Bf16Panels {
+  using T = uint16_t;
+  [[gnu::always_inline]] static inline void Load(const uint16_t* p, Vec8* lo, Vec8* hi) {
+    Vec16u16 v;
+    std::memcpy(&v, p, sizeof v);
+    const Vec16u16 z = {};
+    const Vec16u16 l = __builtin_shufflevector(z, v, 0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27);
+    const Vec16u16 h = __builtin_shufflevector(z, v, 4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31);
+    std::memcpy(lo, &l, sizeof l);
+    std::memcpy(hi, &h, sizeof h);
+  }
+};
+
+// Where column c (0-15) of a bf16 panel's input step is stored: Load above takes stored values
+// 0-3 and 8-11 into columns 0-7, 4-7 and 12-15 into columns 8-15 (columns 4-7 and 8-11 swap).
+constexpr int64_t Bf16PanelSlot(int64_t c) { return c < 4 || c >= 12 ? c : c < 8 ? c + 4 : c - 4; }
+
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ one panel [k, 16] (+ bias [cols]).
 // Each output is one chain over k in order: the arithmetic is the same for every R and tile, and
 // with or without kPrefetch, which only asks the cache for 16 floats at `ahead` (then the 16 after
 // them, ...) every `every` k steps on the way.
-template <int R, bool kPrefetch>
-[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
-                                        int64_t cols, const float* bias, const float* ahead, int64_t every) {
+template <class W, int R, bool kPrefetch>
+[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const typename W::T* panel,
+                                        int64_t cols, const float* bias, const typename W::T* ahead, int64_t every) {
   Vec8 lo[R], hi[R];  // columns 0-7 and 8-15 of each row
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = Vec8{};
   int64_t countdown = every;
@@ -39,7 +73,8 @@ template <int R, bool kPrefetch>
         ahead += kPanelCols;
       }
     }
-    const Vec8 b_lo = LoadVec(panel + kk * kPanelCols), b_hi = LoadVec(panel + kk * kPanelCols + kVecLanes);
+    Vec8 b_lo, b_hi;
+    W::Load(panel + kk * kPanelCols, &b_lo, &b_hi);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k + kk];
       lo[r] += b_lo * xr;
@@ -63,9 +98,9 @@ template <int R, bool kPrefetch>
 // first at `panel`; cols <= 16 P of their columns kept, + bias [cols]), for R = 1 to 3 rows, whose
 // tiles of one panel keep only 2R FMA chains going and wait on their latency: P panels at a time
 // keep 2RP. Each output is the same chain over k as Tile's (bitwise its result).
-template <int R, int P>
-[[gnu::always_inline]] inline void PanelsTile(float* y, int64_t ldy, const float* x, int64_t k, const float* panel,
-                                              int64_t cols, const float* bias) {
+template <class W, int R, int P>
+[[gnu::always_inline]] inline void PanelsTile(float* y, int64_t ldy, const float* x, int64_t k,
+                                              const typename W::T* panel, int64_t cols, const float* bias) {
   Vec8 lo[R][P], hi[R][P];
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < P; ++q) lo[r][q] = hi[r][q] = Vec8{};
@@ -73,10 +108,7 @@ template <int R, int P>
   const int64_t stride = k * kPanelCols;
   for (int64_t kk = 0; kk < k; ++kk) {
     Vec8 b_lo[P], b_hi[P];
-    for (int q = 0; q < P; ++q) {
-      b_lo[q] = LoadVec(panel + q * stride + kk * kPanelCols);
-      b_hi[q] = LoadVec(panel + q * stride + kk * kPanelCols + kVecLanes);
-    }
+    for (int q = 0; q < P; ++q) W::Load(panel + q * stride + kk * kPanelCols, &b_lo[q], &b_hi[q]);
     for (int r = 0; r < R; ++r) {
       const float xr = x[r * k + kk];
       for (int q = 0; q < P; ++q) {
@@ -109,17 +141,19 @@ constexpr int64_t kFewRowsPanels = PanelsPerTile(1);
 
 // Rows [0, n) (n <= 3) of x times `have` (<= PanelsPerTile(n)) adjacent panels of a packed w, the
 // first at `panel`, output columns [c0, m), in one PanelsTile.
+template <class W>
 [[gnu::always_inline]] inline void FewRowsProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
-                                                  const float* panel, const float* bias, int64_t have, int64_t c0) {
+                                                  const typename W::T* panel, const float* bias, int64_t have,
+                                                  int64_t c0) {
   const int64_t cols = std::min(m - c0, PanelsPerTile(static_cast<int>(n)) * kPanelCols);
   const float* b = bias != nullptr ? bias + c0 : nullptr;
   WithTileRows<3>(n, [&](auto R) __attribute__((always_inline)) {
     constexpr int kP = PanelsPerTile(R());
     if (have == kP) {
-      PanelsTile<R(), kP>(y + c0, m, x, k, panel, cols, b);
+      PanelsTile<W, R(), kP>(y + c0, m, x, k, panel, cols, b);
     } else {
       WithTileRows<kP>(have, [&](auto Q) __attribute__((always_inline)) {
-        PanelsTile<R(), Q()>(y + c0, m, x, k, panel, cols, b);
+        PanelsTile<W, R(), Q()>(y + c0, m, x, k, panel, cols, b);
       });
     }
   });
@@ -131,9 +165,10 @@ constexpr int64_t kFewRowsPanels = PanelsPerTile(1);
 // the t tiles share out the next panel's k x 16 floats (at `next`) between them: each asks for
 // k / t of its k steps' worth, one step's every t steps, so that memory streams that panel while
 // this one's tiles compute.
-template <bool kPrefetch>
+template <class W, bool kPrefetch>
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
-                                             const float* panel, int64_t cols, const float* bias, const float* next) {
+                                             const typename W::T* panel, int64_t cols, const float* bias,
+                                             const typename W::T* next) {
   const int64_t tiles = (n + kTileRows - 1) / kTileRows, share = k / tiles * kPanelCols;
   const int64_t base = n / tiles, longer = n % tiles;  // the first `longer` tiles take base + 1 rows
   int64_t r = 0;
@@ -142,7 +177,7 @@ template <bool kPrefetch>
     float* yt = y + r * ldy;
     const float* xt = x + r * k;
     WithTileRows<kTileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-      Tile<R, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles);
+      Tile<W, R, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles);
     });
     r += rows;
     if constexpr (kPrefetch) next += share;
@@ -207,17 +242,16 @@ int64_t Panels(int64_t m) { return (m + kPanelCols - 1) / kPanelCols; }
   return own;
 }
 
-// Panel p of the product (PanelMatMul's arguments), packing it first into this thread's scratch
-// when w is plain; with kPrefetch its tiles ask for panel p + 1 of a packed w. Always inlined, so
-// that it is compiled for the caller's instruction set.
-template <bool kPrefetch>
+// Panel p of a product: y's columns from p * 16 times `panel` (its k x 16 weights); with kPrefetch
+// its tiles ask for `next` (panel p + 1 of a packed w). Always inlined, so that it is compiled for
+// the caller's instruction set.
+template <class W, bool kPrefetch>
 [[gnu::always_inline]] inline void PanelProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k,
-                                                const float* w, bool plain, const float* bias, float* scratch,
-                                                int64_t p) {
-  const float* panel = PanelsOf(w, plain, m, k, scratch, p, 1);
+                                                const typename W::T* panel, const typename W::T* next,
+                                                const float* bias, int64_t p) {
   const int64_t c0 = p * kPanelCols;
-  PanelRows<kPrefetch>(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0), bias != nullptr ? bias + c0 : nullptr,
-                       kPrefetch ? w + (p + 1) * k * kPanelCols : nullptr);
+  PanelRows<W, kPrefetch>(y + c0, m, x, n, k, panel, std::min(kPanelCols, m - c0),
+                          bias != nullptr ? bias + c0 : nullptr, next);
 }
 
 // Products whose tiles ask for the next panel's weights while they compute: from 7 to 24 rows (2 to
@@ -280,14 +314,20 @@ void WideProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
   }
 }
 
+// The product by a float32 w (bf16 false: packed by PackPanels, or plain; `wide`: the AVX-512
+// tiles where they apply) or by a bf16 one (bf16 true: packed by PackPanelsBf16; plain and wide
+// false), on 8-float tiles of the same chains either way. One cloned function for both, so that
+// each OpenMP loop's body is compiled for the clone's instruction set (see WideProduct).
 SHARDSERVE_VECTOR_CLONES
-void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
+void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const void* w, bool bf16, bool plain,
                      const float* bias, int threads, float* scratch, bool wide) {
-  const int64_t panels = Panels(m);
+  const int64_t panels = Panels(m), stride = k * kPanelCols;
+  const auto* wf = static_cast<const float*>(w);
+  const auto* wb = static_cast<const uint16_t*>(w);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
   if (wide && n >= kWideMinRows) {
-    WideProduct(y, x, n, m, k, w, plain, bias, threads, scratch);
+    WideProduct(y, x, n, m, k, wf, plain, bias, threads, scratch);
     return;
   }
   if (wide && plain && n <= kPlainTileRows) {  // a plain w read as it is, kPlainPanels panels' rows at a time
@@ -295,7 +335,7 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t c0 = g * kPlainPanels * kPanelCols;
-      PlainPanelsAvx512(y + c0, m, x, n, k, w + c0 * k, std::min(kPlainPanels * kPanelCols, m - c0),
+      PlainPanelsAvx512(y + c0, m, x, n, k, wf + c0 * k, std::min(kPlainPanels * kPanelCols, m - c0),
                         bias != nullptr ? bias + c0 : nullptr);
     }
     return;
@@ -305,17 +345,40 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * per, have = std::min(per, panels - p);
-      FewRowsProduct(y, x, n, m, k, PanelsOf(w, plain, m, k, scratch, p, have), bias, have, p * kPanelCols);
+      if (bf16) {
+        FewRowsProduct<Bf16Panels>(y, x, n, m, k, wb + p * stride, bias, have, p * kPanelCols);
+      } else {
+        FewRowsProduct<F32Panels>(y, x, n, m, k, PanelsOf(wf, plain, m, k, scratch, p, have), bias, have,
+                                  p * kPanelCols);
+      }
     }
     return;
   }
   if (threads == 1 && !plain && n >= kPrefetchMinRows && n <= kPrefetchMaxRows) {
-    for (int64_t p = 0; p + 1 < panels; ++p) PanelProduct<true>(y, x, n, m, k, w, plain, bias, scratch, p);
-    PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, panels - 1);  // no panel after it
+    for (int64_t p = 0; p < panels; ++p) {
+      const bool last = p + 1 == panels;  // no panel after it to ask for
+      if (bf16) {
+        if (last) {
+          PanelProduct<Bf16Panels, false>(y, x, n, m, k, wb + p * stride, nullptr, bias, p);
+        } else {
+          PanelProduct<Bf16Panels, true>(y, x, n, m, k, wb + p * stride, wb + (p + 1) * stride, bias, p);
+        }
+      } else if (last) {
+        PanelProduct<F32Panels, false>(y, x, n, m, k, wf + p * stride, nullptr, bias, p);
+      } else {
+        PanelProduct<F32Panels, true>(y, x, n, m, k, wf + p * stride, wf + (p + 1) * stride, bias, p);
+      }
+    }
     return;
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsAtATime)
-  for (int64_t p = 0; p < panels; ++p) PanelProduct<false>(y, x, n, m, k, w, plain, bias, scratch, p);
+  for (int64_t p = 0; p < panels; ++p) {
+    if (bf16) {
+      PanelProduct<Bf16Panels, false>(y, x, n, m, k, wb + p * stride, nullptr, bias, p);
+    } else {
+      PanelProduct<F32Panels, false>(y, x, n, m, k, PanelsOf(wf, plain, m, k, scratch, p, 1), nullptr, bias, p);
+    }
+  }
 }
 
 // The override of ActivePanelTiles: -1 none, else a PanelTiles.
@@ -353,8 +416,23 @@ void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
     const auto need = static_cast<size_t>(threads * kFewRowsPanels * k * kPanelCols);
     if (scratch->size() < need) scratch->resize(need);
   }
-  PanelMatMulImpl(y, x, n, m, k, w, plain, bias, threads, plain ? scratch->data() : nullptr,
+  PanelMatMulImpl(y, x, n, m, k, w, /*bf16=*/false, plain, bias, threads, plain ? scratch->data() : nullptr,
                   ActivePanelTiles() == PanelTiles::kAvx512);
+}
+
+void PackPanelsBf16(uint16_t* packed, const float* w, int64_t m, int64_t k) {
+  for (int64_t p = 0; p < Panels(m); ++p) {
+    uint16_t* panel = packed + p * k * kPanelCols;
+    for (int64_t c = 0; c < kPanelCols; ++c) {
+      const int64_t row = p * kPanelCols + c, slot = Bf16PanelSlot(c);
+      for (int64_t kk = 0; kk < k; ++kk) panel[kk * kPanelCols + slot] = row < m ? F32ToBf16(w[row * k + kk]) : 0;
+    }
+  }
+}
+
+void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+                     int threads) {
+  PanelMatMulImpl(y, x, n, m, k, w, /*bf16=*/true, /*plain=*/false, bias, threads, nullptr, /*wide=*/false);
 }
 
 }  // namespace shardserve::cpu

@@ -50,6 +50,20 @@ void PackPanels(float* packed, const float* w, int64_t m, int64_t k);
 void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* w, bool plain,
                  const float* bias, int threads, std::vector<float>* scratch);
 
+// The same products by a weight stored in bf16 (half the bytes: a decode step, which reads every
+// weight once, takes about half the time), for CPUs on which oneDNN has no bf16 product (the CPU
+// backend's CpuMatMul::kBF16 there, matmul.cc). Panels as above, each input step's 16 values in
+// the order Bf16Panels::Load in panel_matmul.cc wants; each value widened to float32 exactly in
+// registers, then the 8-float tiles' chains: PanelMatMulBf16 gives bitwise PanelMatMul's results
+// for the weight its bf16 values make. (No AVX-512 tiles, no plain w.)
+// packed [PanelMatMulFloats(m, k)] (as many values as float32 panels) = w [m, k] rounded to bf16 (to
+// nearest even). m, k >= 0.
+void PackPanelsBf16(uint16_t* packed, const float* w, int64_t m, int64_t k);
+// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsBf16.
+// y must not overlap the inputs. n, m, k >= 1.
+void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint16_t* w, const float* bias,
+                     int threads);
+
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
 // ones (kAvx512, CPUs with AVX-512F and FMA).
 enum class PanelTiles : uint8_t { kVec8 = 0, kAvx512 = 1 };
