@@ -110,13 +110,17 @@ template <class Widen, int R, int I>
   V acc[I][R] = {};
   // Whole vectors with fixed-size loads (a variable-size copy would be a library call per step),
   // then the tail, zero-padded: the same sequence of operations for every output.
+  // The 8-lane instances' requests in address order (column_tiles.h): rows [r, r + R) are R x k
+  // bytes at w, and the tile kPrefetchRows rows on reads as many from `ahead`.
+  const uint8_t* ahead = L == 8 && r + kPrefetchRows + R <= m ? w + kPrefetchRows * k : nullptr;
   int64_t c = 0;
   for (; c + L <= k; c += L) {
     V xv[I];
     for (int a = 0; a < I; ++a) xv[a] = LoadLanes<V>(x + (i + a) * k + c);
+    if (ahead != nullptr) PrefetchInOrder(ahead, c * R, L * R);
     for (int b = 0; b < R; ++b) {
-      // Each cache line of the row kPrefetchRows on, once (column_tiles.h).
-      if ((c & 63) == 0) __builtin_prefetch(w + (PrefetchRow(r + b, m) - r) * k + c, 0, 3);
+      // Each cache line of the row kPrefetchRows on, once (column_tiles.h), in the 16-lane instances.
+      if (L != 8 && (c & 63) == 0) __builtin_prefetch(w + (PrefetchRow(r + b, m) - r) * k + c, 0, 3);
       const V wv = Widen::Load(w + b * k + c);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }
