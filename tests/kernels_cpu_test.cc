@@ -513,42 +513,94 @@ TEST(PanelTilesTest, Avx512TilesGiveTheVec8TilesResultsBitwise) {
   }
 }
 
-// The bf16 panels (kernels/cpu/panel_matmul.h's PackPanelsBf16 / PanelMatMulBf16, the CPU
-// backend's bf16 products where oneDNN has none): bitwise the float32 panels' products by the
-// weight rounded to bf16 (to nearest even), for every row count 1..40 (the few-rows tiles of 1 to 3
-// rows, the tiles of up to 6, the one-thread prefetch from 7 to 24 rows), bias or not, 1 and 2
-// threads, at shapes off every tile (m not a multiple of 16 nor of 4 panels, k odd, k = 1); they
-// write nothing past y, and take half the float32 panels' bytes. Runs on every CPU.
-TEST(PanelTilesTest, Bf16PanelsGiveTheF32PanelsResultsOnTheRoundedWeight) {
-  std::mt19937 rng(43);
+// A product on narrow panels against the float32 panels, bitwise: for shapes off every tile (m not a
+// multiple of 16 nor of 4 panels, k odd, k = 1), 1 and 2 threads, bias or not, every row count
+// 1..40 (the few-rows tiles of 1 to 3 rows, the tiles of up to 6, the one-thread prefetch from 7 to
+// 24 rows), `got` writes y [n, m] and nothing past it, and equals `want`. `pack(m, k)` is called
+// first for each shape and packs the weights that both read.
+using PanelProductFn = std::function<void(float* y, const float* x, int64_t n, int64_t m, int64_t k,
+                                          const float* bias, int threads)>;
+void ExpectPanelsBitwise(std::mt19937& rng, const char* panels, const std::function<void(int64_t, int64_t)>& pack,
+                         const PanelProductFn& want, const PanelProductFn& got) {
   constexpr size_t kGuard = 64;
   constexpr float kSentinel = -12345.0f;
-  std::vector<float> scratch;
   for (auto [m, k] : {std::pair<int64_t, int64_t>{37, 131}, {100, 1}, {16, 7}, {300, 64}, {5, 33}, {72, 768}}) {
-    const std::vector<float> w = Random(rng, m * k), b = Random(rng, m), x = Random(rng, 40 * k);
-    std::vector<float> rounded(w.size());
-    std::transform(w.begin(), w.end(), rounded.begin(), [](float v) { return Bf16ToF32(F32ToBf16(v)); });
-    std::vector<float> packed(cpu::PanelMatMulFloats(m, k));
-    cpu::PackPanels(packed.data(), rounded.data(), m, k);
-    std::vector<uint16_t> packed_bf16(cpu::PanelMatMulFloats(m, k));  // half the float32 panels' bytes
-    cpu::PackPanelsBf16(packed_bf16.data(), w.data(), m, k);
+    pack(m, k);
+    const std::vector<float> b = Random(rng, m), x = Random(rng, 40 * k);
     for (int threads : {1, 2}) {
       for (bool bias : {false, true}) {
         for (int64_t n = 1; n <= 40; ++n) {
-          std::vector<float> want(n * m), got(n * m + kGuard, kSentinel);
-          cpu::PanelMatMul(want.data(), x.data(), n, m, k, packed.data(), /*plain=*/false, bias ? b.data() : nullptr,
-                           threads, &scratch);
-          cpu::PanelMatMulBf16(got.data(), x.data(), n, m, k, packed_bf16.data(), bias ? b.data() : nullptr, threads);
+          std::vector<float> y_want(n * m), y_got(n * m + kGuard, kSentinel);
+          want(y_want.data(), x.data(), n, m, k, bias ? b.data() : nullptr, threads);
+          got(y_got.data(), x.data(), n, m, k, bias ? b.data() : nullptr, threads);
           const std::string what =
-              absl::StrCat("n=", n, " m=", m, " k=", k, bias ? " +bias" : "", " threads=", threads);
-          EXPECT_TRUE(std::all_of(got.end() - kGuard, got.end(), [&](float v) { return v == kSentinel; }))
-              << what << ": the bf16 panels wrote past y";
-          EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
-              << what << ": the bf16 panels' products differ from the float32 panels' on the rounded weight";
+              absl::StrCat(panels, " n=", n, " m=", m, " k=", k, bias ? " +bias" : "", " threads=", threads);
+          EXPECT_TRUE(std::all_of(y_got.end() - kGuard, y_got.end(), [&](float v) { return v == kSentinel; }))
+              << what << ": wrote past y";
+          EXPECT_EQ(std::memcmp(y_want.data(), y_got.data(), y_want.size() * sizeof(float)), 0)
+              << what << ": differ from the float32 panels'";
         }
       }
     }
   }
+}
+
+// The bf16 panels (kernels/cpu/panel_matmul.h's PackPanelsBf16 / PanelMatMulBf16, the CPU
+// backend's bf16 products where oneDNN has none): bitwise the float32 panels' products by the
+// weight rounded to bf16 (to nearest even), and half their bytes. Runs on every CPU.
+TEST(PanelTilesTest, Bf16PanelsGiveTheF32PanelsResultsOnTheRoundedWeight) {
+  std::mt19937 rng(43);
+  std::vector<float> packed, scratch;
+  std::vector<uint16_t> packed_bf16;  // half the float32 panels' bytes
+  ExpectPanelsBitwise(
+      rng, "bf16 panels",
+      [&](int64_t m, int64_t k) {
+        const std::vector<float> w = Random(rng, m * k);
+        std::vector<float> rounded(w.size());
+        std::transform(w.begin(), w.end(), rounded.begin(), [](float v) { return Bf16ToF32(F32ToBf16(v)); });
+        packed.assign(cpu::PanelMatMulFloats(m, k), 0);
+        cpu::PackPanels(packed.data(), rounded.data(), m, k);
+        packed_bf16.assign(cpu::PanelMatMulFloats(m, k), 0);
+        cpu::PackPanelsBf16(packed_bf16.data(), w.data(), m, k);
+      },
+      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+        cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, bias, threads, &scratch);
+      },
+      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+        cpu::PanelMatMulBf16(y, x, n, m, k, packed_bf16.data(), bias, threads);
+      });
+}
+
+// The int8 panels (PackPanelsInt8 / PanelMatMulInt8, the CPU backend's int8 products on AVX2
+// CPUs): bitwise the float32 panels' sums by the codes as floats, each times its column's scale
+// (+ bias, one fused multiply-add). Skipped (and reported so) where the CPU lacks AVX2 and FMA.
+TEST(PanelTilesTest, Int8PanelsGiveTheF32PanelsSumsOfTheCodesScaled) {
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx2)) GTEST_SKIP() << "this CPU lacks AVX2 and FMA";
+  std::mt19937 rng(47);
+  std::vector<float> packed, scale, scratch;
+  std::vector<int8_t> packed_int8;  // a quarter of the float32 panels' bytes
+  ExpectPanelsBitwise(
+      rng, "int8 panels",
+      [&](int64_t m, int64_t k) {
+        std::vector<int8_t> q(m * k);
+        std::uniform_int_distribution<int> code(-127, 127);
+        for (int8_t& c : q) c = static_cast<int8_t>(code(rng));
+        const std::vector<float> codes(q.begin(), q.end());
+        scale = Random(rng, m);
+        packed.assign(cpu::PanelMatMulFloats(m, k), 0);
+        cpu::PackPanels(packed.data(), codes.data(), m, k);
+        packed_int8.assign(cpu::PanelMatMulFloats(m, k), 0);
+        cpu::PackPanelsInt8(packed_int8.data(), q.data(), m, k);
+      },
+      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+        cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, nullptr, threads, &scratch);
+        for (int64_t i = 0; i < n * m; ++i) {
+          y[i] = bias != nullptr ? std::fma(y[i], scale[i % m], bias[i % m]) : y[i] * scale[i % m];
+        }
+      },
+      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+        cpu::PanelMatMulInt8(y, x, n, m, k, packed_int8.data(), scale.data(), bias, threads);
+      });
 }
 
 // w [m, k] in bf16_matmul.h's layout (oneDNN's "BA16a64b2a" of the [k, m] weights), rounded to bf16
@@ -748,10 +800,20 @@ TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
       ASSERT_TRUE(buffer.ok()) << buffer.status();
       EXPECT_EQ(packed.dtype, DType::kI8);
       EXPECT_EQ(packed.quant, quant);
-      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(fp8 ? Fp8RowsLayout{m, k}.bytes() : Int8RowsLayout{m, k}.bytes()));
-      EXPECT_EQ(packed.bytes(), buffer->bytes());
       EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
-      EXPECT_EQ(std::memcmp(static_cast<char*>(buffer->data()) + m * sizeof(float), q.data(), m * k), 0);
+      const char* codes = static_cast<char*>(buffer->data()) + m * sizeof(float);
+      if (!fp8 && cpu::Int8OnPanels(cpu::ActiveQuantIsa())) {
+        // The codes as panels (kernels/cpu/panel_matmul.h), the last one padded to 16 rows.
+        std::vector<int8_t> panels(cpu::PanelMatMulFloats(m, k));
+        cpu::PackPanelsInt8(panels.data(), reinterpret_cast<const int8_t*>(q.data()), m, k);
+        EXPECT_EQ(buffer->bytes(), m * sizeof(float) + panels.size());
+        EXPECT_EQ(packed.bytes(), static_cast<size_t>(Int8RowsLayout{m, k}.bytes()));
+        EXPECT_EQ(std::memcmp(codes, panels.data(), panels.size()), 0);
+      } else {
+        EXPECT_EQ(buffer->bytes(), static_cast<size_t>(fp8 ? Fp8RowsLayout{m, k}.bytes() : Int8RowsLayout{m, k}.bytes()));
+        EXPECT_EQ(packed.bytes(), buffer->bytes());
+        EXPECT_EQ(std::memcmp(codes, q.data(), m * k), 0);
+      }
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
@@ -894,10 +956,15 @@ TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
     ASSERT_TRUE(buffer.ok()) << buffer.status();
     const Tensor copy = packed;
     EXPECT_EQ(copy.quant, quant);
-    EXPECT_EQ(copy.bytes(), buffer->bytes()) << WeightQuantName(quant);
     EXPECT_EQ(copy.bytes(), static_cast<size_t>(QuantizedWeightBytes(quant, m, k))) << WeightQuantName(quant);
+    if (quant == WeightQuant::kInt8 && cpu::Int8OnPanels(cpu::ActiveQuantIsa())) {
+      // The codes as panels: the last one padded to 16 rows (kernels/cpu/panel_matmul.h).
+      EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * 4 + cpu::PanelMatMulFloats(m, k)));
+    } else {
+      EXPECT_EQ(copy.bytes(), buffer->bytes()) << WeightQuantName(quant);
+    }
     // An output placed in the weight's last bytes (for int8 and fp8 past the m x k bytes an I8
-    // view used to claim) overlaps it.
+    // view used to claim; for int8 panels, in the padding) overlaps it.
     Tensor inside(static_cast<char*>(buffer->data()) + buffer->bytes() - m * sizeof(float), DType::kF32, {1, m});
     DeviceTensor x(backend_.get(), DType::kF32, {1, k});
     x.Upload(Random(rng_, k));
@@ -1185,7 +1252,11 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
                                                     cpu::ActiveQuantIsa() == cpu::QuantIsa::kAvx512 ? 1e-5 : 1e-4));
   }
   // The backend says which instance runs and what the CPU has.
-  EXPECT_NE(backend_->Describe().find("int8/fp8/int4 products on "), std::string::npos) << backend_->Describe();
+  EXPECT_NE(backend_->Describe().find(cpu::Int8OnPanels(cpu::ActiveQuantIsa())
+                                          ? "int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on "
+                                          : "int8/fp8/int4 products on "),
+            std::string::npos)
+      << backend_->Describe();
 }
 
 // bf16 products really round (MatMulWithPackedWeight above checks them against the rounded

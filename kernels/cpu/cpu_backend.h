@@ -247,6 +247,10 @@ class CpuBackend final : public Backend {
     // bf16 weights on a CPU where oneDNN has no bf16 product: panel_matmul.h's bf16 panels (desc
     // undef), which PanelMatMulBf16 multiplies.
     bool bf16_panels = false;
+    // kInt8 weights on a CPU whose int8 products are 8 lanes wide (quant_isa.h Int8OnPanels): the
+    // row layout's scales, then the codes as panel_matmul.h's int8 panels, which PanelMatMulInt8
+    // multiplies (`bytes` counts the last panel's padding).
+    bool int8_panels = false;
     bool bf16() const { return bf16_panels || desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 
@@ -255,7 +259,8 @@ class CpuBackend final : public Backend {
   static std::string QuantizedKernelsDescription(CpuActivationQuant act);
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // Allocates `quant`'s layout of an [m, k] weight, lets `fill` write it, registers it in packed_
-  // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy).
+  // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy); an
+  // int8 one on a CPU that multiplies int8 on panels is filled aside and repacked (int8_panels).
   absl::StatusOr<Buffer> PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                        absl::FunctionRef<absl::Status(void*)> fill);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed

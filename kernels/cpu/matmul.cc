@@ -43,11 +43,13 @@ constexpr int64_t kBf16BlockedRows = 8;
 // -1: no override of kBf16BlockedRows.
 std::atomic<int64_t> g_bf16_blocked_rows{-1};
 
-// Whether the memory of a and b overlaps (exact aliasing included).
-bool Overlaps(const Tensor& a, const Tensor& b) {
+// Whether the memory of a and b overlaps (exact aliasing included); b's bytes are `b_bytes` when
+// given (a packed weight's whole buffer: int8 panels pad their last panel past the layout's bytes).
+bool Overlaps(const Tensor& a, const Tensor& b, size_t b_bytes = 0) {
   const auto* a0 = static_cast<const char*>(a.data);
   const auto* b0 = static_cast<const char*>(b.data);
-  return a.bytes() > 0 && b.bytes() > 0 && a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+  const size_t bn = b_bytes > 0 ? b_bytes : b.bytes();
+  return a.bytes() > 0 && bn > 0 && a0 < b0 + bn && b0 < a0 + a.bytes();
 }
 
 // A oneDNN matmul's primitive descriptor (bias_desc null: no bias), in the API of oneDNN 2 (Debian
@@ -115,7 +117,8 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
                                     WeightQuantName(quant)));
   }
   // (A quantized w's bytes() are its layout's: scales and zeros included.)
-  if (Overlaps(*out, x) || Overlaps(*out, w) || (bias != nullptr && Overlaps(*out, *bias))) {
+  if (Overlaps(*out, x) || Overlaps(*out, w, *packed != nullptr ? (*packed)->bytes : 0) ||
+      (bias != nullptr && Overlaps(*out, *bias))) {
     return check.Error("out must not overlap an input");
   }
   if (n == 0 || m == 0) return absl::OkStatus();
@@ -149,6 +152,10 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if (quant == WeightQuant::kInt8) {
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
+    if ((*packed)->int8_panels) {
+      cpu::PanelMatMulInt8(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+      return absl::OkStatus();
+    }
     cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_, int_isa);
     return absl::OkStatus();
   }
@@ -301,6 +308,23 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                                  absl::FunctionRef<absl::Status(void*)> fill) {
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+  if (quant == WeightQuant::kInt8 && Int8OnPanels(act_ == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni
+                                                                                    : ActiveQuantIsa())) {
+    // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
+    std::vector<uint8_t> rows(bytes);
+    SHARDSERVE_RETURN_IF_ERROR(fill(rows.data()));
+    const int64_t scale_bytes = Int8RowsLayout{m, k}.scale_bytes();
+    const auto panel_bytes = static_cast<size_t>(scale_bytes + cpu::PanelMatMulFloats(m, k));
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
+    std::memcpy(buffer.data(), rows.data(), static_cast<size_t>(scale_bytes));
+    cpu::PackPanelsInt8(static_cast<int8_t*>(buffer.data()) + scale_bytes,
+                        reinterpret_cast<const int8_t*>(rows.data()) + scale_bytes, m, k);
+    packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
+    packed_[buffer.data()].int8_panels = true;
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = quant;
+    return buffer;
+  }
   SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(bytes));
   SHARDSERVE_RETURN_IF_ERROR(fill(buffer.data()));
   packed_[buffer.data()] = PackedWeight{m, k, bytes, {}, quant};

@@ -64,6 +64,21 @@ void PackPanelsBf16(uint16_t* packed, const float* w, int64_t m, int64_t k);
 void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint16_t* w, const float* bias,
                      int threads);
 
+// The same products by int8 weights with one float32 scale per output (kernels/quant.h's int8
+// format, Int8RowsLayout's codes and scales), for CPUs with AVX2 and FMA, whose int8 products the
+// CPU backend runs so (quant_isa.h Int8OnPanels; panel_matmul_avx2.cc): panels as above, 16 bytes an input step in column
+// order, each value widened to float32 in registers, the 8-float tiles' chains, then each sum times
+// its column's scale (+ bias, in one fused multiply-add): y[i][c] = fma(chain of x[i][kk] q[c][kk]
+// over kk, scale[c], bias[c]), the chains bitwise PanelMatMul's sums by the codes as floats. A decode step reads each panel as one
+// stream, and a prefill's tiles widen each weight once for 6 rows.
+// packed [PanelMatMulFloats(m, k)] (one byte a value) = q [m, k] (row-major) in panels. m, k >= 0.
+void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k);
+// y [n, m] = x [n, k] @ (q x scale)^T (+ bias [m]) on `threads` threads (>= 1), q packed by
+// PackPanelsInt8, scale [m]. y must not overlap the inputs. n, m, k >= 1. Only on CPUs with AVX2
+// and FMA.
+void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                     const float* bias, int threads);
+
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
 // ones (kAvx512, CPUs with AVX-512F and FMA).
 enum class PanelTiles : uint8_t { kVec8 = 0, kAvx512 = 1 };

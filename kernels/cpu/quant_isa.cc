@@ -59,6 +59,10 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
     // fp8 has no integer instance: it runs AVX-512's (Fp8MatMul).
     return absl::StrCat("int8/int4 products on avx512vnni (activations rounded to int8), fp8 on avx512 ", cpu, "]");
   }
+  if (Int8OnPanels(int_isa)) {
+    return absl::StrCat("int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on ",
+                        QuantIsaName(int_isa), " ", cpu, vnni ? ": not used, inexact]" : "]");
+  }
   return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu,
                       vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
 }

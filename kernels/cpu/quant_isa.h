@@ -26,6 +26,13 @@ enum class QuantIsa : uint8_t {
   kAvx512Vnni = 3,
 };
 
+// Whether the CPU backend stores int8 weights as panels and multiplies them by PanelMatMulInt8
+// (panel_matmul.h) rather than by Int8MatMul's rows (int8_matmul.h): where its int8 instance would
+// be AVX2's (kAvx2; panel_matmul_avx2.cc). On the AVX2 EPYC the rows' tiles, a dot product over k per
+// output, read one row stream per weight row and ran at half the float32 panels' rate from 16 input
+// rows on (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). fp8 and int4 keep theirs.
+inline bool Int8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx2; }
+
 // "portable", "avx2", "avx512", "avx512vnni".
 const char* QuantIsaName(QuantIsa isa);
 // Whether this CPU (and its OS) can run `isa`'s instance.
