@@ -247,7 +247,7 @@ class CpuBackend final : public Backend {
     // bf16 weights on a CPU where oneDNN has no bf16 product: panel_matmul.h's bf16 panels (desc
     // undef), which PanelMatMulBf16 multiplies.
     bool bf16_panels = false;
-    // kInt8 weights on a CPU whose int8 products are 8 lanes wide (quant_isa.h Int8OnPanels): the
+    // kInt8 weights on a CPU whose int8 instance would be AVX2's (quant_isa.h Int8OnPanels): the
     // row layout's scales, then the codes as panel_matmul.h's int8 panels, which PanelMatMulInt8
     // multiplies (`bytes` counts the last panel's padding).
     bool int8_panels = false;
