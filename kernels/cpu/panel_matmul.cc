@@ -36,9 +36,6 @@ struct Bf16Panels {
   }
 };
 
-// Which panels a product reads.
-enum class PanelKind : uint8_t { kF32, kBf16 };
-
 // Where column c (0-15) of a bf16 panel's input step is stored: Load above takes stored values
 // 0-3 and 8-11 into columns 0-7, 4-7 and 12-15 into columns 8-15 (columns 4-7 and 8-11 swap).
 constexpr int64_t Bf16PanelSlot(int64_t c) { return c < 4 || c >= 12 ? c : c < 8 ? c + 4 : c - 4; }
@@ -134,27 +131,15 @@ void WideProduct(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
   }
 }
 
-// narrow(Bf16Panels{}) (kind kBf16, the one narrow kind these clones multiply; int8 panels run in
-// panel_matmul_avx2.cc). Always inlined, so that it is compiled where it is called (an OpenMP loop's
-// body in PanelMatMulImpl's clones).
-template <class F>
-[[gnu::always_inline]] inline void WithNarrowPanels(PanelKind /*kind*/, const F& narrow) {
-  narrow(Bf16Panels{});
-}
-
-// The product by a float32 w (kF32: packed by PackPanels, or plain; `wide`: the AVX-512 tiles where
-// they apply) or by a bf16 one (kBf16: packed by PackPanelsBf16; plain and wide false), on 8-float tiles of the same chains whichever it is. One cloned function for all,
+// The product by a float32 w (bf16 false: packed by PackPanels, or plain; `wide`: the AVX-512 tiles
+// where they apply) or by a bf16 one (bf16 true: packed by PackPanelsBf16; plain and wide false), on 8-float tiles of the same chains whichever it is. One cloned function for all,
 // so that each OpenMP loop's body is compiled for the clone's instruction set (see WideProduct).
 SHARDSERVE_VECTOR_CLONES
-void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const void* w, PanelKind kind,
+void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, const void* w, bool bf16,
                      bool plain, const float* bias, int threads, float* scratch, bool wide) {
   const int64_t panels = Panels(m), stride = k * kPanelCols;
   const auto* wf = static_cast<const float*>(w);
-  const bool f32 = kind == PanelKind::kF32;
-  // The panels of a narrow w, as its element type.
-  const auto narrow_w = [w](auto panels_of) __attribute__((always_inline)) {
-    return static_cast<const typename decltype(panels_of)::T*>(w);
-  };
+  const auto* wb = static_cast<const uint16_t*>(w);
   // Threads share out whole panels (columns), never k, so the thread count cannot change a sum.
   // Each panel is read from memory once and stays in cache (k x 64 bytes) for all rows' tiles.
   if (wide && n >= kWideMinRows) {
@@ -176,14 +161,11 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t p = g * per, have = std::min(per, panels - p);
-      if (f32) {
+      if (bf16) {
+        FewRowsProduct<Bf16Panels>(y, x, n, m, k, wb + p * stride, bias, have, p * kPanelCols);
+      } else {
         FewRowsProduct<F32Panels>(y, x, n, m, k, PanelsOf(wf, plain, m, k, scratch, p, have), bias, have,
                                   p * kPanelCols);
-      } else {
-        WithNarrowPanels(kind, [&](auto panels_of) __attribute__((always_inline)) {
-          FewRowsProduct<decltype(panels_of)>(y, x, n, m, k, narrow_w(panels_of) + p * stride, bias, have,
-                                              p * kPanelCols);
-        });
       }
     }
     return;
@@ -197,21 +179,19 @@ void PanelMatMulImpl(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
       }
       PanelProduct<W, false>(y, x, n, m, k, wp + (panels - 1) * stride, nullptr, bias, panels - 1);  // no panel after it
     };
-    if (f32) {
-      each(F32Panels{});
+    if (bf16) {
+      each(Bf16Panels{});
     } else {
-      WithNarrowPanels(kind, each);
+      each(F32Panels{});
     }
     return;
   }
 #pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsAtATime)
   for (int64_t p = 0; p < panels; ++p) {
-    if (f32) {
-      PanelProduct<F32Panels, false>(y, x, n, m, k, PanelsOf(wf, plain, m, k, scratch, p, 1), nullptr, bias, p);
+    if (bf16) {
+      PanelProduct<Bf16Panels, false>(y, x, n, m, k, wb + p * stride, nullptr, bias, p);
     } else {
-      WithNarrowPanels(kind, [&](auto panels_of) __attribute__((always_inline)) {
-        PanelProduct<decltype(panels_of), false>(y, x, n, m, k, narrow_w(panels_of) + p * stride, nullptr, bias, p);
-      });
+      PanelProduct<F32Panels, false>(y, x, n, m, k, PanelsOf(wf, plain, m, k, scratch, p, 1), nullptr, bias, p);
     }
   }
 }
@@ -251,7 +231,7 @@ void PanelMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, cons
     const auto need = static_cast<size_t>(threads * kFewRowsPanels * k * kPanelCols);
     if (scratch->size() < need) scratch->resize(need);
   }
-  PanelMatMulImpl(y, x, n, m, k, w, PanelKind::kF32, plain, bias, threads, plain ? scratch->data() : nullptr,
+  PanelMatMulImpl(y, x, n, m, k, w, /*bf16=*/false, plain, bias, threads, plain ? scratch->data() : nullptr,
                   ActivePanelTiles() == PanelTiles::kAvx512);
 }
 
@@ -267,7 +247,7 @@ void PackPanelsBf16(uint16_t* packed, const float* w, int64_t m, int64_t k) {
 
 void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint16_t* w, const float* bias,
                      int threads) {
-  PanelMatMulImpl(y, x, n, m, k, w, PanelKind::kBf16, /*plain=*/false, bias, threads, nullptr, /*wide=*/false);
+  PanelMatMulImpl(y, x, n, m, k, w, /*bf16=*/true, /*plain=*/false, bias, threads, nullptr, /*wide=*/false);
 }
 
 void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
