@@ -38,8 +38,8 @@ std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig&
 class DummyWeights : public WeightSource {
  public:
   // on_device: ReadOnDevice makes each slice in the backend's memory (Backend::FillCounterUniform)
-  // instead of refusing (the loader then reads on the host and copies). Off by default until the
-  // CUDA kernel has passed its test on a GPU (docs/gpu.md; worker --dummy-weights device).
+  // instead of refusing (the loader then reads on the host and copies). The worker's default
+  // (--dummy-weights device) since the CUDA kernel passed on a GPU (docs/gpu.md).
   DummyWeights(const ModelConfig& config, uint64_t seed, bool on_device = false);
 
   // NotFound for a name the model has no tensor of; InvalidArgument naming both shapes for another

@@ -9,8 +9,9 @@ tp-on-one-gpu) the workers share the one GPU with --worker-collectives gloo (sta
 memory: NCCL refuses two ranks on one GPU); tools/gpu-bench.sh dry-run and ctest gpu_layouts_cpu
 rehearse it on the CPU with a small model.
 
-A layout may carry extra launch flags after '+': tp1+--worker-dummy-weights=device runs TP = 1 with
-the weights made in GPU memory, checking that they equal the host-made ones token for token.
+A layout may carry extra launch flags after '+': tp1+--worker-dummy-weights=host runs TP = 1 with
+the weights made on the host and copied (CUDA workers make them in GPU memory by default; the
+reference makes them on the host).
 
 Every cluster runs in a session of its own and is stopped (SIGTERM, then SIGKILL of the session)
 before the next starts, whatever happens. Writes a JSON summary to --out; exit 0 when every

@@ -58,7 +58,7 @@ struct StepExecutorOptions {
   int cpu_threads = 0;                  // --threads: the CPU backend's math threads (0: OpenMP's default)
   std::optional<CpuMatMul> cpu_matmul;  // --matmul-dtype: none: StepExecutor::ChooseCpuMatMul's
   Collectives collectives = Collectives::kAuto;  // --collectives
-  bool dummy_weights_on_device = false;          // --dummy-weights device (DummyWeights on_device)
+  bool dummy_weights_on_device = true;           // --dummy-weights device (default; DummyWeights on_device)
   // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   // --cuda-quantized-kernels: the CUDA backend's int8 / int4 / fp8 weights (never run on a GPU yet:

@@ -99,9 +99,9 @@ constexpr char kUsage[] =
     "                           cuda), gloo (on cuda: each device tensor copied to host memory, Gloo,\n"
     "                           copied back; for TP/PP ranks sharing one GPU, which NCCL refuses) or\n"
     "                           nccl (cuda only). Every worker of a cluster must use the same\n"
-    "  --dummy-weights          --load-format dummy on cuda: host (default; made on the host and\n"
-    "                           copied) or device (made by a CUDA kernel in GPU memory, the same\n"
-    "                           values; not yet run on a GPU: docs/gpu.md)\n"
+    "  --dummy-weights          --load-format dummy on cuda: device (default: made by a CUDA kernel in\n"
+    "                           GPU memory, no host copy) or host (made on the host and copied; the\n"
+    "                           same values)\n"
     "  --cuda-quantized-kernels  --device cuda: multiply by int8 / int4 / fp8 weights (coordinator\n"
     "                           --quantization, quantized checkpoints) with the CUDA kernels for them;\n"
     "                           not yet run on a GPU (docs/gpu.md), so off by default: without it a\n"
@@ -181,7 +181,7 @@ int Main(int argc, char** argv) {
     return 0;
   }
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
-  std::string log_format_name = "text", matmul_dtype = "auto", collectives = "auto", dummy_weights = "host",
+  std::string log_format_name = "text", matmul_dtype = "auto", collectives = "auto", dummy_weights = "device",
               activation_quant = "none";
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0, coordinator_grace = 60;
   int64_t delay_ms = 0, load_delay_ms = 0;

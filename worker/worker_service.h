@@ -80,7 +80,7 @@ struct WorkerOptions {
   // has it (StepExecutor::ChooseCpuMatMul).
   std::optional<CpuMatMul> cpu_matmul;
   Collectives collectives = Collectives::kAuto;  // --collectives (StepExecutor::Options)
-  bool dummy_weights_on_device = false;          // --dummy-weights device
+  bool dummy_weights_on_device = true;           // --dummy-weights device (default)
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   bool cuda_quantized_kernels = false;  // --cuda-quantized-kernels (CudaBackendOptions::quantized_kernels)

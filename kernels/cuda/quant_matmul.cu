@@ -1,7 +1,8 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
 // int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (worker
-// --cuda-quantized-kernels). NEVER RUN ON A GPU YET: written and compiled without one, so off by
-// default until tests/kernels_cuda_test.cc's CudaQuant cases pass on a GPU (docs/gpu.md).
+// --cuda-quantized-kernels). Its CudaQuant tests passed on an H200 on 2026-11-27, with the first
+// GEMVs (a warp a row) and with those below; off by default until a quantized model has served on
+// a GPU (docs/gpu.md).
 //
 // Storage: the CPU's layouts, byte for byte (PackQuantizedWeight is a copy to the device). One
 // layout for both backends and for the checkpoints' loader (model/quantized_checkpoint.h), and the
@@ -13,12 +14,16 @@
 // tensor-core kernel; not written.
 //
 // MatMul out [n, m] = x [n, k] @ w^T (+ bias):
-// - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. One warp per output row
-//   (kGemvWarps rows a block), each lane a strided run of the row's words, kGemvLoads loads in
-//   flight; the weights are widened in registers and multiplied by all n input rows (read through
-//   L1/L2: the same x for every warp), summed in float32, reduced across the warp with shuffles;
-//   lane 0 scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds
-//   once to out's dtype.
+// - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. Each warp computes
+//   kGemvRowsPerWarp output rows (kGemvRowsPerBlock a block), each lane strided runs of the rows'
+//   bytes, several loads in flight; the codes are made float in registers (a byte permute under
+//   2^23 and a subtraction, exact, where an integer conversion runs at a quarter of the rate), each
+//   input value loaded once for all of the warp's rows (read through L1/L2: the same x for every
+//   warp) and all n input rows, summed in float32, reduced across the warp with shuffles; lane 0
+//   scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds once to
+//   out's dtype. On the H200 the first GEMVs (a warp a row, integer conversions) read 557 GB/s of
+//   int4 and 1,112 GB/s of int8 at Llama-3-8B's shapes, a quarter of the 4.5 TB/s a streaming read
+//   reaches: they were bound by instructions, not bytes.
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
@@ -42,12 +47,17 @@ namespace {
 // once for all rows by cuBLAS after dequantizing; at 8 rows the GEMV's x traffic (L2) is still far
 // below its weight traffic.
 constexpr int kGemvMaxRows = 8;
-// Output rows (warps) per GEMV block: 128 threads; the grid is ceil(m / 4) blocks (m <= INT_MAX).
+// Warps per GEMV block (128 threads), each computing kGemvRowsPerWarp output rows: the grid is
+// ceil(m / kGemvRowsPerBlock) blocks (m <= INT_MAX).
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * 32;
-// Weight loads a lane issues before using the first (4 x 16 B of int8 / fp8, 4 x 8 B of int4): a
+constexpr int kGemvRowsPerWarp = 2;
+constexpr int kGemvRowsPerBlock = kGemvWarps * kGemvRowsPerWarp;
+// Steps of 16-byte weight loads per row a lane issues before using the first (int8 / fp8: 4 x 16 B
+// x 2 rows), and steps of four int4 groups (a header and a word of nibbles per lane and row): a
 // decode GEMV is bound by the bytes in flight (an H100 needs ~15 KB per SM to cover its latency).
 constexpr int kGemvLoads = 4;
+constexpr int kInt4Steps = 4;
 // An int4 group as 8-byte words: word 0 is the header (scale, zero, pad), words 1..8 the nibbles.
 constexpr int kInt4Words = static_cast<int>(sizeof(Int4Group128) / 8);
 static_assert(sizeof(Int4Group128) % 8 == 0 && offsetof(Int4Group128, q) == 8,
@@ -110,21 +120,6 @@ __device__ __forceinline__ void LoadX8(const T* row, int64_t c, int64_t k, bool 
   }
 }
 
-// sum_j a[j] x[c0 + j] + b[j] x[c1 + j] over j < 8 (LoadX8's runs: 0 at and past k).
-template <typename T>
-__device__ __forceinline__ float Dot16(const T* row, int64_t c0, int64_t c1, int64_t k, bool vec, const float* a,
-                                       const float* b) {
-  float xv[8];
-  float d = 0.0f;
-  LoadX8(row, c0, k, vec, xv);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) d += a[j] * xv[j];
-  LoadX8(row, c1, k, vec, xv);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) d += b[j] * xv[j];
-  return d;
-}
-
 // Lane 0 of the warp of output row r writes out[i][r] = sum over lanes of acc[i], x `scale`, + bias.
 // Every lane calls (the shuffles need the whole warp).
 template <typename T, typename TO>
@@ -141,109 +136,179 @@ __device__ __forceinline__ void FinishRow(TO* out, const float (&acc)[kGemvMaxRo
   }
 }
 
-// Int8 or fp8 rows (Int8RowsLayout / Fp8RowsLayout): warp w of block b is output row 4 b + w.
-// vec: q's rows are 16-byte aligned and k % 16 == 0 (16 weights a load, lane-strided: a warp
-// reads 512 contiguous bytes a step); else one byte a lane a step (still coalesced).
+// 2^23 + byte t of `bytes` (0 <= t < 4), as a float, built by one byte permute under 0x4B000000
+// (the float 2^23, whose unit in the last place is 1): a code's value as float in one instruction
+// where an integer-to-float conversion runs at a quarter of the rate. Minus kMagic (+ the code's
+// offset) it is the code, exactly.
+constexpr float kMagic = 8388608.0f;  // 2^23
+__device__ __forceinline__ float MagicByte(uint32_t bytes, int t) {
+  return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540u + static_cast<uint32_t>(t)));
+}
+
+// Int8 or fp8 rows (Int8RowsLayout / Fp8RowsLayout): warp w of block b computes output rows
+// kGemvRowsPerWarp (4 b + w) + [0, kGemvRowsPerWarp), each input value it loads serving every one
+// of them. vec: q's rows are 16-byte aligned and k % 16 == 0 (16 weights a load, lane-strided: a
+// warp reads 512 contiguous bytes of each row a step, kGemvLoads steps in flight); else one byte a
+// lane a step (still coalesced). int8 codes are read as float by MagicByte on the codes + 128.
 template <typename T, typename TO, bool kFp8>
 __global__ void __launch_bounds__(kGemvThreads)
     RowsGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const float* __restrict__ scale /*[m]*/, const uint8_t* __restrict__ q /*[m, k]*/,
                    const T* __restrict__ bias /*[m] or null*/, int n, int64_t m, int64_t k, bool vec_w, bool vec_x) {
+  constexpr int R = kGemvRowsPerWarp;
   const int lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (r >= m) return;  // the whole warp: r is the warp's
-  const uint8_t* qr = q + r * k;
-  float acc[kGemvMaxRows];
+  const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5)) * R;
+  if (r0 >= m) return;  // the whole warp: r0 is the warp's
+  const uint8_t* qr[R];
 #pragma unroll
-  for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
+  for (int rr = 0; rr < R; ++rr) qr[rr] = q + (r0 + rr < m ? r0 + rr : m - 1) * k;  // past m: read, not written
+  float acc[R][kGemvMaxRows];
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+#pragma unroll
+    for (int i = 0; i < kGemvMaxRows; ++i) acc[rr][i] = 0.0f;
+  }
   if (vec_w) {
-    // kGemvLoads loads of 16 bytes issued before any is used (more bytes in flight per warp).
     for (int64_t base = int64_t{lane} * 16; base < k; base += 32 * 16 * kGemvLoads) {
-      uint4 loaded[kGemvLoads];
+      uint4 loaded[kGemvLoads][R];
 #pragma unroll
       for (int l = 0; l < kGemvLoads; ++l) {
         const int64_t c = base + int64_t{32 * 16} * l;
-        loaded[l] = c < k ? __ldg(reinterpret_cast<const uint4*>(qr + c)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+          loaded[l][rr] = c < k ? __ldg(reinterpret_cast<const uint4*>(qr[rr] + c)) : make_uint4(0, 0, 0, 0);
+        }
       }
 #pragma unroll
       for (int l = 0; l < kGemvLoads; ++l) {
         const int64_t c = base + int64_t{32 * 16} * l;
         if (c >= k) break;
-        const uint32_t words[4] = {loaded[l].x, loaded[l].y, loaded[l].z, loaded[l].w};
-        float w[16];
+        float w[R][16];
 #pragma unroll
-        for (int j = 0; j < 16; ++j) w[j] = RowValue<kFp8>((words[j / 4] >> (8 * (j % 4))) & 0xFFu);
+        for (int rr = 0; rr < R; ++rr) {
+          const uint32_t words[4] = {loaded[l][rr].x, loaded[l][rr].y, loaded[l][rr].z, loaded[l][rr].w};
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            if constexpr (kFp8) {
+              w[rr][j] = Fp8ToFloat((words[j / 4] >> (8 * (j % 4))) & 0xFFu);
+            } else {  // the code + 128 (its sign bit flipped) under 2^23, less both
+              w[rr][j] = MagicByte(words[j / 4] ^ 0x80808080u, j % 4) - (kMagic + 128.0f);
+            }
+          }
+        }
 #pragma unroll
         for (int i = 0; i < kGemvMaxRows; ++i) {
-          if (i < n) acc[i] += Dot16(x + i * k, c, c + 8, k, vec_x, w, w + 8);
+          if (i < n) {
+            float xv[16];
+            LoadX8(x + i * k, c, k, vec_x, xv);
+            LoadX8(x + i * k, c + 8, k, vec_x, xv + 8);
+#pragma unroll
+            for (int rr = 0; rr < R; ++rr) {
+              float d = 0.0f;
+#pragma unroll
+              for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
+              acc[rr][i] += d;
+            }
+          }
         }
       }
     }
   } else {
     for (int64_t c = lane; c < k; c += 32) {
-      const float w = RowValue<kFp8>(__ldg(qr + c));
+      float w[R];
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) w[rr] = RowValue<kFp8>(__ldg(qr[rr] + c));
 #pragma unroll
       for (int i = 0; i < kGemvMaxRows; ++i) {
-        if (i < n) acc[i] += w * ToFloat(x[i * k + c]);
+        if (i < n) {
+          const float xi = ToFloat(x[i * k + c]);
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) acc[rr][i] += w[rr] * xi;
+        }
       }
     }
   }
-  FinishRow<T, TO>(out, acc, __ldg(scale + r), bias, n, m, r);
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+    if (r0 + rr < m) FinishRow<T, TO>(out, acc[rr], __ldg(scale + r0 + rr), bias, n, m, r0 + rr);  // warp-uniform
+  }
 }
 
-// Int4 groups (Int4GroupsLayout): warp w of block b is output row 4 b + w, whose groups x 72 bytes
-// are read as 8-byte words, lane-strided (a warp reads 256 contiguous bytes a step). A lane with a
-// header word skips it; a lane with nibble word p (1..8) of group g reads its group's scale and
-// zero (the header's bytes, which the warp has just loaded: an L1 hit) and multiplies
-// inputs 128 g + 8 (p - 1) + [0, 8) (low nibbles) and the same + 64 (high nibbles). Inputs at or
-// past k (the last group of a row when k % 128 != 0) are 0 and add nothing.
+// Int4 groups (Int4GroupsLayout): warp w of block b computes output rows kGemvRowsPerWarp (4 b + w)
+// + [0, kGemvRowsPerWarp). Eight lanes take a group (lane / 8: which of four groups a step, lane % 8:
+// which of its eight 8-byte words of nibbles) and all eight read its header (scale, zero) as one
+// broadcast 8-byte load; kInt4Steps steps (16 groups of each row) are loaded before any is used.
+// Lane p of group g multiplies inputs 128 g + 8 p + [0, 8) (low nibbles) and the same + 64 (high
+// nibbles), each code made float by MagicByte less 2^23 + zero: (q - zero) exactly, as
+// DequantizeInt4Groups has it; the group's sum times its scale. Inputs at or past k (the last
+// group of a row when k % 128 != 0) are 0 and add nothing.
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kGemvThreads)
     Int4GemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
                    int n, int64_t m, int64_t k, int64_t groups, bool vec_x) {
-  const int lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
-  if (r >= m) return;  // the whole warp
-  const Int4Group128* row = blocks + r * groups;
-  const uint2* words = reinterpret_cast<const uint2*>(row);
-  const int64_t row_words = groups * kInt4Words;
-  float acc[kGemvMaxRows];
+  constexpr int R = kGemvRowsPerWarp;
+  const int lane = threadIdx.x & 31, quarter = lane >> 3, p = lane & 7;
+  const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5)) * R;
+  if (r0 >= m) return;  // the whole warp
+  const uint2* words[R];
 #pragma unroll
-  for (int i = 0; i < kGemvMaxRows; ++i) acc[i] = 0.0f;
-  // kGemvLoads words issued before any is used (more bytes in flight per warp).
-  for (int64_t base = lane; base < row_words; base += 32 * kGemvLoads) {
-    uint2 loaded[kGemvLoads];
+  for (int rr = 0; rr < R; ++rr) {
+    words[rr] = reinterpret_cast<const uint2*>(blocks + (r0 + rr < m ? r0 + rr : m - 1) * groups);  // past m: not written
+  }
+  float acc[R][kGemvMaxRows];
 #pragma unroll
-    for (int l = 0; l < kGemvLoads; ++l) {
-      const int64_t wi = base + 32 * l;
-      loaded[l] = wi < row_words ? __ldg(words + wi) : make_uint2(0, 0);
+  for (int rr = 0; rr < R; ++rr) {
+#pragma unroll
+    for (int i = 0; i < kGemvMaxRows; ++i) acc[rr][i] = 0.0f;
+  }
+  for (int64_t g0 = quarter; g0 < groups; g0 += 4 * kInt4Steps) {
+    uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
+#pragma unroll
+    for (int u = 0; u < kInt4Steps; ++u) {
+      const int64_t g = g0 + 4 * u;
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        head[u][rr] = g < groups ? __ldg(words[rr] + g * kInt4Words) : make_uint2(0, 0);
+        nib[u][rr] = g < groups ? __ldg(words[rr] + g * kInt4Words + 1 + p) : make_uint2(0, 0);
+      }
     }
 #pragma unroll
-    for (int l = 0; l < kGemvLoads; ++l) {
-      const int64_t wi = base + 32 * l;
-      if (wi >= row_words) break;
-      const int64_t g = wi / kInt4Words;
-      const int p = static_cast<int>(wi - g * kInt4Words);
-      if (p == 0) continue;  // the header: its scale and zero are read (from L1) by the lanes below
-      const uint2 u = loaded[l];
-      const float s = __ldg(&row[g].scale);
-      const float z = static_cast<float>(__ldg(&row[g].zero));
-      const int64_t c = g * kInt4GroupSize + (p - 1) * 8;
-      float lo[8], hi[8];
+    for (int u = 0; u < kInt4Steps; ++u) {
+      const int64_t g = g0 + 4 * u;
+      if (g >= groups) break;
+      float w[R][16], s[R];
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const uint32_t b = ((t < 4 ? u.x : u.y) >> (8 * (t % 4))) & 0xFFu;
-        lo[t] = static_cast<float>(b & 15u) - z;
-        hi[t] = static_cast<float>(b >> 4) - z;
+      for (int rr = 0; rr < R; ++rr) {
+        s[rr] = __uint_as_float(head[u][rr].x);
+        const float mz = kMagic + static_cast<float>(head[u][rr].y & 0xFFu);  // 2^23 + zero
+        const uint32_t nibbles[4] = {nib[u][rr].x & 0x0F0F0F0Fu, nib[u][rr].y & 0x0F0F0F0Fu,
+                                     (nib[u][rr].x >> 4) & 0x0F0F0F0Fu, (nib[u][rr].y >> 4) & 0x0F0F0F0Fu};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) w[rr][j] = MagicByte(nibbles[j / 4], j % 4) - mz;
       }
+      const int64_t c = g * kInt4GroupSize + 8 * p;
 #pragma unroll
       for (int i = 0; i < kGemvMaxRows; ++i) {
-        if (i < n) acc[i] += s * Dot16(x + i * k, c, c + kInt4GroupSize / 2, k, vec_x, lo, hi);
+        if (i < n) {
+          float xv[16];
+          LoadX8(x + i * k, c, k, vec_x, xv);
+          LoadX8(x + i * k, c + kInt4GroupSize / 2, k, vec_x, xv + 8);
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) {
+            float d = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
+            acc[rr][i] = fmaf(s[rr], d, acc[rr][i]);
+          }
+        }
       }
     }
   }
-  FinishRow<T, TO>(out, acc, 1.0f, bias, n, m, r);
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+    if (r0 + rr < m) FinishRow<T, TO>(out, acc[rr], 1.0f, bias, n, m, r0 + rr);  // warp-uniform
+  }
 }
 
 // w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
@@ -381,7 +446,7 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   if (n <= kGemvMaxRows) {
     const bool vec_x = Aligned(x.data, 16) && (k * static_cast<int64_t>(DTypeSize(act_))) % 16 == 0;
     const bool vec_w = Aligned(q, 16) && k % 16 == 0;
-    const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvWarps));
+    const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvRowsPerBlock));
     return DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       const T* xs = x.as<const T>();

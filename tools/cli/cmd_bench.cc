@@ -124,7 +124,7 @@ constexpr char kUsage[] =
     "  --activation-quantization  the workers' (int8: the int8/int4 products on int8-rounded inputs,\n"
     "                     AVX-512 VNNI; README, Quantization)\n"
     "  --worker-collectives, --worker-dummy-weights  the workers' --collectives (gloo: TP/PP ranks\n"
-    "                     sharing one GPU) and --dummy-weights (device: made in GPU memory)\n"
+    "                     sharing one GPU) and --dummy-weights (host: made on the host and copied)\n"
     "  --worker-cuda-quantized-kernels  the workers' --cuda-quantized-kernels (--quantization on cuda;\n"
     "                     never run on a GPU yet: docs/gpu.md)\n"
     "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
