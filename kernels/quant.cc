@@ -3,8 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <system_error>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardserve {
 
@@ -147,6 +151,48 @@ absl::Status QuantizeInt4Groups(Int4Group128* blocks, const float* w, int64_t m,
       }
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w, int64_t m, int64_t k, int threads) {
+  if (quant == WeightQuant::kNone) return absl::InvalidArgumentError("QuantizeWeight: kNone is no quantized layout");
+  if (m < 0 || k < 0) return absl::InvalidArgumentError(absl::StrCat("QuantizeWeight: a [", m, ", ", k, "] weight"));
+  const char* name = WeightQuantName(quant);
+  for (int64_t i = 0; i < m * k; ++i) {  // here, with the whole weight's row and column
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
+    }
+  }
+  // Rows [r0, r1) into their own bytes of the layout.
+  auto rows = [&](int64_t r0, int64_t r1) -> absl::Status {
+    const int64_t n = r1 - r0;
+    auto* bytes = static_cast<uint8_t*>(stored);
+    if (quant == WeightQuant::kInt4) {
+      return QuantizeInt4Groups(reinterpret_cast<Int4Group128*>(bytes) + r0 * Int4GroupsLayout{m, k}.groups_per_row(),
+                                w + r0 * k, n, k);
+    }
+    auto* scale = reinterpret_cast<float*>(bytes) + r0;
+    uint8_t* q = bytes + Int8RowsLayout{m, k}.scale_bytes() + r0 * k;  // fp8's layout is int8's
+    return quant == WeightQuant::kInt8 ? QuantizeInt8Rows(scale, reinterpret_cast<int8_t*>(q), w + r0 * k, n, k)
+                                       : QuantizeFp8Rows(scale, q, w + r0 * k, n, k);
+  };
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  constexpr int64_t kMinRowsPerThread = 16;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, m / kMinRowsPerThread));
+  std::vector<absl::Status> status(static_cast<size_t>(parts));
+  std::vector<std::thread> workers;
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
+    try {
+      workers.emplace_back([&, p, r0, r1] { status[p] = rows(r0, r1); });
+    } catch (const std::system_error&) {  // no thread to be had: this one does the part
+      status[p] = rows(r0, r1);
+    }
+  }
+  status[0] = rows(0, m / parts);
+  for (std::thread& t : workers) t.join();
+  for (const absl::Status& s : status) SHARDSERVE_RETURN_IF_ERROR(s);
   return absl::OkStatus();
 }
 

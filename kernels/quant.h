@@ -136,6 +136,17 @@ absl::Status QuantizeInt4Groups(Int4Group128* blocks /*[m, ceil(k / 128)]*/, con
 void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, ceil(k / 128)]*/, int64_t m,
                           int64_t k);
 
+// ---- Any format ---------------------------------------------------------------------------------
+
+// Quantizes w [m, k] float32 into `stored`: QuantizedWeightBytes(quant, m, k) bytes of quant's
+// layout (int8 / fp8: the scales, then the codes; int4: the blocks), as the quantizers above do,
+// with the rows shared among `threads` threads (0: one per hardware thread): every row's bytes are
+// a function of that row alone, so the bytes do not depend on the split. What both backends call to
+// quantize a weight at load (the Llama-3-8B's 7 G weights took over 150 s in one thread). Non-finite
+// weights are refused, naming the row and column, before anything is written; kNone is refused.
+absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w /*[m, k]*/, int64_t m, int64_t k,
+                            int threads = 0);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_KERNELS_QUANT_H_

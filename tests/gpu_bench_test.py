@@ -97,6 +97,11 @@ def main():
         check(mem["cuda_context"]["ratio"] == round(566231040 / 1040187392, 4), "the context's ratio", json.dumps(mem))
         check(mem["cublas_workspace"]["measured"] is None and "not measured" in mem["cublas_workspace"]["how"],
               "an item not measured stays so", json.dumps(mem))
+        # The H200's (2026-11-27) free and held_back lines: free after loading against free + held_back
+        # + the workspace still to come.
+        check(mem["free_after_load"]["planned"] == 605696 + 15010988032 + 33554432 and
+              mem["free_after_load"]["measured"] == 15329263616 and mem["free_after_load"]["ratio"] == 1.0189,
+              "free after loading, derived", json.dumps(mem))
         rc, out, err = run([*REPORT, "record", records, "x", "great", "1"])
         check(rc == 2 and "is not one of" in err, "a bad status is refused", err)
 
@@ -123,7 +128,7 @@ def main():
         rc, out, err = run([*REPORT, "record", records, "07-hf-b1", "failed", "3", "--note", "boom"])
         rc, out, err = run([*REPORT, "report", records, out_json, out_md])
         check(rc == 1 and "07-hf-b1" in err, "a failed step fails the report, by name", out + err)
-    checks += 10
+    checks += 11
 
     hf = [sys.executable, os.path.join(ROOT, "tools/bench_hf_generate.py")]
     cfg = os.path.join(ROOT, "tests/fixtures/configs/llama-3-8b.json")

@@ -1157,6 +1157,47 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheVnniInstance) {
 
 // ---- int4 weights (kernels/quant.h Int4Group128, kernels/cpu/int4_matmul.h) ------------------
 
+// QuantizeWeight, what both backends quantize a weight with at load: with the rows shared among
+// 1, 3 or 7 threads, the bytes of each format's own quantizer in one call, for rows that split
+// unevenly and an int4 k off 128; a non-finite weight is refused naming its row and column in the
+// whole weight (not in a thread's rows) before anything is written; kNone is refused.
+TEST(QuantizeWeightTest, ThreadsGiveTheQuantizersBytesAndRefuseWithTheWholeWeightsPlace) {
+  std::mt19937 rng(29);
+  const int64_t m = 101, k = 300;
+  std::vector<float> w = Random(rng, m * k, -2.0f, 3.0f);
+  std::fill(w.begin() + 40 * k, w.begin() + 41 * k, 0.0f);  // an all-zero row
+  for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
+    SCOPED_TRACE(WeightQuantName(quant));
+    const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+    std::vector<uint8_t> want(bytes);
+    absl::Status s;
+    if (quant == WeightQuant::kInt4) {
+      s = QuantizeInt4Groups(reinterpret_cast<Int4Group128*>(want.data()), w.data(), m, k);
+    } else if (quant == WeightQuant::kInt8) {
+      s = QuantizeInt8Rows(reinterpret_cast<float*>(want.data()),
+                           reinterpret_cast<int8_t*>(want.data() + Int8RowsLayout{m, k}.scale_bytes()), w.data(), m, k);
+    } else {
+      s = QuantizeFp8Rows(reinterpret_cast<float*>(want.data()), want.data() + Fp8RowsLayout{m, k}.scale_bytes(),
+                          w.data(), m, k);
+    }
+    ASSERT_TRUE(s.ok()) << s;
+    for (int threads : {1, 3, 7}) {
+      std::vector<uint8_t> got(bytes, 0xAB);
+      ASSERT_TRUE(QuantizeWeight(quant, got.data(), w.data(), m, k, threads).ok());
+      EXPECT_TRUE(got == want) << threads << " threads";
+    }
+    std::vector<float> bad = w;
+    bad[97 * k + 5] = std::numeric_limits<float>::quiet_NaN();
+    std::vector<uint8_t> untouched(bytes, 0xAB);
+    s = QuantizeWeight(quant, untouched.data(), bad.data(), m, k, 7);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(s.message()).find("[97, 5]"), std::string::npos) << s;
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint8_t b) { return b == 0xAB; }));
+  }
+  std::vector<uint8_t> none(16);
+  EXPECT_EQ(QuantizeWeight(WeightQuant::kNone, none.data(), w.data(), 1, 4).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // The block format's reference: every weight within one step (scale) of its value (half a step
 // from its own rounding, up to half more where the zero point's rounding clamps it at 0 or 15),
 // the zero point in [0, 15], an all-zero group scale 0, a short last group when k is not a

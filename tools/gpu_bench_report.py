@@ -170,6 +170,17 @@ def memory_items(paths):
                 ratio = round(measured / planned, 4) if measured is not None and planned > 0 else None
                 items[name] = {"planned": planned, "measured": measured, "ratio": ratio,
                                "how": m.group(4).strip(" ,")}
+        # What cudaMemGetInfo should find free once the worker has loaded: the plan's free bytes, what
+        # gpu_memory_utilization holds back (never allocated) and cuBLAS's workspace while it is still
+        # to come (allocated at the first product). Compared with the measured free bytes, it checks
+        # the plan's items taken together, the CUDA context's share included.
+        free, held, ws = items.get("free"), items.get("held_back"), items.get("cublas_workspace")
+        if free and held and free["measured"] is not None:
+            planned = free["planned"] + held["planned"] + (ws["planned"] if ws and ws["measured"] is None else 0)
+            items["free_after_load"] = {
+                "planned": planned, "measured": free["measured"],
+                "ratio": round(free["measured"] / planned, 4) if planned > 0 else None,
+                "how": "derived: free + held_back + cublas_workspace not yet allocated, against free after loading"}
         if items:
             out[os.path.basename(path)] = items
     return out

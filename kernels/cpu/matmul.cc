@@ -341,18 +341,7 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
   if (quant != WeightQuant::kNone) {  // kernels/quant.h's layouts, for int8_matmul.h and int4_matmul.h
     return PackQuantized(quant, m, k, packed, [&](void* to) -> absl::Status {
-      absl::Status s;
-      if (quant == WeightQuant::kInt8) {
-        const Int8RowsLayout layout{m, k};
-        s = QuantizeInt8Rows(static_cast<float*>(to), static_cast<int8_t*>(to) + layout.scale_bytes(), w.as<float>(),
-                             m, k);
-      } else if (quant == WeightQuant::kFp8) {
-        const Fp8RowsLayout layout{m, k};
-        s = QuantizeFp8Rows(static_cast<float*>(to), static_cast<uint8_t*>(to) + layout.scale_bytes(), w.as<float>(),
-                            m, k);
-      } else {
-        s = QuantizeInt4Groups(static_cast<Int4Group128*>(to), w.as<float>(), m, k);
-      }
+      const absl::Status s = QuantizeWeight(quant, to, w.as<float>(), m, k);
       return s.ok() ? s : check.Error(s.message());
     });
   }

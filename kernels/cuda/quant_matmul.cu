@@ -379,8 +379,8 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   }
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
-  // Quantized on the host by kernels/quant.h's own quantizers (once, at load), so that both
-  // backends hold the same bytes for the same weight.
+  // Quantized on the host by kernels/quant.h's own quantizers (once, at load; QuantizeWeight: the
+  // rows over the host's threads), so that both backends hold the same bytes for the same weight.
   std::vector<uint8_t> raw(w.bytes());
   SHARDSERVE_RETURN_IF_NOT_OK(CopyToHost(raw.data(), w.data, raw.size()));
   std::vector<float> f(static_cast<size_t>(m * k));
@@ -390,18 +390,7 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   raw.clear();
   raw.shrink_to_fit();
   std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));  // new[]: 16-byte aligned
-  const absl::Status s = [&]() -> absl::Status {
-    if (quant == WeightQuant::kInt8) {
-      return QuantizeInt8Rows(reinterpret_cast<float*>(stored.data()),
-                              reinterpret_cast<int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), f.data(),
-                              m, k);
-    }
-    if (quant == WeightQuant::kFp8) {
-      return QuantizeFp8Rows(reinterpret_cast<float*>(stored.data()), stored.data() + Fp8RowsLayout{m, k}.scale_bytes(),
-                             f.data(), m, k);
-    }
-    return QuantizeInt4Groups(reinterpret_cast<Int4Group128*>(stored.data()), f.data(), m, k);
-  }();
+  const absl::Status s = QuantizeWeight(quant, stored.data(), f.data(), m, k);
   if (!s.ok()) return Invalid("PackMatMulWeight", s.message(), {{"w", &w}});
   return PackQuantizedWeight(quant, stored.data(), m, k, packed);
 }
