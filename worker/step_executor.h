@@ -61,8 +61,8 @@ struct StepExecutorOptions {
   bool dummy_weights_on_device = true;           // --dummy-weights device (default; DummyWeights on_device)
   // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
-  // --cuda-quantized-kernels: the CUDA backend's int8 / int4 / fp8 weights (never run on a GPU yet:
-  // off by default, quantized assignments are then refused on CUDA).
+  // --cuda-quantized-kernels: the CUDA backend's int8 / int4 / fp8 weights (op tests passed on a GPU,
+  // no model served there yet: off by default, quantized assignments are then refused on CUDA).
   bool cuda_quantized_kernels = false;
 };
 

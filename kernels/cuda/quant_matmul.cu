@@ -339,7 +339,8 @@ bool Aligned(const void* p, size_t to) { return reinterpret_cast<uintptr_t>(p) %
 absl::Status Off(const char* op, WeightQuant quant) {
   return absl::UnimplementedError(absl::StrCat(
       op, ": the CUDA kernels for ", WeightQuantName(quant),
-      " weights have not yet passed their tests on a GPU, so they are off by default; turn them on with "
+      " weights have passed their op tests on a GPU but have not yet served a model there, so they are off by "
+      "default; turn them on with "
       "shardserve-worker --cuda-quantized-kernels (launch / bench --compare: --worker-cuda-quantized-kernels; "
       "docs/gpu.md), or load without quantization"));
 }

@@ -126,7 +126,7 @@ constexpr char kUsage[] =
     "  --worker-collectives, --worker-dummy-weights  the workers' --collectives (gloo: TP/PP ranks\n"
     "                     sharing one GPU) and --dummy-weights (host: made on the host and copied)\n"
     "  --worker-cuda-quantized-kernels  the workers' --cuda-quantized-kernels (--quantization on cuda;\n"
-    "                     never run on a GPU yet: docs/gpu.md)\n"
+    "                     off by default: docs/gpu.md)\n"
     "  --max-num-seqs ... --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed\n"
     "                     through when given\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
     "                     --load-format dummy runs weights made from config.json alone (a --model\n"

@@ -27,7 +27,7 @@ constexpr char kUsage[] =
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel),\n"
     "  int4 in 4 bits (a scale and zero point per group of 128 inputs), fp8 in e4m3 (one scale per\n"
     "  output channel), quantized at load, as the coordinator's --quantization does. On cuda only with\n"
-    "  --cuda-quantized-kernels, as the worker's (CUDA kernels not yet run on a GPU: docs/gpu.md).\n"
+    "  --cuda-quantized-kernels, as the worker's (off by default: docs/gpu.md).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
     "  only), as the worker's --activation-quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"

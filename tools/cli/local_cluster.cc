@@ -63,7 +63,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
-  // The CUDA kernels for quantized weights: never run on a GPU yet, so only when asked for by name.
+  // The CUDA kernels for quantized weights: no model served on a GPU yet, so only when asked for by name.
   if (f.Has("worker-cuda-quantized-kernels")) c.worker_flags.push_back("--cuda-quantized-kernels");
   // Beside --quantization, but the workers' (their CPU products' kernels): --activation-quantization.
   if (f.Has("activation-quantization")) {
