@@ -21,9 +21,10 @@
 //   input value loaded once for all of the warp's rows (read through L1/L2: the same x for every
 //   warp) and all n input rows, summed in float32, reduced across the warp with shuffles; lane 0
 //   scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds once to
-//   out's dtype. On the H200 the first GEMVs (a warp a row, integer conversions) read 557 GB/s of
-//   int4 and 1,112 GB/s of int8 at Llama-3-8B's shapes, a quarter of the 4.5 TB/s a streaming read
-//   reaches: they were bound by instructions, not bytes.
+//   out's dtype. On the H200 at Llama-3-8B's shapes the first GEMVs (a warp a row, integer
+//   conversions) read 557 GB/s of int4 and 1,112 of int8, these 744 and 1,379, of the 4.5 TB/s a
+//   streaming read reaches; Nsight Compute finds these latency-bound, neither DRAM nor the SMs
+//   busy (docs/benchmarks.md has the figures and the next steps).
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
