@@ -26,6 +26,17 @@ float RoundHalfAway(float x) {
 float Min(float a, float b) { return b < a ? b : a; }
 float Max(float a, float b) { return a < b ? b : a; }
 
+// InvalidArgument naming the first non-finite weight of w [m, k] (row, column), else OK.
+absl::Status RefuseNonFinite(const char* format, const float* w, int64_t m, int64_t k) {
+  for (int64_t i = 0; i < m * k; ++i) {
+    if (!std::isfinite(w[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(format, " quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* WeightQuantName(WeightQuant q) {
@@ -56,12 +67,7 @@ int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k) {
 }
 
 absl::Status QuantizeInt8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {
-  for (int64_t i = 0; i < m * k; ++i) {
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("int8 quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
-    }
-  }
+  SHARDSERVE_RETURN_IF_ERROR(RefuseNonFinite("int8", w, m, k));
   for (int64_t r = 0; r < m; ++r) {
     const float* row = w + r * k;
     float max_abs = 0;
@@ -112,12 +118,7 @@ uint8_t FloatToFp8E4m3(float v) {
 }
 
 absl::Status QuantizeFp8Rows(float* scale, uint8_t* q, const float* w, int64_t m, int64_t k) {
-  for (int64_t i = 0; i < m * k; ++i) {
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("fp8 quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
-    }
-  }
+  SHARDSERVE_RETURN_IF_ERROR(RefuseNonFinite("fp8", w, m, k));
   for (int64_t r = 0; r < m; ++r) {
     const float* row = w + r * k;
     float max_abs = 0;
@@ -136,12 +137,7 @@ void DequantizeFp8Rows(float* w, const float* scale, const uint8_t* q, int64_t m
 }
 
 absl::Status QuantizeInt4Groups(Int4Group128* blocks, const float* w, int64_t m, int64_t k) {
-  for (int64_t i = 0; i < m * k; ++i) {
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("int4 quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
-    }
-  }
+  SHARDSERVE_RETURN_IF_ERROR(RefuseNonFinite("int4", w, m, k));
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
   constexpr int64_t kHalf = kInt4GroupSize / 2;
   for (int64_t r = 0; r < m; ++r) {
@@ -173,13 +169,8 @@ absl::Status QuantizeInt4Groups(Int4Group128* blocks, const float* w, int64_t m,
 absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w, int64_t m, int64_t k, int threads) {
   if (quant == WeightQuant::kNone) return absl::InvalidArgumentError("QuantizeWeight: kNone is no quantized layout");
   if (m < 0 || k < 0) return absl::InvalidArgumentError(absl::StrCat("QuantizeWeight: a [", m, ", ", k, "] weight"));
-  const char* name = WeightQuantName(quant);
-  for (int64_t i = 0; i < m * k; ++i) {  // here, with the whole weight's row and column
-    if (!std::isfinite(w[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, " quantization: weight [", i / k, ", ", i % k, "] is ", w[i], ", not a finite number"));
-    }
-  }
+  // Here, with the whole weight's row and column (each thread's quantizer would name its own rows').
+  SHARDSERVE_RETURN_IF_ERROR(RefuseNonFinite(WeightQuantName(quant), w, m, k));
   // Rows [r0, r1) into their own bytes of the layout.
   auto rows = [&](int64_t r0, int64_t r1) -> absl::Status {
     const int64_t n = r1 - r0;
