@@ -216,7 +216,8 @@ std::unique_ptr<Backend> MakeCpuBackend(int threads = 0, CpuMatMul matmul = CpuM
 // (worker --activation-quantization). kNone (the default): those products multiply the float32
 // inputs by the exactly widened weights, and equal the dequantized weights' float32 product up to
 // float32 rounding. kInt8: each input row is rounded to int8 with one scale (max |x| / 127) and
-// multiplied in integers (AVX-512 VNNI's VPDPBUSD), as llama.cpp's Q8_0 / Q4_0 products do:
+// multiplied in integers (AVX-512 VNNI's VPDPBUSD, else AVX2's VPMADDUBSW), as llama.cpp's Q8_0 /
+// Q4_0 products do:
 // faster, and each input moves by up to 1/254 of its row's largest (tests/llama_parity_test.cc
 // states what that does to the logits). fp8 weights, float32 and bf16 products are unaffected.
 enum class CpuActivationQuant : uint8_t { kNone, kInt8 };
@@ -225,8 +226,9 @@ enum class CpuActivationQuant : uint8_t { kNone, kInt8 };
 absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name);
 const char* CpuActivationQuantName(CpuActivationQuant act);
 
-// MakeCpuBackend with `act`. kInt8 needs AVX-512 VNNI: on a CPU without it (AVX2-only, say) this is
-// FailedPrecondition naming what the CPU has, rather than a silent fall back to the exact products.
+// MakeCpuBackend with `act`. kInt8 needs AVX-512 VNNI or AVX2 (kernels/cpu/quant_isa.h
+// Int8ActivationsIsa): on a CPU with neither this is FailedPrecondition naming what the CPU has,
+// rather than a silent fall back to the exact products.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act);
 
 // Whether oneDNN multiplies bf16 on this CPU with bf16 instructions (AVX512-BF16 or AMX; within any

@@ -48,6 +48,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/quant_isa.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "nlohmann/json.hpp"
@@ -510,8 +511,9 @@ INSTANTIATE_TEST_SUITE_P(Quantizations, ClusterQuantizationPerChannelTest,
 // row's int8 scale is the one process's): the cluster gives exactly the greedy tokens of one
 // process whose backend rounds the activations (MakeCpuBackend with CpuActivationQuant::kInt8),
 // which differ from the exact int4 tokens on this fixture (the flag really reached the workers),
-// and each worker's log names the VNNI instance. Skipped on a CPU without AVX-512 VNNI, where the
-// workers refuse the flag (CpuActivationQuantTest checks the refusal).
+// and each worker's log names the instance (AVX-512 VNNI's where the CPU has it, else AVX2's).
+// Skipped on a CPU with neither, where the workers refuse the flag (CpuActivationQuantTest checks
+// the refusal).
 TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
   absl::StatusOr<std::unique_ptr<Backend>> act_backend = MakeCpuBackend(0, CpuMatMul::kF32, CpuActivationQuant::kInt8);
   if (!act_backend.ok()) GTEST_SKIP() << act_backend.status();
@@ -546,7 +548,9 @@ TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
   EXPECT_EQ(r.tokens, reference[1]);
   for (int i = 0; i < cluster.num_workers(); ++i) {
     const std::string log = Tail(cluster.worker(i).log(), size_t{1} << 20);
-    EXPECT_NE(log.find("int8/int4 products on avx512vnni"), std::string::npos) << "worker " << i << "\n" << log;
+    EXPECT_NE(log.find(absl::StrCat("int8/int4 products on ", cpu::QuantIsaName(*cpu::Int8ActivationsIsa()))),
+              std::string::npos)
+        << "worker " << i << "\n" << log;
   }
 }
 

@@ -24,12 +24,14 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/activation_rows.h"
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
@@ -1020,6 +1022,89 @@ std::vector<float> RoundedAsInt8Rows(const std::vector<float>& x, int64_t n, int
   }
   return out;
 }
+// activation_rows.h's two quantizers (AVX2's and AVX-512's) against a scalar loop: scale max |x| /
+// 127 (0 for a zero row, NaN for a row with NaN or Inf, whose values stay 0), each value
+// nearbyint(x / scale) (to nearest even) in [-127, 127], zero padding to whole blocks, and the
+// block and row sums, for widths that end inside a 16-value step and blocks of 64 and 128.
+TEST(ActivationRowsTest, BothQuantizersEqualTheScalarRounding) {
+  std::mt19937 rng(17);
+  for (int64_t block : {64, 128}) {
+    for (int64_t k : {1, 7, 8, 9, 23, 64, 129, 300}) {
+      const int64_t n = 5;
+      std::vector<float> x = Random(rng, n * k);
+      for (int64_t c = 0; c < k; ++c) x[1 * k + c] = 0.0f;                  // row 1: all zero
+      x[2 * k + k / 2] = std::numeric_limits<float>::quiet_NaN();             // row 2: NaN
+      x[3 * k + k - 1] = -std::numeric_limits<float>::infinity();             // row 3: -Inf
+      if (k > 2) x[4 * k + 2] = 100.0f;                                     // row 4: one large value
+      const int64_t blocks = (k + block - 1) / block, width = blocks * block;
+      std::vector<int8_t> values(n * width, 0);
+      std::vector<int32_t> block_sum(n * blocks, 0), sum(n, 0);
+      std::vector<float> scale(n, 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        float amax = 0;
+        bool bad = false;
+        for (int64_t c = 0; c < k; ++c) {
+          bad = bad || !std::isfinite(x[i * k + c]);
+          amax = std::max(amax, std::fabs(x[i * k + c]));
+        }
+        if (bad) {
+          scale[i] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        if (amax == 0) continue;
+        scale[i] = amax / 127.0f;
+        for (int64_t c = 0; c < k; ++c) {
+          const auto v = static_cast<int32_t>(std::nearbyint(std::clamp(x[i * k + c] / scale[i], -127.0f, 127.0f)));
+          values[i * width + c] = static_cast<int8_t>(v);
+          block_sum[i * blocks + c / block] += v;
+          sum[i] += v;
+        }
+      }
+      for (int avx512 = 0; avx512 < 2; ++avx512) {
+        const cpu::QuantIsa isa = avx512 ? cpu::QuantIsa::kAvx512Vnni : cpu::QuantIsa::kAvx2Int8;
+        if (!cpu::QuantIsaSupported(isa)) continue;
+        const std::string what = absl::StrCat(cpu::QuantIsaName(isa), " block ", block, " k ", k);
+        cpu::ActivationRows rows;
+        rows.values.assign(7, 99);  // stale contents are replaced
+        cpu::QuantizeActivationRows(&rows, x.data(), n, k, block, isa);
+        EXPECT_EQ(rows.block, block) << what;
+        EXPECT_EQ(rows.blocks, blocks) << what;
+        EXPECT_EQ(rows.values, values) << what;
+        EXPECT_EQ(rows.block_sum, block_sum) << what;
+        EXPECT_EQ(rows.sum, sum) << what;
+        ASSERT_EQ(rows.scale.size(), scale.size()) << what;
+        for (int64_t i = 0; i < n; ++i) {
+          if (std::isnan(scale[i])) {
+            EXPECT_TRUE(std::isnan(rows.scale[i])) << what << " row " << i;
+          } else {
+            EXPECT_EQ(rows.scale[i], scale[i]) << what << " row " << i;
+          }
+        }
+      }
+    }
+  }
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx2Int8)) GTEST_SKIP() << "this CPU lacks AVX2 and FMA";
+}
+
+// The two int8 products on int8-rounded activations compute the same exact integer sums and scale
+// them the same way: bitwise equal outputs (int4's float sums run over 8 lanes on AVX2 and 16 on
+// AVX-512, so only QuantIsaTest's bound holds there). Needs both instances: a CPU with AVX-512 VNNI.
+TEST(ActivationRowsTest, Avx2Int8ProductIsTheVnniOneBitForBit) {
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) GTEST_SKIP() << "this CPU lacks AVX-512 VNNI";
+  std::mt19937 rng(19);
+  for (auto [n, m, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 33, 300}, {2, 17, 64}, {5, 40, 1024}, {65, 9, 23}}) {
+    const std::vector<float> w = Random(rng, m * k), x = Random(rng, n * k), b = Random(rng, m);
+    std::vector<float> s8(m);
+    std::vector<int8_t> q8(m * k);
+    ASSERT_TRUE(QuantizeInt8Rows(s8.data(), q8.data(), w.data(), m, k).ok());
+    for (int64_t i = 0; i < m * k; i += 5) q8[i] = -128;
+    std::vector<float> y_vnni(n * m), y_avx2(n * m);
+    cpu::Int8MatMul(y_vnni.data(), x.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, cpu::QuantIsa::kAvx512Vnni);
+    cpu::Int8MatMul(y_avx2.data(), x.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, cpu::QuantIsa::kAvx2Int8);
+    EXPECT_EQ(y_avx2, y_vnni) << "n=" << n << " m=" << m << " k=" << k;
+  }
+}
+
 class QuantIsaTest : public ::testing::TestWithParam<cpu::QuantIsa> {};
 
 TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
@@ -1063,7 +1148,8 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         };
         run(x);
         const std::vector<float>& ref = format == 0 ? ref8 : format == 1 ? reff8 : ref4;
-        const bool vnni = isa == cpu::QuantIsa::kAvx512Vnni && format != 1;  // int8 and int4
+        // int8 and int4 on int8-rounded activations.
+        const bool vnni = (isa == cpu::QuantIsa::kAvx512Vnni || isa == cpu::QuantIsa::kAvx2Int8) && format != 1;
         ExpectClose(what, std::vector<float>(out, out + n * m),
                     MatMulReference(vnni ? RoundedAsInt8Rows(x, n, k) : x, ref, &b, n, k, m),
                     format == 2 && !vnni && isa != cpu::QuantIsa::kAvx512 ? 1e-4 : 1e-5);
@@ -1097,30 +1183,35 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
 
 INSTANTIATE_TEST_SUITE_P(Isa, QuantIsaTest,
                          ::testing::Values(cpu::QuantIsa::kPortable, cpu::QuantIsa::kAvx2, cpu::QuantIsa::kAvx512,
-                                           cpu::QuantIsa::kAvx512Vnni),
+                                           cpu::QuantIsa::kAvx512Vnni, cpu::QuantIsa::kAvx2Int8),
                          [](const ::testing::TestParamInfo<cpu::QuantIsa>& info) {
                            return std::string(cpu::QuantIsaName(info.param));
                          });
 
 // --activation-quantization int8 (CpuActivationQuant::kInt8): the backend's products by int8 and
-// int4 weights are the VNNI instances' (bitwise the same as cpu::Int8MatMul / Int4MatMul called
-// with kAvx512Vnni on the packed buffer), so within kVnniLimit of the exact backend's and not
-// equal to them; fp8's stay the exact instance's, bit for bit. Describe says which runs. On a CPU
-// without AVX-512 VNNI, MakeCpuBackend refuses, naming VNNI. The names parse both ways.
-TEST(CpuActivationQuantTest, IntWeightsRunTheVnniInstance) {
+// int4 weights are the instance Int8ActivationsIsa names (VNNI where the CPU has it, else AVX2's):
+// bitwise the same as cpu::Int8MatMul / Int4MatMul called with it on the packed buffer, so within
+// kVnniLimit of the exact backend's and not equal to them; fp8's stay the exact instance's, bit for
+// bit. Describe says which runs. On a CPU with neither, MakeCpuBackend refuses, naming both. The
+// names parse both ways.
+TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
   EXPECT_EQ(*ParseCpuActivationQuant("none"), CpuActivationQuant::kNone);
   EXPECT_EQ(*ParseCpuActivationQuant("int8"), CpuActivationQuant::kInt8);
   EXPECT_STREQ(CpuActivationQuantName(CpuActivationQuant::kInt8), "int8");
   const absl::StatusOr<CpuActivationQuant> bad = ParseCpuActivationQuant("int4");
   EXPECT_TRUE(IsInvalidArgumentNaming(bad.status(), "'int4'")) << bad.status();
   absl::StatusOr<std::unique_ptr<Backend>> act = MakeCpuBackend(2, CpuMatMul::kF32, CpuActivationQuant::kInt8);
-  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+  const std::optional<cpu::QuantIsa> isa = cpu::Int8ActivationsIsa();
+  if (!isa.has_value()) {
     EXPECT_EQ(act.status().code(), absl::StatusCode::kFailedPrecondition) << act.status();
-    EXPECT_NE(act.status().message().find("VNNI"), std::string::npos) << act.status();
-    GTEST_SKIP() << "this CPU lacks AVX-512 VNNI: refused, as it must be";
+    EXPECT_NE(act.status().message().find("VNNI or AVX2"), std::string::npos) << act.status();
+    GTEST_SKIP() << "this CPU lacks AVX-512 VNNI and AVX2: refused, as it must be";
   }
+  EXPECT_EQ(*isa, cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) ? cpu::QuantIsa::kAvx512Vnni
+                                                                     : cpu::QuantIsa::kAvx2Int8);
   ASSERT_TRUE(act.ok()) << act.status();
-  EXPECT_NE((*act)->Describe().find("int8/int4 products on avx512vnni"), std::string::npos) << (*act)->Describe();
+  EXPECT_NE((*act)->Describe().find(absl::StrCat("int8/int4 products on ", cpu::QuantIsaName(*isa))), std::string::npos)
+      << (*act)->Describe();
   std::unique_ptr<Backend> exact = MakeCpuBackend(2);
   std::mt19937 rng(41);
   const int64_t n = 5, m = 33, k = 300;
@@ -1143,12 +1234,13 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheVnniInstance) {
     if (quant == WeightQuant::kInt8) {
       const auto* scale = static_cast<const float*>(packed_act.data);
       const auto* q = static_cast<const int8_t*>(packed_act.data) + Int8RowsLayout{m, k}.scale_bytes();
-      cpu::Int8MatMul(y_direct.data(), x.data(), n, m, k, q, scale, nullptr, 1, cpu::QuantIsa::kAvx512Vnni);
+      cpu::Int8MatMul(y_direct.data(), x.data(), n, m, k, q, scale, nullptr, 1, *isa);
     } else {
       cpu::Int4MatMul(y_direct.data(), x.data(), n, m, k, static_cast<const Int4Group128*>(packed_act.data), nullptr,
-                      1, cpu::QuantIsa::kAvx512Vnni);
+                      1, *isa);
     }
-    EXPECT_EQ(y_act, y_direct) << what << ": the backend's product is not the VNNI instance's";
+    EXPECT_EQ(y_act, y_direct) << what << ": the backend's product is not the " << cpu::QuantIsaName(*isa)
+                               << " instance's";
     EXPECT_NE(y_act, y_exact) << what << ": int8 activations gave the exact products bit for bit";
     ExpectClose(what + " with int8 activations", y_act, std::vector<double>(y_exact.begin(), y_exact.end()),
                 kVnniLimit);

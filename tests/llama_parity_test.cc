@@ -565,7 +565,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, LlamaQuantizedWeights, ::testing::Values(Weigh
                          });
 
 // --activation-quantization int8 (CpuActivationQuant::kInt8: the int8 and int4 weights' products
-// on int8-rounded inputs, AVX-512 VNNI) against the same weights multiplied exactly (the default).
+// on int8-rounded inputs, AVX-512 VNNI or AVX2) against the same weights multiplied exactly (the default).
 // Each input of a product moves by up to half a step, (its row's largest) / 254, as llama.cpp's
 // Q8_0 activations do: the same step as int8 weights' (LlamaInt8Weights), on the other operand.
 // Checked per fixture, for int8 and int4 weights:
@@ -575,7 +575,7 @@ INSTANTIATE_TEST_SUITE_P(Formats, LlamaQuantizedWeights, ::testing::Values(Weigh
 //    after the prompt alone. Activations are further from uniform than these fixtures' weights (a
 //    row's largest is more times its rms), so the same step costs about twice as much. The bound,
 //    kActivationQuantTolerance = 0.2, is the measured worst x ~2; a wrong scale, block sum or
-//    zero-point term in the VNNI path moves the logits by ~1.
+//    zero-point term in the integer products moves the logits by ~1.
 // 2. Against Hugging Face's float32 logits after the prompt: within the weights' own bound
 //    (kInt8LogitsTolerance, kInt4LogitsTolerance) plus kActivationQuantTolerance (measured int8
 //    0.054 to 0.094 against exact int8's 0.026 to 0.055; int4 0.40 to 0.83, as exact int4's).

@@ -5,8 +5,8 @@
 // product up to a few rows; where oneDNN has no bf16 product, the backend's bf16 panels, "bf16
 // panels": kernels/cpu/panel_matmul.h), and the backend's products by the same weights quantized
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
-// instruction set this CPU has (AVX2, AVX-512, and int8 and int4 on AVX-512 VNNI with activations
-// quantized: kernels/cpu/quant_isa.h), over the weights of one
+// instruction set this CPU has (AVX2, AVX-512, and int8 and int4 with activations quantized, as
+// --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h), over the weights of one
 // pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
 // LM head is; and, where the CPU has AVX-512, the float32 panels' 8-float tiles, "f32 vec8 tiles",
 // beside the AVX-512 ones the backend runs from 4 rows), side by side in one run: for each row
@@ -161,6 +161,8 @@ int main(int argc, char** argv) {
     std::optional<int64_t> bf16_rows = std::nullopt;
     // float32 ones only: the panels' tiles (nullopt: the backend's choice; kernels/cpu/panel_matmul.h).
     std::optional<PanelTiles> tiles = std::nullopt;
+    // int8 / int4 on int8-rounded activations: run by act8_backend (--activation-quantization int8).
+    bool act8 = false;
   };
   std::vector<Kernel> kernels = {{"f32 panels", WeightQuant::kNone, std::nullopt, 4},
                                  {"f32 plain w", WeightQuant::kNone, std::nullopt, 4},
@@ -174,18 +176,29 @@ int main(int argc, char** argv) {
     kernels.push_back({"bf16 oneDNN", WeightQuant::kNone, std::nullopt, 2, 0});
     kernels.push_back({"bf16", WeightQuant::kNone, std::nullopt, 2, std::nullopt});
   }
-  for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512, QuantIsa::kAvx512Vnni}) {
+  for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512}) {
     if (!shardserve::cpu::QuantIsaSupported(isa)) continue;
     for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
-      if (isa == QuantIsa::kAvx512Vnni && q == WeightQuant::kFp8) continue;  // int8 and int4 only
       kernels.push_back({absl::StrCat(shardserve::WeightQuantName(q), " ", shardserve::cpu::QuantIsaName(isa)), q, isa,
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
+    }
+  }
+  // The products a worker runs under --activation-quantization int8 (VNNI's, else AVX2's), packed and
+  // run by a backend made as that worker makes its own.
+  const std::optional<QuantIsa> act8_isa = shardserve::cpu::Int8ActivationsIsa();
+  std::unique_ptr<Backend> act8_backend;
+  if (act8_isa.has_value()) {
+    act8_backend = *shardserve::MakeCpuBackend(threads, shardserve::CpuMatMul::kF32, shardserve::CpuActivationQuant::kInt8);
+    for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kInt4}) {
+      kernels.push_back({absl::StrCat(shardserve::WeightQuantName(q), " ", shardserve::cpu::QuantIsaName(*act8_isa)), q,
+                         std::nullopt, q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0, std::nullopt, std::nullopt, true});
     }
   }
   struct Weight {
     Shape shape;
     std::unique_ptr<OneDnnProduct> onednn;
     std::map<WeightQuant, std::pair<Buffer, Tensor>> packed;  // kNone: float32 panels
+    std::map<WeightQuant, std::pair<Buffer, Tensor>> act8;    // int8 and int4, packed by act8_backend
     std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
   };
@@ -194,7 +207,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, w};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed, q);
@@ -203,6 +216,15 @@ int main(int argc, char** argv) {
           return 1;
         }
         weight.packed[q] = {std::move(*buffer), packed};
+        if (act8_backend != nullptr && (q == WeightQuant::kInt8 || q == WeightQuant::kInt4)) {
+          Tensor packed_act8;
+          auto buffer_act8 = act8_backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed_act8, q);
+          if (!buffer_act8.ok()) {
+            std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer_act8.status().message()).c_str());
+            return 1;
+          }
+          weight.act8[q] = {std::move(*buffer_act8), packed_act8};
+        }
       }
       if (bf16) {
         Tensor packed;
@@ -232,9 +254,11 @@ int main(int argc, char** argv) {
     if (is_bf16) shardserve::cpu::SetBf16BlockedRowsOverride(kernel.bf16_rows);
     Tensor tx(x.data(), DType::kF32, {n, w.shape.k}), ty(out, DType::kF32, {n, w.shape.m});
     const Tensor plain(w.plain.data(), DType::kF32, {w.shape.m, w.shape.k});
-    const Tensor& tw = kernel.name == "f32 plain w" ? plain : w.packed[kernel.quant].second;
-    if (absl::Status s = is_bf16 ? bf16_backend->MatMul(&ty, tx, w.bf16.second, nullptr) : backend->MatMul(&ty, tx, tw, nullptr);
-        !s.ok()) {
+    const Tensor& tw = kernel.name == "f32 plain w" ? plain
+                       : kernel.act8           ? w.act8[kernel.quant].second
+                                               : w.packed[kernel.quant].second;
+    Backend* by = is_bf16 ? bf16_backend.get() : kernel.act8 ? act8_backend.get() : backend.get();
+    if (absl::Status s = by->MatMul(&ty, tx, is_bf16 ? w.bf16.second : tw, nullptr); !s.ok()) {
       std::fprintf(stderr, "bench_matmul: %s\n", std::string(s.message()).c_str());
       std::exit(1);
     }

@@ -91,9 +91,10 @@ constexpr char kUsage[] =
     "                           or AMX), else f32. Ignored on cuda (products use the checkpoint's dtype)\n"
     "  --activation-quantization  --device cpu: int8 rounds each input row of the products by int8\n"
     "                           and int4 weights (coordinator --quantization) to int8, one scale a\n"
-    "                           row, and multiplies in integers (AVX-512 VNNI), as llama.cpp's Q8_0 /\n"
-    "                           Q4_0 do: faster, logits further from the checkpoint's (README,\n"
-    "                           Quantization). Refused on a CPU without AVX-512 VNNI. none (default):\n"
+    "                           row, and multiplies in integers (AVX-512 VNNI, else AVX2), as\n"
+    "                           llama.cpp's Q8_0 / Q4_0 do: faster, logits further from the\n"
+    "                           checkpoint's (README, Quantization). Refused on a CPU with neither.\n"
+    "                           none (default):\n"
     "                           the exact products. Ignored on cuda\n"
     "  --collectives            the collective groups' library: auto (default: Gloo on cpu, NCCL on\n"
     "                           cuda), gloo (on cuda: each device tensor copied to host memory, Gloo,\n"
@@ -227,7 +228,7 @@ int Main(int argc, char** argv) {
   if (!cuda_ordinal.ok()) return Usage(std::string(cuda_ordinal.status().message()));
   if (*cuda_ordinal < 0 && options.collectives == Collectives::kNccl) return Usage("--collectives nccl needs --device cuda:K");
   if (*cuda_ordinal < 0 && options.cpu_activation_quant != CpuActivationQuant::kNone) {
-    // Refused here, before registering, on a CPU without AVX-512 VNNI (the message names what it has).
+    // Refused here, before registering, on a CPU without AVX-512 VNNI or AVX2 (the message names what it has).
     if (absl::StatusOr<std::unique_ptr<Backend>> probe = MakeCpuBackend(1, CpuMatMul::kF32, options.cpu_activation_quant);
         !probe.ok()) {
       std::fprintf(stderr, "shardserve-worker: --%s\n", std::string(probe.status().message()).c_str());

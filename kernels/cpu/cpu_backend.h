@@ -52,6 +52,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/quant_isa.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -276,10 +277,16 @@ class CpuBackend final : public Backend {
   // and 32 x 2^j (j = 0 .. 10) that matches on a probe row, with a bias; 0 if none does. Cached by
   // shape in bf16_chunks_. Throws dnnl::error.
   int64_t FindBf16Chunk(const PackedWeight& packed, void* w);
+  // The instance the int8 and int4 weights' products run on: the exact one this CPU runs best, or
+  // under act_ kInt8 quant_isa.h's Int8ActivationsIsa() (MakeCpuBackend refuses kInt8 on a CPU
+  // without one).
+  QuantIsa IntIsa() const {
+    return act_ == CpuActivationQuant::kInt8 ? Int8ActivationsIsa().value_or(ActiveQuantIsa()) : ActiveQuantIsa();
+  }
 
   const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
-  const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on QuantIsa::kAvx512Vnni
+  const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on Int8ActivationsIsa()
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;

@@ -35,6 +35,10 @@ void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
     Int4MatMulVnni(y, x, n, m, k, blocks, bias, threads);
     return;
   }
+  if (isa == QuantIsa::kAvx2Int8) {
+    Int4MatMulAct8Avx2(y, x, n, m, k, blocks, bias, threads);
+    return;
+  }
   const auto columns = isa == QuantIsa::kAvx512 ? Int4ColumnsAvx512
                        : isa == QuantIsa::kAvx2 ? Int4ColumnsAvx2
                                                 : Int4ColumnsPortable;

@@ -31,6 +31,9 @@ void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k
 // int4_matmul_vnni.cc: the whole int4 product with activations quantized (QuantIsa::kAvx512Vnni).
 void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                     const float* bias, int threads);
+// int4_matmul_act8_avx2.cc: the same on AVX2 (QuantIsa::kAvx2Int8).
+void Int4MatMulAct8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
+                        const float* bias, int threads);
 
 // Weight rows per tile of columns, as int8_matmul_tiles.h: 8 sums for one input row, 4 x 2 for two.
 inline constexpr int kInt4TileRows = 8;

@@ -6,7 +6,7 @@
 // weights as q - z (signed, in [-15, 15]), and each group's sum starts from -128 x sum_j (q_j - z),
 // so that the int32 sum is sum_j (q_j - z) xq_j exactly (|(q - z)(xq + 128)| x 128 < 2^19).
 // Inexact as the int8 VNNI product (the activations' rounding), so only when asked for
-// (QuantIsa::kAvx512Vnni). Tiles as vnni_tiles.h's (up to 4 weight x 4 input rows: each weight
+// (QuantIsa::kAvx512Vnni). Tiles as act8_tiles.h's (up to 4 weight x 4 input rows: each weight
 // group unpacked once per 4 input rows; 8 x 1 for a lone input row). Per group and pair of rows
 // the work is two VPDPBUSD, one conversion and one FMA.
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni
@@ -17,11 +17,13 @@
 
 #include "kernels/cpu/activation_rows.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
-#include "kernels/cpu/vnni_tiles.h"
+#include "kernels/cpu/act8_tiles.h"
 
 namespace shardserve::cpu {
 namespace {
 
+// Tiles of up to 4 weight x 4 input rows (act8_tiles.h): 16 sums of AVX-512's 32 registers.
+constexpr int kMaxInputs = 4, kRowsWithInputs = 4;
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: one zmm of bytes, the low (or high) nibbles of a block
 
 // y[i .. i+I) x columns [r, r+R): per group, the int32 dot products in 16 lanes, converted and
@@ -77,9 +79,9 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
 void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                     const float* bias, int threads) {
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
-  QuantizeActivationRows(&xq, x, n, k, kInt4GroupSize);
+  QuantizeActivationRows(&xq, x, n, k, kInt4GroupSize, QuantIsa::kAvx512Vnni);
   const ActivationRows& rows_q = xq;
-  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
+  ForEachAct8Tile<kMaxInputs, kRowsWithInputs>(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
     Tile<R(), I()>(y, rows_q, i, m, k, blocks, bias, r);
   });
 }

@@ -68,6 +68,10 @@ void Int8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
     Int8MatMulVnni(y, x, n, m, k, q, scale, bias, threads);
     return;
   }
+  if (isa == QuantIsa::kAvx2Int8) {
+    Int8MatMulAct8Avx2(y, x, n, m, k, q, scale, bias, threads);
+    return;
+  }
   const ColumnsFn columns = isa == QuantIsa::kAvx512 ? Int8ColumnsAvx512
                             : isa == QuantIsa::kAvx2 ? Int8ColumnsAvx2
                                                      : Int8ColumnsPortable;
@@ -77,7 +81,7 @@ void Int8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
 void Fp8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale,
                const float* bias, int threads, QuantIsa isa) {
   const ColumnsFn columns = isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx512Vnni ? Fp8ColumnsAvx512
-                            : isa == QuantIsa::kAvx2 ? Fp8ColumnsAvx2
+                            : isa == QuantIsa::kAvx2 || isa == QuantIsa::kAvx2Int8 ? Fp8ColumnsAvx2
                                                      : Fp8ColumnsPortable;
   Run(columns, y, x, n, m, k, q, scale, bias, threads);
 }

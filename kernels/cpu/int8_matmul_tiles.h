@@ -31,6 +31,9 @@ SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsAvx512);
 // int8_matmul_vnni.cc: the whole int8 product with activations quantized (QuantIsa::kAvx512Vnni).
 void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
                     const float* bias, int threads);
+// int8_matmul_act8_avx2.cc: the same on AVX2 (QuantIsa::kAvx2Int8).
+void Int8MatMulAct8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
+                        const float* bias, int threads);
 
 // Weight rows per tile of columns: 8 independent sums for a single input row (the chains two 4-deep
 // FMA units need), or 4 x 2 for a pair of input rows, each weight vector loaded once for both.

@@ -2,7 +2,7 @@
 // quantized to int8 per row, integer dot products (VPDPBUSD) against the int8 weights. This file
 // alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni (kernels/CMakeLists.txt);
 // Int8MatMul calls it only when asked for QuantIsa::kAvx512Vnni on a CPU that has it. Tiles as
-// vnni_tiles.h's: up to 4 weight x 4 input rows (each weight chunk loaded and offset once per 4
+// act8_tiles.h's: up to 4 weight x 4 input rows (each weight chunk loaded and offset once per 4
 // input rows), 8 x 1 for a lone input row.
 #include <immintrin.h>
 #include <algorithm>
@@ -11,11 +11,13 @@
 
 #include "kernels/cpu/activation_rows.h"
 #include "kernels/cpu/int8_matmul.h"
-#include "kernels/cpu/vnni_tiles.h"
+#include "kernels/cpu/act8_tiles.h"
 
 namespace shardserve::cpu {
 namespace {
 
+// Tiles of up to 4 weight x 4 input rows (act8_tiles.h): 16 sums of AVX-512's 32 registers.
+constexpr int kMaxInputs = 4, kRowsWithInputs = 4;
 constexpr int64_t kChunk = 64;  // int8 values per zmm register
 
 // The weights go in as q + 128 (q XOR 0x80) against the activations' signed bytes
@@ -64,9 +66,9 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
 void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
                     const float* bias, int threads) {
   thread_local ActivationRows xq;  // the calling thread's scratch, reused (no allocation per step once grown)
-  QuantizeActivationRows(&xq, x, n, k, kChunk);
+  QuantizeActivationRows(&xq, x, n, k, kChunk, QuantIsa::kAvx512Vnni);
   const ActivationRows& rows_q = xq;
-  ForEachVnniTile(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
+  ForEachAct8Tile<kMaxInputs, kRowsWithInputs>(n, m, threads, [&](auto R, auto I, int64_t i, int64_t r) __attribute__((always_inline)) {
     Tile<R(), I()>(y, rows_q, i, m, k, q, scale, bias, r);
   });
 }

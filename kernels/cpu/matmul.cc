@@ -144,7 +144,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   const float* b = bias != nullptr ? bias->as<float>() : nullptr;
   // int8 and int4 weights: the exact instance this CPU runs best, or under act_ kInt8 the one with
   // int8-rounded activations.
-  const QuantIsa int_isa = act_ == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni : ActiveQuantIsa();
+  const QuantIsa int_isa = IntIsa();
   if (quant == WeightQuant::kInt4) {
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
     return absl::OkStatus();
@@ -188,7 +188,8 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
 }
 
 std::string CpuBackend::QuantizedKernelsDescription(CpuActivationQuant act) {
-  return cpu::QuantizedKernelsDescription(act == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni : ActiveQuantIsa());
+  return cpu::QuantizedKernelsDescription(
+      act == CpuActivationQuant::kInt8 ? Int8ActivationsIsa().value_or(ActiveQuantIsa()) : ActiveQuantIsa());
 }
 
 absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
@@ -308,8 +309,7 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                                  absl::FunctionRef<absl::Status(void*)> fill) {
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
-  if (quant == WeightQuant::kInt8 && Int8OnPanels(act_ == CpuActivationQuant::kInt8 ? QuantIsa::kAvx512Vnni
-                                                                                    : ActiveQuantIsa())) {
+  if (quant == WeightQuant::kInt8 && Int8OnPanels(IntIsa())) {
     // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
     std::vector<uint8_t> rows(bytes);
     SHARDSERVE_RETURN_IF_ERROR(fill(rows.data()));

@@ -18,6 +18,7 @@ const char* QuantIsaName(QuantIsa isa) {
     case QuantIsa::kAvx2: return "avx2";
     case QuantIsa::kAvx512: return "avx512";
     case QuantIsa::kAvx512Vnni: return "avx512vnni";
+    case QuantIsa::kAvx2Int8: return "avx2int8";
   }
   return "?";
 }
@@ -33,6 +34,7 @@ bool QuantIsaSupported(QuantIsa isa) {
     case QuantIsa::kAvx2: return avx2;
     case QuantIsa::kAvx512: return avx512;
     case QuantIsa::kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
+    case QuantIsa::kAvx2Int8: return avx2;
   }
   return false;
 }
@@ -45,6 +47,12 @@ QuantIsa ActiveQuantIsa() {
   return o < 0 ? best : static_cast<QuantIsa>(o);
 }
 
+std::optional<QuantIsa> Int8ActivationsIsa() {
+  if (QuantIsaSupported(QuantIsa::kAvx512Vnni)) return QuantIsa::kAvx512Vnni;
+  if (QuantIsaSupported(QuantIsa::kAvx2Int8)) return QuantIsa::kAvx2Int8;
+  return std::nullopt;
+}
+
 void SetQuantIsaOverride(std::optional<QuantIsa> isa) {
   g_override.store(isa.has_value() ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
 }
@@ -55,9 +63,11 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
   const bool vnni = QuantIsaSupported(QuantIsa::kAvx512Vnni);
   const std::string cpu = absl::StrCat("[cpu: avx2+fma ", yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
                                        yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ", yes(vnni));
-  if (int_isa == QuantIsa::kAvx512Vnni) {
-    // fp8 has no integer instance: it runs AVX-512's (Fp8MatMul).
-    return absl::StrCat("int8/int4 products on avx512vnni (activations rounded to int8), fp8 on avx512 ", cpu, "]");
+  if (int_isa == QuantIsa::kAvx512Vnni || int_isa == QuantIsa::kAvx2Int8) {
+    // fp8 has no integer instance: it runs the exact one of the same width (Fp8MatMul).
+    const bool wide = int_isa == QuantIsa::kAvx512Vnni;
+    return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ",
+                        wide ? "avx512 " : "avx2 ", cpu, "]");
   }
   if (Int8OnPanels(int_isa)) {
     return absl::StrCat("int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on ",

@@ -24,6 +24,12 @@ enum class QuantIsa : uint8_t {
   // ActiveQuantIsa: only when asked for (the CPU backend under CpuActivationQuant::kInt8, worker
   // --activation-quantization int8; bench_matmul, tests). fp8 runs kAvx512's instance under it.
   kAvx512Vnni = 3,
+  // AVX2 + FMA, int8 and int4 with the activations quantized as under kAvx512Vnni (activation_rows.h)
+  // and multiplied in integers by VPMADDUBSW + VPMADDWD, as llama.cpp's AVX2 Q8_0 / Q4_0 products do
+  // (int8_matmul_act8_avx2.cc, int4_matmul_act8_avx2.cc): the same integer sums as kAvx512Vnni's, so
+  // as inexact, and likewise never picked by ActiveQuantIsa. It is what --activation-quantization int8
+  // runs on a CPU with AVX2 but without AVX-512 VNNI (Int8ActivationsIsa). fp8 runs kAvx2's under it.
+  kAvx2Int8 = 4,
 };
 
 // Whether the CPU backend stores int8 weights as panels and multiplies them by PanelMatMulInt8
@@ -33,7 +39,12 @@ enum class QuantIsa : uint8_t {
 // rows on (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). fp8 and int4 keep theirs.
 inline bool Int8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx2; }
 
-// "portable", "avx2", "avx512", "avx512vnni".
+// The instance the int8 and int4 products run on under --activation-quantization int8
+// (CpuActivationQuant::kInt8): kAvx512Vnni where this CPU has it, else kAvx2Int8 where it has AVX2 +
+// FMA; nullopt on a CPU with neither.
+std::optional<QuantIsa> Int8ActivationsIsa();
+
+// "portable", "avx2", "avx512", "avx512vnni", "avx2int8".
 const char* QuantIsaName(QuantIsa isa);
 // Whether this CPU (and its OS) can run `isa`'s instance.
 bool QuantIsaSupported(QuantIsa isa);
@@ -45,7 +56,7 @@ QuantIsa ActiveQuantIsa();
 void SetQuantIsaOverride(std::optional<QuantIsa> isa);
 
 // For the worker's log: which instance the int8 and int4 products run on (`int_isa`: the CPU
-// backend passes kAvx512Vnni under --activation-quantization int8), which one fp8's runs on, and
+// backend passes Int8ActivationsIsa() under --activation-quantization int8), which one fp8's runs on, and
 // what the CPU has (AVX2, FMA, AVX-512, VNNI).
 std::string QuantizedKernelsDescription(QuantIsa int_isa = ActiveQuantIsa());
 

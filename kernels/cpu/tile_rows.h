@@ -1,7 +1,7 @@
 // A tile's row count, known at run time, turned into the compile-time one the CPU kernels' tiles
 // take (so that their R x I sums stay in registers): one switch for the int8 / fp8 tiles
-// (int8_matmul_tiles.h), the int4 ones (int4_matmul_tiles.h), the VNNI ones (int8_matmul_vnni.cc,
-// int4_matmul_vnni.cc) and the float32 panels (panel_matmul.cc, panel_matmul_avx512.cc). The tiles
+// (int8_matmul_tiles.h), the int4 ones (int4_matmul_tiles.h), the integer ones on int8 activations
+// (act8_tiles.h) and the float32 panels (panel_matmul.cc, panel_matmul_avx512.cc). The tiles
 // themselves differ.
 //
 // Thread-safety: none needed (calls `tile` on the calling thread).

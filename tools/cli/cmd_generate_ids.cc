@@ -29,7 +29,7 @@ constexpr char kUsage[] =
     "  output channel), quantized at load, as the coordinator's --quantization does. On cuda only with\n"
     "  --cuda-quantized-kernels, as the worker's (off by default: docs/gpu.md).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
-    "  only), as the worker's --activation-quantization does.\n"
+    "  or AVX2), as the worker's --activation-quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
     "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 
