@@ -135,10 +135,18 @@ class Backend {
   virtual absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored /*host*/, int64_t m,
                                                      int64_t k, Tensor* packed);
 
+  // Whether Embedding also takes as its table a weight PackMatMulWeight stored unquantized in this
+  // backend's own layout, so that a tied embedding and LM head on one stage can be one buffer, in
+  // the products' layout: the CPU backend's float32 panels (CpuMatMul::kF32), from which the few
+  // rows a step looks up are gathered, where a plain table would be repacked by every LM-head
+  // product (kernels/cpu/panel_matmul.h). False: Embedding takes plain tables only.
+  virtual bool EmbeddingTakesPackedTable() const { return false; }
+
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.
   // Ids outside that range give zero rows (the all-reduce across shards fills them in). Ids below
-  // 0 or at/above vocab_size are an error the caller checks before the step.
+  // 0 or at/above vocab_size are an error the caller checks before the step. The table is plain,
+  // or as PackMatMulWeight made it where EmbeddingTakesPackedTable.
   virtual absl::Status Embedding(Tensor* out /*[n, d] act*/, const Tensor& table /*[rows, d] act*/,
                                  const Tensor& ids /*[n] i32*/, int64_t row_offset) = 0;
 

@@ -1741,6 +1741,44 @@ TEST_F(CpuBackendTest, EmbeddingWithRowOffset) {
   EXPECT_TRUE(out.GuardsIntact());
 }
 
+// A tied table stored once as the LM head's packed weight (Backend::EmbeddingTakesPackedTable: float32
+// panels on a CpuMatMul::kF32 backend, not on a bf16 one): Embedding gathers each row from its panel
+// and gives the plain table's rows exactly, with the row offset and the zero rows of other shards,
+// for a row count that ends inside a panel; the same packed weight still multiplies as before.
+// A quantized packed weight is refused, naming what it is.
+TEST_F(CpuBackendTest, EmbeddingFromTheLmHeadsPackedTable) {
+  EXPECT_TRUE(backend_->EmbeddingTakesPackedTable());
+  EXPECT_FALSE(MakeCpuBackend(2, CpuMatMul::kBF16)->EmbeddingTakesPackedTable());
+  const int64_t rows = 37, d = 20, row_offset = 3;  // 3 panels, the last holding 5 rows
+  std::vector<float> table = Random(rng_, rows * d);
+  const std::vector<int32_t> ids = {3, 39, 2, 40, 18, 19, 34, 35, 100};
+  const int64_t n = static_cast<int64_t>(ids.size());
+  std::vector<int32_t> ids_copy = ids;
+  const Tensor ti(ids_copy.data(), DType::kI32, {n});
+  Tensor packed;
+  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(Tensor(table.data(), DType::kF32, {rows, d}), &packed);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  ASSERT_NE(packed.data, static_cast<void*>(table.data()));
+  std::vector<float> from_packed(n * d, 7.0f), from_plain(n * d, 7.0f);
+  Tensor out_packed(from_packed.data(), DType::kF32, {n, d}), out_plain(from_plain.data(), DType::kF32, {n, d});
+  ASSERT_TRUE(backend_->Embedding(&out_packed, packed, ti, row_offset).ok());
+  ASSERT_TRUE(backend_->Embedding(&out_plain, Tensor(table.data(), DType::kF32, {rows, d}), ti, row_offset).ok());
+  EXPECT_EQ(from_packed, from_plain);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t r = ids[t] - row_offset;
+    for (int64_t c = 0; c < d; ++c) {
+      ASSERT_EQ(from_packed[t * d + c], r >= 0 && r < rows ? table[r * d + c] : 0.0f) << "id " << ids[t] << " col " << c;
+    }
+  }
+  Tensor quantized;
+  absl::StatusOr<Buffer> q = backend_->PackMatMulWeight(Tensor(table.data(), DType::kF32, {rows, d}), &quantized,
+                                                        WeightQuant::kInt8);
+  ASSERT_TRUE(q.ok()) << q.status();
+  const Tensor as_f32(quantized.data, DType::kF32, {rows, d});
+  const absl::Status refused = backend_->Embedding(&out_packed, as_f32, ti, row_offset);
+  EXPECT_TRUE(IsInvalidArgumentNaming(refused, "quantized")) << refused;
+}
+
 TEST_F(CpuBackendTest, SiluMul) {
   const int64_t n = 3, f = 1000;
   std::vector<float> gate = Random(rng_, n * f, -10.0f, 10.0f);

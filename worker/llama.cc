@@ -215,7 +215,16 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   }
 
   // ---- Weights: this rank's slice of this stage's tensors ----
-  if (m->is_first_stage()) {
+  // A tied table on a stage that both looks tokens up and computes the logits is one buffer: in the
+  // products' layout where the backend's Embedding reads that (Backend::EmbeddingTakesPackedTable:
+  // the CPU's float32 panels, which the LM head's product would otherwise repack from the plain
+  // table on every step), else plain.
+  const bool one_packed_table = config.tie_word_embeddings && m->is_first_stage() && m->is_last_stage() &&
+                                backend->EmbeddingTakesPackedTable();
+  if (one_packed_table) {
+    SHARDSERVE_ASSIGN_OR_RETURN(m->embed_tokens_,
+                                m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
+  } else if (m->is_first_stage()) {
     SHARDSERVE_ASSIGN_OR_RETURN(m->embed_tokens_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
   }
   for (int64_t i = m->first_layer_; i < m->end_layer_; ++i) {
@@ -248,7 +257,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
     if (!config.tie_word_embeddings) {
       SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
     } else if (m->is_first_stage()) {
-      m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage
+      m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage (packed if one_packed_table)
     } else {
       SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
     }

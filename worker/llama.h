@@ -105,7 +105,7 @@ class LlamaShard {
   int quant_paths_[4] = {};
   std::string quant_why_dense_;
 
-  Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage)
+  Tensor embed_tokens_;  // [vocab rows of this rank, hidden] (first stage; packed when it is also lm_head_, Load)
   std::vector<Layer> layers_;
   Tensor norm_;          // [hidden] (last stage)
   Tensor lm_head_;       // [vocab rows of this rank, hidden] (last stage)

@@ -176,6 +176,9 @@ class CpuBackend final : public Backend {
       : threads_(threads), matmul_(matmul), act_(act) {}
 
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }
+  // Float32 weights are packed as panels, which Embedding reads (gathering a row's k values, one
+  // from each input step of its panel); bf16 ones are not (their values are rounded).
+  bool EmbeddingTakesPackedTable() const override { return matmul_ == CpuMatMul::kF32; }
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();

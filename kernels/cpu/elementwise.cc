@@ -33,11 +33,20 @@ absl::Status CpuBackend::Embedding(Tensor* out, const Tensor& table, const Tenso
   if (table.dim(1) != d || ids.dim(0) != n) return check.Error("want out [n, d], table [rows, d], ids [n]");
   if (row_offset < 0) return check.Error(absl::StrCat("row_offset ", row_offset, " is negative"));
 
+  absl::StatusOr<const PackedWeight*> packed = FindPacked(table);
+  if (!packed.ok()) return check.Error(packed.status().message());
+  if (*packed != nullptr && ((*packed)->quant != WeightQuant::kNone || (*packed)->bf16() || (*packed)->int8_panels)) {
+    return check.Error("the table is a quantized or bf16 packed weight, which Embedding cannot read");
+  }
   const int32_t* id = ids.as<int32_t>();
   for (int64_t t = 0; t < n; ++t) {
     float* dst = out->as<float>() + t * d;
     const int64_t row = static_cast<int64_t>(id[t]) - row_offset;  // row in this shard's slice
-    if (row >= 0 && row < rows) {
+    if (row >= 0 && row < rows && *packed != nullptr) {
+      // Float32 panels (panel_matmul.h): row r is column r % 16 of panel r / 16, one value per input step.
+      const float* column = table.as<float>() + (row / kPanelCols) * d * kPanelCols + row % kPanelCols;
+      for (int64_t kk = 0; kk < d; ++kk) dst[kk] = column[kk * kPanelCols];
+    } else if (row >= 0 && row < rows) {
       std::memcpy(dst, table.as<float>() + row * d, static_cast<size_t>(d) * sizeof(float));
     } else {
       std::fill(dst, dst + d, 0.0f);  // another shard's row; the all-reduce fills it in

@@ -13,11 +13,12 @@
 //
 // Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:
 // panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
-// contiguous stream that a tile of rows reads once. A plain w (a tied LM head: the embedding table,
-// which lookups read by rows) is packed panel by panel into per-thread scratch as the product runs
-// (8 x 8 blocks transposed in registers), giving bitwise the same results as a packed one. Up to 3
-// rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to 12 chains hide the
-// FMA latency (one panel's 2 per row would not); the chains are the same.
+// contiguous stream that a tile of rows reads once. A plain w (a tied LM head on a bf16 backend,
+// whose table Embedding reads by rows; a float32 backend's tied table is stored once, packed, and
+// Embedding gathers from that: worker/llama.cc) is packed panel by panel into per-thread scratch
+// as the product runs (8 x 8 blocks transposed in registers), giving bitwise the same results as a
+// packed one. Up to 3 rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to
+// 12 chains hide the FMA latency (one panel's 2 per row would not); the chains are the same.
 //
 // From 4 rows, on CPUs with AVX-512F, the products run AVX-512 tiles (panel_matmul_avx512.h: one
 // zmm per panel per row, up to 14 rows x 2 panels at a time) instead of the 8-float ones, and up to
