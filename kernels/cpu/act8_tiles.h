@@ -3,9 +3,9 @@
 // their outputs: column ranges per OpenMP thread as column_tiles.h's (whole 8-row tiles, so that
 // every output is computed by the same code whatever the thread count), and within a range, tiles
 // of up to kRowsWithInputs weight rows x kMaxInputs input rows (each weight row's bytes loaded and
-// prepared once per kMaxInputs input rows; AVX-512's 32 registers hold 4 x 4 sums, AVX2's 16 hold
-// 4 x 2), or of 8 weight rows x 1 input row when the product has a single input row (a decode step:
-// 8 independent sums). A tile's shape is a template argument of the kernel: ForEachAct8Tile hands
+// prepared once per kMaxInputs input rows; the VNNI files' 4 x 4 sums fit AVX-512's 32 registers),
+// or of 8 weight rows x 1 input row when the product has a single input row (a decode step: 8
+// independent sums). A tile's shape is a template argument of the kernel: ForEachAct8Tile hands
 // it as std::integral_constant values (tile_rows.h's WithTileRows).
 //
 // The AVX2 instances walk one weight row at a time instead (ForEachAct8Row): a row's blocks are read
