@@ -280,12 +280,13 @@ class CpuBackend final : public Backend {
   // and 32 x 2^j (j = 0 .. 10) that matches on a probe row, with a bias; 0 if none does. Cached by
   // shape in bf16_chunks_. Throws dnnl::error.
   int64_t FindBf16Chunk(const PackedWeight& packed, void* w);
-  // The instance the int8 and int4 weights' products run on: the exact one this CPU runs best, or
-  // under act_ kInt8 quant_isa.h's Int8ActivationsIsa() (MakeCpuBackend refuses kInt8 on a CPU
-  // without one).
-  QuantIsa IntIsa() const {
-    return act_ == CpuActivationQuant::kInt8 ? Int8ActivationsIsa().value_or(ActiveQuantIsa()) : ActiveQuantIsa();
+  // The instance the int8 and int4 weights' products run on under `act`: the exact one this CPU
+  // runs best, or under kInt8 quant_isa.h's Int8ActivationsIsa() (MakeCpuBackend refuses kInt8 on
+  // a CPU without one). IntIsa: this backend's.
+  static QuantIsa IntIsaFor(CpuActivationQuant act) {
+    return act == CpuActivationQuant::kInt8 ? Int8ActivationsIsa().value_or(ActiveQuantIsa()) : ActiveQuantIsa();
   }
+  QuantIsa IntIsa() const { return IntIsaFor(act_); }
 
   const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in

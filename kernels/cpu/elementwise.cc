@@ -35,7 +35,7 @@ absl::Status CpuBackend::Embedding(Tensor* out, const Tensor& table, const Tenso
 
   absl::StatusOr<const PackedWeight*> packed = FindPacked(table);
   if (!packed.ok()) return check.Error(packed.status().message());
-  if (*packed != nullptr && ((*packed)->quant != WeightQuant::kNone || (*packed)->bf16() || (*packed)->int8_panels)) {
+  if (*packed != nullptr && ((*packed)->quant != WeightQuant::kNone || (*packed)->bf16())) {  // int8 panels are kInt8
     return check.Error("the table is a quantized or bf16 packed weight, which Embedding cannot read");
   }
   const int32_t* id = ids.as<int32_t>();

@@ -188,8 +188,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
 }
 
 std::string CpuBackend::QuantizedKernelsDescription(CpuActivationQuant act) {
-  return cpu::QuantizedKernelsDescription(
-      act == CpuActivationQuant::kInt8 ? Int8ActivationsIsa().value_or(ActiveQuantIsa()) : ActiveQuantIsa());
+  return cpu::QuantizedKernelsDescription(IntIsaFor(act));
 }
 
 absl::StatusOr<const CpuBackend::PackedWeight*> CpuBackend::FindPacked(const Tensor& w) const {
