@@ -707,6 +707,93 @@ INSTANTIATE_TEST_SUITE_P(Products, CpuProductsTest, ::testing::Values(CpuMatMul:
 
 // ---- int8 weights (kernels/quant.h, kernels/cpu/int8_matmul.h) ------------------------------
 
+// The int8 and int4 quantizers' definitions (kernels/quant.h) written out one weight at a time with
+// libm's rounding: the library's quantizers (8 weights at a time where they can, an inline rounding)
+// must give exactly these bytes, on weights that reach every case: ties at half a step, subnormal
+// and near-overflow magnitudes, all-zero and all-equal rows, signed zeros, row lengths that are and
+// are not multiples of 8 and of 128.
+std::vector<std::vector<float>> QuantizerCases() {
+  std::mt19937 rng(41);
+  std::vector<std::vector<float>> rows;
+  for (float sigma : {1e-41f, 1e-30f, 1e-3f, 1.0f, 3e3f, 1e36f}) {
+    std::normal_distribution<float> dist(0.0f, sigma);
+    for (int64_t k : {1, 7, 8, 128, 200, 256, 300}) {
+      std::vector<float> row(k);
+      for (float& v : row) v = dist(rng);
+      rows.push_back(row);
+      for (float& v : row) v = std::fabs(v);  // all >= 0: int4's zero point 0
+      rows.push_back(row);
+    }
+  }
+  // Ties: int8 scale 15.875 / 127 = 2^-3 and int4 scale 1.875 / 15 = 2^-3 exactly, values j x 2^-4
+  // (quotients j / 2), negated every third.
+  for (float top : {15.875f, 1.875f}) {
+    std::vector<float> row(256);
+    for (int j = 0; j < 256; ++j) row[j] = static_cast<float>(j % 31) * 0.0625f * (j % 3 == 0 ? -1.0f : 1.0f);
+    row[5] = top;
+    if (top == 1.875f) {  // int4: keep the range [0, 1.875] in the first group
+      for (float& v : row) v = std::fabs(v);
+    }
+    rows.push_back(row);
+  }
+  rows.push_back(std::vector<float>(256, 0.0f));
+  rows.push_back(std::vector<float>(256, -0.0f));
+  rows.push_back(std::vector<float>(200, 0.3f));
+  rows.push_back(std::vector<float>(200, -2.5f));
+  std::vector<float> extremes(128, 3.4e38f);
+  for (size_t j = 0; j < extremes.size(); j += 2) extremes[j] = -3.4e38f;
+  rows.push_back(extremes);
+  return rows;
+}
+
+TEST(QuantizersTest, BytesEqualTheDefinitionWeightByWeight) {
+  for (const std::vector<float>& row : QuantizerCases()) {
+    const auto k = static_cast<int64_t>(row.size());
+    // int8: scale max |w| / 127, q = clamp(round(w / scale), -127, 127), 0 where the scale is.
+    float max_abs = 0;
+    for (float v : row) max_abs = std::fmax(max_abs, std::fabs(v));
+    const float scale8 = max_abs / 127.0f;
+    std::vector<int8_t> want8(k);
+    for (int64_t c = 0; c < k; ++c) {
+      want8[c] = scale8 == 0 ? 0
+                             : static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::round(row[c] / scale8))));
+    }
+    float got_scale8 = -1;
+    std::vector<int8_t> got8(k, 99);
+    ASSERT_TRUE(QuantizeInt8Rows(&got_scale8, got8.data(), row.data(), 1, k).ok());
+    EXPECT_EQ(got_scale8, scale8) << "k " << k << ", w[0] " << row[0];
+    EXPECT_EQ(got8, want8) << "k " << k << ", w[0] " << row[0];
+    // int4, per group of 128: the range widened to hold 0, scale hi / 15 - lo / 15, zero
+    // clamp(round(-lo / scale), 0, 15), q = clamp(round(w / scale) + zero, 0, 15), nibbles as declared.
+    const Int4GroupsLayout layout{1, k};
+    std::vector<Int4Group128> want4(layout.groups_per_row()), got4(layout.groups_per_row());
+    for (int64_t g = 0; g < layout.groups_per_row(); ++g) {
+      const int64_t begin = g * kInt4GroupSize, end = std::min(k, begin + kInt4GroupSize);
+      float lo = 0, hi = 0;
+      for (int64_t c = begin; c < end; ++c) {
+        lo = std::fmin(lo, row[c]);
+        hi = std::fmax(hi, row[c]);
+      }
+      Int4Group128& b = want4[g];
+      b = Int4Group128{};
+      const float scale = hi / 15.0f - lo / 15.0f;
+      if (!(scale > 0)) continue;
+      b.scale = scale;
+      b.zero = static_cast<uint8_t>(std::fmin(15.0f, std::fmax(0.0f, std::round(-lo / scale))));
+      for (int64_t c = begin; c < end; ++c) {
+        const auto q = static_cast<uint8_t>(std::fmin(15.0f, std::fmax(0.0f, std::round(row[c] / scale) + b.zero)));
+        const int64_t j = c - begin;
+        b.q[j % 64] |= static_cast<uint8_t>(j < 64 ? q : q << 4);
+      }
+    }
+    std::memset(got4.data(), 0xA5, got4.size() * sizeof(Int4Group128));
+    ASSERT_TRUE(QuantizeInt4Groups(got4.data(), row.data(), 1, k).ok());
+    EXPECT_EQ(std::memcmp(got4.data(), want4.data(), want4.size() * sizeof(Int4Group128)), 0)
+        << "k " << k << ", w[0] " << row[0] << ": scale " << got4[0].scale << " / " << want4[0].scale << ", zero "
+        << int{got4[0].zero} << " / " << int{want4[0].zero};
+  }
+}
+
 // The layout's reference: each value within half a step (scale / 2) of the weight, the largest
 // magnitude of a row exactly +-127 steps, an all-zero row scale 0, a non-finite weight refused
 // with its place named.
@@ -905,6 +992,41 @@ TEST(Fp8QuantTest, E4m3CodesRoundTripAndRoundToNearestEven) {
   EXPECT_EQ(FloatToFp8E4m3(6.5f * std::ldexp(1.0f, -9)), 0x06);  // halfway 6 (even) / 7
   EXPECT_EQ(FloatToFp8E4m3(0.2f * std::ldexp(1.0f, -9)), 0x00);
   EXPECT_EQ(FloatToFp8E4m3(-0.7f * std::ldexp(1.0f, -9)), 0x81);
+}
+
+// FloatToFp8E4m3 (bit arithmetic, no libm) against its definition in libm's terms: the step at the
+// value's binade from frexp, the value over it by ldexp, rounded to even by nearbyint. Every 251st
+// float bit pattern of either sign, and each halfway point between neighbouring codes with the
+// floats just below and above it.
+TEST(Fp8QuantTest, CodesEqualTheLibmDefinition) {
+  const auto definition = [](float v) -> uint8_t {
+    if (std::isnan(v)) return 0x7F;
+    const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+    const float a = std::fmin(std::fabs(v), kFp8E4m3Max);
+    if (a == 0) return sign;
+    int e;
+    std::frexp(a, &e);
+    const int binade = std::max(e - 1, -6);
+    const float steps = std::nearbyint(std::ldexp(a, 3 - binade));
+    const int code = binade == -6 && steps < 8 ? static_cast<int>(steps) : ((binade + 7) << 3) + static_cast<int>(steps) - 8;
+    return static_cast<uint8_t>(sign | std::min(code, 0x7E));
+  };
+  int64_t checked = 0;
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += 251) {
+    float v;
+    const auto b = static_cast<uint32_t>(bits);
+    std::memcpy(&v, &b, sizeof v);
+    ASSERT_EQ(FloatToFp8E4m3(v), definition(v)) << "bits 0x" << std::hex << b << " = " << v;
+    ++checked;
+  }
+  for (int c = 0; c < 0x7E; ++c) {
+    const float mid = (Fp8E4m3ToFloat(static_cast<uint8_t>(c)) + Fp8E4m3ToFloat(static_cast<uint8_t>(c + 1))) / 2;
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1000.0f)}) {
+      ASSERT_EQ(FloatToFp8E4m3(v), definition(v)) << "near the halfway point after code " << c << ": " << v;
+      ASSERT_EQ(FloatToFp8E4m3(-v), definition(-v)) << "near the halfway point after code " << c << ": " << -v;
+    }
+  }
+  EXPECT_GT(checked, 17'000'000);
 }
 
 // The layout's reference: the largest magnitude of a row is exactly +-448 x scale, every weight

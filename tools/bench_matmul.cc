@@ -203,6 +203,7 @@ int main(int argc, char** argv) {
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
   };
   std::vector<Weight> weights;
+  std::map<WeightQuant, double> pack_seconds;  // the backend's packing (quantization) of every weight, per format
   for (int64_t l = 0; l < layers; ++l) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
@@ -210,7 +211,9 @@ int main(int argc, char** argv) {
       Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
+        const auto t0 = std::chrono::steady_clock::now();
         auto buffer = backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed, q);
+        pack_seconds[q] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (!buffer.ok()) {
           std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
           return 1;
@@ -272,6 +275,12 @@ int main(int argc, char** argv) {
   std::printf("one stage: %lld layers, %.1fM parameters of products, %d thread(s), median of %d; %s\n",
               static_cast<long long>(layers), params / 1e6, threads, repeat,
               shardserve::cpu::QuantizedKernelsDescription().c_str());
+  std::printf("packing the weights (load time; quantizing: kernels/quant.h QuantizeWeight):");
+  for (const auto& [q, seconds] : pack_seconds) {
+    std::printf(" %s %.0f ms (%.0fM weights/s)", q == WeightQuant::kNone ? "f32 panels" : WeightQuantName(q),
+                seconds * 1e3, params / seconds / 1e6);
+  }
+  std::printf("\n");
   std::printf("%6s  %-16s %10s %8s %8s %8s %8s %6s %7s %9s\n", "rows", "kernel", "ms", "min ms", "cpu ms", "GFLOP/s",
               "w GB/s", "same", "vs f32", "cpu/wall");
   for (int64_t n = 1; n <= flags->at("max-rows"); n *= 2) {
