@@ -41,15 +41,12 @@ using cpu::kVecLanes;
 [[gnu::always_inline]] inline void Load8(Vec8* v, const float* p) { std::memcpy(v, p, sizeof *v); }
 [[gnu::always_inline]] inline void MinVec(Vec8* a, const Vec8& b) { *a = b < *a ? b : *a; }
 [[gnu::always_inline]] inline void MaxVec(Vec8* a, const Vec8& b) { *a = *a < b ? b : *a; }
-// RoundHalfAway for lanes below 2^22 in magnitude (the caller checks: Below2To22), clamped to
-// [lowest, highest].
-[[gnu::always_inline]] inline void RoundHalfAwayVec(Vec8* x, float lowest, float highest) {
+// RoundHalfAway for lanes below 2^22 in magnitude (the caller checks: Below2To22).
+[[gnu::always_inline]] inline void RoundHalfAwayVec(Vec8* x) {
   const Vec8 t = __builtin_convertvector(__builtin_convertvector(*x, Vec8i), Vec8);  // toward zero, exact
   const Vec8 d = *x - t;                                                              // exact: |d| < 1
   const Vec8 one = Vec8{} + 1.0f, zero = {};
   *x = t + (d >= 0.5f ? one : zero) - (d <= -0.5f ? one : zero);
-  MinVec(x, Vec8{} + highest);
-  MaxVec(x, Vec8{} + lowest);
 }
 // Whether any lane of a comparison's result is set (one OR of its 4 quadwords, not 8 lane tests).
 [[gnu::always_inline]] inline bool AnyLane(const Vec8i& mask) {
@@ -110,7 +107,9 @@ void Int8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {
         Load8(&x, row + c);
         x /= s;
         if (!Below2To22(x)) break;  // the scalar loop below takes it from here
-        RoundHalfAwayVec(&x, -127.0f, 127.0f);
+        RoundHalfAwayVec(&x);
+        MinVec(&x, Vec8{} + 127.0f);
+        MaxVec(&x, Vec8{} - 127.0f);
         const Vec8i codes = __builtin_convertvector(x, Vec8i);
         for (int l = 0; l < kVecLanes; ++l) out[c + l] = static_cast<int8_t>(codes[l]);
       }
@@ -121,6 +120,33 @@ void Int8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {
       out[c] = static_cast<int8_t>(Max(-127.0f, Min(127.0f, v)));
     }
   }
+}
+
+// A whole group's values j and j + 64 into byte j of b (its scale and zero set), 8 bytes a step, as
+// Int4Groups' scalar loop: Min(15, Max(0, RoundHalfAway(w / s) + zero)). False, with the bytes
+// partly written, where a quotient is out of RoundHalfAwayVec's range.
+[[gnu::always_inline]] inline bool PackInt4Group(Int4Group128* b, const float* v) {
+  constexpr int64_t kHalf = kInt4GroupSize / 2;
+  const float zero = b->zero;
+  for (int64_t j = 0; j < kHalf; j += kVecLanes) {
+    Vec8 low, high;
+    Load8(&low, v + j);
+    Load8(&high, v + kHalf + j);
+    low /= b->scale;
+    high /= b->scale;
+    if (!Below2To22(low) || !Below2To22(high)) return false;
+    RoundHalfAwayVec(&low);
+    RoundHalfAwayVec(&high);
+    low += zero;
+    high += zero;
+    MaxVec(&low, Vec8{});
+    MinVec(&low, Vec8{} + 15.0f);
+    MaxVec(&high, Vec8{});
+    MinVec(&high, Vec8{} + 15.0f);
+    const Vec8i bytes = __builtin_convertvector(low, Vec8i) | (__builtin_convertvector(high, Vec8i) << 4);
+    for (int l = 0; l < kVecLanes; ++l) b->q[j + l] = static_cast<uint8_t>(bytes[l]);
+  }
+  return true;
 }
 
 SHARDSERVE_VECTOR_CLONES
@@ -158,38 +184,8 @@ void Int4Groups(Int4Group128* blocks, const float* w, int64_t m, int64_t k) {
       if (!(scale > 0)) continue;  // an all-zero group (or one too small to scale): q = 0, s = 0
       b.scale = scale;
       b.zero = static_cast<uint8_t>(Min(15.0f, Max(0.0f, RoundHalfAway(-lo / scale))));
-      const float zero = b.zero;
-      bool done = false;
-      if (size == kInt4GroupSize) {
-        // Values j and j + 64 into byte j, 8 bytes a step; any quotient out of RoundHalfAwayVec's
-        // range sends the group to the scalar loop (which rewrites every byte).
-        done = true;
-        for (int64_t j = 0; j < kHalf && done; j += kVecLanes) {
-          Vec8 low_x, high_x;
-          Load8(&low_x, v + j);
-          Load8(&high_x, v + kHalf + j);
-          low_x /= scale;
-          high_x /= scale;
-          if (!Below2To22(low_x) || !Below2To22(high_x)) {
-            done = false;
-            break;
-          }
-          // The scalar code's Min(15, Max(0, RoundHalfAway(w / s) + zero)): rounded, then the zero
-          // added, then clamped (no clamp before the addition: +-inf never comes, |w / s| < 2^22).
-          RoundHalfAwayVec(&low_x, -4194304.0f, 4194304.0f);
-          RoundHalfAwayVec(&high_x, -4194304.0f, 4194304.0f);
-          low_x += zero;
-          high_x += zero;
-          MaxVec(&low_x, Vec8{});
-          MinVec(&low_x, Vec8{} + 15.0f);
-          MaxVec(&high_x, Vec8{});
-          MinVec(&high_x, Vec8{} + 15.0f);
-          const Vec8i bytes = __builtin_convertvector(low_x, Vec8i) | (__builtin_convertvector(high_x, Vec8i) << 4);
-          for (int l = 0; l < kVecLanes; ++l) b.q[j + l] = static_cast<uint8_t>(bytes[l]);
-        }
-      }
-      if (done) continue;
-      for (int64_t j = 0; j < kHalf; ++j) b.q[j] = 0;
+      if (size == kInt4GroupSize && PackInt4Group(&b, v)) continue;
+      for (int64_t j = 0; j < kHalf; ++j) b.q[j] = 0;  // what PackInt4Group wrote before it gave up
       for (int64_t j = 0; j < size; ++j) {
         const float qv = Min(15.0f, Max(0.0f, RoundHalfAway(v[j] / scale) + b.zero));
         const auto nibble = static_cast<uint8_t>(qv);
