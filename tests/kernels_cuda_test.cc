@@ -927,13 +927,15 @@ TEST_P(CudaChecks, FactoryRejectsBadArguments) {
   EXPECT_EQ(cuda_->device_kind(), DeviceKind::kCuda);
 }
 
-// ---- Quantized weights (kernels/cuda/quant_matmul.cu; passed on an H200, 2026-11-27) -----------
+// ---- Quantized weights (kernels/cuda/quant_matmul.cu; passed on an H200, 2026-11-27, with the ---
+// GEMVs before the per-row-count instances, which have not yet run on a GPU)
 // MatMul by int8, fp8 and int4 weights on a backend made with CudaBackendOptions::quantized_kernels,
 // against kernels/quant.h's dequantize reference on the host: x (rounded to the act dtype) @
-// dequantized(w)^T + bias, in double. n covers the GEMV (1, 3, 8) and the dequantize + cuBLAS path
-// (33, 128), the latter over several blocks of rows (a 64 KiB scratch); the shapes cover the GEMV's
-// vector loads (k % 16 == 0, m % 4 == 0) and its byte loads (m, k odd), and for int4 a k that is
-// not a multiple of 128 (a short last group). Every element must be within
+// dequantized(w)^T + bias, in double. n covers the GEMV's instances (1, 2, 3 in the 4-row one, 8)
+// and the dequantize + cuBLAS path (33, 128), the latter over several blocks of rows (a 64 KiB
+// scratch); the shapes cover the GEMV's vector loads (k % 16 == 0), its byte loads (k odd) and an
+// odd m (a block's second row past m), and for int4 a k that is not a multiple of 128 (a short
+// last group: 1000 on the vector loads, 300 off them). Every element must be within
 //   (2 u + 1e-5) x (sum_c |x_c w_c| + |bias|),
 // u the act dtype's unit roundoff: the cuBLAS path rounds the dequantized weights to the act dtype
 // (u each), the output is rounded once (u), and float32 sums in another order stay far below 1e-5
@@ -996,7 +998,7 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
   };
   const std::vector<Shape> shapes =
       quant() == WeightQuant::kInt4
-          ? std::vector<Shape>{{520, 384}, {37, 1024}, {130, 300}}   // last: a 44-input last group
+          ? std::vector<Shape>{{520, 384}, {37, 1024}, {67, 1000}, {130, 300}}  // last groups of 104, 44 inputs
           : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}};  // vector loads; byte loads of w; of w and x
   const double u = UnitRoundoff(act());
   uint32_t salt = 0;
@@ -1015,7 +1017,8 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
     const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 7100 + salt), act());
     // n: bias?, F32 out? (every combination on both paths)
     for (const auto& [n, with_bias, f32_out] : std::vector<std::tuple<int64_t, bool, bool>>{
-             {1, false, false}, {3, true, false}, {8, true, true}, {33, true, false}, {128, false, true}}) {
+             {1, false, false}, {2, true, true}, {3, true, false}, {8, true, true}, {33, true, false},
+             {128, false, true}}) {
       SCOPED_TRACE(::testing::Message() << WeightQuantName(quant()) << " m " << m << ", k " << k << ", n " << n
                                         << (with_bias ? ", bias" : "") << (f32_out ? ", F32 out" : ", act out"));
       const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), 7200 + salt + static_cast<uint32_t>(n)), act());

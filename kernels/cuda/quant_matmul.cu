@@ -1,30 +1,33 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
 // int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (worker
-// --cuda-quantized-kernels). Its CudaQuant tests passed on an H200 on 2026-11-27, with the first
-// GEMVs (a warp a row) and with those below; off by default until a quantized model has served on
-// a GPU (docs/gpu.md).
+// --cuda-quantized-kernels). Its CudaQuant tests passed on an H200 on 2026-11-27 with the GEMVs
+// before these (a warp per two rows, one instance for every n); these (a block per two rows, an
+// instance per input-row count) have not yet run on a GPU. Off by default until a quantized model
+// has served on a GPU (docs/gpu.md).
 //
 // Storage: the CPU's layouts, byte for byte (PackQuantizedWeight is a copy to the device). One
 // layout for both backends and for the checkpoints' loader (model/quantized_checkpoint.h), and the
 // planner's byte counts hold as they are. What the GPU kernels want from it they get: an int8 / fp8
-// row is k contiguous bytes (16-byte loads when k % 16 == 0 and m % 4 == 0, else byte loads); an
-// int4 row is groups x 72 contiguous bytes, read as 8-byte words (9 a group: the scale-and-zero
-// header, then 64 bytes of nibbles), so a warp's loads are whole 256-byte runs. A Marlin-style
-// repack (scales apart, nibbles interleaved for tensor-core fragments) would come with a
-// tensor-core kernel; not written.
+// row is k contiguous bytes (16-byte loads when k % 16 == 0 and the rows are aligned, else byte
+// loads); an int4 row is groups x 72 contiguous bytes, read as 8-byte words (9 a group: the
+// scale-and-zero header, then 64 bytes of nibbles, eight threads' loads). A Marlin-style repack
+// (scales apart, nibbles interleaved for tensor-core fragments) would come with a tensor-core
+// kernel; not written.
 //
 // MatMul out [n, m] = x [n, k] @ w^T (+ bias):
-// - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. Each warp computes
-//   kGemvRowsPerWarp output rows (kGemvRowsPerBlock a block), each lane strided runs of the rows'
-//   bytes, several loads in flight; the codes are made float in registers (a byte permute under
-//   2^23 and a subtraction, exact, where an integer conversion runs at a quarter of the rate), each
-//   input value loaded once for all of the warp's rows (read through L1/L2: the same x for every
-//   warp) and all n input rows, summed in float32, reduced across the warp with shuffles; lane 0
-//   scales (int8, fp8: by the row's scale once; int4: per group), adds the bias, rounds once to
-//   out's dtype. On the H200 at Llama-3-8B's shapes the first GEMVs (a warp a row, integer
-//   conversions) read 557 GB/s of int4 and 1,112 of int8, these 744 and 1,379, of the 4.5 TB/s a
-//   streaming read reaches; Nsight Compute finds these latency-bound, neither DRAM nor the SMs
-//   busy (docs/benchmarks.md has the figures and the next steps).
+// - n <= kGemvMaxRows (decode): a GEMV that reads each weight byte once. A block of four warps
+//   computes kGemvRows output rows, its threads strided runs of the rows' bytes, several loads in
+//   flight; the codes are made float in registers (a byte permute under 2^23 and a subtraction,
+//   exact, where an integer conversion runs at a quarter of the rate), each input value loaded once
+//   for all of the block's rows (read through L1/L2: the same x for every block), summed in
+//   float32, reduced across each warp with shuffles and across the warps in shared memory; one
+//   thread per output scales (int8, fp8: by the row's scale once; int4: per group as it goes), adds
+//   the bias, rounds once to out's dtype. On the H200 at Llama-3-8B's shapes the first GEMVs (a
+//   warp a row, integer conversions) read 557 GB/s of int4 and 1,112 of int8, the second (a warp
+//   per two rows, eight input rows unrolled in every instance) 744 and 1,379, of the 4.5 TB/s a
+//   streaming read reaches; Nsight Compute found those latency-bound, neither DRAM nor the SMs busy
+//   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (kGemvWarps'
+//   note).
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
@@ -48,17 +51,32 @@ namespace {
 // once for all rows by cuBLAS after dequantizing; at 8 rows the GEMV's x traffic (L2) is still far
 // below its weight traffic.
 constexpr int kGemvMaxRows = 8;
-// Warps per GEMV block (128 threads), each computing kGemvRowsPerWarp output rows: the grid is
-// ceil(m / kGemvRowsPerBlock) blocks (m <= INT_MAX).
+// The GEMVs index a row in int, a step or a group past the last input included; rows longer than
+// this (none a model has) take the dequantize + cuBLAS path.
+constexpr int64_t kGemvMaxK = int64_t{1} << 30;
+// A GEMV block: 128 threads (four warps) compute kGemvRows output rows together, splitting the
+// input dimension among all of them, so the grid is ceil(m / kGemvRows) blocks: 512 for the 8B's
+// 1024-row products, enough blocks for every SM and enough loads in flight on each to cover the
+// memory latency (an H100 needs ~15 KB per SM; here a 1024 x 4096 int4 weight is about 18 KB per
+// SM of the H200, all asked for at once). Each input value a thread loads serves both rows.
+//
+// The instances are few and short, on purpose: the first of these GEMVs computed eight input rows
+// in one fully unrolled body (120 KB of code, 128 registers per instance, sm_90), which each warp
+// ran once for a 4096-input row: Nsight Compute found them latency-bound, neither DRAM nor the SMs
+// busy (the code fetched from L2). Now the input-row count is a template argument N (1, 2, 4 or 8:
+// n rounded up, the rows past n skipped) and the aligned, vectorized case is an instance of its
+// own; `nvcc -Xptxas -v` and the cubin's section sizes give each instance's registers and bytes
+// (the commit adding this note: docs/benchmarks.md).
 constexpr int kGemvWarps = 4;
 constexpr int kGemvThreads = kGemvWarps * 32;
-constexpr int kGemvRowsPerWarp = 2;
-constexpr int kGemvRowsPerBlock = kGemvWarps * kGemvRowsPerWarp;
-// Steps of 16-byte weight loads per row a lane issues before using the first (int8 / fp8: 4 x 16 B
-// x 2 rows), and steps of four int4 groups (a header and a word of nibbles per lane and row): a
-// decode GEMV is bound by the bytes in flight (an H100 needs ~15 KB per SM to cover its latency).
-constexpr int kGemvLoads = 4;
-constexpr int kInt4Steps = 4;
+constexpr int kGemvRows = 2;
+// Steps of 16-byte weight loads per row a thread issues before using the first (int8 / fp8: 2 x
+// 16 B x 2 rows), and steps of sixteen int4 groups (a header and a word of nibbles per thread and
+// row): the bytes in flight.
+constexpr int kGemvLoads = 2;
+constexpr int kInt4Steps = 2;
+// Eight threads take an int4 group; a block's 128 threads, sixteen groups a step.
+constexpr int kInt4GroupsPerStep = kGemvThreads / 8;
 // An int4 group as 8-byte words: word 0 is the header (scale, zero, pad), words 1..8 the nibbles.
 constexpr int kInt4Words = static_cast<int>(sizeof(Int4Group128) / 8);
 static_assert(sizeof(Int4Group128) % 8 == 0 && offsetof(Int4Group128, q) == 8,
@@ -96,13 +114,16 @@ __device__ __forceinline__ float HalfBitsToFloat<__nv_bfloat16>(uint32_t bits) {
   return __uint_as_float(bits << 16);
 }
 
-// v[j] = row[c + j] for j < 8, 0 at and past k. `vec`: the row is 16-byte aligned and holds a
-// multiple of 16 bytes (checked by the host), and c is a multiple of 8, so a whole run of 8 is one
-// or two 16-byte loads.
-template <typename T>
-__device__ __forceinline__ void LoadX8(const T* row, int64_t c, int64_t k, bool vec, float v[8]) {
-  if (vec && c + 8 <= k) {
-    if constexpr (sizeof(T) == 4) {
+// v[j] = row[c + j] for j < 8, 0 at and past k. kVec: the row is 16-byte aligned and k % 8 == 0
+// (checked by the host), and c is a multiple of 8, so a run of 8 is wholly in the row or wholly
+// past it, one or two 16-byte loads.
+template <typename T, bool kVec>
+__device__ __forceinline__ void LoadX8(const T* row, int c, int k, float v[8]) {
+  if constexpr (kVec) {
+    if (c >= k) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+    } else if constexpr (sizeof(T) == 4) {
       const float4 a = __ldg(reinterpret_cast<const float4*>(row + c));
       const float4 b = __ldg(reinterpret_cast<const float4*>(row + c + 4));
       v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
@@ -121,18 +142,33 @@ __device__ __forceinline__ void LoadX8(const T* row, int64_t c, int64_t k, bool 
   }
 }
 
-// Lane 0 of the warp of output row r writes out[i][r] = sum over lanes of acc[i], x `scale`, + bias.
-// Every lane calls (the shuffles need the whole warp).
-template <typename T, typename TO>
-__device__ __forceinline__ void FinishRow(TO* out, const float (&acc)[kGemvMaxRows], float scale, const T* bias,
-                                          int n, int64_t m, int64_t r) {
-  const int lane = threadIdx.x & 31;
-  const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
+// out[i][r0 + rr] = (the block's sum of acc[rr][i]) x scale[r0 + rr] (1 when null) + bias, for
+// the rows below m and the input rows below n, rounded once. Each warp's sums by shuffles, then
+// the four warps' in a fixed order: the same bits for an input row whatever else is in the batch.
+// Every thread of the block calls.
+template <typename T, typename TO, int N>
+__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows][N], const float* scale,
+                                           const T* bias, int n, int m, int r0) {
+  __shared__ float part[kGemvWarps][kGemvRows][N];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int i = 0; i < kGemvMaxRows; ++i) {
-    if (i < n) {  // n is the same for the whole warp
-      const float sum = WarpAllReduce(acc[i], SumOp{});
-      if (lane == 0) out[i * m + r] = FromFloat<TO>(sum * scale + b);
+  for (int rr = 0; rr < kGemvRows; ++rr) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float v = WarpAllReduce(acc[rr][i], SumOp{});
+      if (lane == 0) part[warp][rr][i] = v;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kGemvRows * N) {
+    const int rr = threadIdx.x / N, i = threadIdx.x % N, r = r0 + rr;
+    if (i < n && r < m) {
+      float sum = part[0][rr][i];
+#pragma unroll
+      for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
+      const float s = scale != nullptr ? __ldg(scale + r) : 1.0f;
+      const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
+      out[static_cast<int64_t>(i) * m + r] = FromFloat<TO>(sum * s + b);
     }
   }
 }
@@ -146,35 +182,35 @@ __device__ __forceinline__ float MagicByte(uint32_t bytes, int t) {
   return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540u + static_cast<uint32_t>(t)));
 }
 
-// Int8 or fp8 rows (Int8RowsLayout / Fp8RowsLayout): warp w of block b computes output rows
-// kGemvRowsPerWarp (4 b + w) + [0, kGemvRowsPerWarp), each input value it loads serving every one
-// of them. vec: q's rows are 16-byte aligned and k % 16 == 0 (16 weights a load, lane-strided: a
-// warp reads 512 contiguous bytes of each row a step, kGemvLoads steps in flight); else one byte a
-// lane a step (still coalesced). int8 codes are read as float by MagicByte on the codes + 128.
-template <typename T, typename TO, bool kFp8>
+// Int8 or fp8 rows (Int8RowsLayout / Fp8RowsLayout): block b computes output rows kGemvRows b +
+// [0, kGemvRows), for N input rows (those past n skipped). kVec: q's rows and x's rows are 16-byte
+// aligned and hold multiples of 16 bytes (k % 16 == 0): thread t multiplies weights 16 t + 2048 l
+// (l < kGemvLoads) of each row a step, all loads of a step in flight before the first is used, a
+// block reading 2 KB of each row a load; else one byte a thread a step (still coalesced). int8
+// codes are read as float by MagicByte on the codes + 128.
+template <typename T, typename TO, bool kFp8, int N, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads)
     RowsGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const float* __restrict__ scale /*[m]*/, const uint8_t* __restrict__ q /*[m, k]*/,
-                   const T* __restrict__ bias /*[m] or null*/, int n, int64_t m, int64_t k, bool vec_w, bool vec_x) {
-  constexpr int R = kGemvRowsPerWarp;
-  const int lane = threadIdx.x & 31;
-  const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5)) * R;
-  if (r0 >= m) return;  // the whole warp: r0 is the warp's
+                   const T* __restrict__ bias /*[m] or null*/, int n, int m, int k) {
+  constexpr int R = kGemvRows;
+  const int r0 = static_cast<int>(blockIdx.x) * R;
   const uint8_t* qr[R];
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr) qr[rr] = q + (r0 + rr < m ? r0 + rr : m - 1) * k;  // past m: read, not written
-  float acc[R][kGemvMaxRows];
+  for (int rr = 0; rr < R; ++rr) qr[rr] = q + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+  float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
 #pragma unroll
-    for (int i = 0; i < kGemvMaxRows; ++i) acc[rr][i] = 0.0f;
+    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
   }
-  if (vec_w) {
-    for (int64_t base = int64_t{lane} * 16; base < k; base += 32 * 16 * kGemvLoads) {
+  if constexpr (kVec) {
+    constexpr int kStride = kGemvThreads * 16;
+    for (int base = static_cast<int>(threadIdx.x) * 16; base < k; base += kStride * kGemvLoads) {
       uint4 loaded[kGemvLoads][R];
 #pragma unroll
       for (int l = 0; l < kGemvLoads; ++l) {
-        const int64_t c = base + int64_t{32 * 16} * l;
+        const int c = base + kStride * l;
 #pragma unroll
         for (int rr = 0; rr < R; ++rr) {
           loaded[l][rr] = c < k ? __ldg(reinterpret_cast<const uint4*>(qr[rr] + c)) : make_uint4(0, 0, 0, 0);
@@ -182,7 +218,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
 #pragma unroll
       for (int l = 0; l < kGemvLoads; ++l) {
-        const int64_t c = base + int64_t{32 * 16} * l;
+        const int c = base + kStride * l;
         if (c >= k) break;
         float w[R][16];
 #pragma unroll
@@ -198,11 +234,11 @@ __global__ void __launch_bounds__(kGemvThreads)
           }
         }
 #pragma unroll
-        for (int i = 0; i < kGemvMaxRows; ++i) {
-          if (i < n) {
+        for (int i = 0; i < N; ++i) {
+          if (i < n) {  // the same for the whole block
             float xv[16];
-            LoadX8(x + i * k, c, k, vec_x, xv);
-            LoadX8(x + i * k, c + 8, k, vec_x, xv + 8);
+            LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c, k, xv);
+            LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c + 8, k, xv + 8);
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) {
               float d = 0.0f;
@@ -215,68 +251,66 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   } else {
-    for (int64_t c = lane; c < k; c += 32) {
+    for (int c = static_cast<int>(threadIdx.x); c < k; c += kGemvThreads) {
       float w[R];
 #pragma unroll
       for (int rr = 0; rr < R; ++rr) w[rr] = RowValue<kFp8>(__ldg(qr[rr] + c));
 #pragma unroll
-      for (int i = 0; i < kGemvMaxRows; ++i) {
+      for (int i = 0; i < N; ++i) {
         if (i < n) {
-          const float xi = ToFloat(x[i * k + c]);
+          const float xi = ToFloat(x[static_cast<int64_t>(i) * k + c]);
 #pragma unroll
           for (int rr = 0; rr < R; ++rr) acc[rr][i] += w[rr] * xi;
         }
       }
     }
   }
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-    if (r0 + rr < m) FinishRow<T, TO>(out, acc[rr], __ldg(scale + r0 + rr), bias, n, m, r0 + rr);  // warp-uniform
-  }
+  FinishRows<T, TO, N>(out, acc, scale, bias, n, m, r0);
 }
 
-// Int4 groups (Int4GroupsLayout): warp w of block b computes output rows kGemvRowsPerWarp (4 b + w)
-// + [0, kGemvRowsPerWarp). Eight lanes take a group (lane / 8: which of four groups a step, lane % 8:
-// which of its eight 8-byte words of nibbles) and all eight read its header (scale, zero) as one
-// broadcast 8-byte load; kInt4Steps steps (16 groups of each row) are loaded before any is used.
-// Lane p of group g multiplies inputs 128 g + 8 p + [0, 8) (low nibbles) and the same + 64 (high
-// nibbles), each code made float by MagicByte less 2^23 + zero: (q - zero) exactly, as
-// DequantizeInt4Groups has it; the group's sum times its scale. Inputs at or past k (the last
-// group of a row when k % 128 != 0) are 0 and add nothing.
-template <typename T, typename TO>
+// Int4 groups (Int4GroupsLayout): block b computes output rows kGemvRows b + [0, kGemvRows), for N
+// input rows (those past n skipped). Eight threads take a group (thread / 8: which of sixteen
+// groups a step, thread % 8: which of its eight 8-byte words of nibbles) and all eight read its
+// header (scale, zero) as one broadcast 8-byte load; kInt4Steps steps (32 groups of each row) are
+// loaded before any is used. Thread p of a group multiplies inputs 128 g + 8 p + [0, 8) (low
+// nibbles) and the same + 64 (high nibbles), each code made float by MagicByte less 2^23 + zero:
+// (q - zero) exactly, as DequantizeInt4Groups has it; the group's sum times its scale. Inputs at or
+// past k (the last group of a row when k % 128 != 0) are 0 and add nothing. kVecX: x's rows are
+// 16-byte aligned and hold multiples of 16 bytes.
+template <typename T, typename TO, int N, bool kVecX>
 __global__ void __launch_bounds__(kGemvThreads)
     Int4GemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
-                   int n, int64_t m, int64_t k, int64_t groups, bool vec_x) {
-  constexpr int R = kGemvRowsPerWarp;
-  const int lane = threadIdx.x & 31, quarter = lane >> 3, p = lane & 7;
-  const int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5)) * R;
-  if (r0 >= m) return;  // the whole warp
+                   int n, int m, int k, int groups) {
+  constexpr int R = kGemvRows;
+  const int first = static_cast<int>(threadIdx.x) >> 3, p = static_cast<int>(threadIdx.x) & 7;
+  const int r0 = static_cast<int>(blockIdx.x) * R;
   const uint2* words[R];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
-    words[rr] = reinterpret_cast<const uint2*>(blocks + (r0 + rr < m ? r0 + rr : m - 1) * groups);  // past m: not written
+    words[rr] = reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + rr, m - 1)) * groups);
   }
-  float acc[R][kGemvMaxRows];
+  float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
 #pragma unroll
-    for (int i = 0; i < kGemvMaxRows; ++i) acc[rr][i] = 0.0f;
+    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
   }
-  for (int64_t g0 = quarter; g0 < groups; g0 += 4 * kInt4Steps) {
+  for (int g0 = first; g0 < groups; g0 += kInt4GroupsPerStep * kInt4Steps) {
     uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
 #pragma unroll
     for (int u = 0; u < kInt4Steps; ++u) {
-      const int64_t g = g0 + 4 * u;
+      const int g = g0 + kInt4GroupsPerStep * u;
 #pragma unroll
       for (int rr = 0; rr < R; ++rr) {
-        head[u][rr] = g < groups ? __ldg(words[rr] + g * kInt4Words) : make_uint2(0, 0);
-        nib[u][rr] = g < groups ? __ldg(words[rr] + g * kInt4Words + 1 + p) : make_uint2(0, 0);
+        const uint2* group = words[rr] + static_cast<int64_t>(g) * kInt4Words;
+        head[u][rr] = g < groups ? __ldg(group) : make_uint2(0, 0);
+        nib[u][rr] = g < groups ? __ldg(group + 1 + p) : make_uint2(0, 0);
       }
     }
 #pragma unroll
     for (int u = 0; u < kInt4Steps; ++u) {
-      const int64_t g = g0 + 4 * u;
+      const int g = g0 + kInt4GroupsPerStep * u;
       if (g >= groups) break;
       float w[R][16], s[R];
 #pragma unroll
@@ -288,13 +322,13 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
         for (int j = 0; j < 16; ++j) w[rr][j] = MagicByte(nibbles[j / 4], j % 4) - mz;
       }
-      const int64_t c = g * kInt4GroupSize + 8 * p;
+      const int c = g * static_cast<int>(kInt4GroupSize) + 8 * p;
 #pragma unroll
-      for (int i = 0; i < kGemvMaxRows; ++i) {
-        if (i < n) {
+      for (int i = 0; i < N; ++i) {
+        if (i < n) {  // the same for the whole block
           float xv[16];
-          LoadX8(x + i * k, c, k, vec_x, xv);
-          LoadX8(x + i * k, c + kInt4GroupSize / 2, k, vec_x, xv + 8);
+          LoadX8<T, kVecX>(x + static_cast<int64_t>(i) * k, c, k, xv);
+          LoadX8<T, kVecX>(x + static_cast<int64_t>(i) * k, c + static_cast<int>(kInt4GroupSize) / 2, k, xv + 8);
 #pragma unroll
           for (int rr = 0; rr < R; ++rr) {
             float d = 0.0f;
@@ -306,10 +340,19 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-    if (r0 + rr < m) FinishRow<T, TO>(out, acc[rr], 1.0f, bias, n, m, r0 + rr);  // warp-uniform
-  }
+  FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
+}
+
+// Calls f(std::integral_constant<int, N>, std::bool_constant<kVec>) for the GEMV instance that
+// covers n (1 <= n <= kGemvMaxRows) input rows: N = n rounded up to 1, 2, 4 or 8 on the vector path;
+// 8 (the rows past n skipped) on the byte path, which only odd shapes take.
+template <typename F>
+absl::Status ForGemvInstance(int n, bool vec, F&& f) {
+  if (!vec) return f(std::integral_constant<int, kGemvMaxRows>{}, std::false_type{});
+  if (n == 1) return f(std::integral_constant<int, 1>{}, std::true_type{});
+  if (n == 2) return f(std::integral_constant<int, 2>{}, std::true_type{});
+  if (n <= 4) return f(std::integral_constant<int, 4>{}, std::true_type{});
+  return f(std::integral_constant<int, kGemvMaxRows>{}, std::true_type{});
 }
 
 // w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
@@ -434,28 +477,38 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
   if (!Aligned(w.data, 8)) return Invalid(kOp, "a quantized w must be 8-byte aligned", all);
 
-  if (n <= kGemvMaxRows) {
-    const bool vec_x = Aligned(x.data, 16) && (k * static_cast<int64_t>(DTypeSize(act_))) % 16 == 0;
+  if (n <= kGemvMaxRows && k <= kGemvMaxK) {
+    // LoadX8's vector loads: runs of 8 inputs, each wholly in a row or wholly past its end.
+    const bool vec_x = Aligned(x.data, 16) && k % 8 == 0;
     const bool vec_w = Aligned(q, 16) && k % 16 == 0;
-    const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvRowsPerBlock));
+    const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvRows));
+    const int rows = static_cast<int>(n), mi = static_cast<int>(m), ki = static_cast<int>(k);
     return DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       const T* xs = x.as<const T>();
       const T* b = bias != nullptr ? bias->as<const T>() : nullptr;
       auto launch = [&](auto* y) -> absl::Status {
         using TO = std::remove_pointer_t<decltype(y)>;
-        const int rows = static_cast<int>(n);
         if (quant == WeightQuant::kInt4) {
-          Int4GemvKernel<T, TO><<<grid, kGemvThreads, 0, stream_>>>(y, xs, blocks, b, rows, m, k, groups, vec_x);
-          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4GemvKernel");
-        } else if (quant == WeightQuant::kInt8) {
-          RowsGemvKernel<T, TO, false><<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, m, k, vec_w, vec_x);
-          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<int8>");
-        } else {
-          RowsGemvKernel<T, TO, true><<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, m, k, vec_w, vec_x);
-          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<fp8>");
+          return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
+            Int4GemvKernel<T, TO, kn(), kvec()>
+                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups));
+            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4GemvKernel");
+            return absl::OkStatus();
+          });
         }
-        return absl::OkStatus();
+        return ForGemvInstance(rows, vec_w && vec_x, [&](auto kn, auto kvec) -> absl::Status {
+          if (quant == WeightQuant::kInt8) {
+            RowsGemvKernel<T, TO, false, kn(), kvec()>
+                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, mi, ki);
+            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<int8>");
+          } else {
+            RowsGemvKernel<T, TO, true, kn(), kvec()>
+                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, mi, ki);
+            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<fp8>");
+          }
+          return absl::OkStatus();
+        });
       };
       return out->dtype == DType::kF32 ? launch(out->as<float>()) : launch(out->as<T>());
     });
