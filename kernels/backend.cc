@@ -64,4 +64,20 @@ absl::StatusOr<Buffer> Backend::PackQuantizedWeight(WeightQuant quant, const voi
                                                " weights yet (quantized checkpoints load on the CPU)"));
 }
 
+absl::Status Backend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, const Tensor& w, float eps) {
+  if (x == nullptr || normed == nullptr) return absl::InvalidArgumentError("AddRmsNorm: x and normed must not be null");
+  SHARDSERVE_RETURN_IF_ERROR(Add(x, *x, y));
+  return RmsNorm(normed, *x, w, eps);
+}
+
+absl::Status Backend::BeginGraph() {
+  return absl::UnimplementedError(absl::StrCat("BeginGraph: the ", Describe(), " backend does not record step graphs"));
+}
+absl::StatusOr<int> Backend::EndGraph() {
+  return absl::UnimplementedError(absl::StrCat("EndGraph: the ", Describe(), " backend does not record step graphs"));
+}
+absl::Status Backend::RunGraph(int) {
+  return absl::UnimplementedError(absl::StrCat("RunGraph: the ", Describe(), " backend does not record step graphs"));
+}
+
 }  // namespace shardserve

@@ -107,6 +107,21 @@ class Backend {
   // CPU, which launches none. For the kernels-per-step figure (docs/gpu.md).
   virtual uint64_t kernel_launches() const { return 0; }
 
+  // ---- Step graphs ---------------------------------------------------------------------------
+  // Whether this backend can record a step's ops as a graph and replay it (CUDA graphs: the CUDA
+  // backend made with CudaBackendOptions::step_graphs). The CPU backend cannot.
+  virtual bool records_graphs() const { return false; }
+  // Between BeginGraph and EndGraph the ops called on this backend (kernels, products, CopyOnDevice
+  // and Fill0) are recorded, not run, each with the arguments it was called with (tensor addresses
+  // and shapes, scalars). EndGraph ends the recording, also after an op failed, and returns the
+  // graph's id, or the error that spoiled it (a call that waits for the device, CopyToDevice,
+  // CopyToHost or Synchronize, spoils a recording). RunGraph(id) runs the recorded ops again, in
+  // order, on whatever their buffers hold then; kernel_launches() counts them as they run. The
+  // base refuses all three (Unimplemented).
+  virtual absl::Status BeginGraph();
+  virtual absl::StatusOr<int> EndGraph();
+  virtual absl::Status RunGraph(int id);
+
   // Device memory this backend holds to dequantize quantized weights for its products: on CUDA the
   // scratch its quantized MatMul uses above 8 rows (CudaDequantScratchBytes of the largest quantized
   // weight stored so far); 0 on the CPU, whose products read the quantized weights directly.
@@ -153,6 +168,13 @@ class Backend {
   // out = x / sqrt(mean(x^2) + eps) * w, computed in float32.
   virtual absl::Status RmsNorm(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/,
                                const Tensor& w /*[d] act*/, float eps) = 0;
+
+  // x = x + y (the residual add, rounded to act as Add rounds), then normed = RmsNorm(x, w, eps):
+  // Add and RmsNorm in one call, which a backend may do in one pass over each row. The base calls
+  // Add, then RmsNorm; the CUDA backend with CudaBackendOptions::fused_kernels runs one kernel that
+  // gives the same bits. normed may alias y.
+  virtual absl::Status AddRmsNorm(Tensor* x /*[n, d] act*/, const Tensor& y /*[n, d] act*/,
+                                  Tensor* normed /*[n, d] act*/, const Tensor& w /*[d] act*/, float eps);
 
   // out = x @ w^T (+ bias): w is stored as in Hugging Face Linear, [out_features, in_features],
   // plain or as PackMatMulWeight made it. out may be F32 (logits) or act. bias may be null.
@@ -249,13 +271,32 @@ bool CpuHasNativeBf16MatMul();
 struct CudaBackendOptions {
   // Int8, int4 and fp8 weights (PackMatMulWeight / PackQuantizedWeight with a WeightQuant, and
   // MatMul by them: kernels/cuda/quant_matmul.cu). Off: those are refused with Unimplemented, as
-  // before the kernels existed. Worker --cuda-quantized-kernels. Never run on a GPU yet.
+  // before the kernels existed. Worker --cuda-quantized-kernels. Op tests passed on an H200 (with
+  // the GEMVs before the current ones); no model served yet.
   bool quantized_kernels = false;
+  // Step graphs (Backend::BeginGraph / EndGraph / RunGraph as CUDA graphs: stream capture, then
+  // cudaGraphLaunch), which LlamaShard records for decode steps. Off: records_graphs() is false and
+  // BeginGraph is refused. Worker --cuda-graphs. Never run on a GPU yet.
+  bool step_graphs = false;
+  // Split-KV ("flash-decoding") attention: for steps of at most 8 tokens each (token, head)'s keys
+  // are split into ranges of at least this many keys (at most 64 ranges), one block each, their
+  // partial softmax sums combined by a second kernel, so that a batch-1 decode uses more than
+  // q_heads blocks. 0 (default): one block per (token, head). Worker --cuda-split-attention
+  // (kCudaSplitAttentionKeys). Never run on a GPU yet.
+  int split_attention_keys = 0;
+  // Fused kernels: AddRmsNorm as one kernel (the residual add and the next norm in one pass over
+  // the row, the same bits as Add then RmsNorm). Worker --cuda-fused-kernels. Never run on a GPU
+  // yet.
+  bool fused_kernels = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)
   size_t quantized_scratch_bytes = 0;
 };
+
+// The keys per range of worker --cuda-split-attention (CudaBackendOptions::split_attention_keys):
+// one 128-key chunk of the attention kernel.
+inline constexpr int kCudaSplitAttentionKeys = 128;
 
 // The default of CudaBackendOptions::quantized_scratch_bytes: at most this much device memory holds a
 // quantized weight's rows dequantized to the act dtype (a single row larger than it is taken whole).

@@ -552,6 +552,23 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
     SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, q_width}));
     SS_RUN_OP("CUDA", cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, scale));
+    // Split-KV (CudaBackendOptions::split_attention_keys; not yet run on a GPU): 32-key ranges, six
+    // of them for the tables' 192 keys. Only steps of up to 8 tokens split: the first 8 tokens, on
+    // a backend of their own, whose contexts (151, 1, 38, 2, 3, 4, 39, 5 keys) take five, one and
+    // two ranges, the others past the context.
+    SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> split, MakeCudaBackend(0, act(), {.split_attention_keys = 32}));
+    const int64_t ns = 8;
+    SS_ASSIGN_OR_FAIL(Guarded s_q, UploadF(split.get(), std::vector<float>(q.begin(), q.begin() + ns * q_width), act(),
+                                           {ns, q_width}));
+    SS_ASSIGN_OR_FAIL(Guarded s_kc, UploadF(split.get(), k_cache, act(), cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded s_vc, UploadF(split.get(), v_cache, act(), cache_dims));
+    SS_ASSIGN_OR_FAIL(Guarded s_pos, UploadI(split.get(), {positions.begin(), positions.begin() + ns}, {ns}));
+    SS_ASSIGN_OR_FAIL(Guarded s_seq, UploadI(split.get(), {token_seq.begin(), token_seq.begin() + ns}, {ns}));
+    SS_ASSIGN_OR_FAIL(Guarded s_tab, UploadI(split.get(), tables, {seqs, max_blocks}));
+    SS_ASSIGN_OR_FAIL(Guarded s_out, Output(split.get(), act(), {ns, q_width}));
+    const uint64_t launches = split->kernel_launches();
+    SS_RUN_OP("CUDA split", split->Attention(&s_out.t, s_q.t, s_kc.t, s_vc.t, s_pos.t, s_seq.t, s_tab.t, scale));
+    EXPECT_EQ(split->kernel_launches(), launches + 2) << "the ranges' kernel and the combining one";
 
     SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_width}));
     SS_ASSIGN_OR_FAIL(Guarded c_kc, UploadF(cpu_.get(), k_cache, DType::kF32, cache_dims));
@@ -566,6 +583,10 @@ TEST_P(CudaVsCpu, Attention) {
     SS_READ_F(want, cpu_.get(), c_out);
     EXPECT_TRUE(Close("Attention", got, want, Threshold(Op::kAttention, act())));
     SS_ASSERT_OK(cuda_->Synchronize());  // no bad-metadata error was raised
+    SS_READ_F(got_split, split.get(), s_out);
+    EXPECT_TRUE(Close("Attention split over the keys", got_split,
+                      std::vector<float>(want.begin(), want.begin() + ns * q_width), Threshold(Op::kAttention, act())));
+    SS_ASSERT_OK(split->Synchronize());
   }
 }
 
@@ -613,6 +634,58 @@ TEST_P(CudaVsCpu, Add) {
   SS_RUN_OP("CUDA", cuda_->Add(&g_a.t, g_a.t, g_b.t));  // in place
   SS_READ_F(got_in_place, cuda_.get(), g_a);
   EXPECT_TRUE(Close("Add in place", got_in_place, want, Threshold(Op::kAdd, act())));
+}
+
+// AddRmsNorm (CudaBackendOptions::fused_kernels; written without a GPU, not yet run on one): the
+// fused kernel's x and normed bit for bit those of Add then RmsNorm on a backend without the option
+// (the base's composition), rows of 1000 (not a multiple of the 256 threads) and of 4096, each
+// within the CPU's Add and RmsNorm tolerances; normed may be y itself.
+TEST_P(CudaVsCpu, AddRmsNorm) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_kernels = true}));
+  for (const int64_t d : {int64_t{1000}, int64_t{4096}}) {
+    SCOPED_TRACE(::testing::Message() << "d " << d);
+    const int64_t n = 3;
+    const std::vector<float> x = RandomValues(n * d, Seed(Op::kAdd, act(), 10), act(), -4.0f, 4.0f);
+    const std::vector<float> y = RandomValues(n * d, Seed(Op::kAdd, act(), 11), act());
+    const std::vector<float> w = RandomValues(d, Seed(Op::kRmsNorm, act(), 12), act(), 0.5f, 1.5f);
+    const float eps = 1e-5f;
+    std::vector<std::vector<float>> xs, normeds;
+    for (Backend* be : {cuda_.get(), fused.get()}) {
+      SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(be, x, act(), {n, d}));
+      SS_ASSIGN_OR_FAIL(Guarded g_y, UploadF(be, y, act(), {n, d}));
+      SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(be, w, act(), {d}));
+      SS_ASSIGN_OR_FAIL(Guarded g_normed, Output(be, act(), {n, d}));
+      const uint64_t launches = be->kernel_launches();
+      SS_RUN_OP("CUDA", be->AddRmsNorm(&g_x.t, g_y.t, &g_normed.t, g_w.t, eps));
+      EXPECT_EQ(be->kernel_launches() - launches, be == fused.get() ? 1u : 2u);
+      SS_READ_F(got_x, be, g_x);
+      SS_READ_F(got_normed, be, g_normed);
+      xs.push_back(got_x);
+      normeds.push_back(got_normed);
+      // normed aliasing y: the same bits.
+      SS_ASSIGN_OR_FAIL(Guarded a_x, UploadF(be, x, act(), {n, d}));
+      SS_ASSIGN_OR_FAIL(Guarded a_y, UploadF(be, y, act(), {n, d}));
+      SS_RUN_OP("CUDA", be->AddRmsNorm(&a_x.t, a_y.t, &a_y.t, g_w.t, eps));
+      SS_READ_F(aliased, be, a_y);
+      EXPECT_EQ(aliased, got_normed) << "normed written over y";
+    }
+    EXPECT_EQ(xs[1], xs[0]) << "the fused kernel's x differs from Add's";
+    EXPECT_EQ(normeds[1], normeds[0]) << "the fused kernel's normed differs from RmsNorm's";
+
+    // The CPU's: the sum as Add's tolerance allows, and the norm of the CUDA sum (rounded to act)
+    // as RmsNorm's does.
+    SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, d}));
+    SS_ASSIGN_OR_FAIL(Guarded c_y, UploadF(cpu_.get(), y, DType::kF32, {n, d}));
+    SS_RUN_OP("CPU", cpu_->Add(&c_x.t, c_x.t, c_y.t));
+    SS_READ_F(want_x, cpu_.get(), c_x);
+    EXPECT_TRUE(Close("AddRmsNorm's sum", xs[1], want_x, Threshold(Op::kAdd, act())));
+    SS_ASSIGN_OR_FAIL(Guarded c_sum, UploadF(cpu_.get(), xs[1], DType::kF32, {n, d}));
+    SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {d}));
+    SS_ASSIGN_OR_FAIL(Guarded c_normed, Output(cpu_.get(), DType::kF32, {n, d}));
+    SS_RUN_OP("CPU", cpu_->RmsNorm(&c_normed.t, c_sum.t, c_w.t, eps));
+    SS_READ_F(want, cpu_.get(), c_normed);
+    EXPECT_TRUE(Close("AddRmsNorm's norm", normeds[1], want, Threshold(Op::kRmsNorm, act())));
+  }
 }
 
 // Softmax, Argmax and Sample take float32 logits whatever the act dtype; they run once per dtype
@@ -1178,6 +1251,89 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   std::fclose(f);
   std::printf("%s", json.str().c_str());
   RecordProperty("weight_gbps", std::to_string(gbps));
+}
+
+// ---- Step graphs (CudaBackendOptions::step_graphs; written without a GPU, not yet run on one) --
+// A recording is a stream capture: the ops between BeginGraph and EndGraph do not run, RunGraph runs
+// them on what their buffers hold then, and kernel_launches() counts them as they run. A cuBLAS
+// product and one of our kernels, recorded, replayed twice with new inputs uploaded between; each
+// replay must give the float32 products of its inputs (double reference, cuBLAS's float32 sums).
+TEST(CudaGraphs, ARecordedStepRunsOnWhatItsBuffersHoldThen) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kF32, {.step_graphs = true}));
+  ASSERT_TRUE(cuda->records_graphs());
+  const int64_t n = 3, k = 96, m = 40;
+  const std::vector<float> w = RandomValues(m * k, 81, DType::kF32), b = RandomValues(m, 82, DType::kF32);
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda.get(), RandomValues(n * k, 83, DType::kF32), DType::kF32, {n, k}));
+  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda.get(), w, DType::kF32, {m, k}));
+  SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda.get(), b, DType::kF32, {m}));
+  SS_ASSIGN_OR_FAIL(Guarded g_y, Output(cuda.get(), DType::kF32, {n, m}));
+  SS_ASSIGN_OR_FAIL(Guarded g_sum, Output(cuda.get(), DType::kF32, {n, m}));
+  // cuBLAS's first call (its workspace) outside the recording, as a worker's first step of a shape.
+  SS_ASSERT_OK(cuda->MatMul(&g_y.t, g_x.t, g_w.t, &g_b.t));
+  SS_ASSERT_OK(cuda->Synchronize());
+
+  const uint64_t before = cuda->kernel_launches();
+  SS_ASSERT_OK(cuda->BeginGraph());
+  SS_ASSERT_OK(cuda->Fill0(g_y.t.data, g_y.payload));
+  SS_ASSERT_OK(cuda->MatMul(&g_y.t, g_x.t, g_w.t, &g_b.t));
+  SS_ASSERT_OK(cuda->Add(&g_sum.t, g_y.t, g_y.t));
+  SS_ASSIGN_OR_FAIL(const int id, cuda->EndGraph());
+  EXPECT_EQ(cuda->kernel_launches(), before) << "recorded launches count when they run";
+  {
+    SS_READ_F(unrun, cuda.get(), g_sum);
+    EXPECT_TRUE(std::isnan(unrun[0])) << "a recorded op ran before RunGraph";
+  }
+  for (uint32_t round = 0; round < 2; ++round) {
+    const std::vector<float> x = RandomValues(n * k, 90 + round, DType::kF32);
+    SS_ASSERT_OK(cuda->CopyToDevice(g_x.t.data, x.data(), x.size() * sizeof(float)));
+    SS_ASSERT_OK(cuda->RunGraph(id));
+    EXPECT_EQ(cuda->kernel_launches(), before + 2 * (round + 1)) << "a product and an Add per run";
+    SS_READ_F(got, cuda.get(), g_sum);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t r = 0; r < m; ++r) {
+        double want = b[r], mag = std::fabs(b[r]);
+        for (int64_t c = 0; c < k; ++c) {
+          want += static_cast<double>(x[i * k + c]) * w[r * k + c];
+          mag += std::fabs(static_cast<double>(x[i * k + c]) * w[r * k + c]);
+        }
+        EXPECT_NEAR(got[i * m + r], 2 * want, 2 * 1e-5 * mag + 1e-30)
+            << "round " << round << ", [" << i << ", " << r << "]";
+      }
+    }
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda->RunGraph(id + 1)));
+}
+
+// A call that waits for the device spoils a recording: it is refused, EndGraph says which, no graph
+// is made, and the stream goes on working outside a recording.
+TEST(CudaGraphs, ACallThatWaitsSpoilsTheRecording) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kF32, {.step_graphs = true}));
+  SS_ASSIGN_OR_FAIL(Guarded g_a, UploadF(cuda.get(), std::vector<float>(64, 1.5f), DType::kF32, {1, 64}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda.get(), DType::kF32, {1, 64}));
+  const float host[64] = {};
+  SS_ASSERT_OK(cuda->BeginGraph());
+  EXPECT_TRUE(absl::IsFailedPrecondition(cuda->BeginGraph())) << "one recording at a time";
+  SS_ASSERT_OK(cuda->Add(&g_out.t, g_a.t, g_a.t));
+  EXPECT_TRUE(absl::IsFailedPrecondition(cuda->CopyToDevice(g_a.t.data, host, sizeof(host))));
+  const absl::StatusOr<int> id = cuda->EndGraph();
+  ASSERT_FALSE(id.ok());
+  EXPECT_NE(id.status().message().find("CopyToDevice"), std::string::npos) << id.status();
+  SS_ASSERT_OK(cuda->Add(&g_out.t, g_a.t, g_a.t));
+  SS_READ_F(got, cuda.get(), g_out);
+  EXPECT_EQ(got[0], 3.0f);
+  EXPECT_TRUE(absl::IsFailedPrecondition(cuda->EndGraph().status())) << "no recording under way";
+}
+
+// Off by default: a backend made without the option records nothing and says how to turn it on.
+TEST(CudaGraphs, OffByDefault) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kF32));
+  EXPECT_FALSE(cuda->records_graphs());
+  const absl::Status s = cuda->BeginGraph();
+  EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
+  EXPECT_NE(s.message().find("--cuda-graphs"), std::string::npos) << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaQuant,

@@ -82,6 +82,9 @@ enum class Engine {
   kCuda,             // CUDA backend, float32 activations, true float32 cuBLAS products (no TF32)
   kCudaBf16,         // CUDA backend, bf16 activations (what a GPU worker runs for a bf16 checkpoint)
   kCudaF16,          // CUDA backend, f16 activations
+  kCudaGraphs,       // kCuda with its decode steps replayed as CUDA graphs (CudaBackendOptions::step_graphs)
+  kCudaSplitAttention,  // kCuda with small steps' attention split over the keys, 16 keys a range
+  kCudaFused,        // kCuda with each residual add and the next RMSNorm as one kernel
 };
 
 std::string EngineName(Engine e) {
@@ -91,6 +94,9 @@ std::string EngineName(Engine e) {
     case Engine::kCuda: return "cuda";
     case Engine::kCudaBf16: return "cuda_bf16";
     case Engine::kCudaF16: return "cuda_f16";
+    case Engine::kCudaGraphs: return "cuda_graphs";
+    case Engine::kCudaSplitAttention: return "cuda_split_attention";
+    case Engine::kCudaFused: return "cuda_fused";
   }
   return "unknown";
 }
@@ -104,7 +110,10 @@ std::string MissingEngine(Engine e) {
     case Engine::kCpuBf16Products: return CpuRunsBf16Products() ? "" : kNoBf16Products;
     case Engine::kCuda:
     case Engine::kCudaBf16:
-    case Engine::kCudaF16: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
+    case Engine::kCudaF16:
+    case Engine::kCudaGraphs:
+    case Engine::kCudaSplitAttention:
+    case Engine::kCudaFused: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
   }
   return "unknown engine";
 }
@@ -116,6 +125,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
     case Engine::kCuda: return MakeCudaBackend(0, DType::kF32);
     case Engine::kCudaBf16: return MakeCudaBackend(0, DType::kBF16);
     case Engine::kCudaF16: return MakeCudaBackend(0, DType::kF16);
+    case Engine::kCudaGraphs: return MakeCudaBackend(0, DType::kF32, {.step_graphs = true});
+    case Engine::kCudaSplitAttention: return MakeCudaBackend(0, DType::kF32, {.split_attention_keys = 16});
+    case Engine::kCudaFused: return MakeCudaBackend(0, DType::kF32, {.fused_kernels = true});
   }
   return absl::InvalidArgumentError("unknown engine");
 }
@@ -241,6 +253,10 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   EXPECT_LE(decode_err, kLogitsTolerance) << name << ": logits at the 32nd decode step";
   std::printf("[ parity   ] %s on %s, chunk=%lld: prefill logits error %.3g, decode logits error %.3g\n",
               name.c_str(), EngineName(engine).c_str(), static_cast<long long>(chunk), prefill_err, decode_err);
+  if (engine == Engine::kCudaGraphs) {  // the decode steps were graphs, not steps run as they are
+    EXPECT_EQ(model->get()->step_graphs_off(), "");
+    EXPECT_GE(model->get()->step_graphs_recorded(), 1);
+  }
 }
 
 TEST_P(LlamaParity, WholePromptInOneStep) { CheckAgainstHuggingFace(name(), engine(), 128); }
@@ -641,7 +657,8 @@ TEST(LlamaActivationQuant, StaysNearTheExactProducts) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),
-                                            ::testing::Values(Engine::kCpu, Engine::kCuda)),
+                                            ::testing::Values(Engine::kCpu, Engine::kCuda, Engine::kCudaGraphs,
+                                                              Engine::kCudaSplitAttention, Engine::kCudaFused)),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),

@@ -39,6 +39,14 @@
 #                  128 in / 128 out); cold start (launch to SERVING) and planner vs measured memory
 #                  from the workers' logs
 #   llama8b-c64    the same, 64 streams of 512 in / 128 out
+#   llama8b-b1-graphs, llama8b-c64-graphs
+#                  the two above with the decode steps replayed as CUDA graphs (--worker-cuda-graphs,
+#                  issue 29 part 4; off by default until these and parity's cuda_graphs cases pass)
+#   llama8b-b1-split, llama8b-b1-fused, llama8b-b1-all
+#                  llama8b-b1 with small steps' attention split over the keys
+#                  (--worker-cuda-split-attention), with the residual add and RMSNorm fused
+#                  (--worker-cuda-fused-kernels), and with those and the graphs (all off by default
+#                  likewise)
 #   llama8b-int4-b1, llama8b-int8-b1
 #                  llama8b-b1 with the weights quantized at load (--quantization, the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes
@@ -215,13 +223,13 @@ kernels_metric() {
   [ -n "$n" ] && echo "--metric kernels_per_decode_step=$n"
 }
 
-# bench_step NAME MODEL_DIR PRESET CONCURRENCY REQUESTS INPUT OUTPUT [QUANT]: shardserve bench
-# --compare tp1 with dummy weights on cuda (QUANT: quantized at load, --quantization QUANT, with the
-# CUDA quantized-weight kernels), recorded with its figures, the bytes a decode step reads (from
-# the plan: the weights, but the embedding table of an untied model, of which a step reads one row
-# a token; + the mean context's KV cache) and the workers' memory lines.
+# bench_step NAME MODEL_DIR PRESET CONCURRENCY REQUESTS INPUT OUTPUT [QUANT [FLAG ...]]: shardserve
+# bench --compare tp1 with dummy weights on cuda (QUANT: quantized at load, --quantization QUANT, with
+# the CUDA quantized-weight kernels; FLAGs: more bench flags), recorded with its figures, the bytes a
+# decode step reads (from the plan: the weights, but the embedding table of an untied model, of which
+# a step reads one row a token; + the mean context's KV cache) and the workers' memory lines.
 bench_step() {
-  local name=$1 model=$2 preset=$3 conc=$4 reqs=$5 in=$6 out=$7 quant=${8:-}
+  local name=$1 model=$2 preset=$3 conc=$4 reqs=$5 in=$6 out=$7 quant=${8:-} extra=("${@:9}")
   want "$name" || return 0
   local json=$WORK/$name.json plan=$WORK/$name.plan.json qplan=() qbench=()
   if [ -n "$quant" ]; then
@@ -231,7 +239,7 @@ bench_step() {
   "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json "${qplan[@]}" >"$plan" 2>/dev/null
   step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format dummy \
     --concurrency "$conc" --num-requests "$reqs" --warmup 1 --input-len "$in" --output-len "$out" \
-    --log-dir "$LOGS/$name" --json-out "$json" "${qbench[@]}" ${BENCH_FLAGS:-}
+    --log-dir "$LOGS/$name" --json-out "$json" "${qbench[@]}" "${extra[@]}" ${BENCH_FLAGS:-}
   local derived=()
   if [ -s "$plan" ]; then
     derived=($(python3 - "$plan" "$model/config.json" "$conc" "$in" "$out" <<'EOF'
@@ -316,6 +324,12 @@ run_steps() {
     'c["num_hidden_layers"] = 40; c["tie_word_embeddings"] = True')
   bench_step llama8b-b1 "$llama" "$preset" 1 4 128 128
   bench_step llama8b-c64 "$llama" "$preset" 64 128 512 128
+  bench_step llama8b-b1-graphs "$llama" "$preset" 1 4 128 128 "" --worker-cuda-graphs
+  bench_step llama8b-c64-graphs "$llama" "$preset" 64 128 512 128 "" --worker-cuda-graphs
+  bench_step llama8b-b1-split "$llama" "$preset" 1 4 128 128 "" --worker-cuda-split-attention
+  bench_step llama8b-b1-fused "$llama" "$preset" 1 4 128 128 "" --worker-cuda-fused-kernels
+  bench_step llama8b-b1-all "$llama" "$preset" 1 4 128 128 "" --worker-cuda-graphs --worker-cuda-split-attention \
+    --worker-cuda-fused-kernels
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   for hf in "hf-b1 1 128" "hf-c64 64 512"; do

@@ -284,6 +284,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   SHARDSERVE_ASSIGN_OR_RETURN(m->proj_, m->AllocStepBuffer(act, {n, H}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->gate_, m->AllocStepBuffer(act, {n, f}));
   SHARDSERVE_ASSIGN_OR_RETURN(m->up_, m->AllocStepBuffer(act, {n, f}));
+  m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
   if (m->is_last_stage()) {
     SHARDSERVE_ASSIGN_OR_RETURN(m->last_, m->AllocStepBuffer(act, {ms, H}));
     SHARDSERVE_ASSIGN_OR_RETURN(m->local_logits_, m->AllocStepBuffer(DType::kF32, {ms, s.vocab_rows_per_rank}));
@@ -307,33 +308,68 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
   SHARDSERVE_RETURN_IF_ERROR(CheckStepBatch(b, limits_, config_, is_first_stage()));
   const int64_t n = static_cast<int64_t>(b.positions.size());
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+
+  // Step metadata to the device.
+  SHARDSERVE_RETURN_IF_ERROR(Upload(positions_.Rows(0, n), b.positions));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(token_seq_.Rows(0, n), b.token_seq));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(slots_.Rows(0, n), b.slots));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(block_tables_.Rows(0, b.num_seqs), b.block_tables));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(logit_rows_.Rows(0, m), b.logit_rows));
+  if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
+
+  if (graphs_on_ && n == b.num_seqs && n <= kMaxGraphSeqs) return ComputeWithGraph(n, m, b.num_seqs);
+  return Compute(n, m, b.num_seqs);
+}
+
+absl::Status LlamaShard::ComputeWithGraph(int64_t n, int64_t m, int64_t seqs) {
+  StepGraph& g = graphs_[{n, m}];
+  if (g.id >= 0) {
+    ++graph_replays_;
+    return backend_->RunGraph(g.id);
+  }
+  if (!g.ran) {
+    g.ran = true;
+    return Compute(n, m, seqs);
+  }
+  absl::Status why = backend_->BeginGraph();
+  if (why.ok()) {
+    const absl::Status computed = Compute(n, m, seqs);
+    absl::StatusOr<int> id = backend_->EndGraph();  // ends the recording whether or not Compute failed
+    if (computed.ok() && id.ok()) {
+      g.id = *id;
+      ++graphs_recorded_;
+      return backend_->RunGraph(g.id);
+    }
+    why = computed.ok() ? id.status() : computed;
+  }
+  // Nothing recorded ran: turn graphs off and run the step as it is (a real error in the step
+  // shows again there).
+  graphs_on_ = false;
+  graphs_off_why_ =
+      absl::StrCat("recording the step graph of ", n, " tokens, ", m, " logit rows failed: ", why.message());
+  return Compute(n, m, seqs);
+}
+
+absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   const float eps = static_cast<float>(config_.rms_norm_eps);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   Backend& be = *backend_;
-
-  // Step metadata to the device.
   Tensor ids = ids_.Rows(0, n), positions = positions_.Rows(0, n), token_seq = token_seq_.Rows(0, n),
-         slots = slots_.Rows(0, n), tables = block_tables_.Rows(0, b.num_seqs), rows = logit_rows_.Rows(0, m);
-  SHARDSERVE_RETURN_IF_ERROR(Upload(positions, b.positions));
-  SHARDSERVE_RETURN_IF_ERROR(Upload(token_seq, b.token_seq));
-  SHARDSERVE_RETURN_IF_ERROR(Upload(slots, b.slots));
-  SHARDSERVE_RETURN_IF_ERROR(Upload(tables, b.block_tables));
-  SHARDSERVE_RETURN_IF_ERROR(Upload(rows, b.logit_rows));
-
+         slots = slots_.Rows(0, n), tables = block_tables_.Rows(0, seqs), rows = logit_rows_.Rows(0, m);
   Tensor x = hidden_.Rows(0, n), normed = normed_.Rows(0, n), q = q_.Rows(0, n), k = k_.Rows(0, n),
          v = v_.Rows(0, n), attn = attn_.Rows(0, n), proj = proj_.Rows(0, n), gate = gate_.Rows(0, n),
          up = up_.Rows(0, n);
 
   // Embedding (first stage): vocab-parallel lookup, then all-reduce fills in the other ranks' rows.
   if (is_first_stage()) {
-    SHARDSERVE_RETURN_IF_ERROR(Upload(ids, b.token_ids));
     SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&x, embed_tokens_, ids, tp_shard_.vocab_rows.begin));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&x));
   }
 
-  for (Layer& l : layers_) {
-    // attention norm
-    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    // attention norm (from the second layer on, done with the previous layer's residual add)
+    if (li == 0) SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
     // q, k, v projections (column-parallel: this rank's heads)
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&q, normed, l.q_proj, l.q_bias.data ? &l.q_bias : nullptr));
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&k, normed, l.k_proj, l.k_bias.data ? &l.k_bias : nullptr));
@@ -347,18 +383,20 @@ absl::Status LlamaShard::Forward(const StepBatch& b) {
     // o_proj (row-parallel) + all-reduce of the partial sums
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
-    // residual
-    SHARDSERVE_RETURN_IF_ERROR(be.Add(&x, x, proj));
-    // mlp norm
-    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.post_attention_layernorm, eps));
+    // residual, then the mlp norm (one pass where the backend fuses them)
+    SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.post_attention_layernorm, eps));
     // SwiGLU mlp: gate/up column-parallel, down row-parallel + all-reduce
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&gate, normed, l.gate_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&up, normed, l.up_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
-    // residual
-    SHARDSERVE_RETURN_IF_ERROR(be.Add(&x, x, proj));
+    // residual, then the next layer's attention norm
+    if (li + 1 < layers_.size()) {
+      SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, layers_[li + 1].input_layernorm, eps));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(be.Add(&x, x, proj));
+    }
   }
 
   if (!is_last_stage() || m == 0) return absl::OkStatus();

@@ -9,7 +9,10 @@
 #define SHARDSERVE_WORKER_LLAMA_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,6 +56,17 @@ class LlamaShard {
   // Bytes of this shard's paged KV cache (K and V of every layer it holds).
   uint64_t kv_cache_bytes() const { return kv_cache_bytes_; }
   Backend* backend() const { return backend_; }
+  // Step graphs (Backend::BeginGraph / RunGraph, the CUDA backend's --cuda-graphs): decode steps
+  // (one token a sequence, at most kMaxGraphSeqs sequences) are replayed from a recording of the
+  // step's ops, one graph per shape (tokens, logit rows), when the backend records graphs and the
+  // TP group is one rank (a larger group's collectives wait for the device: TimedCommunicator).
+  // The first step of a shape runs as it is (the kernels' code and cuBLAS's workspace loaded), the
+  // second is recorded and run, the later ones replay it. If a recording fails the shard turns
+  // graphs off, runs that step as it is, and step_graphs_off() says why.
+  static constexpr int64_t kMaxGraphSeqs = 64;
+  int step_graphs_recorded() const { return static_cast<int>(graphs_recorded_); }
+  uint64_t step_graph_replays() const { return graph_replays_; }
+  const std::string& step_graphs_off() const { return graphs_off_why_; }
   // How the linear weights are held, for the worker log: the --quantization name, or for a published
   // quantized checkpoint its format and how many weights took each path (model/quantized_checkpoint.h).
   std::string QuantizationSummary() const;
@@ -87,6 +101,12 @@ class LlamaShard {
   // Alloc, counted in step_buffer_bytes().
   absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);
   absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);
+  // The step's ops on n tokens of `seqs` sequences, m logit rows, its metadata already uploaded:
+  // everything they read is in this shard's buffers, so a recording of them replays any step of
+  // the same shape.
+  absl::Status Compute(int64_t n, int64_t m, int64_t seqs);
+  // Compute as a step graph of shape (n, m): run, recorded or replayed (step_graphs_recorded()).
+  absl::Status ComputeWithGraph(int64_t n, int64_t m, int64_t seqs);
 
   // ---- Constant after Load ----
   ModelConfig config_;
@@ -123,6 +143,17 @@ class LlamaShard {
   Tensor local_logits_;   // [m, vocab_rows_per_rank] F32
   Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32; only when tp > 1
   Tensor logits_;     // [m, vocab] F32
+
+  // ---- Step graphs, by shape (tokens, logit rows): -1 until recorded ----
+  struct StepGraph {
+    bool ran = false;  // the shape's first step ran as it is
+    int id = -1;       // Backend::EndGraph's id once recorded
+  };
+  std::map<std::pair<int64_t, int64_t>, StepGraph> graphs_;
+  bool graphs_on_ = false;  // the backend records graphs, and the TP group is one rank (Load)
+  int64_t graphs_recorded_ = 0;
+  uint64_t graph_replays_ = 0;
+  std::string graphs_off_why_;
 };
 
 // Greedy decoding of one sequence in a single process (prefill in chunks of at most

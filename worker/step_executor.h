@@ -64,6 +64,15 @@ struct StepExecutorOptions {
   // --cuda-quantized-kernels: the CUDA backend's int8 / int4 / fp8 weights (op tests passed on a GPU,
   // no model served there yet: off by default, quantized assignments are then refused on CUDA).
   bool cuda_quantized_kernels = false;
+  // --cuda-graphs: decode steps recorded and replayed as CUDA graphs (worker/llama.h; never run on a
+  // GPU yet: off by default). Ignored on the CPU.
+  bool cuda_graphs = false;
+  // --cuda-split-attention: small steps' attention split over the keys (kCudaSplitAttentionKeys a
+  // range; never run on a GPU yet: off by default). Ignored on the CPU.
+  bool cuda_split_attention = false;
+  // --cuda-fused-kernels: the residual add and the next RMSNorm as one kernel (never run on a GPU
+  // yet: off by default). Ignored on the CPU.
+  bool cuda_fused_kernels = false;
 };
 
 class StepExecutor {
@@ -141,6 +150,10 @@ class StepExecutor {
   // Kernel launches of the last step Execute ran (Backend::kernel_launches: on CUDA each of our
   // launches and each cuBLAS call; 0 on the CPU): the kernels-per-step figure of docs/gpu.md.
   uint64_t last_step_kernel_launches() const { return last_step_kernel_launches_; }
+  // The shard's step graphs (LlamaShard: --cuda-graphs): how many are recorded, and why they were
+  // turned off ("" while on, or never on).
+  int step_graphs_recorded() const { return shard_->step_graphs_recorded(); }
+  const std::string& step_graphs_off() const { return shard_->step_graphs_off(); }
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   // How the linear weights are held (LlamaShard::QuantizationSummary), for the worker log.

@@ -46,6 +46,7 @@ constexpr char kUsage[] =
     "                         [--metrics-plaintext] [--health-listen HOST:PORT]\n"
     "                         [--collectives auto|gloo|nccl] [--dummy-weights host|device]\n"
     "                         [--activation-quantization none|int8] [--cuda-quantized-kernels]\n"
+    "                         [--cuda-graphs] [--cuda-split-attention] [--cuda-fused-kernels]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -108,6 +109,16 @@ constexpr char kUsage[] =
     "                           their op tests passed on a GPU, no model has served there yet\n"
     "                           (docs/gpu.md), so off by default: without it a\n"
     "                           quantized assignment is refused on cuda. Ignored on cpu\n"
+    "  --cuda-graphs            --device cuda: record decode steps (one token a sequence, at most 64\n"
+    "                           sequences) as CUDA graphs and replay them, with TP = 1 (worker/llama.h);\n"
+    "                           never run on a GPU yet (docs/gpu.md), so off by default. Ignored on cpu\n"
+    "  --cuda-split-attention   --device cuda: split the attention of steps of up to 8 tokens over the\n"
+    "                           keys (ranges of 128 keys, combined by a second kernel), so that a\n"
+    "                           batch-1 decode uses more blocks than heads; never run on a GPU yet\n"
+    "                           (docs/gpu.md), so off by default. Ignored on cpu\n"
+    "  --cuda-fused-kernels     --device cuda: each residual add and the RMSNorm after it as one kernel\n"
+    "                           (the same bits); never run on a GPU yet (docs/gpu.md), so off by\n"
+    "                           default. Ignored on cpu\n"
     "  --tls-cert, --tls-key    this worker's certificate and key (PEM): it presents them to the\n"
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
@@ -176,7 +187,8 @@ int Main(int argc, char** argv) {
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen",
                     "collectives", "dummy-weights", "activation-quantization"},
-                   {"help", "insecure", "spare", "metrics-plaintext", "cuda-quantized-kernels"});
+                   {"help", "insecure", "spare", "metrics-plaintext", "cuda-quantized-kernels", "cuda-graphs",
+                    "cuda-split-attention", "cuda-fused-kernels"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -252,6 +264,9 @@ int Main(int argc, char** argv) {
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
   options.cuda_quantized_kernels = flags->Has("cuda-quantized-kernels");
+  options.cuda_graphs = flags->Has("cuda-graphs");
+  options.cuda_split_attention = flags->Has("cuda-split-attention");
+  options.cuda_fused_kernels = flags->Has("cuda-fused-kernels");
   options.collective_host = flags->Get("collective-host");
   if (flags->Has("collective-interface")) {
     if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");

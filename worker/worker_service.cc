@@ -346,12 +346,15 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
       StepExecutor::Create(a, options_.device, &store, options_.collective_host,
                            {options_.cpu_threads, options_.cpu_matmul, options_.collectives,
                             options_.dummy_weights_on_device, options_.cpu_activation_quant,
-                            options_.cuda_quantized_kernels});
+                            options_.cuda_quantized_kernels, options_.cuda_graphs, options_.cuda_split_attention,
+                            options_.cuda_fused_kernels});
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;
   }
   executor_ = std::move(*executor);
+  logged_step_graphs_ = 0;
+  logged_graphs_off_ = false;
   if (options_.metrics_registry != nullptr && metrics_ == nullptr) {
     // The checkpoint directory's base name, computed as the coordinator's ServedModel::name.
     const std::filesystem::path path = std::filesystem::path(a.model_path()).lexically_normal();
@@ -490,6 +493,16 @@ void WorkerService::RunStep(Stream* stream) {
   if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu-bench.sh reads this line
     WorkerLog(Who(), absl::StrCat("kernels per decode step: ", kernels, " (", plan.row_seq_ids_size(), " rows)"), Ids());
     logged_decode_kernels_ = kernels;
+  }
+  if (executor_->step_graphs_recorded() != logged_step_graphs_) {  // --cuda-graphs
+    logged_step_graphs_ = executor_->step_graphs_recorded();
+    WorkerLog(Who(),
+              absl::StrCat("step graphs recorded: ", logged_step_graphs_, " (replayed for decode steps of their shape)"),
+              Ids());
+  }
+  if (!logged_graphs_off_ && !executor_->step_graphs_off().empty()) {
+    logged_graphs_off_ = true;
+    WorkerLog(Who(), absl::StrCat("step graphs turned off: ", executor_->step_graphs_off()), Ids());
   }
   rejoins_ = 0;
   Write(stream, reply_);

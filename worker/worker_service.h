@@ -84,6 +84,9 @@ struct WorkerOptions {
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   bool cuda_quantized_kernels = false;  // --cuda-quantized-kernels (CudaBackendOptions::quantized_kernels)
+  bool cuda_graphs = false;             // --cuda-graphs (CudaBackendOptions::step_graphs)
+  bool cuda_split_attention = false;    // --cuda-split-attention (CudaBackendOptions::split_attention_keys)
+  bool cuda_fused_kernels = false;      // --cuda-fused-kernels (CudaBackendOptions::fused_kernels)
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).
@@ -195,6 +198,8 @@ class WorkerService {
   std::unique_ptr<StepExecutor> executor_;  // declared after metrics_: destroyed first
   std::string failure_;         // the first failure; not empty: no more steps run
   uint64_t logged_decode_kernels_ = 0;  // kernels per decode step in the last such log line
+  int logged_step_graphs_ = 0;          // step graphs recorded, in the last such log line
+  bool logged_graphs_off_ = false;      // the line saying why step graphs were turned off was written
   v1::CoordinatorMessage in_;   // the message being handled
   v1::WorkerMessage reply_;     // holds a step_result, reused step after step
 };

@@ -24,8 +24,11 @@ constexpr uint64_t kCublasWorkspaceOlder = 4 * kMiB;
 // It is counted whenever a CUDA plan holds quantized weights: without the kernels
 // (--cuda-quantized-kernels) such a worker refuses to load, so no running plan goes without it.
 
-// CUDA graph pools: the CUDA backend captures no graphs (kernels/cuda has no cudaStreamBeginCapture;
-// issue 29 part 4 will add them behind a flag), so they take nothing.
+// CUDA graph pools: 0. The step graphs (worker --cuda-graphs, off by default, never run on a GPU
+// yet) record ops on buffers the shard allocated at load and allocate none during a recording
+// (cudaMalloc is refused there); what the driver keeps per instantiated graph (its nodes, and any
+// workspace cuBLAS takes with cudaMallocAsync while recorded) is unmeasured: the GPU run's
+// memory lines with and without the flag will say whether it needs an item.
 constexpr uint64_t kCudaGraphPoolBytes = 0;
 
 // NCCL's buffers per communicator, an estimate until a GPU run measures it (the worker logs the

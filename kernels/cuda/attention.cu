@@ -1,5 +1,7 @@
 // The CUDA backend's paged KV cache ops: CacheWrite (k, v into cache slots) and Attention (online
-// softmax over a sequence's cache blocks), their kernels and launches.
+// softmax over a sequence's cache blocks; split over the keys for small steps with
+// CudaBackendOptions::split_attention_keys, never yet run on a GPU), their kernels and launches.
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -56,21 +58,29 @@ __device__ __forceinline__ float DotQK(const float* q_s, const T* k, int head_di
 // output dimensions and sums the chunk's weighted values, loads independent of each other. Every
 // index taken from device metadata is checked; an out-of-range one sets an error bit and its key
 // gets weight 0 (the output row is zero when nothing valid is left).
-template <typename T>
+//
+// kSplit (split-KV, "flash-decoding"): blockIdx.x = (t * q_heads + h) * splits + s, and the block
+// walks only keys [s * split_keys, (s + 1) * split_keys) of the context, writing its running max,
+// denominator and unnormalized numerator to partial[blockIdx.x] (head_dim + 2 floats: m, l, acc),
+// for AttentionCombineKernel; a range past the context (or a bad token) writes l = 0.
+template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kAttnThreads)
     AttentionKernel(T* out /*[n, q_heads * hd]*/, const T* q /*[n, q_heads * hd]*/,
                     const T* k_cache /*[num_blocks, block_size, kv_heads, hd]*/,
                     const T* v_cache /*[num_blocks, block_size, kv_heads, hd]*/, const int32_t* positions /*[n]*/,
                     const int32_t* token_seq /*[n]*/, const int32_t* block_tables /*[num_seqs, max_blocks]*/,
                     int q_heads, int kv_heads, int head_dim, int block_size, int64_t num_blocks, int64_t num_seqs,
-                    int64_t max_blocks, float scale, unsigned* errors) {
+                    int64_t max_blocks, float scale, unsigned* errors, int splits = 1, int split_keys = 0,
+                    float* partial = nullptr) {
   __shared__ float q_s[kAttnMaxHeadDim];
   __shared__ float w_s[kAttnChunk];       // softmax weights of the chunk's keys (0: skipped)
   __shared__ int64_t base_s[kAttnChunk];  // element offset of each key's head in the cache
   __shared__ float scratch_s[32];
 
-  const int64_t t = blockIdx.x / q_heads;
-  const int h = static_cast<int>(blockIdx.x - t * q_heads);
+  const int64_t row = kSplit ? blockIdx.x / splits : blockIdx.x;  // t * q_heads + h
+  const int split = static_cast<int>(blockIdx.x - row * (kSplit ? splits : 1));
+  const int64_t t = row / q_heads;
+  const int h = static_cast<int>(row - t * q_heads);
   const int kv_head = h / (q_heads / kv_heads);
   const T* qh = q + (t * q_heads + h) * head_dim;
   T* oh = out + (t * q_heads + h) * head_dim;
@@ -79,16 +89,27 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t pos = positions[t];
   const bool bad_seq = seq < 0 || seq >= num_seqs;
   const bool bad_pos = pos < 0 || pos / block_size >= max_blocks;
+  // The keys this block walks: the whole context, or its split's range of it.
+  const int64_t begin = kSplit ? static_cast<int64_t>(split) * split_keys : 0;
+  const int64_t end = bad_seq || bad_pos ? 0 : kSplit ? min(pos + 1, begin + split_keys) : pos + 1;
+  float* part = kSplit ? partial + blockIdx.x * static_cast<int64_t>(head_dim + 2) : nullptr;
   if (bad_seq || bad_pos) {  // the same for every thread of the block
-    if (threadIdx.x == 0) atomicOr(errors, bad_seq ? kErrAttentionSeq : kErrAttentionPos);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) oh[d] = FromFloat<T>(0.0f);
+    if (threadIdx.x == 0 && split == 0) atomicOr(errors, bad_seq ? kErrAttentionSeq : kErrAttentionPos);
+    if constexpr (kSplit) {
+      if (threadIdx.x == 0) part[0] = -INFINITY, part[1] = 0.0f;
+    } else {
+      for (int d = threadIdx.x; d < head_dim; d += blockDim.x) oh[d] = FromFloat<T>(0.0f);
+    }
+    return;
+  }
+  if (kSplit && begin >= end) {  // a range past the context: nothing to add
+    if (threadIdx.x == 0) part[0] = -INFINITY, part[1] = 0.0f;
     return;
   }
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) q_s[d] = ToFloat(qh[d]);
   __syncthreads();
 
   const int32_t* table = block_tables + seq * max_blocks;
-  const int64_t context = pos + 1;
   const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
   const bool vec = head_dim % (16 / static_cast<int>(sizeof(T))) == 0 &&
                    reinterpret_cast<uintptr_t>(k_cache) % 16 == 0;  // then every head's row is aligned too
@@ -98,8 +119,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 #pragma unroll
   for (int r = 0; r < kAttnDimsPerThread; ++r) acc[r] = 0.0f;
 
-  for (int64_t start = 0; start < context; start += kAttnChunk) {
-    const int keys = static_cast<int>(context - start < kAttnChunk ? context - start : kAttnChunk);
+  for (int64_t start = begin; start < end; start += kAttnChunk) {
+    const int keys = static_cast<int>(end - start < kAttnChunk ? end - start : kAttnChunk);
     // This thread's key: its score, and where its head's row starts (0, with no weight, if none).
     float score = -INFINITY;
     int64_t base = 0;
@@ -140,10 +161,47 @@ __global__ void __launch_bounds__(kAttnThreads)
     m = m_new;
     __syncthreads();  // weights and offsets read before the next chunk overwrites them
   }
+  if constexpr (kSplit) {
+    if (threadIdx.x == 0) part[0] = m, part[1] = l;
 #pragma unroll
-  for (int r = 0; r < kAttnDimsPerThread; ++r) {
-    const int d = threadIdx.x + r * kAttnThreads;
-    if (d < head_dim) oh[d] = FromFloat<T>(l > 0.0f ? acc[r] / l : 0.0f);
+    for (int r = 0; r < kAttnDimsPerThread; ++r) {
+      const int d = threadIdx.x + r * kAttnThreads;
+      if (d < head_dim) part[2 + d] = acc[r];
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < kAttnDimsPerThread; ++r) {
+      const int d = threadIdx.x + r * kAttnThreads;
+      if (d < head_dim) oh[d] = FromFloat<T>(l > 0.0f ? acc[r] / l : 0.0f);
+    }
+  }
+}
+
+// One block per (token, query head): the splits' partial sums of AttentionKernel<T, true> merged
+// as the online softmax merges chunks (each rescaled by exp(m_s - max m), ranges with l = 0
+// skipped), then normalized and rounded once; zero when no range had a valid key.
+template <typename T>
+__global__ void __launch_bounds__(kAttnThreads)
+    AttentionCombineKernel(T* out /*[n, q_heads * hd]*/, const float* partial /*[n * q_heads * splits, hd + 2]*/,
+                           int splits, int head_dim) {
+  const int64_t row = blockIdx.x;
+  const int64_t stride = head_dim + 2;
+  const float* p = partial + row * splits * stride;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) {
+    if (p[s * stride + 1] > 0.0f) m = fmaxf(m, p[s * stride]);
+  }
+  float l = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    const float ls = p[s * stride + 1];
+    if (ls > 0.0f) l += ls * expf(p[s * stride] - m);
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      if (p[s * stride + 1] > 0.0f) a += p[s * stride + 2 + d] * expf(p[s * stride] - m);
+    }
+    out[row * head_dim + d] = FromFloat<T>(l > 0.0f ? a / l : 0.0f);
   }
 }
 
@@ -224,15 +282,43 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
   if (!FitsInt(n * q_heads) || !FitsInt(block_size)) return Invalid(kOp, "too many (token, head) pairs", all);
   attention_limits_ = absl::StrCat("seqs ", block_tables.dim(0), ", max_blocks ", block_tables.dim(1), ", num_blocks ",
                                    num_blocks, ", block_size ", block_size);
+  // Split-KV: the ranges follow from the shapes alone (the longest context the block tables allow),
+  // never from the step's positions, so a step graph recorded with them replays any step.
+  int splits = 1, split_keys = 0;
+  if (options_.split_attention_keys > 0 && n <= kAttnSplitMaxTokens) {
+    const int64_t max_context = block_tables.dim(1) * block_size;
+    const int64_t keys = std::max<int64_t>(options_.split_attention_keys, CeilDiv(max_context, kAttnMaxSplits));
+    if (keys < max_context && FitsInt(keys)) {
+      split_keys = static_cast<int>(keys);
+      splits = static_cast<int>(CeilDiv(max_context, keys));
+    }
+  }
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  if (splits > 1) {
+    SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(
+        &split_dev_, &split_capacity_,
+        static_cast<size_t>(kAttnSplitMaxTokens * q_heads * kAttnMaxSplits * (head_dim + 2))));
+  }
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    AttentionKernel<T><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
+    if (splits == 1) {
+      AttentionKernel<T, false><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
+          out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
+          token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
+          static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
+          block_tables.dim(0), block_tables.dim(1), scale, errors_dev_);
+      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel");
+      return absl::OkStatus();
+    }
+    AttentionKernel<T, true><<<static_cast<unsigned>(n * q_heads * splits), kAttnThreads, 0, stream_>>>(
         out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
         token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
-        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel");
+        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, splits, split_keys, split_dev_);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel<split>");
+    AttentionCombineKernel<T><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
+        out->as<T>(), split_dev_, splits, static_cast<int>(head_dim));
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionCombineKernel");
     return absl::OkStatus();
   });
 }

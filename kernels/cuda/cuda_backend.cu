@@ -48,12 +48,19 @@ bool FitsInt(int64_t v) { return v >= 0 && v <= INT_MAX; }
 CudaBackend::~CudaBackend() {
   // Errors are ignored: nothing can be done about them here, and the process may be exiting.
   (void)cudaSetDevice(ordinal_);
+  if (recording_) {
+    cudaGraph_t graph = nullptr;
+    if (cudaStreamEndCapture(stream_, &graph) == cudaSuccess && graph != nullptr) (void)cudaGraphDestroy(graph);
+    (void)cudaGetLastError();
+  }
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+  for (const StepGraph& g : graphs_) (void)cudaGraphExecDestroy(g.exec);
   if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
   if (params_dev_ != nullptr) (void)cudaFree(params_dev_);
   if (params_host_ != nullptr) (void)cudaFreeHost(params_host_);
   if (ids_dev_ != nullptr) (void)cudaFree(ids_dev_);
   if (dequant_dev_ != nullptr) (void)cudaFree(dequant_dev_);
+  if (split_dev_ != nullptr) (void)cudaFree(split_dev_);
   if (errors_dev_ != nullptr) (void)cudaFree(errors_dev_);
   if (errors_host_ != nullptr) (void)cudaFreeHost(errors_host_);
   if (params_copied_ != nullptr) (void)cudaEventDestroy(params_copied_);
@@ -140,6 +147,7 @@ void CudaBackend::Free(void* data) {
 }
 
 absl::Status CudaBackend::CopyToDevice(void* dst, const void* host_src, size_t bytes) {
+  if (recording_) return SpoilRecording("CopyToDevice");
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr || host_src == nullptr) return absl::InvalidArgumentError("CopyToDevice: null pointer");
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
@@ -150,6 +158,7 @@ absl::Status CudaBackend::CopyToDevice(void* dst, const void* host_src, size_t b
 }
 
 absl::Status CudaBackend::CopyToHost(void* host_dst, const void* src, size_t bytes) {
+  if (recording_) return SpoilRecording("CopyToHost");
   if (bytes == 0) return absl::OkStatus();
   if (host_dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToHost: null pointer");
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
@@ -174,8 +183,75 @@ absl::Status CudaBackend::Fill0(void* dst, size_t bytes) {
 }
 
 absl::Status CudaBackend::Synchronize() {
+  if (recording_) return SpoilRecording("Synchronize");
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return SyncAndCheck();
+}
+
+// ---- Step graphs --------------------------------------------------------------------------------
+// A recording is a stream capture of stream_ (ThreadLocal: this thread's calls that would wait for
+// the device fail during it; other threads' are unaffected). Each op's launch is captured with its
+// arguments; the kernels' device error word (errors_dev_) is an address like any other, so a
+// replayed kernel still reports bad step metadata at the next SyncAndCheck.
+absl::Status CudaBackend::SpoilRecording(const char* op) {
+  const std::string why =
+      absl::StrCat(op, ": waits for the device, which a step graph being recorded cannot (BeginGraph .. EndGraph)");
+  if (recording_refused_.empty()) recording_refused_ = why;
+  return absl::FailedPreconditionError(why);
+}
+
+absl::Status CudaBackend::BeginGraph() {
+  if (!options_.step_graphs) {
+    return absl::UnimplementedError(
+        "BeginGraph: step graphs are off on this CUDA backend (worker --cuda-graphs turns them on; docs/gpu.md)");
+  }
+  if (recording_) return absl::FailedPreconditionError("BeginGraph: a step graph is already being recorded");
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  recording_ = true;
+  recording_refused_.clear();
+  recording_from_ = KernelLaunches().load(std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> CudaBackend::EndGraph() {
+  if (!recording_) return absl::FailedPreconditionError("EndGraph: no step graph is being recorded");
+  recording_ = false;
+  // The launches recorded did not run: they count each time the graph runs.
+  const uint64_t kernels = KernelLaunches().load(std::memory_order_relaxed) - recording_from_;
+  KernelLaunches().fetch_sub(kernels, std::memory_order_relaxed);
+  (void)cudaSetDevice(ordinal_);  // the capture ends whatever else fails
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = ended == cudaSuccess && recording_refused_.empty()
+                               ? cudaGraphInstantiate(&exec, graph, 0)
+                               : cudaSuccess;
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  if (!recording_refused_.empty()) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(std::exchange(recording_refused_, std::string()));
+  }
+  if (ended != cudaSuccess || made != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: the stream works on, uncaptured
+    return ended != cudaSuccess
+               ? CudaErrorToStatus(ended, "cudaStreamEndCapture (a call during the recording spoiled it)", __FILE__,
+                                   __LINE__)
+               : CudaErrorToStatus(made, "cudaGraphInstantiate", __FILE__, __LINE__);
+  }
+  graphs_.push_back(StepGraph{exec, kernels});
+  return static_cast<int>(graphs_.size()) - 1;
+}
+
+absl::Status CudaBackend::RunGraph(int id) {
+  if (recording_) return absl::FailedPreconditionError("RunGraph: a step graph is being recorded");
+  if (id < 0 || static_cast<size_t>(id) >= graphs_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("RunGraph: no step graph ", id, " (", graphs_.size(), " recorded)"));
+  }
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graphs_[static_cast<size_t>(id)].exec, stream_));
+  KernelLaunches().fetch_add(graphs_[static_cast<size_t>(id)].kernels, std::memory_order_relaxed);
+  return absl::OkStatus();
 }
 
 }  // namespace cuda

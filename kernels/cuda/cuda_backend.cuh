@@ -21,6 +21,11 @@
 // destination holds the data (both synchronize the stream). Argmax and Sample with a host output
 // tensor also synchronize.
 //
+// Step graphs (CudaBackendOptions::step_graphs, off by default, never yet run on a GPU): between
+// BeginGraph and EndGraph the stream is captured, so the ops above are recorded, not run, and
+// RunGraph launches the recording as one CUDA graph. The calls that synchronize are refused during
+// a recording (it is spoiled: EndGraph returns why).
+//
 // Bad metadata: block-table entries, sequence ids, positions and cache slots live on the device,
 // so the host cannot check them without a synchronization. The kernels check them instead, skip
 // what is out of range (never reading or writing outside a tensor) and set a bit in a device
@@ -80,6 +85,12 @@ constexpr int kAttnThreads = 128;
 constexpr int kAttnChunk = kAttnThreads;
 constexpr int kAttnMaxHeadDim = 512;
 constexpr int kAttnDimsPerThread = kAttnMaxHeadDim / kAttnThreads;
+// Split-KV attention (CudaBackendOptions::split_attention_keys): steps of at most this many tokens
+// split each (token, head)'s keys into at most kAttnMaxSplits ranges of at least the option's keys,
+// the ranges' partial softmax sums in a scratch buffer sized once for the largest such step, then
+// combined. A larger step has blocks enough without splitting.
+constexpr int kAttnSplitMaxTokens = 8;
+constexpr int kAttnMaxSplits = 64;
 
 // Bits of the device error word.
 enum : unsigned {
@@ -148,6 +159,11 @@ class CudaBackend final : public Backend {
   absl::Status Synchronize() override;
   absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) override;  // counter_uniform.cu
   uint64_t kernel_launches() const override { return KernelLaunches().load(std::memory_order_relaxed); }
+  // Step graphs (cuda_backend.cu): stream capture of this backend's stream, cudaGraphLaunch.
+  bool records_graphs() const override { return options_.step_graphs; }
+  absl::Status BeginGraph() override;
+  absl::StatusOr<int> EndGraph() override;
+  absl::Status RunGraph(int id) override;
   uint64_t dequant_scratch_bytes() const override { return dequant_capacity_; }
   // Quantized weights (quant_matmul.cu): kernels/quant.h's layouts copied to the device as they
   // are; kNone is the base's (plain weights, no copy). Unimplemented unless
@@ -158,6 +174,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
   absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;
+  // One kernel with options_.fused_kernels (elementwise.cu), else the base's Add then RmsNorm.
+  absl::Status AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, const Tensor& w, float eps) override;
   absl::Status MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) override;
   absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
@@ -173,6 +191,9 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status Activate() const;
+  // Refuses `op` (a call that waits for the device) during a recording, and spoils the recording:
+  // EndGraph returns the refusal.
+  absl::Status SpoilRecording(const char* op);
   // Waits for the stream, then turns a set device error word into a Status (and clears it).
   absl::Status SyncAndCheck();
   // Where an op writes n i32 ids for `out`: `out` itself when it is this device's memory, else
@@ -228,6 +249,21 @@ class CudaBackend final : public Backend {
   // never shrunk.
   uint8_t* dequant_dev_ = nullptr;
   size_t dequant_capacity_ = 0;
+  // Split-KV attention's partial sums (attention.cu), [kAttnSplitMaxTokens x q_heads x
+  // kAttnMaxSplits x (head_dim + 2)] floats, allocated at the first split Attention and never
+  // reallocated for the same heads, so that a step graph recorded with it stays valid.
+  float* split_dev_ = nullptr;
+  size_t split_capacity_ = 0;
+  // Step graphs recorded so far (by id) with the kernels each launches, and the recording under
+  // way: KernelLaunches() when it began (the launches it records are not counted until they run).
+  struct StepGraph {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t kernels = 0;
+  };
+  std::vector<StepGraph> graphs_;
+  bool recording_ = false;
+  uint64_t recording_from_ = 0;
+  std::string recording_refused_;  // the first call refused during the recording (SpoilRecording)
   // What the last Attention / CacheWrite launch allowed, for error messages.
   std::string attention_limits_;
   std::string cache_limits_;

@@ -1,5 +1,6 @@
 // The CUDA backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
-// SiluMul and Add, their kernels and launches.
+// SiluMul, Add and AddRmsNorm (fused behind CudaBackendOptions::fused_kernels), their kernels and
+// launches.
 #include <cstdint>
 #include <utility>
 
@@ -78,6 +79,31 @@ __global__ void __launch_bounds__(kRmsNormThreads)
   for (int64_t i = threadIdx.x; i < d; i += blockDim.x) outr[i] = FromFloat<T>(ToFloat(xr[i]) * inv * ToFloat(w[i]));
 }
 
+// RmsNormKernel after AddKernel, in one pass: each thread rounds its elements' sums to T as
+// AddKernel does, stores them in x and sums their squares in RmsNormKernel's order (the same
+// threads, the same stride), so normed gets RmsNormKernel's bits on AddKernel's x.
+template <typename T>
+__global__ void __launch_bounds__(kRmsNormThreads)
+    AddRmsNormKernel(T* x /*[rows, d]*/, const T* y /*[rows, d]*/, T* normed /*[rows, d]*/, const T* w /*[d]*/,
+                     int64_t d, float eps) {
+  __shared__ float scratch[32];
+  T* xr = x + static_cast<int64_t>(blockIdx.x) * d;
+  const T* yr = y + static_cast<int64_t>(blockIdx.x) * d;
+  T* outr = normed + static_cast<int64_t>(blockIdx.x) * d;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+    const T s = FromFloat<T>(ToFloat(xr[i]) + ToFloat(yr[i]));
+    xr[i] = s;
+    const float v = ToFloat(s);
+    ss += v * v;
+  }
+  ss = BlockAllReduce(ss, SumOp{}, scratch);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
+  // Each thread reads back only the elements it wrote, and writes normed only there (normed may
+  // alias y: its element was read above, by this thread).
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) outr[i] = FromFloat<T>(ToFloat(xr[i]) * inv * ToFloat(w[i]));
+}
+
 }  // namespace
 
 absl::Status CudaBackend::Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) {
@@ -121,6 +147,31 @@ absl::Status CudaBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w,
     RmsNormKernel<T><<<static_cast<unsigned>(n), kRmsNormThreads, 0, stream_>>>(out->as<T>(), x.as<const T>(),
                                                                                  w.as<const T>(), d, eps);
     SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RmsNormKernel");
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CudaBackend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, const Tensor& w, float eps) {
+  if (!options_.fused_kernels) return Backend::AddRmsNorm(x, y, normed, w, eps);
+  constexpr const char* kOp = "AddRmsNorm";
+  if (x == nullptr || normed == nullptr) return Invalid(kOp, "x and normed must not be null", {{"y", &y}, {"w", &w}});
+  const auto all = {std::pair<const char*, const Tensor*>{"x", x}, {"y", &y}, {"normed", normed}, {"w", &w}};
+  if (!Is(*x, 2, act_) || !Is(y, 2, act_) || !Is(*normed, 2, act_) || !Is(w, 1, act_)) {
+    return Invalid(kOp, absl::StrCat("expected x, y, normed [n, d] and w [d], all ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*x, y) || !SameShape(*x, *normed) || w.dim(0) != x->dim(1)) {
+    return Invalid(kOp, "shapes do not match", all);
+  }
+  if (!(eps >= 0.0f)) return Invalid(kOp, absl::StrCat("eps must be >= 0, got ", eps), all);
+  const int64_t n = x->dim(0), d = x->dim(1);
+  if (n * d == 0) return absl::OkStatus();
+  if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    AddRmsNormKernel<T><<<static_cast<unsigned>(n), kRmsNormThreads, 0, stream_>>>(
+        x->as<T>(), y.as<const T>(), normed->as<T>(), w.as<const T>(), d, eps);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AddRmsNormKernel");
     return absl::OkStatus();
   });
 }

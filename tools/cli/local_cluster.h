@@ -172,7 +172,8 @@ struct ClusterFlags {
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
   // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
   // --activation-quantization V as theirs under the same name, and the switch
-  // --worker-cuda-quantized-kernels as their --cuda-quantized-kernels.
+  // the switches --worker-cuda-quantized-kernels, --worker-cuda-graphs,
+  // --worker-cuda-split-attention and --worker-cuda-fused-kernels as their --cuda-... switches.
   std::vector<std::string> worker_flags;
   // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
   // as given, in that order:
@@ -182,7 +183,10 @@ struct ClusterFlags {
 
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
-  static std::set<std::string> Switches() { return {"no-prefix-caching", "worker-cuda-quantized-kernels"}; }
+  static std::set<std::string> Switches() {
+    return {"no-prefix-caching", "worker-cuda-quantized-kernels", "worker-cuda-graphs", "worker-cuda-split-attention",
+            "worker-cuda-fused-kernels"};
+  }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
   // --no-prefix-caching when off. `skip`: a flag name left out (its value set elsewhere).
   std::vector<std::string> CoordinatorArgs(const std::string& skip = "") const;

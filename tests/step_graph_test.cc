@@ -1,0 +1,304 @@
+// Step graphs (worker/llama.h, Backend::BeginGraph / EndGraph / RunGraph) on the CPU: the shard's
+// side of CUDA graphs, checked without a GPU. RecordingBackend runs a CPU backend's ops and, between
+// BeginGraph and EndGraph, records them instead, as CUDA stream capture does: each op with the
+// arguments it was called with (tensor addresses and shapes, scalars), run again in order by
+// RunGraph on whatever the buffers then hold; a call that waits for the device spoils the
+// recording. So a step graph that baked in something of the step it was recorded in (a position, a
+// block table, a row count), or a step that forgot to upload its metadata before the graph, gives
+// other logits than the same steps run as they are. The CUDA backend's own recording (stream
+// capture) is kernels_cuda_test's and the GPU run's (docs/gpu.md).
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/dummy_weights.h"
+#include "worker/communicator.h"
+#include "worker/llama.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
+
+class RecordingBackend final : public Backend {
+ public:
+  explicit RecordingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+  // The next recording fails at EndGraph, as a CUDA capture spoiled by the driver would.
+  void SpoilNextRecording() { spoil_next_ = true; }
+  int graphs_run() const { return graphs_run_; }
+
+  DeviceKind device_kind() const override { return inner_->device_kind(); }
+  DType act_dtype() const override { return inner_->act_dtype(); }
+  std::string Describe() const override { return "recording " + inner_->Describe(); }
+  absl::StatusOr<Buffer> Allocate(size_t bytes) override {
+    if (recording_) return Spoil("Allocate");
+    return inner_->Allocate(bytes);
+  }
+  void Free(void* data) override { inner_->Free(data); }
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    if (recording_) return Spoil("CopyToDevice");
+    return inner_->CopyToDevice(dst, src, bytes);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    if (recording_) return Spoil("CopyToHost");
+    return inner_->CopyToHost(dst, src, bytes);
+  }
+  absl::Status Synchronize() override {
+    if (recording_) return Spoil("Synchronize");
+    return inner_->Synchronize();
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
+    return Op([=, this] { return inner_->CopyOnDevice(dst, src, bytes); });
+  }
+  absl::Status Fill0(void* dst, size_t bytes) override {
+    return Op([=, this] { return inner_->Fill0(dst, bytes); });
+  }
+  absl::Status FillCounterUniform(Tensor* out, const CounterUniformSlice& slice) override {
+    if (recording_) return Spoil("FillCounterUniform");
+    return inner_->FillCounterUniform(out, slice);
+  }
+  absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override {
+    if (recording_) return Spoil("PackMatMulWeight");
+    return inner_->PackMatMulWeight(w, packed, quant);
+  }
+  absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
+                                             Tensor* packed) override {
+    if (recording_) return Spoil("PackQuantizedWeight");
+    return inner_->PackQuantizedWeight(quant, stored, m, k, packed);
+  }
+  bool EmbeddingTakesPackedTable() const override { return inner_->EmbeddingTakesPackedTable(); }
+
+  absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Embedding(&o, table, ids, row_offset); });
+  }
+  absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override {
+    return Op([=, this, o = *out]() mutable { return inner_->RmsNorm(&o, x, w, eps); });
+  }
+  absl::Status MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) override {
+    std::optional<Tensor> b;
+    if (bias != nullptr) b = *bias;
+    return Op([=, this, o = *out]() mutable { return inner_->MatMul(&o, x, w, b ? &*b : nullptr); });
+  }
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override {
+    return Op([=, this, qq = *q, kk = *k]() mutable { return inner_->Rope(&qq, &kk, positions, inv_freq, head_dim); });
+  }
+  absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
+                          const Tensor& slots) override {
+    return Op([=, this, kc = *k_cache, vc = *v_cache]() mutable { return inner_->CacheWrite(&kc, &vc, k, v, slots); });
+  }
+  absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                         const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
+                         float scale) override {
+    return Op([=, this, o = *out]() mutable {
+      return inner_->Attention(&o, q, k_cache, v_cache, positions, token_seq, block_tables, scale);
+    });
+  }
+  absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
+    return Op([=, this, o = *out]() mutable { return inner_->SiluMul(&o, gate, up); });
+  }
+  absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Add(&o, a, b); });
+  }
+  absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Softmax(&o, x, temperature); });
+  }
+  absl::Status Argmax(Tensor* out, const Tensor& logits) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Argmax(&o, logits); });
+  }
+  absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Sample(&o, logits, params); });
+  }
+
+  bool records_graphs() const override { return true; }
+  absl::Status BeginGraph() override {
+    if (recording_) return absl::FailedPreconditionError("BeginGraph: already recording");
+    recording_ = true;
+    spoiled_ = absl::OkStatus();
+    ops_.clear();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int> EndGraph() override {
+    if (!recording_) return absl::FailedPreconditionError("EndGraph: not recording");
+    recording_ = false;
+    if (spoil_next_) {
+      spoil_next_ = false;
+      return absl::InternalError("a spoiled recording (RecordingBackend::SpoilNextRecording)");
+    }
+    if (!spoiled_.ok()) return spoiled_;
+    graphs_.push_back(std::move(ops_));
+    ops_.clear();
+    return static_cast<int>(graphs_.size()) - 1;
+  }
+  absl::Status RunGraph(int id) override {
+    if (recording_ || id < 0 || static_cast<size_t>(id) >= graphs_.size()) {
+      return absl::InvalidArgumentError("RunGraph: no such graph");
+    }
+    ++graphs_run_;
+    for (const std::function<absl::Status()>& op : graphs_[static_cast<size_t>(id)]) {
+      if (absl::Status s = op(); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Runs `op` now, or records it (its arguments as they are now) during a recording.
+  absl::Status Op(std::function<absl::Status()> op) {
+    if (!recording_) return op();
+    ops_.push_back(std::move(op));
+    return absl::OkStatus();
+  }
+  absl::Status Spoil(const char* call) {
+    absl::Status s = absl::FailedPreconditionError(std::string(call) + " during a recording");
+    if (spoiled_.ok()) spoiled_ = s;
+    return s;
+  }
+
+  std::unique_ptr<Backend> inner_;
+  bool recording_ = false, spoil_next_ = false;
+  absl::Status spoiled_;
+  std::vector<std::function<absl::Status()>> ops_;
+  std::vector<std::vector<std::function<absl::Status()>>> graphs_;
+  int graphs_run_ = 0;
+};
+
+ModelConfig Config() {
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(kFixtures / "llama_gqa");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *c : ModelConfig{};
+}
+
+// Two sequences in one shard, prompts of 5 and 3 tokens prefilled in one step, then decoded
+// together for `decodes` steps, their rows swapped every other step, their KV blocks shuffled.
+// Returns every logit row of every step, in sequence order.
+struct Schedule {
+  std::vector<std::vector<float>> logits;  // [step * 2 + seq][vocab]
+  int graphs_recorded = 0;
+  uint64_t graph_replays = 0;
+  std::string graphs_off;
+};
+Schedule RunTwoSequences(Backend* backend, int decodes) {
+  Schedule out;
+  const ModelConfig c = Config();
+  const DummyWeights w(c, 3);
+  LocalCommunicator tp(backend);
+  StepLimits limits{.max_tokens_per_step = 16, .max_seqs_per_step = 2, .block_size = 4, .max_model_len = 32};
+  limits.num_kv_blocks = 2 * limits.max_blocks_per_seq();
+  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(w, c, ShardSpec{}, limits, backend, &tp);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return out;
+  std::vector<int32_t> blocks(limits.num_kv_blocks);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(11));
+  const int64_t per = limits.max_blocks_per_seq();
+  const std::vector<std::vector<int32_t>> tables = {{blocks.begin(), blocks.begin() + per},
+                                                    {blocks.begin() + per, blocks.end()}};
+  std::vector<std::vector<int32_t>> tokens = {{1, 17, 300, 42, 5}, {7, 99, 256}};
+  std::vector<int64_t> cached = {0, 0};
+  absl::StatusOr<Buffer> next_buf = backend->Allocate(2 * sizeof(int32_t));
+  EXPECT_TRUE(next_buf.ok());
+  const int64_t V = c.vocab_size;
+  for (int step = 0; step <= decodes; ++step) {
+    const std::vector<int> order = step % 2 == 0 ? std::vector<int>{0, 1} : std::vector<int>{1, 0};
+    StepBatch b;
+    b.num_seqs = 2;
+    for (int row = 0; row < 2; ++row) {
+      const int s = order[row];
+      b.block_tables.insert(b.block_tables.end(), tables[s].begin(), tables[s].end());
+      for (int64_t pos = cached[s]; pos < static_cast<int64_t>(tokens[s].size()); ++pos) {
+        b.token_ids.push_back(tokens[s][pos]);
+        b.positions.push_back(static_cast<int32_t>(pos));
+        b.token_seq.push_back(row);
+        b.slots.push_back(tables[s][pos / limits.block_size] * static_cast<int32_t>(limits.block_size) +
+                          static_cast<int32_t>(pos % limits.block_size));
+      }
+      cached[s] = static_cast<int64_t>(tokens[s].size());
+      b.logit_rows.push_back(static_cast<int32_t>(b.positions.size()) - 1);
+    }
+    const absl::Status s = model->get()->Forward(b);
+    EXPECT_TRUE(s.ok()) << "step " << step << ": " << s;
+    if (!s.ok()) return out;
+    const Tensor logits = model->get()->logits(2);
+    Tensor next(next_buf->data(), DType::kI32, {2});
+    EXPECT_TRUE(backend->Argmax(&next, logits).ok());
+    std::vector<int32_t> ids(2);
+    EXPECT_TRUE(backend->CopyToHost(ids.data(), next.data, sizeof(int32_t) * 2).ok());
+    std::vector<std::vector<float>> rows(2, std::vector<float>(V));
+    for (int row = 0; row < 2; ++row) {
+      EXPECT_TRUE(backend->CopyToHost(rows[order[row]].data(), logits.as<float>() + row * V, V * sizeof(float)).ok());
+      tokens[order[row]].push_back(ids[row]);
+    }
+    out.logits.push_back(rows[0]);
+    out.logits.push_back(rows[1]);
+  }
+  out.graphs_recorded = model->get()->step_graphs_recorded();
+  out.graph_replays = model->get()->step_graph_replays();
+  out.graphs_off = model->get()->step_graphs_off();
+  return out;
+}
+
+// The decode steps (two tokens, two logit rows: one shape) run as they are once, are recorded and
+// run once, then replayed: every logit bit equal to the plain backend's, whose steps all run as
+// they are. The prefill step (8 tokens of 2 sequences) is no graph.
+TEST(StepGraphTest, ReplayedDecodeStepsGiveTheLogitsOfStepsRunAsTheyAre) {
+  constexpr int kDecodes = 8;
+  std::unique_ptr<Backend> plain = MakeCpuBackend(2);
+  const Schedule want = RunTwoSequences(plain.get(), kDecodes);
+  EXPECT_EQ(want.graphs_recorded, 0) << "the CPU backend records no graphs";
+
+  RecordingBackend recording(MakeCpuBackend(2));
+  const Schedule got = RunTwoSequences(&recording, kDecodes);
+  EXPECT_EQ(got.graphs_recorded, 1);
+  EXPECT_EQ(got.graph_replays, static_cast<uint64_t>(kDecodes - 2));
+  EXPECT_EQ(recording.graphs_run(), kDecodes - 1) << "the recorded step, then the replays";
+  EXPECT_EQ(got.graphs_off, "");
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  ASSERT_EQ(got.logits.size(), static_cast<size_t>(2 * (kDecodes + 1)));
+  for (size_t i = 0; i < got.logits.size(); ++i) {
+    EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
+  }
+}
+
+// A recording that fails turns graphs off for the shard: that step and the later ones run as they
+// are, with the same logits, and the shard says why.
+TEST(StepGraphTest, AFailedRecordingTurnsGraphsOffAndTheStepRunsAsItIs) {
+  constexpr int kDecodes = 5;
+  std::unique_ptr<Backend> plain = MakeCpuBackend(2);
+  const Schedule want = RunTwoSequences(plain.get(), kDecodes);
+  RecordingBackend recording(MakeCpuBackend(2));
+  recording.SpoilNextRecording();
+  const Schedule got = RunTwoSequences(&recording, kDecodes);
+  EXPECT_EQ(got.graphs_recorded, 0);
+  EXPECT_EQ(got.graph_replays, 0u);
+  EXPECT_EQ(recording.graphs_run(), 0);
+  EXPECT_NE(got.graphs_off.find("a spoiled recording"), std::string::npos) << got.graphs_off;
+  EXPECT_NE(got.graphs_off.find("2 tokens, 2 logit rows"), std::string::npos) << got.graphs_off;
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < got.logits.size(); ++i) {
+    EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
+  }
+}
+
+// The base Backend records nothing: the CPU backend says so and refuses a recording.
+TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  EXPECT_FALSE(cpu->records_graphs());
+  EXPECT_TRUE(absl::IsUnimplemented(cpu->BeginGraph()));
+  EXPECT_TRUE(absl::IsUnimplemented(cpu->EndGraph().status()));
+  EXPECT_TRUE(absl::IsUnimplemented(cpu->RunGraph(0)));
+}
+
+}  // namespace
+}  // namespace shardserve
