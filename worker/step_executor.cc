@@ -126,11 +126,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     e->backend_ = std::move(*cpu);
   } else {
     // On a GPU the activations keep the checkpoint's dtype.
-    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype,
-                        {.quantized_kernels = worker_options.cuda_quantized_kernels,
-                         .step_graphs = worker_options.cuda_graphs,
-                         .split_attention_keys = worker_options.cuda_split_attention ? kCudaSplitAttentionKeys : 0,
-                         .fused_kernels = worker_options.cuda_fused_kernels});
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(*cuda_ordinal, config->dtype, worker_options.cuda);
     if (!cuda.ok()) return cuda.status();
     e->backend_ = std::move(*cuda);
   }

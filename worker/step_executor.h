@@ -61,18 +61,11 @@ struct StepExecutorOptions {
   bool dummy_weights_on_device = true;           // --dummy-weights device (default; DummyWeights on_device)
   // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
-  // --cuda-quantized-kernels: the CUDA backend's int8 / int4 / fp8 weights (op tests passed on a GPU,
-  // no model served there yet: off by default, quantized assignments are then refused on CUDA).
-  bool cuda_quantized_kernels = false;
-  // --cuda-graphs: decode steps recorded and replayed as CUDA graphs (worker/llama.h; never run on a
-  // GPU yet: off by default). Ignored on the CPU.
-  bool cuda_graphs = false;
-  // --cuda-split-attention: small steps' attention split over the keys (kCudaSplitAttentionKeys a
-  // range; never run on a GPU yet: off by default). Ignored on the CPU.
-  bool cuda_split_attention = false;
-  // --cuda-fused-kernels: the residual add and the next RMSNorm as one kernel (never run on a GPU
-  // yet: off by default). Ignored on the CPU.
-  bool cuda_fused_kernels = false;
+  // The CUDA backend's options (ignored on the CPU), all off by default: --cuda-quantized-kernels
+  // (int8 / int4 / fp8 weights; without it quantized assignments are refused on CUDA),
+  // --cuda-graphs (decode steps replayed as CUDA graphs, worker/llama.h), --cuda-split-attention
+  // (kCudaSplitAttentionKeys keys a range), --cuda-fused-kernels (kernels/backend.h says each).
+  CudaBackendOptions cuda = {};
 };
 
 class StepExecutor {

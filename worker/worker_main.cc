@@ -263,10 +263,10 @@ int Main(int argc, char** argv) {
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
-  options.cuda_quantized_kernels = flags->Has("cuda-quantized-kernels");
-  options.cuda_graphs = flags->Has("cuda-graphs");
-  options.cuda_split_attention = flags->Has("cuda-split-attention");
-  options.cuda_fused_kernels = flags->Has("cuda-fused-kernels");
+  options.cuda.quantized_kernels = flags->Has("cuda-quantized-kernels");
+  options.cuda.step_graphs = flags->Has("cuda-graphs");
+  options.cuda.split_attention_keys = flags->Has("cuda-split-attention") ? kCudaSplitAttentionKeys : 0;
+  options.cuda.fused_kernels = flags->Has("cuda-fused-kernels");
   options.collective_host = flags->Get("collective-host");
   if (flags->Has("collective-interface")) {
     if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");

@@ -346,8 +346,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
       StepExecutor::Create(a, options_.device, &store, options_.collective_host,
                            {options_.cpu_threads, options_.cpu_matmul, options_.collectives,
                             options_.dummy_weights_on_device, options_.cpu_activation_quant,
-                            options_.cuda_quantized_kernels, options_.cuda_graphs, options_.cuda_split_attention,
-                            options_.cuda_fused_kernels});
+                            options_.cuda});
   if (!executor.ok()) {
     Fail(stream, absl::StrCat(Who(), ": loading failed: ", executor.status().message()));
     return;

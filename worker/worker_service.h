@@ -83,10 +83,9 @@ struct WorkerOptions {
   bool dummy_weights_on_device = true;           // --dummy-weights device (default)
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
-  bool cuda_quantized_kernels = false;  // --cuda-quantized-kernels (CudaBackendOptions::quantized_kernels)
-  bool cuda_graphs = false;             // --cuda-graphs (CudaBackendOptions::step_graphs)
-  bool cuda_split_attention = false;    // --cuda-split-attention (CudaBackendOptions::split_attention_keys)
-  bool cuda_fused_kernels = false;      // --cuda-fused-kernels (CudaBackendOptions::fused_kernels)
+  // --cuda-quantized-kernels, --cuda-graphs, --cuda-split-attention, --cuda-fused-kernels: the
+  // CUDA backend's paths that stay off until they pass on a GPU (StepExecutorOptions::cuda).
+  CudaBackendOptions cuda = {};
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,
   // must outlive the service; null: no metrics).

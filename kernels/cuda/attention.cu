@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   const bool bad_pos = pos < 0 || pos / block_size >= max_blocks;
   // The keys this block walks: the whole context, or its split's range of it.
   const int64_t begin = kSplit ? static_cast<int64_t>(split) * split_keys : 0;
-  const int64_t end = bad_seq || bad_pos ? 0 : kSplit ? min(pos + 1, begin + split_keys) : pos + 1;
+  const int64_t end = kSplit ? min(pos + 1, begin + split_keys) : pos + 1;
   float* part = kSplit ? partial + blockIdx.x * static_cast<int64_t>(head_dim + 2) : nullptr;
   if (bad_seq || bad_pos) {  // the same for every thread of the block
     if (threadIdx.x == 0 && split == 0) atomicOr(errors, bad_seq ? kErrAttentionSeq : kErrAttentionPos);
