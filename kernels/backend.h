@@ -266,27 +266,27 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul m
 // faster than float32) or fail (older CPUs).
 bool CpuHasNativeBf16MatMul();
 
-// Paths of the CUDA backend that stay off until they have passed their tests on a GPU
-// (docs/gpu.md, "CUDA paths: where they last passed").
+// Paths of the CUDA backend, each off in a backend made without its option; the worker and
+// generate-ids turn each on unless a --no-cuda-... switch says otherwise (worker/cuda_switches.h),
+// once it has passed its tests on a GPU (docs/gpu.md, "CUDA paths: where they last passed").
 struct CudaBackendOptions {
   // Int8, int4 and fp8 weights (PackMatMulWeight / PackQuantizedWeight with a WeightQuant, and
   // MatMul by them: kernels/cuda/quant_matmul.cu). Off: those are refused with Unimplemented, as
-  // before the kernels existed. Worker --cuda-quantized-kernels. Op tests passed on an H200 (with
-  // the GEMVs before the current ones); no model served yet.
+  // before the kernels existed (worker --no-cuda-quantized-kernels). Passed on an H200 (2026-11-28).
   bool quantized_kernels = false;
   // Step graphs (Backend::BeginGraph / EndGraph / RunGraph as CUDA graphs: stream capture, then
   // cudaGraphLaunch), which LlamaShard records for decode steps. Off: records_graphs() is false and
-  // BeginGraph is refused. Worker --cuda-graphs. Never run on a GPU yet.
+  // BeginGraph is refused (worker --no-cuda-graphs). Passed on an H200 (2026-11-28).
   bool step_graphs = false;
   // Split-KV ("flash-decoding") attention: for steps of at most 8 tokens each (token, head)'s keys
   // are split into ranges of at least this many keys (at most 64 ranges), one block each, their
   // partial softmax sums combined by a second kernel, so that a batch-1 decode uses more than
-  // q_heads blocks. 0 (default): one block per (token, head). Worker --cuda-split-attention
-  // (kCudaSplitAttentionKeys). Never run on a GPU yet.
+  // q_heads blocks. 0: one block per (token, head) (worker --no-cuda-split-attention; the worker's
+  // default is kCudaSplitAttentionKeys). Passed on an H200 (2026-11-28).
   int split_attention_keys = 0;
   // Fused kernels: AddRmsNorm as one kernel (the residual add and the next norm in one pass over
-  // the row, the same bits as Add then RmsNorm). Worker --cuda-fused-kernels. Never run on a GPU
-  // yet.
+  // the row, the same bits as Add then RmsNorm). Off: worker --no-cuda-fused-kernels. Passed on an
+  // H200 (2026-11-28).
   bool fused_kernels = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
@@ -294,7 +294,7 @@ struct CudaBackendOptions {
   size_t quantized_scratch_bytes = 0;
 };
 
-// The keys per range of worker --cuda-split-attention (CudaBackendOptions::split_attention_keys):
+// The keys per range of the worker's split attention (CudaBackendOptions::split_attention_keys):
 // one 128-key chunk of the attention kernel.
 inline constexpr int kCudaSplitAttentionKeys = 128;
 

@@ -1152,8 +1152,8 @@ TEST_P(CudaQuant, PackMatMulWeightStoresTheHostQuantizersBytes) {
   EXPECT_TRUE(absl::IsInvalidArgument(cuda_->MatMul(&g_out_m.t, g_x.t, stranger, nullptr)));
 }
 
-// Off by default: a backend made without the option refuses quantized weights, saying how to turn
-// them on, as it did before the kernels existed.
+// A backend made without the option (the worker's --no-cuda-quantized-kernels) refuses quantized
+// weights, naming the switch, as it did before the kernels existed.
 TEST_P(CudaQuant, OffByDefault) {
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> plain, MakeCudaBackend(0, act()));
   const int64_t m = 4, k = 128;
@@ -1161,7 +1161,7 @@ TEST_P(CudaQuant, OffByDefault) {
   Tensor packed;
   const absl::StatusOr<Buffer> refused = plain->PackQuantizedWeight(quant(), stored.data(), m, k, &packed);
   ASSERT_TRUE(absl::IsUnimplemented(refused.status())) << refused.status();
-  EXPECT_NE(refused.status().message().find("--cuda-quantized-kernels"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("--no-cuda-quantized-kernels"), std::string::npos) << refused.status();
   SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(plain.get(), std::vector<float>(m * k, 0.5f), act(), {m, k}));
   EXPECT_TRUE(absl::IsUnimplemented(plain->PackMatMulWeight(g_w.t, &packed, quant()).status()));
 }
@@ -1253,11 +1253,12 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   RecordProperty("weight_gbps", std::to_string(gbps));
 }
 
-// ---- Step graphs (CudaBackendOptions::step_graphs; written without a GPU, not yet run on one) --
+// ---- Step graphs (CudaBackendOptions::step_graphs; passed on an H200, 2026-11-28) ------------------
 // A recording is a stream capture: the ops between BeginGraph and EndGraph do not run, RunGraph runs
-// them on what their buffers hold then, and kernel_launches() counts them as they run. A cuBLAS
-// product and one of our kernels, recorded, replayed twice with new inputs uploaded between; each
-// replay must give the float32 products of its inputs (double reference, cuBLAS's float32 sums).
+// them on what their buffers hold then, and kernel_launches() counts them as they run. A product
+// with a bias (a broadcast kernel, then cuBLAS's GEMM onto it) and an Add, recorded, replayed twice
+// with new inputs uploaded between (H200, 2026-11-28: three launches a run, as counted); each replay
+// must give the float32 products of its inputs (double reference, cuBLAS's float32 sums).
 TEST(CudaGraphs, ARecordedStepRunsOnWhatItsBuffersHoldThen) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kF32, {.step_graphs = true}));
@@ -1288,7 +1289,7 @@ TEST(CudaGraphs, ARecordedStepRunsOnWhatItsBuffersHoldThen) {
     const std::vector<float> x = RandomValues(n * k, 90 + round, DType::kF32);
     SS_ASSERT_OK(cuda->CopyToDevice(g_x.t.data, x.data(), x.size() * sizeof(float)));
     SS_ASSERT_OK(cuda->RunGraph(id));
-    EXPECT_EQ(cuda->kernel_launches(), before + 2 * (round + 1)) << "a product and an Add per run";
+    EXPECT_EQ(cuda->kernel_launches(), before + 3 * (round + 1)) << "the bias broadcast, the product and the Add per run";
     SS_READ_F(got, cuda.get(), g_sum);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t r = 0; r < m; ++r) {
@@ -1326,14 +1327,15 @@ TEST(CudaGraphs, ACallThatWaitsSpoilsTheRecording) {
   EXPECT_TRUE(absl::IsFailedPrecondition(cuda->EndGraph().status())) << "no recording under way";
 }
 
-// Off by default: a backend made without the option records nothing and says how to turn it on.
+// Off in a backend made without the option (the worker's --no-cuda-graphs): it records nothing and
+// says which option.
 TEST(CudaGraphs, OffByDefault) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kF32));
   EXPECT_FALSE(cuda->records_graphs());
   const absl::Status s = cuda->BeginGraph();
   EXPECT_TRUE(absl::IsUnimplemented(s)) << s;
-  EXPECT_NE(s.message().find("--cuda-graphs"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("--no-cuda-graphs"), std::string::npos) << s;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaQuant,

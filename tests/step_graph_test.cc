@@ -24,6 +24,7 @@
 #include "model/config.h"
 #include "model/dummy_weights.h"
 #include "worker/communicator.h"
+#include "worker/cuda_switches.h"
 #include "worker/llama.h"
 
 namespace shardserve {
@@ -298,6 +299,34 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
   EXPECT_TRUE(absl::IsUnimplemented(cpu->BeginGraph()));
   EXPECT_TRUE(absl::IsUnimplemented(cpu->EndGraph().status()));
   EXPECT_TRUE(absl::IsUnimplemented(cpu->RunGraph(0)));
+}
+
+// The worker's and generate-ids' CUDA paths: each on with no switch (they passed on a GPU:
+// docs/gpu.md), each --no-cuda-... switch turning its own off and no other.
+TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
+  auto parse = [](std::vector<std::string> args) {
+    absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaOffSwitches({}));
+    EXPECT_TRUE(f.ok()) << f.status();
+    return CudaOptionsFromSwitches(*f);
+  };
+  const CudaBackendOptions on = parse({});
+  EXPECT_TRUE(on.quantized_kernels);
+  EXPECT_TRUE(on.step_graphs);
+  EXPECT_EQ(on.split_attention_keys, kCudaSplitAttentionKeys);
+  EXPECT_TRUE(on.fused_kernels);
+  const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
+  EXPECT_FALSE(no_graphs.step_graphs);
+  EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0);
+  EXPECT_FALSE(parse({"--no-cuda-quantized-kernels"}).quantized_kernels);
+  EXPECT_EQ(parse({"--no-cuda-split-attention"}).split_attention_keys, 0);
+  EXPECT_FALSE(parse({"--no-cuda-fused-kernels"}).fused_kernels);
+  const CudaBackendOptions off = parse(
+      {"--no-cuda-quantized-kernels", "--no-cuda-graphs", "--no-cuda-split-attention", "--no-cuda-fused-kernels"});
+  EXPECT_FALSE(off.quantized_kernels || off.step_graphs || off.fused_kernels);
+  EXPECT_EQ(off.split_attention_keys, 0);
+  // launch / bench take them with a prefix; the old opt-in switches are gone.
+  EXPECT_TRUE(Flags::Parse({"--worker-no-cuda-graphs"}, {}, WithCudaOffSwitches({}, "worker-")).ok());
+  EXPECT_FALSE(Flags::Parse({"--cuda-graphs"}, {}, WithCudaOffSwitches({})).ok());
 }
 
 }  // namespace

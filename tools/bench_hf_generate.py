@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Hugging Face transformers on the same GPU and config as shardserve's dummy-weight benchmark
 (issue 29 part 5; tools/gpu-bench.sh runs it): random init in bf16 from a config.json alone,
-`generate` with the static KV cache and torch.compile (mode reduce-overhead, as the transformers
-documentation's "static cache and torch.compile" recipe does), greedy, a fixed number of new tokens.
+`generate` with the static KV cache, which makes transformers (>= 4.48) compile the decoding
+forward itself (torch.compile, CUDA graphs), greedy, a fixed number of new tokens. (Compiling
+`model.forward` by hand, the older recipe, failed on the H200 with transformers 5.17 on 2026-11-28:
+the static cache's tensors, made lazily inside the compiled prefill, were CUDA graph outputs
+overwritten by the next call.) --no-compile sets generation_config.disable_compile.
 
 usage: bench_hf_generate.py --config CONFIG.json [--batch B] [--input-len N] [--output-len M]
                             [--reps R] [--out FILE] [--no-compile] [--check]
@@ -74,8 +77,9 @@ def main():
     summary["torch"] = torch.__version__
     summary["device"] = torch.cuda.get_device_name(0)
     model.generation_config.cache_implementation = "static"
-    if not a.no_compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # The static cache makes generate compile the decoding steps (its compile_config: fullgraph,
+    # reduce-overhead) and run the prefill eagerly.
+    model.generation_config.disable_compile = a.no_compile
     ids = torch.randint(0, config["vocab_size"], (a.batch, a.input_len), device="cuda")
     mask = torch.ones_like(ids)
 

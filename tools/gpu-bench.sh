@@ -30,8 +30,10 @@
 #                  on a GPU
 #   quant-int4-b1, quant-int8-b1
 #                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
-#                  batch 1 with the CUDA quantized-weight GEMV (the opt-in, CudaBackendOptions::
+#                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
+#   ncu-gemv-int4  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token
+#   ncu-decode     Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py)
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -39,16 +41,14 @@
 #                  128 in / 128 out); cold start (launch to SERVING) and planner vs measured memory
 #                  from the workers' logs
 #   llama8b-c64    the same, 64 streams of 512 in / 128 out
-#   llama8b-b1-graphs, llama8b-c64-graphs
-#                  the two above with the decode steps replayed as CUDA graphs (--worker-cuda-graphs,
-#                  issue 29 part 4; off by default until these and parity's cuda_graphs cases pass)
-#   llama8b-b1-split, llama8b-b1-fused, llama8b-b1-all
-#                  llama8b-b1 with small steps' attention split over the keys
-#                  (--worker-cuda-split-attention), with the residual add and RMSNorm fused
-#                  (--worker-cuda-fused-kernels), and with those and the graphs (all off by default
-#                  likewise)
+#   llama8b-b1-plain, llama8b-c64-plain
+#                  the two above with the CUDA paths that are on by default turned off
+#                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels):
+#                  what step graphs, split-KV attention and the fused add + RMSNorm gain
+#   llama8b-b1-long, llama8b-b1-long-plain
+#                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1
-#                  llama8b-b1 with the weights quantized at load (--quantization, the CUDA
+#                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes
 #   hf-b1, hf-c64  Hugging Face transformers, same config, random bf16, static cache + torch.compile
 #   qwen72b-stage-b1, qwen72b-stage-c64
@@ -234,7 +234,7 @@ bench_step() {
   local json=$WORK/$name.json plan=$WORK/$name.plan.json qplan=() qbench=()
   if [ -n "$quant" ]; then
     qplan=(--quantization "$quant")
-    qbench=(--quantization "$quant" --worker-cuda-quantized-kernels)
+    qbench=(--quantization "$quant")
   fi
   "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json "${qplan[@]}" >"$plan" 2>/dev/null
   step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format dummy \
@@ -307,6 +307,34 @@ run_steps() {
     [ -s "$WORK/$qname.json" ] && q=(--json "$WORK/$qname.json")
     record "$qname" "${q[@]}"
   done
+  # ---- Nsight Compute: where the GPU time goes ----
+  # ncu-gemv-int4: the int4 GEMV's seven shapes of one token (the bench's second token: its first
+  # 224 launches skipped), SpeedOfLight (duration, DRAM and SM throughput) a launch.
+  # ncu-decode: the 8B's kernels (bf16, dummy weights, one process: generate-ids; the default paths
+  # but the step graphs, so that each kernel is launched as itself), each launch's GPU time;
+  # tools/ncu_summary.py takes the last whole decode step among those profiled (argmax to argmax:
+  # the dummy weights' kernels and the prefill come before) and sums it by kernel.
+  local ncu_bin
+  ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  if want ncu-gemv-int4; then
+    SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_JSON=$WORK/ncu-gemv-int4.bench.json \
+      step ncu-gemv-int4 150 bash -c "set -o pipefail; '$ncu_bin' --section SpeedOfLight --kernel-name regex:Gemv \
+        --launch-skip 224 --launch-count 7 --csv --print-units base '$BIN/kernels_cuda_test' \
+        --gtest_filter='CudaQuantBench.*' >'$WORK/ncu-gemv-int4.csv' &&
+        python3 tools/ncu_summary.py kernels '$WORK/ncu-gemv-int4.csv' --json '$LOGS/ncu-gemv-int4.json'"
+    record ncu-gemv-int4
+  fi
+  if want ncu-decode; then
+    local dmodel
+    dmodel=$(config_dir llama-3-8b tests/fixtures/configs/llama-3-8b.json)
+    step ncu-decode 200 bash -c "set -o pipefail; '$ncu_bin' --metrics gpu__time_duration.sum --csv --print-units base \
+        --launch-skip 1500 --launch-count 1200 '$BIN/shardserve' generate-ids --model '$dmodel' --device cuda:0 \
+        --load-format dummy --no-cuda-graphs --max-new-tokens 8 $(seq -s ' ' 1000 1127) >'$WORK/ncu-decode.csv' &&
+        python3 tools/ncu_summary.py step '$WORK/ncu-decode.csv' --json '$LOGS/ncu-decode.json'"
+    local d=()
+    [ -s "$LOGS/ncu-decode.json" ] && d=(--metric "step_gpu_us=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['step_gpu_us'], 1))" "$LOGS/ncu-decode.json")")
+    record ncu-decode "${d[@]}"
+  fi
   gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
@@ -324,12 +352,11 @@ run_steps() {
     'c["num_hidden_layers"] = 40; c["tie_word_embeddings"] = True')
   bench_step llama8b-b1 "$llama" "$preset" 1 4 128 128
   bench_step llama8b-c64 "$llama" "$preset" 64 128 512 128
-  bench_step llama8b-b1-graphs "$llama" "$preset" 1 4 128 128 "" --worker-cuda-graphs
-  bench_step llama8b-c64-graphs "$llama" "$preset" 64 128 512 128 "" --worker-cuda-graphs
-  bench_step llama8b-b1-split "$llama" "$preset" 1 4 128 128 "" --worker-cuda-split-attention
-  bench_step llama8b-b1-fused "$llama" "$preset" 1 4 128 128 "" --worker-cuda-fused-kernels
-  bench_step llama8b-b1-all "$llama" "$preset" 1 4 128 128 "" --worker-cuda-graphs --worker-cuda-split-attention \
-    --worker-cuda-fused-kernels
+  local plain=(--worker-no-cuda-graphs --worker-no-cuda-split-attention --worker-no-cuda-fused-kernels)
+  bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
+  bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
+  bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
+  bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   for hf in "hf-b1 1 128" "hf-c64 64 512"; do

@@ -56,7 +56,7 @@ class LlamaShard {
   // Bytes of this shard's paged KV cache (K and V of every layer it holds).
   uint64_t kv_cache_bytes() const { return kv_cache_bytes_; }
   Backend* backend() const { return backend_; }
-  // Step graphs (Backend::BeginGraph / RunGraph, the CUDA backend's --cuda-graphs): decode steps
+  // Step graphs (Backend::BeginGraph / RunGraph; the CUDA worker's, but --no-cuda-graphs): decode steps
   // (one token a sequence, at most kMaxGraphSeqs sequences) are replayed from a recording of the
   // step's ops, one graph per shape (tokens, logit rows), when the backend records graphs and the
   // TP group is one rank (a larger group's collectives wait for the device: TimedCommunicator).

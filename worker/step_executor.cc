@@ -206,7 +206,9 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
     } else if (name == "dequant_scratch") {
       measured = Bytes(scratch) + ", the backend's own count (grown as the quantized weights were stored)";
     } else if (name == "cuda_graph_pools") {
-      measured = Bytes(0) + ", no CUDA graphs are captured";
+      measured = backend_->records_graphs()
+                     ? "not measured: the step graphs are recorded at decode steps, after loading"
+                     : Bytes(0) + ", no CUDA graphs are recorded";
     } else if (!cuda) {
       measured = "not measured on this device";
     } else if (name == "nccl_buffers") {

@@ -61,10 +61,9 @@ struct StepExecutorOptions {
   bool dummy_weights_on_device = true;           // --dummy-weights device (default; DummyWeights on_device)
   // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
-  // The CUDA backend's options (ignored on the CPU), all off by default: --cuda-quantized-kernels
-  // (int8 / int4 / fp8 weights; without it quantized assignments are refused on CUDA),
-  // --cuda-graphs (decode steps replayed as CUDA graphs, worker/llama.h), --cuda-split-attention
-  // (kCudaSplitAttentionKeys keys a range), --cuda-fused-kernels (kernels/backend.h says each).
+  // The CUDA backend's options (ignored on the CPU): the worker turns each on but those its
+  // --no-cuda-... switches name (worker/cuda_switches.h; kernels/backend.h says what each does).
+  // Here, all off unless set.
   CudaBackendOptions cuda = {};
 };
 
@@ -143,7 +142,7 @@ class StepExecutor {
   // Kernel launches of the last step Execute ran (Backend::kernel_launches: on CUDA each of our
   // launches and each cuBLAS call; 0 on the CPU): the kernels-per-step figure of docs/gpu.md.
   uint64_t last_step_kernel_launches() const { return last_step_kernel_launches_; }
-  // The shard's step graphs (LlamaShard: --cuda-graphs): how many are recorded, and why they were
+  // The shard's step graphs (LlamaShard; CudaBackendOptions::step_graphs): how many are recorded, and why they were
   // turned off ("" while on, or never on).
   int step_graphs_recorded() const { return shard_->step_graphs_recorded(); }
   const std::string& step_graphs_off() const { return shard_->step_graphs_off(); }

@@ -28,6 +28,7 @@
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
 #include "worker/comm/interface.h"
+#include "worker/cuda_switches.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"
 #include "worker/worker_service.h"
@@ -45,8 +46,8 @@ constexpr char kUsage[] =
     "                         [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--insecure] [--spare]\n"
     "                         [--metrics-plaintext] [--health-listen HOST:PORT]\n"
     "                         [--collectives auto|gloo|nccl] [--dummy-weights host|device]\n"
-    "                         [--activation-quantization none|int8] [--cuda-quantized-kernels]\n"
-    "                         [--cuda-graphs] [--cuda-split-attention] [--cuda-fused-kernels]\n"
+    "                         [--activation-quantization none|int8] [--no-cuda-quantized-kernels]\n"
+    "                         [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -104,21 +105,6 @@ constexpr char kUsage[] =
     "  --dummy-weights          --load-format dummy on cuda: device (default: made by a CUDA kernel in\n"
     "                           GPU memory, no host copy) or host (made on the host and copied; the\n"
     "                           same values)\n"
-    "  --cuda-quantized-kernels  --device cuda: multiply by int8 / int4 / fp8 weights (coordinator\n"
-    "                           --quantization, quantized checkpoints) with the CUDA kernels for them;\n"
-    "                           their op tests passed on a GPU, no model has served there yet\n"
-    "                           (docs/gpu.md), so off by default: without it a\n"
-    "                           quantized assignment is refused on cuda. Ignored on cpu\n"
-    "  --cuda-graphs            --device cuda: record decode steps (one token a sequence, at most 64\n"
-    "                           sequences) as CUDA graphs and replay them, with TP = 1 (worker/llama.h);\n"
-    "                           never run on a GPU yet (docs/gpu.md), so off by default. Ignored on cpu\n"
-    "  --cuda-split-attention   --device cuda: split the attention of steps of up to 8 tokens over the\n"
-    "                           keys (ranges of 128 keys, combined by a second kernel), so that a\n"
-    "                           batch-1 decode uses more blocks than heads; never run on a GPU yet\n"
-    "                           (docs/gpu.md), so off by default. Ignored on cpu\n"
-    "  --cuda-fused-kernels     --device cuda: each residual add and the RMSNorm after it as one kernel\n"
-    "                           (the same bits); never run on a GPU yet (docs/gpu.md), so off by\n"
-    "                           default. Ignored on cpu\n"
     "  --tls-cert, --tls-key    this worker's certificate and key (PEM): it presents them to the\n"
     "                           coordinator and serves --listen with TLS (re-read when they change)\n"
     "  --tls-ca                 the CA of the coordinator's certificate; --listen then accepts only\n"
@@ -133,7 +119,7 @@ constexpr char kUsage[] =
 constexpr int kMaxThreads = 4096;
 
 int Usage(const std::string& error) {
-  std::fprintf(stderr, "shardserve-worker: %s\n%s", error.c_str(), kUsage);
+  std::fprintf(stderr, "shardserve-worker: %s\n%s%s", error.c_str(), kUsage, kCudaOffSwitchesUsage);
   return 2;
 }
 
@@ -187,11 +173,10 @@ int Main(int argc, char** argv) {
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen",
                     "collectives", "dummy-weights", "activation-quantization"},
-                   {"help", "insecure", "spare", "metrics-plaintext", "cuda-quantized-kernels", "cuda-graphs",
-                    "cuda-split-attention", "cuda-fused-kernels"});
+                   WithCudaOffSwitches({"help", "insecure", "spare", "metrics-plaintext"}));
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
-    std::printf("%s", kUsage);
+    std::printf("%s%s", kUsage, kCudaOffSwitchesUsage);
     return 0;
   }
   const std::string listen = flags->Get("listen", "127.0.0.1:0");
@@ -263,10 +248,7 @@ int Main(int argc, char** argv) {
   options.debug_step_delay = absl::Milliseconds(delay_ms);
   options.debug_load_delay = absl::Milliseconds(load_delay_ms);
   options.spare = flags->Has("spare");
-  options.cuda.quantized_kernels = flags->Has("cuda-quantized-kernels");
-  options.cuda.step_graphs = flags->Has("cuda-graphs");
-  options.cuda.split_attention_keys = flags->Has("cuda-split-attention") ? kCudaSplitAttentionKeys : 0;
-  options.cuda.fused_kernels = flags->Has("cuda-fused-kernels");
+  options.cuda = CudaOptionsFromSwitches(*flags);
   options.collective_host = flags->Get("collective-host");
   if (flags->Has("collective-interface")) {
     if (!options.collective_host.empty()) return Usage("--collective-interface and --collective-host exclude each other");

@@ -493,7 +493,7 @@ void WorkerService::RunStep(Stream* stream) {
     WorkerLog(Who(), absl::StrCat("kernels per decode step: ", kernels, " (", plan.row_seq_ids_size(), " rows)"), Ids());
     logged_decode_kernels_ = kernels;
   }
-  if (executor_->step_graphs_recorded() != logged_step_graphs_) {  // --cuda-graphs
+  if (executor_->step_graphs_recorded() != logged_step_graphs_) {  // CudaBackendOptions::step_graphs
     logged_step_graphs_ = executor_->step_graphs_recorded();
     WorkerLog(Who(),
               absl::StrCat("step graphs recorded: ", logged_step_graphs_, " (replayed for decode steps of their shape)"),

@@ -83,8 +83,8 @@ struct WorkerOptions {
   bool dummy_weights_on_device = true;           // --dummy-weights device (default)
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
-  // --cuda-quantized-kernels, --cuda-graphs, --cuda-split-attention, --cuda-fused-kernels: the
-  // CUDA backend's paths that stay off until they pass on a GPU (StepExecutorOptions::cuda).
+  // The CUDA backend's paths, each on but those a --no-cuda-... switch turns off
+  // (worker/cuda_switches.h; StepExecutorOptions::cuda).
   CudaBackendOptions cuda = {};
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,

@@ -22,13 +22,13 @@ constexpr uint64_t kCublasWorkspaceOlder = 4 * kMiB;
 // figure: CudaDequantScratchBytes (kernels/backend.h) of the worker's largest quantized weight, which
 // the backend allocates as it stores the weights (GpuPlan::dequant_scratch_bytes, from weights.cc).
 // It is counted whenever a CUDA plan holds quantized weights: without the kernels
-// (--cuda-quantized-kernels) such a worker refuses to load, so no running plan goes without it.
+// (--no-cuda-quantized-kernels) such a worker refuses to load, so no running plan goes without it.
 
-// CUDA graph pools: 0. The step graphs (worker --cuda-graphs, off by default, never run on a GPU
-// yet) record ops on buffers the shard allocated at load and allocate none during a recording
-// (cudaMalloc is refused there); what the driver keeps per instantiated graph (its nodes, and any
-// workspace cuBLAS takes with cudaMallocAsync while recorded) is unmeasured: the GPU run's
-// memory lines with and without the flag will say whether it needs an item.
+// CUDA graph pools: 0. The step graphs (on by default in the worker since they passed on an H200,
+// 2026-11-28; --no-cuda-graphs) record ops on buffers the shard allocated at load and allocate none
+// during a recording (cudaMalloc is refused there); what the driver keeps per instantiated graph
+// (its nodes, and any workspace cuBLAS takes with cudaMallocAsync while recorded) is unmeasured:
+// the worker's memory lines are taken at load, before the first graph is recorded.
 constexpr uint64_t kCudaGraphPoolBytes = 0;
 
 // NCCL's buffers per communicator, an estimate until a GPU run measures it (the worker logs the

@@ -38,6 +38,9 @@ __device__ __forceinline__ float DotQK(const float* q_s, const T* k, int head_di
   if (vec) {
     constexpr int kE = 16 / sizeof(T);
     const uint4* k4 = reinterpret_cast<const uint4*>(k);
+    // Unrolled so that a key's loads are all in flight at once (a loop bounded by the runtime
+    // head_dim waited a memory latency per load: 30 us a layer's attention at 200 keys, H200).
+#pragma unroll 16
     for (int i = 0; i < head_dim / kE; ++i) {
       const uint4 raw = k4[i];
       const T* e = reinterpret_cast<const T*>(&raw);
@@ -147,7 +150,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       const int d = threadIdx.x + r * kAttnThreads;
       if (d < head_dim) {
         float a = acc[r] * alpha;
-#pragma unroll 8
+#pragma unroll 32
         for (int c = 0; c < keys; ++c) {
           // A skipped key's row is read but not used: a select, so that garbage there (NaN) never
           // reaches the sum, and the loads stay unconditional, independent of each other.

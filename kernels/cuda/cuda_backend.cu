@@ -203,7 +203,8 @@ absl::Status CudaBackend::SpoilRecording(const char* op) {
 absl::Status CudaBackend::BeginGraph() {
   if (!options_.step_graphs) {
     return absl::UnimplementedError(
-        "BeginGraph: step graphs are off on this CUDA backend (worker --cuda-graphs turns them on; docs/gpu.md)");
+        "BeginGraph: step graphs are off on this CUDA backend (CudaBackendOptions::step_graphs; the worker's "
+        "--no-cuda-graphs; docs/gpu.md)");
   }
   if (recording_) return absl::FailedPreconditionError("BeginGraph: a step graph is already being recorded");
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());

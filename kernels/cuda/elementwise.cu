@@ -61,6 +61,32 @@ __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]
   }
 }
 
+// Loads a row kernel's thread issues before using the first: a 4096-wide row is two rounds of
+// 256 threads, where a loop that used each load before the next waited a memory latency per
+// element (H200, 2026-11-28, Nsight Compute: 16 us for one 4096-wide RmsNorm, 65 a Llama-3-8B
+// step, 13% of its GPU time). Each thread still sums its elements in the same order.
+constexpr int kRowLoads = 8;
+
+// out[i] = x[i] * inv * w[i] for this thread's elements (threadIdx.x + j blockDim.x), rounded to
+// T: the second pass of the RMSNorm kernels, its loads in flight kRowLoads at a time.
+template <typename T>
+__device__ __forceinline__ void NormRow(T* out, const T* x, const T* w, int64_t d, float inv) {
+  for (int64_t i0 = threadIdx.x; i0 < d; i0 += kRowLoads * blockDim.x) {
+    float xv[kRowLoads], wv[kRowLoads];
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      xv[u] = i < d ? ToFloat(x[i]) : 0.0f;
+      wv[u] = i < d ? ToFloat(w[i]) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      if (i < d) out[i] = FromFloat<T>(xv[u] * inv * wv[u]);
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kRmsNormThreads)
     RmsNormKernel(T* out /*[rows, d]*/, const T* x /*[rows, d]*/, const T* w /*[d]*/, int64_t d, float eps) {
@@ -68,15 +94,21 @@ __global__ void __launch_bounds__(kRmsNormThreads)
   const T* xr = x + static_cast<int64_t>(blockIdx.x) * d;
   T* outr = out + static_cast<int64_t>(blockIdx.x) * d;
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const float v = ToFloat(xr[i]);
-    ss += v * v;
+  for (int64_t i0 = threadIdx.x; i0 < d; i0 += kRowLoads * blockDim.x) {
+    float v[kRowLoads];
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      v[u] = i < d ? ToFloat(xr[i]) : 0.0f;  // 0 adds nothing to ss (>= 0): the same bits
+    }
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) ss += v[u] * v[u];
   }
   ss = BlockAllReduce(ss, SumOp{}, scratch);
   // IEEE sqrt and division (no fast-math), as the CPU reference.
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
   // Each thread rewrites only the elements it read, so out may alias x.
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) outr[i] = FromFloat<T>(ToFloat(xr[i]) * inv * ToFloat(w[i]));
+  NormRow(outr, xr, w, d, inv);
 }
 
 // RmsNormKernel after AddKernel, in one pass: each thread rounds its elements' sums to T as
@@ -91,17 +123,28 @@ __global__ void __launch_bounds__(kRmsNormThreads)
   const T* yr = y + static_cast<int64_t>(blockIdx.x) * d;
   T* outr = normed + static_cast<int64_t>(blockIdx.x) * d;
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-    const T s = FromFloat<T>(ToFloat(xr[i]) + ToFloat(yr[i]));
-    xr[i] = s;
-    const float v = ToFloat(s);
-    ss += v * v;
+  for (int64_t i0 = threadIdx.x; i0 < d; i0 += kRowLoads * blockDim.x) {
+    float a[kRowLoads], b[kRowLoads];
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      a[u] = i < d ? ToFloat(xr[i]) : 0.0f;
+      b[u] = i < d ? ToFloat(yr[i]) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int64_t i = i0 + u * static_cast<int64_t>(blockDim.x);
+      const T s = FromFloat<T>(a[u] + b[u]);
+      if (i < d) xr[i] = s;
+      const float v = ToFloat(s);  // 0 past d: adds nothing
+      ss += v * v;
+    }
   }
   ss = BlockAllReduce(ss, SumOp{}, scratch);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(d) + eps);
   // Each thread reads back only the elements it wrote, and writes normed only there (normed may
   // alias y: its element was read above, by this thread).
-  for (int64_t i = threadIdx.x; i < d; i += blockDim.x) outr[i] = FromFloat<T>(ToFloat(xr[i]) * inv * ToFloat(w[i]));
+  NormRow(outr, xr, w, d, inv);
 }
 
 }  // namespace

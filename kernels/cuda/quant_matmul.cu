@@ -1,9 +1,8 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
-// int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (worker
-// --cuda-quantized-kernels). Its CudaQuant tests passed on an H200 on 2026-11-27 with the GEMVs
-// before these (a warp per two rows, one instance for every n); these (a block per two rows, an
-// instance per input-row count) have not yet run on a GPU. Off by default until a quantized model
-// has served on a GPU (docs/gpu.md).
+// int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (on in the worker unless
+// --no-cuda-quantized-kernels). These GEMVs (a block per two rows, an instance per input-row count)
+// passed their CudaQuant tests on an H200 on 2026-11-28 and served the 8B quantized at load there,
+// int4 and int8 (docs/benchmarks.md).
 //
 // Storage: the CPU's layouts, byte for byte (PackQuantizedWeight is a copy to the device). One
 // layout for both backends and for the checkpoints' loader (model/quantized_checkpoint.h), and the
@@ -383,10 +382,8 @@ bool Aligned(const void* p, size_t to) { return reinterpret_cast<uintptr_t>(p) %
 absl::Status Off(const char* op, WeightQuant quant) {
   return absl::UnimplementedError(absl::StrCat(
       op, ": the CUDA kernels for ", WeightQuantName(quant),
-      " weights have passed their op tests on a GPU but have not yet served a model there, so they are off by "
-      "default; turn them on with "
-      "shardserve-worker --cuda-quantized-kernels (launch / bench --compare: --worker-cuda-quantized-kernels; "
-      "docs/gpu.md), or load without quantization"));
+      " weights are off on this backend (shardserve-worker --no-cuda-quantized-kernels; launch / bench --compare: "
+      "--worker-no-cuda-quantized-kernels; docs/gpu.md): load without quantization, or leave them on"));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "model/config.h"
 #include "tools/cli/command.h"
 #include "base/flags.h"
+#include "worker/cuda_switches.h"
 #include "worker/llama.h"
 
 namespace shardserve::cli {
@@ -21,18 +22,15 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
     "                               [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
-    "                               [--activation-quantization none|int8] [--cuda-quantized-kernels]\n"
-    "                               [--cuda-graphs] [--cuda-split-attention] [--cuda-fused-kernels]\n"
+    "                               [--activation-quantization none|int8] [--no-cuda-quantized-kernels]\n"
+    "                               [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
     "                               ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
     "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel),\n"
     "  int4 in 4 bits (a scale and zero point per group of 128 inputs), fp8 in e4m3 (one scale per\n"
-    "  output channel), quantized at load, as the coordinator's --quantization does. On cuda only with\n"
-    "  --cuda-quantized-kernels, as the worker's (off by default: docs/gpu.md). --cuda-graphs replays\n"
-    "  the decode steps as CUDA graphs, --cuda-split-attention splits small steps' attention over the\n"
-    "  keys, --cuda-fused-kernels fuses each residual add with the next RMSNorm, as the worker's (all\n"
-    "  off by default).\n"
+    "  output channel), quantized at load, as the coordinator's --quantization does.\n"
+    "  --no-cuda-... turn the CUDA paths off as the worker's do (shardserve-worker --help).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
     "  or AVX2), as the worker's --activation-quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
@@ -48,7 +46,7 @@ int Run(const std::vector<std::string>& args) {
       Flags::Parse(args,
                    {"model", "max-new-tokens", "device", "quantization", "load-format", "dummy-seed",
                     "activation-quantization"},
-                   {"help", "cuda-quantized-kernels", "cuda-graphs", "cuda-split-attention", "cuda-fused-kernels"});
+                   WithCudaOffSwitches({"help"}));
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -126,12 +124,8 @@ int Run(const std::vector<std::string>& args) {
     int ordinal = 0;
     if (device.size() > 5 && !absl::SimpleAtoi(device.substr(5), &ordinal)) return Fail("bad --device " + device);
     // On GPU the activations keep the checkpoint's dtype.
-    absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCudaBackend(
-        ordinal, config->dtype,
-        {.quantized_kernels = flags->Has("cuda-quantized-kernels"),
-         .step_graphs = flags->Has("cuda-graphs"),
-         .split_attention_keys = flags->Has("cuda-split-attention") ? kCudaSplitAttentionKeys : 0,
-         .fused_kernels = flags->Has("cuda-fused-kernels")});
+    absl::StatusOr<std::unique_ptr<Backend>> cuda =
+        MakeCudaBackend(ordinal, config->dtype, CudaOptionsFromSwitches(*flags));
     if (!cuda.ok()) return Fail(std::string(cuda.status().message()));
     backend = std::move(*cuda);
   } else {

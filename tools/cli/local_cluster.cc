@@ -63,12 +63,10 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
-  // The CUDA kernels for quantized weights: no model served on a GPU yet, so only when asked for by name.
-  if (f.Has("worker-cuda-quantized-kernels")) c.worker_flags.push_back("--cuda-quantized-kernels");
-  // Step graphs: never run on a GPU yet, so only when asked for by name.
-  if (f.Has("worker-cuda-graphs")) c.worker_flags.push_back("--cuda-graphs");
-  if (f.Has("worker-cuda-split-attention")) c.worker_flags.push_back("--cuda-split-attention");
-  if (f.Has("worker-cuda-fused-kernels")) c.worker_flags.push_back("--cuda-fused-kernels");
+  // --worker-no-cuda-X: the workers' --no-cuda-X (worker/cuda_switches.h), each CUDA path off.
+  for (const char* name : kCudaOffSwitches) {
+    if (f.Has(absl::StrCat("worker-", name))) c.worker_flags.push_back(absl::StrCat("--", name));
+  }
   // Beside --quantization, but the workers' (their CPU products' kernels): --activation-quantization.
   if (f.Has("activation-quantization")) {
     const absl::StatusOr<CpuActivationQuant> act = ParseCpuActivationQuant(f.Get("activation-quantization"));

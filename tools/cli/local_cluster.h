@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "base/flags.h"
 #include "security/tls.h"
+#include "worker/cuda_switches.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace shardserve::cli {
@@ -171,9 +172,8 @@ struct ClusterFlags {
   int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
   // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
-  // --activation-quantization V as theirs under the same name, and the switch
-  // the switches --worker-cuda-quantized-kernels, --worker-cuda-graphs,
-  // --worker-cuda-split-attention and --worker-cuda-fused-kernels as their --cuda-... switches.
+  // --activation-quantization V as theirs under the same name, and the switches
+  // --worker-no-cuda-... (worker/cuda_switches.h) as their --no-cuda-... switches.
   std::vector<std::string> worker_flags;
   // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
   // as given, in that order:
@@ -184,8 +184,7 @@ struct ClusterFlags {
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
   static std::set<std::string> Switches() {
-    return {"no-prefix-caching", "worker-cuda-quantized-kernels", "worker-cuda-graphs", "worker-cuda-split-attention",
-            "worker-cuda-fused-kernels"};
+    return WithCudaOffSwitches({"no-prefix-caching"}, "worker-");
   }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
   // --no-prefix-caching when off. `skip`: a flag name left out (its value set elsewhere).
