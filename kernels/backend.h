@@ -288,6 +288,10 @@ struct CudaBackendOptions {
   // the row, the same bits as Add then RmsNorm). Off: worker --no-cuda-fused-kernels. Passed on an
   // H200 (2026-11-28).
   bool fused_kernels = false;
+  // The dense GEMV (kernels/cuda/gemv.cu): MatMul by a weight in the act dtype for up to 8 rows of
+  // x (decode) with a kernel of our own instead of cuBLAS's split-K kernels. Worker
+  // --cuda-dense-gemv. Written without a GPU; off until it passes on one (docs/gpu.md).
+  bool dense_gemv = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <system_error>
 #include <thread>
@@ -11,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/vec.h"
+#include "kernels/tensor.h"
 
 namespace shardserve {
 
@@ -60,11 +62,11 @@ using cpu::kVecLanes;
   return !AnyLane(!(magnitude < 4194304.0f));
 }
 
-// InvalidArgument naming the first non-finite weight of w [m, k] (row, column), else OK. Scans 8
+// InvalidArgument naming the first non-finite weight of w [m, k] (row row0 + r, column), else OK. Scans 8
 // at a time (a non-finite v has v - v NaN, which equals nothing), then names the place by a scalar
 // look at the vector that has one.
 SHARDSERVE_VECTOR_CLONES
-absl::Status RefuseNonFinite(const char* format, const float* w, int64_t m, int64_t k) {
+absl::Status RefuseNonFinite(const char* format, const float* w, int64_t m, int64_t k, int64_t row0 = 0) {
   const int64_t total = m * k;
   for (int64_t i = 0; i < total; i += kVecLanes) {
     Vec8 v = {};
@@ -72,8 +74,8 @@ absl::Status RefuseNonFinite(const char* format, const float* w, int64_t m, int6
     if (!AnyLane((v - v) != 0.0f)) continue;
     for (int64_t j = i; j < std::min(total, i + kVecLanes); ++j) {
       if (!std::isfinite(w[j])) {
-        return absl::InvalidArgumentError(absl::StrCat(format, " quantization: weight [", j / k, ", ", j % k, "] is ",
-                                                       w[j], ", not a finite number"));
+        return absl::InvalidArgumentError(absl::StrCat(format, " quantization: weight [", row0 + j / k, ", ", j % k,
+                                                       "] is ", w[j], ", not a finite number"));
       }
     }
   }
@@ -304,29 +306,32 @@ absl::Status QuantizeInt4Groups(Int4Group128* blocks, const float* w, int64_t m,
   return absl::OkStatus();
 }
 
-absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w, int64_t m, int64_t k, int threads) {
-  if (quant == WeightQuant::kNone) return absl::InvalidArgumentError("QuantizeWeight: kNone is no quantized layout");
-  if (m < 0 || k < 0) return absl::InvalidArgumentError(absl::StrCat("QuantizeWeight: a [", m, ", ", k, "] weight"));
-  // Here, with the whole weight's row and column (each thread's quantizer would name its own rows').
-  SHARDSERVE_RETURN_IF_ERROR(RefuseNonFinite(WeightQuantName(quant), w, m, k));
-  // Rows [r0, r1) into their own bytes of the layout (checked above: the unchecked quantizers).
-  auto rows = [&](int64_t r0, int64_t r1) -> absl::Status {
-    const int64_t n = r1 - r0;
-    auto* bytes = static_cast<uint8_t*>(stored);
-    if (quant == WeightQuant::kInt4) {
-      Int4Groups(reinterpret_cast<Int4Group128*>(bytes) + r0 * Int4GroupsLayout{m, k}.groups_per_row(), w + r0 * k,
-                 n, k);
-      return absl::OkStatus();
+namespace {
+
+// The first of a 16-bit weight's (F16 / BF16) rows [r0, r1) of width k whose exponent bits are all
+// ones (Inf or NaN), as RefuseNonFinite's error with its value, else OK.
+absl::Status RefuseNonFinite16(const char* format, const uint16_t* w, DType dtype, int64_t r0, int64_t r1, int64_t k) {
+  const uint16_t exponent = dtype == DType::kBF16 ? 0x7F80 : 0x7C00;
+  constexpr int64_t kRun = 64;
+  for (int64_t i0 = r0 * k; i0 < r1 * k; i0 += kRun) {
+    const int64_t i1 = std::min(r1 * k, i0 + kRun);
+    bool any = false;
+    for (int64_t i = i0; i < i1; ++i) any |= (w[i] & exponent) == exponent;
+    if (!any) continue;
+    for (int64_t i = i0; i < i1; ++i) {
+      if ((w[i] & exponent) != exponent) continue;
+      float v = 0.0f;
+      ConvertOnHost(&v, DType::kF32, &w[i], dtype, 1);
+      return absl::InvalidArgumentError(
+          absl::StrCat(format, " quantization: weight [", i / k, ", ", i % k, "] is ", v, ", not a finite number"));
     }
-    auto* scale = reinterpret_cast<float*>(bytes) + r0;
-    uint8_t* q = bytes + Int8RowsLayout{m, k}.scale_bytes() + r0 * k;  // fp8's layout is int8's
-    if (quant == WeightQuant::kInt8) {
-      Int8Rows(scale, reinterpret_cast<int8_t*>(q), w + r0 * k, n, k);
-    } else {
-      Fp8Rows(scale, q, w + r0 * k, n, k);
-    }
-    return absl::OkStatus();
-  };
+  }
+  return absl::OkStatus();
+}
+
+// f(r0, r1) for [0, m) in up to `threads` parts of at least 16 rows (this thread takes the first),
+// the first error in row order.
+absl::Status ForRowParts(int64_t m, int threads, const std::function<absl::Status(int64_t, int64_t)>& f) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   constexpr int64_t kMinRowsPerThread = 16;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, m / kMinRowsPerThread));
@@ -335,15 +340,69 @@ absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w, int
   for (int64_t p = 1; p < parts; ++p) {
     const int64_t r0 = m * p / parts, r1 = m * (p + 1) / parts;
     try {
-      workers.emplace_back([&, p, r0, r1] { status[p] = rows(r0, r1); });
+      workers.emplace_back([&, p, r0, r1] { status[p] = f(r0, r1); });
     } catch (const std::system_error&) {  // no thread to be had: this one does the part
-      status[p] = rows(r0, r1);
+      status[p] = f(r0, r1);
     }
   }
-  status[0] = rows(0, m / parts);
+  status[0] = f(0, m / parts);
   for (std::thread& t : workers) t.join();
   for (const absl::Status& s : status) SHARDSERVE_RETURN_IF_ERROR(s);
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status QuantizeWeight(WeightQuant quant, void* stored, const void* w, DType dtype, int64_t m, int64_t k,
+                            int threads) {
+  if (quant == WeightQuant::kNone) return absl::InvalidArgumentError("QuantizeWeight: kNone is no quantized layout");
+  if (m < 0 || k < 0) return absl::InvalidArgumentError(absl::StrCat("QuantizeWeight: a [", m, ", ", k, "] weight"));
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantizeWeight: a ", DTypeName(dtype), " weight; quantizers take F32, F16 or BF16"));
+  }
+  const char* name = WeightQuantName(quant);
+  // The whole weight checked first, so that nothing is written for a weight that is refused; the
+  // error names the first non-finite weight in row order (each part's first, in part order).
+  SHARDSERVE_RETURN_IF_ERROR(ForRowParts(m, threads, [&](int64_t r0, int64_t r1) {
+    return dtype == DType::kF32 ? RefuseNonFinite(name, static_cast<const float*>(w) + r0 * k, r1 - r0, k, r0)
+                                : RefuseNonFinite16(name, static_cast<const uint16_t*>(w), dtype, r0, r1, k);
+  }));
+  // Rows [r0, r0 + n) from their float32 values f into their own bytes of the layout (checked
+  // above: the unchecked quantizers).
+  auto quantize = [&](int64_t r0, int64_t n, const float* f) {
+    auto* bytes = static_cast<uint8_t*>(stored);
+    if (quant == WeightQuant::kInt4) {
+      Int4Groups(reinterpret_cast<Int4Group128*>(bytes) + r0 * Int4GroupsLayout{m, k}.groups_per_row(), f, n, k);
+      return;
+    }
+    auto* scale = reinterpret_cast<float*>(bytes) + r0;
+    uint8_t* q = bytes + Int8RowsLayout{m, k}.scale_bytes() + r0 * k;  // fp8's layout is int8's
+    if (quant == WeightQuant::kInt8) {
+      Int8Rows(scale, reinterpret_cast<int8_t*>(q), f, n, k);
+    } else {
+      Fp8Rows(scale, q, f, n, k);
+    }
+  };
+  return ForRowParts(m, threads, [&](int64_t r0, int64_t r1) -> absl::Status {
+    if (dtype == DType::kF32) {
+      quantize(r0, r1 - r0, static_cast<const float*>(w) + r0 * k);
+      return absl::OkStatus();
+    }
+    // 16-bit rows widened exactly, a few at a time, into this thread's float32 buffer (about 1 MiB).
+    const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, k));
+    std::vector<float> f(static_cast<size_t>(std::min(chunk, r1 - r0) * k));
+    for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+      const int64_t n = std::min(chunk, r1 - c0);
+      ConvertOnHost(f.data(), DType::kF32, static_cast<const uint16_t*>(w) + c0 * k, dtype, static_cast<size_t>(n * k));
+      quantize(c0, n, f.data());
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w, int64_t m, int64_t k, int threads) {
+  return QuantizeWeight(quant, stored, w, DType::kF32, m, k, threads);
 }
 
 void DequantizeInt4Groups(float* w, const Int4Group128* blocks, int64_t m, int64_t k) {

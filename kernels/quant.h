@@ -146,9 +146,15 @@ void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, 
 // int4 now go 8 weights at a time, fp8 without libm: one AVX2 EPYC thread quantizes about 380 M
 // weights/s to int4, 345 M to int8, 140 M to fp8, against 75-90, 75-90 and 30-45 before,
 // docs/benchmarks.md). Non-finite weights are refused, naming the row and column, before anything
-// is written (one scan); kNone is refused.
+// is written (one scan, shared among the threads too); kNone is refused.
 absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w /*[m, k]*/, int64_t m, int64_t k,
                             int threads = 0);
+enum class DType : uint8_t;  // kernels/tensor.h (which includes this header)
+// The same for w [m, k] in F32, F16 or BF16 (`dtype`), the 16-bit rows widened exactly to float32
+// a few at a time in each thread (the same bytes as widening the whole weight first, without its
+// float32 copy): what the CUDA backend quantizes a weight in the act dtype with.
+absl::Status QuantizeWeight(WeightQuant quant, void* stored, const void* w /*[m, k]*/, DType dtype, int64_t m,
+                            int64_t k, int threads = 0);
 
 }  // namespace shardserve
 

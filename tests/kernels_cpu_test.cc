@@ -1412,6 +1412,47 @@ TEST(QuantizeWeightTest, ThreadsGiveTheQuantizersBytesAndRefuseWithTheWholeWeigh
   EXPECT_EQ(QuantizeWeight(WeightQuant::kNone, none.data(), w.data(), 1, 4).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The same from 16-bit weights (what the CUDA backend quantizes its act-dtype weights with): the
+// bytes of widening the whole weight to float32 first, for bf16 and f16, 1, 3 or 7 threads, one
+// chunk of rows a thread and many (k = 70,000: 3 rows a chunk); an Inf or NaN named at its place
+// in the whole weight with nothing written; a dtype no quantizer takes refused.
+TEST(QuantizeWeightTest, SixteenBitWeightsGiveTheBytesOfTheirFloat32Values) {
+  std::mt19937 rng(31);
+  for (const auto [m, k] : {std::pair<int64_t, int64_t>{101, 300}, std::pair<int64_t, int64_t>{40, 70000}}) {
+    const std::vector<float> wide = Random(rng, m * k, -2.0f, 3.0f);
+    for (const DType dtype : {DType::kBF16, DType::kF16}) {
+      std::vector<uint16_t> w16(static_cast<size_t>(m * k));
+      ASSERT_TRUE(ConvertOnHost(w16.data(), dtype, wide.data(), DType::kF32, w16.size()));
+      std::vector<float> w(w16.size());
+      ASSERT_TRUE(ConvertOnHost(w.data(), DType::kF32, w16.data(), dtype, w.size()));
+      for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
+        SCOPED_TRACE(::testing::Message() << WeightQuantName(quant) << " from " << DTypeName(dtype) << ", k " << k);
+        const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+        std::vector<uint8_t> want(bytes);
+        ASSERT_TRUE(QuantizeWeight(quant, want.data(), w.data(), m, k, 1).ok());
+        for (int threads : {1, 3, 7}) {
+          std::vector<uint8_t> got(bytes, 0xAB);
+          ASSERT_TRUE(QuantizeWeight(quant, got.data(), w16.data(), dtype, m, k, threads).ok());
+          EXPECT_TRUE(got == want) << threads << " threads";
+        }
+        for (const float bad_value : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+          std::vector<uint16_t> bad = w16;
+          ASSERT_TRUE(ConvertOnHost(&bad[(m - 3) * k + 5], dtype, &bad_value, DType::kF32, 1));
+          std::vector<uint8_t> untouched(bytes, 0xAB);
+          const absl::Status s = QuantizeWeight(quant, untouched.data(), bad.data(), dtype, m, k, 7);
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+          EXPECT_NE(std::string(s.message()).find(absl::StrCat("[", m - 3, ", 5]")), std::string::npos) << s;
+          EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](uint8_t b) { return b == 0xAB; }));
+        }
+      }
+    }
+  }
+  std::vector<uint8_t> out(16);
+  const std::vector<int32_t> ints(4);
+  EXPECT_EQ(QuantizeWeight(WeightQuant::kInt8, out.data(), ints.data(), DType::kI32, 1, 4).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // The block format's reference: every weight within one step (scale) of its value (half a step
 // from its own rounding, up to half more where the zero point's rounding clamps it at 0 or 15),
 // the zero point in [0, 15], an all-zero group scale 0, a short last group when k is not a

@@ -428,6 +428,63 @@ TEST_P(CudaVsCpu, MatMul) {
   }
 }
 
+// The dense GEMV (CudaBackendOptions::dense_gemv; written without a GPU, not yet run on one):
+// decode-sized n (1, 2, 3, 8), k a multiple of 8 over one round of a thread's loads and not a
+// whole number of them (1000), m odd; with and without bias, act and F32 out; against the CPU's
+// float32 product, as MatMul above. The GEMV is one launch where cuBLAS with a bias is two (the
+// broadcast, then the GEMM), so the launch count says which path ran; a k off the multiple of 8
+// takes cuBLAS. A row's result is the same bits whatever else is in the batch.
+TEST_P(CudaVsCpu, DenseGemv) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> gemv, MakeCudaBackend(0, act(), {.dense_gemv = true}));
+  const int64_t m = 131;
+  for (const int64_t k : {int64_t{1000}, int64_t{4096}, int64_t{12}}) {
+    std::vector<float> first_row;  // row 0's outputs at n = 1, F32 out, with bias
+    for (const int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}}) {
+      for (const bool with_bias : {false, true}) {
+        for (const bool f32_out : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "k " << k << ", n " << n << (with_bias ? ", bias" : ", no bias")
+                                            << (f32_out ? ", F32 out" : ", act out"));
+          const uint32_t salt = static_cast<uint32_t>(k * 64 + n * 4 + with_bias * 2 + f32_out);
+          // Row 0 of x is the same for every n, so that its outputs can be compared across n.
+          std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), salt + 300), act());
+          const std::vector<float> x0 = RandomValues(k, Seed(Op::kMatMul, act(), static_cast<uint32_t>(k)), act());
+          std::copy(x0.begin(), x0.end(), x.begin());
+          const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), static_cast<uint32_t>(k) + 1), act());
+          const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), static_cast<uint32_t>(k) + 2), act());
+          const DType out_t = f32_out ? DType::kF32 : act();
+
+          SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(gemv.get(), x, act(), {n, k}));
+          SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(gemv.get(), w, act(), {m, k}));
+          SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(gemv.get(), b, act(), {m}));
+          SS_ASSIGN_OR_FAIL(Guarded g_out, Output(gemv.get(), out_t, {n, m}));
+          const uint64_t before = gemv->kernel_launches();
+          SS_RUN_OP("CUDA", gemv->MatMul(&g_out.t, g_x.t, g_w.t, with_bias ? &g_b.t : nullptr));
+          const uint64_t want_launches = k % 8 == 0 ? 1 : (with_bias ? 2 : 1);
+          EXPECT_EQ(gemv->kernel_launches() - before, want_launches) << (k % 8 == 0 ? "the GEMV" : "cuBLAS");
+
+          SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, k}));
+          SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {m, k}));
+          SS_ASSIGN_OR_FAIL(Guarded c_b, UploadF(cpu_.get(), b, DType::kF32, {m}));
+          SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, m}));
+          SS_RUN_OP("CPU", cpu_->MatMul(&c_out.t, c_x.t, c_w.t, with_bias ? &c_b.t : nullptr));
+
+          SS_READ_F(got, gemv.get(), g_out);
+          SS_READ_F(want, cpu_.get(), c_out);
+          EXPECT_TRUE(Close("DenseGemv", got, want, Threshold(f32_out ? Op::kMatMulF32Out : Op::kMatMul, act())));
+          if (with_bias && f32_out && k % 8 == 0) {
+            const std::vector<float> row0(got.begin(), got.begin() + m);
+            if (n == 1) {
+              first_row = row0;
+            } else {
+              EXPECT_EQ(row0, first_row) << "row 0 changed with " << n << " rows in the batch";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(CudaVsCpu, Rope) {
   const int64_t n = 6, q_heads = 8, kv_heads = 2, hd = 64;
   const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act()), act());

@@ -85,6 +85,8 @@ enum class Engine {
   kCudaGraphs,       // kCuda with its decode steps replayed as CUDA graphs (CudaBackendOptions::step_graphs)
   kCudaSplitAttention,  // kCuda with small steps' attention split over the keys, 16 keys a range
   kCudaFused,        // kCuda with each residual add and the next RMSNorm as one kernel
+  kCudaDenseGemv,    // kCuda with decode products by the dense GEMV (CudaBackendOptions::dense_gemv)
+  kCudaBf16DenseGemv,  // kCudaBf16 likewise
 };
 
 std::string EngineName(Engine e) {
@@ -97,6 +99,8 @@ std::string EngineName(Engine e) {
     case Engine::kCudaGraphs: return "cuda_graphs";
     case Engine::kCudaSplitAttention: return "cuda_split_attention";
     case Engine::kCudaFused: return "cuda_fused";
+    case Engine::kCudaDenseGemv: return "cuda_dense_gemv";
+    case Engine::kCudaBf16DenseGemv: return "cuda_bf16_dense_gemv";
   }
   return "unknown";
 }
@@ -113,7 +117,9 @@ std::string MissingEngine(Engine e) {
     case Engine::kCudaF16:
     case Engine::kCudaGraphs:
     case Engine::kCudaSplitAttention:
-    case Engine::kCudaFused: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
+    case Engine::kCudaFused:
+    case Engine::kCudaDenseGemv:
+    case Engine::kCudaBf16DenseGemv: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
   }
   return "unknown engine";
 }
@@ -128,6 +134,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
     case Engine::kCudaGraphs: return MakeCudaBackend(0, DType::kF32, {.step_graphs = true});
     case Engine::kCudaSplitAttention: return MakeCudaBackend(0, DType::kF32, {.split_attention_keys = 16});
     case Engine::kCudaFused: return MakeCudaBackend(0, DType::kF32, {.fused_kernels = true});
+    case Engine::kCudaDenseGemv: return MakeCudaBackend(0, DType::kF32, {.dense_gemv = true});
+    case Engine::kCudaBf16DenseGemv: return MakeCudaBackend(0, DType::kBF16, {.dense_gemv = true});
   }
   return absl::InvalidArgumentError("unknown engine");
 }
@@ -658,12 +666,13 @@ TEST(LlamaActivationQuant, StaysNearTheExactProducts) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),
                                             ::testing::Values(Engine::kCpu, Engine::kCuda, Engine::kCudaGraphs,
-                                                              Engine::kCudaSplitAttention, Engine::kCudaFused)),
+                                                              Engine::kCudaSplitAttention, Engine::kCudaFused,
+                                                              Engine::kCudaDenseGemv)),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),
                                             ::testing::Values(Engine::kCpuBf16Products, Engine::kCudaBf16,
-                                                              Engine::kCudaF16)),
+                                                              Engine::kCudaF16, Engine::kCudaBf16DenseGemv)),
                          ParamName);
 
 // The suite above silently has no cases if the fixtures vanish; this makes that a failure.

@@ -301,11 +301,12 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
   EXPECT_TRUE(absl::IsUnimplemented(cpu->RunGraph(0)));
 }
 
-// The worker's and generate-ids' CUDA paths: each on with no switch (they passed on a GPU:
-// docs/gpu.md), each --no-cuda-... switch turning its own off and no other.
+// The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
+// (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the dense GEMV (not
+// yet run on one) off unless --cuda-dense-gemv.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
-    absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaOffSwitches({}));
+    absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
     EXPECT_TRUE(f.ok()) << f.status();
     return CudaOptionsFromSwitches(*f);
   };
@@ -314,6 +315,8 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_TRUE(on.step_graphs);
   EXPECT_EQ(on.split_attention_keys, kCudaSplitAttentionKeys);
   EXPECT_TRUE(on.fused_kernels);
+  EXPECT_FALSE(on.dense_gemv) << "not yet run on a GPU: off unless asked for";
+  EXPECT_TRUE(parse({"--cuda-dense-gemv"}).dense_gemv);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0);
@@ -325,8 +328,8 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_FALSE(off.quantized_kernels || off.step_graphs || off.fused_kernels);
   EXPECT_EQ(off.split_attention_keys, 0);
   // launch / bench take them with a prefix; the old opt-in switches are gone.
-  EXPECT_TRUE(Flags::Parse({"--worker-no-cuda-graphs"}, {}, WithCudaOffSwitches({}, "worker-")).ok());
-  EXPECT_FALSE(Flags::Parse({"--cuda-graphs"}, {}, WithCudaOffSwitches({})).ok());
+  EXPECT_TRUE(Flags::Parse({"--worker-no-cuda-graphs"}, {}, WithCudaSwitches({}, "worker-")).ok());
+  EXPECT_FALSE(Flags::Parse({"--cuda-graphs"}, {}, WithCudaSwitches({})).ok());
 }
 
 }  // namespace

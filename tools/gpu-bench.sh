@@ -33,7 +33,9 @@
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
 #   ncu-gemv-int4  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token
-#   ncu-decode     Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py)
+#   ncu-decode, ncu-decode-gemv
+#                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
+#                  the second with the dense GEMV (--cuda-dense-gemv)
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -45,6 +47,9 @@
 #                  the two above with the CUDA paths that are on by default turned off
 #                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels):
 #                  what step graphs, split-KV attention and the fused add + RMSNorm gain
+#   llama8b-b1-gemv
+#                  llama8b-b1 with the dense GEMV for the decode products (--worker-cuda-dense-gemv;
+#                  written without a GPU, off by default until this and its op and parity tests pass)
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1
@@ -260,6 +265,24 @@ EOF
   record "$name" "${figures[@]}" "${derived[@]}" $(kernels_metric "$LOGS/$name") --memory "$LOGS/$name"
 }
 
+# ncu_decode NAME [FLAG ...]: Nsight Compute's GPU time of each kernel of generate-ids on the 8B
+# (bf16, dummy weights, the default paths but the step graphs so that each kernel is its own launch,
+# and FLAGs), tools/ncu_summary.py summing the last whole decode step by kernel (argmax to argmax:
+# the dummy weights' kernels and the prefill come before).
+ncu_decode() {
+  local name=$1 dmodel
+  shift
+  want "$name" || return 0
+  dmodel=$(config_dir llama-3-8b tests/fixtures/configs/llama-3-8b.json)
+  step "$name" 200 bash -c "set -o pipefail; '$NCU' --metrics gpu__time_duration.sum --csv --print-units base \
+      --launch-skip 1500 --launch-count 1200 '$BIN/shardserve' generate-ids --model '$dmodel' --device cuda:0 \
+      --load-format dummy --no-cuda-graphs $* --max-new-tokens 8 $(seq -s ' ' 1000 1127) >'$WORK/$name.csv' &&
+      python3 tools/ncu_summary.py step '$WORK/$name.csv' --json '$LOGS/$name.json'"
+  local d=()
+  [ -s "$LOGS/$name.json" ] && d=(--metric "step_gpu_us=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['step_gpu_us'], 1))" "$LOGS/$name.json")")
+  record "$name" "${d[@]}"
+}
+
 run_steps() {
   STEP_NO=0 STEP_S=0 STEP_RC=0
   local name driver mem
@@ -310,31 +333,19 @@ run_steps() {
   # ---- Nsight Compute: where the GPU time goes ----
   # ncu-gemv-int4: the int4 GEMV's seven shapes of one token (the bench's second token: its first
   # 224 launches skipped), SpeedOfLight (duration, DRAM and SM throughput) a launch.
-  # ncu-decode: the 8B's kernels (bf16, dummy weights, one process: generate-ids; the default paths
-  # but the step graphs, so that each kernel is launched as itself), each launch's GPU time;
-  # tools/ncu_summary.py takes the last whole decode step among those profiled (argmax to argmax:
-  # the dummy weights' kernels and the prefill come before) and sums it by kernel.
-  local ncu_bin
-  ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  # ncu-decode, ncu-decode-gemv: one decode step's kernels (ncu_decode above), the second with the
+  # dense GEMV.
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   if want ncu-gemv-int4; then
     SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_JSON=$WORK/ncu-gemv-int4.bench.json \
-      step ncu-gemv-int4 150 bash -c "set -o pipefail; '$ncu_bin' --section SpeedOfLight --kernel-name regex:Gemv \
+      step ncu-gemv-int4 150 bash -c "set -o pipefail; '$NCU' --section SpeedOfLight --kernel-name regex:Gemv \
         --launch-skip 224 --launch-count 7 --csv --print-units base '$BIN/kernels_cuda_test' \
         --gtest_filter='CudaQuantBench.*' >'$WORK/ncu-gemv-int4.csv' &&
         python3 tools/ncu_summary.py kernels '$WORK/ncu-gemv-int4.csv' --json '$LOGS/ncu-gemv-int4.json'"
     record ncu-gemv-int4
   fi
-  if want ncu-decode; then
-    local dmodel
-    dmodel=$(config_dir llama-3-8b tests/fixtures/configs/llama-3-8b.json)
-    step ncu-decode 200 bash -c "set -o pipefail; '$ncu_bin' --metrics gpu__time_duration.sum --csv --print-units base \
-        --launch-skip 1500 --launch-count 1200 '$BIN/shardserve' generate-ids --model '$dmodel' --device cuda:0 \
-        --load-format dummy --no-cuda-graphs --max-new-tokens 8 $(seq -s ' ' 1000 1127) >'$WORK/ncu-decode.csv' &&
-        python3 tools/ncu_summary.py step '$WORK/ncu-decode.csv' --json '$LOGS/ncu-decode.json'"
-    local d=()
-    [ -s "$LOGS/ncu-decode.json" ] && d=(--metric "step_gpu_us=$(python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))['step_gpu_us'], 1))" "$LOGS/ncu-decode.json")")
-    record ncu-decode "${d[@]}"
-  fi
+  ncu_decode ncu-decode
+  ncu_decode ncu-decode-gemv --cuda-dense-gemv
   gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
@@ -355,6 +366,7 @@ run_steps() {
   local plain=(--worker-no-cuda-graphs --worker-no-cuda-split-attention --worker-no-cuda-fused-kernels)
   bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
+  bench_step llama8b-b1-gemv "$llama" "$preset" 1 4 128 128 "" --worker-cuda-dense-gemv
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4

@@ -1,7 +1,7 @@
-// The switches that turn the CUDA backend's paths off, shared by the worker and generate-ids: each
-// path is on by default since it passed its op and parity tests on a GPU (docs/gpu.md, "CUDA
-// paths: where they last passed"); --no-cuda-... keeps the plain path, to compare or to work
-// around a fault. Ignored on cpu.
+// The switches of the CUDA backend's paths, shared by the worker and generate-ids. A path that
+// passed its op and parity tests on a GPU is on by default (docs/gpu.md, "CUDA paths: where they
+// last passed") and --no-cuda-... keeps the plain path, to compare or to work around a fault; one
+// not yet run on a GPU is off and --cuda-... turns it on. Ignored on cpu.
 #pragma once
 
 #include <array>
@@ -15,16 +15,19 @@ namespace shardserve {
 
 inline constexpr std::array<const char*, 4> kCudaOffSwitches = {"no-cuda-quantized-kernels", "no-cuda-graphs",
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels"};
+// Paths written without a GPU, off until they pass on one: a switch turns each on.
+inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-dense-gemv"};
 
-// `switches` and those (each after `prefix`: launch and bench take them as --worker-no-cuda-...),
-// for Flags::Parse.
-inline std::set<std::string> WithCudaOffSwitches(std::set<std::string> switches, const std::string& prefix = "") {
+// `switches` and all of those (each after `prefix`: launch and bench take them as
+// --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
+inline std::set<std::string> WithCudaSwitches(std::set<std::string> switches, const std::string& prefix = "") {
   for (const char* name : kCudaOffSwitches) switches.insert(prefix + name);
+  for (const char* name : kCudaOnSwitches) switches.insert(prefix + name);
   return switches;
 }
 
 // The usage lines of those switches (the worker's and generate-ids' --help).
-inline constexpr char kCudaOffSwitchesUsage[] =
+inline constexpr char kCudaSwitchesUsage[] =
     "  --no-cuda-quantized-kernels  --device cuda: refuse int8 / int4 / fp8 weights (coordinator\n"
     "                           --quantization, quantized checkpoints) instead of multiplying by them\n"
     "                           with the CUDA kernels for them\n"
@@ -35,14 +38,19 @@ inline constexpr char kCudaOffSwitchesUsage[] =
     "                           place of steps of up to 8 tokens split over the keys (ranges of 128,\n"
     "                           combined by a second kernel)\n"
     "  --no-cuda-fused-kernels  --device cuda: each residual add and the RMSNorm after it as two\n"
-    "                           kernels (the same bits as the one fused kernel)\n";
+    "                           kernels (the same bits as the one fused kernel)\n"
+    "  --cuda-dense-gemv        --device cuda: multiply up to 8 rows (decode) by the act-dtype weights\n"
+    "                           with a GEMV of our own instead of cuBLAS; written without a GPU, so\n"
+    "                           off by default (docs/gpu.md)\n";
 
-// CudaBackendOptions with every path on but those a --no-cuda-... switch of `flags` turns off.
+// CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
+// `flags` turns off, and the others on where their switch is given.
 inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
   return {.quantized_kernels = !flags.Has("no-cuda-quantized-kernels"),
           .step_graphs = !flags.Has("no-cuda-graphs"),
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
-          .fused_kernels = !flags.Has("no-cuda-fused-kernels")};
+          .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
+          .dense_gemv = flags.Has("cuda-dense-gemv")};
 }
 
 }  // namespace shardserve

@@ -48,6 +48,7 @@ constexpr char kUsage[] =
     "                         [--collectives auto|gloo|nccl] [--dummy-weights host|device]\n"
     "                         [--activation-quantization none|int8] [--no-cuda-quantized-kernels]\n"
     "                         [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
+    "                         [--cuda-dense-gemv]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"
@@ -119,7 +120,7 @@ constexpr char kUsage[] =
 constexpr int kMaxThreads = 4096;
 
 int Usage(const std::string& error) {
-  std::fprintf(stderr, "shardserve-worker: %s\n%s%s", error.c_str(), kUsage, kCudaOffSwitchesUsage);
+  std::fprintf(stderr, "shardserve-worker: %s\n%s%s", error.c_str(), kUsage, kCudaSwitchesUsage);
   return 2;
 }
 
@@ -173,10 +174,10 @@ int Main(int argc, char** argv) {
                     "connect-timeout-seconds", "coordinator-grace-seconds", "debug-step-delay-ms", "debug-load-delay-ms", "metrics-listen", "log-format", "threads",
                     "matmul-dtype", "memory-bandwidth-gbps", "tls-cert", "tls-key", "tls-ca", "health-listen",
                     "collectives", "dummy-weights", "activation-quantization"},
-                   WithCudaOffSwitches({"help", "insecure", "spare", "metrics-plaintext"}));
+                   WithCudaSwitches({"help", "insecure", "spare", "metrics-plaintext"}));
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
-    std::printf("%s%s", kUsage, kCudaOffSwitchesUsage);
+    std::printf("%s%s", kUsage, kCudaSwitchesUsage);
     return 0;
   }
   const std::string listen = flags->Get("listen", "127.0.0.1:0");

@@ -211,6 +211,13 @@ class CudaBackend final : public Backend {
   size_t DequantScratchBytes(int64_t m, int64_t k) const {
     return static_cast<size_t>(CudaDequantScratchBytes(m, k, act_, DequantScratchLimit()));
   }
+  // Whether MatMul multiplies x by the dense weight w with DenseGemv (options_.dense_gemv, a
+  // decode-sized x, aligned rows of a multiple of 8), and the product itself (gemv.cu).
+  bool TakesDenseGemv(const Tensor& x, const Tensor& w) const;
+  absl::Status DenseGemv(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);
+  // PackMatMulWeight's host buffers for quantizing (the weight in the act dtype, its quantized
+  // bytes), kept at the largest weight's size until the backend goes.
+  std::vector<uint8_t> pack_raw_, pack_stored_;
   // MatMul by a weight PackMatMulWeight / PackQuantizedWeight stored quantized (quant_matmul.cu).
   absl::Status QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);
   // Out starts as the bias broadcast over its rows (matmul.cu), for a GEMM with beta = 1.

@@ -48,6 +48,7 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
   if (!FitsInt(n) || !FitsInt(m) || !FitsInt(k)) return Invalid(kOp, "a dimension exceeds cuBLAS's int range", all);
   if (n == 0 || m == 0) return absl::OkStatus();
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  if (TakesDenseGemv(x, w)) return DenseGemv(out, x, w, bias);  // decode rows (gemv.cu)
 
   // With a bias, out starts as the bias broadcast over rows and the GEMM accumulates onto it
   // (beta = 1), so x @ w^T + bias is rounded once, in float32 inside cuBLAS.

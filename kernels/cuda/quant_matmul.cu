@@ -25,7 +25,7 @@
 //   warp a row, integer conversions) read 557 GB/s of int4 and 1,112 of int8, the second (a warp
 //   per two rows, eight input rows unrolled in every instance) 744 and 1,379, of the 4.5 TB/s a
 //   streaming read reaches; Nsight Compute found those latency-bound, neither DRAM nor the SMs busy
-//   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (kGemvWarps'
+//   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (gemv.cuh's
 //   note).
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
@@ -41,34 +41,12 @@
 
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
+#include "kernels/cuda/gemv.cuh"
 #include "kernels/quant.h"
 
 namespace shardserve::cuda {
 namespace {
 
-// Rows of x (tokens) up to which MatMul takes the GEMV: decode batches. Above, the weight is read
-// once for all rows by cuBLAS after dequantizing; at 8 rows the GEMV's x traffic (L2) is still far
-// below its weight traffic.
-constexpr int kGemvMaxRows = 8;
-// The GEMVs index a row in int, a step or a group past the last input included; rows longer than
-// this (none a model has) take the dequantize + cuBLAS path.
-constexpr int64_t kGemvMaxK = int64_t{1} << 30;
-// A GEMV block: 128 threads (four warps) compute kGemvRows output rows together, splitting the
-// input dimension among all of them, so the grid is ceil(m / kGemvRows) blocks: 512 for the 8B's
-// 1024-row products, enough blocks for every SM and enough loads in flight on each to cover the
-// memory latency (an H100 needs ~15 KB per SM; here a 1024 x 4096 int4 weight is about 18 KB per
-// SM of the H200, all asked for at once). Each input value a thread loads serves both rows.
-//
-// The instances are few and short, on purpose: the first of these GEMVs computed eight input rows
-// in one fully unrolled body (120 KB of code, 128 registers per instance, sm_90), which each warp
-// ran once for a 4096-input row: Nsight Compute found them latency-bound, neither DRAM nor the SMs
-// busy (the code fetched from L2). Now the input-row count is a template argument N (1, 2, 4 or 8:
-// n rounded up, the rows past n skipped) and the aligned, vectorized case is an instance of its
-// own; `nvcc -Xptxas -v` and the cubin's section sizes give each instance's registers and bytes
-// (the commit adding this note: docs/benchmarks.md).
-constexpr int kGemvWarps = 4;
-constexpr int kGemvThreads = kGemvWarps * 32;
-constexpr int kGemvRows = 2;
 // Steps of 16-byte weight loads per row a thread issues before using the first (int8 / fp8: 2 x
 // 16 B x 2 rows), and steps of sixteen int4 groups (a header and a word of nibbles per thread and
 // row): the bytes in flight.
@@ -98,77 +76,6 @@ __device__ __forceinline__ float RowValue(uint32_t byte) {
     return Fp8ToFloat(byte);
   } else {
     return static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(byte)));
-  }
-}
-
-// A 16-bit act value's bits as float (exact).
-template <typename T>
-__device__ __forceinline__ float HalfBitsToFloat(uint32_t bits);
-template <>
-__device__ __forceinline__ float HalfBitsToFloat<__half>(uint32_t bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-template <>
-__device__ __forceinline__ float HalfBitsToFloat<__nv_bfloat16>(uint32_t bits) {
-  return __uint_as_float(bits << 16);
-}
-
-// v[j] = row[c + j] for j < 8, 0 at and past k. kVec: the row is 16-byte aligned and k % 8 == 0
-// (checked by the host), and c is a multiple of 8, so a run of 8 is wholly in the row or wholly
-// past it, one or two 16-byte loads.
-template <typename T, bool kVec>
-__device__ __forceinline__ void LoadX8(const T* row, int c, int k, float v[8]) {
-  if constexpr (kVec) {
-    if (c >= k) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-    } else if constexpr (sizeof(T) == 4) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(row + c));
-      const float4 b = __ldg(reinterpret_cast<const float4*>(row + c + 4));
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-    } else {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + c));
-      const uint32_t words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[2 * j] = HalfBitsToFloat<T>(words[j] & 0xFFFFu);
-        v[2 * j + 1] = HalfBitsToFloat<T>(words[j] >> 16);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = c + j < k ? ToFloat(row[c + j]) : 0.0f;
-  }
-}
-
-// out[i][r0 + rr] = (the block's sum of acc[rr][i]) x scale[r0 + rr] (1 when null) + bias, for
-// the rows below m and the input rows below n, rounded once. Each warp's sums by shuffles, then
-// the four warps' in a fixed order: the same bits for an input row whatever else is in the batch.
-// Every thread of the block calls.
-template <typename T, typename TO, int N>
-__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows][N], const float* scale,
-                                           const T* bias, int n, int m, int r0) {
-  __shared__ float part[kGemvWarps][kGemvRows][N];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int rr = 0; rr < kGemvRows; ++rr) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float v = WarpAllReduce(acc[rr][i], SumOp{});
-      if (lane == 0) part[warp][rr][i] = v;
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < kGemvRows * N) {
-    const int rr = threadIdx.x / N, i = threadIdx.x % N, r = r0 + rr;
-    if (i < n && r < m) {
-      float sum = part[0][rr][i];
-#pragma unroll
-      for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
-      const float s = scale != nullptr ? __ldg(scale + r) : 1.0f;
-      const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
-      out[static_cast<int64_t>(i) * m + r] = FromFloat<TO>(sum * s + b);
-    }
   }
 }
 
@@ -342,18 +249,6 @@ __global__ void __launch_bounds__(kGemvThreads)
   FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
 }
 
-// Calls f(std::integral_constant<int, N>, std::bool_constant<kVec>) for the GEMV instance that
-// covers n (1 <= n <= kGemvMaxRows) input rows: N = n rounded up to 1, 2, 4 or 8 on the vector path;
-// 8 (the rows past n skipped) on the byte path, which only odd shapes take.
-template <typename F>
-absl::Status ForGemvInstance(int n, bool vec, F&& f) {
-  if (!vec) return f(std::integral_constant<int, kGemvMaxRows>{}, std::false_type{});
-  if (n == 1) return f(std::integral_constant<int, 1>{}, std::true_type{});
-  if (n == 2) return f(std::integral_constant<int, 2>{}, std::true_type{});
-  if (n <= 4) return f(std::integral_constant<int, 4>{}, std::true_type{});
-  return f(std::integral_constant<int, kGemvMaxRows>{}, std::true_type{});
-}
-
 // w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
 // DequantizeInt8Rows / DequantizeFp8Rows do (value x scale in float32), rounded once.
 template <typename T, bool kFp8>
@@ -376,8 +271,6 @@ __global__ void DequantInt4Kernel(T* __restrict__ w, const Int4Group128* __restr
     w[i] = FromFloat<T>(static_cast<float>(v - b.zero) * b.scale);
   }
 }
-
-bool Aligned(const void* p, size_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
 
 absl::Status Off(const char* op, WeightQuant quant) {
   return absl::UnimplementedError(absl::StrCat(
@@ -422,19 +315,17 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
   // Quantized on the host by kernels/quant.h's own quantizers (once, at load; QuantizeWeight: the
-  // rows over the host's threads), so that both backends hold the same bytes for the same weight.
-  std::vector<uint8_t> raw(w.bytes());
-  SHARDSERVE_RETURN_IF_NOT_OK(CopyToHost(raw.data(), w.data, raw.size()));
-  std::vector<float> f(static_cast<size_t>(m * k));
-  if (!ConvertOnHost(f.data(), DType::kF32, raw.data(), act_, f.size())) {
-    return absl::InternalError(absl::StrCat("PackMatMulWeight: cannot widen ", DTypeName(act_), " to F32"));
-  }
-  raw.clear();
-  raw.shrink_to_fit();
-  std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));  // new[]: 16-byte aligned
-  const absl::Status s = QuantizeWeight(quant, stored.data(), f.data(), m, k);
+  // rows over the host's threads, each widening its own rows of the act dtype), so that both
+  // backends hold the same bytes for the same weight. The host buffers are kept for the next
+  // weight: the 8B's 7 G weights took 52 s to start on the H200's host (2026-11-28) when each
+  // weight had fresh buffers and a float32 copy widened by one thread.
+  pack_raw_.resize(std::max(pack_raw_.size(), w.bytes()));
+  SHARDSERVE_RETURN_IF_NOT_OK(CopyToHost(pack_raw_.data(), w.data, w.bytes()));
+  const auto stored_bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+  pack_stored_.resize(std::max(pack_stored_.size(), stored_bytes));  // new[]: 16-byte aligned
+  const absl::Status s = QuantizeWeight(quant, pack_stored_.data(), pack_raw_.data(), act_, m, k);
   if (!s.ok()) return Invalid("PackMatMulWeight", s.message(), {{"w", &w}});
-  return PackQuantizedWeight(quant, stored.data(), m, k, packed);
+  return PackQuantizedWeight(quant, pack_stored_.data(), m, k, packed);
 }
 
 absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {

@@ -24,13 +24,15 @@ constexpr char kUsage[] =
     "                               [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
     "                               [--activation-quantization none|int8] [--no-cuda-quantized-kernels]\n"
     "                               [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
+    "                               [--cuda-dense-gemv]\n"
     "                               ID [ID ...]\n"
     "  Loads the Hugging Face checkpoint in DIR and greedily generates N (default 16) token ids after\n"
     "  the prompt ids, printing them space-separated. Ids may also be given comma-separated.\n"
     "  --quantization int8 stores the linear layers' weights in int8 (one scale per output channel),\n"
     "  int4 in 4 bits (a scale and zero point per group of 128 inputs), fp8 in e4m3 (one scale per\n"
     "  output channel), quantized at load, as the coordinator's --quantization does.\n"
-    "  --no-cuda-... turn the CUDA paths off as the worker's do (shardserve-worker --help).\n"
+    "  --no-cuda-... turn the CUDA paths off and --cuda-dense-gemv turns its own on, as the worker's do\n"
+    "  (shardserve-worker --help).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
     "  or AVX2), as the worker's --activation-quantization does.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
@@ -46,7 +48,7 @@ int Run(const std::vector<std::string>& args) {
       Flags::Parse(args,
                    {"model", "max-new-tokens", "device", "quantization", "load-format", "dummy-seed",
                     "activation-quantization"},
-                   WithCudaOffSwitches({"help"}));
+                   WithCudaSwitches({"help"}));
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;

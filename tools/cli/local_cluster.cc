@@ -63,9 +63,12 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
-  // --worker-no-cuda-X: the workers' --no-cuda-X (worker/cuda_switches.h), each CUDA path off.
-  for (const char* name : kCudaOffSwitches) {
-    if (f.Has(absl::StrCat("worker-", name))) c.worker_flags.push_back(absl::StrCat("--", name));
+  // --worker-no-cuda-X / --worker-cuda-X: the workers' --no-cuda-X / --cuda-X (worker/cuda_switches.h).
+  for (const auto& names : {std::vector<const char*>(kCudaOffSwitches.begin(), kCudaOffSwitches.end()),
+                            std::vector<const char*>(kCudaOnSwitches.begin(), kCudaOnSwitches.end())}) {
+    for (const char* name : names) {
+      if (f.Has(absl::StrCat("worker-", name))) c.worker_flags.push_back(absl::StrCat("--", name));
+    }
   }
   // Beside --quantization, but the workers' (their CPU products' kernels): --activation-quantization.
   if (f.Has("activation-quantization")) {

@@ -184,7 +184,7 @@ struct ClusterFlags {
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
   static std::set<std::string> Switches() {
-    return WithCudaOffSwitches({"no-prefix-caching"}, "worker-");
+    return WithCudaSwitches({"no-prefix-caching"}, "worker-");
   }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
   // --no-prefix-caching when off. `skip`: a flag name left out (its value set elsewhere).
