@@ -64,11 +64,8 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
   // --worker-no-cuda-X / --worker-cuda-X: the workers' --no-cuda-X / --cuda-X (worker/cuda_switches.h).
-  for (const auto& names : {std::vector<const char*>(kCudaOffSwitches.begin(), kCudaOffSwitches.end()),
-                            std::vector<const char*>(kCudaOnSwitches.begin(), kCudaOnSwitches.end())}) {
-    for (const char* name : names) {
-      if (f.Has(absl::StrCat("worker-", name))) c.worker_flags.push_back(absl::StrCat("--", name));
-    }
+  for (const std::string& name : WithCudaSwitches({})) {
+    if (f.Has("worker-" + name)) c.worker_flags.push_back("--" + name);
   }
   // Beside --quantization, but the workers' (their CPU products' kernels): --activation-quantization.
   if (f.Has("activation-quantization")) {
