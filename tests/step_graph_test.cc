@@ -302,8 +302,7 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 }
 
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
-// (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the dense GEMV (not
-// yet run on one) off unless --cuda-dense-gemv.
+// (docs/gpu.md), each --no-cuda-... switch turning its own off and no other.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -315,21 +314,25 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_TRUE(on.step_graphs);
   EXPECT_EQ(on.split_attention_keys, kCudaSplitAttentionKeys);
   EXPECT_TRUE(on.fused_kernels);
-  EXPECT_FALSE(on.dense_gemv) << "not yet run on a GPU: off unless asked for";
-  EXPECT_TRUE(parse({"--cuda-dense-gemv"}).dense_gemv);
+  EXPECT_TRUE(on.dense_gemv);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
-  EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0);
+  EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&
+              no_graphs.dense_gemv);
+  const CudaBackendOptions no_gemv = parse({"--no-cuda-dense-gemv"});
+  EXPECT_FALSE(no_gemv.dense_gemv);
+  EXPECT_TRUE(no_gemv.step_graphs && no_gemv.quantized_kernels && no_gemv.fused_kernels);
   EXPECT_FALSE(parse({"--no-cuda-quantized-kernels"}).quantized_kernels);
   EXPECT_EQ(parse({"--no-cuda-split-attention"}).split_attention_keys, 0);
   EXPECT_FALSE(parse({"--no-cuda-fused-kernels"}).fused_kernels);
-  const CudaBackendOptions off = parse(
-      {"--no-cuda-quantized-kernels", "--no-cuda-graphs", "--no-cuda-split-attention", "--no-cuda-fused-kernels"});
-  EXPECT_FALSE(off.quantized_kernels || off.step_graphs || off.fused_kernels);
+  const CudaBackendOptions off = parse({"--no-cuda-quantized-kernels", "--no-cuda-graphs", "--no-cuda-split-attention",
+                                       "--no-cuda-fused-kernels", "--no-cuda-dense-gemv"});
+  EXPECT_FALSE(off.quantized_kernels || off.step_graphs || off.fused_kernels || off.dense_gemv);
   EXPECT_EQ(off.split_attention_keys, 0);
   // launch / bench take them with a prefix; the old opt-in switches are gone.
   EXPECT_TRUE(Flags::Parse({"--worker-no-cuda-graphs"}, {}, WithCudaSwitches({}, "worker-")).ok());
   EXPECT_FALSE(Flags::Parse({"--cuda-graphs"}, {}, WithCudaSwitches({})).ok());
+  EXPECT_FALSE(Flags::Parse({"--cuda-dense-gemv"}, {}, WithCudaSwitches({})).ok());
 }
 
 }  // namespace

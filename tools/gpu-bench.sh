@@ -33,9 +33,9 @@
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
 #   ncu-gemv-int4  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token
-#   ncu-decode, ncu-decode-gemv
+#   ncu-decode, ncu-decode-cublas
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
-#                  the second with the dense GEMV (--cuda-dense-gemv)
+#                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv)
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -45,11 +45,12 @@
 #   llama8b-c64    the same, 64 streams of 512 in / 128 out
 #   llama8b-b1-plain, llama8b-c64-plain
 #                  the two above with the CUDA paths that are on by default turned off
-#                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels):
-#                  what step graphs, split-KV attention and the fused add + RMSNorm gain
-#   llama8b-b1-gemv
-#                  llama8b-b1 with the dense GEMV for the decode products (--worker-cuda-dense-gemv;
-#                  written without a GPU, off by default until this and its op and parity tests pass)
+#                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels,
+#                  --worker-no-cuda-dense-gemv): what step graphs, split-KV attention, the fused
+#                  add + RMSNorm and the dense GEMV gain
+#   llama8b-b1-cublas
+#                  llama8b-b1 with cuBLAS for the decode products (--worker-no-cuda-dense-gemv): what
+#                  the dense GEMV gains alone
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1
@@ -333,8 +334,8 @@ run_steps() {
   # ---- Nsight Compute: where the GPU time goes ----
   # ncu-gemv-int4: the int4 GEMV's seven shapes of one token (the bench's second token: its first
   # 224 launches skipped), SpeedOfLight (duration, DRAM and SM throughput) a launch.
-  # ncu-decode, ncu-decode-gemv: one decode step's kernels (ncu_decode above), the second with the
-  # dense GEMV.
+  # ncu-decode, ncu-decode-cublas: one decode step's kernels (ncu_decode above), the second with
+  # cuBLAS for the decode products.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   if want ncu-gemv-int4; then
     SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_JSON=$WORK/ncu-gemv-int4.bench.json \
@@ -345,7 +346,7 @@ run_steps() {
     record ncu-gemv-int4
   fi
   ncu_decode ncu-decode
-  ncu_decode ncu-decode-gemv --cuda-dense-gemv
+  ncu_decode ncu-decode-cublas --no-cuda-dense-gemv
   gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
@@ -363,10 +364,11 @@ run_steps() {
     'c["num_hidden_layers"] = 40; c["tie_word_embeddings"] = True')
   bench_step llama8b-b1 "$llama" "$preset" 1 4 128 128
   bench_step llama8b-c64 "$llama" "$preset" 64 128 512 128
-  local plain=(--worker-no-cuda-graphs --worker-no-cuda-split-attention --worker-no-cuda-fused-kernels)
+  local plain=(--worker-no-cuda-graphs --worker-no-cuda-split-attention --worker-no-cuda-fused-kernels
+    --worker-no-cuda-dense-gemv)
   bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
-  bench_step llama8b-b1-gemv "$llama" "$preset" 1 4 128 128 "" --worker-cuda-dense-gemv
+  bench_step llama8b-b1-cublas "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-dense-gemv
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4

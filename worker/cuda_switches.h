@@ -13,10 +13,11 @@
 
 namespace shardserve {
 
-inline constexpr std::array<const char*, 4> kCudaOffSwitches = {"no-cuda-quantized-kernels", "no-cuda-graphs",
-                                                                 "no-cuda-split-attention", "no-cuda-fused-kernels"};
-// Paths written without a GPU, off until they pass on one: a switch turns each on.
-inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-dense-gemv"};
+inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantized-kernels", "no-cuda-graphs",
+                                                                 "no-cuda-split-attention", "no-cuda-fused-kernels",
+                                                                 "no-cuda-dense-gemv"};
+// Paths written without a GPU, off until they pass on one: a switch turns each on (none now).
+inline constexpr std::array<const char*, 0> kCudaOnSwitches = {};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -39,9 +40,8 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           combined by a second kernel)\n"
     "  --no-cuda-fused-kernels  --device cuda: each residual add and the RMSNorm after it as two\n"
     "                           kernels (the same bits as the one fused kernel)\n"
-    "  --cuda-dense-gemv        --device cuda: multiply up to 8 rows (decode) by the act-dtype weights\n"
-    "                           with a GEMV of our own instead of cuBLAS; written without a GPU, so\n"
-    "                           off by default (docs/gpu.md)\n";
+    "  --no-cuda-dense-gemv     --device cuda: multiply up to 8 rows (decode) by the act-dtype weights\n"
+    "                           with cuBLAS, in place of the GEMV of our own\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -50,7 +50,7 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .step_graphs = !flags.Has("no-cuda-graphs"),
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
-          .dense_gemv = flags.Has("cuda-dense-gemv")};
+          .dense_gemv = !flags.Has("no-cuda-dense-gemv")};
 }
 
 }  // namespace shardserve
