@@ -64,6 +64,14 @@ absl::StatusOr<Buffer> Backend::PackQuantizedWeight(WeightQuant quant, const voi
                                                " weights yet (quantized checkpoints load on the CPU)"));
 }
 
+absl::Status Backend::MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) {
+  for (const MatMulProduct& p : products) {
+    if (p.w == nullptr) return absl::InvalidArgumentError("MatMuls: a product's weight is null");
+    SHARDSERVE_RETURN_IF_ERROR(MatMul(p.out, x, *p.w, p.bias));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Backend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, const Tensor& w, float eps) {
   if (x == nullptr || normed == nullptr) return absl::InvalidArgumentError("AddRmsNorm: x and normed must not be null");
   SHARDSERVE_RETURN_IF_ERROR(Add(x, *x, y));

@@ -35,6 +35,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/counter_uniform.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
@@ -76,6 +77,13 @@ struct SampleParams {
   int32_t top_k = 0;         // 0 = no limit. Keeps every token whose prob >= the k-th largest.
   float top_p = 1.0f;        // (0, 1]. Keeps the smallest set of most likely tokens with mass >= top_p.
   float uniform = 0.5f;      // the row's random draw in [0, 1), from SampleRng (kernels/sampling.h).
+};
+
+// One product of Backend::MatMuls: out = x @ w^T (+ bias, which may be null).
+struct MatMulProduct {
+  Tensor* out = nullptr;
+  const Tensor* w = nullptr;
+  const Tensor* bias = nullptr;
 };
 
 class Backend {
@@ -180,6 +188,12 @@ class Backend {
   // plain or as PackMatMulWeight made it. out may be F32 (logits) or act. bias may be null.
   virtual absl::Status MatMul(Tensor* out /*[n, m]*/, const Tensor& x /*[n, k] act*/,
                               const Tensor& w /*[m, k] act*/, const Tensor* bias /*[m] act*/) = 0;
+
+  // MatMul(product.out, x, *product.w, product.bias) for each product of one input x (a layer's q,
+  // k and v; gate and up), the same bits, which a backend may compute together. The base calls
+  // MatMul for each in order, stopping at the first error; the CUDA backend runs up to three
+  // decode products by act-dtype weights as one dense GEMV launch (kernels/cuda/gemv.cu).
+  virtual absl::Status MatMuls(const Tensor& x /*[n, k] act*/, absl::Span<const MatMulProduct> products);
 
   // Rotary embedding in place, Hugging Face "rotate_half" layout: for each head, the pair
   // (x[i], x[i + hd/2]) is rotated by angle pos * inv_freq[i]. Both q and k are required.
@@ -289,8 +303,8 @@ struct CudaBackendOptions {
   // H200 (2026-11-28).
   bool fused_kernels = false;
   // The dense GEMV (kernels/cuda/gemv.cu): MatMul by a weight in the act dtype for up to 8 rows of
-  // x (decode) with a kernel of our own instead of cuBLAS's split-K kernels. Worker
-  // --cuda-dense-gemv. Written without a GPU; off until it passes on one (docs/gpu.md).
+  // x (decode) with a kernel of our own instead of cuBLAS's split-K kernels. Off: worker
+  // --no-cuda-dense-gemv. Passed on an H200 (2026-11-28).
   bool dense_gemv = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.

@@ -350,6 +350,42 @@ TEST_F(CpuBackendTest, MatMul) {
   }
 }
 
+// Backend::MatMuls (the base, which the CPU backend keeps): each product as MatMul gives it, bit
+// for bit, in order; a bad product is MatMul's error, and the products before it are done.
+TEST_F(CpuBackendTest, MatMulsGiveEachProductAsMatMulDoes) {
+  const int64_t n = 3, k = 40;
+  const std::vector<float> x = Random(rng_, n * k);
+  DeviceTensor dx = F32({n, k}, x);
+  const int64_t ms[] = {17, 5, 5};
+  std::vector<DeviceTensor> ws, bs, outs, singles;
+  for (const int64_t m : ms) {
+    ws.push_back(F32({m, k}, Random(rng_, m * k)));
+    bs.push_back(F32({m}, Random(rng_, m)));
+    outs.push_back(Output(DType::kF32, {n, m}));
+    singles.push_back(Output(DType::kF32, {n, m}));
+  }
+  const MatMulProduct products[] = {{outs[0].ptr(), &ws[0].t(), &bs[0].t()},
+                                    {outs[1].ptr(), &ws[1].t(), nullptr},
+                                    {outs[2].ptr(), &ws[2].t(), &bs[2].t()}};
+  ASSERT_TRUE(backend_->MatMuls(dx.t(), products).ok());
+  for (size_t p = 0; p < 3; ++p) {
+    ASSERT_TRUE(backend_->MatMul(singles[p].ptr(), dx.t(), ws[p].t(), products[p].bias).ok());
+    EXPECT_EQ(outs[p].Download<float>(), singles[p].Download<float>()) << "product " << p;
+  }
+  // The second product's weight has the wrong k: MatMul's error; the first was computed, the third not.
+  DeviceTensor bad_w = F32({5, k + 1}, Random(rng_, 5 * (k + 1)));
+  DeviceTensor first = Output(DType::kF32, {n, 17}), third = Output(DType::kF32, {n, 5});
+  const std::vector<uint32_t> third_before = third.Download<uint32_t>();  // the poison (NaN) bits
+  const MatMulProduct bad[] = {{first.ptr(), &ws[0].t(), &bs[0].t()}, {outs[1].ptr(), &bad_w.t(), nullptr},
+                               {third.ptr(), &ws[2].t(), nullptr}};
+  const absl::Status st = backend_->MatMuls(dx.t(), bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_EQ(first.Download<float>(), singles[0].Download<float>());
+  EXPECT_EQ(third.Download<uint32_t>(), third_before);
+  const MatMulProduct null_w[] = {{first.ptr(), nullptr, nullptr}};
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->MatMuls(dx.t(), null_w)));
+}
+
 float RoundToBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
 
 // The tests below run once per CpuMatMul (named F32 and BF16); the BF16 ones report themselves

@@ -372,25 +372,30 @@ TEST_P(CudaVsCpu, Embedding) {
   EXPECT_TRUE(Close("Embedding", got, want, Threshold(Op::kEmbedding, act())));
 }
 
+// Rows of 1000 (one round of loads, kept in registers; not a multiple of the block size) and of
+// 10000 (more than one round: the second pass reads x and w again).
 TEST_P(CudaVsCpu, RmsNorm) {
-  const int64_t n = 5, d = 1000;  // d not a multiple of the block size
-  const float eps = 1e-5f;
-  const std::vector<float> x = RandomValues(n * d, Seed(Op::kRmsNorm, act()), act(), -2.0f, 2.0f);
-  const std::vector<float> w = RandomValues(d, Seed(Op::kRmsNorm, act(), 1), act(), 0.5f, 1.5f);
+  for (const int64_t d : {int64_t{1000}, int64_t{10000}}) {
+    SCOPED_TRACE(::testing::Message() << "d " << d);
+    const int64_t n = 5;
+    const float eps = 1e-5f;
+    const std::vector<float> x = RandomValues(n * d, Seed(Op::kRmsNorm, act()), act(), -2.0f, 2.0f);
+    const std::vector<float> w = RandomValues(d, Seed(Op::kRmsNorm, act(), 1), act(), 0.5f, 1.5f);
 
-  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, d}));
-  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {d}));
-  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
-  SS_RUN_OP("CUDA", cuda_->RmsNorm(&g_out.t, g_x.t, g_w.t, eps));
+    SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, d}));
+    SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {d}));
+    SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
+    SS_RUN_OP("CUDA", cuda_->RmsNorm(&g_out.t, g_x.t, g_w.t, eps));
 
-  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, d}));
-  SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {d}));
-  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
-  SS_RUN_OP("CPU", cpu_->RmsNorm(&c_out.t, c_x.t, c_w.t, eps));
+    SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, d}));
+    SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {d}));
+    SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
+    SS_RUN_OP("CPU", cpu_->RmsNorm(&c_out.t, c_x.t, c_w.t, eps));
 
-  SS_READ_F(got, cuda_.get(), g_out);
-  SS_READ_F(want, cpu_.get(), c_out);
-  EXPECT_TRUE(Close("RmsNorm", got, want, Threshold(Op::kRmsNorm, act())));
+    SS_READ_F(got, cuda_.get(), g_out);
+    SS_READ_F(want, cpu_.get(), c_out);
+    EXPECT_TRUE(Close("RmsNorm", got, want, Threshold(Op::kRmsNorm, act())));
+  }
 }
 
 // Decode (n = 1) and prefill-sized n; with and without bias; output in the act dtype and in F32
@@ -485,6 +490,64 @@ TEST_P(CudaVsCpu, DenseGemv) {
   }
 }
 
+// MatMuls with the dense GEMV: a layer's q, k, v (m 131, 40, 40, bias on two) as one launch, each
+// output the bits MatMul gives it alone; F32 and act out; n 1, 3, 8; k 4096 and 1000. Products
+// the GEMV does not take together (outputs of two dtypes; k off the multiple of 8) are MatMul's
+// launches, one by one, with the same results. Against the CPU's float32 products as above.
+TEST_P(CudaVsCpu, DenseGemvProductsInOneLaunch) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> gemv, MakeCudaBackend(0, act(), {.dense_gemv = true}));
+  const int64_t ms[3] = {131, 40, 40};
+  const bool biased[3] = {true, false, true};
+  for (const int64_t k : {int64_t{4096}, int64_t{1000}, int64_t{12}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      for (const int out_case : {0, 1, 2}) {  // act out, F32 out, mixed (F32 for k: the GEMV per product)
+        SCOPED_TRACE(::testing::Message() << "k " << k << ", n " << n << ", out case " << out_case);
+        const uint32_t salt = static_cast<uint32_t>(k * 64 + n * 4 + out_case);
+        const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), salt + 500), act());
+        SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(gemv.get(), x, act(), {n, k}));
+        SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, k}));
+        std::vector<Guarded> g_w, g_b, g_out, g_alone, c_w, c_b, c_out;
+        std::vector<MatMulProduct> products;
+        for (int p = 0; p < 3; ++p) {
+          const int64_t m = ms[p];
+          const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), salt + 600 + p), act());
+          const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), salt + 700 + p), act());
+          const DType out_t = out_case == 1 || (out_case == 2 && p == 1) ? DType::kF32 : act();
+          SS_ASSIGN_OR_FAIL(Guarded gw, UploadF(gemv.get(), w, act(), {m, k}));
+          SS_ASSIGN_OR_FAIL(Guarded gb, UploadF(gemv.get(), b, act(), {m}));
+          SS_ASSIGN_OR_FAIL(Guarded go, Output(gemv.get(), out_t, {n, m}));
+          SS_ASSIGN_OR_FAIL(Guarded ga, Output(gemv.get(), out_t, {n, m}));
+          SS_ASSIGN_OR_FAIL(Guarded cw, UploadF(cpu_.get(), w, DType::kF32, {m, k}));
+          SS_ASSIGN_OR_FAIL(Guarded cb, UploadF(cpu_.get(), b, DType::kF32, {m}));
+          SS_ASSIGN_OR_FAIL(Guarded co, Output(cpu_.get(), DType::kF32, {n, m}));
+          g_w.push_back(std::move(gw)), g_b.push_back(std::move(gb)), g_out.push_back(std::move(go));
+          g_alone.push_back(std::move(ga)), c_w.push_back(std::move(cw)), c_b.push_back(std::move(cb));
+          c_out.push_back(std::move(co));
+        }
+        for (int p = 0; p < 3; ++p) products.push_back({&g_out[p].t, &g_w[p].t, biased[p] ? &g_b[p].t : nullptr});
+        const uint64_t before = gemv->kernel_launches();
+        SS_RUN_OP("CUDA", gemv->MatMuls(g_x.t, products));
+        // The mixed case has two output dtypes but in float32 activations (all F32 then).
+        const bool together = k % 8 == 0 && !(out_case == 2 && act() != DType::kF32);
+        // Apart: the GEMV is one launch a product; cuBLAS is two with a bias (broadcast, GEMM).
+        const uint64_t apart = k % 8 == 0 ? 3 : 5;
+        EXPECT_EQ(gemv->kernel_launches() - before, together ? 1 : apart) << (together ? "one launch" : "apart");
+        for (int p = 0; p < 3; ++p) {
+          SCOPED_TRACE(::testing::Message() << "product " << p);
+          SS_RUN_OP("CUDA", gemv->MatMul(&g_alone[p].t, g_x.t, g_w[p].t, biased[p] ? &g_b[p].t : nullptr));
+          SS_RUN_OP("CPU", cpu_->MatMul(&c_out[p].t, c_x.t, c_w[p].t, biased[p] ? &c_b[p].t : nullptr));
+          SS_READ_F(got, gemv.get(), g_out[p]);
+          SS_READ_F(alone, gemv.get(), g_alone[p]);
+          SS_READ_F(want, cpu_.get(), c_out[p]);
+          EXPECT_EQ(got, alone) << "MatMuls and MatMul differ";
+          const bool f32_out = g_out[p].t.dtype == DType::kF32;
+          EXPECT_TRUE(Close("MatMuls", got, want, Threshold(f32_out ? Op::kMatMulF32Out : Op::kMatMul, act())));
+        }
+      }
+    }
+  }
+}
+
 TEST_P(CudaVsCpu, Rope) {
   const int64_t n = 6, q_heads = 8, kv_heads = 2, hd = 64;
   const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act()), act());
@@ -553,12 +616,14 @@ TEST_P(CudaVsCpu, CacheWrite) {
 // The batch mixes a decode token deep in its sequence (context 151: three 64-key chunks of the
 // kernel's online softmax), a prefill of 20 tokens from position 0 and a chunked prefill at
 // positions 37..44, with the tokens of different sequences interleaved and blocks scattered over
-// the cache. Two head layouts: GQA (8 q heads on 2 kv heads, hd 128) and plain MHA (hd 64).
+// the cache. Three head layouts: GQA (8 q heads on 2 kv heads, hd 128), plain MHA (hd 64) and a
+// head dim of 30, off the 16-byte loads of keys and the 4-value loads of values (their scalar
+// paths, the last lane's run cut at the head's end).
 TEST_P(CudaVsCpu, Attention) {
   struct Layout {
     int64_t q_heads, kv_heads, hd;
   };
-  for (const Layout& lay : {Layout{8, 2, 128}, Layout{4, 4, 64}}) {
+  for (const Layout& lay : {Layout{8, 2, 128}, Layout{4, 4, 64}, Layout{4, 2, 30}}) {
     SCOPED_TRACE(::testing::Message() << "q_heads " << lay.q_heads << ", kv_heads " << lay.kv_heads << ", hd "
                                       << lay.hd);
     const int64_t blocks = 40, bs = 16, max_blocks = 12, seqs = 3;
@@ -693,13 +758,14 @@ TEST_P(CudaVsCpu, Add) {
   EXPECT_TRUE(Close("Add in place", got_in_place, want, Threshold(Op::kAdd, act())));
 }
 
-// AddRmsNorm (CudaBackendOptions::fused_kernels; written without a GPU, not yet run on one): the
-// fused kernel's x and normed bit for bit those of Add then RmsNorm on a backend without the option
-// (the base's composition), rows of 1000 (not a multiple of the 256 threads) and of 4096, each
-// within the CPU's Add and RmsNorm tolerances; normed may be y itself.
+// AddRmsNorm (CudaBackendOptions::fused_kernels; passed on an H200, 2026-11-28): the fused
+// kernel's x and normed bit for bit those of Add then RmsNorm on a backend without the option (the
+// base's composition), rows of 1000 (not a multiple of the block's threads), 4096 (one round of
+// loads) and 10000 (more than one), each within the CPU's Add and RmsNorm tolerances; normed may be
+// y itself.
 TEST_P(CudaVsCpu, AddRmsNorm) {
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_kernels = true}));
-  for (const int64_t d : {int64_t{1000}, int64_t{4096}}) {
+  for (const int64_t d : {int64_t{1000}, int64_t{4096}, int64_t{10000}}) {
     SCOPED_TRACE(::testing::Message() << "d " << d);
     const int64_t n = 3;
     const std::vector<float> x = RandomValues(n * d, Seed(Op::kAdd, act(), 10), act(), -4.0f, 4.0f);

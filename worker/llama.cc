@@ -370,10 +370,11 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     Layer& l = layers_[li];
     // attention norm (from the second layer on, done with the previous layer's residual add)
     if (li == 0) SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&normed, x, l.input_layernorm, eps));
-    // q, k, v projections (column-parallel: this rank's heads)
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&q, normed, l.q_proj, l.q_bias.data ? &l.q_bias : nullptr));
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&k, normed, l.k_proj, l.k_bias.data ? &l.k_bias : nullptr));
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&v, normed, l.v_proj, l.v_bias.data ? &l.v_bias : nullptr));
+    // q, k, v projections (column-parallel: this rank's heads), one call: a backend may fuse them
+    const MatMulProduct qkv[] = {{&q, &l.q_proj, l.q_bias.data ? &l.q_bias : nullptr},
+                                 {&k, &l.k_proj, l.k_bias.data ? &l.k_bias : nullptr},
+                                 {&v, &l.v_proj, l.v_bias.data ? &l.v_bias : nullptr}};
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, qkv));
     // rotary position embedding
     SHARDSERVE_RETURN_IF_ERROR(be.Rope(&q, &k, positions, inv_freq_, static_cast<int>(config_.head_dim)));
     // write k/v to the paged cache
@@ -386,8 +387,8 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     // residual, then the mlp norm (one pass where the backend fuses them)
     SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.post_attention_layernorm, eps));
     // SwiGLU mlp: gate/up column-parallel, down row-parallel + all-reduce
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&gate, normed, l.gate_proj, nullptr));
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&up, normed, l.up_proj, nullptr));
+    const MatMulProduct gate_up[] = {{&gate, &l.gate_proj, nullptr}, {&up, &l.up_proj, nullptr}};
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, gate_up));
     SHARDSERVE_RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));

@@ -1,6 +1,6 @@
 // The CUDA backend's paged KV cache ops: CacheWrite (k, v into cache slots) and Attention (online
 // softmax over a sequence's cache blocks; split over the keys for small steps with
-// CudaBackendOptions::split_attention_keys, never yet run on a GPU), their kernels and launches.
+// CudaBackendOptions::split_attention_keys), their kernels and launches.
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -53,12 +53,36 @@ __device__ __forceinline__ float DotQK(const float* q_s, const T* k, int head_di
   return dot;
 }
 
+// Four values of T as one load: 8 bytes of 16-bit values, 16 of float32.
+template <typename T>
+struct Raw4 {
+  using type = uint2;
+};
+template <>
+struct Raw4<float> {
+  using type = float4;
+};
+
+// row[0, 4) as they are stored, 0 at and past `left` (the dims left in the head). vec: the row is
+// aligned to 4 elements and 4 divides head_dim, so the four are one load.
+template <typename T>
+__device__ __forceinline__ typename Raw4<T>::type LoadRaw4(const T* row, int left, bool vec) {
+  using R = typename Raw4<T>::type;
+  if (vec) return *reinterpret_cast<const R*>(row);
+  R raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) e[j] = j < left ? row[j] : FromFloat<T>(0.0f);
+  return raw;
+}
+
 // One block per (token t, query head h); blockIdx.x = t * q_heads + h. The context (positions
 // 0..p of the token's sequence) is walked in chunks of kAttnChunk keys with an online softmax:
 // a running max m, running denominator l and running numerator acc[] (per output dim), rescaled
 // by exp(m_old - m_new) whenever the max grows. In a chunk every thread scores one key (its whole
-// q . k, so a chunk's key loads are all in flight at once), then every thread owns head_dim / 128
-// output dimensions and sums the chunk's weighted values, loads independent of each other. Every
+// q . k, so a chunk's key loads are all in flight at once), then each warp sums the weighted
+// values of every kAttnWarps-th key of the chunk into its own acc[], four dims a lane, loads
+// independent of each other; at the end the warps' sums are added in warp order. Every
 // index taken from device metadata is checked; an out-of-range one sets an error bit and its key
 // gets weight 0 (the output row is zero when nothing valid is left).
 //
@@ -118,9 +142,15 @@ __global__ void __launch_bounds__(kAttnThreads)
                    reinterpret_cast<uintptr_t>(k_cache) % 16 == 0;  // then every head's row is aligned too
   float m = -INFINITY;
   float l = 0.0f;
-  float acc[kAttnDimsPerThread];
+  // This thread's sums of its warp's keys' weighted values, dims 4 lane + 128 r + [0, 4).
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  const bool vec_v = head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(v_cache) % (4 * sizeof(T)) == 0;
+  float acc[kAttnRuns][4];
 #pragma unroll
-  for (int r = 0; r < kAttnDimsPerThread; ++r) acc[r] = 0.0f;
+  for (int r = 0; r < kAttnRuns; ++r) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[r][e] = 0.0f;
+  }
 
   for (int64_t start = begin; start < end; start += kAttnChunk) {
     const int keys = static_cast<int>(end - start < kAttnChunk ? end - start : kAttnChunk);
@@ -145,38 +175,70 @@ __global__ void __launch_bounds__(kAttnThreads)
     const float chunk_sum = BlockAllReduce(w, SumOp{}, scratch_s);  // its barriers also publish w_s, base_s
     const float alpha = expf(m - m_new);  // 0 on the first valid chunk (m = -inf)
     l = l * alpha + chunk_sum;
+    // The chunk's weighted values: warp w takes keys w, w + kAttnWarps, ... of the chunk (all
+    // kAttnChunk entries of w_s / base_s are set: a key past the chunk has weight 0, row 0), lane
+    // l dims 4 l + 128 r of each, so that a thread's kAttnChunk / kAttnWarps value loads per run
+    // are all in flight at once (one thread a dim walking all 128 keys waited four memory
+    // latencies a chunk: 20 us a layer at 135 keys, H200).
 #pragma unroll
-    for (int r = 0; r < kAttnDimsPerThread; ++r) {
-      const int d = threadIdx.x + r * kAttnThreads;
-      if (d < head_dim) {
-        float a = acc[r] * alpha;
-#pragma unroll 32
-        for (int c = 0; c < keys; ++c) {
-          // A skipped key's row is read but not used: a select, so that garbage there (NaN) never
-          // reaches the sum, and the loads stay unconditional, independent of each other.
-          const float wc = w_s[c];
-          const float vc = ToFloat(v_cache[base_s[c] + d]);
-          a += wc != 0.0f ? wc * vc : 0.0f;
+    for (int r = 0; r < kAttnRuns; ++r) {
+      const int d0 = r * kAttnRunDims + lane * 4;
+      if (d0 < head_dim) {  // the same for the whole warp up to the last run
+        float a[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = acc[r][e] * alpha;
+        // All of the warp's keys loaded before the first is used. A skipped key's row is read but
+        // not used: a select, so that garbage there (NaN) never reaches the sum, and the loads
+        // stay unconditional, independent of each other.
+        // Split (decode: few blocks) all 32 of the warp's keys at once, 146 registers in bf16;
+        // else (prefill: blocks enough for every SM) 16 at a time, fewer registers, more blocks
+        // resident an SM.
+        constexpr int kKeys = kAttnChunk / kAttnWarps, kBatch = kSplit ? kKeys : kKeys / 2;
+#pragma unroll
+        for (int i0 = 0; i0 < kKeys; i0 += kBatch) {
+          typename Raw4<T>::type raw[kBatch];
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            raw[i] = LoadRaw4(v_cache + base_s[(i0 + i) * kAttnWarps + warp] + d0, head_dim - d0, vec_v);
+          }
+#pragma unroll
+          for (int i = 0; i < kBatch; ++i) {
+            const float wc = w_s[(i0 + i) * kAttnWarps + warp];
+            const T* vv = reinterpret_cast<const T*>(&raw[i]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] += wc != 0.0f ? wc * ToFloat(vv[e]) : 0.0f;
+          }
         }
-        acc[r] = a;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[r][e] = a[e];
       }
     }
     m = m_new;
     __syncthreads();  // weights and offsets read before the next chunk overwrites them
   }
+  // The warps' sums of each dim, added in warp order by the thread that owns the dim.
+  __shared__ float sums_s[kAttnWarps][kAttnMaxHeadDim];
+#pragma unroll
+  for (int r = 0; r < kAttnRuns; ++r) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = r * kAttnRunDims + lane * 4 + e;
+      if (d < head_dim) sums_s[warp][d] = acc[r][e];
+    }
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < head_dim; d += kAttnThreads) {
+    float sum = sums_s[0][d];
+#pragma unroll
+    for (int w = 1; w < kAttnWarps; ++w) sum += sums_s[w][d];
+    if constexpr (kSplit) {
+      part[2 + d] = sum;
+    } else {
+      oh[d] = FromFloat<T>(l > 0.0f ? sum / l : 0.0f);
+    }
+  }
   if constexpr (kSplit) {
     if (threadIdx.x == 0) part[0] = m, part[1] = l;
-#pragma unroll
-    for (int r = 0; r < kAttnDimsPerThread; ++r) {
-      const int d = threadIdx.x + r * kAttnThreads;
-      if (d < head_dim) part[2 + d] = acc[r];
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < kAttnDimsPerThread; ++r) {
-      const int d = threadIdx.x + r * kAttnThreads;
-      if (d < head_dim) oh[d] = FromFloat<T>(l > 0.0f ? acc[r] / l : 0.0f);
-    }
   }
 }
 

@@ -70,27 +70,33 @@ namespace shardserve::cuda {
 // Elementwise ops: 256 threads per block is the usual sweet spot for memory-bound kernels on
 // A100/H100 (8 blocks per SM at full occupancy); grid-stride loops cap the grid (GridFor).
 constexpr int kElementwiseThreads = 256;
-// RmsNorm: one block per row; hidden sizes are 2k-16k, so 256 threads do 8-64 elements each and
-// several rows stay resident per SM.
-constexpr int kRmsNormThreads = 256;
+// RmsNorm: one block per row; hidden sizes are 2k-16k, so 1024 threads do 2-16 elements each: a
+// row of up to 8192 (kRowLoads a thread) is read in one round and kept in registers for the second
+// pass, which a decode step's few rows wait on (a launch of one row takes a few memory latencies).
+constexpr int kRmsNormThreads = 1024;
 // Softmax, Argmax, Sample: one block per row over a vocabulary of 32k-152k; rows are few (the
 // batch), so a wide block keeps more loads in flight per row. 512 leaves room for the double
 // accumulators of Sample without spilling.
 constexpr int kRowThreads = 512;
 // Attention: one block per (token, query head); each thread scores one key of a 128-key chunk,
-// then owns head_dim / 128 output dimensions. Head dims up to 512 are supported (Llama-family
+// then each warp sums the weighted values of a quarter of the chunk's keys, a lane four dims of
+// each run of 128 (kAttnRunDims) of the head. Head dims up to 512 are supported (Llama-family
 // models use 64-256). (Lanes splitting head_dim per key, one key per warp at a time, left every
 // key's loads waiting on the previous key's: 72 us for 140 keys of a 64-dim head on an H100.)
 constexpr int kAttnThreads = 128;
 constexpr int kAttnChunk = kAttnThreads;
+constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kAttnMaxHeadDim = 512;
-constexpr int kAttnDimsPerThread = kAttnMaxHeadDim / kAttnThreads;
+constexpr int kAttnRunDims = 32 * 4;
+constexpr int kAttnRuns = kAttnMaxHeadDim / kAttnRunDims;
 // Split-KV attention (CudaBackendOptions::split_attention_keys): steps of at most this many tokens
 // split each (token, head)'s keys into at most kAttnMaxSplits ranges of at least the option's keys,
 // the ranges' partial softmax sums in a scratch buffer sized once for the largest such step, then
 // combined. A larger step has blocks enough without splitting.
 constexpr int kAttnSplitMaxTokens = 8;
 constexpr int kAttnMaxSplits = 64;
+// MatMuls: the most products of one x the dense GEMV computes in one launch (q, k and v).
+constexpr int kDenseGemvMaxProducts = 3;
 
 // Bits of the device error word.
 enum : unsigned {
@@ -177,6 +183,9 @@ class CudaBackend final : public Backend {
   // One kernel with options_.fused_kernels (elementwise.cu), else the base's Add then RmsNorm.
   absl::Status AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, const Tensor& w, float eps) override;
   absl::Status MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) override;
+  // One dense GEMV launch when every product takes it (up to kDenseGemvMaxProducts, one output
+  // dtype), else the base's MatMul each (matmul.cu).
+  absl::Status MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) override;
   absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                           const Tensor& slots) override;
@@ -211,10 +220,13 @@ class CudaBackend final : public Backend {
   size_t DequantScratchBytes(int64_t m, int64_t k) const {
     return static_cast<size_t>(CudaDequantScratchBytes(m, k, act_, DequantScratchLimit()));
   }
+  // MatMul's checks of a product by a weight in the act dtype: dtypes, shapes, cuBLAS's int range.
+  absl::Status CheckPlainMatMul(const Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) const;
   // Whether MatMul multiplies x by the dense weight w with DenseGemv (options_.dense_gemv, a
-  // decode-sized x, aligned rows of a multiple of 8), and the product itself (gemv.cu).
+  // decode-sized x, aligned rows of a multiple of 8), and the products themselves, checked, each
+  // taking it, one output dtype, m > 0, in one launch (gemv.cu).
   bool TakesDenseGemv(const Tensor& x, const Tensor& w) const;
-  absl::Status DenseGemv(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);
+  absl::Status DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products);
   // PackMatMulWeight's host buffers for quantizing (the weight in the act dtype, its quantized
   // bytes), kept at the largest weight's size until the backend goes.
   std::vector<uint8_t> pack_raw_, pack_stored_;

@@ -1,6 +1,6 @@
 // The dense GEMV: MatMul by a weight in the act dtype for n <= kGemvMaxRows rows of x (decode),
-// in place of cuBLAS, behind CudaBackendOptions::dense_gemv (worker --cuda-dense-gemv; written
-// without a GPU, off by default until it passes on one: docs/gpu.md).
+// in place of cuBLAS, behind CudaBackendOptions::dense_gemv (on in the worker since it passed on an
+// H200, 2026-11-28; --no-cuda-dense-gemv: docs/gpu.md).
 //
 // Why: on the H200 cuBLAS multiplies one row by Llama-3-8B's 4096-wide weights with split-K kernels
 // and a reduction kernel after each: q at 56% of the memory roofline, k and v at 24%, o at ~56%,
@@ -13,9 +13,19 @@
 // 32 of f32) before using the first: 128 bytes in flight a thread in 16-bit, a 4096-wide row in one
 // round. Sums in float32 (each thread's runs in order, then the warps' in a fixed order: a row's
 // result does not depend on what else is in the batch), bias added, rounded once to out's dtype.
+//
+// Several products of one x (Backend::MatMuls: a layer's q, k and v; gate and up) are one launch,
+// the blocks split among them: on the H200 k and v alone (1,024 x 4,096) took 6.4 us each for 8.4
+// MB, 29% of the roofline, most of it the launch and the ramp of a kernel whose whole weight is in
+// flight at once (docs/benchmarks.md, 2026-11-28). Each output row is computed by the same code
+// whether its product is launched alone or with others: the same bits.
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
+#include "absl/strings/str_cat.h"
+
+#include "absl/types/span.h"
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/gemv.cuh"
@@ -26,17 +36,39 @@ namespace {
 // Runs of 8 weights a thread loads from each row before the first is used.
 constexpr int kDenseSteps = 4;
 
-// out [n, m] = x [n, k] @ w [m, k]^T + bias: block b computes output rows kGemvRows b + [0,
-// kGemvRows), for N input rows (those past n skipped). x's and w's rows are 16-byte aligned and k
-// % 8 == 0 (the host checks), so each run of 8 is wholly inside a row or wholly past its end (0).
+// Each product of one launch: out [n, m] = x [n, k] @ w [m, k]^T + bias (null: none), computed by
+// the launch's blocks from the previous product's `end` up to its own (ceil(m / kGemvRows) blocks).
+template <typename T, typename TO>
+struct DenseGemvProducts {
+  TO* out[kDenseGemvMaxProducts];
+  const T* w[kDenseGemvMaxProducts];
+  const T* bias[kDenseGemvMaxProducts];
+  int m[kDenseGemvMaxProducts];
+  int end[kDenseGemvMaxProducts];
+  int count;
+};
+
+// Block b computes output rows kGemvRows (b - start) + [0, kGemvRows) of the product whose blocks
+// hold b, for N input rows (those past n skipped): a row's sums are the same whatever else the
+// launch computes. x's and w's rows are 16-byte aligned and k % 8 == 0 (the host checks), so each
+// run of 8 is wholly inside a row or wholly past its end (0).
 template <typename T, typename TO, int N>
 __global__ void __launch_bounds__(kGemvThreads)
-    DenseGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
-                    const T* __restrict__ w /*[m, k]*/, const T* __restrict__ bias /*[m] or null*/, int n, int m,
-                    int k) {
+    DenseGemvKernel(const DenseGemvProducts<T, TO> g, const T* __restrict__ x /*[n, k]*/, int n, int k) {
   constexpr int R = kGemvRows;
   constexpr int kStride = kGemvThreads * 8;
-  const int r0 = static_cast<int>(blockIdx.x) * R;
+  const int b = static_cast<int>(blockIdx.x);
+  // This block's product, its fields read at constant indexes (a kernel parameter indexed at run
+  // time would be copied to local memory).
+  TO* out = g.out[0];
+  const T* w = g.w[0];
+  const T* bias = g.bias[0];
+  int m = g.m[0], start = 0;
+#pragma unroll
+  for (int p = 1; p < kDenseGemvMaxProducts; ++p) {
+    if (p < g.count && b >= g.end[p - 1]) out = g.out[p], w = g.w[p], bias = g.bias[p], m = g.m[p], start = g.end[p - 1];
+  }
+  const int r0 = (b - start) * R;
   const T* wr[R];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) wr[rr] = w + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
@@ -84,23 +116,37 @@ bool CudaBackend::TakesDenseGemv(const Tensor& x, const Tensor& w) const {
          Aligned(x.data, 16) && Aligned(w.data, 16);  // (MatMul has checked that m fits an int)
 }
 
-absl::Status CudaBackend::DenseGemv(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
-  const int rows = static_cast<int>(x.dim(0)), k = static_cast<int>(x.dim(1)), m = static_cast<int>(w.dim(0));
-  const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvRows));
+absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products) {
+  const int rows = static_cast<int>(x.dim(0)), k = static_cast<int>(x.dim(1));
+  if (products.empty() || products.size() > static_cast<size_t>(kDenseGemvMaxProducts)) {
+    return absl::InternalError(absl::StrCat("DenseGemv: ", products.size(), " products in one launch"));
+  }
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    const T* xs = x.as<const T>();
-    const T* ws = w.as<const T>();
-    const T* b = bias != nullptr ? bias->as<const T>() : nullptr;
-    auto launch = [&](auto* y) -> absl::Status {
-      using TO = std::remove_pointer_t<decltype(y)>;
+    auto launch = [&](auto* out_type) -> absl::Status {
+      using TO = std::remove_pointer_t<decltype(out_type)>;
+      DenseGemvProducts<T, TO> g{};
+      int64_t blocks = 0;
+      for (size_t p = 0; p < products.size(); ++p) {
+        const MatMulProduct& pr = products[p];
+        g.out[p] = pr.out->as<TO>();
+        g.w[p] = pr.w->as<const T>();
+        g.bias[p] = pr.bias != nullptr ? pr.bias->as<const T>() : nullptr;
+        g.m[p] = static_cast<int>(pr.w->dim(0));
+        blocks += CeilDiv(pr.w->dim(0), int64_t{kGemvRows});
+        if (blocks > std::numeric_limits<int>::max()) return absl::InternalError("DenseGemv: too many blocks");
+        g.end[p] = static_cast<int>(blocks);
+      }
+      g.count = static_cast<int>(products.size());
+      const T* xs = x.as<const T>();
       return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
-        DenseGemvKernel<T, TO, kn()><<<grid, kGemvThreads, 0, stream_>>>(y, xs, ws, b, rows, m, k);
+        DenseGemvKernel<T, TO, kn()><<<static_cast<unsigned>(blocks), kGemvThreads, 0, stream_>>>(g, xs, rows, k);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel");
         return absl::OkStatus();
       });
     };
-    return out->dtype == DType::kF32 ? launch(out->as<float>()) : launch(out->as<T>());
+    return products[0].out->dtype == DType::kF32 ? launch(static_cast<float*>(nullptr))
+                                                 : launch(static_cast<T*>(nullptr));
   });
 }
 

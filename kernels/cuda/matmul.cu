@@ -1,8 +1,10 @@
-// The CUDA backend's MatMul: cuBLAS GEMM in float32 accumulation, with the bias broadcast into the
-// output first. (By quantized weights: quant_matmul.cu, which uses BroadcastBias and Gemm.)
+// The CUDA backend's MatMul and MatMuls: cuBLAS GEMM in float32 accumulation, with the bias
+// broadcast into the output first; decode rows by the dense GEMV (gemv.cu). (By quantized weights:
+// quant_matmul.cu, which uses BroadcastBias and Gemm.)
 #include <cstdint>
 #include <utility>
 
+#include "absl/types/span.h"
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
 
@@ -28,12 +30,11 @@ __global__ void BroadcastRowsKernel(TO* out /*[n, m]*/, const TB* bias /*[m]*/, 
 
 }  // namespace
 
-absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+absl::Status CudaBackend::CheckPlainMatMul(const Tensor* out, const Tensor& x, const Tensor& w,
+                                           const Tensor* bias) const {
   constexpr const char* kOp = "MatMul";
-  if (out == nullptr) return Invalid(kOp, "out is null", {{"x", &x}, {"w", &w}, {"bias", bias}});
-  // A weight stored quantized (PackMatMulWeight / PackQuantizedWeight): quant_matmul.cu.
-  if (w.quant != WeightQuant::kNone || w.dtype == DType::kI8) return QuantizedMatMul(out, x, w, bias);
   const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"w", &w}, {"bias", bias}};
+  if (out == nullptr) return Invalid(kOp, "out is null", all);
   const bool out_ok = Is(*out, 2, DType::kF32) || Is(*out, 2, act_);
   if (!out_ok || !Is(x, 2, act_) || !Is(w, 2, act_) || (bias != nullptr && !Is(*bias, 1, act_))) {
     return Invalid(kOp,
@@ -46,15 +47,38 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
     return Invalid(kOp, "shapes do not match", all);
   }
   if (!FitsInt(n) || !FitsInt(m) || !FitsInt(k)) return Invalid(kOp, "a dimension exceeds cuBLAS's int range", all);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) {
+  if (out == nullptr) return Invalid("MatMul", "out is null", {{"x", &x}, {"w", &w}, {"bias", bias}});
+  // A weight stored quantized (PackMatMulWeight / PackQuantizedWeight): quant_matmul.cu.
+  if (w.quant != WeightQuant::kNone || w.dtype == DType::kI8) return QuantizedMatMul(out, x, w, bias);
+  SHARDSERVE_RETURN_IF_NOT_OK(CheckPlainMatMul(out, x, w, bias));
+  const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
   if (n == 0 || m == 0) return absl::OkStatus();
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
-  if (TakesDenseGemv(x, w)) return DenseGemv(out, x, w, bias);  // decode rows (gemv.cu)
+  if (TakesDenseGemv(x, w)) return DenseGemv(x, {MatMulProduct{out, &w, bias}});  // decode rows (gemv.cu)
 
   // With a bias, out starts as the bias broadcast over rows and the GEMM accumulates onto it
   // (beta = 1), so x @ w^T + bias is rounded once, in float32 inside cuBLAS.
   if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
   if (k == 0) return bias != nullptr ? absl::OkStatus() : Fill0(out->data, out->bytes());
   return Gemm(out->data, out->dtype, m, x.data, w.data, n, m, k, bias != nullptr ? 1.0f : 0.0f);
+}
+
+absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) {
+  // One dense GEMV launch when every product takes it, with one output dtype; else MatMul each.
+  bool one_launch = products.size() >= 2 && products.size() <= kDenseGemvMaxProducts;
+  for (const MatMulProduct& p : products) {
+    if (!one_launch) break;
+    one_launch = p.w != nullptr && p.w->quant == WeightQuant::kNone && p.w->dtype != DType::kI8 &&
+                 CheckPlainMatMul(p.out, x, *p.w, p.bias).ok() && p.out->dtype == products[0].out->dtype &&
+                 x.dim(0) > 0 && p.w->dim(0) > 0 && TakesDenseGemv(x, *p.w);
+  }
+  if (!one_launch) return Backend::MatMuls(x, products);
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DenseGemv(x, products);
 }
 
 absl::Status CudaBackend::BroadcastBias(Tensor* out, const Tensor& bias) {
