@@ -435,14 +435,15 @@ TEST_P(CudaVsCpu, MatMul) {
 
 // The dense GEMV (CudaBackendOptions::dense_gemv; passed on an H200, 2026-11-28):
 // decode-sized n (1, 2, 3, 8), k a multiple of 8 over one round of a thread's loads and not a
-// whole number of them (1000), m odd; with and without bias, act and F32 out; against the CPU's
+// whole number of them (1000), 14,336 (Llama-3-8B's down: the long-row instance, two rounds of
+// eight runs, the second partial), m odd; with and without bias, act and F32 out; against the CPU's
 // float32 product, as MatMul above. The GEMV is one launch where cuBLAS with a bias is two (the
 // broadcast, then the GEMM), so the launch count says which path ran; a k off the multiple of 8
 // takes cuBLAS. A row's result is the same bits whatever else is in the batch.
 TEST_P(CudaVsCpu, DenseGemv) {
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> gemv, MakeCudaBackend(0, act(), {.dense_gemv = true}));
   const int64_t m = 131;
-  for (const int64_t k : {int64_t{1000}, int64_t{4096}, int64_t{12}}) {
+  for (const int64_t k : {int64_t{1000}, int64_t{4096}, int64_t{14336}, int64_t{12}}) {
     std::vector<float> first_row;  // row 0's outputs at n = 1, F32 out, with bias
     for (const int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}}) {
       for (const bool with_bias : {false, true}) {

@@ -56,7 +56,9 @@
 #   llama8b-int4-b1, llama8b-int8-b1
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes
-#   hf-b1, hf-c64  Hugging Face transformers, same config, random bf16, static cache + torch.compile
+#   hf-b1-eager    Hugging Face transformers, same config, random bf16, static cache, eager decoding
+#                  (--no-compile)
+#   hf-b1, hf-c64  the same with torch.compile (1 and 64 streams)
 #   qwen72b-stage-b1, qwen72b-stage-c64
 #                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
 #                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
@@ -373,12 +375,13 @@ run_steps() {
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
-  for hf in "hf-b1 1 128" "hf-c64 64 512"; do
+  # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
+  # 150 (H200, 2026-11-27); the eager one (--no-compile) needs no compiling.
+  for hf in "hf-b1-eager 1 128 150 --no-compile" "hf-b1 1 128 300" "hf-c64 64 512 300"; do
     set -- $hf
     want "$1" || continue
-    # 300 s: torch.compile of the 8B did not finish in 150 (H200, 2026-11-27); a call of its own.
-    DRY_RUN_RUNS=1 step "$1" 300 python3 tools/bench_hf_generate.py --config "$llama/config.json" --batch "$2" \
-      --input-len "$3" --output-len 128 --out "$WORK/$1.json" $([ "$DRY_RUN" = 1 ] && echo --check)
+    DRY_RUN_RUNS=1 step "$1" "$4" python3 tools/bench_hf_generate.py --config "$llama/config.json" --batch "$2" \
+      --input-len "$3" --output-len 128 --out "$WORK/$1.json" ${5:-} $([ "$DRY_RUN" = 1 ] && echo --check)
     local h=()
     [ -s "$WORK/$1.json" ] && h=(--json "$WORK/$1.json")
     record "$1" "${h[@]}"
