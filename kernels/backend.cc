@@ -78,6 +78,14 @@ absl::Status Backend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, con
   return RmsNorm(normed, *x, w, eps);
 }
 
+absl::Status Backend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
+                                     const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
+                                     const Tensor& slots) {
+  SHARDSERVE_RETURN_IF_ERROR(Rope(q, k, positions, inv_freq, head_dim));
+  if (k == nullptr) return absl::InvalidArgumentError("RopeCacheWrite: k must not be null");
+  return CacheWrite(k_cache, v_cache, *k, v, slots);
+}
+
 absl::Status Backend::BeginGraph() {
   return absl::UnimplementedError(absl::StrCat("BeginGraph: the ", Describe(), " backend does not record step graphs"));
 }

@@ -208,6 +208,17 @@ class Backend {
                                   const Tensor& v /*[n, kv_heads * hd] act*/,
                                   const Tensor& slots /*[n] i32*/) = 0;
 
+  // Rope(q, k, ...), then CacheWrite(k_cache, v_cache, k, v, slots): a layer's rotary embedding
+  // and the write of its rotated keys and its values into the cache, which a backend may do in one
+  // pass. The base calls the two; the CUDA backend with CudaBackendOptions::fused_rope_cache runs
+  // one kernel that gives the same bits.
+  virtual absl::Status RopeCacheWrite(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
+                                      const Tensor& v /*[n, kv_heads * hd] act*/, const Tensor& positions /*[n] i32*/,
+                                      const Tensor& inv_freq /*[hd/2] f32*/, int head_dim,
+                                      Tensor* k_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                      Tensor* v_cache /*[blocks, bs, kv_heads, hd] act*/,
+                                      const Tensor& slots /*[n] i32*/);
+
   // Causal attention with GQA over the paged cache. Token t of sequence s = token_seq[t] at
   // position p = positions[t] attends to positions 0..p of s (which must already be in the
   // cache). Query head h reads kv head h / (q_heads / kv_heads). Covers prefill (many tokens of
@@ -306,6 +317,10 @@ struct CudaBackendOptions {
   // x (decode) with a kernel of our own instead of cuBLAS's split-K kernels. Off: worker
   // --no-cuda-dense-gemv. Passed on an H200 (2026-11-28).
   bool dense_gemv = false;
+  // RopeCacheWrite as one kernel (the rotated keys and the values written to the cache by the
+  // threads that rotate them; the same bits as Rope then CacheWrite). Worker --cuda-fused-rope-cache.
+  // Written without a GPU; off until it passes on one (docs/gpu.md).
+  bool fused_rope_cache = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

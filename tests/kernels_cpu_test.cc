@@ -1711,6 +1711,41 @@ TEST_F(CpuBackendTest, RopeMatchesReference) {
   EXPECT_TRUE(dk.GuardsIntact());
 }
 
+// Backend::RopeCacheWrite (the base, which the CPU backend keeps): Rope, then CacheWrite of the
+// rotated k and of v, the same bits as the two calls; a bad slot is CacheWrite's error.
+TEST_F(CpuBackendTest, RopeCacheWriteIsRopeThenCacheWrite) {
+  const int hd = 8;
+  const int64_t q_heads = 2, kv_heads = 1, n = 3, blocks = 2, bs = 4, row = kv_heads * hd;
+  const std::vector<int32_t> positions = {0, 5, 9}, slots = {6, 1, 3};
+  const std::vector<float> inv_freq = InvFreq(hd, 10000.0f);
+  const std::vector<float> q = Random(rng_, n * q_heads * hd), k = Random(rng_, n * row), v = Random(rng_, n * row);
+  const std::vector<float> cache = Random(rng_, blocks * bs * row);
+  DeviceTensor dpos = I32({n}, positions), dfreq = F32({hd / 2}, inv_freq), dslots = I32({n}, slots);
+  DeviceTensor dv = F32({n, row}, v);
+  // Fused call.
+  DeviceTensor fq = F32({n, q_heads * hd}, q), fk = F32({n, row}, k);
+  DeviceTensor fkc = F32({blocks, bs, kv_heads, hd}, cache), fvc = F32({blocks, bs, kv_heads, hd}, cache);
+  ASSERT_TRUE(backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, fkc.ptr(), fvc.ptr(),
+                                       dslots.t())
+                  .ok());
+  // The two calls.
+  DeviceTensor tq = F32({n, q_heads * hd}, q), tk = F32({n, row}, k);
+  DeviceTensor tkc = F32({blocks, bs, kv_heads, hd}, cache), tvc = F32({blocks, bs, kv_heads, hd}, cache);
+  ASSERT_TRUE(backend_->Rope(tq.ptr(), tk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+  ASSERT_TRUE(backend_->CacheWrite(tkc.ptr(), tvc.ptr(), tk.t(), dv.t(), dslots.t()).ok());
+  EXPECT_EQ(fq.Download<float>(), tq.Download<float>());
+  EXPECT_EQ(fk.Download<float>(), tk.Download<float>());
+  EXPECT_EQ(fkc.Download<float>(), tkc.Download<float>());
+  EXPECT_EQ(fvc.Download<float>(), tvc.Download<float>());
+  EXPECT_NE(fkc.Download<float>(), cache) << "nothing was written";
+  const std::vector<int32_t> bad_slots = {6, 8, 3};  // 8 = blocks * bs, one past the end
+  DeviceTensor dbad = I32({n}, bad_slots);
+  const absl::Status st = backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, fkc.ptr(),
+                                                   fvc.ptr(), dbad.t());
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(std::string(st.message()).find("CacheWrite"), std::string::npos) << st;
+}
+
 TEST_F(CpuBackendTest, RopeAtPositionZeroIsIdentity) {
   const int hd = 16;
   const int64_t n = 3, heads = 2;

@@ -580,6 +580,67 @@ TEST_P(CudaVsCpu, Rope) {
   EXPECT_TRUE(Close("Rope k", got_k, want_k, Threshold(Op::kRope, act())));
 }
 
+// RopeCacheWrite (CudaBackendOptions::fused_rope_cache: one kernel; written without a GPU, not yet
+// run on one): q, k and both caches bit for bit
+// those of Rope then CacheWrite on a backend without the option (the base's composition), one
+// launch against two; GQA heads of 64, positions up to 32767, scattered slots. Then a bad slot
+// (-1, one past the end): reported at the next sync naming CacheWrite, its token's k and v not
+// written anywhere, the other tokens' written.
+TEST_P(CudaVsCpu, RopeCacheWrite) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_rope_cache = true}));
+  const int64_t blocks = 10, bs = 16, q_heads = 8, kv_heads = 2, hd = 64, n = 6, row = kv_heads * hd;
+  const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act(), 20), act());
+  const std::vector<float> k = RandomValues(n * row, Seed(Op::kRope, act(), 21), act());
+  const std::vector<float> v = RandomValues(n * row, Seed(Op::kRope, act(), 22), act());
+  const std::vector<float> cache = RandomValues(blocks * bs * row, Seed(Op::kCacheWrite, act(), 23), act());
+  const std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 32767};
+  std::vector<float> inv_freq(hd / 2);
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
+  }
+  for (const bool bad : {false, true}) {
+    SCOPED_TRACE(bad ? "a bad slot" : "good slots");
+    const std::vector<int32_t> slots =
+        bad ? std::vector<int32_t>{0, -1, 16, 160, 77, 31} : std::vector<int32_t>{0, 159, 16, 17, 77, 31};
+    std::vector<std::vector<float>> results[2];
+    for (int which = 0; which < 2; ++which) {
+      Backend* be = which == 0 ? cuda_.get() : fused.get();
+      SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(be, q, act(), {n, q_heads * hd}));
+      SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(be, k, act(), {n, row}));
+      SS_ASSIGN_OR_FAIL(Guarded g_v, UploadF(be, v, act(), {n, row}));
+      SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
+      SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
+      SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(be, positions, {n}));
+      SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(be, slots, {n}));
+      SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(be, inv_freq, DType::kF32, {hd / 2}));
+      const uint64_t launches = be->kernel_launches();
+      SS_ASSERT_OK(be->RopeCacheWrite(&g_q.t, &g_k.t, g_v.t, g_pos.t, g_freq.t, static_cast<int>(hd), &g_kc.t,
+                                      &g_vc.t, g_slots.t));
+      EXPECT_EQ(be->kernel_launches() - launches, which == 1 ? 1u : 2u);
+      const absl::Status sync = be->Synchronize();
+      if (bad) {
+        EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
+        EXPECT_NE(std::string(sync.message()).find("CacheWrite"), std::string::npos) << sync;
+      } else {
+        SS_ASSERT_OK(sync);
+      }
+      for (Guarded* g : {&g_q, &g_k, &g_kc, &g_vc}) {
+        SS_READ_F(got, be, *g);
+        results[which].push_back(got);
+      }
+    }
+    const char* names[] = {"q", "k", "k_cache", "v_cache"};
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(results[1][i], results[0][i]) << names[i] << " differs from Rope + CacheWrite";
+    if (bad) {  // token 1 (slot -1) and token 3 (slot 160, past the end) wrote nothing
+      std::vector<float> want = cache;
+      for (const int t : {0, 2, 4, 5}) {
+        std::copy(v.begin() + t * row, v.begin() + (t + 1) * row, want.begin() + slots[t] * row);
+      }
+      EXPECT_EQ(results[1][3], RoundTo(want, act())) << "v_cache: only the good slots written";
+    }
+  }
+}
+
 TEST_P(CudaVsCpu, CacheWrite) {
   const int64_t blocks = 10, bs = 16, kv_heads = 2, hd = 64, n = 7, row = kv_heads * hd;
   const int64_t cache_numel = blocks * bs * row;

@@ -302,7 +302,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 }
 
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
-// (docs/gpu.md), each --no-cuda-... switch turning its own off and no other.
+// (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the fused RoPE + cache
+// write (not yet run on one) off unless --cuda-fused-rope-cache.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -315,6 +316,9 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_EQ(on.split_attention_keys, kCudaSplitAttentionKeys);
   EXPECT_TRUE(on.fused_kernels);
   EXPECT_TRUE(on.dense_gemv);
+  EXPECT_FALSE(on.fused_rope_cache) << "not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions rope = parse({"--cuda-fused-rope-cache"});
+  EXPECT_TRUE(rope.fused_rope_cache && rope.fused_kernels && rope.dense_gemv && rope.step_graphs);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -33,9 +33,10 @@
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
 #   ncu-gemv-int4  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token
-#   ncu-decode, ncu-decode-cublas
+#   ncu-decode, ncu-decode-cublas, ncu-decode-rope
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
-#                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv)
+#                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv), the third
+#                  with RoPE + cache write fused (--cuda-fused-rope-cache)
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -51,6 +52,10 @@
 #   llama8b-b1-cublas
 #                  llama8b-b1 with cuBLAS for the decode products (--worker-no-cuda-dense-gemv): what
 #                  the dense GEMV gains alone
+#   llama8b-b1-rope
+#                  llama8b-b1 with RoPE and the KV-cache write as one kernel
+#                  (--worker-cuda-fused-rope-cache; written without a GPU, off by default until this
+#                  and its op and parity tests pass)
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1
@@ -336,8 +341,8 @@ run_steps() {
   # ---- Nsight Compute: where the GPU time goes ----
   # ncu-gemv-int4: the int4 GEMV's seven shapes of one token (the bench's second token: its first
   # 224 launches skipped), SpeedOfLight (duration, DRAM and SM throughput) a launch.
-  # ncu-decode, ncu-decode-cublas: one decode step's kernels (ncu_decode above), the second with
-  # cuBLAS for the decode products.
+  # ncu-decode, ncu-decode-cublas, ncu-decode-rope: one decode step's kernels (ncu_decode above),
+  # the second with cuBLAS for the decode products, the third with RoPE + cache write fused.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   if want ncu-gemv-int4; then
     SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_JSON=$WORK/ncu-gemv-int4.bench.json \
@@ -349,6 +354,7 @@ run_steps() {
   fi
   ncu_decode ncu-decode
   ncu_decode ncu-decode-cublas --no-cuda-dense-gemv
+  ncu_decode ncu-decode-rope --cuda-fused-rope-cache
   gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
@@ -371,6 +377,7 @@ run_steps() {
   bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
   bench_step llama8b-b1-cublas "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-dense-gemv
+  bench_step llama8b-b1-rope "$llama" "$preset" 1 4 128 128 "" --worker-cuda-fused-rope-cache
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4

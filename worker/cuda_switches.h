@@ -16,8 +16,8 @@ namespace shardserve {
 inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantized-kernels", "no-cuda-graphs",
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
-// Paths written without a GPU, off until they pass on one: a switch turns each on (none now).
-inline constexpr std::array<const char*, 0> kCudaOnSwitches = {};
+// Paths written without a GPU, off until they pass on one: a switch turns each on.
+inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-fused-rope-cache"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -41,7 +41,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "  --no-cuda-fused-kernels  --device cuda: each residual add and the RMSNorm after it as two\n"
     "                           kernels (the same bits as the one fused kernel)\n"
     "  --no-cuda-dense-gemv     --device cuda: multiply up to 8 rows (decode) by the act-dtype weights\n"
-    "                           with cuBLAS, in place of the GEMV of our own\n";
+    "                           with cuBLAS, in place of the GEMV of our own\n"
+    "  --cuda-fused-rope-cache  --device cuda: the rotary embedding and the KV-cache write as one\n"
+    "                           kernel (the same bits); written without a GPU, so off by default\n"
+    "                           (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -50,7 +53,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .step_graphs = !flags.Has("no-cuda-graphs"),
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
-          .dense_gemv = !flags.Has("no-cuda-dense-gemv")};
+          .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
+          .fused_rope_cache = flags.Has("cuda-fused-rope-cache")};
 }
 
 }  // namespace shardserve

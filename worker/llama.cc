@@ -375,10 +375,9 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
                                  {&k, &l.k_proj, l.k_bias.data ? &l.k_bias : nullptr},
                                  {&v, &l.v_proj, l.v_bias.data ? &l.v_bias : nullptr}};
     SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, qkv));
-    // rotary position embedding
-    SHARDSERVE_RETURN_IF_ERROR(be.Rope(&q, &k, positions, inv_freq_, static_cast<int>(config_.head_dim)));
-    // write k/v to the paged cache
-    SHARDSERVE_RETURN_IF_ERROR(be.CacheWrite(&l.k_cache, &l.v_cache, k, v, slots));
+    // rotary position embedding, then k/v written to the paged cache (one pass where the backend fuses them)
+    SHARDSERVE_RETURN_IF_ERROR(be.RopeCacheWrite(&q, &k, v, positions, inv_freq_, static_cast<int>(config_.head_dim),
+                                                 &l.k_cache, &l.v_cache, slots));
     // causal attention over the cache
     SHARDSERVE_RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
     // o_proj (row-parallel) + all-reduce of the partial sums

@@ -272,8 +272,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 
 }  // namespace
 
-absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
-                                     const Tensor& slots) {
+absl::Status CudaBackend::CheckCacheWrite(const Tensor* k_cache, const Tensor* v_cache, const Tensor& k,
+                                          const Tensor& v, const Tensor& slots) {
   constexpr const char* kOp = "CacheWrite";
   if (k_cache == nullptr || v_cache == nullptr) {
     return Invalid(kOp, "k_cache and v_cache must not be null", {{"k_cache", k_cache}, {"v_cache", v_cache}});
@@ -294,9 +294,16 @@ absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Ten
   if (!SameShape(*k_cache, *v_cache) || !SameShape(k, v) || k.dim(1) != row || slots.dim(0) != n) {
     return Invalid(kOp, "shapes do not match", all);
   }
+  cache_limits_ = absl::StrCat("num_blocks ", k_cache->dim(0), ", block_size ", k_cache->dim(1));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
+                                     const Tensor& slots) {
+  SHARDSERVE_RETURN_IF_NOT_OK(CheckCacheWrite(k_cache, v_cache, k, v, slots));
+  const int64_t n = k.dim(0), row = k_cache->dim(2) * k_cache->dim(3);
   if (n * row == 0) return absl::OkStatus();
   const int64_t num_slots = k_cache->dim(0) * k_cache->dim(1);
-  cache_limits_ = absl::StrCat("num_blocks ", k_cache->dim(0), ", block_size ", k_cache->dim(1));
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;

@@ -188,7 +188,10 @@ class CudaBackend final : public Backend {
   absl::Status MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) override;
   absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
-                          const Tensor& slots) override;
+                          const Tensor& slots) override;  // attention.cu
+  // One kernel with options_.fused_rope_cache (elementwise.cu), else the base's Rope then CacheWrite.
+  absl::Status RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions, const Tensor& inv_freq,
+                              int head_dim, Tensor* k_cache, Tensor* v_cache, const Tensor& slots) override;
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale) override;
@@ -220,6 +223,15 @@ class CudaBackend final : public Backend {
   size_t DequantScratchBytes(int64_t m, int64_t k) const {
     return static_cast<size_t>(CudaDequantScratchBytes(m, k, act_, DequantScratchLimit()));
   }
+  // Rope's and CacheWrite's checks (CacheWrite's also notes the cache's limits for error messages),
+  // and Rope with, when v is given, the cache write in the same kernel (elementwise.cu).
+  absl::Status CheckRope(const Tensor* q, const Tensor* k, const Tensor& positions, const Tensor& inv_freq,
+                         int head_dim) const;
+  absl::Status CheckCacheWrite(const Tensor* k_cache, const Tensor* v_cache, const Tensor& k, const Tensor& v,
+                               const Tensor& slots);
+  absl::Status RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq,
+                                      int head_dim, const Tensor* v, Tensor* k_cache, Tensor* v_cache,
+                                      const Tensor* slots);
   // MatMul's checks of a product by a weight in the act dtype: dtypes, shapes, cuBLAS's int range.
   absl::Status CheckPlainMatMul(const Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) const;
   // Whether MatMul multiplies x by the dense weight w with DenseGemv (options_.dense_gemv, a

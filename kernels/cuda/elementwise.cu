@@ -1,6 +1,6 @@
 // The CUDA backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
-// SiluMul, Add and AddRmsNorm (fused behind CudaBackendOptions::fused_kernels), their kernels and
-// launches.
+// SiluMul, Add, AddRmsNorm (fused behind CudaBackendOptions::fused_kernels) and RopeCacheWrite
+// (fused behind fused_rope_cache: written without a GPU, off by default), their kernels and launches.
 #include <cstdint>
 #include <utility>
 
@@ -35,10 +35,15 @@ __global__ void AddKernel(T* out /*[n]*/, const T* a /*[n]*/, const T* b /*[n]*/
 }
 
 // One thread per rotated pair. Pairs are numbered token-major, then q heads, then k heads, then
-// i in [0, hd/2).
-template <typename T>
+// i in [0, hd/2). kCache (RopeCacheWrite): a k pair's thread also writes the rotated pair, and v's
+// pair of the same head, into the token's cache slot, as CacheWriteKernel writes them (a slot
+// outside [0, num_slots) sets kErrCacheSlot and writes nothing).
+template <typename T, bool kCache>
 __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]*/, const int32_t* positions /*[n]*/,
-                           const float* inv_freq /*[hd / 2]*/, int64_t n, int q_heads, int kv_heads, int head_dim) {
+                           const float* inv_freq /*[hd / 2]*/, int64_t n, int q_heads, int kv_heads, int head_dim,
+                           const T* v = nullptr /*[n, kv_heads * hd]*/, T* k_cache = nullptr /*[num_slots, row]*/,
+                           T* v_cache = nullptr /*[num_slots, row]*/, const int32_t* slots = nullptr /*[n]*/,
+                           int64_t num_slots = 0, unsigned* errors = nullptr) {
   const int half = head_dim / 2;
   const int64_t per_token = static_cast<int64_t>(q_heads + kv_heads) * half;
   GRID_STRIDE_LOOP(idx, n * per_token) {
@@ -56,8 +61,27 @@ __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]
     sincosf(angle, &s, &c);
     const float x1 = ToFloat(x[i]);
     const float x2 = ToFloat(x[i + half]);
-    x[i] = FromFloat<T>(x1 * c - x2 * s);
-    x[i + half] = FromFloat<T>(x2 * c + x1 * s);
+    const T y1 = FromFloat<T>(x1 * c - x2 * s), y2 = FromFloat<T>(x2 * c + x1 * s);
+    x[i] = y1;
+    x[i + half] = y2;
+    if constexpr (kCache) {
+      if (head >= q_heads) {
+        const int64_t row = static_cast<int64_t>(kv_heads) * head_dim;
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= num_slots) {
+          if (head == q_heads && i == 0) atomicOr(errors, kErrCacheSlot);
+        } else {
+          const int64_t in_row = static_cast<int64_t>(head - q_heads) * head_dim;
+          const T* vr = v + t * row + in_row;
+          T* kc = k_cache + slot * row + in_row;
+          T* vc = v_cache + slot * row + in_row;
+          kc[i] = y1;
+          kc[i + half] = y2;
+          vc[i] = vr[i];
+          vc[i + half] = vr[i + half];
+        }
+      }
+    }
   }
 }
 
@@ -244,7 +268,8 @@ absl::Status CudaBackend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed,
   });
 }
 
-absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
+absl::Status CudaBackend::CheckRope(const Tensor* q, const Tensor* k, const Tensor& positions, const Tensor& inv_freq,
+                                    int head_dim) const {
   constexpr const char* kOp = "Rope";
   if (q == nullptr || k == nullptr) {
     return Invalid(kOp, "q and k must not be null", {{"q", q}, {"k", k}, {"positions", &positions}});
@@ -267,17 +292,54 @@ absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, co
       inv_freq.dim(0) != head_dim / 2) {
     return Invalid(kOp, absl::StrCat("shapes do not match head_dim ", head_dim), all);
   }
-  const int64_t q_heads = q->dim(1) / head_dim, kv_heads = k->dim(1) / head_dim;
-  if (!FitsInt(q_heads + kv_heads)) return Invalid(kOp, "too many heads", all);
+  if (!FitsInt(q->dim(1) / head_dim + k->dim(1) / head_dim)) return Invalid(kOp, "too many heads", all);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
+  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, nullptr, nullptr, nullptr, nullptr);
+}
+
+absl::Status CudaBackend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
+                                         const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
+                                         const Tensor& slots) {
+  if (!options_.fused_rope_cache) {
+    return Backend::RopeCacheWrite(q, k, v, positions, inv_freq, head_dim, k_cache, v_cache, slots);
+  }
+  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, &v, k_cache, v_cache, &slots);
+}
+
+absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions,
+                                                 const Tensor& inv_freq, int head_dim, const Tensor* v,
+                                                 Tensor* k_cache, Tensor* v_cache, const Tensor* slots) {
+  SHARDSERVE_RETURN_IF_NOT_OK(CheckRope(q, k, positions, inv_freq, head_dim));
+  const bool cache = v != nullptr;
+  if (cache) {
+    SHARDSERVE_RETURN_IF_NOT_OK(CheckCacheWrite(k_cache, v_cache, *k, *v, *slots));
+    if (k_cache->dim(3) != head_dim) {
+      return Invalid("RopeCacheWrite", absl::StrCat("the caches' head dim is not head_dim ", head_dim),
+                     {{"k", k}, {"k_cache", k_cache}});
+    }
+  }
+  const int64_t n = q->dim(0), q_heads = q->dim(1) / head_dim, kv_heads = k->dim(1) / head_dim;
   const int64_t pairs = n * (q_heads + kv_heads) * (head_dim / 2);
   if (pairs == 0) return absl::OkStatus();
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    RopeKernel<T><<<GridFor(pairs, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
+    const unsigned grid = GridFor(pairs, kElementwiseThreads);
+    if (!cache) {
+      RopeKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(
+          q->as<T>(), k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+          static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim);
+      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel");
+      return absl::OkStatus();
+    }
+    RopeKernel<T, true><<<grid, kElementwiseThreads, 0, stream_>>>(
         q->as<T>(), k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel");
+        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, v->as<const T>(), k_cache->as<T>(),
+        v_cache->as<T>(), slots->as<const int32_t>(), k_cache->dim(0) * k_cache->dim(1), errors_dev_);
+    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel<cache>");
     return absl::OkStatus();
   });
 }
