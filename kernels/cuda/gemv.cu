@@ -11,8 +11,9 @@
 // How: gemv.cuh's block (four warps on kGemvRows output rows, the input split among all 128
 // threads), each thread loading kDenseSteps runs of 8 weights of each row (16 bytes of bf16 / f16,
 // 32 of f32; kDenseLongSteps for longer rows) before using the first, held as stored until used:
-// 128 bytes in flight a thread in 16-bit, a 4096-wide row in one round. Sums in float32 (each thread's runs in order, then the warps' in a fixed order: a row's
-// result does not depend on what else is in the batch), bias added, rounded once to out's dtype.
+// 128 bytes in flight a thread in 16-bit, a 4096-wide row in one round. Sums in float32 (each
+// thread's runs in order, then the warps' in a fixed order: a row's result does not depend on what
+// else is in the batch), bias added, rounded once to out's dtype.
 //
 // Several products of one x (Backend::MatMuls: a layer's q, k and v; gate and up) are one launch,
 // the blocks split among them: on the H200 k and v alone (1,024 x 4,096) took 6.4 us each for 8.4
@@ -24,7 +25,6 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-
 #include "absl/types/span.h"
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
