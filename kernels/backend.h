@@ -321,6 +321,12 @@ struct CudaBackendOptions {
   // threads that rotate them; the same bits as Rope then CacheWrite). Worker --cuda-fused-rope-cache.
   // Written without a GPU; off until it passes on one (docs/gpu.md).
   bool fused_rope_cache = false;
+  // MatMul by int4 weights for up to 8 rows of x (decode) on the tensor cores (quant_matmul.cu's
+  // Int4MmaGemvKernel: mma.sync on each group's codes less its zero, exact in the 16-bit act dtype,
+  // with float32 sums) in place of the GEMV that makes each code a float. bf16 / f16 act dtypes, k a
+  // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Written without a GPU;
+  // off until it passes on one (docs/gpu.md).
+  bool int4_mma = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

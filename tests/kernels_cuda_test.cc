@@ -1243,21 +1243,20 @@ class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>
     return w;
   }
 
-  std::unique_ptr<Backend> cuda_;
-};
-
-std::string QuantParamName(const ::testing::TestParamInfo<std::tuple<WeightQuant, DType>>& info) {
-  return std::string(WeightQuantName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));
-}
-
-TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
   struct Shape {
     int64_t m, k;
   };
-  const std::vector<Shape> shapes =
-      quant() == WeightQuant::kInt4
-          ? std::vector<Shape>{{520, 384}, {37, 1024}, {67, 1000}, {130, 300}}  // last groups of 104, 44 inputs
-          : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}};  // vector loads; byte loads of w; of w and x
+  // MatMul on `cuda` by each shape's weight for every n (and bias, output dtype) below against the
+  // reference; each product's output is appended to *outputs when given. check_scratch: the
+  // backend's dequantize scratch is the largest CudaDequantScratchBytes so far (a 64 KiB limit).
+  void ExpectMatMulsMatchTheReference(Backend* cuda, const std::vector<Shape>& shapes, bool check_scratch,
+                                      std::vector<std::vector<float>>* outputs = nullptr) const;
+
+  std::unique_ptr<Backend> cuda_;
+};
+
+void CudaQuant::ExpectMatMulsMatchTheReference(Backend* cuda, const std::vector<Shape>& shapes, bool check_scratch,
+                                               std::vector<std::vector<float>>* outputs) const {
   const double u = UnitRoundoff(act());
   uint32_t salt = 0;
   uint64_t scratch = 0;  // the largest CudaDequantScratchBytes so far: what the planner counts
@@ -1267,11 +1266,13 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
     const std::vector<uint8_t> stored = Quantize(w, m, k);
     const std::vector<float> w_ref = Dequantize(stored, m, k);
     Tensor packed;
-    SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda_->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
+    SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
     ASSERT_EQ(packed.quant, quant());
     ASSERT_EQ(packed.bytes(), stored.size());
-    scratch = std::max(scratch, CudaDequantScratchBytes(m, k, act(), 64 << 10));
-    EXPECT_EQ(cuda_->dequant_scratch_bytes(), scratch) << "the dequantize scratch, grown as the weight is stored";
+    if (check_scratch) {
+      scratch = std::max(scratch, CudaDequantScratchBytes(m, k, act(), 64 << 10));
+      EXPECT_EQ(cuda->dequant_scratch_bytes(), scratch) << "the dequantize scratch, grown as the weight is stored";
+    }
     const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 7100 + salt), act());
     // n: bias?, F32 out? (every combination on both paths)
     for (const auto& [n, with_bias, f32_out] : std::vector<std::tuple<int64_t, bool, bool>>{
@@ -1280,11 +1281,12 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
       SCOPED_TRACE(::testing::Message() << WeightQuantName(quant()) << " m " << m << ", k " << k << ", n " << n
                                         << (with_bias ? ", bias" : "") << (f32_out ? ", F32 out" : ", act out"));
       const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), 7200 + salt + static_cast<uint32_t>(n)), act());
-      SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, k}));
-      SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), b, act(), {m}));
-      SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), f32_out ? DType::kF32 : act(), {n, m}));
-      SS_ASSERT_OK(cuda_->MatMul(&g_out.t, g_x.t, packed, with_bias ? &g_b.t : nullptr));
-      SS_READ_F(got, cuda_.get(), g_out);
+      SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda, x, act(), {n, k}));
+      SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda, b, act(), {m}));
+      SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda, f32_out ? DType::kF32 : act(), {n, m}));
+      SS_ASSERT_OK(cuda->MatMul(&g_out.t, g_x.t, packed, with_bias ? &g_b.t : nullptr));
+      SS_READ_F(got, cuda, g_out);
+      if (outputs != nullptr) outputs->push_back(got);
       double worst = 0.0;
       int64_t worst_at = -1;
       for (int64_t i = 0; i < n; ++i) {
@@ -1307,6 +1309,63 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
       EXPECT_LE(worst, 1.0) << "worst at row " << worst_at / m << ", column " << worst_at % m
                             << " (error / bound)";
     }
+  }
+}
+
+std::string QuantParamName(const ::testing::TestParamInfo<std::tuple<WeightQuant, DType>>& info) {
+  return std::string(WeightQuantName(std::get<0>(info.param))) + "_" + DTypeName(std::get<1>(info.param));
+}
+
+TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
+  ExpectMatMulsMatchTheReference(
+      cuda_.get(),
+      quant() == WeightQuant::kInt4
+          ? std::vector<Shape>{{520, 384}, {37, 1024}, {67, 1000}, {130, 300}}  // last groups of 104, 44 inputs
+          : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}},  // vector loads; byte loads of w; of w and x
+      true);
+}
+
+// The int4 GEMV on the tensor cores (CudaBackendOptions::int4_mma, quant_matmul.cu's
+// Int4MmaGemvKernel; written without a GPU, not yet run on one): 16-bit act dtypes, k a multiple of
+// 128, up to 8 rows of x; the same reference and bound as above. Shapes: m not a multiple of 16
+// (a block's rows past m), 1 to 11 groups a row (a warp's share of the groups short, whole or
+// several steps, and some warps with none). It must also differ somewhere from the GEMV it stands
+// in for (float32 outputs: its sums in another order), or the tensor-core path did not run.
+class CudaInt4Mma : public CudaQuant {};
+
+TEST_P(CudaInt4Mma, MatMulMatchesTheDequantizedReference) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> mma, MakeCudaBackend(0, act(), {.quantized_kernels = true,
+                                                                              .int4_mma = true,
+                                                                              .quantized_scratch_bytes = 64 << 10}));
+  const std::vector<Shape> shapes = {{520, 384}, {37, 1024}, {16, 128}, {75, 1408}, {8, 256}};
+  std::vector<std::vector<float>> got_mma, got_plain;
+  ExpectMatMulsMatchTheReference(mma.get(), shapes, false, &got_mma);
+  ExpectMatMulsMatchTheReference(cuda_.get(), shapes, false, &got_plain);
+  ASSERT_EQ(got_mma.size(), got_plain.size());
+  bool differs = false;
+  for (size_t p = 0; p < got_mma.size(); ++p) differs = differs || got_mma[p] != got_plain[p];
+  EXPECT_TRUE(differs) << "every output bitwise the plain GEMV's: the tensor-core path did not run";
+
+  // A zero of 128 or more (no quantizer's, but the layout holds a byte) is not exact in bf16 as 128
+  // + zero: such a weight keeps the plain GEMV, and its products stay right.
+  const int64_t m = 16, k = 256;
+  std::vector<uint8_t> stored = Quantize(RandomValues(m * k, 7400, DType::kF32), m, k);
+  reinterpret_cast<Int4Group128*>(stored.data())[3].zero = 200;
+  const std::vector<float> w_ref = Dequantize(stored, m, k);
+  Tensor packed;
+  SS_ASSIGN_OR_FAIL(Buffer w_buf, mma->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
+  const std::vector<float> x = RandomValues(k, 7401, act());
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(mma.get(), x, act(), {1, k}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(mma.get(), DType::kF32, {1, m}));
+  SS_ASSERT_OK(mma->MatMul(&g_out.t, g_x.t, packed, nullptr));
+  SS_READ_F(got, mma.get(), g_out);
+  for (int64_t r = 0; r < m; ++r) {
+    double want = 0.0, mag = 0.0;
+    for (int64_t c = 0; c < k; ++c) {
+      want += static_cast<double>(x[c]) * w_ref[r * k + c];
+      mag += std::fabs(static_cast<double>(x[c]) * w_ref[r * k + c]);
+    }
+    EXPECT_NEAR(got[r], want, 1e-5 * mag + 1e-30) << "row " << r << " (group 1 of row 1 has zero 200)";
   }
 }
 
@@ -1358,7 +1417,8 @@ TEST_P(CudaQuant, OffByDefault) {
 // (CudaBackendOptions::quantized_kernels). Writes SHARDSERVE_QUANT_BENCH_JSON: the packed bytes a
 // token reads (bytes_per_decode_step), tokens/s and GB/s; gpu_bench_report.py puts them beside the
 // streaming-read roofline of the same run. The weights' codes are random (the speed does not
-// depend on them). Skipped unless SHARDSERVE_QUANT_BENCH names the format (int4, int8 or fp8).
+// depend on them). Skipped unless SHARDSERVE_QUANT_BENCH names the format (int4, int8 or fp8);
+// SHARDSERVE_QUANT_BENCH_INT4_MMA=1 adds CudaBackendOptions::int4_mma (step quant-int4-mma-b1).
 TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const char* format = std::getenv("SHARDSERVE_QUANT_BENCH");
@@ -1368,8 +1428,10 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   }
   SS_ASSIGN_OR_FAIL(const WeightQuant quant, ParseWeightQuant(format));
   ASSERT_NE(quant, WeightQuant::kNone);
+  const char* mma = std::getenv("SHARDSERVE_QUANT_BENCH_INT4_MMA");
+  const bool int4_mma = mma != nullptr && std::string(mma) == "1";
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda,
-                    MakeCudaBackend(0, DType::kBF16, {.quantized_kernels = true}));
+                    MakeCudaBackend(0, DType::kBF16, {.quantized_kernels = true, .int4_mma = int4_mma}));
   constexpr int kLayers = 32, kWarmup = 3, kTokens = 20;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{4096, 4096}, {1024, 4096},  {1024, 4096}, {4096, 4096},
                                                            {14336, 4096}, {14336, 4096}, {4096, 14336}};
@@ -1426,7 +1488,8 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   const double tokens_per_s = kTokens / seconds;
   const double gbps = static_cast<double>(bytes_per_token) * tokens_per_s / 1e9;
   std::ostringstream json;
-  json << "{\"format\": \"" << WeightQuantName(quant) << "\", \"device\": \"" << cuda->Describe()
+  json << "{\"format\": \"" << WeightQuantName(quant) << (int4_mma ? "\", \"int4_mma\": \"on" : "")
+       << "\", \"device\": \"" << cuda->Describe()
        << "\", \"batch\": 1, \"layers\": " << kLayers << ", \"tokens\": " << kTokens
        << ", \"bytes_per_decode_step\": " << bytes_per_token << ", \"decode_tokens_per_s\": " << tokens_per_s
        << ", \"us_per_token\": " << 1e6 / tokens_per_s << ", \"weight_gbps\": " << gbps << "}\n";
@@ -1526,6 +1589,10 @@ TEST(CudaGraphs, OffByDefault) {
 INSTANTIATE_TEST_SUITE_P(Ops, CudaQuant,
                          ::testing::Combine(::testing::Values(WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8),
                                             ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
+                         QuantParamName);
+INSTANTIATE_TEST_SUITE_P(Ops, CudaInt4Mma,
+                         ::testing::Combine(::testing::Values(WeightQuant::kInt4),
+                                            ::testing::Values(DType::kF16, DType::kBF16)),
                          QuantParamName);
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaVsCpu, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);

@@ -303,7 +303,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the fused RoPE + cache
-// write (not yet run on one) off unless --cuda-fused-rope-cache.
+// write and the int4 tensor-core GEMV (not yet run on one) off unless --cuda-fused-rope-cache /
+// --cuda-int4-mma.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -317,8 +318,13 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_TRUE(on.fused_kernels);
   EXPECT_TRUE(on.dense_gemv);
   EXPECT_FALSE(on.fused_rope_cache) << "not yet run on a GPU: off unless asked for";
+  EXPECT_FALSE(on.int4_mma) << "not yet run on a GPU: off unless asked for";
   const CudaBackendOptions rope = parse({"--cuda-fused-rope-cache"});
   EXPECT_TRUE(rope.fused_rope_cache && rope.fused_kernels && rope.dense_gemv && rope.step_graphs);
+  EXPECT_FALSE(rope.int4_mma);
+  const CudaBackendOptions mma = parse({"--cuda-int4-mma"});
+  EXPECT_TRUE(mma.int4_mma && mma.quantized_kernels && mma.dense_gemv && mma.step_graphs);
+  EXPECT_FALSE(mma.fused_rope_cache);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -28,11 +28,14 @@
 #   membw          tools/bench_membw.cu built with the machine's nvcc: streaming-read GB/s (the roofline)
 #   cuda-ops       kernels_cuda_test (but the CudaQuantBench benchmark); a skipped case is a failure
 #                  on a GPU
-#   quant-int4-b1, quant-int8-b1
+#   quant-int4-b1, quant-int8-b1, quant-int4-mma-b1
 #                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
-#                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline
-#   ncu-gemv-int4  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token
+#                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline; the
+#                  third int4 on the tensor cores (int4_mma: written without a GPU, off by default)
+#   ncu-gemv-int4, ncu-gemv-int4-mma
+#                  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token (the
+#                  second: the tensor-core one)
 #   ncu-decode, ncu-decode-cublas, ncu-decode-rope
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
 #                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv), the third
@@ -58,9 +61,10 @@
 #                  and its op and parity tests pass)
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
-#   llama8b-int4-b1, llama8b-int8-b1
+#   llama8b-int4-b1, llama8b-int8-b1, llama8b-int4-mma-b1
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
-#                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes
+#                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes; the
+#                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
 #   hf-b1-eager    Hugging Face transformers, same config, random bf16, static cache, eager decoding
 #                  (--no-compile)
 #   hf-b1, hf-c64  the same with torch.compile (1 and 64 streams)
@@ -68,6 +72,10 @@
 #                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
 #                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
 #                  the planner's figure
+#   qwen72b-int4-b1, qwen72b-int4-mma-b1
+#                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
+#                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
+#                  second with --worker-cuda-int4-mma
 #   tp-on-one-gpu  tools/gpu_layouts_check.py: TP=2, PP=2 and TP2xPP2 as worker processes sharing the
 #                  GPU (--worker-collectives gloo: host-staged), and TP=1 with the dummy weights made
 #                  on the host (the others make them in GPU memory), each against generate-ids (one
@@ -324,11 +332,13 @@ run_steps() {
   gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
   # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
   # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
-  local fmt qname
-  for fmt in int4 int8; do
+  local fmt qname mma
+  for fmt in int4 int8 int4-mma; do
     qname=quant-$fmt-b1
     want "$qname" || continue
-    SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
+    mma=0
+    [ "$fmt" = int4-mma ] && fmt=int4 mma=1
+    SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
       step "$qname" 150 "$BIN/kernels_cuda_test" --gtest_filter='CudaQuantBench.*' --gtest_output="xml:$LOGS/$qname.xml"
     if [ "$DRY_RUN" != 1 ] && [ "$STEP_RC" = 0 ] &&
       ! judge_gtest "$LOGS/$qname.xml" >/dev/null 2>>"$LOGS/$qname.log"; then
@@ -344,14 +354,17 @@ run_steps() {
   # ncu-decode, ncu-decode-cublas, ncu-decode-rope: one decode step's kernels (ncu_decode above),
   # the second with cuBLAS for the decode products, the third with RoPE + cache write fused.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  if want ncu-gemv-int4; then
-    SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_JSON=$WORK/ncu-gemv-int4.bench.json \
-      step ncu-gemv-int4 150 bash -c "set -o pipefail; '$NCU' --section SpeedOfLight --kernel-name regex:Gemv \
+  for qname in ncu-gemv-int4 ncu-gemv-int4-mma; do
+    want "$qname" || continue
+    mma=0
+    [ "$qname" = ncu-gemv-int4-mma ] && mma=1
+    SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.bench.json \
+      step "$qname" 150 bash -c "set -o pipefail; '$NCU' --section SpeedOfLight --kernel-name regex:Gemv \
         --launch-skip 224 --launch-count 7 --csv --print-units base '$BIN/kernels_cuda_test' \
-        --gtest_filter='CudaQuantBench.*' >'$WORK/ncu-gemv-int4.csv' &&
-        python3 tools/ncu_summary.py kernels '$WORK/ncu-gemv-int4.csv' --json '$LOGS/ncu-gemv-int4.json'"
-    record ncu-gemv-int4
-  fi
+        --gtest_filter='CudaQuantBench.*' >'$WORK/$qname.csv' &&
+        python3 tools/ncu_summary.py kernels '$WORK/$qname.csv' --json '$LOGS/$qname.json'"
+    record "$qname"
+  done
   ncu_decode ncu-decode
   ncu_decode ncu-decode-cublas --no-cuda-dense-gemv
   ncu_decode ncu-decode-rope --cuda-fused-rope-cache
@@ -382,6 +395,7 @@ run_steps() {
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
+  bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma
   # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
   # 150 (H200, 2026-11-27); the eager one (--no-compile) needs no compiling.
   for hf in "hf-b1-eager 1 128 150 --no-compile" "hf-b1 1 128 300" "hf-c64 64 512 300"; do
@@ -395,6 +409,10 @@ run_steps() {
   done
   bench_step qwen72b-stage-b1 "$qwen" "$preset" 1 2 128 64
   bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
+  local qwen_all
+  qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
+  bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4
+  bench_step qwen72b-int4-mma-b1 "$qwen_all" "$preset" 1 2 128 64 int4 --worker-cuda-int4-mma
 
   # ---- TP and PP on one GPU (issue 29 part 6) ----
   # Worker processes sharing the GPU, their groups over Gloo staged through host memory

@@ -17,7 +17,7 @@ inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantiz
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
 // Paths written without a GPU, off until they pass on one: a switch turns each on.
-inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-fused-rope-cache"};
+inline constexpr std::array<const char*, 2> kCudaOnSwitches = {"cuda-fused-rope-cache", "cuda-int4-mma"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -44,7 +44,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           with cuBLAS, in place of the GEMV of our own\n"
     "  --cuda-fused-rope-cache  --device cuda: the rotary embedding and the KV-cache write as one\n"
     "                           kernel (the same bits); written without a GPU, so off by default\n"
-    "                           (docs/gpu.md)\n";
+    "                           (docs/gpu.md)\n"
+    "  --cuda-int4-mma          --device cuda: multiply up to 8 rows (decode) by int4 weights on the\n"
+    "                           tensor cores (bf16 / f16, inputs a multiple of 128); written without\n"
+    "                           a GPU, so off by default (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -54,7 +57,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
           .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
-          .fused_rope_cache = flags.Has("cuda-fused-rope-cache")};
+          .fused_rope_cache = flags.Has("cuda-fused-rope-cache"),
+          .int4_mma = flags.Has("cuda-int4-mma")};
 }
 
 }  // namespace shardserve

@@ -273,6 +273,8 @@ class CudaBackend final : public Backend {
   struct QuantizedWeight {
     int64_t m = 0, k = 0;
     WeightQuant quant = WeightQuant::kNone;
+    // int4: every group's zero below 128 (Int4MmaGemvKernel forms 128 + zero exactly in bf16).
+    bool small_zeros = false;
   };
   std::map<const void*, QuantizedWeight> quantized_;
   // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown as each

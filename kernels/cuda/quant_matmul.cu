@@ -249,6 +249,173 @@ __global__ void __launch_bounds__(kGemvThreads)
   FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
 }
 
+// ---- int4 on the tensor cores (CudaBackendOptions::int4_mma; written without a GPU, off by default)
+// The GEMV above spends about four instructions a weight (its code made float, less the zero, times
+// x) and ran at 32% of the int4 roofline on the H200, its SMs busy and DRAM not (docs/benchmarks.md,
+// 2026-11-28). Here a warp multiplies 16 rows by up to 8 input rows with mma.sync m16n8k16 (A: the
+// codes less their zero, 16-bit; B: x; float32 sums), each code made a 16-bit value two at a time:
+// about 1.5 instructions a weight.
+//
+// The codes: (w & 0x000F000F) | magic is a pair of 16-bit values magic + q (magic's unit in the
+// last place is 1: bf16 128, f16 1024), and one fma.rn.*x2 by 1 plus -(magic + zero) leaves q -
+// zero, exactly (bf16 holds integers to 256; zero < 128, checked when the weight is stored). The
+// products of those with bf16 / f16 x are exact in float32, summed there; a group's sums times its
+// scale, as DequantizeInt4Groups's (q - zero) x scale has it.
+//
+// Which inputs each lane multiplies: mma gives lane (row = lane / 4, t = lane % 4) the k-slots 2t,
+// 2t + 1, 2t + 8, 2t + 9 of A's rows row and row + 8 and the same k-slots of B's column row, so a
+// lane's four k-slots can stand for any four inputs, the same in A and B. Lane t of a group takes
+// the code bytes 16 t + [0, 16): word j (bytes 16 t + 4 j + [0, 4)) holds inputs c = 16 t + 4 j +
+// [0, 4) in its low nibbles and c + 64 in its high ones, two products of 16 inputs: slots (2t, 2t +
+// 1) are inputs (c, c + 2) (the bytes 0 and 2 a mask keeps), slots (2t + 8, 2t + 9) inputs (c + 1,
+// c + 3) (after a shift by 8); x's pairs are permuted to match (PRMT).
+//
+// Block b computes output rows 16 b + [0, 16) (rows past m read as row m - 1 and not written), its
+// four warps the groups g = warp + 4 i, kMmaSteps groups' loads in flight before the first is used,
+// then their sums added in a fixed order in shared memory: an output's bits depend on its own input
+// row only, whatever else is in the batch. x's rows are 16-byte aligned, k % 128 == 0 (whole groups).
+constexpr int kMmaRows = 16;
+constexpr int kMmaSteps = 2;
+static_assert(kGemvThreads == kMmaRows * kGemvMaxRows, "the block's threads finish its 16 x 8 outputs, one each");
+
+// The 16-bit halves of the pairs: kMagic | q = magic + q; kNeg | zero = -(magic + zero); kOne = 1.
+template <typename T>
+struct MmaBits;
+template <>
+struct MmaBits<__nv_bfloat16> {
+  static constexpr uint32_t kMagic = 0x4300, kNeg = 0xC300, kOne = 0x3F80;
+};
+template <>
+struct MmaBits<__half> {
+  static constexpr uint32_t kMagic = 0x6400, kNeg = 0xE400, kOne = 0x3C00;
+};
+
+// Both halves of `a` times 1 plus those of `c`, rounded to T (exact for the small integers here).
+template <typename T>
+__device__ __forceinline__ uint32_t PairFma(uint32_t a, uint32_t c) {
+  constexpr uint32_t one = MmaBits<T>::kOne * 0x10001u;
+  uint32_t d;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(one), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(one), "r"(c));
+  }
+  return d;
+}
+
+// d += A (16 x 16, four pairs a lane) x B (16 x 8, two pairs a lane), float32 (mma.sync m16n8k16).
+template <typename T>
+__device__ __forceinline__ void Mma16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the backend refuses devices below compute capability 8.0
+#endif
+}
+
+// One 16-input product of a group into d: the low (kHigh false) or high nibbles of a code word of
+// the lane's two rows (w0: row, w1: row + 8; each less its zero, neg0 / neg1) by the x pairs of
+// the word's inputs (x01: inputs c, c + 1; x23: c + 2, c + 3).
+template <typename T, bool kHigh>
+__device__ __forceinline__ void Int4Mma(float (&d)[4], uint32_t w0, uint32_t w1, uint32_t neg0, uint32_t neg1,
+                                        uint32_t x01, uint32_t x23) {
+  constexpr uint32_t kMask = 0x000F000Fu, kMagic = MmaBits<T>::kMagic * 0x10001u;
+  const uint32_t s02 = kHigh ? 4 : 0, s13 = kHigh ? 12 : 8;  // bytes 0, 2 and bytes 1, 3 to the low nibble
+  const uint32_t a[4] = {PairFma<T>(((w0 >> s02) & kMask) | kMagic, neg0),
+                         PairFma<T>(((w1 >> s02) & kMask) | kMagic, neg1),
+                         PairFma<T>(((w0 >> s13) & kMask) | kMagic, neg0),
+                         PairFma<T>(((w1 >> s13) & kMask) | kMagic, neg1)};
+  Mma16x8x16<T>(d, a, __byte_perm(x01, x23, 0x5410), __byte_perm(x01, x23, 0x7632));
+}
+
+template <typename T, typename TO>
+__global__ void __launch_bounds__(kGemvThreads)
+    Int4MmaGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
+                      const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
+                      int n, int m, int k, int groups) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int row = lane >> 2, t = lane & 3;
+  const int r0 = static_cast<int>(blockIdx.x) * kMmaRows;
+  const uint2* words[2] = {
+      reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + row, m - 1)) * groups),
+      reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + row + 8, m - 1)) * groups)};
+  const bool has_x = row < n;  // B's column `row`: input row `row`, zeros past n
+  const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(has_x ? row : 0) * k);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows row, row + 8 (scaled sums) x columns 2t, 2t + 1
+  for (int g0 = warp; g0 < groups; g0 += kGemvWarps * kMmaSteps) {
+    uint2 head[kMmaSteps][2], codes[kMmaSteps][2][2];
+    uint4 xs[kMmaSteps][4];
+#pragma unroll
+    for (int u = 0; u < kMmaSteps; ++u) {
+      const int g = g0 + kGemvWarps * u;
+      const bool valid = g < groups;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint2* group = words[h] + static_cast<int64_t>(g) * kInt4Words;
+        head[u][h] = valid ? __ldg(group) : make_uint2(0, 0);
+        codes[u][h][0] = valid ? __ldg(group + 1 + 2 * t) : make_uint2(0, 0);
+        codes[u][h][1] = valid ? __ldg(group + 2 + 2 * t) : make_uint2(0, 0);
+      }
+      // Inputs 128 g + 16 t + [0, 16) and the same + 64 (8 values a 16-byte load).
+      const uint4* xg = xr + static_cast<int64_t>(g) * (kInt4GroupSize / 8) + 2 * t;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) xs[u][v] = valid && has_x ? __ldg(xg + (v & 1) + 8 * (v >> 1)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaSteps; ++u) {
+      if (g0 + kGemvWarps * u >= groups) break;  // the same for the whole warp
+      uint32_t neg[2];
+      float scale[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        scale[h] = __uint_as_float(head[u][h].x);
+        neg[h] = (MmaBits<T>::kNeg | (head[u][h].y & 0xFFu)) * 0x10001u;
+      }
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w0 = j & 1 ? codes[u][0][j >> 1].y : codes[u][0][j >> 1].x;
+        const uint32_t w1 = j & 1 ? codes[u][1][j >> 1].y : codes[u][1][j >> 1].x;
+        const uint4& lo = xs[u][j >> 1];       // inputs 16 t + 8 (j / 2) + [0, 8)
+        const uint4& hi = xs[u][2 + (j >> 1)];  // the same + 64
+        const uint32_t lo01 = j & 1 ? lo.z : lo.x, lo23 = j & 1 ? lo.w : lo.y;
+        const uint32_t hi01 = j & 1 ? hi.z : hi.x, hi23 = j & 1 ? hi.w : hi.y;
+        Int4Mma<T, false>(d, w0, w1, neg[0], neg[1], lo01, lo23);
+        Int4Mma<T, true>(d, w0, w1, neg[0], neg[1], hi01, hi23);
+      }
+      acc[0] = fmaf(scale[0], d[0], acc[0]);
+      acc[1] = fmaf(scale[0], d[1], acc[1]);
+      acc[2] = fmaf(scale[1], d[2], acc[2]);
+      acc[3] = fmaf(scale[1], d[3], acc[3]);
+    }
+  }
+  __shared__ float part[kGemvWarps][kMmaRows][kGemvMaxRows];
+  part[warp][row][2 * t] = acc[0];
+  part[warp][row][2 * t + 1] = acc[1];
+  part[warp][row + 8][2 * t] = acc[2];
+  part[warp][row + 8][2 * t + 1] = acc[3];
+  __syncthreads();
+  const int rr = static_cast<int>(threadIdx.x) / kGemvMaxRows, i = static_cast<int>(threadIdx.x) % kGemvMaxRows;
+  const int r = r0 + rr;
+  if (i < n && r < m) {
+    float sum = part[0][rr][i];
+#pragma unroll
+    for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
+    const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
+    out[static_cast<int64_t>(i) * m + r] = FromFloat<TO>(sum + b);
+  }
+}
+
 // w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
 // DequantizeInt8Rows / DequantizeFp8Rows do (value x scale in float32), rounded once.
 template <typename T, bool kFp8>
@@ -299,7 +466,15 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
   // The scratch MatMul dequantizes this weight's rows into (above kGemvMaxRows rows of x), grown now,
   // at load, so that no step allocates it and the worker can report it beside the plan.
   SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
-  quantized_[buffer->data()] = QuantizedWeight{m, k, quant};
+  // Int4MmaGemvKernel's exact q - zero needs zero < 128 (any int4 quantizer's is at most 16).
+  bool small_zeros = false;
+  if (quant == WeightQuant::kInt4 && options_.int4_mma) {
+    const auto* groups = static_cast<const Int4Group128*>(stored);
+    const int64_t count = m * Int4GroupsLayout{m, k}.groups_per_row();
+    small_zeros = true;
+    for (int64_t g = 0; g < count && small_zeros; ++g) small_zeros = groups[g].zero < 128;
+  }
+  quantized_[buffer->data()] = QuantizedWeight{m, k, quant, small_zeros};
   *packed = Tensor(buffer->data(), DType::kI8, {m, k});
   packed->quant = quant;
   return buffer;
@@ -371,6 +546,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
     const bool vec_w = Aligned(q, 16) && k % 16 == 0;
     const auto grid = static_cast<unsigned>(CeilDiv(m, kGemvRows));
     const int rows = static_cast<int>(n), mi = static_cast<int>(m), ki = static_cast<int>(k);
+    const bool mma = quant == WeightQuant::kInt4 && options_.int4_mma && it->second.small_zeros &&
+                     act_ != DType::kF32 && k % kInt4GroupSize == 0 && Aligned(x.data, 16);
     return DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       const T* xs = x.as<const T>();
@@ -378,6 +555,14 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
       auto launch = [&](auto* y) -> absl::Status {
         using TO = std::remove_pointer_t<decltype(y)>;
         if (quant == WeightQuant::kInt4) {
+          if constexpr (sizeof(T) == 2) {
+            if (mma) {
+              Int4MmaGemvKernel<T, TO><<<static_cast<unsigned>(CeilDiv(m, kMmaRows)), kGemvThreads, 0, stream_>>>(
+                  y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups));
+              SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4MmaGemvKernel");
+              return absl::OkStatus();
+            }
+          }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
             Int4GemvKernel<T, TO, kn(), kvec()>
                 <<<grid, kGemvThreads, 0, stream_>>>(y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups));
