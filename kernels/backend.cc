@@ -81,9 +81,16 @@ absl::Status Backend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, con
 absl::Status Backend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
                                      const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
                                      const Tensor& slots) {
-  SHARDSERVE_RETURN_IF_ERROR(Rope(q, k, positions, inv_freq, head_dim));
   if (k == nullptr) return absl::InvalidArgumentError("RopeCacheWrite: k must not be null");
+  SHARDSERVE_RETURN_IF_ERROR(Rope(q, k, positions, inv_freq, head_dim));
   return CacheWrite(k_cache, v_cache, *k, v, slots);
+}
+
+absl::Status Backend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w, const Tensor& up_w) {
+  if (gate == nullptr || up == nullptr) return absl::InvalidArgumentError("GateUpSilu: gate and up must not be null");
+  const MatMulProduct products[] = {{gate, &gate_w, nullptr}, {up, &up_w, nullptr}};
+  SHARDSERVE_RETURN_IF_ERROR(MatMuls(x, products));
+  return SiluMul(gate, *gate, *up);
 }
 
 absl::Status Backend::BeginGraph() {

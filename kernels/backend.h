@@ -233,6 +233,15 @@ class Backend {
   virtual absl::Status SiluMul(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,
                                const Tensor& up /*[n, f] act*/) = 0;
 
+  // SwiGLU's products and its SiLU: MatMuls(x, {{gate, gate_w}, {up, up_w}}), then SiluMul(gate,
+  // gate, up): gate ends as silu(x @ gate_w^T) x (x @ up_w^T), each product rounded to gate's dtype
+  // first; up is scratch (its contents afterwards unspecified). The base calls the two; the CUDA
+  // backend with CudaBackendOptions::fused_silu computes a row of each in one block of the dense
+  // GEMV and writes silu x up from there: the same bits, one launch and no pass over gate and up.
+  virtual absl::Status GateUpSilu(Tensor* gate /*[n, f] act*/, Tensor* up /*[n, f] act*/,
+                                  const Tensor& x /*[n, k] act*/, const Tensor& gate_w /*[f, k] act*/,
+                                  const Tensor& up_w /*[f, k] act*/);
+
   // out = a + b (out may alias a or b).
   virtual absl::Status Add(Tensor* out /*[n, d] act*/, const Tensor& a /*[n, d] act*/,
                            const Tensor& b /*[n, d] act*/) = 0;
@@ -327,6 +336,10 @@ struct CudaBackendOptions {
   // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Written without a GPU;
   // off until it passes on one (docs/gpu.md).
   bool int4_mma = false;
+  // GateUpSilu as one dense GEMV launch (each block a row of gate and of up, then silu x up; the
+  // same bits as MatMuls then SiluMul). Worker --cuda-fused-silu. Written without a GPU; off until
+  // it passes on one (docs/gpu.md).
+  bool fused_silu = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

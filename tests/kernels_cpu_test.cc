@@ -386,6 +386,26 @@ TEST_F(CpuBackendTest, MatMulsGiveEachProductAsMatMulDoes) {
   EXPECT_TRUE(absl::IsInvalidArgument(backend_->MatMuls(dx.t(), null_w)));
 }
 
+// GateUpSilu (the base: MatMuls into gate and up, then SiluMul into gate) gives gate the bits of
+// those calls; a product's error is MatMul's, and null outputs are refused.
+TEST_F(CpuBackendTest, GateUpSiluIsMatMulsThenSiluMul) {
+  const int64_t n = 3, k = 40, f = 13;
+  DeviceTensor dx = F32({n, k}, Random(rng_, n * k));
+  DeviceTensor gw = F32({f, k}, Random(rng_, f * k)), uw = F32({f, k}, Random(rng_, f * k));
+  DeviceTensor gate = Output(DType::kF32, {n, f}), up = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->GateUpSilu(gate.ptr(), up.ptr(), dx.t(), gw.t(), uw.t()).ok());
+  DeviceTensor want_gate = Output(DType::kF32, {n, f}), want_up = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->MatMul(want_gate.ptr(), dx.t(), gw.t(), nullptr).ok());
+  ASSERT_TRUE(backend_->MatMul(want_up.ptr(), dx.t(), uw.t(), nullptr).ok());
+  EXPECT_NE(gate.Download<float>(), want_gate.Download<float>()) << "SiluMul did not run";
+  ASSERT_TRUE(backend_->SiluMul(want_gate.ptr(), want_gate.t(), want_up.t()).ok());
+  EXPECT_EQ(gate.Download<float>(), want_gate.Download<float>());
+  DeviceTensor bad_w = F32({f, k + 1}, Random(rng_, f * (k + 1)));
+  const absl::Status st = backend_->GateUpSilu(gate.ptr(), up.ptr(), dx.t(), gw.t(), bad_w.t());
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->GateUpSilu(nullptr, up.ptr(), dx.t(), gw.t(), uw.t())));
+}
+
 float RoundToBf16(float f) { return Bf16ToF32(F32ToBf16(f)); }
 
 // The tests below run once per CpuMatMul (named F32 and BF16); the BF16 ones report themselves

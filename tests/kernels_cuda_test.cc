@@ -495,6 +495,47 @@ TEST_P(CudaVsCpu, DenseGemv) {
 // output the bits MatMul gives it alone; F32 and act out; n 1, 3, 8; k 4096 and 1000. Products
 // the GEMV does not take together (outputs of two dtypes; k off the multiple of 8) are MatMul's
 // launches, one by one, with the same results. Against the CPU's float32 products as above.
+// GateUpSilu with CudaBackendOptions::fused_silu (written without a GPU, not yet run on one): one
+// launch of the dense GEMV whose blocks each compute a row of gate and of up and write silu x up,
+// bit for bit what the base's MatMuls then SiluMul give on a backend without the option. k 4096
+// (a row in one round), 14336 (the long-row steps) and 1000 (off the GEMV: the base's calls on
+// both); n 1, 3, 8, and 12 (past the GEMV: cuBLAS, the base's calls).
+TEST_P(CudaVsCpu, GateUpSiluFusedIsMatMulsThenSiluMul) {
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.dense_gemv = true, .fused_silu = true}));
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> plain, MakeCudaBackend(0, act(), {.dense_gemv = true}));
+  const int64_t f = 131;
+  for (const int64_t k : {int64_t{4096}, int64_t{14336}, int64_t{1000}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{12}}) {
+      SCOPED_TRACE(::testing::Message() << "k " << k << ", n " << n);
+      const uint32_t salt = static_cast<uint32_t>(k * 16 + n);
+      const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), salt + 800), act());
+      const std::vector<float> gw = RandomValues(f * k, Seed(Op::kMatMul, act(), salt + 801), act());
+      const std::vector<float> uw = RandomValues(f * k, Seed(Op::kMatMul, act(), salt + 802), act());
+      std::vector<float> results[2];
+      for (int which = 0; which < 2; ++which) {
+        Backend* be = which == 0 ? fused.get() : plain.get();
+        SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(be, x, act(), {n, k}));
+        SS_ASSIGN_OR_FAIL(Guarded g_gw, UploadF(be, gw, act(), {f, k}));
+        SS_ASSIGN_OR_FAIL(Guarded g_uw, UploadF(be, uw, act(), {f, k}));
+        SS_ASSIGN_OR_FAIL(Guarded g_gate, Output(be, act(), {n, f}));
+        SS_ASSIGN_OR_FAIL(Guarded g_up, Output(be, act(), {n, f}));
+        const uint64_t before = be->kernel_launches();
+        const char* name = which == 0 ? "fused" : "plain";
+        SS_RUN_OP(name, be->GateUpSilu(&g_gate.t, &g_up.t, g_x.t, g_gw.t, g_uw.t));
+        if (which == 0 && k % 8 == 0 && n <= 8) {
+          EXPECT_EQ(be->kernel_launches() - before, 1u) << "gate, up and SiLU x up in one launch";
+        }
+        SS_READ_F(got, be, g_gate);
+        results[which] = got;
+      }
+      EXPECT_EQ(results[0], results[1]) << "the fused launch differs from MatMuls then SiluMul";
+      bool finite = true;
+      for (const float v : results[0]) finite = finite && std::isfinite(v);
+      EXPECT_TRUE(finite);
+    }
+  }
+}
+
 TEST_P(CudaVsCpu, DenseGemvProductsInOneLaunch) {
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> gemv, MakeCudaBackend(0, act(), {.dense_gemv = true}));
   const int64_t ms[3] = {131, 40, 40};

@@ -84,7 +84,8 @@ enum class Engine {
   kCudaF16,          // CUDA backend, f16 activations
   kCudaGraphs,       // kCuda with its decode steps replayed as CUDA graphs (CudaBackendOptions::step_graphs)
   kCudaSplitAttention,  // kCuda with small steps' attention split over the keys, 16 keys a range
-  kCudaFused,        // kCuda with each residual add and the next RMSNorm as one kernel, and RoPE + cache write
+  kCudaFused,        // kCuda with each residual add and the next RMSNorm as one kernel, RoPE + cache write
+                     // as one, and (on the dense GEMV, as the worker runs) gate, up and SiLU x up as one
   kCudaDenseGemv,    // kCuda with decode products by the dense GEMV (CudaBackendOptions::dense_gemv)
   kCudaBf16DenseGemv,  // kCudaBf16 likewise
 };
@@ -133,7 +134,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
     case Engine::kCudaF16: return MakeCudaBackend(0, DType::kF16);
     case Engine::kCudaGraphs: return MakeCudaBackend(0, DType::kF32, {.step_graphs = true});
     case Engine::kCudaSplitAttention: return MakeCudaBackend(0, DType::kF32, {.split_attention_keys = 16});
-    case Engine::kCudaFused: return MakeCudaBackend(0, DType::kF32, {.fused_kernels = true, .fused_rope_cache = true});
+    case Engine::kCudaFused:
+      return MakeCudaBackend(
+          0, DType::kF32, {.fused_kernels = true, .dense_gemv = true, .fused_rope_cache = true, .fused_silu = true});
     case Engine::kCudaDenseGemv: return MakeCudaBackend(0, DType::kF32, {.dense_gemv = true});
     case Engine::kCudaBf16DenseGemv: return MakeCudaBackend(0, DType::kBF16, {.dense_gemv = true});
   }

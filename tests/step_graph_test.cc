@@ -303,8 +303,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the fused RoPE + cache
-// write and the int4 tensor-core GEMV (not yet run on one) off unless --cuda-fused-rope-cache /
-// --cuda-int4-mma.
+// write, the int4 tensor-core GEMV and the fused SiLU (not yet run on one) off unless
+// --cuda-fused-rope-cache / --cuda-int4-mma / --cuda-fused-silu.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -324,7 +324,11 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_FALSE(rope.int4_mma);
   const CudaBackendOptions mma = parse({"--cuda-int4-mma"});
   EXPECT_TRUE(mma.int4_mma && mma.quantized_kernels && mma.dense_gemv && mma.step_graphs);
-  EXPECT_FALSE(mma.fused_rope_cache);
+  EXPECT_FALSE(mma.fused_rope_cache || mma.fused_silu);
+  EXPECT_FALSE(on.fused_silu) << "not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions silu = parse({"--cuda-fused-silu"});
+  EXPECT_TRUE(silu.fused_silu && silu.dense_gemv && silu.fused_kernels);
+  EXPECT_FALSE(silu.int4_mma || silu.fused_rope_cache);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -17,7 +17,8 @@ inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantiz
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
 // Paths written without a GPU, off until they pass on one: a switch turns each on.
-inline constexpr std::array<const char*, 2> kCudaOnSwitches = {"cuda-fused-rope-cache", "cuda-int4-mma"};
+inline constexpr std::array<const char*, 3> kCudaOnSwitches = {"cuda-fused-rope-cache", "cuda-int4-mma",
+                                                                "cuda-fused-silu"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -47,7 +48,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           (docs/gpu.md)\n"
     "  --cuda-int4-mma          --device cuda: multiply up to 8 rows (decode) by int4 weights on the\n"
     "                           tensor cores (bf16 / f16, inputs a multiple of 128); written without\n"
-    "                           a GPU, so off by default (docs/gpu.md)\n";
+    "                           a GPU, so off by default (docs/gpu.md)\n"
+    "  --cuda-fused-silu        --device cuda: SwiGLU's gate and up products and its SiLU x up as one\n"
+    "                           GEMV launch (the same bits); written without a GPU, so off by default\n"
+    "                           (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -58,7 +62,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
           .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
           .fused_rope_cache = flags.Has("cuda-fused-rope-cache"),
-          .int4_mma = flags.Has("cuda-int4-mma")};
+          .int4_mma = flags.Has("cuda-int4-mma"),
+          .fused_silu = flags.Has("cuda-fused-silu")};
 }
 
 }  // namespace shardserve

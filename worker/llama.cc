@@ -385,10 +385,9 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
     // residual, then the mlp norm (one pass where the backend fuses them)
     SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.post_attention_layernorm, eps));
-    // SwiGLU mlp: gate/up column-parallel, down row-parallel + all-reduce
-    const MatMulProduct gate_up[] = {{&gate, &l.gate_proj, nullptr}, {&up, &l.up_proj, nullptr}};
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, gate_up));
-    SHARDSERVE_RETURN_IF_ERROR(be.SiluMul(&gate, gate, up));
+    // SwiGLU mlp: gate/up column-parallel (silu(gate) x up into gate; one pass where the backend
+    // fuses them), down row-parallel + all-reduce
+    SHARDSERVE_RETURN_IF_ERROR(be.GateUpSilu(&gate, &up, normed, l.gate_proj, l.up_proj));
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
     // residual, then the next layer's attention norm

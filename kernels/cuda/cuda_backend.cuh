@@ -196,6 +196,10 @@ class CudaBackend final : public Backend {
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  // One dense GEMV launch with options_.fused_silu where MatMuls would take one for the two
+  // products (gemv.cu), else the base's MatMuls then SiluMul.
+  absl::Status GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w,
+                          const Tensor& up_w) override;
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
@@ -238,7 +242,12 @@ class CudaBackend final : public Backend {
   // decode-sized x, aligned rows of a multiple of 8), and the products themselves, checked, each
   // taking it, one output dtype, m > 0, in one launch (gemv.cu).
   bool TakesDenseGemv(const Tensor& x, const Tensor& w) const;
-  absl::Status DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products);
+  // Whether MatMuls computes `products` (2 to kDenseGemvMaxProducts) in one DenseGemv launch: each
+  // plain, passing CheckPlainMatMul, taking the dense GEMV, m > 0, one output dtype.
+  bool TakesOneDenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products) const;
+  // silu: products are gate and up of one shape, act outputs, and gate receives silu x up (each
+  // block a row of both; up is not written).
+  absl::Status DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products, bool silu = false);
   // PackMatMulWeight's host buffers for quantizing (the weight in the act dtype, its quantized
   // bytes), kept at the largest weight's size until the backend goes.
   std::vector<uint8_t> pack_raw_, pack_stored_;

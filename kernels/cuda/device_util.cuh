@@ -43,6 +43,10 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// SwiGLU's silu(g) x u, in float32: one home for SiluMul's kernel and the dense GEMV's fused SiLU,
+// so that the two give the same bits.
+__device__ __forceinline__ float SiluTimes(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // ---- Reductions -------------------------------------------------------------------------------
 struct SumOp {
   template <typename V>

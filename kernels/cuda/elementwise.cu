@@ -24,8 +24,7 @@ __global__ void EmbeddingKernel(T* out /*[n, d]*/, const T* table /*[rows, d]*/,
 template <typename T>
 __global__ void SiluMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, int64_t n) {
   GRID_STRIDE_LOOP(i, n) {
-    const float g = ToFloat(gate[i]);
-    out[i] = FromFloat<T>(g / (1.0f + expf(-g)) * ToFloat(up[i]));
+    out[i] = FromFloat<T>(SiluTimes(ToFloat(gate[i]), ToFloat(up[i])));
   }
 }
 

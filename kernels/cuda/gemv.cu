@@ -20,6 +20,11 @@
 // MB, 29% of the roofline, most of it the launch and the ramp of a kernel whose whole weight is in
 // flight at once (docs/benchmarks.md, 2026-11-28). Each output row is computed by the same code
 // whether its product is launched alone or with others: the same bits.
+//
+// With CudaBackendOptions::fused_silu (written without a GPU, off by default), Backend::GateUpSilu's
+// gate and up are one launch whose blocks each compute a row of both and write silu x up from
+// there, rounded as MatMuls then SiluMul round (DenseGemvKernel's kSilu): no SiLU kernel, no pass
+// over gate and up.
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -95,10 +100,16 @@ struct DenseGemvProducts {
 // hold b, for N input rows (those past n skipped): a row's sums are the same whatever else the
 // launch computes. x's and w's rows are 16-byte aligned and k % 8 == 0 (the host checks), so each
 // run of 8 is wholly inside a row or wholly past its end (0).
-template <typename T, typename TO, int N, int kSteps>
+//
+// kSilu (Backend::GateUpSilu; TO = T): the products are gate (w[0]) and up (w[1]) of m rows each,
+// the grid m blocks, block b computing row b of both (the same sums as above: the row's code does
+// not depend on which block runs it) and writing silu x up to out[0]'s row b, each product rounded
+// to T first as MatMuls would store it, then SiluMul's arithmetic (SiluTimes): the same bits.
+template <typename T, typename TO, int N, int kSteps, bool kSilu = false>
 __global__ void __launch_bounds__(kGemvThreads)
     DenseGemvKernel(const DenseGemvProducts<T, TO> g, const T* __restrict__ x /*[n, k]*/, int n, int k) {
   constexpr int R = kGemvRows;
+  static_assert(!kSilu || R == 2, "a fused SiLU block computes one row of gate and one of up");
   constexpr int kStride = kGemvThreads * 8;
   const int b = static_cast<int>(blockIdx.x);
   // This block's product, its fields read at constant indexes (a kernel parameter indexed at run
@@ -107,14 +118,19 @@ __global__ void __launch_bounds__(kGemvThreads)
   const T* w = g.w[0];
   const T* bias = g.bias[0];
   int m = g.m[0], start = 0;
+  if constexpr (!kSilu) {
 #pragma unroll
-  for (int p = 1; p < kDenseGemvMaxProducts; ++p) {
-    if (p < g.count && b >= g.end[p - 1]) out = g.out[p], w = g.w[p], bias = g.bias[p], m = g.m[p], start = g.end[p - 1];
+    for (int p = 1; p < kDenseGemvMaxProducts; ++p) {
+      if (p < g.count && b >= g.end[p - 1]) out = g.out[p], w = g.w[p], bias = g.bias[p], m = g.m[p], start = g.end[p - 1];
+    }
   }
-  const int r0 = (b - start) * R;
+  const int r0 = (b - start) * (kSilu ? 1 : R);
   const T* wr[R];
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr) wr[rr] = w + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+  for (int rr = 0; rr < R; ++rr) {
+    wr[rr] = kSilu ? g.w[rr] + static_cast<int64_t>(r0) * k
+                   : w + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+  }
   float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
@@ -151,7 +167,18 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
-  FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
+  if constexpr (kSilu) {
+    __shared__ float part[kGemvWarps][kGemvRows][N];
+    WarpSums(part, acc);
+    const int i = static_cast<int>(threadIdx.x);
+    if (i < N && i < n) {
+      const float gate = ToFloat(FromFloat<TO>(BlockRowSum(part, 0, i, 1.0f, 0.0f)));
+      const float up = ToFloat(FromFloat<TO>(BlockRowSum(part, 1, i, 1.0f, 0.0f)));
+      out[static_cast<int64_t>(i) * m + r0] = FromFloat<TO>(SiluTimes(gate, up));
+    }
+  } else {
+    FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
+  }
 }
 
 }  // namespace
@@ -162,10 +189,13 @@ bool CudaBackend::TakesDenseGemv(const Tensor& x, const Tensor& w) const {
          Aligned(x.data, 16) && Aligned(w.data, 16);  // (MatMul has checked that m fits an int)
 }
 
-absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products) {
+absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products, bool silu) {
   const int rows = static_cast<int>(x.dim(0)), k = static_cast<int>(x.dim(1));
   if (products.empty() || products.size() > static_cast<size_t>(kDenseGemvMaxProducts)) {
     return absl::InternalError(absl::StrCat("DenseGemv: ", products.size(), " products in one launch"));
+  }
+  if (silu && (products.size() != 2 || products[0].out->dtype != act_ || !SameShape(*products[0].w, *products[1].w))) {
+    return absl::InternalError("DenseGemv: a fused SiLU takes gate and up of one shape, act-dtype outputs");
   }
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
@@ -186,6 +216,20 @@ absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProd
       g.count = static_cast<int>(products.size());
       const T* xs = x.as<const T>();
       const bool long_rows = k > kGemvThreads * 8 * kDenseSteps;
+      if constexpr (std::is_same_v<TO, T>) {
+        if (silu) {  // one block a row of gate and up
+          return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
+            const auto grid = static_cast<unsigned>(g.m[0]);
+            if (long_rows) {
+              DenseGemvKernel<T, TO, kn(), kDenseLongSteps, true><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
+            } else {
+              DenseGemvKernel<T, TO, kn(), kDenseSteps, true><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
+            }
+            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel<silu>");
+            return absl::OkStatus();
+          });
+        }
+      }
       return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
         const auto grid = static_cast<unsigned>(blocks);
         if (long_rows) {

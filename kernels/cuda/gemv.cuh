@@ -77,14 +77,10 @@ __device__ __forceinline__ void LoadX8(const T* row, int c, int k, float v[8]) {
   }
 }
 
-// out[i][r0 + rr] = (the block's sum of acc[rr][i]) x scale[r0 + rr] (1 when null) + bias, for
-// the rows below m and the input rows below n, rounded once. Each warp's sums by shuffles, then
-// the four warps' in a fixed order: the same bits for an input row whatever else is in the batch.
-// Every thread of the block calls.
-template <typename T, typename TO, int N>
-__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows][N], const float* scale,
-                                           const T* bias, int n, int m, int r0) {
-  __shared__ float part[kGemvWarps][kGemvRows][N];
+// part[w][rr][i] = warp w's sum of acc[rr][i] (by shuffles), then a barrier. Every thread of the
+// block calls.
+template <int N>
+__device__ __forceinline__ void WarpSums(float (&part)[kGemvWarps][kGemvRows][N], const float (&acc)[kGemvRows][N]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int rr = 0; rr < kGemvRows; ++rr) {
@@ -95,15 +91,32 @@ __device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows
     }
   }
   __syncthreads();
+}
+
+// The block's sum of row rr, input row i: the warps' sums in a fixed order, times scale s, plus
+// bias b: the same bits for an input row whatever else is in the batch.
+template <int N>
+__device__ __forceinline__ float BlockRowSum(const float (&part)[kGemvWarps][kGemvRows][N], int rr, int i, float s,
+                                             float b) {
+  float sum = part[0][rr][i];
+#pragma unroll
+  for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
+  return sum * s + b;
+}
+
+// out[i][r0 + rr] = (the block's sum of acc[rr][i]) x scale[r0 + rr] (1 when null) + bias, for
+// the rows below m and the input rows below n, rounded once. Every thread of the block calls.
+template <typename T, typename TO, int N>
+__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows][N], const float* scale,
+                                           const T* bias, int n, int m, int r0) {
+  __shared__ float part[kGemvWarps][kGemvRows][N];
+  WarpSums(part, acc);
   if (threadIdx.x < kGemvRows * N) {
     const int rr = threadIdx.x / N, i = threadIdx.x % N, r = r0 + rr;
     if (i < n && r < m) {
-      float sum = part[0][rr][i];
-#pragma unroll
-      for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
       const float s = scale != nullptr ? __ldg(scale + r) : 1.0f;
       const float b = bias != nullptr ? ToFloat(bias[r]) : 0.0f;
-      out[static_cast<int64_t>(i) * m + r] = FromFloat<TO>(sum * s + b);
+      out[static_cast<int64_t>(i) * m + r] = FromFloat<TO>(BlockRowSum(part, rr, i, s, b));
     }
   }
 }

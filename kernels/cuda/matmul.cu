@@ -67,8 +67,7 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
   return Gemm(out->data, out->dtype, m, x.data, w.data, n, m, k, bias != nullptr ? 1.0f : 0.0f);
 }
 
-absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) {
-  // One dense GEMV launch when every product takes it, with one output dtype; else MatMul each.
+bool CudaBackend::TakesOneDenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products) const {
   bool one_launch = products.size() >= 2 && products.size() <= kDenseGemvMaxProducts;
   for (const MatMulProduct& p : products) {
     if (!one_launch) break;
@@ -76,9 +75,24 @@ absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduc
                  CheckPlainMatMul(p.out, x, *p.w, p.bias).ok() && p.out->dtype == products[0].out->dtype &&
                  x.dim(0) > 0 && p.w->dim(0) > 0 && TakesDenseGemv(x, *p.w);
   }
-  if (!one_launch) return Backend::MatMuls(x, products);
+  return one_launch;
+}
+
+absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) {
+  // One dense GEMV launch when every product takes it, with one output dtype; else MatMul each.
+  if (!TakesOneDenseGemv(x, products)) return Backend::MatMuls(x, products);
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DenseGemv(x, products);
+}
+
+absl::Status CudaBackend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w,
+                                     const Tensor& up_w) {
+  const MatMulProduct products[] = {{gate, &gate_w, nullptr}, {up, &up_w, nullptr}};
+  const bool fused = options_.fused_silu && gate != nullptr && up != nullptr && TakesOneDenseGemv(x, products) &&
+                     gate->dtype == act_ && SameShape(*gate, *up);
+  if (!fused) return Backend::GateUpSilu(gate, up, x, gate_w, up_w);
+  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  return DenseGemv(x, products, true);
 }
 
 absl::Status CudaBackend::BroadcastBias(Tensor* out, const Tensor& bias) {

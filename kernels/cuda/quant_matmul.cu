@@ -26,7 +26,9 @@
 //   per two rows, eight input rows unrolled in every instance) 744 and 1,379, of the 4.5 TB/s a
 //   streaming read reaches; Nsight Compute found those latency-bound, neither DRAM nor the SMs busy
 //   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (gemv.cuh's
-//   note).
+//   note). With CudaBackendOptions::int4_mma (written without a GPU, off by default) int4 takes the
+//   tensor cores instead (Int4MmaGemvKernel below) for bf16 / f16 act, k % 128 == 0 and every zero
+//   below 128 (checked when the weight is stored); other shapes keep the GEMV.
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
