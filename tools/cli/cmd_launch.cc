@@ -42,7 +42,7 @@ constexpr char kUsage[] =
     "                         [--worker-no-cuda-split-attention] [--worker-no-cuda-fused-kernels]\n"
     "                         [--worker-no-cuda-dense-gemv]\n"
     "                         [--worker-cuda-fused-rope-cache] [--worker-cuda-int4-mma]\n"
-    "                        [--worker-cuda-fused-silu]\n"
+    "                         [--worker-cuda-fused-silu]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
     "                         [--http-port P] [--heal-timeout-seconds S]\n"
     "                         [--max-worker-restarts N] [--spare-workers N] [--no-prefix-caching]\n"
