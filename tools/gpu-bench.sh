@@ -67,6 +67,10 @@
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes; the
 #                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
+#   qwen72b-int4-b1, qwen72b-int4-mma-b1
+#                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
+#                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
+#                  second with --worker-cuda-int4-mma
 #   hf-b1-eager    Hugging Face transformers, same config, random bf16, static cache, eager decoding
 #                  (--no-compile)
 #   hf-b1, hf-c64  the same with torch.compile (1 and 64 streams)
@@ -74,10 +78,6 @@
 #                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
 #                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
 #                  the planner's figure
-#   qwen72b-int4-b1, qwen72b-int4-mma-b1
-#                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
-#                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
-#                  second with --worker-cuda-int4-mma
 #   tp-on-one-gpu  tools/gpu_layouts_check.py: TP=2, PP=2 and TP2xPP2 as worker processes sharing the
 #                  GPU (--worker-collectives gloo: host-staged), and TP=1 with the dummy weights made
 #                  on the host (the others make them in GPU memory), each against generate-ids (one
@@ -400,6 +400,10 @@ run_steps() {
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma
+  local qwen_all
+  qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
+  bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4
+  bench_step qwen72b-int4-mma-b1 "$qwen_all" "$preset" 1 2 128 64 int4 --worker-cuda-int4-mma
   # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
   # 150 (H200, 2026-11-27); the eager one (--no-compile) needs no compiling.
   for hf in "hf-b1-eager 1 128 150 --no-compile" "hf-b1 1 128 300" "hf-c64 64 512 300"; do
@@ -413,10 +417,6 @@ run_steps() {
   done
   bench_step qwen72b-stage-b1 "$qwen" "$preset" 1 2 128 64
   bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
-  local qwen_all
-  qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
-  bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4
-  bench_step qwen72b-int4-mma-b1 "$qwen_all" "$preset" 1 2 128 64 int4 --worker-cuda-int4-mma
 
   # ---- TP and PP on one GPU (issue 29 part 6) ----
   # Worker processes sharing the GPU, their groups over Gloo staged through host memory
