@@ -216,30 +216,24 @@ absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProd
       g.count = static_cast<int>(products.size());
       const T* xs = x.as<const T>();
       const bool long_rows = k > kGemvThreads * 8 * kDenseSteps;
-      if constexpr (std::is_same_v<TO, T>) {
-        if (silu) {  // one block a row of gate and up
-          return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
-            const auto grid = static_cast<unsigned>(g.m[0]);
-            if (long_rows) {
-              DenseGemvKernel<T, TO, kn(), kDenseLongSteps, true><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
-            } else {
-              DenseGemvKernel<T, TO, kn(), kDenseSteps, true><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
-            }
-            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel<silu>");
-            return absl::OkStatus();
-          });
-        }
+      // kSilu: a block a row of gate and of up (m blocks); else the products' blocks.
+      auto run = [&](auto silu_tag) -> absl::Status {
+        constexpr bool kSilu = decltype(silu_tag)::value;
+        const auto grid = static_cast<unsigned>(kSilu ? g.m[0] : blocks);
+        return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
+          if (long_rows) {
+            DenseGemvKernel<T, TO, kn(), kDenseLongSteps, kSilu><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
+          } else {
+            DenseGemvKernel<T, TO, kn(), kDenseSteps, kSilu><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
+          }
+          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel");
+          return absl::OkStatus();
+        });
+      };
+      if constexpr (std::is_same_v<TO, T>) {  // the fused SiLU's outputs are act (checked above)
+        if (silu) return run(std::true_type{});
       }
-      return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
-        const auto grid = static_cast<unsigned>(blocks);
-        if (long_rows) {
-          DenseGemvKernel<T, TO, kn(), kDenseLongSteps><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
-        } else {
-          DenseGemvKernel<T, TO, kn(), kDenseSteps><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
-        }
-        SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel");
-        return absl::OkStatus();
-      });
+      return run(std::false_type{});
     };
     return products[0].out->dtype == DType::kF32 ? launch(static_cast<float*>(nullptr))
                                                  : launch(static_cast<T*>(nullptr));
