@@ -20,6 +20,7 @@
 #define SHARDSERVE_KERNELS_CPU_ACT8_TILES_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -28,6 +29,16 @@
 
 namespace shardserve::cpu {
 namespace {  // internal linkage, as column_tiles.h
+
+// One output of such a product: its sum (an exact int32 dot product as a float, or int4's float sum)
+// times its scale (the input row's, times the weight row's for int8), plus the bias, as one fused
+// multiply-add (one rounding wherever it is compiled). Written as `v * s + b`, GCC contracts it into
+// an FMA in the VNNI files (their -mavx512f brings FMA, and GCC contracts across statements) but
+// left it as two roundings in the AVX2 ones: the int8 outputs of the two instances differed in
+// the last bit (ActivationRowsTest.Avx2Int8ProductIsTheVnniOneBitForBit on an AVX-512 EPYC).
+inline float Act8Output(float sum, float scale, const float* bias, int64_t r) {
+  return bias != nullptr ? std::fma(sum, scale, bias[r]) : sum * scale;
+}
 
 inline constexpr int kAct8RowsAlone = 8;  // weight rows per tile of one input row
 inline constexpr int kAct8RangeRows = 8;  // column ranges per thread in whole multiples of this

@@ -84,8 +84,7 @@ inline void Row(float* y, const ActivationRows& xq, const int16_t* xs, int64_t i
     }
   }
   for (int a = 0; a < I; ++a) {
-    const float v = SumLanes(acc[a]) * xq.scale[i + a];
-    y[(i + a) * m + r] = bias != nullptr ? v + bias[r] : v;
+    y[(i + a) * m + r] = Act8Output(SumLanes(acc[a]), xq.scale[i + a], bias, r);
   }
 }
 

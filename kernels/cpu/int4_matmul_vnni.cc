@@ -68,8 +68,7 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
   }
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) {
-      const float v = _mm512_reduce_add_ps(acc[a][b]) * xq.scale[i + a];
-      y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
+      y[(i + a) * m + r + b] = Act8Output(_mm512_reduce_add_ps(acc[a][b]), xq.scale[i + a], bias, r + b);
     }
   }
 }

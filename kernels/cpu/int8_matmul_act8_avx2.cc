@@ -65,8 +65,7 @@ inline void Row(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64_
   }
   for (int a = 0; a < I; ++a) {
     const int32_t dot = SumLanes(acc[a]);
-    const float v = static_cast<float>(dot) * (xq.scale[i + a] * scale[r]);
-    y[(i + a) * m + r] = bias != nullptr ? v + bias[r] : v;
+    y[(i + a) * m + r] = Act8Output(static_cast<float>(dot), xq.scale[i + a] * scale[r], bias, r);
   }
 }
 

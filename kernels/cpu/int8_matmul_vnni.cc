@@ -55,8 +55,7 @@ inline void Tile(float* y, const ActivationRows& xq, int64_t i, int64_t m, int64
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) {
       const int32_t dot = _mm512_reduce_add_epi32(acc[a][b]) - 128 * xq.sum[i + a];
-      const float v = static_cast<float>(dot) * (xq.scale[i + a] * scale[r + b]);
-      y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
+      y[(i + a) * m + r + b] = Act8Output(static_cast<float>(dot), xq.scale[i + a] * scale[r + b], bias, r + b);
     }
   }
 }
