@@ -5,13 +5,14 @@
 // mask; the high ones a shift): per 32 weights one zero-extending load, two lookups and one shift,
 // where the 8-lane instances spend a load, a mask, a shift and two conversions per 16. Every
 // output is then sum_j x_j w_j over the dequantized weights, in 16 lanes (lane l sums the inputs
-// j = l mod 16, group by group, one FMA each, AddGroup's order), the lanes added at the end: the
+// j = l mod 16, group by group, one FMA each: chunk c of the group's low half, then chunk c of
+// its high half, c = 0 .. 3, "the group order"), the lanes added at the end: the
 // dequantize-then-multiply reference in another order of additions (no per-group x q and x sums,
 // so no cancellation between them), whatever the path:
 //   - fewer than kPlaneMinRows input rows (decode, small batches): the weights looked up in
 //     registers, for up to three input rows at a time;
-//   - more: each group's R x 128 weights looked up once into a plane of floats, then two input
-//     rows at a time multiply it from L1.
+//   - more: 4 weight rows looked up once, across the whole of k, into a plane of floats, then
+//     multiplied by 6 input rows at a time, the 24 sums in registers from the first group to the last.
 // Both paths run the same FMAs on the same values in the same order, so a row's result does not
 // depend on the other rows of its batch (QuantMatMulRowsTest).
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mfma (kernels/CMakeLists.txt);
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/int4_matmul_tiles.h"
@@ -30,16 +32,19 @@ namespace {
 
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: the low nibbles' values, then the high ones'
 constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
-// From this many input rows on, Int4ColumnsAvx512 looks each group up once into a plane
-// (PlaneTile); below, up to three input rows share each lookup in registers (Tile). Measured on
-// one layer of the bench stage (AMD EPYC, AVX-512, one thread): 8 rows 0.57 ms as Tile
-// (3 + 3 + 2) against 0.66 as PlaneTile, 12 about even, PlaneTile ahead from 16.
+// From this many input rows on, Int4ColumnsAvx512 looks each weight row up once, across the whole
+// of k, into a plane of floats (FillPlane, kPanelWeightRows rows at a time: 4 x k floats, in L1 or
+// L2), and multiplies it by kPanelInputRows input rows at a time with every sum in a register
+// (PanelTile: 24 sums, 4 weight chunks and 1 input chunk of the 32 zmm); below, up to three input
+// rows share each lookup in registers (Tile). bench_matmul --threads 2 --layers 12 (the bench
+// model's 75.5M weights; AMD EPYC Zen 5, medians, ms; docs/benchmarks.md):
+//   rows                        8      16      32      128
+//   Tile (3 + 3 + 2)          4.36
+//   this plane, 6 x 4         5.35    8.06   16.04    58.95
+//   4 x 4 / 8 x 3 / 5 x 5             9.06 / 9.04 / 11.32 at 16; 17.19 / 18.16 / 21.21 at 32
+//   the group-at-a-time plane (64 rows' sums on the stack, before)  10.54  17.66  64.33
 constexpr int64_t kPlaneMinRows = 9;
-// Input rows per PlaneTile pass, their sums waiting on the stack while the groups go by (32 KB of
-// them): each group's lookup is shared by four times the 8-lane instances' kInt4PlaneRows (32 rows:
-// 2.01 ms against 2.16 with 16, one layer of the bench stage, AMD EPYC; 64 rows: 1.5-2.5% less
-// time than 32 from 64 to 512 rows on the Intel Xeon, `bench_matmul --threads 2 --max-rows 512`).
-constexpr int64_t kPlaneRows = 64;
+constexpr int kPanelWeightRows = 4, kPanelInputRows = 6;
 
 // (j - z) for j in [0, 15], one row per zero point z a block can hold (a uint8: the quantizer
 // writes 0-15, a GPTQ v1 checkpoint up to 16, model/quantized_checkpoint.cc), exact small integers:
@@ -79,27 +84,13 @@ template <bool kFull>
   return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << left) - 1), row + first);
 }
 
-template <bool kFull>
-[[gnu::always_inline]] inline void LoadGroupInput(__m512 (&v)[2 * kChunks], const float* row, int64_t size) {
-  for (int c = 0; c < 2 * kChunks; ++c) v[c] = InputChunk<kFull>(row, c, size);
-}
-
-// Every output's sequence: per group, chunk c of the low half then of the high one, c = 0 .. 3.
-[[gnu::always_inline]] inline __m512 AddGroup(__m512 acc, const __m512 (&x)[2 * kChunks], const __m512 (&w)[2 * kChunks]) {
-  for (int c = 0; c < kChunks; ++c) {
-    acc = _mm512_fmadd_ps(x[c], w[c], acc);
-    acc = _mm512_fmadd_ps(x[kChunks + c], w[kChunks + c], acc);
-  }
-  return acc;
-}
-
 [[gnu::always_inline]] inline void Store(float* y, const float* bias, int64_t m, int64_t i, int64_t r, __m512 acc) {
   const float v = _mm512_reduce_add_ps(acc);
   y[i * m + r] = bias != nullptr ? v + bias[r] : v;
 }
 
 // One group g of Tile: I input rows x R weight rows, the weights looked up in registers, the
-// inputs read from L1 as the FMAs need them (AddGroup's order, interleaved across the outputs).
+// inputs read from L1 as the FMAs need them (the group order, interleaved across the outputs).
 template <int R, int I, bool kFull>
 [[gnu::always_inline]] inline void Group(__m512 (&acc)[I][R], const float* x, int64_t i, int64_t m, int64_t k,
                                          const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g) {
@@ -138,59 +129,61 @@ template <int R, int I>
   }
 }
 
-// One group g of PlaneTile: the R rows' weights into `plane`, then each input row's sums, two rows
-// at a time (each plane vector loaded once for both).
-template <int R, bool kFull>
-[[gnu::always_inline]] inline void PlaneGroup(__m512 (&acc)[kPlaneRows][R], __m512 (&plane)[R][2 * kChunks],
-                                              const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
-                                              const Int4Group128* blocks, int64_t groups, int64_t r, int64_t g) {
-  const int64_t size = std::min(kInt4GroupSize, k - g * kInt4GroupSize);
-  for (int b = 0; b < R; ++b) {
-    PrefetchInt4Group(blocks + PrefetchRow(r + b, m) * groups + g);
-    const Int4Group128& block = blocks[(r + b) * groups + g];
-    const __m512 values = GroupValues(block);
-    for (int c = 0; c < kChunks; ++c) Lookup(block, c, values, &plane[b][c], &plane[b][kChunks + c]);
-  }
-  int64_t a = 0;
-  for (; a + 2 <= count; a += 2) {
-    __m512 x0[2 * kChunks], x1[2 * kChunks];
-    LoadGroupInput<kFull>(x0, x + (i + a) * k + g * kInt4GroupSize, size);
-    LoadGroupInput<kFull>(x1, x + (i + a + 1) * k + g * kInt4GroupSize, size);
-    for (int b = 0; b < R; ++b) {
-      __m512 acc0 = acc[a][b], acc1 = acc[a + 1][b];
+// Weight rows [r, r + B) looked up, across the whole of k, into `plane` (row b at b x pitch, each
+// group's 128 values in input order: the low nibbles' 64, then the high ones').
+template <int B>
+[[gnu::always_inline]] inline void FillPlane(float* plane, int64_t pitch, const Int4Group128* blocks, int64_t groups,
+                                             int64_t m, int64_t r) {
+  for (int b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      PrefetchInt4Group(blocks + PrefetchRow(r + b, m) * groups + g);
+      const Int4Group128& block = blocks[(r + b) * groups + g];
+      const __m512 values = GroupValues(block);
+      float* out = plane + b * pitch + g * kInt4GroupSize;
       for (int c = 0; c < kChunks; ++c) {
-        acc0 = _mm512_fmadd_ps(x0[c], plane[b][c], acc0);
-        acc1 = _mm512_fmadd_ps(x1[c], plane[b][c], acc1);
-        acc0 = _mm512_fmadd_ps(x0[kChunks + c], plane[b][kChunks + c], acc0);
-        acc1 = _mm512_fmadd_ps(x1[kChunks + c], plane[b][kChunks + c], acc1);
+        __m512 lo, hi;
+        Lookup(block, c, values, &lo, &hi);
+        _mm512_storeu_ps(out + 16 * c, lo);
+        _mm512_storeu_ps(out + kHalf + 16 * c, hi);
       }
-      acc[a][b] = acc0;
-      acc[a + 1][b] = acc1;
     }
-  }
-  if (a < count) {
-    __m512 x0[2 * kChunks];
-    LoadGroupInput<kFull>(x0, x + (i + a) * k + g * kInt4GroupSize, size);
-    for (int b = 0; b < R; ++b) acc[a][b] = AddGroup(acc[a][b], x0, plane[b]);
   }
 }
 
-// Input rows [i, i + count) (count <= kPlaneRows) x columns [r, r + R): Tile's sums, operation for
-// operation, each group's weights looked up once for all the input rows.
-template <int R>
-[[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t count, int64_t m, int64_t k,
-                                             const Int4Group128* blocks, const float* bias, int64_t r) {
-  const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
-  const int64_t whole = k / kInt4GroupSize;
-  __m512 plane[R][2 * kChunks];
-  __m512 acc[kPlaneRows][R];
-  for (int64_t a = 0; a < count; ++a) {
-    for (int b = 0; b < R; ++b) acc[a][b] = _mm512_setzero_ps();
+// One group g of PanelTile: A input rows x B weight rows, chunk c of the low half then of the high
+// one (the group order for every sum), each weight chunk loaded once for the A rows.
+template <int B, int A, bool kFull>
+[[gnu::always_inline]] inline void PanelGroup(__m512 (&acc)[A][B], const float* x, int64_t i, int64_t k,
+                                              const float* plane, int64_t pitch, int64_t g) {
+  const int64_t size = std::min(kInt4GroupSize, k - g * kInt4GroupSize);
+  const float* row = x + i * k + g * kInt4GroupSize;
+  for (int c = 0; c < kChunks; ++c) {
+    for (int half = 0; half < 2; ++half) {
+      const int chunk = half * kChunks + c;
+      __m512 w[B];
+      for (int b = 0; b < B; ++b) w[b] = _mm512_loadu_ps(plane + b * pitch + g * kInt4GroupSize + 16 * chunk);
+      for (int a = 0; a < A; ++a) {
+        const __m512 xv = InputChunk<kFull>(row + a * k, chunk, size);
+        for (int b = 0; b < B; ++b) acc[a][b] = _mm512_fmadd_ps(xv, w[b], acc[a][b]);
+      }
+    }
   }
-  for (int64_t g = 0; g < whole; ++g) PlaneGroup<R, true>(acc, plane, x, i, count, m, k, blocks, groups, r, g);
-  if (whole < groups) PlaneGroup<R, false>(acc, plane, x, i, count, m, k, blocks, groups, r, whole);
-  for (int64_t a = 0; a < count; ++a) {
-    for (int b = 0; b < R; ++b) Store(y, bias, m, i + a, r + b, acc[a][b]);
+}
+
+// y[i .. i+A) x columns [r, r+B) from the looked-up plane: every sum in a register across the
+// whole of k (A x B of them, B weight registers and one input register: at most 16 + 4 + 1 of 32).
+template <int B, int A>
+[[gnu::always_inline]] inline void PanelTile(float* y, const float* x, int64_t i, int64_t m, int64_t k,
+                                             const float* plane, int64_t pitch, const float* bias, int64_t r) {
+  const int64_t whole = k / kInt4GroupSize;
+  __m512 acc[A][B];
+  for (int a = 0; a < A; ++a) {
+    for (int b = 0; b < B; ++b) acc[a][b] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < whole; ++g) PanelGroup<B, A, true>(acc, x, i, k, plane, pitch, g);
+  if (whole * kInt4GroupSize < k) PanelGroup<B, A, false>(acc, x, i, k, plane, pitch, whole);
+  for (int a = 0; a < A; ++a) {
+    for (int b = 0; b < B; ++b) Store(y, bias, m, i + a, r + b, acc[a][b]);
   }
 }
 
@@ -198,17 +191,28 @@ template <int R>
 
 void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                        const float* bias, int64_t r0, int64_t r1) {
+  if (n >= kPlaneMinRows) {
+    const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+    const int64_t pitch = groups * kInt4GroupSize;
+    thread_local std::vector<float> plane;  // the calling thread's, reused (grown once per shape)
+    if (plane.size() < static_cast<size_t>(kPanelWeightRows * pitch)) plane.resize(kPanelWeightRows * pitch);
+    for (int64_t r = r0; r < r1; r += kPanelWeightRows) {
+      const int64_t rows = std::min<int64_t>(kPanelWeightRows, r1 - r);
+      WithTileRows<kPanelWeightRows>(rows, [&](auto B) __attribute__((always_inline)) {
+        FillPlane<B()>(plane.data(), pitch, blocks, groups, m, r);
+        int64_t i = 0;
+        for (; i + kPanelInputRows <= n; i += kPanelInputRows) {
+          PanelTile<B(), kPanelInputRows>(y, x, i, m, k, plane.data(), pitch, bias, r);
+        }
+        WithTileRows<kPanelInputRows - 1>(n - i, [&](auto A) __attribute__((always_inline)) {
+          PanelTile<B(), A()>(y, x, i, m, k, plane.data(), pitch, bias, r);
+        });
+      });
+    }
+    return;
+  }
   for (int64_t r = r0; r < r1; r += kInt4TileRows) {
     const int64_t rows = std::min<int64_t>(kInt4TileRows, r1 - r);
-    if (n >= kPlaneMinRows) {
-      for (int64_t i = 0; i < n; i += kPlaneRows) {
-        const int64_t count = std::min(kPlaneRows, n - i);
-        WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-          PlaneTile<R>(y, x, i, count, m, k, blocks, bias, r);
-        });
-      }
-      continue;
-    }
     // Three input rows at a time (24 sums: AVX-512's 32 registers), then two, then one.
     int64_t i = 0;
     for (; i + 3 <= n; i += 3) {
