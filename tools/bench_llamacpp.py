@@ -5,7 +5,7 @@
     tools/bench_llamacpp.py decode  [--rounds R]    llama-bench against shardserve bench at one stream
     tools/bench_llamacpp.py agree   [--tokens N]    greedy tokens of every format against float32's
     tools/bench_llamacpp.py servers [--rounds R]    llama-server against shardserve launch's OpenAI port
-    tools/bench_llamacpp.py report  FILE.jsonl      medians and ratios of a decode or servers run
+    tools/bench_llamacpp.py report  FILE.jsonl [--run ID]   medians and ratios of its records (of one run)
 
 Needs llama.cpp built by tools/build-llamacpp.sh (LCPP, default /work/llamacpp-build) and shardserve's
 Release or RelWithDebInfo binaries (BIN, default build/bin). Standard library only, apart from
@@ -189,6 +189,7 @@ def shardserve_bench_one(fmt, threads, n_in, n_out, requests, extra=()):
 
 def decode(a):
     out = open(a.out, "a")
+    run = run_id()
     for rnd in range(1, a.rounds + 1):
         for fmt in a.formats.split(","):
             for t in (int(x) for x in a.threads.split(",")):
@@ -200,12 +201,12 @@ def decode(a):
                         r = llama_bench(fmt, t, a.input_len, a.output_len, a.llama_args.split())
                     else:
                         r = shardserve_bench_one(fmt, t, a.input_len, a.output_len, a.requests, extra)
-                    rec = {"kind": "decode", "round": rnd, "format": fmt, "threads": t, "engine": engine,
+                    rec = {"kind": "decode", "run": run, "round": rnd, "format": fmt, "threads": t, "engine": engine,
                            "load_before": la, "load_after": loadavg(), **(r or {"error": True})}
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
                     log(json.dumps(rec))
-    report_file(a.out)
+    report_file(a.out, run)
 
 
 # ---- agree --------------------------------------------------------------------------------------------
@@ -292,6 +293,7 @@ def shardserve_launch(fmt, port, threads, tmp, extra=()):
 
 def servers(a):
     out = open(a.out, "a")
+    run = run_id()
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     for rnd in range(1, a.rounds + 1):
         for fmt in a.formats.split(","):
@@ -312,14 +314,15 @@ def servers(a):
                             if r.get("error"):  # once more; the record says so
                                 r = dict(bench_openai(f"http://127.0.0.1:{port}/v1", conc, reqs, a.input_len,
                                                       a.output_len, f"{engine}-{fmt}-{conc}"), retried=True)
-                            rec = {"kind": "servers", "round": rnd, "format": fmt, "engine": engine, "streams": conc,
+                            rec = {"kind": "servers", "run": run, "round": rnd, "format": fmt, "engine": engine,
+                                   "streams": conc,
                                    "load_before": la, "load_after": loadavg(), **r}
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
                             log(json.dumps(rec))
                     finally:
                         stop(p)
-    report_file(a.out)
+    report_file(a.out, run)
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -329,8 +332,19 @@ def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def report_file(path):
+def run_id():
+    """A run's records carry its start time: the output file gathers every run (it is opened to
+append), and the table a run prints at its end is of its own records only."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def report_file(path, run=None):
     recs = [json.loads(l) for l in open(path) if l.strip()]
+    if run is not None:
+        recs = [r for r in recs if r.get("run") == run]
+        if not recs:
+            sys.exit(f"{path}: no record of run {run}")
+        print(f"run {run}: {len(recs)} records of {path}")
     loads = [r[k] for r in recs for k in ("load_before", "load_after")]
     dec = [r for r in recs if r["kind"] == "decode" and not r.get("error")]
     if dec:
@@ -412,11 +426,13 @@ def main():
                         "'act8=--activation-quantization int8'")
     r = sub.add_parser("report")
     r.add_argument("file")
+    r.add_argument("--run", help="only the records of this run (its start time, each record's \"run\"); "
+                                 "default every record in the file")
     a = ap.parse_args()
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     try:
         {"prepare": prepare, "decode": decode, "agree": agree, "servers": servers,
-         "report": lambda a: report_file(a.file)}[a.cmd](a)
+         "report": lambda a: report_file(a.file, a.run)}[a.cmd](a)
     finally:
         for p in list(_children):
             stop(p, 5)
