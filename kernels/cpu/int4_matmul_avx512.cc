@@ -33,9 +33,9 @@ namespace {
 constexpr int64_t kHalf = kInt4GroupSize / 2;  // 64: the low nibbles' values, then the high ones'
 constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
 // From this many input rows on, Int4ColumnsAvx512 looks each weight row up once, across the whole
-// of k, into a plane of floats (FillPlane, kPanelWeightRows rows at a time: 4 x k floats, in L1 or
-// L2), and multiplies it by kPanelInputRows input rows at a time with every sum in a register
-// (PanelTile: 24 sums, 4 weight chunks and 1 input chunk of the 32 zmm); below, up to three input
+// of k, into a plane of floats (FillPlane, kPlaneWeightRows rows at a time: 4 x k floats, in L1 or
+// L2), and multiplies it by kPlaneInputRows input rows at a time with every sum in a register
+// (PlaneTile: 24 sums, 4 weight chunks and 1 input chunk of the 32 zmm); below, up to three input
 // rows share each lookup in registers (Tile). bench_matmul --threads 2 --layers 12 (the bench
 // model's 75.5M weights; AMD EPYC Zen 5, medians, ms; docs/benchmarks.md):
 //   rows                        8      16      32      128
@@ -44,7 +44,7 @@ constexpr int kChunks = kHalf / 16;            // 4 zmm of values per half group
 //   4 x 4 / 8 x 3 / 5 x 5             9.06 / 9.04 / 11.32 at 16; 17.19 / 18.16 / 21.21 at 32
 //   the group-at-a-time plane (64 rows' sums on the stack, before)  10.54  17.66  64.33
 constexpr int64_t kPlaneMinRows = 9;
-constexpr int kPanelWeightRows = 4, kPanelInputRows = 6;
+constexpr int kPlaneWeightRows = 4, kPlaneInputRows = 6;
 
 // (j - z) for j in [0, 15], one row per zero point z a block can hold (a uint8: the quantizer
 // writes 0-15, a GPTQ v1 checkpoint up to 16, model/quantized_checkpoint.cc), exact small integers:
@@ -150,10 +150,10 @@ template <int B>
   }
 }
 
-// One group g of PanelTile: A input rows x B weight rows, chunk c of the low half then of the high
+// One group g of PlaneTile: A input rows x B weight rows, chunk c of the low half then of the high
 // one (the group order for every sum), each weight chunk loaded once for the A rows.
 template <int B, int A, bool kFull>
-[[gnu::always_inline]] inline void PanelGroup(__m512 (&acc)[A][B], const float* x, int64_t i, int64_t k,
+[[gnu::always_inline]] inline void PlaneGroup(__m512 (&acc)[A][B], const float* x, int64_t i, int64_t k,
                                               const float* plane, int64_t pitch, int64_t g) {
   const int64_t size = std::min(kInt4GroupSize, k - g * kInt4GroupSize);
   const float* row = x + i * k + g * kInt4GroupSize;
@@ -171,17 +171,18 @@ template <int B, int A, bool kFull>
 }
 
 // y[i .. i+A) x columns [r, r+B) from the looked-up plane: every sum in a register across the
-// whole of k (A x B of them, B weight registers and one input register: at most 16 + 4 + 1 of 32).
+// whole of k (A x B of them, B weight registers and one input register: 24 + 4 + 1 of the 32 at
+// kPlaneInputRows x kPlaneWeightRows).
 template <int B, int A>
-[[gnu::always_inline]] inline void PanelTile(float* y, const float* x, int64_t i, int64_t m, int64_t k,
+[[gnu::always_inline]] inline void PlaneTile(float* y, const float* x, int64_t i, int64_t m, int64_t k,
                                              const float* plane, int64_t pitch, const float* bias, int64_t r) {
   const int64_t whole = k / kInt4GroupSize;
   __m512 acc[A][B];
   for (int a = 0; a < A; ++a) {
     for (int b = 0; b < B; ++b) acc[a][b] = _mm512_setzero_ps();
   }
-  for (int64_t g = 0; g < whole; ++g) PanelGroup<B, A, true>(acc, x, i, k, plane, pitch, g);
-  if (whole * kInt4GroupSize < k) PanelGroup<B, A, false>(acc, x, i, k, plane, pitch, whole);
+  for (int64_t g = 0; g < whole; ++g) PlaneGroup<B, A, true>(acc, x, i, k, plane, pitch, g);
+  if (whole * kInt4GroupSize < k) PlaneGroup<B, A, false>(acc, x, i, k, plane, pitch, whole);
   for (int a = 0; a < A; ++a) {
     for (int b = 0; b < B; ++b) Store(y, bias, m, i + a, r + b, acc[a][b]);
   }
@@ -195,17 +196,17 @@ void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k
     const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
     const int64_t pitch = groups * kInt4GroupSize;
     thread_local std::vector<float> plane;  // the calling thread's, reused (grown once per shape)
-    if (plane.size() < static_cast<size_t>(kPanelWeightRows * pitch)) plane.resize(kPanelWeightRows * pitch);
-    for (int64_t r = r0; r < r1; r += kPanelWeightRows) {
-      const int64_t rows = std::min<int64_t>(kPanelWeightRows, r1 - r);
-      WithTileRows<kPanelWeightRows>(rows, [&](auto B) __attribute__((always_inline)) {
+    if (plane.size() < static_cast<size_t>(kPlaneWeightRows * pitch)) plane.resize(kPlaneWeightRows * pitch);
+    for (int64_t r = r0; r < r1; r += kPlaneWeightRows) {
+      const int64_t rows = std::min<int64_t>(kPlaneWeightRows, r1 - r);
+      WithTileRows<kPlaneWeightRows>(rows, [&](auto B) __attribute__((always_inline)) {
         FillPlane<B()>(plane.data(), pitch, blocks, groups, m, r);
         int64_t i = 0;
-        for (; i + kPanelInputRows <= n; i += kPanelInputRows) {
-          PanelTile<B(), kPanelInputRows>(y, x, i, m, k, plane.data(), pitch, bias, r);
+        for (; i + kPlaneInputRows <= n; i += kPlaneInputRows) {
+          PlaneTile<B(), kPlaneInputRows>(y, x, i, m, k, plane.data(), pitch, bias, r);
         }
-        WithTileRows<kPanelInputRows - 1>(n - i, [&](auto A) __attribute__((always_inline)) {
-          PanelTile<B(), A()>(y, x, i, m, k, plane.data(), pitch, bias, r);
+        WithTileRows<kPlaneInputRows - 1>(n - i, [&](auto A) __attribute__((always_inline)) {
+          PlaneTile<B(), A()>(y, x, i, m, k, plane.data(), pitch, bias, r);
         });
       });
     }
