@@ -1140,6 +1140,9 @@ TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
     if (quant == WeightQuant::kInt8 && cpu::Int8OnPanels(cpu::ActiveQuantIsa())) {
       // The codes as panels: the last one padded to 16 rows (kernels/cpu/panel_matmul.h).
       EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * 4 + cpu::PanelMatMulFloats(m, k)));
+    } else if (quant == WeightQuant::kInt4 && cpu::Int4OnPanels(cpu::ActiveQuantIsa())) {
+      // The groups as panels: the last block of 4 padded to 64 rows (kernels/cpu/panel_matmul.h).
+      EXPECT_EQ(buffer->bytes(), cpu::Int4PanelGroupCount(m, k) * sizeof(cpu::Int4PanelGroup));
     } else {
       EXPECT_EQ(copy.bytes(), buffer->bytes()) << WeightQuantName(quant);
     }
@@ -1304,11 +1307,13 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
     ASSERT_TRUE(QuantizeFp8Rows(sf8.data(), qf8.data(), w.data(), m, k).ok());
     ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
     // A GPTQ v1 checkpoint's int4 zero points reach 16 (model/quantized_checkpoint.cc), which the
-    // quantizer never writes: every instance must read it (the AVX-512 one's table of zeros).
+    // quantizer never writes: every instance must read it (the panels hold it as a float).
     for (size_t i = 0; i < blocks.size(); i += 7) blocks[i].zero = 16;
     DequantizeInt8Rows(ref8.data(), s8.data(), q8.data(), m, k);
     DequantizeFp8Rows(reff8.data(), sf8.data(), qf8.data(), m, k);
     DequantizeInt4Groups(ref4.data(), blocks.data(), m, k);
+    std::vector<cpu::Int4PanelGroup> int4_panels(cpu::Int4PanelGroupCount(m, k));
+    cpu::PackPanelsInt4(int4_panels.data(), blocks.data(), m, k);
     for (int64_t n : {1, 2, 3, 4, 32, 64, 65}) {
       std::vector<float> x = Random(rng, n * k);
       for (int format = 0; format < 3; ++format) {
@@ -1322,7 +1327,11 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         const auto run = [&](const std::vector<float>& in) {
           if (format == 0) cpu::Int8MatMul(out, in.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, isa);
           if (format == 1) cpu::Fp8MatMul(out, in.data(), n, m, k, qf8.data(), sf8.data(), b.data(), 2, isa);
-          if (format == 2) cpu::Int4MatMul(out, in.data(), n, m, k, blocks.data(), b.data(), 2, isa);
+          if (format == 2 && isa == cpu::QuantIsa::kAvx512) {  // AVX-512's int4 product: the panels
+            cpu::PanelMatMulInt4(out, in.data(), n, m, k, int4_panels.data(), b.data(), 2);
+          } else if (format == 2) {
+            cpu::Int4MatMul(out, in.data(), n, m, k, blocks.data(), b.data(), 2, isa);
+          }
         };
         run(x);
         const std::vector<float>& ref = format == 0 ? ref8 : format == 1 ? reff8 : ref4;
@@ -1330,7 +1339,7 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         const bool vnni = (isa == cpu::QuantIsa::kAvx512Vnni || isa == cpu::QuantIsa::kAvx2Int8) && format != 1;
         ExpectClose(what, std::vector<float>(out, out + n * m),
                     MatMulReference(vnni ? RoundedAsInt8Rows(x, n, k) : x, ref, &b, n, k, m),
-                    format == 2 && !vnni && isa != cpu::QuantIsa::kAvx512 ? 1e-4 : 1e-5);
+                    format == 2 && !vnni ? 1e-4 : 1e-5);
         for (size_t g = 0; g < kGuard; ++g) {
           ASSERT_EQ(y[g], 7.0f) << what << ": guard before";
           ASSERT_EQ(y[kGuard + n * m + g], 7.0f) << what << ": guard after";
@@ -1571,13 +1580,13 @@ TEST(Int4QuantTest, QuantizeIsWithinAStepAndDequantizeInverts) {
 // A product by an int4 weight equals the product by its dequantized weight (the reference). The
 // kernel sums x x q and x per group and applies scale x (sum x q - zero x sum x): the two sums
 // (q in [0, 15], not centred) are up to ~8x larger than their difference, so float32 rounding costs
-// ~10x the int8 products' 1e-5: 1e-4 normalized (measured up to 1.3e-5 on one output; a wrong
-// nibble, zero or scale gives > 1e-2). The AVX-512 instance (int4_matmul.h) sums over the
-// dequantized weights themselves, without those two sums: 1e-5 where it runs (measured up to
-// 2.2e-6). k
-// with and without a short last group, m with tile tails, n = 1, 4, 32 (and 3) with and without
-// bias; outputs start as NaN (a skipped output fails) and guards are checked. The packed weight
-// is I8 and holds exactly the reference's blocks.
+// ~10x the int8 products' 1e-5: 1e-4 normalized (measured up to 2.5e-5 on one output; a wrong
+// nibble, zero or scale gives > 1e-2). The int4 panels of AVX-512 CPUs (kernels/cpu/panel_matmul.h)
+// sum the same way, one chain per output and group. k with and without a short last group (odd
+// and even), m with tile and block tails, n = 1, 3, 4 (4-panel tiles), 6, 32 (2-panel tiles)
+// with and without bias; outputs start as NaN (a skipped output fails) and guards are checked. The
+// packed weight is I8 and holds exactly the reference's blocks (as panels where the CPU
+// multiplies them so).
 TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
   for (auto [k, m] : {std::pair<int64_t, int64_t>{128, 1}, {256, 33}, {64, 7}, {300, 13}, {1024, 257}, {129, 5}}) {
     const std::vector<float> w = Random(rng_, m * k), b = Random(rng_, m);
@@ -1594,18 +1603,27 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
       absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(dw.t(), &packed, WeightQuant::kInt4);
       ASSERT_TRUE(buffer.ok()) << buffer.status();
       EXPECT_EQ(packed.dtype, DType::kI8);
-      ASSERT_EQ(buffer->bytes(), static_cast<size_t>(layout.bytes()));
-      EXPECT_EQ(std::memcmp(buffer->data(), blocks.data(), layout.bytes()), 0);
+      EXPECT_EQ(packed.bytes(), static_cast<size_t>(layout.bytes()));
+      if (cpu::Int4OnPanels(cpu::ActiveQuantIsa())) {  // the blocks as panels (kernels/cpu/panel_matmul.h)
+        std::vector<cpu::Int4PanelGroup> panels(cpu::Int4PanelGroupCount(m, k));
+        cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k);
+        ASSERT_EQ(buffer->bytes(), panels.size() * sizeof(cpu::Int4PanelGroup));
+        EXPECT_EQ(std::memcmp(buffer->data(), panels.data(), buffer->bytes()), 0);
+      } else {
+        ASSERT_EQ(buffer->bytes(), static_cast<size_t>(layout.bytes()));
+        EXPECT_EQ(std::memcmp(buffer->data(), blocks.data(), layout.bytes()), 0);
+      }
       packed_buffer = std::move(*buffer);
       dw.Poison();  // MatMul must read only the packed copy
     }
     ASSERT_NO_FATAL_FAILURE(ExpectQuantizedProducts(backend_.get(), rng_, WeightQuant::kInt4, packed, dequantized, b,
-                                                    k, m, {1, 3, 4, 32},
-                                                    cpu::ActiveQuantIsa() == cpu::QuantIsa::kAvx512 ? 1e-5 : 1e-4));
+                                                    k, m, {1, 3, 4, 6, 32}, 1e-4));
   }
   // The backend says which instance runs and what the CPU has.
   EXPECT_NE(backend_->Describe().find(cpu::Int8OnPanels(cpu::ActiveQuantIsa())
                                           ? "int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on "
+                                      : cpu::Int4OnPanels(cpu::ActiveQuantIsa())
+                                          ? "int8/fp8 products on avx512, int4 on 16-float panels (codes widened in registers)"
                                           : "int8/fp8/int4 products on "),
             std::string::npos)
       << backend_->Describe();

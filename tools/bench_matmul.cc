@@ -44,6 +44,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/bf16_matmul.h"
+#include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
@@ -179,10 +180,16 @@ int main(int argc, char** argv) {
   for (QuantIsa isa : {QuantIsa::kAvx2, QuantIsa::kAvx512}) {
     if (!shardserve::cpu::QuantIsaSupported(isa)) continue;
     for (WeightQuant q : {WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
+      if (q == WeightQuant::kInt4 && isa == QuantIsa::kAvx512) continue;  // AVX-512's int4: "int4 panels" below
       kernels.push_back({absl::StrCat(shardserve::WeightQuantName(q), " ", shardserve::cpu::QuantIsaName(isa)), q, isa,
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
     }
   }
+  // Where the backend keeps int4 weights as panels (kernels/cpu/quant_isa.h Int4OnPanels: AVX-512
+  // CPUs), "int4 avx2" above multiplies the blocks themselves (Int4MatMul) and "int4 panels" is the
+  // backend's.
+  const bool int4_panels = shardserve::cpu::Int4OnPanels(shardserve::cpu::ActiveQuantIsa());
+  if (int4_panels) kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   // The products a worker runs under --activation-quantization int8 (VNNI's, else AVX2's), packed and
   // run by a backend made as that worker makes its own.
   const std::optional<QuantIsa> act8_isa = shardserve::cpu::Int8ActivationsIsa();
@@ -201,6 +208,7 @@ int main(int argc, char** argv) {
     std::map<WeightQuant, std::pair<Buffer, Tensor>> act8;    // int8 and int4, packed by act8_backend
     std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
+    std::vector<shardserve::Int4Group128> int4_blocks;         // where the backend packs int4 as panels
   };
   std::vector<Weight> weights;
   std::map<WeightQuant, double> pack_seconds;  // the backend's packing (quantization) of every weight, per format
@@ -208,7 +216,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         const auto t0 = std::chrono::steady_clock::now();
@@ -227,6 +235,14 @@ int main(int argc, char** argv) {
             return 1;
           }
           weight.act8[q] = {std::move(*buffer_act8), packed_act8};
+        }
+      }
+      if (int4_panels) {
+        weight.int4_blocks.resize(static_cast<size_t>(s.m * shardserve::Int4GroupsLayout{s.m, s.k}.groups_per_row()));
+        if (absl::Status q = shardserve::QuantizeWeight(WeightQuant::kInt4, weight.int4_blocks.data(), w.data(), s.m, s.k);
+            !q.ok()) {
+          std::fprintf(stderr, "bench_matmul: %s\n", std::string(q.message()).c_str());
+          return 1;
         }
       }
       if (bf16) {
@@ -249,6 +265,10 @@ int main(int argc, char** argv) {
     if (kernel.name == "f32 oneDNN") {
       omp_set_num_threads(threads);
       w.onednn->Run(stream, out, x.data(), n);
+      return;
+    }
+    if (int4_panels && kernel.quant == WeightQuant::kInt4 && kernel.isa.has_value()) {  // the blocks' instances
+      shardserve::cpu::Int4MatMul(out, x.data(), n, w.shape.m, w.shape.k, w.int4_blocks.data(), nullptr, threads, *kernel.isa);
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);

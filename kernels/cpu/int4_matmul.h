@@ -5,12 +5,10 @@
 // scale x (sum(x q) - zero x sum(x)) to the output's accumulator: the zero point costs one multiply
 // per group, not one per weight.
 //
-// That is the 8-lane instances' way (baseline x86-64, AVX2). The AVX-512 instance
-// (int4_matmul_avx512.cc) looks each nibble up among its group's 16 dequantized values instead and
-// sums x x w over the dequantized weights in 16 lanes: fewer instructions per weight, and
-// DequantizeInt4Groups's weights bit for bit (only the order of the additions differs from the
-// reference, and FMA's single rounding). The instances' results
-// differ from each other by float32 rounding; each is held to the reference (QuantIsaTest).
+// So do both exact instances, in 8 lanes: baseline x86-64 and AVX2. On CPUs with AVX-512 the CPU backend
+// does not multiply the blocks: it repacks them at load as panels of 16 outputs and multiplies
+// those (panel_matmul.h PanelMatMulInt4, quant_isa.h Int4OnPanels), which serve many input rows
+// per widened weight; Int4MatMul runs the AVX2 instance for kAvx512.
 //
 // Each output y[i][r] is one fixed sequence of operations over k whatever the other rows of x, so a
 // sequence's results do not depend on what else shares its step (as int8_matmul.h's products).
@@ -28,9 +26,8 @@ namespace shardserve::cpu {
 
 // y [n, m] = x [n, k] @ w^T (+ bias [m], may be null), w [m, k] stored as `blocks`
 // [m, ceil(k / 128)] (Int4GroupsLayout), on `threads` OpenMP threads (<= 0: OpenMP's default),
-// with `isa`'s instance (which the CPU must support; kAvx512's is the 16-lane lookup above,
-// int4_matmul_avx512.cc; kAvx512Vnni's multiplies int8-rounded activations in integers, inexact,
-// int4_matmul_vnni.cc).
+// with `isa`'s instance (which the CPU must support; kAvx512 runs kAvx2's; kAvx512Vnni's multiplies
+// int8-rounded activations in integers, inexact, int4_matmul_vnni.cc).
 void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                 const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
 

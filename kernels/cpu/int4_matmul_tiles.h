@@ -1,9 +1,9 @@
 // The tiles of the CPU's int4 products (int4_matmul.h), as templates over how 8 packed bytes become
 // two 8-float vectors (`Unpack::Load(const uint8_t*, Vec8* low, Vec8* high)`: the low nibbles, then
 // the high ones), instantiated once per 8-lane instruction set: int4_matmul.cc (baseline x86-64)
-// and int4_matmul_avx2.cc (AVX2 + FMA). The AVX-512 instance is its own 16-lane code
-// (int4_matmul_avx512.cc), sharing only the declarations, kInt4TileRows and PrefetchInt4Group.
-// Internal to those files; everything here has internal linkage, so the instances cannot mix.
+// and int4_matmul_avx2.cc (AVX2 + FMA). (AVX-512 CPUs multiply int4 weights as panels:
+// panel_matmul.h PanelMatMulInt4.) Internal to those files; everything here has internal linkage,
+// so the instances cannot mix.
 #ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 #define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 
@@ -21,13 +21,11 @@
 
 namespace shardserve::cpu {
 
-// The baseline-x86-64, AVX2 and AVX-512 instances of the columns [r0, r1) of y = x @ w^T + bias.
+// The baseline-x86-64 and AVX2 instances of the columns [r0, r1) of y = x @ w^T + bias.
 void Int4ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                          const float* bias, int64_t r0, int64_t r1);
 void Int4ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                      const float* bias, int64_t r0, int64_t r1);
-void Int4ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
-                       const float* bias, int64_t r0, int64_t r1);
 // int4_matmul_vnni.cc: the whole int4 product with activations quantized (QuantIsa::kAvx512Vnni).
 void Int4MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4Group128* blocks,
                     const float* bias, int threads);

@@ -146,6 +146,10 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   // int8-rounded activations.
   const QuantIsa int_isa = IntIsa();
   if (quant == WeightQuant::kInt4) {
+    if ((*packed)->int4_panels) {
+      cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_);
+      return absl::OkStatus();
+    }
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
     return absl::OkStatus();
   }
@@ -320,6 +324,19 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
                         reinterpret_cast<const int8_t*>(rows.data()) + scale_bytes, m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int8_panels = true;
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = quant;
+    return buffer;
+  }
+  if (quant == WeightQuant::kInt4 && Int4OnPanels(IntIsa())) {
+    // The blocks first, then repacked as panels (panel_matmul.h).
+    std::vector<Int4Group128> blocks(static_cast<size_t>(m * Int4GroupsLayout{m, k}.groups_per_row()));
+    SHARDSERVE_RETURN_IF_ERROR(fill(blocks.data()));
+    const auto panel_bytes = static_cast<size_t>(cpu::Int4PanelGroupCount(m, k)) * sizeof(cpu::Int4PanelGroup);
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
+    cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k);
+    packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
+    packed_[buffer.data()].int4_panels = true;
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;

@@ -260,4 +260,30 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
   }
 }
 
+int64_t Int4PanelGroupCount(int64_t m, int64_t k) {
+  constexpr int64_t kOutputs = kInt4GroupPanels * kPanelCols;
+  return (m + kOutputs - 1) / kOutputs * Int4GroupsLayout{m, k}.groups_per_row();
+}
+
+void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k) {
+  constexpr int64_t kOutputs = kInt4GroupPanels * kPanelCols;
+  const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+  for (int64_t b = 0; b < (m + kOutputs - 1) / kOutputs; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      Int4PanelGroup& out = packed[b * groups + g];
+      out = Int4PanelGroup{};
+      for (int64_t o = 0; o < kOutputs && b * kOutputs + o < m; ++o) {
+        const int64_t p = o / kPanelCols, c = o % kPanelCols;
+        const Int4Group128& block = blocks[(b * kOutputs + o) * groups + g];
+        out.scale[p][c] = block.scale;
+        out.zero[p][c] = static_cast<float>(block.zero);
+        const auto code = [&](int64_t j) { return j < 64 ? block.q[j] & 15 : block.q[j - 64] >> 4; };
+        for (int64_t j = 0; j < kInt4PanelGroupInputs / 2; ++j) {
+          out.q[j][p][c] = static_cast<uint8_t>(code(2 * j) | code(2 * j + 1) << 4);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace shardserve::cpu

@@ -34,6 +34,8 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/quant.h"
+
 namespace shardserve::cpu {
 
 // Output columns per panel: two 8-float vectors (AVX2 registers) per tile row, or one AVX-512 one.
@@ -78,6 +80,37 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k);
 // PackPanelsInt8, scale [m]. y must not overlap the inputs. n, m, k >= 1. Only on CPUs with AVX2
 // and FMA.
 void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                     const float* bias, int threads);
+
+// The same products by int4 weights (kernels/quant.h's Int4Group128 blocks: groups of 128 inputs,
+// a scale and a zero point each), for CPUs with AVX-512F, whose exact int4 products the CPU backend
+// runs so (quant_isa.h Int4OnPanels; panel_matmul_int4_avx512.cc). Outputs in blocks of 4 panels
+// (64 outputs); block b's group g is one Int4PanelGroup: its 4 panels' scales and zero points, then
+// for each pair of inputs 128 g + 2j, 2j + 1 one 64-byte line, byte q[j][p][c] holding output
+// 64 b + 16 p + c's code at input 2j (low nibble) and 2j + 1 (high nibble): a decode step reads
+// the weight as one stream. Per output and group, the chain of fused multiply-adds of the codes as
+// floats by the inputs, over the group's inputs in order from zero (`partial`), then, from acc = 0,
+// group by group,
+//   acc = fma(scale, fnmadd(zero, sum of the group's inputs, partial), acc),
+// y = acc (+ bias); a row's sum of a group's inputs is 16 lanes over its chunks in order, the lanes
+// then added. That is scale x sum_j x_j (q_j - zero) in another order of additions than the
+// dequantized weights' (within float32 rounding of the reference, QuantIsaTest), the same
+// operations for every row whatever the others (QuantMatMulRowsTest).
+inline constexpr int64_t kInt4PanelGroupInputs = kInt4GroupSize;
+inline constexpr int kInt4GroupPanels = 4;
+struct alignas(64) Int4PanelGroup {
+  float scale[kInt4GroupPanels][kPanelCols];  // each output's scale (0 past m)
+  float zero[kInt4GroupPanels][kPanelCols];   // its zero point, as a float (0 past m)
+  uint8_t q[kInt4PanelGroupInputs / 2][kInt4GroupPanels][kPanelCols];  // inputs 2j (low nibble), 2j + 1 (high)
+};
+// Int4PanelGroups a packed w [m, k] takes: ceil(m / 64) blocks of ceil(k / 128) groups.
+int64_t Int4PanelGroupCount(int64_t m, int64_t k);
+// packed [Int4PanelGroupCount(m, k)] = blocks [m, ceil(k / 128)] (Int4GroupsLayout) in panels; the
+// codes past k and the outputs past m are 0. m, k >= 0.
+void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k);
+// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsInt4.
+// y must not overlap the inputs. n, m, k >= 1. Only on CPUs with AVX-512F and FMA.
+void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads);
 
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512

@@ -73,6 +73,10 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
     return absl::StrCat("int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on ",
                         QuantIsaName(int_isa), " ", cpu, vnni ? ": not used, inexact]" : "]");
   }
+  if (Int4OnPanels(int_isa)) {
+    return absl::StrCat("int8/fp8 products on ", QuantIsaName(int_isa), ", int4 on 16-float panels (codes widened in registers) ",
+                        cpu, vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
+  }
   return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu,
                       vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
 }
