@@ -983,31 +983,38 @@ TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
   const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
   std::vector<CpuActivationQuant> acts = {CpuActivationQuant::kNone};
   if (cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) acts.push_back(CpuActivationQuant::kInt8);
-  for (auto [threads, act] : {std::pair{1, acts[0]}, {2, acts[0]}, {1, acts.back()}, {2, acts.back()}}) {
-    absl::StatusOr<std::unique_ptr<Backend>> made = MakeCpuBackend(threads, CpuMatMul::kF32, act);
-    ASSERT_TRUE(made.ok()) << made.status();
-    std::unique_ptr<Backend> backend = std::move(*made);
-    DeviceTensor dw(backend.get(), DType::kF32, {m, k});
-    dw.Upload(w);
-    Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, quant);
-    ASSERT_TRUE(buffer.ok()) << buffer.status();
-    DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
-    all_x.Upload(x);
-    DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
-    ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
-    const std::vector<float> want = all_out.Download<float>();
-    for (int64_t n : {1, 2, 3, 5, 8}) {
-      for (int64_t first : {int64_t{0}, int64_t{1}, rows - n}) {
-        DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
-        ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
-        const std::vector<float> got = part_out.Download<float>();
-        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
-            << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads, activations "
-            << CpuActivationQuantName(act) << ")";
+  // The CPU's own instance, and on an AVX-512 CPU also the AVX2 CPUs' (their int8 and int4 panels).
+  std::vector<std::optional<cpu::QuantIsa>> isas = {std::nullopt};
+  if (cpu::ActiveQuantIsa() == cpu::QuantIsa::kAvx512) isas.push_back(cpu::QuantIsa::kAvx2);
+  for (const std::optional<cpu::QuantIsa>& isa : isas) {
+    cpu::SetQuantIsaOverride(isa);
+    for (auto [threads, act] : {std::pair{1, acts[0]}, {2, acts[0]}, {1, acts.back()}, {2, acts.back()}}) {
+      absl::StatusOr<std::unique_ptr<Backend>> made = MakeCpuBackend(threads, CpuMatMul::kF32, act);
+      ASSERT_TRUE(made.ok()) << made.status();
+      std::unique_ptr<Backend> backend = std::move(*made);
+      DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+      dw.Upload(w);
+      Tensor packed;
+      absl::StatusOr<Buffer> buffer = backend->PackMatMulWeight(dw.t(), &packed, quant);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      DeviceTensor all_x(backend.get(), DType::kF32, {rows, k});
+      all_x.Upload(x);
+      DeviceTensor all_out(backend.get(), DType::kF32, {rows, m});
+      ASSERT_TRUE(backend->MatMul(all_out.ptr(), all_x.t(), packed, nullptr).ok());
+      const std::vector<float> want = all_out.Download<float>();
+      for (int64_t n : {1, 2, 3, 5, 8}) {
+        for (int64_t first : {int64_t{0}, int64_t{1}, rows - n}) {
+          DeviceTensor part_out(backend.get(), DType::kF32, {n, m});
+          ASSERT_TRUE(backend->MatMul(part_out.ptr(), all_x.t().Rows(first, first + n), packed, nullptr).ok());
+          const std::vector<float> got = part_out.Download<float>();
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin() + first * m))
+              << "rows " << first << ".." << first + n << " alone differ (" << threads << " threads, activations "
+              << CpuActivationQuantName(act) << ", " << cpu::QuantIsaName(cpu::ActiveQuantIsa()) << ")";
+        }
       }
     }
   }
+  cpu::SetQuantIsaOverride(std::nullopt);
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantMatMulRowsTest, ::testing::Values(WeightQuant::kInt8, WeightQuant::kInt4),
@@ -1286,6 +1293,29 @@ TEST(ActivationRowsTest, Avx2Int8ProductIsTheVnniOneBitForBit) {
   }
 }
 
+// The int4 panels' two instances (kernels/cpu/panel_matmul.h PanelMatMulInt4: AVX-512's 16-float
+// vectors, AVX2's 8-float ones, with tiles of other shapes) run the same operations on every
+// output: bitwise equal results, bias or not, short last groups of odd and even length, block
+// tails, one row to many. Needs both: a CPU with AVX-512.
+TEST(Int4PanelsTest, Avx2InstanceIsTheAvx512OneBitForBit) {
+  if (!cpu::PanelTilesSupported(cpu::PanelTiles::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512";
+  std::mt19937 rng(29);
+  for (auto [n, m, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 70, 300}, {2, 64, 128}, {3, 17, 129}, {7, 130, 256},
+                         {13, 40, 1023}, {65, 9, 23}}) {
+    const std::vector<float> w = Random(rng, m * k), x = Random(rng, n * k), b = Random(rng, m);
+    std::vector<Int4Group128> blocks(m * Int4GroupsLayout{m, k}.groups_per_row());
+    ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
+    std::vector<cpu::Int4PanelGroup> panels(cpu::Int4PanelGroupCount(m, k));
+    cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k);
+    for (const float* bias : {static_cast<const float*>(nullptr), b.data()}) {
+      std::vector<float> wide(n * m), narrow(n * m);
+      cpu::PanelMatMulInt4(wide.data(), x.data(), n, m, k, panels.data(), bias, 2, cpu::PanelTiles::kAvx512);
+      cpu::PanelMatMulInt4(narrow.data(), x.data(), n, m, k, panels.data(), bias, 2, cpu::PanelTiles::kVec8);
+      EXPECT_EQ(narrow, wide) << "n=" << n << " m=" << m << " k=" << k << (bias != nullptr ? " +bias" : "");
+    }
+  }
+}
+
 class QuantIsaTest : public ::testing::TestWithParam<cpu::QuantIsa> {};
 
 TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
@@ -1316,8 +1346,10 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
     cpu::PackPanelsInt4(int4_panels.data(), blocks.data(), m, k);
     for (int64_t n : {1, 2, 3, 4, 32, 64, 65}) {
       std::vector<float> x = Random(rng, n * k);
-      for (int format = 0; format < 3; ++format) {
-        const char* name = format == 0 ? "int8" : format == 1 ? "fp8" : "int4";
+      // format 2: int4 as the backend multiplies it on this instance's CPUs (the panels for kAvx2
+      // and kAvx512, kernels/cpu/quant_isa.h Int4OnPanels); 3: int4 by Int4MatMul's blocks.
+      for (int format = 0; format < 4; ++format) {
+        const char* name = format == 0 ? "int8" : format == 1 ? "fp8" : format == 2 ? "int4" : "int4 blocks";
         const std::string what =
             absl::StrCat(cpu::QuantIsaName(isa), " ", name, " n=", n, " k=", k, " m=", m);
         std::vector<float> y(kGuard + n * m + kGuard, std::numeric_limits<float>::quiet_NaN());
@@ -1327,9 +1359,10 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         const auto run = [&](const std::vector<float>& in) {
           if (format == 0) cpu::Int8MatMul(out, in.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, isa);
           if (format == 1) cpu::Fp8MatMul(out, in.data(), n, m, k, qf8.data(), sf8.data(), b.data(), 2, isa);
-          if (format == 2 && isa == cpu::QuantIsa::kAvx512) {  // AVX-512's int4 product: the panels
-            cpu::PanelMatMulInt4(out, in.data(), n, m, k, int4_panels.data(), b.data(), 2);
-          } else if (format == 2) {
+          if (format == 2 && cpu::Int4OnPanels(isa)) {
+            cpu::PanelMatMulInt4(out, in.data(), n, m, k, int4_panels.data(), b.data(), 2,
+                                 isa == cpu::QuantIsa::kAvx512 ? cpu::PanelTiles::kAvx512 : cpu::PanelTiles::kVec8);
+          } else if (format >= 2) {
             cpu::Int4MatMul(out, in.data(), n, m, k, blocks.data(), b.data(), 2, isa);
           }
         };
@@ -1339,7 +1372,7 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         const bool vnni = (isa == cpu::QuantIsa::kAvx512Vnni || isa == cpu::QuantIsa::kAvx2Int8) && format != 1;
         ExpectClose(what, std::vector<float>(out, out + n * m),
                     MatMulReference(vnni ? RoundedAsInt8Rows(x, n, k) : x, ref, &b, n, k, m),
-                    format == 2 && !vnni ? 1e-4 : 1e-5);
+                    format >= 2 && !vnni ? 1e-4 : 1e-5);
         for (size_t g = 0; g < kGuard; ++g) {
           ASSERT_EQ(y[g], 7.0f) << what << ": guard before";
           ASSERT_EQ(y[kGuard + n * m + g], 7.0f) << what << ": guard after";
@@ -1483,7 +1516,7 @@ TEST(QuantizeWeightTest, ThreadsGiveTheQuantizersBytesAndRefuseWithTheWholeWeigh
 // in the whole weight with nothing written; a dtype no quantizer takes refused.
 TEST(QuantizeWeightTest, SixteenBitWeightsGiveTheBytesOfTheirFloat32Values) {
   std::mt19937 rng(31);
-  for (const auto [m, k] : {std::pair<int64_t, int64_t>{101, 300}, std::pair<int64_t, int64_t>{40, 70000}}) {
+  for (const auto& [m, k] : {std::pair<int64_t, int64_t>{101, 300}, std::pair<int64_t, int64_t>{40, 70000}}) {
     const std::vector<float> wide = Random(rng, m * k, -2.0f, 3.0f);
     for (const DType dtype : {DType::kBF16, DType::kF16}) {
       std::vector<uint16_t> w16(static_cast<size_t>(m * k));
@@ -1621,7 +1654,7 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
   }
   // The backend says which instance runs and what the CPU has.
   EXPECT_NE(backend_->Describe().find(cpu::Int8OnPanels(cpu::ActiveQuantIsa())
-                                          ? "int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on "
+                                          ? "int8/int4 products on 8-float panels (codes widened in registers), fp8 products on "
                                       : cpu::Int4OnPanels(cpu::ActiveQuantIsa())
                                           ? "int8/fp8 products on avx512, int4 on 16-float panels (codes widened in registers)"
                                           : "int8/fp8/int4 products on "),

@@ -190,6 +190,9 @@ int main(int argc, char** argv) {
   // backend's.
   const bool int4_panels = shardserve::cpu::Int4OnPanels(shardserve::cpu::ActiveQuantIsa());
   if (int4_panels) kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  // On an AVX-512 CPU, the same panels by the AVX2 CPUs' instance (8-float vectors) beside them.
+  const bool int4_panels_avx2 = shardserve::cpu::ActiveQuantIsa() == QuantIsa::kAvx512;
+  if (int4_panels_avx2) kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   // The products a worker runs under --activation-quantization int8 (VNNI's, else AVX2's), packed and
   // run by a backend made as that worker makes its own.
   const std::optional<QuantIsa> act8_isa = shardserve::cpu::Int8ActivationsIsa();
@@ -269,6 +272,12 @@ int main(int argc, char** argv) {
     }
     if (int4_panels && kernel.quant == WeightQuant::kInt4 && kernel.isa.has_value()) {  // the blocks' instances
       shardserve::cpu::Int4MatMul(out, x.data(), n, w.shape.m, w.shape.k, w.int4_blocks.data(), nullptr, threads, *kernel.isa);
+      return;
+    }
+    if (kernel.name == "int4 panels avx2") {
+      shardserve::cpu::PanelMatMulInt4(out, x.data(), n, w.shape.m, w.shape.k,
+                                       static_cast<const shardserve::cpu::Int4PanelGroup*>(w.packed[kernel.quant].second.data),
+                                       nullptr, threads, PanelTiles::kVec8);
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);

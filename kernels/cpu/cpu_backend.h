@@ -255,10 +255,12 @@ class CpuBackend final : public Backend {
     // row layout's scales, then the codes as panel_matmul.h's int8 panels, which PanelMatMulInt8
     // multiplies (`bytes` counts the last panel's padding).
     bool int8_panels = false;
-    // kInt4 weights on a CPU whose int4 instance would be AVX-512's (quant_isa.h Int4OnPanels): the
-    // blocks repacked as panel_matmul.h's int4 panels, which PanelMatMulInt4 multiplies (`bytes`
-    // counts the last panel's padding).
+    // kInt4 weights on a CPU whose int4 instance would be AVX-512's or AVX2's (quant_isa.h
+    // Int4OnPanels): the blocks repacked as panel_matmul.h's int4 panels, which PanelMatMulInt4
+    // multiplies with int4_tiles' instance, the one packing chose (`bytes` counts the last block's
+    // padding).
     bool int4_panels = false;
+    cpu::PanelTiles int4_tiles{};
     bool bf16() const { return bf16_panels || desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 

@@ -5,10 +5,11 @@
 // scale x (sum(x q) - zero x sum(x)) to the output's accumulator: the zero point costs one multiply
 // per group, not one per weight.
 //
-// So do both exact instances, in 8 lanes: baseline x86-64 and AVX2. On CPUs with AVX-512 the CPU backend
-// does not multiply the blocks: it repacks them at load as panels of 16 outputs and multiplies
-// those (panel_matmul.h PanelMatMulInt4, quant_isa.h Int4OnPanels), which serve many input rows
-// per widened weight; Int4MatMul runs the AVX2 instance for kAvx512.
+// So do both exact instances, in 8 lanes: baseline x86-64 and AVX2. On CPUs with AVX2 (and
+// AVX-512) the CPU backend does not multiply the blocks: it repacks them at load as panels of 16
+// outputs and multiplies those (panel_matmul.h PanelMatMulInt4, quant_isa.h Int4OnPanels), which
+// serve many input rows per widened weight; the blocks' AVX2 instance stays for bench_matmul's
+// side-by-side runs and CPUs' tests, and Int4MatMul runs it for kAvx512 too.
 //
 // Each output y[i][r] is one fixed sequence of operations over k whatever the other rows of x, so a
 // sequence's results do not depend on what else shares its step (as int8_matmul.h's products).

@@ -1,9 +1,9 @@
 // The tiles of the CPU's int4 products (int4_matmul.h), as templates over how 8 packed bytes become
 // two 8-float vectors (`Unpack::Load(const uint8_t*, Vec8* low, Vec8* high)`: the low nibbles, then
 // the high ones), instantiated once per 8-lane instruction set: int4_matmul.cc (baseline x86-64)
-// and int4_matmul_avx2.cc (AVX2 + FMA). (AVX-512 CPUs multiply int4 weights as panels:
-// panel_matmul.h PanelMatMulInt4.) Internal to those files; everything here has internal linkage,
-// so the instances cannot mix.
+// and int4_matmul_avx2.cc (AVX2 + FMA). (The CPU backend multiplies int4 weights as panels on
+// CPUs with AVX2: panel_matmul.h PanelMatMulInt4.) Internal to those files; everything here has
+// internal linkage, so the instances cannot mix.
 #ifndef SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 #define SHARDSERVE_KERNELS_CPU_INT4_MATMUL_TILES_H_
 

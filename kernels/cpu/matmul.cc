@@ -147,7 +147,8 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   const QuantIsa int_isa = IntIsa();
   if (quant == WeightQuant::kInt4) {
     if ((*packed)->int4_panels) {
-      cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_);
+      cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_,
+                           (*packed)->int4_tiles);
       return absl::OkStatus();
     }
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
@@ -337,6 +338,7 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int4_panels = true;
+    packed_[buffer.data()].int4_tiles = IntIsa() == QuantIsa::kAvx512 ? cpu::PanelTiles::kAvx512 : cpu::PanelTiles::kVec8;
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;

@@ -260,6 +260,21 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
   }
 }
 
+// PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc).
+void PanelMatMulInt4Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                           const float* bias, int threads);
+void PanelMatMulInt4Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                         const float* bias, int threads);
+
+void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                     const float* bias, int threads, PanelTiles tiles) {
+  if (tiles == PanelTiles::kAvx512) {
+    PanelMatMulInt4Avx512(y, x, n, m, k, w, bias, threads);
+  } else {
+    PanelMatMulInt4Avx2(y, x, n, m, k, w, bias, threads);
+  }
+}
+
 int64_t Int4PanelGroupCount(int64_t m, int64_t k) {
   constexpr int64_t kOutputs = kInt4GroupPanels * kPanelCols;
   return (m + kOutputs - 1) / kOutputs * Int4GroupsLayout{m, k}.groups_per_row();

@@ -83,8 +83,8 @@ void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
                      const float* bias, int threads);
 
 // The same products by int4 weights (kernels/quant.h's Int4Group128 blocks: groups of 128 inputs,
-// a scale and a zero point each), for CPUs with AVX-512F, whose exact int4 products the CPU backend
-// runs so (quant_isa.h Int4OnPanels; panel_matmul_int4_avx512.cc). Outputs in blocks of 4 panels
+// a scale and a zero point each), for CPUs with AVX2 and FMA, whose exact int4 products the CPU backend
+// runs so (quant_isa.h Int4OnPanels; panel_matmul_int4_avx512.cc, _avx2.cc). Outputs in blocks of 4 panels
 // (64 outputs); block b's group g is one Int4PanelGroup: its 4 panels' scales and zero points, then
 // for each pair of inputs 128 g + 2j, 2j + 1 one 64-byte line, byte q[j][p][c] holding output
 // 64 b + 16 p + c's code at input 2j (low nibble) and 2j + 1 (high nibble): a decode step reads
@@ -108,10 +108,13 @@ int64_t Int4PanelGroupCount(int64_t m, int64_t k);
 // packed [Int4PanelGroupCount(m, k)] = blocks [m, ceil(k / 128)] (Int4GroupsLayout) in panels; the
 // codes past k and the outputs past m are 0. m, k >= 0.
 void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k);
-// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsInt4.
-// y must not overlap the inputs. n, m, k >= 1. Only on CPUs with AVX-512F and FMA.
+// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsInt4,
+// by `tiles`' instance: kAvx512's (panel_matmul_int4_avx512.cc, CPUs with AVX-512F) or kVec8's,
+// 8-float vectors (panel_matmul_int4_avx2.cc, CPUs with AVX2 and FMA), bitwise the same results.
+// y must not overlap the inputs. n, m, k >= 1.
+enum class PanelTiles : uint8_t;
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                     const float* bias, int threads);
+                     const float* bias, int threads, PanelTiles tiles);
 
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
 // ones (kAvx512, CPUs with AVX-512F and FMA).

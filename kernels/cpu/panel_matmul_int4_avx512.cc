@@ -121,8 +121,9 @@ template <int R, int P, int kFirst>
   }
 }
 
-// Each row's sum over each group of 128 inputs: 16 lanes over the group's chunks in order, then
-// the lanes added (_mm512_reduce_add_ps). A property of x alone, computed once per product.
+// Each row's sum over each group of 128 inputs: 16 lanes over the group's chunks of 16, then
+// lanes l and l + 8 added, then l and l + 4, l and l + 2, l and l + 1 (panel_matmul_int4_avx2.cc
+// the same). A property of x alone, computed once per product.
 void GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups) {
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -133,7 +134,10 @@ void GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups
         const __mmask16 mask = left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1);
         s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, x + i * k + base + c));
       }
-      sums[i * groups + g] = _mm512_reduce_add_ps(s);
+      const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+      sums[i * groups + g] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
     }
   }
 }
@@ -167,8 +171,8 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
 
 }  // namespace
 
-void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                     const float* bias, int threads) {
+void PanelMatMulInt4Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                           const float* bias, int threads) {
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
   const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
   thread_local std::vector<float> sums;  // the calling thread's, reused

@@ -70,7 +70,7 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
                         wide ? "avx512 " : "avx2 ", cpu, "]");
   }
   if (Int8OnPanels(int_isa)) {
-    return absl::StrCat("int8 products on 8-float panels (int8 widened in registers), fp8/int4 products on ",
+    return absl::StrCat("int8/int4 products on 8-float panels (codes widened in registers), fp8 products on ",
                         QuantIsaName(int_isa), " ", cpu, vnni ? ": not used, inexact]" : "]");
   }
   if (Int4OnPanels(int_isa)) {

@@ -41,10 +41,10 @@ inline bool Int8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx2; }
 
 // Whether the CPU backend stores int4 weights as panels and multiplies them by PanelMatMulInt4
 // (panel_matmul.h) rather than by Int4MatMul's blocks (int4_matmul.h): where its int4 instance
-// would be AVX-512's (kAvx512; panel_matmul_int4_avx512.cc). On a Zen 5 EPYC the blocks' AVX-512
-// tiles, a dot product over k per output, ran at three quarters of the float32 panels' rate from
-// 32 input rows on (docs/benchmarks.md, "int4 on AVX-512 as panels").
-inline bool Int4OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512; }
+// would be AVX-512's or AVX2's (panel_matmul_int4_avx512.cc, _avx2.cc). On a Zen 5 EPYC the
+// blocks' AVX-512 tiles, a dot product over k per output, ran at three quarters of the float32
+// panels' rate from 32 input rows on (docs/benchmarks.md, "int4 on AVX-512 as panels").
+inline bool Int4OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx2; }
 
 // The instance the int8 and int4 products run on under --activation-quantization int8
 // (CpuActivationQuant::kInt8): kAvx512Vnni where this CPU has it, else kAvx2Int8 where it has AVX2 +

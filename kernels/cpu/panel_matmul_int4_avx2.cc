@@ -1,0 +1,186 @@
+// The int4 panels' product (panel_matmul.h's PanelMatMulInt4) on CPUs with AVX2 and FMA but not
+// AVX-512: the same panels and the same operations per output as panel_matmul_int4_avx512.cc, in
+// 8-float vectors (each panel's 16 outputs are two), so its results are that file's bit for bit
+// (tests/kernels_cpu_test.cc compares them where a CPU has both). Widening: 8 bytes of a line
+// zero-extended to int32 lanes, their low nibbles masked (the even input) or shifted (the odd one),
+// then converted; AVX2's VPERMPS looks up among 8 values only, not 16.
+//
+// Tiles, with AVX2's 16 registers: one row x 4 panels (8 sums, each code used once as it is
+// widened); 2 rows x 2 panels (8 sums, 4 codes held); 3 to 6 rows x 1 panel (6 to 12 sums, 2
+// codes held), each input broadcast once for the codes it meets.
+//
+// This file alone is compiled with -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend calls it
+// only on CPUs that have them.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/tile_rows.h"
+
+namespace shardserve::cpu {
+namespace {
+
+constexpr int kHalf = kPanelCols / 2;  // outputs per 8-float vector
+constexpr int64_t kInt4TileRows = 12;
+// Halves (8 outputs) per tile for a tile of `rows` rows.
+constexpr int HalvesFor(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 6 ? 2 : 1; }
+constexpr int64_t RowTiles(int64_t n) { return (n + kInt4TileRows - 1) / kInt4TileRows; }
+// As panel_matmul_int4_avx512.cc: the line this far past each one read is asked for.
+constexpr int64_t kPrefetchBytes = 8192;
+
+// Half h (outputs 8h .. 8h + 7 of the tile's panels from kFirst on) of a line's codes at input 2j
+// (kOdd false) or 2j + 1, as floats.
+template <int kFirst, bool kOdd>
+[[gnu::always_inline]] inline __m256 Widen(const Int4PanelGroup& group, int64_t j, int h) {
+  const uint8_t* codes = group.q[j][(kFirst + h) / 2] + kHalf * ((kFirst + h) % 2);
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  return _mm256_cvtepi32_ps(kOdd ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+}
+
+// Input 2j + kOdd of the tile's R rows: each row's sums (R x 2P, h = 2 panel + half) by the codes.
+template <int R, int H, int kFirst, bool kOdd>
+[[gnu::always_inline]] inline void Step(__m256 (&part)[R][H], const float* xg, int64_t k,
+                                        const Int4PanelGroup& group, int64_t j) {
+  __m256 w[H];
+  for (int h = 0; h < H; ++h) w[h] = Widen<kFirst, kOdd>(group, j, h);
+  for (int r = 0; r < R; ++r) {
+    const __m256 xb = _mm256_set1_ps(xg[r * k + 2 * j + (kOdd ? 1 : 0)]);
+    for (int h = 0; h < H; ++h) part[r][h] = _mm256_fmadd_ps(w[h], xb, part[r][h]);
+  }
+}
+
+// y [R, cols] = x [R, k] @ panels [kFirst, kFirst + P) of a block (+ bias): panel_matmul_int4_avx512.cc's
+// Tile, the same operations on each output.
+template <int R, int H, int kFirst>
+[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* sums,
+                                        const Int4PanelGroup* block, int64_t groups, int64_t cols, const float* bias) {
+  alignas(32) float acc[R][H][kHalf] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const Int4PanelGroup& group = block[g];
+    const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
+    const float* xg = x + base;
+    __m256 part[R][H];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 0; h < H; ++h) part[r][h] = _mm256_setzero_ps();
+    }
+    const int64_t pairs = size / 2;
+    for (int64_t j = 0; j < pairs; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(group.q[j]) + kPrefetchBytes, _MM_HINT_T0);
+      if constexpr (R <= 2) {  // one load widened for both inputs, its codes used as they are made
+        __m256 even[R], odd[R];
+        for (int r = 0; r < R; ++r) {
+          even[r] = _mm256_set1_ps(xg[r * k + 2 * j]);
+          odd[r] = _mm256_set1_ps(xg[r * k + 2 * j + 1]);
+        }
+        for (int h = 0; h < H; ++h) {
+          const uint8_t* codes = group.q[j][(kFirst + h) / 2] + kHalf * ((kFirst + h) % 2);
+          const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+          const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+          const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+          for (int r = 0; r < R; ++r) part[r][h] = _mm256_fmadd_ps(low, even[r], part[r][h]);
+          for (int r = 0; r < R; ++r) part[r][h] = _mm256_fmadd_ps(high, odd[r], part[r][h]);
+        }
+      } else {
+        Step<R, H, kFirst, false>(part, xg, k, group, j);
+        Step<R, H, kFirst, true>(part, xg, k, group, j);
+      }
+    }
+    if (size % 2 != 0) Step<R, H, kFirst, false>(part, xg, k, group, pairs);  // a short last group's last input
+    for (int h = 0; h < H; ++h) {
+      const int p = (kFirst + h) / 2, at = kHalf * ((kFirst + h) % 2);
+      const __m256 scale = _mm256_load_ps(group.scale[p] + at), zero = _mm256_load_ps(group.zero[p] + at);
+      for (int r = 0; r < R; ++r) {
+        const __m256 centred = _mm256_fnmadd_ps(zero, _mm256_set1_ps(sums[r * groups + g]), part[r][h]);
+        _mm256_store_ps(acc[r][h], _mm256_fmadd_ps(scale, centred, _mm256_load_ps(acc[r][h])));
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const int64_t c0 = h * kHalf, n = std::min<int64_t>(kHalf, cols - c0);
+    if (n <= 0) break;
+    for (int r = 0; r < R; ++r) {
+      // With no bias the sum is stored as it is (adding +0.0 would turn a -0.0 sum into +0.0).
+      for (int64_t c = 0; c < n; ++c) y[r * ldy + c0 + c] = bias != nullptr ? acc[r][h][c] + bias[c0 + c] : acc[r][h][c];
+    }
+  }
+}
+
+// Each row's sum over each group of 128 inputs, in panel_matmul_int4_avx512.cc's order: 16 lanes
+// (here two vectors of 8) over the group's chunks of 16, then lanes l and l + 8 added, then l and
+// l + 4, l and l + 2, l and l + 1.
+void GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t c = 0; c < size; c += 16) {
+        alignas(32) float chunk[16] = {};
+        std::copy(x + i * k + base + c, x + i * k + base + c + std::min<int64_t>(16, size - c), chunk);
+        lo = _mm256_add_ps(lo, _mm256_load_ps(chunk));
+        hi = _mm256_add_ps(hi, _mm256_load_ps(chunk + 8));
+      }
+      const __m256 eight = _mm256_add_ps(lo, hi);
+      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+      sums[i * groups + g] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+    }
+  }
+}
+
+template <int H>
+void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
+           int64_t groups, int64_t b, const float* bias) {
+  const int64_t tiles = RowTiles(n), base = n / tiles, longer = n % tiles;
+  const auto halves = [&](auto first) __attribute__((always_inline)) {
+    const int64_t c0 = b * kInt4GroupPanels * kPanelCols + first() * kHalf;
+    if (c0 >= m) return;
+    const int64_t cols = std::min<int64_t>(H * kHalf, m - c0);
+    const float* bc = bias != nullptr ? bias + c0 : nullptr;
+    int64_t r = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t rows = base + (t < longer ? 1 : 0);
+      WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
+        // (Every tile of a product has at least the halves of its longest: the same H serves.)
+        if constexpr (HalvesFor(R()) >= H) {
+          Tile<R(), H, first()>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, groups, cols, bc);
+        }
+      });
+      r += rows;
+    }
+  };
+  [&]<int... kAt>(std::integer_sequence<int, kAt...>) __attribute__((always_inline)) {
+    (halves(std::integral_constant<int, kAt * H>{}), ...);
+  }(std::make_integer_sequence<int, 2 * kInt4GroupPanels / H>{});
+}
+
+}  // namespace
+
+void PanelMatMulInt4Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                         const float* bias, int threads) {
+  const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
+  const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
+  thread_local std::vector<float> sums;  // the calling thread's, reused
+  if (sums.size() < static_cast<size_t>(n * groups)) sums.resize(static_cast<size_t>(n * groups));
+  GroupSums(sums.data(), x, n, k, groups);
+  const float* s = sums.data();
+  const int per = HalvesFor((n + RowTiles(n) - 1) / RowTiles(n));  // the longest tile's
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
+  // Threads share out whole blocks, never k, each thread's blocks adjacent (as the AVX-512 file).
+#pragma omp parallel for num_threads(parts) schedule(static)
+  for (int t = 0; t < parts; ++t) {
+    for (int64_t b = blocks * t / parts; b < blocks * (t + 1) / parts; ++b) {
+      switch (per) {
+        case 8: Block<8>(y, m, x, n, k, s, w, groups, b, bias); break;
+        case 4: Block<4>(y, m, x, n, k, s, w, groups, b, bias); break;
+        case 2: Block<2>(y, m, x, n, k, s, w, groups, b, bias); break;
+        default: Block<1>(y, m, x, n, k, s, w, groups, b, bias); break;
+      }
+    }
+  }
+}
+
+}  // namespace shardserve::cpu
