@@ -260,18 +260,56 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
   }
 }
 
-// PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc).
-void PanelMatMulInt4Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                           const float* bias, int threads);
-void PanelMatMulInt4Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                         const float* bias, int threads);
+// PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc): every
+// row of y at the output columns of blocks [b0, b1), the rows' group sums at sums [n, groups].
+void PanelMatMulInt4BlocksAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
+                                 const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias);
+void PanelMatMulInt4BlocksAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
+                               const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias);
+
+namespace {
+
+// Each row's sum over each group of 128 inputs (PanelMatMulInt4's `sum of the group's inputs`): 16
+// lanes over the group's chunks of 16 (lane l sums inputs 16 c + l), then lanes l and l + 8 added,
+// then l and l + 4, l and l + 2, l and l + 1. Cloned per instruction set, the same additions in
+// each (a lane's sum is one chain whatever the vector width).
+SHARDSERVE_VECTOR_CLONES
+void Int4GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups) {
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
+      const float* row = x + i * k + base;
+      float lane[16] = {};
+      int64_t c = 0;
+      for (; c + 16 <= size; c += 16) {
+        for (int l = 0; l < 16; ++l) lane[l] += row[c + l];
+      }
+      for (int l = 0; c + l < size; ++l) lane[l] += row[c + l];
+      for (int width = 8; width >= 1; width /= 2) {
+        for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+      }
+      sums[i * groups + g] = lane[0];
+    }
+  }
+}
+
+}  // namespace
 
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads, PanelTiles tiles) {
-  if (tiles == PanelTiles::kAvx512) {
-    PanelMatMulInt4Avx512(y, x, n, m, k, w, bias, threads);
-  } else {
-    PanelMatMulInt4Avx2(y, x, n, m, k, w, bias, threads);
+  const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
+  const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
+  thread_local std::vector<float> sums;  // the calling thread's, reused
+  if (sums.size() < static_cast<size_t>(n * groups)) sums.resize(static_cast<size_t>(n * groups));
+  Int4GroupSums(sums.data(), x, n, k, groups);
+  const float* s = sums.data();  // (named here: inside the parallel loop, `sums` is each thread's own)
+  const auto run = tiles == PanelTiles::kAvx512 ? PanelMatMulInt4BlocksAvx512 : PanelMatMulInt4BlocksAvx2;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
+  // Threads share out whole blocks (columns), never k, so the thread count cannot change a sum;
+  // each thread's blocks are adjacent, one stream of memory.
+#pragma omp parallel for num_threads(parts) schedule(static)
+  for (int t = 0; t < parts; ++t) {
+    run(y, x, n, m, k, s, w, blocks * t / parts, blocks * (t + 1) / parts, bias);
   }
 }
 

@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <utility>
-#include <vector>
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
@@ -109,28 +108,6 @@ template <int R, int H, int kFirst>
   }
 }
 
-// Each row's sum over each group of 128 inputs, in panel_matmul_int4_avx512.cc's order: 16 lanes
-// (here two vectors of 8) over the group's chunks of 16, then lanes l and l + 8 added, then l and
-// l + 4, l and l + 2, l and l + 1.
-void GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups) {
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
-      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-      for (int64_t c = 0; c < size; c += 16) {
-        alignas(32) float chunk[16] = {};
-        std::copy(x + i * k + base + c, x + i * k + base + c + std::min<int64_t>(16, size - c), chunk);
-        lo = _mm256_add_ps(lo, _mm256_load_ps(chunk));
-        hi = _mm256_add_ps(hi, _mm256_load_ps(chunk + 8));
-      }
-      const __m256 eight = _mm256_add_ps(lo, hi);
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-      sums[i * groups + g] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-    }
-  }
-}
-
 template <int H>
 void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
            int64_t groups, int64_t b, const float* bias) {
@@ -159,26 +136,16 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
 
 }  // namespace
 
-void PanelMatMulInt4Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                         const float* bias, int threads) {
+void PanelMatMulInt4BlocksAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
+                               const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias) {
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
-  const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
-  thread_local std::vector<float> sums;  // the calling thread's, reused
-  if (sums.size() < static_cast<size_t>(n * groups)) sums.resize(static_cast<size_t>(n * groups));
-  GroupSums(sums.data(), x, n, k, groups);
-  const float* s = sums.data();
   const int per = HalvesFor((n + RowTiles(n) - 1) / RowTiles(n));  // the longest tile's
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
-  // Threads share out whole blocks, never k, each thread's blocks adjacent (as the AVX-512 file).
-#pragma omp parallel for num_threads(parts) schedule(static)
-  for (int t = 0; t < parts; ++t) {
-    for (int64_t b = blocks * t / parts; b < blocks * (t + 1) / parts; ++b) {
-      switch (per) {
-        case 8: Block<8>(y, m, x, n, k, s, w, groups, b, bias); break;
-        case 4: Block<4>(y, m, x, n, k, s, w, groups, b, bias); break;
-        case 2: Block<2>(y, m, x, n, k, s, w, groups, b, bias); break;
-        default: Block<1>(y, m, x, n, k, s, w, groups, b, bias); break;
-      }
+  for (int64_t b = b0; b < b1; ++b) {
+    switch (per) {
+      case 8: Block<8>(y, m, x, n, k, sums, w, groups, b, bias); break;
+      case 4: Block<4>(y, m, x, n, k, sums, w, groups, b, bias); break;
+      case 2: Block<2>(y, m, x, n, k, sums, w, groups, b, bias); break;
+      default: Block<1>(y, m, x, n, k, sums, w, groups, b, bias); break;
     }
   }
 }

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
@@ -121,27 +120,6 @@ template <int R, int P, int kFirst>
   }
 }
 
-// Each row's sum over each group of 128 inputs: 16 lanes over the group's chunks of 16, then
-// lanes l and l + 8 added, then l and l + 4, l and l + 2, l and l + 1 (panel_matmul_int4_avx2.cc
-// the same). A property of x alone, computed once per product.
-void GroupSums(float* sums, const float* x, int64_t n, int64_t k, int64_t groups) {
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t c = 0; c < size; c += 16) {
-        const int64_t left = std::min<int64_t>(16, size - c);
-        const __mmask16 mask = left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1);
-        s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, x + i * k + base + c));
-      }
-      const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-      const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-      const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-      sums[i * groups + g] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-    }
-  }
-}
-
 // Every row of y (row stride m) at block b's output columns, P panels at a time, the rows in
 // RowTiles(n) tiles of balanced size.
 template <int P>
@@ -171,26 +149,15 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
 
 }  // namespace
 
-void PanelMatMulInt4Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
-                           const float* bias, int threads) {
+void PanelMatMulInt4BlocksAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
+                                 const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias) {
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
-  const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
-  thread_local std::vector<float> sums;  // the calling thread's, reused
-  if (sums.size() < static_cast<size_t>(n * groups)) sums.resize(static_cast<size_t>(n * groups));
-  GroupSums(sums.data(), x, n, k, groups);
-  const float* s = sums.data();
   const int64_t per = Int4PanelsFor((n + RowTiles(n) - 1) / RowTiles(n));  // the longest tile's
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
-  // Threads share out whole blocks (columns), never k, so the thread count cannot change a sum;
-  // each thread's blocks are adjacent, one stream of memory.
-#pragma omp parallel for num_threads(parts) schedule(static)
-  for (int t = 0; t < parts; ++t) {
-    for (int64_t b = blocks * t / parts; b < blocks * (t + 1) / parts; ++b) {
-      if (per == 4) {
-        Block<4>(y, m, x, n, k, s, w, groups, b, bias);
-      } else {
-        Block<2>(y, m, x, n, k, s, w, groups, b, bias);
-      }
+  for (int64_t b = b0; b < b1; ++b) {
+    if (per == 4) {
+      Block<4>(y, m, x, n, k, sums, w, groups, b, bias);
+    } else {
+      Block<2>(y, m, x, n, k, sums, w, groups, b, bias);
     }
   }
 }
