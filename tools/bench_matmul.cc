@@ -4,7 +4,8 @@
 // in chunks of 16 rows, "bf16 oneDNN", and what the backend runs, "bf16": kernels/cpu/bf16_matmul.h's
 // product up to a few rows; where oneDNN has no bf16 product, the backend's bf16 panels, "bf16
 // panels": kernels/cpu/panel_matmul.h), and the backend's products by the same weights quantized
-// to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (kernels/cpu/int4_matmul.h) on each
+// to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (the blocks of kernels/cpu/int4_matmul.h, and
+// the panels of kernels/cpu/panel_matmul.h that the backend runs on AVX2 and AVX-512 CPUs) on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 with activations quantized, as
 // --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h), over the weights of one
 // pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
@@ -185,9 +186,9 @@ int main(int argc, char** argv) {
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
     }
   }
-  // Where the backend keeps int4 weights as panels (kernels/cpu/quant_isa.h Int4OnPanels: AVX-512
-  // CPUs), "int4 avx2" above multiplies the blocks themselves (Int4MatMul) and "int4 panels" is the
-  // backend's.
+  // Where the backend keeps int4 weights as panels (kernels/cpu/quant_isa.h Int4OnPanels: AVX2 and
+  // AVX-512 CPUs), "int4 avx2" above multiplies the blocks themselves (Int4MatMul) and "int4 panels"
+  // is the backend's.
   const bool int4_panels = shardserve::cpu::Int4OnPanels(shardserve::cpu::ActiveQuantIsa());
   if (int4_panels) kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   // On an AVX-512 CPU, the same panels by the AVX2 CPUs' instance (8-float vectors) beside them.

@@ -5,9 +5,11 @@
 // zero-extended to int32 lanes, their low nibbles masked (the even input) or shifted (the odd one),
 // then converted; AVX2's VPERMPS looks up among 8 values only, not 16.
 //
-// Tiles, with AVX2's 16 registers: one row x 4 panels (8 sums, each code used once as it is
-// widened); 2 rows x 2 panels (8 sums, 4 codes held); 3 to 6 rows x 1 panel (6 to 12 sums, 2
-// codes held), each input broadcast once for the codes it meets.
+// Tiles, with AVX2's 16 registers, in halves of a panel (8 outputs): 1 row x 8 halves and 2 rows x
+// 4 (8 sums; one load widened for both inputs of a pair, its codes used as they are made); 3 to 6
+// rows x 2 (6 to 12 sums, 2 codes held); 7 to 12 rows x 1 (12 sums per widened vector at most),
+// each input broadcast once for the codes it meets. (bench_matmul on a Zen 5, the AVX2 instances:
+// 1.27-2.12x the blocks' 8-lane product, docs/benchmarks.md "int4 on AVX2 as panels too".)
 //
 // This file alone is compiled with -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend calls it
 // only on CPUs that have them.

@@ -36,7 +36,8 @@ enum class QuantIsa : uint8_t {
 // (panel_matmul.h) rather than by Int8MatMul's rows (int8_matmul.h): where its int8 instance would
 // be AVX2's (kAvx2; panel_matmul_avx2.cc). On the AVX2 EPYC the rows' tiles, a dot product over k per
 // output, read one row stream per weight row and ran at half the float32 panels' rate from 16 input
-// rows on (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). fp8 and int4 keep theirs.
+// rows on (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). fp8 keeps its rows; int4
+// has panels of its own (Int4OnPanels).
 inline bool Int8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx2; }
 
 // Whether the CPU backend stores int4 weights as panels and multiplies them by PanelMatMulInt4
