@@ -6,18 +6,19 @@
 // then converted; AVX2's VPERMPS looks up among 8 values only, not 16.
 //
 // Tiles, with AVX2's 16 registers, in halves of a panel (8 outputs): 1 row x 8 halves and 2 rows x
-// 4 (8 sums; one load widened for both inputs of a pair, its codes used as they are made); 3 to 6
-// rows x 2 (6 to 12 sums, 2 codes held); 7 to 12 rows x 1 (12 sums per widened vector at most),
-// each input broadcast once for the codes it meets. (bench_matmul on a Zen 5, the AVX2 instances:
-// 1.27-2.12x the blocks' 8-lane product, docs/benchmarks.md "int4 on AVX2 as panels too".)
-//
+// 4 (8 sums; one load widened for both inputs of a pair, its codes used as they are made); 3 and 4
+// rows x 2; 5 to 8 rows x 1 (8 sums per widened vector at most), each input broadcast once for the
+// codes it meets. (Tiles of up to 12 rows, as the AVX-512 file's, took 105-119 ms at 128 rows
+// against 94 for 8: their 12 input rows, k x 4 bytes apart, spilled registers and met in the same
+// cache sets.) bench_matmul on a Zen 5, the AVX2 instances: 1.27-2.12x the blocks' 8-lane product
+// (docs/benchmarks.md, "int4 on AVX2 as panels too").
+
 // This file alone is compiled with -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend calls it
 // only on CPUs that have them.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
@@ -26,39 +27,41 @@ namespace shardserve::cpu {
 namespace {
 
 constexpr int kHalf = kPanelCols / 2;  // outputs per 8-float vector
-constexpr int64_t kInt4TileRows = 12;
+constexpr int64_t kInt4TileRows = 8;
 // Halves (8 outputs) per tile for a tile of `rows` rows.
-constexpr int HalvesFor(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 6 ? 2 : 1; }
+constexpr int HalvesFor(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
 constexpr int64_t RowTiles(int64_t n) { return (n + kInt4TileRows - 1) / kInt4TileRows; }
 // As panel_matmul_int4_avx512.cc: the line this far past each one read is asked for.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Half h (outputs 8h .. 8h + 7 of the tile's panels from kFirst on) of a line's codes at input 2j
-// (kOdd false) or 2j + 1, as floats.
-template <int kFirst, bool kOdd>
-[[gnu::always_inline]] inline __m256 Widen(const Int4PanelGroup& group, int64_t j, int h) {
-  const uint8_t* codes = group.q[j][(kFirst + h) / 2] + kHalf * ((kFirst + h) % 2);
+// Half first + h of a block (its outputs 8 (first + h) .. + 7) of a line's codes at input 2j (kOdd
+// false) or 2j + 1, as floats. (A line's halves are 8 bytes apart, as its scales' and zeros' are
+// 8 floats apart.)
+template <bool kOdd>
+[[gnu::always_inline]] inline __m256 Widen(const Int4PanelGroup& group, int64_t j, int first, int h) {
+  const uint8_t* codes = group.q[j][0] + kHalf * (first + h);
   const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
   return _mm256_cvtepi32_ps(kOdd ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
 }
 
 // Input 2j + kOdd of the tile's R rows: each row's sums (R x 2P, h = 2 panel + half) by the codes.
-template <int R, int H, int kFirst, bool kOdd>
+template <int R, int H, bool kOdd>
 [[gnu::always_inline]] inline void Step(__m256 (&part)[R][H], const float* xg, int64_t k,
-                                        const Int4PanelGroup& group, int64_t j) {
+                                        const Int4PanelGroup& group, int first, int64_t j) {
   __m256 w[H];
-  for (int h = 0; h < H; ++h) w[h] = Widen<kFirst, kOdd>(group, j, h);
+  for (int h = 0; h < H; ++h) w[h] = Widen<kOdd>(group, j, first, h);
   for (int r = 0; r < R; ++r) {
     const __m256 xb = _mm256_set1_ps(xg[r * k + 2 * j + (kOdd ? 1 : 0)]);
     for (int h = 0; h < H; ++h) part[r][h] = _mm256_fmadd_ps(w[h], xb, part[r][h]);
   }
 }
 
-// y [R, cols] = x [R, k] @ panels [kFirst, kFirst + P) of a block (+ bias): panel_matmul_int4_avx512.cc's
+// y [R, cols] = x [R, k] @ halves [first, first + H) of a block (+ bias): panel_matmul_int4_avx512.cc's
 // Tile, the same operations on each output.
-template <int R, int H, int kFirst>
+template <int R, int H>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* sums,
-                                        const Int4PanelGroup* block, int64_t groups, int64_t cols, const float* bias) {
+                                        const Int4PanelGroup* block, int first, int64_t groups, int64_t cols,
+                                        const float* bias) {
   alignas(32) float acc[R][H][kHalf] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const Int4PanelGroup& group = block[g];
@@ -78,7 +81,7 @@ template <int R, int H, int kFirst>
           odd[r] = _mm256_set1_ps(xg[r * k + 2 * j + 1]);
         }
         for (int h = 0; h < H; ++h) {
-          const uint8_t* codes = group.q[j][(kFirst + h) / 2] + kHalf * ((kFirst + h) % 2);
+          const uint8_t* codes = group.q[j][0] + kHalf * (first + h);
           const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
           const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
           const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
@@ -86,14 +89,14 @@ template <int R, int H, int kFirst>
           for (int r = 0; r < R; ++r) part[r][h] = _mm256_fmadd_ps(high, odd[r], part[r][h]);
         }
       } else {
-        Step<R, H, kFirst, false>(part, xg, k, group, j);
-        Step<R, H, kFirst, true>(part, xg, k, group, j);
+        Step<R, H, false>(part, xg, k, group, first, j);
+        Step<R, H, true>(part, xg, k, group, first, j);
       }
     }
-    if (size % 2 != 0) Step<R, H, kFirst, false>(part, xg, k, group, pairs);  // a short last group's last input
+    if (size % 2 != 0) Step<R, H, false>(part, xg, k, group, first, pairs);  // a short last group's last input
     for (int h = 0; h < H; ++h) {
-      const int p = (kFirst + h) / 2, at = kHalf * ((kFirst + h) % 2);
-      const __m256 scale = _mm256_load_ps(group.scale[p] + at), zero = _mm256_load_ps(group.zero[p] + at);
+      const __m256 scale = _mm256_load_ps(group.scale[0] + kHalf * (first + h));
+      const __m256 zero = _mm256_load_ps(group.zero[0] + kHalf * (first + h));
       for (int r = 0; r < R; ++r) {
         const __m256 centred = _mm256_fnmadd_ps(zero, _mm256_set1_ps(sums[r * groups + g]), part[r][h]);
         _mm256_store_ps(acc[r][h], _mm256_fmadd_ps(scale, centred, _mm256_load_ps(acc[r][h])));
@@ -114,9 +117,9 @@ template <int H>
 void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
            int64_t groups, int64_t b, const float* bias) {
   const int64_t tiles = RowTiles(n), base = n / tiles, longer = n % tiles;
-  const auto halves = [&](auto first) __attribute__((always_inline)) {
-    const int64_t c0 = b * kInt4GroupPanels * kPanelCols + first() * kHalf;
-    if (c0 >= m) return;
+  for (int first = 0; first < 2 * kInt4GroupPanels; first += H) {
+    const int64_t c0 = b * kInt4GroupPanels * kPanelCols + first * kHalf;
+    if (c0 >= m) break;
     const int64_t cols = std::min<int64_t>(H * kHalf, m - c0);
     const float* bc = bias != nullptr ? bias + c0 : nullptr;
     int64_t r = 0;
@@ -125,15 +128,12 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
       WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
         // (Every tile of a product has at least the halves of its longest: the same H serves.)
         if constexpr (HalvesFor(R()) >= H) {
-          Tile<R(), H, first()>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, groups, cols, bc);
+          Tile<R(), H>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
         }
       });
       r += rows;
     }
-  };
-  [&]<int... kAt>(std::integer_sequence<int, kAt...>) __attribute__((always_inline)) {
-    (halves(std::integral_constant<int, kAt * H>{}), ...);
-  }(std::make_integer_sequence<int, 2 * kInt4GroupPanels / H>{});
+  }
 }
 
 }  // namespace

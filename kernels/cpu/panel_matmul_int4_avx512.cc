@@ -39,24 +39,18 @@ constexpr int64_t Int4PanelsFor(int64_t rows) { return rows <= 5 ? 4 : 2; }
 constexpr int64_t kPrefetchBytes = 8192;
 constexpr int64_t RowTiles(int64_t n) { return (n + kInt4TileRows - 1) / kInt4TileRows; }
 
-// Where panel kFirst + q of a block's group keeps its codes at inputs 2j and 2j + 1.
-template <int kFirst>
-[[gnu::always_inline]] inline const uint8_t* Codes(const Int4PanelGroup& group, int q, int64_t j) {
-  return group.q[j][kFirst + q];
-}
-
 // Inputs 2j and 2j + 1 of group g: the P panels' codes widened, both inputs from one load (R x P
 // sums + 2P codes, the table and a broadcast fit the 32 registers), then each row's input broadcast
 // once for its P sums (rows outer: so that no row's broadcast stays in a register). kOne: input 2j
 // alone (a short last group's odd last input).
-template <int R, int P, int kFirst, bool kOne = false>
+template <int R, int P, bool kOne = false>
 [[gnu::always_inline]] inline void Pair(__m512 (&part)[R][P], const float* xg, int64_t k, const Int4PanelGroup& group,
-                                        int64_t j, __m512 table) {
+                                        int first, int64_t j, __m512 table) {
   static_assert(R * P + 2 * P <= 28, "the sums and the codes in registers");
   __m512 even[P], odd[P];
   for (int q = 0; q < P; ++q) {
     const __m512i bytes =
-        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(Codes<kFirst>(group, q, j))));
+        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(group.q[j][first + q])));
     even[q] = _mm512_permutexvar_ps(bytes, table);
     if constexpr (!kOne) odd[q] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
   }
@@ -72,15 +66,16 @@ template <int R, int P, int kFirst, bool kOne = false>
   }
 }
 
-// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ panels [kFirst, kFirst + P) of the
+// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ panels [first, first + P) of the
 // block whose groups are at `block` (+ bias [cols]), the rows' group sums at sums [R, groups]. Per
 // output and group g: the chain of fma(q, x, partial) over the group's inputs in order from zero,
 // then
 //   acc = fma(scale, fnmadd(zero, sum of the group's x, partial), acc)
 // from acc = 0, group by group; y = acc (+ bias). The same operations whatever R, P and the tile.
-template <int R, int P, int kFirst>
+template <int R, int P>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const float* sums,
-                                        const Int4PanelGroup* block, int64_t groups, int64_t cols, const float* bias) {
+                                        const Int4PanelGroup* block, int first, int64_t groups, int64_t cols,
+                                        const float* bias) {
   const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   // The totals, updated once a group: in memory (L1), so that the registers hold the partial sums.
   alignas(64) float acc[R][P][kPanelCols] = {};
@@ -95,11 +90,11 @@ template <int R, int P, int kFirst>
     const int64_t pairs = size / 2;
     for (int64_t j = 0; j < pairs; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(group.q[j]) + kPrefetchBytes, _MM_HINT_T0);
-      Pair<R, P, kFirst>(part, xg, k, group, j, table);
+      Pair<R, P>(part, xg, k, group, first, j, table);
     }
-    if (size % 2 != 0) Pair<R, P, kFirst, true>(part, xg, k, group, pairs, table);
+    if (size % 2 != 0) Pair<R, P, true>(part, xg, k, group, first, pairs, table);
     for (int q = 0; q < P; ++q) {
-      const __m512 scale = _mm512_load_ps(group.scale[kFirst + q]), zero = _mm512_load_ps(group.zero[kFirst + q]);
+      const __m512 scale = _mm512_load_ps(group.scale[first + q]), zero = _mm512_load_ps(group.zero[first + q]);
       for (int r = 0; r < R; ++r) {
         const __m512 centred = _mm512_fnmadd_ps(zero, _mm512_set1_ps(sums[r * groups + g]), part[r][q]);
         _mm512_store_ps(acc[r][q], _mm512_fmadd_ps(scale, centred, _mm512_load_ps(acc[r][q])));
@@ -126,9 +121,9 @@ template <int P>
 void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
            int64_t groups, int64_t b, const float* bias) {
   const int64_t tiles = RowTiles(n), base = n / tiles, longer = n % tiles;
-  const auto panels = [&](auto first) __attribute__((always_inline)) {
-    const int64_t c0 = (b * kInt4GroupPanels + first()) * kPanelCols;
-    if (c0 >= m) return;
+  for (int first = 0; first < kInt4GroupPanels; first += P) {
+    const int64_t c0 = (b * kInt4GroupPanels + first) * kPanelCols;
+    if (c0 >= m) break;
     const int64_t cols = std::min(P * kPanelCols, m - c0);
     const float* bc = bias != nullptr ? bias + c0 : nullptr;
     int64_t r = 0;
@@ -137,14 +132,12 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
       WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
         // (Every tile of a product has at least the registers of its longest: the same P serves.)
         if constexpr (R() * P + 2 * P <= 28) {
-          Tile<R(), P, first()>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, groups, cols, bc);
+          Tile<R(), P>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
         }
       });
       r += rows;
     }
-  };
-  panels(std::integral_constant<int, 0>{});
-  if constexpr (P == 2) panels(std::integral_constant<int, 2>{});
+  }
 }
 
 }  // namespace
