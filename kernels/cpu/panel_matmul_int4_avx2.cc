@@ -30,17 +30,18 @@ constexpr int kHalf = kPanelCols / 2;  // outputs per 8-float vector
 constexpr int64_t kInt4TileRows = 8;
 // Halves (8 outputs) per tile for a tile of `rows` rows.
 constexpr int HalvesFor(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 2 : 1; }
-constexpr int64_t RowTiles(int64_t n) { return (n + kInt4TileRows - 1) / kInt4TileRows; }
 // As panel_matmul_int4_avx512.cc: the line this far past each one read is asked for.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// Half first + h of a block (its outputs 8 (first + h) .. + 7) of a line's codes at input 2j (kOdd
-// false) or 2j + 1, as floats. (A line's halves are 8 bytes apart, as its scales' and zeros' are
-// 8 floats apart.)
+// Half first + h of a block (its outputs 8 (first + h) .. + 7) of line j: its 8 bytes as int32
+// lanes (Bytes), or their codes at input 2j (kOdd false) or 2j + 1 as floats (Widen). (A line's
+// halves are 8 bytes apart, as its scales' and zeros' are 8 floats apart.)
+[[gnu::always_inline]] inline __m256i Bytes(const Int4PanelGroup& group, int64_t j, int first, int h) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group.q[j][0] + kHalf * (first + h))));
+}
 template <bool kOdd>
 [[gnu::always_inline]] inline __m256 Widen(const Int4PanelGroup& group, int64_t j, int first, int h) {
-  const uint8_t* codes = group.q[j][0] + kHalf * (first + h);
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i bytes = Bytes(group, j, first, h);
   return _mm256_cvtepi32_ps(kOdd ? _mm256_srli_epi32(bytes, 4) : _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
 }
 
@@ -81,8 +82,7 @@ template <int R, int H>
           odd[r] = _mm256_set1_ps(xg[r * k + 2 * j + 1]);
         }
         for (int h = 0; h < H; ++h) {
-          const uint8_t* codes = group.q[j][0] + kHalf * (first + h);
-          const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+          const __m256i bytes = Bytes(group, j, first, h);
           const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
           const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
           for (int r = 0; r < R; ++r) part[r][h] = _mm256_fmadd_ps(low, even[r], part[r][h]);
@@ -113,26 +113,22 @@ template <int R, int H>
   }
 }
 
+// Every row of y (row stride m) at block b's output columns, H halves at a time, the rows in
+// balanced tiles (WithBalancedTiles).
 template <int H>
 void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
            int64_t groups, int64_t b, const float* bias) {
-  const int64_t tiles = RowTiles(n), base = n / tiles, longer = n % tiles;
   for (int first = 0; first < 2 * kInt4GroupPanels; first += H) {
     const int64_t c0 = b * kInt4GroupPanels * kPanelCols + first * kHalf;
     if (c0 >= m) break;
     const int64_t cols = std::min<int64_t>(H * kHalf, m - c0);
     const float* bc = bias != nullptr ? bias + c0 : nullptr;
-    int64_t r = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = base + (t < longer ? 1 : 0);
-      WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-        // (Every tile of a product has at least the halves of its longest: the same H serves.)
-        if constexpr (HalvesFor(R()) >= H) {
-          Tile<R(), H>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
-        }
-      });
-      r += rows;
-    }
+    WithBalancedTiles<kInt4TileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+      // (Every tile of a product has at least the halves of its longest: the same H serves.)
+      if constexpr (HalvesFor(R()) >= H) {
+        Tile<R(), H>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
+      }
+    });
   }
 }
 
@@ -141,7 +137,7 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
 void PanelMatMulInt4BlocksAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
                                const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias) {
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
-  const int per = HalvesFor((n + RowTiles(n) - 1) / RowTiles(n));  // the longest tile's
+  const int per = HalvesFor(LongestBalancedTile(n, kInt4TileRows));
   for (int64_t b = b0; b < b1; ++b) {
     switch (per) {
       case 8: Block<8>(y, m, x, n, k, sums, w, groups, b, bias); break;

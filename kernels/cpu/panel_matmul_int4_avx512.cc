@@ -37,7 +37,6 @@ constexpr int64_t Int4PanelsFor(int64_t rows) { return rows <= 5 ? 4 : 2; }
 // stream per thread, and one core's hardware prefetcher keeps too few lines of one stream in
 // flight).
 constexpr int64_t kPrefetchBytes = 8192;
-constexpr int64_t RowTiles(int64_t n) { return (n + kInt4TileRows - 1) / kInt4TileRows; }
 
 // Inputs 2j and 2j + 1 of group g: the P panels' codes widened, both inputs from one load (R x P
 // sums + 2P codes, the table and a broadcast fit the 32 registers), then each row's input broadcast
@@ -116,27 +115,21 @@ template <int R, int P>
 }
 
 // Every row of y (row stride m) at block b's output columns, P panels at a time, the rows in
-// RowTiles(n) tiles of balanced size.
+// balanced tiles (WithBalancedTiles).
 template <int P>
 void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums, const Int4PanelGroup* w,
            int64_t groups, int64_t b, const float* bias) {
-  const int64_t tiles = RowTiles(n), base = n / tiles, longer = n % tiles;
   for (int first = 0; first < kInt4GroupPanels; first += P) {
     const int64_t c0 = (b * kInt4GroupPanels + first) * kPanelCols;
     if (c0 >= m) break;
     const int64_t cols = std::min(P * kPanelCols, m - c0);
     const float* bc = bias != nullptr ? bias + c0 : nullptr;
-    int64_t r = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t rows = base + (t < longer ? 1 : 0);
-      WithTileRows<kInt4TileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-        // (Every tile of a product has at least the registers of its longest: the same P serves.)
-        if constexpr (R() * P + 2 * P <= 28) {
-          Tile<R(), P>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
-        }
-      });
-      r += rows;
-    }
+    WithBalancedTiles<kInt4TileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+      // (Every tile of a product has at least the registers of its longest: the same P serves.)
+      if constexpr (R() * P + 2 * P <= 28) {
+        Tile<R(), P>(y + r * m + c0, m, x + r * k, k, sums + r * groups, w + b * groups, first, groups, cols, bc);
+      }
+    });
   }
 }
 
@@ -145,7 +138,7 @@ void Block(float* y, int64_t m, const float* x, int64_t n, int64_t k, const floa
 void PanelMatMulInt4BlocksAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,
                                  const Int4PanelGroup* w, int64_t b0, int64_t b1, const float* bias) {
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
-  const int64_t per = Int4PanelsFor((n + RowTiles(n) - 1) / RowTiles(n));  // the longest tile's
+  const int64_t per = Int4PanelsFor(LongestBalancedTile(n, kInt4TileRows));
   for (int64_t b = b0; b < b1; ++b) {
     if (per == 4) {
       Block<4>(y, m, x, n, k, sums, w, groups, b, bias);

@@ -44,6 +44,27 @@ template <int kMaxRows, class Tile>
   }
 }
 
+// Rows [0, n) in the fewest tiles of at most kMaxRows rows, their sizes differing by one at most
+// (15 rows of at most 12: 8 + 7, not 12 + 3, so that every tile keeps many sums going): tile(r,
+// R) for each, r its first row, R its row count as WithTileRows passes it. (The int4 panels'
+// tiles, panel_matmul_int4_avx512.cc and _avx2.cc.)
+template <int kMaxRows, class Tile>
+[[gnu::always_inline]] inline void WithBalancedTiles(int64_t n, const Tile& tile) {
+  const int64_t tiles = (n + kMaxRows - 1) / kMaxRows, base = n / tiles, longer = n % tiles;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = base + (t < longer ? 1 : 0);
+    WithTileRows<kMaxRows>(rows, [&](auto R) __attribute__((always_inline)) { tile(r, R); });
+    r += rows;
+  }
+}
+
+// The rows of WithBalancedTiles' longest tile for n rows (n >= 1).
+constexpr int64_t LongestBalancedTile(int64_t n, int64_t max_rows) {
+  const int64_t tiles = (n + max_rows - 1) / max_rows;
+  return (n + tiles - 1) / tiles;
+}
+
 }  // namespace
 }  // namespace shardserve::cpu
 
