@@ -210,7 +210,7 @@ class Backend {
 
   // Rope(q, k, ...), then CacheWrite(k_cache, v_cache, k, v, slots): a layer's rotary embedding
   // and the write of its rotated keys and its values into the cache, which a backend may do in one
-  // pass. The base calls the two; the CUDA backend with CudaBackendOptions::fused_rope_cache runs
+  // pass. The base calls the two; the CUDA backend with CudaBackendOptions::fused_kernels runs
   // one kernel that gives the same bits.
   virtual absl::Status RopeCacheWrite(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
                                       const Tensor& v /*[n, kv_heads * hd] act*/, const Tensor& positions /*[n] i32*/,
@@ -236,7 +236,7 @@ class Backend {
   // SwiGLU's products and its SiLU: MatMuls(x, {{gate, gate_w}, {up, up_w}}), then SiluMul(gate,
   // gate, up): gate ends as silu(x @ gate_w^T) x (x @ up_w^T), each product rounded to gate's dtype
   // first; up is scratch (its contents afterwards unspecified). The base calls the two; the CUDA
-  // backend with CudaBackendOptions::fused_silu computes a row of each in one block of the dense
+  // backend with CudaBackendOptions::fused_kernels computes a row of each in one block of the dense
   // GEMV and writes silu x up from there: the same bits, one launch and no pass over gate and up.
   virtual absl::Status GateUpSilu(Tensor* gate /*[n, f] act*/, Tensor* up /*[n, f] act*/,
                                   const Tensor& x /*[n, k] act*/, const Tensor& gate_w /*[f, k] act*/,
@@ -318,28 +318,23 @@ struct CudaBackendOptions {
   // q_heads blocks. 0: one block per (token, head) (worker --no-cuda-split-attention; the worker's
   // default is kCudaSplitAttentionKeys). Passed on an H200 (2026-11-28).
   int split_attention_keys = 0;
-  // Fused kernels: AddRmsNorm as one kernel (the residual add and the next norm in one pass over
-  // the row, the same bits as Add then RmsNorm). Off: worker --no-cuda-fused-kernels. Passed on an
-  // H200 (2026-11-28).
+  // Fused kernels, each giving the same bits as the ops it replaces: AddRmsNorm as one kernel (the
+  // residual add and the next norm in one pass over the row), RopeCacheWrite as one kernel (the
+  // rotated keys and the values written to the cache by the threads that rotate them) and, with
+  // dense_gemv, GateUpSilu as one dense GEMV launch (each block a row of gate and of up, then silu x
+  // up). Off: worker --no-cuda-fused-kernels. Passed on an H200 (2026-11-28; the last two since the
+  // second run that day).
   bool fused_kernels = false;
   // The dense GEMV (kernels/cuda/gemv.cu): MatMul by a weight in the act dtype for up to 8 rows of
   // x (decode) with a kernel of our own instead of cuBLAS's split-K kernels. Off: worker
   // --no-cuda-dense-gemv. Passed on an H200 (2026-11-28).
   bool dense_gemv = false;
-  // RopeCacheWrite as one kernel (the rotated keys and the values written to the cache by the
-  // threads that rotate them; the same bits as Rope then CacheWrite). Worker --cuda-fused-rope-cache.
-  // Written without a GPU; off until it passes on one (docs/gpu.md).
-  bool fused_rope_cache = false;
   // MatMul by int4 weights for up to 8 rows of x (decode) on the tensor cores (quant_matmul.cu's
   // Int4MmaGemvKernel: mma.sync on each group's codes less its zero, exact in the 16-bit act dtype,
   // with float32 sums) in place of the GEMV that makes each code a float. bf16 / f16 act dtypes, k a
   // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Written without a GPU;
   // off until it passes on one (docs/gpu.md).
   bool int4_mma = false;
-  // GateUpSilu as one dense GEMV launch (each block a row of gate and of up, then silu x up; the
-  // same bits as MatMuls then SiluMul). Worker --cuda-fused-silu. Written without a GPU; off until
-  // it passes on one (docs/gpu.md).
-  bool fused_silu = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

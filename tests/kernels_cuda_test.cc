@@ -495,13 +495,13 @@ TEST_P(CudaVsCpu, DenseGemv) {
 // output the bits MatMul gives it alone; F32 and act out; n 1, 3, 8; k 4096 and 1000. Products
 // the GEMV does not take together (outputs of two dtypes; k off the multiple of 8) are MatMul's
 // launches, one by one, with the same results. Against the CPU's float32 products as above.
-// GateUpSilu with CudaBackendOptions::fused_silu (written without a GPU, not yet run on one): one
+// GateUpSilu with CudaBackendOptions::fused_kernels (passed on an H200, 2026-11-28): one
 // launch of the dense GEMV whose blocks each compute a row of gate and of up and write silu x up,
 // bit for bit what the base's MatMuls then SiluMul give on a backend without the option. k 4096
 // (a row in one round), 14336 (the long-row steps) and 1000 (off the GEMV: the base's calls on
 // both); n 1, 3, 8, and 12 (past the GEMV: cuBLAS, the base's calls).
 TEST_P(CudaVsCpu, GateUpSiluFusedIsMatMulsThenSiluMul) {
-  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.dense_gemv = true, .fused_silu = true}));
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_kernels = true, .dense_gemv = true}));
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> plain, MakeCudaBackend(0, act(), {.dense_gemv = true}));
   const int64_t f = 131;
   for (const int64_t k : {int64_t{4096}, int64_t{14336}, int64_t{1000}}) {
@@ -621,14 +621,14 @@ TEST_P(CudaVsCpu, Rope) {
   EXPECT_TRUE(Close("Rope k", got_k, want_k, Threshold(Op::kRope, act())));
 }
 
-// RopeCacheWrite (CudaBackendOptions::fused_rope_cache: one kernel; written without a GPU, not yet
-// run on one): q, k and both caches bit for bit
+// RopeCacheWrite (CudaBackendOptions::fused_kernels: one kernel; passed on an H200, 2026-11-28): q,
+// k and both caches bit for bit
 // those of Rope then CacheWrite on a backend without the option (the base's composition), one
 // launch against two; GQA heads of 64, positions up to 32767, scattered slots. Then a bad slot
 // (-1, one past the end): reported at the next sync naming CacheWrite, its token's k and v not
 // written anywhere, the other tokens' written.
 TEST_P(CudaVsCpu, RopeCacheWrite) {
-  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_rope_cache = true}));
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> fused, MakeCudaBackend(0, act(), {.fused_kernels = true}));
   const int64_t blocks = 10, bs = 16, q_heads = 8, kv_heads = 2, hd = 64, n = 6, row = kv_heads * hd;
   const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act(), 20), act());
   const std::vector<float> k = RandomValues(n * row, Seed(Op::kRope, act(), 21), act());

@@ -135,8 +135,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
     case Engine::kCudaGraphs: return MakeCudaBackend(0, DType::kF32, {.step_graphs = true});
     case Engine::kCudaSplitAttention: return MakeCudaBackend(0, DType::kF32, {.split_attention_keys = 16});
     case Engine::kCudaFused:
-      return MakeCudaBackend(
-          0, DType::kF32, {.fused_kernels = true, .dense_gemv = true, .fused_rope_cache = true, .fused_silu = true});
+      return MakeCudaBackend(0, DType::kF32, {.fused_kernels = true, .dense_gemv = true});
     case Engine::kCudaDenseGemv: return MakeCudaBackend(0, DType::kF32, {.dense_gemv = true});
     case Engine::kCudaBf16DenseGemv: return MakeCudaBackend(0, DType::kBF16, {.dense_gemv = true});
   }

@@ -36,11 +36,11 @@
 #   ncu-gemv-int4, ncu-gemv-int4-mma
 #                  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token (the
 #                  second: the tensor-core one)
-#   ncu-decode, ncu-decode-cublas, ncu-decode-rope, ncu-decode-fused
+#   ncu-decode, ncu-decode-cublas, ncu-decode-unfused
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
 #                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv), the third
-#                  with RoPE + cache write fused (--cuda-fused-rope-cache), the fourth with that and
-#                  gate, up and SiLU x up as one launch (--cuda-fused-silu)
+#                  with the fused kernels off (--no-cuda-fused-kernels: add + RMSNorm, RoPE + cache
+#                  write, gate + up + SiLU each as separate kernels)
 #   nccl           communicator_test's NCCL cases that one GPU can run; the two-rank cases are
 #                  listed as not run (needs 2 GPUs) by name
 #   parity         llama_parity_test (skips allowed only for the CPU's own bf16 instructions)
@@ -52,15 +52,13 @@
 #                  the two above with the CUDA paths that are on by default turned off
 #                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels,
 #                  --worker-no-cuda-dense-gemv): what step graphs, split-KV attention, the fused
-#                  add + RMSNorm and the dense GEMV gain
+#                  kernels and the dense GEMV gain
 #   llama8b-b1-cublas
 #                  llama8b-b1 with cuBLAS for the decode products (--worker-no-cuda-dense-gemv): what
 #                  the dense GEMV gains alone
-#   llama8b-b1-rope, llama8b-b1-silu
-#                  llama8b-b1 with RoPE and the KV-cache write as one kernel
-#                  (--worker-cuda-fused-rope-cache), and with gate, up and SiLU x up as one launch
-#                  (--worker-cuda-fused-silu); each written without a GPU, off by default until this
-#                  and its op and parity tests pass
+#   llama8b-b1-unfused
+#                  llama8b-b1 with the fused kernels off (--worker-no-cuda-fused-kernels): what the
+#                  fused add + RMSNorm, RoPE + KV-cache write and gate + up + SiLU gain
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1, llama8b-int4-mma-b1
@@ -353,8 +351,8 @@ run_steps() {
   # ---- Nsight Compute: where the GPU time goes ----
   # ncu-gemv-int4: the int4 GEMV's seven shapes of one token (the bench's second token: its first
   # 224 launches skipped), SpeedOfLight (duration, DRAM and SM throughput) a launch.
-  # ncu-decode, ncu-decode-cublas, ncu-decode-rope: one decode step's kernels (ncu_decode above),
-  # the second with cuBLAS for the decode products, the third with RoPE + cache write fused.
+  # ncu-decode, ncu-decode-cublas, ncu-decode-unfused: one decode step's kernels (ncu_decode
+  # above), the second with cuBLAS for the decode products, the third with the fused kernels off.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for qname in ncu-gemv-int4 ncu-gemv-int4-mma; do
     want "$qname" || continue
@@ -369,8 +367,7 @@ run_steps() {
   done
   ncu_decode ncu-decode
   ncu_decode ncu-decode-cublas --no-cuda-dense-gemv
-  ncu_decode ncu-decode-rope --cuda-fused-rope-cache
-  ncu_decode ncu-decode-fused --cuda-fused-rope-cache --cuda-fused-silu
+  ncu_decode ncu-decode-unfused --no-cuda-fused-kernels
   gtest_step nccl 120 "$BIN/communicator_test" --gtest_filter="$(nccl_filter "${GPUS:-0}")"
   if [ "${GPUS:-0}" -lt 2 ] && want nccl; then
     STEP_RC=0 STEP_S=0
@@ -393,8 +390,7 @@ run_steps() {
   bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
   bench_step llama8b-b1-cublas "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-dense-gemv
-  bench_step llama8b-b1-rope "$llama" "$preset" 1 4 128 128 "" --worker-cuda-fused-rope-cache
-  bench_step llama8b-b1-silu "$llama" "$preset" 1 4 128 128 "" --worker-cuda-fused-silu
+  bench_step llama8b-b1-unfused "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-fused-kernels
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4

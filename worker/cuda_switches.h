@@ -16,9 +16,9 @@ namespace shardserve {
 inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantized-kernels", "no-cuda-graphs",
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
-// Paths written without a GPU, off until they pass on one: a switch turns each on.
-inline constexpr std::array<const char*, 3> kCudaOnSwitches = {"cuda-fused-rope-cache", "cuda-int4-mma",
-                                                                "cuda-fused-silu"};
+// Paths off by default, a switch turns each on: int4 on the tensor cores passed its tests on an
+// H200 but ran slower than the GEMV there (docs/gpu.md).
+inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-int4-mma"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -39,19 +39,15 @@ inline constexpr char kCudaSwitchesUsage[] =
     "  --no-cuda-split-attention  --device cuda: one block a (token, head) for the whole context, in\n"
     "                           place of steps of up to 8 tokens split over the keys (ranges of 128,\n"
     "                           combined by a second kernel)\n"
-    "  --no-cuda-fused-kernels  --device cuda: each residual add and the RMSNorm after it as two\n"
-    "                           kernels (the same bits as the one fused kernel)\n"
+    "  --no-cuda-fused-kernels  --device cuda: each residual add and the RMSNorm after it, the\n"
+    "                           rotary embedding and the KV-cache write, and SwiGLU's gate and up\n"
+    "                           products and its SiLU x up as separate kernels (the same bits as the\n"
+    "                           fused ones)\n"
     "  --no-cuda-dense-gemv     --device cuda: multiply up to 8 rows (decode) by the act-dtype weights\n"
     "                           with cuBLAS, in place of the GEMV of our own\n"
-    "  --cuda-fused-rope-cache  --device cuda: the rotary embedding and the KV-cache write as one\n"
-    "                           kernel (the same bits); written without a GPU, so off by default\n"
-    "                           (docs/gpu.md)\n"
     "  --cuda-int4-mma          --device cuda: multiply up to 8 rows (decode) by int4 weights on the\n"
-    "                           tensor cores (bf16 / f16, inputs a multiple of 128); written without\n"
-    "                           a GPU, so off by default (docs/gpu.md)\n"
-    "  --cuda-fused-silu        --device cuda: SwiGLU's gate and up products and its SiLU x up as one\n"
-    "                           GEMV launch (the same bits); written without a GPU, so off by default\n"
-    "                           (docs/gpu.md)\n";
+    "                           tensor cores (bf16 / f16, inputs a multiple of 128); passed on an\n"
+    "                           H200 but slower there than the default GEMV, so off (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -61,9 +57,7 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
           .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
-          .fused_rope_cache = flags.Has("cuda-fused-rope-cache"),
-          .int4_mma = flags.Has("cuda-int4-mma"),
-          .fused_silu = flags.Has("cuda-fused-silu")};
+          .int4_mma = flags.Has("cuda-int4-mma")};
 }
 
 }  // namespace shardserve

@@ -189,14 +189,14 @@ class CudaBackend final : public Backend {
   absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                           const Tensor& slots) override;  // attention.cu
-  // One kernel with options_.fused_rope_cache (elementwise.cu), else the base's Rope then CacheWrite.
+  // One kernel with options_.fused_kernels (elementwise.cu), else the base's Rope then CacheWrite.
   absl::Status RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions, const Tensor& inv_freq,
                               int head_dim, Tensor* k_cache, Tensor* v_cache, const Tensor& slots) override;
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
-  // One dense GEMV launch with options_.fused_silu where MatMuls would take one for the two
+  // One dense GEMV launch with options_.fused_kernels where MatMuls would take one for the two
   // products (gemv.cu), else the base's MatMuls then SiluMul.
   absl::Status GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w,
                           const Tensor& up_w) override;

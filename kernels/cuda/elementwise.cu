@@ -1,6 +1,6 @@
 // The CUDA backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
-// SiluMul, Add, AddRmsNorm (fused behind CudaBackendOptions::fused_kernels) and RopeCacheWrite
-// (fused behind fused_rope_cache: written without a GPU, off by default), their kernels and launches.
+// SiluMul, Add, AddRmsNorm and RopeCacheWrite (each fused behind CudaBackendOptions::fused_kernels),
+// their kernels and launches.
 #include <cstdint>
 #include <utility>
 
@@ -302,7 +302,7 @@ absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, co
 absl::Status CudaBackend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
                                          const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
                                          const Tensor& slots) {
-  if (!options_.fused_rope_cache) {
+  if (!options_.fused_kernels) {
     return Backend::RopeCacheWrite(q, k, v, positions, inv_freq, head_dim, k_cache, v_cache, slots);
   }
   return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, &v, k_cache, v_cache, &slots);

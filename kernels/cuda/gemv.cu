@@ -21,7 +21,7 @@
 // flight at once (docs/benchmarks.md, 2026-11-28). Each output row is computed by the same code
 // whether its product is launched alone or with others: the same bits.
 //
-// With CudaBackendOptions::fused_silu (written without a GPU, off by default), Backend::GateUpSilu's
+// With CudaBackendOptions::fused_kernels (passed on an H200, 2026-11-28), Backend::GateUpSilu's
 // gate and up are one launch whose blocks each compute a row of both and write silu x up from
 // there, rounded as MatMuls then SiluMul round (DenseGemvKernel's kSilu): no SiLU kernel, no pass
 // over gate and up.

@@ -88,7 +88,7 @@ absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduc
 absl::Status CudaBackend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w,
                                      const Tensor& up_w) {
   const MatMulProduct products[] = {{gate, &gate_w, nullptr}, {up, &up_w, nullptr}};
-  const bool fused = options_.fused_silu && gate != nullptr && up != nullptr && TakesOneDenseGemv(x, products) &&
+  const bool fused = options_.fused_kernels && gate != nullptr && up != nullptr && TakesOneDenseGemv(x, products) &&
                      gate->dtype == act_ && SameShape(*gate, *up);
   if (!fused) return Backend::GateUpSilu(gate, up, x, gate_w, up_w);
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
