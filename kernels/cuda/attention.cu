@@ -16,6 +16,7 @@ template <typename T>
 __global__ void CacheWriteKernel(T* k_cache /*[num_slots, row]*/, T* v_cache /*[num_slots, row]*/,
                                  const T* k /*[n, row]*/, const T* v /*[n, row]*/, const int32_t* slots /*[n]*/,
                                  int64_t n, int64_t row, int64_t num_slots, unsigned* errors) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   GRID_STRIDE_LOOP(i, n * row) {
     const int64_t t = i / row;
     const int64_t j = i - t * row;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                     int q_heads, int kv_heads, int head_dim, int block_size, int64_t num_blocks, int64_t num_seqs,
                     int64_t max_blocks, float scale, unsigned* errors, int splits = 1, int split_keys = 0,
                     float* partial = nullptr) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float q_s[kAttnMaxHeadDim];
   __shared__ float w_s[kAttnChunk];       // softmax weights of the chunk's keys (0: skipped)
   __shared__ int64_t base_s[kAttnChunk];  // element offset of each key's head in the cache
@@ -249,6 +251,7 @@ template <typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     AttentionCombineKernel(T* out /*[n, q_heads * hd]*/, const float* partial /*[n * q_heads * splits, hd + 2]*/,
                            int splits, int head_dim) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   const int64_t row = blockIdx.x;
   const int64_t stride = head_dim + 2;
   const float* p = partial + row * splits * stride;
@@ -307,10 +310,9 @@ absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Ten
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    CacheWriteKernel<T><<<GridFor(n * row, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
-        k_cache->as<T>(), v_cache->as<T>(), k.as<const T>(), v.as<const T>(), slots.as<const int32_t>(), n, row,
-        num_slots, errors_dev_);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("CacheWriteKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("CacheWriteKernel", CacheWriteKernel<T>, GridFor(n * row, kElementwiseThreads),
+                                       kElementwiseThreads, k_cache->as<T>(), v_cache->as<T>(), k.as<const T>(),
+                                       v.as<const T>(), slots.as<const int32_t>(), n, row, num_slots, errors_dev_));
     return absl::OkStatus();
   });
 }
@@ -374,23 +376,23 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     if (splits == 1) {
-      AttentionKernel<T, false><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
-          out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
+      SHARDSERVE_RETURN_IF_NOT_OK(Launch(
+          "AttentionKernel", AttentionKernel<T, false>, static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(),
+          q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
           token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
           static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
-          block_tables.dim(0), block_tables.dim(1), scale, errors_dev_);
-      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel");
+          block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, 1, 0, nullptr));
       return absl::OkStatus();
     }
-    AttentionKernel<T, true><<<static_cast<unsigned>(n * q_heads * splits), kAttnThreads, 0, stream_>>>(
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch(
+        "AttentionKernel<split>", AttentionKernel<T, true>, static_cast<unsigned>(n * q_heads * splits), kAttnThreads,
         out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
         token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
-        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, splits, split_keys, split_dev_);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionKernel<split>");
-    AttentionCombineKernel<T><<<static_cast<unsigned>(n * q_heads), kAttnThreads, 0, stream_>>>(
-        out->as<T>(), split_dev_, splits, static_cast<int>(head_dim));
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AttentionCombineKernel");
+        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, splits, split_keys, split_dev_));
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AttentionCombineKernel", AttentionCombineKernel<T>,
+                                       static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(), split_dev_,
+                                       splits, static_cast<int>(head_dim)));
     return absl::OkStatus();
   });
 }

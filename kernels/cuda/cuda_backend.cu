@@ -78,6 +78,7 @@ absl::Status CudaBackend::Init() {
                                                       ") has compute capability ", prop.major, ".", prop.minor,
                                                       "; shardserve's CUDA kernels need 8.0 or newer"));
   }
+  pdl_ = options_.pdl && prop.major >= 9;
   // Non-blocking: the legacy default stream, used by other libraries, never stalls ours.
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));

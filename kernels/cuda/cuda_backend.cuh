@@ -260,10 +260,40 @@ class CudaBackend final : public Backend {
   absl::Status Gemm(void* out, DType out_dtype, int64_t m, const void* x, const void* w, int64_t n, int64_t rows,
                     int64_t k, float beta);
 
+  // Launches kernel<<<grid, threads, 0, stream_>>>(args...) and counts it (KernelLaunches), its
+  // error named by `what`; with pdl_ as a programmatic dependent launch
+  // (cudaLaunchKernelEx with cudaLaunchAttributeProgrammaticStreamSerialization): its blocks may
+  // start before the kernel ahead of it has finished, so every kernel launched here calls
+  // WaitForPriorKernels (device_util.cuh) before it reads or writes any buffer an earlier kernel
+  // touches. Without pdl_ the launch is the plain one the kernels passed their tests with.
+  template <typename... Params, typename... Args>
+  absl::Status Launch(const char* what, void (*kernel)(Params...), unsigned grid, unsigned threads, Args&&... args) {
+    CountLaunch();
+    if (!pdl_) {
+      kernel<<<grid, threads, 0, stream_>>>(std::forward<Args>(args)...);
+      return CudaErrorToStatus(cudaGetLastError(), what, __FILE__, __LINE__);
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream_;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not again at the next launch
+    return CudaErrorToStatus(e, what, __FILE__, __LINE__);
+  }
+
   // Constant after Init().
   const int ordinal_;
   const DType act_;
   const CudaBackendOptions options_;
+  // options_.pdl on a device of compute capability 9.0 or newer (Launch).
+  bool pdl_ = false;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;

@@ -47,6 +47,23 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
 // so that the two give the same bits.
 __device__ __forceinline__ float SiluTimes(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// ---- Programmatic dependent launch (CudaBackend::Launch, CudaBackendOptions::pdl) -------------
+// Every kernel CudaBackend::Launch starts calls this before it reads or writes a buffer that an
+// earlier kernel of the stream may touch: it waits until the kernels ahead have finished and their
+// writes are visible, then lets the next kernel's blocks be scheduled as this kernel's blocks
+// start. Below sm_90, nothing; for a launch without the attribute both instructions return at
+// once (the PTX ISA: no prerequisite grid is in flight, no dependent waits).
+__device__ __forceinline__ void WaitForPriorKernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 for the line holding p (weights, which no kernel writes: before WaitForPriorKernels). The
+// GEMVs do it only when launched with PDL (their `prefetch` argument).
+__device__ __forceinline__ void PrefetchL2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // ---- Reductions -------------------------------------------------------------------------------
 struct SumOp {
   template <typename V>

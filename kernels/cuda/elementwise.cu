@@ -13,6 +13,7 @@ namespace {
 template <typename T>
 __global__ void EmbeddingKernel(T* out /*[n, d]*/, const T* table /*[rows, d]*/, const int32_t* ids /*[n]*/, int64_t n,
                                 int64_t d, int64_t rows, int64_t row_offset) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   GRID_STRIDE_LOOP(i, n * d) {
     const int64_t t = i / d;
     const int64_t j = i - t * d;
@@ -23,6 +24,7 @@ __global__ void EmbeddingKernel(T* out /*[n, d]*/, const T* table /*[rows, d]*/,
 
 template <typename T>
 __global__ void SiluMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, int64_t n) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   GRID_STRIDE_LOOP(i, n) {
     out[i] = FromFloat<T>(SiluTimes(ToFloat(gate[i]), ToFloat(up[i])));
   }
@@ -30,6 +32,7 @@ __global__ void SiluMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up
 
 template <typename T>
 __global__ void AddKernel(T* out /*[n]*/, const T* a /*[n]*/, const T* b /*[n]*/, int64_t n) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   GRID_STRIDE_LOOP(i, n) out[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
 }
 
@@ -43,6 +46,7 @@ __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]
                            const T* v = nullptr /*[n, kv_heads * hd]*/, T* k_cache = nullptr /*[num_slots, row]*/,
                            T* v_cache = nullptr /*[num_slots, row]*/, const int32_t* slots = nullptr /*[n]*/,
                            int64_t num_slots = 0, unsigned* errors = nullptr) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   const int half = head_dim / 2;
   const int64_t per_token = static_cast<int64_t>(q_heads + kv_heads) * half;
   GRID_STRIDE_LOOP(idx, n * per_token) {
@@ -127,6 +131,7 @@ __device__ __forceinline__ void NormKept(T* out, const float (&x)[kRowLoads], co
 template <typename T>
 __global__ void __launch_bounds__(kRmsNormThreads)
     RmsNormKernel(T* out /*[rows, d]*/, const T* x /*[rows, d]*/, const T* w /*[d]*/, int64_t d, float eps) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float scratch[32];
   const T* xr = x + static_cast<int64_t>(blockIdx.x) * d;
   T* outr = out + static_cast<int64_t>(blockIdx.x) * d;
@@ -160,6 +165,7 @@ template <typename T>
 __global__ void __launch_bounds__(kRmsNormThreads)
     AddRmsNormKernel(T* x /*[rows, d]*/, const T* y /*[rows, d]*/, T* normed /*[rows, d]*/, const T* w /*[d]*/,
                      int64_t d, float eps) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float scratch[32];
   T* xr = x + static_cast<int64_t>(blockIdx.x) * d;
   const T* yr = y + static_cast<int64_t>(blockIdx.x) * d;
@@ -213,9 +219,9 @@ absl::Status CudaBackend::Embedding(Tensor* out, const Tensor& table, const Tens
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    EmbeddingKernel<T><<<GridFor(n * d, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
-        out->as<T>(), table.as<const T>(), ids.as<const int32_t>(), n, d, table.dim(0), row_offset);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("EmbeddingKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("EmbeddingKernel", EmbeddingKernel<T>, GridFor(n * d, kElementwiseThreads),
+                                       kElementwiseThreads, out->as<T>(), table.as<const T>(), ids.as<const int32_t>(),
+                                       n, d, table.dim(0), row_offset));
     return absl::OkStatus();
   });
 }
@@ -235,9 +241,8 @@ absl::Status CudaBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w,
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    RmsNormKernel<T><<<static_cast<unsigned>(n), kRmsNormThreads, 0, stream_>>>(out->as<T>(), x.as<const T>(),
-                                                                                 w.as<const T>(), d, eps);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RmsNormKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("RmsNormKernel", RmsNormKernel<T>, static_cast<unsigned>(n), kRmsNormThreads,
+                                       out->as<T>(), x.as<const T>(), w.as<const T>(), d, eps));
     return absl::OkStatus();
   });
 }
@@ -260,9 +265,9 @@ absl::Status CudaBackend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed,
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    AddRmsNormKernel<T><<<static_cast<unsigned>(n), kRmsNormThreads, 0, stream_>>>(
-        x->as<T>(), y.as<const T>(), normed->as<T>(), w.as<const T>(), d, eps);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AddRmsNormKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AddRmsNormKernel", AddRmsNormKernel<T>, static_cast<unsigned>(n),
+                                       kRmsNormThreads, x->as<T>(), y.as<const T>(), normed->as<T>(), w.as<const T>(),
+                                       d, eps));
     return absl::OkStatus();
   });
 }
@@ -328,17 +333,17 @@ absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Ten
     using T = typename decltype(tag)::type;
     const unsigned grid = GridFor(pairs, kElementwiseThreads);
     if (!cache) {
-      RopeKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(
-          q->as<T>(), k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-          static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim);
-      SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel");
+      SHARDSERVE_RETURN_IF_NOT_OK(Launch("RopeKernel", RopeKernel<T, false>, grid, kElementwiseThreads, q->as<T>(),
+                                         k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+                                         static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, nullptr,
+                                         nullptr, nullptr, nullptr, int64_t{0}, nullptr));
       return absl::OkStatus();
     }
-    RopeKernel<T, true><<<grid, kElementwiseThreads, 0, stream_>>>(
-        q->as<T>(), k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, v->as<const T>(), k_cache->as<T>(),
-        v_cache->as<T>(), slots->as<const int32_t>(), k_cache->dim(0) * k_cache->dim(1), errors_dev_);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RopeKernel<cache>");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("RopeKernel<cache>", RopeKernel<T, true>, grid, kElementwiseThreads, q->as<T>(),
+                                       k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+                                       static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim,
+                                       v->as<const T>(), k_cache->as<T>(), v_cache->as<T>(), slots->as<const int32_t>(),
+                                       k_cache->dim(0) * k_cache->dim(1), errors_dev_));
     return absl::OkStatus();
   });
 }
@@ -356,9 +361,8 @@ absl::Status CudaBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor&
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SiluMulKernel<T><<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
-        out->as<T>(), gate.as<const T>(), up.as<const T>(), count);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("SiluMulKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("SiluMulKernel", SiluMulKernel<T>, GridFor(count, kElementwiseThreads),
+                                       kElementwiseThreads, out->as<T>(), gate.as<const T>(), up.as<const T>(), count));
     return absl::OkStatus();
   });
 }
@@ -376,9 +380,8 @@ absl::Status CudaBackend::Add(Tensor* out, const Tensor& a, const Tensor& b) {
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    AddKernel<T><<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(
-        out->as<T>(), a.as<const T>(), b.as<const T>(), count);
-    SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("AddKernel");
+    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AddKernel", AddKernel<T>, GridFor(count, kElementwiseThreads),
+                                       kElementwiseThreads, out->as<T>(), a.as<const T>(), b.as<const T>(), count));
     return absl::OkStatus();
   });
 }

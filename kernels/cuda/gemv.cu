@@ -94,6 +94,7 @@ struct DenseGemvProducts {
   int m[kDenseGemvMaxProducts];
   int end[kDenseGemvMaxProducts];
   int count;
+  bool prefetch;  // the first round's weights asked of L2 before WaitForPriorKernels (launched with PDL)
 };
 
 // Block b computes output rows kGemvRows (b - start) + [0, kGemvRows) of the product whose blocks
@@ -131,6 +132,19 @@ __global__ void __launch_bounds__(kGemvThreads)
     wr[rr] = kSilu ? g.w[rr] + static_cast<int64_t>(r0) * k
                    : w + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
   }
+  // Launched with PDL: the first round's weight lines into L2 while the kernel ahead drains (no
+  // kernel writes weights), a thread a 128-byte line.
+  if (g.prefetch) {
+#pragma unroll
+    for (int l = 0; l < kSteps; ++l) {
+      const int c = static_cast<int>(threadIdx.x) * 8 + kStride * l;
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (c < k && ((c * sizeof(T)) & 127) == 0) PrefetchL2(wr[rr] + c);
+      }
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
   float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
@@ -214,6 +228,7 @@ absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProd
         g.end[p] = static_cast<int>(blocks);
       }
       g.count = static_cast<int>(products.size());
+      g.prefetch = pdl_;
       const T* xs = x.as<const T>();
       const bool long_rows = k > kGemvThreads * 8 * kDenseSteps;
       // kSilu: a block a row of gate and of up (m blocks); else the products' blocks.
@@ -222,12 +237,11 @@ absl::Status CudaBackend::DenseGemv(const Tensor& x, absl::Span<const MatMulProd
         const auto grid = static_cast<unsigned>(kSilu ? g.m[0] : blocks);
         return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
           if (long_rows) {
-            DenseGemvKernel<T, TO, kn(), kDenseLongSteps, kSilu><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
-          } else {
-            DenseGemvKernel<T, TO, kn(), kDenseSteps, kSilu><<<grid, kGemvThreads, 0, stream_>>>(g, xs, rows, k);
+            return Launch("DenseGemvKernel", DenseGemvKernel<T, TO, kn(), kDenseLongSteps, kSilu>, grid, kGemvThreads,
+                          g, xs, rows, k);
           }
-          SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DenseGemvKernel");
-          return absl::OkStatus();
+          return Launch("DenseGemvKernel", DenseGemvKernel<T, TO, kn(), kDenseSteps, kSilu>, grid, kGemvThreads, g, xs,
+                        rows, k);
         });
       };
       if constexpr (std::is_same_v<TO, T>) {  // the fused SiLU's outputs are act (checked above)

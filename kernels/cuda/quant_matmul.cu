@@ -100,12 +100,23 @@ template <typename T, typename TO, bool kFp8, int N, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads)
     RowsGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const float* __restrict__ scale /*[m]*/, const uint8_t* __restrict__ q /*[m, k]*/,
-                   const T* __restrict__ bias /*[m] or null*/, int n, int m, int k) {
+                   const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, bool prefetch) {
   constexpr int R = kGemvRows;
   const int r0 = static_cast<int>(blockIdx.x) * R;
   const uint8_t* qr[R];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) qr[rr] = q + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+  if (kVec && prefetch) {  // launched with PDL: the first loads' lines into L2 while the kernel ahead drains
+#pragma unroll
+    for (int l = 0; l < kGemvLoads; ++l) {
+      const int c = static_cast<int>(threadIdx.x) * 16 + kGemvThreads * 16 * l;
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (c < k && (c & 127) == 0) PrefetchL2(qr[rr] + c);
+      }
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
   float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
@@ -189,7 +200,7 @@ template <typename T, typename TO, int N, bool kVecX>
 __global__ void __launch_bounds__(kGemvThreads)
     Int4GemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                    const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
-                   int n, int m, int k, int groups) {
+                   int n, int m, int k, int groups, bool prefetch) {
   constexpr int R = kGemvRows;
   const int first = static_cast<int>(threadIdx.x) >> 3, p = static_cast<int>(threadIdx.x) & 7;
   const int r0 = static_cast<int>(blockIdx.x) * R;
@@ -198,6 +209,19 @@ __global__ void __launch_bounds__(kGemvThreads)
   for (int rr = 0; rr < R; ++rr) {
     words[rr] = reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + rr, m - 1)) * groups);
   }
+  // Launched with PDL: the first step's groups into L2 while the kernel ahead drains (weights); a
+  // group's 72 bytes span at most two lines, asked for by its first two threads.
+  if (prefetch) {
+#pragma unroll
+    for (int u = 0; u < kInt4Steps; ++u) {
+      const int g = first + kInt4GroupsPerStep * u;
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (p < 2 && g < groups) PrefetchL2(words[rr] + static_cast<int64_t>(g) * kInt4Words + 8 * p);
+      }
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
   float acc[R][N];
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
@@ -344,13 +368,25 @@ template <typename T, typename TO>
 __global__ void __launch_bounds__(kGemvThreads)
     Int4MmaGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
                       const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
-                      int n, int m, int k, int groups) {
+                      int n, int m, int k, int groups, bool prefetch) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int row = lane >> 2, t = lane & 3;
   const int r0 = static_cast<int>(blockIdx.x) * kMmaRows;
   const uint2* words[2] = {
       reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + row, m - 1)) * groups),
       reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + row + 8, m - 1)) * groups)};
+  // Launched with PDL: the first step's groups into L2 while the kernel ahead drains, as above.
+  if (prefetch) {
+#pragma unroll
+    for (int u = 0; u < kMmaSteps; ++u) {
+      const int g = warp + kGemvWarps * u;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (t < 2 && g < groups) PrefetchL2(words[h] + static_cast<int64_t>(g) * kInt4Words + 8 * t);
+      }
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
   const bool has_x = row < n;  // B's column `row`: input row `row`, zeros past n
   const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(has_x ? row : 0) * k);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows row, row + 8 (scaled sums) x columns 2t, 2t + 1
@@ -559,28 +595,25 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
         if (quant == WeightQuant::kInt4) {
           if constexpr (sizeof(T) == 2) {
             if (mma) {
-              Int4MmaGemvKernel<T, TO><<<static_cast<unsigned>(CeilDiv(m, kMmaRows)), kGemvThreads, 0, stream_>>>(
-                  y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups));
-              SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4MmaGemvKernel");
+              SHARDSERVE_RETURN_IF_NOT_OK(Launch("Int4MmaGemvKernel", Int4MmaGemvKernel<T, TO>,
+                                                 static_cast<unsigned>(CeilDiv(m, kMmaRows)), kGemvThreads, y, xs,
+                                                 blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
               return absl::OkStatus();
             }
           }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
-            Int4GemvKernel<T, TO, kn(), kvec()>
-                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups));
-            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("Int4GemvKernel");
+            SHARDSERVE_RETURN_IF_NOT_OK(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid,
+                                               kGemvThreads, y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
             return absl::OkStatus();
           });
         }
         return ForGemvInstance(rows, vec_w && vec_x, [&](auto kn, auto kvec) -> absl::Status {
           if (quant == WeightQuant::kInt8) {
-            RowsGemvKernel<T, TO, false, kn(), kvec()>
-                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, mi, ki);
-            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<int8>");
+            SHARDSERVE_RETURN_IF_NOT_OK(Launch("RowsGemvKernel<int8>", RowsGemvKernel<T, TO, false, kn(), kvec()>, grid,
+                                               kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
           } else {
-            RowsGemvKernel<T, TO, true, kn(), kvec()>
-                <<<grid, kGemvThreads, 0, stream_>>>(y, xs, scale, q, b, rows, mi, ki);
-            SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("RowsGemvKernel<fp8>");
+            SHARDSERVE_RETURN_IF_NOT_OK(Launch("RowsGemvKernel<fp8>", RowsGemvKernel<T, TO, true, kn(), kvec()>, grid,
+                                               kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
           }
           return absl::OkStatus();
         });

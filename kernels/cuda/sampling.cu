@@ -40,6 +40,7 @@ __device__ double BlockInclusiveScan(double v, double* scratch, double* total) {
 
 __global__ void __launch_bounds__(kRowThreads)
     SoftmaxKernel(float* out /*[rows, v]*/, const float* x /*[rows, v]*/, int64_t v, float temperature) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float scratch[32];
   const float* xr = x + static_cast<int64_t>(blockIdx.x) * v;
   float* outr = out + static_cast<int64_t>(blockIdx.x) * v;
@@ -66,6 +67,7 @@ constexpr int kArgmaxLoads = 16;
 
 __global__ void __launch_bounds__(kRowThreads)
     ArgmaxKernel(int32_t* out /*[rows]*/, const float* logits /*[rows, v]*/, int64_t v) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float s_val[32];
   __shared__ long long s_idx[32];
   const float* xr = logits + static_cast<int64_t>(blockIdx.x) * v;
@@ -140,6 +142,7 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
 __global__ void __launch_bounds__(kRowThreads)
     SampleKernel(int32_t* out /*[rows]*/, const float* logits /*[rows, v]*/, const SampleParams* params /*[rows]*/,
                  int64_t v) {
+  WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float s_f[32];
   __shared__ double s_d[32];
   __shared__ unsigned s_u[32];
@@ -297,9 +300,8 @@ absl::Status CudaBackend::Softmax(Tensor* out, const Tensor& x, float temperatur
   if (n * v == 0) return absl::OkStatus();
   if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
   SHARDSERVE_RETURN_IF_NOT_OK(Activate());
-  SoftmaxKernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream_>>>(out->as<float>(), x.as<const float>(), v,
-                                                                        temperature);
-  SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("SoftmaxKernel");
+  SHARDSERVE_RETURN_IF_NOT_OK(Launch("SoftmaxKernel", SoftmaxKernel, static_cast<unsigned>(n), kRowThreads,
+                                     out->as<float>(), x.as<const float>(), v, temperature));
   return absl::OkStatus();
 }
 
@@ -319,8 +321,8 @@ absl::Status CudaBackend::Argmax(Tensor* out, const Tensor& logits) {
   bool to_host = false;
   absl::StatusOr<int32_t*> target = IdsTarget(kOp, *out, &to_host);
   if (!target.ok()) return target.status();
-  ArgmaxKernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream_>>>(*target, logits.as<const float>(), v);
-  SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("ArgmaxKernel");
+  SHARDSERVE_RETURN_IF_NOT_OK(Launch("ArgmaxKernel", ArgmaxKernel, static_cast<unsigned>(n), kRowThreads, *target,
+                                     logits.as<const float>(), v));
   return FinishIds(*out, to_host);
 }
 
@@ -354,9 +356,8 @@ absl::Status CudaBackend::Sample(Tensor* out, const Tensor& logits, const std::v
   bool to_host = false;
   absl::StatusOr<int32_t*> target = IdsTarget(kOp, *out, &to_host);
   if (!target.ok()) return target.status();
-  SampleKernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream_>>>(*target, logits.as<const float>(), params_dev_,
-                                                                       v);
-  SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("SampleKernel");
+  SHARDSERVE_RETURN_IF_NOT_OK(Launch("SampleKernel", SampleKernel, static_cast<unsigned>(n), kRowThreads, *target,
+                                     logits.as<const float>(), params_dev_, v));
   return FinishIds(*out, to_host);
 }
 
