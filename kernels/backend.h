@@ -335,6 +335,13 @@ struct CudaBackendOptions {
   // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Written without a GPU;
   // off until it passes on one (docs/gpu.md).
   bool int4_mma = false;
+  // Programmatic dependent launch (Hopper, sm_90 and up; ignored below): the decode step's kernels
+  // launched with cudaLaunchAttributeProgrammaticStreamSerialization, so that a kernel's blocks
+  // start while the one before it drains; each waits (griddepcontrol.wait) before it reads or
+  // writes anything an earlier kernel touches, and the GEMVs first ask L2 for their first weights,
+  // which no kernel writes. Worker --cuda-pdl. Written without a GPU; off until it passes on one
+  // (docs/gpu.md).
+  bool pdl = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

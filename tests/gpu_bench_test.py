@@ -13,6 +13,9 @@
 4. tools/bench_hf_generate.py --check on the Llama-3-8B config (no torch needed) and its refusals.
 5. tools/gpu-tests.sh run's gtest steps use the same judgement (judge_gtest): a fake kernels_cuda_test
    that exits 0 with every case skipped fails on a machine with a GPU, and passes (counted) without one.
+6. tools/write_config_checkpoint.py (the cold-start step's checkpoint) on small Llama and Qwen2 configs:
+   Hugging Face's tensor names and shapes back to back in the header, lm_head only when untied, the
+   q/k/v biases for Qwen2, the norms bf16 ones.
 
 usage: gpu_bench_test.py
 """
@@ -139,6 +142,47 @@ def main():
     rc, out, err = run([*hf, "--config", cfg, "--input-len", "8192", "--check"])
     check(rc == 2 and "max_position_embeddings" in err, "the HF script refuses a context beyond the model's", err)
     checks += 3
+
+    # tools/write_config_checkpoint.py (llama8b-cold-safetensors) on small Llama (untied) and Qwen2
+    # (tied, q/k/v biases) configs: the safetensors header lists Hugging Face's tensors with their
+    # shapes, back to back, the file's size is the header's last offset, the norms are bf16 ones.
+    writer = [sys.executable, os.path.join(ROOT, "tools/write_config_checkpoint.py")]
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=300)
+    for src, tied, bias in (("llama-3-8b.json", False, False), ("qwen2.5-0.5b.json", True, True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(ROOT, "tests/fixtures/configs", src)) as f:
+                c = dict(json.load(f), **small)
+            c.pop("head_dim", None)
+            cfg_path, out_dir = os.path.join(tmp, "config.json"), os.path.join(tmp, "ckpt")
+            with open(cfg_path, "w") as f:
+                json.dump(c, f)
+            rc, out, err = run([*writer, "--config", cfg_path, "--out", out_dir, "--json", os.path.join(tmp, "w.json")])
+            check(rc == 0 and "tensors" in out, f"{src}: the checkpoint written", out + err)
+            path = os.path.join(out_dir, "model.safetensors")
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+                data = f.read()
+            header.pop("__metadata__")
+            end = 0
+            for name, t in header.items():
+                check(t["dtype"] == "BF16" and t["data_offsets"][0] == end, f"{src}: {name} back to back", t)
+                count = 1
+                for d in t["shape"]:
+                    count *= d
+                end = t["data_offsets"][1]
+                check(end - t["data_offsets"][0] == 2 * count, f"{src}: {name}'s bytes match its shape", t)
+            check(len(data) == end, f"{src}: the data is the header's last offset long", (len(data), end))
+            check(header["model.layers.1.mlp.down_proj.weight"]["shape"] == [64, 96], f"{src}: down's shape", header)
+            check(header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [32, 64], f"{src}: k's shape", header)
+            check(("lm_head.weight" in header) == (not tied), f"{src}: lm_head only when untied", list(header))
+            check(("model.layers.0.self_attn.q_proj.bias" in header) == bias, f"{src}: q/k/v biases", list(header))
+            norm = header["model.norm.weight"]["data_offsets"]
+            check(data[norm[0]:norm[1]] == b"\x80\x3f" * 64, f"{src}: the final norm is ones", data[norm[0]:norm[0] + 8])
+            with open(os.path.join(out_dir, "config.json")) as f:
+                check(json.load(f)["torch_dtype"] == "bfloat16", f"{src}: config.json says bfloat16", "")
+            checks += 8
     print(f"PASS: {checks} checks")
 
 

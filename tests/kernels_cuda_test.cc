@@ -1459,7 +1459,8 @@ TEST_P(CudaQuant, OffByDefault) {
 // token reads (bytes_per_decode_step), tokens/s and GB/s; gpu_bench_report.py puts them beside the
 // streaming-read roofline of the same run. The weights' codes are random (the speed does not
 // depend on them). Skipped unless SHARDSERVE_QUANT_BENCH names the format (int4, int8 or fp8);
-// SHARDSERVE_QUANT_BENCH_INT4_MMA=1 adds CudaBackendOptions::int4_mma (step quant-int4-mma-b1).
+// SHARDSERVE_QUANT_BENCH_INT4_MMA=1 adds CudaBackendOptions::int4_mma (step quant-int4-mma-b1),
+// SHARDSERVE_QUANT_BENCH_PDL=1 CudaBackendOptions::pdl (step quant-int4-pdl-b1).
 TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const char* format = std::getenv("SHARDSERVE_QUANT_BENCH");
@@ -1471,8 +1472,12 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   ASSERT_NE(quant, WeightQuant::kNone);
   const char* mma = std::getenv("SHARDSERVE_QUANT_BENCH_INT4_MMA");
   const bool int4_mma = mma != nullptr && std::string(mma) == "1";
+  const char* pdl = std::getenv("SHARDSERVE_QUANT_BENCH_PDL");
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda,
-                    MakeCudaBackend(0, DType::kBF16, {.quantized_kernels = true, .int4_mma = int4_mma}));
+                    MakeCudaBackend(0, DType::kBF16,
+                                    {.quantized_kernels = true,
+                                     .int4_mma = int4_mma,
+                                     .pdl = pdl != nullptr && std::string(pdl) == "1"}));
   constexpr int kLayers = 32, kWarmup = 3, kTokens = 20;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{4096, 4096}, {1024, 4096},  {1024, 4096}, {4096, 4096},
                                                            {14336, 4096}, {14336, 4096}, {4096, 14336}};

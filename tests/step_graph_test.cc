@@ -303,7 +303,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the int4 tensor-core
-// GEMV (slower there than the default) off unless --cuda-int4-mma.
+// GEMV (slower there than the default) off unless --cuda-int4-mma, programmatic dependent launch
+// (not yet run on one) unless --cuda-pdl.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -319,6 +320,10 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_FALSE(on.int4_mma) << "slower than the GEMV on an H200: off unless asked for";
   const CudaBackendOptions mma = parse({"--cuda-int4-mma"});
   EXPECT_TRUE(mma.int4_mma && mma.quantized_kernels && mma.dense_gemv && mma.step_graphs && mma.fused_kernels);
+  EXPECT_FALSE(mma.pdl || on.pdl) << "not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions pdl = parse({"--cuda-pdl"});
+  EXPECT_TRUE(pdl.pdl && pdl.step_graphs && pdl.fused_kernels && pdl.dense_gemv);
+  EXPECT_FALSE(pdl.int4_mma);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -28,7 +28,7 @@
 #   membw          tools/bench_membw.cu built with the machine's nvcc: streaming-read GB/s (the roofline)
 #   cuda-ops       kernels_cuda_test (but the CudaQuantBench benchmark); a skipped case is a failure
 #                  on a GPU
-#   quant-int4-b1, quant-int8-b1, quant-int4-mma-b1
+#   quant-int4-b1, quant-int8-b1, quant-int4-mma-b1, quant-int4-pdl-b1
 #                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline; the
@@ -69,6 +69,11 @@
 #                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
 #                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
 #                  second with --worker-cuda-int4-mma
+#   llama8b-cold-safetensors
+#                  the cold start from a real checkpoint: the 8B's 16 GB written as bf16 safetensors to
+#                  the machine's disk (tools/write_config_checkpoint.py), the page cache dropped if
+#                  allowed, then bench --compare tp1 through the real load path: launch to SERVING
+#                  (issue 29: < 20 s)
 #   hf-b1-eager    Hugging Face transformers, same config, random bf16, static cache, eager decoding
 #                  (--no-compile)
 #   hf-b1, hf-c64  the same with torch.compile (1 and 64 streams)
@@ -258,7 +263,7 @@ bench_step() {
     qbench=(--quantization "$quant")
   fi
   "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json "${qplan[@]}" >"$plan" 2>/dev/null
-  step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format dummy \
+  step "$name" 240 "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format "${LOAD_FORMAT:-dummy}" \
     --concurrency "$conc" --num-requests "$reqs" --warmup 1 --input-len "$in" --output-len "$out" \
     --log-dir "$LOGS/$name" --json-out "$json" "${qbench[@]}" "${extra[@]}" ${BENCH_FLAGS:-}
   local derived=()
@@ -332,13 +337,15 @@ run_steps() {
   gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
   # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
   # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
-  local fmt qname mma
-  for fmt in int4 int8 int4-mma; do
+  local fmt qname mma pdl
+  for fmt in int4 int8 int4-mma int4-pdl; do
     qname=quant-$fmt-b1
     want "$qname" || continue
-    mma=0
+    mma=0 pdl=0
     [ "$fmt" = int4-mma ] && fmt=int4 mma=1
-    SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
+    [ "$fmt" = int4-pdl ] && fmt=int4 pdl=1
+    SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_PDL=$pdl \
+      SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
       step "$qname" 150 "$BIN/kernels_cuda_test" --gtest_filter='CudaQuantBench.*' --gtest_output="xml:$LOGS/$qname.xml"
     if [ "$DRY_RUN" != 1 ] && [ "$STEP_RC" = 0 ] &&
       ! judge_gtest "$LOGS/$qname.xml" >/dev/null 2>>"$LOGS/$qname.log"; then
@@ -391,15 +398,36 @@ run_steps() {
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
   bench_step llama8b-b1-cublas "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-dense-gemv
   bench_step llama8b-b1-unfused "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-fused-kernels
+  bench_step llama8b-b1-pdl "$llama" "$preset" 1 4 128 128 "" --worker-cuda-pdl
+  bench_step llama8b-c64-pdl "$llama" "$preset" 64 128 512 128 "" --worker-cuda-pdl
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma
+  bench_step llama8b-int4-pdl-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-pdl
   local qwen_all
   qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
   bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4
   bench_step qwen72b-int4-mma-b1 "$qwen_all" "$preset" 1 2 128 64 int4 --worker-cuda-int4-mma
+  # The cold start from a real checkpoint (issue 29 part 5: < 20 s): the 8B's 16 GB of bf16 written
+  # to this machine's disk (tools/write_config_checkpoint.py), the page cache dropped where the
+  # machine lets us (else the file is still in memory: the note says which), then launch to SERVING
+  # through the real load path (mmap, slicing, host to device); the file removed after.
+  if want llama8b-cold-safetensors; then
+    local ckpt=$WORK/models/llama-3-8b-safetensors cache_note
+    DRY_RUN_RUNS=0 step llama8b-cold-safetensors-write 150 python3 tools/write_config_checkpoint.py \
+      --config "$llama/config.json" --out "$ckpt" --json "$WORK/llama8b-cold-write.json"
+    cache_note="page cache not dropped: the start read the file from memory"
+    if [ "$DRY_RUN" != 1 ] && sync && echo 3 >/proc/sys/vm/drop_caches 2>/dev/null; then
+      cache_note="page cache dropped before the start: the file read from disk"
+    fi
+    local w=()
+    [ -s "$WORK/llama8b-cold-write.json" ] && w=(--json "$WORK/llama8b-cold-write.json")
+    record llama8b-cold-safetensors-write "${w[@]}" --metric "cache=$cache_note"
+    LOAD_FORMAT=auto bench_step llama8b-cold-safetensors "$ckpt" "$preset" 1 2 128 32
+    rm -rf "$ckpt"
+  fi
   # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
   # 150 (H200, 2026-11-27); the eager one (--no-compile) needs no compiling.
   for hf in "hf-b1-eager 1 128 150 --no-compile" "hf-b1 1 128 300" "hf-c64 64 512 300"; do

@@ -211,6 +211,7 @@ SHOWN = [
     ("cluster_start_s", "start s"), ("kv_blocks_total", "KV blocks"), ("planned_kv_tokens", "planned KV tokens"),
     ("tests", "tests"), ("failures", "failures"), ("skipped", "skipped"),
     ("kernels_per_decode_step", "kernels/decode step"), ("layouts", "layouts"),
+    ("checkpoint_bytes", "checkpoint bytes"), ("write_s", "written in s"), ("cache", "cache"),
 ]
 
 

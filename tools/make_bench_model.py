@@ -81,6 +81,18 @@ def numel(shape):
     return n
 
 
+def safetensors_header(specs):
+    """The header (JSON padded with spaces to a multiple of 8) of bf16 tensors (name, shape, kind)
+    stored back to back in that order, and the length of their data."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in specs:
+        size = 2 * numel(shape)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    return header_bytes + b" " * (-len(header_bytes) % 8), offset
+
+
 def tensor_bytes(name, n, kind, seed, table):
     if kind == "ones":
         values = array("H", [BF16_ONE]) * n
@@ -136,13 +148,7 @@ def main():
 
     os.makedirs(args.dir, exist_ok=True)
     specs = tensors()
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, _ in specs:
-        size = 2 * numel(shape)
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
+    header_bytes, _ = safetensors_header(specs)
 
     table = normal_table()
     tmp = os.path.join(args.dir, "model.safetensors.tmp")

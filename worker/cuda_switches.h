@@ -17,8 +17,9 @@ inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantiz
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
 // Paths off by default, a switch turns each on: int4 on the tensor cores passed its tests on an
-// H200 but ran slower than the GEMV there (docs/gpu.md).
-inline constexpr std::array<const char*, 1> kCudaOnSwitches = {"cuda-int4-mma"};
+// H200 but ran slower than the GEMV there; programmatic dependent launch is not yet run on a GPU
+// (docs/gpu.md).
+inline constexpr std::array<const char*, 2> kCudaOnSwitches = {"cuda-int4-mma", "cuda-pdl"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -47,7 +48,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           with cuBLAS, in place of the GEMV of our own\n"
     "  --cuda-int4-mma          --device cuda: multiply up to 8 rows (decode) by int4 weights on the\n"
     "                           tensor cores (bf16 / f16, inputs a multiple of 128); passed on an\n"
-    "                           H200 but slower there than the default GEMV, so off (docs/gpu.md)\n";
+    "                           H200 but slower there than the default GEMV, so off (docs/gpu.md)\n"
+    "  --cuda-pdl               --device cuda, Hopper: launch the step's kernels with programmatic\n"
+    "                           dependent launch (each kernel's blocks start while the one before\n"
+    "                           drains); written without a GPU, so off by default (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -57,7 +61,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .split_attention_keys = flags.Has("no-cuda-split-attention") ? 0 : kCudaSplitAttentionKeys,
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
           .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
-          .int4_mma = flags.Has("cuda-int4-mma")};
+          .int4_mma = flags.Has("cuda-int4-mma"),
+          .pdl = flags.Has("cuda-pdl")};
 }
 
 }  // namespace shardserve

@@ -367,8 +367,8 @@ __device__ __forceinline__ void Int4Mma(float (&d)[4], uint32_t w0, uint32_t w1,
 template <typename T, typename TO>
 __global__ void __launch_bounds__(kGemvThreads)
     Int4MmaGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
-                      const Int4Group128* __restrict__ blocks /*[m, groups]*/, const T* __restrict__ bias /*[m] or null*/,
-                      int n, int m, int k, int groups, bool prefetch) {
+                      const Int4Group128* __restrict__ blocks /*[m, groups]*/,
+                      const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, int groups, bool prefetch) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int row = lane >> 2, t = lane & 3;
   const int r0 = static_cast<int>(blockIdx.x) * kMmaRows;
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
-  WaitForPriorKernels();  // CudaBackend::Launch
+  WaitForPriorKernels();       // CudaBackend::Launch
   const bool has_x = row < n;  // B's column `row`: input row `row`, zeros past n
   const uint4* xr = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(has_x ? row : 0) * k);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // rows row, row + 8 (scaled sums) x columns 2t, 2t + 1
@@ -603,7 +603,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
           }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
             SHARDSERVE_RETURN_IF_NOT_OK(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid,
-                                               kGemvThreads, y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
+                                               kGemvThreads, y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups),
+                                               pdl_));
             return absl::OkStatus();
           });
         }
