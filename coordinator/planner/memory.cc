@@ -17,6 +17,17 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 // architectures before it. Names we cannot place (a worker's "cuda:0") get the larger figure.
 constexpr uint64_t kCublasWorkspaceHopper = 32 * kMiB;
 constexpr uint64_t kCublasWorkspaceOlder = 4 * kMiB;
+// The names of the GPUs before Hopper (presets and nvidia-smi's), by prefix after any "NVIDIA ".
+constexpr const char* kBeforeHopper[] = {"A100", "A10", "A30", "A40", "L40", "L4", "V100", "T4"};
+
+// The CUDA context: a worker's device memory in use once its backend exists (cudaMemGetInfo's
+// total less free, the worker's `memory cuda_context` line), before any kernel has run: 623,706,112 B
+// (594.8 MiB) on an H200 in every run measured (driver 580.159.04, CUDA 13; the 8B in bf16 and int4,
+// the whole 72B in int4; 2026-11-27 and 2026-11-28). Taken for Hopper and for the names we cannot
+// place (a served cluster's workers register as "cuda:K"), as cuBLAS's workspace is; not yet
+// measured on an H100. Before Hopper: unmeasured, the context stays what the reserve's named items
+// leave.
+constexpr uint64_t kCudaContextHopper = 623'706'112;
 
 // The quantized products' dequantize scratch (kernels/cuda/quant_matmul.cu) is the backend's own
 // figure: CudaDequantScratchBytes (kernels/backend.h) of the worker's largest quantized weight, which
@@ -43,13 +54,23 @@ constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * k
 
 }  // namespace
 
+bool BeforeHopper(const GpuSpec& gpu) {
+  std::string name = absl::AsciiStrToUpper(gpu.name);
+  if (absl::StartsWith(name, "NVIDIA ")) name = name.substr(7);
+  for (const char* older : kBeforeHopper) {
+    if (absl::StartsWith(name, older)) return true;
+  }
+  return false;
+}
+
 uint64_t CublasWorkspaceBytes(const GpuSpec& gpu) {
   if (gpu.is_cpu()) return 0;
-  const std::string name = absl::AsciiStrToUpper(gpu.name);
-  for (const char* older : {"A100", "A10", "A30", "A40", "L40", "L4", "V100", "T4"}) {
-    if (absl::StartsWith(name, older)) return kCublasWorkspaceOlder;
-  }
-  return kCublasWorkspaceHopper;  // H100, H200, GH200 and names we cannot place
+  return BeforeHopper(gpu) ? kCublasWorkspaceOlder : kCublasWorkspaceHopper;  // H100, H200, GH200, names we cannot place
+}
+
+uint64_t CudaContextBytes(const GpuSpec& gpu) {
+  if (gpu.is_cpu() || BeforeHopper(gpu)) return 0;
+  return kCudaContextHopper;
 }
 
 int NcclCommunicators(int tp, int pp, int stage) {
@@ -67,10 +88,13 @@ RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage,
   r.dequant_scratch = dequant_scratch_bytes;
   r.cuda_graph_pools = kCudaGraphPoolBytes;
   r.nccl_buffers = static_cast<uint64_t>(NcclCommunicators(tp, pp, stage)) * kNcclBytesPerCommunicator;
-  // The context (its code modules, cuBLAS's kernels, the allocator's slack) takes the rest. When the
-  // named items exceed the reserve, the context is counted as 0 and "free" shows the overdraft.
+  // The context and the slack take the rest: the measured context first (CudaContextBytes), else all
+  // of it. When the named items exceed the reserve, both are 0 and "free" shows the overdraft.
   const uint64_t named = r.cublas_workspace + r.dequant_scratch + r.cuda_graph_pools + r.nccl_buffers;
-  r.cuda_context = reserve_bytes > named ? reserve_bytes - named : 0;
+  const uint64_t rest = reserve_bytes > named ? reserve_bytes - named : 0;
+  const uint64_t context = CudaContextBytes(gpu);
+  r.cuda_context = context > 0 ? std::min(context, rest) : rest;
+  r.runtime_slack = rest - r.cuda_context;
   return r;
 }
 
@@ -110,6 +134,9 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
       {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},
       {kMemNcclBuffers, static_cast<int64_t>(r.nccl_buffers)},
       {kMemCudaContext, static_cast<int64_t>(r.cuda_context)},
+  });
+  if (r.runtime_slack > 0) items.push_back({kMemRuntimeSlack, static_cast<int64_t>(r.runtime_slack)});
+  items.insert(items.end(), {
       {kMemFree, usable - used},
       {kMemHeldBack, static_cast<int64_t>(gpu.memory_bytes) - usable},
   });

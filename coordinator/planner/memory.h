@@ -38,6 +38,8 @@ inline constexpr const char* kMemDequantScratch = "dequant_scratch";
 inline constexpr const char* kMemCudaGraphPools = "cuda_graph_pools";
 inline constexpr const char* kMemNcclBuffers = "nccl_buffers";
 inline constexpr const char* kMemCudaContext = "cuda_context";
+// Listed only where it is not 0: what the reserve holds beyond a measured CUDA context.
+inline constexpr const char* kMemRuntimeSlack = "runtime_slack";
 inline constexpr const char* kMemFree = "free";
 inline constexpr const char* kMemHeldBack = "held_back";
 
@@ -46,18 +48,24 @@ struct MemoryItem {
   int64_t bytes = 0;  // >= 0, except "free" on a device the plan overfills
 };
 
-// The runtime's share of PlanOptions::runtime_reserve_bytes on one device, by item; the CUDA
-// context (and allocator slack) is what the named items leave of the reserve.
+// The runtime's share of PlanOptions::runtime_reserve_bytes on one device, by item. Where the
+// context is measured (CudaContextBytes) it is that figure and runtime_slack the rest of the reserve
+// (the kernel modules CUDA loads at their first launch, ours and cuBLAS's, and the allocator's
+// slack: not measured item by item); elsewhere the context is what the named items leave.
 struct RuntimeMemory {
   uint64_t cublas_workspace = 0;
   uint64_t dequant_scratch = 0;
   uint64_t cuda_graph_pools = 0;
   uint64_t nccl_buffers = 0;
   uint64_t cuda_context = 0;
+  uint64_t runtime_slack = 0;
   uint64_t total() const {
-    return cublas_workspace + dequant_scratch + cuda_graph_pools + nccl_buffers + cuda_context;
+    return cublas_workspace + dequant_scratch + cuda_graph_pools + nccl_buffers + cuda_context + runtime_slack;
   }
 };
+
+// The CUDA context of a worker on `gpu` as measured (memory.cc says where), or 0 where none is.
+uint64_t CudaContextBytes(const GpuSpec& gpu);
 
 // cuBLAS's default workspace for `gpu` (memory.cc says which figure for which GPU); 0 for CPU workers.
 uint64_t CublasWorkspaceBytes(const GpuSpec& gpu);

@@ -40,8 +40,8 @@ std::string MemoryHeading(const std::string& name) {
   constexpr std::pair<const char*, const char*> kHeadings[] = {
       {kMemWeights, "weights"},           {kMemKvCache, "KV cache"},          {kMemStepBuffers, "step bufs"},
       {kMemCublasWorkspace, "cuBLAS ws"}, {kMemDequantScratch, "dequant"},    {kMemCudaGraphPools, "graphs"},
-      {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemFree, "free"},
-      {kMemHeldBack, "held back"}};
+      {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemRuntimeSlack, "slack"},
+      {kMemFree, "free"},                 {kMemHeldBack, "held back"}};
   for (const auto& [item, heading] : kHeadings) {
     if (name == item) return heading;
   }
