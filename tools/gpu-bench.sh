@@ -33,9 +33,10 @@
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline; the
 #                  third int4 on the tensor cores (int4_mma: written without a GPU, off by default)
-#   ncu-gemv-int4, ncu-gemv-int4-mma
+#   ncu-gemv-int4, ncu-gemv-int4-mma, ncu-gemv-int4-stalls, ncu-gemv-int4-mma-stalls
 #                  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token (the
-#                  second: the tensor-core one)
+#                  second: the tensor-core one); the -stalls pair adds the Occupancy, LaunchStats,
+#                  SchedulerStats and WarpStateStats sections (where the warps wait)
 #   ncu-decode, ncu-decode-cublas, ncu-decode-unfused
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
 #                  the second with cuBLAS for the decode products (--no-cuda-dense-gemv), the third
@@ -361,12 +362,17 @@ run_steps() {
   # ncu-decode, ncu-decode-cublas, ncu-decode-unfused: one decode step's kernels (ncu_decode
   # above), the second with cuBLAS for the decode products, the third with the fused kernels off.
   NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for qname in ncu-gemv-int4 ncu-gemv-int4-mma; do
+  # The -stalls steps add where the warps wait and how many fit (occupancy, launch, scheduler and
+  # warp-state sections): what the int4 GEMVs' next design needs.
+  local sections
+  for qname in ncu-gemv-int4 ncu-gemv-int4-mma ncu-gemv-int4-stalls ncu-gemv-int4-mma-stalls; do
     want "$qname" || continue
-    mma=0
-    [ "$qname" = ncu-gemv-int4-mma ] && mma=1
+    mma=0 sections="--section SpeedOfLight"
+    [[ "$qname" == ncu-gemv-int4-mma* ]] && mma=1
+    [[ "$qname" == *-stalls ]] &&
+      sections="$sections --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
     SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.bench.json \
-      step "$qname" 150 bash -c "set -o pipefail; '$NCU' --section SpeedOfLight --kernel-name regex:Gemv \
+      step "$qname" 150 bash -c "set -o pipefail; '$NCU' $sections --kernel-name regex:Gemv \
         --launch-skip 224 --launch-count 7 --csv --print-units base '$BIN/kernels_cuda_test' \
         --gtest_filter='CudaQuantBench.*' >'$WORK/$qname.csv' &&
         python3 tools/ncu_summary.py kernels '$WORK/$qname.csv' --json '$LOGS/$qname.json'"
