@@ -105,6 +105,16 @@ def main():
         check(mem["free_after_load"]["planned"] == 605696 + 15010988032 + 33554432 and
               mem["free_after_load"]["measured"] == 15329263616 and mem["free_after_load"]["ratio"] == 1.0189,
               "free after loading, derived", json.dumps(mem))
+        # A canned log in the form of the planner with a measured context (runtime_slack) and the
+        # worker's after_steps lines (the H200's figures of 2026-11-28; the after_steps figures made
+        # up): the slack counts as free after loading, the last after_steps line is the one kept.
+        rc, out, err = run([*REPORT, "memory", os.path.join(FIX, "logs/llama8b-b1-slack/worker0-node0.log")])
+        mem = json.loads(out)["worker0-node0.log"] if rc == 0 else {}
+        check(mem.get("free_after_load", {}).get("planned") == 605696 + 15010988032 + 33554432 + 416481280 and
+              mem["free_after_load"]["ratio"] == round(15329263616 / (605696 + 15010988032 + 33554432 + 416481280), 4),
+              "free after loading counts the runtime slack as free", out + err)
+        check(mem.get("after_steps", {}).get("measured") == 159383552 and mem["after_steps"]["planned"] == 450035712 and
+              mem["cuda_context"]["ratio"] == 1.0, "the last after_steps line, and the measured context", out + err)
         rc, out, err = run([*REPORT, "record", records, "x", "great", "1"])
         check(rc == 2 and "is not one of" in err, "a bad status is refused", err)
 
@@ -131,7 +141,7 @@ def main():
         rc, out, err = run([*REPORT, "record", records, "07-hf-b1", "failed", "3", "--note", "boom"])
         rc, out, err = run([*REPORT, "report", records, out_json, out_md])
         check(rc == 1 and "07-hf-b1" in err, "a failed step fails the report, by name", out + err)
-    checks += 11
+    checks += 13
 
     hf = [sys.executable, os.path.join(ROOT, "tools/bench_hf_generate.py")]
     cfg = os.path.join(ROOT, "tests/fixtures/configs/llama-3-8b.json")

@@ -171,16 +171,21 @@ def memory_items(paths):
                 items[name] = {"planned": planned, "measured": measured, "ratio": ratio,
                                "how": m.group(4).strip(" ,")}
         # What cudaMemGetInfo should find free once the worker has loaded: the plan's free bytes, what
-        # gpu_memory_utilization holds back (never allocated) and cuBLAS's workspace while it is still
-        # to come (allocated at the first product). Compared with the measured free bytes, it checks
-        # the plan's items taken together, the CUDA context's share included.
+        # gpu_memory_utilization holds back (never allocated), cuBLAS's workspace while it is still to
+        # come (allocated at the first product) and the runtime slack (kernel modules load at their
+        # first launch). Compared with the measured free bytes, it checks the plan's items taken
+        # together, the CUDA context's share included. The worker's after_steps line (logged with
+        # the kernels per decode step) measures what those later items took.
         free, held, ws = items.get("free"), items.get("held_back"), items.get("cublas_workspace")
+        slack = items.get("runtime_slack")
         if free and held and free["measured"] is not None:
             planned = free["planned"] + held["planned"] + (ws["planned"] if ws and ws["measured"] is None else 0)
+            planned += slack["planned"] if slack else 0
             items["free_after_load"] = {
                 "planned": planned, "measured": free["measured"],
                 "ratio": round(free["measured"] / planned, 4) if planned > 0 else None,
-                "how": "derived: free + held_back + cublas_workspace not yet allocated, against free after loading"}
+                "how": "derived: free + held_back + cublas_workspace not yet allocated + runtime_slack, "
+                       "against free after loading"}
         if items:
             out[os.path.basename(path)] = items
     return out

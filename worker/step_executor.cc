@@ -238,6 +238,22 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
   return lines;
 }
 
+std::string StepExecutor::MemoryAfterSteps() const {
+  const DeviceMemory& d = device_memory_;
+  if (d.free_loaded < 0) return "";
+  const int64_t free_now = DeviceMemoryInfo(cuda_ordinal_).second;
+  if (free_now < 0) return "";
+  int64_t planned = 0;
+  for (const v1::MemoryItem& item : assignment_.planned_memory()) {
+    if (item.name() == "cublas_workspace" || item.name() == "cuda_graph_pools" || item.name() == "runtime_slack") {
+      planned += item.bytes();
+    }
+  }
+  return absl::StrCat("after_steps: planned ", Bytes(planned), ", measured ", Bytes(d.free_loaded - free_now),
+                      ", cudaMemGetInfo: taken since loading (cuBLAS's workspace, kernel modules loaded at their "
+                      "first launch, step graphs) against cublas_workspace + cuda_graph_pools + runtime_slack");
+}
+
 absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {
   const v1::Assignment& a = assignment_;
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();

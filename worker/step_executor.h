@@ -159,6 +159,12 @@ class StepExecutor {
   // the collective groups and after the shard and sampler (docs/gpu.md says how to read them). An
   // item that cannot be measured here says so instead of a number.
   std::vector<std::string> MemoryReport() const;
+  // On CUDA, what the device has taken since loading beside what the plan leaves for it, in the
+  // report's form ("after_steps: planned N B (..), measured M B (..), how"): planned, the items
+  // that come after loading (cublas_workspace, cuda_graph_pools, runtime_slack); measured,
+  // cudaMemGetInfo's free bytes after loading less those now (cuBLAS's workspace, the kernel modules
+  // loaded at their first launch, the step graphs). "" on a CPU worker.
+  std::string MemoryAfterSteps() const;
 
  private:
   StepExecutor() = default;

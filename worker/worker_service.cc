@@ -489,15 +489,21 @@ void WorkerService::RunStep(Stream* stream) {
     metrics_->StepDone(prefill, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                        kernels);
   }
+  bool memory_line = false;  // the device memory taken since loading, beside these (on CUDA)
   if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu-bench.sh reads this line
     WorkerLog(Who(), absl::StrCat("kernels per decode step: ", kernels, " (", plan.row_seq_ids_size(), " rows)"), Ids());
     logged_decode_kernels_ = kernels;
+    memory_line = true;
   }
   if (executor_->step_graphs_recorded() != logged_step_graphs_) {  // CudaBackendOptions::step_graphs
     logged_step_graphs_ = executor_->step_graphs_recorded();
     WorkerLog(Who(),
               absl::StrCat("step graphs recorded: ", logged_step_graphs_, " (replayed for decode steps of their shape)"),
               Ids());
+    memory_line = true;
+  }
+  if (memory_line) {
+    if (const std::string line = executor_->MemoryAfterSteps(); !line.empty()) WorkerLog(Who(), "memory " + line, Ids());
   }
   if (!logged_graphs_off_ && !executor_->step_graphs_off().empty()) {
     logged_graphs_off_ = true;
