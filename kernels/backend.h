@@ -332,8 +332,8 @@ struct CudaBackendOptions {
   // MatMul by int4 weights for up to 8 rows of x (decode) on the tensor cores (quant_matmul.cu's
   // Int4MmaGemvKernel: mma.sync on each group's codes less its zero, exact in the 16-bit act dtype,
   // with float32 sums) in place of the GEMV that makes each code a float. bf16 / f16 act dtypes, k a
-  // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Written without a GPU;
-  // off until it passes on one (docs/gpu.md).
+  // multiple of 128; other shapes keep that GEMV. Worker --cuda-int4-mma. Passed on an H200
+  // (2026-11-28) but slower there than the GEMV: off (docs/gpu.md).
   bool int4_mma = false;
   // Programmatic dependent launch (Hopper, sm_90 and up; ignored below): the decode step's kernels
   // launched with cudaLaunchAttributeProgrammaticStreamSerialization, so that a kernel's blocks

@@ -777,7 +777,7 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
     SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, q_width}));
     SS_RUN_OP("CUDA", cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, scale));
-    // Split-KV (CudaBackendOptions::split_attention_keys; not yet run on a GPU): 32-key ranges, six
+    // Split-KV (CudaBackendOptions::split_attention_keys; passed on an H200): 32-key ranges, six
     // of them for the tables' 192 keys. Only steps of up to 8 tokens split: the first 8 tokens, on
     // a backend of their own, whose contexts (151, 1, 38, 2, 3, 4, 39, 5 keys) take five, one and
     // two ranges, the others past the context.
@@ -1226,8 +1226,7 @@ TEST_P(CudaChecks, FactoryRejectsBadArguments) {
   EXPECT_EQ(cuda_->device_kind(), DeviceKind::kCuda);
 }
 
-// ---- Quantized weights (kernels/cuda/quant_matmul.cu; passed on an H200, 2026-11-27, with the ---
-// GEMVs before the per-row-count instances, which have not yet run on a GPU)
+// ---- Quantized weights (kernels/cuda/quant_matmul.cu; passed on an H200, 2026-11-27 and 28) ----
 // MatMul by int8, fp8 and int4 weights on a backend made with CudaBackendOptions::quantized_kernels,
 // against kernels/quant.h's dequantize reference on the host: x (rounded to the act dtype) @
 // dequantized(w)^T + bias, in double. n covers the GEMV's instances (1, 2, 3 in the 4-row one, 8)
@@ -1367,11 +1366,12 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
 }
 
 // The int4 GEMV on the tensor cores (CudaBackendOptions::int4_mma, quant_matmul.cu's
-// Int4MmaGemvKernel; written without a GPU, not yet run on one): 16-bit act dtypes, k a multiple of
-// 128, up to 8 rows of x; the same reference and bound as above. Shapes: m not a multiple of 16
-// (a block's rows past m), 1 to 11 groups a row (a warp's share of the groups short, whole or
-// several steps, and some warps with none). It must also differ somewhere from the GEMV it stands
-// in for (float32 outputs: its sums in another order), or the tensor-core path did not run.
+// Int4MmaGemvKernel; passed on an H200, 2026-11-28, but slower there than the GEMV, so off): 16-bit
+// act dtypes, k a multiple of 128, up to 8 rows of x; the same reference and bound as above. Shapes:
+// m not a multiple of 16 (a block's rows past m), 1 to 11 groups a row (a warp's share of the
+// groups short, whole or several steps, and some warps with none). It must also differ somewhere
+// from the GEMV it stands in for (float32 outputs: its sums in another order), or the tensor-core
+// path did not run.
 class CudaInt4Mma : public CudaQuant {};
 
 TEST_P(CudaInt4Mma, MatMulMatchesTheDequantizedReference) {

@@ -28,6 +28,7 @@
 #include "tests/golden.h"
 #include "tests/bf16_products.h"
 #include "worker/communicator.h"
+#include "worker/cuda_switches.h"
 #include "worker/llama.h"
 
 namespace shardserve {
@@ -88,9 +89,11 @@ enum class Engine {
                      // as one, and (on the dense GEMV, as the worker runs) gate, up and SiLU x up as one
   kCudaDenseGemv,    // kCuda with decode products by the dense GEMV (CudaBackendOptions::dense_gemv)
   kCudaBf16DenseGemv,  // kCudaBf16 likewise
-  kCudaPdl,            // kCuda with every path the worker runs (graphs, split attention, fused kernels, the
-                       // dense GEMV) and programmatic dependent launch (CudaBackendOptions::pdl)
-  kCudaBf16Pdl,        // kCudaBf16 likewise
+  kCudaDefaults,        // kCuda with every path the worker runs by default (CudaOptionsFromSwitches with no
+                        // switch: graphs, split attention, the fused kernels, the dense GEMV)
+  kCudaBf16Defaults,    // kCudaBf16 likewise: what a GPU worker serves a bf16 checkpoint with
+  kCudaPdl,             // kCudaDefaults and programmatic dependent launch (CudaBackendOptions::pdl)
+  kCudaBf16Pdl,         // kCudaBf16Defaults likewise
 };
 
 std::string EngineName(Engine e) {
@@ -105,6 +108,8 @@ std::string EngineName(Engine e) {
     case Engine::kCudaFused: return "cuda_fused";
     case Engine::kCudaDenseGemv: return "cuda_dense_gemv";
     case Engine::kCudaBf16DenseGemv: return "cuda_bf16_dense_gemv";
+    case Engine::kCudaDefaults: return "cuda_defaults";
+    case Engine::kCudaBf16Defaults: return "cuda_bf16_defaults";
     case Engine::kCudaPdl: return "cuda_pdl";
     case Engine::kCudaBf16Pdl: return "cuda_bf16_pdl";
   }
@@ -126,6 +131,8 @@ std::string MissingEngine(Engine e) {
     case Engine::kCudaFused:
     case Engine::kCudaDenseGemv:
     case Engine::kCudaBf16DenseGemv:
+    case Engine::kCudaDefaults:
+    case Engine::kCudaBf16Defaults:
     case Engine::kCudaPdl:
     case Engine::kCudaBf16Pdl: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
   }
@@ -145,14 +152,16 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
       return MakeCudaBackend(0, DType::kF32, {.fused_kernels = true, .dense_gemv = true});
     case Engine::kCudaDenseGemv: return MakeCudaBackend(0, DType::kF32, {.dense_gemv = true});
     case Engine::kCudaBf16DenseGemv: return MakeCudaBackend(0, DType::kBF16, {.dense_gemv = true});
+    case Engine::kCudaDefaults:
+    case Engine::kCudaBf16Defaults:
     case Engine::kCudaPdl:
-    case Engine::kCudaBf16Pdl:
-      return MakeCudaBackend(0, e == Engine::kCudaPdl ? DType::kF32 : DType::kBF16,
-                             {.step_graphs = true,
-                              .split_attention_keys = 16,
-                              .fused_kernels = true,
-                              .dense_gemv = true,
-                              .pdl = true});
+    case Engine::kCudaBf16Pdl: {
+      const bool f32 = e == Engine::kCudaDefaults || e == Engine::kCudaPdl;
+      CudaBackendOptions options = CudaOptionsFromSwitches(*Flags::Parse({}, {}, WithCudaSwitches({})));
+      options.split_attention_keys = 16;  // the fixtures' contexts are short: ranges of 16 keys split them
+      options.pdl = e == Engine::kCudaPdl || e == Engine::kCudaBf16Pdl;
+      return MakeCudaBackend(0, f32 ? DType::kF32 : DType::kBF16, options);
+    }
   }
   return absl::InvalidArgumentError("unknown engine");
 }
@@ -278,7 +287,7 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   EXPECT_LE(decode_err, kLogitsTolerance) << name << ": logits at the 32nd decode step";
   std::printf("[ parity   ] %s on %s, chunk=%lld: prefill logits error %.3g, decode logits error %.3g\n",
               name.c_str(), EngineName(engine).c_str(), static_cast<long long>(chunk), prefill_err, decode_err);
-  if (engine == Engine::kCudaGraphs || engine == Engine::kCudaPdl) {  // decode steps as graphs, not run as they are
+  if (engine == Engine::kCudaGraphs || engine == Engine::kCudaDefaults || engine == Engine::kCudaPdl) {  // as graphs
     EXPECT_EQ(model->get()->step_graphs_off(), "");
     EXPECT_GE(model->get()->step_graphs_recorded(), 1);
   }
@@ -684,13 +693,14 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),
                                             ::testing::Values(Engine::kCpu, Engine::kCuda, Engine::kCudaGraphs,
                                                               Engine::kCudaSplitAttention, Engine::kCudaFused,
-                                                              Engine::kCudaDenseGemv, Engine::kCudaPdl)),
+                                                              Engine::kCudaDenseGemv, Engine::kCudaDefaults,
+                                                              Engine::kCudaPdl)),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
                          ::testing::Combine(::testing::ValuesIn(FixtureNames()),
                                             ::testing::Values(Engine::kCpuBf16Products, Engine::kCudaBf16,
                                                               Engine::kCudaF16, Engine::kCudaBf16DenseGemv,
-                                                              Engine::kCudaBf16Pdl)),
+                                                              Engine::kCudaBf16Defaults, Engine::kCudaBf16Pdl)),
                          ParamName);
 
 // The suite above silently has no cases if the fixtures vanish; this makes that a failure.

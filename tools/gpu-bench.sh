@@ -32,7 +32,8 @@
 #                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline; the
-#                  third int4 on the tensor cores (int4_mma: written without a GPU, off by default)
+#                  third int4 on the tensor cores (int4_mma: slower than the GEMV on the H200, off by
+#                  default), the fourth with programmatic dependent launch (pdl: not yet run)
 #   ncu-gemv-int4, ncu-gemv-int4-mma, ncu-gemv-int4-stalls, ncu-gemv-int4-mma-stalls
 #                  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token (the
 #                  second: the tensor-core one); the -stalls pair adds the Occupancy, LaunchStats,

@@ -1,7 +1,7 @@
 // The switches of the CUDA backend's paths, shared by the worker and generate-ids. A path that
 // passed its op and parity tests on a GPU is on by default (docs/gpu.md, "CUDA paths: where they
 // last passed") and --no-cuda-... keeps the plain path, to compare or to work around a fault; one
-// not yet run on a GPU is off and --cuda-... turns it on. Ignored on cpu.
+// not yet run on a GPU, or slower there, is off and --cuda-... turns it on. Ignored on cpu.
 #pragma once
 
 #include <array>

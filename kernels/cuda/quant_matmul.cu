@@ -26,7 +26,7 @@
 //   per two rows, eight input rows unrolled in every instance) 744 and 1,379, of the 4.5 TB/s a
 //   streaming read reaches; Nsight Compute found those latency-bound, neither DRAM nor the SMs busy
 //   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (gemv.cuh's
-//   note). With CudaBackendOptions::int4_mma (written without a GPU, off by default) int4 takes the
+//   note). With CudaBackendOptions::int4_mma (passed on the H200 but slower there: off) int4 takes the
 //   tensor cores instead (Int4MmaGemvKernel below) for bf16 / f16 act, k % 128 == 0 and every zero
 //   below 128 (checked when the weight is stored); other shapes keep the GEMV.
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
@@ -275,7 +275,9 @@ __global__ void __launch_bounds__(kGemvThreads)
   FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
 }
 
-// ---- int4 on the tensor cores (CudaBackendOptions::int4_mma; written without a GPU, off by default)
+// ---- int4 on the tensor cores (CudaBackendOptions::int4_mma; passed on an H200, 2026-11-28, but
+// slower there than the GEMV above: 300 against 374 tok/s in the quant bench, latency-bound at few
+// blocks (k / v: 64 blocks) and 28 groups a warp (down); off by default)
 // The GEMV above spends about four instructions a weight (its code made float, less the zero, times
 // x) and ran at 32% of the int4 roofline on the H200, its SMs busy and DRAM not (docs/benchmarks.md,
 // 2026-11-28). Here a warp multiplies 16 rows by up to 8 input rows with mma.sync m16n8k16 (A: the
