@@ -61,12 +61,17 @@
 #   llama8b-b1-unfused
 #                  llama8b-b1 with the fused kernels off (--worker-no-cuda-fused-kernels): what the
 #                  fused add + RMSNorm, RoPE + KV-cache write and gate + up + SiLU gain
+#   llama8b-b1-pdl, llama8b-c64-pdl
+#                  llama8b-b1 and llama8b-c64 with programmatic dependent launch (--worker-cuda-pdl:
+#                  written without a GPU, off by default until this and its parity cases pass)
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1, llama8b-int4-mma-b1
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes; the
 #                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
+#   llama8b-int4-pdl-b1
+#                  llama8b-int4-b1 with programmatic dependent launch (--worker-cuda-pdl)
 #   qwen72b-int4-b1, qwen72b-int4-mma-b1
 #                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
 #                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
