@@ -15,9 +15,10 @@
    that exits 0 with every case skipped fails on a machine with a GPU, and passes (counted) without one.
 6. tools/write_config_checkpoint.py (the cold-start step's checkpoint) on small Llama and Qwen2 configs:
    Hugging Face's tensor names and shapes back to back in the header, lm_head only when untied, the
-   q/k/v biases for Qwen2, the norms bf16 ones.
+   q/k/v biases for Qwen2, the norms bf16 ones; with BIN_DIR, `shardserve generate-ids` loads each
+   (the real load path on the CPU) and generates 3 ids.
 
-usage: gpu_bench_test.py
+usage: gpu_bench_test.py [BIN_DIR]
 """
 import json
 import os
@@ -158,7 +159,7 @@ def main():
     # shapes, back to back, the file's size is the header's last offset, the norms are bf16 ones.
     writer = [sys.executable, os.path.join(ROOT, "tools/write_config_checkpoint.py")]
     small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=96, vocab_size=300)
+                 intermediate_size=96, vocab_size=300, bos_token_id=1, eos_token_id=2)
     for src, tied, bias in (("llama-3-8b.json", False, False), ("qwen2.5-0.5b.json", True, True)):
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(ROOT, "tests/fixtures/configs", src)) as f:
@@ -193,6 +194,13 @@ def main():
             with open(os.path.join(out_dir, "config.json")) as f:
                 check(json.load(f)["torch_dtype"] == "bfloat16", f"{src}: config.json says bfloat16", "")
             checks += 8
+            if len(sys.argv) > 1:
+                rc, out, err = run([os.path.join(sys.argv[1], "shardserve"), "generate-ids", "--model", out_dir,
+                                    "--max-new-tokens", "3", "1", "2", "3"])
+                ids = out.split()
+                check(rc == 0 and len(ids) == 3 and all(0 <= int(i) < 300 for i in ids),
+                      f"{src}: the checkpoint loads and generates 3 ids", out + err)
+                checks += 1
     print(f"PASS: {checks} checks")
 
 
