@@ -1,6 +1,7 @@
 #include "coordinator/planner/memory.h"
 
 #include <algorithm>
+#include <string>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -52,8 +53,6 @@ constexpr uint64_t kNcclPeers = 2;
 constexpr uint64_t kNcclChannels = 16;
 constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * kNcclChannels;
 
-}  // namespace
-
 bool BeforeHopper(const GpuSpec& gpu) {
   std::string name = absl::AsciiStrToUpper(gpu.name);
   if (absl::StartsWith(name, "NVIDIA ")) name = name.substr(7);
@@ -63,9 +62,12 @@ bool BeforeHopper(const GpuSpec& gpu) {
   return false;
 }
 
+}  // namespace
+
 uint64_t CublasWorkspaceBytes(const GpuSpec& gpu) {
   if (gpu.is_cpu()) return 0;
-  return BeforeHopper(gpu) ? kCublasWorkspaceOlder : kCublasWorkspaceHopper;  // H100, H200, GH200, names we cannot place
+  // Hopper (H100, H200, GH200) and the names we cannot place get the larger figure.
+  return BeforeHopper(gpu) ? kCublasWorkspaceOlder : kCublasWorkspaceHopper;
 }
 
 uint64_t CudaContextBytes(const GpuSpec& gpu) {
