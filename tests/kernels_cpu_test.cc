@@ -629,36 +629,41 @@ TEST(PanelTilesTest, Bf16PanelsGiveTheF32PanelsResultsOnTheRoundedWeight) {
       });
 }
 
-// The int8 panels (PackPanelsInt8 / PanelMatMulInt8, the CPU backend's int8 products on AVX2
-// CPUs): bitwise the float32 panels' sums by the codes as floats, each times its column's scale
-// (+ bias, one fused multiply-add). Skipped (and reported so) where the CPU lacks AVX2 and FMA.
+// The int8 panels (PackPanelsInt8 / PanelMatMulInt8, the CPU backend's int8 products on AVX2 and
+// AVX-512 CPUs), each instance (the 8-float tiles; the 16-float ones where the CPU has AVX-512):
+// bitwise the float32 panels' sums by the codes as floats, each times its column's scale (+ bias,
+// one fused multiply-add), at 1 to 40 rows (every tile shape) and panels left over. Skipped (and
+// reported so) where the CPU lacks AVX2 and FMA.
 TEST(PanelTilesTest, Int8PanelsGiveTheF32PanelsSumsOfTheCodesScaled) {
   if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx2)) GTEST_SKIP() << "this CPU lacks AVX2 and FMA";
-  std::mt19937 rng(47);
-  std::vector<float> packed, scale, scratch;
-  std::vector<int8_t> packed_int8;  // a quarter of the float32 panels' bytes
-  ExpectPanelsBitwise(
-      rng, "int8 panels",
-      [&](int64_t m, int64_t k) {
-        std::vector<int8_t> q(m * k);
-        std::uniform_int_distribution<int> code(-127, 127);
-        for (int8_t& c : q) c = static_cast<int8_t>(code(rng));
-        const std::vector<float> codes(q.begin(), q.end());
-        scale = Random(rng, m);
-        packed.assign(cpu::PanelMatMulFloats(m, k), 0);
-        cpu::PackPanels(packed.data(), codes.data(), m, k);
-        packed_int8.assign(cpu::PanelMatMulFloats(m, k), 0);
-        cpu::PackPanelsInt8(packed_int8.data(), q.data(), m, k);
-      },
-      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
-        cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, nullptr, threads, &scratch);
-        for (int64_t i = 0; i < n * m; ++i) {
-          y[i] = bias != nullptr ? std::fma(y[i], scale[i % m], bias[i % m]) : y[i] * scale[i % m];
-        }
-      },
-      [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
-        cpu::PanelMatMulInt8(y, x, n, m, k, packed_int8.data(), scale.data(), bias, threads);
-      });
+  for (cpu::PanelTiles tiles : {cpu::PanelTiles::kVec8, cpu::PanelTiles::kAvx512}) {
+    if (!cpu::PanelTilesSupported(tiles)) continue;
+    std::mt19937 rng(47);
+    std::vector<float> packed, scale, scratch;
+    std::vector<int8_t> packed_int8;  // a quarter of the float32 panels' bytes
+    ExpectPanelsBitwise(
+        rng, tiles == cpu::PanelTiles::kAvx512 ? "int8 panels, 16-float tiles" : "int8 panels, 8-float tiles",
+        [&](int64_t m, int64_t k) {
+          std::vector<int8_t> q(m * k);
+          std::uniform_int_distribution<int> code(-128, 127);
+          for (int8_t& c : q) c = static_cast<int8_t>(code(rng));
+          const std::vector<float> codes(q.begin(), q.end());
+          scale = Random(rng, m);
+          packed.assign(cpu::PanelMatMulFloats(m, k), 0);
+          cpu::PackPanels(packed.data(), codes.data(), m, k);
+          packed_int8.assign(cpu::PanelMatMulFloats(m, k), 0);
+          cpu::PackPanelsInt8(packed_int8.data(), q.data(), m, k);
+        },
+        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+          cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, nullptr, threads, &scratch);
+          for (int64_t i = 0; i < n * m; ++i) {
+            y[i] = bias != nullptr ? std::fma(y[i], scale[i % m], bias[i % m]) : y[i] * scale[i % m];
+          }
+        },
+        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+          cpu::PanelMatMulInt8(y, x, n, m, k, packed_int8.data(), scale.data(), bias, threads, tiles);
+        });
+  }
 }
 
 // w [m, k] in bf16_matmul.h's layout (oneDNN's "BA16a64b2a" of the [k, m] weights), rounded to bf16
@@ -947,7 +952,7 @@ TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
       EXPECT_EQ(packed.quant, quant);
       EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
       const char* codes = static_cast<char*>(buffer->data()) + m * sizeof(float);
-      if (!fp8 && cpu::Int8OnPanels(cpu::ActiveQuantIsa())) {
+      if (!fp8 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
         // The codes as panels (kernels/cpu/panel_matmul.h), the last one padded to 16 rows.
         std::vector<int8_t> panels(cpu::PanelMatMulFloats(m, k));
         cpu::PackPanelsInt8(panels.data(), reinterpret_cast<const int8_t*>(q.data()), m, k);
@@ -1144,10 +1149,10 @@ TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
     const Tensor copy = packed;
     EXPECT_EQ(copy.quant, quant);
     EXPECT_EQ(copy.bytes(), static_cast<size_t>(QuantizedWeightBytes(quant, m, k))) << WeightQuantName(quant);
-    if (quant == WeightQuant::kInt8 && cpu::Int8OnPanels(cpu::ActiveQuantIsa())) {
+    if (quant == WeightQuant::kInt8 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
       // The codes as panels: the last one padded to 16 rows (kernels/cpu/panel_matmul.h).
       EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * 4 + cpu::PanelMatMulFloats(m, k)));
-    } else if (quant == WeightQuant::kInt4 && cpu::Int4OnPanels(cpu::ActiveQuantIsa())) {
+    } else if (quant == WeightQuant::kInt4 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
       // The groups as panels: the last block of 4 padded to 64 rows (kernels/cpu/panel_matmul.h).
       EXPECT_EQ(buffer->bytes(), cpu::Int4PanelGroupCount(m, k) * sizeof(cpu::Int4PanelGroup));
     } else {
@@ -1347,7 +1352,7 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
     for (int64_t n : {1, 2, 3, 4, 32, 64, 65}) {
       std::vector<float> x = Random(rng, n * k);
       // format 2: int4 as the backend multiplies it on this instance's CPUs (the panels for kAvx2
-      // and kAvx512, kernels/cpu/quant_isa.h Int4OnPanels); 3: int4 by Int4MatMul's blocks.
+      // and kAvx512, kernels/cpu/quant_isa.h IntOnPanels); 3: int4 by Int4MatMul's blocks.
       for (int format = 0; format < 4; ++format) {
         const char* name = format == 0 ? "int8" : format == 1 ? "fp8" : format == 2 ? "int4" : "int4 blocks";
         const std::string what =
@@ -1359,9 +1364,8 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
         const auto run = [&](const std::vector<float>& in) {
           if (format == 0) cpu::Int8MatMul(out, in.data(), n, m, k, q8.data(), s8.data(), b.data(), 2, isa);
           if (format == 1) cpu::Fp8MatMul(out, in.data(), n, m, k, qf8.data(), sf8.data(), b.data(), 2, isa);
-          if (format == 2 && cpu::Int4OnPanels(isa)) {
-            cpu::PanelMatMulInt4(out, in.data(), n, m, k, int4_panels.data(), b.data(), 2,
-                                 isa == cpu::QuantIsa::kAvx512 ? cpu::PanelTiles::kAvx512 : cpu::PanelTiles::kVec8);
+          if (format == 2 && cpu::IntOnPanels(isa)) {
+            cpu::PanelMatMulInt4(out, in.data(), n, m, k, int4_panels.data(), b.data(), 2, cpu::PanelTilesFor(isa));
           } else if (format >= 2) {
             cpu::Int4MatMul(out, in.data(), n, m, k, blocks.data(), b.data(), 2, isa);
           }
@@ -1637,7 +1641,7 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
       ASSERT_TRUE(buffer.ok()) << buffer.status();
       EXPECT_EQ(packed.dtype, DType::kI8);
       EXPECT_EQ(packed.bytes(), static_cast<size_t>(layout.bytes()));
-      if (cpu::Int4OnPanels(cpu::ActiveQuantIsa())) {  // the blocks as panels (kernels/cpu/panel_matmul.h)
+      if (cpu::IntOnPanels(cpu::ActiveQuantIsa())) {  // the blocks as panels (kernels/cpu/panel_matmul.h)
         std::vector<cpu::Int4PanelGroup> panels(cpu::Int4PanelGroupCount(m, k));
         cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k);
         ASSERT_EQ(buffer->bytes(), panels.size() * sizeof(cpu::Int4PanelGroup));
@@ -1653,11 +1657,12 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
                                                     k, m, {1, 3, 4, 6, 32}, 1e-4));
   }
   // The backend says which instance runs and what the CPU has.
-  EXPECT_NE(backend_->Describe().find(cpu::Int8OnPanels(cpu::ActiveQuantIsa())
-                                          ? "int8/int4 products on 8-float panels (codes widened in registers), fp8 products on "
-                                      : cpu::Int4OnPanels(cpu::ActiveQuantIsa())
-                                          ? "int8/fp8 products on avx512, int4 on 16-float panels (codes widened in registers)"
-                                          : "int8/fp8/int4 products on "),
+  const cpu::QuantIsa isa = cpu::ActiveQuantIsa();
+  EXPECT_NE(backend_->Describe().find(
+                !cpu::IntOnPanels(isa) ? "int8/fp8/int4 products on "
+                : isa == cpu::QuantIsa::kAvx512
+                    ? "int8/int4 products on 16-float panels (codes widened in registers), fp8 on avx512"
+                    : "int8/int4 products on 8-float panels (codes widened in registers), fp8 on avx2"),
             std::string::npos)
       << backend_->Describe();
 }

@@ -30,14 +30,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,13 +46,14 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/int4_matmul.h"
+#include "kernels/cpu/int8_matmul.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
 #include "kernels/tensor.h"
+#include "oneapi/dnnl/dnnl.hpp"
 #include "tools/bench_util.h"
 #include "tools/cli/bench_stats.h"
-#include "oneapi/dnnl/dnnl.hpp"
 
 namespace {
 
@@ -186,14 +187,19 @@ int main(int argc, char** argv) {
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
     }
   }
-  // Where the backend keeps int4 weights as panels (kernels/cpu/quant_isa.h Int4OnPanels: AVX2 and
-  // AVX-512 CPUs), "int4 avx2" above multiplies the blocks themselves (Int4MatMul) and "int4 panels"
-  // is the backend's.
-  const bool int4_panels = shardserve::cpu::Int4OnPanels(shardserve::cpu::ActiveQuantIsa());
-  if (int4_panels) kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  // Where the backend keeps int8 and int4 weights as panels (kernels/cpu/quant_isa.h IntOnPanels: AVX2
+  // and AVX-512 CPUs), "int8 avx2", "int4 avx512", ... above multiply the rows / blocks themselves
+  // (Int8MatMul, Int4MatMul) and "int8 panels" / "int4 panels" are the backend's.
+  const bool panels = shardserve::cpu::IntOnPanels(shardserve::cpu::ActiveQuantIsa());
+  if (panels) {
+    kernels.push_back({"int8 panels", WeightQuant::kInt8, std::nullopt, 1.0});
+    kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  }
   // On an AVX-512 CPU, the same panels by the AVX2 CPUs' instance (8-float vectors) beside them.
-  const bool int4_panels_avx2 = shardserve::cpu::ActiveQuantIsa() == QuantIsa::kAvx512;
-  if (int4_panels_avx2) kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  if (shardserve::cpu::ActiveQuantIsa() == QuantIsa::kAvx512) {
+    kernels.push_back({"int8 panels avx2", WeightQuant::kInt8, std::nullopt, 1.0});
+    kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  }
   // The products a worker runs under --activation-quantization int8 (VNNI's, else AVX2's), packed and
   // run by a backend made as that worker makes its own.
   const std::optional<QuantIsa> act8_isa = shardserve::cpu::Int8ActivationsIsa();
@@ -212,6 +218,7 @@ int main(int argc, char** argv) {
     std::map<WeightQuant, std::pair<Buffer, Tensor>> act8;    // int8 and int4, packed by act8_backend
     std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
+    std::vector<uint8_t> int8_rows;                           // where the backend packs int8 as panels
     std::vector<shardserve::Int4Group128> int4_blocks;         // where the backend packs int4 as panels
   };
   std::vector<Weight> weights;
@@ -241,12 +248,15 @@ int main(int argc, char** argv) {
           weight.act8[q] = {std::move(*buffer_act8), packed_act8};
         }
       }
-      if (int4_panels) {
+      if (panels) {
+        weight.int8_rows.resize(static_cast<size_t>(shardserve::Int8RowsLayout{s.m, s.k}.bytes()));
         weight.int4_blocks.resize(static_cast<size_t>(s.m * shardserve::Int4GroupsLayout{s.m, s.k}.groups_per_row()));
-        if (absl::Status q = shardserve::QuantizeWeight(WeightQuant::kInt4, weight.int4_blocks.data(), w.data(), s.m, s.k);
-            !q.ok()) {
-          std::fprintf(stderr, "bench_matmul: %s\n", std::string(q.message()).c_str());
-          return 1;
+        for (auto [q, to] : {std::pair<WeightQuant, void*>{WeightQuant::kInt8, weight.int8_rows.data()},
+                             {WeightQuant::kInt4, weight.int4_blocks.data()}}) {
+          if (absl::Status st = shardserve::QuantizeWeight(q, to, w.data(), s.m, s.k); !st.ok()) {
+            std::fprintf(stderr, "bench_matmul: %s\n", std::string(st.message()).c_str());
+            return 1;
+          }
         }
       }
       if (bf16) {
@@ -271,14 +281,24 @@ int main(int argc, char** argv) {
       w.onednn->Run(stream, out, x.data(), n);
       return;
     }
-    if (int4_panels && kernel.quant == WeightQuant::kInt4 && kernel.isa.has_value()) {  // the blocks' instances
+    if (panels && kernel.quant == WeightQuant::kInt4 && kernel.isa.has_value()) {  // the blocks' instances
       shardserve::cpu::Int4MatMul(out, x.data(), n, w.shape.m, w.shape.k, w.int4_blocks.data(), nullptr, threads, *kernel.isa);
       return;
     }
-    if (kernel.name == "int4 panels avx2") {
-      shardserve::cpu::PanelMatMulInt4(out, x.data(), n, w.shape.m, w.shape.k,
-                                       static_cast<const shardserve::cpu::Int4PanelGroup*>(w.packed[kernel.quant].second.data),
-                                       nullptr, threads, PanelTiles::kVec8);
+    if (panels && kernel.quant == WeightQuant::kInt8 && kernel.isa.has_value()) {  // the rows' instances
+      const auto* scale = reinterpret_cast<const float*>(w.int8_rows.data());
+      const auto* q = reinterpret_cast<const int8_t*>(w.int8_rows.data() +
+                                                      shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes());
+      shardserve::cpu::Int8MatMul(out, x.data(), n, w.shape.m, w.shape.k, q, scale, nullptr, threads, *kernel.isa);
+      return;
+    }
+    if (kernel.name == "int8 panels avx2") {
+      const Tensor& packed = w.packed[kernel.quant].second;
+      const auto* scale = static_cast<const float*>(packed.data);
+      const auto* q =
+          static_cast<const int8_t*>(packed.data) + shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes();
+      shardserve::cpu::PanelMatMulInt8(out, x.data(), n, w.shape.m, w.shape.k, q, scale, nullptr, threads,
+                                       PanelTiles::kVec8);
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);

@@ -251,16 +251,16 @@ class CpuBackend final : public Backend {
     // bf16 weights on a CPU where oneDNN has no bf16 product: panel_matmul.h's bf16 panels (desc
     // undef), which PanelMatMulBf16 multiplies.
     bool bf16_panels = false;
-    // kInt8 weights on a CPU whose int8 instance would be AVX2's (quant_isa.h Int8OnPanels): the
-    // row layout's scales, then the codes as panel_matmul.h's int8 panels, which PanelMatMulInt8
-    // multiplies (`bytes` counts the last panel's padding).
+    // kInt8 weights on a CPU whose int8 instance would be AVX-512's or AVX2's (quant_isa.h
+    // IntOnPanels): the row layout's scales, then the codes as panel_matmul.h's int8 panels, which
+    // PanelMatMulInt8 multiplies (`bytes` counts the last panel's padding).
     bool int8_panels = false;
     // kInt4 weights on a CPU whose int4 instance would be AVX-512's or AVX2's (quant_isa.h
-    // Int4OnPanels): the blocks repacked as panel_matmul.h's int4 panels, which PanelMatMulInt4
-    // multiplies with int4_tiles' instance, the one packing chose (`bytes` counts the last block's
-    // padding).
+    // IntOnPanels): the blocks repacked as panel_matmul.h's int4 panels, which PanelMatMulInt4
+    // multiplies (`bytes` counts the last block's padding).
     bool int4_panels = false;
-    cpu::PanelTiles int4_tiles{};
+    // The instance either panels' product runs, the one packing chose (quant_isa.h PanelTilesFor).
+    cpu::PanelTiles panel_tiles{};
     bool bf16() const { return bf16_panels || desc.data_type() == dnnl::memory::data_type::bf16; }
   };
 

@@ -39,7 +39,7 @@ void Int4MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
     Int4MatMulAct8Avx2(y, x, n, m, k, blocks, bias, threads);
     return;
   }
-  // (kAvx512: the AVX2 instance; the backend multiplies int4 as panels there, Int4OnPanels.)
+  // (kAvx512: the AVX2 instance; the backend multiplies int4 as panels there, IntOnPanels.)
   const auto columns = isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx2 ? Int4ColumnsAvx2 : Int4ColumnsPortable;
   ForEachColumnRange(m, kInt4TileRows, threads,
                      [&](int64_t r0, int64_t r1) { columns(y, x, n, m, k, blocks, bias, r0, r1); });

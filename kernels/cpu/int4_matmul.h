@@ -7,7 +7,7 @@
 //
 // So do both exact instances, in 8 lanes: baseline x86-64 and AVX2. On CPUs with AVX2 (and
 // AVX-512) the CPU backend does not multiply the blocks: it repacks them at load as panels of 16
-// outputs and multiplies those (panel_matmul.h PanelMatMulInt4, quant_isa.h Int4OnPanels), which
+// outputs and multiplies those (panel_matmul.h PanelMatMulInt4, quant_isa.h IntOnPanels), which
 // serve many input rows per widened weight; the blocks' AVX2 instance stays for bench_matmul's
 // side-by-side runs and CPUs' tests, and Int4MatMul runs it for kAvx512 too.
 //

@@ -148,7 +148,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   if (quant == WeightQuant::kInt4) {
     if ((*packed)->int4_panels) {
       cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_,
-                           (*packed)->int4_tiles);
+                           (*packed)->panel_tiles);
       return absl::OkStatus();
     }
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
@@ -158,7 +158,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     const auto* scale = static_cast<const float*>(w.data);
     const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
     if ((*packed)->int8_panels) {
-      cpu::PanelMatMulInt8(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+      cpu::PanelMatMulInt8(y, x.as<float>(), n, m, k, q, scale, b, threads_, (*packed)->panel_tiles);
       return absl::OkStatus();
     }
     cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_, int_isa);
@@ -313,7 +313,7 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                                  absl::FunctionRef<absl::Status(void*)> fill) {
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
-  if (quant == WeightQuant::kInt8 && Int8OnPanels(IntIsa())) {
+  if (quant == WeightQuant::kInt8 && IntOnPanels(IntIsa())) {
     // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
     std::vector<uint8_t> rows(bytes);
     SHARDSERVE_RETURN_IF_ERROR(fill(rows.data()));
@@ -325,11 +325,12 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
                         reinterpret_cast<const int8_t*>(rows.data()) + scale_bytes, m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int8_panels = true;
+    packed_[buffer.data()].panel_tiles = PanelTilesFor(IntIsa());
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;
   }
-  if (quant == WeightQuant::kInt4 && Int4OnPanels(IntIsa())) {
+  if (quant == WeightQuant::kInt4 && IntOnPanels(IntIsa())) {
     // The blocks first, then repacked as panels (panel_matmul.h).
     std::vector<Int4Group128> blocks(static_cast<size_t>(m * Int4GroupsLayout{m, k}.groups_per_row()));
     SHARDSERVE_RETURN_IF_ERROR(fill(blocks.data()));
@@ -338,7 +339,7 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int4_panels = true;
-    packed_[buffer.data()].int4_tiles = IntIsa() == QuantIsa::kAvx512 ? cpu::PanelTiles::kAvx512 : cpu::PanelTiles::kVec8;
+    packed_[buffer.data()].panel_tiles = PanelTilesFor(IntIsa());
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;

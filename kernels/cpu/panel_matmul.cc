@@ -260,6 +260,18 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
   }
 }
 
+// PanelMatMulInt8's two instances (panel_matmul_int8_avx512.cc, panel_matmul_avx2.cc).
+void PanelMatMulInt8Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w,
+                           const float* scale, const float* bias, int threads);
+void PanelMatMulInt8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                         const float* bias, int threads);
+
+void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                     const float* bias, int threads, PanelTiles tiles) {
+  const auto run = tiles == PanelTiles::kAvx512 ? PanelMatMulInt8Avx512 : PanelMatMulInt8Avx2;
+  run(y, x, n, m, k, w, scale, bias, threads);
+}
+
 // PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc): every
 // row of y at the output columns of blocks [b0, b1), the rows' group sums at sums [n, groups].
 void PanelMatMulInt4BlocksAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* sums,

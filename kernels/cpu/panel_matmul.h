@@ -69,22 +69,25 @@ void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 
 // The same products by int8 weights with one float32 scale per output (kernels/quant.h's int8
 // format, Int8RowsLayout's codes and scales), for CPUs with AVX2 and FMA, whose int8 products the
-// CPU backend runs so (quant_isa.h Int8OnPanels; panel_matmul_avx2.cc): panels as above, 16 bytes an input step in column
-// order, each value widened to float32 in registers, the 8-float tiles' chains, then each sum times
+// CPU backend runs so (quant_isa.h IntOnPanels): panels as above, 16 bytes an input step in column
+// order, each value widened to float32 in registers, the float32 panels' chains, then each sum times
 // its column's scale (+ bias, in one fused multiply-add): y[i][c] = fma(chain of x[i][kk] q[c][kk]
-// over kk, scale[c], bias[c]), the chains bitwise PanelMatMul's sums by the codes as floats. A decode step reads each panel as one
-// stream, and a prefill's tiles widen each weight once for 6 rows.
+// over kk, scale[c], bias[c]), the chains bitwise PanelMatMul's sums by the codes as floats. A
+// decode step reads each panel as one stream, and a prefill's tiles widen each weight once for
+// many rows.
 // packed [PanelMatMulFloats(m, k)] (one byte a value) = q [m, k] (row-major) in panels. m, k >= 0.
 void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k);
 // y [n, m] = x [n, k] @ (q x scale)^T (+ bias [m]) on `threads` threads (>= 1), q packed by
-// PackPanelsInt8, scale [m]. y must not overlap the inputs. n, m, k >= 1. Only on CPUs with AVX2
-// and FMA.
+// PackPanelsInt8, scale [m], by `tiles`' instance: kAvx512's (panel_matmul_int8_avx512.cc, 16-float
+// tiles, CPUs with AVX-512F) or kVec8's (panel_matmul_avx2.cc, the float32 panels' 8-float tiles,
+// CPUs with AVX2 and FMA), bitwise the same results. y must not overlap the inputs. n, m, k >= 1.
+enum class PanelTiles : uint8_t;
 void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
-                     const float* bias, int threads);
+                     const float* bias, int threads, PanelTiles tiles);
 
 // The same products by int4 weights (kernels/quant.h's Int4Group128 blocks: groups of 128 inputs,
 // a scale and a zero point each), for CPUs with AVX2 and FMA, whose exact int4 products the CPU backend
-// runs so (quant_isa.h Int4OnPanels; panel_matmul_int4_avx512.cc, _avx2.cc). Outputs in blocks of 4 panels
+// runs so (quant_isa.h IntOnPanels; panel_matmul_int4_avx512.cc, _avx2.cc). Outputs in blocks of 4 panels
 // (64 outputs); block b's group g is one Int4PanelGroup: its 4 panels' scales and zero points, then
 // for each pair of inputs 128 g + 2j, 2j + 1 one 64-byte line, byte q[j][p][c] holding output
 // 64 b + 16 p + c's code at input 2j (low nibble) and 2j + 1 (high nibble): a decode step reads
@@ -112,7 +115,6 @@ void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t 
 // by `tiles`' instance: kAvx512's (panel_matmul_int4_avx512.cc, CPUs with AVX-512F) or kVec8's,
 // 8-float vectors (panel_matmul_int4_avx2.cc, CPUs with AVX2 and FMA), bitwise the same results.
 // y must not overlap the inputs. n, m, k >= 1.
-enum class PanelTiles : uint8_t;
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads, PanelTiles tiles);
 

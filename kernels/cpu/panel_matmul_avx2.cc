@@ -1,7 +1,7 @@
-// The int8 panels' product (panel_matmul.h's PanelMatMulInt8): the float32 panels' 8-float tiles
-// (panel_tiles.h) on int8 panels widened with AVX2 intrinsics. This file alone is compiled with
-// -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend runs it only where the int8 products'
-// instance is AVX2's (quant_isa.h Int8OnPanels).
+// The int8 panels' product (panel_matmul.h's PanelMatMulInt8) on 8-float tiles: the float32
+// panels' (panel_tiles.h) on int8 panels widened with AVX2 intrinsics. This file alone is compiled
+// with -mavx2 -mfma (kernels/CMakeLists.txt); PanelMatMulInt8 runs it for PanelTiles::kVec8 (the
+// CPU backend: where the int8 products' instance is AVX2's, quant_isa.h IntOnPanels).
 #include <immintrin.h>
 
 #include <cmath>
@@ -26,8 +26,8 @@ struct Int8PanelsAvx2 {
 
 }  // namespace
 
-void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
-                     const float* bias, int threads) {
+void PanelMatMulInt8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                         const float* bias, int threads) {
   PackedPanelsProduct<Int8PanelsAvx2>(y, x, n, m, k, w, nullptr, threads);
   // Each finished sum times its column's scale, plus the bias in the same rounding (one fused
   // multiply-add, spelled out so that no compiler's contraction choice changes a result).

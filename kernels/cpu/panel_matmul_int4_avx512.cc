@@ -1,5 +1,5 @@
 // The int4 panels' product (panel_matmul.h's PanelMatMulInt4), on CPUs with AVX-512F: the CPU
-// backend's exact int4 product there (quant_isa.h Int4OnPanels). As the float32 panels' AVX-512
+// backend's exact int4 product there (quant_isa.h IntOnPanels). As the float32 panels' AVX-512
 // tiles (panel_matmul_avx512.cc), each zmm holds one panel's 16 outputs and each FMA broadcasts one
 // input, so that a panel's codes, widened once in registers, serve every row of a tile: a prefill's
 // tile of 12 rows x 2 panels runs 24 FMAs per widened vector. (The blocks' 16-lane product it

@@ -69,13 +69,11 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
     return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ",
                         wide ? "avx512 " : "avx2 ", cpu, "]");
   }
-  if (Int8OnPanels(int_isa)) {
-    return absl::StrCat("int8/int4 products on 8-float panels (codes widened in registers), fp8 products on ",
-                        QuantIsaName(int_isa), " ", cpu, vnni ? ": not used, inexact]" : "]");
-  }
-  if (Int4OnPanels(int_isa)) {
-    return absl::StrCat("int8/fp8 products on ", QuantIsaName(int_isa), ", int4 on 16-float panels (codes widened in registers) ",
-                        cpu, vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
+  if (IntOnPanels(int_isa)) {  // (and int4: IntOnPanels holds for the same instances)
+    const bool wide = PanelTilesFor(int_isa) == PanelTiles::kAvx512;
+    return absl::StrCat("int8/int4 products on ", wide ? "16" : "8",
+                        "-float panels (codes widened in registers), fp8 on ", QuantIsaName(int_isa), " ", cpu,
+                        vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
   }
   return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu,
                       vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");

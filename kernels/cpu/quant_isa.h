@@ -11,6 +11,8 @@
 #include <optional>
 #include <string>
 
+#include "kernels/cpu/panel_matmul.h"
+
 namespace shardserve::cpu {
 
 enum class QuantIsa : uint8_t {
@@ -32,20 +34,21 @@ enum class QuantIsa : uint8_t {
   kAvx2Int8 = 4,
 };
 
-// Whether the CPU backend stores int8 weights as panels and multiplies them by PanelMatMulInt8
-// (panel_matmul.h) rather than by Int8MatMul's rows (int8_matmul.h): where its int8 instance would
-// be AVX2's (kAvx2; panel_matmul_avx2.cc). On the AVX2 EPYC the rows' tiles, a dot product over k per
-// output, read one row stream per weight row and ran at half the float32 panels' rate from 16 input
-// rows on (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). fp8 keeps its rows; int4
-// has panels of its own (Int4OnPanels).
-inline bool Int8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx2; }
+// Whether the CPU backend stores int8 and int4 weights as panels and multiplies them by
+// PanelMatMulInt8 / PanelMatMulInt4 (panel_matmul.h) rather than by Int8MatMul's rows
+// (int8_matmul.h) / Int4MatMul's blocks (int4_matmul.h): where its int8 / int4 instance would be
+// AVX-512's or AVX2's (panel_matmul_int8_avx512.cc, panel_matmul_avx2.cc; panel_matmul_int4_*.cc).
+// The rows' and blocks' tiles, a dot product over k per output, ran at half the float32 panels'
+// rate from 16 input rows on on the AVX2 EPYC (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized
+// decode") and at 0.75-0.79x from 32 rows on a Zen 5 EPYC with AVX-512 ("int4 on AVX-512 as
+// panels", "int8 on AVX-512 as panels"). fp8 keeps its rows.
+inline bool IntOnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx2; }
 
-// Whether the CPU backend stores int4 weights as panels and multiplies them by PanelMatMulInt4
-// (panel_matmul.h) rather than by Int4MatMul's blocks (int4_matmul.h): where its int4 instance
-// would be AVX-512's or AVX2's (panel_matmul_int4_avx512.cc, _avx2.cc). On a Zen 5 EPYC the
-// blocks' AVX-512 tiles, a dot product over k per output, ran at three quarters of the float32
-// panels' rate from 32 input rows on (docs/benchmarks.md, "int4 on AVX-512 as panels").
-inline bool Int4OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx2; }
+// The panels' instance (panel_matmul.h PanelTiles) for an int8 / int4 instance on panels: the
+// 16-float tiles for kAvx512, the 8-float ones for kAvx2.
+inline PanelTiles PanelTilesFor(QuantIsa isa) {
+  return isa == QuantIsa::kAvx512 ? PanelTiles::kAvx512 : PanelTiles::kVec8;
+}
 
 // The instance the int8 and int4 products run on under --activation-quantization int8
 // (CpuActivationQuant::kInt8): kAvx512Vnni where this CPU has it, else kAvx2Int8 where it has AVX2 +

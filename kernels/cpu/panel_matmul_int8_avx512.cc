@@ -1,0 +1,119 @@
+// The int8 panels' product (panel_matmul.h's PanelMatMulInt8) on CPUs with AVX-512F: the CPU
+// backend's exact int8 product there (quant_isa.h Int8OnPanels). As the float32 panels' AVX-512
+// tiles (panel_matmul_avx512.cc), each zmm holds one panel's 16 outputs and each FMA broadcasts one
+// input, so that a panel's 16 codes, widened once in registers (VPMOVSXBD, VCVTDQ2PS: exact for
+// every int8), serve every row of a tile: a prefill's tile of 14 rows x 2 panels runs 28 FMAs per 2
+// widened vectors. (The rows' tiles it replaced, int8_matmul_avx512.cc, a dot product over k per
+// output, needed a full input vector for every weight vector and reached 0.79x the float32 panels'
+// rate at 128 rows: docs/benchmarks.md, "int8 on AVX-512 as panels".) Each output is the chain the
+// AVX2 instance (panel_matmul_avx2.cc) and the float32 panels compute, one fused multiply-add per
+// input in order from zero, then fma(chain, scale, bias) (or chain x scale): bitwise their results
+// (tests/kernels_cpu_test.cc).
+//
+// This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mfma (kernels/CMakeLists.txt);
+// PanelMatMulInt8 calls it only on CPUs that have them.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/tile_rows.h"
+
+namespace shardserve::cpu {
+namespace {
+
+static_assert(kPanelCols == 16, "one panel row is one zmm");
+
+// Rows per tile, at most (14 rows x 2 panels: 28 sums and the 2 widened vectors in 32 registers).
+constexpr int64_t kInt8TileRows = 14;
+// Panels a tile takes at once, for a product whose longest tile has `rows` rows: enough sums to
+// hide the FMAs' latency (Zen 5 issues two a cycle, each 4 cycles long) beside the widened codes,
+// as the float32 tiles' WidePanelsPerGroup. (At one row 4, 6 and 8 panels measured alike on Zen 5,
+// within the runs' noise: about 2.0-2.1 ms for the bench model's products on 2 threads.)
+constexpr int Int8PanelsFor(int64_t rows) { return rows <= 6 ? 4 : rows <= 9 ? 3 : 2; }
+// Each panel's stream is asked for the line this many bytes past the one a tile reads (an input
+// step is 16 bytes of a panel: a new line every 4 steps). Zen 5, one row: none 2.2 ms, 512 B 2.1-2.4,
+// 1 KiB 2.0-2.3, 1.5 KiB 1.9-2.2, 2-4 KiB 2.2-2.3 (noisy, 2 threads).
+constexpr int64_t kPrefetchBytes = 1024;
+
+// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ (P adjacent int8 panels [k, 16], the
+// first at `panel`, times scale [cols]) (+ bias [cols]); cols <= 16 P.
+template <int R, int P>
+[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const int8_t* panel,
+                                        int64_t cols, const float* scale, const float* bias) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  }
+  const int64_t stride = k * kPanelCols;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const int8_t* at = panel + kk * kPanelCols;
+    if ((kk & 3) == 0) {
+      for (int q = 0; q < P; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(at + q * stride) + kPrefetchBytes, _MM_HINT_T0);
+      }
+    }
+    __m512 b[P];
+    for (int q = 0; q < P; ++q) {
+      b[q] =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + q * stride))));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * k + kk]);
+      for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(b[q], xr, acc[r][q]);
+    }
+  }
+  for (int q = 0; q < P; ++q) {
+    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
+    if (n <= 0) break;
+    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + c0);
+    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      // One rounding with the bias, as std::fma (the AVX2 instance's); with none, the product alone.
+      const __m512 v = bias != nullptr ? _mm512_fmadd_ps(acc[r][q], s, add) : _mm512_mul_ps(acc[r][q], s);
+      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
+    }
+  }
+}
+
+// Every row of y (row stride m) at panels [p, p + have) (have <= P), the rows in balanced tiles.
+template <int P>
+void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const int8_t* w, const float* scale,
+           const float* bias, int64_t p, int64_t have) {
+  const int64_t c0 = p * kPanelCols, cols = std::min(have * kPanelCols, m - c0);
+  const int8_t* panel = w + p * k * kPanelCols;
+  const float* bc = bias != nullptr ? bias + c0 : nullptr;
+  WithBalancedTiles<kInt8TileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+    // (Every tile of a product has at least the registers of its longest: the same P serves.)
+    if constexpr (R() * P + P <= 30) {
+      WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
+        Tile<R(), Q()>(y + r * m + c0, m, x + r * k, k, panel, cols, scale + c0, bc);
+      });
+    }
+  });
+}
+
+}  // namespace
+
+void PanelMatMulInt8Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w,
+                           const float* scale, const float* bias, int threads) {
+  const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
+  const int per = Int8PanelsFor(LongestBalancedTile(n, kInt8TileRows));
+  const int64_t groups = (panels + per - 1) / per;
+  // Threads take groups of panels (columns) as they come free, never k: the thread count cannot
+  // change a sum.
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t p = g * per, have = std::min<int64_t>(per, panels - p);
+    switch (per) {
+      case 4: Group<4>(y, m, x, n, k, w, scale, bias, p, have); break;
+      case 3: Group<3>(y, m, x, n, k, w, scale, bias, p, have); break;
+      default: Group<2>(y, m, x, n, k, w, scale, bias, p, have); break;
+    }
+  }
+}
+
+}  // namespace shardserve::cpu
