@@ -342,6 +342,12 @@ struct CudaBackendOptions {
   // which no kernel writes. Worker --cuda-pdl. Written without a GPU; off until it passes on one
   // (docs/gpu.md).
   bool pdl = false;
+  // fp8 weights' products for more than 8 rows of x (prefill) through cuBLASLt's fp8 GEMM on GPUs
+  // of compute capability 8.9+ (kernels/cuda/fp8_gemm.cu): x's rows rounded to e4m3 with a scale
+  // each (W8A8: inexact in x, each input moving by up to 2^-4 of itself), in place of the weight
+  // dequantized to the act dtype and cuBLAS. Ignored below 8.9. Worker --cuda-fp8-gemm. Written
+  // without a GPU; off until it passes on one (docs/gpu.md), and opt-in after that (inexact).
+  bool fp8_gemm = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)
@@ -374,6 +380,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act,
 
 // Number of CUDA devices usable by this build (0 when built without CUDA or none present).
 int CudaDeviceCount();
+// Device `ordinal`'s compute capability as 10 x major + minor (90: Hopper); 0 when built without
+// CUDA or no such device.
+int CudaComputeCapability(int ordinal);
 
 }  // namespace shardserve
 

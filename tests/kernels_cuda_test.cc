@@ -1410,6 +1410,108 @@ TEST_P(CudaInt4Mma, MatMulMatchesTheDequantizedReference) {
   }
 }
 
+// cuBLASLt's fp8 GEMM (CudaBackendOptions::fp8_gemm, fp8_gemm.cu; written without a GPU, off):
+// more than 8 rows of x by an fp8 weight, x's rows rounded to e4m3 with a scale each (max |x| /
+// 448, as kernels/quant.h scales the weights' rows). Against the reference of the same rounding on
+// the host (FloatToFp8E4m3 of x / scale), the bound of CudaQuant's reference: (2 u + 1e-5) x (sum
+// of |products| + |bias|). Shapes: m and k multiples of 16 (what the GEMM takes); n = 300 with the
+// tests' 64 KiB scratch is three blocks of x's rows. On a GPU of compute capability 8.9 or newer
+// the outputs must differ from the default path's somewhere (x rounded to e4m3 moves them by far
+// more than bf16 rounding), or the GEMM did not run; below 8.9 the option changes nothing (bitwise
+// the default). A shape the GEMM does not take (m = 37) keeps the default path bitwise. A NaN in a
+// row of x makes that row's outputs NaN and leaves the others as they were.
+class CudaFp8Gemm : public CudaQuant {};
+
+TEST_P(CudaFp8Gemm, MatMulMatchesTheE4m3RoundedReference) {
+  SS_ASSIGN_OR_FAIL(
+      std::unique_ptr<Backend> lt,
+      MakeCudaBackend(0, act(), {.quantized_kernels = true, .fp8_gemm = true, .quantized_scratch_bytes = 64 << 10}));
+  const int cc = CudaComputeCapability(0);
+  ASSERT_GT(cc, 0);
+  const bool fp8_cores = cc >= 89;
+  RecordProperty("compute_capability", cc);
+  EXPECT_EQ(lt->Describe().find("fp8 prefill by cuBLASLt") != std::string::npos, fp8_cores) << lt->Describe();
+  EXPECT_EQ(cuda_->Describe().find("cuBLASLt"), std::string::npos) << cuda_->Describe();
+  const double u = UnitRoundoff(act());
+  uint32_t salt = 0;
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{512, 384}, {48, 1024}, {16, 4096}, {37, 256}}) {
+    const std::vector<float> w = RandomValues(m * k, Seed(Op::kMatMul, act(), 7500 + salt++), DType::kF32);
+    const std::vector<uint8_t> stored = Quantize(w, m, k);
+    const std::vector<float> w_ref = Dequantize(stored, m, k);
+    Tensor packed_lt, packed_plain;
+    SS_ASSIGN_OR_FAIL(Buffer lt_buf, lt->PackQuantizedWeight(quant(), stored.data(), m, k, &packed_lt));
+    SS_ASSIGN_OR_FAIL(Buffer plain_buf, cuda_->PackQuantizedWeight(quant(), stored.data(), m, k, &packed_plain));
+    const bool takes = fp8_cores && m % 16 == 0;
+    const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 7600 + salt), act());
+    for (const auto& [n, with_bias, f32_out] :
+         std::vector<std::tuple<int64_t, bool, bool>>{{9, false, false}, {33, true, true}, {300, true, false}}) {
+      SCOPED_TRACE(::testing::Message() << "m " << m << ", k " << k << ", n " << n << (with_bias ? ", bias" : "")
+                                        << (f32_out ? ", F32 out" : ", act out"));
+      std::vector<float> x =
+          RandomValues(n * k, Seed(Op::kMatMul, act(), 7700 + salt + static_cast<uint32_t>(n)), act());
+      const DType out_dtype = f32_out ? DType::kF32 : act();
+      const auto run = [&](Backend* backend, const Tensor& packed, const std::vector<float>& in) {
+        std::vector<float> got;
+        absl::StatusOr<Guarded> g_x = UploadF(backend, in, act(), {n, k});
+        absl::StatusOr<Guarded> g_b = UploadF(backend, b, act(), {m});
+        absl::StatusOr<Guarded> g_out = Output(backend, out_dtype, {n, m});
+        EXPECT_TRUE(g_x.ok() && g_b.ok() && g_out.ok());
+        if (!g_x.ok() || !g_b.ok() || !g_out.ok()) return got;
+        const absl::Status s = backend->MatMul(&g_out->t, g_x->t, packed, with_bias ? &g_b->t : nullptr);
+        EXPECT_TRUE(s.ok()) << s;
+        std::string guard_error;
+        absl::StatusOr<std::vector<uint8_t>> bytes = ReadBytes(backend, *g_out, &guard_error);
+        EXPECT_TRUE(bytes.ok() && guard_error.empty()) << bytes.status() << guard_error;
+        if (!bytes.ok() || !guard_error.empty()) return got;
+        got.resize(static_cast<size_t>(n * m));
+        EXPECT_TRUE(ConvertOnHost(got.data(), DType::kF32, bytes->data(), out_dtype, got.size()));
+        return got;
+      };
+      const std::vector<float> got = run(lt.get(), packed_lt, x);
+      const std::vector<float> plain = run(cuda_.get(), packed_plain, x);
+      ASSERT_EQ(got.size(), static_cast<size_t>(n * m));
+      ASSERT_EQ(plain.size(), got.size());
+      if (!takes) {
+        EXPECT_TRUE(got == plain) << "the GEMM does not take this shape / GPU: the default path's outputs";
+        continue;
+      }
+      EXPECT_FALSE(got == plain) << "bitwise the default path's: the fp8 GEMM did not run";
+      double worst = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        float amax = 0.0f;
+        for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(x[i * k + c]));
+        const float xs = amax > 0.0f ? amax / kFp8E4m3Max : 1.0f;
+        for (int64_t r = 0; r < m; ++r) {
+          double sum = with_bias ? b[r] : 0.0, mag = with_bias ? std::fabs(b[r]) : 0.0;
+          for (int64_t c = 0; c < k; ++c) {
+            const double p =
+                static_cast<double>(Fp8E4m3ToFloat(FloatToFp8E4m3(x[i * k + c] / xs))) * xs * w_ref[r * k + c];
+            sum += p;
+            mag += std::fabs(p);
+          }
+          const double g = got[i * m + r];
+          ASSERT_TRUE(std::isfinite(g)) << "row " << i << ", column " << r << ": " << g;
+          worst = std::max(worst, std::fabs(g - sum) / ((2.0 * u + 1e-5) * mag + 1e-30));
+        }
+      }
+      EXPECT_LE(worst, 1.0) << "the worst output's error / bound";
+      // A NaN in row 1 of x: that row's outputs NaN, the others unchanged.
+      x[1 * k + k / 2] = std::numeric_limits<float>::quiet_NaN();
+      const std::vector<float> bad = run(lt.get(), packed_lt, x);
+      ASSERT_EQ(bad.size(), got.size());
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t r = 0; r < m; ++r) {
+          if (i == 1) {
+            ASSERT_TRUE(std::isnan(bad[i * m + r])) << "row 1 (a NaN input), column " << r << ": " << bad[i * m + r];
+          } else {
+            ASSERT_EQ(bad[i * m + r], got[i * m + r]) << "row " << i << ", column " << r << ": changed by row 1's NaN";
+          }
+        }
+      }
+    }
+  }
+}
+
 // PackMatMulWeight quantizes an act-dtype weight on the device into exactly the bytes the host
 // quantizer makes of the same (rounded) values, and MatMul refuses a view of part of a quantized
 // weight and a quantized weight another backend made.
@@ -1634,6 +1736,10 @@ TEST(CudaGraphs, OffByDefault) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaQuant,
                          ::testing::Combine(::testing::Values(WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8),
+                                            ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
+                         QuantParamName);
+INSTANTIATE_TEST_SUITE_P(Ops, CudaFp8Gemm,
+                         ::testing::Combine(::testing::Values(WeightQuant::kFp8),
                                             ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
                          QuantParamName);
 INSTANTIATE_TEST_SUITE_P(Ops, CudaInt4Mma,

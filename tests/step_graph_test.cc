@@ -304,7 +304,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 // The worker's and generate-ids' CUDA paths: each that passed on a GPU on with no switch
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the int4 tensor-core
 // GEMV (slower there than the default) off unless --cuda-int4-mma, programmatic dependent launch
-// (not yet run on one) unless --cuda-pdl.
+// (not yet run on one) unless --cuda-pdl, cuBLASLt's fp8 GEMM (not yet run, inexact) unless
+// --cuda-fp8-gemm.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -323,7 +324,11 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_FALSE(mma.pdl || on.pdl) << "not yet run on a GPU: off unless asked for";
   const CudaBackendOptions pdl = parse({"--cuda-pdl"});
   EXPECT_TRUE(pdl.pdl && pdl.step_graphs && pdl.fused_kernels && pdl.dense_gemv);
-  EXPECT_FALSE(pdl.int4_mma);
+  EXPECT_FALSE(pdl.int4_mma || pdl.fp8_gemm);
+  EXPECT_FALSE(on.fp8_gemm) << "rounds x to e4m3, and not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions fp8 = parse({"--cuda-fp8-gemm"});
+  EXPECT_TRUE(fp8.fp8_gemm && fp8.quantized_kernels && fp8.step_graphs && fp8.dense_gemv);
+  EXPECT_FALSE(fp8.pdl || fp8.int4_mma);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}, {}};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         const auto t0 = std::chrono::steady_clock::now();

@@ -72,6 +72,10 @@
 #                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
 #   llama8b-int4-pdl-b1
 #                  llama8b-int4-b1 with programmatic dependent launch (--worker-cuda-pdl)
+#   llama8b-fp8-c64, llama8b-fp8-gemm-c64
+#                  llama8b-c64 with the weights in fp8 (--quantization fp8): the prefills' products
+#                  by the weight dequantized to bf16 + cuBLAS, then by cuBLASLt's fp8 GEMM on x
+#                  rounded to e4m3 (--worker-cuda-fp8-gemm: written without a GPU, off)
 #   qwen72b-int4-b1, qwen72b-int4-mma-b1
 #                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
 #                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
@@ -419,6 +423,8 @@ run_steps() {
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma
   bench_step llama8b-int4-pdl-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-pdl
+  bench_step llama8b-fp8-c64 "$llama" "$preset" 64 128 512 128 fp8
+  bench_step llama8b-fp8-gemm-c64 "$llama" "$preset" 64 128 512 128 fp8 --worker-cuda-fp8-gemm
   local qwen_all
   qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
   bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4

@@ -17,9 +17,9 @@ inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantiz
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
 // Paths off by default, a switch turns each on: int4 on the tensor cores passed its tests on an
-// H200 but ran slower than the GEMV there; programmatic dependent launch is not yet run on a GPU
-// (docs/gpu.md).
-inline constexpr std::array<const char*, 2> kCudaOnSwitches = {"cuda-int4-mma", "cuda-pdl"};
+// H200 but ran slower than the GEMV there; programmatic dependent launch and the fp8 GEMM are not
+// yet run on a GPU, and the fp8 GEMM rounds x to e4m3 (inexact: opt-in for good) (docs/gpu.md).
+inline constexpr std::array<const char*, 3> kCudaOnSwitches = {"cuda-int4-mma", "cuda-pdl", "cuda-fp8-gemm"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -51,7 +51,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           H200 but slower there than the default GEMV, so off (docs/gpu.md)\n"
     "  --cuda-pdl               --device cuda, Hopper: launch the step's kernels with programmatic\n"
     "                           dependent launch (each kernel's blocks start while the one before\n"
-    "                           drains); written without a GPU, so off by default (docs/gpu.md)\n";
+    "                           drains); written without a GPU, so off by default (docs/gpu.md)\n"
+    "  --cuda-fp8-gemm          --device cuda, compute capability 8.9+: multiply more than 8 rows\n"
+    "                           (prefill) by fp8 weights with cuBLASLt's fp8 GEMM, x rounded to e4m3\n"
+    "                           per row (W8A8: inexact in x); written without a GPU (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -62,7 +65,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .fused_kernels = !flags.Has("no-cuda-fused-kernels"),
           .dense_gemv = !flags.Has("no-cuda-dense-gemv"),
           .int4_mma = flags.Has("cuda-int4-mma"),
-          .pdl = flags.Has("cuda-pdl")};
+          .pdl = flags.Has("cuda-pdl"),
+          .fp8_gemm = flags.Has("cuda-fp8-gemm")};
 }
 
 }  // namespace shardserve

@@ -56,6 +56,7 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
   for (const StepGraph& g : graphs_) (void)cudaGraphExecDestroy(g.exec);
   if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
+  if (lt_ != nullptr) (void)cublasLtDestroy(lt_);
   if (params_dev_ != nullptr) (void)cudaFree(params_dev_);
   if (params_host_ != nullptr) (void)cudaFreeHost(params_host_);
   if (ids_dev_ != nullptr) (void)cudaFree(ids_dev_);
@@ -85,6 +86,10 @@ absl::Status CudaBackend::Init() {
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, stream_));
   // Default math: CUBLAS_COMPUTE_32F stays true float32 for F32 inputs (no TF32).
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+  // fp8 tensor cores: Ada (8.9) and newer; elsewhere the option changes nothing.
+  if (options_.fp8_gemm && (prop.major > 8 || (prop.major == 8 && prop.minor >= 9))) {
+    SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lt_));
+  }
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&errors_dev_, sizeof(unsigned)));
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&errors_host_, sizeof(unsigned)));
   *errors_host_ = 0;
@@ -290,6 +295,16 @@ int CudaDeviceCount() {
     return 0;
   }
   return count;
+}
+
+int CudaComputeCapability(int ordinal) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return 10 * major + minor;
 }
 
 }  // namespace shardserve

@@ -34,6 +34,7 @@
 #ifndef SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
 #define SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -138,6 +139,8 @@ bool Is(const Tensor& t, int ndim, DType dtype);
 bool SameShape(const Tensor& a, const Tensor& b);
 
 bool FitsInt(int64_t v);
+// cuBLAS's data type of a float DType (F32, F16, BF16; matmul.cu).
+cudaDataType_t CudaDataType(DType t);
 
 // ---- The backend ------------------------------------------------------------------------------
 class CudaBackend final : public Backend {
@@ -153,7 +156,8 @@ class CudaBackend final : public Backend {
   DeviceKind device_kind() const override { return DeviceKind::kCuda; }
   DType act_dtype() const override { return act_; }
   std::string Describe() const override {
-    return absl::StrCat("cuda:", ordinal_, " (", device_name_, ", ", absl::AsciiStrToLower(DTypeName(act_)), ")");
+    return absl::StrCat("cuda:", ordinal_, " (", device_name_, ", ", absl::AsciiStrToLower(DTypeName(act_)),
+                        lt_ != nullptr ? ", fp8 prefill by cuBLASLt on e4m3-rounded x" : "", ")");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
@@ -236,6 +240,14 @@ class CudaBackend final : public Backend {
   absl::Status RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq,
                                       int head_dim, const Tensor* v, Tensor* k_cache, Tensor* v_cache,
                                       const Tensor* slots);
+  // fp8 weights' products through cuBLASLt's fp8 GEMM (fp8_gemm.cu; options_.fp8_gemm on a GPU of
+  // compute capability 8.9+): whether it takes a weight [m, k] whose codes are at `codes` and an
+  // output at `out`, and out [n, m] (+)= x [n, k] rounded to e4m3 per row @ codes^T, scaled by
+  // w_scale [m] and x's row scales (beta 1: onto out's contents, the broadcast bias). False: nothing
+  // was written, cuBLASLt offered no algorithm (the dequantize path runs instead).
+  bool Fp8GemmTakes(int64_t m, int64_t k, const void* codes, const void* out) const;
+  absl::StatusOr<bool> Fp8Gemm(void* out, DType out_dtype, const void* x, int64_t n, int64_t m, int64_t k,
+                               const uint8_t* codes, const float* w_scale, float beta);
   // MatMul's checks of a product by a weight in the act dtype: dtypes, shapes, cuBLAS's int range.
   absl::Status CheckPlainMatMul(const Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias) const;
   // Whether MatMul multiplies x by the dense weight w with DenseGemv (options_.dense_gemv, a
@@ -297,6 +309,7 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;    // options_.fp8_gemm on compute capability 8.9+ only (Fp8Gemm)
   unsigned* errors_dev_ = nullptr;   // device error word (kErr* bits)
   unsigned* errors_host_ = nullptr;  // pinned mirror, read after a stream sync
   cudaEvent_t params_copied_ = nullptr;

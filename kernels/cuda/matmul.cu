@@ -9,7 +9,6 @@
 #include "kernels/cuda/device_util.cuh"
 
 namespace shardserve::cuda {
-namespace {
 
 cudaDataType_t CudaDataType(DType t) {
   switch (t) {
@@ -21,6 +20,8 @@ cudaDataType_t CudaDataType(DType t) {
       return CUDA_R_32F;
   }
 }
+
+namespace {
 
 // out[r, c] = bias[c] for every row: the C operand of the bias GEMM (beta = 1).
 template <typename TO, typename TB>

@@ -10,5 +10,6 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int, DType, const CudaB
 }
 
 int CudaDeviceCount() { return 0; }
+int CudaComputeCapability(int) { return 0; }
 
 }  // namespace shardserve

@@ -34,13 +34,15 @@
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
 //   of out's columns, accumulating onto the broadcast bias. The weight is read once per call; the
 //   dequantized rows are rounded to the act dtype (bf16: 2^-9 relative), as any bf16 GEMM's are.
-//   fp8 through cuBLASLt's fp8 GEMM on sm_89+ (no dequantize) is a follow-up.
+//   fp8 weights with CudaBackendOptions::fp8_gemm (sm_89+): cuBLASLt's fp8 GEMM on x rounded to
+//   e4m3 instead, no dequantize (fp8_gemm.cu).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "base/status_macros.h"
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/gemv.cuh"
@@ -625,8 +627,15 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
     });
   }
 
-  // Dequantize a block of rows into the scratch, multiply it with cuBLAS into its columns of out.
   if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
+  // fp8 by cuBLASLt's fp8 GEMM on x rounded to e4m3 (options_.fp8_gemm, fp8_gemm.cu), where it
+  // takes the shape; else, or where it finds no algorithm, the dequantize path.
+  if (quant == WeightQuant::kFp8 && Fp8GemmTakes(m, k, q, out->data)) {
+    SHARDSERVE_ASSIGN_OR_RETURN(
+        const bool done, Fp8Gemm(out->data, out->dtype, x.data, n, m, k, q, scale, bias != nullptr ? 1.0f : 0.0f));
+    if (done) return absl::OkStatus();
+  }
+  // Dequantize a block of rows into the scratch, multiply it with cuBLAS into its columns of out.
   const int64_t block_rows = CudaDequantBlockRows(m, k, act_, DequantScratchLimit());
   // Grown when w was stored (PackQuantizedWeight); a no-op here unless that failed half-way.
   SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
