@@ -629,40 +629,55 @@ TEST(PanelTilesTest, Bf16PanelsGiveTheF32PanelsResultsOnTheRoundedWeight) {
       });
 }
 
-// The int8 panels (PackPanelsInt8 / PanelMatMulInt8, the CPU backend's int8 products on AVX2 and
-// AVX-512 CPUs), each instance (the 8-float tiles; the 16-float ones where the CPU has AVX-512):
-// bitwise the float32 panels' sums by the codes as floats, each times its column's scale (+ bias,
-// one fused multiply-add), at 1 to 40 rows (every tile shape) and panels left over. Skipped (and
-// reported so) where the CPU lacks AVX2 and FMA.
-TEST(PanelTilesTest, Int8PanelsGiveTheF32PanelsSumsOfTheCodesScaled) {
+// The one-byte panels (PackPanelsBytes; PanelMatMulInt8 and PanelMatMulFp8, the CPU backend's int8
+// products on AVX2 and AVX-512 CPUs and its fp8 ones on AVX-512 CPUs), each instance (int8: the
+// 8-float tiles, and the 16-float ones where the CPU has AVX-512; fp8: the 16-float ones): bitwise
+// the float32 panels' sums by the codes' values as floats (every int8; every e4m3 byte but the NaN
+// ones, which loaders refuse, subnormals included), each times its column's scale (+ bias, one fused
+// multiply-add), at 1 to 40 rows (every tile shape) and panels left over. Skipped (and reported so)
+// where the CPU lacks AVX2 and FMA.
+TEST(PanelTilesTest, BytePanelsGiveTheF32PanelsSumsOfTheCodesScaled) {
   if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx2)) GTEST_SKIP() << "this CPU lacks AVX2 and FMA";
-  for (cpu::PanelTiles tiles : {cpu::PanelTiles::kVec8, cpu::PanelTiles::kAvx512}) {
-    if (!cpu::PanelTilesSupported(tiles)) continue;
-    std::mt19937 rng(47);
-    std::vector<float> packed, scale, scratch;
-    std::vector<int8_t> packed_int8;  // a quarter of the float32 panels' bytes
-    ExpectPanelsBitwise(
-        rng, tiles == cpu::PanelTiles::kAvx512 ? "int8 panels, 16-float tiles" : "int8 panels, 8-float tiles",
-        [&](int64_t m, int64_t k) {
-          std::vector<int8_t> q(m * k);
-          std::uniform_int_distribution<int> code(-128, 127);
-          for (int8_t& c : q) c = static_cast<int8_t>(code(rng));
-          const std::vector<float> codes(q.begin(), q.end());
-          scale = Random(rng, m);
-          packed.assign(cpu::PanelMatMulFloats(m, k), 0);
-          cpu::PackPanels(packed.data(), codes.data(), m, k);
-          packed_int8.assign(cpu::PanelMatMulFloats(m, k), 0);
-          cpu::PackPanelsInt8(packed_int8.data(), q.data(), m, k);
-        },
-        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
-          cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, nullptr, threads, &scratch);
-          for (int64_t i = 0; i < n * m; ++i) {
-            y[i] = bias != nullptr ? std::fma(y[i], scale[i % m], bias[i % m]) : y[i] * scale[i % m];
-          }
-        },
-        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
-          cpu::PanelMatMulInt8(y, x, n, m, k, packed_int8.data(), scale.data(), bias, threads, tiles);
-        });
+  for (bool fp8 : {false, true}) {
+    for (cpu::PanelTiles tiles : {cpu::PanelTiles::kVec8, cpu::PanelTiles::kAvx512}) {
+      if (!cpu::PanelTilesSupported(tiles) || (fp8 && tiles != cpu::PanelTiles::kAvx512)) continue;
+      std::mt19937 rng(47);
+      std::vector<float> packed, scale, scratch;
+      std::vector<uint8_t> packed_bytes;  // a quarter of the float32 panels' bytes
+      const std::string name = absl::StrCat(fp8 ? "fp8" : "int8", " panels, ",
+                                            tiles == cpu::PanelTiles::kAvx512 ? "16" : "8", "-float tiles");
+      ExpectPanelsBitwise(
+          rng, name.c_str(),
+          [&](int64_t m, int64_t k) {
+            std::vector<uint8_t> q(m * k);
+            std::vector<float> values(m * k);
+            std::uniform_int_distribution<int> byte(0, 255);
+            for (int64_t i = 0; i < m * k; ++i) {
+              do {
+                q[i] = static_cast<uint8_t>(byte(rng));
+              } while (fp8 && Fp8E4m3IsNan(q[i]));
+              values[i] = fp8 ? Fp8E4m3ToFloat(q[i]) : static_cast<float>(static_cast<int8_t>(q[i]));
+            }
+            scale = Random(rng, m);
+            packed.assign(cpu::PanelMatMulFloats(m, k), 0);
+            cpu::PackPanels(packed.data(), values.data(), m, k);
+            packed_bytes.assign(cpu::PanelMatMulFloats(m, k), 0);
+            cpu::PackPanelsBytes(packed_bytes.data(), q.data(), m, k);
+          },
+          [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+            cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, nullptr, threads, &scratch);
+            for (int64_t i = 0; i < n * m; ++i) {
+              y[i] = bias != nullptr ? std::fma(y[i], scale[i % m], bias[i % m]) : y[i] * scale[i % m];
+            }
+          },
+          [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+            if (fp8) {
+              cpu::PanelMatMulFp8(y, x, n, m, k, packed_bytes.data(), scale.data(), bias, threads);
+            } else {
+              cpu::PanelMatMulInt8(y, x, n, m, k, packed_bytes.data(), scale.data(), bias, threads, tiles);
+            }
+          });
+    }
   }
 }
 
@@ -952,10 +967,10 @@ TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
       EXPECT_EQ(packed.quant, quant);
       EXPECT_EQ(std::memcmp(buffer->data(), scale.data(), m * sizeof(float)), 0);
       const char* codes = static_cast<char*>(buffer->data()) + m * sizeof(float);
-      if (!fp8 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
+      if (fp8 ? cpu::Fp8OnPanels(cpu::ActiveQuantIsa()) : cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
         // The codes as panels (kernels/cpu/panel_matmul.h), the last one padded to 16 rows.
-        std::vector<int8_t> panels(cpu::PanelMatMulFloats(m, k));
-        cpu::PackPanelsInt8(panels.data(), reinterpret_cast<const int8_t*>(q.data()), m, k);
+        std::vector<uint8_t> panels(cpu::PanelMatMulFloats(m, k));
+        cpu::PackPanelsBytes(panels.data(), q.data(), m, k);
         EXPECT_EQ(buffer->bytes(), m * sizeof(float) + panels.size());
         EXPECT_EQ(packed.bytes(), static_cast<size_t>(Int8RowsLayout{m, k}.bytes()));
         EXPECT_EQ(std::memcmp(codes, panels.data(), panels.size()), 0);
@@ -1149,7 +1164,9 @@ TEST_F(CpuBackendTest, QuantizedWeightBytesAreTheLayouts) {
     const Tensor copy = packed;
     EXPECT_EQ(copy.quant, quant);
     EXPECT_EQ(copy.bytes(), static_cast<size_t>(QuantizedWeightBytes(quant, m, k))) << WeightQuantName(quant);
-    if (quant == WeightQuant::kInt8 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
+    const cpu::QuantIsa isa = cpu::ActiveQuantIsa();
+    if ((quant == WeightQuant::kInt8 && cpu::IntOnPanels(isa)) ||
+        (quant == WeightQuant::kFp8 && cpu::Fp8OnPanels(isa))) {
       // The codes as panels: the last one padded to 16 rows (kernels/cpu/panel_matmul.h).
       EXPECT_EQ(buffer->bytes(), static_cast<size_t>(m * 4 + cpu::PanelMatMulFloats(m, k)));
     } else if (quant == WeightQuant::kInt4 && cpu::IntOnPanels(cpu::ActiveQuantIsa())) {
@@ -1658,12 +1675,12 @@ TEST_F(CpuBackendTest, Int4MatMulEqualsTheDequantizedProduct) {
   }
   // The backend says which instance runs and what the CPU has.
   const cpu::QuantIsa isa = cpu::ActiveQuantIsa();
-  EXPECT_NE(backend_->Describe().find(
-                !cpu::IntOnPanels(isa) ? "int8/fp8/int4 products on "
-                : isa == cpu::QuantIsa::kAvx512
-                    ? "int8/int4 products on 16-float panels (codes widened in registers), fp8 on avx512"
-                    : "int8/int4 products on 8-float panels (codes widened in registers), fp8 on avx2"),
-            std::string::npos)
+  EXPECT_NE(
+      backend_->Describe().find(!cpu::IntOnPanels(isa) ? "int8/fp8/int4 products on "
+                                : isa == cpu::QuantIsa::kAvx512
+                                    ? "int8/fp8/int4 products on 16-float panels (codes widened in registers)"
+                                    : "int8/int4 products on 8-float panels (codes widened in registers), fp8 on avx2"),
+      std::string::npos)
       << backend_->Describe();
 }
 

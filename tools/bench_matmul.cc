@@ -187,12 +187,16 @@ int main(int argc, char** argv) {
                          q == WeightQuant::kInt4 ? 72.0 / 128 : 1.0});
     }
   }
-  // Where the backend keeps int8 and int4 weights as panels (kernels/cpu/quant_isa.h IntOnPanels: AVX2
-  // and AVX-512 CPUs), "int8 avx2", "int4 avx512", ... above multiply the rows / blocks themselves
-  // (Int8MatMul, Int4MatMul) and "int8 panels" / "int4 panels" are the backend's.
+  // Where the backend keeps int8 and int4 weights as panels (kernels/cpu/quant_isa.h IntOnPanels:
+  // AVX2 and AVX-512 CPUs; fp8 too on AVX-512 ones, Fp8OnPanels), "int8 avx2", "fp8 avx512", "int4
+  // avx512", ... above multiply the rows / blocks themselves (Int8MatMul, Fp8MatMul, Int4MatMul) and
+  // "int8 panels", ... are the backend's.
   const bool panels = shardserve::cpu::IntOnPanels(shardserve::cpu::ActiveQuantIsa());
   if (panels) {
     kernels.push_back({"int8 panels", WeightQuant::kInt8, std::nullopt, 1.0});
+    if (shardserve::cpu::Fp8OnPanels(shardserve::cpu::ActiveQuantIsa())) {
+      kernels.push_back({"fp8 panels", WeightQuant::kFp8, std::nullopt, 1.0});
+    }
     kernels.push_back({"int4 panels", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   }
   // On an AVX-512 CPU, the same panels by the AVX2 CPUs' instance (8-float vectors) beside them.
@@ -218,7 +222,7 @@ int main(int argc, char** argv) {
     std::map<WeightQuant, std::pair<Buffer, Tensor>> act8;    // int8 and int4, packed by act8_backend
     std::pair<Buffer, Tensor> bf16;                           // where the CPU has bf16 products
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
-    std::vector<uint8_t> int8_rows;                           // where the backend packs int8 as panels
+    std::vector<uint8_t> int8_rows, fp8_rows;                 // where the backend packs them as panels
     std::vector<shardserve::Int4Group128> int4_blocks;         // where the backend packs int4 as panels
   };
   std::vector<Weight> weights;
@@ -227,7 +231,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}, {}};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}, {}, {}};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         const auto t0 = std::chrono::steady_clock::now();
@@ -250,8 +254,10 @@ int main(int argc, char** argv) {
       }
       if (panels) {
         weight.int8_rows.resize(static_cast<size_t>(shardserve::Int8RowsLayout{s.m, s.k}.bytes()));
+        weight.fp8_rows.resize(static_cast<size_t>(shardserve::Fp8RowsLayout{s.m, s.k}.bytes()));
         weight.int4_blocks.resize(static_cast<size_t>(s.m * shardserve::Int4GroupsLayout{s.m, s.k}.groups_per_row()));
         for (auto [q, to] : {std::pair<WeightQuant, void*>{WeightQuant::kInt8, weight.int8_rows.data()},
+                             {WeightQuant::kFp8, weight.fp8_rows.data()},
                              {WeightQuant::kInt4, weight.int4_blocks.data()}}) {
           if (absl::Status st = shardserve::QuantizeWeight(q, to, w.data(), s.m, s.k); !st.ok()) {
             std::fprintf(stderr, "bench_matmul: %s\n", std::string(st.message()).c_str());
@@ -285,20 +291,25 @@ int main(int argc, char** argv) {
       shardserve::cpu::Int4MatMul(out, x.data(), n, w.shape.m, w.shape.k, w.int4_blocks.data(), nullptr, threads, *kernel.isa);
       return;
     }
-    if (panels && kernel.quant == WeightQuant::kInt8 && kernel.isa.has_value()) {  // the rows' instances
-      const auto* scale = reinterpret_cast<const float*>(w.int8_rows.data());
-      const auto* q = reinterpret_cast<const int8_t*>(w.int8_rows.data() +
-                                                      shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes());
-      shardserve::cpu::Int8MatMul(out, x.data(), n, w.shape.m, w.shape.k, q, scale, nullptr, threads, *kernel.isa);
+    const int64_t scale_bytes = shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes();  // fp8's too
+    if (panels && kernel.quant != WeightQuant::kInt4 && kernel.isa.has_value()) {                // the rows' instances
+      const std::vector<uint8_t>& rows = kernel.quant == WeightQuant::kInt8 ? w.int8_rows : w.fp8_rows;
+      const auto* scale = reinterpret_cast<const float*>(rows.data());
+      if (kernel.quant == WeightQuant::kInt8) {
+        shardserve::cpu::Int8MatMul(out, x.data(), n, w.shape.m, w.shape.k,
+                                    reinterpret_cast<const int8_t*>(rows.data() + scale_bytes), scale, nullptr, threads,
+                                    *kernel.isa);
+      } else {
+        shardserve::cpu::Fp8MatMul(out, x.data(), n, w.shape.m, w.shape.k, rows.data() + scale_bytes, scale, nullptr,
+                                   threads, *kernel.isa);
+      }
       return;
     }
     if (kernel.name == "int8 panels avx2") {
       const Tensor& packed = w.packed[kernel.quant].second;
-      const auto* scale = static_cast<const float*>(packed.data);
-      const auto* q =
-          static_cast<const int8_t*>(packed.data) + shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes();
-      shardserve::cpu::PanelMatMulInt8(out, x.data(), n, w.shape.m, w.shape.k, q, scale, nullptr, threads,
-                                       PanelTiles::kVec8);
+      shardserve::cpu::PanelMatMulInt8(out, x.data(), n, w.shape.m, w.shape.k,
+                                       static_cast<const uint8_t*>(packed.data) + scale_bytes,
+                                       static_cast<const float*>(packed.data), nullptr, threads, PanelTiles::kVec8);
       return;
     }
     shardserve::cpu::SetQuantIsaOverride(kernel.isa);

@@ -251,10 +251,10 @@ class CpuBackend final : public Backend {
     // bf16 weights on a CPU where oneDNN has no bf16 product: panel_matmul.h's bf16 panels (desc
     // undef), which PanelMatMulBf16 multiplies.
     bool bf16_panels = false;
-    // kInt8 weights on a CPU whose int8 instance would be AVX-512's or AVX2's (quant_isa.h
-    // IntOnPanels): the row layout's scales, then the codes as panel_matmul.h's int8 panels, which
-    // PanelMatMulInt8 multiplies (`bytes` counts the last panel's padding).
-    bool int8_panels = false;
+    // kInt8 / kFp8 weights on a CPU that multiplies them on panels (quant_isa.h IntOnPanels,
+    // Fp8OnPanels): the row layout's scales, then the codes as panel_matmul.h's one-byte panels,
+    // which PanelMatMulInt8 / PanelMatMulFp8 multiply (`bytes` counts the last panel's padding).
+    bool byte_panels = false;
     // kInt4 weights on a CPU whose int4 instance would be AVX-512's or AVX2's (quant_isa.h
     // IntOnPanels): the blocks repacked as panel_matmul.h's int4 panels, which PanelMatMulInt4
     // multiplies (`bytes` counts the last block's padding).
@@ -270,7 +270,8 @@ class CpuBackend final : public Backend {
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes);
   // Allocates `quant`'s layout of an [m, k] weight, lets `fill` write it, registers it in packed_
   // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy); an
-  // int8 one on a CPU that multiplies int8 on panels is filled aside and repacked (int8_panels).
+  // int8 or fp8 one on a CPU that multiplies them on panels is filled aside and repacked
+  // (byte_panels).
   absl::StatusOr<Buffer> PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                        absl::FunctionRef<absl::Status(void*)> fill);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed

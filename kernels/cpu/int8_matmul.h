@@ -5,6 +5,10 @@
 // scaled once per output. Instances for baseline x86-64, AVX2 + FMA (8 lanes) and AVX-512 (16
 // lanes), picked by quant_isa.h's ActiveQuantIsa unless the caller names one; for int8 also
 // AVX-512 VNNI (activations quantized to int8, integer dot products: inexact, only when named).
+// On AVX2 and AVX-512 CPUs the backend stores int8 as panels instead, and fp8 on AVX-512 ones
+// (panel_matmul.h PanelMatMulInt8 / PanelMatMulFp8, quant_isa.h IntOnPanels, Fp8OnPanels); there
+// int8's rows run only under --activation-quantization int8 (its integer instances), and every
+// instance in bench_matmul.
 //
 // Each output y[i][r] is one fixed sequence of operations over k (the lanes, then the lanes summed
 // in a fixed order), whatever the other rows of x, so a sequence's results do not depend on what

@@ -154,20 +154,21 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
     return absl::OkStatus();
   }
-  if (quant == WeightQuant::kInt8) {
+  if (quant == WeightQuant::kInt8 || quant == WeightQuant::kFp8) {
+    // (The same scales first, then the codes, in both layouts: Int8RowsLayout, Fp8RowsLayout.)
     const auto* scale = static_cast<const float*>(w.data);
-    const auto* q = static_cast<const int8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
-    if ((*packed)->int8_panels) {
-      cpu::PanelMatMulInt8(y, x.as<float>(), n, m, k, q, scale, b, threads_, (*packed)->panel_tiles);
-      return absl::OkStatus();
+    const auto* q = static_cast<const uint8_t*>(w.data) + Int8RowsLayout{m, k}.scale_bytes();
+    if ((*packed)->byte_panels) {
+      if (quant == WeightQuant::kInt8) {
+        cpu::PanelMatMulInt8(y, x.as<float>(), n, m, k, q, scale, b, threads_, (*packed)->panel_tiles);
+      } else {
+        cpu::PanelMatMulFp8(y, x.as<float>(), n, m, k, q, scale, b, threads_);
+      }
+    } else if (quant == WeightQuant::kInt8) {
+      cpu::Int8MatMul(y, x.as<float>(), n, m, k, reinterpret_cast<const int8_t*>(q), scale, b, threads_, int_isa);
+    } else {
+      cpu::Fp8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
     }
-    cpu::Int8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_, int_isa);
-    return absl::OkStatus();
-  }
-  if (quant == WeightQuant::kFp8) {
-    const auto* scale = static_cast<const float*>(w.data);
-    const auto* q = static_cast<const uint8_t*>(w.data) + Fp8RowsLayout{m, k}.scale_bytes();
-    cpu::Fp8MatMul(y, x.as<float>(), n, m, k, q, scale, b, threads_);
     return absl::OkStatus();
   }
   if (packed_bf16 && (*packed)->bf16_panels) {
@@ -313,7 +314,11 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                                  absl::FunctionRef<absl::Status(void*)> fill) {
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
-  if (quant == WeightQuant::kInt8 && IntOnPanels(IntIsa())) {
+  // int8 and fp8 weights as panels where their instance runs them so (fp8 has no integer instance:
+  // its own is the exact one, ActiveQuantIsa, whatever act_).
+  const bool byte_panels =
+      quant == WeightQuant::kFp8 ? Fp8OnPanels(ActiveQuantIsa()) : quant == WeightQuant::kInt8 && IntOnPanels(IntIsa());
+  if (byte_panels) {
     // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
     std::vector<uint8_t> rows(bytes);
     SHARDSERVE_RETURN_IF_ERROR(fill(rows.data()));
@@ -321,11 +326,11 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     const auto panel_bytes = static_cast<size_t>(scale_bytes + cpu::PanelMatMulFloats(m, k));
     SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
     std::memcpy(buffer.data(), rows.data(), static_cast<size_t>(scale_bytes));
-    cpu::PackPanelsInt8(static_cast<int8_t*>(buffer.data()) + scale_bytes,
-                        reinterpret_cast<const int8_t*>(rows.data()) + scale_bytes, m, k);
+    cpu::PackPanelsBytes(static_cast<uint8_t*>(buffer.data()) + scale_bytes, rows.data() + scale_bytes, m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
-    packed_[buffer.data()].int8_panels = true;
-    packed_[buffer.data()].panel_tiles = PanelTilesFor(IntIsa());
+    packed_[buffer.data()].byte_panels = true;
+    packed_[buffer.data()].panel_tiles =
+        quant == WeightQuant::kFp8 ? cpu::PanelTiles::kAvx512 : PanelTilesFor(IntIsa());
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;

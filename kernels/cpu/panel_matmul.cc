@@ -250,9 +250,9 @@ void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
   PanelMatMulImpl(y, x, n, m, k, w, /*bf16=*/true, /*plain=*/false, bias, threads, nullptr, /*wide=*/false);
 }
 
-void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
+void PackPanelsBytes(uint8_t* packed, const uint8_t* q, int64_t m, int64_t k) {
   for (int64_t p = 0; p < Panels(m); ++p) {
-    int8_t* panel = packed + p * k * kPanelCols;
+    uint8_t* panel = packed + p * k * kPanelCols;
     for (int64_t c = 0; c < kPanelCols; ++c) {
       const int64_t row = p * kPanelCols + c;
       for (int64_t kk = 0; kk < k; ++kk) panel[kk * kPanelCols + c] = row < m ? q[row * k + kk] : 0;
@@ -260,16 +260,25 @@ void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k) {
   }
 }
 
-// PanelMatMulInt8's two instances (panel_matmul_int8_avx512.cc, panel_matmul_avx2.cc).
-void PanelMatMulInt8Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w,
-                           const float* scale, const float* bias, int threads);
-void PanelMatMulInt8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
-                         const float* bias, int threads);
+// The one-byte panels' instances: AVX-512's (panel_matmul_bytes_avx512.cc), int8 (fp8 false) or
+// e4m3 (true) bytes, and AVX2's for int8 (panel_matmul_avx2.cc).
+void PanelMatMulBytesAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
+                            const float* scale, const float* bias, int threads, bool fp8);
+void PanelMatMulInt8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
+                         const float* scale, const float* bias, int threads);
 
-void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
                      const float* bias, int threads, PanelTiles tiles) {
-  const auto run = tiles == PanelTiles::kAvx512 ? PanelMatMulInt8Avx512 : PanelMatMulInt8Avx2;
-  run(y, x, n, m, k, w, scale, bias, threads);
+  if (tiles == PanelTiles::kAvx512) {
+    PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, bias, threads, /*fp8=*/false);
+  } else {
+    PanelMatMulInt8Avx2(y, x, n, m, k, w, scale, bias, threads);
+  }
+}
+
+void PanelMatMulFp8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
+                    const float* bias, int threads) {
+  PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, bias, threads, /*fp8=*/true);
 }
 
 // PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc): every

@@ -67,23 +67,29 @@ void PackPanelsBf16(uint16_t* packed, const float* w, int64_t m, int64_t k);
 void PanelMatMulBf16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint16_t* w, const float* bias,
                      int threads);
 
-// The same products by int8 weights with one float32 scale per output (kernels/quant.h's int8
-// format, Int8RowsLayout's codes and scales), for CPUs with AVX2 and FMA, whose int8 products the
-// CPU backend runs so (quant_isa.h IntOnPanels): panels as above, 16 bytes an input step in column
-// order, each value widened to float32 in registers, the float32 panels' chains, then each sum times
-// its column's scale (+ bias, in one fused multiply-add): y[i][c] = fma(chain of x[i][kk] q[c][kk]
-// over kk, scale[c], bias[c]), the chains bitwise PanelMatMul's sums by the codes as floats. A
-// decode step reads each panel as one stream, and a prefill's tiles widen each weight once for
-// many rows.
+// The same products by one-byte weights with one float32 scale per output: int8 and fp8 e4m3
+// (kernels/quant.h's Int8RowsLayout / Fp8RowsLayout codes and scales), whose products the CPU
+// backend runs so (quant_isa.h IntOnPanels, Fp8OnPanels): panels as above, 16 bytes an input step in
+// column order, each value widened to float32 in registers (exactly: an int8 by sign extension and
+// conversion, an e4m3 byte by moving its bits into float32's; the NaN bytes 0x7F / 0xFF, which
+// loaders refuse, read as +-480 as in the rows' products), the float32 panels' chains, then each
+// sum times its column's scale (+ bias, in one fused multiply-add): y[i][c] = fma(chain of x[i][kk]
+// q[c][kk] over kk, scale[c], bias[c]), the chains bitwise PanelMatMul's sums by the codes' values
+// as floats. A decode step reads each panel as one stream, and a prefill's tiles widen each weight
+// once for many rows.
 // packed [PanelMatMulFloats(m, k)] (one byte a value) = q [m, k] (row-major) in panels. m, k >= 0.
-void PackPanelsInt8(int8_t* packed, const int8_t* q, int64_t m, int64_t k);
-// y [n, m] = x [n, k] @ (q x scale)^T (+ bias [m]) on `threads` threads (>= 1), q packed by
-// PackPanelsInt8, scale [m], by `tiles`' instance: kAvx512's (panel_matmul_int8_avx512.cc, 16-float
-// tiles, CPUs with AVX-512F) or kVec8's (panel_matmul_avx2.cc, the float32 panels' 8-float tiles,
-// CPUs with AVX2 and FMA), bitwise the same results. y must not overlap the inputs. n, m, k >= 1.
+void PackPanelsBytes(uint8_t* packed, const uint8_t* q, int64_t m, int64_t k);
+// y [n, m] = x [n, k] @ (q x scale)^T (+ bias [m]) on `threads` threads (>= 1), int8 codes q packed
+// by PackPanelsBytes, scale [m], by `tiles`' instance: kAvx512's (panel_matmul_bytes_avx512.cc,
+// 16-float tiles, CPUs with AVX-512F) or kVec8's (panel_matmul_avx2.cc, the float32 panels' 8-float
+// tiles, CPUs with AVX2 and FMA), bitwise the same results. y must not overlap the inputs. n, m, k >= 1.
 enum class PanelTiles : uint8_t;
-void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w, const float* scale,
+void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
                      const float* bias, int threads, PanelTiles tiles);
+// The same by e4m3 bytes, on the 16-float tiles only: CPUs with AVX-512F (AVX2 CPUs keep the rows'
+// product, quant_isa.h Fp8OnPanels).
+void PanelMatMulFp8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
+                    const float* bias, int threads);
 
 // The same products by int4 weights (kernels/quant.h's Int4Group128 blocks: groups of 128 inputs,
 // a scale and a zero point each), for CPUs with AVX2 and FMA, whose exact int4 products the CPU backend

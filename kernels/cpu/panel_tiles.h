@@ -27,7 +27,7 @@ constexpr int kTileRows = 6;
 
 // How a panel's 16 weights at one input become the tiles' two 8-float vectors (columns 0-7 and
 // 8-15): float32 panels (PackPanels) load them; bf16 panels (PackPanelsBf16) and int8 ones
-// (PackPanelsInt8) widen them, exactly (a bf16 value is the high half of its float32; every int8 is
+// (PackPanelsBytes) widen them, exactly (a bf16 value is the high half of its float32; every int8 is
 // a float32), so the tiles' arithmetic is the same whichever they read.
 struct F32Panels {
   using T = float;

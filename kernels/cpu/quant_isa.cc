@@ -63,20 +63,21 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
   const bool vnni = QuantIsaSupported(QuantIsa::kAvx512Vnni);
   const std::string cpu = absl::StrCat("[cpu: avx2+fma ", yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
                                        yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ", yes(vnni));
+  // fp8 has no integer instance: it runs the exact one, on panels (Fp8OnPanels) or its rows.
+  const std::string fp8 = Fp8OnPanels(ActiveQuantIsa()) ? "16-float panels" : QuantIsaName(ActiveQuantIsa());
   if (int_isa == QuantIsa::kAvx512Vnni || int_isa == QuantIsa::kAvx2Int8) {
-    // fp8 has no integer instance: it runs the exact one of the same width (Fp8MatMul).
-    const bool wide = int_isa == QuantIsa::kAvx512Vnni;
-    return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ",
-                        wide ? "avx512 " : "avx2 ", cpu, "]");
+    return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ", fp8,
+                        " ", cpu, "]");
   }
-  if (IntOnPanels(int_isa)) {  // (and int4: IntOnPanels holds for the same instances)
-    const bool wide = PanelTilesFor(int_isa) == PanelTiles::kAvx512;
-    return absl::StrCat("int8/int4 products on ", wide ? "16" : "8",
-                        "-float panels (codes widened in registers), fp8 on ", QuantIsaName(int_isa), " ", cpu,
-                        vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
+  const std::string inexact = vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]";
+  if (Fp8OnPanels(int_isa)) {
+    return absl::StrCat("int8/fp8/int4 products on 16-float panels (codes widened in registers) ", cpu, inexact);
   }
-  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu,
-                      vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]");
+  if (IntOnPanels(int_isa)) {
+    return absl::StrCat("int8/int4 products on 8-float panels (codes widened in registers), fp8 on ", fp8, " ", cpu,
+                        inexact);
+  }
+  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu, inexact);
 }
 
 }  // namespace shardserve::cpu

@@ -1,17 +1,18 @@
-// The int8 panels' product (panel_matmul.h's PanelMatMulInt8) on CPUs with AVX-512F: the CPU
-// backend's exact int8 product there (quant_isa.h Int8OnPanels). As the float32 panels' AVX-512
-// tiles (panel_matmul_avx512.cc), each zmm holds one panel's 16 outputs and each FMA broadcasts one
-// input, so that a panel's 16 codes, widened once in registers (VPMOVSXBD, VCVTDQ2PS: exact for
-// every int8), serve every row of a tile: a prefill's tile of 14 rows x 2 panels runs 28 FMAs per 2
-// widened vectors. (The rows' tiles it replaced, int8_matmul_avx512.cc, a dot product over k per
-// output, needed a full input vector for every weight vector and reached 0.79x the float32 panels'
-// rate at 128 rows: docs/benchmarks.md, "int8 on AVX-512 as panels".) Each output is the chain the
-// AVX2 instance (panel_matmul_avx2.cc) and the float32 panels compute, one fused multiply-add per
-// input in order from zero, then fma(chain, scale, bias) (or chain x scale): bitwise their results
-// (tests/kernels_cpu_test.cc).
+// The one-byte panels' products (panel_matmul.h's PanelMatMulInt8 and PanelMatMulFp8) on CPUs with
+// AVX-512F: the CPU backend's exact int8 and fp8 products there (quant_isa.h IntOnPanels,
+// Fp8OnPanels). As the float32 panels' AVX-512 tiles (panel_matmul_avx512.cc), each zmm holds one
+// panel's 16 outputs and each FMA broadcasts one input, so that a panel's 16 codes, widened once in
+// registers (int8: VPMOVSXBD, VCVTDQ2PS; e4m3: its bits moved into float32's; exact), serve every
+// row of a tile: a prefill's tile of 14 rows x 2 panels runs 28 FMAs per 2 widened vectors. (The
+// rows' tiles they replaced, int8_matmul_avx512.cc, a dot product over k per output, needed a full
+// input vector for every weight vector and reached 0.79x (int8) and 0.68x (fp8) the float32
+// panels' rate at 128 rows: docs/benchmarks.md, "int8 on AVX-512 as panels", "fp8 on panels".)
+// Each output is the chain the float32 panels (and for int8 the AVX2 instance,
+// panel_matmul_avx2.cc) compute, one fused multiply-add per input in order from zero, then
+// fma(chain, scale, bias) (or chain x scale): bitwise their results (tests/kernels_cpu_test.cc).
 //
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mfma (kernels/CMakeLists.txt);
-// PanelMatMulInt8 calls it only on CPUs that have them.
+// PanelMatMulInt8 / PanelMatMulFp8 call it only on CPUs that have them.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -38,10 +39,24 @@ constexpr int Int8PanelsFor(int64_t rows) { return rows <= 6 ? 4 : rows <= 9 ? 3
 // 1 KiB 2.0-2.3, 1.5 KiB 1.9-2.2, 2-4 KiB 2.2-2.3 (noisy, 2 threads).
 constexpr int64_t kPrefetchBytes = 1024;
 
-// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ (P adjacent int8 panels [k, 16], the
-// first at `panel`, times scale [cols]) (+ bias [cols]); cols <= 16 P.
-template <int R, int P>
-[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const int8_t* panel,
+// 16 bytes of a panel (one input step) as 16 floats, exactly: int8 codes, or e4m3 bytes (sign-
+// extended, the sign to bit 31 and the other 7 bits to float32's exponent-and-mantissa bits 26-20,
+// times 2^120 for e4m3's bias of 7; subnormals included).
+template <bool kFp8>
+[[gnu::always_inline]] inline __m512 Widen(const uint8_t* p) {
+  const __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  if constexpr (kFp8) {
+    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(s, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  } else {
+    return _mm512_cvtepi32_ps(s);
+  }
+}
+
+// y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ (P adjacent one-byte panels [k, 16], the
+// first at `panel`, their values times scale [cols]) (+ bias [cols]); cols <= 16 P.
+template <bool kFp8, int R, int P>
+[[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const uint8_t* panel,
                                         int64_t cols, const float* scale, const float* bias) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r) {
@@ -49,17 +64,14 @@ template <int R, int P>
   }
   const int64_t stride = k * kPanelCols;
   for (int64_t kk = 0; kk < k; ++kk) {
-    const int8_t* at = panel + kk * kPanelCols;
+    const uint8_t* at = panel + kk * kPanelCols;
     if ((kk & 3) == 0) {
       for (int q = 0; q < P; ++q) {
         _mm_prefetch(reinterpret_cast<const char*>(at + q * stride) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
     __m512 b[P];
-    for (int q = 0; q < P; ++q) {
-      b[q] =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + q * stride))));
-    }
+    for (int q = 0; q < P; ++q) b[q] = Widen<kFp8>(at + q * stride);
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * k + kk]);
       for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(b[q], xr, acc[r][q]);
@@ -80,39 +92,49 @@ template <int R, int P>
 }
 
 // Every row of y (row stride m) at panels [p, p + have) (have <= P), the rows in balanced tiles.
-template <int P>
-void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const int8_t* w, const float* scale,
+template <bool kFp8, int P>
+void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const uint8_t* w, const float* scale,
            const float* bias, int64_t p, int64_t have) {
   const int64_t c0 = p * kPanelCols, cols = std::min(have * kPanelCols, m - c0);
-  const int8_t* panel = w + p * k * kPanelCols;
+  const uint8_t* panel = w + p * k * kPanelCols;
   const float* bc = bias != nullptr ? bias + c0 : nullptr;
   WithBalancedTiles<kInt8TileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
     // (Every tile of a product has at least the registers of its longest: the same P serves.)
     if constexpr (R() * P + P <= 30) {
       WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
-        Tile<R(), Q()>(y + r * m + c0, m, x + r * k, k, panel, cols, scale + c0, bc);
+        Tile<kFp8, R(), Q()>(y + r * m + c0, m, x + r * k, k, panel, cols, scale + c0, bc);
       });
     }
   });
 }
 
-}  // namespace
-
-void PanelMatMulInt8Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* w,
-                           const float* scale, const float* bias, int threads) {
+// Every group of `per` panels, threads taking them as they come free, never k: the thread count
+// cannot change a sum.
+template <bool kFp8>
+void Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
+            const float* bias, int threads) {
   const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
   const int per = Int8PanelsFor(LongestBalancedTile(n, kInt8TileRows));
   const int64_t groups = (panels + per - 1) / per;
-  // Threads take groups of panels (columns) as they come free, never k: the thread count cannot
-  // change a sum.
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t p = g * per, have = std::min<int64_t>(per, panels - p);
     switch (per) {
-      case 4: Group<4>(y, m, x, n, k, w, scale, bias, p, have); break;
-      case 3: Group<3>(y, m, x, n, k, w, scale, bias, p, have); break;
-      default: Group<2>(y, m, x, n, k, w, scale, bias, p, have); break;
+      case 4: Group<kFp8, 4>(y, m, x, n, k, w, scale, bias, p, have); break;
+      case 3: Group<kFp8, 3>(y, m, x, n, k, w, scale, bias, p, have); break;
+      default: Group<kFp8, 2>(y, m, x, n, k, w, scale, bias, p, have); break;
     }
+  }
+}
+
+}  // namespace
+
+void PanelMatMulBytesAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
+                            const float* scale, const float* bias, int threads, bool fp8) {
+  if (fp8) {
+    Groups<true>(y, x, n, m, k, w, scale, bias, threads);
+  } else {
+    Groups<false>(y, x, n, m, k, w, scale, bias, threads);
   }
 }
 
