@@ -303,16 +303,16 @@ absl::Status CudaBackend::CheckCacheWrite(const Tensor* k_cache, const Tensor* v
 
 absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                                      const Tensor& slots) {
-  SHARDSERVE_RETURN_IF_NOT_OK(CheckCacheWrite(k_cache, v_cache, k, v, slots));
+  SHARDSERVE_RETURN_IF_ERROR(CheckCacheWrite(k_cache, v_cache, k, v, slots));
   const int64_t n = k.dim(0), row = k_cache->dim(2) * k_cache->dim(3);
   if (n * row == 0) return absl::OkStatus();
   const int64_t num_slots = k_cache->dim(0) * k_cache->dim(1);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("CacheWriteKernel", CacheWriteKernel<T>, GridFor(n * row, kElementwiseThreads),
-                                       kElementwiseThreads, k_cache->as<T>(), v_cache->as<T>(), k.as<const T>(),
-                                       v.as<const T>(), slots.as<const int32_t>(), n, row, num_slots, errors_dev_));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("CacheWriteKernel", CacheWriteKernel<T>, GridFor(n * row, kElementwiseThreads),
+                                      kElementwiseThreads, k_cache->as<T>(), v_cache->as<T>(), k.as<const T>(),
+                                      v.as<const T>(), slots.as<const int32_t>(), n, row, num_slots, errors_dev_));
     return absl::OkStatus();
   });
 }
@@ -367,16 +367,16 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
       splits = static_cast<int>(CeilDiv(max_context, keys));
     }
   }
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   if (splits > 1) {
-    SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(
-        &split_dev_, &split_capacity_,
-        static_cast<size_t>(kAttnSplitMaxTokens * q_heads * kAttnMaxSplits * (head_dim + 2))));
+    SHARDSERVE_RETURN_IF_ERROR(
+        GrowDevice(&split_dev_, &split_capacity_,
+                   static_cast<size_t>(kAttnSplitMaxTokens * q_heads * kAttnMaxSplits * (head_dim + 2))));
   }
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     if (splits == 1) {
-      SHARDSERVE_RETURN_IF_NOT_OK(Launch(
+      SHARDSERVE_RETURN_IF_ERROR(Launch(
           "AttentionKernel", AttentionKernel<T, false>, static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(),
           q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
           token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
@@ -384,15 +384,15 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
           block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, 1, 0, nullptr));
       return absl::OkStatus();
     }
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch(
+    SHARDSERVE_RETURN_IF_ERROR(Launch(
         "AttentionKernel<split>", AttentionKernel<T, true>, static_cast<unsigned>(n * q_heads * splits), kAttnThreads,
         out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
         token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
         block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, splits, split_keys, split_dev_));
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AttentionCombineKernel", AttentionCombineKernel<T>,
-                                       static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(), split_dev_,
-                                       splits, static_cast<int>(head_dim)));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("AttentionCombineKernel", AttentionCombineKernel<T>,
+                                      static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(), split_dev_,
+                                      splits, static_cast<int>(head_dim)));
     return absl::OkStatus();
   });
 }

@@ -27,10 +27,10 @@ __global__ void CounterUniformKernel(T* out /*[out_rows, out_cols]*/, uint64_t k
 }  // namespace
 
 absl::Status CudaBackend::FillCounterUniform(Tensor* out, const CounterUniformSlice& s) {
-  SHARDSERVE_RETURN_IF_NOT_OK(CheckCounterUniformSlice("FillCounterUniform", *out, s));
+  SHARDSERVE_RETURN_IF_ERROR(CheckCounterUniformSlice("FillCounterUniform", *out, s));
   const int64_t n = out->numel();
   if (n == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(out->dtype, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     CounterUniformKernel<T><<<GridFor(n, kElementwiseThreads), kElementwiseThreads, 0, stream_>>>(

@@ -69,7 +69,7 @@ CudaBackend::~CudaBackend() {
 }
 
 absl::Status CudaBackend::Init() {
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   cudaDeviceProp prop;
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, ordinal_));
   device_name_ = prop.name;
@@ -131,7 +131,7 @@ absl::Status CudaBackend::SyncAndCheck() {
 
 absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
   if (bytes == 0) return Buffer(this, nullptr, 0);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
@@ -156,7 +156,7 @@ absl::Status CudaBackend::CopyToDevice(void* dst, const void* host_src, size_t b
   if (recording_) return SpoilRecording("CopyToDevice");
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr || host_src == nullptr) return absl::InvalidArgumentError("CopyToDevice: null pointer");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
   // For pinned host memory the copy is asynchronous; the caller may reuse host_src on return.
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -167,7 +167,7 @@ absl::Status CudaBackend::CopyToHost(void* host_dst, const void* src, size_t byt
   if (recording_) return SpoilRecording("CopyToHost");
   if (bytes == 0) return absl::OkStatus();
   if (host_dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyToHost: null pointer");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
   return SyncAndCheck();
 }
@@ -175,7 +175,7 @@ absl::Status CudaBackend::CopyToHost(void* host_dst, const void* src, size_t byt
 absl::Status CudaBackend::CopyOnDevice(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("CopyOnDevice: null pointer");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
   return absl::OkStatus();
 }
@@ -183,14 +183,14 @@ absl::Status CudaBackend::CopyOnDevice(void* dst, const void* src, size_t bytes)
 absl::Status CudaBackend::Fill0(void* dst, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr) return absl::InvalidArgumentError("Fill0: null pointer");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dst, 0, bytes, stream_));
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Synchronize() {
   if (recording_) return SpoilRecording("Synchronize");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return SyncAndCheck();
 }
 
@@ -213,7 +213,7 @@ absl::Status CudaBackend::BeginGraph() {
         "--no-cuda-graphs; docs/gpu.md)");
   }
   if (recording_) return absl::FailedPreconditionError("BeginGraph: a step graph is already being recorded");
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   recording_ = true;
   recording_refused_.clear();
@@ -255,7 +255,7 @@ absl::Status CudaBackend::RunGraph(int id) {
   if (id < 0 || static_cast<size_t>(id) >= graphs_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("RunGraph: no step graph ", id, " (", graphs_.size(), " recorded)"));
   }
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(graphs_[static_cast<size_t>(id)].exec, stream_));
   KernelLaunches().fetch_add(graphs_[static_cast<size_t>(id)].kernels, std::memory_order_relaxed);
   return absl::OkStatus();
@@ -284,7 +284,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int ordinal, DType act,
                                                    " CUDA device(s), ordinals 0..", count - 1));
   }
   auto backend = std::make_unique<cuda::CudaBackend>(ordinal, act, options);
-  SHARDSERVE_RETURN_IF_NOT_OK(backend->Init());
+  SHARDSERVE_RETURN_IF_ERROR(backend->Init());
   return std::unique_ptr<Backend>(std::move(backend));
 }
 

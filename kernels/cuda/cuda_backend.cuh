@@ -54,16 +54,10 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "base/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/tensor.h"
-
-// Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define SHARDSERVE_RETURN_IF_NOT_OK(expr)                      \
-  do {                                                         \
-    absl::Status shardserve_status_ = (expr);                  \
-    if (!shardserve_status_.ok()) return shardserve_status_;   \
-  } while (0)
 
 namespace shardserve::cuda {
 

@@ -216,12 +216,12 @@ absl::Status CudaBackend::Embedding(Tensor* out, const Tensor& table, const Tens
   if (row_offset < 0) return Invalid(kOp, absl::StrCat("row_offset must be >= 0, got ", row_offset), all);
   const int64_t n = out->dim(0), d = out->dim(1);
   if (n * d == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("EmbeddingKernel", EmbeddingKernel<T>, GridFor(n * d, kElementwiseThreads),
-                                       kElementwiseThreads, out->as<T>(), table.as<const T>(), ids.as<const int32_t>(),
-                                       n, d, table.dim(0), row_offset));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("EmbeddingKernel", EmbeddingKernel<T>, GridFor(n * d, kElementwiseThreads),
+                                      kElementwiseThreads, out->as<T>(), table.as<const T>(), ids.as<const int32_t>(),
+                                      n, d, table.dim(0), row_offset));
     return absl::OkStatus();
   });
 }
@@ -238,11 +238,11 @@ absl::Status CudaBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w,
   const int64_t n = x.dim(0), d = x.dim(1);
   if (n * d == 0) return absl::OkStatus();
   if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("RmsNormKernel", RmsNormKernel<T>, static_cast<unsigned>(n), kRmsNormThreads,
-                                       out->as<T>(), x.as<const T>(), w.as<const T>(), d, eps));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("RmsNormKernel", RmsNormKernel<T>, static_cast<unsigned>(n), kRmsNormThreads,
+                                      out->as<T>(), x.as<const T>(), w.as<const T>(), d, eps));
     return absl::OkStatus();
   });
 }
@@ -262,12 +262,12 @@ absl::Status CudaBackend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed,
   const int64_t n = x->dim(0), d = x->dim(1);
   if (n * d == 0) return absl::OkStatus();
   if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AddRmsNormKernel", AddRmsNormKernel<T>, static_cast<unsigned>(n),
-                                       kRmsNormThreads, x->as<T>(), y.as<const T>(), normed->as<T>(), w.as<const T>(),
-                                       d, eps));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("AddRmsNormKernel", AddRmsNormKernel<T>, static_cast<unsigned>(n),
+                                      kRmsNormThreads, x->as<T>(), y.as<const T>(), normed->as<T>(), w.as<const T>(), d,
+                                      eps));
     return absl::OkStatus();
   });
 }
@@ -316,10 +316,10 @@ absl::Status CudaBackend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, 
 absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions,
                                                  const Tensor& inv_freq, int head_dim, const Tensor* v,
                                                  Tensor* k_cache, Tensor* v_cache, const Tensor* slots) {
-  SHARDSERVE_RETURN_IF_NOT_OK(CheckRope(q, k, positions, inv_freq, head_dim));
+  SHARDSERVE_RETURN_IF_ERROR(CheckRope(q, k, positions, inv_freq, head_dim));
   const bool cache = v != nullptr;
   if (cache) {
-    SHARDSERVE_RETURN_IF_NOT_OK(CheckCacheWrite(k_cache, v_cache, *k, *v, *slots));
+    SHARDSERVE_RETURN_IF_ERROR(CheckCacheWrite(k_cache, v_cache, *k, *v, *slots));
     if (k_cache->dim(3) != head_dim) {
       return Invalid("RopeCacheWrite", absl::StrCat("the caches' head dim is not head_dim ", head_dim),
                      {{"k", k}, {"k_cache", k_cache}});
@@ -328,22 +328,22 @@ absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Ten
   const int64_t n = q->dim(0), q_heads = q->dim(1) / head_dim, kv_heads = k->dim(1) / head_dim;
   const int64_t pairs = n * (q_heads + kv_heads) * (head_dim / 2);
   if (pairs == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
     const unsigned grid = GridFor(pairs, kElementwiseThreads);
     if (!cache) {
-      SHARDSERVE_RETURN_IF_NOT_OK(Launch("RopeKernel", RopeKernel<T, false>, grid, kElementwiseThreads, q->as<T>(),
-                                         k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-                                         static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, nullptr,
-                                         nullptr, nullptr, nullptr, int64_t{0}, nullptr));
+      SHARDSERVE_RETURN_IF_ERROR(Launch("RopeKernel", RopeKernel<T, false>, grid, kElementwiseThreads, q->as<T>(),
+                                        k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+                                        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, nullptr,
+                                        nullptr, nullptr, nullptr, int64_t{0}, nullptr));
       return absl::OkStatus();
     }
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("RopeKernel<cache>", RopeKernel<T, true>, grid, kElementwiseThreads, q->as<T>(),
-                                       k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-                                       static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim,
-                                       v->as<const T>(), k_cache->as<T>(), v_cache->as<T>(), slots->as<const int32_t>(),
-                                       k_cache->dim(0) * k_cache->dim(1), errors_dev_));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("RopeKernel<cache>", RopeKernel<T, true>, grid, kElementwiseThreads, q->as<T>(),
+                                      k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
+                                      static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, v->as<const T>(),
+                                      k_cache->as<T>(), v_cache->as<T>(), slots->as<const int32_t>(),
+                                      k_cache->dim(0) * k_cache->dim(1), errors_dev_));
     return absl::OkStatus();
   });
 }
@@ -358,11 +358,11 @@ absl::Status CudaBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor&
   if (!SameShape(*out, gate) || !SameShape(*out, up)) return Invalid(kOp, "shapes do not match", all);
   const int64_t count = out->numel();
   if (count == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("SiluMulKernel", SiluMulKernel<T>, GridFor(count, kElementwiseThreads),
-                                       kElementwiseThreads, out->as<T>(), gate.as<const T>(), up.as<const T>(), count));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("SiluMulKernel", SiluMulKernel<T>, GridFor(count, kElementwiseThreads),
+                                      kElementwiseThreads, out->as<T>(), gate.as<const T>(), up.as<const T>(), count));
     return absl::OkStatus();
   });
 }
@@ -377,11 +377,11 @@ absl::Status CudaBackend::Add(Tensor* out, const Tensor& a, const Tensor& b) {
   if (!SameShape(*out, a) || !SameShape(*out, b)) return Invalid(kOp, "shapes do not match", all);
   const int64_t count = out->numel();
   if (count == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_NOT_OK(Launch("AddKernel", AddKernel<T>, GridFor(count, kElementwiseThreads),
-                                       kElementwiseThreads, out->as<T>(), a.as<const T>(), b.as<const T>(), count));
+    SHARDSERVE_RETURN_IF_ERROR(Launch("AddKernel", AddKernel<T>, GridFor(count, kElementwiseThreads),
+                                      kElementwiseThreads, out->as<T>(), a.as<const T>(), b.as<const T>(), count));
     return absl::OkStatus();
   });
 }

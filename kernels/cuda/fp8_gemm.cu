@@ -111,14 +111,14 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
   const LtDesc desc(raw_desc);
   // As Gemm (matmul.cu): column-major out^T [m, n] = w [m, k] (A: [k, m], transposed) x x^T [k, n]:
   // the "TN" layout fp8 GEMMs require.
-  SHARDSERVE_RETURN_IF_NOT_OK(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T));
-  SHARDSERVE_RETURN_IF_NOT_OK(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N));
+  SHARDSERVE_RETURN_IF_ERROR(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T));
+  SHARDSERVE_RETURN_IF_ERROR(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N));
   const int32_t outer = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-  SHARDSERVE_RETURN_IF_NOT_OK(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, outer));
-  SHARDSERVE_RETURN_IF_NOT_OK(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, outer));
-  SHARDSERVE_RETURN_IF_NOT_OK(
+  SHARDSERVE_RETURN_IF_ERROR(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, outer));
+  SHARDSERVE_RETURN_IF_ERROR(SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, outer));
+  SHARDSERVE_RETURN_IF_ERROR(
       SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, static_cast<const void*>(w_scale)));
-  SHARDSERVE_RETURN_IF_NOT_OK(
+  SHARDSERVE_RETURN_IF_ERROR(
       SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale)));
   cublasLtMatmulPreference_t raw_pref = nullptr;
   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&raw_pref));
@@ -142,7 +142,7 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
       if (i0 == 0) return false;  // nothing written yet: the caller's default path runs instead
       SHARDSERVE_CUBLAS_RETURN_IF_ERROR(h == CUBLAS_STATUS_SUCCESS ? CUBLAS_STATUS_NOT_SUPPORTED : h);
     }
-    SHARDSERVE_RETURN_IF_NOT_OK(DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    SHARDSERVE_RETURN_IF_ERROR(DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       Fp8RowsKernel<T><<<static_cast<unsigned>(nb), kFp8RowThreads, 0, stream_>>>(
           x_codes, x_scale, reinterpret_cast<const T*>(static_cast<const char*>(x) + i0 * k * x_elem),

@@ -55,15 +55,15 @@ absl::Status CudaBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, 
   if (out == nullptr) return Invalid("MatMul", "out is null", {{"x", &x}, {"w", &w}, {"bias", bias}});
   // A weight stored quantized (PackMatMulWeight / PackQuantizedWeight): quant_matmul.cu.
   if (w.quant != WeightQuant::kNone || w.dtype == DType::kI8) return QuantizedMatMul(out, x, w, bias);
-  SHARDSERVE_RETURN_IF_NOT_OK(CheckPlainMatMul(out, x, w, bias));
+  SHARDSERVE_RETURN_IF_ERROR(CheckPlainMatMul(out, x, w, bias));
   const int64_t n = x.dim(0), k = x.dim(1), m = w.dim(0);
   if (n == 0 || m == 0) return absl::OkStatus();
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   if (TakesDenseGemv(x, w)) return DenseGemv(x, {MatMulProduct{out, &w, bias}});  // decode rows (gemv.cu)
 
   // With a bias, out starts as the bias broadcast over rows and the GEMM accumulates onto it
   // (beta = 1), so x @ w^T + bias is rounded once, in float32 inside cuBLAS.
-  if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
+  if (bias != nullptr) SHARDSERVE_RETURN_IF_ERROR(BroadcastBias(out, *bias));
   if (k == 0) return bias != nullptr ? absl::OkStatus() : Fill0(out->data, out->bytes());
   return Gemm(out->data, out->dtype, m, x.data, w.data, n, m, k, bias != nullptr ? 1.0f : 0.0f);
 }
@@ -82,7 +82,7 @@ bool CudaBackend::TakesOneDenseGemv(const Tensor& x, absl::Span<const MatMulProd
 absl::Status CudaBackend::MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) {
   // One dense GEMV launch when every product takes it, with one output dtype; else MatMul each.
   if (!TakesOneDenseGemv(x, products)) return Backend::MatMuls(x, products);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DenseGemv(x, products);
 }
 
@@ -92,7 +92,7 @@ absl::Status CudaBackend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, 
   const bool fused = options_.fused_kernels && gate != nullptr && up != nullptr && TakesOneDenseGemv(x, products) &&
                      gate->dtype == act_ && SameShape(*gate, *up);
   if (!fused) return Backend::GateUpSilu(gate, up, x, gate_w, up_w);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DenseGemv(x, products, true);
 }
 

@@ -504,10 +504,10 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
   absl::StatusOr<Buffer> buffer = Allocate(bytes);
   if (!buffer.ok()) return buffer.status();
-  SHARDSERVE_RETURN_IF_NOT_OK(CopyToDevice(buffer->data(), stored, bytes));
+  SHARDSERVE_RETURN_IF_ERROR(CopyToDevice(buffer->data(), stored, bytes));
   // The scratch MatMul dequantizes this weight's rows into (above kGemvMaxRows rows of x), grown now,
   // at load, so that no step allocates it and the worker can report it beside the plan.
-  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
+  SHARDSERVE_RETURN_IF_ERROR(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
   // Int4MmaGemvKernel's exact q - zero needs zero < 128 (any int4 quantizer's is at most 16).
   bool small_zeros = false;
   if (quant == WeightQuant::kInt4 && options_.int4_mma) {
@@ -537,7 +537,7 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   // weight: the 8B's 7 G weights took 52 s to start on the H200's host (2026-11-28) when each
   // weight had fresh buffers and a float32 copy widened by one thread.
   pack_raw_.resize(std::max(pack_raw_.size(), w.bytes()));
-  SHARDSERVE_RETURN_IF_NOT_OK(CopyToHost(pack_raw_.data(), w.data, w.bytes()));
+  SHARDSERVE_RETURN_IF_ERROR(CopyToHost(pack_raw_.data(), w.data, w.bytes()));
   const auto stored_bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
   pack_stored_.resize(std::max(pack_stored_.size(), stored_bytes));  // new[]: 16-byte aligned
   const absl::Status s = QuantizeWeight(quant, pack_stored_.data(), pack_raw_.data(), act_, m, k);
@@ -573,7 +573,7 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   }
   if (!FitsInt(n)) return Invalid(kOp, "n exceeds cuBLAS's int range", all);
   if (n == 0) return absl::OkStatus();  // (m, k > 0: PackQuantizedWeight refuses empty weights)
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   const WeightQuant quant = w.quant;
   const int64_t scale_bytes = Int8RowsLayout{m, k}.scale_bytes();  // the same for fp8
   const auto* scale = static_cast<const float*>(w.data);
@@ -599,26 +599,25 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
         if (quant == WeightQuant::kInt4) {
           if constexpr (sizeof(T) == 2) {
             if (mma) {
-              SHARDSERVE_RETURN_IF_NOT_OK(Launch("Int4MmaGemvKernel", Int4MmaGemvKernel<T, TO>,
-                                                 static_cast<unsigned>(CeilDiv(m, kMmaRows)), kGemvThreads, y, xs,
-                                                 blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
+              SHARDSERVE_RETURN_IF_ERROR(Launch("Int4MmaGemvKernel", Int4MmaGemvKernel<T, TO>,
+                                                static_cast<unsigned>(CeilDiv(m, kMmaRows)), kGemvThreads, y, xs,
+                                                blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
               return absl::OkStatus();
             }
           }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
-            SHARDSERVE_RETURN_IF_NOT_OK(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid,
-                                               kGemvThreads, y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups),
-                                               pdl_));
+            SHARDSERVE_RETURN_IF_ERROR(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid, kGemvThreads,
+                                              y, xs, blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
             return absl::OkStatus();
           });
         }
         return ForGemvInstance(rows, vec_w && vec_x, [&](auto kn, auto kvec) -> absl::Status {
           if (quant == WeightQuant::kInt8) {
-            SHARDSERVE_RETURN_IF_NOT_OK(Launch("RowsGemvKernel<int8>", RowsGemvKernel<T, TO, false, kn(), kvec()>, grid,
-                                               kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
+            SHARDSERVE_RETURN_IF_ERROR(Launch("RowsGemvKernel<int8>", RowsGemvKernel<T, TO, false, kn(), kvec()>, grid,
+                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
           } else {
-            SHARDSERVE_RETURN_IF_NOT_OK(Launch("RowsGemvKernel<fp8>", RowsGemvKernel<T, TO, true, kn(), kvec()>, grid,
-                                               kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
+            SHARDSERVE_RETURN_IF_ERROR(Launch("RowsGemvKernel<fp8>", RowsGemvKernel<T, TO, true, kn(), kvec()>, grid,
+                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
           }
           return absl::OkStatus();
         });
@@ -627,7 +626,7 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
     });
   }
 
-  if (bias != nullptr) SHARDSERVE_RETURN_IF_NOT_OK(BroadcastBias(out, *bias));
+  if (bias != nullptr) SHARDSERVE_RETURN_IF_ERROR(BroadcastBias(out, *bias));
   // fp8 by cuBLASLt's fp8 GEMM on x rounded to e4m3 (options_.fp8_gemm, fp8_gemm.cu), where it
   // takes the shape; else, or where it finds no algorithm, the dequantize path.
   if (quant == WeightQuant::kFp8 && Fp8GemmTakes(m, k, q, out->data)) {
@@ -638,11 +637,11 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   // Dequantize a block of rows into the scratch, multiply it with cuBLAS into its columns of out.
   const int64_t block_rows = CudaDequantBlockRows(m, k, act_, DequantScratchLimit());
   // Grown when w was stored (PackQuantizedWeight); a no-op here unless that failed half-way.
-  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
+  SHARDSERVE_RETURN_IF_ERROR(GrowDevice(&dequant_dev_, &dequant_capacity_, DequantScratchBytes(m, k)));
   const size_t out_elem = DTypeSize(out->dtype);
   for (int64_t r0 = 0; r0 < m; r0 += block_rows) {
     const int64_t rows = std::min(block_rows, m - r0);
-    SHARDSERVE_RETURN_IF_NOT_OK(DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    SHARDSERVE_RETURN_IF_ERROR(DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       T* dst = reinterpret_cast<T*>(dequant_dev_);
       const unsigned grid = GridFor(rows * k, kElementwiseThreads);
@@ -658,8 +657,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
       }
       return absl::OkStatus();
     }));
-    SHARDSERVE_RETURN_IF_NOT_OK(Gemm(static_cast<char*>(out->data) + static_cast<size_t>(r0) * out_elem, out->dtype, m,
-                                     x.data, dequant_dev_, n, rows, k, bias != nullptr ? 1.0f : 0.0f));
+    SHARDSERVE_RETURN_IF_ERROR(Gemm(static_cast<char*>(out->data) + static_cast<size_t>(r0) * out_elem, out->dtype, m,
+                                    x.data, dequant_dev_, n, rows, k, bias != nullptr ? 1.0f : 0.0f));
   }
   return absl::OkStatus();
 }

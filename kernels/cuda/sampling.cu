@@ -276,7 +276,7 @@ absl::StatusOr<int32_t*> CudaBackend::IdsTarget(const char* op, const Tensor& ou
     return static_cast<int32_t*>(out.data);
   }
   *to_host = true;
-  SHARDSERVE_RETURN_IF_NOT_OK(GrowDevice(&ids_dev_, &ids_capacity_, static_cast<size_t>(out.dim(0))));
+  SHARDSERVE_RETURN_IF_ERROR(GrowDevice(&ids_dev_, &ids_capacity_, static_cast<size_t>(out.dim(0))));
   return ids_dev_;
 }
 
@@ -299,9 +299,9 @@ absl::Status CudaBackend::Softmax(Tensor* out, const Tensor& x, float temperatur
   const int64_t n = x.dim(0), v = x.dim(1);
   if (n * v == 0) return absl::OkStatus();
   if (!FitsInt(n)) return Invalid(kOp, "more rows than one launch can take (2^31 - 1)", all);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
-  SHARDSERVE_RETURN_IF_NOT_OK(Launch("SoftmaxKernel", SoftmaxKernel, static_cast<unsigned>(n), kRowThreads,
-                                     out->as<float>(), x.as<const float>(), v, temperature));
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Launch("SoftmaxKernel", SoftmaxKernel, static_cast<unsigned>(n), kRowThreads,
+                                    out->as<float>(), x.as<const float>(), v, temperature));
   return absl::OkStatus();
 }
 
@@ -317,12 +317,12 @@ absl::Status CudaBackend::Argmax(Tensor* out, const Tensor& logits) {
   if (n == 0) return absl::OkStatus();
   if (v == 0) return Invalid(kOp, "empty vocabulary", all);
   if (!FitsInt(n) || !FitsInt(v)) return Invalid(kOp, "n and v must fit in int32", all);
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
   bool to_host = false;
   absl::StatusOr<int32_t*> target = IdsTarget(kOp, *out, &to_host);
   if (!target.ok()) return target.status();
-  SHARDSERVE_RETURN_IF_NOT_OK(Launch("ArgmaxKernel", ArgmaxKernel, static_cast<unsigned>(n), kRowThreads, *target,
-                                     logits.as<const float>(), v));
+  SHARDSERVE_RETURN_IF_ERROR(Launch("ArgmaxKernel", ArgmaxKernel, static_cast<unsigned>(n), kRowThreads, *target,
+                                    logits.as<const float>(), v));
   return FinishIds(*out, to_host);
 }
 
@@ -351,13 +351,13 @@ absl::Status CudaBackend::Sample(Tensor* out, const Tensor& logits, const std::v
                      all);
     }
   }
-  SHARDSERVE_RETURN_IF_NOT_OK(Activate());
-  SHARDSERVE_RETURN_IF_NOT_OK(UploadSampleParams(params));
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  SHARDSERVE_RETURN_IF_ERROR(UploadSampleParams(params));
   bool to_host = false;
   absl::StatusOr<int32_t*> target = IdsTarget(kOp, *out, &to_host);
   if (!target.ok()) return target.status();
-  SHARDSERVE_RETURN_IF_NOT_OK(Launch("SampleKernel", SampleKernel, static_cast<unsigned>(n), kRowThreads, *target,
-                                     logits.as<const float>(), params_dev_, v));
+  SHARDSERVE_RETURN_IF_ERROR(Launch("SampleKernel", SampleKernel, static_cast<unsigned>(n), kRowThreads, *target,
+                                    logits.as<const float>(), params_dev_, v));
   return FinishIds(*out, to_host);
 }
 
