@@ -21,6 +21,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/dummy_weights.h"
 #include "worker/communicator.h"
@@ -35,13 +36,17 @@ const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/mod
 
 class RecordingBackend final : public Backend {
  public:
-  explicit RecordingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  // kind: the device kind it reports (the inner backend's unless given: kCuda makes LlamaShard load
+  // a checkpoint's weights through host staging and CopyToDevice, as on a GPU).
+  explicit RecordingBackend(std::unique_ptr<Backend> inner, std::optional<DeviceKind> kind = std::nullopt)
+      : inner_(std::move(inner)), kind_(kind.value_or(inner_->device_kind())) {}
 
   // The next recording fails at EndGraph, as a CUDA capture spoiled by the driver would.
   void SpoilNextRecording() { spoil_next_ = true; }
   int graphs_run() const { return graphs_run_; }
 
-  DeviceKind device_kind() const override { return inner_->device_kind(); }
+  DeviceKind device_kind() const override { return kind_; }
+  uint64_t bytes_to_device() const { return bytes_to_device_; }
   DType act_dtype() const override { return inner_->act_dtype(); }
   std::string Describe() const override { return "recording " + inner_->Describe(); }
   absl::StatusOr<Buffer> Allocate(size_t bytes) override {
@@ -51,6 +56,7 @@ class RecordingBackend final : public Backend {
   void Free(void* data) override { inner_->Free(data); }
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     if (recording_) return Spoil("CopyToDevice");
+    bytes_to_device_ += bytes;
     return inner_->CopyToDevice(dst, src, bytes);
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
@@ -168,6 +174,8 @@ class RecordingBackend final : public Backend {
   }
 
   std::unique_ptr<Backend> inner_;
+  const DeviceKind kind_;
+  uint64_t bytes_to_device_ = 0;
   bool recording_ = false, spoil_next_ = false;
   absl::Status spoiled_;
   std::vector<std::function<absl::Status()>> ops_;
@@ -190,10 +198,12 @@ struct Schedule {
   uint64_t graph_replays = 0;
   std::string graphs_off;
 };
-Schedule RunTwoSequences(Backend* backend, int decodes) {
+// The weights: `source`, else dummy weights of seed 3.
+Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* source = nullptr) {
   Schedule out;
   const ModelConfig c = Config();
-  const DummyWeights w(c, 3);
+  const DummyWeights dummy(c, 3);
+  const WeightSource& w = source != nullptr ? *source : dummy;
   LocalCommunicator tp(backend);
   StepLimits limits{.max_tokens_per_step = 16, .max_seqs_per_step = 2, .block_size = 4, .max_model_len = 32};
   limits.num_kv_blocks = 2 * limits.max_blocks_per_seq();
@@ -287,6 +297,29 @@ TEST(StepGraphTest, AFailedRecordingTurnsGraphsOffAndTheStepRunsAsItIs) {
   EXPECT_NE(got.graphs_off.find("a spoiled recording"), std::string::npos) << got.graphs_off;
   EXPECT_NE(got.graphs_off.find("2 tokens, 2 logit rows"), std::string::npos) << got.graphs_off;
   ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < got.logits.size(); ++i) {
+    EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
+  }
+}
+
+// On a backend that is not the CPU, LlamaShard::Load reads each weight of a real checkpoint into its
+// host staging (one buffer, grown to the largest weight and reused, freed when Load returns) and
+// copies it to the device: every logit bit equal to the CPU backend's, which reads the weights
+// straight into place, and every weight byte copied (the whole checkpoint, its F32 tensors as F32).
+TEST(StepGraphTest, ADeviceBackendLoadsACheckpointThroughHostStagingToTheCpuLogits) {
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(kFixtures / "llama_gqa");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  std::unique_ptr<Backend> plain = MakeCpuBackend(2);
+  const Schedule want = RunTwoSequences(plain.get(), 3, ckpt->get());
+  RecordingBackend device(MakeCpuBackend(2), DeviceKind::kCuda);
+  const Schedule got = RunTwoSequences(&device, 3, ckpt->get());
+  uint64_t checkpoint_bytes = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(kFixtures / "llama_gqa")) {
+    if (entry.path().extension() == ".safetensors") checkpoint_bytes += std::filesystem::file_size(entry.path());
+  }
+  EXPECT_GE(device.bytes_to_device(), checkpoint_bytes * 9 / 10) << "the weights went through CopyToDevice";
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  ASSERT_EQ(got.logits.size(), 8u);
   for (size_t i = 0; i < got.logits.size(); ++i) {
     EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
   }

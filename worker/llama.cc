@@ -41,6 +41,17 @@ absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, std::initializer_lis
   return view;
 }
 
+uint8_t* LlamaShard::Staging(size_t bytes) {
+  if (bytes > staging_bytes_) {
+    // The old one freed first (never both at once); the new one uninitialized: every byte of it is
+    // written before it is copied.
+    staging_.reset();
+    staging_.reset(new uint8_t[bytes]);
+    staging_bytes_ = bytes;
+  }
+  return staging_.get();
+}
+
 absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const std::string& name,
                                               std::vector<int64_t> full_shape, const Slice& slice) {
   // Nothing is sized from config.json before the checkpoint confirms the shape (Load checks
@@ -61,9 +72,9 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const st
     // Made in device memory (dummy weights with --dummy-weights device): no host copy.
     SHARDSERVE_RETURN_IF_ERROR(s);
   } else {
-    std::vector<uint8_t> staging(t.bytes());
-    SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging.data()));
-    SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging.data(), staging.size()));
+    uint8_t* staging = Staging(t.bytes());
+    SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(name, full_shape, slice, t.dtype, staging));
+    SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging, t.bytes()));
   }
   weight_bytes_ += t.bytes();
   return t;
@@ -87,11 +98,11 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   // Dequantized to float32 at load (exact): a plain weight from here on.
   Tensor plain;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, Alloc(backend_->act_dtype(), {w.m, w.k}));
-  std::vector<uint8_t> staging(plain.bytes());
-  if (!ConvertOnHost(staging.data(), plain.dtype, w.dense.data(), DType::kF32, w.dense.size())) {
+  uint8_t* staging = Staging(plain.bytes());
+  if (!ConvertOnHost(staging, plain.dtype, w.dense.data(), DType::kF32, w.dense.size())) {
     return absl::InternalError(absl::StrCat(prefix, ": cannot convert to ", DTypeName(plain.dtype)));
   }
-  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging.data(), staging.size()));
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging, plain.bytes()));
   weight_bytes_ += plain.bytes();
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, WeightQuant::kNone);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
@@ -293,6 +304,8 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
     }
     SHARDSERVE_ASSIGN_OR_RETURN(m->logits_, m->AllocStepBuffer(DType::kF32, {ms, V}));
   }
+  m->staging_.reset();  // load-time only (Staging)
+  m->staging_bytes_ = 0;
   return m;
 }
 

@@ -117,6 +117,13 @@ class LlamaShard {
   Backend* backend_ = nullptr;
   Communicator* tp_ = nullptr;
   std::vector<Buffer> buffers_;  // every allocation; tensors below view into these
+  // Host staging for weights bound for device memory (LoadWeight, LoadQuantizedCheckpointWeight):
+  // one buffer grown to the largest weight and reused, where a fresh zero-filled buffer per weight
+  // (page faults and a fill for every byte) took 6.7 s against 0.7 s for 8.6 GB of 117 MB weights
+  // on a Zen 5 VM. Freed when Load returns.
+  std::unique_ptr<uint8_t[]> staging_;
+  size_t staging_bytes_ = 0;
+  uint8_t* Staging(size_t bytes);
   uint64_t weight_bytes_ = 0;
   uint64_t step_buffer_bytes_ = 0;
   uint64_t kv_cache_bytes_ = 0;
