@@ -157,6 +157,11 @@ class Backend {
   // CudaBackendOptions::quantized_kernels).
   virtual absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored /*host*/, int64_t m,
                                                      int64_t k, Tensor* packed);
+  // The weights are loaded: host memory the packing kept for the next weight may go (the CUDA
+  // backend's buffers for quantizing at load, the size of the largest weight: 2.5 GB of bf16 for
+  // Qwen2.5-72B's LM head). A later PackMatMulWeight grows them again. LlamaShard::Load calls it
+  // last. The base has nothing to release.
+  virtual void ReleaseLoadBuffers() {}
 
   // Whether Embedding also takes as its table a weight PackMatMulWeight stored unquantized in this
   // backend's own layout, so that a tied embedding and LM head on one stage can be one buffer, in

@@ -87,6 +87,11 @@ class RecordingBackend final : public Backend {
     return inner_->PackQuantizedWeight(quant, stored, m, k, packed);
   }
   bool EmbeddingTakesPackedTable() const override { return inner_->EmbeddingTakesPackedTable(); }
+  void ReleaseLoadBuffers() override {
+    ++releases_;
+    inner_->ReleaseLoadBuffers();
+  }
+  int releases() const { return releases_; }
 
   absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override {
     return Op([=, this, o = *out]() mutable { return inner_->Embedding(&o, table, ids, row_offset); });
@@ -176,6 +181,7 @@ class RecordingBackend final : public Backend {
   std::unique_ptr<Backend> inner_;
   const DeviceKind kind_;
   uint64_t bytes_to_device_ = 0;
+  int releases_ = 0;  // ReleaseLoadBuffers calls
   bool recording_ = false, spoil_next_ = false;
   absl::Status spoiled_;
   std::vector<std::function<absl::Status()>> ops_;
@@ -305,7 +311,8 @@ TEST(StepGraphTest, AFailedRecordingTurnsGraphsOffAndTheStepRunsAsItIs) {
 // On a backend that is not the CPU, LlamaShard::Load reads each weight of a real checkpoint into its
 // host staging (one buffer, grown to the largest weight and reused, freed when Load returns) and
 // copies it to the device: every logit bit equal to the CPU backend's, which reads the weights
-// straight into place, and every weight byte copied (the whole checkpoint, its F32 tensors as F32).
+// straight into place, and every weight byte copied (the whole checkpoint, its F32 tensors as F32);
+// Load ends by letting the backend release its load-time host buffers (ReleaseLoadBuffers), once.
 TEST(StepGraphTest, ADeviceBackendLoadsACheckpointThroughHostStagingToTheCpuLogits) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(kFixtures / "llama_gqa");
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
@@ -318,6 +325,7 @@ TEST(StepGraphTest, ADeviceBackendLoadsACheckpointThroughHostStagingToTheCpuLogi
     if (entry.path().extension() == ".safetensors") checkpoint_bytes += std::filesystem::file_size(entry.path());
   }
   EXPECT_GE(device.bytes_to_device(), checkpoint_bytes * 9 / 10) << "the weights went through CopyToDevice";
+  EXPECT_EQ(device.releases(), 1) << "Load tells the backend once, at the end, that its load buffers may go";
   ASSERT_EQ(got.logits.size(), want.logits.size());
   ASSERT_EQ(got.logits.size(), 8u);
   for (size_t i = 0; i < got.logits.size(); ++i) {

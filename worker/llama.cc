@@ -306,6 +306,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   }
   m->staging_.reset();  // load-time only (Staging)
   m->staging_bytes_ = 0;
+  backend->ReleaseLoadBuffers();
   return m;
 }
 

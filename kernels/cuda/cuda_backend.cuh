@@ -175,6 +175,10 @@ class CudaBackend final : public Backend {
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
   absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
                                              Tensor* packed) override;
+  void ReleaseLoadBuffers() override {
+    pack_raw_ = {};
+    pack_stored_ = {};
+  }
 
   absl::Status Embedding(Tensor* out, const Tensor& table, const Tensor& ids, int64_t row_offset) override;
   absl::Status RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, float eps) override;
@@ -255,7 +259,7 @@ class CudaBackend final : public Backend {
   // block a row of both; up is not written).
   absl::Status DenseGemv(const Tensor& x, absl::Span<const MatMulProduct> products, bool silu = false);
   // PackMatMulWeight's host buffers for quantizing (the weight in the act dtype, its quantized
-  // bytes), kept at the largest weight's size until the backend goes.
+  // bytes), kept at the largest weight's size for the next weight until ReleaseLoadBuffers.
   std::vector<uint8_t> pack_raw_, pack_stored_;
   // MatMul by a weight PackMatMulWeight / PackQuantizedWeight stored quantized (quant_matmul.cu).
   absl::Status QuantizedMatMul(Tensor* out, const Tensor& x, const Tensor& w, const Tensor* bias);

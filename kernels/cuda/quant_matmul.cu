@@ -534,8 +534,9 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   // Quantized on the host by kernels/quant.h's own quantizers (once, at load; QuantizeWeight: the
   // rows over the host's threads, each widening its own rows of the act dtype), so that both
   // backends hold the same bytes for the same weight. The host buffers are kept for the next
-  // weight: the 8B's 7 G weights took 52 s to start on the H200's host (2026-11-28) when each
-  // weight had fresh buffers and a float32 copy widened by one thread.
+  // weight (until ReleaseLoadBuffers, when the model is loaded): the 8B's 7 G weights took 52 s to
+  // start on the H200's host (2026-11-28) when each weight had fresh buffers and a float32 copy
+  // widened by one thread.
   pack_raw_.resize(std::max(pack_raw_.size(), w.bytes()));
   SHARDSERVE_RETURN_IF_ERROR(CopyToHost(pack_raw_.data(), w.data, w.bytes()));
   const auto stored_bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
