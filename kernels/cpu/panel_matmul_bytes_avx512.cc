@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
 
 namespace shardserve::cpu {
@@ -27,13 +28,11 @@ namespace {
 
 static_assert(kPanelCols == 16, "one panel row is one zmm");
 
-// Rows per tile, at most (14 rows x 2 panels: 28 sums and the 2 widened vectors in 32 registers).
-constexpr int64_t kInt8TileRows = 14;
-// Panels a tile takes at once, for a product whose longest tile has `rows` rows: enough sums to
-// hide the FMAs' latency (Zen 5 issues two a cycle, each 4 cycles long) beside the widened codes,
-// as the float32 tiles' WidePanelsPerGroup. (At one row 4, 6 and 8 panels measured alike on Zen 5,
-// within the runs' noise: about 2.0-2.1 ms for the bench model's products on 2 threads.)
-constexpr int Int8PanelsFor(int64_t rows) { return rows <= 6 ? 4 : rows <= 9 ? 3 : 2; }
+// The tiles' shapes are the float32 AVX-512 tiles' (panel_matmul_avx512.h): up to kWideTileRows
+// rows (14 rows x 2 panels: 28 sums and the 2 widened vectors in 32 registers), WidePanelsPerGroup
+// panels at once (4 at 1-6 rows: at one row 4, 6 and 8 panels measured alike on Zen 5, within the
+// runs' noise, about 2.0-2.1 ms for the bench model's products on 2 threads).
+
 // Each panel's stream is asked for the line this many bytes past the one a tile reads (an input
 // step is 16 bytes of a panel: a new line every 4 steps). Zen 5, one row: none 2.2 ms, 512 B 2.1-2.4,
 // 1 KiB 2.0-2.3, 1.5 KiB 1.9-2.2, 2-4 KiB 2.2-2.3 (noisy, 2 threads).
@@ -98,7 +97,7 @@ void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const uint
   const int64_t c0 = p * kPanelCols, cols = std::min(have * kPanelCols, m - c0);
   const uint8_t* panel = w + p * k * kPanelCols;
   const float* bc = bias != nullptr ? bias + c0 : nullptr;
-  WithBalancedTiles<kInt8TileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+  WithBalancedTiles<kWideTileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
     // (Every tile of a product has at least the registers of its longest: the same P serves.)
     if constexpr (R() * P + P <= 30) {
       WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
@@ -114,11 +113,11 @@ template <bool kFp8>
 void Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
             const float* bias, int threads) {
   const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
-  const int per = Int8PanelsFor(LongestBalancedTile(n, kInt8TileRows));
+  const int64_t per = WidePanelsPerGroup(n);
   const int64_t groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t p = g * per, have = std::min<int64_t>(per, panels - p);
+    const int64_t p = g * per, have = std::min(per, panels - p);
     switch (per) {
       case 4: Group<kFp8, 4>(y, m, x, n, k, w, scale, bias, p, have); break;
       case 3: Group<kFp8, 3>(y, m, x, n, k, w, scale, bias, p, have); break;
