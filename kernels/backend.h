@@ -353,6 +353,13 @@ struct CudaBackendOptions {
   // dequantized to the act dtype and cuBLAS. Ignored below 8.9. Worker --cuda-fp8-gemm. Written
   // without a GPU; off until it passes on one (docs/gpu.md), and opt-in after that (inexact).
   bool fp8_gemm = false;
+  // MatMul by int4 weights for up to 8 rows of x (decode) with the zero point folded out of the
+  // inner loop (quant_matmul.cu's Int4FoldedGemvKernel: a byte permute and a multiply-add a code
+  // where the default GEMV spends a subtraction more, four output rows a block; not exact in the
+  // last bits as that one is: about 2^-14 of the products' magnitude). bf16 / f16 act dtypes, x
+  // 16-byte aligned and k a multiple of 8; int4_mma, where it takes a shape, first. Worker
+  // --cuda-int4-folded. Written without a GPU (2026-11-29): off until it passes on one.
+  bool int4_folded = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

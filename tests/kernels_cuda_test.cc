@@ -1410,6 +1410,32 @@ TEST_P(CudaInt4Mma, MatMulMatchesTheDequantizedReference) {
   }
 }
 
+// The int4 GEMV with the zero point folded out of its loop (CudaBackendOptions::int4_folded,
+// quant_matmul.cu's Int4FoldedGemvKernel; written 2026-11-29 without a GPU, off): 16-bit act
+// dtypes, up to 8 rows of x; the same reference and bound as above (its extra rounding, about
+// 2^-14 of the products' magnitude, is far inside them). Shapes: m not a multiple of its 4 rows a
+// block (rows past m), k off 128 (a short last group: 1000 = 7 groups + 104 inputs), one group a
+// row, and 14336 inputs (112 groups: three and a half of a thread's loops). It must also differ
+// somewhere from the GEMV it stands in for (float32 outputs: other roundings), or it did not run;
+// the worker log's backend line says it is on.
+class CudaInt4Folded : public CudaQuant {};
+
+TEST_P(CudaInt4Folded, MatMulMatchesTheDequantizedReference) {
+  SS_ASSIGN_OR_FAIL(
+      std::unique_ptr<Backend> folded,
+      MakeCudaBackend(0, act(), {.quantized_kernels = true, .int4_folded = true, .quantized_scratch_bytes = 64 << 10}));
+  EXPECT_NE(folded->Describe().find("int4 decode with the zero folded out"), std::string::npos) << folded->Describe();
+  EXPECT_EQ(cuda_->Describe().find("folded"), std::string::npos) << cuda_->Describe();
+  const std::vector<Shape> shapes = {{520, 384}, {37, 1024}, {67, 1000}, {6, 128}, {9, 14336}};
+  std::vector<std::vector<float>> got_folded, got_plain;
+  ExpectMatMulsMatchTheReference(folded.get(), shapes, false, &got_folded);
+  ExpectMatMulsMatchTheReference(cuda_.get(), shapes, false, &got_plain);
+  ASSERT_EQ(got_folded.size(), got_plain.size());
+  bool differs = false;
+  for (size_t p = 0; p < got_folded.size(); ++p) differs = differs || got_folded[p] != got_plain[p];
+  EXPECT_TRUE(differs) << "every output bitwise the plain GEMV's: the folded GEMV did not run";
+}
+
 // cuBLASLt's fp8 GEMM (CudaBackendOptions::fp8_gemm, fp8_gemm.cu; written without a GPU, off):
 // more than 8 rows of x by an fp8 weight, x's rows rounded to e4m3 with a scale each (max |x| /
 // 448, as kernels/quant.h scales the weights' rows). Against the reference of the same rounding on
@@ -1562,7 +1588,8 @@ TEST_P(CudaQuant, OffByDefault) {
 // streaming-read roofline of the same run. The weights' codes are random (the speed does not
 // depend on them). Skipped unless SHARDSERVE_QUANT_BENCH names the format (int4, int8 or fp8);
 // SHARDSERVE_QUANT_BENCH_INT4_MMA=1 adds CudaBackendOptions::int4_mma (step quant-int4-mma-b1),
-// SHARDSERVE_QUANT_BENCH_PDL=1 CudaBackendOptions::pdl (step quant-int4-pdl-b1).
+// SHARDSERVE_QUANT_BENCH_PDL=1 CudaBackendOptions::pdl (step quant-int4-pdl-b1),
+// SHARDSERVE_QUANT_BENCH_INT4_FOLDED=1 CudaBackendOptions::int4_folded (step quant-int4-folded-b1).
 TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   const char* format = std::getenv("SHARDSERVE_QUANT_BENCH");
@@ -1575,11 +1602,13 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   const char* mma = std::getenv("SHARDSERVE_QUANT_BENCH_INT4_MMA");
   const bool int4_mma = mma != nullptr && std::string(mma) == "1";
   const char* pdl = std::getenv("SHARDSERVE_QUANT_BENCH_PDL");
-  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda,
-                    MakeCudaBackend(0, DType::kBF16,
-                                    {.quantized_kernels = true,
-                                     .int4_mma = int4_mma,
-                                     .pdl = pdl != nullptr && std::string(pdl) == "1"}));
+  const char* folded = std::getenv("SHARDSERVE_QUANT_BENCH_INT4_FOLDED");
+  const bool int4_folded = folded != nullptr && std::string(folded) == "1";
+  SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> cuda, MakeCudaBackend(0, DType::kBF16,
+                                                                   {.quantized_kernels = true,
+                                                                    .int4_mma = int4_mma,
+                                                                    .pdl = pdl != nullptr && std::string(pdl) == "1",
+                                                                    .int4_folded = int4_folded}));
   constexpr int kLayers = 32, kWarmup = 3, kTokens = 20;
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{4096, 4096}, {1024, 4096},  {1024, 4096}, {4096, 4096},
                                                            {14336, 4096}, {14336, 4096}, {4096, 14336}};
@@ -1637,7 +1666,7 @@ TEST(CudaQuantBench, Llama8bDecodeBatch1) {
   const double gbps = static_cast<double>(bytes_per_token) * tokens_per_s / 1e9;
   std::ostringstream json;
   json << "{\"format\": \"" << WeightQuantName(quant) << (int4_mma ? "\", \"int4_mma\": \"on" : "")
-       << "\", \"device\": \"" << cuda->Describe()
+       << (int4_folded ? "\", \"int4_folded\": \"on" : "") << "\", \"device\": \"" << cuda->Describe()
        << "\", \"batch\": 1, \"layers\": " << kLayers << ", \"tokens\": " << kTokens
        << ", \"bytes_per_decode_step\": " << bytes_per_token << ", \"decode_tokens_per_s\": " << tokens_per_s
        << ", \"us_per_token\": " << 1e6 / tokens_per_s << ", \"weight_gbps\": " << gbps << "}\n";
@@ -1743,6 +1772,10 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaFp8Gemm,
                                             ::testing::Values(DType::kF32, DType::kF16, DType::kBF16)),
                          QuantParamName);
 INSTANTIATE_TEST_SUITE_P(Ops, CudaInt4Mma,
+                         ::testing::Combine(::testing::Values(WeightQuant::kInt4),
+                                            ::testing::Values(DType::kF16, DType::kBF16)),
+                         QuantParamName);
+INSTANTIATE_TEST_SUITE_P(Ops, CudaInt4Folded,
                          ::testing::Combine(::testing::Values(WeightQuant::kInt4),
                                             ::testing::Values(DType::kF16, DType::kBF16)),
                          QuantParamName);

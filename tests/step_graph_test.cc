@@ -346,7 +346,7 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the int4 tensor-core
 // GEMV (slower there than the default) off unless --cuda-int4-mma, programmatic dependent launch
 // (not yet run on one) unless --cuda-pdl, cuBLASLt's fp8 GEMM (not yet run, inexact) unless
-// --cuda-fp8-gemm.
+// --cuda-fp8-gemm, the int4 GEMV with the zero folded out (not yet run) unless --cuda-int4-folded.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -369,7 +369,11 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_FALSE(on.fp8_gemm) << "rounds x to e4m3, and not yet run on a GPU: off unless asked for";
   const CudaBackendOptions fp8 = parse({"--cuda-fp8-gemm"});
   EXPECT_TRUE(fp8.fp8_gemm && fp8.quantized_kernels && fp8.step_graphs && fp8.dense_gemv);
-  EXPECT_FALSE(fp8.pdl || fp8.int4_mma);
+  EXPECT_FALSE(fp8.pdl || fp8.int4_mma || fp8.int4_folded);
+  EXPECT_FALSE(on.int4_folded) << "not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions folded = parse({"--cuda-int4-folded"});
+  EXPECT_TRUE(folded.int4_folded && folded.quantized_kernels && folded.step_graphs && folded.dense_gemv);
+  EXPECT_FALSE(folded.int4_mma || folded.pdl || folded.fp8_gemm);
   const CudaBackendOptions no_graphs = parse({"--no-cuda-graphs"});
   EXPECT_FALSE(no_graphs.step_graphs);
   EXPECT_TRUE(no_graphs.quantized_kernels && no_graphs.fused_kernels && no_graphs.split_attention_keys > 0 &&

@@ -28,15 +28,17 @@
 #   membw          tools/bench_membw.cu built with the machine's nvcc: streaming-read GB/s (the roofline)
 #   cuda-ops       kernels_cuda_test (but the CudaQuantBench benchmark); a skipped case is a failure
 #                  on a GPU
-#   quant-int4-b1, quant-int8-b1, quant-int4-mma-b1, quant-int4-pdl-b1
+#   quant-int4-b1, quant-int8-b1, quant-int4-mma-b1, quant-int4-pdl-b1, quant-int4-folded-b1
 #                  kernels_cuda_test's CudaQuantBench: Llama-3-8B's linear layers in int4 / int8 at
 #                  batch 1 with the CUDA quantized-weight GEMV (CudaBackendOptions::
 #                  quantized_kernels): tokens/s and the weight GB/s, beside membw's roofline; the
 #                  third int4 on the tensor cores (int4_mma: slower than the GEMV on the H200, off by
-#                  default), the fourth with programmatic dependent launch (pdl: not yet run)
-#   ncu-gemv-int4, ncu-gemv-int4-mma, ncu-gemv-int4-stalls, ncu-gemv-int4-mma-stalls
+#                  default), the fourth with programmatic dependent launch (pdl: not yet run), the
+#                  fifth the GEMV with the zero point folded out (int4_folded: not yet run)
+#   ncu-gemv-int4, ncu-gemv-int4-mma, ncu-gemv-int4-folded, ncu-gemv-int4-stalls,
+#   ncu-gemv-int4-mma-stalls
 #                  Nsight Compute's SpeedOfLight on the int4 GEMV's seven shapes of one token (the
-#                  second: the tensor-core one); the -stalls pair adds the Occupancy, LaunchStats,
+#                  second: the tensor-core one, the third: the folded one); the -stalls pair adds the Occupancy, LaunchStats,
 #                  SchedulerStats and WarpStateStats sections (where the warps wait)
 #   ncu-decode, ncu-decode-cublas, ncu-decode-unfused
 #                  Nsight Compute: one 8B decode step's GPU time by kernel (tools/ncu_summary.py),
@@ -70,8 +72,9 @@
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
 #                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes; the
 #                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
-#   llama8b-int4-pdl-b1
-#                  llama8b-int4-b1 with programmatic dependent launch (--worker-cuda-pdl)
+#   llama8b-int4-pdl-b1, llama8b-int4-folded-b1
+#                  llama8b-int4-b1 with programmatic dependent launch (--worker-cuda-pdl), with the
+#                  int4 GEMV with the zero folded out (--worker-cuda-int4-folded)
 #   qwen72b-int4-b1, qwen72b-int4-mma-b1
 #                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
 #                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
@@ -349,14 +352,16 @@ run_steps() {
   gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
   # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
   # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
-  local fmt qname mma pdl
-  for fmt in int4 int8 int4-mma int4-pdl; do
+  local fmt qname mma pdl folded
+  for fmt in int4 int8 int4-mma int4-pdl int4-folded; do
     qname=quant-$fmt-b1
     want "$qname" || continue
-    mma=0 pdl=0
+    mma=0 pdl=0 folded=0
     [ "$fmt" = int4-mma ] && fmt=int4 mma=1
     [ "$fmt" = int4-pdl ] && fmt=int4 pdl=1
+    [ "$fmt" = int4-folded ] && fmt=int4 folded=1
     SHARDSERVE_QUANT_BENCH=$fmt SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_PDL=$pdl \
+      SHARDSERVE_QUANT_BENCH_INT4_FOLDED=$folded \
       SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.json \
       step "$qname" 150 "$BIN/kernels_cuda_test" --gtest_filter='CudaQuantBench.*' --gtest_output="xml:$LOGS/$qname.xml"
     if [ "$DRY_RUN" != 1 ] && [ "$STEP_RC" = 0 ] &&
@@ -376,13 +381,15 @@ run_steps() {
   # The -stalls steps add where the warps wait and how many fit (occupancy, launch, scheduler and
   # warp-state sections): what the int4 GEMVs' next design needs.
   local sections
-  for qname in ncu-gemv-int4 ncu-gemv-int4-mma ncu-gemv-int4-stalls ncu-gemv-int4-mma-stalls; do
+  for qname in ncu-gemv-int4 ncu-gemv-int4-mma ncu-gemv-int4-folded ncu-gemv-int4-stalls ncu-gemv-int4-mma-stalls; do
     want "$qname" || continue
-    mma=0 sections="--section SpeedOfLight"
+    mma=0 folded=0 sections="--section SpeedOfLight"
     [[ "$qname" == ncu-gemv-int4-mma* ]] && mma=1
+    [[ "$qname" == ncu-gemv-int4-folded ]] && folded=1
     [[ "$qname" == *-stalls ]] &&
       sections="$sections --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats"
-    SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.bench.json \
+    SHARDSERVE_QUANT_BENCH=int4 SHARDSERVE_QUANT_BENCH_INT4_MMA=$mma SHARDSERVE_QUANT_BENCH_INT4_FOLDED=$folded \
+      SHARDSERVE_QUANT_BENCH_JSON=$WORK/$qname.bench.json \
       step "$qname" 150 bash -c "set -o pipefail; '$NCU' $sections --kernel-name regex:Gemv \
         --launch-skip 224 --launch-count 7 --csv --print-units base '$BIN/kernels_cuda_test' \
         --gtest_filter='CudaQuantBench.*' >'$WORK/$qname.csv' &&
@@ -423,6 +430,7 @@ run_steps() {
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma
   bench_step llama8b-int4-pdl-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-pdl
+  bench_step llama8b-int4-folded-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-folded
   local qwen_all
   qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
   bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4

@@ -151,7 +151,9 @@ class CudaBackend final : public Backend {
   DType act_dtype() const override { return act_; }
   std::string Describe() const override {
     return absl::StrCat("cuda:", ordinal_, " (", device_name_, ", ", absl::AsciiStrToLower(DTypeName(act_)),
-                        lt_ != nullptr ? ", fp8 prefill by cuBLASLt on e4m3-rounded x" : "", ")");
+                        lt_ != nullptr ? ", fp8 prefill by cuBLASLt on e4m3-rounded x" : "",
+                        options_.int4_folded && act_ != DType::kF32 ? ", int4 decode with the zero folded out" : "",
+                        ")");
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;

@@ -78,12 +78,12 @@ __device__ __forceinline__ void LoadX8(const T* row, int c, int k, float v[8]) {
 }
 
 // part[w][rr][i] = warp w's sum of acc[rr][i] (by shuffles), then a barrier. Every thread of the
-// block calls.
-template <int N>
-__device__ __forceinline__ void WarpSums(float (&part)[kGemvWarps][kGemvRows][N], const float (&acc)[kGemvRows][N]) {
+// block calls. R: the block's output rows (kGemvRows, or the int4 folded GEMV's kFoldRows).
+template <int R, int N>
+__device__ __forceinline__ void WarpSums(float (&part)[kGemvWarps][R][N], const float (&acc)[R][N]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-  for (int rr = 0; rr < kGemvRows; ++rr) {
+  for (int rr = 0; rr < R; ++rr) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const float v = WarpAllReduce(acc[rr][i], SumOp{});
@@ -95,9 +95,8 @@ __device__ __forceinline__ void WarpSums(float (&part)[kGemvWarps][kGemvRows][N]
 
 // The block's sum of row rr, input row i: the warps' sums in a fixed order, times scale s, plus
 // bias b: the same bits for an input row whatever else is in the batch.
-template <int N>
-__device__ __forceinline__ float BlockRowSum(const float (&part)[kGemvWarps][kGemvRows][N], int rr, int i, float s,
-                                             float b) {
+template <int R, int N>
+__device__ __forceinline__ float BlockRowSum(const float (&part)[kGemvWarps][R][N], int rr, int i, float s, float b) {
   float sum = part[0][rr][i];
 #pragma unroll
   for (int w = 1; w < kGemvWarps; ++w) sum += part[w][rr][i];
@@ -106,12 +105,13 @@ __device__ __forceinline__ float BlockRowSum(const float (&part)[kGemvWarps][kGe
 
 // out[i][r0 + rr] = (the block's sum of acc[rr][i]) x scale[r0 + rr] (1 when null) + bias, for
 // the rows below m and the input rows below n, rounded once. Every thread of the block calls.
-template <typename T, typename TO, int N>
-__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[kGemvRows][N], const float* scale,
-                                           const T* bias, int n, int m, int r0) {
-  __shared__ float part[kGemvWarps][kGemvRows][N];
+template <typename T, typename TO, int N, int R>
+__device__ __forceinline__ void FinishRows(TO* out, const float (&acc)[R][N], const float* scale, const T* bias, int n,
+                                           int m, int r0) {
+  static_assert(R * N <= kGemvThreads, "a thread an output");
+  __shared__ float part[kGemvWarps][R][N];
   WarpSums(part, acc);
-  if (threadIdx.x < kGemvRows * N) {
+  if (threadIdx.x < R * N) {
     const int rr = threadIdx.x / N, i = threadIdx.x % N, r = r0 + rr;
     if (i < n && r < m) {
       const float s = scale != nullptr ? __ldg(scale + r) : 1.0f;

@@ -29,6 +29,8 @@
 //   note). With CudaBackendOptions::int4_mma (passed on the H200 but slower there: off) int4 takes the
 //   tensor cores instead (Int4MmaGemvKernel below) for bf16 / f16 act, k % 128 == 0 and every zero
 //   below 128 (checked when the weight is stored); other shapes keep the GEMV.
+//   With CudaBackendOptions::int4_folded (written without a GPU: off) int4 takes
+//   Int4FoldedGemvKernel for 16-bit act dtypes instead: the zero point folded out of the loop.
 // - n > kGemvMaxRows (prefill): the weight dequantized to the act dtype, kCudaDequantScratchBytes
 //   (kernels/backend.h) worth of rows at a time, into a scratch buffer sized when the weight was
 //   stored (CudaDequantScratchBytes: the planner counts the same), then cuBLAS (Gemm, matmul.cu) for that block
@@ -269,6 +271,120 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
             for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
             acc[rr][i] = fmaf(s[rr], d, acc[rr][i]);
+          }
+        }
+      }
+    }
+  }
+  FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
+}
+
+// ---- int4, the zero point folded out of the inner loop (CudaBackendOptions::int4_folded; written
+// 2026-11-29 without a GPU, off until it passes there)
+// The GEMV above spends 5.9 instructions a code in its loop on sm_90 (nvdisasm of the loop: a byte
+// permute, a subtraction and a multiply-add a code, 377 instructions for 64 codes with the masks,
+// x's widening for two rows and the addresses; tools/sass_census.py), and its SMs, not DRAM, were
+// the limit on the H200 (32% of the int4 roofline). Here a code costs a byte permute and a
+// multiply-add: the permute puts the nibble under 0.5's bits (0x3F000000 | q << 16 = 0.5 + q /
+// 256, exact), so a group's sum by a thread is d = sum (0.5 + q / 256) x, and with sx = sum x (its
+// sixteen inputs, once for all the block's rows) sum (q - zero) x = 256 (d - (0.5 + zero / 256)
+// sx): one fused multiply-add per group and row takes the zero off. Four output rows a block
+// (kFoldRows) share each input value's widening and sum. Not exact as the GEMV's products are:
+// d carries 0.5 sum x beside the codes' sums (up to 2^-21 sum |x| of rounding in each, about 2^-14
+// of the products' magnitude after the zero is taken off, far inside a bf16 / f16 output's 2^-9 /
+// 2^-12), so taken for 16-bit act dtypes only (float32 act keeps the GEMV above); a non-finite x
+// gives NaN in its input row's outputs. Block b computes output rows 4 b + [0, 4) (rows past m read
+// as row m - 1 and not written), the threads and steps as in Int4GemvKernel; x's rows 16-byte
+// aligned, k % 8 == 0.
+constexpr int kFoldRows = 4;
+
+// 0.5 + q / 256 as float, q the byte t of `lows` (each byte below 16): one byte permute of the byte
+// under 0x3F000000 (0.5, whose mantissa the byte lands in at bits 16 to 19).
+__device__ __forceinline__ float HalfPlusCode(uint32_t lows, int t) {
+  return __uint_as_float(__byte_perm(lows, 0x3F000000u, 0x7044u | (static_cast<uint32_t>(t) << 8)));
+}
+
+template <typename T, typename TO, int N>
+__global__ void __launch_bounds__(kGemvThreads)
+    Int4FoldedGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
+                         const Int4Group128* __restrict__ blocks /*[m, groups]*/,
+                         const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, int groups, bool prefetch) {
+  constexpr int R = kFoldRows;
+  const int first = static_cast<int>(threadIdx.x) >> 3, p = static_cast<int>(threadIdx.x) & 7;
+  const int r0 = static_cast<int>(blockIdx.x) * R;
+  // at[rr]: row rr's group g0 (below), its header; advanced a loop's groups at a time (kept in
+  // registers: recomputed from the row's index each loop, the addresses took a third of the loop).
+  const uint2* at[R];
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+    at[rr] = reinterpret_cast<const uint2*>(blocks + static_cast<int64_t>(min(r0 + rr, m - 1)) * groups + first);
+  }
+  constexpr int kStepWords = kInt4GroupsPerStep * kInt4Words;
+  if (prefetch) {  // launched with PDL: as Int4GemvKernel
+#pragma unroll
+    for (int u = 0; u < kInt4Steps; ++u) {
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        if (p < 2 && first + kInt4GroupsPerStep * u < groups) PrefetchL2(at[rr] + kStepWords * u + 8 * p);
+      }
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
+  float acc[R][N];
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
+  }
+  for (int g0 = first; g0 < groups; g0 += kInt4GroupsPerStep * kInt4Steps) {
+    uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
+#pragma unroll
+    for (int u = 0; u < kInt4Steps; ++u) {
+      const bool valid = g0 + kInt4GroupsPerStep * u < groups;
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        head[u][rr] = valid ? __ldg(at[rr] + kStepWords * u) : make_uint2(0, 0);
+        nib[u][rr] = valid ? __ldg(at[rr] + kStepWords * u + 1 + p) : make_uint2(0, 0);
+      }
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+      at[rr] += kStepWords * kInt4Steps;
+      asm("" : "+l"(at[rr]));  // opaque to the compiler, which would rederive it from g0 (64-bit multiplies)
+    }
+#pragma unroll
+    for (int u = 0; u < kInt4Steps; ++u) {
+      const int g = g0 + kInt4GroupsPerStep * u;
+      if (g >= groups) break;
+      float w[R][16], s[R], cz[R];
+#pragma unroll
+      for (int rr = 0; rr < R; ++rr) {
+        s[rr] = __uint_as_float(head[u][rr].x) * 256.0f;
+        cz[rr] = fmaf(static_cast<float>(head[u][rr].y & 0xFFu), 1.0f / 256.0f, 0.5f);  // 0.5 + zero / 256, exact
+        const uint32_t lows[4] = {nib[u][rr].x & 0x0F0F0F0Fu, nib[u][rr].y & 0x0F0F0F0Fu,
+                                  (nib[u][rr].x >> 4) & 0x0F0F0F0Fu, (nib[u][rr].y >> 4) & 0x0F0F0F0Fu};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) w[rr][j] = HalfPlusCode(lows[j / 4], j % 4);
+      }
+      const int c = g * static_cast<int>(kInt4GroupSize) + 8 * p;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (i < n) {  // the same for the whole block
+          float xv[16];
+          LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c, k, xv);
+          LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c + static_cast<int>(kInt4GroupSize) / 2, k, xv + 8);
+          float sx8[8];  // sum x in a fixed tree
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sx8[j] = xv[2 * j] + xv[2 * j + 1];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sx8[j] += sx8[j + 4];
+          const float sx = (sx8[0] + sx8[2]) + (sx8[1] + sx8[3]);
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) {
+            float d = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
+            acc[rr][i] = fmaf(s[rr], fmaf(-cz[rr], sx, d), acc[rr][i]);
           }
         }
       }
@@ -591,6 +707,7 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
     const int rows = static_cast<int>(n), mi = static_cast<int>(m), ki = static_cast<int>(k);
     const bool mma = quant == WeightQuant::kInt4 && options_.int4_mma && it->second.small_zeros &&
                      act_ != DType::kF32 && k % kInt4GroupSize == 0 && Aligned(x.data, 16);
+    const bool folded = quant == WeightQuant::kInt4 && options_.int4_folded && act_ != DType::kF32 && vec_x;
     return DispatchFloat(act_, [&](auto tag) -> absl::Status {
       using T = typename decltype(tag)::type;
       const T* xs = x.as<const T>();
@@ -605,6 +722,16 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
                                                 blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
               return absl::OkStatus();
             }
+          }
+          if (folded) {
+            return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
+              if constexpr (sizeof(T) == 2) {
+                SHARDSERVE_RETURN_IF_ERROR(Launch("Int4FoldedGemvKernel", Int4FoldedGemvKernel<T, TO, kn()>,
+                                                  static_cast<unsigned>(CeilDiv(m, kFoldRows)), kGemvThreads, y, xs,
+                                                  blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
+              }
+              return absl::OkStatus();
+            });
           }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
             SHARDSERVE_RETURN_IF_ERROR(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid, kGemvThreads,
