@@ -48,6 +48,7 @@
 #include "kernels/cuda/cuda_backend.cuh"
 #include "kernels/cuda/device_util.cuh"
 #include "kernels/cuda/gemv.cuh"
+#include "kernels/int4_folded.h"
 #include "kernels/quant.h"
 
 namespace shardserve::cuda {
@@ -281,28 +282,18 @@ __global__ void __launch_bounds__(kGemvThreads)
 
 // ---- int4, the zero point folded out of the inner loop (CudaBackendOptions::int4_folded; written
 // 2026-11-29 without a GPU, off until it passes there)
-// The GEMV above spends 5.9 instructions a code in its loop on sm_90 (nvdisasm of the loop: a byte
-// permute, a subtraction and a multiply-add a code, 377 instructions for 64 codes with the masks,
-// x's widening for two rows and the addresses; tools/sass_census.py), and its SMs, not DRAM, were
-// the limit on the H200 (32% of the int4 roofline). Here a code costs a byte permute and a
-// multiply-add: the permute puts the nibble under 0.5's bits (0x3F000000 | q << 16 = 0.5 + q /
-// 256, exact), so a group's sum by a thread is d = sum (0.5 + q / 256) x, and with sx = sum x (its
-// sixteen inputs, once for all the block's rows) sum (q - zero) x = 256 (d - (0.5 + zero / 256)
-// sx): one fused multiply-add per group and row takes the zero off. Four output rows a block
-// (kFoldRows) share each input value's widening and sum. Not exact as the GEMV's products are:
-// d carries 0.5 sum x beside the codes' sums (up to 2^-21 sum |x| of rounding in each, about 2^-14
-// of the products' magnitude after the zero is taken off, far inside a bf16 / f16 output's 2^-9 /
-// 2^-12), so taken for 16-bit act dtypes only (float32 act keeps the GEMV above); a non-finite x
-// gives NaN in its input row's outputs. Block b computes output rows 4 b + [0, 4) (rows past m read
-// as row m - 1 and not written), the threads and steps as in Int4GemvKernel; x's rows 16-byte
-// aligned, k % 8 == 0.
+// The GEMV above spends 5.9 instructions a code in its loop on sm_90 (its SASS: a byte permute, a
+// subtraction and a multiply-add a code, 377 instructions for 64 codes with the masks, x's
+// widening for two rows and the addresses; tools/sass_census.py), and its SMs, not DRAM, were the
+// limit on the H200 (32% of the int4 roofline). Here a code costs a byte permute and a multiply-add,
+// the zero point taken off once a group and row (kernels/int4_folded.h, whose arithmetic the CPU
+// tests run too): 4.1 instructions a code in the loop. Four output rows a block (kFoldRows) share
+// each input value's widening and sum. Not exact in the last bits as the GEMV's products are (about
+// 2^-14 of the products' magnitude, far inside a bf16 / f16 output's rounding), so taken for 16-bit
+// act dtypes only (float32 act keeps the GEMV above); a non-finite x gives NaN in its input row's
+// outputs. Block b computes output rows 4 b + [0, 4) (rows past m read as row m - 1 and not
+// written), the threads and steps as in Int4GemvKernel; x's rows 16-byte aligned, k % 8 == 0.
 constexpr int kFoldRows = 4;
-
-// 0.5 + q / 256 as float, q the byte t of `lows` (each byte below 16): one byte permute of the byte
-// under 0x3F000000 (0.5, whose mantissa the byte lands in at bits 16 to 19).
-__device__ __forceinline__ float HalfPlusCode(uint32_t lows, int t) {
-  return __uint_as_float(__byte_perm(lows, 0x3F000000u, 0x7044u | (static_cast<uint32_t>(t) << 8)));
-}
 
 template <typename T, typename TO, int N>
 __global__ void __launch_bounds__(kGemvThreads)
@@ -359,12 +350,9 @@ __global__ void __launch_bounds__(kGemvThreads)
       float w[R][16], s[R], cz[R];
 #pragma unroll
       for (int rr = 0; rr < R; ++rr) {
-        s[rr] = __uint_as_float(head[u][rr].x) * 256.0f;
-        cz[rr] = fmaf(static_cast<float>(head[u][rr].y & 0xFFu), 1.0f / 256.0f, 0.5f);  // 0.5 + zero / 256, exact
-        const uint32_t lows[4] = {nib[u][rr].x & 0x0F0F0F0Fu, nib[u][rr].y & 0x0F0F0F0Fu,
-                                  (nib[u][rr].x >> 4) & 0x0F0F0F0Fu, (nib[u][rr].y >> 4) & 0x0F0F0F0Fu};
-#pragma unroll
-        for (int j = 0; j < 16; ++j) w[rr][j] = HalfPlusCode(lows[j / 4], j % 4);
+        s[rr] = FoldedScale(__uint_as_float(head[u][rr].x));
+        cz[rr] = FoldedZero(head[u][rr].y & 0xFFu);
+        FoldedCodes(nib[u][rr].x, nib[u][rr].y, w[rr]);
       }
       const int c = g * static_cast<int>(kInt4GroupSize) + 8 * p;
 #pragma unroll
@@ -373,19 +361,9 @@ __global__ void __launch_bounds__(kGemvThreads)
           float xv[16];
           LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c, k, xv);
           LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c + static_cast<int>(kInt4GroupSize) / 2, k, xv + 8);
-          float sx8[8];  // sum x in a fixed tree
+          const float sx = FoldedSumX(xv);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) sx8[j] = xv[2 * j] + xv[2 * j + 1];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) sx8[j] += sx8[j + 4];
-          const float sx = (sx8[0] + sx8[2]) + (sx8[1] + sx8[3]);
-#pragma unroll
-          for (int rr = 0; rr < R; ++rr) {
-            float d = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
-            acc[rr][i] = fmaf(s[rr], fmaf(-cz[rr], sx, d), acc[rr][i]);
-          }
+          for (int rr = 0; rr < R; ++rr) acc[rr][i] = FoldedAccumulate(w[rr], xv, sx, s[rr], cz[rr], acc[rr][i]);
         }
       }
     }
