@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kGemvThreads)
 // widening for two rows and the addresses; tools/sass_census.py), and its SMs, not DRAM, were the
 // limit on the H200 (32% of the int4 roofline). Here a code costs a byte permute and a multiply-add,
 // the zero point taken off once a group and row (kernels/int4_folded.h, whose arithmetic the CPU
-// tests run too): 4.1 instructions a code in the loop. Four output rows a block (kFoldRows) share
+// tests run too): 4.0 instructions a code in the loop. Four output rows a block (kFoldRows) share
 // each input value's widening and sum. Not exact in the last bits as the GEMV's products are (about
 // 2^-14 of the products' magnitude, far inside a bf16 / f16 output's rounding), so taken for 16-bit
 // act dtypes only (float32 act keeps the GEMV above); a non-finite x gives NaN in its input row's
@@ -331,11 +331,12 @@ __global__ void __launch_bounds__(kGemvThreads)
     uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
 #pragma unroll
     for (int u = 0; u < kInt4Steps; ++u) {
-      const bool valid = g0 + kInt4GroupsPerStep * u < groups;
+      if (g0 + kInt4GroupsPerStep * u < groups) {  // else not read (the loop below stops first)
 #pragma unroll
-      for (int rr = 0; rr < R; ++rr) {
-        head[u][rr] = valid ? __ldg(at[rr] + kStepWords * u) : make_uint2(0, 0);
-        nib[u][rr] = valid ? __ldg(at[rr] + kStepWords * u + 1 + p) : make_uint2(0, 0);
+        for (int rr = 0; rr < R; ++rr) {
+          head[u][rr] = __ldg(at[rr] + kStepWords * u);
+          nib[u][rr] = __ldg(at[rr] + kStepWords * u + 1 + p);
+        }
       }
     }
 #pragma unroll
