@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The cheap parts of tools/gpu-bench.sh's dry run (ctest label gpu_bench_dry_run; no GPU, no build).
+"""The cheap parts of tools/gpu-bench.sh's dry run and of the GPU tools (ctest gpu_bench_dry_run; no GPU).
 
 1. tools/gpu-bench.sh: no verb, an unknown verb or extra arguments are a usage error (exit 2).
 2. gpu_bench_report.py junit on canned gtest XML: a case skipped for want of a GPU fails the step on a
@@ -17,6 +17,9 @@
    Hugging Face's tensor names and shapes back to back in the header, lm_head only when untied, the
    q/k/v biases for Qwen2, the norms bf16 ones; with BIN_DIR, `shardserve generate-ids` loads each
    (the real load path on the CPU) and generates 3 ids.
+7. tools/sass_census.py's reading of nvdisasm output (canned, two kernels): a kernel's instructions
+   counted without its labels, a loop found at a backward branch (not at a forward one or a branch
+   to itself) with its length and opcodes, predicates and modifiers stripped.
 
 usage: gpu_bench_test.py [BIN_DIR]
 """
@@ -201,7 +204,43 @@ def main():
                 check(rc == 0 and len(ids) == 3 and all(0 <= int(i) < 300 for i in ids),
                       f"{src}: the checkpoint loads and generates 3 ids", out + err)
                 checks += 1
+    checks += sass_census_checks()
     print(f"PASS: {checks} checks")
+
+
+SASS = """\
+\t.text._Z3oneiPf:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x1, PT ;
+        /*0020*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0030*/                   FFMA R2, R3, R4, R2 ;
+        /*0040*/                   PRMT R3, R5, 0x7044, R6 ;
+        /*0050*/              @!P1 FFMA R2, R3, R4, R2 ;
+        /*0060*/                   LDG.E.64.CONSTANT R4, desc[UR6][R8.64] ;
+        /*0070*/               @P2 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0080*/                   EXIT ;
+.L_x_2:
+        /*0090*/                   BRA `(.L_x_2);
+\t.text._Z3twov:
+        /*0000*/                   EXIT ;
+"""
+
+
+def sass_census_checks():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import sass_census
+    funcs = sass_census.functions(SASS)
+    check(sorted(funcs) == ["_Z3oneiPf", "_Z3twov"], "sass_census: both kernels", sorted(funcs))
+    total, loops = sass_census.census(funcs["_Z3oneiPf"])
+    check(total == 10, "sass_census: ten instructions, labels not counted", total)
+    check(len(loops) == 1 and loops[0][:2] == (3, 5), "sass_census: one loop, five instructions from 0x30",
+          loops)
+    ops = loops[0][2]
+    check(ops == {"FFMA": 2, "PRMT": 1, "LDG": 1, "BRA": 1}, "sass_census: the loop's opcodes", dict(ops))
+    check(sass_census.census(funcs["_Z3twov"]) == (1, []), "sass_census: no loop", funcs["_Z3twov"])
+    return 5
 
 
 if __name__ == "__main__":
