@@ -145,12 +145,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     }
   }
   WaitForPriorKernels();  // CudaBackend::Launch
-  float acc[R][N];
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
-  }
+  float acc[R][N] = {};
   for (int base = static_cast<int>(threadIdx.x) * 8; base < k; base += kStride * kSteps) {
     Raw8<T> raw[kSteps][R];
 #pragma unroll

@@ -122,12 +122,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     }
   }
   WaitForPriorKernels();  // CudaBackend::Launch
-  float acc[R][N];
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
-  }
+  float acc[R][N] = {};
   if constexpr (kVec) {
     constexpr int kStride = kGemvThreads * 16;
     for (int base = static_cast<int>(threadIdx.x) * 16; base < k; base += kStride * kGemvLoads) {
@@ -227,12 +222,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     }
   }
   WaitForPriorKernels();  // CudaBackend::Launch
-  float acc[R][N];
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
-  }
+  float acc[R][N] = {};
   for (int g0 = first; g0 < groups; g0 += kInt4GroupsPerStep * kInt4Steps) {
     uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
 #pragma unroll
@@ -321,12 +311,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     }
   }
   WaitForPriorKernels();  // CudaBackend::Launch
-  float acc[R][N];
-#pragma unroll
-  for (int rr = 0; rr < R; ++rr) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) acc[rr][i] = 0.0f;
-  }
+  float acc[R][N] = {};
   for (int g0 = first; g0 < groups; g0 += kInt4GroupsPerStep * kInt4Steps) {
     uint2 head[kInt4Steps][R], nib[kInt4Steps][R];
 #pragma unroll
@@ -701,16 +686,14 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
                                                 blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
               return absl::OkStatus();
             }
-          }
-          if (folded) {
-            return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
-              if constexpr (sizeof(T) == 2) {
+            if (folded) {
+              return ForGemvInstance(rows, true, [&](auto kn, auto) -> absl::Status {
                 SHARDSERVE_RETURN_IF_ERROR(Launch("Int4FoldedGemvKernel", Int4FoldedGemvKernel<T, TO, kn()>,
                                                   static_cast<unsigned>(CeilDiv(m, kFoldRows)), kGemvThreads, y, xs,
                                                   blocks, b, rows, mi, ki, static_cast<int>(groups), pdl_));
-              }
-              return absl::OkStatus();
-            });
+                return absl::OkStatus();
+              });
+            }
           }
           return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
             SHARDSERVE_RETURN_IF_ERROR(Launch("Int4GemvKernel", Int4GemvKernel<T, TO, kn(), kvec()>, grid, kGemvThreads,
