@@ -314,10 +314,11 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                                  absl::FunctionRef<absl::Status(void*)> fill) {
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
-  // int8 and fp8 weights as panels where their instance runs them so (fp8 has no integer instance:
-  // its own is the exact one, ActiveQuantIsa, whatever act_).
+  // The weight's instance, and whether it runs int8 / fp8 / int4 weights as panels (fp8 has no
+  // integer instance: its own is the exact one, ActiveQuantIsa, whatever act_).
+  const QuantIsa isa = quant == WeightQuant::kFp8 ? ActiveQuantIsa() : IntIsa();
   const bool byte_panels =
-      quant == WeightQuant::kFp8 ? Fp8OnPanels(ActiveQuantIsa()) : quant == WeightQuant::kInt8 && IntOnPanels(IntIsa());
+      quant == WeightQuant::kFp8 ? Fp8OnPanels(isa) : quant == WeightQuant::kInt8 && IntOnPanels(isa);
   if (byte_panels) {
     // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
     std::vector<uint8_t> rows(bytes);
@@ -329,13 +330,12 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     cpu::PackPanelsBytes(static_cast<uint8_t*>(buffer.data()) + scale_bytes, rows.data() + scale_bytes, m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].byte_panels = true;
-    packed_[buffer.data()].panel_tiles =
-        quant == WeightQuant::kFp8 ? cpu::PanelTiles::kAvx512 : PanelTilesFor(IntIsa());
+    packed_[buffer.data()].panel_tiles = PanelTilesFor(isa);
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;
   }
-  if (quant == WeightQuant::kInt4 && IntOnPanels(IntIsa())) {
+  if (quant == WeightQuant::kInt4 && IntOnPanels(isa)) {
     // The blocks first, then repacked as panels (panel_matmul.h).
     std::vector<Int4Group128> blocks(static_cast<size_t>(m * Int4GroupsLayout{m, k}.groups_per_row()));
     SHARDSERVE_RETURN_IF_ERROR(fill(blocks.data()));
@@ -344,7 +344,7 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int4_panels = true;
-    packed_[buffer.data()].panel_tiles = PanelTilesFor(IntIsa());
+    packed_[buffer.data()].panel_tiles = PanelTilesFor(isa);
     *packed = Tensor(buffer.data(), DType::kI8, {m, k});
     packed->quant = quant;
     return buffer;
