@@ -1292,6 +1292,17 @@ class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>
   // backend's dequantize scratch is the largest CudaDequantScratchBytes so far (a 64 KiB limit).
   void ExpectMatMulsMatchTheReference(Backend* cuda, const std::vector<Shape>& shapes, bool check_scratch,
                                       std::vector<std::vector<float>>* outputs = nullptr) const;
+  // The same on `path` (a backend with an optional decode path on) and on cuda_ (the defaults), and
+  // `path`'s outputs must differ from the defaults' somewhere, or the path (`what`) did not run.
+  void ExpectThePathMatchesTheReferenceAndRan(Backend* path, const std::vector<Shape>& shapes, const char* what) const {
+    std::vector<std::vector<float>> got_path, got_plain;
+    ExpectMatMulsMatchTheReference(path, shapes, false, &got_path);
+    ExpectMatMulsMatchTheReference(cuda_.get(), shapes, false, &got_plain);
+    ASSERT_EQ(got_path.size(), got_plain.size());
+    bool differs = false;
+    for (size_t p = 0; p < got_path.size(); ++p) differs = differs || got_path[p] != got_plain[p];
+    EXPECT_TRUE(differs) << "every output bitwise the plain GEMV's: " << what << " did not run";
+  }
 
   std::unique_ptr<Backend> cuda_;
 };
@@ -1379,14 +1390,8 @@ TEST_P(CudaInt4Mma, MatMulMatchesTheDequantizedReference) {
   SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> mma, MakeCudaBackend(0, act(), {.quantized_kernels = true,
                                                                               .int4_mma = true,
                                                                               .quantized_scratch_bytes = 64 << 10}));
-  const std::vector<Shape> shapes = {{520, 384}, {37, 1024}, {16, 128}, {75, 1408}, {8, 256}};
-  std::vector<std::vector<float>> got_mma, got_plain;
-  ExpectMatMulsMatchTheReference(mma.get(), shapes, false, &got_mma);
-  ExpectMatMulsMatchTheReference(cuda_.get(), shapes, false, &got_plain);
-  ASSERT_EQ(got_mma.size(), got_plain.size());
-  bool differs = false;
-  for (size_t p = 0; p < got_mma.size(); ++p) differs = differs || got_mma[p] != got_plain[p];
-  EXPECT_TRUE(differs) << "every output bitwise the plain GEMV's: the tensor-core path did not run";
+  ExpectThePathMatchesTheReferenceAndRan(mma.get(), {{520, 384}, {37, 1024}, {16, 128}, {75, 1408}, {8, 256}},
+                                         "the tensor-core path");
 
   // A zero of 128 or more (no quantizer's, but the layout holds a byte) is not exact in bf16 as 128
   // + zero: such a weight keeps the plain GEMV, and its products stay right.
@@ -1427,14 +1432,8 @@ TEST_P(CudaInt4Folded, MatMulMatchesTheDequantizedReference) {
       MakeCudaBackend(0, act(), {.quantized_kernels = true, .int4_folded = true, .quantized_scratch_bytes = 64 << 10}));
   EXPECT_NE(folded->Describe().find("int4 decode with the zero folded out"), std::string::npos) << folded->Describe();
   EXPECT_EQ(cuda_->Describe().find("folded"), std::string::npos) << cuda_->Describe();
-  const std::vector<Shape> shapes = {{520, 384}, {37, 1024}, {67, 1000}, {6, 128}, {9, 14336}};
-  std::vector<std::vector<float>> got_folded, got_plain;
-  ExpectMatMulsMatchTheReference(folded.get(), shapes, false, &got_folded);
-  ExpectMatMulsMatchTheReference(cuda_.get(), shapes, false, &got_plain);
-  ASSERT_EQ(got_folded.size(), got_plain.size());
-  bool differs = false;
-  for (size_t p = 0; p < got_folded.size(); ++p) differs = differs || got_folded[p] != got_plain[p];
-  EXPECT_TRUE(differs) << "every output bitwise the plain GEMV's: the folded GEMV did not run";
+  ExpectThePathMatchesTheReferenceAndRan(folded.get(), {{520, 384}, {37, 1024}, {67, 1000}, {6, 128}, {9, 14336}},
+                                         "the folded GEMV");
 }
 
 // kernels/int4_folded.h, the folded GEMV's own arithmetic (its host build: the byte permute as a
