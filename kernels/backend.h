@@ -297,7 +297,9 @@ const char* CpuActivationQuantName(CpuActivationQuant act);
 
 // MakeCpuBackend with `act`. kInt8 needs AVX-512 VNNI or AVX2 (kernels/cpu/quant_isa.h
 // Int8ActivationsIsa): on a CPU with neither this is FailedPrecondition naming what the CPU has,
-// rather than a silent fall back to the exact products.
+// rather than a silent fall back to the exact products. InvalidArgument when ONEDNN_MAX_CPU_ISA (the
+// cap on the instruction sets of oneDNN and of the CPU backend's own products: kernels/cpu/isa_cap.h)
+// holds a value oneDNN does not know.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act);
 
 // Whether oneDNN multiplies bf16 on this CPU with bf16 instructions (AVX512-BF16 or AMX; within any

@@ -43,7 +43,9 @@ inline bool CpuHasBf16Instructions() {
 }
 
 // A oneDNN ISA cap (DNNL_MAX_CPU_ISA, ONEDNN_MAX_CPU_ISA) in the environment, for failure
-// messages: a cap makes oneDNN refuse what the CPU has, which these tests report as a failure.
+// messages: under a cap oneDNN, and the backend's own products with it (kernels/cpu/isa_cap.h), do
+// less than CPUID shows, so tests that expect what CPUID shows fail, and say why. The capped
+// dispatch has tests of its own (ctest kernels_cpu_avx2_cap, llama_parity_avx2_cap).
 inline std::string OneDnnIsaCap() {
   std::string cap;
   for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"}) {

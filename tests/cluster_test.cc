@@ -336,6 +336,25 @@ TEST(WorkerFlagsTest, BadMemoryBandwidthIsAUsageErrorNamingTheFlag) {
   fs::remove_all(dir, ec);
 }
 
+// An instruction-set cap oneDNN would ignore (kernels/cpu/isa_cap.h) ends a CPU worker at start, before
+// it looks for its coordinator (none listens at port 1: without the check it would keep retrying).
+TEST(WorkerFlagsTest, AnIsaCapOneDnnWouldIgnoreIsRefusedAtStart) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const fs::path log = dir / "worker.log";
+  ASSERT_EQ(setenv("ONEDNN_MAX_CPU_ISA", "avx-512", 1), 0);
+  Process worker({SHARDSERVE_WORKER_BIN, "--coordinator", "127.0.0.1:1", "--node", "n0", "--listen", "127.0.0.1:0",
+                  "--memory-gb", "1"},
+                 log);
+  unsetenv("ONEDNN_MAX_CPU_ISA");
+  EXPECT_EQ(worker.Wait(std::chrono::seconds(20)), 1) << Tail(log);
+  EXPECT_NE(Tail(log).find("shardserve-worker: ONEDNN_MAX_CPU_ISA='avx-512' is not an instruction set oneDNN knows"),
+            std::string::npos)
+      << Tail(log);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 TEST_F(ClusterApiTest, AWorkerBeyondTheGroupIsRefusedAndTheGroupServesOn) {
   const fs::path log = cluster_->dir() / "extra-worker.log";
   Process extra({SHARDSERVE_WORKER_BIN, "--coordinator", cluster_->address(), "--node", "n9", "--listen",

@@ -35,6 +35,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
+#include "kernels/cpu/isa_cap.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
@@ -1494,6 +1495,74 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
 // 1, 3 or 7 threads, the bytes of each format's own quantizer in one call, for rows that split
 // unevenly and an int4 k off 128; a non-finite weight is refused naming its row and column in the
 // whole weight (not in a thread's rows) before anything is written; kNone is refused.
+// oneDNN's cap (ONEDNN_MAX_CPU_ISA, kernels/cpu/isa_cap.h) caps our own products' dispatch too: each
+// "supported" answer is the CPU's own bits and what the cap allows, whatever the environment. ctest
+// runs this program's IsaCap cases twice: as every case (no cap), and as kernels_cpu_avx2_cap with
+// ONEDNN_MAX_CPU_ISA=AVX2 and SHARDSERVE_TEST_EXPECT_AVX2_CAP=1, where on an AVX-512 CPU every
+// product must pick its AVX2 instance.
+TEST(IsaCap, EveryDispatchFollowsTheCap) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  const bool allow512 = cpu::IsaCapAllows(cpu::IsaLevel::kAvx512);
+  EXPECT_EQ(cpu::QuantIsaSupported(cpu::QuantIsa::kAvx2), avx2 && cpu::IsaCapAllows(cpu::IsaLevel::kAvx2));
+  EXPECT_EQ(cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512), avx512 && allow512);
+  EXPECT_EQ(cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni),
+            avx512 && __builtin_cpu_supports("avx512vnni") && cpu::IsaCapAllows(cpu::IsaLevel::kAvx512Vnni));
+  EXPECT_EQ(cpu::PanelTilesSupported(cpu::PanelTiles::kAvx512), __builtin_cpu_supports("avx512f") && allow512);
+  EXPECT_EQ(cpu::CpuHasAvx512Bf16(),
+            avx512 && __builtin_cpu_supports("avx512bf16") && cpu::IsaCapAllows(cpu::IsaLevel::kAvx512Bf16));
+  // The levels nest: a cap that allows one allows those below it.
+  EXPECT_LE(cpu::IsaCapAllows(cpu::IsaLevel::kAvx512Bf16), cpu::IsaCapAllows(cpu::IsaLevel::kAvx512Vnni));
+  EXPECT_LE(cpu::IsaCapAllows(cpu::IsaLevel::kAvx512Vnni), allow512);
+  EXPECT_LE(allow512, cpu::IsaCapAllows(cpu::IsaLevel::kAvx2));
+  const char* expect = std::getenv("SHARDSERVE_TEST_EXPECT_AVX2_CAP");
+  if (expect == nullptr || std::string(expect) != "1") return;
+  // Under ONEDNN_MAX_CPU_ISA=AVX2 (ctest kernels_cpu_avx2_cap): nothing above AVX2, on any CPU.
+  ASSERT_FALSE(allow512) << "ONEDNN_MAX_CPU_ISA=" << (std::getenv("ONEDNN_MAX_CPU_ISA") ?: "(unset)")
+                         << " did not cap oneDNN at AVX2";
+  EXPECT_EQ(cpu::IsaCapAllows(cpu::IsaLevel::kAvx2), avx2);
+  EXPECT_EQ(cpu::ActivePanelTiles(), cpu::PanelTiles::kVec8);
+  EXPECT_FALSE(cpu::CpuHasAvx512Bf16());
+  EXPECT_FALSE(cpu::OneDnnHasBf16MatMul());
+  EXPECT_FALSE(CpuHasNativeBf16MatMul());
+  if (!avx2) return;
+  EXPECT_EQ(cpu::ActiveQuantIsa(), cpu::QuantIsa::kAvx2);
+  EXPECT_EQ(cpu::Int8ActivationsIsa(), cpu::QuantIsa::kAvx2Int8);
+  const std::string f32 = MakeCpuBackend(1, CpuMatMul::kF32)->Describe();
+  EXPECT_NE(f32.find("int8/int4 products on 8-float panels"), std::string::npos) << f32;
+  EXPECT_NE(f32.find(", within ONEDNN_MAX_CPU_ISA=AVX2: AVX2]"), std::string::npos) << f32;
+  EXPECT_EQ(f32.find("avx512 tiles"), std::string::npos) << f32;
+  const std::string bf16 = MakeCpuBackend(1, CpuMatMul::kBF16)->Describe();
+  EXPECT_NE(bf16.find("bf16 products on 8-float panels"), std::string::npos) << bf16;
+}
+
+TEST(IsaCap, AValueOneDnnWouldIgnoreIsRefusedByName) {
+  const char* before = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const std::string saved = before != nullptr ? before : "";
+  const auto restore = [&] {
+    if (before != nullptr) {
+      setenv("ONEDNN_MAX_CPU_ISA", saved.c_str(), 1);
+    } else {
+      unsetenv("ONEDNN_MAX_CPU_ISA");
+    }
+  };
+  // oneDNN fixed its cap at its first query: these change only what the check reads.
+  setenv("ONEDNN_MAX_CPU_ISA", "avx2", 1);  // oneDNN's names, any case
+  EXPECT_TRUE(cpu::CheckIsaCapSetting().ok()) << cpu::CheckIsaCapSetting();
+  setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", 1);
+  EXPECT_TRUE(cpu::CheckIsaCapSetting().ok()) << cpu::CheckIsaCapSetting();
+  setenv("ONEDNN_MAX_CPU_ISA", "avx-512", 1);
+  const absl::Status bad = cpu::CheckIsaCapSetting();
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeCpuBackend(1, CpuMatMul::kF32, CpuActivationQuant::kNone);
+  restore();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad;
+  EXPECT_NE(bad.message().find("ONEDNN_MAX_CPU_ISA='avx-512'"), std::string::npos) << bad;
+  EXPECT_NE(bad.message().find("AVX512_CORE"), std::string::npos) << bad;  // what it would take
+  EXPECT_EQ(backend.status(), bad);
+}
+
 TEST(QuantizeWeightTest, ThreadsGiveTheQuantizersBytesAndRefuseWithTheWholeWeightsPlace) {
   std::mt19937 rng(29);
   const int64_t m = 101, k = 300;

@@ -226,11 +226,12 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int> cuda_ordinal = ParseDevice(options.device);
   if (!cuda_ordinal.ok()) return Usage(std::string(cuda_ordinal.status().message()));
   if (*cuda_ordinal < 0 && options.collectives == Collectives::kNccl) return Usage("--collectives nccl needs --device cuda:K");
-  if (*cuda_ordinal < 0 && options.cpu_activation_quant != CpuActivationQuant::kNone) {
-    // Refused here, before registering, on a CPU without AVX-512 VNNI or AVX2 (the message names what it has).
+  if (*cuda_ordinal < 0) {
+    // Refused here, before registering: --activation-quantization int8 on a CPU without AVX-512 VNNI or
+    // AVX2, or an ONEDNN_MAX_CPU_ISA that oneDNN would ignore (each message names what is wrong).
     if (absl::StatusOr<std::unique_ptr<Backend>> probe = MakeCpuBackend(1, CpuMatMul::kF32, options.cpu_activation_quant);
         !probe.ok()) {
-      std::fprintf(stderr, "shardserve-worker: --%s\n", std::string(probe.status().message()).c_str());
+      std::fprintf(stderr, "shardserve-worker: %s\n", std::string(probe.status().message()).c_str());
       return 1;
     }
   }

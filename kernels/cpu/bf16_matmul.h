@@ -31,7 +31,8 @@ namespace shardserve::cpu {
 constexpr int64_t kBf16BlockColumns = 64;
 constexpr int64_t kBf16BlockInputs = 32;
 
-// Whether this CPU (and its OS) runs Bf16BlockedMatMul: AVX-512 F/BW/VL and BF16. (This and the
+// Whether this CPU (and its OS) runs Bf16BlockedMatMul: AVX-512 F/BW/VL and BF16, within oneDNN's cap
+// (isa_cap.h). (This and the
 // four below are defined in matmul.cc, compiled for baseline x86-64.)
 bool CpuHasAvx512Bf16();
 // Whether oneDNN multiplies bf16 here: its avx512_core ISA or more (with AVX512-BF16 natively, else

@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/isa_cap.h"
 #include "kernels/cpu/quant_isa.h"
 
 namespace shardserve {
@@ -77,11 +78,12 @@ absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& na
 const char* CpuActivationQuantName(CpuActivationQuant act) { return act == CpuActivationQuant::kInt8 ? "int8" : "none"; }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act) {
+  if (absl::Status cap = cpu::CheckIsaCapSetting(); !cap.ok()) return cap;
   if (act == CpuActivationQuant::kInt8 && !cpu::Int8ActivationsIsa().has_value()) {
     // No fall back: the flag asks for llama.cpp's arithmetic, and a silent exact run would be
     // another model's figures.
     return absl::FailedPreconditionError(absl::StrCat(
-        "activation-quantization int8 runs the int8/int4 products on AVX-512 VNNI or AVX2, which this CPU lacks (",
+        "--activation-quantization int8 runs the int8/int4 products on AVX-512 VNNI or AVX2, which this CPU lacks (",
         cpu::QuantizedKernelsDescription(), "); run without it (none: the exact products)"));
   }
   return std::make_unique<cpu::CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul, act);

@@ -22,9 +22,10 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/int4_matmul.h"
 #include "kernels/cpu/int8_matmul.h"
+#include "kernels/cpu/isa_cap.h"
+#include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
 #include "kernels/quant.h"
-#include "kernels/cpu/panel_matmul.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace shardserve::cpu {
@@ -72,7 +73,8 @@ bool CpuHasAvx512Bf16() {
   __builtin_cpu_init();
   // libgcc's answers include the OS's: AVX-512 only where XCR0 enables the zmm state.
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         IsaCapAllows(IsaLevel::kAvx512Bf16);
 }
 
 bool OneDnnHasBf16MatMul() {

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/cpu/isa_cap.h"
 #include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/panel_tiles.h"
 #include "kernels/cpu/tile_rows.h"
@@ -205,7 +206,7 @@ bool PanelTilesSupported(PanelTiles tiles) {
   if (tiles == PanelTiles::kVec8) return true;
   __builtin_cpu_init();
   // libgcc's answer includes the OS's: AVX-512 only where XCR0 enables the zmm state.
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma") && IsaCapAllows(IsaLevel::kAvx512);
 }
 
 PanelTiles ActivePanelTiles() {

@@ -127,7 +127,7 @@ void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
 // ones (kAvx512, CPUs with AVX-512F and FMA).
 enum class PanelTiles : uint8_t { kVec8 = 0, kAvx512 = 1 };
-// Whether this CPU (and its OS) runs `tiles`.
+// Whether this CPU (and its OS) runs `tiles`, and oneDNN's cap allows them (isa_cap.h).
 bool PanelTilesSupported(PanelTiles tiles);
 // The tiles the products run: the override when one is set, else kAvx512 where supported.
 PanelTiles ActivePanelTiles();

@@ -3,6 +3,7 @@
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/isa_cap.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -23,7 +24,10 @@ const char* QuantIsaName(QuantIsa isa) {
   return "?";
 }
 
-bool QuantIsaSupported(QuantIsa isa) {
+namespace {
+
+// Whether the CPU (and its OS) has `isa`'s instructions, whatever the cap.
+bool CpuHas(QuantIsa isa) {
   __builtin_cpu_init();
   // libgcc's answers include the OS's: AVX-512 only where XCR0 enables the zmm state.
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -35,6 +39,20 @@ bool QuantIsaSupported(QuantIsa isa) {
     case QuantIsa::kAvx512: return avx512;
     case QuantIsa::kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
     case QuantIsa::kAvx2Int8: return avx2;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool QuantIsaSupported(QuantIsa isa) {
+  if (!CpuHas(isa)) return false;
+  switch (isa) {
+    case QuantIsa::kPortable: return true;
+    case QuantIsa::kAvx2:
+    case QuantIsa::kAvx2Int8: return IsaCapAllows(IsaLevel::kAvx2);
+    case QuantIsa::kAvx512: return IsaCapAllows(IsaLevel::kAvx512);
+    case QuantIsa::kAvx512Vnni: return IsaCapAllows(IsaLevel::kAvx512Vnni);
   }
   return false;
 }
@@ -61,8 +79,9 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
   __builtin_cpu_init();
   const auto yes = [](bool b) { return b ? "yes" : "no"; };
   const bool vnni = QuantIsaSupported(QuantIsa::kAvx512Vnni);
-  const std::string cpu = absl::StrCat("[cpu: avx2+fma ", yes(QuantIsaSupported(QuantIsa::kAvx2)), ", avx512f/bw/vl ",
-                                       yes(QuantIsaSupported(QuantIsa::kAvx512)), ", avx512-vnni ", yes(vnni));
+  const std::string cpu =
+      absl::StrCat("[cpu: avx2+fma ", yes(CpuHas(QuantIsa::kAvx2)), ", avx512f/bw/vl ", yes(CpuHas(QuantIsa::kAvx512)),
+                   ", avx512-vnni ", yes(CpuHas(QuantIsa::kAvx512Vnni)), IsaCapNote());
   // fp8 has no integer instance: it runs the exact one, on panels (Fp8OnPanels) or its rows.
   const std::string fp8 = Fp8OnPanels(ActiveQuantIsa()) ? "16-float panels" : QuantIsaName(ActiveQuantIsa());
   if (int_isa == QuantIsa::kAvx512Vnni || int_isa == QuantIsa::kAvx2Int8) {

@@ -63,7 +63,7 @@ std::optional<QuantIsa> Int8ActivationsIsa();
 
 // "portable", "avx2", "avx512", "avx512vnni", "avx2int8".
 const char* QuantIsaName(QuantIsa isa);
-// Whether this CPU (and its OS) can run `isa`'s instance.
+// Whether this CPU (and its OS) can run `isa`'s instance, and oneDNN's cap allows it (isa_cap.h).
 bool QuantIsaSupported(QuantIsa isa);
 // The instance the products use: the override when one is set, else the widest exact one this CPU
 // has (kAvx512, kAvx2 or kPortable).

@@ -117,7 +117,7 @@ int Run(const std::vector<std::string>& args) {
   std::unique_ptr<Backend> backend;
   if (device == "cpu") {
     absl::StatusOr<std::unique_ptr<Backend>> cpu = MakeCpuBackend(0, CpuMatMul::kF32, *act);
-    if (!cpu.ok()) return Fail(absl::StrCat("--", cpu.status().message()));
+    if (!cpu.ok()) return Fail(std::string(cpu.status().message()));
     backend = std::move(*cpu);
   } else if (device.rfind("cuda", 0) == 0) {
     if (*act != CpuActivationQuant::kNone) {
