@@ -4,6 +4,11 @@
 # its output exists).
 #
 #   tools/build-llamacpp.sh [DIR]        (DIR default: /work/llamacpp-build; JOBS=2 by default)
+#   AVX2_ONLY=1 tools/build-llamacpp.sh /work/llamacpp-avx2
+#                                        the same without -march=native: ggml's portable x86 set (SSE4.2,
+#                                        AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AVX-VNNI), what an
+#                                        AVX2-only CPU (the Zen 3 EPYC VMs) builds; to run beside
+#                                        shardserve under SHARDSERVE_CPU_ISA=avx2 on an AVX-512 VM
 #
 # What it makes, under DIR:
 #   src/                 llama-cpp-python 0.3.36's source package from PyPI (pip download --no-binary),
@@ -57,9 +62,14 @@ if grep -qw amx_tile /proc/cpuinfo; then
   NO_AMX=(-DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
           -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
 fi
+ISA=()
+if [ "${AVX2_ONLY:-0}" = 1 ]; then
+  NO_AMX=()
+  ISA=(-DGGML_NATIVE=OFF)
+fi
 if [ ! -f build/CMakeCache.txt ]; then
   cmake -S "$LCPP" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=OFF -DLLAMA_CURL=OFF \
-      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF "${NO_AMX[@]}" \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF "${NO_AMX[@]}" "${ISA[@]}" \
       -DCMAKE_PROJECT_INCLUDE="$TOOLS/llamacpp/unity-models.cmake"
 fi
 nice -n "${NICE:-10}" cmake --build build -j "$JOBS" --target llama-bench llama-batched-bench llama-server \
