@@ -61,27 +61,21 @@ template <int R, int P, bool kPrefetch>
 template <int P>
 void Group(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* panel, int64_t have,
            int64_t cols, const float* bias, const float* next, int64_t next_have) {
-  const int64_t tiles = WideRowTiles(n), base = n / tiles, longer = n % tiles;  // the first `longer` take base + 1
+  const int64_t tiles = BalancedTiles(n, kWideTileRows);
   const int64_t share = k / tiles * kPanelCols;  // each tile asks for k / tiles lines of each next panel
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t rows = base + (t < longer ? 1 : 0);
-    float* yt = y + r * ldy;
-    const float* xt = x + r * k;
-    const float* ahead = next != nullptr ? next + t * share : nullptr;
-    WithTileRows<kWideTileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-      if constexpr (R() * P <= 2 * kWideTileRows) {
-        WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
-          if (next != nullptr) {
-            WideTile<R(), Q(), true>(yt, ldy, xt, k, panel, cols, bias, ahead, next_have, tiles);
-          } else {
-            WideTile<R(), Q(), false>(yt, ldy, xt, k, panel, cols, bias, nullptr, 0, 1);
-          }
-        });
-      }
-    });
-    r += rows;
-  }
+  const float* ahead = next;                     // the tile's share of them
+  WithBalancedTiles<kWideTileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+    if constexpr (R() * P <= 2 * kWideTileRows) {
+      WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
+        if (next != nullptr) {
+          WideTile<R(), Q(), true>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, ahead, next_have, tiles);
+        } else {
+          WideTile<R(), Q(), false>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, nullptr, 0, 1);
+        }
+      });
+    }
+    if (next != nullptr) ahead += share;
+  });
 }
 
 // Floats ahead of each row's block that the plain tiles ask the cache for.

@@ -14,27 +14,26 @@
 
 #include <cstdint>
 
+#include "kernels/cpu/tile_rows.h"
+
 namespace shardserve::cpu {
 
 // Rows per AVX-512 tile, at most: 14 rows x 2 panels = 28 accumulators, with the 2 panel vectors
 // 30 of the 32 zmm registers (x is broadcast from memory by the FMA itself).
 inline constexpr int64_t kWideTileRows = 14;
 
-// Row tiles a product of n rows takes: the fewest of at most kWideTileRows rows, their sizes
-// differing by one at most (so that every tile keeps many chains: 15 rows are 8 + 7, not 14 + 1).
-constexpr int64_t WideRowTiles(int64_t n) { return (n + kWideTileRows - 1) / kWideTileRows; }
-
 // Panels a tile takes at once for a product of n rows: as many as its rows' accumulators fit in
 // 28 registers with the panels' own (6 rows x 4, 9 x 3, 14 x 2), so that short tiles still keep
 // 16 or more chains going (Zen 5 issues two 16-lane FMAs a cycle, each 4 cycles long).
 constexpr int64_t WidePanelsPerGroup(int64_t n) {
-  const int64_t rows = (n + WideRowTiles(n) - 1) / WideRowTiles(n);  // the longest tile
+  const int64_t rows = LongestBalancedTile(n, kWideTileRows);
   return rows <= 6 ? 4 : rows <= 9 ? 3 : 2;
 }
 
 // y [n, cols] (row stride ldy) = x [n, k] (row stride k) @ `have` (1 <= have <=
 // WidePanelsPerGroup(n)) adjacent panels [k, 16] (panel_matmul.h's layout, the first at `panel`;
-// cols <= 16 have of their columns kept) (+ bias [cols]), in WideRowTiles(n) tiles. With `next`
+// cols <= 16 have of their columns kept) (+ bias [cols]), in tile_rows.h's balanced tiles of at most
+// kWideTileRows rows (15 rows are 8 + 7, not 14 + 1: every tile keeps many chains). With `next`
 // (not null), the tiles also ask the cache for the `next_have` panels at `next`, shared out between
 // them (the next group's, while this one computes). n, k >= 1.
 void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* panel, int64_t have,

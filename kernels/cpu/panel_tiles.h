@@ -151,19 +151,11 @@ template <class W, bool kPrefetch>
 [[gnu::always_inline]] inline void PanelRows(float* y, int64_t ldy, const float* x, int64_t n, int64_t k,
                                              const typename W::T* panel, int64_t cols, const float* bias,
                                              const typename W::T* next) {
-  const int64_t tiles = (n + kTileRows - 1) / kTileRows, share = k / tiles * kPanelCols;
-  const int64_t base = n / tiles, longer = n % tiles;  // the first `longer` tiles take base + 1 rows
-  int64_t r = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t rows = base + (t < longer ? 1 : 0);
-    float* yt = y + r * ldy;
-    const float* xt = x + r * k;
-    WithTileRows<kTileRows>(rows, [&](auto R) __attribute__((always_inline)) {
-      Tile<W, R, kPrefetch>(yt, ldy, xt, k, panel, cols, bias, next, tiles);
-    });
-    r += rows;
+  const int64_t tiles = BalancedTiles(n, kTileRows), share = k / tiles * kPanelCols;
+  WithBalancedTiles<kTileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+    Tile<W, R, kPrefetch>(y + r * ldy, ldy, x + r * k, k, panel, cols, bias, next, tiles);
     if constexpr (kPrefetch) next += share;
-  }
+  });
 }
 
 // Panels a weight of m output columns takes.

@@ -44,13 +44,17 @@ template <int kMaxRows, class Tile>
   }
 }
 
-// Rows [0, n) in the fewest tiles of at most kMaxRows rows, their sizes differing by one at most
-// (15 rows of at most 12: 8 + 7, not 12 + 3, so that every tile keeps many sums going): tile(r,
-// R) for each, r its first row, R its row count as WithTileRows passes it. (The int4 panels'
-// tiles, panel_matmul_int4_avx512.cc and _avx2.cc.)
+// The tiles WithBalancedTiles makes of n rows (n >= 1): the fewest of at most max_rows rows.
+constexpr int64_t BalancedTiles(int64_t n, int64_t max_rows) { return (n + max_rows - 1) / max_rows; }
+
+// Rows [0, n) in BalancedTiles(n, kMaxRows) tiles, their sizes differing by one at most (15 rows of
+// at most 12: 8 + 7, not 12 + 3, so that every tile keeps many sums going), in order: tile(r, R)
+// for each, r its first row, R its row count as WithTileRows passes it. (Every panel product's
+// tiles: the float32 panels', panel_tiles.h and panel_matmul_avx512.cc, the one-byte panels',
+// panel_matmul_bytes_avx512.cc, the int4 panels', panel_matmul_int4_avx512.cc and _avx2.cc.)
 template <int kMaxRows, class Tile>
 [[gnu::always_inline]] inline void WithBalancedTiles(int64_t n, const Tile& tile) {
-  const int64_t tiles = (n + kMaxRows - 1) / kMaxRows, base = n / tiles, longer = n % tiles;
+  const int64_t tiles = BalancedTiles(n, kMaxRows), base = n / tiles, longer = n % tiles;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = base + (t < longer ? 1 : 0);
@@ -61,7 +65,7 @@ template <int kMaxRows, class Tile>
 
 // The rows of WithBalancedTiles' longest tile for n rows (n >= 1).
 constexpr int64_t LongestBalancedTile(int64_t n, int64_t max_rows) {
-  const int64_t tiles = (n + max_rows - 1) / max_rows;
+  const int64_t tiles = BalancedTiles(n, max_rows);
   return (n + tiles - 1) / tiles;
 }
 
