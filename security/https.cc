@@ -2,6 +2,7 @@
 
 #include <httplib.h>
 #include <openssl/err.h>
+#include <sys/socket.h>
 
 #include <utility>
 #include <vector>
@@ -133,7 +134,13 @@ absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& 
     server = std::make_unique<httplib::Server>();
   }
   server->set_tcp_nodelay(true);
+  server->set_socket_options(ListenSocketOptions);
   return server;
+}
+
+void ListenSocketOptions(int sock) {
+  const int yes = 1;
+  setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
 }
 
 }  // namespace shardserve

@@ -71,9 +71,16 @@ class CertificateReloader {
 // An httplib server: HTTPS from files.cert/files.key, re-read as above (files.ca is not used:
 // clients are not asked for certificates), or plain HTTP when files has no certificate.
 // InvalidArgument naming the file when the certificate or key cannot be used. TCP_NODELAY is set
-// (small SSE chunks and scrapes would otherwise wait for delayed ACKs). The caller adds routes,
-// binds and listens.
+// (small SSE chunks and scrapes would otherwise wait for delayed ACKs), and ListenSocketOptions.
+// The caller adds routes, binds and listens.
 absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& files);
+
+// The HTTP ports' socket options: SO_REUSEADDR (a restarted server binds while its predecessor's
+// connections linger in TIME_WAIT) and not httplib's default SO_REUSEPORT, under which a second
+// server (another coordinator, or this one's gRPC port, which gRPC's own default would share too)
+// binds the same port and silently takes a share of its connections: that bind must fail instead,
+// saying the port is in use. The gRPC servers turn SO_REUSEPORT off likewise (GRPC_ARG_ALLOW_REUSEPORT).
+void ListenSocketOptions(int sock);
 
 }  // namespace shardserve
 

@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_port, free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 DEADLINE_S = scaled(240)  # per bench invocation; the demo model loads in well under a second
 
@@ -90,14 +89,6 @@ def fail(msg):
 def check(cond, msg):
     if not cond:
         fail(msg)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def case_compare_tp1(work, old_binaries):
@@ -261,10 +252,10 @@ def case_http_vs_grpc(work):
 def case_openai_launch(work):
     """--backend openai against `shardserve launch`'s HTTP port; gRPC against the same cluster."""
     log_dir = os.path.join(work, "launch")
-    http_port = free_port()
+    http_port, grpc_port = free_ports(2)
     env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
     launch = subprocess.Popen([os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0",
-                               "--log-dir", log_dir, "--address", f"127.0.0.1:{free_port()}",
+                               "--log-dir", log_dir, "--address", f"127.0.0.1:{grpc_port}",
                                "--http-port", str(http_port)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{http_port}/v1"

@@ -1,6 +1,7 @@
 """What the command-line tests share (stdlib only): run a command, stop at the first failed check,
 and scale a deadline for slower (instrumented) binaries."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -24,6 +25,26 @@ def scaled(seconds):
     """`seconds`, a deadline for waiting on a process of ours, times SHARDSERVE_TEST_TIME_SCALE (default
     1; tools/sanitize.sh asan-all sets it for the ASan binaries, as tests/process_harness.h reads it)."""
     return seconds * TIME_SCALE
+
+
+def free_ports(n):
+    """n distinct loopback ports that were free a moment ago: all bound at once, then released, so
+    that no two are the same (one port picked, released and picked again was a launch's HTTP port
+    and its gRPC port both). Another process may still take one before the server binds it; the
+    servers then refuse to start, naming the port (they do not share a port: SO_REUSEPORT is off)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port():
+    """One loopback port that was free a moment ago (free_ports(1))."""
+    return free_ports(1)[0]
 
 
 def run(cmd, timeout=60):

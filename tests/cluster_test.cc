@@ -355,6 +355,39 @@ TEST(WorkerFlagsTest, AnIsaCapOneDnnWouldIgnoreIsRefusedAtStart) {
   fs::remove_all(dir, ec);
 }
 
+// A port a coordinator serves is refused to a second coordinator's gRPC port and to its HTTP port,
+// at start and by name: gRPC's and httplib's default SO_REUSEPORT let both bind and take a share of
+// the first one's connections (seen in CI: a launch whose --http-port was its own gRPC port served
+// neither, its workers' TLS handshakes answered by the HTTP server).
+TEST(CoordinatorFlagsTest, APortAnotherServerHoldsIsRefusedAtStart) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const std::string demo = (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo").string();
+  Process first(
+      {SHARDSERVE_COORDINATOR_BIN, "--model", demo, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"},
+      dir / "first.log");
+  std::string address;
+  const auto deadline = Clock::now() + Scaled(std::chrono::seconds(20));
+  while (address.empty() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    address = LoggedAddress(dir / "first.log", "listening on ", ' ');
+  }
+  ASSERT_FALSE(address.empty()) << Tail(dir / "first.log");
+  const std::string port = address.substr(address.rfind(':') + 1);
+  Process grpc({SHARDSERVE_COORDINATOR_BIN, "--model", demo, "--listen", address, "--metrics-listen", "127.0.0.1:0"},
+               dir / "grpc.log");
+  EXPECT_EQ(grpc.Wait(std::chrono::seconds(20)), 1) << Tail(dir / "grpc.log");
+  EXPECT_NE(Tail(dir / "grpc.log").find("cannot listen on " + address), std::string::npos) << Tail(dir / "grpc.log");
+  Process http({SHARDSERVE_COORDINATOR_BIN, "--model", demo, "--listen", "127.0.0.1:0", "--metrics-listen",
+                "127.0.0.1:0", "--http-port", port},
+               dir / "http.log");
+  EXPECT_EQ(http.Wait(std::chrono::seconds(20)), 1) << Tail(dir / "http.log");
+  EXPECT_NE(Tail(dir / "http.log").find("cannot listen for HTTP on 127.0.0.1:" + port), std::string::npos)
+      << Tail(dir / "http.log");
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 TEST_F(ClusterApiTest, AWorkerBeyondTheGroupIsRefusedAndTheGroupServesOn) {
   const fs::path log = cluster_->dir() / "extra-worker.log";
   Process extra({SHARDSERVE_WORKER_BIN, "--coordinator", cluster_->address(), "--node", "n9", "--listen",

@@ -82,7 +82,9 @@ def main():
     failures = []
     try:
         base = free_port_block(5)
-        grpc_port, prom_port = free_port_block(1), free_port_block(1)
+        grpc_port, prom_port = base, base  # two ports apart from each other and from the block
+        while grpc_port == prom_port or any(base <= p < base + 5 for p in (grpc_port, prom_port)):
+            grpc_port, prom_port = free_port_block(1), free_port_block(1)
         # launch's default TLS: its CA and client certificate in cluster.json of our own state
         # directory (tests run in parallel), which `generate` below reads.
         os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(work, "state")

@@ -152,6 +152,27 @@ TEST_F(HttpsTest, ServesHttpsVerifiedByTheCaAndPlainHttpWithoutACertificate) {
   EXPECT_EQ(GetHttp(http.port(), "/hello"), "hi");
 }
 
+// A second server on a port already served is refused at bind (httplib's own SO_REUSEPORT would let
+// it bind and take a share of the first one's connections), and the port is free again once the
+// first server has stopped, though a connection to it was just closed (SO_REUSEADDR).
+TEST_F(HttpsTest, APortInUseIsRefusedAndFreeAgainAfterwards) {
+  int port = 0;
+  {
+    absl::StatusOr<std::unique_ptr<httplib::Server>> first = MakeHttpServer(TlsFiles{});
+    ASSERT_TRUE(first.ok()) << first.status();
+    Running serving(*std::move(first));
+    port = serving.port();
+    ASSERT_GT(port, 0);
+    EXPECT_EQ(GetHttp(port, "/hello"), "hi");
+    absl::StatusOr<std::unique_ptr<httplib::Server>> second = MakeHttpServer(TlsFiles{});
+    ASSERT_TRUE(second.ok()) << second.status();
+    EXPECT_FALSE((*second)->bind_to_port("127.0.0.1", port)) << "a second server bound port " << port;
+  }
+  absl::StatusOr<std::unique_ptr<httplib::Server>> again = MakeHttpServer(TlsFiles{});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE((*again)->bind_to_port("127.0.0.1", port)) << "port " << port << " after its server stopped";
+}
+
 TEST_F(HttpsTest, RefusesUnusableCertificatesNamingTheFile) {
   Write("other.key", Make("someone else", &ca_).key);
   absl::StatusOr<std::unique_ptr<httplib::Server>> mismatch = MakeHttpServer({F("live.pem"), F("other.key"), ""});

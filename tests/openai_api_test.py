@@ -28,7 +28,7 @@ import unittest
 import urllib.error
 import urllib.request
 
-from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
@@ -41,12 +41,6 @@ from shardserve.v1 import inference_pb2  # noqa: E402
 BIN = None  # set from --bin
 MODEL = "demo"
 MAX_NUM_SEQS = 4  # with --max-waiting-requests 0: n = 16 overflows the engine's queue (429)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_ok(base: str, path: str) -> bool:
@@ -120,8 +114,8 @@ def wait_until(predicate, timeout: float, what: str):
 class OpenAIApiTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.address = f"127.0.0.1:{free_port()}"
-        cls.http_port = free_port()
+        grpc_port, cls.http_port = free_ports(2)
+        cls.address = f"127.0.0.1:{grpc_port}"
         cls.base = f"http://127.0.0.1:{cls.http_port}"
         cls.launch = start_launch(
             ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "2",
@@ -474,10 +468,10 @@ class NoChatTemplateTest(unittest.TestCase):
     def setUpClass(cls):
         cls.model_dir = os.path.join(ROOT, "tests", "fixtures", "models", "llama_gqa")
         cls.model = os.path.basename(cls.model_dir)
-        http_port = free_port()
+        http_port, grpc_port = free_ports(2)
         base = f"http://127.0.0.1:{http_port}"
         cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
-                                   "--address", f"127.0.0.1:{free_port()}", "--http-port", str(http_port)],
+                                   "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)],
                                   base, tempfile.mkdtemp(prefix="shardserve-openai-notemplate-"))
         cls.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -25,13 +25,13 @@ import time
 import unittest
 import urllib.request
 
-from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_port, free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 import httpx
 import openai
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from openai_api_test import free_port, stop_launch  # noqa: E402
+from openai_api_test import stop_launch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = None  # set from --bin
@@ -69,14 +69,14 @@ class HttpsAndKeysTest(unittest.TestCase):
         keys = os.path.join(cls.dir, "keys")
         with open(keys, "w") as f:
             f.write("# test keys\nsk-other-key\n" + KEY + "\n")
-        cls.http_port = free_port()
+        cls.http_port, grpc_port = free_ports(2)
         cls.base = f"https://127.0.0.1:{cls.http_port}"
         log_dir = os.path.join(cls.dir, "logs")
         env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(cls.dir, "state"))
         cls.launch = subprocess.Popen(
             [os.path.join(BIN, "shardserve"), "launch", "--metrics-port-base", "0", "--log-dir", log_dir,
              "--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "1",
-             "--address", f"127.0.0.1:{free_port()}", "--http-port", str(cls.http_port),
+             "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(cls.http_port),
              "--tls-cert", cert, "--tls-key", key, "--tls-ca", cls.ca, "--api-keys-file", keys],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:

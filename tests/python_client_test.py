@@ -8,14 +8,13 @@ Run by CTest as: clients/python/setup-env.sh, then
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import unittest
 
-from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_port, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
@@ -24,12 +23,6 @@ import grpc  # noqa: E402
 from shardserve_client import Client  # noqa: E402
 
 BIN = None  # set from --bin
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PythonClientTest(unittest.TestCase):

@@ -310,6 +310,9 @@ int Main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // Not SO_REUSEPORT (gRPC's default): a second server on this port must fail to bind, not share its
+  // connections (security/https.h ListenSocketOptions says the same of the HTTP ports).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   int port = 0;
   builder.AddListeningPort(listen, *server_credentials, &port);
   // The same server (so the same health status) on a second, plaintext port: the kubelet's gRPC

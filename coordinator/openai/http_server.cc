@@ -297,7 +297,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
   // The listening socket, to widen its backlog once bound (httplib's is fixed at 5 in its library).
   int listen_fd = -1;
   s->http_->set_socket_options([&listen_fd](socket_t sock) {
-    httplib::default_socket_options(sock);
+    ListenSocketOptions(sock);
     listen_fd = sock;  // the last one tried is the one bound
   });
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
@@ -319,7 +319,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     CoordinatorLog("http", absl::StrCat("cannot widen the listen backlog to ", kListenBacklog, ": ", std::strerror(errno)),
                    ids);
   }
-  s->http_->set_socket_options(httplib::default_socket_options);
+  s->http_->set_socket_options(ListenSocketOptions);
   HttpServer* raw = s.get();
   s->listener_ = std::thread([raw] { raw->http_->listen_after_bind(); });
   return s;
