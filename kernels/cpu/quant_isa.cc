@@ -11,21 +11,6 @@ namespace {
 // -1: no override; else a QuantIsa.
 std::atomic<int> g_override{-1};
 
-}  // namespace
-
-const char* QuantIsaName(QuantIsa isa) {
-  switch (isa) {
-    case QuantIsa::kPortable: return "portable";
-    case QuantIsa::kAvx2: return "avx2";
-    case QuantIsa::kAvx512: return "avx512";
-    case QuantIsa::kAvx512Vnni: return "avx512vnni";
-    case QuantIsa::kAvx2Int8: return "avx2int8";
-  }
-  return "?";
-}
-
-namespace {
-
 // Whether the CPU (and its OS) has `isa`'s instructions, whatever the cap.
 bool CpuHas(QuantIsa isa) {
   __builtin_cpu_init();
@@ -44,6 +29,17 @@ bool CpuHas(QuantIsa isa) {
 }
 
 }  // namespace
+
+const char* QuantIsaName(QuantIsa isa) {
+  switch (isa) {
+    case QuantIsa::kPortable: return "portable";
+    case QuantIsa::kAvx2: return "avx2";
+    case QuantIsa::kAvx512: return "avx512";
+    case QuantIsa::kAvx512Vnni: return "avx512vnni";
+    case QuantIsa::kAvx2Int8: return "avx2int8";
+  }
+  return "?";
+}
 
 bool QuantIsaSupported(QuantIsa isa) {
   if (!CpuHas(isa)) return false;
