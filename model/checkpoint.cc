@@ -9,13 +9,16 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json.h"
 #include "base/status_macros.h"
 #include "kernels/quant.h"
 #include "nlohmann/json.hpp"
@@ -126,10 +129,11 @@ absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, con
   const uint64_t data_start = 8 + header_len;
   const uint64_t data_size = file_size - data_start;
   std::vector<Range> ranges;  // every tensor's data_offsets, for CheckRangesTile
-  json header = json::parse(data + 8, data + 8 + header_len, nullptr, /*allow_exceptions=*/false);
-  if (header.is_discarded() || !header.is_object()) {
-    return absl::DataLossError(absl::StrCat(file, ": header is not a valid JSON object"));
-  }
+  absl::StatusOr<json> parsed =
+      ParseJson<json>(std::string_view(reinterpret_cast<const char*>(data) + 8, header_len), absl::StrCat(file, ": header"));
+  if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
+  const json header = *std::move(parsed);
+  if (!header.is_object()) return absl::DataLossError(absl::StrCat(file, ": header is not a JSON object"));
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& name = it.key();
     if (name == "__metadata__") continue;
@@ -208,8 +212,10 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::filesyst
     std::ifstream in(index_path, std::ios::binary);
     std::stringstream ss;
     ss << in.rdbuf();
-    json index = json::parse(ss.str(), nullptr, false);
-    if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    absl::StatusOr<json> parsed = ParseJson<json>(ss.str(), index_path.string());
+    if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
+    json index = *std::move(parsed);
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
       return absl::DataLossError(absl::StrCat(index_path.string(), ": not valid JSON with a \"weight_map\" object"));
     }
     std::set<std::string> unique;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/json.h"
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
 #include "model/weight_source.h"
@@ -684,8 +685,10 @@ float QuantizedLinearSlice::row_scale(int64_t r) const {
 }
 
 absl::StatusOr<CheckpointQuant> ParseCheckpointQuant(const std::string& text, const std::string& source) {
-  json q = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (q.is_discarded() || !q.is_object()) {
+  absl::StatusOr<json> parsed = ParseJson<json>(text, absl::StrCat(source, ": quantization_config"));
+  if (!parsed.ok()) return parsed.status();
+  const json q = *std::move(parsed);
+  if (!q.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": field \"quantization_config\" must be an object"));
   }
   auto method = q.find("quant_method");

@@ -4,6 +4,9 @@
 #include <openssl/err.h>
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <type_traits>
+
 #include <utility>
 #include <vector>
 
@@ -118,20 +121,48 @@ class ReloadingSslServer : public httplib::SSLServer {
   const std::unique_ptr<CertificateReloader> reloader_;
 };
 
+// A server whose connections ServeConnection serves (http_connection.h), not httplib's own loop;
+// requests still go through httplib's parser and routes (Server::process_request).
+template <typename Base>
+class PolicedServer final : public Base {
+ public:
+  template <typename... Args>
+  explicit PolicedServer(ConnectionPolicy policy, Args&&... args)
+      : Base(std::forward<Args>(args)...), policy_(std::move(policy)) {
+    // What httplib writes in its Keep-Alive header: the policy's figures.
+    this->set_keep_alive_max_count(static_cast<size_t>(std::max(1, policy_.max_requests)));
+    this->set_keep_alive_timeout(std::max<int64_t>(1, absl::ToInt64Seconds(policy_.idle_timeout)));
+  }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    SSL_CTX* ctx = nullptr;
+    if constexpr (std::is_base_of_v<httplib::SSLServer, Base>) ctx = this->ssl_context();
+    return ServeConnection(
+        sock, ctx, policy_, peers_, [this] { return this->svr_sock_ == INVALID_SOCKET; },
+        [this](httplib::Stream& stream, bool close_connection, bool& connection_closed) {
+          return this->process_request(stream, close_connection, connection_closed, nullptr);
+        });
+  }
+
+  const ConnectionPolicy policy_;
+  PeerCounts peers_;
+};
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& files) {
+absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& files, const ConnectionPolicy& policy) {
   std::unique_ptr<httplib::Server> server;
   if (files.has_identity()) {
     absl::StatusOr<std::unique_ptr<CertificateReloader>> reloader = CertificateReloader::Create(files.cert, files.key);
     if (!reloader.ok()) return reloader.status();
-    server = std::make_unique<ReloadingSslServer>(*std::move(reloader));
+    server = std::make_unique<PolicedServer<ReloadingSslServer>>(policy, *std::move(reloader));
     if (!server->is_valid()) {
       return absl::InternalError(
           absl::StrCat("OpenSSL could not make an HTTPS context: ", openssl::LastError("no OpenSSL error queued")));
     }
   } else {
-    server = std::make_unique<httplib::Server>();
+    server = std::make_unique<PolicedServer<httplib::Server>>(policy);
   }
   server->set_tcp_nodelay(true);
   server->set_socket_options(ListenSocketOptions);

@@ -20,11 +20,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "security/http_connection.h"
 #include "security/tls.h"
-
-namespace httplib {
-class Server;
-}  // namespace httplib
 
 namespace shardserve {
 
@@ -72,8 +69,11 @@ class CertificateReloader {
 // clients are not asked for certificates), or plain HTTP when files has no certificate.
 // InvalidArgument naming the file when the certificate or key cannot be used. TCP_NODELAY is set
 // (small SSE chunks and scrapes would otherwise wait for delayed ACKs), and ListenSocketOptions.
-// The caller adds routes, binds and listens.
-absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& files);
+// Its connections are served as `policy` says (http_connection.h: request deadlines, pipelining, a
+// cap per address), which replaces httplib's own keep-alive, read and write timeouts: their setters
+// have no effect on this server. The caller adds routes, binds and listens.
+absl::StatusOr<std::unique_ptr<httplib::Server>> MakeHttpServer(const TlsFiles& files,
+                                                               const ConnectionPolicy& policy = {});
 
 // The HTTP ports' socket options: SO_REUSEADDR (a restarted server binds while its predecessor's
 // connections linger in TIME_WAIT) and not httplib's default SO_REUSEPORT, under which a second

@@ -39,14 +39,14 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> ServeMetrics(const std::string& l
   if (host.empty()) host = "0.0.0.0";
 
   std::unique_ptr<MetricsServer> s(new MetricsServer());
-  absl::StatusOr<std::unique_ptr<httplib::Server>> http = MakeHttpServer(tls);
+  ConnectionPolicy policy;
+  policy.head_deadline = policy.body_deadline = policy.idle_timeout = policy.io_timeout =
+      absl::Seconds(kMetricsTimeoutSeconds);
+  absl::StatusOr<std::unique_ptr<httplib::Server>> http = MakeHttpServer(tls, policy);
   if (!http.ok()) return http.status();
   s->http_ = *std::move(http);
   s->https_ = tls.has_identity();
   s->http_->new_task_queue = [] { return new httplib::ThreadPool(kMetricsThreads); };
-  s->http_->set_read_timeout(kMetricsTimeoutSeconds, 0);
-  s->http_->set_write_timeout(kMetricsTimeoutSeconds, 0);
-  s->http_->set_keep_alive_timeout(kMetricsTimeoutSeconds);
   s->http_->Get("/metrics", [registry](const httplib::Request&, httplib::Response& res) {
     const prometheus::TextSerializer serializer;
     res.set_content(serializer.Serialize(registry->Collect()), "text/plain; version=0.0.4; charset=utf-8");

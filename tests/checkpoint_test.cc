@@ -420,7 +420,7 @@ TEST_F(CheckpointTest, HeaderIsNotJson) {
   WriteConfig(TinyConfig());
   std::string h = "{\"w\": {\"dtype\": ";
   WriteRaw(dir_ / "model.safetensors", h.size(), h, 8);
-  EXPECT_THAT(OpenError(), HasSubstr("not a valid JSON"));
+  EXPECT_THAT(OpenError(), HasSubstr("model.safetensors: header is not valid JSON: "));
 }
 
 TEST_F(CheckpointTest, OffsetsPastTheEndOfTheFile) {

@@ -384,6 +384,87 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(status, 413)
         self.assertIn("8388608", err["error"]["message"])
 
+    def raw_exchange(self, data: bytes, seconds: float = 30) -> bytes:
+        """What the server answers to DATA written as it is on one connection, until it closes."""
+        with socket.create_connection(("127.0.0.1", self.http_port), timeout=seconds) as s:
+            s.sendall(data)
+            got = b""
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+            return got
+
+    def test_deeply_nested_body_is_400_and_the_server_lives(self):
+        # 50,000 levels in chat_template_kwargs (100 KB) overflowed the stack of the thread that made
+        # them template values: the coordinator died with every request in flight.
+        depth = 50000
+        body = ('{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], '
+                '"chat_template_kwargs": {"x": %s}}' % (MODEL, "[" * depth + "]" * depth)).encode()
+        status, err = self.post_raw("/v1/chat/completions", body)
+        self.assertEqual(status, 400, err)
+        self.assertIn("deeper than 256 levels", err["error"]["message"])
+        self.assertTrue(self.http_ok("/health"))
+        self.assertEqual(len(self.client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices), 1)
+
+    def test_form_encoded_body_over_8kb_is_served(self):
+        # What `curl -d @file` sends: the JSON body typed as a form. httplib's own reading refused any
+        # such body over 8 KB with a 413 that named the 8 MiB limit.
+        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1, "user": "u" * 9000}).encode()
+        self.assertGreater(len(body), 8192)
+        req = urllib.request.Request(self.base + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            self.assertEqual(r.status, 200)
+            self.assertEqual(len(json.loads(r.read())["choices"]), 1)
+
+    def test_content_length_that_is_not_a_count_is_400(self):
+        start = time.monotonic()
+        got = self.raw_exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n{}")
+        took = time.monotonic() - start
+        self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
+        self.assertIn(b"Content-Length: '-5' is not a number of bytes", got)
+        # httplib read it as 2^64 - 5 and waited for those bytes until its read timeout (5 s).
+        self.assertLess(took, 4.5, "answered before any read timeout")
+
+    def test_post_without_content_length_is_411(self):
+        got = self.raw_exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 411"), got)
+        self.assertIn(b"Content-Length", got)
+
+    def test_pipelined_requests_are_all_answered_in_order(self):
+        body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+        post = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body)) + body
+        got = self.raw_exchange(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n" + post +
+                                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        self.assertEqual(got.count(b"HTTP/1.1 200"), 3, got)
+        models, completion, health = got.find(b'"object":"list"'), got.find(b'"text_completion"'), got.find(b'"ok"')
+        self.assertTrue(0 < models < completion < health, got)
+
+    def test_headers_that_stop_arriving_are_408_at_the_deadline(self):
+        # The request line, then one header and nothing more: answered once nothing has come for 5 s
+        # (the head's deadline is 10 s), not held for as long as the client keeps the connection open.
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", self.http_port), timeout=60) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            got = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        self.assertTrue(got.startswith(b"HTTP/1.1 408"), got)
+        self.assertIn(b"the request stalled: no byte of it arrived for 5s", got)
+        self.assertLess(time.monotonic() - start, 40)
+
+    def test_malformed_request_says_why(self):
+        got = self.raw_exchange(b"NOT HTTP AT ALL\r\n\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
+        self.assertIn(b"malformed HTTP/1.1 request", got)
+
     def test_full_queue_is_429(self):
         # n = 16 submissions: at most max-num-seqs run and none may wait (--max-waiting-requests 0).
         with self.assertRaises(openai.RateLimitError) as ctx:

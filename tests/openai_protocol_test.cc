@@ -95,12 +95,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"IncludeUsageNotBool", kCompl,
                 R"({"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
                 "stream_options.include_usage", "a boolean"},
+        // One wording for every out-of-range integer: the range, then what was sent.
         BadCase{"MaxTokensZero", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 0})", "max_tokens",
-                "at least 1"},
+                "must be in [1, 2147483647], got 0"},
         BadCase{"MaxTokensNegative", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": -1})", "max_tokens",
-                "must be in"},
+                "must be in [1, 2147483647], got -1"},
         BadCase{"MaxTokensHuge", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 99999999999})", "max_tokens",
-                "must be in"},
+                "must be in [1, 2147483647], got 99999999999"},
+        BadCase{"MaxCompletionTokensZero", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "max_completion_tokens": 0})",
+                "max_completion_tokens", "must be in [1, 2147483647], got 0"},
         BadCase{"MaxTokensString", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": "10"})", "max_tokens",
                 "an integer"},
         BadCase{"MaxCompletionTokensDiffers", kChat,
@@ -109,7 +113,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"TemperatureString", kCompl, R"({"model": "m", "prompt": "x", "temperature": "hot"})", "temperature",
                 "a number, got a string"},
         BadCase{"TopPString", kCompl, R"({"model": "m", "prompt": "x", "top_p": []})", "top_p", "a number"},
-        BadCase{"TopPZero", kCompl, R"({"model": "m", "prompt": "x", "top_p": 0})", "top_p", "(0, 1]"},
+        BadCase{"TopPZero", kCompl, R"({"model": "m", "prompt": "x", "top_p": 0})", "top_p", "must be in (0, 1], got 0"},
+        BadCase{"TopPAboveOne", kCompl, R"({"model": "m", "prompt": "x", "top_p": 1.5})", "top_p",
+                "must be in (0, 1], got 1.5"},
+        BadCase{"TemperatureOverflowsFloat32", kCompl, R"({"model": "m", "prompt": "x", "temperature": 1e308})",
+                "temperature", "magnitude at most 1e30 (a float32), got 1e+308"},
         BadCase{"MinPBool", kCompl, R"({"model": "m", "prompt": "x", "min_p": true})", "min_p", "a number"},
         BadCase{"TopKFloat", kCompl, R"({"model": "m", "prompt": "x", "top_k": 2.5})", "top_k", "an integer"},
         BadCase{"TopKBelowMinusOne", kCompl, R"({"model": "m", "prompt": "x", "top_k": -2})", "top_k", "must be in"},
@@ -233,6 +241,19 @@ TEST(ParseRequestTest, NullIsAbsent) {
   EXPECT_FLOAT_EQ(r->sampling.temperature(), 1.0f);
   EXPECT_EQ(r->sampling.stop_size(), 0);
   EXPECT_EQ(r->n, 1);
+}
+
+// 50,000 levels of arrays in chat_template_kwargs (a 100 KB body) overflowed the stack of the
+// thread that turned them into template values, and killed the coordinator: refused at parsing.
+TEST(ParseRequestTest, NestingPastTheBoundIsRefused) {
+  const int depth = 50000;
+  const std::string body = R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": )" +
+                           std::string(depth, '[') + std::string(depth, ']') + "}}";
+  absl::StatusOr<Request> r = ParseRequest(kChat, body);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(), "the body nests arrays and objects deeper than 256 levels");
+  EXPECT_EQ(ErrorFromStatus(r.status()).http_status, 400);
 }
 
 TEST(RenameGenerationErrorTest, UsesTheOpenAIFieldNames) {

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/json.h"
 #include "coordinator/chat/parser.h"
 #include "coordinator/chat/runtime/render.h"
 #include "coordinator/chat/value.h"
@@ -64,8 +65,10 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromString(const std::string& source,
 
 absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string& config_json,
                                                                const std::string& jinja_override) {
-  nlohmann::ordered_json config = nlohmann::ordered_json::parse(config_json, nullptr, /*allow_exceptions=*/false);
-  if (config.is_discarded() || !config.is_object()) {
+  absl::StatusOr<nlohmann::ordered_json> parsed = ParseJson<nlohmann::ordered_json>(config_json, "tokenizer_config.json");
+  if (!parsed.ok()) return parsed.status();
+  const nlohmann::ordered_json config = *std::move(parsed);
+  if (!config.is_object()) {
     return absl::InvalidArgumentError("tokenizer_config.json: not a JSON object");
   }
   ChatTemplate t;

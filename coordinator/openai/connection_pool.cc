@@ -19,12 +19,18 @@ ConnectionPool::~ConnectionPool() { shutdown(); }
 
 bool ConnectionPool::OnOverflowThread() { return t_overflow; }
 
+bool ConnectionPool::Crowded() {
+  absl::MutexLock lock(&mu_);
+  return overflowing_ > 0;
+}
+
 void ConnectionPool::enqueue(std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   if (assigned_ < threads_) {
     ++assigned_;
     jobs_.push_back(std::move(fn));
   } else {
+    ++overflowing_;
     overflow_jobs_.push_back(std::move(fn));
   }
 }
@@ -53,10 +59,8 @@ void ConnectionPool::Serve(bool overflow) {
       queue->pop_front();
     }
     fn();
-    if (!overflow) {
-      absl::MutexLock lock(&mu_);
-      --assigned_;
-    }
+    absl::MutexLock lock(&mu_);
+    --(overflow ? overflowing_ : assigned_);
   }
 }
 

@@ -1,15 +1,18 @@
 // The threads that serve the HTTP API's connections: cpp-httplib's task queue (Server::new_task_queue).
 //
 // httplib hands each accepted connection to its task queue; a connection then holds one thread from
-// its first request until it closes or stays idle past the keep-alive timeout (5 s), and a streaming
-// or waiting completion holds it throughout. httplib's own ThreadPool queues the connections that
-// find every thread taken, without bound and unseen: such a client waits, with no answer, for
-// another client to leave. This pool serves at most `threads` connections at once; one that arrives
-// when all are taken goes to one of `overflow_threads` extra threads, on which OnOverflowThread() is
-// true, so that the handlers answer it at once (HttpServer: 503, "Connection: close") instead.
+// its first request until it closes or stays idle past the keep-alive timeout (5 s, or less: see
+// Crowded), and a streaming or waiting completion holds it throughout. httplib's own ThreadPool
+// queues the connections that find every thread taken, without bound and unseen: such a client
+// waits, with no answer, for another client to leave. This pool serves at most `threads`
+// connections at once; one that arrives when all are taken goes to one of `overflow_threads` extra
+// threads, on which OnOverflowThread() is true, so that the connection is hurried (a short deadline
+// for its request, one request: security/http_connection.h) and the handlers answer it at once:
+// /health as always, a completion 503 with "Connection: close" (HttpServer).
 //
 // Ownership: owns its threads; httplib owns the pool (from new_task_queue until the server stops).
-// Threading: enqueue and shutdown from httplib's listening thread; OnOverflowThread from any thread.
+// Threading: enqueue and shutdown from httplib's listening thread; OnOverflowThread and Crowded
+// from any thread.
 #ifndef SHARDSERVE_COORDINATOR_OPENAI_CONNECTION_POOL_H_
 #define SHARDSERVE_COORDINATOR_OPENAI_CONNECTION_POOL_H_
 
@@ -41,6 +44,9 @@ class ConnectionPool : public httplib::TaskQueue {
 
   // True on an overflow thread: the connection it serves found every serving thread taken.
   static bool OnOverflowThread();
+  // True while a connection is queued for or served by an overflow thread: connections want more
+  // threads than there are, and idle keep-alive connections should give theirs back.
+  bool Crowded();
 
  private:
   void Serve(bool overflow);
@@ -49,6 +55,7 @@ class ConnectionPool : public httplib::TaskQueue {
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> overflow_jobs_ ABSL_GUARDED_BY(mu_);
   int assigned_ ABSL_GUARDED_BY(mu_) = 0;  // connections queued for or served by the serving threads
+  int overflowing_ ABSL_GUARDED_BY(mu_) = 0;  // connections queued for or served by the overflow threads
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 
   // Constant after construction (joined by shutdown).

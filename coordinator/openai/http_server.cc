@@ -3,6 +3,7 @@
 #include <httplib.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -33,8 +35,9 @@ constexpr absl::Duration kPoll = absl::Milliseconds(50);
 constexpr absl::Duration kPollSeveral = absl::Milliseconds(10);
 // A client that disconnected before its answer was complete, as nginx logs it.
 constexpr int kClientClosed = 499;
-// Threads that answer, at once, the connections that find every serving thread taken.
-constexpr int kOverflowThreads = 2;
+// Threads that answer, at once, the connections that find every serving thread taken (each holds
+// one for at most ConnectionPolicy::hurried_head_deadline while its request arrives).
+constexpr int kOverflowThreads = 4;
 // Connections the kernel completes before the listening thread accepts them. httplib's is 5: a burst
 // of clients connecting at once (a benchmark's streams) overflows it, and the kernel then drops
 // their handshakes, to be retried a second or more later.
@@ -44,9 +47,20 @@ constexpr int kListenBacklog = SOMAXCONN;
 // pool) open a new connection every fifth request: a handshake, and the new connection is admitted
 // to the ConnectionPool again, where it may find the threads taken (503) before the connection it
 // replaces has given its thread back. 100 is httplib's own default since 0.17 (and llama-server's).
-// The 5 s idle timeout stays: an idle connection holds a serving thread, so a longer one would
-// turn idle clients into 503s for new ones.
-constexpr size_t kKeepAliveMaxCount = 100;
+// The 5 s idle timeout stays (ConnectionPolicy's default): an idle connection holds a serving
+// thread, so a longer one would turn idle clients into 503s for new ones.
+constexpr int kKeepAliveMaxCount = 100;
+
+// A Content-Length httplib would read as something else: it takes "-5" as 2^64 - 5 (and then reads
+// and drops that many bytes before its 413), "12abc" as 12. Empty when the header is absent or a
+// plain decimal count.
+std::string BadContentLength(const httplib::Request& req) {
+  if (!req.has_header("Content-Length")) return "";
+  const std::string value = req.get_header_value("Content-Length");
+  const bool digits = !value.empty() && value.size() <= 18 &&
+                      std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return digits ? "" : value;
+}
 
 // The endpoint label of a path: the routes, or "other" (no unbounded label values).
 std::string EndpointLabel(const std::string& path) {
@@ -289,11 +303,25 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
   // HTTPS when a certificate is given, re-read when its files change (security/https.h); TCP_NODELAY
   // there: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to 40 ms),
   // which shows as time to first token (shardserve bench --backend openai measured it).
-  absl::StatusOr<std::unique_ptr<httplib::Server>> http = MakeHttpServer(TlsFiles{options.tls_cert, options.tls_key, ""});
+  ConnectionPolicy policy;
+  policy.max_requests = kKeepAliveMaxCount;
+  policy.max_per_peer = options.max_connections_per_peer;
+  policy.hurried = &ConnectionPool::OnOverflowThread;
+  // Read by the pool's threads only, while the pool (which httplib owns) exists.
+  policy.crowded = [pool = s->connections_] {
+    ConnectionPool* p = pool->load();
+    return p != nullptr && p->Crowded();
+  };
+  absl::StatusOr<std::unique_ptr<httplib::Server>> http =
+      MakeHttpServer(TlsFiles{options.tls_cert, options.tls_key, ""}, policy);
   if (!http.ok()) return http.status();
   s->http_ = *std::move(http);
   const int threads = std::max(1, options.threads);
-  s->http_->new_task_queue = [threads] { return new ConnectionPool(threads, kOverflowThreads); };
+  s->http_->new_task_queue = [threads, pool = s->connections_] {
+    auto* made = new ConnectionPool(threads, kOverflowThreads);
+    pool->store(made);
+    return made;
+  };
   // The listening socket, to widen its backlog once bound (httplib's is fixed at 5 in its library).
   int listen_fd = -1;
   s->http_->set_socket_options([&listen_fd](socket_t sock) {
@@ -301,7 +329,6 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     listen_fd = sock;  // the last one tried is the one bound
   });
   s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
-  s->http_->set_keep_alive_max_count(kKeepAliveMaxCount);
   s->Routes();
   if (options.port == 0) {
     s->port_ = s->http_->bind_to_any_port(options.host);
@@ -350,13 +377,28 @@ void HttpServer::Routes() {
   http_->set_error_handler(httplib::Server::HandlerWithResponse(
       [max_body](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
     if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    ApiError e{res.status, "invalid_request_error", "", "", ""};
-    if (res.status == 404) {
+    ApiError e{res.status, res.status >= 500 ? "server_error" : "invalid_request_error", "", "", ""};
+    if (const std::string late = RequestTimeoutOnThisThread(); !late.empty()) {
+      // httplib says 400 for a head cut short; the connection's deadline cut it (http_connection.h).
+      e.http_status = res.status = 408;
+      e.message = late;
+      e.code = "request_timeout";
+      res.set_header("Connection", "close");
+    } else if (res.status == 404) {
       e.message = absl::StrCat("no route ", req.method, " ", req.path);
       e.code = "not_found";
     } else if (res.status == 413) {
       e.message = absl::StrCat("the request body is larger than ", max_body, " bytes (--http-max-body-bytes)");
       e.code = "request_too_large";
+    } else if (res.status == 414) {
+      e.message = "the request line is longer than 8192 bytes";
+      e.code = "uri_too_long";
+    } else if (res.status == 400) {
+      // httplib parsed neither the request line nor the headers (it says no more).
+      e.message =
+          "malformed HTTP/1.1 request: the first line must be 'METHOD /path HTTP/1.1' and each header "
+          "'Name: value' on a line of its own (at most 8192 bytes), ending with an empty line";
+      e.code = "malformed_request";
     } else {
       e.message = absl::StrCat("HTTP ", res.status);
     }
@@ -371,6 +413,29 @@ void HttpServer::Routes() {
     }
   });
 
+  // After the headers, before the body: a body that no Content-Length frames is refused now (the
+  // connection then closes: its body is unread). One over the limit is read and dropped by httplib
+  // (within the body's deadline) and answered 413, so that the client, still sending, reads it.
+  http_->set_pre_routing_handler(
+      [](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+        ApiError e{400, "invalid_request_error", "", "", ""};
+        if (req.method == "POST" && !req.has_header("Content-Length") &&
+            absl::AsciiStrToLower(req.get_header_value("Transfer-Encoding")) != "chunked") {
+          // Else httplib would read the body until the client closes its side.
+          e.http_status = 411;
+          e.message = "a POST needs a Content-Length header (or Transfer-Encoding: chunked)";
+          e.code = "length_required";
+        } else if (const std::string bad = BadContentLength(req); !bad.empty()) {
+          e.message = absl::StrCat("Content-Length: '", bad, "' is not a number of bytes");
+          e.code = "malformed_request";
+        } else {
+          return httplib::Server::HandlerResponse::Unhandled;
+        }
+        SetError(res, e);
+        res.set_header("Connection", "close");
+        return httplib::Server::HandlerResponse::Handled;
+      });
+
   http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     if (absl::Status s = pool_->CheckServing(); !s.ok()) return SetError(res, s);
     res.set_content(R"({"status":"ok"})", kJson);
@@ -378,15 +443,37 @@ void HttpServer::Routes() {
   // Every route but /health (open for probes): the key checked first. In the handler, after
   // httplib has read the body: a refusal from a pre-routing handler would leave a POST's body
   // unread on a kept-alive connection, to be parsed as the next request.
-  auto guarded = [this](httplib::Server::Handler handler) {
-    return [this, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
-      if (absl::Status s = Authorize(req); !s.ok()) {
-        // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
-        SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
-        res.set_header("WWW-Authenticate", "Bearer");
+  auto refuse_key = [this](const httplib::Request& req, httplib::Response& res) {
+    absl::Status s = Authorize(req);
+    if (s.ok()) return false;
+    // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
+    SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
+    res.set_header("WWW-Authenticate", "Bearer");
+    return true;
+  };
+  auto guarded = [refuse_key](httplib::Server::Handler handler) {
+    return [refuse_key, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+      if (!refuse_key(req, res)) handler(req, res);
+    };
+  };
+  // A POST's body read here, not by httplib, whose own reading refuses a form-encoded body over
+  // 8 KB (what `curl -d` sends) with 413; the body is parsed as JSON whatever its Content-Type.
+  // A completion on an overflow thread is refused before its body is read (the connection closes).
+  auto with_body = [this, refuse_key](bool chat) {
+    return [this, refuse_key, chat](const httplib::Request& req, httplib::Response& res,
+                                    const httplib::ContentReader& reader) {
+      if (ConnectionPool::OnOverflowThread()) return Busy(res);
+      std::string body;
+      if (!reader([&body](const char* data, size_t n) {
+            body.append(data, n);
+            return true;
+          })) {
+        // httplib set 413 (too large) or nothing (the body ended early, or came too late).
+        if (res.status < 400) res.status = 400;
+        res.set_header("Connection", "close");
         return;
       }
-      handler(req, res);
+      if (!refuse_key(req, res)) Generate(chat, req, body, res);
     };
   };
   http_->Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
@@ -398,34 +485,34 @@ void HttpServer::Routes() {
                                               {"max_model_len", pool_->max_model_len()}}})}};
     res.set_content(body.dump(), kJson);
   }));
-  http_->Post("/v1/chat/completions",
-              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(true, req, res); }));
-  http_->Post("/v1/completions",
-              guarded([this](const httplib::Request& req, httplib::Response& res) { Generate(false, req, res); }));
+  http_->Post("/v1/chat/completions", with_body(true));
+  http_->Post("/v1/completions", with_body(false));
 }
 
-void HttpServer::Generate(bool chat, const httplib::Request& req, httplib::Response& res) {
+void HttpServer::Busy(httplib::Response& res) {
+  // Every serving thread holds a connection: a clear refusal now, not a wait in a queue.
+  LogIds ids;
+  ids.level = "warn";
+  CoordinatorLog("http", "refused a completion: every HTTP connection thread is taken", ids);
+  SetError(res, ApiError{503, "service_unavailable_error",
+                         absl::StrCat("the server is serving as many HTTP connections as it has threads (",
+                                      options_.threads, "; from --max-num-seqs and --max-waiting-requests): ",
+                                      "retry shortly"),
+                         "", "server_busy"});
+  res.set_header("Retry-After", "1");
+  res.set_header("Connection", "close");
+}
+
+void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
-  if (ConnectionPool::OnOverflowThread()) {
-    // Every serving thread holds a connection: a clear refusal now, not a wait in a queue.
-    CoordinatorRequestLog(id, "refused: every HTTP connection thread is taken", "warn");
-    SetError(res, ApiError{503, "service_unavailable_error",
-                           absl::StrCat("the server is serving as many HTTP connections as it has threads (",
-                                        options_.threads, "; from --max-num-seqs and --max-waiting-requests): ",
-                                        "retry shortly"),
-                           "", "server_busy"});
-    res.set_header("Retry-After", "1");
-    res.set_header("Connection", "close");
-    return;
-  }
   auto reject = [&](const absl::Status& status) {
     CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
     SetError(res, status);
   };
 
-  absl::StatusOr<Request> request = ParseRequest(endpoint, req.body);
+  absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());
   if (request->model != model_->name) {
     absl::Status s = absl::NotFoundError(

@@ -32,6 +32,7 @@
 #ifndef SHARDSERVE_COORDINATOR_OPENAI_HTTP_SERVER_H_
 #define SHARDSERVE_COORDINATOR_OPENAI_HTTP_SERVER_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -53,6 +54,8 @@ class Response;
 
 namespace shardserve::openai {
 
+class ConnectionPool;
+
 // The connection threads the coordinator gives its HTTP API beyond one per request the engine takes
 // (--max-num-seqs + --max-waiting-requests): probes, /v1/models, idle keep-alive connections. And
 // at most this many in all.
@@ -67,6 +70,9 @@ struct HttpServerOptions {
   // keep-alive connection holds one for up to 5 s. A connection beyond them is answered 503
   // (code server_busy, Retry-After: 1, Connection: close) at once (connection_pool.h).
   int threads = 128;
+  // Connections open at once from one address (0: any number); the next is answered 503 (code
+  // too_many_connections) without being read. Keeps one client from holding every thread.
+  int max_connections_per_peer = 0;
   // HTTPS with this certificate (PEM, a chain, leaf first) and key; both empty: plain HTTP. The
   // caller checks the files first (CheckTlsFiles).
   std::string tls_cert;
@@ -97,7 +103,10 @@ class HttpServer {
   void Routes();
   // OK, or UNAUTHENTICATED saying what to send (counted in the metrics).
   absl::Status Authorize(const httplib::Request& req);
-  void Generate(bool chat, const httplib::Request& req, httplib::Response& res);
+  // A completion request whose body is `body`.
+  void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // The answer to a completion on an overflow thread: 503 server_busy, "Connection: close".
+  void Busy(httplib::Response& res);
 
   // ---- Constant after construction ----
   const ServedModel* const model_;
@@ -107,6 +116,8 @@ class HttpServer {
   const HttpServerOptions options_;
   const int64_t created_;  // unix seconds: /v1/models' "created"
   std::unique_ptr<httplib::Server> http_;
+  // The connection pool httplib made (new_task_queue), for ConnectionPolicy::crowded.
+  const std::shared_ptr<std::atomic<ConnectionPool*>> connections_ = std::make_shared<std::atomic<ConnectionPool*>>(nullptr);
   int port_ = 0;
 
   std::thread listener_;

@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json.h"
 
 namespace shardserve::openai {
 namespace {
@@ -63,7 +64,10 @@ class Fields {
     if (v == nullptr) return absl::OkStatus();
     if (!v->is_number()) return WrongType(name, "a number", *v);
     const double d = v->get<double>();
-    if (!std::isfinite(d) || std::fabs(d) > 1e30) return InvalidField(name, absl::StrCat("must be finite, got ", d));
+    // Sampling parameters are float32 on the wire to the workers: 1e308 would become inf there.
+    if (!std::isfinite(d) || std::fabs(d) > 1e30) {
+      return InvalidField(name, absl::StrCat("must be a number of magnitude at most 1e30 (a float32), got ", d));
+    }
     *out = static_cast<float>(d);
     return absl::OkStatus();
   }
@@ -223,14 +227,9 @@ std::string ParamOf(const absl::Status& status) {
 }
 
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) {
-  Json json;
-  try {
-    json = Json::parse(body);
-  } catch (const Json::exception& e) {
-    // e.what(): where the JSON breaks ("parse error at line 1, column 7: ..."), or a number out
-    // of range ("number overflow parsing '1e1111'": out_of_range, not a parse_error).
-    return absl::InvalidArgumentError(absl::StrCat("the body is not valid JSON: ", e.what()));
-  }
+  absl::StatusOr<Json> parsed = ParseJson<Json>(body, "the body");
+  if (!parsed.ok()) return parsed.status();
+  const Json json = *std::move(parsed);
   if (!json.is_object()) return absl::InvalidArgumentError(absl::StrCat("the body must be a JSON object, got ", TypeName(json)));
 
   const Fields f(json);
@@ -255,16 +254,12 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
     }
   }
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  SHARDSERVE_OPENAI_CHECK(f.Int("max_tokens", 0, kInt32Max, &max_tokens));
-  if (chat) SHARDSERVE_OPENAI_CHECK(f.Int("max_completion_tokens", 0, kInt32Max, &max_completion_tokens));
+  SHARDSERVE_OPENAI_CHECK(f.Int("max_tokens", 1, kInt32Max, &max_tokens));
+  if (chat) SHARDSERVE_OPENAI_CHECK(f.Int("max_completion_tokens", 1, kInt32Max, &max_completion_tokens));
   if (max_tokens.has_value() && max_completion_tokens.has_value() && *max_tokens != *max_completion_tokens) {
     return InvalidField("max_completion_tokens", "differs from max_tokens: send one of them");
   }
   r.max_tokens = max_completion_tokens.has_value() ? max_completion_tokens : max_tokens;
-  if (r.max_tokens.has_value() && *r.max_tokens < 1) {
-    return InvalidField(max_completion_tokens.has_value() ? "max_completion_tokens" : "max_tokens",
-                        absl::StrCat("must be at least 1, got ", *r.max_tokens));
-  }
 
   v1::SamplingParams& s = r.sampling;
   // OpenAI's default temperature is 1 (sampling), unlike the gRPC API's 0 (greedy).
@@ -280,7 +275,9 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   SHARDSERVE_OPENAI_CHECK(f.Int("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &seed));
   s.set_temperature(temperature);
   // top_p 0 would mean "no limit" to the gRPC API; to OpenAI it is the narrowest nucleus.
-  if (f.Get("top_p") != nullptr && top_p <= 0) return InvalidField("top_p", absl::StrCat("must be in (0, 1], got ", top_p));
+  if (f.Get("top_p") != nullptr && !(top_p > 0 && top_p <= 1)) {
+    return InvalidField("top_p", absl::StrCat("must be in (0, 1], got ", top_p));
+  }
   s.set_top_p(top_p);
   s.set_min_p(min_p);
   s.set_presence_penalty(presence);

@@ -113,6 +113,10 @@ constexpr char kUsage[] =
     "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
     "                                (the HTTP API serves --max-num-seqs + --max-waiting-requests + 32\n"
     "                                connections at once, at most 4096; one more is answered 503 at once)\n"
+    "  --http-max-connections-per-peer\n"
+    "                                HTTP connections open at once from one client address; the next is\n"
+    "                                answered 503 (default: all of the above but 16, kept for other\n"
+    "                                clients and probes; behind a proxy all clients share its address)\n"
     "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
     "                                kept after their request (evicted least recently used) and a\n"
     "                                request whose first tokens match reuses them instead of computing\n"
@@ -137,7 +141,7 @@ int Main(int argc, char** argv) {
                     "step-timeout-seconds", "heal-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
-                    "http-port", "http-host", "http-max-body-bytes"},
+                    "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer"},
                    {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -155,6 +159,7 @@ int Main(int argc, char** argv) {
   double collective_timeout = 5, step_timeout = 60, heal_timeout = 60;
   openai::HttpServerOptions http_options;
   int64_t http_port = 0;
+  int64_t http_per_peer = 0;
   http_options.host = flags->Get("http-host", "127.0.0.1");
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
@@ -172,6 +177,7 @@ int Main(int argc, char** argv) {
            flags->Int("micro-batches", 0, 64, &engine_options.micro_batches),
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
+           flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
@@ -293,6 +299,9 @@ int Main(int argc, char** argv) {
     http_options.threads = static_cast<int>(std::min<int64_t>(
         openai::kMaxHttpThreads,
         pool_options.limits.max_seqs_per_step + engine_options.max_waiting + openai::kSpareHttpThreads));
+    http_options.max_connections_per_peer =
+        http_per_peer > 0 ? static_cast<int>(http_per_peer)
+                          : std::max(1, http_options.threads - openai::kSpareHttpThreads / 2);
     absl::StatusOr<std::unique_ptr<openai::HttpServer>> started =
         openai::HttpServer::Start(model->get(), pool->get(), &engine, &metrics, http_options);
     if (!started.ok()) return Fail(std::string(started.status().message()));

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "base/json.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -21,8 +22,8 @@ absl::Status ReadGenerationEos(const fs::path& file, std::vector<int32_t>* ids) 
   if (!in) return absl::OkStatus();  // optional
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
+  SHARDSERVE_ASSIGN_OR_RETURN(const nlohmann::json j, ParseJson<nlohmann::json>(text.str(), file.string()));
+  if (!j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(file.string(), " is not a JSON object"));
   }
   if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return absl::OkStatus();

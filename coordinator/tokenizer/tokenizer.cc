@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/json.h"
 #include "base/status_macros.h"
 #include "coordinator/tokenizer/added_vocabulary.h"
 #include "coordinator/tokenizer/bpe.h"
@@ -33,14 +34,6 @@ using tokenizer_internal::PreTokenizer;
 using tokenizer_internal::Unsupported;
 
 namespace {
-
-absl::StatusOr<Json> ParseJson(std::string_view text, std::string_view file) {
-  try {
-    return Json::parse(text);
-  } catch (const Json::exception& e) {
-    return Malformed(file, absl::StrCat("not valid JSON (", e.what(), ")"));
-  }
-}
 
 // Reads a file; a missing optional file is an empty string.
 absl::StatusOr<std::string> ReadFile(const std::string& path, bool required) {
@@ -185,7 +178,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view tokenizer_json,
                                                                std::string_view tokenizer_config_json,
                                                                std::string_view generation_config_json) try {
-  absl::StatusOr<Json> root = ParseJson(tokenizer_json, "tokenizer.json");
+  absl::StatusOr<Json> root = ParseJson<Json>(tokenizer_json, "tokenizer.json");
   if (!root.ok()) return root.status();
   if (!root->is_object()) return Malformed("tokenizer.json", "must be a JSON object");
   std::unique_ptr<Tokenizer> t(new Tokenizer());
@@ -261,7 +254,7 @@ absl::Status Tokenizer::IndexTokens() {
 
 absl::Status Tokenizer::ReadBosEos(std::string_view tokenizer_config_json, std::string_view generation_config_json) {
   if (!tokenizer_config_json.empty()) {
-    absl::StatusOr<Json> config = ParseJson(tokenizer_config_json, "tokenizer_config.json");
+    absl::StatusOr<Json> config = ParseJson<Json>(tokenizer_config_json, "tokenizer_config.json");
     if (!config.ok()) return config.status();
     for (const char* key : {"bos_token", "eos_token"}) {
       absl::StatusOr<std::optional<std::string>> token = ConfigToken(*config, key);
@@ -279,7 +272,7 @@ absl::Status Tokenizer::ReadBosEos(std::string_view tokenizer_config_json, std::
     }
   }
   if (!generation_config_json.empty()) {
-    absl::StatusOr<Json> config = ParseJson(generation_config_json, "generation_config.json");
+    absl::StatusOr<Json> config = ParseJson<Json>(generation_config_json, "generation_config.json");
     if (!config.ok()) return config.status();
     absl::StatusOr<std::vector<int32_t>> bos = ConfigIds(*config, "bos_token_id");
     absl::StatusOr<std::vector<int32_t>> eos = ConfigIds(*config, "eos_token_id");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "base/flags.h"
+#include "base/json.h"
 #include "coordinator/chat/chat_template.h"
 #include "nlohmann/json.hpp"
 #include "tools/cli/command.h"
@@ -33,11 +34,12 @@ bool ReadJson(const std::string& flag, const std::string& path, nlohmann::ordere
   }
   std::ostringstream ss;
   ss << in.rdbuf();
-  *out = nlohmann::ordered_json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (out->is_discarded()) {
-    std::fprintf(stderr, "shardserve chat-template: --%s %s: not valid JSON\n", flag.c_str(), path.c_str());
+  absl::StatusOr<nlohmann::ordered_json> json = ParseJson<nlohmann::ordered_json>(ss.str(), path);
+  if (!json.ok()) {
+    std::fprintf(stderr, "shardserve chat-template: --%s %s\n", flag.c_str(), std::string(json.status().message()).c_str());
     return false;
   }
+  *out = *std::move(json);
   return true;
 }
 
