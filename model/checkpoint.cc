@@ -113,6 +113,35 @@ absl::Status CheckRangesTile(std::vector<Range> ranges, uint64_t data_size, cons
   return absl::OkStatus();
 }
 
+// The index of the first NaN or infinity among n values of a float type (exponent bits all ones),
+// or -1.
+int64_t FirstNonFinite(const uint8_t* p, DType type, size_t n) {
+  const auto first = [n](auto load, auto mask) -> int64_t {
+    for (size_t i = 0; i < n; ++i) {
+      if ((load(i) & mask) == mask) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  switch (type) {
+    case DType::kF32:
+      return first([p](size_t i) { uint32_t v; std::memcpy(&v, p + 4 * i, 4); return v; }, uint32_t{0x7f800000});
+    case DType::kBF16:
+      return first([p](size_t i) { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return v; }, uint16_t{0x7f80});
+    case DType::kF16:
+      return first([p](size_t i) { uint16_t v; std::memcpy(&v, p + 2 * i, 2); return v; }, uint16_t{0x7c00});
+    default:
+      return -1;
+  }
+}
+
+// The index of the first NaN among n float8 e4m3fn codes (S.1111.111; the format has no infinity), or -1.
+int64_t FirstNanFp8E4m3(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if ((p[i] & 0x7f) == 0x7f) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 }  // namespace
 
 absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file,
@@ -373,6 +402,22 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
   if (!narrowed) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": tensor \"", name, "\" (I64) holds a value outside the int32 range"));
+  }
+  // A NaN or Inf weight makes every output NaN: refused here, naming it, not found as garbage
+  // tokens or a failed step.
+  const size_t count = static_cast<size_t>((end - begin) * (slice.dim == 0 ? cols : rows));
+  const int64_t bad = dst_type == DType::kI8 && fp8_src ? FirstNanFp8E4m3(out, count)
+                      : dst_type == DType::kI32 || dst_type == DType::kI8 ? -1
+                                                                          : FirstNonFinite(out, dst_type, count);
+  if (bad >= 0) {
+    const int64_t width = slice.dim == 0 ? cols : end - begin;
+    const int64_t row = bad / width + (slice.dim == 0 ? begin : 0), col = bad % width + (slice.dim == 0 ? 0 : begin);
+    float value = std::numeric_limits<float>::quiet_NaN();  // an fp8 code read raw: its only non-finite value
+    if (dst_type != DType::kI8) ConvertOnHost(&value, DType::kF32, out + static_cast<size_t>(bad) * ds, dst_type, 1);
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": tensor \"", name, "\": ", name, "[", row, "]", t.shape.size() == 2 ? absl::StrCat("[", col, "]") : "",
+        " is ", value, "; weights and scales must be finite (the checkpoint is corrupt: a model with such a "
+        "value computes only NaN)"));
   }
   return absl::OkStatus();
 }

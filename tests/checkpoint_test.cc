@@ -2,10 +2,12 @@
 // (each gives an error naming the file and the tensor or field; none crashes).
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -53,6 +55,18 @@ void WriteSafetensors(const fs::path& path, const std::vector<FakeTensor>& tenso
   out.write(reinterpret_cast<const char*>(&len), 8);
   out << h;
   out.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size() * 4));
+}
+
+// Overwrites element `index` of F32 tensor `name` in the safetensors file at `path` with `value`.
+void PoisonF32(const fs::path& path, const std::string& name, int64_t index, float value) {
+  std::fstream f(path, std::ios::binary | std::ios::in | std::ios::out);
+  uint64_t len = 0;
+  f.read(reinterpret_cast<char*>(&len), 8);
+  std::string h(len, '\0');
+  f.read(h.data(), static_cast<std::streamsize>(len));
+  const uint64_t begin = json::parse(h)[name]["data_offsets"][0].get<uint64_t>();
+  f.seekp(static_cast<std::streamoff>(8 + len + begin + 4 * index));
+  f.write(reinterpret_cast<const char*>(&value), 4);
 }
 
 // Writes raw bytes: an 8-byte little-endian length, the header text, then `data_bytes` zeros.
@@ -539,6 +553,35 @@ TEST_F(CheckpointTest, IndexPointsOutsideTheDirectory) {
   WriteConfig(TinyConfig());
   std::ofstream(dir_ / "model.safetensors.index.json") << R"({"weight_map": {"lm_head.weight": "../../etc/passwd"}})";
   EXPECT_THAT(OpenError(), HasSubstr("not a file name inside the checkpoint directory"));
+}
+
+// One NaN or Inf weight made every logit NaN: generate-ids printed "0 0 0 ..." and the server
+// failed its first step as a lost worker. Refused at load, naming the tensor and the element, in
+// whatever type the weight is read as and for the row or column slice that holds it.
+TEST_F(CheckpointTest, ANanOrInfiniteWeightIsRefusedNamingTheTensorAndTheElement) {
+  const std::string gate = "model.layers.0.mlp.gate_proj.weight";  // [12, 8]
+  for (const float poison : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()}) {
+    WriteTiny();
+    PoisonF32(dir_ / "model.safetensors", gate, 5 * 8 + 3, poison);  // [5, 3]
+    auto ckpt = Checkpoint::Open(dir_);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    for (const DType type : {DType::kF32, DType::kBF16, DType::kF16}) {
+      std::vector<float> buf(12 * 8);
+      const absl::Status rows = (*ckpt)->Read(gate, {12, 8}, Slice{0, 4, 7}, type, buf.data());
+      ASSERT_FALSE(rows.ok()) << DTypeName(type);
+      EXPECT_THAT(std::string(rows.message()), HasSubstr("tensor \"" + gate + "\": " + gate + "[5][3] is "));
+      EXPECT_THAT(std::string(rows.message()), HasSubstr(std::isnan(poison) ? " is nan;" : poison > 0 ? " is inf;" : " is -inf;"));
+      EXPECT_THAT(std::string(rows.message()), HasSubstr("weights and scales must be finite"));
+      const absl::Status cols = (*ckpt)->Read(gate, {12, 8}, Slice{1, 2, 4}, type, buf.data());
+      ASSERT_FALSE(cols.ok()) << DTypeName(type);
+      EXPECT_THAT(std::string(cols.message()), HasSubstr(gate + "[5][3] is "));
+      // Slices without it read.
+      EXPECT_TRUE((*ckpt)->Read(gate, {12, 8}, Slice{0, 6, 12}, type, buf.data()).ok());
+      EXPECT_TRUE((*ckpt)->Read(gate, {12, 8}, Slice{1, 4, 8}, type, buf.data()).ok());
+    }
+    EXPECT_THAT(std::string(LoadModel().message()), HasSubstr("weights and scales must be finite"));
+  }
 }
 
 TEST_F(CheckpointTest, MissingTensor) {
