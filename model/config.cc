@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "base/json.h"
 #include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -85,12 +86,11 @@ absl::Status GetBool(const json& j, const std::string& source, const char* field
   return absl::OkStatus();
 }
 
-absl::Status ParseRopeScaling(const json& j, const std::string& source, RopeScaling* out) {
-  auto it = j.find("rope_scaling");
-  if (it == j.end() || it->is_null()) return absl::OkStatus();
-  if (!it->is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
-  const json& r = *it;
-  std::string type;
+// The scaling of a RoPE object: transformers 4.x's "rope_scaling" or 5.x's "rope_parameters"
+// (`field` names it); "rope_type" (or 4.x's "type") default or llama3. Other types change the
+// math and are refused, naming them.
+absl::Status ParseRopeScaling(const json& r, const std::string& source, const std::string& field, RopeScaling* out) {
+  std::string type = "default";
   for (const char* key : {"rope_type", "type"}) {
     if (r.contains(key) && r[key].is_string()) {
       type = r[key].get<std::string>();
@@ -99,28 +99,69 @@ absl::Status ParseRopeScaling(const json& j, const std::string& source, RopeScal
   }
   if (type == "default") return absl::OkStatus();
   if (type != "llama3") {
-    return FieldError(source, "rope_scaling",
-                      absl::StrCat("has type \"", type, "\", which is not supported (supported: llama3, default)"));
+    return FieldError(source, field,
+                      absl::StrCat("has rope_type \"", type, "\", which is not supported (supported: llama3, default)"));
   }
+  const std::string where = absl::StrCat(source, " ", field);
   out->type = RopeScaling::Type::kLlama3;
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "factor", &out->factor));
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "low_freq_factor", &out->low_freq_factor));
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, source + " rope_scaling", "high_freq_factor", &out->high_freq_factor));
-  SHARDSERVE_RETURN_IF_ERROR(GetInt(r, source + " rope_scaling", "original_max_position_embeddings", false,
-                         &out->original_max_position_embeddings));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "factor", &out->factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "low_freq_factor", &out->low_freq_factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "high_freq_factor", &out->high_freq_factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(r, where, "original_max_position_embeddings", false,
+                                    &out->original_max_position_embeddings));
   if (out->factor <= 0 || out->low_freq_factor <= 0 || out->high_freq_factor <= out->low_freq_factor ||
       out->original_max_position_embeddings <= 0) {
-    return FieldError(source, "rope_scaling",
+    return FieldError(source, field,
                       "needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0");
   }
+  return absl::OkStatus();
+}
+
+// RoPE as either version of transformers writes config.json: 4.x's "rope_theta" and "rope_scaling",
+// or 5.x's "rope_parameters" ({"rope_theta", "rope_type", and the type's fields}); a file with
+// both must have them agree. rope_parameters keyed by layer type ({"full_attention": {...},
+// "sliding_attention": {...}}, as Gemma 3 writes it) is refused: these architectures have one kind
+// of layer.
+absl::Status ParseRope(const json& j, const std::string& source, double* theta, RopeScaling* scaling) {
+  const auto present = [&j](const char* field) { return j.contains(field) && !j[field].is_null(); };
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", theta));
+  if (present("rope_scaling")) {
+    if (!j["rope_scaling"].is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
+    SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j["rope_scaling"], source, "rope_scaling", scaling));
+  }
+  if (!present("rope_parameters")) return absl::OkStatus();
+  const json& p = j["rope_parameters"];
+  if (!p.is_object()) return FieldError(source, "rope_parameters", "must be an object or null");
+  if (!p.contains("rope_theta")) {
+    for (const auto& [key, value] : p.items()) {
+      if (value.is_object()) {
+        return FieldError(source, "rope_parameters",
+                          absl::StrCat("is given per layer type (\"", key,
+                                       "\", ...), which this architecture does not have"));
+      }
+    }
+    return FieldError(source, "rope_parameters", "has no \"rope_theta\"");
+  }
+  double v5_theta = 0;
+  RopeScaling v5_scaling;
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(p, absl::StrCat(source, " rope_parameters"), "rope_theta", &v5_theta));
+  SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(p, source, "rope_parameters", &v5_scaling));
+  if (present("rope_theta") && *theta != v5_theta) {
+    return FieldError(source, "rope_parameters",
+                      absl::StrCat("has rope_theta ", v5_theta, " but the file's \"rope_theta\" is ", *theta));
+  }
+  if (present("rope_scaling") && !(*scaling == v5_scaling)) {
+    return FieldError(source, "rope_parameters", "and \"rope_scaling\" describe different RoPE scalings");
+  }
+  *theta = v5_theta;
+  *scaling = v5_scaling;
   return absl::OkStatus();
 }
 
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& source) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON"));
+  SHARDSERVE_ASSIGN_OR_RETURN(json j, ParseJson<json>(text, source));
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));
 
   ModelConfig c;
@@ -151,11 +192,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_key_value_heads", false, &c.num_key_value_heads));
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &c.rope_theta));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
   if (c.architecture != Architecture::kQwen2) SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
-  SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j, source, &c.rope_scaling));
+  SHARDSERVE_RETURN_IF_ERROR(ParseRope(j, source, &c.rope_theta, &c.rope_scaling));
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
     SHARDSERVE_ASSIGN_OR_RETURN(c.checkpoint_quant, ParseCheckpointQuant(q->dump(), source));
   }
@@ -222,9 +262,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
 
-  // Type first: json::value() throws when the field is there with another type.
-  if (j.contains("torch_dtype") && !j["torch_dtype"].is_string()) return FieldError(source, "torch_dtype", "must be a string");
-  std::string dtype = j.value("torch_dtype", std::string("float32"));
+  // The weights' type: "dtype" as transformers 5.x writes it, "torch_dtype" as 4.x did.
+  std::string dtype = "float32";
+  const char* dtype_field = "torch_dtype";
+  for (const char* field : {"torch_dtype", "dtype"}) {
+    if (!j.contains(field) || j[field].is_null()) continue;
+    if (!j[field].is_string()) return FieldError(source, field, "must be a string");
+    if (field == std::string("dtype") && j.contains("torch_dtype") && !j["torch_dtype"].is_null() &&
+        j["torch_dtype"] != j["dtype"]) {
+      return FieldError(source, "dtype", absl::StrCat("is ", j["dtype"].dump(), " but \"torch_dtype\" is ",
+                                                      j["torch_dtype"].dump()));
+    }
+    dtype = j[field].get<std::string>();
+    dtype_field = field;
+  }
   if (dtype == "float32") {
     c.dtype = DType::kF32;
   } else if (dtype == "float16") {
@@ -232,7 +283,35 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   } else if (dtype == "bfloat16") {
     c.dtype = DType::kBF16;
   } else {
-    return FieldError(source, "torch_dtype", absl::StrCat("is \"", dtype, "\"; supported: float32, float16, bfloat16"));
+    return FieldError(source, dtype_field, absl::StrCat("is \"", dtype, "\"; supported: float32, float16, bfloat16"));
+  }
+  // Fields of newer configs that would change the math of these architectures: understood as the
+  // value that changes nothing, refused by name otherwise (never silently ignored).
+  if (j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null() &&
+      !(j["partial_rotary_factor"].is_number() && j["partial_rotary_factor"].get<double>() == 1.0)) {
+    return FieldError(source, "partial_rotary_factor",
+                      absl::StrCat("is ", j["partial_rotary_factor"].dump(), "; only 1 (RoPE on the whole head) is supported"));
+  }
+  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return FieldError(source, "layer_types", "must be a list of names");
+    for (const json& type : *it) {
+      if (type != "full_attention") {
+        return FieldError(source, "layer_types",
+                          absl::StrCat("has ", type.dump(), "; only \"full_attention\" layers are supported for ",
+                                       c.architecture_name));
+      }
+    }
+  }
+  for (const char* field : {"attn_logit_softcapping", "final_logit_softcapping"}) {
+    if (j.contains(field) && !j[field].is_null()) {
+      return FieldError(source, field, absl::StrCat("is ", j[field].dump(), "; soft-capping is not supported for ",
+                                                    c.architecture_name));
+    }
+  }
+  bool qwen2_sliding = false;
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "use_sliding_window", &qwen2_sliding));
+  if (c.architecture == Architecture::kQwen2 && qwen2_sliding) {
+    return FieldError(source, "use_sliding_window", "is true; sliding-window attention is not supported for Qwen2");
   }
 
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {

@@ -26,6 +26,7 @@ struct RopeScaling {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
+  bool operator==(const RopeScaling&) const = default;
 };
 
 struct ModelConfig {
@@ -45,7 +46,7 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v biases (always true for Qwen2)
   bool mlp_bias = false;        // not supported; parsing rejects true
-  DType dtype = DType::kF32;    // torch_dtype
+  DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
   // quantization_config of a published quantized checkpoint (GPTQ, AWQ, compressed-tensors, FP8):

@@ -185,6 +185,79 @@ TEST_F(CheckpointTest, ConfigDefaultsAndLlama3RopeScaling) {
   EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 8 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8);
 }
 
+// config.json as transformers 5.x's save_pretrained writes it: RoPE in "rope_parameters" (base and
+// scaling together), "dtype" for "torch_dtype". Such a Llama 3 checkpoint used to load with base
+// 10000 and no scaling, and decode other tokens than transformers from the first one.
+TEST_F(CheckpointTest, TransformersFiveConfigGivesTheSameModelAsFour) {
+  json v4 = TinyConfig();
+  v4["rope_theta"] = 500000.0;
+  v4["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                        {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 32}};
+  v4["torch_dtype"] = "bfloat16";
+  json v5 = TinyConfig();
+  v5.erase("torch_dtype");
+  v5["dtype"] = "bfloat16";
+  v5["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"}, {"factor", 8.0},
+                           {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                           {"original_max_position_embeddings", 32}};
+  v5["transformers_version"] = "5.0.0";
+  auto four = ParseModelConfig(v4.dump(), "config.json");
+  auto five = ParseModelConfig(v5.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  ASSERT_TRUE(five.ok()) << five.status();
+  EXPECT_EQ(five->rope_theta, 500000.0);
+  EXPECT_EQ(five->rope_scaling.type, RopeScaling::Type::kLlama3);
+  EXPECT_TRUE(five->rope_scaling == four->rope_scaling);
+  EXPECT_EQ(five->dtype, DType::kBF16);
+  EXPECT_EQ(RopeInvFreq(*five), RopeInvFreq(*four));
+  // Without scaling: the base alone.
+  v5["rope_parameters"] = {{"rope_theta", 1e6}, {"rope_type", "default"}};
+  auto plain = ParseModelConfig(v5.dump(), "config.json");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->rope_theta, 1e6);
+  EXPECT_EQ(plain->rope_scaling.type, RopeScaling::Type::kNone);
+}
+
+// What would change the math and is not implemented is refused, naming the field; both formats in
+// one file must agree.
+TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
+  struct Case {
+    json fields;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "yarn"}, {"factor", 4.0}}}},
+       "field \"rope_parameters\" has rope_type \"yarn\", which is not supported"},
+      {{{"rope_parameters", {{"full_attention", {{"rope_theta", 1e6}}}, {"sliding_attention", {{"rope_theta", 1e4}}}}}},
+       "field \"rope_parameters\" is given per layer type (\"full_attention\""},
+      {{{"rope_parameters", {{"rope_type", "default"}}}}, "field \"rope_parameters\" has no \"rope_theta\""},
+      {{{"rope_theta", 1e4}, {"rope_parameters", {{"rope_theta", 5e5}, {"rope_type", "default"}}}},
+       "has rope_theta 500000 but the file's \"rope_theta\" is 10000"},
+      {{{"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"original_max_position_embeddings", 32}}},
+        {"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "default"}}}},
+       "\"rope_parameters\" and \"rope_scaling\" describe different RoPE scalings"},
+      {{{"dtype", "float16"}}, "field \"dtype\" is \"float16\" but \"torch_dtype\" is \"float32\""},
+      {{{"partial_rotary_factor", 0.75}}, "field \"partial_rotary_factor\" is 0.75"},
+      {{{"layer_types", {"full_attention", "sliding_attention"}}}, "field \"layer_types\" has \"sliding_attention\""},
+      {{{"final_logit_softcapping", 30.0}}, "field \"final_logit_softcapping\" is 30.0"},
+      {{{"architectures", {"Qwen2ForCausalLM"}}, {"use_sliding_window", true}}, "field \"use_sliding_window\" is true"},
+  };
+  for (const Case& c : cases) {
+    json config = TinyConfig();
+    for (const auto& [k, v] : c.fields.items()) config[k] = v;
+    auto parsed = ParseModelConfig(config.dump(), "config.json");
+    ASSERT_FALSE(parsed.ok()) << config.dump();
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr(c.says)) << config.dump();
+  }
+  // The values that change nothing pass.
+  json config = TinyConfig();
+  config["partial_rotary_factor"] = 1.0;
+  config["layer_types"] = {"full_attention"};
+  config["final_logit_softcapping"] = nullptr;
+  config["dtype"] = "float32";
+  EXPECT_TRUE(ParseModelConfig(config.dump(), "config.json").ok());
+}
+
 TEST_F(CheckpointTest, ZeroByteTensorsTileWithTheirNeighbours) {
   WriteConfig(TinyConfig());
   // "empty" [0] takes no bytes at offset 0, where "w" begins: still an exact tiling.
@@ -229,7 +302,7 @@ TEST_F(CheckpointTest, InvalidJsonConfig) {
   std::ofstream(dir_ / "config.json") << "{\"architectures\": [\"LlamaForCausalLM\"], ";
   auto config = LoadModelConfig(dir_);
   ASSERT_FALSE(config.ok());
-  EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json: not valid JSON"));
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json is not valid JSON: "));
 }
 
 TEST_F(CheckpointTest, MissingConfigField) {

@@ -75,7 +75,9 @@ void PrintTo(const Layout& l, std::ostream* os) { *os << "TP=" << l.tp << " PP="
 std::vector<Layout> Layouts() {
   // The fixtures' layer counts (checked against config.json by the test): PP may not exceed them.
   const std::vector<std::pair<std::string, int>> fixtures = {
-      {"llama3_rope", 2}, {"llama_bf16", 3}, {"llama_gqa", 5}, {"mistral_sharded", 4}, {"qwen2_tied_bias", 3}};
+      {"llama3_rope", 2}, {"llama_bf16", 3}, {"llama_gqa", 5}, {"mistral_sharded", 4}, {"qwen2_tied_bias", 3},
+      // config.json as transformers 5 writes it (rope_parameters, dtype, layer_types).
+      {"llama3_rope_tf5", 2}, {"qwen2_tf5", 3}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {

@@ -1,0 +1,115 @@
+"""Builds the parity fixtures whose checkpoints transformers 5 writes (tests/fixtures/models/*_tf5):
+config.json as current releases save it, RoPE in "rope_parameters" (base and scaling together),
+"dtype" for "torch_dtype", "layer_types" where the family has it. The checkpoint, golden.json and
+their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy tokens, logits,
+no near-ties), with sizes no other fixture uses.
+
+Usage (from the repository root):
+    tools/fixtures5-env.sh && .venv-fixtures5/bin/python tools/make_parity_fixtures_tf5.py
+"""
+
+import argparse
+import pathlib
+import shutil
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from make_parity_fixtures import DEFAULT_OUT, Fixture, randomize_parameters, write_checked_golden
+
+
+def fixtures() -> list[Fixture]:
+    return [
+        # Llama 3.1 RoPE (llama3 scaling, theta 5e5) written in rope_parameters, as a Llama 3 checkpoint
+        # saved by transformers 5 has it; 3 query heads per KV head, head_dim 16, 2 layers.
+        Fixture(
+            name="llama3_rope_tf5",
+            model_cls=LlamaForCausalLM,
+            config=LlamaConfig(
+                vocab_size=384,
+                hidden_size=96,
+                intermediate_size=160,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=2,
+                max_position_embeddings=2048,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                rms_norm_eps=1e-6,
+                tie_word_embeddings=False,
+            ),
+            seed=6000,
+            prompt_len=40,
+        ),
+        # Qwen2 with its RoPE base 1e6 in rope_parameters, q/k/v biases, tied LM head, bf16 weights,
+        # "layer_types" (all full attention) as transformers 5 writes for it.
+        Fixture(
+            name="qwen2_tf5",
+            model_cls=Qwen2ForCausalLM,
+            config=Qwen2Config(
+                vocab_size=448,
+                hidden_size=128,
+                intermediate_size=144,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+                num_hidden_layers=3,
+                max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True,
+            ),
+            seed=7000,
+            init_std=0.15,
+            save_dtype=torch.bfloat16,
+        ),
+    ]
+
+
+def build(fixture: Fixture, out_root: pathlib.Path) -> None:
+    out = out_root / fixture.name
+    print(f"{fixture.name}:")
+    if out.exists():
+        shutil.rmtree(out)
+    torch.manual_seed(fixture.seed)
+    model = fixture.model_cls._from_config(fixture.config, attn_implementation="eager", dtype=torch.float32)
+    randomize_parameters(model, fixture.init_std)
+    model.to(fixture.save_dtype)
+    model.save_pretrained(out)
+    # Goldens from the checkpoint as written, read back and computed in float32.
+    model = fixture.model_cls.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
+    config = model.config
+    print(f"    rope_parameters {config.rope_parameters}")
+    generator = torch.Generator().manual_seed(fixture.seed + 1)
+    prompt = torch.randint(1, config.vocab_size, (fixture.prompt_len,), generator=generator).tolist()
+    write_checked_golden(out, fixture.name, model, prompt,
+                         {"model": fixture.name, "architecture": config.architectures[0]})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="fixtures root directory")
+    parser.add_argument("names", nargs="*", help="fixtures to build (default: all)")
+    args = parser.parse_args()
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise SystemExit(f"transformers {transformers.__version__}: these fixtures need 5 (tools/fixtures5-env.sh)")
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    chosen = [f for f in fixtures() if not args.names or f.name in args.names]
+    unknown = set(args.names) - {f.name for f in chosen}
+    if unknown:
+        raise SystemExit(f"unknown fixtures: {sorted(unknown)}")
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    for fixture in chosen:
+        build(fixture, args.out)
+
+
+if __name__ == "__main__":
+    main()
