@@ -1,14 +1,18 @@
 // coordinator/chat: every fixture case of tests/fixtures/chat_templates/<family>/ (rendered by
 // transformers' apply_chat_template, tools/make_chat_template_fixtures.py) rendered by ChatTemplate and
 // compared byte for byte, plus unit tests of the lexer, parser, runtime and their errors.
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "coordinator/chat/chat_template.h"
 #include "coordinator/chat/lexer.h"
 #include "coordinator/chat/parser.h"
+#include "coordinator/chat/runtime/budget.h"
 #include "coordinator/chat/runtime/render.h"
 #include "coordinator/chat/value.h"
 #include "gtest/gtest.h"
@@ -295,18 +299,186 @@ TEST(ChatRuntimeTest, HostileTemplatesAreErrorsNotCrashes) {
   std::string blocks;
   for (int i = 0; i < 50000; ++i) blocks += "{% if 1 %}";
   EXPECT_FALSE(Parse(blocks).ok());
-  // Unbounded work and memory.
-  EXPECT_NE(R("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}")
-                .find("loop iterations"),
-            std::string::npos);
-  EXPECT_NE(R("{{ 'x' * 1000000000000 }}").find("larger than"), std::string::npos);
-  EXPECT_NE(R("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
-                .find("larger than"),
-            std::string::npos);
-  EXPECT_NE(R("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}").find("nested too deeply"), std::string::npos);
   // Reference cycles (a namespace holding itself, a macro in its own scope) are still rendered;
   // the leak checker of the fuzz build (ASan) verifies that they are freed.
   EXPECT_EQ(R("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{% set ns.l = [ns] %}{{ ns.me.me.a }}"), "1");
+}
+
+// --- the render budget (runtime/budget.h): hostile templates end in an error naming the budget ---
+
+// The default budget without its deadline: these tests assert which budget a template exceeds,
+// and on a slow or loaded machine the deadline could come first.
+RenderBudget Untimed() {
+  RenderBudget budget;
+  budget.deadline = std::chrono::minutes(10);
+  return budget;
+}
+
+// The status of rendering `source` (no messages) within `budget`.
+absl::Status RenderStatus(const std::string& source, const RenderBudget& budget = Untimed()) {
+  absl::StatusOr<ChatTemplate> t = ChatTemplate::FromString(source);
+  if (!t.ok()) return t.status();
+  return t->Render(json::array(), false, nullptr, nullptr, budget).status();
+}
+
+// Asserts that `status` is `code` with a message naming the budget `what`.
+void ExpectBudget(const absl::Status& status, absl::StatusCode code, const std::string& what) {
+  EXPECT_EQ(status.code(), code) << status;
+  EXPECT_NE(status.message().find("the chat template exceeded its budget of " + what), std::string::npos) << status;
+}
+
+const std::string kElements = "1000000 list and dict elements";
+const std::string kBytes = "134217728 bytes of strings";
+
+TEST(ChatBudgetTest, ListsGrownInALoopStopAtTheElementBudget) {
+  // Concatenation 100,000 times: quadratic copying, minutes without a budget.
+  ExpectBudget(RenderStatus("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
+                            "{% set ns.l = ns.l + [i] %}{% endfor %}{{ ns.l | length }}"),
+               absl::StatusCode::kResourceExhausted, kElements);
+  // Doubling 40 times: refused before the list that does not fit is allocated.
+  ExpectBudget(RenderStatus("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}"
+                            "{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l | length }}"),
+               absl::StatusCode::kResourceExhausted, kElements);
+  ExpectBudget(RenderStatus("{{ ([1, 2] * 10**10) | length }}"), absl::StatusCode::kResourceExhausted, kElements);
+  // The error says where: the `+` of line 2.
+  EXPECT_NE(RenderStatus("{% set ns = namespace(l=[1]) %}\n{% for i in range(40) %}{% set ns.l = ns.l + ns.l %}{% endfor %}")
+                .message()
+                .find("(line 2, column 44)"),
+            std::string::npos);
+}
+
+TEST(ChatBudgetTest, HugeRangesAreRefusedBeforeAllocating) {
+  ExpectBudget(RenderStatus("{% for i in range(10**12) %}{% endfor %}"), absl::StatusCode::kResourceExhausted, kElements);
+  ExpectBudget(RenderStatus("{{ range(0, 2**62, 3) | length }}"), absl::StatusCode::kResourceExhausted, kElements);
+  ExpectBudget(RenderStatus("{% for c in 'x' * 10**7 %}{% endfor %}"), absl::StatusCode::kResourceExhausted, kElements);
+  // What fits still renders as Python's range.
+  EXPECT_EQ(R("{{ range(10, 0, -3) | list }}{{ range(-5) | list }}{{ range(0, 10, 3) | list }}{{ range(3, 3) | list }}"),
+            "[10, 7, 4, 1][][0, 3, 6, 9][]");
+}
+
+TEST(ChatBudgetTest, StringsStopAtTheByteBudget) {
+  ExpectBudget(RenderStatus("{{ 'x' * 10**10 }}"), absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{% set ns = namespace(s='xxxxxxxxxxxxxxxx') %}{% for i in range(64) %}"
+                            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"),
+               absl::StatusCode::kResourceExhausted, kBytes);
+  // The output itself, grown a kilobyte at a time.
+  ExpectBudget(RenderStatus("{% for i in range(500000) %}{{ 'a' ~ 'b' * 1000 }}{% endfor %}"),
+               absl::StatusCode::kResourceExhausted, kBytes);
+  // One string held many times over, then joined, printed or indented.
+  ExpectBudget(RenderStatus("{% set l = ['x' * 1000000] * 1000 %}{{ l | join(',') }}"),
+               absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{% set l = ['x' * 1000000] * 1000 %}{{ ''.join(l) }}"),
+               absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{% set l = ['x' * 1000000] * 1000 %}{{ l }}"), absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{% set l = ['x' * 1000000] * 1000 %}{{ l | tojson }}"),
+               absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{{ ('x\n' * 1000) | indent(10**6) }}"), absl::StatusCode::kResourceExhausted, kBytes);
+  ExpectBudget(RenderStatus("{{ ('x' * 1000) | replace('x', 'y' * 10**6) }}"), absl::StatusCode::kResourceExhausted, kBytes);
+}
+
+TEST(ChatBudgetTest, RecursionStopsAtTheDepthBudget) {
+  const std::string levels = "200 levels of nesting";
+  // A macro calling itself without end: an error, not a stack overflow.
+  ExpectBudget(RenderStatus("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
+               absl::StatusCode::kResourceExhausted, levels);
+  // A list nested 100,000 deep: printing it is refused, and freeing it does not recurse.
+  ExpectBudget(RenderStatus("{% set ns = namespace(l=[1]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}"
+                            "{% endfor %}{{ ns.l }}"),
+               absl::StatusCode::kResourceExhausted, levels);
+  EXPECT_EQ(R("{% set ns = namespace(l=[1]) %}{% for i in range(100000) %}{% set ns.l = [ns.l] %}{% endfor %}"
+              "{% set ns.l = 0 %}freed"),
+            "freed");
+  // A namespace that holds itself, printed.
+  ExpectBudget(RenderStatus("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}"),
+               absl::StatusCode::kResourceExhausted, levels);
+  // The limit is the caller's: depth 4 fits in 5 levels, depth 6 does not.
+  RenderBudget budget = Untimed();
+  budget.max_depth = 5;
+  const std::string nest = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% endif %}.{% endmacro %}";
+  EXPECT_TRUE(RenderStatus(nest + "{{ f(4) }}", budget).ok());
+  ExpectBudget(RenderStatus(nest + "{{ f(6) }}", budget), absl::StatusCode::kResourceExhausted, "5 levels of nesting");
+}
+
+TEST(ChatBudgetTest, LoopIterationsAndMacroCalls) {
+  RenderBudget budget = Untimed();
+  budget.max_iterations = 1000;
+  const std::string loop = "{% for i in range(n) %}{% endfor %}";
+  EXPECT_TRUE(RenderStatus("{% set n = 999 %}" + loop, budget).ok());
+  ExpectBudget(RenderStatus("{% set n = 1001 %}" + loop, budget), absl::StatusCode::kResourceExhausted,
+               "1000 loop iterations and macro calls");
+  ExpectBudget(RenderStatus("{% macro f() %}{% endmacro %}{% for i in range(600) %}{{ f() }}{% endfor %}", budget),
+               absl::StatusCode::kResourceExhausted, "1000 loop iterations and macro calls");
+}
+
+TEST(ChatBudgetTest, TheDeadlineStopsLongRenders) {
+  RenderBudget budget;
+  budget.deadline = std::chrono::milliseconds(100);
+  budget.max_iterations = INT64_MAX;
+  // A billion iterations that create nothing: only the deadline ends them.
+  ExpectBudget(RenderStatus("{% set r = range(1000) %}{% for a in r %}{% for b in r %}{% for c in r %}"
+                            "{% endfor %}{% endfor %}{% endfor %}",
+                            budget),
+               absl::StatusCode::kDeadlineExceeded, "100 ms of rendering time");
+  // 2**40 comparisons of a list shared with itself, inside one expression.
+  ExpectBudget(RenderStatus("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}"
+                            "{% endfor %}{{ ns.l == ns.l }}",
+                            budget),
+               absl::StatusCode::kDeadlineExceeded, "100 ms of rendering time");
+  // Integer powers take a time logarithmic in the exponent (64-bit, wrapping where Python grows).
+  EXPECT_EQ(R("{{ 3 ** 4 }} {{ 2 ** 62 }} {{ 2 ** 64 }} {{ 3 ** 1000000000000000000 > 0 or true }}"),
+            "81 4611686018427387904 0 True");
+}
+
+TEST(ChatBudgetTest, CancellationStopsARender) {
+  RenderBudget budget;
+  budget.deadline = std::chrono::minutes(10);  // only the cancellation can end it in time
+  budget.max_iterations = INT64_MAX;
+  int polls = 0;
+  budget.cancelled = [&polls] { return ++polls == 3; };
+  const std::string endless =
+      "{% set r = range(1000) %}{% for a in r %}{% for b in r %}{% for c in r %}{% endfor %}{% endfor %}{% endfor %}";
+  absl::Status s = RenderStatus(endless, budget);
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_NE(s.message().find("cancelled"), std::string::npos) << s;
+  EXPECT_EQ(polls, 3);
+  // From another thread, as the server does when the client goes away.
+  std::atomic<bool> gone{false};
+  budget.cancelled = [&gone] { return gone.load(std::memory_order_relaxed); };
+  std::thread canceller([&gone] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gone = true;
+  });
+  s = RenderStatus(endless, budget);
+  canceller.join();
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  // A render that is not cancelled is not disturbed by the polls.
+  budget.cancelled = [] { return false; };
+  EXPECT_TRUE(RenderStatus("{% for i in range(100000) %}{% endfor %}", budget).ok());
+}
+
+TEST(ChatBudgetTest, EveryFixtureRendersWithinATenthOfTheBudget) {
+  // The defaults leave a wide margin: every fixture case renders with a tenth of each.
+  RenderBudget tight;
+  tight.max_elements /= 10;
+  tight.max_iterations /= 10;
+  tight.max_bytes /= 10;
+  tight.max_depth /= 10;
+  int rendered = 0;
+  for (const std::string& family : Families()) {
+    const std::filesystem::path dir = kFixtures / family;
+    absl::StatusOr<ChatTemplate> tmpl = ChatTemplate::FromDirectory(dir.string());
+    ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+    const json cases = json::parse(ReadText(dir / "cases.json"));
+    for (const json& c : cases["cases"]) {
+      if (c.contains("error")) continue;
+      absl::StatusOr<std::string> out =
+          tmpl->Render(c["messages"], c["add_generation_prompt"].get<bool>(), c["tools"], c["extra"], tight);
+      ASSERT_TRUE(out.ok()) << family << " " << c["name"] << ": " << out.status();
+      EXPECT_EQ(*out, c["expected"].get<std::string>()) << family << " " << c["name"];
+      ++rendered;
+    }
+  }
+  EXPECT_GT(rendered, 13);
 }
 
 // --- loading ---

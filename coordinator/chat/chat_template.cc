@@ -139,7 +139,8 @@ std::vector<std::string> ChatTemplate::names() const {
 
 absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
                                                  const nlohmann::ordered_json& tools,
-                                                 const nlohmann::ordered_json& extra) const {
+                                                 const nlohmann::ordered_json& extra,
+                                                 const RenderBudget& budget) const {
   if (!messages.is_array()) return absl::InvalidArgumentError("messages must be a JSON array");
   if (!tools.is_null() && !tools.is_array()) return absl::InvalidArgumentError("tools must be a JSON array or null");
   if (!extra.is_null() && !extra.is_object()) return absl::InvalidArgumentError("extra arguments must be a JSON object");
@@ -166,7 +167,7 @@ absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& m
   if (extra.is_object()) {
     for (const auto& [k, v] : extra.items()) context.Set(Value(k), Value::FromJson(v));
   }
-  return chat::Render(*tmpl, Value::MakeDict(std::move(context)));
+  return chat::Render(*tmpl, Value::MakeDict(std::move(context)), budget);
 }
 
 }  // namespace shardserve::chat

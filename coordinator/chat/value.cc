@@ -9,10 +9,33 @@
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/chat/runtime/budget.h"
 #include <utf8proc.h>
 
 namespace shardserve::chat {
 namespace {
+
+// Budget checks before an allocation of known size; no-ops outside a render. `where` defaults to
+// the node the renderer is evaluating.
+void CheckBytes(int64_t size, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) t->CheckBytes(size, where ? *where : t->where());
+}
+// Also a step of the render (see BudgetTracker::Tick): the loops that grow a string one piece at a
+// time (printing, JSON, join, replace, indent) poll the deadline through it.
+void CheckGrowth(const std::string& out, size_t more, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) {
+    t->CheckBytes(static_cast<int64_t>(out.size() + more), where ? *where : t->where());
+    t->Tick();
+  }
+}
+void CheckElements(int64_t n, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) t->CheckElements(n, where ? *where : t->where());
+}
+// a * b for sizes, saturating at INT64_MAX (which no budget admits).
+int64_t SaturatingMul(int64_t a, int64_t b) {
+  if (a <= 0 || b <= 0) return 0;
+  return a > INT64_MAX / b ? INT64_MAX : a * b;
+}
 
 [[noreturn]] void Fail(const std::string& message, Location where) { throw TemplateError(message, where); }
 
@@ -126,7 +149,7 @@ std::string Replace(const std::string& s, const std::string& from, const std::st
     std::vector<uint32_t> cps = Decode(s);
     int64_t done = 0;
     for (size_t i = 0; i <= cps.size(); ++i) {
-      if (count < 0 || done < count) out += to, ++done;
+      if (count < 0 || done < count) CheckGrowth(out, to.size() + 4), out += to, ++done;
       if (i < cps.size()) AppendUtf8(&out, cps[i]);
     }
     return out;
@@ -136,6 +159,7 @@ std::string Replace(const std::string& s, const std::string& from, const std::st
   while (count < 0 || done < count) {
     size_t hit = s.find(from, pos);
     if (hit == std::string::npos) break;
+    CheckGrowth(out, hit - pos + to.size());
     out.append(s, pos, hit - pos);
     out += to;
     pos = hit + from.size();
@@ -161,6 +185,7 @@ std::vector<Value> Split(const std::string& s, const Value* sep, int64_t maxspli
       }
       size_t j = i;
       while (j < cps.size() && !IsPySpace(cps[j])) ++j;
+      CheckElements(static_cast<int64_t>(out.size()) + 2);  // the items so far, this one, the list
       out.emplace_back(Encode(cps, i, j));
       i = j;
     }
@@ -172,6 +197,7 @@ std::vector<Value> Split(const std::string& s, const Value* sep, int64_t maxspli
   while (maxsplit < 0 || static_cast<int64_t>(out.size()) < maxsplit) {
     size_t hit = s.find(d, pos);
     if (hit == std::string::npos) break;
+    CheckElements(static_cast<int64_t>(out.size()) + 2);  // the items so far, this one, the list
     out.emplace_back(s.substr(pos, hit - pos));
     pos = hit + d.size();
   }
@@ -315,10 +341,17 @@ Value Value::None() {
   return v;
 }
 
+Value::Value(std::string s) : kind_(Kind::kString) {
+  if (BudgetTracker* t = BudgetTracker::Current()) t->ChargeBytes(static_cast<int64_t>(s.size()), t->where());
+  str_ = std::make_shared<std::string>(std::move(s));
+}
+
 Value Value::List(std::vector<Value> items) {
   Value v;
   v.kind_ = Kind::kList;
+  const size_t n = items.size();
   v.list_ = std::make_shared<std::vector<Value>>(std::move(items));
+  if (BudgetTracker* t = BudgetTracker::Current()) t->Register(v, n);
   return v;
 }
 
@@ -331,7 +364,9 @@ Value Value::Tuple(std::vector<Value> items) {
 Value Value::MakeDict(Dict dict) {
   Value v;
   v.kind_ = Kind::kDict;
+  const size_t n = dict.items.size();
   v.dict_ = std::make_shared<Dict>(std::move(dict));
+  if (BudgetTracker* t = BudgetTracker::Current()) t->Register(v, n);
   return v;
 }
 
@@ -439,59 +474,89 @@ std::string Value::Str() const {
 }
 
 std::string Value::Repr() const {
+  std::string out;
+  ReprTo(&out);
+  return out;
+}
+
+void Value::ReprTo(std::string* out) const {
+  // Appends `s` unless the render's byte budget cannot hold the result: lists may hold the same
+  // list or string many times over, so what they print can be far larger than what they hold.
+  auto put = [out](std::string_view s) {
+    CheckGrowth(*out, s.size());
+    out->append(s);
+  };
   switch (kind_) {
-    case Kind::kUndefined: return "";
-    case Kind::kNone: return "None";
-    case Kind::kBool: return int_ ? "True" : "False";
-    case Kind::kInt: return std::to_string(int_);
-    case Kind::kFloat: return FloatRepr(float_);
-    case Kind::kString: return PyStringRepr(*str_);
+    case Kind::kUndefined: return;
+    case Kind::kNone: return put("None");
+    case Kind::kBool: return put(int_ ? "True" : "False");
+    case Kind::kInt: return put(std::to_string(int_));
+    case Kind::kFloat: return put(FloatRepr(float_));
+    case Kind::kString: return put(PyStringRepr(*str_));
     case Kind::kList: {
-      std::string out = tuple_ ? "(" : "[";
-      for (size_t i = 0; i < list_->size(); ++i) out += (i ? ", " : "") + (*list_)[i].Repr();
-      if (tuple_) return out + (list_->size() == 1 ? ",)" : ")");
-      return out + "]";
+      const DepthGuard level;
+      put(tuple_ ? "(" : "[");
+      for (size_t i = 0; i < list_->size(); ++i) {
+        if (i) put(", ");
+        (*list_)[i].ReprTo(out);
+      }
+      if (tuple_) return put(list_->size() == 1 ? ",)" : ")");
+      return put("]");
     }
     case Kind::kDict: {
-      std::string out = dict_->is_namespace ? "<Namespace {" : "{";
+      const DepthGuard level;
+      put(dict_->is_namespace ? "<Namespace {" : "{");
       for (size_t i = 0; i < dict_->items.size(); ++i) {
-        out += (i ? ", " : "") + dict_->items[i].first.Repr() + ": " + dict_->items[i].second.Repr();
+        if (i) put(", ");
+        dict_->items[i].first.ReprTo(out);
+        put(": ");
+        dict_->items[i].second.ReprTo(out);
       }
-      return out + (dict_->is_namespace ? "}>" : "}");
+      return put(dict_->is_namespace ? "}>" : "}");
     }
-    case Kind::kFunction: return "<function " + name_ + ">";
+    case Kind::kFunction: return put("<function " + name_ + ">");
   }
-  return "";
 }
 
 std::string Value::ToJson(int indent, const std::string& item_sep, const std::string& key_sep, bool sort_keys,
                           Location where) const {
   std::string out;
   std::function<void(const Value&, int)> emit = [&](const Value& v, int level) {
+    const DepthGuard depth;
+    // Every append is checked against the render's byte budget first: shared lists and a large
+    // indent make JSON far larger than what the value holds.
     auto newline = [&](int l) {
-      if (indent >= 0) out += "\n" + std::string(static_cast<size_t>(indent * l), ' ');
+      if (indent < 0) return;
+      const int64_t spaces = SaturatingMul(indent, l);
+      CheckGrowth(out, static_cast<size_t>(std::min<int64_t>(spaces, INT64_MAX - 1) + 1), &where);
+      out += "\n";
+      out.append(static_cast<size_t>(spaces), ' ');
+    };
+    auto put = [&](const std::string& s) {
+      CheckGrowth(out, s.size(), &where);
+      out += s;
     };
     switch (v.kind()) {
-      case Kind::kNone: out += "null"; break;
-      case Kind::kBool: out += v.AsInt() ? "true" : "false"; break;
-      case Kind::kInt: out += std::to_string(v.AsInt()); break;
+      case Kind::kNone: put("null"); break;
+      case Kind::kBool: put(v.AsInt() ? "true" : "false"); break;
+      case Kind::kInt: put(std::to_string(v.AsInt())); break;
       case Kind::kFloat: {
         const double d = v.AsDouble();
-        out += std::isnan(d) ? "NaN" : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity") : FloatRepr(d);
+        put(std::isnan(d) ? "NaN" : std::isinf(d) ? (d > 0 ? "Infinity" : "-Infinity") : FloatRepr(d));
         break;
       }
-      case Kind::kString: out += JsonString(v.AsString(), false); break;
+      case Kind::kString: put(JsonString(v.AsString(), false)); break;
       case Kind::kList: {
         const auto& items = v.AsList();
-        if (items.empty()) { out += "[]"; break; }
-        out += "[";
+        if (items.empty()) { put("[]"); break; }
+        put("[");
         for (size_t i = 0; i < items.size(); ++i) {
-          if (i) out += item_sep;
+          if (i) put(item_sep);
           newline(level + 1);
           emit(items[i], level + 1);
         }
         newline(level);
-        out += "]";
+        put("]");
         break;
       }
       case Kind::kDict: {
@@ -508,16 +573,16 @@ std::string Value::ToJson(int indent, const std::string& item_sep, const std::st
         if (sort_keys) {
           std::stable_sort(entries.begin(), entries.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
         }
-        if (entries.empty()) { out += "{}"; break; }
-        out += "{";
+        if (entries.empty()) { put("{}"); break; }
+        put("{");
         for (size_t i = 0; i < entries.size(); ++i) {
-          if (i) out += item_sep;
+          if (i) put(item_sep);
           newline(level + 1);
-          out += JsonString(entries[i].first, false) + key_sep;
+          put(JsonString(entries[i].first, false) + key_sep);
           emit(*entries[i].second, level + 1);
         }
         newline(level);
-        out += "}";
+        put("}");
         break;
       }
       case Kind::kUndefined: Fail("Object of type Undefined is not JSON serializable", where);
@@ -540,12 +605,14 @@ bool Equals(const Value& a, const Value& b) {
     case Value::Kind::kUndefined: case Value::Kind::kNone: return true;
     case Value::Kind::kString: return a.AsString() == b.AsString();
     case Value::Kind::kList: {
+      const DepthGuard level;
       const auto &x = a.AsList(), &y = b.AsList();
       if (x.size() != y.size() || a.is_tuple() != b.is_tuple()) return false;
       for (size_t i = 0; i < x.size(); ++i) if (!Equals(x[i], y[i])) return false;
       return true;
     }
     case Value::Kind::kDict: {
+      const DepthGuard level;
       const auto &x = a.AsDict(), &y = b.AsDict();
       if (x.items.size() != y.items.size()) return false;
       for (const auto& [k, v] : x.items) {
@@ -566,6 +633,7 @@ bool Less(const Value& a, const Value& b, Location where) {
   }
   if (a.is_string() && b.is_string()) return a.AsString() < b.AsString();
   if (a.is_list() && b.is_list()) {
+    const DepthGuard level;
     const auto &x = a.AsList(), &y = b.AsList();
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
       if (!Equals(x[i], y[i])) return Less(x[i], y[i], where);
@@ -581,8 +649,10 @@ bool Less(const Value& a, const Value& b, Location where) {
 
 Value BinaryOp(const std::string& op, const Value& a, const Value& b, Location where) {
   if (op == "~") {
-    std::string out = a.Str() + b.Str();
-    if (out.size() > kMaxValueBytes) Fail(absl::StrCat("string larger than ", kMaxValueBytes, " bytes"), where);
+    std::string out = a.Str();
+    const std::string right = b.Str();
+    CheckGrowth(out, right.size(), &where);
+    out += right;
     return Value(std::move(out));
   }
   if (op == "in") {
@@ -624,30 +694,34 @@ Value BinaryOp(const std::string& op, const Value& a, const Value& b, Location w
     }
     if (op == "**") {
       if (!f && b.AsInt() >= 0) {
-        int64_t r = 1;
-        for (int64_t i = 0; i < b.AsInt(); ++i) r *= a.AsInt();
-        return Value(r);
+        // By squaring, in 64-bit two's complement (where Python's integers would grow): a time
+        // logarithmic in the exponent, whatever its size.
+        uint64_t r = 1, base = static_cast<uint64_t>(a.AsInt());
+        for (uint64_t e = static_cast<uint64_t>(b.AsInt()); e != 0; e >>= 1) {
+          if (e & 1) r *= base;
+          base *= base;
+        }
+        return Value(static_cast<int64_t>(r));
       }
       return Value(std::pow(a.AsDouble(), b.AsDouble()));
     }
     return unsupported();
   }
   if (op == "+" && a.is_string() && b.is_string()) {
-    if (a.AsString().size() + b.AsString().size() > kMaxValueBytes) {
-      Fail(absl::StrCat("string larger than ", kMaxValueBytes, " bytes"), where);
-    }
+    CheckGrowth(a.AsString(), b.AsString().size(), &where);
     return Value(a.AsString() + b.AsString());
   }
   if (op == "+" && a.is_list() && b.is_list()) {
+    CheckElements(static_cast<int64_t>(a.AsList().size() + b.AsList().size()) + 1, &where);
     std::vector<Value> items = a.AsList();
     items.insert(items.end(), b.AsList().begin(), b.AsList().end());
     return Value::List(std::move(items));
   }
   if (op == "*" && (a.is_string() || a.is_list()) && (b.is_int() || b.is_bool())) {
     const size_t unit = a.is_string() ? a.AsString().size() : a.AsList().size();
-    if (b.AsInt() > 0 && unit > 0 && static_cast<uint64_t>(b.AsInt()) > kMaxValueBytes / unit) {
-      Fail(absl::StrCat("repetition result larger than ", kMaxValueBytes, " bytes"), where);
-    }
+    const int64_t total = SaturatingMul(static_cast<int64_t>(unit), b.AsInt());
+    if (a.is_string()) CheckBytes(total, &where);
+    else CheckElements(total + 1, &where);
     if (a.is_string()) {
       std::string out;
       for (int64_t i = 0; i < b.AsInt(); ++i) out += a.AsString();
@@ -773,6 +847,7 @@ std::vector<Value> Iterate(const Value& v, Location where) {
     case Value::Kind::kString: {
       std::vector<Value> chars;
       std::vector<uint32_t> cps = Decode(v.AsString());
+      CheckElements(static_cast<int64_t>(cps.size()), &where);  // one value each
       for (size_t i = 0; i < cps.size(); ++i) chars.emplace_back(Encode(cps, i, i + 1));
       return chars;
     }
@@ -853,6 +928,7 @@ std::optional<Value> CallMethod(const Value& obj, const std::string& name, CallA
       bool first = true;
       for (const Value& v : Iterate(*items, where)) {
         if (!v.is_string()) Fail("sequence item: expected str instance, " + v.TypeName() + " found", where);
+        CheckGrowth(out, (first ? 0 : s.size()) + v.AsString().size(), &where);  // [big] * n joins to n times big
         out += (first ? "" : s) + v.AsString();
         first = false;
       }
@@ -863,6 +939,7 @@ std::optional<Value> CallMethod(const Value& obj, const std::string& name, CallA
       size_t b = 0;
       for (size_t i = 0; i < s.size(); ++i) {
         if (s[i] == '\n' || s[i] == '\r') {
+          CheckElements(static_cast<int64_t>(lines.size()) + 2, &where);  // the lines so far, this one, the list
           lines.emplace_back(s.substr(b, i - b));
           if (s[i] == '\r' && i + 1 < s.size() && s[i + 1] == '\n') ++i;
           b = i + 1;
@@ -1023,7 +1100,9 @@ Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
     const Value* separators = args.Get(2, "separators");
     const Value* sort_keys = args.Get(3, "sort_keys");
     const Value* ensure_ascii = args.Get(0, "ensure_ascii");
-    const int ind = (indent == nullptr || indent->is_none()) ? -1 : static_cast<int>(ToIndex(*indent, where));
+    const int ind = (indent == nullptr || indent->is_none())
+                        ? -1
+                        : static_cast<int>(std::min<int64_t>(ToIndex(*indent, where), INT32_MAX));
     std::string item_sep = ind >= 0 ? "," : ", ", key_sep = ": ";
     if (separators != nullptr && separators->is_list() && separators->AsList().size() == 2) {
       item_sep = separators->AsList()[0].Str();
@@ -1074,8 +1153,12 @@ Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
     const Value* attribute = args.Get(1, "attribute");
     std::string out;
     bool first = true;
+    const std::string separator = sep ? sep->Str() : "";
     for (const Value& item : Iterate(v, where)) {
-      out += (first ? "" : (sep ? sep->Str() : "")) + (attribute ? AttrPath(item, *attribute, where) : item).Str();
+      const std::string piece = (attribute ? AttrPath(item, *attribute, where) : item).Str();
+      CheckGrowth(out, (first ? 0 : separator.size()) + piece.size(), &where);  // [big] * n joins to n times big
+      if (!first) out += separator;
+      out += piece;
       first = false;
     }
     return Value(std::move(out));
@@ -1120,8 +1203,10 @@ Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
     const Value* width = args.Get(0, "width");
     const Value* first = args.Get(1, "first");
     const Value* blank = args.Get(2, "blank");
+    const int64_t spaces = width != nullptr && !width->is_string() ? std::max<int64_t>(0, ToIndex(*width, where)) : 0;
+    CheckBytes(spaces, &where);
     const std::string pad = width == nullptr ? "    " : width->is_string() ? width->AsString()
-                                                                         : std::string(static_cast<size_t>(ToIndex(*width, where)), ' ');
+                                                                         : std::string(static_cast<size_t>(spaces), ' ');
     const std::string s = v.Str();
     std::vector<std::string> lines;
     size_t b = 0;
@@ -1136,6 +1221,7 @@ Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
       if (i > 0) out += "\n";
       const bool indent_it = (i > 0 || (first && first->Truthy())) &&
                               (!lines[i].empty() || (blank && blank->Truthy()));
+      CheckGrowth(out, 1 + (indent_it ? pad.size() : 0) + lines[i].size(), &where);  // a wide pad on many lines
       out += (indent_it ? pad : "") + lines[i];
     }
     return Value(std::move(out));

@@ -6,6 +6,10 @@
 // Values are cheap to copy: strings are copied, lists and dicts are shared (Python reference
 // semantics: `namespace` attributes set in a loop are seen outside it). A Value is not thread-safe;
 // each render owns its values.
+//
+// Inside a render, what creates lists, dicts and strings charges the render's budget
+// (runtime/budget.h), before allocating where the size is known; a budget exceeded throws
+// BudgetError. Outside a render (FromJson of the request, the parser's literals) nothing is charged.
 #ifndef SHARDSERVE_COORDINATOR_CHAT_VALUE_H_
 #define SHARDSERVE_COORDINATOR_CHAT_VALUE_H_
 
@@ -54,7 +58,8 @@ class Value {
   Value(int v) : kind_(Kind::kInt), int_(v) {}  // NOLINT
   Value(int64_t v) : kind_(Kind::kInt), int_(v) {}  // NOLINT
   Value(double v) : kind_(Kind::kFloat), float_(v) {}  // NOLINT
-  Value(std::string s) : kind_(Kind::kString), str_(std::make_shared<std::string>(std::move(s))) {}  // NOLINT
+  // Inside a render, a new string is charged to its byte budget (runtime/budget.h).
+  Value(std::string s);  // NOLINT
   Value(const char* s) : Value(std::string(s)) {}  // NOLINT
 
   // An undefined value; `hint` is what was looked up, for the error if it is then used.
@@ -103,6 +108,8 @@ class Value {
   std::string TypeName() const;
 
  private:
+  void ReprTo(std::string* out) const;
+
   Kind kind_ = Kind::kUndefined;
   int64_t int_ = 0;
   double float_ = 0;
@@ -113,10 +120,6 @@ class Value {
   std::shared_ptr<Dict> dict_;
   std::shared_ptr<Function> fn_;
 };
-
-// The largest string or list a template may build (`'x' * n`, concatenation), and so the largest
-// render: chat prompts are at most megabytes; this keeps a hostile template from exhausting memory.
-inline constexpr size_t kMaxValueBytes = size_t{64} << 20;
 
 // Python ==.
 bool Equals(const Value& a, const Value& b);

@@ -536,9 +536,38 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     if (model_->tokenizer == nullptr) {
       return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
     }
+    // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
+    // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
+    // render has run 10 ms (real ones take far less), then polled at most every 10 ms.
+    chat::RenderBudget budget;
+    std::optional<PeerWatch> render_peer;
+    auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+    budget.cancelled = [&]() {
+      const auto now = std::chrono::steady_clock::now();
+      if (now < next_probe) return false;
+      next_probe = now + std::chrono::milliseconds(10);
+      if (!render_peer.has_value()) {
+        render_peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+      }
+      return render_peer.has_value() && render_peer->Closed();
+    };
     absl::StatusOr<std::string> prompt =
         model_->chat_template->Render(request->messages, request->add_generation_prompt, request->tools,
-                                      request->chat_template_kwargs);
+                                      request->chat_template_kwargs, budget);
+    if (prompt.status().code() == absl::StatusCode::kCancelled) {
+      CoordinatorRequestLog(id, "client disconnected while the chat template rendered: cancelled", "warn");
+      res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
+      if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
+      return;
+    }
+    if (prompt.status().code() == absl::StatusCode::kResourceExhausted ||
+        prompt.status().code() == absl::StatusCode::kDeadlineExceeded) {
+      // The model's template failed, not the request: a server error (500), not invalid_request_error,
+      // and not ErrorFromStatus's 429 for RESOURCE_EXHAUSTED, which means a full queue to retry.
+      CoordinatorRequestLog(id, absl::StrCat("chat template failed: ", prompt.status().message()), "error");
+      return SetError(res, ApiError{500, "server_error", std::string(prompt.status().message()), "",
+                                    "chat_template_budget_exceeded"});
+    }
     if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
     // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
     absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);

@@ -2,17 +2,14 @@
 
 #include <ctime>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 
 namespace shardserve::chat {
 namespace {
-
-constexpr int kMaxCallDepth = 200;  // macro recursion, so that a template cannot exhaust the stack
-// Loop iterations and macro calls in one render: real templates take O(messages^2) at worst (a loop
-// over the messages inside a loop over the messages); this stops a hostile one from running forever.
-constexpr int64_t kMaxSteps = 10'000'000;
 
 [[noreturn]] void Fail(const std::string& message, Location where) { throw TemplateError(message, where); }
 
@@ -51,7 +48,7 @@ enum class Flow { kNormal, kBreak, kContinue };
 
 class Renderer {
  public:
-  explicit Renderer(std::vector<Value>* mutables) : mutables_(mutables) {}
+  explicit Renderer(BudgetTracker* budget) : budget_(budget) {}
 
   Flow Exec(const Body& body, const ScopePtr& scope, std::string* out) {
     for (const StmtPtr& s : body) {
@@ -65,6 +62,8 @@ class Renderer {
 
  private:
   Flow Exec(const Stmt& s, const ScopePtr& scope, std::string* out) {
+    budget_->At(s.where);
+    budget_->Tick();
     switch (s.kind) {
       case Stmt::Kind::kText: Append(s.text, s.where, out); return Flow::kNormal;
       case Stmt::Kind::kOutput: Append(Eval(*s.expr, scope).Str(), s.where, out); return Flow::kNormal;
@@ -115,16 +114,13 @@ class Renderer {
     return Flow::kNormal;
   }
 
-  static void Append(const std::string& text, Location where, std::string* out) {
-    if (out->size() + text.size() > kMaxValueBytes) {
-      Fail(absl::StrCat("output larger than ", kMaxValueBytes, " bytes"), where);
-    }
+  // The output (or a block's capture) grows: charged to the byte budget before it does.
+  void Append(const std::string& text, Location where, std::string* out) {
+    budget_->ChargeBytes(static_cast<int64_t>(text.size()), where);
     *out += text;
   }
 
-  void Step(Location where) {
-    if (++steps_ > kMaxSteps) Fail(absl::StrCat("more than ", kMaxSteps, " loop iterations and macro calls"), where);
-  }
+  void Step(Location where) { budget_->Iteration(where); }
 
   static void Assign(const std::vector<std::string>& targets, const Value& v, Scope& scope, Location where) {
     if (targets.size() == 1) {
@@ -165,7 +161,6 @@ class Renderer {
                                 return args.positional[static_cast<size_t>(*index) % args.positional.size()];
                               }));
     const Value loop = Value::MakeDict(std::move(fields));
-    mutables_->push_back(loop);
     auto& f = loop.AsDict().items;
     ++loop_depth;
     for (int64_t i = 0; i < n; ++i) {
@@ -193,8 +188,8 @@ class Renderer {
   }
 
   Value CallMacro(const Stmt& macro, const ScopePtr& defined_in, CallArgs& args) {
-    if (++call_depth_ > kMaxCallDepth) Fail("macro calls nested too deeply", args.where);
     Step(args.where);
+    budget_->Enter(args.where);  // each call is a level of C++ recursion: bounded before the stack is
     ScopePtr scope = Child(defined_in);
     for (size_t i = 0; i < macro.targets.size(); ++i) {
       const Value* given = args.Get(i, macro.targets[i]);
@@ -216,7 +211,7 @@ class Renderer {
     loop_depth = 0;
     Exec(macro.body, scope, &out);
     loop_depth = saved_loop_depth;
-    --call_depth_;
+    budget_->Leave();
     return Value(std::move(out));
   }
 
@@ -229,6 +224,8 @@ class Renderer {
   }
 
   Value Eval(const Expr& e, const ScopePtr& scope) {
+    budget_->At(e.where);
+    budget_->Tick();
     switch (e.kind) {
       case Expr::Kind::kLiteral: return e.literal;
       case Expr::Kind::kName: {
@@ -268,11 +265,13 @@ class Renderer {
                e.where);
         }
         if (!callee.is_function()) Fail("'" + callee.TypeName() + "' object is not callable", e.where);
+        budget_->At(e.where);
         return callee.AsFunction()(args);
       }
       case Expr::Kind::kFilter: {
         const Value input = Eval(*e.args[0], scope);
         CallArgs args = EvalArgs(e, 1, scope);
+        budget_->At(e.where);
         return ApplyFilter(e.name, input, args);
       }
       case Expr::Kind::kTest: {
@@ -294,7 +293,10 @@ class Renderer {
           if (a.Truthy() == (e.name == "or")) return a;
           return Eval(*e.args[1], scope);
         }
-        return BinaryOp(e.name, Eval(*e.args[0], scope), Eval(*e.args[1], scope), e.where);
+        Value a = Eval(*e.args[0], scope);
+        Value b = Eval(*e.args[1], scope);
+        budget_->At(e.where);
+        return BinaryOp(e.name, a, b, e.where);
       }
       case Expr::Kind::kCompare: {  // a < b < c is a < b and b < c, each operand evaluated once
         Value left = Eval(*e.args[0], scope);
@@ -312,9 +314,7 @@ class Renderer {
     return Value::Undefined();
   }
 
-  int call_depth_ = 0;
-  int64_t steps_ = 0;
-  std::vector<Value>* mutables_;  // see Render()
+  BudgetTracker* budget_;  // the render's; charged by everything the template does
 };
 
 Value MakeNamespace(CallArgs& args) {
@@ -328,7 +328,7 @@ Value MakeNamespace(CallArgs& args) {
   return Value::MakeDict(std::move(d));
 }
 
-ScopePtr Globals(std::vector<Value>* mutables) {
+ScopePtr Globals() {
   auto g = std::make_shared<Scope>();
   g->vars["raise_exception"] = Value::Func("raise_exception", [](CallArgs& args) -> Value {
     const Value* msg = args.Get(0, "message");
@@ -344,11 +344,7 @@ ScopePtr Globals(std::vector<Value>* mutables) {
     const size_t n = std::strftime(buf, sizeof(buf), fmt->AsString().c_str(), &local);
     return Value(std::string(buf, n));
   });
-  g->vars["namespace"] = Value::Func("namespace", [mutables](CallArgs& args) {
-    Value ns = MakeNamespace(args);
-    mutables->push_back(ns);
-    return ns;
-  });
+  g->vars["namespace"] = Value::Func("namespace", [](CallArgs& args) { return MakeNamespace(args); });
   g->vars["dict"] = Value::Func("dict", [](CallArgs& args) {
     Dict d;
     for (const auto& [k, v] : args.kwargs) d.Set(Value(k), v);
@@ -371,11 +367,16 @@ ScopePtr Globals(std::vector<Value>* mutables) {
       Fail("range expected at least 1 argument", args.where);
     }
     if (step == 0) Fail("range() arg 3 must not be zero", args.where);
-    std::vector<Value> items;
-    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-      if (items.size() >= 100000) Fail("range() too long for a chat template", args.where);
-      items.emplace_back(i);
+    // Its length first, as Python's (overflow-safe), and charged before anything is allocated.
+    const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+    const __int128 stride = step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
+    const __int128 length = span <= 0 ? 0 : (span - 1) / stride + 1;
+    if (BudgetTracker* budget = BudgetTracker::Current()) {
+      budget->CheckElements(length > INT64_MAX - 1 ? INT64_MAX : static_cast<int64_t>(length) + 1, args.where);
     }
+    std::vector<Value> items;
+    items.reserve(static_cast<size_t>(length));
+    for (__int128 i = 0, v = start; i < length; ++i, v += step) items.emplace_back(static_cast<int64_t>(v));
     return Value::List(std::move(items));
   });
   return g;
@@ -383,25 +384,18 @@ ScopePtr Globals(std::vector<Value>* mutables) {
 
 }  // namespace
 
-absl::StatusOr<std::string> Render(const Template& tmpl, const Value& context) {
-  // The only containers a template can change after creating them: namespaces and loop objects.
-  // Every reference cycle passes through one of them (an unchanged container can only hold what
-  // existed before it), so emptying them all when the render ends frees everything it made.
-  std::vector<Value> mutables;
-  struct ClearAtExit {
-    std::vector<Value>* values;
-    ~ClearAtExit() {
-      for (Value& v : *values) v.AsDict().items.clear();
-    }
-  } clear_at_exit{&mutables};
-  ScopePtr globals = Globals(&mutables);
+absl::StatusOr<std::string> Render(const Template& tmpl, const Value& context, const RenderBudget& budget) {
+  // Declared first, so destroyed last: after the scopes, it empties every list and dict the render
+  // made, which frees reference cycles (a namespace holding itself, a macro in its own scope).
+  BudgetTracker tracker(budget);
+  ScopePtr globals = Globals();
   ScopePtr root = Child(globals);
   if (context.is_dict()) {
     for (const auto& [k, v] : context.AsDict().items) root->vars[k.Str()] = v;
   }
   std::string out;
   try {
-    Renderer r(&mutables);
+    Renderer r(&tracker);
     r.Exec(tmpl.body, root, &out);
   } catch (const TemplateError& e) {
     if (e.raised()) {
@@ -410,6 +404,16 @@ absl::StatusOr<std::string> Render(const Template& tmpl, const Value& context) {
     }
     return absl::InvalidArgumentError(
         absl::StrCat("chat template line ", e.where().line, ", column ", e.where().column, ": ", e.message()));
+  } catch (const BudgetError& e) {
+    return absl::Status(e.code(),
+                        absl::StrCat(e.message(), " (line ", e.where().line, ", column ", e.where().column, ")"));
+  } catch (const std::bad_alloc&) {
+    // The budgets keep a render far below any machine's memory; this is the last line of defence.
+    return absl::ResourceExhaustedError(absl::StrCat("the chat template ran out of memory (near line ",
+                                                     tracker.where().line, ", column ", tracker.where().column, ")"));
+  } catch (const std::length_error&) {
+    return absl::ResourceExhaustedError(absl::StrCat("the chat template built a value too large (near line ",
+                                                     tracker.where().line, ", column ", tracker.where().column, ")"));
   }
   return out;
 }
