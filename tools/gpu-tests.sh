@@ -110,14 +110,16 @@ setup() {
 # run's steps. run_step NAME COMMAND...: runs COMMAND for at most $STEP_TIMEOUT s, its output in
 # $logs/NAME.log (the last lines echoed), and sets failed=1 unless it exits 0. run_gtest NAME
 # [--allow-skip REGEX] BINARY [ARGS...]: run_step with gtest's XML output, then judge_gtest on the XML
-# (its counts in $logs/NAME.counts.json): a failed or, on a GPU, skipped case sets failed=1 too. Both
-# use the caller's $logs and $failed (run's locals).
+# (its counts in $logs/NAME.counts.json): a failed or, on a GPU, skipped case sets failed=1 too (a
+# run with skipped cases exits 77, tests/gtest_main.cc: the XML says whether they were allowed). Both
+# use the caller's $logs and $failed (run's locals); run_step leaves the exit status in $step_rc.
 run_step() {
   local name=$1 rc
   shift
   echo "== $name: $*"
   timeout "${STEP_TIMEOUT:-300}" "$@" >"$logs/$name.log" 2>&1
   rc=$?
+  step_rc=$rc
   tail -n 25 "$logs/$name.log"
   echo "== $name: exit $rc"
   [ $rc -eq 0 ] || failed=1
@@ -126,7 +128,9 @@ run_gtest() {
   local name=$1 allow=()
   shift
   if [ "$1" = --allow-skip ]; then allow=(--allow-skip "$2"); shift 2; fi
+  local failed_before=$failed
   run_step "$name" "$@" --gtest_output="xml:$logs/$name.xml"
+  [ "$step_rc" = 77 ] && failed=$failed_before  # skips: judged on the XML below
   if ! judge_gtest "$logs/$name.xml" "${allow[@]}" >"$logs/$name.counts.json" 2>>"$logs/$name.log"; then
     echo "== $name: FAILED by its XML: $(tail -n 1 "$logs/$name.log")"
     failed=1
