@@ -15,7 +15,8 @@
 //   the running test on a report, whether the child exited on it (halt_on_error), was killed later,
 //   or ran on.
 // - A child that dies of SIGABRT (a failed CHECK, std::terminate: tools/sanitize.sh does not set
-//   abort_on_error, so no sanitizer report ends that way) fails the running test too.
+//   abort_on_error, so no sanitizer report ends that way), SIGSEGV, SIGBUS, SIGFPE or SIGILL (a
+//   crash) fails the running test too.
 //
 // Single-threaded use.
 #ifndef SHARDSERVE_TESTS_PROCESS_HARNESS_H_
@@ -143,7 +144,19 @@ inline std::string Tail(const fs::path& file, size_t bytes = 3000) {
 // environment of this process but for OPENBLAS_NUM_THREADS=1 and log_path=stderr in each of
 // kSanitizerOptions that is set. It gets SIGKILL if this test process dies; the destructor kills
 // and reaps it, and fails the test when the log has a sanitizer report (SanitizerReport). Reaping
-// a child that died of SIGABRT fails the test.
+// a child that crashed (CrashSignal) fails the test.
+// The name of a signal that means the process crashed, or null.
+inline const char* CrashSignal(int sig) {
+  switch (sig) {
+    case SIGABRT: return "SIGABRT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    default: return nullptr;
+  }
+}
+
 class Process {
  public:
   Process(std::vector<std::string> argv, fs::path log) : log_(std::move(log)) {
@@ -224,11 +237,15 @@ class Process {
     if (waitpid(pid_, &status, flags) == pid_) {
       exited_ = true;
       exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      // No test aborts a process of ours: SIGABRT is a failed CHECK or an uncaught exception,
-      // which fails the test even where it does not look at this process's exit. (A sanitizer
-      // report is caught by ~Process's scan of the log, however the process ended.)
-      if (WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT) {
-        ADD_FAILURE() << log_.filename() << ": the process aborted (SIGABRT):\n" << Tail(log_);
+      // No test crashes a process of ours: SIGABRT is a failed CHECK or an uncaught exception,
+      // SIGSEGV, SIGBUS, SIGFPE and SIGILL a crash; each fails the test even where it does not look
+      // at this process's exit. (A sanitizer report is caught by ~Process's scan of the log,
+      // however the process ended.) Tests stop processes with SIGTERM or SIGKILL.
+      if (WIFSIGNALED(status)) {
+        if (const char* crash = CrashSignal(WTERMSIG(status))) {
+          ADD_FAILURE() << log_.filename() << ": the process " << (WTERMSIG(status) == SIGABRT ? "aborted" : "crashed")
+                        << " (" << crash << "):\n" << Tail(log_);
+        }
       }
     }
   }
