@@ -10,6 +10,8 @@
 #include <grpcpp/server_builder.h>
 
 #include <array>
+#include <chrono>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -216,6 +218,85 @@ TEST_F(RendezvousServiceTest, AWorkerOfGroupACannotWriteOrReadGroupBsKeysNorAnot
   ASSERT_TRUE(stores_[1]->Set(a1, "a1's address").ok());
   EXPECT_EQ(*stores_[0]->Get(a1, absl::Seconds(30)), "a1's address");
   EXPECT_EQ(*stores_[1]->Get(a0, absl::Seconds(30)), "a0's address");
+}
+
+// Connect streams that say nothing: at most max_unregistered wait at once (the next is refused at
+// once), each at most register_timeout (then cancelled), so that they cannot hold the coordinator's
+// threads; meanwhile the service answers its other calls, and a stream that speaks is served.
+int ThreadCount() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+TEST(ConnectStreamsTest, SilentStreamsAreCappedAndTimedOut) {
+  constexpr int kCap = 8;
+  constexpr int kSilent = 200;
+  RendezvousGrants grants;
+  WorkerControlService service(/*pool=*/nullptr, /*require_client_certificate=*/false, /*metrics=*/nullptr, &grants,
+                               ConnectLimits{.max_unregistered = kCap, .register_timeout = absl::Seconds(5)});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
+  auto stub = v1::WorkerControl::NewStub(channel);
+  const std::string token = grants.Grant(0, "worker a0", 1, {{"e1/tp/stage0", 0}});
+  GrpcRendezvousStore store(stub.get(), token, absl::Seconds(30));
+  ASSERT_TRUE(store.Set("e1/tp/stage0/gloo/0", "before").ok());
+  const int threads_before = ThreadCount();
+
+  // kSilent streams open and say nothing.
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>>> streams;
+  for (int i = 0; i < kSilent; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    streams.push_back(stub->Connect(contexts.back().get()));
+  }
+  // While they wait: the cap holds, threads stay few (the waiting streams' and their watchdogs', and
+  // gRPC's own, which it adds for a burst of calls: 24 to 32 seen, against over 200 with every
+  // stream let wait), and the other calls are served.
+  for (int i = 0; i < 100 && service.unregistered_connects() < kCap; ++i) absl::SleepFor(absl::Milliseconds(20));
+  absl::SleepFor(absl::Seconds(1));  // the other streams' calls arrive (well within the 5 s timeout)
+  EXPECT_EQ(service.unregistered_connects(), kCap);
+  EXPECT_LE(ThreadCount() - threads_before, 8 * kCap) << "threads before: " << threads_before;
+  EXPECT_TRUE(store.Set("e1/tp/stage0/gloo/rank_0", "during").ok());
+  // The rest were refused at once, saying why; the waiting ones are ended by the timeout.
+  int refused = 0, cancelled = 0;
+  for (int i = 0; i < kSilent; ++i) {
+    v1::CoordinatorMessage m;
+    EXPECT_FALSE(streams[i]->Read(&m));
+    const grpc::Status s = streams[i]->Finish();
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      EXPECT_THAT(s.error_message(), ::testing::HasSubstr("waiting for their first message (at most 8)"));
+      ++refused;
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+      ++cancelled;
+    }
+  }
+  EXPECT_EQ(refused, kSilent - kCap);
+  EXPECT_EQ(cancelled, kCap);
+  // (A client sees its stream cancelled a moment before the handler has counted it out.)
+  for (int i = 0; i < 500 && service.unregistered_connects() > 0; ++i) absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(service.unregistered_connects(), 0);
+  // A stream that speaks is served (here: refused for its first message, which must be register).
+  grpc::ClientContext speaks;
+  auto stream = stub->Connect(&speaks);
+  v1::WorkerMessage heartbeat;
+  heartbeat.mutable_heartbeat();
+  ASSERT_TRUE(stream->Write(heartbeat));
+  v1::CoordinatorMessage bye;
+  while (stream->Read(&bye)) {
+  }
+  const grpc::Status spoke = stream->Finish();
+  EXPECT_EQ(spoke.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << spoke.error_message();
+  EXPECT_THAT(spoke.error_message(), ::testing::HasSubstr("must be register"));
+  service.Shutdown();
+  server->Shutdown();
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 #include "coordinator/server/worker_control_service.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "coordinator/server/grpc_status.h"
 #include "coordinator/server/log.h"
@@ -52,11 +55,50 @@ grpc::Status WorkerControlService::Authorize(grpc::ServerContext* context, const
   return ToGrpcStatus(check);
 }
 
+int WorkerControlService::unregistered_connects() {
+  absl::MutexLock lock(&mu_);
+  return unregistered_;
+}
+
 grpc::Status WorkerControlService::Connect(
     grpc::ServerContext* context, grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) {
   if (grpc::Status auth = Authenticate(context, "Connect"); !auth.ok()) return auth;
+  const std::string peer = context->peer();  // "unknown" once the call is cancelled
+  {
+    absl::MutexLock lock(&mu_);
+    if (unregistered_ >= connect_limits_.max_unregistered) {
+      const std::string why =
+          absl::StrCat("refused a Connect stream: ", unregistered_,
+                       " streams are already waiting for their first message (at most ", connect_limits_.max_unregistered, ")");
+      CoordinatorLog(absl::StrCat("worker at ", peer), why);
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, why);
+    }
+    ++unregistered_;
+  }
+  // The first message within register_timeout, or the stream is cancelled (its Read then ends).
   v1::WorkerMessage message;
-  if (!stream->Read(&message)) return grpc::Status::OK;  // gone before it said anything
+  absl::Notification first;
+  std::atomic<bool> timed_out{false};
+  std::thread watchdog([&] {
+    if (!first.WaitForNotificationWithTimeout(connect_limits_.register_timeout)) {
+      timed_out = true;
+      context->TryCancel();
+    }
+  });
+  const bool spoke = stream->Read(&message);
+  first.Notify();
+  watchdog.join();
+  {
+    absl::MutexLock lock(&mu_);
+    --unregistered_;
+  }
+  if (!spoke) {
+    if (!timed_out) return grpc::Status::OK;  // gone before it said anything
+    CoordinatorLog(absl::StrCat("worker at ", peer),
+                   absl::StrCat("closed a Connect stream that sent nothing for ",
+                                absl::FormatDuration(connect_limits_.register_timeout)));
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "no register message in time");
+  }
   StreamLink link(context, stream);
   absl::StatusOr<int> index =
       message.msg_case() == v1::WorkerMessage::kRegister

@@ -14,6 +14,12 @@
 // why, logged with the peer's address and counted
 // (shardserve_auth_failures_total{reason="rendezvous_denied"}).
 //
+// A Connect stream holds one of gRPC's threads. Until its first message (a worker sends its register
+// at once) it is unauthenticated by the pool: at most ConnectLimits::max_unregistered such streams
+// at once (the next is refused RESOURCE_EXHAUSTED at once, logged with its peer), each for at most
+// register_timeout (then cancelled and logged), so that silent streams cannot hold the
+// coordinator's threads. Registered streams are bounded by the pool's slots.
+//
 // Ownership: borrows the pool and the metrics, which must outlive the service. Threading: gRPC calls the methods
 // from its threads, concurrently; everything here is thread-safe.
 #ifndef SHARDSERVE_COORDINATOR_SERVER_WORKER_CONTROL_SERVICE_H_
@@ -35,16 +41,24 @@
 
 namespace shardserve {
 
+// Connect streams that have not sent their first message yet (see above).
+struct ConnectLimits {
+  int max_unregistered = 64;
+  absl::Duration register_timeout = absl::Seconds(30);
+};
+
 class WorkerControlService final : public v1::WorkerControl::Service {
  public:
   // `require_client_certificate`: mutual TLS (see above). `metrics` may be null. `grants`: who may
   // rendezvous (borrowed); null: the pool's. With neither, every rendezvous call is refused.
   explicit WorkerControlService(WorkerPool* pool, bool require_client_certificate = false,
-                                CoordinatorMetrics* metrics = nullptr, RendezvousGrants* grants = nullptr)
+                                CoordinatorMetrics* metrics = nullptr, RendezvousGrants* grants = nullptr,
+                                ConnectLimits connect_limits = {})
       : pool_(pool),
         require_client_certificate_(require_client_certificate),
         metrics_(metrics),
-        grants_(grants != nullptr ? grants : pool != nullptr ? pool->rendezvous_grants() : nullptr) {}
+        grants_(grants != nullptr ? grants : pool != nullptr ? pool->rendezvous_grants() : nullptr),
+        connect_limits_(connect_limits) {}
 
   grpc::Status Connect(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override;
@@ -55,6 +69,9 @@ class WorkerControlService final : public v1::WorkerControl::Service {
 
   // Makes waiting RendezvousGet calls return at once (Unavailable), and every later one.
   void Shutdown();
+
+  // Connect streams waiting for their first message now.
+  int unregistered_connects();
 
  private:
   // OK, or UNAUTHENTICATED (logged, counted) when mutual TLS is on and the peer has no verified
@@ -67,9 +84,11 @@ class WorkerControlService final : public v1::WorkerControl::Service {
   const bool require_client_certificate_;
   CoordinatorMetrics* const metrics_;  // may be null
   RendezvousGrants* const grants_;     // may be null: no rendezvous allowed
+  const ConnectLimits connect_limits_;
   RendezvousTable table_;
   absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  int unregistered_ ABSL_GUARDED_BY(mu_) = 0;  // Connect streams before their first message
 };
 
 }  // namespace shardserve
