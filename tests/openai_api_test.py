@@ -429,6 +429,19 @@ class OpenAIApiTest(unittest.TestCase):
         # httplib read it as 2^64 - 5 and waited for those bytes until its read timeout (5 s).
         self.assertLess(took, 4.5, "answered before any read timeout")
 
+    def test_body_shorter_than_its_content_length_is_400(self):
+        with socket.create_connection(("127.0.0.1", self.http_port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+            s.shutdown(socket.SHUT_WR)  # and no more
+            got = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
+        self.assertIn(b"ended before its Content-Length", got)
+
     def test_post_without_content_length_is_411(self):
         got = self.raw_exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertTrue(got.startswith(b"HTTP/1.1 411"), got)

@@ -468,10 +468,17 @@ void HttpServer::Routes() {
             body.append(data, n);
             return true;
           })) {
-        // httplib set 413 (too large) or nothing (the body ended early, or came too late).
-        if (res.status < 400) res.status = 400;
+        // httplib set 413 (too large: the error handler says so) or nothing: the body came too late,
+        // ended early, or its chunks were malformed.
         res.set_header("Connection", "close");
-        return;
+        if (res.status == 413) return;
+        if (const std::string late = RequestTimeoutOnThisThread(); !late.empty()) {
+          return SetError(res, ApiError{408, "invalid_request_error", late, "", "request_timeout"});
+        }
+        return SetError(res, ApiError{400, "invalid_request_error",
+                                      "the request body could not be read: it ended before its Content-Length, "
+                                      "or its chunked encoding is malformed",
+                                      "", "malformed_request"});
       }
       if (!refuse_key(req, res)) Generate(chat, req, body, res);
     };
