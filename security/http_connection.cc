@@ -164,6 +164,10 @@ bool ConnectionStream::Wait(short events, absl::Time until) const {
 }
 
 bool ConnectionStream::WaitForRequest(absl::Time until, const std::function<bool()>& give_up) {
+  // Between requests no deadline runs (the last request's may have passed while it was answered:
+  // a long stream); `until` bounds the wait, StartRequest sets the next request's.
+  deadline_ = absl::InfiniteFuture();
+  timed_out_ = false;
   if (Buffered()) return true;  // pipelined: the next request was read with the last one
   for (;;) {
     const absl::Time slice = std::min(until, absl::Now() + kWaitSlice);

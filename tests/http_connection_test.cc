@@ -110,6 +110,10 @@ class Server {
     http_->Post("/echo", [](const httplib::Request& req, httplib::Response& res) {
       res.set_content(absl::StrCat("echo ", req.body), "text/plain");
     });
+    http_->Get("/slow", [](const httplib::Request&, httplib::Response& res) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      res.set_content("slow answer", "text/plain");
+    });
     http_->Get("/hold", [this](const httplib::Request&, httplib::Response& res) {
       ++held_;
       for (int i = 0; i < 600 && !release_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -165,6 +169,19 @@ TEST(HttpConnectionTest, PipelinedRequestsAreAllAnsweredInOrder) {
   EXPECT_LT(one, two);
   EXPECT_LT(two, three);
   EXPECT_FALSE(c.closed());  // still kept alive
+}
+
+// A request answered after its own deadlines have passed (a long stream) leaves the connection
+// good for the next one.
+TEST(HttpConnectionTest, TheNextRequestAfterALongAnswerIsServed) {
+  Server server(Quick());  // head and body deadlines 1 s; /slow answers after 2.5 s
+  RawClient c(server.port());
+  ASSERT_TRUE(c.Send("GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"));
+  ASSERT_TRUE(absl::StrContains(c.ReadUntilContains("slow answer", 20), "slow answer"));
+  ASSERT_TRUE(c.Send("GET /2 HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const std::string got = c.ReadUntilContains("answer 2", 10);
+  EXPECT_TRUE(absl::StrContains(got, "answer 2")) << got;
+  EXPECT_EQ(c.Count("HTTP/1.1 200"), 2) << got;
 }
 
 TEST(HttpConnectionTest, AHeadSentAByteAtATimeIsCutOffAtItsDeadline) {
