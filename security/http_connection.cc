@@ -346,8 +346,7 @@ bool ServeConnection(int fd, SSL_CTX* ctx, const ConnectionPolicy& policy, PeerC
           // before its first line ends, not at all: 408 here.
           if (!stream.responded()) {
             stream.WriteAll(Response("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n",
-                                     JsonError(TimeoutMessage(head, policy.body_deadline), "invalid_request_error",
-                                               "request_timeout")));
+                                     JsonError(stream.timeout_message(), "invalid_request_error", "request_timeout")));
           }
           linger = kLinger;
           break;

@@ -84,8 +84,9 @@ class ConnectionStream : public httplib::Stream {
   // Waits until the next request's first byte is here (true), or the peer closed, `until` passed
   // or give_up() said so (checked every 100 ms) (false).
   bool WaitForRequest(absl::Time until, const std::function<bool()>& give_up);
-  // A read failed because the request's deadline passed.
+  // A read failed because the request's deadline passed, or it stalled; and what it is told.
   bool timed_out() const { return timed_out_; }
+  const std::string& timeout_message() const { return timeout_message_; }
   // The request's response says "Connection: close".
   bool response_closes() const { return response_closes_; }
   // Bytes of a response written for the request.
