@@ -47,6 +47,28 @@ inline double NormalizedError(const std::vector<float>& a, const std::vector<flo
   return diff / scale;
 }
 
+// Pearson's correlation of a and b: 1 when one is an increasing affine function of the other, 0 when
+// either is constant (a model whose logits collapsed to one value, all zeros included) or they are
+// unrelated. NaN or Inf in a gives -1.
+inline double Correlation(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size() || b.empty()) return -1;
+  double ma = 0, mb = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (!std::isfinite(a[i])) return -1;
+    ma += a[i];
+    mb += b[i];
+  }
+  ma /= static_cast<double>(a.size());
+  mb /= static_cast<double>(b.size());
+  double sab = 0, saa = 0, sbb = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    sab += (a[i] - ma) * (b[i] - mb);
+    saa += (a[i] - ma) * (a[i] - ma);
+    sbb += (b[i] - mb) * (b[i] - mb);
+  }
+  return saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0;
+}
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_TESTS_GOLDEN_H_
