@@ -7,8 +7,8 @@
 // nesting past `max_depth` levels is refused while parsing, with an error that names the limit.
 // kMaxJsonDepth is far above what real inputs need (an OpenAI tool's JSON Schema nests a few
 // dozen levels; config.json and tokenizer.json fewer than ten) and far below what a walk of one
-// frame a level can overflow on a thread's stack (8 MiB, and a walk frame is at most a few
-// hundred bytes; 10,000 levels passed).
+// frame a level can overflow on a thread's stack (8 MiB; a walk frame is at most a few hundred
+// bytes, so 10,000 levels fit).
 //
 //   SHARDSERVE_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson<nlohmann::json>(text, "config.json"));
 //
@@ -28,7 +28,10 @@
 namespace shardserve {
 
 // Levels of arrays and objects inside one another that outside JSON may have ("[[1]]" has 2).
-inline constexpr int kMaxJsonDepth = 256;
+// Below the chat-template runtime's depth budget (coordinator/chat/runtime/budget.h, 200), so that
+// a request's tools or template arguments printed by a template (tojson) never reach it: a budget
+// exceeded there is the template's fault (500), too deep a request the client's (400).
+inline constexpr int kMaxJsonDepth = 128;
 
 // Parses `text` (a string, std::string_view, absl::string_view or literal). InvalidArgument "WHAT is not valid JSON: (where it breaks)" or "WHAT nests arrays and
 // objects deeper than MAX levels"; `what` names the input (a file, "the body"). Json is

@@ -1,5 +1,5 @@
-// base/json.h: outside JSON parsed with its nesting bounded. The bound is exact (256 levels parse,
-// 257 do not), holds for arrays and objects and for 50,000 levels (a 100 KB body that used to
+// base/json.h: outside JSON parsed with its nesting bounded. The bound is exact (128 levels parse,
+// 129 do not), holds for arrays and objects and for 50,000 levels (a 100 KB body that used to
 // overflow a thread's stack in what walked it), and the errors say what is wrong and where.
 #include "base/json.h"
 
@@ -44,7 +44,7 @@ TEST(ParseJsonTest, NestingPastTheBoundIsRefusedNamingIt) {
     absl::StatusOr<nlohmann::json> json = ParseJson<nlohmann::json>(text, "the body");
     ASSERT_FALSE(json.ok()) << text.substr(0, 40);
     EXPECT_EQ(json.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_EQ(json.status().message(), "the body nests arrays and objects deeper than 256 levels");
+    EXPECT_EQ(json.status().message(), "the body nests arrays and objects deeper than 128 levels");
   }
   // A smaller bound, as a caller may give.
   EXPECT_TRUE(ParseJson<nlohmann::json>(Arrays(3), "x", 3).ok());

@@ -405,7 +405,7 @@ class OpenAIApiTest(unittest.TestCase):
                 '"chat_template_kwargs": {"x": %s}}' % (MODEL, "[" * depth + "]" * depth)).encode()
         status, err = self.post_raw("/v1/chat/completions", body)
         self.assertEqual(status, 400, err)
-        self.assertIn("deeper than 256 levels", err["error"]["message"])
+        self.assertIn("deeper than 128 levels", err["error"]["message"])
         self.assertTrue(self.http_ok("/health"))
         self.assertEqual(len(self.client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices), 1)
 

@@ -252,7 +252,7 @@ TEST(ParseRequestTest, NestingPastTheBoundIsRefused) {
   absl::StatusOr<Request> r = ParseRequest(kChat, body);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(r.status().message(), "the body nests arrays and objects deeper than 256 levels");
+  EXPECT_EQ(r.status().message(), "the body nests arrays and objects deeper than 128 levels");
   EXPECT_EQ(ErrorFromStatus(r.status()).http_status, 400);
 }
 
