@@ -48,9 +48,11 @@ JOBS=${JOBS:-$(nproc)}
 PROCESS_PROGRAMS=()
 PROCESS_CASES=
 
-# CI's ASan + UBSan set: the OpenAI request and chat template parsers, the TLS/HTTPS/API-key code,
-# checkpoint and GPTQ loading (safetensors headers, config.json, packed weights), the tokenizer.
-CI_PROGRAMS=(openai_protocol_test chat_template_test security_test https_test checkpoint_test quantized_checkpoint_test tokenizer_test)
+# CI's ASan + UBSan set: the OpenAI request and chat template parsers, the TLS/HTTPS/API-key code
+# and the HTTP ports' connection loop, outside JSON, checkpoint and GPTQ loading (safetensors
+# headers, config.json, packed weights), the tokenizer.
+CI_PROGRAMS=(openai_protocol_test chat_template_test security_test https_test http_connection_test json_test checkpoint_test
+             quantized_checkpoint_test tokenizer_test)
 
 ALL=0
 if [ "$MODE" = ci ]; then
