@@ -58,6 +58,9 @@ absl::Status FieldError(const std::string& source, const std::string& field, con
   return absl::InvalidArgumentError(absl::StrCat(source, ": field \"", field, "\" ", what));
 }
 
+// Whether `field` is in `j` and not null (what transformers writes for an unset field).
+bool Present(const json& j, const char* field) { return j.contains(field) && !j[field].is_null(); }
+
 // Reads an integer field; `required` fields must be present.
 absl::Status GetInt(const json& j, const std::string& source, const char* field, bool required, int64_t* out) {
   auto it = j.find(field);
@@ -123,13 +126,12 @@ absl::Status ParseRopeScaling(const json& r, const std::string& source, const st
 // "sliding_attention": {...}}, as Gemma 3 writes it) is refused: these architectures have one kind
 // of layer.
 absl::Status ParseRope(const json& j, const std::string& source, double* theta, RopeScaling* scaling) {
-  const auto present = [&j](const char* field) { return j.contains(field) && !j[field].is_null(); };
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", theta));
-  if (present("rope_scaling")) {
+  if (Present(j, "rope_scaling")) {
     if (!j["rope_scaling"].is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
     SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j["rope_scaling"], source, "rope_scaling", scaling));
   }
-  if (!present("rope_parameters")) return absl::OkStatus();
+  if (!Present(j, "rope_parameters")) return absl::OkStatus();
   const json& p = j["rope_parameters"];
   if (!p.is_object()) return FieldError(source, "rope_parameters", "must be an object or null");
   if (!p.contains("rope_theta")) {
@@ -146,11 +148,11 @@ absl::Status ParseRope(const json& j, const std::string& source, double* theta, 
   RopeScaling v5_scaling;
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(p, absl::StrCat(source, " rope_parameters"), "rope_theta", &v5_theta));
   SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(p, source, "rope_parameters", &v5_scaling));
-  if (present("rope_theta") && *theta != v5_theta) {
+  if (Present(j, "rope_theta") && *theta != v5_theta) {
     return FieldError(source, "rope_parameters",
                       absl::StrCat("has rope_theta ", v5_theta, " but the file's \"rope_theta\" is ", *theta));
   }
-  if (present("rope_scaling") && !(*scaling == v5_scaling)) {
+  if (Present(j, "rope_scaling") && !(*scaling == v5_scaling)) {
     return FieldError(source, "rope_parameters", "and \"rope_scaling\" describe different RoPE scalings");
   }
   *theta = v5_theta;
@@ -212,7 +214,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
   // 0 when absent (the server then needs --max-model-len); when present, a context to serve.
-  if (j.contains("max_position_embeddings") && !j["max_position_embeddings"].is_null() &&
+  if (Present(j, "max_position_embeddings") &&
       (c.max_position_embeddings < kMinPositionEmbeddings || c.max_position_embeddings > kMaxPositionEmbeddings)) {
     return FieldError(source, "max_position_embeddings",
                       absl::StrCat("must be in [", kMinPositionEmbeddings, ", 2^31], got ", c.max_position_embeddings));
@@ -248,7 +250,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
       return FieldError(source, act_field, absl::StrCat("is ", j[act_field].dump(), "; only \"silu\" is supported"));
     }
   }
-  if (c.architecture == Architecture::kMistral && j.contains("sliding_window") && !j["sliding_window"].is_null()) {
+  if (c.architecture == Architecture::kMistral && Present(j, "sliding_window")) {
     // Sliding-window attention only differs once a sequence is longer than the window; we cap the
     // context to the window (see max_position_embeddings) rather than implement the mask.
     int64_t window = 0;
@@ -266,10 +268,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   std::string dtype = "float32";
   const char* dtype_field = "torch_dtype";
   for (const char* field : {"torch_dtype", "dtype"}) {
-    if (!j.contains(field) || j[field].is_null()) continue;
+    if (!Present(j, field)) continue;
     if (!j[field].is_string()) return FieldError(source, field, "must be a string");
-    if (field == std::string("dtype") && j.contains("torch_dtype") && !j["torch_dtype"].is_null() &&
-        j["torch_dtype"] != j["dtype"]) {
+    if (field == std::string("dtype") && Present(j, "torch_dtype") && j["torch_dtype"] != j["dtype"]) {
       return FieldError(source, "dtype", absl::StrCat("is ", j["dtype"].dump(), " but \"torch_dtype\" is ",
                                                       j["torch_dtype"].dump()));
     }
@@ -287,10 +288,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   // Fields of newer configs that would change the math of these architectures: understood as the
   // value that changes nothing, refused by name otherwise (never silently ignored).
-  if (j.contains("partial_rotary_factor") && !j["partial_rotary_factor"].is_null() &&
-      !(j["partial_rotary_factor"].is_number() && j["partial_rotary_factor"].get<double>() == 1.0)) {
+  double partial_rotary = 1.0;
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "partial_rotary_factor", &partial_rotary));
+  if (partial_rotary != 1.0) {
     return FieldError(source, "partial_rotary_factor",
-                      absl::StrCat("is ", j["partial_rotary_factor"].dump(), "; only 1 (RoPE on the whole head) is supported"));
+                      absl::StrCat("is ", partial_rotary, "; only 1 (RoPE on the whole head) is supported"));
   }
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return FieldError(source, "layer_types", "must be a list of names");
@@ -303,7 +305,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
   for (const char* field : {"attn_logit_softcapping", "final_logit_softcapping"}) {
-    if (j.contains(field) && !j[field].is_null()) {
+    if (Present(j, field)) {
       return FieldError(source, field, absl::StrCat("is ", j[field].dump(), "; soft-capping is not supported for ",
                                                     c.architecture_name));
     }
