@@ -17,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
 
 namespace shardserve {
 namespace {
@@ -107,10 +108,9 @@ void LingeringClose(int fd, absl::Duration linger) {
   }
 }
 
+// OpenAI's error body.
 std::string JsonError(const std::string& message, const char* type, const char* code) {
-  // The message holds no character JSON must escape (it is made here from numbers and an address).
-  return absl::StrCat(R"({"error":{"message":")", message, R"(","type":")", type, R"(","param":null,"code":")", code,
-                      "\"}}");
+  return nlohmann::json{{"error", {{"message", message}, {"type", type}, {"param", nullptr}, {"code", code}}}}.dump();
 }
 
 std::string Response(const char* status_and_headers, const std::string& body) {
@@ -141,7 +141,7 @@ ConnectionStream::ConnectionStream(int fd, SSL* ssl, absl::Duration io_timeout)
     : fd_(fd), ssl_(ssl), io_timeout_(io_timeout) {}
 
 void ConnectionStream::StartRequest(absl::Duration head, absl::Duration body) {
-  timeout_message_ = TimeoutMessage(head, body);
+  head_deadline_ = head;
   in_head_ = true;
   deadline_ = absl::Now() + head;
   body_deadline_ = body;
@@ -184,18 +184,13 @@ bool ConnectionStream::Fill() {
   begin_ = end_ = 0;
   for (;;) {
     const absl::Time now = absl::Now();
-    if (now >= deadline_) {
-      timed_out_ = true;
-      return false;
-    }
     const bool pending = ssl_ != nullptr && SSL_pending(ssl_) > 0;
-    if (!pending && !Wait(POLLIN, std::min(deadline_, now + io_timeout_))) {
+    if (now >= deadline_ || (!pending && !Wait(POLLIN, std::min(deadline_, now + io_timeout_)))) {
       // Late: past the request's deadline, or no byte for io_timeout (a stalled client).
       timed_out_ = true;
-      if (absl::Now() < deadline_) {
-        timeout_message_ = absl::StrCat("the request stalled: no byte of it arrived for ",
-                                        absl::FormatDuration(io_timeout_));
-      }
+      timeout_message_ = absl::Now() < deadline_ ? absl::StrCat("the request stalled: no byte of it arrived for ",
+                                                                absl::FormatDuration(io_timeout_))
+                                                 : TimeoutMessage(head_deadline_, body_deadline_);
       return false;
     }
     ssize_t n;

@@ -121,9 +121,10 @@ class ConnectionStream : public httplib::Stream {
   char buf_[16384];
   size_t begin_ = 0, end_ = 0;  // unread bytes: buf_[begin_, end_)
   bool in_head_ = true;         // the request's head is still being read
+  absl::Duration head_deadline_ = absl::ZeroDuration();
   absl::Duration body_deadline_ = absl::ZeroDuration();
   absl::Time deadline_ = absl::InfiniteFuture();
-  std::string timeout_message_;  // what a request past its deadline is told
+  std::string timeout_message_;  // what a request past its deadline is told, once it is
   bool timed_out_ = false;
   uint32_t last4_ = 0;  // the last four bytes of the request (the head ends at "\r\n\r\n")
   std::string response_head_;  // the response's head while it is written
