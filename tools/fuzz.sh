@@ -37,8 +37,9 @@ build() {
   echo "fuzz.sh: build took $(( $(date +%s) - start )) s"
 }
 
-# run_one NAME LIBFUZZER_ARGS...: one target over a scratch copy of its corpus; sets last_runs to the
-# executions it made.
+# run_one NAME LIBFUZZER_ARGS...: one target over a scratch copy of its corpus. Given -runs=N, it
+# fails unless the target made its N executions: libFuzzer exits 0 when -max_total_time ends a run
+# first, so a slow machine would otherwise pass a run that fuzzed less than it says.
 run_one() {
   local name=$1; shift
   local bin=$BUILD_DIR/bin/${name}_fuzzer corpus=$BUILD_DIR/corpus/$name crashes=$BUILD_DIR/crashes/$name
@@ -56,34 +57,25 @@ run_one() {
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   speed=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
   files=$(find "$corpus" -type f | wc -l)
-  last_runs=${runs:-0}
   printf 'fuzz.sh: %-15s %10s executions %8s exec/s %6s s corpus %4s files  %s\n' \
     "$name" "${runs:-?}" "${speed:-?}" "$secs" "$files" "$([ $rc -eq 0 ] && echo 'no crash' || echo "CRASH (rc $rc): $log")"
   if [ $rc -ne 0 ]; then
     grep -E "ERROR|SUMMARY|fuzzer:|Test unit written" "$log" | head -20
     return 1
   fi
+  local arg
+  for arg in "$@"; do
+    if [[ $arg == -runs=* ]] && [ "${runs:-0}" -lt "${arg#-runs=}" ]; then
+      echo "fuzz.sh: $name made ${runs:-0} of its ${arg#-runs=} executions before -max_total_time ended it"
+      return 1
+    fi
+  done
 }
 
 run_all() {
   local failed=0 name
-  for name in "$@"; do
-    if ! run_one "$name" "${EXTRA_ARGS[@]}"; then
-      failed=1
-    elif [ -n "${WANT_RUNS:-}" ]; then
-      ran_all "$name" "$WANT_RUNS" || failed=1
-    fi
-  done
+  for name in "$@"; do run_one "$name" "${EXTRA_ARGS[@]}" || failed=1; done
   return $failed
-}
-
-# ran_all NAME N: whether the last run made its N executions. libFuzzer exits 0 when -max_total_time
-# ends a run first, so a slow machine would otherwise pass a CI run that fuzzed less than it says.
-ran_all() {
-  if [ "${last_runs:-0}" -lt "$2" ]; then
-    echo "fuzz.sh: $1 made ${last_runs:-0} of its $2 executions before -max_total_time ended it"
-    return 1
-  fi
 }
 
 cmd=${1:-}
@@ -96,7 +88,6 @@ case "$cmd" in
   runs)
     # -max_total_time=0: no time bound.
     EXTRA_ARGS=(-runs="${2:?tools/fuzz.sh runs N [TARGET...]}" -max_total_time="${FUZZ_MAX_SECONDS:-0}")
-    WANT_RUNS=$2
     shift 2
     if [ $# -gt 0 ]; then run_all "$@"; else run_all "${TARGETS[@]}"; fi ;;
   ci)
@@ -104,11 +95,7 @@ case "$cmd" in
     failed=0
     for name in "${TARGETS[@]}"; do
       # -max_total_time only guards against a hang; the run count ends each run.
-      if ! run_one "$name" -seed=1 -runs="${CI_RUNS[$name]}" -max_total_time=300; then
-        failed=1
-      else
-        ran_all "$name" "${CI_RUNS[$name]}" || failed=1
-      fi
+      run_one "$name" -seed=1 -runs="${CI_RUNS[$name]}" -max_total_time=300 || failed=1
     done
     exit $failed ;;
   *)
