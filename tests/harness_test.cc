@@ -60,41 +60,24 @@ class ScopedEnv {
   std::optional<std::string> old_;
 };
 
+// Runs `script` under /bin/sh as a Process logging to LOG_DIR/log, until it exits (at most 60 s).
+void RunToItsEnd(const std::string& script, const std::string& log) {
+  Process p({"/bin/sh", "-c", script}, LogDir() / log);
+  p.Wait(std::chrono::seconds(60));
+}
+
 // A child that dies of SIGABRT (a failed CHECK, an uncaught exception), SIGSEGV, SIGBUS, SIGFPE or
 // SIGILL fails the test, though the test never asks for its exit status; one that exits, or is
 // killed, does not.
 TEST(HarnessTest, AChildThatAbortsOrCrashesFailsTheTest) {
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "echo about to abort; kill -ABRT $$"}, LogDir() / "abort.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process aborted (SIGABRT):\nabout to abort");
+  EXPECT_NONFATAL_FAILURE(RunToItsEnd("echo about to abort; kill -ABRT $$", "abort.log"),
+                          "the process aborted (SIGABRT):\nabout to abort");
   // A crash by any of the signals a fault raises.
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "echo about to fault; kill -SEGV $$"}, LogDir() / "segv.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process crashed (SIGSEGV):\nabout to fault");
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "kill -BUS $$"}, LogDir() / "bus.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process crashed (SIGBUS)");
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "kill -FPE $$"}, LogDir() / "fpe.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process crashed (SIGFPE)");
-  EXPECT_NONFATAL_FAILURE(
-      {
-        Process p({"/bin/sh", "-c", "kill -ILL $$"}, LogDir() / "ill.log");
-        while (p.running()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      },
-      "the process crashed (SIGILL)");
+  EXPECT_NONFATAL_FAILURE(RunToItsEnd("echo about to fault; kill -SEGV $$", "segv.log"),
+                          "the process crashed (SIGSEGV):\nabout to fault");
+  EXPECT_NONFATAL_FAILURE(RunToItsEnd("kill -BUS $$", "bus.log"), "the process crashed (SIGBUS)");
+  EXPECT_NONFATAL_FAILURE(RunToItsEnd("kill -FPE $$", "fpe.log"), "the process crashed (SIGFPE)");
+  EXPECT_NONFATAL_FAILURE(RunToItsEnd("kill -ILL $$", "ill.log"), "the process crashed (SIGILL)");
   Process exits({"/bin/sh", "-c", "exit 3"}, LogDir() / "exit.log");
   EXPECT_EQ(exits.Wait(std::chrono::seconds(60)), 3);
   Process killed({"/bin/sleep", "600"}, LogDir() / "kill.log");

@@ -384,10 +384,13 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(status, 413)
         self.assertIn("8388608", err["error"]["message"])
 
-    def raw_exchange(self, data: bytes, seconds: float = 30) -> bytes:
-        """What the server answers to DATA written as it is on one connection, until it closes."""
+    def raw_exchange(self, data: bytes, seconds: float = 30, half_close: bool = False) -> bytes:
+        """What the server answers to DATA written as it is on one connection, until it closes (at
+        most SECONDS); with HALF_CLOSE the client then shuts its sending side (it sends no more)."""
         with socket.create_connection(("127.0.0.1", self.http_port), timeout=seconds) as s:
             s.sendall(data)
+            if half_close:
+                s.shutdown(socket.SHUT_WR)
             got = b""
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
@@ -430,15 +433,8 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertLess(took, 4.5, "answered before any read timeout")
 
     def test_body_shorter_than_its_content_length_is_400(self):
-        with socket.create_connection(("127.0.0.1", self.http_port), timeout=30) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\": ")
-            s.shutdown(socket.SHUT_WR)  # and no more
-            got = b""
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
+        got = self.raw_exchange(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\": ",
+                                half_close=True)
         self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
         self.assertIn(b"ended before its Content-Length", got)
 
@@ -461,14 +457,7 @@ class OpenAIApiTest(unittest.TestCase):
         # The request line, then one header and nothing more: answered once nothing has come for 5 s
         # (the head's deadline is 10 s), not held for as long as the client keeps the connection open.
         start = time.monotonic()
-        with socket.create_connection(("127.0.0.1", self.http_port), timeout=60) as s:
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-            got = b""
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                got += chunk
+        got = self.raw_exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n", seconds=40)
         self.assertTrue(got.startswith(b"HTTP/1.1 408"), got)
         self.assertIn(b"the request stalled: no byte of it arrived for 5s", got)
         self.assertLess(time.monotonic() - start, 40)
