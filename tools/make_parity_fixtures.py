@@ -33,6 +33,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+# transformers 5 (tools/make_parity_fixtures_tf5.py builds with it) renamed from_pretrained's
+# torch_dtype to dtype, writes only safetensors (no safe_serialization switch) and keeps RoPE's base
+# in rope_parameters (config.rope_scaling there) rather than in config.rope_theta.
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+FLOAT32 = {"dtype" if TRANSFORMERS_5 else "torch_dtype": torch.float32}
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "models"
 
@@ -177,7 +183,8 @@ def describe_llama3_rope(model: PreTrainedModel, config: PretrainedConfig) -> No
     """Prints which RoPE frequencies llama3 scaling kept, smoothed or divided by the factor,
     and fails unless all three branches are exercised."""
     dim = config.head_dim
-    base = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = config.rope_scaling["rope_theta"] if TRANSFORMERS_5 else config.rope_theta
+    base = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaled = model.model.rotary_emb.inv_freq
     factor = config.rope_scaling["factor"]
     kinds = []
@@ -236,20 +243,18 @@ def build(fixture: Fixture, out_root: pathlib.Path) -> None:
 
     # Build with random weights and save in the fixture's storage dtype.
     torch.manual_seed(fixture.seed)
-    model = fixture.model_cls._from_config(
-        fixture.config, attn_implementation="eager", torch_dtype=torch.float32
-    )
+    model = fixture.model_cls._from_config(fixture.config, attn_implementation="eager", **FLOAT32)
     randomize_parameters(model, fixture.init_std)
     model.to(fixture.save_dtype)
     save_kwargs = {"max_shard_size": fixture.max_shard_size} if fixture.max_shard_size else {}
-    model.save_pretrained(out, safe_serialization=True, **save_kwargs)
+    if not TRANSFORMERS_5:
+        save_kwargs["safe_serialization"] = True
+    model.save_pretrained(out, **save_kwargs)
 
     # Goldens come from the checkpoint as written, read back and computed in float32.
-    model = fixture.model_cls.from_pretrained(
-        out, attn_implementation="eager", torch_dtype=torch.float32
-    ).eval()
+    model = fixture.model_cls.from_pretrained(out, attn_implementation="eager", **FLOAT32).eval()
     config = model.config
-    if getattr(config, "rope_scaling", None):
+    if (getattr(config, "rope_scaling", None) or {}).get("rope_type") == "llama3":
         describe_llama3_rope(model, config)
 
     generator = torch.Generator().manual_seed(fixture.seed + 1)
@@ -292,9 +297,10 @@ def write_checked_golden(
     print(f"    wrote {sorted(f.name for f in out.iterdir())}, {size} bytes")
 
 
-def main() -> None:
+def main(all_fixtures=fixtures, doc: str = __doc__) -> None:
+    """Builds the fixtures of all_fixtures() that the command line names (all by default)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--out", type=pathlib.Path, default=DEFAULT_OUT, help="fixtures root directory"
@@ -305,7 +311,7 @@ def main() -> None:
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()  # silence init notices
     transformers.logging.disable_progress_bar()  # and the shard-loading bar
-    chosen = [f for f in fixtures() if not args.names or f.name in args.names]
+    chosen = [f for f in all_fixtures() if not args.names or f.name in args.names]
     unknown = set(args.names) - {f.name for f in chosen}
     if unknown:
         raise SystemExit(f"unknown fixtures: {sorted(unknown)}")

@@ -2,21 +2,18 @@
 config.json as current releases save it, RoPE in "rope_parameters" (base and scaling together),
 "dtype" for "torch_dtype", "layer_types" where the family has it. The checkpoint, golden.json and
 their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy tokens, logits,
-no near-ties), with sizes no other fixture uses.
+no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build and command line.
 
 Usage (from the repository root):
     tools/fixtures5-env.sh && .venv-fixtures5/bin/python tools/make_parity_fixtures_tf5.py
 """
 
-import argparse
-import pathlib
-import shutil
-
 import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from make_parity_fixtures import DEFAULT_OUT, Fixture, randomize_parameters, write_checked_golden
+import make_parity_fixtures
+from make_parity_fixtures import Fixture
 
 
 def fixtures() -> list[Fixture]:
@@ -72,44 +69,7 @@ def fixtures() -> list[Fixture]:
     ]
 
 
-def build(fixture: Fixture, out_root: pathlib.Path) -> None:
-    out = out_root / fixture.name
-    print(f"{fixture.name}:")
-    if out.exists():
-        shutil.rmtree(out)
-    torch.manual_seed(fixture.seed)
-    model = fixture.model_cls._from_config(fixture.config, attn_implementation="eager", dtype=torch.float32)
-    randomize_parameters(model, fixture.init_std)
-    model.to(fixture.save_dtype)
-    model.save_pretrained(out)
-    # Goldens from the checkpoint as written, read back and computed in float32.
-    model = fixture.model_cls.from_pretrained(out, attn_implementation="eager", dtype=torch.float32).eval()
-    config = model.config
-    print(f"    rope_parameters {config.rope_parameters}")
-    generator = torch.Generator().manual_seed(fixture.seed + 1)
-    prompt = torch.randint(1, config.vocab_size, (fixture.prompt_len,), generator=generator).tolist()
-    write_checked_golden(out, fixture.name, model, prompt,
-                         {"model": fixture.name, "architecture": config.architectures[0]})
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="fixtures root directory")
-    parser.add_argument("names", nargs="*", help="fixtures to build (default: all)")
-    args = parser.parse_args()
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise SystemExit(f"transformers {transformers.__version__}: these fixtures need 5 (tools/fixtures5-env.sh)")
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    chosen = [f for f in fixtures() if not args.names or f.name in args.names]
-    unknown = set(args.names) - {f.name for f in chosen}
-    if unknown:
-        raise SystemExit(f"unknown fixtures: {sorted(unknown)}")
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    for fixture in chosen:
-        build(fixture, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    if not make_parity_fixtures.TRANSFORMERS_5:
+        raise SystemExit(f"transformers {transformers.__version__}: these fixtures need 5 (tools/fixtures5-env.sh)")
+    make_parity_fixtures.main(fixtures, __doc__)
