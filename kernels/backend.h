@@ -178,7 +178,8 @@ class Backend {
   virtual absl::Status Embedding(Tensor* out /*[n, d] act*/, const Tensor& table /*[rows, d] act*/,
                                  const Tensor& ids /*[n] i32*/, int64_t row_offset) = 0;
 
-  // out = x / sqrt(mean(x^2) + eps) * w, computed in float32.
+  // out = x / sqrt(mean(x^2) + eps) * w, computed in float32. out may alias x (per-head q/k norms
+  // run in place).
   virtual absl::Status RmsNorm(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/,
                                const Tensor& w /*[d] act*/, float eps) = 0;
 

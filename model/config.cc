@@ -8,28 +8,20 @@
 #include "absl/strings/str_cat.h"
 #include "base/json.h"
 #include "base/status_macros.h"
+#include "model/families/registry.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve {
 
-const char* ArchitectureName(Architecture a) {
-  switch (a) {
-    case Architecture::kLlama: return "LlamaForCausalLM";
-    case Architecture::kQwen2: return "Qwen2ForCausalLM";
-    case Architecture::kMistral: return "MistralForCausalLM";
-  }
-  return "?";
-}
-
-// The parser bounds every size and their total (kMaxParameters below), so no term overflows.
+// The parser bounds every size and their total (kMaxParameters below), so no sum overflows.
 int64_t ModelConfig::ParameterCount() const {
-  const int64_t h = hidden_size, q = num_attention_heads * head_dim, kv = num_key_value_heads * head_dim;
-  int64_t per_layer = h * q + 2 * h * kv + q * h  // q, k, v, o
-                      + 3 * h * intermediate_size  // gate, up, down
-                      + 2 * h;                     // two norms
-  if (attention_bias) per_layer += q + 2 * kv;
-  const int64_t embed = vocab_size * h;
-  return num_hidden_layers * per_layer + embed + (tie_word_embeddings ? 0 : embed) + h;
+  int64_t n = 0;
+  for (const WeightDecl& w : ModelWeights(*this)) {
+    int64_t elements = 1;
+    for (int64_t d : w.shape) elements *= d;
+    n += elements;
+  }
+  return n;
 }
 
 namespace {
@@ -172,18 +164,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     return FieldError(source, "architectures", "is missing or not a list of names");
   }
   c.architecture_name = (*arch)[0].get<std::string>();
-  if (c.architecture_name == "LlamaForCausalLM") {
-    c.architecture = Architecture::kLlama;
-  } else if (c.architecture_name == "Qwen2ForCausalLM") {
-    c.architecture = Architecture::kQwen2;
-    c.attention_bias = true;
-  } else if (c.architecture_name == "MistralForCausalLM") {
-    c.architecture = Architecture::kMistral;
-  } else {
+  c.family = FindFamily(c.architecture_name);
+  if (c.family == nullptr) {
     return absl::UnimplementedError(absl::StrCat(source, ": architecture \"", c.architecture_name,
-                                                 "\" is not supported (supported: LlamaForCausalLM, "
-                                                 "Qwen2ForCausalLM, MistralForCausalLM)"));
+                                                 "\" is not supported (supported: ", SupportedArchitectures(), ")"));
   }
+  using AttentionBias = FamilyDeclaration::AttentionBias;
+  c.qkv_bias = c.family->attention_bias == AttentionBias::kQkv;
+  c.qk_norm = c.family->qk_norm;
 
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "vocab_size", true, &c.vocab_size));
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "hidden_size", true, &c.hidden_size));
@@ -195,7 +183,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
-  if (c.architecture != Architecture::kQwen2) SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.attention_bias));
+  if (c.family->attention_bias == AttentionBias::kConfigured) {
+    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
+    c.o_bias = c.qkv_bias;
+  }
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
   SHARDSERVE_RETURN_IF_ERROR(ParseRope(j, source, &c.rope_theta, &c.rope_scaling));
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
@@ -250,7 +241,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
       return FieldError(source, act_field, absl::StrCat("is ", j[act_field].dump(), "; only \"silu\" is supported"));
     }
   }
-  if (c.architecture == Architecture::kMistral && Present(j, "sliding_window")) {
+  using SlidingWindow = FamilyDeclaration::SlidingWindow;
+  if (c.family->sliding_window == SlidingWindow::kCapsContext && Present(j, "sliding_window")) {
     // Sliding-window attention only differs once a sequence is longer than the window; we cap the
     // context to the window (see max_position_embeddings) rather than implement the mask.
     int64_t window = 0;
@@ -310,10 +302,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
                                                     c.architecture_name));
     }
   }
-  bool qwen2_sliding = false;
-  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "use_sliding_window", &qwen2_sliding));
-  if (c.architecture == Architecture::kQwen2 && qwen2_sliding) {
-    return FieldError(source, "use_sliding_window", "is true; sliding-window attention is not supported for Qwen2");
+  bool use_sliding_window = false;
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "use_sliding_window", &use_sliding_window));
+  if (c.family->sliding_window == SlidingWindow::kOffUnlessUsed && use_sliding_window) {
+    return FieldError(source, "use_sliding_window",
+                      absl::StrCat("is true; sliding-window attention is not supported for ", c.architecture_name));
   }
 
   if (auto it = j.find("eos_token_id"); it != j.end() && !it->is_null()) {

@@ -1,5 +1,5 @@
-// A Hugging Face config.json for the Llama family (LlamaForCausalLM, Qwen2ForCausalLM,
-// MistralForCausalLM), validated. Plain value type; thread-compatible.
+// A Hugging Face config.json of a family this server runs (model/families/registry.h), validated.
+// Plain value type; thread-compatible.
 #ifndef SHARDSERVE_MODEL_CONFIG_H_
 #define SHARDSERVE_MODEL_CONFIG_H_
 
@@ -15,8 +15,7 @@
 
 namespace shardserve {
 
-enum class Architecture { kLlama, kQwen2, kMistral };
-const char* ArchitectureName(Architecture a);
+struct FamilyDeclaration;  // model/families/declaration.h
 
 struct RopeScaling {
   enum class Type { kNone, kLlama3 };
@@ -30,7 +29,9 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  Architecture architecture = Architecture::kLlama;
+  // The family's declaration (model/families/): its tensors, layers and buffers. Set by
+  // ParseModelConfig from architecture_name; null only in a default-made config.
+  const FamilyDeclaration* family = nullptr;
   std::string architecture_name;  // as written in config.json, e.g. "Qwen2ForCausalLM"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -44,7 +45,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool attention_bias = false;  // q/k/v biases (always true for Qwen2)
+  bool qkv_bias = false;        // q/k/v biases (Qwen2; Llama and Qwen3 with attention_bias)
+  bool o_bias = false;          // o_proj's bias (Llama and Qwen3 with attention_bias)
+  bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (Qwen3)
   bool mlp_bias = false;        // not supported; parsing rejects true
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
@@ -56,7 +59,8 @@ struct ModelConfig {
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
-  // Parameters of the whole model (embedding and LM head counted once when tied).
+  // Parameters of the whole model (embedding and LM head counted once when tied): the elements of
+  // the family's declared tensors.
   int64_t ParameterCount() const;
 };
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/backend.h"
+#include "model/families/registry.h"
 
 namespace shardserve {
 namespace {
@@ -47,36 +48,17 @@ float ElementScale(const std::string& name, const std::vector<int64_t>& shape) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.back())));
 }
 
-}  // namespace
-
-std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
-  std::map<std::string, std::vector<int64_t>> t;
-  t["model.embed_tokens.weight"] = {V, H};
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    t[p + "input_layernorm.weight"] = {H};
-    t[p + "self_attn.q_proj.weight"] = {c.q_dim(), H};
-    t[p + "self_attn.k_proj.weight"] = {c.kv_dim(), H};
-    t[p + "self_attn.v_proj.weight"] = {c.kv_dim(), H};
-    if (c.attention_bias) {
-      t[p + "self_attn.q_proj.bias"] = {c.q_dim()};
-      t[p + "self_attn.k_proj.bias"] = {c.kv_dim()};
-      t[p + "self_attn.v_proj.bias"] = {c.kv_dim()};
-    }
-    t[p + "self_attn.o_proj.weight"] = {H, c.q_dim()};
-    t[p + "post_attention_layernorm.weight"] = {H};
-    t[p + "mlp.gate_proj.weight"] = {I, H};
-    t[p + "mlp.up_proj.weight"] = {I, H};
-    t[p + "mlp.down_proj.weight"] = {H, I};
-  }
-  t["model.norm.weight"] = {H};
-  if (!c.tie_word_embeddings) t["lm_head.weight"] = {V, H};
-  return t;
+// Every tensor of the model, with its full shape.
+std::map<std::string, std::vector<int64_t>> TensorShapes(const ModelConfig& config) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (WeightDecl& w : ModelWeights(config)) shapes[std::move(w.name)] = std::move(w.shape);
+  return shapes;
 }
 
+}  // namespace
+
 DummyWeights::DummyWeights(const ModelConfig& config, uint64_t seed, bool on_device)
-    : seed_(seed), on_device_(on_device), shapes_(ModelTensorShapes(config)) {}
+    : seed_(seed), on_device_(on_device), shapes_(TensorShapes(config)) {}
 
 absl::Status DummyWeights::CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const {
   auto it = shapes_.find(name);

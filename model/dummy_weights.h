@@ -1,5 +1,5 @@
-// Weights without a checkpoint (--load-format dummy, as vLLM's): every tensor a Llama-family model
-// of this config.json has, with values made from a seed. For benchmarks of models one does not
+// Weights without a checkpoint (--load-format dummy, as vLLM's): every tensor the family's
+// declaration (model/families/) lists for this config.json, with values made from a seed. For benchmarks of models one does not
 // have (a 72B planned and run from its config.json alone) and tests of layouts without fixtures.
 //
 // Element (r, c) of tensor `name` (shape [rows, cols]; 1-D tensors are [rows]) is a function of
@@ -11,7 +11,7 @@
 // kernel writes the same bits; no host copy of the weights).
 //
 // Values (chosen so activations stay finite however many layers; see ElementScale in the .cc):
-//   norms (input_layernorm, post_attention_layernorm, model.norm): 1.0 exactly;
+//   norms (input_layernorm, post_attention_layernorm, Qwen3's q_norm and k_norm, model.norm): 1.0 exactly;
 //   2-D weights (q/k/v/o, gate/up/down, embed_tokens, lm_head): uniform in (-a, a), a = 1/sqrt(cols);
 //   biases (Qwen2's q/k/v): uniform in (-0.1, 0.1).
 //
@@ -29,11 +29,6 @@
 #include "model/weight_source.h"
 
 namespace shardserve {
-
-// Every tensor a worker of any layout reads for `config`, with its full shape: embed_tokens, each
-// layer's norms, q/k/v (and biases when attention_bias), o, gate/up/down, the final norm and
-// lm_head (absent when tie_word_embeddings).
-std::map<std::string, std::vector<int64_t>> ModelTensorShapes(const ModelConfig& config);
 
 class DummyWeights : public WeightSource {
  public:

@@ -47,6 +47,22 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
   return s;
 }
 
+Slice ShardSlice(TpSplit split, const TpShard& s) {
+  switch (split) {
+    case TpSplit::kReplicated: return Slice{0, 0, -1};
+    case TpSplit::kVocabRows: return Slice{0, s.vocab_rows.begin, s.vocab_rows.end};
+    case TpSplit::kQRows: return Slice{0, s.q_rows.begin, s.q_rows.end};
+    case TpSplit::kKvRows: return Slice{0, s.kv_rows.begin, s.kv_rows.end};
+    case TpSplit::kMlpRows: return Slice{0, s.mlp_rows.begin, s.mlp_rows.end};
+    case TpSplit::kQCols: return Slice{1, s.q_rows.begin, s.q_rows.end};
+    case TpSplit::kMlpCols: return Slice{1, s.mlp_rows.begin, s.mlp_rows.end};
+    case TpSplit::kFirstRank: return Slice{0, 0, -1};
+  }
+  return Slice{0, 0, -1};
+}
+
+bool HoldsAny(TpSplit split, const TpShard& s) { return split != TpSplit::kFirstRank || s.tp_rank == 0; }
+
 namespace {
 
 // model/quantized_checkpoint.h's rules for a published quantized checkpoint split over t ranks.

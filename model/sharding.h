@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/quant.h"
 #include "model/config.h"
+#include "model/weight_source.h"
 
 namespace shardserve {
 
@@ -45,6 +46,24 @@ struct TpShard {
   Range vocab_rows;             // rows of embed_tokens and lm_head
   int64_t vocab_rows_per_rank;  // ceil(V / t): the padded width of every rank's logits slice
 };
+
+// How a tensor is cut across TP ranks (the ranges above).
+enum class TpSplit {
+  kReplicated,  // norms: every rank holds all of it
+  kVocabRows,   // embed_tokens, lm_head: rows vocab_rows
+  kQRows,       // q_proj weight and bias: rows q_rows
+  kKvRows,      // k_proj, v_proj weights and biases: rows kv_rows (replicated heads when TP > KV heads)
+  kMlpRows,     // gate_proj, up_proj: rows mlp_rows
+  kQCols,       // o_proj: columns q_rows
+  kMlpCols,     // down_proj: columns mlp_rows
+  kFirstRank,   // the bias of a row-parallel product (o_proj's): added once to the partial sums
+                // that meet in the all-reduce, so rank 0 holds all of it and the others none
+};
+
+// The part of a tensor cut by `split` that `shard` holds (all of it for kFirstRank: ask HoldsAny).
+Slice ShardSlice(TpSplit split, const TpShard& shard);
+// Whether `shard` holds any of a tensor cut by `split` (false only for kFirstRank off rank 0).
+bool HoldsAny(TpSplit split, const TpShard& shard);
 
 // The slice rank `tp_rank` of `tp_size` holds. InvalidArgument, naming the numbers, when the
 // heads, KV heads or intermediate size do not divide as required.

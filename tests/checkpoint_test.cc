@@ -218,6 +218,47 @@ TEST_F(CheckpointTest, TransformersFiveConfigGivesTheSameModelAsFour) {
   EXPECT_EQ(plain->rope_scaling.type, RopeScaling::Type::kNone);
 }
 
+// Each family reads config.json as transformers builds its model (model/families/llama.cc): Llama
+// and Qwen3 put attention_bias on q, k, v and o; Qwen2 has q/k/v biases whatever it says and none on
+// o; Mistral has none (transformers does not read the field for it); Qwen3 norms q and k per head.
+// An architecture without a declaration is refused with the list of those there are.
+TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
+  struct Case {
+    const char* architecture;
+    bool attention_bias;
+    bool qkv_bias, o_bias, qk_norm;
+  };
+  const Case cases[] = {
+      {"LlamaForCausalLM", false, false, false, false}, {"LlamaForCausalLM", true, true, true, false},
+      {"Qwen2ForCausalLM", false, true, false, false},  {"Qwen2ForCausalLM", true, true, false, false},
+      {"MistralForCausalLM", true, false, false, false}, {"Qwen3ForCausalLM", false, false, false, true},
+      {"Qwen3ForCausalLM", true, true, true, true},
+  };
+  for (const Case& k : cases) {
+    json c = TinyConfig();
+    c["architectures"] = {k.architecture};
+    c["attention_bias"] = k.attention_bias;
+    auto config = ParseModelConfig(c.dump(), "config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    SCOPED_TRACE(absl::StrCat(k.architecture, " attention_bias ", k.attention_bias));
+    EXPECT_EQ(config->qkv_bias, k.qkv_bias);
+    EXPECT_EQ(config->o_bias, k.o_bias);
+    EXPECT_EQ(config->qk_norm, k.qk_norm);
+    // The parameters are the declared tensors': embedding and LM head, q and o [8, 8], k and v [4, 8],
+    // the MLP, two norms, the final norm; q/k/v biases (8 + 4 + 4), o's (8), two [head_dim 4] norms.
+    EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 4 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8 +
+                                            (k.qkv_bias ? 16 : 0) + (k.o_bias ? 8 : 0) + (k.qk_norm ? 8 : 0));
+  }
+  json c = TinyConfig();
+  c["architectures"] = {"GPTNeoXForCausalLM"};
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
+                        "Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+}
+
 // What would change the math and is not implemented is refused, naming the field; both formats in
 // one file must agree.
 TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {

@@ -76,8 +76,9 @@ std::vector<Layout> Layouts() {
   // The fixtures' layer counts (checked against config.json by the test): PP may not exceed them.
   const std::vector<std::pair<std::string, int>> fixtures = {
       {"llama3_rope", 2}, {"llama_bf16", 3}, {"llama_gqa", 5}, {"mistral_sharded", 4}, {"qwen2_tied_bias", 3},
-      // config.json as transformers 5 writes it (rope_parameters, dtype, layer_types).
-      {"llama3_rope_tf5", 2}, {"qwen2_tf5", 3}};
+      // config.json as transformers 5 writes it (rope_parameters, dtype, layer_types); Qwen3 in both
+      // formats.
+      {"llama3_rope_tf5", 2}, {"qwen2_tf5", 3}, {"qwen3_tf5", 3}, {"qwen3_tf4", 2}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {

@@ -1825,6 +1825,22 @@ TEST_F(CpuBackendTest, RmsNorm) {
   }
 }
 
+// In place over the heads of q, as Qwen3's q_norm runs: [tokens * heads, head_dim] viewed on
+// [tokens, heads * head_dim]; the same bits as into another buffer.
+TEST_F(CpuBackendTest, RmsNormInPlaceOverHeads) {
+  const int64_t tokens = 3, heads = 4, head_dim = 128;
+  const std::vector<float> x = Random(rng_, tokens * heads * head_dim, -3.0f, 3.0f), w = Random(rng_, head_dim, 0.5f, 1.5f);
+  DeviceTensor in_place = F32({tokens, heads * head_dim}, x), src = F32({tokens * heads, head_dim}, x),
+               dw = F32({head_dim}, w);
+  DeviceTensor out = Output(DType::kF32, {tokens * heads, head_dim});
+  ASSERT_TRUE(backend_->RmsNorm(out.ptr(), src.t(), dw.t(), 1e-6f).ok());
+  Tensor heads_view(in_place.t().data, DType::kF32, {tokens * heads, head_dim});
+  ASSERT_TRUE(backend_->RmsNorm(&heads_view, heads_view, dw.t(), 1e-6f).ok());
+  EXPECT_EQ(in_place.Download<float>(), out.Download<float>());
+  EXPECT_NE(in_place.Download<float>(), x);
+  EXPECT_TRUE(in_place.GuardsIntact());
+}
+
 // ---- Rope ------------------------------------------------------------------------------------
 
 // inv_freq as transformers computes it, in float32: 1 / base^(2i / head_dim).

@@ -399,6 +399,27 @@ TEST_P(CudaVsCpu, RmsNorm) {
   }
 }
 
+// In place over the heads of q, as Qwen3's q_norm runs: rows of head_dim 128, out aliasing x.
+TEST_P(CudaVsCpu, RmsNormInPlaceOverHeads) {
+  const int64_t rows = 3 * 4, d = 128;
+  const float eps = 1e-6f;
+  const std::vector<float> x = RandomValues(rows * d, Seed(Op::kRmsNorm, act(), 2), act(), -2.0f, 2.0f);
+  const std::vector<float> w = RandomValues(d, Seed(Op::kRmsNorm, act(), 3), act(), 0.5f, 1.5f);
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {rows, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_w, UploadF(cuda_.get(), w, act(), {d}));
+  SS_RUN_OP("CUDA", cuda_->RmsNorm(&g_x.t, g_x.t, g_w.t, eps));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {rows, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_w, UploadF(cpu_.get(), w, DType::kF32, {d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {rows, d}));
+  SS_RUN_OP("CPU", cpu_->RmsNorm(&c_out.t, c_x.t, c_w.t, eps));
+
+  SS_READ_F(got, cuda_.get(), g_x);
+  SS_READ_F(want, cpu_.get(), c_out);
+  EXPECT_TRUE(Close("RmsNorm in place", got, want, Threshold(Op::kRmsNorm, act())));
+}
+
 // Decode (n = 1) and prefill-sized n; with and without bias; output in the act dtype and in F32
 // (logits).
 TEST_P(CudaVsCpu, MatMul) {

@@ -50,12 +50,13 @@ std::vector<std::string> FixtureNames() {
 }
 
 // The fixtures the quantized-weight bounds below were measured on, all 64 or 128 inputs wide: not
-// the *_tf5 ones, which are there for config.json as transformers 5 writes it and have other widths
-// (rows of 96 are one int4 group of 96, whose step, and so error, is larger than the bound's).
+// the ones tools/make_parity_fixtures_tf5.py makes (*_tf5, *_tf4), which are there for the families
+// and config.json formats of transformers 5 and have other widths (rows of 96 are one int4 group
+// of 96, whose step, and so error, is larger than the bound's).
 std::vector<std::string> QuantizationFixtureNames() {
   std::vector<std::string> names;
   for (const std::string& name : FixtureNames()) {
-    if (!absl::EndsWith(name, "_tf5")) names.push_back(name);
+    if (!absl::EndsWith(name, "_tf5") && !absl::EndsWith(name, "_tf4")) names.push_back(name);
   }
   return names;
 }
@@ -740,7 +741,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
 TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
   const std::vector<std::string> names = FixtureNames();
   for (const char* want : {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16",
-                           "llama3_rope_tf5", "qwen2_tf5"}) {
+                           "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

@@ -227,7 +227,7 @@ TEST_P(WeightBytesPerGpu, AgreeWithParameterCountOverDegree) {
   o.pp = k.pp;
   const Plan p = MustPlan(c, Cluster("8x8xH200-141GB"), o);
   const double H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim(), I = c.intermediate_size, V = c.vocab_size;
-  const double bias = c.attention_bias ? 1 : 0;
+  const double bias = c.qkv_bias ? 1 : 0;  // the real configs here: Qwen2 (q/k/v) or none
   const double kv_params = 2 * KV * (H + bias);                               // k_proj, v_proj (+ biases)
   const double layer = 2 * H * Q + Q * bias + 3 * H * I + 2 * H + kv_params;  // q, o, MLP, norms, k, v
   const double local_kv_heads = k.tp <= c.num_key_value_heads ? c.num_key_value_heads / k.tp : 1;
@@ -527,6 +527,33 @@ TEST(Planner, CheckpointThatDisagreesWithConfigIsRefused) {
   EXPECT_THAT(
       p.status().message(),
       HasSubstr("\"model.layers.0.mlp.gate_proj.weight\" has shape [128, 64] but config.json implies [256, 64]"));
+}
+
+// A checkpoint with biases that config.json says the model has not (attention_bias false): the
+// forward pass would leave them out, so it is refused naming one; with attention_bias true the
+// same checkpoint plans.
+TEST(Planner, CheckpointBiasesThatConfigDoesNotDeclareAreRefused) {
+  const fs::path dir = fs::path(::testing::TempDir()) / "planner_undeclared_bias";
+  fs::create_directories(dir);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(kModels / "qwen3_tf4/config.json"));
+  ASSERT_TRUE(config["attention_bias"].get<bool>());
+  fs::remove(dir / "model.safetensors");
+  fs::create_symlink(kModels / "qwen3_tf4/model.safetensors", dir / "model.safetensors");
+  for (const bool bias : {true, false}) {
+    config["attention_bias"] = bias;
+    std::ofstream(dir / "config.json") << config.dump();
+    absl::StatusOr<PlannerModel> m = OpenPlannerModel(dir);
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), Cluster("1x1xA100-80GB"), {});
+    if (bias) {
+      EXPECT_TRUE(p.ok()) << p.status();
+      continue;
+    }
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(p.status().message(), HasSubstr("has tensor \"model.layers.0.self_attn."));
+    EXPECT_THAT(p.status().message(), HasSubstr("is attention_bias in config.json wrong?"));
+  }
 }
 
 // ---- Clusters --------------------------------------------------------------------------------

@@ -297,8 +297,8 @@ def write_checked_golden(
     print(f"    wrote {sorted(f.name for f in out.iterdir())}, {size} bytes")
 
 
-def main(all_fixtures=fixtures, doc: str = __doc__) -> None:
-    """Builds the fixtures of all_fixtures() that the command line names (all by default)."""
+def main(all_fixtures=fixtures, doc: str = __doc__, build_one=build) -> None:
+    """Builds (build_one) the fixtures of all_fixtures() that the command line names (all by default)."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -317,7 +317,7 @@ def main(all_fixtures=fixtures, doc: str = __doc__) -> None:
         raise SystemExit(f"unknown fixtures: {sorted(unknown)}")
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for fixture in chosen:
-        build(fixture, args.out)
+        build_one(fixture, args.out)
 
 
 if __name__ == "__main__":

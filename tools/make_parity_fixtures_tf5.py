@@ -1,16 +1,31 @@
 """Builds the parity fixtures whose checkpoints transformers 5 writes (tests/fixtures/models/*_tf5):
 config.json as current releases save it, RoPE in "rope_parameters" (base and scaling together),
-"dtype" for "torch_dtype", "layer_types" where the family has it. The checkpoint, golden.json and
-their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy tokens, logits,
-no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build and command line.
+"dtype" for "torch_dtype", "layer_types" where the family has it; and the families that need
+transformers 5 to run at all (Qwen3), one of them with its config.json rewritten as transformers 4.x
+wrote it (rope_theta, torch_dtype), checked to read back as the same config. The checkpoint,
+golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
+tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
+and command line.
 
 Usage (from the repository root):
     tools/fixtures5-env.sh && .venv-fixtures5/bin/python tools/make_parity_fixtures_tf5.py
 """
 
+import dataclasses
+import json
+import pathlib
+
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import make_parity_fixtures
 from make_parity_fixtures import Fixture
@@ -66,10 +81,83 @@ def fixtures() -> list[Fixture]:
             init_std=0.15,
             save_dtype=torch.bfloat16,
         ),
+        # Qwen3: q_norm / k_norm per head before RoPE, an explicit head_dim (4 heads x 32 = 128, wider
+        # than hidden 80), tied LM head, bf16 weights.
+        Fixture(
+            name="qwen3_tf5",
+            model_cls=Qwen3ForCausalLM,
+            config=Qwen3Config(
+                vocab_size=352,
+                hidden_size=80,
+                intermediate_size=192,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_hidden_layers=3,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True,
+            ),
+            seed=8000,
+            save_dtype=torch.bfloat16,
+        ),
+        # Qwen3 with q/k/v biases (attention_bias), an untied LM head and float32 weights; its
+        # config.json rewritten as transformers 4.x wrote it (LegacyConfigFixture).
+        LegacyConfigFixture(
+            name="qwen3_tf4",
+            model_cls=Qwen3ForCausalLM,
+            config=Qwen3Config(
+                vocab_size=320,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                head_dim=24,
+                num_hidden_layers=2,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+                attention_bias=True,
+                tie_word_embeddings=False,
+            ),
+            seed=9000,
+        ),
     ]
+
+
+@dataclasses.dataclass
+class LegacyConfigFixture(Fixture):
+    """A fixture whose config.json is rewritten after the build as transformers 4.x wrote it:
+    "rope_theta" and "rope_scaling" for "rope_parameters", "torch_dtype" for "dtype", no
+    "layer_types". transformers must read the rewritten file back as the same config."""
+
+
+def write_legacy_config(out: pathlib.Path) -> None:
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["rope_theta"]
+    config["rope_scaling"] = None if rope["rope_type"] == "default" else {
+        k: v for k, v in rope.items() if k != "rope_theta"
+    }
+    config["torch_dtype"] = config.pop("dtype")
+    config.pop("layer_types", None)
+    before = AutoConfig.from_pretrained(out).to_dict()
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    after = AutoConfig.from_pretrained(out).to_dict()
+    for field in ("rope_parameters", "dtype", "layer_types", "head_dim", "attention_bias"):
+        if before.get(field) != after.get(field):
+            raise SystemExit(f"{out.name}: the 4.x config.json reads back with {field} "
+                             f"{after.get(field)!r}, not {before.get(field)!r}")
+    print(f"    config.json rewritten in the 4.x format, read back the same")
+
+
+def build(fixture: Fixture, out_root: pathlib.Path) -> None:
+    make_parity_fixtures.build(fixture, out_root)
+    if isinstance(fixture, LegacyConfigFixture):
+        write_legacy_config(out_root / fixture.name)
 
 
 if __name__ == "__main__":
     if not make_parity_fixtures.TRANSFORMERS_5:
         raise SystemExit(f"transformers {transformers.__version__}: these fixtures need 5 (tools/fixtures5-env.sh)")
-    make_parity_fixtures.main(fixtures, __doc__)
+    make_parity_fixtures.main(fixtures, __doc__, build)

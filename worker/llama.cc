@@ -6,28 +6,33 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
+#include "model/families/registry.h"
 #include "model/quantized_checkpoint.h"
 
 namespace shardserve {
 
 namespace {
 
+// The prefix of a linear weight's name ("model.layers.0.mlp.up_proj" of "...up_proj.weight").
+std::string LinearPrefix(const std::string& name) { return name.substr(0, name.size() - std::string(".weight").size()); }
+
 // A decoder layer's linear weight that a published quantized checkpoint stores quantized (not in
 // its ignore list): model/quantized_checkpoint.h.
-bool IsQuantizedLinear(const ModelConfig& config, const std::string& name) {
-  return config.checkpoint_quant.has_value() && absl::StartsWith(name, "model.layers.") &&
-         absl::EndsWith(name, "_proj.weight") &&
-         config.checkpoint_quant->Quantizes(name.substr(0, name.size() - std::string(".weight").size()));
+bool IsQuantizedLinear(const ModelConfig& config, const WeightDecl& w) {
+  return config.checkpoint_quant.has_value() && w.part == WeightPart::kLayer && IsProductWeight(w.role) &&
+         config.checkpoint_quant->Quantizes(LinearPrefix(w.name));
 }
 
 }  // namespace
 
-absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t> dims) {
-  Tensor view(nullptr, t, dims);
+absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, absl::Span<const int64_t> dims) {
+  if (dims.size() > Tensor::kMaxDims) return absl::InternalError(absl::StrCat("a buffer of ", dims.size(), " dimensions"));
+  Tensor view;
+  view.dtype = t;
+  for (int64_t d : dims) view.shape[view.ndim++] = d;
   absl::StatusOr<Buffer> buf = backend_->Allocate(std::max<size_t>(view.bytes(), 1));
   if (!buf.ok()) return buf.status();
   view.data = buf->data();
@@ -35,7 +40,7 @@ absl::StatusOr<Tensor> LlamaShard::Alloc(DType t, std::initializer_list<int64_t>
   return view;
 }
 
-absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, std::initializer_list<int64_t> dims) {
+absl::StatusOr<Tensor> LlamaShard::AllocStepBuffer(DType t, absl::Span<const int64_t> dims) {
   absl::StatusOr<Tensor> view = Alloc(t, dims);
   if (view.ok()) step_buffer_bytes_ += view->bytes();
   return view;
@@ -82,7 +87,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadWeight(const WeightSource& ckpt, const st
 
 absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSource& ckpt, const std::string& name,
                                                   const std::vector<int64_t>& full_shape, const Slice& slice) {
-  const std::string prefix = name.substr(0, name.size() - std::string(".weight").size());
+  const std::string prefix = LinearPrefix(name);
   SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice w,
                               ReadQuantizedLinear(ckpt, *config_.checkpoint_quant, prefix, full_shape[0], full_shape[1], slice));
   Tensor packed;
@@ -113,16 +118,15 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   return packed;
 }
 
-absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
-                                                    std::vector<int64_t> full_shape, const Slice& slice,
+absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, const WeightDecl& w, const Slice& slice,
                                                     WeightQuant quant) {
   // A published quantized checkpoint stores the decoder layers' linear weights in its format
   // (model/quantized_checkpoint.h); its embeddings, LM head and ignored modules are plain.
-  if (IsQuantizedLinear(config_, name)) return LoadQuantizedCheckpointWeight(ckpt, name, full_shape, slice);
+  if (IsQuantizedLinear(config_, w)) return LoadQuantizedCheckpointWeight(ckpt, w.name, w.shape, slice);
   Tensor plain, packed;
-  SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, name, std::move(full_shape), slice));
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, w.name, w.shape, slice));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
-  if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
+  if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(w.name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
     // Logical bytes, as the planner counts: quantized weights with their scales (and zeros) (kernels/quant.h).
     weight_bytes_ = weight_bytes_ - plain.bytes() + packed.bytes();
@@ -153,40 +157,48 @@ std::string LlamaShard::QuantizationSummary() const {
   return out;
 }
 
-namespace {
-
-// Every tensor a shard of layers [first, end) reads, with the full shape config.json implies: the
-// tensors Load reads below, in the same order.
-std::vector<std::pair<std::string, std::vector<int64_t>>> ShardTensors(const ModelConfig& c, int64_t first,
-                                                                       int64_t end, bool first_stage, bool last_stage) {
-  const int64_t H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> t;
-  if (first_stage) t.push_back({"model.embed_tokens.weight", {V, H}});
-  for (int64_t i = first; i < end; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    t.push_back({p + "input_layernorm.weight", {H}});
-    t.push_back({p + "self_attn.q_proj.weight", {c.q_dim(), H}});
-    t.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), H}});
-    t.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), H}});
-    if (c.attention_bias) {
-      t.push_back({p + "self_attn.q_proj.bias", {c.q_dim()}});
-      t.push_back({p + "self_attn.k_proj.bias", {c.kv_dim()}});
-      t.push_back({p + "self_attn.v_proj.bias", {c.kv_dim()}});
+Tensor* LlamaShard::Slot(const WeightDecl& w) {
+  if (w.part == WeightPart::kLayer) {
+    Layer& l = layers_[w.layer - first_layer_];
+    switch (w.role) {
+      case WeightRole::kInputNorm: return &l.input_layernorm;
+      case WeightRole::kQProj: return &l.q_proj;
+      case WeightRole::kKProj: return &l.k_proj;
+      case WeightRole::kVProj: return &l.v_proj;
+      case WeightRole::kQBias: return &l.q_bias;
+      case WeightRole::kKBias: return &l.k_bias;
+      case WeightRole::kVBias: return &l.v_bias;
+      case WeightRole::kQNorm: return &l.q_norm;
+      case WeightRole::kKNorm: return &l.k_norm;
+      case WeightRole::kOProj: return &l.o_proj;
+      case WeightRole::kOBias: return &l.o_bias;
+      case WeightRole::kPostAttentionNorm: return &l.post_attention_layernorm;
+      case WeightRole::kGateProj: return &l.gate_proj;
+      case WeightRole::kUpProj: return &l.up_proj;
+      case WeightRole::kDownProj: return &l.down_proj;
+      default: return nullptr;
     }
-    t.push_back({p + "self_attn.o_proj.weight", {H, c.q_dim()}});
-    t.push_back({p + "post_attention_layernorm.weight", {H}});
-    t.push_back({p + "mlp.gate_proj.weight", {I, H}});
-    t.push_back({p + "mlp.up_proj.weight", {I, H}});
-    t.push_back({p + "mlp.down_proj.weight", {H, I}});
   }
-  if (last_stage) {
-    t.push_back({"model.norm.weight", {H}});
-    t.push_back({c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", {V, H}});
+  switch (w.role) {
+    case WeightRole::kEmbedTokens: return &embed_tokens_;
+    case WeightRole::kFinalNorm: return &norm_;
+    case WeightRole::kLmHead: return &lm_head_;
+    default: return nullptr;
   }
-  return t;
 }
 
-}  // namespace
+Tensor* LlamaShard::StepBufferSlot(const std::string& name) {
+  const std::pair<const char*, Tensor*> slots[] = {
+      {"ids", &ids_},       {"positions", &positions_}, {"token_seq", &token_seq_}, {"slots", &slots_},
+      {"block_tables", &block_tables_}, {"logit_rows", &logit_rows_}, {"hidden", &hidden_},
+      {"normed", &normed_}, {"q", &q_},  {"k", &k_},   {"v", &v_},   {"attn", &attn_}, {"proj", &proj_},
+      {"gate", &gate_},     {"up", &up_}, {"inv_freq", &inv_freq_},   {"last", &last_},
+      {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_}};
+  for (const auto& [slot, tensor] : slots) {
+    if (name == slot) return tensor;
+  }
+  return nullptr;
+}
 
 absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const StepLimits& opt,
@@ -207,103 +219,68 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
   }
   SHARDSERVE_ASSIGN_OR_RETURN(m->tp_shard_, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
   const TpShard& s = m->tp_shard_;
-  const int64_t H = config.hidden_size, D = config.head_dim, V = config.vocab_size, I = config.intermediate_size;
-  const int64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
-  const Slice q_rows{0, s.q_rows.begin, s.q_rows.end}, kv_rows{0, s.kv_rows.begin, s.kv_rows.end},
-      mlp_rows{0, s.mlp_rows.begin, s.mlp_rows.end}, vocab_rows{0, s.vocab_rows.begin, s.vocab_rows.end};
-  const Slice q_cols{1, s.q_rows.begin, s.q_rows.end}, mlp_cols{1, s.mlp_rows.begin, s.mlp_rows.end}, all{0, 0, -1};
+  const std::vector<WeightDecl> tensors =
+      StageWeights(config, m->first_layer_, m->end_layer_, m->is_first_stage(), m->is_last_stage());
 
   // ---- Shapes first: config.json's sizes are only bounded (model/config.cc) until the
   // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----
-  for (const auto& [name, shape] : ShardTensors(config, m->first_layer_, m->end_layer_, m->is_first_stage(),
-                                                m->is_last_stage())) {
-    if (IsQuantizedLinear(config, name)) {
+  for (const WeightDecl& w : tensors) {
+    if (IsQuantizedLinear(config, w)) {
       SHARDSERVE_RETURN_IF_ERROR(
-          CheckQuantizedLinear(ckpt, *config.checkpoint_quant, name.substr(0, name.size() - 7), shape[0], shape[1]));
+          CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), w.shape[0], w.shape[1]));
     } else {
-      SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
+      SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(w.name, w.shape));
     }
   }
 
-  // ---- Weights: this rank's slice of this stage's tensors ----
+  // ---- Weights: this rank's slice of this stage's tensors, as the family declares them ----
   // A tied table on a stage that both looks tokens up and computes the logits is one buffer: in the
   // products' layout where the backend's Embedding reads that (Backend::EmbeddingTakesPackedTable:
   // the CPU's float32 panels, which the LM head's product would otherwise repack from the plain
   // table on every step), else plain.
   const bool one_packed_table = config.tie_word_embeddings && m->is_first_stage() && m->is_last_stage() &&
                                 backend->EmbeddingTakesPackedTable();
-  if (one_packed_table) {
-    SHARDSERVE_ASSIGN_OR_RETURN(m->embed_tokens_,
-                                m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
-  } else if (m->is_first_stage()) {
-    SHARDSERVE_ASSIGN_OR_RETURN(m->embed_tokens_, m->LoadWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
-  }
-  for (int64_t i = m->first_layer_; i < m->end_layer_; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    Layer l;
-    SHARDSERVE_ASSIGN_OR_RETURN(l.input_layernorm, m->LoadWeight(ckpt, p + "input_layernorm.weight", {H}, all));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.q_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.q_proj.weight", {config.q_dim(), H}, q_rows, spec.weight_quant));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.k_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.k_proj.weight", {config.kv_dim(), H}, kv_rows, spec.weight_quant));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.v_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.v_proj.weight", {config.kv_dim(), H}, kv_rows, spec.weight_quant));
-    if (config.attention_bias) {
-      SHARDSERVE_ASSIGN_OR_RETURN(l.q_bias, m->LoadWeight(ckpt, p + "self_attn.q_proj.bias", {config.q_dim()}, q_rows));
-      SHARDSERVE_ASSIGN_OR_RETURN(l.k_bias, m->LoadWeight(ckpt, p + "self_attn.k_proj.bias", {config.kv_dim()}, kv_rows));
-      SHARDSERVE_ASSIGN_OR_RETURN(l.v_bias, m->LoadWeight(ckpt, p + "self_attn.v_proj.bias", {config.kv_dim()}, kv_rows));
+  m->layers_.resize(m->end_layer_ - m->first_layer_);
+  for (const WeightDecl& w : tensors) {
+    Tensor* slot = m->Slot(w);
+    if (slot == nullptr) {
+      return absl::InternalError(absl::StrCat(w.name, ": the forward pass of ", config.architecture_name,
+                                              " has no place for this tensor"));
     }
-    SHARDSERVE_ASSIGN_OR_RETURN(l.o_proj, m->LoadMatMulWeight(ckpt, p + "self_attn.o_proj.weight", {H, config.q_dim()}, q_cols, spec.weight_quant));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.post_attention_layernorm, m->LoadWeight(ckpt, p + "post_attention_layernorm.weight", {H}, all));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.gate_proj, m->LoadMatMulWeight(ckpt, p + "mlp.gate_proj.weight", {I, H}, mlp_rows, spec.weight_quant));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.up_proj, m->LoadMatMulWeight(ckpt, p + "mlp.up_proj.weight", {I, H}, mlp_rows, spec.weight_quant));
-    SHARDSERVE_ASSIGN_OR_RETURN(l.down_proj, m->LoadMatMulWeight(ckpt, p + "mlp.down_proj.weight", {H, I}, mlp_cols, spec.weight_quant));
-    // The paged KV cache of this layer: this rank's KV heads only.
+    if (!HoldsAny(w.split, s)) continue;  // another rank's (o_proj's bias: rank 0's)
+    const Slice slice = ShardSlice(w.split, s);
+    if (w.role == WeightRole::kLmHead && config.tie_word_embeddings && m->is_first_stage()) {
+      *slot = m->embed_tokens_;  // tied, and already loaded on this stage (packed if one_packed_table)
+    } else if (w.role == WeightRole::kEmbedTokens) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? m->LoadMatMulWeight(ckpt, w, slice)
+                                                          : m->LoadWeight(ckpt, w.name, w.shape, slice));
+    } else if (IsProductWeight(w.role)) {
+      // The decoder layers' products take --quantization; the LM head stays in the act dtype.
+      const WeightQuant quant = w.part == WeightPart::kLayer ? spec.weight_quant : WeightQuant::kNone;
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadMatMulWeight(ckpt, w, slice, quant));
+    } else {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadWeight(ckpt, w.name, w.shape, slice));
+    }
+  }
+  // The paged KV cache of each layer: this rank's KV heads only.
+  const int64_t D = config.head_dim;
+  for (Layer& l : m->layers_) {
     SHARDSERVE_ASSIGN_OR_RETURN(l.k_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
     SHARDSERVE_ASSIGN_OR_RETURN(l.v_cache, m->Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.k_cache.data, l.k_cache.bytes()));
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(l.v_cache.data, l.v_cache.bytes()));
     m->kv_cache_bytes_ += l.k_cache.bytes() + l.v_cache.bytes();
-    m->layers_.push_back(l);
   }
-  if (m->is_last_stage()) {
-    SHARDSERVE_ASSIGN_OR_RETURN(m->norm_, m->LoadWeight(ckpt, "model.norm.weight", {H}, all));
-    if (!config.tie_word_embeddings) {
-      SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "lm_head.weight", {V, H}, vocab_rows));
-    } else if (m->is_first_stage()) {
-      m->lm_head_ = m->embed_tokens_;  // tied, and already loaded on this stage (packed if one_packed_table)
-    } else {
-      SHARDSERVE_ASSIGN_OR_RETURN(m->lm_head_, m->LoadMatMulWeight(ckpt, "model.embed_tokens.weight", {V, H}, vocab_rows));
-    }
-  }
-  std::vector<float> inv_freq = RopeInvFreq(config);
-  SHARDSERVE_ASSIGN_OR_RETURN(m->inv_freq_, m->AllocStepBuffer(DType::kF32, {static_cast<int64_t>(inv_freq.size())}));
-  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
 
   // ---- Scratch: everything a step needs, allocated once ----
-  const DType act = backend->act_dtype();
-  const int64_t n = opt.max_tokens_per_step, ms = opt.max_seqs_per_step;
-  SHARDSERVE_ASSIGN_OR_RETURN(m->ids_, m->AllocStepBuffer(DType::kI32, {n}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->positions_, m->AllocStepBuffer(DType::kI32, {n}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->token_seq_, m->AllocStepBuffer(DType::kI32, {n}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->slots_, m->AllocStepBuffer(DType::kI32, {n}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->block_tables_, m->AllocStepBuffer(DType::kI32, {ms, opt.max_blocks_per_seq()}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->logit_rows_, m->AllocStepBuffer(DType::kI32, {ms}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->hidden_, m->AllocStepBuffer(act, {n, H}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->normed_, m->AllocStepBuffer(act, {n, H}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->q_, m->AllocStepBuffer(act, {n, q}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->k_, m->AllocStepBuffer(act, {n, kv}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->v_, m->AllocStepBuffer(act, {n, kv}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->attn_, m->AllocStepBuffer(act, {n, q}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->proj_, m->AllocStepBuffer(act, {n, H}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->gate_, m->AllocStepBuffer(act, {n, f}));
-  SHARDSERVE_ASSIGN_OR_RETURN(m->up_, m->AllocStepBuffer(act, {n, f}));
-  m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
-  if (m->is_last_stage()) {
-    SHARDSERVE_ASSIGN_OR_RETURN(m->last_, m->AllocStepBuffer(act, {ms, H}));
-    SHARDSERVE_ASSIGN_OR_RETURN(m->local_logits_, m->AllocStepBuffer(DType::kF32, {ms, s.vocab_rows_per_rank}));
-    if (spec.tp_size > 1) {  // with one rank the slice is gathered straight into logits_
-      SHARDSERVE_ASSIGN_OR_RETURN(m->gathered_logits_, m->AllocStepBuffer(DType::kF32, {spec.tp_size, ms, s.vocab_rows_per_rank}));
-    }
-    SHARDSERVE_ASSIGN_OR_RETURN(m->logits_, m->AllocStepBuffer(DType::kF32, {ms, V}));
+  for (const StepBufferDecl& b : StepBuffers(config, s, backend->act_dtype(), opt, m->is_last_stage())) {
+    Tensor* slot = m->StepBufferSlot(b.name);
+    if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
+    SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->AllocStepBuffer(b.dtype, b.dims));
   }
+  std::vector<float> inv_freq = RopeInvFreq(config);
+  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
+  m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
   m->staging_.reset();  // load-time only (Staging)
   m->staging_bytes_ = 0;
   backend->ReleaseLoadBuffers();
@@ -389,13 +366,20 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
                                  {&k, &l.k_proj, l.k_bias.data ? &l.k_bias : nullptr},
                                  {&v, &l.v_proj, l.v_bias.data ? &l.v_bias : nullptr}};
     SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, qkv));
+    // q and k RMS-normed per head, over head_dim, in place (Qwen3's q_norm and k_norm)
+    if (l.q_norm.data != nullptr) {
+      const int64_t D = config_.head_dim;
+      Tensor q_heads(q.data, q.dtype, {n * tp_shard_.q_heads, D}), k_heads(k.data, k.dtype, {n * tp_shard_.kv_heads, D});
+      SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&q_heads, q_heads, l.q_norm, eps));
+      SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&k_heads, k_heads, l.k_norm, eps));
+    }
     // rotary position embedding, then k/v written to the paged cache (one pass where the backend fuses them)
     SHARDSERVE_RETURN_IF_ERROR(be.RopeCacheWrite(&q, &k, v, positions, inv_freq_, static_cast<int>(config_.head_dim),
                                                  &l.k_cache, &l.v_cache, slots));
     // causal attention over the cache
     SHARDSERVE_RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
-    // o_proj (row-parallel) + all-reduce of the partial sums
-    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, nullptr));
+    // o_proj (row-parallel; its bias, if any, on one rank) + all-reduce of the partial sums
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, l.o_bias.data ? &l.o_bias : nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
     // residual, then the mlp norm (one pass where the backend fuses them)
     SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.post_attention_layernorm, eps));

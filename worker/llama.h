@@ -1,5 +1,5 @@
-// One shard of a Llama-family model (Llama, Qwen2, Mistral): its weights, its paged KV cache and
-// its forward pass. A shard is a layer range (a pipeline stage) and a tensor-parallel rank; the
+// One shard of a Llama-shaped model (Llama, Mistral, Qwen2, Qwen3: model/families/llama.cc): its
+// weights, loaded as the family's declaration lists them, its paged KV cache and its forward pass. A shard is a layer range (a pipeline stage) and a tensor-parallel rank; the
 // whole model in one process is the shard {all layers, rank 0 of 1}, which runs the same code.
 //
 // Ownership: LlamaShard owns its weights, KV cache and scratch buffers (all allocated once, at
@@ -16,8 +16,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/backend.h"
 #include "model/config.h"
+#include "model/families/declaration.h"
 #include "model/sharding.h"
 #include "model/step_limits.h"
 #include "model/weight_source.h"
@@ -77,8 +79,10 @@ class LlamaShard {
   struct Layer {
     Tensor input_layernorm;           // [hidden]
     Tensor q_proj, k_proj, v_proj;    // [q, hidden], [kv, hidden], [kv, hidden]
-    Tensor q_bias, k_bias, v_bias;    // [q], [kv], [kv] (Qwen2 only; else data == nullptr)
+    Tensor q_bias, k_bias, v_bias;    // [q], [kv], [kv] (Qwen2; Llama, Qwen3 with attention_bias; else data == nullptr)
+    Tensor q_norm, k_norm;            // [head_dim] each (Qwen3; else data == nullptr)
     Tensor o_proj;                    // [hidden, q]
+    Tensor o_bias;                    // [hidden] on TP rank 0 (Llama, Qwen3 with attention_bias; else data == nullptr)
     Tensor post_attention_layernorm;  // [hidden]
     Tensor gate_proj, up_proj;        // [f, hidden]
     Tensor down_proj;                 // [hidden, f]
@@ -89,17 +93,20 @@ class LlamaShard {
   absl::StatusOr<Tensor> LoadWeight(const WeightSource& ckpt, const std::string& name, std::vector<int64_t> full_shape,
                                     const Slice& slice);
   // LoadWeight, then the backend's PackMatMulWeight: for weights only MatMul reads.
-  absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const std::string& name,
-                                          std::vector<int64_t> full_shape, const Slice& slice,
+  absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const WeightDecl& w, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
+  // Where the loader puts tensor `w` (a layer's or the stage's field), and step buffer `name`;
+  // null for one the forward pass has no place for.
+  Tensor* Slot(const WeightDecl& w);
+  Tensor* StepBufferSlot(const std::string& name);
   // A published quantized checkpoint's linear weight `name` (<prefix>.weight): its codes and scales
   // in an int4 / int8 / fp8 kernel layout, or dequantized to float32 and packed as a plain weight
   // (model/quantized_checkpoint.h).
   absl::StatusOr<Tensor> LoadQuantizedCheckpointWeight(const WeightSource& ckpt, const std::string& name,
                                                        const std::vector<int64_t>& full_shape, const Slice& slice);
-  absl::StatusOr<Tensor> Alloc(DType t, std::initializer_list<int64_t> dims);
+  absl::StatusOr<Tensor> Alloc(DType t, absl::Span<const int64_t> dims);
   // Alloc, counted in step_buffer_bytes().
-  absl::StatusOr<Tensor> AllocStepBuffer(DType t, std::initializer_list<int64_t> dims);
+  absl::StatusOr<Tensor> AllocStepBuffer(DType t, absl::Span<const int64_t> dims);
   absl::Status Upload(const Tensor& dst, const std::vector<int32_t>& src);
   // The step's ops on n tokens of `seqs` sequences, m logit rows, its metadata already uploaded:
   // everything they read is in this shard's buffers, so a recording of them replays any step of

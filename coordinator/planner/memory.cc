@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "coordinator/planner/planner.h"
+#include "model/families/registry.h"
 
 namespace shardserve {
 namespace {
@@ -102,16 +103,11 @@ RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage,
 
 uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype, const StepLimits& limits,
                          bool last_stage) {
-  const uint64_t n = limits.max_tokens_per_step, m = limits.max_seqs_per_step;
-  const uint64_t act = DTypeSize(act_dtype), H = c.hidden_size;
-  const uint64_t q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
-  const uint64_t max_blocks = limits.max_blocks_per_seq();
-  uint64_t bytes = 4 * (4 * n + m * max_blocks + m);    // ids, positions, token_seq, slots; block tables; logit rows
-  bytes += act * n * (3 * H + 2 * q + 2 * kv + 2 * f);  // hidden, normed, proj; q, attn; k, v; gate, up
-  bytes += 4 * static_cast<uint64_t>(c.head_dim / 2);   // RoPE inverse frequencies
-  if (last_stage) {
-    const uint64_t vr = s.vocab_rows_per_rank, slices = s.tp_size > 1 ? 1 + s.tp_size : 1;
-    bytes += act * m * H + 4 * m * vr * slices + 4 * m * static_cast<uint64_t>(c.vocab_size);
+  uint64_t bytes = 0;
+  for (const StepBufferDecl& b : StepBuffers(c, s, act_dtype, limits, last_stage)) {
+    uint64_t elements = 1;
+    for (int64_t d : b.dims) elements *= static_cast<uint64_t>(d);
+    bytes += elements * DTypeSize(b.dtype);
   }
   return bytes;
 }

@@ -79,10 +79,8 @@ int NcclCommunicators(int tp, int pp, int stage);
 RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
                                   uint64_t dequant_scratch_bytes = 0);
 
-// The bytes of the buffers one step works in, as LlamaShard::Load allocates them for `limits`
-// (worker/llama.cc): I32 step inputs and block tables, the [tokens, width] activations of one
-// layer at a time in `act`, RoPE frequencies, and on the last stage the logits (this rank's slice,
-// the gathered slices when TP > 1, and the assembled rows, F32).
+// The bytes of the buffers one step works in, which the worker allocates at load for `limits`: the
+// family's declared step buffers (model/families/registry.h StepBuffers).
 uint64_t StepBufferBytes(const ModelConfig& config, const TpShard& shard, DType act, const StepLimits& limits,
                          bool last_stage);
 

@@ -11,6 +11,7 @@
 #include "coordinator/planner/format.h"
 #include "coordinator/planner/weights.h"
 #include "kernels/backend.h"
+#include "model/families/registry.h"
 #include "model/quantized_checkpoint.h"
 #include "model/sharding.h"
 
@@ -42,7 +43,7 @@ struct Context {
   uint64_t usable;     // bytes per GPU the worker may use
   int64_t target_len;  // max_model_len wanted
   int64_t min_len;     // the shortest max_model_len accepted (== target_len when it was set)
-  std::vector<WeightTensor> tensors;
+  std::vector<WeightDecl> tensors;
 };
 
 // One layout, evaluated.
@@ -456,11 +457,11 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   ctx.target_len = options.max_model_len > 0 ? options.max_model_len : c.max_position_embeddings;
   ctx.min_len = options.max_model_len > 0 ? ctx.target_len : std::min(ctx.target_len, kMinLoweredModelLen);
   if (checkpoint != nullptr) {
-    absl::StatusOr<std::vector<WeightTensor>> w = CheckpointWeights(c, *checkpoint);
+    absl::StatusOr<std::vector<WeightDecl>> w = CheckpointWeights(c, *checkpoint);
     if (!w.ok()) return w.status();
     ctx.tensors = std::move(*w);
   } else {
-    ctx.tensors = ExpectedWeights(c);
+    ctx.tensors = ModelWeights(c);
   }
 
   // Weigh every layout the request allows.

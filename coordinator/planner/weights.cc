@@ -2,9 +2,12 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/backend.h"
+#include "model/families/registry.h"
 #include "model/quantized_checkpoint.h"
 
 namespace shardserve {
@@ -16,50 +19,21 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-std::vector<WeightTensor> ExpectedWeights(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, Q = c.q_dim(), KV = c.kv_dim();
-  std::vector<WeightTensor> w;
-  w.push_back({"model.embed_tokens.weight", {V, H}, WeightPart::kEmbedding, -1, ShardAxis::kVocabRows});
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    auto layer = [&](const std::string& name, std::vector<int64_t> shape, ShardAxis axis) {
-      w.push_back({p + name, std::move(shape), WeightPart::kLayer, i, axis});
-    };
-    layer("input_layernorm.weight", {H}, ShardAxis::kReplicated);
-    layer("self_attn.q_proj.weight", {Q, H}, ShardAxis::kQRows);
-    layer("self_attn.k_proj.weight", {KV, H}, ShardAxis::kKvRows);
-    layer("self_attn.v_proj.weight", {KV, H}, ShardAxis::kKvRows);
-    if (c.attention_bias) {
-      layer("self_attn.q_proj.bias", {Q}, ShardAxis::kQRows);
-      layer("self_attn.k_proj.bias", {KV}, ShardAxis::kKvRows);
-      layer("self_attn.v_proj.bias", {KV}, ShardAxis::kKvRows);
-    }
-    layer("self_attn.o_proj.weight", {H, Q}, ShardAxis::kQCols);
-    layer("post_attention_layernorm.weight", {H}, ShardAxis::kReplicated);
-    layer("mlp.gate_proj.weight", {I, H}, ShardAxis::kMlpRows);
-    layer("mlp.up_proj.weight", {I, H}, ShardAxis::kMlpRows);
-    layer("mlp.down_proj.weight", {H, I}, ShardAxis::kMlpCols);
-  }
-  w.push_back({"model.norm.weight", {H}, WeightPart::kFinalNorm, -1, ShardAxis::kReplicated});
-  if (!c.tie_word_embeddings) w.push_back({"lm_head.weight", {V, H}, WeightPart::kLmHead, -1, ShardAxis::kVocabRows});
-  return w;
-}
-
 namespace {
 
 // The decoder layers' linear weights (q/k/v/o, gate/up/down) that a published quantized checkpoint
 // stores quantized (model/quantized_checkpoint.h): all but its ignore list.
-bool IsQuantizedLinearWeight(const ModelConfig& config, const WeightTensor& t) {
-  return config.checkpoint_quant.has_value() && t.part == WeightPart::kLayer && t.shape.size() == 2 &&
+bool IsQuantizedLinearWeight(const ModelConfig& config, const WeightDecl& t) {
+  return config.checkpoint_quant.has_value() && t.part == WeightPart::kLayer && IsProductWeight(t.role) &&
          config.checkpoint_quant->Quantizes(t.name.substr(0, t.name.size() - std::string(".weight").size()));
 }
 
 }  // namespace
 
-absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint) {
-  std::vector<WeightTensor> weights = ExpectedWeights(config);
+absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint) {
+  std::vector<WeightDecl> weights = ModelWeights(config);
   const std::string where = checkpoint.dir().string();
-  for (WeightTensor& w : weights) {
+  for (WeightDecl& w : weights) {
     if (IsQuantizedLinearWeight(config, w)) {  // stored in its format's tensors (model/quantized_checkpoint.h)
       absl::Status s = CheckQuantizedLinear(checkpoint, *config.checkpoint_quant, w.name.substr(0, w.name.size() - 7), w.shape[0],
                                        w.shape[1]);
@@ -84,43 +58,50 @@ absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& c
     }
     w.shape = t.shape;
   }
+  if (!config.checkpoint_quant.has_value()) {
+    // A bias the declaration does not list would be silently left out of the math (config.json's
+    // attention_bias false for a checkpoint that has them): refused, naming it. Published quantized
+    // checkpoints are exempt: some store a zero bias beside every quantized product.
+    absl::flat_hash_set<std::string> declared;
+    for (const WeightDecl& w : weights) declared.insert(w.name);
+    for (const auto& [name, info] : checkpoint.tensors()) {
+      if (absl::EndsWith(name, ".bias") && !declared.contains(name)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "checkpoint ", where, " has tensor \"", name, "\", which ", config.architecture_name,
+            " as config.json describes it has no place for (is attention_bias in config.json wrong?)"));
+      }
+    }
+  }
   return weights;
 }
 
-int64_t ShardElements(const WeightTensor& t, const TpShard& s) {
-  // Elements of the dimensions other than the cut one.
-  auto others = [&](size_t cut) {
-    int64_t n = 1;
-    for (size_t d = 0; d < t.shape.size(); ++d) n *= d == cut ? 1 : t.shape[d];
-    return n;
-  };
-  switch (t.axis) {
-    case ShardAxis::kReplicated: return others(t.shape.size());
-    case ShardAxis::kVocabRows: return s.vocab_rows.size() * others(0);
-    case ShardAxis::kQRows: return s.q_rows.size() * others(0);
-    case ShardAxis::kKvRows: return s.kv_rows.size() * others(0);
-    case ShardAxis::kMlpRows: return s.mlp_rows.size() * others(0);
-    case ShardAxis::kQCols: return s.q_rows.size() * others(1);
-    case ShardAxis::kMlpCols: return s.mlp_rows.size() * others(1);
+int64_t ShardElements(const WeightDecl& t, const TpShard& s) {
+  if (!HoldsAny(t.split, s)) return 0;
+  const Slice cut = ShardSlice(t.split, s);
+  int64_t n = 1;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    const bool sliced = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank && static_cast<int>(d) == cut.dim;
+    n *= sliced ? cut.end - cut.begin : t.shape[d];
   }
-  return 0;
+  return n;
 }
 
-RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
+RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightDecl>& tensors, const TpShard& shard,
                              DType dtype, WeightQuant quant) {
   RankWeights r;
   r.layers.assign(config.num_hidden_layers, 0);
   r.dequant_scratch.assign(config.num_hidden_layers, 0);
   r.tied = config.tie_word_embeddings;
-  for (const WeightTensor& t : tensors) {
+  for (const WeightDecl& t : tensors) {
     const int64_t elements = ShardElements(t, shard);
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
     // This rank's [rows, cols] of a linear layer's weight (what a quantized layout is counted on).
-    const bool cols_cut = t.axis == ShardAxis::kQCols || t.axis == ShardAxis::kMlpCols;
+    const bool cols_cut = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank &&
+                          ShardSlice(t.split, shard).dim == 1;
     const int64_t rows = t.shape.size() != 2 ? 0 : cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
     const int64_t cols = elements / std::max<int64_t>(rows, 1);
     WeightQuant stored = WeightQuant::kNone;  // how the worker stores it, when quantized
-    if (quant != WeightQuant::kNone && t.part == WeightPart::kLayer && t.shape.size() == 2) {
+    if (quant != WeightQuant::kNone && t.part == WeightPart::kLayer && IsProductWeight(t.role)) {
       // A linear layer's weight (q/k/v/o, gate/up/down) in its kernels/quant.h layout, per local
       // output row: int8 and fp8 a byte per value and a float32 scale; int4 ceil(local inputs /
       // 128) blocks of 72 bytes (64 bytes of packed values, a float32 scale, the zero point and

@@ -1,5 +1,5 @@
 // The weights a worker loads and the bytes one tensor-parallel rank's slice of them takes, cut
-// exactly as the worker cuts them (model/sharding.h, worker/llama.cc), so the planner's memory
+// exactly as the worker cuts them (model/families/, model/sharding.h), so the planner's memory
 // figures are the worker's.
 //
 // The list comes from config.json (when no safetensors are at hand: a 72B model can be planned
@@ -18,48 +18,24 @@
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/families/declaration.h"
 #include "model/sharding.h"
 
 namespace shardserve {
 
-// Which stage loads a tensor.
-enum class WeightPart {
-  kEmbedding,  // model.embed_tokens.weight: the first stage
-  kLayer,      // model.layers.{i}.*: the stage owning layer i
-  kFinalNorm,  // model.norm.weight: the last stage
-  kLmHead,     // lm_head.weight: the last stage (absent when tie_word_embeddings)
-};
+// The planner's tensors are the family's declaration (model/families/declaration.h): every tensor
+// the workers load, with the shapes config.json implies (model/families/registry.h ModelWeights).
+// Tied models have no lm_head.weight: their last stage loads embed_tokens.weight as its LM head.
 
-// How a tensor is cut across TP ranks (see model/sharding.h for the ranges).
-enum class ShardAxis {
-  kReplicated,  // norms: every rank holds all of it
-  kVocabRows,   // embed_tokens, lm_head: rows vocab_rows
-  kQRows,       // q_proj weight and bias: rows q_rows
-  kKvRows,      // k_proj, v_proj weights and biases: rows kv_rows (replicated heads when TP > KV heads)
-  kMlpRows,     // gate_proj, up_proj: rows mlp_rows
-  kQCols,       // o_proj: columns q_rows
-  kMlpCols,     // down_proj: columns mlp_rows
-};
-
-struct WeightTensor {
-  std::string name;            // "model.layers.3.self_attn.q_proj.weight"
-  std::vector<int64_t> shape;  // full (unsharded) shape
-  WeightPart part = WeightPart::kLayer;
-  int64_t layer = -1;  // kLayer only
-  ShardAxis axis = ShardAxis::kReplicated;
-};
-
-// Every tensor the workers load, with the shapes config.json implies. Tied models have no
-// lm_head.weight: their last stage loads embed_tokens.weight as its LM head.
-std::vector<WeightTensor> ExpectedWeights(const ModelConfig& config);
-
-// The same list, read from `checkpoint` (shapes as stored). FailedPrecondition naming the tensor,
+// The declared tensors, read from `checkpoint` (shapes as stored). Also FailedPrecondition, naming
+// it, for a bias in a plain checkpoint that the declaration does not list (the math would leave it
+// out). FailedPrecondition naming the tensor,
 // the checkpoint directory and both shapes when a tensor is missing, has another shape than
 // config.json implies, or is stored in a dtype the loader cannot convert (F32, F16, BF16 only).
-absl::StatusOr<std::vector<WeightTensor>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint);
+absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint);
 
 // Elements of `tensor` that the rank described by `shard` holds.
-int64_t ShardElements(const WeightTensor& tensor, const TpShard& shard);
+int64_t ShardElements(const WeightDecl& tensor, const TpShard& shard);
 
 // One TP rank's weight bytes, by part, in the dtype the workers load weights in.
 struct RankWeights {
@@ -80,7 +56,7 @@ struct RankWeights {
 };
 
 // `quant`: how the linear layers' weights are stored (the worker's ShardSpec::weight_quant).
-RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightTensor>& tensors, const TpShard& shard,
+RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightDecl>& tensors, const TpShard& shard,
                              DType dtype, WeightQuant quant = WeightQuant::kNone);
 
 }  // namespace shardserve

@@ -1,0 +1,89 @@
+// How one model architecture is written down, once: the tensors of its checkpoint (name, shape
+// from config.json, how tensor parallelism cuts it, what each is to the forward pass), what its
+// config.json fields mean, and the buffers a step of it works in. Every reader of a model's layout
+// reads its declaration: the worker's loader (worker/llama.cc), the planner's bytes
+// (coordinator/planner/weights.cc) and memory math (coordinator/planner/memory.cc), and the dummy
+// weights (model/dummy_weights.cc). model/families/registry.h picks the declaration from
+// config.json's "architectures".
+//
+// Plain constant data and pure functions; thread-safe.
+#ifndef SHARDSERVE_MODEL_FAMILIES_DECLARATION_H_
+#define SHARDSERVE_MODEL_FAMILIES_DECLARATION_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/tensor.h"
+#include "model/config.h"
+#include "model/sharding.h"
+#include "model/step_limits.h"
+
+namespace shardserve {
+
+// Which stage loads a tensor.
+enum class WeightPart {
+  kEmbedding,  // the token embedding: the first stage
+  kLayer,      // a decoder layer's: the stage owning that layer
+  kFinalNorm,  // the last stage
+  kLmHead,     // the last stage (the embedding again when tie_word_embeddings)
+};
+
+// What a tensor is to the forward pass: the slot the loader puts it in.
+enum class WeightRole {
+  kEmbedTokens,
+  kInputNorm,          // before attention
+  kQProj, kKProj, kVProj,
+  kQBias, kKBias, kVBias,
+  kQNorm, kKNorm,      // per-head RMSNorm of q and k before RoPE (Qwen3), [head_dim]
+  kOProj, kOBias,
+  kPostAttentionNorm,  // before the MLP
+  kGateProj, kUpProj, kDownProj,
+  kFinalNorm,
+  kLmHead,
+};
+
+// A linear layer's weight: read by MatMul, so the loader packs it for the backend's products and
+// may quantize it (--quantization, or a published quantized checkpoint's format).
+bool IsProductWeight(WeightRole role);
+
+struct WeightDecl {
+  std::string name;            // as in the checkpoint: "model.layers.3.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // full (unsharded) shape, from config.json
+  WeightPart part = WeightPart::kLayer;
+  int64_t layer = -1;  // kLayer only
+  TpSplit split = TpSplit::kReplicated;
+  WeightRole role = WeightRole::kInputNorm;
+};
+
+// One buffer a step works in, allocated once at load for the step limits.
+struct StepBufferDecl {
+  const char* name;  // the slot the loader fills: "hidden", "q", "logits", ...
+  DType dtype;
+  std::vector<int64_t> dims;
+};
+
+struct FamilyDeclaration {
+  const char* architecture;  // config.json's "architectures"[0], e.g. "Qwen3ForCausalLM"
+  // What config.json's fields mean for the family (model/config.cc reads them):
+  // Biases of the attention's products: kQkv on q, k and v always and never on o (Qwen2);
+  // kConfigured on q, k, v and o when config.json's attention_bias is true (Llama, Qwen3); kNone
+  // never (Mistral, whose attention transformers builds without biases whatever the file says).
+  enum class AttentionBias { kNone, kQkv, kConfigured };
+  AttentionBias attention_bias = AttentionBias::kNone;
+  bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
+  // "sliding_window": kCapsContext serves the context up to the window (Mistral, where every layer
+  // slides); kOffUnlessUsed honours it only with use_sliding_window true, which is refused (Qwen).
+  enum class SlidingWindow { kNone, kCapsContext, kOffUnlessUsed };
+  SlidingWindow sliding_window = SlidingWindow::kNone;
+  // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
+  // final norm, LM head; no LM head when tie_word_embeddings).
+  std::vector<WeightDecl> (*weights)(const ModelConfig& config);
+  // The buffers of the family's decoder layers for `tokens` tokens a step on the rank `shard`.
+  std::vector<StepBufferDecl> (*layer_buffers)(const ModelConfig& config, const TpShard& shard, DType act,
+                                               int64_t tokens);
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_FAMILIES_DECLARATION_H_

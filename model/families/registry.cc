@@ -1,0 +1,99 @@
+#include "model/families/registry.h"
+
+#include <optional>
+
+#include "absl/strings/str_join.h"
+#include "model/families/families.h"
+
+namespace shardserve {
+namespace {
+
+constexpr const FamilyDeclaration* kFamilies[] = {&kLlamaFamily, &kMistralFamily, &kQwen2Family, &kQwen3Family};
+
+}  // namespace
+
+bool IsProductWeight(WeightRole role) {
+  switch (role) {
+    case WeightRole::kQProj:
+    case WeightRole::kKProj:
+    case WeightRole::kVProj:
+    case WeightRole::kOProj:
+    case WeightRole::kGateProj:
+    case WeightRole::kUpProj:
+    case WeightRole::kDownProj:
+    case WeightRole::kLmHead:
+      return true;
+    default:
+      return false;
+  }
+}
+
+const FamilyDeclaration* FindFamily(std::string_view architecture) {
+  for (const FamilyDeclaration* f : kFamilies) {
+    if (architecture == f->architecture) return f;
+  }
+  return nullptr;
+}
+
+std::string SupportedArchitectures() {
+  return absl::StrJoin(kFamilies, ", ",
+                       [](std::string* out, const FamilyDeclaration* f) { out->append(f->architecture); });
+}
+
+std::vector<WeightDecl> ModelWeights(const ModelConfig& config) {
+  if (config.family == nullptr) return {};
+  return config.family->weights(config);
+}
+
+std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_layer, int64_t end_layer,
+                                     bool first_stage, bool last_stage) {
+  std::vector<WeightDecl> stage;
+  std::optional<WeightDecl> tied_head;
+  for (WeightDecl& w : ModelWeights(config)) {
+    switch (w.part) {
+      case WeightPart::kEmbedding:
+        if (last_stage && config.tie_word_embeddings) {
+          tied_head = w;
+          tied_head->part = WeightPart::kLmHead;
+          tied_head->role = WeightRole::kLmHead;
+        }
+        if (first_stage) stage.push_back(std::move(w));
+        break;
+      case WeightPart::kLayer:
+        if (w.layer >= first_layer && w.layer < end_layer) stage.push_back(std::move(w));
+        break;
+      case WeightPart::kFinalNorm:
+      case WeightPart::kLmHead:
+        if (last_stage) stage.push_back(std::move(w));
+        break;
+    }
+  }
+  if (tied_head.has_value()) stage.push_back(std::move(*tied_head));
+  return stage;
+}
+
+std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard& shard, DType act,
+                                        const StepLimits& limits, bool last_stage) {
+  const int64_t n = limits.max_tokens_per_step, m = limits.max_seqs_per_step, H = config.hidden_size;
+  std::vector<StepBufferDecl> b = {
+      {"ids", DType::kI32, {n}},          {"positions", DType::kI32, {n}},
+      {"token_seq", DType::kI32, {n}},    {"slots", DType::kI32, {n}},
+      {"block_tables", DType::kI32, {m, limits.max_blocks_per_seq()}},
+      {"logit_rows", DType::kI32, {m}},   {"hidden", act, {n, H}},
+      {"normed", act, {n, H}},
+  };
+  if (config.family != nullptr) {
+    for (StepBufferDecl& d : config.family->layer_buffers(config, shard, act, n)) b.push_back(std::move(d));
+  }
+  if (last_stage) {
+    const int64_t w = shard.vocab_rows_per_rank;
+    b.push_back({"last", act, {m, H}});
+    b.push_back({"local_logits", DType::kF32, {m, w}});
+    // With one rank the slice is gathered straight into the logits.
+    if (shard.tp_size > 1) b.push_back({"gathered_logits", DType::kF32, {shard.tp_size, m, w}});
+    b.push_back({"logits", DType::kF32, {m, config.vocab_size}});
+  }
+  return b;
+}
+
+}  // namespace shardserve

@@ -1,0 +1,40 @@
+// The model families this server runs, keyed on config.json's "architectures", and the questions
+// the rest of the code asks of a model's declaration (model/families/declaration.h): which tensors
+// a checkpoint holds, which a stage loads, which buffers a step needs.
+#ifndef SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_
+#define SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "model/families/declaration.h"
+
+namespace shardserve {
+
+// The declaration of `architecture` ("Qwen3ForCausalLM"); null when this server has none.
+const FamilyDeclaration* FindFamily(std::string_view architecture);
+// The architectures FindFamily knows, comma-separated, for error messages.
+std::string SupportedArchitectures();
+
+// Every tensor of the model's checkpoint, with the shapes config.json implies (config.family's
+// declaration); empty for a config without a family.
+std::vector<WeightDecl> ModelWeights(const ModelConfig& config);
+
+// What the stage holding layers [first_layer, end_layer) loads, in load order: the embedding (first
+// stage), its layers' tensors, the final norm and the LM head (last stage). A tied LM head is the
+// embedding's tensor under the role kLmHead.
+std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_layer, int64_t end_layer,
+                                     bool first_stage, bool last_stage);
+
+// Every buffer one step works in on the rank `shard` of a stage, for `limits`: the step's inputs
+// (ids, positions, sequences, cache slots, block tables, logit rows), the residual stream and its
+// norm, the family's layer buffers, and on the last stage the logits (this rank's slice, every
+// rank's gathered when TP > 1, the whole rows).
+std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard& shard, DType act,
+                                        const StepLimits& limits, bool last_stage);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_
