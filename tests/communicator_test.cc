@@ -3,6 +3,7 @@
 // Gloo runs over real TCP on loopback: each rank is a thread of this process with its own Gloo
 // context (its own sockets and event loop), and the ranks meet through an InMemoryRendezvousStore.
 // Values are small multiples of 1/4, so every sum is exact in float and results compare with ==.
+// All-to-all cases send uneven row counts, zeros included, and every rank checks all it received.
 // The failure cases (a rank that never joins, a rank that skips a collective, a rank that exits,
 // mismatched shapes) use a 2 s timeout and check that the call returns the right error within
 // twice that; the times they took are printed. NCCL cases need GPUs and are skipped, with the
@@ -23,6 +24,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <numeric>
+#include <utility>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,6 +45,7 @@
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/comm/staged_communicator.h"
+#include "worker/timed_communicator.h"
 
 #if SHARDSERVE_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -109,6 +113,54 @@ void PrintTime(const std::string& what, absl::Duration took) {
 
 // Value i of rank r's all-reduce input: a multiple of 1/4 in [-1.5r-1.5, 1.5r+1.5].
 float AllReduceInput(int r, int64_t i) { return static_cast<float>((r + 1) * (i % 13 - 6)) * 0.25f; }
+
+// Row counts of an all-to-all: rank `from` sends rank `to` this many rows.
+using AllToAllRows = int64_t (*)(int from, int to);
+// 0, 1 or 2 rows; every size above one has pairs that send none.
+int64_t UnevenRows(int from, int to) { return (from + 2 * to + 1) % 3; }
+// Rank 0 sends nothing at all (its in has no rows); the others send 1 to 3 rows to every rank.
+int64_t RankZeroSendsNothing(int from, int to) { return from == 0 ? 0 : (from + to) % 3 + 1; }
+
+// Element j of row k of the rows rank `from` sends rank `to`: a multiple of 1/4 that names all four
+// (k < 10 and j < 10 here).
+float AllToAllValue(int from, int to, int64_t k, int64_t j) {
+  return 0.25f * static_cast<float>(from * 1000 + to * 100 + k * 10 + j);
+}
+
+// One rank's side of an F32 all-to-all: its counts, its input, its output (-1 until written) and
+// the output it must get.
+struct AllToAllCase {
+  AllToAllCase(int rank, int size, std::vector<int64_t> row, AllToAllRows rows) : row_shape(std::move(row)) {
+    const int64_t row_elements = std::accumulate(row_shape.begin(), row_shape.end(), int64_t{1}, std::multiplies<>());
+    for (int p = 0; p < size; ++p) {
+      send_rows.push_back(rows(rank, p));
+      recv_rows.push_back(rows(p, rank));
+      for (int64_t k = 0; k < send_rows.back(); ++k) {
+        for (int64_t j = 0; j < row_elements; ++j) in.push_back(AllToAllValue(rank, p, k, j));
+      }
+      for (int64_t k = 0; k < recv_rows.back(); ++k) {
+        for (int64_t j = 0; j < row_elements; ++j) want.push_back(AllToAllValue(p, rank, k, j));
+      }
+    }
+    out.assign(want.size(), -1.0f);
+  }
+  // [sum(counts), ...row_shape] over `data`.
+  Tensor Rows(void* data, const std::vector<int64_t>& counts) const {
+    Tensor t(data, DType::kF32, {std::accumulate(counts.begin(), counts.end(), int64_t{0})});
+    for (int64_t d : row_shape) t.shape[t.ndim++] = d;
+    return t;
+  }
+  Tensor InTensor() { return Rows(in.data(), send_rows); }
+  Tensor OutTensor() { return Rows(out.data(), recv_rows); }
+  absl::Status Run(Communicator& comm) {
+    Tensor out_t = OutTensor();
+    return comm.AllToAllV(&out_t, InTensor(), send_rows, recv_rows);
+  }
+
+  std::vector<int64_t> row_shape;  // the dimensions after the leading one
+  std::vector<int64_t> send_rows, recv_rows;
+  std::vector<float> in, out, want;
+};
 
 // ---- InMemoryRendezvousStore -----------------------------------------------------------------
 
@@ -179,9 +231,62 @@ TEST_F(CommunicatorTest, LocalHasNoPeers) {
   EXPECT_EQ(x[1], 2);
 }
 
+// A group of one sends all its rows to itself: AllToAllV copies them, after the same argument
+// checks as every implementation (a group of one has no state to break).
+TEST_F(CommunicatorTest, LocalAllToAllVCopiesItsOwnRows) {
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  LocalCommunicator local(cpu.get());
+  AllToAllCase c(0, 1, {2, 3}, UnevenRows);
+  ASSERT_TRUE(c.Run(local).ok());
+  EXPECT_EQ(c.out, c.want);
+  Tensor out = c.OutTensor();
+  const Tensor in = c.InTensor();
+  const absl::Status short_count = local.AllToAllV(&out, in, {0}, {1});
+  EXPECT_EQ(short_count.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_count.message(), HasSubstr("send_rows [0] adds up to 0, not the 1 rows of in"));
+  EXPECT_EQ(local.AllToAllV(&out, in, {1, 0}, {1, 0}).code(), absl::StatusCode::kInvalidArgument);
+  Tensor same = in;
+  EXPECT_EQ(local.AllToAllV(&same, in, {1}, {1}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- TimedCommunicator -----------------------------------------------------------------------
+
+// Keeps what it is told.
+class RecordingObserver final : public CollectiveObserver {
+ public:
+  void Observe(CollectiveOp op, double, uint64_t bytes) override { seen.emplace_back(op, bytes); }
+  std::vector<std::pair<CollectiveOp, uint64_t>> seen;
+};
+
+// The worker's metrics see an all-to-all as one, with the bytes of the rows this rank sent.
+TEST_F(CommunicatorTest, TimedReportsAnAllToAllWithTheBytesSent) {
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  TimedCommunicator timed(std::make_unique<LocalCommunicator>(cpu.get()), cpu.get());
+  RecordingObserver observer;
+  timed.set_observer(&observer);
+  AllToAllCase c(0, 1, {4}, RankZeroSendsNothing);
+  ASSERT_TRUE(c.Run(timed).ok());
+  AllToAllCase d(0, 1, {2, 3}, UnevenRows);
+  ASSERT_TRUE(d.Run(timed).ok());
+  EXPECT_EQ(d.out, d.want);
+  EXPECT_EQ(observer.seen, (std::vector<std::pair<CollectiveOp, uint64_t>>{{CollectiveOp::kAllToAll, 0},
+                                                                           {CollectiveOp::kAllToAll, 6 * 4}}));
+}
+
 // ---- Gloo: results ---------------------------------------------------------------------------
 
-class GlooSizeTest : public Guarded<::testing::TestWithParam<int>> {};
+class GlooSizeTest : public Guarded<::testing::TestWithParam<int>> {
+ protected:
+  // Runs fn(comm, rank) on every rank of a Gloo group of GetParam() ranks, each on its own thread.
+  void OnEveryRank(const std::function<void(Communicator& comm, int rank)>& fn) {
+    InMemoryRendezvousStore store;
+    RunRanks(GetParam(), [&](int rank) {
+      absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, GetParam());
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      fn(**comm, rank);
+    });
+  }
+};
 INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
 
@@ -189,17 +294,14 @@ INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest, ::testing::Values(1, 2, 3, 4),
 // segment, an odd count), then I32.
 TEST_P(GlooSizeTest, AllReduceSum) {
   const int size = GetParam();
-  InMemoryRendezvousStore store;
-  RunRanks(size, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
-    ASSERT_TRUE(comm.ok()) << comm.status();
-    EXPECT_EQ((*comm)->rank(), rank);
-    EXPECT_EQ((*comm)->size(), size);
+  OnEveryRank([&](Communicator& comm, int rank) {
+    EXPECT_EQ(comm.rank(), rank);
+    EXPECT_EQ(comm.size(), size);
     for (int64_t n : {int64_t{5}, int64_t{300007}}) {
       std::vector<float> x(n);
       for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(rank, i);
       Tensor t(x.data(), DType::kF32, {n});
-      ASSERT_TRUE((*comm)->AllReduceSum(&t).ok()) << "n=" << n;
+      ASSERT_TRUE(comm.AllReduceSum(&t).ok()) << "n=" << n;
       int64_t wrong = 0;
       for (int64_t i = 0; i < n; ++i) {
         float want = 0;
@@ -211,7 +313,7 @@ TEST_P(GlooSizeTest, AllReduceSum) {
     }
     std::vector<int32_t> ids = {rank, 1000 * rank, -7};
     Tensor t(ids.data(), DType::kI32, {3});
-    ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+    ASSERT_TRUE(comm.AllReduceSum(&t).ok());
     const int32_t rank_sum = size * (size - 1) / 2;
     EXPECT_EQ(ids, (std::vector<int32_t>{rank_sum, 1000 * rank_sum, -7 * size}));
   });
@@ -220,37 +322,44 @@ TEST_P(GlooSizeTest, AllReduceSum) {
 // Rank r contributes [2, 3] = r * 100 + i; also a BF16 gather, since AllGather moves any dtype.
 TEST_P(GlooSizeTest, AllGather) {
   const int size = GetParam();
-  InMemoryRendezvousStore store;
-  RunRanks(size, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
-    ASSERT_TRUE(comm.ok()) << comm.status();
+  OnEveryRank([&](Communicator& comm, int rank) {
     std::vector<float> in(6), out(6 * size, -1.0f);
     for (int i = 0; i < 6; ++i) in[i] = static_cast<float>(rank * 100 + i);
     Tensor out_t(out.data(), DType::kF32, {size, 2, 3});
-    ASSERT_TRUE((*comm)->AllGather(&out_t, Tensor(in.data(), DType::kF32, {2, 3})).ok());
+    ASSERT_TRUE(comm.AllGather(&out_t, Tensor(in.data(), DType::kF32, {2, 3})).ok());
     for (int r = 0; r < size; ++r) {
       for (int i = 0; i < 6; ++i) EXPECT_EQ(out[r * 6 + i], static_cast<float>(r * 100 + i)) << "rank " << rank;
     }
     uint16_t mine = F32ToBf16(static_cast<float>(rank) + 0.5f);
     std::vector<uint16_t> gathered(size);
     Tensor gathered_t(gathered.data(), DType::kBF16, {size, 1});
-    ASSERT_TRUE((*comm)->AllGather(&gathered_t, Tensor(&mine, DType::kBF16, {1})).ok());
+    ASSERT_TRUE(comm.AllGather(&gathered_t, Tensor(&mine, DType::kBF16, {1})).ok());
     for (int r = 0; r < size; ++r) EXPECT_EQ(Bf16ToF32(gathered[r]), static_cast<float>(r) + 0.5f);
+  });
+}
+
+// Rows of [2, 3] with uneven counts, zeros included, then rows of [4] where rank 0 sends nothing.
+TEST_P(GlooSizeTest, AllToAllV) {
+  const int size = GetParam();
+  OnEveryRank([&](Communicator& comm, int rank) {
+    AllToAllCase uneven(rank, size, {2, 3}, UnevenRows);
+    ASSERT_TRUE(uneven.Run(comm).ok()) << "rank " << rank;
+    EXPECT_EQ(uneven.out, uneven.want) << "rank " << rank;
+    AllToAllCase silent(rank, size, {4}, RankZeroSendsNothing);
+    ASSERT_TRUE(silent.Run(comm).ok()) << "rank " << rank;
+    EXPECT_EQ(silent.out, silent.want) << "rank " << rank;
   });
 }
 
 // A stage waits at the barrier until the slowest (the last, after 100 ms per rank) has arrived.
 TEST_P(GlooSizeTest, Barrier) {
   const int size = GetParam();
-  InMemoryRendezvousStore store;
   std::atomic<int> arrived{0};
-  RunRanks(size, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size);
-    ASSERT_TRUE(comm.ok()) << comm.status();
+  OnEveryRank([&](Communicator& comm, int rank) {
     for (int round = 1; round <= 2; ++round) {
       absl::SleepFor(absl::Milliseconds(100) * rank);
       arrived.fetch_add(1);
-      ASSERT_TRUE((*comm)->Barrier().ok());
+      ASSERT_TRUE(comm.Barrier().ok());
       EXPECT_GE(arrived.load(), round * size) << "rank " << rank << " left barrier " << round << " early";
     }
   });
@@ -318,7 +427,7 @@ class ScramblingCopier final : public DeviceCopier {
 
 // Two ranks, as two CUDA workers sharing one GPU with --collectives gloo would run them: an
 // all-reduce of F32 and of BF16 (widened to float32 on the host: Gloo sums F32 and I32 only), an
-// all-gather, a pipeline send/recv and a barrier, every tensor in "device" memory.
+// all-gather, a pipeline send/recv, an all-to-all and a barrier, every tensor in "device" memory.
 TEST_F(CommunicatorTest, StagedOverGlooMovesDeviceTensors) {
   InMemoryRendezvousStore store;
   RunRanks(2, [&](int rank) {
@@ -365,6 +474,12 @@ TEST_F(CommunicatorTest, StagedOverGlooMovesDeviceTensors) {
       ScramblingCopier::Scramble(hidden.data(), 16);
       EXPECT_EQ(hidden, (std::vector<float>{0, 0.5f, 1, 1.5f}));
     }
+    // An all-to-all of [2, 3] rows: rank 0 keeps one and sends none, rank 1 sends two and keeps one.
+    AllToAllCase a2a(rank, 2, {2, 3}, UnevenRows);
+    ScramblingCopier::Scramble(a2a.in.data(), a2a.in.size() * sizeof(float));
+    ASSERT_TRUE(a2a.Run(comm).ok());
+    ScramblingCopier::Scramble(a2a.out.data(), a2a.out.size() * sizeof(float));
+    EXPECT_EQ(a2a.out, a2a.want) << "rank " << rank;
     EXPECT_TRUE(comm.Barrier().ok());
   });
 }
@@ -423,6 +538,65 @@ TEST_F(CommunicatorTest, GlooRejectsBadArgumentsAndThenStaysBroken) {
   EXPECT_EQ(unbindable.status().code(), absl::StatusCode::kInvalidArgument) << unbindable.status();
 }
 
+// Each bad AllToAllV on a communicator of its own: InvalidArgument naming the problem, and then
+// the communicator is unusable, quoting it.
+TEST_F(CommunicatorTest, GlooAllToAllVRejectsBadArgumentsAndThenStaysBroken) {
+  InMemoryRendezvousStore store;
+  float x[6] = {}, y[6] = {};
+  uint16_t h[6] = {};
+  const Tensor in(x, DType::kF32, {3, 2});
+  Tensor out(y, DType::kF32, {3, 2}), bf16(h, DType::kBF16, {3, 2}), flat(y, DType::kF32, {6}), same = in;
+  struct Case {
+    Tensor* out;
+    std::vector<int64_t> send_rows, recv_rows;
+    std::string error;
+  };
+  const std::vector<Case> cases = {
+      {&out, {3, 0}, {3}, "send_rows [3, 0] has 2 entries, not one per rank of the group of 1"},
+      {&out, {3}, {}, "recv_rows [] has 0 entries"},
+      {&out, {2}, {3}, "send_rows [2] adds up to 2, not the 3 rows of in"},
+      {&out, {3}, {4}, "recv_rows [4] adds up to more than the 3 rows of out"},
+      {&out, {-1}, {3}, "send_rows [-1] has a negative count"},
+      {&bf16, {3}, {3}, "got out BF16 [3, 2] and in F32 [3, 2]"},
+      {&flat, {3}, {3}, "got out F32 [6] and in F32 [3, 2]"},
+      {&same, {3}, {3}, "in and out overlap"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, absl::StrCat("a2a", i), 0, 1);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    absl::Status s = (*comm)->AllToAllV(c.out, in, c.send_rows, c.recv_rows);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.error;
+    EXPECT_THAT(s.message(), HasSubstr(c.error));
+    s = (*comm)->AllToAllV(&out, in, {3}, {3});
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << c.error;
+    EXPECT_THAT(s.message(), HasSubstr(c.error));  // it quotes the first error
+  }
+}
+
+// Rank 0 sends rank 1 two rows where rank 1 expects one. The counts travel ahead of the rows, so
+// both ranks say so at once, and no row lands (not even a rank's own).
+TEST_F(CommunicatorTest, GlooAllToAllVWithCountsThatDisagreeIsAnErrorOnBothRanks) {
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "ep", rank, 2, kTimeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    const std::vector<int64_t> send_rows = {1, rank == 0 ? 2 : 1}, recv_rows = {1, 1};
+    std::vector<float> x(4 * (1 + send_rows[1]), 0.5f), y(4 * 2, -1.0f);
+    Tensor out(y.data(), DType::kF32, {2, 4});
+    const absl::Time start = absl::Now();
+    const absl::Status s = (*comm)->AllToAllV(&out, Tensor(x.data(), DType::kF32, {1 + send_rows[1], 4}),
+                                              send_rows, recv_rows);
+    const absl::Duration took = absl::Now() - start;
+    PrintTime(absl::StrCat("rank ", rank, " AllToAllV with counts that disagree"), took);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(rank == 0 ? "rank 1 expects 1 row(s) from this rank, which sends it 2"
+                                                 : "rank 0 sends F32 [2, 4] but this rank expected F32 [1, 4]"));
+    EXPECT_LT(took, kTimeout);
+    EXPECT_EQ(y, std::vector<float>(8, -1.0f)) << "rank " << rank;
+  });
+}
+
 // The receiver names both shapes; the sender, whose payload is never taken, times out.
 TEST_F(CommunicatorTest, GlooRecvOfTheWrongShapeIsAnError) {
   InMemoryRendezvousStore store;
@@ -478,16 +652,12 @@ TEST_P(GlooMissingRankTest, RendezvousTimesOut) {
   });
 }
 
-// Every rank does one all-reduce; then the last rank skips the second. The others must not hang:
-// each gets DeadlineExceeded, or Unavailable when a peer that timed out first closed its
-// connection before this rank's own timeout; the first to time out always gets DeadlineExceeded.
-// Every later call fails at once with FailedPrecondition.
-class GlooPeersTest : public Guarded<::testing::TestWithParam<int>> {};
-INSTANTIATE_TEST_SUITE_P(Sizes, GlooPeersTest, ::testing::Values(2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
-
-TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
-  const int size = GetParam();
+// Every rank calls `collective` (op `op`) once; then the last rank skips the second call. The
+// others must not hang: each gets DeadlineExceeded, or Unavailable when a peer that timed out first
+// closed its connection before this rank's own timeout; the first to time out always gets
+// DeadlineExceeded. Every later call fails at once with FailedPrecondition.
+void ExpectARankThatSkipsIsATimeoutForTheOthers(
+    int size, const std::string& op, const std::function<absl::Status(Communicator&, int rank)>& collective) {
   const int skipper = size - 1;
   InMemoryRendezvousStore store;
   absl::BlockingCounter others_done(size - 1);
@@ -496,22 +666,20 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
   RunRanks(size, [&](int rank) {
     absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size, kTimeout);
     ASSERT_TRUE(comm.ok()) << comm.status();
-    float x[3] = {1, 2, 3};
-    Tensor t(x, DType::kF32, {3});
-    ASSERT_TRUE((*comm)->AllReduceSum(&t).ok());
+    ASSERT_TRUE(collective(**comm, rank).ok());
     if (rank == skipper) {
       others_done.Wait();  // alive, but not calling; exiting would be a lost connection instead
       return;
     }
     const absl::Time start = absl::Now();
-    absl::Status s = (*comm)->AllReduceSum(&t);
+    absl::Status s = collective(**comm, rank);
     const absl::Duration took = absl::Now() - start;
     others_done.DecrementCount();
-    PrintTime(absl::StrCat("rank ", rank, " AllReduceSum while rank ", skipper,
+    PrintTime(absl::StrCat("rank ", rank, " ", op, " while rank ", skipper,
                            " skips it: ", absl::StatusCodeToString(s.code())),
               took);
     EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kUnavailable)) << s;
-    EXPECT_THAT(s.message(), HasSubstr("AllReduceSum in group 'tp'"));
+    EXPECT_THAT(s.message(), HasSubstr(absl::StrCat(op, " in group 'tp'")));
     EXPECT_LT(took, kTimeoutBound);
     {
       absl::MutexLock lock(&mu);
@@ -529,6 +697,26 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
     EXPECT_LT(absl::Now() - again, kTimeout);
   });
   EXPECT_THAT(codes, ::testing::Contains(absl::StatusCode::kDeadlineExceeded));
+}
+
+class GlooPeersTest : public Guarded<::testing::TestWithParam<int>> {};
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooPeersTest, ::testing::Values(2, 3, 4),
+                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
+
+TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
+  ExpectARankThatSkipsIsATimeoutForTheOthers(GetParam(), "AllReduceSum", [](Communicator& comm, int) {
+    float x[3] = {1, 2, 3};
+    Tensor t(x, DType::kF32, {3});
+    return comm.AllReduceSum(&t);
+  });
+}
+
+TEST_P(GlooPeersTest, RankThatSkipsAnAllToAllIsATimeoutForTheOthers) {
+  const int size = GetParam();
+  ExpectARankThatSkipsIsATimeoutForTheOthers(size, "AllToAllV", [size](Communicator& comm, int rank) {
+    AllToAllCase c(rank, size, {3}, UnevenRows);
+    return c.Run(comm);
+  });
 }
 
 // A rank that goes away (its communicator destroyed, as when its process exits) is a lost
@@ -637,6 +825,17 @@ void WithNccl(RendezvousStore* store, const std::string& group, int rank, int si
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// Runs `c` with its tensors in device memory of the current device; returns the output.
+std::vector<float> RunOnDevice(Communicator& comm, AllToAllCase& c) {
+  DeviceBuffer in(c.in.size() * sizeof(float)), out(c.out.size() * sizeof(float));
+  in.Upload(c.in.data());
+  out.Upload(c.out.data());
+  Tensor out_t = c.Rows(out.data(), c.recv_rows);
+  EXPECT_TRUE(comm.AllToAllV(&out_t, c.Rows(in.data(), c.send_rows), c.send_rows, c.recv_rows).ok());
+  out.Download(c.out.data());
+  return c.out;
+}
+
 TEST_F(CommunicatorTest, NcclGroupOfOne) {
   if (std::string why = MissingGpus(1); !why.empty()) GTEST_SKIP() << why;
   InMemoryRendezvousStore store;
@@ -653,6 +852,8 @@ TEST_F(CommunicatorTest, NcclGroupOfOne) {
     std::vector<float> got(3);
     out.Download(got.data());
     EXPECT_EQ(got, x);
+    AllToAllCase a2a(0, 1, {2, 3}, UnevenRows);  // one row, to itself
+    EXPECT_EQ(RunOnDevice(**comm, a2a), a2a.want);
   });
 }
 
@@ -675,7 +876,7 @@ TEST_F(CommunicatorTest, NcclRankThatNeverJoinsTimesOut) {
   }
 }
 
-// Two GPUs: sums in F32 and BF16, a gather, a pipeline hand-off each way, a barrier.
+// Two GPUs: sums in F32 and BF16, a gather, a pipeline hand-off each way, an all-to-all, a barrier.
 TEST_F(CommunicatorTest, NcclTwoRanks) {
   if (std::string why = MissingGpus(2); !why.empty()) GTEST_SKIP() << why;
   InMemoryRendezvousStore store;
@@ -725,6 +926,10 @@ TEST_F(CommunicatorTest, NcclTwoRanks) {
                std::vector<float> got(2);
                in.Download(got.data());
                EXPECT_EQ(got, (std::vector<float>{0.0f, 0.5f}));  // rank 0's values, on both ranks
+
+               // Rows of [2, 3]: rank 0 keeps one and sends rank 1 none, rank 1 sends two and keeps one.
+               AllToAllCase a2a(rank, 2, {2, 3}, UnevenRows);
+               EXPECT_EQ(RunOnDevice(**comm, a2a), a2a.want) << "rank " << rank;
                ASSERT_TRUE((*comm)->Barrier().ok());
              });
   });

@@ -752,6 +752,9 @@ class LoadOnlyCommunicator final : public Communicator {
   absl::Status AllGather(Tensor*, const Tensor&) override { return LoadOnly(); }
   absl::Status Send(const Tensor&, int) override { return LoadOnly(); }
   absl::Status Recv(Tensor*, int) override { return LoadOnly(); }
+  absl::Status AllToAllV(Tensor*, const Tensor&, absl::Span<const int64_t>, absl::Span<const int64_t>) override {
+    return LoadOnly();
+  }
   absl::Status Barrier() override { return LoadOnly(); }
 
  private:

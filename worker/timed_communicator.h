@@ -28,11 +28,11 @@
 
 namespace shardserve {
 
-enum class CollectiveOp { kAllReduce, kAllGather, kSend, kRecv, kBarrier };
+enum class CollectiveOp { kAllReduce, kAllGather, kSend, kRecv, kAllToAll, kBarrier };
 
 // Told about every collective call as it returns: its op, seconds and bytes (the tensor this rank
-// reduced, contributed to the gather, sent or received; 0 for a barrier). Called on the step's
-// thread; must not block.
+// reduced, contributed to the gather, sent or received; for an all-to-all, the rows it sent, its
+// own included; 0 for a barrier). Called on the step's thread; must not block.
 class CollectiveObserver {
  public:
   virtual ~CollectiveObserver() = default;
@@ -57,6 +57,10 @@ class TimedCommunicator final : public Communicator {
   }
   absl::Status Recv(Tensor* t, int peer) override {
     return Timed(CollectiveOp::kRecv, t->bytes(), [&] { return inner_->Recv(t, peer); });
+  }
+  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                         absl::Span<const int64_t> recv_rows) override {
+    return Timed(CollectiveOp::kAllToAll, in.bytes(), [&] { return inner_->AllToAllV(out, in, send_rows, recv_rows); });
   }
   absl::Status Barrier() override {
     return Timed(CollectiveOp::kBarrier, 0, [&] { return inner_->Barrier(); });

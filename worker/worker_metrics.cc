@@ -26,13 +26,13 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* registry, const std::string& 
   decode_seconds_ = &step.Add(With(base, "phase", "decode"), LatencyBuckets());
   auto& seconds = prometheus::BuildHistogram()
                       .Name("shardserve_worker_collective_seconds")
-                      .Help("Seconds of one collective call, by op (all_reduce, all_gather, send, recv).")
+                      .Help("Seconds of one collective call, by op (all_reduce, all_gather, send, recv, all_to_all).")
                       .Register(*registry);
   auto& bytes = prometheus::BuildCounter()
                     .Name("shardserve_worker_collective_bytes_total")
                     .Help("Bytes this worker reduced, contributed to a gather, sent or received, by op.")
                     .Register(*registry);
-  const char* const names[kOps] = {"all_reduce", "all_gather", "send", "recv"};
+  const char* const names[kOps] = {"all_reduce", "all_gather", "send", "recv", "all_to_all"};
   for (int i = 0; i < kOps; ++i) {
     collective_seconds_[i] = &seconds.Add(With(base, "op", names[i]), LatencyBuckets());
     collective_bytes_[i] = &bytes.Add(With(base, "op", names[i]));

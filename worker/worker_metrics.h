@@ -36,7 +36,8 @@ class WorkerMetrics final : public CollectiveObserver {
   void Observe(CollectiveOp op, double seconds, uint64_t bytes) override;
 
  private:
-  static constexpr int kOps = 4;  // all_reduce, all_gather, send, recv (CollectiveOp order)
+  static constexpr int kOps = 5;  // all_reduce, all_gather, send, recv, all_to_all (CollectiveOp order)
+  static_assert(static_cast<int>(CollectiveOp::kBarrier) == kOps, "every op but the barrier, the last, has a series");
   // ---- Constant after construction (the series they point to live in the registry) ----
   prometheus::Histogram* prefill_seconds_ = nullptr;
   prometheus::Histogram* decode_seconds_ = nullptr;

@@ -147,10 +147,13 @@ class GlooStore final : public gloo::rendezvous::Store {
 // ---- Point to point -------------------------------------------------------------------------
 
 // Gloo matches a send with a recv by (pair, slot), in order. Send/Recv use two slots of their own:
-// the header, then the payload. Gloo's collectives use slot prefixes 0x01-0x08 (gloo/types.h).
+// the header, then the payload; AllToAllV two more. Gloo's collectives use slot prefixes 0x01-0x08
+// (gloo/types.h).
 constexpr uint8_t kP2pSlotPrefix = 0x40;
 const uint64_t kHeaderSlot = gloo::Slot::build(kP2pSlotPrefix, 0);
 const uint64_t kPayloadSlot = gloo::Slot::build(kP2pSlotPrefix, 1);
+const uint64_t kAllToAllHeaderSlot = gloo::Slot::build(kP2pSlotPrefix, 2);
+const uint64_t kAllToAllPayloadSlot = gloo::Slot::build(kP2pSlotPrefix, 3);
 
 // What Send puts ahead of a tensor, so that Recv checks it expected the same dtype and shape before
 // any payload byte lands: given more bytes than the receiver posted, Gloo's event loop fails a
@@ -182,6 +185,23 @@ std::string Describe(const P2pHeader& h) {
   std::copy(h.shape, h.shape + t.ndim, t.shape.begin());
   return absl::StrCat(h.dtype <= static_cast<uint32_t>(DType::kI32) ? DTypeName(t.dtype) : "an unknown dtype", " ",
                       t.ShapeString());
+}
+
+// What AllToAllV tells each peer before any row moves: the rows it sends the peer, as the header
+// of a [rows, ...row shape] tensor, and the rows it expects from the peer. Both ends of a pair whose
+// counts (or dtypes, or row shapes) disagree see it, and return InvalidArgument instead of letting
+// Gloo abort the process or leave rows unwritten (see P2pHeader).
+struct AllToAllHeader {
+  P2pHeader sends;
+  int64_t expects;
+};
+static_assert(std::has_unique_object_representations_v<AllToAllHeader>, "AllToAllHeader is compared with memcmp");
+
+// `t` with `rows` rows: the shape of one rank's block of an AllToAllV tensor.
+Tensor WithRows(const Tensor& t, int64_t rows) {
+  Tensor block = t;
+  block.shape[0] = rows;
+  return block;
 }
 
 // ---- The communicator -----------------------------------------------------------------------
@@ -279,6 +299,71 @@ class GlooCommunicator final : public Communicator {
       auto payload = context_->createUnboundBuffer(t->data, t->bytes());
       payload->recv(peer, kPayloadSlot);
       payload->waitRecv(gloo_timeout_);
+      return absl::OkStatus();
+    });
+  }
+
+  // Two rounds, each posted to every peer before any wait, so no order of the ranks deadlocks:
+  // the headers (AllToAllHeader), checked before any row moves, then the rows. A rank's rows to
+  // itself are a memcpy.
+  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                         absl::Span<const int64_t> recv_rows) override {
+    return Run("AllToAllV", other_ranks_, [&]() -> absl::Status {
+      SHARDSERVE_ASSIGN_OR_RETURN(const int64_t row_elements,
+                                  CheckAllToAllVArgs(*out, in, send_rows, recv_rows, rank(), size()));
+      const size_t row_bytes = static_cast<size_t>(row_elements) * DTypeSize(in.dtype);
+      const int n = size();
+
+      std::vector<AllToAllHeader> told(n), heard(n);
+      for (int p = 0; p < n; ++p) told[p] = {HeaderOf(WithRows(in, send_rows[p])), recv_rows[p]};
+      auto told_buf = context_->createUnboundBuffer(told.data(), n * sizeof(AllToAllHeader));
+      auto heard_buf = context_->createUnboundBuffer(heard.data(), n * sizeof(AllToAllHeader));
+      for (int p = 0; p < n; ++p) {
+        if (p == rank()) continue;
+        heard_buf->recv(p, kAllToAllHeaderSlot, p * sizeof(AllToAllHeader), sizeof(AllToAllHeader));
+        told_buf->send(p, kAllToAllHeaderSlot, p * sizeof(AllToAllHeader), sizeof(AllToAllHeader));
+      }
+      for (int i = 1; i < n; ++i) heard_buf->waitRecv(gloo_timeout_);
+      for (int i = 1; i < n; ++i) told_buf->waitSend(gloo_timeout_);
+      for (int p = 0; p < n; ++p) {
+        if (p == rank()) continue;
+        const P2pHeader want = HeaderOf(WithRows(*out, recv_rows[p]));
+        if (std::memcmp(&heard[p].sends, &want, sizeof(want)) != 0) {
+          return absl::InvalidArgumentError(absl::StrCat("rank ", p, " sends ", Describe(heard[p].sends),
+                                                         " but this rank expected ", Describe(want), " from it"));
+        }
+        if (heard[p].expects != send_rows[p]) {
+          return absl::InvalidArgumentError(absl::StrCat("rank ", p, " expects ", heard[p].expects,
+                                                         " row(s) from this rank, which sends it ", send_rows[p]));
+        }
+      }
+
+      // Gloo takes a byte count of 0 as "the rest of the buffer": empty blocks are not posted.
+      std::unique_ptr<gloo::transport::UnboundBuffer> in_buf, out_buf;
+      if (in.bytes() > 0) in_buf = context_->createUnboundBuffer(in.data, in.bytes());
+      if (out->bytes() > 0) out_buf = context_->createUnboundBuffer(out->data, out->bytes());
+      int sends = 0, recvs = 0;
+      size_t send_at = 0, recv_at = 0;
+      for (int p = 0; p < n; ++p) {
+        const size_t send_bytes = static_cast<size_t>(send_rows[p]) * row_bytes;
+        const size_t recv_bytes = static_cast<size_t>(recv_rows[p]) * row_bytes;
+        if (p == rank()) {
+          if (send_bytes > 0) std::memcpy(out->as<uint8_t>() + recv_at, in.as<uint8_t>() + send_at, send_bytes);
+        } else {
+          if (recv_bytes > 0) {
+            out_buf->recv(p, kAllToAllPayloadSlot, recv_at, recv_bytes);
+            ++recvs;
+          }
+          if (send_bytes > 0) {
+            in_buf->send(p, kAllToAllPayloadSlot, send_at, send_bytes);
+            ++sends;
+          }
+        }
+        send_at += send_bytes;
+        recv_at += recv_bytes;
+      }
+      for (int i = 0; i < recvs; ++i) out_buf->waitRecv(gloo_timeout_);
+      for (int i = 0; i < sends; ++i) in_buf->waitSend(gloo_timeout_);
       return absl::OkStatus();
     });
   }

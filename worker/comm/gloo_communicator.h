@@ -28,9 +28,11 @@ namespace shardserve {
 //
 // The communicator owns its sockets and Gloo's event-loop thread; destroying it closes the
 // connections, which the peers see as Unavailable on their next call. Tensors are host memory.
-// AllReduceSum supports F32 and I32 (the CPU backend's activations are F32); AllGather, Send and
-// Recv move any dtype. Send/Recv exchange a small header first, so a Recv whose dtype or shape
-// differs from the Send's is InvalidArgument naming both, not a corrupted tensor.
+// AllReduceSum supports F32 and I32 (the CPU backend's activations are F32); AllGather, Send,
+// Recv and AllToAllV move any dtype. Send/Recv exchange a small header first, so a Recv whose dtype
+// or shape differs from the Send's is InvalidArgument naming both, not a corrupted tensor; so does
+// AllToAllV with every peer (one more round trip), so a pair of ranks whose row counts disagree
+// both return InvalidArgument before any row moves.
 //
 // Side effect: the first call makes the process ignore SIGPIPE if it still has the default action,
 // which would end the process when Gloo writes to a connection a peer has closed; ignored, that

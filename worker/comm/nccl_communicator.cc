@@ -176,6 +176,36 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // One NCCL group of a send and a receive per rank with rows to move, this rank's own included
+  // (NCCL copies those), so that NCCL schedules them together and no order of the ranks deadlocks.
+  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                         absl::Span<const int64_t> recv_rows) override {
+    return Run("AllToAllV", other_ranks_, [&]() -> absl::Status {
+      SHARDSERVE_ASSIGN_OR_RETURN(const int64_t row_elements,
+                                  CheckAllToAllVArgs(*out, in, send_rows, recv_rows, rank_, size_));
+      SHARDSERVE_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(in.dtype));
+      const size_t row = static_cast<size_t>(row_elements), row_bytes = row * DTypeSize(in.dtype);
+      SHARDSERVE_RETURN_IF_ERROR(Accepted(ncclGroupStart(), comm_, "ncclGroupStart"));
+      absl::Status enqueued;
+      size_t send_at = 0, recv_at = 0;  // bytes into in and out
+      for (int p = 0; p < size_ && enqueued.ok(); ++p) {
+        const size_t send_n = static_cast<size_t>(send_rows[p]) * row, recv_n = static_cast<size_t>(recv_rows[p]) * row;
+        if (send_n > 0) {
+          enqueued = Accepted(ncclSend(in.as<uint8_t>() + send_at, send_n, type, p, comm_, stream_), comm_, "ncclSend");
+        }
+        if (recv_n > 0 && enqueued.ok()) {
+          enqueued =
+              Accepted(ncclRecv(out->as<uint8_t>() + recv_at, recv_n, type, p, comm_, stream_), comm_, "ncclRecv");
+        }
+        send_at += static_cast<size_t>(send_rows[p]) * row_bytes;
+        recv_at += static_cast<size_t>(recv_rows[p]) * row_bytes;
+      }
+      // The group is closed even after a failed call in it.
+      const absl::Status ended = Accepted(ncclGroupEnd(), comm_, "ncclGroupEnd");
+      return enqueued.ok() ? ended : enqueued;
+    });
+  }
+
   // An all-reduce of one element: it completes on a rank only once every rank has joined it.
   absl::Status Barrier() override {
     return Run("Barrier", other_ranks_, [&]() -> absl::Status {

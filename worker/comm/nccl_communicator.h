@@ -32,7 +32,8 @@ namespace shardserve {
 //
 // Tensors live on `cuda_device`, in F32, F16, BF16 or I32 (NCCL sums F16 and BF16 in their own
 // precision). NCCL does not check that a Recv matches its Send: a size mismatch is undefined, and
-// at best a timeout. The step plan tells both stages the shape.
+// at best a timeout. The step plan tells both stages the shape. The same holds for AllToAllV's row
+// counts between two ranks (each rank's own arguments are checked): exchange them first.
 //
 // The communicator owns its NCCL communicator, a 4-byte device buffer (for Barrier) and a CUDA
 // event. Every call, the destructor included, makes `cuda_device` current on the calling thread.

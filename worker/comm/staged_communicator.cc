@@ -44,14 +44,29 @@ absl::Status StagedCommunicator::AllReduceSum(Tensor* t) {
   });
 }
 
-absl::Status StagedCommunicator::AllGather(Tensor* out, const Tensor& in) {
-  return Guard("AllGather", [&]() -> absl::Status {
+template <typename Collective>
+absl::Status StagedCommunicator::InToOut(const char* op, Tensor* out, const Tensor& in, Collective&& collective) {
+  return Guard(op, [&]() -> absl::Status {
     Tensor host_in = in, host_out = *out;
     host_in.data = Grow(&host_, in.bytes());
     host_out.data = Grow(&wide_, out->bytes());
     SHARDSERVE_RETURN_IF_ERROR(copier_->ToHost(host_in.data, in.data, in.bytes()));
-    SHARDSERVE_RETURN_IF_ERROR(inner_->AllGather(&host_out, host_in));
+    SHARDSERVE_RETURN_IF_ERROR(collective(&host_out, host_in));
     return copier_->ToDevice(out->data, host_out.data, out->bytes());
+  });
+}
+
+absl::Status StagedCommunicator::AllGather(Tensor* out, const Tensor& in) {
+  return InToOut("AllGather", out, in,
+                 [&](Tensor* host_out, const Tensor& host_in) { return inner_->AllGather(host_out, host_in); });
+}
+
+absl::Status StagedCommunicator::AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                                           absl::Span<const int64_t> recv_rows) {
+  return InToOut("AllToAllV", out, in, [&](Tensor* host_out, const Tensor& host_in) -> absl::Status {
+    // The device tensors too: the host copies never overlap, whatever out and in do.
+    SHARDSERVE_RETURN_IF_ERROR(CheckAllToAllVArgs(*out, in, send_rows, recv_rows, rank(), size()).status());
+    return inner_->AllToAllV(host_out, host_in, send_rows, recv_rows);
   });
 }
 

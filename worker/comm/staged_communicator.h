@@ -9,6 +9,7 @@
 //                     AllReduceSum; narrowed; -> t
 //   AllGather(out,in): in -> host; inner AllGather into a host out; -> out
 //   Send(t) / Recv(t): t -> host; inner Send / inner Recv into host; -> t
+//   AllToAllV(out,in): in -> host; inner AllToAllV into a host out; -> out
 //   Barrier():         waits for the device's queued work (DeviceCopier::Synchronize), then the
 //                      inner Barrier
 //
@@ -75,19 +76,24 @@ class StagedCommunicator final : public Communicator {
   absl::Status AllGather(Tensor* out, const Tensor& in) override;
   absl::Status Send(const Tensor& t, int peer) override;
   absl::Status Recv(Tensor* t, int peer) override;
+  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                         absl::Span<const int64_t> recv_rows) override;
   absl::Status Barrier() override;
 
  private:
   // Runs `call` unless an earlier call failed; remembers its first error.
   template <typename Call>
   absl::Status Guard(const char* op, Call&& call);
+  // Guard of op: in to host_, collective(host out in wide_, host in), wide_ to out.
+  template <typename Collective>
+  absl::Status InToOut(const char* op, Tensor* out, const Tensor& in, Collective&& collective);
   // host_ (or wide_) grown to at least `bytes`; returns its data.
   static void* Grow(std::vector<uint8_t>* v, size_t bytes);
 
   const std::unique_ptr<Communicator> inner_;
   const std::unique_ptr<DeviceCopier> copier_;
-  std::vector<uint8_t> host_;   // the device tensor's bytes (AllGather: its input)
-  std::vector<uint8_t> wide_;   // AllReduceSum of F16/BF16: the float32 copy; AllGather: the output
+  std::vector<uint8_t> host_;   // the device tensor's bytes (AllGather, AllToAllV: the input)
+  std::vector<uint8_t> wide_;   // AllReduceSum of F16/BF16: the float32 copy; AllGather, AllToAllV: the output
   absl::Status error_;          // the first error; OK until one
 };
 
