@@ -50,8 +50,8 @@ absl::StatusOr<std::vector<ApiKeys::Hash>> ApiKeys::Read(const std::string& path
   return hashes;
 }
 
-absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Load(const std::string& path) {
-  std::unique_ptr<ApiKeys> keys(new ApiKeys(path));
+absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Load(const std::string& path, KeptCallback kept) {
+  std::unique_ptr<ApiKeys> keys(new ApiKeys(path, std::move(kept)));
   FileId id;
   absl::StatusOr<std::vector<Hash>> hashes = Read(path, &id);
   if (!hashes.ok()) return hashes.status();
@@ -63,15 +63,31 @@ absl::StatusOr<std::unique_ptr<ApiKeys>> ApiKeys::Load(const std::string& path) 
 }
 
 absl::Status ApiKeys::Reload() {
-  absl::MutexLock lock(&mu_);
-  last_stat_ = absl::Now();
-  if (const FileId now = FileId::Of(path_); now != FileId{} && now == file_) return absl::OkStatus();
-  FileId id;
-  absl::StatusOr<std::vector<Hash>> hashes = Read(path_, &id);
-  if (!hashes.ok()) return hashes.status();
-  hashes_ = *std::move(hashes);
-  file_ = id;
-  return absl::OkStatus();
+  std::string kept_message;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    last_stat_ = absl::Now();
+    const FileId now = FileId::Of(path_);
+    if (now != FileId{} && now == file_) return absl::OkStatus();
+    // A version already refused (a missing file stays all zero): its error again, read and reported once.
+    if (now == refused_ && !refused_status_.ok()) return refused_status_;
+    FileId id;
+    absl::StatusOr<std::vector<Hash>> hashes = Read(path_, &id);
+    if (hashes.ok()) {
+      hashes_ = *std::move(hashes);
+      file_ = id;
+      refused_ = FileId{};
+      refused_status_ = absl::OkStatus();
+      return absl::OkStatus();
+    }
+    status = hashes.status();
+    refused_ = id;
+    refused_status_ = status;
+    kept_message = absl::StrCat(status.message(), "; keeping the ", hashes_.size(), " key(s) read before");
+  }
+  if (kept_) kept_(kept_message);
+  return status;
 }
 
 size_t ApiKeys::size() const {
@@ -85,7 +101,7 @@ ApiKeys::Verdict ApiKeys::Check(std::optional<absl::string_view> authorization) 
     absl::MutexLock lock(&mu_);
     stale = absl::Now() - last_stat_ >= kStatInterval;
   }
-  if (stale) Reload().IgnoreError();  // a bad rewrite keeps the previous keys; Reload() reports it
+  if (stale) Reload().IgnoreError();  // a bad rewrite keeps the previous keys; Reload() tells kept_
   if (!authorization.has_value()) return Verdict::kMissing;
   absl::string_view value = absl::StripAsciiWhitespace(*authorization);
   if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) return Verdict::kMissing;

@@ -4,7 +4,8 @@
 // CRYPTO_memcmp (constant time, no early exit), so neither the keys nor their prefixes leak
 // through timing. The file is re-read when its modification time, size or inode changes (checked at
 // most once a second, on a request): rotate keys by rewriting it. A file that cannot be read or
-// holds no key on a re-read keeps the previous keys (and Reload says why).
+// holds no key on a re-read keeps the previous keys: Reload says why, and the `kept` callback given
+// to Load is told so once per such version of the file (the server logs it).
 //
 // Used by the gRPC client API (coordinator/server/inference_service.cc: `authorization: Bearer
 // <key>` metadata) and meant for any HTTP front door (`Authorization: Bearer <key>`, 401).
@@ -15,6 +16,7 @@
 #define SHARDSERVE_SECURITY_API_KEYS_H_
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,8 +37,13 @@ class ApiKeys {
   // The outcome of a check; kMissing and kInvalid are counted apart (shardserve_auth_failures_total).
   enum class Verdict { kOk, kMissing, kInvalid };
 
-  // Reads `path`; InvalidArgument when it cannot be read or holds no key.
-  static absl::StatusOr<std::unique_ptr<ApiKeys>> Load(const std::string& path);
+  // Called with a message (the file and why; never a key) when a re-read keeps the previous keys,
+  // once per version of the file (FileId) that was refused; outside the lock, on the thread that
+  // re-read. Must be thread-safe.
+  using KeptCallback = std::function<void(absl::string_view message)>;
+
+  // Reads `path`; InvalidArgument when it cannot be read or holds no key. `kept` may be empty.
+  static absl::StatusOr<std::unique_ptr<ApiKeys>> Load(const std::string& path, KeptCallback kept = nullptr);
 
   // `authorization`: the value of the request's authorization header, or nullopt when it has none.
   // "Bearer <key>" (scheme case-insensitive) with a known key is kOk. Re-reads the file first when
@@ -55,15 +62,21 @@ class ApiKeys {
 
  private:
   using Hash = std::array<unsigned char, 32>;
-  explicit ApiKeys(std::string path) : path_(std::move(path)) {}
+  ApiKeys(std::string path, KeptCallback kept) : path_(std::move(path)), kept_(std::move(kept)) {}
   // Reads and parses the file.
   static absl::StatusOr<std::vector<Hash>> Read(const std::string& path, FileId* id);
   static Hash Sha256(absl::string_view key);
 
+  // Constant after construction.
   const std::string path_;
+  const KeptCallback kept_;
+
   mutable absl::Mutex mu_;
   std::vector<Hash> hashes_ ABSL_GUARDED_BY(mu_);
-  FileId file_ ABSL_GUARDED_BY(mu_);
+  FileId file_ ABSL_GUARDED_BY(mu_);  // the version the keys were read from
+  // The last version a re-read refused, and why: not read again (nor reported) until it changes.
+  FileId refused_ ABSL_GUARDED_BY(mu_);
+  absl::Status refused_status_ ABSL_GUARDED_BY(mu_);
   absl::Time last_stat_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 

@@ -1,14 +1,23 @@
 #include "security/tls.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <vector>
 
+#include <grpc/support/log.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/status_macros.h"
 #include "security/openssl.h"
 
@@ -27,7 +36,42 @@ std::shared_ptr<grpc::experimental::FileWatcherCertificateProvider> Provider(con
                                                                               kCertificateRefreshSeconds);
 }
 
+// ReportTlsRefusals's `log`: set once, before gRPC logs.
+std::function<void(absl::string_view)>* refusal_log = nullptr;
+
+// gRPC's own line, in the shape of its default: "E1202 00:22:40.412349355   2785 file.cc:1501] message".
+void WriteGrpcLine(const gpr_log_func_args& args) {
+  const char* file = args.file != nullptr ? args.file : "?";
+  if (const char* slash = std::strrchr(file, '/')) file = slash + 1;
+  const char severity = args.severity == GPR_LOG_SEVERITY_ERROR ? 'E' : args.severity == GPR_LOG_SEVERITY_INFO ? 'I' : 'D';
+  const std::string line =
+      absl::StrCat(std::string(1, severity), absl::FormatTime("%m%d %H:%M:%E9S", absl::Now(), absl::LocalTimeZone()),
+                   " ", syscall(SYS_gettid), " ", file, ":", args.line, "] ", args.message, "\n");
+  std::fwrite(line.data(), 1, line.size(), stderr);
+}
+
+void TranslateGrpcLog(gpr_log_func_args* args) {
+  const absl::string_view message = args->message != nullptr ? args->message : "";
+  if (!absl::StrContains(message, "Handshake failed")) return WriteGrpcLine(*args);
+  const std::string grpc = absl::StrCat(" (gRPC: ", absl::StripSuffix(message, "."), ")");
+  if (absl::StrContains(message, "wrong version number") || absl::StrContains(message, "http request")) {
+    (*refusal_log)(absl::StrCat("TLS mismatch: a peer spoke plaintext to this TLS port", grpc,
+                                "; a worker needs --tls-cert, --tls-key and --tls-ca, a client --tls-ca"));
+  } else if (absl::StrContains(message, "certificate verify failed")) {
+    (*refusal_log)(absl::StrCat("refused a peer's certificate: it does not verify against --tls-ca (from "
+                                "another CA, expired, or not valid yet)",
+                                grpc));
+  } else {
+    WriteGrpcLine(*args);
+  }
+}
+
 }  // namespace
+
+void ReportTlsRefusals(std::function<void(absl::string_view message)> log) {
+  refusal_log = new std::function<void(absl::string_view)>(std::move(log));  // lives as long as gRPC
+  gpr_set_log_function(TranslateGrpcLog);
+}
 
 absl::StatusOr<TlsFiles> TlsFilesFromFlags(const Flags& flags) {
   TlsFiles f;

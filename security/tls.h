@@ -8,7 +8,8 @@
 // Servers use gRPC's TlsServerCredentials with a FileWatcherCertificateProvider, which re-reads
 // the three files every kCertificateRefreshSeconds: replacing them (write each to a temporary file
 // and rename it over the old one, key first) rotates the certificate without a restart; new
-// connections get the new one. Clients read the files once, at start (a client command is short;
+// connections get the new one. The CA file too: a bundle of the old and a new CA takes peers of
+// either, the new CA alone then refuses the old one's (docs/security.md). Clients read the files once, at start (a client command is short;
 // a worker reads them again when it reconnects).
 //
 // Before either is built, CheckTlsFiles reads the files with OpenSSL and refuses an unreadable,
@@ -20,6 +21,7 @@
 #ifndef SHARDSERVE_SECURITY_TLS_H_
 #define SHARDSERVE_SECURITY_TLS_H_
 
+#include <functional>
 #include <memory>
 #include <set>
 #include <string>
@@ -30,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "base/flags.h"
 
 namespace shardserve {
@@ -83,6 +86,17 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // True when the call came over TLS and the peer presented a certificate that was verified against
 // the server's CA. Safe to call from any handler.
 bool PeerHasVerifiedCertificate(const grpc::ServerContext& context);
+
+// For a process whose gRPC TLS is server-side only (the coordinator: it dials nobody over gRPC).
+// gRPC reports a failed handshake on its own log only, in OpenSSL's words; from this call on two
+// such lines are handed to `log` as one message of ours instead:
+//   "wrong version number", "http request": "TLS mismatch: a peer spoke plaintext to this TLS port
+//   ..." (a worker without --tls-cert);
+//   "certificate verify failed": "refused a peer's certificate: it does not verify against --tls-ca
+//   ..." (another CA's, expired, or not valid yet: OpenSSL does not say which on this side).
+// gRPC's other lines are written to stderr as before. gRPC does not say which peer it was. Call
+// once, at start, before gRPC's threads log; `log` must be thread-safe.
+void ReportTlsRefusals(std::function<void(absl::string_view message)> log);
 
 // "127.0.0.1:50051", "localhost:0", "[::1]:8080": true; "0.0.0.0:50051", "10.0.0.5:1": false.
 bool IsLoopbackAddress(const std::string& host_port);

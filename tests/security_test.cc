@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "security/api_keys.h"
@@ -62,7 +63,9 @@ TEST_F(SecurityTest, ApiKeysAcceptOnlyTheKeysOfTheFileAsBearerTokens) {
 
 TEST_F(SecurityTest, ApiKeysFileIsReReadAndABadRewriteKeepsTheKeys) {
   const std::string path = Write("keys", "old\n");
-  absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(path);
+  std::vector<std::string> kept;  // what the server would log: once per refused version of the file
+  absl::StatusOr<std::unique_ptr<ApiKeys>> keys =
+      ApiKeys::Load(path, [&](absl::string_view message) { kept.emplace_back(message); });
   ASSERT_TRUE(keys.ok());
   Write("keys", "new\n");
   ASSERT_TRUE((*keys)->Reload().ok());
@@ -73,9 +76,21 @@ TEST_F(SecurityTest, ApiKeysFileIsReReadAndABadRewriteKeepsTheKeys) {
   EXPECT_FALSE(bad.ok());
   EXPECT_NE(bad.message().find("no key"), std::string::npos) << bad;
   EXPECT_EQ((*keys)->Check("Bearer new"), ApiKeys::Verdict::kOk);
+  EXPECT_EQ((*keys)->Reload(), bad);  // the same version: the same error, not reported again
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(kept[0], "--api-keys-file " + path + ": no key in the file; keeping the 1 key(s) read before");
   fs::remove(path);
   EXPECT_FALSE((*keys)->Reload().ok());
+  EXPECT_FALSE((*keys)->Reload().ok());
   EXPECT_EQ((*keys)->Check("Bearer new"), ApiKeys::Verdict::kOk);
+  ASSERT_EQ(kept.size(), 2u);
+  EXPECT_NE(kept[1].find("cannot read the file; keeping the 1 key(s)"), std::string::npos) << kept[1];
+  // A good version again is taken, and a later bad one is reported again.
+  Write("keys", "newer\n");
+  ASSERT_TRUE((*keys)->Reload().ok());
+  Write("keys", "\n");
+  EXPECT_FALSE((*keys)->Reload().ok());
+  EXPECT_EQ(kept.size(), 3u);
 }
 
 TEST_F(SecurityTest, ApiKeysLoadRefusesAnEmptyOrMissingFile) {

@@ -6,9 +6,15 @@
 //   port answers health in plaintext (Kubernetes' gRPC probes);
 // - a plaintext client against the TLS port fails (UNAVAILABLE), not hangs;
 // - API keys: missing or wrong key is UNAUTHENTICATED and counted, the right key streams, health
-//   stays open, the key file is re-read when it changes, keys never reach the log;
+//   stays open, the key file is re-read when it changes (a file with no key keeps the keys, logged
+//   once), keys never reach the log;
+// - certificates from the CA that have expired or are not valid yet are refused at the handshake
+//   on the coordinator's port (no registration) and on a worker's, and both servers log it;
 // - certificate files are re-read: a coordinator whose certificate is replaced by one from another
-//   CA is then verified with the new CA only;
+//   CA is then verified with the new CA only; its --tls-ca replaced by a bundle of the old and a new
+//   CA takes the new CA's peers, and by the new CA alone refuses the old CA's;
+// - a TLS mismatch (plaintext worker, TLS coordinator, or the reverse) is named by the worker at
+//   once, and logged by a TLS coordinator;
 // - an expired certificate, a key that is not the certificate's, and plaintext beyond loopback
 //   are clear errors at start;
 // - `shardserve launch` is TLS by default and the client commands find it without flags.
@@ -42,6 +48,13 @@ std::string ReadText(const fs::path& path) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
+}
+
+// How many times `part` occurs in `text`.
+int Count(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + part.size())) ++n;
+  return n;
 }
 
 // Runs `command` through the shell; its exit code and its stdout + stderr.
@@ -89,14 +102,9 @@ class TlsTest : public ::testing::Test {
     SaveKeyPair("worker", Make("worker", &ca_));
     SaveKeyPair("client", Make("client", &ca_));
     SaveKeyPair("other", Make("worker of another cluster", &other_ca_));
-    CertificateSpec expired;
-    expired.common_name = "expired";
-    expired.ip_addresses = {"127.0.0.1"};
-    expired.not_before = absl::Hours(-2);
-    expired.valid_for = absl::Hours(1);
-    absl::StatusOr<PemKeyPair> e = MakeCertificate(expired, &ca_);
-    ASSERT_TRUE(e.ok()) << e.status();
-    SaveKeyPair("expired", *e);
+    // From the right CA, but expired an hour ago, or valid only from an hour on.
+    SaveKeyPair("expired", Make("expired", &ca_, false, absl::Hours(-2), absl::Hours(-1)));
+    SaveKeyPair("not-yet-valid", Make("not yet valid", &ca_, false, absl::Hours(1), absl::Hours(2)));
   }
   void TearDown() override {
     for (auto& p : processes_) p->Kill();
@@ -109,8 +117,9 @@ class TlsTest : public ::testing::Test {
     }
   }
 
-  PemKeyPair Make(const std::string& name, const PemKeyPair* issuer, bool is_ca = false) {
-    return MakeTestCertificate(name, issuer, is_ca);
+  PemKeyPair Make(const std::string& name, const PemKeyPair* issuer, bool is_ca = false,
+                  absl::Duration not_before = absl::Minutes(-5), absl::Duration not_after = absl::Hours(24)) {
+    return MakeTestCertificate(name, issuer, is_ca, not_before, not_after);
   }
   void Save(const std::string& name, const std::string& text) { WriteText(dir_ / name, text); }
   void SaveKeyPair(const std::string& name, const PemKeyPair& pair) {
@@ -174,6 +183,35 @@ class TlsTest : public ::testing::Test {
     return grpc::CreateChannel(address, creds.ok() ? *creds : grpc::InsecureChannelCredentials());
   }
 
+  // A channel that presents `identity`'s certificate as it is and trusts ca.pem. Unlike Channel
+  // (MakeChannelCredentials, which refuses an expired certificate before dialling), nothing is
+  // checked here: how a peer with a stale certificate looks to a server.
+  std::shared_ptr<grpc::Channel> UncheckedChannel(const std::string& address, const std::string& identity) const {
+    grpc::SslCredentialsOptions options;
+    options.pem_root_certs = ReadText(dir_ / "ca.pem");
+    options.pem_cert_chain = ReadText(dir_ / (identity + ".pem"));
+    options.pem_private_key = ReadText(dir_ / (identity + ".key"));
+    return grpc::CreateChannel(address, grpc::SslCredentials(options));
+  }
+
+  // A worker's Register on the control stream of `channel`: the status the stream ends with, and
+  // whether the coordinator answered at all.
+  static grpc::Status Register(const std::shared_ptr<grpc::Channel>& channel, bool* answered) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    auto stream = v1::WorkerControl::NewStub(channel)->Connect(&context);
+    v1::WorkerMessage hello;
+    hello.mutable_register_()->set_protocol_version(v1::PROTOCOL_VERSION_CURRENT);
+    hello.mutable_register_()->set_node("n0");
+    hello.mutable_register_()->set_device("cpu");
+    hello.mutable_register_()->set_memory_bytes(int64_t{4} << 30);
+    stream->Write(hello);
+    stream->WritesDone();
+    v1::CoordinatorMessage reply;
+    *answered = stream->Read(&reply);
+    return stream->Finish();
+  }
+
   static grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::shared_ptr<grpc::Channel>& channel,
                                                                      grpc::Status* status = nullptr) {
     grpc::ClientContext context;
@@ -222,19 +260,9 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
   auto anonymous = Channel(address, Files("", "ca.pem"));
   auto control = v1::WorkerControl::NewStub(anonymous);
   {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    auto stream = control->Connect(&context);
-    v1::WorkerMessage hello;
-    hello.mutable_register_()->set_protocol_version(v1::PROTOCOL_VERSION_CURRENT);
-    hello.mutable_register_()->set_node("n0");
-    hello.mutable_register_()->set_device("cpu");
-    hello.mutable_register_()->set_memory_bytes(int64_t{4} << 30);
-    stream->Write(hello);
-    stream->WritesDone();
-    v1::CoordinatorMessage reply;
-    EXPECT_FALSE(stream->Read(&reply)) << "the coordinator answered a worker without a certificate";
-    const grpc::Status s = stream->Finish();
+    bool answered = false;
+    const grpc::Status s = Register(anonymous, &answered);
+    EXPECT_FALSE(answered) << "the coordinator answered a worker without a certificate";
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
   }
   {
@@ -347,6 +375,111 @@ TEST_F(TlsTest, MutualTlsClusterStreamsAndRefusesWorkersWithoutTheCaCertificate)
       << metrics;
 }
 
+TEST_F(TlsTest, ExpiredAndNotYetValidCertificatesFromTheCaAreRefusedOnBothPorts) {
+  const std::string address = StartCoordinator(2, TlsFlags("server"));
+  ASSERT_FALSE(address.empty());
+  Process* worker = StartWorker(address, "worker0", TlsFlags("worker"));
+  std::string worker_port;
+  ASSERT_TRUE(WaitFor(
+      [&] { return !(worker_port = LoggedAddress(worker->log(), ", listening on ", ',')).empty(); }, 30));
+  auto client = Channel(address, Files("client"));
+  ASSERT_TRUE(WaitFor([&] { return Health(client) != grpc::health::v1::HealthCheckResponse::UNKNOWN; }, 30));
+  // The worker's port takes the CA's valid certificates (the control for the refusals below).
+  grpc::Status taken;
+  Health(UncheckedChannel(worker_port, "client"), &taken);
+  EXPECT_TRUE(taken.ok()) << taken.error_message();
+
+  for (const std::string identity : {"expired", "not-yet-valid"}) {
+    SCOPED_TRACE(identity);
+    // As a worker on the coordinator's port: refused at the handshake, before Register is read.
+    bool answered = false;
+    const grpc::Status registered = Register(UncheckedChannel(address, identity), &answered);
+    EXPECT_FALSE(answered);
+    EXPECT_EQ(registered.error_code(), grpc::StatusCode::UNAVAILABLE) << registered.error_message();
+    // As a client (a peer worker, the coordinator) of the worker's own port: no connection either.
+    grpc::Status refused;
+    EXPECT_EQ(Health(UncheckedChannel(worker_port, identity), &refused), grpc::health::v1::HealthCheckResponse::UNKNOWN);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE) << refused.error_message();
+  }
+  // Neither took the second slot: the group still has the one worker.
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ClusterStatus status;
+  ASSERT_TRUE(v1::InferenceService::NewStub(client)->GetClusterStatus(&context, {}, &status).ok());
+  EXPECT_EQ(status.workers_size(), 1) << status.DebugString();
+  // Both servers log each refusal: the coordinator in its own words (security/tls.h
+  // ReportTlsRefusals), the worker as gRPC words it. OpenSSL's server side does not say which of
+  // the two it was (the refused client sees only "Socket closed").
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return Count(ReadText(coordinator_->log()),
+                     "server: refused a peer's certificate: it does not verify against --tls-ca (from another CA, "
+                     "expired, or not valid yet)") == 2;
+      },
+      5))
+      << ReadText(coordinator_->log());
+  EXPECT_TRUE(WaitFor([&] { return Count(ReadText(worker->log()), "certificate verify failed") == 2; }, 5))
+      << ReadText(worker->log());
+}
+
+TEST_F(TlsTest, TheCaFileIsReReadWhenItChanges) {
+  // The usual rotation: the old CA, then a bundle of the old and the new, then the new alone.
+  fs::copy_file(dir_ / "ca.pem", dir_ / "live-ca.pem");
+  const std::string address = StartCoordinator(1, TlsFlags("server", "live-ca.pem"));
+  ASSERT_FALSE(address.empty());
+  // The coordinator's port asks for a certificate and verifies one given against --tls-ca; the
+  // server's own certificate stays from ca.pem throughout.
+  auto reaches = [&](const std::string& identity) {
+    grpc::Status s;
+    Health(UncheckedChannel(address, identity), &s);  // a new channel: a new handshake
+    return s.ok();
+  };
+  ASSERT_TRUE(WaitFor([&] { return reaches("client"); }, 30));
+  EXPECT_FALSE(reaches("other"));
+  Save("live-ca.pem", ca_.cert + other_ca_.cert);
+  EXPECT_TRUE(WaitFor([&] { return reaches("other"); }, 30)) << "the CA bundle was not picked up";
+  EXPECT_TRUE(reaches("client"));
+  Save("live-ca.pem", other_ca_.cert);
+  EXPECT_TRUE(WaitFor([&] { return !reaches("client"); }, 30)) << "the old CA was still trusted";
+  EXPECT_TRUE(reaches("other"));
+}
+
+TEST_F(TlsTest, ATlsMismatchIsNamedOnBothSides) {
+  // A worker with `flags` against the coordinator at `address` stops within seconds (not after its
+  // --connect-timeout-seconds 20) with a message that says `expected`.
+  auto stops_saying = [&](const std::string& address, std::vector<std::string> flags, const std::string& name,
+                          const std::string& expected) {
+    flags.insert(flags.end(), {"--connect-timeout-seconds", "20"});
+    const auto start = Clock::now();
+    Process* worker = StartWorker(address, name, flags);
+    EXPECT_EQ(worker->Wait(std::chrono::seconds(30)), 1);
+    EXPECT_LT(SecondsSince(start), 10);
+    EXPECT_NE(ReadText(worker->log()).find(expected), std::string::npos) << ReadText(worker->log());
+  };
+  // A plaintext worker dialling a TLS coordinator; the coordinator logs it too.
+  std::string address = StartCoordinator(1, TlsFlags("server"));
+  ASSERT_FALSE(address.empty());
+  stops_saying(address, {}, "worker-plaintext",
+               "TLS mismatch: the coordinator at " + address + " speaks TLS and this worker plaintext: give the "
+               "worker --tls-ca");
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ReadText(coordinator_->log()).find("TLS mismatch: a peer spoke plaintext to this TLS port") !=
+               std::string::npos;
+      },
+      10))
+      << ReadText(coordinator_->log());
+
+  // A TLS worker dialling a plaintext coordinator. (The plaintext coordinator cannot tell: gRPC
+  // drops a connection whose first bytes are not HTTP/2 without a word.)
+  coordinator_->Kill();
+  fs::remove(dir_ / "port");
+  address = StartCoordinator(1, {});
+  ASSERT_FALSE(address.empty());
+  stops_saying(address, TlsFlags("worker"), "worker-tls",
+               "TLS mismatch: the coordinator at " + address + " speaks plaintext (no TLS) and this worker TLS");
+}
+
 TEST_F(TlsTest, ApiKeysGuardTheClientApiAndAreReReadWhenTheFileChanges) {
   const std::string key = "sk-test-0123456789abcdef", new_key = "sk-rotated-fedcba9876543210";
   Save("keys.txt", "# the test's keys\n" + key + "\n\n");
@@ -408,13 +541,23 @@ TEST_F(TlsTest, ApiKeysGuardTheClientApiAndAreReReadWhenTheFileChanges) {
   Save("keys.txt", new_key + "\n");
   EXPECT_TRUE(WaitFor([&] { return model_info("Bearer " + new_key).ok(); }, 30));
   EXPECT_EQ(model_info("Bearer " + key).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  // An emptied file keeps the keys it had (and is not a way to open the server).
+  // An emptied file keeps the keys it had (and is not a way to open the server), and the
+  // coordinator says so, once. A request makes it look at the file (at most once a second).
   Save("keys.txt", "\n");
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const std::string kept =
+      "--api-keys-file " + F("keys.txt") + ": no key in the file; keeping the 1 key(s) read before";
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        model_info("Bearer " + new_key);
+        return ReadText(coordinator_->log()).find(kept) != std::string::npos;
+      },
+      30))
+      << ReadText(coordinator_->log());
   EXPECT_TRUE(model_info("Bearer " + new_key).ok());
   EXPECT_EQ(model_info("").error_code(), grpc::StatusCode::UNAUTHENTICATED);
 
   const std::string log = ReadText(coordinator_->log());
+  EXPECT_EQ(Count(log, kept), 1) << "the kept keys were reported more than once: " << log;
   EXPECT_EQ(log.find(key), std::string::npos) << "a key reached the log";
   EXPECT_EQ(log.find(new_key), std::string::npos) << "a key reached the log";
 }

@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "model/shard_identity.h"
+#include "security/transport_probe.h"
 #include "worker/grpc_rendezvous.h"
 #include "worker/worker_log.h"
 
@@ -30,6 +31,11 @@ constexpr absl::Duration kReconnectBackoffMax = absl::Seconds(2);
 // How many times in a row the worker registers again after the coordinator ended its stream without
 // a load or a step completing in between (Run()).
 constexpr int kMaxRejoins = 3;
+// While the channel fails to connect, how often WaitForCoordinator dials the coordinator's port to
+// see whether it speaks TLS when this worker does not, or the reverse (security/transport_probe.h),
+// and how long one such dial may take.
+constexpr absl::Duration kProbeInterval = absl::Seconds(2);
+constexpr absl::Duration kProbeTimeout = absl::Seconds(2);
 
 }  // namespace
 
@@ -68,12 +74,19 @@ LogIds WorkerService::Ids(const char* level) const {
 
 absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
   const absl::Time deadline = absl::Now() + options_.connect_timeout;
+  absl::Time next_probe = absl::InfinitePast();
   while (!channel->WaitForConnected(absl::ToChronoTime(std::min(deadline, absl::Now() + kConnectPoll)))) {
     {
       absl::MutexLock lock(&mu_);
       if (stop_requested_) return absl::OkStatus();  // Run() sees the request and returns
     }
-    if (absl::Now() >= deadline) {
+    // A failed connection may be a TLS mismatch, which no retry mends: name it and stop.
+    const bool late = absl::Now() >= deadline;
+    if (late || (channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE && absl::Now() >= next_probe)) {
+      next_probe = absl::Now() + kProbeInterval;
+      SHARDSERVE_RETURN_IF_ERROR(CheckTlsMatches());
+    }
+    if (late) {
       return absl::UnavailableError(absl::StrCat(
           "cannot reach the coordinator at ", options_.coordinator, " within ",
           absl::FormatDuration(options_.connect_timeout),
@@ -81,6 +94,24 @@ absl::Status WorkerService::WaitForCoordinator(grpc::Channel* channel) {
                                          "--tls-ca, and this worker's from the coordinator's --tls-ca?)"
                                        : ""));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WorkerService::CheckTlsMatches() const {
+  const bool tls = options_.channel_credentials != nullptr;
+  const PortSpeaks speaks = ProbePort(options_.coordinator, kProbeTimeout);
+  if (!tls && speaks == PortSpeaks::kTls) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "TLS mismatch: the coordinator at ", options_.coordinator,
+        " speaks TLS and this worker plaintext: give the worker --tls-ca (the CA of the coordinator's certificate), "
+        "--tls-cert and --tls-key (a certificate from the coordinator's --tls-ca)"));
+  }
+  if (tls && speaks == PortSpeaks::kPlaintext) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "TLS mismatch: the coordinator at ", options_.coordinator,
+        " speaks plaintext (no TLS) and this worker TLS (--tls-cert/--tls-ca): give the coordinator --tls-cert, "
+        "--tls-key and --tls-ca, or this worker none of them"));
   }
   return absl::OkStatus();
 }

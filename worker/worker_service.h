@@ -130,8 +130,12 @@ class WorkerService {
   using Stream = grpc::ClientReaderWriterInterface<v1::WorkerMessage, v1::CoordinatorMessage>;
 
   // Waits until the channel to the coordinator is up or Stop() is called (OK), or connect_timeout
-  // passes (Unavailable).
+  // passes (Unavailable), or the coordinator's port turns out to speak TLS when this worker does
+  // not, or the reverse (CheckTlsMatches: FailedPrecondition).
   absl::Status WaitForCoordinator(grpc::Channel* channel);
+  // Dials the coordinator's port: FailedPrecondition "TLS mismatch: ..." naming the flags when it
+  // speaks TLS and this worker plaintext, or the reverse; OK otherwise (also when it cannot tell).
+  absl::Status CheckTlsMatches() const;
   // How a control stream ended, for Run().
   enum class SessionEnd {
     kDone,                // a Shutdown, a refusal, Stop(), or an error: Run() returns

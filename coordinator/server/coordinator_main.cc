@@ -134,6 +134,13 @@ int Fail(const std::string& error) {
   return 1;
 }
 
+// A warning about the server's own set-up (a key file kept, a refused TLS peer): one log line.
+void ServerWarning(absl::string_view message) {
+  LogIds ids;
+  ids.level = "warn";
+  CoordinatorLog("server", message, ids);
+}
+
 int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
@@ -215,7 +222,7 @@ int Main(int argc, char** argv) {
   }
   std::unique_ptr<ApiKeys> api_keys;
   if (flags->Has("api-keys-file")) {
-    absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(flags->Get("api-keys-file"));
+    absl::StatusOr<std::unique_ptr<ApiKeys>> keys = ApiKeys::Load(flags->Get("api-keys-file"), ServerWarning);
     if (!keys.ok()) return Fail(std::string(keys.status().message()));
     api_keys = *std::move(keys);
   }
@@ -242,6 +249,12 @@ int Main(int argc, char** argv) {
   // A write to a client that went away is an error to handle, not a reason to die.
   signal(SIGPIPE, SIG_IGN);
 
+  // A plaintext worker dialling the TLS port, or one whose certificate does not verify, is a log
+  // line of ours, not only gRPC's (the coordinator dials nobody over gRPC, so every failed
+  // handshake is a peer's). Before gRPC's threads start.
+  if (tls->has_identity()) {
+    ReportTlsRefusals(ServerWarning);
+  }
   // Checked (files readable, valid now, key matching) before anything starts. After the signal
   // mask: making credentials starts gRPC's threads, which must not take SIGTERM.
   const absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
