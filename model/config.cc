@@ -280,11 +280,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   // Fields of newer configs that would change the math of these architectures: understood as the
   // value that changes nothing, refused by name otherwise (never silently ignored).
-  double partial_rotary = 1.0;
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "partial_rotary_factor", &partial_rotary));
-  if (partial_rotary != 1.0) {
-    return FieldError(source, "partial_rotary_factor",
-                      absl::StrCat("is ", partial_rotary, "; only 1 (RoPE on the whole head) is supported"));
+  // partial_rotary_factor: at the top (4.x) or inside rope_parameters (5.x).
+  for (const json* where : {&j, Present(j, "rope_parameters") ? &j["rope_parameters"] : nullptr}) {
+    if (where == nullptr) continue;
+    double partial_rotary = 1.0;
+    const std::string field = where == &j ? "partial_rotary_factor" : "rope_parameters";
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(*where, where == &j ? source : absl::StrCat(source, " rope_parameters"),
+                                         "partial_rotary_factor", &partial_rotary));
+    if (partial_rotary != 1.0) {
+      return FieldError(source, field,
+                        absl::StrCat(where == &j ? "is " : "has partial_rotary_factor ", partial_rotary,
+                                     "; only 1 (RoPE on the whole head) is supported"));
+    }
   }
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return FieldError(source, "layer_types", "must be a list of names");
@@ -339,6 +346,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     if (!std::isfinite(f)) {
       return FieldError(source, c.rope_scaling.type == RopeScaling::Type::kNone ? "rope_theta" : "rope_scaling",
                         "gives RoPE frequencies that are not finite in float32");
+    }
+  }
+  if (c.checkpoint_quant.has_value()) {
+    for (const WeightDecl& w : ModelWeights(c)) {
+      if (!w.fused_shape.empty()) {
+        return FieldError(source, "quantization_config",
+                          absl::StrCat("describes a quantized checkpoint of ", c.architecture_name, ", whose tensor \"",
+                                       w.name, "\" fuses several products; quantized checkpoints of fused products are "
+                                       "not supported (load the unquantized checkpoint, with --quantization if need be)"));
+      }
     }
   }
   return c;

@@ -48,10 +48,10 @@ float ElementScale(const std::string& name, const std::vector<int64_t>& shape) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(shape.back())));
 }
 
-// Every tensor of the model, with its full shape.
+// Every tensor of the model's checkpoint, with its full shape (a fused tensor once).
 std::map<std::string, std::vector<int64_t>> TensorShapes(const ModelConfig& config) {
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (WeightDecl& w : ModelWeights(config)) shapes[std::move(w.name)] = std::move(w.shape);
+  for (const WeightDecl& w : ModelWeights(config)) shapes[w.name] = CheckpointShape(w);
   return shapes;
 }
 

@@ -232,7 +232,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
       {"LlamaForCausalLM", false, false, false, false}, {"LlamaForCausalLM", true, true, true, false},
       {"Qwen2ForCausalLM", false, true, false, false},  {"Qwen2ForCausalLM", true, true, false, false},
       {"MistralForCausalLM", true, false, false, false}, {"Qwen3ForCausalLM", false, false, false, true},
-      {"Qwen3ForCausalLM", true, true, true, true},
+      {"Qwen3ForCausalLM", true, true, true, true},     {"Phi3ForCausalLM", true, false, false, false},
   };
   for (const Case& k : cases) {
     json c = TinyConfig();
@@ -256,7 +256,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                        "Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+                        "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
 }
 
 // What would change the math and is not implemented is refused, naming the field; both formats in
@@ -279,6 +279,12 @@ TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
        "\"rope_parameters\" and \"rope_scaling\" describe different RoPE scalings"},
       {{{"dtype", "float16"}}, "field \"dtype\" is \"float16\" but \"torch_dtype\" is \"float32\""},
       {{{"partial_rotary_factor", 0.75}}, "field \"partial_rotary_factor\" is 0.75"},
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "default"}, {"partial_rotary_factor", 0.5}}}},
+       "field \"rope_parameters\" has partial_rotary_factor 0.5"},
+      {{{"architectures", {"Phi3ForCausalLM"}},
+        {"quantization_config",
+         {{"quant_method", "fp8"}, {"activation_scheme", "dynamic"}, {"weight_block_size", json::array({4, 4})}}}},
+       "tensor \"model.layers.0.self_attn.qkv_proj.weight\" fuses several products"},
       {{{"layer_types", {"full_attention", "sliding_attention"}}}, "field \"layer_types\" has \"sliding_attention\""},
       {{{"final_logit_softcapping", 30.0}}, "field \"final_logit_softcapping\" is 30.0"},
       {{{"architectures", {"Qwen2ForCausalLM"}}, {"use_sliding_window", true}}, "field \"use_sliding_window\" is true"},

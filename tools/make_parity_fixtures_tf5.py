@@ -2,7 +2,8 @@
 config.json as current releases save it, RoPE in "rope_parameters" (base and scaling together),
 "dtype" for "torch_dtype", "layer_types" where the family has it; and the families that need
 transformers 5 to run at all (Qwen3), one of them with its config.json rewritten as transformers 4.x
-wrote it (rope_theta, torch_dtype), checked to read back as the same config. The checkpoint,
+wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi-3's fused
+qkv_proj and gate_up_proj. The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -23,6 +24,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -120,6 +123,28 @@ def fixtures() -> list[Fixture]:
                 tie_word_embeddings=False,
             ),
             seed=9000,
+        ),
+        # Phi-3 / Phi-4: q, k and v fused in qkv_proj, gate and up in gate_up_proj; 6 query / 2 KV
+        # heads, RoPE base 2.5e5 as Phi-4's, untied.
+        Fixture(
+            name="phi3_tf5",
+            model_cls=Phi3ForCausalLM,
+            config=Phi3Config(
+                vocab_size=400,
+                hidden_size=96,
+                intermediate_size=160,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                num_hidden_layers=3,
+                max_position_embeddings=1024,
+                original_max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=None,
+                tie_word_embeddings=False,
+            ),
+            seed=10000,
         ),
     ]
 

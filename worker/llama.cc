@@ -124,7 +124,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
   // (model/quantized_checkpoint.h); its embeddings, LM head and ignored modules are plain.
   if (IsQuantizedLinear(config_, w)) return LoadQuantizedCheckpointWeight(ckpt, w.name, w.shape, slice);
   Tensor plain, packed;
-  SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, w.name, w.shape, slice));
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, LoadWeight(ckpt, w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(w.name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
@@ -229,7 +229,7 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
       SHARDSERVE_RETURN_IF_ERROR(
           CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), w.shape[0], w.shape[1]));
     } else {
-      SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(w.name, w.shape));
+      SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(w.name, CheckpointShape(w)));
     }
   }
 
@@ -253,13 +253,13 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
       *slot = m->embed_tokens_;  // tied, and already loaded on this stage (packed if one_packed_table)
     } else if (w.role == WeightRole::kEmbedTokens) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? m->LoadMatMulWeight(ckpt, w, slice)
-                                                          : m->LoadWeight(ckpt, w.name, w.shape, slice));
+                                                          : m->LoadWeight(ckpt, w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
     } else if (IsProductWeight(w.role)) {
       // The decoder layers' products take --quantization; the LM head stays in the act dtype.
       const WeightQuant quant = w.part == WeightPart::kLayer ? spec.weight_quant : WeightQuant::kNone;
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadMatMulWeight(ckpt, w, slice, quant));
     } else {
-      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadWeight(ckpt, w.name, w.shape, slice));
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadWeight(ckpt, w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
     }
   }
   // The paged KV cache of each layer: this rank's KV heads only.

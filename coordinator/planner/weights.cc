@@ -47,16 +47,15 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
                                                         config.num_hidden_layers, " layers) needs"));
     }
     const TensorInfo& t = it->second;
-    if (t.shape != w.shape) {
+    if (t.shape != CheckpointShape(w)) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", w.name, "\" has shape ",
                                                         ShapeString(t.shape), " but config.json implies ",
-                                                        ShapeString(w.shape)));
+                                                        ShapeString(CheckpointShape(w))));
     }
     if (t.dtype != DType::kF32 && t.dtype != DType::kF16 && t.dtype != DType::kBF16) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", w.name, "\" is stored as ",
                                                         t.dtype_name(), "; the workers load F32, F16 or BF16"));
     }
-    w.shape = t.shape;
   }
   if (!config.checkpoint_quant.has_value()) {
     // A bias the declaration does not list would be silently left out of the math (config.json's

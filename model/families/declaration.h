@@ -54,7 +54,26 @@ struct WeightDecl {
   int64_t layer = -1;  // kLayer only
   TpSplit split = TpSplit::kReplicated;
   WeightRole role = WeightRole::kInputNorm;
+  // A part of a fused checkpoint tensor, split at load (Phi-3's qkv_proj holds q, k and v one
+  // after the other; its gate_up_proj gate and up): the checkpoint tensor's full shape, and the row
+  // where this part starts in it. Empty and 0 for a tensor of its own.
+  std::vector<int64_t> fused_shape = {};
+  int64_t fused_offset = 0;
 };
+
+// The shape of w's tensor in the checkpoint (the fused tensor's for a part of one).
+inline const std::vector<int64_t>& CheckpointShape(const WeightDecl& w) {
+  return w.fused_shape.empty() ? w.shape : w.fused_shape;
+}
+// `slice` of w (TP's cut of the part) as rows or columns of the checkpoint tensor: a fused part's
+// rows are offset to where the part starts.
+inline Slice CheckpointSlice(const WeightDecl& w, Slice slice) {
+  if (w.fused_shape.empty()) return slice;
+  if (slice.end < 0) slice.end = w.shape[0];
+  slice.begin += w.fused_offset;
+  slice.end += w.fused_offset;
+  return slice;
+}
 
 // One buffer a step works in, allocated once at load for the step limits.
 struct StepBufferDecl {

@@ -3,15 +3,45 @@
 #ifndef SHARDSERVE_MODEL_FAMILIES_FAMILIES_H_
 #define SHARDSERVE_MODEL_FAMILIES_FAMILIES_H_
 
+#include <functional>
+#include <string>
+#include <vector>
+
 #include "model/families/declaration.h"
 
 namespace shardserve {
+
+// The tensors of one decoder layer, "model.layers.<i>.<name>", as a family's weights function adds
+// them (DecoderWeights).
+class LayerTensors {
+ public:
+  LayerTensors(int64_t layer, std::vector<WeightDecl>* out);
+  void Add(const char* name, std::vector<int64_t> shape, TpSplit split, WeightRole role,
+           std::vector<int64_t> fused_shape = {}, int64_t fused_offset = 0);
+
+ private:
+  const int64_t layer_;
+  const std::string prefix_;
+  std::vector<WeightDecl>* const out_;
+};
+
+// A decoder's tensors in load order: model.embed_tokens, each layer's (`layer` adds them), model.norm
+// and lm_head (none when tie_word_embeddings).
+std::vector<WeightDecl> DecoderWeights(const ModelConfig& config,
+                                       const std::function<void(const ModelConfig&, LayerTensors&)>& layer);
 
 // llama.cc: the Llama-shaped decoders.
 extern const FamilyDeclaration kLlamaFamily;
 extern const FamilyDeclaration kMistralFamily;
 extern const FamilyDeclaration kQwen2Family;
 extern const FamilyDeclaration kQwen3Family;
+// The layer buffers of every Llama-shaped decoder for n tokens a step: this rank's q, k and v
+// heads, the attention output, the products' partial sums before their all-reduce, the MLP's gate
+// and up; RoPE's inverse frequencies.
+std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& config, const TpShard& shard, DType act, int64_t n);
+
+// phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
+extern const FamilyDeclaration kPhi3Family;
 
 }  // namespace shardserve
 
