@@ -319,8 +319,11 @@ absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Ten
 
 absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                     const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                                    float scale) {
+                                    float scale, const AttentionOptions& options) {
   constexpr const char* kOp = "Attention";
+  if (options.window != 0 || options.softcap != 0.0f || options.sinks != nullptr) {
+    return absl::UnimplementedError("Attention: the CUDA backend has no sliding window, softcap or sinks yet");
+  }
   if (out == nullptr) return Invalid(kOp, "out is null", {{"q", &q}, {"k_cache", &k_cache}});
   const auto all = {std::pair<const char*, const Tensor*>{"out", out},
                     {"q", &q},
