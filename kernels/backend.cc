@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
 namespace shardserve {
@@ -24,6 +26,24 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 Buffer::~Buffer() {
   if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_);
+}
+
+absl::Status CheckAttentionOptions(const char* op, const AttentionOptions& options, int64_t q_heads) {
+  if (options.window < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": window ", options.window, " is negative (0: no window)"));
+  }
+  if (!(options.softcap >= 0.0f) || !std::isfinite(options.softcap)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": softcap ", options.softcap, " is not a finite number >= 0 (0: no capping)"));
+  }
+  const Tensor* sinks = options.sinks;
+  if (sinks != nullptr && (sinks->dtype != DType::kF32 || sinks->ndim != 1 || sinks->dim(0) != q_heads ||
+                           (q_heads > 0 && sinks->data == nullptr))) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": sinks must be F32 [q_heads] = [", q_heads, "] with data; got ",
+                                                   DTypeName(sinks->dtype), " ", sinks->ShapeString(),
+                                                   sinks->data == nullptr ? " without data" : ""));
+  }
+  return absl::OkStatus();
 }
 
 int64_t CudaDequantBlockRows(int64_t m, int64_t k, DType act, uint64_t limit) {

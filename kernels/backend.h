@@ -86,6 +86,33 @@ struct MatMulProduct {
   const Tensor* bias = nullptr;
 };
 
+// Per-call options of Backend::Attention, each off at its default (then Attention gives the same
+// bits as without them). Transformers' eager attention is the reference for each.
+struct AttentionOptions {
+  // Sliding window (Mistral; Gemma 2 and 3's local layers): 0 = none, else > 0, and the token at
+  // position p attends only to positions j with p - j < window, i.e. j in (p - window, p]: the
+  // causal mask and transformers' sliding_window_overlay (masking_utils.py,
+  // create_sliding_window_causal_mask: kv_idx > q_idx - sliding_window). Keys before the window
+  // are not read, nor their block-table entries (they may name freed blocks).
+  int64_t window = 0;
+  // Logit soft-capping (Gemma 2's attn_logit_softcapping): 0 = none, else finite and > 0, and each
+  // score s = (q . k) * scale becomes softcap * tanh(s / softcap) before the mask and the softmax
+  // (modeling_gemma2.py's eager_attention_forward: scaling, then capping, then mask).
+  float softcap = 0.0f;
+  // Attention sinks (gpt-oss): null = none, else [q_heads] F32 on the backend's device, query
+  // head h's sink logit (this rank's heads), which joins the softmax but adds no value: the scores
+  // with the sink appended, the max (sink included) subtracted, the softmax taken, and the sink's
+  // column dropped (modeling_gpt_oss.py's eager_attention_forward), so the kept weights sum to less
+  // than 1. Finite values (the CPU backend refuses others; the CUDA backend does not read them on
+  // the host). The caller owns it; it must stay alive until the op has run.
+  const Tensor* sinks = nullptr;
+};
+
+// InvalidArgument naming `op` and the option when `options` is not valid for an attention over
+// q_heads query heads (window < 0; softcap negative, NaN or infinite; sinks not [q_heads] F32 or
+// without data); OK otherwise. Both backends check with it.
+absl::Status CheckAttentionOptions(const char* op, const AttentionOptions& options, int64_t q_heads);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -228,12 +255,14 @@ class Backend {
   // Causal attention with GQA over the paged cache. Token t of sequence s = token_seq[t] at
   // position p = positions[t] attends to positions 0..p of s (which must already be in the
   // cache). Query head h reads kv head h / (q_heads / kv_heads). Covers prefill (many tokens of
-  // a sequence) and decode (one token) in the same call. head_dim <= 512 on CUDA.
+  // a sequence) and decode (one token) in the same call. head_dim <= 512 on CUDA. `options` adds a
+  // sliding window, logit soft-capping and attention sinks (AttentionOptions).
   virtual absl::Status Attention(Tensor* out /*[n, q_heads * hd] act*/, const Tensor& q /*[n, q_heads * hd] act*/,
                                  const Tensor& k_cache /*[blocks, bs, kv_heads, hd] act*/,
                                  const Tensor& v_cache /*[blocks, bs, kv_heads, hd] act*/,
                                  const Tensor& positions /*[n] i32*/, const Tensor& token_seq /*[n] i32*/,
-                                 const Tensor& block_tables /*[seqs, max_blocks] i32*/, float scale) = 0;
+                                 const Tensor& block_tables /*[seqs, max_blocks] i32*/, float scale,
+                                 const AttentionOptions& options = {}) = 0;
 
   // SwiGLU: out = silu(gate) * up (out may alias gate or up).
   virtual absl::Status SiluMul(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,

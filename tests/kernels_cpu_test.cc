@@ -1998,10 +1998,32 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
     std::vector<int32_t> blocks;
   };
 
+  // AttentionOptions as plain values, and how the test exercises them.
+  struct Features {
+    int64_t window = 0;
+    float softcap = 0.0f;
+    std::vector<float> sinks = {};  // [q_heads], or empty for none
+    float q_gain = 1.0f;       // queries are uniform in [-q_gain, q_gain]: large scores for softcap
+    // Block-table entries of blocks wholly before every query's window become -1, so that reading
+    // one is an error: the window's keys are all that is read.
+    bool drop_blocks_before_window = false;
+  };
+
+  // Sequences for the options' tests, blocks out of order: a 20-token prefill in two chunks (this
+  // call the second, positions 14..19), a decode at position 9, a decode at 2 (a context shorter
+  // than most windows) and a whole 6-token prefill. 14 queries; 39 of the 64 cache slots.
+  static std::vector<Seq> MixedSeqs() {
+    return {{20, 6, {9, 2, 14, 0, 11}}, {10, 1, {7, 4, 12}}, {3, 1, {5}}, {6, 6, {1, 15}}};
+  }
+
   // Writes each sequence's dense k/v into the paged cache with CacheWrite, runs Attention for the
   // new tokens of all sequences in one call, and compares it with attention computed in double
-  // from the dense k/v.
-  void Run(const std::string& what, const std::vector<Seq>& seqs) {
+  // from the dense k/v, written from transformers' eager attention: scores (q . k) * scale,
+  // softcap * tanh(score / softcap) (modeling_gemma2.py), the causal and sliding-window mask
+  // (masking_utils.py: kv_idx <= q_idx and kv_idx > q_idx - window), the sink appended, max
+  // subtracted, softmax, sink dropped (modeling_gpt_oss.py).
+  void Run(const std::string& what, const std::vector<Seq>& seqs) { Run(what, seqs, Features{}); }
+  void Run(const std::string& what, const std::vector<Seq>& seqs, const Features& features) {
     const int64_t qh = GetParam().q_heads, kvh = GetParam().kv_heads, hd = GetParam().head_dim;
     const int64_t kv_row = kvh * hd, q_row = qh * hd;
     int64_t max_blocks = 0;
@@ -2038,13 +2060,26 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
       }
     }
     const int64_t n = static_cast<int64_t>(positions.size());
-    const std::vector<float> q = Random(rng_, n * q_row);
+    const std::vector<float> q = Random(rng_, n * q_row, -features.q_gain, features.q_gain);
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    if (features.drop_blocks_before_window) {
+      for (size_t s = 0; s < seqs.size(); ++s) {
+        const int64_t first_query = seqs[s].length - seqs[s].new_tokens;
+        const int64_t first_key = std::max<int64_t>(0, first_query - features.window + 1);
+        for (int64_t b = 0; b < first_key / kBlockSize; ++b) tables[s * max_blocks + b] = -1;
+      }
+    }
     DeviceTensor dq = F32({n, q_row}, q), dpos = I32({n}, positions), dseq = I32({n}, token_seq);
     DeviceTensor dtables = I32({static_cast<int64_t>(seqs.size()), max_blocks}, tables);
     DeviceTensor out = Output(DType::kF32, {n, q_row});
+    std::optional<DeviceTensor> dsinks;
+    AttentionOptions options{.window = features.window, .softcap = features.softcap};
+    if (!features.sinks.empty()) {
+      dsinks.emplace(F32({qh}, features.sinks));
+      options.sinks = &dsinks->t();
+    }
     const absl::Status status =
-        backend_->Attention(out.ptr(), dq.t(), kc.t(), vc.t(), dpos.t(), dseq.t(), dtables.t(), scale);
+        backend_->Attention(out.ptr(), dq.t(), kc.t(), vc.t(), dpos.t(), dseq.t(), dtables.t(), scale, options);
     ASSERT_TRUE(status.ok()) << status;
 
     std::vector<double> want(n * q_row);
@@ -2054,12 +2089,16 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
       const int64_t context = positions[t] + 1;
       for (int64_t h = 0; h < qh; ++h) {
         const int64_t g = h / (qh / kvh);
-        std::vector<double> score(context);
+        // Every key of the sequence so far, then the sink; masked ones are -inf.
+        std::vector<double> score(context + 1, -std::numeric_limits<double>::infinity());
         for (int64_t j = 0; j < context; ++j) {
+          if (features.window > 0 && !(j > positions[t] - features.window)) continue;
           double dot = 0.0;
           for (int64_t d = 0; d < hd; ++d) dot += static_cast<double>(q[t * q_row + h * hd + d]) * k[j * kv_row + g * hd + d];
           score[j] = dot * scale;
+          if (features.softcap > 0.0f) score[j] = features.softcap * std::tanh(score[j] / features.softcap);
         }
+        if (!features.sinks.empty()) score[context] = features.sinks[h];
         const double max = *std::max_element(score.begin(), score.end());
         double sum = 0.0;
         for (double& sc : score) sum += (sc = std::exp(sc - max));
@@ -2070,10 +2109,13 @@ class AttentionTest : public CpuBackendTest, public ::testing::WithParamInterfac
         }
       }
     }
-    // Float32 dot products of 20 (72) terms, a float32 softmax over <= 10 positions and a float32
-    // weighted sum of <= 10 rows: each a few ulp, so ~5e-7 of outputs ~0.5. 2e-6 gives headroom;
-    // a wrong slot, head or mask changes outputs by O(0.1).
-    ExpectClose(std::string(GetParam().name) + " " + what, out.Download<float>(), want, 2e-6);
+    // Float32 dot products of 20 (72) terms, a float32 softmax over <= 21 positions and a float32
+    // weighted sum of <= 20 rows: each a few ulp, so ~5e-7 of outputs ~0.5. 2e-6 gives headroom;
+    // a wrong slot, head, mask, cap or sink changes outputs by O(0.1). With q_gain the scores grow
+    // (to ~30 at 20) and so do their float32 roundings (a few 1e-6 absolute, which the cap's tanh,
+    // of slope <= 1, does not enlarge and a peaked softmax passes on to the outputs): 1e-5.
+    const double limit = features.q_gain > 1.0f ? 1e-5 : 2e-6;
+    ExpectClose(std::string(GetParam().name) + " " + what, out.Download<float>(), want, limit);
     EXPECT_TRUE(out.GuardsIntact());
   }
 };
@@ -2085,6 +2127,39 @@ TEST_P(AttentionTest, DecodeOneToken) { Run("decode at position 7", {{8, 1, {5, 
 
 TEST_P(AttentionTest, PrefillAndDecodeBatched) {
   Run("prefill 7 + decode at 9", {{7, 7, {5, 2}}, {10, 1, {7, 0, 3}}});
+}
+
+TEST_P(AttentionTest, SlidingWindow) {
+  // 1: only the token itself. 3: within a block or across a block boundary, depending on the
+  // position. 5: always across a boundary (blocks of 4). 6: equal to the last sequence's context.
+  // 20: equal to the longest context (no key masked). 100: larger than any context.
+  for (int64_t window : {1, 3, 5, 6, 20, 100}) {
+    Run(absl::StrCat("window ", window), MixedSeqs(), {.window = window});
+  }
+}
+
+TEST_P(AttentionTest, SlidingWindowReadsNoBlockBeforeIt) {
+  // With window 5 the chunk at positions 14..19 starts at key 10 (block 2) and the decode at 9 at
+  // key 5 (block 1): the entries before are -1, which Attention refuses if it reads them.
+  Run("window 5, earlier blocks -1", MixedSeqs(), {.window = 5, .drop_blocks_before_window = true});
+}
+
+TEST_P(AttentionTest, SoftcapWithLargeScores) {
+  // Queries up to 20 in magnitude: scores up to ~50, well into tanh's saturation at softcap 5 (Gemma
+  // 2 caps at 50 with scores of its own scale); 50: nearly linear.
+  Run("softcap 5", MixedSeqs(), {.softcap = 5.0f, .q_gain = 20.0f});
+  Run("softcap 50", MixedSeqs(), {.softcap = 50.0f, .q_gain = 20.0f});
+}
+
+TEST_P(AttentionTest, Sinks) {
+  // Per head: a sink far below every score (no effect), one among them, one above them, and one far
+  // above (it takes nearly all the weight; the max subtracted is the sink's).
+  Run("sinks", MixedSeqs(), {.sinks = {-60.0f, 0.3f, 2.5f, 60.0f}});
+}
+
+TEST_P(AttentionTest, AllOptionsTogether) {
+  Run("window 5, softcap 5, sinks", MixedSeqs(),
+      {.window = 5, .softcap = 5.0f, .sinks = {1.0f, -2.0f, 4.0f, 0.0f}, .q_gain = 8.0f});
 }
 
 INSTANTIATE_TEST_SUITE_P(Heads, AttentionTest,
@@ -2130,6 +2205,48 @@ TEST_F(CpuBackendTest, AttentionRejectsBadMetadata) {
   DeviceTensor out_wide = Output(DType::kF32, {1, 2 * row});
   EXPECT_TRUE(IsInvalidArgumentNaming(
       backend_->Attention(out_wide.ptr(), q.t(), kc.t(), vc.t(), pos.t(), seq.t(), table.t(), 1.0f), "Attention"));
+}
+
+// Bad options are InvalidArgument naming the op and the option, and out is left as it was.
+TEST_F(CpuBackendTest, AttentionRejectsBadOptions) {
+  const int64_t blocks = 2, bs = 4, heads = 2, hd = 8, row = heads * hd;
+  DeviceTensor kc = F32({blocks, bs, heads, hd}, Random(rng_, blocks * bs * row));
+  DeviceTensor vc = F32({blocks, bs, heads, hd}, Random(rng_, blocks * bs * row));
+  DeviceTensor q = F32({1, row}, Random(rng_, row)), out = Output(DType::kF32, {1, row});
+  DeviceTensor pos = I32({1}, {5}), seq = I32({1}, {0}), table = I32({1, 2}, {1, 0});
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  DeviceTensor sinks_short = F32({1}, {0.0f}), sinks_2d = F32({1, 2}, {0.0f, 0.0f});
+  DeviceTensor sinks_i32 = I32({2}, {0, 0}), sinks_nan = F32({2}, {0.0f, nan}), sinks_inf = F32({2}, {-inf, 0.0f});
+  struct Case {
+    const char* what;
+    AttentionOptions options;
+    const char* names;  // what the message must name
+  };
+  const Case cases[] = {
+      {"negative window", {.window = -1}, "window"},
+      {"NaN softcap", {.softcap = nan}, "softcap"},
+      {"negative softcap", {.softcap = -1.0f}, "softcap"},
+      {"infinite softcap", {.softcap = inf}, "softcap"},
+      {"sinks of one head for two", {.sinks = &sinks_short.t()}, "sinks"},
+      {"sinks of two dimensions", {.sinks = &sinks_2d.t()}, "sinks"},
+      {"I32 sinks", {.sinks = &sinks_i32.t()}, "sinks"},
+      {"a NaN sink", {.sinks = &sinks_nan.t()}, "sinks"},
+      {"an infinite sink", {.sinks = &sinks_inf.t()}, "sinks"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status s =
+        backend_->Attention(out.ptr(), q.t(), kc.t(), vc.t(), pos.t(), seq.t(), table.t(), 1.0f, c.options);
+    EXPECT_TRUE(IsInvalidArgumentNaming(s, "Attention")) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.names), std::string::npos) << c.what << ": " << s;
+    const std::vector<float> untouched = out.Download<float>();
+    EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); })) << c.what;
+    EXPECT_TRUE(out.GuardsIntact()) << c.what;
+  }
+  // Within the window the block table must still be valid: window 2 at position 5 reads block 1.
+  DeviceTensor bad_table = I32({1, 2}, {-1, 7});
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->Attention(out.ptr(), q.t(), kc.t(), vc.t(), pos.t(), seq.t(), bad_table.t(), 1.0f, {.window = 2}),
+      "Attention"));
 }
 
 // ---- Element-wise ops ------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include <initializer_list>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -299,7 +300,19 @@ class CudaTest : public ::testing::TestWithParam<DType> {
 };
 
 // CUDA vs the CPU reference.
-class CudaVsCpu : public CudaTest {};
+class CudaVsCpu : public CudaTest {
+ protected:
+  // Attention's options (AttentionOptions) as host values, and the range of the queries.
+  struct AttentionFeatures {
+    int64_t window = 0;
+    float softcap = 0.0f;
+    bool sinks = false;  // then query head h's sink is kSinks[h % 8]
+    float q_range = 3.0f;
+  };
+  // Attention with `features` on both paths (one block per (token, head) and split over the keys)
+  // against the CPU backend; the batch and its layouts are described at the definition.
+  void CheckAttention(const AttentionFeatures& features);
+};
 // CUDA-only contracts: errors for bad shapes and bad device-side metadata.
 class CudaChecks : public CudaTest {};
 
@@ -744,7 +757,9 @@ TEST_P(CudaVsCpu, CacheWrite) {
 // the cache. Three head layouts: GQA (8 q heads on 2 kv heads, hd 128), plain MHA (hd 64) and a
 // head dim of 30, off the 16-byte loads of keys and the 4-value loads of values (their scalar
 // paths, the last lane's run cut at the head's end).
-TEST_P(CudaVsCpu, Attention) {
+void CudaVsCpu::CheckAttention(const AttentionFeatures& features) {
+  // Sinks below, among and above the scores (~1-5 in magnitude), far below and far above.
+  constexpr float kSinks[8] = {-40.0f, 0.5f, 3.0f, 40.0f, -2.0f, 1.0f, 6.0f, -0.5f};
   struct Layout {
     int64_t q_heads, kv_heads, hd;
   };
@@ -785,11 +800,25 @@ TEST_P(CudaVsCpu, Attention) {
     const int64_t q_width = lay.q_heads * lay.hd;
     const int64_t cache_numel = blocks * bs * lay.kv_heads * lay.hd;
     // q in [-3, 3] gives scores of magnitude ~1-5 after scaling: peaked, not flat, softmaxes.
-    const std::vector<float> q = RandomValues(n * q_width, Seed(Op::kAttention, act(), salt + 1), act(), -3.0f, 3.0f);
+    const std::vector<float> q = RandomValues(n * q_width, Seed(Op::kAttention, act(), salt + 1), act(),
+                                              -features.q_range, features.q_range);
     const std::vector<float> k_cache = RandomValues(cache_numel, Seed(Op::kAttention, act(), salt + 2), act());
     const std::vector<float> v_cache = RandomValues(cache_numel, Seed(Op::kAttention, act(), salt + 3), act());
     const float scale = 1.0f / std::sqrt(static_cast<float>(lay.hd));
     const std::initializer_list<int64_t> cache_dims = {blocks, bs, lay.kv_heads, lay.hd};
+    std::vector<float> sinks;  // F32 on every backend, whatever the act dtype
+    for (int64_t h = 0; features.sinks && h < lay.q_heads; ++h) sinks.push_back(kSinks[h % 8]);
+    // The options on one backend: its own copy of the sinks, which `keep` holds.
+    auto options_on = [&](Backend* be, std::optional<Guarded>* keep) -> absl::StatusOr<AttentionOptions> {
+      AttentionOptions options{.window = features.window, .softcap = features.softcap};
+      if (!sinks.empty()) {
+        absl::StatusOr<Guarded> g = UploadF(be, sinks, DType::kF32, {lay.q_heads});
+        if (!g.ok()) return g.status();
+        keep->emplace(*std::move(g));
+        options.sinks = &(*keep)->t;
+      }
+      return options;
+    };
 
     SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_width}));
     SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), k_cache, act(), cache_dims));
@@ -798,11 +827,14 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSIGN_OR_FAIL(Guarded g_seq, UploadI(cuda_.get(), token_seq, {n}));
     SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
     SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, q_width}));
-    SS_RUN_OP("CUDA", cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, scale));
+    std::optional<Guarded> g_sinks, s_sinks, c_sinks;
+    SS_ASSIGN_OR_FAIL(const AttentionOptions g_options, options_on(cuda_.get(), &g_sinks));
+    SS_RUN_OP("CUDA", cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, scale, g_options));
     // Split-KV (CudaBackendOptions::split_attention_keys; passed on an H200): 32-key ranges, six
     // of them for the tables' 192 keys. Only steps of up to 8 tokens split: the first 8 tokens, on
     // a backend of their own, whose contexts (151, 1, 38, 2, 3, 4, 39, 5 keys) take five, one and
-    // two ranges, the others past the context.
+    // two ranges, the others past the context. With a window the ranges cover the window from its
+    // first key, and a window of at most 32 keys is one range: the unsplit kernel.
     SS_ASSIGN_OR_FAIL(std::unique_ptr<Backend> split, MakeCudaBackend(0, act(), {.split_attention_keys = 32}));
     const int64_t ns = 8;
     SS_ASSIGN_OR_FAIL(Guarded s_q, UploadF(split.get(), std::vector<float>(q.begin(), q.begin() + ns * q_width), act(),
@@ -813,9 +845,12 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSIGN_OR_FAIL(Guarded s_seq, UploadI(split.get(), {token_seq.begin(), token_seq.begin() + ns}, {ns}));
     SS_ASSIGN_OR_FAIL(Guarded s_tab, UploadI(split.get(), tables, {seqs, max_blocks}));
     SS_ASSIGN_OR_FAIL(Guarded s_out, Output(split.get(), act(), {ns, q_width}));
+    SS_ASSIGN_OR_FAIL(const AttentionOptions s_options, options_on(split.get(), &s_sinks));
     const uint64_t launches = split->kernel_launches();
-    SS_RUN_OP("CUDA split", split->Attention(&s_out.t, s_q.t, s_kc.t, s_vc.t, s_pos.t, s_seq.t, s_tab.t, scale));
-    EXPECT_EQ(split->kernel_launches(), launches + 2) << "the ranges' kernel and the combining one";
+    SS_RUN_OP("CUDA split",
+              split->Attention(&s_out.t, s_q.t, s_kc.t, s_vc.t, s_pos.t, s_seq.t, s_tab.t, scale, s_options));
+    const int64_t span = features.window > 0 ? std::min<int64_t>(features.window, max_blocks * bs) : max_blocks * bs;
+    EXPECT_EQ(split->kernel_launches(), launches + (span > 32 ? 2 : 1)) << "the ranges' kernel and the combining one";
 
     SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_width}));
     SS_ASSIGN_OR_FAIL(Guarded c_kc, UploadF(cpu_.get(), k_cache, DType::kF32, cache_dims));
@@ -824,7 +859,8 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSIGN_OR_FAIL(Guarded c_seq, UploadI(cpu_.get(), token_seq, {n}));
     SS_ASSIGN_OR_FAIL(Guarded c_tab, UploadI(cpu_.get(), tables, {seqs, max_blocks}));
     SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, q_width}));
-    SS_RUN_OP("CPU", cpu_->Attention(&c_out.t, c_q.t, c_kc.t, c_vc.t, c_pos.t, c_seq.t, c_tab.t, scale));
+    SS_ASSIGN_OR_FAIL(const AttentionOptions c_options, options_on(cpu_.get(), &c_sinks));
+    SS_RUN_OP("CPU", cpu_->Attention(&c_out.t, c_q.t, c_kc.t, c_vc.t, c_pos.t, c_seq.t, c_tab.t, scale, c_options));
 
     SS_READ_F(got, cuda_.get(), g_out);
     SS_READ_F(want, cpu_.get(), c_out);
@@ -836,6 +872,33 @@ TEST_P(CudaVsCpu, Attention) {
     SS_ASSERT_OK(split->Synchronize());
   }
 }
+
+TEST_P(CudaVsCpu, Attention) { CheckAttention({}); }
+
+// Sliding windows (AttentionOptions::window) of 7 keys (within a 16-key block or across a
+// boundary, one split range), 40 (across blocks; the decode's keys 111..150 in two ranges), 151
+// (the decode's whole context), 1000 (longer than every context: no key masked).
+TEST_P(CudaVsCpu, AttentionSlidingWindow) {
+  for (int64_t window : {7, 40, 151, 1000}) {
+    SCOPED_TRACE(::testing::Message() << "window " << window);
+    CheckAttention({.window = window});
+  }
+}
+
+// Soft-capping (AttentionOptions::softcap): queries in [-30, 30] give scores up to ~40, deep in
+// tanh's saturation at softcap 5 (where the cap also shrinks the scores' rounding differences);
+// at softcap 50, nearly linear, queries in [-12, 12] (scores up to ~16, each capped by ~3%), so that
+// the float32 score differences between the backends' summation orders, which grow with the
+// scores and pass unattenuated through a peaked softmax, stay well inside Attention's 2e-5.
+TEST_P(CudaVsCpu, AttentionSoftcap) {
+  CheckAttention({.softcap = 5.0f, .q_range = 30.0f});
+  CheckAttention({.softcap = 50.0f, .q_range = 12.0f});
+}
+
+// Attention sinks (AttentionOptions::sinks), per head from far below to far above the scores.
+TEST_P(CudaVsCpu, AttentionSinks) { CheckAttention({.sinks = true}); }
+
+TEST_P(CudaVsCpu, AttentionAllOptions) { CheckAttention({.window = 40, .softcap = 5.0f, .sinks = true, .q_range = 8.0f}); }
 
 TEST_P(CudaVsCpu, SiluMul) {
   const int64_t n = 4, f = 1000;
@@ -1144,6 +1207,42 @@ TEST_P(CudaVsCpu, Sample) {
 // Bad block-table entries, sequence ids and positions live on the device: the kernel must skip
 // them without touching memory outside the caches or the output, and the next Synchronize()
 // reports them (once). Tokens with good metadata still get their normal result.
+// Bad AttentionOptions are refused before any launch, naming the op and the option; the sinks'
+// values live on the device and are not read on the host.
+TEST_P(CudaChecks, AttentionRejectsBadOptions) {
+  const int64_t bs = 16, heads = 2, hd = 64;
+  SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), RandomValues(heads * hd, 1, act()), act(), {1, heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(cuda_.get(), RandomValues(bs * heads * hd, 2, act()), act(), {1, bs, heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(cuda_.get(), RandomValues(bs * heads * hd, 3, act()), act(), {1, bs, heads, hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), {3}, {1}));
+  SS_ASSIGN_OR_FAIL(Guarded g_seq, UploadI(cuda_.get(), {0}, {1}));
+  SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), {0}, {1, 1}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {1, heads * hd}));
+  SS_ASSIGN_OR_FAIL(Guarded g_short, UploadF(cuda_.get(), {0.0f}, DType::kF32, {1}));
+  SS_ASSIGN_OR_FAIL(Guarded g_i32, UploadI(cuda_.get(), {0, 0}, {2}));
+  const uint64_t launches = cuda_->kernel_launches();
+  const struct {
+    AttentionOptions options;
+    const char* names;
+  } cases[] = {
+      {{.window = -3}, "window"},
+      {{.softcap = std::nanf("")}, "softcap"},
+      {{.softcap = -2.0f}, "softcap"},
+      {{.softcap = INFINITY}, "softcap"},
+      {{.sinks = &g_short.t}, "sinks"},
+      {{.sinks = &g_i32.t}, "sinks"},
+  };
+  for (const auto& c : cases) {
+    const absl::Status s =
+        cuda_->Attention(&g_out.t, g_q.t, g_kc.t, g_vc.t, g_pos.t, g_seq.t, g_tab.t, 0.125f, c.options);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << c.names << ": " << s;
+    EXPECT_NE(std::string(s.message()).find("Attention"), std::string::npos) << s;
+    EXPECT_NE(std::string(s.message()).find(c.names), std::string::npos) << s;
+  }
+  EXPECT_EQ(cuda_->kernel_launches(), launches);
+  SS_ASSERT_OK(cuda_->Synchronize());
+}
+
 TEST_P(CudaChecks, AttentionBadMetadataIsReported) {
   const int64_t blocks = 4, bs = 16, kv_heads = 2, q_heads = 4, hd = 64, max_blocks = 3, seqs = 2;
   const std::vector<float> k_cache = RandomValues(blocks * bs * kv_heads * hd, 1, act());

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -125,7 +126,7 @@ absl::Status CpuBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tens
 
 absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                    const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                                   float scale) {
+                                   float scale, const AttentionOptions& options) {
   const ArgCheck check("Attention", {{"out", out, kF32, 2},
                                      {"q", &q, kF32, 2},
                                      {"k_cache", &k_cache, kF32, 4},
@@ -147,13 +148,21 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
     return check.Error("want out and q [n, q_heads * head_dim] with q_heads a multiple of kv_heads, "
                        "positions and token_seq [n]");
   }
+  SHARDSERVE_RETURN_IF_ERROR(CheckAttentionOptions("Attention", options, q_heads));
+  const float* sinks = options.sinks != nullptr ? options.sinks->as<float>() : nullptr;
+  for (int64_t h = 0; sinks != nullptr && h < q_heads; ++h) {
+    if (!std::isfinite(sinks[h])) return check.Error(absl::StrCat("sinks[", h, "] is ", sinks[h], ", not finite"));
+  }
+  const int64_t window = options.window;
+  const float softcap = options.softcap;
+  // The first position a token at position p attends to: p - window < j (AttentionOptions::window).
+  auto first_key = [window](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t{0}; };
 
   // Check the metadata before reading the cache: every token's sequence, its position, and each
   // block-table entry it will read must be in range. Bad metadata is an error, never a stray read.
   const int32_t* pos = positions.as<int32_t>();
   const int32_t* seq = token_seq.as<int32_t>();
   const int32_t* tables = block_tables.as<int32_t>();
-  int64_t longest = 0;  // the longest context (position + 1) of any token
   for (int64_t t = 0; t < n; ++t) {
     if (seq[t] < 0 || seq[t] >= num_seqs) {
       return check.Error(absl::StrCat("token ", t, " names sequence ", seq[t], " but there are ", num_seqs));
@@ -163,13 +172,12 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
                                       max_blocks, " blocks of ", block_size));
     }
     const int32_t* table = tables + seq[t] * max_blocks;
-    for (int64_t b = 0; b <= pos[t] / block_size; ++b) {
+    for (int64_t b = first_key(pos[t]) / block_size; b <= pos[t] / block_size; ++b) {
       if (table[b] < 0 || table[b] >= num_blocks) {
         return check.Error(absl::StrCat("sequence ", seq[t], " block table entry ", b, " is block ", table[b],
                                         ", outside the cache's ", num_blocks, " blocks"));
       }
     }
-    longest = std::max(longest, int64_t{pos[t]} + 1);
   }
 
   // Work items: up to kChunk consecutive tokens of one sequence (and all its kv heads, or a share
@@ -177,38 +185,53 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
   // item's query rows (each token's query heads on those kv heads) share its sequence's cache
   // blocks, which it reads a block at a time, all its kv heads together, prefetching the next
   // block: so each block streams from memory once per item, in address order, and then from L1.
-  // Every query row's arithmetic is the same whatever else is in its item or the batch, so a
-  // token's output does not depend on the batch's composition.
+  // An item starts at the block of the first key any of its tokens attends to (block 0 without a
+  // window). Every query row's arithmetic is the same whatever else is in its item or the batch, so
+  // a token's output does not depend on the batch's composition.
   constexpr int64_t kChunk = 16;
   const int64_t group = q_heads / kv_heads;         // query heads per kv head (GQA)
   const int64_t slot_stride = kv_heads * head_dim;  // floats between consecutive cache slots
   attn_items_.clear();
+  int64_t span = 0;  // the most keys from an item's first block to its last key
   for (int64_t t = 0; t < n;) {
     int64_t end = t + 1;
     while (end < n && end - t < kChunk && seq[end] == seq[t]) ++end;
     attn_items_.push_back({t, end});
+    int64_t lo = pos[t], hi = pos[t];
+    for (int64_t u = t; u < end; ++u) lo = std::min<int64_t>(lo, pos[u]), hi = std::max<int64_t>(hi, pos[u]);
+    span = std::max(span, hi + 1 - first_key(lo) / block_size * block_size);
     t = end;
   }
   const auto chunks = static_cast<int64_t>(attn_items_.size());
   const int64_t splits = chunks < threads_ ? std::min<int64_t>(kv_heads, threads_) : 1;  // kv-head shares per chunk
   const int64_t max_rows = std::min(n, kChunk) * q_heads;  // query rows in one item at most
-  attn_weights_.resize(static_cast<size_t>(threads_ * max_rows * longest));
+  // A row's scores, then probabilities, key j of the item at j - (its first block's first key); one
+  // more entry, past its last key, holds its sink.
+  const int64_t width = span + 1;
+  attn_weights_.resize(static_cast<size_t>(threads_ * max_rows * width));
   const int64_t items = chunks * splits;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) if (items > 1)
   for (int64_t i = 0; i < items; ++i) {
     const auto [first, last] = attn_items_[i / splits];
     const int64_t kv_begin = kv_heads * (i % splits) / splits, kv_end = kv_heads * (i % splits + 1) / splits;
     const int32_t* table = tables + seq[first] * max_blocks;  // position j lives in block table[j / block_size]
-    float* weights = attn_weights_.data() + omp_get_thread_num() * max_rows * longest;  // [rows, longest]
-    int64_t item_context = 0;
-    for (int64_t t = first; t < last; ++t) item_context = std::max(item_context, int64_t{pos[t]} + 1);
+    float* weights = attn_weights_.data() + omp_get_thread_num() * max_rows * width;  // [rows, width]
+    int64_t item_context = 0, item_first = pos[first];
+    for (int64_t t = first; t < last; ++t) {
+      item_context = std::max(item_context, int64_t{pos[t]} + 1);
+      item_first = std::min<int64_t>(item_first, pos[t]);
+    }
+    const int64_t first_block = first_key(item_first) / block_size;
     const int64_t blocks = (item_context + block_size - 1) / block_size;
+    const int64_t key0 = first_block * block_size;  // the key at weights[r * width]
     // Query row r of the item: token first + r / heads, query head kv_begin * group + r % heads,
-    // which reads kv head (that head) / group, at that offset in each cache slot.
+    // which reads kv head (that head) / group, at that offset in each cache slot. It attends to
+    // keys [begin_of(r), context_of(r)).
     const int64_t heads = (kv_end - kv_begin) * group;
     const int64_t rows = (last - first) * heads;
     auto head_of = [&](int64_t r) { return kv_begin * group + r % heads; };
     auto context_of = [&](int64_t r) { return int64_t{pos[first + r / heads]} + 1; };
+    auto begin_of = [&](int64_t r) { return first_key(pos[first + r / heads]); };
     auto q_offset = [&](int64_t r) { return (first + r / heads) * q.dim(1) + head_of(r) * head_dim; };
     auto kv_offset = [&](int64_t r) { return head_of(r) / group * head_dim; };
     // Asks for this item's part of a block's slots ahead of its use.
@@ -219,33 +242,50 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
         }
       }
     };
+    // Row r's keys in block b: [from, to), empty when from >= to.
+    auto keys_in = [&](int64_t r, int64_t b) {
+      return std::pair<int64_t, int64_t>{std::max(begin_of(r), b * block_size),
+                                         std::min(context_of(r), (b + 1) * block_size)};
+    };
 
-    // Scores as transformers' eager attention: (q . k) * scale, then a float32 softmax with the
-    // max subtracted. A block's slots are consecutive in the cache, slot_stride floats apart.
-    for (int64_t b = 0; b < blocks; ++b) {
+    // Scores as transformers' eager attention: (q . k) * scale, then (with softcap) softcap *
+    // tanh(score / softcap), then a float32 softmax with the max subtracted, over the row's keys
+    // and (with sinks) its head's sink, whose weight is then dropped. A block's slots are
+    // consecutive in the cache, slot_stride floats apart.
+    for (int64_t b = first_block; b < blocks; ++b) {
       const float* k_block = k_cache.as<float>() + table[b] * block_size * slot_stride;
       if (b + 1 < blocks) prefetch(k_cache.as<float>() + table[b + 1] * block_size * slot_stride);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t valid = std::min(block_size, context_of(r) - b * block_size);
-        if (valid > 0) {
-          BlockScores(weights + r * longest + b * block_size, q.as<float>() + q_offset(r), k_block + kv_offset(r),
-                      valid, slot_stride, head_dim, scale);
+        const auto [from, to] = keys_in(r, b);
+        if (from < to) {
+          BlockScores(weights + r * width + from - key0, q.as<float>() + q_offset(r),
+                      k_block + (from - b * block_size) * slot_stride + kv_offset(r), to - from, slot_stride,
+                      head_dim, scale);
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) SoftmaxRow(weights + r * longest, weights + r * longest, context_of(r), 1.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = weights + r * width + begin_of(r) - key0;  // the row's keys, then its sink
+      const int64_t keys = context_of(r) - begin_of(r);
+      if (softcap > 0.0f) {
+        for (int64_t j = 0; j < keys; ++j) row[j] = softcap * std::tanh(row[j] / softcap);
+      }
+      if (sinks != nullptr) row[keys] = sinks[head_of(r)];
+      SoftmaxRow(row, row, keys + (sinks != nullptr ? 1 : 0), 1.0f);
+    }
 
     // out = sum_j p_j v_j, accumulated in float, a block at a time. q's rows of this item are all
     // read above, and no other item reads them, so this is correct even if out is q.
     for (int64_t r = 0; r < rows; ++r) std::fill_n(out->as<float>() + q_offset(r), head_dim, 0.0f);
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = first_block; b < blocks; ++b) {
       const float* v_block = v_cache.as<float>() + table[b] * block_size * slot_stride;
       if (b + 1 < blocks) prefetch(v_cache.as<float>() + table[b + 1] * block_size * slot_stride);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t valid = std::min(block_size, context_of(r) - b * block_size);
-        if (valid > 0) {
-          BlockWeightedSum(out->as<float>() + q_offset(r), weights + r * longest + b * block_size,
-                           v_block + kv_offset(r), valid, slot_stride, head_dim);
+        const auto [from, to] = keys_in(r, b);
+        if (from < to) {
+          BlockWeightedSum(out->as<float>() + q_offset(r), weights + r * width + from - key0,
+                           v_block + (from - b * block_size) * slot_stride + kv_offset(r), to - from, slot_stride,
+                           head_dim);
         }
       }
     }

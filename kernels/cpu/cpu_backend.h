@@ -225,7 +225,7 @@ class CpuBackend final : public Backend {
                           const Tensor& slots) override;
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                         float scale) override;
+                         float scale, const AttentionOptions& options) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
@@ -317,7 +317,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_cos_;       // [head_dim / 2] cos of one token's angles
   std::vector<float> rope_sin_;       // [head_dim / 2] sin of one token's angles
   std::vector<std::pair<int64_t, int64_t>> attn_items_;  // [first, last) tokens of one sequence
-  std::vector<float> attn_weights_;   // [threads, item rows, longest context] scores, then probabilities
+  std::vector<float> attn_weights_;   // [threads, item rows, keys an item spans + 1] scores, then probabilities
   std::vector<float> sample_probs_;   // [vocab] probabilities of one row
   std::vector<float> sample_sorted_;  // [vocab] probabilities partially sorted for top-k / top-p
 };

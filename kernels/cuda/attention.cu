@@ -87,10 +87,17 @@ __device__ __forceinline__ typename Raw4<T>::type LoadRaw4(const T* row, int lef
 // index taken from device metadata is checked; an out-of-range one sets an error bit and its key
 // gets weight 0 (the output row is zero when nothing valid is left).
 //
+// AttentionOptions: with window > 0 the block walks keys (pos - window, pos] only, from the
+// window's first key; with softcap > 0 each score becomes softcap * tanh(score / softcap); with
+// sinks the softmax starts from the head's sink as if it were a key with no value (m = sink,
+// l = 1), so the max includes it and the denominator counts it. Each is a uniform branch outside
+// the inner loops, and the defaults (0, 0, null) leave the arithmetic as it was without them.
+//
 // kSplit (split-KV, "flash-decoding"): blockIdx.x = (t * q_heads + h) * splits + s, and the block
-// walks only keys [s * split_keys, (s + 1) * split_keys) of the context, writing its running max,
-// denominator and unnormalized numerator to partial[blockIdx.x] (head_dim + 2 floats: m, l, acc),
-// for AttentionCombineKernel; a range past the context (or a bad token) writes l = 0.
+// walks only keys [first + s * split_keys, first + (s + 1) * split_keys) of the context (first:
+// the window's first key, else 0), writing its running max, denominator and unnormalized
+// numerator to partial[blockIdx.x] (head_dim + 2 floats: m, l, acc), for AttentionCombineKernel,
+// which adds the sink; a range past the context (or a bad token) writes l = 0.
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kAttnThreads)
     AttentionKernel(T* out /*[n, q_heads * hd]*/, const T* q /*[n, q_heads * hd]*/,
@@ -98,8 +105,8 @@ __global__ void __launch_bounds__(kAttnThreads)
                     const T* v_cache /*[num_blocks, block_size, kv_heads, hd]*/, const int32_t* positions /*[n]*/,
                     const int32_t* token_seq /*[n]*/, const int32_t* block_tables /*[num_seqs, max_blocks]*/,
                     int q_heads, int kv_heads, int head_dim, int block_size, int64_t num_blocks, int64_t num_seqs,
-                    int64_t max_blocks, float scale, unsigned* errors, int splits = 1, int split_keys = 0,
-                    float* partial = nullptr) {
+                    int64_t max_blocks, float scale, int64_t window, float softcap, const float* sinks /*[q_heads]*/,
+                    unsigned* errors, int splits = 1, int split_keys = 0, float* partial = nullptr) {
   WaitForPriorKernels();  // CudaBackend::Launch
   __shared__ float q_s[kAttnMaxHeadDim];
   __shared__ float w_s[kAttnChunk];       // softmax weights of the chunk's keys (0: skipped)
@@ -118,8 +125,10 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t pos = positions[t];
   const bool bad_seq = seq < 0 || seq >= num_seqs;
   const bool bad_pos = pos < 0 || pos / block_size >= max_blocks;
-  // The keys this block walks: the whole context, or its split's range of it.
-  const int64_t begin = kSplit ? static_cast<int64_t>(split) * split_keys : 0;
+  // The keys this block walks: the context from the window's first key (AttentionOptions::window:
+  // pos - j < window), or its split's range of it.
+  const int64_t first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+  const int64_t begin = kSplit ? first + static_cast<int64_t>(split) * split_keys : first;
   const int64_t end = kSplit ? min(pos + 1, begin + split_keys) : pos + 1;
   float* part = kSplit ? partial + blockIdx.x * static_cast<int64_t>(head_dim + 2) : nullptr;
   if (bad_seq || bad_pos) {  // the same for every thread of the block
@@ -142,8 +151,11 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
   const bool vec = head_dim % (16 / static_cast<int>(sizeof(T))) == 0 &&
                    reinterpret_cast<uintptr_t>(k_cache) % 16 == 0;  // then every head's row is aligned too
+  // Without a sink, nothing yet; with one (the unsplit kernel), the sink as a key of weight
+  // exp(sink - m) and no value.
   float m = -INFINITY;
   float l = 0.0f;
+  if (!kSplit && sinks != nullptr) m = sinks[h], l = 1.0f;
   // This thread's sums of its warp's keys' weighted values, dims 4 lane + 128 r + [0, 4).
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   const bool vec_v = head_dim % 4 == 0 && reinterpret_cast<uintptr_t>(v_cache) % (4 * sizeof(T)) == 0;
@@ -165,6 +177,7 @@ __global__ void __launch_bounds__(kAttnThreads)
       if (block >= 0 && block < num_blocks) {
         base = (block * block_size + j % block_size) * slot_elems + static_cast<int64_t>(kv_head) * head_dim;
         score = DotQK(q_s, k_cache + base, head_dim, vec) * scale;
+        if (softcap > 0.0f) score = softcap * tanhf(score / softcap);  // Gemma 2: scale, then cap
       } else {
         atomicOr(errors, kErrAttentionBlock);
       }
@@ -246,13 +259,14 @@ __global__ void __launch_bounds__(kAttnThreads)
 
 // One block per (token, query head): the splits' partial sums of AttentionKernel<T, true> merged
 // as the online softmax merges chunks (each rescaled by exp(m_s - max m), ranges with l = 0
-// skipped), then normalized and rounded once; zero when no range had a valid key.
+// skipped), then normalized and rounded once; zero when no range had a valid key. With sinks the
+// head's sink joins the max and adds exp(sink - max) to the denominator, no value.
 template <typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     AttentionCombineKernel(T* out /*[n, q_heads * hd]*/, const float* partial /*[n * q_heads * splits, hd + 2]*/,
-                           int splits, int head_dim) {
+                           int splits, int head_dim, int q_heads, const float* sinks /*[q_heads]*/) {
   WaitForPriorKernels();  // CudaBackend::Launch
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x;  // t * q_heads + h
   const int64_t stride = head_dim + 2;
   const float* p = partial + row * splits * stride;
   float m = -INFINITY;
@@ -260,6 +274,11 @@ __global__ void __launch_bounds__(kAttnThreads)
     if (p[s * stride + 1] > 0.0f) m = fmaxf(m, p[s * stride]);
   }
   float l = 0.0f;
+  if (sinks != nullptr) {
+    const float sink = sinks[row % q_heads];
+    m = fmaxf(m, sink);
+    l = expf(sink - m);
+  }
   for (int s = 0; s < splits; ++s) {
     const float ls = p[s * stride + 1];
     if (ls > 0.0f) l += ls * expf(p[s * stride] - m);
@@ -319,7 +338,7 @@ absl::Status CudaBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Ten
 
 absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                     const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                                    float scale) {
+                                    float scale, const AttentionOptions& options) {
   constexpr const char* kOp = "Attention";
   if (out == nullptr) return Invalid(kOp, "out is null", {{"q", &q}, {"k_cache", &k_cache}});
   const auto all = {std::pair<const char*, const Tensor*>{"out", out},
@@ -352,15 +371,19 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
                    all);
   }
   const int64_t q_heads = q.dim(1) / head_dim;
+  SHARDSERVE_RETURN_IF_ERROR(CheckAttentionOptions(kOp, options, q_heads));
   if (n == 0 || q_heads == 0) return absl::OkStatus();
+  const float* sinks = options.sinks != nullptr ? options.sinks->as<const float>() : nullptr;
   if (!FitsInt(n * q_heads) || !FitsInt(block_size)) return Invalid(kOp, "too many (token, head) pairs", all);
   attention_limits_ = absl::StrCat("seqs ", block_tables.dim(0), ", max_blocks ", block_tables.dim(1), ", num_blocks ",
                                    num_blocks, ", block_size ", block_size);
-  // Split-KV: the ranges follow from the shapes alone (the longest context the block tables allow),
-  // never from the step's positions, so a step graph recorded with them replays any step.
+  // Split-KV: the ranges follow from the shapes alone (the longest context the block tables allow,
+  // or the window where that is shorter), never from the step's positions, so a step graph
+  // recorded with them replays any step.
   int splits = 1, split_keys = 0;
   if (options_.split_attention_keys > 0 && n <= kAttnSplitMaxTokens) {
-    const int64_t max_context = block_tables.dim(1) * block_size;
+    const int64_t max_context = options.window > 0 ? std::min(block_tables.dim(1) * block_size, options.window)
+                                                   : block_tables.dim(1) * block_size;
     const int64_t keys = std::max<int64_t>(options_.split_attention_keys, CeilDiv(max_context, kAttnMaxSplits));
     if (keys < max_context && FitsInt(keys)) {
       split_keys = static_cast<int>(keys);
@@ -381,7 +404,8 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
           q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
           token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
           static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
-          block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, 1, 0, nullptr));
+          block_tables.dim(0), block_tables.dim(1), scale, options.window, options.softcap, sinks, errors_dev_, 1, 0,
+          nullptr));
       return absl::OkStatus();
     }
     SHARDSERVE_RETURN_IF_ERROR(Launch(
@@ -389,10 +413,11 @@ absl::Status CudaBackend::Attention(Tensor* out, const Tensor& q, const Tensor& 
         out->as<T>(), q.as<const T>(), k_cache.as<const T>(), v_cache.as<const T>(), positions.as<const int32_t>(),
         token_seq.as<const int32_t>(), block_tables.as<const int32_t>(), static_cast<int>(q_heads),
         static_cast<int>(kv_heads), static_cast<int>(head_dim), static_cast<int>(block_size), num_blocks,
-        block_tables.dim(0), block_tables.dim(1), scale, errors_dev_, splits, split_keys, split_dev_));
+        block_tables.dim(0), block_tables.dim(1), scale, options.window, options.softcap, sinks, errors_dev_, splits,
+        split_keys, split_dev_));
     SHARDSERVE_RETURN_IF_ERROR(Launch("AttentionCombineKernel", AttentionCombineKernel<T>,
                                       static_cast<unsigned>(n * q_heads), kAttnThreads, out->as<T>(), split_dev_,
-                                      splits, static_cast<int>(head_dim)));
+                                      splits, static_cast<int>(head_dim), static_cast<int>(q_heads), sinks));
     return absl::OkStatus();
   });
 }

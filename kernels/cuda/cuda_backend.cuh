@@ -198,7 +198,7 @@ class CudaBackend final : public Backend {
                               int head_dim, Tensor* k_cache, Tensor* v_cache, const Tensor& slots) override;
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                         float scale) override;
+                         float scale, const AttentionOptions& options) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   // One dense GEMV launch with options_.fused_kernels where MatMuls would take one for the two
   // products (gemv.cu), else the base's MatMuls then SiluMul.
