@@ -180,8 +180,8 @@ class DeviceLikeBackend final : public Backend {
     return cpu_->CacheWrite(kc, vc, k, v, s);
   }
   absl::Status Attention(Tensor* o, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& p,
-                         const Tensor& ts, const Tensor& bt, float sc) override {
-    return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc);
+                         const Tensor& ts, const Tensor& bt, float sc, const AttentionOptions& ao) override {
+    return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc, ao);
   }
   absl::Status SiluMul(Tensor* o, const Tensor& g, const Tensor& u) override { return cpu_->SiluMul(o, g, u); }
   absl::Status Add(Tensor* o, const Tensor& a, const Tensor& b) override { return cpu_->Add(o, a, b); }

@@ -113,9 +113,9 @@ class RecordingBackend final : public Backend {
   }
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                         float scale) override {
+                         float scale, const AttentionOptions& options) override {
     return Op([=, this, o = *out]() mutable {
-      return inner_->Attention(&o, q, k_cache, v_cache, positions, token_seq, block_tables, scale);
+      return inner_->Attention(&o, q, k_cache, v_cache, positions, token_seq, block_tables, scale, options);
     });
   }
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
