@@ -242,18 +242,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     }
   }
   using SlidingWindow = FamilyDeclaration::SlidingWindow;
-  if (c.family->sliding_window == SlidingWindow::kCapsContext && Present(j, "sliding_window")) {
-    // Sliding-window attention only differs once a sequence is longer than the window; we cap the
-    // context to the window (see max_position_embeddings) rather than implement the mask.
+  c.layer_window.assign(c.num_hidden_layers, 0);
+  if (c.family->sliding_window == SlidingWindow::kEveryLayer && Present(j, "sliding_window")) {
     int64_t window = 0;
     SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
     if (window < kMinPositionEmbeddings || window > kMaxPositionEmbeddings) {
       return FieldError(source, "sliding_window",
                         absl::StrCat("must be null or in [", kMinPositionEmbeddings, ", 2^31], got ", window));
     }
-    if (window > 0 && (c.max_position_embeddings == 0 || window < c.max_position_embeddings)) {
-      c.max_position_embeddings = window;
-    }
+    c.layer_window.assign(c.num_hidden_layers, window);
   }
 
   // The weights' type: "dtype" as transformers 5.x writes it, "torch_dtype" as 4.x did.

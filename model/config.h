@@ -48,6 +48,10 @@ struct ModelConfig {
   bool qkv_bias = false;        // q/k/v biases (Qwen2; Llama and Qwen3 with attention_bias)
   bool o_bias = false;          // o_proj's bias (Llama and Qwen3 with attention_bias)
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (Qwen3)
+  // Per layer: the sliding window its attention sees (kernels/backend.h AttentionOptions::window),
+  // 0 for full attention. Mistral and Phi-3 slide in every layer when config.json's sliding_window
+  // is set. num_hidden_layers entries.
+  std::vector<int64_t> layer_window;
   bool mlp_bias = false;        // not supported; parsing rejects true
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)

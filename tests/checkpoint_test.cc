@@ -462,13 +462,19 @@ TEST_F(CheckpointTest, ConfigSizesOutOfRangeNameTheFieldAndTheValue) {
     EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
     EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("x/config.json: " + c.expected)) << c.value.dump();
   }
-  // Mistral's sliding_window caps the context, so it is bounded the same way.
+  // Mistral's sliding_window is bounded as a context length is; in range it is every layer's window
+  // and leaves the context as it was.
   json mistral = TinyConfig();
   mistral["architectures"] = {"MistralForCausalLM"};
   mistral["sliding_window"] = 2;
   auto parsed = ParseModelConfig(mistral.dump(), "config.json");
   ASSERT_FALSE(parsed.ok());
   EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("field \"sliding_window\" must be null or in [32, 2^31], got 2"));
+  mistral["sliding_window"] = 32;
+  parsed = ParseModelConfig(mistral.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->layer_window, std::vector<int64_t>{32});
+  EXPECT_EQ(parsed->max_position_embeddings, 64);
   // Absent, max_position_embeddings is 0: the server then needs --max-model-len.
   json absent = TinyConfig();
   absent.erase("max_position_embeddings");

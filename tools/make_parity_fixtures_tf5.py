@@ -3,7 +3,7 @@ config.json as current releases save it, RoPE in "rope_parameters" (base and sca
 "dtype" for "torch_dtype", "layer_types" where the family has it; and the families that need
 transformers 5 to run at all (Qwen3), one of them with its config.json rewritten as transformers 4.x
 wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi-3's fused
-qkv_proj and gate_up_proj. The checkpoint,
+qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt. The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -22,6 +22,8 @@ from transformers import (
     AutoConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Phi3Config,
@@ -145,6 +147,26 @@ def fixtures() -> list[Fixture]:
                 tie_word_embeddings=False,
             ),
             seed=10000,
+        ),
+        # Mistral with a sliding window of 32 (the smallest config.json may give) under a 48-token
+        # prompt and 32 greedy tokens: every position past 31 attends to its window only.
+        Fixture(
+            name="mistral_window_tf5",
+            model_cls=MistralForCausalLM,
+            config=MistralConfig(
+                vocab_size=416,
+                hidden_size=64,
+                intermediate_size=112,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                max_position_embeddings=1024,
+                sliding_window=32,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=11000,
+            prompt_len=48,
         ),
     ]
 

@@ -135,6 +135,14 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
   return packed;
 }
 
+std::string LlamaShard::GpuPathsNotYetRun() const {
+  if (backend_->device_kind() != DeviceKind::kCuda) return "";
+  for (int64_t i = first_layer_; i < end_layer_; ++i) {
+    if (config_.layer_window[i] > 0) return "sliding-window attention";
+  }
+  return "";
+}
+
 std::string LlamaShard::QuantizationSummary() const {
   if (!config_.checkpoint_quant.has_value()) return WeightQuantName(spec_.weight_quant);
   constexpr std::pair<WeightQuant, const char*> kPaths[] = {
@@ -376,8 +384,11 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     // rotary position embedding, then k/v written to the paged cache (one pass where the backend fuses them)
     SHARDSERVE_RETURN_IF_ERROR(be.RopeCacheWrite(&q, &k, v, positions, inv_freq_, static_cast<int>(config_.head_dim),
                                                  &l.k_cache, &l.v_cache, slots));
-    // causal attention over the cache
-    SHARDSERVE_RETURN_IF_ERROR(be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale));
+    // causal attention over the cache (within the layer's sliding window, if it has one)
+    AttentionOptions attention;
+    attention.window = config_.layer_window[first_layer_ + li];
+    SHARDSERVE_RETURN_IF_ERROR(
+        be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale, attention));
     // o_proj (row-parallel; its bias, if any, on one rank) + all-reduce of the partial sums
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, l.o_bias.data ? &l.o_bias : nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));

@@ -72,6 +72,9 @@ class LlamaShard {
   // How the linear weights are held, for the worker log: the --quantization name, or for a published
   // quantized checkpoint its format and how many weights took each path (model/quantized_checkpoint.h).
   std::string QuantizationSummary() const;
+  // The CUDA kernels this shard runs that have not yet passed on a GPU (docs/gpu.md), for one line
+  // at start; empty when none (and on the CPU).
+  std::string GpuPathsNotYetRun() const;
 
  private:
   // One decoder layer's slice. Shapes are this rank's (q = local q heads * head_dim, kv = local

@@ -150,6 +150,7 @@ class StepExecutor {
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   // How the linear weights are held (LlamaShard::QuantizationSummary), for the worker log.
   std::string quantization_summary() const { return shard_->QuantizationSummary(); }
+  std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its

@@ -408,6 +408,10 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
                                    executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
+  if (const std::string untried = executor_->gpu_paths_not_yet_run(); !untried.empty()) {
+    WorkerLog(Who(), absl::StrCat("this model runs CUDA kernels that have not yet passed on a GPU (docs/gpu.md): ",
+                                  untried), Ids("warn"));
+  }
   // The plan's memory beside what this worker allocated and measured, item by item (docs/gpu.md).
   for (const std::string& line : executor_->MemoryReport()) WorkerLog(Who(), "memory " + line, Ids());
   rejoins_ = 0;

@@ -91,9 +91,9 @@ struct FamilyDeclaration {
   enum class AttentionBias { kNone, kQkv, kConfigured };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
-  // "sliding_window": kCapsContext serves the context up to the window (Mistral, where every layer
-  // slides); kOffUnlessUsed honours it only with use_sliding_window true, which is refused (Qwen).
-  enum class SlidingWindow { kNone, kCapsContext, kOffUnlessUsed };
+  // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kOffUnlessUsed
+  // only with use_sliding_window true, which is refused (Qwen).
+  enum class SlidingWindow { kNone, kEveryLayer, kOffUnlessUsed };
   SlidingWindow sliding_window = SlidingWindow::kNone;
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).

@@ -52,7 +52,7 @@ const FamilyDeclaration kLlamaFamily = {.architecture = "LlamaForCausalLM",
                                         .layer_buffers = LlamaShapedBuffers};
 
 const FamilyDeclaration kMistralFamily = {.architecture = "MistralForCausalLM",
-                                          .sliding_window = FamilyDeclaration::SlidingWindow::kCapsContext,
+                                          .sliding_window = FamilyDeclaration::SlidingWindow::kEveryLayer,
                                           .weights = LlamaShapedWeights,
                                           .layer_buffers = LlamaShapedBuffers};
 

@@ -2,7 +2,7 @@
 // whose checkpoint fuses q, k and v into one qkv_proj ([q; k; v] rows, as transformers' Phi3Attention
 // slices them) and gate and up into one gate_up_proj ([gate; up] rows, Phi3MLP's chunk(2)). The
 // loader splits them (each part cut for TP as its own tensor would be), so the forward pass is the
-// Llama one. A sliding window caps the context, as Mistral's does. LongRoPE (Phi-3 128k, Phi-3.5,
+// Llama one. A sliding window applies to every layer, as Mistral's does. LongRoPE (Phi-3 128k, Phi-3.5,
 // Phi-4-mini) and partial rotary embeddings are refused when config.json is read.
 #include "model/families/families.h"
 
@@ -30,7 +30,7 @@ std::vector<WeightDecl> Phi3Weights(const ModelConfig& c) { return DecoderWeight
 }  // namespace
 
 const FamilyDeclaration kPhi3Family = {.architecture = "Phi3ForCausalLM",
-                                       .sliding_window = FamilyDeclaration::SlidingWindow::kCapsContext,
+                                       .sliding_window = FamilyDeclaration::SlidingWindow::kEveryLayer,
                                        .weights = Phi3Weights,
                                        .layer_buffers = LlamaShapedBuffers};
 
