@@ -180,10 +180,15 @@ class DeviceLikeBackend final : public Backend {
     return cpu_->CacheWrite(kc, vc, k, v, s);
   }
   absl::Status Attention(Tensor* o, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& p,
-                         const Tensor& ts, const Tensor& bt, float sc) override {
-    return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc);
+                         const Tensor& ts, const Tensor& bt, float sc, const AttentionOptions& opt) override {
+    return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc, opt);
   }
   absl::Status SiluMul(Tensor* o, const Tensor& g, const Tensor& u) override { return cpu_->SiluMul(o, g, u); }
+  absl::Status GeluTanhMul(Tensor* o, const Tensor& g, const Tensor& u) override {
+    return cpu_->GeluTanhMul(o, g, u);
+  }
+  absl::Status Scale(Tensor* o, const Tensor& x, float f) override { return cpu_->Scale(o, x, f); }
+  absl::Status Softcap(Tensor* x, float cap) override { return cpu_->Softcap(x, cap); }
   absl::Status Add(Tensor* o, const Tensor& a, const Tensor& b) override { return cpu_->Add(o, a, b); }
   absl::Status Softmax(Tensor* o, const Tensor& x, float t) override { return cpu_->Softmax(o, x, t); }
   absl::Status Argmax(Tensor* o, const Tensor& l) override { return cpu_->Argmax(o, l); }

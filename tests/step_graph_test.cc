@@ -113,13 +113,22 @@ class RecordingBackend final : public Backend {
   }
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
-                         float scale) override {
+                         float scale, const AttentionOptions& options) override {
     return Op([=, this, o = *out]() mutable {
-      return inner_->Attention(&o, q, k_cache, v_cache, positions, token_seq, block_tables, scale);
+      return inner_->Attention(&o, q, k_cache, v_cache, positions, token_seq, block_tables, scale, options);
     });
   }
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
     return Op([=, this, o = *out]() mutable { return inner_->SiluMul(&o, gate, up); });
+  }
+  absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
+    return Op([=, this, o = *out]() mutable { return inner_->GeluTanhMul(&o, gate, up); });
+  }
+  absl::Status Scale(Tensor* out, const Tensor& x, float factor) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Scale(&o, x, factor); });
+  }
+  absl::Status Softcap(Tensor* x, float cap) override {
+    return Op([=, this, xx = *x]() mutable { return inner_->Softcap(&xx, cap); });
   }
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override {
     return Op([=, this, o = *out]() mutable { return inner_->Add(&o, a, b); });
