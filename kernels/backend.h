@@ -277,6 +277,25 @@ class Backend {
                                   const Tensor& x /*[n, k] act*/, const Tensor& gate_w /*[f, k] act*/,
                                   const Tensor& up_w /*[f, k] act*/);
 
+  // GeGLU with the tanh GELU (Gemma, Gemma 2 and 3's MLP: transformers' gelu_pytorch_tanh, then
+  // "* up"): out = gelu_tanh(gate) * up, with gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2 / pi) *
+  // (x + 0.044715 * x^3))), PyTorch's gelu(approximate="tanh"), computed in float32 in PyTorch's
+  // order of operations and rounded to act once (out may alias gate or up).
+  virtual absl::Status GeluTanhMul(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,
+                                   const Tensor& up /*[n, f] act*/) = 0;
+
+  // out = x * factor, each product in float32 rounded to act once (out may alias x). Gemma's
+  // embedding normalizer: transformers multiplies the embeddings, in the hidden dtype, by
+  // torch.tensor(hidden_size ** 0.5, dtype=hidden.dtype), so the caller passes the factor already
+  // rounded to the act dtype (sqrt(3072) is 55.4256 in float32, 55.5 in bfloat16); this op does not
+  // round it.
+  virtual absl::Status Scale(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/, float factor) = 0;
+
+  // Logit soft-capping in place (Gemma 2's final_logit_softcapping): x = cap * tanh(x / cap) in
+  // float32, in transformers' order (divide, tanh, multiply). cap must be > 0 and finite
+  // (InvalidArgument otherwise).
+  virtual absl::Status Softcap(Tensor* x /*[n, v] f32*/, float cap) = 0;
+
   // out = a + b (out may alias a or b).
   virtual absl::Status Add(Tensor* out /*[n, d] act*/, const Tensor& a /*[n, d] act*/,
                            const Tensor& b /*[n, d] act*/) = 0;

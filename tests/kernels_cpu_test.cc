@@ -2325,6 +2325,156 @@ TEST_F(CpuBackendTest, SiluMul) {
   EXPECT_TRUE(out.GuardsIntact());
 }
 
+// gelu_tanh(x) * u in double: transformers' gelu_pytorch_tanh, then "* up".
+double GeluTanhTimes(double x, double u) {
+  const double kBeta = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(kBeta * (x + 0.044715 * x * x * x))) * u;
+}
+
+// How many float32 values lie between a and b (0: equal; +0 and -0 are equal).
+int64_t UlpsApart(float a, float b) {
+  const auto key = [](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return (bits & 0x80000000u) ? -static_cast<int64_t>(bits & 0x7fffffffu) : static_cast<int64_t>(bits);
+  };
+  return std::abs(key(a) - key(b));
+}
+
+TEST_F(CpuBackendTest, GeluTanhMul) {
+  const int64_t n = 3, f = 1000;
+  std::vector<float> gate = Random(rng_, n * f, -10.0f, 10.0f);
+  gate[0] = -100.0f;  // x^3 and tanh saturate: gelu is -0
+  gate[1] = 100.0f;   // gelu is x (with up scaled down, so as not to dominate max|want|)
+  gate[2] = 0.0f;
+  std::vector<float> up = Random(rng_, n * f, -2.0f, 2.0f);
+  up[1] = 0.125f;
+  std::vector<double> want(n * f);
+  for (int64_t i = 0; i < n * f; ++i) want[i] = GeluTanhTimes(gate[i], up[i]);
+
+  DeviceTensor dg = F32({n, f}, gate), du = F32({n, f}, up);
+  DeviceTensor out = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->GeluTanhMul(out.ptr(), dg.t(), du.t()).ok());
+  const std::vector<float> got = out.Download<float>();
+  // Each output's error is a few float32 roundings of |gate * up| / 2, not of itself: inner (a
+  // cube, a fused multiply-add and a product: ~3 ulp, which inner * tanh'(inner) <= 0.45 shrinks
+  // in tanh), tanh (half an ulp, an ulp at its cutoff), then 1 + tanh, 0.5 * x and the two
+  // products (half an ulp each). Where gate < -2, 1 + tanh cancels and those absolute errors
+  // become large relative to the tiny output, so the error is normalized by max|want| (~ max|gate
+  // * up| ~ 20 here): about 2 ulp of it at most, 1.2e-7 (5e-8 measured). 4 ulp, 2.4e-7, allowed.
+  ExpectClose("GeluTanhMul", got, want, 4 * 0x1p-24);
+  EXPECT_EQ(got[0], 0.0f);
+  EXPECT_EQ(got[1], 100.0f * 0.125f);
+  EXPECT_TRUE(out.GuardsIntact());
+
+  // In place through either operand: element by element, the same bits.
+  ASSERT_TRUE(backend_->GeluTanhMul(dg.ptr(), dg.t(), du.t()).ok());
+  EXPECT_EQ(dg.Download<float>(), got) << "out = gate";
+  EXPECT_TRUE(dg.GuardsIntact());
+  DeviceTensor dg2 = F32({n, f}, gate);
+  ASSERT_TRUE(backend_->GeluTanhMul(du.ptr(), dg2.t(), du.t()).ok());
+  EXPECT_EQ(du.Download<float>(), got) << "out = up";
+  EXPECT_TRUE(du.GuardsIntact());
+}
+
+// PyTorch's own float32 values, from
+//   /work/venv-hf5/bin/python -c "import torch; x = torch.tensor([-8.0, -5.1578517, -5.0, -3.5, -2.2226877, -1.0, -0.5, -1e-3, 0.0, 1e-3, 0.5, 1.0, 2.5, 4.0, 9.5, 30.0]).repeat(4); print([v.hex() for v in torch.nn.functional.gelu(x, approximate='tanh')[:16].tolist()])"
+// (torch 2.15, AVX512 kernels). The inputs repeated to 64, so that all go through the vectorized
+// loop (Sleef's tanhf) and none through the scalar tail, which calls libm's tanhf: that one gives
+// a non-zero gelu(-5.1578517) where the vectorized loop gives 0, and transformers' [n, f] gate
+// tensors go through the vectorized loop. With up = 1 each output is gelu(gate) itself.
+// Within 1 ulp, except gelu(-2.2226877): there Sleef's tanhf is an ulp from tanh rounded (as on
+// 63 of 2 million points of [-12, 12], all with gate in [-2.3, 0.6]), which 1 + tanh ~ 0.03
+// magnifies to 35 ulp of the output (2e-9 absolute, 2^-24 of |gate| / 2 as in the test above).
+TEST_F(CpuBackendTest, GeluTanhMulMatchesPyTorch) {
+  const std::vector<float> gate = {-8.0f, -5.1578517f, -5.0f, -3.5f, -2.2226877f, -1.0f, -0.5f, -1e-3f,
+                                   0.0f,  1e-3f,       0.5f,  1.0f,  2.5f,        4.0f,  9.5f,  30.0f};
+  const std::vector<float> torch = {-0x0.0p+0f,       -0x0.0p+0f,       -0x1.4p-22f,      -0x1.430ap-11f,
+                                    -0x1.d9154p-6f,   -0x1.453d2p-3f,   -0x1.3bfa4cp-3f,  -0x1.05ef52p-11f,
+                                    0x0.0p+0f,        0x1.065a6ap-11f,  0x1.6202dap-2f,   0x1.aeb0b8p-1f,
+                                    0x1.3e11b8p+1f,   0x1.fffdb4p+1f,   0x1.3p+3f,        0x1.ep+4f};
+  const auto count = static_cast<int64_t>(gate.size());
+  DeviceTensor dg = F32({1, count}, gate), ones = F32({1, count}, std::vector<float>(gate.size(), 1.0f));
+  DeviceTensor out = Output(DType::kF32, {1, count});
+  ASSERT_TRUE(backend_->GeluTanhMul(out.ptr(), dg.t(), ones.t()).ok());
+  const std::vector<float> got = out.Download<float>();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t limit = gate[i] == -2.2226877f ? 35 : 1;  // the others are equal, 0 ulp
+    EXPECT_LE(UlpsApart(got[i], torch[i]), limit) << "gelu(" << gate[i] << "): got " << got[i] << ", torch " << torch[i];
+  }
+}
+
+TEST_F(CpuBackendTest, ScaleInPlaceAndNot) {
+  const int64_t n = 4, d = 300;
+  const std::vector<float> x = Random(rng_, n * d, -3.0f, 3.0f);
+  const float factor = static_cast<float>(std::sqrt(3072.0));  // Gemma 2 9B's sqrt(hidden) in float32
+  std::vector<double> want(n * d);
+  for (int64_t i = 0; i < n * d; ++i) want[i] = static_cast<double>(x[i]) * factor;
+
+  // One float32 product, correctly rounded: within half an ulp, 2^-24 of max|want|.
+  constexpr double kLimit = 0x1p-24;
+  DeviceTensor dx = F32({n, d}, x);
+  DeviceTensor out = Output(DType::kF32, {n, d});
+  ASSERT_TRUE(backend_->Scale(out.ptr(), dx.t(), factor).ok());
+  const std::vector<float> got = out.Download<float>();
+  ExpectClose("Scale", got, want, kLimit);
+  EXPECT_TRUE(out.GuardsIntact());
+  ASSERT_TRUE(backend_->Scale(dx.ptr(), dx.t(), factor).ok());  // out aliases x
+  EXPECT_EQ(dx.Download<float>(), got);
+  EXPECT_TRUE(dx.GuardsIntact());
+}
+
+TEST_F(CpuBackendTest, SoftcapInPlace) {
+  const int64_t m = 3, v = 2000;
+  // 30: Gemma 2's final_logit_softcapping; 50: its attn_logit_softcapping.
+  for (const float cap : {30.0f, 50.0f}) {
+    std::vector<float> logits = Random(rng_, m * v, -150.0f, 150.0f);
+    logits[0] = 1e30f;  // saturates to cap
+    logits[1] = -1e30f;
+    logits[2] = 0.0f;
+    std::vector<double> want(m * v);
+    for (int64_t i = 0; i < m * v; ++i) want[i] = cap * std::tanh(static_cast<double>(logits[i]) / cap);
+    DeviceTensor x = F32({m, v}, logits);
+    ASSERT_TRUE(backend_->Softcap(x.ptr(), cap).ok());
+    const std::vector<float> got = x.Download<float>();
+    // Relative to cap (max|want| is within 1% of it): x / cap rounded (half an ulp of y = x / cap,
+    // which tanh' = sech^2 shrinks to y sech^2(y) <= 0.45 of it), tanh rounded (half an ulp; an
+    // ulp past its cutoff), the product rounded (half an ulp): under 2 ulp, 1.2e-7. 2e-7 gives
+    // headroom.
+    ExpectClose(absl::StrCat("Softcap cap=", cap), got, want, 2e-7);
+    EXPECT_EQ(got[0], cap);
+    EXPECT_EQ(got[1], -cap);
+    EXPECT_EQ(got[2], 0.0f);
+    EXPECT_TRUE(x.GuardsIntact());
+  }
+}
+
+TEST_F(CpuBackendTest, GeluTanhMulScaleSoftcapRefuseBadArguments) {
+  DeviceTensor x = F32({2, 8}, Random(rng_, 16)), y = F32({2, 7}, Random(rng_, 14));
+  DeviceTensor out = Output(DType::kF32, {2, 8});
+  DeviceTensor x16(backend_.get(), DType::kF16, {2, 8});
+  DeviceTensor ids = I32({2, 8}, std::vector<int32_t>(16, 1));
+  DeviceTensor row = F32({16}, Random(rng_, 16));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->GeluTanhMul(out.ptr(), x.t(), y.t()), "GeluTanhMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->GeluTanhMul(out.ptr(), x16.t(), x.t()), "GeluTanhMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->GeluTanhMul(nullptr, x.t(), x.t()), "GeluTanhMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Scale(out.ptr(), y.t(), 2.0f), "Scale"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Scale(out.ptr(), x16.t(), 2.0f), "Scale"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Scale(nullptr, x.t(), 2.0f), "Scale"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Softcap(ids.ptr(), 30.0f), "Softcap"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Softcap(&x16.t(), 30.0f), "Softcap"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Softcap(row.ptr(), 30.0f), "Softcap"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Softcap(nullptr, 30.0f), "Softcap"));
+  DeviceTensor logits = F32({2, 8}, Random(rng_, 16));
+  const std::vector<float> logits_before = logits.Download<float>();
+  for (const float cap : {0.0f, -0.0f, -30.0f, std::numeric_limits<float>::quiet_NaN(), kInf, -kInf}) {
+    const absl::Status s = backend_->Softcap(logits.ptr(), cap);
+    EXPECT_TRUE(IsInvalidArgumentNaming(s, "Softcap")) << "cap " << cap << ": " << s;
+  }
+  EXPECT_EQ(logits.Download<float>(), logits_before) << "a refused Softcap wrote";
+  for (DeviceTensor* t : {&out, &logits, &ids, &row}) EXPECT_TRUE(t->GuardsIntact());
+}
+
 TEST_F(CpuBackendTest, AddInPlaceThroughEitherOperand) {
   const int64_t n = 5, d = 77;
   const std::vector<float> a = Random(rng_, n * d), b = Random(rng_, n * d);

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -72,7 +73,21 @@ namespace {
   } while (0)
 
 // ---- Thresholds -------------------------------------------------------------------------------
-enum class Op { kEmbedding, kRmsNorm, kMatMul, kMatMulF32Out, kRope, kCacheWrite, kAttention, kSiluMul, kAdd, kSoftmax };
+enum class Op {
+  kEmbedding,
+  kRmsNorm,
+  kMatMul,
+  kMatMulF32Out,
+  kRope,
+  kCacheWrite,
+  kAttention,
+  kSiluMul,
+  kAdd,
+  kSoftmax,
+  kGeluTanhMul,
+  kScale,
+  kSoftcap,
+};
 
 // Unit roundoff of a float dtype: the largest relative error of one round-to-nearest.
 double UnitRoundoff(DType t) {
@@ -103,10 +118,12 @@ double Threshold(Op op, DType act) {
     case Op::kCacheWrite:
       return 0.0;
     case Op::kAdd:
+    case Op::kScale:  // one product, rounded once on each side
       return std::max(1e-6, act == DType::kF32 ? 0.0 : round_out);
     case Op::kRmsNorm:
     case Op::kRope:
     case Op::kSiluMul:
+    case Op::kGeluTanhMul:  // CUDA's tanhf (2 ulp) where the CPU rounds tanh once
     case Op::kMatMul:
       return std::max(1e-5, act == DType::kF32 ? 0.0 : round_out);
     case Op::kAttention:
@@ -119,6 +136,10 @@ double Threshold(Op op, DType act) {
       return act == DType::kF32 ? 1e-5 : 1e-4;
     case Op::kSoftmax:
       // Float32 in and out for every act dtype: expf ulps and the order of the row sum.
+      return 1e-5;
+    case Op::kSoftcap:
+      // Float32 in and out for every act dtype: CUDA's tanhf (2 ulp) against the CPU's tanh rounded
+      // once, relative to cap: a few float32 ulps, so the floor of (a).
       return 1e-5;
   }
   return 0.0;
@@ -312,6 +333,11 @@ class CudaVsCpu : public CudaTest {
   // Attention with `features` on both paths (one block per (token, head) and split over the keys)
   // against the CPU backend; the batch and its layouts are described at the definition.
   void CheckAttention(const AttentionFeatures& features);
+  // A two-input element-wise op on [4, 1000] (SiluMul, GeluTanhMul, Add), run(backend, out, a, b),
+  // on both backends from the same inputs (a in [-a_range, a_range), b in [-1, 1)) against the
+  // CPU's, by `op`'s threshold; then on CUDA in place through a, which backend.h allows.
+  using BinaryOp = std::function<absl::Status(Backend*, Tensor*, const Tensor&, const Tensor&)>;
+  void CheckBinary(Op op, const char* name, float a_range, const BinaryOp& run);
 };
 // CUDA-only contracts: errors for bad shapes and bad device-side metadata.
 class CudaChecks : public CudaTest {};
@@ -900,50 +926,93 @@ TEST_P(CudaVsCpu, AttentionSinks) { CheckAttention({.sinks = true}); }
 
 TEST_P(CudaVsCpu, AttentionAllOptions) { CheckAttention({.window = 40, .softcap = 5.0f, .sinks = true, .q_range = 8.0f}); }
 
-TEST_P(CudaVsCpu, SiluMul) {
-  const int64_t n = 4, f = 1000;
-  // gate over [-8, 8] covers both tails of silu.
-  const std::vector<float> gate = RandomValues(n * f, Seed(Op::kSiluMul, act()), act(), -8.0f, 8.0f);
-  const std::vector<float> up = RandomValues(n * f, Seed(Op::kSiluMul, act(), 1), act());
-
-  SS_ASSIGN_OR_FAIL(Guarded g_gate, UploadF(cuda_.get(), gate, act(), {n, f}));
-  SS_ASSIGN_OR_FAIL(Guarded g_up, UploadF(cuda_.get(), up, act(), {n, f}));
-  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, f}));
-  SS_RUN_OP("CUDA", cuda_->SiluMul(&g_out.t, g_gate.t, g_up.t));
-
-  SS_ASSIGN_OR_FAIL(Guarded c_gate, UploadF(cpu_.get(), gate, DType::kF32, {n, f}));
-  SS_ASSIGN_OR_FAIL(Guarded c_up, UploadF(cpu_.get(), up, DType::kF32, {n, f}));
-  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, f}));
-  SS_RUN_OP("CPU", cpu_->SiluMul(&c_out.t, c_gate.t, c_up.t));
-
-  SS_READ_F(got, cuda_.get(), g_out);
-  SS_READ_F(want, cpu_.get(), c_out);
-  EXPECT_TRUE(Close("SiluMul", got, want, Threshold(Op::kSiluMul, act())));
-}
-
-// Separate output, and in place (out aliases a), which backend.h allows.
-TEST_P(CudaVsCpu, Add) {
+void CudaVsCpu::CheckBinary(Op op, const char* name, float a_range, const BinaryOp& run) {
   const int64_t n = 4, d = 1000;
-  const std::vector<float> a = RandomValues(n * d, Seed(Op::kAdd, act()), act(), -4.0f, 4.0f);
-  const std::vector<float> b = RandomValues(n * d, Seed(Op::kAdd, act(), 1), act());
+  const std::vector<float> a = RandomValues(n * d, Seed(op, act()), act(), -a_range, a_range);
+  const std::vector<float> b = RandomValues(n * d, Seed(op, act(), 1), act());
 
   SS_ASSIGN_OR_FAIL(Guarded g_a, UploadF(cuda_.get(), a, act(), {n, d}));
   SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), b, act(), {n, d}));
   SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
-  SS_RUN_OP("CUDA", cuda_->Add(&g_out.t, g_a.t, g_b.t));
+  SS_RUN_OP("CUDA", run(cuda_.get(), &g_out.t, g_a.t, g_b.t));
 
   SS_ASSIGN_OR_FAIL(Guarded c_a, UploadF(cpu_.get(), a, DType::kF32, {n, d}));
   SS_ASSIGN_OR_FAIL(Guarded c_b, UploadF(cpu_.get(), b, DType::kF32, {n, d}));
   SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
-  SS_RUN_OP("CPU", cpu_->Add(&c_out.t, c_a.t, c_b.t));
+  SS_RUN_OP("CPU", run(cpu_.get(), &c_out.t, c_a.t, c_b.t));
 
   SS_READ_F(want, cpu_.get(), c_out);
   SS_READ_F(got, cuda_.get(), g_out);
-  EXPECT_TRUE(Close("Add", got, want, Threshold(Op::kAdd, act())));
+  EXPECT_TRUE(Close(name, got, want, Threshold(op, act())));
 
-  SS_RUN_OP("CUDA", cuda_->Add(&g_a.t, g_a.t, g_b.t));  // in place
+  SS_RUN_OP("CUDA", run(cuda_.get(), &g_a.t, g_a.t, g_b.t));  // in place
   SS_READ_F(got_in_place, cuda_.get(), g_a);
-  EXPECT_TRUE(Close("Add in place", got_in_place, want, Threshold(Op::kAdd, act())));
+  EXPECT_TRUE(Close((std::string(name) + " in place").c_str(), got_in_place, want, Threshold(op, act())));
+}
+
+// gate over [-8, 8] covers both tails of silu.
+TEST_P(CudaVsCpu, SiluMul) {
+  CheckBinary(Op::kSiluMul, "SiluMul", 8.0f, [](Backend* be, Tensor* out, const Tensor& gate, const Tensor& up) {
+    return be->SiluMul(out, gate, up);
+  });
+}
+
+// gate over [-8, 8] covers GELU's tails and the region below -2 where 1 + tanh cancels.
+TEST_P(CudaVsCpu, GeluTanhMul) {
+  CheckBinary(Op::kGeluTanhMul, "GeluTanhMul", 8.0f,
+              [](Backend* be, Tensor* out, const Tensor& gate, const Tensor& up) {
+                return be->GeluTanhMul(out, gate, up);
+              });
+}
+
+TEST_P(CudaVsCpu, Add) {
+  CheckBinary(Op::kAdd, "Add", 4.0f,
+              [](Backend* be, Tensor* out, const Tensor& a, const Tensor& b) { return be->Add(out, a, b); });
+}
+
+// The factor is sqrt(3072) rounded to the act dtype, as the caller passes it (backend.h); separate
+// output, then in place.
+TEST_P(CudaVsCpu, Scale) {
+  const int64_t n = 4, d = 1000;
+  const std::vector<float> x = RandomValues(n * d, Seed(Op::kScale, act()), act(), -4.0f, 4.0f);
+  const float factor = RoundTo({static_cast<float>(std::sqrt(3072.0))}, act())[0];
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, act(), {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, d}));
+  SS_RUN_OP("CUDA", cuda_->Scale(&g_out.t, g_x.t, factor));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, d}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, d}));
+  SS_RUN_OP("CPU", cpu_->Scale(&c_out.t, c_x.t, factor));
+
+  SS_READ_F(got, cuda_.get(), g_out);
+  SS_READ_F(want, cpu_.get(), c_out);
+  EXPECT_TRUE(Close("Scale", got, want, Threshold(Op::kScale, act())));
+
+  SS_RUN_OP("CUDA", cuda_->Scale(&g_x.t, g_x.t, factor));  // in place
+  SS_READ_F(got_in_place, cuda_.get(), g_x);
+  EXPECT_TRUE(Close("Scale in place", got_in_place, want, Threshold(Op::kScale, act())));
+}
+
+// Float32 logits whatever the act dtype, over [-150, 150] (tanh saturated at both ends for cap 30),
+// at Gemma 2's two caps (final logits 30, attention 50); cap <= 0, NaN and Inf refused.
+TEST_P(CudaVsCpu, Softcap) {
+  const int64_t m = 3, v = 5000;
+  for (const float cap : {30.0f, 50.0f}) {
+    SCOPED_TRACE(::testing::Message() << "cap " << cap);
+    const std::vector<float> x = RandomValues(m * v, Seed(Op::kSoftcap, act()), DType::kF32, -150.0f, 150.0f);
+    SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, DType::kF32, {m, v}));
+    SS_RUN_OP("CUDA", cuda_->Softcap(&g_x.t, cap));
+    SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {m, v}));
+    SS_RUN_OP("CPU", cpu_->Softcap(&c_x.t, cap));
+    SS_READ_F(got, cuda_.get(), g_x);
+    SS_READ_F(want, cpu_.get(), c_x);
+    EXPECT_TRUE(Close("Softcap", got, want, Threshold(Op::kSoftcap, act())));
+  }
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), std::vector<float>(8, 1.0f), DType::kF32, {2, 4}));
+  for (const float cap : {0.0f, -1.0f, std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(cuda_->Softcap(&g_x.t, cap))) << "cap " << cap;
+  }
 }
 
 // AddRmsNorm (CudaBackendOptions::fused_kernels; passed on an H200, 2026-11-28): the fused

@@ -184,6 +184,11 @@ class DeviceLikeBackend final : public Backend {
     return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc, ao);
   }
   absl::Status SiluMul(Tensor* o, const Tensor& g, const Tensor& u) override { return cpu_->SiluMul(o, g, u); }
+  absl::Status GeluTanhMul(Tensor* o, const Tensor& g, const Tensor& u) override {
+    return cpu_->GeluTanhMul(o, g, u);
+  }
+  absl::Status Scale(Tensor* o, const Tensor& x, float f) override { return cpu_->Scale(o, x, f); }
+  absl::Status Softcap(Tensor* x, float cap) override { return cpu_->Softcap(x, cap); }
   absl::Status Add(Tensor* o, const Tensor& a, const Tensor& b) override { return cpu_->Add(o, a, b); }
   absl::Status Softmax(Tensor* o, const Tensor& x, float t) override { return cpu_->Softmax(o, x, t); }
   absl::Status Argmax(Tensor* o, const Tensor& l) override { return cpu_->Argmax(o, l); }

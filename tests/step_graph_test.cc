@@ -121,6 +121,15 @@ class RecordingBackend final : public Backend {
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
     return Op([=, this, o = *out]() mutable { return inner_->SiluMul(&o, gate, up); });
   }
+  absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override {
+    return Op([=, this, o = *out]() mutable { return inner_->GeluTanhMul(&o, gate, up); });
+  }
+  absl::Status Scale(Tensor* out, const Tensor& x, float factor) override {
+    return Op([=, this, o = *out]() mutable { return inner_->Scale(&o, x, factor); });
+  }
+  absl::Status Softcap(Tensor* x, float cap) override {
+    return Op([=, this, xx = *x]() mutable { return inner_->Softcap(&xx, cap); });
+  }
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override {
     return Op([=, this, o = *out]() mutable { return inner_->Add(&o, a, b); });
   }

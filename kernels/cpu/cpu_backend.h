@@ -18,14 +18,16 @@
 // - Short dot products (one head, head_dim terms) are float, like a SIMD BLAS kernel.
 // - exp is a vectorized polynomial (ExpVec) within an ulp or two of glibc's expf, as PyTorch's
 //   vectorized softmax and SiLU use their own (Sleef's) rather than libm's.
+// - tanh (GeluTanhMul, Softcap) is PyTorch's vectorized one (Sleef's tanhf_u10) as nearly as we
+//   can without its code: tanh in double rounded once, and +-1 beyond Sleef's cutoff (elementwise.cc).
 // - CpuMatMul::kBF16 (backend.h) departs from this on purpose: products of bf16-rounded inputs.
 //
 // Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
 // element-wise loops over contiguous rows; attention, softmax and SiLU with 8-float GCC vectors
 // (kernels/cpu/vec.h), dot products in independent partial sums (see BlockScores, attention.cc).
 //
-// Threading: matrix products, attention (up to 16 tokens of one sequence per iteration)
-// and SiluMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
+// Threading: matrix products, attention (up to 16 tokens of one sequence per iteration), SiluMul
+// and GeluTanhMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
 // other ops run on the calling thread. A CpuBackend is used by one thread at a time (backend.h);
 // its scratch vectors rely on that.
 #ifndef SHARDSERVE_KERNELS_CPU_CPU_BACKEND_H_
@@ -227,12 +229,20 @@ class CpuBackend final : public Backend {
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale, const AttentionOptions& options) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status Scale(Tensor* out, const Tensor& x, float factor) override;
+  absl::Status Softcap(Tensor* x, float cap) override;
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
 
  private:
+  // SiluMul's and GeluTanhMul's body (elementwise.cc): `op`'s argument checks, then
+  // range(y, gate, up, begin, end) over chunks of the elements on the backend's threads.
+  using GatedRange = void (*)(float* y, const float* gate, const float* up, int64_t begin, int64_t end);
+  absl::Status GatedMul(const char* op, GatedRange range, Tensor* out, const Tensor& gate, const Tensor& up);
+
   // A weight PackMatMulWeight repacked, keyed in packed_ by the address of its buffer.
   struct PackedWeight {
     int64_t m = 0, k = 0;      // the logical [m, k]
@@ -295,7 +305,7 @@ class CpuBackend final : public Backend {
   }
   QuantIsa IntIsa() const { return IntIsaFor(act_); }
 
-  const int threads_;  // OpenMP's threads for this backend's products, attention and SiluMul
+  const int threads_;  // OpenMP's threads for this backend's products, attention, SiluMul and GeluTanhMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
   const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on Int8ActivationsIsa()
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};

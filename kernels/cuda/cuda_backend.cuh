@@ -200,6 +200,9 @@ class CudaBackend final : public Backend {
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale, const AttentionOptions& options) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status Scale(Tensor* out, const Tensor& x, float factor) override;
+  absl::Status Softcap(Tensor* x, float cap) override;
   // One dense GEMV launch with options_.fused_kernels where MatMuls would take one for the two
   // products (gemv.cu), else the base's MatMuls then SiluMul.
   absl::Status GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_w,
@@ -231,6 +234,8 @@ class CudaBackend final : public Backend {
   size_t DequantScratchBytes(int64_t m, int64_t k) const {
     return static_cast<size_t>(CudaDequantScratchBytes(m, k, act_, DequantScratchLimit()));
   }
+  // SiluMul's (gelu_tanh false) and GeluTanhMul's (true) checks and launch (elementwise.cu).
+  absl::Status GatedMul(const char* op, bool gelu_tanh, Tensor* out, const Tensor& gate, const Tensor& up);
   // Rope's and CacheWrite's checks (CacheWrite's also notes the cache's limits for error messages),
   // and Rope with, when v is given, the cache write in the same kernel (elementwise.cu).
   absl::Status CheckRope(const Tensor* q, const Tensor* k, const Tensor& positions, const Tensor& inv_freq,

@@ -1,6 +1,7 @@
 // The CUDA backend's ops that touch each element (or each row) once: Embedding, RmsNorm, Rope,
-// SiluMul, Add, AddRmsNorm and RopeCacheWrite (each fused behind CudaBackendOptions::fused_kernels),
-// their kernels and launches.
+// SiluMul, GeluTanhMul, Scale, Softcap, Add, AddRmsNorm and RopeCacheWrite (the last two fused
+// behind CudaBackendOptions::fused_kernels), their kernels and launches.
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
@@ -22,12 +23,37 @@ __global__ void EmbeddingKernel(T* out /*[n, d]*/, const T* table /*[rows, d]*/,
   }
 }
 
-template <typename T>
-__global__ void SiluMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, int64_t n) {
+// out = act(gate) * up in float32, rounded once: act is silu (SiluMul; SiluTimes) or, kGeluTanh,
+// the tanh GELU (GeluTanhMul) in the CPU backend's (PyTorch's) order: inner = kBeta * (x + kKappa *
+// x^3) with the sum a fused multiply-add, 0.5 * x * (1 + tanh(inner)), times up. tanhf is CUDA's
+// (within 2 ulp), so where 1 + tanh cancels (gate below about -2) the outputs differ from the CPU's
+// by a few ulps of tanh, relative to |gate * up|.
+template <typename T, bool kGeluTanh>
+__global__ void GatedMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, int64_t n) {
   WaitForPriorKernels();  // CudaBackend::Launch
+  constexpr float kBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  constexpr float kKappa = 0.044715f;
   GRID_STRIDE_LOOP(i, n) {
-    out[i] = FromFloat<T>(SiluTimes(ToFloat(gate[i]), ToFloat(up[i])));
+    const float x = ToFloat(gate[i]);
+    if constexpr (kGeluTanh) {
+      const float inner = kBeta * fmaf(kKappa, x * x * x, x);
+      out[i] = FromFloat<T>(0.5f * x * (1.0f + tanhf(inner)) * ToFloat(up[i]));
+    } else {
+      out[i] = FromFloat<T>(SiluTimes(x, ToFloat(up[i])));
+    }
   }
+}
+
+template <typename T>
+__global__ void ScaleKernel(T* out /*[n]*/, const T* x /*[n]*/, float factor, int64_t n) {
+  WaitForPriorKernels();  // CudaBackend::Launch
+  GRID_STRIDE_LOOP(i, n) out[i] = FromFloat<T>(ToFloat(x[i]) * factor);
+}
+
+// x = cap * tanh(x / cap), in transformers' order: divide (IEEE-rounded: no fast math), tanh, multiply.
+__global__ void SoftcapKernel(float* x /*[n]*/, float cap, int64_t n) {
+  WaitForPriorKernels();  // CudaBackend::Launch
+  GRID_STRIDE_LOOP(i, n) x[i] = tanhf(x[i] / cap) * cap;
 }
 
 template <typename T>
@@ -349,22 +375,65 @@ absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Ten
 }
 
 absl::Status CudaBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) {
-  constexpr const char* kOp = "SiluMul";
-  if (out == nullptr) return Invalid(kOp, "out is null", {{"gate", &gate}, {"up", &up}});
+  return GatedMul("SiluMul", false, out, gate, up);
+}
+
+absl::Status CudaBackend::GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) {
+  return GatedMul("GeluTanhMul", true, out, gate, up);
+}
+
+absl::Status CudaBackend::GatedMul(const char* op, bool gelu_tanh, Tensor* out, const Tensor& gate,
+                                   const Tensor& up) {
+  if (out == nullptr) return Invalid(op, "out is null", {{"gate", &gate}, {"up", &up}});
   const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"gate", &gate}, {"up", &up}};
   if (!Is(*out, 2, act_) || !Is(gate, 2, act_) || !Is(up, 2, act_)) {
-    return Invalid(kOp, absl::StrCat("expected out, gate, up [n, f] ", DTypeName(act_)), all);
+    return Invalid(op, absl::StrCat("expected out, gate, up [n, f] ", DTypeName(act_)), all);
   }
-  if (!SameShape(*out, gate) || !SameShape(*out, up)) return Invalid(kOp, "shapes do not match", all);
+  if (!SameShape(*out, gate) || !SameShape(*out, up)) return Invalid(op, "shapes do not match", all);
   const int64_t count = out->numel();
   if (count == 0) return absl::OkStatus();
   SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
-    SHARDSERVE_RETURN_IF_ERROR(Launch("SiluMulKernel", SiluMulKernel<T>, GridFor(count, kElementwiseThreads),
-                                      kElementwiseThreads, out->as<T>(), gate.as<const T>(), up.as<const T>(), count));
-    return absl::OkStatus();
+    const unsigned grid = GridFor(count, kElementwiseThreads);
+    if (gelu_tanh) {
+      return Launch("GeluTanhMulKernel", GatedMulKernel<T, true>, grid, kElementwiseThreads, out->as<T>(),
+                    gate.as<const T>(), up.as<const T>(), count);
+    }
+    return Launch("SiluMulKernel", GatedMulKernel<T, false>, grid, kElementwiseThreads, out->as<T>(),
+                  gate.as<const T>(), up.as<const T>(), count);
   });
+}
+
+absl::Status CudaBackend::Scale(Tensor* out, const Tensor& x, float factor) {
+  constexpr const char* kOp = "Scale";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"x", &x}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}};
+  if (!Is(*out, 2, act_) || !Is(x, 2, act_)) {
+    return Invalid(kOp, absl::StrCat("expected out, x [n, d] ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*out, x)) return Invalid(kOp, "shapes do not match", all);
+  const int64_t count = out->numel();
+  if (count == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    return Launch("ScaleKernel", ScaleKernel<T>, GridFor(count, kElementwiseThreads), kElementwiseThreads,
+                  out->as<T>(), x.as<const T>(), factor, count);
+  });
+}
+
+absl::Status CudaBackend::Softcap(Tensor* x, float cap) {
+  constexpr const char* kOp = "Softcap";
+  if (x == nullptr) return Invalid(kOp, "x is null", {});
+  const auto all = {std::pair<const char*, const Tensor*>{"x", x}};
+  if (!Is(*x, 2, DType::kF32)) return Invalid(kOp, "expected x [n, v] F32", all);
+  if (!(cap > 0.0f) || std::isinf(cap)) return Invalid(kOp, absl::StrCat("cap must be > 0 and finite, got ", cap), all);
+  const int64_t count = x->numel();
+  if (count == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return Launch("SoftcapKernel", SoftcapKernel, GridFor(count, kElementwiseThreads), kElementwiseThreads,
+                x->as<float>(), cap, count);
 }
 
 absl::Status CudaBackend::Add(Tensor* out, const Tensor& a, const Tensor& b) {
