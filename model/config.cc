@@ -236,14 +236,29 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   if (c.rms_norm_eps <= 0) return FieldError(source, "rms_norm_eps", "must be > 0");
   if (c.rope_theta <= 0) return FieldError(source, "rope_theta", "must be > 0");
   if (c.mlp_bias) return FieldError(source, "mlp_bias", "true is not supported");
-  for (const char* act_field : {"hidden_act"}) {
-    if (j.contains(act_field) && j[act_field] != "silu") {
-      return FieldError(source, act_field, absl::StrCat("is ", j[act_field].dump(), "; only \"silu\" is supported"));
+  // The MLP's activation: "hidden_act", or Gemma's "hidden_activation" (which wins where both are).
+  const std::string activation = c.family->activation;
+  for (const char* act_field : {"hidden_act", "hidden_activation"}) {
+    if (Present(j, act_field) && j[act_field] != activation &&
+        !(act_field == std::string("hidden_act") && Present(j, "hidden_activation"))) {
+      return FieldError(source, act_field,
+                        absl::StrCat("is ", j[act_field].dump(), "; ", c.architecture_name, " takes \"", activation, "\""));
     }
+  }
+  c.activation = activation == "silu" ? ModelConfig::Activation::kSilu : ModelConfig::Activation::kGeluTanh;
+  c.norm_plus_one = c.family->norm_plus_one;
+  if (c.family->scale_embeddings) c.embedding_scale = std::sqrt(static_cast<double>(c.hidden_size));
+  if (c.family->query_pre_attn_scalar && Present(j, "query_pre_attn_scalar")) {
+    double scalar = 0;
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "query_pre_attn_scalar", &scalar));
+    if (!(scalar > 0) || !std::isfinite(scalar)) return FieldError(source, "query_pre_attn_scalar", "must be > 0");
+    c.attention_scale = std::pow(scalar, -0.5);
   }
   using SlidingWindow = FamilyDeclaration::SlidingWindow;
   c.layer_window.assign(c.num_hidden_layers, 0);
-  if (c.family->sliding_window == SlidingWindow::kEveryLayer && Present(j, "sliding_window")) {
+  if ((c.family->sliding_window == SlidingWindow::kEveryLayer ||
+       c.family->sliding_window == SlidingWindow::kLayerTypes) &&
+      Present(j, "sliding_window")) {
     int64_t window = 0;
     SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
     if (window < kMinPositionEmbeddings || window > kMaxPositionEmbeddings) {
@@ -251,6 +266,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
                         absl::StrCat("must be null or in [", kMinPositionEmbeddings, ", 2^31], got ", window));
     }
     c.layer_window.assign(c.num_hidden_layers, window);
+    if (c.family->sliding_window == SlidingWindow::kLayerTypes) {
+      // Gemma 2's layers by "layer_types"; without it the even layers slide (Gemma2Config's default).
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        bool sliding = i % 2 == 0;
+        if (Present(j, "layer_types") && j["layer_types"].is_array() &&
+            j["layer_types"].size() == static_cast<size_t>(c.num_hidden_layers)) {
+          sliding = j["layer_types"][i] == "sliding_attention";
+        }
+        if (!sliding) c.layer_window[i] = 0;
+      }
+    }
   }
 
   // The weights' type: "dtype" as transformers 5.x writes it, "torch_dtype" as 4.x did.
@@ -292,19 +318,28 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return FieldError(source, "layer_types", "must be a list of names");
+    const bool typed = c.family->sliding_window == SlidingWindow::kLayerTypes;
+    if (typed && it->size() != static_cast<size_t>(c.num_hidden_layers)) {
+      return FieldError(source, "layer_types", absl::StrCat("has ", it->size(), " entries for ", c.num_hidden_layers,
+                                                            " layers (num_hidden_layers)"));
+    }
     for (const json& type : *it) {
-      if (type != "full_attention") {
+      if (type != "full_attention" && !(typed && type == "sliding_attention")) {
         return FieldError(source, "layer_types",
-                          absl::StrCat("has ", type.dump(), "; only \"full_attention\" layers are supported for ",
-                                       c.architecture_name));
+                          absl::StrCat("has ", type.dump(), "; ", c.architecture_name, " takes \"full_attention\"",
+                                       typed ? " and \"sliding_attention\"" : "", " layers"));
       }
     }
   }
-  for (const char* field : {"attn_logit_softcapping", "final_logit_softcapping"}) {
-    if (Present(j, field)) {
+  for (auto [field, value] : {std::pair{"attn_logit_softcapping", &c.attn_logit_softcap},
+                              std::pair{"final_logit_softcapping", &c.final_logit_softcap}}) {
+    if (!Present(j, field)) continue;
+    if (!c.family->softcapping) {
       return FieldError(source, field, absl::StrCat("is ", j[field].dump(), "; soft-capping is not supported for ",
                                                     c.architecture_name));
     }
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, field, value));
+    if (!(*value > 0) || !std::isfinite(*value)) return FieldError(source, field, "must be null or > 0");
   }
   bool use_sliding_window = false;
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "use_sliding_window", &use_sliding_window));

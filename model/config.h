@@ -50,8 +50,16 @@ struct ModelConfig {
   bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (Qwen3)
   // Per layer: the sliding window its attention sees (kernels/backend.h AttentionOptions::window),
   // 0 for full attention. Mistral and Phi-3 slide in every layer when config.json's sliding_window
-  // is set. num_hidden_layers entries.
+  // is set, Gemma 2 in the layers layer_types names. Read through LayerWindow.
   std::vector<int64_t> layer_window;
+  // The MLP's activation: silu (SwiGLU) or transformers' gelu_pytorch_tanh (GeGLU; Gemma).
+  enum class Activation { kSilu, kGeluTanh };
+  Activation activation = Activation::kSilu;
+  bool norm_plus_one = false;      // RMSNorm scales by 1 + w (Gemma)
+  double embedding_scale = 0;      // the embeddings' factor (Gemma: sqrt(hidden_size)); 0 for none
+  double attention_scale = 0;      // scores = q.k * this: query_pre_attn_scalar^-0.5 (Gemma); 0: head_dim^-0.5
+  double attn_logit_softcap = 0;   // Gemma 2's attn_logit_softcapping; 0 for none
+  double final_logit_softcap = 0;  // Gemma 2's final_logit_softcapping; 0 for none
   bool mlp_bias = false;        // not supported; parsing rejects true
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
@@ -62,6 +70,10 @@ struct ModelConfig {
   std::optional<CheckpointQuant> checkpoint_quant;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
+  // Layer i's sliding window; 0 (full attention) for a layer layer_window does not list.
+  int64_t LayerWindow(int64_t i) const {
+    return i >= 0 && i < static_cast<int64_t>(layer_window.size()) ? layer_window[i] : 0;
+  }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   // Parameters of the whole model (embedding and LM head counted once when tied): the elements of
   // the family's declared tensors.

@@ -227,12 +227,14 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
     const char* architecture;
     bool attention_bias;
     bool qkv_bias, o_bias, qk_norm;
+    int64_t more_norms = 0;  // [hidden] norms a layer beyond Llama's two (Gemma 2's post-attention and post-MLP)
   };
   const Case cases[] = {
       {"LlamaForCausalLM", false, false, false, false}, {"LlamaForCausalLM", true, true, true, false},
       {"Qwen2ForCausalLM", false, true, false, false},  {"Qwen2ForCausalLM", true, true, false, false},
       {"MistralForCausalLM", true, false, false, false}, {"Qwen3ForCausalLM", false, false, false, true},
       {"Qwen3ForCausalLM", true, true, true, true},     {"Phi3ForCausalLM", true, false, false, false},
+      {"Gemma2ForCausalLM", true, true, true, false, 2},
   };
   for (const Case& k : cases) {
     json c = TinyConfig();
@@ -247,7 +249,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
     // The parameters are the declared tensors': embedding and LM head, q and o [8, 8], k and v [4, 8],
     // the MLP, two norms, the final norm; q/k/v biases (8 + 4 + 4), o's (8), two [head_dim 4] norms.
     EXPECT_EQ(config->ParameterCount(), 16 * 8 * 2 + (8 * 8 * 2 + 4 * 8 * 2 + 3 * 8 * 12 + 2 * 8) + 8 +
-                                            (k.qkv_bias ? 16 : 0) + (k.o_bias ? 8 : 0) + (k.qk_norm ? 8 : 0));
+                                            (k.qkv_bias ? 16 : 0) + (k.o_bias ? 8 : 0) + (k.qk_norm ? 8 : 0) + 8 * k.more_norms);
   }
   json c = TinyConfig();
   c["architectures"] = {"GPTNeoXForCausalLM"};
@@ -255,8 +257,39 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: LlamaForCausalLM, MistralForCausalLM, "
-                        "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, LlamaForCausalLM, "
+                        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+}
+
+// Gemma 2's config.json as transformers 5 writes it: every field that shapes its math read, and
+// its sliding layers by layer_types or, as 4.x files have none, the even ones.
+TEST_F(CheckpointTest, Gemma2FieldsAreRead) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gemma2_tf5/config.json");
+  json c = json::parse(in);
+  auto config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->activation, ModelConfig::Activation::kGeluTanh);
+  EXPECT_TRUE(config->norm_plus_one);
+  EXPECT_EQ(config->embedding_scale, 8.0);
+  EXPECT_DOUBLE_EQ(config->attention_scale, 1.0 / std::sqrt(24.0));
+  EXPECT_EQ(config->attn_logit_softcap, 5.0);
+  EXPECT_EQ(config->final_logit_softcap, 8.0);
+  EXPECT_EQ(config->layer_window, (std::vector<int64_t>{32, 0, 32, 0}));
+  c["layer_types"] = {"full_attention", "sliding_attention", "sliding_attention", "full_attention"};
+  config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->layer_window, (std::vector<int64_t>{0, 32, 32, 0}));
+  c.erase("layer_types");
+  config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->layer_window, (std::vector<int64_t>{32, 0, 32, 0}));
+  c["layer_types"] = {"full_attention"};
+  EXPECT_THAT(std::string(ParseModelConfig(c.dump(), "config.json").status().message()),
+              HasSubstr("field \"layer_types\" has 1 entries for 4 layers"));
+  c.erase("layer_types");
+  c["hidden_activation"] = "silu";
+  EXPECT_THAT(std::string(ParseModelConfig(c.dump(), "config.json").status().message()),
+              HasSubstr("field \"hidden_activation\" is \"silu\"; Gemma2ForCausalLM takes \"gelu_pytorch_tanh\""));
 }
 
 // What would change the math and is not implemented is refused, naming the field; both formats in

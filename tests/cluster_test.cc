@@ -79,7 +79,7 @@ std::vector<Layout> Layouts() {
       // config.json as transformers 5 writes it (rope_parameters, dtype, layer_types); Qwen3 in both
       // formats; Phi-3's fused tensors; Mistral's sliding window.
       {"llama3_rope_tf5", 2}, {"qwen2_tf5", 3}, {"qwen3_tf5", 3}, {"qwen3_tf4", 2}, {"phi3_tf5", 3},
-      {"mistral_window_tf5", 2}};
+      {"mistral_window_tf5", 2}, {"gemma2_tf5", 4}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {

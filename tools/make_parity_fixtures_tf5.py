@@ -3,7 +3,7 @@ config.json as current releases save it, RoPE in "rope_parameters" (base and sca
 "dtype" for "torch_dtype", "layer_types" where the family has it; and the families that need
 transformers 5 to run at all (Qwen3), one of them with its config.json rewritten as transformers 4.x
 wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi-3's fused
-qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt. The checkpoint,
+qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt; Gemma 2. The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -20,6 +20,8 @@ import torch
 import transformers
 from transformers import (
     AutoConfig,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -166,6 +168,32 @@ def fixtures() -> list[Fixture]:
                 tie_word_embeddings=False,
             ),
             seed=11000,
+            prompt_len=48,
+        ),
+        # Gemma 2: (1 + w) RMSNorms, four a layer; embeddings times sqrt(hidden); GeGLU with tanh
+        # gelu; attention scaled by query_pre_attn_scalar 24 (not head_dim 32) and soft-capped at 5;
+        # even layers sliding within 32 under a 48-token prompt; logits soft-capped at 8. Untied: with
+        # random weights a tied head over embeddings scaled by 8 repeats the last token.
+        Fixture(
+            name="gemma2_tf5",
+            model_cls=Gemma2ForCausalLM,
+            config=Gemma2Config(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_hidden_layers=4,
+                max_position_embeddings=1024,
+                query_pre_attn_scalar=24,
+                sliding_window=32,
+                attn_logit_softcapping=5.0,
+                final_logit_softcapping=8.0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=12000,
             prompt_len=48,
         ),
     ]

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
 #include "model/families/registry.h"
@@ -135,12 +136,36 @@ absl::StatusOr<Tensor> LlamaShard::LoadMatMulWeight(const WeightSource& ckpt, co
   return packed;
 }
 
+absl::StatusOr<Tensor> LlamaShard::LoadNormPlusOne(const WeightSource& ckpt, const WeightDecl& w) {
+  const int64_t n = w.shape[0];
+  std::vector<float> plus_one(n);
+  SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(w.name, w.shape, Slice{0, 0, -1}, DType::kF32, plus_one.data()));
+  for (float& v : plus_one) v = 1.0f + v;
+  Tensor t;
+  SHARDSERVE_ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {n}));
+  uint8_t* staging = Staging(t.bytes());
+  if (!ConvertOnHost(staging, t.dtype, plus_one.data(), DType::kF32, n)) {
+    return absl::InternalError(absl::StrCat(w.name, ": cannot convert to ", DTypeName(t.dtype)));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging, t.bytes()));
+  weight_bytes_ += t.bytes();
+  return t;
+}
+
 std::string LlamaShard::GpuPathsNotYetRun() const {
   if (backend_->device_kind() != DeviceKind::kCuda) return "";
+  std::vector<std::string> paths;
   for (int64_t i = first_layer_; i < end_layer_; ++i) {
-    if (config_.layer_window[i] > 0) return "sliding-window attention";
+    if (config_.LayerWindow(i) > 0) {
+      paths.push_back("sliding-window attention");
+      break;
+    }
   }
-  return "";
+  if (config_.attn_logit_softcap > 0) paths.push_back("attention soft-capping");
+  if (config_.activation == ModelConfig::Activation::kGeluTanh) paths.push_back("GeGLU (gelu_tanh)");
+  if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
+  if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
+  return absl::StrJoin(paths, ", ");
 }
 
 std::string LlamaShard::QuantizationSummary() const {
@@ -180,7 +205,9 @@ Tensor* LlamaShard::Slot(const WeightDecl& w) {
       case WeightRole::kKNorm: return &l.k_norm;
       case WeightRole::kOProj: return &l.o_proj;
       case WeightRole::kOBias: return &l.o_bias;
-      case WeightRole::kPostAttentionNorm: return &l.post_attention_layernorm;
+      case WeightRole::kAttnOutNorm: return &l.attn_out_norm;
+      case WeightRole::kPreMlpNorm: return &l.pre_mlp_norm;
+      case WeightRole::kMlpOutNorm: return &l.mlp_out_norm;
       case WeightRole::kGateProj: return &l.gate_proj;
       case WeightRole::kUpProj: return &l.up_proj;
       case WeightRole::kDownProj: return &l.down_proj;
@@ -262,6 +289,8 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
     } else if (w.role == WeightRole::kEmbedTokens) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? m->LoadMatMulWeight(ckpt, w, slice)
                                                           : m->LoadWeight(ckpt, w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
+    } else if (config.norm_plus_one && IsNormWeight(w.role)) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->LoadNormPlusOne(ckpt, w));
     } else if (IsProductWeight(w.role)) {
       // The decoder layers' products take --quantization; the LM head stays in the act dtype.
       const WeightQuant quant = w.part == WeightPart::kLayer ? spec.weight_quant : WeightQuant::kNone;
@@ -285,6 +314,15 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
     Tensor* slot = m->StepBufferSlot(b.name);
     if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
     SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->AllocStepBuffer(b.dtype, b.dims));
+  }
+  if (config.embedding_scale != 0) {
+    // The factor in the act dtype, as transformers casts it before the product.
+    const float f32 = static_cast<float>(config.embedding_scale);
+    uint16_t narrow = 0;
+    m->embedding_scale_ = f32;
+    if (backend->act_dtype() != DType::kF32 && ConvertOnHost(&narrow, backend->act_dtype(), &f32, DType::kF32, 1)) {
+      ConvertOnHost(&m->embedding_scale_, DType::kF32, &narrow, backend->act_dtype(), 1);
+    }
   }
   std::vector<float> inv_freq = RopeInvFreq(config);
   SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
@@ -351,7 +389,8 @@ absl::Status LlamaShard::ComputeWithGraph(int64_t n, int64_t m, int64_t seqs) {
 
 absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   const float eps = static_cast<float>(config_.rms_norm_eps);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  const float scale = config_.attention_scale > 0 ? static_cast<float>(config_.attention_scale)
+                                                 : 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   Backend& be = *backend_;
   Tensor ids = ids_.Rows(0, n), positions = positions_.Rows(0, n), token_seq = token_seq_.Rows(0, n),
          slots = slots_.Rows(0, n), tables = block_tables_.Rows(0, seqs), rows = logit_rows_.Rows(0, m);
@@ -363,7 +402,10 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   if (is_first_stage()) {
     SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&x, embed_tokens_, ids, tp_shard_.vocab_rows.begin));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&x));
+    // times sqrt(hidden_size), in the act dtype (Gemma's normalizer)
+    if (embedding_scale_ != 0) SHARDSERVE_RETURN_IF_ERROR(be.Scale(&x, x, embedding_scale_));
   }
+  const bool gelu = config_.activation == ModelConfig::Activation::kGeluTanh;
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = layers_[li];
@@ -386,19 +428,30 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
                                                  &l.k_cache, &l.v_cache, slots));
     // causal attention over the cache (within the layer's sliding window, if it has one)
     AttentionOptions attention;
-    attention.window = config_.layer_window[first_layer_ + li];
+    attention.window = config_.LayerWindow(first_layer_ + static_cast<int64_t>(li));
+    attention.softcap = static_cast<float>(config_.attn_logit_softcap);
     SHARDSERVE_RETURN_IF_ERROR(
         be.Attention(&attn, q, l.k_cache, l.v_cache, positions, token_seq, tables, scale, attention));
     // o_proj (row-parallel; its bias, if any, on one rank) + all-reduce of the partial sums
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, attn, l.o_proj, l.o_bias.data ? &l.o_bias : nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    // the attention output's own norm (Gemma 2), in place
+    if (l.attn_out_norm.data != nullptr) SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&proj, proj, l.attn_out_norm, eps));
     // residual, then the mlp norm (one pass where the backend fuses them)
-    SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.post_attention_layernorm, eps));
-    // SwiGLU mlp: gate/up column-parallel (silu(gate) x up into gate; one pass where the backend
-    // fuses them), down row-parallel + all-reduce
-    SHARDSERVE_RETURN_IF_ERROR(be.GateUpSilu(&gate, &up, normed, l.gate_proj, l.up_proj));
+    SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, l.pre_mlp_norm, eps));
+    // gated mlp: gate/up column-parallel, act(gate) x up into gate (SwiGLU: one pass where the
+    // backend fuses them; GeGLU with tanh gelu), down row-parallel + all-reduce
+    if (gelu) {
+      const MatMulProduct gate_up[] = {{&gate, &l.gate_proj, nullptr}, {&up, &l.up_proj, nullptr}};
+      SHARDSERVE_RETURN_IF_ERROR(be.MatMuls(normed, gate_up));
+      SHARDSERVE_RETURN_IF_ERROR(be.GeluTanhMul(&gate, gate, up));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(be.GateUpSilu(&gate, &up, normed, l.gate_proj, l.up_proj));
+    }
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&proj, gate, l.down_proj, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&proj));
+    // the mlp output's own norm (Gemma 2), in place
+    if (l.mlp_out_norm.data != nullptr) SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&proj, proj, l.mlp_out_norm, eps));
     // residual, then the next layer's attention norm
     if (li + 1 < layers_.size()) {
       SHARDSERVE_RETURN_IF_ERROR(be.AddRmsNorm(&x, proj, &normed, layers_[li + 1].input_layernorm, eps));
@@ -417,6 +470,10 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   const int64_t w = tp_shard_.vocab_rows_per_rank, local = tp_shard_.vocab_rows.size();
   Tensor local_logits(local_logits_.data, DType::kF32, {m, local});
   SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&local_logits, last_normed, lm_head_, nullptr));
+  // cap * tanh(logits / cap), each rank on its slice (Gemma 2's final_logit_softcapping)
+  if (config_.final_logit_softcap > 0) {
+    SHARDSERVE_RETURN_IF_ERROR(be.Softcap(&local_logits, static_cast<float>(config_.final_logit_softcap)));
+  }
   Tensor padded(local_logits_.data, DType::kF32, {m, w});  // the last rank's slice may be short
   // With one rank, gathered [1][row][vocab] is logits [row][vocab]: gather straight into it.
   const bool one_rank = spec_.tp_size == 1;

@@ -86,7 +86,9 @@ class LlamaShard {
     Tensor q_norm, k_norm;            // [head_dim] each (Qwen3; else data == nullptr)
     Tensor o_proj;                    // [hidden, q]
     Tensor o_bias;                    // [hidden] on TP rank 0 (Llama, Qwen3 with attention_bias; else data == nullptr)
-    Tensor post_attention_layernorm;  // [hidden]
+    Tensor attn_out_norm;             // [hidden] of the attention's output (Gemma 2; else data == nullptr)
+    Tensor pre_mlp_norm;              // [hidden]
+    Tensor mlp_out_norm;              // [hidden] of the MLP's output (Gemma 2; else data == nullptr)
     Tensor gate_proj, up_proj;        // [f, hidden]
     Tensor down_proj;                 // [hidden, f]
     Tensor k_cache, v_cache;          // [blocks, block_size, local kv heads, head_dim]
@@ -96,6 +98,9 @@ class LlamaShard {
   absl::StatusOr<Tensor> LoadWeight(const WeightSource& ckpt, const std::string& name, std::vector<int64_t> full_shape,
                                     const Slice& slice);
   // LoadWeight, then the backend's PackMatMulWeight: for weights only MatMul reads.
+  // An RMSNorm's weight w, stored for a scale of 1 + w (Gemma): read in float32, 1 added there as
+  // transformers adds it, then held in the act dtype.
+  absl::StatusOr<Tensor> LoadNormPlusOne(const WeightSource& ckpt, const WeightDecl& w);
   absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const WeightDecl& w, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
   // Where the loader puts tensor `w` (a layer's or the stage's field), and step buffer `name`;
@@ -147,6 +152,7 @@ class LlamaShard {
   Tensor norm_;          // [hidden] (last stage)
   Tensor lm_head_;       // [vocab rows of this rank, hidden] (last stage)
   Tensor inv_freq_;      // [head_dim / 2] F32
+  float embedding_scale_ = 0;  // Gemma's sqrt(hidden_size) in the act dtype; 0 for none
 
   // ---- Scratch, sized for max_tokens_per_step (n) and max_seqs_per_step (m) ----
   Tensor ids_, positions_, token_seq_, slots_, block_tables_, logit_rows_;  // I32

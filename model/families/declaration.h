@@ -37,7 +37,9 @@ enum class WeightRole {
   kQBias, kKBias, kVBias,
   kQNorm, kKNorm,      // per-head RMSNorm of q and k before RoPE (Qwen3), [head_dim]
   kOProj, kOBias,
-  kPostAttentionNorm,  // before the MLP
+  kAttnOutNorm,        // of the attention's output, before the residual add (Gemma 2's post_attention_layernorm)
+  kPreMlpNorm,         // before the MLP (Llama's post_attention_layernorm, Gemma 2's pre_feedforward_layernorm)
+  kMlpOutNorm,         // of the MLP's output, before the residual add (Gemma 2's post_feedforward_layernorm)
   kGateProj, kUpProj, kDownProj,
   kFinalNorm,
   kLmHead,
@@ -46,6 +48,8 @@ enum class WeightRole {
 // A linear layer's weight: read by MatMul, so the loader packs it for the backend's products and
 // may quantize it (--quantization, or a published quantized checkpoint's format).
 bool IsProductWeight(WeightRole role);
+// An RMSNorm's weight (Gemma's are stored as w for a scale of 1 + w).
+bool IsNormWeight(WeightRole role);
 
 struct WeightDecl {
   std::string name;            // as in the checkpoint: "model.layers.3.self_attn.q_proj.weight"
@@ -91,10 +95,19 @@ struct FamilyDeclaration {
   enum class AttentionBias { kNone, kQkv, kConfigured };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
-  // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kOffUnlessUsed
-  // only with use_sliding_window true, which is refused (Qwen).
-  enum class SlidingWindow { kNone, kEveryLayer, kOffUnlessUsed };
+  // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kLayerTypes the
+  // window of the layers "layer_types" calls "sliding_attention" (by default the even ones, as
+  // transformers' Gemma2Config); kOffUnlessUsed only with use_sliding_window true, which is refused
+  // (Qwen).
+  enum class SlidingWindow { kNone, kEveryLayer, kLayerTypes, kOffUnlessUsed };
   SlidingWindow sliding_window = SlidingWindow::kNone;
+  // The MLP's activation as config.json names it ("hidden_act", or Gemma's "hidden_activation"):
+  // "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh approximation).
+  const char* activation = "silu";
+  bool norm_plus_one = false;     // RMSNorm scales by 1 + w (Gemma): the loader adds the 1
+  bool scale_embeddings = false;  // the embeddings times sqrt(hidden_size) in the act dtype (Gemma)
+  bool softcapping = false;       // attn_logit_softcapping and final_logit_softcapping (Gemma 2)
+  bool query_pre_attn_scalar = false;  // attention scaled by query_pre_attn_scalar^-0.5, not head_dim^-0.5 (Gemma)
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).
   std::vector<WeightDecl> (*weights)(const ModelConfig& config);

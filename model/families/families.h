@@ -30,7 +30,10 @@ class LayerTensors {
 std::vector<WeightDecl> DecoderWeights(const ModelConfig& config,
                                        const std::function<void(const ModelConfig&, LayerTensors&)>& layer);
 
-// llama.cc: the Llama-shaped decoders.
+// llama.cc: the Llama-shaped decoders, and the self-attention's tensors they and Gemma share:
+// q/k/v_proj with their biases (config.qkv_bias), q_norm / k_norm (config.qk_norm), o_proj with its
+// bias (config.o_bias).
+void SelfAttentionTensors(const ModelConfig& config, LayerTensors& tensors);
 extern const FamilyDeclaration kLlamaFamily;
 extern const FamilyDeclaration kMistralFamily;
 extern const FamilyDeclaration kQwen2Family;
@@ -42,6 +45,9 @@ std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& config, const 
 
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;
+
+// gemma.cc: Gemma 2 (Gemma2ForCausalLM).
+extern const FamilyDeclaration kGemma2Family;
 
 }  // namespace shardserve
 

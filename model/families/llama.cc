@@ -11,10 +11,25 @@ namespace shardserve {
 namespace {
 
 void LlamaShapedLayer(const ModelConfig& c, LayerTensors& t) {
-  const int64_t H = c.hidden_size, I = c.intermediate_size, Q = c.q_dim(), KV = c.kv_dim();
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
   using R = WeightRole;
   using S = TpSplit;
   t.Add("input_layernorm.weight", {H}, S::kReplicated, R::kInputNorm);
+  SelfAttentionTensors(c, t);
+  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPreMlpNorm);
+  t.Add("mlp.gate_proj.weight", {I, H}, S::kMlpRows, R::kGateProj);
+  t.Add("mlp.up_proj.weight", {I, H}, S::kMlpRows, R::kUpProj);
+  t.Add("mlp.down_proj.weight", {H, I}, S::kMlpCols, R::kDownProj);
+}
+
+std::vector<WeightDecl> LlamaShapedWeights(const ModelConfig& c) { return DecoderWeights(c, LlamaShapedLayer); }
+
+}  // namespace
+
+void SelfAttentionTensors(const ModelConfig& c, LayerTensors& t) {
+  const int64_t H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim();
+  using R = WeightRole;
+  using S = TpSplit;
   t.Add("self_attn.q_proj.weight", {Q, H}, S::kQRows, R::kQProj);
   t.Add("self_attn.k_proj.weight", {KV, H}, S::kKvRows, R::kKProj);
   t.Add("self_attn.v_proj.weight", {KV, H}, S::kKvRows, R::kVProj);
@@ -29,15 +44,7 @@ void LlamaShapedLayer(const ModelConfig& c, LayerTensors& t) {
   }
   t.Add("self_attn.o_proj.weight", {H, Q}, S::kQCols, R::kOProj);
   if (c.o_bias) t.Add("self_attn.o_proj.bias", {H}, S::kFirstRank, R::kOBias);
-  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPostAttentionNorm);
-  t.Add("mlp.gate_proj.weight", {I, H}, S::kMlpRows, R::kGateProj);
-  t.Add("mlp.up_proj.weight", {I, H}, S::kMlpRows, R::kUpProj);
-  t.Add("mlp.down_proj.weight", {H, I}, S::kMlpCols, R::kDownProj);
 }
-
-std::vector<WeightDecl> LlamaShapedWeights(const ModelConfig& c) { return DecoderWeights(c, LlamaShapedLayer); }
-
-}  // namespace
 
 std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
   const int64_t H = c.hidden_size, q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();

@@ -19,7 +19,7 @@ void Phi3Layer(const ModelConfig& c, LayerTensors& t) {
   t.Add("self_attn.qkv_proj.weight", {KV, H}, S::kKvRows, R::kKProj, qkv, Q);
   t.Add("self_attn.qkv_proj.weight", {KV, H}, S::kKvRows, R::kVProj, qkv, Q + KV);
   t.Add("self_attn.o_proj.weight", {H, Q}, S::kQCols, R::kOProj);
-  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPostAttentionNorm);
+  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPreMlpNorm);
   t.Add("mlp.gate_up_proj.weight", {I, H}, S::kMlpRows, R::kGateProj, gate_up, 0);
   t.Add("mlp.gate_up_proj.weight", {I, H}, S::kMlpRows, R::kUpProj, gate_up, I);
   t.Add("mlp.down_proj.weight", {H, I}, S::kMlpCols, R::kDownProj);

@@ -9,8 +9,8 @@
 namespace shardserve {
 namespace {
 
-constexpr const FamilyDeclaration* kFamilies[] = {&kLlamaFamily, &kMistralFamily, &kPhi3Family, &kQwen2Family,
-                                                  &kQwen3Family};
+constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kLlamaFamily, &kMistralFamily,
+                                                  &kPhi3Family,   &kQwen2Family, &kQwen3Family};
 
 }  // namespace
 
@@ -50,6 +50,21 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kUpProj:
     case WeightRole::kDownProj:
     case WeightRole::kLmHead:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool IsNormWeight(WeightRole role) {
+  switch (role) {
+    case WeightRole::kInputNorm:
+    case WeightRole::kQNorm:
+    case WeightRole::kKNorm:
+    case WeightRole::kAttnOutNorm:
+    case WeightRole::kPreMlpNorm:
+    case WeightRole::kMlpOutNorm:
+    case WeightRole::kFinalNorm:
       return true;
     default:
       return false;

@@ -1,0 +1,43 @@
+// Gemma 2 (Gemma2ForCausalLM), as transformers' modeling_gemma2.py computes it. Each layer is
+//   x += RMSNorm'(o_proj(attention(rope(q), rope(k), v))),  q, k, v = q/k/v_proj(RMSNorm'(x))
+//   x += RMSNorm'(down_proj(gelu_tanh(gate_proj(h)) * up_proj(h))),  h = RMSNorm'(x)
+// with RMSNorm' scaling by 1 + w (the loader adds the 1), four norms a layer (input, the
+// attention's output, pre- and post-feedforward), the embeddings times sqrt(hidden_size), attention
+// scaled by query_pre_attn_scalar^-0.5 and its scores soft-capped (attn_logit_softcapping), the
+// layers layer_types calls sliding (by default the even ones) within sliding_window, and the logits
+// soft-capped (final_logit_softcapping). The forward pass is worker/llama.cc's with those options.
+#include "model/families/families.h"
+
+namespace shardserve {
+namespace {
+
+void Gemma2Layer(const ModelConfig& c, LayerTensors& t) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  using R = WeightRole;
+  using S = TpSplit;
+  t.Add("input_layernorm.weight", {H}, S::kReplicated, R::kInputNorm);
+  SelfAttentionTensors(c, t);
+  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kAttnOutNorm);
+  t.Add("pre_feedforward_layernorm.weight", {H}, S::kReplicated, R::kPreMlpNorm);
+  t.Add("mlp.gate_proj.weight", {I, H}, S::kMlpRows, R::kGateProj);
+  t.Add("mlp.up_proj.weight", {I, H}, S::kMlpRows, R::kUpProj);
+  t.Add("mlp.down_proj.weight", {H, I}, S::kMlpCols, R::kDownProj);
+  t.Add("post_feedforward_layernorm.weight", {H}, S::kReplicated, R::kMlpOutNorm);
+}
+
+std::vector<WeightDecl> Gemma2Weights(const ModelConfig& c) { return DecoderWeights(c, Gemma2Layer); }
+
+}  // namespace
+
+const FamilyDeclaration kGemma2Family = {.architecture = "Gemma2ForCausalLM",
+                                         .attention_bias = FamilyDeclaration::AttentionBias::kConfigured,
+                                         .sliding_window = FamilyDeclaration::SlidingWindow::kLayerTypes,
+                                         .activation = "gelu_pytorch_tanh",
+                                         .norm_plus_one = true,
+                                         .scale_embeddings = true,
+                                         .softcapping = true,
+                                         .query_pre_attn_scalar = true,
+                                         .weights = Gemma2Weights,
+                                         .layer_buffers = LlamaShapedBuffers};
+
+}  // namespace shardserve
