@@ -103,13 +103,7 @@ absl::StatusOr<Tensor> LlamaShard::LoadQuantizedCheckpointWeight(const WeightSou
   if (quant_why_dense_.empty()) quant_why_dense_ = w.why_dense;
   // Dequantized to float32 at load (exact): a plain weight from here on.
   Tensor plain;
-  SHARDSERVE_ASSIGN_OR_RETURN(plain, Alloc(backend_->act_dtype(), {w.m, w.k}));
-  uint8_t* staging = Staging(plain.bytes());
-  if (!ConvertOnHost(staging, plain.dtype, w.dense.data(), DType::kF32, w.dense.size())) {
-    return absl::InternalError(absl::StrCat(prefix, ": cannot convert to ", DTypeName(plain.dtype)));
-  }
-  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(plain.data, staging, plain.bytes()));
-  weight_bytes_ += plain.bytes();
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, UploadHostWeight(prefix, w.dense.data(), {w.m, w.k}));
   absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, WeightQuant::kNone);
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {
@@ -141,11 +135,16 @@ absl::StatusOr<Tensor> LlamaShard::LoadNormPlusOne(const WeightSource& ckpt, con
   std::vector<float> plus_one(n);
   SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(w.name, w.shape, Slice{0, 0, -1}, DType::kF32, plus_one.data()));
   for (float& v : plus_one) v = 1.0f + v;
+  return UploadHostWeight(w.name, plus_one.data(), {n});
+}
+
+absl::StatusOr<Tensor> LlamaShard::UploadHostWeight(const std::string& name, const float* values,
+                                                    absl::Span<const int64_t> dims) {
   Tensor t;
-  SHARDSERVE_ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), {n}));
+  SHARDSERVE_ASSIGN_OR_RETURN(t, Alloc(backend_->act_dtype(), dims));
   uint8_t* staging = Staging(t.bytes());
-  if (!ConvertOnHost(staging, t.dtype, plus_one.data(), DType::kF32, n)) {
-    return absl::InternalError(absl::StrCat(w.name, ": cannot convert to ", DTypeName(t.dtype)));
+  if (!ConvertOnHost(staging, t.dtype, values, DType::kF32, static_cast<size_t>(t.numel()))) {
+    return absl::InternalError(absl::StrCat(name, ": cannot convert to ", DTypeName(t.dtype)));
   }
   SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, staging, t.bytes()));
   weight_bytes_ += t.bytes();

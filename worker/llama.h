@@ -101,6 +101,9 @@ class LlamaShard {
   // An RMSNorm's weight w, stored for a scale of 1 + w (Gemma): read in float32, 1 added there as
   // transformers adds it, then held in the act dtype.
   absl::StatusOr<Tensor> LoadNormPlusOne(const WeightSource& ckpt, const WeightDecl& w);
+  // A weight made on the host in float32, held in the act dtype on the backend's device (counted
+  // in weight_bytes()).
+  absl::StatusOr<Tensor> UploadHostWeight(const std::string& name, const float* values, absl::Span<const int64_t> dims);
   absl::StatusOr<Tensor> LoadMatMulWeight(const WeightSource& ckpt, const WeightDecl& w, const Slice& slice,
                                           WeightQuant quant = WeightQuant::kNone);
   // Where the loader puts tensor `w` (a layer's or the stage's field), and step buffer `name`;
