@@ -10,7 +10,7 @@
 //                backend, the collectives and the weights)
 //   StepPlan     refused before an assignment, after a failure or under another epoch; else
 //                PersistentBatch::Apply, CheckRowSampling and CheckStepBatch (StepExecutor::ToBatch
-//                and LlamaShard::Forward's check): a failure makes the worker refuse every later
+//                and ModelShard::Forward's check): a failure makes the worker refuse every later
 //                step, as it does
 //   Regroup      CheckRegroup; the running batch dropped, the failure cleared
 //   Shutdown     ends the stream

@@ -13,7 +13,7 @@
 //   Bad step metadata that only the device can see (a block index, slot or position out of
 //   range) is skipped by the CUDA kernels and reported as InvalidArgument by the next
 //   Synchronize() or CopyToHost(); the CPU backend reports it from the op itself, before writing.
-//   Callers validate metadata on the host first (worker/llama.cc does), so this is a backstop.
+//   Callers validate metadata on the host first (worker/step_checks.h does), so this is a backstop.
 // - CopyToDevice returns once the host source may be reused; CopyToHost once the data is there.
 // - Shape or dtype mismatches are reported as InvalidArgument naming the op and the shapes.
 //
@@ -186,7 +186,7 @@ class Backend {
                                                      int64_t k, Tensor* packed);
   // The weights are loaded: host memory the packing kept for the next weight may go (the CUDA
   // backend's buffers for quantizing at load, the size of the largest weight: 2.5 GB of bf16 for
-  // Qwen2.5-72B's LM head). A later PackMatMulWeight grows them again. LlamaShard::Load calls it
+  // Qwen2.5-72B's LM head). A later PackMatMulWeight grows them again. ModelShard::Load calls it
   // last. The base has nothing to release.
   virtual void ReleaseLoadBuffers() {}
 
@@ -365,7 +365,7 @@ struct CudaBackendOptions {
   // before the kernels existed (worker --no-cuda-quantized-kernels). Passed on an H200 (2026-11-28).
   bool quantized_kernels = false;
   // Step graphs (Backend::BeginGraph / EndGraph / RunGraph as CUDA graphs: stream capture, then
-  // cudaGraphLaunch), which LlamaShard records for decode steps. Off: records_graphs() is false and
+  // cudaGraphLaunch), which ModelShard records for decode steps. Off: records_graphs() is false and
   // BeginGraph is refused (worker --no-cuda-graphs). Passed on an H200 (2026-11-28).
   bool step_graphs = false;
   // Split-KV ("flash-decoding") attention: for steps of at most 8 tokens each (token, head)'s keys

@@ -1,5 +1,5 @@
 // Where a shard's weights come from: a checkpoint on disk (model/checkpoint.h) or weights made from
-// config.json alone (model/dummy_weights.h, --load-format dummy). LlamaShard::Load reads every
+// config.json alone (model/dummy_weights.h, --load-format dummy). ModelShard::Load reads every
 // tensor through this interface and never knows which.
 //
 // Ownership and lifetime: whoever opened a source owns it; Load only reads during the call.

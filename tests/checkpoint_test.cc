@@ -18,7 +18,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "nlohmann/json.hpp"
-#include "worker/llama.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -122,7 +122,7 @@ class CheckpointTest : public ::testing::Test {
     if (!ckpt.ok()) return ckpt.status();
     std::unique_ptr<Backend> backend = MakeCpuBackend();
     LocalCommunicator tp(backend.get());
-    return LlamaShard::Load(**ckpt, *config, ShardSpec{}, kLimits, backend.get(), &tp).status();
+    return ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, backend.get(), &tp).status();
   }
   std::string OpenError() {
     absl::StatusOr<std::unique_ptr<Checkpoint>> c = Checkpoint::Open(dir_);
@@ -772,7 +772,7 @@ TEST_F(CheckpointTest, BadStepInputIsAnErrorNotACrash) {
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   LocalCommunicator tp(backend.get());
   const StepLimits opt = kLimits;
-  auto model = LlamaShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
+  auto model = ModelShard::Load(**ckpt, *config, ShardSpec{}, opt, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << model.status();
   StepBatch b;
   b.token_ids = {99};  // vocabulary is 16

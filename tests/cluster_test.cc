@@ -55,7 +55,8 @@
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tests/cluster_harness.h"
 #include "worker/communicator.h"
-#include "worker/llama.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -497,8 +498,8 @@ TEST(ClusterPrefillTest, LongPromptIsPrefilledInChunksAcrossStages) {
   LocalCommunicator tp(backend.get());
   const StepLimits whole_prompt{.max_tokens_per_step = 1024, .max_seqs_per_step = 1, .block_size = 16,
                                 .num_kv_blocks = 64, .max_model_len = 64 * 16};
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model =
-      LlamaShard::Load(**checkpoint, *config, ShardSpec{}, whole_prompt, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model =
+      ModelShard::Load(**checkpoint, *config, ShardSpec{}, whole_prompt, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << model.status();
   absl::StatusOr<std::vector<int32_t>> reference = GreedyGenerate(model->get(), prompt, 16);
   ASSERT_TRUE(reference.ok()) << reference.status();
@@ -538,8 +539,8 @@ TEST_P(ClusterQuantizationPerChannelTest, WeightsGiveTheTokensOfOneProcessOfTheS
   for (WeightQuant quant : {WeightQuant::kNone, quantized}) {
     ShardSpec spec;
     spec.weight_quant = quant;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> model =
-        LlamaShard::Load(**checkpoint, *config, spec, limits, backend.get(), &tp);
+    absl::StatusOr<std::unique_ptr<ModelShard>> model =
+        ModelShard::Load(**checkpoint, *config, spec, limits, backend.get(), &tp);
     ASSERT_TRUE(model.ok()) << model.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
     ASSERT_TRUE(ids.ok()) << ids.status();
@@ -587,8 +588,8 @@ TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
     LocalCommunicator tp(backend);
     ShardSpec spec;
     spec.weight_quant = WeightQuant::kInt4;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> model =
-        LlamaShard::Load(**checkpoint, *config, spec, limits, backend, &tp);
+    absl::StatusOr<std::unique_ptr<ModelShard>> model =
+        ModelShard::Load(**checkpoint, *config, spec, limits, backend, &tp);
     ASSERT_TRUE(model.ok()) << model.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), golden.prompt, 24);
     ASSERT_TRUE(ids.ok()) << ids.status();

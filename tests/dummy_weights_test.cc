@@ -14,7 +14,8 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "worker/communicator.h"
-#include "worker/llama.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -194,7 +195,7 @@ TEST(DummyWeightsTest, EightyLayersGiveFiniteLogits) {
   LocalCommunicator tp(backend.get());
   const StepLimits limits{.max_tokens_per_step = 64, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 4,
                           .max_model_len = 64};
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(w, c, ShardSpec{}, limits, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Load(w, c, ShardSpec{}, limits, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << model.status();
   const std::vector<int32_t> prompt = {1, 17, 300, 42, 511, 7, 99, 256, 3, 128};
   std::vector<std::vector<float>> logits;

@@ -29,7 +29,8 @@
 #include "tests/bf16_products.h"
 #include "worker/communicator.h"
 #include "worker/cuda_switches.h"
-#include "worker/llama.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -254,10 +255,10 @@ struct LoadedFixture {
   std::unique_ptr<Backend> backend;
   std::unique_ptr<LocalCommunicator> tp;
 
-  absl::StatusOr<std::unique_ptr<LlamaShard>> Load(const StepLimits& opt, WeightQuant quant = WeightQuant::kNone) {
+  absl::StatusOr<std::unique_ptr<ModelShard>> Load(const StepLimits& opt, WeightQuant quant = WeightQuant::kNone) {
     ShardSpec spec;
     spec.weight_quant = quant;
-    return LlamaShard::Load(*ckpt, config, spec, opt, backend.get(), tp.get());
+    return ModelShard::Load(*ckpt, config, spec, opt, backend.get(), tp.get());
   }
 };
 
@@ -284,7 +285,7 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine, &f));
   const StepLimits opt{.max_tokens_per_step = chunk, .max_seqs_per_step = 1, .block_size = 16, .num_kv_blocks = 8,
                        .max_model_len = 8 * 16};
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
 
   std::vector<std::vector<float>> logits;
@@ -331,7 +332,7 @@ TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
   const StepLimits opt{.max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 8,
                        .max_model_len = 8 * 16};
   auto last_logits = [&](const std::vector<int32_t>& prompt, std::vector<int32_t>* ids) -> std::vector<float> {
-    absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
+    absl::StatusOr<std::unique_ptr<ModelShard>> model = f.Load(opt);
     EXPECT_TRUE(model.ok()) << model.status();
     if (!model.ok()) return {};
     std::vector<std::vector<float>> logits;
@@ -402,7 +403,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
 
   // Each sequence alone, on a fresh shard.
   for (Seq& s : seqs) {
-    absl::StatusOr<std::unique_ptr<LlamaShard>> alone = f.Load(StepLimits{
+    absl::StatusOr<std::unique_ptr<ModelShard>> alone = f.Load(StepLimits{
         .max_tokens_per_step = 256, .max_seqs_per_step = 16, .block_size = 16, .num_kv_blocks = 64, .max_model_len = 512});
     ASSERT_TRUE(alone.ok()) << alone.status();
     absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(alone->get(), s.prompt, kNewTokens, &s.want_logits);
@@ -413,7 +414,7 @@ TEST_P(LlamaParity, BatchedSequencesMatchRunningAlone) {
   // All three in one shard: 48 blocks of 4 tokens, shuffled, 16 to each sequence.
   StepLimits opt{.max_tokens_per_step = 16, .max_seqs_per_step = kSeqs, .block_size = 4, .max_model_len = 16 * 4};
   opt.num_kv_blocks = kSeqs * opt.max_blocks_per_seq();
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = f.Load(opt);
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<int32_t> blocks(opt.num_kv_blocks);
   std::iota(blocks.begin(), blocks.end(), 0);
@@ -519,7 +520,7 @@ TEST(LlamaInt8Weights, StayCloseToHuggingFace) {
     std::vector<float> logits_by[2];
     std::vector<int32_t> ids;
     for (WeightQuant quant : {WeightQuant::kNone, WeightQuant::kInt8}) {
-      absl::StatusOr<std::unique_ptr<LlamaShard>> model = f.Load(opt, quant);
+      absl::StatusOr<std::unique_ptr<ModelShard>> model = f.Load(opt, quant);
       ASSERT_TRUE(model.ok()) << name << ": " << model.status();
       std::vector<std::vector<float>> logits;
       absl::StatusOr<std::vector<int32_t>> got = GreedyGenerate(model->get(), g.prompt, 32, &logits);
@@ -593,8 +594,8 @@ TEST_P(LlamaQuantizedWeights, MatchTheDequantizedModelAndStayNearHuggingFace) {
         -> absl::StatusOr<std::vector<int32_t>> {
       ShardSpec spec;
       spec.weight_quant = weight_quant;
-      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<LlamaShard> model,
-                                  LlamaShard::Load(weights, f.config, spec, opt, f.backend.get(), f.tp.get()));
+      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelShard> model,
+                                  ModelShard::Load(weights, f.config, spec, opt, f.backend.get(), f.tp.get()));
       return GreedyGenerate(model.get(), g.prompt, 32, logits);
     };
     std::vector<std::vector<float>> quantized_logits, dequantized_logits, int8_logits;
@@ -686,8 +687,8 @@ TEST(LlamaActivationQuant, StaysNearTheExactProducts) {
         -> absl::StatusOr<std::vector<int32_t>> {
       ShardSpec spec;
       spec.weight_quant = quant;
-      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<LlamaShard> model,
-                                  LlamaShard::Load(*f.ckpt, f.config, spec, opt, backend, tp));
+      SHARDSERVE_ASSIGN_OR_RETURN(std::unique_ptr<ModelShard> model,
+                                  ModelShard::Load(*f.ckpt, f.config, spec, opt, backend, tp));
       return GreedyGenerate(model.get(), g.prompt, 32, logits);
     };
     for (const WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4}) {

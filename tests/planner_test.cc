@@ -30,7 +30,7 @@
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
-#include "worker/llama.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -741,7 +741,7 @@ TEST(Render, TableShowsStagesGpusAndLayouts) {
 
 // ---- The parity fixtures: real safetensors, loaded by the worker ---------------------------
 
-// A TP group member for loading only: LlamaShard::Load checks rank and size but runs no
+// A TP group member for loading only: ModelShard::Load checks rank and size but runs no
 // collective, so each rank of a layout can be loaded in this one process.
 class LoadOnlyCommunicator final : public Communicator {
  public:
@@ -843,8 +843,8 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     const StagePlan& s = p.stages[g.stage];
     LoadOnlyCommunicator comm(g.tp_rank, p.tp);
     const ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p.tp};
-    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-        LlamaShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
+    absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+        ModelShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
     ASSERT_TRUE(shard.ok()) << "stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
     EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
     EXPECT_EQ((*shard)->step_buffer_bytes(), g.activation_bytes) << "stage " << g.stage << " rank " << g.tp_rank;
@@ -863,8 +863,8 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
       LoadOnlyCommunicator comm(g.tp_rank, plan.tp);
       ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, plan.tp};
       spec.weight_quant = quant;
-      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-          LlamaShard::Load(*m->checkpoint, c, spec, plan.limits, backend.get(), &comm);
+      absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+          ModelShard::Load(*m->checkpoint, c, spec, plan.limits, backend.get(), &comm);
       const std::string where =
           absl::StrCat(WeightQuantName(quant), " stage ", g.stage, " rank ", g.tp_rank);
       ASSERT_TRUE(shard.ok()) << where << ": " << shard.status();
@@ -917,8 +917,8 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     LoadOnlyCommunicator comm(0, k.tp);
     ShardSpec spec{0, -1, 0, k.tp};
     spec.weight_quant = WeightQuant::kInt4;
-    absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-        LlamaShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
+    absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+        ModelShard::Load(*m->checkpoint, c, spec, p.limits, backend.get(), &comm);
     ASSERT_FALSE(shard.ok());
     EXPECT_THAT(shard.status().message(), HasSubstr("per rank, not a whole number of groups of 128"));
   }
@@ -1041,8 +1041,8 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
       const StagePlan& s = p->stages[g.stage];
       LoadOnlyCommunicator comm(g.tp_rank, p->tp);
       const ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p->tp};
-      absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-          LlamaShard::Load(*m->checkpoint, m->config, spec, p->limits, backend.get(), &comm);
+      absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+          ModelShard::Load(*m->checkpoint, m->config, spec, p->limits, backend.get(), &comm);
       ASSERT_TRUE(shard.ok()) << variant << " stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();
       EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << variant << " stage " << g.stage << " rank " << g.tp_rank;
     }

@@ -32,7 +32,8 @@
 #include "nlohmann/json.hpp"
 #include "tests/golden.h"
 #include "worker/communicator.h"
-#include "worker/llama.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -58,13 +59,13 @@ const StepLimits kLimits{.max_tokens_per_step = 256, .max_seqs_per_step = 4, .bl
                          .max_model_len = 8 * 16};
 
 // Loads `dir` in one process (TP = 1 unless `spec` says otherwise: then only the load is tried).
-absl::StatusOr<std::unique_ptr<LlamaShard>> LoadModel(const fs::path& dir, Backend* backend, Communicator* tp,
+absl::StatusOr<std::unique_ptr<ModelShard>> LoadModel(const fs::path& dir, Backend* backend, Communicator* tp,
                                                       ShardSpec spec = {}) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
   if (!config.ok()) return config.status();
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
   if (!ckpt.ok()) return ckpt.status();
-  return LlamaShard::Load(**ckpt, *config, spec, kLimits, backend, tp);
+  return ModelShard::Load(**ckpt, *config, spec, kLimits, backend, tp);
 }
 
 struct Variant {
@@ -93,7 +94,7 @@ const Variant kVariants[] = {
     {"compressed_tensors", "ct_fp8_channel_qwen2", kFp8, /*plain=*/1},
 };
 
-// What the worker's summary says of `n` weights in `kernel`'s layout (LlamaShard::QuantizationSummary).
+// What the worker's summary says of `n` weights in `kernel`'s layout (ModelShard::QuantizationSummary).
 std::string PathWords(WeightQuant kernel, int n) {
   switch (kernel) {
     case WeightQuant::kInt4: return absl::StrCat(n, " as int4 groups of 128");
@@ -115,7 +116,7 @@ TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   ASSERT_EQ(g.greedy.size(), 32u);
   std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
   LocalCommunicator tp(backend.get());
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LoadModel(dir, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = LoadModel(dir, backend.get(), &tp);
   ASSERT_TRUE(model.ok()) << v.name << ": " << model.status();
   const std::string summary = (*model)->QuantizationSummary();
   const int layers = static_cast<int>((*model)->config().num_hidden_layers);
@@ -201,7 +202,7 @@ class GptqRefusalTest : public ::testing::Test {
   void ExpectRefused(const std::vector<std::string>& parts, ShardSpec spec = {}) {
     std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
     LocalCommunicator tp(backend.get());
-    absl::StatusOr<std::unique_ptr<LlamaShard>> model = LoadModel(dir_, backend.get(), &tp, spec);
+    absl::StatusOr<std::unique_ptr<ModelShard>> model = LoadModel(dir_, backend.get(), &tp, spec);
     ASSERT_FALSE(model.ok()) << "a corrupted checkpoint loaded";
     for (const std::string& part : parts) {
       EXPECT_TRUE(absl::StrContains(model.status().message(), part)) << model.status() << "\nlacks: " << part;
@@ -214,7 +215,7 @@ TEST_F(GptqRefusalTest, TheUnchangedCopyLoads) {
   Copy("qwen2_asym4_g32_desc_act_v1");
   std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
   LocalCommunicator tp(backend.get());
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LoadModel(dir_, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = LoadModel(dir_, backend.get(), &tp);
   EXPECT_TRUE(model.ok()) << model.status();
 }
 

@@ -1,4 +1,4 @@
-// Step graphs (worker/llama.h, Backend::BeginGraph / EndGraph / RunGraph) on the CPU: the shard's
+// Step graphs (worker/shard/model_shard.h, Backend::BeginGraph / EndGraph / RunGraph) on the CPU: the shard's
 // side of CUDA graphs, checked without a GPU. RecordingBackend runs a CPU backend's ops and, between
 // BeginGraph and EndGraph, records them instead, as CUDA stream capture does: each op with the
 // arguments it was called with (tensor addresses and shapes, scalars), run again in order by
@@ -26,7 +26,7 @@
 #include "model/dummy_weights.h"
 #include "worker/communicator.h"
 #include "worker/cuda_switches.h"
-#include "worker/llama.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve {
 namespace {
@@ -36,7 +36,7 @@ const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/mod
 
 class RecordingBackend final : public Backend {
  public:
-  // kind: the device kind it reports (the inner backend's unless given: kCuda makes LlamaShard load
+  // kind: the device kind it reports (the inner backend's unless given: kCuda makes ModelShard load
   // a checkpoint's weights through host staging and CopyToDevice, as on a GPU).
   explicit RecordingBackend(std::unique_ptr<Backend> inner, std::optional<DeviceKind> kind = std::nullopt)
       : inner_(std::move(inner)), kind_(kind.value_or(inner_->device_kind())) {}
@@ -222,7 +222,7 @@ Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* sour
   LocalCommunicator tp(backend);
   StepLimits limits{.max_tokens_per_step = 16, .max_seqs_per_step = 2, .block_size = 4, .max_model_len = 32};
   limits.num_kv_blocks = 2 * limits.max_blocks_per_seq();
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(w, c, ShardSpec{}, limits, backend, &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Load(w, c, ShardSpec{}, limits, backend, &tp);
   EXPECT_TRUE(model.ok()) << model.status();
   if (!model.ok()) return out;
   std::vector<int32_t> blocks(limits.num_kv_blocks);
@@ -317,7 +317,7 @@ TEST(StepGraphTest, AFailedRecordingTurnsGraphsOffAndTheStepRunsAsItIs) {
   }
 }
 
-// On a backend that is not the CPU, LlamaShard::Load reads each weight of a real checkpoint into its
+// On a backend that is not the CPU, ModelShard::Load reads each weight of a real checkpoint into its
 // host staging (one buffer, grown to the largest weight and reused, freed when Load returns) and
 // copies it to the device: every logit bit equal to the CPU backend's, which reads the weights
 // straight into place, and every weight byte copied (the whole checkpoint, its F32 tensors as F32);

@@ -36,7 +36,7 @@ using shardserve::DType;
 using shardserve::Tensor;
 using shardserve::cli::Percentile;
 
-constexpr int64_t kBlockSize = 16;  // tokens per KV block, as the worker's default (worker/llama.h)
+constexpr int64_t kBlockSize = 16;  // tokens per KV block, as the worker's default (worker/shard/model_shard.h)
 
 uint64_t Fnv1a(const std::vector<float>& v) {
   uint64_t h = 14695981039346656037ULL;

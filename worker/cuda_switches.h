@@ -38,7 +38,7 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           with the CUDA kernels for them\n"
     "  --no-cuda-graphs         --device cuda: run every decode step op by op, not recorded once as a\n"
     "                           CUDA graph and replayed (decode steps of one token a sequence, at most\n"
-    "                           64 sequences, TP = 1: worker/llama.h)\n"
+    "                           64 sequences, TP = 1: worker/shard/model_shard.h)\n"
     "  --no-cuda-split-attention  --device cuda: one block a (token, head) for the whole context, in\n"
     "                           place of steps of up to 8 tokens split over the keys (ranges of 128,\n"
     "                           combined by a second kernel)\n"

@@ -2,7 +2,7 @@
 // 2, as vLLM v1's persistent batch): each sequence's block table, sampling settings, prompt
 // length, the number of tokens fed to it so far and, when the sampler needs them, the fed tokens
 // themselves. Apply() takes a stateful StepPlan, updates the state and expands the plan into
-// what the stateless plans of version 1 carried: a StepBatch for LlamaShard::Forward and one
+// what the stateless plans of version 1 carried: a StepBatch for ModelShard::Forward and one
 // RowSampling per logit row for the Sampler.
 //
 // What a worker derives, for a row of sequence s feeding n tokens from start_position p0:

@@ -1,5 +1,5 @@
 // The last stage's sampler: one token per logit row of a step, from the step's [m, vocab] F32
-// logits (LlamaShard::logits(m), on the backend's device), as each row's RowSampling asks.
+// logits (ModelShard::logits(m), on the backend's device), as each row's RowSampling asks.
 //
 // Each row takes one of three paths (greedy: temperature below 1e-5, as in vLLM, so that logits / T
 // cannot overflow; 0 in practice):

@@ -6,7 +6,7 @@
 //
 // Pure functions of their arguments (no backend, no collectives, no I/O), so that every worker of
 // a group reaches the same verdict, and so that fuzz/coordinator_message_fuzzer.cc runs exactly
-// these on arbitrary messages. StepExecutor, LlamaShard and Sampler call them (one home each).
+// these on arbitrary messages. StepExecutor, ModelShard and Sampler call them (one home each).
 //
 // Threading: none of these keep state; call them from any thread.
 #ifndef SHARDSERVE_WORKER_STEP_CHECKS_H_
@@ -54,7 +54,7 @@ struct StepBatch {
 // (StepLimits::ValidateDecided), a collective timeout in (0, 24 h].
 absl::Status CheckAssignment(const v1::Assignment& a);
 
-// The shard `spec` of the model `config` within `limits`, as LlamaShard::Load checks it before
+// The shard `spec` of the model `config` within `limits`, as ModelShard::Load checks it before
 // reading any weight: a non-empty layer range inside the model's layers (end_layer < 0: through
 // the last), decided limits, a TP split the heads, MLP and vocabulary allow (ComputeTpShard), and
 // a quantization the TP split allows (CheckQuantizedShard).

@@ -165,8 +165,8 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   if (!weights.ok()) return weights.status();
   const ShardSpec spec = ShardSpecOf(a);
   const StepLimits options = FromProto(a.limits());
-  absl::StatusOr<std::unique_ptr<LlamaShard>> shard =
-      LlamaShard::Load(**weights, *config, spec, options, backend, e->tp_.get());
+  absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+      ModelShard::Load(**weights, *config, spec, options, backend, e->tp_.get());
   if (!shard.ok()) return shard.status();
   e->shard_ = std::move(*shard);
   SHARDSERVE_RETURN_IF_ERROR(CheckStageLayers(a, *config));

@@ -1,5 +1,5 @@
 // One worker's part of every step. Built from the coordinator's Assignment, it holds the worker's
-// shard of the model (LlamaShard), the collective groups the shard needs (its stage's TP group,
+// shard of the model (ModelShard), the collective groups the shard needs (its stage's TP group,
 // and the pipeline pairs with the previous and the next stage), and executes StepPlans:
 //
 //   stage > 0:       Recv the previous stage's hidden state [n, hidden] into the shard's input
@@ -34,7 +34,7 @@
 #include "kernels/backend.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
-#include "worker/llama.h"
+#include "worker/shard/model_shard.h"
 #include "worker/persistent_batch.h"
 #include "worker/sampler.h"
 #include "worker/timed_communicator.h"
@@ -142,13 +142,13 @@ class StepExecutor {
   // Kernel launches of the last step Execute ran (Backend::kernel_launches: on CUDA each of our
   // launches and each cuBLAS call; 0 on the CPU): the kernels-per-step figure of docs/gpu.md.
   uint64_t last_step_kernel_launches() const { return last_step_kernel_launches_; }
-  // The shard's step graphs (LlamaShard; CudaBackendOptions::step_graphs): how many are recorded, and why they were
+  // The shard's step graphs (ModelShard; CudaBackendOptions::step_graphs): how many are recorded, and why they were
   // turned off ("" while on, or never on).
   int step_graphs_recorded() const { return shard_->step_graphs_recorded(); }
   const std::string& step_graphs_off() const { return shard_->step_graphs_off(); }
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
-  // How the linear weights are held (LlamaShard::QuantizationSummary), for the worker log.
+  // How the linear weights are held (ModelShard::QuantizationSummary), for the worker log.
   std::string quantization_summary() const { return shard_->QuantizationSummary(); }
   std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
@@ -171,7 +171,7 @@ class StepExecutor {
   StepExecutor() = default;
   // Applies the plan to the persistent batch, which fills batch_ and sampling_ (no allocation), and
   // checks what must hold before the first collective (the sampling parameters too);
-  // LlamaShard::Forward checks the rest.
+  // ModelShard::Forward checks the rest.
   absl::Status ToBatch(const v1::StepPlan& plan);
 
   // ---- Constant after Create ----
@@ -185,7 +185,7 @@ class StepExecutor {
   std::unique_ptr<TimedCommunicator> tp_;    // the stage's TP group (a LocalCommunicator for TP = 1)
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
-  std::unique_ptr<LlamaShard> shard_;
+  std::unique_ptr<ModelShard> shard_;
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;

@@ -42,7 +42,7 @@ struct PlanOptions {
   std::optional<DType> dtype;
   // How the linear layers' weights are stored (kernels/quant.h): quantized weights need fewer bytes.
   WeightQuant weight_quant = WeightQuant::kNone;
-  // What one step may carry: the workers size their scratch buffers for it (worker/llama.h).
+  // What one step may carry: the workers size their scratch buffers for it (worker/shard/model_shard.h).
   int64_t max_tokens_per_step = 2048;
   int64_t max_seqs_per_step = 256;
   int64_t block_size = 16;  // tokens per KV cache block

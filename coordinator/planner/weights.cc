@@ -142,7 +142,7 @@ uint64_t RankWeights::Stage(int64_t first_layer, int64_t end_layer, bool first_s
   if (first_stage) bytes += embedding;
   if (last_stage) {
     bytes += final_norm;
-    // A tied LM head on the first stage is the embedding already counted (worker/llama.cc shares it).
+    // A tied LM head on the first stage is the embedding already counted (worker/shard/loader.cc shares it).
     if (!(tied && first_stage)) bytes += lm_head;
   }
   return bytes;

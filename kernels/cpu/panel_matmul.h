@@ -15,7 +15,7 @@
 // panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
 // contiguous stream that a tile of rows reads once. A plain w (a tied LM head on a bf16 backend,
 // whose table Embedding reads by rows; a float32 backend's tied table is stored once, packed, and
-// Embedding gathers from that: worker/llama.cc) is packed panel by panel into per-thread scratch
+// Embedding gathers from that: worker/shard/loader.cc) is packed panel by panel into per-thread scratch
 // as the product runs (8 x 8 blocks transposed in registers), giving bitwise the same results as a
 // packed one. Up to 3 rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to
 // 12 chains hide the FMA latency (one panel's 2 per row would not); the chains are the same.

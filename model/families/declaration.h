@@ -1,7 +1,7 @@
 // How one model architecture is written down, once: the tensors of its checkpoint (name, shape
 // from config.json, how tensor parallelism cuts it, what each is to the forward pass), what its
 // config.json fields mean, and the buffers a step of it works in. Every reader of a model's layout
-// reads its declaration: the worker's loader (worker/llama.cc), the planner's bytes
+// reads its declaration: the worker's loader (worker/shard/loader.cc), the planner's bytes
 // (coordinator/planner/weights.cc) and memory math (coordinator/planner/memory.cc), and the dummy
 // weights (model/dummy_weights.cc). model/families/registry.h picks the declaration from
 // config.json's "architectures".
@@ -108,6 +108,11 @@ struct FamilyDeclaration {
   bool scale_embeddings = false;  // the embeddings times sqrt(hidden_size) in the act dtype (Gemma)
   bool softcapping = false;       // attn_logit_softcapping and final_logit_softcapping (Gemma 2)
   bool query_pre_attn_scalar = false;  // attention scaled by query_pre_attn_scalar^-0.5, not head_dim^-0.5 (Gemma)
+  // Where a decoder layer's norms sit (worker/shard/decoder.cc): kPreNorm before each block
+  // (Llama: h = x + attn(norm(x)); out = h + mlp(norm(h))), kSandwich before and after each block
+  // (Gemma: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))).
+  enum class NormPlacement { kPreNorm, kSandwich };
+  NormPlacement norm_placement = NormPlacement::kPreNorm;
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).
   std::vector<WeightDecl> (*weights)(const ModelConfig& config);

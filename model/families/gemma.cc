@@ -5,7 +5,7 @@
 // attention's output, pre- and post-feedforward), the embeddings times sqrt(hidden_size), attention
 // scaled by query_pre_attn_scalar^-0.5 and its scores soft-capped (attn_logit_softcapping), the
 // layers layer_types calls sliding (by default the even ones) within sliding_window, and the logits
-// soft-capped (final_logit_softcapping). The forward pass is worker/llama.cc's with those options.
+// soft-capped (final_logit_softcapping). The forward pass is worker/shard/decoder.cc's sandwich-norm layer with those options.
 #include "model/families/families.h"
 
 namespace shardserve {
@@ -37,6 +37,7 @@ const FamilyDeclaration kGemma2Family = {.architecture = "Gemma2ForCausalLM",
                                          .scale_embeddings = true,
                                          .softcapping = true,
                                          .query_pre_attn_scalar = true,
+                                         .norm_placement = FamilyDeclaration::NormPlacement::kSandwich,
                                          .weights = Gemma2Weights,
                                          .layer_buffers = LlamaShapedBuffers};
 

@@ -4,7 +4,7 @@
 //   x += down_proj(silu(gate_proj(h)) * up_proj(h)),  h = RMSNorm(x)
 // with biases on q/k/v (Qwen2) or on q/k/v and o (Llama and Qwen3 with attention_bias) and a
 // per-head RMSNorm of q and k before RoPE (Qwen3) as the families differ; the forward pass is
-// worker/llama.cc.
+// worker/shard/decoder.cc's pre-norm layer.
 #include "model/families/families.h"
 
 namespace shardserve {

@@ -14,7 +14,8 @@
 #include "tools/cli/command.h"
 #include "base/flags.h"
 #include "worker/cuda_switches.h"
-#include "worker/llama.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 
 namespace shardserve::cli {
 namespace {
@@ -143,7 +144,7 @@ int Run(const std::vector<std::string>& args) {
   LocalCommunicator tp(backend.get());
   ShardSpec spec;
   spec.weight_quant = *quant;
-  absl::StatusOr<std::unique_ptr<LlamaShard>> model = LlamaShard::Load(**weights, *config, spec, opt, backend.get(), &tp);
+  absl::StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Load(**weights, *config, spec, opt, backend.get(), &tp);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), prompt, *max_new);
   if (!ids.ok()) return Fail(std::string(ids.status().message()));

@@ -1,0 +1,95 @@
+// The decoder's blocks, shared by every family: self-attention (GQA with optional q/k/v biases,
+// per-head q/k norms, RoPE, a sliding window, soft-capped scores), the gated MLP (SwiGLU or GeGLU),
+// and the decoder layer that joins them with their norms as the family places them. Each reads
+// like transformers' modeling code, one comment a step; tensor parallelism is the plan they run
+// under (TpPlan: which slice each product holds, where partial sums meet), never a branch inside.
+//
+// Threading: not thread-safe; one step at a time (the shard's).
+#ifndef SHARDSERVE_WORKER_SHARD_DECODER_H_
+#define SHARDSERVE_WORKER_SHARD_DECODER_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/sharding.h"
+#include "worker/communicator.h"
+#include "worker/shard/loader.h"
+
+namespace shardserve {
+
+// The tensor-parallel plan: this rank's slice of every product (TpShard: its heads, its MLP rows,
+// its vocabulary rows), and the group where row-parallel products' partial sums meet. With one
+// rank the plan is the whole model and the sums are the identity.
+struct TpPlan {
+  Communicator* group = nullptr;
+  TpShard shard;
+  // The full result of a row-parallel product (o_proj, down_proj, the embedding lookup) on every
+  // rank, from this rank's partial sum.
+  absl::Status SumPartials(Tensor* partial) const { return group->AllReduceSum(partial); }
+};
+
+// One layer's paged KV cache: [blocks, block_size, local KV heads, head_dim] each.
+struct KvCache {
+  Tensor k, v;
+};
+
+// A step's metadata on the device, for its n tokens of `seqs` sequences (worker/step_checks.h
+// StepBatch): each token's position, sequence and cache slot; each sequence's block table.
+struct StepMeta {
+  Tensor positions, token_seq, slots;  // [n] I32
+  Tensor block_tables;                 // [seqs, max_blocks_per_seq] I32
+};
+
+// The activations a layer works in, n rows each.
+struct LayerScratch {
+  Tensor normed;       // [n, hidden] the block's normed input
+  Tensor q, k, v;      // [n, q], [n, kv], [n, kv] this rank's heads
+  Tensor attn;         // [n, q] attention output
+  Tensor proj;         // [n, hidden] o_proj / down_proj output (partial sums until summed)
+  Tensor gate, up;     // [n, f] the MLP's products
+};
+
+// What every layer of a model computes with, from its config.json.
+class DecoderBlocks {
+ public:
+  // `inv_freq`: RoPE's inverse frequencies [head_dim / 2] F32 on the device.
+  DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConfig& config, Tensor inv_freq);
+
+  // Decoder layer `layer` (its index in the model) over the step's n tokens. On entry `x` [n, hidden]
+  // is the residual stream and s.normed its input norm (the previous layer computed it, fused with
+  // its residual add); on return `x` is the layer's output and, when `next_input_norm` is not
+  // null, s.normed is that norm of it.
+  absl::Status Layer(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta, LayerScratch& s,
+                     Tensor* x, const Tensor* next_input_norm) const;
+  // The token embedding (vocab-parallel: each rank looks up its rows, zeros elsewhere, and the sum
+  // fills in the rest), times the family's scale.
+  absl::Status Embed(Tensor* x, const Tensor& table, const Tensor& ids) const;
+  // The last stage's head on the rows whose logits are wanted: final norm, then this rank's
+  // vocabulary slice of the logits [m, local vocab rows] F32 (soft-capped where the family caps them).
+  absl::Status LocalLogits(Tensor* logits, const Tensor& rows, Tensor* normed, const Tensor& final_norm,
+                           const Tensor& lm_head) const;
+
+ private:
+  // normed -> s.proj: this rank's heads' attention output through o_proj, summed over the group.
+  absl::Status SelfAttention(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta,
+                             LayerScratch& s) const;
+  // normed -> s.proj: act(gate_proj(h)) * up_proj(h) through down_proj, summed over the group.
+  absl::Status GatedMlp(const LayerWeights& w, LayerScratch& s) const;
+  // x += residual, then normed = next_norm(x) when there is a next norm (one pass where the backend
+  // fuses them).
+  absl::Status AddThenNorm(Tensor* x, const Tensor& residual, LayerScratch& s, const Tensor* next_norm) const;
+
+  Backend& be_;
+  const TpPlan& tp_;
+  const ModelConfig& config_;
+  const Tensor inv_freq_;
+  const float eps_;
+  const float attention_scale_;
+  float embedding_scale_ = 0;  // in the act dtype's precision; 0 for none
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_SHARD_DECODER_H_

@@ -1,0 +1,75 @@
+// The loader: a family's declaration (model/families/) and a checkpoint or dummy weights
+// (model/weight_source.h) in, this rank's slice of one pipeline stage's tensors out, on the
+// backend's device in its layouts: products packed for MatMul (quantized by --quantization, or in a
+// published quantized checkpoint's own format), norms (Gemma's with their 1 added), embeddings and
+// the LM head in the activation dtype. Every tensor's shape is checked against the checkpoint
+// before anything is allocated.
+//
+// Threading: not thread-safe; one load at a time.
+#ifndef SHARDSERVE_WORKER_SHARD_LOADER_H_
+#define SHARDSERVE_WORKER_SHARD_LOADER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "kernels/quant.h"
+#include "model/config.h"
+#include "model/sharding.h"
+#include "model/weight_source.h"
+#include "worker/shard/arena.h"
+#include "worker/step_checks.h"  // ShardSpec
+
+namespace shardserve {
+
+// One decoder layer's weights on this rank, by their role in the forward pass
+// (model/families/declaration.h WeightRole). Shapes are this rank's: q = local q heads * head_dim,
+// kv = local KV heads * head_dim, f = local intermediate size. A weight the family does not have
+// has data == nullptr.
+struct LayerWeights {
+  Tensor input_layernorm;         // [hidden]
+  Tensor q_proj, k_proj, v_proj;  // [q, hidden], [kv, hidden], [kv, hidden]
+  Tensor q_bias, k_bias, v_bias;  // [q], [kv], [kv] (Qwen2; Llama, Qwen3 with attention_bias)
+  Tensor q_norm, k_norm;          // [head_dim] each (Qwen3)
+  Tensor o_proj;                  // [hidden, q]
+  Tensor o_bias;                  // [hidden] on TP rank 0 (Llama, Qwen3 with attention_bias)
+  Tensor attn_out_norm;           // [hidden] of the attention's output (Gemma)
+  Tensor pre_mlp_norm;            // [hidden]
+  Tensor mlp_out_norm;            // [hidden] of the MLP's output (Gemma)
+  Tensor gate_proj, up_proj;      // [f, hidden]
+  Tensor down_proj;               // [hidden, f]
+};
+
+// This rank's slice of a pipeline stage's weights.
+struct ShardWeights {
+  Tensor embed_tokens;  // [vocab rows of this rank, hidden] (first stage; packed when it is also lm_head)
+  std::vector<LayerWeights> layers;  // the stage's layers, first to last
+  Tensor norm;                       // [hidden] (last stage)
+  Tensor lm_head;                    // [vocab rows of this rank, hidden] (last stage)
+};
+
+// What a load counted, for the memory report and the worker's log.
+struct LoadReport {
+  uint64_t weight_bytes = 0;  // logical bytes, as the planner counts them
+  // A published quantized checkpoint's linear weights by the layout that holds them (kNone:
+  // dequantized to float32), indexed by WeightQuant, and why the first dequantized one is.
+  int quant_paths[4] = {};
+  std::string quant_why_dense;
+};
+
+// Loads this rank (`shard`) of the stage `spec` names: its layers' tensors, the embedding on the
+// first stage and the final norm and LM head on the last, as config.family declares them, into
+// buffers of `arena`. A tied LM head on a stage that also embeds is the embedding's buffer.
+absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& weights, const ModelConfig& config,
+                                              const ShardSpec& spec, const TpShard& shard, Backend* backend,
+                                              DeviceArena* arena, LoadReport* report);
+
+// How the linear weights are held, for the worker log: the --quantization name, or for a published
+// quantized checkpoint its format and how many weights took each path.
+std::string QuantizationSummary(const ModelConfig& config, const ShardSpec& spec, const LoadReport& report);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_SHARD_LOADER_H_

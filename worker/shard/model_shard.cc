@@ -1,0 +1,202 @@
+#include "worker/shard/model_shard.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "kernels/tensor.h"
+#include "model/families/registry.h"
+
+namespace shardserve {
+
+absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource& ckpt, const ModelConfig& config,
+                                                             const ShardSpec& spec, const StepLimits& opt,
+                                                             Backend* backend, Communicator* tp) {
+  std::unique_ptr<ModelShard> m(new ModelShard(backend));
+  m->config_ = config;
+  m->spec_ = spec;
+  m->limits_ = opt;
+  m->first_layer_ = spec.first_layer;
+  m->end_layer_ = spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
+  SHARDSERVE_RETURN_IF_ERROR(CheckShard(config, spec, opt));
+  if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
+                                                   " but the communicator is rank ", tp->rank(), " of ", tp->size()));
+  }
+  m->tp_.group = tp;
+  SHARDSERVE_ASSIGN_OR_RETURN(m->tp_.shard, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
+  const TpShard& s = m->tp_.shard;
+
+  // ---- Weights: this rank's slice of this stage's tensors, as the family declares them ----
+  SHARDSERVE_ASSIGN_OR_RETURN(m->weights_,
+                              LoadShardWeights(ckpt, m->config_, spec, s, backend, &m->arena_, &m->load_));
+  backend->ReleaseLoadBuffers();
+
+  // ---- The paged KV cache of each layer: this rank's KV heads only ----
+  const int64_t D = config.head_dim;
+  m->kv_.resize(m->end_layer_ - m->first_layer_);
+  for (KvCache& c : m->kv_) {
+    for (Tensor* t : {&c.k, &c.v}) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*t, m->arena_.Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+      SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(t->data, t->bytes()));
+      m->kv_cache_bytes_ += t->bytes();
+    }
+  }
+
+  // ---- Step buffers: everything a step needs, allocated once ----
+  for (const StepBufferDecl& b : StepBuffers(config, s, backend->act_dtype(), opt, m->is_last_stage())) {
+    Tensor* slot = m->StepBufferSlot(b.name);
+    if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
+    SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
+    m->step_buffer_bytes_ += slot->bytes();
+  }
+  std::vector<float> inv_freq = RopeInvFreq(config);
+  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
+  m->blocks_ = std::make_unique<DecoderBlocks>(backend, &m->tp_, m->config_, m->inv_freq_);
+  m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
+  return m;
+}
+
+Tensor* ModelShard::StepBufferSlot(const std::string& name) {
+  const std::pair<const char*, Tensor*> slots[] = {
+      {"ids", &ids_},       {"positions", &positions_}, {"token_seq", &token_seq_}, {"slots", &slots_},
+      {"block_tables", &block_tables_}, {"logit_rows", &logit_rows_}, {"hidden", &hidden_},
+      {"normed", &normed_}, {"q", &q_},  {"k", &k_},   {"v", &v_},   {"attn", &attn_}, {"proj", &proj_},
+      {"gate", &gate_},     {"up", &up_}, {"inv_freq", &inv_freq_},   {"last", &last_},
+      {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_}};
+  for (const auto& [slot, tensor] : slots) {
+    if (name == slot) return tensor;
+  }
+  return nullptr;
+}
+
+std::string ModelShard::QuantizationSummary() const { return shardserve::QuantizationSummary(config_, spec_, load_); }
+
+std::string ModelShard::GpuPathsNotYetRun() const {
+  if (backend_->device_kind() != DeviceKind::kCuda) return "";
+  std::vector<std::string> paths;
+  for (int64_t i = first_layer_; i < end_layer_; ++i) {
+    if (config_.LayerWindow(i) > 0) {
+      paths.push_back("sliding-window attention");
+      break;
+    }
+  }
+  if (config_.attn_logit_softcap > 0) paths.push_back("attention soft-capping");
+  if (config_.activation == ModelConfig::Activation::kGeluTanh) paths.push_back("GeGLU (gelu_tanh)");
+  if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
+  if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
+  return absl::StrJoin(paths, ", ");
+}
+
+Tensor ModelShard::hidden(int64_t n) const { return hidden_.Rows(0, n); }
+Tensor ModelShard::logits(int64_t m) const { return logits_.Rows(0, m); }
+
+absl::Status ModelShard::Upload(const Tensor& dst, const std::vector<int32_t>& src) {
+  if (src.empty()) return absl::OkStatus();
+  return backend_->CopyToDevice(dst.data, src.data(), src.size() * sizeof(int32_t));
+}
+
+absl::Status ModelShard::Forward(const StepBatch& b) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckStepBatch(b, limits_, config_, is_first_stage()));
+  const int64_t n = static_cast<int64_t>(b.positions.size());
+  const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+
+  // Step metadata to the device.
+  SHARDSERVE_RETURN_IF_ERROR(Upload(positions_.Rows(0, n), b.positions));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(token_seq_.Rows(0, n), b.token_seq));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(slots_.Rows(0, n), b.slots));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(block_tables_.Rows(0, b.num_seqs), b.block_tables));
+  SHARDSERVE_RETURN_IF_ERROR(Upload(logit_rows_.Rows(0, m), b.logit_rows));
+  if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
+
+  if (graphs_on_ && n == b.num_seqs && n <= kMaxGraphSeqs) return ComputeWithGraph(n, m, b.num_seqs);
+  return Compute(n, m, b.num_seqs);
+}
+
+absl::Status ModelShard::ComputeWithGraph(int64_t n, int64_t m, int64_t seqs) {
+  StepGraph& g = graphs_[{n, m}];
+  if (g.id >= 0) {
+    ++graph_replays_;
+    return backend_->RunGraph(g.id);
+  }
+  if (!g.ran) {
+    g.ran = true;
+    return Compute(n, m, seqs);
+  }
+  absl::Status why = backend_->BeginGraph();
+  if (why.ok()) {
+    const absl::Status computed = Compute(n, m, seqs);
+    absl::StatusOr<int> id = backend_->EndGraph();  // ends the recording whether or not Compute failed
+    if (computed.ok() && id.ok()) {
+      g.id = *id;
+      ++graphs_recorded_;
+      return backend_->RunGraph(g.id);
+    }
+    why = computed.ok() ? id.status() : computed;
+  }
+  // Nothing recorded ran: turn graphs off and run the step as it is (a real error in the step
+  // shows again there).
+  graphs_on_ = false;
+  graphs_off_why_ =
+      absl::StrCat("recording the step graph of ", n, " tokens, ", m, " logit rows failed: ", why.message());
+  return Compute(n, m, seqs);
+}
+
+absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
+  Backend& be = *backend_;
+  const StepMeta meta{positions_.Rows(0, n), token_seq_.Rows(0, n), slots_.Rows(0, n), block_tables_.Rows(0, seqs)};
+  LayerScratch s{normed_.Rows(0, n), q_.Rows(0, n),    k_.Rows(0, n),    v_.Rows(0, n),
+                 attn_.Rows(0, n),   proj_.Rows(0, n), gate_.Rows(0, n), up_.Rows(0, n)};
+  Tensor x = hidden_.Rows(0, n);
+
+  // Embedding (first stage).
+  if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&x, weights_.embed_tokens, ids_.Rows(0, n)));
+  // The stage's layers; each leaves the next one's input norm in s.normed.
+  const std::vector<LayerWeights>& layers = weights_.layers;
+  if (!layers.empty()) {
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&s.normed, x, layers[0].input_layernorm, static_cast<float>(config_.rms_norm_eps)));
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Tensor* next_norm = i + 1 < layers.size() ? &layers[i + 1].input_layernorm : nullptr;
+    SHARDSERVE_RETURN_IF_ERROR(
+        blocks_->Layer(first_layer_ + static_cast<int64_t>(i), layers[i], kv_[i], meta, s, &x, next_norm));
+  }
+
+  if (!is_last_stage() || m == 0) return absl::OkStatus();
+  // The rows whose logits are wanted (Embedding with the hidden state as the table is a row
+  // gather), then this rank's slice of their logits.
+  Tensor last = last_.Rows(0, m), last_normed = normed_.Rows(0, m);
+  SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&last, x, logit_rows_.Rows(0, m), 0));
+  Tensor local_logits(local_logits_.data, DType::kF32, {m, tp_.shard.vocab_rows.size()});
+  SHARDSERVE_RETURN_IF_ERROR(blocks_->LocalLogits(&local_logits, last, &last_normed, weights_.norm, weights_.lm_head));
+  return GatherLogits(m);
+}
+
+absl::Status ModelShard::GatherLogits(int64_t m) {
+  // Every rank's slice of the vocabulary, all-gathered (the last rank's slice may be short: each
+  // is padded to vocab_rows_per_rank).
+  const int64_t w = tp_.shard.vocab_rows_per_rank;
+  Tensor padded(local_logits_.data, DType::kF32, {m, w});
+  // With one rank, gathered [1][row][vocab] is logits [row][vocab]: gather straight into it.
+  const bool one_rank = spec_.tp_size == 1;
+  Tensor gathered(one_rank ? logits_.data : gathered_logits_.data, DType::kF32, {spec_.tp_size, m, w});
+  SHARDSERVE_RETURN_IF_ERROR(tp_.group->AllGather(&gathered, padded));
+  if (one_rank) return absl::OkStatus();
+  // gathered is [rank][row][w]; logits are [row][vocab]: copy each rank's columns into place.
+  const int64_t V = config_.vocab_size;
+  for (int r = 0; r < spec_.tp_size; ++r) {
+    const int64_t cols = std::min(w, V - r * w);
+    for (int64_t i = 0; i < m; ++i) {
+      SHARDSERVE_RETURN_IF_ERROR(backend_->CopyOnDevice(logits_.as<float>() + i * V + r * w,
+                                                        gathered_logits_.as<float>() + (r * m + i) * w,
+                                                        cols * sizeof(float)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardserve
