@@ -76,7 +76,8 @@ INSTANTIATE_TEST_SUITE_P(Families, FixtureTest, testing::ValuesIn(Families()),
 TEST(FixtureTest, EveryFamilyIsPresent) {
   // The families tools/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
   for (const char* f : {"chatml", "llama2", "llama3", "llama3_1", "qwen2_5", "mistral", "gemma2", "phi3_5",
-                        "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3"}) {
+                        "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3", "gemma3",
+                        "phi4", "phi4_mini"}) {
     EXPECT_TRUE(std::filesystem::exists(kFixtures / f / "cases.json")) << f;
   }
 }

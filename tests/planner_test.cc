@@ -195,7 +195,9 @@ TEST(Planner, WholeModelOnOneGpuIsParameterCountTimesTwoBytes) {
                                                                   {"llama-3.1-70b", 70'553'706'496},
                                                                   {"llama-3.1-8b", 8'030'261'248},
                                                                   {"qwen2.5-0.5b", 494'032'768},
-                                                                  {"mistral-7b-v0.1", 7'241'732'096}};
+                                                                  {"mistral-7b-v0.1", 7'241'732'096},
+                                                                  {"qwen3-32b", 32'762'123'264},
+                                                                  {"phi-4", 14'659'507'200}};
   for (const auto& [name, params] : published) {
     PlanOptions o;
     o.tp = 1;
@@ -229,14 +231,15 @@ TEST_P(WeightBytesPerGpu, AgreeWithParameterCountOverDegree) {
   const double H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim(), I = c.intermediate_size, V = c.vocab_size;
   const double bias = c.qkv_bias ? 1 : 0;  // the real configs here: Qwen2 (q/k/v) or none
   const double kv_params = 2 * KV * (H + bias);                               // k_proj, v_proj (+ biases)
-  const double layer = 2 * H * Q + Q * bias + 3 * H * I + 2 * H + kv_params;  // q, o, MLP, norms, k, v
+  const double qk_norms = c.qk_norm ? 2.0 * c.head_dim : 0;                  // Qwen3: whole on every rank
+  const double layer = 2 * H * Q + Q * bias + 3 * H * I + 2 * H + qk_norms + kv_params;  // q, o, MLP, norms, k, v
   const double local_kv_heads = k.tp <= c.num_key_value_heads ? c.num_key_value_heads / k.tp : 1;
   const double local_kv_params = 2 * local_kv_heads * c.head_dim * (H + bias);
   ASSERT_EQ(static_cast<int>(p.per_gpu.size()), k.tp * k.pp);
   for (const GpuPlan& g : p.per_gpu) {
     const StagePlan& s = p.stages[g.stage];
     const double n = static_cast<double>(s.num_layers());
-    double params = n * layer, replicated = n * 2 * H;
+    double params = n * layer, replicated = n * (2 * H + qk_norms);
     if (s.embedding) params += V * H;
     if (s.lm_head) {
       params += H + (c.tie_word_embeddings && s.embedding ? 0 : V * H);  // final norm, LM head
@@ -252,10 +255,11 @@ TEST_P(WeightBytesPerGpu, AgreeWithParameterCountOverDegree) {
 std::vector<DegreeCase> DegreeCases() {
   std::vector<DegreeCase> cases;
   for (const char* name :
-       {"qwen2.5-72b-instruct", "llama-3.1-70b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b-v0.1"}) {
+       {"qwen2.5-72b-instruct", "llama-3.1-70b", "llama-3.1-8b", "qwen2.5-0.5b", "mistral-7b-v0.1", "qwen3-32b", "phi-4"}) {
     const ModelConfig c = RealConfig(name);
-    for (int tp : {1, 2, 4, 8}) {
-      if (!CheckTpDivides(c, tp).ok()) continue;  // Qwen2.5-0.5B: 14 heads, so TP 1 and 2 only
+    for (int tp : {1, 2, 4, 5, 8}) {
+      // Qwen2.5-0.5B: 14 heads, so TP 1 and 2 only; Phi-4's 10 KV heads: TP 1, 2 and 5.
+      if (!CheckTpDivides(c, tp).ok()) continue;
       for (int pp : {1, 2, 4}) cases.push_back({name, tp, pp});
     }
   }
@@ -423,6 +427,103 @@ TEST(Planner, Int4TpThatCutsAGroupIsRefused) {
   o.weight_quant = WeightQuant::kInt8;
   o.tp = 2;
   EXPECT_TRUE(MakePlan(c, nullptr, Cluster("1x8xA100-80GB"), o).ok());
+}
+
+// ---- Qwen3-32B and Phi-4 on real cluster shapes (docs/planner.md's tables) -------------------
+
+// Qwen3-32B (bf16, 61.02 GiB of weights) on one H100-80GB: 0.9 x 81559 MiB leaves about 9 GiB for
+// the KV cache at 2 x 64 layers x 8 KV heads x 128 x 2 bytes = 256 KiB a token, so about 37k tokens:
+// below the model's 40,960, which max_model_len comes down to.
+TEST(Planner, Qwen3_32B_OneH100_LowersMaxModelLenToWhatTheCacheHolds) {
+  const ModelConfig c = RealConfig("qwen3-32b");
+  const Plan p = MustPlan(c, Cluster("1x1xH100-80GB"));
+  ASSERT_TRUE(p.fits) << p.reason;
+  EXPECT_EQ(p.tp, 1);
+  EXPECT_EQ(p.pp, 1);
+  ASSERT_EQ(p.per_gpu.size(), 1u);
+  const GpuPlan& g = p.per_gpu[0];
+  EXPECT_EQ(g.weight_bytes, uint64_t{32'762'123'264} * 2);
+  EXPECT_EQ(g.kv_bytes_per_token, 2u * 64 * 8 * 128 * 2);
+  const uint64_t left = p.usable_bytes_per_gpu - g.weight_bytes - g.activation_bytes - g.reserve_bytes;
+  EXPECT_EQ(g.kv_cache_tokens, static_cast<int64_t>(left / g.kv_bytes_per_token));
+  EXPECT_EQ(p.target_max_model_len, 40960);
+  EXPECT_EQ(p.max_model_len, p.kv_cache_tokens);
+  EXPECT_GT(p.max_model_len, 32768);
+  EXPECT_LT(p.max_model_len, 40960);
+  EXPECT_THAT(p.reason, HasSubstr("max_model_len lowered from 40,960"));
+}
+
+// Two H100s: TP=2 halves the weights and the KV heads (4 a rank, 128 KiB a token), and the whole
+// 40,960-token context fits many times over. Over two nodes of one H100 it is PP=2, 32 layers each.
+TEST(Planner, Qwen3_32B_TwoH100_TP2InANode_PP2AcrossNodes) {
+  const Plan tp2 = MustPlan(RealConfig("qwen3-32b"), Cluster("1x2xH100-80GB"));
+  ASSERT_TRUE(tp2.fits) << tp2.reason;
+  EXPECT_EQ(tp2.tp, 2);
+  EXPECT_EQ(tp2.pp, 1);
+  EXPECT_EQ(tp2.max_model_len, 40960);
+  for (const GpuPlan& g : tp2.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 128u * 1024);
+  EXPECT_GT(tp2.kv_cache_tokens, 7 * 40960);
+
+  const Plan pp2 = MustPlan(RealConfig("qwen3-32b"), Cluster("2x1xH100-80GB"));
+  ASSERT_TRUE(pp2.fits) << pp2.reason;
+  EXPECT_EQ(pp2.tp, 1);
+  EXPECT_EQ(pp2.pp, 2);
+  ASSERT_EQ(pp2.stages.size(), 2u);
+  EXPECT_EQ(pp2.stages[0].num_layers(), 32);
+  EXPECT_EQ(pp2.stages[1].num_layers(), 32);
+  EXPECT_NE(pp2.stages[0].node, pp2.stages[1].node);
+  // PP reads the two halves one after the other: no faster than one GPU, unlike TP=2.
+  EXPECT_GT(pp2.decode.total_s(), 1.7 * tp2.decode.total_s());
+  // A node of eight takes TP=8 (64 heads, 8 KV heads: one each).
+  const Plan tp8 = MustPlan(RealConfig("qwen3-32b"), Cluster("2x8xH100-80GB"));
+  EXPECT_EQ(tp8.tp, 8);
+  EXPECT_EQ(tp8.pp, 1);
+}
+
+// Phi-4 (14.66B, 40 heads, 10 KV heads): TP must divide the 40 heads and divide or be divided by the
+// 10 KV heads, so TP=4 is refused and four H100s run TP=2; eight run TP=5, the largest that works.
+TEST(Planner, Phi4_TpFollowsItsTenKvHeads) {
+  const ModelConfig c = RealConfig("phi-4");
+  const Plan one = MustPlan(c, Cluster("1x1xH100-80GB"));
+  ASSERT_TRUE(one.fits) << one.reason;
+  EXPECT_EQ(one.tp, 1);
+  EXPECT_EQ(one.max_model_len, 16384);
+  EXPECT_EQ(one.per_gpu[0].kv_bytes_per_token, 2u * 40 * 10 * 128 * 2);  // 200 KiB
+
+  const Plan four = MustPlan(c, Cluster("1x4xH100-80GB"));
+  EXPECT_EQ(four.tp, 2);
+  EXPECT_EQ(four.pp, 1);
+  const Plan eight = MustPlan(c, Cluster("1x8xH100-80GB"));
+  EXPECT_EQ(eight.tp, 5);
+  EXPECT_EQ(eight.pp, 1);
+  for (const GpuPlan& g : eight.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 40 * 2 * 128 * 2);  // 2 KV heads a rank
+
+  PlanOptions o;
+  o.tp = 4;
+  absl::StatusOr<Plan> forced = MakePlan(c, nullptr, Cluster("1x4xH100-80GB"), o);
+  ASSERT_FALSE(forced.ok());
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(forced.status().message(), HasSubstr("the 10 key/value heads: one must divide the other"));
+  EXPECT_THAT(forced.status().message(), HasSubstr("TP sizes that work on this cluster: 1, 2"));
+}
+
+// Phi-4 on L4-24GB (22.5 GiB usable): 27.3 GiB of weights need two; in one node TP=2, over two
+// nodes of one L4 PP=2 with 20 layers each.
+TEST(Planner, Phi4_L4s_OneDoesNotFitTwoDo) {
+  const ModelConfig c = RealConfig("phi-4");
+  const Plan one = MustPlan(c, Cluster("1x1xL4-24GB"));
+  EXPECT_FALSE(one.fits);
+  EXPECT_THAT(one.reason, HasSubstr("at least 2 GPUs"));
+  const Plan tp2 = MustPlan(c, Cluster("1x2xL4-24GB"));
+  ASSERT_TRUE(tp2.fits) << tp2.reason;
+  EXPECT_EQ(tp2.tp, 2);
+  EXPECT_EQ(tp2.max_model_len, 16384);
+  const Plan pp2 = MustPlan(c, Cluster("2x1xL4-24GB"));
+  ASSERT_TRUE(pp2.fits) << pp2.reason;
+  EXPECT_EQ(pp2.pp, 2);
+  ASSERT_EQ(pp2.stages.size(), 2u);
+  EXPECT_EQ(pp2.stages[0].num_layers(), 20);
+  EXPECT_EQ(pp2.stages[1].num_layers(), 20);
 }
 
 // ---- Refusals --------------------------------------------------------------------------------
@@ -620,6 +721,9 @@ TEST(PlannerMemory, ItemsAddUpToTheDeviceMemory) {
            {"qwen2.5-72b-instruct", "2x1xH100-80GB"},
            {"qwen2.5-72b-instruct", "1x4xH100-80GB"},
            {"qwen2.5-72b-instruct", "3x2xL40S-48GB"},
+           {"qwen3-32b", "1x2xH100-80GB"},
+           {"qwen3-32b", "2x2xL4-24GB"},
+           {"phi-4", "1x8xH100-80GB"},
            {"qwen2.5-72b-instruct", "1x1xA100-80GB"}}) {  // the last does not fit
     const Plan p = MustPlan(RealConfig(config), Cluster(cluster));
     ASSERT_FALSE(p.per_gpu.empty());

@@ -9,6 +9,10 @@ Environment (PyPI, pinned; no Hugging Face hub access is needed, the templates a
 
 The template strings are data. Copied from llama.cpp's models/templates corpus: DeepSeek-R1 distill,
 Hermes 3 tool_use, Mistral Small 3.1, Command R7B tool_use. Qwen3 from a public copy of its template.
+Gemma 3 as google/gemma-3-*-it's tokenizer_config.json has it (the same text in several public copies:
+the gemma-3-1b-it and gemma-3-12b-it GGUF metadata, transformers' Gemma 3 processor test). Phi-4 (14B) and
+Phi-4-mini-instruct from several agreeing public quotations of their tokenizer_config.json; Phi-4's is the
+revision with add_generation_prompt (its first release appended the assistant header to each user turn).
 ChatML, Llama 2, Llama 3, Llama 3.1, Qwen2.5, Mistral 7B v0.1, Gemma 2, Phi-3.5 and Hermes 3's default
 were written out from the models' published templates without a byte-for-byte check against the hub
 (no hub access here); whatever their exact bytes, transformers renders the very strings stored in the
@@ -342,6 +346,66 @@ QWEN3 = r'''{%- if tools %}
 {%- endif %}'''
 
 
+# Gemma 3 (google/gemma-3-*-it tokenizer_config.json): the system message becomes a prefix of the first
+# user turn, content may be a list of text and image parts, and anything else is refused.
+GEMMA3 = r'''{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+'''
+
+# Phi-4 (microsoft/phi-4, 14B): ChatML turns with <|im_sep|> after the role and no newlines. This is the
+# revision with add_generation_prompt; the first release appended '<|im_start|>assistant<|im_sep|>' to
+# every user turn instead.
+PHI4 = ("{% for message in messages %}{% if (message['role'] == 'system') %}{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+        "{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+        "{% elif (message['role'] == 'assistant') %}{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}")
+
+# Phi-4-mini-instruct: tools are a JSON string in the system message's own 'tools' field (not the tools
+# argument), and without a generation prompt the text ends with eos_token.
+PHI4_MINI = ("{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+             "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+             "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
+
 FAMILIES = {
     # family: (chat_template as stored in tokenizer_config.json, bos, eos, flags)
     "chatml": (CHATML, "<s>", "<|im_end|>", {}),
@@ -358,6 +422,9 @@ FAMILIES = {
     "mistral_small_3_1": (MISTRAL_SMALL_3_1, "<s>", "</s>", {"tools": "with_ids", "require_system": True}),
     "qwen3": (QWEN3, None, "<|im_end|>", {"tools": "qwen", "think": True}),
     "command_r7b": (COMMAND_R7B_TOOL_USE, "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>", {"tools": "with_ids"}),
+    "gemma3": (GEMMA3, "<bos>", "<eos>", {"alternating": True}),
+    "phi4": (PHI4, "<|endoftext|>", "<|im_end|>", {}),
+    "phi4_mini": (PHI4_MINI, "<|endoftext|>", "<|endoftext|>", {}),
 }
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
@@ -420,6 +487,71 @@ def tool_conversations(kind):
     return convs
 
 
+def family_cases(family):
+    """Cases for what one template does beyond the shared conversations: (name, messages,
+    add_generation_prompt, tools, extra keyword arguments)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich", "unit": "celsius"}}}
+    out = []
+    if family == "qwen3":
+        think = CONVERSATIONS["think"]
+        out += [("think_disabled", think, True, None, {"enable_thinking": False}),
+                ("think_enabled", think, True, None, {"enable_thinking": True}),
+                ("think_after_tool_response",
+                 think[:2] + [{"role": "user", "content": "<tool_response>\nx\n</tool_response>"}], False, None, {})]
+        # reasoning_content as the OpenAI-style field: dropped before the last user query, kept after it.
+        answered = {"role": "assistant", "content": "The answer.", "reasoning_content": "\nhmm, 2 + 2\n"}
+        out += [("reasoning_content_in_history_gen", [think[0], answered, think[2]], True, None, {}),
+                ("reasoning_content_last_turn_nogen", [think[0], answered], False, None, {}),
+                ("reasoning_content_none_falls_back_to_think_tags",
+                 [think[0], {"role": "assistant", "content": "<think>\nplan\n</think>\n\nDone.", "reasoning_content": None}],
+                 False, None, {}),
+                ("multi_turn_think_disabled_gen", CONVERSATIONS["multi_turn"], True, None, {"enable_thinking": False}),
+                ("multi_turn_think_disabled_nogen", CONVERSATIONS["multi_turn"], False, None, {"enable_thinking": False})]
+        # An agent loop after the last user query: the call's reasoning is kept, results go back as user turns.
+        ask = {"role": "user", "content": "Weather in Zürich?"}
+        call = {"role": "assistant", "content": "", "reasoning_content": "I need the weather tool.", "tool_calls": [weather]}
+        result = {"role": "tool", "content": "{\"temperature\": 21}"}
+        for name, extra in (("tool_loop_reasoning_gen", {}), ("tool_loop_reasoning_think_disabled_gen", {"enable_thinking": False})):
+            out.append((name, [SYSTEM, ask, call, result], True, [WEATHER_TOOL], extra))
+        two_calls = {"role": "assistant", "content": "Let me check both.", "tool_calls": [
+            weather, {"type": "function", "function": {"name": "get_time", "arguments": "{\"tz\": \"CET\"}"}}]}
+        out.append(("tool_loop_two_calls_then_answer_nogen",
+                    [ask, two_calls, result, {"role": "tool", "content": "12:00"},
+                     {"role": "assistant", "content": "<think>\nok\n</think>\n\nIt is 21 °C at noon."}],
+                    False, [WEATHER_TOOL, TIME_TOOL], {}))
+    if family == "llama3_1":
+        messages, tools = tool_conversations("llama")["tools_user"]
+        out.append(("tools_in_system_extra_args", messages, True, tools,
+                    {"date_string": "01 Jan 2025", "tools_in_user_message": False}))
+    if family == "gemma3":
+        image_then_text = [{"type": "image"}, {"type": "text", "text": "  Describe this image.  "}]
+        out += [("image_and_text_parts_gen", [{"role": "user", "content": image_then_text}], True, None, {}),
+                ("two_images_multi_turn_gen",
+                 [{"role": "system", "content": [{"type": "text", "text": "You see images."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "The first is darker."}]},
+                  {"role": "user", "content": "Why?"}], True, None, {}),
+                ("system_only_nogen", [SYSTEM], False, None, {}),
+                ("content_none_raises", [{"role": "user", "content": None}], True, None, {}),
+                ("system_then_assistant_raises", [SYSTEM, {"role": "assistant", "content": "Hi"}], True, None, {})]
+    if family == "phi4":
+        out.append(("tool_role_is_dropped_gen", [{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "21"},
+                                                 {"role": "assistant", "content": "21 °C."}], True, None, {}))
+    if family == "phi4_mini":
+        tools = json.dumps([WEATHER_TOOL["function"], TIME_TOOL["function"]], ensure_ascii=False)
+        with_tools = {"role": "system", "content": "You are a helpful assistant with some tools.", "tools": tools}
+        out += [("tools_in_system_message_gen", [with_tools, {"role": "user", "content": "Weather in Zürich?"}], True, None, {}),
+                ("tools_call_and_result_nogen",
+                 [with_tools, {"role": "user", "content": "Weather in Zürich?"},
+                  {"role": "assistant", "content": "<|tool_call|>[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}]<|/tool_call|>"},
+                  {"role": "tool", "content": "{\"temperature\": 21}"}, {"role": "assistant", "content": "It is 21 °C."}],
+                 False, None, {}),
+                ("tools_none_is_plain_system_gen",
+                 [{"role": "system", "content": "No tools.", "tools": None}, {"role": "user", "content": "Hi"}], True, None, {}),
+                ("tools_argument_is_not_rendered_gen", [{"role": "user", "content": "Weather?"}], True, [WEATHER_TOOL], {})]
+    return out
+
+
 def make_tokenizer(template, bos, eos):
     vocab = {"<unk>": 0}
     for t in (bos, eos):
@@ -466,23 +598,9 @@ def main():
                             "tools": tools, "extra": {}}
                     case.update(render(tok, messages, agp, tools, {}))
                     cases.append(case)
-        if family == "qwen3":
-            for name, extra in (("think_disabled", {"enable_thinking": False}), ("think_enabled", {"enable_thinking": True})):
-                messages = CONVERSATIONS["think"]
-                case = {"name": name, "messages": messages, "add_generation_prompt": True, "tools": None, "extra": extra}
-                case.update(render(tok, messages, True, None, extra))
-                cases.append(case)
-            messages = CONVERSATIONS["think"][:2] + [{"role": "user", "content": "<tool_response>\nx\n</tool_response>"}]
-            case = {"name": "think_after_tool_response", "messages": messages, "add_generation_prompt": False, "tools": None,
-                    "extra": {}}
-            case.update(render(tok, messages, False, None, {}))
-            cases.append(case)
-        if family == "llama3_1":
-            extra = {"date_string": "01 Jan 2025", "tools_in_user_message": False}
-            messages, tools = tool_conversations("llama")["tools_user"]
-            case = {"name": "tools_in_system_extra_args", "messages": messages, "add_generation_prompt": True, "tools": tools,
-                    "extra": extra}
-            case.update(render(tok, messages, True, tools, extra))
+        for name, messages, agp, tools, extra in family_cases(family):
+            case = {"name": name, "messages": messages, "add_generation_prompt": agp, "tools": tools, "extra": extra}
+            case.update(render(tok, messages, agp, tools, extra))
             cases.append(case)
         d = os.path.join(OUT, family)
         os.makedirs(d, exist_ok=True)
