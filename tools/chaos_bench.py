@@ -26,6 +26,9 @@
      and no other process at all (a worker or coordinator that crashed and that launch restarted is
      not a heal); each kill must have had a request streaming through it (a token before the kill,
      its end after: the killer waits for one before it kills);
+   - the coordinator's heal metrics at the end, by value: shardserve_heals_total and
+     shardserve_heal_duration_seconds_count one per kill, shardserve_heal_requests_resumed_total at
+     least one per kill, shardserve_heal_requests_failed_total 0, shardserve_cluster_state serving;
    - per kill, the heal time: from the SIGKILL to the first token any stream received after the
      coordinator logged "healed in" (the first resumed token); p50 and max;
    - per kill, its phases from the log timestamps (ms, wall clock, as the client's clock):
@@ -54,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,6 +262,53 @@ def check_deaths(kills, deaths, sig):
     return problems
 
 
+HEAL_METRICS = ("shardserve_heals_total", "shardserve_heal_duration_seconds_count",
+                "shardserve_heal_requests_resumed_total", "shardserve_heal_requests_failed_total")
+CLUSTER_STATES = ("starting", "serving", "healing", "degraded")
+
+
+def scrape_heal_metrics(log_dir):
+    """The coordinator's heal metrics ({name: value}, and "state": the one shardserve_cluster_state at
+    1 with the others at 0, else what is wrong), from the /metrics address in its log."""
+    with open(os.path.join(log_dir, "coordinator.log"), errors="replace") as f:
+        urls = re.findall(r"metrics on (http://\S+/metrics)", f.read())
+    if not urls:
+        raise RuntimeError("the coordinator's log names no /metrics address")
+    text = urllib.request.urlopen(urls[-1], timeout=10 * TIME_SCALE).read().decode()
+    out = {name: 0.0 for name in HEAL_METRICS}
+    states = {}
+    for line in text.splitlines():
+        m = re.match(r"([a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if not m:
+            continue
+        if m.group(1) in out:
+            out[m.group(1)] += float(m.group(3))
+        state = re.search(r'state="([a-z]+)"', m.group(2) or "")
+        if m.group(1) == "shardserve_cluster_state" and state:
+            states[state.group(1)] = float(m.group(3))
+    ones = [s for s in CLUSTER_STATES if states.get(s) == 1]
+    exact = set(states) == set(CLUSTER_STATES) and all(states[s] in (0, 1) for s in states) and len(ones) == 1
+    out["state"] = ones[0] if exact else f"shardserve_cluster_state is {states}"
+    return out
+
+
+def check_heal_metrics(metrics, kills):
+    """The problems with the coordinator's heal metrics after `kills` kills, each healed with a request
+    streaming through it: one heal and one duration per kill, a resumed request at least per kill,
+    none failed, the cluster serving."""
+    problems = []
+    for name, want in (("shardserve_heals_total", kills), ("shardserve_heal_duration_seconds_count", kills),
+                       ("shardserve_heal_requests_failed_total", 0)):
+        if metrics[name] != want:
+            problems.append(f"{name} is {metrics[name]:g}, expected {want}")
+    if metrics["shardserve_heal_requests_resumed_total"] < kills:
+        problems.append(f"shardserve_heal_requests_resumed_total is "
+                        f"{metrics['shardserve_heal_requests_resumed_total']:g}, expected at least {kills} (one per kill)")
+    if metrics["state"] != "serving":
+        problems.append(f"the cluster state is {metrics['state']}, expected serving")
+    return problems
+
+
 def first_after(events, t, pattern):
     for when, subject, message in events:
         if when >= t and re.search(pattern, f"{subject}: {message}"):
@@ -440,6 +491,8 @@ def main():
         deaths = read_deaths(launch)
         death_problems = check_deaths(kills, deaths, signal.SIGKILL)
         kills_unstreamed = [h["at_s"] for h in heals if h["streaming"] == 0]
+        heal_metrics = scrape_heal_metrics(log_dir)
+        metric_problems = check_heal_metrics(heal_metrics, len([k for k in kills if "time" in k]))
         heal_times = [h["heal_s"] for h in heals if h["heal_s"] is not None]
         phase_names = ("detection_s", "replacement_s", "rejoin_s", "load_s", "resume_s")
         phases = {n: statistics.median([h[n] for h in heals if h[n] is not None])
@@ -457,6 +510,7 @@ def main():
             "kills": len([k for k in kills if "time" in k]), "heals_measured": len(heal_times),
             "deaths": [{"process": n, "pid": pid, "how": how} for n, pid, how in deaths],
             "death_problems": death_problems, "kills_without_a_streaming_request_at": kills_unstreamed,
+            "heal_metrics": heal_metrics, "heal_metric_problems": metric_problems,
             "heal_p50_s": percentile(heal_times, 0.5), "heal_max_s": max(heal_times) if heal_times else None,
             "phase_median_s": phases, "heals": heals,
             "lost_errors": [r["error"] for r in lost_requests][:20],
@@ -466,7 +520,7 @@ def main():
         })
         ok = (not lost_requests and not differing and not hung and undisturbed_mismatches == 0 and
               report["kills"] > 0 and len(heal_times) == report["kills"] and not death_problems and
-              not kills_unstreamed)
+              not kills_unstreamed and not metric_problems)
         report["passed"] = ok
     except KeyboardInterrupt as e:
         report["error"] = f"interrupted ({e})"
@@ -509,6 +563,8 @@ def print_table(r):
         print("\nlost: " + "; ".join(r["lost_errors"][:5]))
     for problem in r["death_problems"]:
         print(f"\ndeaths: {problem}")
+    for problem in r["heal_metric_problems"]:
+        print(f"\nmetrics: {problem}")
     if r["kills_without_a_streaming_request_at"]:
         print(f"\nno request was streaming at the kill(s) at {r['kills_without_a_streaming_request_at']} s")
     print(f"\n{'PASSED' if r['passed'] else 'FAILED'} (logs in {r['log_dir']})")
