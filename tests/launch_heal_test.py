@@ -12,7 +12,9 @@
 Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
 waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
 not a spare), then checks the launch log, that `shardserve status` comes back to `state serving,
-epoch 2` and that a greedy generation gives the token ids it gave before the kill (after each heal).
+epoch 2`, that a greedy generation gives the token ids it gave before the kill, and the coordinator's
+heal metrics by value (one heal and one duration per kill, nothing resumed or failed: no request was in
+flight; cluster_state serving), after each heal.
 Bounded in time; every process is stopped at the end.
 
 usage: launch_heal_test.py BIN_DIR
@@ -26,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from launch_process import LaunchProcess, children  # noqa: E402
+from launch_process import LaunchProcess, children, scrape_heal_metrics  # noqa: E402
 from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 
 
@@ -56,6 +58,16 @@ def greedy_ids(cli, address, env):
     if r.returncode != 0 or len(ids) != GREEDY_TOKENS:
         fail(f"generate failed or gave {len(ids)} of {GREEDY_TOKENS} tokens: {r.stdout}{r.stderr}")
     return ids
+
+
+def expect_heal_metrics(log_dir, heals):
+    """The coordinator's heal metrics, by value, after `heals` heals of kills with no request in flight."""
+    m = scrape_heal_metrics(log_dir)
+    want = {"shardserve_heals_total": heals, "shardserve_heal_duration_seconds_count": heals,
+            "shardserve_heal_requests_resumed_total": 0, "shardserve_heal_requests_failed_total": 0,
+            "state": "serving"}
+    if m != want:
+        fail(f"the coordinator's heal metrics after {heals} heal(s) are {m}, expected {want}")
 
 
 def run(bin_dir, spare):
@@ -99,6 +111,7 @@ def run(bin_dir, spare):
         healed = greedy_ids(cli, address, env)
         if healed != reference:
             fail(f"the greedy tokens changed with the heal (epoch 2): {reference} -> {healed}")
+        expect_heal_metrics(log_dir, 1)
         if not spare:
             # Killed again well after its restart (it was not crash-looping): restarted after 1 s
             # again, not 2 (the backoff doubles only for a worker that dies within 10 s of its restart).
@@ -123,6 +136,7 @@ def run(bin_dir, spare):
             healed = greedy_ids(cli, address, env)
             if healed != reference:
                 fail(f"the greedy tokens changed with the second heal (epoch 3): {reference} -> {healed}")
+            expect_heal_metrics(log_dir, 2)
         if spare:
             coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
             if "spare takes slot" not in coordinator_log:

@@ -57,7 +57,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,7 +66,7 @@ import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_process import LaunchProcess, children, time_scale  # noqa: E402
+from launch_process import LaunchProcess, children, scrape_heal_metrics, time_scale  # noqa: E402
 
 # SHARDSERVE_TEST_TIME_SCALE, set by main() before any deadline is used.
 TIME_SCALE = 1.0
@@ -260,36 +259,6 @@ def check_deaths(kills, deaths, sig):
         if pid not in killed:
             problems.append(f"{name} (pid {pid}) {how}, not killed by the benchmark")
     return problems
-
-
-HEAL_METRICS = ("shardserve_heals_total", "shardserve_heal_duration_seconds_count",
-                "shardserve_heal_requests_resumed_total", "shardserve_heal_requests_failed_total")
-CLUSTER_STATES = ("starting", "serving", "healing", "degraded")
-
-
-def scrape_heal_metrics(log_dir):
-    """The coordinator's heal metrics ({name: value}, and "state": the one shardserve_cluster_state at
-    1 with the others at 0, else what is wrong), from the /metrics address in its log."""
-    with open(os.path.join(log_dir, "coordinator.log"), errors="replace") as f:
-        urls = re.findall(r"metrics on (http://\S+/metrics)", f.read())
-    if not urls:
-        raise RuntimeError("the coordinator's log names no /metrics address")
-    text = urllib.request.urlopen(urls[-1], timeout=10 * TIME_SCALE).read().decode()
-    out = {name: 0.0 for name in HEAL_METRICS}
-    states = {}
-    for line in text.splitlines():
-        m = re.match(r"([a-z_]+)(\{[^}]*\})? (\S+)$", line)
-        if not m:
-            continue
-        if m.group(1) in out:
-            out[m.group(1)] += float(m.group(3))
-        state = re.search(r'state="([a-z]+)"', m.group(2) or "")
-        if m.group(1) == "shardserve_cluster_state" and state:
-            states[state.group(1)] = float(m.group(3))
-    ones = [s for s in CLUSTER_STATES if states.get(s) == 1]
-    exact = set(states) == set(CLUSTER_STATES) and all(states[s] in (0, 1) for s in states) and len(ones) == 1
-    out["state"] = ones[0] if exact else f"shardserve_cluster_state is {states}"
-    return out
 
 
 def check_heal_metrics(metrics, kills):
