@@ -21,6 +21,10 @@
 //   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
 //   (too little memory, another node, another copy of the model) are refused saying why and the
 //   slot stays open; a fitting one heals the group, which then serves again.
+// - Every heal is also read off the coordinator's /metrics, by value: one more heals_total and
+//   heal_duration_seconds observation, one more heal_requests_resumed_total (the stream held through
+//   it), no more heal_requests_failed_total, cluster_state serving; after the heal timeout one
+//   failed request and cluster_state healing.
 //
 // Every process runs in its own process group and dies with the test; every wait is bounded;
 // teardown kills and reaps every child.
@@ -346,6 +350,7 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   const std::string victim_address = cluster.worker_address(victim);
 
   // 1. Thawed before a replacement came: it takes its slot back without reloading.
+  const HealMetrics before = ScrapeHealMetrics(cluster);
   const StreamRun back = StreamWith(cluster, request, /*after=*/10, [&] {
     cluster.worker(victim).Signal(SIGSTOP);
     WaitForLog(cluster, "tp rank 1): LOST (epoch 1)");  // 3 s without heartbeats
@@ -364,6 +369,8 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   EXPECT_NE(victim_log.find("ended this worker's control stream without a shutdown"), std::string::npos) << victim_log;
   EXPECT_NE(victim_log.find("adopted by the coordinator"), std::string::npos) << victim_log;
   EXPECT_EQ(CountOf(victim_log, "loaded in"), 1) << "it kept its weights\n" << victim_log;
+  const HealMetrics taken_back = ScrapeHealMetrics(cluster);
+  ExpectOneHeal(before, taken_back, /*resumed=*/1);
 
   // 2. Stopped again and replaced: the survivor stuck in a collective with it regroups.
   const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] {
@@ -385,6 +392,7 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
   EXPECT_NE(log.find("(node n0, stage 0, tp rank 0): regrouped"), std::string::npos) << log;
   EXPECT_EQ(log.find("tp rank 0): LOST"), std::string::npos) << log;
+  ExpectOneHeal(taken_back, ScrapeHealMetrics(cluster), /*resumed=*/1);
   cluster.worker(victim).Signal(SIGCONT);
   ASSERT_TRUE(WaitForLog(cluster, "as a spare: every slot of node n0 has a worker")) << cluster.Logs();
   EXPECT_TRUE(cluster.worker(victim).running()) << Tail(cluster.worker(victim).log());
