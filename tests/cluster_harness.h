@@ -1,8 +1,10 @@
 // Real shardserve-coordinator and shardserve-worker processes on 127.0.0.1 for tests
 // (cluster_test, metrics_test): a Cluster of one coordinator (which RestartCoordinator can replace)
 // and nodes x gpus_per_node workers on free ports, each a Process of tests/process_harness.h (which
-// says how deadlines are scaled and how a sanitizer report in a child fails the test), and
-// Generate() through the client API. Every wait is bounded; destructors kill and reap every child.
+// says how deadlines are scaled and how a sanitizer report in a child fails the test),
+// Generate() through the client API, and the samples of a /metrics page (HttpGetMetrics,
+// ParseSamples, Sum; Cluster::Metrics for the coordinator's). Every wait is bounded; destructors
+// kill and reap every child.
 //
 // The including target defines SHARDSERVE_SOURCE_DIR, SHARDSERVE_COORDINATOR_BIN and
 // SHARDSERVE_WORKER_BIN. Single-threaded use, except that client() (a gRPC stub) and Generate() may
@@ -10,7 +12,12 @@
 #ifndef SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 #define SHARDSERVE_TESTS_CLUSTER_HARNESS_H_
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -19,7 +26,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,7 +54,90 @@ struct ClusterSpecForTest {
   int nodes = 1;          // PP
   int gpus_per_node = 1;  // TP
   std::vector<std::string> worker_flags;
+  bool http = false;  // the coordinator serves the OpenAI HTTP API too (--http-port), on http_port()
 };
+
+// A TCP port of 127.0.0.1 free a moment ago (bound to port 0 and released), for a server that
+// cannot bind port 0 and log what it got (the coordinator's --http-port, where 0 means off). Another
+// process may take it meanwhile: the caller tries again on a "cannot listen" error. 0 on failure.
+inline int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(addr);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// GET http://<host:port>/metrics with a bare socket (HTTP/1.0: the server closes when done). The
+// body, or "" on any error.
+inline std::string HttpGetMetrics(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  const std::string host = address.substr(0, colon);
+  const int port = std::atoi(address.substr(colon + 1).c_str());
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1 ||
+      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return "";
+  }
+  std::string response;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  if (response.rfind("HTTP/1.", 0) != 0 || response.find(" 200 ") == std::string::npos || body == std::string::npos) {
+    return "";
+  }
+  return response.substr(body + 4);
+}
+
+// Every sample of an exposition: "name{labels}" (labels as the server prints them) -> value.
+inline std::map<std::string, double> ParseSamples(const std::string& text) {
+  std::map<std::string, double> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t space = line.rfind(' ');
+    if (space == std::string::npos) continue;
+    out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
+  }
+  return out;
+}
+
+// The sum of the samples of `name` (exactly; for a histogram pass name_count) whose labels
+// contain every `needle` ("reason=\"length\"").
+inline double Sum(const std::map<std::string, double>& samples, const std::string& name,
+                  const std::vector<std::string>& needles = {}) {
+  double sum = 0;
+  for (const auto& [key, value] : samples) {
+    const std::string base = key.substr(0, key.find('{'));
+    if (base != name) continue;
+    bool all = true;
+    for (const std::string& n : needles) all = all && key.find(n) != std::string::npos;
+    if (all) sum += value;
+  }
+  return sum;
+}
 
 // A coordinator and nodes x gpus_per_node workers ("n0", "n1", ...: node i is stage i).
 class Cluster {
@@ -97,19 +189,30 @@ class Cluster {
   bool StartCoordinator() {
     const auto start = Clock::now();
     const fs::path port_file = dir_ / "port";
-    std::vector<std::string> coordinator_argv = {
-        SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
-        "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
-        "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
-    coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
-    coordinator_argv_ = coordinator_argv;
-    coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
-    while (!fs::exists(port_file)) {
-      if (!coordinator_->running() || SecondsSince(start) > ScaledSeconds(30)) {
+    // With spec_.http, a port taken by another process between FreeLoopbackPort and the
+    // coordinator's bind makes it exit saying so: it is started again on another port.
+    for (int attempt = 1;; ++attempt) {
+      std::vector<std::string> coordinator_argv = {
+          SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
+          "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
+          "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
+      if (spec_.http) {
+        http_port_ = FreeLoopbackPort();
+        coordinator_argv.insert(coordinator_argv.end(), {"--http-port", std::to_string(http_port_)});
+      }
+      coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+      coordinator_argv_ = coordinator_argv;
+      coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
+      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < ScaledSeconds(30)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (fs::exists(port_file)) break;
+      const bool http_taken = !coordinator_->running() &&
+                              Tail(coordinator_->log()).find("cannot listen for HTTP") != std::string::npos;
+      if (!spec_.http || !http_taken || attempt == 5 || SecondsSince(start) >= ScaledSeconds(30)) {
         ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
         return false;
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     std::ifstream(port_file) >> port_;
     metrics_address_ = LoggedAddress(coordinator_->log(), "metrics on http://", '/');  // logged before the port file
@@ -177,6 +280,9 @@ class Cluster {
     return true;
   }
 
+  // Every sample of the coordinator's /metrics now (ParseSamples); empty when it does not answer.
+  std::map<std::string, double> Metrics() { return ParseSamples(HttpGetMetrics(metrics_address_)); }
+
   // Waits up to `seconds` (scaled) for the coordinator's health to be SERVING.
   bool WaitForServing(double seconds) {
     const auto start = Clock::now();
@@ -216,6 +322,8 @@ class Cluster {
 
   v1::InferenceService::Stub* client() { return client_.get(); }
   const std::string& address() const { return address_; }
+  // The OpenAI HTTP API's port on 127.0.0.1 (spec.http; the same after RestartCoordinator); 0 without.
+  int http_port() const { return http_port_; }
   // The coordinator's Prometheus /metrics host:port (the workers report theirs in Status()).
   const std::string& metrics_address() const { return metrics_address_; }
   const fs::path& dir() const { return dir_; }
@@ -232,6 +340,7 @@ class Cluster {
   const std::vector<std::string> coordinator_flags_;
   fs::path dir_;
   int port_ = 0;
+  int http_port_ = 0;
   std::string address_;
   std::string metrics_address_;
   std::unique_ptr<Process> coordinator_;

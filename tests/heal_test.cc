@@ -21,15 +21,21 @@
 //   worker and its slot; new requests are refused with it. Replacements that cannot take the slot
 //   (too little memory, another node, another copy of the model) are refused saying why and the
 //   slot stays open; a fitting one heals the group, which then serves again.
+// - Every heal is also read off the coordinator's /metrics, by value: one more heals_total and
+//   heal_duration_seconds observation, one more heal_requests_resumed_total (the stream held through
+//   it), no more heal_requests_failed_total, cluster_state serving; after the heal timeout one
+//   failed request and cluster_state healing.
 //
 // Every process runs in its own process group and dies with the test; every wait is bounded;
 // teardown kills and reaps every child.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -149,6 +155,52 @@ int CountOf(const std::string& log, const std::string& text) {
 
 constexpr int kTokens = 96;
 
+// The coordinator's heal metrics (docs/metrics.md), scraped from its /metrics.
+struct HealMetrics {
+  double heals = 0;           // shardserve_heals_total
+  double resumed = 0;         // shardserve_heal_requests_resumed_total
+  double failed = 0;          // shardserve_heal_requests_failed_total
+  double duration_count = 0;  // shardserve_heal_duration_seconds_count
+  double duration_sum = 0;    // shardserve_heal_duration_seconds_sum
+  // The shardserve_cluster_state whose value is 1, when it is the only one and every other state is
+  // 0; else a description of what is wrong.
+  std::string state;
+};
+
+HealMetrics ScrapeHealMetrics(Cluster& cluster) {
+  const std::map<std::string, double> m = cluster.Metrics();
+  HealMetrics h;
+  h.heals = Sum(m, "shardserve_heals_total");
+  h.resumed = Sum(m, "shardserve_heal_requests_resumed_total");
+  h.failed = Sum(m, "shardserve_heal_requests_failed_total");
+  h.duration_count = Sum(m, "shardserve_heal_duration_seconds_count");
+  h.duration_sum = Sum(m, "shardserve_heal_duration_seconds_sum");
+  std::string ones;
+  int states = 0;
+  for (const char* s : {"starting", "serving", "healing", "degraded"}) {
+    const std::string label = "state=\"" + std::string(s) + "\"";
+    const double v = Sum(m, "shardserve_cluster_state", {label});
+    states += std::any_of(m.begin(), m.end(), [&](const auto& sample) {
+      return sample.first.rfind("shardserve_cluster_state{", 0) == 0 && sample.first.find(label) != std::string::npos;
+    });
+    if (v == 1) ones += ones.empty() ? s : std::string(" and ") + s;
+    else if (v != 0) ones += std::string(" (") + s + " is " + std::to_string(v) + ")";
+  }
+  h.state = states != 4 ? "not every state exposed" : ones.empty() ? "no state is 1" : ones;
+  return h;
+}
+
+// Between `before` and `after`: exactly one heal, that took some time, and `resumed` requests held
+// through it and resumed, none failed; the cluster serves.
+void ExpectOneHeal(const HealMetrics& before, const HealMetrics& after, int resumed) {
+  EXPECT_EQ(after.heals - before.heals, 1);
+  EXPECT_EQ(after.duration_count - before.duration_count, 1);
+  EXPECT_GT(after.duration_sum - before.duration_sum, 0);
+  EXPECT_EQ(after.resumed - before.resumed, resumed) << "requests resumed by this heal";
+  EXPECT_EQ(after.failed - before.failed, 0);
+  EXPECT_EQ(after.state, "serving");
+}
+
 // SIGKILLs the worker that holds slot (stage, tp_rank) once a stream of `request` has 10 tokens,
 // and expects the stream to finish with `reference`'s tokens and the group to serve again under a
 // later epoch. Returns the killed worker's harness index, -1 when no live worker held the slot.
@@ -158,6 +210,7 @@ int KillMidStreamExpectingTheSameTokens(Cluster& cluster, const v1::GenerateRequ
   EXPECT_GE(victim, 0) << "no live worker holds stage " << stage << " tp rank " << tp_rank;
   if (victim < 0) return -1;
   const uint64_t epoch = cluster.Status().epoch();
+  const HealMetrics before = ScrapeHealMetrics(cluster);
   const StreamRun run =
       StreamWith(cluster, request, /*after=*/10, [&] { cluster.worker(victim).Signal(SIGKILL); });
   EXPECT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
@@ -165,6 +218,8 @@ int KillMidStreamExpectingTheSameTokens(Cluster& cluster, const v1::GenerateRequ
   const v1::ClusterStatus status = cluster.Status();
   EXPECT_EQ(status.state(), "serving");
   EXPECT_GT(status.epoch(), epoch);
+  // The stream was held through the heal and resumed.
+  ExpectOneHeal(before, ScrapeHealMetrics(cluster), /*resumed=*/1);
   return victim;
 }
 
@@ -219,6 +274,8 @@ TEST_F(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnc
                             Position{"the first stage's rank 0", 0, 0}}) {
     SCOPED_TRACE(p.what);
     const auto start = Clock::now();
+    const HealMetrics before = ScrapeHealMetrics(cluster);
+    const int resumed_lines = CountOf(Tail(cluster.coordinator().log(), 1 << 20), "resumed by recompute");
     const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] { KillAndReplace(cluster, p.stage, p.tp_rank); });
     std::printf("[ heal     ] %s: killed, replaced, stream done in %.1f s\n", p.what, SecondsSince(start));
     ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
@@ -227,7 +284,14 @@ TEST_F(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnc
     EXPECT_EQ(status.state(), "serving");
     EXPECT_GT(status.epoch(), epoch);
     epoch = status.epoch();
+    // This kill's heal held the stream and resumed it: one heal, one resumed request, logged once.
+    ExpectOneHeal(before, ScrapeHealMetrics(cluster), /*resumed=*/1);
+    EXPECT_EQ(CountOf(Tail(cluster.coordinator().log(), 1 << 20), "resumed by recompute") - resumed_lines, 1);
   }
+  const HealMetrics total = ScrapeHealMetrics(cluster);
+  EXPECT_EQ(total.heals, 3);
+  EXPECT_EQ(total.resumed, 3);
+  EXPECT_EQ(total.failed, 0);
   // Each heal replaced one worker: the epoch moved on by (at least) one each time.
   EXPECT_GE(epoch, 4u);
   // The coordinator's log has one line per event with the slot and the epoch.
@@ -255,10 +319,14 @@ TEST_F(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
   const Streamed& reference = reference_;
   // The sampler's rank (TP rank 0 of the last stage) is the one killed: its replacement continues
   // the draws from the sequence's token count alone.
+  const HealMetrics before = ScrapeHealMetrics(cluster);
+  EXPECT_EQ(before.heals, 0);
+  EXPECT_EQ(before.state, "serving");
   const StreamRun run = StreamWith(cluster, request, /*after=*/12, [&] { KillAndReplace(cluster, 0, 0); });
   ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
   EXPECT_EQ(run.tokens, reference.tokens);
   EXPECT_GE(cluster.Status().epoch(), 2u);
+  ExpectOneHeal(before, ScrapeHealMetrics(cluster), /*resumed=*/1);
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
@@ -282,6 +350,7 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   const std::string victim_address = cluster.worker_address(victim);
 
   // 1. Thawed before a replacement came: it takes its slot back without reloading.
+  const HealMetrics before = ScrapeHealMetrics(cluster);
   const StreamRun back = StreamWith(cluster, request, /*after=*/10, [&] {
     cluster.worker(victim).Signal(SIGSTOP);
     WaitForLog(cluster, "tp rank 1): LOST (epoch 1)");  // 3 s without heartbeats
@@ -300,6 +369,8 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   EXPECT_NE(victim_log.find("ended this worker's control stream without a shutdown"), std::string::npos) << victim_log;
   EXPECT_NE(victim_log.find("adopted by the coordinator"), std::string::npos) << victim_log;
   EXPECT_EQ(CountOf(victim_log, "loaded in"), 1) << "it kept its weights\n" << victim_log;
+  const HealMetrics taken_back = ScrapeHealMetrics(cluster);
+  ExpectOneHeal(before, taken_back, /*resumed=*/1);
 
   // 2. Stopped again and replaced: the survivor stuck in a collective with it regroups.
   const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] {
@@ -321,6 +392,7 @@ TEST_F(HealTest, StoppedWorkerTakesItsSlotBackWhenThawedOrOnceReplacedBecomesASp
   const std::string log = Tail(cluster.coordinator().log(), 1 << 20);
   EXPECT_NE(log.find("(node n0, stage 0, tp rank 0): regrouped"), std::string::npos) << log;
   EXPECT_EQ(log.find("tp rank 0): LOST"), std::string::npos) << log;
+  ExpectOneHeal(taken_back, ScrapeHealMetrics(cluster), /*resumed=*/1);
   cluster.worker(victim).Signal(SIGCONT);
   ASSERT_TRUE(WaitForLog(cluster, "as a spare: every slot of node n0 has a worker")) << cluster.Logs();
   EXPECT_TRUE(cluster.worker(victim).running()) << Tail(cluster.worker(victim).log());
@@ -342,6 +414,7 @@ TEST_F(HealTest, ReplacementKilledWhileLoadingReopensTheSlotAndASecondReplacemen
   const Streamed& reference = reference_;
   const int victim = WorkerAt(cluster, 0, 1);
   ASSERT_GE(victim, 0);
+  const HealMetrics before = ScrapeHealMetrics(cluster);
   int doomed = -1;
   bool held = false;
   const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] {
@@ -371,6 +444,8 @@ TEST_F(HealTest, ReplacementKilledWhileLoadingReopensTheSlotAndASecondReplacemen
   EXPECT_NE(log.find("tp rank 1): LOST (epoch 2)"), std::string::npos) << log;
   EXPECT_NE(log.find("re-forming: epoch 2 -> 3"), std::string::npos) << log;
   EXPECT_NE(log.find("healed in"), std::string::npos) << log;
+  // The replacement's death came during the heal: one heal, that resumed the stream.
+  ExpectOneHeal(before, ScrapeHealMetrics(cluster), /*resumed=*/1);
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
@@ -526,6 +601,13 @@ TEST_F(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRe
   EXPECT_LT(run.tokens.size(), 600u);
   EXPECT_EQ(cluster.Status().state(), "healing");
   EXPECT_EQ(cluster.HealthStatus(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // The one stream failed for the heal timeout; no heal has completed.
+  const HealMetrics timed_out = ScrapeHealMetrics(cluster);
+  EXPECT_EQ(timed_out.failed, 1);
+  EXPECT_EQ(timed_out.resumed, 0);
+  EXPECT_EQ(timed_out.heals, 0);
+  EXPECT_EQ(timed_out.duration_count, 0);
+  EXPECT_EQ(timed_out.state, "healing");
   // A new request is refused with the same news while the heal is past its timeout.
   const Streamed refused = Generate(cluster.client(), TokenRequest(golden.prompt, 4), std::chrono::seconds(30));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE);
@@ -562,6 +644,15 @@ TEST_F(HealTest, HealTimeoutFailsTheStreamNamingTheSlotAndUnfitReplacementsAreRe
   cluster.AddWorker("n0");
   ASSERT_TRUE(WaitForState(cluster, "serving")) << cluster.Logs();
   EXPECT_GE(cluster.Status().epoch(), 2u);
+  // One heal, longer than the heal timeout it outlasted; nothing was held through it (the refused
+  // request is not counted: it never waited for the heal).
+  const HealMetrics healed = ScrapeHealMetrics(cluster);
+  EXPECT_EQ(healed.heals, 1);
+  EXPECT_EQ(healed.duration_count, 1);
+  EXPECT_GT(healed.duration_sum, 3);
+  EXPECT_EQ(healed.resumed, 0);
+  EXPECT_EQ(healed.failed, 1);
+  EXPECT_EQ(healed.state, "serving");
   const Streamed after = Generate(cluster.client(), TokenRequest(golden.prompt, 8), std::chrono::seconds(60));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   EXPECT_EQ(after.tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + 8));

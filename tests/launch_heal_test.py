@@ -12,11 +12,15 @@
 Each starts `shardserve launch --nodes 1 --gpus-per-node 2` (CPU, the demo model) on free ports,
 waits until it is ready, SIGKILLs one of its worker processes (found as a child of launch, by pid,
 not a spare), then checks the launch log, that `shardserve status` comes back to `state serving,
-epoch 2` and that a generation succeeds. Bounded in time; every process is stopped at the end.
+epoch 2`, that a greedy generation gives the token ids it gave before the kill, and the coordinator's
+heal metrics by value (one heal and one duration per kill, nothing resumed or failed: no request was in
+flight; cluster_state serving), after each heal.
+Bounded in time; every process is stopped at the end.
 
 usage: launch_heal_test.py BIN_DIR
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-from launch_process import LaunchProcess, children  # noqa: E402
+from launch_process import LaunchProcess, children, scrape_heal_metrics  # noqa: E402
 from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 
 
@@ -39,6 +43,31 @@ def cmdline(pid):
             return f.read().split(b"\0")
     except OSError:
         return []
+
+
+GREEDY_TOKENS = 16
+
+
+def greedy_ids(cli, address, env):
+    """The token ids of a greedy generation of GREEDY_TOKENS tokens (ignore_eos), from `shardserve generate
+    --show-ids`; fails the test unless it succeeds with that many."""
+    r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", str(GREEDY_TOKENS),
+                        "--temperature", "0", "--ignore-eos", "--show-ids"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    ids = [int(i) for i in re.findall(r"\[(\d+)\]", r.stdout)]
+    if r.returncode != 0 or len(ids) != GREEDY_TOKENS:
+        fail(f"generate failed or gave {len(ids)} of {GREEDY_TOKENS} tokens: {r.stdout}{r.stderr}")
+    return ids
+
+
+def expect_heal_metrics(log_dir, heals):
+    """The coordinator's heal metrics, by value, after `heals` heals of kills with no request in flight."""
+    m = scrape_heal_metrics(log_dir)
+    want = {"shardserve_heals_total": heals, "shardserve_heal_duration_seconds_count": heals,
+            "shardserve_heal_requests_resumed_total": 0, "shardserve_heal_requests_failed_total": 0,
+            "state": "serving"}
+    if m != want:
+        fail(f"the coordinator's heal metrics after {heals} heal(s) are {m}, expected {want}")
 
 
 def run(bin_dir, spare):
@@ -56,6 +85,8 @@ def run(bin_dir, spare):
 
     try:
         address = wait_for(r"ready\. Connect to (\S+) ", 240).group(1)
+        # The undisturbed run's greedy tokens: each healed group must give the same.
+        reference = greedy_ids(cli, address, env)
         workers = [p for p in children(launch.pid)
                    if cmdline(p)[:1] and cmdline(p)[0].endswith(b"shardserve-worker") and b"--spare" not in cmdline(p)]
         if len(workers) != 2:
@@ -77,10 +108,10 @@ def run(bin_dir, spare):
             time.sleep(0.5)
         else:
             fail(f"the cluster did not serve again under epoch 2:\n{status}\n{launch.output()}")
-        r = subprocess.run([cli, "generate", "--address", address, "--prompt", "Hello", "--max-tokens", "4"],
-                           capture_output=True, text=True, env=env, timeout=120)
-        if r.returncode != 0:
-            fail(f"generate after the heal failed: {r.stdout}{r.stderr}")
+        healed = greedy_ids(cli, address, env)
+        if healed != reference:
+            fail(f"the greedy tokens changed with the heal (epoch 2): {reference} -> {healed}")
+        expect_heal_metrics(log_dir, 1)
         if not spare:
             # Killed again well after its restart (it was not crash-looping): restarted after 1 s
             # again, not 2 (the backoff doubles only for a worker that dies within 10 s of its restart).
@@ -102,6 +133,10 @@ def run(bin_dir, spare):
                 time.sleep(0.5)
             else:
                 fail(f"the cluster did not serve again under epoch 3:\n{r.stdout}{r.stderr}\n{launch.output()}")
+            healed = greedy_ids(cli, address, env)
+            if healed != reference:
+                fail(f"the greedy tokens changed with the second heal (epoch 3): {reference} -> {healed}")
+            expect_heal_metrics(log_dir, 2)
         if spare:
             coordinator_log = open(os.path.join(log_dir, "coordinator.log")).read()
             if "spare takes slot" not in coordinator_log:
@@ -121,7 +156,7 @@ def run(bin_dir, spare):
             if made_spare not in coordinator_log or coordinator_log.count("as a spare:") < 2:
                 fail(f"the restarted worker did not register as a spare:\n{coordinator_log[-3000:]}")
         print(f"launch_heal_test.py: OK ({'a spare took the slot, the worker came back as a spare' if spare else 'worker restarted by launch'}, "
-              "group healed under epoch 2, generate OK)")
+              "group healed under epoch 2, the same greedy tokens after each heal)")
     finally:
         launch.stop()
 

@@ -7,10 +7,6 @@
 //   prompts' tokens, TTFT count == requests, one finished{reason="length"} and one
 //   requests_total{code="OK"} per request, every worker up, and every worker counted the steps
 //   the requests needed and the collectives its place in the layout implies.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -27,69 +23,6 @@
 
 namespace shardserve {
 namespace {
-
-// GET http://<host:port>/metrics with a bare socket (HTTP/1.0: the server closes when done). The
-// body, or "" on any error.
-std::string HttpGetMetrics(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  const std::string host = address.substr(0, colon);
-  const int port = std::atoi(address.substr(colon + 1).c_str());
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1 ||
-      connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request = "GET /metrics HTTP/1.0\r\nHost: " + address + "\r\n\r\n";
-  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return "";
-  }
-  std::string response;
-  char buf[65536];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, static_cast<size_t>(n));
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  if (response.rfind("HTTP/1.", 0) != 0 || response.find(" 200 ") == std::string::npos || body == std::string::npos) {
-    return "";
-  }
-  return response.substr(body + 4);
-}
-
-// Every sample of an exposition: "name{labels}" (labels as the server prints them) -> value.
-std::map<std::string, double> ParseSamples(const std::string& text) {
-  std::map<std::string, double> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    if (line.empty() || line[0] == '#') continue;
-    const size_t space = line.rfind(' ');
-    if (space == std::string::npos) continue;
-    out[line.substr(0, space)] = std::strtod(line.c_str() + space + 1, nullptr);
-  }
-  return out;
-}
-
-// The sum of the samples of `name` (exactly; for a histogram pass name_count) whose labels
-// contain every `needle` ("reason=\"length\"").
-double Sum(const std::map<std::string, double>& samples, const std::string& name,
-           const std::vector<std::string>& needles = {}) {
-  double sum = 0;
-  for (const auto& [key, value] : samples) {
-    const std::string base = key.substr(0, key.find('{'));
-    if (base != name) continue;
-    bool all = true;
-    for (const std::string& n : needles) all = all && key.find(n) != std::string::npos;
-    if (all) sum += value;
-  }
-  return sum;
-}
 
 bool Exposes(const std::map<std::string, double>& samples, const std::string& name) {
   for (const auto& [key, value] : samples) {

@@ -22,6 +22,13 @@
 4. Report (JSON to --json-out, a markdown table to stdout):
    - requests completed / lost (ended with an error: target 0) / differing (completed, but tokens
      not those of the undisturbed run: target 0), and the requests that were streaming at a kill;
+   - the deaths launch logged: each killed worker must have died once, by the signal sent (SIGKILL),
+     and no other process at all (a worker or coordinator that crashed and that launch restarted is
+     not a heal); each kill must have had a request streaming through it (a token before the kill,
+     its end after: the killer waits for one before it kills);
+   - the coordinator's heal metrics at the end, by value: shardserve_heals_total and
+     shardserve_heal_duration_seconds_count one per kill, shardserve_heal_requests_resumed_total at
+     least one per kill, shardserve_heal_requests_failed_total 0, shardserve_cluster_state serving;
    - per kill, the heal time: from the SIGKILL to the first token any stream received after the
      coordinator logged "healed in" (the first resumed token); p50 and max;
    - per kill, its phases from the log timestamps (ms, wall clock, as the client's clock):
@@ -35,7 +42,8 @@ its own and is stopped (SIGTERM, then SIGKILL to its process group) whatever hap
 (--ready-timeout, --heal-timeout, which the coordinator gets too, the RPCs' and the hard limit) is
 multiplied by SHARDSERVE_TEST_TIME_SCALE (tools/launch_process.py's time_scale(): slow, instrumented
 builds); --duration and --kill-every are not deadlines and stay as given.
-Exit status: 0 when no request was lost or differed and every kill healed, 1 otherwise, 2 on usage.
+Exit status: 0 when no request was lost or differed, every kill healed with a request streaming
+through it, and the only deaths were the kills, each by its signal; 1 otherwise, 2 on usage.
 """
 import argparse
 import json
@@ -58,7 +66,7 @@ import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from launch_process import LaunchProcess, children, time_scale  # noqa: E402
+from launch_process import LaunchProcess, children, scrape_heal_metrics, time_scale  # noqa: E402
 
 # SHARDSERVE_TEST_TIME_SCALE, set by main() before any deadline is used.
 TIME_SCALE = 1.0
@@ -156,8 +164,9 @@ def make_pool(args, vocab):
     return pool
 
 
-def run_one(stub, request, timeout):
-    """(ok, tokens, token arrival times, error, start time)."""
+def run_one(stub, request, timeout, on_tokens=None):
+    """(ok, tokens, token arrival times, error, start time). on_tokens(n) after each message: the
+    tokens received so far."""
     start = time.time()
     tokens, times = [], []
     try:
@@ -166,6 +175,8 @@ def run_one(stub, request, timeout):
             for t in msg.token_ids:
                 tokens.append(t)
                 times.append(now)
+            if on_tokens:
+                on_tokens(len(tokens))
         return True, tokens, times, "", start
     except grpc.RpcError as e:
         return False, tokens, times, f"{e.code().name}: {e.details()}", start
@@ -221,6 +232,50 @@ def read_events(log_dir):
         pass
     events.sort(key=lambda e: e[0])
     return events
+
+
+def read_deaths(launch):
+    """[(name, pid, how)] of every process launch saw end ("shardserve launch: worker node0/1 (pid 123)
+    killed by signal 9 (Killed); last lines of ..."), in order."""
+    return [(m.group(1), int(m.group(2)), m.group(3)) for m in
+            re.finditer(r"^shardserve launch: (coordinator|worker \S+) \(pid (\d+)\) (.+?); last lines of ",
+                        launch.output(), re.M)]
+
+
+def check_deaths(kills, deaths, sig):
+    """The problems with `deaths` (read_deaths) for `kills`: every killed pid must have died once, by
+    `sig`, and no other process may have died (a crash that launch restarted is not a heal)."""
+    problems = []
+    killed = {k["pid"] for k in kills if "pid" in k}
+    for k in kills:
+        if "pid" not in k:
+            continue
+        ends = [how for _, pid, how in deaths if pid == k["pid"]]
+        if len(ends) != 1:
+            problems.append(f"worker pid {k['pid']} ({k['slot']}), killed, ended {len(ends)} times in launch's log")
+        elif not re.fullmatch(rf"killed by signal {int(sig)} \(.*\)", ends[0]):
+            problems.append(f"worker pid {k['pid']} ({k['slot']}) was sent {sig.name} but {ends[0]}")
+    for name, pid, how in deaths:
+        if pid not in killed:
+            problems.append(f"{name} (pid {pid}) {how}, not killed by the benchmark")
+    return problems
+
+
+def check_heal_metrics(metrics, kills):
+    """The problems with the coordinator's heal metrics after `kills` kills, each healed with a request
+    streaming through it: one heal and one duration per kill, a resumed request at least per kill,
+    none failed, the cluster serving."""
+    problems = []
+    for name, want in (("shardserve_heals_total", kills), ("shardserve_heal_duration_seconds_count", kills),
+                       ("shardserve_heal_requests_failed_total", 0)):
+        if metrics[name] != want:
+            problems.append(f"{name} is {metrics[name]:g}, expected {want}")
+    if metrics["shardserve_heal_requests_resumed_total"] < kills:
+        problems.append(f"shardserve_heal_requests_resumed_total is "
+                        f"{metrics['shardserve_heal_requests_resumed_total']:g}, expected at least {kills} (one per kill)")
+    if metrics["state"] != "serving":
+        problems.append(f"the cluster state is {metrics['state']}, expected serving")
+    return problems
 
 
 def first_after(events, t, pattern):
@@ -316,16 +371,25 @@ def main():
         lock = threading.Lock()
         stop = threading.Event()
         counter = [0]
+        received = {}  # streamer thread -> tokens its current request has received
 
         def streamer():
+            me = threading.get_ident()
             while not stop.is_set():
                 with lock:
                     i = counter[0] % len(pool)
                     counter[0] += 1
-                ok_, tokens, times, error, start = run_one(stub, pool[i], request_timeout)
+                    received[me] = 0
+                ok_, tokens, times, error, start = run_one(stub, pool[i], request_timeout,
+                                                           lambda n: received.__setitem__(me, n))
                 with lock:
+                    received[me] = 0
                     records.append({"index": i, "ok": ok_, "tokens": tokens, "times": times, "error": error,
                                     "start": start, "end": time.time()})
+
+        def some_request_streaming():
+            with lock:
+                return any(n > 0 for n in received.values())
 
         rng = random.Random(args.seed)
         chaos_start = time.time()
@@ -346,10 +410,14 @@ def main():
                 log("no worker process holding a slot was found; no kill")
                 next_kill = time.time() + args.kill_every
                 continue
+            # A kill is a test of healing only with a request streaming through it (bounded wait).
+            deadline = time.time() + args.heal_timeout
+            while not some_request_streaming() and time.time() < deadline:
+                time.sleep(0.01)
             pid = rng.choice(sorted(holders))
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
-            kills.append({"time": t_kill, "pid": pid, "slot": holders[pid]})
+            kills.append({"time": t_kill, "pid": pid, "slot": holders[pid], "signal": "SIGKILL"})
             log(f"t={t_kill - chaos_start:5.1f} s: SIGKILL worker pid {pid} ({holders[pid]})")
             next_kill = t_kill + args.kill_every
         # The last heal ends inside the run: the streams go on until the group serves again (bounded)
@@ -376,7 +444,9 @@ def main():
             reform = first_after(events, replaced or t, r"re-forming: epoch")
             healed = first_after(events, t, r"healed in")
             resumed = next((x for x in token_times if healed is not None and x >= healed), None)
-            h = {"slot": k["slot"], "pid": k["pid"], "at_s": round(t - chaos_start, 3)}
+            # Requests that had streamed a token before the kill and ended after it.
+            streaming = sum(1 for r in records if r["times"] and r["times"][0] < t < r["end"])
+            h = {"slot": k["slot"], "pid": k["pid"], "at_s": round(t - chaos_start, 3), "streaming": streaming}
             for name, a, b in (("detection_s", t, lost), ("replacement_s", lost, replaced),
                                ("rejoin_s", replaced, reform), ("load_s", reform, healed),
                                ("resume_s", healed, resumed), ("heal_s", t, resumed)):
@@ -387,6 +457,11 @@ def main():
         lost_requests = [r for r in records if not r["ok"]]
         differing = [r for r in completed if r["tokens"] != reference[r["index"]]]
         disturbed = [r for r in records if any(r["start"] < k.get("time", -1) < r["end"] for k in kills)]
+        deaths = read_deaths(launch)
+        death_problems = check_deaths(kills, deaths, signal.SIGKILL)
+        kills_unstreamed = [h["at_s"] for h in heals if h["streaming"] == 0]
+        heal_metrics = scrape_heal_metrics(log_dir)
+        metric_problems = check_heal_metrics(heal_metrics, len([k for k in kills if "time" in k]))
         heal_times = [h["heal_s"] for h in heals if h["heal_s"] is not None]
         phase_names = ("detection_s", "replacement_s", "rejoin_s", "load_s", "resume_s")
         phases = {n: statistics.median([h[n] for h in heals if h[n] is not None])
@@ -402,6 +477,9 @@ def main():
             "requests_differing": len(differing), "requests_streaming_at_a_kill": len(disturbed),
             "threads_hung": hung, "tokens": sum(len(r["tokens"]) for r in completed),
             "kills": len([k for k in kills if "time" in k]), "heals_measured": len(heal_times),
+            "deaths": [{"process": n, "pid": pid, "how": how} for n, pid, how in deaths],
+            "death_problems": death_problems, "kills_without_a_streaming_request_at": kills_unstreamed,
+            "heal_metrics": heal_metrics, "heal_metric_problems": metric_problems,
             "heal_p50_s": percentile(heal_times, 0.5), "heal_max_s": max(heal_times) if heal_times else None,
             "phase_median_s": phases, "heals": heals,
             "lost_errors": [r["error"] for r in lost_requests][:20],
@@ -410,7 +488,8 @@ def main():
                 min(len(r["tokens"]), len(reference[r["index"]])))} for r in differing][:20],
         })
         ok = (not lost_requests and not differing and not hung and undisturbed_mismatches == 0 and
-              report["kills"] > 0 and len(heal_times) == report["kills"])
+              report["kills"] > 0 and len(heal_times) == report["kills"] and not death_problems and
+              not kills_unstreamed and not metric_problems)
         report["passed"] = ok
     except KeyboardInterrupt as e:
         report["error"] = f"interrupted ({e})"
@@ -443,13 +522,20 @@ def print_table(r):
     print(f"| {r['requests_completed']} | {r['requests_lost']} | {r['requests_differing']} | "
           f"{r['requests_streaming_at_a_kill']} | {r['kills']} | {fmt(r['heal_p50_s'])} | {fmt(r['heal_max_s'])} | "
           f"{r['undisturbed_mismatches']} |")
-    print("\n| kill at (s) | slot | detection | replacement | rejoin | load | resume | heal (s) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| kill at (s) | slot | streaming | detection | replacement | rejoin | load | resume | heal (s) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for h in r["heals"]:
-        print(f"| {h['at_s']:.1f} | {h['slot']} | {fmt(h['detection_s'])} | {fmt(h['replacement_s'])} | "
-              f"{fmt(h['rejoin_s'])} | {fmt(h['load_s'])} | {fmt(h['resume_s'])} | {fmt(h['heal_s'])} |")
+        print(f"| {h['at_s']:.1f} | {h['slot']} | {h['streaming']} | {fmt(h['detection_s'])} | "
+              f"{fmt(h['replacement_s'])} | {fmt(h['rejoin_s'])} | {fmt(h['load_s'])} | {fmt(h['resume_s'])} | "
+              f"{fmt(h['heal_s'])} |")
     if r["lost_errors"]:
         print("\nlost: " + "; ".join(r["lost_errors"][:5]))
+    for problem in r["death_problems"]:
+        print(f"\ndeaths: {problem}")
+    for problem in r["heal_metric_problems"]:
+        print(f"\nmetrics: {problem}")
+    if r["kills_without_a_streaming_request_at"]:
+        print(f"\nno request was streaming at the kill(s) at {r['kills_without_a_streaming_request_at']} s")
     print(f"\n{'PASSED' if r['passed'] else 'FAILED'} (logs in {r['log_dir']})")
 
 

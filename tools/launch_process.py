@@ -12,7 +12,8 @@ time passes first. `pid` is launch's process id. stop() ends it and everything i
 is in. Not thread-safe.
 
 children(pid) lists a process's children (launch's coordinator and workers), for the tools and tests
-that kill or watch one of them.
+that kill or watch one of them. scrape_heal_metrics(log_dir) reads the heal metrics off the /metrics
+of the coordinator that logs to LOG_DIR/coordinator.log.
 
 time_scale() is SHARDSERVE_TEST_TIME_SCALE, the factor every deadline waiting on a process of ours is
 multiplied by (slow, instrumented builds: tools/sanitize.sh sets it), by the one rule
@@ -24,6 +25,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 
 def time_scale_error(text):
@@ -62,6 +64,36 @@ def children(pid):
                 out += [int(p) for p in f.read().split()]
         except OSError:
             pass
+    return out
+
+
+HEAL_METRICS = ("shardserve_heals_total", "shardserve_heal_duration_seconds_count",
+                "shardserve_heal_requests_resumed_total", "shardserve_heal_requests_failed_total")
+CLUSTER_STATES = ("starting", "serving", "healing", "degraded")
+
+
+def scrape_heal_metrics(log_dir):
+    """The coordinator's heal metrics ({name: value}, and "state": the one shardserve_cluster_state at
+    1 with the others at 0, else what is wrong), from the /metrics address in its log."""
+    with open(os.path.join(log_dir, "coordinator.log"), errors="replace") as f:
+        urls = re.findall(r"metrics on (http://\S+/metrics)", f.read())
+    if not urls:
+        raise RuntimeError("the coordinator's log names no /metrics address")
+    text = urllib.request.urlopen(urls[-1], timeout=10 * time_scale()).read().decode()
+    out = {name: 0.0 for name in HEAL_METRICS}
+    states = {}
+    for line in text.splitlines():
+        m = re.match(r"([a-z_]+)(\{[^}]*\})? (\S+)$", line)
+        if not m:
+            continue
+        if m.group(1) in out:
+            out[m.group(1)] += float(m.group(3))
+        state = re.search(r'state="([a-z]+)"', m.group(2) or "")
+        if m.group(1) == "shardserve_cluster_state" and state:
+            states[state.group(1)] = float(m.group(3))
+    ones = [s for s in CLUSTER_STATES if states.get(s) == 1]
+    exact = set(states) == set(CLUSTER_STATES) and all(states[s] in (0, 1) for s in states) and len(ones) == 1
+    out["state"] = ones[0] if exact else f"shardserve_cluster_state is {states}"
     return out
 
 

@@ -342,8 +342,8 @@ int Run(const std::vector<std::string>& args) {
   bool coordinator_restarted = false;  // since the last time it was seen serving
   while (!g_stop) {
     if (std::optional<ExitedProcess> dead = (*cluster)->ReapExited()) {
-      std::fprintf(stderr, "shardserve launch: %s %s; last lines of %s:\n%s\n", dead->name.c_str(), dead->how.c_str(),
-                   dead->log.c_str(), dead->log_tail.c_str());
+      std::fprintf(stderr, "shardserve launch: %s (pid %lld) %s; last lines of %s:\n%s\n", dead->name.c_str(),
+                   static_cast<long long>(dead->pid), dead->how.c_str(), dead->log.c_str(), dead->log_tail.c_str());
       if (!ready) {
         exit_code = 1;
         break;  // a cluster that cannot start is torn down

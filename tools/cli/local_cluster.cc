@@ -379,8 +379,9 @@ std::optional<ExitedProcess> LocalCluster::ReapExited() {
   for (Child& c : children_) {
     int status;
     if (c.pid > 0 && waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      const pid_t pid = c.pid;
       c.pid = -1;
-      return ExitedProcess{c.name, DescribeExit(status), c.log, TailOf(c.log)};
+      return ExitedProcess{c.name, DescribeExit(status), c.log, TailOf(c.log), pid};
     }
   }
   return std::nullopt;

@@ -76,6 +76,7 @@ struct ExitedProcess {
   std::string how;       // "exited with code 2", "killed by signal 9 (Killed)"
   std::string log;       // its log file
   std::string log_tail;  // the last 2000 bytes of it
+  pid_t pid = -1;        // its process id, which launch logs with its end
 };
 
 class LocalCluster {
