@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test programs built and run under sanitizers (README.md, "Sanitizers"): GCC, no CUDA.
+# The test programs built and run under sanitizers (docs/security.md, "Sanitizers"): GCC, no CUDA.
 #
 #   tools/sanitize.sh asan [PROGRAM...]   # build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer
 #   tools/sanitize.sh asan-all            # build-asan/: every target, the WHOLE CTest suite

@@ -97,7 +97,7 @@ constexpr char kUsage[] =
     "                           and int4 weights (coordinator --quantization) to int8, one scale a\n"
     "                           row, and multiplies in integers (AVX-512 VNNI, else AVX2), as\n"
     "                           llama.cpp's Q8_0 / Q4_0 do: faster, logits further from the\n"
-    "                           checkpoint's (README, Quantization). Refused on a CPU with neither.\n"
+    "                           checkpoint's (docs/quantization.md). Refused on a CPU with neither.\n"
     "                           none (default):\n"
     "                           the exact products. Ignored on cuda\n"
     "  --collectives            the collective groups' library: auto (default: Gloo on cpu, NCCL on\n"

@@ -116,7 +116,7 @@ class Client:
         """Streams a completion. Raises grpc.RpcError (e.g. UNAVAILABLE when a worker is down,
         RESOURCE_EXHAUSTED when the server is full). `sampling_fields` sets any other SamplingParams
         field (min_p, repetition_penalty, presence_penalty, frequency_penalty, logprobs,
-        top_logprobs, ignore_eos, stop_token_ids); the README lists them.
+        top_logprobs, ignore_eos, stop_token_ids); docs/api.md lists them.
 
         A request that fails with UNAVAILABLE before its first streamed message (the coordinator
         restarting or not yet serving, a connection refused) is sent again, at most `retries`

@@ -127,7 +127,7 @@ constexpr char kUsage[] =
     "                     of the layout, at least 1; 0: the worker's default\n"
     "  --worker-matmul-dtype  cpu workers' products: auto (default), f32 or bf16 (worker --matmul-dtype)\n"
     "  --activation-quantization  the workers' (int8: the int8/int4 products on int8-rounded inputs,\n"
-    "                     AVX-512 VNNI or AVX2; README, Quantization)\n"
+    "                     AVX-512 VNNI or AVX2; docs/quantization.md)\n"
     "  --worker-collectives, --worker-dummy-weights  the workers' --collectives (gloo: TP/PP ranks\n"
     "                     sharing one GPU) and --dummy-weights (host: made on the host and copied)\n"
     "  --worker-no-cuda-quantized-kernels, --worker-no-cuda-graphs, --worker-no-cuda-split-attention,\n"

@@ -119,7 +119,7 @@ constexpr char kUsage[] =
     "  --insecure            plaintext everywhere (no certificates)\n"
     "  --api-keys-file       the coordinator's: clients must send one of these keys (gRPC and HTTP)\n\n"
     "  --http-port           the coordinator's OpenAI-compatible HTTP API on 127.0.0.1:P (default 8000;\n"
-    "                        0: off): plain HTTP, or HTTPS with your own --tls-cert; README.md \"HTTP API\"\n";
+    "                        0: off): plain HTTP, or HTTPS with your own --tls-cert; docs/api.md\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
