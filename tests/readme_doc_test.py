@@ -14,8 +14,8 @@ names (`models`, `tests`, `tools`, `clients`) and `build/bin`, a link to the bui
 commands read as a user types them after `tools/demo.sh`. It runs in its own user, network and PID
 namespaces (`unshare`): only a loopback of its own, so the default ports (50051, 8000, 9400, ...)
 collide with nothing else on the machine, no network beyond it, and every process it started is
-killed when it ends. Where the machine refuses namespaces it runs without them, in its own
-process group, killed at the end. The whole is bounded in time (--timeout, default 240 s,
+killed when it ends. Where the machine refuses namespaces (or has no `ip` to bring the loopback
+up) it runs without them, in its own process group, killed at the end. The whole is bounded in time (--timeout, default 240 s,
 scaled by SHARDSERVE_TEST_TIME_SCALE). A failing command fails the test, naming its block and the
 README line where it starts.
 
@@ -78,8 +78,8 @@ def script_of(blocks, python):
 
 def namespaces_work():
     try:
-        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "true"],
-                               capture_output=True, timeout=20)
+        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
+                                "ip", "link", "set", "lo", "up"], capture_output=True, timeout=20)
         return probe.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False

@@ -16,7 +16,8 @@ PACKAGES=(
   libcpp-httplib-dev        # the coordinator's OpenAI-compatible HTTP API (coordinator/openai)
   libgtest-dev libgmock-dev
   python3 python3-venv
-  curl                      # tools/demo.sh: a chat through the HTTP API
+  curl                      # tools/demo.sh, README.md's tour (tests/readme_doc_test.py): the HTTP API
+  iproute2                  # ip: tests/readme_doc_test.py brings up the loopback of its own network namespace
   procps                    # pgrep: tests/bench_test.py checks that no process is left behind
   prometheus                # promtool: tests/deploy_test.sh checks deploy/prometheus
   clang libclang-rt-14-dev  # tools/fuzz.sh: clang and libFuzzer (libclang_rt.fuzzer-x86_64.a)
