@@ -229,7 +229,7 @@ def run_http(port, entry, stream, timeout):
         if not stream:
             body = json.loads(resp.read())
             c = body["choices"][0]
-            return Outcome(choice_text(c, False), c.get("finish_reason") and body["usage"]["completion_tokens"])
+            return Outcome(choice_text(c, False), c.get("finish_reason"))
         text, finish, done = "", None, False
         while True:
             line = resp.readline()
@@ -275,6 +275,59 @@ def disconnect_http(port, entry, stream, rng):
         else:
             time.sleep(rng.uniform(0.05, 0.5))
     return Outcome("", None, None)
+
+
+# ---- the checks ---------------------------------------------------------------------------------
+
+def judge_requests(records, reference, t0):
+    """({action: count}, lost, wrong) of the soak's `records` ({"index", "action", "answer", "finish",
+    "error", "start"}) against `reference` ({pool index: answer}); `lost` and `wrong` say which and why.
+    Lost: ended with an error that is not its own cancellation (grpc cancel: CANCELLED; grpc deadline:
+    DEADLINE_EXCEEDED); an HTTP disconnect whose request could not even be sent. Wrong: completed without
+    a finish reason or with another answer than the reference, or cancelled after receiving something
+    that is not a prefix of the reference."""
+    by_action, lost, wrong = {}, [], []
+    for r in records:
+        by_action[r["action"]] = by_action.get(r["action"], 0) + 1
+        ref = reference[r["index"]]
+        what = f"{r['action']} of pool entry {r['index']} at t={r['start'] - t0:.1f} s"
+        if r["action"].startswith("http disconnect"):
+            if r["error"]:
+                lost.append(f"{what}: {r['error']}")
+            continue
+        own_end = {"grpc cancel": "CANCELLED:", "grpc deadline": "DEADLINE_EXCEEDED:"}.get(r["action"])
+        expected_stop = bool(r["error"] and own_end and r["error"].startswith(own_end))
+        if r["error"] and not expected_stop:
+            lost.append(f"{what}: {r['error']}")
+        elif expected_stop:
+            if ref[:len(r["answer"])] != r["answer"]:
+                wrong.append(f"{what}: what it received before it ended is not a prefix of the reference")
+        elif not r["finish"]:
+            wrong.append(f"{what}: ended without a finish reason")
+        elif r["answer"] != ref:
+            wrong.append(f"{what}: {'tokens' if r['action'].startswith('grpc') else 'text'} differ from the reference")
+    return by_action, lost, wrong
+
+
+def rss_growth(samples, start, end, every):
+    """For every process sampled from `start` (within 2 intervals) to `end` (within 3), at least 8 times:
+    its mean RSS over the first quarter of its samples and over the last, and the growth between them.
+    `samples`: (time, pid, name, rss_kib, threads); `every`: the sampling interval (s). A process that
+    started or ended during the soak (a killed worker, its replacement) is left out."""
+    by_pid = {}
+    for t, pid, name, kib, _ in samples:
+        by_pid.setdefault((pid, name), []).append((t, kib))
+    out = []
+    for (pid, name), series in sorted(by_pid.items(), key=lambda x: x[0][1]):
+        if series[0][0] > start + 2 * every or series[-1][0] < end - 3 * every or len(series) < 8:
+            continue
+        q = len(series) // 4
+        first = sum(k for _, k in series[:q]) / q / 1024
+        last = sum(k for _, k in series[-q:]) / q / 1024
+        out.append({"process": short(name), "pid": pid, "first_quarter_mib": round(first, 1),
+                    "last_quarter_mib": round(last, 1), "growth_mib": round(last - first, 1),
+                    "max_mib": round(max(k for _, k in series) / 1024, 1), "samples": len(series)})
+    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -487,26 +540,7 @@ def main():
         soak_seconds = soak_end - soak_start
 
         # ---- requests: lost or wrong ----
-        by_action, lost, wrong = {}, [], []
-        for r in records:
-            by_action[r["action"]] = by_action.get(r["action"], 0) + 1
-            ref = reference[r["index"]]
-            what = f"{r['action']} of pool entry {r['index']} at t={r['start'] - soak_start:.1f} s"
-            if r["action"].startswith("http disconnect"):
-                if r["error"]:
-                    lost.append(f"{what}: {r['error']}")
-                continue
-            expected_stop = (r["action"] == "grpc cancel" and r["error"] and r["error"].startswith("CANCELLED")) or \
-                (r["action"] == "grpc deadline" and r["error"] and r["error"].startswith("DEADLINE_EXCEEDED"))
-            if r["error"] and not expected_stop:
-                lost.append(f"{what}: {r['error']}")
-            elif expected_stop:
-                if ref[:len(r["answer"])] != r["answer"]:
-                    wrong.append(f"{what}: what it received before it ended is not a prefix of the reference")
-            elif not r["finish"]:
-                wrong.append(f"{what}: ended without a finish reason")
-            elif r["answer"] != ref:
-                wrong.append(f"{what}: {'tokens' if r['action'].startswith('grpc') else 'text'} differ from the reference")
+        by_action, lost, wrong = judge_requests(records, reference, soak_start)
         log(f"requests: {len(records)} in {soak_seconds:.0f} s ({len(records) / soak_seconds:.2f}/s): " +
             ", ".join(f"{a} {n}" for a, n in sorted(by_action.items())) + f"; lost {len(lost)}, wrong {len(wrong)}")
         failures += [f"request lost: {x}" for x in lost[:10]] + [f"request wrong: {x}" for x in wrong[:10]]
@@ -569,20 +603,7 @@ def main():
                             f"{sorted(map(short, set(idle_threads) ^ set(end_threads)))}")
 
         # ---- RSS ----
-        rss = []
-        by_pid = {}
-        for t, pid, name, kib, _ in samples:
-            by_pid.setdefault((pid, name), []).append((t, kib))
-        for (pid, name), series in sorted(by_pid.items(), key=lambda x: x[0][1]):
-            if series[0][0] > soak_start + 2 * args.sample_every or series[-1][0] < soak_end - 3 * args.sample_every \
-                    or len(series) < 8:
-                continue  # started or ended during the soak (a killed worker, its replacement)
-            q = len(series) // 4
-            first = sum(k for _, k in series[:q]) / q / 1024
-            last = sum(k for _, k in series[-q:]) / q / 1024
-            rss.append({"process": short(name), "pid": pid, "first_quarter_mib": round(first, 1),
-                        "last_quarter_mib": round(last, 1), "growth_mib": round(last - first, 1),
-                        "max_mib": round(max(k for _, k in series) / 1024, 1), "samples": len(series)})
+        rss = rss_growth(samples, soak_start, soak_end, args.sample_every)
         for r in rss:
             log(f"RSS {r['process']} (pid {r['pid']}): first quarter {r['first_quarter_mib']} MiB, last quarter "
                 f"{r['last_quarter_mib']} MiB, growth {r['growth_mib']:+.1f} MiB, max {r['max_mib']} MiB")
