@@ -619,7 +619,9 @@ def main():
                        "kills": kills, "in_flight_at_kills": in_flight, "heals": heals,
                        "prefix_cache_hit_rate": round(hit_rate, 3), "server_side": server_side, "resumed": resumed, "gauges_at_end": gauges,
                        "idle_threads": {short(n): c for n, c in idle_threads.items()},
-                       "end_threads": {short(n): c for n, c in end_threads.items()}, "rss": rss})
+                       "end_threads": {short(n): c for n, c in end_threads.items()}, "rss": rss,
+                       "rss_samples_mib": [[round(t - soak_start, 1), pid, short(n), round(kib / 1024, 1)]
+                                           for t, pid, n, kib, _ in samples]})
     except KeyboardInterrupt as e:
         failures.append(f"interrupted ({e})")
     except Exception as e:  # noqa: BLE001 - reported, and launch is stopped below
