@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 
 from cli_check import free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
+from launch_process import metric_sum  # noqa: E402 (tools/, on the path from cli_check)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
@@ -155,16 +156,7 @@ class OpenAIApiTest(unittest.TestCase):
     def metric(self, name: str, **labels) -> float:
         """The sum of the coordinator's series `name` whose labels include `labels`."""
         with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
-            text = r.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
-            if not m or m.group(1) != name:
-                continue
-            have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if all(have.get(k) == v for k, v in labels.items()):
-                total += float(m.group(3))
-        return total
+            return metric_sum(r.read().decode(), name, **labels)
 
     def scheduler(self):
         return self.grpc._stub.GetClusterStatus(inference_pb2.GetClusterStatusRequest(), timeout=10).scheduler

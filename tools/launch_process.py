@@ -11,6 +11,9 @@ it says "ready. Connect to". Both raise RuntimeError, with the output's tail, if
 time passes first. `pid` is launch's process id. stop() ends it and everything it started (SIGTERM, then SIGKILL of the session), whatever state it
 is in. Not thread-safe.
 
+metric_sum(text, name, **labels) reads a Prometheus /metrics page: the sum of the samples of `name` whose
+labels include `labels`.
+
 children(pid) lists a process's children (launch's coordinator and workers), for the tools and tests
 that kill or watch one of them. scrape_heal_metrics(log_dir) reads the heal metrics off the /metrics
 of the coordinator that logs to LOG_DIR/coordinator.log.
@@ -48,6 +51,19 @@ def parse_time_scale(text):
 def time_scale():
     """SHARDSERVE_TEST_TIME_SCALE from the environment, read now (1 when unset); ValueError as above."""
     return parse_time_scale(os.environ.get("SHARDSERVE_TEST_TIME_SCALE", ""))
+
+
+def metric_sum(text, name, **labels):
+    """The sum of the samples of `name` in the Prometheus text `text` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
 
 
 def children(pid):
