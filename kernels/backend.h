@@ -306,6 +306,10 @@ class Backend {
   // Index of the largest logit per row (the first one on ties, as torch.argmax).
   virtual absl::Status Argmax(Tensor* out /*[n] i32 host or device*/, const Tensor& logits /*[n, v] f32*/) = 0;
 
+  // out[r] = 1 when every logit of row r is finite, 0 when one is NaN or an infinity (a model that
+  // overflowed: the sampler reports such a row instead of choosing from it).
+  virtual absl::Status FiniteRows(Tensor* out /*[n] i32 host or device*/, const Tensor& logits /*[n, v] f32*/) = 0;
+
   // Samples one id per row from softmax(logits / temperature) restricted by top_k, then top_p
   // (measured on the top-k renormalized mass). `out` may be host or device memory.
   // Among the kept tokens (in vocabulary order) it returns the first whose cumulative

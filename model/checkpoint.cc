@@ -134,12 +134,114 @@ int64_t FirstNonFinite(const uint8_t* p, DType type, size_t n) {
   }
 }
 
+// One value of a float type at p[i] (kI8: a float8 e4m3fn code), as float32 (exact).
+template <DType kType>
+float LoadFloat(const uint8_t* p, size_t i) {
+  if constexpr (kType == DType::kF32) {
+    float v;
+    std::memcpy(&v, p + 4 * i, 4);
+    return v;
+  } else if constexpr (kType == DType::kI8) {
+    return Fp8E4m3ToFloat(p[i]);
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return kType == DType::kBF16 ? Bf16ToF32(h) : F16ToF32(h);
+  }
+}
+
+// Stores v into p[i] as kType (rounded to nearest even, as ConvertOnHost does); returns 1 when the
+// stored value is NaN or infinite (exponent bits all ones), else 0.
+template <DType kType>
+uint32_t StoreFloat(uint8_t* p, size_t i, float v) {
+  if constexpr (kType == DType::kF32) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    std::memcpy(p + 4 * i, &u, 4);
+    return (u & 0x7f800000u) == 0x7f800000u;
+  } else {
+    const uint16_t h = kType == DType::kBF16 ? F32ToBf16(v) : F32ToF16(v);
+    std::memcpy(p + 2 * i, &h, 2);
+    const uint16_t mask = kType == DType::kBF16 ? 0x7f80 : 0x7c00;
+    return (h & mask) == mask;
+  }
+}
+
 // The index of the first NaN among n float8 e4m3fn codes (S.1111.111; the format has no infinity), or -1.
 int64_t FirstNanFp8E4m3(const uint8_t* p, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     if ((p[i] & 0x7f) == 0x7f) return static_cast<int64_t>(i);
   }
   return -1;
+}
+
+// Converts n values (kSrc as LoadFloat reads it) to kDst at `to` and returns the index of the first
+// stored value that is NaN or infinite, or -1. kSrc == kDst == kI8 copies float8 e4m3fn codes raw
+// (their NaN: S.1111.111; the format has no infinity). The test rides on the conversion's own loop
+// (one OR per value), so the weight's bytes are read once; only a checkpoint that fails looks
+// again, for where.
+template <DType kSrc, DType kDst>
+int64_t ConvertFinite(uint8_t* to, const uint8_t* from, size_t n) {
+  uint64_t found = 0;
+  if constexpr (kSrc == kDst) {
+    // A copy of the bits as they are, 8 bytes at a time, each word tested lane-wise in one register
+    // for a value whose exponent bits are all ones: with z = (word & exponents) ^ exponents (every
+    // lane's top bit clear), a lane is non-finite exactly when z's lane is zero, and
+    // (z - lane_ones) & ~z & lane_tops is nonzero exactly when z has a zero lane (a borrow crosses
+    // into the next lane only from a zero lane, which counts anyway).
+    constexpr size_t kSize = kDst == DType::kF32 ? 4 : kDst == DType::kI8 ? 1 : 2;
+    constexpr uint64_t kMask = kDst == DType::kF32    ? 0x7f800000u
+                               : kDst == DType::kBF16 ? 0x7f80u
+                               : kDst == DType::kF16  ? 0x7c00u
+                                                      : 0x7fu;  // one lane's exponent bits
+    constexpr uint64_t kLaneOnes = kSize == 4 ? 0x0000000100000001ull
+                                   : kSize == 2 ? 0x0001000100010001ull
+                                                : 0x0101010101010101ull;
+    constexpr uint64_t kExponents = kMask * kLaneOnes, kLaneTops = kLaneOnes << (8 * kSize - 1);
+    const size_t words = n * kSize / 8;
+    for (size_t w = 0; w < words; ++w) {
+      uint64_t x;
+      std::memcpy(&x, from + 8 * w, 8);
+      std::memcpy(to + 8 * w, &x, 8);
+      const uint64_t z = (x & kExponents) ^ kExponents;
+      found |= (z - kLaneOnes) & ~z & kLaneTops;
+    }
+    for (size_t i = words * 8 / kSize; i < n; ++i) {  // the values after the last whole word
+      uint64_t v = 0;
+      std::memcpy(&v, from + kSize * i, kSize);
+      std::memcpy(to + kSize * i, &v, kSize);
+      found |= (v & kMask) == kMask;
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) found |= StoreFloat<kDst>(to, i, LoadFloat<kSrc>(from, i));
+  }
+  if (found == 0) return -1;
+  return kDst == DType::kI8 ? FirstNanFp8E4m3(to, n) : FirstNonFinite(to, kDst, n);
+}
+
+template <DType kSrc>
+int64_t ConvertFiniteTo(uint8_t* to, DType dst_type, const uint8_t* from, size_t n) {
+  switch (dst_type) {
+    case DType::kF32: return ConvertFinite<kSrc, DType::kF32>(to, from, n);
+    case DType::kF16: return ConvertFinite<kSrc, DType::kF16>(to, from, n);
+    case DType::kBF16: return ConvertFinite<kSrc, DType::kBF16>(to, from, n);
+    case DType::kI8:
+      if constexpr (kSrc == DType::kI8) return ConvertFinite<DType::kI8, DType::kI8>(to, from, n);
+      return -1;
+    default: return -1;  // Read refuses other types before
+  }
+}
+
+// ConvertFinite for types known at run time: src_type F32, F16, BF16, or kI8 for float8 e4m3fn
+// codes (read as a float type, or raw as kI8).
+int64_t ConvertFinite(uint8_t* to, DType dst_type, const uint8_t* from, DType src_type, size_t n) {
+  switch (src_type) {
+    case DType::kF32: return ConvertFiniteTo<DType::kF32>(to, dst_type, from, n);
+    case DType::kF16: return ConvertFiniteTo<DType::kF16>(to, dst_type, from, n);
+    case DType::kBF16: return ConvertFiniteTo<DType::kBF16>(to, dst_type, from, n);
+    case DType::kI8: return ConvertFiniteTo<DType::kI8>(to, dst_type, from, n);
+    default: return -1;
+  }
 }
 
 }  // namespace
@@ -369,7 +471,13 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
   const size_t es = t.element_size(), ds = DTypeSize(dst_type);
   uint8_t* out = static_cast<uint8_t*>(dst);
   bool narrowed = true;  // every I64 value fits in I32
-  const auto copy = [&](uint8_t* to, const uint8_t* from, size_t n) {
+  // A NaN or Inf weight makes every output NaN: refused here, naming it, not found as garbage
+  // tokens or a failed step. Float values are checked as they are converted (ConvertFinite: no
+  // second pass over the weight's bytes), in the destination's type (a float32 weight beyond
+  // float16's range is an infinity there); fp8 codes read raw, by their NaN encoding.
+  int64_t bad = -1;  // index into dst of the first non-finite value
+  const auto copy = [&](uint8_t* to, const uint8_t* from, size_t n, size_t at /* dst index of to[0] */) {
+    int64_t first = -1;
     if (t.extra == TensorInfo::Extra::kI64) {
       for (size_t i = 0; i < n; ++i) {
         int64_t v;
@@ -378,37 +486,29 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
         const auto v32 = static_cast<int32_t>(v);
         std::memcpy(to + 4 * i, &v32, 4);
       }
-    } else if (dst_type == DType::kI32 || dst_type == DType::kI8) {
+    } else if (dst_type == DType::kI32) {
       std::memcpy(to, from, n * ds);
-    } else if (fp8_src) {
-      std::vector<float> f(n);
-      for (size_t i = 0; i < n; ++i) f[i] = Fp8E4m3ToFloat(from[i]);
-      ConvertOnHost(to, dst_type, f.data(), DType::kF32, n);
     } else {
-      ConvertOnHost(to, dst_type, from, t.dtype, n);
+      first = ConvertFinite(to, dst_type, from, fp8_src ? DType::kI8 : t.dtype, n);
     }
+    if (first >= 0 && bad < 0) bad = static_cast<int64_t>(at) + first;
   };
   if (slice.dim == 0) {
     // A row range is one contiguous run of bytes.
     const size_t n = static_cast<size_t>((end - begin) * cols);
-    copy(out, base + static_cast<size_t>(begin * cols) * es, n);
+    copy(out, base + static_cast<size_t>(begin * cols) * es, n, 0);
   } else {
     // A column range: one contiguous run per row.
     const size_t n = static_cast<size_t>(end - begin);
-    for (int64_t r = 0; r < rows; ++r) {
-      copy(out + static_cast<size_t>(r) * n * ds, base + static_cast<size_t>(r * cols + begin) * es, n);
+    for (int64_t r = 0; r < rows && bad < 0; ++r) {
+      copy(out + static_cast<size_t>(r) * n * ds, base + static_cast<size_t>(r * cols + begin) * es, n,
+           static_cast<size_t>(r) * n);
     }
   }
   if (!narrowed) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": tensor \"", name, "\" (I64) holds a value outside the int32 range"));
   }
-  // A NaN or Inf weight makes every output NaN: refused here, naming it, not found as garbage
-  // tokens or a failed step.
-  const size_t count = static_cast<size_t>((end - begin) * (slice.dim == 0 ? cols : rows));
-  const int64_t bad = dst_type == DType::kI8 && fp8_src ? FirstNanFp8E4m3(out, count)
-                      : dst_type == DType::kI32 || dst_type == DType::kI8 ? -1
-                                                                          : FirstNonFinite(out, dst_type, count);
   if (bad >= 0) {
     const int64_t width = slice.dim == 0 ? cols : end - begin;
     const int64_t row = bad / width + (slice.dim == 0 ? begin : 0), col = bad % width + (slice.dim == 0 ? 0 : begin);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
@@ -741,6 +742,79 @@ TEST_F(CheckpointTest, ANanOrInfiniteWeightIsRefusedNamingTheTensorAndTheElement
     }
     EXPECT_THAT(std::string(LoadModel().message()), HasSubstr("weights and scales must be finite"));
   }
+}
+
+// The check rides on the conversion's loop: 8 bytes at a time for a read in the stored type, one
+// value at a time otherwise. Every position of a [3, 7] tensor (words and the values after the last
+// whole word), in every stored type read as every float type, by rows and by columns: the element
+// named is the poisoned one, and the largest finite values (first and last, each sign) read. A
+// float32 value beyond float16's range is refused when read as float16, where it is an infinity.
+TEST_F(CheckpointTest, EveryPositionOfANonFiniteValueIsFoundInEveryStoredType) {
+  constexpr int64_t kRows = 3, kCols = 7, kN = kRows * kCols;
+  const fs::path file = dir_ / "model.safetensors";
+  // Writes tensor "w" [3, 7] of `type` holding `values` (float32, converted) into the checkpoint.
+  const auto write = [&](DType type, std::vector<float> values, int64_t max_at = -1) {
+    std::vector<uint8_t> data(kN * DTypeSize(type));
+    ASSERT_TRUE(ConvertOnHost(data.data(), type, values.data(), DType::kF32, kN));
+    if (max_at >= 0) {  // the type's largest finite value, positive at max_at, negative at the end
+      const uint32_t max_bits = type == DType::kF32 ? 0x7f7fffffu : type == DType::kBF16 ? 0x7f7fu : 0x7bffu;
+      const uint32_t sign = type == DType::kF32 ? 0x80000000u : 0x8000u;
+      const size_t es = DTypeSize(type);
+      const uint32_t negative = max_bits | sign;
+      std::memcpy(data.data() + max_at * es, &max_bits, es);
+      std::memcpy(data.data() + (kN - 1) * es, &negative, es);
+    }
+    const std::string h = json{{"w", {{"dtype", DTypeName(type)}, {"shape", {kRows, kCols}},
+                                      {"data_offsets", {0, data.size()}}}}}.dump();
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    const uint64_t len = h.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << h;
+    out.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
+  };
+  std::vector<float> clean(kN);
+  for (int64_t i = 0; i < kN; ++i) clean[i] = static_cast<float>(i - 10) * 0.25f;
+  std::vector<float> buf(kN);
+  for (const DType stored : {DType::kF32, DType::kBF16, DType::kF16}) {
+    for (const DType read : {DType::kF32, DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(stored), " read as ", DTypeName(read)));
+      // The largest finite values of the stored type read as that type (and as wider ones).
+      write(stored, clean, 0);
+      auto ckpt = Checkpoint::Open(dir_);
+      ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+      if (read == stored || DTypeSize(read) > DTypeSize(stored)) {
+        EXPECT_TRUE((*ckpt)->Read("w", {kRows, kCols}, Slice{0, 0, -1}, read, buf.data()).ok());
+      }
+      for (int64_t p = 0; p < kN; ++p) {
+        for (const float poison : {std::nanf(""), std::numeric_limits<float>::infinity(),
+                                   -std::numeric_limits<float>::infinity()}) {
+          std::vector<float> values = clean;
+          values[p] = poison;
+          write(stored, values);
+          ckpt = Checkpoint::Open(dir_);
+          ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+          const std::string want = absl::StrCat("w[", p / kCols, "][", p % kCols, "] is ");
+          const absl::Status rows = (*ckpt)->Read("w", {kRows, kCols}, Slice{0, 0, -1}, read, buf.data());
+          EXPECT_THAT(std::string(rows.message()), HasSubstr(want)) << "position " << p;
+          const absl::Status cols = (*ckpt)->Read("w", {kRows, kCols}, Slice{1, 1, kCols}, read, buf.data());
+          if (p % kCols >= 1) {
+            EXPECT_THAT(std::string(cols.message()), HasSubstr(want)) << "position " << p;
+          } else {
+            EXPECT_TRUE(cols.ok()) << "position " << p << ": " << cols;
+          }
+        }
+      }
+    }
+  }
+  // 70000 is finite in float32 and bfloat16, an infinity in float16.
+  std::vector<float> big = clean;
+  big[9] = 70000.0f;
+  write(DType::kF32, big);
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_TRUE((*ckpt)->Read("w", {kRows, kCols}, Slice{0, 0, -1}, DType::kBF16, buf.data()).ok());
+  EXPECT_THAT(std::string((*ckpt)->Read("w", {kRows, kCols}, Slice{0, 0, -1}, DType::kF16, buf.data()).message()),
+              HasSubstr("w[1][2] is inf"));
 }
 
 TEST_F(CheckpointTest, MissingTensor) {

@@ -14,6 +14,9 @@
 //   replacement, ends the stream with UNAVAILABLE naming it once the heal times out (here
 //   --heal-timeout-seconds 2; tests/heal_test.cc covers replacements); the coordinator reports
 //   NOT_SERVING, refuses new requests with the same message and keeps running.
+// - A numeric failure of one sequence (its logits not finite: tests/overflowing_fixture.h) ends
+//   that request with INTERNAL saying so; the request streaming beside it, and later ones, get
+//   their golden tokens, and the group stays SERVING in the same epoch.
 //
 // Every process runs in its own process group and dies with the test (PR_SET_PDEATHSIG); every
 // wait is bounded; teardown kills and reaps every child.
@@ -42,6 +45,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/planner/format.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -54,6 +58,7 @@
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tests/cluster_harness.h"
+#include "tests/overflowing_fixture.h"
 #include "worker/communicator.h"
 #include "worker/shard/greedy.h"
 #include "worker/shard/model_shard.h"
@@ -876,6 +881,75 @@ TEST(ClusterFailureTest, HungWorkerIsLostAfterItsHeartbeatsStop) {
   EXPECT_EQ(cluster.worker(0).Wait(std::chrono::seconds(15)), 0);
   EXPECT_TRUE(cluster.coordinator().running());
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
+}
+
+TEST(ClusterNumericFailureTest, ASequenceWithNonFiniteLogitsFailsAloneAndTheGroupServesOn) {
+  char pattern[] = "/tmp/overflowing_gemma.XXXXXX";
+  const fs::path model = mkdtemp(pattern);
+  absl::Cleanup remove_model = [&model] {
+    std::error_code ec;
+    fs::remove_all(model, ec);
+  };
+  const absl::Status written = WriteOverflowingGemma(model);
+  ASSERT_TRUE(written.ok()) << written;
+  const Golden golden = LoadGolden("gemma2_tf5");
+  // Steps slowed down, so that the clean request is still streaming when the bad one arrives.
+  Cluster cluster({model.string(), 2, 1, {"--matmul-dtype", "f32", "--debug-step-delay-ms", "20"}});
+  ASSERT_TRUE(cluster.Start());
+  const uint64_t epoch = cluster.Status().epoch();
+
+  Streamed before = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+  ASSERT_TRUE(before.status.ok()) << before.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(before.tokens, golden.greedy);
+
+  // A clean request streams while one whose prompt holds the token fails beside it: greedy (which
+  // used to stream the NaN's index as tokens) and sampled (which used to fail the step as a worker
+  // failure, re-forming the group until it gave up).
+  for (const bool sampled : {false, true}) {
+    SCOPED_TRACE(sampled ? "sampled" : "greedy");
+    Streamed clean;
+    std::thread streaming([&] { clean = Generate(cluster.client(), TokenRequest(golden.prompt, 32)); });
+    const auto start = Clock::now();
+    while (cluster.Status().scheduler().running() == 0 && SecondsSince(start) < ScaledSeconds(30)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    std::vector<int32_t> bad_prompt(golden.prompt.begin(), golden.prompt.begin() + 6);
+    bad_prompt.push_back(kOverflowingToken);
+    v1::GenerateRequest bad = TokenRequest(bad_prompt, 8);
+    bad.set_request_id(sampled ? "overflowing-sampled" : "overflowing-greedy");
+    if (sampled) {
+      bad.mutable_sampling()->set_temperature(0.8f);
+      bad.mutable_sampling()->set_seed(7);
+    }
+    const Streamed failed = Generate(cluster.client(), bad);
+    streaming.join();
+    EXPECT_EQ(failed.status.error_code(), grpc::StatusCode::INTERNAL) << failed.status.error_message();
+    EXPECT_NE(
+        failed.status.error_message().find("the model's logits for this sequence were not finite (NaN or infinity)"),
+        std::string::npos)
+        << failed.status.error_message();
+    EXPECT_TRUE(failed.tokens.empty());
+    ASSERT_TRUE(clean.status.ok()) << clean.status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(clean.tokens, golden.greedy);
+  }
+
+  EXPECT_EQ(cluster.HealthStatus(), grpc::health::v1::HealthCheckResponse::SERVING);
+  const v1::ClusterStatus status = cluster.Status();
+  EXPECT_EQ(status.state(), "serving");
+  EXPECT_EQ(status.epoch(), epoch) << "the group re-formed";
+  Streamed after = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+  ASSERT_TRUE(after.status.ok()) << after.status.error_message();
+  EXPECT_EQ(after.tokens, golden.greedy);
+
+  // Each logged once, by the coordinator, naming the request.
+  for (const std::string id : {"overflowing-greedy", "overflowing-sampled"}) {
+    std::ifstream log(cluster.coordinator().log());
+    int lines = 0;
+    for (std::string line; std::getline(log, line);) {
+      lines += line.find(id + ": failed: the model's logits for this sequence were not finite") != std::string::npos;
+    }
+    EXPECT_EQ(lines, 1) << id << "\n" << cluster.Logs();
+  }
 }
 
 }  // namespace

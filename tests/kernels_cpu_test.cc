@@ -2534,6 +2534,28 @@ TEST_F(CpuBackendTest, ArgmaxTakesTheFirstOnTies) {
   EXPECT_TRUE(out.GuardsIntact());
 }
 
+// Every non-finite kind (NaN, +inf, -inf), first, last and in the middle of a row, and the largest
+// finite values, in a row longer than a vector so that the vector loop and its tail both count.
+TEST_F(CpuBackendTest, FiniteRowsFlagsEveryRowWithANaNOrAnInfinity) {
+  const int64_t v = 37;
+  const float kMax = std::numeric_limits<float>::max(), kNaN = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::pair<int64_t, float>> cases = {
+      {-1, 0.0f}, {0, kNaN}, {v - 1, kInf}, {18, -kInf}, {5, kMax}, {36, -kMax}, {33, kNaN}, {-1, 0.0f}};
+  const int64_t n = static_cast<int64_t>(cases.size());
+  std::vector<float> logits(n * v);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < v; ++i) logits[r * v + i] = static_cast<float>(i - 20) * 0.5f;
+    if (cases[r].first >= 0) logits[r * v + cases[r].first] = cases[r].second;
+  }
+  DeviceTensor dl = F32({n, v}, logits);
+  DeviceTensor out = Output(DType::kI32, {n});
+  ASSERT_TRUE(backend_->FiniteRows(out.ptr(), dl.t()).ok());
+  EXPECT_EQ(out.Download<int32_t>(), (std::vector<int32_t>{1, 0, 0, 0, 1, 1, 0, 1}));
+  EXPECT_TRUE(out.GuardsIntact());
+  DeviceTensor wrong = Output(DType::kI32, {n - 1});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->FiniteRows(wrong.ptr(), dl.t()), "FiniteRows"));
+}
+
 // ---- Sample ----------------------------------------------------------------------------------
 
 // The distribution Sample draws from, per backend.h, computed in double: softmax(logits / t),

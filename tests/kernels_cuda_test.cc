@@ -1091,6 +1091,37 @@ TEST_P(CudaVsCpu, Softmax) {
 
 // Ids must match exactly, ties included (the first index wins). Output to device memory and,
 // as backend.h allows, to host memory.
+// The flags must match exactly: NaN, +inf and -inf anywhere in a row of a real vocabulary's size,
+// the largest finite values, and clean rows. Output to device memory and to host memory.
+TEST_P(CudaVsCpu, FiniteRows) {
+  const int64_t n = 7, v = 32000;
+  std::vector<float> x = RandomValues(n * v, Seed(Op::kSoftmax, act(), 11), DType::kF32, -10.0f, 10.0f);
+  x[1 * v + 0] = std::numeric_limits<float>::quiet_NaN();
+  x[2 * v + v - 1] = std::numeric_limits<float>::infinity();
+  x[3 * v + 17001] = -std::numeric_limits<float>::infinity();
+  x[4 * v + 5] = std::numeric_limits<float>::max();  // finite
+  x[4 * v + 6] = -std::numeric_limits<float>::max();
+  x[6 * v + 31999] = std::numeric_limits<float>::quiet_NaN();
+  x[6 * v + 3] = std::numeric_limits<float>::infinity();
+
+  SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda_.get(), x, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CUDA", cuda_->FiniteRows(&g_out.t, g_x.t));
+  std::vector<int32_t> host_out(n, -7);
+  Tensor host_t(host_out.data(), DType::kI32, {n});
+  SS_RUN_OP("CUDA", cuda_->FiniteRows(&host_t, g_x.t));
+
+  SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, v}));
+  SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kI32, {n}));
+  SS_RUN_OP("CPU", cpu_->FiniteRows(&c_out.t, c_x.t));
+
+  SS_READ_I(got, cuda_.get(), g_out);
+  SS_READ_I(want, cpu_.get(), c_out);
+  EXPECT_EQ(want, (std::vector<int32_t>{1, 0, 0, 0, 1, 1, 0}));
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(host_out, want);
+}
+
 TEST_P(CudaVsCpu, Argmax) {
   const int64_t n = 6, v = 32000;
   std::vector<float> x = RandomValues(n * v, Seed(Op::kSoftmax, act(), 7), DType::kF32, -10.0f, 10.0f);

@@ -293,6 +293,7 @@ TEST(ErrorTest, StatusesMapToHttpAndOpenAIShape) {
   EXPECT_EQ(ErrorFromStatus(absl::ResourceExhaustedError("full")).http_status, 429);
   EXPECT_EQ(ErrorFromStatus(absl::UnavailableError("lost")).http_status, 503);
   EXPECT_EQ(ErrorFromStatus(absl::InternalError("bug")).http_status, 500);
+  EXPECT_EQ(ErrorFromStatus(absl::InternalError("bug")).type, "server_error");
   const Json body = Json::parse(ErrorBody(ErrorFromStatus(InvalidField("top_p", "must be in (0, 1]"))));
   EXPECT_EQ(body, Json::parse(R"({"error": {"message": "top_p: must be in (0, 1]", "type": "invalid_request_error",
                                             "param": "top_p", "code": null}})"));

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -28,8 +30,14 @@
 #include "kernels/backend.h"
 #include "kernels/sampling.h"
 #include "tests/bf16_products.h"
+#include "tests/overflowing_fixture.h"
 #include "shardserve/v1/worker.pb.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
 #include "worker/comm/rendezvous.h"
+#include "worker/communicator.h"
+#include "worker/shard/greedy.h"
+#include "worker/shard/model_shard.h"
 #include "worker/sampler.h"
 #include "worker/step_checks.h"
 #include "worker/step_executor.h"
@@ -192,6 +200,7 @@ class DeviceLikeBackend final : public Backend {
   absl::Status Add(Tensor* o, const Tensor& a, const Tensor& b) override { return cpu_->Add(o, a, b); }
   absl::Status Softmax(Tensor* o, const Tensor& x, float t) override { return cpu_->Softmax(o, x, t); }
   absl::Status Argmax(Tensor* o, const Tensor& l) override { return cpu_->Argmax(o, l); }
+  absl::Status FiniteRows(Tensor* o, const Tensor& l) override { return cpu_->FiniteRows(o, l); }
   absl::Status Sample(Tensor* o, const Tensor& l, const std::vector<SampleParams>& p) override {
     return cpu_->Sample(o, l, p);
   }
@@ -693,7 +702,7 @@ TEST_F(SamplerTest, ExtremeValidParametersDoNotOverflow) {
   }
 }
 
-TEST_F(SamplerTest, RejectsLogitsOfTheWrongShapeAndNonFiniteHostRows) {
+TEST_F(SamplerTest, RejectsLogitsOfTheWrongShape) {
   // 3 rows of logits for 2 rows of sampling, and a vocabulary of 9 for a sampler of 10.
   absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(cpu_.get(), kMaxRows, 10);
   ASSERT_TRUE(sampler.ok()) << sampler.status();
@@ -710,13 +719,64 @@ TEST_F(SamplerTest, RejectsLogitsOfTheWrongShapeAndNonFiniteHostRows) {
   std::vector<v1::RowSampling> too_many(kMaxRows + 1, Greedy());
   EXPECT_EQ(Run(std::vector<float>(10 * (kMaxRows + 1), 0.0f), 10, too_many).status().code(),
             absl::StatusCode::kInvalidArgument);
-  v1::RowSampling lp = Greedy();
-  lp.set_logprobs(true);
-  std::vector<float> row(10, 0.0f);
-  row[4] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_EQ(Run(row, 10, {lp}).status().code(), absl::StatusCode::kInvalidArgument);
-  row[4] = kInf;
-  EXPECT_EQ(Run(row, 10, {lp}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A row whose logits hold a NaN or an infinity (the model overflowed for that sequence) is reported
+// in non_finite_rows, with id 0 and no logprobs, on every path it would have taken; the other rows
+// of the step are sampled exactly as alone, and the step succeeds (one sequence's numeric failure
+// is not the worker's). On the CPU backend and on one that is not the CPU (device rows, copies).
+TEST_F(SamplerTest, NonFiniteRowsAreReportedAndTheOtherRowsSampledAsAlone) {
+  const int64_t v = 300;
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+  v1::RowSampling host = Sampled(0.8f, 5, 6, 20);
+  host.set_logprobs(true);
+  host.set_top_logprobs(2);
+  v1::RowSampling greedy_lp = Greedy();
+  greedy_lp.set_logprobs(true);
+  v1::RowSampling penalized = Greedy();
+  penalized.set_repetition_penalty(1.5f);
+  penalized.add_penalty_output_ids(7);
+  // Row i: sampling, and the value written into its logits at column 11 (0: none).
+  const std::vector<std::pair<v1::RowSampling, float>> cases = {
+      {Greedy(), 0},          {Greedy(), kNaN},      {Sampled(1.0f, 1, 2), kInf}, {Sampled(0.7f, 3, 4), 0},
+      {host, -kInf},          {host, 0},             {greedy_lp, kNaN},           {penalized, kInf},
+      {penalized, 0},         {Sampled(1.2f, 8, 9), -kInf}, {Greedy(), 0}};
+  const std::vector<int32_t> want_non_finite = {1, 2, 4, 6, 7, 9};
+  DeviceLikeBackend device_like;
+  for (Backend* backend : {cpu_.get(), static_cast<Backend*>(&device_like)}) {
+    SCOPED_TRACE(backend->Describe());
+    std::vector<float> logits;
+    std::vector<v1::RowSampling> rows;
+    std::vector<std::vector<float>> row_logits;
+    for (const auto& [sampling, bad] : cases) {
+      std::vector<float> row = Random(v, -4.0f, 4.0f);
+      if (bad != 0) row[11] = bad;
+      logits.insert(logits.end(), row.begin(), row.end());
+      rows.push_back(sampling);
+      row_logits.push_back(row);
+    }
+    absl::StatusOr<v1::StepResult> batched = Run(logits, v, rows, backend);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    EXPECT_EQ(std::vector<int32_t>(batched->non_finite_rows().begin(), batched->non_finite_rows().end()),
+              want_non_finite);
+    ASSERT_EQ(batched->sampled_ids_size(), static_cast<int>(cases.size()));
+    ASSERT_EQ(batched->logprobs_size(), static_cast<int>(cases.size()));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      SCOPED_TRACE(i);
+      if (cases[i].second != 0) {
+        EXPECT_EQ(batched->sampled_ids(i), 0);
+        EXPECT_EQ(batched->logprobs(i).ByteSizeLong(), 0u);
+        continue;
+      }
+      absl::StatusOr<v1::StepResult> alone = Run(row_logits[i], v, {rows[i]}, backend);
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_EQ(alone->non_finite_rows_size(), 0);
+      EXPECT_EQ(batched->sampled_ids(i), alone->sampled_ids(0));
+      if (rows[i].logprobs()) {
+        EXPECT_EQ(batched->logprobs(i).SerializeAsString(), alone->logprobs(0).SerializeAsString());
+      }
+    }
+  }
 }
 
 // ---- In the worker's step ----------------------------------------------------------------------
@@ -727,7 +787,9 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string
                                                                 int64_t num_kv_blocks = 16) {
   v1::Assignment a;
   a.set_worker_id("w0");
-  a.set_model_path(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture);
+  // A fixture's name, or an absolute path to a model.
+  a.set_model_path(fixture.front() == '/' ? fixture
+                                          : std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture);
   a.set_stage(0);
   a.set_num_stages(1);
   a.set_tp_rank(0);
@@ -833,6 +895,93 @@ TEST(StepExecutorSampling, SamplesEveryLogitRowWithTheSampler) {
   EXPECT_EQ(unknown.code(), absl::StatusCode::kInvalidArgument) << unknown;
   EXPECT_NE(unknown.message().find("step 2: row 0 names seq 10, which this worker does not hold"), std::string::npos)
       << unknown;
+}
+
+// A real model whose logits overflow for one sequence (tests/overflowing_fixture.h: one token's
+// embedding overflows to inf, then NaN): the step succeeds, that row is reported in non_finite_rows,
+// and a sequence without the token in the same step gets the token it gets alone, before and after,
+// also in the KV blocks the failed sequence filled with NaN.
+TEST(StepExecutorSampling, ASequenceWhoseLogitsAreNotFiniteIsReportedAndTheOthersGoOn) {
+  char pattern[] = "/tmp/overflowing_gemma.XXXXXX";
+  const std::string dir = mkdtemp(pattern);
+  const absl::Status written = WriteOverflowingGemma(dir);
+  ASSERT_TRUE(written.ok()) << written;
+  absl::StatusOr<std::unique_ptr<StepExecutor>> executor = WholeModelWorker(dir, 4);
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  const std::vector<int32_t> clean = {39, 252, 211, 166}, bad = {39, kOverflowingToken, 211};
+  v1::RowSampling sampled = Sampled(0.8f, 3, 0);
+  sampled.set_logprobs(true);
+
+  // Step 1: sequence 10, alone.
+  v1::StepPlan alone;
+  alone.set_step_id(1);
+  AddNewSeq(&alone, 10, {0}, Greedy(), 4);
+  AddRow(&alone, 10, 0, clean, true);
+  v1::StepResult result;
+  ASSERT_TRUE((*executor)->Execute(alone, &result).ok());
+  ASSERT_EQ(result.sampled_ids_size(), 1);
+  EXPECT_EQ(result.non_finite_rows_size(), 0);
+  const int32_t want = result.sampled_ids(0);
+
+  // Step 2: the same prompt as sequence 20 between two sequences holding the token, greedy and
+  // sampled with logprobs.
+  v1::StepPlan mixed;
+  mixed.set_step_id(2);
+  AddNewSeq(&mixed, 11, {1}, Greedy(), 3);
+  AddNewSeq(&mixed, 20, {2}, Greedy(), 4);
+  AddNewSeq(&mixed, 12, {3}, sampled, 3);
+  AddRow(&mixed, 11, 0, bad, true);
+  AddRow(&mixed, 20, 0, clean, true);
+  AddRow(&mixed, 12, 0, bad, true);
+  const absl::Status s = (*executor)->Execute(mixed, &result);
+  ASSERT_TRUE(s.ok()) << s;
+  ASSERT_EQ(result.sampled_ids_size(), 3);
+  EXPECT_EQ(std::vector<int32_t>(result.non_finite_rows().begin(), result.non_finite_rows().end()),
+            (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(result.sampled_ids(1), want);
+
+  // Step 3: a new sequence in block 1, which sequence 11 filled with NaN, gets the lone token too
+  // (blocks are the coordinator's to give: a freed one goes to the next sequence as it is).
+  v1::StepPlan after;
+  after.set_step_id(3);
+  for (uint64_t id : {10, 11, 12, 20}) after.add_freed_seq_ids(id);
+  AddNewSeq(&after, 30, {1}, Greedy(), 4);
+  AddRow(&after, 30, 0, clean, true);
+  ASSERT_TRUE((*executor)->Execute(after, &result).ok());
+  ASSERT_EQ(result.sampled_ids_size(), 1);
+  EXPECT_EQ(result.non_finite_rows_size(), 0);
+  EXPECT_EQ(result.sampled_ids(0), want);
+}
+
+// generate-ids' loop (GreedyGenerate) on the same model: a prompt with the token is an error
+// saying the logits are not finite, where it printed the NaN's index as a token; one without it
+// generates.
+TEST(GreedyGenerateTest, LogitsThatAreNotFiniteAreAnErrorNotATokenId) {
+  char pattern[] = "/tmp/overflowing_gemma.XXXXXX";
+  const std::string dir = mkdtemp(pattern);
+  const absl::Status written = WriteOverflowingGemma(dir);
+  ASSERT_TRUE(written.ok()) << written;
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(dir);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LocalCommunicator tp(backend.get());
+  const StepLimits limits{.max_tokens_per_step = 16, .max_seqs_per_step = 1, .block_size = 4, .num_kv_blocks = 8,
+                          .max_model_len = 32};
+  absl::StatusOr<std::unique_ptr<ModelShard>> model =
+      ModelShard::Load(**checkpoint, *config, ShardSpec{}, limits, backend.get(), &tp);
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<std::vector<int32_t>> bad = GreedyGenerate(model->get(), {39, kOverflowingToken, 211}, 4);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal) << bad.status();
+  EXPECT_NE(bad.status().message().find("the model's logits after 3 tokens (0 generated) are not finite"),
+            std::string::npos)
+      << bad.status();
+  absl::StatusOr<std::vector<int32_t>> good = GreedyGenerate(model->get(), {39, 252, 211}, 4);
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(good->size(), 4u);
 }
 
 // The products' precision when the worker is not told one (--matmul-dtype auto): a bf16

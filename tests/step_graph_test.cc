@@ -139,6 +139,9 @@ class RecordingBackend final : public Backend {
   absl::Status Argmax(Tensor* out, const Tensor& logits) override {
     return Op([=, this, o = *out]() mutable { return inner_->Argmax(&o, logits); });
   }
+  absl::Status FiniteRows(Tensor* out, const Tensor& logits) override {
+    return Op([=, this, o = *out]() mutable { return inner_->FiniteRows(&o, logits); });
+  }
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override {
     return Op([=, this, o = *out]() mutable { return inner_->Sample(&o, logits, params); });
   }

@@ -55,5 +55,30 @@ TEST(WorkerMessagesTest, StepResultRowsIdsAndTimings) {
   ExpectRefused(CheckStepResult(r, 2, 2, 100), "timings are not finite and >= 0");
 }
 
+// A worker reports the rows whose logits were not finite (worker.proto non_finite_rows): the
+// coordinator fails those requests alone, so each index must name one row of the step, once.
+TEST(WorkerMessagesTest, NonFiniteRowsAreAscendingRowsOfTheStep) {
+  v1::StepResult r = Answer();
+  r.add_non_finite_rows(0);
+  r.add_non_finite_rows(1);
+  EXPECT_TRUE(CheckStepResult(r, 2, 2, 100).ok());
+  r = Answer();
+  r.add_non_finite_rows(2);
+  ExpectRefused(CheckStepResult(r, 2, 2, 100), "non-finite row 2 is not ascending inside [0, 2)");
+  r = Answer();
+  r.add_non_finite_rows(-1);
+  ExpectRefused(CheckStepResult(r, 2, 2, 100), "non-finite row -1");
+  r = Answer();
+  r.add_non_finite_rows(1);
+  r.add_non_finite_rows(1);
+  ExpectRefused(CheckStepResult(r, 2, 2, 100), "non-finite row 1 is not ascending");
+  r = Answer();
+  r.add_non_finite_rows(0);  // from a worker that samples nothing
+  ExpectRefused(CheckStepResult(r, 0, 0, 100), "came back with 2 sampled ids");
+  r.clear_sampled_ids();
+  r.clear_logprobs();
+  ExpectRefused(CheckStepResult(r, 0, 0, 100), "non-finite row 0 is not ascending inside [0, 0)");
+}
+
 }  // namespace
 }  // namespace shardserve

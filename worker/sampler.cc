@@ -78,6 +78,7 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_
   s->ids_host_.resize(max_rows);
   s->host_ids_.resize(max_rows);
   s->paths_.resize(max_rows);
+  s->finite_.resize(max_rows);
   s->run_params_.reserve(max_rows);
   s->one_params_.resize(1);
   s->work_.assign(vocab_size, 0.0f);
@@ -101,12 +102,19 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
   }
   SHARDSERVE_RETURN_IF_ERROR(CheckRowSampling(step_id, rows, vocab_size_));
 
+  // Rows whose logits are not all finite (the model overflowed for that sequence) are reported, not
+  // sampled: one pass over the logits on the device, m flags back.
+  Tensor finite(finite_.data(), DType::kI32, {m});
+  if (absl::Status s = device_->FiniteRows(&finite, logits); !s.ok()) return ForRows(step_id, 0, m, s);
+
   bool any_logprobs = false;
   for (int i = 0; i < m; ++i) {
     const v1::RowSampling& r = rows[i];
     const bool greedy = IsGreedy(r);
-    // min_p cannot change an argmax, so greedy rows ignore it.
-    if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0)) {
+    // A non-finite row is only reported. min_p cannot change an argmax, so greedy rows ignore it.
+    if (finite_[i] == 0) {
+      paths_[i] = Path::kNonFinite;
+    } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0)) {
       paths_[i] = Path::kHost;
     } else {
       paths_[i] = greedy ? Path::kArgmax : Path::kSample;
@@ -120,7 +128,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
   for (int begin = 0; begin < m;) {
     int end = begin + 1;
     while (end < m && paths_[end] == paths_[begin]) ++end;
-    if (paths_[begin] != Path::kHost) {
+    if (paths_[begin] == Path::kArgmax || paths_[begin] == Path::kSample) {
       if (absl::Status s = RunOnDevice(paths_[begin], logits, rows, begin, end); !s.ok()) return ForRows(step_id, begin, end, s);
       any_device = true;
     }
@@ -150,7 +158,18 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
   }
   result->clear_sampled_ids();
   result->mutable_sampled_ids()->Reserve(m);
-  for (int i = 0; i < m; ++i) result->add_sampled_ids(paths_[i] == Path::kHost ? host_ids_[i] : ids_host_[i]);
+  result->clear_non_finite_rows();
+  for (int i = 0; i < m; ++i) {
+    switch (paths_[i]) {
+      case Path::kArgmax:
+      case Path::kSample: result->add_sampled_ids(ids_host_[i]); break;
+      case Path::kHost: result->add_sampled_ids(host_ids_[i]); break;
+      case Path::kNonFinite:
+        result->add_sampled_ids(0);
+        result->add_non_finite_rows(i);
+        break;
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -22,6 +22,10 @@
 //     4. the chosen token's logprob, from step 1's normalizer.
 // Runs of consecutive device-path rows of one kind go to the backend in one call.
 //
+// A row whose logits hold a NaN or an infinity (Backend::FiniteRows, one pass on the device before
+// any choice) takes none of the paths: it is reported in StepResult.non_finite_rows, so that the
+// coordinator fails that sequence's request while the other rows of the step are sampled as usual.
+//
 // A draw depends only on (seed, draw_index) and the row's logits, never on the other rows.
 //
 // Ownership: borrows the device backend (it must outlive the Sampler); owns the ids buffer on the
@@ -52,8 +56,9 @@ class Sampler {
   // Checks the rows (CheckRowSampling, worker/step_checks.h), then samples row i of `logits`
   // ([rows.size(), vocab_size] F32 on the device) with rows[i]. Replaces result->sampled_ids with
   // one id per row and result->logprobs with, when any row asked for logprobs, one RowLogprobs per
-  // row (empty for the rows that did not ask), else nothing. A NaN or +inf logit in a host-path row
-  // is InvalidArgument. The logits are not modified.
+  // row (empty for the rows that did not ask), else nothing, and result->non_finite_rows with the
+  // rows whose logits are not all finite (their id 0, their logprobs empty). The logits are not
+  // modified.
   absl::Status Sample(uint64_t step_id, const Tensor& logits,
                       const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows, v1::StepResult* result);
 
@@ -61,7 +66,7 @@ class Sampler {
   int64_t vocab_size() const { return vocab_size_; }
 
  private:
-  enum class Path : uint8_t { kArgmax, kSample, kHost };
+  enum class Path : uint8_t { kArgmax, kSample, kHost, kNonFinite };
 
   Sampler() = default;
   // Runs the device paths over rows [begin, end), all of `path`, into ids_dev_.
@@ -83,6 +88,7 @@ class Sampler {
   std::vector<int32_t> ids_host_;          // [max_rows] device-path ids, copied back
   std::vector<int32_t> host_ids_;          // [max_rows] host-path ids
   std::vector<Path> paths_;                // [max_rows]
+  std::vector<int32_t> finite_;            // [max_rows] Backend::FiniteRows of the step's rows
   std::vector<SampleParams> run_params_;   // capacity max_rows: one device Sample call's rows
   std::vector<SampleParams> one_params_;   // [1]: one host row's Sample
   std::vector<float> raw_;                 // [vocab] a row copied from the device

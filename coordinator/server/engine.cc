@@ -257,6 +257,16 @@ absl::Status Engine::FinishOldest() {
   const double step_seconds = SecondsBetween(f.sent, now);
   for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {
     Request& r = *requests_.at(t.seq);
+    if (std::binary_search(outcome_.non_finite_rows.begin(), outcome_.non_finite_rows.end(), t.logit_row)) {
+      // A numeric failure of this sequence alone (its input overflowed the model): its request
+      // fails; the group and the other sequences of the step go on.
+      const absl::Status failed = absl::InternalError(absl::StrCat(
+          "the model's logits for this sequence were not finite (NaN or infinity) after ",
+          r.generation->completion_tokens(), " generated tokens: the model's arithmetic overflowed on this input"));
+      CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
+      End(t.seq, failed);
+      continue;
+    }
     v1::GenerateResponse response;
     const bool done = r.generation->Accept(t.token, &response);
     const int64_t cached = scheduler_->cached_prompt_tokens(t.seq);

@@ -10,6 +10,10 @@
 // goes away or its deadline passes, the handler cancels the request and the engine removes it
 // at the next step, freeing its KV blocks.
 //
+// A sequence whose logits were not finite (the worker's StepResult.non_finite_rows: the model
+// overflowed on its input) ends with INTERNAL saying so, logged once; the step's other sequences
+// and the group go on.
+//
 // Failure: when a step fails because the group is healing (a worker was lost or failed; the pool
 // re-forms the group around a replacement, docs/healing.md), no step starts, every request is
 // held and its sequence goes back to waiting (Scheduler::RequeueAllForRegroup); new requests are

@@ -84,6 +84,13 @@ absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logp
       if (id < 0 || id >= vocab_size) return bad("logprob id ", id, " outside the vocabulary [0, ", vocab_size, ")");
     }
   }
+  int32_t previous = -1;
+  for (int32_t row : r.non_finite_rows()) {
+    if (row <= previous || row >= sampled_rows) {
+      return bad("non-finite row ", row, " is not ascending inside [0, ", sampled_rows, ")");
+    }
+    previous = row;
+  }
   if (!(std::isfinite(r.forward_seconds()) && r.forward_seconds() >= 0 && std::isfinite(r.collective_seconds()) &&
         r.collective_seconds() >= 0)) {
     return bad("timings are not finite and >= 0");

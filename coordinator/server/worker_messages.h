@@ -40,8 +40,9 @@ absl::Status CheckRegister(const v1::Register& hello);
 // A StepResult for a step that samples `sampled_rows` ids from this worker (0 unless it is the
 // last stage's TP rank 0) with `logprob_rows` logprob rows (0 unless some row asked), over a
 // vocabulary of `vocab_size`: that many ids in the vocabulary, logprob rows with as many top ids as
-// top logprobs (at most kMaxTopLogprobs), ids in the vocabulary and no NaN logprob, timings finite
-// and >= 0. InvalidArgument naming the step and what is wrong.
+// top logprobs (at most kMaxTopLogprobs), ids in the vocabulary and no NaN logprob, non-finite rows
+// ascending inside [0, sampled_rows), timings finite and >= 0. InvalidArgument naming the step and
+// what is wrong.
 absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logprob_rows, int64_t vocab_size);
 
 }  // namespace shardserve

@@ -1129,10 +1129,14 @@ absl::Status WorkerPool::FinishStep(uint64_t step_id, absl::Duration timeout, St
   heals_without_progress_ = 0;
   outcome->sampled_ids.clear();
   outcome->logprobs.clear();
+  outcome->non_finite_rows.clear();
   outcome->forward_seconds = outcome->collective_seconds = 0;
   for (const v1::StepResult& r : step.results) {
     if (r.sampled_ids_size() > 0) outcome->sampled_ids.assign(r.sampled_ids().begin(), r.sampled_ids().end());
     if (r.logprobs_size() > 0) outcome->logprobs.assign(r.logprobs().begin(), r.logprobs().end());
+    if (r.non_finite_rows_size() > 0) {
+      outcome->non_finite_rows.assign(r.non_finite_rows().begin(), r.non_finite_rows().end());
+    }
     outcome->forward_seconds = std::max(outcome->forward_seconds, r.forward_seconds());
     outcome->collective_seconds = std::max(outcome->collective_seconds, r.collective_seconds());
   }

@@ -116,6 +116,7 @@ constexpr uint64_t kMaxCpuKvCacheBytes = uint64_t{256} << 20;
 struct StepOutcome {
   std::vector<int32_t> sampled_ids;          // one per logit row
   std::vector<v1::RowLogprobs> logprobs;     // one per logit row when the step asked for any
+  std::vector<int32_t> non_finite_rows;      // logit rows whose logits were not finite, ascending
   double forward_seconds = 0;                // the slowest worker's
   double collective_seconds = 0;             // the slowest worker's
 };

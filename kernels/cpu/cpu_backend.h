@@ -235,6 +235,7 @@ class CpuBackend final : public Backend {
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
+  absl::Status FiniteRows(Tensor* out, const Tensor& logits) override;
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
 
  private:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <vector>
@@ -82,6 +83,31 @@ absl::Status CpuBackend::Argmax(Tensor* out, const Tensor& logits) {
     }
     out->as<int32_t>()[r] = static_cast<int32_t>(best);
   }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Whether every one of the v floats at x is finite: exponent bits not all ones, tested on the bits
+// so that no compiler option about NaN can fold it away; no early exit, so the loop vectorizes.
+SHARDSERVE_VECTOR_CLONES bool RowFinite(const float* x, int64_t v) {
+  uint32_t all_ones = 0;  // a lane's exponent bits, ORed into bit 0 when all ones
+  for (int64_t i = 0; i < v; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    all_ones |= (bits & 0x7f800000u) == 0x7f800000u ? 1u : 0u;
+  }
+  return all_ones == 0;
+}
+
+}  // namespace
+
+absl::Status CpuBackend::FiniteRows(Tensor* out, const Tensor& logits) {
+  const ArgCheck check("FiniteRows", {{"out", out, kI32, 1}, {"logits", &logits, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  const int64_t n = logits.dim(0), v = logits.dim(1);
+  if (out->dim(0) != n || v == 0) return check.Error("want out [n], logits [n, v] with v > 0");
+  for (int64_t r = 0; r < n; ++r) out->as<int32_t>()[r] = RowFinite(logits.as<float>() + r * v, v) ? 1 : 0;
   return absl::OkStatus();
 }
 

@@ -210,6 +210,7 @@ class CudaBackend final : public Backend {
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override;
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
+  absl::Status FiniteRows(Tensor* out, const Tensor& logits) override;
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
 
  private:
@@ -223,6 +224,10 @@ class CudaBackend final : public Backend {
   // (host memory) the ids scratch, copied back by FinishIds.
   absl::StatusOr<int32_t*> IdsTarget(const char* op, const Tensor& out, bool* to_host);
   absl::Status FinishIds(const Tensor& out, bool to_host);
+  // Argmax's and FiniteRows' body: checks out [n] I32 and logits [n, v > 0] F32, then launches
+  // `kernel` (one block of kRowThreads a row, one int32 a row) into out, device or host memory.
+  absl::Status RowsToIds(const char* op, const char* kernel_name, void (*kernel)(int32_t*, const float*, int64_t),
+                         Tensor* out, const Tensor& logits);
   absl::Status UploadSampleParams(const std::vector<SampleParams>& params);
   template <typename T>
   absl::Status GrowDevice(T** ptr, size_t* capacity, size_t needed);

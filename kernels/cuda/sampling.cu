@@ -117,6 +117,20 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// One block per row: out[row] = 1 when every logit is finite, else 0 (Backend::FiniteRows).
+__global__ void __launch_bounds__(kRowThreads)
+    FiniteRowsKernel(int32_t* out /*[rows]*/, const float* logits /*[rows, v]*/, int64_t v) {
+  WaitForPriorKernels();  // CudaBackend::Launch
+  const float* xr = logits + static_cast<int64_t>(blockIdx.x) * v;
+  int finite = 1;
+  // On the exponent bits (all ones: NaN or an infinity), which no fast-math option rewrites.
+  for (int64_t i = threadIdx.x; i < v; i += blockDim.x) {
+    finite &= (__float_as_uint(xr[i]) & 0x7f800000u) != 0x7f800000u ? 1 : 0;
+  }
+  finite = __syncthreads_and(finite);
+  if (threadIdx.x == 0) out[blockIdx.x] = finite;
+}
+
 // A uint32 whose unsigned order is the float order (-inf < ... < -0 = +0 < ... < +inf); -0 and +0
 // share one key so that they tie, as equal floats should.
 __device__ __forceinline__ uint32_t OrderedKey(float f) {
@@ -305,25 +319,34 @@ absl::Status CudaBackend::Softmax(Tensor* out, const Tensor& x, float temperatur
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Argmax(Tensor* out, const Tensor& logits) {
-  constexpr const char* kOp = "Argmax";
-  if (out == nullptr) return Invalid(kOp, "out is null", {{"logits", &logits}});
+absl::Status CudaBackend::RowsToIds(const char* op, const char* kernel_name,
+                                    void (*kernel)(int32_t*, const float*, int64_t), Tensor* out,
+                                    const Tensor& logits) {
+  if (out == nullptr) return Invalid(op, "out is null", {{"logits", &logits}});
   const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"logits", &logits}};
   if (!Is(*out, 1, DType::kI32) || !Is(logits, 2, DType::kF32)) {
-    return Invalid(kOp, "expected out [n] I32 and logits [n, v] F32", all);
+    return Invalid(op, "expected out [n] I32 and logits [n, v] F32", all);
   }
   const int64_t n = logits.dim(0), v = logits.dim(1);
-  if (out->dim(0) != n) return Invalid(kOp, "shapes do not match", all);
+  if (out->dim(0) != n) return Invalid(op, "shapes do not match", all);
   if (n == 0) return absl::OkStatus();
-  if (v == 0) return Invalid(kOp, "empty vocabulary", all);
-  if (!FitsInt(n) || !FitsInt(v)) return Invalid(kOp, "n and v must fit in int32", all);
+  if (v == 0) return Invalid(op, "empty vocabulary", all);
+  if (!FitsInt(n) || !FitsInt(v)) return Invalid(op, "n and v must fit in int32", all);
   SHARDSERVE_RETURN_IF_ERROR(Activate());
   bool to_host = false;
-  absl::StatusOr<int32_t*> target = IdsTarget(kOp, *out, &to_host);
+  absl::StatusOr<int32_t*> target = IdsTarget(op, *out, &to_host);
   if (!target.ok()) return target.status();
-  SHARDSERVE_RETURN_IF_ERROR(Launch("ArgmaxKernel", ArgmaxKernel, static_cast<unsigned>(n), kRowThreads, *target,
+  SHARDSERVE_RETURN_IF_ERROR(Launch(kernel_name, kernel, static_cast<unsigned>(n), kRowThreads, *target,
                                     logits.as<const float>(), v));
   return FinishIds(*out, to_host);
+}
+
+absl::Status CudaBackend::Argmax(Tensor* out, const Tensor& logits) {
+  return RowsToIds("Argmax", "ArgmaxKernel", ArgmaxKernel, out, logits);
+}
+
+absl::Status CudaBackend::FiniteRows(Tensor* out, const Tensor& logits) {
+  return RowsToIds("FiniteRows", "FiniteRowsKernel", FiniteRowsKernel, out, logits);
 }
 
 absl::Status CudaBackend::Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) {

@@ -52,6 +52,15 @@ absl::StatusOr<std::vector<int32_t>> GreedyGenerate(ModelShard* model, const std
     if (!final_chunk) continue;
 
     Tensor logits = model->logits(1);
+    // A NaN or an infinity among the logits is the model overflowing on this input: an error, not a token.
+    int32_t finite = 0;
+    SHARDSERVE_RETURN_IF_ERROR(be->FiniteRows(&next, logits));
+    SHARDSERVE_RETURN_IF_ERROR(be->CopyToHost(&finite, next.data, sizeof(finite)));
+    if (finite == 0) {
+      return absl::InternalError(absl::StrCat("the model's logits after ", pos, " tokens (", out.size(),
+                                              " generated) are not finite (NaN or infinity): its arithmetic overflowed "
+                                              "on this input"));
+    }
     SHARDSERVE_RETURN_IF_ERROR(be->Argmax(&next, logits));
     int32_t id = 0;
     SHARDSERVE_RETURN_IF_ERROR(be->CopyToHost(&id, next.data, sizeof(id)));

@@ -13,7 +13,8 @@ namespace shardserve {
 
 // Prefill in chunks of at most max_tokens_per_step, then one token per step. Returns the new ids;
 // when `step_logits` is not null it receives the F32 logits that chose each new token,
-// [steps][vocab], on the host.
+// [steps][vocab], on the host. Logits holding a NaN or an infinity are an Internal error saying so,
+// not a token.
 absl::StatusOr<std::vector<int32_t>> GreedyGenerate(ModelShard* model, const std::vector<int32_t>& prompt,
                                                     int64_t max_new_tokens,
                                                     std::vector<std::vector<float>>* step_logits = nullptr);
