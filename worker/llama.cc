@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -164,6 +165,13 @@ std::string LlamaShard::GpuPathsNotYetRun() const {
   if (config_.activation == ModelConfig::Activation::kGeluTanh) paths.push_back("GeGLU (gelu_tanh)");
   if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
   if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
+  for (const LayerRopeKind& rope : rope_) {
+    if (rope.options.rotary_dim < config_.head_dim || rope.options.attention_factor != 1.0f ||
+        rope.options.long_inv_freq != nullptr) {
+      paths.push_back("RoPE with partial rotary, an attention factor or LongRoPE");
+      break;
+    }
+  }
   return absl::StrJoin(paths, ", ");
 }
 
@@ -323,8 +331,24 @@ absl::StatusOr<std::unique_ptr<LlamaShard>> LlamaShard::Load(const WeightSource&
       ConvertOnHost(&m->embedding_scale_, DType::kF32, &narrow, backend->act_dtype(), 1);
     }
   }
-  std::vector<float> inv_freq = RopeInvFreq(config);
-  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
+  // RoPE: each kind of layer's frequencies in two rows of inv_freq_ (LongRoPE's long ones second).
+  const std::vector<RopeTable> rope_tables = RopeTables(config);
+  const int64_t rotary_half = config.RotaryDim() / 2;
+  m->rope_.resize(rope_tables.size());
+  for (size_t t = 0; t < rope_tables.size(); ++t) {
+    const RopeTable& table = rope_tables[t];
+    LayerRopeKind& kind = m->rope_[t];
+    for (auto [row, freqs, tensor] : {std::tuple{2 * t, &table.inv_freq, &kind.inv_freq},
+                                      std::tuple{2 * t + 1, &table.long_inv_freq, &kind.long_inv_freq}}) {
+      *tensor = Tensor(m->inv_freq_.Rows(row, row + 1).data, DType::kF32, {rotary_half});
+      if (freqs->empty()) continue;
+      SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(tensor->data, freqs->data(), freqs->size() * sizeof(float)));
+    }
+    kind.options = {.rotary_dim = static_cast<int>(config.RotaryDim()),
+                    .attention_factor = table.attention_factor,
+                    .long_inv_freq = table.long_inv_freq.empty() ? nullptr : &kind.long_inv_freq,
+                    .long_from = table.long_from};
+  }
   m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
   m->staging_.reset();  // load-time only (Staging)
   m->staging_bytes_ = 0;
@@ -423,8 +447,10 @@ absl::Status LlamaShard::Compute(int64_t n, int64_t m, int64_t seqs) {
       SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&k_heads, k_heads, l.k_norm, eps));
     }
     // rotary position embedding, then k/v written to the paged cache (one pass where the backend fuses them)
-    SHARDSERVE_RETURN_IF_ERROR(be.RopeCacheWrite(&q, &k, v, positions, inv_freq_, static_cast<int>(config_.head_dim),
-                                                 &l.k_cache, &l.v_cache, slots));
+    const LayerRopeKind& rope = rope_[config_.LayerRopeTable(first_layer_ + static_cast<int64_t>(li))];
+    SHARDSERVE_RETURN_IF_ERROR(be.RopeCacheWrite(&q, &k, v, positions, rope.inv_freq,
+                                                 static_cast<int>(config_.head_dim), rope.options, &l.k_cache,
+                                                 &l.v_cache, slots));
     // causal attention over the cache (within the layer's sliding window, if it has one)
     AttentionOptions attention;
     attention.window = config_.LayerWindow(first_layer_ + static_cast<int64_t>(li));

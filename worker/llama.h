@@ -154,7 +154,14 @@ class LlamaShard {
   std::vector<Layer> layers_;
   Tensor norm_;          // [hidden] (last stage)
   Tensor lm_head_;       // [vocab rows of this rank, hidden] (last stage)
-  Tensor inv_freq_;      // [head_dim / 2] F32
+  Tensor inv_freq_;      // [kRopeTableRows, rotary_dim / 2] F32: RopeTables' frequencies, two rows a table
+  // Per RoPE table (ModelConfig::LayerRopeTable): its rows of inv_freq_ and the kernel's options.
+  struct LayerRopeKind {
+    Tensor inv_freq;       // [rotary_dim / 2] F32
+    Tensor long_inv_freq;  // [rotary_dim / 2] F32 (LongRoPE's, read only then)
+    RopeOptions options;
+  };
+  std::vector<LayerRopeKind> rope_;
   float embedding_scale_ = 0;  // Gemma's sqrt(hidden_size) in the act dtype; 0 for none
 
   // ---- Scratch, sized for max_tokens_per_step (n) and max_seqs_per_step (m) ----
