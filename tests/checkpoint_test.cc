@@ -235,7 +235,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
       {"Qwen2ForCausalLM", false, true, false, false},  {"Qwen2ForCausalLM", true, true, false, false},
       {"MistralForCausalLM", true, false, false, false}, {"Qwen3ForCausalLM", false, false, false, true},
       {"Qwen3ForCausalLM", true, true, true, true},     {"Phi3ForCausalLM", true, false, false, false},
-      {"Gemma2ForCausalLM", true, true, true, false, 2},
+      {"Gemma2ForCausalLM", true, true, true, false, 2}, {"Gemma3ForCausalLM", false, false, false, true, 2},
   };
   for (const Case& k : cases) {
     json c = TinyConfig();
@@ -258,8 +258,99 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, LlamaForCausalLM, "
-                        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                        "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+  // Gemma 3 with its vision tower: refused, saying which checkpoints are taken.
+  c["architectures"] = {"Gemma3ForConditionalGeneration"};
+  config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("\"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower"));
+}
+
+// Gemma 3's config.json in both formats: 5.x's rope_parameters keyed by layer type and 4.x's
+// rope_theta / rope_local_base_freq / rope_scaling give the same model; five sliding layers to one
+// global unless layer_types (or sliding_window_pattern) says otherwise; each layer's RoPE table by
+// its type, whether or not it has a window.
+TEST_F(CheckpointTest, Gemma3RopePerLayerTypeInBothFormats) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gemma3_tf5/config.json");
+  json v5 = json::parse(in);
+  auto five = ParseModelConfig(v5.dump(), "config.json");
+  ASSERT_TRUE(five.ok()) << five.status();
+  EXPECT_TRUE(five->qk_norm);
+  EXPECT_EQ(five->attn_logit_softcap, 0.0);
+  EXPECT_DOUBLE_EQ(five->attention_scale, 1.0 / std::sqrt(48.0));
+  EXPECT_EQ(five->layer_window, (std::vector<int64_t>{32, 32, 32, 32, 32, 0}));
+  EXPECT_EQ(five->rope_theta, 1e6);
+  EXPECT_EQ(five->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(five->rope_scaling.factor, 8.0);
+  ASSERT_TRUE(five->sliding_rope.has_value());
+  EXPECT_EQ(five->sliding_rope->theta, 1e4);
+  EXPECT_EQ(five->sliding_rope->scaling.type, RopeScaling::Type::kNone);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(five->LayerRopeTable(i), i == 5 ? 0 : 1) << "layer " << i;
+  const std::vector<RopeTable> tables = RopeTables(*five);
+  ASSERT_EQ(tables.size(), 2u);
+  EXPECT_EQ(tables[0].inv_freq[0], 1.0f / 8);  // 1e6^0 / 8
+  EXPECT_EQ(tables[1].inv_freq[0], 1.0f);
+  EXPECT_FLOAT_EQ(tables[0].inv_freq[1], 1.0f / std::pow(1e6f, 2.0f / 32) / 8);
+  EXPECT_FLOAT_EQ(tables[1].inv_freq[1], 1.0f / std::pow(1e4f, 2.0f / 32));
+
+  // The same model as 4.x wrote it.
+  json v4 = v5;
+  v4.erase("rope_parameters");
+  v4.erase("layer_types");
+  v4["rope_theta"] = 1e6;
+  v4["rope_local_base_freq"] = 1e4;
+  v4["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  auto four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->layer_window, five->layer_window);
+  EXPECT_EQ(four->sliding_layers, five->sliding_layers);
+  EXPECT_TRUE(four->rope_scaling == five->rope_scaling);
+  EXPECT_TRUE(*four->sliding_rope == *five->sliding_rope);
+  // sliding_window_pattern 2 and no window: the sliding layers keep their RoPE, not a window.
+  v4["sliding_window_pattern"] = 2;
+  v4["sliding_window"] = nullptr;
+  four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->layer_window, (std::vector<int64_t>(6, 0)));
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(four->LayerRopeTable(i), i % 2 == 0 ? 1 : 0) << "layer " << i;
+  // Defaults: rope_theta 1e6, rope_local_base_freq 1e4, window 4096, query_pre_attn_scalar 256.
+  v4.erase("rope_theta");
+  v4.erase("rope_local_base_freq");
+  v4.erase("sliding_window");
+  v4.erase("query_pre_attn_scalar");
+  v4.erase("rope_scaling");
+  four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->rope_theta, 1e6);
+  EXPECT_EQ(four->sliding_rope->theta, 1e4);
+  EXPECT_EQ(four->layer_window[0], 4096);
+  EXPECT_DOUBLE_EQ(four->attention_scale, 1.0 / 16);
+
+  // What is refused, by name.
+  struct Case {
+    std::function<void(json&)> edit;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](json& c) { c["rope_parameters"]["global"] = {{"rope_theta", 1e6}}; },
+       "field \"rope_parameters\" has \"global\"; this architecture's is keyed by layer type"},
+      {[](json& c) { c["rope_theta"] = 5e5; }, "field \"rope_parameters.full_attention\" has rope_theta 1e+06 but"},
+      {[](json& c) { c["rope_local_base_freq"] = 5e4; },
+       "field \"rope_parameters.sliding_attention\" has rope_theta 10000 but the file's \"rope_local_base_freq\""},
+      {[](json& c) { c["rope_parameters"]["sliding_attention"]["rope_type"] = "dynamic"; },
+       "field \"rope_parameters.sliding_attention\" has rope_type \"dynamic\""},
+      {[](json& c) { c["use_bidirectional_attention"] = true; }, "field \"use_bidirectional_attention\" is true"},
+  };
+  for (const Case& k : cases) {
+    json c = v5;
+    k.edit(c);
+    auto parsed = ParseModelConfig(c.dump(), "config.json");
+    ASSERT_FALSE(parsed.ok()) << c.dump();
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr(k.says));
+  }
 }
 
 // Gemma 2's config.json as transformers 5 writes it: every field that shapes its math read, and

@@ -24,6 +24,8 @@ from transformers import (
     AutoConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -300,6 +302,63 @@ def fixtures() -> list[Fixture]:
                 tie_word_embeddings=False,
             ),
             seed=16000,
+        ),
+        # Gemma 3 text: Gemma 2's layer with q_norm / k_norm per head ((1 + w), before RoPE), no
+        # soft-capping, layer_types five sliding (window 32, under a 48-token prompt) to one global
+        # over 6 layers, and a RoPE per layer type: the global layer base 1e6 with linear scaling 8
+        # (as the 27B), the sliding ones base 1e4; attention scaled by query_pre_attn_scalar 48.
+        Fixture(
+            name="gemma3_tf5",
+            model_cls=Gemma3ForCausalLM,
+            config=Gemma3TextConfig(
+                vocab_size=480,
+                hidden_size=64,
+                intermediate_size=96,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_hidden_layers=6,
+                max_position_embeddings=1024,
+                query_pre_attn_scalar=48,
+                sliding_window=32,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=False,
+            ),
+            seed=17000,
+            prompt_len=48,
+        ),
+        # Gemma 3 with its config.json as transformers 4.x wrote it: rope_theta 1e6 (global),
+        # rope_local_base_freq 1e4 (sliding), rope_scaling null, sliding_window_pattern 2 for
+        # layer_types (sliding, full, sliding, full), torch_dtype; q/k/v/o biases, bf16 weights.
+        LegacyConfigFixture(
+            name="gemma3_tf4",
+            model_cls=Gemma3ForCausalLM,
+            config=Gemma3TextConfig(
+                vocab_size=496,
+                hidden_size=96,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=32,
+                num_hidden_layers=4,
+                max_position_embeddings=1024,
+                query_pre_attn_scalar=32,
+                sliding_window=32,
+                sliding_window_pattern=2,
+                attention_bias=True,
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=False,
+            ),
+            seed=18000,
+            prompt_len=48,
+            save_dtype=torch.bfloat16,
+            legacy_fields={"sliding_window_pattern": 2},
         ),
     ]
 
