@@ -295,7 +295,7 @@ def fixtures() -> list[Fixture]:
                 hidden_size=72,
                 intermediate_size=120,
                 num_attention_heads=6,
-                num_key_value_heads=3,
+                num_key_value_heads=2,
                 num_hidden_layers=2,
                 max_position_embeddings=1024,
                 rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
