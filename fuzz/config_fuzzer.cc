@@ -1,6 +1,6 @@
 // config.json text (model/config.h): ParseModelConfig, as LoadModelConfig calls it on the file's
 // contents, then what every parsed config meets in production: ParameterCount (planner,
-// ModelInfo), RopeInvFreq (the worker's forward pass) and a quantized checkpoint's quantization_config bounds.
+// ModelInfo), RopeTables (the worker's forward pass) and a quantized checkpoint's quantization_config bounds.
 // Errors must be a Status; a config that parses must keep these free of overflow (UBSan) and
 // their results finite.
 #include <cmath>
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 
@@ -26,8 +27,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (q.method == shardserve::QuantMethod::kFp8 && (q.block_out < 1 || q.block_in < 1)) std::abort();
     (void)q.Quantizes("model.layers.0.mlp.down_proj");  // the ignore list's patterns compiled at parse time
   }
-  for (float f : shardserve::RopeInvFreq(*config)) {
-    if (!std::isfinite(f)) std::abort();
+  for (const shardserve::RopeTable& table : shardserve::RopeTables(*config)) {
+    if (static_cast<int64_t>(table.inv_freq.size()) * 2 != config->RotaryDim()) std::abort();
+    if (!table.long_inv_freq.empty() && table.long_inv_freq.size() != table.inv_freq.size()) std::abort();
+    if (!(table.attention_factor > 0) || !std::isfinite(table.attention_factor)) std::abort();
+    for (const std::vector<float>* freqs : {&table.inv_freq, &table.long_inv_freq}) {
+      for (float f : *freqs) {
+        if (!std::isfinite(f)) std::abort();
+      }
+    }
   }
   return 0;
 }

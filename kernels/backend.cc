@@ -46,6 +46,29 @@ absl::Status CheckAttentionOptions(const char* op, const AttentionOptions& optio
   return absl::OkStatus();
 }
 
+absl::Status CheckRopeOptions(const char* op, const RopeOptions& options, int head_dim) {
+  if (options.rotary_dim < 0 || options.rotary_dim % 2 != 0 || options.rotary_dim > head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": rotary_dim ", options.rotary_dim,
+                                                   " must be even and in [2, head_dim ", head_dim,
+                                                   "] (0: the whole head)"));
+  }
+  if (!(options.attention_factor > 0.0f) || !std::isfinite(options.attention_factor)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": attention_factor ", options.attention_factor, " is not a finite number > 0"));
+  }
+  if (options.long_from < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": long_from ", options.long_from, " is negative"));
+  }
+  const int64_t half = (options.rotary_dim > 0 ? options.rotary_dim : head_dim) / 2;
+  const Tensor* f = options.long_inv_freq;
+  if (f != nullptr && (f->dtype != DType::kF32 || f->ndim != 1 || f->dim(0) != half || f->data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": long_inv_freq must be F32 [rotary_dim / 2] = [", half,
+                                                   "] with data; got ", DTypeName(f->dtype), " ", f->ShapeString(),
+                                                   f->data == nullptr ? " without data" : ""));
+  }
+  return absl::OkStatus();
+}
+
 int64_t CudaDequantBlockRows(int64_t m, int64_t k, DType act, uint64_t limit) {
   if (m <= 0 || k <= 0) return 0;
   const uint64_t row_bytes = static_cast<uint64_t>(k) * DTypeSize(act);
@@ -99,10 +122,10 @@ absl::Status Backend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed, con
 }
 
 absl::Status Backend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
-                                     const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
-                                     const Tensor& slots) {
+                                     const Tensor& inv_freq, int head_dim, const RopeOptions& options,
+                                     Tensor* k_cache, Tensor* v_cache, const Tensor& slots) {
   if (k == nullptr) return absl::InvalidArgumentError("RopeCacheWrite: k must not be null");
-  SHARDSERVE_RETURN_IF_ERROR(Rope(q, k, positions, inv_freq, head_dim));
+  SHARDSERVE_RETURN_IF_ERROR(Rope(q, k, positions, inv_freq, head_dim, options));
   return CacheWrite(k_cache, v_cache, *k, v, slots);
 }
 

@@ -108,6 +108,31 @@ struct AttentionOptions {
   const Tensor* sinks = nullptr;
 };
 
+// What a rotary embedding adds to the plain one (Backend::Rope): a rotated part of each head,
+// transformers' attention factor on cos and sin, and LongRoPE's second set of frequencies.
+struct RopeOptions {
+  // Dimensions rotated at the start of each head (partial_rotary_factor; Phi-4-mini rotates 3/4):
+  // 0 = the whole head, else even and in [2, head_dim]; the pairs are (x[i], x[i + rotary_dim / 2])
+  // for i < rotary_dim / 2 and the dimensions from rotary_dim on pass through unchanged. inv_freq
+  // (and long_inv_freq) then has rotary_dim / 2 entries.
+  int rotary_dim = 0;
+  // cos and sin are each multiplied by this in float32 before the rotation (yarn's and longrope's
+  // attention_factor, transformers' attention_scaling): finite and > 0. With a partial rotary
+  // embedding it scales only the rotated dimensions, so it is not a factor of the attention scores.
+  float attention_factor = 1.0f;
+  // LongRoPE: null = none, else [rotary_dim / 2] F32 on the backend's device, the frequencies of
+  // the tokens at positions >= long_from (inv_freq is then the ones below it). The caller owns it;
+  // it must stay alive until the op has run.
+  const Tensor* long_inv_freq = nullptr;
+  int64_t long_from = 0;
+};
+
+// InvalidArgument naming `op` and the option when `options` is not valid for a rotary embedding of
+// heads of head_dim (rotary_dim odd, negative or past head_dim; attention_factor not finite and
+// > 0; long_inv_freq not [rotary_dim / 2] F32 or without data; long_from < 0). Both backends check
+// with it.
+absl::Status CheckRopeOptions(const char* op, const RopeOptions& options, int head_dim);
+
 // InvalidArgument naming `op` and the option when `options` is not valid for an attention over
 // q_heads query heads (window < 0; softcap negative, NaN or infinite; sinks not [q_heads] F32 or
 // without data); OK otherwise. Both backends check with it.
@@ -229,10 +254,12 @@ class Backend {
   virtual absl::Status MatMuls(const Tensor& x /*[n, k] act*/, absl::Span<const MatMulProduct> products);
 
   // Rotary embedding in place, Hugging Face "rotate_half" layout: for each head, the pair
-  // (x[i], x[i + hd/2]) is rotated by angle pos * inv_freq[i]. Both q and k are required.
+  // (x[i], x[i + rd/2]) is rotated by angle pos * inv_freq[i] (rd = options.rotary_dim, the whole
+  // head by default; cos and sin times options.attention_factor; LongRoPE's long_inv_freq from
+  // options.long_from on). Both q and k are required.
   virtual absl::Status Rope(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
-                            const Tensor& positions /*[n] i32*/, const Tensor& inv_freq /*[hd/2] f32*/,
-                            int head_dim) = 0;
+                            const Tensor& positions /*[n] i32*/, const Tensor& inv_freq /*[rd/2] f32*/,
+                            int head_dim, const RopeOptions& options) = 0;
 
   // Writes each token's k and v into its cache slot.
   virtual absl::Status CacheWrite(Tensor* k_cache /*[blocks, bs, kv_heads, hd] act*/,
@@ -247,7 +274,8 @@ class Backend {
   // one kernel that gives the same bits.
   virtual absl::Status RopeCacheWrite(Tensor* q /*[n, q_heads * hd] act*/, Tensor* k /*[n, kv_heads * hd] act*/,
                                       const Tensor& v /*[n, kv_heads * hd] act*/, const Tensor& positions /*[n] i32*/,
-                                      const Tensor& inv_freq /*[hd/2] f32*/, int head_dim,
+                                      const Tensor& inv_freq /*[rd/2] f32*/, int head_dim,
+                                      const RopeOptions& options,
                                       Tensor* k_cache /*[blocks, bs, kv_heads, hd] act*/,
                                       Tensor* v_cache /*[blocks, bs, kv_heads, hd] act*/,
                                       const Tensor& slots /*[n] i32*/);

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -81,10 +82,43 @@ absl::Status GetBool(const json& j, const std::string& source, const char* field
   return absl::OkStatus();
 }
 
+// What parsing a RoPE object needs from the rest of config.json.
+struct RopeContext {
+  int64_t max_position_embeddings = 0;  // 0 when absent
+  // The top-level original_max_position_embeddings, which transformers puts in place of the RoPE
+  // object's (standardize_rope_params); Phi3Config's default 4096 when absent there. 0: none.
+  int64_t top_original_max = 0;
+  bool phi3 = false;  // FamilyDeclaration::phi3_rope
+};
+
+// A list of positive finite numbers (longrope's short_factor / long_factor).
+absl::Status GetFactors(const json& r, const std::string& source, const std::string& field, const char* key,
+                        std::vector<double>* out) {
+  auto it = r.find(key);
+  if (it == r.end() || !it->is_array() || it->empty()) {
+    return FieldError(source, field, absl::StrCat("has rope_type \"longrope\" but no \"", key, "\" list"));
+  }
+  for (const json& v : *it) {
+    if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>())) {
+      return FieldError(source, field, absl::StrCat("has \"", key, "\" with ", v.dump(), "; want numbers > 0"));
+    }
+    out->push_back(v.get<double>());
+  }
+  return absl::OkStatus();
+}
+
 // The scaling of a RoPE object: transformers 4.x's "rope_scaling" or 5.x's "rope_parameters"
-// (`field` names it); "rope_type" (or 4.x's "type") default or llama3. Other types change the
-// math and are refused, naming them.
-absl::Status ParseRopeScaling(const json& r, const std::string& source, const std::string& field, RopeScaling* out) {
+// (`field` names it); "rope_type" (or 4.x's "type") default, linear, llama3, yarn or longrope, each
+// type's fields resolved as modeling_rope_utils.py's _compute_*_parameters resolve them.
+//
+// dynamic (NTK) is refused: transformers recomputes its frequencies from the longest position of
+// each forward call, so a key's rotation depends on how its sequence was cut into calls (a prompt
+// prefilled at once, or in chunks, or decoded token by token), which a server that batches and
+// chunks cannot reproduce; a rule of its own would decode other tokens than transformers without
+// saying so.
+absl::Status ParseRopeScaling(const json& r, const std::string& source, const std::string& field,
+                              const RopeContext& ctx, RopeScaling* out) {
+  using Type = RopeScaling::Type;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"}) {
     if (r.contains(key) && r[key].is_string()) {
@@ -92,22 +126,153 @@ absl::Status ParseRopeScaling(const json& r, const std::string& source, const st
       break;
     }
   }
-  if (type == "default") return absl::OkStatus();
-  if (type != "llama3") {
+  // Phi3Config reads "su" and "yarn" as longrope and takes no other scaling.
+  if (ctx.phi3 && (type == "su" || type == "yarn")) type = "longrope";
+  if (ctx.phi3 && type != "default" && type != "longrope") {
     return FieldError(source, field,
-                      absl::StrCat("has rope_type \"", type, "\", which is not supported (supported: llama3, default)"));
+                      absl::StrCat("has rope_type \"", type, "\"; Phi3ForCausalLM takes default and longrope"));
   }
+  if (type == "dynamic") {
+    return FieldError(source, field,
+                      "has rope_type \"dynamic\" (NTK), which is not supported: transformers recomputes its "
+                      "frequencies from the longest position of each forward call, so a token's rotation depends "
+                      "on how its sequence was split into calls, which a batching server cannot reproduce");
+  }
+  const std::pair<const char*, Type> kTypes[] = {{"default", Type::kNone},
+                                                 {"linear", Type::kLinear},
+                                                 {"llama3", Type::kLlama3},
+                                                 {"yarn", Type::kYarn},
+                                                 {"longrope", Type::kLongRope}};
+  bool known = false;
+  for (const auto& [name, t] : kTypes) {
+    if (type == name) {
+      out->type = t;
+      known = true;
+    }
+  }
+  if (!known) {
+    return FieldError(source, field,
+                      absl::StrCat("has rope_type \"", type,
+                                   "\", which is not supported (supported: default, linear, llama3, yarn, longrope)"));
+  }
+  if (out->type == Type::kNone) return absl::OkStatus();
   const std::string where = absl::StrCat(source, " ", field);
-  out->type = RopeScaling::Type::kLlama3;
+  const bool factor_required = out->type != Type::kLongRope;
+  if (factor_required && !Present(r, "factor") && !(out->type == Type::kYarn && r.contains("factor"))) {
+    return FieldError(source, field, absl::StrCat("has rope_type \"", type, "\" but no \"factor\""));
+  }
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "factor", &out->factor));
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "low_freq_factor", &out->low_freq_factor));
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "high_freq_factor", &out->high_freq_factor));
+  if (out->type == Type::kLinear) {
+    if (!(out->factor > 0)) return FieldError(source, field, "needs factor > 0");
+    return absl::OkStatus();
+  }
+  // original_max_position_embeddings: the top level's when there is one, else the object's, else
+  // max_position_embeddings (standardize_rope_params).
+  out->original_max_position_embeddings = ctx.max_position_embeddings;
   SHARDSERVE_RETURN_IF_ERROR(GetInt(r, where, "original_max_position_embeddings", false,
                                     &out->original_max_position_embeddings));
-  if (out->factor <= 0 || out->low_freq_factor <= 0 || out->high_freq_factor <= out->low_freq_factor ||
-      out->original_max_position_embeddings <= 0) {
-    return FieldError(source, field,
-                      "needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0");
+  if (ctx.top_original_max > 0) out->original_max_position_embeddings = ctx.top_original_max;
+  if (out->original_max_position_embeddings <= 0) {
+    return FieldError(source, field, absl::StrCat("has rope_type \"", type,
+                                                  "\", which needs original_max_position_embeddings > 0"));
+  }
+  const double original = static_cast<double>(out->original_max_position_embeddings);
+  if (out->type == Type::kLlama3) {
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "low_freq_factor", &out->low_freq_factor));
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "high_freq_factor", &out->high_freq_factor));
+    if (out->factor <= 0 || out->low_freq_factor <= 0 || out->high_freq_factor <= out->low_freq_factor) {
+      return FieldError(source, field, "needs factor > 0 and 0 < low_freq_factor < high_freq_factor");
+    }
+    return absl::OkStatus();
+  }
+  // yarn and longrope: a null factor is max_position_embeddings / original_max_position_embeddings.
+  if (!Present(r, "factor")) {
+    if (ctx.max_position_embeddings <= 0) {
+      return FieldError(source, field, "has no \"factor\" and the file no max_position_embeddings to infer it from");
+    }
+    out->factor = static_cast<double>(ctx.max_position_embeddings) / original;
+  }
+  if (!(out->factor > 0)) return FieldError(source, field, "needs factor > 0");
+  const bool given_attention = Present(r, "attention_factor");
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "attention_factor", &out->attention_factor));
+  if (given_attention && !(out->attention_factor > 0)) return FieldError(source, field, "needs attention_factor > 0");
+  if (out->type == Type::kLongRope) {
+    SHARDSERVE_RETURN_IF_ERROR(GetFactors(r, source, field, "short_factor", &out->short_factor));
+    SHARDSERVE_RETURN_IF_ERROR(GetFactors(r, source, field, "long_factor", &out->long_factor));
+    if (!given_attention) {
+      out->attention_factor =
+          out->factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(out->factor) / std::log(original));
+    }
+    return absl::OkStatus();
+  }
+  // yarn. beta_fast / beta_slow: null or 0 is the paper's 32 / 1, as transformers' `or`.
+  for (auto [key, value, fallback] : {std::tuple{"beta_fast", &out->beta_fast, 32.0},
+                                      std::tuple{"beta_slow", &out->beta_slow, 1.0}}) {
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, key, value));
+    if (*value == 0) *value = fallback;
+  }
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(r, where, "truncate", &out->truncate));
+  if (!given_attention) {
+    double mscale = 0, mscale_all_dim = 0;
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "mscale", &mscale));
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, where, "mscale_all_dim", &mscale_all_dim));
+    const auto get_mscale = [&](double m) { return out->factor <= 1 ? 1.0 : 0.1 * m * std::log(out->factor) + 1.0; };
+    out->attention_factor =
+        mscale != 0 && mscale_all_dim != 0 ? get_mscale(mscale) / get_mscale(mscale_all_dim) : get_mscale(1.0);
+    if (!(out->attention_factor > 0) || !std::isfinite(out->attention_factor)) {
+      return FieldError(source, field, "gives an attention factor (from factor, mscale and mscale_all_dim) that is not > 0");
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A RoPE object of transformers 5.x ({"rope_theta", "rope_type", and the type's fields}); a missing
+// rope_theta is `default_theta`.
+absl::Status ParseRopeObject(const json& p, const std::string& source, const std::string& field,
+                             const RopeContext& ctx, double default_theta, LayerRope* out) {
+  if (!p.is_object()) return FieldError(source, field, "must be an object");
+  out->theta = default_theta;
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(p, absl::StrCat(source, " ", field), "rope_theta", &out->theta));
+  return ParseRopeScaling(p, source, field, ctx, &out->scaling);
+}
+
+// Gemma 3's RoPE, a base per kind of layer: 4.x's "rope_theta" (full attention, default 1e6),
+// "rope_local_base_freq" (sliding, default 1e4) and "rope_scaling" (full attention only), or 5.x's
+// "rope_parameters" keyed by layer type; a file with both must have them agree.
+absl::Status ParseRopePerLayerType(const json& j, const std::string& source, const RopeContext& ctx,
+                                   LayerRope* full, LayerRope* sliding) {
+  full->theta = 1e6;
+  sliding->theta = 1e4;
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &full->theta));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_local_base_freq", &sliding->theta));
+  if (Present(j, "rope_scaling")) {
+    if (!j["rope_scaling"].is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
+    SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j["rope_scaling"], source, "rope_scaling", ctx, &full->scaling));
+  }
+  if (!Present(j, "rope_parameters")) return absl::OkStatus();
+  const json& p = j["rope_parameters"];
+  if (!p.is_object()) return FieldError(source, "rope_parameters", "must be an object or null");
+  for (const auto& [key, value] : p.items()) {
+    if (key != "full_attention" && key != "sliding_attention") {
+      return FieldError(source, "rope_parameters",
+                        absl::StrCat("has \"", key, "\"; ", "this architecture's is keyed by layer type "
+                                     "(\"full_attention\", \"sliding_attention\")"));
+    }
+  }
+  for (auto [key, layer] : {std::pair{"full_attention", full}, std::pair{"sliding_attention", sliding}}) {
+    if (!Present(p, key)) continue;
+    const std::string field = absl::StrCat("rope_parameters.", key);
+    LayerRope v5;
+    SHARDSERVE_RETURN_IF_ERROR(ParseRopeObject(p[key], source, field, ctx, layer->theta, &v5));
+    const char* v4_theta = layer == full ? "rope_theta" : "rope_local_base_freq";
+    if (Present(j, v4_theta) && v5.theta != layer->theta) {
+      return FieldError(source, field, absl::StrCat("has rope_theta ", v5.theta, " but the file's \"", v4_theta,
+                                                    "\" is ", layer->theta));
+    }
+    if (layer == full && Present(j, "rope_scaling") && !(v5.scaling == full->scaling)) {
+      return FieldError(source, field, "and \"rope_scaling\" describe different RoPE scalings");
+    }
+    *layer = v5;
   }
   return absl::OkStatus();
 }
@@ -115,13 +280,13 @@ absl::Status ParseRopeScaling(const json& r, const std::string& source, const st
 // RoPE as either version of transformers writes config.json: 4.x's "rope_theta" and "rope_scaling",
 // or 5.x's "rope_parameters" ({"rope_theta", "rope_type", and the type's fields}); a file with
 // both must have them agree. rope_parameters keyed by layer type ({"full_attention": {...},
-// "sliding_attention": {...}}, as Gemma 3 writes it) is refused: these architectures have one kind
-// of layer.
-absl::Status ParseRope(const json& j, const std::string& source, double* theta, RopeScaling* scaling) {
+// "sliding_attention": {...}}) is refused here: these architectures have one kind of layer.
+absl::Status ParseRope(const json& j, const std::string& source, const RopeContext& ctx, double* theta,
+                       RopeScaling* scaling) {
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", theta));
   if (Present(j, "rope_scaling")) {
     if (!j["rope_scaling"].is_object()) return FieldError(source, "rope_scaling", "must be an object or null");
-    SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j["rope_scaling"], source, "rope_scaling", scaling));
+    SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(j["rope_scaling"], source, "rope_scaling", ctx, scaling));
   }
   if (!Present(j, "rope_parameters")) return absl::OkStatus();
   const json& p = j["rope_parameters"];
@@ -136,19 +301,61 @@ absl::Status ParseRope(const json& j, const std::string& source, double* theta, 
     }
     return FieldError(source, "rope_parameters", "has no \"rope_theta\"");
   }
-  double v5_theta = 0;
-  RopeScaling v5_scaling;
-  SHARDSERVE_RETURN_IF_ERROR(GetDouble(p, absl::StrCat(source, " rope_parameters"), "rope_theta", &v5_theta));
-  SHARDSERVE_RETURN_IF_ERROR(ParseRopeScaling(p, source, "rope_parameters", &v5_scaling));
-  if (Present(j, "rope_theta") && *theta != v5_theta) {
+  LayerRope v5;
+  SHARDSERVE_RETURN_IF_ERROR(ParseRopeObject(p, source, "rope_parameters", ctx, 0, &v5));
+  if (Present(j, "rope_theta") && *theta != v5.theta) {
     return FieldError(source, "rope_parameters",
-                      absl::StrCat("has rope_theta ", v5_theta, " but the file's \"rope_theta\" is ", *theta));
+                      absl::StrCat("has rope_theta ", v5.theta, " but the file's \"rope_theta\" is ", *theta));
   }
-  if (Present(j, "rope_scaling") && !(*scaling == v5_scaling)) {
+  if (Present(j, "rope_scaling") && !(*scaling == v5.scaling)) {
     return FieldError(source, "rope_parameters", "and \"rope_scaling\" describe different RoPE scalings");
   }
-  *theta = v5_theta;
-  *scaling = v5_scaling;
+  *theta = v5.theta;
+  *scaling = v5.scaling;
+  return absl::OkStatus();
+}
+
+// partial_rotary_factor, at the top (4.x) or in each RoPE object (5.x), all the same where several
+// give it: head_dim * it (truncated, as transformers' int()) is rotary_dim, which must be even.
+absl::Status ParsePartialRotary(const json& j, const std::string& source, const FamilyDeclaration& family,
+                                ModelConfig* c) {
+  std::vector<std::pair<std::string, const json*>> places = {{"partial_rotary_factor", &j}};
+  if (Present(j, "rope_parameters") && j["rope_parameters"].is_object()) {
+    const json& p = j["rope_parameters"];
+    places.push_back({"rope_parameters", &p});
+    for (const char* key : {"full_attention", "sliding_attention"}) {
+      if (Present(p, key)) places.push_back({absl::StrCat("rope_parameters.", key), &p[key]});
+    }
+  }
+  double factor = 1.0;
+  std::string factor_field;
+  for (const auto& [field, where] : places) {
+    if (!Present(*where, "partial_rotary_factor")) continue;
+    double f = 1.0;
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(*where, where == &j ? source : absl::StrCat(source, " ", field),
+                                         "partial_rotary_factor", &f));
+    if (!factor_field.empty() && f != factor) {
+      return FieldError(source, field, absl::StrCat("has partial_rotary_factor ", f, " but \"", factor_field,
+                                                    "\" has ", factor));
+    }
+    factor = f;
+    factor_field = field;
+  }
+  const std::string what = factor_field == "partial_rotary_factor" ? "is " : "has partial_rotary_factor ";
+  if (factor != 1.0 && !family.partial_rotary) {
+    return FieldError(source, factor_field,
+                      absl::StrCat(what, factor, "; ", family.architecture,
+                                   " rotates the whole head (only 1 is supported)"));
+  }
+  if (!(factor > 0 && factor <= 1)) {
+    return FieldError(source, factor_field, absl::StrCat(what, factor, "; want a value in (0, 1]"));
+  }
+  c->rotary_dim = static_cast<int64_t>(static_cast<double>(c->head_dim) * factor);
+  if (c->rotary_dim < 2 || c->rotary_dim % 2 != 0) {
+    return FieldError(source, factor_field,
+                      absl::StrCat(what, factor, ", which rotates ", c->rotary_dim, " of head_dim ", c->head_dim,
+                                   " dimensions; want an even number >= 2"));
+  }
   return absl::OkStatus();
 }
 
@@ -164,6 +371,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     return FieldError(source, "architectures", "is missing or not a list of names");
   }
   c.architecture_name = (*arch)[0].get<std::string>();
+  if (c.architecture_name == "Gemma3ForConditionalGeneration") {
+    return absl::UnimplementedError(absl::StrCat(
+        source, ": architecture \"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower, config.json's "
+                "text_config and weights under language_model.) is not supported; the text-only checkpoints "
+                "(Gemma3ForCausalLM: the 1B, or a text model saved on its own) are"));
+  }
   c.family = FindFamily(c.architecture_name);
   if (c.family == nullptr) {
     return absl::UnimplementedError(absl::StrCat(source, ": architecture \"", c.architecture_name,
@@ -188,7 +401,23 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     c.o_bias = c.qkv_bias;
   }
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
-  SHARDSERVE_RETURN_IF_ERROR(ParseRope(j, source, &c.rope_theta, &c.rope_scaling));
+  RopeContext rope_context{.max_position_embeddings = c.max_position_embeddings, .phi3 = c.family->phi3_rope};
+  // The top level's original_max_position_embeddings replaces the RoPE object's (not one keyed by
+  // layer type), as transformers' standardize_rope_params does when the model is built.
+  if (c.family->phi3_rope) rope_context.top_original_max = 4096;  // Phi3Config's default
+  if (!c.family->rope_per_layer_type) {
+    SHARDSERVE_RETURN_IF_ERROR(
+        GetInt(j, source, "original_max_position_embeddings", false, &rope_context.top_original_max));
+  }
+  if (c.family->rope_per_layer_type) {
+    LayerRope full, sliding;
+    SHARDSERVE_RETURN_IF_ERROR(ParseRopePerLayerType(j, source, rope_context, &full, &sliding));
+    c.rope_theta = full.theta;
+    c.rope_scaling = full.scaling;
+    c.sliding_rope = sliding;
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(ParseRope(j, source, rope_context, &c.rope_theta, &c.rope_scaling));
+  }
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
     SHARDSERVE_ASSIGN_OR_RETURN(c.checkpoint_quant, ParseCheckpointQuant(q->dump(), source));
   }
@@ -235,6 +464,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   if (c.rms_norm_eps <= 0) return FieldError(source, "rms_norm_eps", "must be > 0");
   if (c.rope_theta <= 0) return FieldError(source, "rope_theta", "must be > 0");
+  if (c.sliding_rope.has_value() && c.sliding_rope->theta <= 0) {
+    return FieldError(source, "rope_local_base_freq", "must be > 0");
+  }
+  SHARDSERVE_RETURN_IF_ERROR(ParsePartialRotary(j, source, *c.family, &c));
+  for (const RopeScaling* r : {&c.rope_scaling, c.sliding_rope ? &c.sliding_rope->scaling : nullptr}) {
+    if (r == nullptr || r->type != RopeScaling::Type::kLongRope) continue;
+    const size_t half = static_cast<size_t>(c.rotary_dim / 2);
+    if (r->short_factor.size() != half || r->long_factor.size() != half) {
+      return FieldError(source, Present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling",
+                        absl::StrCat("has longrope short_factor / long_factor of ", r->short_factor.size(), " / ",
+                                     r->long_factor.size(), " entries; want rotary_dim / 2 = ", half));
+    }
+  }
   if (c.mlp_bias) return FieldError(source, "mlp_bias", "true is not supported");
   // The MLP's activation: "hidden_act", or Gemma's "hidden_activation" (which wins where both are).
   const std::string activation = c.family->activation;
@@ -248,35 +490,53 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   c.activation = activation == "silu" ? ModelConfig::Activation::kSilu : ModelConfig::Activation::kGeluTanh;
   c.norm_plus_one = c.family->norm_plus_one;
   if (c.family->scale_embeddings) c.embedding_scale = std::sqrt(static_cast<double>(c.hidden_size));
-  if (c.family->query_pre_attn_scalar && Present(j, "query_pre_attn_scalar")) {
-    double scalar = 0;
+  if (c.family->query_pre_attn_scalar) {
+    double scalar = 256;  // Gemma2Config's and Gemma3TextConfig's default
     SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "query_pre_attn_scalar", &scalar));
     if (!(scalar > 0) || !std::isfinite(scalar)) return FieldError(source, "query_pre_attn_scalar", "must be > 0");
     c.attention_scale = std::pow(scalar, -0.5);
   }
   using SlidingWindow = FamilyDeclaration::SlidingWindow;
   c.layer_window.assign(c.num_hidden_layers, 0);
+  if (c.family->sliding_window == SlidingWindow::kLayerTypes) {
+    // Gemma's layers by "layer_types"; without it layer i slides unless (i + 1) is a multiple of the
+    // pattern (Gemma2Config: the even layers; Gemma3TextConfig: sliding_window_pattern, default 6).
+    int64_t pattern = c.family->sliding_window_pattern;
+    if (c.family->rope_per_layer_type) {
+      SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window_pattern", false, &pattern));
+      if (pattern < 1) return FieldError(source, "sliding_window_pattern", absl::StrCat("must be >= 1, got ", pattern));
+    }
+    c.sliding_layers.assign(c.num_hidden_layers, false);
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      c.sliding_layers[i] = (i + 1) % pattern != 0;
+      if (Present(j, "layer_types") && j["layer_types"].is_array() &&
+          j["layer_types"].size() == static_cast<size_t>(c.num_hidden_layers)) {
+        c.sliding_layers[i] = j["layer_types"][i] == "sliding_attention";
+      }
+    }
+  }
   if ((c.family->sliding_window == SlidingWindow::kEveryLayer ||
        c.family->sliding_window == SlidingWindow::kLayerTypes) &&
-      Present(j, "sliding_window")) {
-    int64_t window = 0;
+      (Present(j, "sliding_window") || (c.family->sliding_window == SlidingWindow::kLayerTypes &&
+                                        !j.contains("sliding_window")))) {
+    int64_t window = 4096;  // Gemma2Config's and Gemma3TextConfig's default, when the field is absent
     SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
     if (window < kMinPositionEmbeddings || window > kMaxPositionEmbeddings) {
       return FieldError(source, "sliding_window",
                         absl::StrCat("must be null or in [", kMinPositionEmbeddings, ", 2^31], got ", window));
     }
-    c.layer_window.assign(c.num_hidden_layers, window);
-    if (c.family->sliding_window == SlidingWindow::kLayerTypes) {
-      // Gemma 2's layers by "layer_types"; without it the even layers slide (Gemma2Config's default).
-      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-        bool sliding = i % 2 == 0;
-        if (Present(j, "layer_types") && j["layer_types"].is_array() &&
-            j["layer_types"].size() == static_cast<size_t>(c.num_hidden_layers)) {
-          sliding = j["layer_types"][i] == "sliding_attention";
-        }
-        if (!sliding) c.layer_window[i] = 0;
-      }
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      const bool sliding = c.family->sliding_window == SlidingWindow::kEveryLayer || c.sliding_layers[i];
+      c.layer_window[i] = sliding ? window : 0;
     }
+  }
+  bool bidirectional = false;
+  if (c.family->rope_per_layer_type) {
+    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "use_bidirectional_attention", &bidirectional));
+  }
+  if (bidirectional) {
+    return FieldError(source, "use_bidirectional_attention",
+                      "is true (an encoder's attention, as EmbeddingGemma has); only causal attention is supported");
   }
 
   // The weights' type: "dtype" as transformers 5.x writes it, "torch_dtype" as 4.x did.
@@ -303,19 +563,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   // Fields of newer configs that would change the math of these architectures: understood as the
   // value that changes nothing, refused by name otherwise (never silently ignored).
-  // partial_rotary_factor: at the top (4.x) or inside rope_parameters (5.x).
-  for (const json* where : {&j, Present(j, "rope_parameters") ? &j["rope_parameters"] : nullptr}) {
-    if (where == nullptr) continue;
-    double partial_rotary = 1.0;
-    const std::string field = where == &j ? "partial_rotary_factor" : "rope_parameters";
-    SHARDSERVE_RETURN_IF_ERROR(GetDouble(*where, where == &j ? source : absl::StrCat(source, " rope_parameters"),
-                                         "partial_rotary_factor", &partial_rotary));
-    if (partial_rotary != 1.0) {
-      return FieldError(source, field,
-                        absl::StrCat(where == &j ? "is " : "has partial_rotary_factor ", partial_rotary,
-                                     "; only 1 (RoPE on the whole head) is supported"));
-    }
-  }
   if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
     if (!it->is_array()) return FieldError(source, "layer_types", "must be a list of names");
     const bool typed = c.family->sliding_window == SlidingWindow::kLayerTypes;
@@ -374,10 +621,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   }
   // The worker computes RoPE in float32: a rope_theta or llama3 scaling that is positive in double
   // can still give inf or NaN there (rope_theta 1e-50 rounds to 0).
-  for (float f : RopeInvFreq(c)) {
-    if (!std::isfinite(f)) {
-      return FieldError(source, c.rope_scaling.type == RopeScaling::Type::kNone ? "rope_theta" : "rope_scaling",
-                        "gives RoPE frequencies that are not finite in float32");
+  for (const RopeTable& table : RopeTables(c)) {
+    for (const std::vector<float>* freqs : {&table.inv_freq, &table.long_inv_freq}) {
+      for (float f : *freqs) {
+        if (!std::isfinite(f)) {
+          return FieldError(source, c.rope_scaling.type == RopeScaling::Type::kNone ? "rope_theta" : "rope_scaling",
+                            "gives RoPE frequencies that are not finite in float32");
+        }
+      }
+    }
+    if (!std::isfinite(table.attention_factor)) {
+      return FieldError(source, "rope_scaling", "gives an attention factor that is not finite in float32");
     }
   }
   if (c.checkpoint_quant.has_value()) {
@@ -402,33 +656,119 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
   return ParseModelConfig(ss.str(), file.string());
 }
 
-std::vector<float> RopeInvFreq(const ModelConfig& c) {
-  // As transformers' _compute_default_rope_parameters: 1 / theta^(2i / d), computed in float32
-  // from an int64 arange, then (llama3) _compute_llama3_parameters.
-  const int64_t half = c.head_dim / 2;
-  std::vector<float> inv(half);
-  for (int64_t i = 0; i < half; ++i) {
-    float exponent = static_cast<float>(2 * i) / static_cast<float>(c.head_dim);
-    inv[i] = 1.0f / std::pow(static_cast<float>(c.rope_theta), exponent);
-  }
-  if (c.rope_scaling.type == RopeScaling::Type::kLlama3) {
-    const RopeScaling& r = c.rope_scaling;
-    const double old_ctx = static_cast<double>(r.original_max_position_embeddings);
-    const double low_freq_wavelen = old_ctx / r.low_freq_factor;
-    const double high_freq_wavelen = old_ctx / r.high_freq_factor;
-    for (float& f : inv) {
-      const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
-      if (wavelen > low_freq_wavelen) {
-        f = f / static_cast<float>(r.factor);  // long wavelengths: fully scaled
-      } else if (wavelen >= high_freq_wavelen) {
-        // medium wavelengths: smooth interpolation between scaled and unscaled
-        const float smooth = static_cast<float>((old_ctx / wavelen - r.low_freq_factor) /
-                                                (r.high_freq_factor - r.low_freq_factor));
-        f = (1.0f - smooth) * f / static_cast<float>(r.factor) + smooth * f;
-      }  // short wavelengths: unchanged
-    }
+namespace {
+
+// 1 / theta^(2i / dim) for i < dim / 2, in float32 from an int64 arange as transformers'
+// _compute_default_rope_parameters.
+std::vector<float> DefaultInvFreq(double theta, int64_t dim) {
+  std::vector<float> inv(static_cast<size_t>(dim / 2));
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+    inv[i] = 1.0f / std::pow(static_cast<float>(theta), exponent);
   }
   return inv;
 }
+
+// _compute_llama3_parameters' rescaling of the default frequencies.
+void Llama3Scale(const RopeScaling& r, std::vector<float>* inv) {
+  const double old_ctx = static_cast<double>(r.original_max_position_embeddings);
+  const double low_freq_wavelen = old_ctx / r.low_freq_factor;
+  const double high_freq_wavelen = old_ctx / r.high_freq_factor;
+  for (float& f : *inv) {
+    const float wavelen = 2.0f * static_cast<float>(M_PI) / f;
+    if (wavelen > low_freq_wavelen) {
+      f = f / static_cast<float>(r.factor);  // long wavelengths: fully scaled
+    } else if (wavelen >= high_freq_wavelen) {
+      // medium wavelengths: smooth interpolation between scaled and unscaled
+      const float smooth = static_cast<float>((old_ctx / wavelen - r.low_freq_factor) /
+                                              (r.high_freq_factor - r.low_freq_factor));
+      f = (1.0f - smooth) * f / static_cast<float>(r.factor) + smooth * f;
+    }  // short wavelengths: unchanged
+  }
+}
+
+// _compute_yarn_parameters: per frequency, a blend of the interpolated (inv / factor) and the
+// extrapolated (inv) frequency along a linear ramp over the correction range of dimensions.
+void YarnScale(const RopeScaling& r, double theta, int64_t dim, std::vector<float>* inv) {
+  const double original = static_cast<double>(r.original_max_position_embeddings);
+  const auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(dim) * std::log(original / (rotations * 2 * M_PI))) / (2 * std::log(theta));
+  };
+  double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+  if (r.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // prevent singularity
+  const float factor = static_cast<float>(r.factor);
+  for (size_t i = 0; i < inv->size(); ++i) {
+    // (arange - min) / (max - min) in float32, clamped to [0, 1]; extrapolation weight 1 - ramp
+    const float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low),
+                                  0.0f, 1.0f);
+    const float extrapolation = 1.0f - ramp;
+    const float pos_freq = std::pow(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(dim));
+    const float interpolated = 1.0f / (factor * pos_freq);
+    (*inv)[i] = interpolated * (1.0f - extrapolation) + (1.0f / pos_freq) * extrapolation;
+  }
+}
+
+// _compute_longrope_parameters: 1 / (factor[i] * theta^(2i / dim)).
+std::vector<float> LongRopeInvFreq(double theta, int64_t dim, const std::vector<double>& factors) {
+  std::vector<float> inv(static_cast<size_t>(dim / 2));
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+    inv[i] = 1.0f / (static_cast<float>(factors[i]) * std::pow(static_cast<float>(theta), exponent));
+  }
+  return inv;
+}
+
+RopeTable TableFor(const LayerRope& rope, int64_t rotary_dim) {
+  using Type = RopeScaling::Type;
+  const RopeScaling& r = rope.scaling;
+  RopeTable t;
+  t.attention_factor = static_cast<float>(r.attention_factor);
+  switch (r.type) {
+    case Type::kNone:
+      t.inv_freq = DefaultInvFreq(rope.theta, rotary_dim);
+      break;
+    case Type::kLinear:
+      t.inv_freq = DefaultInvFreq(rope.theta, rotary_dim);
+      for (float& f : t.inv_freq) f /= static_cast<float>(r.factor);
+      break;
+    case Type::kLlama3:
+      t.inv_freq = DefaultInvFreq(rope.theta, rotary_dim);
+      Llama3Scale(r, &t.inv_freq);
+      break;
+    case Type::kYarn:
+      t.inv_freq = DefaultInvFreq(rope.theta, rotary_dim);
+      YarnScale(r, rope.theta, rotary_dim, &t.inv_freq);
+      break;
+    case Type::kLongRope:
+      // transformers chooses the long factors for a whole forward call when its longest position
+      // reaches original_max_position_embeddings; here each position chooses for itself, which is
+      // what transformers computes for a sequence decoded token by token (each key rotated once,
+      // when its token was the call's last). It differs where transformers takes one call over a
+      // sequence crossing that length (a long prompt prefilled at once, or recomputed without a
+      // cache): its earlier positions then use the long factors too.
+      t.inv_freq = LongRopeInvFreq(rope.theta, rotary_dim, r.short_factor);
+      t.long_inv_freq = LongRopeInvFreq(rope.theta, rotary_dim, r.long_factor);
+      t.long_from = r.original_max_position_embeddings;
+      break;
+  }
+  return t;
+}
+
+}  // namespace
+
+std::vector<RopeTable> RopeTables(const ModelConfig& c) {
+  const int64_t rotary_dim = c.RotaryDim();
+  std::vector<RopeTable> tables = {TableFor(LayerRope{c.rope_theta, c.rope_scaling}, rotary_dim)};
+  if (c.sliding_rope.has_value()) tables.push_back(TableFor(*c.sliding_rope, rotary_dim));
+  return tables;
+}
+
+std::vector<float> RopeInvFreq(const ModelConfig& c) { return RopeTables(c)[0].inv_freq; }
 
 }  // namespace shardserve

@@ -18,14 +18,41 @@ namespace shardserve {
 struct FamilyDeclaration;  // model/families/declaration.h
 
 struct RopeScaling {
-  enum class Type { kNone, kLlama3 };
+  // transformers' rope_type: default, linear, llama3, yarn or longrope (dynamic is refused: see
+  // model/config.cc).
+  enum class Type { kNone, kLinear, kLlama3, kYarn, kLongRope };
   Type type = Type::kNone;
-  // llama3 only (see transformers' _compute_llama3_parameters):
-  double factor = 1.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
+  // The fields each type reads (modeling_rope_utils.py's _compute_*_parameters), resolved at parse
+  // as transformers resolves them (defaults, Phi-3's top-level original_max_position_embeddings):
+  double factor = 1.0;            // linear, llama3, yarn
+  double low_freq_factor = 1.0;   // llama3
+  double high_freq_factor = 4.0;  // llama3
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn, longrope
+  double beta_fast = 32.0;        // yarn
+  double beta_slow = 1.0;         // yarn
+  bool truncate = true;           // yarn: the correction range floored / ceiled
+  // yarn and longrope: cos and sin are scaled by this (given, or from factor / mscale as
+  // transformers infers it); 1 for the other types.
+  double attention_factor = 1.0;
+  std::vector<double> short_factor;  // longrope [rotary_dim / 2]: positions < original_max_position_embeddings
+  std::vector<double> long_factor;   // longrope [rotary_dim / 2]: positions >= original_max_position_embeddings
   bool operator==(const RopeScaling&) const = default;
+};
+
+// The RoPE of one kind of layer: its base and scaling.
+struct LayerRope {
+  double theta = 10000.0;
+  RopeScaling scaling;
+  bool operator==(const LayerRope&) const = default;
+};
+
+// What the rotary-embedding kernel needs for one kind of layer (kernels/backend.h RopeOptions), in
+// float32 as transformers computes it.
+struct RopeTable {
+  std::vector<float> inv_freq;       // [rotary_dim / 2]; longrope: the short factors'
+  std::vector<float> long_inv_freq;  // longrope: [rotary_dim / 2], the long factors'; else empty
+  int64_t long_from = 0;             // longrope: positions >= this use long_inv_freq
+  float attention_factor = 1.0f;     // cos and sin scaled by this
 };
 
 struct ModelConfig {
@@ -44,6 +71,13 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
+  // Gemma 3: the RoPE of its sliding-window layers (rope_local_base_freq, or rope_parameters'
+  // "sliding_attention"); rope_theta and rope_scaling are then its full-attention layers'. Unset:
+  // every layer has rope_theta and rope_scaling.
+  std::optional<LayerRope> sliding_rope;
+  // Dimensions of each head RoPE rotates, from its start: head_dim * partial_rotary_factor (Phi-3
+  // and Phi-4-mini); the rest pass through unrotated. 0: head_dim. Read through RotaryDim.
+  int64_t rotary_dim = 0;
   bool tie_word_embeddings = false;
   bool qkv_bias = false;        // q/k/v biases (Qwen2; Llama and Qwen3 with attention_bias)
   bool o_bias = false;          // o_proj's bias (Llama and Qwen3 with attention_bias)
@@ -52,6 +86,9 @@ struct ModelConfig {
   // 0 for full attention. Mistral and Phi-3 slide in every layer when config.json's sliding_window
   // is set, Gemma 2 in the layers layer_types names. Read through LayerWindow.
   std::vector<int64_t> layer_window;
+  // Per layer (kLayerTypes families): whether layer_types (or the sliding pattern) calls it a
+  // sliding_attention layer, window or not; its RoPE is then sliding_rope's where that is set.
+  std::vector<bool> sliding_layers;
   // The MLP's activation: silu (SwiGLU) or transformers' gelu_pytorch_tanh (GeGLU; Gemma).
   enum class Activation { kSilu, kGeluTanh };
   Activation activation = Activation::kSilu;
@@ -70,11 +107,19 @@ struct ModelConfig {
   std::optional<CheckpointQuant> checkpoint_quant;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
+  int64_t RotaryDim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   // Layer i's sliding window; 0 (full attention) for a layer layer_window does not list.
   int64_t LayerWindow(int64_t i) const {
     return i >= 0 && i < static_cast<int64_t>(layer_window.size()) ? layer_window[i] : 0;
   }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  // Layer i's RoPE table (RopeTables): 1 for a layer layer_types calls sliding when sliding_rope is
+  // set (whether or not it has a window), else 0.
+  int LayerRopeTable(int64_t i) const {
+    return sliding_rope.has_value() && i >= 0 && i < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[i]
+               ? 1
+               : 0;
+  }
   // Parameters of the whole model (embedding and LM head counted once when tied): the elements of
   // the family's declared tensors.
   int64_t ParameterCount() const;
@@ -86,8 +131,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const
 // Reads <dir>/config.json (or the file itself, when `path` is a file).
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
 
-// RoPE inverse frequencies [head_dim / 2] in float32, with llama3 scaling applied as transformers
-// does it.
+// Rows of the worker's RoPE buffer: [table 0's inv_freq, its long_inv_freq, table 1's, its long].
+inline constexpr int64_t kRopeTableRows = 4;
+
+// The RoPE tables of the config's kinds of layer: [0] the full-attention layers' (every layer's
+// without sliding_rope), [1] the sliding-window layers' when sliding_rope is set. Computed as
+// transformers' _compute_*_parameters do, in float32.
+std::vector<RopeTable> RopeTables(const ModelConfig& config);
+
+// RopeTables(config)[0].inv_freq: the inverse frequencies [rotary_dim / 2] of the full-attention
+// layers (longrope: the short factors').
 std::vector<float> RopeInvFreq(const ModelConfig& config);
 
 }  // namespace shardserve

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -235,7 +236,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
       {"Qwen2ForCausalLM", false, true, false, false},  {"Qwen2ForCausalLM", true, true, false, false},
       {"MistralForCausalLM", true, false, false, false}, {"Qwen3ForCausalLM", false, false, false, true},
       {"Qwen3ForCausalLM", true, true, true, true},     {"Phi3ForCausalLM", true, false, false, false},
-      {"Gemma2ForCausalLM", true, true, true, false, 2},
+      {"Gemma2ForCausalLM", true, true, true, false, 2}, {"Gemma3ForCausalLM", false, false, false, true, 2},
   };
   for (const Case& k : cases) {
     json c = TinyConfig();
@@ -258,8 +259,99 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, LlamaForCausalLM, "
-                        "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                        "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+  // Gemma 3 with its vision tower: refused, saying which checkpoints are taken.
+  c["architectures"] = {"Gemma3ForConditionalGeneration"};
+  config = ParseModelConfig(c.dump(), "config.json");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("\"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower"));
+}
+
+// Gemma 3's config.json in both formats: 5.x's rope_parameters keyed by layer type and 4.x's
+// rope_theta / rope_local_base_freq / rope_scaling give the same model; five sliding layers to one
+// global unless layer_types (or sliding_window_pattern) says otherwise; each layer's RoPE table by
+// its type, whether or not it has a window.
+TEST_F(CheckpointTest, Gemma3RopePerLayerTypeInBothFormats) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gemma3_tf5/config.json");
+  json v5 = json::parse(in);
+  auto five = ParseModelConfig(v5.dump(), "config.json");
+  ASSERT_TRUE(five.ok()) << five.status();
+  EXPECT_TRUE(five->qk_norm);
+  EXPECT_EQ(five->attn_logit_softcap, 0.0);
+  EXPECT_DOUBLE_EQ(five->attention_scale, 1.0 / std::sqrt(48.0));
+  EXPECT_EQ(five->layer_window, (std::vector<int64_t>{32, 32, 32, 32, 32, 0}));
+  EXPECT_EQ(five->rope_theta, 1e6);
+  EXPECT_EQ(five->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(five->rope_scaling.factor, 8.0);
+  ASSERT_TRUE(five->sliding_rope.has_value());
+  EXPECT_EQ(five->sliding_rope->theta, 1e4);
+  EXPECT_EQ(five->sliding_rope->scaling.type, RopeScaling::Type::kNone);
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(five->LayerRopeTable(i), i == 5 ? 0 : 1) << "layer " << i;
+  const std::vector<RopeTable> tables = RopeTables(*five);
+  ASSERT_EQ(tables.size(), 2u);
+  EXPECT_EQ(tables[0].inv_freq[0], 1.0f / 8);  // 1e6^0 / 8
+  EXPECT_EQ(tables[1].inv_freq[0], 1.0f);
+  EXPECT_FLOAT_EQ(tables[0].inv_freq[1], 1.0f / std::pow(1e6f, 2.0f / 32) / 8);
+  EXPECT_FLOAT_EQ(tables[1].inv_freq[1], 1.0f / std::pow(1e4f, 2.0f / 32));
+
+  // The same model as 4.x wrote it.
+  json v4 = v5;
+  v4.erase("rope_parameters");
+  v4.erase("layer_types");
+  v4["rope_theta"] = 1e6;
+  v4["rope_local_base_freq"] = 1e4;
+  v4["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  auto four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->layer_window, five->layer_window);
+  EXPECT_EQ(four->sliding_layers, five->sliding_layers);
+  EXPECT_TRUE(four->rope_scaling == five->rope_scaling);
+  EXPECT_TRUE(*four->sliding_rope == *five->sliding_rope);
+  // sliding_window_pattern 2 and no window: the sliding layers keep their RoPE, not a window.
+  v4["sliding_window_pattern"] = 2;
+  v4["sliding_window"] = nullptr;
+  four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->layer_window, (std::vector<int64_t>(6, 0)));
+  for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(four->LayerRopeTable(i), i % 2 == 0 ? 1 : 0) << "layer " << i;
+  // Defaults: rope_theta 1e6, rope_local_base_freq 1e4, window 4096, query_pre_attn_scalar 256.
+  v4.erase("rope_theta");
+  v4.erase("rope_local_base_freq");
+  v4.erase("sliding_window");
+  v4.erase("query_pre_attn_scalar");
+  v4.erase("rope_scaling");
+  four = ParseModelConfig(v4.dump(), "config.json");
+  ASSERT_TRUE(four.ok()) << four.status();
+  EXPECT_EQ(four->rope_theta, 1e6);
+  EXPECT_EQ(four->sliding_rope->theta, 1e4);
+  EXPECT_EQ(four->layer_window[0], 4096);
+  EXPECT_DOUBLE_EQ(four->attention_scale, 1.0 / 16);
+
+  // What is refused, by name.
+  struct Case {
+    std::function<void(json&)> edit;
+    const char* says;
+  };
+  const Case cases[] = {
+      {[](json& c) { c["rope_parameters"]["global"] = {{"rope_theta", 1e6}}; },
+       "field \"rope_parameters\" has \"global\"; this architecture's is keyed by layer type"},
+      {[](json& c) { c["rope_theta"] = 5e5; }, "field \"rope_parameters.full_attention\" has rope_theta 1e+06 but"},
+      {[](json& c) { c["rope_local_base_freq"] = 5e4; },
+       "field \"rope_parameters.sliding_attention\" has rope_theta 10000 but the file's \"rope_local_base_freq\""},
+      {[](json& c) { c["rope_parameters"]["sliding_attention"]["rope_type"] = "dynamic"; },
+       "field \"rope_parameters.sliding_attention\" has rope_type \"dynamic\""},
+      {[](json& c) { c["use_bidirectional_attention"] = true; }, "field \"use_bidirectional_attention\" is true"},
+  };
+  for (const Case& k : cases) {
+    json c = v5;
+    k.edit(c);
+    auto parsed = ParseModelConfig(c.dump(), "config.json");
+    ASSERT_FALSE(parsed.ok()) << c.dump();
+    EXPECT_THAT(std::string(parsed.status().message()), HasSubstr(k.says));
+  }
 }
 
 // Gemma 2's config.json as transformers 5 writes it: every field that shapes its math read, and
@@ -301,8 +393,26 @@ TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
     const char* says;
   };
   const std::vector<Case> cases = {
-      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "yarn"}, {"factor", 4.0}}}},
-       "field \"rope_parameters\" has rope_type \"yarn\", which is not supported"},
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "dynamic"}, {"factor", 4.0}}}},
+       "field \"rope_parameters\" has rope_type \"dynamic\" (NTK), which is not supported: transformers recomputes"},
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "proportional"}, {"factor", 4.0}}}},
+       "field \"rope_parameters\" has rope_type \"proportional\", which is not supported (supported: default, linear"},
+      {{{"rope_scaling", {{"rope_type", "linear"}}}}, "field \"rope_scaling\" has rope_type \"linear\" but no \"factor\""},
+      {{{"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}, {"attention_factor", -1.0}}}},
+       "field \"rope_scaling\" needs attention_factor > 0"},
+      {{{"rope_scaling", {{"rope_type", "longrope"}, {"short_factor", {1.0, 1.0}}}}},
+       "field \"rope_scaling\" has rope_type \"longrope\" but no \"long_factor\" list"},
+      {{{"rope_scaling", {{"rope_type", "longrope"}, {"short_factor", {1.0, 1.0}}, {"long_factor", {1.0, 0.0}}}}},
+       "has \"long_factor\" with 0.0; want numbers > 0"},
+      {{{"rope_scaling", {{"rope_type", "longrope"}, {"short_factor", {1.0}}, {"long_factor", {1.0}}}}},
+       "has longrope short_factor / long_factor of 1 / 1 entries; want rotary_dim / 2 = 2"},
+      {{{"architectures", {"Phi3ForCausalLM"}}, {"rope_scaling", {{"rope_type", "linear"}, {"factor", 2.0}}}},
+       "field \"rope_scaling\" has rope_type \"linear\"; Phi3ForCausalLM takes default and longrope"},
+      {{{"architectures", {"Phi3ForCausalLM"}}, {"partial_rotary_factor", 0.25}},
+       "field \"partial_rotary_factor\" is 0.25, which rotates 1 of head_dim 4 dimensions; want an even number"},
+      {{{"architectures", {"Phi3ForCausalLM"}}, {"partial_rotary_factor", 0.5},
+        {"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "default"}, {"partial_rotary_factor", 1.0}}}},
+       "field \"rope_parameters\" has partial_rotary_factor 1 but \"partial_rotary_factor\" has 0.5"},
       {{{"rope_parameters", {{"full_attention", {{"rope_theta", 1e6}}}, {"sliding_attention", {{"rope_theta", 1e4}}}}}},
        "field \"rope_parameters\" is given per layer type (\"full_attention\""},
       {{{"rope_parameters", {{"rope_type", "default"}}}}, "field \"rope_parameters\" has no \"rope_theta\""},
@@ -312,7 +422,8 @@ TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
         {"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "default"}}}},
        "\"rope_parameters\" and \"rope_scaling\" describe different RoPE scalings"},
       {{{"dtype", "float16"}}, "field \"dtype\" is \"float16\" but \"torch_dtype\" is \"float32\""},
-      {{{"partial_rotary_factor", 0.75}}, "field \"partial_rotary_factor\" is 0.75"},
+      {{{"partial_rotary_factor", 0.75}},
+       "field \"partial_rotary_factor\" is 0.75; LlamaForCausalLM rotates the whole head (only 1 is supported)"},
       {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "default"}, {"partial_rotary_factor", 0.5}}}},
        "field \"rope_parameters\" has partial_rotary_factor 0.5"},
       {{{"architectures", {"Phi3ForCausalLM"}},
@@ -337,6 +448,100 @@ TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
   config["final_logit_softcapping"] = nullptr;
   config["dtype"] = "float32";
   EXPECT_TRUE(ParseModelConfig(config.dump(), "config.json").ok());
+}
+
+// The RoPE types as transformers computes them: inv_freq and the attention factor of
+// modeling_rope_utils.py's ROPE_INIT_FUNCTIONS (transformers 5.24, float32) for head_dim 16,
+// theta 1e4, max_position_embeddings 256, against what RopeTables gives from the same config.json.
+TEST_F(CheckpointTest, RopeTypesGiveTransformersFrequencies) {
+  struct Case {
+    const char* name;
+    json fields;
+    std::vector<float> inv_freq;  // transformers' (longrope: the short factors')
+    double attention_factor;
+    std::vector<float> long_inv_freq = {};  // longrope: seq_len > original_max_position_embeddings
+    int64_t long_from = 0;
+  };
+  const std::vector<Case> cases = {
+      {"linear",
+       {{"rope_parameters", {{"rope_type", "linear"}, {"rope_theta", 1e4}, {"factor", 2.0}}}},
+       {0.5f, 0.158113882f, 0.0500000007f, 0.0158113893f, 0.00499999989f, 0.00158113893f, 0.000500000024f,
+        0.000158113893f},
+       1.0},
+      {"yarn",
+       {{"rope_parameters",
+         {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0}, {"original_max_position_embeddings", 64}}}},
+       {1.0f, 0.237170815f, 0.049999997f, 0.00790569466f, 0.00249999994f, 0.000790569466f, 0.000250000012f,
+        7.90569466e-05f},
+       1.138629436111989},
+      {"yarn with mscale, betas and no truncation (4.x rope_scaling)",
+       {{"rope_theta", 1e4},
+        {"rope_scaling",
+         {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 64}, {"mscale", 0.707},
+          {"mscale_all_dim", 1.0}, {"beta_fast", 16}, {"beta_slow", 2}, {"truncate", false}}}},
+       {1.0f, 0.14849025f, 0.0250000004f, 0.00790569466f, 0.00249999994f, 0.000790569466f, 0.000250000012f,
+        7.90569466e-05f},
+       0.964326914892074},
+      // Phi-4-mini-shaped: longrope on 3/4 of the head, original_max_position_embeddings at the top
+      // level (which Phi3Config puts in place of the object's 4096 default); factor from 256 / 32.
+      {"longrope, partial rotary",
+       {{"architectures", {"Phi3ForCausalLM"}},
+        {"original_max_position_embeddings", 32},
+        {"rope_parameters",
+         {{"rope_type", "longrope"}, {"rope_theta", 1e4}, {"partial_rotary_factor", 0.75},
+          {"short_factor", {1.0, 1.1, 1.2, 1.5, 2.0, 2.5}}, {"long_factor", {1.0, 2.0, 4.0, 8.0, 16.0, 32.0}}}}},
+       {1.0f, 0.195857689f, 0.0386799015f, 0.00666666683f, 0.00107721717f, 0.000185663579f},
+       1.2649110640673518,
+       {1.0f, 0.107721724f, 0.011603971f, 0.00124999997f, 0.000134652146f, 1.45049671e-05f},
+       32},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    json config = TinyConfig();
+    config["hidden_size"] = 32;  // head_dim 16
+    config["max_position_embeddings"] = 256;
+    for (const auto& [k, v] : c.fields.items()) config[k] = v;
+    auto parsed = ParseModelConfig(config.dump(), "config.json");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    const std::vector<RopeTable> tables = RopeTables(*parsed);
+    ASSERT_EQ(tables.size(), 1u);
+    // float32 pow may differ from PyTorch's by an ulp; a wrong formula is off by far more.
+    const auto expect_near = [](const std::vector<float>& got, const std::vector<float>& want) {
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-6 * want[i]) << "frequency " << i;
+    };
+    expect_near(tables[0].inv_freq, c.inv_freq);
+    expect_near(tables[0].long_inv_freq, c.long_inv_freq);
+    EXPECT_EQ(tables[0].long_from, c.long_from);
+    EXPECT_FLOAT_EQ(tables[0].attention_factor, static_cast<float>(c.attention_factor));
+    EXPECT_EQ(parsed->RotaryDim(), static_cast<int64_t>(2 * c.inv_freq.size()));
+  }
+}
+
+// Phi3Config's original_max_position_embeddings (the top level's, else 4096) replaces the RoPE
+// object's, as transformers does when it builds the model; for the others the top level's does too
+// where there is one, else the object's, else max_position_embeddings.
+TEST_F(CheckpointTest, LongRopeOriginalContextAsTransformersResolvesIt) {
+  json config = TinyConfig();
+  config["architectures"] = {"Phi3ForCausalLM"};
+  config["max_position_embeddings"] = 8192;
+  config["rope_scaling"] = {{"type", "su"}, {"short_factor", {1.0, 1.0}}, {"long_factor", {2.0, 2.0}},
+                            {"original_max_position_embeddings", 512}};
+  auto parsed = ParseModelConfig(config.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->rope_scaling.type, RopeScaling::Type::kLongRope);  // "su" is longrope
+  EXPECT_EQ(parsed->rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_EQ(RopeTables(*parsed)[0].long_from, 4096);
+  EXPECT_DOUBLE_EQ(parsed->rope_scaling.attention_factor, std::sqrt(1 + std::log(2.0) / std::log(4096.0)));
+  config["original_max_position_embeddings"] = 1024;
+  parsed = ParseModelConfig(config.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->rope_scaling.original_max_position_embeddings, 1024);
+  json llama = TinyConfig();
+  llama["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 2.0}};
+  parsed = ParseModelConfig(llama.dump(), "config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->rope_scaling.original_max_position_embeddings, 64);  // max_position_embeddings
 }
 
 TEST_F(CheckpointTest, ZeroByteTensorsTileWithTheirNeighbours) {

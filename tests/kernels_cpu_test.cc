@@ -1861,7 +1861,7 @@ TEST_F(CpuBackendTest, RopeMatchesReference) {
   const std::vector<float> q = Random(rng_, n * q_heads * hd), k = Random(rng_, n * kv_heads * hd);
   DeviceTensor dq = F32({n, q_heads * hd}, q), dk = F32({n, kv_heads * hd}, k);
   DeviceTensor dpos = I32({n}, positions), dfreq = F32({half}, inv_freq);
-  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd, {}).ok());
 
   // Reference: the angle is float32 (position * inv_freq, as transformers computes freqs); the
   // rotation is done in double.
@@ -1889,6 +1889,83 @@ TEST_F(CpuBackendTest, RopeMatchesReference) {
   EXPECT_TRUE(dk.GuardsIntact());
 }
 
+// RopeOptions: the first rotary_dim dimensions of each head rotated as pairs (i, i + rotary_dim / 2),
+// the rest passed through bit for bit; cos and sin times attention_factor; the positions from
+// long_from on with long_inv_freq (LongRoPE). As transformers' Phi3 apply_rotary_pos_emb with
+// cos = emb.cos() * attention_scaling.
+TEST_F(CpuBackendTest, RopeWithPartialRotaryAttentionFactorAndLongFrequencies) {
+  const int hd = 16, rd = 12, half = rd / 2;
+  const int64_t q_heads = 2, kv_heads = 1;
+  const std::vector<int32_t> positions = {0, 3, 31, 32, 77};
+  const int64_t n = static_cast<int64_t>(positions.size()), long_from = 32;
+  const float factor = 1.25f;
+  const std::vector<float> short_freq = InvFreq(rd, 10000.0f), long_freq = InvFreq(rd, 160000.0f);
+  const std::vector<float> q = Random(rng_, n * q_heads * hd), k = Random(rng_, n * kv_heads * hd);
+  DeviceTensor dq = F32({n, q_heads * hd}, q), dk = F32({n, kv_heads * hd}, k);
+  DeviceTensor dpos = I32({n}, positions), dfreq = F32({half}, short_freq), dlong = F32({half}, long_freq);
+  const RopeOptions options{.rotary_dim = rd, .attention_factor = factor, .long_inv_freq = &dlong.t(),
+                            .long_from = long_from};
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd, options).ok());
+
+  const auto reference = [&](const std::vector<float>& x, int64_t heads) {
+    std::vector<double> y(x.begin(), x.end());
+    for (int64_t t = 0; t < n; ++t) {
+      const std::vector<float>& freq = positions[t] >= long_from ? long_freq : short_freq;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* xh = x.data() + (t * heads + h) * hd;
+        double* yh = y.data() + (t * heads + h) * hd;
+        for (int i = 0; i < half; ++i) {
+          const float angle = static_cast<float>(positions[t]) * freq[i];
+          const double c = std::cos(static_cast<double>(angle)) * factor;
+          const double s = std::sin(static_cast<double>(angle)) * factor;
+          yh[i] = xh[i] * c - xh[i + half] * s;
+          yh[i + half] = xh[i + half] * c + xh[i] * s;
+        }
+      }
+    }
+    return y;
+  };
+  // As RopeMatchesReference, the values scaled by 1.25.
+  ExpectClose("Rope q", dq.Download<float>(), reference(q, q_heads), 1.5e-6);
+  ExpectClose("Rope k", dk.Download<float>(), reference(k, kv_heads), 1.5e-6);
+  // The pass-through dimensions are the input's bits.
+  const std::vector<float> got = dq.Download<float>();
+  for (int64_t row = 0; row < n * q_heads; ++row) {
+    for (int d = rd; d < hd; ++d) EXPECT_EQ(got[row * hd + d], q[row * hd + d]) << "row " << row << " dim " << d;
+  }
+  EXPECT_TRUE(dq.GuardsIntact());
+  EXPECT_TRUE(dk.GuardsIntact());
+}
+
+// Options that do not fit the heads are refused, naming what is wrong, and nothing is written.
+TEST_F(CpuBackendTest, RopeRefusesBadOptions) {
+  const int hd = 8;
+  const std::vector<float> q = Random(rng_, 2 * hd);
+  DeviceTensor dq = F32({1, 2 * hd}, q), dk = F32({1, hd}, Random(rng_, hd)), dpos = I32({1}, {5});
+  DeviceTensor dfreq = F32({hd / 2}, InvFreq(hd, 10000.0f)), dhalf = F32({2}, {1.0f, 0.5f});
+  DeviceTensor dwrong = F32({3}, {1.0f, 0.5f, 0.25f});
+  struct Case {
+    RopeOptions options;
+    const Tensor* inv_freq;
+    const char* says;
+  };
+  const Case cases[] = {
+      {{.rotary_dim = 3}, &dhalf.t(), "rotary_dim 3 must be even"},
+      {{.rotary_dim = 10}, &dfreq.t(), "rotary_dim 10 must be even and in [2, head_dim 8]"},
+      {{.rotary_dim = 4}, &dfreq.t(), "inv_freq [2] (rotary_dim / 2)"},
+      {{.attention_factor = 0.0f}, &dfreq.t(), "attention_factor 0 is not a finite number > 0"},
+      {{.attention_factor = std::nanf("")}, &dfreq.t(), "attention_factor nan"},
+      {{.long_inv_freq = &dwrong.t()}, &dfreq.t(), "long_inv_freq must be F32 [rotary_dim / 2] = [4]"},
+      {{.long_inv_freq = &dfreq.t(), .long_from = -1}, &dfreq.t(), "long_from -1 is negative"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status st = backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), *c.inv_freq, hd, c.options);
+    EXPECT_TRUE(IsInvalidArgumentNaming(st, "Rope")) << st;
+    EXPECT_NE(std::string(st.message()).find(c.says), std::string::npos) << st;
+  }
+  EXPECT_EQ(dq.Download<float>(), q);
+}
+
 // Backend::RopeCacheWrite (the base, which the CPU backend keeps): Rope, then CacheWrite of the
 // rotated k and of v, the same bits as the two calls; a bad slot is CacheWrite's error.
 TEST_F(CpuBackendTest, RopeCacheWriteIsRopeThenCacheWrite) {
@@ -1903,13 +1980,13 @@ TEST_F(CpuBackendTest, RopeCacheWriteIsRopeThenCacheWrite) {
   // Fused call.
   DeviceTensor fq = F32({n, q_heads * hd}, q), fk = F32({n, row}, k);
   DeviceTensor fkc = F32({blocks, bs, kv_heads, hd}, cache), fvc = F32({blocks, bs, kv_heads, hd}, cache);
-  ASSERT_TRUE(backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, fkc.ptr(), fvc.ptr(),
+  ASSERT_TRUE(backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, {}, fkc.ptr(), fvc.ptr(),
                                        dslots.t())
                   .ok());
   // The two calls.
   DeviceTensor tq = F32({n, q_heads * hd}, q), tk = F32({n, row}, k);
   DeviceTensor tkc = F32({blocks, bs, kv_heads, hd}, cache), tvc = F32({blocks, bs, kv_heads, hd}, cache);
-  ASSERT_TRUE(backend_->Rope(tq.ptr(), tk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+  ASSERT_TRUE(backend_->Rope(tq.ptr(), tk.ptr(), dpos.t(), dfreq.t(), hd, {}).ok());
   ASSERT_TRUE(backend_->CacheWrite(tkc.ptr(), tvc.ptr(), tk.t(), dv.t(), dslots.t()).ok());
   EXPECT_EQ(fq.Download<float>(), tq.Download<float>());
   EXPECT_EQ(fk.Download<float>(), tk.Download<float>());
@@ -1918,7 +1995,7 @@ TEST_F(CpuBackendTest, RopeCacheWriteIsRopeThenCacheWrite) {
   EXPECT_NE(fkc.Download<float>(), cache) << "nothing was written";
   const std::vector<int32_t> bad_slots = {6, 8, 3};  // 8 = blocks * bs, one past the end
   DeviceTensor dbad = I32({n}, bad_slots);
-  const absl::Status st = backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, fkc.ptr(),
+  const absl::Status st = backend_->RopeCacheWrite(fq.ptr(), fk.ptr(), dv.t(), dpos.t(), dfreq.t(), hd, {}, fkc.ptr(),
                                                    fvc.ptr(), dbad.t());
   EXPECT_FALSE(st.ok());
   EXPECT_NE(std::string(st.message()).find("CacheWrite"), std::string::npos) << st;
@@ -1930,7 +2007,7 @@ TEST_F(CpuBackendTest, RopeAtPositionZeroIsIdentity) {
   const std::vector<float> q = Random(rng_, n * heads * hd), k = Random(rng_, n * hd);
   DeviceTensor dq = F32({n, heads * hd}, q), dk = F32({n, hd}, k);
   DeviceTensor dpos = I32({n}, {0, 0, 0}), dfreq = F32({hd / 2}, InvFreq(hd, 10000.0f));
-  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd).ok());
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), hd, {}).ok());
   // cos 0 = 1 and sin 0 = 0 exactly, so the rotation is the identity bit for bit.
   EXPECT_EQ(dq.Download<float>(), q);
   EXPECT_EQ(dk.Download<float>(), k);
@@ -1940,7 +2017,7 @@ TEST_F(CpuBackendTest, RopeRotatesHandComputedPair) {
   // head_dim 2, inv_freq 1, position 1: (x1, x2) turns by 1 radian.
   DeviceTensor dq = F32({1, 2}, {1.0f, 0.0f}), dk = F32({1, 2}, {0.0f, 1.0f});
   DeviceTensor dpos = I32({1}, {1}), dfreq = F32({1}, {1.0f});
-  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), 2).ok());
+  ASSERT_TRUE(backend_->Rope(dq.ptr(), dk.ptr(), dpos.t(), dfreq.t(), 2, {}).ok());
   const std::vector<float> q = dq.Download<float>(), k = dk.Download<float>();
   EXPECT_NEAR(q[0], std::cos(1.0), 1e-7);
   EXPECT_NEAR(q[1], std::sin(1.0), 1e-7);
@@ -2831,8 +2908,8 @@ TEST_F(CpuBackendTest, MismatchedShapesAndDtypesAreInvalidArgument) {
   EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Embedding(out.ptr(), x.t(), ids_f32.t(), 0), "Embedding"));
 
   DeviceTensor q = F32({2, 8}, Random(rng_, 16)), pos = I32({2}, {0, 1}), freq = F32({3}, {1.0f, 0.5f, 0.25f});
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 8), "Rope"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 7), "Rope"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 8, {}), "Rope"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Rope(q.ptr(), out.ptr(), pos.t(), freq.t(), 7, {}), "Rope"));
 
   DeviceTensor ids = Output(DType::kI32, {2});
   EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Argmax(ids.ptr(), w8.t()), "Argmax"));

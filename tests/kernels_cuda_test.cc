@@ -36,6 +36,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/counter_uniform.h"
 #include "kernels/int4_folded.h"
@@ -651,38 +652,69 @@ TEST_P(CudaVsCpu, DenseGemvProductsInOneLaunch) {
   }
 }
 
+// The rotary embeddings the worker runs: the whole head; and RopeOptions' partial rotary (48 of
+// head_dim 64, the rest passed through), attention factor 1.2 on cos and sin, and LongRoPE's long
+// frequencies from position 512 on (not yet run on a GPU).
+struct RopeCase {
+  const char* name;
+  int rotary_dim;  // 0: the whole head
+  float attention_factor;
+  int64_t long_from;  // -1: no long frequencies
+};
+constexpr RopeCase kRopeCases[] = {{"whole head", 0, 1.0f, -1}, {"partial, factor, long", 48, 1.2f, 512}};
+
+// inv_freq [rd / 2] of base `theta`, as transformers computes it in float32.
+std::vector<float> RopeFreqs(int64_t rd, float theta) {
+  std::vector<float> inv(rd / 2);
+  for (int64_t i = 0; i < rd / 2; ++i) inv[i] = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+  return inv;
+}
+
 TEST_P(CudaVsCpu, Rope) {
   const int64_t n = 6, q_heads = 8, kv_heads = 2, hd = 64;
   const std::vector<float> q = RandomValues(n * q_heads * hd, Seed(Op::kRope, act()), act());
   const std::vector<float> k = RandomValues(n * kv_heads * hd, Seed(Op::kRope, act(), 1), act());
   // Position 0 (identity), small ones and long-context ones (angles of thousands of radians).
   const std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 32767};
-  std::vector<float> inv_freq(hd / 2);
-  for (int64_t i = 0; i < hd / 2; ++i) {
-    inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
+  for (const RopeCase& rc : kRopeCases) {
+    SCOPED_TRACE(rc.name);
+    const int64_t rd = rc.rotary_dim > 0 ? rc.rotary_dim : hd;
+    const std::vector<float> inv_freq = RopeFreqs(rd, 10000.0f), long_freq = RopeFreqs(rd, 640000.0f);
+    SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_heads * hd}));
+    SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(cuda_.get(), k, act(), {n, kv_heads * hd}));
+    SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(cuda_.get(), inv_freq, DType::kF32, {rd / 2}));
+    SS_ASSIGN_OR_FAIL(Guarded g_long, UploadF(cuda_.get(), long_freq, DType::kF32, {rd / 2}));
+    const RopeOptions g_opt{.rotary_dim = rc.rotary_dim, .attention_factor = rc.attention_factor,
+                            .long_inv_freq = rc.long_from >= 0 ? &g_long.t : nullptr,
+                            .long_from = std::max<int64_t>(rc.long_from, 0)};
+    SS_RUN_OP("CUDA", cuda_->Rope(&g_q.t, &g_k.t, g_pos.t, g_freq.t, static_cast<int>(hd), g_opt));
+
+    SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_heads * hd}));
+    SS_ASSIGN_OR_FAIL(Guarded c_k, UploadF(cpu_.get(), k, DType::kF32, {n, kv_heads * hd}));
+    SS_ASSIGN_OR_FAIL(Guarded c_pos, UploadI(cpu_.get(), positions, {n}));
+    SS_ASSIGN_OR_FAIL(Guarded c_freq, UploadF(cpu_.get(), inv_freq, DType::kF32, {rd / 2}));
+    SS_ASSIGN_OR_FAIL(Guarded c_long, UploadF(cpu_.get(), long_freq, DType::kF32, {rd / 2}));
+    RopeOptions c_opt = g_opt;
+    c_opt.long_inv_freq = rc.long_from >= 0 ? &c_long.t : nullptr;
+    SS_RUN_OP("CPU", cpu_->Rope(&c_q.t, &c_k.t, c_pos.t, c_freq.t, static_cast<int>(hd), c_opt));
+
+    SS_READ_F(got_q, cuda_.get(), g_q);
+    SS_READ_F(want_q, cpu_.get(), c_q);
+    EXPECT_TRUE(Close("Rope q", got_q, want_q, Threshold(Op::kRope, act())));
+    SS_READ_F(got_k, cuda_.get(), g_k);
+    SS_READ_F(want_k, cpu_.get(), c_k);
+    EXPECT_TRUE(Close("Rope k", got_k, want_k, Threshold(Op::kRope, act())));
+    // The passed-through dimensions are the input's, bit for bit (in the act dtype).
+    const std::vector<float> q_act = RoundTo(q, act());
+    for (int64_t row = 0; row < n * q_heads; ++row) {
+      for (int64_t d = rd; d < hd; ++d) ASSERT_EQ(got_q[row * hd + d], q_act[row * hd + d]) << "row " << row << " dim " << d;
+    }
   }
-
-  SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(cuda_.get(), q, act(), {n, q_heads * hd}));
-  SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(cuda_.get(), k, act(), {n, kv_heads * hd}));
-  SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
-  SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(cuda_.get(), inv_freq, DType::kF32, {hd / 2}));
-  SS_RUN_OP("CUDA", cuda_->Rope(&g_q.t, &g_k.t, g_pos.t, g_freq.t, static_cast<int>(hd)));
-
-  SS_ASSIGN_OR_FAIL(Guarded c_q, UploadF(cpu_.get(), q, DType::kF32, {n, q_heads * hd}));
-  SS_ASSIGN_OR_FAIL(Guarded c_k, UploadF(cpu_.get(), k, DType::kF32, {n, kv_heads * hd}));
-  SS_ASSIGN_OR_FAIL(Guarded c_pos, UploadI(cpu_.get(), positions, {n}));
-  SS_ASSIGN_OR_FAIL(Guarded c_freq, UploadF(cpu_.get(), inv_freq, DType::kF32, {hd / 2}));
-  SS_RUN_OP("CPU", cpu_->Rope(&c_q.t, &c_k.t, c_pos.t, c_freq.t, static_cast<int>(hd)));
-
-  SS_READ_F(got_q, cuda_.get(), g_q);
-  SS_READ_F(want_q, cpu_.get(), c_q);
-  EXPECT_TRUE(Close("Rope q", got_q, want_q, Threshold(Op::kRope, act())));
-  SS_READ_F(got_k, cuda_.get(), g_k);
-  SS_READ_F(want_k, cpu_.get(), c_k);
-  EXPECT_TRUE(Close("Rope k", got_k, want_k, Threshold(Op::kRope, act())));
 }
 
-// RopeCacheWrite (CudaBackendOptions::fused_kernels: one kernel; passed on an H200, 2026-11-28): q,
+// RopeCacheWrite (CudaBackendOptions::fused_kernels: one kernel; passed on an H200, 2026-11-28, for
+// the whole head; kRopeCases' partial rotary, factor and long frequencies not yet run on a GPU): q,
 // k and both caches bit for bit
 // those of Rope then CacheWrite on a backend without the option (the base's composition), one
 // launch against two; GQA heads of 64, positions up to 32767, scattered slots. Then a bad slot
@@ -696,49 +728,53 @@ TEST_P(CudaVsCpu, RopeCacheWrite) {
   const std::vector<float> v = RandomValues(n * row, Seed(Op::kRope, act(), 22), act());
   const std::vector<float> cache = RandomValues(blocks * bs * row, Seed(Op::kCacheWrite, act(), 23), act());
   const std::vector<int32_t> positions = {0, 1, 17, 511, 4095, 32767};
-  std::vector<float> inv_freq(hd / 2);
-  for (int64_t i = 0; i < hd / 2; ++i) {
-    inv_freq[i] = 1.0f / std::pow(10000.0f, static_cast<float>(2 * i) / static_cast<float>(hd));
-  }
-  for (const bool bad : {false, true}) {
-    SCOPED_TRACE(bad ? "a bad slot" : "good slots");
-    const std::vector<int32_t> slots =
-        bad ? std::vector<int32_t>{0, -1, 16, 160, 77, 31} : std::vector<int32_t>{0, 159, 16, 17, 77, 31};
-    std::vector<std::vector<float>> results[2];
-    for (int which = 0; which < 2; ++which) {
-      Backend* be = which == 0 ? cuda_.get() : fused.get();
-      SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(be, q, act(), {n, q_heads * hd}));
-      SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(be, k, act(), {n, row}));
-      SS_ASSIGN_OR_FAIL(Guarded g_v, UploadF(be, v, act(), {n, row}));
-      SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
-      SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
-      SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(be, positions, {n}));
-      SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(be, slots, {n}));
-      SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(be, inv_freq, DType::kF32, {hd / 2}));
-      const uint64_t launches = be->kernel_launches();
-      SS_ASSERT_OK(be->RopeCacheWrite(&g_q.t, &g_k.t, g_v.t, g_pos.t, g_freq.t, static_cast<int>(hd), &g_kc.t,
-                                      &g_vc.t, g_slots.t));
-      EXPECT_EQ(be->kernel_launches() - launches, which == 1 ? 1u : 2u);
-      const absl::Status sync = be->Synchronize();
-      if (bad) {
-        EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
-        EXPECT_NE(std::string(sync.message()).find("CacheWrite"), std::string::npos) << sync;
-      } else {
-        SS_ASSERT_OK(sync);
+  for (const RopeCase& rc : kRopeCases) {
+    for (const bool bad : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(rc.name, bad ? ", a bad slot" : ", good slots"));
+      const int64_t rd = rc.rotary_dim > 0 ? rc.rotary_dim : hd;
+      const std::vector<float> inv_freq = RopeFreqs(rd, 10000.0f), long_freq = RopeFreqs(rd, 640000.0f);
+      const std::vector<int32_t> slots =
+          bad ? std::vector<int32_t>{0, -1, 16, 160, 77, 31} : std::vector<int32_t>{0, 159, 16, 17, 77, 31};
+      std::vector<std::vector<float>> results[2];
+      for (int which = 0; which < 2; ++which) {
+        Backend* be = which == 0 ? cuda_.get() : fused.get();
+        SS_ASSIGN_OR_FAIL(Guarded g_q, UploadF(be, q, act(), {n, q_heads * hd}));
+        SS_ASSIGN_OR_FAIL(Guarded g_k, UploadF(be, k, act(), {n, row}));
+        SS_ASSIGN_OR_FAIL(Guarded g_v, UploadF(be, v, act(), {n, row}));
+        SS_ASSIGN_OR_FAIL(Guarded g_kc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
+        SS_ASSIGN_OR_FAIL(Guarded g_vc, UploadF(be, cache, act(), {blocks, bs, kv_heads, hd}));
+        SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(be, positions, {n}));
+        SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(be, slots, {n}));
+        SS_ASSIGN_OR_FAIL(Guarded g_freq, UploadF(be, inv_freq, DType::kF32, {rd / 2}));
+        SS_ASSIGN_OR_FAIL(Guarded g_long, UploadF(be, long_freq, DType::kF32, {rd / 2}));
+        const RopeOptions opt{.rotary_dim = rc.rotary_dim, .attention_factor = rc.attention_factor,
+                              .long_inv_freq = rc.long_from >= 0 ? &g_long.t : nullptr,
+                              .long_from = std::max<int64_t>(rc.long_from, 0)};
+        const uint64_t launches = be->kernel_launches();
+        SS_ASSERT_OK(be->RopeCacheWrite(&g_q.t, &g_k.t, g_v.t, g_pos.t, g_freq.t, static_cast<int>(hd), opt, &g_kc.t,
+                                        &g_vc.t, g_slots.t));
+        EXPECT_EQ(be->kernel_launches() - launches, which == 1 ? 1u : 2u);
+        const absl::Status sync = be->Synchronize();
+        if (bad) {
+          EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
+          EXPECT_NE(std::string(sync.message()).find("CacheWrite"), std::string::npos) << sync;
+        } else {
+          SS_ASSERT_OK(sync);
+        }
+        for (Guarded* g : {&g_q, &g_k, &g_kc, &g_vc}) {
+          SS_READ_F(got, be, *g);
+          results[which].push_back(got);
+        }
       }
-      for (Guarded* g : {&g_q, &g_k, &g_kc, &g_vc}) {
-        SS_READ_F(got, be, *g);
-        results[which].push_back(got);
+      const char* names[] = {"q", "k", "k_cache", "v_cache"};
+      for (int i = 0; i < 4; ++i) EXPECT_EQ(results[1][i], results[0][i]) << names[i] << " differs from Rope + CacheWrite";
+      if (bad) {  // token 1 (slot -1) and token 3 (slot 160, past the end) wrote nothing
+        std::vector<float> want = cache;
+        for (const int t : {0, 2, 4, 5}) {
+          std::copy(v.begin() + t * row, v.begin() + (t + 1) * row, want.begin() + slots[t] * row);
+        }
+        EXPECT_EQ(results[1][3], RoundTo(want, act())) << "v_cache: only the good slots written";
       }
-    }
-    const char* names[] = {"q", "k", "k_cache", "v_cache"};
-    for (int i = 0; i < 4; ++i) EXPECT_EQ(results[1][i], results[0][i]) << names[i] << " differs from Rope + CacheWrite";
-    if (bad) {  // token 1 (slot -1) and token 3 (slot 160, past the end) wrote nothing
-      std::vector<float> want = cache;
-      for (const int t : {0, 2, 4, 5}) {
-        std::copy(v.begin() + t * row, v.begin() + (t + 1) * row, want.begin() + slots[t] * row);
-      }
-      EXPECT_EQ(results[1][3], RoundTo(want, act())) << "v_cache: only the good slots written";
     }
   }
 }

@@ -742,7 +742,9 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
 TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
   const std::vector<std::string> names = FixtureNames();
   for (const char* want : {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16",
-                           "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5"}) {
+                           "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5",
+                           "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5",
+                           "gemma3_tf5", "gemma3_tf4"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

@@ -889,10 +889,11 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 }
 
 // One fixture of each family and form of checkpoint: plain, tied, biased, sharded, bf16, q/k norms
-// with q/k/v/o biases (qwen3_tf4), fused products (phi3_tf5).
+// with q/k/v/o biases (qwen3_tf4), fused products (phi3_tf5), partial rotary with LongRoPE's two
+// frequency tables (phi4_mini_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
-          "phi3_tf5"};
+          "phi3_tf5", "phi4_mini_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the

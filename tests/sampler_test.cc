@@ -181,8 +181,8 @@ class DeviceLikeBackend final : public Backend {
   absl::Status MatMul(Tensor* o, const Tensor& x, const Tensor& w, const Tensor* b) override {
     return cpu_->MatMul(o, x, w, b);
   }
-  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& p, const Tensor& f, int hd) override {
-    return cpu_->Rope(q, k, p, f, hd);
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& p, const Tensor& f, int hd, const RopeOptions& o) override {
+    return cpu_->Rope(q, k, p, f, hd, o);
   }
   absl::Status CacheWrite(Tensor* kc, Tensor* vc, const Tensor& k, const Tensor& v, const Tensor& s) override {
     return cpu_->CacheWrite(kc, vc, k, v, s);

@@ -104,8 +104,11 @@ class RecordingBackend final : public Backend {
     if (bias != nullptr) b = *bias;
     return Op([=, this, o = *out]() mutable { return inner_->MatMul(&o, x, w, b ? &*b : nullptr); });
   }
-  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override {
-    return Op([=, this, qq = *q, kk = *k]() mutable { return inner_->Rope(&qq, &kk, positions, inv_freq, head_dim); });
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim,
+                    const RopeOptions& options) override {
+    return Op([=, this, qq = *q, kk = *k]() mutable {
+      return inner_->Rope(&qq, &kk, positions, inv_freq, head_dim, options);
+    });
   }
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                           const Tensor& slots) override {

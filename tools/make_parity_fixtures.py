@@ -72,6 +72,10 @@ class Fixture:
     prompt_len: int = 12
     save_dtype: torch.dtype = torch.float32  # dtype of the safetensors weights
     max_shard_size: Optional[str] = None  # set to split the checkpoint into several files
+    # Greedy tokens by a KV-cached decode (the prompt in one call, then one token a call) instead of
+    # full recompute: for RoPE that depends on the call (longrope picks its factors from the
+    # call's longest position), where only the cached decode is what a server computes.
+    cached_decode: bool = False
 
 
 def fixtures() -> list[Fixture]:
@@ -204,14 +208,21 @@ def describe_llama3_rope(model: PreTrainedModel, config: PretrainedConfig) -> No
 
 
 @torch.no_grad()
-def greedy(model: PreTrainedModel, prompt: list[int]) -> dict:
-    """Greedy decoding by full recompute of the sequence each step: no KV cache, no generate(),
-    so neither EOS nor generation_config can change the result."""
+def greedy(model: PreTrainedModel, prompt: list[int], cached: bool = False) -> dict:
+    """Greedy decoding by full recompute of the sequence each step (or, `cached`, by the prompt in
+    one call and then one token a call over the KV cache): no generate(), so neither EOS nor
+    generation_config can change the result."""
     ids = list(prompt)
     prompt_last_logits = final_logits = None
     min_margin = math.inf
+    past = None
     for step in range(GREEDY_STEPS):
-        logits = model(torch.tensor([ids])).logits[0, -1]
+        if cached:
+            out = model(torch.tensor([ids if past is None else ids[-1:]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1]
+        else:
+            logits = model(torch.tensor([ids])).logits[0, -1]
         if not torch.isfinite(logits).all():
             raise SystemExit(f"non-finite logits at greedy step {step}")
         top2 = torch.topk(logits, 2).values
@@ -266,16 +277,17 @@ def build(fixture: Fixture, out_root: pathlib.Path) -> None:
         model,
         prompt,
         {"model": fixture.name, "architecture": config.architectures[0]},
+        fixture.cached_decode,
     )
 
 
 def write_checked_golden(
-    out: pathlib.Path, name: str, model: PreTrainedModel, prompt: list[int], fields: dict
+    out: pathlib.Path, name: str, model: PreTrainedModel, prompt: list[int], fields: dict, cached: bool = False
 ) -> None:
     """Greedy-decodes `prompt`, refuses a degenerate continuation or a near-tie (which float
     rounding could flip), and writes out/golden.json: `fields`, the library versions, the prompt and
     the greedy tokens and logits. Shared by tools/make_quantized_fixtures.py."""
-    result = greedy(model, prompt)
+    result = greedy(model, prompt, cached)
     distinct = len(set(result["greedy_ids"]))
     margin = result["greedy_min_margin"]
     print(f"    greedy: {distinct} distinct of {GREEDY_STEPS}, min top-2 margin {margin:.4g}")

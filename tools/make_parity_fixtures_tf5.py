@@ -3,7 +3,9 @@ config.json as current releases save it, RoPE in "rope_parameters" (base and sca
 "dtype" for "torch_dtype", "layer_types" where the family has it; and the families that need
 transformers 5 to run at all (Qwen3), one of them with its config.json rewritten as transformers 4.x
 wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi-3's fused
-qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt; Gemma 2. The checkpoint,
+qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt; Gemma 2; the RoPE
+types linear, yarn and longrope (Phi-3.5- and Phi-4-mini-shaped, the latter with partial rotary),
+longrope's goldens by cached decode. The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -22,6 +24,8 @@ from transformers import (
     AutoConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -196,24 +200,197 @@ def fixtures() -> list[Fixture]:
             seed=12000,
             prompt_len=48,
         ),
+        # Phi-3.5-shaped LongRoPE: original context 32 (at the top level, where Phi-3.5 has it) under
+        # a 12-token prompt and 32 greedy tokens, so the decode crosses it: positions from 32 on take
+        # the long factors; attention factor sqrt(1 + ln(4096 / 32) / ln 32) on cos and sin. Goldens
+        # by cached decode (longrope picks its factors per forward call in transformers).
+        Fixture(
+            name="phi3_longrope_tf5",
+            model_cls=Phi3ForCausalLM,
+            config=Phi3Config(
+                vocab_size=432,
+                hidden_size=96,
+                intermediate_size=176,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                max_position_embeddings=4096,
+                original_max_position_embeddings=32,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": longrope_factors(8, 1.0, 1.3),
+                    "long_factor": longrope_factors(8, 1.0, 40.0),
+                },
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=None,
+                tie_word_embeddings=False,
+            ),
+            seed=13000,
+            cached_decode=True,
+        ),
+        # Phi-4-mini-shaped: partial_rotary_factor 0.75 (RoPE on 24 of head_dim 32, the rest passed
+        # through) with LongRoPE crossing its original context 32 as above; tied LM head, bf16.
+        Fixture(
+            name="phi4_mini_tf5",
+            model_cls=Phi3ForCausalLM,
+            config=Phi3Config(
+                vocab_size=464,
+                hidden_size=128,
+                intermediate_size=160,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                max_position_embeddings=4096,
+                original_max_position_embeddings=32,
+                partial_rotary_factor=0.75,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.75,
+                    "short_factor": longrope_factors(12, 1.0, 1.2),
+                    "long_factor": longrope_factors(12, 1.0, 24.0),
+                },
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=None,
+                tie_word_embeddings=True,
+            ),
+            seed=14000,
+            save_dtype=torch.bfloat16,
+            cached_decode=True,
+        ),
+        # Llama with YaRN (factor 4 over an original context of 2048, head_dim 32): frequencies 0-3
+        # kept, 4-10 blended, 11-15 divided by 4 (correction range [4, 11]); attention factor
+        # 0.1 ln 4 + 1 on cos and sin.
+        Fixture(
+            name="llama_yarn_tf5",
+            model_cls=LlamaForCausalLM,
+            config=LlamaConfig(
+                vocab_size=368,
+                hidden_size=112,
+                intermediate_size=144,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_hidden_layers=2,
+                max_position_embeddings=8192,
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 2048,
+                },
+                tie_word_embeddings=False,
+            ),
+            seed=15001,
+        ),
+        # Llama with linear RoPE scaling (factor 4): every frequency divided by 4; head_dim 12.
+        Fixture(
+            name="llama_linear_tf5",
+            model_cls=LlamaForCausalLM,
+            config=LlamaConfig(
+                vocab_size=336,
+                hidden_size=72,
+                intermediate_size=120,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+                num_hidden_layers=2,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+                tie_word_embeddings=False,
+            ),
+            seed=16000,
+        ),
+        # Gemma 3 text: Gemma 2's layer with q_norm / k_norm per head ((1 + w), before RoPE), no
+        # soft-capping, layer_types five sliding (window 32, under a 48-token prompt) to one global
+        # over 6 layers, and a RoPE per layer type: the global layer base 1e6 with linear scaling 8
+        # (as the 27B), the sliding ones base 1e4; attention scaled by query_pre_attn_scalar 48.
+        Fixture(
+            name="gemma3_tf5",
+            model_cls=Gemma3ForCausalLM,
+            config=Gemma3TextConfig(
+                vocab_size=480,
+                hidden_size=64,
+                intermediate_size=96,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                num_hidden_layers=6,
+                max_position_embeddings=1024,
+                query_pre_attn_scalar=48,
+                sliding_window=32,
+                rope_parameters={
+                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=False,
+            ),
+            seed=17000,
+            prompt_len=48,
+        ),
+        # Gemma 3 with its config.json as transformers 4.x wrote it: rope_theta 1e6 (global),
+        # rope_local_base_freq 1e4 (sliding), rope_scaling null, sliding_window_pattern 2 for
+        # layer_types (sliding, full, sliding, full), torch_dtype; q/k/v/o biases, bf16 weights.
+        LegacyConfigFixture(
+            name="gemma3_tf4",
+            model_cls=Gemma3ForCausalLM,
+            config=Gemma3TextConfig(
+                vocab_size=496,
+                hidden_size=96,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=32,
+                num_hidden_layers=4,
+                max_position_embeddings=1024,
+                query_pre_attn_scalar=32,
+                sliding_window=32,
+                sliding_window_pattern=2,
+                attention_bias=True,
+                rope_parameters={
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                tie_word_embeddings=False,
+            ),
+            seed=18000,
+            prompt_len=48,
+            save_dtype=torch.bfloat16,
+            legacy_fields={"sliding_window_pattern": 2},
+        ),
     ]
+
+
+def longrope_factors(n: int, low: float, high: float) -> list[float]:
+    """LongRoPE factors rising from `low` to `high` over the n frequencies, as published ones do
+    (small for the fast-turning pairs, large for the slow ones), rounded to 4 places."""
+    return [round(low * (high / low) ** (i / (n - 1)), 4) for i in range(n)]
 
 
 @dataclasses.dataclass
 class LegacyConfigFixture(Fixture):
     """A fixture whose config.json is rewritten after the build as transformers 4.x wrote it:
     "rope_theta" and "rope_scaling" for "rope_parameters", "torch_dtype" for "dtype", no
-    "layer_types". transformers must read the rewritten file back as the same config."""
+    "layer_types" (Gemma 3: rope_theta, rope_local_base_freq and rope_scaling from its RoPE per layer
+    type, and legacy_fields added). transformers must read the rewritten file back as the same config."""
+
+    legacy_fields: dict = dataclasses.field(default_factory=dict)
 
 
-def write_legacy_config(out: pathlib.Path) -> None:
+def write_legacy_config(out: pathlib.Path, legacy_fields: dict) -> None:
     path = out / "config.json"
     config = json.loads(path.read_text())
     rope = config.pop("rope_parameters")
+    if "full_attention" in rope:  # Gemma 3: the sliding layers' base in rope_local_base_freq
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
     config["rope_theta"] = rope["rope_theta"]
     config["rope_scaling"] = None if rope["rope_type"] == "default" else {
         k: v for k, v in rope.items() if k != "rope_theta"
     }
+    config.update(legacy_fields)
     config["torch_dtype"] = config.pop("dtype")
     config.pop("layer_types", None)
     before = AutoConfig.from_pretrained(out).to_dict()
@@ -228,8 +405,18 @@ def write_legacy_config(out: pathlib.Path) -> None:
 
 def build(fixture: Fixture, out_root: pathlib.Path) -> None:
     make_parity_fixtures.build(fixture, out_root)
+    if fixture.cached_decode:
+        # What the cached decode changes: full recompute's tokens (all positions long once the
+        # sequence passes the original context) against the golden's.
+        model = fixture.model_cls.from_pretrained(
+            out_root / fixture.name, attn_implementation="eager", **make_parity_fixtures.FLOAT32
+        ).eval()
+        golden = json.loads((out_root / fixture.name / "golden.json").read_text())
+        recompute = make_parity_fixtures.greedy(model, golden["prompt_ids"])["greedy_ids"]
+        same = next((i for i, (a, b) in enumerate(zip(recompute, golden["greedy_ids"])) if a != b), len(recompute))
+        print(f"    full recompute agrees with the cached decode on the first {same} of 32 greedy tokens")
     if isinstance(fixture, LegacyConfigFixture):
-        write_legacy_config(out_root / fixture.name)
+        write_legacy_config(out_root / fixture.name, fixture.legacy_fields)
 
 
 if __name__ == "__main__":

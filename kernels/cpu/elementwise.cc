@@ -105,25 +105,27 @@ absl::Status CpuBackend::RmsNorm(Tensor* out, const Tensor& x, const Tensor& w, 
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
+absl::Status CpuBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim,
+                              const RopeOptions& options) {
   const ArgCheck check("Rope", {{"q", q, kF32, 2},
                                 {"k", k, kF32, 2},
                                 {"positions", &positions, kI32, 1},
                                 {"inv_freq", &inv_freq, kF32, 1}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
   if (head_dim <= 0 || head_dim % 2 != 0) return check.Error(absl::StrCat("head_dim ", head_dim, " must be even and > 0"));
-  const int64_t n = q->dim(0), half = head_dim / 2;
+  SHARDSERVE_RETURN_IF_ERROR(CheckRopeOptions("Rope", options, head_dim));
+  const int64_t n = q->dim(0), half = (options.rotary_dim > 0 ? options.rotary_dim : head_dim) / 2;
   if (k->dim(0) != n || positions.dim(0) != n || q->dim(1) % head_dim != 0 || k->dim(1) % head_dim != 0 ||
       inv_freq.dim(0) != half) {
     return check.Error(absl::StrCat("want q [n, q_heads * ", head_dim, "], k [n, kv_heads * ", head_dim,
-                                    "], positions [n], inv_freq [", half, "]"));
+                                    "], positions [n], inv_freq [", half, "] (rotary_dim / 2)"));
   }
 
   rope_cos_.resize(static_cast<size_t>(half));
   rope_sin_.resize(static_cast<size_t>(half));
-  const float* freq = inv_freq.as<float>();
-  // Rotates every head of one token's row: x[i], x[i + half] -> x[i] cos - x[i + half] sin,
-  // x[i + half] cos + x[i] sin, which is transformers' q * cos + rotate_half(q) * sin.
+  // Rotates the first 2 * half dimensions of every head of one token's row: x[i], x[i + half] ->
+  // x[i] cos - x[i + half] sin, x[i + half] cos + x[i] sin, which is transformers' q * cos +
+  // rotate_half(q) * sin on q[..., :rotary_dim]; the rest of the head passes through.
   const auto rotate_row = [&](float* row, int64_t width) {
     for (float* head = row; head < row + width; head += head_dim) {
       for (int64_t i = 0; i < half; ++i) {
@@ -133,13 +135,19 @@ absl::Status CpuBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, con
       }
     }
   };
+  const float factor = options.attention_factor;
   for (int64_t t = 0; t < n; ++t) {
-    // As transformers: freqs = inv_freq * position in float32, then cos and sin of that float.
-    const float pos = static_cast<float>(positions.as<int32_t>()[t]);
+    // As transformers: freqs = inv_freq * position in float32, then cos and sin of that float,
+    // each times the attention factor; LongRoPE's long frequencies from long_from on.
+    const int32_t position = positions.as<int32_t>()[t];
+    const float* freq = options.long_inv_freq != nullptr && position >= options.long_from
+                            ? options.long_inv_freq->as<float>()
+                            : inv_freq.as<float>();
+    const float pos = static_cast<float>(position);
     for (int64_t i = 0; i < half; ++i) {
       const float angle = pos * freq[i];
-      rope_cos_[i] = std::cos(angle);
-      rope_sin_[i] = std::sin(angle);
+      rope_cos_[i] = std::cos(angle) * factor;
+      rope_sin_[i] = std::sin(angle) * factor;
     }
     rotate_row(q->as<float>() + t * q->dim(1), q->dim(1));
     rotate_row(k->as<float>() + t * k->dim(1), k->dim(1));

@@ -190,12 +190,14 @@ class CudaBackend final : public Backend {
   // One dense GEMV launch when every product takes it (up to kDenseGemvMaxProducts, one output
   // dtype), else the base's MatMul each (matmul.cu).
   absl::Status MatMuls(const Tensor& x, absl::Span<const MatMulProduct> products) override;
-  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) override;
+  absl::Status Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim,
+                    const RopeOptions& options) override;
   absl::Status CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                           const Tensor& slots) override;  // attention.cu
   // One kernel with options_.fused_kernels (elementwise.cu), else the base's Rope then CacheWrite.
   absl::Status RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions, const Tensor& inv_freq,
-                              int head_dim, Tensor* k_cache, Tensor* v_cache, const Tensor& slots) override;
+                              int head_dim, const RopeOptions& options, Tensor* k_cache, Tensor* v_cache,
+                              const Tensor& slots) override;
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale, const AttentionOptions& options) override;
@@ -244,12 +246,12 @@ class CudaBackend final : public Backend {
   // Rope's and CacheWrite's checks (CacheWrite's also notes the cache's limits for error messages),
   // and Rope with, when v is given, the cache write in the same kernel (elementwise.cu).
   absl::Status CheckRope(const Tensor* q, const Tensor* k, const Tensor& positions, const Tensor& inv_freq,
-                         int head_dim) const;
+                         int head_dim, const RopeOptions& options) const;
   absl::Status CheckCacheWrite(const Tensor* k_cache, const Tensor* v_cache, const Tensor& k, const Tensor& v,
                                const Tensor& slots);
   absl::Status RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq,
-                                      int head_dim, const Tensor* v, Tensor* k_cache, Tensor* v_cache,
-                                      const Tensor* slots);
+                                      int head_dim, const RopeOptions& options, const Tensor* v, Tensor* k_cache,
+                                      Tensor* v_cache, const Tensor* slots);
   // fp8 weights' products through cuBLASLt's fp8 GEMM (fp8_gemm.cu; options_.fp8_gemm on a GPU of
   // compute capability 8.9+): whether it takes a weight [m, k] whose codes are at `codes` and an
   // output at `out`, and out [n, m] (+)= x [n, k] rounded to e4m3 per row @ codes^T, scaled by

@@ -62,16 +62,26 @@ __global__ void AddKernel(T* out /*[n]*/, const T* a /*[n]*/, const T* b /*[n]*/
   GRID_STRIDE_LOOP(i, n) out[i] = FromFloat<T>(ToFloat(a[i]) + ToFloat(b[i]));
 }
 
-// One thread per rotated pair. Pairs are numbered token-major, then q heads, then k heads, then
-// i in [0, hd/2). kCache (RopeCacheWrite): a k pair's thread also writes the rotated pair, and v's
-// pair of the same head, into the token's cache slot, as CacheWriteKernel writes them (a slot
-// outside [0, num_slots) sets kErrCacheSlot and writes nothing).
+// What RopeKernel takes of RopeOptions, by value.
+struct RopeParams {
+  int rotary_half;           // pairs rotated per head: rotary_dim / 2
+  float attention_factor;    // cos and sin times this
+  const float* long_inv_freq;  // LongRoPE: [rotary_half] for positions >= long_from; null for none
+  int64_t long_from;
+};
+
+// One thread per pair of dimensions of a head, numbered token-major, then q heads, then k heads,
+// then i in [0, hd/2): i < rotary_half is the rotated pair (x[i], x[i + rotary_half]); i >=
+// rotary_half (rotary_dim < hd) the passed-through dimensions 2i and 2i + 1, which cover [rotary_dim,
+// hd) once and are left as they are. kCache (RopeCacheWrite): a k pair's thread also writes its two
+// dimensions, and v's same two, into the token's cache slot, as CacheWriteKernel writes them (a
+// slot outside [0, num_slots) sets kErrCacheSlot and writes nothing).
 template <typename T, bool kCache>
 __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]*/, const int32_t* positions /*[n]*/,
-                           const float* inv_freq /*[hd / 2]*/, int64_t n, int q_heads, int kv_heads, int head_dim,
-                           const T* v = nullptr /*[n, kv_heads * hd]*/, T* k_cache = nullptr /*[num_slots, row]*/,
-                           T* v_cache = nullptr /*[num_slots, row]*/, const int32_t* slots = nullptr /*[n]*/,
-                           int64_t num_slots = 0, unsigned* errors = nullptr) {
+                           const float* inv_freq /*[rotary_half]*/, int64_t n, int q_heads, int kv_heads, int head_dim,
+                           RopeParams rope, const T* v = nullptr /*[n, kv_heads * hd]*/,
+                           T* k_cache = nullptr /*[num_slots, row]*/, T* v_cache = nullptr /*[num_slots, row]*/,
+                           const int32_t* slots = nullptr /*[n]*/, int64_t num_slots = 0, unsigned* errors = nullptr) {
   WaitForPriorKernels();  // CudaBackend::Launch
   const int half = head_dim / 2;
   const int64_t per_token = static_cast<int64_t>(q_heads + kv_heads) * half;
@@ -81,18 +91,31 @@ __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]
     const int head = static_cast<int>(r / half);
     const int i = static_cast<int>(r - static_cast<int64_t>(head) * half);
     T* x = head < q_heads ? q + (t * q_heads + head) * head_dim : k + (t * kv_heads + (head - q_heads)) * head_dim;
-    // The angle is formed in float exactly as Hugging Face does (float(pos) * inv_freq). sincosf
-    // is the full-range libdevice function, not the __sinf/__cosf intrinsics: those skip proper
-    // range reduction and lose accuracy fast as |angle| grows, and angles here reach
-    // pos * inv_freq[0] = pos radians (tens of thousands for long contexts).
-    const float angle = static_cast<float>(positions[t]) * inv_freq[i];
-    float s, c;
-    sincosf(angle, &s, &c);
-    const float x1 = ToFloat(x[i]);
-    const float x2 = ToFloat(x[i + half]);
-    const T y1 = FromFloat<T>(x1 * c - x2 * s), y2 = FromFloat<T>(x2 * c + x1 * s);
-    x[i] = y1;
-    x[i + half] = y2;
+    // The two dimensions this thread owns: a rotated pair, or two passed-through dimensions.
+    const bool rotated = i < rope.rotary_half;
+    const int d1 = rotated ? i : 2 * i;
+    const int d2 = rotated ? i + rope.rotary_half : 2 * i + 1;
+    T y1 = x[d1], y2 = x[d2];
+    if (rotated) {
+      // The angle is formed in float exactly as Hugging Face does (float(pos) * inv_freq). sincosf
+      // is the full-range libdevice function, not the __sinf/__cosf intrinsics: those skip proper
+      // range reduction and lose accuracy fast as |angle| grows, and angles here reach
+      // pos * inv_freq[0] = pos radians (tens of thousands for long contexts).
+      const int32_t position = positions[t];
+      const float* freq =
+          rope.long_inv_freq != nullptr && position >= rope.long_from ? rope.long_inv_freq : inv_freq;
+      const float angle = static_cast<float>(position) * freq[i];
+      float s, c;
+      sincosf(angle, &s, &c);
+      c *= rope.attention_factor;
+      s *= rope.attention_factor;
+      const float x1 = ToFloat(y1);
+      const float x2 = ToFloat(y2);
+      y1 = FromFloat<T>(x1 * c - x2 * s);
+      y2 = FromFloat<T>(x2 * c + x1 * s);
+      x[d1] = y1;
+      x[d2] = y2;
+    }
     if constexpr (kCache) {
       if (head >= q_heads) {
         const int64_t row = static_cast<int64_t>(kv_heads) * head_dim;
@@ -104,10 +127,10 @@ __global__ void RopeKernel(T* q /*[n, q_heads * hd]*/, T* k /*[n, kv_heads * hd]
           const T* vr = v + t * row + in_row;
           T* kc = k_cache + slot * row + in_row;
           T* vc = v_cache + slot * row + in_row;
-          kc[i] = y1;
-          kc[i + half] = y2;
-          vc[i] = vr[i];
-          vc[i + half] = vr[i + half];
+          kc[d1] = y1;
+          kc[d2] = y2;
+          vc[d1] = vr[d1];
+          vc[d2] = vr[d2];
         }
       }
     }
@@ -299,7 +322,7 @@ absl::Status CudaBackend::AddRmsNorm(Tensor* x, const Tensor& y, Tensor* normed,
 }
 
 absl::Status CudaBackend::CheckRope(const Tensor* q, const Tensor* k, const Tensor& positions, const Tensor& inv_freq,
-                                    int head_dim) const {
+                                    int head_dim, const RopeOptions& options) const {
   constexpr const char* kOp = "Rope";
   if (q == nullptr || k == nullptr) {
     return Invalid(kOp, "q and k must not be null", {{"q", q}, {"k", k}, {"positions", &positions}});
@@ -311,38 +334,42 @@ absl::Status CudaBackend::CheckRope(const Tensor* q, const Tensor* k, const Tens
   if (!Is(*q, 2, act_) || !Is(*k, 2, act_) || !Is(positions, 1, DType::kI32) || !Is(inv_freq, 1, DType::kF32)) {
     return Invalid(kOp,
                    absl::StrCat("expected q [n, q_heads * hd] and k [n, kv_heads * hd] ", DTypeName(act_),
-                                ", positions [n] I32, inv_freq [hd / 2] F32"),
+                                ", positions [n] I32, inv_freq [rotary_dim / 2] F32"),
                    all);
   }
   if (head_dim <= 0 || head_dim % 2 != 0) {
     return Invalid(kOp, absl::StrCat("head_dim must be positive and even, got ", head_dim), all);
   }
+  SHARDSERVE_RETURN_IF_ERROR(CheckRopeOptions(kOp, options, head_dim));
   const int64_t n = q->dim(0);
+  const int64_t half = (options.rotary_dim > 0 ? options.rotary_dim : head_dim) / 2;
   if (k->dim(0) != n || positions.dim(0) != n || q->dim(1) % head_dim != 0 || k->dim(1) % head_dim != 0 ||
-      inv_freq.dim(0) != head_dim / 2) {
-    return Invalid(kOp, absl::StrCat("shapes do not match head_dim ", head_dim), all);
+      inv_freq.dim(0) != half) {
+    return Invalid(kOp, absl::StrCat("shapes do not match head_dim ", head_dim, " and rotary_dim / 2 = ", half), all);
   }
   if (!FitsInt(q->dim(1) / head_dim + k->dim(1) / head_dim)) return Invalid(kOp, "too many heads", all);
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim) {
-  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, nullptr, nullptr, nullptr, nullptr);
+absl::Status CudaBackend::Rope(Tensor* q, Tensor* k, const Tensor& positions, const Tensor& inv_freq, int head_dim,
+                               const RopeOptions& options) {
+  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, options, nullptr, nullptr, nullptr, nullptr);
 }
 
 absl::Status CudaBackend::RopeCacheWrite(Tensor* q, Tensor* k, const Tensor& v, const Tensor& positions,
-                                         const Tensor& inv_freq, int head_dim, Tensor* k_cache, Tensor* v_cache,
-                                         const Tensor& slots) {
+                                         const Tensor& inv_freq, int head_dim, const RopeOptions& options,
+                                         Tensor* k_cache, Tensor* v_cache, const Tensor& slots) {
   if (!options_.fused_kernels) {
-    return Backend::RopeCacheWrite(q, k, v, positions, inv_freq, head_dim, k_cache, v_cache, slots);
+    return Backend::RopeCacheWrite(q, k, v, positions, inv_freq, head_dim, options, k_cache, v_cache, slots);
   }
-  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, &v, k_cache, v_cache, &slots);
+  return RopeAndMaybeCacheWrite(q, k, positions, inv_freq, head_dim, options, &v, k_cache, v_cache, &slots);
 }
 
 absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Tensor& positions,
-                                                 const Tensor& inv_freq, int head_dim, const Tensor* v,
-                                                 Tensor* k_cache, Tensor* v_cache, const Tensor* slots) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckRope(q, k, positions, inv_freq, head_dim));
+                                                 const Tensor& inv_freq, int head_dim, const RopeOptions& options,
+                                                 const Tensor* v, Tensor* k_cache, Tensor* v_cache,
+                                                 const Tensor* slots) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckRope(q, k, positions, inv_freq, head_dim, options));
   const bool cache = v != nullptr;
   if (cache) {
     SHARDSERVE_RETURN_IF_ERROR(CheckCacheWrite(k_cache, v_cache, *k, *v, *slots));
@@ -354,6 +381,9 @@ absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Ten
   const int64_t n = q->dim(0), q_heads = q->dim(1) / head_dim, kv_heads = k->dim(1) / head_dim;
   const int64_t pairs = n * (q_heads + kv_heads) * (head_dim / 2);
   if (pairs == 0) return absl::OkStatus();
+  const RopeParams rope{(options.rotary_dim > 0 ? options.rotary_dim : head_dim) / 2, options.attention_factor,
+                        options.long_inv_freq != nullptr ? options.long_inv_freq->as<const float>() : nullptr,
+                        options.long_from};
   SHARDSERVE_RETURN_IF_ERROR(Activate());
   return DispatchFloat(act_, [&](auto tag) -> absl::Status {
     using T = typename decltype(tag)::type;
@@ -361,14 +391,14 @@ absl::Status CudaBackend::RopeAndMaybeCacheWrite(Tensor* q, Tensor* k, const Ten
     if (!cache) {
       SHARDSERVE_RETURN_IF_ERROR(Launch("RopeKernel", RopeKernel<T, false>, grid, kElementwiseThreads, q->as<T>(),
                                         k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-                                        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, nullptr,
-                                        nullptr, nullptr, nullptr, int64_t{0}, nullptr));
+                                        static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, rope,
+                                        nullptr, nullptr, nullptr, nullptr, int64_t{0}, nullptr));
       return absl::OkStatus();
     }
     SHARDSERVE_RETURN_IF_ERROR(Launch("RopeKernel<cache>", RopeKernel<T, true>, grid, kElementwiseThreads, q->as<T>(),
                                       k->as<T>(), positions.as<const int32_t>(), inv_freq.as<const float>(), n,
-                                      static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, v->as<const T>(),
-                                      k_cache->as<T>(), v_cache->as<T>(), slots->as<const int32_t>(),
+                                      static_cast<int>(q_heads), static_cast<int>(kv_heads), head_dim, rope,
+                                      v->as<const T>(), k_cache->as<T>(), v_cache->as<T>(), slots->as<const int32_t>(),
                                       k_cache->dim(0) * k_cache->dim(1), errors_dev_));
     return absl::OkStatus();
   });

@@ -101,6 +101,10 @@ struct FamilyDeclaration {
   // (Qwen).
   enum class SlidingWindow { kNone, kEveryLayer, kLayerTypes, kOffUnlessUsed };
   SlidingWindow sliding_window = SlidingWindow::kNone;
+  // kLayerTypes without "layer_types": layer i slides unless (i + 1) is a multiple of this (Gemma 2:
+  // 2, the even layers; Gemma 3: 6, or config.json's "sliding_window_pattern", which only
+  // rope_per_layer_type families read, as Gemma3TextConfig does).
+  int sliding_window_pattern = 2;
   // The MLP's activation as config.json names it ("hidden_act", or Gemma's "hidden_activation"):
   // "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh approximation).
   const char* activation = "silu";
@@ -113,6 +117,15 @@ struct FamilyDeclaration {
   // (Gemma: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))).
   enum class NormPlacement { kPreNorm, kSandwich };
   NormPlacement norm_placement = NormPlacement::kPreNorm;
+  // partial_rotary_factor < 1 rotates the first head_dim * it dimensions of each head and passes the
+  // rest through (Phi-3, Phi-4-mini); elsewhere transformers rotates the whole head and only 1 is taken.
+  bool partial_rotary = false;
+  // RoPE as Phi3Config reads it: rope_type default or longrope ("su" and "yarn" read as longrope),
+  // original_max_position_embeddings from the top level, 4096 when absent.
+  bool phi3_rope = false;
+  // A RoPE per layer type (Gemma 3): rope_theta and rope_scaling for the full-attention layers,
+  // rope_local_base_freq for the sliding ones; 5.x's rope_parameters keyed by layer type.
+  bool rope_per_layer_type = false;
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).
   std::vector<WeightDecl> (*weights)(const ModelConfig& config);

@@ -46,8 +46,9 @@ std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& config, const 
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;
 
-// gemma.cc: Gemma 2 (Gemma2ForCausalLM).
+// gemma.cc: Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM).
 extern const FamilyDeclaration kGemma2Family;
+extern const FamilyDeclaration kGemma3Family;
 
 }  // namespace shardserve
 

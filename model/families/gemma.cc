@@ -5,7 +5,14 @@
 // attention's output, pre- and post-feedforward), the embeddings times sqrt(hidden_size), attention
 // scaled by query_pre_attn_scalar^-0.5 and its scores soft-capped (attn_logit_softcapping), the
 // layers layer_types calls sliding (by default the even ones) within sliding_window, and the logits
-// soft-capped (final_logit_softcapping). The forward pass is worker/shard/decoder.cc's sandwich-norm layer with those options.
+// soft-capped (final_logit_softcapping). The forward pass is worker/shard/decoder.cc's
+// sandwich-norm layer with those options.
+//
+// Gemma 3 text (Gemma3ForCausalLM, modeling_gemma3.py) is the same layer with q and k RMS-normed
+// per head (1 + w) before RoPE, no soft-capping unless config.json sets it, five sliding layers to
+// one global by default (sliding_window_pattern 6, or layer_types), and a RoPE per layer type: the
+// global layers rope_theta with rope_scaling (linear 8 on the 27B), the sliding ones
+// rope_local_base_freq (model/config.cc; the worker holds a table per type).
 #include "model/families/families.h"
 
 namespace shardserve {
@@ -38,6 +45,21 @@ const FamilyDeclaration kGemma2Family = {.architecture = "Gemma2ForCausalLM",
                                          .softcapping = true,
                                          .query_pre_attn_scalar = true,
                                          .norm_placement = FamilyDeclaration::NormPlacement::kSandwich,
+                                         .weights = Gemma2Weights,
+                                         .layer_buffers = LlamaShapedBuffers};
+
+const FamilyDeclaration kGemma3Family = {.architecture = "Gemma3ForCausalLM",
+                                         .attention_bias = FamilyDeclaration::AttentionBias::kConfigured,
+                                         .qk_norm = true,
+                                         .sliding_window = FamilyDeclaration::SlidingWindow::kLayerTypes,
+                                         .sliding_window_pattern = 6,
+                                         .activation = "gelu_pytorch_tanh",
+                                         .norm_plus_one = true,
+                                         .scale_embeddings = true,
+                                         .softcapping = true,
+                                         .query_pre_attn_scalar = true,
+                                         .norm_placement = FamilyDeclaration::NormPlacement::kSandwich,
+                                         .rope_per_layer_type = true,
                                          .weights = Gemma2Weights,
                                          .layer_buffers = LlamaShapedBuffers};
 

@@ -46,11 +46,12 @@ void SelfAttentionTensors(const ModelConfig& c, LayerTensors& t) {
   if (c.o_bias) t.Add("self_attn.o_proj.bias", {H}, S::kFirstRank, R::kOBias);
 }
 
+// "inv_freq": per kind of layer (RopeTables), its frequencies and LongRoPE's long ones.
 std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
   const int64_t H = c.hidden_size, q = s.q_rows.size(), kv = s.kv_rows.size(), f = s.mlp_rows.size();
   return {{"q", act, {n, q}},     {"k", act, {n, kv}},   {"v", act, {n, kv}}, {"attn", act, {n, q}},
           {"proj", act, {n, H}},  {"gate", act, {n, f}}, {"up", act, {n, f}},
-          {"inv_freq", DType::kF32, {c.head_dim / 2}}};
+          {"inv_freq", DType::kF32, {kRopeTableRows, c.RotaryDim() / 2}}};
 }
 
 const FamilyDeclaration kLlamaFamily = {.architecture = "LlamaForCausalLM",

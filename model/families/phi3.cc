@@ -2,8 +2,9 @@
 // whose checkpoint fuses q, k and v into one qkv_proj ([q; k; v] rows, as transformers' Phi3Attention
 // slices them) and gate and up into one gate_up_proj ([gate; up] rows, Phi3MLP's chunk(2)). The
 // loader splits them (each part cut for TP as its own tensor would be), so the forward pass is the
-// Llama one. A sliding window applies to every layer, as Mistral's does. LongRoPE (Phi-3 128k, Phi-3.5,
-// Phi-4-mini) and partial rotary embeddings are refused when config.json is read.
+// Llama one. A sliding window applies to every layer, as Mistral's does. RoPE is default or LongRoPE
+// (Phi-3 128k, Phi-3.5, Phi-4-mini), on the first head_dim * partial_rotary_factor dimensions of each
+// head (Phi-4-mini: 0.75); model/config.cc reads both as Phi3Config does.
 #include "model/families/families.h"
 
 namespace shardserve {
@@ -31,6 +32,8 @@ std::vector<WeightDecl> Phi3Weights(const ModelConfig& c) { return DecoderWeight
 
 const FamilyDeclaration kPhi3Family = {.architecture = "Phi3ForCausalLM",
                                        .sliding_window = FamilyDeclaration::SlidingWindow::kEveryLayer,
+                                       .partial_rotary = true,
+                                       .phi3_rope = true,
                                        .weights = Phi3Weights,
                                        .layer_buffers = LlamaShapedBuffers};
 

@@ -9,8 +9,8 @@
 namespace shardserve {
 namespace {
 
-constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kLlamaFamily, &kMistralFamily,
-                                                  &kPhi3Family,   &kQwen2Family, &kQwen3Family};
+constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kGemma3Family, &kLlamaFamily, &kMistralFamily,
+                                                  &kPhi3Family,   &kQwen2Family,  &kQwen3Family};
 
 }  // namespace
 

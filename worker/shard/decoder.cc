@@ -8,11 +8,12 @@
 
 namespace shardserve {
 
-DecoderBlocks::DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConfig& config, Tensor inv_freq)
+DecoderBlocks::DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConfig& config,
+                             const std::vector<DeviceRope>* rope)
     : be_(*backend),
       tp_(*tp),
       config_(config),
-      inv_freq_(inv_freq),
+      rope_(*rope),
       eps_(static_cast<float>(config.rms_norm_eps)),
       attention_scale_(config.attention_scale > 0 ? static_cast<float>(config.attention_scale)
                                                   : 1.0f / std::sqrt(static_cast<float>(config.head_dim))) {
@@ -51,10 +52,11 @@ absl::Status DecoderBlocks::SelfAttention(int64_t layer, const LayerWeights& w, 
     SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&q_heads, q_heads, w.q_norm, eps_));
     SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&k_heads, k_heads, w.k_norm, eps_));
   }
-  // q, k = apply_rotary_pos_emb(q, k, cos, sin); k and v into the paged cache (one pass where the
-  // backend fuses them)
-  SHARDSERVE_RETURN_IF_ERROR(be_.RopeCacheWrite(&s.q, &s.k, s.v, meta.positions, inv_freq_, static_cast<int>(D),
-                                                &cache.k, &cache.v, meta.slots));
+  // q, k = apply_rotary_pos_emb(q, k, cos, sin) with the layer kind's RoPE; k and v into the paged
+  // cache (one pass where the backend fuses them)
+  const DeviceRope& rope = rope_[config_.LayerRopeTable(layer)];
+  SHARDSERVE_RETURN_IF_ERROR(be_.RopeCacheWrite(&s.q, &s.k, s.v, meta.positions, rope.inv_freq, static_cast<int>(D),
+                                                rope.options, &cache.k, &cache.v, meta.slots));
   // softmax(q k^T * scale (soft-capped), causal, within the layer's window) v, over the cache
   AttentionOptions attention;
   attention.window = config_.LayerWindow(layer);

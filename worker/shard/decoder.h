@@ -9,6 +9,7 @@
 #define SHARDSERVE_WORKER_SHARD_DECODER_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/backend.h"
@@ -51,11 +52,20 @@ struct LayerScratch {
   Tensor gate, up;     // [n, f] the MLP's products
 };
 
+// One kind of layer's rotary embedding (ModelConfig::LayerRopeTable: Gemma 3's global and sliding
+// layers have their own): its frequencies on the device and the kernel's options.
+struct DeviceRope {
+  Tensor inv_freq;       // [rotary_dim / 2] F32
+  Tensor long_inv_freq;  // [rotary_dim / 2] F32 (LongRoPE's, read only then)
+  RopeOptions options;   // its long_inv_freq points at the field above
+};
+
 // What every layer of a model computes with, from its config.json.
 class DecoderBlocks {
  public:
-  // `inv_freq`: RoPE's inverse frequencies [head_dim / 2] F32 on the device.
-  DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConfig& config, Tensor inv_freq);
+  // `rope`: one entry per RoPE table of the model (ModelConfig::LayerRopeTable indexes it); it must
+  // outlive the blocks and not move.
+  DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConfig& config, const std::vector<DeviceRope>* rope);
 
   // Decoder layer `layer` (its index in the model) over the step's n tokens. On entry `x` [n, hidden]
   // is the residual stream and s.normed its input norm (the previous layer computed it, fused with
@@ -84,7 +94,7 @@ class DecoderBlocks {
   Backend& be_;
   const TpPlan& tp_;
   const ModelConfig& config_;
-  const Tensor inv_freq_;
+  const std::vector<DeviceRope>& rope_;
   const float eps_;
   const float attention_scale_;
   float embedding_scale_ = 0;  // in the act dtype's precision; 0 for none

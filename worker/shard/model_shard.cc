@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -54,9 +55,25 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
     m->step_buffer_bytes_ += slot->bytes();
   }
-  std::vector<float> inv_freq = RopeInvFreq(config);
-  SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(m->inv_freq_.data, inv_freq.data(), inv_freq.size() * sizeof(float)));
-  m->blocks_ = std::make_unique<DecoderBlocks>(backend, &m->tp_, m->config_, m->inv_freq_);
+  // RoPE: each kind of layer's frequencies in two rows of inv_freq_ (LongRoPE's long ones second).
+  const std::vector<RopeTable> rope_tables = RopeTables(config);
+  const int64_t rotary_half = config.RotaryDim() / 2;
+  m->rope_.resize(rope_tables.size());  // never resized again: options point into it
+  for (size_t t = 0; t < rope_tables.size(); ++t) {
+    const RopeTable& table = rope_tables[t];
+    DeviceRope& kind = m->rope_[t];
+    for (auto [row, freqs, tensor] : {std::tuple{2 * t, &table.inv_freq, &kind.inv_freq},
+                                      std::tuple{2 * t + 1, &table.long_inv_freq, &kind.long_inv_freq}}) {
+      *tensor = Tensor(m->inv_freq_.Rows(row, row + 1).data, DType::kF32, {rotary_half});
+      if (freqs->empty()) continue;
+      SHARDSERVE_RETURN_IF_ERROR(backend->CopyToDevice(tensor->data, freqs->data(), freqs->size() * sizeof(float)));
+    }
+    kind.options = {.rotary_dim = static_cast<int>(config.RotaryDim()),
+                    .attention_factor = table.attention_factor,
+                    .long_inv_freq = table.long_inv_freq.empty() ? nullptr : &kind.long_inv_freq,
+                    .long_from = table.long_from};
+  }
+  m->blocks_ = std::make_unique<DecoderBlocks>(backend, &m->tp_, m->config_, &m->rope_);
   m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
   return m;
 }
@@ -89,6 +106,13 @@ std::string ModelShard::GpuPathsNotYetRun() const {
   if (config_.activation == ModelConfig::Activation::kGeluTanh) paths.push_back("GeGLU (gelu_tanh)");
   if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
   if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
+  for (const DeviceRope& rope : rope_) {
+    if (rope.options.rotary_dim < config_.head_dim || rope.options.attention_factor != 1.0f ||
+        rope.options.long_inv_freq != nullptr) {
+      paths.push_back("RoPE with partial rotary, an attention factor or LongRoPE");
+      break;
+    }
+  }
   return absl::StrJoin(paths, ", ");
 }
 

@@ -106,6 +106,7 @@ class ModelShard {
   uint64_t kv_cache_bytes_ = 0;
   ShardWeights weights_;
   std::vector<KvCache> kv_;  // one per layer of the stage
+  std::vector<DeviceRope> rope_;  // per RoPE table, views of inv_freq_'s rows
   std::unique_ptr<DecoderBlocks> blocks_;
 
   // ---- Step buffers, sized for max_tokens_per_step (n) and max_seqs_per_step (m) ----
@@ -116,7 +117,7 @@ class ModelShard {
   Tensor attn_;       // [n, q]
   Tensor proj_;       // [n, hidden] o_proj / down_proj output (partial sums before all-reduce)
   Tensor gate_, up_;  // [n, f]
-  Tensor inv_freq_;   // [head_dim / 2] F32
+  Tensor inv_freq_;   // [kRopeTableRows, rotary_dim / 2] F32: RopeTables' frequencies, two rows a table
   Tensor last_;       // [m, hidden] rows whose logits are wanted
   Tensor local_logits_;     // [m, vocab_rows_per_rank] F32
   Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32; only when tp > 1
