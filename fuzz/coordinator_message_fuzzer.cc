@@ -1,22 +1,25 @@
 // The worker's side of its control stream, against a hostile coordinator: a sequence of
 // CoordinatorMessages (each varint-length-delimited, as protobuf's SerializeDelimitedTo writes
-// them; at most kMaxMessages), handled as WorkerService::Serve handles them, through the checks a
-// worker runs before it acts (worker/step_checks.h), against the demo model's config.json
-// (models/demo, loaded once; the Assignment's model_path is not opened):
+// them; at most kMaxMessages), dispatched by the worker's own NextControlAction
+// (worker/control_dispatch.h, what WorkerService::Serve calls) and acted on through the worker's
+// own checks and state, against the demo model's config.json (models/demo, loaded once; the
+// Assignment's model_path is not opened, no weights are loaded, no kernel runs):
 //
-//   Assignment   a second one on the stream only under a later epoch; with adopt: CheckAdopt
-//                against the shard held; else CheckAssignment, CheckShard and CheckStageLayers,
-//                then a fresh PersistentBatch for its limits (StepExecutor::Create, minus the
-//                backend, the collectives and the weights)
-//   StepPlan     refused before an assignment, after a failure or under another epoch; else
-//                PersistentBatch::Apply, CheckRowSampling and CheckStepBatch (StepExecutor::ToBatch
-//                and ModelShard::Forward's check): a failure makes the worker refuse every later
-//                step, as it does
-//   Regroup      CheckRegroup; the running batch dropped, the failure cleared
-//   Shutdown     ends the stream
+//   kLoad        CheckLoadable (what StepExecutor::Create checks), then a StepState (the epoch,
+//                running batch and step buffers StepExecutor holds)
+//   kAdopt       StepState::Adopt against the assignment held (what StepExecutor::Adopt runs
+//                before joining the groups)
+//   kStep        StepState::Prepare (StepExecutor::Execute's checks before any collective), then
+//                CheckStepBatch (what ModelShard::Forward checks first)
+//   kRegroup     StepState::Regroup (StepExecutor::Regroup's, before joining the groups)
+//   the rest     a failure, a refused step, or the end of the stream
+//
+// What this target keeps itself is what WorkerService keeps between messages: whether this stream
+// brought an assignment, the assignment held, and whether a failure is pending (set by a refusal,
+// cleared by a load, an adoption or a regroup, as WorkerService::Fail and its handlers do).
 //
 // Invariants: every refusal is InvalidArgument (FailedPrecondition for an adoption of another
-// shard); an accepted step is executable without an out-of-range index, checked here again on
+// shard or a step of another epoch); an accepted step is executable without an out-of-range index, checked here again on
 // its own terms: equal-length token lists within the limits, token ids in the vocabulary, block
 // table entries in [0, num_kv_blocks), each token's cache slot the one its sequence's table gives
 // for its position, positions within the table and max_position_embeddings, logit rows among the
@@ -36,16 +39,20 @@
 #include <string>
 #include <vector>
 
+#include "fuzz/check.h"
 #include "fuzz/message_stream.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "model/config.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
-#include "worker/persistent_batch.h"
+#include "worker/control_dispatch.h"
 #include "worker/step_checks.h"
+#include "worker/step_state.h"
 
 namespace {
+
+using shardserve_fuzz::Check;
 
 using shardserve::v1::CoordinatorMessage;
 
@@ -64,34 +71,25 @@ const shardserve::ModelConfig& Config() {
   return *config;
 }
 
-void Check(bool ok, const char* what) {
-  if (ok) return;
-  std::fprintf(stderr, "coordinator_message_fuzzer: %s\n", what);
-  std::abort();
-}
-
 void CheckRefusal(const absl::Status& s, bool may_be_precondition = false) {
   shardserve_fuzz::Say("refused", s);
   Check(absl::IsInvalidArgument(s) || (may_be_precondition && absl::IsFailedPrecondition(s)),
         "a refusal that is not InvalidArgument");
 }
 
-// The shard a worker holds after a successful load (what StepExecutor keeps).
+// The shard a worker holds after a successful load.
 struct Shard {
   shardserve::v1::Assignment assignment;
   shardserve::StepLimits limits;
-  uint64_t epoch = 0;
   bool first = false;
-  std::unique_ptr<shardserve::PersistentBatch> state;
-  shardserve::StepBatch batch;
-  google::protobuf::RepeatedPtrField<shardserve::v1::RowSampling> sampling;
+  std::unique_ptr<shardserve::StepState> steps;
 };
 
 // An accepted step, checked on its own terms: what the kernels index with these vectors.
 void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
   const shardserve::ModelConfig& config = Config();
   const shardserve::StepLimits& l = shard.limits;
-  const shardserve::StepBatch& b = shard.batch;
+  const shardserve::StepBatch& b = shard.steps->batch();
   const int64_t n = static_cast<int64_t>(b.positions.size()), width = l.max_blocks_per_seq(), bs = l.block_size;
   Check(n >= 1 && n <= l.max_tokens_per_step, "tokens outside [1, max_tokens_per_step]");
   Check(static_cast<int64_t>(b.token_seq.size()) == n && static_cast<int64_t>(b.slots.size()) == n,
@@ -111,11 +109,11 @@ void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
     Check(b.slots[t] == slot, "a cache slot that is not the table's for its position");
     Check(slot >= 0 && slot < l.num_kv_blocks * bs, "a cache slot outside the cache");
   }
-  Check(static_cast<int>(b.logit_rows.size()) == shard.sampling.size() &&
+  Check(static_cast<int>(b.logit_rows.size()) == shard.steps->sampling().size() &&
             static_cast<int64_t>(b.logit_rows.size()) <= l.max_seqs_per_step,
         "logit rows and sampling rows differ");
   for (int32_t r : b.logit_rows) Check(r >= 0 && r < n, "a logit row outside the step");
-  for (const shardserve::v1::RowSampling& r : shard.sampling) {
+  for (const shardserve::v1::RowSampling& r : shard.steps->sampling()) {
     Check(r.top_logprobs() >= 0 && r.top_logprobs() <= 20, "top_logprobs outside [0, 20]");
     for (int32_t id : r.penalty_prompt_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
     for (int32_t id : r.penalty_output_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
@@ -275,67 +273,64 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   google::protobuf::io::CodedInputStream in(&bytes);
   const shardserve::ModelConfig& config = Config();
   std::unique_ptr<Shard> shard;
+  shardserve::v1::Assignment assignment;  // the last one (WorkerService::assignment_)
   bool assigned_this_stream = false, failed = false;
-  uint64_t epoch = 0;  // the held shard's; the last assignment's before any load
   CoordinatorMessage m;
   for (int i = 0; i < kMaxMessages; ++i) {
     if (!shardserve_fuzz::Next(&in, &m)) break;
-    switch (m.msg_case()) {
-      case CoordinatorMessage::kAssignment: {
-        const shardserve::v1::Assignment& a = m.assignment();
-        if (assigned_this_stream && a.epoch() <= epoch) {
-          failed = true;  // a second assignment
-          break;
-        }
+    const shardserve::ControlState state{.assigned_this_stream = assigned_this_stream,
+                                         .holds_shard = shard != nullptr,
+                                         .failed = failed,
+                                         .epoch = shard != nullptr ? shard->steps->epoch() : assignment.epoch()};
+    switch (shardserve::NextControlAction(state, m)) {
+      case shardserve::ControlAction::kSecondAssignment:
+      case shardserve::ControlAction::kRegroupWithoutShard:
+        failed = true;
+        break;
+      case shardserve::ControlAction::kAdoptWithoutShard:
+        assignment = m.assignment();
         assigned_this_stream = true;
-        if (a.adopt()) {
-          if (shard == nullptr) {
-            failed = true;
-            break;
-          }
-          const absl::Status s = shardserve::CheckAdopt(shard->assignment, shard->epoch, a);
-          if (!s.ok()) {
-            CheckRefusal(s, /*may_be_precondition=*/true);
-            shard.reset();
-            failed = true;
-            break;
-          }
-          shard->assignment = a;
-          shard->epoch = epoch = a.epoch();
-          shard->state->Clear();
-          failed = false;
-          break;
-        }
+        failed = true;
+        break;
+      case shardserve::ControlAction::kLoad: {
         shard.reset();  // a load drops the shard held first
-        epoch = a.epoch();
+        assignment = m.assignment();
+        assigned_this_stream = true;
         failed = false;
-        absl::Status s = shardserve::CheckAssignment(a);
-        const shardserve::StepLimits limits = shardserve::FromProto(a.limits());
-        if (s.ok()) s = shardserve::CheckShard(config, shardserve::ShardSpecOf(a), limits);
-        if (s.ok()) s = shardserve::CheckStageLayers(a, config);
+        const absl::Status s = shardserve::CheckLoadable(assignment, config);
         if (!s.ok()) {
           CheckRefusal(s);
           failed = true;
           break;
         }
         shard = std::make_unique<Shard>();
-        shard->assignment = a;
-        shard->limits = limits;
-        shard->epoch = a.epoch();
-        shard->first = a.stage() == 0;
-        const bool samples = a.stage() + 1 == a.num_stages() && a.tp_rank() == 0;
-        shard->state = std::make_unique<shardserve::PersistentBatch>(limits, config.vocab_size, samples);
-        shard->state->Reserve(&shard->batch);
+        shard->assignment = assignment;
+        shard->limits = shardserve::FromProto(assignment.limits());
+        shard->first = assignment.stage() == 0;
+        shard->steps = std::make_unique<shardserve::StepState>(assignment, config.vocab_size);
         break;
       }
-      case CoordinatorMessage::kStep: {
-        const shardserve::v1::StepPlan& plan = m.step();
-        if (failed || shard == nullptr || plan.epoch() != shard->epoch) break;  // refused before any check
-        absl::Status s = shard->state->Apply(plan, &shard->batch, &shard->sampling);
-        if (s.ok()) s = shardserve::CheckRowSampling(plan.step_id(), shard->sampling, config.vocab_size);
-        if (s.ok()) s = shardserve::CheckStepBatch(shard->batch, shard->limits, config, shard->first);
+      case shardserve::ControlAction::kAdopt: {
+        assigned_this_stream = true;
+        const absl::Status s = shard->steps->Adopt(shard->assignment, m.assignment());
+        assignment = m.assignment();
+        failed = false;
         if (!s.ok()) {
-          CheckRefusal(s);
+          CheckRefusal(s, /*may_be_precondition=*/true);
+          shard.reset();  // the worker drops a shard it cannot serve
+          failed = true;
+          break;
+        }
+        shard->assignment = assignment;
+        break;
+      }
+      case shardserve::ControlAction::kStep: {
+        const shardserve::v1::StepPlan& plan = m.step();
+        absl::Status s = shard->steps->Prepare(plan);
+        if (s.ok()) s = shardserve::CheckStepBatch(shard->steps->batch(), shard->limits, config, shard->first);
+        if (!s.ok()) {
+          // FailedPrecondition: a step of another epoch.
+          CheckRefusal(s, /*may_be_precondition=*/plan.epoch() != shard->steps->epoch());
           failed = true;  // the running batch is undefined now: no more steps until a regroup
           break;
         }
@@ -343,27 +338,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         shardserve_fuzz::Say("accepted step", absl::OkStatus());
         break;
       }
-      case CoordinatorMessage::kRegroup: {
-        if (shard == nullptr) {
-          failed = true;
-          break;
-        }
+      case shardserve::ControlAction::kRefuseStep:
+        break;  // answered with the failure, nothing checked
+      case shardserve::ControlAction::kRegroup: {
         const shardserve::v1::Regroup& r = m.regroup();
-        const absl::Status s = shardserve::CheckRegroup(shard->assignment, shard->epoch, r);
+        const absl::Status s = shard->steps->Regroup(shard->assignment, r);
+        failed = false;
         if (!s.ok()) {
           CheckRefusal(s);
           failed = true;
           break;
         }
-        shard->state->Clear();
-        failed = false;
-        shard->epoch = epoch = r.epoch();
-        shard->assignment.set_epoch(r.epoch());
+        // WorkerService's copy takes the new groups; the executor's (shard->assignment) keeps its
+        // own, its epoch being the StepState's.
+        assignment.set_epoch(r.epoch());
+        assignment.set_tp_group(r.tp_group());
+        assignment.set_send_group(r.send_group());
+        assignment.set_recv_group(r.recv_group());
         break;
       }
-      case CoordinatorMessage::kShutdown:
+      case shardserve::ControlAction::kShutdown:
+      case shardserve::ControlAction::kRefused:
+      case shardserve::ControlAction::kLetGo:
         return 0;
-      case CoordinatorMessage::MSG_NOT_SET:
+      case shardserve::ControlAction::kIgnore:
         break;
     }
   }

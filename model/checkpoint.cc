@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/json.h"
@@ -326,6 +327,30 @@ struct Checkpoint::Mapping {
   }
 };
 
+absl::Status ParseSafetensorsIndex(std::string_view text, const std::string& source,
+                                   std::map<std::string, std::string>* weight_map) {
+  absl::StatusOr<json> parsed = ParseJson<json>(text, source);
+  if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
+  const json& index = *parsed;
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    return absl::DataLossError(absl::StrCat(source, ": not valid JSON with a \"weight_map\" object"));
+  }
+  for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+    if (!it.value().is_string()) {
+      return absl::DataLossError(absl::StrCat(source, ": weight_map entry \"", it.key(), "\" is not a file name"));
+    }
+    const std::string& f = it.value().get_ref<const std::string&>();
+    // A NUL would end the name open() sees early: another file than the one named.
+    if (f.empty() || f.find('/') != std::string::npos || f.find('\0') != std::string::npos || f == "." || f == "..") {
+      return absl::DataLossError(absl::StrCat(source, ": weight_map entry \"", it.key(), "\" names \"",
+                                              absl::CEscape(f),
+                                              "\", which is not a file name inside the checkpoint directory"));
+    }
+    (*weight_map)[it.key()] = f;
+  }
+  return absl::OkStatus();
+}
+
 Checkpoint::~Checkpoint() = default;
 
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::filesystem::path& dir) {
@@ -343,25 +368,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::filesyst
     std::ifstream in(index_path, std::ios::binary);
     std::stringstream ss;
     ss << in.rdbuf();
-    absl::StatusOr<json> parsed = ParseJson<json>(ss.str(), index_path.string());
-    if (!parsed.ok()) return absl::DataLossError(parsed.status().message());
-    json index = *std::move(parsed);
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
-      return absl::DataLossError(absl::StrCat(index_path.string(), ": not valid JSON with a \"weight_map\" object"));
-    }
+    SHARDSERVE_RETURN_IF_ERROR(ParseSafetensorsIndex(ss.str(), index_path.string(), &weight_map));
     std::set<std::string> unique;
-    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) {
-        return absl::DataLossError(absl::StrCat(index_path.string(), ": weight_map entry \"", it.key(), "\" is not a file name"));
-      }
-      std::string f = it.value().get<std::string>();
-      if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") {
-        return absl::DataLossError(absl::StrCat(index_path.string(), ": weight_map entry \"", it.key(), "\" names \"", f,
-                                                "\", which is not a file name inside the checkpoint directory"));
-      }
-      weight_map[it.key()] = f;
-      unique.insert(f);
-    }
+    for (const auto& [tensor, file] : weight_map) unique.insert(file);
     files.assign(unique.begin(), unique.end());
   } else if (std::filesystem::exists(dir / "model.safetensors")) {
     files.push_back("model.safetensors");

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -87,6 +88,13 @@ class Checkpoint : public WeightSource {
 // belongs to no tensor. Exposed for tests and the planner.
 absl::Status ParseSafetensorsHeader(const uint8_t* data, uint64_t file_size, const std::string& file_name,
                                     std::vector<TensorInfo>* out);
+
+// Parses model.safetensors.index.json's text into its weight_map (tensor name -> file name),
+// what Checkpoint::Open runs on the file. DataLoss naming `source` when the text is not JSON, has
+// no "weight_map" object, or an entry is not a string naming a file inside the checkpoint
+// directory (empty, ".", "..", or holding a '/' or a NUL byte). Exposed for tests and fuzz/.
+absl::Status ParseSafetensorsIndex(std::string_view text, const std::string& source,
+                                   std::map<std::string, std::string>* weight_map);
 
 }  // namespace shardserve
 

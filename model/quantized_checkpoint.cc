@@ -723,10 +723,48 @@ absl::Status CheckQuantizedLinear(const WeightSource& ckpt, const CheckpointQuan
   return absl::OkStatus();
 }
 
-absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckpt, const CheckpointQuant& c,
-                                                         const std::string& prefix, int64_t out, int64_t in,
-                                                         const Slice& slice, bool map) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckQuantizedLinear(ckpt, c, prefix, out, in));
+namespace {
+
+// The weights `w` stands for must be finite: finite scales times the codes can still overflow
+// float32 (a scale of 1e38 times an int4 value of 15, or an fp8 448), which would make every
+// logit NaN at the first step. Each row is dequantized as the kernels read it (kernels/quant.h)
+// and checked; InvalidArgument naming the first weight that is not finite, in the whole layer's
+// [out, in] coordinates (`row0`, `col0`: where the slice starts).
+absl::Status CheckFinite(const std::string& prefix, const QuantizedLinearSlice& w, int64_t row0, int64_t col0) {
+  std::vector<float> row(static_cast<size_t>(w.kernel == WeightQuant::kNone ? 0 : w.k));
+  const int64_t blocks_per_row = (w.k + kInt4GroupSize - 1) / kInt4GroupSize;
+  for (int64_t r = 0; r < w.m; ++r) {
+    const float* values = row.data();
+    if (w.kernel == WeightQuant::kNone) {
+      values = w.dense.data() + r * w.k;
+    } else {
+      const float scale = w.kernel == WeightQuant::kInt4 ? 0.0f : w.row_scale(r);
+      switch (w.kernel) {
+        case WeightQuant::kInt4:
+          DequantizeInt4Groups(row.data(), w.blocks.data() + r * blocks_per_row, 1, w.k);
+          break;
+        case WeightQuant::kInt8:
+          DequantizeInt8Rows(row.data(), &scale, reinterpret_cast<const int8_t*>(w.codes()) + r * w.k, 1, w.k);
+          break;
+        default:
+          DequantizeFp8Rows(row.data(), &scale, w.codes() + r * w.k, 1, w.k);
+          break;
+      }
+    }
+    for (int64_t i = 0; i < w.k; ++i) {
+      if (!std::isfinite(values[i])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            prefix, ": weight [", row0 + r, "][", col0 + i, "] is ", values[i],
+            ": its scale times its quantized value overflows float32 (a corrupt or hostile checkpoint)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QuantizedLinearSlice> ReadSlice(const WeightSource& ckpt, const CheckpointQuant& c,
+                                               const std::string& prefix, int64_t out, int64_t in,
+                                               const Slice& slice, bool map) {
   SHARDSERVE_ASSIGN_OR_RETURN(const Ranges rg, SliceRanges(c, prefix, out, in, slice));
   absl::StatusOr<IntWeight> w;
   switch (c.method) {
@@ -740,6 +778,18 @@ absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckp
   }
   if (!w.ok()) return w.status();
   return Finish(*w, map);
+}
+
+}  // namespace
+
+absl::StatusOr<QuantizedLinearSlice> ReadQuantizedLinear(const WeightSource& ckpt, const CheckpointQuant& c,
+                                                         const std::string& prefix, int64_t out, int64_t in,
+                                                         const Slice& slice, bool map) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckQuantizedLinear(ckpt, c, prefix, out, in));
+  SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice w, ReadSlice(ckpt, c, prefix, out, in, slice, map));
+  SHARDSERVE_RETURN_IF_ERROR(
+      CheckFinite(prefix, w, slice.dim == 0 ? slice.begin : 0, slice.dim == 1 ? slice.begin : 0));
+  return w;
 }
 
 }  // namespace shardserve

@@ -920,6 +920,21 @@ TEST_F(CheckpointTest, IndexPointsOutsideTheDirectory) {
   EXPECT_THAT(OpenError(), HasSubstr("not a file name inside the checkpoint directory"));
 }
 
+// A NUL inside an index's file name ended the name open() saw: "model.safetensors\0.evil" opened
+// model.safetensors, another file than the one the index names. Refused like a path outside it.
+TEST_F(CheckpointTest, IndexFileNameWithANulByteIsRefused) {
+  WriteTiny();
+  json index = {{"weight_map", json::object()}};
+  for (const auto& t : TinyTensors()) index["weight_map"][t.name] = std::string("model.safetensors\0.evil", 23);
+  std::ofstream(dir_ / "model.safetensors.index.json") << index.dump();
+  EXPECT_THAT(OpenError(), HasSubstr("\"model.safetensors\\000.evil\", which is not a file name inside the checkpoint "
+                                     "directory"));
+  // The index alone, as ParseSafetensorsIndex reads it.
+  std::map<std::string, std::string> weight_map;
+  const absl::Status s = ParseSafetensorsIndex(index.dump(), "index.json", &weight_map);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+}
+
 // One NaN or Inf weight made every logit NaN: generate-ids printed "0 0 0 ..." and the server
 // failed its first step as a lost worker. Refused at load, naming the tensor and the element, in
 // whatever type the weight is read as and for the row or column slice that holds it.

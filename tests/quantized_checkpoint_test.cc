@@ -642,6 +642,33 @@ void ExpectInt8KnownAnswer(const QuantizedLinearSlice& w, const std::string& wha
   }
 }
 
+// Finite scales whose product with a quantized value overflows float32 (1e38 x -128) made an
+// infinite weight that was loaded (every logit NaN at the first step). Refused, naming the weight,
+// on the int8 kernel layout and on the dequantized path alike.
+TEST(QuantizedKnownAnswers, AScaleTimesAValueThatOverflowsFloat32IsRefused) {
+  FakeGptqTensors src;
+  src.Add("l.qweight", {2, 8}, DType::kI32, Bytes(std::vector<uint32_t>(2 * 8, 0x01FF8000u)));
+  src.Add("l.qzeros", {1, 2}, DType::kI32, Bytes(std::vector<uint32_t>(2, 0x7F7F7F7Fu)));
+  std::vector<float> scales(8, 1.0f);
+  scales[5] = 1e38f;  // finite, and nonzero
+  src.Add("l.scales", {1, 8}, DType::kF32, Bytes(scales));
+  src.Add("l.g_idx", {8}, DType::kI32, Bytes(std::vector<int32_t>(8, 0)));
+  absl::StatusOr<CheckpointQuant> c =
+      ParseCheckpointQuant(R"({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": true})", "t");
+  ASSERT_TRUE(c.ok()) << c.status();
+  for (bool map : {true, false}) {
+    absl::StatusOr<QuantizedLinearSlice> w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, -1}, map);
+    EXPECT_TRUE(absl::IsInvalidArgument(w.status())) << map << ": " << w.status();
+    EXPECT_TRUE(absl::StrContains(w.status().message(), "l: weight [5][0] is -inf: its scale times its quantized "
+                                                         "value overflows float32"))
+        << w.status();
+    // A slice without that output loads; one with it names the weight in the layer's coordinates.
+    EXPECT_TRUE(ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 0, 4}, map).ok());
+    w = ReadQuantizedLinear(src, *c, "l", 8, 8, Slice{0, 4, -1}, map);
+    EXPECT_TRUE(absl::StrContains(w.status().message(), "weight [5][0] is -inf")) << w.status();
+  }
+}
+
 TEST(QuantizedKnownAnswers, Gptq8BitSymPerChannelKeepsItsInt8Codes) {
   // GPTQ v1 stores the zero point 128 as 127 (0x7F7F7F7F).
   FakeGptqTensors src;

@@ -16,6 +16,7 @@
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/staged_communicator.h"
 #include "worker/step_checks.h"
+#include "worker/step_state.h"
 #if SHARDSERVE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -102,7 +103,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
                                                                    RendezvousStore* store,
                                                                    const std::string& collective_host,
                                                                    const StepExecutorOptions& worker_options) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckAssignment(a));
+  SHARDSERVE_RETURN_IF_ERROR(CheckAssignment(a));  // before reading anything the assignment names
   absl::StatusOr<int> cuda_ordinal = ParseDevice(device);
   if (!cuda_ordinal.ok()) return cuda_ordinal.status();
   if (*cuda_ordinal < 0 && worker_options.collectives == Collectives::kNccl) {
@@ -115,7 +116,6 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   e->assignment_ = a;
   e->cuda_ordinal_ = *cuda_ordinal;
   e->collectives_ = worker_options.collectives;
-  e->epoch_ = a.epoch();
   e->collective_host_ = collective_host;
   std::tie(e->device_memory_.total, e->device_memory_.free_start) = DeviceMemoryInfo(*cuda_ordinal);
   if (*cuda_ordinal < 0) {
@@ -169,13 +169,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       ModelShard::Load(**weights, *config, spec, options, backend, e->tp_.get());
   if (!shard.ok()) return shard.status();
   e->shard_ = std::move(*shard);
-  SHARDSERVE_RETURN_IF_ERROR(CheckStageLayers(a, *config));
+  // What a worker checks of an assignment (CheckShard ran first, in Load): the stage's layers.
+  SHARDSERVE_RETURN_IF_ERROR(CheckLoadable(a, *config));
 
-  // The persistent batch and the step buffers, for the largest step. The worker that samples
-  // keeps the fed tokens of sequences with a penalty on.
+  // The running batch and the step buffers, for the largest step.
   const int64_t m = options.max_seqs_per_step;
-  e->state_ = std::make_unique<PersistentBatch>(options, config->vocab_size, last && a.tp_rank() == 0);
-  e->state_->Reserve(&e->batch_);
+  e->steps_ = std::make_unique<StepState>(a, config->vocab_size);
   if (last && a.tp_rank() == 0) {
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
     if (!sampler.ok()) return sampler.status();
@@ -255,12 +254,14 @@ std::string StepExecutor::MemoryAfterSteps() const {
 }
 
 absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {
+  // Whatever happens after the check, the old groups are gone and the running batch with them.
+  SHARDSERVE_RETURN_IF_ERROR(steps_->Regroup(assignment_, r));
+  return JoinGroups(r, store);
+}
+
+absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* store) {
   const v1::Assignment& a = assignment_;
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
-  SHARDSERVE_RETURN_IF_ERROR(CheckRegroup(a, epoch_, r));
-  // Whatever happens next, the old groups are gone and the running batch with them.
-  state_->Clear();
-  epoch_ = r.epoch();
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->Replace(nullptr);
   }
@@ -281,39 +282,27 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
 }
 
 void StepExecutor::LeaveCoordinator() {
-  state_->Clear();
+  steps_->Clear();
   LeaveGroups();
 }
 
 absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckAdopt(assignment_, epoch_, a));
+  SHARDSERVE_RETURN_IF_ERROR(steps_->Adopt(assignment_, a));
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
-  return Regroup(RegroupOf(a), store);
-}
-
-absl::Status StepExecutor::ToBatch(const v1::StepPlan& p) {
-  SHARDSERVE_RETURN_IF_ERROR(state_->Apply(p, &batch_, &sampling_));
-  // Every worker checks the sampling parameters, not only the one that samples: the plan is the
-  // same everywhere, so all fail here together instead of leaving peers waiting in a collective.
-  // (The penalty ids, kept only where the sampler is, are fed token ids the persistent batch
-  // checked on every worker alike.)
-  return CheckRowSampling(p.step_id(), sampling_, shard_->config().vocab_size);
+  return JoinGroups(RegroupOf(a), store);
 }
 
 absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* result) {
   const auto start = std::chrono::steady_clock::now();
   result->Clear();
   result->set_step_id(plan.step_id());
-  result->set_epoch(epoch_);
-  if (plan.epoch() != epoch_) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", plan.step_id(), " is of epoch ", plan.epoch(),
-                                                      "; this worker's group is epoch ", epoch_));
-  }
+  result->set_epoch(steps_->epoch());
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->ResetSeconds();
   }
-  SHARDSERVE_RETURN_IF_ERROR(ToBatch(plan));
-  const int64_t n = static_cast<int64_t>(batch_.positions.size());
+  SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
+  const StepBatch& batch = steps_->batch();
+  const int64_t n = static_cast<int64_t>(batch.positions.size());
   const uint64_t launches_before = backend_->kernel_launches();
 
   // The previous stage's output is this stage's input.
@@ -321,13 +310,13 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   if (recv_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(recv_->Recv(&hidden, 0));
   }
-  SHARDSERVE_RETURN_IF_ERROR(shard_->Forward(batch_));
+  SHARDSERVE_RETURN_IF_ERROR(shard_->Forward(batch));
   if (send_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(send_->Send(hidden, 1));
   }
-  if (sampler_ != nullptr && !batch_.logit_rows.empty()) {
-    const Tensor logits = shard_->logits(static_cast<int64_t>(batch_.logit_rows.size()));
-    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, sampling_, result));
+  if (sampler_ != nullptr && !batch.logit_rows.empty()) {
+    const Tensor logits = shard_->logits(static_cast<int64_t>(batch.logit_rows.size()));
+    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result));
   }
 
   double collective = 0;

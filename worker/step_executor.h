@@ -14,8 +14,8 @@
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
 //
 // Plans are stateful (worker.proto StepPlan): the executor holds the running batch by sequence id
-// (worker/persistent_batch.h) and expands each plan into the StepBatch the shard runs and the
-// RowSampling rows the sampler draws with.
+// (worker/step_state.h, over worker/persistent_batch.h) and expands each plan into the StepBatch
+// the shard runs and the RowSampling rows the sampler draws with.
 //
 // Ownership: owns the backend, the communicators, the shard, the sampler, the persistent batch and
 // every step buffer. Nothing is allocated per step: the host vectors are reserved for the largest
@@ -37,6 +37,7 @@
 #include "worker/shard/model_shard.h"
 #include "worker/persistent_batch.h"
 #include "worker/sampler.h"
+#include "worker/step_state.h"
 #include "worker/timed_communicator.h"
 
 namespace shardserve {
@@ -129,7 +130,7 @@ class StepExecutor {
   absl::Status Adopt(const v1::Assignment& assignment, RendezvousStore* store);
 
   // The group's epoch: the assignment's, then the last Regroup's. Execute refuses a plan of another.
-  uint64_t epoch() const { return epoch_; }
+  uint64_t epoch() const { return steps_->epoch(); }
 
   // Reports every collective call of later steps to `observer` (borrowed, must outlive this; null:
   // nowhere).
@@ -169,10 +170,8 @@ class StepExecutor {
 
  private:
   StepExecutor() = default;
-  // Applies the plan to the persistent batch, which fills batch_ and sampling_ (no allocation), and
-  // checks what must hold before the first collective (the sampling parameters too);
-  // ModelShard::Forward checks the rest.
-  absl::Status ToBatch(const v1::StepPlan& plan);
+  // Closes the communicators and joins the groups `regroup` names, in Create's order.
+  absl::Status JoinGroups(const v1::Regroup& regroup, RendezvousStore* store);
 
   // ---- Constant after Create ----
   v1::Assignment assignment_;
@@ -190,7 +189,6 @@ class StepExecutor {
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
 
-  uint64_t epoch_ = 0;  // the assignment's, then the last Regroup's
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at
   // the start, after the backend, after the groups and after the shard and the sampler.
@@ -199,10 +197,8 @@ class StepExecutor {
   };
   DeviceMemory device_memory_;
 
-  // ---- The running batch, and step buffers sized at Create ----
-  std::unique_ptr<PersistentBatch> state_;
-  StepBatch batch_;
-  google::protobuf::RepeatedPtrField<v1::RowSampling> sampling_;  // one per logit row; elements reused
+  // ---- The epoch, the running batch and the step buffers sized at Create ----
+  std::unique_ptr<StepState> steps_;
 };
 
 }  // namespace shardserve

@@ -292,39 +292,63 @@ absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, SessionEnd* e
 
 absl::Status WorkerService::Serve(Stream* stream, v1::WorkerControl::StubInterface* stub) {
   while (stream->Read(&in_)) {
-    switch (in_.msg_case()) {
-      case v1::CoordinatorMessage::kAssignment:
-        // A second Assignment on one stream only under a later epoch: after this worker's load
-        // failed, the re-formed group gives it its slot again (docs/healing.md).
-        if (assigned_this_stream_ && in_.assignment().epoch() <= epoch()) {
-          Fail(stream, absl::StrCat(Who(), ": the coordinator sent a second assignment"));
-        } else if (in_.assignment().adopt()) {
-          Adopt(stream, stub);
-        } else {
-          Load(stream, stub);
-        }
+    const ControlState state{.assigned_this_stream = assigned_this_stream_,
+                             .holds_shard = executor_ != nullptr,
+                             .failed = !failure_.empty(),
+                             .epoch = epoch()};
+    switch (NextControlAction(state, in_)) {
+      case ControlAction::kSecondAssignment:
+        Fail(stream, absl::StrCat(Who(), ": the coordinator sent a second assignment"));
         break;
-      case v1::CoordinatorMessage::kStep:
+      case ControlAction::kLoad:
+        Load(stream, stub);
+        break;
+      case ControlAction::kAdopt:
+        Adopt(stream, stub);
+        break;
+      case ControlAction::kAdoptWithoutShard:
+        assignment_ = in_.assignment();
+        assigned_ = true;
+        assigned_this_stream_ = true;
+        accepted_this_stream_ = true;
+        Fail(stream, absl::StrCat(Who(), ": asked to keep a shard it does not hold"));
+        break;
+      case ControlAction::kStep:
         RunStep(stream);
         break;
-      case v1::CoordinatorMessage::kRegroup:
+      case ControlAction::kRefuseStep: {
+        // This worker cannot take part; say so rather than leave the coordinator waiting.
+        const v1::StepPlan& plan = in_.step();
+        v1::WorkerMessage failure;
+        failure.mutable_failure()->set_message(
+            failure_.empty() ? absl::StrCat(Who(), ": got step ", plan.step_id(), " before an assignment") : failure_);
+        failure.mutable_failure()->set_epoch(epoch());
+        failure.mutable_failure()->set_step_id(plan.step_id());
+        Write(stream, failure);
+        break;
+      }
+      case ControlAction::kRegroup:
         accepted_this_stream_ = true;
         Regroup(stream, stub);
         break;
-      case v1::CoordinatorMessage::kShutdown:
+      case ControlAction::kRegroupWithoutShard:
+        accepted_this_stream_ = true;
+        Fail(stream, absl::StrCat(Who(), ": got a regroup to epoch ", in_.regroup().epoch(), " without a loaded shard"));
+        break;
+      case ControlAction::kRefused:
         told_to_stop_ = true;
-        if (!assigned_this_stream_) {
-          return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
-                                                            " refused this worker: ", in_.shutdown().reason()));
-        }
-        if (in_.shutdown().let_go()) {
-          // Let go for its own failure (a replacement whose load failed): not a clean stop.
-          return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
-                                                            " let this worker go: ", in_.shutdown().reason()));
-        }
+        return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
+                                                          " refused this worker: ", in_.shutdown().reason()));
+      case ControlAction::kLetGo:
+        // Let go for its own failure (a replacement whose load failed): not a clean stop.
+        told_to_stop_ = true;
+        return absl::FailedPreconditionError(absl::StrCat("the coordinator at ", options_.coordinator,
+                                                          " let this worker go: ", in_.shutdown().reason()));
+      case ControlAction::kShutdown:
+        told_to_stop_ = true;
         WorkerLog(Who(), absl::StrCat("shutdown requested by the coordinator: ", in_.shutdown().reason()), Ids());
         return absl::OkStatus();
-      case v1::CoordinatorMessage::MSG_NOT_SET:
+      case ControlAction::kIgnore:
         WorkerLog(Who(), "ignoring an empty message from the coordinator (a newer protocol?)", Ids());
         break;
     }
@@ -422,12 +446,6 @@ void WorkerService::Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub
   const v1::Assignment& a = in_.assignment();
   assigned_this_stream_ = true;
   accepted_this_stream_ = true;
-  if (executor_ == nullptr) {
-    assignment_ = a;
-    assigned_ = true;
-    Fail(stream, absl::StrCat(Who(), ": asked to keep a shard it does not hold"));
-    return;
-  }
   const uint64_t old_epoch = executor_->epoch();
   const std::string old_id = assignment_.worker_id();
   const auto start = std::chrono::steady_clock::now();
@@ -468,10 +486,6 @@ uint64_t WorkerService::epoch() const {
 
 void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub) {
   const v1::Regroup& r = in_.regroup();
-  if (executor_ == nullptr) {
-    Fail(stream, absl::StrCat(Who(), ": got a regroup to epoch ", r.epoch(), " without a loaded shard"));
-    return;
-  }
   const uint64_t old_epoch = executor_->epoch();
   WorkerLog(Who(), absl::StrCat("regrouping: epoch ", old_epoch, " -> ", r.epoch(),
                                 ": leaving the old collective groups, dropping the running batch, keeping the weights"),
@@ -499,16 +513,6 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
 
 void WorkerService::RunStep(Stream* stream) {
   const v1::StepPlan& plan = in_.step();
-  if (!failure_.empty() || executor_ == nullptr) {
-    // This worker cannot take part; say so rather than leave the coordinator waiting.
-    v1::WorkerMessage failure;
-    failure.mutable_failure()->set_message(
-        failure_.empty() ? absl::StrCat(Who(), ": got step ", plan.step_id(), " before an assignment") : failure_);
-    failure.mutable_failure()->set_epoch(epoch());
-    failure.mutable_failure()->set_step_id(plan.step_id());
-    Write(stream, failure);
-    return;
-  }
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
   const auto start = std::chrono::steady_clock::now();
   if (absl::Status s = executor_->Execute(plan, reply_.mutable_step_result()); !s.ok()) {

@@ -60,6 +60,7 @@
 #include "absl/time/time.h"
 #include "telemetry/log.h"
 #include "shardserve/v1/worker.grpc.pb.h"
+#include "worker/control_dispatch.h"
 #include "worker/step_executor.h"
 #include "worker/worker_metrics.h"
 
@@ -147,15 +148,18 @@ class WorkerService {
   absl::Status Session(v1::WorkerControl::Stub* stub, SessionEnd* end);
   // Sleeps `d` unless Stop() is called first (then true, at once).
   bool SleepUnlessStopped(absl::Duration d);
-  // The protocol after Register, until the stream ends or Shutdown. FailedPrecondition when the
-  // coordinator refuses this worker (a Shutdown before any assignment).
+  // The protocol after Register, until the stream ends or Shutdown: each message handled as
+  // NextControlAction (worker/control_dispatch.h) says. FailedPrecondition when the coordinator
+  // refuses this worker (a Shutdown before any assignment) or lets it go.
   absl::Status Serve(Stream* stream, v1::WorkerControl::StubInterface* stub);
   // Loads the assigned shard (dropping one it holds first).
   void Load(Stream* stream, v1::WorkerControl::StubInterface* stub);
-  // Handles an Assignment with adopt: keeps the shard it holds, joins the new groups.
+  // Handles an Assignment with adopt (a shard held): keeps the shard, joins the new groups.
   void Adopt(Stream* stream, v1::WorkerControl::StubInterface* stub);
-  // Handles a Regroup: re-forms the collective groups under the new epoch, keeping the weights.
+  // Handles a Regroup (a shard held): re-forms the collective groups under the new epoch, keeping
+  // the weights.
   void Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub);
+  // Executes a step (a shard held, no failure) and answers its StepResult, or the failure.
   void RunStep(Stream* stream);
   // Sends heartbeats every second until the stream is done.
   void HeartbeatLoop(Stream* stream);

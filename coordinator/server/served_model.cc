@@ -16,15 +16,21 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// generation_config.json's eos_token_id: absent, an id, or a list of ids.
+// generation_config.json's eos_token_id, when the file exists (ParseGenerationEos).
 absl::Status ReadGenerationEos(const fs::path& file, std::vector<int32_t>* ids) {
   std::ifstream in(file);
   if (!in) return absl::OkStatus();  // optional
   std::stringstream text;
   text << in.rdbuf();
-  SHARDSERVE_ASSIGN_OR_RETURN(const nlohmann::json j, ParseJson<nlohmann::json>(text.str(), file.string()));
+  return ParseGenerationEos(text.str(), file.string(), ids);
+}
+
+}  // namespace
+
+absl::Status ParseGenerationEos(std::string_view text, const std::string& source, std::vector<int32_t>* ids) {
+  SHARDSERVE_ASSIGN_OR_RETURN(const nlohmann::json j, ParseJson<nlohmann::json>(text, source));
   if (!j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(file.string(), " is not a JSON object"));
+    return absl::InvalidArgumentError(absl::StrCat(source, " is not a JSON object"));
   }
   if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) return absl::OkStatus();
   const nlohmann::json& eos = j["eos_token_id"];
@@ -32,14 +38,12 @@ absl::Status ReadGenerationEos(const fs::path& file, std::vector<int32_t>* ids) 
   for (const nlohmann::json& id : list) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > INT32_MAX) {
       return absl::InvalidArgumentError(
-          absl::StrCat(file.string(), ": eos_token_id must be a token id or a list of them, got ", eos.dump()));
+          absl::StrCat(source, ": eos_token_id must be a token id or a list of them, got ", eos.dump()));
     }
     ids->push_back(id.get<int32_t>());
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string& dir, LoadFormat load_format) {
   std::error_code ec;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,6 +49,11 @@ struct ServedModel {
   // config.json's torch_dtype as Hugging Face spells it ("bfloat16").
   std::string dtype_name() const;
 };
+
+// generation_config.json's eos_token_id from the file's text, appended to *ids: absent or null (none),
+// a token id, or a list of them (each in [0, 2^31)). InvalidArgument naming `source` otherwise,
+// or when the text is not a JSON object. What ServedModel::Open runs on the file.
+absl::Status ParseGenerationEos(std::string_view text, const std::string& source, std::vector<int32_t>* ids);
 
 }  // namespace shardserve
 
