@@ -13,6 +13,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -35,6 +36,8 @@ struct BackendCase {
   bool cuda;
   DType act;
 };
+
+void PrintTo(const BackendCase& c, std::ostream* os) { *os << c.name; }
 
 bool IsInvalidArgumentNaming(const absl::Status& s, const std::string& op) {
   return s.code() == absl::StatusCode::kInvalidArgument && s.message().find(op) != std::string::npos;
