@@ -65,6 +65,40 @@ absl::Status CheckRopeOptions(const char* op, const RopeOptions& options, int he
     return absl::InvalidArgumentError(absl::StrCat(op, ": long_inv_freq must be F32 [rotary_dim / 2] = [", half,
                                                    "] with data; got ", DTypeName(f->dtype), " ", f->ShapeString(),
                                                    f->data == nullptr ? " without data" : ""));
+    }
+  return absl::OkStatus();
+}
+
+absl::Status CheckMoeRouting(const char* op, const MoeRouting& r, int64_t experts) {
+  auto bad = [&](auto&&... why) { return absl::InvalidArgumentError(absl::StrCat(op, ": ", why...)); };
+  if (experts < 1 || experts > (int64_t{1} << 24)) return bad("experts E = ", experts, " outside [1, 2^24]");
+  if (r.k < 1 || r.k > experts) return bad("k = ", r.k, " outside [1, E = ", experts, "]");
+  switch (r.router) {
+    case MoeRouter::kSoftmaxTopK:
+    case MoeRouter::kTopKSoftmax:
+      if (r.selection_bias != nullptr) return bad("selection_bias is for the sigmoid group router only");
+      return absl::OkStatus();
+    case MoeRouter::kSigmoidGroupTopK:
+      break;
+    default:
+      return bad("unknown router ", static_cast<int>(r.router));
+  }
+  if (r.n_group < 1 || r.n_group > 64 || experts % r.n_group != 0 || experts / r.n_group < 2) {
+    return bad("n_group = ", r.n_group, " must be in [1, 64] and divide E = ", experts,
+               " into groups of at least 2 experts");
+  }
+  if (r.topk_group < 1 || r.topk_group > r.n_group) {
+    return bad("topk_group = ", r.topk_group, " outside [1, n_group = ", r.n_group, "]");
+  }
+  if (r.k > int64_t{r.topk_group} * (experts / r.n_group)) {
+    return bad("k = ", r.k, " exceeds the experts of topk_group = ", r.topk_group, " groups of ",
+               experts / r.n_group);
+  }
+  if (!std::isfinite(r.routed_scaling_factor)) return bad("routed_scaling_factor ", r.routed_scaling_factor, " is not finite");
+  const Tensor* b = r.selection_bias;
+  if (b != nullptr && (b->dtype != DType::kF32 || b->ndim != 1 || b->dim(0) != experts || b->data == nullptr)) {
+    return bad("selection_bias must be F32 [E] = [", experts, "] with data; got ", DTypeName(b->dtype), " ",
+               b->ShapeString(), b->data == nullptr ? " without data" : "");
   }
   return absl::OkStatus();
 }
@@ -134,6 +168,16 @@ absl::Status Backend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, cons
   const MatMulProduct products[] = {{gate, &gate_w, nullptr}, {up, &up_w, nullptr}};
   SHARDSERVE_RETURN_IF_ERROR(MatMuls(x, products));
   return SiluMul(gate, *gate, *up);
+}
+
+absl::Status Backend::MoeRoute(Tensor*, Tensor*, const Tensor&, const MoeRouting&) {
+  return absl::UnimplementedError(absl::StrCat("MoeRoute: the ", Describe(), " backend has no MoE routing"));
+}
+absl::Status Backend::MoeGroupByExpert(Tensor*, Tensor*, Tensor*, const Tensor&) {
+  return absl::UnimplementedError(absl::StrCat("MoeGroupByExpert: the ", Describe(), " backend has no MoE grouping"));
+}
+absl::Status Backend::MoeCombine(Tensor*, const Tensor&, const Tensor&, const Tensor&) {
+  return absl::UnimplementedError(absl::StrCat("MoeCombine: the ", Describe(), " backend has no MoE combine"));
 }
 
 absl::Status Backend::BeginGraph() {

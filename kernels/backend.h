@@ -138,6 +138,44 @@ absl::Status CheckRopeOptions(const char* op, const RopeOptions& options, int he
 // without data); OK otherwise. Both backends check with it.
 absl::Status CheckAttentionOptions(const char* op, const AttentionOptions& options, int64_t q_heads);
 
+// How a mixture-of-experts router turns a token's router logits over E experts into k experts and
+// their weights (Backend::MoeRoute), each as transformers computes it.
+enum class MoeRouter : uint8_t {
+  // softmax over all E in float32, then the top k of those probabilities, divided by their sum when
+  // norm_topk_prob (MixtralTopKRouter, which always divides; Qwen2MoeTopKRouter, Qwen3MoeTopKRouter).
+  kSoftmaxTopK,
+  // top k of the logits, then a softmax over those k (GptOssTopKRouter; its router bias is added by
+  // the product that makes the logits).
+  kTopKSoftmax,
+  // DeepSeek-V3 (DeepseekV3TopkRouter): scores s = sigmoid(logits); choice scores c = s +
+  // selection_bias (e_score_correction_bias); the E experts form n_group equal groups, each scored by
+  // the sum of its two largest c; the topk_group best groups are kept and the top k of c among their
+  // experts chosen; weights = s of the chosen, divided by (their sum + 1e-20) when norm_topk_prob,
+  // times routed_scaling_factor.
+  kSigmoidGroupTopK,
+};
+
+// Backend::MoeRoute's parameters. Checked by CheckMoeRouting.
+struct MoeRouting {
+  MoeRouter router = MoeRouter::kSoftmaxTopK;
+  int k = 1;                     // num_experts_per_tok, in [1, E]
+  bool norm_topk_prob = false;   // kSoftmaxTopK and kSigmoidGroupTopK (kTopKSoftmax's weights sum to 1)
+  int n_group = 1;               // kSigmoidGroupTopK: divides E, with E / n_group >= 2
+  int topk_group = 1;            // kSigmoidGroupTopK: in [1, n_group], and k <= topk_group * E / n_group
+  float routed_scaling_factor = 1.0f;  // kSigmoidGroupTopK: finite
+  // kSigmoidGroupTopK: null (zeros) or [E] F32 on the backend's device, added to the scores for the
+  // choice only. The caller owns it; it must stay alive until the op has run.
+  const Tensor* selection_bias = nullptr;
+  // Round each weight to the act dtype (still stored as F32): Qwen3-MoE's router casts its weights
+  // to the logits' dtype, and gpt-oss's softmax runs in it; Mixtral's and DeepSeek-V3's weights stay
+  // float32. (The CPU backend's act dtype is F32: no change there.)
+  bool weights_in_act = false;
+};
+
+// InvalidArgument naming `op` and the parameter when `routing` is not valid for E experts; OK
+// otherwise. Both backends check with it.
+absl::Status CheckMoeRouting(const char* op, const MoeRouting& routing, int64_t experts);
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -327,6 +365,37 @@ class Backend {
   // out = a + b (out may alias a or b).
   virtual absl::Status Add(Tensor* out /*[n, d] act*/, const Tensor& a /*[n, d] act*/,
                            const Tensor& b /*[n, d] act*/) = 0;
+
+  // ---- Mixture-of-experts steps (router logits -> experts and weights -> tokens grouped by expert
+  // -> the experts' products, not here -> weighted combine). The base refuses each with
+  // Unimplemented; the CPU and CUDA backends implement them.
+
+  // Per token (row of logits), the k experts `routing` chooses and their weights, in top-k order:
+  // larger selection value first, and on equal values the lower expert id first (docs/kernels.md
+  // says how that compares with torch.topk). Every logit must be finite: the CPU backend refuses a
+  // NaN or infinite one with InvalidArgument naming its row and column; the CUDA backend writes ids
+  // -1 and weights 0 for that row and reports it at the next Synchronize(). So does a NaN
+  // selection bias.
+  virtual absl::Status MoeRoute(Tensor* ids /*[n, k] i32*/, Tensor* weights /*[n, k] f32*/,
+                                const Tensor& logits /*[n, E] f32*/, const MoeRouting& routing);
+
+  // The (token, slot) pairs p = token * k + slot of `ids` grouped by expert: order[offsets[e] ..
+  // offsets[e + 1]) lists expert e's pairs in increasing p (a stable counting sort), offsets[0] = 0,
+  // offsets[E] = n * k, and rows[token, slot] is where that pair sits in order (the inverse
+  // permutation): the row of the grouped products' output that MoeCombine reads for it. Ids must be
+  // in [0, E) (the CPU backend refuses others; the CUDA backend skips them, leaving their rows -1,
+  // and reports them at the next Synchronize()). n * k < 2^31.
+  virtual absl::Status MoeGroupByExpert(Tensor* order /*[n * k] i32*/, Tensor* rows /*[n, k] i32*/,
+                                        Tensor* offsets /*[E + 1] i32*/, const Tensor& ids /*[n, k] i32*/);
+
+  // out[t] = sum over the token's k slots of weights[t, s] * expert_out[rows[t, s]], as
+  // transformers' experts loop computes it: out starts at zero and, slot by slot in increasing row
+  // (for rows from MoeGroupByExpert: increasing expert id, transformers' expert order), each product
+  // is taken in float32 and rounded to act, then added to out and the sum rounded to act (index_add_
+  // in the hidden dtype). Rows must be in [0, expert_rows) (refused on the CPU; skipped and reported
+  // at the next Synchronize() on CUDA). out must not alias expert_out.
+  virtual absl::Status MoeCombine(Tensor* out /*[n, d] act*/, const Tensor& expert_out /*[expert_rows, d] act*/,
+                                  const Tensor& rows /*[n, k] i32*/, const Tensor& weights /*[n, k] f32*/);
 
   // Row-wise softmax of x / temperature.
   virtual absl::Status Softmax(Tensor* out /*[n, v] f32*/, const Tensor& x /*[n, v] f32*/, float temperature) = 0;

@@ -12,6 +12,7 @@
 #                                        needed, finds CUDA's libraries, and runs
 #                                          kernels_cuda_test    every CUDA op against the CPU backend
 #                                                               (not the CudaQuantBench benchmark)
+#                                          kernels_moe_test     the mixture-of-experts ops, CPU and CUDA
 #                                          communicator_test    the NCCL tests one GPU can run (all
 #                                                               with two GPUs; else the two-rank cases
 #                                                               are reported as not run, by name)
@@ -33,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-BINARIES=(kernels_cuda_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
+BINARIES=(kernels_cuda_test kernels_moe_test communicator_test llama_parity_test shardserve shardserve-coordinator shardserve-worker)
 # Left to the GPU machine: the C runtime, and CUDA's libraries, which must match its driver.
 SYSTEM_LIBS='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libnccl)'
 
@@ -148,6 +149,7 @@ run() {
   [ "$GPUS" -ge 1 ] || { echo "gpu-tests: nvidia-smi lists no GPU" >&2; return 1; }
 
   run_gtest kernels_cuda_test "$bin/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
+  run_gtest kernels_moe_test "$bin/kernels_moe_test"
   run_gtest communicator_nccl "$bin/communicator_test" --gtest_filter="$(nccl_filter "$GPUS")"
   [ "$GPUS" -ge 2 ] || echo "gpu-tests: not run (needs 2 GPUs): $NCCL_TWO_RANK_CASES"
   run_gtest llama_parity_test --allow-skip "$PARITY_ALLOWED_SKIP" "$bin/llama_parity_test"

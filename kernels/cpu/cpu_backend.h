@@ -238,6 +238,10 @@ class CpuBackend final : public Backend {
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
   absl::Status FiniteRows(Tensor* out, const Tensor& logits) override;
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
+  // moe.cc: the per-token routing of kernels/moe_routing.h, a stable counting sort, the combine.
+  absl::Status MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) override;
+  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) override;
+  absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override;
 
  private:
   // SiluMul's and GeluTanhMul's body (elementwise.cc): `op`'s argument checks, then

@@ -126,6 +126,13 @@ absl::Status CudaBackend::SyncAndCheck() {
     absl::StrAppend(&msg, " CacheWrite: a slot outside [0, num_blocks * block_size) (last CacheWrite had ",
                     cache_limits_, "; those tokens were not written);");
   }
+  if (bits & kErrMoeLogit) {
+    absl::StrAppend(&msg, " MoeRoute: a NaN or infinite router logit or selection bias (those tokens' ids are -1);");
+  }
+  if (bits & kErrMoeExpert) {
+    absl::StrAppend(&msg, " MoeGroupByExpert: an expert id outside [0, E) (those pairs were left out, rows -1);");
+  }
+  if (bits & kErrMoeRow) absl::StrAppend(&msg, " MoeCombine: a row outside [0, expert_rows) (skipped);");
   return absl::InvalidArgumentError(msg);
 }
 

@@ -30,7 +30,8 @@
 // so the host cannot check them without a synchronization. The kernels check them instead, skip
 // what is out of range (never reading or writing outside a tensor) and set a bit in a device
 // error word; the next Synchronize() or CopyToHost() (or Argmax/Sample to host) returns an
-// InvalidArgument naming the op and clears the word.
+// InvalidArgument naming the op and clears the word. The MoE ops' bad ids, rows and non-finite
+// router logits are reported the same way.
 #ifndef SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
 #define SHARDSERVE_KERNELS_CUDA_CUDA_BACKEND_CUH_
 
@@ -99,6 +100,9 @@ enum : unsigned {
   kErrAttentionPos = 1u << 1,    // positions[t] < 0 or beyond the block table
   kErrAttentionBlock = 1u << 2,  // block table entry outside [0, num_blocks)
   kErrCacheSlot = 1u << 3,       // slots[t] outside [0, num_blocks * block_size)
+  kErrMoeLogit = 1u << 4,        // MoeRoute: a NaN or infinite logit or selection bias
+  kErrMoeExpert = 1u << 5,       // MoeGroupByExpert: an id outside [0, E)
+  kErrMoeRow = 1u << 6,          // MoeCombine: a row outside [0, expert_rows)
 };
 
 template <typename T>
@@ -214,6 +218,10 @@ class CudaBackend final : public Backend {
   absl::Status Argmax(Tensor* out, const Tensor& logits) override;
   absl::Status FiniteRows(Tensor* out, const Tensor& logits) override;
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
+  // moe.cu.
+  absl::Status MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) override;
+  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) override;
+  absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override;
 
  private:
   absl::Status Activate() const;

@@ -1,0 +1,178 @@
+// CudaBackend's mixture-of-experts steps: MoeRoute (a thread per token running kernels/moe_routing.h,
+// the CPU backend's code), MoeGroupByExpert (a counting sort in one block) and MoeCombine (a block
+// per token). Bad ids, rows and non-finite logits, which only the device sees, set bits of the
+// device error word (reported by the next Synchronize()) and are skipped.
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_backend.cuh"
+#include "kernels/cuda/device_util.cuh"
+#include "kernels/moe_routing.h"
+
+namespace shardserve::cuda {
+namespace {
+
+// MoeRoute: one thread per token; a token's work is k passes over its E logits (at most a few
+// thousand exps for E = 256, k = 8), and 128-thread blocks spread a decode batch over SMs.
+constexpr int kMoeRouteThreads = 128;
+// MoeGroupByExpert: one block; each thread counts, then places, the pairs of its experts (so the
+// order within an expert is the pairs' order without atomics): O(E x n x k) reads of the ids, all
+// threads reading the same id at once (a broadcast). A first version, meant for decode-sized steps.
+constexpr int kMoeGroupThreads = 1024;
+// MoeCombine: one block per token, a thread per element of the row (rows of 2k-8k elements).
+constexpr int kMoeCombineThreads = 256;
+
+// weights_rounding: 0 none, else the act dtype's rounding (1 bf16, 2 f16).
+__global__ void MoeRouteKernel(int32_t* ids, float* weights, const float* logits, moe::RouteParams p, int64_t n,
+                               int weights_rounding, unsigned* errors) {
+  WaitForPriorKernels();
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  int32_t* id = ids + t * p.k;
+  float* w = weights + t * p.k;
+  if (!moe::RouteToken(logits + t * p.experts, p, id, w)) {
+    atomicOr(errors, kErrMoeLogit);
+    return;
+  }
+  for (int i = 0; i < p.k; ++i) {
+    if (weights_rounding == 1) w[i] = __bfloat162float(__float2bfloat16(w[i]));
+    if (weights_rounding == 2) w[i] = __half2float(__float2half(w[i]));
+  }
+}
+
+__global__ void MoeGroupKernel(int32_t* order, int32_t* rows, int32_t* offsets, const int32_t* ids, int64_t pairs,
+                               int64_t experts, unsigned* errors) {
+  WaitForPriorKernels();
+  for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
+    if (ids[i] < 0 || ids[i] >= experts) {
+      rows[i] = -1;
+      atomicOr(errors, kErrMoeExpert);
+    }
+  }
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int32_t count = 0;
+    for (int64_t i = 0; i < pairs; ++i) count += ids[i] == e;
+    offsets[e + 1] = count;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    offsets[0] = 0;
+    for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int32_t at = offsets[e];
+    for (int64_t i = 0; i < pairs; ++i) {
+      if (ids[i] != e) continue;
+      order[at] = static_cast<int32_t>(i);
+      rows[i] = at++;
+    }
+  }
+}
+
+// out[t] = sum of w * y[row] over the token's slots in increasing row, each product and each sum
+// rounded to T (transformers' index_add_ in the hidden dtype); __fmul_rn / __fadd_rn keep the
+// compiler from fusing them into an FMA, which would round once where transformers rounds twice.
+template <typename T>
+__global__ void MoeCombineKernel(T* out, const T* y, const int32_t* rows, const float* weights, int64_t d, int k,
+                                 int64_t expert_rows, unsigned* errors) {
+  WaitForPriorKernels();
+  const int64_t t = blockIdx.x;
+  const int32_t* row = rows + t * k;
+  const float* w = weights + t * k;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    float acc = 0.0f;
+    int prev = -1;  // slot added last; slots in (row, slot) order
+    for (int i = 0; i < k; ++i) {
+      int s = -1;
+      for (int c = 0; c < k; ++c) {
+        const bool after = prev < 0 || row[c] > row[prev] || (row[c] == row[prev] && c > prev);
+        if (after && (s < 0 || row[c] < row[s] || (row[c] == row[s] && c < s))) s = c;
+      }
+      prev = s;
+      const int32_t r = row[s];
+      if (r < 0 || r >= expert_rows) {
+        if (j == 0) atomicOr(errors, kErrMoeRow);
+        continue;
+      }
+      const float prod = ToFloat(FromFloat<T>(__fmul_rn(w[s], ToFloat(y[r * d + j]))));
+      acc = ToFloat(FromFloat<T>(__fadd_rn(acc, prod)));
+    }
+    out[t * d + j] = FromFloat<T>(acc);
+  }
+}
+
+}  // namespace
+
+absl::Status CudaBackend::MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) {
+  constexpr const char* kOp = "MoeRoute";
+  if (ids == nullptr || weights == nullptr) return Invalid(kOp, "ids and weights must not be null", {});
+  const auto all = {std::pair<const char*, const Tensor*>{"ids", ids}, {"weights", weights}, {"logits", &logits}};
+  if (!Is(logits, 2, DType::kF32) || !Is(*ids, 2, DType::kI32) || !Is(*weights, 2, DType::kF32)) {
+    return Invalid(kOp, "expected ids [n, k] I32, weights [n, k] F32, logits [n, E] F32", all);
+  }
+  const int64_t n = logits.dim(0), E = logits.dim(1);
+  SHARDSERVE_RETURN_IF_ERROR(CheckMoeRouting(kOp, routing, E));
+  if (ids->dim(0) != n || ids->dim(1) != routing.k || !SameShape(*ids, *weights)) {
+    return Invalid(kOp, absl::StrCat("want ids and weights [n, k] = [", n, ", ", routing.k, "]"), all);
+  }
+  if (n == 0) return absl::OkStatus();
+  if (n > int64_t{kMoeRouteThreads} * 0x7fffffff) return Invalid(kOp, "too many tokens", all);
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  const moe::RouteParams p{static_cast<int>(routing.router), static_cast<int>(E), routing.k, routing.norm_topk_prob,
+                           routing.n_group, routing.topk_group, routing.routed_scaling_factor,
+                           routing.selection_bias != nullptr ? routing.selection_bias->as<const float>() : nullptr};
+  const int rounding = !routing.weights_in_act ? 0 : act_ == DType::kBF16 ? 1 : act_ == DType::kF16 ? 2 : 0;
+  const unsigned grid = static_cast<unsigned>((n + kMoeRouteThreads - 1) / kMoeRouteThreads);
+  return Launch("MoeRouteKernel", MoeRouteKernel, grid, kMoeRouteThreads, ids->as<int32_t>(), weights->as<float>(),
+                logits.as<const float>(), p, n, rounding, errors_dev_);
+}
+
+absl::Status CudaBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) {
+  constexpr const char* kOp = "MoeGroupByExpert";
+  if (order == nullptr || rows == nullptr || offsets == nullptr) {
+    return Invalid(kOp, "order, rows and offsets must not be null", {});
+  }
+  const auto all = {std::pair<const char*, const Tensor*>{"order", order}, {"rows", rows}, {"offsets", offsets},
+                    {"ids", &ids}};
+  if (!Is(*order, 1, DType::kI32) || !Is(*rows, 2, DType::kI32) || !Is(*offsets, 1, DType::kI32) ||
+      !Is(ids, 2, DType::kI32)) {
+    return Invalid(kOp, "expected order [n * k], rows [n, k], offsets [E + 1] and ids [n, k], all I32", all);
+  }
+  const int64_t pairs = ids.numel();
+  if (!SameShape(*rows, ids) || order->dim(0) != pairs || offsets->dim(0) < 2) {
+    return Invalid(kOp, "want order [n * k], rows and ids [n, k], offsets [E + 1] with E >= 1", all);
+  }
+  if (pairs > 0x7fffffff) return Invalid(kOp, "n * k must be below 2^31", all);
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return Launch("MoeGroupKernel", MoeGroupKernel, 1, kMoeGroupThreads, order->as<int32_t>(), rows->as<int32_t>(),
+                offsets->as<int32_t>(), ids.as<const int32_t>(), pairs, offsets->dim(0) - 1, errors_dev_);
+}
+
+absl::Status CudaBackend::MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) {
+  constexpr const char* kOp = "MoeCombine";
+  if (out == nullptr) return Invalid(kOp, "out is null", {});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"expert_out", &expert_out}, {"rows", &rows},
+                    {"weights", &weights}};
+  if (!Is(*out, 2, act_) || !Is(expert_out, 2, act_) || !Is(rows, 2, DType::kI32) || !Is(weights, 2, DType::kF32)) {
+    return Invalid(kOp, absl::StrCat("expected out [n, d] and expert_out [expert_rows, d] ", DTypeName(act_),
+                                     ", rows [n, k] I32, weights [n, k] F32"),
+                   all);
+  }
+  const int64_t n = out->dim(0), d = out->dim(1);
+  if (!SameShape(rows, weights) || rows.dim(0) != n || expert_out.dim(1) != d) {
+    return Invalid(kOp, "want out [n, d], expert_out [expert_rows, d], rows and weights [n, k]", all);
+  }
+  if (out->numel() > 0 && out->data == expert_out.data) return Invalid(kOp, "out must not alias expert_out", all);
+  if (n == 0 || d == 0) return absl::OkStatus();
+  if (n > 0x7fffffff || rows.dim(1) > 0x7fffffff) return Invalid(kOp, "too many tokens or slots", all);
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return DispatchFloat(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return Launch("MoeCombineKernel", MoeCombineKernel<T>, static_cast<unsigned>(n), kMoeCombineThreads,
+                  out->as<T>(), expert_out.as<const T>(), rows.as<const int32_t>(), weights.as<const float>(), d,
+                  static_cast<int>(rows.dim(1)), expert_out.dim(0), errors_dev_);
+  });
+}
+
+}  // namespace shardserve::cuda
