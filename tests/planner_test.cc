@@ -762,10 +762,11 @@ TEST(PlannerMemory, Llama3_8B_OneH100_EachItemMatchesAnIndependentCount) {
   EXPECT_EQ(Item(g, kMemKvCache), kv_per_token * p.kv_cache_tokens);
   // Step buffers for the default limits (2048 tokens, 256 sequences, max_model_len 8192): I32 ids,
   // positions, sequence ids and slots, block tables and logit rows; bf16 activations (hidden,
-  // normed, projection, q, attention output, k, v, gate, up); f32 RoPE frequencies; the last
+  // normed, projection, q, attention output, k, v, gate, up); f32 RoPE frequencies (kRopeTableRows
+  // rows of head_dim / 2: a table's short and long rows, for up to two kinds of layer); the last
   // stage's rows, its logits and the assembled logits (one rank: no gathered slices).
   const int64_t n = 2048, m = 256, H = 4096, Q = 4096, KV = 1024, F = 14336, V = 128256;
-  const int64_t step = 4 * (4 * n + m * (8192 / 16) + m) + 2 * n * (3 * H + 2 * Q + 2 * KV + 2 * F) + 4 * 64 +
+  const int64_t step = 4 * (4 * n + m * (8192 / 16) + m) + 2 * n * (3 * H + 2 * Q + 2 * KV + 2 * F) + 4 * 4 * 64 +
                        2 * m * H + 4 * m * V + 4 * m * V;
   EXPECT_EQ(Item(g, kMemStepBuffers), step);
   EXPECT_EQ(Item(g, kMemCublasWorkspace), int64_t{32} << 20);  // cuBLAS's default on Hopper
