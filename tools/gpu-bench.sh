@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29's GPU run: the CUDA op tests, the parity tests and the benchmarks at real sizes, in one
+# The GPU run: the CUDA op tests, the parity tests and the benchmarks at real sizes, in one
 # command of at most 10 minutes on a one-GPU machine with no network and no Debian packages
 # (docs/gpu.md gives the exact `run` invocation). Packing and setup are tools/gpu-tests.sh's.
 #
@@ -15,7 +15,7 @@
 #   tools/gpu-bench.sh run [OUT]  there: every step, each bounded in time and the whole within
 #                                 $BUDGET_S seconds (default 540); results in OUT (default $OUT, as
 #                                 the device machine sets it): results.json, results.md (a table for
-#                                 docs/benchmarks.md) and logs.tar.gz. Exit 1 if a step failed.
+#                                 docs/performance.md) and logs.tar.gz. Exit 1 if a step failed.
 #
 # STEPS="gpu membw ..." (names below) runs only those steps, to split the run over several
 # commands of 10 minutes (docs/gpu.md); unset: all of them. BENCH_FLAGS adds flags to every
