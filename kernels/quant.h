@@ -144,8 +144,8 @@ void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, 
 // a function of that row alone, so the bytes do not depend on the split. What both backends call to
 // quantize a weight at load (the Llama-3-8B's 7 G weights took over 150 s in one thread; int8 and
 // int4 now go 8 weights at a time, fp8 without libm: one AVX2 EPYC thread quantizes about 380 M
-// weights/s to int4, 345 M to int8, 140 M to fp8, against 75-90, 75-90 and 30-45 before,
-// docs/benchmarks.md). Non-finite weights are refused, naming the row and column, before anything
+// weights/s to int4, 345 M to int8, 140 M to fp8, against 75-90, 75-90 and 30-45 before:
+// bench_matmul's packing times). Non-finite weights are refused, naming the row and column, before anything
 // is written (one scan, shared among the threads too); kNone is refused.
 absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w /*[m, k]*/, int64_t m, int64_t k,
                             int threads = 0);

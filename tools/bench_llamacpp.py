@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""shardserve against llama.cpp on the same weights and the same VM (issues 25 and 26, docs/benchmarks.md).
+"""shardserve against llama.cpp on the same weights and the same VM (docs/performance.md).
 
     tools/bench_llamacpp.py prepare                 the GGUF files of the bench model
     tools/bench_llamacpp.py decode  [--rounds R]    llama-bench against shardserve bench at one stream

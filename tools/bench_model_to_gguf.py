@@ -4,7 +4,7 @@
     tools/bench_model_to_gguf.py [MODEL_DIR] OUT.gguf      (MODEL_DIR default: build/bench-model)
 
 Needs numpy and gguf from PyPI (gguf 0.17.1 tested). Used only for the side-by-side serving figures
-in docs/benchmarks.md ("a peer on the same VM"); nothing in shardserve reads GGUF.
+in docs/performance.md; nothing in shardserve reads GGUF.
 
 MODEL_DIR is what tools/make_bench_model.py writes: a Llama checkpoint (config.json, one
 model.safetensors of bfloat16 or float32 tensors, the demo model's byte-level BPE tokenizer.json).

@@ -3,7 +3,7 @@
 // and cheap, no model. `--seqs` sequences of `--prompt` tokens each generate `--generate` tokens;
 // every step is completed at once with a fixed sampled id. Reports the mean bytes of decode steps
 // (every row feeds one token), of steps that prefill, and of all steps, and the decode steps'
-// bytes at the shortest and the longest context. docs/benchmarks.md has the figures.
+// bytes at the shortest and the longest context.
 //
 // Uses only the Scheduler's API (Add, Schedule, Complete, Remove), so that the same file builds
 // against any version of the plan format and the two can be compared.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp, the CPU peer of the side-by-side figures in docs/benchmarks.md, outside the
+# Builds llama.cpp, the CPU peer of the side-by-side figures in docs/performance.md, outside the
 # repository. Nothing it fetches or builds is committed. Safe to re-run (each step is skipped when
 # its output exists).
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 29's GPU run: the CUDA op tests, the parity tests and the benchmarks at real sizes, in one
+# The GPU run: the CUDA op tests, the parity tests and the benchmarks at real sizes, in one
 # command of at most 10 minutes on a one-GPU machine with no network and no Debian packages
 # (docs/gpu.md gives the exact `run` invocation). Packing and setup are tools/gpu-tests.sh's.
 #
@@ -13,9 +13,9 @@
 #                                 --check) instead of run, and the results written as `run` writes
 #                                 them (each step "skipped: dry run")
 #   tools/gpu-bench.sh run [OUT]  there: every step, each bounded in time and the whole within
-#                                 $BUDGET_S seconds (default 540); results in OUT (default $OUT, as
-#                                 the device machine sets it): results.json, results.md (a table for
-#                                 docs/benchmarks.md) and logs.tar.gz. Exit 1 if a step failed.
+#                                 $BUDGET_S seconds (default 540); results in OUT (or $OUT when no
+#                                 folder is given: one of them is needed): results.json, results.md (a table for
+#                                 docs/performance.md) and logs.tar.gz. Exit 1 if a step failed.
 #
 # STEPS="gpu membw ..." (names below) runs only those steps, to split the run over several
 # commands of 10 minutes (docs/gpu.md); unset: all of them. BENCH_FLAGS adds flags to every
@@ -70,20 +70,20 @@
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1, llama8b-int4-mma-b1
 #                  llama8b-b1 with the weights quantized at load (--quantization: the CUDA
-#                  quantized-weight kernels): issue 25's batch-1 figure against the packed bytes; the
+#                  quantized-weight kernels): the batch-1 figure against the packed bytes; the
 #                  third with int4 on the tensor cores (--worker-cuda-int4-mma)
 #   llama8b-int4-pdl-b1, llama8b-int4-folded-b1
 #                  llama8b-int4-b1 with programmatic dependent launch (--worker-cuda-pdl), with the
 #                  int4 GEMV with the zero folded out (--worker-cuda-int4-folded)
 #   qwen72b-int4-b1, qwen72b-int4-mma-b1
 #                  the whole Qwen2.5-72B (80 layers) quantized to int4 at load on the one GPU, batch
-#                  1 (issue 25's figure beside the 12.3 tok/s of bitsandbytes NF4 on two A100s); the
+#                  1 (beside the 12.3 tok/s published for bitsandbytes NF4 on two A100s); the
 #                  second with --worker-cuda-int4-mma
 #   llama8b-cold-safetensors
 #                  the cold start from a real checkpoint: the 8B's 16 GB written as bf16 safetensors to
 #                  the machine's disk (tools/write_config_checkpoint.py), the page cache dropped if
 #                  allowed, then bench --compare tp1 through the real load path: launch to SERVING
-#                  (issue 29: < 20 s)
+#                  (the target: < 20 s)
 #   llama8b-fp8-c64, llama8b-fp8-gemm-c64
 #                  llama8b-c64 with the weights in fp8 (--quantization fp8): the prefills' products
 #                  by the weight dequantized to bf16 + cuBLAS, then by cuBLASLt's fp8 GEMM on x
@@ -350,7 +350,7 @@ run_steps() {
 
   # ---- Tests ----
   gtest_step cuda-ops 180 "$BIN/kernels_cuda_test" --gtest_filter="$CUDA_OPS_FILTER"
-  # The quantized-weight GEMV at the 8B's shapes, batch 1 (issue 25's figure: >= 70% of the
+  # The quantized-weight GEMV at the 8B's shapes, batch 1 (the target: >= 70% of the
   # roofline). Judged as a gtest (a skip fails on a GPU); the figures from the JSON it writes.
   local fmt qname mma pdl folded
   for fmt in int4 int8 int4-mma int4-pdl int4-folded; do
@@ -435,7 +435,7 @@ run_steps() {
   qwen_all=$(config_dir qwen2.5-72b tests/fixtures/configs/qwen2.5-72b-instruct.json)
   bench_step qwen72b-int4-b1 "$qwen_all" "$preset" 1 2 128 64 int4
   bench_step qwen72b-int4-mma-b1 "$qwen_all" "$preset" 1 2 128 64 int4 --worker-cuda-int4-mma
-  # The cold start from a real checkpoint (issue 29 part 5: < 20 s): the 8B's 16 GB of bf16 written
+  # The cold start from a real checkpoint (the target: < 20 s): the 8B's 16 GB of bf16 written
   # to this machine's disk (tools/write_config_checkpoint.py), the page cache dropped where the
   # machine lets us (else the file is still in memory: the note says which, and the file system),
   # then launch to SERVING through the real load path (mmap, slicing, host to device); the file
@@ -462,7 +462,7 @@ run_steps() {
     rm -rf "$ckpt"
   fi
   # fp8 weights' prefills by the dequantize path, then by cuBLASLt's fp8 GEMM (not yet run on a GPU):
-  # after the cold start, which issue 29 needs more.
+  # after the cold start, so that a budget cut falls on them.
   bench_step llama8b-fp8-c64 "$llama" "$preset" 64 128 512 128 fp8
   bench_step llama8b-fp8-gemm-c64 "$llama" "$preset" 64 128 512 128 fp8 --worker-cuda-fp8-gemm
   # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
@@ -479,7 +479,7 @@ run_steps() {
   bench_step qwen72b-stage-b1 "$qwen" "$preset" 1 2 128 64
   bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
 
-  # ---- TP and PP on one GPU (issue 29 part 6) ----
+  # ---- TP and PP on one GPU ----
   # Worker processes sharing the GPU, their groups over Gloo staged through host memory
   # (--worker-collectives gloo), against one process (generate-ids, host-made weights): the same
   # greedy tokens. The workers make their weights in GPU memory (the default), but

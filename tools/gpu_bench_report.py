@@ -20,7 +20,7 @@ Standard library only (it runs on the GPU machine's python3 and in CI).
       JSON: per worker log, per item, planned, measured and measured/planned.
   gpu_bench_report.py report DIR OUT_JSON OUT_MD
       Merges DIR/*.json into OUT_JSON and writes OUT_MD: a markdown table of the steps (ready for
-      docs/benchmarks.md), the roofline fractions where the figures are there, and the planner
+      docs/performance.md), the roofline fractions where the figures are there, and the planner
       against the measured memory. Exit 1 if a step failed.
 """
 import glob

@@ -12,7 +12,7 @@
       Each profiled launch's metrics (e.g. `--section SpeedOfLight`: duration, DRAM and SM
       throughput), one row a launch.
 
-Standard library only; the device machine has Python but no network.
+Standard library only: a GPU host may have Python but no network.
 """
 import argparse
 import csv

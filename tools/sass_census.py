@@ -5,7 +5,7 @@ Compiles one .cu file of this tree to a cubin for one architecture (nvcc -cubin,
 optimisation and defines), disassembles it with nvdisasm and, for every kernel whose mangled name
 matches --kernel, prints its instruction count and each loop (a backward branch: the instructions
 from its target to it) with the most frequent opcodes. A kernel that is bound by the instructions
-it issues a weight (the int4 GEMVs on the H200: docs/benchmarks.md) can so be compared with another
+it issues a weight (the int4 GEMVs on the H200: docs/gpu.md) can so be compared with another
 version here, before any GPU time is spent: divide a loop's length by the weights it handles.
 
 nvdisasm is not in the CUDA toolkit Debian-style installs here carry; it comes from PyPI's

@@ -11,7 +11,7 @@
 // The AVX2 instances walk one weight row at a time instead (ForEachAct8Row): a row's blocks are read
 // front to back, one stream in address order, which the hardware prefetcher follows (8 rows at once
 // are 8 streams of a few lines each: the tiles above left one thread of the AVX2 EPYC at 7.9 GB/s
-// of int4 weights at one input row, docs/benchmarks.md), while the row (a few hundred bytes to a
+// of int4 weights at one input row, bench_matmul), while the row (a few hundred bytes to a
 // few KB) stays in L1 for the input rows' passes.
 //
 // Thread-safety: ForEachAct8Tile and ForEachAct8Row run `tile` / `row` on up to `threads` OpenMP

@@ -25,7 +25,7 @@ namespace {
 // int8), so a tile's 8 rows are 8 streams of a few cache lines each, too short for the hardware
 // prefetcher to follow: at one input row the int4 VNNI product took 0.65 ms for the bench model's
 // stage from L3 and 0.34 ms with its weights in L1. 32 rows (4 tiles of 8) ahead measured best of
-// 8, 16, 32 and 64 (docs/benchmarks.md, issue 25).
+// 8, 16, 32 and 64 (bench_matmul).
 inline constexpr int64_t kPrefetchRows = 32;
 
 // The row whose weights a tile at weight row `row` of [0, m) asks for: kPrefetchRows on, the last
@@ -39,7 +39,7 @@ inline constexpr int64_t kPrefetchRows = 32;
 // asking for the same R streams ahead left one thread of the AVX2 EPYC at 6 GB/s of int8 weights
 // at one input row, while the same requests in address order, one cache line at a time as the tile
 // advances (what a tile R rows further on reads, as one stream), gave 9-10 GB/s
-// (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized decode"). The AVX-512 instances keep the
+// (bench_matmul on a Zen 3 EPYC, AVX2 only). The AVX-512 instances keep the
 // per-row requests measured on their CPUs.
 // Asks for the cache lines that start in [from, from + count) bytes past `ahead`: a tile calls it
 // with the share of its region kPrefetchRows rows on that matches how far it has come.

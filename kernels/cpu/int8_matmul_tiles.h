@@ -158,7 +158,7 @@ template <class Widen, int I, int kMaxRows = kInt8TileRows>
 // a time: 16 sums, each weight vector widened once for 4 input rows (the pairs' tiles widen it for
 // 2), which needs AVX-512's 32 registers (16 sums, 4 inputs, the weight). The rows past the last
 // multiple of 4 in one tile of 3, 2 or 1 over the same 4 weight rows. Measured on an Intel Xeon
-// with AVX-512 (docs/benchmarks.md, "Intel Xeon with AMX: all four formats ..."): from 4 rows up the
+// with AVX-512 and AMX (bench_matmul): from 4 rows up the
 // bench stage's products take 25-30% less time than with the pairs.
 template <class Widen>
 [[gnu::always_inline]] inline void QuadColumns(float* y, const float* x, int64_t n, int64_t m, int64_t k,

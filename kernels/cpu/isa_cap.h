@@ -4,7 +4,7 @@
 // an AVX-512 CPU, oneDNN's JIT and every product of ours (float32 and bf16 panels, the bf16 blocked
 // product, int8, fp8 and int4: panel_matmul.h PanelTilesSupported, quant_isa.h QuantIsaSupported,
 // bf16_matmul.h CpuHasAvx512Bf16) take the instances an AVX2-only CPU takes. Uses: a like-for-like
-// run beside a peer built for AVX2 (docs/benchmarks.md), and testing the AVX2 paths end to end on an
+// run beside a peer built for AVX2 (docs/performance.md), and testing the AVX2 paths end to end on an
 // AVX-512 machine (ctest llama_parity_avx2_cap).
 //
 // What it does not reach: the loops compiled as GCC target clones (vec.h SHARDSERVE_VECTOR_CLONES:

@@ -37,7 +37,7 @@ constexpr int64_t kBf16Rows = 16;
 
 // Up to this many rows, a bf16 product whose weight is in bf16_matmul.h's layout runs that file's
 // product (reading the weight once per step at memory speed) rather than oneDNN's, which pads the
-// rows to kBf16Rows (docs/benchmarks.md, issue 25: bench_matmul at 1 to 16 rows, on a loaded
+// rows to kBf16Rows (bench_matmul at 1 to 16 rows, on a loaded
 // machine: the hand-written one took less time up to 8 rows; at 16, about the same).
 constexpr int64_t kBf16BlockedRows = 8;
 
@@ -411,7 +411,7 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
     PackedWeight& p = packed_[buffer->data()] = PackedWeight{m, k, layout.get_size(), layout};
     // bf16_matmul.h reads oneDNN's layout where it is the one that file knows and it sums as oneDNN
     // does: on AVX-512 BF16 without AMX. (With AMX its tiles sum in their own order, and some shapes
-    // get 48-column blocks: docs/benchmarks.md, "Intel Xeon with AMX: all four formats ...".)
+    // get 48-column blocks, as measured on an Intel Xeon with AMX.)
     static const bool blocked_bf16 = cpu::CpuHasAvx512Bf16() && !cpu::OneDnnBf16UsesAmx();
     if (blocked_bf16 && layout == memory::desc({k, m}, bf16, memory::format_tag::BA16a64b2a)) {
       p.bf16_chunk = FindBf16Chunk(p, buffer->data());

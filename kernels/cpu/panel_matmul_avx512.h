@@ -44,7 +44,7 @@ void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t 
 // (each asked for 128 floats ahead), as bench_matmul measured ("f32 plain w", AMD EPYC, shared
 // machine, minima): 1 and 2 rows on one thread 2.04-2.14 ms against 2.59-3.17 for the 8-float
 // tiles on a per-thread packed copy; 2 panels' 32 rows at a time, no prefetch, 2.85-3.39, slower;
-// 16 rows with no prefetch 2.27-2.56 (docs/benchmarks.md).
+// 16 rows with no prefetch 2.27-2.56 (bench_matmul).
 inline constexpr int64_t kPlainTileRows = 3;
 inline constexpr int64_t kPlainPanels = 1;
 

@@ -11,7 +11,7 @@
 // codes it meets. (Tiles of up to 12 rows, as the AVX-512 file's, took 105-119 ms at 128 rows
 // against 94 for 8: their 12 input rows, k x 4 bytes apart, spilled registers and met in the same
 // cache sets.) bench_matmul on a Zen 5, the AVX2 instances: 1.27-2.12x the blocks' 8-lane product
-// (docs/benchmarks.md, "int4 on AVX2 as panels too").
+// (bench_matmul --threads 2 --layers 12 --max-rows 128).
 
 // This file alone is compiled with -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend calls it
 // only on CPUs that have them.

@@ -4,7 +4,7 @@
 // input, so that a panel's codes, widened once in registers, serve every row of a tile: a prefill's
 // tile of 12 rows x 2 panels runs 24 FMAs per widened vector. (The blocks' 16-lane product it
 // replaced, the input k in the lanes, needed a full input vector per 4 of its FMAs and reached
-// three quarters of the float32 panels' rate: docs/benchmarks.md, "int4 on AVX-512 as panels".) A
+// three quarters of the float32 panels' rate on a Zen 5 EPYC: bench_matmul.) A
 // thread reads its blocks of 4 panels as one stream, a 64-byte line per pair of inputs.
 //
 // Widening: a byte holds an output's codes at inputs 2j (low nibble) and 2j + 1 (high one); 16

@@ -179,7 +179,7 @@ template <class W, bool kPrefetch>
 // One PP=2 stage's products (bench_matmul, AMD EPYC, medians of 3 alternating runs): 8 and 16 rows
 // take 29-36% less time on one core; PP=2 at 16 streams (one thread per worker, 8- and 16-row
 // decode steps) serves 8-10% more output tokens/s, one micro-batch at a time or two in flight
-// (docs/benchmarks.md). One tile gained little or nothing; from 32 rows on the arithmetic
+// (shardserve bench). One tile gained little or nothing; from 32 rows on the arithmetic
 // dominates. On two threads the loop needs each thread to claim its next panels before it starts
 // the last of its claim: 8 and 16 rows alone took 10-22% less time, but TP=1 serving with its two
 // threads (which share the cores with the coordinator and the clients) gave fewer output tokens/s
@@ -189,8 +189,8 @@ constexpr int64_t kPrefetchMinRows = kTileRows + 1, kPrefetchMaxRows = 4 * kTile
 // Panels a thread takes at a time. Threads take them as they come free, not in fixed shares: a
 // worker shares its cores with the coordinator, clients and the hypervisor, and with fixed shares a
 // thread they preempt leaves the others spinning at the end of the loop (AMD EPYC, 2 vCPUs, TP=1 at
-// 32 streams: 9.7% more output tokens/s than schedule(static), median of 5 alternating rounds;
-// docs/benchmarks.md).
+// 32 streams: 9.7% more output tokens/s than schedule(static), median of 5 alternating rounds
+// of shardserve bench).
 constexpr int64_t kPanelsAtATime = 2;
 
 // Up to this many rows, products by a packed w run FewRowsProduct's tiles of several panels (a

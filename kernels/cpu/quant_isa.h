@@ -39,15 +39,14 @@ enum class QuantIsa : uint8_t {
 // (int8_matmul.h) / Int4MatMul's blocks (int4_matmul.h): where their instance would be AVX-512's or
 // AVX2's (panel_matmul_bytes_avx512.cc, panel_matmul_avx2.cc; panel_matmul_int4_*.cc).
 // The rows' and blocks' tiles, a dot product over k per output, ran at half the float32 panels'
-// rate from 16 input rows on on the AVX2 EPYC (docs/benchmarks.md, "AMD EPYC, AVX2 only: quantized
-// decode") and at 0.75-0.79x from 32 rows on a Zen 5 EPYC with AVX-512 ("int4 on AVX-512 as
+// rate from 16 input rows on on the AVX2 EPYC (bench_matmul) and at 0.75-0.79x from 32 rows on a Zen 5 EPYC with AVX-512 ("int4 on AVX-512 as
 // panels", "int8 on AVX-512 as panels").
 inline bool IntOnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx2; }
 
 // Whether it stores fp8 weights as panels (PanelMatMulFp8) rather than multiplying them by
 // Fp8MatMul's rows: where fp8's instance (always the exact one, ActiveQuantIsa) is AVX-512's. On
 // 8-float tiles the e4m3 widening (a shift, a mask and a multiply more than int8's) left them slower
-// than the rows from 64 rows on (Zen 5 running the AVX2 code: docs/benchmarks.md, "fp8 on panels").
+// than the rows from 64 rows on (Zen 5 running the AVX2 code: bench_matmul).
 inline bool Fp8OnPanels(QuantIsa isa) { return isa == QuantIsa::kAvx512; }
 
 // The panels' instance (panel_matmul.h PanelTiles) for an int8 / int4 instance on panels: the

@@ -4,8 +4,8 @@
 // Why 8 and not 16 floats: GCC 12 has no register mode for a 16-float vector without AVX-512, so
 // on AVX2 it keeps one that lives across loop iterations (an accumulator) on the stack and moves it
 // through memory on every step. Measured on an AMD EPYC (AVX2): float32 products 7 GFLOP/s with
-// 16-float accumulators against 80 with 8-float ones; attention 4-8x slower (docs/benchmarks.md,
-// bench_attention). Loops that want 16 lanes (attention's dot products) use two halves.
+// 16-float accumulators against 80 with 8-float ones; attention 4-8x slower
+// (bench_attention). Loops that want 16 lanes (attention's dot products) use two halves.
 #ifndef SHARDSERVE_KERNELS_CPU_VEC_H_
 #define SHARDSERVE_KERNELS_CPU_VEC_H_
 

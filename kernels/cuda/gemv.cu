@@ -5,7 +5,7 @@
 // Why: on the H200 cuBLAS multiplies one row by Llama-3-8B's 4096-wide weights with split-K kernels
 // and a reduction kernel after each: q at 56% of the memory roofline, k and v at 24%, o at ~56%,
 // down at ~70% (+ its reduction), gate and up at 81%; 77% of a decode step's GPU time
-// (docs/benchmarks.md, 2026-11-28). One row reads each weight once; the time is the weight's bytes
+// (Nsight Compute on an H200). One row reads each weight once; the time is the weight's bytes
 // if enough of them are in flight.
 //
 // How: gemv.cuh's block (four warps on kGemvRows output rows, the input split among all 128
@@ -18,7 +18,7 @@
 // Several products of one x (Backend::MatMuls: a layer's q, k and v; gate and up) are one launch,
 // the blocks split among them: on the H200 k and v alone (1,024 x 4,096) took 6.4 us each for 8.4
 // MB, 29% of the roofline, most of it the launch and the ramp of a kernel whose whole weight is in
-// flight at once (docs/benchmarks.md, 2026-11-28). Each output row is computed by the same code
+// flight at once (Nsight Compute). Each output row is computed by the same code
 // whether its product is launched alone or with others: the same bits.
 //
 // With CudaBackendOptions::fused_kernels (passed on an H200, 2026-11-28), Backend::GateUpSilu's

@@ -32,7 +32,7 @@ inline constexpr int64_t kGemvMaxK = int64_t{1} << 30;
 // busy (the code fetched from L2). Now the input-row count is a template argument N (1, 2, 4 or 8:
 // n rounded up, the rows past n skipped) and the aligned, vectorized case is an instance of its
 // own; `nvcc -Xptxas -v` and the cubin's section sizes give each instance's registers and bytes
-// (docs/benchmarks.md).
+// (docs/gpu.md, "Quantized weights on CUDA").
 inline constexpr int kGemvWarps = 4;
 inline constexpr int kGemvThreads = kGemvWarps * 32;
 inline constexpr int kGemvRows = 2;

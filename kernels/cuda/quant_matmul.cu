@@ -1,8 +1,8 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
 // int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (on in the worker unless
 // --no-cuda-quantized-kernels). These GEMVs (a block per two rows, an instance per input-row count)
-// passed their CudaQuant tests on an H200 on 2026-11-28 and served the 8B quantized at load there,
-// int4 and int8 (docs/benchmarks.md).
+// passed their CudaQuant tests on an H200 and served the 8B quantized at load there, int4 and int8
+// (docs/performance.md).
 //
 // Storage: the CPU's layouts, byte for byte (PackQuantizedWeight is a copy to the device). One
 // layout for both backends and for the checkpoints' loader (model/quantized_checkpoint.h), and the
@@ -25,7 +25,7 @@
 //   warp a row, integer conversions) read 557 GB/s of int4 and 1,112 of int8, the second (a warp
 //   per two rows, eight input rows unrolled in every instance) 744 and 1,379, of the 4.5 TB/s a
 //   streaming read reaches; Nsight Compute found those latency-bound, neither DRAM nor the SMs busy
-//   (docs/benchmarks.md); the batch-1 instances below have a fifteenth of their code (gemv.cuh's
+//   (Nsight Compute); the batch-1 instances below have a fifteenth of their code (gemv.cuh's
 //   note). With CudaBackendOptions::int4_mma (passed on the H200 but slower there: off) int4 takes the
 //   tensor cores instead (Int4MmaGemvKernel below) for bf16 / f16 act, k % 128 == 0 and every zero
 //   below 128 (checked when the weight is stored); other shapes keep the GEMV.
@@ -361,8 +361,8 @@ __global__ void __launch_bounds__(kGemvThreads)
 // slower there than the GEMV above: 300 against 374 tok/s in the quant bench, latency-bound at few
 // blocks (k / v: 64 blocks) and 28 groups a warp (down); off by default)
 // The GEMV above spends about four instructions a weight (its code made float, less the zero, times
-// x) and ran at 32% of the int4 roofline on the H200, its SMs busy and DRAM not (docs/benchmarks.md,
-// 2026-11-28). Here a warp multiplies 16 rows by up to 8 input rows with mma.sync m16n8k16 (A: the
+// x) and ran at 32% of the int4 roofline on the H200, its SMs busy and DRAM not (Nsight Compute;
+// docs/performance.md). Here a warp multiplies 16 rows by up to 8 input rows with mma.sync m16n8k16 (A: the
 // codes less their zero, 16-bit; B: x; float32 sums), each code made a 16-bit value two at a time:
 // about 1.5 instructions a weight.
 //
