@@ -444,5 +444,201 @@ TEST_F(XgrammarFixture, MasksAlongRecordedPaths) {
   EXPECT_GT(steps, 1000);
 }
 
+// ---- Random walks: every finished output validates --------------------------------------------
+
+// An instance check of the schema keywords the cases use, written apart from grammar/ (formats by
+// their rules, not by the engine's regular expressions).
+bool FormatOk(const std::string& format, const std::string& s) {
+  auto digits = [&](size_t at, size_t n, int lo, int hi) {
+    if (at + n > s.size()) return false;
+    int v = 0;
+    for (size_t i = at; i < at + n; ++i) {
+      if (!isdigit(static_cast<unsigned char>(s[i]))) return false;
+      v = v * 10 + (s[i] - '0');
+    }
+    return v >= lo && v <= hi;
+  };
+  auto time_ok = [&](size_t at) {
+    if (!(digits(at, 2, 0, 23) && s[at + 2] == ':' && digits(at + 3, 2, 0, 59) && s[at + 5] == ':' &&
+          digits(at + 6, 2, 0, 60))) {
+      return false;
+    }
+    size_t i = at + 8;
+    if (i < s.size() && s[i] == '.') {
+      const size_t start = ++i;
+      while (i < s.size() && isdigit(static_cast<unsigned char>(s[i]))) ++i;
+      if (i == start) return false;
+    }
+    if (i < s.size() && s[i] == 'Z') return i + 1 == s.size();
+    return i + 6 == s.size() && (s[i] == '+' || s[i] == '-') && digits(i + 1, 2, 0, 23) && s[i + 3] == ':' &&
+           digits(i + 4, 2, 0, 59);
+  };
+  auto date_ok = [&]() { return s.size() >= 10 && digits(0, 4, 0, 9999) && s[4] == '-' && digits(5, 2, 1, 12) && s[7] == '-' && digits(8, 2, 1, 31); };
+  if (format == "date") return s.size() == 10 && date_ok();
+  if (format == "date-time") return date_ok() && s.size() > 11 && s[10] == 'T' && time_ok(11);
+  if (format == "time") return time_ok(0);
+  if (format == "uuid") {
+    if (s.size() != 36) return false;
+    for (size_t i = 0; i < 36; ++i) {
+      const bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+      if (dash ? s[i] != '-' : !isxdigit(static_cast<unsigned char>(s[i]))) return false;
+    }
+    return true;
+  }
+  if (format == "ipv4") {
+    int parts = 0;
+    size_t i = 0;
+    while (i <= s.size()) {
+      size_t j = s.find('.', i);
+      if (j == std::string::npos) j = s.size();
+      if (j == i || j - i > 3 || !digits(i, j - i, 0, 255)) return false;
+      ++parts;
+      i = j + 1;
+    }
+    return parts == 4;
+  }
+  if (format == "email") {
+    const size_t at = s.find('@');
+    return at != std::string::npos && at > 0 && at + 1 < s.size() && s.find('@', at + 1) == std::string::npos;
+  }
+  return false;
+}
+
+int64_t Utf8Length(const std::string& s) {
+  int64_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+bool Validates(const Json& v, const Json& schema, const Json& root) {
+  if (schema.is_boolean()) return schema.get<bool>();
+  if (schema.contains("$ref")) {
+    const std::string ref = schema["$ref"];
+    if (ref == "#") return Validates(v, root, root);
+    const size_t slash = ref.rfind('/');
+    const std::string key = ref.substr(2, slash - 2), name = ref.substr(slash + 1);
+    return Validates(v, root[key][name], root);
+  }
+  if (schema.contains("const") && v != schema["const"]) return false;
+  if (schema.contains("enum") && std::find(schema["enum"].begin(), schema["enum"].end(), v) == schema["enum"].end()) return false;
+  for (const char* key : {"anyOf", "oneOf"}) {
+    if (!schema.contains(key)) continue;
+    int matched = 0;
+    for (const Json& s : schema[key]) matched += Validates(v, s, root);
+    if (matched == 0 || (key[0] == 'o' && matched != 1)) return false;
+  }
+  if (schema.contains("type")) {
+    std::vector<std::string> types;
+    if (schema["type"].is_string()) types = {schema["type"]};
+    else types = schema["type"].get<std::vector<std::string>>();
+    bool any = false;
+    for (const std::string& t : types) {
+      any |= (t == "null" && v.is_null()) || (t == "boolean" && v.is_boolean()) || (t == "string" && v.is_string()) ||
+             (t == "integer" && v.is_number_integer()) || (t == "number" && v.is_number()) ||
+             (t == "array" && v.is_array()) || (t == "object" && v.is_object());
+    }
+    if (!any) return false;
+  }
+  if (v.is_number()) {
+    const double x = v.get<double>();
+    if (schema.contains("minimum") && x < schema["minimum"].get<double>()) return false;
+    if (schema.contains("maximum") && x > schema["maximum"].get<double>()) return false;
+    if (schema.contains("exclusiveMinimum") && x <= schema["exclusiveMinimum"].get<double>()) return false;
+    if (schema.contains("exclusiveMaximum") && x >= schema["exclusiveMaximum"].get<double>()) return false;
+  }
+  if (v.is_string()) {
+    const std::string s = v;
+    if (schema.contains("minLength") && Utf8Length(s) < schema["minLength"].get<int64_t>()) return false;
+    if (schema.contains("maxLength") && Utf8Length(s) > schema["maxLength"].get<int64_t>()) return false;
+    if (schema.contains("pattern") && !std::regex_search(s, std::regex(schema["pattern"].get<std::string>()))) return false;
+    if (schema.contains("format") && !FormatOk(schema["format"], s)) return false;
+  }
+  if (v.is_array()) {
+    const int64_t n = static_cast<int64_t>(v.size());
+    if (schema.contains("minItems") && n < schema["minItems"].get<int64_t>()) return false;
+    if (schema.contains("maxItems") && n > schema["maxItems"].get<int64_t>()) return false;
+    const int64_t k = schema.contains("prefixItems") ? static_cast<int64_t>(schema["prefixItems"].size()) : 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i < k && !Validates(v[i], schema["prefixItems"][i], root)) return false;
+      if (i >= k && schema.contains("items") && !Validates(v[i], schema["items"], root)) return false;
+    }
+  }
+  if (v.is_object()) {
+    if (schema.contains("required")) {
+      for (const Json& r : schema["required"]) {
+        if (!v.contains(r.get<std::string>())) return false;
+      }
+    }
+    for (const auto& [key, value] : v.items()) {
+      if (schema.contains("properties") && schema["properties"].contains(key)) {
+        if (!Validates(value, schema["properties"][key], root)) return false;
+      } else if (schema.contains("additionalProperties")) {
+        if (!Validates(value, schema["additionalProperties"], root)) return false;
+      } else if (schema.contains("properties")) {
+        return false;  // strict: no other property
+      }
+    }
+  }
+  return true;
+}
+
+// Random walks over this engine's own masks on the Qwen2 vocabulary, for every schema, regex and
+// choices case: each output that reached EOS validates (the JSON parses and meets the schema;
+// the regex matches it whole; it is one of the choices).
+TEST_F(XgrammarFixture, RandomWalkOutputsValidate) {
+  const auto vocab = QwenVocab();
+  const int32_t eos = vocab->eos_ids()[0];
+  int finished = 0;
+  for (size_t i = 0; i < cases_->size(); ++i) {
+    const Json& c = (*cases_)[i];
+    const std::string kind = c["kind"];
+    if (kind == "gbnf") continue;  // no outside checker for a grammar
+    auto compiled = CompileOrDie(GrammarOfCase(c), vocab);
+    ASSERT_NE(compiled, nullptr);
+    std::mt19937 rng(static_cast<uint32_t>(i));
+    int case_finished = 0;
+    for (int walk = 0; walk < 12; ++walk) {
+      GrammarMatcher m(compiled);
+      std::string text;
+      for (int step = 0; step < 300 && !m.IsTerminated(); ++step) {
+        const std::vector<int32_t> ids = Allowed(m, vocab->vocab_size());
+        ASSERT_FALSE(ids.empty()) << c["name"] << ": a dead end after " << text;
+        int32_t pick = ids[rng() % ids.size()];
+        // Lean towards ending: EOS when allowed, else often a token that closes something.
+        if (std::find(ids.begin(), ids.end(), eos) != ids.end() && rng() % 2 == 0) {
+          pick = eos;
+        } else if (rng() % 3 == 0) {
+          std::vector<int32_t> closing;
+          for (int32_t id : ids) {
+            if (vocab->allowed_ever(id) && vocab->token_bytes(id).find_first_of("\"]},:") != std::string::npos) closing.push_back(id);
+          }
+          if (!closing.empty()) pick = closing[rng() % closing.size()];
+        }
+        ASSERT_TRUE(m.AcceptToken(pick));
+        const auto& stops = vocab->eos_ids();
+        if (std::find(stops.begin(), stops.end(), pick) == stops.end()) text += vocab->token_bytes(pick);
+      }
+      if (!m.IsTerminated()) continue;
+      ++case_finished;
+      if (kind == "json_schema") {
+        auto value = ParseJson<Json>(text, "output");
+        // JSON admits any exponent; nlohmann refuses one past a double's range (1E61877), which
+        // the schemas here admit (a number without bounds): that is the checker's limit.
+        if (!value.ok() && value.status().message().find("number overflow") != std::string::npos) continue;
+        ASSERT_TRUE(value.ok()) << c["name"] << ": " << text << " " << value.status();
+        EXPECT_TRUE(Validates(*value, c["source"], c["source"])) << c["name"] << ": " << text;
+      } else if (kind == "regex") {
+        EXPECT_TRUE(std::regex_match(text, std::regex(c["source"].get<std::string>()))) << c["name"] << ": " << text;
+      } else {
+        const auto choices = c["source"].get<std::vector<std::string>>();
+        EXPECT_NE(std::find(choices.begin(), choices.end(), text), choices.end()) << text;
+      }
+    }
+    EXPECT_GT(case_finished, 0) << c["name"] << ": no walk finished";
+    finished += case_finished;
+  }
+  EXPECT_GT(finished, 150);
+}
+
 }  // namespace
 }  // namespace shardserve::grammar
