@@ -26,7 +26,6 @@ constexpr char kBasics[] = R"(json-string ::= "\"" json-string-body
 json-string-body ::= [^"\\\x00-\x1F]* json-string-tail
 json-string-tail ::= "\"" | "\\" json-escape json-string-body
 json-escape ::= ["\\/bfnrt] | "u" [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f] [0-9A-Fa-f]
-json-char ::= [^"\\\x00-\x1F] | "\\" json-escape
 json-integer ::= "0" | "-"? [1-9] [0-9]*
 json-number ::= "-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [+-]? [0-9]+)?
 json-boolean ::= "true" | "false"
@@ -288,9 +287,18 @@ class SchemaWriter {
       return AddRule("string", absl::StrCat("\"\\\"\" ", *body, " \"\\\"\""));
     }
     if (!lengths) return std::string("json-string");
-    const std::string range = max.has_value() ? absl::StrCat("{", min.value_or(0), ",", *max, "}")
-                                              : absl::StrCat("{", *min, ",}");
-    return AddRule("string", absl::StrCat("\"\\\"\" json-char", range, " \"\\\"\""));
+    // One rule per count of characters read, each calling the next in tail position, so that the
+    // whole string is one frame on the stack (grammar.h): "\"" then after k characters
+    // `[^"\\\x00-\x1F] next | "\\" json-escape next | "\""` (the quote once k >= minLength).
+    const int64_t lo = min.value_or(0);
+    const int64_t top = max.has_value() ? *max : lo;
+    std::string next = max.has_value() ? std::string("\"\\\"\"") : std::string("json-string-body");
+    for (int64_t k = top - 1; k >= 0; --k) {
+      std::string body = absl::StrCat("[^\"\\\\\\x00-\\x1F] ", next, " | \"\\\\\" json-escape ", next);
+      if (k >= lo) absl::StrAppend(&body, " | \"\\\"\"");
+      next = AddRule("chars", body);
+    }
+    return AddRule("string", absl::StrCat("\"\\\"\" ", next));
   }
 
   absl::StatusOr<std::string> VisitNumber(const Json& s, bool integer, const std::string& path) {

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "grammar/utf8.h"
@@ -297,7 +298,8 @@ void WalkStrings(const Machine& m, Arena& arena, const std::vector<int32_t>& sta
 
 // The compile-time split at `slot`: the walk of the whole vocabulary from the frame (slot, bottom)
 // alone, with the returns past bottom recorded.
-std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab, int32_t slot, Arena& arena) {
+std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab, int32_t slot, uint32_t partial,
+                                   Arena& arena) {
   auto cache = std::make_unique<SlotCache>();
   const std::vector<std::string>& strings = vocab.sorted();
   std::vector<int32_t> accepted;
@@ -312,7 +314,7 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
     }
   };
   Walk(
-      m, arena, {arena.Intern({slot, 0, kBottom})}, strings, vocab.lcp(),
+      m, arena, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
           vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });
@@ -368,15 +370,52 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
   out->machine_ = std::make_unique<Machine>(grammar);
   const Machine& m = *out->machine_;
   out->caches_.resize(m.slots.size());
+  // Only the rules reachable from the root can be on a stack.
+  std::vector<char> reachable(m.rule_starts.size(), 0);
+  std::vector<int32_t> todo = {m.root};
+  reachable[m.root] = 1;
+  while (!todo.empty()) {
+    const int32_t r = todo.back();
+    todo.pop_back();
+    for (int32_t slot : m.rule_starts[r]) {
+      for (; m.slots[slot].kind != Machine::kEnd; ++slot) {
+        const int32_t callee = m.slots[slot].index;
+        if (m.slots[slot].kind == Machine::kRule && !reachable[callee]) {
+          reachable[callee] = 1;
+          todo.push_back(callee);
+        }
+      }
+    }
+  }
   Arena arena;
-  for (size_t slot = 0; slot < m.slots.size(); ++slot) {
-    if (m.slots[slot].kind != Machine::kClass && m.slots[slot].kind != Machine::kStar) continue;
-    arena.Clear();
-    out->caches_[slot] = internal::SplitAt(m, *out->vocab_, static_cast<int32_t>(slot), arena);
-    for (const auto& ids : out->caches_[slot]->leftover_tokens) out->context_dependent_ += static_cast<int64_t>(ids.size());
+  for (size_t r = 0; r < m.rule_starts.size(); ++r) {
+    if (!reachable[r]) continue;
+    for (int32_t start : m.rule_starts[r]) {
+      for (int32_t slot = start; m.slots[slot].kind != Machine::kEnd; ++slot) {
+        if (m.slots[slot].kind == Machine::kRule) continue;
+        arena.Clear();
+        out->caches_[slot] = internal::SplitAt(m, *out->vocab_, slot, 0, arena);
+        for (const auto& ids : out->caches_[slot]->leftover_tokens) out->context_dependent_ += static_cast<int64_t>(ids.size());
+      }
+    }
   }
   return std::shared_ptr<const CompiledGrammar>(std::move(out));
 }
+
+const SlotCache* CompiledGrammar::PartialCache(int32_t slot, uint32_t partial) const {
+  const uint64_t key = (static_cast<uint64_t>(slot) << 32) | partial;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = partial_caches_.find(key);
+    if (it != partial_caches_.end()) return it->second.get();
+  }
+  Arena arena;
+  std::unique_ptr<SlotCache> cache = internal::SplitAt(*machine_, *vocab_, slot, partial, arena);
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = partial_caches_.try_emplace(key, std::move(cache));
+  return it->second.get();
+}
+
 
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar)
     : grammar_(std::move(grammar)), scratch_(internal::kScratchBase, &arena_) {
@@ -448,14 +487,11 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
   std::vector<int32_t> resumed;
   for (int32_t top : state.stacks) {
     const Frame f = arena_.Get(top);
-    if (f.partial != 0) {  // inside a UTF-8 character: nothing precomputed, walk the vocabulary
-      internal::WalkStrings(m, scratch_, {top}, vocab.sorted(), vocab.lcp(),
-                            [&](size_t i) { vocab.ForEachId(i, set); });
-      continue;
-    }
-    const SlotCache* cache = grammar_->cache(f.slot);
-    if (std::find(seen_slots_.begin(), seen_slots_.end(), f.slot) == seen_slots_.end()) {
-      seen_slots_.push_back(f.slot);
+    // Inside a UTF-8 character the split is made on first use (grammar.h).
+    const SlotCache* cache = f.partial == 0 ? grammar_->cache(f.slot) : grammar_->PartialCache(f.slot, f.partial);
+    const uint64_t key = (static_cast<uint64_t>(f.slot) << 32) | f.partial;
+    if (std::find(seen_slots_.begin(), seen_slots_.end(), key) == seen_slots_.end()) {
+      seen_slots_.push_back(key);
       if (!cache->accepted_bits.empty()) {
         for (int32_t w = 0; w < static_cast<int32_t>(cache->accepted_bits.size()); ++w) mask[w] |= cache->accepted_bits[w];
       }

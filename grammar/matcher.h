@@ -28,6 +28,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "grammar/grammar.h"
 
 namespace shardserve::grammar {
@@ -85,6 +86,9 @@ class CompiledGrammar {
   // The precomputed split of the vocabulary at a stack top (see grammar.h); null where the slot
   // holds no character class.
   const internal::SlotCache* cache(int32_t slot) const;
+  // The same for a stack top inside a UTF-8 character (`partial` bytes read), made on first use
+  // and kept. Thread-safe.
+  const internal::SlotCache* PartialCache(int32_t slot, uint32_t partial) const;
   // Tokens decided without the stack, over all positions (statistics for the benchmark).
   int64_t context_dependent_tokens() const { return context_dependent_; }
 
@@ -94,6 +98,8 @@ class CompiledGrammar {
   std::unique_ptr<internal::Machine> machine_;
   std::vector<std::unique_ptr<internal::SlotCache>> caches_;
   int64_t context_dependent_ = 0;
+  mutable absl::Mutex mu_;
+  mutable absl::flat_hash_map<uint64_t, std::unique_ptr<internal::SlotCache>> partial_caches_ ABSL_GUARDED_BY(mu_);
 };
 
 // Node arena: hash-consed stack frames. A stack is the id of its top frame.
@@ -165,7 +171,7 @@ class GrammarMatcher {
   internal::Arena arena_;
   internal::Arena scratch_;
   std::vector<State> states_;  // states_[0]: the start; back(): now
-  std::vector<int32_t> seen_slots_;
+  std::vector<uint64_t> seen_slots_;  // (slot, partial) of the stack tops already OR'd in, this step
 };
 
 }  // namespace shardserve::grammar
