@@ -6,6 +6,7 @@
 #include <array>
 #include <map>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
@@ -86,10 +87,18 @@ constexpr uint32_t PackPartial(uint32_t value, uint32_t remaining, uint32_t leng
   return value | (remaining << 21) | (length << 24);
 }
 
-// A stack of more frames than this, or a state of more stacks, is not followed further: the
-// paths beyond are dropped (a grammar that needs them is pathologically ambiguous).
-inline constexpr int kMaxExpandDepth = 4000;
-inline constexpr size_t kMaxStacks = 10000;
+
+// One round of expansion (a byte read, a frame resumed): the (slot, parent) pairs expanded so far,
+// and whether a bound above was hit, dropping paths.
+struct Round {
+  absl::flat_hash_set<uint64_t> seen;
+  std::vector<std::pair<int32_t, int32_t>> todo;  // (slot, parent) still to expand
+  bool overflow = false;
+  void Reset() {
+    seen.clear();
+    overflow = false;
+  }
+};
 
 struct Machine {
   enum Kind : int8_t { kRule, kClass, kStar, kEnd };
@@ -128,31 +137,50 @@ struct Machine {
   // Adds to `out` the stacks with a character class on top that the frame (slot, parent) stands
   // for: rule references expanded, finished sequences returned from. `exited`: a path returned
   // past kBottom (the root finished, or at compile time the top frame).
-  void Expand(Arena& arena, int32_t slot, int32_t parent, std::vector<int32_t>* out, bool* exited, int depth) const {
-    if (depth > kMaxExpandDepth || out->size() >= kMaxStacks) return;
-    const Slot& s = slots[slot];
-    switch (s.kind) {
-      case kEnd:
-        if (parent == kBottom) {
-          *exited = true;
-        } else {
-          const Frame p = arena.Get(parent);
-          Expand(arena, p.slot, p.parent, out, exited, depth + 1);
-        }
-        return;
-      case kRule: {
-        // A call in tail position returns straight to the caller's caller.
-        const int32_t ret = slots[slot + 1].kind == kEnd ? parent : arena.Intern({slot + 1, 0, parent});
-        for (int32_t start : rule_starts[s.index]) Expand(arena, start, ret, out, exited, depth + 1);
+  //
+  // `seen` holds the (slot, parent) pairs of rule calls and returns already expanded in this round:
+  // a pair expands to the same stacks every time, so each is expanded once (without it, a grammar
+  // like `r1 ::= r0 r0`, `r2 ::= r1 r1`, ... over a nullable r0 takes exponential time).
+  void Expand(Arena& arena, int32_t slot, int32_t parent, std::vector<int32_t>* out, bool* exited, int /*unused*/,
+              Round& round) const {
+    std::vector<std::pair<int32_t, int32_t>>& todo = round.todo;
+    todo.clear();
+    todo.push_back({slot, parent});
+    size_t work = 0;
+    while (!todo.empty()) {
+      auto [at, up] = todo.back();
+      todo.pop_back();
+      if (++work > kMaxExpandWork || out->size() >= kMaxStacks) {
+        round.overflow = true;
         return;
       }
-      case kClass:
-        out->push_back(arena.Intern({slot, 0, parent}));
-        return;
-      case kStar:
-        out->push_back(arena.Intern({slot, 0, parent}));
-        Expand(arena, slot + 1, parent, out, exited, depth + 1);
-        return;
+      const Slot& s = slots[at];
+      if (!round.seen.insert((static_cast<uint64_t>(at) << 32) | static_cast<uint32_t>(up)).second) {
+        continue;
+      }
+      switch (s.kind) {
+        case kEnd:
+          if (up == kBottom) {
+            *exited = true;
+          } else {
+            const Frame p = arena.Get(up);
+            todo.push_back({p.slot, p.parent});
+          }
+          break;
+        case kRule: {
+          // A call in tail position returns straight to the caller's caller.
+          const int32_t ret = slots[at + 1].kind == kEnd ? up : arena.Intern({at + 1, 0, up});
+          for (int32_t start : rule_starts[s.index]) todo.push_back({start, ret});
+          break;
+        }
+        case kClass:
+          out->push_back(arena.Intern({at, 0, up}));
+          break;
+        case kStar:
+          out->push_back(arena.Intern({at, 0, up}));
+          todo.push_back({at + 1, up});
+          break;
+      }
     }
   }
 
@@ -188,9 +216,11 @@ struct Machine {
   }
 
   // The stacks after reading byte `b` from each of `in` (sorted, deduplicated).
-  void Step(Arena& arena, const std::vector<int32_t>& in, uint8_t b, std::vector<int32_t>* out, bool* exited) const {
+  void Step(Arena& arena, const std::vector<int32_t>& in, uint8_t b, std::vector<int32_t>* out, bool* exited,
+            Round& round) const {
     out->clear();
     *exited = false;
+    round.seen.clear();
     for (int32_t id : in) {
       const Frame f = arena.Get(id);
       const Slot& s = slots[f.slot];
@@ -202,7 +232,7 @@ struct Machine {
           out->push_back(arena.Intern({f.slot, partial, f.parent}));
           break;
         case Match::kComplete:
-          Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, 0);
+          Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, 0, round);
           break;
       }
     }
@@ -213,7 +243,7 @@ struct Machine {
   }
 
   // The stacks where a frame's caller resumes once the frame returns.
-  void Resume(Arena& arena, int32_t parent, std::vector<int32_t>* out, bool* exited) const {
+  void Resume(Arena& arena, int32_t parent, std::vector<int32_t>* out, bool* exited, Round& round) const {
     out->clear();
     *exited = false;
     if (parent == kBottom) {
@@ -221,7 +251,8 @@ struct Machine {
       return;
     }
     const Frame p = arena.Get(parent);
-    Expand(arena, p.slot, p.parent, out, exited, 0);
+    round.seen.clear();
+    Expand(arena, p.slot, p.parent, out, exited, 0, round);
     std::sort(out->begin(), out->end());
     out->erase(std::unique(out->begin(), out->end()), out->end());
   }
@@ -245,8 +276,8 @@ namespace {
 // past the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no
 // stack, dead(begin, end, d, exited_at).
 template <typename End, typename Dead>
-void Walk(const Machine& m, Arena& arena, const std::vector<int32_t>& start, const std::vector<std::string>& strings,
-          const std::vector<int32_t>& lcp, End&& end, Dead&& dead) {
+void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
+          const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, End&& end, Dead&& dead) {
   std::vector<std::vector<int32_t>> sets(1, start);
   std::vector<char> exited_at(1, 0);
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
@@ -261,7 +292,7 @@ void Walk(const Machine& m, Arena& arena, const std::vector<int32_t>& start, con
     bool is_dead = false;
     while (d < s.size()) {
       bool exited = false;
-      m.Step(arena, sets[d], static_cast<uint8_t>(s[d]), &sets[d + 1], &exited);
+      m.Step(arena, sets[d], static_cast<uint8_t>(s[d]), &sets[d + 1], &exited, round);
       exited_at[d + 1] = exited;
       ++d;
       if (sets[d].empty() && d < s.size()) {
@@ -286,10 +317,10 @@ void Walk(const Machine& m, Arena& arena, const std::vector<int32_t>& start, con
 // Runtime: calls readable(i) for each string readable in full (a stack remains after its last
 // byte, or the root ended exactly there).
 template <typename F>
-void WalkStrings(const Machine& m, Arena& arena, const std::vector<int32_t>& start, const std::vector<std::string>& strings,
-                 const std::vector<int32_t>& lcp, F&& readable) {
+void WalkStrings(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
+                 const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, F&& readable) {
   Walk(
-      m, arena, start, strings, lcp,
+      m, arena, round, start, strings, lcp,
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) readable(i);
       },
@@ -299,7 +330,7 @@ void WalkStrings(const Machine& m, Arena& arena, const std::vector<int32_t>& sta
 // The compile-time split at `slot`: the walk of the whole vocabulary from the frame (slot, bottom)
 // alone, with the returns past bottom recorded.
 std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab, int32_t slot, uint32_t partial,
-                                   Arena& arena) {
+                                   Arena& arena, Round& round) {
   auto cache = std::make_unique<SlotCache>();
   const std::vector<std::string>& strings = vocab.sorted();
   std::vector<int32_t> accepted;
@@ -314,7 +345,7 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
     }
   };
   Walk(
-      m, arena, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(),
+      m, arena, round, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
           vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });
@@ -388,13 +419,19 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
     }
   }
   Arena arena;
+  internal::Round round;
   for (size_t r = 0; r < m.rule_starts.size(); ++r) {
     if (!reachable[r]) continue;
     for (int32_t start : m.rule_starts[r]) {
       for (int32_t slot = start; m.slots[slot].kind != Machine::kEnd; ++slot) {
         if (m.slots[slot].kind == Machine::kRule) continue;
         arena.Clear();
-        out->caches_[slot] = internal::SplitAt(m, *out->vocab_, slot, 0, arena);
+        out->caches_[slot] = internal::SplitAt(m, *out->vocab_, slot, 0, arena, round);
+        if (round.overflow) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "the grammar is too ambiguous: a token is read by more than ", internal::kMaxStacks,
+              " stacks at once, or expands more than ", internal::kMaxExpandWork, " rule calls for one byte"));
+        }
         for (const auto& ids : out->caches_[slot]->leftover_tokens) out->context_dependent_ += static_cast<int64_t>(ids.size());
       }
     }
@@ -410,18 +447,25 @@ const SlotCache* CompiledGrammar::PartialCache(int32_t slot, uint32_t partial) c
     if (it != partial_caches_.end()) return it->second.get();
   }
   Arena arena;
-  std::unique_ptr<SlotCache> cache = internal::SplitAt(*machine_, *vocab_, slot, partial, arena);
+  internal::Round round;  // an overflow here was already met at compile time, from the same frame's start
+  std::unique_ptr<SlotCache> cache = internal::SplitAt(*machine_, *vocab_, slot, partial, arena, round);
   absl::MutexLock lock(&mu_);
   auto [it, inserted] = partial_caches_.try_emplace(key, std::move(cache));
   return it->second.get();
 }
 
 
+GrammarMatcher::~GrammarMatcher() = default;
+
 GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar)
-    : grammar_(std::move(grammar)), scratch_(internal::kScratchBase, &arena_) {
+    : grammar_(std::move(grammar)),
+      scratch_(internal::kScratchBase, &arena_),
+      round_holder_(std::make_unique<internal::Round>()),
+      round_(*round_holder_) {
   const Machine& m = grammar_->machine();
   State start;
-  for (int32_t s : m.rule_starts[m.root]) m.Expand(arena_, s, kBottom, &start.stacks, &start.can_end, 0);
+  for (int32_t s : m.rule_starts[m.root]) m.Expand(arena_, s, kBottom, &start.stacks, &start.can_end, 0, round_);
+  if (round_.overflow) error_ = absl::ResourceExhaustedError("the grammar is too ambiguous to start");
   std::sort(start.stacks.begin(), start.stacks.end());
   start.stacks.erase(std::unique(start.stacks.begin(), start.stacks.end()), start.stacks.end());
   states_.push_back(std::move(start));
@@ -432,7 +476,12 @@ bool GrammarMatcher::Advance(std::string_view bytes, State* out) {
   std::vector<int32_t> cur = states_.back().stacks, next;
   bool ended = false;
   for (size_t i = 0; i < bytes.size(); ++i) {
-    m.Step(arena_, cur, static_cast<uint8_t>(bytes[i]), &next, &ended);
+    m.Step(arena_, cur, static_cast<uint8_t>(bytes[i]), &next, &ended, round_);
+    if (round_.overflow) {
+      error_ = absl::ResourceExhaustedError(
+          absl::StrCat("the grammar is too ambiguous: more than ", internal::kMaxStacks, " stacks"));
+      return false;
+    }
     cur.swap(next);
     if (cur.empty() && !(ended && i + 1 == bytes.size())) return false;
   }
@@ -442,7 +491,7 @@ bool GrammarMatcher::Advance(std::string_view bytes, State* out) {
 }
 
 bool GrammarMatcher::AcceptBytes(std::string_view bytes) {
-  if (IsTerminated() || bytes.empty()) return false;
+  if (IsTerminated() || bytes.empty() || !error_.ok()) return false;
   State next;
   if (!Advance(bytes, &next)) return false;
   states_.push_back(std::move(next));
@@ -475,7 +524,7 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
   const int32_t words = mask_words();
   std::fill(mask, mask + words, 0u);
   const State& state = states_.back();
-  if (state.terminated) return;
+  if (state.terminated || !error_.ok()) return;
   const Machine& m = grammar_->machine();
   const TokenizerInfo& vocab = grammar_->vocab();
   auto set = [mask](int32_t id) { mask[id >> 5] |= 1u << (id & 31); };
@@ -499,9 +548,9 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
     }
     if (cache->leftovers.empty() || f.parent == kBottom) continue;  // after the root's end no byte follows
     bool ended = false;
-    m.Resume(scratch_, f.parent, &resumed, &ended);
+    m.Resume(scratch_, f.parent, &resumed, &ended, round_);
     if (resumed.empty()) continue;
-    internal::WalkStrings(m, scratch_, resumed, cache->leftovers, cache->leftover_lcp, [&](size_t i) {
+    internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, cache->leftover_lcp, [&](size_t i) {
       for (int32_t id : cache->leftover_tokens[i]) set(id);
     });
   }

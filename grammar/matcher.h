@@ -115,6 +115,12 @@ struct Frame {
   }
 };
 inline constexpr int32_t kBottom = -1;
+// A state of more stacks than this, or an expansion of more (slot, parent) pairs in one byte, is
+// not followed: Compile refuses such a grammar (ResourceExhausted), and a matcher that meets one
+// stops (GrammarMatcher::status).
+inline constexpr size_t kMaxStacks = 10000;
+inline constexpr size_t kMaxExpandWork = 200000;
+struct Round;
 inline constexpr int32_t kScratchBase = 1 << 30;
 
 class Arena {
@@ -140,6 +146,7 @@ class Arena {
 class GrammarMatcher {
  public:
   explicit GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar);
+  ~GrammarMatcher();
 
   // Words of the bitmask: ceil(vocab_size / 32).
   int32_t mask_words() const { return (grammar_->vocab().vocab_size() + 31) / 32; }
@@ -158,6 +165,9 @@ class GrammarMatcher {
   // Undoes the last n accepted tokens (or AcceptBytes calls); n <= NumAccepted().
   absl::Status Rollback(int n);
   int NumAccepted() const { return static_cast<int>(states_.size()) - 1; }
+  // ResourceExhausted once the grammar proved too ambiguous to follow (kMaxStacks); from then on
+  // nothing is allowed or accepted.
+  const absl::Status& status() const { return error_; }
 
  private:
   struct State {
@@ -170,6 +180,9 @@ class GrammarMatcher {
   std::shared_ptr<const CompiledGrammar> grammar_;
   internal::Arena arena_;
   internal::Arena scratch_;
+  std::unique_ptr<internal::Round> round_holder_;
+  internal::Round& round_;
+  absl::Status error_;
   std::vector<State> states_;  // states_[0]: the start; back(): now
   std::vector<uint64_t> seen_slots_;  // (slot, partial) of the stack tops already OR'd in, this step
 };

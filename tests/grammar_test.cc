@@ -151,6 +151,25 @@ TEST(GbnfTest, ErrorsNameLineAndColumn) {
   EXPECT_NE(repeat.status().message().find("repetition count"), std::string::npos) << repeat.status();
   EXPECT_FALSE(ParseGbnf("x ::= \"a\"").ok());  // no root
   EXPECT_FALSE(ParseGbnf("root ::= \"a\"\nroot ::= \"b\"").ok());
+  // Each rule calls the one before twice over a nullable base: 2^40 ways to expand at the start,
+  // which the matcher must not try one by one.
+  std::string doubling = "r0 ::= \"a\"?\n";
+  for (int i = 1; i <= 40; ++i) doubling += "r" + std::to_string(i) + " ::= r" + std::to_string(i - 1) + " r" + std::to_string(i - 1) + "\n";
+  doubling += "root ::= r40 \"b\"\n";
+  auto doubled = ParseGbnf(doubling);
+  ASSERT_TRUE(doubled.ok()) << doubled.status();
+  auto compiled = CompiledGrammar::Compile(*doubled, SmallVocab());
+  ASSERT_TRUE(compiled.ok()) << compiled.status();
+  GrammarMatcher refused(*compiled);  // 2^40 distinct stacks at the start: refused, at once
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("too ambiguous"), std::string::npos) << refused.status();
+  EXPECT_FALSE(refused.AcceptBytes("a"));
+  EXPECT_TRUE(Allowed(refused, SmallVocab()->vocab_size()).empty());
+  // Ten levels (1,024 ways) are followed.
+  std::string ten = "r0 ::= \"a\"?\n";
+  for (int i = 1; i <= 10; ++i) ten += "r" + std::to_string(i) + " ::= r" + std::to_string(i - 1) + " r" + std::to_string(i - 1) + "\n";
+  ten += "root ::= r10 \"b\"\n";
+  EXPECT_TRUE(Matches(ParseGbnf(ten), "aaab"));
   std::string deep = "root ::= ";
   for (int i = 0; i < 500; ++i) deep += "(";
   EXPECT_NE(ParseGbnf(deep).status().message().find("nested deeper"), std::string::npos);
