@@ -72,6 +72,11 @@ TokenizerInfo::TokenizerInfo(std::vector<std::string> token_bytes, const std::ve
     ids_.push_back(id);
   }
   ids_begin_.push_back(static_cast<int32_t>(ids_.size()));
+  first_byte_begin_.assign(257, static_cast<int32_t>(sorted_.size()));
+  for (int32_t i = static_cast<int32_t>(sorted_.size()) - 1; i >= 0; --i) {
+    first_byte_begin_[static_cast<uint8_t>(sorted_[i][0])] = i;
+  }
+  for (int b = 255; b >= 0; --b) first_byte_begin_[b] = std::min(first_byte_begin_[b], first_byte_begin_[b + 1]);
 }
 
 namespace internal {
@@ -275,9 +280,11 @@ namespace {
 // its end, end(i, exited_at, alive): alive when a stack remains; exited_at[k] when a path returned
 // past the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no
 // stack, dead(begin, end, d, exited_at).
+// first_byte_begin: TokenizerInfo::first_byte_begin() of `strings`, or null.
 template <typename End, typename Dead>
 void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
-          const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, End&& end, Dead&& dead) {
+          const std::vector<std::string>& strings, const std::vector<int32_t>& lcp,
+          const std::vector<int32_t>* first_byte_begin, End&& end, Dead&& dead) {
   std::vector<std::vector<int32_t>> sets(1, start);
   std::vector<char> exited_at(1, 0);
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
@@ -308,7 +315,11 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
     }
     // Every string from i on that shares the prefix s[0 .. d) dies there too.
     size_t j = i + 1;
-    while (j < n && static_cast<size_t>(lcp[j]) >= d) ++j;
+    if (d == 1 && first_byte_begin != nullptr) {
+      j = static_cast<size_t>((*first_byte_begin)[static_cast<uint8_t>(s[0]) + 1]);
+    } else {
+      while (j < n && static_cast<size_t>(lcp[j]) >= d) ++j;
+    }
     dead(i, j, d, exited_at);
     i = j;
   }
@@ -320,7 +331,7 @@ template <typename F>
 void WalkStrings(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
                  const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, F&& readable) {
   Walk(
-      m, arena, round, start, strings, lcp,
+      m, arena, round, start, strings, lcp, nullptr,
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) readable(i);
       },
@@ -345,7 +356,7 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
     }
   };
   Walk(
-      m, arena, round, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(),
+      m, arena, round, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(), &vocab.first_byte_begin(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
           vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });

@@ -54,6 +54,9 @@ class TokenizerInfo {
   // Distinct byte strings of the allowed tokens, sorted; lcp[i] is the common prefix of strings i-1 and i.
   const std::vector<std::string>& sorted() const { return sorted_; }
   const std::vector<int32_t>& lcp() const { return lcp_; }
+  // first_byte_begin()[b]: the index in sorted() of the first string whose first byte is >= b
+  // (b in 0..256), so that a walk skips all strings of a first byte at once.
+  const std::vector<int32_t>& first_byte_begin() const { return first_byte_begin_; }
   // The token ids of sorted()[i]: ids_[ids_begin_[i] .. ids_begin_[i+1]).
   template <typename F>
   void ForEachId(size_t i, F&& f) const {
@@ -67,6 +70,7 @@ class TokenizerInfo {
   int32_t vocab_size_;
   std::vector<std::string> sorted_;
   std::vector<int32_t> lcp_;
+  std::vector<int32_t> first_byte_begin_;
   std::vector<int32_t> ids_begin_, ids_;
 };
 
