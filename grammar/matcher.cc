@@ -99,10 +99,6 @@ struct Round {
   absl::flat_hash_set<uint64_t> seen;
   std::vector<std::pair<int32_t, int32_t>> todo;  // (slot, parent) still to expand
   bool overflow = false;
-  void Reset() {
-    seen.clear();
-    overflow = false;
-  }
 };
 
 struct Machine {
@@ -146,8 +142,7 @@ struct Machine {
   // `seen` holds the (slot, parent) pairs of rule calls and returns already expanded in this round:
   // a pair expands to the same stacks every time, so each is expanded once (without it, a grammar
   // like `r1 ::= r0 r0`, `r2 ::= r1 r1`, ... over a nullable r0 takes exponential time).
-  void Expand(Arena& arena, int32_t slot, int32_t parent, std::vector<int32_t>* out, bool* exited, int /*unused*/,
-              Round& round) const {
+  void Expand(Arena& arena, int32_t slot, int32_t parent, std::vector<int32_t>* out, bool* exited, Round& round) const {
     std::vector<std::pair<int32_t, int32_t>>& todo = round.todo;
     todo.clear();
     todo.push_back({slot, parent});
@@ -237,7 +232,7 @@ struct Machine {
           out->push_back(arena.Intern({f.slot, partial, f.parent}));
           break;
         case Match::kComplete:
-          Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, 0, round);
+          Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, round);
           break;
       }
     }
@@ -257,7 +252,7 @@ struct Machine {
     }
     const Frame p = arena.Get(parent);
     round.seen.clear();
-    Expand(arena, p.slot, p.parent, out, exited, 0, round);
+    Expand(arena, p.slot, p.parent, out, exited, round);
     std::sort(out->begin(), out->end());
     out->erase(std::unique(out->begin(), out->end()), out->end());
   }
@@ -475,7 +470,7 @@ GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar)
       round_(*round_holder_) {
   const Machine& m = grammar_->machine();
   State start;
-  for (int32_t s : m.rule_starts[m.root]) m.Expand(arena_, s, kBottom, &start.stacks, &start.can_end, 0, round_);
+  for (int32_t s : m.rule_starts[m.root]) m.Expand(arena_, s, kBottom, &start.stacks, &start.can_end, round_);
   if (round_.overflow) error_ = absl::ResourceExhaustedError("the grammar is too ambiguous to start");
   std::sort(start.stacks.begin(), start.stacks.end());
   start.stacks.erase(std::unique(start.stacks.begin(), start.stacks.end()), start.stacks.end());

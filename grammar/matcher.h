@@ -151,6 +151,9 @@ class GrammarMatcher {
  public:
   explicit GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar);
   ~GrammarMatcher();
+  // Not copyable or movable: its scratch arena points into its own arena.
+  GrammarMatcher(const GrammarMatcher&) = delete;
+  GrammarMatcher& operator=(const GrammarMatcher&) = delete;
 
   // Words of the bitmask: ceil(vocab_size / 32).
   int32_t mask_words() const { return (grammar_->vocab().vocab_size() + 31) / 32; }
