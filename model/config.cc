@@ -359,6 +359,80 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
   return absl::OkStatus();
 }
 
+// The most experts a layer may have (DeepSeek-V3 and Kimi K2 have 256 and 384).
+constexpr int64_t kMaxExperts = 4096;
+
+// The mixture-of-experts fields of config.json, as the family's config class reads them
+// (FamilyDeclaration::Experts); c's layer count and intermediate_size are already read.
+absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig* c) {
+  using Experts = FamilyDeclaration::Experts;
+  const Experts kind = c->family->experts;
+  c->sparse_layers.assign(c->num_hidden_layers, false);
+  if (kind == Experts::kNone) return absl::OkStatus();
+  // The expert count: Mixtral's num_local_experts; Qwen-MoE's num_experts, which transformers 5
+  // saves as num_local_experts (Qwen3MoeConfig's attribute_map): both must agree where both are.
+  const char* count_field = "num_local_experts";
+  if (kind == Experts::kQwen) {
+    const bool hub = Present(j, "num_experts"), saved = Present(j, "num_local_experts");
+    if (hub && saved && j["num_experts"] != j["num_local_experts"]) {
+      return FieldError(source, "num_local_experts", absl::StrCat("is ", j["num_local_experts"].dump(),
+                                                                  " but \"num_experts\" is ", j["num_experts"].dump()));
+    }
+    if (hub || !saved) count_field = "num_experts";
+  }
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, count_field, true, &c->num_experts));
+  if (c->num_experts < 0 || c->num_experts > kMaxExperts) {
+    return FieldError(source, count_field, absl::StrCat("must be in [0, ", kMaxExperts, "], got ", c->num_experts));
+  }
+  if (kind == Experts::kMixtral && c->num_experts == 0) {
+    return FieldError(source, count_field, "is 0; Mixtral's layers are all mixtures of experts");
+  }
+  if (c->num_experts == 0) return absl::OkStatus();  // Qwen-MoE with no experts: every MLP dense
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_experts_per_tok", true, &c->num_experts_per_tok));
+  if (c->num_experts_per_tok < 1 || c->num_experts_per_tok > c->num_experts) {
+    return FieldError(source, "num_experts_per_tok", absl::StrCat("must be in [1, ", c->num_experts, "] (",
+                                                                  count_field, "), got ", c->num_experts_per_tok));
+  }
+  if (kind == Experts::kMixtral) {
+    // MixtralSparseMoeBlock: every layer; experts of intermediate_size; the top k renormalised.
+    c->moe_intermediate_size = c->intermediate_size;
+    c->norm_topk_prob = true;
+    c->sparse_layers.assign(c->num_hidden_layers, true);
+    return absl::OkStatus();
+  }
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "moe_intermediate_size", true, &c->moe_intermediate_size));
+  if (c->moe_intermediate_size <= 0 || c->moe_intermediate_size > kMaxIntermediateSize) {
+    return FieldError(source, "moe_intermediate_size",
+                      absl::StrCat("must be in [1, 2^20], got ", c->moe_intermediate_size));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "norm_topk_prob", &c->norm_topk_prob));
+  if (c->family->shared_expert) {
+    SHARDSERVE_RETURN_IF_ERROR(
+        GetInt(j, source, "shared_expert_intermediate_size", true, &c->shared_expert_intermediate_size));
+    if (c->shared_expert_intermediate_size <= 0 || c->shared_expert_intermediate_size > kMaxIntermediateSize) {
+      return FieldError(source, "shared_expert_intermediate_size",
+                        absl::StrCat("must be in [1, 2^20], got ", c->shared_expert_intermediate_size));
+    }
+  }
+  int64_t step = 1;  // Qwen3MoeConfig's default
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "decoder_sparse_step", false, &step));
+  if (step < 1) return FieldError(source, "decoder_sparse_step", absl::StrCat("must be >= 1, got ", step));
+  std::vector<bool> dense_only(c->num_hidden_layers, false);
+  if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return FieldError(source, "mlp_only_layers", "must be a list of layer indices");
+    for (const json& layer : *it) {
+      if (!layer.is_number_integer() || layer.get<int64_t>() < 0 || layer.get<int64_t>() >= c->num_hidden_layers) {
+        return FieldError(source, "mlp_only_layers", absl::StrCat("has ", layer.dump(), "; want layer indices in [0, ",
+                                                                  c->num_hidden_layers, ") (num_hidden_layers)"));
+      }
+      dense_only[layer.get<int64_t>()] = true;
+    }
+  }
+  // Qwen3MoeDecoderLayer: sparse unless listed in mlp_only_layers, and where (i + 1) % step == 0.
+  for (int64_t i = 0; i < c->num_hidden_layers; ++i) c->sparse_layers[i] = !dense_only[i] && (i + 1) % step == 0;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& source) {
@@ -396,6 +470,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "max_position_embeddings", false, &c.max_position_embeddings));
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rms_norm_eps", &c.rms_norm_eps));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "tie_word_embeddings", &c.tie_word_embeddings));
+  if (c.family->attention_bias == AttentionBias::kQkvConfigured) {  // Qwen2MoeConfig: qkv_bias, default true
+    c.qkv_bias = true;
+    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "qkv_bias", &c.qkv_bias));
+  }
   if (c.family->attention_bias == AttentionBias::kConfigured) {
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
     c.o_bias = c.qkv_bias;
@@ -439,6 +517,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     return FieldError(source, "max_position_embeddings",
                       absl::StrCat("must be in [", kMinPositionEmbeddings, ", 2^31], got ", c.max_position_embeddings));
   }
+  SHARDSERVE_RETURN_IF_ERROR(ParseExperts(j, source, &c));
+  if (c.num_experts > 0 && c.checkpoint_quant.has_value()) {
+    return FieldError(source, "quantization_config",
+                      absl::StrCat("describes a quantized checkpoint of ", c.architecture_name,
+                                   "; quantized mixture-of-experts checkpoints are not supported yet (load the "
+                                   "bf16 or float32 one, with --quantization int8 or int4 if it must be smaller)"));
+  }
   c.head_dim = c.hidden_size / c.num_attention_heads;
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
   if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
@@ -448,13 +533,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
   // a model of at most kMaxParameters.
   const double params = static_cast<double>(c.num_hidden_layers) *
                             (2.0 * c.hidden_size * c.q_dim() + 2.0 * c.hidden_size * c.kv_dim() +
-                             3.0 * c.hidden_size * c.intermediate_size) +
+                             3.0 * c.hidden_size * c.intermediate_size +
+                             (1.0 + 3.0 * c.moe_intermediate_size) * c.hidden_size * c.num_experts +
+                             (1.0 + 3.0 * c.shared_expert_intermediate_size) * c.hidden_size) +
                         2.0 * c.vocab_size * c.hidden_size;
   if (params > kMaxParameters) {
     return absl::InvalidArgumentError(absl::StrCat(
         source, ": the sizes describe ", params, " parameters, above the ", kMaxParameters, " this server takes (",
         "num_hidden_layers ", c.num_hidden_layers, ", hidden_size ", c.hidden_size, ", intermediate_size ",
-        c.intermediate_size, ", q/kv heads ", c.num_attention_heads, "/", c.num_key_value_heads, " x head_dim ",
+        c.intermediate_size, ", experts ", c.num_experts, " x ", c.moe_intermediate_size, ", q/kv heads ", c.num_attention_heads, "/", c.num_key_value_heads, " x head_dim ",
         c.head_dim, ", vocab_size ", c.vocab_size, ")"));
   }
   if (c.num_attention_heads % c.num_key_value_heads != 0) {

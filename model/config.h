@@ -98,6 +98,16 @@ struct ModelConfig {
   double attn_logit_softcap = 0;   // Gemma 2's attn_logit_softcapping; 0 for none
   double final_logit_softcap = 0;  // Gemma 2's final_logit_softcapping; 0 for none
   bool mlp_bias = false;        // not supported; parsing rejects true
+  // Mixture of experts (FamilyDeclaration::Experts says which fields config.json names them by):
+  // num_experts 0 for a dense model. A sparse layer's MLP routes each token to num_experts_per_tok
+  // of num_experts SwiGLU experts, each moe_intermediate_size wide, their outputs weighted by the
+  // router's softmax over all experts (renormalised over the chosen k when norm_topk_prob).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE's shared expert; 0: none
+  std::vector<bool> sparse_layers;  // per layer: a mixture of experts (else a dense MLP)
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
@@ -113,6 +123,10 @@ struct ModelConfig {
     return i >= 0 && i < static_cast<int64_t>(layer_window.size()) ? layer_window[i] : 0;
   }
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  // Whether layer i's MLP is a mixture of experts (false past sparse_layers' list).
+  bool LayerIsSparse(int64_t i) const {
+    return i >= 0 && i < static_cast<int64_t>(sparse_layers.size()) && sparse_layers[i];
+  }
   // Layer i's RoPE table (RopeTables): 1 for a layer layer_types calls sliding when sliding_rope is
   // set (whether or not it has a window), else 0.
   int LayerRopeTable(int64_t i) const {

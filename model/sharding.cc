@@ -19,6 +19,14 @@ absl::Status CheckTpDivides(const ModelConfig& c, int t) {
   if (c.intermediate_size % t != 0)
     return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " does not divide intermediate_size ",
                                                    c.intermediate_size));
+  if (c.num_experts > 0 && c.moe_intermediate_size % t != 0)
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t,
+                                                   " does not divide the experts' intermediate size ",
+                                                   c.moe_intermediate_size));
+  if (c.shared_expert_intermediate_size % t != 0)
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t,
+                                                   " does not divide the shared expert's intermediate size ",
+                                                   c.shared_expert_intermediate_size));
   return absl::OkStatus();
 }
 
@@ -41,6 +49,10 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
   }
   const int64_t inter = c.intermediate_size / t;
   s.mlp_rows = {r * inter, (r + 1) * inter};
+  const int64_t expert_inter = c.moe_intermediate_size / t;
+  s.expert_rows = {r * expert_inter, (r + 1) * expert_inter};
+  const int64_t shared_inter = c.shared_expert_intermediate_size / t;
+  s.shared_expert_rows = {r * shared_inter, (r + 1) * shared_inter};
   s.vocab_rows_per_rank = (c.vocab_size + t - 1) / t;
   s.vocab_rows = {std::min(c.vocab_size, r * s.vocab_rows_per_rank),
                   std::min(c.vocab_size, (r + 1) * s.vocab_rows_per_rank)};
@@ -56,6 +68,10 @@ Slice ShardSlice(TpSplit split, const TpShard& s) {
     case TpSplit::kMlpRows: return Slice{0, s.mlp_rows.begin, s.mlp_rows.end};
     case TpSplit::kQCols: return Slice{1, s.q_rows.begin, s.q_rows.end};
     case TpSplit::kMlpCols: return Slice{1, s.mlp_rows.begin, s.mlp_rows.end};
+    case TpSplit::kExpertRows: return Slice{0, s.expert_rows.begin, s.expert_rows.end};
+    case TpSplit::kExpertCols: return Slice{1, s.expert_rows.begin, s.expert_rows.end};
+    case TpSplit::kSharedExpertRows: return Slice{0, s.shared_expert_rows.begin, s.shared_expert_rows.end};
+    case TpSplit::kSharedExpertCols: return Slice{1, s.shared_expert_rows.begin, s.shared_expert_rows.end};
     case TpSplit::kFirstRank: return Slice{0, 0, -1};
   }
   return Slice{0, 0, -1};
@@ -111,8 +127,12 @@ absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant)
     return CheckCheckpointQuantShard(c, t);
   }
   if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
-  const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
+  const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()},
+                                                 {"down_proj", c.intermediate_size},
+                                                 {"the experts' down_proj", c.moe_intermediate_size},
+                                                 {"the shared expert's down_proj", c.shared_expert_intermediate_size}};
   for (const auto& [name, width] : cut) {
+    if (width == 0) continue;  // no experts
     if (width % t != 0 || (width / t) % kInt4GroupSize != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "int4 quantization: ", name, "'s input of ", width, " columns split over tensor parallel size ", t, " gives ",

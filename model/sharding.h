@@ -8,6 +8,11 @@
 //                            partial sums meet in an all-reduce after o_proj
 //   gate_proj, up_proj       column-parallel: rows [r * I/t, (r+1) * I/t)
 //   down_proj                row-parallel: the matching columns; all-reduce after down_proj
+//   experts' gate/up/down    each expert as a dense MLP over its own intermediate size Ie
+//                            (moe_intermediate_size): rows [r * Ie/t, (r+1) * Ie/t) of gate and
+//                            up, those columns of down; the router replicated; one all-reduce
+//                            after the experts' outputs are combined (Qwen2-MoE's shared
+//                            expert likewise over its own size, its gate replicated)
 //   norms                    replicated
 //   embed_tokens, lm_head    vocab-parallel: rows [r * ceil(V/t), ...) (the last rank may hold
 //                            fewer); embedding partials are all-reduced, logits all-gathered
@@ -43,6 +48,8 @@ struct TpShard {
   Range q_rows;                 // rows of q_proj (and columns of o_proj): q heads * head_dim
   Range kv_rows;                // rows of k_proj and v_proj
   Range mlp_rows;               // rows of gate_proj/up_proj (and columns of down_proj)
+  Range expert_rows;            // rows of each expert's gate_proj/up_proj (and columns of its down_proj)
+  Range shared_expert_rows;     // the same of Qwen2-MoE's shared expert
   Range vocab_rows;             // rows of embed_tokens and lm_head
   int64_t vocab_rows_per_rank;  // ceil(V / t): the padded width of every rank's logits slice
 };
@@ -56,6 +63,10 @@ enum class TpSplit {
   kMlpRows,     // gate_proj, up_proj: rows mlp_rows
   kQCols,       // o_proj: columns q_rows
   kMlpCols,     // down_proj: columns mlp_rows
+  kExpertRows,  // an expert's gate_proj, up_proj: rows expert_rows
+  kExpertCols,  // an expert's down_proj: columns expert_rows
+  kSharedExpertRows,  // the shared expert's gate_proj, up_proj: rows shared_expert_rows
+  kSharedExpertCols,  // the shared expert's down_proj: columns shared_expert_rows
   kFirstRank,   // the bias of a row-parallel product (o_proj's): added once to the partial sums
                 // that meet in the all-reduce, so rank 0 holds all of it and the others none
 };
@@ -66,7 +77,7 @@ Slice ShardSlice(TpSplit split, const TpShard& shard);
 bool HoldsAny(TpSplit split, const TpShard& shard);
 
 // The slice rank `tp_rank` of `tp_size` holds. InvalidArgument, naming the numbers, when the
-// heads, KV heads or intermediate size do not divide as required.
+// heads, KV heads, intermediate size or experts' intermediate size do not divide as required.
 absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& config, int tp_rank, int tp_size);
 
 // Checks only divisibility (for the planner's choice of TP before ranks exist).

@@ -19,6 +19,8 @@
 #include "kernels/backend.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/families/registry.h"
+#include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/shard/model_shard.h"
 
@@ -260,7 +262,8 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                        "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"));
+                        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+                        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
   // Gemma 3 with its vision tower: refused, saying which checkpoints are taken.
   c["architectures"] = {"Gemma3ForConditionalGeneration"};
   config = ParseModelConfig(c.dump(), "config.json");
@@ -268,6 +271,164 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower"));
+}
+
+// The declared tensor `name` of `config`, or null.
+const WeightDecl* FindDecl(const std::vector<WeightDecl>& decls, const std::string& name) {
+  for (const WeightDecl& w : decls) {
+    if (w.name == name) return &w;
+  }
+  return nullptr;
+}
+
+// Qwen3-MoE's config.json as transformers 5 writes it (num_local_experts) and as the published
+// checkpoints have it (num_experts), read the same: which layers are sparse (mlp_only_layers,
+// decoder_sparse_step), each expert's tensors under the published names, cut for TP over
+// moe_intermediate_size; bad or missing fields refused by name.
+TEST_F(CheckpointTest, Qwen3MoeConfigAndTensorsAsTransformersReadThem) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/qwen3_moe_tf5/config.json");
+  const json saved = json::parse(in);
+  ASSERT_TRUE(saved.contains("num_local_experts"));  // what transformers 5's save_pretrained writes
+  json hub = saved;
+  hub["num_experts"] = hub["num_local_experts"];
+  hub.erase("num_local_experts");
+  for (const json& form : {saved, hub}) {
+    auto c = ParseModelConfig(form.dump(), "config.json");
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->num_experts, 5);
+    EXPECT_EQ(c->num_experts_per_tok, 2);
+    EXPECT_EQ(c->moe_intermediate_size, 32);
+    EXPECT_TRUE(c->norm_topk_prob);
+    EXPECT_EQ(c->sparse_layers, (std::vector<bool>{true, false, true}));  // mlp_only_layers [1]
+    const std::vector<WeightDecl> decls = ModelWeights(*c);
+    const WeightDecl* router = FindDecl(decls, "model.layers.0.mlp.gate.weight");
+    ASSERT_NE(router, nullptr);
+    EXPECT_EQ(router->shape, (std::vector<int64_t>{5, 48}));
+    EXPECT_EQ(router->split, TpSplit::kReplicated);
+    const WeightDecl* down = FindDecl(decls, "model.layers.2.mlp.experts.4.down_proj.weight");
+    ASSERT_NE(down, nullptr);
+    EXPECT_EQ(down->shape, (std::vector<int64_t>{48, 32}));
+    EXPECT_EQ(down->split, TpSplit::kExpertCols);
+    EXPECT_EQ(down->expert, 4);
+    EXPECT_NE(FindDecl(decls, "model.layers.1.mlp.gate_proj.weight"), nullptr);  // the dense layer
+    EXPECT_EQ(FindDecl(decls, "model.layers.1.mlp.gate.weight"), nullptr);
+    EXPECT_EQ(FindDecl(decls, "model.layers.0.mlp.gate_proj.weight"), nullptr);
+    // TP = 2: rank 1 holds rows [16, 32) of each expert's gate and up, those columns of its down.
+    auto shard = ComputeTpShard(*c, 1, 2);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EXPECT_EQ(shard->expert_rows.begin, 16);
+    EXPECT_EQ(shard->expert_rows.end, 32);
+    EXPECT_EQ(shard->mlp_rows.begin, 32);  // the dense layer's intermediate_size 64
+  }
+  // decoder_sparse_step 2 with no mlp_only_layers: the odd layers sparse (Qwen3MoeDecoderLayer).
+  json stepped = saved;
+  stepped["decoder_sparse_step"] = 2;
+  stepped["mlp_only_layers"] = json::array();
+  auto c = ParseModelConfig(stepped.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{false, true, false}));
+  // A TP size that does not divide the experts' intermediate size.
+  stepped["moe_intermediate_size"] = 30;
+  c = ParseModelConfig(stepped.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(std::string(ComputeTpShard(*c, 0, 4).status().message()),
+              HasSubstr("does not divide the experts' intermediate size 30"));
+
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> refused = {
+      {[](json& j) { j["num_experts"] = 6; }, "\"num_local_experts\" is 5 but \"num_experts\" is 6"},
+      {[](json& j) { j.erase("moe_intermediate_size"); }, "\"moe_intermediate_size\" is missing"},
+      {[](json& j) { j["num_experts_per_tok"] = 6; }, "\"num_experts_per_tok\" must be in [1, 5]"},
+      {[](json& j) { j["mlp_only_layers"] = {3}; }, "\"mlp_only_layers\" has 3; want layer indices in [0, 3)"},
+      {[](json& j) { j["decoder_sparse_step"] = 0; }, "\"decoder_sparse_step\" must be >= 1"},
+      {[](json& j) { j["norm_topk_prob"] = "yes"; }, "\"norm_topk_prob\" must be true or false"},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}}; },
+       "quantized mixture-of-experts checkpoints are not supported"},
+  };
+  for (const auto& [edit, message] : refused) {
+    json bad = saved;
+    edit(bad);
+    auto config = ParseModelConfig(bad.dump(), "config.json");
+    ASSERT_FALSE(config.ok()) << message;
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(message));
+  }
+}
+
+// Mixtral: every layer sparse, experts of intermediate_size under block_sparse_moe's names (w1
+// gate, w3 up, w2 down), the k weights always renormalised.
+TEST_F(CheckpointTest, MixtralExpertsInEveryLayer) {
+  json j = TinyConfig();
+  j["architectures"] = {"MixtralForCausalLM"};
+  j["num_hidden_layers"] = 2;
+  j["num_local_experts"] = 3;
+  j["num_experts_per_tok"] = 2;
+  auto c = ParseModelConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{true, true}));
+  EXPECT_EQ(c->moe_intermediate_size, 12);
+  EXPECT_TRUE(c->norm_topk_prob);
+  const std::vector<WeightDecl> decls = ModelWeights(*c);
+  ASSERT_NE(FindDecl(decls, "model.layers.1.block_sparse_moe.gate.weight"), nullptr);
+  const WeightDecl* w2 = FindDecl(decls, "model.layers.1.block_sparse_moe.experts.2.w2.weight");
+  ASSERT_NE(w2, nullptr);
+  EXPECT_EQ(w2->shape, (std::vector<int64_t>{8, 12}));
+  EXPECT_EQ(w2->role, WeightRole::kExpertDownProj);
+  const WeightDecl* w3 = FindDecl(decls, "model.layers.0.block_sparse_moe.experts.0.w3.weight");
+  ASSERT_NE(w3, nullptr);
+  EXPECT_EQ(w3->role, WeightRole::kExpertUpProj);
+  // Parameters: Llama's tiny model without its MLP, plus per layer a router [3, 8] and 3 experts of
+  // 3 x [12, 8].
+  EXPECT_EQ(c->ParameterCount(), 16 * 8 * 2 + 2 * (8 * 8 * 2 + 4 * 8 * 2 + 2 * 8 + 3 * 8 + 3 * 3 * 8 * 12) + 8);
+  j.erase("num_experts_per_tok");
+  c = ParseModelConfig(j.dump(), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("\"num_experts_per_tok\" is missing"));
+}
+
+// Qwen2-MoE: Qwen3-MoE's fields plus the shared expert (its size required, its tensors cut over TP
+// like a dense MLP, the [1, hidden] gate replicated and never quantized), q/k/v biases unless
+// qkv_bias is false.
+TEST_F(CheckpointTest, Qwen2MoeSharedExpertAndQkvBias) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/qwen2_moe_tf5/config.json");
+  const json saved = json::parse(in);
+  auto c = ParseModelConfig(saved.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->shared_expert_intermediate_size, 32);
+  EXPECT_FALSE(c->qkv_bias);  // qkv_bias false in this file
+  EXPECT_FALSE(c->o_bias);
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{true, true, false}));
+  const std::vector<WeightDecl> decls = ModelWeights(*c);
+  const WeightDecl* down = FindDecl(decls, "model.layers.1.mlp.shared_expert.down_proj.weight");
+  ASSERT_NE(down, nullptr);
+  EXPECT_EQ(down->shape, (std::vector<int64_t>{48, 32}));
+  EXPECT_EQ(down->split, TpSplit::kSharedExpertCols);
+  EXPECT_TRUE(TakesWeightQuant(*down));
+  const WeightDecl* gate = FindDecl(decls, "model.layers.0.mlp.shared_expert_gate.weight");
+  ASSERT_NE(gate, nullptr);
+  EXPECT_EQ(gate->shape, (std::vector<int64_t>{1, 48}));
+  EXPECT_EQ(gate->split, TpSplit::kReplicated);
+  EXPECT_FALSE(TakesWeightQuant(*gate));
+  EXPECT_FALSE(TakesWeightQuant(*FindDecl(decls, "model.layers.0.mlp.gate.weight")));
+  EXPECT_EQ(FindDecl(decls, "model.layers.2.mlp.shared_expert.gate_proj.weight"), nullptr);  // the dense layer
+  auto shard = ComputeTpShard(*c, 1, 2);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  EXPECT_EQ(shard->shared_expert_rows.begin, 16);
+  EXPECT_EQ(shard->shared_expert_rows.end, 32);
+
+  json biased = saved;
+  biased.erase("qkv_bias");  // Qwen2MoeConfig's default: true
+  c = ParseModelConfig(biased.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  biased["shared_expert_intermediate_size"] = 30;
+  c = ParseModelConfig(biased.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(std::string(ComputeTpShard(*c, 0, 4).status().message()),
+              HasSubstr("does not divide the shared expert's intermediate size 30"));
+  biased.erase("shared_expert_intermediate_size");
+  c = ParseModelConfig(biased.dump(), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("\"shared_expert_intermediate_size\" is missing"));
 }
 
 // Gemma 3's config.json in both formats: 5.x's rope_parameters keyed by layer type and 4.x's

@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <latch>
 #include <map>
 #include <memory>
@@ -89,7 +90,15 @@ std::vector<Layout> Layouts() {
       {"mistral_window_tf5", 2}, {"gemma2_tf5", 4}, {"phi3_longrope_tf5", 2}, {"phi4_mini_tf5", 2},
       {"llama_yarn_tf5", 2}, {"llama_linear_tf5", 2},
       // Gemma 3: q/k norms, five sliding layers to one global, a RoPE per layer type; both formats.
-      {"gemma3_tf5", 6}, {"gemma3_tf4", 4}};
+      {"gemma3_tf5", 6}, {"gemma3_tf4", 4},
+      // Mixtures of experts, each expert's intermediate size split over the TP group: Qwen3-MoE
+      // with 5 experts, 2 a token, a dense layer among sparse ones (mlp_only_layers), and with 7, 3 a
+      // token, dense and sparse layers in turn (decoder_sparse_step 2), bf16 weights.
+      {"qwen3_moe_tf5", 3}, {"qwen3_moe_bf16_tf5", 4},
+      // Mixtral: experts in every layer, 3 of 2 a token (float32) and 5 of 3 (bf16 weights).
+      {"mixtral_tf5", 2}, {"mixtral_bf16_tf5", 3},
+      // Qwen2-MoE: the shared expert gated per token beside 5 experts of 2 (float32) and 7 of 3 (bf16).
+      {"qwen2_moe_tf5", 3}, {"qwen2_moe_bf16_tf5", 4}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {
@@ -629,11 +638,12 @@ TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
 // (--load-format dummy), 256 wide: the fixtures' 64-wide rows would be cut inside a group by TP = 2.
 // The float32 tokens of the same model must differ from the int4 ones (the weights really were
 // quantized), and the plan in the status says int4.
-TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
+// `fixture`'s config.json resized as above (and by `edit`) checked so, with dummy weights of `seed`.
+void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::function<void(nlohmann::json&)>& edit) {
   char pattern[] = "/tmp/int4_model.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   {
-    std::ifstream in(kFixtures / "llama_gqa" / "config.json");
+    std::ifstream in(kFixtures / fixture / "config.json");
     nlohmann::json config = nlohmann::json::parse(in);
     config["hidden_size"] = 256;
     config["intermediate_size"] = 512;
@@ -641,13 +651,14 @@ TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
     config["num_key_value_heads"] = 2;
     config["head_dim"] = 64;
     config["num_hidden_layers"] = 4;
+    edit(config);
     std::ofstream(dir / "config.json") << config.dump(2);
   }
   const std::vector<int32_t> prompt = {1, 5, 99, 300, 17, 42, 7, 256};
   const int new_tokens = 24;
   const auto generate_ids = [&](const std::string& quantization) {
     std::string command = std::string(SHARDSERVE_CLI_BIN) + " generate-ids --model " + dir.string() +
-                          " --load-format dummy --dummy-seed 3 --quantization " + quantization +
+                          " --load-format dummy --dummy-seed " + std::to_string(seed) + " --quantization " + quantization +
                           " --max-new-tokens " + std::to_string(new_tokens);
     for (int32_t id : prompt) command += " " + std::to_string(id);
     std::vector<int32_t> ids;
@@ -665,14 +676,14 @@ TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
   };
   const std::vector<int32_t> reference = generate_ids("int4");
   ASSERT_EQ(reference.size(), static_cast<size_t>(new_tokens));
-  // Random models often repeat one token (seed 7 of this one does, in float32 and int4 alike); this
-  // seed's tokens vary, so that a layout that got the weights wrong cannot match by luck.
+  // Random models often repeat one token (seed 7 of the Llama one does, in float32 and int4 alike); the
+  // seeds' tokens vary, so that a layout that got the weights wrong cannot match by luck.
   EXPECT_GE(std::set<int32_t>(reference.begin(), reference.end()).size(), 4u) << "a degenerate model";
   EXPECT_NE(generate_ids("none"), reference) << "int4 and float32 weights give the same tokens";
 
   for (auto [pp, tp] : {std::pair{1, 1}, {1, 2}, {2, 1}, {2, 2}}) {
     Cluster cluster({dir.string(), /*nodes=*/pp, /*gpus_per_node=*/tp, {"--matmul-dtype", "f32"}},
-                    {"--quantization", "int4", "--load-format", "dummy", "--dummy-seed", "3"});
+                    {"--quantization", "int4", "--load-format", "dummy", "--dummy-seed", std::to_string(seed)});
     ASSERT_TRUE(cluster.Start()) << "TP=" << tp << " PP=" << pp;
     const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
     ASSERT_TRUE(r.status.ok()) << "TP=" << tp << " PP=" << pp << ": " << r.status.error_message() << "\n"
@@ -683,6 +694,21 @@ TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
+}
+
+TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
+  CheckInt4InEveryLayout("llama_gqa", 3, [](nlohmann::json&) {});
+}
+
+// The same with experts (Qwen3-MoE, 5 experts of 256, 2 a token, layer 1 dense): each rank quantizes
+// its 128-input slice of every expert's down_proj, so every layout holds the experts of one int4
+// process; the router stays float32 in all of them.
+TEST(ClusterQuantizationTest, Int4ExpertsGiveTheTokensOfOneInt4ProcessInEveryLayout) {
+  CheckInt4InEveryLayout("qwen3_moe_tf5", 2, [](nlohmann::json& config) {
+    config["vocab_size"] = 512;  // the prompt's ids reach 300
+    config["moe_intermediate_size"] = 256;
+    config["mlp_only_layers"] = {1};
+  });
 }
 
 // ---- Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,

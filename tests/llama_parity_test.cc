@@ -50,6 +50,22 @@ std::vector<std::string> FixtureNames() {
   return names;
 }
 
+// The fixtures without mixture-of-experts layers. Lower-precision engines run only these: a
+// router picks its top k by logit, and on these tiny random models two experts' logits come within
+// 1e-3 of each other somewhere in 32 tokens (tools/make_parity_fixtures_tf5.py prints each MoE
+// fixture's smallest gap), while bf16 rounding moves router logits by ~1e-2, so a lower-precision
+// run may take another expert there and move the logits by far more than its rounding: such a
+// comparison could not tell rounding from a broken kernel. Float32 engines, whose logits differ
+// from transformers' by ~1e-6, route the same and run every fixture (LlamaParity).
+std::vector<std::string> DenseFixtureNames() {
+  std::vector<std::string> names;
+  for (const std::string& name : FixtureNames()) {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / name);
+    if (!config.ok() || config->num_experts == 0) names.push_back(name);  // a bad config fails in LlamaParity
+  }
+  return names;
+}
+
 // The fixtures the quantized-weight bounds below were measured on, all 64 or 128 inputs wide: not
 // the ones tools/make_parity_fixtures_tf5.py makes (*_tf5, *_tf4), which are there for the families
 // and config.json formats of transformers 5 and have other widths (rows of 96 are one int4 group
@@ -306,8 +322,13 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   std::printf("[ parity   ] %s on %s, chunk=%lld: prefill logits error %.3g, decode logits error %.3g\n",
               name.c_str(), EngineName(engine).c_str(), static_cast<long long>(chunk), prefill_err, decode_err);
   if (engine == Engine::kCudaGraphs || engine == Engine::kCudaDefaults || engine == Engine::kCudaPdl) {  // as graphs
-    EXPECT_EQ(model->get()->step_graphs_off(), "");
-    EXPECT_GE(model->get()->step_graphs_recorded(), 1);
+    if (f.config.num_experts > 0) {  // the sparse layers' host reads keep graphs off, and say so
+      EXPECT_NE(model->get()->step_graphs_off(), "");
+      EXPECT_EQ(model->get()->step_graphs_recorded(), 0);
+    } else {
+      EXPECT_EQ(model->get()->step_graphs_off(), "");
+      EXPECT_GE(model->get()->step_graphs_recorded(), 1);
+    }
   }
 }
 
@@ -732,7 +753,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                                                               Engine::kCudaPdl)),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
-                         ::testing::Combine(::testing::ValuesIn(FixtureNames()),
+                         ::testing::Combine(::testing::ValuesIn(DenseFixtureNames()),
                                             ::testing::Values(Engine::kCpuBf16Products, Engine::kCudaBf16,
                                                               Engine::kCudaF16, Engine::kCudaBf16DenseGemv,
                                                               Engine::kCudaBf16Defaults, Engine::kCudaBf16Pdl)),
@@ -744,7 +765,8 @@ TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
   for (const char* want : {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16",
                            "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5",
                            "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5",
-                           "gemma3_tf5", "gemma3_tf4"}) {
+                           "gemma3_tf5", "gemma3_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5",
+                           "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

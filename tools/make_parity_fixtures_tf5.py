@@ -5,7 +5,8 @@ transformers 5 to run at all (Qwen3), one of them with its config.json rewritten
 wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi-3's fused
 qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt; Gemma 2; the RoPE
 types linear, yarn and longrope (Phi-3.5- and Phi-4-mini-shaped, the latter with partial rotary),
-longrope's goldens by cached decode. The checkpoint,
+longrope's goldens by cached decode; the mixtures of experts (Qwen3-MoE with dense layers among
+sparse ones, Mixtral, Qwen2-MoE with its shared expert). The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -30,12 +31,18 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 import make_parity_fixtures
@@ -360,6 +367,150 @@ def fixtures() -> list[Fixture]:
             save_dtype=torch.bfloat16,
             legacy_fields={"sliding_window_pattern": 2},
         ),
+        # Qwen3-MoE: 5 experts (odd), 2 a token renormalised (norm_topk_prob), experts of 32 beside a
+        # dense MLP of 64 in layer 1 (mlp_only_layers), 3 layers, 4 query / 2 KV heads, float32.
+        Fixture(
+            name="qwen3_moe_tf5",
+            model_cls=Qwen3MoeForCausalLM,
+            config=Qwen3MoeConfig(
+                vocab_size=256,
+                hidden_size=48,
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                num_experts=5,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[1],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=3,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=26000,
+        ),
+        # Qwen3-MoE: 7 experts, 3 a token not renormalised, decoder_sparse_step 2 (layers 1 and 3
+        # sparse, 0 and 2 dense), tied LM head, bfloat16 weights.
+        Fixture(
+            name="qwen3_moe_bf16_tf5",
+            model_cls=Qwen3MoeForCausalLM,
+            config=Qwen3MoeConfig(
+                vocab_size=320,
+                hidden_size=64,
+                intermediate_size=80,
+                moe_intermediate_size=32,
+                num_experts=7,
+                num_experts_per_tok=3,
+                norm_topk_prob=False,
+                decoder_sparse_step=2,
+                mlp_only_layers=[],
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=4,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True,
+            ),
+            seed=27000,
+            save_dtype=torch.bfloat16,
+        ),
+        # Mixtral: 3 experts, 2 a token (always renormalised) in every layer, each expert
+        # intermediate_size 32 wide, under block_sparse_moe's names (w1, w3, w2), float32.
+        Fixture(
+            name="mixtral_tf5",
+            model_cls=MixtralForCausalLM,
+            config=MixtralConfig(
+                vocab_size=288,
+                hidden_size=48,
+                intermediate_size=32,
+                num_local_experts=3,
+                num_experts_per_tok=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=2,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=28000,
+        ),
+        # Mixtral with 5 experts, 3 a token, 3 layers, bfloat16 weights.
+        Fixture(
+            name="mixtral_bf16_tf5",
+            model_cls=MixtralForCausalLM,
+            config=MixtralConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=32,
+                num_local_experts=5,
+                num_experts_per_tok=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_hidden_layers=3,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=29000,
+            save_dtype=torch.bfloat16,
+        ),
+        # Qwen2-MoE: 5 experts of 32, 2 a token not renormalised, a shared expert of 32 gated per token,
+        # layer 2 dense (mlp_only_layers), no q/k/v biases (qkv_bias false), float32.
+        Fixture(
+            name="qwen2_moe_tf5",
+            model_cls=Qwen2MoeForCausalLM,
+            config=Qwen2MoeConfig(
+                vocab_size=256,
+                hidden_size=48,
+                intermediate_size=48,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                num_experts=5,
+                num_experts_per_tok=2,
+                norm_topk_prob=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=[2],
+                qkv_bias=False,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=3,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=False,
+            ),
+            seed=30000,
+        ),
+        # Qwen2-MoE: 7 experts, 3 a token renormalised, shared expert of 48, decoder_sparse_step 2
+        # (layers 1 and 3 sparse), q/k/v biases (qkv_bias's default), tied LM head, bfloat16 weights.
+        Fixture(
+            name="qwen2_moe_bf16_tf5",
+            model_cls=Qwen2MoeForCausalLM,
+            config=Qwen2MoeConfig(
+                vocab_size=288,
+                hidden_size=64,
+                intermediate_size=80,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=48,
+                num_experts=7,
+                num_experts_per_tok=3,
+                norm_topk_prob=True,
+                decoder_sparse_step=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=4,
+                max_position_embeddings=2048,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                tie_word_embeddings=True,
+            ),
+            seed=31000,
+            save_dtype=torch.bfloat16,
+        ),
     ]
 
 
@@ -403,8 +554,40 @@ def write_legacy_config(out: pathlib.Path, legacy_fields: dict) -> None:
     print(f"    config.json rewritten in the 4.x format, read back the same")
 
 
+def router_margin(model, ids: list[int]) -> float:
+    """The smallest gap between the k-th and (k+1)-th largest router logit of any token in any
+    sparse layer, over one forward pass of `ids` (softmax keeps the order, so this is what top-k
+    decides on)."""
+    config = model.config
+    k = config.num_experts_per_tok
+    gaps = []
+
+    def hook(module, inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        top = torch.topk(logits.float(), k + 1, dim=-1).values
+        gaps.append((top[:, k - 1] - top[:, k]).min().item())
+
+    routers = [m for name, m in model.named_modules() if name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate")]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in handles:
+        h.remove()
+    return min(gaps)
+
+
 def build(fixture: Fixture, out_root: pathlib.Path) -> None:
     make_parity_fixtures.build(fixture, out_root)
+    if getattr(fixture.config, "num_experts_per_tok", 0):
+        model = fixture.model_cls.from_pretrained(
+            out_root / fixture.name, attn_implementation="eager", **make_parity_fixtures.FLOAT32
+        ).eval()
+        golden = json.loads((out_root / fixture.name / "golden.json").read_text())
+        margin = router_margin(model, golden["prompt_ids"] + golden["greedy_ids"][:-1])
+        # Float32 engines route as transformers does down to gaps far below this (their logits
+        # differ by ~1e-6); lower-precision ones move router logits by ~1e-2 and may pick another
+        # expert below that, so tests/llama_parity_test.cc holds MoE fixtures to float32 only.
+        print(f"    router: min gap between the k-th and (k+1)-th expert's logit {margin:.4g}")
     if fixture.cached_decode:
         # What the cached decode changes: full recompute's tokens (all positions long once the
         # sequence passes the original context) against the golden's.

@@ -432,7 +432,8 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   // A float estimate first, so that no integer product of the sizes below can overflow.
   const double params =
       static_cast<double>(c.num_hidden_layers) * (2.0 * c.hidden_size * c.q_dim() + 2.0 * c.hidden_size * c.kv_dim() +
-                                                  3.0 * c.hidden_size * c.intermediate_size) +
+                                                  3.0 * c.hidden_size * c.intermediate_size +
+                                                  (1.0 + 3.0 * c.moe_intermediate_size) * c.hidden_size * c.num_experts) +
       2.0 * c.vocab_size * c.hidden_size;
   if (!(params <= kMaxParameters)) {
     return absl::InvalidArgumentError(
@@ -493,6 +494,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.weights_from = checkpoint != nullptr ? absl::StrCat("checkpoint ", checkpoint->dir().string()) : "config.json";
   plan.num_layers = c.num_hidden_layers;
   plan.parameters = c.ParameterCount();
+  plan.active_parameters = ActiveParameterCount(c);
   absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
   if (!whole.ok()) return whole.status();
   plan.model_weight_bytes = CountRankWeights(c, ctx.tensors, *whole, ctx.dtype, options.weight_quant)

@@ -111,6 +111,7 @@ struct Plan {
   std::string weights_from;  // "config.json" or "checkpoint <dir>"
   int64_t num_layers = 0;
   int64_t parameters = 0;
+  int64_t active_parameters = 0;  // what one token reads: == parameters but for a mixture of experts
   uint64_t model_weight_bytes = 0;  // the whole model, unsharded, in `dtype`
   DType dtype = DType::kBF16;             // what the workers hold weights, activations and KV cache in
   DType checkpoint_dtype = DType::kBF16;  // config.json's torch_dtype

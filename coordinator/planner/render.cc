@@ -59,8 +59,11 @@ std::string PlanTable(const Plan& p) {
                             : p.options.weight_quant == WeightQuant::kNone
                                 ? ""
                                 : absl::StrCat(", linear layers ", WeightQuantName(p.options.weight_quant));
-  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters, %s in %s%s (weights from %s%s)\n",
-                        p.architecture, p.num_layers, fmt::Parameters(p.parameters), fmt::Size(p.model_weight_bytes),
+  const std::string active = p.active_parameters == p.parameters
+                                 ? ""
+                                 : absl::StrCat(" (", fmt::Parameters(p.active_parameters), " active a token)");
+  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters%s, %s in %s%s (weights from %s%s)\n",
+                        p.architecture, p.num_layers, fmt::Parameters(p.parameters), active, fmt::Size(p.model_weight_bytes),
                         PlanDTypeName(p.dtype), quant, p.weights_from, checkpoint_dtype);
   absl::StrAppendFormat(&out, "cluster  %s: %s, %s %s; intra-node %s, inter-node %s\n", c.Describe(),
                         fmt::Size(c.gpu.memory_bytes), c.gpu.memory_noun(), GBps(c.gpu.hbm_bytes_per_s),
@@ -169,6 +172,7 @@ std::string PlanJson(const Plan& p) {
   json j;
   j["model"] = {{"architecture", p.architecture},  {"weights_from", p.weights_from},
                 {"num_layers", p.num_layers},      {"parameters", p.parameters},
+                {"active_parameters", p.active_parameters},
                 {"dtype", PlanDTypeName(p.dtype)}, {"weight_bytes", p.model_weight_bytes}};
   j["cluster"] = {{"gpu", c.gpu.name},
                   {"gpus_per_node", c.gpus_per_node},

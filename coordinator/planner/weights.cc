@@ -100,7 +100,7 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
     const int64_t rows = t.shape.size() != 2 ? 0 : cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
     const int64_t cols = elements / std::max<int64_t>(rows, 1);
     WeightQuant stored = WeightQuant::kNone;  // how the worker stores it, when quantized
-    if (quant != WeightQuant::kNone && t.part == WeightPart::kLayer && IsProductWeight(t.role)) {
+    if (quant != WeightQuant::kNone && TakesWeightQuant(t)) {
       // A linear layer's weight (q/k/v/o, gate/up/down) in its kernels/quant.h layout, per local
       // output row: int8 and fp8 a byte per value and a float32 scale; int4 ceil(local inputs /
       // 128) blocks of 72 bytes (64 bytes of packed values, a float32 scale, the zero point and

@@ -41,6 +41,15 @@ enum class WeightRole {
   kPreMlpNorm,         // before the MLP (Llama's post_attention_layernorm, Gemma 2's pre_feedforward_layernorm)
   kMlpOutNorm,         // of the MLP's output, before the residual add (Gemma 2's post_feedforward_layernorm)
   kGateProj, kUpProj, kDownProj,
+  // A mixture-of-experts MLP (worker/shard/decoder.cc MoeMlp): the router's product [E, hidden]
+  // (Qwen-MoE's mlp.gate, Mixtral's block_sparse_moe.gate) and each expert's SwiGLU products, cut
+  // for TP as a dense MLP's are over the expert's own intermediate size (WeightDecl::expert).
+  kRouter,
+  kExpertGateProj, kExpertUpProj, kExpertDownProj,
+  // Qwen2-MoE's shared expert: a SwiGLU MLP every token takes (cut for TP over
+  // shared_expert_intermediate_size), its output scaled by sigmoid(shared_expert_gate(h)), the gate
+  // [1, hidden] replicated.
+  kSharedGateProj, kSharedUpProj, kSharedDownProj, kSharedExpertGate,
   kFinalNorm,
   kLmHead,
 };
@@ -48,6 +57,11 @@ enum class WeightRole {
 // A linear layer's weight: read by MatMul, so the loader packs it for the backend's products and
 // may quantize it (--quantization, or a published quantized checkpoint's format).
 bool IsProductWeight(WeightRole role);
+struct WeightDecl;
+// Whether --quantization applies to w: the decoder layers' products, experts included; not the LM
+// head, nor an MoE router or Qwen2-MoE's shared-expert gate (whose logits choose and weigh the
+// experts; vLLM and llama.cpp keep them unquantized too). The loader and the planner's bytes both ask this.
+bool TakesWeightQuant(const WeightDecl& w);
 // An RMSNorm's weight (Gemma's are stored as w for a scale of 1 + w).
 bool IsNormWeight(WeightRole role);
 
@@ -63,6 +77,7 @@ struct WeightDecl {
   // where this part starts in it. Empty and 0 for a tensor of its own.
   std::vector<int64_t> fused_shape = {};
   int64_t fused_offset = 0;
+  int64_t expert = -1;  // the expert of a kExpert* role; -1 otherwise
 };
 
 // The shape of w's tensor in the checkpoint (the fused tensor's for a part of one).
@@ -90,9 +105,10 @@ struct FamilyDeclaration {
   const char* architecture;  // config.json's "architectures"[0], e.g. "Qwen3ForCausalLM"
   // What config.json's fields mean for the family (model/config.cc reads them):
   // Biases of the attention's products: kQkv on q, k and v always and never on o (Qwen2);
+  // kQkvConfigured on q, k and v unless config.json's qkv_bias is false (Qwen2-MoE);
   // kConfigured on q, k, v and o when config.json's attention_bias is true (Llama, Qwen3); kNone
   // never (Mistral, whose attention transformers builds without biases whatever the file says).
-  enum class AttentionBias { kNone, kQkv, kConfigured };
+  enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
   // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kLayerTypes the
@@ -126,6 +142,22 @@ struct FamilyDeclaration {
   // A RoPE per layer type (Gemma 3): rope_theta and rope_scaling for the full-attention layers,
   // rope_local_base_freq for the sliding ones; 5.x's rope_parameters keyed by layer type.
   bool rope_per_layer_type = false;
+  // Mixture-of-experts MLPs, as config.json describes them (model/config.cc):
+  // kNone: dense MLPs only.
+  // kQwen (Qwen3MoeConfig): num_experts (transformers 5 writes it as num_local_experts),
+  //   num_experts_per_tok, moe_intermediate_size (each expert's), norm_topk_prob; layer i is sparse
+  //   unless mlp_only_layers lists it, and only when (i + 1) is a multiple of decoder_sparse_step;
+  //   its dense layers' MLPs are intermediate_size wide.
+  // kMixtral (MixtralConfig): num_local_experts, num_experts_per_tok, every layer sparse, each
+  //   expert intermediate_size wide, the k weights always renormalised.
+  enum class Experts { kNone, kQwen, kMixtral };
+  Experts experts = Experts::kNone;
+  // Sparse layers also have a shared expert of shared_expert_intermediate_size, gated per token by
+  // sigmoid(shared_expert_gate(h)) and added to the routed experts' output (Qwen2-MoE).
+  bool shared_expert = false;
+  // The router's k weights rounded to the act dtype before they scale the experts' outputs
+  // (Qwen-MoE's `.to(router_logits.dtype)`; Mixtral's stay float32): MoeRouting::weights_in_act.
+  bool router_weights_in_act = false;
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).
   std::vector<WeightDecl> (*weights)(const ModelConfig& config);

@@ -18,6 +18,10 @@ class LayerTensors {
   LayerTensors(int64_t layer, std::vector<WeightDecl>* out);
   void Add(const char* name, std::vector<int64_t> shape, TpSplit split, WeightRole role,
            std::vector<int64_t> fused_shape = {}, int64_t fused_offset = 0);
+  // Expert `expert`'s tensor "<experts>.<expert>.<name>" (mlp.experts.3.gate_proj.weight).
+  void AddExpert(const char* experts, int64_t expert, const char* name, std::vector<int64_t> shape, TpSplit split,
+                 WeightRole role);
+  int64_t layer() const { return layer_; }
 
  private:
   const int64_t layer_;
@@ -34,6 +38,8 @@ std::vector<WeightDecl> DecoderWeights(const ModelConfig& config,
 // q/k/v_proj with their biases (config.qkv_bias), q_norm / k_norm (config.qk_norm), o_proj with its
 // bias (config.o_bias).
 void SelfAttentionTensors(const ModelConfig& config, LayerTensors& tensors);
+// The gated MLP's mlp.gate_proj, mlp.up_proj and mlp.down_proj over intermediate_size.
+void GatedMlpTensors(const ModelConfig& config, LayerTensors& tensors);
 extern const FamilyDeclaration kLlamaFamily;
 extern const FamilyDeclaration kMistralFamily;
 extern const FamilyDeclaration kQwen2Family;
@@ -42,6 +48,13 @@ extern const FamilyDeclaration kQwen3Family;
 // heads, the attention output, the products' partial sums before their all-reduce, the MLP's gate
 // and up; RoPE's inverse frequencies.
 std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& config, const TpShard& shard, DType act, int64_t n);
+
+// moe.cc: the mixture-of-experts decoders, Llama-shaped attention with a sparse MLP in some or all
+// layers: Qwen2-MoE (Qwen2MoeForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM) and Mixtral
+// (MixtralForCausalLM).
+extern const FamilyDeclaration kQwen2MoeFamily;
+extern const FamilyDeclaration kQwen3MoeFamily;
+extern const FamilyDeclaration kMixtralFamily;
 
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;

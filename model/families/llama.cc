@@ -11,20 +11,25 @@ namespace shardserve {
 namespace {
 
 void LlamaShapedLayer(const ModelConfig& c, LayerTensors& t) {
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  const int64_t H = c.hidden_size;
   using R = WeightRole;
   using S = TpSplit;
   t.Add("input_layernorm.weight", {H}, S::kReplicated, R::kInputNorm);
   SelfAttentionTensors(c, t);
   t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPreMlpNorm);
-  t.Add("mlp.gate_proj.weight", {I, H}, S::kMlpRows, R::kGateProj);
-  t.Add("mlp.up_proj.weight", {I, H}, S::kMlpRows, R::kUpProj);
-  t.Add("mlp.down_proj.weight", {H, I}, S::kMlpCols, R::kDownProj);
+  GatedMlpTensors(c, t);
 }
 
 std::vector<WeightDecl> LlamaShapedWeights(const ModelConfig& c) { return DecoderWeights(c, LlamaShapedLayer); }
 
 }  // namespace
+
+void GatedMlpTensors(const ModelConfig& c, LayerTensors& t) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  t.Add("mlp.gate_proj.weight", {I, H}, TpSplit::kMlpRows, WeightRole::kGateProj);
+  t.Add("mlp.up_proj.weight", {I, H}, TpSplit::kMlpRows, WeightRole::kUpProj);
+  t.Add("mlp.down_proj.weight", {H, I}, TpSplit::kMlpCols, WeightRole::kDownProj);
+}
 
 void SelfAttentionTensors(const ModelConfig& c, LayerTensors& t) {
   const int64_t H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim();

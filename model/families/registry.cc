@@ -9,8 +9,10 @@
 namespace shardserve {
 namespace {
 
-constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kGemma3Family, &kLlamaFamily, &kMistralFamily,
-                                                  &kPhi3Family,   &kQwen2Family,  &kQwen3Family};
+constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kGemma3Family,   &kLlamaFamily,
+                                                  &kMistralFamily, &kMixtralFamily, &kPhi3Family,
+                                                  &kQwen2Family,  &kQwen2MoeFamily, &kQwen3Family,
+                                                  &kQwen3MoeFamily};
 
 }  // namespace
 
@@ -21,6 +23,14 @@ void LayerTensors::Add(const char* name, std::vector<int64_t> shape, TpSplit spl
                        std::vector<int64_t> fused_shape, int64_t fused_offset) {
   out_->push_back(
       {prefix_ + name, std::move(shape), WeightPart::kLayer, layer_, split, role, std::move(fused_shape), fused_offset});
+}
+
+void LayerTensors::AddExpert(const char* experts, int64_t expert, const char* name, std::vector<int64_t> shape,
+                             TpSplit split, WeightRole role) {
+  WeightDecl w{absl::StrCat(prefix_, experts, ".", expert, ".", name), std::move(shape), WeightPart::kLayer, layer_,
+               split, role};
+  w.expert = expert;
+  out_->push_back(std::move(w));
 }
 
 std::vector<WeightDecl> DecoderWeights(const ModelConfig& c,
@@ -49,11 +59,24 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kGateProj:
     case WeightRole::kUpProj:
     case WeightRole::kDownProj:
+    case WeightRole::kRouter:
+    case WeightRole::kExpertGateProj:
+    case WeightRole::kExpertUpProj:
+    case WeightRole::kExpertDownProj:
+    case WeightRole::kSharedGateProj:
+    case WeightRole::kSharedUpProj:
+    case WeightRole::kSharedDownProj:
+    case WeightRole::kSharedExpertGate:
     case WeightRole::kLmHead:
       return true;
     default:
       return false;
   }
+}
+
+bool TakesWeightQuant(const WeightDecl& w) {
+  return w.part == WeightPart::kLayer && IsProductWeight(w.role) && w.role != WeightRole::kRouter &&
+         w.role != WeightRole::kSharedExpertGate;
 }
 
 bool IsNormWeight(WeightRole role) {
@@ -86,6 +109,17 @@ std::string SupportedArchitectures() {
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config) {
   if (config.family == nullptr) return {};
   return config.family->weights(config);
+}
+
+int64_t ActiveParameterCount(const ModelConfig& config) {
+  int64_t n = 0;
+  for (const WeightDecl& w : ModelWeights(config)) {
+    if (w.expert >= config.num_experts_per_tok) continue;  // k experts' worth of each sparse layer
+    int64_t elements = 1;
+    for (int64_t d : w.shape) elements *= d;
+    n += elements;
+  }
+  return n;
 }
 
 std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_layer, int64_t end_layer,

@@ -22,6 +22,10 @@ std::string SupportedArchitectures();
 // declaration); empty for a config without a family.
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config);
 
+// The parameters one token reads (ModelConfig::ParameterCount's, with a sparse layer's experts
+// counted num_experts_per_tok times, not num_experts): the model's active parameters.
+int64_t ActiveParameterCount(const ModelConfig& config);
+
 // What the stage holding layers [first_layer, end_layer) loads, in load order: the embedding (first
 // stage), its layers' tensors, the final norm and the LM head (last stage). A tied LM head is the
 // embedding's tensor under the role kLmHead.

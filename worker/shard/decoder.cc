@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "model/families/declaration.h"
 
@@ -26,6 +27,10 @@ DecoderBlocks::DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConf
       ConvertOnHost(&embedding_scale_, DType::kF32, &narrow, be_.act_dtype(), 1);
     }
   }
+  routing_.router = MoeRouter::kSoftmaxTopK;
+  routing_.k = static_cast<int>(config.num_experts_per_tok);
+  routing_.norm_topk_prob = config.norm_topk_prob;
+  routing_.weights_in_act = config.family != nullptr && config.family->router_weights_in_act;
 }
 
 absl::Status DecoderBlocks::Embed(Tensor* x, const Tensor& table, const Tensor& ids) const {
@@ -83,6 +88,98 @@ absl::Status DecoderBlocks::GatedMlp(const LayerWeights& w, LayerScratch& s) con
   return tp_.SumPartials(&s.proj);
 }
 
+absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const {
+  MoeScratch& m = s.moe;
+  MoeHostScratch& host = *s.moe_host;
+  const int64_t n = s.normed.dim(0), k = config_.num_experts_per_tok, E = config_.num_experts, nk = n * k;
+  const DType act = be_.act_dtype();
+  // router_logits = gate(h), the product in the act dtype (replicated: every rank routes alike)
+  Tensor logits_act = m.router_logits.Rows(0, n);
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&logits_act, s.normed, w.router, nullptr));
+  // ... widened to float32 for softmax(router_logits, dtype=float): the same tensor in float32, else
+  // through the host (a 16-bit act dtype; there is no widening op on the device yet)
+  Tensor logits = act == DType::kF32 ? logits_act : m.router_logits_f32.Rows(0, n);
+  if (act != DType::kF32) {
+    SHARDSERVE_RETURN_IF_ERROR(ReadF32OnHost(logits_act, host));
+    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(logits.data, host.logits_f32.data(), n * E * sizeof(float)));
+  }
+  // ids, weights = topk(softmax(router_logits), k), divided by their sum when norm_topk_prob (always
+  // for Mixtral), rounded to the act dtype where the family does (Qwen-MoE)
+  Tensor ids = m.ids.Rows(0, n), weights = m.weights.Rows(0, n);
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeRoute(&ids, &weights, logits, routing_));
+  // the (token, expert) pairs grouped by expert: transformers' loop over the experts that got tokens
+  Tensor order = m.order.Rows(0, nk), rows = m.rows.Rows(0, n);
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeGroupByExpert(&order, &rows, &m.offsets, ids));
+  // each expert's row count and each grouped row's token, read on the host: they drive the loop
+  // below (and keep step graphs off for these layers: ModelShard::Load)
+  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.offsets.data(), m.offsets.data, (E + 1) * sizeof(int32_t)));
+  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.order.data(), order.data, nk * sizeof(int32_t)));
+  for (int64_t i = 0; i < nk; ++i) host.tokens[i] = static_cast<int32_t>(host.order[i] / k);
+  Tensor tokens = m.tokens.Rows(0, nk);
+  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(tokens.data, host.tokens.data(), nk * sizeof(int32_t)));
+  // current_state = hidden_states[token_idx] for every expert at once (a row gather)
+  Tensor in = m.in.Rows(0, nk);
+  SHARDSERVE_RETURN_IF_ERROR(be_.Embedding(&in, s.normed, tokens, 0));
+  // each expert that got rows: down_proj(silu(gate_proj(x)) * up_proj(x)) on its rows, this rank's
+  // slice of its intermediate size. The grouped product is a loop over those experts, one product
+  // per weight each: plain, and what the CPU needs; a grouped GEMM would replace it on a GPU.
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t begin = host.offsets[e], end = host.offsets[e + 1];
+    if (begin == end) continue;
+    Tensor x = m.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
+           out = m.out.Rows(begin, end);
+    SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(&gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e]));
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&out, gate, w.expert_down_proj[e], nullptr));
+  }
+  // final_hidden_states.index_add_(token_idx, expert output * its weight), expert by expert
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&s.proj, m.out.Rows(0, nk), rows, weights));
+  if (w.shared_expert_gate.data != nullptr) {
+    // Qwen2-MoE: shared_expert(h) = down_proj(silu(gate_proj(h)) * up_proj(h)), this rank's slice
+    Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
+    SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(&gate, &up, s.normed, w.shared_gate_proj, w.shared_up_proj));
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&out, gate, w.shared_down_proj, nullptr));
+    // sigmoid(shared_expert_gate(h)) in the act dtype, per token, on the host (no sigmoid op on the
+    // device yet)
+    Tensor gate_logit = m.shared_gate_logit.Rows(0, n);
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&gate_logit, s.normed, w.shared_expert_gate, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(ReadF32OnHost(gate_logit, host));
+    for (int64_t t = 0; t < n; ++t) {
+      float scale = 1.0f / (1.0f + std::exp(-host.logits_f32[t]));
+      uint16_t narrow = 0;
+      if (act != DType::kF32 && ConvertOnHost(&narrow, act, &scale, DType::kF32, 1)) {
+        ConvertOnHost(&scale, DType::kF32, &narrow, act, 1);
+      }
+      host.logits_f32[t] = scale;
+      host.tokens[t] = static_cast<int32_t>(t);
+    }
+    Tensor scale = m.shared_scale.Rows(0, n), token_rows = m.shared_rows.Rows(0, n);
+    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(scale.data, host.logits_f32.data(), n * sizeof(float)));
+    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(token_rows.data, host.tokens.data(), n * sizeof(int32_t)));
+    // expert_output + sigmoid(...) * shared_expert_output (MoeCombine of one slot a token: the
+    // product rounded to act as transformers' is)
+    Tensor gated = m.shared_gated.Rows(0, n);
+    SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&gated, out, token_rows, scale));
+    SHARDSERVE_RETURN_IF_ERROR(be_.Add(&s.proj, s.proj, gated));
+  }
+  // the experts' partial sums (row-parallel down_proj), summed once
+  return tp_.SumPartials(&s.proj);
+}
+
+absl::Status DecoderBlocks::ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const {
+  const DType act = be_.act_dtype();
+  const size_t count = static_cast<size_t>(t.numel());
+  if (act == DType::kF32) return be_.CopyToHost(host.logits_f32.data(), t.data, t.bytes());
+  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.logits_act.data(), t.data, t.bytes()));
+  if (!ConvertOnHost(host.logits_f32.data(), DType::kF32, host.logits_act.data(), act, count)) {
+    return absl::InternalError(absl::StrCat("cannot widen ", DTypeName(act), " to float32 on the host"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecoderBlocks::Mlp(const LayerWeights& w, LayerScratch& s) const {
+  return w.router.data != nullptr ? MoeMlp(w, s) : GatedMlp(w, s);
+}
+
 absl::Status DecoderBlocks::AddThenNorm(Tensor* x, const Tensor& residual, LayerScratch& s,
                                         const Tensor* next_norm) const {
   if (next_norm == nullptr) return be_.Add(x, *x, residual);
@@ -98,7 +195,7 @@ absl::Status DecoderBlocks::Layer(int64_t layer, const LayerWeights& w, KvCache&
       //   out = h + mlp(post_attention_layernorm(h))
       SHARDSERVE_RETURN_IF_ERROR(SelfAttention(layer, w, cache, meta, s));
       SHARDSERVE_RETURN_IF_ERROR(AddThenNorm(x, s.proj, s, &w.pre_mlp_norm));
-      SHARDSERVE_RETURN_IF_ERROR(GatedMlp(w, s));
+      SHARDSERVE_RETURN_IF_ERROR(Mlp(w, s));
       return AddThenNorm(x, s.proj, s, next_input_norm);
     case FamilyDeclaration::NormPlacement::kSandwich:
       // Gemma:
@@ -107,7 +204,7 @@ absl::Status DecoderBlocks::Layer(int64_t layer, const LayerWeights& w, KvCache&
       SHARDSERVE_RETURN_IF_ERROR(SelfAttention(layer, w, cache, meta, s));
       SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&s.proj, s.proj, w.attn_out_norm, eps_));
       SHARDSERVE_RETURN_IF_ERROR(AddThenNorm(x, s.proj, s, &w.pre_mlp_norm));
-      SHARDSERVE_RETURN_IF_ERROR(GatedMlp(w, s));
+      SHARDSERVE_RETURN_IF_ERROR(Mlp(w, s));
       SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&s.proj, s.proj, w.mlp_out_norm, eps_));
       return AddThenNorm(x, s.proj, s, next_input_norm);
   }

@@ -1,6 +1,6 @@
 // The decoder's blocks, shared by every family: self-attention (GQA with optional q/k/v biases,
 // per-head q/k norms, RoPE, a sliding window, soft-capped scores), the gated MLP (SwiGLU or GeGLU),
-// and the decoder layer that joins them with their norms as the family places them. Each reads
+// the mixture-of-experts MLP (a router and SwiGLU experts), and the decoder layer that joins them with their norms as the family places them. Each reads
 // like transformers' modeling code, one comment a step; tensor parallelism is the plan they run
 // under (TpPlan: which slice each product holds, where partial sums meet), never a branch inside.
 //
@@ -43,6 +43,38 @@ struct StepMeta {
   Tensor block_tables;                 // [seqs, max_blocks_per_seq] I32
 };
 
+// What a sparse layer (DecoderBlocks::MoeMlp) works in for n tokens of k experts each: n * k
+// (token, expert) rows at most.
+struct MoeScratch {
+  Tensor router_logits;      // [n, experts] act: the router's product
+  Tensor router_logits_f32;  // [n, experts] F32: the same, widened for the routing
+  Tensor ids;                // [n, k] I32: each token's experts, in top-k order
+  Tensor weights;            // [n, k] F32: their weights
+  Tensor order;              // [n * k] I32: the (token, slot) pairs grouped by expert
+  Tensor rows;               // [n, k] I32: each pair's row in the grouping
+  Tensor offsets;            // [experts + 1] I32: where each expert's rows start
+  Tensor tokens;             // [n * k] I32: each grouped row's token
+  Tensor in;                 // [n * k, hidden] the grouped rows' inputs
+  Tensor gate, up;           // [n * k, fe] each expert's products on its rows (this rank's slice)
+  Tensor out;                // [n * k, hidden] each expert's output on its rows (partial sums)
+  // Qwen2-MoE's shared expert:
+  Tensor shared_gate, shared_up;  // [n, fs] its products (this rank's slice)
+  Tensor shared_out;              // [n, hidden] its output (partial sums)
+  Tensor shared_gate_logit;       // [n, 1] act: shared_expert_gate(h)
+  Tensor shared_scale;            // [n, 1] F32: sigmoid of it, in the act dtype's precision
+  Tensor shared_rows;             // [n, 1] I32: 0, 1, ..., n - 1
+  Tensor shared_gated;            // [n, hidden] its output times the scale (partial sums)
+};
+
+// Host memory a sparse layer reads the grouping into, sized at load for the step limits.
+struct MoeHostScratch {
+  std::vector<int32_t> offsets;      // [experts + 1]
+  std::vector<int32_t> order;        // [n * k]
+  std::vector<int32_t> tokens;       // [n * k]
+  std::vector<uint16_t> logits_act;  // [n * experts] the router's (or shared gate's) logits, 16-bit act
+  std::vector<float> logits_f32;     // [n * experts] the same in float32
+};
+
 // The activations a layer works in, n rows each.
 struct LayerScratch {
   Tensor normed;       // [n, hidden] the block's normed input
@@ -50,6 +82,8 @@ struct LayerScratch {
   Tensor attn;         // [n, q] attention output
   Tensor proj;         // [n, hidden] o_proj / down_proj output (partial sums until summed)
   Tensor gate, up;     // [n, f] the MLP's products
+  MoeScratch moe;      // a sparse layer's (models with experts only)
+  MoeHostScratch* moe_host = nullptr;
 };
 
 // One kind of layer's rotary embedding (ModelConfig::LayerRopeTable: Gemma 3's global and sliding
@@ -87,6 +121,16 @@ class DecoderBlocks {
                              LayerScratch& s) const;
   // normed -> s.proj: act(gate_proj(h)) * up_proj(h) through down_proj, summed over the group.
   absl::Status GatedMlp(const LayerWeights& w, LayerScratch& s) const;
+  // normed -> s.proj: the mixture of experts, as transformers' Qwen3MoeSparseMoeBlock and
+  // MixtralSparseMoeBlock compute it (router, top-k, each expert's SwiGLU on its tokens, the
+  // weighted sum), plus Qwen2MoeSparseMoeBlock's gated shared expert where the layer has one,
+  // summed over the group once.
+  absl::Status MoeMlp(const LayerWeights& w, LayerScratch& s) const;
+  // The [n, cols] act product `t` read into host.logits_f32 as float32 (through logits_act for a
+  // 16-bit act dtype).
+  absl::Status ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const;
+  // The layer's MLP: MoeMlp where the layer has a router (a sparse layer), else GatedMlp.
+  absl::Status Mlp(const LayerWeights& w, LayerScratch& s) const;
   // x += residual, then normed = next_norm(x) when there is a next norm (one pass where the backend
   // fuses them).
   absl::Status AddThenNorm(Tensor* x, const Tensor& residual, LayerScratch& s, const Tensor* next_norm) const;
@@ -98,6 +142,7 @@ class DecoderBlocks {
   const float eps_;
   const float attention_scale_;
   float embedding_scale_ = 0;  // in the act dtype's precision; 0 for none
+  MoeRouting routing_;         // the sparse layers' router (models with experts only)
 };
 
 }  // namespace shardserve

@@ -24,6 +24,13 @@ bool IsQuantizedLinear(const ModelConfig& config, const WeightDecl& w) {
          config.checkpoint_quant->Quantizes(LinearPrefix(w.name));
 }
 
+// Expert `expert`'s slot among a layer's experts (the list grown to hold it); null for no expert.
+Tensor* ExpertSlot(std::vector<Tensor>* experts, int64_t expert) {
+  if (expert < 0) return nullptr;
+  if (static_cast<size_t>(expert) >= experts->size()) experts->resize(expert + 1);
+  return &(*experts)[expert];
+}
+
 // Where tensor `w` goes in `stage` (whose layers start at `first_layer`); null for one the forward
 // pass has no place for.
 Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
@@ -47,6 +54,14 @@ Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
       case WeightRole::kGateProj: return &l.gate_proj;
       case WeightRole::kUpProj: return &l.up_proj;
       case WeightRole::kDownProj: return &l.down_proj;
+      case WeightRole::kRouter: return &l.router;
+      case WeightRole::kExpertGateProj: return ExpertSlot(&l.expert_gate_proj, w.expert);
+      case WeightRole::kExpertUpProj: return ExpertSlot(&l.expert_up_proj, w.expert);
+      case WeightRole::kExpertDownProj: return ExpertSlot(&l.expert_down_proj, w.expert);
+      case WeightRole::kSharedGateProj: return &l.shared_gate_proj;
+      case WeightRole::kSharedUpProj: return &l.shared_up_proj;
+      case WeightRole::kSharedDownProj: return &l.shared_down_proj;
+      case WeightRole::kSharedExpertGate: return &l.shared_expert_gate;
       default: return nullptr;
     }
   }
@@ -243,16 +258,28 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     } else if (config.norm_plus_one && IsNormWeight(w.role)) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.NormPlusOne(w));
     } else if (IsProductWeight(w.role)) {
-      // The decoder layers' products take --quantization; the LM head stays in the act dtype.
-      const WeightQuant quant = w.part == WeightPart::kLayer ? spec.weight_quant : WeightQuant::kNone;
+      // The decoder layers' products take --quantization (TakesWeightQuant); the LM head and an MoE
+      // router stay in the act dtype.
+      const WeightQuant quant = TakesWeightQuant(w) ? spec.weight_quant : WeightQuant::kNone;
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Product(w, slice, quant));
     } else {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
     }
   }
-  // The norms a layer has are the ones its norm placement applies (worker/shard/decoder.cc).
+  // The norms a layer has are the ones its norm placement applies (worker/shard/decoder.cc); a
+  // sparse layer has its router and all its experts, a dense one its MLP.
   const bool sandwich = config.family->norm_placement == FamilyDeclaration::NormPlacement::kSandwich;
-  for (const LayerWeights& l : stage.layers) {
+  for (size_t i = 0; i < stage.layers.size(); ++i) {
+    const LayerWeights& l = stage.layers[i];
+    const bool sparse = config.LayerIsSparse(first + static_cast<int64_t>(i));
+    const size_t experts = static_cast<size_t>(config.num_experts);
+    const bool has_experts = l.router.data != nullptr && l.expert_gate_proj.size() == experts &&
+                             l.expert_up_proj.size() == experts && l.expert_down_proj.size() == experts;
+    if (sparse != has_experts || sparse == (l.gate_proj.data != nullptr)) {
+      return absl::InternalError(absl::StrCat(config.architecture_name, " layer ", first + static_cast<int64_t>(i),
+                                              " is ", sparse ? "sparse" : "dense", " but its declared tensors ",
+                                              sparse ? "lack the router or experts" : "are not a dense MLP's"));
+    }
     if ((l.attn_out_norm.data != nullptr) != sandwich || (l.mlp_out_norm.data != nullptr) != sandwich) {
       return absl::InternalError(absl::StrCat(config.architecture_name, " declares ", sandwich ? "sandwich" : "pre-norm",
                                               " layers but its tensors ", sandwich ? "lack" : "include",

@@ -26,8 +26,9 @@ namespace shardserve {
 
 // One decoder layer's weights on this rank, by their role in the forward pass
 // (model/families/declaration.h WeightRole). Shapes are this rank's: q = local q heads * head_dim,
-// kv = local KV heads * head_dim, f = local intermediate size. A weight the family does not have
-// has data == nullptr.
+// kv = local KV heads * head_dim, f = local intermediate size, fe = an expert's local intermediate
+// size. A weight the family does not have has data == nullptr; a sparse layer (a mixture of
+// experts) has a router and experts instead of gate_proj, up_proj and down_proj.
 struct LayerWeights {
   Tensor input_layernorm;         // [hidden]
   Tensor q_proj, k_proj, v_proj;  // [q, hidden], [kv, hidden], [kv, hidden]
@@ -40,6 +41,12 @@ struct LayerWeights {
   Tensor mlp_out_norm;            // [hidden] of the MLP's output (Gemma)
   Tensor gate_proj, up_proj;      // [f, hidden]
   Tensor down_proj;               // [hidden, f]
+  Tensor router;                  // [experts, hidden] (a sparse layer's)
+  std::vector<Tensor> expert_gate_proj, expert_up_proj;  // per expert [fe, hidden]
+  std::vector<Tensor> expert_down_proj;                  // per expert [hidden, fe]
+  Tensor shared_gate_proj, shared_up_proj;  // [fs, hidden] Qwen2-MoE's shared expert (fs: this rank's)
+  Tensor shared_down_proj;                  // [hidden, fs]
+  Tensor shared_expert_gate;                // [1, hidden]
 };
 
 // This rank's slice of a pipeline stage's weights.

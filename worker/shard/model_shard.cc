@@ -74,7 +74,21 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                     .long_from = table.long_from};
   }
   m->blocks_ = std::make_unique<DecoderBlocks>(backend, &m->tp_, m->config_, &m->rope_);
-  m->graphs_on_ = backend->records_graphs() && tp->size() == 1;
+  // A sparse layer's host reads (DecoderBlocks::MoeMlp) cannot be recorded.
+  m->graphs_on_ = backend->records_graphs() && tp->size() == 1 && config.num_experts == 0;
+  if (backend->records_graphs() && config.num_experts > 0) {
+    m->graphs_off_why_ = "the mixture-of-experts layers read their experts' row counts on the host each step";
+  }
+  if (config.num_experts > 0) {
+    const size_t nk = static_cast<size_t>(opt.max_tokens_per_step * config.num_experts_per_tok);
+    const size_t logits = static_cast<size_t>(opt.max_tokens_per_step * config.num_experts);
+    MoeHostScratch& host = m->moe_host_;
+    host.offsets.resize(config.num_experts + 1);
+    host.order.resize(nk);
+    host.tokens.resize(nk);
+    host.logits_f32.resize(logits);
+    if (backend->act_dtype() != DType::kF32) host.logits_act.resize(logits);
+  }
   return m;
 }
 
@@ -84,7 +98,14 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"block_tables", &block_tables_}, {"logit_rows", &logit_rows_}, {"hidden", &hidden_},
       {"normed", &normed_}, {"q", &q_},  {"k", &k_},   {"v", &v_},   {"attn", &attn_}, {"proj", &proj_},
       {"gate", &gate_},     {"up", &up_}, {"inv_freq", &inv_freq_},   {"last", &last_},
-      {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_}};
+      {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_},
+      {"router_logits", &moe_.router_logits}, {"router_logits_f32", &moe_.router_logits_f32},
+      {"expert_ids", &moe_.ids}, {"expert_weights", &moe_.weights}, {"expert_order", &moe_.order},
+      {"expert_rows", &moe_.rows}, {"expert_offsets", &moe_.offsets}, {"expert_tokens", &moe_.tokens},
+      {"expert_in", &moe_.in}, {"expert_gate", &moe_.gate}, {"expert_up", &moe_.up}, {"expert_out", &moe_.out},
+      {"shared_gate", &moe_.shared_gate}, {"shared_up", &moe_.shared_up}, {"shared_out", &moe_.shared_out},
+      {"shared_gate_logit", &moe_.shared_gate_logit}, {"shared_scale", &moe_.shared_scale},
+      {"shared_rows", &moe_.shared_rows}, {"shared_gated", &moe_.shared_gated}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
@@ -105,6 +126,12 @@ std::string ModelShard::GpuPathsNotYetRun() const {
   if (config_.attn_logit_softcap > 0) paths.push_back("attention soft-capping");
   if (config_.activation == ModelConfig::Activation::kGeluTanh) paths.push_back("GeGLU (gelu_tanh)");
   if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
+  for (int64_t i = first_layer_; i < end_layer_; ++i) {
+    if (config_.LayerIsSparse(i)) {
+      paths.push_back("mixture-of-experts layers (routing, grouping, the experts' products, combine)");
+      break;
+    }
+  }
   if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
   for (const DeviceRope& rope : rope_) {
     if (rope.options.rotary_dim < config_.head_dim || rope.options.attention_factor != 1.0f ||
@@ -174,7 +201,8 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   Backend& be = *backend_;
   const StepMeta meta{positions_.Rows(0, n), token_seq_.Rows(0, n), slots_.Rows(0, n), block_tables_.Rows(0, seqs)};
   LayerScratch s{normed_.Rows(0, n), q_.Rows(0, n),    k_.Rows(0, n),    v_.Rows(0, n),
-                 attn_.Rows(0, n),   proj_.Rows(0, n), gate_.Rows(0, n), up_.Rows(0, n)};
+                 attn_.Rows(0, n),   proj_.Rows(0, n), gate_.Rows(0, n), up_.Rows(0, n),
+                 moe_,               &moe_host_};
   Tensor x = hidden_.Rows(0, n);
 
   // Embedding (first stage).

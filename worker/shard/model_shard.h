@@ -68,7 +68,9 @@ class ModelShard {
   // TP group is one rank (a larger group's collectives wait for the device: TimedCommunicator).
   // The first step of a shape runs as it is (the kernels' code and cuBLAS's workspace loaded), the
   // second is recorded and run, the later ones replay it. If a recording fails the shard turns
-  // graphs off, runs that step as it is, and step_graphs_off() says why.
+  // graphs off, runs that step as it is, and step_graphs_off() says why. A model with experts runs
+  // without graphs (its sparse layers read their experts' row counts on the host each step), and
+  // step_graphs_off() says so.
   static constexpr int64_t kMaxGraphSeqs = 64;
   int step_graphs_recorded() const { return static_cast<int>(graphs_recorded_); }
   uint64_t step_graph_replays() const { return graph_replays_; }
@@ -117,6 +119,8 @@ class ModelShard {
   Tensor attn_;       // [n, q]
   Tensor proj_;       // [n, hidden] o_proj / down_proj output (partial sums before all-reduce)
   Tensor gate_, up_;  // [n, f]
+  MoeScratch moe_;    // the sparse layers' (models with experts only): n * k rows
+  MoeHostScratch moe_host_;
   Tensor inv_freq_;   // [kRopeTableRows, rotary_dim / 2] F32: RopeTables' frequencies, two rows a table
   Tensor last_;       // [m, hidden] rows whose logits are wanted
   Tensor local_logits_;     // [m, vocab_rows_per_rank] F32
