@@ -89,7 +89,10 @@ std::vector<Layout> Layouts() {
       {"mistral_window_tf5", 2}, {"gemma2_tf5", 4}, {"phi3_longrope_tf5", 2}, {"phi4_mini_tf5", 2},
       {"llama_yarn_tf5", 2}, {"llama_linear_tf5", 2},
       // Gemma 3: q/k norms, five sliding layers to one global, a RoPE per layer type; both formats.
-      {"gemma3_tf5", 6}, {"gemma3_tf4", 4}};
+      {"gemma3_tf5", 6}, {"gemma3_tf4", 4},
+      // Gemma 3 as published (Gemma3ForConditionalGeneration): its text model, tensors under
+      // language_model.model. (transformers 5) and model.language_model. (4.52-4.57).
+      {"gemma3_cg_tf5", 6}, {"gemma3_cg_tf4", 4}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {
@@ -106,7 +109,9 @@ class ClusterParityTest : public ::testing::TestWithParam<Layout> {};
 TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
   const Layout& l = GetParam();
   std::ifstream config_file(kFixtures / l.fixture / "config.json");
-  ASSERT_GE(nlohmann::json::parse(config_file)["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;  // a multimodal model's
+  ASSERT_GE(text["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
   const Golden golden = LoadGolden(l.fixture);
   Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}});
   ASSERT_TRUE(cluster.Start());
