@@ -7,8 +7,10 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/json.h"
 #include "base/status_macros.h"
+#include "model/checkpoint.h"
 #include "model/families/registry.h"
 #include "nlohmann/json.hpp"
 
@@ -433,9 +435,42 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
   return absl::OkStatus();
 }
 
+// The text model's config.json of a multimodal architecture served as text
+// (FamilyDeclaration::text_config_defaults): "text_config" over the family's defaults, with the
+// top level's dtype / torch_dtype, eos_token_id and quantization_config, which transformers reads
+// there; tie_word_embeddings at either level, the same where both give it.
+absl::StatusOr<json> TextConfig(const json& j, const std::string& source, const FamilyDeclaration& family) {
+  if (!Present(j, "text_config") || !j["text_config"].is_object()) {
+    return FieldError(source, "text_config",
+                      absl::StrCat("must be an object: ", family.architecture, " keeps its text model's fields there"));
+  }
+  const json& given = j["text_config"];
+  json text = json::parse(family.text_config_defaults);
+  for (const auto& [key, value] : given.items()) text[key] = value;
+  // The top level's dtype is the checkpoint's (transformers 5 may write another in text_config, the
+  // dtype the model was built in before it was cast and saved).
+  if (Present(j, "dtype") || Present(j, "torch_dtype")) {
+    text.erase("dtype");
+    text.erase("torch_dtype");
+  }
+  for (const char* key : {"dtype", "torch_dtype", "eos_token_id", "quantization_config"}) {
+    if (Present(j, key)) text[key] = j[key];
+  }
+  if (Present(j, "tie_word_embeddings")) {
+    if (Present(given, "tie_word_embeddings") && given["tie_word_embeddings"] != j["tie_word_embeddings"]) {
+      return FieldError(source, "tie_word_embeddings",
+                        absl::StrCat("is ", j["tie_word_embeddings"].dump(), " but text_config's is ",
+                                     given["tie_word_embeddings"].dump()));
+    }
+    text["tie_word_embeddings"] = j["tie_word_embeddings"];
+  }
+  text["architectures"] = j["architectures"];
+  return text;
+}
+
 }  // namespace
 
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std::string& source) {
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::string source) {
   SHARDSERVE_ASSIGN_OR_RETURN(json j, ParseJson<json>(text, source));
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));
 
@@ -445,16 +480,16 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, const std:
     return FieldError(source, "architectures", "is missing or not a list of names");
   }
   c.architecture_name = (*arch)[0].get<std::string>();
-  if (c.architecture_name == "Gemma3ForConditionalGeneration") {
-    return absl::UnimplementedError(absl::StrCat(
-        source, ": architecture \"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower, config.json's "
-                "text_config and weights under language_model.) is not supported; the text-only checkpoints "
-                "(Gemma3ForCausalLM: the 1B, or a text model saved on its own) are"));
-  }
   c.family = FindFamily(c.architecture_name);
   if (c.family == nullptr) {
     return absl::UnimplementedError(absl::StrCat(source, ": architecture \"", c.architecture_name,
                                                  "\" is not supported (supported: ", SupportedArchitectures(), ")"));
+  }
+  c.weight_prefix = c.family->layouts.front().decoder;
+  c.lm_head_weight = c.family->layouts.front().lm_head;
+  if (c.family->text_config_defaults != nullptr) {
+    SHARDSERVE_ASSIGN_OR_RETURN(j, TextConfig(j, source, *c.family));
+    source = absl::StrCat(source, " text_config");
   }
   using AttentionBias = FamilyDeclaration::AttentionBias;
   c.qkv_bias = c.family->attention_bias == AttentionBias::kQkv;
@@ -740,7 +775,28 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
   if (!in) return absl::NotFoundError(absl::StrCat(file.string(), ": cannot open (does the file exist?)"));
   std::stringstream ss;
   ss << in.rdbuf();
-  return ParseModelConfig(ss.str(), file.string());
+  SHARDSERVE_ASSIGN_OR_RETURN(ModelConfig c, ParseModelConfig(ss.str(), file.string()));
+  if (c.family->layouts.size() > 1 && std::filesystem::is_directory(path)) {
+    // Which of the family's layouts the checkpoint is in: the one whose embedding it holds. A
+    // directory without safetensors (dummy weights) keeps the default; one whose files do not open
+    // is left to the loader, which reports them.
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(path);
+    if (ckpt.ok()) {
+      std::vector<std::string> embeddings;
+      for (const CheckpointLayout& layout : c.family->layouts) {
+        embeddings.push_back(absl::StrCat("\"", layout.decoder, "embed_tokens.weight\""));
+        if ((*ckpt)->tensors().contains(absl::StrCat(layout.decoder, "embed_tokens.weight"))) {
+          c.weight_prefix = layout.decoder;
+          c.lm_head_weight = layout.lm_head;
+          return c;
+        }
+      }
+      return absl::FailedPreconditionError(absl::StrCat("checkpoint ", path.string(), " has none of ",
+                                                        absl::StrJoin(embeddings, ", "), ", where ",
+                                                        c.architecture_name, " keeps its text model's embedding"));
+    }
+  }
+  return c;
 }
 
 namespace {

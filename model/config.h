@@ -60,6 +60,11 @@ struct ModelConfig {
   // ParseModelConfig from architecture_name; null only in a default-made config.
   const FamilyDeclaration* family = nullptr;
   std::string architecture_name;  // as written in config.json, e.g. "Qwen2ForCausalLM"
+  // Where the checkpoint keeps the decoder's tensors: "model." (+ "layers.0. ...") and
+  // "lm_head.weight" for a causal LM; for a multimodal checkpoint served as text, one of the
+  // family's layouts (FamilyDeclaration::layouts), picked by LoadModelConfig from the checkpoint.
+  std::string weight_prefix = "model.";
+  std::string lm_head_weight = "lm_head.weight";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -140,9 +145,11 @@ struct ModelConfig {
 };
 
 // Parses and validates config.json text. `source` names the file in error messages.
-absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, const std::string& source);
+absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, std::string source);
 
-// Reads <dir>/config.json (or the file itself, when `path` is a file).
+// Reads <dir>/config.json (or the file itself, when `path` is a file). For a family with several
+// checkpoint layouts (FamilyDeclaration::layouts), a directory's safetensors say which one its
+// tensors are in: the layout whose embedding they hold (the default without safetensors).
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
 
 // Rows of the worker's RoPE buffer: [table 0's inv_freq, its long_inv_freq, table 1's, its long].

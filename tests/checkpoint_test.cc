@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -262,15 +263,123 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                        "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
-                        "Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
-  // Gemma 3 with its vision tower: refused, saying which checkpoints are taken.
-  c["architectures"] = {"Gemma3ForConditionalGeneration"};
-  config = ParseModelConfig(c.dump(), "config.json");
-  ASSERT_FALSE(config.ok());
-  EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"Gemma3ForConditionalGeneration\" (Gemma 3 with its vision tower"));
+                        "Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+                        "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
+}
+
+// Gemma 3 as published (Gemma3ForConditionalGeneration): the text model from text_config over
+// Gemma3TextConfig's defaults (the 27B's file gives no vocab_size, context or tie), dtype and
+// eos_token_id from the top level, its tensors under language_model.model. by default; nothing of
+// the vision tower is declared.
+TEST_F(CheckpointTest, Gemma3ConditionalGenerationServesItsTextConfig) {
+  auto c = LoadModelConfig(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/configs/gemma-3-27b-it.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture_name, "Gemma3ForConditionalGeneration");
+  EXPECT_EQ(c->vocab_size, 262208);
+  EXPECT_EQ(c->hidden_size, 5376);
+  EXPECT_EQ(c->num_hidden_layers, 62);
+  EXPECT_EQ(c->num_attention_heads, 32);
+  EXPECT_EQ(c->num_key_value_heads, 16);
+  EXPECT_EQ(c->head_dim, 128);
+  EXPECT_EQ(c->max_position_embeddings, 131072);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_EQ(c->dtype, DType::kBF16);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int64_t>{1, 106}));
+  EXPECT_EQ(c->bos_token_id, 2);
+  EXPECT_DOUBLE_EQ(c->attention_scale, 1.0 / std::sqrt(168.0));
+  EXPECT_EQ(c->rope_theta, 1e6);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLinear);
+  EXPECT_EQ(c->rope_scaling.factor, 8.0);
+  ASSERT_TRUE(c->sliding_rope.has_value());
+  EXPECT_EQ(c->sliding_rope->theta, 1e4);
+  for (int64_t i = 0; i < 62; ++i) EXPECT_EQ(c->LayerWindow(i), (i + 1) % 6 == 0 ? 0 : 1024) << "layer " << i;
+  const std::vector<WeightDecl> weights = ModelWeights(*c);
+  ASSERT_FALSE(weights.empty());
+  EXPECT_EQ(weights.front().name, "language_model.model.embed_tokens.weight");
+  EXPECT_EQ(weights.back().name, "language_model.model.norm.weight");  // tied: no LM head of its own
+  for (const WeightDecl& w : weights) {
+    EXPECT_TRUE(absl::StartsWith(w.name, "language_model.model.")) << w.name;
+  }
+  // 27.0 billion text parameters (the 27B's 27.4 less the vision tower's 0.4).
+  EXPECT_NEAR(static_cast<double>(c->ParameterCount()), 27.0e9, 0.05e9);
+
+  json j = json::parse(std::ifstream(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/configs/gemma-3-27b-it.json"));
+  json no_text = j;
+  no_text.erase("text_config");
+  auto e = ParseModelConfig(no_text.dump(), "config.json");
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()),
+              HasSubstr("config.json: field \"text_config\" must be an object: Gemma3ForConditionalGeneration keeps"));
+  json tie = j;
+  tie["tie_word_embeddings"] = false;
+  tie["text_config"]["tie_word_embeddings"] = true;
+  e = ParseModelConfig(tie.dump(), "config.json");
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()),
+              HasSubstr("field \"tie_word_embeddings\" is false but text_config's is true"));
+  // The text model's fields are checked as a causal LM's, named under text_config.
+  json bad = j;
+  bad["text_config"]["num_key_value_heads"] = 5;
+  e = ParseModelConfig(bad.dump(), "config.json");
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(std::string(e.status().message()),
+              HasSubstr("config.json text_config: field \"num_key_value_heads\" (5) must divide num_attention_heads"));
+  // Untied, its LM head is the layout's: language_model.lm_head.weight.
+  json untied = j;
+  untied["tie_word_embeddings"] = false;
+  auto u = ParseModelConfig(untied.dump(), "config.json");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(ModelWeights(*u).back().name, "language_model.lm_head.weight");
+}
+
+// A Gemma3ForConditionalGeneration checkpoint directory: its tensors' layout (language_model.model.
+// as transformers 4.50 and 5.x save it, model.language_model. as 4.52-4.57 did) is the one its
+// embedding is found under; neither is refused naming both; the vision tower's tensors (biases
+// included) are not loaded.
+TEST_F(CheckpointTest, Gemma3ConditionalGenerationLayoutIsTheCheckpoints) {
+  json config = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+                 {"torch_dtype", "float32"},
+                 {"text_config",
+                  {{"vocab_size", 16}, {"hidden_size", 8}, {"intermediate_size", 12}, {"num_hidden_layers", 1},
+                   {"num_attention_heads", 2}, {"num_key_value_heads", 1}, {"head_dim", 4},
+                   {"max_position_embeddings", 64}}}};
+  const auto tensors = [](const std::string& prefix, const std::string& vision) {
+    std::vector<FakeTensor> t = {{prefix + "embed_tokens.weight", {16, 8}}};
+    for (const char* norm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                             "post_feedforward_layernorm"}) {
+      t.push_back({absl::StrCat(prefix, "layers.0.", norm, ".weight"), {8}});
+    }
+    for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"self_attn.q_proj.weight", {8, 8}}, {"self_attn.k_proj.weight", {4, 8}},
+             {"self_attn.v_proj.weight", {4, 8}}, {"self_attn.o_proj.weight", {8, 8}},
+             {"self_attn.q_norm.weight", {4}},    {"self_attn.k_norm.weight", {4}},
+             {"mlp.gate_proj.weight", {12, 8}},   {"mlp.up_proj.weight", {12, 8}},
+             {"mlp.down_proj.weight", {8, 12}}}) {
+      t.push_back({absl::StrCat(prefix, "layers.0.", name), shape});
+    }
+    t.push_back({prefix + "norm.weight", {8}});
+    t.push_back({vision + "vision_tower.vision_model.post_layernorm.bias", {4}});
+    t.push_back({vision + "multi_modal_projector.mm_input_projection_weight", {4, 8}});
+    return t;
+  };
+  for (const auto& [prefix, vision] : {std::pair<std::string, std::string>{"language_model.model.", ""},
+                                       {"model.language_model.", "model."}}) {
+    SCOPED_TRACE(prefix);
+    WriteTiny(tensors(prefix, vision), config);
+    absl::StatusOr<ModelConfig> c = LoadModelConfig(dir_);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->weight_prefix, prefix);
+    EXPECT_EQ(ModelWeights(*c).front().name, prefix + "embed_tokens.weight");
+    absl::Status loaded = LoadModel();
+    EXPECT_TRUE(loaded.ok()) << loaded;
+  }
+  WriteTiny(tensors("text.", ""), config);
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(dir_);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr("has none of \"language_model.model.embed_tokens.weight\", "
+                        "\"model.language_model.embed_tokens.weight\", where Gemma3ForConditionalGeneration keeps"));
 }
 
 // The declared tensor `name` of `config`, or null.

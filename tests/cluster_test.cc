@@ -98,7 +98,10 @@ std::vector<Layout> Layouts() {
       // Mixtral: experts in every layer, 3 of 2 a token (float32) and 5 of 3 (bf16 weights).
       {"mixtral_tf5", 2}, {"mixtral_bf16_tf5", 3},
       // Qwen2-MoE: the shared expert gated per token beside 5 experts of 2 (float32) and 7 of 3 (bf16).
-      {"qwen2_moe_tf5", 3}, {"qwen2_moe_bf16_tf5", 4}};
+      {"qwen2_moe_tf5", 3}, {"qwen2_moe_bf16_tf5", 4},
+      // Gemma 3 as published (Gemma3ForConditionalGeneration): its text model, tensors under
+      // language_model.model. (transformers 5) and model.language_model. (4.52-4.57).
+      {"gemma3_cg_tf5", 6}, {"gemma3_cg_tf4", 4}};
   std::vector<Layout> out;
   for (const auto& [name, layers] : fixtures) {
     for (int tp : {1, 2}) {
@@ -115,7 +118,9 @@ class ClusterParityTest : public ::testing::TestWithParam<Layout> {};
 TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
   const Layout& l = GetParam();
   std::ifstream config_file(kFixtures / l.fixture / "config.json");
-  ASSERT_GE(nlohmann::json::parse(config_file)["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;  // a multimodal model's
+  ASSERT_GE(text["num_hidden_layers"].get<int>(), l.pp) << "the layout table is stale";
   const Golden golden = LoadGolden(l.fixture);
   Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}});
   ASSERT_TRUE(cluster.Start());

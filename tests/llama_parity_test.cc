@@ -93,6 +93,13 @@ constexpr double kLogitsTolerance = 1e-4;
 // kernel (a wrong layout or dtype gives errors of order 1), not from subtle model mistakes,
 // which the float32 tests catch.
 constexpr double kLowPrecisionLogitsTolerance = 5e-2;
+// The fixtures where rounding alone moves transformers' own logits past that bound, with its
+// bf16-against-float32 error there (tools/hf_low_precision_error.py on the CPU): the bound is
+// twice it. gemma3_cg_tf5 (a tied 72-wide embedding scaled by sqrt(72), read back as the LM head):
+// 0.109 after the prompt.
+double LowPrecisionTolerance(const std::string& fixture) {
+  return fixture == "gemma3_cg_tf5" ? 2 * 0.109 : kLowPrecisionLogitsTolerance;
+}
 // int8 weights (LlamaInt8Weights below says why).
 constexpr double kInt8LogitsTolerance = 1e-1;
 // int4 weights (LlamaQuantizedWeights below says why).
@@ -377,8 +384,8 @@ TEST_P(LlamaLowPrecision, StaysCloseToHuggingFace) {
   ASSERT_EQ(ids.size(), 32u);
   const double prefill_err = NormalizedError(prefill, g.prompt_last_logits);
   const double decode_err = NormalizedError(decode, g.final_logits);
-  EXPECT_LE(prefill_err, kLowPrecisionLogitsTolerance) << name() << ": logits after the prompt";
-  EXPECT_LE(decode_err, kLowPrecisionLogitsTolerance) << name() << ": logits after the prompt and 31 of HF's tokens";
+  EXPECT_LE(prefill_err, LowPrecisionTolerance(name())) << name() << ": logits after the prompt";
+  EXPECT_LE(decode_err, LowPrecisionTolerance(name())) << name() << ": logits after the prompt and 31 of HF's tokens";
   int same = 0;
   while (same < 32 && ids[same] == g.greedy[same]) ++same;
   std::printf("[ parity   ] %s on %s: prefill logits error %.3g, logits after 31 HF tokens error %.3g; "
@@ -765,8 +772,8 @@ TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
   for (const char* want : {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16",
                            "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5",
                            "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5",
-                           "gemma3_tf5", "gemma3_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5",
-                           "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5"}) {
+                           "gemma3_tf5", "gemma3_tf4", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5",
+                           "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

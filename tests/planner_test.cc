@@ -197,7 +197,9 @@ TEST(Planner, WholeModelOnOneGpuIsParameterCountTimesTwoBytes) {
                                                                   {"qwen2.5-0.5b", 494'032'768},
                                                                   {"mistral-7b-v0.1", 7'241'732'096},
                                                                   {"qwen3-32b", 32'762'123'264},
-                                                                  {"phi-4", 14'659'507'200}};
+                                                                  {"phi-4", 14'659'507'200},
+                                                                  // transformers' count of language_model.*
+                                                                  {"gemma-3-27b-it", 27'009'346'304}};
   for (const auto& [name, params] : published) {
     PlanOptions o;
     o.tp = 1;
@@ -550,6 +552,60 @@ TEST(Planner, Phi4_L4s_OneDoesNotFitTwoDo) {
   ASSERT_EQ(pp2.stages.size(), 2u);
   EXPECT_EQ(pp2.stages[0].num_layers(), 20);
   EXPECT_EQ(pp2.stages[1].num_layers(), 20);
+}
+
+// ---- Gemma 3 27B (Gemma3ForConditionalGeneration: its text model) on real cluster shapes ---------
+
+// The text model from text_config: 62 layers, 32 heads, 16 KV heads of 128 (496 KiB of KV a token
+// in bf16, every layer counted for the whole context), 27.01B parameters with the LM head tied:
+// 50.31 GiB. One H100 holds it with 41k tokens of cache (max_model_len comes down from 131,072);
+// two run TP=2 with the whole context; eight TP=8, two KV heads a rank; two nodes of one PP=2, 31
+// layers each; two L4s are short (three are the fewest), four in two nodes run TP=2 x PP=2.
+TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
+  const ModelConfig c = RealConfig("gemma-3-27b-it");
+  const Plan one = MustPlan(c, Cluster("1x1xH100-80GB"));
+  ASSERT_TRUE(one.fits) << one.reason;
+  EXPECT_EQ(one.architecture, "Gemma3ForConditionalGeneration");
+  EXPECT_EQ(one.tp, 1);
+  EXPECT_EQ(one.pp, 1);
+  ASSERT_EQ(one.per_gpu.size(), 1u);
+  EXPECT_EQ(one.per_gpu[0].weight_bytes, uint64_t{27'009'346'304} * 2);
+  EXPECT_EQ(one.per_gpu[0].kv_bytes_per_token, 2u * 62 * 16 * 128 * 2);
+  EXPECT_EQ(one.target_max_model_len, 131072);
+  EXPECT_EQ(one.max_model_len, one.kv_cache_tokens);
+  EXPECT_GT(one.max_model_len, 32768);
+  EXPECT_LT(one.max_model_len, 65536);
+  EXPECT_THAT(one.reason, HasSubstr("max_model_len lowered from 131,072"));
+
+  const Plan tp2 = MustPlan(c, Cluster("1x2xH100-80GB"));
+  ASSERT_TRUE(tp2.fits) << tp2.reason;
+  EXPECT_EQ(tp2.tp, 2);
+  EXPECT_EQ(tp2.pp, 1);
+  EXPECT_EQ(tp2.max_model_len, 131072);
+  for (const GpuPlan& g : tp2.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 62 * 8 * 128 * 2);
+
+  const Plan tp8 = MustPlan(c, Cluster("1x8xH100-80GB"));
+  EXPECT_EQ(tp8.tp, 8);
+  EXPECT_EQ(tp8.pp, 1);
+  for (const GpuPlan& g : tp8.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 62 * 2 * 128 * 2);
+
+  const Plan pp2 = MustPlan(c, Cluster("2x1xH100-80GB"));
+  ASSERT_TRUE(pp2.fits) << pp2.reason;
+  EXPECT_EQ(pp2.tp, 1);
+  EXPECT_EQ(pp2.pp, 2);
+  ASSERT_EQ(pp2.stages.size(), 2u);
+  EXPECT_EQ(pp2.stages[0].num_layers(), 31);
+  EXPECT_EQ(pp2.stages[1].num_layers(), 31);
+  EXPECT_EQ(pp2.max_model_len, 131072);
+
+  const Plan l4s = MustPlan(c, Cluster("1x2xL4-24GB"));
+  EXPECT_FALSE(l4s.fits);
+  EXPECT_THAT(l4s.reason, HasSubstr("at least 3 GPUs"));
+  const Plan l4x4 = MustPlan(c, Cluster("2x2xL4-24GB"));
+  ASSERT_TRUE(l4x4.fits) << l4x4.reason;
+  EXPECT_EQ(l4x4.tp, 2);
+  EXPECT_EQ(l4x4.pp, 2);
+  EXPECT_LT(l4x4.max_model_len, 131072);
 }
 
 // ---- Refusals --------------------------------------------------------------------------------
@@ -922,7 +978,8 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 // (qwen2_moe_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
-          "phi3_tf5", "phi4_mini_tf5", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5", "qwen2_moe_tf5"};
+          "phi3_tf5", "phi4_mini_tf5", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5",
+          "mixtral_tf5", "qwen2_moe_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the
@@ -934,7 +991,11 @@ TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
     ASSERT_NE(m->checkpoint, nullptr) << name;
     uint64_t stored = 0;
     for (const auto& [tensor, info] : m->checkpoint->tensors()) stored += info.nbytes;
-    EXPECT_EQ(stored, static_cast<uint64_t>(m->config.ParameterCount()) * DTypeSize(m->config.dtype)) << name;
+    // A multimodal checkpoint's vision tower and projector are there but not served.
+    const uint64_t unserved = UnservedCheckpointBytes(m->config, *m->checkpoint);
+    EXPECT_EQ(unserved > 0, absl::StartsWith(name, "gemma3_cg")) << name;
+    EXPECT_EQ(stored - unserved, static_cast<uint64_t>(m->config.ParameterCount()) * DTypeSize(m->config.dtype))
+        << name;
   }
 }
 
@@ -1058,6 +1119,28 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     ASSERT_FALSE(shard.ok());
     EXPECT_THAT(shard.status().message(), HasSubstr("per rank, not a whole number of groups of 128"));
   }
+}
+
+// Planned from a Gemma3ForConditionalGeneration checkpoint (gemma3_cg_tf5): the vision tower's
+// tensors, biases included, are neither refused nor counted; the plan says how many bytes of the
+// checkpoint are not served (every tensor outside language_model.*, counted here by name).
+TEST(Planner, Gemma3ConditionalGenerationCheckpointCountsTheTextModelOnly) {
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "gemma3_cg_tf5");
+  ASSERT_TRUE(m.ok()) << m.status();
+  uint64_t vision = 0;
+  for (const auto& [name, info] : m->checkpoint->tensors()) {
+    if (!absl::StartsWith(name, "language_model.")) vision += info.nbytes;
+  }
+  ASSERT_GT(vision, 0u);
+  const Plan p = MustPlan(m->config, SmallCpuCluster(), SmallCpuOptions(1, 1), m->checkpoint.get());
+  ASSERT_TRUE(p.fits) << p.reason;
+  EXPECT_EQ(p.unserved_checkpoint_bytes, vision);
+  EXPECT_EQ(p.model_weight_bytes, static_cast<uint64_t>(m->config.ParameterCount()) * 4);
+  EXPECT_THAT(PlanTable(p), HasSubstr("not served: "));
+  EXPECT_THAT(PlanTable(p), HasSubstr("of the checkpoint's tensors outside the text model (vision tower, projector)"));
+  const Plan from_config = MustPlan(m->config, SmallCpuCluster(), SmallCpuOptions(1, 1));
+  EXPECT_EQ(from_config.unserved_checkpoint_bytes, 0u);
+  EXPECT_THAT(PlanTable(from_config), ::testing::Not(HasSubstr("not served")));
 }
 
 // The CUDA quantized products' dequantize scratch (kernels/cuda/quant_matmul.cu): whole rows of the

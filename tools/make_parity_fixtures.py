@@ -269,7 +269,8 @@ def build(fixture: Fixture, out_root: pathlib.Path) -> None:
         describe_llama3_rope(model, config)
 
     generator = torch.Generator().manual_seed(fixture.seed + 1)
-    prompt = torch.randint(1, config.vocab_size, (fixture.prompt_len,), generator=generator)
+    # A multimodal model's vocabulary is its text model's.
+    prompt = torch.randint(1, config.get_text_config().vocab_size, (fixture.prompt_len,), generator=generator)
     prompt = prompt.tolist()
     write_checked_golden(
         out,

@@ -6,7 +6,11 @@ wrote it (rope_theta, torch_dtype), checked to read back as the same config; Phi
 qkv_proj and gate_up_proj; Mistral's sliding window, shorter than the prompt; Gemma 2; the RoPE
 types linear, yarn and longrope (Phi-3.5- and Phi-4-mini-shaped, the latter with partial rotary),
 longrope's goldens by cached decode; the mixtures of experts (Qwen3-MoE with dense layers among
-sparse ones, Mixtral, Qwen2-MoE with its shared expert). The checkpoint,
+sparse ones, Mixtral, Qwen2-MoE with its shared expert); Gemma 3 as published (Gemma3ForConditionalGeneration: the text
+model in text_config beside a tiny vision tower), goldens by its text-only forward, saved by
+transformers 5 (tensors under language_model.model.) and rewritten as transformers 4.52-4.57 saved
+it (model.language_model., config.json in the 4.x format; transformers 4.49 of tools/fixtures-env.sh
+has no Gemma 3), the rewrite read back by transformers 5 to the same greedy tokens and logits. The checkpoint,
 golden.json and their checks are those of tools/make_parity_fixtures.py (random weights, 32 greedy
 tokens, logits, no near-ties), with sizes no other fixture uses; make_parity_fixtures.py's build
 and command line.
@@ -25,7 +29,9 @@ from transformers import (
     AutoConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -47,6 +53,14 @@ from transformers import (
 
 import make_parity_fixtures
 from make_parity_fixtures import Fixture
+
+
+# Gemma 3 27B's RoPE per layer type: the global layers base 1e6 with linear scaling 8, the sliding
+# ones base 1e4.
+GEMMA3_27B_ROPE = {
+    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
 
 
 def fixtures() -> list[Fixture]:
@@ -328,10 +342,7 @@ def fixtures() -> list[Fixture]:
                 max_position_embeddings=1024,
                 query_pre_attn_scalar=48,
                 sliding_window=32,
-                rope_parameters={
-                    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                },
+                rope_parameters=GEMMA3_27B_ROPE,
                 tie_word_embeddings=False,
             ),
             seed=17000,
@@ -511,7 +522,74 @@ def fixtures() -> list[Fixture]:
             seed=31000,
             save_dtype=torch.bfloat16,
         ),
+        # Gemma 3 as google/gemma-3-*-it publish it: Gemma3ForConditionalGeneration, the text model
+        # in text_config (LM head tied to the embedding, five sliding layers to one global, the
+        # global RoPE linear 8 as the 27B's), a one-layer vision tower and projector that text-only
+        # serving leaves unread. Saved by transformers 5: tensors under language_model.model.
+        Fixture(
+            name="gemma3_cg_tf5",
+            model_cls=Gemma3ForConditionalGeneration,
+            config=Gemma3Config(
+                text_config=dict(
+                    vocab_size=432,
+                    hidden_size=72,
+                    intermediate_size=112,
+                    num_attention_heads=6,
+                    num_key_value_heads=2,
+                    head_dim=24,
+                    num_hidden_layers=6,
+                    max_position_embeddings=1024,
+                    query_pre_attn_scalar=24,
+                    sliding_window=32,
+                    rope_parameters=GEMMA3_27B_ROPE,
+                    tie_word_embeddings=True,
+                ),
+                vision_config=TINY_VISION,
+                mm_tokens_per_image=4,
+            ),
+            seed=19000,
+            prompt_len=48,
+        ),
+        # The same architecture with its tensors under model.language_model. and config.json in the
+        # 4.x format (rope_theta, rope_local_base_freq, sliding_window_pattern 2, torch_dtype), as
+        # transformers 4.52-4.57 saved it; bf16 weights, 4 query heads to 1 KV head.
+        RelayoutFixture(
+            name="gemma3_cg_tf4",
+            model_cls=Gemma3ForConditionalGeneration,
+            config=Gemma3Config(
+                text_config=dict(
+                    vocab_size=368,
+                    hidden_size=64,
+                    intermediate_size=240,
+                    num_attention_heads=4,
+                    num_key_value_heads=1,
+                    head_dim=16,
+                    num_hidden_layers=4,
+                    max_position_embeddings=1024,
+                    query_pre_attn_scalar=16,
+                    sliding_window=32,
+                    sliding_window_pattern=2,
+                    rope_parameters={
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    },
+                    tie_word_embeddings=True,
+                ),
+                vision_config=TINY_VISION,
+                mm_tokens_per_image=4,
+            ),
+            seed=20000,
+            prompt_len=48,
+            save_dtype=torch.bfloat16,
+            legacy_fields={"sliding_window_pattern": 2},
+        ),
     ]
+
+
+# A SigLIP tower of one layer on 28 x 28 images (4 patches): present in the checkpoint, never read.
+TINY_VISION = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 
 
 def longrope_factors(n: int, low: float, high: float) -> list[float]:
@@ -530,9 +608,44 @@ class LegacyConfigFixture(Fixture):
     legacy_fields: dict = dataclasses.field(default_factory=dict)
 
 
-def write_legacy_config(out: pathlib.Path, legacy_fields: dict) -> None:
+@dataclasses.dataclass
+class RelayoutFixture(LegacyConfigFixture):
+    """A Gemma3ForConditionalGeneration fixture rewritten after the build as transformers 4.52-4.57
+    saved it: tensors under model.language_model. / model.vision_tower. / model.multi_modal_projector.
+    for transformers 5's language_model.model. / vision_tower. / multi_modal_projector., config.json
+    (its text_config) in the 4.x format. transformers 5 must read the rewrite back to the same greedy
+    tokens and logits."""
+
+
+RELAYOUT = [("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector.")]
+
+
+def relayout(out: pathlib.Path, fixture: Fixture) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(out / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        new = next((new + name[len(old):] for old, new in RELAYOUT if name.startswith(old)), None)
+        if new is None:
+            raise SystemExit(f"{out.name}: tensor {name} has none of the prefixes {[old for old, _ in RELAYOUT]}")
+        renamed[new] = tensor
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    write_legacy_config(out, fixture.legacy_fields, text_config=True)
+    golden = json.loads((out / "golden.json").read_text())
+    model = fixture.model_cls.from_pretrained(out, attn_implementation="eager", **make_parity_fixtures.FLOAT32).eval()
+    again = make_parity_fixtures.greedy(model, golden["prompt_ids"])
+    for key in ("greedy_ids", "prompt_last_logits", "final_logits"):
+        if again[key] != golden[key]:
+            raise SystemExit(f"{out.name}: transformers reads the 4.x layout back with other {key}")
+    print(f"    tensors renamed to model.language_model. ({len(renamed)}), read back to the same goldens")
+
+
+def write_legacy_config(out: pathlib.Path, legacy_fields: dict, text_config: bool = False) -> None:
     path = out / "config.json"
-    config = json.loads(path.read_text())
+    top = json.loads(path.read_text())
+    config = top["text_config"] if text_config else top
     rope = config.pop("rope_parameters")
     if "full_attention" in rope:  # Gemma 3: the sliding layers' base in rope_local_base_freq
         config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
@@ -542,12 +655,18 @@ def write_legacy_config(out: pathlib.Path, legacy_fields: dict) -> None:
         k: v for k, v in rope.items() if k != "rope_theta"
     }
     config.update(legacy_fields)
-    config["torch_dtype"] = config.pop("dtype")
+    top["torch_dtype"] = top.pop("dtype")
+    for sub in ("text_config", "vision_config"):  # the 4.x files give the dtype at the top only
+        top.get(sub, {}).pop("dtype", None)
     config.pop("layer_types", None)
-    before = AutoConfig.from_pretrained(out).to_dict()
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    after = AutoConfig.from_pretrained(out).to_dict()
-    for field in ("rope_parameters", "dtype", "layer_types", "head_dim", "attention_bias"):
+    if text_config:  # transformers 5's private copy of the pattern, in no 4.x file
+        config.pop("_sliding_window_pattern", None)
+    text = (lambda c: c.get_text_config().to_dict()) if text_config else (lambda c: c.to_dict())
+    before = text(AutoConfig.from_pretrained(out))
+    path.write_text(json.dumps(top, indent=2, sort_keys=True) + "\n")
+    after = text(AutoConfig.from_pretrained(out))
+    # A text_config's dtype is gone from the 4.x file (the top level's is the checkpoint's).
+    for field in ("rope_parameters", "layer_types", "head_dim", "attention_bias") + (() if text_config else ("dtype",)):
         if before.get(field) != after.get(field):
             raise SystemExit(f"{out.name}: the 4.x config.json reads back with {field} "
                              f"{after.get(field)!r}, not {before.get(field)!r}")
@@ -598,7 +717,9 @@ def build(fixture: Fixture, out_root: pathlib.Path) -> None:
         recompute = make_parity_fixtures.greedy(model, golden["prompt_ids"])["greedy_ids"]
         same = next((i for i, (a, b) in enumerate(zip(recompute, golden["greedy_ids"])) if a != b), len(recompute))
         print(f"    full recompute agrees with the cached decode on the first {same} of 32 greedy tokens")
-    if isinstance(fixture, LegacyConfigFixture):
+    if isinstance(fixture, RelayoutFixture):
+        relayout(out_root / fixture.name, fixture)
+    elif isinstance(fixture, LegacyConfigFixture):
         write_legacy_config(out_root / fixture.name, fixture.legacy_fields)
 
 

@@ -113,6 +113,9 @@ struct Plan {
   int64_t parameters = 0;
   int64_t active_parameters = 0;  // what one token reads: == parameters but for a mixture of experts
   uint64_t model_weight_bytes = 0;  // the whole model, unsharded, in `dtype`
+  // Bytes of the checkpoint's tensors that are not served (a multimodal model's vision tower and
+  // projector: only its text model runs); 0 without a checkpoint.
+  uint64_t unserved_checkpoint_bytes = 0;
   DType dtype = DType::kBF16;             // what the workers hold weights, activations and KV cache in
   DType checkpoint_dtype = DType::kBF16;  // config.json's torch_dtype
   // A published quantized checkpoint's linear layers as counted (model/quantized_checkpoint.h), e.g.

@@ -65,6 +65,10 @@ std::string PlanTable(const Plan& p) {
   absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters%s, %s in %s%s (weights from %s%s)\n",
                         p.architecture, p.num_layers, fmt::Parameters(p.parameters), active, fmt::Size(p.model_weight_bytes),
                         PlanDTypeName(p.dtype), quant, p.weights_from, checkpoint_dtype);
+  if (p.unserved_checkpoint_bytes > 0) {
+    absl::StrAppendFormat(&out, "         not served: %s of the checkpoint's tensors outside the text model (vision "
+                          "tower, projector), neither loaded nor counted\n", fmt::Size(p.unserved_checkpoint_bytes));
+  }
   absl::StrAppendFormat(&out, "cluster  %s: %s, %s %s; intra-node %s, inter-node %s\n", c.Describe(),
                         fmt::Size(c.gpu.memory_bytes), c.gpu.memory_noun(), GBps(c.gpu.hbm_bytes_per_s),
                         GBps(c.intra_node_bytes_per_s), GBps(c.inter_node_bytes_per_s));
@@ -173,7 +177,8 @@ std::string PlanJson(const Plan& p) {
   j["model"] = {{"architecture", p.architecture},  {"weights_from", p.weights_from},
                 {"num_layers", p.num_layers},      {"parameters", p.parameters},
                 {"active_parameters", p.active_parameters},
-                {"dtype", PlanDTypeName(p.dtype)}, {"weight_bytes", p.model_weight_bytes}};
+                {"dtype", PlanDTypeName(p.dtype)}, {"weight_bytes", p.model_weight_bytes},
+                {"unserved_checkpoint_bytes", p.unserved_checkpoint_bytes}};
   j["cluster"] = {{"gpu", c.gpu.name},
                   {"gpus_per_node", c.gpus_per_node},
                   {"gpu_memory_bytes", c.gpu.memory_bytes},

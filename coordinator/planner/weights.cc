@@ -60,11 +60,12 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
   if (!config.checkpoint_quant.has_value()) {
     // A bias the declaration does not list would be silently left out of the math (config.json's
     // attention_bias false for a checkpoint that has them): refused, naming it. Published quantized
-    // checkpoints are exempt: some store a zero bias beside every quantized product.
+    // checkpoints are exempt: some store a zero bias beside every quantized product; so are the
+    // tensors outside the decoder (a vision tower's, which is not served).
     absl::flat_hash_set<std::string> declared;
     for (const WeightDecl& w : weights) declared.insert(w.name);
     for (const auto& [name, info] : checkpoint.tensors()) {
-      if (absl::EndsWith(name, ".bias") && !declared.contains(name)) {
+      if (absl::EndsWith(name, ".bias") && absl::StartsWith(name, config.weight_prefix) && !declared.contains(name)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "checkpoint ", where, " has tensor \"", name, "\", which ", config.architecture_name,
             " as config.json describes it has no place for (is attention_bias in config.json wrong?)"));
@@ -72,6 +73,14 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
     }
   }
   return weights;
+}
+
+uint64_t UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint) {
+  uint64_t bytes = 0;
+  for (const auto& [name, info] : checkpoint.tensors()) {
+    if (!absl::StartsWith(name, config.weight_prefix) && name != config.lm_head_weight) bytes += info.nbytes;
+  }
+  return bytes;
 }
 
 int64_t ShardElements(const WeightDecl& t, const TpShard& s) {

@@ -34,6 +34,10 @@ namespace shardserve {
 // config.json implies, or is stored in a dtype the loader cannot convert (F32, F16, BF16 only).
 absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint);
 
+// Bytes of the checkpoint's tensors outside the served text model (neither under config.weight_prefix
+// nor its LM head): a multimodal checkpoint's vision tower and projector, which no worker loads.
+uint64_t UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint);
+
 // Elements of `tensor` that the rank described by `shard` holds.
 int64_t ShardElements(const WeightDecl& tensor, const TpShard& shard);
 

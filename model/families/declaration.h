@@ -101,8 +101,25 @@ struct StepBufferDecl {
   std::vector<int64_t> dims;
 };
 
+// Where a checkpoint keeps the decoder's tensors: `decoder` prefixes the embedding, the layers and
+// the final norm ("model." + "embed_tokens.weight"), `lm_head` names the untied LM head.
+struct CheckpointLayout {
+  const char* decoder = "model.";
+  const char* lm_head = "lm_head.weight";
+};
+
 struct FamilyDeclaration {
   const char* architecture;  // config.json's "architectures"[0], e.g. "Qwen3ForCausalLM"
+  // A multimodal architecture whose text model is served alone (Gemma3ForConditionalGeneration):
+  // the text model's config is config.json's "text_config" over these defaults (a JSON object, the
+  // text config class's defaults for the fields published files leave out), the top level giving
+  // dtype, eos_token_id and quantization_config. Null: the text model's fields are at the top.
+  const char* text_config_defaults = nullptr;
+  // The checkpoint layouts the family's tensors are found in, the first the default (what dummy
+  // weights and a config file without a checkpoint use); LoadModelConfig picks the one whose
+  // embedding a checkpoint directory holds. Tensors outside the decoder (a vision tower, its
+  // projector) are neither loaded nor counted.
+  std::vector<CheckpointLayout> layouts = {CheckpointLayout{}};
   // What config.json's fields mean for the family (model/config.cc reads them):
   // Biases of the attention's products: kQkv on q, k and v always and never on o (Qwen2);
   // kQkvConfigured on q, k and v unless config.json's qkv_bias is false (Qwen2-MoE);

@@ -11,11 +11,11 @@
 
 namespace shardserve {
 
-// The tensors of one decoder layer, "model.layers.<i>.<name>", as a family's weights function adds
-// them (DecoderWeights).
+// The tensors of one decoder layer, "<decoder prefix>layers.<i>.<name>" ("model.layers.3.<name>"), as
+// a family's weights function adds them (DecoderWeights).
 class LayerTensors {
  public:
-  LayerTensors(int64_t layer, std::vector<WeightDecl>* out);
+  LayerTensors(const std::string& decoder_prefix, int64_t layer, std::vector<WeightDecl>* out);
   void Add(const char* name, std::vector<int64_t> shape, TpSplit split, WeightRole role,
            std::vector<int64_t> fused_shape = {}, int64_t fused_offset = 0);
   // Expert `expert`'s tensor "<experts>.<expert>.<name>" (mlp.experts.3.gate_proj.weight).
@@ -30,7 +30,8 @@ class LayerTensors {
 };
 
 // A decoder's tensors in load order: model.embed_tokens, each layer's (`layer` adds them), model.norm
-// and lm_head (none when tie_word_embeddings).
+// and lm_head (none when tie_word_embeddings), under the config's checkpoint layout (weight_prefix,
+// lm_head_weight).
 std::vector<WeightDecl> DecoderWeights(const ModelConfig& config,
                                        const std::function<void(const ModelConfig&, LayerTensors&)>& layer);
 
@@ -59,9 +60,11 @@ extern const FamilyDeclaration kMixtralFamily;
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;
 
-// gemma.cc: Gemma 2 (Gemma2ForCausalLM) and Gemma 3 text (Gemma3ForCausalLM).
+// gemma.cc: Gemma 2 (Gemma2ForCausalLM), Gemma 3 text (Gemma3ForCausalLM) and the text part of
+// Gemma 3 with its vision tower (Gemma3ForConditionalGeneration).
 extern const FamilyDeclaration kGemma2Family;
 extern const FamilyDeclaration kGemma3Family;
+extern const FamilyDeclaration kGemma3ConditionalFamily;
 
 }  // namespace shardserve
 

@@ -13,6 +13,13 @@
 // one global by default (sliding_window_pattern 6, or layer_types), and a RoPE per layer type: the
 // global layers rope_theta with rope_scaling (linear 8 on the 27B), the sliding ones
 // rope_local_base_freq (model/config.cc; the worker holds a table per type).
+//
+// Gemma 3 as google/gemma-3-4b-it, -12b-it and -27b-it publish it (Gemma3ForConditionalGeneration)
+// is that text model under config.json's "text_config" beside a SigLIP vision tower and its
+// projector. Its text part is served: the tensors under "language_model.model." (as transformers
+// 4.50-4.51 and 5.x save them) or "model.language_model." (4.52-4.57), the LM head tied to the
+// embedding as published; the vision tower and the projector are not loaded, so images are not
+// served.
 #include "model/families/families.h"
 
 namespace shardserve {
@@ -62,5 +69,30 @@ const FamilyDeclaration kGemma3Family = {.architecture = "Gemma3ForCausalLM",
                                          .rope_per_layer_type = true,
                                          .weights = Gemma2Weights,
                                          .layer_buffers = LlamaShapedBuffers};
+
+// Gemma3TextConfig's defaults for the fields a published text_config leaves out (the 27B's gives no
+// vocab_size, max_position_embeddings or tie_word_embeddings); the RoPE, window and attention
+// scalar defaults are model/config.cc's, shared with Gemma3ForCausalLM.
+const FamilyDeclaration kGemma3ConditionalFamily = {
+    .architecture = "Gemma3ForConditionalGeneration",
+    .text_config_defaults = R"({"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                "head_dim": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                                "tie_word_embeddings": true, "bos_token_id": 2, "eos_token_id": 1})",
+    .layouts = {{.decoder = "language_model.model.", .lm_head = "language_model.lm_head.weight"},
+                {.decoder = "model.language_model.", .lm_head = "lm_head.weight"}},
+    .attention_bias = kGemma3Family.attention_bias,
+    .qk_norm = kGemma3Family.qk_norm,
+    .sliding_window = kGemma3Family.sliding_window,
+    .sliding_window_pattern = kGemma3Family.sliding_window_pattern,
+    .activation = kGemma3Family.activation,
+    .norm_plus_one = kGemma3Family.norm_plus_one,
+    .scale_embeddings = kGemma3Family.scale_embeddings,
+    .softcapping = kGemma3Family.softcapping,
+    .query_pre_attn_scalar = kGemma3Family.query_pre_attn_scalar,
+    .norm_placement = kGemma3Family.norm_placement,
+    .rope_per_layer_type = kGemma3Family.rope_per_layer_type,
+    .weights = Gemma2Weights,
+    .layer_buffers = LlamaShapedBuffers};
 
 }  // namespace shardserve

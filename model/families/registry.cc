@@ -9,15 +9,14 @@
 namespace shardserve {
 namespace {
 
-constexpr const FamilyDeclaration* kFamilies[] = {&kGemma2Family, &kGemma3Family,   &kLlamaFamily,
-                                                  &kMistralFamily, &kMixtralFamily, &kPhi3Family,
-                                                  &kQwen2Family,  &kQwen2MoeFamily, &kQwen3Family,
-                                                  &kQwen3MoeFamily};
+constexpr const FamilyDeclaration* kFamilies[] = {
+    &kGemma2Family,   &kGemma3Family, &kGemma3ConditionalFamily, &kLlamaFamily, &kMistralFamily, &kMixtralFamily,
+    &kPhi3Family,     &kQwen2Family,  &kQwen2MoeFamily,          &kQwen3Family, &kQwen3MoeFamily};
 
 }  // namespace
 
-LayerTensors::LayerTensors(int64_t layer, std::vector<WeightDecl>* out)
-    : layer_(layer), prefix_(absl::StrCat("model.layers.", layer, ".")), out_(out) {}
+LayerTensors::LayerTensors(const std::string& decoder_prefix, int64_t layer, std::vector<WeightDecl>* out)
+    : layer_(layer), prefix_(absl::StrCat(decoder_prefix, "layers.", layer, ".")), out_(out) {}
 
 void LayerTensors::Add(const char* name, std::vector<int64_t> shape, TpSplit split, WeightRole role,
                        std::vector<int64_t> fused_shape, int64_t fused_offset) {
@@ -37,15 +36,15 @@ std::vector<WeightDecl> DecoderWeights(const ModelConfig& c,
                                        const std::function<void(const ModelConfig&, LayerTensors&)>& layer) {
   const int64_t H = c.hidden_size, V = c.vocab_size;
   std::vector<WeightDecl> w;
-  w.push_back({"model.embed_tokens.weight", {V, H}, WeightPart::kEmbedding, -1, TpSplit::kVocabRows,
+  w.push_back({c.weight_prefix + "embed_tokens.weight", {V, H}, WeightPart::kEmbedding, -1, TpSplit::kVocabRows,
                WeightRole::kEmbedTokens});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    LayerTensors tensors(i, &w);
+    LayerTensors tensors(c.weight_prefix, i, &w);
     layer(c, tensors);
   }
-  w.push_back({"model.norm.weight", {H}, WeightPart::kFinalNorm, -1, TpSplit::kReplicated, WeightRole::kFinalNorm});
+  w.push_back({c.weight_prefix + "norm.weight", {H}, WeightPart::kFinalNorm, -1, TpSplit::kReplicated, WeightRole::kFinalNorm});
   if (!c.tie_word_embeddings) {
-    w.push_back({"lm_head.weight", {V, H}, WeightPart::kLmHead, -1, TpSplit::kVocabRows, WeightRole::kLmHead});
+    w.push_back({c.lm_head_weight, {V, H}, WeightPart::kLmHead, -1, TpSplit::kVocabRows, WeightRole::kLmHead});
   }
   return w;
 }
