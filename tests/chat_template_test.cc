@@ -12,8 +12,8 @@
 #include "coordinator/chat/chat_template.h"
 #include "coordinator/chat/lexer.h"
 #include "coordinator/chat/parser.h"
-#include "coordinator/chat/runtime/budget.h"
-#include "coordinator/chat/runtime/render.h"
+#include "coordinator/chat/budget.h"
+#include "coordinator/chat/render.h"
 #include "coordinator/chat/value.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -305,7 +305,7 @@ TEST(ChatRuntimeTest, HostileTemplatesAreErrorsNotCrashes) {
   EXPECT_EQ(R("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{% set ns.l = [ns] %}{{ ns.me.me.a }}"), "1");
 }
 
-// --- the render budget (runtime/budget.h): hostile templates end in an error naming the budget ---
+// --- the render budget (budget.h): hostile templates end in an error naming the budget ---
 
 // The default budget without its deadline: these tests assert which budget a template exceeds,
 // and on a slow or loaded machine the deadline could come first.

@@ -5,9 +5,10 @@
 //
 // RenderBudget is what the caller chooses (the defaults suit every real template with a wide
 // margin). BudgetTracker is the runtime's side: Render (render.h) installs one for the calling
-// thread for the duration of the render, and the value operations (value.cc) charge it where they
-// create lists, dicts and strings, checking sizes BEFORE allocating wherever the size is known
-// (list + list, str * n, range(n), join, replace, indent), so that memory stays within the budget.
+// thread for the duration of the render, and the value operations (value.cc, filters.cc,
+// methods.cc, py_str.cc) charge it where they create lists, dicts and strings, checking sizes
+// BEFORE allocating wherever the size is known (list + list, str * n, range(n), join, replace,
+// indent), so that memory stays within the budget.
 // Outside a render (no tracker installed) nothing is charged.
 //
 // A budget exceeded throws BudgetError inside the runtime; Render turns it into an absl::Status:
@@ -19,8 +20,8 @@
 //
 // Threading: a RenderBudget is copied into the tracker; `cancelled` is called on the rendering
 // thread only. A BudgetTracker belongs to the thread that created it.
-#ifndef SHARDSERVE_COORDINATOR_CHAT_RUNTIME_BUDGET_H_
-#define SHARDSERVE_COORDINATOR_CHAT_RUNTIME_BUDGET_H_
+#ifndef SHARDSERVE_COORDINATOR_CHAT_BUDGET_H_
+#define SHARDSERVE_COORDINATOR_CHAT_BUDGET_H_
 
 #include <chrono>
 #include <cstddef>
@@ -155,6 +156,24 @@ class DepthGuard {
   BudgetTracker* tracker_;
 };
 
+// The value operations' budget checks (value.cc, py_str.cc, filters.cc, methods.cc), before an
+// allocation of known size; no-ops outside a render. `where` defaults to
+// the node the renderer is evaluating.
+inline void CheckBytes(int64_t size, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) t->CheckBytes(size, where ? *where : t->where());
+}
+// Also a step of the render (see BudgetTracker::Tick): the loops that grow a string one piece at a
+// time (printing, JSON, join, replace, indent) poll the deadline through it.
+inline void CheckGrowth(const std::string& out, size_t more, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) {
+    t->CheckBytes(static_cast<int64_t>(out.size() + more), where ? *where : t->where());
+    t->Tick();
+  }
+}
+inline void CheckElements(int64_t n, const Location* where = nullptr) {
+  if (BudgetTracker* t = BudgetTracker::Current()) t->CheckElements(n, where ? *where : t->where());
+}
+
 }  // namespace shardserve::chat
 
-#endif  // SHARDSERVE_COORDINATOR_CHAT_RUNTIME_BUDGET_H_
+#endif  // SHARDSERVE_COORDINATOR_CHAT_BUDGET_H_

@@ -1,4 +1,4 @@
-#include "coordinator/chat/runtime/budget.h"
+#include "coordinator/chat/budget.h"
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/chat/value.h"

@@ -1,4 +1,4 @@
-#include "coordinator/chat/runtime/render.h"
+#include "coordinator/chat/render.h"
 
 #include <ctime>
 #include <memory>
@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/chat/filters.h"
 
 namespace shardserve::chat {
 namespace {

@@ -6,14 +6,14 @@
 // The globals transformers adds are built in: raise_exception(msg), strftime_now(fmt), plus jinja2's
 // range, namespace and dict. Thread-safe: each call owns its state (its budget tracker is the calling
 // thread's for the duration of the call); `tmpl` is only read.
-#ifndef SHARDSERVE_COORDINATOR_CHAT_RUNTIME_RENDER_H_
-#define SHARDSERVE_COORDINATOR_CHAT_RUNTIME_RENDER_H_
+#ifndef SHARDSERVE_COORDINATOR_CHAT_RENDER_H_
+#define SHARDSERVE_COORDINATOR_CHAT_RENDER_H_
 
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "coordinator/chat/parser.h"
-#include "coordinator/chat/runtime/budget.h"
+#include "coordinator/chat/budget.h"
 #include "coordinator/chat/value.h"
 
 namespace shardserve::chat {
@@ -27,4 +27,4 @@ absl::StatusOr<std::string> Render(const Template& tmpl, const Value& context, c
 
 }  // namespace shardserve::chat
 
-#endif  // SHARDSERVE_COORDINATOR_CHAT_RUNTIME_RENDER_H_
+#endif  // SHARDSERVE_COORDINATOR_CHAT_RENDER_H_
