@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/counter_uniform.h"
 #include "kernels/int4_folded.h"
 #include "kernels/quant.h"

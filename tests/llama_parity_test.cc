@@ -28,7 +28,7 @@
 #include "tests/golden.h"
 #include "tests/bf16_products.h"
 #include "worker/communicator.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "worker/shard/greedy.h"
 #include "worker/shard/model_shard.h"
 

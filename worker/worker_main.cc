@@ -28,7 +28,7 @@
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
 #include "worker/comm/interface.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"
 #include "worker/worker_service.h"

@@ -1,15 +1,17 @@
-// The switches of the CUDA backend's paths, shared by the worker and generate-ids. A path that
-// passed its op and parity tests on a GPU is on by default (docs/gpu.md, "CUDA paths: where they
-// last passed") and --no-cuda-... keeps the plain path, to compare or to work around a fault; one
-// not yet run on a GPU, or slower there, is off and --cuda-... turns it on. Ignored on cpu.
-#pragma once
+// The command-line switches of the CUDA backend's paths (CudaBackendOptions, cuda_backend.h),
+// shared by the worker and generate-ids. A path that passed its op and parity tests on a GPU is on
+// by default (docs/gpu.md, "CUDA paths: where they last passed") and --no-cuda-... keeps the plain
+// path, to compare or to work around a fault; one not yet run on a GPU, or slower there, is off and
+// --cuda-... turns it on. Ignored on cpu.
+#ifndef SHARDSERVE_KERNELS_CUDA_CUDA_SWITCHES_H_
+#define SHARDSERVE_KERNELS_CUDA_CUDA_SWITCHES_H_
 
 #include <array>
 #include <set>
 #include <string>
 
 #include "base/flags.h"
-#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 
 namespace shardserve {
 
@@ -76,3 +78,5 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
 }
 
 }  // namespace shardserve
+
+#endif  // SHARDSERVE_KERNELS_CUDA_CUDA_SWITCHES_H_

@@ -1,13 +1,16 @@
-// The CPU kernels' vectors: 8 floats in a GCC vector extension (one AVX2 register, half an
-// AVX-512 one), in functions cloned per instruction set, since the build targets baseline x86-64.
+// The host CPU's vectors: 8 floats in a GCC vector extension (one AVX2 register, half an AVX-512
+// one), in functions cloned per instruction set, since the build targets baseline x86-64. Used by
+// the CPU backend's kernels (kernels/cpu/) and by the weight quantizers (quant.cc), which run on
+// the host whichever backend holds the weights; so this header is not the CPU backend's, and its
+// namespace (cpu) names the host's processor.
 //
 // Why 8 and not 16 floats: GCC 12 has no register mode for a 16-float vector without AVX-512, so
 // on AVX2 it keeps one that lives across loop iterations (an accumulator) on the stack and moves it
 // through memory on every step. Measured on an AMD EPYC (AVX2): float32 products 7 GFLOP/s with
 // 16-float accumulators against 80 with 8-float ones; attention 4-8x slower (docs/benchmarks.md,
 // bench_attention). Loops that want 16 lanes (attention's dot products) use two halves.
-#ifndef SHARDSERVE_KERNELS_CPU_VEC_H_
-#define SHARDSERVE_KERNELS_CPU_VEC_H_
+#ifndef SHARDSERVE_KERNELS_HOST_VEC_H_
+#define SHARDSERVE_KERNELS_HOST_VEC_H_
 
 #include <cstdint>
 #include <cstring>
@@ -63,4 +66,4 @@ inline constexpr int64_t kVecLanes = 8;
 
 }  // namespace shardserve::cpu
 
-#endif  // SHARDSERVE_KERNELS_CPU_VEC_H_
+#endif  // SHARDSERVE_KERNELS_HOST_VEC_H_
