@@ -27,7 +27,7 @@
 #include "security/tls.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
-#include "worker/comm/interface.h"
+#include "worker/comm/interface_address.h"
 #include "kernels/cuda/cuda_switches.h"
 #include "worker/step_executor.h"
 #include "worker/worker_log.h"

@@ -1,4 +1,4 @@
-#include "worker/comm/interface.h"
+#include "worker/comm/interface_address.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>

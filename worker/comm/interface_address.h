@@ -1,10 +1,10 @@
-// The data plane's network interface: `shardserve-worker --collective-interface eth1` binds the
-// collectives to that interface's address (docs/security.md: the collective ports carry no
-// authentication, so they belong on the cluster's own network).
+// The address of a network interface, found by its name: `shardserve-worker --collective-interface
+// eth1` binds the collectives to that interface's address (docs/security.md: the collective ports
+// carry no authentication, so they belong on the cluster's own network).
 //
 // Thread-safety: reentrant.
-#ifndef SHARDSERVE_WORKER_COMM_INTERFACE_H_
-#define SHARDSERVE_WORKER_COMM_INTERFACE_H_
+#ifndef SHARDSERVE_WORKER_COMM_INTERFACE_ADDRESS_H_
+#define SHARDSERVE_WORKER_COMM_INTERFACE_ADDRESS_H_
 
 #include <string>
 
@@ -19,4 +19,4 @@ absl::StatusOr<std::string> InterfaceAddress(const std::string& name);
 
 }  // namespace shardserve
 
-#endif  // SHARDSERVE_WORKER_COMM_INTERFACE_H_
+#endif  // SHARDSERVE_WORKER_COMM_INTERFACE_ADDRESS_H_
