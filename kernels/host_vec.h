@@ -27,7 +27,7 @@ inline constexpr int64_t kVecLanes = 8;
 // that a vector never crosses a call (kernels/CMakeLists.txt silences GCC's -Wpsabi note that a
 // vector's calling convention differs between targets).
 //
-// ThreadSanitizer builds (tools/sanitize.sh tsan) have no clones, only the baseline code: the
+// ThreadSanitizer builds (tools/ci/sanitize.sh tsan) have no clones, only the baseline code: the
 // clones' resolver (an IFUNC) runs while the dynamic loader relocates the program, before the TSan
 // runtime is initialized, and its instrumentation then crashed every program that links the
 // kernels (SIGSEGV in SoftmaxRow's resolver, before main).

@@ -1,5 +1,5 @@
 // coordinator/chat: every fixture case of tests/fixtures/chat_templates/<family>/ (rendered by
-// transformers' apply_chat_template, tools/make_chat_template_fixtures.py) rendered by ChatTemplate and
+// transformers' apply_chat_template, tools/fixtures/make_chat_template_fixtures.py) rendered by ChatTemplate and
 // compared byte for byte, plus unit tests of the lexer, parser, runtime and their errors.
 #include <atomic>
 #include <chrono>
@@ -74,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(Families, FixtureTest, testing::ValuesIn(Families()),
                          [](const testing::TestParamInfo<std::string>& info) { return info.param; });
 
 TEST(FixtureTest, EveryFamilyIsPresent) {
-  // The families tools/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
+  // The families tools/fixtures/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
   for (const char* f : {"chatml", "llama2", "llama3", "llama3_1", "qwen2_5", "mistral", "gemma2", "phi3_5",
                         "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3", "gemma3",
                         "phi4", "phi4_mini"}) {

@@ -111,7 +111,7 @@ class StepExecutor {
   // Closes this epoch's communicators after a failed step, so that a peer blocked in a collective
   // with this worker sees the connection drop at once and fails its step too, instead of waiting
   // out the collective timeout: every rank of a broken group then settles within milliseconds and
-  // the coordinator re-forms the group without waiting (tools/chaos_bench.py measured ~5 s per heal
+  // the coordinator re-forms the group without waiting (tools/bench/chaos_bench.py measured ~5 s per heal
   // before). Steps fail until the next Regroup, which joins new groups as usual.
   void LeaveGroups() {
     for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
