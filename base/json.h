@@ -28,7 +28,7 @@
 namespace shardserve {
 
 // Levels of arrays and objects inside one another that outside JSON may have ("[[1]]" has 2).
-// Below the chat-template runtime's depth budget (coordinator/chat/runtime/budget.h, 200), so that
+// Below the chat-template runtime's depth budget (coordinator/chat/budget.h, 200), so that
 // a request's tools or template arguments printed by a template (tojson) never reach it: a budget
 // exceeded there is the template's fault (500), too deep a request the client's (400).
 inline constexpr int kMaxJsonDepth = 128;

@@ -29,7 +29,7 @@ inline const nlohmann::ordered_json& ChatTools() {
   return *t;
 }
 
-// What a render may fail with: a template error, or a budget exceeded (runtime/budget.h).
+// What a render may fail with: a template error, or a budget exceeded (budget.h).
 inline bool AcceptableRenderError(const absl::Status& s) {
   return absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s) || absl::IsDeadlineExceeded(s);
 }

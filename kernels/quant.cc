@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 #include "kernels/tensor.h"
 
 namespace shardserve {

@@ -1,5 +1,5 @@
 // coordinator/chat: every fixture case of tests/fixtures/chat_templates/<family>/ (rendered by
-// transformers' apply_chat_template, tools/make_chat_template_fixtures.py) rendered by ChatTemplate and
+// transformers' apply_chat_template, tools/fixtures/make_chat_template_fixtures.py) rendered by ChatTemplate and
 // compared byte for byte, plus unit tests of the lexer, parser, runtime and their errors.
 #include <atomic>
 #include <chrono>
@@ -12,8 +12,8 @@
 #include "coordinator/chat/chat_template.h"
 #include "coordinator/chat/lexer.h"
 #include "coordinator/chat/parser.h"
-#include "coordinator/chat/runtime/budget.h"
-#include "coordinator/chat/runtime/render.h"
+#include "coordinator/chat/budget.h"
+#include "coordinator/chat/render.h"
 #include "coordinator/chat/value.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -74,7 +74,7 @@ INSTANTIATE_TEST_SUITE_P(Families, FixtureTest, testing::ValuesIn(Families()),
                          [](const testing::TestParamInfo<std::string>& info) { return info.param; });
 
 TEST(FixtureTest, EveryFamilyIsPresent) {
-  // The families tools/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
+  // The families tools/fixtures/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
   for (const char* f : {"chatml", "llama2", "llama3", "llama3_1", "qwen2_5", "mistral", "gemma2", "phi3_5",
                         "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3", "gemma3",
                         "phi4", "phi4_mini"}) {
@@ -305,7 +305,7 @@ TEST(ChatRuntimeTest, HostileTemplatesAreErrorsNotCrashes) {
   EXPECT_EQ(R("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{% set ns.l = [ns] %}{{ ns.me.me.a }}"), "1");
 }
 
-// --- the render budget (runtime/budget.h): hostile templates end in an error naming the budget ---
+// --- the render budget (budget.h): hostile templates end in an error naming the budget ---
 
 // The default budget without its deadline: these tests assert which budget a template exceeds,
 // and on a slow or loaded machine the deadline could come first.

@@ -1,4 +1,4 @@
-"""tools/check_skips.py on made-up CTest JUnit files: the skips of a machine without a GPU or with
+"""tools/ci/check_skips.py on made-up CTest JUnit files: the skips of a machine without a GPU or with
 fewer CPU features pass, any other skip fails naming the test, and a failed or passed case is not
 its business."""
 import os
@@ -7,7 +7,7 @@ import sys
 import tempfile
 import unittest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "check_skips.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "ci", "check_skips.py")
 
 
 def junit(*cases):

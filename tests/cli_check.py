@@ -5,9 +5,9 @@ import socket
 import subprocess
 import sys
 
-# SHARDSERVE_TEST_TIME_SCALE's rule has one home in Python, tools/launch_process.py (the tools the tests
+# SHARDSERVE_TEST_TIME_SCALE's rule has one home in Python, tools/ci/launch_process.py (the tools the tests
 # run scale their deadlines by it too); re-exported here for the tests.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "ci"))
 from launch_process import parse_time_scale, time_scale, time_scale_error  # noqa: E402,F401
 
 
@@ -23,7 +23,7 @@ TIME_SCALE = _time_scale()
 
 def scaled(seconds):
     """`seconds`, a deadline for waiting on a process of ours, times SHARDSERVE_TEST_TIME_SCALE (default
-    1; tools/sanitize.sh asan-all sets it for the ASan binaries, as tests/process_harness.h reads it)."""
+    1; tools/ci/sanitize.sh asan-all sets it for the ASan binaries, as tests/process_harness.h reads it)."""
     return seconds * TIME_SCALE
 
 

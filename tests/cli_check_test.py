@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""tests/cli_check.py's SHARDSERVE_TEST_TIME_SCALE (its rule is tools/launch_process.py's, which the tools
+"""tests/cli_check.py's SHARDSERVE_TEST_TIME_SCALE (its rule is tools/ci/launch_process.py's, which the tools
 the tests run use too): the same rule and the same message as tests/process_harness.h's (HarnessTest.TimeScaleIsADecimalFrom1To1000 checks the C++ side with these
 values), and a refused value ends the test that imports it. Stdlib only.
 
@@ -47,13 +47,13 @@ class TimeScaleTest(unittest.TestCase):
         self.assertEqual((good.returncode, good.stdout), (0, "30.0\n"), good.stderr)
 
     def test_one_rule_for_the_tests_and_the_tools_they_run(self):
-        # tools/launch_process.py holds the rule; cli_check re-exports it, and the tools that wait on
+        # tools/ci/launch_process.py holds the rule; cli_check re-exports it, and the tools that wait on
         # clusters (gpu_layouts_check.py, chaos_bench.py) scale their deadlines by it.
         import cli_check
         import launch_process
         self.assertIs(cli_check.parse_time_scale, launch_process.parse_time_scale)
         self.assertIs(cli_check.time_scale_error, launch_process.time_scale_error)
-        tool = os.path.join(os.path.dirname(HERE), "tools", "gpu_layouts_check.py")
+        tool = os.path.join(os.path.dirname(HERE), "tools", "gpu", "gpu_layouts_check.py")
         bad = subprocess.run([sys.executable, tool, "--bin", HERE, "--model", HERE],
                              env=dict(os.environ, SHARDSERVE_TEST_TIME_SCALE="0.5"), capture_output=True, text=True,
                              timeout=60)

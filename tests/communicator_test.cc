@@ -41,7 +41,7 @@
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "worker/comm/gloo_communicator.h"
-#include "worker/comm/interface.h"
+#include "worker/comm/interface_address.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/comm/staged_communicator.h"

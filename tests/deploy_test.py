@@ -220,8 +220,8 @@ def check_dockerfiles():
         elif not re.fullmatch(r"[1-9][0-9]*:[1-9][0-9]*", users[-1].strip()):
             # The kubelet can enforce runAsNonRoot only on a numeric user; deploy/k8s runs 10001.
             fail(f"Dockerfile.{name}: USER {users[-1]!r} is not a numeric non-root uid:gid")
-        if not any("tools/install-deps.sh" in l for l in logical if l.upper().startswith("RUN ")):
-            fail(f"Dockerfile.{name}: the build stage does not run tools/install-deps.sh")
+        if not any("tools/ci/install-deps.sh" in l for l in logical if l.upper().startswith("RUN ")):
+            fail(f"Dockerfile.{name}: the build stage does not run tools/ci/install-deps.sh")
         if not any(l.upper().startswith("ENTRYPOINT ") for l in last):
             fail(f"Dockerfile.{name}: no ENTRYPOINT")
         for l in logical:

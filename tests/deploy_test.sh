@@ -9,7 +9,7 @@ SKIP=77
 
 prometheus() {
   if ! command -v promtool >/dev/null; then
-    echo "SKIPPED: promtool not found (Debian package prometheus, tools/install-deps.sh)"
+    echo "SKIPPED: promtool not found (Debian package prometheus, tools/ci/install-deps.sh)"
     exit $SKIP
   fi
   local p="$ROOT/deploy/prometheus" rc=0

@@ -132,7 +132,7 @@ TEST(DummyWeightsTest, RefusesWhatTheModelDoesNotHaveAsACheckpointDoes) {
 // Values pinned from an independent reimplementation of the formula (FNV-1a of the name, SplitMix64
 // of the seed and the element index, the top 24 bits k to float(2k + 1) / 2^24 - 1, times
 // 1/sqrt(cols) or 0.1 for biases, each step rounded to float32 as C++ rounds it), in Python:
-// tools/dummy_weights_reference.py prints them, and the ctest dummy_weights_reference checks that
+// tools/ci/dummy_weights_reference.py prints them, and the ctest dummy_weights_reference checks that
 // these literals are its values. A change of the formula (which would change every dummy-based
 // expectation and the GPU kernel's) fails here first.
 TEST(DummyWeightsTest, KnownValues) {

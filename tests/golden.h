@@ -1,5 +1,5 @@
-// Hugging Face's answers for a fixture (golden.json, written by tools/make_parity_fixtures.py and
-// tools/make_quantized_fixtures.py): the prompt, transformers' greedy continuation, and its logits
+// Hugging Face's answers for a fixture (golden.json, written by tools/fixtures/make_parity_fixtures.py and
+// tools/fixtures/make_quantized_fixtures.py): the prompt, transformers' greedy continuation, and its logits
 // after the prompt and at the last greedy step; and the one measure the parity tests compare logits
 // by. Header-only, for the test programs.
 #ifndef SHARDSERVE_TESTS_GOLDEN_H_

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The cheap parts of tools/gpu-bench.sh's dry run and of the GPU tools (ctest gpu_bench_dry_run; no GPU).
+"""The cheap parts of tools/gpu/gpu-bench.sh's dry run and of the GPU tools (ctest gpu_bench_dry_run; no GPU).
 
-1. tools/gpu-bench.sh: no verb, an unknown verb or extra arguments are a usage error (exit 2).
+1. tools/gpu/gpu-bench.sh: no verb, an unknown verb or extra arguments are a usage error (exit 2).
 2. gpu_bench_report.py junit on canned gtest XML: a case skipped for want of a GPU fails the step on a
    GPU machine (--gpu) and names the case; without --gpu it is counted, not failed; a skip whose message
    matches --allow-skip (the CPU's own bf16 instructions) is allowed; a file with no case fails.
@@ -10,14 +10,14 @@
    inter-token latency, the roofline fraction from the measured bandwidth (3000 GB/s over 16e9 bytes a
    step is 187.5 tokens/s; 125 tokens/s is 0.667 of it), the markdown lists every step in order with
    '|' in notes escaped, and a failed step makes the report exit 1.
-4. tools/bench_hf_generate.py --check on the Llama-3-8B config (no torch needed) and its refusals.
-5. tools/gpu-tests.sh run's gtest steps use the same judgement (judge_gtest): a fake kernels_cuda_test
+4. tools/bench/bench_hf_generate.py --check on the Llama-3-8B config (no torch needed) and its refusals.
+5. tools/gpu/gpu-tests.sh run's gtest steps use the same judgement (judge_gtest): a fake kernels_cuda_test
    that exits 0 with every case skipped fails on a machine with a GPU, and passes (counted) without one.
-6. tools/write_config_checkpoint.py (the cold-start step's checkpoint) on small Llama and Qwen2 configs:
+6. tools/fixtures/write_config_checkpoint.py (the cold-start step's checkpoint) on small Llama and Qwen2 configs:
    Hugging Face's tensor names and shapes back to back in the header, lm_head only when untied, the
    q/k/v biases for Qwen2, the norms bf16 ones; with BIN_DIR, `shardserve generate-ids` loads each
    (the real load path on the CPU) and generates 3 ids.
-7. tools/sass_census.py's reading of nvdisasm output (canned, two kernels): a kernel's instructions
+7. tools/gpu/sass_census.py's reading of nvdisasm output (canned, two kernels): a kernel's instructions
    counted without its labels, a loop found at a backward branch (not at a forward one or a branch
    to itself) with its length and opcodes, predicates and modifiers stripped.
 
@@ -33,15 +33,15 @@ from cli_check import check, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests/fixtures/gpu_bench")
-REPORT = [sys.executable, os.path.join(ROOT, "tools/gpu_bench_report.py")]
+REPORT = [sys.executable, os.path.join(ROOT, "tools/gpu/gpu_bench_report.py")]
 
 
 def main():
     checks = 0
-    script = os.path.join(ROOT, "tools/gpu-bench.sh")
+    script = os.path.join(ROOT, "tools/gpu/gpu-bench.sh")
     for args in ([], ["frobnicate"], ["run", "a", "b"]):
         rc, out, err = run(["bash", script, *args])
-        check(rc == 2 and "tools/gpu-bench.sh dry-run" in err, f"gpu-bench.sh {args}: usage, exit 2 (got {rc})", err)
+        check(rc == 2 and "tools/gpu/gpu-bench.sh dry-run" in err, f"gpu-bench.sh {args}: usage, exit 2 (got {rc})", err)
         checks += 1
 
     xml = os.path.join(FIX, "cuda_ops.xml")
@@ -63,7 +63,7 @@ def main():
         check(rc == 1 and "no test case" in err, "an XML with no case fails", out + err)
     checks += 5
 
-    # tools/gpu-tests.sh run judges its gtest steps as gpu-bench.sh does (judge_gtest, one home): a fake
+    # tools/gpu/gpu-tests.sh run judges its gtest steps as gpu-bench.sh does (judge_gtest, one home): a fake
     # kernels_cuda_test that exits 0 after skipping every case fails the step on a machine with a GPU
     # (GPUS=1), naming a case; without one (GPUS empty) the skips are counted and the step passes.
     all_skipped = os.path.join(FIX, "cuda_ops_all_skipped.xml")
@@ -73,7 +73,7 @@ def main():
             f.write(f'#!/bin/sh\nfor a; do case "$a" in --gtest_output=xml:*) cp "{all_skipped}" "${{a#--gtest_output=xml:}}";; '
                     f'esac; done\necho "[  PASSED  ] 0 tests."\nexit 0\n')
         os.chmod(fake, 0o755)
-        gpu_tests = os.path.join(ROOT, "tools/gpu-tests.sh")
+        gpu_tests = os.path.join(ROOT, "tools/gpu/gpu-tests.sh")
         for gpus, want_failed in (("1", "1"), ("", "0")):
             script = (f'source "{gpu_tests}" && logs="{tmp}" failed=0 GPUS="{gpus}" && '
                       f'run_gtest kernels_cuda_test "{fake}" --gtest_filter="$CUDA_OPS_FILTER" && echo "failed=$failed"')
@@ -147,7 +147,7 @@ def main():
         check(rc == 1 and "07-hf-b1" in err, "a failed step fails the report, by name", out + err)
     checks += 13
 
-    hf = [sys.executable, os.path.join(ROOT, "tools/bench_hf_generate.py")]
+    hf = [sys.executable, os.path.join(ROOT, "tools/bench/bench_hf_generate.py")]
     cfg = os.path.join(ROOT, "tests/fixtures/configs/llama-3-8b.json")
     rc, out, err = run([*hf, "--config", cfg, "--batch", "64", "--input-len", "512", "--check"])
     check(rc == 0 and json.loads(out)["layers"] == 32, "the HF script's --check", out + err)
@@ -157,10 +157,10 @@ def main():
     check(rc == 2 and "max_position_embeddings" in err, "the HF script refuses a context beyond the model's", err)
     checks += 3
 
-    # tools/write_config_checkpoint.py (llama8b-cold-safetensors) on small Llama (untied) and Qwen2
+    # tools/fixtures/write_config_checkpoint.py (llama8b-cold-safetensors) on small Llama (untied) and Qwen2
     # (tied, q/k/v biases) configs: the safetensors header lists Hugging Face's tensors with their
     # shapes, back to back, the file's size is the header's last offset, the norms are bf16 ones.
-    writer = [sys.executable, os.path.join(ROOT, "tools/write_config_checkpoint.py")]
+    writer = [sys.executable, os.path.join(ROOT, "tools/fixtures/write_config_checkpoint.py")]
     small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=96, vocab_size=300, bos_token_id=1, eos_token_id=2)
     for src, tied, bias in (("llama-3-8b.json", False, False), ("qwen2.5-0.5b.json", True, True)):
@@ -229,7 +229,7 @@ SASS = """\
 
 
 def sass_census_checks():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "gpu"))
     import sass_census
     funcs = sass_census.functions(SASS)
     check(sorted(funcs) == ["_Z3oneiPf", "_Z3twov"], "sass_census: both kernels", sorted(funcs))

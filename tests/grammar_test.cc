@@ -1,6 +1,6 @@
 // grammar/: the GBNF, regex, choices and JSON Schema front ends (every keyword, each error), the
 // token masks against a brute-force check of every token and against xgrammar's recorded masks
-// (tools/make_grammar_fixtures.py), rollback, and random walks whose outputs must validate.
+// (tools/fixtures/make_grammar_fixtures.py), rollback, and random walks whose outputs must validate.
 #include <cstdint>
 #include <fstream>
 #include <random>
@@ -15,7 +15,7 @@
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
 #include "gtest/gtest.h"
-#include "tools/grammar_vocab.h"
+#include "tools/bench/grammar_vocab.h"
 
 namespace shardserve::grammar {
 namespace {
@@ -393,7 +393,7 @@ class XgrammarFixture : public ::testing::Test {
   static void SetUpTestSuite() {
     cases_ = new Json(Json::parse(ReadFile(SHARDSERVE_SOURCE_DIR "/tests/fixtures/grammar/cases.json")));
     recorded_ = new Json(Json::parse(ReadFile(SHARDSERVE_SOURCE_DIR "/tests/fixtures/grammar/xgrammar.json")));
-    ASSERT_EQ(cases_->size(), (*recorded_)["cases"].size()) << "run tools/make_grammar_fixtures.py";
+    ASSERT_EQ(cases_->size(), (*recorded_)["cases"].size()) << "run tools/fixtures/make_grammar_fixtures.py";
   }
   static Json* cases_;
   static Json* recorded_;

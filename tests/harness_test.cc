@@ -127,7 +127,7 @@ TEST(HarnessTest, ASanitizerReportInAChildsLogFailsTheTest) {
 }
 
 // A child's sanitizer reports go to its stderr (its log, which ~Process scans) whatever log_path
-// this process was given (tools/sanitize.sh asan-all points ASAN_OPTIONS's at a directory): the
+// this process was given (tools/ci/sanitize.sh asan-all points ASAN_OPTIONS's at a directory): the
 // harness appends log_path=stderr to each *SAN_OPTIONS variable that is set, and sets none that
 // is not.
 TEST(HarnessTest, AChildsSanitizerReportsGoToItsLog) {

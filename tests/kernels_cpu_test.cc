@@ -261,7 +261,7 @@ TEST(ConvertOnHostTest, ConvertsBetweenFloatTypes) {
 }
 
 // safetensors does not align tensor data: a checkpoint's F32 tensor can start at an odd offset of
-// the mapped file. Reading it through a float* was undefined behaviour (UBSan, tools/sanitize.sh).
+// the mapped file. Reading it through a float* was undefined behaviour (UBSan, tools/ci/sanitize.sh).
 TEST(ConvertOnHostTest, AcceptsMisalignedPointers) {
   const std::vector<float> src = {1.0f, -2.5f, 0.1f};
   for (DType from : {DType::kF32, DType::kF16, DType::kBF16}) {

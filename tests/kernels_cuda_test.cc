@@ -38,6 +38,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/counter_uniform.h"
 #include "kernels/int4_folded.h"
 #include "kernels/quant.h"
@@ -1898,7 +1899,7 @@ TEST_P(CudaQuant, OffByDefault) {
   EXPECT_TRUE(absl::IsUnimplemented(plain->PackMatMulWeight(g_w.t, &packed, quant()).status()));
 }
 
-// The decode figure of issue 25 (tools/gpu-bench.sh steps quant-int4-b1, quant-int8-b1; excluded
+// The decode figure of issue 25 (tools/gpu/gpu-bench.sh steps quant-int4-b1, quant-int8-b1; excluded
 // from cuda-ops): Llama-3-8B's linear layers (32 x q, k, v, o, gate, up, down: 4096 x 4096, 1024 x
 // 4096 twice, 4096 x 4096, 14336 x 4096 twice, 4096 x 14336), each layer its own weights, multiplied
 // by one bf16 token as a decode step would, on a backend with the opt-in

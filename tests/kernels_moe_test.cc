@@ -1,6 +1,6 @@
 // kernels/: the mixture-of-experts steps of Backend (MoeRoute, MoeGroupByExpert, MoeCombine) against
 // plain references written here, against transformers' routers (tests/fixtures/moe/routing.json,
-// made by tools/make_moe_routing_fixture.py), and their refusals. Every case runs on the CPU backend
+// made by tools/fixtures/make_moe_routing_fixture.py), and their refusals. Every case runs on the CPU backend
 // and, where a GPU is present, on the CUDA backend with f32 and bf16 activations (skipped, and
 // reported as skipped, without one). Outputs sit between guard zones that must come back untouched.
 #include <gtest/gtest.h>
@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/tensor.h"
 #include "nlohmann/json.hpp"
 

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "ci"))
 from launch_process import LaunchProcess, children, scrape_heal_metrics  # noqa: E402
 from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 

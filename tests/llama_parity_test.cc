@@ -1,5 +1,5 @@
 // Parity with Hugging Face transformers: for every fixture under tests/fixtures/models (made by
-// tools/make_parity_fixtures.py), the single-process forward pass must give the same last-position
+// tools/fixtures/make_parity_fixtures.py), the single-process forward pass must give the same last-position
 // logits and the same 32 greedy tokens as transformers did, in float32 on the CPU backend and on
 // the CUDA backend (skipped where no GPU is present), and stay close to them in lower precision
 // (the CPU's bf16 products, the CUDA backend's bf16 and f16 activations).
@@ -28,7 +28,7 @@
 #include "tests/golden.h"
 #include "tests/bf16_products.h"
 #include "worker/communicator.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "worker/shard/greedy.h"
 #include "worker/shard/model_shard.h"
 
@@ -52,7 +52,7 @@ std::vector<std::string> FixtureNames() {
 
 // The fixtures without mixture-of-experts layers. Lower-precision engines run only these: a
 // router picks its top k by logit, and on these tiny random models two experts' logits come within
-// 1e-3 of each other somewhere in 32 tokens (tools/make_parity_fixtures_tf5.py prints each MoE
+// 1e-3 of each other somewhere in 32 tokens (tools/fixtures/make_parity_fixtures_tf5.py prints each MoE
 // fixture's smallest gap), while bf16 rounding moves router logits by ~1e-2, so a lower-precision
 // run may take another expert there and move the logits by far more than its rounding: such a
 // comparison could not tell rounding from a broken kernel. Float32 engines, whose logits differ
@@ -67,7 +67,7 @@ std::vector<std::string> DenseFixtureNames() {
 }
 
 // The fixtures the quantized-weight bounds below were measured on, all 64 or 128 inputs wide: not
-// the ones tools/make_parity_fixtures_tf5.py makes (*_tf5, *_tf4), which are there for the families
+// the ones tools/fixtures/make_parity_fixtures_tf5.py makes (*_tf5, *_tf4), which are there for the families
 // and config.json formats of transformers 5 and have other widths (rows of 96 are one int4 group
 // of 96, whose step, and so error, is larger than the bound's).
 std::vector<std::string> QuantizationFixtureNames() {
@@ -88,13 +88,13 @@ constexpr double kLogitsTolerance = 1e-4;
 // (relative error up to 2^-9), which moves these logits by ~1e-3 to 1e-2 of their scale; bf16 or
 // f16 activations (the CUDA backend's) round every stored activation too. transformers itself,
 // run in bf16 on these fixtures, is 0.016 to 0.057 from its float32 logits, in f16 0.002 to 0.006
-// (tools/hf_low_precision_error.py on an H100); the CUDA backend was 0.019 to 0.040 in bf16 and
+// (tools/fixtures/hf_low_precision_error.py on an H100); the CUDA backend was 0.019 to 0.040 in bf16 and
 // 0.001 to 0.005 in f16 there. The bound is loose by nature: it tells rounding from a broken
 // kernel (a wrong layout or dtype gives errors of order 1), not from subtle model mistakes,
 // which the float32 tests catch.
 constexpr double kLowPrecisionLogitsTolerance = 5e-2;
 // The fixtures where rounding alone moves transformers' own logits past that bound, with its
-// bf16-against-float32 error there (tools/hf_low_precision_error.py on the CPU): the bound is
+// bf16-against-float32 error there (tools/fixtures/hf_low_precision_error.py on the CPU): the bound is
 // twice it. gemma3_cg_tf5 (a tied 72-wide embedding scaled by sqrt(72), read back as the LM head):
 // 0.109 after the prompt.
 double LowPrecisionTolerance(const std::string& fixture) {

@@ -136,13 +136,13 @@ TEST(Planner, Qwen72B_TwoNodesOfOneGpu_IsPP2With40LayersEach) {
 TEST(Planner, Qwen72B_ExplicitMaxModelLen) {
   const ModelConfig c = RealConfig("qwen2.5-72b-instruct");
   PlanOptions o;
-  o.max_model_len = 8192;
+  o.limits.max_model_len = 8192;
   Plan p = MustPlan(c, Cluster("1x2xA100-80GB"), o);
   EXPECT_TRUE(p.fits);
   EXPECT_EQ(p.max_model_len, 8192);
   EXPECT_EQ(p.limits.max_blocks_per_seq(), 8192 / 16);
   // Asked for, 32768 is a requirement: refused, with the length that would fit.
-  o.max_model_len = 32768;
+  o.limits.max_model_len = 32768;
   p = MustPlan(c, Cluster("1x2xA100-80GB"), o);
   EXPECT_FALSE(p.fits);
   EXPECT_THAT(p.reason, HasSubstr("lower max_model_len"));
@@ -668,7 +668,7 @@ TEST(Planner, BadOptionsAreRefused) {
   o.gpu_memory_utilization = 1.5;
   EXPECT_FALSE(MakePlan(c, nullptr, Cluster("1x1xA100-80GB"), o).ok());
   o = {};
-  o.max_model_len = 200000;
+  o.limits.max_model_len = 200000;
   absl::StatusOr<Plan> too_long = MakePlan(c, nullptr, Cluster("1x1xA100-80GB"), o);
   ASSERT_FALSE(too_long.ok());
   EXPECT_THAT(too_long.status().message(), HasSubstr("max_position_embeddings (131072)"));
@@ -964,9 +964,9 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
   o.tp = tp;
   o.pp = pp;
   o.dtype = DType::kF32;  // the CPU backend computes in float32
-  o.max_model_len = 256;
-  o.max_tokens_per_step = 64;
-  o.max_seqs_per_step = 4;
+  o.limits.max_model_len = 256;
+  o.limits.max_tokens_per_step = 64;
+  o.limits.max_seqs_per_step = 4;
   o.runtime_reserve_bytes = 0;
   return o;
 }
@@ -1204,7 +1204,7 @@ TEST(PlannerMemory, QuantizedWeightsOnCudaCountTheDequantizeScratch) {
   int8.weight_quant = WeightQuant::kInt8;
   int8.tp = 2;
   int8.pp = 2;
-  int8.max_model_len = 256;
+  int8.limits.max_model_len = 256;
   const Plan q = MustPlan(*gqa, Cluster("2x2xH100-80GB"), int8);
   ASSERT_EQ(q.per_gpu.size(), 4u);
   for (const GpuPlan& gq : q.per_gpu) {

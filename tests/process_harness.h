@@ -3,18 +3,18 @@
 // its stdout and stderr in a log file, that dies with the test and is always reaped; the deadlines
 // a test waits for a process, scaled by SHARDSERVE_TEST_TIME_SCALE.
 //
-// Sanitizer builds (tools/sanitize.sh, whose header says where every report goes):
+// Sanitizer builds (tools/ci/sanitize.sh, whose header says where every report goes):
 // - SHARDSERVE_TEST_TIME_SCALE, a decimal number from 1 to 1000 (default 1; tests/cli_check.py
 //   reads it by the same rule, with the same error), multiplies every deadline a test waits for a
 //   process (Process::Wait, the cluster's start, a stream's deadline, ...; a test's own wait loops
 //   use ScaledSeconds or Scaled), for binaries that run slower under instrumentation (ASan about 3x,
 //   ThreadSanitizer 5-15x).
 // - A child reports on its stderr, which is its log: Process appends log_path=stderr to each
-//   *SAN_OPTIONS variable it passes on (tools/sanitize.sh asan-all points log_path at a directory
+//   *SAN_OPTIONS variable it passes on (tools/ci/sanitize.sh asan-all points log_path at a directory
 //   for the processes that nobody else watches). ~Process scans the log (SanitizerReport) and fails
 //   the running test on a report, whether the child exited on it (halt_on_error), was killed later,
 //   or ran on.
-// - A child that dies of SIGABRT (a failed CHECK, std::terminate: tools/sanitize.sh does not set
+// - A child that dies of SIGABRT (a failed CHECK, std::terminate: tools/ci/sanitize.sh does not set
 //   abort_on_error, so no sanitizer report ends that way), SIGSEGV, SIGBUS, SIGFPE or SIGILL (a
 //   crash) fails the running test too.
 //

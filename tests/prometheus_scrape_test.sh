@@ -12,7 +12,7 @@ set -euo pipefail
 
 BIN=${1:?usage: prometheus_scrape_test.sh BIN_DIR}
 DEADLINE=$((SECONDS + 120))
-command -v prometheus >/dev/null || { echo "SKIPPED: no prometheus binary (tools/install-deps.sh installs it)"; exit 77; }
+command -v prometheus >/dev/null || { echo "SKIPPED: no prometheus binary (tools/ci/install-deps.sh installs it)"; exit 77; }
 command -v python3 >/dev/null || { echo "SKIPPED: no python3"; exit 77; }
 
 WORK=$(mktemp -d /tmp/prometheus_scrape_test.XXXXXX)

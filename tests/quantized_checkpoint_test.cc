@@ -1,5 +1,5 @@
 // Published quantized checkpoints (model/quantized_checkpoint.h): every fixture under
-// tests/fixtures/{gptq,awq,fp8,compressed_tensors} (made by tools/make_quantized_fixtures.py) gives
+// tests/fixtures/{gptq,awq,fp8,compressed_tensors} (made by tools/fixtures/make_quantized_fixtures.py) gives
 // Hugging Face's greedy tokens and logits in one process, by the path it should take (the int4,
 // int8 or fp8 kernel's layout, or float32 dequantized at load), and every malformed checkpoint or config is
 // refused with an error naming the tensor or the field.
@@ -428,7 +428,7 @@ TEST(GptqShardTest, RefusesALayoutThatCutsAGroup) {
   EXPECT_FALSE(CheckQuantizedShard(*g32, 4, WeightQuant::kNone).ok());
 }
 
-// Known answers, independent of tools/make_quantized_fixtures.py (which shares the loader's reading of
+// Known answers, independent of tools/fixtures/make_quantized_fixtures.py (which shares the loader's reading of
 // the format): AutoGPTQ's packing puts input 8r + j of column c in bits 4j.. of qweight[r][c]
 // (lowest first), output 8w + j's zero in bits 4j.. of qzeros[g][w], and v1 stores zero - 1
 // (AutoGPTQ's symmetric qzeros are 0x77777777: zero 8).

@@ -1,4 +1,4 @@
-"""tools/soak.py's checks on made-up records (no cluster): a lost or wrong request, or RSS that grew, is
+"""tools/bench/soak.py's checks on made-up records (no cluster): a lost or wrong request, or RSS that grew, is
 reported; a request that ended by its own cancellation or deadline is not. The soak itself is run by hand
 (docs/security.md, "Soak").
 
@@ -8,7 +8,7 @@ import os
 import sys
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench"))
 from soak import judge_requests, rss_growth  # noqa: E402
 
 REFERENCE = {0: [5, 6, 7, 8], 1: "four words of text"}

@@ -25,7 +25,7 @@
 #include "model/config.h"
 #include "model/dummy_weights.h"
 #include "worker/communicator.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "worker/shard/model_shard.h"
 
 namespace shardserve {

@@ -1,7 +1,7 @@
 // Tests of coordinator/tokenizer.
 //
 // Parity: for each fixture kind under tests/fixtures/tokenizers/ (made by
-// tools/make_tokenizer_fixtures.py with Hugging Face tokenizers), every recorded string must
+// tools/fixtures/make_tokenizer_fixtures.py with Hugging Face tokenizers), every recorded string must
 // encode to the same ids, with and without special tokens, and every recorded id sequence must
 // decode to the same text, with and without special tokens. There is no tolerance: tokenization
 // is exact. The streaming detokenizer must return deltas that are valid UTF-8 and concatenate to
@@ -32,7 +32,7 @@ using Json = nlohmann::json;
 using tokenizer_internal::FindInvalidUtf8;
 
 // The pipelines of real checkpoints (GPT-2, Llama 3, Qwen2, Llama 2, Mistral), then two kinds made
-// to cover the remaining supported components (tools/make_tokenizer_fixtures.py says which).
+// to cover the remaining supported components (tools/fixtures/make_tokenizer_fixtures.py says which).
 const std::vector<std::string> kRealKinds = {"gpt2", "llama3", "qwen2", "llama2", "mistral"};
 const std::vector<std::string> kAllKinds = {
     "gpt2", "llama3", "qwen2", "llama2", "mistral", "features_bytelevel", "features_metaspace"};

@@ -1,4 +1,4 @@
-// The check of tools/tsan_absl_mutex.cc (TSan builds only, tests/CMakeLists.txt): variables guarded
+// The check of tools/ci/tsan_absl_mutex.cc (TSan builds only, tests/CMakeLists.txt): variables guarded
 // by absl::Mutex through every wrapped entry point (Lock, TryLock, ReaderLock, LockWhen, Await,
 // CondVar waits) and written by several threads draw no report (without the annotations TSan
 // reports each of them as a race: Debian's Abseil is not instrumented), while a real race still

@@ -1,4 +1,4 @@
-// The check of tools/tsan.supp's gRPC and protobuf entries (TSan builds only, tests/CMakeLists.txt):
+// The check of tools/ci/tsan.supp's gRPC and protobuf entries (TSan builds only, tests/CMakeLists.txt):
 // a test gRPC service on 127.0.0.1 in this process, whose handler two client calls run at once on
 // two of gRPC's server threads. Each handler writes a variable of ours, then waits until both
 // handlers have written (so the two writes are unordered: neither handler returns, so gRPC can
@@ -6,7 +6,7 @@
 // report ("both calls: ok"); `tsan_grpc_test race` writes it unguarded and must end in
 // "WARNING: ThreadSanitizer: data race": the suppressions, which silence what TSan wrongly reports
 // inside the uninstrumented gRPC and protobuf, do not hide a race of ours in a handler that gRPC
-// calls. Both run with TSAN_OPTIONS naming tools/tsan.supp.
+// calls. Both run with TSAN_OPTIONS naming tools/ci/tsan.supp.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>

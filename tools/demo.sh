@@ -14,7 +14,7 @@ HTTP_PORT=${HTTP_PORT:-8000}
 MAX_TOKENS=${MAX_TOKENS:-80}
 BUILD_DIR=${BUILD_DIR:-build}
 
-tools/install-deps.sh
+tools/ci/install-deps.sh
 if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
 # shellcheck disable=SC2086
 cmake -S . -B "$BUILD_DIR" -G Ninja ${CMAKE_ARGS:-} >/dev/null

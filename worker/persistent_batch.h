@@ -47,7 +47,7 @@
 #include "google/protobuf/repeated_ptr_field.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
-#include "worker/step_checks.h"  // StepBatch
+#include "worker/shard_inputs.h"  // StepBatch
 
 namespace shardserve {
 

@@ -4,6 +4,9 @@
 // rows). The coordinator is a peer over the network: a message from a buggy or hostile one is an
 // InvalidArgument naming what is wrong, never an out-of-range index.
 //
+// The types they check a step and a shard as (ShardSpec, StepBatch) are the shard's inputs:
+// worker/shard_inputs.h.
+//
 // Pure functions of their arguments (no backend, no collectives, no I/O), so that every worker of
 // a group reaches the same verdict, and so that fuzz/coordinator_message_fuzzer.cc runs exactly
 // these on arbitrary messages. StepExecutor, ModelShard and Sampler call them (one home each).
@@ -17,37 +20,12 @@
 
 #include "absl/status/status.h"
 #include "google/protobuf/repeated_ptr_field.h"
-#include "kernels/quant.h"
 #include "model/config.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
+#include "worker/shard_inputs.h"
 
 namespace shardserve {
-
-// Which part of the model this process holds.
-struct ShardSpec {
-  int64_t first_layer = 0;  // inclusive
-  int64_t end_layer = -1;   // exclusive; -1 = through the last layer
-  int tp_rank = 0;
-  int tp_size = 1;
-  // How the linear layers' weights (q/k/v/o, gate/up/down) are stored: quantized at load, each rank
-  // its own slice (kernels/quant.h). Embeddings, norms and the LM head keep the activation dtype.
-  WeightQuant weight_quant = WeightQuant::kNone;
-};
-
-// One step's work, on the host. Token t belongs to sequence token_seq[t] at position
-// positions[t], and its K/V go to cache slot slots[t]. Block tables are row-major
-// [num_seqs, max_blocks_per_seq]. logit_rows lists the tokens whose logits are wanted (the last
-// token of each sequence that samples this step).
-struct StepBatch {
-  std::vector<int32_t> token_ids;  // [n] (first stage only)
-  std::vector<int32_t> positions;  // [n]
-  std::vector<int32_t> token_seq;  // [n]
-  std::vector<int32_t> slots;      // [n]
-  std::vector<int32_t> block_tables;
-  int32_t num_seqs = 0;
-  std::vector<int32_t> logit_rows;  // [m]
-};
 
 // An Assignment on its own: model path set, stage and TP rank inside their counts (at most 1024
 // each), the groups it needs named, a known weight quantization, step limits present and decided

@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/shard/model_shard.h"
@@ -63,7 +64,7 @@ struct StepExecutorOptions {
   // --activation-quantization (kernels/backend.h CpuActivationQuant; ignored on CUDA).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   // The CUDA backend's options (ignored on the CPU): the worker turns each on but those its
-  // --no-cuda-... switches name (worker/cuda_switches.h; kernels/backend.h says what each does).
+  // --no-cuda-... switches name (kernels/cuda/cuda_switches.h; cuda_backend.h says what each does).
   // Here, all off unless set.
   CudaBackendOptions cuda = {};
 };
@@ -110,7 +111,7 @@ class StepExecutor {
   // Closes this epoch's communicators after a failed step, so that a peer blocked in a collective
   // with this worker sees the connection drop at once and fails its step too, instead of waiting
   // out the collective timeout: every rank of a broken group then settles within milliseconds and
-  // the coordinator re-forms the group without waiting (tools/chaos_bench.py measured ~5 s per heal
+  // the coordinator re-forms the group without waiting (tools/bench/chaos_bench.py measured ~5 s per heal
   // before). Steps fail until the next Regroup, which joins new groups as usual.
   void LeaveGroups() {
     for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {

@@ -529,7 +529,7 @@ void WorkerService::RunStep(Stream* stream) {
                        kernels);
   }
   bool memory_line = false;  // the device memory taken since loading, beside these (on CUDA)
-  if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu-bench.sh reads this line
+  if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu/gpu-bench.sh reads this line
     WorkerLog(Who(), absl::StrCat("kernels per decode step: ", kernels, " (", plan.row_seq_ids_size(), " rows)"), Ids());
     logged_decode_kernels_ = kernels;
     memory_line = true;

@@ -85,7 +85,7 @@ struct WorkerOptions {
   // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   // The CUDA backend's paths, each on but those a --no-cuda-... switch turns off
-  // (worker/cuda_switches.h; StepExecutorOptions::cuda).
+  // (kernels/cuda/cuda_switches.h; StepExecutorOptions::cuda).
   CudaBackendOptions cuda = {};
   // The Prometheus /metrics endpoint this process serves (host:port, reported in Register; empty:
   // none) and its registry, where the worker's metrics are created once it is assigned (borrowed,

@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/json.h"
 #include "coordinator/chat/parser.h"
-#include "coordinator/chat/runtime/render.h"
+#include "coordinator/chat/render.h"
 #include "coordinator/chat/value.h"
 
 namespace shardserve::chat {

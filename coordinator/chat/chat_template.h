@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "coordinator/chat/runtime/budget.h"
+#include "coordinator/chat/budget.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve::chat {
@@ -42,7 +42,7 @@ class ChatTemplate {
   // template variables (date_string, enable_thinking ...) or null; they override the special tokens.
   // INVALID_ARGUMENT for inputs of the wrong shape, for a template's raise_exception (the message
   // first) and for errors while rendering (with the template line and column). The template runs
-  // within `budget` (runtime/budget.h: a deadline, caps on elements, iterations, bytes and nesting,
+  // within `budget` (budget.h: a deadline, caps on elements, iterations, bytes and nesting,
   // and a cancellation check); exceeding it is RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or CANCELLED
   // with a message naming the budget and its limit.
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& messages, bool add_generation_prompt,

@@ -1,14 +1,15 @@
-// The value type of the chat-template engine and everything that operates on values alone: Python
-// semantics of truth, equality, ordering, str() and repr(), JSON in (nlohmann) and out (json.dumps as
-// transformers' `tojson` calls it), and the filters, tests and methods (str.strip, dict.items ...)
-// that real chat templates use. One place, so that a template feature is added here and nowhere else.
+// The value type of the chat-template engine and the operations on values alone: Python semantics of
+// truth, equality, ordering, str() and repr(), JSON in (nlohmann) and out (json.dumps as
+// transformers' `tojson` calls it), operators, attribute and item access. The filters and tests
+// that real chat templates use are in filters.h, the methods of str and dict (str.strip,
+// dict.items ...) in methods.h, Python's str operations they share in py_str.h.
 //
 // Values are cheap to copy: strings are copied, lists and dicts are shared (Python reference
 // semantics: `namespace` attributes set in a loop are seen outside it). A Value is not thread-safe;
 // each render owns its values.
 //
 // Inside a render, what creates lists, dicts and strings charges the render's budget
-// (runtime/budget.h), before allocating where the size is known; a budget exceeded throws
+// (budget.h), before allocating where the size is known; a budget exceeded throws
 // BudgetError. Outside a render (FromJson of the request, the parser's literals) nothing is charged.
 #ifndef SHARDSERVE_COORDINATOR_CHAT_VALUE_H_
 #define SHARDSERVE_COORDINATOR_CHAT_VALUE_H_
@@ -58,7 +59,7 @@ class Value {
   Value(int v) : kind_(Kind::kInt), int_(v) {}  // NOLINT
   Value(int64_t v) : kind_(Kind::kInt), int_(v) {}  // NOLINT
   Value(double v) : kind_(Kind::kFloat), float_(v) {}  // NOLINT
-  // Inside a render, a new string is charged to its byte budget (runtime/budget.h).
+  // Inside a render, a new string is charged to its byte budget (budget.h).
   Value(std::string s);  // NOLINT
   Value(const char* s) : Value(std::string(s)) {}  // NOLINT
 
@@ -140,20 +141,14 @@ Value GetItem(const Value& obj, const Value& key, Location where);
 Value Slice(const Value& obj, const Value* start, const Value* stop, const Value* step, Location where);
 // The items a `for` loop visits: list items, dict keys, string characters; undefined is empty.
 std::vector<Value> Iterate(const Value& v, Location where);
+// Python's a % b for ints: the remainder takes the sign of b (b != 0).
+int64_t PyMod(int64_t a, int64_t b);
+// An int (or bool) used as an index, a count or a size; anything else throws TemplateError at `where`.
+int64_t ToIndex(const Value& v, Location where);
 
 // Appends code point `cp` to `out` as UTF-8 (utf8proc's encoder; the lexer's \u escapes and the
 // string methods share it).
 void AppendUtf8(std::string* out, uint32_t cp);
-
-// Filters (`x | name(args)`), tests (`x is name(args)`) and methods (`x.name(args)`). Unknown names
-// throw TemplateError naming them, at args.where.
-Value ApplyFilter(const std::string& name, const Value& input, CallArgs& args);
-bool ApplyTest(const std::string& name, const Value& input, CallArgs& args);
-bool HasFilter(const std::string& name);
-bool HasTest(const std::string& name);
-// A method of str, dict or list (`content.strip()`, `message.get('x')`, `d.items()`); nullopt when
-// `obj` has no method `name`.
-std::optional<Value> CallMethod(const Value& obj, const std::string& name, CallArgs& args);
 
 }  // namespace shardserve::chat
 

@@ -112,8 +112,9 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
 // The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
 // length, an upper bound on the one the workers get.
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
-  const StepLimits limits{ctx.options.max_tokens_per_step, ctx.options.max_seqs_per_step, ctx.options.block_size, 0,
-                          ctx.target_len};
+  StepLimits limits = ctx.options.limits;
+  limits.num_kv_blocks = 0;
+  limits.max_model_len = ctx.target_len;
   return StepBufferBytes(ctx.config, s, ctx.dtype, limits, last_stage);
 }
 
@@ -167,7 +168,7 @@ DecodeEstimate EstimateDecode(const Context& ctx, const Layout& l) {
 Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const std::vector<TpShard>& shards, int tp,
                 int pp) {
   const ModelConfig& c = ctx.config;
-  const int64_t block = ctx.options.block_size;
+  const int64_t block = ctx.options.limits.block_size;
   Layout l;
   l.tp = tp;
   l.pp = pp;
@@ -254,7 +255,7 @@ LayoutOption Summarize(const Context& ctx, const Layout& l) {
   o.pp = l.pp;
   o.fits = l.tier != Tier::kNone;
   o.max_model_len = o.fits ? l.max_model_len : 0;
-  o.kv_cache_tokens = l.kv_blocks * ctx.options.block_size;
+  o.kv_cache_tokens = l.kv_blocks * ctx.options.limits.block_size;
   for (const GpuPlan& g : l.gpus) o.max_weight_bytes = std::max(o.max_weight_bytes, g.weight_bytes);
   o.shortfall_bytes = o.fits ? 0 : l.shortfall;
   o.decode_step_s = l.decode.total_s();
@@ -273,7 +274,7 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
                       bool forced) {
   std::string why = absl::StrCat(fmt::Layout(chosen.tp, chosen.pp), " on ", ctx.cluster.gpu.Count(chosen.tp * chosen.pp),
                                  " fits with KV cache for ",
-                                 fmt::Count(chosen.kv_blocks * ctx.options.block_size), " tokens");
+                                 fmt::Count(chosen.kv_blocks * ctx.options.limits.block_size), " tokens");
   // What the layouts it was chosen among have in common.
   const bool full = chosen.tier == Tier::kFull;
   const std::string sequence = absl::StrCat(" a ", fmt::Count(ctx.target_len), "-token sequence");
@@ -299,7 +300,7 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
 std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t model_bytes, bool forced) {
   const ModelConfig& c = ctx.config;
   const GpuPlan& g = closest.gpus[closest.worst_gpu];
-  const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.block_size) * ctx.options.block_size;
+  const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.limits.block_size) * ctx.options.limits.block_size;
   const uint64_t kv = g.kv_bytes_per_token * need_tokens;
   const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes;
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s in %s) does not fit on %s. ", c.architecture_name,
@@ -314,7 +315,7 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
                   ": short by ", fmt::Size(g.shortfall_bytes), ".");
   if (fixed <= ctx.usable) {
     // Weights fit; the KV cache is what is missing.
-    absl::StrAppend(&why, " Its KV cache holds only ", fmt::Count(closest.kv_blocks * ctx.options.block_size),
+    absl::StrAppend(&why, " Its KV cache holds only ", fmt::Count(closest.kv_blocks * ctx.options.limits.block_size),
                     " tokens: lower max_model_len to at most that, raise gpu_memory_utilization or add GPUs.");
   } else if (ctx.usable > ctx.options.runtime_reserve_bytes + g.activation_bytes) {
     const uint64_t room = ctx.usable - ctx.options.runtime_reserve_bytes - g.activation_bytes;
@@ -328,18 +329,18 @@ absl::Status ValidateOptions(const PlanOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("gpu_memory_utilization must be in (0, 1], got ", o.gpu_memory_utilization));
   }
-  if (o.max_model_len < 0 || o.max_model_len > (int64_t{1} << 31)) {
+  if (o.limits.max_model_len < 0 || o.limits.max_model_len > (int64_t{1} << 31)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_model_len must be 0 (the model's) or in [1, 2^31], got ", o.max_model_len));
+        absl::StrCat("max_model_len must be 0 (the model's) or in [1, 2^31], got ", o.limits.max_model_len));
   }
   if (o.runtime_reserve_bytes > (uint64_t{1} << 50)) {
     return absl::InvalidArgumentError(
         absl::StrCat("runtime_reserve_bytes must be at most 2^50, got ", o.runtime_reserve_bytes));
   }
   if (o.tp < 0 || o.pp < 0) return absl::InvalidArgumentError("TP and PP must be >= 1 when forced");
-  for (auto [name, v, max] : {std::tuple{"max_tokens_per_step", o.max_tokens_per_step, int64_t{1} << 20},
-                              {"max_seqs_per_step", o.max_seqs_per_step, int64_t{1} << 20},
-                              {"block_size", o.block_size, int64_t{1} << 16}}) {
+  for (auto [name, v, max] : {std::tuple{"max_tokens_per_step", o.limits.max_tokens_per_step, int64_t{1} << 20},
+                              {"max_seqs_per_step", o.limits.max_seqs_per_step, int64_t{1} << 20},
+                              {"block_size", o.limits.block_size, int64_t{1} << 16}}) {
     if (v < 1 || v > max) return absl::InvalidArgumentError(absl::StrCat(name, " must be in [1, ", max, "], got ", v));
   }
   if (o.dtype && *o.dtype == DType::kI32) return absl::InvalidArgumentError("the model dtype must be F32, F16 or BF16");
@@ -443,11 +444,11 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     return absl::InvalidArgumentError(
         absl::StrCat("config.json has ", c.num_hidden_layers, " layers; the planner stops at ", kMaxLayers));
   }
-  if (options.max_model_len == 0 && c.max_position_embeddings <= 0) {
+  if (options.limits.max_model_len == 0 && c.max_position_embeddings <= 0) {
     return absl::InvalidArgumentError("config.json has no max_position_embeddings: set max_model_len");
   }
-  if (c.max_position_embeddings > 0 && options.max_model_len > c.max_position_embeddings) {
-    return absl::InvalidArgumentError(absl::StrCat("max_model_len ", options.max_model_len,
+  if (c.max_position_embeddings > 0 && options.limits.max_model_len > c.max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("max_model_len ", options.limits.max_model_len,
                                                    " is longer than the model's max_position_embeddings (",
                                                    c.max_position_embeddings, ")"));
   }
@@ -455,8 +456,8 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
 
   Context ctx{c, cluster, options, options.dtype.value_or(c.dtype), 0, 0, 0, {}};
   ctx.usable = static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(cluster.gpu.memory_bytes));
-  ctx.target_len = options.max_model_len > 0 ? options.max_model_len : c.max_position_embeddings;
-  ctx.min_len = options.max_model_len > 0 ? ctx.target_len : std::min(ctx.target_len, kMinLoweredModelLen);
+  ctx.target_len = options.limits.max_model_len > 0 ? options.limits.max_model_len : c.max_position_embeddings;
+  ctx.min_len = options.limits.max_model_len > 0 ? ctx.target_len : std::min(ctx.target_len, kMinLoweredModelLen);
   if (checkpoint != nullptr) {
     absl::StatusOr<std::vector<WeightDecl>> w = CheckpointWeights(c, *checkpoint);
     if (!w.ok()) return w.status();
@@ -521,9 +522,10 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.per_gpu = best.gpus;
   plan.max_model_len = best.max_model_len;
   plan.target_max_model_len = ctx.target_len;
-  plan.kv_cache_tokens = best.kv_blocks * options.block_size;
-  plan.limits = StepLimits{options.max_tokens_per_step, options.max_seqs_per_step, options.block_size, best.kv_blocks,
-                           best.max_model_len};
+  plan.kv_cache_tokens = best.kv_blocks * options.limits.block_size;
+  plan.limits = options.limits;
+  plan.limits.num_kv_blocks = best.kv_blocks;
+  plan.limits.max_model_len = best.max_model_len;
   plan.decode = best.decode;
   for (const Layout& l : layouts) plan.layouts.push_back(Summarize(ctx, l));
   plan.fits = best.tier != Tier::kNone;

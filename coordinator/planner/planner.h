@@ -28,13 +28,15 @@
 
 namespace shardserve {
 
+// The step limits a plan is made for when none are given (`shardserve plan` without
+// --max-tokens-per-step / --max-seqs-per-step): steps of 2048 tokens and 256 sequences, four times
+// the server's defaults (StepLimits' 512 and 64, the coordinator's flags), so that a layout that
+// fits holds the step buffers of any server up to those limits. The coordinator plans with its own.
+inline constexpr StepLimits kPlanningStepLimits{.max_tokens_per_step = 2048, .max_seqs_per_step = 256};
+
 struct PlanOptions {
   // Fraction of each GPU's memory the worker may use, in (0, 1]; the rest is left to others.
   double gpu_memory_utilization = 0.9;
-  // Longest sequence (prompt + output) to serve; the KV cache must hold one. 0: the model's
-  // max_position_embeddings, lowered to what the KV cache holds when no layout holds that many
-  // (but not below 2048 tokens, or the model's maximum when that is smaller).
-  int64_t max_model_len = 0;
   // Force a layout (0: the planner chooses).
   int tp = 0;
   int pp = 0;
@@ -42,10 +44,14 @@ struct PlanOptions {
   std::optional<DType> dtype;
   // How the linear layers' weights are stored (kernels/quant.h): quantized weights need fewer bytes.
   WeightQuant weight_quant = WeightQuant::kNone;
-  // What one step may carry: the workers size their scratch buffers for it (worker/shard/model_shard.h).
-  int64_t max_tokens_per_step = 2048;
-  int64_t max_seqs_per_step = 256;
-  int64_t block_size = 16;  // tokens per KV cache block
+  // The step limits the workers are sized for (model/step_limits.h): max_tokens_per_step and
+  // max_seqs_per_step size their step buffers (worker/shard/model_shard.h), block_size cuts the KV
+  // cache. max_model_len is the longest sequence (prompt + output) to serve, and the KV cache must
+  // hold one; 0: the model's max_position_embeddings, lowered to what the KV cache holds when no
+  // layout holds that many (but not below 2048 tokens, or the model's maximum when that is
+  // smaller). num_kv_blocks is the plan's to decide: ignored here. Plan::limits is these with the
+  // last two decided.
+  StepLimits limits = kPlanningStepLimits;
   // Memory a GPU process uses beyond the worker's own buffers: CUDA context, cuBLAS workspace,
   // NCCL buffers, allocator slack.
   uint64_t runtime_reserve_bytes = uint64_t{1} << 30;

@@ -63,10 +63,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   PlanOptions p;
   p.tp = o.gpus_per_node;
   p.pp = o.nodes;
-  p.max_model_len = o.limits.max_model_len;
-  p.max_tokens_per_step = o.limits.max_tokens_per_step;
-  p.max_seqs_per_step = o.limits.max_seqs_per_step;
-  p.block_size = o.limits.block_size;
+  p.limits = o.limits;  // the plan decides num_kv_blocks (and max_model_len when 0)
   p.weight_quant = o.weight_quant;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32

@@ -24,7 +24,7 @@
 //
 // Inner loops are written so that GCC and Clang can vectorize them without -ffast-math:
 // element-wise loops over contiguous rows; attention, softmax and SiLU with 8-float GCC vectors
-// (kernels/cpu/vec.h), dot products in independent partial sums (see BlockScores, attention.cc).
+// (kernels/host_vec.h), dot products in independent partial sums (see BlockScores, attention.cc).
 //
 // Threading: matrix products, attention (up to 16 tokens of one sequence per iteration), SiluMul
 // and GeluTanhMul run on the backend's OpenMP threads (MakeCpuBackend(threads) sets how many); the
@@ -55,7 +55,7 @@
 #include "kernels/cpu/bf16_matmul.h"
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/quant_isa.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 #include "kernels/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -132,7 +132,7 @@ bool SameShape(const Tensor& a, const Tensor& b);  // cpu_backend.cc
 
 // ---- Math helpers ------------------------------------------------------------------------------
 
-// Loops that matter are written with 8-float GCC vectors (kernels/cpu/vec.h) in functions cloned
+// Loops that matter are written with 8-float GCC vectors (kernels/host_vec.h) in functions cloned
 // per instruction set.
 
 // e^x of 8 floats, with Cephes' expf polynomial (relative error about 2e-7, like glibc's expf

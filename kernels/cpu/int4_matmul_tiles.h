@@ -16,7 +16,7 @@
 
 #include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/tile_rows.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 #include "kernels/quant.h"
 
 namespace shardserve::cpu {

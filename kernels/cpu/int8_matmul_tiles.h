@@ -13,7 +13,7 @@
 
 #include "kernels/cpu/column_tiles.h"
 #include "kernels/cpu/tile_rows.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 
 namespace shardserve::cpu {
 

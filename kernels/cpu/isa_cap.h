@@ -7,7 +7,7 @@
 // run beside a peer built for AVX2 (docs/performance.md), and testing the AVX2 paths end to end on an
 // AVX-512 machine (ctest llama_parity_avx2_cap).
 //
-// What it does not reach: the loops compiled as GCC target clones (vec.h SHARDSERVE_VECTOR_CLONES:
+// What it does not reach: the loops compiled as GCC target clones (kernels/host_vec.h SHARDSERVE_VECTOR_CLONES:
 // attention, RMSNorm, RoPE, the elementwise ops), whose clone the loader picks by CPUID alone.
 //
 // Thread-safety: all functions may be called from any thread. oneDNN fixes its cap at its first

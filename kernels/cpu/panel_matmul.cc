@@ -13,7 +13,7 @@
 #include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/panel_tiles.h"
 #include "kernels/cpu/tile_rows.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 #include "kernels/tensor.h"
 
 namespace shardserve::cpu {

@@ -15,7 +15,7 @@
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/host_vec.h"
 
 namespace shardserve::cpu {
 namespace {

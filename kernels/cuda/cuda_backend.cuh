@@ -2,7 +2,7 @@
 // cuda_backend.cu (lifetime, memory, error word), elementwise.cu, matmul.cu, attention.cu and
 // sampling.cu (the ops and their kernels), counter_uniform.cu (the dummy weights' generator),
 // quant_matmul.cu (int8 / int4 / fp8 weights, behind CudaBackendOptions::quantized_kernels).
-// Internal to kernels/cuda/; everything else uses MakeCudaBackend (kernels/backend.h).
+// Internal to kernels/cuda/; everything else uses MakeCudaBackend (kernels/cuda/cuda_backend.h).
 //
 // cuBLAS for MatMul, kernels for everything else; by quantized weights, our GEMV for decode and
 // dequantize + cuBLAS for more rows (quant_matmul.cu).
@@ -57,6 +57,7 @@
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/tensor.h"
 

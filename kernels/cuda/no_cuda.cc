@@ -1,6 +1,6 @@
 // Built instead of the CUDA backend (cuda_backend.cu and the op files beside it) when
 // SHARDSERVE_WITH_CUDA is OFF.
-#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
 
 namespace shardserve {
 

@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kGemvThreads)
 // 2026-11-29 without a GPU, off until it passes there)
 // The GEMV above spends 5.9 instructions a code in its loop on sm_90 (its SASS: a byte permute, a
 // subtraction and a multiply-add a code, 377 instructions for 64 codes with the masks, x's
-// widening for two rows and the addresses; tools/sass_census.py), and its SMs, not DRAM, were the
+// widening for two rows and the addresses; tools/gpu/sass_census.py), and its SMs, not DRAM, were the
 // limit on the H200 (32% of the int4 roofline). Here a code costs a byte permute and a multiply-add,
 // the zero point taken off once a group and row (kernels/int4_folded.h, whose arithmetic the CPU
 // tests run too): 4.0 instructions a code in the loop. Four output rows a block (kFoldRows) share

@@ -67,7 +67,7 @@ int RunChatTemplate(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve chat-template: %s\n", tmpl.status().ToString().c_str());
     return 1;
   }
-  // The server's default budget (coordinator/chat/runtime/budget.h): a hostile template ends in an
+  // The server's default budget (coordinator/chat/budget.h): a hostile template ends in an
   // error that names the budget, not in minutes of CPU or gigabytes of memory.
   absl::StatusOr<std::string> prompt =
       tmpl->Render(messages, !flags->Has("no-generation-prompt"), tools, extra, chat::RenderBudget());

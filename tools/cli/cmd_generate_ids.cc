@@ -13,7 +13,7 @@
 #include "model/config.h"
 #include "tools/cli/command.h"
 #include "base/flags.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "worker/shard/greedy.h"
 #include "worker/shard/model_shard.h"
 

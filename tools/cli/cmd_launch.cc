@@ -329,7 +329,7 @@ int Run(const std::vector<std::string>& args) {
   std::map<std::string, std::chrono::steady_clock::time_point> restart_at;
   // When each worker was last restarted. One that then ran kStableRun or longer before dying again
   // was not crash-looping (it was killed, or its machine failed): its backoff starts over at 1 s,
-  // so that a worker lost now and then is not brought back ever more slowly (tools/chaos_bench.py
+  // so that a worker lost now and then is not brought back ever more slowly (tools/bench/chaos_bench.py
   // found heals growing 1, 2, 4, 8, 16 s with each kill of the same worker).
   constexpr auto kStableRun = std::chrono::seconds(10);
   std::map<std::string, std::chrono::steady_clock::time_point> restarted_at;

@@ -114,9 +114,9 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   SHARDSERVE_RETURN_IF_ERROR(f.Positive("gpu-memory-utilization", &util));
   if (util > 1) return absl::InvalidArgumentError("flag --gpu-memory-utilization must be in (0, 1]");
   o.gpu_memory_utilization = util;
-  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-model-len", 1, int64_t{1} << 31, &o.max_model_len));
-  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-tokens-per-step", 1, int64_t{1} << 20, &o.max_tokens_per_step));
-  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-seqs-per-step", 1, int64_t{1} << 20, &o.max_seqs_per_step));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-model-len", 1, int64_t{1} << 31, &o.limits.max_model_len));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-tokens-per-step", 1, int64_t{1} << 20, &o.limits.max_tokens_per_step));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("max-seqs-per-step", 1, int64_t{1} << 20, &o.limits.max_seqs_per_step));
   double reserve_gib = static_cast<double>(o.runtime_reserve_bytes) / (1 << 30);
   SHARDSERVE_RETURN_IF_ERROR(f.Double("runtime-reserve-gb", 0, 1e6, &reserve_gib));
   o.runtime_reserve_bytes = static_cast<uint64_t>(reserve_gib * (1 << 30));

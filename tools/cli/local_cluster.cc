@@ -63,7 +63,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     SHARDSERVE_RETURN_IF_ERROR(f.OneOf("worker-dummy-weights", {"host", "device"}, &value));
     c.worker_flags.insert(c.worker_flags.end(), {"--dummy-weights", value});
   }
-  // --worker-no-cuda-X / --worker-cuda-X: the workers' --no-cuda-X / --cuda-X (worker/cuda_switches.h).
+  // --worker-no-cuda-X / --worker-cuda-X: the workers' --no-cuda-X / --cuda-X (kernels/cuda/cuda_switches.h).
   for (const std::string& name : WithCudaSwitches({})) {
     if (f.Has("worker-" + name)) c.worker_flags.push_back("--" + name);
   }

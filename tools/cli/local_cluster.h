@@ -33,7 +33,7 @@
 #include "absl/status/statusor.h"
 #include "base/flags.h"
 #include "security/tls.h"
-#include "worker/cuda_switches.h"
+#include "kernels/cuda/cuda_switches.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace shardserve::cli {
@@ -174,7 +174,7 @@ struct ClusterFlags {
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
   // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
   // --activation-quantization V as theirs under the same name, and the switches
-  // --worker-no-cuda-... (worker/cuda_switches.h) as their --no-cuda-... switches.
+  // --worker-no-cuda-... (kernels/cuda/cuda_switches.h) as their --no-cuda-... switches.
   std::vector<std::string> worker_flags;
   // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
   // as given, in that order:

@@ -36,7 +36,7 @@ struct KvCache {
   Tensor k, v;
 };
 
-// A step's metadata on the device, for its n tokens of `seqs` sequences (worker/step_checks.h
+// A step's metadata on the device, for its n tokens of `seqs` sequences (worker/shard_inputs.h
 // StepBatch): each token's position, sequence and cache slot; each sequence's block table.
 struct StepMeta {
   Tensor positions, token_seq, slots;  // [n] I32

@@ -20,7 +20,7 @@
 #include "model/sharding.h"
 #include "model/weight_source.h"
 #include "worker/shard/arena.h"
-#include "worker/step_checks.h"  // ShardSpec
+#include "worker/shard_inputs.h"  // ShardSpec
 
 namespace shardserve {
 

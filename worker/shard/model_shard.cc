@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
 #include "model/families/registry.h"
+#include "worker/step_checks.h"
 
 namespace shardserve {
 

@@ -28,7 +28,7 @@
 #include "worker/shard/arena.h"
 #include "worker/shard/decoder.h"
 #include "worker/shard/loader.h"
-#include "worker/step_checks.h"  // ShardSpec, StepBatch
+#include "worker/shard_inputs.h"  // ShardSpec, StepBatch
 
 namespace shardserve {
 

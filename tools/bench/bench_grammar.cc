@@ -1,0 +1,205 @@
+// bench_grammar: the grammar engine's speed (grammar/): compile time per schema and mask time per
+// token, p50 and p99, over a Qwen-sized vocabulary. docs/structured-outputs.md has the figures.
+//
+// The vocabulary is a tokenizer's (--tokenizer DIR, default the qwen2 fixture) grown to --vocab
+// tokens (default 151,643, Qwen2's count) with made-up tokens when the tokenizer has fewer: the
+// words and word pieces of the repository's docs with and without a leading space, numbers,
+// runs of JSON punctuation, and CJK characters, so that the mix of short and long, ASCII and
+// multi-byte tokens is like a real one. Each case is compiled --compiles times; then --walks
+// random walks of up to --steps tokens each sample from the mask (leaning to closing tokens, so
+// that walks finish) and time every FillNextTokenBitmask.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+#include <time.h>
+#include <string>
+#include <vector>
+
+#include "base/flags.h"
+#include "base/json.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "grammar/grammar.h"
+#include "grammar/json_schema.h"
+#include "grammar/matcher.h"
+#include "tools/bench/grammar_vocab.h"
+
+namespace {
+
+using shardserve::grammar::CompiledGrammar;
+using shardserve::grammar::Grammar;
+using shardserve::grammar::GrammarMatcher;
+using shardserve::grammar::TokenizerInfo;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kUsage[] =
+    "usage: bench_grammar [--tokenizer DIR] [--vocab N] [--cases FILE] [--compiles N] [--walks N] [--steps N]\n";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// Made-up tokens until the vocabulary has `size` (see the header comment).
+std::shared_ptr<const TokenizerInfo> Grow(const TokenizerInfo& base, int32_t size) {
+  std::vector<std::string> bytes;
+  std::vector<bool> special;
+  std::set<std::string> seen;
+  for (int32_t id = 0; id < base.vocab_size(); ++id) {
+    const bool ok = base.allowed_ever(id);
+    const bool eos = std::find(base.eos_ids().begin(), base.eos_ids().end(), id) != base.eos_ids().end();
+    bytes.push_back(ok ? base.token_bytes(id) : std::string());
+    special.push_back(!ok && !eos);
+    seen.insert(bytes.back());
+  }
+  auto add = [&](const std::string& t) {
+    if (static_cast<int32_t>(bytes.size()) >= size || t.empty() || !seen.insert(t).second) return;
+    bytes.push_back(t);
+    special.push_back(false);
+  };
+  std::string text;
+  for (const char* doc : {"/README.md", "/docs/kernels.md", "/docs/performance.md", "/docs/gpu.md", "/grammar/grammar.h",
+                          "/grammar/matcher.cc", "/grammar/json_schema.cc"}) {
+    text += ReadFile(std::string(SHARDSERVE_SOURCE_DIR) + doc);
+  }
+  std::vector<std::string> words;
+  std::string word;
+  for (char c : text + " ") {
+    if (isalnum(static_cast<unsigned char>(c)) || c == '_') {
+      word += c;
+    } else if (!word.empty()) {
+      words.push_back(word);
+      word.clear();
+    }
+  }
+  for (const std::string& w : words) {
+    for (size_t n = 2; n <= w.size(); ++n) {
+      add(w.substr(0, n));
+      add(" " + w.substr(0, n));
+      add(w.substr(w.size() - n));
+    }
+  }
+  const std::string punct = "{}[]\",:.- _()/'\n";
+  std::mt19937 rng(1);
+  for (int i = 0; i < 100000 && static_cast<int32_t>(bytes.size()) < size; ++i) {
+    add(std::to_string(i));
+    std::string p;
+    for (int k = 0, n = 2 + static_cast<int>(rng() % 3); k < n; ++k) p += punct[rng() % punct.size()];
+    add(p);
+    add(words[rng() % words.size()] + words[rng() % words.size()]);
+    std::string cjk;
+    for (int k = 0, n = 1 + static_cast<int>(rng() % 3); k < n; ++k) {
+      const uint32_t cp = 0x4E00 + rng() % 0x5000;
+      cjk += static_cast<char>(0xE0 | (cp >> 12));
+      cjk += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      cjk += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+    add(cjk);
+  }
+  return std::make_shared<const TokenizerInfo>(std::move(bytes), special, base.eos_ids(), size);
+}
+
+// This thread's CPU time in microseconds: on a loaded machine the wall time of a mask includes
+// the time the thread waited for a core; its CPU time does not.
+double ThreadCpuMicros() {
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_nsec) / 1e3;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto flags = shardserve::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc),
+                                        {"tokenizer", "vocab", "cases", "compiles", "walks", "steps"});
+  int64_t vocab_size = 151643, compiles = 3, walks = 5, steps = 200;
+  absl::Status st = flags.ok() ? flags->Int("vocab", 1, 1 << 22, &vocab_size) : flags.status();
+  if (st.ok()) st = flags->Int("compiles", 1, 1000, &compiles);
+  if (st.ok()) st = flags->Int("walks", 1, 10000, &walks);
+  if (st.ok()) st = flags->Int("steps", 1, 100000, &steps);
+  if (!st.ok()) {
+    std::fprintf(stderr, "bench_grammar: %s\n%s", std::string(st.message()).c_str(), kUsage);
+    return 2;
+  }
+  const std::string dir = flags->Get("tokenizer", SHARDSERVE_SOURCE_DIR "/tests/fixtures/tokenizers/qwen2");
+  auto tokenizer = shardserve::Tokenizer::FromDirectory(dir);
+  if (!tokenizer.ok()) {
+    std::fprintf(stderr, "bench_grammar: %s\n", std::string(tokenizer.status().message()).c_str());
+    return 1;
+  }
+  auto base = shardserve::GrammarVocab(**tokenizer);
+  auto vocab = base->vocab_size() >= vocab_size ? base : Grow(*base, static_cast<int32_t>(vocab_size));
+  const std::string cases_path = flags->Get("cases", SHARDSERVE_SOURCE_DIR "/tests/fixtures/grammar/cases.json");
+  auto cases = shardserve::ParseJson<nlohmann::ordered_json>(ReadFile(cases_path), cases_path);
+  if (!cases.ok()) {
+    std::fprintf(stderr, "bench_grammar: %s\n", std::string(cases.status().message()).c_str());
+    return 1;
+  }
+  std::printf("vocabulary: %d tokens (%zu distinct byte strings), tokenizer %s\n", vocab->vocab_size(),
+              vocab->sorted().size(), dir.c_str());
+  std::printf("%-30s %10s %12s %6s %10s %10s %10s %10s %10s\n", "case", "compile_ms", "ctx_dep_tok", "masks",
+              "p50_us", "p99_us", "max_us", "cpu_p50_us", "cpu_p99_us");
+  std::vector<double> all, all_cpu;
+  std::mt19937 rng(1);
+  for (const auto& c : *cases) {
+    const std::string kind = c["kind"];
+    absl::StatusOr<Grammar> g = kind == "json_schema" ? shardserve::grammar::GrammarFromJsonSchema(c["source"].dump())
+                                : kind == "regex"     ? shardserve::grammar::GrammarFromRegex(c["source"].get<std::string>())
+                                : kind == "choices"
+                                    ? shardserve::grammar::GrammarFromChoices(c["source"].get<std::vector<std::string>>())
+                                    : shardserve::grammar::ParseGbnf(c["source"].get<std::string>());
+    if (!g.ok()) {
+      std::fprintf(stderr, "bench_grammar: %s: %s\n", c["name"].get<std::string>().c_str(), std::string(g.status().message()).c_str());
+      return 1;
+    }
+    std::vector<double> compile_ms;
+    std::shared_ptr<const CompiledGrammar> compiled;
+    for (int64_t i = 0; i < compiles; ++i) {
+      const auto t0 = Clock::now();
+      compiled = *CompiledGrammar::Compile(*g, vocab);
+      compile_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    std::vector<double> mask_us, mask_cpu_us;
+    std::vector<uint32_t> mask((vocab->vocab_size() + 31) / 32);
+    for (int64_t w = 0; w < walks; ++w) {
+      GrammarMatcher m(compiled);
+      for (int64_t s = 0; s < steps && !m.IsTerminated(); ++s) {
+        const double c0 = ThreadCpuMicros();
+        const auto t0 = Clock::now();
+        m.FillNextTokenBitmask(mask.data());
+        mask_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        mask_cpu_us.push_back(ThreadCpuMicros() - c0);
+        std::vector<int32_t> ids, closing;
+        for (int32_t id = 0; id < vocab->vocab_size(); ++id) {
+          if (!((mask[id >> 5] >> (id & 31)) & 1)) continue;
+          ids.push_back(id);
+          if (!vocab->allowed_ever(id) || vocab->token_bytes(id).find_first_of("\"]},:") != std::string::npos) closing.push_back(id);
+        }
+        if (ids.empty()) break;
+        const std::vector<int32_t>& from = !closing.empty() && rng() % 2 == 0 ? closing : ids;
+        m.AcceptToken(from[rng() % from.size()]);
+      }
+    }
+    all.insert(all.end(), mask_us.begin(), mask_us.end());
+    all_cpu.insert(all_cpu.end(), mask_cpu_us.begin(), mask_cpu_us.end());
+    std::printf("%-30s %10.1f %12lld %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", c["name"].get<std::string>().c_str(),
+                Percentile(compile_ms, 0.5), static_cast<long long>(compiled->context_dependent_tokens()), mask_us.size(),
+                Percentile(mask_us, 0.5), Percentile(mask_us, 0.99), Percentile(mask_us, 1.0),
+                Percentile(mask_cpu_us, 0.5), Percentile(mask_cpu_us, 0.99));
+    std::fflush(stdout);
+  }
+  std::printf("%-30s %10s %12s %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", "all", "", "", all.size(), Percentile(all, 0.5),
+              Percentile(all, 0.99), Percentile(all, 1.0), Percentile(all_cpu, 0.5), Percentile(all_cpu, 0.99));
+  return 0;
+}

@@ -1,0 +1,35 @@
+# Included by tools/bench/build-llamacpp.sh into llama.cpp's own CMake (CMAKE_PROJECT_INCLUDE) to cut its
+# build time on a small shared machine: llama.cpp's model graph builders (src/models/*.cpp, about 150
+# small files that each parse the same large headers) are compiled in unity batches of 24. Only
+# those files: ggml (every kernel) and the rest of libllama compile file by file as llama.cpp ships
+# them, with the same flags. A model file with file-scope static functions or a namespace of its own
+# stays out of the batches (two of them define the same static helpers).
+get_property(_unity_done GLOBAL PROPERTY SHARDSERVE_LLAMA_UNITY)
+if(NOT _unity_done AND CMAKE_CURRENT_SOURCE_DIR STREQUAL CMAKE_SOURCE_DIR)
+  set_property(GLOBAL PROPERTY SHARDSERVE_LLAMA_UNITY ON)
+  function(shardserve_llama_unity)
+    if(NOT TARGET llama)
+      return()
+    endif()
+    get_target_property(_dir llama SOURCE_DIR)
+    get_target_property(_srcs llama SOURCES)
+    set(_n 0)
+    foreach(_s IN LISTS _srcs)
+      get_filename_component(_abs "${_s}" ABSOLUTE BASE_DIR "${_dir}")
+      set(_skip ON)
+      if(_abs MATCHES "/src/models/[^/]*\\.cpp$")
+        file(STRINGS "${_abs}" _statics REGEX "^(static |namespace )")
+        if(NOT _statics)
+          set(_skip OFF)
+          math(EXPR _n "${_n} + 1")
+        endif()
+      endif()
+      if(_skip)
+        set_source_files_properties("${_s}" TARGET_DIRECTORY llama PROPERTIES SKIP_UNITY_BUILD_INCLUDE ON)
+      endif()
+    endforeach()
+    set_target_properties(llama PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 24)
+    message(STATUS "shardserve: ${_n} of llama.cpp's src/models/*.cpp in unity batches of 24")
+  endfunction()
+  cmake_language(DEFER DIRECTORY "${CMAKE_SOURCE_DIR}" CALL shardserve_llama_unity)
+endif()

@@ -1,0 +1,41 @@
+// The inputs of a model shard (worker/shard/): which part of the model it holds (ShardSpec, at
+// load) and one step's work on the host (StepBatch, every step). The worker builds them from its
+// coordinator's messages and checks them first (worker/step_checks.h).
+#ifndef SHARDSERVE_WORKER_SHARD_INPUTS_H_
+#define SHARDSERVE_WORKER_SHARD_INPUTS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/quant.h"
+
+namespace shardserve {
+
+// Which part of the model this process holds.
+struct ShardSpec {
+  int64_t first_layer = 0;  // inclusive
+  int64_t end_layer = -1;   // exclusive; -1 = through the last layer
+  int tp_rank = 0;
+  int tp_size = 1;
+  // How the linear layers' weights (q/k/v/o, gate/up/down) are stored: quantized at load, each rank
+  // its own slice (kernels/quant.h). Embeddings, norms and the LM head keep the activation dtype.
+  WeightQuant weight_quant = WeightQuant::kNone;
+};
+
+// One step's work, on the host. Token t belongs to sequence token_seq[t] at position
+// positions[t], and its K/V go to cache slot slots[t]. Block tables are row-major
+// [num_seqs, max_blocks_per_seq]. logit_rows lists the tokens whose logits are wanted (the last
+// token of each sequence that samples this step).
+struct StepBatch {
+  std::vector<int32_t> token_ids;  // [n] (first stage only)
+  std::vector<int32_t> positions;  // [n]
+  std::vector<int32_t> token_seq;  // [n]
+  std::vector<int32_t> slots;      // [n]
+  std::vector<int32_t> block_tables;
+  int32_t num_seqs = 0;
+  std::vector<int32_t> logit_rows;  // [m]
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_SHARD_INPUTS_H_
