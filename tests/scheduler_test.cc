@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/scheduler/block_manager.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/persistent_batch.h"
@@ -345,6 +346,131 @@ TEST(BlockManagerTest, DropCacheForgetsEveryBlock) {
   EXPECT_TRUE(bm.FindCached(Tokens(2, 50), 100, &bc).empty());
   bm.Free(&b);
   EXPECT_EQ(bm.num_free(), 8);
+}
+
+// ---- BlockManager: sliding-window tables ---------------------------------------------------------
+
+constexpr int32_t kReleased = BlockManager::kReleased;
+
+// Release lets go of the blocks wholly before the first token kept, marks their entries, keeps the
+// table's size (positions still index it), and hands the blocks to the next table that grows.
+TEST(BlockManagerTest, ReleaseFreesTheBlocksBeforeTheWindowForReuse) {
+  BlockManager bm(8, 4, /*prefix_caching=*/false);
+  std::vector<int32_t> a;
+  ASSERT_TRUE(bm.Grow(&a, 14));  // blocks 0..3, tokens 0..13
+  EXPECT_EQ(bm.Release(&a, 7), 1) << "block 1 holds token 7: only block 0 lies wholly before it";
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, 1, 2, 3}));
+  EXPECT_EQ(bm.Release(&a, 8), 1);
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, kReleased, 2, 3}));
+  EXPECT_EQ(bm.Release(&a, 8), 0) << "nothing more to let go";
+  EXPECT_EQ(bm.Release(&a, -5), 0);
+  EXPECT_EQ(BlockManager::Held(a), 2);
+  EXPECT_EQ(bm.num_used(), 2);
+  EXPECT_EQ(bm.num_free(), 6);
+  ExpectAccounted(bm);
+
+  // Growing goes on after the released entries, with the block released last; another table
+  // takes the other.
+  ASSERT_TRUE(bm.Grow(&a, 17));
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, kReleased, 2, 3, 1}));
+  std::vector<int32_t> b;
+  ASSERT_TRUE(bm.Grow(&b, 8));
+  EXPECT_EQ(b, (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(bm.Release(&a, 1000), 3) << "past the table's end: every block it still holds";
+  EXPECT_EQ(a.size(), 5u);
+  bm.Free(&a);  // skips the released entries
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_free(), 8);
+  ExpectAccounted(bm);
+}
+
+// A shared block released by one table stays with the other; a registered block released by its
+// last table stays cached and is found again, with the blocks after it, as long as none of the
+// chain is evicted. Once an early block is evicted, the hit ends before it: the sequence computes
+// the rest again instead of reading KV that is gone.
+TEST(BlockManagerTest, PrefixHitsAcrossReleasedBlocksEndAtAnEvictedOne) {
+  BlockManager bm(6, 2);
+  const std::vector<int32_t> tokens = Tokens(7, 10);  // 3 full blocks and one token
+  std::vector<int32_t> a;
+  BlockManager::Chain ac;
+  ASSERT_TRUE(bm.Grow(&a, 7));
+  bm.Register(a, tokens, 7, &ac);
+  ASSERT_EQ(ac.blocks, 3);
+  const std::vector<int32_t> a_blocks = a;
+
+  // b shares a's first two blocks; a releases them: b still holds them.
+  BlockManager::Chain bc;
+  std::vector<int32_t> b;
+  bm.Share(bm.FindCached(tokens, 2, &bc), &b);
+  EXPECT_EQ(bm.Release(&a, 4), 2);
+  EXPECT_EQ(bm.refcount(a_blocks[0]), 1);
+  EXPECT_EQ(bm.num_cached(), 0);
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_cached(), 2) << "released and let go by b: cached, not free";
+  ExpectAccounted(bm);
+
+  // Found again whole: the released blocks and the one a still holds.
+  BlockManager::Chain c;
+  EXPECT_EQ(bm.FindCached(tokens, 100, &c), (std::vector<int32_t>{a_blocks[0], a_blocks[1], a_blocks[2]}));
+
+  // Every empty block taken, then one cached block evicted: the later of the two released goes
+  // first (a prefix outlives its tail), and the hit ends before it although a still holds the
+  // block after it.
+  std::vector<int32_t> d;
+  ASSERT_TRUE(bm.Grow(&d, 2 * bm.num_free() + 2));
+  EXPECT_EQ(bm.num_cached(), 1);
+  EXPECT_EQ(bm.FindCached(tokens, 100, &c), (std::vector<int32_t>{a_blocks[0]}));
+  EXPECT_EQ(c.blocks, 1);
+  ASSERT_TRUE(bm.Grow(&d, static_cast<int64_t>(d.size()) * 2 + 2));
+  EXPECT_TRUE(bm.FindCached(tokens, 100, &c).empty());
+  EXPECT_EQ(bm.num_free() + bm.num_cached(), 0);
+  ExpectAccounted(bm);
+}
+
+// A released entry ends the chain Register walks: nothing after it is registered.
+TEST(BlockManagerTest, RegisterStopsAtAReleasedBlock) {
+  BlockManager bm(8, 2);
+  const std::vector<int32_t> tokens = Tokens(8, 1);
+  std::vector<int32_t> a;
+  BlockManager::Chain ac;
+  ASSERT_TRUE(bm.Grow(&a, 8));
+  bm.Register(a, tokens, 2, &ac);
+  bm.Release(&a, 4);  // the second block, unregistered, goes back empty
+  EXPECT_EQ(bm.num_cached(), 1);
+  EXPECT_EQ(bm.num_free(), 5);
+  bm.Register(a, tokens, 8, &ac);
+  EXPECT_EQ(ac.blocks, 4);
+  EXPECT_EQ(bm.FindCached(tokens, 100, &ac).size(), 1u);
+}
+
+// WindowBlocks is the most blocks a table holds when every step releases what its next token no
+// longer sees: reached when decoding (the window's first token meets every offset in a block),
+// never passed when prompts are fed in chunks.
+TEST(BlockManagerTest, WindowBlocksBoundsWhatATableHolds) {
+  for (const int64_t block_size : {1, 4, 16}) {
+    for (const int64_t window : {1, 3, 16, 37}) {
+      for (const int64_t chunk : {1, 5, 16}) {
+        SCOPED_TRACE(absl::StrCat("block_size ", block_size, " window ", window, " chunk ", chunk));
+        BlockManager bm(1000, block_size, /*prefix_caching=*/false);
+        std::vector<int32_t> t;
+        int64_t fed = 0, most = 0;
+        for (int step = 0; step < 40; ++step) {
+          ASSERT_TRUE(bm.Grow(&t, fed + chunk));
+          most = std::max(most, BlockManager::Held(t));  // what the step reads and writes
+          fed += chunk;
+          bm.Release(&t, fed - window + 1);  // the next token attends to [fed - window + 1, fed]
+        }
+        EXPECT_LE(most, bm.WindowBlocks(window, chunk, fed));
+        if (chunk == 1) {
+          EXPECT_EQ(most, bm.WindowBlocks(window, chunk, fed));
+        }
+        EXPECT_EQ(bm.WindowBlocks(0, chunk, fed), bm.BlocksFor(fed));
+        EXPECT_EQ(bm.WindowBlocks(window, chunk, 3), std::min<int64_t>(bm.BlocksFor(3), bm.WindowBlocks(window, chunk, fed)));
+        bm.Free(&t);
+        EXPECT_EQ(bm.num_free(), 1000);
+      }
+    }
+  }
 }
 
 // ---- The simulated cluster ---------------------------------------------------------------------
