@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/container/inlined_vector.h"
+#include "model/kv_blocks.h"
 
 namespace shardserve {
 
@@ -97,9 +98,7 @@ int64_t BlockManager::Held(const std::vector<int32_t>& table) {
 }
 
 int64_t BlockManager::WindowBlocks(int64_t window, int64_t chunk, int64_t tokens) const {
-  if (window <= 0) return BlocksFor(tokens);
-  // window - 1 + chunk tokens, starting at worst on a block's last slot.
-  return std::min(BlocksFor(tokens), BlocksFor(window - 1 + chunk + block_size_ - 1));
+  return KvBlocksHeld(window, chunk, tokens, block_size_);
 }
 
 std::vector<int32_t> BlockManager::FindCached(const std::vector<int32_t>& tokens, int64_t max_blocks,

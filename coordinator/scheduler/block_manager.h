@@ -98,9 +98,8 @@ class BlockManager {
   int64_t Release(std::vector<int32_t>* table, int64_t first_kept);
   // Entries of `table` that hold a block (not kReleased).
   static int64_t Held(const std::vector<int32_t>& table);
-  // The most blocks a sliding-window table holds at once for steps of at most `chunk` tokens: the
-  // window before a chunk's first token (window - 1 tokens) and the chunk, starting anywhere in a
-  // block; never more than a sequence of `tokens` tokens holds. `window` 0: BlocksFor(`tokens`).
+  // The most blocks a table of a sequence of `tokens` tokens holds at once, released as above, for
+  // steps of at most `chunk` tokens (model/kv_blocks.h KvBlocksHeld); `window` 0: BlocksFor(`tokens`).
   int64_t WindowBlocks(int64_t window, int64_t chunk, int64_t tokens) const;
 
   // The registered blocks that hold a prefix of `tokens` (block after block from the first), at
