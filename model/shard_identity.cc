@@ -105,6 +105,7 @@ absl::Status SameShard(const v1::Assignment& held, const v1::Assignment& wanted)
       {"max seqs per step", {held.limits().max_seqs_per_step(), wanted.limits().max_seqs_per_step()}},
       {"block size", {held.limits().block_size(), wanted.limits().block_size()}},
       {"KV blocks", {held.limits().num_kv_blocks(), wanted.limits().num_kv_blocks()}},
+      {"sliding KV blocks", {held.limits().num_sliding_kv_blocks(), wanted.limits().num_sliding_kv_blocks()}},
       {"max model len", {held.limits().max_model_len(), wanted.limits().max_model_len()}},
   };
   for (const auto& [what, values] : fields) {

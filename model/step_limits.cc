@@ -15,7 +15,8 @@ absl::Status Bad(const std::string& what) { return absl::InvalidArgumentError(ab
 
 // Validate() with lo = 0, ValidateDecided() with lo = 1: the lowest num_kv_blocks and max_model_len.
 absl::Status Check(const StepLimits& l, int64_t lo) {
-  const auto [max_tokens_per_step, max_seqs_per_step, block_size, num_kv_blocks, max_model_len] = l;
+  const auto [max_tokens_per_step, max_seqs_per_step, block_size, num_kv_blocks, max_model_len,
+              num_sliding_kv_blocks] = l;
   for (auto [name, v] : {std::pair{"max_tokens_per_step", max_tokens_per_step},
                          {"max_seqs_per_step", max_seqs_per_step},
                          {"block_size", block_size}}) {
@@ -30,6 +31,11 @@ absl::Status Check(const StepLimits& l, int64_t lo) {
   if (num_kv_blocks < lo || num_kv_blocks > max_blocks) {
     return Bad(absl::StrCat("num_kv_blocks ", num_kv_blocks, " outside [", lo, ", ", max_blocks, "]: a KV cache holds at most ",
                             kMaxKvCacheTokens, " tokens (", max_blocks, " blocks of ", block_size, ")"));
+  }
+  if (num_sliding_kv_blocks < 0 || num_sliding_kv_blocks > max_blocks) {
+    return Bad(absl::StrCat("num_sliding_kv_blocks ", num_sliding_kv_blocks, " outside [0, ", max_blocks,
+                            "]: a KV cache holds at most ", kMaxKvCacheTokens, " tokens (", max_blocks, " blocks of ",
+                            block_size, ")"));
   }
   if (max_model_len < lo || max_model_len > kMaxKvCacheTokens) {
     return Bad(absl::StrCat("max_model_len ", max_model_len, " outside [", lo, ", ", kMaxKvCacheTokens, "]"));
@@ -53,11 +59,12 @@ void ToProto(const StepLimits& limits, v1::StepLimits* out) {
   out->set_block_size(limits.block_size);
   out->set_num_kv_blocks(limits.num_kv_blocks);
   out->set_max_model_len(limits.max_model_len);
+  out->set_num_sliding_kv_blocks(limits.num_sliding_kv_blocks);
 }
 
 StepLimits FromProto(const v1::StepLimits& in) {
   return StepLimits{in.max_tokens_per_step(), in.max_seqs_per_step(), in.block_size(), in.num_kv_blocks(),
-                    in.max_model_len()};
+                    in.max_model_len(), in.num_sliding_kv_blocks()};
 }
 
 }  // namespace shardserve

@@ -25,11 +25,15 @@ struct StepLimits {
   int64_t block_size = 16;            // tokens per KV-cache block
   int64_t num_kv_blocks = 0;          // KV-cache blocks per worker; 0: not decided yet (the plan's)
   int64_t max_model_len = 0;          // longest sequence, prompt + completion; 0: not decided yet
+  // KV-cache blocks per worker for the sliding-window layers of a model that also has
+  // full-attention layers (their own pool and block tables; coordinator/scheduler/scheduler.h);
+  // 0: no such pool (no sliding layers, or every layer slides and num_kv_blocks is theirs).
+  int64_t num_sliding_kv_blocks = 0;
 
   // Width of a block table: the blocks one sequence may hold (max_model_len / block_size, rounded
   // up). Derived, never stored.
   int64_t max_blocks_per_seq() const { return block_size < 1 ? 0 : (max_model_len + block_size - 1) / block_size; }
-  // Tokens the KV cache holds.
+  // Tokens the KV cache holds (the sliding layers' own pool aside).
   int64_t kv_cache_tokens() const { return num_kv_blocks * block_size; }
 
   // Each field in range, with an error that names it and the numbers: every count >= 1 (the two

@@ -140,6 +140,61 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
                                   info.param.fixture;
                          });
 
+// ---- Sliding windows: blocks behind the window go to other sequences ------------------------------------
+
+// Mistral with a 32-token window in every layer: a sequence lets go of the blocks behind its window
+// as it advances, and other sequences take them. Six requests of 48 prompt + 32 generated tokens
+// (20 blocks of 4 each if every block were kept) sent together to a cache of 24 blocks: a prompt
+// takes 12 blocks to admit, then a sequence holds at most 9 (its window and a token), so they run
+// side by side with no preemption, where without windows one sequence's 20 blocks leave no room for
+// another and sequences are preempted (3 times here). The golden request's greedy tokens are
+// Hugging Face's, and every request gets the tokens it gets alone.
+class ClusterSlidingWindowTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterSlidingWindowTest, BlocksLetGoAreReusedAndTokensStayHuggingFaces) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}},
+                  {"--num-kv-blocks", "24", "--block-size", "4", "--max-model-len", "96"});
+  ASSERT_TRUE(cluster.Start());
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = golden.prompt;
+    for (size_t j = 0; i > 0 && j < prompt.size(); j += 3) prompt[j] = (prompt[j] + 37 * i) % 416;  // vocab_size
+    requests.push_back(TokenRequest(prompt, 32));
+    requests.back().set_request_id("window-" + std::to_string(i));
+  }
+  std::vector<Streamed> alone, together(requests.size());
+  for (const v1::GenerateRequest& r : requests) {
+    alone.push_back(Generate(cluster.client(), r));
+    ASSERT_TRUE(alone.back().status.ok()) << alone.back().status.error_message() << "\n" << cluster.Logs();
+  }
+  EXPECT_EQ(alone[0].tokens, golden.greedy);
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { together[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(together[i].status.ok()) << i << ": " << together[i].status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "request " << i;
+  }
+  const v1::SchedulerStatus s = cluster.Status().scheduler();
+  EXPECT_EQ(s.kv_blocks_total(), 24);
+  EXPECT_EQ(s.preemptions(), 0) << "the blocks behind the window were not let go";
+  std::printf("[ timing   ] TP=%d PP=%d %s: 6 requests of 80 tokens sent together to 24 blocks of 4, %lld preemptions\n",
+              l.tp, l.pp, l.fixture.c_str(), static_cast<long long>(s.preemptions()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSlidingWindowTest,
+                         ::testing::Values(Layout{"mistral_window_tf5", 1, 1}, Layout{"mistral_window_tf5", 2, 1},
+                                           Layout{"mistral_window_tf5", 1, 2}, Layout{"mistral_window_tf5", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp);
+                         });
+
 // ---- The client API, on one cluster (TP=2 x PP=2, llama_gqa: 5 layers split 2 + 3) -------------------
 
 class ClusterApiTest : public ::testing::Test {

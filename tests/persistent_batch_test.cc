@@ -269,6 +269,21 @@ TEST_F(PersistentBatchTest, RefusesBlocksOutsideTheCache) {
   ExpectBad(grow, "appended_blocks gives seq 1 block 16 outside [0, 16)");
 }
 
+// A worker holds no sliding layers' pool: a plan that gives a sequence a sliding table is refused,
+// naming the field, rather than run with the sliding layers reading the other table.
+TEST_F(PersistentBatchTest, RefusesSlidingTablesItHasNoPoolFor) {
+  v1::StepPlan p = Prefill();
+  p.mutable_new_seqs(0)->add_sliding_block_ids(3);
+  ExpectBad(p, "new_seqs[0]: seq 1 carries sliding_block_ids; this worker holds no sliding layers' pool");
+  ASSERT_TRUE(Apply(Prefill()).ok());
+  v1::StepPlan grow;
+  grow.set_step_id(2);
+  AddBlocks(&grow, 1, {5});
+  grow.mutable_appended_blocks(0)->add_sliding_block_ids(5);
+  AddRow(&grow, 1, 5, {1}, true);
+  ExpectBad(grow, "appended_blocks[0]: seq 1 carries sliding_block_ids");
+}
+
 TEST_F(PersistentBatchTest, RefusesPositionsBeyondTheTable) {
   v1::StepPlan p;
   p.set_step_id(1);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
@@ -867,6 +868,54 @@ TEST(PlannerMemory, Llama3_8B_OneH100_EachItemMatchesAnIndependentCount) {
 
 // Qwen2.5-72B over two H100-80GB nodes (PP = 2, 40 layers each): one NCCL pair per stage; over
 // four GPUs of one node (TP = 4): the TP group. A100s get cuBLAS's pre-Hopper workspace.
+// Gemma 3 27B's language model (the fixture's text_config as a Gemma3ForCausalLM config: 62 layers,
+// every sixth full attention, the rest sliding over 1,024 tokens; 16 KV heads of 128) at a
+// 32,768-token context in bf16, blocks of 16, 512-token steps: 10 full layers x 2,048 blocks, and
+// 52 sliding layers x 97 blocks (1,023 window tokens + 512 + 15 for the worst offset = 1,550 tokens)
+// where the whole context would be 2,048 blocks each. Counted by hand from those numbers.
+TEST(PlannerMemory, Gemma3_27B_SlidingLayersCountTheirWindowAt32k) {
+  nlohmann::json full = nlohmann::json::parse(std::ifstream(kConfigs / "gemma-3-27b-it.json"));
+  nlohmann::json text = full["text_config"];
+  text["architectures"] = {"Gemma3ForCausalLM"};
+  text["vocab_size"] = 262208;
+  text["max_position_embeddings"] = 131072;
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(text.dump(), "gemma-3-27b text_config");
+  ASSERT_TRUE(c.ok()) << c.status();
+  int64_t sliding = 0;
+  for (int64_t i = 0; i < c->num_hidden_layers; ++i) sliding += c->LayerWindow(i) == 1024;
+  ASSERT_EQ(sliding, 52);
+
+  const SequenceKv kv = SequenceKvBytes(*c, 0, 62, 16, DType::kBF16, 32768, 16, 512);
+  const uint64_t block = 2 * 16 * 128 * 2 * 16;  // K and V, 16 heads of 128, bf16, 16 tokens: 128 KiB
+  EXPECT_EQ(kv.full_layers_bytes, 10 * 2048 * block);
+  EXPECT_EQ(kv.sliding_layers_bytes, 52 * 97 * block);
+  EXPECT_EQ(kv.sliding_layers_full_context_bytes, 52 * 2048 * block);
+  EXPECT_EQ(kv.full_context_bytes(), 62ull * 32768 * 8192);  // 15.5 GiB
+  EXPECT_EQ(kv.bytes(), (10 * 2048 + 52 * 97) * block);       // 3.1 GiB
+  std::printf("Gemma 3 27B, one 32,768-token sequence: %.2f GiB counted at full context, %.2f GiB with windows (%.1f%% saved)\n",
+              static_cast<double>(kv.full_context_bytes()) / (1u << 30), static_cast<double>(kv.bytes()) / (1u << 30),
+              100.0 * (1.0 - static_cast<double>(kv.bytes()) / static_cast<double>(kv.full_context_bytes())));
+
+  // A stage's share (layers 0..30 on one of two stages; 4 full ones: 5, 11, 17, 23, 29) on one of
+  // two TP ranks (8 KV heads); a context shorter than the window holds all its blocks either way.
+  const SequenceKv stage = SequenceKvBytes(*c, 0, 31, 8, DType::kBF16, 32768, 16, 512);
+  EXPECT_EQ(stage.full_layers_bytes, 5 * 2048 * (block / 2));
+  EXPECT_EQ(stage.sliding_layers_bytes, 26 * 97 * (block / 2));
+  const SequenceKv short_context = SequenceKvBytes(*c, 0, 62, 16, DType::kBF16, 1000, 16, 512);
+  EXPECT_EQ(short_context.bytes(), short_context.full_context_bytes());
+  // A model without sliding layers: every layer at full context.
+  const ModelConfig llama = RealConfig("llama-3.1-8b");
+  const SequenceKv l = SequenceKvBytes(llama, 0, 32, 8, DType::kBF16, 8192, 16, 512);
+  EXPECT_EQ(l.sliding_layers_bytes, 0u);
+  EXPECT_EQ(l.bytes(), 32ull * 8192 * 2 * 8 * 128 * 2);
+  // Mistral 7B v0.1 slides over 4,096 tokens in every layer: at 32,768 tokens, 4,096 - 1 + 512 + 15
+  // = 4,622 tokens: 289 blocks a layer, not 2,048.
+  const ModelConfig mistral = RealConfig("mistral-7b-v0.1");
+  const SequenceKv m = SequenceKvBytes(mistral, 0, 32, 8, DType::kBF16, 32768, 16, 512);
+  EXPECT_EQ(m.full_layers_bytes, 0u);
+  EXPECT_EQ(m.sliding_layers_bytes, 32ull * 289 * (2 * 8 * 128 * 2 * 16));
+}
+
 TEST(PlannerMemory, NcclBuffersFollowTheGroupsAndCublasTheGpu) {
   const Plan pp2 = MustPlan(RealConfig("qwen2.5-72b-instruct"), Cluster("2x1xH100-80GB"));
   ASSERT_EQ(pp2.pp, 2);

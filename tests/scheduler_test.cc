@@ -14,13 +14,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/scheduler/block_manager.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/persistent_batch.h"
@@ -347,6 +350,131 @@ TEST(BlockManagerTest, DropCacheForgetsEveryBlock) {
   EXPECT_EQ(bm.num_free(), 8);
 }
 
+// ---- BlockManager: sliding-window tables ---------------------------------------------------------
+
+constexpr int32_t kReleased = BlockManager::kReleased;
+
+// Release lets go of the blocks wholly before the first token kept, marks their entries, keeps the
+// table's size (positions still index it), and hands the blocks to the next table that grows.
+TEST(BlockManagerTest, ReleaseFreesTheBlocksBeforeTheWindowForReuse) {
+  BlockManager bm(8, 4, /*prefix_caching=*/false);
+  std::vector<int32_t> a;
+  ASSERT_TRUE(bm.Grow(&a, 14));  // blocks 0..3, tokens 0..13
+  EXPECT_EQ(bm.Release(&a, 7), 1) << "block 1 holds token 7: only block 0 lies wholly before it";
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, 1, 2, 3}));
+  EXPECT_EQ(bm.Release(&a, 8), 1);
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, kReleased, 2, 3}));
+  EXPECT_EQ(bm.Release(&a, 8), 0) << "nothing more to let go";
+  EXPECT_EQ(bm.Release(&a, -5), 0);
+  EXPECT_EQ(BlockManager::Held(a), 2);
+  EXPECT_EQ(bm.num_used(), 2);
+  EXPECT_EQ(bm.num_free(), 6);
+  ExpectAccounted(bm);
+
+  // Growing goes on after the released entries, with the block released last; another table
+  // takes the other.
+  ASSERT_TRUE(bm.Grow(&a, 17));
+  EXPECT_EQ(a, (std::vector<int32_t>{kReleased, kReleased, 2, 3, 1}));
+  std::vector<int32_t> b;
+  ASSERT_TRUE(bm.Grow(&b, 8));
+  EXPECT_EQ(b, (std::vector<int32_t>{0, 4}));
+  EXPECT_EQ(bm.Release(&a, 1000), 3) << "past the table's end: every block it still holds";
+  EXPECT_EQ(a.size(), 5u);
+  bm.Free(&a);  // skips the released entries
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_free(), 8);
+  ExpectAccounted(bm);
+}
+
+// A shared block released by one table stays with the other; a registered block released by its
+// last table stays cached and is found again, with the blocks after it, as long as none of the
+// chain is evicted. Once an early block is evicted, the hit ends before it: the sequence computes
+// the rest again instead of reading KV that is gone.
+TEST(BlockManagerTest, PrefixHitsAcrossReleasedBlocksEndAtAnEvictedOne) {
+  BlockManager bm(6, 2);
+  const std::vector<int32_t> tokens = Tokens(7, 10);  // 3 full blocks and one token
+  std::vector<int32_t> a;
+  BlockManager::Chain ac;
+  ASSERT_TRUE(bm.Grow(&a, 7));
+  bm.Register(a, tokens, 7, &ac);
+  ASSERT_EQ(ac.blocks, 3);
+  const std::vector<int32_t> a_blocks = a;
+
+  // b shares a's first two blocks; a releases them: b still holds them.
+  BlockManager::Chain bc;
+  std::vector<int32_t> b;
+  bm.Share(bm.FindCached(tokens, 2, &bc), &b);
+  EXPECT_EQ(bm.Release(&a, 4), 2);
+  EXPECT_EQ(bm.refcount(a_blocks[0]), 1);
+  EXPECT_EQ(bm.num_cached(), 0);
+  bm.Free(&b);
+  EXPECT_EQ(bm.num_cached(), 2) << "released and let go by b: cached, not free";
+  ExpectAccounted(bm);
+
+  // Found again whole: the released blocks and the one a still holds.
+  BlockManager::Chain c;
+  EXPECT_EQ(bm.FindCached(tokens, 100, &c), (std::vector<int32_t>{a_blocks[0], a_blocks[1], a_blocks[2]}));
+
+  // Every empty block taken, then one cached block evicted: the later of the two released goes
+  // first (a prefix outlives its tail), and the hit ends before it although a still holds the
+  // block after it.
+  std::vector<int32_t> d;
+  ASSERT_TRUE(bm.Grow(&d, 2 * bm.num_free() + 2));
+  EXPECT_EQ(bm.num_cached(), 1);
+  EXPECT_EQ(bm.FindCached(tokens, 100, &c), (std::vector<int32_t>{a_blocks[0]}));
+  EXPECT_EQ(c.blocks, 1);
+  ASSERT_TRUE(bm.Grow(&d, static_cast<int64_t>(d.size()) * 2 + 2));
+  EXPECT_TRUE(bm.FindCached(tokens, 100, &c).empty());
+  EXPECT_EQ(bm.num_free() + bm.num_cached(), 0);
+  ExpectAccounted(bm);
+}
+
+// A released entry ends the chain Register walks: nothing after it is registered.
+TEST(BlockManagerTest, RegisterStopsAtAReleasedBlock) {
+  BlockManager bm(8, 2);
+  const std::vector<int32_t> tokens = Tokens(8, 1);
+  std::vector<int32_t> a;
+  BlockManager::Chain ac;
+  ASSERT_TRUE(bm.Grow(&a, 8));
+  bm.Register(a, tokens, 2, &ac);
+  bm.Release(&a, 4);  // the second block, unregistered, goes back empty
+  EXPECT_EQ(bm.num_cached(), 1);
+  EXPECT_EQ(bm.num_free(), 5);
+  bm.Register(a, tokens, 8, &ac);
+  EXPECT_EQ(ac.blocks, 4);
+  EXPECT_EQ(bm.FindCached(tokens, 100, &ac).size(), 1u);
+}
+
+// WindowBlocks is the most blocks a table holds when every step releases what its next token no
+// longer sees: reached when decoding (the window's first token meets every offset in a block),
+// never passed when prompts are fed in chunks.
+TEST(BlockManagerTest, WindowBlocksBoundsWhatATableHolds) {
+  for (const int64_t block_size : {1, 4, 16}) {
+    for (const int64_t window : {1, 3, 16, 37}) {
+      for (const int64_t chunk : {1, 5, 16}) {
+        SCOPED_TRACE(absl::StrCat("block_size ", block_size, " window ", window, " chunk ", chunk));
+        BlockManager bm(1000, block_size, /*prefix_caching=*/false);
+        std::vector<int32_t> t;
+        int64_t fed = 0, most = 0;
+        for (int step = 0; step < 40; ++step) {
+          ASSERT_TRUE(bm.Grow(&t, fed + chunk));
+          most = std::max(most, BlockManager::Held(t));  // what the step reads and writes
+          fed += chunk;
+          bm.Release(&t, fed - window + 1);  // the next token attends to [fed - window + 1, fed]
+        }
+        EXPECT_LE(most, bm.WindowBlocks(window, chunk, fed));
+        if (chunk == 1) {
+          EXPECT_EQ(most, bm.WindowBlocks(window, chunk, fed));
+        }
+        EXPECT_EQ(bm.WindowBlocks(0, chunk, fed), bm.BlocksFor(fed));
+        EXPECT_EQ(bm.WindowBlocks(window, chunk, 3), std::min<int64_t>(bm.BlocksFor(3), bm.WindowBlocks(window, chunk, fed)));
+        bm.Free(&t);
+        EXPECT_EQ(bm.num_free(), 1000);
+      }
+    }
+  }
+}
+
 // ---- The simulated cluster ---------------------------------------------------------------------
 
 constexpr int32_t kVocab = 1000;
@@ -379,19 +507,40 @@ bool PenaltyOn(const v1::RowSampling& s) {
          s.frequency_penalty() != 0;
 }
 
+// `p` without its sliding layers' tables: what a worker's PersistentBatch takes (it holds no sliding
+// layers' pool and refuses them); the tests check those tables themselves.
+v1::StepPlan WithoutSlidingTables(const v1::StepPlan& p) {
+  v1::StepPlan out = p;
+  for (v1::NewSeq& n : *out.mutable_new_seqs()) n.clear_sliding_block_ids();
+  for (v1::SeqBlocks& a : *out.mutable_appended_blocks()) a.clear_sliding_block_ids();
+  return out;
+}
+
 // Drives a Scheduler like the engine (schedule every lane with no step in flight, complete the
 // oldest step in flight, remove sequences that reached max_tokens) and runs each step on a fake
 // KV cache, checking the plan's invariants with gtest assertions (fatal: callers check
 // HasFatalFailure()). Plans are stateful: each is decoded, in the order sent, by the worker's own
 // PersistentBatch (worker/persistent_batch.h), which must accept it, and the checks read the
 // StepBatch and sampling rows it derives, as the model and the sampler would.
+//
+// With sliding-window layers (SchedulerOptions::sliding_window), a row reads only the window before
+// each of its tokens: through its one table when every layer slides, else the full-attention
+// layers read the whole context through the first table and the sliding layers the window through
+// the second (a cache of their own). Released blocks go to other sequences while a step that read
+// them may still be in flight (the workers run steps in order), so the checks that a block is in
+// one table only and that steps in flight write apart apply to full-attention tables only; every
+// read still checks that the KV is this sequence's.
 class SimCluster {
  public:
   explicit SimCluster(const SchedulerOptions& o)
       : o_(o),
         sched_(o),
         worker_(o.limits, kVocab, /*keep_history=*/true),
-        cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)) {}
+        window_(o.sliding_window),
+        one_pool_slides_(o.sliding_window > 0 && !o.full_layers),
+        two_pools_(o.sliding_window > 0 && o.full_layers),
+        cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)),
+        sliding_cache_(static_cast<size_t>(two_pools_ ? o.limits.num_sliding_kv_blocks * o.limits.block_size : 0)) {}
 
   Scheduler& sched() { return sched_; }
 
@@ -419,10 +568,26 @@ class SimCluster {
       ++next_step_id_;
       plan_bytes_ += static_cast<int64_t>(f.plan.ByteSizeLong());
       // What a worker does with it, in the order sent.
-      const absl::Status applied = worker_.Apply(f.plan, &f.batch, &f.sampling);
+      const absl::Status applied = worker_.Apply(WithoutSlidingTables(f.plan), &f.batch, &f.sampling);
       if (!applied.ok()) {
         ADD_FAILURE() << "the worker refuses step " << f.plan.step_id() << ": " << applied;
         return n;
+      }
+      // The sliding layers' tables, as the workers hold them.
+      for (uint64_t id : f.plan.freed_seq_ids()) sliding_tables_.erase(id);
+      for (const v1::NewSeq& ns : f.plan.new_seqs()) {
+        sliding_tables_[ns.seq_id()].assign(ns.sliding_block_ids().begin(), ns.sliding_block_ids().end());
+      }
+      for (const v1::SeqBlocks& a : f.plan.appended_blocks()) {
+        sliding_tables_[a.seq_id()].insert(sliding_tables_[a.seq_id()].end(), a.sliding_block_ids().begin(),
+                                           a.sliding_block_ids().end());
+      }
+      for (const auto& [id, table] : sliding_tables_) {
+        if (!two_pools_) {
+          EXPECT_TRUE(table.empty()) << "step " << f.plan.step_id() << ": a sliding table without a sliding pool";
+        } else if (worker_.Holds(id)) {
+          EXPECT_EQ(table.size(), worker_.blocks(id).size()) << "step " << f.plan.step_id() << ": seq " << id;
+        }
       }
       // The worker holds only sequences the scheduler runs (freed ids come first in a plan).
       for (const auto& [id, s] : seqs_) {
@@ -469,7 +634,8 @@ class SimCluster {
     for (size_t row = 0; row < f.rows.size(); ++row) {
       const uint64_t id = f.rows[row];
       const Seq& s = seqs_.at(id);
-      for (int64_t pos = 0; pos < f.firsts[row]; ++pos) {
+      ASSERT_NO_FATAL_FAILURE(CheckSlidingReads(f, row, f.firsts[row], f.firsts[row]));
+      for (int64_t pos = FirstRead(f.firsts[row]); pos < f.firsts[row]; ++pos) {
         const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
         ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id << " reads pos " << pos
@@ -485,6 +651,11 @@ class SimCluster {
       c.pos = sb.positions[i];
       ASSERT_EQ(p.token_ids(i), s.tokens[c.pos]);
       c.context.assign(s.tokens.begin(), s.tokens.begin() + c.pos + 1);
+      if (two_pools_) {
+        const std::vector<int32_t>& table = f.sliding_tables[sb.token_seq[i]];
+        ASSERT_LT(c.pos / bs, static_cast<int64_t>(table.size()));
+        sliding_cache_[table[c.pos / bs] * bs + c.pos % bs] = c;
+      }
     }
     // Each sampled row reads its whole context back through its block table.
     std::vector<int32_t> sampled;
@@ -495,16 +666,16 @@ class SimCluster {
       const uint64_t id = f.rows[row];
       const Seq& s = seqs_.at(id);
       const int32_t last = sb.positions[t];
-      std::vector<int32_t> context;
-      for (int32_t pos = 0; pos <= last; ++pos) {
+      ASSERT_NO_FATAL_FAILURE(CheckSlidingReads(f, row, last, last + 1));
+      for (int64_t pos = FirstRead(last); pos <= last; ++pos) {
         const int32_t block = sb.block_tables[row * mbps + pos / bs];
         const Cell& c = cache_[block * bs + pos % bs];
         ASSERT_EQ(c.pos, pos) << "step " << p.step_id() << " seq " << id;
         ASSERT_EQ(static_cast<int64_t>(c.context.size()), pos + 1) << "step " << p.step_id() << " seq " << id;
         ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), s.tokens.begin()))
             << "step " << p.step_id() << " seq " << id << " pos " << pos << " holds the KV of other tokens";
-        context.push_back(c.context.back());
       }
+      const std::vector<int32_t> context(s.tokens.begin(), s.tokens.begin() + last + 1);
       sampled.push_back(NextToken(context, f.sampling[k].seed()));
       if (!s.removed) expected.push_back(SampledToken{id, sampled.back(), k});
     }
@@ -538,6 +709,7 @@ class SimCluster {
     }
     for (int32_t slot : f.slots) busy_slots_.erase(slot);
   }
+
 
   // Removes a sequence now (cancellation), whether or not it is in a step in flight.
   void Cancel(uint64_t id) {
@@ -577,7 +749,30 @@ class SimCluster {
     std::vector<int64_t> firsts;  // each row's first position
     std::vector<int64_t> ends;    // position after each row's last token
     std::vector<int32_t> slots;   // written by this step
+    std::vector<std::vector<int32_t>> sliding_tables;  // each row's sliding table when sent
   };
+
+  // The first position a token at position `q` reads through the first table: 0, or its window's
+  // first when every layer slides.
+  int64_t FirstRead(int64_t q) const { return one_pool_slides_ ? std::max<int64_t>(0, q - window_ + 1) : 0; }
+
+  // With a sliding layers' pool: the positions of the window of a token at position `q`, before
+  // `end`, read through row `row`'s sliding table, hold this sequence's KV.
+  void CheckSlidingReads(const Flight& f, size_t row, int64_t q, int64_t end) const {
+    if (!two_pools_) return;
+    const int64_t bs = o_.limits.block_size;
+    const uint64_t id = f.rows[row];
+    const Seq& s = seqs_.at(id);
+    const std::vector<int32_t>& table = f.sliding_tables[row];
+    for (int64_t pos = std::max<int64_t>(0, q - window_ + 1); pos < end; ++pos) {
+      ASSERT_LT(pos / bs, static_cast<int64_t>(table.size())) << "step " << f.plan.step_id() << " seq " << id;
+      const Cell& c = sliding_cache_[table[pos / bs] * bs + pos % bs];
+      ASSERT_EQ(c.pos, pos) << "step " << f.plan.step_id() << " seq " << id << " reads sliding pos " << pos
+                            << " not written for it";
+      ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), s.tokens.begin(), s.tokens.begin() + pos + 1))
+          << "step " << f.plan.step_id() << " seq " << id << " reads sliding pos " << pos << " written for other tokens";
+    }
+  }
 
   void CheckStep(const MicroBatch& batch, Flight* f) {
     const v1::StepPlan& p = f->plan;
@@ -613,6 +808,7 @@ class SimCluster {
       if (s.in_flight > 0) ++chunks_behind_chunks_;
       ASSERT_TRUE(in_step.insert(id).second) << at << ": seq " << id << " in two rows";
       f->rows.push_back(id);
+      if (two_pools_) f->sliding_tables.push_back(sliding_tables_.at(id));
     }
 
     // Tokens: rows in range, positions contiguous from what the steps sent so far fed (or from 0
@@ -655,7 +851,9 @@ class SimCluster {
       ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
       ASSERT_EQ(sb.slots[i], block * bs + pos % bs) << at << ": seq " << f->rows[row] << " pos " << pos;
       ASSERT_TRUE(step_slots.insert(sb.slots[i]).second) << at << ": slot " << sb.slots[i] << " written twice";
-      ASSERT_FALSE(busy_slots_.count(sb.slots[i])) << at << ": slot " << sb.slots[i] << " also in a step in flight";
+      if (!one_pool_slides_) {
+        ASSERT_FALSE(busy_slots_.count(sb.slots[i])) << at << ": slot " << sb.slots[i] << " also in a step in flight";
+      }
       f->slots.push_back(sb.slots[i]);
     }
 
@@ -667,8 +865,10 @@ class SimCluster {
       if (!worker_.Holds(id)) continue;
       for (int32_t b : worker_.blocks(id)) ++holders[b];
     }
-    ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used()) << at;
-    for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << at << ": block " << b;
+    if (!one_pool_slides_) {  // else the workers' tables still name the blocks let go
+      ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used()) << at;
+      for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << at << ": block " << b;
+    }
     ASSERT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks()) << at;
     if (!o_.prefix_caching) { ASSERT_EQ(bm.num_cached(), 0) << at; }
 
@@ -720,12 +920,14 @@ class SimCluster {
         const int32_t block = sb.block_tables[row * mbps + b];
         ASSERT_GE(block, 0) << at;
         ASSERT_LT(block, o_.limits.num_kv_blocks) << at;
-        ASSERT_TRUE(own.insert(block).second) << at << ": block " << block << " twice in seq " << e.seq << "'s table";
+        if (!one_pool_slides_) {
+          ASSERT_TRUE(own.insert(block).second) << at << ": block " << block << " twice in seq " << e.seq << "'s table";
+        }
         table.push_back(block);
       }
       // The blocks it writes: no other sequence the workers hold (live, or removed with a step in
       // flight) has them in its table, so a shared (cached) block is only ever read.
-      for (int64_t b = first[row] / bs; b < (end + bs - 1) / bs; ++b) {
+      for (int64_t b = first[row] / bs; !one_pool_slides_ && b < (end + bs - 1) / bs; ++b) {
         ASSERT_EQ(holders[table[b]], 1) << at << ": seq " << e.seq << " writes block " << table[b]
                                        << ", which " << holders[table[b]] - 1 << " other sequence(s) hold";
       }
@@ -753,7 +955,12 @@ class SimCluster {
   Scheduler sched_;
   PersistentBatch worker_;   // what every worker holds
   int64_t plan_bytes_ = 0;
+  const int64_t window_;          // sliding_window
+  const bool one_pool_slides_;    // every layer slides: the one table lets go of blocks
+  const bool two_pools_;          // full-attention layers and a sliding layers' pool
   std::vector<Cell> cache_;  // [num_kv_blocks * block_size]
+  std::vector<Cell> sliding_cache_;  // [num_sliding_kv_blocks * block_size]
+  std::map<uint64_t, std::vector<int32_t>> sliding_tables_;  // as the workers hold them
   std::map<uint64_t, Seq> seqs_;
   std::deque<Flight> in_flight_;  // oldest first
   std::set<int32_t> busy_slots_;
@@ -773,6 +980,8 @@ struct ClusterParam {
   bool prefix_caching;
   bool shared_prefixes;  // prompts share system prompts and continue earlier conversations
   bool colliding_keys = false;  // every block key the same: hits only where the tokens match
+  int64_t window = 0;           // sliding_window
+  int64_t sliding_blocks = 0;   // > 0: full-attention layers beside a sliding pool of these; 0: every layer slides
 };
 
 
@@ -798,6 +1007,9 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   o.limits.max_seqs_per_step = std::min<int64_t>(param.budget, 32);  // max_tokens_per_step >= max_running
   o.prefix_caching = param.prefix_caching;
   if (param.colliding_keys) o.prefix_key_fn = &CollidingKey;
+  o.sliding_window = param.window;
+  o.full_layers = param.window == 0 || param.sliding_blocks > 0;
+  o.limits.num_sliding_kv_blocks = param.sliding_blocks;
   SimCluster sim(o);
 
   // 64 sequences, one of them as long as allowed (so the tiny cache holds exactly one of it).
@@ -896,10 +1108,14 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
   EXPECT_EQ(sim.restarts(), s.preemptions()) << "every preempted sequence starts over as a new one";
   EXPECT_EQ(s.block_manager().num_used(), 0);
+  if (s.sliding_block_manager() != nullptr) {
+    EXPECT_EQ(s.sliding_block_manager()->num_used(), 0);
+    EXPECT_EQ(s.sliding_block_manager()->num_available(), param.sliding_blocks);
+  }
   if (!param.prefix_caching) {
     EXPECT_EQ(sim.cached_tokens(), 0);
     EXPECT_EQ(s.prefix_query_tokens(), 0);
-  } else if (param.shared_prefixes && param.num_kv_blocks != kTinyCache) {
+  } else if (param.shared_prefixes && param.num_kv_blocks != kTinyCache && param.window == 0) {
     EXPECT_GT(sim.cached_tokens(), 0) << "no sequence found its system prompt or conversation cached";
   }
   EXPECT_LE(s.prefix_hit_tokens(), s.prefix_query_tokens());
@@ -938,6 +1154,17 @@ std::vector<ClusterParam> ClusterParams() {
       }
     }
     out.push_back({lanes, kMediumCache, 8, true, true, /*colliding_keys=*/true});
+    // Sliding windows of 10 and 3 tokens (blocks of 4): every layer sliding, or beside full
+    // layers with a sliding pool of 8 blocks (5 hold an 8-token step's window) or of one longest
+    // sequence's 18 (256-token steps take whole prompts).
+    for (const auto& [window, sliding_blocks, budget] : {std::tuple<int64_t, int64_t, int64_t>{10, 0, 8},
+                                                         {3, 0, 256},
+                                                         {10, 8, 8},
+                                                         {3, kMaxBlocksPerSeq, 256}}) {
+      for (const bool caching : {true, false}) {
+        out.push_back({lanes, kMediumCache, budget, caching, true, false, window, sliding_blocks});
+      }
+    }
   }
   return out;
 }
@@ -949,7 +1176,11 @@ INSTANTIATE_TEST_SUITE_P(Sim, SchedulerClusterTest, ::testing::ValuesIn(ClusterP
                                   std::to_string(info.param.budget) +
                                   (info.param.prefix_caching ? "_Caching" : "_NoCaching") +
                                   (info.param.shared_prefixes ? "_SharedPrefixes" : "_RandomPrompts") +
-                                  (info.param.colliding_keys ? "_CollidingKeys" : "");
+                                  (info.param.colliding_keys ? "_CollidingKeys" : "") +
+                                  (info.param.window > 0 ? "_Window" + std::to_string(info.param.window) : "") +
+                                  (info.param.sliding_blocks > 0
+                                       ? "_SlidingPool" + std::to_string(info.param.sliding_blocks)
+                                       : "");
                          });
 
 // ---- Focused behaviours ------------------------------------------------------------------------
@@ -1000,7 +1231,7 @@ class Decoder {
   // The plan expanded; sampling() then holds its rows' settings.
   StepBatch Apply(const v1::StepPlan& p) {
     StepBatch b;
-    const absl::Status s = worker_.Apply(p, &b, &sampling_);
+    const absl::Status s = worker_.Apply(WithoutSlidingTables(p), &b, &sampling_);
     EXPECT_TRUE(s.ok()) << s;
     return b;
   }
@@ -1716,6 +1947,255 @@ TEST(SchedulerTest, PreemptedAndRemovedSequencesLeaveTheirBlocksCached) {
   EXPECT_EQ(s.block_manager().num_used(), 0);
   EXPECT_EQ(s.num_free_blocks(), 6);
   EXPECT_GT(s.num_cached_blocks(), 0);
+}
+
+// ---- Sliding-window layers ---------------------------------------------------------------------
+
+// Options for a model whose layers slide over `window` tokens: every layer (full_layers false, one
+// pool of num_kv_blocks) or beside full-attention layers (a pool of `sliding_blocks` of their own).
+SchedulerOptions SlidingOptions(int64_t window, bool full_layers, int64_t sliding_blocks = 0) {
+  SchedulerOptions o = SmallOptions();  // blocks of 4 tokens, 8-token steps
+  o.sliding_window = window;
+  o.full_layers = full_layers;
+  o.limits.num_sliding_kv_blocks = sliding_blocks;
+  return o;
+}
+
+// Runs `id` alone for `n` generated tokens; after each step, the blocks each pool holds are at most
+// what its window needs (all of the sequence in a full-attention pool), the workers accept the plan,
+// and the sliding table (where there is one) is as long as the other. Returns the most blocks the
+// sliding layers held between steps (once a step is built, its blocks before the next token's
+// window are let go), and every block id their table named.
+struct SlidingRun {
+  int64_t most_held = 0;
+  std::set<int32_t> ids;
+  int64_t table_entries = 0;
+};
+SlidingRun RunSliding(Scheduler& s, uint64_t id, int n) {
+  const SchedulerOptions& o = s.options();
+  const BlockManager& full = s.block_manager();
+  const BlockManager* sliding = s.sliding_block_manager();
+  const BlockManager& slides = sliding != nullptr ? *sliding : full;
+  Decoder worker(o.limits);
+  SlidingRun run;
+  v1::StepPlan p;
+  uint64_t step = 0;
+  while (s.generated(id) < n) {
+    const MicroBatch* b = s.Schedule(0, step++, &p);
+    EXPECT_NE(b, nullptr);
+    if (b == nullptr) return run;
+    worker.Apply(p);
+    for (const v1::NewSeq& ns : p.new_seqs()) {
+      EXPECT_EQ(ns.sliding_block_ids_size(), sliding != nullptr ? ns.block_ids_size() : 0);
+      run.ids.insert(ns.sliding_block_ids().begin(), ns.sliding_block_ids().end());
+      if (sliding == nullptr) run.ids.insert(ns.block_ids().begin(), ns.block_ids().end());
+    }
+    for (const v1::SeqBlocks& a : p.appended_blocks()) {
+      EXPECT_EQ(a.sliding_block_ids_size(), sliding != nullptr ? a.block_ids_size() : 0);
+      run.ids.insert(a.sliding_block_ids().begin(), a.sliding_block_ids().end());
+      if (sliding == nullptr) run.ids.insert(a.block_ids().begin(), a.block_ids().end());
+    }
+    const int64_t fed = p.row_start_positions(0) + p.row_num_tokens(0);
+    run.most_held = std::max(run.most_held, slides.num_used());
+    EXPECT_LE(slides.num_used(), slides.WindowBlocks(o.sliding_window, o.limits.max_tokens_per_step, fed))
+        << "step " << p.step_id();
+    if (sliding != nullptr) {
+      EXPECT_EQ(full.num_used(), full.BlocksFor(fed)) << "step " << p.step_id();
+    }
+    s.Complete(0, Sampled(p));
+    run.table_entries = full.BlocksFor(fed);
+  }
+  s.Remove(id);
+  EXPECT_EQ(full.num_used(), 0);
+  EXPECT_EQ(slides.num_used(), 0);
+  return run;
+}
+
+// A 30-token prompt and 40 generated tokens (70: 18 blocks of 4) over a 10-token window: between
+// steps the sliding layers hold the 9 tokens before the next one's position (3 blocks), and never
+// more than 6 distinct blocks are used, whether every layer slides (one pool) or full-attention
+// layers keep all 18 (two pools).
+TEST(SchedulerTest, SlidingLayersHoldOnlyTheirWindow) {
+  for (const bool full_layers : {false, true}) {
+    SCOPED_TRACE(full_layers ? "full and sliding layers" : "every layer slides");
+    Scheduler s(SlidingOptions(10, full_layers, full_layers ? 6 : 0));
+    s.Add(1, Prompt(30), {});
+    const SlidingRun run = RunSliding(s, 1, 40);
+    EXPECT_EQ(run.table_entries, 18);
+    EXPECT_EQ(run.most_held, 3);
+    EXPECT_LE(static_cast<int64_t>(run.ids.size()), 6) << "released blocks are used again";
+  }
+  // Without a window, the same sequence holds all 18, and plans carry no sliding table.
+  Scheduler s(SmallOptions());
+  s.Add(1, Prompt(30), {});
+  const SlidingRun run = RunSliding(s, 1, 40);
+  EXPECT_EQ(s.sliding_block_manager(), nullptr);
+  EXPECT_EQ(run.ids.size(), 18u);
+}
+
+// A model with no sliding layers: its plans are those of a scheduler that knows nothing of windows
+// (the same bytes), and its limits encode as before (no num_sliding_kv_blocks on the wire).
+TEST(SchedulerTest, NoSlidingLayersLeaveThePlansAsTheyWere) {
+  SchedulerOptions with = SmallOptions();
+  with.full_layers = false;  // no window: nothing slides whatever this says
+  Scheduler a(SmallOptions()), b(with);
+  for (Scheduler* s : {&a, &b}) {
+    s->Add(1, Prompt(30), {});
+    s->Add(2, Prompt(13, 50), {});
+  }
+  v1::StepPlan pa, pb;
+  for (uint64_t step = 0; step < 12; ++step) {
+    ASSERT_NE(a.Schedule(0, step, &pa), nullptr);
+    ASSERT_NE(b.Schedule(0, step, &pb), nullptr);
+    EXPECT_EQ(pa.SerializeAsString(), pb.SerializeAsString()) << "step " << step;
+    for (const v1::NewSeq& ns : pa.new_seqs()) EXPECT_EQ(ns.sliding_block_ids_size(), 0);
+    for (const v1::SeqBlocks& sb : pa.appended_blocks()) EXPECT_EQ(sb.sliding_block_ids_size(), 0);
+    a.Complete(0, Sampled(pa));
+    b.Complete(0, Sampled(pb));
+  }
+  EXPECT_EQ(a.block_manager().num_used(), b.block_manager().num_used());
+  v1::StepLimits l;
+  ToProto(SmallOptions().limits, &l);
+  v1::StepLimits old = l;
+  old.clear_num_sliding_kv_blocks();
+  EXPECT_EQ(l.SerializeAsString(), old.SerializeAsString());
+  EXPECT_EQ(l.ByteSizeLong(), old.ByteSizeLong());
+}
+
+// A prefix hit is taken only as far as the sliding layers' pool still holds every block of it: with
+// their blocks cached it is the whole prompt, as the full-attention pool has it; once other
+// sequences took (evicted) the sliding blocks a finished sequence let go, the hit ends before the
+// first one gone and the sequence computes the rest again, never reading KV that was freed.
+TEST(SchedulerTest, PrefixHitEndsWhereSlidingBlocksWereEvicted) {
+  for (const bool evict : {false, true}) {
+    SCOPED_TRACE(evict ? "sliding blocks evicted" : "sliding blocks cached");
+    SchedulerOptions o = SlidingOptions(8, /*full_layers=*/true, /*sliding_blocks=*/12);
+    o.prefix_caching = true;
+    o.limits.max_tokens_per_step = 64;
+    Scheduler s(o);
+    Decoder worker(o.limits);
+    uint64_t step = 0;
+    s.Add(1, Prompt(40), {});
+    RunToEnd(s, 1, 1, 7, &step, &worker);  // 10 full blocks registered in both pools
+    const BlockManager& sliding = *s.sliding_block_manager();
+    EXPECT_EQ(s.block_manager().num_cached(), 10);
+    EXPECT_EQ(sliding.num_cached(), 10) << "released or let go at the end, registered: cached";
+    if (evict) {
+      s.Add(2, Prompt(40, 500), {});  // other tokens: takes 10 sliding blocks, 8 of them evicted
+      RunToEnd(s, 2, 1, 7, &step, &worker);
+    }
+    std::vector<int32_t> prompt = Prompt(40);
+    prompt.push_back(900);
+    BlockManager::Chain c;
+    EXPECT_EQ(s.block_manager().FindCached(prompt, 100, &c).size(), 10u) << "the full-attention layers' pool has it all";
+    const int64_t sliding_hit = static_cast<int64_t>(sliding.FindCached(prompt, 100, &c).size());
+    EXPECT_EQ(sliding_hit, evict ? 0 : 10);
+    s.Add(3, prompt, {});
+    v1::StepPlan p;
+    ASSERT_NE(s.Schedule(0, step++, &p), nullptr);
+    worker.Apply(p);
+    ASSERT_EQ(p.new_seqs_size(), 1);
+    EXPECT_EQ(p.new_seqs(0).num_cached_tokens(), 4 * sliding_hit);
+    EXPECT_EQ(p.row_start_positions(0), 4 * sliding_hit);
+    EXPECT_EQ(p.new_seqs(0).sliding_block_ids_size(), p.new_seqs(0).block_ids_size());
+    s.Complete(0, Sampled(p));
+  }
+}
+
+// Preempted for blocks of the sliding layers' pool (the full-attention one has room): the newest
+// sequence gives way, lets go of both tables, and is computed again from token 0 once there is
+// room; every sequence gets its tokens.
+TEST(SchedulerTest, SlidingPoolPreemptsAndRecomputes) {
+  SchedulerOptions o = SlidingOptions(8, /*full_layers=*/true, /*sliding_blocks=*/5);
+  ASSERT_EQ(BlockManager(5, 4).WindowBlocks(8, 8, 32), 5) << "one sequence alone always fits";
+  Scheduler s(o);
+  Decoder worker(o.limits);
+  s.Add(1, Prompt(20), {});
+  s.Add(2, Prompt(20, 100), {});
+  v1::StepPlan p;
+  uint64_t step = 0;
+  std::map<uint64_t, int> done;
+  while ((s.num_running() > 0 || s.num_waiting() > 0) && step < 200) {
+    ASSERT_NE(s.Schedule(0, step++, &p), nullptr);
+    worker.Apply(p);
+    for (const SampledToken& t : s.Complete(0, Sampled(p))) {
+      if (s.generated(t.seq) == 12) {
+        s.Remove(t.seq);
+        ++done[t.seq];
+      }
+    }
+    EXPECT_LE(s.sliding_block_manager()->num_used(), 5);
+  }
+  EXPECT_EQ(done, (std::map<uint64_t, int>{{1, 1}, {2, 1}}));
+  EXPECT_GT(s.preemptions(), 0) << "two sequences' windows (up to 4 blocks each while decoding) exceed 5 blocks";
+  EXPECT_EQ(s.block_manager().num_used(), 0);
+  EXPECT_EQ(s.sliding_block_manager()->num_used(), 0);
+}
+
+// The point of it: with the KV memory of a Gemma-3-shaped model (5 sliding layers over 32 tokens to
+// 1 full one) fixed, more sequences of 128 tokens run at once when the sliding layers keep only
+// their window. The pools are sized from the same memory as the planner counts it: a sequence needs
+// 32 blocks in the full layer and KvBlocksHeld (13 for 16-token steps) in each sliding layer. The
+// figure: sequences decoding past 96 tokens in one step (each then holds at least 24 full-layer
+// blocks), at most; and the preemptions and steps for 12 sequences.
+TEST(SchedulerTest, WindowsFitMoreLongSequencesInTheSameMemory) {
+  constexpr int64_t kFullLayers = 1, kSlidingLayers = 5, kWindow = 32, kLen = 128, kPrompt = 32, kLong = 96;
+  constexpr int64_t kLayerBlocks = 6 * 128;  // the memory: 128 blocks of every layer
+  struct Figures {
+    int64_t long_at_once = 0, preemptions = 0, steps = 0;
+  };
+  auto run = [&](bool windows, Figures* f) {
+    SchedulerOptions o = SmallOptions();
+    o.limits.max_tokens_per_step = 16;
+    o.limits.max_seqs_per_step = 16;
+    o.limits.max_model_len = kLen;
+    if (windows) {
+      BlockManager sizing(1, o.limits.block_size);
+      const int64_t full = sizing.BlocksFor(kLen);
+      const int64_t slide = sizing.WindowBlocks(kWindow, o.limits.max_tokens_per_step, kLen);
+      EXPECT_EQ(full, 32);
+      EXPECT_EQ(slide, 13) << "a 16-token chunk and the window before it";
+      const int64_t seqs = kLayerBlocks / (kFullLayers * full + kSlidingLayers * slide);
+      o.limits.num_kv_blocks = seqs * full;
+      o.limits.num_sliding_kv_blocks = seqs * slide;
+      EXPECT_LE(kFullLayers * o.limits.num_kv_blocks + kSlidingLayers * o.limits.num_sliding_kv_blocks, kLayerBlocks);
+      o.sliding_window = kWindow;
+    } else {
+      o.limits.num_kv_blocks = kLayerBlocks / (kFullLayers + kSlidingLayers);
+    }
+    Scheduler s(o);
+    Decoder worker(o.limits);
+    for (uint64_t id = 1; id <= 12; ++id) s.Add(id, Prompt(kPrompt, static_cast<int32_t>(id * 50)), {});
+    v1::StepPlan p;
+    for (f->steps = 0; (s.num_running() > 0 || s.num_waiting() > 0) && f->steps < 2000; ++f->steps) {
+      ASSERT_NE(s.Schedule(0, static_cast<uint64_t>(f->steps), &p), nullptr);
+      worker.Apply(p);
+      const int64_t long_rows = std::count_if(p.row_start_positions().begin(), p.row_start_positions().end(),
+                                              [&](int32_t pos) { return pos >= kLong; });
+      f->long_at_once = std::max(f->long_at_once, long_rows);
+      for (const SampledToken& t : s.Complete(0, Sampled(p))) {
+        if (s.generated(t.seq) == kLen - kPrompt) s.Remove(t.seq);
+      }
+    }
+    EXPECT_EQ(s.num_running() + s.num_waiting(), 0);
+    f->preemptions = s.preemptions();
+  };
+  Figures without, with;
+  run(false, &without);
+  run(true, &with);
+  EXPECT_LE(without.long_at_once, 128 / 24);
+  EXPECT_GT(with.long_at_once, without.long_at_once);
+  EXPECT_LT(with.preemptions, without.preemptions);
+  EXPECT_LT(with.steps, without.steps);
+  RecordProperty("long_at_once_without_windows", static_cast<int>(without.long_at_once));
+  RecordProperty("long_at_once_with_windows", static_cast<int>(with.long_at_once));
+  std::printf(
+      "12 sequences of %lld tokens: at most %lld past %lld tokens at once, %lld preemptions, %lld steps without "
+      "windows; %lld, %lld, %lld with\n",
+      static_cast<long long>(kLen), static_cast<long long>(without.long_at_once), static_cast<long long>(kLong),
+      static_cast<long long>(without.preemptions), static_cast<long long>(without.steps),
+      static_cast<long long>(with.long_at_once), static_cast<long long>(with.preemptions),
+      static_cast<long long>(with.steps));
 }
 
 }  // namespace

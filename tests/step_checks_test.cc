@@ -74,6 +74,11 @@ TEST(StepChecksTest, AssignmentAgainstTheModel) {
   a.set_tp_rank(3);
   EXPECT_FALSE(CheckShard(config, ShardSpecOf(a), Limits()).ok());
 
+  StepLimits sliding = Limits();
+  sliding.num_sliding_kv_blocks = 8;
+  ExpectRefused(CheckShard(config, ShardSpecOf(Assigned(0)), sliding),
+                "num_sliding_kv_blocks 8: this worker holds no sliding layers' pool of its own");
+
   a = Assigned(0);
   a.set_end_layer(4);  // stage 0 of 2 holding the last layer: the LM head on the wrong stage
   ExpectRefused(CheckStageLayers(a, config), "does not match layers [0, 4)");

@@ -68,6 +68,11 @@ TEST(StepLimits, EachBadFieldIsRefusedWithItsNameAndNumbers) {
       {"cache beyond int32 slots", with([](StepLimits& l) { l.num_kv_blocks = kMaxKvCacheTokens / 16 + 1; }),
        "num_kv_blocks 134217729 outside [0, 134217728]"},
       {"negative blocks", with([](StepLimits& l) { l.num_kv_blocks = -1; }), "num_kv_blocks -1 outside [0, "},
+      {"negative sliding blocks", with([](StepLimits& l) { l.num_sliding_kv_blocks = -1; }),
+       "num_sliding_kv_blocks -1 outside [0, 134217728]"},
+      {"sliding cache beyond int32 slots",
+       with([](StepLimits& l) { l.num_sliding_kv_blocks = kMaxKvCacheTokens / 16 + 1; }),
+       "num_sliding_kv_blocks 134217729 outside [0, 134217728]"},
       {"length beyond int32 slots", with([](StepLimits& l) { l.max_model_len = int64_t{1} << 62; }),
        "max_model_len 4611686018427387904 outside [0, 2147483648]"},
       {"block tables too large", with([](StepLimits& l) { l.max_model_len = 1 << 20; }),
@@ -86,6 +91,16 @@ TEST(StepLimits, TheWireFormRoundTrips) {
   ToProto(kDecided, &wire);
   EXPECT_EQ(wire.max_model_len(), 4000);
   EXPECT_EQ(FromProto(wire), kDecided);
+  StepLimits sliding = kDecided;
+  sliding.num_sliding_kv_blocks = 77;
+  ToProto(sliding, &wire);
+  EXPECT_EQ(wire.num_sliding_kv_blocks(), 77);
+  EXPECT_EQ(FromProto(wire), sliding);
+  // Without a sliding layers' pool the field stays off the wire: the same bytes as before it existed.
+  ToProto(kDecided, &wire);
+  v1::StepLimits without = wire;
+  without.clear_num_sliding_kv_blocks();
+  EXPECT_EQ(wire.SerializeAsString(), without.SerializeAsString());
   // A message with nothing set is all zeros: refused before anything is sized by it.
   EXPECT_FALSE(FromProto(v1::StepLimits()).ValidateDecided().ok());
 }

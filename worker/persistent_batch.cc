@@ -116,6 +116,10 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     s.penalty = PenaltyOn(r);
     s.last_step = 0;
     s.sampling.CopyFrom(r);
+    if (n.sliding_block_ids_size() > 0) {
+      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " carries sliding_block_ids; this worker holds no sliding "
+                 "layers' pool (num_sliding_kv_blocks 0)");
+    }
     absl::Status st = AppendBlocks(step, s, n.block_ids(), "new_seqs");
     if (!st.ok()) return st;
     // Its first row starts after the tokens whose KV its shared blocks hold.
@@ -139,6 +143,10 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     const v1::SeqBlocks& a = p.appended_blocks(i);
     auto it = index_.find(a.seq_id());
     if (it == index_.end()) return bad("appended_blocks[", i, "] names seq ", a.seq_id(), ", which this worker does not hold");
+    if (a.sliding_block_ids_size() > 0) {
+      return bad("appended_blocks[", i, "]: seq ", a.seq_id(), " carries sliding_block_ids; this worker holds no "
+                 "sliding layers' pool (num_sliding_kv_blocks 0)");
+    }
     absl::Status st = AppendBlocks(step, slots_[it->second], a.block_ids(), "appended_blocks");
     if (!st.ok()) return st;
   }

@@ -54,6 +54,12 @@ absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const 
                                                    ") is not a non-empty part of the model's ", L, " layers"));
   }
   SHARDSERVE_RETURN_IF_ERROR(limits.ValidateDecided());
+  if (limits.num_sliding_kv_blocks != 0) {
+    // The sliding layers index the one cache through block_ids (the coordinator keeps every block
+    // for models with full-attention layers beside sliding ones): a pool of their own is not held.
+    return absl::InvalidArgumentError(absl::StrCat("step limits: num_sliding_kv_blocks ", limits.num_sliding_kv_blocks,
+                                                   ": this worker holds no sliding layers' pool of its own"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(ComputeTpShard(config, spec.tp_rank, spec.tp_size).status());
   return CheckQuantizedShard(config, spec.tp_size, spec.weight_quant);
 }

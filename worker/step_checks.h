@@ -34,8 +34,9 @@ absl::Status CheckAssignment(const v1::Assignment& a);
 
 // The shard `spec` of the model `config` within `limits`, as ModelShard::Load checks it before
 // reading any weight: a non-empty layer range inside the model's layers (end_layer < 0: through
-// the last), decided limits, a TP split the heads, MLP and vocabulary allow (ComputeTpShard), and
-// a quantization the TP split allows (CheckQuantizedShard).
+// the last), decided limits with no sliding layers' pool (num_sliding_kv_blocks 0: the worker holds
+// none yet), a TP split the heads, MLP and vocabulary allow (ComputeTpShard), and a quantization
+// the TP split allows (CheckQuantizedShard).
 absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const StepLimits& limits);
 
 // The ShardSpec an Assignment asks for.

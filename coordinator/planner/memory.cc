@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "coordinator/planner/planner.h"
 #include "model/families/registry.h"
+#include "model/kv_blocks.h"
 
 namespace shardserve {
 namespace {
@@ -110,6 +111,25 @@ uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype
     bytes += elements * DTypeSize(b.dtype);
   }
   return bytes;
+}
+
+SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
+                           DType dtype, int64_t context, int64_t block_size, int64_t chunk) {
+  // K and V of one token in one layer.
+  const uint64_t per_token = 2 * static_cast<uint64_t>(kv_heads) * static_cast<uint64_t>(config.head_dim) * DTypeSize(dtype);
+  const uint64_t per_block = per_token * static_cast<uint64_t>(block_size);
+  const uint64_t all = static_cast<uint64_t>(KvBlocksFor(context, block_size)) * per_block;
+  SequenceKv kv;
+  for (int64_t i = first_layer; i < end_layer; ++i) {
+    const int64_t window = config.LayerWindow(i);
+    if (window == 0) {
+      kv.full_layers_bytes += all;
+    } else {
+      kv.sliding_layers_bytes += static_cast<uint64_t>(KvBlocksHeld(window, chunk, context, block_size)) * per_block;
+      kv.sliding_layers_full_context_bytes += all;
+    }
+  }
+  return kv;
 }
 
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g) {

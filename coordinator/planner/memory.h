@@ -84,6 +84,23 @@ RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage,
 uint64_t StepBufferBytes(const ModelConfig& config, const TpShard& shard, DType act, const StepLimits& limits,
                          bool last_stage);
 
+// The KV cache one sequence of `context` tokens holds in layers [first_layer, end_layer) of
+// `config`, with `kv_heads` KV heads each (the TP shard's) in `dtype`, in blocks of `block_size`,
+// fed in steps of at most `chunk` tokens (max_tokens_per_step).
+struct SequenceKv {
+  // Full-attention layers: the blocks of the whole context.
+  uint64_t full_layers_bytes = 0;
+  // Sliding-window layers (ModelConfig::LayerWindow), keeping only the blocks their window and a
+  // step need (model/kv_blocks.h KvBlocksHeld), as the coordinator's scheduler lets the rest go.
+  uint64_t sliding_layers_bytes = 0;
+  // The same sliding layers counted at the whole context, as the workers allocate them today.
+  uint64_t sliding_layers_full_context_bytes = 0;
+  uint64_t bytes() const { return full_layers_bytes + sliding_layers_bytes; }
+  uint64_t full_context_bytes() const { return full_layers_bytes + sliding_layers_full_context_bytes; }
+};
+SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
+                           DType dtype, int64_t context, int64_t block_size, int64_t chunk);
+
 // One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
 // (plan.limits.num_kv_blocks blocks, the same on every device), the step buffers for plan.limits,
 // the runtime items (the dequantize scratch only where g has one), what is left free of the usable

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/container/inlined_vector.h"
+#include "model/kv_blocks.h"
 
 namespace shardserve {
 
@@ -66,6 +67,7 @@ void BlockManager::Free(std::vector<int32_t>* table) {
   // Last block first: into the free stack, so that a table freed and grown again gets its blocks
   // back in order; into the LRU list, so that a cached prefix is evicted after its tail.
   for (auto it = table->rbegin(); it != table->rend(); ++it) {
+    if (*it == kReleased) continue;
     Block& b = blocks_[*it];
     if (--b.refcount > 0) continue;
     if (b.registered) {
@@ -75,6 +77,28 @@ void BlockManager::Free(std::vector<int32_t>* table) {
     }
   }
   table->clear();
+}
+
+int64_t BlockManager::Release(std::vector<int32_t>* table, int64_t first_kept) {
+  const int64_t before = std::min<int64_t>(std::max<int64_t>(first_kept, 0) / block_size_,
+                                           static_cast<int64_t>(table->size()));
+  std::vector<int32_t> gone;
+  for (int64_t i = 0; i < before; ++i) {
+    if ((*table)[i] == kReleased) continue;
+    gone.push_back((*table)[i]);
+    (*table)[i] = kReleased;
+  }
+  const int64_t n = static_cast<int64_t>(gone.size());
+  Free(&gone);
+  return n;
+}
+
+int64_t BlockManager::Held(const std::vector<int32_t>& table) {
+  return std::count_if(table.begin(), table.end(), [](int32_t b) { return b != kReleased; });
+}
+
+int64_t BlockManager::WindowBlocks(int64_t window, int64_t chunk, int64_t tokens) const {
+  return KvBlocksHeld(window, chunk, tokens, block_size_);
 }
 
 std::vector<int32_t> BlockManager::FindCached(const std::vector<int32_t>& tokens, int64_t max_blocks,
@@ -119,8 +143,9 @@ void BlockManager::Register(const std::vector<int32_t>& table, const std::vector
   for (int64_t i = chain->blocks; i < full; ++i) {
     const int32_t* first = tokens.data() + i * block_size_;
     const absl::uint128 key = key_fn_(chain->key, first, block_size_);
-    if (i > 0 && chain->block < 0) {
-      // The parent could not be registered (a key collision): no block after it can be verified.
+    if ((i > 0 && chain->block < 0) || table[i] == kReleased) {
+      // The parent could not be registered (a key collision), or the block is gone: no block
+      // after it can be verified.
       *chain = Chain{i + 1, key, -1, 0};
       continue;
     }

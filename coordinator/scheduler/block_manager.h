@@ -21,6 +21,14 @@
 // finds a key also compares the block's tokens and its parent block (id and registration), so a
 // hash collision can only cost a hit, never give a sequence the wrong KV.
 //
+// Sliding-window attention (the scheduler keeps a second BlockManager for the sliding layers): a
+// table may let go of its blocks that lie wholly before the first position its sequence's next
+// token attends to (Release); their entries become kReleased, so a table stays indexed by
+// position / block_size. A released block is free, or cached when registered, as after Free. A
+// prefix hit is taken only over blocks that are all still registered, released or not (the chain
+// checks every block's parent): a hit never reads freed KV, and an evicted early block ends the
+// hit there (the sequence computes the rest again).
+//
 // Every block is in exactly one state: free (empty), cached (registered, refcount 0, evictable)
 // or used (refcount > 0, registered or not); num_free() + num_cached() + num_used() ==
 // num_blocks().
@@ -45,6 +53,8 @@ class BlockManager {
   // SHA-256 (truncated to 128 bits) over the parent key and the tokens, little-endian.
   static absl::uint128 Sha256Key(absl::uint128 parent, const int32_t* tokens, int64_t n);
   static constexpr absl::uint128 kRootKey = 0;
+  // A table entry whose block Release let go.
+  static constexpr int32_t kReleased = -1;
 
   // Where a sequence's chain of registered blocks stands: the key and the registered block (id
   // and registration number) that hold its tokens up to the last block registered or found; a
@@ -83,6 +93,14 @@ class BlockManager {
   // or cached when registered (the table's last block the least recently used, so that a prefix
   // outlives its tails).
   void Free(std::vector<int32_t>* table);
+  // Lets go (as Free does) of the blocks of `table` that lie wholly before token `first_kept`,
+  // setting their entries to kReleased; the table keeps its size. Returns how many it let go.
+  int64_t Release(std::vector<int32_t>* table, int64_t first_kept);
+  // Entries of `table` that hold a block (not kReleased).
+  static int64_t Held(const std::vector<int32_t>& table);
+  // The most blocks a table of a sequence of `tokens` tokens holds at once, released as above, for
+  // steps of at most `chunk` tokens (model/kv_blocks.h KvBlocksHeld); `window` 0: BlocksFor(`tokens`).
+  int64_t WindowBlocks(int64_t window, int64_t chunk, int64_t tokens) const;
 
   // The registered blocks that hold a prefix of `tokens` (block after block from the first), at
   // most `max_blocks` of them, and the chain after them in *chain. No side effect.
@@ -96,7 +114,8 @@ class BlockManager {
   // Registers the full blocks of `table` holding `tokens[0, num_tokens)` from chain->blocks on
   // (their KV written, or written by a step already sent), advancing *chain. A block whose key is
   // already registered (another sequence computed the same tokens) is left unregistered, and the
-  // chain goes on from the registered one.
+  // chain goes on from the registered one. A kReleased entry ends the chain (nothing after it is
+  // registered): call it before Release for the tokens a step feeds.
   void Register(const std::vector<int32_t>& table, const std::vector<int32_t>& tokens, int64_t num_tokens,
                 Chain* chain);
 

@@ -7,7 +7,41 @@ namespace shardserve {
 Scheduler::Scheduler(const SchedulerOptions& options)
     : options_(options),
       blocks_(options.limits.num_kv_blocks, options.limits.block_size, options.prefix_caching, options.prefix_key_fn),
-      lanes_(std::max(1, options.lanes)) {}
+      blocks_window_(options.full_layers ? 0 : options.sliding_window),
+      lanes_(std::max(1, options.lanes)) {
+  if (options.sliding_window > 0 && options.full_layers) {
+    sliding_.emplace(options.limits.num_sliding_kv_blocks, options.limits.block_size, options.prefix_caching,
+                     options.prefix_key_fn);
+  }
+}
+
+bool Scheduler::Grow(Seq& s, int64_t tokens) {
+  const int64_t want = blocks_.BlocksFor(tokens) - static_cast<int64_t>(s.blocks.size());
+  if (want > blocks_.num_available() || (sliding_ && want > sliding_->num_available())) return false;
+  blocks_.Grow(&s.blocks, tokens);  // cannot fail: checked above
+  if (sliding_) sliding_->Grow(&s.sliding_blocks, tokens);
+  return true;
+}
+
+void Scheduler::FreeBlocks(Seq& s) {
+  blocks_.Free(&s.blocks);  // its full blocks stay cached: it may find them again
+  s.chain = BlockManager::Chain{};
+  if (sliding_) sliding_->Free(&s.sliding_blocks);
+  s.sliding_chain = BlockManager::Chain{};
+}
+
+void Scheduler::Advance(Seq& s) {
+  // The blocks this step fills are written before any later step reads them.
+  blocks_.Register(s.blocks, s.tokens, s.num_fed, &s.chain);
+  // The next token, at num_fed, attends to [num_fed - window + 1, num_fed]: every worker runs the
+  // steps in the order sent, so the steps in flight read the blocks let go before a later step
+  // that takes them writes them.
+  if (blocks_window_ > 0) blocks_.Release(&s.blocks, s.num_fed - blocks_window_ + 1);
+  if (sliding_) {
+    sliding_->Register(s.sliding_blocks, s.tokens, s.num_fed, &s.sliding_chain);
+    sliding_->Release(&s.sliding_blocks, s.num_fed - options_.sliding_window + 1);
+  }
+}
 
 void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling) {
   auto s = std::make_unique<Seq>();
@@ -46,9 +80,8 @@ void Scheduler::Forget(Seq& s) {
 
 void Scheduler::Preempt(Seq& s) {
   Forget(s);  // it comes back as a new sequence, with new blocks
-  blocks_.Free(&s.blocks);  // its full blocks stay cached: it may find them again
+  FreeBlocks(s);
   s.num_fed = 0;
-  s.chain = BlockManager::Chain{};
   s.stalled = false;
   --lanes_[s.lane].running;
   s.lane = -1;
@@ -58,7 +91,7 @@ void Scheduler::Preempt(Seq& s) {
 }
 
 bool Scheduler::Reserve(Seq& s, int64_t tokens) {
-  while (!blocks_.Grow(&s.blocks, tokens)) {
+  while (!Grow(s, tokens)) {
     // The newest running sequence that no step holds.
     Seq* victim = nullptr;
     bool newer_in_a_step = false;
@@ -178,23 +211,48 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     if (lanes_[home].running >= share) break;
     Seq& s = *seqs_.at(*waiting_.begin());
     const int64_t bs = blocks_.block_size();
-    // The cached blocks that hold its longest prefix, all but its last token at most.
-    BlockManager::Chain chain;
-    const std::vector<int32_t> hit =
-        s.penalized ? std::vector<int32_t>{}
-                    : blocks_.FindCached(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, &chain);
+    // The cached blocks that hold its longest prefix, all but its last token at most, in every
+    // pool.
+    BlockManager::Chain chain, sliding_chain;
+    std::vector<int32_t> hit, sliding_hit;
+    if (!s.penalized) {
+      hit = blocks_.FindCached(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, &chain);
+      if (sliding_) {
+        const int64_t n = static_cast<int64_t>(hit.size());
+        sliding_hit = sliding_->FindCached(s.tokens, n, &sliding_chain);
+        if (static_cast<int64_t>(sliding_hit.size()) < n) {
+          hit = blocks_.FindCached(s.tokens, static_cast<int64_t>(sliding_hit.size()), &chain);
+        }
+      }
+    }
     const int64_t cached = static_cast<int64_t>(hit.size()) * bs;
     const int64_t need = static_cast<int64_t>(s.tokens.size()) - cached;
     int64_t chunk = std::min({need, budget, prefill_budget});
     if (home != lane && chunk == need) chunk = need - 1;
     if (chunk == 0) break;
+    // Of the blocks found, a sliding pool keeps those in the window of the first token fed (at
+    // `cached`) and lets the others go at once: only those count against what it has left.
     const int64_t new_blocks = blocks_.BlocksFor(cached + chunk) - static_cast<int64_t>(hit.size());
-    if (new_blocks > blocks_.num_available() - blocks_.CountCached(hit)) break;
+    auto fits = [&](const BlockManager& pool, const std::vector<int32_t>& found, int64_t window) {
+      const int64_t first_kept = window > 0 ? std::max<int64_t>(0, cached - window + 1) / bs : 0;
+      const std::vector<int32_t> kept(found.begin() + std::min<int64_t>(first_kept, found.size()), found.end());
+      return new_blocks <= pool.num_available() - pool.CountCached(kept);
+    };
+    if (!fits(blocks_, hit, blocks_window_)) break;
+    if (sliding_ && !fits(*sliding_, sliding_hit, options_.sliding_window)) break;
     blocks_.Share(hit, &s.blocks);
-    blocks_.Grow(&s.blocks, cached + chunk);  // cannot fail: checked above
+    if (blocks_window_ > 0) blocks_.Release(&s.blocks, cached - blocks_window_ + 1);
+    if (sliding_) {
+      sliding_->Share(sliding_hit, &s.sliding_blocks);
+      sliding_->Release(&s.sliding_blocks, cached - options_.sliding_window + 1);
+    }
+    s.found = std::move(hit);
+    s.sliding_found = std::move(sliding_hit);
+    Grow(s, cached + chunk);  // cannot fail: checked above
     s.num_fed = cached;
     s.num_cached = cached;
     s.chain = chain;
+    s.sliding_chain = sliding_chain;
     if (blocks_.prefix_caching() && !s.penalized) {
       prefix_query_tokens_ += static_cast<int64_t>(s.tokens.size());
       prefix_hit_tokens_ += cached;
@@ -215,8 +273,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     s.num_fed += e.tokens;
     ++s.in_flight;
     s.in_batch = false;
-    // The blocks this step fills are written before any later step reads them.
-    blocks_.Register(s.blocks, s.tokens, s.num_fed, &s.chain);
+    Advance(s);
   }
   l.busy = true;
   return &batch;
@@ -234,7 +291,18 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
     if (!s.sent) {
       v1::NewSeq* n = step->add_new_seqs();
       n->set_seq_id(s.id);
-      n->mutable_block_ids()->Add(s.blocks.begin(), s.blocks.end());
+      // A table let go of the found blocks before its first token's window at once: the workers get
+      // their ids all the same (they read nothing there), as they keep those a table lets go later.
+      auto table = [](const std::vector<int32_t>& blocks, const std::vector<int32_t>& found,
+                      google::protobuf::RepeatedField<int32_t>* out) {
+        for (size_t i = 0; i < blocks.size(); ++i) {
+          out->Add(blocks[i] == BlockManager::kReleased && i < found.size() ? found[i] : blocks[i]);
+        }
+      };
+      table(s.blocks, s.found, n->mutable_block_ids());
+      table(s.sliding_blocks, s.sliding_found, n->mutable_sliding_block_ids());
+      s.found.clear();
+      s.sliding_found.clear();
       *n->mutable_sampling() = s.sampling;
       n->set_prompt_len(static_cast<int32_t>(s.prompt_len));
       n->set_num_cached_tokens(static_cast<int32_t>(s.num_fed));  // its first row starts there
@@ -243,6 +311,7 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
       v1::SeqBlocks* a = step->add_appended_blocks();
       a->set_seq_id(s.id);
       a->mutable_block_ids()->Add(s.blocks.begin() + s.blocks_sent, s.blocks.end());
+      if (sliding_) a->mutable_sliding_block_ids()->Add(s.sliding_blocks.begin() + s.blocks_sent, s.sliding_blocks.end());
     }
     s.blocks_sent = num_blocks;
     step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + e.tokens);
@@ -281,7 +350,7 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
 
 void Scheduler::Erase(Seq& s) {
   Forget(s);
-  blocks_.Free(&s.blocks);
+  FreeBlocks(s);
   if (running_.erase(s.id)) --lanes_[s.lane].running;
   waiting_.erase(s.id);
   seqs_.erase(s.id);  // destroys s
@@ -304,7 +373,7 @@ void Scheduler::RequeueAllForRegroup() {
   running_.clear();
   for (auto it = seqs_.begin(); it != seqs_.end();) {
     Seq& s = *it->second;
-    blocks_.Free(&s.blocks);
+    FreeBlocks(s);
     if (s.removed) {
       waiting_.erase(s.id);
       it = seqs_.erase(it);
@@ -312,7 +381,6 @@ void Scheduler::RequeueAllForRegroup() {
     }
     s.num_fed = 0;
     s.num_cached = 0;
-    s.chain = BlockManager::Chain{};
     s.lane = -1;
     s.in_flight = 0;
     s.in_batch = false;
@@ -325,10 +393,13 @@ void Scheduler::RequeueAllForRegroup() {
   DropPrefixCache();  // the new group's workers hold no KV: no block may be found again
 }
 
-void Scheduler::DropPrefixCache() { blocks_.DropCache(); }
+void Scheduler::DropPrefixCache() {
+  blocks_.DropCache();
+  if (sliding_) sliding_->DropCache();
+}
 
 void Scheduler::Clear() {
-  for (auto& [id, s] : seqs_) blocks_.Free(&s->blocks);
+  for (auto& [id, s] : seqs_) FreeBlocks(*s);
   DropPrefixCache();
   seqs_.clear();
   freed_.clear();  // a new group's workers start empty

@@ -53,6 +53,17 @@
 // tokens fed, which must then be all of them. Blocks that sequences let go stay cached until a
 // block is needed and none is empty; Clear() (the workers' KV is gone) drops them all.
 //
+// Sliding-window attention (SchedulerOptions::sliding_window): a sliding layer's next token
+// attends to the window before it only, so after every step a sequence lets go of the sliding
+// blocks that lie wholly before (its next position - window + 1) (BlockManager::Release): they go
+// back to the free list, or to the cached ones when registered. Where every layer slides (Mistral
+// or Phi-3 with a window) the one pool is theirs (limits.num_kv_blocks); where full-attention
+// layers sit beside them (Gemma 2 and 3) the sliding layers have a pool of their own
+// (limits.num_sliding_kv_blocks) and each sequence a second block table, as long as its first
+// (NewSeq.sliding_block_ids), grown with it; admission and preemption count both pools. A prefix
+// hit is the longer prefix both pools still hold whole (block_manager.h): a sliding block evicted
+// after its sequence let it go ends the hit there, and the rest is computed again.
+//
 // Plans are stateful (worker.proto StepPlan, as vLLM v1's scheduler output): the workers hold the
 // running batch by sequence id. All workers get the same plans in the same order, so one record
 // per sequence of what they hold suffices (Seq::sent, Seq::blocks_sent): a sequence goes out in
@@ -70,6 +81,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -88,6 +100,12 @@ struct SchedulerOptions {
   bool prefix_caching = true;
   // The prefix cache's block keys; null: SHA-256 (block_manager.h). Tests pass a colliding one.
   BlockManager::KeyFn prefix_key_fn = nullptr;
+  // The window of the model's sliding-window layers, in tokens (the largest where they differ);
+  // 0: none. With full_layers, the sliding layers' blocks are a pool of their own of
+  // limits.num_sliding_kv_blocks (>= 1); without, every layer slides and limits.num_kv_blocks is
+  // theirs (num_sliding_kv_blocks 0).
+  int64_t sliding_window = 0;
+  bool full_layers = true;
 };
 
 // One step of one lane, as scheduled.
@@ -165,7 +183,10 @@ class Scheduler {
   int64_t num_blocks() const { return blocks_.num_blocks(); }
   // Blocks holding a cached prefix that no sequence holds.
   int64_t num_cached_blocks() const { return blocks_.num_cached(); }
+  // The full-attention layers' blocks (every layer's when all slide, or none does).
   const BlockManager& block_manager() const { return blocks_; }
+  // The sliding-window layers' own blocks, beside full-attention layers; null where there are none.
+  const BlockManager* sliding_block_manager() const { return sliding_ ? &*sliding_ : nullptr; }
   // Prefix-cache lookups at admissions, in tokens: the tokens of the sequences admitted (each
   // time, a preempted one again) that looked the cache up, and those found in it. Cumulative.
   int64_t prefix_query_tokens() const { return prefix_query_tokens_; }
@@ -187,6 +208,12 @@ class Scheduler {
     bool penalized = false;       // a sampling penalty on: takes no cached blocks
     BlockManager::Chain chain;    // its blocks registered (or found) so far
     std::vector<int32_t> blocks;  // block table
+    // In the sliding layers' own pool (sliding_), likewise; as long as `blocks`.
+    BlockManager::Chain sliding_chain;
+    std::vector<int32_t> sliding_blocks;
+    // The blocks found in the prefix cache at its admission, until its NewSeq is written (the
+    // tables may have let the first of them go already).
+    std::vector<int32_t> found, sliding_found;
     int lane = -1;                // while running: its home lane, where it decodes
     int in_flight = 0;            // steps in flight that feed it (> 1 only for prompt chunks)
     bool started = false;         // scheduled at least once
@@ -213,6 +240,14 @@ class Scheduler {
   // Makes room for `s` to hold `tokens` tokens, preempting newer sequences; false when it cannot
   // now (`s` may have been preempted itself).
   bool Reserve(Seq& s, int64_t tokens);
+  // Grows `s`'s tables in every pool to hold `tokens` tokens; false, with none changed, when a pool
+  // has too few blocks.
+  bool Grow(Seq& s, int64_t tokens);
+  // Lets go of every block `s` holds, in every pool, and forgets its chains.
+  void FreeBlocks(Seq& s);
+  // After a step fed `s` up to num_fed: registers its full blocks, then lets go of the sliding
+  // blocks its next token no longer sees.
+  void Advance(Seq& s);
   // Adds `chunk` of `s`'s unfed tokens to the step being built.
   void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows);
   // The most prefill tokens the next step takes: no limit with one lane, else an even split across
@@ -228,6 +263,8 @@ class Scheduler {
 
   const SchedulerOptions options_;
   BlockManager blocks_;
+  const int64_t blocks_window_;  // the window of blocks_' layers: sliding_window when every layer slides, else 0
+  std::optional<BlockManager> sliding_;
   std::map<uint64_t, std::unique_ptr<Seq>> seqs_;  // every sequence not yet removed, by id
   std::set<uint64_t> running_;                     // hold blocks, belong to a lane
   std::set<uint64_t> waiting_;                     // no blocks: new, or preempted

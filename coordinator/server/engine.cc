@@ -184,6 +184,20 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.limits = pool_->limits();
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
   o.prefix_caching = options_.prefix_caching;
+  // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
+  // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
+  // 2 and 3), every layer keeps every block in the one pool: the workers hold no sliding layers'
+  // pool of their own yet.
+  int64_t window = 0;
+  bool full_layers = false;
+  for (int64_t i = 0; i < model_->config.num_hidden_layers; ++i) {
+    window = std::max(window, model_->config.LayerWindow(i));
+    full_layers = full_layers || model_->config.LayerWindow(i) == 0;
+  }
+  if (!full_layers) {
+    o.sliding_window = window;
+    o.full_layers = false;
+  }
   return o;
 }
 
@@ -196,7 +210,11 @@ bool Engine::EnsureScheduler() {
                                            o.limits.max_tokens_per_step, " tokens per step, ", o.lanes,
                                            " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
                                            o.limits.block_size, " tokens, prefix caching ",
-                                           o.prefix_caching ? "on" : "off"));
+                                           o.prefix_caching ? "on" : "off",
+                                           o.sliding_window > 0
+                                               ? absl::StrCat(", blocks behind the ", o.sliding_window,
+                                                              "-token sliding window let go")
+                                               : ""));
   if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.limits.num_kv_blocks));
   PublishStats();
   return true;
