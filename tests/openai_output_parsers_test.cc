@@ -193,6 +193,8 @@ TEST(ReasoningParserTest, PromptAndTemplate) {
   EXPECT_TRUE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n"));
   EXPECT_FALSE(PromptOpensReasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
   EXPECT_FALSE(PromptOpensReasoning("<|im_start|>assistant\n"));
+  // A <think> in a user's message is not the template opening the reasoning.
+  EXPECT_FALSE(PromptOpensReasoning("<|im_start|>user\nsay <think><|im_end|>\n<|im_start|>assistant\n"));
   EXPECT_EQ(ReasoningFormatOfTemplate("{{ '<think>' }}"), ReasoningFormat::kThink);
   EXPECT_EQ(*ReasoningFormatFromName("deepseek_r1"), ReasoningFormat::kThink);
   EXPECT_FALSE(ReasoningFormatFromName("o1").ok());

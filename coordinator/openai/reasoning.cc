@@ -27,7 +27,8 @@ ReasoningFormat ReasoningFormatOfTemplate(absl::string_view source) {
 
 bool PromptOpensReasoning(absl::string_view prompt) {
   const size_t open = prompt.rfind(kOpen);
-  return open != absl::string_view::npos && prompt.find(kClose, open) == absl::string_view::npos;
+  return open != absl::string_view::npos &&
+         prompt.find_first_not_of(kWhitespace, open + kOpen.size()) == absl::string_view::npos;
 }
 
 ReasoningParser::ReasoningParser(bool inside) : state_(inside ? State::kReasoning : State::kStart) {}

@@ -23,7 +23,8 @@ enum class ReasoningFormat { kNone, kThink };
 absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name);
 // kThink when the chat template's text writes <think>, else kNone.
 ReasoningFormat ReasoningFormatOfTemplate(absl::string_view template_source);
-// Whether a rendered prompt ends inside <think> (a <think> with no </think> after it).
+// Whether a rendered prompt ends with <think> (and whitespace): the template opened the reasoning
+// after the generation prompt, so the output starts inside it.
 bool PromptOpensReasoning(absl::string_view prompt);
 
 struct ReasoningDelta {
