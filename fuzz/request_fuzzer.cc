@@ -4,7 +4,8 @@
 // passes, the stream a Generation makes when the model "samples" the prompt's own ids back.
 //
 // Invariants: a refused request is InvalidArgument; an accepted one has prompt ids inside the
-// vocabulary and prompt + max_tokens within max_model_len; the streamed text is the decode of the
+// vocabulary and prompt + max_tokens within max_model_len, logit_bias and min_tokens within their
+// bounds and a RowSampling the workers' CheckRowSampling accepts; the streamed text is the decode of the
 // accepted ids (special tokens skipped), cut before the first stop string.
 #include <algorithm>
 #include <cstddef>
@@ -17,6 +18,8 @@
 
 #include "coordinator/server/generation.h"
 #include "coordinator/server/served_model.h"
+#include "kernels/logit_bias.h"
+#include "worker/step_checks.h"
 #include "google/protobuf/stubs/logging.h"
 #include "shardserve/v1/inference.pb.h"
 
@@ -66,7 +69,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int32_t id : params->prompt) Check(id >= 0 && id < vocab, "prompt id outside the vocabulary");
   Check(params->max_tokens > 0 && static_cast<int64_t>(params->prompt.size()) + params->max_tokens <= max_model_len,
         "prompt + max_tokens exceed max_model_len");
-  shardserve::SamplingTemplate(*params);
+  Check(params->logit_bias.size() <= static_cast<size_t>(shardserve::kMaxLogitBiasEntries), "logit_bias over its bound");
+  for (const auto& [id, bias] : params->logit_bias) {
+    Check(id >= 0 && id < vocab && bias >= -shardserve::kMaxAbsLogitBias && bias <= shardserve::kMaxAbsLogitBias,
+          "logit_bias id outside the vocabulary or bias out of range accepted");
+  }
+  Check(params->min_tokens >= 0 && params->min_tokens <= params->max_tokens, "min_tokens above max_tokens accepted");
+  // What the workers receive passes their own checks (worker/step_checks.h).
+  google::protobuf::RepeatedPtrField<shardserve::v1::RowSampling> rows;
+  *rows.Add() = shardserve::SamplingTemplate(*params);
+  Check(shardserve::CheckRowSampling(0, rows, vocab).ok(), "an accepted request's RowSampling fails the worker's checks");
 
   // Stream the prompt's ids back as if sampled.
   shardserve::Generation generation(*params, model.eos_ids, model.tokenizer.get());

@@ -143,6 +143,22 @@ TEST(GenerationTest, EosStopsUnlessIgnoredAndIsNotStreamedAsText) {
   EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_LENGTH);
 }
 
+TEST(GenerationTest, SpecialTokensKeptWhenAskedButNeverTheEndingEos) {
+  std::unique_ptr<Tokenizer> tok = TinyTokenizer();
+  ASSERT_NE(tok, nullptr);
+  const std::vector<int32_t> eos = {kEos};
+  GenerationParams p = Params({kH}, 5);
+  p.skip_special_tokens = false;  // a tool-call format whose markers are special tokens
+  Generation stops(p, eos, tok.get());
+  Fed r = Feed(stops, {kE, kEos});
+  EXPECT_EQ(r.text, "e");  // the EOS that ends the output is not text
+  EXPECT_EQ(r.last.finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+  p.ignore_eos = true;
+  Generation keeps(p, eos, tok.get());
+  r = Feed(keeps, {kE, kEos, kL});
+  EXPECT_EQ(r.text, "e</s>l");  // a special token that does not end it is
+}
+
 TEST(GenerationTest, StopTokenIdsStopAndAreReturned) {
   GenerationParams p = Params({1}, 10);
   p.stop_token_ids = {7};
@@ -175,6 +191,39 @@ void ExpectRefused(const v1::GenerateRequest& request, const ServedModel& model,
     EXPECT_NE(p.status().message().find(e), std::string::npos)
         << what << ": '" << p.status().message() << "' does not say '" << e << "'";
   }
+}
+
+TEST(PrepareGenerationTest, LogitBiasAndMinTokens) {
+  const std::unique_ptr<ServedModel> model = TinyModel();
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->add_ids(kH);
+  r.mutable_sampling()->set_max_tokens(4);
+  (*r.mutable_sampling()->mutable_logit_bias())[kL] = 100;
+  (*r.mutable_sampling()->mutable_logit_bias())[kE] = -2.5f;
+  r.mutable_sampling()->set_min_tokens(2);
+  r.mutable_sampling()->add_stop_token_ids(kBang);
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(r, *model, 64, "req-1");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->logit_bias, (std::vector<std::pair<int32_t, float>>{{kE, -2.5f}, {kL, 100.0f}}));
+  const v1::RowSampling rs = SamplingTemplate(*p);
+  EXPECT_EQ(rs.min_tokens(), 2);
+  ASSERT_EQ(rs.logit_bias_ids_size(), 2);
+  // The ids banned before min_tokens: the model's EOS and the stop ids.
+  std::vector<int32_t> banned(rs.min_tokens_banned_ids().begin(), rs.min_tokens_banned_ids().end());
+  std::vector<int32_t> want = model->eos_ids;
+  want.push_back(kBang);
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(banned, want);
+
+  v1::GenerateRequest bad = r;
+  (*bad.mutable_sampling()->mutable_logit_bias())[10] = 1;
+  ExpectRefused(bad, *model, 64, {"sampling.logit_bias: token id 10 is outside the vocabulary [0, 10)"}, "id 10");
+  bad = r;
+  (*bad.mutable_sampling()->mutable_logit_bias())[kO] = -100.5f;
+  ExpectRefused(bad, *model, 64, {"sampling.logit_bias: the bias of token id 3 must be in [-100, 100]"}, "bias");
+  bad = r;
+  bad.mutable_sampling()->set_min_tokens(5);
+  ExpectRefused(bad, *model, 64, {"sampling.min_tokens: must be in [0, max_tokens 4], got 5"}, "min_tokens");
 }
 
 TEST(PrepareGenerationTest, InvalidUtf8InTextIsInvalidArgumentNamingTheFieldAndTheOffset) {

@@ -6,7 +6,11 @@ Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds,
 equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
 413, 429, 503), and that a client that disconnects, mid-stream or while waiting for a whole
 answer, has its request cancelled (its KV blocks freed, the request never finishing), and that one
-keep-alive connection serves more than httplib's default 5 requests. A second, one-worker cluster on a test fixture
+keep-alive connection serves more than httplib's default 5 requests. logit_bias (+100 forces a token,
+-100 bans one) and min_tokens in both APIs; the new fields' bounds; tool-call and reasoning parsing
+(launched with --tool-call-parser llama3_json --reasoning-parser qwen3): the demo model writes no
+tool call, so a forced '{' output checks that what is no call stays content (held back while it
+might be one), and a prompt that ends with <think> that the output comes as reasoning_content. A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
 the clusters it started.
 
@@ -35,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python", "gen"))
 
+import grpc  # noqa: E402
 import openai  # noqa: E402
 from shardserve_client import Client  # noqa: E402
 from shardserve.v1 import inference_pb2  # noqa: E402
@@ -123,7 +128,10 @@ class OpenAIApiTest(unittest.TestCase):
              "--address", cls.address, "--http-port", str(cls.http_port),
              "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0",
              # test_zz_lost_worker_is_503: no restart, so that a lost worker's heal times out.
-             "--max-worker-restarts", "0", "--heal-timeout-seconds", "2"],
+             "--max-worker-restarts", "0", "--heal-timeout-seconds", "2",
+             # The demo template writes neither tool calls nor <think>: the parsers are named
+             # (they act only on chat requests with tools, and on outputs that open <think>).
+             "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"],
             cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
         try:  # tearDownClass does not run when setUpClass fails
             cls.grpc = grpc_client(cls.launch.args[cls.launch.args.index("--log-dir") + 1])
@@ -354,6 +362,128 @@ class OpenAIApiTest(unittest.TestCase):
             status, err = self.post_raw("/v1/completions", body)
             self.assertEqual(status, 400)
             self.assertEqual(set(err["error"]), {"message", "type", "param", "code"})
+
+    # ---- logit_bias, min_tokens, tool calls, reasoning ----
+    def grpc_generate(self, prompt_ids, **sampling):
+        request = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=prompt_ids),
+                                                sampling=inference_pb2.SamplingParams(**sampling))
+        text, ids, finish = "", [], None
+        for msg in self.grpc._stub.Generate(request, timeout=120):
+            text += msg.text
+            ids += list(msg.token_ids)
+            finish = msg.finish_reason or finish
+        return text, ids, finish
+
+    def test_logit_bias_forces_and_bans_a_token_in_both_apis(self):
+        prompt = self.grpc.tokenize("And God said")
+        _, plain = self.grpc_greedy_ids(prompt, 4)
+        forced = plain[0] + 1
+        for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+            with self.subTest(**sampling):
+                text, ids, _ = self.grpc_generate(prompt, max_tokens=4, logit_bias={forced: 100}, ignore_eos=True,
+                                                  **sampling)
+                self.assertEqual(ids, [forced] * 4)
+                r = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                                   logit_bias={str(forced): 100},
+                                                   extra_body={"ignore_eos": True}, **sampling)
+                self.assertEqual(r.choices[0].text, text)
+        # -100 on the greedy first token: another one comes first.
+        text, ids, _ = self.grpc_generate(prompt, max_tokens=4, temperature=0, logit_bias={plain[0]: -100})
+        self.assertNotEqual(ids[0], plain[0])
+        r = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                           logit_bias={str(plain[0]): -100})
+        self.assertEqual(r.choices[0].text, text)
+
+    def test_min_tokens_holds_the_stop_ids_back(self):
+        prompt = self.grpc.tokenize("And God said")
+        _, plain = self.grpc_greedy_ids(prompt, 1)
+        stop = plain[0]  # the greedy first token, made a stop id: without min_tokens it ends at once
+        r = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"stop_token_ids": [stop]})
+        self.assertEqual((r.usage.completion_tokens, r.choices[0].finish_reason), (1, "stop"))
+        r = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"stop_token_ids": [stop], "min_tokens": 3})
+        self.assertGreaterEqual(r.usage.completion_tokens, 3)
+        _, ids, _ = self.grpc_generate(prompt, max_tokens=8, temperature=0, stop_token_ids=[stop], min_tokens=3)
+        self.assertGreaterEqual(len(ids), 3)
+        self.assertNotIn(stop, ids[:3])
+
+    def test_new_fields_out_of_bounds_are_400_naming_them(self):
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        chat = [{"role": "user", "content": "Hi"}]
+        cases = [
+            (lambda: self.client.completions.create(model=MODEL, prompt="x", logit_bias={"999999": 1}), "logit_bias"),
+            (lambda: self.client.completions.create(model=MODEL, prompt="x", logit_bias={"5": 101}), "logit_bias"),
+            (lambda: self.client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                                    extra_body={"min_tokens": 5}), "min_tokens"),
+            (lambda: self.client.chat.completions.create(model=MODEL, messages=chat, tools=[tool],
+                                                         tool_choice="required"), "tool_choice"),
+            (lambda: self.client.chat.completions.create(
+                model=MODEL, messages=chat, tools=[tool],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
+            (lambda: self.client.chat.completions.create(
+                model=MODEL, messages=chat, tools=[{"type": "function", "function": {"name": "get weather"}}]),
+             "tools[0].function.name"),
+            (lambda: self.client.chat.completions.create(model=MODEL, messages=chat, tools=[tool] * 129), "tools"),
+        ]
+        for call, param in cases:
+            with self.subTest(param=param), self.assertRaises(openai.BadRequestError) as ctx:
+                call()
+            self.assertEqual(ctx.exception.param, param)
+            self.assertIn(param, ctx.exception.message)
+        with self.assertRaises(grpc.RpcError) as ctx:
+            self.grpc_generate([1, 2], logit_bias={999999: 1.0})
+        self.assertEqual(ctx.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("sampling.logit_bias", ctx.exception.details())
+
+    def test_tool_call_parsing_keeps_an_output_that_is_no_call_as_content(self):
+        # The demo model writes no tool calls; forcing '{' makes an output that llama3_json must
+        # hold back (it may be a call) until it ends as something else: then it is all content.
+        brace = self.grpc.tokenize("{", add_special_tokens=False)
+        self.assertEqual(len(brace), 1, brace)
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        text, _, _ = self.grpc_generate(self.chat_prompt_ids(messages), max_tokens=6, temperature=0,
+                                        logit_bias={brace[0]: 100}, ignore_eos=True)
+        self.assertTrue(text.startswith("{"), text)
+        kw = dict(model=MODEL, messages=messages, tools=[tool], max_tokens=6, temperature=0,
+                  logit_bias={str(brace[0]): 100}, extra_body={"ignore_eos": True})
+        r = self.client.chat.completions.create(**kw)
+        self.assertEqual(r.choices[0].message.content, text)
+        self.assertIsNone(r.choices[0].message.tool_calls)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        for choice, content_chunks in (("auto", 1), ("none", 6)):
+            with self.subTest(tool_choice=choice):
+                chunks = list(self.client.chat.completions.create(stream=True, tool_choice=choice, **kw))
+                contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+                self.assertEqual("".join(contents), text)
+                self.assertFalse(any(c.choices[0].delta.tool_calls for c in chunks if c.choices))
+                # auto: held back until the output ended as no call; none: streamed token by token.
+                self.assertEqual(len(contents), content_chunks)
+                self.assertEqual(chunks[-1].choices[0].finish_reason, "length")
+
+    def test_reasoning_opened_by_the_prompt_is_reasoning_content(self):
+        # A prompt that ends with <think> (as DeepSeek-R1's template ends its own): the output is
+        # reasoning until </think>, which the demo model does not write.
+        messages = [{"role": "user", "content": "Count <think>"}]
+        prompt = self.grpc.tokenize("<|begin_of_text|>User: Count <think>\n\n", add_special_tokens=False)
+        text, _, _ = self.grpc_generate(prompt, max_tokens=8, temperature=0, ignore_eos=True)
+        self.assertNotIn("</think>", text)
+        kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                  extra_body={"add_generation_prompt": False, "ignore_eos": True})
+        message = self.client.chat.completions.create(**kw).choices[0].message
+        self.assertEqual(message.model_extra.get("reasoning_content"), text)
+        self.assertEqual(message.content, "")
+        chunks = list(self.client.chat.completions.create(stream=True, **kw))
+        reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
+                            for c in chunks if c.choices)
+        self.assertEqual(reasoning, text)
+        self.assertFalse(any(c.choices[0].delta.content for c in chunks if c.choices))
+        # Without <think> at the end the same server returns plain content.
+        plain = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
+                                                    max_tokens=4, temperature=0).choices[0].message
+        self.assertTrue(plain.content)
+        self.assertIsNone(plain.model_extra.get("reasoning_content"))
 
     def test_prompt_too_long_is_400_with_both_numbers(self):
         with self.assertRaises(openai.BadRequestError) as ctx:

@@ -4,11 +4,16 @@
 // to the OpenAI fields, statuses map to HTTP's.
 #include "coordinator/openai/protocol.h"
 
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
+#include "coordinator/chat/chat_template.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/logit_bias.h"
 
 namespace shardserve::openai {
 namespace {
@@ -149,8 +154,60 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"Echo", kCompl, R"({"model": "m", "prompt": "x", "echo": true})", "echo", "not supported"},
         BadCase{"Suffix", kCompl, R"({"model": "m", "prompt": "x", "suffix": "end"})", "suffix", "not supported"},
         BadCase{"BestOf", kCompl, R"({"model": "m", "prompt": "x", "best_of": 3})", "best_of", "only 1"},
-        BadCase{"LogitBias", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": 10}})", "logit_bias",
-                "not supported"},
+        BadCase{"LogitBiasNotObject", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": [5]})", "logit_bias",
+                "an object of token id to bias"},
+        BadCase{"LogitBiasKeyNotId", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"hello": 10}})",
+                "logit_bias", "key 'hello' is not a token id"},
+        BadCase{"LogitBiasKeyNegative", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"-5": 10}})",
+                "logit_bias", "key '-5' is not a token id"},
+        BadCase{"LogitBiasKeyHuge", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"99999999999": 1}})",
+                "logit_bias", "is not a token id"},
+        BadCase{"LogitBiasValueString", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": "up"}})",
+                "logit_bias[5]", "a number"},
+        BadCase{"LogitBiasValueOutOfRange", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "logit_bias": {"5": 100.5}})", "logit_bias",
+                "the bias of token id 5 must be in [-100, 100], got 100.5"},
+        BadCase{"MinTokensNegative", kCompl, R"({"model": "m", "prompt": "x", "min_tokens": -1})", "min_tokens",
+                "must be in [0, 2147483647], got -1"},
+        BadCase{"ToolChoiceRequired", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})",
+                "tool_choice", "\"required\" needs constrained decoding"},
+        BadCase{"ToolChoiceNamed", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+                "tool_choice", "a named function needs constrained decoding"},
+        BadCase{"ToolChoiceUnknown", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": "any"})",
+                "tool_choice", "'any' is not one of"},
+        BadCase{"ToolChoiceNumber", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": 1})",
+                "tool_choice", "a string or an object"},
+        BadCase{"ParallelToolCallsNotBool", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "parallel_tool_calls": "yes"})", "parallel_tool_calls",
+                "a boolean"},
+        BadCase{"ToolTypeNotFunction", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "code_interpreter"}]})",
+                "tools[0].type", "must be \"function\""},
+        BadCase{"ToolFunctionMissing", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function"}]})",
+                "tools[0].function", "must be an object"},
+        BadCase{"ToolNameBadCharacters", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "get weather"}}]})",
+                "tools[0].function.name", "may hold only letters, digits, '_' and '-'"},
+        BadCase{"ToolNameTooLong", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"}}]})",
+                "tools[0].function.name", "must be 1 to 64 characters, got 65"},
+        BadCase{"ToolNameTwice", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]})",
+                "tools[1].function.name", "'f' names another tool too"},
+        BadCase{"ToolParametersNotObject", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]})",
+                "tools[0].function.parameters", "a JSON Schema object"},
+        BadCase{"ToolCallArgumentsNotJson", kChat,
+                R"({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})",
+                "messages[0].tool_calls[0].function.arguments", "the text of a JSON object"},
+        BadCase{"ToolCallFunctionMissing", kChat,
+                R"({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]})",
+                "messages[0].tool_calls[0].function", "must be an object"},
+        BadCase{"ToolCallsNotArray", kChat,
+                R"({"model": "m", "messages": [{"role": "assistant", "tool_calls": {}}]})", "messages[0].tool_calls",
+                "an array"},
         BadCase{"ResponseFormatJson", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
                 "response_format", "only"}),
@@ -217,7 +274,8 @@ TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
     "model": "m", "messages": [
       {"role": "system", "content": "Be brief."},
       {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
-      {"role": "assistant", "content": null, "tool_calls": [{"id": "c1"}]}],
+      {"role": "assistant", "content": null,
+       "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": [1, 2]}"}}]}],
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "chat_template_kwargs": {"enable_thinking": false}, "add_generation_prompt": false,
     "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2, "response_format": {"type": "text"}})");
@@ -226,12 +284,159 @@ TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
   EXPECT_EQ(r->messages[1]["content"], "one\ntwo");  // text parts joined
   EXPECT_TRUE(r->messages[2]["content"].is_null());
   EXPECT_EQ(r->messages[2]["tool_calls"][0]["id"], "c1");  // other keys kept for the template
+  // The arguments' text parsed into the object templates render.
+  EXPECT_EQ(r->messages[2]["tool_calls"][0]["function"]["arguments"], Json::parse(R"({"x": [1, 2]})"));
+  EXPECT_EQ(r->tool_choice, ToolChoice::kAuto);
+  EXPECT_TRUE(r->parallel_tool_calls);
   EXPECT_EQ(r->tools.size(), 1u);
   EXPECT_EQ(r->chat_template_kwargs["enable_thinking"], false);
   EXPECT_FALSE(r->add_generation_prompt);
   EXPECT_EQ(r->max_tokens, 9);
   EXPECT_TRUE(r->sampling.logprobs());
   EXPECT_EQ(r->sampling.top_logprobs(), 2);
+}
+
+TEST(ParseRequestTest, ToolChoiceNoneAndOneCall) {
+  absl::StatusOr<Request> r = ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}],
+    "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}],
+    "tool_choice": "none", "parallel_tool_calls": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tool_choice, ToolChoice::kNone);
+  EXPECT_FALSE(r->parallel_tool_calls);
+}
+
+TEST(ParseRequestTest, LogitBiasAndMinTokensReachTheSamplingParams) {
+  absl::StatusOr<Request> r = ParseRequest(
+      kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": 100, "17": -100, "3": 0.5}, "min_tokens": 4})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 0, 8, nullptr);
+  ASSERT_EQ(g.sampling().logit_bias_size(), 3);
+  EXPECT_EQ(g.sampling().logit_bias().at(5), 100.0f);
+  EXPECT_EQ(g.sampling().logit_bias().at(17), -100.0f);
+  EXPECT_EQ(g.sampling().logit_bias().at(3), 0.5f);
+  EXPECT_EQ(g.sampling().min_tokens(), 4);
+  // More ids than the bound.
+  std::string many = R"({"model": "m", "prompt": "x", "logit_bias": {)";
+  for (int i = 0; i <= shardserve::kMaxLogitBiasEntries; ++i) many += absl::StrCat(i ? ", " : "", "\"", i, "\": 1");
+  many += "}}";
+  absl::StatusOr<Request> over = ParseRequest(kCompl, many);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(ParamOf(over.status()), "logit_bias");
+  EXPECT_TRUE(absl::StrContains(over.status().message(), "at most 1024 token ids, got 1025")) << over.status();
+}
+
+TEST(ParseRequestTest, ToolsOverTheBoundAreRefused) {
+  std::string body = R"({"model": "m", "messages": [{"role": "user"}], "tools": [)";
+  for (int i = 0; i <= kMaxTools; ++i) {
+    body += absl::StrCat(i ? ", " : "", R"({"type": "function", "function": {"name": "f)", i, R"("}})");
+  }
+  body += "]}";
+  absl::StatusOr<Request> r = ParseRequest(kChat, body);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ParamOf(r.status()), "tools");
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "at most 128 tools, got 129")) << r.status();
+}
+
+TEST(ResponseJsonTest, ToolCallsAndReasoningInTheMessageAndTheDeltas) {
+  OutputSplit whole;
+  whole.reasoning = "think";
+  whole.calls = {{"get_weather", R"({"city":"Paris"})"}, {"f", "{}"}};
+  const Json message = ChatMessage(whole, /*reasoning=*/true, {"call_a", "call_b"});
+  EXPECT_EQ(message, Json::parse(R"({"role": "assistant", "content": null, "reasoning_content": "think",
+    "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                   {"id": "call_b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})"));
+  // Without calls or reasoning: the plain message.
+  OutputSplit text;
+  text.content = "hi";
+  EXPECT_EQ(ChatMessage(text, false, {}), Json::parse(R"({"role": "assistant", "content": "hi"})"));
+
+  OutputSplit piece;
+  piece.content = "Sure.";
+  piece.calls = {{"f", R"({"a":1})"}};
+  const std::vector<Json> deltas = ChatDeltas(piece, /*first_call=*/1, {"call_a", "call_b"});
+  ASSERT_EQ(deltas.size(), 3u);
+  EXPECT_EQ(deltas[0], Json::parse(R"({"content": "Sure."})"));
+  EXPECT_EQ(deltas[1], Json::parse(
+      R"({"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "f", "arguments": ""}}]})"));
+  EXPECT_EQ(deltas[2], Json::parse(R"({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\":1}"}}]})"));
+  EXPECT_TRUE(ChatDeltas(OutputSplit(), 0, {}).empty());
+
+  EXPECT_STREQ(ChatFinishReason(v1::FINISH_REASON_STOP_TOKEN, true), "tool_calls");
+  EXPECT_STREQ(ChatFinishReason(v1::FINISH_REASON_LENGTH, true), "length");
+  EXPECT_STREQ(ChatFinishReason(v1::FINISH_REASON_STOP_TOKEN, false), "stop");
+}
+
+TEST(OutputSplitterTest, ReasoningThenToolCallsOutsideIt) {
+  OutputSplitter splitter(/*reasoning=*/true, /*reasoning_inside=*/false, ToolCallFormat::kHermes, 8);
+  const std::string text =
+      "<think>maybe <tool_call>{\"name\": \"no\"}</tool_call></think>\n\nOK <tool_call>{\"name\": \"yes\"}</tool_call>";
+  OutputSplit all;
+  for (size_t i = 0; i < text.size(); i += 3) {
+    OutputSplit d = splitter.Add(text.substr(i, 3), i + 3 >= text.size());
+    all.reasoning += d.reasoning;
+    all.content += d.content;
+    all.calls.insert(all.calls.end(), d.calls.begin(), d.calls.end());
+  }
+  EXPECT_EQ(all.reasoning, "maybe <tool_call>{\"name\": \"no\"}</tool_call>");
+  EXPECT_EQ(all.content, "OK");
+  ASSERT_EQ(all.calls.size(), 1u);
+  EXPECT_EQ(all.calls[0].name, "yes");
+}
+
+// An OpenAI-shaped conversation with tool calls (arguments as JSON text) renders through each
+// family's template exactly as transformers rendered the fixture (arguments as objects); each
+// template names its family's tool-call and reasoning formats.
+TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
+  const std::filesystem::path fixtures = std::filesystem::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/chat_templates";
+  struct Family {
+    const char* dir;
+    ToolCallFormat tools;
+    ReasoningFormat reasoning;
+  };
+  int rendered = 0;
+  for (const Family& family : {Family{"qwen3", ToolCallFormat::kHermes, ReasoningFormat::kThink},
+                               Family{"qwen2_5", ToolCallFormat::kHermes, ReasoningFormat::kNone},
+                               Family{"hermes3", ToolCallFormat::kHermes, ReasoningFormat::kNone},
+                               Family{"llama3_1", ToolCallFormat::kLlama3Json, ReasoningFormat::kNone},
+                               Family{"mistral_small_3_1", ToolCallFormat::kMistral, ReasoningFormat::kNone},
+                               Family{"deepseek_r1_distill", ToolCallFormat::kNone, ReasoningFormat::kThink},
+                               Family{"phi4_mini", ToolCallFormat::kNone, ReasoningFormat::kNone}}) {
+    SCOPED_TRACE(family.dir);
+    absl::StatusOr<chat::ChatTemplate> tmpl = chat::ChatTemplate::FromDirectory((fixtures / family.dir).string());
+    ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+    EXPECT_EQ(ToolCallFormatOfTemplate(tmpl->source()), family.tools);
+    EXPECT_EQ(ReasoningFormatOfTemplate(tmpl->source()), family.reasoning);
+    std::ifstream in(fixtures / family.dir / "cases.json");
+    const Json cases = Json::parse(in);
+    for (const Json& c : cases["cases"]) {
+      Json messages = c["messages"];
+      bool has_calls = false;
+      for (Json& m : messages) {
+        if (!m.contains("tool_calls")) continue;
+        has_calls = true;
+        for (Json& call : m["tool_calls"]) {
+          Json& arguments = call["function"]["arguments"];
+          if (arguments.is_object()) arguments = arguments.dump();  // as OpenAI sends them
+        }
+      }
+      if (!has_calls) continue;
+      Json body = {{"model", "m"}, {"messages", messages}, {"tools", c["tools"]},
+                   {"add_generation_prompt", c["add_generation_prompt"]}, {"chat_template_kwargs", c["extra"]}};
+      absl::StatusOr<Request> r = ParseRequest(kChat, body.dump());
+      ASSERT_TRUE(r.ok()) << c["name"] << ": " << r.status();
+      absl::StatusOr<std::string> prompt =
+          tmpl->Render(r->messages, r->add_generation_prompt, r->tools, r->chat_template_kwargs);
+      if (!prompt.ok()) {  // as the server does: the arguments' text, for templates that write it
+        ASSERT_FALSE(r->messages_with_argument_text.is_null());
+        prompt = tmpl->Render(r->messages_with_argument_text, r->add_generation_prompt, r->tools,
+                              r->chat_template_kwargs);
+      }
+      ASSERT_TRUE(prompt.ok()) << c["name"] << ": " << prompt.status();
+      EXPECT_EQ(*prompt, c["expected"].get<std::string>()) << c["name"];
+      ++rendered;
+    }
+  }
+  EXPECT_GE(rendered, 13);  // qwen3 5, qwen2_5 2, hermes3 2, llama3_1 2, mistral_small_3_1 2
 }
 
 TEST(ParseRequestTest, NullIsAbsent) {
@@ -273,6 +478,10 @@ TEST(RenameGenerationErrorTest, UsesTheOpenAIFieldNames) {
            Case{kCompl, "prompt.token_ids.ids[4]: 9999 is outside the vocabulary [0, 4096)", "prompt[4]",
                 "prompt[4]: 9999 is outside the vocabulary [0, 4096)"},
            Case{kCompl, "prompt.text: invalid UTF-8", "prompt", "prompt: invalid UTF-8"},
+           Case{kChat, "sampling.logit_bias: token id 9999 is outside the vocabulary [0, 4096)", "logit_bias",
+                "logit_bias: token id 9999 is outside the vocabulary [0, 4096)"},
+           Case{kCompl, "sampling.min_tokens: must be in [0, max_tokens 8], got 9", "min_tokens",
+                "min_tokens: must be in [0, max_tokens 8], got 9"},
            Case{kChat, "prompt: its 600 tokens do not fit max_model_len 512", "messages",
                 "messages: its 600 tokens do not fit max_model_len 512"},
            Case{kCompl, "prompt: its 600 tokens do not fit max_model_len 512", "prompt",

@@ -453,6 +453,60 @@ TEST_F(SamplerTest, GreedyWithPenaltyChangesTheArgmax) {
   EXPECT_EQ(penalized, Argmax(Penalized(row, r)));
 }
 
+// ---- logit_bias and min_tokens ----------------------------------------------------------------
+
+v1::RowSampling WithBias(v1::RowSampling r, int32_t id, float bias) {
+  r.add_logit_bias_ids(id);
+  r.add_logit_bias_values(bias);
+  return r;
+}
+
+TEST_F(SamplerTest, LogitBiasOfPlus100ForcesAToken) {
+  const std::vector<float> row = Random(100, -3.0f, 3.0f);
+  const int32_t plain = One(row, Greedy());
+  const int32_t forced = (plain + 17) % 100;
+  EXPECT_EQ(One(row, WithBias(Greedy(), forced, 100.0f)), forced);
+  // Seeded sampling: every draw is the forced token (its probability is 1 - e^-94 or more).
+  for (uint64_t draw = 0; draw < 50; ++draw) {
+    EXPECT_EQ(One(row, WithBias(Sampled(1.0f, 5, draw), forced, 100.0f)), forced) << draw;
+  }
+  // The same seed and draw give the same token with or without other rows (the host path's draw).
+  const v1::RowSampling biased = WithBias(Sampled(1.0f, 5, 3), forced, 5.0f);
+  EXPECT_EQ(One(row, biased), One(row, biased));
+}
+
+TEST_F(SamplerTest, LogitBiasOfMinus100BansAToken) {
+  std::vector<float> row = Random(100, -1.0f, 1.0f);
+  row[42] = 8.0f;  // by far the most likely
+  EXPECT_EQ(One(row, Greedy()), 42);
+  const int32_t banned_greedy = One(row, WithBias(Greedy(), 42, -100.0f));
+  EXPECT_NE(banned_greedy, 42);
+  std::vector<double> rest(row.begin(), row.end());
+  rest[42] = -1e9;
+  EXPECT_EQ(banned_greedy, Argmax(rest));
+  for (uint64_t draw = 0; draw < 200; ++draw) {
+    EXPECT_NE(One(row, WithBias(Sampled(1.0f, 9, draw), 42, -100.0f)), 42) << draw;
+  }
+}
+
+TEST_F(SamplerTest, MinTokensBansTheEndIdsUntilReached) {
+  std::vector<float> row = Random(50, -1.0f, 1.0f);
+  row[7] = 6.0f;  // the EOS is by far the most likely
+  v1::RowSampling r = Greedy();
+  r.set_min_tokens(3);
+  r.add_min_tokens_banned_ids(7);
+  for (uint64_t draw = 0; draw < 3; ++draw) {
+    r.set_draw_index(draw);
+    EXPECT_NE(One(row, r), 7) << draw;
+    v1::RowSampling s = r;
+    s.set_temperature(1.0f);
+    s.set_seed(4);
+    EXPECT_NE(One(row, s), 7) << draw;
+  }
+  r.set_draw_index(3);  // min_tokens reached: the EOS may come
+  EXPECT_EQ(One(row, r), 7);
+}
+
 // ---- min_p -----------------------------------------------------------------------------------
 
 TEST_F(SamplerTest, MinPMasksExactlyTheTokensBelowTheThreshold) {
@@ -649,6 +703,12 @@ TEST_F(SamplerTest, EachInvalidParameterIsInvalidArgumentNamingIt) {
       {"penalty_prompt_ids[1]", [](auto* r) { r->add_penalty_prompt_ids(0), r->add_penalty_prompt_ids(10); }},
       {"penalty_prompt_ids[0]", [](auto* r) { r->add_penalty_prompt_ids(-1); }},
       {"penalty_output_ids[0]", [](auto* r) { r->add_penalty_output_ids(v); }},
+      {"logit_bias_values[0]", [](auto* r) { r->add_logit_bias_ids(1), r->add_logit_bias_values(100.5f); }},
+      {"logit_bias_values[0]", [&](auto* r) { r->add_logit_bias_ids(1), r->add_logit_bias_values(nan); }},
+      {"logit_bias_ids", [](auto* r) { r->add_logit_bias_ids(1); }},  // no value
+      {"logit_bias_ids[0]", [](auto* r) { r->add_logit_bias_ids(v), r->add_logit_bias_values(1); }},
+      {"min_tokens", [](auto* r) { r->set_min_tokens(-1); }},
+      {"min_tokens_banned_ids[0]", [](auto* r) { r->set_min_tokens(2), r->add_min_tokens_banned_ids(-3); }},
   };
   for (const Case& c : cases) {
     v1::RowSampling bad = Sampled(1.0f, 1, 1);

@@ -41,6 +41,11 @@ bool PenaltyActive(const v1::RowSampling& r) {
   return repetition || presence_frequency;
 }
 
+// Whether the row's EOS and stop ids are still banned (fewer than min_tokens tokens so far).
+bool MinTokensActive(const v1::RowSampling& r) {
+  return r.min_tokens_banned_ids_size() > 0 && r.draw_index() < static_cast<uint64_t>(std::max(0, r.min_tokens()));
+}
+
 // The draw of a sampled row, as Backend::Sample takes it (top_p 0 means no limit, as 1 does).
 SampleParams ParamsOf(const v1::RowSampling& r) {
   return SampleParams{r.temperature(), r.top_k(), r.top_p() == 0 ? 1.0f : r.top_p(),
@@ -114,7 +119,8 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
     // A non-finite row is only reported. min_p cannot change an argmax, so greedy rows ignore it.
     if (finite_[i] == 0) {
       paths_[i] = Path::kNonFinite;
-    } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0)) {
+    } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0) || r.logit_bias_ids_size() > 0 ||
+               MinTokensActive(r)) {
       paths_[i] = Path::kHost;
     } else {
       paths_[i] = greedy ? Path::kArgmax : Path::kSample;
@@ -188,6 +194,8 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   const bool greedy = IsGreedy(r);
   const bool penalize = PenaltyActive(r);
   const bool min_p = !greedy && r.min_p() > 0;
+  const bool biased = r.logit_bias_ids_size() > 0;
+  const bool min_tokens = MinTokensActive(r);
 
   // The raw row on the host.
   const float* raw = device_row;
@@ -232,12 +240,25 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
 
   // The row the choice is made on: the raw one, or a copy to penalize and mask.
   const float* row = raw;
-  if (penalize || min_p) {
+  if (penalize || min_p || biased || min_tokens) {
     std::memcpy(work_.data(), raw, v * sizeof(float));
     row = work_.data();
   }
 
-  // (b) Penalties, in vLLM's order and float32 arithmetic: repetition (once per distinct id of the
+  // (b) logit_bias, added to the raw logits (kept finite: a logit of -inf stays -inf); then the ids
+  // banned before min_tokens.
+  if (biased) {
+    float* w = work_.data();
+    for (int j = 0; j < r.logit_bias_ids_size(); ++j) {
+      const int32_t t = r.logit_bias_ids(j);
+      if (w[t] != -kInf) w[t] = std::clamp(w[t] + r.logit_bias_values(j), -kMaxPenalizedLogit, kMaxPenalizedLogit);
+    }
+  }
+  if (min_tokens) {
+    for (int32_t t : r.min_tokens_banned_ids()) work_[t] = -kInf;
+  }
+
+  // (c) Penalties, in vLLM's order and float32 arithmetic: repetition (once per distinct id of the
   // prompt and the output), then frequency (per occurrence in the output), then presence.
   if (penalize) {
     float* w = work_.data();
@@ -268,7 +289,7 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
     }
   }
 
-  // (c) min_p (vLLM v1: after temperature, before top-k/top-p): p_i < min_p * p_max, i.e.
+  // (d) min_p (vLLM v1: after temperature, before top-k/top-p): p_i < min_p * p_max, i.e.
   // (x_i - max) / T < log(min_p), in double so that a small T cannot overflow.
   if (min_p) {
     float* w = work_.data();
@@ -292,7 +313,7 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   }
   if (!s.ok()) return ForRows(step_id, row_index, row_index + 1, s);
 
-  // (d) The chosen token's logprob.
+  // (e) The chosen token's logprob.
   if (lp != nullptr) lp->set_logprob(static_cast<float>(raw[*id] - log_normalizer));
   return absl::OkStatus();
 }

@@ -6,11 +6,13 @@
 //   greedy, no penalty, no logprobs              -> Backend::Argmax on the device
 //   temperature > 0, no min_p/penalty/logprobs   -> Backend::Sample on the device, one draw
 //                                                   SampleUniform(seed, draw_index)
-//   anything else (min_p, a penalty, logprobs)   -> the row on the host (copied from the device;
-//                                                   read in place on the CPU backend):
+//   anything else (min_p, a penalty, logprobs,   -> the row on the host (copied from the device;
+//   logit_bias, min_tokens not yet reached)         read in place on the CPU backend):
 //     1. logprobs: log-softmax of the RAW logits (normalizer in double); the top_logprobs most
 //        likely ids, most likely first, ties lower id first;
-//     2. penalties (vLLM / Hugging Face): repetition_penalty r over every distinct id of
+//     2. logit_bias added (the sum kept within +-1e30); before min_tokens tokens, the EOS and stop
+//        ids (min_tokens_banned_ids) become -inf;
+//        penalties (vLLM / Hugging Face): repetition_penalty r over every distinct id of
 //        penalty_prompt_ids and penalty_output_ids (logit > 0: logit / r, else logit * r, kept
 //        within +-1e30); then over penalty_output_ids, logit -= frequency_penalty * count, then
 //        -= presence_penalty;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
+#include "kernels/logit_bias.h"
 #include "kernels/sampling.h"
 #include "model/shard_identity.h"
 #include "model/sharding.h"
@@ -141,8 +142,23 @@ absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::Repeated
       return bad("top_logprobs", r.top_logprobs(), absl::StrCat("is outside [0, ", kMaxTopLogprobs, "]"));
     }
     if (r.top_logprobs() > 0 && !r.logprobs()) return bad("top_logprobs", r.top_logprobs(), "is set without logprobs");
+    if (r.logit_bias_ids_size() != r.logit_bias_values_size() || r.logit_bias_ids_size() > kMaxLogitBiasEntries) {
+      return bad("logit_bias_ids", r.logit_bias_ids_size(),
+                 absl::StrCat("ids need as many logit_bias_values (", r.logit_bias_values_size(), "), at most ",
+                              kMaxLogitBiasEntries));
+    }
+    for (int j = 0; j < r.logit_bias_values_size(); ++j) {
+      const float b = r.logit_bias_values(j);
+      if (!(b >= -kMaxAbsLogitBias && b <= kMaxAbsLogitBias)) {
+        return bad(absl::StrCat("logit_bias_values[", j, "]"), b,
+                   absl::StrCat("is outside [", -kMaxAbsLogitBias, ", ", kMaxAbsLogitBias, "]"));
+      }
+    }
+    if (r.min_tokens() < 0) return bad("min_tokens", r.min_tokens(), "must be >= 0 (0: off)");
     for (auto [field, ids] : {std::pair{"penalty_prompt_ids", &r.penalty_prompt_ids()},
-                              std::pair{"penalty_output_ids", &r.penalty_output_ids()}}) {
+                              std::pair{"penalty_output_ids", &r.penalty_output_ids()},
+                              std::pair{"logit_bias_ids", &r.logit_bias_ids()},
+                              std::pair{"min_tokens_banned_ids", &r.min_tokens_banned_ids()}}) {
       for (int j = 0; j < ids->size(); ++j) {
         if ((*ids)[j] < 0 || (*ids)[j] >= vocab_size) {
           return bad(absl::StrCat(field, "[", j, "]"), (*ids)[j],

@@ -59,6 +59,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromString(const std::string& source,
   if (!parsed.ok()) return parsed.status();
   ChatTemplate t;
   t.templates_["default"] = *std::move(parsed);
+  t.source_ = source;
   if (special_tokens.is_object()) t.special_tokens_ = special_tokens;
   return t;
 }
@@ -77,6 +78,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
     absl::StatusOr<std::shared_ptr<const Template>> parsed = Parse(jinja_override);
     if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("chat_template.jinja: ", parsed.status().message()));
     t.templates_["default"] = *std::move(parsed);
+    t.source_ = jinja_override;
     return t;
   }
   auto it = config.find("chat_template");
@@ -87,6 +89,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
     absl::StatusOr<std::shared_ptr<const Template>> parsed = Parse(it->get<std::string>());
     if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("chat_template: ", parsed.status().message()));
     t.templates_["default"] = *std::move(parsed);
+    t.source_ = it->get<std::string>();
     return t;
   }
   if (!it->is_array()) return absl::InvalidArgumentError("tokenizer_config.json: chat_template must be a string or a list");
@@ -103,6 +106,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
       return absl::InvalidArgumentError(absl::StrCat("chat_template '", name, "': ", parsed.status().message()));
     }
     t.templates_[name] = *std::move(parsed);
+    t.source_ += entry["template"].get<std::string>();
   }
   if (t.templates_.empty()) return absl::NotFoundError("tokenizer_config.json: chat_template is an empty list");
   return t;

@@ -52,10 +52,14 @@ class ChatTemplate {
 
   // The names of the templates ("default" for a single one).
   std::vector<std::string> names() const;
+  // The templates' text, all of them concatenated: what recognises a model family's formats
+  // (tool calls, reasoning).
+  const std::string& source() const { return source_; }
 
  private:
   std::map<std::string, std::shared_ptr<const Template>> templates_;  // constant after loading
   nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();
+  std::string source_;  // constant after loading
 };
 
 }  // namespace shardserve::chat

@@ -92,16 +92,36 @@ struct Choice {
   int64_t cached_tokens = 0;
   int64_t text_offset = 0;  // completions logprobs: bytes streamed so far
   std::vector<v1::TokenLogprobs> logprobs;
-  std::string finish_reason;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  // Chat with reasoning or tool calls parsed: the output split so far, and each call's id.
+  std::unique_ptr<OutputSplitter> splitter;
+  OutputSplit whole;
+  std::vector<std::string> call_ids;
+};
+
+// How a chat request's output is split: reasoning (the prompt may have opened it), tool calls.
+struct OutputParsing {
+  bool reasoning = false;
+  bool reasoning_inside = false;
+  ToolCallFormat tools = ToolCallFormat::kNone;
+  int max_calls = 0;
+  bool on() const { return reasoning || tools != ToolCallFormat::kNone; }
+};
+
+// A response of one choice, and (chat with parsing on) what its text added, split.
+struct Polled {
+  int index = 0;
+  v1::GenerateResponse response;
+  OutputSplit split;
 };
 
 // A request's choices in the engine, from submission to their end. Used by one thread at a time
 // (the handler, then httplib's content provider on the same connection).
 class Job {
  public:
-  Job(Engine* engine, Request request, std::string id, int64_t prompt_tokens)
+  Job(Engine* engine, Request request, std::string id, int64_t prompt_tokens, OutputParsing parsing)
       : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(prompt_tokens),
-        created_(absl::ToUnixSeconds(absl::Now())) {}
+        created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
   ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
 
   const Request& request() const { return request_; }
@@ -124,6 +144,10 @@ class Job {
       Choice c;
       c.engine_id = submitted->id;
       c.stream = std::move(submitted->stream);
+      if (parsing_.on()) {
+        c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
+                                                      parsing_.max_calls);
+      }
       choices_.push_back(std::move(c));
     }
     return absl::OkStatus();
@@ -148,9 +172,9 @@ class Job {
   const absl::Status& error() const { return error_; }
 
   // Gathers what the choices produced, waiting at most about kPoll when none had anything.
-  // Returns (choice index, response) pairs in arrival order.
-  std::vector<std::pair<int, v1::GenerateResponse>> Poll() {
-    std::vector<std::pair<int, v1::GenerateResponse>> out;
+  // Returns the responses in arrival order.
+  std::vector<Polled> Poll() {
+    std::vector<Polled> out;
     const absl::Duration wait = choices_.size() > 1 ? kPollSeveral : kPoll;
     for (int pass = 0; pass < 2 && out.empty(); ++pass) {
       for (int i = 0; i < static_cast<int>(choices_.size()); ++i) {
@@ -159,8 +183,11 @@ class Job {
         std::optional<absl::Status> ended;
         // Pass 0 drains what is there; pass 1 waits on the first choice still running.
         while (!c.ended && c.stream->Next(pass == 0 ? absl::ZeroDuration() : wait, &response, &ended)) {
-          Apply(c, response);
-          out.emplace_back(i, std::move(response));
+          Polled p;
+          p.index = i;
+          p.split = Apply(c, response);
+          p.response = std::move(response);
+          out.push_back(std::move(p));
           if (pass == 1) break;
         }
         if (!c.ended && ended.has_value()) {
@@ -195,13 +222,15 @@ class Job {
                           : CompletionLogprobs(c.logprobs, tokenizer, 0);
       }
       Json choice = {{"index", i}};
-      if (chat()) {
+      if (chat() && c.splitter != nullptr) {
+        choice["message"] = ChatMessage(c.whole, c.splitter->reasoning(), c.call_ids);
+      } else if (chat()) {
         choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       } else {
         choice["text"] = c.text;
       }
       choice["logprobs"] = logprobs;
-      choice["finish_reason"] = c.finish_reason;
+      choice["finish_reason"] = ChatFinishReason(c.finish, !c.whole.calls.empty());
       choices.push_back(std::move(choice));
     }
     return Json{{"id", id_},
@@ -229,20 +258,37 @@ class Job {
     return chunk;
   }
 
-  // The chunk of one response, or null when it adds nothing a client sees.
-  Json ChunkOf(int index, const v1::GenerateResponse& r, const Tokenizer* tokenizer) {
+  // The chunks of one response: none when it adds nothing a client sees. With parsing on, a piece
+  // may make several (reasoning, content, each call's name and arguments); the first carries the
+  // logprobs, the last the finish_reason.
+  std::vector<Json> ChunksOf(const Polled& p, const Tokenizer* tokenizer) {
+    const v1::GenerateResponse& r = p.response;
     const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
-    if (r.text().empty() && r.logprobs_size() == 0 && !finished) return nullptr;
+    Choice& c = choices_[p.index];
+    std::vector<Json> deltas;
+    if (!chat()) {
+      if (!r.text().empty()) deltas.push_back(r.text());
+    } else if (c.splitter != nullptr) {
+      deltas = ChatDeltas(p.split, static_cast<int>(c.whole.calls.size() - p.split.calls.size()), c.call_ids);
+    } else if (!r.text().empty()) {
+      deltas.push_back({{"content", r.text()}});
+    }
+    if (deltas.empty() && (r.logprobs_size() > 0 || finished)) deltas.push_back(chat() ? Json::object() : Json(""));
     const std::vector<v1::TokenLogprobs> entries(r.logprobs().begin(), r.logprobs().end());
     Json logprobs = nullptr;
-    Choice& c = choices_[index];
     if (request_.sampling.logprobs()) {
       logprobs = chat() ? Json{{"content", ChatLogprobsContent(entries, tokenizer)}}
                         : CompletionLogprobs(entries, tokenizer, c.text_offset);
     }
     c.text_offset += static_cast<int64_t>(r.text().size());
-    Json delta = chat() ? (r.text().empty() ? Json::object() : Json{{"content", r.text()}}) : Json(r.text());
-    return Chunk(index, delta, logprobs, finished ? Json(FinishReasonName(r.finish_reason())) : Json(nullptr));
+    std::vector<Json> chunks;
+    for (size_t i = 0; i < deltas.size(); ++i) {
+      const bool last = i + 1 == deltas.size();
+      chunks.push_back(Chunk(p.index, deltas[i], i == 0 ? logprobs : Json(nullptr),
+                             finished && last ? Json(ChatFinishReason(r.finish_reason(), !c.whole.calls.empty()))
+                                              : Json(nullptr)));
+    }
+    return chunks;
   }
 
   // The last chunk with include_usage: no choices, the usage.
@@ -260,15 +306,28 @@ class Job {
   const std::string& id() const { return id_; }
 
  private:
-  static void Apply(Choice& c, const v1::GenerateResponse& r) {
+  // Adds a response to its choice; returns what its text added, split (chat with parsing on).
+  static OutputSplit Apply(Choice& c, const v1::GenerateResponse& r) {
     c.text += r.text();
     c.completion_tokens += r.token_ids_size();
     c.logprobs.insert(c.logprobs.end(), r.logprobs().begin(), r.logprobs().end());
-    if (r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
-      c.finish_reason = FinishReasonName(r.finish_reason());
+    const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+    if (finished) {
+      c.finish = r.finish_reason();
       c.completion_tokens = r.usage().completion_tokens();
       c.cached_tokens = r.usage().cached_prompt_tokens();
     }
+    OutputSplit split;
+    if (c.splitter != nullptr) {
+      split = c.splitter->Add(r.text(), finished);
+      c.whole.reasoning += split.reasoning;
+      c.whole.content += split.content;
+      for (const ToolCall& call : split.calls) {
+        c.whole.calls.push_back(call);
+        c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+      }
+    }
+    return split;
   }
 
   Engine* const engine_;
@@ -276,6 +335,7 @@ class Job {
   const std::string id_;
   const int64_t prompt_tokens_;
   const int64_t created_;
+  const OutputParsing parsing_;
   std::vector<Choice> choices_;
   absl::Status error_;
 };
@@ -300,6 +360,22 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     return absl::InvalidArgumentError("the HTTP API's TLS needs both a certificate and a key");
   }
   std::unique_ptr<HttpServer> s(new HttpServer(model, pool, engine, metrics, options));
+  // The output formats: as named, else recognised in the chat template.
+  const std::string template_source = model->chat_template != nullptr ? model->chat_template->source() : "";
+  if (options.tool_call_parser.empty()) {
+    s->tool_format_ = ToolCallFormatOfTemplate(template_source);
+  } else {
+    absl::StatusOr<ToolCallFormat> format = ToolCallFormatFromName(options.tool_call_parser);
+    if (!format.ok()) return format.status();
+    s->tool_format_ = *format;
+  }
+  if (options.reasoning_parser.empty()) {
+    s->reasoning_format_ = ReasoningFormatOfTemplate(template_source);
+  } else {
+    absl::StatusOr<ReasoningFormat> format = ReasoningFormatFromName(options.reasoning_parser);
+    if (!format.ok()) return format.status();
+    s->reasoning_format_ = *format;
+  }
   // HTTPS when a certificate is given, re-read when its files change (security/https.h); TCP_NODELAY
   // there: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to 40 ms),
   // which shows as time to first token (shardserve bench --backend openai measured it).
@@ -530,6 +606,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
 
   // The prompt's token ids when this handler makes them (chat), else PrepareGeneration does.
   std::optional<std::vector<int32_t>> ids;
+  OutputParsing parsing;
   if (chat) {
     if (model_->chat_template == nullptr) {
       return reject(InvalidField(
@@ -561,6 +638,13 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     absl::StatusOr<std::string> prompt =
         model_->chat_template->Render(request->messages, request->add_generation_prompt, request->tools,
                                       request->chat_template_kwargs, budget);
+    if (prompt.status().code() == absl::StatusCode::kInvalidArgument && !request->messages_with_argument_text.is_null()) {
+      // A template that writes the tool-call arguments' text (not the object) as it is.
+      absl::StatusOr<std::string> as_text =
+          model_->chat_template->Render(request->messages_with_argument_text, request->add_generation_prompt,
+                                        request->tools, request->chat_template_kwargs, budget);
+      if (as_text.ok()) prompt = std::move(as_text);
+    }
     if (prompt.status().code() == absl::StatusCode::kCancelled) {
       CoordinatorRequestLog(id, "client disconnected while the chat template rendered: cancelled", "warn");
       res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
@@ -576,6 +660,12 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
                                     "chat_template_budget_exceeded"});
     }
     if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
+    parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
+    parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
+    if (request->tools.is_array() && !request->tools.empty() && request->tool_choice == ToolChoice::kAuto) {
+      parsing.tools = tool_format_;
+      parsing.max_calls = request->parallel_tool_calls ? kMaxToolCallsPerMessage : 1;
+    }
     // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
     absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
     if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
@@ -596,8 +686,11 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
                         ids.has_value() ? &*ids : nullptr),
       *model_, max_model_len, id);
   if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint));
+  // A format whose markers are special tokens needs them in the text.
+  if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
 
-  auto job = std::make_shared<Job>(engine_, *std::move(request), id, static_cast<int64_t>(params->prompt.size()));
+  auto job = std::make_shared<Job>(engine_, *std::move(request), id, static_cast<int64_t>(params->prompt.size()),
+                                   parsing);
   if (absl::Status s = job->Submit(*params, arrival); !s.ok()) {
     CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
     return SetError(res, s);
@@ -641,9 +734,8 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
             }
           }
         }
-        for (const auto& [index, response] : job->Poll()) {
-          Json chunk = job->ChunkOf(index, response, tokenizer);
-          if (!chunk.is_null()) out += Event(chunk);
+        for (const Polled& p : job->Poll()) {
+          for (const Json& chunk : job->ChunksOf(p, tokenizer)) out += Event(chunk);
         }
         if (job->done()) {
           if (!job->error().ok()) {

@@ -40,6 +40,8 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "coordinator/openai/reasoning.h"
+#include "coordinator/openai/tool_calls.h"
 #include "coordinator/server/engine.h"
 #include "coordinator/server/metrics.h"
 #include "coordinator/server/served_model.h"
@@ -79,6 +81,11 @@ struct HttpServerOptions {
   std::string tls_key;
   // Borrowed; null: no key asked.
   ApiKeys* api_keys = nullptr;
+  // How chat outputs are parsed: tool calls (tool_calls.h: "hermes", "llama3_json", "mistral",
+  // "none") and reasoning (reasoning.h: "deepseek_r1", "qwen3", "none"). Empty: recognised in the
+  // model's chat template. An unknown name fails Start.
+  std::string tool_call_parser;
+  std::string reasoning_parser;
 };
 
 class HttpServer {
@@ -115,6 +122,8 @@ class HttpServer {
   CoordinatorMetrics* const metrics_;
   const HttpServerOptions options_;
   const int64_t created_;  // unix seconds: /v1/models' "created"
+  ToolCallFormat tool_format_ = ToolCallFormat::kNone;      // set by Start
+  ReasoningFormat reasoning_format_ = ReasoningFormat::kNone;  // set by Start
   std::unique_ptr<httplib::Server> http_;
   // The connection pool httplib made (new_task_queue), for ConnectionPolicy::crowded.
   const std::shared_ptr<std::atomic<ConnectionPool*>> connections_ = std::make_shared<std::atomic<ConnectionPool*>>(nullptr);

@@ -1,13 +1,17 @@
 #include "coordinator/openai/protocol.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/json.h"
+#include "kernels/logit_bias.h"
 
 namespace shardserve::openai {
 namespace {
@@ -118,6 +122,86 @@ absl::Status NormalizeContent(const std::string& field, Json* content) {
   return absl::OkStatus();
 }
 
+// `holder` (field) has a "function" object whose "name" is a tool name as OpenAI takes it: 1 to
+// kMaxToolNameLength letters, digits, '_' or '-'.
+absl::Status CheckFunction(const std::string& field, const Json& holder) {
+  auto function = holder.find("function");
+  if (function == holder.end() || !function->is_object()) {
+    return InvalidField(absl::StrCat(field, ".function"), "must be an object");
+  }
+  auto name = function->find("name");
+  const std::string name_field = absl::StrCat(field, ".function.name");
+  if (name == function->end() || !name->is_string()) return InvalidField(name_field, "must be a string");
+  const std::string& n = name->get_ref<const std::string&>();
+  if (n.empty() || n.size() > static_cast<size_t>(kMaxToolNameLength)) {
+    return InvalidField(name_field, absl::StrCat("must be 1 to ", kMaxToolNameLength, " characters, got ", n.size()));
+  }
+  for (char c : n) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') {
+      return InvalidField(name_field, absl::StrCat("'", n, "' may hold only letters, digits, '_' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}], the
+// arguments (a JSON object's text, as OpenAI sends them) parsed into the object that templates
+// render (as transformers expects them, and vLLM does).
+absl::Status NormalizeToolCalls(const std::string& message_field, Json* message) {
+  auto calls = message->find("tool_calls");
+  if (calls == message->end() || calls->is_null()) return absl::OkStatus();
+  const std::string field = absl::StrCat(message_field, ".tool_calls");
+  if (!calls->is_array()) return WrongType(field, "an array", *calls);
+  if (calls->size() > static_cast<size_t>(kMaxToolCallsPerMessage)) {
+    return InvalidField(field, absl::StrCat("at most ", kMaxToolCallsPerMessage, " calls, got ", calls->size()));
+  }
+  for (size_t j = 0; j < calls->size(); ++j) {
+    const std::string call_field = absl::StrCat(field, "[", j, "]");
+    Json& call = (*calls)[j];
+    if (!call.is_object()) return WrongType(call_field, "an object", call);
+    if (auto id = call.find("id"); id != call.end() && !id->is_null() && !id->is_string()) {
+      return WrongType(absl::StrCat(call_field, ".id"), "a string", *id);
+    }
+    SHARDSERVE_OPENAI_CHECK(CheckFunction(call_field, call));
+    Json* function = &call["function"];
+    auto arguments = function->find("arguments");
+    if (arguments == function->end() || arguments->is_null()) {
+      (*function)["arguments"] = Json::object();
+    } else if (arguments->is_string()) {
+      Json parsed = Json::parse(arguments->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded() || !parsed.is_object()) {
+        return InvalidField(absl::StrCat(call_field, ".function.arguments"), "must be the text of a JSON object");
+      }
+      *arguments = std::move(parsed);
+    } else if (!arguments->is_object()) {
+      return WrongType(absl::StrCat(call_field, ".function.arguments"), "a string (a JSON object's text)", *arguments);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// tool_choice and parallel_tool_calls.
+absl::Status ParseToolChoice(const Fields& f, Request* r) {
+  SHARDSERVE_OPENAI_CHECK(f.Bool("parallel_tool_calls", &r->parallel_tool_calls));
+  const Json* choice = f.Get("tool_choice");
+  if (choice == nullptr) return absl::OkStatus();
+  constexpr char kNeedsGrammar[] =
+      "needs constrained decoding, which this server does not do yet: send \"auto\" (calls parsed from "
+      "the model's output) or \"none\"";
+  if (choice->is_string()) {
+    const std::string c = choice->get<std::string>();
+    if (c == "auto") return absl::OkStatus();
+    if (c == "none") {
+      r->tool_choice = ToolChoice::kNone;
+      return absl::OkStatus();
+    }
+    if (c == "required") return InvalidField("tool_choice", absl::StrCat("\"required\" ", kNeedsGrammar));
+    return InvalidField("tool_choice", absl::StrCat("'", c, "' is not one of \"none\", \"auto\", \"required\""));
+  }
+  if (choice->is_object()) return InvalidField("tool_choice", absl::StrCat("a named function ", kNeedsGrammar));
+  return WrongType("tool_choice", "a string or an object", *choice);
+}
+
 absl::Status ParseMessages(const Fields& f, Request* r) {
   const Json* messages = f.Get("messages");
   if (messages == nullptr) return InvalidField("messages", "is required");
@@ -133,13 +217,41 @@ absl::Status ParseMessages(const Fields& f, Request* r) {
     auto content = m.find("content");
     if (content != m.end()) SHARDSERVE_OPENAI_CHECK(NormalizeContent(absl::StrCat(field, ".content"), &*content));
   }
+  const Json before = r->messages;
+  for (size_t i = 0; i < r->messages.size(); ++i) {
+    SHARDSERVE_OPENAI_CHECK(NormalizeToolCalls(absl::StrCat("messages[", i, "]"), &r->messages[i]));
+  }
+  if (r->messages != before) r->messages_with_argument_text = before;
   if (const Json* tools = f.Get("tools")) {
     if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+    if (tools->size() > static_cast<size_t>(kMaxTools)) {
+      return InvalidField("tools", absl::StrCat("at most ", kMaxTools, " tools, got ", tools->size()));
+    }
+    std::set<std::string> names;
     for (size_t i = 0; i < tools->size(); ++i) {
-      if (!(*tools)[i].is_object()) return WrongType(absl::StrCat("tools[", i, "]"), "an object", (*tools)[i]);
+      const std::string field = absl::StrCat("tools[", i, "]");
+      const Json& tool = (*tools)[i];
+      if (!tool.is_object()) return WrongType(field, "an object", tool);
+      auto type = tool.find("type");
+      if (type == tool.end() || *type != "function") {
+        return InvalidField(absl::StrCat(field, ".type"), "must be \"function\" (the only kind of tool supported)");
+      }
+      SHARDSERVE_OPENAI_CHECK(CheckFunction(field, tool));
+      const Json* function = &tool.at("function");
+      const std::string& name = function->at("name").get_ref<const std::string&>();
+      if (!names.insert(name).second) {
+        return InvalidField(absl::StrCat(field, ".function.name"), absl::StrCat("'", name, "' names another tool too"));
+      }
+      if (auto d = function->find("description"); d != function->end() && !d->is_null() && !d->is_string()) {
+        return WrongType(absl::StrCat(field, ".function.description"), "a string", *d);
+      }
+      if (auto p = function->find("parameters"); p != function->end() && !p->is_null() && !p->is_object()) {
+        return WrongType(absl::StrCat(field, ".function.parameters"), "a JSON Schema object", *p);
+      }
     }
     r->tools = *tools;
   }
+  SHARDSERVE_OPENAI_CHECK(ParseToolChoice(f, r));
   if (const Json* kwargs = f.Get("chat_template_kwargs")) {
     if (!kwargs->is_object()) return WrongType("chat_template_kwargs", "an object", *kwargs);
     r->chat_template_kwargs = *kwargs;
@@ -189,6 +301,35 @@ absl::Status ParseStop(const Fields& f, Request* r) {
   return absl::OkStatus();
 }
 
+// logit_bias: {"token id": bias}, as OpenAI sends it (ids as decimal strings). Its size and the
+// biases are checked here; the ids against the vocabulary by PrepareGeneration.
+absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
+  const Json* bias = f.Get("logit_bias");
+  if (bias == nullptr) return absl::OkStatus();
+  if (!bias->is_object()) return WrongType("logit_bias", "an object of token id to bias", *bias);
+  if (bias->size() > static_cast<size_t>(kMaxLogitBiasEntries)) {
+    return InvalidField("logit_bias", absl::StrCat("at most ", kMaxLogitBiasEntries, " token ids, got ", bias->size()));
+  }
+  for (auto it = bias->begin(); it != bias->end(); ++it) {
+    const std::string& key = it.key();
+    int64_t id = -1;
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) id = std::stoll(key);
+    if (!digits || id > std::numeric_limits<int32_t>::max()) {
+      return InvalidField("logit_bias", absl::StrCat("key '", key.substr(0, 32), "' is not a token id"));
+    }
+    if (!it->is_number()) return WrongType(absl::StrCat("logit_bias[", key, "]"), "a number", *it);
+    const double b = it->get<double>();
+    if (!(b >= -kMaxAbsLogitBias && b <= kMaxAbsLogitBias)) {
+      return InvalidField("logit_bias", absl::StrCat("the bias of token id ", key, " must be in [", -kMaxAbsLogitBias,
+                                                     ", ", kMaxAbsLogitBias, "], got ", b));
+    }
+    (*s->mutable_logit_bias())[static_cast<int32_t>(id)] = static_cast<float>(b);
+  }
+  return absl::OkStatus();
+}
+
 // Fields this server does not implement: refused when they would change the answer, so that a
 // client never gets a silently different one.
 absl::Status RefuseUnsupported(const Fields& f, Endpoint endpoint) {
@@ -200,9 +341,6 @@ absl::Status RefuseUnsupported(const Fields& f, Endpoint endpoint) {
   }
   if (const Json* best_of = f.Get("best_of"); best_of != nullptr && !(best_of->is_number_integer() && *best_of == 1)) {
     return InvalidField("best_of", "only 1 is supported; use n for several choices");
-  }
-  if (const Json* bias = f.Get("logit_bias"); bias != nullptr && !(bias->is_object() && bias->empty())) {
-    return InvalidField("logit_bias", "is not supported");
   }
   if (endpoint == Endpoint::kChatCompletions) {
     if (const Json* format = f.Get("response_format");
@@ -299,6 +437,10 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   bool ignore_eos = false;
   SHARDSERVE_OPENAI_CHECK(f.Bool("ignore_eos", &ignore_eos));
   s.set_ignore_eos(ignore_eos);
+  SHARDSERVE_OPENAI_CHECK(ParseLogitBias(f, &s));
+  std::optional<int64_t> min_tokens;
+  SHARDSERVE_OPENAI_CHECK(f.Int("min_tokens", 0, kInt32Max, &min_tokens));
+  s.set_min_tokens(static_cast<int32_t>(min_tokens.value_or(0)));
 
   // logprobs: chat takes a boolean and top_logprobs; completions an integer, the alternatives.
   if (chat) {
@@ -458,6 +600,79 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
               {"text_offset", offsets}};
+}
+
+OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls)
+    : tools_(tools, max_calls) {
+  if (reasoning) reasoning_.emplace(reasoning_inside);
+}
+
+OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
+  OutputSplit out;
+  std::string content;
+  if (reasoning_.has_value()) {
+    ReasoningDelta d = reasoning_->Add(text);
+    out.reasoning = std::move(d.reasoning);
+    content = std::move(d.content);
+    if (final) {
+      ReasoningDelta end = reasoning_->Finish();
+      out.reasoning += end.reasoning;
+      content += end.content;
+    }
+  } else {
+    content = std::string(text);
+  }
+  ToolCallDelta d = tools_.Add(content);
+  if (final) {
+    ToolCallDelta end = tools_.Finish();
+    d.content += end.content;
+    for (ToolCall& c : end.calls) d.calls.push_back(std::move(c));
+  }
+  out.content = std::move(d.content);
+  out.calls = std::move(d.calls);
+  return out;
+}
+
+namespace {
+
+Json FunctionCall(const std::string& id, const ToolCall& call) {
+  return Json{{"id", id}, {"type", "function"}, {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
+}
+
+}  // namespace
+
+nlohmann::ordered_json ChatMessage(const OutputSplit& whole, bool reasoning, const std::vector<std::string>& ids) {
+  Json message = {{"role", "assistant"}};
+  message["content"] = whole.content.empty() && !whole.calls.empty() ? Json(nullptr) : Json(whole.content);
+  if (reasoning) message["reasoning_content"] = whole.reasoning.empty() ? Json(nullptr) : Json(whole.reasoning);
+  if (!whole.calls.empty()) {
+    Json calls = Json::array();
+    for (size_t i = 0; i < whole.calls.size(); ++i) calls.push_back(FunctionCall(ids.at(i), whole.calls[i]));
+    message["tool_calls"] = std::move(calls);
+  }
+  return message;
+}
+
+std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int first_call,
+                                               const std::vector<std::string>& ids) {
+  std::vector<Json> deltas;
+  if (!piece.reasoning.empty()) deltas.push_back({{"reasoning_content", piece.reasoning}});
+  if (!piece.content.empty()) deltas.push_back({{"content", piece.content}});
+  for (size_t i = 0; i < piece.calls.size(); ++i) {
+    const int index = first_call + static_cast<int>(i);
+    const ToolCall& call = piece.calls[i];
+    deltas.push_back({{"tool_calls", Json::array({{{"index", index},
+                                                   {"id", ids.at(index)},
+                                                   {"type", "function"},
+                                                   {"function", {{"name", call.name}, {"arguments", ""}}}}})}});
+    deltas.push_back(
+        {{"tool_calls", Json::array({{{"index", index}, {"function", {{"arguments", call.arguments}}}}})}});
+  }
+  return deltas;
+}
+
+const char* ChatFinishReason(v1::FinishReason reason, bool made_calls) {
+  return made_calls && reason != v1::FINISH_REASON_LENGTH ? "tool_calls" : FinishReasonName(reason);
 }
 
 }  // namespace shardserve::openai

@@ -23,6 +23,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "coordinator/openai/reasoning.h"
+#include "coordinator/openai/tool_calls.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.pb.h"
@@ -33,17 +35,36 @@ enum class Endpoint { kChatCompletions, kCompletions };
 
 // Choices one request may ask for (n).
 inline constexpr int kMaxChoices = 16;
+// Tools one request may declare, and the longest tool name (OpenAI's limits); a name is letters,
+// digits, '_' and '-'.
+inline constexpr int kMaxTools = 128;
+inline constexpr int kMaxToolNameLength = 64;
+// Tool calls one assistant message may carry.
+inline constexpr int kMaxToolCallsPerMessage = 128;
+
+// tool_choice: "auto" (the model decides; its calls are parsed from its output) or "none" (no
+// calls: the output is content, the tools still rendered into the prompt). "required" and a named
+// function need constrained decoding and are refused.
+enum class ToolChoice { kAuto, kNone };
 
 // A request body, checked.
 struct Request {
   Endpoint endpoint = Endpoint::kCompletions;
   std::string model;
-  // /v1/chat/completions: the messages (each content made a string: text parts joined by "\n"),
-  // tools (null or an array), chat_template_kwargs (null or an object), add_generation_prompt.
+  // /v1/chat/completions: the messages (each content made a string: text parts joined by "\n";
+  // an assistant message's tool_calls with their arguments parsed into objects, as templates take
+  // them), tools (null or an array of checked function tools), chat_template_kwargs (null or an
+  // object), add_generation_prompt.
   nlohmann::ordered_json messages;
+  // The messages with tool-call arguments as the client's JSON text, when some were parsed: for
+  // templates that write the text itself (DeepSeek-R1's concatenates it), tried when `messages`
+  // do not render. Null otherwise.
+  nlohmann::ordered_json messages_with_argument_text;
   nlohmann::ordered_json tools;
   nlohmann::ordered_json chat_template_kwargs;
   bool add_generation_prompt = true;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  bool parallel_tool_calls = true;  // false: at most one call returned
   // /v1/completions: a string, or token ids.
   std::string prompt_text;
   std::vector<int32_t> prompt_ids;
@@ -108,6 +129,42 @@ nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>&
 // offsets counted from `text_offset` in UTF-8 bytes of the completion.
 nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
                                           int64_t text_offset);
+
+// ---- Tool calls and reasoning in chat responses ----
+
+// A chat choice's output, or a streamed piece of it, split into reasoning, content and calls.
+struct OutputSplit {
+  std::string reasoning;
+  std::string content;
+  std::vector<ToolCall> calls;
+};
+
+// Splits one chat choice's output as it streams: the reasoning first (when on), then the tool
+// calls in what is left (when the format is not kNone). Used by one thread at a time.
+class OutputSplitter {
+ public:
+  // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
+  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls);
+  // The next piece of the output; `final`: the last one (what was held is decided).
+  OutputSplit Add(absl::string_view text, bool final);
+  bool reasoning() const { return reasoning_.has_value(); }
+
+ private:
+  std::optional<ReasoningParser> reasoning_;
+  ToolCallParser tools_;
+};
+
+// The message of a whole chat choice: role, content (null when there are calls and no text),
+// reasoning_content (with `reasoning` on: the text, or null), tool_calls (when there are calls;
+// ids[i] the id of call i: {id, type: "function", function: {name, arguments}}).
+nlohmann::ordered_json ChatMessage(const OutputSplit& whole, bool reasoning, const std::vector<std::string>& ids);
+// The stream deltas of a piece: {"reasoning_content"}, {"content"}, then for each call (indices
+// from `first_call` on, ids[index] its id) one delta with its index, id, type and name (arguments
+// ""), then one with its arguments. Empty when the piece adds nothing.
+std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int first_call,
+                                               const std::vector<std::string>& ids);
+// finish_reason "tool_calls" when the choice made calls and stopped by itself; else `reason`.
+const char* ChatFinishReason(v1::FinishReason reason, bool made_calls);
 
 }  // namespace shardserve::openai
 

@@ -48,6 +48,7 @@ constexpr char kUsage[] =
     "                              [--insecure]\n"
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
     "                              [--http-plaintext] [--metrics-plaintext]\n"
+    "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
@@ -113,6 +114,11 @@ constexpr char kUsage[] =
     "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
     "                                (the HTTP API serves --max-num-seqs + --max-waiting-requests + 32\n"
     "                                connections at once, at most 4096; one more is answered 503 at once)\n"
+    "  --tool-call-parser            how chat outputs' tool calls are read: hermes (Hermes, Qwen2.5, Qwen3),\n"
+    "                                llama3_json (Llama 3.x), mistral, or none (no parsing); default: the\n"
+    "                                format the chat template writes (docs/api.md)\n"
+    "  --reasoning-parser            <think> reasoning returned as reasoning_content: qwen3, deepseek_r1,\n"
+    "                                or none; default: on when the chat template writes <think>\n"
     "  --http-max-connections-per-peer\n"
     "                                HTTP connections open at once from one client address; the next is\n"
     "                                answered 503 (default: all of the above but 16, kept for other\n"
@@ -148,7 +154,8 @@ int Main(int argc, char** argv) {
                     "step-timeout-seconds", "heal-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
-                    "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer"},
+                    "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
+                    "reasoning-parser"},
                    {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -168,6 +175,18 @@ int Main(int argc, char** argv) {
   int64_t http_port = 0;
   int64_t http_per_peer = 0;
   http_options.host = flags->Get("http-host", "127.0.0.1");
+  http_options.tool_call_parser = flags->Get("tool-call-parser");
+  http_options.reasoning_parser = flags->Get("reasoning-parser");
+  if (flags->Has("tool-call-parser")) {
+    if (absl::Status s = openai::ToolCallFormatFromName(http_options.tool_call_parser).status(); !s.ok()) {
+      return Usage(absl::StrCat("flag --tool-call-parser: ", s.message()));
+    }
+  }
+  if (flags->Has("reasoning-parser")) {
+    if (absl::Status s = openai::ReasoningFormatFromName(http_options.reasoning_parser).status(); !s.ok()) {
+      return Usage(absl::StrCat("flag --reasoning-parser: ", s.message()));
+    }
+  }
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Int("nodes", 1, 4096, &pool_options.nodes),

@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/logit_bias.h"
 #include "kernels/sampling.h"
 
 namespace shardserve {
@@ -154,6 +155,34 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     p.stop_token_ids.push_back(id);
   }
   p.ignore_eos = s.ignore_eos();
+
+  if (s.logit_bias_size() > kMaxLogitBiasEntries) {
+    return Invalid("sampling.logit_bias", absl::StrCat("at most ", kMaxLogitBiasEntries, " ids, got ", s.logit_bias_size()));
+  }
+  for (const auto& [id, bias] : s.logit_bias()) {
+    if (id < 0 || id >= vocab) {
+      return Invalid("sampling.logit_bias", absl::StrCat("token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+    if (!(std::isfinite(bias) && bias >= -kMaxAbsLogitBias && bias <= kMaxAbsLogitBias)) {
+      return Invalid("sampling.logit_bias", absl::StrCat("the bias of token id ", id, " must be in [", -kMaxAbsLogitBias,
+                                                         ", ", kMaxAbsLogitBias, "], got ", bias));
+    }
+    p.logit_bias.emplace_back(id, bias);
+  }
+  std::sort(p.logit_bias.begin(), p.logit_bias.end());  // the map's order is not the wire's
+  if (s.min_tokens() < 0 || s.min_tokens() > p.max_tokens) {
+    return Invalid("sampling.min_tokens",
+                   absl::StrCat("must be in [0, max_tokens ", p.max_tokens, "], got ", s.min_tokens()));
+  }
+  p.min_tokens = s.min_tokens();
+  if (p.min_tokens > 0) {
+    // What ends a generation cannot be sampled before min_tokens: the EOS ids and stop ids.
+    if (!p.ignore_eos) p.min_tokens_banned_ids = model.eos_ids;
+    p.min_tokens_banned_ids.insert(p.min_tokens_banned_ids.end(), p.stop_token_ids.begin(), p.stop_token_ids.end());
+    std::sort(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end());
+    p.min_tokens_banned_ids.erase(std::unique(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end()),
+                                  p.min_tokens_banned_ids.end());
+  }
   return p;
 }
 
@@ -169,6 +198,14 @@ v1::RowSampling SamplingTemplate(const GenerationParams& p) {
   r.set_frequency_penalty(p.frequency_penalty);
   r.set_logprobs(p.logprobs);
   r.set_top_logprobs(p.top_logprobs);
+  for (const auto& [id, bias] : p.logit_bias) {
+    r.add_logit_bias_ids(id);
+    r.add_logit_bias_values(bias);
+  }
+  if (!p.min_tokens_banned_ids.empty()) {
+    r.set_min_tokens(p.min_tokens);
+    r.mutable_min_tokens_banned_ids()->Add(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end());
+  }
   return r;
 }
 
@@ -212,7 +249,7 @@ Generation::Generation(const GenerationParams& params, const std::vector<int32_t
                        const Tokenizer* tokenizer)
     : params_(params), eos_ids_(eos_ids), filter_(params.stop) {
   if (tokenizer != nullptr) {
-    detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, /*skip_special_tokens=*/true);
+    detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, params.skip_special_tokens);
   }
 }
 
@@ -223,7 +260,8 @@ bool Generation::Accept(int32_t id, v1::GenerateResponse* response) {
   const bool stop_id = std::find(params_.stop_token_ids.begin(), params_.stop_token_ids.end(), id) !=
                        params_.stop_token_ids.end();
   bool stopped = false;
-  std::string text = filter_.Add(detokenizer_ ? detokenizer_->Add(id) : std::string(), &stopped);
+  std::string text = filter_.Add(detokenizer_ && !(eos && !params_.skip_special_tokens) ? detokenizer_->Add(id) : std::string(),
+                                &stopped);
   v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
   if (stopped) {
     finish = v1::FINISH_REASON_STOP_STRING;

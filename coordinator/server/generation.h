@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -38,6 +39,12 @@ struct GenerationParams {
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
   bool ignore_eos = false;
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (id, bias), sorted by id
+  int32_t min_tokens = 0;
+  std::vector<int32_t> min_tokens_banned_ids;  // with min_tokens: the EOS and stop ids, sorted
+  // false: special tokens stay in the text (a tool-call format whose markers are special tokens);
+  // the EOS that ends the output is never text.
+  bool skip_special_tokens = true;
 };
 
 // A client's request_id may be logged and echoed: at most 128 printable ASCII characters without

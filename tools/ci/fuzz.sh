@@ -17,23 +17,24 @@ cd "$(dirname "$0")/../.."
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-$(nproc)}
 TARGETS=(safetensors config tokenizer_json tokenize request chat_template openai_request coordinator_message worker_message
-         safetensors_index quantized_linear generation_config tokenizer_config http_request grammar)
+         safetensors_index quantized_linear generation_config tokenizer_config http_request grammar chat_output)
 # Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB.
 declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=16384
                        [openai_request]=8192 [coordinator_message]=8192 [worker_message]=4096
                        [safetensors_index]=8192 [quantized_linear]=16384 [generation_config]=1024
-                       [tokenizer_config]=16384 [http_request]=8192 [grammar]=4096)
+                       [tokenizer_config]=16384 [http_request]=8192 [grammar]=4096 [chat_output]=4096)
 # CI runs each target a fixed number of executions from a fixed seed, so that a CI run is the same
 # run every time (a time bound would test more or less on a faster or slower machine, and a crash
 # found by chance would make CI flaky): 10 to 30 s each on a 2-core AMD EPYC (docs/security.md).
 # coordinator_message and worker_message: about 10 s of CPU each (measured as CPU time, the machine
 # being loaded: 400,000 runs took 8.1 s and 13.5 s). The five added on 2026-12-02 are sized from
 # their rates on the loaded machine (docs/security.md), not yet timed on a quiet one. grammar: 300 to
-# 560 exec/s on the loaded machine, so 10,000 runs take 20 to 35 s.
+# 560 exec/s on the loaded machine, so 10,000 runs take 20 to 35 s. chat_output:
+# 9,700 to 13,000 exec/s, so 300,000 runs take 23 to 31 s.
 declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 [tokenize]=400000 [request]=1500000
                     [chat_template]=60000 [openai_request]=200000 [coordinator_message]=500000 [worker_message]=300000
                     [safetensors_index]=50000 [quantized_linear]=10000 [generation_config]=600000
-                    [tokenizer_config]=20000 [http_request]=20000 [grammar]=10000)
+                    [tokenizer_config]=20000 [http_request]=20000 [grammar]=10000 [chat_output]=300000)
 
 build() {
   local start
@@ -57,7 +58,10 @@ run_one() {
   local start rc=0
   start=$(date +%s%N)
   # -print_final_stats: the number of runs and exec/s; -artifact_prefix: where a crash goes.
-  "$bin" "$@" -max_len="${MAX_LEN[$name]}" -rss_limit_mb=2048 -timeout=25 -print_final_stats=1 \
+  # fuzz/NAME.dict, when there is one: the tokens of its format (JSON keys, markers).
+  local dict=()
+  [ -f fuzz/"$name".dict ] && dict=(-dict=fuzz/"$name".dict)
+  "$bin" "$@" "${dict[@]}" -max_len="${MAX_LEN[$name]}" -rss_limit_mb=2048 -timeout=25 -print_final_stats=1 \
     -artifact_prefix="$crashes/" "$corpus" >"$log" 2>&1 || rc=$?
   local secs runs speed files
   secs=$(( ($(date +%s%N) - start) / 1000000000 ))

@@ -45,6 +45,7 @@ constexpr char kUsage[] =
     "                         [--worker-cuda-int4-folded]\n"
     "                         [--load-format auto|dummy] [--dummy-seed N] [--api-keys-file FILE]\n"
     "                         [--http-port P] [--heal-timeout-seconds S]\n"
+    "                         [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                         [--max-worker-restarts N] [--spare-workers N] [--no-prefix-caching]\n"
     "                         [--max-coordinator-restarts N] [--coordinator-grace-seconds S]\n"
     "                         [--tls-cert FILE --tls-key FILE --tls-ca FILE | --insecure]\n"
@@ -119,7 +120,9 @@ constexpr char kUsage[] =
     "  --insecure            plaintext everywhere (no certificates)\n"
     "  --api-keys-file       the coordinator's: clients must send one of these keys (gRPC and HTTP)\n\n"
     "  --http-port           the coordinator's OpenAI-compatible HTTP API on 127.0.0.1:P (default 8000;\n"
-    "                        0: off): plain HTTP, or HTTPS with your own --tls-cert; docs/api.md\n";
+    "                        0: off): plain HTTP, or HTTPS with your own --tls-cert; docs/api.md\n"
+    "  --tool-call-parser, --reasoning-parser  the coordinator's: how chat outputs' tool calls and\n"
+    "                        reasoning are read (default: from the chat template; docs/api.md)\n";
 
 volatile sig_atomic_t g_stop = 0;
 void OnSignal(int) { g_stop = 1; }
@@ -127,7 +130,7 @@ void OnSignal(int) { g_stop = 1; }
 int Run(const std::vector<std::string>& args) {
   std::set<std::string> with_value = ClusterFlags::Names();
   with_value.insert({"nodes", "gpus-per-node", "address", "log-dir", "metrics-port-base", "log-format", "api-keys-file",
-                     "http-port",
+                     "http-port", "tool-call-parser", "reasoning-parser",
                      "max-worker-restarts", "spare-workers", "max-coordinator-restarts",
                      "coordinator-grace-seconds"});
   with_value.insert(TlsFlagNames().begin(), TlsFlagNames().end());
@@ -220,6 +223,11 @@ int Run(const std::vector<std::string>& args) {
   }
   options.spare_workers = *spares;
   if (*http_port > 0) options.coordinator_flags.insert(options.coordinator_flags.end(), {"--http-port", absl::StrCat(*http_port)});
+  for (const char* name : {"tool-call-parser", "reasoning-parser"}) {
+    if (flags->Has(name)) {
+      options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), flags->Get(name)});
+    }
+  }
   // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
   // it to the worker.
   const int64_t worker_threads =
