@@ -80,12 +80,20 @@ absl::Status DecoderBlocks::GatedMlp(const LayerWeights& w, LayerScratch& s) con
     const MatMulProduct gate_up[] = {{&s.gate, &w.gate_proj, nullptr}, {&s.up, &w.up_proj, nullptr}};
     SHARDSERVE_RETURN_IF_ERROR(be_.MatMuls(s.normed, gate_up));
     SHARDSERVE_RETURN_IF_ERROR(be_.GeluTanhMul(&s.gate, s.gate, s.up));
+    // down_proj (row-parallel), summed
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&s.proj, s.gate, w.down_proj, nullptr));
   } else {
-    SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(&s.gate, &s.up, s.normed, w.gate_proj, w.up_proj));
+    SHARDSERVE_RETURN_IF_ERROR(SwiGlu(&s.proj, &s.gate, &s.up, s.normed, w.gate_proj, w.up_proj, w.down_proj));
   }
-  // down_proj (row-parallel), summed
-  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&s.proj, s.gate, w.down_proj, nullptr));
   return tp_.SumPartials(&s.proj);
+}
+
+absl::Status DecoderBlocks::SwiGlu(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_proj,
+                                   const Tensor& up_proj, const Tensor& down_proj) const {
+  // silu(gate_proj(x)) * up_proj(x) into gate (column-parallel: this rank's rows), in one pass where
+  // the backend fuses it; then down_proj (row-parallel)
+  SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(gate, up, x, gate_proj, up_proj));
+  return be_.MatMul(out, *gate, down_proj, nullptr);
 }
 
 absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const {
@@ -128,16 +136,16 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
     if (begin == end) continue;
     Tensor x = m.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
            out = m.out.Rows(begin, end);
-    SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(&gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e]));
-    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&out, gate, w.expert_down_proj[e], nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(
+        SwiGlu(&out, &gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e], w.expert_down_proj[e]));
   }
   // final_hidden_states.index_add_(token_idx, expert output * its weight), expert by expert
   SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&s.proj, m.out.Rows(0, nk), rows, weights));
   if (w.shared_expert_gate.data != nullptr) {
     // Qwen2-MoE: shared_expert(h) = down_proj(silu(gate_proj(h)) * up_proj(h)), this rank's slice
     Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(be_.GateUpSilu(&gate, &up, s.normed, w.shared_gate_proj, w.shared_up_proj));
-    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&out, gate, w.shared_down_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(
+        SwiGlu(&out, &gate, &up, s.normed, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
     // sigmoid(shared_expert_gate(h)) in the act dtype, per token, on the host (no sigmoid op on the
     // device yet)
     Tensor gate_logit = m.shared_gate_logit.Rows(0, n);

@@ -121,6 +121,10 @@ class DecoderBlocks {
                              LayerScratch& s) const;
   // normed -> s.proj: act(gate_proj(h)) * up_proj(h) through down_proj, summed over the group.
   absl::Status GatedMlp(const LayerWeights& w, LayerScratch& s) const;
+  // out = down_proj(silu(gate_proj(x)) * up_proj(x)) on this rank's slice of the intermediate size,
+  // in gate and up; out is this rank's partial sum (the caller sums it).
+  absl::Status SwiGlu(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& gate_proj,
+                      const Tensor& up_proj, const Tensor& down_proj) const;
   // normed -> s.proj: the mixture of experts, as transformers' Qwen3MoeSparseMoeBlock and
   // MixtralSparseMoeBlock compute it (router, top-k, each expert's SwiGLU on its tokens, the
   // weighted sum), plus Qwen2MoeSparseMoeBlock's gated shared expert where the layer has one,
