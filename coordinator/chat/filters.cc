@@ -15,15 +15,6 @@ namespace shardserve::chat {
 
 // --- tests ---
 
-namespace {
-const char* const kTests[] = {"defined", "undefined", "none", "boolean", "false", "true", "integer", "float", "number",
-                              "string", "mapping", "iterable", "sequence", "callable", "sameas", "equalto", "eq", "==",
-                              "ne", "!=", "lt", "<", "le", "<=", "gt", ">", "ge", ">=", "in", "odd", "even",
-                              "divisibleby", "lower", "upper", "escaped"};
-}  // namespace
-
-bool HasTest(const std::string& name) { return std::find(std::begin(kTests), std::end(kTests), name) != std::end(kTests); }
-
 bool ApplyTest(const std::string& name, const Value& v, CallArgs& args) {
   const Location where = args.where;
   auto arg = [&](size_t i) -> const Value& {
@@ -463,8 +454,6 @@ const Filter* FindFilter(const std::string& name) {
 }
 
 }  // namespace
-
-bool HasFilter(const std::string& name) { return FindFilter(name) != nullptr; }
 
 Value ApplyFilter(const std::string& name, const Value& v, CallArgs& args) {
   const Filter* filter = FindFilter(name);

@@ -12,8 +12,6 @@ namespace shardserve::chat {
 
 Value ApplyFilter(const std::string& name, const Value& input, CallArgs& args);
 bool ApplyTest(const std::string& name, const Value& input, CallArgs& args);
-bool HasFilter(const std::string& name);
-bool HasTest(const std::string& name);
 
 }  // namespace shardserve::chat
 

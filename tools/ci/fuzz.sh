@@ -27,8 +27,8 @@ declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tok
 # run every time (a time bound would test more or less on a faster or slower machine, and a crash
 # found by chance would make CI flaky): 10 to 30 s each on a 2-core AMD EPYC (docs/security.md).
 # coordinator_message and worker_message: about 10 s of CPU each (measured as CPU time, the machine
-# being loaded: 400,000 runs took 8.1 s and 13.5 s). The five added on 2026-12-02 are sized from
-# their rates on the loaded machine (docs/security.md), not yet timed on a quiet one. grammar: 300 to
+# being loaded: 400,000 runs took 8.1 s and 13.5 s). safetensors_index, quantized_linear,
+# generation_config, tokenizer_config and http_request are sized from their rates on a loaded machine (docs/security.md), not yet timed on a quiet one. grammar: 300 to
 # 560 exec/s on the loaded machine, so 10,000 runs take 20 to 35 s. chat_output:
 # 9,700 to 13,000 exec/s, so 300,000 runs take 23 to 31 s.
 declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 [tokenize]=400000 [request]=1500000

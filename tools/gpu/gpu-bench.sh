@@ -466,7 +466,7 @@ run_steps() {
   bench_step llama8b-fp8-c64 "$llama" "$preset" 64 128 512 128 fp8
   bench_step llama8b-fp8-gemm-c64 "$llama" "$preset" 64 128 512 128 fp8 --worker-cuda-fp8-gemm
   # NAME BATCH INPUT-LEN SECONDS [FLAG]: 300 s for torch.compile of the 8B, which did not finish in
-  # 150 (H200, 2026-11-27); the eager one (--no-compile) needs no compiling.
+  # 150 on an H200; the eager one (--no-compile) needs no compiling.
   for hf in "hf-b1-eager 1 128 150 --no-compile" "hf-b1 1 128 300" "hf-c64 64 512 300"; do
     set -- $hf
     want "$1" || continue
@@ -488,7 +488,7 @@ run_steps() {
   # config: hidden 64, 4 heads, 2 KV heads, 5 layers).
   # In float32: with bf16 weights a row-parallel product rounds each rank's partial sums to bf16
   # before the all-reduce, where TP=1 rounds the whole sum once, so TP=2's logits differ from TP=1's
-  # by bf16 rounding and a near-tie flips (H200, 2026-11-27: tp2 and tp2xpp2 left the reference at
+  # by bf16 rounding and a near-tie flips (on an H200: tp2 and tp2xpp2 left the reference at
   # the 9th of 16 tokens, pp2 did not). The check is of the plumbing, not of bf16's rounding.
   if want tp-on-one-gpu; then
     local lmodel ldev=cuda
