@@ -1,4 +1,4 @@
-// A model's chat output, as coordinator/openai/http_server.cc splits it (protocol.h's
+// A model's chat output, as coordinator/api/openai/http_server.cc splits it (protocol.h's
 // OutputSplitter: reasoning.h, then tool_calls.h). The first byte picks the tool-call format
 // (hermes, llama3_json, mistral, none), whether reasoning is parsed and whether the prompt opened
 // it, and the sizes of the streamed pieces; the rest is the output.
@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "coordinator/openai/protocol.h"
+#include "coordinator/api/openai/protocol.h"
 #include "nlohmann/json.hpp"
 
 namespace {

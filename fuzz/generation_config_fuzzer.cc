@@ -1,4 +1,4 @@
-// The coordinator's generation_config.json reader (coordinator/server/served_model.h): the input is
+// The coordinator's generation_config.json reader (coordinator/model/served_model.h): the input is
 // the file's text, parsed by ParseGenerationEos as ServedModel::Open parses it.
 //
 // Invariants: a refusal is InvalidArgument naming the file; accepted ids are token ids in
@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "coordinator/server/served_model.h"
+#include "coordinator/model/served_model.h"
 #include "fuzz/check.h"
 
 using shardserve_fuzz::Check;

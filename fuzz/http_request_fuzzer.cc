@@ -1,6 +1,6 @@
 // The coordinator's OpenAI HTTP API beyond the body: the request line, headers, Authorization,
 // routing, pipelining, chunked bodies. The input is the bytes a client sends on one connection. A
-// real HttpServer (coordinator/openai/http_server.h, started once on 127.0.0.1 with a free port,
+// real HttpServer (coordinator/api/openai/http_server.h, started once on 127.0.0.1 with a free port,
 // API keys on) serves the demo model (models/demo) with a WorkerPool that has no workers (so no
 // completion is ever generated: a request that passes every check is answered 503); each input is
 // written on a new TCP connection, whose sending side is then shut, and the answer is read to the
@@ -31,11 +31,11 @@
 #include <string>
 #include <string_view>
 
-#include "coordinator/openai/http_server.h"
-#include "coordinator/server/engine.h"
-#include "coordinator/server/metrics.h"
-#include "coordinator/server/served_model.h"
-#include "coordinator/server/worker_pool.h"
+#include "coordinator/api/openai/http_server.h"
+#include "coordinator/engine/engine.h"
+#include "coordinator/telemetry/metrics.h"
+#include "coordinator/model/served_model.h"
+#include "coordinator/cluster/worker_pool.h"
 #include "fuzz/check.h"
 #include "nlohmann/json.hpp"
 #include "security/api_keys.h"

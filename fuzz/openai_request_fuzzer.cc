@@ -1,6 +1,6 @@
-// An OpenAI API request body off the wire, as coordinator/openai/http_server.cc handles it: the
+// An OpenAI API request body off the wire, as coordinator/api/openai/http_server.cc handles it: the
 // first byte picks the endpoint (even: /v1/chat/completions, odd: /v1/completions), the rest is
-// the body. ParseRequest (coordinator/openai/protocol.h), then for chat the demo model's chat
+// the body. ParseRequest (coordinator/api/openai/protocol.h), then for chat the demo model's chat
 // template and tokenizer, then PrepareGeneration against the demo model (models/demo) and the
 // renaming of its errors.
 //
@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/openai/protocol.h"
-#include "coordinator/server/generation.h"
-#include "coordinator/server/served_model.h"
+#include "coordinator/api/openai/protocol.h"
+#include "coordinator/engine/generation.h"
+#include "coordinator/model/served_model.h"
 #include "nlohmann/json.hpp"
 
 namespace {

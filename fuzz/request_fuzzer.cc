@@ -1,5 +1,5 @@
 // A GenerateRequest off the wire, as InferenceService::Generate receives it: protobuf parsing,
-// then the coordinator's validation (PrepareGeneration, coordinator/server/generation.h) against
+// then the coordinator's validation (PrepareGeneration, coordinator/engine/generation.h) against
 // the demo model (models/demo, loaded once as the coordinator loads it), then, for a request that
 // passes, the stream a Generation makes when the model "samples" the prompt's own ids back.
 //
@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "coordinator/server/generation.h"
-#include "coordinator/server/served_model.h"
+#include "coordinator/engine/generation.h"
+#include "coordinator/model/served_model.h"
 #include "kernels/logit_bias.h"
 #include "worker/step_checks.h"
 #include "google/protobuf/stubs/logging.h"

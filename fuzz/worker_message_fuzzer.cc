@@ -38,11 +38,11 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "coordinator/membership/group.h"
+#include "coordinator/cluster/group.h"
 #include "coordinator/planner/cluster.h"
-#include "coordinator/server/rendezvous_grants.h"
-#include "coordinator/server/rendezvous_table.h"
-#include "coordinator/server/worker_messages.h"
+#include "coordinator/cluster/rendezvous_grants.h"
+#include "coordinator/cluster/rendezvous_table.h"
+#include "coordinator/cluster/worker_messages.h"
 #include "fuzz/message_stream.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"

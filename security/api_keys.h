@@ -7,7 +7,7 @@
 // holds no key on a re-read keeps the previous keys: Reload says why, and the `kept` callback given
 // to Load is told so once per such version of the file (the server logs it).
 //
-// Used by the gRPC client API (coordinator/server/inference_service.cc: `authorization: Bearer
+// Used by the gRPC client API (coordinator/api/inference_service.cc: `authorization: Bearer
 // <key>` metadata) and meant for any HTTP front door (`Authorization: Bearer <key>`, 401).
 // Keys never appear in logs or messages.
 //

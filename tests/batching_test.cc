@@ -1,4 +1,4 @@
-// Continuous batching (coordinator/server/engine.h, coordinator/scheduler/scheduler.h) on real
+// Continuous batching (coordinator/engine/engine.h, coordinator/scheduler/scheduler.h) on real
 // shardserve-coordinator and shardserve-worker processes on 127.0.0.1, with the demo model
 // (models/demo: it has a tokenizer, so every stream's text is checked too).
 //

@@ -1,7 +1,7 @@
-// The coordinator's request logic (coordinator/server/generation.h) without processes: the steps a
+// The coordinator's request logic (coordinator/engine/generation.h) without processes: the steps a
 // request needs, the text it streams (stop strings held back, never streamed), finish reasons and
 // usage. The fixtures have no tokenizer.json, so the text path is tested here with a tiny one.
-#include "coordinator/server/generation.h"
+#include "coordinator/engine/generation.h"
 
 #include <memory>
 #include <string>

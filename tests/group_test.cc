@@ -1,6 +1,6 @@
-// Group formation (coordinator/membership/group.h): slots, ranks, TP and PP groups and their names
+// Group formation (coordinator/cluster/group.h): slots, ranks, TP and PP groups and their names
 // for every layout, the errors for a wrong set of workers, and a replacement joining a group.
-#include "coordinator/membership/group.h"
+#include "coordinator/cluster/group.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (coordinator/openai) through the official `openai` Python client,
+"""The OpenAI-compatible HTTP API (coordinator/api/openai) through the official `openai` Python client,
 unchanged, against a real local cluster (`shardserve launch`: a coordinator and two worker
 processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has a chat template).
 

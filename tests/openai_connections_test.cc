@@ -1,4 +1,4 @@
-// The OpenAI HTTP server's connection plumbing (coordinator/openai/connection_pool.h, peer_watch.h),
+// The OpenAI HTTP server's connection plumbing (coordinator/api/openai/connection_pool.h, peer_watch.h),
 // with a real cpp-httplib server and real sockets on 127.0.0.1:
 // - ConnectionPool: with its serving threads all held by requests, the next connection is served
 //   on an overflow thread (OnOverflowThread() true in its handler, where HttpServer answers 503)
@@ -21,8 +21,8 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
-#include "coordinator/openai/connection_pool.h"
-#include "coordinator/openai/peer_watch.h"
+#include "coordinator/api/openai/connection_pool.h"
+#include "coordinator/api/openai/peer_watch.h"
 #include "gtest/gtest.h"
 
 namespace shardserve::openai {

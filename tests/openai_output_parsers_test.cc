@@ -1,12 +1,12 @@
-// coordinator/openai/tool_calls.h and reasoning.h: each format's calls and reasoning from whole
+// coordinator/api/openai/tool_calls.h and reasoning.h: each format's calls and reasoning from whole
 // outputs (text before a call, several calls, malformed JSON staying content), and every output
 // streamed in random pieces giving, joined, what the whole gives.
 #include <random>
 #include <string>
 #include <vector>
 
-#include "coordinator/openai/reasoning.h"
-#include "coordinator/openai/tool_calls.h"
+#include "coordinator/api/openai/reasoning.h"
+#include "coordinator/api/openai/tool_calls.h"
 #include "gtest/gtest.h"
 
 namespace shardserve::openai {

@@ -1,8 +1,8 @@
-// The OpenAI API's request checks and response JSON (coordinator/openai/protocol.h), without HTTP
+// The OpenAI API's request checks and response JSON (coordinator/api/openai/protocol.h), without HTTP
 // or processes: every field's error names the field (and sets the error's param), accepted
 // requests become the GenerateRequest the gRPC API takes, PrepareGeneration's errors are renamed
 // to the OpenAI fields, statuses map to HTTP's.
-#include "coordinator/openai/protocol.h"
+#include "coordinator/api/openai/protocol.h"
 
 #include <filesystem>
 #include <fstream>

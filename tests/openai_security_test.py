@@ -1,4 +1,4 @@
-"""API keys, HTTPS and the loopback rule on the OpenAI HTTP API (coordinator/openai/http_server.h,
+"""API keys, HTTPS and the loopback rule on the OpenAI HTTP API (coordinator/api/openai/http_server.h,
 docs/security.md), with real processes on 127.0.0.1.
 
 One `shardserve launch` cluster (a coordinator and one worker, the embedded demo model) with a CA

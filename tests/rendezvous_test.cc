@@ -17,8 +17,8 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "coordinator/server/rendezvous_grants.h"
-#include "coordinator/server/worker_control_service.h"
+#include "coordinator/cluster/rendezvous_grants.h"
+#include "coordinator/cluster/worker_control_service.h"
 #include "worker/grpc_rendezvous.h"
 
 namespace shardserve {

@@ -1,7 +1,7 @@
-// coordinator/server/worker_messages.h: what the coordinator checks in a worker's StepResult
+// coordinator/cluster/worker_messages.h: what the coordinator checks in a worker's StepResult
 // (Register's checks are exercised through the pool in worker_pool_test). Each refusal names the
 // step and what is wrong; the valid result beside it is accepted.
-#include "coordinator/server/worker_messages.h"
+#include "coordinator/cluster/worker_messages.h"
 
 #include <gtest/gtest.h>
 

@@ -1,8 +1,8 @@
-// The coordinator's worker pool (coordinator/server/worker_pool.h) without processes: what a
+// The coordinator's worker pool (coordinator/cluster/worker_pool.h) without processes: what a
 // worker's Register may say (every field is checked where it enters; a bad one refuses the worker
 // with InvalidArgument naming the field and the value), and the heal protocol step by step
 // (docs/healing.md) with fake workers.
-#include "coordinator/server/worker_pool.h"
+#include "coordinator/cluster/worker_pool.h"
 
 #include <cmath>
 #include <filesystem>

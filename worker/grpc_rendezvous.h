@@ -1,7 +1,7 @@
 // The RendezvousStore a worker uses: the coordinator's RendezvousSet / RendezvousGet RPCs
 // (worker.proto), so that the ranks of a collective group find each other through the coordinator
 // they all dial, with no shared filesystem. Every call carries the token of the worker's Assignment
-// or Regroup (coordinator/server/rendezvous_grants.h): the coordinator takes a key only from the
+// or Regroup (coordinator/cluster/rendezvous_grants.h): the coordinator takes a key only from the
 // rank it names and gives it only to the members of its group.
 //
 // Ownership: borrows the stub, which must outlive the store. Thread-safe (gRPC stubs are), as

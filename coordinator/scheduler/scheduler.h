@@ -1,6 +1,6 @@
 // The continuous-batching scheduler: which sequences run in the next step, with how many tokens,
 // where their KV goes, and which sequences give their cache blocks back when the cache is full.
-// It works in tokens and blocks only; the engine (coordinator/server/engine.h) owns the requests
+// It works in tokens and blocks only; the engine (coordinator/engine/engine.h) owns the requests
 // (their text, stop conditions and streams) and the workers.
 //
 // A sequence is its tokens (prompt, then every sampled token) and how many of them were fed to

@@ -13,7 +13,7 @@ PACKAGES=(
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
   libssl-dev                # OpenSSL: certificate checks, launch's CA, API key hashes (security/), the prefix cache's block keys (SHA-256)
-  libcpp-httplib-dev        # the coordinator's OpenAI-compatible HTTP API (coordinator/openai)
+  libcpp-httplib-dev        # the coordinator's OpenAI-compatible HTTP API (coordinator/api/openai)
   libgtest-dev libgmock-dev
   python3 python3-venv
   curl                      # tools/demo.sh, README.md's tour (tests/readme_doc_test.py): the HTTP API

@@ -1,0 +1,769 @@
+#include "coordinator/api/openai/http_server.h"
+
+#include <httplib.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/random/random.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "coordinator/api/openai/connection_pool.h"
+#include "coordinator/api/openai/peer_watch.h"
+#include "coordinator/api/openai/protocol.h"
+#include "coordinator/engine/generation.h"
+#include "coordinator/telemetry/log.h"
+#include "security/https.h"
+
+namespace shardserve::openai {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr char kJson[] = "application/json";
+// How long a handler waits for the next tokens before it looks again (at its other choices, or
+// whether a streaming client is still there).
+constexpr absl::Duration kPoll = absl::Milliseconds(50);
+constexpr absl::Duration kPollSeveral = absl::Milliseconds(10);
+// A client that disconnected before its answer was complete, as nginx logs it.
+constexpr int kClientClosed = 499;
+// Threads that answer, at once, the connections that find every serving thread taken (each holds
+// one for at most ConnectionPolicy::hurried_head_deadline while its request arrives).
+constexpr int kOverflowThreads = 4;
+// Connections the kernel completes before the listening thread accepts them. httplib's is 5: a burst
+// of clients connecting at once (a benchmark's streams) overflows it, and the kernel then drops
+// their handshakes, to be retried a second or more later.
+constexpr int kListenBacklog = SOMAXCONN;
+// Requests on one keep-alive connection before the server closes it ("Connection: close" on the
+// last). httplib 0.11.4's 5 makes a long-lived client (a benchmark's stream, an SDK's connection
+// pool) open a new connection every fifth request: a handshake, and the new connection is admitted
+// to the ConnectionPool again, where it may find the threads taken (503) before the connection it
+// replaces has given its thread back. 100 is httplib's own default since 0.17 (and llama-server's).
+// The 5 s idle timeout stays (ConnectionPolicy's default): an idle connection holds a serving
+// thread, so a longer one would turn idle clients into 503s for new ones.
+constexpr int kKeepAliveMaxCount = 100;
+
+// A Content-Length httplib would read as something else: it takes "-5" as 2^64 - 5 (and then reads
+// and drops that many bytes before its 413), "12abc" as 12. Empty when the header is absent or a
+// plain decimal count.
+std::string BadContentLength(const httplib::Request& req) {
+  if (!req.has_header("Content-Length")) return "";
+  const std::string value = req.get_header_value("Content-Length");
+  const bool digits = !value.empty() && value.size() <= 18 &&
+                      std::all_of(value.begin(), value.end(), [](char c) { return c >= '0' && c <= '9'; });
+  return digits ? "" : value;
+}
+
+// The endpoint label of a path: the routes, or "other" (no unbounded label values).
+std::string EndpointLabel(const std::string& path) {
+  for (const char* route : {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}) {
+    if (path == route) return route;
+  }
+  return "other";
+}
+
+void SetError(httplib::Response& res, const ApiError& error) {
+  res.status = error.http_status;
+  res.set_content(ErrorBody(error), kJson);
+}
+
+void SetError(httplib::Response& res, const absl::Status& status) { SetError(res, ErrorFromStatus(status)); }
+
+std::string RandomHex() {
+  absl::BitGen gen;
+  return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+// One choice of a request: its engine submission and what it has produced.
+struct Choice {
+  uint64_t engine_id = 0;
+  std::shared_ptr<RequestStream> stream;
+  bool ended = false;
+  std::string text;
+  int64_t completion_tokens = 0;
+  int64_t cached_tokens = 0;
+  int64_t text_offset = 0;  // completions logprobs: bytes streamed so far
+  std::vector<v1::TokenLogprobs> logprobs;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  // Chat with reasoning or tool calls parsed: the output split so far, and each call's id.
+  std::unique_ptr<OutputSplitter> splitter;
+  OutputSplit whole;
+  std::vector<std::string> call_ids;
+};
+
+// How a chat request's output is split: reasoning (the prompt may have opened it), tool calls.
+struct OutputParsing {
+  bool reasoning = false;
+  bool reasoning_inside = false;
+  ToolCallFormat tools = ToolCallFormat::kNone;
+  int max_calls = 0;
+  bool on() const { return reasoning || tools != ToolCallFormat::kNone; }
+};
+
+// A response of one choice, and (chat with parsing on) what its text added, split.
+struct Polled {
+  int index = 0;
+  v1::GenerateResponse response;
+  OutputSplit split;
+};
+
+// A request's choices in the engine, from submission to their end. Used by one thread at a time
+// (the handler, then httplib's content provider on the same connection).
+class Job {
+ public:
+  Job(Engine* engine, Request request, std::string id, int64_t prompt_tokens, OutputParsing parsing)
+      : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(prompt_tokens),
+        created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
+  ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
+
+  const Request& request() const { return request_; }
+  bool chat() const { return request_.endpoint == Endpoint::kChatCompletions; }
+
+  // Submits every choice; on a refusal cancels those already submitted.
+  absl::Status Submit(const GenerationParams& first, std::chrono::steady_clock::time_point arrival) {
+    absl::BitGen gen;
+    for (int i = 0; i < request_.n; ++i) {
+      GenerationParams params = first;
+      if (request_.n > 1) params.request_id = absl::StrCat(first.request_id, "-", i);
+      if (i > 0) {
+        params.seed = request_.sampling.has_seed() ? first.seed + static_cast<uint64_t>(i) : absl::Uniform<uint64_t>(gen);
+      }
+      absl::StatusOr<Engine::Submitted> submitted = engine_->Submit(std::move(params), arrival);
+      if (!submitted.ok()) {
+        Cancel(absl::CancelledError("another choice of the request was refused"));
+        return submitted.status();
+      }
+      Choice c;
+      c.engine_id = submitted->id;
+      c.stream = std::move(submitted->stream);
+      if (parsing_.on()) {
+        c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
+                                                      parsing_.max_calls);
+      }
+      choices_.push_back(std::move(c));
+    }
+    return absl::OkStatus();
+  }
+
+  // Cancels every choice still running.
+  void Cancel(const absl::Status& why) {
+    for (Choice& c : choices_) {
+      if (!c.ended) {
+        engine_->Cancel(c.engine_id, why);
+        c.ended = true;
+      }
+    }
+  }
+
+  bool done() const {
+    for (const Choice& c : choices_) {
+      if (!c.ended) return false;
+    }
+    return true;
+  }
+  const absl::Status& error() const { return error_; }
+
+  // Gathers what the choices produced, waiting at most about kPoll when none had anything.
+  // Returns the responses in arrival order.
+  std::vector<Polled> Poll() {
+    std::vector<Polled> out;
+    const absl::Duration wait = choices_.size() > 1 ? kPollSeveral : kPoll;
+    for (int pass = 0; pass < 2 && out.empty(); ++pass) {
+      for (int i = 0; i < static_cast<int>(choices_.size()); ++i) {
+        Choice& c = choices_[i];
+        v1::GenerateResponse response;
+        std::optional<absl::Status> ended;
+        // Pass 0 drains what is there; pass 1 waits on the first choice still running.
+        while (!c.ended && c.stream->Next(pass == 0 ? absl::ZeroDuration() : wait, &response, &ended)) {
+          Polled p;
+          p.index = i;
+          p.split = Apply(c, response);
+          p.response = std::move(response);
+          out.push_back(std::move(p));
+          if (pass == 1) break;
+        }
+        if (!c.ended && ended.has_value()) {
+          c.ended = true;
+          if (!ended->ok() && error_.ok()) error_ = *ended;
+        }
+        if (pass == 1 && !c.ended) break;
+      }
+    }
+    if (!error_.ok()) Cancel(absl::CancelledError("another choice of the request failed"));
+    return out;
+  }
+
+  // ---- JSON ----
+  Json UsageJson() const {
+    int64_t completion = 0, cached = 0;
+    for (const Choice& c : choices_) {
+      completion += c.completion_tokens;
+      cached = std::max(cached, c.cached_tokens);
+    }
+    return openai::UsageJson(prompt_tokens_, completion, std::min(cached, prompt_tokens_));
+  }
+
+  // The whole answer, once done() without error.
+  Json Response(const Tokenizer* tokenizer) const {
+    Json choices = Json::array();
+    for (size_t i = 0; i < choices_.size(); ++i) {
+      const Choice& c = choices_[i];
+      Json logprobs = nullptr;
+      if (request_.sampling.logprobs()) {
+        logprobs = chat() ? Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer)}}
+                          : CompletionLogprobs(c.logprobs, tokenizer, 0);
+      }
+      Json choice = {{"index", i}};
+      if (chat() && c.splitter != nullptr) {
+        choice["message"] = ChatMessage(c.whole, c.splitter->reasoning(), c.call_ids);
+      } else if (chat()) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      } else {
+        choice["text"] = c.text;
+      }
+      choice["logprobs"] = logprobs;
+      choice["finish_reason"] = ChatFinishReason(c.finish, !c.whole.calls.empty());
+      choices.push_back(std::move(choice));
+    }
+    return Json{{"id", id_},
+                {"object", chat() ? "chat.completion" : "text_completion"},
+                {"created", created_},
+                {"model", request_.model},
+                {"choices", choices},
+                {"usage", UsageJson()},
+                {"system_fingerprint", nullptr}};
+  }
+
+  // A stream chunk of choice `index`: `delta` text (chat: a delta object), logprobs, finish.
+  Json Chunk(int index, const Json& delta_or_text, const Json& logprobs, const Json& finish) const {
+    Json choice = {{"index", index}};
+    choice[chat() ? "delta" : "text"] = delta_or_text;
+    choice["logprobs"] = logprobs;
+    choice["finish_reason"] = finish;
+    Json chunk = {{"id", id_},
+                  {"object", chat() ? "chat.completion.chunk" : "text_completion"},
+                  {"created", created_},
+                  {"model", request_.model},
+                  {"choices", Json::array({choice})},
+                  {"system_fingerprint", nullptr}};
+    if (request_.include_usage) chunk["usage"] = nullptr;
+    return chunk;
+  }
+
+  // The chunks of one response: none when it adds nothing a client sees. With parsing on, a piece
+  // may make several (reasoning, content, each call's name and arguments); the first carries the
+  // logprobs, the last the finish_reason.
+  std::vector<Json> ChunksOf(const Polled& p, const Tokenizer* tokenizer) {
+    const v1::GenerateResponse& r = p.response;
+    const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+    Choice& c = choices_[p.index];
+    std::vector<Json> deltas;
+    if (!chat()) {
+      if (!r.text().empty()) deltas.push_back(r.text());
+    } else if (c.splitter != nullptr) {
+      deltas = ChatDeltas(p.split, static_cast<int>(c.whole.calls.size() - p.split.calls.size()), c.call_ids);
+    } else if (!r.text().empty()) {
+      deltas.push_back({{"content", r.text()}});
+    }
+    if (deltas.empty() && (r.logprobs_size() > 0 || finished)) deltas.push_back(chat() ? Json::object() : Json(""));
+    const std::vector<v1::TokenLogprobs> entries(r.logprobs().begin(), r.logprobs().end());
+    Json logprobs = nullptr;
+    if (request_.sampling.logprobs()) {
+      logprobs = chat() ? Json{{"content", ChatLogprobsContent(entries, tokenizer)}}
+                        : CompletionLogprobs(entries, tokenizer, c.text_offset);
+    }
+    c.text_offset += static_cast<int64_t>(r.text().size());
+    std::vector<Json> chunks;
+    for (size_t i = 0; i < deltas.size(); ++i) {
+      const bool last = i + 1 == deltas.size();
+      chunks.push_back(Chunk(p.index, deltas[i], i == 0 ? logprobs : Json(nullptr),
+                             finished && last ? Json(ChatFinishReason(r.finish_reason(), !c.whole.calls.empty()))
+                                              : Json(nullptr)));
+    }
+    return chunks;
+  }
+
+  // The last chunk with include_usage: no choices, the usage.
+  Json UsageChunk() const {
+    return Json{{"id", id_},
+                {"object", chat() ? "chat.completion.chunk" : "text_completion"},
+                {"created", created_},
+                {"model", request_.model},
+                {"choices", Json::array()},
+                {"system_fingerprint", nullptr},
+                {"usage", UsageJson()}};
+  }
+
+  int n() const { return static_cast<int>(choices_.size()); }
+  const std::string& id() const { return id_; }
+
+ private:
+  // Adds a response to its choice; returns what its text added, split (chat with parsing on).
+  static OutputSplit Apply(Choice& c, const v1::GenerateResponse& r) {
+    c.text += r.text();
+    c.completion_tokens += r.token_ids_size();
+    c.logprobs.insert(c.logprobs.end(), r.logprobs().begin(), r.logprobs().end());
+    const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
+    if (finished) {
+      c.finish = r.finish_reason();
+      c.completion_tokens = r.usage().completion_tokens();
+      c.cached_tokens = r.usage().cached_prompt_tokens();
+    }
+    OutputSplit split;
+    if (c.splitter != nullptr) {
+      split = c.splitter->Add(r.text(), finished);
+      c.whole.reasoning += split.reasoning;
+      c.whole.content += split.content;
+      for (const ToolCall& call : split.calls) {
+        c.whole.calls.push_back(call);
+        c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+      }
+    }
+    return split;
+  }
+
+  Engine* const engine_;
+  const Request request_;
+  const std::string id_;
+  const int64_t prompt_tokens_;
+  const int64_t created_;
+  const OutputParsing parsing_;
+  std::vector<Choice> choices_;
+  absl::Status error_;
+};
+
+std::string Event(const Json& data) {
+  return absl::StrCat("data: ", data.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+}
+
+}  // namespace
+
+HttpServer::HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
+                       const HttpServerOptions& options)
+    : model_(model), pool_(pool), engine_(engine), metrics_(metrics), options_(options),
+      created_(absl::ToUnixSeconds(absl::Now())) {}
+
+HttpServer::~HttpServer() { Stop(); }
+
+absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel* model, WorkerPool* pool,
+                                                              Engine* engine, CoordinatorMetrics* metrics,
+                                                              const HttpServerOptions& options) {
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("the HTTP API's TLS needs both a certificate and a key");
+  }
+  std::unique_ptr<HttpServer> s(new HttpServer(model, pool, engine, metrics, options));
+  // The output formats: as named, else recognised in the chat template.
+  const std::string template_source = model->chat_template != nullptr ? model->chat_template->source() : "";
+  if (options.tool_call_parser.empty()) {
+    s->tool_format_ = ToolCallFormatOfTemplate(template_source);
+  } else {
+    absl::StatusOr<ToolCallFormat> format = ToolCallFormatFromName(options.tool_call_parser);
+    if (!format.ok()) return format.status();
+    s->tool_format_ = *format;
+  }
+  if (options.reasoning_parser.empty()) {
+    s->reasoning_format_ = ReasoningFormatOfTemplate(template_source);
+  } else {
+    absl::StatusOr<ReasoningFormat> format = ReasoningFormatFromName(options.reasoning_parser);
+    if (!format.ok()) return format.status();
+    s->reasoning_format_ = *format;
+  }
+  // HTTPS when a certificate is given, re-read when its files change (security/https.h); TCP_NODELAY
+  // there: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to 40 ms),
+  // which shows as time to first token (shardserve bench --backend openai measured it).
+  ConnectionPolicy policy;
+  policy.max_requests = kKeepAliveMaxCount;
+  policy.max_per_peer = options.max_connections_per_peer;
+  policy.hurried = &ConnectionPool::OnOverflowThread;
+  // Read by the pool's threads only, while the pool (which httplib owns) exists.
+  policy.crowded = [pool = s->connections_] {
+    ConnectionPool* p = pool->load();
+    return p != nullptr && p->Crowded();
+  };
+  absl::StatusOr<std::unique_ptr<httplib::Server>> http =
+      MakeHttpServer(TlsFiles{options.tls_cert, options.tls_key, ""}, policy);
+  if (!http.ok()) return http.status();
+  s->http_ = *std::move(http);
+  const int threads = std::max(1, options.threads);
+  s->http_->new_task_queue = [threads, pool = s->connections_] {
+    auto* made = new ConnectionPool(threads, kOverflowThreads);
+    pool->store(made);
+    return made;
+  };
+  // The listening socket, to widen its backlog once bound (httplib's is fixed at 5 in its library).
+  int listen_fd = -1;
+  s->http_->set_socket_options([&listen_fd](socket_t sock) {
+    ListenSocketOptions(sock);
+    listen_fd = sock;  // the last one tried is the one bound
+  });
+  s->http_->set_payload_max_length(static_cast<size_t>(options.max_body_bytes));
+  s->Routes();
+  if (options.port == 0) {
+    s->port_ = s->http_->bind_to_any_port(options.host);
+  } else if (s->http_->bind_to_port(options.host, options.port)) {
+    s->port_ = options.port;
+  }
+  if (s->port_ <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot listen for HTTP on ", options.host, ":", options.port, " (in use, or not this host's)"));
+  }
+  // Listening already: listen() again only changes the backlog.
+  if (listen_fd >= 0 && ::listen(listen_fd, kListenBacklog) != 0) {
+    LogIds ids;
+    ids.level = "warn";
+    CoordinatorLog("http", absl::StrCat("cannot widen the listen backlog to ", kListenBacklog, ": ", std::strerror(errno)),
+                   ids);
+  }
+  s->http_->set_socket_options(ListenSocketOptions);
+  HttpServer* raw = s.get();
+  s->listener_ = std::thread([raw] { raw->http_->listen_after_bind(); });
+  return s;
+}
+
+void HttpServer::Stop() {
+  if (!listener_.joinable()) return;
+  http_->stop();
+  listener_.join();
+}
+
+absl::Status HttpServer::Authorize(const httplib::Request& req) {
+  if (options_.api_keys == nullptr) return absl::OkStatus();
+  std::optional<absl::string_view> header;
+  if (auto it = req.headers.find("Authorization"); it != req.headers.end()) header = it->second;  // case-insensitive
+  const ApiKeys::Verdict verdict = options_.api_keys->Check(header);
+  if (verdict == ApiKeys::Verdict::kOk) return absl::OkStatus();
+  if (metrics_ != nullptr) metrics_->AuthFailure(verdict == ApiKeys::Verdict::kMissing ? "missing_key" : "invalid_key");
+  return absl::UnauthenticatedError(verdict == ApiKeys::Verdict::kMissing
+                                        ? "this server needs an API key: send the header 'Authorization: Bearer <key>' "
+                                          "(the openai client's api_key, or OPENAI_API_KEY)"
+                                        : "the API key is not valid");
+}
+
+void HttpServer::Routes() {
+  // httplib's own answers (no route, a body too large, a request it cannot parse) in OpenAI's shape.
+  const int64_t max_body = options_.max_body_bytes;
+  http_->set_error_handler(httplib::Server::HandlerWithResponse(
+      [max_body](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    ApiError e{res.status, res.status >= 500 ? "server_error" : "invalid_request_error", "", "", ""};
+    if (const std::string late = RequestTimeoutOnThisThread(); !late.empty()) {
+      // httplib says 400 for a head cut short; the connection's deadline cut it (http_connection.h).
+      e.http_status = res.status = 408;
+      e.message = late;
+      e.code = "request_timeout";
+      res.set_header("Connection", "close");
+    } else if (res.status == 404) {
+      e.message = absl::StrCat("no route ", req.method, " ", req.path);
+      e.code = "not_found";
+    } else if (res.status == 413) {
+      e.message = absl::StrCat("the request body is larger than ", max_body, " bytes (--http-max-body-bytes)");
+      e.code = "request_too_large";
+    } else if (res.status == 414) {
+      e.message = "the request line is longer than 8192 bytes";
+      e.code = "uri_too_long";
+    } else if (res.status == 400) {
+      // httplib parsed neither the request line nor the headers (it says no more).
+      e.message =
+          "malformed HTTP/1.1 request: the first line must be 'METHOD /path HTTP/1.1' and each header "
+          "'Name: value' on a line of its own (at most 8192 bytes), ending with an empty line";
+      e.code = "malformed_request";
+    } else {
+      e.message = absl::StrCat("HTTP ", res.status);
+    }
+    SetError(res, e);
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  // Streaming answers are counted when their stream ends, and a non-streaming one whose client went
+  // away by its handler (see Generate): httplib logs only what it could write.
+  http_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    if (metrics_ != nullptr && !res.content_provider_resource_releaser_ && res.status != kClientClosed) {
+      metrics_->HttpRequest(EndpointLabel(req.path), res.status);
+    }
+  });
+
+  // After the headers, before the body: a body that no Content-Length frames is refused now (the
+  // connection then closes: its body is unread). One over the limit is read and dropped by httplib
+  // (within the body's deadline) and answered 413, so that the client, still sending, reads it.
+  http_->set_pre_routing_handler(
+      [](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+        ApiError e{400, "invalid_request_error", "", "", ""};
+        if (req.method == "POST" && !req.has_header("Content-Length") &&
+            absl::AsciiStrToLower(req.get_header_value("Transfer-Encoding")) != "chunked") {
+          // Else httplib would read the body until the client closes its side.
+          e.http_status = 411;
+          e.message = "a POST needs a Content-Length header (or Transfer-Encoding: chunked)";
+          e.code = "length_required";
+        } else if (const std::string bad = BadContentLength(req); !bad.empty()) {
+          e.message = absl::StrCat("Content-Length: '", bad, "' is not a number of bytes");
+          e.code = "malformed_request";
+        } else {
+          return httplib::Server::HandlerResponse::Unhandled;
+        }
+        SetError(res, e);
+        res.set_header("Connection", "close");
+        return httplib::Server::HandlerResponse::Handled;
+      });
+
+  http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (absl::Status s = pool_->CheckServing(); !s.ok()) return SetError(res, s);
+    res.set_content(R"({"status":"ok"})", kJson);
+  });
+  // Every route but /health (open for probes): the key checked first. In the handler, after
+  // httplib has read the body: a refusal from a pre-routing handler would leave a POST's body
+  // unread on a kept-alive connection, to be parsed as the next request.
+  auto refuse_key = [this](const httplib::Request& req, httplib::Response& res) {
+    absl::Status s = Authorize(req);
+    if (s.ok()) return false;
+    // OpenAI's own answer to a bad key: 401, invalid_request_error, invalid_api_key.
+    SetError(res, ApiError{401, "invalid_request_error", std::string(s.message()), "", "invalid_api_key"});
+    res.set_header("WWW-Authenticate", "Bearer");
+    return true;
+  };
+  auto guarded = [refuse_key](httplib::Server::Handler handler) {
+    return [refuse_key, handler = std::move(handler)](const httplib::Request& req, httplib::Response& res) {
+      if (!refuse_key(req, res)) handler(req, res);
+    };
+  };
+  // A POST's body read here, not by httplib, whose own reading refuses a form-encoded body over
+  // 8 KB (what `curl -d` sends) with 413; the body is parsed as JSON whatever its Content-Type.
+  // A completion on an overflow thread is refused before its body is read (the connection closes).
+  auto with_body = [this, refuse_key](bool chat) {
+    return [this, refuse_key, chat](const httplib::Request& req, httplib::Response& res,
+                                    const httplib::ContentReader& reader) {
+      if (ConnectionPool::OnOverflowThread()) return Busy(res);
+      std::string body;
+      if (!reader([&body](const char* data, size_t n) {
+            body.append(data, n);
+            return true;
+          })) {
+        // httplib set 413 (too large: the error handler says so) or nothing: the body came too late,
+        // ended early, or its chunks were malformed.
+        res.set_header("Connection", "close");
+        if (res.status == 413) return;
+        if (const std::string late = RequestTimeoutOnThisThread(); !late.empty()) {
+          return SetError(res, ApiError{408, "invalid_request_error", late, "", "request_timeout"});
+        }
+        return SetError(res, ApiError{400, "invalid_request_error",
+                                      "the request body could not be read: it ended before its Content-Length, "
+                                      "or its chunked encoding is malformed",
+                                      "", "malformed_request"});
+      }
+      if (!refuse_key(req, res)) Generate(chat, req, body, res);
+    };
+  };
+  http_->Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
+    const Json body = {{"object", "list"},
+                       {"data", Json::array({{{"id", model_->name},
+                                              {"object", "model"},
+                                              {"created", created_},
+                                              {"owned_by", "shardserve"},
+                                              {"max_model_len", pool_->max_model_len()}}})}};
+    res.set_content(body.dump(), kJson);
+  }));
+  http_->Post("/v1/chat/completions", with_body(true));
+  http_->Post("/v1/completions", with_body(false));
+}
+
+void HttpServer::Busy(httplib::Response& res) {
+  // Every serving thread holds a connection: a clear refusal now, not a wait in a queue.
+  LogIds ids;
+  ids.level = "warn";
+  CoordinatorLog("http", "refused a completion: every HTTP connection thread is taken", ids);
+  SetError(res, ApiError{503, "service_unavailable_error",
+                         absl::StrCat("the server is serving as many HTTP connections as it has threads (",
+                                      options_.threads, "; from --max-num-seqs and --max-waiting-requests): ",
+                                      "retry shortly"),
+                         "", "server_busy"});
+  res.set_header("Retry-After", "1");
+  res.set_header("Connection", "close");
+}
+
+void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  const auto arrival = std::chrono::steady_clock::now();
+  const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
+  const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
+  auto reject = [&](const absl::Status& status) {
+    CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
+    SetError(res, status);
+  };
+
+  absl::StatusOr<Request> request = ParseRequest(endpoint, body);
+  if (!request.ok()) return reject(request.status());
+  if (request->model != model_->name) {
+    absl::Status s = absl::NotFoundError(
+        absl::StrCat("model: '", request->model, "' is not served here; this server serves '", model_->name, "'"));
+    s.SetPayload("type.shardserve/openai.param", absl::Cord("model"));
+    return reject(s);
+  }
+
+  // The prompt's token ids when this handler makes them (chat), else PrepareGeneration does.
+  std::optional<std::vector<int32_t>> ids;
+  OutputParsing parsing;
+  if (chat) {
+    if (model_->chat_template == nullptr) {
+      return reject(InvalidField(
+          "messages", model_->chat_template_status.code() == absl::StatusCode::kNotFound
+                          ? absl::StrCat("the model ", model_->name,
+                                         " has no chat template (tokenizer_config.json chat_template, or "
+                                         "chat_template.jinja): use /v1/completions")
+                          : absl::StrCat("the model's chat template cannot be used: ",
+                                         model_->chat_template_status.message())));
+    }
+    if (model_->tokenizer == nullptr) {
+      return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+    }
+    // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
+    // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
+    // render has run 10 ms (real ones take far less), then polled at most every 10 ms.
+    chat::RenderBudget budget;
+    std::optional<PeerWatch> render_peer;
+    auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+    budget.cancelled = [&]() {
+      const auto now = std::chrono::steady_clock::now();
+      if (now < next_probe) return false;
+      next_probe = now + std::chrono::milliseconds(10);
+      if (!render_peer.has_value()) {
+        render_peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+      }
+      return render_peer.has_value() && render_peer->Closed();
+    };
+    absl::StatusOr<std::string> prompt =
+        model_->chat_template->Render(request->messages, request->add_generation_prompt, request->tools,
+                                      request->chat_template_kwargs, budget);
+    if (prompt.status().code() == absl::StatusCode::kInvalidArgument && !request->messages_with_argument_text.is_null()) {
+      // A template that writes the tool-call arguments' text (not the object) as it is.
+      absl::StatusOr<std::string> as_text =
+          model_->chat_template->Render(request->messages_with_argument_text, request->add_generation_prompt,
+                                        request->tools, request->chat_template_kwargs, budget);
+      if (as_text.ok()) prompt = std::move(as_text);
+    }
+    if (prompt.status().code() == absl::StatusCode::kCancelled) {
+      CoordinatorRequestLog(id, "client disconnected while the chat template rendered: cancelled", "warn");
+      res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
+      if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
+      return;
+    }
+    if (prompt.status().code() == absl::StatusCode::kResourceExhausted ||
+        prompt.status().code() == absl::StatusCode::kDeadlineExceeded) {
+      // The model's template failed, not the request: a server error (500), not invalid_request_error,
+      // and not ErrorFromStatus's 429 for RESOURCE_EXHAUSTED, which means a full queue to retry.
+      CoordinatorRequestLog(id, absl::StrCat("chat template failed: ", prompt.status().message()), "error");
+      return SetError(res, ApiError{500, "server_error", std::string(prompt.status().message()), "",
+                                    "chat_template_budget_exceeded"});
+    }
+    if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
+    parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
+    parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
+    if (request->tools.is_array() && !request->tools.empty() && request->tool_choice == ToolChoice::kAuto) {
+      parsing.tools = tool_format_;
+      parsing.max_calls = request->parallel_tool_calls ? kMaxToolCallsPerMessage : 1;
+    }
+    // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
+    absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+    if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
+    ids = std::move(*encoded);
+  } else if (request->prompt_is_ids) {
+    ids = request->prompt_ids;
+  }
+
+  // Unset max_tokens: 16 for completions, what the context leaves for chat (a prompt that fills
+  // it is PrepareGeneration's error).
+  const int64_t max_model_len = pool_->max_model_len();
+  int64_t max_tokens = request->max_tokens.value_or(16);
+  if (chat && !request->max_tokens.has_value()) {
+    max_tokens = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(ids->size()));
+  }
+  absl::StatusOr<GenerationParams> params = PrepareGeneration(
+      ToGenerateRequest(*request, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)),
+                        ids.has_value() ? &*ids : nullptr),
+      *model_, max_model_len, id);
+  if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint));
+  // A format whose markers are special tokens needs them in the text.
+  if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
+
+  auto job = std::make_shared<Job>(engine_, *std::move(request), id, static_cast<int64_t>(params->prompt.size()),
+                                   parsing);
+  if (absl::Status s = job->Submit(*params, arrival); !s.ok()) {
+    CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
+    return SetError(res, s);
+  }
+  const Tokenizer* tokenizer = model_->tokenizer.get();
+
+  if (!job->request().stream) {
+    // httplib notices a closed connection only when it writes: watch the socket while waiting, so
+    // that a client that gives up frees its KV blocks now, not when its answer is complete.
+    const std::optional<PeerWatch> peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+    while (!job->done()) {
+      job->Poll();
+      if (peer.has_value() && !job->done() && peer->Closed()) {
+        CoordinatorRequestLog(id, "client disconnected: cancelled", "warn");
+        job->Cancel(absl::CancelledError("the HTTP client disconnected"));
+        res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
+        if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
+        return;
+      }
+    }
+    if (!job->error().ok()) return SetError(res, job->error());
+    res.set_content(job->Response(tokenizer).dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+    return;
+  }
+
+  // Streaming: the provider runs after this handler returns, on the same thread, once per batch of
+  // tokens, until it calls sink.done() or a write fails (the client went away).
+  auto first = std::make_shared<bool>(true);
+  auto counted = std::make_shared<std::atomic<bool>>(false);
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [job, first, tokenizer](size_t, httplib::DataSink& sink) {
+        std::string out;
+        if (*first) {
+          *first = false;
+          // Chat: each choice opens with the assistant's role.
+          if (job->chat()) {
+            for (int i = 0; i < job->n(); ++i) {
+              out += Event(job->Chunk(i, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+            }
+          }
+        }
+        for (const Polled& p : job->Poll()) {
+          for (const Json& chunk : job->ChunksOf(p, tokenizer)) out += Event(chunk);
+        }
+        if (job->done()) {
+          if (!job->error().ok()) {
+            // The 200 is sent: the error travels as an event, as OpenAI-compatible servers do.
+            const ApiError e = ErrorFromStatus(job->error());
+            out += Event(Json::parse(ErrorBody(e)));
+          } else if (job->request().include_usage) {
+            out += Event(job->UsageChunk());
+          }
+          out += "data: [DONE]\n\n";
+        }
+        if (!out.empty() && !sink.write(out.data(), out.size())) return false;
+        if (job->done()) sink.done();
+        return true;
+      },
+      [this, job, counted](bool success) {
+        // The stream ended: written to the end, or its client went away (cancel what runs).
+        if (counted->exchange(true)) return;
+        const bool gone = !success && !job->done();
+        if (gone) {
+          CoordinatorRequestLog(job->id(), "client disconnected: cancelled", "warn");
+          job->Cancel(absl::CancelledError("the HTTP client disconnected"));
+        }
+        if (metrics_ != nullptr) {
+          metrics_->HttpRequest(job->chat() ? "/v1/chat/completions" : "/v1/completions",
+                                success || !gone ? 200 : kClientClosed);
+        }
+      });
+}
+
+}  // namespace shardserve::openai

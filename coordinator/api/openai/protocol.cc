@@ -1,0 +1,678 @@
+#include "coordinator/api/openai/protocol.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/json.h"
+#include "kernels/logit_bias.h"
+
+namespace shardserve::openai {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr char kParamPayload[] = "type.shardserve/openai.param";
+
+// JSON type names as the errors say them.
+const char* TypeName(const Json& v) {
+  switch (v.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::boolean: return "a boolean";
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned: return "an integer";
+    case Json::value_t::number_float: return "a number";
+    case Json::value_t::string: return "a string";
+    case Json::value_t::array: return "an array";
+    case Json::value_t::object: return "an object";
+    default: return "a value of another type";
+  }
+}
+
+absl::Status WrongType(absl::string_view field, absl::string_view want, const Json& got) {
+  return InvalidField(field, absl::StrCat("must be ", want, ", got ", TypeName(got)));
+}
+
+// The body's fields, each read at most once; absent and null are the same.
+class Fields {
+ public:
+  explicit Fields(const Json& body) : body_(body) {}
+
+  const Json* Get(const char* name) const {
+    auto it = body_.find(name);
+    return it == body_.end() || it->is_null() ? nullptr : &*it;
+  }
+  absl::Status String(const char* name, std::string* out) const {
+    const Json* v = Get(name);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_string()) return WrongType(name, "a string", *v);
+    *out = v->get<std::string>();
+    return absl::OkStatus();
+  }
+  absl::Status Bool(const char* name, bool* out) const {
+    const Json* v = Get(name);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_boolean()) return WrongType(name, "a boolean", *v);
+    *out = v->get<bool>();
+    return absl::OkStatus();
+  }
+  // A number; its range is PrepareGeneration's to check. Kept as a float as the gRPC API does.
+  absl::Status Float(const char* name, float* out) const {
+    const Json* v = Get(name);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_number()) return WrongType(name, "a number", *v);
+    const double d = v->get<double>();
+    // Sampling parameters are float32 on the wire to the workers: 1e308 would become inf there.
+    if (!std::isfinite(d) || std::fabs(d) > 1e30) {
+      return InvalidField(name, absl::StrCat("must be a number of magnitude at most 1e30 (a float32), got ", d));
+    }
+    *out = static_cast<float>(d);
+    return absl::OkStatus();
+  }
+  // An integer in [lo, hi] (the wire's bounds; the meaningful range is checked later).
+  absl::Status Int(const char* name, int64_t lo, int64_t hi, std::optional<int64_t>* out) const {
+    const Json* v = Get(name);
+    if (v == nullptr) return absl::OkStatus();
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi)) {
+      return InvalidField(name, absl::StrCat("must be in [", lo, ", ", hi, "], got ", v->get<uint64_t>()));
+    }
+    if (!v->is_number_integer()) return WrongType(name, "an integer", *v);
+    const int64_t x = v->get<int64_t>();
+    if (x < lo || x > hi) return InvalidField(name, absl::StrCat("must be in [", lo, ", ", hi, "], got ", x));
+    *out = x;
+    return absl::OkStatus();
+  }
+
+ private:
+  const Json& body_;
+};
+
+#define SHARDSERVE_OPENAI_CHECK(expr)            \
+  do {                                           \
+    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
+  } while (0)
+
+// One message's content as a string: a string as it is, a list of text parts joined by "\n" (as
+// vLLM does for text-only models); null stays null (an assistant turn with tool calls).
+absl::Status NormalizeContent(const std::string& field, Json* content) {
+  if (content->is_null() || content->is_string()) return absl::OkStatus();
+  if (!content->is_array()) return WrongType(field, "a string, an array of content parts or null", *content);
+  std::vector<std::string> texts;
+  for (size_t i = 0; i < content->size(); ++i) {
+    const std::string part_field = absl::StrCat(field, "[", i, "]");
+    const Json& part = (*content)[i];
+    if (!part.is_object()) return WrongType(part_field, "an object", part);
+    auto type = part.find("type");
+    if (type == part.end() || !type->is_string()) return InvalidField(absl::StrCat(part_field, ".type"), "must be a string");
+    if (*type != "text") {
+      return InvalidField(absl::StrCat(part_field, ".type"),
+                          absl::StrCat("'", type->get<std::string>(), "' parts are not supported: this model takes text only"));
+    }
+    auto text = part.find("text");
+    if (text == part.end() || !text->is_string()) return InvalidField(absl::StrCat(part_field, ".text"), "must be a string");
+    texts.push_back(text->get<std::string>());
+  }
+  *content = absl::StrJoin(texts, "\n");
+  return absl::OkStatus();
+}
+
+// `holder` (field) has a "function" object whose "name" is a tool name as OpenAI takes it: 1 to
+// kMaxToolNameLength letters, digits, '_' or '-'.
+absl::Status CheckFunction(const std::string& field, const Json& holder) {
+  auto function = holder.find("function");
+  if (function == holder.end() || !function->is_object()) {
+    return InvalidField(absl::StrCat(field, ".function"), "must be an object");
+  }
+  auto name = function->find("name");
+  const std::string name_field = absl::StrCat(field, ".function.name");
+  if (name == function->end() || !name->is_string()) return InvalidField(name_field, "must be a string");
+  const std::string& n = name->get_ref<const std::string&>();
+  if (n.empty() || n.size() > static_cast<size_t>(kMaxToolNameLength)) {
+    return InvalidField(name_field, absl::StrCat("must be 1 to ", kMaxToolNameLength, " characters, got ", n.size()));
+  }
+  for (char c : n) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') {
+      return InvalidField(name_field, absl::StrCat("'", n, "' may hold only letters, digits, '_' and '-'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// An assistant message's tool_calls: [{id, type: "function", function: {name, arguments}}], the
+// arguments (a JSON object's text, as OpenAI sends them) parsed into the object that templates
+// render (as transformers expects them, and vLLM does).
+absl::Status NormalizeToolCalls(const std::string& message_field, Json* message) {
+  auto calls = message->find("tool_calls");
+  if (calls == message->end() || calls->is_null()) return absl::OkStatus();
+  const std::string field = absl::StrCat(message_field, ".tool_calls");
+  if (!calls->is_array()) return WrongType(field, "an array", *calls);
+  if (calls->size() > static_cast<size_t>(kMaxToolCallsPerMessage)) {
+    return InvalidField(field, absl::StrCat("at most ", kMaxToolCallsPerMessage, " calls, got ", calls->size()));
+  }
+  for (size_t j = 0; j < calls->size(); ++j) {
+    const std::string call_field = absl::StrCat(field, "[", j, "]");
+    Json& call = (*calls)[j];
+    if (!call.is_object()) return WrongType(call_field, "an object", call);
+    if (auto id = call.find("id"); id != call.end() && !id->is_null() && !id->is_string()) {
+      return WrongType(absl::StrCat(call_field, ".id"), "a string", *id);
+    }
+    SHARDSERVE_OPENAI_CHECK(CheckFunction(call_field, call));
+    Json* function = &call["function"];
+    auto arguments = function->find("arguments");
+    if (arguments == function->end() || arguments->is_null()) {
+      (*function)["arguments"] = Json::object();
+    } else if (arguments->is_string()) {
+      Json parsed = Json::parse(arguments->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded() || !parsed.is_object()) {
+        return InvalidField(absl::StrCat(call_field, ".function.arguments"), "must be the text of a JSON object");
+      }
+      *arguments = std::move(parsed);
+    } else if (!arguments->is_object()) {
+      return WrongType(absl::StrCat(call_field, ".function.arguments"), "a string (a JSON object's text)", *arguments);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// tool_choice and parallel_tool_calls.
+absl::Status ParseToolChoice(const Fields& f, Request* r) {
+  SHARDSERVE_OPENAI_CHECK(f.Bool("parallel_tool_calls", &r->parallel_tool_calls));
+  const Json* choice = f.Get("tool_choice");
+  if (choice == nullptr) return absl::OkStatus();
+  constexpr char kNeedsGrammar[] =
+      "needs constrained decoding, which this server does not do yet: send \"auto\" (calls parsed from "
+      "the model's output) or \"none\"";
+  if (choice->is_string()) {
+    const std::string c = choice->get<std::string>();
+    if (c == "auto") return absl::OkStatus();
+    if (c == "none") {
+      r->tool_choice = ToolChoice::kNone;
+      return absl::OkStatus();
+    }
+    if (c == "required") return InvalidField("tool_choice", absl::StrCat("\"required\" ", kNeedsGrammar));
+    return InvalidField("tool_choice", absl::StrCat("'", c, "' is not one of \"none\", \"auto\", \"required\""));
+  }
+  if (choice->is_object()) return InvalidField("tool_choice", absl::StrCat("a named function ", kNeedsGrammar));
+  return WrongType("tool_choice", "a string or an object", *choice);
+}
+
+absl::Status ParseMessages(const Fields& f, Request* r) {
+  const Json* messages = f.Get("messages");
+  if (messages == nullptr) return InvalidField("messages", "is required");
+  if (!messages->is_array()) return WrongType("messages", "an array", *messages);
+  if (messages->empty()) return InvalidField("messages", "must have at least one message");
+  r->messages = *messages;
+  for (size_t i = 0; i < r->messages.size(); ++i) {
+    const std::string field = absl::StrCat("messages[", i, "]");
+    Json& m = r->messages[i];
+    if (!m.is_object()) return WrongType(field, "an object", m);
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) return InvalidField(absl::StrCat(field, ".role"), "must be a string");
+    auto content = m.find("content");
+    if (content != m.end()) SHARDSERVE_OPENAI_CHECK(NormalizeContent(absl::StrCat(field, ".content"), &*content));
+  }
+  const Json before = r->messages;
+  for (size_t i = 0; i < r->messages.size(); ++i) {
+    SHARDSERVE_OPENAI_CHECK(NormalizeToolCalls(absl::StrCat("messages[", i, "]"), &r->messages[i]));
+  }
+  if (r->messages != before) r->messages_with_argument_text = before;
+  if (const Json* tools = f.Get("tools")) {
+    if (!tools->is_array()) return WrongType("tools", "an array", *tools);
+    if (tools->size() > static_cast<size_t>(kMaxTools)) {
+      return InvalidField("tools", absl::StrCat("at most ", kMaxTools, " tools, got ", tools->size()));
+    }
+    std::set<std::string> names;
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const std::string field = absl::StrCat("tools[", i, "]");
+      const Json& tool = (*tools)[i];
+      if (!tool.is_object()) return WrongType(field, "an object", tool);
+      auto type = tool.find("type");
+      if (type == tool.end() || *type != "function") {
+        return InvalidField(absl::StrCat(field, ".type"), "must be \"function\" (the only kind of tool supported)");
+      }
+      SHARDSERVE_OPENAI_CHECK(CheckFunction(field, tool));
+      const Json* function = &tool.at("function");
+      const std::string& name = function->at("name").get_ref<const std::string&>();
+      if (!names.insert(name).second) {
+        return InvalidField(absl::StrCat(field, ".function.name"), absl::StrCat("'", name, "' names another tool too"));
+      }
+      if (auto d = function->find("description"); d != function->end() && !d->is_null() && !d->is_string()) {
+        return WrongType(absl::StrCat(field, ".function.description"), "a string", *d);
+      }
+      if (auto p = function->find("parameters"); p != function->end() && !p->is_null() && !p->is_object()) {
+        return WrongType(absl::StrCat(field, ".function.parameters"), "a JSON Schema object", *p);
+      }
+    }
+    r->tools = *tools;
+  }
+  SHARDSERVE_OPENAI_CHECK(ParseToolChoice(f, r));
+  if (const Json* kwargs = f.Get("chat_template_kwargs")) {
+    if (!kwargs->is_object()) return WrongType("chat_template_kwargs", "an object", *kwargs);
+    r->chat_template_kwargs = *kwargs;
+  }
+  return f.Bool("add_generation_prompt", &r->add_generation_prompt);
+}
+
+absl::Status ParsePrompt(const Fields& f, Request* r) {
+  const Json* prompt = f.Get("prompt");
+  if (prompt == nullptr) return InvalidField("prompt", "is required");
+  // A list of one prompt is that prompt; a batch of several is n requests' work for the client.
+  const Json* p = prompt;
+  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+  if (p->is_string()) {
+    r->prompt_text = p->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!p->is_array()) return WrongType("prompt", "a string or an array of token ids", *p);
+  for (size_t i = 0; i < p->size(); ++i) {
+    const Json& id = (*p)[i];
+    if (id.is_string() || id.is_array()) {
+      return InvalidField("prompt", "a batch of several prompts is not supported: send one request per prompt");
+    }
+    if (!id.is_number_integer()) return WrongType(absl::StrCat("prompt[", i, "]"), "an integer token id", id);
+    const int64_t x = id.get<int64_t>();
+    if (x < 0 || x > std::numeric_limits<int32_t>::max()) {
+      return InvalidField(absl::StrCat("prompt[", i, "]"), absl::StrCat(x, " is not a token id"));
+    }
+    r->prompt_ids.push_back(static_cast<int32_t>(x));
+  }
+  r->prompt_is_ids = true;
+  return absl::OkStatus();
+}
+
+absl::Status ParseStop(const Fields& f, Request* r) {
+  const Json* stop = f.Get("stop");
+  if (stop == nullptr) return absl::OkStatus();
+  if (stop->is_string()) {
+    r->sampling.add_stop(stop->get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!stop->is_array()) return WrongType("stop", "a string or an array of strings", *stop);
+  for (size_t i = 0; i < stop->size(); ++i) {
+    if (!(*stop)[i].is_string()) return WrongType(absl::StrCat("stop[", i, "]"), "a string", (*stop)[i]);
+    r->sampling.add_stop((*stop)[i].get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+// logit_bias: {"token id": bias}, as OpenAI sends it (ids as decimal strings). Its size and the
+// biases are checked here; the ids against the vocabulary by PrepareGeneration.
+absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
+  const Json* bias = f.Get("logit_bias");
+  if (bias == nullptr) return absl::OkStatus();
+  if (!bias->is_object()) return WrongType("logit_bias", "an object of token id to bias", *bias);
+  if (bias->size() > static_cast<size_t>(kMaxLogitBiasEntries)) {
+    return InvalidField("logit_bias", absl::StrCat("at most ", kMaxLogitBiasEntries, " token ids, got ", bias->size()));
+  }
+  for (auto it = bias->begin(); it != bias->end(); ++it) {
+    const std::string& key = it.key();
+    int64_t id = -1;
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) id = std::stoll(key);
+    if (!digits || id > std::numeric_limits<int32_t>::max()) {
+      return InvalidField("logit_bias", absl::StrCat("key '", key.substr(0, 32), "' is not a token id"));
+    }
+    if (!it->is_number()) return WrongType(absl::StrCat("logit_bias[", key, "]"), "a number", *it);
+    const double b = it->get<double>();
+    if (!(b >= -kMaxAbsLogitBias && b <= kMaxAbsLogitBias)) {
+      return InvalidField("logit_bias", absl::StrCat("the bias of token id ", key, " must be in [", -kMaxAbsLogitBias,
+                                                     ", ", kMaxAbsLogitBias, "], got ", b));
+    }
+    (*s->mutable_logit_bias())[static_cast<int32_t>(id)] = static_cast<float>(b);
+  }
+  return absl::OkStatus();
+}
+
+// Fields this server does not implement: refused when they would change the answer, so that a
+// client never gets a silently different one.
+absl::Status RefuseUnsupported(const Fields& f, Endpoint endpoint) {
+  if (const Json* echo = f.Get("echo"); echo != nullptr && !(echo->is_boolean() && !echo->get<bool>())) {
+    return InvalidField("echo", "is not supported");
+  }
+  if (const Json* suffix = f.Get("suffix"); suffix != nullptr && !(suffix->is_string() && suffix->empty())) {
+    return InvalidField("suffix", "is not supported");
+  }
+  if (const Json* best_of = f.Get("best_of"); best_of != nullptr && !(best_of->is_number_integer() && *best_of == 1)) {
+    return InvalidField("best_of", "only 1 is supported; use n for several choices");
+  }
+  if (endpoint == Endpoint::kChatCompletions) {
+    if (const Json* format = f.Get("response_format");
+        format != nullptr && !(format->is_object() && format->value("type", "") == "text")) {
+      return InvalidField("response_format", "only {\"type\": \"text\"} is supported");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status InvalidField(absl::string_view field, absl::string_view what) {
+  absl::Status s = absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+  s.SetPayload(kParamPayload, absl::Cord(field));
+  return s;
+}
+
+std::string ParamOf(const absl::Status& status) {
+  const auto param = status.GetPayload(kParamPayload);
+  return param.has_value() ? std::string(*param) : std::string();
+}
+
+absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) {
+  absl::StatusOr<Json> parsed = ParseJson<Json>(body, "the body");
+  if (!parsed.ok()) return parsed.status();
+  const Json json = *std::move(parsed);
+  if (!json.is_object()) return absl::InvalidArgumentError(absl::StrCat("the body must be a JSON object, got ", TypeName(json)));
+
+  const Fields f(json);
+  Request r;
+  r.endpoint = endpoint;
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  SHARDSERVE_OPENAI_CHECK(f.String("model", &r.model));
+  if (f.Get("model") == nullptr) return InvalidField("model", "is required");
+  SHARDSERVE_OPENAI_CHECK(chat ? ParseMessages(f, &r) : ParsePrompt(f, &r));
+  SHARDSERVE_OPENAI_CHECK(RefuseUnsupported(f, endpoint));
+
+  std::optional<int64_t> n, max_tokens, max_completion_tokens, top_k, seed, top_logprobs;
+  SHARDSERVE_OPENAI_CHECK(f.Int("n", 1, kMaxChoices, &n));
+  r.n = static_cast<int>(n.value_or(1));
+  SHARDSERVE_OPENAI_CHECK(f.Bool("stream", &r.stream));
+  if (const Json* options = f.Get("stream_options")) {
+    if (!options->is_object()) return WrongType("stream_options", "an object", *options);
+    if (!r.stream) return InvalidField("stream_options", "is only allowed with stream: true");
+    if (auto it = options->find("include_usage"); it != options->end() && !it->is_null()) {
+      if (!it->is_boolean()) return WrongType("stream_options.include_usage", "a boolean", *it);
+      r.include_usage = it->get<bool>();
+    }
+  }
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  SHARDSERVE_OPENAI_CHECK(f.Int("max_tokens", 1, kInt32Max, &max_tokens));
+  if (chat) SHARDSERVE_OPENAI_CHECK(f.Int("max_completion_tokens", 1, kInt32Max, &max_completion_tokens));
+  if (max_tokens.has_value() && max_completion_tokens.has_value() && *max_tokens != *max_completion_tokens) {
+    return InvalidField("max_completion_tokens", "differs from max_tokens: send one of them");
+  }
+  r.max_tokens = max_completion_tokens.has_value() ? max_completion_tokens : max_tokens;
+
+  v1::SamplingParams& s = r.sampling;
+  // OpenAI's default temperature is 1 (sampling), unlike the gRPC API's 0 (greedy).
+  float temperature = 1, top_p = 1, min_p = 0, presence = 0, frequency = 0, repetition = 0;
+  SHARDSERVE_OPENAI_CHECK(f.Float("temperature", &temperature));
+  SHARDSERVE_OPENAI_CHECK(f.Float("top_p", &top_p));
+  SHARDSERVE_OPENAI_CHECK(f.Float("min_p", &min_p));
+  SHARDSERVE_OPENAI_CHECK(f.Float("presence_penalty", &presence));
+  SHARDSERVE_OPENAI_CHECK(f.Float("frequency_penalty", &frequency));
+  SHARDSERVE_OPENAI_CHECK(f.Float("repetition_penalty", &repetition));
+  // top_k: -1 is vLLM's "no limit", as 0 is the gRPC API's.
+  SHARDSERVE_OPENAI_CHECK(f.Int("top_k", -1, kInt32Max, &top_k));
+  SHARDSERVE_OPENAI_CHECK(f.Int("seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max(), &seed));
+  s.set_temperature(temperature);
+  // top_p 0 would mean "no limit" to the gRPC API; to OpenAI it is the narrowest nucleus.
+  if (f.Get("top_p") != nullptr && !(top_p > 0 && top_p <= 1)) {
+    return InvalidField("top_p", absl::StrCat("must be in (0, 1], got ", top_p));
+  }
+  s.set_top_p(top_p);
+  s.set_min_p(min_p);
+  s.set_presence_penalty(presence);
+  s.set_frequency_penalty(frequency);
+  s.set_repetition_penalty(repetition);
+  s.set_top_k(static_cast<int32_t>(std::max<int64_t>(0, top_k.value_or(0))));
+  if (seed.has_value()) s.set_seed(static_cast<uint64_t>(*seed));
+  SHARDSERVE_OPENAI_CHECK(ParseStop(f, &r));
+  if (const Json* ids = f.Get("stop_token_ids")) {
+    if (!ids->is_array()) return WrongType("stop_token_ids", "an array of token ids", *ids);
+    for (size_t i = 0; i < ids->size(); ++i) {
+      const Json& id = (*ids)[i];
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kInt32Max) {
+        return InvalidField(absl::StrCat("stop_token_ids[", i, "]"), "must be a token id");
+      }
+      s.add_stop_token_ids(id.get<int32_t>());
+    }
+  }
+  bool ignore_eos = false;
+  SHARDSERVE_OPENAI_CHECK(f.Bool("ignore_eos", &ignore_eos));
+  s.set_ignore_eos(ignore_eos);
+  SHARDSERVE_OPENAI_CHECK(ParseLogitBias(f, &s));
+  std::optional<int64_t> min_tokens;
+  SHARDSERVE_OPENAI_CHECK(f.Int("min_tokens", 0, kInt32Max, &min_tokens));
+  s.set_min_tokens(static_cast<int32_t>(min_tokens.value_or(0)));
+
+  // logprobs: chat takes a boolean and top_logprobs; completions an integer, the alternatives.
+  if (chat) {
+    bool logprobs = false;
+    SHARDSERVE_OPENAI_CHECK(f.Bool("logprobs", &logprobs));
+    SHARDSERVE_OPENAI_CHECK(f.Int("top_logprobs", 0, kInt32Max, &top_logprobs));
+    if (top_logprobs.value_or(0) > 0 && !logprobs) return InvalidField("top_logprobs", "needs logprobs: true");
+    s.set_logprobs(logprobs);
+    s.set_top_logprobs(static_cast<int32_t>(top_logprobs.value_or(0)));
+  } else {
+    std::optional<int64_t> logprobs;
+    if (const Json* v = f.Get("logprobs"); v != nullptr && v->is_boolean()) {
+      return WrongType("logprobs", "an integer (the number of alternatives, 0 to 20)", *v);
+    }
+    SHARDSERVE_OPENAI_CHECK(f.Int("logprobs", 0, kInt32Max, &logprobs));
+    s.set_logprobs(logprobs.has_value());
+    s.set_top_logprobs(static_cast<int32_t>(logprobs.value_or(0)));
+  }
+  SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
+  return r;
+}
+
+v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t max_tokens,
+                                      const std::vector<int32_t>* prompt_ids) {
+  v1::GenerateRequest g;
+  if (prompt_ids != nullptr) {
+    g.mutable_token_ids()->mutable_ids()->Add(prompt_ids->begin(), prompt_ids->end());
+  } else {
+    g.set_text(request.prompt_text);
+  }
+  *g.mutable_sampling() = request.sampling;
+  g.mutable_sampling()->set_max_tokens(max_tokens);
+  if (request.sampling.has_seed()) g.mutable_sampling()->set_seed(request.sampling.seed() + static_cast<uint64_t>(index));
+  return g;
+}
+
+absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint) {
+  if (status.code() != absl::StatusCode::kInvalidArgument) return status;
+  const absl::string_view message = status.message();
+  const size_t colon = message.find(": ");
+  if (colon == absl::string_view::npos) return status;
+  const absl::string_view field = message.substr(0, colon);
+  const absl::string_view what = message.substr(colon + 2);
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  std::string renamed;
+  if (absl::StartsWith(field, "sampling.")) {
+    renamed = std::string(field.substr(9));
+    if (renamed == "top_logprobs" && !chat) renamed = "logprobs";
+  } else if (absl::StartsWith(field, "prompt")) {
+    // The prompt as sent: a chat's is its messages; token ids keep their index.
+    if (chat) {
+      renamed = "messages";
+    } else if (absl::StartsWith(field, "prompt.token_ids.ids")) {
+      renamed = absl::StrCat("prompt", field.substr(20));
+    } else {
+      renamed = "prompt";
+    }
+  } else {
+    renamed = std::string(field);
+  }
+  return InvalidField(renamed, what);
+}
+
+ApiError ErrorFromStatus(const absl::Status& status) {
+  ApiError e;
+  e.message = std::string(status.message());
+  e.param = ParamOf(status);
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      e.http_status = 400;
+      e.type = "invalid_request_error";
+      break;
+    case absl::StatusCode::kNotFound:
+      e.http_status = 404;
+      e.type = "invalid_request_error";
+      e.code = "model_not_found";
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      e.http_status = 429;
+      e.type = "rate_limit_error";
+      e.code = "queue_full";
+      break;
+    case absl::StatusCode::kUnavailable:
+      e.http_status = 503;
+      e.type = "service_unavailable_error";
+      e.code = "not_serving";
+      break;
+    default:
+      e.http_status = 500;
+      e.type = "server_error";
+      break;
+  }
+  return e;
+}
+
+std::string ErrorBody(const ApiError& error) {
+  Json body = {{"error",
+                {{"message", error.message},
+                 {"type", error.type},
+                 {"param", error.param.empty() ? Json(nullptr) : Json(error.param)},
+                 {"code", error.code.empty() ? Json(nullptr) : Json(error.code)}}}};
+  return body.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+const char* FinishReasonName(v1::FinishReason reason) {
+  return reason == v1::FINISH_REASON_LENGTH ? "length" : "stop";
+}
+
+nlohmann::ordered_json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
+  return Json{{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens},
+              {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
+}
+
+namespace {
+
+std::string TokenText(int32_t id, const Tokenizer* tokenizer) {
+  return tokenizer == nullptr ? std::string() : tokenizer->Decode({id});
+}
+
+Json Bytes(const std::string& s) {
+  Json bytes = Json::array();
+  for (unsigned char c : s) bytes.push_back(static_cast<int>(c));
+  return bytes;
+}
+
+}  // namespace
+
+nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer) {
+  Json content = Json::array();
+  for (const v1::TokenLogprobs& e : entries) {
+    const std::string token = TokenText(e.token_id(), tokenizer);
+    Json top = Json::array();
+    for (const v1::TopLogprob& t : e.top_logprobs()) {
+      const std::string alt = TokenText(t.token_id(), tokenizer);
+      top.push_back({{"token", alt}, {"logprob", t.logprob()}, {"bytes", Bytes(alt)}});
+    }
+    content.push_back({{"token", token}, {"logprob", e.logprob()}, {"bytes", Bytes(token)}, {"top_logprobs", top}});
+  }
+  return content;
+}
+
+nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                          int64_t text_offset) {
+  Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(), offsets = Json::array();
+  for (const v1::TokenLogprobs& e : entries) {
+    const std::string token = TokenText(e.token_id(), tokenizer);
+    tokens.push_back(token);
+    token_logprobs.push_back(e.logprob());
+    offsets.push_back(text_offset);
+    text_offset += static_cast<int64_t>(token.size());
+    Json top = Json::object();
+    for (const v1::TopLogprob& t : e.top_logprobs()) top[TokenText(t.token_id(), tokenizer)] = t.logprob();
+    top_logprobs.push_back(top);
+  }
+  return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
+              {"text_offset", offsets}};
+}
+
+OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls)
+    : tools_(tools, max_calls) {
+  if (reasoning) reasoning_.emplace(reasoning_inside);
+}
+
+OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
+  OutputSplit out;
+  std::string content;
+  if (reasoning_.has_value()) {
+    ReasoningDelta d = reasoning_->Add(text);
+    out.reasoning = std::move(d.reasoning);
+    content = std::move(d.content);
+    if (final) {
+      ReasoningDelta end = reasoning_->Finish();
+      out.reasoning += end.reasoning;
+      content += end.content;
+    }
+  } else {
+    content = std::string(text);
+  }
+  ToolCallDelta d = tools_.Add(content);
+  if (final) {
+    ToolCallDelta end = tools_.Finish();
+    d.content += end.content;
+    for (ToolCall& c : end.calls) d.calls.push_back(std::move(c));
+  }
+  out.content = std::move(d.content);
+  out.calls = std::move(d.calls);
+  return out;
+}
+
+namespace {
+
+Json FunctionCall(const std::string& id, const ToolCall& call) {
+  return Json{{"id", id}, {"type", "function"}, {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
+}
+
+}  // namespace
+
+nlohmann::ordered_json ChatMessage(const OutputSplit& whole, bool reasoning, const std::vector<std::string>& ids) {
+  Json message = {{"role", "assistant"}};
+  message["content"] = whole.content.empty() && !whole.calls.empty() ? Json(nullptr) : Json(whole.content);
+  if (reasoning) message["reasoning_content"] = whole.reasoning.empty() ? Json(nullptr) : Json(whole.reasoning);
+  if (!whole.calls.empty()) {
+    Json calls = Json::array();
+    for (size_t i = 0; i < whole.calls.size(); ++i) calls.push_back(FunctionCall(ids.at(i), whole.calls[i]));
+    message["tool_calls"] = std::move(calls);
+  }
+  return message;
+}
+
+std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int first_call,
+                                               const std::vector<std::string>& ids) {
+  std::vector<Json> deltas;
+  if (!piece.reasoning.empty()) deltas.push_back({{"reasoning_content", piece.reasoning}});
+  if (!piece.content.empty()) deltas.push_back({{"content", piece.content}});
+  for (size_t i = 0; i < piece.calls.size(); ++i) {
+    const int index = first_call + static_cast<int>(i);
+    const ToolCall& call = piece.calls[i];
+    deltas.push_back({{"tool_calls", Json::array({{{"index", index},
+                                                   {"id", ids.at(index)},
+                                                   {"type", "function"},
+                                                   {"function", {{"name", call.name}, {"arguments", ""}}}}})}});
+    deltas.push_back(
+        {{"tool_calls", Json::array({{{"index", index}, {"function", {{"arguments", call.arguments}}}}})}});
+  }
+  return deltas;
+}
+
+const char* ChatFinishReason(v1::FinishReason reason, bool made_calls) {
+  return made_calls && reason != v1::FINISH_REASON_LENGTH ? "tool_calls" : FinishReasonName(reason);
+}
+
+}  // namespace shardserve::openai

@@ -1,0 +1,171 @@
+// The OpenAI API's wire format, apart from HTTP and the engine: a request body parsed and checked
+// field by field (each field once, here, with its name in the error), turned into the gRPC API's
+// GenerateRequest so that PrepareGeneration (coordinator/engine/generation.h) applies the same
+// checks and defaults to both front doors; and the JSON of responses, stream chunks and errors.
+//
+// What is checked where: this file checks the JSON shape (types, which fields go together, what
+// this server does not support); PrepareGeneration checks the values against the model (ranges,
+// vocabulary, context length), and its errors are renamed to the OpenAI field names
+// (RenameGenerationError). Unknown fields are ignored, as OpenAI-compatible servers do.
+//
+// Errors: absl::Status whose message starts with the field ("temperature: must be >= 0"); the
+// field also travels as a payload (ParamOf) for the error body's "param".
+//
+// Threading: plain functions and values.
+#ifndef SHARDSERVE_COORDINATOR_API_OPENAI_PROTOCOL_H_
+#define SHARDSERVE_COORDINATOR_API_OPENAI_PROTOCOL_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "coordinator/api/openai/reasoning.h"
+#include "coordinator/api/openai/tool_calls.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "shardserve/v1/inference.pb.h"
+
+namespace shardserve::openai {
+
+enum class Endpoint { kChatCompletions, kCompletions };
+
+// Choices one request may ask for (n).
+inline constexpr int kMaxChoices = 16;
+// Tools one request may declare, and the longest tool name (OpenAI's limits); a name is letters,
+// digits, '_' and '-'.
+inline constexpr int kMaxTools = 128;
+inline constexpr int kMaxToolNameLength = 64;
+// Tool calls one assistant message may carry.
+inline constexpr int kMaxToolCallsPerMessage = 128;
+
+// tool_choice: "auto" (the model decides; its calls are parsed from its output) or "none" (no
+// calls: the output is content, the tools still rendered into the prompt). "required" and a named
+// function need constrained decoding and are refused.
+enum class ToolChoice { kAuto, kNone };
+
+// A request body, checked.
+struct Request {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string model;
+  // /v1/chat/completions: the messages (each content made a string: text parts joined by "\n";
+  // an assistant message's tool_calls with their arguments parsed into objects, as templates take
+  // them), tools (null or an array of checked function tools), chat_template_kwargs (null or an
+  // object), add_generation_prompt.
+  nlohmann::ordered_json messages;
+  // The messages with tool-call arguments as the client's JSON text, when some were parsed: for
+  // templates that write the text itself (DeepSeek-R1's concatenates it), tried when `messages`
+  // do not render. Null otherwise.
+  nlohmann::ordered_json messages_with_argument_text;
+  nlohmann::ordered_json tools;
+  nlohmann::ordered_json chat_template_kwargs;
+  bool add_generation_prompt = true;
+  ToolChoice tool_choice = ToolChoice::kAuto;
+  bool parallel_tool_calls = true;  // false: at most one call returned
+  // /v1/completions: a string, or token ids.
+  std::string prompt_text;
+  std::vector<int32_t> prompt_ids;
+  bool prompt_is_ids = false;
+
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // Unset: 16 for completions, what the context leaves for chat (as OpenAI and vLLM).
+  std::optional<int64_t> max_tokens;
+  // Everything but max_tokens, as the gRPC API takes it (seed included when given).
+  v1::SamplingParams sampling;
+  std::string user;  // accepted, unused
+};
+
+// Parses and checks `body` for `endpoint`. InvalidArgument naming the field (ParamOf) otherwise.
+absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body);
+
+// The GenerateRequest of choice `index` (of n): the prompt (ids or text), `max_tokens`, and the
+// seed of the choice: seed + index when the request gave one (each choice its own draws, the
+// first the seed itself), else none (PrepareGeneration draws one).
+v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t max_tokens,
+                                      const std::vector<int32_t>* prompt_ids);
+
+// Renames the gRPC API's field in an error of PrepareGeneration to the OpenAI request's
+// ("sampling.top_p: ..." becomes "top_p: ...", "prompt.token_ids.ids[3]" "prompt[3]", a chat
+// prompt's "prompt" "messages") and sets its param.
+absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint);
+
+// InvalidArgument "field: what" with field as its param.
+absl::Status InvalidField(absl::string_view field, absl::string_view what);
+// The field an error names, or empty.
+std::string ParamOf(const absl::Status& status);
+
+// An error as the API answers it.
+struct ApiError {
+  int http_status = 500;
+  std::string type;     // "invalid_request_error", "rate_limit_error", ...
+  std::string message;
+  std::string param;    // empty: null
+  std::string code;     // empty: null
+};
+// INVALID_ARGUMENT 400, NOT_FOUND 404 (code model_not_found), RESOURCE_EXHAUSTED 429,
+// UNAVAILABLE 503, anything else 500.
+ApiError ErrorFromStatus(const absl::Status& status);
+// {"error": {"message", "type", "param", "code"}}.
+std::string ErrorBody(const ApiError& error);
+
+// ---- Responses ----
+
+// OpenAI's finish_reason of a GenerateResponse's: "stop" (EOS, a stop id or string) or "length".
+const char* FinishReasonName(v1::FinishReason reason);
+
+// The usage object: prompt, completion and total tokens, prompt_tokens_details.cached_tokens.
+nlohmann::ordered_json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens);
+
+// Log-probabilities of `entries` (one per generated token) in the chat shape's "content" list
+// ([{token, logprob, bytes, top_logprobs: [...]}]); tokens as the tokenizer decodes each alone
+// (empty without one).
+nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer);
+// The completions shape: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
+// offsets counted from `text_offset` in UTF-8 bytes of the completion.
+nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                          int64_t text_offset);
+
+// ---- Tool calls and reasoning in chat responses ----
+
+// A chat choice's output, or a streamed piece of it, split into reasoning, content and calls.
+struct OutputSplit {
+  std::string reasoning;
+  std::string content;
+  std::vector<ToolCall> calls;
+};
+
+// Splits one chat choice's output as it streams: the reasoning first (when on), then the tool
+// calls in what is left (when the format is not kNone). Used by one thread at a time.
+class OutputSplitter {
+ public:
+  // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
+  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls);
+  // The next piece of the output; `final`: the last one (what was held is decided).
+  OutputSplit Add(absl::string_view text, bool final);
+  bool reasoning() const { return reasoning_.has_value(); }
+
+ private:
+  std::optional<ReasoningParser> reasoning_;
+  ToolCallParser tools_;
+};
+
+// The message of a whole chat choice: role, content (null when there are calls and no text),
+// reasoning_content (with `reasoning` on: the text, or null), tool_calls (when there are calls;
+// ids[i] the id of call i: {id, type: "function", function: {name, arguments}}).
+nlohmann::ordered_json ChatMessage(const OutputSplit& whole, bool reasoning, const std::vector<std::string>& ids);
+// The stream deltas of a piece: {"reasoning_content"}, {"content"}, then for each call (indices
+// from `first_call` on, ids[index] its id) one delta with its index, id, type and name (arguments
+// ""), then one with its arguments. Empty when the piece adds nothing.
+std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int first_call,
+                                               const std::vector<std::string>& ids);
+// finish_reason "tool_calls" when the choice made calls and stopped by itself; else `reason`.
+const char* ChatFinishReason(v1::FinishReason reason, bool made_calls);
+
+}  // namespace shardserve::openai
+
+#endif  // SHARDSERVE_COORDINATOR_API_OPENAI_PROTOCOL_H_

@@ -1,0 +1,97 @@
+// Tool calls in a model's output: the text a model writes when it calls a tool, in its family's
+// format, turned into calls (a function name and its arguments as a JSON string), whole or as the
+// text streams in. The formats (as vLLM's tool parsers read them):
+//   hermes       Hermes, Qwen2.5, Qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+//                one per call, anywhere in the text (a last one may lack its closing tag);
+//   llama3_json  Llama 3.1 / 3.2 / 3.3: the output itself is {"name": ..., "parameters": {...}},
+//                optionally after <|python_tag|>, several separated by ';';
+//   mistral      Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or (newer
+//                tokenizers) [TOOL_CALLS]name[ARGS]{...}, once per call.
+// What is not a well-formed call (malformed JSON, no name, arguments that are not an object) stays
+// content: the answer is never lost and never an error. Whitespace (and llama3_json's ';') next to
+// a call is dropped; an output without calls comes back as content unchanged.
+//
+// Threading: plain values; a ToolCallParser is used by one thread at a time.
+#ifndef SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
+#define SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace shardserve::openai {
+
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral };
+
+// The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral"); an unknown one
+// is InvalidArgument listing the known ones.
+absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
+const char* ToolCallFormatName(ToolCallFormat format);
+// The format a chat template writes tool calls in, recognised by the markers its text holds
+// (<tool_call>, [TOOL_CALLS], <|python_tag|>); kNone when it names none of them.
+ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
+// Whether the format's markers are special tokens, which the detokenizer must then keep
+// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>).
+bool KeepsSpecialTokens(ToolCallFormat format);
+
+struct ToolCall {
+  std::string name;
+  std::string arguments;  // a JSON object's text
+  bool operator==(const ToolCall& o) const { return name == o.name && arguments == o.arguments; }
+};
+
+// What a piece of text adds: content to show, then the calls it completed (in order; their
+// indices continue from the calls before).
+struct ToolCallDelta {
+  std::string content;
+  std::vector<ToolCall> calls;
+};
+
+// Splits a streamed output into content and calls. Text is held back only while it may still be
+// (the start of) a call: a partial marker, a call not yet complete, whitespace that may border one.
+// A call is handed out once its text is complete and well-formed, so that a malformed one can
+// still turn into content.
+class ToolCallParser {
+ public:
+  // At most `max_calls` calls are handed out (parallel_tool_calls false: 1); later ones are dropped.
+  ToolCallParser(ToolCallFormat format, int max_calls);
+
+  // The next piece of the output.
+  ToolCallDelta Add(absl::string_view text);
+  // The end of the output: what was held is decided.
+  ToolCallDelta Finish();
+
+  // Calls found so far, handed out or dropped (over max_calls).
+  int calls_found() const { return calls_found_; }
+
+ private:
+  void Process(bool final, ToolCallDelta* out);
+  void EmitText(absl::string_view text, ToolCallDelta* out);
+  // The position of a call's start marker in buf_, or npos; *hold: where text that may still
+  // become a marker begins (buf_.size() when none).
+  size_t FindStart(size_t* hold) const;
+  // The end of the call that buf_ begins with, or npos while incomplete.
+  size_t FindEnd() const;
+  // The calls of one complete block, or false when it is not well-formed.
+  bool ParseBlock(absl::string_view block, std::vector<ToolCall>* calls) const;
+
+  const ToolCallFormat format_;
+  const int max_calls_;
+  const char* separators_;
+  std::string buf_;               // text not yet decided
+  bool in_call_ = false;          // buf_ begins with a call's start marker
+  std::string pending_;           // separators held: dropped when they border a call
+  bool pending_after_call_ = false;
+  bool calls_only_ = true;        // nothing but separators and calls so far
+  int calls_found_ = 0;
+  int calls_out_ = 0;
+};
+
+// The whole output at once: the parser's Add(text) and Finish() joined.
+ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls);
+
+}  // namespace shardserve::openai
+
+#endif  // SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_

@@ -1,0 +1,466 @@
+#include "coordinator/engine/engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/status_macros.h"
+#include "coordinator/telemetry/log.h"
+
+namespace shardserve {
+namespace {
+
+// How long the idle loop sleeps before looking again (it is woken for anything that matters).
+constexpr absl::Duration kIdleWait = absl::Milliseconds(100);
+
+double SecondsBetween(SteadyTime a, SteadyTime b) { return std::chrono::duration<double>(b - a).count(); }
+
+const char* FinishLabel(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP_TOKEN: return "stop_token";
+    case v1::FINISH_REASON_STOP_STRING: return "stop_string";
+    case v1::FINISH_REASON_LENGTH: return "length";
+    default: return "unspecified";
+  }
+}
+
+const char* FinishName(v1::FinishReason r) {
+  switch (r) {
+    case v1::FINISH_REASON_STOP_TOKEN: return "stop token";
+    case v1::FINISH_REASON_STOP_STRING: return "stop string";
+    case v1::FINISH_REASON_LENGTH: return "length";
+    default: return "unfinished";
+  }
+}
+
+}  // namespace
+
+// ---- RequestStream ------------------------------------------------------------------------------
+
+bool RequestStream::Next(absl::Duration wait, v1::GenerateResponse* response, std::optional<absl::Status>* ended) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !responses_.empty() || ended_.has_value(); };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), wait);
+  if (!responses_.empty()) {
+    *response = std::move(responses_.front());
+    responses_.pop_front();
+    return true;
+  }
+  *ended = ended_;
+  return false;
+}
+
+void RequestStream::Push(v1::GenerateResponse response) {
+  absl::MutexLock lock(&mu_);
+  responses_.push_back(std::move(response));
+}
+
+void RequestStream::End(absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (!ended_) ended_ = std::move(status);
+}
+
+// ---- Engine: the handlers' side -----------------------------------------------------------------
+
+Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
+    : model_(model), pool_(pool), options_(options), metrics_(metrics) {
+  loop_ = std::thread([this] { Loop(); });
+}
+
+Engine::~Engine() { Shutdown(); }
+
+void Engine::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    wake_.SignalAll();
+  }
+  if (loop_.joinable()) loop_.join();
+}
+
+absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, SteadyTime arrival) {
+  // A healing group takes requests (they wait for it), until the heal has lasted heal_timeout.
+  if (const std::optional<absl::Time> since = pool_->HealingSince();
+      !since.has_value() || absl::Now() - *since > options_.heal_timeout) {
+    SHARDSERVE_RETURN_IF_ERROR(pool_->CheckServing());
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) return absl::UnavailableError("the coordinator is shutting down");
+  // Requests not yet scheduled take the free places of the running batch first, then the queue.
+  const int64_t max_running = pool_->limits().max_seqs_per_step;
+  const int64_t free_places = std::max<int64_t>(0, max_running - stats_.running());
+  if (queued_ >= options_.max_waiting + free_places) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server is full: ", stats_.running(), " sequences are running (--max-num-seqs ", max_running, ") and ",
+        queued_ - free_places, " requests are waiting (--max-waiting-requests ", options_.max_waiting,
+        "); retry later"));
+  }
+  auto r = std::make_unique<Request>();
+  r->id = next_id_++;
+  r->stream = std::make_shared<RequestStream>();
+  r->params = std::move(params);
+  r->arrival = arrival;
+  Submitted out{r->id, r->stream};
+  inbox_.push_back(std::move(r));
+  ++queued_;
+  wake_.SignalAll();
+  return out;
+}
+
+void Engine::Cancel(uint64_t id, absl::Status why) {
+  absl::MutexLock lock(&mu_);
+  cancels_.emplace_back(id, std::move(why));
+  wake_.SignalAll();
+}
+
+void Engine::FillStatus(v1::SchedulerStatus* status) {
+  {
+    absl::MutexLock lock(&mu_);
+    *status = stats_;
+    status->set_waiting(static_cast<int32_t>(inbox_.size() + stats_.waiting()));
+    if (stats_.kv_blocks_total() > 0) return;
+  }
+  // The group serves but the loop has not made its scheduler yet (it does within kIdleWait).
+  if (!pool_->CheckServing().ok()) return;
+  const SchedulerOptions o = SchedulerOptionsFromPool();
+  status->set_kv_blocks_total(o.limits.num_kv_blocks);
+  status->set_kv_blocks_free(o.limits.num_kv_blocks);
+  status->set_block_size(o.limits.block_size);
+  status->set_max_running(static_cast<int32_t>(o.limits.max_seqs_per_step));
+  status->set_max_waiting(static_cast<int32_t>(options_.max_waiting));
+  status->set_micro_batches(o.lanes);
+  status->set_max_tokens_per_step(o.limits.max_tokens_per_step);
+  status->set_prefix_caching(o.prefix_caching);
+}
+
+// ---- Engine: the loop ---------------------------------------------------------------------------
+
+void Engine::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<Request>> arrivals;
+    std::vector<std::pair<uint64_t, absl::Status>> cancels;
+    {
+      absl::MutexLock lock(&mu_);
+      const bool idle = scheduler_ == nullptr || scheduler_->num_running() + scheduler_->num_waiting() == 0;
+      if (in_flight_.empty() && cancels_.empty() && !shutting_down_ &&
+          ((inbox_.empty() && idle) || pool_->HealingSince().has_value())) {
+        wake_.WaitWithTimeout(&mu_, kIdleWait);
+      }
+      if (shutting_down_) break;
+      arrivals.swap(inbox_);
+      cancels.swap(cancels_);
+    }
+    if (!EnsureScheduler() && !arrivals.empty()) {
+      const absl::Status s = pool_->CheckServing();
+      for (auto& r : arrivals) {
+        CoordinatorRequestLog(r->params.request_id, absl::StrCat("refused: ", s.message()), "warn");
+        EndStream(*r, s.ok() ? absl::UnavailableError("the worker group is not serving") : s);
+      }
+      arrivals.clear();
+    }
+    for (auto& r : arrivals) Admit(std::move(r));
+    for (const auto& [id, why] : cancels) CancelNow(id, why);
+    if (scheduler_ == nullptr) continue;
+    if (!arrivals.empty() || !cancels.empty()) PublishStats();
+    if (WaitForHeal()) continue;
+
+    absl::Status status = SendSteps();
+    if (status.ok() && !in_flight_.empty()) status = FinishOldest();
+    if (!status.ok()) {
+      if (pool_->HealingSince().has_value()) {
+        HoldForHeal(status);
+      } else {
+        FailAll(status);
+      }
+    }
+    PublishStats();
+  }
+  FailAll(absl::UnavailableError("the coordinator is shutting down"));
+}
+
+SchedulerOptions Engine::SchedulerOptionsFromPool() {
+  SchedulerOptions o;
+  o.limits = pool_->limits();
+  o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
+  o.prefix_caching = options_.prefix_caching;
+  // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
+  // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
+  // 2 and 3), every layer keeps every block in the one pool: the workers hold no sliding layers'
+  // pool of their own yet.
+  int64_t window = 0;
+  bool full_layers = false;
+  for (int64_t i = 0; i < model_->config.num_hidden_layers; ++i) {
+    window = std::max(window, model_->config.LayerWindow(i));
+    full_layers = full_layers || model_->config.LayerWindow(i) == 0;
+  }
+  if (!full_layers) {
+    o.sliding_window = window;
+    o.full_layers = false;
+  }
+  return o;
+}
+
+bool Engine::EnsureScheduler() {
+  if (scheduler_ != nullptr) return true;
+  if (!pool_->CheckServing().ok()) return false;
+  const SchedulerOptions o = SchedulerOptionsFromPool();
+  scheduler_ = std::make_unique<Scheduler>(o);
+  CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.limits.max_seqs_per_step, " sequences and ",
+                                           o.limits.max_tokens_per_step, " tokens per step, ", o.lanes,
+                                           " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
+                                           o.limits.block_size, " tokens, prefix caching ",
+                                           o.prefix_caching ? "on" : "off",
+                                           o.sliding_window > 0
+                                               ? absl::StrCat(", blocks behind the ", o.sliding_window,
+                                                              "-token sliding window let go")
+                                               : ""));
+  if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.limits.num_kv_blocks));
+  PublishStats();
+  return true;
+}
+
+void Engine::Admit(std::unique_ptr<Request> r) {
+  const GenerationParams& p = r->params;
+  r->generation = std::make_unique<Generation>(r->params, model_->eos_ids, model_->tokenizer.get());
+  scheduler_->Add(r->id, p.prompt, SamplingTemplate(p));
+  if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
+  CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
+                                                      p.prompt.size(), p.max_tokens, p.temperature,
+                                                      p.ignore_eos ? ", ignore_eos" : ""));
+  requests_[r->id] = std::move(r);
+}
+
+void Engine::CancelNow(uint64_t id, const absl::Status& why) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;  // already ended
+  CoordinatorRequestLog(it->second->params.request_id,
+                        absl::StrCat(why.message(), " after ", it->second->generation->completion_tokens(),
+                                     " tokens: removed, its KV blocks freed"));
+  End(id, why);
+}
+
+absl::Status Engine::SendSteps() {
+  for (int lane = 0; lane < scheduler_->lanes(); ++lane) {
+    if (scheduler_->LaneBusy(lane)) continue;
+    const MicroBatch* batch = scheduler_->Schedule(lane, next_step_, &step_);
+    if (batch == nullptr) continue;
+    ++next_step_;
+    const auto now = std::chrono::steady_clock::now();
+    if (!batch->started.empty()) {
+      for (uint64_t id : batch->started) {
+        Request& r = *requests_.at(id);
+        r.started = now;
+        if (metrics_ != nullptr) metrics_->request_queue.Observe(SecondsBetween(r.arrival, now));
+      }
+      absl::MutexLock lock(&mu_);
+      queued_ -= static_cast<int64_t>(batch->started.size());
+    }
+    if (metrics_ != nullptr) {
+      metrics_->step_sequences.Observe(static_cast<double>(batch->entries.size()));
+      metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
+      metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
+    }
+    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs));
+    in_flight_.push_back(InFlight{lane, batch->step_id, now});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::FinishOldest() {
+  const InFlight f = in_flight_.front();
+  in_flight_.pop_front();
+  SHARDSERVE_RETURN_IF_ERROR(pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_));
+  const auto now = std::chrono::steady_clock::now();
+  const double step_seconds = SecondsBetween(f.sent, now);
+  for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {
+    Request& r = *requests_.at(t.seq);
+    if (std::binary_search(outcome_.non_finite_rows.begin(), outcome_.non_finite_rows.end(), t.logit_row)) {
+      // A numeric failure of this sequence alone (its input overflowed the model): its request
+      // fails; the group and the other sequences of the step go on.
+      const absl::Status failed = absl::InternalError(absl::StrCat(
+          "the model's logits for this sequence were not finite (NaN or infinity) after ",
+          r.generation->completion_tokens(), " generated tokens: the model's arithmetic overflowed on this input"));
+      CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
+      End(t.seq, failed);
+      continue;
+    }
+    v1::GenerateResponse response;
+    const bool done = r.generation->Accept(t.token, &response);
+    const int64_t cached = scheduler_->cached_prompt_tokens(t.seq);
+    if (response.has_usage()) response.mutable_usage()->set_cached_prompt_tokens(static_cast<int32_t>(cached));
+    response.set_request_id(r.params.request_id);
+    v1::StepTimings* timings = response.mutable_timings();
+    timings->set_step_seconds(step_seconds);
+    timings->set_forward_seconds(outcome_.forward_seconds);
+    timings->set_collective_seconds(outcome_.collective_seconds);
+    if (r.params.logprobs && t.logit_row < static_cast<int32_t>(outcome_.logprobs.size())) {
+      const v1::RowLogprobs& row = outcome_.logprobs[t.logit_row];
+      v1::TokenLogprobs* l = response.add_logprobs();
+      l->set_token_id(t.token);
+      l->set_logprob(row.logprob());
+      for (int k = 0; k < row.top_ids_size(); ++k) {
+        v1::TopLogprob* top = l->add_top_logprobs();
+        top->set_token_id(row.top_ids(k));
+        top->set_logprob(row.top_logprobs(k));
+      }
+    }
+    const int32_t generated = r.generation->completion_tokens();
+    if (generated == 1) r.first_token_seconds = SecondsBetween(r.arrival, now);
+    if (metrics_ != nullptr) {
+      if (generated == 1) {
+        metrics_->time_to_first_token.Observe(r.first_token_seconds);
+      } else {
+        metrics_->inter_token_latency.Observe(SecondsBetween(r.last_token, now));
+      }
+      metrics_->generated_tokens.Increment(response.token_ids_size());
+      if (done) metrics_->Finished(FinishLabel(response.finish_reason()));
+    }
+    r.last_token = now;
+    if (done) {
+      const double seconds = SecondsBetween(r.arrival, now);
+      CoordinatorRequestLog(r.params.request_id,
+                            absl::StrFormat("finished (%s): %d + %d tokens (%d prompt tokens from the prefix cache) "
+                                            "in %.2f s, first token after %.3f s, %.1f tokens/s",
+                                            FinishName(response.finish_reason()), r.params.prompt.size(), generated,
+                                            cached, seconds, r.first_token_seconds,
+                                            generated / std::max(seconds, 1e-9)));
+    }
+    r.stream->Push(std::move(response));
+    if (done) End(t.seq, absl::OkStatus());
+  }
+  return absl::OkStatus();
+}
+
+void Engine::EndStream(Request& r, const absl::Status& status) {
+  r.stream->End(status);
+  if (r.started == SteadyTime()) {  // never scheduled: it was still counted as queued
+    absl::MutexLock lock(&mu_);
+    --queued_;
+  }
+}
+
+void Engine::End(uint64_t id, const absl::Status& status) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return;
+  // The scheduler and the published status (metrics, GetClusterStatus) let the sequence go before
+  // its client learns that it ended: a client that reads them next sees it gone.
+  if (scheduler_ != nullptr) {
+    scheduler_->Remove(id);
+    PublishStats();
+  }
+  EndStream(*it->second, status);
+  requests_.erase(it);
+}
+
+void Engine::FailAll(const absl::Status& status) {
+  for (auto& [id, r] : requests_) {
+    CoordinatorRequestLog(r->params.request_id,
+                          absl::StrCat("aborted after ", r->generation->completion_tokens(), " tokens: ",
+                                       status.message()),
+                          "error");
+    EndStream(*r, status);
+  }
+  requests_.clear();
+  if (scheduler_ != nullptr) scheduler_->Clear();
+  in_flight_.clear();
+  pool_->DropSteps();
+  std::vector<std::unique_ptr<Request>> inbox;
+  {
+    absl::MutexLock lock(&mu_);
+    inbox.swap(inbox_);
+  }
+  for (auto& r : inbox) EndStream(*r, status);
+}
+
+void Engine::HoldForHeal(const absl::Status& status) {
+  in_flight_.clear();
+  pool_->DropSteps();
+  scheduler_->RequeueAllForRegroup();
+  holding_ = true;
+  held_.clear();
+  for (auto& [id, r] : requests_) {
+    held_.push_back(id);
+    CoordinatorRequestLog(r->params.request_id,
+                          absl::StrCat("held after ", r->generation->completion_tokens(),
+                                       " tokens: it resumes by recompute when the worker group has healed (",
+                                       status.message(), ")"),
+                          "warn");
+  }
+}
+
+bool Engine::WaitForHeal() {
+  const std::optional<absl::Time> since = pool_->HealingSince();
+  const uint64_t epoch = pool_->epoch();
+  if (since.has_value()) {
+    if (!holding_) HoldForHeal(pool_->CheckServing());
+    if (absl::Now() - *since > options_.heal_timeout && !requests_.empty()) {
+      const absl::Status why = pool_->CheckServing();
+      const absl::Status status = absl::UnavailableError(absl::StrCat(
+          why.message(), "; the heal took longer than ", absl::FormatDuration(options_.heal_timeout),
+          " (--heal-timeout-seconds)"));
+      if (metrics_ != nullptr) metrics_->heal_requests_failed.Increment(static_cast<double>(requests_.size()));
+      FailAll(status);
+      held_.clear();
+    }
+    return true;
+  }
+  // The group re-formed (also when it healed between two looks: its epoch moved on).
+  if (!holding_ && scheduled_epoch_ != 0 && epoch != scheduled_epoch_) {
+    HoldForHeal(absl::UnavailableError(absl::StrCat("the worker group re-formed under epoch ", epoch)));
+  }
+  scheduled_epoch_ = epoch;
+  if (holding_) {
+    holding_ = false;
+    int64_t resumed = 0;
+    for (uint64_t id : held_) {
+      auto it = requests_.find(id);
+      if (it == requests_.end()) continue;
+      ++resumed;
+      CoordinatorRequestLog(it->second->params.request_id,
+                            absl::StrCat("resumed by recompute after ", it->second->generation->completion_tokens(),
+                                         " tokens (epoch ", epoch, ")"));
+    }
+    if (metrics_ != nullptr) metrics_->heal_requests_resumed.Increment(static_cast<double>(resumed));
+    held_.clear();
+  }
+  return false;
+}
+
+void Engine::PublishStats() {
+  if (scheduler_ == nullptr) return;
+  const SchedulerOptions& o = scheduler_->options();
+  v1::SchedulerStatus s;
+  s.set_kv_blocks_total(scheduler_->num_blocks());
+  s.set_kv_blocks_free(scheduler_->num_free_blocks());
+  s.set_block_size(o.limits.block_size);
+  s.set_running(static_cast<int32_t>(scheduler_->num_running()));
+  s.set_waiting(static_cast<int32_t>(scheduler_->num_waiting()));  // FillStatus adds the inbox
+  s.set_max_running(static_cast<int32_t>(o.limits.max_seqs_per_step));
+  s.set_max_waiting(static_cast<int32_t>(options_.max_waiting));
+  s.set_preemptions(scheduler_->preemptions());
+  s.set_micro_batches(o.lanes);
+  s.set_max_tokens_per_step(o.limits.max_tokens_per_step);
+  s.set_prefix_caching(o.prefix_caching);
+  s.set_kv_blocks_cached(scheduler_->num_cached_blocks());
+  s.set_prefix_cache_query_tokens(scheduler_->prefix_query_tokens());
+  s.set_prefix_cache_hit_tokens(scheduler_->prefix_hit_tokens());
+  if (metrics_ != nullptr) {
+    metrics_->kv_blocks_used.Set(static_cast<double>(s.kv_blocks_total() - s.kv_blocks_free()));
+    metrics_->requests_running.Set(static_cast<double>(s.running()));
+    const double new_preemptions = static_cast<double>(s.preemptions()) - metrics_->preemptions.Value();
+    if (new_preemptions > 0) metrics_->preemptions.Increment(new_preemptions);
+    // The scheduler's counters are cumulative, like the metrics.
+    for (auto [counter, total] : {std::pair{&metrics_->prefix_cache_queries, s.prefix_cache_query_tokens()},
+                                  std::pair{&metrics_->prefix_cache_hits, s.prefix_cache_hit_tokens()}}) {
+      const double added = static_cast<double>(total) - counter->Value();
+      if (added > 0) counter->Increment(added);
+    }
+    metrics_->prefix_cache_blocks.Set(static_cast<double>(s.kv_blocks_cached()));
+  }
+  absl::MutexLock lock(&mu_);
+  stats_ = s;
+  if (metrics_ != nullptr) metrics_->requests_waiting.Set(static_cast<double>(inbox_.size() + s.waiting()));
+}
+
+}  // namespace shardserve

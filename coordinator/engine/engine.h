@@ -1,0 +1,183 @@
+// The engine: continuous batching on top of the worker pool. One thread runs the loop
+//
+//   take new requests and cancellations -> schedule a step for every lane with none in flight
+//   (coordinator/scheduler) -> send it -> wait for the oldest step in flight -> hand each sampled
+//   token to its request (text, stop conditions) and stream it -> drop finished requests
+//
+// so requests join and leave the running batch at every step, and with PP = P up to P
+// micro-batches are in flight at once. A gRPC handler submits its checked request, then reads
+// the request's stream (RequestStream) and writes what it gets to its client; when the client
+// goes away or its deadline passes, the handler cancels the request and the engine removes it
+// at the next step, freeing its KV blocks.
+//
+// A sequence whose logits were not finite (the worker's StepResult.non_finite_rows: the model
+// overflowed on its input) ends with INTERNAL saying so, logged once; the step's other sequences
+// and the group go on.
+//
+// Failure: when a step fails because the group is healing (a worker was lost or failed; the pool
+// re-forms the group around a replacement, docs/healing.md), no step starts, every request is
+// held and its sequence goes back to waiting (Scheduler::RequeueAllForRegroup); new requests are
+// queued. When the group serves again, every sequence is recomputed from its prompt and the tokens
+// already streamed and its stream goes on: no token repeated or skipped. A heal that lasts longer
+// than heal_timeout fails every request held with the pool's UNAVAILABLE status naming the missing
+// worker and its slot, and refuses new ones with it until the group serves again. When the group
+// breaks for good, every request ends with the pool's UNAVAILABLE status, and later requests are
+// refused with it.
+//
+// Ownership: borrows the model, the pool and the metrics (may be null), which must outlive it.
+// Owns the loop thread, joined by Shutdown() or the destructor.
+// Threading: Submit, Cancel, FillStatus and Shutdown are thread-safe; RequestStream's methods
+// too.
+#ifndef SHARDSERVE_COORDINATOR_ENGINE_ENGINE_H_
+#define SHARDSERVE_COORDINATOR_ENGINE_ENGINE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/scheduler/scheduler.h"
+#include "coordinator/engine/generation.h"
+#include "coordinator/telemetry/metrics.h"
+#include "coordinator/model/served_model.h"
+#include "coordinator/cluster/worker_pool.h"
+#include "shardserve/v1/inference.pb.h"
+
+namespace shardserve {
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+struct EngineOptions {
+  int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
+  int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
+  absl::Duration step_timeout = absl::Seconds(60);
+  // How long requests wait for a healing group (--heal-timeout-seconds).
+  absl::Duration heal_timeout = absl::Seconds(60);
+  bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
+};
+
+// The responses of one request, from the engine to its gRPC handler.
+class RequestStream {
+ public:
+  // Waits at most `wait` for the next response. Returns true with *response set, or false: when
+  // the request has ended (*ended set to its final status; OK after the last response) or when
+  // `wait` passed (*ended unset).
+  bool Next(absl::Duration wait, v1::GenerateResponse* response, std::optional<absl::Status>* ended);
+
+  // ---- The engine's side ----
+  void Push(v1::GenerateResponse response);
+  void End(absl::Status status);
+
+ private:
+  absl::Mutex mu_;
+  std::deque<v1::GenerateResponse> responses_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> ended_ ABSL_GUARDED_BY(mu_);
+};
+
+class Engine {
+ public:
+  Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  struct Submitted {
+    uint64_t id = 0;  // for Cancel
+    std::shared_ptr<RequestStream> stream;
+  };
+  // Queues a checked request that arrived at `arrival`. Unavailable when the group is not
+  // serving or the engine is shutting down; ResourceExhausted, saying which limit, when
+  // max_waiting requests are already queued.
+  absl::StatusOr<Submitted> Submit(GenerationParams params, SteadyTime arrival);
+  // Removes request `id` at the next step (its stream ends with `why`); its blocks are freed.
+  void Cancel(uint64_t id, absl::Status why);
+  // The scheduler's state (zeros before the group serves).
+  void FillStatus(v1::SchedulerStatus* status);
+  // Ends every request with Unavailable and stops the loop. Idempotent.
+  void Shutdown();
+
+ private:
+  struct Request {
+    uint64_t id = 0;
+    std::shared_ptr<RequestStream> stream;
+    GenerationParams params;
+    std::unique_ptr<Generation> generation;
+    SteadyTime arrival;
+    SteadyTime started;     // first scheduled
+    SteadyTime last_token;  // when the last token was streamed
+    double first_token_seconds = 0;
+  };
+  struct InFlight {
+    int lane = 0;
+    uint64_t step_id = 0;
+    SteadyTime sent;
+  };
+
+  void Loop();
+  // The scheduler's sizes: the plan's, as the pool gave them to the workers.
+  SchedulerOptions SchedulerOptionsFromPool();
+  // Creates the scheduler once the group serves.
+  bool EnsureScheduler();
+  void Admit(std::unique_ptr<Request> request);
+  void CancelNow(uint64_t id, const absl::Status& why);
+  // Schedules and sends a step for every lane without one in flight.
+  absl::Status SendSteps();
+  // Waits for the oldest step in flight and streams its tokens.
+  absl::Status FinishOldest();
+  // Ends `r`'s stream with `status`; a request never scheduled leaves the queued count.
+  void EndStream(Request& r, const absl::Status& status);
+  // Ends request `id` (finished: OK, or an error) and removes it from the scheduler.
+  void End(uint64_t id, const absl::Status& status);
+  // Ends every request with `status` (the group broke, or shutdown).
+  void FailAll(const absl::Status& status);
+  // A step failed while the pool heals: forgets the steps in flight and sends every sequence back
+  // to waiting, to be recomputed once the group is whole.
+  void HoldForHeal(const absl::Status& status);
+  // While the pool heals: past heal_timeout, fails every request with the pool's status. True
+  // while healing (no step may start).
+  bool WaitForHeal();
+  void PublishStats();
+
+  // ---- Constant after construction ----
+  const ServedModel* const model_;
+  WorkerPool* const pool_;
+  const EngineOptions options_;
+  CoordinatorMetrics* const metrics_;
+
+  // ---- Guarded by mu_: the handlers' side ----
+  absl::Mutex mu_;
+  absl::CondVar wake_;  // a request or a cancellation arrived, or shutdown
+  std::vector<std::unique_ptr<Request>> inbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<uint64_t, absl::Status>> cancels_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;  // submitted, not yet scheduled and not ended
+  v1::SchedulerStatus stats_ ABSL_GUARDED_BY(mu_);  // published by the loop
+
+  // ---- The loop thread's own ----
+  std::unique_ptr<Scheduler> scheduler_;
+  std::map<uint64_t, std::unique_ptr<Request>> requests_;  // in the scheduler
+  std::deque<InFlight> in_flight_;
+  uint64_t next_step_ = 1;
+  // Requests held by the heal in progress (resumed when the group serves again).
+  std::vector<uint64_t> held_;
+  bool holding_ = false;          // HoldForHeal ran for the heal in progress
+  uint64_t scheduled_epoch_ = 0;  // the group's epoch the scheduler's state is for
+  StepOutcome outcome_;
+  v1::StepPlan step_;
+
+  std::thread loop_;
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_ENGINE_ENGINE_H_

@@ -1,0 +1,105 @@
+// One generation request, apart from gRPC, the scheduler and the workers: its checked parameters
+// and what each sampled token adds to the stream (its text, held back while it may be the start
+// of a stop string; the finish reason).
+//
+// Threading: plain values and single-threaded objects; one Generation per request.
+#ifndef SHARDSERVE_COORDINATOR_ENGINE_GENERATION_H_
+#define SHARDSERVE_COORDINATOR_ENGINE_GENERATION_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "coordinator/model/served_model.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "shardserve/v1/inference.pb.h"
+#include "shardserve/v1/worker.pb.h"
+
+namespace shardserve {
+
+// A GenerateRequest, checked and resolved (defaults applied, text tokenized, a seed drawn).
+struct GenerationParams {
+  std::string request_id;
+  std::vector<int32_t> prompt;
+  int32_t max_tokens = 16;
+  float temperature = 0;  // 0: greedy
+  int32_t top_k = 0;
+  float top_p = 1;
+  float min_p = 0;               // 0: off
+  float repetition_penalty = 1;  // 1: off
+  float presence_penalty = 0;
+  float frequency_penalty = 0;
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+  bool ignore_eos = false;
+  std::vector<std::pair<int32_t, float>> logit_bias;  // (id, bias), sorted by id
+  int32_t min_tokens = 0;
+  std::vector<int32_t> min_tokens_banned_ids;  // with min_tokens: the EOS and stop ids, sorted
+  // false: special tokens stay in the text (a tool-call format whose markers are special tokens);
+  // the EOS that ends the output is never text.
+  bool skip_special_tokens = true;
+};
+
+// A client's request_id may be logged and echoed: at most 128 printable ASCII characters without
+// spaces (empty: the server makes one).
+bool IsValidRequestId(absl::string_view id);
+
+// Checks `request` against the model and `max_model_len`; InvalidArgument naming the field
+// otherwise. `default_request_id` is used when the request has none.
+absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
+                                                   int64_t max_model_len, const std::string& default_request_id);
+
+// The per-row sampling parameters of every step that samples for this request (the scheduler
+// fills draw_index and the penalty ids).
+v1::RowSampling SamplingTemplate(const GenerationParams& params);
+
+// Holds back the end of the streamed text while it may be the start of a stop string, and cuts
+// the text where a stop string begins. Text handed out is never taken back: a stop string that
+// completes later begins at or after the held text, because the longest end of the text that
+// could begin one is always held.
+class StopStringFilter {
+ public:
+  explicit StopStringFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+
+  // Adds `text` and returns what may be streamed now. When a stop string appears, returns the
+  // text before it, sets *stopped, and drops the rest; add nothing more then.
+  std::string Add(absl::string_view text, bool* stopped);
+  // The held text, at the end of a generation that did not stop on a stop string.
+  std::string Flush();
+
+ private:
+  const std::vector<std::string> stops_;
+  std::string held_;
+};
+
+class Generation {
+ public:
+  // `params`, `eos_ids` and `tokenizer` (may be null: token ids are then streamed with empty
+  // text) are borrowed and must outlive this.
+  Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids, const Tokenizer* tokenizer);
+
+  // Takes the token a sampling step produced and fills `response` (cleared first) with it, the
+  // text it adds and, when it ends the generation, the finish reason and the usage. Returns true
+  // when the generation is finished.
+  bool Accept(int32_t id, v1::GenerateResponse* response);
+
+  int32_t completion_tokens() const { return static_cast<int32_t>(generated_); }
+
+ private:
+  const GenerationParams& params_;
+  const std::vector<int32_t>& eos_ids_;
+  std::unique_ptr<IncrementalDetokenizer> detokenizer_;  // null without a tokenizer
+  StopStringFilter filter_;
+  int64_t generated_ = 0;  // completion tokens so far
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_ENGINE_GENERATION_H_

@@ -1,0 +1,60 @@
+// The model the coordinator serves, read once at startup from its Hugging Face checkpoint
+// directory: config.json, the safetensors headers (the planner counts their bytes; no weight is
+// read; none with --load-format dummy), tokenizer.json when there is one, the chat template
+// (chat_template.jinja or tokenizer_config.json's) when there is one, and the ids that end a
+// generation.
+//
+// Immutable after Open(); every member may be read from any thread.
+#ifndef SHARDSERVE_COORDINATOR_MODEL_SERVED_MODEL_H_
+#define SHARDSERVE_COORDINATOR_MODEL_SERVED_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "coordinator/chat/chat_template.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "model/checkpoint.h"
+#include "model/config.h"
+#include "model/weight_source.h"
+
+namespace shardserve {
+
+struct ServedModel {
+  // Opens the checkpoint at `dir`. Errors name the file: a missing or invalid config.json, a bad
+  // safetensors header, a tokenizer.json this build cannot run, a malformed
+  // generation_config.json. A directory without tokenizer.json is fine: token-id prompts only.
+  // With LoadFormat::kDummy no safetensors are opened (checkpoint stays null: the planner counts
+  // the weights from config.json) and the directory may hold config.json alone.
+  static absl::StatusOr<std::unique_ptr<ServedModel>> Open(const std::string& dir,
+                                                           LoadFormat load_format = LoadFormat::kAuto);
+
+  std::string dir;   // absolute: the workers open the same path
+  std::string name;  // the directory's base name
+  ModelConfig config;
+  std::unique_ptr<Checkpoint> checkpoint;  // null with LoadFormat::kDummy
+  std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json
+  // Null without a chat template, or when the model's cannot be loaded (a template this build's
+  // Jinja cannot parse does not stop the model from serving completions): chat_template_status
+  // then says which (NOT_FOUND: the model has none).
+  std::unique_ptr<chat::ChatTemplate> chat_template;
+  absl::Status chat_template_status;
+  // config.json's eos_token_id, generation_config.json's and the tokenizer's, sorted, unique.
+  std::vector<int32_t> eos_ids;
+
+  // config.json's torch_dtype as Hugging Face spells it ("bfloat16").
+  std::string dtype_name() const;
+};
+
+// generation_config.json's eos_token_id from the file's text, appended to *ids: absent or null (none),
+// a token id, or a list of them (each in [0, 2^31)). InvalidArgument naming `source` otherwise,
+// or when the text is not a JSON object. What ServedModel::Open runs on the file.
+absl::Status ParseGenerationEos(std::string_view text, const std::string& source, std::vector<int32_t>* ids);
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_COORDINATOR_MODEL_SERVED_MODEL_H_
