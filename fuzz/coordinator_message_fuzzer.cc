@@ -10,7 +10,8 @@
 //   kAdopt       StepState::Adopt against the assignment held (what StepExecutor::Adopt runs
 //                before joining the groups)
 //   kStep        StepState::Prepare (StepExecutor::Execute's checks before any collective), then
-//                CheckStepBatch (what ModelShard::Forward checks first)
+//                CheckStepBatch (what ModelShard::Forward checks first) and CheckTokenMasks (the
+//                last stage's sampler)
 //   kRegroup     StepState::Regroup (StepExecutor::Regroup's, before joining the groups)
 //   the rest     a failure, a refused step, or the end of the stream
 //
@@ -117,6 +118,23 @@ void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
     Check(r.top_logprobs() >= 0 && r.top_logprobs() <= 20, "top_logprobs outside [0, 20]");
     for (int32_t id : r.penalty_prompt_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
     for (int32_t id : r.penalty_output_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
+  }
+  // The token masks the last stage's sampler would read (constrained decoding).
+  std::vector<const uint32_t*> masks;
+  const absl::Status masked = shardserve::CheckTokenMasks(plan, static_cast<int64_t>(b.logit_rows.size()), config.vocab_size, &masks);
+  if (!masked.ok()) {
+    CheckRefusal(masked);
+    return;
+  }
+  Check(masks.size() == b.logit_rows.size(), "a mask list of another length than the logit rows");
+  const int64_t words = (config.vocab_size + 31) / 32;
+  for (const uint32_t* m : masks) {
+    if (m == nullptr) continue;
+    Check(m >= plan.mask_words().data() && m + words <= plan.mask_words().data() + plan.mask_words_size(),
+          "a mask outside the plan's words");
+    bool any = false;
+    for (int64_t w = 0; w < words; ++w) any = any || m[w] != 0;
+    Check(any, "an accepted mask that allows no token");
   }
 }
 

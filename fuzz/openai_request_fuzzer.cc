@@ -90,7 +90,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       shardserve::openai::ToGenerateRequest(*request, 0, max_tokens, ids.has_value() ? &*ids : nullptr), model,
       max_model_len, "cmpl-fuzz");
   if (!params.ok()) {
-    CheckRefusal(shardserve::openai::RenameGenerationError(params.status(), endpoint));
+    CheckRefusal(shardserve::openai::RenameGenerationError(params.status(), endpoint, request->constraint_field));
     return 0;
   }
   Check(static_cast<int64_t>(params->prompt.size()) + params->max_tokens <= max_model_len,

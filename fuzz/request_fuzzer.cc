@@ -5,7 +5,8 @@
 //
 // Invariants: a refused request is InvalidArgument; an accepted one has prompt ids inside the
 // vocabulary and prompt + max_tokens within max_model_len, logit_bias and min_tokens within their
-// bounds and a RowSampling the workers' CheckRowSampling accepts; the streamed text is the decode of the
+// bounds and a RowSampling the workers' CheckRowSampling accepts, a structured output compiled
+// and its first mask one the workers' CheckTokenMasks accepts; the streamed text is the decode of the
 // accepted ids (special tokens skipped), cut before the first stop string.
 #include <algorithm>
 #include <cstddef>
@@ -79,6 +80,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   google::protobuf::RepeatedPtrField<shardserve::v1::RowSampling> rows;
   *rows.Add() = shardserve::SamplingTemplate(*params);
   Check(shardserve::CheckRowSampling(0, rows, vocab).ok(), "an accepted request's RowSampling fails the worker's checks");
+  // An accepted constraint is compiled, and its first mask passes the workers' CheckTokenMasks.
+  Check(request.sampling().has_structured_output() == (params->grammar != nullptr),
+        "a structured output accepted without its compiled grammar");
+  if (params->grammar != nullptr) {
+    shardserve::grammar::GrammarMatcher matcher(params->grammar);
+    shardserve::v1::StepPlan plan;
+    plan.add_mask_logit_rows(0);
+    plan.mutable_mask_words()->Resize(matcher.mask_words(), 0);
+    matcher.FillNextTokenBitmask(plan.mutable_mask_words()->mutable_data());
+    // A language with no sentence allows nothing: the engine ends such a request with an error.
+    const auto& words = plan.mask_words();
+    if (std::any_of(words.begin(), words.end(), [](uint32_t w) { return w != 0; })) {
+      std::vector<const uint32_t*> masks;
+      Check(shardserve::CheckTokenMasks(plan, 1, vocab, &masks).ok(), "an accepted grammar's first mask fails the workers' checks");
+    }
+  }
 
   // Stream the prompt's ids back as if sampled.
   shardserve::Generation generation(*params, model.eos_ids, model.tokenizer.get());

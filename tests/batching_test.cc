@@ -25,6 +25,7 @@
 #include <functional>
 #include <latch>
 #include <map>
+#include <regex>
 #include <memory>
 #include <ostream>
 #include <set>
@@ -37,6 +38,7 @@
 
 #include "coordinator/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tests/cluster_harness.h"
 
@@ -763,6 +765,168 @@ TEST(BatchingValidationTest, TP1_PP1_BadNewSamplingParametersAreInvalidArgumentN
   const v1::SchedulerStatus s = cluster->Status().scheduler();
   EXPECT_EQ(s.running(), 0) << Describe(s);
   EXPECT_EQ(s.waiting(), 0) << Describe(s);
+}
+
+// ---- Structured outputs: grammar masks where the last stage samples -------------------------------
+
+// The constraints of the structured tests, each bounded so that every output ends within
+// kStructuredMaxTokens tokens with the EOS the grammar allows (the demo model's weights are not
+// trained: the masks alone make the outputs valid).
+constexpr int kStructuredMaxTokens = 88;
+const char kNameRegex[] = "[a-z]{3,8}( [a-z]{2,6}){1,3}\\.";
+const char kSumGrammar[] = "root ::= \"(\" num (\"+\" num){0,3} \")\"\nnum ::= [0-9]{1,3}";
+const char kSumRegex[] = "\\([0-9]{1,3}(\\+[0-9]{1,3}){0,3}\\)";
+const char kPersonSchema[] =
+    R"({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},)"
+    R"( "age": {"type": "integer", "minimum": 0, "maximum": 120}, "ok": {"type": "boolean"},)"
+    R"( "pet": {"enum": ["cat", "dog", null]}}, "required": ["name", "age", "ok"]})";
+const char kScoresSchema[] = R"({"type": "array", "items": {"type": "integer", "minimum": -50, "maximum": 50}, "maxItems": 4})";
+const std::vector<std::string> kChoices = {"yes", "no", "maybe later"};
+
+// Request i of the structured tests: one of five constraints, greedy or seeded sampling.
+v1::GenerateRequest StructuredRequest(int i) {
+  v1::GenerateRequest r = Request(Prompt(72 + (i * 7) % 29, 11 * i, /*bos=*/true), kStructuredMaxTokens,
+                                  /*ignore_eos=*/false, "structured-" + std::to_string(i));
+  v1::StructuredOutput* so = r.mutable_sampling()->mutable_structured_output();
+  switch (i % 5) {
+    case 0: so->set_regex(kNameRegex); break;
+    case 1: so->set_grammar(kSumGrammar); break;
+    case 2: so->set_json_schema(kPersonSchema); break;
+    case 3:
+      for (const std::string& c : kChoices) so->mutable_choices()->add_choices(c);
+      break;
+    case 4: so->set_json_schema(kScoresSchema); break;
+  }
+  if (i % 2 == 1) {
+    r.mutable_sampling()->set_temperature(1.0f);
+    r.mutable_sampling()->set_seed(100 + i);
+  }
+  return r;
+}
+
+// Empty when request i's output is a whole sentence of its constraint that ended on the EOS.
+std::string CheckStructured(int i, const Streamed& r) {
+  std::string text;
+  for (const v1::GenerateResponse& m : r.messages) text += m.text();
+  if (r.messages.empty() || r.messages.back().finish_reason() != v1::FINISH_REASON_STOP_TOKEN) {
+    return "did not end on the EOS: '" + text + "'";
+  }
+  switch (i % 5) {
+    case 0:
+      return std::regex_match(text, std::regex(kNameRegex)) ? "" : "'" + text + "' does not match " + kNameRegex;
+    case 1:
+      return std::regex_match(text, std::regex(kSumRegex)) ? "" : "'" + text + "' is not of the sum grammar";
+    case 2: {
+      const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+      if (j.is_discarded() || !j.is_object()) return "'" + text + "' is not a JSON object";
+      for (const auto& [key, value] : j.items()) {
+        if (key != "name" && key != "age" && key != "ok" && key != "pet") return "'" + text + "' has key " + key;
+      }
+      if (!j.contains("name") || !j["name"].is_string()) return "'" + text + "': name";
+      if (!j.contains("age") || !j["age"].is_number_integer() || j["age"].get<int64_t>() < 0 || j["age"].get<int64_t>() > 120) {
+        return "'" + text + "': age";
+      }
+      if (!j.contains("ok") || !j["ok"].is_boolean()) return "'" + text + "': ok";
+      if (j.contains("pet") && !(j["pet"].is_null() || j["pet"] == "cat" || j["pet"] == "dog")) return "'" + text + "': pet";
+      return "";
+    }
+    case 3:
+      return std::find(kChoices.begin(), kChoices.end(), text) != kChoices.end() ? "" : "'" + text + "' is no choice";
+    default: {
+      const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+      if (j.is_discarded() || !j.is_array() || j.size() > 4) return "'" + text + "' is not an array of at most 4";
+      for (const nlohmann::json& x : j) {
+        if (!x.is_number_integer() || x.get<int64_t>() < -50 || x.get<int64_t>() > 50) return "'" + text + "': item";
+      }
+      return "";
+    }
+  }
+}
+
+class StructuredOutputTest : public ::testing::TestWithParam<Layout> {};
+
+// Every output is a sentence of its constraint, alone and in a batch whose tiny KV cache preempts
+// sequences (a recomputed sequence's grammar state is that of its accepted tokens), and the batch
+// gives each request its lone tokens. Prompts of 72 to 100 tokens (5 to 7 blocks of 16) in a cache
+// of 12 blocks, so that sequences batched together outgrow it and are preempted.
+TEST_P(StructuredOutputTest, EveryOutputFollowsItsConstraintThroughPreemption) {
+  const Layout& l = GetParam();
+  std::unique_ptr<Cluster> cluster =
+      StartDemo(l.tp, l.pp, {"--max-model-len", "192", "--num-kv-blocks", "12", "--block-size", "16"});
+  ASSERT_NE(cluster, nullptr);
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < l.streams; ++i) requests.push_back(StructuredRequest(i));
+  const std::vector<Streamed> alone = RunOneByOne(*cluster, requests);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_EQ(CheckStream(requests[i], alone[i]), "") << "request " << i << "\n" << cluster->Logs();
+    EXPECT_EQ(CheckStructured(static_cast<int>(i), alone[i]), "") << "request " << i << " alone";
+  }
+  const std::vector<Streamed> together = RunConcurrently(*cluster, requests);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_EQ(CheckStream(requests[i], together[i]), "") << "request " << i;
+    EXPECT_EQ(CheckStructured(static_cast<int>(i), together[i]), "") << "request " << i << " in the batch";
+    EXPECT_EQ(Diff(alone[i].tokens, together[i].tokens), "") << "request " << i << " in the batch vs alone";
+  }
+  const v1::SchedulerStatus s = cluster->Status().scheduler();
+  // One lane batches every sequence at once, so its cache always overflows; with two lanes the
+  // short outputs may fit beside each other (the count is printed).
+  if (l.pp == 1) EXPECT_GT(s.preemptions(), 0) << Describe(s);
+  std::printf("[ preempt  ] TP%d_PP%d: %lld preemptions\n", l.tp, l.pp, static_cast<long long>(s.preemptions()));
+  ExpectIdle(*cluster, "after the structured batch");
+  if (HasFailure()) std::printf("%s", cluster->Logs().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, StructuredOutputTest, ::testing::Values(Layout{1, 1, 15}, Layout{2, 2, 10}),
+                         LayoutName);
+
+TEST(StructuredOutputValidationTest, TP1_PP1_BadConstraintsAreInvalidArgumentNamingTheField) {
+  std::unique_ptr<Cluster> cluster = StartDemo(1, 1, {});
+  ASSERT_NE(cluster, nullptr);
+  struct Case {
+    const char* name;
+    std::function<void(v1::SamplingParams*)> set;
+    std::vector<std::string> want;  // substrings of the message
+  };
+  const std::vector<Case> cases = {
+      {"unsupported keyword", [](v1::SamplingParams* s) {
+         s->mutable_structured_output()->set_json_schema(R"({"type": "object", "if": {}})");
+       }, {"sampling.structured_output.json_schema", "if"}},
+      {"not JSON", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_json_schema("{"); },
+       {"sampling.structured_output.json_schema"}},
+      {"too deep", [](v1::SamplingParams* s) {
+         s->mutable_structured_output()->set_json_schema(std::string(40, '[') + std::string(40, ']'));
+       }, {"sampling.structured_output.json_schema", "deeper than 32"}},
+      {"regex look-ahead", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_regex("a(?=b)"); },
+       {"sampling.structured_output.regex"}},
+      {"grammar without root", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_grammar("x ::= \"a\""); },
+       {"sampling.structured_output.grammar"}},
+      {"no choices", [](v1::SamplingParams* s) { s->mutable_structured_output()->mutable_choices(); },
+       {"sampling.structured_output.choices", "1 to 256"}},
+      {"invalid UTF-8", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_regex("a\xff"); },
+       {"sampling.structured_output.regex"}},
+      {"too long", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_regex(std::string(70000, 'a')); },
+       {"sampling.structured_output.regex", "65536"}},
+      {"json_object false", [](v1::SamplingParams* s) { s->mutable_structured_output()->set_json_object(false); },
+       {"sampling.structured_output.json_object", "must be true"}},
+      {"ignore_eos", [](v1::SamplingParams* s) {
+         s->set_ignore_eos(true);
+         s->mutable_structured_output()->set_regex("a+");
+       }, {"sampling.ignore_eos", "structured output"}},
+      {"min_tokens", [](v1::SamplingParams* s) {
+         s->set_min_tokens(2);
+         s->mutable_structured_output()->set_regex("a+");
+       }, {"sampling.min_tokens", "structured output"}},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateRequest r = Request(Prompt(8, 0, true), 4, false, "invalid-constraint");
+    c.set(r.mutable_sampling());
+    const Streamed s = Generate(cluster->client(), r, kNotHung);
+    EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.name << ": " << s.status.error_message();
+    for (const std::string& w : c.want) {
+      EXPECT_NE(s.status.error_message().find(w), std::string::npos)
+          << c.name << ": '" << s.status.error_message() << "' does not say " << w;
+    }
+  }
 }
 
 }  // namespace

@@ -293,5 +293,94 @@ TEST(PrepareGenerationTest, APromptThatFillsTheContextIsReportedAgainstThePrompt
   EXPECT_EQ(p->max_tokens, 1);
 }
 
+// ---- Structured outputs: compiled on the coordinator, cached ---------------------------------
+
+const std::string kDemoDir = std::string(SHARDSERVE_SOURCE_DIR) + "/models/demo";
+
+v1::StructuredOutput Regex(const std::string& regex) {
+  v1::StructuredOutput so;
+  so.set_regex(regex);
+  return so;
+}
+
+TEST(StructuredOutputCompilerTest, CompilesOnceAndCachesByKindAndText) {
+  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(kDemoDir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  StructuredOutputCompiler& c = *(*model)->structured;
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> a = c.Get(Regex("[0-9]+"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> again = c.Get(Regex("[0-9]+"));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(a->get(), again->get());
+  EXPECT_EQ(c.compiles(), 1);
+  EXPECT_EQ(c.hits(), 1);
+  // The same text as another kind is another grammar.
+  v1::StructuredOutput as_grammar;
+  as_grammar.set_grammar("[0-9]+");
+  EXPECT_FALSE(c.Get(as_grammar).ok());  // not GBNF
+  v1::StructuredOutput choice;
+  choice.mutable_choices()->add_choices("[0-9]+");
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> literal = c.Get(choice);
+  ASSERT_TRUE(literal.ok());
+  EXPECT_NE(literal->get(), a->get());
+  // The vocabulary is the model's: the mask is as wide as config.json's vocab_size, and the grammar's
+  // first token is a digit.
+  grammar::GrammarMatcher m(*a);
+  EXPECT_EQ(m.mask_words(), ((*model)->config.vocab_size + 31) / 32);
+  // PrepareGeneration hands the cached grammar to the request.
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->add_ids(5);
+  r.mutable_sampling()->set_max_tokens(4);
+  *r.mutable_sampling()->mutable_structured_output() = Regex("[0-9]+");
+  absl::StatusOr<GenerationParams> p = PrepareGeneration(r, **model, 512, "req-1");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->grammar.get(), a->get());
+  // Past kStructuredCacheEntries other grammars, the first is compiled again.
+  const int64_t before = c.compiles();
+  for (size_t i = 0; i < kStructuredCacheEntries; ++i) ASSERT_TRUE(c.Get(Regex(absl::StrCat("a{", i + 1, "}"))).ok());
+  EXPECT_EQ(c.compiles(), before + static_cast<int64_t>(kStructuredCacheEntries));
+  ASSERT_TRUE(c.Get(Regex("[0-9]+")).ok());
+  EXPECT_EQ(c.compiles(), before + static_cast<int64_t>(kStructuredCacheEntries) + 1);
+}
+
+TEST(StructuredOutputCompilerTest, RefusesWhatItCannotCompile) {
+  absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(kDemoDir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::GenerateRequest r;
+  r.mutable_token_ids()->add_ids(5);
+  r.mutable_sampling()->set_max_tokens(4);
+  v1::StructuredOutput* so = r.mutable_sampling()->mutable_structured_output();
+  so->set_json_schema(R"({"type": "object", "properties": {"a": {"type": "string", "contentEncoding": "base64"}}})");
+  ExpectRefused(r, **model, 512, {"sampling.structured_output.json_schema", "contentEncoding"}, "an unsupported keyword");
+  so->set_regex("(a)\\1");
+  ExpectRefused(r, **model, 512, {"sampling.structured_output.regex"}, "a back-reference");
+
+  // The compile-time bound: a compile that takes longer is refused, naming the bound.
+  StructuredOutputCompiler hasty((*model)->tokenizer.get(), static_cast<int32_t>((*model)->config.vocab_size),
+                                 (*model)->eos_ids, absl::Nanoseconds(1));
+  v1::StructuredOutput schema;
+  schema.set_json_schema(R"({"type": "array", "items": {"type": "string", "maxLength": 50}, "maxItems": 20})");
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> late = hasty.Get(schema);
+  ASSERT_FALSE(late.ok());
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(late.status().message().find("compile-time bound"), std::string::npos) << late.status();
+
+  // A tokenizer whose tokens' bytes are unknown (Metaspace, SentencePiece style), or none.
+  absl::StatusOr<std::unique_ptr<Tokenizer>> metaspace =
+      Tokenizer::FromDirectory(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/llama2");
+  ASSERT_TRUE(metaspace.ok()) << metaspace.status();
+  ServedModel llama;
+  llama.config.vocab_size = (*metaspace)->vocab_size();
+  llama.tokenizer = *std::move(metaspace);
+  llama.structured = std::make_unique<StructuredOutputCompiler>(llama.tokenizer.get(), llama.config.vocab_size,
+                                                                std::vector<int32_t>{2}, kDefaultGrammarCompileTimeout);
+  so->set_regex("[0-9]+");
+  ExpectRefused(r, llama, 512, {"sampling.structured_output.regex", "byte-level BPE"}, "a Metaspace tokenizer");
+  const std::unique_ptr<ServedModel> bare = TinyModel(/*with_tokenizer=*/false);
+  bare->structured = std::make_unique<StructuredOutputCompiler>(nullptr, 10, std::vector<int32_t>{}, kDefaultGrammarCompileTimeout);
+  r.mutable_token_ids()->set_ids(0, 1);
+  ExpectRefused(r, *bare, 512, {"sampling.structured_output.regex", "tokenizer"}, "no tokenizer");
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "coordinator/chat/chat_template.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/logit_bias.h"
 
 namespace shardserve::openai {
@@ -169,16 +170,64 @@ INSTANTIATE_TEST_SUITE_P(
                 "the bias of token id 5 must be in [-100, 100], got 100.5"},
         BadCase{"MinTokensNegative", kCompl, R"({"model": "m", "prompt": "x", "min_tokens": -1})", "min_tokens",
                 "must be in [0, 2147483647], got -1"},
-        BadCase{"ToolChoiceRequired", kChat,
-                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})",
-                "tool_choice", "\"required\" needs constrained decoding"},
-        BadCase{"ToolChoiceNamed", kChat,
-                R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
-                "tool_choice", "a named function needs constrained decoding"},
+        BadCase{"ToolChoiceRequiredWithoutTools", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": "required"})",
+                "tool_choice", "\"required\" needs tools"},
+        BadCase{"ToolChoiceNamedUnknown", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "g"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+                "tool_choice.function.name", "'f' is not one of the tools"},
+        BadCase{"ToolChoiceNamedNoType", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "f"}}})",
+                "tool_choice.type", "must be \"function\""},
+        BadCase{"ToolChoiceRequiredAndGuided", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "guided_regex": "a"})",
+                "tool_choice", "cannot be combined with guided_regex"},
         BadCase{"ToolChoiceUnknown", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": "any"})",
                 "tool_choice", "'any' is not one of"},
         BadCase{"ToolChoiceNumber", kChat, R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": 1})",
                 "tool_choice", "a string or an object"},
+        // Structured outputs: each field's shape and bounds, and one constraint per request.
+        BadCase{"ResponseFormatNotObject", kChat, R"({"model": "m", "messages": [{"role": "user"}], "response_format": "json"})",
+                "response_format", "an object"},
+        BadCase{"ResponseFormatUnknownType", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "yaml"}})",
+                "response_format.type", "'yaml' is not one of"},
+        BadCase{"ResponseFormatSchemaMissing", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})",
+                "response_format.json_schema.schema", "is required"},
+        BadCase{"ResponseFormatNoJsonSchema", kCompl,
+                R"({"model": "m", "prompt": "x", "response_format": {"type": "json_schema"}})",
+                "response_format.json_schema", "must be an object"},
+        BadCase{"ResponseFormatSchemaString", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}})",
+                "response_format.json_schema.schema", "a JSON Schema object"},
+        BadCase{"ResponseFormatStrictNotBool", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": 1}}})",
+                "response_format.json_schema.strict", "a boolean"},
+        BadCase{"GuidedJsonNumber", kCompl, R"({"model": "m", "prompt": "x", "guided_json": 3})", "guided_json",
+                "a JSON Schema (an object, or its text)"},
+        BadCase{"GuidedRegexNotString", kCompl, R"({"model": "m", "prompt": "x", "guided_regex": ["a"]})",
+                "guided_regex", "a string"},
+        BadCase{"GuidedRegexEmpty", kCompl, R"({"model": "m", "prompt": "x", "guided_regex": ""})", "guided_regex",
+                "must be 1 to 65536 bytes"},
+        BadCase{"GuidedChoiceEmpty", kCompl, R"({"model": "m", "prompt": "x", "guided_choice": []})", "guided_choice",
+                "1 to 256 strings"},
+        BadCase{"GuidedChoiceNotString", kCompl, R"({"model": "m", "prompt": "x", "guided_choice": ["a", 2]})",
+                "guided_choice[1]", "a string"},
+        BadCase{"GuidedChoiceEmptyString", kCompl, R"({"model": "m", "prompt": "x", "guided_choice": [""]})",
+                "guided_choice[0]", "1 to 4096 bytes"},
+        BadCase{"GuidedGrammarNotString", kCompl, R"({"model": "m", "prompt": "x", "guided_grammar": {}})",
+                "guided_grammar", "a string"},
+        BadCase{"StructuredOutputsNotObject", kCompl, R"({"model": "m", "prompt": "x", "structured_outputs": "json"})",
+                "structured_outputs", "an object"},
+        BadCase{"StructuredOutputsTwoKinds", kCompl,
+                R"({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}})",
+                "structured_outputs.choice", "cannot be combined with structured_outputs.regex"},
+        BadCase{"TwoConstraints", kCompl, R"({"model": "m", "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})",
+                "guided_choice", "cannot be combined with guided_regex: one constraint per request"},
+        BadCase{"ResponseFormatAndGuided", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_object"}, "guided_json": {}})",
+                "guided_json", "cannot be combined with response_format"},
         BadCase{"ParallelToolCallsNotBool", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "parallel_tool_calls": "yes"})", "parallel_tool_calls",
                 "a boolean"},
@@ -208,9 +257,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"ToolCallsNotArray", kChat,
                 R"({"model": "m", "messages": [{"role": "assistant", "tool_calls": {}}]})", "messages[0].tool_calls",
                 "an array"},
-        BadCase{"ResponseFormatJson", kChat,
-                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {"type": "json_object"}})",
-                "response_format", "only"}),
+        BadCase{"ResponseFormatTypeMissing", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "response_format": {}})", "response_format.type",
+                "must be a string"}),
     [](const testing::TestParamInfo<BadCase>& info) { return std::string(info.param.name); });
 
 TEST(ParseRequestTest, CompletionWithEveryField) {
@@ -533,6 +582,112 @@ TEST(ResponseJsonTest, UsageAndLogprobs) {
   EXPECT_EQ(completion["token_logprobs"], Json::parse("[-0.5, -1.5]"));
   EXPECT_EQ(completion["text_offset"], Json::parse("[10, 10]"));
   EXPECT_EQ(completion["top_logprobs"][1], Json::object());
+}
+
+TEST(StructuredOutputTest, EveryFieldSetsTheConstraint) {
+  struct Case {
+    Endpoint endpoint;
+    std::string extra;  // the fields added to a minimal body
+    v1::StructuredOutput::KindCase kind;
+    std::string text;   // json_schema / regex / grammar, or the choices joined by "|"
+    std::string field;  // Request::constraint_field
+  };
+  const std::vector<Case> cases = {
+      {kChat, R"("response_format": {"type": "json_object"})", v1::StructuredOutput::kJsonObject, "", "response_format"},
+      {kChat, R"("response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}, "strict": true}})",
+       v1::StructuredOutput::kJsonSchema, R"({"type":"integer"})", "response_format.json_schema.schema"},
+      {kCompl, R"("response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string"}}})",
+       v1::StructuredOutput::kJsonSchema, R"({"type":"string"})", "response_format.json_schema.schema"},
+      {kCompl, R"("guided_json": {"type": "boolean"})", v1::StructuredOutput::kJsonSchema, R"({"type":"boolean"})", "guided_json"},
+      {kCompl, R"("guided_json": "{\"type\": \"null\"}")", v1::StructuredOutput::kJsonSchema, R"({"type": "null"})", "guided_json"},
+      {kChat, R"("guided_regex": "[a-z]+")", v1::StructuredOutput::kRegex, "[a-z]+", "guided_regex"},
+      {kCompl, R"("guided_choice": ["yes", "no"])", v1::StructuredOutput::kChoices, "yes|no", "guided_choice"},
+      {kCompl, R"("guided_grammar": "root ::= \"a\"")", v1::StructuredOutput::kGrammar, "root ::= \"a\"", "guided_grammar"},
+      {kCompl, R"("structured_outputs": {"json": {"type": "integer"}})", v1::StructuredOutput::kJsonSchema,
+       R"({"type":"integer"})", "structured_outputs.json"},
+      {kCompl, R"("structured_outputs": {"regex": "\\d+"})", v1::StructuredOutput::kRegex, "\\d+", "structured_outputs.regex"},
+      {kChat, R"("structured_outputs": {"choice": ["a"]})", v1::StructuredOutput::kChoices, "a", "structured_outputs.choice"},
+      {kCompl, R"("structured_outputs": {"grammar": "root ::= [0-9]"})", v1::StructuredOutput::kGrammar, "root ::= [0-9]",
+       "structured_outputs.grammar"},
+      {kCompl, R"("structured_outputs": {"json_object": true})", v1::StructuredOutput::kJsonObject, "", "structured_outputs.json_object"},
+      // No constraint: text format, and a response_format text beside a guided field is one constraint.
+      {kChat, R"("response_format": {"type": "text"})", v1::StructuredOutput::KIND_NOT_SET, "", ""},
+      {kChat, R"("response_format": {"type": "text"}, "guided_regex": "a")", v1::StructuredOutput::kRegex, "a", "guided_regex"},
+  };
+  for (const Case& c : cases) {
+    const std::string body = c.endpoint == kChat
+                                 ? absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )", c.extra, "}")
+                                 : absl::StrCat(R"({"model": "m", "prompt": "x", )", c.extra, "}");
+    absl::StatusOr<Request> r = ParseRequest(c.endpoint, body);
+    ASSERT_TRUE(r.ok()) << body << ": " << r.status();
+    const v1::StructuredOutput& so = r->sampling.structured_output();
+    EXPECT_EQ(so.kind_case(), c.kind) << body;
+    EXPECT_EQ(r->constraint_field, c.field) << body;
+    std::string text;
+    switch (so.kind_case()) {
+      case v1::StructuredOutput::kJsonSchema: text = so.json_schema(); break;
+      case v1::StructuredOutput::kRegex: text = so.regex(); break;
+      case v1::StructuredOutput::kGrammar: text = so.grammar(); break;
+      case v1::StructuredOutput::kChoices: text = absl::StrJoin(so.choices().choices(), "|"); break;
+      case v1::StructuredOutput::kJsonObject: EXPECT_TRUE(so.json_object()); break;
+      default: break;
+    }
+    EXPECT_EQ(text, c.text) << body;
+    // The constraint travels to the gRPC request of every choice.
+    EXPECT_EQ(ToGenerateRequest(*r, 1, 8, nullptr).sampling().structured_output().SerializeAsString(),
+              so.SerializeAsString());
+  }
+}
+
+TEST(StructuredOutputTest, CompileErrorsNameTheClientsField) {
+  const absl::Status s = RenameGenerationError(
+      absl::InvalidArgumentError("sampling.structured_output.json_schema: unsupported keyword 'if' at /properties/a"),
+      kChat, "response_format.json_schema.schema");
+  EXPECT_EQ(s.message(), "response_format.json_schema.schema: unsupported keyword 'if' at /properties/a");
+  EXPECT_EQ(ParamOf(s), "response_format.json_schema.schema");
+}
+
+TEST(StructuredOutputTest, ToolChoiceRequiredAndNamedAreGrammars) {
+  const std::string tools =
+      R"("tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},)"
+      R"( {"type": "function", "function": {"name": "now"}}])";
+  absl::StatusOr<Request> named = ParseRequest(
+      kChat, absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )", tools,
+                          R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})"));
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->tool_choice, ToolChoice::kNamed);
+  EXPECT_EQ(named->named_tool, "get_weather");
+  EXPECT_EQ(named->constraint_field, "tool_choice");
+  EXPECT_EQ(named->sampling.structured_output().json_schema(),
+            R"({"type":"object","properties":{"city":{"type":"string"}},"required":["city"]})");
+
+  absl::StatusOr<Request> required = ParseRequest(
+      kChat, absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )", tools,
+                          R"(, "tool_choice": "required", "parallel_tool_calls": false})"));
+  ASSERT_TRUE(required.ok()) << required.status();
+  EXPECT_EQ(required->tool_choice, ToolChoice::kRequired);
+  EXPECT_EQ(required->sampling.structured_output().json_schema(),
+            R"({"type":"array","minItems":1,"items":{"anyOf":[)"
+            R"({"type":"object","properties":{"name":{"const":"get_weather"},"parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}},"required":["name","parameters"]},)"
+            R"({"type":"object","properties":{"name":{"const":"now"},"parameters":{"type":"object"}},"required":["name","parameters"]}]},"maxItems":1})");
+
+  // The output, held until it ends, becomes the calls; an output cut short stays content.
+  OutputSplitter named_split(ToolChoice::kNamed, "get_weather");
+  EXPECT_TRUE(named_split.Add(R"({"city":)", false).calls.empty());
+  OutputSplit whole = named_split.Add(R"("Paris"})", true);
+  ASSERT_EQ(whole.calls.size(), 1u);
+  EXPECT_EQ(whole.calls[0], (ToolCall{"get_weather", R"({"city":"Paris"})"}));
+  EXPECT_EQ(whole.content, "");
+  OutputSplitter required_split(ToolChoice::kRequired, "");
+  whole = required_split.Add(R"([{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"Oslo"}}])", true);
+  ASSERT_EQ(whole.calls.size(), 2u);
+  EXPECT_EQ(whole.calls[0], (ToolCall{"now", "{}"}));
+  EXPECT_EQ(whole.calls[1], (ToolCall{"get_weather", R"({"city":"Oslo"})"}));
+  OutputSplitter cut(ToolChoice::kRequired, "");
+  whole = cut.Add(R"([{"name":"now","para)", true);
+  EXPECT_TRUE(whole.calls.empty());
+  EXPECT_EQ(whole.content, R"([{"name":"now","para)");
+  EXPECT_STREQ(ChatFinishReason(v1::FINISH_REASON_STOP_TOKEN, true), "tool_calls");
 }
 
 }  // namespace

@@ -231,7 +231,7 @@ class SamplerTest : public ::testing::Test {
 
   // Samples `rows` over host logits [rows.size(), v] on `backend` (the CPU backend by default).
   absl::StatusOr<v1::StepResult> Run(const std::vector<float>& logits, int64_t v, const std::vector<v1::RowSampling>& rows,
-                                     Backend* backend = nullptr) {
+                                     Backend* backend = nullptr, const std::vector<const uint32_t*>& masks = {}) {
     if (backend == nullptr) backend = cpu_.get();
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, kMaxRows, v);
     if (!sampler.ok()) return sampler.status();
@@ -245,7 +245,7 @@ class SamplerTest : public ::testing::Test {
     for (const v1::RowSampling& r : rows) *list.Add() = r;
     v1::StepResult result;
     const Tensor t(buf->data(), DType::kF32, {m, v});
-    SHARDSERVE_RETURN_IF_ERROR((*sampler)->Sample(/*step_id=*/7, t, list, &result));
+    SHARDSERVE_RETURN_IF_ERROR((*sampler)->Sample(/*step_id=*/7, t, list, &result, masks));
     return result;
   }
   // One row's sampled id.
@@ -505,6 +505,55 @@ TEST_F(SamplerTest, MinTokensBansTheEndIdsUntilReached) {
   }
   r.set_draw_index(3);  // min_tokens reached: the EOS may come
   EXPECT_EQ(One(row, r), 7);
+}
+
+// ---- Token masks (constrained decoding) ------------------------------------------------------
+
+// A bitmask over v ids allowing exactly `allowed`.
+std::vector<uint32_t> MaskOf(int64_t v, const std::vector<int32_t>& allowed) {
+  std::vector<uint32_t> m((v + 31) / 32, 0);
+  for (int32_t id : allowed) m[id / 32] |= 1u << (id % 32);
+  return m;
+}
+
+TEST_F(SamplerTest, MaskedRowsChooseOnlyAllowedTokens) {
+  constexpr int64_t v = 100;
+  // Three rows: masked greedy, unmasked greedy, masked sampled; each row's most likely token is
+  // disallowed by its mask.
+  std::vector<float> logits = Random(3 * v, -1.0f, 1.0f);
+  for (int r = 0; r < 3; ++r) logits[r * v + 10 + r] = 9.0f;
+  const std::vector<int32_t> allowed0 = {3, 40, 77}, allowed2 = {5, 6, 64, 99};
+  const std::vector<uint32_t> m0 = MaskOf(v, allowed0), m2 = MaskOf(v, allowed2);
+  const std::vector<const uint32_t*> masks = {m0.data(), nullptr, m2.data()};
+  DeviceLikeBackend device_like;  // and the same through the copy-to-host path
+  for (uint64_t draw = 0; draw < 100; ++draw) {
+    for (Backend* backend : {cpu_.get(), static_cast<Backend*>(&device_like)}) {
+      absl::StatusOr<v1::StepResult> r = Run(logits, v, {Greedy(), Greedy(), Sampled(1.0f, 11, draw)}, backend, masks);
+      ASSERT_TRUE(r.ok()) << r.status();
+      // Greedy under the mask: the argmax of the allowed logits.
+      std::vector<double> row0(logits.begin(), logits.begin() + v);
+      for (int64_t i = 0; i < v; ++i) {
+        if (std::find(allowed0.begin(), allowed0.end(), i) == allowed0.end()) row0[i] = -1e30;
+      }
+      EXPECT_EQ(r->sampled_ids(0), Argmax(row0));
+      EXPECT_EQ(r->sampled_ids(1), 11);  // unmasked: its own argmax
+      EXPECT_NE(std::find(allowed2.begin(), allowed2.end(), r->sampled_ids(2)), allowed2.end()) << draw;
+    }
+  }
+  // The mask comes before logit_bias: +100 on a disallowed token does not bring it back.
+  const std::vector<float> row(logits.begin(), logits.begin() + v);
+  absl::StatusOr<v1::StepResult> biased = Run(row, v, {WithBias(Greedy(), 50, 100.0f)}, nullptr, {m0.data()});
+  ASSERT_TRUE(biased.ok()) << biased.status();
+  EXPECT_NE(std::find(allowed0.begin(), allowed0.end(), biased->sampled_ids(0)), allowed0.end());
+  // Logprobs stay those of the raw logits.
+  v1::RowSampling lp = Greedy();
+  lp.set_logprobs(true);
+  absl::StatusOr<v1::StepResult> with_lp = Run(row, v, {lp}, nullptr, {m0.data()});
+  ASSERT_TRUE(with_lp.ok()) << with_lp.status();
+  const std::vector<double> ls = LogSoftmax(row);
+  EXPECT_NEAR(with_lp->logprobs(0).logprob(), ls[with_lp->sampled_ids(0)], kLogprobTolerance);
+  // A mask list of the wrong length is refused.
+  EXPECT_FALSE(Run(row, v, {Greedy()}, nullptr, {m0.data(), m0.data()}).ok());
 }
 
 // ---- min_p -----------------------------------------------------------------------------------

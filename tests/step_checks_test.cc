@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "model/config.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
@@ -108,6 +109,48 @@ TEST(StepChecksTest, RegroupAndAdopt) {
   ExpectRefused(CheckAdopt(held, 5, wanted), "adopt: epoch 5");
   wanted.set_end_layer(3);  // another shard
   EXPECT_TRUE(absl::IsFailedPrecondition(CheckAdopt(held, 3, wanted)));
+}
+
+TEST(StepChecksTest, TokenMasks) {
+  constexpr int64_t kVocab = 40;  // two words per mask; ids 32..39 in the second
+  std::vector<const uint32_t*> masks;
+  v1::StepPlan plan;
+  plan.set_step_id(5);
+  // No masks: every row unmasked.
+  ASSERT_TRUE(CheckTokenMasks(plan, 3, kVocab, &masks).ok());
+  EXPECT_EQ(masks, std::vector<const uint32_t*>(3, nullptr));
+  // Rows 0 and 2 masked.
+  plan.add_mask_logit_rows(0);
+  plan.add_mask_logit_rows(2);
+  for (uint32_t w : {1u, 0u, 0u, 0x80u}) plan.add_mask_words(w);
+  ASSERT_TRUE(CheckTokenMasks(plan, 3, kVocab, &masks).ok());
+  ASSERT_EQ(masks.size(), 3u);
+  EXPECT_EQ(masks[0], plan.mask_words().data());
+  EXPECT_EQ(masks[1], nullptr);
+  EXPECT_EQ(masks[2], plan.mask_words().data() + 2);
+
+  const auto refused = [&](const v1::StepPlan& p, int64_t rows, const std::string& want) {
+    const absl::Status s = CheckTokenMasks(p, rows, kVocab, &masks);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want;
+    EXPECT_TRUE(absl::StrContains(s.message(), want)) << s.message();
+    EXPECT_TRUE(absl::StrContains(s.message(), "step 5")) << s.message();
+  };
+  v1::StepPlan p = plan;
+  p.add_mask_words(1);
+  refused(p, 3, "5 mask_words for 2 masked rows; want 2 per row");
+  refused(plan, 2, "mask_logit_rows[1] 2 is not increasing within the step's 2 logit rows");
+  p = plan;
+  p.set_mask_logit_rows(1, 0);
+  refused(p, 3, "mask_logit_rows[1] 0 is not increasing");
+  p = plan;
+  p.set_mask_logit_rows(0, -1);
+  refused(p, 3, "mask_logit_rows[0] -1");
+  p = plan;
+  p.set_mask_words(3, 1u << 8);  // id 40: past the vocabulary
+  refused(p, 3, "the mask of logit row 2 allows ids at or past vocab_size 40");
+  p = plan;
+  p.set_mask_words(0, 0);
+  refused(p, 3, "the mask of logit row 0 allows no token");
 }
 
 TEST(StepChecksTest, StepBatchIndexesStayInside) {

@@ -58,6 +58,13 @@ absl::Status ForRows(uint64_t step_id, int begin, int end, const absl::Status& s
   return absl::Status(s.code(), absl::StrCat("step ", step_id, " ", rows, ": ", s.message()));
 }
 
+// Constrained decoding: every id of `row` ([v]) whose bit in `mask` is clear becomes -inf.
+void ApplyTokenMask(const uint32_t* mask, int64_t v, float* row) {
+  for (int64_t i = 0; i < v; ++i) {
+    if (((mask[i >> 5] >> (i & 31)) & 1u) == 0) row[i] = -kInf;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_t max_rows, int64_t vocab_size) {
@@ -97,7 +104,8 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_
   return s;
 }
 
-absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowList& rows, v1::StepResult* result) {
+absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowList& rows, v1::StepResult* result,
+                             const std::vector<const uint32_t*>& masks) {
   const int m = rows.size();
   if (logits.dtype != DType::kF32 || logits.ndim != 2 || logits.dim(0) != m || logits.dim(1) != vocab_size_ ||
       m > max_rows_) {
@@ -106,6 +114,10 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
                                                    DTypeName(logits.dtype), " ", logits.ShapeString()));
   }
   SHARDSERVE_RETURN_IF_ERROR(CheckRowSampling(step_id, rows, vocab_size_));
+  if (!masks.empty() && static_cast<int>(masks.size()) != m) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", masks.size(), " token masks for ", m, " rows"));
+  }
+  const auto mask_of = [&masks](int i) -> const uint32_t* { return masks.empty() ? nullptr : masks[i]; };
 
   // Rows whose logits are not all finite (the model overflowed for that sequence) are reported, not
   // sampled: one pass over the logits on the device, m flags back.
@@ -120,7 +132,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
     if (finite_[i] == 0) {
       paths_[i] = Path::kNonFinite;
     } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0) || r.logit_bias_ids_size() > 0 ||
-               MinTokensActive(r)) {
+               MinTokensActive(r) || mask_of(i) != nullptr) {
       paths_[i] = Path::kHost;
     } else {
       paths_[i] = greedy ? Path::kArgmax : Path::kSample;
@@ -151,7 +163,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
     if (paths_[i] != Path::kHost) continue;
     v1::RowLogprobs* lp = rows[i].logprobs() ? result->mutable_logprobs(i) : nullptr;
     if (absl::Status s = SampleOnHost(step_id, i, first + static_cast<int64_t>(i) * vocab_size_, rows[i],
-                                      &host_ids_[i], lp);
+                                      mask_of(i), &host_ids_[i], lp);
         !s.ok()) {
       return s;
     }
@@ -189,7 +201,7 @@ absl::Status Sampler::RunOnDevice(Path path, const Tensor& logits, const RowList
 }
 
 absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float* device_row, const v1::RowSampling& r,
-                                   int32_t* id, v1::RowLogprobs* lp) {
+                                   const uint32_t* mask, int32_t* id, v1::RowLogprobs* lp) {
   const int64_t v = vocab_size_;
   const bool greedy = IsGreedy(r);
   const bool penalize = PenaltyActive(r);
@@ -240,10 +252,11 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
 
   // The row the choice is made on: the raw one, or a copy to penalize and mask.
   const float* row = raw;
-  if (penalize || min_p || biased || min_tokens) {
+  if (penalize || min_p || biased || min_tokens || mask != nullptr) {
     std::memcpy(work_.data(), raw, v * sizeof(float));
     row = work_.data();
   }
+  if (mask != nullptr) ApplyTokenMask(mask, v, work_.data());
 
   // (b) logit_bias, added to the raw logits (kept finite: a logit of -inf stays -inf); then the ids
   // banned before min_tokens.

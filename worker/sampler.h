@@ -7,7 +7,9 @@
 //   temperature > 0, no min_p/penalty/logprobs   -> Backend::Sample on the device, one draw
 //                                                   SampleUniform(seed, draw_index)
 //   anything else (min_p, a penalty, logprobs,   -> the row on the host (copied from the device;
-//   logit_bias, min_tokens not yet reached)         read in place on the CPU backend):
+//   logit_bias, min_tokens not yet reached,         read in place on the CPU backend):
+//   a token mask)
+//     0. a token mask (constrained decoding): the disallowed ids become -inf in the working row;
 //     1. logprobs: log-softmax of the RAW logits (normalizer in double); the top_logprobs most
 //        likely ids, most likely first, ties lower id first;
 //     2. logit_bias added (the sum kept within +-1e30); before min_tokens tokens, the EOS and stop
@@ -61,8 +63,15 @@ class Sampler {
   // row (empty for the rows that did not ask), else nothing, and result->non_finite_rows with the
   // rows whose logits are not all finite (their id 0, their logprobs empty). The logits are not
   // modified.
+  //
+  // Constrained decoding: `masks` is empty, or holds one entry per row: null, or the row's token
+  // mask (ceil(vocab_size / 32) words, checked by CheckTokenMasks; bit id % 32 of word id / 32 set:
+  // id allowed). A masked row takes the host path, where the disallowed ids become -inf before
+  // logit_bias, the penalties, min_p, top-k / top-p and greedy (ApplyTokenMask); its logprobs stay
+  // those of the raw logits, as every row's.
   absl::Status Sample(uint64_t step_id, const Tensor& logits,
-                      const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows, v1::StepResult* result);
+                      const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows, v1::StepResult* result,
+                      const std::vector<const uint32_t*>& masks = {});
 
   int64_t max_rows() const { return max_rows_; }
   int64_t vocab_size() const { return vocab_size_; }
@@ -76,7 +85,7 @@ class Sampler {
                            int begin, int end);
   // One host-path row: its id into *id and, when asked, its logprobs into *lp.
   absl::Status SampleOnHost(uint64_t step_id, int row, const float* device_row, const v1::RowSampling& rs,
-                            int32_t* id, v1::RowLogprobs* lp);
+                            const uint32_t* mask, int32_t* id, v1::RowLogprobs* lp);
 
   // ---- Constant after Create ----
   Backend* device_ = nullptr;

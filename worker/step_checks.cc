@@ -1,5 +1,7 @@
 #include "worker/step_checks.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <utility>
 
@@ -111,6 +113,37 @@ absl::Status CheckAdopt(const v1::Assignment& held, uint64_t epoch, const v1::As
     return absl::InvalidArgumentError(absl::StrCat("adopt: epoch ", wanted.epoch(), " is not after the current ", epoch));
   }
   return CheckRegroup(wanted, epoch, RegroupOf(wanted));
+}
+
+absl::Status CheckTokenMasks(const v1::StepPlan& plan, int64_t logit_rows, int64_t vocab_size,
+                             std::vector<const uint32_t*>* masks) {
+  masks->assign(static_cast<size_t>(std::max<int64_t>(0, logit_rows)), nullptr);
+  const int n = plan.mask_logit_rows_size();
+  if (n == 0 && plan.mask_words_size() == 0) return absl::OkStatus();
+  const int64_t words = (vocab_size + 31) / 32;
+  const auto bad = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), ": token masks: ", what));
+  };
+  if (static_cast<int64_t>(plan.mask_words_size()) != n * words) {
+    return bad(absl::StrCat(plan.mask_words_size(), " mask_words for ", n, " masked rows; want ", words,
+                            " per row (vocab_size ", vocab_size, ")"));
+  }
+  for (int i = 0; i < n; ++i) {
+    const int32_t row = plan.mask_logit_rows(i);
+    if (row < 0 || row >= logit_rows || (i > 0 && row <= plan.mask_logit_rows(i - 1))) {
+      return bad(absl::StrCat("mask_logit_rows[", i, "] ", row, " is not increasing within the step's ", logit_rows,
+                              " logit rows"));
+    }
+    const uint32_t* mask = plan.mask_words().data() + i * words;
+    if (vocab_size % 32 != 0 && (mask[words - 1] >> (vocab_size % 32)) != 0) {
+      return bad(absl::StrCat("the mask of logit row ", row, " allows ids at or past vocab_size ", vocab_size));
+    }
+    if (std::all_of(mask, mask + words, [](uint32_t w) { return w == 0; })) {
+      return bad(absl::StrCat("the mask of logit row ", row, " allows no token"));
+    }
+    (*masks)[row] = mask;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows,

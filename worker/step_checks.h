@@ -65,6 +65,14 @@ v1::Regroup RegroupOf(const v1::Assignment& a);
 absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows,
                               int64_t vocab_size);
 
+// The token masks of step `plan` (constrained decoding) for a last stage sampling `logit_rows`
+// rows over `vocab_size` ids: mask_logit_rows strictly increasing in [0, logit_rows), exactly
+// ceil(vocab_size / 32) mask_words per masked row, no bit at or past vocab_size set, and at least
+// one token allowed per row. On success, (*masks)[i] points at logit row i's mask in the plan (null:
+// not masked); `masks` is resized to logit_rows.
+absl::Status CheckTokenMasks(const v1::StepPlan& plan, int64_t logit_rows, int64_t vocab_size,
+                             std::vector<const uint32_t*>* masks);
+
 // A step batch for a shard of `config` within `limits` (`first_stage`: it embeds token ids): 1 to
 // max_tokens_per_step tokens with equal-length lists, 1 to max_seqs_per_step sequences, block
 // tables of num_seqs x max_blocks_per_seq entries in [0, num_kv_blocks), token ids in the

@@ -316,7 +316,9 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   }
   if (sampler_ != nullptr && !batch.logit_rows.empty()) {
     const Tensor logits = shard_->logits(static_cast<int64_t>(batch.logit_rows.size()));
-    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result));
+    SHARDSERVE_RETURN_IF_ERROR(CheckTokenMasks(plan, static_cast<int64_t>(batch.logit_rows.size()),
+                                               sampler_->vocab_size(), &token_masks_));
+    SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result, token_masks_));
   }
 
   double collective = 0;

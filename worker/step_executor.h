@@ -189,6 +189,7 @@ class StepExecutor {
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
+  std::vector<const uint32_t*> token_masks_;  // per logit row of the step: its mask in the plan, or null
 
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at

@@ -1063,6 +1063,7 @@ absl::Status WorkerPool::CheckResultLocked(int index, const InFlightStep& step, 
 
 absl::Status WorkerPool::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {
   std::vector<int> group;
+  std::vector<bool> samples;  // group[i] is a last-stage worker
   uint64_t epoch = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -1075,14 +1076,23 @@ absl::Status WorkerPool::StartStep(const v1::StepPlan& step, int logit_rows, boo
     f.results.assign(group_->slots.size(), v1::StepResult());
     for (const Slot& s : group_->slots) {
       group.push_back(s.worker);
+      samples.push_back(s.stage == num_stages() - 1);
       workers_[s.worker]->last_step_sent = step.step_id();
     }
   }
   v1::CoordinatorMessage message;
   *message.mutable_step() = step;
   message.mutable_step()->set_epoch(epoch);
-  for (int i : group) {
-    if (!SendTo(i, message)) {
+  // Token masks are for the last stage's sampler only: the other stages get the plan without them.
+  v1::CoordinatorMessage unmasked;
+  if (step.mask_logit_rows_size() > 0) {
+    unmasked = message;
+    unmasked.mutable_step()->clear_mask_logit_rows();
+    unmasked.mutable_step()->clear_mask_words();
+  }
+  for (size_t k = 0; k < group.size(); ++k) {
+    const int i = group[k];
+    if (!SendTo(i, samples[k] || step.mask_logit_rows_size() == 0 ? message : unmasked)) {
       absl::MutexLock lock(&mu_);
       MarkLostLocked(i, LossCause::kStreamEnded, kStreamEnded);
     }

@@ -223,6 +223,7 @@ bool Engine::EnsureScheduler() {
 void Engine::Admit(std::unique_ptr<Request> r) {
   const GenerationParams& p = r->params;
   r->generation = std::make_unique<Generation>(r->params, model_->eos_ids, model_->tokenizer.get());
+  if (p.grammar != nullptr) r->matcher = std::make_unique<grammar::GrammarMatcher>(p.grammar);
   scheduler_->Add(r->id, p.prompt, SamplingTemplate(p));
   if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
   CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
@@ -246,6 +247,7 @@ absl::Status Engine::SendSteps() {
     const MicroBatch* batch = scheduler_->Schedule(lane, next_step_, &step_);
     if (batch == nullptr) continue;
     ++next_step_;
+    AddTokenMasks(*batch, &step_);
     const auto now = std::chrono::steady_clock::now();
     if (!batch->started.empty()) {
       for (uint64_t id : batch->started) {
@@ -284,6 +286,13 @@ absl::Status Engine::FinishOldest() {
       CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
       End(t.seq, failed);
       continue;
+    }
+    if (r.matcher != nullptr) {
+      if (absl::Status s = AcceptConstrained(r, t.token); !s.ok()) {
+        CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", s.message()), "error");
+        End(t.seq, s);
+        continue;
+      }
     }
     v1::GenerateResponse response;
     const bool done = r.generation->Accept(t.token, &response);
@@ -328,6 +337,39 @@ absl::Status Engine::FinishOldest() {
     }
     r.stream->Push(std::move(response));
     if (done) End(t.seq, absl::OkStatus());
+  }
+  return absl::OkStatus();
+}
+
+void Engine::AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step) {
+  for (const MicroBatch::Entry& e : batch.entries) {
+    if (e.logit_row < 0) continue;
+    Request& r = *requests_.at(e.seq);
+    if (r.matcher == nullptr) continue;
+    const int words = r.matcher->mask_words();
+    google::protobuf::RepeatedField<uint32_t>* out = step->mutable_mask_words();
+    const int at = out->size();
+    out->Resize(at + words, 0);
+    uint32_t* mask = out->mutable_data() + at;
+    r.matcher->FillNextTokenBitmask(mask);
+    step->add_mask_logit_rows(e.logit_row);
+    if (std::all_of(mask, mask + words, [](uint32_t w) { return w == 0; })) {
+      // Nothing allowed (a matcher that stopped, or a grammar that ends where the model has no
+      // EOS): the row still needs a token the workers accept; the request ends when it comes back.
+      r.grammar_error = r.matcher->status().ok()
+                            ? absl::InternalError("the structured output's grammar allows no token here")
+                            : absl::ResourceExhaustedError(absl::StrCat(
+                                  "the structured output's grammar is too ambiguous to follow: ", r.matcher->status().message()));
+      mask[0] = 1;
+    }
+  }
+}
+
+absl::Status Engine::AcceptConstrained(Request& r, int32_t token) {
+  if (!r.grammar_error.ok()) return r.grammar_error;
+  if (!r.matcher->AcceptToken(token)) {
+    return absl::InternalError(absl::StrCat("the sampled token ", token,
+                                            " is not one the structured output's grammar allows (its mask was ignored)"));
   }
   return absl::OkStatus();
 }

@@ -50,6 +50,7 @@
 #include "coordinator/telemetry/metrics.h"
 #include "coordinator/model/served_model.h"
 #include "coordinator/cluster/worker_pool.h"
+#include "grammar/matcher.h"
 #include "shardserve/v1/inference.pb.h"
 
 namespace shardserve {
@@ -111,6 +112,12 @@ class Engine {
     std::shared_ptr<RequestStream> stream;
     GenerationParams params;
     std::unique_ptr<Generation> generation;
+    // With a structured-output constraint: the grammar's state over the tokens accepted so far
+    // (never over a step in flight, so preemption, recompute and a heal leave it right); and why
+    // the grammar cannot go on (a matcher that stopped, or no token allowed), set when a step
+    // carried such a row.
+    std::unique_ptr<grammar::GrammarMatcher> matcher;
+    absl::Status grammar_error;
     SteadyTime arrival;
     SteadyTime started;     // first scheduled
     SteadyTime last_token;  // when the last token was streamed
@@ -133,6 +140,11 @@ class Engine {
   absl::Status SendSteps();
   // Waits for the oldest step in flight and streams its tokens.
   absl::Status FinishOldest();
+  // Constrained decoding: the token masks of `batch`'s sampling rows whose request has a grammar,
+  // into `step` (StepPlan.mask_logit_rows / mask_words), from each matcher's state.
+  void AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step);
+  // `r`'s matcher accepts `token` (sampled under its mask); an error ends the request.
+  absl::Status AcceptConstrained(Request& r, int32_t token);
   // Ends `r`'s stream with `status`; a request never scheduled leaves the queued count.
   void EndStream(Request& r, const absl::Status& status);
   // Ends request `id` (finished: OK, or an error) and removes it from the scheduler.

@@ -183,6 +183,19 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     p.min_tokens_banned_ids.erase(std::unique(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end()),
                                   p.min_tokens_banned_ids.end());
   }
+  if (s.has_structured_output()) {
+    const std::string field = StructuredOutputField(s.structured_output());
+    // The grammar decides where the output ends (an EOS where it may end): nothing may forbid that.
+    if (p.ignore_eos) return Invalid("sampling.ignore_eos", "cannot be combined with a structured output constraint");
+    if (p.min_tokens > 0) return Invalid("sampling.min_tokens", "cannot be combined with a structured output constraint");
+    if (model.structured == nullptr) return Invalid(field, "structured outputs are not available for this model");
+    absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled = model.structured->Get(s.structured_output());
+    if (!compiled.ok()) {
+      if (compiled.status().code() == absl::StatusCode::kInvalidArgument) return compiled.status();
+      return Invalid(field, compiled.status().message());
+    }
+    p.grammar = *std::move(compiled);
+  }
   return p;
 }
 

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "coordinator/model/served_model.h"
+#include "grammar/matcher.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "shardserve/v1/inference.pb.h"
 #include "shardserve/v1/worker.pb.h"
@@ -45,6 +46,9 @@ struct GenerationParams {
   // false: special tokens stay in the text (a tool-call format whose markers are special tokens);
   // the EOS that ends the output is never text.
   bool skip_special_tokens = true;
+  // The structured-output constraint compiled against the model's vocabulary (null: none); each
+  // sequence of the request runs its own matcher over it (the engine's).
+  std::shared_ptr<const grammar::CompiledGrammar> grammar;
 };
 
 // A client's request_id may be logged and echoed: at most 128 printable ASCII characters without

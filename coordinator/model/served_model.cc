@@ -83,6 +83,8 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
   SHARDSERVE_RETURN_IF_ERROR(ReadGenerationEos(path / "generation_config.json", &m->eos_ids));
   std::sort(m->eos_ids.begin(), m->eos_ids.end());
   m->eos_ids.erase(std::unique(m->eos_ids.begin(), m->eos_ids.end()), m->eos_ids.end());
+  m->structured = std::make_unique<StructuredOutputCompiler>(
+      m->tokenizer.get(), static_cast<int32_t>(m->config.vocab_size), m->eos_ids, kDefaultGrammarCompileTimeout);
   return m;
 }
 

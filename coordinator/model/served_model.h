@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "coordinator/chat/chat_template.h"
+#include "coordinator/model/structured_output.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -45,6 +46,9 @@ struct ServedModel {
   absl::Status chat_template_status;
   // config.json's eos_token_id, generation_config.json's and the tokenizer's, sorted, unique.
   std::vector<int32_t> eos_ids;
+  // Compiles requests' structured-output constraints against the tokenizer's vocabulary (never
+  // null after Open; it refuses every constraint when the token bytes are unknown). Thread-safe.
+  std::unique_ptr<StructuredOutputCompiler> structured;
 
   // config.json's torch_dtype as Hugging Face spells it ("bfloat16").
   std::string dtype_name() const;

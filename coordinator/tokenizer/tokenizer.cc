@@ -345,6 +345,8 @@ std::optional<int32_t> Tokenizer::TokenToId(std::string_view token) const {
   return std::nullopt;
 }
 
+bool Tokenizer::byte_level() const { return pre_tokenizer_ != nullptr && pre_tokenizer_->byte_level(); }
+
 std::optional<std::string_view> Tokenizer::IdToToken(int32_t id) const {
   if (id < 0 || id >= vocab_size() || !has_token_[id]) return std::nullopt;
   return id_to_token_[id];

@@ -84,6 +84,9 @@ class Tokenizer {
   // The token text of `id` as tokenizer.json spells it, or nullopt if `id` has none.
   std::optional<std::string_view> IdToToken(int32_t id) const;
   bool IsSpecial(int32_t id) const { return id >= 0 && id < vocab_size() && is_special_[id]; }
+  // Whether the tokens are byte-level BPE (a ByteLevel pre-tokenizer: GPT-2's byte alphabet), so
+  // that every token's bytes are known from its text (grammar::ByteLevelTokenBytes).
+  bool byte_level() const;
 
   // From tokenizer_config.json's bos_token / eos_token and generation_config.json's
   // bos_token_id / eos_token_id (which may list several ids). nullopt / empty when unset.

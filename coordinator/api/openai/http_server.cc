@@ -105,7 +105,9 @@ struct OutputParsing {
   bool reasoning_inside = false;
   ToolCallFormat tools = ToolCallFormat::kNone;
   int max_calls = 0;
-  bool on() const { return reasoning || tools != ToolCallFormat::kNone; }
+  ToolChoice forced = ToolChoice::kAuto;  // kRequired / kNamed: the calls a grammar made
+  std::string forced_name;
+  bool on() const { return reasoning || tools != ToolCallFormat::kNone || forced != ToolChoice::kAuto; }
 };
 
 // A response of one choice, and (chat with parsing on) what its text added, split.
@@ -144,7 +146,9 @@ class Job {
       Choice c;
       c.engine_id = submitted->id;
       c.stream = std::move(submitted->stream);
-      if (parsing_.on()) {
+      if (parsing_.forced != ToolChoice::kAuto) {
+        c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name);
+      } else if (parsing_.on()) {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
                                                       parsing_.max_calls);
       }
@@ -666,6 +670,11 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       parsing.tools = tool_format_;
       parsing.max_calls = request->parallel_tool_calls ? kMaxToolCallsPerMessage : 1;
     }
+    if (request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed) {
+      parsing.reasoning = false;  // the grammar makes the calls' JSON from the first token
+      parsing.forced = request->tool_choice;
+      parsing.forced_name = request->named_tool;
+    }
     // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
     absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
     if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
@@ -685,7 +694,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       ToGenerateRequest(*request, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)),
                         ids.has_value() ? &*ids : nullptr),
       *model_, max_model_len, id);
-  if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint));
+  if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint, request->constraint_field));
   // A format whose markers are special tokens needs them in the text.
   if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
 

@@ -185,9 +185,7 @@ absl::Status ParseToolChoice(const Fields& f, Request* r) {
   SHARDSERVE_OPENAI_CHECK(f.Bool("parallel_tool_calls", &r->parallel_tool_calls));
   const Json* choice = f.Get("tool_choice");
   if (choice == nullptr) return absl::OkStatus();
-  constexpr char kNeedsGrammar[] =
-      "needs constrained decoding, which this server does not do yet: send \"auto\" (calls parsed from "
-      "the model's output) or \"none\"";
+  const bool have_tools = r->tools.is_array() && !r->tools.empty();
   if (choice->is_string()) {
     const std::string c = choice->get<std::string>();
     if (c == "auto") return absl::OkStatus();
@@ -195,11 +193,26 @@ absl::Status ParseToolChoice(const Fields& f, Request* r) {
       r->tool_choice = ToolChoice::kNone;
       return absl::OkStatus();
     }
-    if (c == "required") return InvalidField("tool_choice", absl::StrCat("\"required\" ", kNeedsGrammar));
-    return InvalidField("tool_choice", absl::StrCat("'", c, "' is not one of \"none\", \"auto\", \"required\""));
+    if (c == "required") {
+      if (!have_tools) return InvalidField("tool_choice", "\"required\" needs tools");
+      r->tool_choice = ToolChoice::kRequired;
+      return absl::OkStatus();
+    }
+    return InvalidField("tool_choice", absl::StrCat("'", c.substr(0, 64), "' is not one of \"none\", \"auto\", \"required\""));
   }
-  if (choice->is_object()) return InvalidField("tool_choice", absl::StrCat("a named function ", kNeedsGrammar));
-  return WrongType("tool_choice", "a string or an object", *choice);
+  if (!choice->is_object()) return WrongType("tool_choice", "a string or an object", *choice);
+  auto type = choice->find("type");
+  if (type == choice->end() || *type != "function") return InvalidField("tool_choice.type", "must be \"function\"");
+  SHARDSERVE_OPENAI_CHECK(CheckFunction("tool_choice", *choice));
+  const std::string& name = choice->at("function").at("name").get_ref<const std::string&>();
+  bool found = false;
+  if (have_tools) {
+    for (const Json& tool : r->tools) found = found || tool.at("function").at("name") == name;
+  }
+  if (!found) return InvalidField("tool_choice.function.name", absl::StrCat("'", name, "' is not one of the tools"));
+  r->tool_choice = ToolChoice::kNamed;
+  r->named_tool = name;
+  return absl::OkStatus();
 }
 
 absl::Status ParseMessages(const Fields& f, Request* r) {
@@ -332,7 +345,7 @@ absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
 
 // Fields this server does not implement: refused when they would change the answer, so that a
 // client never gets a silently different one.
-absl::Status RefuseUnsupported(const Fields& f, Endpoint endpoint) {
+absl::Status RefuseUnsupported(const Fields& f) {
   if (const Json* echo = f.Get("echo"); echo != nullptr && !(echo->is_boolean() && !echo->get<bool>())) {
     return InvalidField("echo", "is not supported");
   }
@@ -342,13 +355,181 @@ absl::Status RefuseUnsupported(const Fields& f, Endpoint endpoint) {
   if (const Json* best_of = f.Get("best_of"); best_of != nullptr && !(best_of->is_number_integer() && *best_of == 1)) {
     return InvalidField("best_of", "only 1 is supported; use n for several choices");
   }
-  if (endpoint == Endpoint::kChatCompletions) {
-    if (const Json* format = f.Get("response_format");
-        format != nullptr && !(format->is_object() && format->value("type", "") == "text")) {
-      return InvalidField("response_format", "only {\"type\": \"text\"} is supported");
-    }
+  return absl::OkStatus();
+}
+
+// ---- Structured outputs: one constraint per request, from whichever field names it ----
+
+// Text of a constraint: a string of at most kMaxStructuredTextBytes bytes.
+absl::Status ConstraintText(const std::string& field, const Json& v, std::string* out) {
+  if (!v.is_string()) return WrongType(field, "a string", v);
+  const std::string& t = v.get_ref<const std::string&>();
+  if (t.empty() || t.size() > static_cast<size_t>(kMaxStructuredTextBytes)) {
+    return InvalidField(field, absl::StrCat("must be 1 to ", kMaxStructuredTextBytes, " bytes, got ", t.size()));
+  }
+  *out = t;
+  return absl::OkStatus();
+}
+
+// A JSON Schema given as an object (or, for guided_json, its text), as its compact JSON text.
+absl::Status ConstraintSchema(const std::string& field, const Json& v, bool text_allowed, std::string* out) {
+  if (v.is_string() && text_allowed) return ConstraintText(field, v, out);
+  if (!v.is_object() && !v.is_boolean()) {
+    return WrongType(field, text_allowed ? "a JSON Schema (an object, or its text)" : "a JSON Schema object", v);
+  }
+  *out = v.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (out->size() > static_cast<size_t>(kMaxStructuredTextBytes)) {
+    return InvalidField(field, absl::StrCat("must be at most ", kMaxStructuredTextBytes, " bytes of JSON, got ", out->size()));
   }
   return absl::OkStatus();
+}
+
+absl::Status ConstraintChoices(const std::string& field, const Json& v, v1::StructuredOutput* out) {
+  if (!v.is_array()) return WrongType(field, "an array of strings", v);
+  if (v.empty() || v.size() > static_cast<size_t>(kMaxStructuredChoices)) {
+    return InvalidField(field, absl::StrCat("must hold 1 to ", kMaxStructuredChoices, " strings, got ", v.size()));
+  }
+  v1::StructuredChoices* choices = out->mutable_choices();
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string f = absl::StrCat(field, "[", i, "]");
+    if (!v[i].is_string()) return WrongType(f, "a string", v[i]);
+    const std::string& c = v[i].get_ref<const std::string&>();
+    if (c.empty() || c.size() > static_cast<size_t>(kMaxStructuredChoiceBytes)) {
+      return InvalidField(f, absl::StrCat("must be 1 to ", kMaxStructuredChoiceBytes, " bytes, got ", c.size()));
+    }
+    choices->add_choices(c);
+  }
+  return absl::OkStatus();
+}
+
+// response_format: text (none), json_object, or json_schema {name, schema, strict}.
+absl::Status ParseResponseFormat(const Json& format, v1::StructuredOutput* out, std::string* field) {
+  if (!format.is_object()) return WrongType("response_format", "an object", format);
+  auto type = format.find("type");
+  if (type == format.end() || !type->is_string()) return InvalidField("response_format.type", "must be a string");
+  const std::string t = type->get<std::string>();
+  if (t == "text") return absl::OkStatus();
+  if (t == "json_object") {
+    out->set_json_object(true);
+    *field = "response_format";
+    return absl::OkStatus();
+  }
+  if (t != "json_schema") {
+    return InvalidField("response_format.type", absl::StrCat("'", t.substr(0, 64), "' is not one of \"text\", \"json_object\", \"json_schema\""));
+  }
+  auto js = format.find("json_schema");
+  if (js == format.end() || !js->is_object()) return InvalidField("response_format.json_schema", "must be an object");
+  if (auto name = js->find("name"); name != js->end() && !name->is_null() && !name->is_string()) {
+    return WrongType("response_format.json_schema.name", "a string", *name);
+  }
+  if (auto strict = js->find("strict"); strict != js->end() && !strict->is_null() && !strict->is_boolean()) {
+    return WrongType("response_format.json_schema.strict", "a boolean", *strict);
+  }
+  auto schema = js->find("schema");
+  if (schema == js->end() || schema->is_null()) return InvalidField("response_format.json_schema.schema", "is required");
+  *field = "response_format.json_schema.schema";
+  return ConstraintSchema(*field, *schema, /*text_allowed=*/false, out->mutable_json_schema());
+}
+
+// structured_outputs (vLLM >= 0.10): {json | regex | choice | grammar | json_object}, one of them.
+absl::Status ParseStructuredOutputs(const Json& so, v1::StructuredOutput* out, std::string* field) {
+  if (!so.is_object()) return WrongType("structured_outputs", "an object", so);
+  std::vector<std::string> set;
+  for (const char* key : {"json", "regex", "choice", "grammar", "json_object"}) {
+    if (auto it = so.find(key); it != so.end() && !it->is_null()) set.push_back(key);
+  }
+  if (set.size() > 1) {
+    return InvalidField(absl::StrCat("structured_outputs.", set[1]),
+                        absl::StrCat("cannot be combined with structured_outputs.", set[0], ": one constraint per request"));
+  }
+  if (set.empty()) return absl::OkStatus();
+  *field = absl::StrCat("structured_outputs.", set[0]);
+  const Json& v = so.at(set[0]);
+  if (set[0] == "json") return ConstraintSchema(*field, v, /*text_allowed=*/true, out->mutable_json_schema());
+  if (set[0] == "regex") return ConstraintText(*field, v, out->mutable_regex());
+  if (set[0] == "choice") return ConstraintChoices(*field, v, out);
+  if (set[0] == "grammar") return ConstraintText(*field, v, out->mutable_grammar());
+  if (!v.is_boolean()) return WrongType(*field, "a boolean", v);
+  if (v.get<bool>()) {
+    out->set_json_object(true);
+  } else {
+    field->clear();
+  }
+  return absl::OkStatus();
+}
+
+// The request's constraint (docs/structured-outputs.md): response_format, the guided_* fields or
+// structured_outputs; at most one of them.
+absl::Status ParseConstraint(const Fields& f, Request* r) {
+  std::string first;  // the field of the constraint found first
+  auto take = [&](const char* name, auto parse) -> absl::Status {
+    const Json* v = f.Get(name);
+    if (v == nullptr) return absl::OkStatus();
+    v1::StructuredOutput so;
+    std::string field;
+    SHARDSERVE_OPENAI_CHECK(parse(*v, &so, &field));
+    if (field.empty()) return absl::OkStatus();  // response_format text: no constraint
+    if (!first.empty()) {
+      return InvalidField(name, absl::StrCat("cannot be combined with ", first, ": one constraint per request"));
+    }
+    first = name;
+    r->constraint_field = field;
+    *r->sampling.mutable_structured_output() = std::move(so);
+    return absl::OkStatus();
+  };
+  SHARDSERVE_OPENAI_CHECK(take("response_format", ParseResponseFormat));
+  SHARDSERVE_OPENAI_CHECK(take("guided_json", [](const Json& v, v1::StructuredOutput* so, std::string* field) {
+    *field = "guided_json";
+    return ConstraintSchema(*field, v, /*text_allowed=*/true, so->mutable_json_schema());
+  }));
+  SHARDSERVE_OPENAI_CHECK(take("guided_regex", [](const Json& v, v1::StructuredOutput* so, std::string* field) {
+    *field = "guided_regex";
+    return ConstraintText(*field, v, so->mutable_regex());
+  }));
+  SHARDSERVE_OPENAI_CHECK(take("guided_choice", [](const Json& v, v1::StructuredOutput* so, std::string* field) {
+    *field = "guided_choice";
+    return ConstraintChoices(*field, v, so);
+  }));
+  SHARDSERVE_OPENAI_CHECK(take("guided_grammar", [](const Json& v, v1::StructuredOutput* so, std::string* field) {
+    *field = "guided_grammar";
+    return ConstraintText(*field, v, so->mutable_grammar());
+  }));
+  SHARDSERVE_OPENAI_CHECK(take("structured_outputs", ParseStructuredOutputs));
+  return absl::OkStatus();
+}
+
+// A tool's `parameters` schema ({"type": "object"} when it has none).
+Json ToolParameters(const Json& tool) {
+  const Json& function = tool.at("function");
+  auto p = function.find("parameters");
+  return p == function.end() || p->is_null() ? Json{{"type", "object"}} : *p;
+}
+
+// tool_choice "required" or named: the grammar of the calls (vLLM's), as the request's constraint.
+absl::Status ForcedToolConstraint(Request* r) {
+  if (r->tool_choice != ToolChoice::kRequired && r->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
+  if (r->sampling.has_structured_output()) {
+    return InvalidField("tool_choice", absl::StrCat("\"required\" or a named function cannot be combined with ",
+                                                    r->constraint_field, ": one constraint per request"));
+  }
+  Json schema;
+  if (r->tool_choice == ToolChoice::kNamed) {
+    for (const Json& tool : r->tools) {
+      if (tool.at("function").at("name") == r->named_tool) schema = ToolParameters(tool);
+    }
+  } else {
+    Json any = Json::array();
+    for (const Json& tool : r->tools) {
+      any.push_back({{"type", "object"},
+                     {"properties", {{"name", {{"const", tool.at("function").at("name")}}}, {"parameters", ToolParameters(tool)}}},
+                     {"required", {"name", "parameters"}}});
+    }
+    schema = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", std::move(any)}}}};
+    if (!r->parallel_tool_calls) schema["maxItems"] = 1;
+  }
+  r->constraint_field = "tool_choice";
+  return ConstraintSchema("tool_choice", schema, /*text_allowed=*/false,
+                          r->sampling.mutable_structured_output()->mutable_json_schema());
 }
 
 }  // namespace
@@ -377,7 +558,7 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   SHARDSERVE_OPENAI_CHECK(f.String("model", &r.model));
   if (f.Get("model") == nullptr) return InvalidField("model", "is required");
   SHARDSERVE_OPENAI_CHECK(chat ? ParseMessages(f, &r) : ParsePrompt(f, &r));
-  SHARDSERVE_OPENAI_CHECK(RefuseUnsupported(f, endpoint));
+  SHARDSERVE_OPENAI_CHECK(RefuseUnsupported(f));
 
   std::optional<int64_t> n, max_tokens, max_completion_tokens, top_k, seed, top_logprobs;
   SHARDSERVE_OPENAI_CHECK(f.Int("n", 1, kMaxChoices, &n));
@@ -460,6 +641,8 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
     s.set_top_logprobs(static_cast<int32_t>(logprobs.value_or(0)));
   }
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
+  SHARDSERVE_OPENAI_CHECK(ParseConstraint(f, &r));
+  SHARDSERVE_OPENAI_CHECK(ForcedToolConstraint(&r));
   return r;
 }
 
@@ -477,7 +660,7 @@ v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t
   return g;
 }
 
-absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint) {
+absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint, absl::string_view constraint_field) {
   if (status.code() != absl::StatusCode::kInvalidArgument) return status;
   const absl::string_view message = status.message();
   const size_t colon = message.find(": ");
@@ -486,7 +669,9 @@ absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint
   const absl::string_view what = message.substr(colon + 2);
   const bool chat = endpoint == Endpoint::kChatCompletions;
   std::string renamed;
-  if (absl::StartsWith(field, "sampling.")) {
+  if (absl::StartsWith(field, "sampling.structured_output") && !constraint_field.empty()) {
+    renamed = std::string(constraint_field);
+  } else if (absl::StartsWith(field, "sampling.")) {
     renamed = std::string(field.substr(9));
     if (renamed == "top_logprobs" && !chat) renamed = "logprobs";
   } else if (absl::StartsWith(field, "prompt")) {
@@ -607,8 +792,43 @@ OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFo
   if (reasoning) reasoning_.emplace(reasoning_inside);
 }
 
+OutputSplitter::OutputSplitter(ToolChoice forced, std::string name)
+    : tools_(ToolCallFormat::kNone, 0), forced_(forced), forced_name_(std::move(name)) {}
+
+std::optional<std::vector<ToolCall>> ForcedToolCalls(ToolChoice forced, const std::string& name,
+                                                     absl::string_view output) {
+  const Json j = Json::parse(output, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return std::nullopt;
+  const auto text = [](const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); };
+  if (forced == ToolChoice::kNamed) {
+    if (!j.is_object()) return std::nullopt;
+    return std::vector<ToolCall>{ToolCall{name, text(j)}};
+  }
+  if (!j.is_array() || j.empty()) return std::nullopt;
+  std::vector<ToolCall> calls;
+  for (const Json& call : j) {
+    if (!call.is_object() || !call.contains("name") || !call["name"].is_string() || !call.contains("parameters")) {
+      return std::nullopt;
+    }
+    calls.push_back(ToolCall{call["name"].get<std::string>(), text(call["parameters"])});
+  }
+  return calls;
+}
+
 OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
   OutputSplit out;
+  if (forced_ != ToolChoice::kAuto) {
+    // The calls are one JSON text: held whole, then handed out as calls (or, cut short, content).
+    held_.append(text.data(), text.size());
+    if (!final) return out;
+    if (std::optional<std::vector<ToolCall>> calls = ForcedToolCalls(forced_, forced_name_, held_)) {
+      out.calls = *std::move(calls);
+    } else {
+      out.content = std::move(held_);
+    }
+    held_.clear();
+    return out;
+  }
   std::string content;
   if (reasoning_.has_value()) {
     ReasoningDelta d = reasoning_->Add(text);

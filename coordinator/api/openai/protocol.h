@@ -25,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
+#include "coordinator/model/structured_output.h"  // the constraints' bounds (kMaxStructured*)
 #include "coordinator/tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.pb.h"
@@ -42,10 +43,12 @@ inline constexpr int kMaxToolNameLength = 64;
 // Tool calls one assistant message may carry.
 inline constexpr int kMaxToolCallsPerMessage = 128;
 
-// tool_choice: "auto" (the model decides; its calls are parsed from its output) or "none" (no
-// calls: the output is content, the tools still rendered into the prompt). "required" and a named
-// function need constrained decoding and are refused.
-enum class ToolChoice { kAuto, kNone };
+// tool_choice: "auto" (the model decides; its calls are parsed from its output), "none" (no
+// calls: the output is content, the tools still rendered into the prompt), "required" (a grammar
+// makes the output a JSON array of one or more {"name": <a tool>, "parameters": <its schema>},
+// returned as tool_calls) or a named function (a grammar makes the output that function's
+// `parameters`, returned as one call), as vLLM does them.
+enum class ToolChoice { kAuto, kNone, kRequired, kNamed };
 
 // A request body, checked.
 struct Request {
@@ -65,6 +68,7 @@ struct Request {
   bool add_generation_prompt = true;
   ToolChoice tool_choice = ToolChoice::kAuto;
   bool parallel_tool_calls = true;  // false: at most one call returned
+  std::string named_tool;  // ToolChoice::kNamed: the function's name
   // /v1/completions: a string, or token ids.
   std::string prompt_text;
   std::vector<int32_t> prompt_ids;
@@ -77,6 +81,9 @@ struct Request {
   std::optional<int64_t> max_tokens;
   // Everything but max_tokens, as the gRPC API takes it (seed included when given).
   v1::SamplingParams sampling;
+  // The field that set sampling.structured_output ("response_format.json_schema.schema",
+  // "guided_regex", ...): errors about the constraint name it. Empty: no constraint.
+  std::string constraint_field;
   std::string user;  // accepted, unused
 };
 
@@ -92,7 +99,9 @@ v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t
 // Renames the gRPC API's field in an error of PrepareGeneration to the OpenAI request's
 // ("sampling.top_p: ..." becomes "top_p: ...", "prompt.token_ids.ids[3]" "prompt[3]", a chat
 // prompt's "prompt" "messages") and sets its param.
-absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint);
+// An error about sampling.structured_output names `constraint_field` (Request::constraint_field).
+absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint,
+                                   absl::string_view constraint_field = "");
 
 // InvalidArgument "field: what" with field as its param.
 absl::Status InvalidField(absl::string_view field, absl::string_view what);
@@ -145,6 +154,9 @@ class OutputSplitter {
  public:
   // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
   OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls);
+  // tool_choice "required" or a named function (`forced`; `name` the named one): the output, held
+  // until the final piece, is the calls' JSON its grammar made (ForcedToolCalls).
+  OutputSplitter(ToolChoice forced, std::string name);
   // The next piece of the output; `final`: the last one (what was held is decided).
   OutputSplit Add(absl::string_view text, bool final);
   bool reasoning() const { return reasoning_.has_value(); }
@@ -152,7 +164,16 @@ class OutputSplitter {
  private:
   std::optional<ReasoningParser> reasoning_;
   ToolCallParser tools_;
+  ToolChoice forced_ = ToolChoice::kAuto;
+  std::string forced_name_;
+  std::string held_;  // forced calls: the output so far
 };
+
+// The calls of a whole output made under tool_choice `forced` (kRequired: a JSON array of
+// {"name", "parameters"}; kNamed: the arguments of function `name`). nullopt when the output is
+// not that (cut by max_tokens or a stop string): it is then content.
+std::optional<std::vector<ToolCall>> ForcedToolCalls(ToolChoice forced, const std::string& name,
+                                                     absl::string_view output);
 
 // The message of a whole chat choice: role, content (null when there are calls and no text),
 // reasoning_content (with `reasoning` on: the text, or null), tool_calls (when there are calls;
