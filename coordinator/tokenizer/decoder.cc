@@ -167,6 +167,78 @@ void Decoder::Flush(Stream* stream, size_t index, std::string* out) const {
   }
 }
 
+std::string Decoder::TokenBytes(std::string_view token) const {
+  if (join_with_spaces_) return " " + std::string(token);
+  std::string piece(token);
+  for (const Stage& stage : stages_) {
+    std::string text;
+    switch (stage.kind) {
+      case Stage::Kind::kFuse:
+        continue;
+      case Stage::Kind::kReplace: {
+        size_t copied = 0;
+        stage.pattern
+            ->ForEachMatch(piece,
+                           [&](size_t begin, size_t end) {
+                             text.append(piece, copied, begin - copied);
+                             text.append(stage.content);
+                             copied = end;
+                           })
+            .IgnoreError();  // as in Feed: a token-sized subject cannot hit PCRE2's limits
+        text.append(piece, copied);
+        break;
+      }
+      case Stage::Kind::kByteFallback:
+        if (const int byte = ByteToken(piece); byte >= 0) {
+          text.push_back(static_cast<char>(byte));
+        } else {
+          text = piece;
+        }
+        break;
+      case Stage::Kind::kMetaspace:
+        for (size_t i = 0; i < piece.size();) {
+          if (piece.compare(i, stage.content.size(), stage.content) == 0) {
+            text.push_back(' ');
+            i += stage.content.size();
+          } else {
+            text.push_back(piece[i++]);
+          }
+        }
+        break;
+      case Stage::Kind::kStrip: {
+        if (stage.fused) continue;  // the start of the whole text only
+        std::string encoded;
+        AppendUtf8(stage.strip_char, &encoded);
+        std::string_view rest = piece;
+        for (size_t n = 0; n < stage.strip_start && rest.substr(0, encoded.size()) == encoded; ++n) {
+          rest.remove_prefix(encoded.size());
+        }
+        for (size_t n = 0; n < stage.strip_stop && rest.size() >= encoded.size() &&
+                           rest.substr(rest.size() - encoded.size()) == encoded;
+             ++n) {
+          rest.remove_suffix(encoded.size());
+        }
+        text = std::string(rest);
+        break;
+      }
+      case Stage::Kind::kByteLevel:
+        for (size_t i = 0; i < piece.size();) {
+          size_t len;
+          const int byte = CharToByte(DecodeUtf8(piece, i, &len));
+          if (byte < 0) {
+            text = piece;  // a character outside the alphabet: the token's UTF-8 as is
+            break;
+          }
+          text.push_back(static_cast<char>(byte));
+          i += len;
+        }
+        break;
+    }
+    piece = std::move(text);
+  }
+  return piece;
+}
+
 void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::string* out) const {
   if (index == stages_.size()) {
     out->append(piece);

@@ -350,6 +350,12 @@ std::optional<std::string_view> Tokenizer::IdToToken(int32_t id) const {
   return id_to_token_[id];
 }
 
+std::optional<std::string> Tokenizer::TokenBytes(int32_t id) const {
+  const std::optional<std::string_view> token = IdToToken(id);
+  if (!token.has_value()) return std::nullopt;
+  return decoder_->TokenBytes(*token);
+}
+
 // ---- IncrementalDetokenizer ------------------------------------------------------------------
 
 struct IncrementalDetokenizer::State {

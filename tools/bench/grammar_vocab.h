@@ -4,6 +4,7 @@
 #ifndef SHARDSERVE_TOOLS_BENCH_GRAMMAR_VOCAB_H_
 #define SHARDSERVE_TOOLS_BENCH_GRAMMAR_VOCAB_H_
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -14,18 +15,15 @@
 
 namespace shardserve {
 
-// Byte-level BPE vocabularies (GPT-2's alphabet in tokenizer.json, as Qwen and Llama 3 write it);
-// a token whose text is outside that alphabet (an added token written as plain text) is taken
-// as its UTF-8 text. Special tokens are never allowed; EOS from the tokenizer's files.
+// Each token's raw bytes (Tokenizer::TokenBytes, the decoder's per-token steps); special tokens
+// are never allowed; EOS from the tokenizer's files.
 inline std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, int32_t vocab_size = 0) {
   std::vector<std::string> bytes(tokenizer.vocab_size());
   std::vector<bool> special(tokenizer.vocab_size(), false);
   for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
     special[id] = tokenizer.IsSpecial(id);
-    std::optional<std::string_view> text = tokenizer.IdToToken(id);
-    if (!text.has_value()) continue;
-    std::optional<std::string> b = grammar::ByteLevelTokenBytes(*text);
-    bytes[id] = b.has_value() ? *b : std::string(*text);
+    std::optional<std::string> b = tokenizer.TokenBytes(id);
+    if (b.has_value()) bytes[id] = *std::move(b);
   }
   return std::make_shared<const grammar::TokenizerInfo>(std::move(bytes), special, tokenizer.eos_ids(),
                                                         std::max(vocab_size, tokenizer.vocab_size()));
