@@ -58,28 +58,54 @@ TokenizerInfo::TokenizerInfo(std::vector<std::string> token_bytes, const std::ve
     return token_bytes_[a] != token_bytes_[b] ? token_bytes_[a] < token_bytes_[b] : a < b;
   });
   for (int32_t id : order) {
-    if (sorted_.empty() || sorted_.back() != token_bytes_[id]) {
-      const std::string& s = token_bytes_[id];
-      int32_t common = 0;
-      if (!sorted_.empty()) {
-        const std::string& p = sorted_.back();
-        while (common < static_cast<int32_t>(std::min(p.size(), s.size())) && p[common] == s[common]) ++common;
-      }
-      lcp_.push_back(common);
-      sorted_.push_back(s);
+    if (sorted_.strings.empty() || sorted_.strings.back() != token_bytes_[id]) {
+      sorted_.Add(token_bytes_[id]);
       ids_begin_.push_back(static_cast<int32_t>(ids_.size()));
     }
     ids_.push_back(id);
   }
   ids_begin_.push_back(static_cast<int32_t>(ids_.size()));
-  first_byte_begin_.assign(257, static_cast<int32_t>(sorted_.size()));
-  for (int32_t i = static_cast<int32_t>(sorted_.size()) - 1; i >= 0; --i) {
-    first_byte_begin_[static_cast<uint8_t>(sorted_[i][0])] = i;
+  sorted_.Finish();
+  const std::vector<std::string>& sorted = sorted_.strings;
+  first_byte_begin_.assign(257, static_cast<int32_t>(sorted.size()));
+  for (int32_t i = static_cast<int32_t>(sorted.size()) - 1; i >= 0; --i) {
+    first_byte_begin_[static_cast<uint8_t>(sorted[i][0])] = i;
   }
   for (int b = 255; b >= 0; --b) first_byte_begin_[b] = std::min(first_byte_begin_[b], first_byte_begin_[b + 1]);
 }
 
 namespace internal {
+
+void SortedStrings::Add(std::string s) {
+  int32_t common = 0;
+  if (!strings.empty()) {
+    const std::string& p = strings.back();
+    while (common < static_cast<int32_t>(std::min(p.size(), s.size())) && p[common] == s[common]) ++common;
+  }
+  lcp.push_back(common);
+  strings.push_back(std::move(s));
+}
+
+void SortedStrings::Finish() {
+  const int32_t n = static_cast<int32_t>(strings.size());
+  ends_begin.assign(n + 1, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    ends_begin[i + 1] = ends_begin[i] + static_cast<int32_t>(strings[i].size()) - lcp[i];
+  }
+  ends.assign(ends_begin[n], n);
+  // The prefixes still open (each an entry of ends), shortest first: string i closes those longer
+  // than its common prefix with string i-1.
+  std::vector<std::pair<int32_t, int32_t>> open;  // (length, entry)
+  for (int32_t i = 0; i < n; ++i) {
+    while (!open.empty() && open.back().first > lcp[i]) {
+      ends[open.back().second] = i;
+      open.pop_back();
+    }
+    for (int32_t k = lcp[i] + 1; k <= static_cast<int32_t>(strings[i].size()); ++k) {
+      open.push_back({k, ends_begin[i] + k - lcp[i] - 1});
+    }
+  }
+}
 
 int32_t Arena::Intern(const Frame& f) {
   auto [it, inserted] = index_.try_emplace(f, base_ + static_cast<int32_t>(frames_.size()));
@@ -263,34 +289,35 @@ struct Machine {
 struct SlotCache {
   std::vector<int32_t> accepted_ids;  // sorted; or, when many, the bitmask below
   std::vector<uint32_t> accepted_bits;
-  std::vector<std::string> leftovers;  // sorted, distinct
-  std::vector<int32_t> leftover_lcp;
+  SortedStrings leftovers;
   std::vector<std::vector<int32_t>> leftover_tokens;
 };
 
 namespace {
 
-// Walks `strings` (sorted, with their lcp) from the stacks `start`, sharing the work of common
-// prefixes and skipping a whole subtree at the first byte no stack reads. For each string read to
-// its end, end(i, exited_at, alive): alive when a stack remains; exited_at[k] when a path returned
-// past the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no
-// stack, dead(begin, end, d, exited_at).
-// first_byte_begin: TokenizerInfo::first_byte_begin() of `strings`, or null.
+// Walks `strings` from the stacks `start`, sharing the work of common prefixes and skipping a
+// whole subtree at the first byte no stack reads. For each string read to its end,
+// end(i, exited_at, alive): alive when a stack remains; exited_at[k] when a path returned past
+// the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no stack,
+// dead(begin, end, d, exited_at).
 template <typename End, typename Dead>
-void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
-          const std::vector<std::string>& strings, const std::vector<int32_t>& lcp,
-          const std::vector<int32_t>* first_byte_begin, End&& end, Dead&& dead) {
+void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start, const SortedStrings& strings,
+          End&& end, Dead&& dead) {
   std::vector<std::vector<int32_t>> sets(1, start);
   std::vector<char> exited_at(1, 0);
+  std::vector<int32_t> prefix_end(1, 0);  // prefix_end[k]: where the strings sharing the current first k bytes end
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
   const size_t n = strings.size();
   for (size_t i = 0; i < n;) {
-    const std::string& s = strings[i];
-    size_t d = std::min<size_t>(i == 0 ? 0 : static_cast<size_t>(lcp[i]), valid);
+    const std::string& s = strings.strings[i];
+    const size_t common = static_cast<size_t>(strings.lcp[i]);
+    size_t d = std::min(common, valid);
     if (sets.size() < s.size() + 1) {
       sets.resize(s.size() + 1);
       exited_at.resize(s.size() + 1);
+      prefix_end.resize(s.size() + 1);
     }
+    for (size_t k = common + 1; k <= s.size(); ++k) prefix_end[k] = strings.PrefixEnd(i, k);
     bool is_dead = false;
     while (d < s.size()) {
       bool exited = false;
@@ -309,12 +336,7 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
       continue;
     }
     // Every string from i on that shares the prefix s[0 .. d) dies there too.
-    size_t j = i + 1;
-    if (d == 1 && first_byte_begin != nullptr) {
-      j = static_cast<size_t>((*first_byte_begin)[static_cast<uint8_t>(s[0]) + 1]);
-    } else {
-      while (j < n && static_cast<size_t>(lcp[j]) >= d) ++j;
-    }
+    const size_t j = static_cast<size_t>(prefix_end[d]);
     dead(i, j, d, exited_at);
     i = j;
   }
@@ -324,11 +346,11 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
 // byte, or the root ended exactly there).
 template <typename F>
 void WalkStrings(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
-                 const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, F&& readable) {
+                 const SortedStrings& strings, F&& readable) {
   Walk(
-      m, arena, round, start, strings, lcp, nullptr,
+      m, arena, round, start, strings,
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
-        if (alive || exited_at[strings[i].size()]) readable(i);
+        if (alive || exited_at[strings.strings[i].size()]) readable(i);
       },
       [](size_t, size_t, size_t, const std::vector<char>&) {});
 }
@@ -351,7 +373,7 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
     }
   };
   Walk(
-      m, arena, round, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(), &vocab.first_byte_begin(),
+      m, arena, round, {arena.Intern({slot, partial, kBottom})}, vocab.sorted_strings(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
           vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });
@@ -371,17 +393,12 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
     cache->accepted_ids = std::move(accepted);
   }
   for (auto& [bytes, ids] : leftovers) {
-    int32_t common = 0;
-    if (!cache->leftovers.empty()) {
-      const std::string& p = cache->leftovers.back();
-      while (common < static_cast<int32_t>(std::min(p.size(), bytes.size())) && p[common] == bytes[common]) ++common;
-    }
-    cache->leftover_lcp.push_back(common);
-    cache->leftovers.push_back(bytes);
+    cache->leftovers.Add(bytes);
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     cache->leftover_tokens.push_back(std::move(ids));
   }
+  cache->leftovers.Finish();
   return cache;
 }
 
@@ -552,11 +569,11 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
       }
       for (int32_t id : cache->accepted_ids) set(id);
     }
-    if (cache->leftovers.empty() || f.parent == kBottom) continue;  // after the root's end no byte follows
+    if (cache->leftovers.size() == 0 || f.parent == kBottom) continue;  // after the root's end no byte follows
     bool ended = false;
     m.Resume(scratch_, f.parent, &resumed, &ended, round_);
     if (resumed.empty()) continue;
-    internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, cache->leftover_lcp, [&](size_t i) {
+    internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, [&](size_t i) {
       for (int32_t id : cache->leftover_tokens[i]) set(id);
     });
   }
