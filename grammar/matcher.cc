@@ -128,6 +128,7 @@ struct Round {
 };
 
 struct Machine {
+  using Bytes = std::array<uint64_t, 4>;  // a set of bytes as bits
   enum Kind : int8_t { kRule, kClass, kStar, kEnd };
   struct Slot {
     Kind kind;
@@ -137,6 +138,7 @@ struct Machine {
   std::vector<std::vector<int32_t>> rule_starts;  // first slot of each alternative, per rule
   std::vector<CharClass> classes;
   std::vector<std::array<uint64_t, 2>> ascii;  // per class: its ASCII members as bits
+  std::vector<Bytes> first_bytes;              // per class: the bytes that can start one of its characters
   int32_t root = 0;
 
   explicit Machine(const Grammar& g) : classes(g.classes), root(g.root) {
@@ -159,6 +161,36 @@ struct Machine {
       }
       ascii.push_back(bits);
     }
+    for (size_t c = 0; c < classes.size(); ++c) {
+      Bytes bytes = {0, 0, 0, 0};
+      uint32_t unused;
+      for (int b = 0; b < 256; ++b) {
+        if (MatchByte(static_cast<int32_t>(c), 0, static_cast<uint8_t>(b), &unused) != Match::kFail) {
+          bytes[b >> 6] |= uint64_t{1} << (b & 63);
+        }
+      }
+      first_bytes.push_back(bytes);
+    }
+  }
+
+  // The bytes some stack of `stacks` reads: a Step on any other byte leaves nothing.
+  Bytes Readable(const Arena& arena, const std::vector<int32_t>& stacks) const {
+    Bytes out = {0, 0, 0, 0};
+    for (int32_t id : stacks) {
+      const Frame& f = arena.Get(id);
+      const int32_t cls = slots[f.slot].index;
+      if (f.partial == 0) {
+        for (int w = 0; w < 4; ++w) out[w] |= first_bytes[cls][w];
+        continue;
+      }
+      uint32_t unused;
+      for (int b = 0x80; b < 0xC0; ++b) {
+        if (MatchByte(cls, f.partial, static_cast<uint8_t>(b), &unused) != Match::kFail) {
+          out[b >> 6] |= uint64_t{1} << (b & 63);
+        }
+      }
+    }
+    return out;
   }
 
   // Adds to `out` the stacks with a character class on top that the frame (slot, parent) stands
@@ -246,7 +278,7 @@ struct Machine {
             Round& round) const {
     out->clear();
     *exited = false;
-    round.seen.clear();
+    bool fresh = false;  // round.seen cleared for this byte (most bytes fail at every stack, and clear nothing)
     for (int32_t id : in) {
       const Frame f = arena.Get(id);
       const Slot& s = slots[f.slot];
@@ -258,6 +290,10 @@ struct Machine {
           out->push_back(arena.Intern({f.slot, partial, f.parent}));
           break;
         case Match::kComplete:
+          if (!fresh) {
+            round.seen.clear();
+            fresh = true;
+          }
           Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, round);
           break;
       }
@@ -306,6 +342,10 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
   std::vector<std::vector<int32_t>> sets(1, start);
   std::vector<char> exited_at(1, 0);
   std::vector<int32_t> prefix_end(1, 0);  // prefix_end[k]: where the strings sharing the current first k bytes end
+  // readable[k]: the bytes some stack of sets[k] reads, made when first needed (has_readable[k]),
+  // so that the many siblings a set cannot read cost a bit test each, not a Step.
+  std::vector<Machine::Bytes> readable(1);
+  std::vector<char> has_readable(1, 0);
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
   const size_t n = strings.size();
   for (size_t i = 0; i < n;) {
@@ -316,12 +356,24 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
       sets.resize(s.size() + 1);
       exited_at.resize(s.size() + 1);
       prefix_end.resize(s.size() + 1);
+      readable.resize(s.size() + 1);
+      has_readable.resize(s.size() + 1);
     }
     for (size_t k = common + 1; k <= s.size(); ++k) prefix_end[k] = strings.PrefixEnd(i, k);
     bool is_dead = false;
     while (d < s.size()) {
       bool exited = false;
-      m.Step(arena, sets[d], static_cast<uint8_t>(s[d]), &sets[d + 1], &exited, round);
+      const auto b = static_cast<uint8_t>(s[d]);
+      if (!has_readable[d]) {
+        readable[d] = m.Readable(arena, sets[d]);
+        has_readable[d] = 1;
+      }
+      if ((readable[d][b >> 6] >> (b & 63)) & 1) {
+        m.Step(arena, sets[d], b, &sets[d + 1], &exited, round);
+      } else {
+        sets[d + 1].clear();
+      }
+      has_readable[d + 1] = 0;
       exited_at[d + 1] = exited;
       ++d;
       if (sets[d].empty() && d < s.size()) {
@@ -332,7 +384,10 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
     valid = d;
     if (!is_dead) {
       end(i, exited_at, !sets[d].empty());
-      ++i;
+      // With no stack left, the strings that extend s die at its end too.
+      const size_t j = sets[d].empty() ? static_cast<size_t>(prefix_end[d]) : i + 1;
+      if (j > i + 1) dead(i + 1, j, d, exited_at);
+      i = j;
       continue;
     }
     // Every string from i on that shares the prefix s[0 .. d) dies there too.
@@ -570,12 +625,25 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
       for (int32_t id : cache->accepted_ids) set(id);
     }
     if (cache->leftovers.size() == 0 || f.parent == kBottom) continue;  // after the root's end no byte follows
+    if (auto it = leftover_memo_.find(top); it != leftover_memo_.end()) {
+      for (int32_t id : it->second) set(id);
+      continue;
+    }
+    std::vector<int32_t> allowed;
     bool ended = false;
     m.Resume(scratch_, f.parent, &resumed, &ended, round_);
-    if (resumed.empty()) continue;
-    internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, [&](size_t i) {
-      for (int32_t id : cache->leftover_tokens[i]) set(id);
-    });
+    if (!resumed.empty()) {
+      internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, [&](size_t i) {
+        allowed.insert(allowed.end(), cache->leftover_tokens[i].begin(), cache->leftover_tokens[i].end());
+      });
+    }
+    for (int32_t id : allowed) set(id);
+    if (leftover_memo_ids_ + allowed.size() > kMaxMemoIds) {
+      leftover_memo_.clear();
+      leftover_memo_ids_ = 0;
+    }
+    leftover_memo_ids_ += allowed.size();
+    leftover_memo_.emplace(top, std::move(allowed));
   }
 }
 
