@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <array>
-#include <map>
+#include <bit>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -416,22 +416,25 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
                                    Arena& arena, Round& round) {
   auto cache = std::make_unique<SlotCache>();
   const std::vector<std::string>& strings = vocab.sorted();
-  std::vector<int32_t> accepted;
-  std::map<std::string, std::vector<int32_t>> leftovers;
-  // Returns after k bytes, 1 <= k <= upto, with bytes left: the rest depends on the stack below.
+  const size_t words = (static_cast<size_t>(vocab.vocab_size()) + 31) / 32;
+  std::vector<uint32_t> accepted(words, 0);
+  size_t accepted_count = 0;
+  // (string, k): the string returned past the bottom after k bytes with bytes left; the rest,
+  // strings[i][k ..], depends on the stack below.
+  std::vector<std::pair<int32_t, int32_t>> leftovers;
   auto record_leftovers = [&](size_t i, size_t upto, const std::vector<char>& exited_at) {
-    const std::string& s = strings[i];
-    for (size_t k = 1; k <= upto && k < s.size(); ++k) {
-      if (!exited_at[k]) continue;
-      std::vector<int32_t>& ids = leftovers[s.substr(k)];
-      vocab.ForEachId(i, [&](int32_t id) { ids.push_back(id); });
+    for (size_t k = 1; k <= upto && k < strings[i].size(); ++k) {
+      if (exited_at[k]) leftovers.push_back({static_cast<int32_t>(i), static_cast<int32_t>(k)});
     }
   };
   Walk(
       m, arena, round, {arena.Intern({slot, partial, kBottom})}, vocab.sorted_strings(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
-          vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });
+          vocab.ForEachId(i, [&](int32_t id) {
+            accepted[id >> 5] |= 1u << (id & 31);
+            ++accepted_count;
+          });
         } else {
           record_leftovers(i, strings[i].size(), exited_at);
         }
@@ -440,17 +443,26 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
         if (std::none_of(exited_at.begin() + 1, exited_at.begin() + d + 1, [](char e) { return e != 0; })) return;
         for (size_t t = begin; t < end; ++t) record_leftovers(t, d, exited_at);
       });
-  std::sort(accepted.begin(), accepted.end());
-  if (accepted.size() * 32 > static_cast<size_t>(vocab.vocab_size())) {
-    cache->accepted_bits.assign((vocab.vocab_size() + 31) / 32, 0);
-    for (int32_t id : accepted) cache->accepted_bits[id >> 5] |= 1u << (id & 31);
+  if (accepted_count * 32 > static_cast<size_t>(vocab.vocab_size())) {
+    cache->accepted_bits = std::move(accepted);
   } else {
-    cache->accepted_ids = std::move(accepted);
+    for (size_t w = 0; w < words; ++w) {
+      for (uint32_t bits = accepted[w]; bits != 0; bits &= bits - 1) {
+        cache->accepted_ids.push_back(static_cast<int32_t>(w * 32 + std::countr_zero(bits)));
+      }
+    }
   }
-  for (auto& [bytes, ids] : leftovers) {
-    cache->leftovers.Add(bytes);
+  auto rest = [&](const std::pair<int32_t, int32_t>& e) { return std::string_view(strings[e.first]).substr(e.second); };
+  std::sort(leftovers.begin(), leftovers.end(), [&](const auto& a, const auto& b) { return rest(a) < rest(b); });
+  for (size_t e = 0; e < leftovers.size();) {
+    const std::string_view bytes = rest(leftovers[e]);
+    std::vector<int32_t> ids;
+    for (; e < leftovers.size() && rest(leftovers[e]) == bytes; ++e) {
+      vocab.ForEachId(leftovers[e].first, [&](int32_t id) { ids.push_back(id); });
+    }
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    cache->leftovers.Add(std::string(bytes));
     cache->leftover_tokens.push_back(std::move(ids));
   }
   cache->leftovers.Finish();
