@@ -299,6 +299,28 @@ TEST(JsonSchemaTest, BoundedSchemaAlwaysEnds) {
 
 // ---- Masks -------------------------------------------------------------------------------------
 
+// Along `walks` random walks of each grammar, each mask equals the brute-force set (every token
+// tried), and asking for it again in the same state (the second from the sequence's memo of
+// context-dependent tokens) gives it again.
+void ExpectBruteForceMasks(const std::vector<absl::StatusOr<Grammar>>& grammars,
+                           const std::shared_ptr<const TokenizerInfo>& vocab, int walks, int steps) {
+  for (size_t gi = 0; gi < grammars.size(); ++gi) {
+    auto compiled = CompileOrDie(grammars[gi], vocab);
+    ASSERT_NE(compiled, nullptr);
+    std::mt19937 rng(static_cast<uint32_t>(gi));
+    for (int walk = 0; walk < walks; ++walk) {
+      GrammarMatcher m(compiled);
+      for (int step = 0; step < steps && !m.IsTerminated(); ++step) {
+        const std::vector<int32_t> fast = Allowed(m, vocab->vocab_size());
+        ASSERT_EQ(Allowed(m, vocab->vocab_size()), fast) << "grammar " << gi << " walk " << walk << " step " << step;
+        ASSERT_EQ(fast, BruteForce(m, vocab->vocab_size())) << "grammar " << gi << " walk " << walk << " step " << step;
+        if (fast.empty()) break;
+        ASSERT_TRUE(m.AcceptToken(fast[rng() % fast.size()]));
+      }
+    }
+  }
+}
+
 // The mask equals the brute-force set (every token tried) along random walks, for grammars whose
 // tokens end inside a frame, leave it, split UTF-8 characters and reach the end.
 TEST(MaskTest, EqualsBruteForceOnEveryStep) {
@@ -311,22 +333,7 @@ TEST(MaskTest, EqualsBruteForceOnEveryStep) {
       GrammarFromChoices({"yes", "maybe", "n/a", "\xC3\xA9t\xC3\xA9"}),
       ParseGbnf("root ::= item (\",\" item)*\nitem ::= \"(\" root \")\" | [0-9]+ | \"\\\"\" [^\"]* \"\\\"\""),
   };
-  const auto vocab = SmallVocab();
-  for (size_t gi = 0; gi < grammars.size(); ++gi) {
-    auto compiled = CompileOrDie(grammars[gi], vocab);
-    ASSERT_NE(compiled, nullptr);
-    std::mt19937 rng(static_cast<uint32_t>(gi));
-    for (int walk = 0; walk < 4; ++walk) {
-      GrammarMatcher m(compiled);
-      for (int step = 0; step < 30 && !m.IsTerminated(); ++step) {
-        const std::vector<int32_t> fast = Allowed(m, vocab->vocab_size());
-        const std::vector<int32_t> slow = BruteForce(m, vocab->vocab_size());
-        ASSERT_EQ(fast, slow) << "grammar " << gi << " walk " << walk << " step " << step;
-        if (fast.empty()) break;
-        ASSERT_TRUE(m.AcceptToken(fast[rng() % fast.size()]));
-      }
-    }
-  }
+  ExpectBruteForceMasks(grammars, SmallVocab(), /*walks=*/4, /*steps=*/30);
 }
 
 // Numbers as tokens (as Llama 3 has every number to 999): a number token that leaves no stack ends
@@ -351,21 +358,7 @@ TEST(MaskTest, EqualsBruteForceOverNumberTokens) {
       GrammarFromJsonSchema(R"({"type":"array","items":{"type":"integer"},"maxItems":4})"),
       GrammarFromRegex("(1[0-9]|2[0-3]):[0-5][0-9]"),
   };
-  for (size_t gi = 0; gi < grammars.size(); ++gi) {
-    auto compiled = CompileOrDie(grammars[gi], vocab);
-    ASSERT_NE(compiled, nullptr);
-    std::mt19937 rng(static_cast<uint32_t>(gi));
-    for (int walk = 0; walk < 6; ++walk) {
-      GrammarMatcher m(compiled);
-      for (int step = 0; step < 20 && !m.IsTerminated(); ++step) {
-        const std::vector<int32_t> fast = Allowed(m, vocab->vocab_size());
-        ASSERT_EQ(Allowed(m, vocab->vocab_size()), fast) << "grammar " << gi << " walk " << walk << " step " << step;
-        ASSERT_EQ(fast, BruteForce(m, vocab->vocab_size())) << "grammar " << gi << " walk " << walk << " step " << step;
-        if (fast.empty()) break;
-        ASSERT_TRUE(m.AcceptToken(fast[rng() % fast.size()]));
-      }
-    }
-  }
+  ExpectBruteForceMasks(grammars, vocab, /*walks=*/6, /*steps=*/20);
 }
 
 // PrefixEnd(i, k) is the first string after i that does not start with strings[i][0 .. k).
