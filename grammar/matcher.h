@@ -214,8 +214,8 @@ class GrammarMatcher {
   std::vector<uint64_t> seen_slots_;  // (slot, partial) of the stack tops already OR'd in, this step
   // The context-dependent tokens a stack top allows, by the top's frame id in arena_: a frame's
   // chain never changes, so the walk of its leftovers is made once per sequence. Emptied when it
-  // holds more than kMaxMemoIds ids.
-  static constexpr size_t kMaxMemoIds = size_t{1} << 22;
+  // holds more than kMaxMemoIds ids (4 MiB).
+  static constexpr size_t kMaxMemoIds = size_t{1} << 20;
   absl::flat_hash_map<int32_t, std::vector<int32_t>> leftover_memo_;
   size_t leftover_memo_ids_ = 0;
 };
