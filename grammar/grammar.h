@@ -29,7 +29,10 @@
 //    frame with bytes left over. Those are kept as (left-over bytes -> tokens), the left-overs
 //    sorted as a trie too. A step's mask is then, for each stack of the state, the precomputed
 //    accepted set OR'd in, plus the left-over tries run from the frame below the top, with whole
-//    subtrees pruned at the first byte they fail. Special tokens are never allowed; the end of
+//    subtrees pruned at the first byte they fail (each prefix's end in the sorted strings is
+//    precomputed, and a byte is tested against the bytes the stacks can read before any step).
+//    A matcher keeps the left-over tokens it found for each stack top, so a top met again (every
+//    character of a JSON string) costs an OR. Special tokens are never allowed; the end of
 //    sequence token(s) only where the root rule may end.
 //
 // Threading: a Grammar and a CompiledGrammar are immutable once built, and shared freely between

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <array>
-#include <map>
+#include <bit>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -58,28 +58,54 @@ TokenizerInfo::TokenizerInfo(std::vector<std::string> token_bytes, const std::ve
     return token_bytes_[a] != token_bytes_[b] ? token_bytes_[a] < token_bytes_[b] : a < b;
   });
   for (int32_t id : order) {
-    if (sorted_.empty() || sorted_.back() != token_bytes_[id]) {
-      const std::string& s = token_bytes_[id];
-      int32_t common = 0;
-      if (!sorted_.empty()) {
-        const std::string& p = sorted_.back();
-        while (common < static_cast<int32_t>(std::min(p.size(), s.size())) && p[common] == s[common]) ++common;
-      }
-      lcp_.push_back(common);
-      sorted_.push_back(s);
+    if (sorted_.strings.empty() || sorted_.strings.back() != token_bytes_[id]) {
+      sorted_.Add(token_bytes_[id]);
       ids_begin_.push_back(static_cast<int32_t>(ids_.size()));
     }
     ids_.push_back(id);
   }
   ids_begin_.push_back(static_cast<int32_t>(ids_.size()));
-  first_byte_begin_.assign(257, static_cast<int32_t>(sorted_.size()));
-  for (int32_t i = static_cast<int32_t>(sorted_.size()) - 1; i >= 0; --i) {
-    first_byte_begin_[static_cast<uint8_t>(sorted_[i][0])] = i;
+  sorted_.Finish();
+  const std::vector<std::string>& sorted = sorted_.strings;
+  first_byte_begin_.assign(257, static_cast<int32_t>(sorted.size()));
+  for (int32_t i = static_cast<int32_t>(sorted.size()) - 1; i >= 0; --i) {
+    first_byte_begin_[static_cast<uint8_t>(sorted[i][0])] = i;
   }
   for (int b = 255; b >= 0; --b) first_byte_begin_[b] = std::min(first_byte_begin_[b], first_byte_begin_[b + 1]);
 }
 
 namespace internal {
+
+void SortedStrings::Add(std::string s) {
+  int32_t common = 0;
+  if (!strings.empty()) {
+    const std::string& p = strings.back();
+    while (common < static_cast<int32_t>(std::min(p.size(), s.size())) && p[common] == s[common]) ++common;
+  }
+  lcp.push_back(common);
+  strings.push_back(std::move(s));
+}
+
+void SortedStrings::Finish() {
+  const int32_t n = static_cast<int32_t>(strings.size());
+  ends_begin.assign(n + 1, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    ends_begin[i + 1] = ends_begin[i] + static_cast<int32_t>(strings[i].size()) - lcp[i];
+  }
+  ends.assign(ends_begin[n], n);
+  // The prefixes still open (each an entry of ends), shortest first: string i closes those longer
+  // than its common prefix with string i-1.
+  std::vector<std::pair<int32_t, int32_t>> open;  // (length, entry)
+  for (int32_t i = 0; i < n; ++i) {
+    while (!open.empty() && open.back().first > lcp[i]) {
+      ends[open.back().second] = i;
+      open.pop_back();
+    }
+    for (int32_t k = lcp[i] + 1; k <= static_cast<int32_t>(strings[i].size()); ++k) {
+      open.push_back({k, ends_begin[i] + k - lcp[i] - 1});
+    }
+  }
+}
 
 int32_t Arena::Intern(const Frame& f) {
   auto [it, inserted] = index_.try_emplace(f, base_ + static_cast<int32_t>(frames_.size()));
@@ -102,6 +128,7 @@ struct Round {
 };
 
 struct Machine {
+  using Bytes = std::array<uint64_t, 4>;  // a set of bytes as bits
   enum Kind : int8_t { kRule, kClass, kStar, kEnd };
   struct Slot {
     Kind kind;
@@ -111,6 +138,7 @@ struct Machine {
   std::vector<std::vector<int32_t>> rule_starts;  // first slot of each alternative, per rule
   std::vector<CharClass> classes;
   std::vector<std::array<uint64_t, 2>> ascii;  // per class: its ASCII members as bits
+  std::vector<Bytes> first_bytes;              // per class: the bytes that can start one of its characters
   int32_t root = 0;
 
   explicit Machine(const Grammar& g) : classes(g.classes), root(g.root) {
@@ -133,6 +161,36 @@ struct Machine {
       }
       ascii.push_back(bits);
     }
+    for (size_t c = 0; c < classes.size(); ++c) {
+      Bytes bytes = {0, 0, 0, 0};
+      uint32_t unused;
+      for (int b = 0; b < 256; ++b) {
+        if (MatchByte(static_cast<int32_t>(c), 0, static_cast<uint8_t>(b), &unused) != Match::kFail) {
+          bytes[b >> 6] |= uint64_t{1} << (b & 63);
+        }
+      }
+      first_bytes.push_back(bytes);
+    }
+  }
+
+  // The bytes some stack of `stacks` reads: a Step on any other byte leaves nothing.
+  Bytes Readable(const Arena& arena, const std::vector<int32_t>& stacks) const {
+    Bytes out = {0, 0, 0, 0};
+    for (int32_t id : stacks) {
+      const Frame& f = arena.Get(id);
+      const int32_t cls = slots[f.slot].index;
+      if (f.partial == 0) {
+        for (int w = 0; w < 4; ++w) out[w] |= first_bytes[cls][w];
+        continue;
+      }
+      uint32_t unused;
+      for (int b = 0x80; b < 0xC0; ++b) {
+        if (MatchByte(cls, f.partial, static_cast<uint8_t>(b), &unused) != Match::kFail) {
+          out[b >> 6] |= uint64_t{1} << (b & 63);
+        }
+      }
+    }
+    return out;
   }
 
   // Adds to `out` the stacks with a character class on top that the frame (slot, parent) stands
@@ -220,7 +278,7 @@ struct Machine {
             Round& round) const {
     out->clear();
     *exited = false;
-    round.seen.clear();
+    bool fresh = false;  // round.seen cleared for this byte (most bytes fail at every stack, and clear nothing)
     for (int32_t id : in) {
       const Frame f = arena.Get(id);
       const Slot& s = slots[f.slot];
@@ -232,6 +290,10 @@ struct Machine {
           out->push_back(arena.Intern({f.slot, partial, f.parent}));
           break;
         case Match::kComplete:
+          if (!fresh) {
+            round.seen.clear();
+            fresh = true;
+          }
           Expand(arena, s.kind == kStar ? f.slot : f.slot + 1, f.parent, out, exited, round);
           break;
       }
@@ -263,38 +325,55 @@ struct Machine {
 struct SlotCache {
   std::vector<int32_t> accepted_ids;  // sorted; or, when many, the bitmask below
   std::vector<uint32_t> accepted_bits;
-  std::vector<std::string> leftovers;  // sorted, distinct
-  std::vector<int32_t> leftover_lcp;
+  SortedStrings leftovers;
   std::vector<std::vector<int32_t>> leftover_tokens;
 };
 
 namespace {
 
-// Walks `strings` (sorted, with their lcp) from the stacks `start`, sharing the work of common
-// prefixes and skipping a whole subtree at the first byte no stack reads. For each string read to
-// its end, end(i, exited_at, alive): alive when a stack remains; exited_at[k] when a path returned
-// past the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no
-// stack, dead(begin, end, d, exited_at).
-// first_byte_begin: TokenizerInfo::first_byte_begin() of `strings`, or null.
+// Walks `strings` from the stacks `start`, sharing the work of common prefixes and skipping a
+// whole subtree at the first byte no stack reads. For each string read to its end,
+// end(i, exited_at, alive): alive when a stack remains; exited_at[k] when a path returned past
+// the bottom frame after k bytes. For strings [begin, end) whose first d bytes leave no stack,
+// dead(begin, end, d, exited_at).
 template <typename End, typename Dead>
-void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
-          const std::vector<std::string>& strings, const std::vector<int32_t>& lcp,
-          const std::vector<int32_t>* first_byte_begin, End&& end, Dead&& dead) {
+void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start, const SortedStrings& strings,
+          End&& end, Dead&& dead) {
   std::vector<std::vector<int32_t>> sets(1, start);
   std::vector<char> exited_at(1, 0);
+  std::vector<int32_t> prefix_end(1, 0);  // prefix_end[k]: where the strings sharing the current first k bytes end
+  // readable[k]: the bytes some stack of sets[k] reads, made when first needed (has_readable[k]),
+  // so that the many siblings a set cannot read cost a bit test each, not a Step.
+  std::vector<Machine::Bytes> readable(1);
+  std::vector<char> has_readable(1, 0);
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
   const size_t n = strings.size();
   for (size_t i = 0; i < n;) {
-    const std::string& s = strings[i];
-    size_t d = std::min<size_t>(i == 0 ? 0 : static_cast<size_t>(lcp[i]), valid);
+    const std::string& s = strings.strings[i];
+    const size_t common = static_cast<size_t>(strings.lcp[i]);
+    size_t d = std::min(common, valid);
     if (sets.size() < s.size() + 1) {
       sets.resize(s.size() + 1);
       exited_at.resize(s.size() + 1);
+      prefix_end.resize(s.size() + 1);
+      readable.resize(s.size() + 1);
+      has_readable.resize(s.size() + 1);
     }
+    for (size_t k = common + 1; k <= s.size(); ++k) prefix_end[k] = strings.PrefixEnd(i, k);
     bool is_dead = false;
     while (d < s.size()) {
       bool exited = false;
-      m.Step(arena, sets[d], static_cast<uint8_t>(s[d]), &sets[d + 1], &exited, round);
+      const auto b = static_cast<uint8_t>(s[d]);
+      if (!has_readable[d]) {
+        readable[d] = m.Readable(arena, sets[d]);
+        has_readable[d] = 1;
+      }
+      if ((readable[d][b >> 6] >> (b & 63)) & 1) {
+        m.Step(arena, sets[d], b, &sets[d + 1], &exited, round);
+      } else {
+        sets[d + 1].clear();
+      }
+      has_readable[d + 1] = 0;
       exited_at[d + 1] = exited;
       ++d;
       if (sets[d].empty() && d < s.size()) {
@@ -305,16 +384,14 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
     valid = d;
     if (!is_dead) {
       end(i, exited_at, !sets[d].empty());
-      ++i;
+      // With no stack left, the strings that extend s die at its end too.
+      const size_t j = sets[d].empty() ? static_cast<size_t>(prefix_end[d]) : i + 1;
+      if (j > i + 1) dead(i + 1, j, d, exited_at);
+      i = j;
       continue;
     }
     // Every string from i on that shares the prefix s[0 .. d) dies there too.
-    size_t j = i + 1;
-    if (d == 1 && first_byte_begin != nullptr) {
-      j = static_cast<size_t>((*first_byte_begin)[static_cast<uint8_t>(s[0]) + 1]);
-    } else {
-      while (j < n && static_cast<size_t>(lcp[j]) >= d) ++j;
-    }
+    const size_t j = static_cast<size_t>(prefix_end[d]);
     dead(i, j, d, exited_at);
     i = j;
   }
@@ -324,11 +401,11 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
 // byte, or the root ended exactly there).
 template <typename F>
 void WalkStrings(const Machine& m, Arena& arena, Round& round, const std::vector<int32_t>& start,
-                 const std::vector<std::string>& strings, const std::vector<int32_t>& lcp, F&& readable) {
+                 const SortedStrings& strings, F&& readable) {
   Walk(
-      m, arena, round, start, strings, lcp, nullptr,
+      m, arena, round, start, strings,
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
-        if (alive || exited_at[strings[i].size()]) readable(i);
+        if (alive || exited_at[strings.strings[i].size()]) readable(i);
       },
       [](size_t, size_t, size_t, const std::vector<char>&) {});
 }
@@ -339,22 +416,25 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
                                    Arena& arena, Round& round) {
   auto cache = std::make_unique<SlotCache>();
   const std::vector<std::string>& strings = vocab.sorted();
-  std::vector<int32_t> accepted;
-  std::map<std::string, std::vector<int32_t>> leftovers;
-  // Returns after k bytes, 1 <= k <= upto, with bytes left: the rest depends on the stack below.
+  const size_t words = (static_cast<size_t>(vocab.vocab_size()) + 31) / 32;
+  std::vector<uint32_t> accepted(words, 0);
+  size_t accepted_count = 0;
+  // (string, k): the string returned past the bottom after k bytes with bytes left; the rest,
+  // strings[i][k ..], depends on the stack below.
+  std::vector<std::pair<int32_t, int32_t>> leftovers;
   auto record_leftovers = [&](size_t i, size_t upto, const std::vector<char>& exited_at) {
-    const std::string& s = strings[i];
-    for (size_t k = 1; k <= upto && k < s.size(); ++k) {
-      if (!exited_at[k]) continue;
-      std::vector<int32_t>& ids = leftovers[s.substr(k)];
-      vocab.ForEachId(i, [&](int32_t id) { ids.push_back(id); });
+    for (size_t k = 1; k <= upto && k < strings[i].size(); ++k) {
+      if (exited_at[k]) leftovers.push_back({static_cast<int32_t>(i), static_cast<int32_t>(k)});
     }
   };
   Walk(
-      m, arena, round, {arena.Intern({slot, partial, kBottom})}, strings, vocab.lcp(), &vocab.first_byte_begin(),
+      m, arena, round, {arena.Intern({slot, partial, kBottom})}, vocab.sorted_strings(),
       [&](size_t i, const std::vector<char>& exited_at, bool alive) {
         if (alive || exited_at[strings[i].size()]) {
-          vocab.ForEachId(i, [&](int32_t id) { accepted.push_back(id); });
+          vocab.ForEachId(i, [&](int32_t id) {
+            accepted[id >> 5] |= 1u << (id & 31);
+            ++accepted_count;
+          });
         } else {
           record_leftovers(i, strings[i].size(), exited_at);
         }
@@ -363,25 +443,29 @@ std::unique_ptr<SlotCache> SplitAt(const Machine& m, const TokenizerInfo& vocab,
         if (std::none_of(exited_at.begin() + 1, exited_at.begin() + d + 1, [](char e) { return e != 0; })) return;
         for (size_t t = begin; t < end; ++t) record_leftovers(t, d, exited_at);
       });
-  std::sort(accepted.begin(), accepted.end());
-  if (accepted.size() * 32 > static_cast<size_t>(vocab.vocab_size())) {
-    cache->accepted_bits.assign((vocab.vocab_size() + 31) / 32, 0);
-    for (int32_t id : accepted) cache->accepted_bits[id >> 5] |= 1u << (id & 31);
+  if (accepted_count * 32 > static_cast<size_t>(vocab.vocab_size())) {
+    cache->accepted_bits = std::move(accepted);
   } else {
-    cache->accepted_ids = std::move(accepted);
-  }
-  for (auto& [bytes, ids] : leftovers) {
-    int32_t common = 0;
-    if (!cache->leftovers.empty()) {
-      const std::string& p = cache->leftovers.back();
-      while (common < static_cast<int32_t>(std::min(p.size(), bytes.size())) && p[common] == bytes[common]) ++common;
+    for (size_t w = 0; w < words; ++w) {
+      for (uint32_t bits = accepted[w]; bits != 0; bits &= bits - 1) {
+        cache->accepted_ids.push_back(static_cast<int32_t>(w * 32 + std::countr_zero(bits)));
+      }
     }
-    cache->leftover_lcp.push_back(common);
-    cache->leftovers.push_back(bytes);
+  }
+  auto rest = [&](const std::pair<int32_t, int32_t>& e) { return std::string_view(strings[e.first]).substr(e.second); };
+  std::sort(leftovers.begin(), leftovers.end(), [&](const auto& a, const auto& b) { return rest(a) < rest(b); });
+  for (size_t e = 0; e < leftovers.size();) {
+    const std::string_view bytes = rest(leftovers[e]);
+    std::vector<int32_t> ids;
+    for (; e < leftovers.size() && rest(leftovers[e]) == bytes; ++e) {
+      vocab.ForEachId(leftovers[e].first, [&](int32_t id) { ids.push_back(id); });
+    }
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    cache->leftovers.Add(std::string(bytes));
     cache->leftover_tokens.push_back(std::move(ids));
   }
+  cache->leftovers.Finish();
   return cache;
 }
 
@@ -552,13 +636,26 @@ void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
       }
       for (int32_t id : cache->accepted_ids) set(id);
     }
-    if (cache->leftovers.empty() || f.parent == kBottom) continue;  // after the root's end no byte follows
+    if (cache->leftovers.size() == 0 || f.parent == kBottom) continue;  // after the root's end no byte follows
+    if (auto it = leftover_memo_.find(top); it != leftover_memo_.end()) {
+      for (int32_t id : it->second) set(id);
+      continue;
+    }
+    std::vector<int32_t> allowed;
     bool ended = false;
     m.Resume(scratch_, f.parent, &resumed, &ended, round_);
-    if (resumed.empty()) continue;
-    internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, cache->leftover_lcp, [&](size_t i) {
-      for (int32_t id : cache->leftover_tokens[i]) set(id);
-    });
+    if (!resumed.empty()) {
+      internal::WalkStrings(m, scratch_, round_, resumed, cache->leftovers, [&](size_t i) {
+        allowed.insert(allowed.end(), cache->leftover_tokens[i].begin(), cache->leftover_tokens[i].end());
+      });
+    }
+    for (int32_t id : allowed) set(id);
+    if (leftover_memo_ids_ + allowed.size() > kMaxMemoIds) {
+      leftover_memo_.clear();
+      leftover_memo_ids_ = 0;
+    }
+    leftover_memo_ids_ += allowed.size();
+    leftover_memo_.emplace(top, std::move(allowed));
   }
 }
 

@@ -37,6 +37,26 @@ namespace shardserve::grammar {
 // GPT-2 spell tokens in tokenizer.json); nullopt if `token` has a character outside the alphabet.
 std::optional<std::string> ByteLevelTokenBytes(std::string_view token);
 
+namespace internal {
+// Distinct byte strings, sorted, read as a trie laid out flat: lcp[i] is the common prefix of
+// strings i-1 and i (lcp[0] = 0); the strings that start with strings[i][0 .. k), for k in
+// (lcp[i], size of string i], are i .. PrefixEnd(i, k) - 1, so that a walk that fails after k
+// bytes skips them all at once.
+struct SortedStrings {
+  std::vector<std::string> strings;
+  std::vector<int32_t> lcp;
+  std::vector<int32_t> ends_begin;  // per string, its first entry in ends (one more at the end)
+  std::vector<int32_t> ends;
+
+  // Appends `s`, which sorts after the last string added.
+  void Add(std::string s);
+  // Computes ends once every string is added.
+  void Finish();
+  int32_t PrefixEnd(size_t i, size_t k) const { return ends[ends_begin[i] + k - lcp[i] - 1]; }
+  size_t size() const { return strings.size(); }
+};
+}  // namespace internal
+
 // A tokenizer's vocabulary as the grammar engine needs it: the bytes of each token, sorted once.
 class TokenizerInfo {
  public:
@@ -52,8 +72,9 @@ class TokenizerInfo {
   bool allowed_ever(int32_t id) const { return id >= 0 && id < static_cast<int32_t>(allowed_ever_.size()) && allowed_ever_[id]; }
 
   // Distinct byte strings of the allowed tokens, sorted; lcp[i] is the common prefix of strings i-1 and i.
-  const std::vector<std::string>& sorted() const { return sorted_; }
-  const std::vector<int32_t>& lcp() const { return lcp_; }
+  const std::vector<std::string>& sorted() const { return sorted_.strings; }
+  const std::vector<int32_t>& lcp() const { return sorted_.lcp; }
+  const internal::SortedStrings& sorted_strings() const { return sorted_; }
   // first_byte_begin()[b]: the index in sorted() of the first string whose first byte is >= b
   // (b in 0..256), so that a walk skips all strings of a first byte at once.
   const std::vector<int32_t>& first_byte_begin() const { return first_byte_begin_; }
@@ -68,8 +89,7 @@ class TokenizerInfo {
   std::vector<char> allowed_ever_;
   std::vector<int32_t> eos_ids_;
   int32_t vocab_size_;
-  std::vector<std::string> sorted_;
-  std::vector<int32_t> lcp_;
+  internal::SortedStrings sorted_;
   std::vector<int32_t> first_byte_begin_;
   std::vector<int32_t> ids_begin_, ids_;
 };
@@ -192,6 +212,12 @@ class GrammarMatcher {
   absl::Status error_;
   std::vector<State> states_;  // states_[0]: the start; back(): now
   std::vector<uint64_t> seen_slots_;  // (slot, partial) of the stack tops already OR'd in, this step
+  // The context-dependent tokens a stack top allows, by the top's frame id in arena_: a frame's
+  // chain never changes, so the walk of its leftovers is made once per sequence. Emptied when it
+  // holds more than kMaxMemoIds ids (4 MiB).
+  static constexpr size_t kMaxMemoIds = size_t{1} << 20;
+  absl::flat_hash_map<int32_t, std::vector<int32_t>> leftover_memo_;
+  size_t leftover_memo_ids_ = 0;
 };
 
 }  // namespace shardserve::grammar

@@ -15,7 +15,7 @@
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
 #include "gtest/gtest.h"
-#include "tools/bench/grammar_vocab.h"
+#include "coordinator/model/structured_output.h"
 
 namespace shardserve::grammar {
 namespace {
@@ -61,7 +61,7 @@ std::shared_ptr<const TokenizerInfo> QwenVocab() {
   static const auto vocab = [] {
     auto tokenizer = Tokenizer::FromDirectory(SHARDSERVE_SOURCE_DIR "/tests/fixtures/tokenizers/qwen2");
     EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
-    return GrammarVocab(**tokenizer);
+    return GrammarVocab(**tokenizer, (*tokenizer)->eos_ids(), 0);
   }();
   return vocab;
 }
@@ -299,6 +299,28 @@ TEST(JsonSchemaTest, BoundedSchemaAlwaysEnds) {
 
 // ---- Masks -------------------------------------------------------------------------------------
 
+// Along `walks` random walks of each grammar, each mask equals the brute-force set (every token
+// tried), and asking for it again in the same state (the second from the sequence's memo of
+// context-dependent tokens) gives it again.
+void ExpectBruteForceMasks(const std::vector<absl::StatusOr<Grammar>>& grammars,
+                           const std::shared_ptr<const TokenizerInfo>& vocab, int walks, int steps) {
+  for (size_t gi = 0; gi < grammars.size(); ++gi) {
+    auto compiled = CompileOrDie(grammars[gi], vocab);
+    ASSERT_NE(compiled, nullptr);
+    std::mt19937 rng(static_cast<uint32_t>(gi));
+    for (int walk = 0; walk < walks; ++walk) {
+      GrammarMatcher m(compiled);
+      for (int step = 0; step < steps && !m.IsTerminated(); ++step) {
+        const std::vector<int32_t> fast = Allowed(m, vocab->vocab_size());
+        ASSERT_EQ(Allowed(m, vocab->vocab_size()), fast) << "grammar " << gi << " walk " << walk << " step " << step;
+        ASSERT_EQ(fast, BruteForce(m, vocab->vocab_size())) << "grammar " << gi << " walk " << walk << " step " << step;
+        if (fast.empty()) break;
+        ASSERT_TRUE(m.AcceptToken(fast[rng() % fast.size()]));
+      }
+    }
+  }
+}
+
 // The mask equals the brute-force set (every token tried) along random walks, for grammars whose
 // tokens end inside a frame, leave it, split UTF-8 characters and reach the end.
 TEST(MaskTest, EqualsBruteForceOnEveryStep) {
@@ -311,19 +333,45 @@ TEST(MaskTest, EqualsBruteForceOnEveryStep) {
       GrammarFromChoices({"yes", "maybe", "n/a", "\xC3\xA9t\xC3\xA9"}),
       ParseGbnf("root ::= item (\",\" item)*\nitem ::= \"(\" root \")\" | [0-9]+ | \"\\\"\" [^\"]* \"\\\"\""),
   };
-  const auto vocab = SmallVocab();
-  for (size_t gi = 0; gi < grammars.size(); ++gi) {
-    auto compiled = CompileOrDie(grammars[gi], vocab);
-    ASSERT_NE(compiled, nullptr);
-    std::mt19937 rng(static_cast<uint32_t>(gi));
-    for (int walk = 0; walk < 4; ++walk) {
-      GrammarMatcher m(compiled);
-      for (int step = 0; step < 30 && !m.IsTerminated(); ++step) {
-        const std::vector<int32_t> fast = Allowed(m, vocab->vocab_size());
-        const std::vector<int32_t> slow = BruteForce(m, vocab->vocab_size());
-        ASSERT_EQ(fast, slow) << "grammar " << gi << " walk " << walk << " step " << step;
-        if (fast.empty()) break;
-        ASSERT_TRUE(m.AcceptToken(fast[rng() % fast.size()]));
+  ExpectBruteForceMasks(grammars, SmallVocab(), /*walks=*/4, /*steps=*/30);
+}
+
+// Numbers as tokens (as Llama 3 has every number to 999): a number token that leaves no stack ends
+// the walk of every longer number it begins, and a mask asked for twice in one state (the second
+// from the sequence's memo of context-dependent tokens) is the same.
+TEST(MaskTest, EqualsBruteForceOverNumberTokens) {
+  std::vector<std::string> tokens;
+  for (int n = 0; n < 1000; ++n) {
+    for (const std::string& t : {std::to_string(n), " " + std::to_string(n), std::to_string(n) + ",",
+                                 std::to_string(n) + "}", "." + std::to_string(n), std::to_string(n) + "e"}) {
+      tokens.push_back(t);
+    }
+  }
+  for (const char* t : {"{", "}", "\"", ":", ",", " ", "-", "\"a\":", "\"b\":", "{\"", "a", "b", "\":"}) tokens.push_back(t);
+  tokens.push_back("");  // EOS
+  const auto vocab = std::make_shared<const TokenizerInfo>(tokens, std::vector<bool>(tokens.size(), false),
+                                                           std::vector<int32_t>{static_cast<int32_t>(tokens.size()) - 1},
+                                                           static_cast<int32_t>(tokens.size()));
+  const std::vector<absl::StatusOr<Grammar>> grammars = {
+      GrammarFromJsonSchema(R"({"type":"object","properties":{"a":{"type":"integer","minimum":-5,"maximum":120},
+          "b":{"type":"number","minimum":0,"maximum":10}},"required":["a","b"]})"),
+      GrammarFromJsonSchema(R"({"type":"array","items":{"type":"integer"},"maxItems":4})"),
+      GrammarFromRegex("(1[0-9]|2[0-3]):[0-5][0-9]"),
+  };
+  ExpectBruteForceMasks(grammars, vocab, /*walks=*/6, /*steps=*/20);
+}
+
+// PrefixEnd(i, k) is the first string after i that does not start with strings[i][0 .. k).
+TEST(SortedStringsTest, PrefixEndIsWhereThePrefixStops) {
+  for (const auto& vocab : {SmallVocab(), QwenVocab()}) {
+    const internal::SortedStrings& s = vocab->sorted_strings();
+    ASSERT_EQ(s.size(), vocab->sorted().size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      for (size_t k = static_cast<size_t>(s.lcp[i]) + 1; k <= s.strings[i].size(); ++k) {
+        const std::string_view prefix = std::string_view(s.strings[i]).substr(0, k);
+        size_t j = i + 1;
+        while (j < s.size() && std::string_view(s.strings[j]).substr(0, k) == prefix) ++j;
+        ASSERT_EQ(static_cast<size_t>(s.PrefixEnd(i, k)), j) << "string " << i << " prefix length " << k;
       }
     }
   }

@@ -163,6 +163,31 @@ TEST_P(TokenizerParityTest, StreamingDeltasConcatenateToHuggingFaceDecode) {
   }
 }
 
+// Token by token, the raw bytes concatenate to Hugging Face's decode wherever that decode is valid
+// UTF-8 throughout (no replacement characters), but for the space a Metaspace or Strip decoder
+// drops at the start of the text.
+TEST_P(TokenizerParityTest, TokenBytesConcatenateToHuggingFaceDecode) {
+  int checked = 0;
+  for (const auto& [ids, text, text_skip_special] : DecodeCases()) {
+    SCOPED_TRACE(::testing::PrintToString(ids));
+    if (text.find("\xEF\xBF\xBD") != std::string::npos) continue;  // lossy: bytes were replaced
+    std::string bytes;
+    bool known = true;
+    for (int32_t id : ids) {
+      const std::optional<std::string> b = tokenizer_->TokenBytes(id);
+      known = known && b.has_value();
+      if (b.has_value()) bytes += *b;
+    }
+    if (!known) continue;  // Hugging Face skips ids without a token, as Decode does
+    const bool dropped_space = bytes.size() == text.size() + 1 && bytes[0] == ' ';
+    EXPECT_EQ(Escape(dropped_space ? bytes.substr(1) : bytes), Escape(text));
+    ++checked;
+  }
+  EXPECT_GT(checked, 10);
+  EXPECT_EQ(tokenizer_->TokenBytes(-1), std::nullopt);
+  EXPECT_EQ(tokenizer_->TokenBytes(tokenizer_->vocab_size()), std::nullopt);
+}
+
 TEST_P(TokenizerParityTest, ConcurrentEncodesAgree) {
   // Many threads share one Tokenizer (and its word cache).
   std::vector<std::thread> threads;
@@ -270,6 +295,30 @@ TEST(IncrementalDetokenizerTest, ByteFallbackRunIsHeldUntilItEnds) {
 }
 
 // ---- Bad input -------------------------------------------------------------------------------
+
+// A token may hold part of a character: the bytes are raw, not a lossy decode.
+TEST(TokenizerTest, TokenBytesKeepPartialCharacters) {
+  std::unique_ptr<Tokenizer> gpt2 = LoadKind("gpt2");
+  ASSERT_NE(gpt2, nullptr);
+  absl::StatusOr<std::vector<int32_t>> ids = gpt2->Encode("a\xF0\x9F\x91\x8D", false);
+  ASSERT_TRUE(ids.ok());
+  std::string bytes;
+  for (int32_t id : *ids) {
+    const std::optional<std::string> b = gpt2->TokenBytes(id);
+    ASSERT_TRUE(b.has_value());
+    EXPECT_EQ(FindInvalidUtf8(*b) == std::string_view::npos, *b == "a") << Escape(*b);
+    bytes += *b;
+  }
+  EXPECT_EQ(bytes, "a\xF0\x9F\x91\x8D");
+  std::unique_ptr<Tokenizer> llama2 = LoadKind("llama2");
+  ASSERT_NE(llama2, nullptr);
+  const std::optional<int32_t> byte_token = llama2->TokenToId("<0xF0>");
+  ASSERT_TRUE(byte_token.has_value());
+  EXPECT_EQ(llama2->TokenBytes(*byte_token), "\xF0");
+  const std::optional<int32_t> word = llama2->TokenToId("\xE2\x96\x81the");  // Metaspace's U+2581
+  ASSERT_TRUE(word.has_value());
+  EXPECT_EQ(llama2->TokenBytes(*word), " the");
+}
 
 TEST(TokenizerTest, InvalidUtf8IsRejectedWithItsOffset) {
   std::unique_ptr<Tokenizer> tok = LoadKind("llama3");

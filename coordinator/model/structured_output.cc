@@ -140,6 +140,19 @@ int64_t StructuredOutputCompiler::hits() const {
   return hits_;
 }
 
+std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, std::vector<int32_t> eos_ids,
+                                                           int32_t vocab_size) {
+  std::vector<std::string> bytes(tokenizer.vocab_size());
+  std::vector<bool> special(tokenizer.vocab_size(), false);
+  for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
+    special[id] = tokenizer.IsSpecial(id);
+    std::optional<std::string> b = tokenizer.TokenBytes(id);
+    if (b.has_value() && !special[id]) bytes[id] = *std::move(b);
+  }
+  return std::make_shared<const grammar::TokenizerInfo>(std::move(bytes), special, std::move(eos_ids),
+                                                        std::max(vocab_size, tokenizer.vocab_size()));
+}
+
 absl::StatusOr<std::shared_ptr<const grammar::TokenizerInfo>> StructuredOutputCompiler::Vocab() {
   absl::MutexLock lock(&mu_);
   if (vocab_made_) return vocab_;
@@ -149,28 +162,12 @@ absl::StatusOr<std::shared_ptr<const grammar::TokenizerInfo>> StructuredOutputCo
         "structured outputs need the model's tokenizer (tokenizer.json), and this model has none");
     return vocab_;
   }
-  if (!tokenizer_->byte_level()) {
-    vocab_ = absl::FailedPreconditionError(
-        "structured outputs need each token's bytes, known for byte-level BPE tokenizers (a ByteLevel "
-        "pre-tokenizer: Llama 3, Qwen, GPT-2); this model's tokenizer is of another kind");
-    return vocab_;
-  }
   if (tokenizer_->vocab_size() > vocab_size_) {
     vocab_ = absl::FailedPreconditionError(absl::StrCat("the tokenizer has ", tokenizer_->vocab_size(),
                                                         " tokens, more than the model's vocab_size ", vocab_size_));
     return vocab_;
   }
-  std::vector<std::string> bytes(tokenizer_->vocab_size());
-  std::vector<bool> special(tokenizer_->vocab_size(), false);
-  for (int32_t id = 0; id < tokenizer_->vocab_size(); ++id) {
-    special[id] = tokenizer_->IsSpecial(id);
-    std::optional<std::string_view> text = tokenizer_->IdToToken(id);
-    if (!text.has_value() || special[id]) continue;
-    std::optional<std::string> b = grammar::ByteLevelTokenBytes(*text);
-    // An added token outside the byte alphabet is written as its UTF-8 text (as the decoder does).
-    bytes[id] = b.has_value() ? *std::move(b) : std::string(*text);
-  }
-  vocab_ = std::make_shared<const grammar::TokenizerInfo>(std::move(bytes), special, eos_ids_, vocab_size_);
+  vocab_ = GrammarVocab(*tokenizer_, eos_ids_, vocab_size_);
   return vocab_;
 }
 

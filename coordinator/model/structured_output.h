@@ -3,9 +3,10 @@
 // request's handler (never on the engine's loop), with a bounded cache of compiled grammars keyed
 // on (kind, text), since clients resend the same schema with every request.
 //
-// The vocabulary is the byte string of every token id (grammar/matcher.h TokenizerInfo), known for
-// byte-level BPE tokenizers (GPT-2's alphabet: Llama 3, Qwen, GPT-2); a model whose tokenizer is
-// of another kind, or that has no tokenizer, refuses constraints with FailedPrecondition saying so.
+// The vocabulary is the byte string of every token id (grammar/matcher.h TokenizerInfo), as the
+// tokenizer's decoder writes it (Tokenizer::TokenBytes: byte-level BPE tokens, <0xXX> byte-fallback
+// tokens, Metaspace's space); a model that has no tokenizer refuses constraints with
+// FailedPrecondition saying so.
 //
 // Threading: StructuredOutputCompiler is thread-safe; compiled grammars are immutable and shared.
 #ifndef SHARDSERVE_COORDINATOR_MODEL_STRUCTURED_OUTPUT_H_
@@ -43,6 +44,12 @@ inline constexpr int kMaxStructuredSchemaDepth = 32;
 inline constexpr size_t kStructuredCacheEntries = 64;
 // How long a request waits for its grammar to compile (the compile-time bound of ServedModel's).
 inline constexpr absl::Duration kDefaultGrammarCompileTimeout = absl::Seconds(30);
+
+// The grammar engine's vocabulary from `tokenizer`: each token's raw bytes (Tokenizer::TokenBytes);
+// special tokens never allowed; `eos_ids` allowed where a grammar may end; ids up to `vocab_size`
+// (the logits' width, at least the tokenizer's) of which those past the tokenizer's never allowed.
+std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, std::vector<int32_t> eos_ids,
+                                                           int32_t vocab_size);
 
 class StructuredOutputCompiler {
  public:

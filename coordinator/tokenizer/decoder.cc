@@ -24,6 +24,66 @@ int ByteToken(std::string_view token) {
   return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 
+// `piece` with every match of `pattern` replaced by `content` (Replace). ForEachMatch fails only on
+// PCRE2 resource limits, which a token-sized subject cannot hit; the text is then left as it is.
+std::string ReplaceMatches(const Pattern& pattern, std::string_view content, std::string_view piece) {
+  std::string text;
+  size_t copied = 0;
+  pattern
+      .ForEachMatch(piece,
+                    [&](size_t begin, size_t end) {
+                      text.append(piece.substr(copied, begin - copied));
+                      text.append(content);
+                      copied = end;
+                    })
+      .IgnoreError();
+  text.append(piece.substr(copied));
+  return text;
+}
+
+// Metaspace: each `ch` becomes a space, or is dropped with `drop`.
+std::string MetaspaceToSpaces(std::string_view piece, std::string_view ch, bool drop) {
+  std::string text;
+  for (size_t i = 0; i < piece.size();) {
+    if (piece.substr(i, ch.size()) == ch) {
+      if (!drop) text.push_back(' ');
+      i += ch.size();
+    } else {
+      text.push_back(piece[i++]);
+    }
+  }
+  return text;
+}
+
+// Strip of one token: up to `start` copies of `c` off its front and `stop` off its back.
+std::string_view StripToken(std::string_view rest, char32_t c, size_t start, size_t stop) {
+  std::string encoded;
+  AppendUtf8(c, &encoded);
+  for (size_t n = 0; n < start && rest.substr(0, encoded.size()) == encoded; ++n) rest.remove_prefix(encoded.size());
+  for (size_t n = 0; n < stop && rest.size() >= encoded.size() && rest.substr(rest.size() - encoded.size()) == encoded;
+       ++n) {
+    rest.remove_suffix(encoded.size());
+  }
+  return rest;
+}
+
+// ByteLevel: appends the bytes `piece`'s characters stand for, or its UTF-8 as is if one of them is
+// outside the alphabet.
+void AppendByteLevelBytes(std::string_view piece, std::string* out) {
+  const size_t before = out->size();
+  for (size_t i = 0; i < piece.size();) {
+    size_t len;
+    const int byte = CharToByte(DecodeUtf8(piece, i, &len));
+    if (byte < 0) {
+      out->resize(before);
+      out->append(piece);
+      return;
+    }
+    out->push_back(static_cast<char>(byte));
+    i += len;
+  }
+}
+
 // Reads a one-character string field.
 absl::StatusOr<char32_t> GetChar(const Json& config, std::string_view key, std::string_view where) {
   absl::StatusOr<std::string> s = GetString(config, key, where);
@@ -167,6 +227,36 @@ void Decoder::Flush(Stream* stream, size_t index, std::string* out) const {
   }
 }
 
+std::string Decoder::TokenBytes(std::string_view token) const {
+  if (join_with_spaces_) return " " + std::string(token);
+  std::string piece(token);
+  for (const Stage& stage : stages_) {
+    switch (stage.kind) {
+      case Stage::Kind::kFuse:
+        break;
+      case Stage::Kind::kReplace:
+        piece = ReplaceMatches(*stage.pattern, stage.content, piece);
+        break;
+      case Stage::Kind::kByteFallback:
+        if (const int byte = ByteToken(piece); byte >= 0) piece = std::string(1, static_cast<char>(byte));
+        break;
+      case Stage::Kind::kMetaspace:
+        piece = MetaspaceToSpaces(piece, stage.content, /*drop=*/false);
+        break;
+      case Stage::Kind::kStrip:
+        if (!stage.fused) piece = std::string(StripToken(piece, stage.strip_char, stage.strip_start, stage.strip_stop));
+        break;  // a fused Strip acts on the start of the whole text only
+      case Stage::Kind::kByteLevel: {
+        std::string bytes;
+        AppendByteLevelBytes(piece, &bytes);
+        piece = std::move(bytes);
+        break;
+      }
+    }
+  }
+  return piece;
+}
+
 void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::string* out) const {
   if (index == stages_.size()) {
     out->append(piece);
@@ -180,22 +270,9 @@ void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::st
       Feed(stream, index + 1, piece, out);
       return;
 
-    case Stage::Kind::kReplace: {
-      size_t copied = 0;
-      // ForEachMatch fails only on PCRE2 resource limits, which a token-sized subject cannot hit;
-      // the text is then left as it is.
-      stage.pattern
-          ->ForEachMatch(piece,
-                         [&](size_t begin, size_t end) {
-                           text.append(piece.substr(copied, begin - copied));
-                           text.append(stage.content);
-                           copied = end;
-                         })
-          .IgnoreError();
-      text.append(piece.substr(copied));
-      Feed(stream, index + 1, text, out);
+    case Stage::Kind::kReplace:
+      Feed(stream, index + 1, ReplaceMatches(*stage.pattern, stage.content, piece), out);
       return;
-    }
 
     case Stage::Kind::kByteFallback:
       if (const int byte = ByteToken(piece); byte >= 0) {
@@ -208,15 +285,7 @@ void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::st
 
     case Stage::Kind::kMetaspace: {
       const bool first = state.count++ == 0;
-      for (size_t i = 0; i < piece.size();) {
-        if (piece.substr(i, stage.content.size()) == stage.content) {
-          if (!(first && stage.strip_first)) text.push_back(' ');
-          i += stage.content.size();
-        } else {
-          text.push_back(piece[i++]);
-        }
-      }
-      Feed(stream, index + 1, text, out);
+      Feed(stream, index + 1, MetaspaceToSpaces(piece, stage.content, /*drop=*/first && stage.strip_first), out);
       return;
     }
 
@@ -235,14 +304,7 @@ void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::st
           }
         }
       } else {
-        for (size_t n = 0; n < stage.strip_start && rest.substr(0, encoded.size()) == encoded; ++n) {
-          rest.remove_prefix(encoded.size());
-        }
-        for (size_t n = 0; n < stage.strip_stop && rest.size() >= encoded.size() &&
-                           rest.substr(rest.size() - encoded.size()) == encoded;
-             ++n) {
-          rest.remove_suffix(encoded.size());
-        }
+        rest = StripToken(rest, stage.strip_char, stage.strip_start, stage.strip_stop);
       }
       Feed(stream, index + 1, rest, out);
       return;
@@ -250,18 +312,7 @@ void Decoder::Feed(Stream* stream, size_t index, std::string_view piece, std::st
 
     case Stage::Kind::kByteLevel: {
       // The token's characters mapped back to bytes, or its UTF-8 if one is not in the alphabet.
-      const size_t before = state.held.size();
-      for (size_t i = 0; i < piece.size();) {
-        size_t len;
-        const int byte = CharToByte(DecodeUtf8(piece, i, &len));
-        if (byte < 0) {
-          state.held.resize(before);
-          state.held.append(piece);
-          break;
-        }
-        state.held.push_back(static_cast<char>(byte));
-        i += len;
-      }
+      AppendByteLevelBytes(piece, &state.held);
       const size_t consumed = AppendLossyUtf8(state.held, /*final=*/false, &text);
       state.held.erase(0, consumed);
       Feed(stream, index + 1, text, out);

@@ -61,6 +61,13 @@ class Decoder {
   // Ends the stream: appends everything still held back.
   void Finish(Stream* stream, std::string* out) const;
 
+  // The raw bytes `token` adds to the text when it is not the first token: the per-token steps
+  // (Replace, ByteFallback's <0xXX> as its byte, Metaspace's character as a space, Strip of the
+  // token) and ByteLevel's characters as bytes, without the UTF-8 decoding that a stream does
+  // across tokens, so a token may hold part of a character. Steps on the start of the whole text
+  // (Metaspace's dropped first space, a Strip after Fuse or ByteLevel) do not apply.
+  std::string TokenBytes(std::string_view token) const;
+
  private:
   struct Stage {
     enum class Kind { kReplace, kByteFallback, kMetaspace, kStrip, kFuse, kByteLevel };

@@ -345,11 +345,16 @@ std::optional<int32_t> Tokenizer::TokenToId(std::string_view token) const {
   return std::nullopt;
 }
 
-bool Tokenizer::byte_level() const { return pre_tokenizer_ != nullptr && pre_tokenizer_->byte_level(); }
 
 std::optional<std::string_view> Tokenizer::IdToToken(int32_t id) const {
   if (id < 0 || id >= vocab_size() || !has_token_[id]) return std::nullopt;
   return id_to_token_[id];
+}
+
+std::optional<std::string> Tokenizer::TokenBytes(int32_t id) const {
+  const std::optional<std::string_view> token = IdToToken(id);
+  if (!token.has_value()) return std::nullopt;
+  return decoder_->TokenBytes(*token);
 }
 
 // ---- IncrementalDetokenizer ------------------------------------------------------------------

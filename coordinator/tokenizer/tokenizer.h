@@ -84,9 +84,12 @@ class Tokenizer {
   // The token text of `id` as tokenizer.json spells it, or nullopt if `id` has none.
   std::optional<std::string_view> IdToToken(int32_t id) const;
   bool IsSpecial(int32_t id) const { return id >= 0 && id < vocab_size() && is_special_[id]; }
-  // Whether the tokens are byte-level BPE (a ByteLevel pre-tokenizer: GPT-2's byte alphabet), so
-  // that every token's bytes are known from its text (grammar::ByteLevelTokenBytes).
-  bool byte_level() const;
+  // The raw bytes token `id` adds to the decoded text in the middle of a sequence (the decoder's
+  // per-token steps, decoder.h's Decoder::TokenBytes): byte-level tokens as their bytes, a byte
+  // fallback token <0xXX> as its byte, so that a token may hold part of a UTF-8 character; the
+  // vocabulary as constrained decoding (grammar/matcher.h's TokenizerInfo) reads it. nullopt if
+  // `id` has no token; special tokens give their content.
+  std::optional<std::string> TokenBytes(int32_t id) const;
 
   // From tokenizer_config.json's bos_token / eos_token and generation_config.json's
   // bos_token_id / eos_token_id (which may list several ids). nullopt / empty when unset.

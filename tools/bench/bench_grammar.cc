@@ -1,13 +1,18 @@
 // bench_grammar: the grammar engine's speed (grammar/): compile time per schema and mask time per
 // token, p50 and p99, over a Qwen-sized vocabulary. docs/structured-outputs.md has the figures.
 //
-// The vocabulary is a tokenizer's (--tokenizer DIR, default the qwen2 fixture) grown to --vocab
-// tokens (default 151,643, Qwen2's count) with made-up tokens when the tokenizer has fewer: the
-// words and word pieces of the repository's docs with and without a leading space, numbers,
-// runs of JSON punctuation, and CJK characters, so that the mix of short and long, ASCII and
-// multi-byte tokens is like a real one. Each case is compiled --compiles times; then --walks
-// random walks of up to --steps tokens each sample from the mask (leaning to closing tokens, so
-// that walks finish) and time every FillNextTokenBitmask.
+// The vocabulary is a tokenizer's raw token bytes (--tokenizer DIR, default the qwen2 fixture;
+// Tokenizer::TokenBytes, as the server reads them) grown to --vocab tokens (default 151,643,
+// Qwen2's count) when the tokenizer has fewer: first the tokens of the other real tokenizer
+// fixtures (GPT-2, Llama 3, Llama 2, Mistral), then made-up ones from the words of those
+// tokenizers and of their test texts: words and word pieces with and without a leading space,
+// numbers, runs of JSON punctuation, and CJK characters, so that the mix of short and long, ASCII
+// and multi-byte tokens is like a real one. Only committed fixtures feed it, so the vocabulary is
+// the same on every checkout. Each case is compiled --compiles times; then --walks random walks
+// of up to --steps tokens each sample from the mask (leaning to closing tokens, so that walks
+// finish) and time every FillNextTokenBitmask. The whole case is run --runs times, each from a
+// fresh compile and with the same walks, and each mask's time is the median over the runs (a
+// loaded machine's outliers are not the engine's).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,7 +30,7 @@
 #include "grammar/grammar.h"
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
-#include "tools/bench/grammar_vocab.h"
+#include "coordinator/model/structured_output.h"
 
 namespace {
 
@@ -36,7 +41,8 @@ using shardserve::grammar::TokenizerInfo;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kUsage[] =
-    "usage: bench_grammar [--tokenizer DIR] [--vocab N] [--cases FILE] [--compiles N] [--walks N] [--steps N]\n";
+    "usage: bench_grammar [--tokenizer DIR] [--vocab N] [--cases FILE] [--compiles N] [--walks N] [--steps N] "
+    "[--runs N]\n";
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -63,9 +69,21 @@ std::shared_ptr<const TokenizerInfo> Grow(const TokenizerInfo& base, int32_t siz
     special.push_back(false);
   };
   std::string text;
-  for (const char* doc : {"/README.md", "/docs/kernels.md", "/docs/performance.md", "/docs/gpu.md", "/grammar/grammar.h",
-                          "/grammar/matcher.cc", "/grammar/json_schema.cc"}) {
-    text += ReadFile(std::string(SHARDSERVE_SOURCE_DIR) + doc);
+  for (const char* kind : {"gpt2", "llama3", "qwen2", "llama2", "mistral"}) {
+    const std::string dir = std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/" + kind;
+    auto other = shardserve::Tokenizer::FromDirectory(dir);
+    if (!other.ok()) continue;
+    for (int32_t id = 0; id < (*other)->vocab_size(); ++id) {
+      std::optional<std::string> t = (*other)->TokenBytes(id);
+      if (!t.has_value() || (*other)->IsSpecial(id)) continue;
+      add(*t);
+      text += *t + " ";
+    }
+    auto cases = shardserve::ParseJson<nlohmann::json>(ReadFile(dir + "/cases.json"), dir);
+    if (!cases.ok() || !cases->contains("encode")) continue;
+    for (const auto& c : (*cases)["encode"]) {
+      if (c.contains("text") && c["text"].is_string()) text += c["text"].get<std::string>() + " ";
+    }
   }
   std::vector<std::string> words;
   std::string word;
@@ -122,12 +140,13 @@ double Percentile(std::vector<double> v, double p) {
 
 int main(int argc, char** argv) {
   auto flags = shardserve::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                        {"tokenizer", "vocab", "cases", "compiles", "walks", "steps"});
-  int64_t vocab_size = 151643, compiles = 3, walks = 5, steps = 200;
+                                        {"tokenizer", "vocab", "cases", "compiles", "walks", "steps", "runs"});
+  int64_t vocab_size = 151643, compiles = 3, walks = 5, steps = 200, runs = 3;
   absl::Status st = flags.ok() ? flags->Int("vocab", 1, 1 << 22, &vocab_size) : flags.status();
   if (st.ok()) st = flags->Int("compiles", 1, 1000, &compiles);
   if (st.ok()) st = flags->Int("walks", 1, 10000, &walks);
   if (st.ok()) st = flags->Int("steps", 1, 100000, &steps);
+  if (st.ok()) st = flags->Int("runs", 1, 100, &runs);
   if (!st.ok()) {
     std::fprintf(stderr, "bench_grammar: %s\n%s", std::string(st.message()).c_str(), kUsage);
     return 2;
@@ -138,7 +157,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_grammar: %s\n", std::string(tokenizer.status().message()).c_str());
     return 1;
   }
-  auto base = shardserve::GrammarVocab(**tokenizer);
+  auto base = shardserve::GrammarVocab(**tokenizer, (*tokenizer)->eos_ids(), 0);
   auto vocab = base->vocab_size() >= vocab_size ? base : Grow(*base, static_cast<int32_t>(vocab_size));
   const std::string cases_path = flags->Get("cases", SHARDSERVE_SOURCE_DIR "/tests/fixtures/grammar/cases.json");
   auto cases = shardserve::ParseJson<nlohmann::ordered_json>(ReadFile(cases_path), cases_path);
@@ -150,8 +169,8 @@ int main(int argc, char** argv) {
               vocab->sorted().size(), dir.c_str());
   std::printf("%-30s %10s %12s %6s %10s %10s %10s %10s %10s\n", "case", "compile_ms", "ctx_dep_tok", "masks",
               "p50_us", "p99_us", "max_us", "cpu_p50_us", "cpu_p99_us");
-  std::vector<double> all, all_cpu;
-  std::mt19937 rng(1);
+  std::vector<double> all, all_cpu, case_compile_ms;
+  int case_index = 0;
   for (const auto& c : *cases) {
     const std::string kind = c["kind"];
     absl::StatusOr<Grammar> g = kind == "json_schema" ? shardserve::grammar::GrammarFromJsonSchema(c["source"].dump())
@@ -165,32 +184,57 @@ int main(int argc, char** argv) {
     }
     std::vector<double> compile_ms;
     std::shared_ptr<const CompiledGrammar> compiled;
-    for (int64_t i = 0; i < compiles; ++i) {
-      const auto t0 = Clock::now();
-      compiled = *CompiledGrammar::Compile(*g, vocab);
-      compile_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    }
-    std::vector<double> mask_us, mask_cpu_us;
-    std::vector<uint32_t> mask((vocab->vocab_size() + 31) / 32);
-    for (int64_t w = 0; w < walks; ++w) {
-      GrammarMatcher m(compiled);
-      for (int64_t s = 0; s < steps && !m.IsTerminated(); ++s) {
-        const double c0 = ThreadCpuMicros();
+    // runs x masks: each run repeats the same walks (the same seeds, and the same masks).
+    std::vector<std::vector<double>> run_us, run_cpu_us;
+    for (int64_t r = 0; r < runs; ++r) {
+      for (int64_t i = 0; i < compiles; ++i) {
         const auto t0 = Clock::now();
-        m.FillNextTokenBitmask(mask.data());
-        mask_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-        mask_cpu_us.push_back(ThreadCpuMicros() - c0);
-        std::vector<int32_t> ids, closing;
-        for (int32_t id = 0; id < vocab->vocab_size(); ++id) {
-          if (!((mask[id >> 5] >> (id & 31)) & 1)) continue;
-          ids.push_back(id);
-          if (!vocab->allowed_ever(id) || vocab->token_bytes(id).find_first_of("\"]},:") != std::string::npos) closing.push_back(id);
+        compiled = *CompiledGrammar::Compile(*g, vocab);
+        compile_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      }
+      std::vector<double>& us = run_us.emplace_back();
+      std::vector<double>& cpu_us = run_cpu_us.emplace_back();
+      std::vector<uint32_t> mask((vocab->vocab_size() + 31) / 32);
+      for (int64_t w = 0; w < walks; ++w) {
+        std::mt19937 rng(static_cast<uint32_t>(case_index * 10007 + w));
+        GrammarMatcher m(compiled);
+        for (int64_t s = 0; s < steps && !m.IsTerminated(); ++s) {
+          const double c0 = ThreadCpuMicros();
+          const auto t0 = Clock::now();
+          m.FillNextTokenBitmask(mask.data());
+          us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+          cpu_us.push_back(ThreadCpuMicros() - c0);
+          std::vector<int32_t> ids, closing;
+          for (int32_t id = 0; id < vocab->vocab_size(); ++id) {
+            if (!((mask[id >> 5] >> (id & 31)) & 1)) continue;
+            ids.push_back(id);
+            if (!vocab->allowed_ever(id) || vocab->token_bytes(id).find_first_of("\"]},:") != std::string::npos) {
+              closing.push_back(id);
+            }
+          }
+          if (ids.empty()) break;
+          const std::vector<int32_t>& from = !closing.empty() && rng() % 2 == 0 ? closing : ids;
+          m.AcceptToken(from[rng() % from.size()]);
         }
-        if (ids.empty()) break;
-        const std::vector<int32_t>& from = !closing.empty() && rng() % 2 == 0 ? closing : ids;
-        m.AcceptToken(from[rng() % from.size()]);
+      }
+      if (us.size() != run_us[0].size()) {
+        std::fprintf(stderr, "bench_grammar: %s: run %lld walked differently from run 0\n",
+                     c["name"].get<std::string>().c_str(), static_cast<long long>(r));
+        return 1;
       }
     }
+    std::vector<double> mask_us(run_us[0].size()), mask_cpu_us(run_us[0].size());
+    for (size_t k = 0; k < mask_us.size(); ++k) {
+      std::vector<double> a, b;
+      for (int64_t r = 0; r < runs; ++r) {
+        a.push_back(run_us[r][k]);
+        b.push_back(run_cpu_us[r][k]);
+      }
+      mask_us[k] = Percentile(a, 0.5);
+      mask_cpu_us[k] = Percentile(b, 0.5);
+    }
+    ++case_index;
+    case_compile_ms.push_back(Percentile(compile_ms, 0.5));
     all.insert(all.end(), mask_us.begin(), mask_us.end());
     all_cpu.insert(all_cpu.end(), mask_cpu_us.begin(), mask_cpu_us.end());
     std::printf("%-30s %10.1f %12lld %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", c["name"].get<std::string>().c_str(),
@@ -199,7 +243,10 @@ int main(int argc, char** argv) {
                 Percentile(mask_cpu_us, 0.5), Percentile(mask_cpu_us, 0.99));
     std::fflush(stdout);
   }
-  std::printf("%-30s %10s %12s %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", "all", "", "", all.size(), Percentile(all, 0.5),
-              Percentile(all, 0.99), Percentile(all, 1.0), Percentile(all_cpu, 0.5), Percentile(all_cpu, 0.99));
+  std::printf("%-30s %10.1f %12s %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", "all", Percentile(case_compile_ms, 0.5), "",
+              all.size(), Percentile(all, 0.5), Percentile(all, 0.99), Percentile(all, 1.0), Percentile(all_cpu, 0.5),
+              Percentile(all_cpu, 0.99));
+  std::printf("compile: median of the cases' medians %.1f ms, largest %.1f ms; %lld runs, masks the median over runs\n",
+              Percentile(case_compile_ms, 0.5), Percentile(case_compile_ms, 1.0), static_cast<long long>(runs));
   return 0;
 }
