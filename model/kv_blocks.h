@@ -48,19 +48,24 @@ inline bool InSlidingPool(const ModelConfig& config, int64_t i) {
 }
 
 // The sliding layers' pool beside a full-attention pool of `num_kv_blocks` blocks, for sequences of
-// up to `max_model_len` tokens fed `chunk` tokens a step: as many max_model_len sequences as the
-// full pool holds, each with the blocks its window and a step need (KvBlocksHeld), rounded up, and
-// never fewer than one such sequence needs. 0 where the model has no such pool or the full pool is
-// empty. Monotone in num_kv_blocks (the planner searches on it).
+// up to `max_model_len` tokens fed `chunk` tokens a step, at most `max_seqs` at once: enough for
+// every sequence the limits run at once to decode (its window and a token, KvBlocksHeld) beside one
+// step's chunk, and for as many max_model_len sequences as the full pool holds (each with its window
+// and a step), and for one such sequence; never more than the full pool (where memory cannot give
+// the sliding layers that much, the two pools are alike and hold what one pool held for every
+// layer). 0 where the model has no such pool or the full pool is empty. Monotone in num_kv_blocks
+// (the planner searches on it).
 inline int64_t SlidingPoolBlocks(const ModelConfig& config, int64_t num_kv_blocks, int64_t max_model_len, int64_t chunk,
-                                 int64_t block_size) {
+                                 int64_t block_size, int64_t max_seqs) {
   const int64_t window = SlidingPoolWindow(config);
   if (window == 0 || num_kv_blocks <= 0 || max_model_len <= 0 || block_size <= 0) return 0;
   const int64_t full = KvBlocksFor(max_model_len, block_size);
   const int64_t held = KvBlocksHeld(window, chunk, max_model_len, block_size);
   // num_kv_blocks * held / full, rounded up, without overflowing (held <= full).
   const int64_t share = num_kv_blocks / full * held + (num_kv_blocks % full * held + full - 1) / full;
-  return std::max(share, held);
+  const int64_t decoding =
+      std::max<int64_t>(max_seqs, 1) * KvBlocksHeld(window, 1, max_model_len, block_size) + KvBlocksFor(chunk, block_size);
+  return std::min(num_kv_blocks, std::max({share, held, decoding}));
 }
 
 }  // namespace shardserve

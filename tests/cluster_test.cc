@@ -200,9 +200,9 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSlidingWindowTest,
 // have a KV pool of their own on the workers, and sequences let go of its blocks behind their window.
 // Six requests of 48 prompt + 32 generated tokens (20 blocks of 4 each) sent together: the full
 // layers' pool of 120 blocks holds all six; the sliding layers' pool is what the coordinator sizes
-// for it, 66 blocks (6 sequences x 11: the 31 tokens before an 8-token step, the step, and 3 for the
-// worst offset in a block; model/kv_blocks.h SlidingPoolBlocks), where keeping every block would
-// take 120. They run side by side with no preemption, so the sliding blocks let go are taken by
+// beside it for 8 sequences at once (model/kv_blocks.h SlidingPoolBlocks), 74 blocks: 8 x 9 (the 31
+// tokens before a decoded token, the token, 3 for the worst offset in a block) and an 8-token step,
+// where keeping every block would take 120. They run side by side with no preemption, so the sliding blocks let go are taken by
 // other sequences; the golden request's greedy tokens are Hugging Face's, and every request gets
 // the tokens it gets alone.
 class ClusterSlidingPoolTest : public ::testing::TestWithParam<Layout> {};
@@ -250,10 +250,10 @@ TEST_P(ClusterSlidingPoolTest, SlidingLayersOwnPoolIsReusedAndTokensStayHuggingF
   // The coordinator's scheduler line names the sliding layers' pool it sized.
   std::ifstream log_file(cluster.coordinator().log());
   const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
-  EXPECT_NE(log.find("blocks behind the 32-token sliding window let go from the sliding layers' 66 blocks"),
+  EXPECT_NE(log.find("blocks behind the 32-token sliding window let go from the sliding layers' 74 blocks"),
             std::string::npos)
       << cluster.Logs();
-  std::printf("[ timing   ] TP=%d PP=%d %s: 6 requests of 80 tokens sent together to 120 full-layer and 66 "
+  std::printf("[ timing   ] TP=%d PP=%d %s: 6 requests of 80 tokens sent together to 120 full-layer and 74 "
               "sliding-layer blocks of 4, %lld preemptions\n",
               l.tp, l.pp, l.fixture.c_str(), static_cast<long long>(s.preemptions()));
 }

@@ -560,12 +560,13 @@ TEST(Planner, Phi4_L4s_OneDoesNotFitTwoDo) {
 
 // The text model from text_config: 62 layers, 32 heads, 16 KV heads of 128 (496 KiB of KV a token
 // in bf16), 27.01B parameters with the LM head tied: 50.31 GiB. Its 52 sliding layers (1,024
-// tokens) have a pool of their own, sized for as many 131,072-token sequences as the 10 full
-// layers' pool (80 KiB a token) holds, each with the window and a step of blocks: one H100 holds the
-// whole context (it held 41k tokens with every layer's cache at full context); the bytes are those
-// of memory.h's formula and no block more fits. Two run TP=2 with the whole context; eight TP=8,
-// two KV heads a rank; two nodes of one run on one GPU, or forced, PP=2 with 31 layers each; two
-// L4s are short (three are the fewest), four in two nodes run TP=2 x PP=2 with the whole context.
+// tokens) have a pool of their own beside the 10 full layers' (80 KiB a token): one H100 cannot give
+// them the windows of 64 sequences at once (the default), so the two pools are alike and hold 41k
+// tokens, as one pool did for every layer, and max_model_len comes down from 131,072; for 8
+// sequences at once (--max-num-seqs 8) the sliding pool holds their windows and a step, and the
+// full one the whole context, no block more than fits. Two run TP=2 with the whole context; eight
+// TP=8, two KV heads a rank; two nodes of one PP=2 with 31 layers each; two L4s are short (three
+// are the fewest), four in two nodes run TP=2 x PP=2.
 TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   const ModelConfig c = RealConfig("gemma-3-27b-it");
   const Plan one = MustPlan(c, Cluster("1x1xH100-80GB"));
@@ -575,24 +576,41 @@ TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   EXPECT_EQ(one.pp, 1);
   ASSERT_EQ(one.per_gpu.size(), 1u);
   EXPECT_EQ(one.per_gpu[0].weight_bytes, uint64_t{27'009'346'304} * 2);
-  const GpuPlan& g1 = one.per_gpu[0];
-  EXPECT_EQ(g1.kv_bytes_per_token, 2u * 10 * 16 * 128 * 2);
-  EXPECT_EQ(g1.sliding_kv_bytes_per_token, 2u * 52 * 16 * 128 * 2);
+  EXPECT_EQ(one.per_gpu[0].kv_bytes_per_token, 2u * 10 * 16 * 128 * 2);
+  EXPECT_EQ(one.per_gpu[0].sliding_kv_bytes_per_token, 2u * 52 * 16 * 128 * 2);
+  EXPECT_EQ(one.limits.num_sliding_kv_blocks, one.limits.num_kv_blocks);
   EXPECT_EQ(one.target_max_model_len, 131072);
-  EXPECT_EQ(one.max_model_len, 131072);
-  const int64_t K = one.limits.num_kv_blocks, bs = one.limits.block_size;
-  EXPECT_EQ(one.kv_cache_tokens, K * bs);
-  EXPECT_GT(one.kv_cache_tokens, 131072);
-  // The sliding pool: K x (window - 1 + a step + block - 1 tokens, in blocks) / 8,192 blocks, rounded up.
-  const int64_t held = (1023 + one.limits.max_tokens_per_step + bs - 1 + bs - 1) / bs;
-  EXPECT_EQ(one.limits.num_sliding_kv_blocks, (K * held + 8191) / 8192);
+  EXPECT_EQ(one.max_model_len, one.kv_cache_tokens);
+  EXPECT_GT(one.max_model_len, 32768);
+  EXPECT_LT(one.max_model_len, 65536);
+  EXPECT_THAT(one.reason, HasSubstr("max_model_len lowered from 131,072"));
+
+  PlanOptions eight_seqs;
+  eight_seqs.limits.max_seqs_per_step = 8;
+  const Plan few = MustPlan(c, Cluster("1x1xH100-80GB"), eight_seqs);
+  ASSERT_TRUE(few.fits) << few.reason;
+  const GpuPlan& g1 = few.per_gpu[0];
+  EXPECT_EQ(few.max_model_len, 131072);
+  const int64_t K = few.limits.num_kv_blocks, bs = few.limits.block_size, chunk = few.limits.max_tokens_per_step;
+  EXPECT_EQ(few.kv_cache_tokens, K * bs);
+  EXPECT_GT(few.kv_cache_tokens, 131072);
+  // The sliding pool: 8 sequences' windows and a token (65 blocks each) and a step's chunk, which is
+  // more than as many 131,072-token sequences as the full pool holds need (K x their 1,023 + a step
+  // + 15 tokens of blocks / 8,192).
+  const int64_t held = (1023 + chunk + bs - 1 + bs - 1) / bs;
+  const auto sliding = [&](int64_t k) {
+    return std::min(k, std::max({(k * held + 8191) / 8192, held, 8 * int64_t{65} + (chunk + bs - 1) / bs}));
+  };
+  EXPECT_EQ(few.limits.num_sliding_kv_blocks, sliding(K));
+  EXPECT_LT(few.limits.num_sliding_kv_blocks, K / 10);
   const uint64_t fixed = g1.weight_bytes + g1.activation_bytes + g1.reserve_bytes;
-  EXPECT_LE(fixed + GpuKvBytes(g1, K, one.limits.num_sliding_kv_blocks, bs), one.usable_bytes_per_gpu);
-  EXPECT_GT(fixed + GpuKvBytes(g1, K + 1, (( K + 1) * held + 8191) / 8192, bs), one.usable_bytes_per_gpu);
-  std::printf("Gemma 3 27B on one H100: KV cache for %lld tokens of the full layers and %lld of the sliding layers "
-              "(%.2f 131,072-token sequences)\n",
-              static_cast<long long>(one.kv_cache_tokens), static_cast<long long>(one.limits.num_sliding_kv_blocks * bs),
-              static_cast<double>(one.kv_cache_tokens) / 131072);
+  EXPECT_LE(fixed + GpuKvBytes(g1, K, sliding(K), bs), few.usable_bytes_per_gpu);
+  EXPECT_GT(fixed + GpuKvBytes(g1, K + 1, sliding(K + 1), bs), few.usable_bytes_per_gpu);
+  std::printf("Gemma 3 27B on one H100: KV cache for %lld tokens with 64 sequences at once; with 8, %lld tokens of the "
+              "full layers and %lld of the sliding layers (%.2f 131,072-token sequences)\n",
+              static_cast<long long>(one.kv_cache_tokens), static_cast<long long>(few.kv_cache_tokens),
+              static_cast<long long>(few.limits.num_sliding_kv_blocks * bs),
+              static_cast<double>(few.kv_cache_tokens) / 131072);
 
   const Plan tp2 = MustPlan(c, Cluster("1x2xH100-80GB"));
   ASSERT_TRUE(tp2.fits) << tp2.reason;
@@ -606,13 +624,7 @@ TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   EXPECT_EQ(tp8.pp, 1);
   for (const GpuPlan& g : tp8.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 10 * 2 * 128 * 2);
 
-  // Two nodes of one: one GPU holds the whole context now, and is faster than two stages; forced
-  // to two, 31 layers each.
-  EXPECT_EQ(MustPlan(c, Cluster("2x1xH100-80GB")).pp, 1);
-  PlanOptions two_stages;
-  two_stages.tp = 1;
-  two_stages.pp = 2;
-  const Plan pp2 = MustPlan(c, Cluster("2x1xH100-80GB"), two_stages);
+  const Plan pp2 = MustPlan(c, Cluster("2x1xH100-80GB"));
   ASSERT_TRUE(pp2.fits) << pp2.reason;
   EXPECT_EQ(pp2.tp, 1);
   EXPECT_EQ(pp2.pp, 2);
@@ -628,7 +640,7 @@ TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   ASSERT_TRUE(l4x4.fits) << l4x4.reason;
   EXPECT_EQ(l4x4.tp, 2);
   EXPECT_EQ(l4x4.pp, 2);
-  EXPECT_EQ(l4x4.max_model_len, 131072);  // below it before the sliding layers had a pool of their own
+  EXPECT_LT(l4x4.max_model_len, 131072);
 }
 
 // ---- Refusals --------------------------------------------------------------------------------

@@ -204,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, PrefixCacheTest,
                          });
 
 // Gemma 3 (gemma3_tf5: five layers sliding over 32 tokens to one full-attention layer), whose
-// sliding layers keep their KV in a pool of their own (blocks of 4, 66 of them beside 120 for the
+// sliding layers keep their KV in a pool of their own (blocks of 4, 74 of them beside 120 for the
 // full layer; cluster_test.cc ClusterSlidingPoolTest). A prompt of 48 tokens runs, then the same
 // 40-token prefix with another end: it finds the prefix in both pools. Four requests of other
 // tokens then cycle through the sliding pool (80 blocks taken, each let go behind its window), so

@@ -25,8 +25,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/scheduler/block_manager.h"
-#include "model/config.h"
-#include "model/kv_blocks.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/persistent_batch.h"
 
@@ -2154,14 +2152,6 @@ TEST(SchedulerTest, WindowsFitMoreLongSequencesInTheSameMemory) {
       const int64_t seqs = kLayerBlocks / (kFullLayers * full + kSlidingLayers * slide);
       o.limits.num_kv_blocks = seqs * full;
       o.limits.num_sliding_kv_blocks = seqs * slide;
-      // The pools the planner and the coordinator give such a model (model/kv_blocks.h): the same.
-      ModelConfig gemma_shaped;
-      gemma_shaped.num_hidden_layers = kFullLayers + kSlidingLayers;
-      gemma_shaped.layer_window = {kWindow, kWindow, kWindow, kWindow, kWindow, 0};
-      EXPECT_EQ(SlidingPoolWindow(gemma_shaped), kWindow);
-      EXPECT_EQ(SlidingPoolBlocks(gemma_shaped, o.limits.num_kv_blocks, kLen, o.limits.max_tokens_per_step,
-                                  o.limits.block_size),
-                o.limits.num_sliding_kv_blocks);
       EXPECT_LE(kFullLayers * o.limits.num_kv_blocks + kSlidingLayers * o.limits.num_sliding_kv_blocks, kLayerBlocks);
       o.sliding_window = kWindow;
     } else {

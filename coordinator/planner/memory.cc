@@ -135,7 +135,8 @@ SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64
 int64_t PlannedSlidingBlocks(const ModelConfig& config, const StepLimits& limits, int64_t num_kv_blocks,
                              int64_t target_len) {
   const int64_t len = std::min(target_len, num_kv_blocks * limits.block_size);
-  return SlidingPoolBlocks(config, num_kv_blocks, len, limits.max_tokens_per_step, limits.block_size);
+  return SlidingPoolBlocks(config, num_kv_blocks, len, limits.max_tokens_per_step, limits.block_size,
+                           limits.max_seqs_per_step);
 }
 
 uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding_kv_blocks, int64_t block_size) {

@@ -104,8 +104,8 @@ SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64
 
 // The sliding layers' pool the plan gives a model whose sliding layers sit beside full-attention
 // ones (model/kv_blocks.h SlidingPoolBlocks) beside a full pool of `num_kv_blocks`, for sequences of
-// up to min(target_len, num_kv_blocks x block_size) tokens fed limits.max_tokens_per_step at a time;
-// 0 for other models.
+// up to min(target_len, num_kv_blocks x block_size) tokens fed limits.max_tokens_per_step at a time,
+// limits.max_seqs_per_step at once; 0 for other models.
 int64_t PlannedSlidingBlocks(const ModelConfig& config, const StepLimits& limits, int64_t num_kv_blocks,
                              int64_t target_len);
 
