@@ -3,7 +3,10 @@
 // them; at most kMaxMessages), dispatched by the worker's own NextControlAction
 // (worker/control_dispatch.h, what WorkerService::Serve calls) and acted on through the worker's
 // own checks and state, against the demo model's config.json (models/demo, loaded once; the
-// Assignment's model_path is not opened, no weights are loaded, no kernel runs):
+// Assignment's model_path is not opened, no weights are loaded, no kernel runs), or, for an
+// Assignment whose model_path is kSlidingModelPath, the same config with Gemma 3's pattern of
+// layers (8-token windows in layers 0-2, full attention in layer 3), whose sliding layers may have a
+// KV pool of their own (num_sliding_kv_blocks, NewSeq.sliding_block_ids):
 //
 //   kLoad        CheckLoadable (what StepExecutor::Create checks), then a StepState (the epoch,
 //                running batch and step buffers StepExecutor holds)
@@ -23,12 +26,12 @@
 // shard or a step of another epoch); an accepted step is executable without an out-of-range index, checked here again on
 // its own terms: equal-length token lists within the limits, token ids in the vocabulary, block
 // table entries in [0, num_kv_blocks), each token's cache slot the one its sequence's table gives
-// for its position, positions within the table and max_position_embeddings, logit rows among the
+// for its position (likewise the sliding layers' tables and slots in their pool, where it exists), positions within the table and max_position_embeddings, logit rows among the
 // step's tokens and one sampling row each with penalty ids in the vocabulary.
 //
 // Seeds: SHARDSERVE_FUZZ_WRITE_SEEDS=DIR coordinator_message_fuzzer writes the seed corpus (valid
 // streams for four layouts: prefill, decode, prefix-cached blocks, penalties and logprobs, a
-// regroup, an adoption, a shutdown) into DIR and exits. With SHARDSERVE_FUZZ_VERBOSE set, every
+// regroup, an adoption, a shutdown; and a sliding layers' pool with its tables) into DIR and exits. With SHARDSERVE_FUZZ_VERBOSE set, every
 // refusal and accepted step is printed (each seed's steps are all accepted).
 #include <algorithm>
 #include <cstddef>
@@ -72,6 +75,23 @@ const shardserve::ModelConfig& Config() {
   return *config;
 }
 
+// The model_path that selects the demo config with sliding layers beside a full-attention one.
+constexpr char kSlidingModelPath[] = "models/demo-sliding";
+
+const shardserve::ModelConfig& SlidingConfig() {
+  static const shardserve::ModelConfig* config = [] {
+    auto* c = new shardserve::ModelConfig(Config());
+    c->layer_window.assign(static_cast<size_t>(c->num_hidden_layers), 8);
+    c->layer_window.back() = 0;
+    return c;
+  }();
+  return *config;
+}
+
+const shardserve::ModelConfig& ConfigFor(const shardserve::v1::Assignment& a) {
+  return a.model_path() == kSlidingModelPath ? SlidingConfig() : Config();
+}
+
 void CheckRefusal(const absl::Status& s, bool may_be_precondition = false) {
   shardserve_fuzz::Say("refused", s);
   Check(absl::IsInvalidArgument(s) || (may_be_precondition && absl::IsFailedPrecondition(s)),
@@ -88,7 +108,7 @@ struct Shard {
 
 // An accepted step, checked on its own terms: what the kernels index with these vectors.
 void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
-  const shardserve::ModelConfig& config = Config();
+  const shardserve::ModelConfig& config = ConfigFor(shard.assignment);
   const shardserve::StepLimits& l = shard.limits;
   const shardserve::StepBatch& b = shard.steps->batch();
   const int64_t n = static_cast<int64_t>(b.positions.size()), width = l.max_blocks_per_seq(), bs = l.block_size;
@@ -109,6 +129,20 @@ void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
     const int64_t slot = static_cast<int64_t>(b.block_tables[seq * width + pos / bs]) * bs + pos % bs;
     Check(b.slots[t] == slot, "a cache slot that is not the table's for its position");
     Check(slot >= 0 && slot < l.num_kv_blocks * bs, "a cache slot outside the cache");
+    if (l.num_sliding_kv_blocks > 0) {
+      const int64_t sliding = static_cast<int64_t>(b.sliding_block_tables[seq * width + pos / bs]) * bs + pos % bs;
+      Check(b.sliding_slots[t] == sliding, "a sliding cache slot that is not the sliding table's for its position");
+      Check(sliding >= 0 && sliding < l.num_sliding_kv_blocks * bs, "a sliding cache slot outside the sliding pool");
+    }
+  }
+  if (l.num_sliding_kv_blocks > 0) {
+    Check(b.sliding_slots.size() == b.slots.size() && b.sliding_block_tables.size() == b.block_tables.size(),
+          "sliding slots or tables of another size");
+    for (int32_t block : b.sliding_block_tables) {
+      Check(block >= 0 && block < l.num_sliding_kv_blocks, "a block outside the sliding pool");
+    }
+  } else {
+    Check(b.sliding_slots.empty() && b.sliding_block_tables.empty(), "sliding slots without a sliding pool");
   }
   Check(static_cast<int>(b.logit_rows.size()) == shard.steps->sampling().size() &&
             static_cast<int64_t>(b.logit_rows.size()) <= l.max_seqs_per_step,
@@ -276,6 +310,31 @@ void WriteSeeds(const std::string& dir) {
     s.push_back(step);
     WriteSeed(dir, "adopt", s);
   }
+  // Sliding layers beside a full-attention one, with a pool of 6 blocks of their own: two sequences
+  // with both tables, one grown by a block in each, one freed; its sliding blocks taken by a third.
+  {
+    shardserve::v1::Assignment a = SeedAssignment(0, 1, 0, 1, 1);
+    a.set_model_path(kSlidingModelPath);
+    a.mutable_limits()->set_num_sliding_kv_blocks(6);
+    std::vector<CoordinatorMessage> s{assignment(a)};
+    CoordinatorMessage prefill = SeedStep(1, 1, {{1, 0, 20, true}, {2, 0, 6, true}});
+    AddSeq(&prefill, 1, {0, 1}, 20)->mutable_sliding_block_ids()->Add(4);
+    prefill.mutable_step()->mutable_new_seqs(0)->add_sliding_block_ids(5);
+    AddSeq(&prefill, 2, {2}, 6)->add_sliding_block_ids(0);
+    s.push_back(prefill);
+    CoordinatorMessage grow = SeedStep(2, 1, {{1, 20, 12, true}, {2, 6, 1, true}});
+    shardserve::v1::SeqBlocks* more = grow.mutable_step()->add_appended_blocks();
+    more->set_seq_id(1);
+    more->add_block_ids(3);
+    more->add_sliding_block_ids(1);
+    s.push_back(grow);
+    CoordinatorMessage third = SeedStep(3, 1, {{3, 0, 4, true}});
+    third.mutable_step()->add_freed_seq_ids(2);
+    AddSeq(&third, 3, {2}, 4)->add_sliding_block_ids(0);
+    s.push_back(third);
+    s.push_back(shutdown);
+    WriteSeed(dir, "sliding_pool", s);
+  }
 }
 
 }  // namespace
@@ -289,7 +348,6 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   google::protobuf::io::ArrayInputStream bytes(data, static_cast<int>(std::min<size_t>(size, INT32_MAX)));
   google::protobuf::io::CodedInputStream in(&bytes);
-  const shardserve::ModelConfig& config = Config();
   std::unique_ptr<Shard> shard;
   shardserve::v1::Assignment assignment;  // the last one (WorkerService::assignment_)
   bool assigned_this_stream = false, failed = false;
@@ -315,6 +373,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         assignment = m.assignment();
         assigned_this_stream = true;
         failed = false;
+        const shardserve::ModelConfig& config = ConfigFor(assignment);
         const absl::Status s = shardserve::CheckLoadable(assignment, config);
         if (!s.ok()) {
           CheckRefusal(s);
@@ -345,7 +404,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       case shardserve::ControlAction::kStep: {
         const shardserve::v1::StepPlan& plan = m.step();
         absl::Status s = shard->steps->Prepare(plan);
-        if (s.ok()) s = shardserve::CheckStepBatch(shard->steps->batch(), shard->limits, config, shard->first);
+        if (s.ok()) {
+          s = shardserve::CheckStepBatch(shard->steps->batch(), shard->limits, ConfigFor(shard->assignment), shard->first);
+        }
         if (!s.ok()) {
           // FailedPrecondition: a step of another epoch.
           CheckRefusal(s, /*may_be_precondition=*/plan.epoch() != shard->steps->epoch());

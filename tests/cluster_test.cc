@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <functional>
 #include <latch>
 #include <map>
@@ -193,6 +194,77 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSlidingWindowTest,
                                            Layout{"mistral_window_tf5", 1, 2}, Layout{"mistral_window_tf5", 2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp);
+                         });
+
+// Gemma 2 and 3: full-attention layers beside sliding ones (32-token windows), so the sliding layers
+// have a KV pool of their own on the workers, and sequences let go of its blocks behind their window.
+// Six requests of 48 prompt + 32 generated tokens (20 blocks of 4 each) sent together: the full
+// layers' pool of 120 blocks holds all six; the sliding layers' pool is what the coordinator sizes
+// beside it for 8 sequences at once (model/kv_blocks.h SlidingPoolBlocks), 74 blocks: 8 x 9 (the 31
+// tokens before a decoded token, the token, 3 for the worst offset in a block) and an 8-token step,
+// where keeping every block would take 120. They run side by side with no preemption, so the sliding blocks let go are taken by
+// other sequences; the golden request's greedy tokens are Hugging Face's, and every request gets
+// the tokens it gets alone.
+class ClusterSlidingPoolTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterSlidingPoolTest, SlidingLayersOwnPoolIsReusedAndTokensStayHuggingFaces) {
+  const Layout& l = GetParam();
+  std::ifstream config_file(kFixtures / l.fixture / "config.json");
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  const nlohmann::json& text = config.contains("text_config") ? config["text_config"] : config;
+  ASSERT_EQ(text["sliding_window"].get<int>(), 32) << "the figures above are for a 32-token window";
+  const int vocab = text["vocab_size"].get<int>();
+  const Golden golden = LoadGolden(l.fixture);
+  ASSERT_EQ(golden.prompt.size(), 48u);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}},
+                  {"--num-kv-blocks", "120", "--block-size", "4", "--max-model-len", "80", "--max-tokens-per-step",
+                   "8", "--max-num-seqs", "8"});
+  ASSERT_TRUE(cluster.Start());
+  std::vector<v1::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = golden.prompt;
+    for (size_t j = 0; i > 0 && j < prompt.size(); j += 3) prompt[j] = (prompt[j] + 37 * i) % vocab;
+    requests.push_back(TokenRequest(prompt, 32));
+    requests.back().set_request_id("pool-" + std::to_string(i));
+  }
+  std::vector<Streamed> alone, together(requests.size());
+  for (const v1::GenerateRequest& r : requests) {
+    alone.push_back(Generate(cluster.client(), r));
+    ASSERT_TRUE(alone.back().status.ok()) << alone.back().status.error_message() << "\n" << cluster.Logs();
+  }
+  EXPECT_EQ(alone[0].tokens, golden.greedy);
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { together[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(together[i].status.ok()) << i << ": " << together[i].status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "request " << i;
+  }
+  const v1::SchedulerStatus s = cluster.Status().scheduler();
+  EXPECT_EQ(s.kv_blocks_total(), 120);
+  EXPECT_EQ(s.preemptions(), 0) << "the sliding blocks behind the window were not let go";
+  // The coordinator's scheduler line names the sliding layers' pool it sized.
+  std::ifstream log_file(cluster.coordinator().log());
+  const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
+  EXPECT_NE(log.find("blocks behind the 32-token sliding window let go from the sliding layers' 74 blocks"),
+            std::string::npos)
+      << cluster.Logs();
+  std::printf("[ timing   ] TP=%d PP=%d %s: 6 requests of 80 tokens sent together to 120 full-layer and 74 "
+              "sliding-layer blocks of 4, %lld preemptions\n",
+              l.tp, l.pp, l.fixture.c_str(), static_cast<long long>(s.preemptions()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSlidingPoolTest,
+                         ::testing::Values(Layout{"gemma3_tf5", 1, 1}, Layout{"gemma3_tf5", 2, 1},
+                                           Layout{"gemma3_tf5", 1, 2}, Layout{"gemma3_tf5", 2, 2},
+                                           Layout{"gemma2_tf5", 2, 2}, Layout{"gemma3_cg_tf5", 1, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
                          });
 
 // ---- The client API, on one cluster (TP=2 x PP=2, llama_gqa: 5 layers split 2 + 3) -------------------

@@ -24,6 +24,7 @@
 #include "kernels/quant.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/kv_blocks.h"
 #include "nlohmann/json.hpp"
 #include "tests/golden.h"
 #include "tests/bf16_products.h"
@@ -62,6 +63,17 @@ std::vector<std::string> DenseFixtureNames() {
   for (const std::string& name : FixtureNames()) {
     absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / name);
     if (!config.ok() || config->num_experts == 0) names.push_back(name);  // a bad config fails in LlamaParity
+  }
+  return names;
+}
+
+// The fixtures whose sliding layers sit beside full-attention ones (Gemma 2 and 3: model/kv_blocks.h
+// SlidingPoolWindow), which the workers give a KV pool of their own.
+std::vector<std::string> SlidingPoolFixtureNames() {
+  std::vector<std::string> names;
+  for (const std::string& name : FixtureNames()) {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / name);
+    if (config.ok() && SlidingPoolWindow(*config) > 0) names.push_back(name);
   }
   return names;
 }
@@ -344,6 +356,54 @@ TEST_P(LlamaParity, WholePromptInOneStep) { CheckAgainstHuggingFace(name(), engi
 // Prefill in chunks of 5 tokens exercises attention over cache entries written by earlier steps
 // and block boundaries that fall inside a chunk.
 TEST_P(LlamaParity, ChunkedPrefill) { CheckAgainstHuggingFace(name(), engine(), 5); }
+
+// The sliding layers in a KV pool of their own (Gemma 2 and 3), only as large as their window and a
+// step need (model/kv_blocks.h KvBlocksHeld): the sequence's blocks go round it as a ring
+// (GreedyGenerate), so the blocks behind the window are overwritten while the full-attention layers
+// keep every block. The fixtures slide over 32 tokens and their prompts have 48, so the ring turns
+// before the first token is sampled and about 8 times more as 32 tokens are generated (blocks of 4
+// tokens, prefill chunks of 5): still HF's greedy tokens and logits. A ring of 8 blocks (32 tokens,
+// fewer than the window's 31 and a chunk's 5) overwrites keys inside the window of a chunk's first
+// tokens, and the logits leave HF's: the test sees the pool.
+class SlidingPoolParity : public FixtureTest {};
+TEST_P(SlidingPoolParity, SlidingLayersInTheirOwnPoolMatchHuggingFace) {
+  const fs::path dir = kFixtures / name();
+  const Golden g = ReadGolden(dir);
+  LoadedFixture f;
+  ASSERT_NO_FATAL_FAILURE(OpenFixture(dir, engine(), &f));
+  const int64_t window = SlidingPoolWindow(f.config), chunk = 5, bs = 4;
+  const int64_t total = static_cast<int64_t>(g.prompt.size()) + 32;
+  ASSERT_GT(static_cast<int64_t>(g.prompt.size()), window) << name() << ": the prompt must be longer than the window";
+  StepLimits opt{.max_tokens_per_step = chunk, .max_seqs_per_step = 1, .block_size = bs,
+                 .num_kv_blocks = KvBlocksFor(total, bs), .max_model_len = KvBlocksFor(total, bs) * bs};
+  opt.num_sliding_kv_blocks = KvBlocksHeld(window, chunk, total, bs);
+  ASSERT_LE(opt.num_sliding_kv_blocks, opt.num_kv_blocks / 2);
+  const int64_t too_small = KvBlocksFor(window - 1 + chunk, bs) - 1;
+  for (const int64_t ring : {opt.num_sliding_kv_blocks, too_small}) {
+    StepLimits limits = opt;
+    limits.num_sliding_kv_blocks = ring;
+    absl::StatusOr<std::unique_ptr<ModelShard>> model = f.Load(limits);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::vector<std::vector<float>> logits;
+    absl::StatusOr<std::vector<int32_t>> ids = GreedyGenerate(model->get(), g.prompt, 32, &logits);
+    ASSERT_TRUE(ids.ok()) << ids.status();
+    ASSERT_EQ(logits.size(), 32u);
+    const double prefill_err = NormalizedError(logits.front(), g.prompt_last_logits);
+    const double decode_err = NormalizedError(logits.back(), g.final_logits);
+    std::printf("[ parity   ] %s on %s, sliding pool of %lld blocks of %lld (full pool %lld): prefill logits error %.3g, "
+                "decode logits error %.3g\n",
+                name().c_str(), EngineName(engine()).c_str(), static_cast<long long>(ring), static_cast<long long>(bs),
+                static_cast<long long>(opt.num_kv_blocks), prefill_err, decode_err);
+    if (ring == opt.num_sliding_kv_blocks) {
+      EXPECT_EQ(*ids, g.greedy) << name() << ": greedy tokens differ from Hugging Face's";
+      EXPECT_LE(prefill_err, kLogitsTolerance) << name() << ": logits after the prompt";
+      EXPECT_LE(decode_err, kLogitsTolerance) << name() << ": logits at the 32nd decode step";
+    } else {
+      EXPECT_GT(std::max(prefill_err, decode_err), 100 * kLogitsTolerance)
+          << name() << ": a ring smaller than the window and a step changed nothing";
+    }
+  }
+}
 
 // A lower-precision engine (the CPU's bf16 products, worker --matmul-dtype bf16; the CUDA
 // backend's bf16 or f16 activations) against the same float32 reference, on the same two
@@ -758,6 +818,10 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaParity,
                                                               Engine::kCudaSplitAttention, Engine::kCudaFused,
                                                               Engine::kCudaDenseGemv, Engine::kCudaDefaults,
                                                               Engine::kCudaPdl)),
+                         ParamName);
+INSTANTIATE_TEST_SUITE_P(Fixtures, SlidingPoolParity,
+                         ::testing::Combine(::testing::ValuesIn(SlidingPoolFixtureNames()),
+                                            ::testing::Values(Engine::kCpu, Engine::kCuda, Engine::kCudaGraphs)),
                          ParamName);
 INSTANTIATE_TEST_SUITE_P(Fixtures, LlamaLowPrecision,
                          ::testing::Combine(::testing::ValuesIn(DenseFixtureNames()),

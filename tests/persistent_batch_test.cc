@@ -274,14 +274,82 @@ TEST_F(PersistentBatchTest, RefusesBlocksOutsideTheCache) {
 TEST_F(PersistentBatchTest, RefusesSlidingTablesItHasNoPoolFor) {
   v1::StepPlan p = Prefill();
   p.mutable_new_seqs(0)->add_sliding_block_ids(3);
-  ExpectBad(p, "new_seqs[0]: seq 1 carries sliding_block_ids; this worker holds no sliding layers' pool");
+  ExpectBad(p, "new_seqs gives seq 1 1 sliding_block_ids; this worker holds no sliding layers' pool");
   ASSERT_TRUE(Apply(Prefill()).ok());
   v1::StepPlan grow;
   grow.set_step_id(2);
   AddBlocks(&grow, 1, {5});
   grow.mutable_appended_blocks(0)->add_sliding_block_ids(5);
   AddRow(&grow, 1, 5, {1}, true);
-  ExpectBad(grow, "appended_blocks[0]: seq 1 carries sliding_block_ids");
+  ExpectBad(grow, "appended_blocks gives seq 1 1 sliding_block_ids; this worker holds no sliding layers' pool");
+}
+
+// With a sliding layers' pool (num_sliding_kv_blocks 6) each sequence has a second table, as long as
+// its first: the sliding slots and tables come from it as the others come from the first, padded
+// with block 0 alike, and they keep naming the blocks the coordinator let go of.
+TEST_F(PersistentBatchTest, DerivesTheSlidingLayersSlotsAndTables) {
+  StepLimits limits = kLimits;
+  limits.num_sliding_kv_blocks = 6;
+  PersistentBatch state(limits, kVocab, /*keep_history=*/false);
+  StepBatch batch;
+  state.Reserve(&batch);
+  v1::StepPlan p = Prefill();
+  p.mutable_new_seqs(0)->add_sliding_block_ids(5);
+  p.mutable_new_seqs(0)->add_sliding_block_ids(3);
+  AddNewSeq(&p, 2, {4}, 2);
+  p.mutable_new_seqs(1)->add_sliding_block_ids(1);
+  AddRow(&p, 2, 0, {21, 22}, true);
+  ASSERT_TRUE(state.Apply(p, &batch, &sampling_).ok());
+  EXPECT_EQ(batch.slots, (std::vector<int32_t>{28, 29, 30, 31, 8, 16, 17}));
+  EXPECT_EQ(batch.sliding_slots, (std::vector<int32_t>{20, 21, 22, 23, 12, 4, 5}));
+  EXPECT_EQ(batch.block_tables, (std::vector<int32_t>{7, 2, 0, 0, 4, 0, 0, 0}));
+  EXPECT_EQ(batch.sliding_block_tables, (std::vector<int32_t>{5, 3, 0, 0, 1, 0, 0, 0}));
+  EXPECT_EQ(state.sliding_blocks(1), (std::vector<int32_t>{5, 3}));
+
+  // Seq 1 grows into an appended block; seq 2 decodes in its first.
+  v1::StepPlan grow;
+  grow.set_step_id(2);
+  AddBlocks(&grow, 1, {9});
+  grow.mutable_appended_blocks(0)->add_sliding_block_ids(4);
+  AddRow(&grow, 1, 5, {1, 2, 3, 4}, true);
+  AddRow(&grow, 2, 2, {23}, true);
+  ASSERT_TRUE(state.Apply(grow, &batch, &sampling_).ok());
+  EXPECT_EQ(batch.slots, (std::vector<int32_t>{9, 10, 11, 36, 18}));
+  EXPECT_EQ(batch.sliding_slots, (std::vector<int32_t>{13, 14, 15, 16, 6}));
+  EXPECT_EQ(batch.sliding_block_tables, (std::vector<int32_t>{5, 3, 4, 0, 1, 0, 0, 0}));
+
+  // Bad sliding tables: too short, an id outside the pool, on a new sequence and on appended blocks.
+  v1::StepPlan shorter;
+  shorter.set_step_id(3);
+  AddNewSeq(&shorter, 3, {10, 11}, 1);
+  shorter.mutable_new_seqs(0)->add_sliding_block_ids(2);
+  AddRow(&shorter, 3, 0, {1}, true);
+  for (const auto& [plan, want] :
+       std::vector<std::pair<v1::StepPlan, std::string>>{
+           {shorter, "step 3: new_seqs gives seq 3 2 block_ids but 1 sliding_block_ids; the sliding table must be as long"}}) {
+    PersistentBatch fresh(limits, kVocab, false);
+    const absl::Status s = fresh.Apply(plan, &batch, &sampling_);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(want), std::string::npos) << s.message();
+  }
+  v1::StepPlan outside;
+  outside.set_step_id(4);
+  AddNewSeq(&outside, 3, {10}, 1);
+  outside.mutable_new_seqs(0)->add_sliding_block_ids(6);
+  AddRow(&outside, 3, 0, {1}, true);
+  {
+    PersistentBatch fresh(limits, kVocab, false);
+    const absl::Status s = fresh.Apply(outside, &batch, &sampling_);
+    EXPECT_NE(s.message().find("new_seqs gives seq 3 sliding block 6 outside [0, 6)"), std::string::npos) << s;
+  }
+  v1::StepPlan append;
+  append.set_step_id(5);
+  AddBlocks(&append, 2, {12});
+  AddRow(&append, 2, 3, {1}, true);
+  const absl::Status missing = state.Apply(append, &batch, &sampling_);
+  EXPECT_NE(missing.message().find("appended_blocks gives seq 2 1 block_ids but 0 sliding_block_ids"),
+            std::string::npos)
+      << missing;
 }
 
 TEST_F(PersistentBatchTest, RefusesPositionsBeyondTheTable) {

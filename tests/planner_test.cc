@@ -28,6 +28,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "model/kv_blocks.h"
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
@@ -558,10 +559,14 @@ TEST(Planner, Phi4_L4s_OneDoesNotFitTwoDo) {
 // ---- Gemma 3 27B (Gemma3ForConditionalGeneration: its text model) on real cluster shapes ---------
 
 // The text model from text_config: 62 layers, 32 heads, 16 KV heads of 128 (496 KiB of KV a token
-// in bf16, every layer counted for the whole context), 27.01B parameters with the LM head tied:
-// 50.31 GiB. One H100 holds it with 41k tokens of cache (max_model_len comes down from 131,072);
-// two run TP=2 with the whole context; eight TP=8, two KV heads a rank; two nodes of one PP=2, 31
-// layers each; two L4s are short (three are the fewest), four in two nodes run TP=2 x PP=2.
+// in bf16), 27.01B parameters with the LM head tied: 50.31 GiB. Its 52 sliding layers (1,024
+// tokens) have a pool of their own beside the 10 full layers' (80 KiB a token): one H100 cannot give
+// them the windows of 64 sequences at once (the default), so the two pools are alike and hold 41k
+// tokens, as one pool did for every layer, and max_model_len comes down from 131,072; for 8
+// sequences at once (--max-num-seqs 8) the sliding pool holds their windows and a step, and the
+// full one the whole context, no block more than fits. Two run TP=2 with the whole context; eight
+// TP=8, two KV heads a rank; two nodes of one PP=2 with 31 layers each; two L4s are short (three
+// are the fewest), four in two nodes run TP=2 x PP=2.
 TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   const ModelConfig c = RealConfig("gemma-3-27b-it");
   const Plan one = MustPlan(c, Cluster("1x1xH100-80GB"));
@@ -571,24 +576,53 @@ TEST(Planner, Gemma3_27B_TextModelOnRealClusters) {
   EXPECT_EQ(one.pp, 1);
   ASSERT_EQ(one.per_gpu.size(), 1u);
   EXPECT_EQ(one.per_gpu[0].weight_bytes, uint64_t{27'009'346'304} * 2);
-  EXPECT_EQ(one.per_gpu[0].kv_bytes_per_token, 2u * 62 * 16 * 128 * 2);
+  EXPECT_EQ(one.per_gpu[0].kv_bytes_per_token, 2u * 10 * 16 * 128 * 2);
+  EXPECT_EQ(one.per_gpu[0].sliding_kv_bytes_per_token, 2u * 52 * 16 * 128 * 2);
+  EXPECT_EQ(one.limits.num_sliding_kv_blocks, one.limits.num_kv_blocks);
   EXPECT_EQ(one.target_max_model_len, 131072);
   EXPECT_EQ(one.max_model_len, one.kv_cache_tokens);
   EXPECT_GT(one.max_model_len, 32768);
   EXPECT_LT(one.max_model_len, 65536);
   EXPECT_THAT(one.reason, HasSubstr("max_model_len lowered from 131,072"));
 
+  PlanOptions eight_seqs;
+  eight_seqs.limits.max_seqs_per_step = 8;
+  const Plan few = MustPlan(c, Cluster("1x1xH100-80GB"), eight_seqs);
+  ASSERT_TRUE(few.fits) << few.reason;
+  const GpuPlan& g1 = few.per_gpu[0];
+  EXPECT_EQ(few.max_model_len, 131072);
+  const int64_t K = few.limits.num_kv_blocks, bs = few.limits.block_size, chunk = few.limits.max_tokens_per_step;
+  EXPECT_EQ(few.kv_cache_tokens, K * bs);
+  EXPECT_GT(few.kv_cache_tokens, 131072);
+  // The sliding pool: 8 sequences' windows and a token (65 blocks each) and a step's chunk, which is
+  // more than as many 131,072-token sequences as the full pool holds need (K x their 1,023 + a step
+  // + 15 tokens of blocks / 8,192).
+  const int64_t held = (1023 + chunk + bs - 1 + bs - 1) / bs;
+  const auto sliding = [&](int64_t k) {
+    return std::min(k, std::max({(k * held + 8191) / 8192, held, 8 * int64_t{65} + (chunk + bs - 1) / bs}));
+  };
+  EXPECT_EQ(few.limits.num_sliding_kv_blocks, sliding(K));
+  EXPECT_LT(few.limits.num_sliding_kv_blocks, K / 10);
+  const uint64_t fixed = g1.weight_bytes + g1.activation_bytes + g1.reserve_bytes;
+  EXPECT_LE(fixed + GpuKvBytes(g1, K, sliding(K), bs), few.usable_bytes_per_gpu);
+  EXPECT_GT(fixed + GpuKvBytes(g1, K + 1, sliding(K + 1), bs), few.usable_bytes_per_gpu);
+  std::printf("Gemma 3 27B on one H100: KV cache for %lld tokens with 64 sequences at once; with 8, %lld tokens of the "
+              "full layers and %lld of the sliding layers (%.2f 131,072-token sequences)\n",
+              static_cast<long long>(one.kv_cache_tokens), static_cast<long long>(few.kv_cache_tokens),
+              static_cast<long long>(few.limits.num_sliding_kv_blocks * bs),
+              static_cast<double>(few.kv_cache_tokens) / 131072);
+
   const Plan tp2 = MustPlan(c, Cluster("1x2xH100-80GB"));
   ASSERT_TRUE(tp2.fits) << tp2.reason;
   EXPECT_EQ(tp2.tp, 2);
   EXPECT_EQ(tp2.pp, 1);
   EXPECT_EQ(tp2.max_model_len, 131072);
-  for (const GpuPlan& g : tp2.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 62 * 8 * 128 * 2);
+  for (const GpuPlan& g : tp2.per_gpu) EXPECT_EQ(g.kv_bytes_per_token + g.sliding_kv_bytes_per_token, 2u * 62 * 8 * 128 * 2);
 
   const Plan tp8 = MustPlan(c, Cluster("1x8xH100-80GB"));
   EXPECT_EQ(tp8.tp, 8);
   EXPECT_EQ(tp8.pp, 1);
-  for (const GpuPlan& g : tp8.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 62 * 2 * 128 * 2);
+  for (const GpuPlan& g : tp8.per_gpu) EXPECT_EQ(g.kv_bytes_per_token, 2u * 10 * 2 * 128 * 2);
 
   const Plan pp2 = MustPlan(c, Cluster("2x1xH100-80GB"));
   ASSERT_TRUE(pp2.fits) << pp2.reason;
@@ -1082,6 +1116,14 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
   for (size_t i = 0; i < p.per_gpu.size(); ++i)
     EXPECT_EQ(p.per_gpu[i].weight_bytes, from_config.per_gpu[i].weight_bytes);
 
+  // Gemma 2 and 3: the sliding layers' pool of their own, smaller than the full layers' (the context
+  // of 256 tokens is longer than their window of 32 and a step of 64), in the worker's bytes below.
+  if (SlidingPoolWindow(c) > 0) {
+    EXPECT_GT(p.limits.num_sliding_kv_blocks, 0);
+    EXPECT_LT(p.limits.num_sliding_kv_blocks, p.limits.num_kv_blocks);
+  } else {
+    EXPECT_EQ(p.limits.num_sliding_kv_blocks, 0);
+  }
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   for (const GpuPlan& g : p.per_gpu) {
     const StagePlan& s = p.stages[g.stage];

@@ -19,6 +19,7 @@
 //
 // Every wait is bounded; tests/cluster_harness.h kills and reaps every process.
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -201,6 +202,57 @@ INSTANTIATE_TEST_SUITE_P(Layouts, PrefixCacheTest,
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp);
                          });
+
+// Gemma 3 (gemma3_tf5: five layers sliding over 32 tokens to one full-attention layer), whose
+// sliding layers keep their KV in a pool of their own (blocks of 4, 74 of them beside 120 for the
+// full layer; cluster_test.cc ClusterSlidingPoolTest). A prompt of 48 tokens runs, then the same
+// 40-token prefix with another end: it finds the prefix in both pools. Four requests of other
+// tokens then cycle through the sliding pool (80 blocks taken, each let go behind its window), so
+// the first prompt's sliding blocks are evicted while the full layer's are still cached, and the
+// second prompt sent again finds less, or nothing: a hit ends where the sliding pool lost a block,
+// and the rest is computed again. Every request gets the same tokens with caching on and off.
+TEST(PrefixCacheSlidingPoolTest, SameTokensWhenSlidingBlocksWereEvicted) {
+  const Golden golden = LoadGolden("gemma3_tf5");
+  ASSERT_EQ(golden.prompt.size(), 48u);
+  const int vocab = 480;  // gemma3_tf5/config.json
+  std::vector<int32_t> shared(golden.prompt.begin(), golden.prompt.begin() + 40);
+  std::vector<int32_t> second = shared;
+  for (int i = 0; i < 8; ++i) second.push_back((golden.prompt[40 + i] + 11) % vocab);
+  std::map<bool, std::vector<Outcome>> runs;
+  for (const bool caching : {true, false}) {
+    ClusterSpecForTest spec;
+    spec.fixture = "gemma3_tf5";
+    spec.worker_flags = {"--matmul-dtype", "f32"};
+    std::vector<std::string> flags = {"--num-kv-blocks", "120",   "--block-size",    "4", "--max-model-len", "80",
+                                      "--max-tokens-per-step", "8", "--max-num-seqs", "8"};
+    if (!caching) flags.push_back("--no-prefix-caching");
+    Cluster cluster(spec, flags);
+    ASSERT_TRUE(cluster.Start());
+    std::vector<Outcome>& out = runs[caching];
+    out.push_back(shardserve::Run(&cluster, golden.prompt, 32));
+    out.push_back(shardserve::Run(&cluster, second, 16));
+    for (int i = 0; i < 4; ++i) {
+      std::vector<int32_t> other = golden.prompt;
+      for (int32_t& t : other) t = (t + 97 * (i + 1)) % vocab;
+      shardserve::Run(&cluster, other, 32);
+    }
+    out.push_back(shardserve::Run(&cluster, second, 16));
+    ASSERT_FALSE(HasFatalFailure()) << cluster.Logs();
+  }
+  const std::vector<Outcome>& on = runs[true];
+  const std::vector<Outcome>& off = runs[false];
+  EXPECT_EQ(on[0].tokens, golden.greedy);
+  for (size_t i = 0; i < on.size(); ++i) {
+    EXPECT_EQ(on[i].tokens, off[i].tokens) << "request " << i << ": caching on and off give different tokens";
+    EXPECT_EQ(off[i].cached_prompt_tokens, 0) << "request " << i;
+  }
+  EXPECT_EQ(on[1].cached_prompt_tokens, 40) << "the shared prefix, in both pools";
+  EXPECT_LT(on[2].cached_prompt_tokens, on[1].cached_prompt_tokens) << "the sliding blocks were not evicted";
+  EXPECT_EQ(on[2].tokens, on[1].tokens);
+  std::printf("[ prefix   ] gemma3_tf5, sliding layers' own pool: the same 48-token prompt found %d cached tokens, "
+              "then %d once its sliding blocks were evicted\n",
+              on[1].cached_prompt_tokens, on[2].cached_prompt_tokens);
+}
 
 }  // namespace
 }  // namespace shardserve

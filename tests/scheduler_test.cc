@@ -507,15 +507,6 @@ bool PenaltyOn(const v1::RowSampling& s) {
          s.frequency_penalty() != 0;
 }
 
-// `p` without its sliding layers' tables: what a worker's PersistentBatch takes (it holds no sliding
-// layers' pool and refuses them); the tests check those tables themselves.
-v1::StepPlan WithoutSlidingTables(const v1::StepPlan& p) {
-  v1::StepPlan out = p;
-  for (v1::NewSeq& n : *out.mutable_new_seqs()) n.clear_sliding_block_ids();
-  for (v1::SeqBlocks& a : *out.mutable_appended_blocks()) a.clear_sliding_block_ids();
-  return out;
-}
-
 // Drives a Scheduler like the engine (schedule every lane with no step in flight, complete the
 // oldest step in flight, remove sequences that reached max_tokens) and runs each step on a fake
 // KV cache, checking the plan's invariants with gtest assertions (fatal: callers check
@@ -568,7 +559,7 @@ class SimCluster {
       ++next_step_id_;
       plan_bytes_ += static_cast<int64_t>(f.plan.ByteSizeLong());
       // What a worker does with it, in the order sent.
-      const absl::Status applied = worker_.Apply(WithoutSlidingTables(f.plan), &f.batch, &f.sampling);
+      const absl::Status applied = worker_.Apply(f.plan, &f.batch, &f.sampling);
       if (!applied.ok()) {
         ADD_FAILURE() << "the worker refuses step " << f.plan.step_id() << ": " << applied;
         return n;
@@ -586,6 +577,7 @@ class SimCluster {
         if (!two_pools_) {
           EXPECT_TRUE(table.empty()) << "step " << f.plan.step_id() << ": a sliding table without a sliding pool";
         } else if (worker_.Holds(id)) {
+          EXPECT_EQ(table, worker_.sliding_blocks(id)) << "step " << f.plan.step_id() << ": seq " << id;
           EXPECT_EQ(table.size(), worker_.blocks(id).size()) << "step " << f.plan.step_id() << ": seq " << id;
         }
       }
@@ -654,7 +646,9 @@ class SimCluster {
       if (two_pools_) {
         const std::vector<int32_t>& table = f.sliding_tables[sb.token_seq[i]];
         ASSERT_LT(c.pos / bs, static_cast<int64_t>(table.size()));
-        sliding_cache_[table[c.pos / bs] * bs + c.pos % bs] = c;
+        // The slot the worker's sliding layers write (PersistentBatch's sliding_slots).
+        ASSERT_EQ(sb.sliding_slots[i], table[c.pos / bs] * bs + c.pos % bs) << "step " << p.step_id();
+        sliding_cache_[sb.sliding_slots[i]] = c;
       }
     }
     // Each sampled row reads its whole context back through its block table.
@@ -1231,7 +1225,7 @@ class Decoder {
   // The plan expanded; sampling() then holds its rows' settings.
   StepBatch Apply(const v1::StepPlan& p) {
     StepBatch b;
-    const absl::Status s = worker_.Apply(WithoutSlidingTables(p), &b, &sampling_);
+    const absl::Status s = worker_.Apply(p, &b, &sampling_);
     EXPECT_TRUE(s.ok()) << s;
     return b;
   }

@@ -78,7 +78,14 @@ TEST(StepChecksTest, AssignmentAgainstTheModel) {
   StepLimits sliding = Limits();
   sliding.num_sliding_kv_blocks = 8;
   ExpectRefused(CheckShard(config, ShardSpecOf(Assigned(0)), sliding),
-                "num_sliding_kv_blocks 8: this worker holds no sliding layers' pool of its own");
+                "num_sliding_kv_blocks 8 for a model with 4 layers of which none slides beside a full-attention "
+                "one: it has no sliding layers' pool (0)");
+  ModelConfig every_layer_slides = config;
+  every_layer_slides.layer_window = {8, 8, 8, 8};
+  ExpectRefused(CheckShard(every_layer_slides, ShardSpecOf(Assigned(0)), sliding), "num_sliding_kv_blocks 8");
+  ModelConfig mixed = config;  // Gemma 3's pattern: full attention in the last layer
+  mixed.layer_window = {8, 8, 8, 0};
+  EXPECT_TRUE(CheckShard(mixed, ShardSpecOf(Assigned(0)), sliding).ok());
 
   a = Assigned(0);
   a.set_end_layer(4);  // stage 0 of 2 holding the last layer: the LM head on the wrong stage
@@ -181,6 +188,31 @@ TEST(StepChecksTest, StepBatchIndexesStayInside) {
   bad = b;
   bad.logit_rows = {2};
   ExpectRefused(CheckStepBatch(bad, l, config, true), "logit row 2");
+  bad = b;
+  bad.sliding_slots = {0, 1};  // no sliding layers' pool in these limits
+  ExpectRefused(CheckStepBatch(bad, l, config, true), "sliding_slots has 2 and sliding_block_tables 0 entries, "
+                                                      "expected 0 and 0 (num_sliding_kv_blocks 0)");
+
+  // With a sliding layers' pool of 3 blocks: its slots and tables, shaped as the others, inside it.
+  StepLimits pool = l;
+  pool.num_sliding_kv_blocks = 3;
+  ExpectRefused(CheckStepBatch(b, pool, config, true), "expected 2 and 4 (num_sliding_kv_blocks 3)");
+  StepBatch both = b;
+  both.sliding_slots = {32, 33};
+  both.sliding_block_tables = {2, 0, 0, 0};
+  EXPECT_TRUE(CheckStepBatch(both, pool, config, true).ok());
+  bad = both;
+  bad.sliding_block_tables.pop_back();
+  ExpectRefused(CheckStepBatch(bad, pool, config, true), "sliding_block_tables 3 entries, expected 2 and 4");
+  bad = both;
+  bad.sliding_slots[1] = 48;
+  ExpectRefused(CheckStepBatch(bad, pool, config, true), "sliding cache slot 48 outside [0, 48)");
+  bad = both;
+  bad.sliding_block_tables[2] = 3;
+  ExpectRefused(CheckStepBatch(bad, pool, config, true), "sliding block 3 outside [0, 3)");
+  bad = both;
+  bad.sliding_block_tables[0] = -1;
+  ExpectRefused(CheckStepBatch(bad, pool, config, true), "sliding block -1 outside [0, 3)");
 }
 
 }  // namespace

@@ -22,6 +22,7 @@ PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, b
   free_slots_.reserve(m);
   for (int64_t i = m - 1; i >= 0; --i) {
     slots_[i].blocks.reserve(limits.max_blocks_per_seq());
+    if (limits.num_sliding_kv_blocks > 0) slots_[i].sliding_blocks.reserve(limits.max_blocks_per_seq());
     free_slots_.push_back(static_cast<int32_t>(i));
   }
   index_.reserve(m);
@@ -32,6 +33,7 @@ void PersistentBatch::Clear() {
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) {
     slots_[i] = Seq{};
     slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
+    if (limits_.num_sliding_kv_blocks > 0) slots_[i].sliding_blocks.reserve(limits_.max_blocks_per_seq());
     free_slots_.push_back(static_cast<int32_t>(i));
   }
   index_.clear();
@@ -41,6 +43,10 @@ void PersistentBatch::Reserve(StepBatch* b) const {
   const int64_t n = limits_.max_tokens_per_step, m = limits_.max_seqs_per_step;
   for (std::vector<int32_t>* v : {&b->token_ids, &b->positions, &b->token_seq, &b->slots}) v->reserve(n);
   b->block_tables.reserve(m * limits_.max_blocks_per_seq());
+  if (limits_.num_sliding_kv_blocks > 0) {
+    b->sliding_slots.reserve(n);
+    b->sliding_block_tables.reserve(m * limits_.max_blocks_per_seq());
+  }
   b->logit_rows.reserve(m);
 }
 
@@ -54,9 +60,25 @@ std::vector<int32_t> PersistentBatch::blocks(uint64_t seq_id) const {
   return it == index_.end() ? std::vector<int32_t>{} : slots_[it->second].blocks;
 }
 
+std::vector<int32_t> PersistentBatch::sliding_blocks(uint64_t seq_id) const {
+  auto it = index_.find(seq_id);
+  return it == index_.end() ? std::vector<int32_t>{} : slots_[it->second].sliding_blocks;
+}
+
 absl::Status PersistentBatch::AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,
+                                           const google::protobuf::RepeatedField<int32_t>& sliding_ids,
                                            const char* what) {
-  const int64_t width = limits_.max_blocks_per_seq();
+  const int64_t width = limits_.max_blocks_per_seq(), sliding_pool = limits_.num_sliding_kv_blocks;
+  if (sliding_pool == 0 && !sliding_ids.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id, " ",
+                                                   sliding_ids.size(), " sliding_block_ids; this worker holds no "
+                                                   "sliding layers' pool (num_sliding_kv_blocks 0)"));
+  }
+  if (sliding_pool > 0 && sliding_ids.size() != ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id, " ", ids.size(),
+                                                   " block_ids but ", sliding_ids.size(),
+                                                   " sliding_block_ids; the sliding table must be as long"));
+  }
   if (static_cast<int64_t>(s.blocks.size()) + ids.size() > width) {
     return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id, " ",
                                                    s.blocks.size() + ids.size(), " blocks; a table holds at most ",
@@ -68,6 +90,13 @@ absl::Status PersistentBatch::AppendBlocks(uint64_t step_id, Seq& s, const googl
                                                      " outside [0, ", limits_.num_kv_blocks, ")"));
     }
     s.blocks.push_back(b);  // within the capacity reserved at construction
+  }
+  for (int32_t b : sliding_ids) {
+    if (b < 0 || b >= sliding_pool) {
+      return absl::InvalidArgumentError(absl::StrCat("step ", step_id, ": ", what, " gives seq ", s.id,
+                                                     " sliding block ", b, " outside [0, ", sliding_pool, ")"));
+    }
+    s.sliding_blocks.push_back(b);  // likewise
   }
   return absl::OkStatus();
 }
@@ -84,6 +113,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     if (it == index_.end()) return bad("freed_seq_ids names seq ", id, ", which this worker does not hold");
     Seq& s = slots_[it->second];
     s.blocks.clear();
+    s.sliding_blocks.clear();
     s.sampling.Clear();  // keeps the penalty ids' capacity
     free_slots_.push_back(it->second);
     index_.erase(it);
@@ -110,17 +140,14 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     Seq& s = slots_[slot];
     s.id = n.seq_id();
     s.blocks.clear();
+    s.sliding_blocks.clear();
     s.fed = 0;
     s.prompt_len = n.prompt_len();
     s.repetition = RepetitionOn(r);
     s.penalty = PenaltyOn(r);
     s.last_step = 0;
     s.sampling.CopyFrom(r);
-    if (n.sliding_block_ids_size() > 0) {
-      return bad("new_seqs[", i, "]: seq ", n.seq_id(), " carries sliding_block_ids; this worker holds no sliding "
-                 "layers' pool (num_sliding_kv_blocks 0)");
-    }
-    absl::Status st = AppendBlocks(step, s, n.block_ids(), "new_seqs");
+    absl::Status st = AppendBlocks(step, s, n.block_ids(), n.sliding_block_ids(), "new_seqs");
     if (!st.ok()) return st;
     // Its first row starts after the tokens whose KV its shared blocks hold.
     const int64_t cached = n.num_cached_tokens(), bs = limits_.block_size;
@@ -143,11 +170,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     const v1::SeqBlocks& a = p.appended_blocks(i);
     auto it = index_.find(a.seq_id());
     if (it == index_.end()) return bad("appended_blocks[", i, "] names seq ", a.seq_id(), ", which this worker does not hold");
-    if (a.sliding_block_ids_size() > 0) {
-      return bad("appended_blocks[", i, "]: seq ", a.seq_id(), " carries sliding_block_ids; this worker holds no "
-                 "sliding layers' pool (num_sliding_kv_blocks 0)");
-    }
-    absl::Status st = AppendBlocks(step, slots_[it->second], a.block_ids(), "appended_blocks");
+    absl::Status st = AppendBlocks(step, slots_[it->second], a.block_ids(), a.sliding_block_ids(), "appended_blocks");
     if (!st.ok()) return st;
   }
 
@@ -175,7 +198,10 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   batch->token_seq.clear();
   batch->slots.clear();
   batch->block_tables.clear();
+  batch->sliding_slots.clear();
+  batch->sliding_block_tables.clear();
   batch->logit_rows.clear();
+  const bool sliding = limits_.num_sliding_kv_blocks > 0;
   batch->num_seqs = rows;
   sampling->Clear();  // keeps the elements for reuse
   int64_t t = 0;      // the row's first token in token_ids
@@ -204,6 +230,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
       batch->positions.push_back(static_cast<int32_t>(pos));
       batch->token_seq.push_back(row);
       batch->slots.push_back(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
+      if (sliding) batch->sliding_slots.push_back(static_cast<int32_t>(s.sliding_blocks[pos / bs] * bs + pos % bs));
       if (keep_history_) {
         if (pos < s.prompt_len) {
           if (s.repetition) s.sampling.add_penalty_prompt_ids(p.token_ids(static_cast<int>(t)));
@@ -215,6 +242,11 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     s.fed = end;
     batch->block_tables.insert(batch->block_tables.end(), s.blocks.begin(), s.blocks.end());
     batch->block_tables.resize(static_cast<size_t>((row + 1) * width), 0);
+    if (sliding) {
+      batch->sliding_block_tables.insert(batch->sliding_block_tables.end(), s.sliding_blocks.begin(),
+                                         s.sliding_blocks.end());
+      batch->sliding_block_tables.resize(static_cast<size_t>((row + 1) * width), 0);
+    }
     if (p.row_samples(row)) {
       if (end < s.prompt_len) {
         return bad("row ", row, " samples seq ", id, " after ", end, " tokens, inside its prompt of ", s.prompt_len);

@@ -11,6 +11,9 @@
 //               written again, since slots come from positions >= p0 only);
 //   slots       table[pos / block_size] * block_size + pos % block_size;
 //   block table s's, padded with block 0 to max_blocks_per_seq (row-major [rows, width]);
+//   sliding     where the sliding layers have a pool of their own (num_sliding_kv_blocks > 0), the
+//               same slots and table from s's sliding table (NewSeq.sliding_block_ids), which is
+//               always as long as its table;
 //   logit row   the row's last token, when the row samples;
 //   draw_index  p0 + n - prompt_len (a row samples only once every token of s is fed, so this is
 //               the number of tokens generated so far: the coordinator's tokens.size() -
@@ -23,7 +26,8 @@
 // Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown
 // or twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with
 // a penalty on, a table past max_blocks_per_seq, a block outside
-// [0, num_kv_blocks), a row whose positions are not the next ones or lie beyond its table, more
+// [0, num_kv_blocks) (a sliding block outside [0, num_sliding_kv_blocks), sliding ids where there
+// is no such pool, or a sliding table not as long as the table), a row whose positions are not the next ones or lie beyond its table, more
 // rows, tokens or held sequences than the limits, lists of unequal length, a token id outside the
 // vocabulary. The state is changed as the plan is read, so after an error it is undefined: the
 // worker runs no further steps (StepExecutor), and the coordinator starts a new group with new
@@ -77,11 +81,14 @@ class PersistentBatch {
   int64_t fed(uint64_t seq_id) const;
   // A held sequence's block table; empty for an unknown id.
   std::vector<int32_t> blocks(uint64_t seq_id) const;
+  // A held sequence's sliding layers' block table; empty for an unknown id or without that pool.
+  std::vector<int32_t> sliding_blocks(uint64_t seq_id) const;
 
  private:
   struct Seq {
     uint64_t id = 0;
     std::vector<int32_t> blocks;  // block table, reserved to max_blocks_per_seq
+    std::vector<int32_t> sliding_blocks;  // the sliding layers' table (as long as blocks), likewise
     int64_t fed = 0;              // tokens fed so far (from num_cached_tokens): the next row starts here
     int64_t prompt_len = 0;
     bool repetition = false;      // repetition penalty on: keep the prompt
@@ -91,8 +98,10 @@ class PersistentBatch {
     v1::RowSampling sampling;
   };
 
+  // Appends `ids` to s's table and `sliding_ids` to its sliding table (ids in range, as many of
+  // each where the sliding pool exists, none of the second where it does not).
   absl::Status AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,
-                            const char* what);
+                            const google::protobuf::RepeatedField<int32_t>& sliding_ids, const char* what);
 
   // ---- Constant after construction ----
   StepLimits limits_;

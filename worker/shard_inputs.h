@@ -25,13 +25,18 @@ struct ShardSpec {
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position
 // positions[t], and its K/V go to cache slot slots[t]. Block tables are row-major
 // [num_seqs, max_blocks_per_seq]. logit_rows lists the tokens whose logits are wanted (the last
-// token of each sequence that samples this step).
+// token of each sequence that samples this step). Where the sliding layers have a pool of their own
+// (StepLimits::num_sliding_kv_blocks > 0, model/kv_blocks.h InSlidingPool), those layers write token
+// t's K/V to sliding_slots[t] and read through sliding_block_tables, shaped as slots and
+// block_tables; both are empty otherwise.
 struct StepBatch {
   std::vector<int32_t> token_ids;  // [n] (first stage only)
   std::vector<int32_t> positions;  // [n]
   std::vector<int32_t> token_seq;  // [n]
   std::vector<int32_t> slots;      // [n]
   std::vector<int32_t> block_tables;
+  std::vector<int32_t> sliding_slots;         // [n] or empty
+  std::vector<int32_t> sliding_block_tables;  // like block_tables, or empty
   int32_t num_seqs = 0;
   std::vector<int32_t> logit_rows;  // [m]
 };

@@ -10,6 +10,7 @@
 #include "base/status_macros.h"
 #include "kernels/logit_bias.h"
 #include "kernels/sampling.h"
+#include "model/kv_blocks.h"
 #include "model/shard_identity.h"
 #include "model/sharding.h"
 
@@ -57,11 +58,12 @@ absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const 
                                                    ") is not a non-empty part of the model's ", L, " layers"));
   }
   SHARDSERVE_RETURN_IF_ERROR(limits.ValidateDecided());
-  if (limits.num_sliding_kv_blocks != 0) {
-    // The sliding layers index the one cache through block_ids (the coordinator keeps every block
-    // for models with full-attention layers beside sliding ones): a pool of their own is not held.
-    return absl::InvalidArgumentError(absl::StrCat("step limits: num_sliding_kv_blocks ", limits.num_sliding_kv_blocks,
-                                                   ": this worker holds no sliding layers' pool of its own"));
+  if (limits.num_sliding_kv_blocks != 0 && SlidingPoolWindow(config) == 0) {
+    // Only a model whose sliding layers sit beside full-attention ones has a pool for them.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step limits: num_sliding_kv_blocks ", limits.num_sliding_kv_blocks, " for a model with ",
+        config.num_hidden_layers, " layers of which none slides beside a full-attention one: it has no sliding "
+        "layers' pool (0)"));
   }
   SHARDSERVE_RETURN_IF_ERROR(ComputeTpShard(config, spec.tp_rank, spec.tp_size).status());
   return CheckQuantizedShard(config, spec.tp_size, spec.weight_quant);
@@ -222,7 +224,26 @@ absl::Status CheckStepBatch(const StepBatch& b, const StepLimits& limits, const 
   if (static_cast<int64_t>(b.logit_rows.size()) > limits.max_seqs_per_step) {
     return bad(b.logit_rows.size(), " logit rows; at most ", limits.max_seqs_per_step);
   }
+  // The sliding layers' slots and tables: shaped as the others where they have a pool, else none.
+  const bool sliding = limits.num_sliding_kv_blocks > 0;
+  if (b.sliding_slots.size() != (sliding ? n : 0) ||
+      b.sliding_block_tables.size() != (sliding ? b.block_tables.size() : 0)) {
+    return bad("sliding_slots has ", b.sliding_slots.size(), " and sliding_block_tables ",
+               b.sliding_block_tables.size(), " entries, expected ", sliding ? n : 0, " and ",
+               sliding ? b.block_tables.size() : 0, " (num_sliding_kv_blocks ", limits.num_sliding_kv_blocks, ")");
+  }
   const int64_t slots = limits.num_kv_blocks * limits.block_size;
+  const int64_t sliding_slots = limits.num_sliding_kv_blocks * limits.block_size;
+  for (size_t t = 0; t < b.sliding_slots.size(); ++t) {
+    if (b.sliding_slots[t] < 0 || b.sliding_slots[t] >= sliding_slots) {
+      return bad("sliding cache slot ", b.sliding_slots[t], " outside [0, ", sliding_slots, ")");
+    }
+  }
+  for (int32_t block : b.sliding_block_tables) {
+    if (block < 0 || block >= limits.num_sliding_kv_blocks) {
+      return bad("sliding block ", block, " outside [0, ", limits.num_sliding_kv_blocks, ")");
+    }
+  }
   for (size_t t = 0; t < n; ++t) {
     if (first_stage && (b.token_ids[t] < 0 || b.token_ids[t] >= config.vocab_size)) {
       return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config.vocab_size, ")");

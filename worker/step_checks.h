@@ -34,8 +34,8 @@ absl::Status CheckAssignment(const v1::Assignment& a);
 
 // The shard `spec` of the model `config` within `limits`, as ModelShard::Load checks it before
 // reading any weight: a non-empty layer range inside the model's layers (end_layer < 0: through
-// the last), decided limits with no sliding layers' pool (num_sliding_kv_blocks 0: the worker holds
-// none yet), a TP split the heads, MLP and vocabulary allow (ComputeTpShard), and a quantization
+// the last), decided limits with a sliding layers' pool (num_sliding_kv_blocks > 0) only for a model
+// that has one (model/kv_blocks.h SlidingPoolWindow), a TP split the heads, MLP and vocabulary allow (ComputeTpShard), and a quantization
 // the TP split allows (CheckQuantizedShard).
 absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const StepLimits& limits);
 
@@ -75,7 +75,8 @@ absl::Status CheckTokenMasks(const v1::StepPlan& plan, int64_t logit_rows, int64
 
 // A step batch for a shard of `config` within `limits` (`first_stage`: it embeds token ids): 1 to
 // max_tokens_per_step tokens with equal-length lists, 1 to max_seqs_per_step sequences, block
-// tables of num_seqs x max_blocks_per_seq entries in [0, num_kv_blocks), token ids in the
+// tables of num_seqs x max_blocks_per_seq entries in [0, num_kv_blocks) (with a sliding layers'
+// pool, sliding slots and tables as many, inside that pool; none without), token ids in the
 // vocabulary, positions inside the context (the tables' width and max_position_embeddings), cache
 // slots in the cache, logit rows among the step's tokens.
 absl::Status CheckStepBatch(const StepBatch& b, const StepLimits& limits, const ModelConfig& config, bool first_stage);

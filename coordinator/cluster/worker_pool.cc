@@ -307,9 +307,12 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
     kv_blocks = options_.limits.num_kv_blocks;
     kv_from = "--num-kv-blocks";
   } else if (cpu_only) {
-    uint64_t per_block = 0;
-    for (const GpuPlan& g : plan_->per_gpu) per_block = std::max(per_block, g.kv_bytes_per_token * block_size);
-    const int64_t cap = per_block == 0 ? kv_blocks : static_cast<int64_t>(kMaxCpuKvCacheBytes / per_block);
+    // The full pool's blocks whose cache, with the sliding layers' pool beside it, fits every worker.
+    int64_t cap = kv_blocks;
+    for (const GpuPlan& g : plan_->per_gpu) {
+      cap = std::min(cap, MostKvBlocks(model_->config, g, options_.limits, plan_->max_model_len,
+                                       static_cast<int64_t>(kMaxCpuKvCacheBytes), kv_blocks));
+    }
     if (cap < kv_blocks) {
       kv_blocks = cap;
       kv_from = "256 MiB per CPU worker";
@@ -324,6 +327,8 @@ std::vector<std::pair<int, v1::CoordinatorMessage>> WorkerPool::FormGroupLocked(
   limits_ = options_.limits;
   limits_.num_kv_blocks = kv_blocks;
   limits_.max_model_len = plan_->max_model_len;
+  // The sliding layers' pool, for the full pool and the length served (model/kv_blocks.h).
+  limits_.num_sliding_kv_blocks = PlannedSlidingBlocks(model_->config, limits_, kv_blocks, limits_.max_model_len);
   // The plan shown by `shardserve status` carries the cache the scheduler really uses.
   if (kv_blocks != plan_->limits.num_kv_blocks) {
     absl::StrAppend(&plan_->reason, " The KV cache used is ", planner_format::Count(limits_.kv_cache_tokens()),
@@ -688,8 +693,8 @@ absl::Status WorkerPool::CheckFitsSlotLocked(const v1::Register& hello, const Sl
   // What the slot's shard needs: its weights, step buffers and reserve, and the KV cache every
   // worker of the group holds (the plan's figures), at the planner's memory utilization.
   const GpuPlan& g = plan_->per_gpu[slot.rank];
-  const double kv = static_cast<double>(g.kv_bytes_per_token) * static_cast<double>(limits_.num_kv_blocks) *
-                    static_cast<double>(limits_.block_size);
+  const double kv =
+      static_cast<double>(GpuKvBytes(g, limits_.num_kv_blocks, limits_.num_sliding_kv_blocks, limits_.block_size));
   const double need = (static_cast<double>(g.weight_bytes + g.activation_bytes + g.reserve_bytes) + kv) /
                       plan_->options.gpu_memory_utilization;
   if (static_cast<double>(hello.memory_bytes()) < need) {

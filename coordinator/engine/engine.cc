@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "coordinator/telemetry/log.h"
+#include "model/kv_blocks.h"
 
 namespace shardserve {
 namespace {
@@ -186,8 +187,9 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.prefix_caching = options_.prefix_caching;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
-  // 2 and 3), every layer keeps every block in the one pool: the workers hold no sliding layers'
-  // pool of their own yet.
+  // 2 and 3), the sliding layers have a pool of their own on the workers (num_sliding_kv_blocks,
+  // model/kv_blocks.h), from which sequences let go of those blocks likewise; the full layers keep
+  // every block.
   int64_t window = 0;
   bool full_layers = false;
   for (int64_t i = 0; i < model_->config.num_hidden_layers; ++i) {
@@ -197,6 +199,9 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   if (!full_layers) {
     o.sliding_window = window;
     o.full_layers = false;
+  } else if (o.limits.num_sliding_kv_blocks > 0) {
+    o.sliding_window = SlidingPoolWindow(model_->config);
+    o.full_layers = true;
   }
   return o;
 }
@@ -213,7 +218,11 @@ bool Engine::EnsureScheduler() {
                                            o.prefix_caching ? "on" : "off",
                                            o.sliding_window > 0
                                                ? absl::StrCat(", blocks behind the ", o.sliding_window,
-                                                              "-token sliding window let go")
+                                                              "-token sliding window let go",
+                                                              o.full_layers ? absl::StrCat(" from the sliding layers' ",
+                                                                                           o.limits.num_sliding_kv_blocks,
+                                                                                           " blocks")
+                                                                            : "")
                                                : ""));
   if (metrics_ != nullptr) metrics_->kv_blocks_total.Set(static_cast<double>(o.limits.num_kv_blocks));
   PublishStats();

@@ -132,12 +132,42 @@ SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64
   return kv;
 }
 
+int64_t PlannedSlidingBlocks(const ModelConfig& config, const StepLimits& limits, int64_t num_kv_blocks,
+                             int64_t target_len) {
+  const int64_t len = std::min(target_len, num_kv_blocks * limits.block_size);
+  return SlidingPoolBlocks(config, num_kv_blocks, len, limits.max_tokens_per_step, limits.block_size,
+                           limits.max_seqs_per_step);
+}
+
+uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding_kv_blocks, int64_t block_size) {
+  return (g.kv_bytes_per_token * static_cast<uint64_t>(num_kv_blocks) +
+          g.sliding_kv_bytes_per_token * static_cast<uint64_t>(num_sliding_kv_blocks)) *
+         static_cast<uint64_t>(block_size);
+}
+
+int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
+                     int64_t bytes, int64_t cap) {
+  const auto fits = [&](int64_t blocks) {
+    const int64_t sliding = PlannedSlidingBlocks(config, limits, blocks, target_len);
+    return GpuKvBytes(g, blocks, sliding, limits.block_size) <= static_cast<uint64_t>(std::max<int64_t>(bytes, 0));
+  };
+  // The cache grows with the blocks (PlannedSlidingBlocks is monotone): the largest that fits.
+  int64_t lo = 0, hi = std::max<int64_t>(cap, 0);
+  if (fits(hi)) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g) {
   const GpuSpec& gpu = plan.cluster.gpu;
   const StagePlan& stage = plan.stages[g.stage];
   absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp);
   const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
-  const uint64_t kv = g.kv_bytes_per_token * static_cast<uint64_t>(plan.limits.kv_cache_tokens());
+  const uint64_t kv =
+      GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
   const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);

@@ -93,7 +93,8 @@ struct SequenceKv {
   // Sliding-window layers (ModelConfig::LayerWindow), keeping only the blocks their window and a
   // step need (model/kv_blocks.h KvBlocksHeld), as the coordinator's scheduler lets the rest go.
   uint64_t sliding_layers_bytes = 0;
-  // The same sliding layers counted at the whole context, as the workers allocate them today.
+  // The same sliding layers counted at the whole context, as they would hold without a pool of
+  // their own.
   uint64_t sliding_layers_full_context_bytes = 0;
   uint64_t bytes() const { return full_layers_bytes + sliding_layers_bytes; }
   uint64_t full_context_bytes() const { return full_layers_bytes + sliding_layers_full_context_bytes; }
@@ -101,8 +102,26 @@ struct SequenceKv {
 SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
                            DType dtype, int64_t context, int64_t block_size, int64_t chunk);
 
+// The sliding layers' pool the plan gives a model whose sliding layers sit beside full-attention
+// ones (model/kv_blocks.h SlidingPoolBlocks) beside a full pool of `num_kv_blocks`, for sequences of
+// up to min(target_len, num_kv_blocks x block_size) tokens fed limits.max_tokens_per_step at a time,
+// limits.max_seqs_per_step at once; 0 for other models.
+int64_t PlannedSlidingBlocks(const ModelConfig& config, const StepLimits& limits, int64_t num_kv_blocks,
+                             int64_t target_len);
+
+// The KV cache device `g` allocates: its full-attention pool of `num_kv_blocks` blocks of
+// `block_size` (g.kv_bytes_per_token a token) and its sliding layers' pool of `num_sliding_kv_blocks`
+// (g.sliding_kv_bytes_per_token a token).
+uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding_kv_blocks, int64_t block_size);
+
+// The most full-pool blocks, at most `cap`, whose KV cache on `g` with its planned sliding pool
+// (PlannedSlidingBlocks) fits in `bytes`.
+int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
+                     int64_t bytes, int64_t cap);
+
 // One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
-// (plan.limits.num_kv_blocks blocks, the same on every device), the step buffers for plan.limits,
+// (plan.limits.num_kv_blocks blocks and num_sliding_kv_blocks for the sliding layers, the same on
+// every device: GpuKvBytes), the step buffers for plan.limits,
 // the runtime items (the dequantize scratch only where g has one), what is left free of the usable
 // memory and what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);

@@ -9,9 +9,11 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "coordinator/planner/format.h"
+#include "coordinator/planner/memory.h"
 #include "coordinator/planner/weights.h"
 #include "kernels/backend.h"
 #include "model/families/registry.h"
+#include "model/kv_blocks.h"
 #include "model/quantized_checkpoint.h"
 #include "model/sharding.h"
 
@@ -111,6 +113,13 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
 
 // The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
 // length, an upper bound on the one the workers get.
+// The KV cache device `g` needs for one sequence of the shortest max_model_len accepted.
+uint64_t NeedKvBytes(const Context& ctx, const GpuPlan& g) {
+  const int64_t blocks = CeilDiv(ctx.min_len, ctx.options.limits.block_size);
+  return GpuKvBytes(g, blocks, PlannedSlidingBlocks(ctx.config, ctx.options.limits, blocks, ctx.min_len),
+                    ctx.options.limits.block_size);
+}
+
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
   StepLimits limits = ctx.options.limits;
   limits.num_kv_blocks = 0;
@@ -189,9 +198,11 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
   }
   PlaceStages(ctx.cluster, tp, &l.stages);
 
-  // Per GPU: weights, step buffers and reserve first; the KV cache takes what is left.
-  const int64_t need_tokens = CeilDiv(ctx.min_len, block) * block;
-  l.kv_blocks = INT64_MAX;
+  // Per GPU: weights, step buffers and reserve first; the KV cache takes what is left: the
+  // full-attention layers' pool and, where the sliding layers have one of their own (Gemma 2 and 3),
+  // theirs, sized for as many target_len sequences (memory.h MostKvBlocks).
+  const int64_t most_blocks = kMaxKvCacheTokens / block;  // cache slots are I32
+  l.kv_blocks = most_blocks;
   l.shortfall = INT64_MIN;
   for (int s = 0; s < pp; ++s) {
     const StagePlan& st = l.stages[s];
@@ -205,12 +216,19 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
       if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
-      g.kv_bytes_per_token = 2 * st.num_layers() * shards[r].kv_heads * c.head_dim * DTypeSize(ctx.dtype);
+      int64_t sliding_layers = 0;
+      for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
+      const uint64_t per_layer = 2 * shards[r].kv_heads * c.head_dim * DTypeSize(ctx.dtype);
+      g.kv_bytes_per_token = (st.num_layers() - sliding_layers) * per_layer;
+      g.sliding_kv_bytes_per_token = sliding_layers * per_layer;
       const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes);
       const int64_t free = static_cast<int64_t>(ctx.usable) - fixed;
-      g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
-      g.shortfall_bytes =
-          fixed + static_cast<int64_t>(g.kv_bytes_per_token) * need_tokens - static_cast<int64_t>(ctx.usable);
+      if (g.sliding_kv_bytes_per_token == 0) {
+        g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
+      } else {
+        g.kv_cache_tokens = MostKvBlocks(c, g, ctx.options.limits, ctx.target_len, free, most_blocks) * block;
+      }
+      g.shortfall_bytes = fixed + static_cast<int64_t>(NeedKvBytes(ctx, g)) - static_cast<int64_t>(ctx.usable);
       l.kv_blocks = std::min(l.kv_blocks, g.kv_cache_tokens / block);
       if (g.shortfall_bytes > l.shortfall) {
         l.shortfall = g.shortfall_bytes;
@@ -219,8 +237,6 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       l.gpus.push_back(g);
     }
   }
-  // A small model on a large GPU: memory would hold more tokens than I32 slots can address.
-  l.kv_blocks = std::min(l.kv_blocks, kMaxKvCacheTokens / block);
   const int64_t capacity = l.kv_blocks * block;
   if (capacity >= ctx.target_len) {
     l.tier = Tier::kFull;
@@ -301,7 +317,7 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   const ModelConfig& c = ctx.config;
   const GpuPlan& g = closest.gpus[closest.worst_gpu];
   const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.limits.block_size) * ctx.options.limits.block_size;
-  const uint64_t kv = g.kv_bytes_per_token * need_tokens;
+  const uint64_t kv = NeedKvBytes(ctx, g);
   const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes;
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s in %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
@@ -526,6 +542,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.limits = options.limits;
   plan.limits.num_kv_blocks = best.kv_blocks;
   plan.limits.max_model_len = best.max_model_len;
+  plan.limits.num_sliding_kv_blocks = PlannedSlidingBlocks(c, options.limits, best.kv_blocks, best.max_model_len);
   plan.decode = best.decode;
   for (const Layout& l : layouts) plan.layouts.push_back(Summarize(ctx, l));
   plan.fits = best.tier != Tier::kNone;

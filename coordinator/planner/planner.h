@@ -68,8 +68,9 @@ struct StagePlan {
   int64_t num_layers() const { return last_layer - first_layer + 1; }
 };
 
-// One GPU's share. Memory: weight + activation + reserve + kv_bytes_per_token x KV tokens <= the
-// usable memory (gpu_memory_utilization x total).
+// One GPU's share. Memory: weight + activation + reserve + kv_bytes_per_token x KV tokens (+
+// sliding_kv_bytes_per_token x the sliding pool's tokens) <= the usable memory
+// (gpu_memory_utilization x total).
 struct GpuPlan {
   int stage = 0;
   int tp_rank = 0;
@@ -83,7 +84,12 @@ struct GpuPlan {
   // 0 on the CPU and for plain weights.
   uint64_t dequant_scratch_bytes = 0;
   uint64_t kv_bytes_per_token = 0;  // 2 (K, V) x stage layers x local KV heads x head_dim x dtype
-  int64_t kv_cache_tokens = 0;      // tokens the memory left after the above holds
+  // Where the sliding layers have a pool of their own (model/kv_blocks.h InSlidingPool), the same
+  // for those layers, which kv_bytes_per_token then leaves out; 0 otherwise.
+  uint64_t sliding_kv_bytes_per_token = 0;
+  // Tokens of the full pool the memory left after the above holds, beside its sliding pool
+  // (memory.h MostKvBlocks).
+  int64_t kv_cache_tokens = 0;
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
   // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they
   // add up to the GPU's memory.

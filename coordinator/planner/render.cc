@@ -76,10 +76,14 @@ std::string PlanTable(const Plan& p) {
                         fmt::Size(c.gpu.memory_bytes), fmt::Size(p.usable_bytes_per_gpu), c.gpu.device_noun());
 
   if (p.fits) {
-    absl::StrAppendFormat(&out, "plan     %s on %s, max_model_len %s, KV cache %s tokens (%s blocks of %d)\n",
+    absl::StrAppendFormat(&out, "plan     %s on %s, max_model_len %s, KV cache %s tokens (%s blocks of %d)%s\n",
                           fmt::Layout(p.tp, p.pp), c.gpu.Count(p.tp * p.pp),
                           fmt::Count(p.max_model_len), fmt::Count(p.kv_cache_tokens),
-                          fmt::Count(p.limits.num_kv_blocks), p.limits.block_size);
+                          fmt::Count(p.limits.num_kv_blocks), p.limits.block_size,
+                          p.limits.num_sliding_kv_blocks > 0
+                              ? absl::StrCat(", the sliding layers' own ", fmt::Count(p.limits.num_sliding_kv_blocks),
+                                             " blocks")
+                              : "");
   } else {
     absl::StrAppendFormat(&out, "plan     DOES NOT FIT (closest layout shown: %s)\n", fmt::Layout(p.tp, p.pp));
   }
@@ -222,6 +226,7 @@ std::string PlanJson(const Plan& p) {
                             {"activation_bytes", g.activation_bytes},
                             {"reserve_bytes", g.reserve_bytes},
                             {"kv_bytes_per_token", g.kv_bytes_per_token},
+                            {"sliding_kv_bytes_per_token", g.sliding_kv_bytes_per_token},
                             {"kv_cache_tokens", g.kv_cache_tokens},
                             {"shortfall_bytes", std::max<int64_t>(g.shortfall_bytes, 0)}});
     json memory = json::object();  // item name -> bytes (nlohmann::json sorts an object's keys)
@@ -234,6 +239,7 @@ std::string PlanJson(const Plan& p) {
                         {"max_seqs_per_step", p.limits.max_seqs_per_step},
                         {"block_size", p.limits.block_size},
                         {"num_kv_blocks", p.limits.num_kv_blocks},
+                        {"num_sliding_kv_blocks", p.limits.num_sliding_kv_blocks},
                         {"max_blocks_per_seq", p.limits.max_blocks_per_seq()}};
   j["decode_step"] = {{"weights_s", p.decode.weights_s},
                       {"collectives_s", p.decode.collectives_s},

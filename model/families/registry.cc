@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/families/families.h"
+#include "model/kv_blocks.h"
 
 namespace shardserve {
 namespace {
@@ -158,6 +159,12 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
       {"logit_rows", DType::kI32, {m}},   {"hidden", act, {n, H}},
       {"normed", act, {n, H}},
   };
+  // The sliding layers' own slots and tables, for a model whose sliding layers have a pool of their
+  // own (model/kv_blocks.h SlidingPoolWindow; read only when num_sliding_kv_blocks > 0).
+  if (SlidingPoolWindow(config) > 0) {
+    b.push_back({"sliding_slots", DType::kI32, {n}});
+    b.push_back({"sliding_block_tables", DType::kI32, {m, limits.max_blocks_per_seq()}});
+  }
   if (config.family != nullptr) {
     for (StepBufferDecl& d : config.family->layer_buffers(config, shard, act, n)) b.push_back(std::move(d));
   }

@@ -31,6 +31,14 @@ absl::StatusOr<std::vector<int32_t>> GreedyGenerate(ModelShard* model, const std
   b.num_seqs = 1;
   b.block_tables.assign(opt.max_blocks_per_seq(), 0);
   for (int64_t i = 0; i < blocks; ++i) b.block_tables[i] = static_cast<int32_t>(i);  // slot == position
+  // The sliding layers' own pool, where the shard has one, as a ring: block i of the sequence in
+  // block i % num_sliding_kv_blocks, which overwrites blocks only once they lie wholly before the
+  // window, when the pool holds the window and a step (model/kv_blocks.h KvBlocksHeld).
+  const int64_t ring = opt.num_sliding_kv_blocks;
+  if (ring > 0) {
+    b.sliding_block_tables.assign(opt.max_blocks_per_seq(), 0);
+    for (int64_t i = 0; i < blocks; ++i) b.sliding_block_tables[i] = static_cast<int32_t>(i % ring);
+  }
 
   std::vector<int32_t> out;
   std::vector<int32_t> pending(prompt);  // tokens not yet in the cache
@@ -43,6 +51,12 @@ absl::StatusOr<std::vector<int32_t>> GreedyGenerate(ModelShard* model, const std
     b.positions.resize(chunk);
     b.slots.resize(chunk);
     for (int64_t t = 0; t < chunk; ++t) b.positions[t] = b.slots[t] = static_cast<int32_t>(pos + t);
+    if (ring > 0) {
+      b.sliding_slots.resize(chunk);
+      for (int64_t t = 0; t < chunk; ++t) {
+        b.sliding_slots[t] = static_cast<int32_t>((pos + t) % (ring * opt.block_size));
+      }
+    }
     b.token_seq.assign(chunk, 0);
     b.logit_rows.clear();
     if (final_chunk) b.logit_rows.push_back(static_cast<int32_t>(chunk - 1));

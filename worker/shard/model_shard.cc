@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "kernels/tensor.h"
 #include "model/families/registry.h"
+#include "worker/shard/kv_pools.h"
 #include "worker/step_checks.h"
 
 namespace shardserve {
@@ -38,12 +39,14 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                               LoadShardWeights(ckpt, m->config_, spec, s, backend, &m->arena_, &m->load_));
   backend->ReleaseLoadBuffers();
 
-  // ---- The paged KV cache of each layer: this rank's KV heads only ----
+  // ---- The paged KV cache of each layer, in its pool (kv_pools.h): this rank's KV heads only ----
   const int64_t D = config.head_dim;
   m->kv_.resize(m->end_layer_ - m->first_layer_);
-  for (KvCache& c : m->kv_) {
+  for (size_t i = 0; i < m->kv_.size(); ++i) {
+    KvCache& c = m->kv_[i];
+    const int64_t blocks = LayerKvBlocks(config, opt, m->first_layer_ + static_cast<int64_t>(i));
     for (Tensor* t : {&c.k, &c.v}) {
-      SHARDSERVE_ASSIGN_OR_RETURN(*t, m->arena_.Alloc(backend->act_dtype(), {opt.num_kv_blocks, opt.block_size, s.kv_heads, D}));
+      SHARDSERVE_ASSIGN_OR_RETURN(*t, m->arena_.Alloc(backend->act_dtype(), {blocks, opt.block_size, s.kv_heads, D}));
       SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(t->data, t->bytes()));
       m->kv_cache_bytes_ += t->bytes();
     }
@@ -96,7 +99,8 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
 Tensor* ModelShard::StepBufferSlot(const std::string& name) {
   const std::pair<const char*, Tensor*> slots[] = {
       {"ids", &ids_},       {"positions", &positions_}, {"token_seq", &token_seq_}, {"slots", &slots_},
-      {"block_tables", &block_tables_}, {"logit_rows", &logit_rows_}, {"hidden", &hidden_},
+      {"block_tables", &block_tables_}, {"sliding_slots", &sliding_slots_},
+      {"sliding_block_tables", &sliding_block_tables_}, {"logit_rows", &logit_rows_}, {"hidden", &hidden_},
       {"normed", &normed_}, {"q", &q_},  {"k", &k_},   {"v", &v_},   {"attn", &attn_}, {"proj", &proj_},
       {"gate", &gate_},     {"up", &up_}, {"inv_freq", &inv_freq_},   {"last", &last_},
       {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_},
@@ -162,6 +166,10 @@ absl::Status ModelShard::Forward(const StepBatch& b) {
   SHARDSERVE_RETURN_IF_ERROR(Upload(token_seq_.Rows(0, n), b.token_seq));
   SHARDSERVE_RETURN_IF_ERROR(Upload(slots_.Rows(0, n), b.slots));
   SHARDSERVE_RETURN_IF_ERROR(Upload(block_tables_.Rows(0, b.num_seqs), b.block_tables));
+  if (limits_.num_sliding_kv_blocks > 0) {
+    SHARDSERVE_RETURN_IF_ERROR(Upload(sliding_slots_.Rows(0, n), b.sliding_slots));
+    SHARDSERVE_RETURN_IF_ERROR(Upload(sliding_block_tables_.Rows(0, b.num_seqs), b.sliding_block_tables));
+  }
   SHARDSERVE_RETURN_IF_ERROR(Upload(logit_rows_.Rows(0, m), b.logit_rows));
   if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
 
@@ -201,6 +209,11 @@ absl::Status ModelShard::ComputeWithGraph(int64_t n, int64_t m, int64_t seqs) {
 absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   Backend& be = *backend_;
   const StepMeta meta{positions_.Rows(0, n), token_seq_.Rows(0, n), slots_.Rows(0, n), block_tables_.Rows(0, seqs)};
+  // The sliding layers' pool, where they have one (kv_pools.h): its own slots and tables.
+  const StepMeta sliding_meta =
+      limits_.num_sliding_kv_blocks > 0
+          ? StepMeta{meta.positions, meta.token_seq, sliding_slots_.Rows(0, n), sliding_block_tables_.Rows(0, seqs)}
+          : meta;
   LayerScratch s{normed_.Rows(0, n), q_.Rows(0, n),    k_.Rows(0, n),    v_.Rows(0, n),
                  attn_.Rows(0, n),   proj_.Rows(0, n), gate_.Rows(0, n), up_.Rows(0, n),
                  moe_,               &moe_host_};
@@ -215,8 +228,9 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
   }
   for (size_t i = 0; i < layers.size(); ++i) {
     const Tensor* next_norm = i + 1 < layers.size() ? &layers[i + 1].input_layernorm : nullptr;
-    SHARDSERVE_RETURN_IF_ERROR(
-        blocks_->Layer(first_layer_ + static_cast<int64_t>(i), layers[i], kv_[i], meta, s, &x, next_norm));
+    const int64_t layer = first_layer_ + static_cast<int64_t>(i);
+    const StepMeta& layer_meta = LayerInSlidingPool(config_, limits_, layer) ? sliding_meta : meta;
+    SHARDSERVE_RETURN_IF_ERROR(blocks_->Layer(layer, layers[i], kv_[i], layer_meta, s, &x, next_norm));
   }
 
   if (!is_last_stage() || m == 0) return absl::OkStatus();

@@ -59,7 +59,7 @@ class ModelShard {
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
-  // Bytes of this shard's paged KV cache (K and V of every layer it holds).
+  // Bytes of this shard's paged KV cache (K and V of every layer it holds, in either pool: kv_pools.h).
   uint64_t kv_cache_bytes() const { return kv_cache_bytes_; }
   Backend* backend() const { return backend_; }
   // Step graphs (Backend::BeginGraph / RunGraph; the CUDA worker's, but --no-cuda-graphs): decode steps
@@ -113,6 +113,7 @@ class ModelShard {
 
   // ---- Step buffers, sized for max_tokens_per_step (n) and max_seqs_per_step (m) ----
   Tensor ids_, positions_, token_seq_, slots_, block_tables_, logit_rows_;  // I32
+  Tensor sliding_slots_, sliding_block_tables_;  // I32, the sliding layers' pool's (kv_pools.h); only with one
   Tensor hidden_;     // [n, hidden] residual stream
   Tensor normed_;     // [n, hidden]
   Tensor q_, k_, v_;  // [n, q], [n, kv], [n, kv]
