@@ -135,7 +135,7 @@ SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g) {
   const GpuSpec& gpu = plan.cluster.gpu;
   const StagePlan& stage = plan.stages[g.stage];
-  absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp);
+  absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp, plan.options.expert_parallel);
   const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
   const uint64_t kv = g.kv_bytes_per_token * static_cast<uint64_t>(plan.limits.kv_cache_tokens());
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
