@@ -100,6 +100,7 @@ absl::Status SameShard(const v1::Assignment& held, const v1::Assignment& wanted)
       {"first layer", {held.first_layer(), wanted.first_layer()}},
       {"end layer", {held.end_layer(), wanted.end_layer()}},
       {"weight quantization", {held.weight_quantization(), wanted.weight_quantization()}},
+      {"expert parallel", {held.expert_parallel(), wanted.expert_parallel()}},
       {"load format", {held.load_format(), wanted.load_format()}},
       {"max tokens per step", {held.limits().max_tokens_per_step(), wanted.limits().max_tokens_per_step()}},
       {"max seqs per step", {held.limits().max_seqs_per_step(), wanted.limits().max_seqs_per_step()}},

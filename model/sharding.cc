@@ -7,8 +7,17 @@
 
 namespace shardserve {
 
-absl::Status CheckTpDivides(const ModelConfig& c, int t) {
+absl::Status CheckTpDivides(const ModelConfig& c, int t, bool expert_parallel) {
   if (t < 1) return absl::InvalidArgumentError(absl::StrCat("tensor parallel size must be >= 1, got ", t));
+  if (expert_parallel && c.num_experts == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("expert parallelism: ", c.architecture_name,
+                                                   " has no experts (a dense model); serve it without --expert-parallel"));
+  }
+  if (expert_parallel && c.num_experts < t) {
+    return absl::InvalidArgumentError(absl::StrCat("expert parallelism: the ", c.num_experts,
+                                                   " experts cannot give each of the tensor parallel size ", t,
+                                                   " ranks one; use a smaller TP or no --expert-parallel"));
+  }
   if (c.num_attention_heads % t != 0)
     return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " does not divide the ",
                                                    c.num_attention_heads, " attention heads"));
@@ -19,19 +28,21 @@ absl::Status CheckTpDivides(const ModelConfig& c, int t) {
   if (c.intermediate_size % t != 0)
     return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t, " does not divide intermediate_size ",
                                                    c.intermediate_size));
-  if (c.num_experts > 0 && c.moe_intermediate_size % t != 0)
+  if (!expert_parallel && c.num_experts > 0 && c.moe_intermediate_size % t != 0)
     return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t,
                                                    " does not divide the experts' intermediate size ",
                                                    c.moe_intermediate_size));
-  if (c.shared_expert_intermediate_size % t != 0)
+  if (!expert_parallel && c.shared_expert_intermediate_size % t != 0)
     return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", t,
                                                    " does not divide the shared expert's intermediate size ",
                                                    c.shared_expert_intermediate_size));
   return absl::OkStatus();
 }
 
-absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckTpDivides(c, t));
+Range ExpertRange(int64_t experts, int r, int t) { return {r * experts / t, (r + 1) * experts / t}; }
+
+absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t, bool expert_parallel) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckTpDivides(c, t, expert_parallel));
   if (r < 0 || r >= t) return absl::InvalidArgumentError(absl::StrCat("tensor parallel rank ", r, " outside [0, ", t, ")"));
   TpShard s;
   s.tp_rank = r;
@@ -49,10 +60,15 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t) {
   }
   const int64_t inter = c.intermediate_size / t;
   s.mlp_rows = {r * inter, (r + 1) * inter};
-  const int64_t expert_inter = c.moe_intermediate_size / t;
-  s.expert_rows = {r * expert_inter, (r + 1) * expert_inter};
-  const int64_t shared_inter = c.shared_expert_intermediate_size / t;
-  s.shared_expert_rows = {r * shared_inter, (r + 1) * shared_inter};
+  // The experts: all of them, each cut like the MLP; or (expert parallelism) this rank's block of
+  // them whole, and the shared expert whole.
+  s.expert_parallel = expert_parallel;
+  const int et = expert_parallel ? 1 : t, er = expert_parallel ? 0 : r;
+  s.experts = expert_parallel ? ExpertRange(c.num_experts, r, t) : Range{0, c.num_experts};
+  const int64_t expert_inter = c.moe_intermediate_size / et;
+  s.expert_rows = {er * expert_inter, (er + 1) * expert_inter};
+  const int64_t shared_inter = c.shared_expert_intermediate_size / et;
+  s.shared_expert_rows = {er * shared_inter, (er + 1) * shared_inter};
   s.vocab_rows_per_rank = (c.vocab_size + t - 1) / t;
   s.vocab_rows = {std::min(c.vocab_size, r * s.vocab_rows_per_rank),
                   std::min(c.vocab_size, (r + 1) * s.vocab_rows_per_rank)};
@@ -77,7 +93,10 @@ Slice ShardSlice(TpSplit split, const TpShard& s) {
   return Slice{0, 0, -1};
 }
 
-bool HoldsAny(TpSplit split, const TpShard& s) { return split != TpSplit::kFirstRank || s.tp_rank == 0; }
+bool HoldsAny(TpSplit split, const TpShard& s, int64_t expert) {
+  if (expert >= 0 && (expert < s.experts.begin || expert >= s.experts.end)) return false;  // another rank's expert
+  return split != TpSplit::kFirstRank || s.tp_rank == 0;
+}
 
 namespace {
 
@@ -116,7 +135,7 @@ absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t) {
 
 }  // namespace
 
-absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant) {
+absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant, bool expert_parallel) {
   if (c.checkpoint_quant.has_value()) {
     if (quant != WeightQuant::kNone) {
       return absl::InvalidArgumentError(absl::StrCat("the checkpoint is already quantized (",
@@ -129,8 +148,10 @@ absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant)
   if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
   const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()},
                                                  {"down_proj", c.intermediate_size},
-                                                 {"the experts' down_proj", c.moe_intermediate_size},
-                                                 {"the shared expert's down_proj", c.shared_expert_intermediate_size}};
+                                                 // whole on their ranks under expert parallelism
+                                                 {"the experts' down_proj", expert_parallel ? 0 : c.moe_intermediate_size},
+                                                 {"the shared expert's down_proj",
+                                                  expert_parallel ? 0 : c.shared_expert_intermediate_size}};
   for (const auto& [name, width] : cut) {
     if (width == 0) continue;  // no experts
     if (width % t != 0 || (width / t) % kInt4GroupSize != 0) {

@@ -22,6 +22,13 @@
 //
 // Worked example: 8 q heads, 2 KV heads, TP = 4 -> each rank holds 2 q heads and 1 KV head;
 // ranks 0,1 hold KV head 0 and ranks 2,3 hold KV head 1.
+//
+// Expert parallelism (--expert-parallel; docs/moe.md) cuts the experts the other way: rank r of
+// the TP group holds experts [r * E / t, (r+1) * E / t) whole (floor division, so with an uneven
+// split the ranks' counts differ by one: E = 8, t = 3 -> ranks hold experts 0-1, 2-4, 5-7), and
+// Qwen2-MoE's shared expert is replicated whole on every rank (each rank computes it on its own
+// slice of the tokens, so no partial sums remain and one all-gather joins the slices). The router
+// stays replicated; attention, the dense layers, the embedding and the LM head are cut as above.
 #ifndef SHARDSERVE_MODEL_SHARDING_H_
 #define SHARDSERVE_MODEL_SHARDING_H_
 
@@ -51,6 +58,8 @@ struct TpShard {
   Range expert_rows;            // rows of each expert's gate_proj/up_proj (and columns of its down_proj)
   Range shared_expert_rows;     // the same of Qwen2-MoE's shared expert
   Range vocab_rows;             // rows of embed_tokens and lm_head
+  bool expert_parallel = false; // experts held whole, the block `experts` of them (else all, cut)
+  Range experts;                // the experts this rank holds: ExpertRange, or all of them
   int64_t vocab_rows_per_rank;  // ceil(V / t): the padded width of every rank's logits slice
 };
 
@@ -73,15 +82,24 @@ enum class TpSplit {
 
 // The part of a tensor cut by `split` that `shard` holds (all of it for kFirstRank: ask HoldsAny).
 Slice ShardSlice(TpSplit split, const TpShard& shard);
-// Whether `shard` holds any of a tensor cut by `split` (false only for kFirstRank off rank 0).
-bool HoldsAny(TpSplit split, const TpShard& shard);
+// Whether `shard` holds any of a tensor cut by `split` (false for kFirstRank off rank 0, and for
+// a tensor of expert `expert` outside shard.experts; -1: not an expert's).
+bool HoldsAny(TpSplit split, const TpShard& shard, int64_t expert = -1);
 
-// The slice rank `tp_rank` of `tp_size` holds. InvalidArgument, naming the numbers, when the
-// heads, KV heads, intermediate size or experts' intermediate size do not divide as required.
-absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& config, int tp_rank, int tp_size);
+// The experts rank `tp_rank` of `tp_size` holds under expert parallelism:
+// [rank * experts / size, (rank + 1) * experts / size).
+Range ExpertRange(int64_t experts, int tp_rank, int tp_size);
 
-// Checks only divisibility (for the planner's choice of TP before ranks exist).
-absl::Status CheckTpDivides(const ModelConfig& config, int tp_size);
+// The slice rank `tp_rank` of `tp_size` holds, with the experts whole on their ranks when
+// `expert_parallel`. InvalidArgument, naming the numbers, when the heads, KV heads, intermediate
+// size or experts' intermediate size do not divide as required (CheckTpDivides).
+absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& config, int tp_rank, int tp_size,
+                                       bool expert_parallel = false);
+
+// Checks only divisibility (for the planner's choice of TP before ranks exist). With
+// `expert_parallel` the experts' sizes need not divide, but the model must have experts, and at
+// least as many as ranks.
+absl::Status CheckTpDivides(const ModelConfig& config, int tp_size, bool expert_parallel = false);
 
 // Whether the linear layers can be stored as `quant` (kernels/quant.h) when split over tp_size
 // ranks, each rank quantizing its own slice. int4 groups run along the input, so with TP > 1 a
@@ -95,7 +113,9 @@ absl::Status CheckTpDivides(const ModelConfig& config, int tp_size);
 // outputs of q/k/v/gate/up and inputs of o/down a whole number of packed int32s
 // (CheckpointQuant::output_multiple / input_multiple), and the inputs of o/down a whole number of
 // groups when TP > 1 and groups are contiguous (not GPTQ desc_act).
-absl::Status CheckQuantizedShard(const ModelConfig& config, int tp_size, WeightQuant quant);
+// With `expert_parallel` the experts are whole (not cut), so their widths are not checked.
+absl::Status CheckQuantizedShard(const ModelConfig& config, int tp_size, WeightQuant quant,
+                                 bool expert_parallel = false);
 
 }  // namespace shardserve
 

@@ -30,6 +30,8 @@
 9. Bad flags refused with exit 2 and a message naming the flag: --backend other, openai without
    --base-url or --vocab-size (but for the chat load), an https or portless URL, --base-url with
    gRPC, --address with openai.
+10. Expert parallelism: `bench --compare tp2,tp2/ep` on a mixture-of-experts fixture runs both, the
+   /ep layout's coordinator with --expert-parallel.
 
 bench runs in a session of its own (start_new_session), so "left behind" means a process of that
 session, and tests running beside this one in parallel are not counted. Every wait is bounded.
@@ -230,6 +232,27 @@ def case_chat(work):
           "with prefix caching on, 0 off")
 
 
+def case_expert_parallel(work):
+    """`bench --compare tp2,tp2/ep` on a mixture-of-experts fixture: both layouts complete, and the /ep
+    one's coordinator runs with --expert-parallel (its commands.sh), the other's without."""
+    logs = os.path.join(work, "ep-logs")
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "qwen3_moe_tf5")
+    rc, out, err, sid = run_bench(["--compare", "tp2,tp2/ep", "--model", model, "--num-requests", "4",
+                                   "--concurrency", "2", "--input-len", "8", "--output-len", "8", "--warmup", "0",
+                                   "--json", "--log-dir", logs])
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    check(rc == 0, f"bench --compare tp2,tp2/ep exited {rc}\nstderr:\n{err}")
+    with open(os.path.join(logs, "tp2_ep", "commands.sh")) as f:
+        check("--expert-parallel" in f.read(), "the /ep coordinator lacks --expert-parallel")
+    with open(os.path.join(logs, "tp2", "commands.sh")) as f:
+        check("--expert-parallel" not in f.read(), "the tp2 coordinator has --expert-parallel")
+    for r in json.loads(out)["runs"]:
+        check(r["completed"] == 4 and r["failed"] == 0, f"{r['layout']}: {r['completed']} completed: {r['errors']}")
+    print("ok: tp2,tp2/ep: the /ep layout's coordinator has --expert-parallel, both complete")
+
+
 def case_http_vs_grpc(work):
     rc, out, err, sid = run_bench(["--compare", "tp1,tp1/http", "--num-requests", "6", "--concurrency", "2",
                                    "--input-len", "8", "--output-len", "8", "--json",
@@ -369,6 +392,7 @@ if __name__ == "__main__":
         case_forwarding(work, old)
         if not old:
             case_chat(work)
+            case_expert_parallel(work)
             case_http_vs_grpc(work)
             case_openai_launch(work)
     except SystemExit:

@@ -57,6 +57,7 @@
 #include "kernels/cpu/quant_isa.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tests/cluster_harness.h"
@@ -136,6 +137,94 @@ TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts()),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
+// ---- Expert parallelism: whole experts per rank, the same tokens ----------------------------------
+
+// Every MoE fixture with --expert-parallel (worker/shard/expert_plan.h): each TP rank holds a block
+// of whole experts and the tokens travel to them and back by all-to-all, then an all-gather joins
+// the ranks' slices of the tokens. The greedy tokens are Hugging Face's, the same tokens the layouts
+// above give with the experts cut (so identical with and without the flag), exactly: every layout
+// computes in float32 and only the order of summation differs (an expert's whole down_proj instead
+// of partial sums added by the all-reduce), within the margin the parity test's comment gives.
+// The fixtures have 3, 5 and 7 experts: TP=2 splits 5 and 7 unevenly (2 + 3, 3 + 4), and TP=4
+// (1 KV head per 2 ranks) splits 5 as 1 + 1 + 1 + 2 and 7 as 1 + 2 + 2 + 2. TP=3 is not a layout any
+// fixture allows (4 attention heads).
+std::vector<Layout> ExpertParallelLayouts() {
+  std::vector<Layout> out;
+  for (const char* f : {"qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5",
+                        "qwen2_moe_bf16_tf5"}) {
+    out.push_back({f, 2, 1});
+    out.push_back({f, 2, 2});
+  }
+  out.push_back({"qwen3_moe_tf5", 4, 1});
+  out.push_back({"qwen2_moe_bf16_tf5", 4, 1});
+  return out;
+}
+
+class ClusterExpertParallelTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterExpertParallelTest, GreedyTokensMatchHuggingFace) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}}, {"--expert-parallel"});
+  ASSERT_TRUE(cluster.Start());
+  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, golden.greedy);
+  // The workers hold whole experts, a block each: with an uneven split (5 or 7 experts) the ranks
+  // of a stage with sparse layers hold different weight bytes, where cut experts give them the
+  // same (a stage of dense layers only, qwen2_moe_tf5's last, holds no experts).
+  std::ifstream config_file(kFixtures / l.fixture / "config.json");
+  const nlohmann::json config = nlohmann::json::parse(config_file);
+  const int64_t experts = config.contains("num_local_experts") ? config["num_local_experts"].get<int64_t>()
+                                                                : config["num_experts"].get<int64_t>();
+  std::map<int, std::set<int64_t>> bytes_by_stage;
+  const v1::ClusterStatus status = cluster.Status();
+  for (const v1::WorkerStatus& w : status.workers()) bytes_by_stage[w.stage()].insert(w.weight_bytes());
+  ASSERT_EQ(bytes_by_stage.size(), static_cast<size_t>(l.pp));
+  // Each worker counted rows only for the experts it holds (its block), and every stage with
+  // sparse layers counted some; the all-to-alls were timed.
+  for (const v1::WorkerStatus& w : status.workers()) {
+    const std::map<std::string, double> m = ParseSamples(HttpGetMetrics(w.metrics_address()));
+    const Range mine = ExpertRange(experts, w.tp_rank(), l.tp);
+    for (int64_t e = 0; e < experts; ++e) {
+      const double rows = Sum(m, "shardserve_worker_expert_rows_total", {"expert=\"" + std::to_string(e) + "\""});
+      if (e < mine.begin || e >= mine.end) EXPECT_EQ(rows, 0) << "rank " << w.tp_rank() << " expert " << e;
+    }
+    if (bytes_by_stage.size() == 1) {
+      EXPECT_GT(Sum(m, "shardserve_worker_expert_rows_total", {}), 0) << "rank " << w.tp_rank();
+      EXPECT_GT(Sum(m, "shardserve_worker_collective_seconds_count", {"op=\"all_to_all\""}), 0);
+    }
+  }
+  bool uneven_stage = false;
+  for (const auto& [stage, bytes] : bytes_by_stage) uneven_stage = uneven_stage || bytes.size() > 1;
+  EXPECT_EQ(uneven_stage, experts % l.tp != 0) << experts << " experts over TP=" << l.tp;
+  // Several sequences in one step too: prompts of different lengths, so that the ranks' slices
+  // of a step's tokens hold parts of different sequences, and decode steps of fewer tokens than
+  // ranks leave a rank with none.
+  std::vector<Streamed> together(3);
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < together.size(); ++i) {
+      threads.emplace_back([&, i] {
+        const std::vector<int32_t> prompt(golden.prompt.begin(), golden.prompt.end() - static_cast<long>(i));
+        together[i] = Generate(cluster.client(), TokenRequest(prompt, 8));
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  ASSERT_TRUE(together[0].status.ok()) << together[0].status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(together[0].tokens, std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + 8));
+  for (const Streamed& t : together) EXPECT_TRUE(t.status.ok()) << t.status.error_message();
+  std::printf("[ timing   ] EP TP=%d PP=%d %s: cluster up in %.2f s, 32 tokens in %.2f s\n", l.tp, l.pp,
+              l.fixture.c_str(), cluster.start_seconds(), r.seconds);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterExpertParallelTest, ::testing::ValuesIn(ExpertParallelLayouts()),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;

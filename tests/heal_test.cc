@@ -308,6 +308,26 @@ TEST_F(HealTest, Tp2Pp2KilledWorkerAtEachPositionIsReplacedAndTheStreamGoesOnUnc
   if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
+// Expert parallelism: the replacement for a killed TP rank gets the same assignment, the flag
+// included, and loads that rank's block of whole experts (5 experts over TP=2: 2 and 3); the
+// stream goes on with the tokens it had before, which are Hugging Face's.
+TEST_F(HealTest, ExpertParallelRankKilledIsReplacedWithItsExperts) {
+  std::vector<std::string> flags = kPatientHeal;
+  flags.push_back("--expert-parallel");
+  Cluster cluster({"qwen3_moe_tf5", 1, 2, {"--debug-step-delay-ms", "20", "--matmul-dtype", "f32"}}, flags);
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("qwen3_moe_tf5");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, 32);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  EXPECT_EQ(reference.tokens, golden.greedy);
+  const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] { KillAndReplace(cluster, 0, 1); });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens) << cluster.Logs();
+  EXPECT_EQ(cluster.Status().state(), "serving");
+  EXPECT_GE(cluster.Status().epoch(), 2u);
+}
+
 TEST_F(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
   v1::GenerateRequest request = TokenRequest(LoadGolden("llama3_rope").prompt, kTokens);
   request.mutable_sampling()->set_temperature(0.9f);

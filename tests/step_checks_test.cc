@@ -114,6 +114,10 @@ TEST(StepChecksTest, RegroupAndAdopt) {
   EXPECT_TRUE(CheckAdopt(held, 3, wanted).ok());
   EXPECT_EQ(RegroupOf(wanted).recv_group(), "e5/pp/tp0/stage0-1");
   ExpectRefused(CheckAdopt(held, 5, wanted), "adopt: epoch 5");
+  wanted.set_expert_parallel(true);  // the same layers, but whole experts: another shard
+  EXPECT_TRUE(absl::IsFailedPrecondition(CheckAdopt(held, 3, wanted)));
+  wanted.set_expert_parallel(false);
+  EXPECT_TRUE(CheckAdopt(held, 3, wanted).ok());
   wanted.set_end_layer(3);  // another shard
   EXPECT_TRUE(absl::IsFailedPrecondition(CheckAdopt(held, 3, wanted)));
 }

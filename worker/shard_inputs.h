@@ -20,6 +20,9 @@ struct ShardSpec {
   // How the linear layers' weights (q/k/v/o, gate/up/down) are stored: quantized at load, each rank
   // its own slice (kernels/quant.h). Embeddings, norms and the LM head keep the activation dtype.
   WeightQuant weight_quant = WeightQuant::kNone;
+  // Expert parallelism (model/sharding.h): this rank holds its block of the experts whole, and the
+  // mixture-of-experts layers exchange tokens with the other ranks by all-to-all.
+  bool expert_parallel = false;
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position

@@ -65,8 +65,8 @@ absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const 
         config.num_hidden_layers, " layers of which none slides beside a full-attention one: it has no sliding "
         "layers' pool (0)"));
   }
-  SHARDSERVE_RETURN_IF_ERROR(ComputeTpShard(config, spec.tp_rank, spec.tp_size).status());
-  return CheckQuantizedShard(config, spec.tp_size, spec.weight_quant);
+  SHARDSERVE_RETURN_IF_ERROR(ComputeTpShard(config, spec.tp_rank, spec.tp_size, spec.expert_parallel).status());
+  return CheckQuantizedShard(config, spec.tp_size, spec.weight_quant, spec.expert_parallel);
 }
 
 ShardSpec ShardSpecOf(const v1::Assignment& a) {
@@ -74,7 +74,7 @@ ShardSpec ShardSpecOf(const v1::Assignment& a) {
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_FP8  ? WeightQuant::kFp8
                                                                                       : WeightQuant::kNone;
-  return ShardSpec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant};
+  return ShardSpec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant, a.expert_parallel()};
 }
 
 absl::Status CheckStageLayers(const v1::Assignment& a, const ModelConfig& config) {

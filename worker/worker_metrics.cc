@@ -54,6 +54,27 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* registry, const std::string& 
                       .Register(*registry);
   prefill_kernels_ = &kernels.Add(With(base, "phase", "prefill"));
   decode_kernels_ = &kernels.Add(With(base, "phase", "decode"));
+  expert_rows_family_ = &prometheus::BuildCounter()
+                             .Name("shardserve_worker_expert_rows_total")
+                             .Help("Tokens routed to each expert (one row per token and chosen expert) that this "
+                                   "worker computed, by expert id: the experts' load balance.")
+                             .Register(*registry);
+  base_ = base;
+}
+
+void WorkerMetrics::ExpertRowsDone(const std::vector<uint64_t>& totals) {
+  if (expert_rows_.size() < totals.size()) {
+    expert_rows_.resize(totals.size(), nullptr);
+    expert_rows_seen_.resize(totals.size(), 0);
+  }
+  for (size_t e = 0; e < totals.size(); ++e) {
+    if (totals[e] < expert_rows_seen_[e]) expert_rows_seen_[e] = 0;  // the shard was loaded again
+    const uint64_t added = totals[e] - expert_rows_seen_[e];
+    if (added == 0) continue;
+    if (expert_rows_[e] == nullptr) expert_rows_[e] = &expert_rows_family_->Add(With(base_, "expert", absl::StrCat(e)));
+    expert_rows_[e]->Increment(static_cast<double>(added));
+    expert_rows_seen_[e] = totals[e];
+  }
 }
 
 void WorkerMetrics::StepDone(bool prefill, double seconds, uint64_t kernel_launches) {

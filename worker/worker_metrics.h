@@ -11,8 +11,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <prometheus/counter.h>
+#include <prometheus/family.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
@@ -32,6 +34,10 @@ class WorkerMetrics final : public CollectiveObserver {
   // when it carried more tokens than sequences.
   void StepDone(bool prefill, double seconds, uint64_t kernel_launches = 0);
   void SetWeightBytes(uint64_t bytes) { weight_bytes_->Set(static_cast<double>(bytes)); }
+  // The shard's rows per expert since load (ModelShard::expert_rows_total): the counters grow by
+  // what is new since the last call (from zero again after a reload). A series is made the first
+  // time its expert has rows, so a worker shows the experts it computes.
+  void ExpertRowsDone(const std::vector<uint64_t>& totals);
   // CollectiveObserver. Barriers are not counted.
   void Observe(CollectiveOp op, double seconds, uint64_t bytes) override;
 
@@ -47,6 +53,11 @@ class WorkerMetrics final : public CollectiveObserver {
   prometheus::Counter* steps_ = nullptr;
   prometheus::Counter* prefill_kernels_ = nullptr;
   prometheus::Counter* decode_kernels_ = nullptr;
+  prometheus::Family<prometheus::Counter>* expert_rows_family_ = nullptr;
+  prometheus::Labels base_;
+  // ---- The step loop's only (ExpertRowsDone) ----
+  std::vector<prometheus::Counter*> expert_rows_;  // by expert id; null until it has rows
+  std::vector<uint64_t> expert_rows_seen_;         // the totals at the last call
 };
 
 }  // namespace shardserve

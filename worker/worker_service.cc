@@ -527,6 +527,7 @@ void WorkerService::RunStep(Stream* stream) {
   if (metrics_ != nullptr) {
     metrics_->StepDone(prefill, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                        kernels);
+    metrics_->ExpertRowsDone(executor_->expert_rows_total());
   }
   bool memory_line = false;  // the device memory taken since loading, beside these (on CUDA)
   if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu/gpu-bench.sh reads this line

@@ -65,6 +65,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   p.pp = o.nodes;
   p.limits = o.limits;  // the plan decides num_kv_blocks (and max_model_len when 0)
   p.weight_quant = o.weight_quant;
+  p.expert_parallel = o.expert_parallel;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
     p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces
@@ -393,6 +394,7 @@ v1::CoordinatorMessage WorkerPool::AssignmentLocked(const Slot& slot) {
                              : options_.weight_quant == WeightQuant::kInt4 ? v1::WEIGHT_QUANTIZATION_INT4
                              : options_.weight_quant == WeightQuant::kFp8  ? v1::WEIGHT_QUANTIZATION_FP8
                                                                            : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
+  a->set_expert_parallel(options_.expert_parallel);
   if (options_.load_format == LoadFormat::kDummy) {
     a->set_load_format(v1::LOAD_FORMAT_DUMMY);
     a->set_dummy_seed(options_.dummy_seed);

@@ -100,6 +100,8 @@ struct PoolOptions {
   StepLimits limits;
   // How the workers store the linear layers' weights (--quantization; kernels/quant.h).
   WeightQuant weight_quant = WeightQuant::kNone;
+  // Whether the TP ranks hold whole experts (--expert-parallel; model/sharding.h).
+  bool expert_parallel = false;
   // Where the workers' weights come from (--load-format, --dummy-seed; model/weight_source.h).
   LoadFormat load_format = LoadFormat::kAuto;
   uint64_t dummy_seed = 0;

@@ -164,7 +164,7 @@ int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimi
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g) {
   const GpuSpec& gpu = plan.cluster.gpu;
   const StagePlan& stage = plan.stages[g.stage];
-  absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp);
+  absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp, plan.options.expert_parallel);
   const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
   const uint64_t kv =
       GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);

@@ -72,10 +72,13 @@ int StageSlots(const ClusterSpec& c, int tp) {
 
 // The TP sizes that divide the model's heads (model/sharding.h), cut no quantization group
 // (CheckQuantizedShard) and fit in the largest node.
-std::vector<int> ValidTpSizes(const ModelConfig& config, const ClusterSpec& cluster, WeightQuant quant) {
+std::vector<int> ValidTpSizes(const ModelConfig& config, const ClusterSpec& cluster, WeightQuant quant,
+                              bool expert_parallel) {
   std::vector<int> sizes;
   for (int t = 1; t <= cluster.max_gpus_per_node(); ++t) {
-    if (CheckTpDivides(config, t).ok() && CheckQuantizedShard(config, t, quant).ok()) sizes.push_back(t);
+    if (CheckTpDivides(config, t, expert_parallel).ok() && CheckQuantizedShard(config, t, quant, expert_parallel).ok()) {
+      sizes.push_back(t);
+    }
   }
   return sizes;
 }
@@ -364,10 +367,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
 }
 
 // Checks a forced TP and/or PP against the model and the cluster, with errors naming the numbers.
-absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster, int tp, int pp, WeightQuant quant) {
+absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster, int tp, int pp, WeightQuant quant,
+                               bool expert_parallel) {
   if (tp > 0) {
-    if (absl::Status s = CheckTpDivides(c, tp); !s.ok()) {
-      std::vector<int> valid = ValidTpSizes(c, cluster, quant);
+    if (absl::Status s = CheckTpDivides(c, tp, expert_parallel); !s.ok()) {
+      std::vector<int> valid = ValidTpSizes(c, cluster, quant, expert_parallel);
       return absl::InvalidArgumentError(
           absl::StrCat("TP=", tp, ": ", s.message(), " (", c.num_attention_heads, " heads, ", c.num_key_value_heads,
                        " KV heads, intermediate size ", c.intermediate_size,
@@ -378,9 +382,9 @@ absl::Status CheckForcedLayout(const ModelConfig& c, const ClusterSpec& cluster,
                                                      "stays inside a node) but the largest node has ",
                                                      cluster.max_gpus_per_node()));
     }
-    if (absl::Status s = CheckQuantizedShard(c, tp, quant); !s.ok()) {
+    if (absl::Status s = CheckQuantizedShard(c, tp, quant, expert_parallel); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("TP=", tp, ": ", s.message(), "; TP sizes that work on this cluster: ",
-                                                     absl::StrJoin(ValidTpSizes(c, cluster, quant), ", ")));
+                                                     absl::StrJoin(ValidTpSizes(c, cluster, quant, expert_parallel), ", ")));
     }
   }
   if (pp > 0 && pp > c.num_hidden_layers) {
@@ -468,7 +472,10 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
                                                    " is longer than the model's max_position_embeddings (",
                                                    c.max_position_embeddings, ")"));
   }
-  SHARDSERVE_RETURN_IF_ERROR(CheckForcedLayout(c, cluster, options.tp, options.pp, options.weight_quant));
+  // expert parallelism needs experts (any TP: with one rank it holds them all, whole)
+  if (options.expert_parallel) SHARDSERVE_RETURN_IF_ERROR(CheckTpDivides(c, 1, /*expert_parallel=*/true));
+  SHARDSERVE_RETURN_IF_ERROR(
+      CheckForcedLayout(c, cluster, options.tp, options.pp, options.weight_quant, options.expert_parallel));
 
   Context ctx{c, cluster, options, options.dtype.value_or(c.dtype), 0, 0, 0, {}};
   ctx.usable = static_cast<uint64_t>(options.gpu_memory_utilization * static_cast<double>(cluster.gpu.memory_bytes));
@@ -483,13 +490,14 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   }
 
   // Weigh every layout the request allows.
-  std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp} : ValidTpSizes(c, cluster, options.weight_quant);
+  std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp}
+                                        : ValidTpSizes(c, cluster, options.weight_quant, options.expert_parallel);
   std::vector<Layout> layouts;
   for (int tp : tps) {
     std::vector<TpShard> shards;
     std::vector<RankWeights> ranks;
     for (int r = 0; r < tp; ++r) {
-      absl::StatusOr<TpShard> shard = ComputeTpShard(c, r, tp);
+      absl::StatusOr<TpShard> shard = ComputeTpShard(c, r, tp, options.expert_parallel);
       if (!shard.ok()) return shard.status();
       shards.push_back(*shard);
       ranks.push_back(CountRankWeights(c, ctx.tensors, *shard, ctx.dtype, options.weight_quant));

@@ -44,6 +44,9 @@ struct PlanOptions {
   std::optional<DType> dtype;
   // How the linear layers' weights are stored (kernels/quant.h): quantized weights need fewer bytes.
   WeightQuant weight_quant = WeightQuant::kNone;
+  // Expert parallelism (model/sharding.h): each TP rank holds whole experts, a block of them, which
+  // changes every rank's weight bytes and step buffers. Refused for a model without experts.
+  bool expert_parallel = false;
   // The step limits the workers are sized for (model/step_limits.h): max_tokens_per_step and
   // max_seqs_per_step size their step buffers (worker/shard/model_shard.h), block_size cuts the KV
   // cache. max_model_len is the longest sequence (prompt + output) to serve, and the KV cache must

@@ -84,7 +84,7 @@ uint64_t UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& ch
 }
 
 int64_t ShardElements(const WeightDecl& t, const TpShard& s) {
-  if (!HoldsAny(t.split, s)) return 0;
+  if (!HoldsAny(t.split, s, t.expert)) return 0;
   const Slice cut = ShardSlice(t.split, s);
   int64_t n = 1;
   for (size_t d = 0; d < t.shape.size(); ++d) {
@@ -102,6 +102,7 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
   r.tied = config.tie_word_embeddings;
   for (const WeightDecl& t : tensors) {
     const int64_t elements = ShardElements(t, shard);
+    if (elements == 0) continue;  // another rank's (o_proj's bias; an expert of another rank's block)
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
     // This rank's [rows, cols] of a linear layer's weight (what a quantized layout is counted on).
     const bool cols_cut = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank &&

@@ -49,7 +49,7 @@ constexpr char kUsage[] =
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
-    "                              [--no-prefix-caching]\n"
+    "                              [--no-prefix-caching] [--expert-parallel]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -126,7 +126,11 @@ constexpr char kUsage[] =
     "  --no-prefix-caching           turn automatic prefix caching off: by default, full KV blocks are\n"
     "                                kept after their request (evicted least recently used) and a\n"
     "                                request whose first tokens match reuses them instead of computing\n"
-    "                                them again (docs/prefix-caching.md)\n";
+    "                                them again (docs/prefix-caching.md)\n"
+    "  --expert-parallel             mixture-of-experts models: each TP rank holds whole experts (a block\n"
+    "                                of them) and tokens travel to their experts' ranks by all-to-all,\n"
+    "                                instead of every expert split over the ranks (docs/moe.md); refused\n"
+    "                                for a model without experts\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -156,7 +160,7 @@ int Main(int argc, char** argv) {
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
                     "reasoning-parser"},
-                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext"});
+                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -210,6 +214,7 @@ int Main(int argc, char** argv) {
   const absl::StatusOr<WeightQuant> quant = ParseWeightQuant(flags->Get("quantization", "none"));
   if (!quant.ok()) return Usage(absl::StrCat("flag --", quant.status().message()));
   pool_options.weight_quant = *quant;
+  pool_options.expert_parallel = flags->Has("expert-parallel");
   std::string load_format = "auto";
   if (absl::Status s = flags->OneOf("load-format", {"auto", "dummy"}, &load_format); !s.ok()) {
     return Usage(std::string(s.message()));

@@ -77,8 +77,8 @@ std::vector<WeightDecl> MixtralWeights(const ModelConfig& c) {
 // worst case of n * k (token, expert) rows: the router's logits (in the act dtype as the product
 // makes them, and in float32 for the routing), each token's experts and weights, the rows grouped
 // by expert (order, each pair's row, per-expert offsets, each row's token), the grouped rows'
-// inputs, their gate and up (this rank's slice of each expert), and their outputs; Qwen2-MoE's
-// shared expert's.
+// inputs, their gate and up (this rank's slice of each expert, or whole ones with expert
+// parallelism), and their outputs; expert parallelism's exchange buffers; Qwen2-MoE's shared expert's.
 std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
   std::vector<StepBufferDecl> b = LlamaShapedBuffers(c, s, act, n);
   if (c.num_experts == 0) return b;
@@ -96,6 +96,18 @@ std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& c, const TpShard& s, D
                                           {"expert_up", act, {n * k, f}},
                                           {"expert_out", act, {n * k, H}}};
   b.insert(b.end(), moe.begin(), moe.end());
+  if (s.expert_parallel) {
+    // Expert parallelism (worker/shard/expert_plan.h): every rank's per-expert row counts, the rows
+    // exchanged with the other ranks (at most all n * k of the step's), where each of them goes to
+    // be regrouped by expert and back, and every rank's ceil(n / t) combined rows gathered.
+    const int64_t t = s.tp_size, c = (n + t - 1) / t;
+    const std::vector<StepBufferDecl> ep = {{"expert_all_offsets", DType::kI32, {t, E + 1}},
+                                            {"expert_exchanged", act, {n * k, H}},
+                                            {"expert_regroup", DType::kI32, {n * k}},
+                                            {"expert_ungroup", DType::kI32, {n * k}},
+                                            {"expert_gathered", act, {t * c, H}}};
+    b.insert(b.end(), ep.begin(), ep.end());
+  }
   if (c.shared_expert_intermediate_size > 0) {
     // The shared expert's gate and up (this rank's slice), its output, its gate's logit (act and
     // float32), each token's row of its output (the identity, for MoeCombine) and the gated output.

@@ -179,9 +179,11 @@ struct Layout {
   bool serial = false;
   bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
+  bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
 };
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /http and /ep (in any
+// order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text);
 
 struct CompareRun {

@@ -86,7 +86,8 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial and /no-prefix-caching (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /http and /ep (in any
+// order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -101,6 +102,10 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.http = more = true;
       body.resize(body.size() - std::string_view("/http").size());
     }
+    if (absl::EndsWith(body, "/ep")) {
+      l.expert_parallel = more = true;
+      body.resize(body.size() - std::string_view("/ep").size());
+    }
     if (absl::EndsWith(body, "/no-prefix-caching")) {
       l.prefix_caching = false;
       more = true;
@@ -110,7 +115,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /http), e.g. tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /http, /ep), e.g. tp2xpp2/serial"));
   };
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -152,6 +157,7 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   co.coordinator_flags = o.cluster.CoordinatorArgs(layout.serial ? "micro-batches" : "");
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
+  if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
   int http_port = 0;
   if (layout.http) {
     absl::StatusOr<int> port = FreeLoopbackPort();

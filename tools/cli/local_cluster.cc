@@ -100,6 +100,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     c.coordinator_flags.emplace_back("dummy-seed", f.Get("dummy-seed"));
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
+  c.expert_parallel = f.Has("expert-parallel");
   return c;
 }
 
@@ -109,6 +110,7 @@ std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) 
     if (name != skip) args.insert(args.end(), {absl::StrCat("--", name), value});
   }
   if (!prefix_caching) args.push_back("--no-prefix-caching");
+  if (expert_parallel) args.push_back("--expert-parallel");
   return args;
 }
 

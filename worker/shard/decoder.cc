@@ -99,11 +99,18 @@ absl::Status DecoderBlocks::SwiGlu(Tensor* out, Tensor* gate, Tensor* up, const 
 absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const {
   MoeScratch& m = s.moe;
   MoeHostScratch& host = *s.moe_host;
-  const int64_t n = s.normed.dim(0), k = config_.num_experts_per_tok, E = config_.num_experts, nk = n * k;
+  const ExpertPlan& plan = tp_.experts;
+  const int64_t k = config_.num_experts_per_tok, E = config_.num_experts;
   const DType act = be_.act_dtype();
+  // the tokens this rank routes (all of them when the experts are cut; its slice of them with
+  // expert parallelism), and their rows of the output
+  const Range tokens = plan.TokenRows(s.normed.dim(0));
+  const int64_t n = tokens.size(), nk = n * k;
+  const Tensor h = s.normed.Rows(tokens.begin, tokens.end);
+  Tensor proj = s.proj.Rows(0, n);
   // router_logits = gate(h), the product in the act dtype (replicated: every rank routes alike)
   Tensor logits_act = m.router_logits.Rows(0, n);
-  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&logits_act, s.normed, w.router, nullptr));
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&logits_act, h, w.router, nullptr));
   // ... widened to float32 for softmax(router_logits, dtype=float): the same tensor in float32, else
   // through the host (a 16-bit act dtype; there is no widening op on the device yet)
   Tensor logits = act == DType::kF32 ? logits_act : m.router_logits_f32.Rows(0, n);
@@ -123,33 +130,41 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.offsets.data(), m.offsets.data, (E + 1) * sizeof(int32_t)));
   SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.order.data(), order.data, nk * sizeof(int32_t)));
   for (int64_t i = 0; i < nk; ++i) host.tokens[i] = static_cast<int32_t>(host.order[i] / k);
-  Tensor tokens = m.tokens.Rows(0, nk);
-  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(tokens.data, host.tokens.data(), nk * sizeof(int32_t)));
+  Tensor token_ids = m.tokens.Rows(0, nk);
+  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(token_ids.data, host.tokens.data(), nk * sizeof(int32_t)));
   // current_state = hidden_states[token_idx] for every expert at once (a row gather)
   Tensor in = m.in.Rows(0, nk);
-  SHARDSERVE_RETURN_IF_ERROR(be_.Embedding(&in, s.normed, tokens, 0));
-  // each expert that got rows: down_proj(silu(gate_proj(x)) * up_proj(x)) on its rows, this rank's
-  // slice of its intermediate size. The grouped product is a loop over those experts, one product
-  // per weight each: plain, and what the CPU needs; a grouped GEMM would replace it on a GPU.
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t begin = host.offsets[e], end = host.offsets[e + 1];
+  SHARDSERVE_RETURN_IF_ERROR(be_.Embedding(&in, h, token_ids, 0));
+  // ... to the ranks of their experts (they stay here when the experts are cut)
+  ExpertRows local;
+  SHARDSERVE_RETURN_IF_ERROR(plan.Dispatch(be_, m, host, nk, &local));
+  // each expert of this rank that got rows: down_proj(silu(gate_proj(x)) * up_proj(x)) on its rows
+  // (this rank's slice of its intermediate size, or all of it). The grouped product is a loop over
+  // those experts, one product per weight each: plain, and what the CPU needs; a grouped GEMM
+  // would replace it on a GPU.
+  for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
+    const int64_t begin = local.offsets[e], end = local.offsets[e + 1];
+    host.expert_rows_total[e] += static_cast<uint64_t>(end - begin);
     if (begin == end) continue;
-    Tensor x = m.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
-           out = m.out.Rows(begin, end);
+    Tensor x = local.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
+           out = local.out.Rows(begin, end);
     SHARDSERVE_RETURN_IF_ERROR(
         SwiGlu(&out, &gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e], w.expert_down_proj[e]));
   }
+  // ... and their outputs back to the tokens' rank
+  Tensor expert_out;
+  SHARDSERVE_RETURN_IF_ERROR(plan.Return(be_, m, host, local, nk, &expert_out));
   // final_hidden_states.index_add_(token_idx, expert output * its weight), expert by expert
-  SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&s.proj, m.out.Rows(0, nk), rows, weights));
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&proj, expert_out, rows, weights));
   if (w.shared_expert_gate.data != nullptr) {
     // Qwen2-MoE: shared_expert(h) = down_proj(silu(gate_proj(h)) * up_proj(h)), this rank's slice
+    // (whole with expert parallelism, on this rank's tokens)
     Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(
-        SwiGlu(&out, &gate, &up, s.normed, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
+    SHARDSERVE_RETURN_IF_ERROR(SwiGlu(&out, &gate, &up, h, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
     // sigmoid(shared_expert_gate(h)) in the act dtype, per token, on the host (no sigmoid op on the
     // device yet)
     Tensor gate_logit = m.shared_gate_logit.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&gate_logit, s.normed, w.shared_expert_gate, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&gate_logit, h, w.shared_expert_gate, nullptr));
     SHARDSERVE_RETURN_IF_ERROR(ReadF32OnHost(gate_logit, host));
     for (int64_t t = 0; t < n; ++t) {
       float scale = 1.0f / (1.0f + std::exp(-host.logits_f32[t]));
@@ -167,10 +182,10 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
     // product rounded to act as transformers' is)
     Tensor gated = m.shared_gated.Rows(0, n);
     SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&gated, out, token_rows, scale));
-    SHARDSERVE_RETURN_IF_ERROR(be_.Add(&s.proj, s.proj, gated));
+    SHARDSERVE_RETURN_IF_ERROR(be_.Add(&proj, proj, gated));
   }
-  // the experts' partial sums (row-parallel down_proj), summed once
-  return tp_.SumPartials(&s.proj);
+  // every token's output on every rank: the partial sums summed once, or the ranks' rows gathered
+  return plan.Join(be_, m, &s.proj);
 }
 
 absl::Status DecoderBlocks::ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const {

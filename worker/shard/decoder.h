@@ -16,6 +16,7 @@
 #include "model/config.h"
 #include "model/sharding.h"
 #include "worker/communicator.h"
+#include "worker/shard/expert_plan.h"
 #include "worker/shard/loader.h"
 
 namespace shardserve {
@@ -29,6 +30,8 @@ struct TpPlan {
   // The full result of a row-parallel product (o_proj, down_proj, the embedding lookup) on every
   // rank, from this rank's partial sum.
   absl::Status SumPartials(Tensor* partial) const { return group->AllReduceSum(partial); }
+  // How the sparse layers' experts are split over the group (worker/shard/expert_plan.h).
+  ExpertPlan experts;
 };
 
 // One layer's paged KV cache: [blocks, block_size, local KV heads, head_dim] each.
@@ -41,38 +44,6 @@ struct KvCache {
 struct StepMeta {
   Tensor positions, token_seq, slots;  // [n] I32
   Tensor block_tables;                 // [seqs, max_blocks_per_seq] I32
-};
-
-// What a sparse layer (DecoderBlocks::MoeMlp) works in for n tokens of k experts each: n * k
-// (token, expert) rows at most.
-struct MoeScratch {
-  Tensor router_logits;      // [n, experts] act: the router's product
-  Tensor router_logits_f32;  // [n, experts] F32: the same, widened for the routing
-  Tensor ids;                // [n, k] I32: each token's experts, in top-k order
-  Tensor weights;            // [n, k] F32: their weights
-  Tensor order;              // [n * k] I32: the (token, slot) pairs grouped by expert
-  Tensor rows;               // [n, k] I32: each pair's row in the grouping
-  Tensor offsets;            // [experts + 1] I32: where each expert's rows start
-  Tensor tokens;             // [n * k] I32: each grouped row's token
-  Tensor in;                 // [n * k, hidden] the grouped rows' inputs
-  Tensor gate, up;           // [n * k, fe] each expert's products on its rows (this rank's slice)
-  Tensor out;                // [n * k, hidden] each expert's output on its rows (partial sums)
-  // Qwen2-MoE's shared expert:
-  Tensor shared_gate, shared_up;  // [n, fs] its products (this rank's slice)
-  Tensor shared_out;              // [n, hidden] its output (partial sums)
-  Tensor shared_gate_logit;       // [n, 1] act: shared_expert_gate(h)
-  Tensor shared_scale;            // [n, 1] F32: sigmoid of it, in the act dtype's precision
-  Tensor shared_rows;             // [n, 1] I32: 0, 1, ..., n - 1
-  Tensor shared_gated;            // [n, hidden] its output times the scale (partial sums)
-};
-
-// Host memory a sparse layer reads the grouping into, sized at load for the step limits.
-struct MoeHostScratch {
-  std::vector<int32_t> offsets;      // [experts + 1]
-  std::vector<int32_t> order;        // [n * k]
-  std::vector<int32_t> tokens;       // [n * k]
-  std::vector<uint16_t> logits_act;  // [n * experts] the router's (or shared gate's) logits, 16-bit act
-  std::vector<float> logits_f32;     // [n * experts] the same in float32
 };
 
 // The activations a layer works in, n rows each.
@@ -128,7 +99,8 @@ class DecoderBlocks {
   // normed -> s.proj: the mixture of experts, as transformers' Qwen3MoeSparseMoeBlock and
   // MixtralSparseMoeBlock compute it (router, top-k, each expert's SwiGLU on its tokens, the
   // weighted sum), plus Qwen2MoeSparseMoeBlock's gated shared expert where the layer has one,
-  // summed over the group once.
+  // under the plan's split of the experts (tp_.experts: cut and summed once, or whole on their
+  // ranks with the tokens sent to them and gathered back).
   absl::Status MoeMlp(const LayerWeights& w, LayerScratch& s) const;
   // The [n, cols] act product `t` read into host.logits_f32 as float32 (through logits_act for a
   // 16-bit act dtype).

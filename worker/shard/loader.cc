@@ -248,7 +248,7 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
       return absl::InternalError(absl::StrCat(w.name, ": the forward pass of ", config.architecture_name,
                                               " has no place for this tensor"));
     }
-    if (!HoldsAny(w.split, shard)) continue;  // another rank's (o_proj's bias: rank 0's)
+    if (!HoldsAny(w.split, shard, w.expert)) continue;  // another rank's (o_proj's bias: rank 0's; an expert)
     const Slice slice = ShardSlice(w.split, shard);
     if (w.role == WeightRole::kLmHead && config.tie_word_embeddings && first_stage) {
       *slot = stage.embed_tokens;  // tied, and already loaded on this stage (packed if one_packed_table)
@@ -267,14 +267,18 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     }
   }
   // The norms a layer has are the ones its norm placement applies (worker/shard/decoder.cc); a
-  // sparse layer has its router and all its experts, a dense one its MLP.
+  // sparse layer has its router and all the experts this rank holds (shard.experts), a dense one its
+  // MLP.
   const bool sandwich = config.family->norm_placement == FamilyDeclaration::NormPlacement::kSandwich;
   for (size_t i = 0; i < stage.layers.size(); ++i) {
     const LayerWeights& l = stage.layers[i];
     const bool sparse = config.LayerIsSparse(first + static_cast<int64_t>(i));
-    const size_t experts = static_cast<size_t>(config.num_experts);
-    const bool has_experts = l.router.data != nullptr && l.expert_gate_proj.size() == experts &&
-                             l.expert_up_proj.size() == experts && l.expert_down_proj.size() == experts;
+    bool has_experts = l.router.data != nullptr;
+    for (const std::vector<Tensor>* v : {&l.expert_gate_proj, &l.expert_up_proj, &l.expert_down_proj}) {
+      for (int64_t e = shard.experts.begin; e < shard.experts.end; ++e) {
+        has_experts = has_experts && static_cast<size_t>(e) < v->size() && (*v)[e].data != nullptr;
+      }
+    }
     if (sparse != has_experts || sparse == (l.gate_proj.data != nullptr)) {
       return absl::InternalError(absl::StrCat(config.architecture_name, " layer ", first + static_cast<int64_t>(i),
                                               " is ", sparse ? "sparse" : "dense", " but its declared tensors ",

@@ -31,8 +31,10 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
   }
   m->tp_.group = tp;
-  SHARDSERVE_ASSIGN_OR_RETURN(m->tp_.shard, ComputeTpShard(config, spec.tp_rank, spec.tp_size));
+  SHARDSERVE_ASSIGN_OR_RETURN(m->tp_.shard, ComputeTpShard(config, spec.tp_rank, spec.tp_size, spec.expert_parallel));
   const TpShard& s = m->tp_.shard;
+  m->tp_.experts = {.group = tp, .expert_parallel = s.expert_parallel, .num_experts = config.num_experts,
+                    .experts = s.experts};
 
   // ---- Weights: this rank's slice of this stage's tensors, as the family declares them ----
   SHARDSERVE_ASSIGN_OR_RETURN(m->weights_,
@@ -92,6 +94,15 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     host.tokens.resize(nk);
     host.logits_f32.resize(logits);
     if (backend->act_dtype() != DType::kF32) host.logits_act.resize(logits);
+    host.expert_rows_total.assign(config.num_experts, 0);
+    if (s.expert_parallel) {
+      host.all_offsets.resize(static_cast<size_t>(spec.tp_size) * (config.num_experts + 1));
+      host.local_offsets.resize(config.num_experts + 1);
+      host.regroup.resize(nk);
+      host.ungroup.resize(nk);
+      host.send_rows.resize(spec.tp_size);
+      host.recv_rows.resize(spec.tp_size);
+    }
   }
   return m;
 }
@@ -110,7 +121,9 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"expert_in", &moe_.in}, {"expert_gate", &moe_.gate}, {"expert_up", &moe_.up}, {"expert_out", &moe_.out},
       {"shared_gate", &moe_.shared_gate}, {"shared_up", &moe_.shared_up}, {"shared_out", &moe_.shared_out},
       {"shared_gate_logit", &moe_.shared_gate_logit}, {"shared_scale", &moe_.shared_scale},
-      {"shared_rows", &moe_.shared_rows}, {"shared_gated", &moe_.shared_gated}};
+      {"shared_rows", &moe_.shared_rows}, {"shared_gated", &moe_.shared_gated},
+      {"expert_all_offsets", &moe_.all_offsets}, {"expert_exchanged", &moe_.exchanged},
+      {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
@@ -134,6 +147,7 @@ std::string ModelShard::GpuPathsNotYetRun() const {
   for (int64_t i = first_layer_; i < end_layer_; ++i) {
     if (config_.LayerIsSparse(i)) {
       paths.push_back("mixture-of-experts layers (routing, grouping, the experts' products, combine)");
+      if (spec_.expert_parallel) paths.push_back("expert parallelism (the all-to-all dispatch over NCCL)");
       break;
     }
   }

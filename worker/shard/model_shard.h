@@ -56,6 +56,9 @@ class ModelShard {
   const ModelConfig& config() const { return config_; }
   const StepLimits& limits() const { return limits_; }
   uint64_t weight_bytes() const { return load_.weight_bytes; }
+  // Rows (token, expert pairs) each expert computed on this rank since load, by expert id (empty for
+  // a dense model): the experts' load balance (MoeHostScratch::expert_rows_total).
+  const std::vector<uint64_t>& expert_rows_total() const { return moe_host_.expert_rows_total; }
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
