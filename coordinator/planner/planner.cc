@@ -205,7 +205,7 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
       if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
-      g.kv_bytes_per_token = 2 * st.num_layers() * shards[r].kv_heads * c.head_dim * DTypeSize(ctx.dtype);
+      g.kv_bytes_per_token = st.num_layers() * c.KvValuesPerToken(shards[r].kv_heads) * DTypeSize(ctx.dtype);
       const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes);
       const int64_t free = static_cast<int64_t>(ctx.usable) - fixed;
       g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
