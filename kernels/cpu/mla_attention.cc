@@ -8,11 +8,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/paged_tokens.h"
 
 namespace shardserve::cpu {
 
@@ -39,7 +41,7 @@ absl::Status CpuBackend::MlaAttention(Tensor* out, const Tensor& q_nope, const T
                                     " must all be > 0"));
   }
   const int64_t num_blocks = cache->dim(0), block_size = cache->dim(1);
-  const int64_t num_seqs = block_tables.dim(0), max_blocks = block_tables.dim(1);
+  const int64_t max_blocks = block_tables.dim(1);
   if (out->dim(0) != n || out->dim(1) != H * v || q_nope.dim(1) != H * nope || q_pe.dim(0) != n ||
       q_pe.dim(1) != H * rope || kv_c.dim(0) != n || kv_c.dim(1) != L || k_pe.dim(0) != n || k_pe.dim(1) != rope ||
       kv_b.dim(0) != H * (nope + v) || kv_b.dim(1) != L || cache->dim(2) != 1 || cache->dim(3) != row ||
@@ -59,20 +61,10 @@ absl::Status CpuBackend::MlaAttention(Tensor* out, const Tensor& q_nope, const T
       return check.Error(absl::StrCat("token ", t, " has slot ", slot[t], ", outside the cache's ",
                                       num_blocks * block_size));
     }
-    if (seq[t] < 0 || seq[t] >= num_seqs) {
-      return check.Error(absl::StrCat("token ", t, " names sequence ", seq[t], " but there are ", num_seqs));
-    }
-    if (pos[t] < 0 || pos[t] / block_size >= max_blocks) {
-      return check.Error(absl::StrCat("token ", t, " has position ", pos[t], ", outside its block table's ",
-                                      max_blocks, " blocks of ", block_size));
-    }
-    const int32_t* table = tables + seq[t] * max_blocks;
-    for (int64_t b = 0; b <= pos[t] / block_size; ++b) {
-      if (table[b] < 0 || table[b] >= num_blocks) {
-        return check.Error(absl::StrCat("sequence ", seq[t], " block table entry ", b, " is block ", table[b],
-                                        ", outside the cache's ", num_blocks, " blocks"));
-      }
-    }
+  }
+  if (const std::string error = PagedTokensError(block_tables, positions, token_seq, num_blocks, block_size, 0);
+      !error.empty()) {
+    return check.Error(error);
   }
 
   // The cache rows [c | k_pe], the step's own tokens first (prefill attends to them).

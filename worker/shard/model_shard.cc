@@ -43,6 +43,11 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   m->first_layer_ = spec.first_layer;
   m->end_layer_ = spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
   SHARDSERVE_RETURN_IF_ERROR(CheckShard(config, spec, opt));
+  if (config.mla() && backend->device_kind() != DeviceKind::kCpu) {
+    return absl::UnimplementedError(absl::StrCat(config.architecture_name, "'s multi-head latent attention runs on the "
+                                                 "CPU backend only; the CUDA kernels for it are not written yet "
+                                                 "(docs/gpu.md)"));
+  }
   if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
@@ -55,12 +60,6 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   SHARDSERVE_ASSIGN_OR_RETURN(m->weights_,
                               LoadShardWeights(ckpt, m->config_, spec, s, backend, &m->arena_, &m->load_));
   backend->ReleaseLoadBuffers();
-
-  if (config.mla() && backend->device_kind() != DeviceKind::kCpu) {
-    return absl::UnimplementedError(absl::StrCat(config.architecture_name, "'s multi-head latent attention runs on the "
-                                                 "CPU backend only; the CUDA kernels for it are not written yet "
-                                                 "(docs/gpu.md)"));
-  }
 
   // ---- The paged KV cache of each layer: this rank's KV heads only (LayerKvCacheLayout) ----
   const KvCacheLayout layout = LayerKvCacheLayout(config, s);
