@@ -190,4 +190,11 @@ absl::Status Backend::RunGraph(int) {
   return absl::UnimplementedError(absl::StrCat("RunGraph: the ", Describe(), " backend does not record step graphs"));
 }
 
+absl::Status Backend::MlaAttention(Tensor*, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, Tensor*, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   float, const MlaShape&) {
+  return absl::UnimplementedError(absl::StrCat("multi-head latent attention (DeepSeek-V3) is not implemented on ",
+                                               Describe(), "; it runs on the CPU backend"));
+}
+
 }  // namespace shardserve

@@ -180,6 +180,15 @@ struct MoeRouting {
 // otherwise. Both backends check with it.
 absl::Status CheckMoeRouting(const char* op, const MoeRouting& routing, int64_t experts);
 
+// Multi-head latent attention's sizes (DeepSeek-V2/V3; Backend::MlaAttention).
+struct MlaShape {
+  int64_t heads = 0;   // this rank's query heads
+  int64_t nope = 0;    // qk_nope_head_dim: each head's query and key part without RoPE
+  int64_t rope = 0;    // qk_rope_head_dim: the part with RoPE (the key's shared by all heads)
+  int64_t v = 0;       // v_head_dim
+  int64_t latent = 0;  // kv_lora_rank
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -333,6 +342,24 @@ class Backend {
                                  const Tensor& positions /*[n] i32*/, const Tensor& token_seq /*[n] i32*/,
                                  const Tensor& block_tables /*[seqs, max_blocks] i32*/, float scale,
                                  const AttentionOptions& options = {}) = 0;
+
+  // Multi-head latent attention over a latent cache, its projections absorbed (DeepSeek-V2/V3's
+  // MLA). First each token's cache row [kv_c | k_pe] (its normed latent and its roped RoPE key) is
+  // written into its slot. Then token t of sequence s at position p attends to positions 0..p of
+  // s (as Attention does) with each head h of kv_b (this rank's rows: per head, nope rows W_UK_h,
+  // then v rows W_UV_h, each [., latent]):
+  //   q_latent = W_UK_h^T q_nope_h;  score_j = (q_latent . c_j + q_pe_h . k_pe_j) * scale
+  //   out_h = W_UV_h (sum_j softmax(score)_j c_j)
+  // which is transformers' attention over the decompressed keys [W_UK_h c_j | k_pe_j] and values
+  // W_UV_h c_j, up to float rounding. The base refuses (Unimplemented): only the CPU backend has it.
+  virtual absl::Status MlaAttention(Tensor* out /*[n, heads * v] act*/, const Tensor& q_nope /*[n, heads * nope] act*/,
+                                    const Tensor& q_pe /*[n, heads * rope] act*/, const Tensor& kv_c /*[n, latent] act*/,
+                                    const Tensor& k_pe /*[n, rope] act*/,
+                                    const Tensor& kv_b /*[heads * (nope + v), latent] act*/,
+                                    Tensor* cache /*[blocks, bs, 1, latent + rope] act*/, const Tensor& slots /*[n] i32*/,
+                                    const Tensor& positions /*[n] i32*/, const Tensor& token_seq /*[n] i32*/,
+                                    const Tensor& block_tables /*[seqs, max_blocks] i32*/, float scale,
+                                    const MlaShape& shape);
 
   // SwiGLU: out = silu(gate) * up (out may alias gate or up).
   virtual absl::Status SiluMul(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,

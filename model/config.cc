@@ -364,6 +364,80 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
 // The most experts a layer may have (DeepSeek-V3 and Kimi K2 have 256 and 384).
 constexpr int64_t kMaxExperts = 4096;
 
+// DeepseekV3Config's router and layer fields, with its defaults where config.json leaves one out
+// (c's expert count, k and moe_intermediate_size already read): norm_topk_prob (true), n_group (8)
+// and topk_group (4) (the experts in n_group equal groups of at least 2, k of at most topk_group
+// groups' experts), routed_scaling_factor (2.5), n_shared_experts (1) plain shared experts of
+// moe_intermediate_size each, one SwiGLU together; layer i sparse from first_k_dense_replace (3)
+// on. DeepseekV3Model reads neither moe_layer_freq nor scoring_func / topk_method (the published
+// files' 1, "sigmoid", "noaux_tc"): every later layer is sparse, the scores sigmoids.
+absl::Status ParseDeepseekExperts(const json& j, const std::string& source, ModelConfig* c) {
+  c->norm_topk_prob = true;
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "norm_topk_prob", &c->norm_topk_prob));
+  c->n_group = 8;
+  c->topk_group = 4;
+  c->routed_scaling_factor = 2.5;
+  int64_t shared = 1, first_dense = 3;
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "n_group", false, &c->n_group));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "topk_group", false, &c->topk_group));
+  SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "routed_scaling_factor", &c->routed_scaling_factor));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "n_shared_experts", false, &shared));
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "first_k_dense_replace", false, &first_dense));
+  const int64_t E = c->num_experts, k = c->num_experts_per_tok;
+  if (c->n_group < 1 || c->n_group > 64 || E % c->n_group != 0 || E / c->n_group < 2) {
+    return FieldError(source, "n_group", absl::StrCat("must divide n_routed_experts (", E, ") into at most 64 groups of ",
+                                                      "at least 2 experts, got ", c->n_group));
+  }
+  if (c->topk_group < 1 || c->topk_group > c->n_group || k > c->topk_group * (E / c->n_group)) {
+    return FieldError(source, "topk_group", absl::StrCat("must be in [1, n_group = ", c->n_group, "] and keep at least ",
+                                                         "num_experts_per_tok (", k, ") experts, got ", c->topk_group));
+  }
+  if (shared < 0 || shared > 64) return FieldError(source, "n_shared_experts", absl::StrCat("must be in [0, 64], got ", shared));
+  c->shared_expert_intermediate_size = shared * c->moe_intermediate_size;
+  if (first_dense < 0) return FieldError(source, "first_k_dense_replace", absl::StrCat("must be >= 0, got ", first_dense));
+  for (int64_t i = 0; i < c->num_hidden_layers; ++i) c->sparse_layers[i] = i >= first_dense;
+  return absl::OkStatus();
+}
+
+// Multi-head latent attention's fields (ModelConfig::kv_lora_rank and the rest), as
+// DeepseekV3Attention reads them: head_dim becomes qk_rope_head_dim, and the softmax scale
+// qk_head_dim^-0.5, times mscale^2 for a RoPE scaling with mscale_all_dim (yarn_apply_mscale:
+// mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1).
+absl::Status ParseMla(const json& j, const std::string& source, ModelConfig* c) {
+  bool attention_bias = false;
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &attention_bias));
+  if (attention_bias) return FieldError(source, "attention_bias", "is true; latent attention with biases is not supported");
+  SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "q_lora_rank", false, &c->q_lora_rank));  // null: q_proj
+  for (auto [field, out] : {std::pair{"kv_lora_rank", &c->kv_lora_rank}, {"qk_nope_head_dim", &c->qk_nope_head_dim},
+                            {"qk_rope_head_dim", &c->qk_rope_head_dim}, {"v_head_dim", &c->v_head_dim}}) {
+    SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, field, true, out));
+    if (*out < 1 || *out > 4096) return FieldError(source, field, absl::StrCat("must be in [1, 4096], got ", *out));
+  }
+  if (Present(j, "q_lora_rank") && (c->q_lora_rank < 1 || c->q_lora_rank > 65536)) {
+    return FieldError(source, "q_lora_rank", absl::StrCat("must be null or in [1, 65536], got ", c->q_lora_rank));
+  }
+  if (c->qk_rope_head_dim % 2 != 0) {
+    return FieldError(source, "qk_rope_head_dim", absl::StrCat("must be even, got ", c->qk_rope_head_dim));
+  }
+  c->rope_interleave = true;  // DeepseekV3Config's default
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "rope_interleave", &c->rope_interleave));
+  c->head_dim = c->qk_rope_head_dim;
+  double scale = 1.0 / std::sqrt(static_cast<double>(c->qk_nope_head_dim + c->qk_rope_head_dim));
+  const char* rope_field = Present(j, "rope_parameters") ? "rope_parameters" : "rope_scaling";
+  if (c->rope_scaling.type != RopeScaling::Type::kNone && Present(j, rope_field) && j[rope_field].is_object()) {
+    double mscale_all_dim = 0;
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(j[rope_field], absl::StrCat(source, " ", rope_field), "mscale_all_dim",
+                                         &mscale_all_dim));
+    if (mscale_all_dim != 0) {
+      const double factor = c->rope_scaling.factor;
+      const double mscale = factor <= 1 ? 1.0 : 0.1 * mscale_all_dim * std::log(factor) + 1.0;
+      scale *= mscale * mscale;
+    }
+  }
+  c->attention_scale = scale;
+  return absl::OkStatus();
+}
+
 // The mixture-of-experts fields of config.json, as the family's config class reads them
 // (FamilyDeclaration::Experts); c's layer count and intermediate_size are already read.
 absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig* c) {
@@ -373,7 +447,7 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
   if (kind == Experts::kNone) return absl::OkStatus();
   // The expert count: Mixtral's num_local_experts; Qwen-MoE's num_experts, which transformers 5
   // saves as num_local_experts (Qwen3MoeConfig's attribute_map): both must agree where both are.
-  const char* count_field = "num_local_experts";
+  const char* count_field = kind == Experts::kDeepseek ? "n_routed_experts" : "num_local_experts";
   if (kind == Experts::kQwen) {
     const bool hub = Present(j, "num_experts"), saved = Present(j, "num_local_experts");
     if (hub && saved && j["num_experts"] != j["num_local_experts"]) {
@@ -407,6 +481,7 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
     return FieldError(source, "moe_intermediate_size",
                       absl::StrCat("must be in [1, 2^20], got ", c->moe_intermediate_size));
   }
+  if (kind == Experts::kDeepseek) return ParseDeepseekExperts(j, source, c);
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "norm_topk_prob", &c->norm_topk_prob));
   if (c->family->shared_expert) {
     SHARDSERVE_RETURN_IF_ERROR(
@@ -564,6 +639,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
   if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
     return FieldError(source, "head_dim", absl::StrCat("must be even and in [2, 1024], got ", c.head_dim));
   }
+  if (c.family->mla) SHARDSERVE_RETURN_IF_ERROR(ParseMla(j, source, &c));
   // Every size is bounded above, so these products cannot overflow; together they must describe
   // a model of at most kMaxParameters.
   const double params = static_cast<double>(c.num_hidden_layers) *

@@ -113,6 +113,27 @@ struct ModelConfig {
   bool norm_topk_prob = false;
   int64_t shared_expert_intermediate_size = 0;  // Qwen2-MoE's shared expert; 0: none
   std::vector<bool> sparse_layers;  // per layer: a mixture of experts (else a dense MLP)
+  // DeepSeek-V3's router (FamilyDeclaration::Experts::kDeepseek, kernels/backend.h
+  // MoeRouter::kSigmoidGroupTopK): the experts in n_group groups, the topk_group best kept, the
+  // chosen weights times routed_scaling_factor. Its shared experts are one SwiGLU of
+  // shared_expert_intermediate_size (moe_intermediate_size * n_shared_experts), ungated.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // Multi-head latent attention (FamilyDeclaration::mla; DeepSeek-V2/V3): kv_lora_rank 0 for none.
+  // q = q_b_proj(q_a_layernorm(q_a_proj(h))), or q_proj(h) when q_lora_rank is 0 (config.json's
+  // null); each head's q is qk_nope_head_dim dimensions without RoPE then qk_rope_head_dim with it.
+  // kv_a_proj_with_mqa(h) is a latent of kv_lora_rank (normed by kv_a_layernorm) and one RoPE key
+  // of qk_rope_head_dim shared by every head; kv_b_proj turns the latent into each head's
+  // qk_nope_head_dim key part and v_head_dim value. head_dim is qk_rope_head_dim (what RoPE
+  // rotates). rope_interleave: the RoPE dimensions are interleaved pairs (transformers'
+  // apply_rotary_pos_emb_interleave), de-interleaved at load (WeightDecl::pick).
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool rope_interleave = false;
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
@@ -122,6 +143,12 @@ struct ModelConfig {
   std::optional<CheckpointQuant> checkpoint_quant;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }
+  bool mla() const { return kv_lora_rank > 0; }
+  // What one token's KV cache entry holds per layer and TP rank, in values: MLA's latent
+  // (kv_lora_rank + qk_rope_head_dim, whole on every rank), else K and V of the rank's KV heads.
+  int64_t KvValuesPerToken(int64_t local_kv_heads) const {
+    return mla() ? kv_lora_rank + qk_rope_head_dim : 2 * local_kv_heads * head_dim;
+  }
   int64_t RotaryDim() const { return rotary_dim > 0 ? rotary_dim : head_dim; }
   // Layer i's sliding window; 0 (full attention) for a layer layer_window does not list.
   int64_t LayerWindow(int64_t i) const {

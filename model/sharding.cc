@@ -69,6 +69,11 @@ absl::StatusOr<TpShard> ComputeTpShard(const ModelConfig& c, int r, int t, bool 
   s.expert_rows = {er * expert_inter, (er + 1) * expert_inter};
   const int64_t shared_inter = c.shared_expert_intermediate_size / et;
   s.shared_expert_rows = {er * shared_inter, (er + 1) * shared_inter};
+  const int64_t h = s.q_heads;
+  s.mla_q_nope_rows = {r * h * c.qk_nope_head_dim, (r + 1) * h * c.qk_nope_head_dim};
+  s.mla_q_pe_rows = {r * h * c.qk_rope_head_dim, (r + 1) * h * c.qk_rope_head_dim};
+  s.mla_kv_b_rows = {r * h * (c.qk_nope_head_dim + c.v_head_dim), (r + 1) * h * (c.qk_nope_head_dim + c.v_head_dim)};
+  s.mla_o_cols = {r * h * c.v_head_dim, (r + 1) * h * c.v_head_dim};
   s.vocab_rows_per_rank = (c.vocab_size + t - 1) / t;
   s.vocab_rows = {std::min(c.vocab_size, r * s.vocab_rows_per_rank),
                   std::min(c.vocab_size, (r + 1) * s.vocab_rows_per_rank)};
@@ -88,6 +93,10 @@ Slice ShardSlice(TpSplit split, const TpShard& s) {
     case TpSplit::kExpertCols: return Slice{1, s.expert_rows.begin, s.expert_rows.end};
     case TpSplit::kSharedExpertRows: return Slice{0, s.shared_expert_rows.begin, s.shared_expert_rows.end};
     case TpSplit::kSharedExpertCols: return Slice{1, s.shared_expert_rows.begin, s.shared_expert_rows.end};
+    case TpSplit::kMlaQNopeRows: return Slice{0, s.mla_q_nope_rows.begin, s.mla_q_nope_rows.end};
+    case TpSplit::kMlaQPeRows: return Slice{0, s.mla_q_pe_rows.begin, s.mla_q_pe_rows.end};
+    case TpSplit::kMlaKvBRows: return Slice{0, s.mla_kv_b_rows.begin, s.mla_kv_b_rows.end};
+    case TpSplit::kMlaOCols: return Slice{1, s.mla_o_cols.begin, s.mla_o_cols.end};
     case TpSplit::kFirstRank: return Slice{0, 0, -1};
   }
   return Slice{0, 0, -1};

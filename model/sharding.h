@@ -57,6 +57,10 @@ struct TpShard {
   Range mlp_rows;               // rows of gate_proj/up_proj (and columns of down_proj)
   Range expert_rows;            // rows of each expert's gate_proj/up_proj (and columns of its down_proj)
   Range shared_expert_rows;     // the same of Qwen2-MoE's shared expert
+  // Multi-head latent attention's per-head cuts (ModelConfig::mla): rows of the picked q parts
+  // without and with RoPE (q heads * qk_nope_head_dim, * qk_rope_head_dim), of kv_b_proj
+  // (q heads * (qk_nope_head_dim + v_head_dim)), and columns of o_proj (q heads * v_head_dim).
+  Range mla_q_nope_rows, mla_q_pe_rows, mla_kv_b_rows, mla_o_cols;
   Range vocab_rows;             // rows of embed_tokens and lm_head
   bool expert_parallel = false; // experts held whole, the block `experts` of them (else all, cut)
   Range experts;                // the experts this rank holds: ExpertRange, or all of them
@@ -76,6 +80,10 @@ enum class TpSplit {
   kExpertCols,  // an expert's down_proj: columns expert_rows
   kSharedExpertRows,  // the shared expert's gate_proj, up_proj: rows shared_expert_rows
   kSharedExpertCols,  // the shared expert's down_proj: columns shared_expert_rows
+  kMlaQNopeRows,  // MLA's q part without RoPE: rows mla_q_nope_rows
+  kMlaQPeRows,    // MLA's q part with RoPE: rows mla_q_pe_rows
+  kMlaKvBRows,    // MLA's kv_b_proj: rows mla_kv_b_rows
+  kMlaOCols,      // MLA's o_proj: columns mla_o_cols
   kFirstRank,   // the bias of a row-parallel product (o_proj's): added once to the partial sums
                 // that meet in the all-reduce, so rank 0 holds all of it and the others none
 };

@@ -262,8 +262,8 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                        "Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
+                        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
 }
 
@@ -383,6 +383,17 @@ TEST_F(CheckpointTest, Gemma3ConditionalGenerationLayoutIsTheCheckpoints) {
 }
 
 // The declared tensor `name` of `config`, or null.
+// Each edit of `saved` is refused by ParseModelConfig with an error holding its message.
+void ExpectRefused(const json& saved, const std::vector<std::pair<std::function<void(json&)>, std::string>>& refused) {
+  for (const auto& [edit, message] : refused) {
+    json bad = saved;
+    edit(bad);
+    auto config = ParseModelConfig(bad.dump(), "config.json");
+    ASSERT_FALSE(config.ok()) << message;
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(message));
+  }
+}
+
 const WeightDecl* FindDecl(const std::vector<WeightDecl>& decls, const std::string& name) {
   for (const WeightDecl& w : decls) {
     if (w.name == name) return &w;
@@ -453,13 +464,7 @@ TEST_F(CheckpointTest, Qwen3MoeConfigAndTensorsAsTransformersReadThem) {
       {[](json& j) { j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}}; },
        "quantized mixture-of-experts checkpoints are not supported"},
   };
-  for (const auto& [edit, message] : refused) {
-    json bad = saved;
-    edit(bad);
-    auto config = ParseModelConfig(bad.dump(), "config.json");
-    ASSERT_FALSE(config.ok()) << message;
-    EXPECT_THAT(std::string(config.status().message()), HasSubstr(message));
-  }
+  ExpectRefused(saved, refused);
 }
 
 // Mixtral: every layer sparse, experts of intermediate_size under block_sparse_moe's names (w1
@@ -491,6 +496,73 @@ TEST_F(CheckpointTest, MixtralExpertsInEveryLayer) {
   c = ParseModelConfig(j.dump(), "config.json");
   ASSERT_FALSE(c.ok());
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("\"num_experts_per_tok\" is missing"));
+}
+
+// DeepSeek-V3: latent attention's sizes (head_dim becomes qk_rope_head_dim; the softmax scale
+// qk_head_dim^-0.5 times YaRN's mscale_all_dim factor squared), the router's fields, the shared
+// experts' size, the dense first layers; q_b_proj and kv_a_proj_with_mqa picked per head into their
+// parts without and with RoPE (the RoPE rows de-interleaved), the heads cut over TP; bad fields named.
+TEST_F(CheckpointTest, DeepseekV3LatentAttentionAndRouter) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/deepseek_v3_tf5/config.json");
+  const json saved = json::parse(in);
+  auto c = ParseModelConfig(saved.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->mla());
+  EXPECT_EQ(c->head_dim, 8);
+  EXPECT_EQ(c->q_lora_rank, 48);
+  EXPECT_EQ(c->kv_lora_rank, 32);
+  EXPECT_TRUE(c->rope_interleave);
+  const double mscale = 0.1 * 0.8 * std::log(4.0) + 1.0;  // yarn_get_mscale(factor 4, mscale_all_dim 0.8)
+  EXPECT_NEAR(c->attention_scale, mscale * mscale / std::sqrt(24.0), 1e-12);
+  EXPECT_EQ(c->KvValuesPerToken(4), 32 + 8);
+  EXPECT_EQ(c->n_group, 3);
+  EXPECT_EQ(c->topk_group, 2);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 2.5);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 32);
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{false, true, true}));
+  const std::vector<WeightDecl> decls = ModelWeights(*c);
+  std::vector<const WeightDecl*> q_b;
+  for (const WeightDecl& w : decls) {
+    if (w.name == "model.layers.1.self_attn.q_b_proj.weight") q_b.push_back(&w);
+  }
+  ASSERT_EQ(q_b.size(), 2u);
+  EXPECT_EQ(q_b[0]->shape, (std::vector<int64_t>{4 * 16, 48}));
+  EXPECT_EQ(q_b[0]->fused_shape, (std::vector<int64_t>{4 * 24, 48}));
+  EXPECT_EQ(q_b[1]->role, WeightRole::kQPeProj);
+  EXPECT_EQ(q_b[1]->pick.from, 16);
+  EXPECT_TRUE(q_b[1]->pick.deinterleave);
+  EXPECT_EQ(FindDecl(decls, "model.layers.0.mlp.gate.weight"), nullptr);  // the dense first layer
+  ASSERT_NE(FindDecl(decls, "model.layers.2.mlp.shared_experts.down_proj.weight"), nullptr);
+  // TP = 2: rank 1 holds heads 2 and 3: their rows of each q part and of kv_b_proj, their o_proj columns.
+  auto shard = ComputeTpShard(*c, 1, 2);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  EXPECT_EQ(shard->mla_q_nope_rows.begin, 2 * 16);
+  EXPECT_EQ(shard->mla_q_pe_rows.begin, 2 * 8);
+  EXPECT_EQ(shard->mla_kv_b_rows.begin, 2 * (16 + 24));
+  EXPECT_EQ(shard->mla_o_cols.begin, 2 * 24);
+  EXPECT_EQ(shard->mla_o_cols.end, 4 * 24);
+  // q_lora_rank null: one q_proj.
+  json no_q_lora = saved;
+  no_q_lora["q_lora_rank"] = nullptr;
+  c = ParseModelConfig(no_q_lora.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->q_lora_rank, 0);
+  EXPECT_NE(FindDecl(ModelWeights(*c), "model.layers.0.self_attn.q_proj.weight"), nullptr);
+  EXPECT_EQ(FindDecl(ModelWeights(*c), "model.layers.0.self_attn.q_a_proj.weight"), nullptr);
+
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> refused = {
+      {[](json& j) { j["n_group"] = 2; }, "\"n_group\" must divide n_routed_experts (9)"},
+      {[](json& j) { j["topk_group"] = 4; }, "\"topk_group\" must be in [1, n_group = 3]"},
+      {[](json& j) { j["topk_group"] = 1; j["num_experts_per_tok"] = 4; }, "keep at least num_experts_per_tok (4)"},
+      {[](json& j) { j.erase("kv_lora_rank"); }, "\"kv_lora_rank\" is missing"},
+      {[](json& j) { j["qk_rope_head_dim"] = 7; }, "\"qk_rope_head_dim\" must be even"},
+      {[](json& j) { j["q_lora_rank"] = 0; }, "\"q_lora_rank\" must be null or in [1, 65536]"},
+      {[](json& j) { j["attention_bias"] = true; }, "latent attention with biases is not supported"},
+      {[](json& j) { j["first_k_dense_replace"] = -1; }, "\"first_k_dense_replace\" must be >= 0"},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}}; },
+       "quantized mixture-of-experts checkpoints are not supported"},
+  };
+  ExpectRefused(saved, refused);
 }
 
 // Qwen2-MoE: Qwen3-MoE's fields plus the shared expert (its size required, its tensors cut over TP

@@ -101,6 +101,10 @@ std::vector<Layout> Layouts() {
       {"mixtral_tf5", 2}, {"mixtral_bf16_tf5", 3},
       // Qwen2-MoE: the shared expert gated per token beside 5 experts of 2 (float32) and 7 of 3 (bf16).
       {"qwen2_moe_tf5", 3}, {"qwen2_moe_bf16_tf5", 4},
+      // DeepSeek-V3: latent attention (its latent cache whole on every TP rank, the heads split)
+      // with q_lora_rank and YaRN, and without q_lora_rank; the sigmoid group-limited router with
+      // shared experts after a dense layer.
+      {"deepseek_v3_tf5", 3}, {"deepseek_v3_bf16_tf5", 3},
       // Gemma 3 as published (Gemma3ForConditionalGeneration): its text model, tensors under
       // language_model.model. (transformers 5) and model.language_model. (4.52-4.57).
       {"gemma3_cg_tf5", 6}, {"gemma3_cg_tf4", 4}};

@@ -2247,6 +2247,86 @@ INSTANTIATE_TEST_SUITE_P(Heads, AttentionTest,
 
 // Bad metadata is InvalidArgument, never a read outside the cache, and out is left as it was
 // (the checks precede any write).
+// MlaAttention against transformers' math on decompressed keys and values, in double on the host:
+// k_h,j = [W_UK_h c_j | k_pe_j], v_h,j = W_UV_h c_j, softmax((q_h . k_h,j) * scale) over the
+// sequence's positions. A prefill of two sequences (one of them through a block table out of
+// order), then a decode token of the second reading what the first call cached; guard bytes intact.
+TEST_F(CpuBackendTest, MlaAttentionIsAttentionOverTheDecompressedLatents) {
+  const int64_t H = 3, nope = 4, rope = 2, v = 5, L = 6, bs = 2, blocks = 8;
+  const MlaShape shape{.heads = H, .nope = nope, .rope = rope, .v = v, .latent = L};
+  const float scale = 0.37f;
+  const std::vector<float> kv_b = Random(rng_, H * (nope + v) * L);
+  DeviceTensor kv_b_t = F32({H * (nope + v), L}, kv_b);
+  DeviceTensor cache = Output(DType::kF32, {blocks, bs, 1, L + rope});
+  const std::vector<int32_t> tables = {0, 1, 2, 5, 3, 6};  // [2 seqs, 3 blocks]
+  DeviceTensor tables_t = I32({2, 3}, tables);
+  std::vector<std::vector<float>> latents(2);  // per sequence, [position][c | k_pe] as written
+  auto step = [&](const std::vector<int32_t>& seq, const std::vector<int32_t>& pos) {
+    const int64_t n = static_cast<int64_t>(seq.size());
+    const std::vector<float> q_nope = Random(rng_, n * H * nope), q_pe = Random(rng_, n * H * rope),
+                             kv_c = Random(rng_, n * L), k_pe = Random(rng_, n * rope);
+    std::vector<int32_t> slots(n);
+    for (int64_t t = 0; t < n; ++t) {
+      slots[t] = tables[seq[t] * 3 + pos[t] / bs] * bs + pos[t] % bs;
+      std::vector<float>& lat = latents[seq[t]];
+      lat.resize(std::max<size_t>(lat.size(), (pos[t] + 1) * (L + rope)));
+      std::copy(kv_c.begin() + t * L, kv_c.begin() + (t + 1) * L, lat.begin() + pos[t] * (L + rope));
+      std::copy(k_pe.begin() + t * rope, k_pe.begin() + (t + 1) * rope, lat.begin() + pos[t] * (L + rope) + L);
+    }
+    DeviceTensor qn = F32({n, H * nope}, q_nope), qp = F32({n, H * rope}, q_pe), c = F32({n, L}, kv_c),
+                 kp = F32({n, rope}, k_pe), slots_t = I32({n}, slots), pos_t = I32({n}, pos), seq_t = I32({n}, seq);
+    DeviceTensor out = Output(DType::kF32, {n, H * v});
+    ASSERT_TRUE(backend_->MlaAttention(out.ptr(), qn.t(), qp.t(), c.t(), kp.t(), kv_b_t.t(), cache.ptr(), slots_t.t(),
+                                       pos_t.t(), seq_t.t(), tables_t.t(), scale, shape)
+                    .ok());
+    const std::vector<float> got = out.Download<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      const std::vector<float>& lat = latents[seq[t]];
+      for (int64_t h = 0; h < H; ++h) {
+        const float* w_uk = kv_b.data() + h * (nope + v) * L;
+        const float* w_uv = w_uk + nope * L;
+        std::vector<double> scores(pos[t] + 1);
+        double max_score = -1e300, sum = 0;
+        for (int64_t j = 0; j <= pos[t]; ++j) {
+          const float* cj = lat.data() + j * (L + rope);
+          double s = 0;
+          for (int64_t d = 0; d < nope; ++d) {
+            double k = 0;
+            for (int64_t l = 0; l < L; ++l) k += double{w_uk[d * L + l]} * cj[l];
+            s += q_nope[(t * H + h) * nope + d] * k;
+          }
+          for (int64_t d = 0; d < rope; ++d) s += double{q_pe[(t * H + h) * rope + d]} * cj[L + d];
+          scores[j] = s * scale;
+          max_score = std::max(max_score, scores[j]);
+        }
+        for (double& s : scores) sum += (s = std::exp(s - max_score));
+        for (int64_t d = 0; d < v; ++d) {
+          double want = 0;
+          for (int64_t j = 0; j <= pos[t]; ++j) {
+            double vj = 0;
+            for (int64_t l = 0; l < L; ++l) vj += double{w_uv[d * L + l]} * lat[j * (L + rope) + l];
+            want += scores[j] / sum * vj;
+          }
+          EXPECT_NEAR(got[(t * H + h) * v + d], want, 1e-5) << "token " << t << " head " << h << " dim " << d;
+        }
+      }
+    }
+    EXPECT_TRUE(out.GuardsIntact());
+  };
+  step({0, 0, 0, 0, 0, 1, 1, 1}, {0, 1, 2, 3, 4, 0, 1, 2});
+  step({1}, {3});
+  EXPECT_TRUE(cache.GuardsIntact());
+  // Bad metadata is refused before the cache is touched.
+  DeviceTensor one = F32({1, H * nope}, Random(rng_, H * nope)), one_pe = F32({1, H * rope}, Random(rng_, H * rope)),
+               one_c = F32({1, L}, Random(rng_, L)), one_k = F32({1, rope}, Random(rng_, rope));
+  DeviceTensor out = Output(DType::kF32, {1, H * v});
+  DeviceTensor bad_slot = I32({1}, {blocks * bs}), pos = I32({1}, {0}), seq = I32({1}, {0});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MlaAttention(out.ptr(), one.t(), one_pe.t(), one_c.t(), one_k.t(), kv_b_t.t(),
+                                                       cache.ptr(), bad_slot.t(), pos.t(), seq.t(), tables_t.t(), scale,
+                                                       shape),
+                                "MlaAttention"));
+}
+
 TEST_F(CpuBackendTest, AttentionRejectsBadMetadata) {
   const int64_t blocks = 4, bs = 4, heads = 2, hd = 8, row = heads * hd;
   DeviceTensor kc = F32({blocks, bs, heads, hd}, Random(rng_, blocks * bs * row));

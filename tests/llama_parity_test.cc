@@ -837,7 +837,8 @@ TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
                            "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5",
                            "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5",
                            "gemma3_tf5", "gemma3_tf4", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5",
-                           "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5"}) {
+                           "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5",
+                           "deepseek_v3_tf5", "deepseek_v3_bf16_tf5"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

@@ -214,6 +214,45 @@ TEST(Planner, WholeModelOnOneGpuIsParameterCountTimesTwoBytes) {
   }
 }
 
+// DeepSeek-V3 (61 layers, the first 3 dense; 256 experts of 2048 in the rest, 8 a token, one shared
+// expert; latent attention): its config.json as published (tests/fixtures/configs/README.md), less
+// its quantization_config (the FP8 block-scaled checkpoint is not loaded yet; a bf16 conversion's
+// config.json has none). Parameters counted here from the sizes, tensor by tensor, independently of
+// the declaration: 671B and ~37B a token (the model card's, without the multi-token-prediction
+// layer), and the KV cache the latent's: layers * (kv_lora_rank + qk_rope_head_dim) values a token,
+// the same on every TP rank, never divided by TP.
+TEST(Planner, DeepSeekV3_CountsItsParametersAndTheLatentCache) {
+  std::ifstream file(kConfigs / "deepseek-v3.json");
+  nlohmann::json published = nlohmann::json::parse(file);
+  ASSERT_TRUE(published.contains("quantization_config"));
+  published.erase("quantization_config");
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(published.dump(), "deepseek-v3.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  const int64_t H = 7168, V = 129280, layers = 61, dense = 3, E = 256, k = 8, Ie = 2048, I = 18432, heads = 128;
+  const int64_t q_lora = 1536, kv_lora = 512, nope = 128, rope = 64, v = 128;
+  const int64_t attention = q_lora * H + q_lora + heads * (nope + rope) * q_lora + (kv_lora + rope) * H + kv_lora +
+                            heads * (nope + v) * kv_lora + H * heads * v;  // q_a, its norm, q_b; kv_a, its norm, kv_b; o
+  const int64_t expert = 3 * Ie * H;
+  const int64_t common = layers * (attention + 2 * H) + dense * 3 * I * H + (layers - dense) * (E * H + E + expert) +
+                         H + 2 * V * H;  // + norms, dense MLPs, router, bias, shared expert; final norm, embed, head
+  PlanOptions o;
+  o.tp = 8;
+  o.pp = 2;
+  const Plan p = MustPlan(*config, Cluster("2x8xH200-141GB"), o);
+  EXPECT_EQ(p.parameters, common + (layers - dense) * E * expert);
+  EXPECT_EQ(p.parameters, 671'026'419'200);
+  EXPECT_EQ(p.active_parameters, common + (layers - dense) * k * expert);
+  EXPECT_EQ(p.active_parameters, 37'552'297'472);
+  EXPECT_THAT(PlanTable(p), HasSubstr("(37.55B active a token)"));
+  ASSERT_EQ(p.per_gpu.size(), 16u);
+  for (const GpuPlan& g : p.per_gpu) {
+    const StagePlan& st = p.stages[g.stage];
+    EXPECT_EQ(g.kv_bytes_per_token, static_cast<uint64_t>(st.num_layers() * (kv_lora + rope) * 2))
+        << "stage " << g.stage << " rank " << g.tp_rank;
+  }
+  EXPECT_EQ(p.stages[0].num_layers() + p.stages[1].num_layers(), layers);
+}
+
 // Qwen3-30B-A3B (128 experts of 768, 8 a token, in all 48 layers): every expert's weights count
 // toward the bytes, and the plan says how many parameters a token reads. Both counted here from the
 // config's sizes, tensor by tensor, independently of the declaration.
@@ -1058,11 +1097,12 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 // with q/k/v/o biases (qwen3_tf4), fused products (phi3_tf5), partial rotary with LongRoPE's two
 // frequency tables (phi4_mini_tf5); mixtures of experts with dense layers among sparse ones
 // (qwen3_moe_tf5, qwen3_moe_bf16_tf5), in every layer (mixtral_tf5) and with a shared expert
-// (qwen2_moe_tf5).
+// (qwen2_moe_tf5); latent attention with a latent cache and picked rows (deepseek_v3_tf5,
+// deepseek_v3_bf16_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
           "phi3_tf5", "phi4_mini_tf5", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5",
-          "mixtral_tf5", "qwen2_moe_tf5"};
+          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the

@@ -115,8 +115,9 @@ uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype
 
 SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
                            DType dtype, int64_t context, int64_t block_size, int64_t chunk) {
-  // K and V of one token in one layer.
-  const uint64_t per_token = 2 * static_cast<uint64_t>(kv_heads) * static_cast<uint64_t>(config.head_dim) * DTypeSize(dtype);
+  // One token's entry in one layer: K and V of the rank's KV heads, or latent attention's latent
+  // and RoPE key, whole on every rank (ModelConfig::KvValuesPerToken).
+  const uint64_t per_token = static_cast<uint64_t>(config.KvValuesPerToken(kv_heads)) * DTypeSize(dtype);
   const uint64_t per_block = per_token * static_cast<uint64_t>(block_size);
   const uint64_t all = static_cast<uint64_t>(KvBlocksFor(context, block_size)) * per_block;
   SequenceKv kv;

@@ -221,7 +221,7 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
       int64_t sliding_layers = 0;
       for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
-      const uint64_t per_layer = 2 * shards[r].kv_heads * c.head_dim * DTypeSize(ctx.dtype);
+      const uint64_t per_layer = c.KvValuesPerToken(shards[r].kv_heads) * DTypeSize(ctx.dtype);
       g.kv_bytes_per_token = (st.num_layers() - sliding_layers) * per_layer;
       g.sliding_kv_bytes_per_token = sliding_layers * per_layer;
       const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes);

@@ -104,6 +104,8 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
     const int64_t elements = ShardElements(t, shard);
     if (elements == 0) continue;  // another rank's (o_proj's bias; an expert of another rank's block)
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
+    // DeepSeek-V3's router bias stays float32 (worker/shard/loader.cc)
+    if (t.role == WeightRole::kRouterBias) bytes = static_cast<uint64_t>(elements) * sizeof(float);
     // This rank's [rows, cols] of a linear layer's weight (what a quantized layout is counted on).
     const bool cols_cut = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank &&
                           ShardSlice(t.split, shard).dim == 1;

@@ -6,12 +6,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/paged_tokens.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -94,6 +96,32 @@ SHARDSERVE_VECTOR_CLONES void BlockWeightedSum(
 
 }  // namespace
 
+std::string PagedTokensError(const Tensor& block_tables, const Tensor& positions, const Tensor& token_seq,
+                             int64_t num_blocks, int64_t block_size, int64_t window) {
+  const int64_t n = positions.dim(0), num_seqs = block_tables.dim(0), max_blocks = block_tables.dim(1);
+  const int32_t* pos = positions.as<int32_t>();
+  const int32_t* seq = token_seq.as<int32_t>();
+  const int32_t* tables = block_tables.as<int32_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    if (seq[t] < 0 || seq[t] >= num_seqs) {
+      return absl::StrCat("token ", t, " names sequence ", seq[t], " but there are ", num_seqs);
+    }
+    if (pos[t] < 0 || pos[t] / block_size >= max_blocks) {
+      return absl::StrCat("token ", t, " has position ", pos[t], ", outside its block table's ", max_blocks,
+                          " blocks of ", block_size);
+    }
+    const int32_t* table = tables + seq[t] * max_blocks;
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, pos[t] - window + 1) : 0;
+    for (int64_t b = first_key / block_size; b <= pos[t] / block_size; ++b) {
+      if (table[b] < 0 || table[b] >= num_blocks) {
+        return absl::StrCat("sequence ", seq[t], " block table entry ", b, " is block ", table[b], ", outside the cache's ",
+                            num_blocks, " blocks");
+      }
+    }
+  }
+  return "";
+}
+
 absl::Status CpuBackend::CacheWrite(Tensor* k_cache, Tensor* v_cache, const Tensor& k, const Tensor& v,
                                     const Tensor& slots) {
   const ArgCheck check("CacheWrite", {{"k_cache", k_cache, kF32, 4},
@@ -138,7 +166,7 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
   const int64_t n = q.dim(0);
   const int64_t num_blocks = k_cache.dim(0), block_size = k_cache.dim(1);
   const int64_t kv_heads = k_cache.dim(2), head_dim = k_cache.dim(3);
-  const int64_t num_seqs = block_tables.dim(0), max_blocks = block_tables.dim(1);
+  const int64_t max_blocks = block_tables.dim(1);
   if (!SameShape(k_cache, v_cache) || block_size == 0 || kv_heads == 0 || head_dim == 0) {
     return check.Error("want k_cache and v_cache [blocks, block_size, kv_heads, head_dim], all but blocks > 0");
   }
@@ -163,21 +191,9 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
   const int32_t* pos = positions.as<int32_t>();
   const int32_t* seq = token_seq.as<int32_t>();
   const int32_t* tables = block_tables.as<int32_t>();
-  for (int64_t t = 0; t < n; ++t) {
-    if (seq[t] < 0 || seq[t] >= num_seqs) {
-      return check.Error(absl::StrCat("token ", t, " names sequence ", seq[t], " but there are ", num_seqs));
-    }
-    if (pos[t] < 0 || pos[t] / block_size >= max_blocks) {
-      return check.Error(absl::StrCat("token ", t, " has position ", pos[t], ", outside its block table's ",
-                                      max_blocks, " blocks of ", block_size));
-    }
-    const int32_t* table = tables + seq[t] * max_blocks;
-    for (int64_t b = first_key(pos[t]) / block_size; b <= pos[t] / block_size; ++b) {
-      if (table[b] < 0 || table[b] >= num_blocks) {
-        return check.Error(absl::StrCat("sequence ", seq[t], " block table entry ", b, " is block ", table[b],
-                                        ", outside the cache's ", num_blocks, " blocks"));
-      }
-    }
+  if (const std::string error = PagedTokensError(block_tables, positions, token_seq, num_blocks, block_size, window);
+      !error.empty()) {
+    return check.Error(error);
   }
 
   // Work items: up to kChunk consecutive tokens of one sequence (and all its kv heads, or a share

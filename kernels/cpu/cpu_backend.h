@@ -229,6 +229,10 @@ class CpuBackend final : public Backend {
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale, const AttentionOptions& options) override;
+  absl::Status MlaAttention(Tensor* out, const Tensor& q_nope, const Tensor& q_pe, const Tensor& kv_c,
+                            const Tensor& k_pe, const Tensor& kv_b, Tensor* cache, const Tensor& slots,
+                            const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables, float scale,
+                            const MlaShape& shape) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   absl::Status Scale(Tensor* out, const Tensor& x, float factor) override;
@@ -334,6 +338,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_sin_;       // [head_dim / 2] sin of one token's angles
   std::vector<std::pair<int64_t, int64_t>> attn_items_;  // [first, last) tokens of one sequence
   std::vector<float> attn_weights_;   // [threads, item rows, keys an item spans + 1] scores, then probabilities
+  std::vector<float> mla_scratch_;    // [threads, 2 * latent + context]: MlaAttention's q_latent, o_latent, scores
   std::vector<float> sample_probs_;   // [vocab] probabilities of one row
   std::vector<float> sample_sorted_;  // [vocab] probabilities partially sorted for top-k / top-p
 };

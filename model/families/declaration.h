@@ -50,6 +50,14 @@ enum class WeightRole {
   // shared_expert_intermediate_size), its output scaled by sigmoid(shared_expert_gate(h)), the gate
   // [1, hidden] replicated.
   kSharedGateProj, kSharedUpProj, kSharedDownProj, kSharedExpertGate,
+  // DeepSeek-V3's router's selection bias (mlp.gate.e_score_correction_bias [E], float32).
+  kRouterBias,
+  // Multi-head latent attention (ModelConfig::mla): q_a_proj [q_lora_rank, hidden] and
+  // q_a_layernorm; q's parts without and with RoPE, picked per head from q_b_proj (or q_proj)
+  // [heads * nope, in] and [heads * rope, in]; kv_a_proj_with_mqa's latent rows [kv_lora_rank, hidden]
+  // and RoPE key rows [rope, hidden]; kv_a_layernorm; kv_b_proj [heads * (nope + v), kv_lora_rank]
+  // held plain (the attention reads its rows per head: Backend::MlaAttention).
+  kQAProj, kQANorm, kQNopeProj, kQPeProj, kKvAProj, kKPeProj, kKvANorm, kKvBProj,
   kFinalNorm,
   kLmHead,
 };
@@ -78,6 +86,17 @@ struct WeightDecl {
   std::vector<int64_t> fused_shape = {};
   int64_t fused_offset = 0;
   int64_t expert = -1;  // the expert of a kExpert* role; -1 otherwise
+  // Rows picked from the checkpoint tensor (fused_shape): of each block of `period` rows, rows
+  // [from, from + count), in order, or with interleaved pairs (r0, r1), (r2, r3), ... reordered to
+  // r0, r2, ..., r1, r3, ... (deinterleave): MLA's per-head parts of q_b_proj and kv_a_proj_with_mqa,
+  // the RoPE ones de-interleaved so that the rotate_half RoPE gives transformers'
+  // apply_rotary_pos_emb_interleave (the same rotation of each pair, the pairs' dot products
+  // unchanged). shape is the picked tensor's; a TP slice of its rows is whole blocks'. period 0: none.
+  struct RowPick {
+    int64_t period = 0, from = 0, count = 0;
+    bool deinterleave = false;
+  };
+  RowPick pick = {};
 };
 
 // The shape of w's tensor in the checkpoint (the fused tensor's for a part of one).
@@ -128,6 +147,7 @@ struct FamilyDeclaration {
   enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
+  bool mla = false;              // multi-head latent attention (DeepSeek-V3): ModelConfig::kv_lora_rank
   // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kLayerTypes the
   // window of the layers "layer_types" calls "sliding_attention" (by default the even ones, as
   // transformers' Gemma2Config); kOffUnlessUsed only with use_sliding_window true, which is refused
@@ -167,7 +187,10 @@ struct FamilyDeclaration {
   //   its dense layers' MLPs are intermediate_size wide.
   // kMixtral (MixtralConfig): num_local_experts, num_experts_per_tok, every layer sparse, each
   //   expert intermediate_size wide, the k weights always renormalised.
-  enum class Experts { kNone, kQwen, kMixtral };
+  // kDeepseek (DeepseekV3Config): n_routed_experts, num_experts_per_tok, moe_intermediate_size,
+  //   the sigmoid group-limited router and its shared experts (ParseDeepseekExperts in
+  //   model/config.cc); layers from first_k_dense_replace on sparse, the others intermediate_size wide.
+  enum class Experts { kNone, kQwen, kMixtral, kDeepseek };
   Experts experts = Experts::kNone;
   // Sparse layers also have a shared expert of shared_expert_intermediate_size, gated per token by
   // sigmoid(shared_expert_gate(h)) and added to the routed experts' output (Qwen2-MoE).

@@ -21,6 +21,9 @@ class LayerTensors {
   // Expert `expert`'s tensor "<experts>.<expert>.<name>" (mlp.experts.3.gate_proj.weight).
   void AddExpert(const char* experts, int64_t expert, const char* name, std::vector<int64_t> shape, TpSplit split,
                  WeightRole role);
+  // A tensor of rows picked from the checkpoint tensor `name` of `fused_shape` (WeightDecl::pick).
+  void AddPicked(const char* name, std::vector<int64_t> shape, std::vector<int64_t> fused_shape, TpSplit split,
+                 WeightRole role, WeightDecl::RowPick pick);
   int64_t layer() const { return layer_; }
 
  private:
@@ -56,6 +59,13 @@ std::vector<StepBufferDecl> LlamaShapedBuffers(const ModelConfig& config, const 
 extern const FamilyDeclaration kQwen2MoeFamily;
 extern const FamilyDeclaration kQwen3MoeFamily;
 extern const FamilyDeclaration kMixtralFamily;
+// The buffers of a model's sparse layers for n tokens a step: the router's, the (token, expert)
+// rows', the experts' products, and the shared expert's (its gate's where the family gates it).
+std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& config, const TpShard& shard, DType act, int64_t n);
+
+// deepseek.cc: DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention and a sigmoid,
+// group-limited mixture of experts with shared experts.
+extern const FamilyDeclaration kDeepseekV3Family;
 
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;

@@ -81,6 +81,15 @@ std::vector<WeightDecl> MixtralWeights(const ModelConfig& c) {
 // parallelism), and their outputs; expert parallelism's exchange buffers; Qwen2-MoE's shared expert's.
 std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
   std::vector<StepBufferDecl> b = LlamaShapedBuffers(c, s, act, n);
+  const std::vector<StepBufferDecl> experts = ExpertBuffers(c, s, act, n);
+  b.insert(b.end(), experts.begin(), experts.end());
+  return b;
+}
+
+}  // namespace
+
+std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
+  std::vector<StepBufferDecl> b;
   if (c.num_experts == 0) return b;
   const int64_t E = c.num_experts, k = c.num_experts_per_tok, H = c.hidden_size, f = s.expert_rows.size();
   const std::vector<StepBufferDecl> moe = {{"router_logits", act, {n, E}},
@@ -109,20 +118,23 @@ std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& c, const TpShard& s, D
     b.insert(b.end(), ep.begin(), ep.end());
   }
   if (c.shared_expert_intermediate_size > 0) {
-    // The shared expert's gate and up (this rank's slice), its output, its gate's logit (act and
-    // float32), each token's row of its output (the identity, for MoeCombine) and the gated output.
+    // The shared expert's gate and up (this rank's slice) and its output; where the family gates
+    // it (Qwen2-MoE), its gate's logit (act and float32), each token's row of its output (the
+    // identity, for MoeCombine) and the gated output.
     const int64_t fs = s.shared_expert_rows.size();
     const std::vector<StepBufferDecl> shared = {
-        {"shared_gate", act, {n, fs}},          {"shared_up", act, {n, fs}},
-        {"shared_out", act, {n, H}},            {"shared_gate_logit", act, {n, 1}},
-        {"shared_scale", DType::kF32, {n, 1}},  {"shared_rows", DType::kI32, {n, 1}},
-        {"shared_gated", act, {n, H}}};
+        {"shared_gate", act, {n, fs}}, {"shared_up", act, {n, fs}}, {"shared_out", act, {n, H}}};
     b.insert(b.end(), shared.begin(), shared.end());
+    if (c.family->shared_expert) {
+      const std::vector<StepBufferDecl> gated = {{"shared_gate_logit", act, {n, 1}},
+                                                 {"shared_scale", DType::kF32, {n, 1}},
+                                                 {"shared_rows", DType::kI32, {n, 1}},
+                                                 {"shared_gated", act, {n, H}}};
+      b.insert(b.end(), gated.begin(), gated.end());
+    }
   }
   return b;
 }
-
-}  // namespace
 
 const FamilyDeclaration kQwen2MoeFamily = {.architecture = "Qwen2MoeForCausalLM",
                                            .attention_bias = FamilyDeclaration::AttentionBias::kQkvConfigured,

@@ -11,8 +11,8 @@ namespace shardserve {
 namespace {
 
 constexpr const FamilyDeclaration* kFamilies[] = {
-    &kGemma2Family,   &kGemma3Family, &kGemma3ConditionalFamily, &kLlamaFamily, &kMistralFamily, &kMixtralFamily,
-    &kPhi3Family,     &kQwen2Family,  &kQwen2MoeFamily,          &kQwen3Family, &kQwen3MoeFamily};
+    &kDeepseekV3Family, &kGemma2Family, &kGemma3Family,   &kGemma3ConditionalFamily, &kLlamaFamily, &kMistralFamily,
+    &kMixtralFamily,    &kPhi3Family,   &kQwen2Family,    &kQwen2MoeFamily,          &kQwen3Family, &kQwen3MoeFamily};
 
 }  // namespace
 
@@ -23,6 +23,12 @@ void LayerTensors::Add(const char* name, std::vector<int64_t> shape, TpSplit spl
                        std::vector<int64_t> fused_shape, int64_t fused_offset) {
   out_->push_back(
       {prefix_ + name, std::move(shape), WeightPart::kLayer, layer_, split, role, std::move(fused_shape), fused_offset});
+}
+
+void LayerTensors::AddPicked(const char* name, std::vector<int64_t> shape, std::vector<int64_t> fused_shape,
+                             TpSplit split, WeightRole role, WeightDecl::RowPick pick) {
+  Add(name, std::move(shape), split, role, std::move(fused_shape));
+  out_->back().pick = pick;
 }
 
 void LayerTensors::AddExpert(const char* experts, int64_t expert, const char* name, std::vector<int64_t> shape,
@@ -67,6 +73,11 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kSharedUpProj:
     case WeightRole::kSharedDownProj:
     case WeightRole::kSharedExpertGate:
+    case WeightRole::kQAProj:
+    case WeightRole::kQNopeProj:
+    case WeightRole::kQPeProj:
+    case WeightRole::kKvAProj:
+    case WeightRole::kKPeProj:
     case WeightRole::kLmHead:
       return true;
     default:
@@ -87,6 +98,8 @@ bool IsNormWeight(WeightRole role) {
     case WeightRole::kAttnOutNorm:
     case WeightRole::kPreMlpNorm:
     case WeightRole::kMlpOutNorm:
+    case WeightRole::kQANorm:
+    case WeightRole::kKvANorm:
     case WeightRole::kFinalNorm:
       return true;
     default:

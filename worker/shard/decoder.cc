@@ -30,6 +30,12 @@ DecoderBlocks::DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConf
   routing_.router = MoeRouter::kSoftmaxTopK;
   routing_.k = static_cast<int>(config.num_experts_per_tok);
   routing_.norm_topk_prob = config.norm_topk_prob;
+  if (config.family != nullptr && config.family->experts == FamilyDeclaration::Experts::kDeepseek) {
+    routing_.router = MoeRouter::kSigmoidGroupTopK;
+    routing_.n_group = static_cast<int>(config.n_group);
+    routing_.topk_group = static_cast<int>(config.topk_group);
+    routing_.routed_scaling_factor = static_cast<float>(config.routed_scaling_factor);
+  }
   routing_.weights_in_act = config.family != nullptr && config.family->router_weights_in_act;
 }
 
@@ -70,6 +76,45 @@ absl::Status DecoderBlocks::SelfAttention(int64_t layer, const LayerWeights& w, 
                                            meta.block_tables, attention_scale_, attention));
   // o_proj (row-parallel: this rank's heads' columns; its bias, if any, on one rank), summed
   SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&s.proj, s.attn, w.o_proj, w.o_bias.data ? &w.o_bias : nullptr));
+  return tp_.SumPartials(&s.proj);
+}
+
+absl::Status DecoderBlocks::LatentAttention(int64_t layer, const LayerWeights& w, KvCache& cache,
+                                            const StepMeta& meta, LayerScratch& s) const {
+  const int64_t n = s.normed.dim(0);
+  // q_a_layernorm and kv_a_layernorm: DeepseekV3RMSNorm at its default eps, not rms_norm_eps
+  constexpr float kLatentNormEps = 1e-6f;
+  Tensor q_nope = s.mla.q_nope.Rows(0, n), q_pe = s.mla.q_pe.Rows(0, n), kv_c = s.mla.kv_c.Rows(0, n),
+         k_pe = s.mla.k_pe.Rows(0, n);
+  // q = q_b_proj(q_a_layernorm(q_a_proj(h))), or q_proj(h) without q_lora_rank: each head's part
+  // without RoPE and its part with it (two products, picked from the checkpoint's rows at load)
+  Tensor q_a = s.mla.q_a.Rows(0, n);
+  const Tensor* q_in = &s.normed;
+  if (w.q_a_proj.data != nullptr) {
+    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&q_a, s.normed, w.q_a_proj, nullptr));
+    SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&q_a, q_a, w.q_a_layernorm, kLatentNormEps));
+    q_in = &q_a;
+  }
+  const MatMulProduct q_parts[] = {{&q_nope, &w.q_nope_proj, nullptr}, {&q_pe, &w.q_pe_proj, nullptr}};
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMuls(*q_in, q_parts));
+  // kv_nope, k_rot = kv_a_proj_with_mqa(h): the latent (then kv_a_layernorm) and the RoPE key
+  const MatMulProduct kv_parts[] = {{&kv_c, &w.kv_a_proj, nullptr}, {&k_pe, &w.k_pe_proj, nullptr}};
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMuls(s.normed, kv_parts));
+  SHARDSERVE_RETURN_IF_ERROR(be_.RmsNorm(&kv_c, kv_c, w.kv_a_layernorm, kLatentNormEps));
+  // q_rot, k_rot = RoPE of each head's RoPE part and of the shared key (rotate_half on the rows
+  // de-interleaved at load: transformers' apply_rotary_pos_emb_interleave)
+  const DeviceRope& rope = rope_[config_.LayerRopeTable(layer)];
+  SHARDSERVE_RETURN_IF_ERROR(be_.Rope(&q_pe, &k_pe, meta.positions, rope.inv_freq,
+                                      static_cast<int>(config_.qk_rope_head_dim), rope.options));
+  // the latent and the RoPE key into the cache, then softmax(q k^T * scale) v with kv_b_proj
+  // absorbed (the scale qk_head_dim^-0.5 with YaRN's mscale_all_dim: ModelConfig::attention_scale)
+  const MlaShape shape{.heads = tp_.shard.q_heads, .nope = config_.qk_nope_head_dim,
+                       .rope = config_.qk_rope_head_dim, .v = config_.v_head_dim, .latent = config_.kv_lora_rank};
+  SHARDSERVE_RETURN_IF_ERROR(be_.MlaAttention(&s.attn, q_nope, q_pe, kv_c, k_pe, w.kv_b_proj, &cache.k, meta.slots,
+                                              meta.positions, meta.token_seq, meta.block_tables, attention_scale_,
+                                              shape));
+  // o_proj (row-parallel: this rank's heads' columns), summed
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&s.proj, s.attn, w.o_proj, nullptr));
   return tp_.SumPartials(&s.proj);
 }
 
@@ -120,8 +165,11 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   }
   // ids, weights = topk(softmax(router_logits), k), divided by their sum when norm_topk_prob (always
   // for Mixtral), rounded to the act dtype where the family does (Qwen-MoE)
+  // (DeepSeek-V3: sigmoid scores, the layer's e_score_correction_bias for the choice, groups)
   Tensor ids = m.ids.Rows(0, n), weights = m.weights.Rows(0, n);
-  SHARDSERVE_RETURN_IF_ERROR(be_.MoeRoute(&ids, &weights, logits, routing_));
+  MoeRouting routing = routing_;
+  if (w.router_bias.data != nullptr) routing.selection_bias = &w.router_bias;
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeRoute(&ids, &weights, logits, routing));
   // the (token, expert) pairs grouped by expert: transformers' loop over the experts that got tokens
   Tensor order = m.order.Rows(0, nk), rows = m.rows.Rows(0, n);
   SHARDSERVE_RETURN_IF_ERROR(be_.MoeGroupByExpert(&order, &rows, &m.offsets, ids));
@@ -183,6 +231,12 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
     Tensor gated = m.shared_gated.Rows(0, n);
     SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&gated, out, token_rows, scale));
     SHARDSERVE_RETURN_IF_ERROR(be_.Add(&proj, proj, gated));
+  } else if (w.shared_gate_proj.data != nullptr) {
+    // DeepSeek-V3: + shared_experts(h), ungated (this rank's slice; whole with expert parallelism,
+    // on this rank's tokens)
+    Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
+    SHARDSERVE_RETURN_IF_ERROR(SwiGlu(&out, &gate, &up, h, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
+    SHARDSERVE_RETURN_IF_ERROR(be_.Add(&proj, proj, out));
   }
   // every token's output on every rank: the partial sums summed once, or the ranks' rows gathered
   return plan.Join(be_, m, &s.proj);
@@ -216,7 +270,9 @@ absl::Status DecoderBlocks::Layer(int64_t layer, const LayerWeights& w, KvCache&
       // Llama, Qwen, Mistral, Phi-3:
       //   h = x + self_attn(input_layernorm(x))
       //   out = h + mlp(post_attention_layernorm(h))
-      SHARDSERVE_RETURN_IF_ERROR(SelfAttention(layer, w, cache, meta, s));
+      // (DeepSeek-V3's self_attn: latent attention)
+      SHARDSERVE_RETURN_IF_ERROR(config_.mla() ? LatentAttention(layer, w, cache, meta, s)
+                                               : SelfAttention(layer, w, cache, meta, s));
       SHARDSERVE_RETURN_IF_ERROR(AddThenNorm(x, s.proj, s, &w.pre_mlp_norm));
       SHARDSERVE_RETURN_IF_ERROR(Mlp(w, s));
       return AddThenNorm(x, s.proj, s, next_input_norm);

@@ -34,7 +34,9 @@ struct TpPlan {
   ExpertPlan experts;
 };
 
-// One layer's paged KV cache: [blocks, block_size, local KV heads, head_dim] each.
+// One layer's paged KV cache: [blocks, block_size, local KV heads, head_dim] each; with latent
+// attention (ModelConfig::mla) k alone, [blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+// (each token's normed latent and roped RoPE key, whole on every TP rank), and v empty.
 struct KvCache {
   Tensor k, v;
 };
@@ -46,6 +48,15 @@ struct StepMeta {
   Tensor block_tables;                 // [seqs, max_blocks_per_seq] I32
 };
 
+// What a latent-attention layer (DecoderBlocks::LatentAttention) works in for n tokens.
+struct MlaScratch {
+  Tensor q_a;     // [n, q_lora_rank] q_a_proj's output (with q_lora_rank)
+  Tensor q_nope;  // [n, heads * qk_nope_head_dim] q's part without RoPE (this rank's heads)
+  Tensor q_pe;    // [n, heads * qk_rope_head_dim] q's part with RoPE
+  Tensor kv_c;    // [n, kv_lora_rank] the latent, normed
+  Tensor k_pe;    // [n, qk_rope_head_dim] the RoPE key every head shares
+};
+
 // The activations a layer works in, n rows each.
 struct LayerScratch {
   Tensor normed;       // [n, hidden] the block's normed input
@@ -55,6 +66,7 @@ struct LayerScratch {
   Tensor gate, up;     // [n, f] the MLP's products
   MoeScratch moe;      // a sparse layer's (models with experts only)
   MoeHostScratch* moe_host = nullptr;
+  MlaScratch mla;      // a latent-attention layer's (DeepSeek-V3 only)
 };
 
 // One kind of layer's rotary embedding (ModelConfig::LayerRopeTable: Gemma 3's global and sliding
@@ -90,6 +102,10 @@ class DecoderBlocks {
   // normed -> s.proj: this rank's heads' attention output through o_proj, summed over the group.
   absl::Status SelfAttention(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta,
                              LayerScratch& s) const;
+  // normed -> s.proj: DeepseekV3Attention, multi-head latent attention over the latent cache
+  // (Backend::MlaAttention) on this rank's heads, through o_proj, summed over the group.
+  absl::Status LatentAttention(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta,
+                               LayerScratch& s) const;
   // normed -> s.proj: act(gate_proj(h)) * up_proj(h) through down_proj, summed over the group.
   absl::Status GatedMlp(const LayerWeights& w, LayerScratch& s) const;
   // out = down_proj(silu(gate_proj(x)) * up_proj(x)) on this rank's slice of the intermediate size,
@@ -98,9 +114,10 @@ class DecoderBlocks {
                       const Tensor& up_proj, const Tensor& down_proj) const;
   // normed -> s.proj: the mixture of experts, as transformers' Qwen3MoeSparseMoeBlock and
   // MixtralSparseMoeBlock compute it (router, top-k, each expert's SwiGLU on its tokens, the
-  // weighted sum), plus Qwen2MoeSparseMoeBlock's gated shared expert where the layer has one,
-  // under the plan's split of the experts (tp_.experts: cut and summed once, or whole on their
-  // ranks with the tokens sent to them and gathered back).
+  // weighted sum), plus Qwen2MoeSparseMoeBlock's gated shared expert where the layer has one
+  // (DeepseekV3MoE: its router, and its shared experts ungated), under the plan's split of the
+  // experts (tp_.experts: cut and summed once, or whole on their ranks with the tokens sent to them
+  // and gathered back).
   absl::Status MoeMlp(const LayerWeights& w, LayerScratch& s) const;
   // The [n, cols] act product `t` read into host.logits_f32 as float32 (through logits_act for a
   // 16-bit act dtype).

@@ -1,5 +1,6 @@
 #include "worker/shard/loader.h"
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -62,6 +63,15 @@ Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
       case WeightRole::kSharedUpProj: return &l.shared_up_proj;
       case WeightRole::kSharedDownProj: return &l.shared_down_proj;
       case WeightRole::kSharedExpertGate: return &l.shared_expert_gate;
+      case WeightRole::kRouterBias: return &l.router_bias;
+      case WeightRole::kQAProj: return &l.q_a_proj;
+      case WeightRole::kQANorm: return &l.q_a_layernorm;
+      case WeightRole::kQNopeProj: return &l.q_nope_proj;
+      case WeightRole::kQPeProj: return &l.q_pe_proj;
+      case WeightRole::kKvAProj: return &l.kv_a_proj;
+      case WeightRole::kKPeProj: return &l.k_pe_proj;
+      case WeightRole::kKvANorm: return &l.kv_a_layernorm;
+      case WeightRole::kKvBProj: return &l.kv_b_proj;
       default: return nullptr;
     }
   }
@@ -88,6 +98,12 @@ class WeightLoader {
   // An RMSNorm's weight w, stored for a scale of 1 + w (Gemma): read in float32, 1 added there as
   // transformers adds it, then held in the act dtype.
   absl::StatusOr<Tensor> NormPlusOne(const WeightDecl& w);
+  // The rows w.pick names of the checkpoint tensor's rows `slice` covers (whole blocks of
+  // w.pick.period), in the act dtype; packed for MatMul (as `quant`) when w is a product's.
+  absl::StatusOr<Tensor> Picked(const WeightDecl& w, const Slice& slice, WeightQuant quant);
+  // Tensor w whole, in float32 whatever the act dtype (DeepSeek-V3's router bias, which
+  // transformers keeps in float32).
+  absl::StatusOr<Tensor> Float32(const WeightDecl& w);
 
  private:
   // A published quantized checkpoint's linear weight `name` (<prefix>.weight): its codes and scales
@@ -199,6 +215,46 @@ absl::StatusOr<Tensor> WeightLoader::NormPlusOne(const WeightDecl& w) {
   return UploadHost(w.name, plus_one.data(), {n});
 }
 
+absl::StatusOr<Tensor> WeightLoader::Picked(const WeightDecl& w, const Slice& slice, WeightQuant quant) {
+  const WeightDecl::RowPick& p = w.pick;
+  const std::vector<int64_t>& full = w.fused_shape;
+  const int64_t end = slice.end < 0 ? w.shape[0] : slice.end;
+  if (full.size() != 2 || slice.dim != 0 || p.count <= 0 || p.from + p.count > p.period || slice.begin % p.count != 0 ||
+      end % p.count != 0 || (p.deinterleave && p.count % 2 != 0)) {
+    return absl::InternalError(absl::StrCat(w.name, ": rows picked as no whole blocks of ", p.period));
+  }
+  const int64_t first = slice.begin / p.count, blocks = end / p.count - first, cols = full[1];
+  std::vector<float> read(static_cast<size_t>(blocks * p.period * cols));
+  SHARDSERVE_RETURN_IF_ERROR(
+      ckpt_.Read(w.name, full, Slice{0, first * p.period, (first + blocks) * p.period}, DType::kF32, read.data()));
+  std::vector<float> picked(static_cast<size_t>(blocks * p.count * cols));
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t i = 0; i < p.count; ++i) {
+      // de-interleaved: the pairs' first rows (0, 2, 4, ...), then their second ones (1, 3, 5, ...)
+      const int64_t half = p.count / 2;
+      const int64_t from = p.from + (!p.deinterleave ? i : i < half ? 2 * i : 2 * (i - half) + 1);
+      std::memcpy(picked.data() + (b * p.count + i) * cols, read.data() + (b * p.period + from) * cols,
+                  cols * sizeof(float));
+    }
+  }
+  Tensor plain;
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, UploadHost(w.name, picked.data(), {blocks * p.count, cols}));
+  if (!IsProductWeight(w.role)) return plain;
+  return Pack(w.name, plain, quant);
+}
+
+absl::StatusOr<Tensor> WeightLoader::Float32(const WeightDecl& w) {
+  int64_t count = 1;
+  for (int64_t d : w.shape) count *= d;
+  std::vector<float> values(static_cast<size_t>(count));
+  SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, w.shape, Slice{0, 0, -1}, DType::kF32, values.data()));
+  Tensor t;
+  SHARDSERVE_ASSIGN_OR_RETURN(t, arena_->Alloc(DType::kF32, w.shape));
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, values.data(), t.bytes()));
+  report_->weight_bytes += t.bytes();
+  return t;
+}
+
 absl::StatusOr<Tensor> WeightLoader::UploadHost(const std::string& name, const float* values,
                                                 absl::Span<const int64_t> dims) {
   Tensor t;
@@ -255,6 +311,11 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     } else if (w.role == WeightRole::kEmbedTokens) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? load.Product(w, slice)
                                                           : load.Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
+    } else if (w.pick.period > 0) {
+      const WeightQuant quant = TakesWeightQuant(w) ? spec.weight_quant : WeightQuant::kNone;
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Picked(w, slice, quant));
+    } else if (w.role == WeightRole::kRouterBias) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Float32(w));
     } else if (config.norm_plus_one && IsNormWeight(w.role)) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.NormPlusOne(w));
     } else if (IsProductWeight(w.role)) {

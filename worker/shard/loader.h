@@ -47,6 +47,14 @@ struct LayerWeights {
   Tensor shared_gate_proj, shared_up_proj;  // [fs, hidden] Qwen2-MoE's shared expert (fs: this rank's)
   Tensor shared_down_proj;                  // [hidden, fs]
   Tensor shared_expert_gate;                // [1, hidden]
+  Tensor router_bias;                       // [experts] F32: DeepSeek-V3's e_score_correction_bias
+  // Multi-head latent attention (DeepSeek-V3; h: this rank's heads, ModelConfig's MLA sizes):
+  Tensor q_a_proj;                // [q_lora_rank, hidden] (none without q_lora_rank)
+  Tensor q_a_layernorm;           // [q_lora_rank]
+  Tensor q_nope_proj, q_pe_proj;  // [h * nope, q_lora_rank or hidden], [h * rope, ...] (RoPE rows de-interleaved)
+  Tensor kv_a_proj, k_pe_proj;    // [kv_lora_rank, hidden], [rope, hidden] (RoPE rows de-interleaved)
+  Tensor kv_a_layernorm;          // [kv_lora_rank]
+  Tensor kv_b_proj;               // [h * (nope + v), kv_lora_rank] plain (MlaAttention reads its rows)
 };
 
 // This rank's slice of a pipeline stage's weights.

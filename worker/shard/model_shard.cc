@@ -16,6 +16,24 @@
 
 namespace shardserve {
 
+namespace {
+
+// One layer's KV cache layout, [blocks, block_size, heads, dim] for K and, where values are cached
+// apart, the same for V: this rank's KV heads' keys and values (GQA), or for latent attention
+// (ModelConfig::mla) one row of the latent and the RoPE key a token, whole on every rank, and no V.
+struct KvCacheLayout {
+  int64_t heads = 0;
+  int64_t dim = 0;
+  bool values = true;
+};
+
+KvCacheLayout LayerKvCacheLayout(const ModelConfig& config, const TpShard& shard) {
+  if (config.mla()) return {.heads = 1, .dim = config.kv_lora_rank + config.qk_rope_head_dim, .values = false};
+  return {.heads = shard.kv_heads, .dim = config.head_dim, .values = true};
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const StepLimits& opt,
                                                              Backend* backend, Communicator* tp) {
@@ -26,6 +44,11 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   m->first_layer_ = spec.first_layer;
   m->end_layer_ = spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
   SHARDSERVE_RETURN_IF_ERROR(CheckShard(config, spec, opt));
+  if (config.mla() && backend->device_kind() != DeviceKind::kCpu) {
+    return absl::UnimplementedError(absl::StrCat(config.architecture_name, "'s multi-head latent attention runs on the "
+                                                 "CPU backend only; the CUDA kernels for it are not written yet "
+                                                 "(docs/gpu.md)"));
+  }
   if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
@@ -41,14 +64,17 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                               LoadShardWeights(ckpt, m->config_, spec, s, backend, &m->arena_, &m->load_));
   backend->ReleaseLoadBuffers();
 
-  // ---- The paged KV cache of each layer, in its pool (kv_pools.h): this rank's KV heads only ----
-  const int64_t D = config.head_dim;
+  // ---- The paged KV cache of each layer, in its pool (kv_pools.h): this rank's KV heads only, or
+  // latent attention's latent rows (LayerKvCacheLayout) ----
+  const KvCacheLayout layout = LayerKvCacheLayout(config, s);
   m->kv_.resize(m->end_layer_ - m->first_layer_);
   for (size_t i = 0; i < m->kv_.size(); ++i) {
     KvCache& c = m->kv_[i];
     const int64_t blocks = LayerKvBlocks(config, opt, m->first_layer_ + static_cast<int64_t>(i));
     for (Tensor* t : {&c.k, &c.v}) {
-      SHARDSERVE_ASSIGN_OR_RETURN(*t, m->arena_.Alloc(backend->act_dtype(), {blocks, opt.block_size, s.kv_heads, D}));
+      if (t == &c.v && !layout.values) continue;
+      SHARDSERVE_ASSIGN_OR_RETURN(*t,
+                                  m->arena_.Alloc(backend->act_dtype(), {blocks, opt.block_size, layout.heads, layout.dim}));
       SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(t->data, t->bytes()));
       m->kv_cache_bytes_ += t->bytes();
     }
@@ -123,7 +149,9 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"shared_gate_logit", &moe_.shared_gate_logit}, {"shared_scale", &moe_.shared_scale},
       {"shared_rows", &moe_.shared_rows}, {"shared_gated", &moe_.shared_gated},
       {"expert_all_offsets", &moe_.all_offsets}, {"expert_exchanged", &moe_.exchanged},
-      {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered}};
+      {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
+      {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
+      {"mla_k_pe", &mla_.k_pe}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
@@ -230,7 +258,7 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
           : meta;
   LayerScratch s{normed_.Rows(0, n), q_.Rows(0, n),    k_.Rows(0, n),    v_.Rows(0, n),
                  attn_.Rows(0, n),   proj_.Rows(0, n), gate_.Rows(0, n), up_.Rows(0, n),
-                 moe_,               &moe_host_};
+                 moe_,               &moe_host_,       mla_};
   Tensor x = hidden_.Rows(0, n);
 
   // Embedding (first stage).

@@ -62,7 +62,8 @@ class ModelShard {
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
-  // Bytes of this shard's paged KV cache (K and V of every layer it holds, in either pool: kv_pools.h).
+  // Bytes of this shard's paged KV cache (K and V of every layer it holds, in either pool: kv_pools.h;
+  // latent attention's latent rows).
   uint64_t kv_cache_bytes() const { return kv_cache_bytes_; }
   Backend* backend() const { return backend_; }
   // Step graphs (Backend::BeginGraph / RunGraph; the CUDA worker's, but --no-cuda-graphs): decode steps
@@ -125,6 +126,7 @@ class ModelShard {
   Tensor gate_, up_;  // [n, f]
   MoeScratch moe_;    // the sparse layers' (models with experts only): n * k rows
   MoeHostScratch moe_host_;
+  MlaScratch mla_;    // the latent-attention layers' (DeepSeek-V3 only)
   Tensor inv_freq_;   // [kRopeTableRows, rotary_dim / 2] F32: RopeTables' frequencies, two rows a table
   Tensor last_;       // [m, hidden] rows whose logits are wanted
   Tensor local_logits_;     // [m, vocab_rows_per_rank] F32
