@@ -11,10 +11,11 @@
 //               written again, since slots come from positions >= p0 only);
 //   slots       table[pos / block_size] * block_size + pos % block_size;
 //   block table s's, padded with block 0 to max_blocks_per_seq (row-major [rows, width]);
-//   logit row   the row's last token, when the row samples;
+//   logit row   the row's last token, when the row samples (its last row_num_sampled tokens
+//               when the row verifies proposed tokens: speculative decoding);
 //   draw_index  p0 + n - prompt_len (a row samples only once every token of s is fed, so this is
 //               the number of tokens generated so far: the coordinator's tokens.size() -
-//               prompt_len);
+//               prompt_len); at a sampled position p before the row's last, p + 1 - prompt_len;
 //   penalties   penalty_prompt_ids = the fed tokens at positions < prompt_len (repetition penalty
 //               on), penalty_output_ids = those at positions >= prompt_len (any penalty on): the
 //               prompt and every token generated so far, in order, as the coordinator sent them
@@ -91,6 +92,8 @@ class PersistentBatch {
     v1::RowSampling sampling;
   };
 
+  // Applies the plan's rollbacks (speculative decoding: rejected proposals) to held sequences.
+  absl::Status Rollback(const v1::StepPlan& plan);
   absl::Status AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,
                             const char* what);
 
