@@ -140,6 +140,82 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
                                   info.param.fixture;
                          });
 
+// ---- Speculative decoding: outputs unchanged in every layout ----------------------------------------
+
+// The coordinator speculates with the n-gram proposer (docs/speculative-decoding.md): the workers
+// score a decoding sequence's guesses in one step and sample at each position. Greedy tokens stay
+// Hugging Face's in TP {1, 2} x PP {1, 2}: the golden request, the same prompt continued by the
+// first 12 golden tokens (the rest of the golden tokens follow), a request whose max_tokens and one
+// whose stop token end it inside an accepted run (nothing after it is returned), all at once so
+// that steps verify guesses of several sequences and decodes without guesses side by side, and
+// the logprobs of a request carry one entry per token. Guesses were made and some accepted.
+class ClusterSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterSpeculationTest, NgramGuessesKeepHuggingFacesGreedyTokens) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  ASSERT_GE(golden.greedy.size(), 32u);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}},
+                  {"--speculative", "ngram", "--num-speculative-tokens", "4", "--block-size", "4"});
+  ASSERT_TRUE(cluster.Start());
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  requests.push_back(TokenRequest(golden.prompt, 32));
+  want.push_back(golden.greedy);
+  std::vector<int32_t> continued = golden.prompt;
+  continued.insert(continued.end(), golden.greedy.begin(), golden.greedy.begin() + 12);
+  requests.push_back(TokenRequest(continued, 20));
+  want.emplace_back(golden.greedy.begin() + 12, golden.greedy.begin() + 32);
+  requests.push_back(TokenRequest(golden.prompt, 7));
+  want.emplace_back(golden.greedy.begin(), golden.greedy.begin() + 7);
+  // The first greedy token past the 10th that did not appear before it stops the fourth.
+  size_t k = 10;
+  while (std::find(golden.greedy.begin(), golden.greedy.begin() + k, golden.greedy[k]) != golden.greedy.begin() + k) ++k;
+  ASSERT_LT(k, 32u);
+  requests.push_back(TokenRequest(golden.prompt, 32));
+  requests.back().mutable_sampling()->add_stop_token_ids(golden.greedy[k]);
+  want.emplace_back(golden.greedy.begin(), golden.greedy.begin() + k + 1);
+  requests[1].mutable_sampling()->set_logprobs(true);
+  std::vector<Streamed> got(requests.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { got[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(got[i].tokens, want[i]) << "request " << i;
+  }
+  EXPECT_EQ(got[3].messages.back().finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+  EXPECT_EQ(got[2].messages.back().finish_reason(), v1::FINISH_REASON_LENGTH);
+  int logprobs = 0;
+  for (const v1::GenerateResponse& m : got[1].messages) logprobs += m.logprobs_size();
+  EXPECT_EQ(logprobs, 20);
+  // Alone, the golden request again: its guesses verified one sequence at a time.
+  const Streamed alone = Generate(cluster.client(), requests[0]);
+  ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+  EXPECT_EQ(alone.tokens, golden.greedy);
+  const v1::SchedulerStatus s = cluster.Status().scheduler();
+  EXPECT_EQ(s.speculative(), "ngram");
+  EXPECT_GT(s.spec_proposed_tokens(), 0);
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "the continued prompt repeats the golden tokens: its guesses are right";
+  EXPECT_LE(s.spec_accepted_tokens(), s.spec_proposed_tokens());
+  EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
+  std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
+              l.pp, l.fixture.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
+              static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSpeculationTest,
+                         ::testing::Values(Layout{"llama_gqa", 1, 1}, Layout{"llama_gqa", 2, 1}, Layout{"llama_gqa", 1, 2},
+                                           Layout{"llama_gqa", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
 // ---- Sliding windows: blocks behind the window go to other sequences ------------------------------------
 
 // Mistral with a 32-token window in every layer: a sequence lets go of the blocks behind its window
