@@ -406,8 +406,17 @@ std::vector<int32_t> Scheduler::Propose(Seq& s, int64_t tokens, int64_t samples)
   if (!s.options.speculate || k <= 0) return draft;
   options_.proposer->Propose(s.tokens, static_cast<int>(k), &draft);
   if (static_cast<int64_t>(draft.size()) > k) draft.resize(static_cast<size_t>(k));
-  // Guesses never preempt anyone: fewer of them when blocks are short.
-  while (!draft.empty() && !Grow(s, s.num_fed + 1 + static_cast<int64_t>(draft.size()))) draft.pop_back();
+  // Guesses never preempt anyone, not even later in this step: they take free blocks only while
+  // one stays available for every running sequence, else there are fewer of them.
+  while (!draft.empty()) {
+    const int64_t need = blocks_.BlocksFor(s.num_fed + 1 + static_cast<int64_t>(draft.size())) -
+                         static_cast<int64_t>(s.blocks.size());
+    if (need <= blocks_.num_available() - num_running() &&
+        Grow(s, s.num_fed + 1 + static_cast<int64_t>(draft.size()))) {
+      break;
+    }
+    draft.pop_back();
+  }
   return draft;
 }
 
