@@ -234,6 +234,82 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterExpertParallelTest, ::testing::ValuesIn
                                   info.param.fixture;
                          });
 
+// ---- Speculative decoding: outputs unchanged in every layout ----------------------------------------
+
+// The coordinator speculates with the n-gram proposer (docs/speculative-decoding.md): the workers
+// score a decoding sequence's guesses in one step and sample at each position. Greedy tokens stay
+// Hugging Face's in TP {1, 2} x PP {1, 2}: the golden request, the same prompt continued by the
+// first 12 golden tokens (the rest of the golden tokens follow), a request whose max_tokens and one
+// whose stop token end it inside an accepted run (nothing after it is returned), all at once so
+// that steps verify guesses of several sequences and decodes without guesses side by side, and
+// the logprobs of a request carry one entry per token. Guesses were made and some accepted.
+class ClusterSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterSpeculationTest, NgramGuessesKeepHuggingFacesGreedyTokens) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  ASSERT_GE(golden.greedy.size(), 32u);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}},
+                  {"--speculative", "ngram", "--num-speculative-tokens", "4", "--block-size", "4"});
+  ASSERT_TRUE(cluster.Start());
+  std::vector<v1::GenerateRequest> requests;
+  std::vector<std::vector<int32_t>> want;
+  requests.push_back(TokenRequest(golden.prompt, 32));
+  want.push_back(golden.greedy);
+  std::vector<int32_t> continued = golden.prompt;
+  continued.insert(continued.end(), golden.greedy.begin(), golden.greedy.begin() + 12);
+  requests.push_back(TokenRequest(continued, 20));
+  want.emplace_back(golden.greedy.begin() + 12, golden.greedy.begin() + 32);
+  requests.push_back(TokenRequest(golden.prompt, 7));
+  want.emplace_back(golden.greedy.begin(), golden.greedy.begin() + 7);
+  // The first greedy token past the 10th that did not appear before it stops the fourth.
+  size_t k = 10;
+  while (std::find(golden.greedy.begin(), golden.greedy.begin() + k, golden.greedy[k]) != golden.greedy.begin() + k) ++k;
+  ASSERT_LT(k, 32u);
+  requests.push_back(TokenRequest(golden.prompt, 32));
+  requests.back().mutable_sampling()->add_stop_token_ids(golden.greedy[k]);
+  want.emplace_back(golden.greedy.begin(), golden.greedy.begin() + k + 1);
+  requests[1].mutable_sampling()->set_logprobs(true);
+  std::vector<Streamed> got(requests.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { got[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << i << ": " << got[i].status.error_message() << "\n" << cluster.Logs();
+    EXPECT_EQ(got[i].tokens, want[i]) << "request " << i;
+  }
+  EXPECT_EQ(got[3].messages.back().finish_reason(), v1::FINISH_REASON_STOP_TOKEN);
+  EXPECT_EQ(got[2].messages.back().finish_reason(), v1::FINISH_REASON_LENGTH);
+  int logprobs = 0;
+  for (const v1::GenerateResponse& m : got[1].messages) logprobs += m.logprobs_size();
+  EXPECT_EQ(logprobs, 20);
+  // Alone, the golden request again: its guesses verified one sequence at a time.
+  const Streamed alone = Generate(cluster.client(), requests[0]);
+  ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
+  EXPECT_EQ(alone.tokens, golden.greedy);
+  const v1::SchedulerStatus s = cluster.Status().scheduler();
+  EXPECT_EQ(s.speculative(), "ngram");
+  EXPECT_GT(s.spec_proposed_tokens(), 0);
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess was ever right";
+  EXPECT_LE(s.spec_accepted_tokens(), s.spec_proposed_tokens());
+  EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
+  std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
+              l.pp, l.fixture.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
+              static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterSpeculationTest,
+                         ::testing::Values(Layout{"llama_gqa", 1, 1}, Layout{"llama_gqa", 2, 1}, Layout{"llama_gqa", 1, 2},
+                                           Layout{"llama_gqa", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
 // ---- Sliding windows: blocks behind the window go to other sequences ------------------------------------
 
 // Mistral with a 32-token window in every layer: a sequence lets go of the blocks behind its window
@@ -579,6 +655,33 @@ TEST(WorkerFlagsTest, BadMemoryBandwidthIsAUsageErrorNamingTheFlag) {
     const std::string output = Tail(log, 1 << 16);  // the error, then the whole usage text
     EXPECT_NE(output.find("--memory-bandwidth-gbps must be 0 or a number of GB/s"), std::string::npos)
         << value << ": " << output;
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// Speculative decoding's flags are checked at start: a usage error (exit 2) naming what is wrong.
+TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, got 'eagle'"},
+      {{"--speculative", "ngram"}, "--speculative ngram needs --num-speculative-tokens in [1, 16]"},
+      {{"--speculative", "ngram", "--num-speculative-tokens", "17"}, "--num-speculative-tokens must be an integer in [1, 16]"},
+      {{"--speculative", "ngram", "--num-speculative-tokens", "0"}, "--num-speculative-tokens must be an integer in [1, 16]"},
+      {{"--num-speculative-tokens", "4"}, "--num-speculative-tokens needs --speculative"},
+      {{"--speculative", "ngram", "--num-speculative-tokens", "2", "--speculative-max-running", "-1"},
+       "--speculative-max-running must be an integer in [0, 4096]"},
+  };
+  for (const auto& [flags, want] : cases) {
+    const fs::path log = dir / "coordinator.log";
+    std::vector<std::string> argv = {SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / "llama_gqa").string(),
+                                     "--listen", "127.0.0.1:0", "--insecure"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    Process coordinator(argv, log);
+    EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 2) << want;
+    const std::string output = Tail(log, 1 << 16);
+    EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
   }
   std::error_code ec;
   fs::remove_all(dir, ec);

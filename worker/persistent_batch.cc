@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardserve {
 namespace {
@@ -101,6 +102,40 @@ absl::Status PersistentBatch::AppendBlocks(uint64_t step_id, Seq& s, const googl
   return absl::OkStatus();
 }
 
+absl::Status PersistentBatch::Rollback(const v1::StepPlan& p) {
+  const int n = p.rollback_seq_ids_size();
+  auto bad = [&p](auto... parts) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": ", parts...));
+  };
+  if (p.rollback_num_tokens_size() != n || p.rollback_num_blocks_size() != n) {
+    return bad("rollback lists have ", n, " seq ids, ", p.rollback_num_tokens_size(), " token counts and ",
+               p.rollback_num_blocks_size(), " block counts; they must match");
+  }
+  const int64_t bs = limits_.block_size;
+  for (int i = 0; i < n; ++i) {
+    const uint64_t id = p.rollback_seq_ids(i);
+    auto it = index_.find(id);
+    if (it == index_.end()) return bad("rollback_seq_ids names seq ", id, ", which this worker does not hold");
+    Seq& s = slots_[it->second];
+    const int64_t tokens = p.rollback_num_tokens(i), blocks = p.rollback_num_blocks(i);
+    if (tokens < s.prompt_len || tokens > s.fed) {
+      return bad("rollback of seq ", id, " to ", tokens, " tokens; it must lie in [prompt_len ", s.prompt_len,
+                 ", fed ", s.fed, "]");
+    }
+    if (blocks > static_cast<int64_t>(s.blocks.size()) || blocks * bs < tokens) {
+      return bad("rollback of seq ", id, " to ", blocks, " blocks; it holds ", s.blocks.size(), " and ", tokens,
+                 " tokens need ", (tokens + bs - 1) / bs);
+    }
+    s.fed = tokens;
+    s.blocks.resize(static_cast<size_t>(blocks));
+    const int64_t kept = tokens - s.prompt_len;
+    if (s.sampling.penalty_output_ids_size() > kept) {
+      s.sampling.mutable_penalty_output_ids()->Truncate(static_cast<int>(kept));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
                                     google::protobuf::RepeatedPtrField<v1::RowSampling>* sampling) {
   const uint64_t step = p.step_id();
@@ -118,6 +153,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     free_slots_.push_back(it->second);
     index_.erase(it);
   }
+
+  // 1b. Rolled back sequences (speculative decoding: proposed tokens rejected).
+  SHARDSERVE_RETURN_IF_ERROR(Rollback(p));
 
   // 2. New sequences.
   for (int i = 0; i < p.new_seqs_size(); ++i) {
@@ -179,6 +217,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   if (p.row_start_positions_size() != rows || p.row_num_tokens_size() != rows || p.row_samples_size() != rows) {
     return bad("row lists have ", rows, " seq ids, ", p.row_start_positions_size(), " start positions, ",
                p.row_num_tokens_size(), " token counts and ", p.row_samples_size(), " sample flags; they must match");
+  }
+  if (p.row_num_sampled_size() != 0 && p.row_num_sampled_size() != rows) {
+    return bad("row_num_sampled has ", p.row_num_sampled_size(), " counts for ", rows, " rows; one per row, or none");
   }
   if (rows < 1 || rows > limits_.max_seqs_per_step) {
     return bad(rows, " rows; a step takes 1 to ", limits_.max_seqs_per_step);
@@ -247,14 +288,29 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
                                          s.sliding_blocks.end());
       batch->sliding_block_tables.resize(static_cast<size_t>((row + 1) * width), 0);
     }
-    if (p.row_samples(row)) {
-      if (end < s.prompt_len) {
-        return bad("row ", row, " samples seq ", id, " after ", end, " tokens, inside its prompt of ", s.prompt_len);
+    const int64_t sampled = p.row_num_sampled_size() == 0 ? (p.row_samples(row) ? 1 : 0) : p.row_num_sampled(row);
+    if (sampled != (p.row_samples(row) ? std::max<int64_t>(sampled, 1) : 0) || sampled > count) {
+      return bad("row ", row, " of seq ", id, " samples at ", sampled, " positions; a row that samples does so at 1 to ",
+                 "its ", count, " tokens, one that does not at 0");
+    }
+    if (static_cast<int64_t>(batch->logit_rows.size()) + sampled > limits_.max_seqs_per_step) {
+      return bad("the rows sample at more than max_seqs_per_step = ", limits_.max_seqs_per_step, " positions");
+    }
+    for (int64_t j = 0; j < sampled; ++j) {
+      // Position end - sampled + j: the tokens fed up to it count as generated (a proposal before
+      // it is what the sequence would have sampled), the proposals after it do not.
+      const int64_t upto = end - sampled + j + 1;
+      if (upto < s.prompt_len) {
+        return bad("row ", row, " samples seq ", id, " after ", upto, " tokens, inside its prompt of ", s.prompt_len);
       }
-      batch->logit_rows.push_back(static_cast<int32_t>(t - 1));
+      batch->logit_rows.push_back(static_cast<int32_t>(t - sampled + j));
       v1::RowSampling* r = sampling->Add();
       r->CopyFrom(s.sampling);
-      r->set_draw_index(static_cast<uint64_t>(end - s.prompt_len));
+      r->set_draw_index(static_cast<uint64_t>(upto - s.prompt_len));
+      const int later = static_cast<int>(sampled - 1 - j);
+      if (later > 0 && r->penalty_output_ids_size() >= later) {
+        r->mutable_penalty_output_ids()->Truncate(r->penalty_output_ids_size() - later);
+      }
     }
   }
   if (t != n) return bad("the rows feed ", t, " tokens but token_ids has ", n);

@@ -14,10 +14,11 @@
 //   sliding     where the sliding layers have a pool of their own (num_sliding_kv_blocks > 0), the
 //               same slots and table from s's sliding table (NewSeq.sliding_block_ids), which is
 //               always as long as its table;
-//   logit row   the row's last token, when the row samples;
+//   logit row   the row's last token, when the row samples (its last row_num_sampled tokens
+//               when the row verifies proposed tokens: speculative decoding);
 //   draw_index  p0 + n - prompt_len (a row samples only once every token of s is fed, so this is
 //               the number of tokens generated so far: the coordinator's tokens.size() -
-//               prompt_len);
+//               prompt_len); at a sampled position p before the row's last, p + 1 - prompt_len;
 //   penalties   penalty_prompt_ids = the fed tokens at positions < prompt_len (repetition penalty
 //               on), penalty_output_ids = those at positions >= prompt_len (any penalty on): the
 //               prompt and every token generated so far, in order, as the coordinator sent them
@@ -98,6 +99,8 @@ class PersistentBatch {
     v1::RowSampling sampling;
   };
 
+  // Applies the plan's rollbacks (speculative decoding: rejected proposals) to held sequences.
+  absl::Status Rollback(const v1::StepPlan& plan);
   // Appends `ids` to s's table and `sliding_ids` to its sliding table (ids in range, as many of
   // each where the sliding pool exists, none of the second where it does not).
   absl::Status AppendBlocks(uint64_t step_id, Seq& s, const google::protobuf::RepeatedField<int32_t>& ids,

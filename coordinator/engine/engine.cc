@@ -64,8 +64,36 @@ void RequestStream::End(absl::Status status) {
 
 // ---- Engine: the handlers' side -----------------------------------------------------------------
 
+absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
+  if (!o.speculative.empty() && o.speculative != "ngram") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; the one there is: ngram"));
+  }
+  if (o.num_speculative_tokens < 0 || o.num_speculative_tokens > kMaxSpeculativeTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("--num-speculative-tokens ", o.num_speculative_tokens,
+                                                   " is outside [1, ", kMaxSpeculativeTokens, "]"));
+  }
+  if (!o.speculative.empty() && o.num_speculative_tokens == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative ", o.speculative,
+                                                   " needs --num-speculative-tokens in [1, ", kMaxSpeculativeTokens, "]"));
+  }
+  if (o.speculative.empty() && o.proposer == nullptr && o.num_speculative_tokens != 0) {
+    return absl::InvalidArgumentError("--num-speculative-tokens needs --speculative (e.g. --speculative ngram)");
+  }
+  if (o.speculative_max_running < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--speculative-max-running ", o.speculative_max_running, " is negative (0: no limit)"));
+  }
+  if (o.ngram_min < 1 || o.ngram_max < o.ngram_min || o.ngram_max > NgramProposer::kMaxN) {
+    return absl::InvalidArgumentError(absl::StrCat("n-gram lengths ", o.ngram_min, "..", o.ngram_max,
+                                                   " must satisfy 1 <= min <= max <= ", NgramProposer::kMaxN));
+  }
+  return absl::OkStatus();
+}
+
 Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
     : model_(model), pool_(pool), options_(options), metrics_(metrics) {
+  if (options_.speculative == "ngram") ngram_ = std::make_unique<NgramProposer>(options_.ngram_min, options_.ngram_max);
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -133,6 +161,7 @@ void Engine::FillStatus(v1::SchedulerStatus* status) {
   status->set_micro_batches(o.lanes);
   status->set_max_tokens_per_step(o.limits.max_tokens_per_step);
   status->set_prefix_caching(o.prefix_caching);
+  status->set_speculative(o.proposer != nullptr ? (options_.speculative.empty() ? "test" : options_.speculative) : "");
 }
 
 // ---- Engine: the loop ---------------------------------------------------------------------------
@@ -185,6 +214,9 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.limits = pool_->limits();
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
   o.prefix_caching = options_.prefix_caching;
+  o.proposer = ngram_ != nullptr ? ngram_.get() : options_.proposer;
+  o.num_speculative_tokens = o.proposer != nullptr ? options_.num_speculative_tokens : 0;
+  o.speculative_max_running = options_.speculative_max_running;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
   // 2 and 3), the sliding layers have a pool of their own on the workers (num_sliding_kv_blocks,
@@ -233,7 +265,10 @@ void Engine::Admit(std::unique_ptr<Request> r) {
   const GenerationParams& p = r->params;
   r->generation = std::make_unique<Generation>(r->params, model_->eos_ids, model_->tokenizer.get());
   if (p.grammar != nullptr) r->matcher = std::make_unique<grammar::GrammarMatcher>(p.grammar);
-  scheduler_->Add(r->id, p.prompt, SamplingTemplate(p));
+  SeqOptions seq;
+  seq.max_len = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
+  seq.speculate = SpeculationAllowed(*r);
+  scheduler_->Add(r->id, p.prompt, SamplingTemplate(p), seq);
   if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
   CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
                                                       p.prompt.size(), p.max_tokens, p.temperature,
@@ -285,7 +320,9 @@ absl::Status Engine::FinishOldest() {
   const auto now = std::chrono::steady_clock::now();
   const double step_seconds = SecondsBetween(f.sent, now);
   for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {
-    Request& r = *requests_.at(t.seq);
+    auto found = requests_.find(t.seq);
+    if (found == requests_.end()) continue;  // ended by an earlier token of the same step's accepted run
+    Request& r = *found->second;
     if (std::binary_search(outcome_.non_finite_rows.begin(), outcome_.non_finite_rows.end(), t.logit_row)) {
       // A numeric failure of this sequence alone (its input overflowed the model): its request
       // fails; the group and the other sequences of the step go on.
@@ -478,6 +515,24 @@ bool Engine::WaitForHeal() {
   return false;
 }
 
+bool Engine::SpeculationAllowed(const Request& r) {
+  // A constrained request's mask depends on every token before it: guesses would need a mask per
+  // guessed position, which the step does not carry.
+  return r.matcher == nullptr;
+}
+
+void Engine::PublishSpeculation(v1::SchedulerStatus* s) {
+  const SchedulerOptions& o = scheduler_->options();
+  if (o.proposer == nullptr) return;
+  const SpeculationStats& spec = scheduler_->speculation();
+  s->set_speculative(options_.speculative.empty() ? "test" : options_.speculative);
+  s->set_spec_proposed_tokens(spec.proposed);
+  s->set_spec_accepted_tokens(spec.accepted);
+  s->set_spec_verifications(spec.verifications);
+  s->mutable_spec_accepted_by_position()->Add(spec.accepted_by_position.begin(), spec.accepted_by_position.end());
+  if (metrics_ != nullptr) metrics_->Speculation(spec.proposed, spec.accepted, spec.verifications, spec.accepted_by_position);
+}
+
 void Engine::PublishStats() {
   if (scheduler_ == nullptr) return;
   const SchedulerOptions& o = scheduler_->options();
@@ -496,6 +551,7 @@ void Engine::PublishStats() {
   s.set_kv_blocks_cached(scheduler_->num_cached_blocks());
   s.set_prefix_cache_query_tokens(scheduler_->prefix_query_tokens());
   s.set_prefix_cache_hit_tokens(scheduler_->prefix_hit_tokens());
+  PublishSpeculation(&s);
   if (metrics_ != nullptr) {
     metrics_->kv_blocks_used.Set(static_cast<double>(s.kv_blocks_total() - s.kv_blocks_free()));
     metrics_->requests_running.Set(static_cast<double>(s.running()));

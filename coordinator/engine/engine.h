@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -64,7 +65,23 @@ struct EngineOptions {
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
+  // Speculative decoding (docs/speculative-decoding.md): "" (off) or "ngram" (--speculative), at
+  // most num_speculative_tokens guesses per sequence per step, none while speculative_max_running
+  // sequences or more run (0: no such limit).
+  std::string speculative;
+  int num_speculative_tokens = 0;
+  int64_t speculative_max_running = 8;
+  // The n-gram proposer's lengths, longest first.
+  int ngram_min = 1;
+  int ngram_max = 3;
+  // Tests: a proposer of their own instead (borrowed, outlives the engine); with speculative "".
+  const Proposer* proposer = nullptr;
 };
+
+// The bounds of --num-speculative-tokens.
+inline constexpr int kMaxSpeculativeTokens = 16;
+// Checks the speculative decoding options: InvalidArgument naming the flag.
+absl::Status CheckSpeculativeOptions(const EngineOptions& options);
 
 // The responses of one request, from the engine to its gRPC handler.
 class RequestStream {
@@ -158,12 +175,18 @@ class Engine {
   // while healing (no step may start).
   bool WaitForHeal();
   void PublishStats();
+  // Speculative decoding's counters into `s` and the metrics.
+  void PublishSpeculation(v1::SchedulerStatus* s);
+  // Whether guesses may be proposed for `r`: not for a request whose tokens a constraint (a
+  // grammar, a JSON schema) restricts, until the constraint can check a run of guessed tokens.
+  static bool SpeculationAllowed(const Request& r);
 
   // ---- Constant after construction ----
   const ServedModel* const model_;
   WorkerPool* const pool_;
   const EngineOptions options_;
   CoordinatorMetrics* const metrics_;
+  std::unique_ptr<Proposer> ngram_;  // with speculative "ngram"
 
   // ---- Guarded by mu_: the handlers' side ----
   absl::Mutex mu_;

@@ -79,6 +79,15 @@ void BlockManager::Free(std::vector<int32_t>* table) {
   table->clear();
 }
 
+int64_t BlockManager::Truncate(std::vector<int32_t>* table, int64_t keep) {
+  if (keep >= static_cast<int64_t>(table->size())) return 0;
+  std::vector<int32_t> gone(table->begin() + std::max<int64_t>(keep, 0), table->end());
+  table->resize(static_cast<size_t>(std::max<int64_t>(keep, 0)));
+  const int64_t n = static_cast<int64_t>(gone.size());
+  Free(&gone);
+  return n;
+}
+
 int64_t BlockManager::Release(std::vector<int32_t>* table, int64_t first_kept) {
   const int64_t before = std::min<int64_t>(std::max<int64_t>(first_kept, 0) / block_size_,
                                            static_cast<int64_t>(table->size()));

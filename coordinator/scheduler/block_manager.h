@@ -93,6 +93,10 @@ class BlockManager {
   // or cached when registered (the table's last block the least recently used, so that a prefix
   // outlives its tails).
   void Free(std::vector<int32_t>* table);
+  // Lets go (as Free does) of the entries of `table` from `keep` on and drops them: the table keeps
+  // its first `keep` blocks (speculative decoding: blocks of rejected positions). Returns how many
+  // it let go.
+  int64_t Truncate(std::vector<int32_t>* table, int64_t keep);
   // Lets go (as Free does) of the blocks of `table` that lie wholly before token `first_kept`,
   // setting their entries to kReleased; the table keeps its size. Returns how many it let go.
   int64_t Release(std::vector<int32_t>* table, int64_t first_kept);

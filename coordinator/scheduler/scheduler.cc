@@ -9,6 +9,7 @@ Scheduler::Scheduler(const SchedulerOptions& options)
       blocks_(options.limits.num_kv_blocks, options.limits.block_size, options.prefix_caching, options.prefix_key_fn),
       blocks_window_(options.full_layers ? 0 : options.sliding_window),
       lanes_(std::max(1, options.lanes)) {
+  spec_.accepted_by_position.assign(std::max(0, options.num_speculative_tokens), 0);
   if (options.sliding_window > 0 && options.full_layers) {
     sliding_.emplace(options.limits.num_sliding_kv_blocks, options.limits.block_size, options.prefix_caching,
                      options.prefix_key_fn);
@@ -43,9 +44,10 @@ void Scheduler::Advance(Seq& s) {
   }
 }
 
-void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling) {
+void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling, SeqOptions seq) {
   auto s = std::make_unique<Seq>();
   s->id = id;
+  s->options = seq;
   s->prompt_len = static_cast<int64_t>(prompt.size());
   s->tokens = std::move(prompt);
   s->sampling = sampling;
@@ -71,7 +73,24 @@ int64_t Scheduler::cached_prompt_tokens(uint64_t id) const {
   return std::min(it->second->num_cached, it->second->prompt_len);
 }
 
+int64_t Scheduler::table_blocks(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : static_cast<int64_t>(it->second->blocks.size());
+}
+
+std::vector<int32_t> Scheduler::tokens(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? std::vector<int32_t>{} : it->second->tokens;
+}
+
+int64_t Scheduler::fed(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second->num_fed;
+}
+
 void Scheduler::Forget(Seq& s) {
+  rollbacks_.erase(std::remove_if(rollbacks_.begin(), rollbacks_.end(), [&](const Rollback& r) { return r.seq == s.id; }),
+                   rollbacks_.end());
   if (!s.sent) return;
   freed_.push_back(s.id);
   s.sent = false;
@@ -119,16 +138,21 @@ bool Scheduler::Reserve(Seq& s, int64_t tokens) {
   return true;
 }
 
-void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows) {
+void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft) {
   MicroBatch::Entry e;
   e.seq = s.id;
-  e.tokens = static_cast<int32_t>(chunk);
-  if (chunk == s.unfed()) e.logit_row = (*rows)++;
+  e.tokens = static_cast<int32_t>(chunk + static_cast<int64_t>(draft.size()));
+  if (chunk == s.unfed()) {
+    e.logit_row = *rows;
+    e.samples = 1 + static_cast<int32_t>(draft.size());
+    *rows += e.samples;
+  }
   if (!s.started) {
     s.started = true;
     batch->started.push_back(s.id);
   }
-  (chunk > 1 ? batch->prefill_tokens : batch->decode_tokens) += chunk;
+  (chunk > 1 ? batch->prefill_tokens : batch->decode_tokens) += e.tokens;
+  e.draft = std::move(draft);
   s.in_batch = true;
   batch->entries.push_back(e);
 }
@@ -161,6 +185,12 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   int64_t budget = options_.limits.max_tokens_per_step;
   int64_t prefill_budget = PrefillCap();
   int rows = 0;
+  // Speculation: logit rows to spare beyond one per sequence that may sample in this step.
+  const bool speculate =
+      options_.proposer != nullptr && options_.num_speculative_tokens > 0 && blocks_window_ == 0 && !sliding_ &&
+      (options_.speculative_max_running <= 0 || num_running() < options_.speculative_max_running);
+  int64_t spare_samples =
+      speculate ? options_.limits.max_seqs_per_step - num_running() - num_waiting() : 0;
   // The lanes' share of all sequences: admissions stop there, and a prompt's last chunk moves
   // its sequence into this lane only below it.
   const int64_t share = (num_running() + num_waiting() + lanes() - 1) / lanes();
@@ -188,8 +218,11 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
         s.lane = lane;
         ++l.running;
       }
-      Place(s, chunk, &batch, &rows);
-      budget -= chunk;
+      std::vector<int32_t> draft;
+      if (decode && spare_samples > 0) draft = Propose(s, budget - chunk, spare_samples);
+      spare_samples -= static_cast<int64_t>(draft.size());
+      budget -= chunk + static_cast<int64_t>(draft.size());
+      Place(s, chunk, &batch, &rows, std::move(draft));
       if (!decode) prefill_budget -= chunk;
     }
   }
@@ -270,7 +303,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   WriteStep(batch, step);
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
-    s.num_fed += e.tokens;
+    s.num_fed += e.tokens - static_cast<int64_t>(e.draft.size());  // the guesses once accepted (Verify)
     ++s.in_flight;
     s.in_batch = false;
     Advance(s);
@@ -285,6 +318,16 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
   // Freed first: a sequence preempted while this step was built may come back in it as new.
   step->mutable_freed_seq_ids()->Add(freed_.begin(), freed_.end());
   freed_.clear();
+  // Rolled back next: guesses rejected since the last plan (Forget drops a freed sequence's).
+  for (const Rollback& r : rollbacks_) {
+    step->add_rollback_seq_ids(r.seq);
+    step->add_rollback_num_tokens(static_cast<int32_t>(r.tokens));
+    step->add_rollback_num_blocks(static_cast<int32_t>(r.blocks));
+    seqs_.at(r.seq)->blocks_sent = r.blocks;  // its table may have grown again since, for this plan
+  }
+  rollbacks_.clear();
+  const bool speculative = std::any_of(batch.entries.begin(), batch.entries.end(),
+                                       [](const MicroBatch::Entry& e) { return !e.draft.empty(); });
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
     const int64_t num_blocks = static_cast<int64_t>(s.blocks.size());
@@ -314,13 +357,16 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
       if (sliding_) a->mutable_sliding_block_ids()->Add(s.sliding_blocks.begin() + s.blocks_sent, s.sliding_blocks.end());
     }
     s.blocks_sent = num_blocks;
-    step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + e.tokens);
+    const int64_t own = e.tokens - static_cast<int64_t>(e.draft.size());
+    step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + own);
+    step->mutable_token_ids()->Add(e.draft.begin(), e.draft.end());
     step->add_row_seq_ids(s.id);
     step->add_row_start_positions(static_cast<int32_t>(s.num_fed));
     step->add_row_num_tokens(e.tokens);
     step->add_row_samples(e.logit_row >= 0);
+    if (speculative) step->add_row_num_sampled(e.samples);
     if (e.logit_row >= 0) {
-      ++batch.logit_rows;
+      batch.logit_rows += e.samples;
       batch.wants_logprobs = batch.wants_logprobs || s.sampling.logprobs();
     }
   }
@@ -340,12 +386,75 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
       if (s.in_flight == 0) Erase(s);
       continue;
     }
-    if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {
+    if (!e.draft.empty()) {
+      Verify(s, e, sampled, &out);
+    } else if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {
       s.tokens.push_back(sampled[e.logit_row]);
       out.push_back(SampledToken{s.id, sampled[e.logit_row], e.logit_row});
     }
   }
   return out;
+}
+
+std::vector<int32_t> Scheduler::Propose(Seq& s, int64_t tokens, int64_t samples) {
+  const int64_t len = static_cast<int64_t>(s.tokens.size());
+  const int64_t max_len = s.options.max_len > 0 ? std::min(s.options.max_len, options_.limits.max_model_len)
+                                                : options_.limits.max_model_len;
+  // Accepting a guesses appends a + 1 tokens, within max_len; their positions lie below it.
+  const int64_t k = std::min<int64_t>({options_.num_speculative_tokens, tokens, samples, max_len - len - 1});
+  std::vector<int32_t> draft;
+  if (!s.options.speculate || k <= 0) return draft;
+  options_.proposer->Propose(s.tokens, static_cast<int>(k), &draft);
+  if (static_cast<int64_t>(draft.size()) > k) draft.resize(static_cast<size_t>(k));
+  // Guesses never preempt anyone, not even later in this step: they take free blocks only while
+  // one stays available for every running sequence, else there are fewer of them.
+  while (!draft.empty()) {
+    const int64_t need = blocks_.BlocksFor(s.num_fed + 1 + static_cast<int64_t>(draft.size())) -
+                         static_cast<int64_t>(s.blocks.size());
+    if (need <= blocks_.num_available() - num_running() &&
+        Grow(s, s.num_fed + 1 + static_cast<int64_t>(draft.size()))) {
+      break;
+    }
+    draft.pop_back();
+  }
+  return draft;
+}
+
+// Why accepting "while the sample equals the guess" is exact (Leviathan et al., 2023, speculative
+// sampling, for a proposal distribution q that is one-hot on the guess d). At a position whose
+// target distribution is p, speculative sampling accepts d with probability min(1, p(d) / q(d)) =
+// p(d), and on rejection draws from norm(max(0, p - q)), which is p with d removed and
+// renormalized: p(y) / (1 - p(d)) for y != d. Drawing y ~ p and accepting iff y == d gives the
+// same: y == d with probability p(d); otherwise y is a draw from p conditioned on y != d. So the
+// first token emitted at each position has distribution p, the same as without speculation, and
+// after k accepted guesses the sample at the last position is an ordinary draw from p there. By
+// induction over positions the whole sequence has the distribution of plain decoding, provided
+// the p at position i is the one plain decoding would use: the workers give each position its own
+// draw index and count the guesses before it as generated (penalties, min_tokens), and the KV of
+// the accepted guesses is what feeding them one by one would have written. Greedy is the case
+// where p is one-hot on the argmax: outputs are identical.
+void Scheduler::Verify(Seq& s, const MicroBatch::Entry& e, const std::vector<int32_t>& sampled,
+                       std::vector<SampledToken>* out) {
+  const int64_t k = static_cast<int64_t>(e.draft.size());
+  if (e.logit_row < 0 || e.logit_row + k >= static_cast<int64_t>(sampled.size())) return;
+  int64_t a = 0;
+  while (a < k && sampled[e.logit_row + a] == e.draft[a]) ++a;
+  for (int64_t i = 0; i <= a; ++i) {
+    s.tokens.push_back(sampled[e.logit_row + i]);
+    out->push_back(SampledToken{s.id, sampled[e.logit_row + i], static_cast<int32_t>(e.logit_row + i)});
+  }
+  // The accepted guesses' KV is written: they count as fed, and their full blocks are registered.
+  s.num_fed += a;
+  Advance(s);
+  // The blocks past the last accepted token (the one sampled after the guesses, fed next) go back.
+  const int64_t cut = blocks_.Truncate(&s.blocks, blocks_.BlocksFor(s.num_fed + 1));
+  if (a < k || cut > 0) rollbacks_.push_back(Rollback{s.id, s.num_fed, static_cast<int64_t>(s.blocks.size())});
+  spec_.proposed += k;
+  spec_.accepted += a;
+  ++spec_.verifications;
+  for (int64_t i = 0; i < a && i < static_cast<int64_t>(spec_.accepted_by_position.size()); ++i) {
+    ++spec_.accepted_by_position[i];
+  }
 }
 
 void Scheduler::Erase(Seq& s) {
@@ -369,6 +478,7 @@ void Scheduler::Remove(uint64_t id) {
 
 void Scheduler::RequeueAllForRegroup() {
   freed_.clear();  // the new group's workers start empty
+  rollbacks_.clear();
   for (Lane& l : lanes_) l = Lane{};
   running_.clear();
   for (auto it = seqs_.begin(); it != seqs_.end();) {
@@ -403,6 +513,7 @@ void Scheduler::Clear() {
   DropPrefixCache();
   seqs_.clear();
   freed_.clear();  // a new group's workers start empty
+  rollbacks_.clear();
   running_.clear();
   waiting_.clear();
   for (Lane& l : lanes_) l = Lane{};

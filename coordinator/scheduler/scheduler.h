@@ -74,6 +74,19 @@
 // preempted one comes back new. Freed ids come first in a plan, so the workers hold at most the
 // running set: max_seqs_per_step sequences.
 //
+// Speculative decoding (SchedulerOptions::proposer, docs/speculative-decoding.md): a decode of a
+// sequence that allows it feeds its last sampled token and then up to num_speculative_tokens
+// tokens its proposer guessed, and samples at each of those k + 1 positions. The guesses are not
+// the sequence's tokens: num_fed counts only the sampled token, and only its blocks are
+// registered, while the table grows over the guesses' positions without preempting anyone (fewer
+// guesses when blocks are short). When the step is back (Verify), the longest prefix of guesses
+// equal to the samples at the positions before them is accepted, plus the sample after it; they
+// are appended, num_fed moves past the accepted guesses and their full blocks are registered, the
+// blocks past the accepted tokens are given back, and the next plan rolls the workers back
+// (StepPlan.rollback_*). No guesses in a step while speculative_max_running sequences or more
+// run, for sliding-window pools, or past the sequence's max_len; a step's samples stay within
+// max_seqs_per_step (the workers' logits rows).
+//
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
@@ -86,6 +99,7 @@
 #include <vector>
 
 #include "coordinator/scheduler/block_manager.h"
+#include "coordinator/scheduler/proposer.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
 
@@ -106,6 +120,26 @@ struct SchedulerOptions {
   // theirs (num_sliding_kv_blocks 0).
   int64_t sliding_window = 0;
   bool full_layers = true;
+  // Speculative decoding (see above): null or num_speculative_tokens 0: off. Borrowed; outlives
+  // the scheduler.
+  const Proposer* proposer = nullptr;
+  int num_speculative_tokens = 0;
+  // No guesses in a step while this many sequences or more run; 0: no such limit.
+  int64_t speculative_max_running = 8;
+};
+
+// Per-sequence settings beyond its sampling.
+struct SeqOptions {
+  int64_t max_len = 0;     // tokens it may reach (prompt + max_tokens); 0: limits.max_model_len
+  bool speculate = true;   // guesses may be proposed for it (Engine: SpeculationAllowed)
+};
+
+// Speculative decoding's counters, cumulative.
+struct SpeculationStats {
+  int64_t proposed = 0;       // tokens proposed
+  int64_t accepted = 0;       // of them accepted
+  int64_t verifications = 0;  // rows that carried at least one
+  std::vector<int64_t> accepted_by_position;  // [num_speculative_tokens]
 };
 
 // One step of one lane, as scheduled.
@@ -114,6 +148,8 @@ struct MicroBatch {
     uint64_t seq = 0;
     int32_t tokens = 0;      // fed this step
     int32_t logit_row = -1;  // >= 0: the step samples this sequence's next token in that row
+    int32_t samples = 0;     // logit rows from logit_row on: 1, or 1 + draft.size()
+    std::vector<int32_t> draft;  // proposed tokens fed after its sampled one (tokens counts them)
   };
   int lane = 0;
   uint64_t step_id = 0;
@@ -121,7 +157,7 @@ struct MicroBatch {
   std::vector<uint64_t> started;  // sequences scheduled for the first time (out of the queue)
   int64_t prefill_tokens = 0;   // tokens of entries that feed more than one token
   int64_t decode_tokens = 0;
-  int logit_rows = 0;           // entries that sample: the ids the step's result carries
+  int logit_rows = 0;           // positions that sample: the ids the step's result carries
   bool wants_logprobs = false;  // one of them asks for logprobs
 };
 
@@ -140,7 +176,7 @@ class Scheduler {
   // is the request's (its draw_index and penalty ids are ignored: workers derive them per step). The prompt must be
   // non-empty and the sequence must never need more than max_blocks_per_seq blocks (the caller
   // checks prompt + max_tokens against the served length).
-  void Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling);
+  void Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling, SeqOptions seq = {});
 
   // Builds `lane`'s next step into `step` (cleared; `step_id` set). Returns the micro-batch, valid
   // until the lane's Complete, or null when the lane has a step in flight or nothing to run.
@@ -149,8 +185,9 @@ class Scheduler {
   const MicroBatch* Schedule(int lane, uint64_t step_id, v1::StepPlan* step);
 
   // `lane`'s step came back with one sampled id per logit row: its tokens are cached now, and the
-  // sampled ids are appended to their sequences. Returns them in row order, leaving out sequences
-  // removed while the step was in flight (their blocks are freed now).
+  // sampled ids are appended to their sequences (of a row with guesses, the accepted ones: see
+  // above). Returns them in row order, leaving out sequences removed while the step was in
+  // flight (their blocks are freed now).
   std::vector<SampledToken> Complete(int lane, const std::vector<int32_t>& sampled);
 
   // Ends a sequence (finished, cancelled): its blocks are freed now, or when the step it is in
@@ -195,6 +232,12 @@ class Scheduler {
   // unknown ids, and with prefix caching off).
   int64_t cached_prompt_tokens(uint64_t id) const;
   int64_t preemptions() const { return preemptions_; }
+  const SpeculationStats& speculation() const { return spec_; }
+  // Blocks `id` holds (its table's length), its tokens, and those fed (for tests); 0 / empty for
+  // unknown ids.
+  int64_t table_blocks(uint64_t id) const;
+  std::vector<int32_t> tokens(uint64_t id) const;
+  int64_t fed(uint64_t id) const;
   const SchedulerOptions& options() const { return options_; }
 
  private:
@@ -225,6 +268,7 @@ class Scheduler {
     bool sent = false;
     int64_t blocks_sent = 0;
     v1::RowSampling sampling;
+    SeqOptions options;
 
     int64_t unfed() const { return static_cast<int64_t>(tokens.size()) - num_fed; }
     // Its next token to feed is the one sampled last (else, with unfed() > 0, a prompt or
@@ -249,7 +293,12 @@ class Scheduler {
   // blocks its next token no longer sees.
   void Advance(Seq& s);
   // Adds `chunk` of `s`'s unfed tokens to the step being built.
-  void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows);
+  void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft = {});
+  // The guesses for decoding `s` (reserved for its next token) in a step with `tokens` tokens and
+  // `samples` logit rows left to spare; its table grows over them.
+  std::vector<int32_t> Propose(Seq& s, int64_t tokens, int64_t samples);
+  // The samples of a row with guesses came back: accepts, appends, rolls back (see above).
+  void Verify(Seq& s, const MicroBatch::Entry& e, const std::vector<int32_t>& sampled, std::vector<SampledToken>* out);
   // The most prefill tokens the next step takes: no limit with one lane, else an even split across
   // the lanes of the prefill tokens in flight and of those not yet fed, at least budget / lanes.
   int64_t PrefillCap() const;
@@ -270,6 +319,13 @@ class Scheduler {
   std::set<uint64_t> waiting_;                     // no blocks: new, or preempted
   std::vector<Lane> lanes_;
   std::vector<uint64_t> freed_;  // sequences the workers hold and drop with the next plan
+  struct Rollback {
+    uint64_t seq = 0;
+    int64_t tokens = 0;  // its num_fed and table length after Verify
+    int64_t blocks = 0;
+  };
+  std::vector<Rollback> rollbacks_;  // what the workers roll back with the next plan
+  SpeculationStats spec_;
   int64_t preemptions_ = 0;
   int64_t prefix_query_tokens_ = 0;
   int64_t prefix_hit_tokens_ = 0;

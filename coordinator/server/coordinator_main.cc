@@ -50,6 +50,8 @@ constexpr char kUsage[] =
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--expert-parallel]\n"
+    "                              [--speculative ngram --num-speculative-tokens K]\n"
+    "                              [--speculative-max-running N]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -130,7 +132,13 @@ constexpr char kUsage[] =
     "  --expert-parallel             mixture-of-experts models: each TP rank holds whole experts (a block\n"
     "                                of them) and tokens travel to their experts' ranks by all-to-all,\n"
     "                                instead of every expert split over the ranks (docs/moe.md); refused\n"
-    "                                for a model without experts\n";
+    "                                for a model without experts\n"
+    "  --speculative ngram           speculative decoding with the n-gram (prompt lookup) proposer:\n"
+    "                                guesses from the sequence's own earlier text, verified in one\n"
+    "                                step; outputs unchanged (docs/speculative-decoding.md)\n"
+    "  --num-speculative-tokens K    guesses per sequence per step, 1 to 16 (with --speculative)\n"
+    "  --speculative-max-running N   no guesses in a step while N or more sequences run (default 8;\n"
+    "                                0: no limit): a large batch is compute-bound already\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -159,7 +167,7 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
-                    "reasoning-parser"},
+                    "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running"},
                    {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -208,6 +216,9 @@ int Main(int argc, char** argv) {
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
            flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
+           flags->OneOf("speculative", {"ngram"}, &engine_options.speculative),
+           flags->Int("num-speculative-tokens", 1, kMaxSpeculativeTokens, &engine_options.num_speculative_tokens),
+           flags->Int("speculative-max-running", 0, 4096, &engine_options.speculative_max_running),
        }) {
     if (!s.ok()) return Usage(std::string(s.message()));
   }
@@ -232,6 +243,7 @@ int Main(int argc, char** argv) {
   engine_options.step_timeout = absl::Seconds(step_timeout);
   engine_options.heal_timeout = absl::Seconds(heal_timeout);
   engine_options.prefix_caching = !flags->Has("no-prefix-caching");
+  if (absl::Status s = CheckSpeculativeOptions(engine_options); !s.ok()) return Usage(std::string(s.message()));
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
   if (!tls.ok()) return Usage(std::string(tls.status().message()));

@@ -53,6 +53,11 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
                                 .Help("1 for the worker group's current state (starting, serving, healing, "
                                       "degraded), 0 for the others.")
                                 .Register(*registry_)),
+      spec_accepted_by_position_family_(prometheus::BuildCounter()
+                                            .Name("shardserve_spec_accepted_by_position_total")
+                                            .Help("Speculative decoding: proposed tokens accepted, by their position "
+                                                  "after the last accepted token (0-based).")
+                                            .Register(*registry_)),
       time_to_first_token(AddHistogram(*registry_, "shardserve_time_to_first_token_seconds",
                                        "Seconds from a request's arrival to its first token sent.", model)),
       inter_token_latency(AddHistogram(*registry_, "shardserve_inter_token_latency_seconds",
@@ -115,7 +120,19 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
       prefix_cache_hits(AddCounter(*registry_, "shardserve_prefix_cache_hits_tokens_total",
                                    "Tokens found in the prefix cache (their KV not computed again).", model)),
       prefix_cache_blocks(AddGauge(*registry_, "shardserve_prefix_cache_blocks",
-                                   "KV cache blocks holding a cached prefix that no running sequence holds.", model)) {
+                                   "KV cache blocks holding a cached prefix that no running sequence holds.", model)),
+      spec_proposed(AddCounter(*registry_, "shardserve_spec_proposed_tokens_total",
+                               "Speculative decoding: tokens proposed (guessed) for verification.", model)),
+      spec_accepted(AddCounter(*registry_, "shardserve_spec_accepted_tokens_total",
+                               "Speculative decoding: proposed tokens the model accepted.", model)),
+      spec_rejected(AddCounter(*registry_, "shardserve_spec_rejected_tokens_total",
+                               "Speculative decoding: proposed tokens rejected (their KV discarded).", model)),
+      spec_verifications(AddCounter(*registry_, "shardserve_spec_verifications_total",
+                                    "Speculative decoding: sequence rows that carried proposed tokens.", model)),
+      spec_mean_accepted_length(AddGauge(*registry_, "shardserve_spec_mean_accepted_length",
+                                         "Speculative decoding: tokens a verification yields on average (accepted "
+                                         "proposals + the sampled one).",
+                                         model)) {
   // Make the usual series exist at 0 from the start, so that rate() and alerts see them.
   for (const char* reason : {"missing_key", "invalid_key", "no_client_certificate", "rendezvous_denied"}) {
     auth_failures_family_.Add({{"model", model_}, {"reason", reason}});
@@ -133,6 +150,25 @@ CoordinatorMetrics::CoordinatorMetrics(const std::string& model)
 void CoordinatorMetrics::SetClusterState(const std::string& state) {
   for (const char* s : {"starting", "serving", "healing", "degraded"}) {
     cluster_state_family_.Add({{"model", model_}, {"state", s}}).Set(state == s ? 1 : 0);
+  }
+}
+
+void CoordinatorMetrics::Speculation(int64_t proposed, int64_t accepted, int64_t verifications,
+                                     const std::vector<int64_t>& accepted_by_position) {
+  auto up_to = [](prometheus::Counter& c, int64_t total) {
+    const double added = static_cast<double>(total) - c.Value();
+    if (added > 0) c.Increment(added);
+  };
+  up_to(spec_proposed, proposed);
+  up_to(spec_accepted, accepted);
+  up_to(spec_rejected, proposed - accepted);
+  up_to(spec_verifications, verifications);
+  for (size_t i = 0; i < accepted_by_position.size(); ++i) {
+    up_to(spec_accepted_by_position_family_.Add({{"model", model_}, {"position", absl::StrCat(i)}}),
+          accepted_by_position[i]);
+  }
+  if (verifications > 0) {
+    spec_mean_accepted_length.Set(static_cast<double>(accepted + verifications) / static_cast<double>(verifications));
   }
 }
 

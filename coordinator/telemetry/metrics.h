@@ -18,6 +18,8 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include <vector>
+
 #include "absl/strings/string_view.h"
 #include "telemetry/metrics_http.h"
 
@@ -49,6 +51,10 @@ class CoordinatorMetrics {
   // The group's state (WorkerPool::StateName: starting, serving, healing, degraded): its series is
   // 1, the others 0.
   void SetClusterState(const std::string& state);
+  // Speculative decoding's cumulative counts (the scheduler's SpeculationStats): the counters
+  // move up to them, and the mean accepted length is set.
+  void Speculation(int64_t proposed, int64_t accepted, int64_t verifications,
+                   const std::vector<int64_t>& accepted_by_position);
 
  private:
   const std::string model_;
@@ -59,6 +65,7 @@ class CoordinatorMetrics {
   prometheus::Family<prometheus::Counter>& auth_failures_family_;
   prometheus::Family<prometheus::Counter>& http_requests_family_;
   prometheus::Family<prometheus::Gauge>& cluster_state_family_;
+  prometheus::Family<prometheus::Counter>& spec_accepted_by_position_family_;
 
  public:
   // ---- Observed directly by the inference service and the pool ----
@@ -87,6 +94,12 @@ class CoordinatorMetrics {
   prometheus::Counter& prefix_cache_queries;  // tokens looked up in the prefix cache
   prometheus::Counter& prefix_cache_hits;     // tokens found there
   prometheus::Gauge& prefix_cache_blocks;     // blocks cached, held by no sequence
+  // ---- Speculative decoding (docs/speculative-decoding.md) ----
+  prometheus::Counter& spec_proposed;       // tokens proposed
+  prometheus::Counter& spec_accepted;       // of them accepted
+  prometheus::Counter& spec_rejected;       // of them rejected
+  prometheus::Counter& spec_verifications;  // sequence rows that carried proposals
+  prometheus::Gauge& spec_mean_accepted_length;  // tokens per verification: (accepted + rows) / rows
 };
 
 }  // namespace shardserve

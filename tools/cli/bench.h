@@ -178,6 +178,7 @@ struct Layout {
   int64_t pp = 1;
   bool serial = false;
   bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
+  bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
 };
@@ -212,6 +213,10 @@ double PerSecond(double n, double s);
 // The keys every run has (single run, and each of --compare's runs).
 json ResultJson(const LoadConfig& c, const LoadResult& r);
 std::string LoadLine(const LoadConfig& c);
+// Speculative decoding's counters in a coordinator's status: a table cell ("off", or the proposer,
+// the share of proposed tokens accepted and the tokens per verification), and JSON (null when off).
+std::string SpeculationSummary(const v1::SchedulerStatus& s);
+json SpeculationJson(const v1::SchedulerStatus& s);
 void PrintTable(const LoadConfig& c, const BenchRun& run);
 void PrintCompareTable(const LoadConfig& c, const std::vector<CompareRun>& runs);
 json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs);

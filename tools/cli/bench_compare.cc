@@ -86,8 +86,8 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /http and /ep (in any
-// order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /http and /ep
+// (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -105,6 +105,9 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
     if (absl::EndsWith(body, "/ep")) {
       l.expert_parallel = more = true;
       body.resize(body.size() - std::string_view("/ep").size());
+    } else if (absl::EndsWith(body, "/ngram")) {
+      l.ngram = more = true;
+      body.resize(body.size() - std::string_view("/ngram").size());
     }
     if (absl::EndsWith(body, "/no-prefix-caching")) {
       l.prefix_caching = false;
@@ -115,7 +118,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /http, /ep), e.g. tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /http, /ep), e.g. tp2xpp2/serial"));
   };
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -158,6 +161,16 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
   if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
+  // /ngram layouts speculate with the n-gram proposer (--num-speculative-tokens as given, else 4).
+  const bool speculative_given =
+      std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--speculative") != co.coordinator_flags.end();
+  if (layout.ngram && !speculative_given) {
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "ngram"});
+    if (std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--num-speculative-tokens") ==
+        co.coordinator_flags.end()) {
+      co.coordinator_flags.insert(co.coordinator_flags.end(), {"--num-speculative-tokens", "4"});
+    }
+  }
   int http_port = 0;
   if (layout.http) {
     absl::StatusOr<int> port = FreeLoopbackPort();

@@ -150,6 +150,7 @@ void PrintCompareTable(const LoadConfig& c, const std::vector<CompareRun>& runs)
   row("prefix caching", [](const CompareRun& r) {
     return r.scheduler ? std::string(r.scheduler->prefix_caching() ? "on" : "off") : std::string("-");
   });
+  row("speculative", [](const CompareRun& r) { return r.scheduler ? SpeculationSummary(*r.scheduler) : std::string("-"); });
   row("prompt tok cached", [](const CompareRun& r) {
     const LoadResult& l = r.run.load;
     return absl::StrFormat("%.1f%%", l.total_input_tokens > 0 ? 100.0 * l.total_cached_tokens / l.total_input_tokens : 0.0);
@@ -187,6 +188,32 @@ void PrintCompareTable(const LoadConfig& c, const std::vector<CompareRun>& runs)
   }
 }
 
+std::string SpeculationSummary(const v1::SchedulerStatus& s) {
+  if (s.speculative().empty()) return "off";
+  const double proposed = static_cast<double>(s.spec_proposed_tokens());
+  const double rows = static_cast<double>(s.spec_verifications());
+  return absl::StrFormat("%s: %.0f%% of %lld accepted, %.2f tok/verify", s.speculative(),
+                         proposed > 0 ? 100.0 * static_cast<double>(s.spec_accepted_tokens()) / proposed : 0.0,
+                         static_cast<long long>(s.spec_proposed_tokens()),
+                         rows > 0 ? (static_cast<double>(s.spec_accepted_tokens()) + rows) / rows : 0.0);
+}
+
+json SpeculationJson(const v1::SchedulerStatus& s) {
+  if (s.speculative().empty()) return json(nullptr);
+  json j;
+  j["proposer"] = s.speculative();
+  j["proposed_tokens"] = s.spec_proposed_tokens();
+  j["accepted_tokens"] = s.spec_accepted_tokens();
+  j["rejected_tokens"] = s.spec_proposed_tokens() - s.spec_accepted_tokens();
+  j["verifications"] = s.spec_verifications();
+  j["accepted_by_position"] = std::vector<int64_t>(s.spec_accepted_by_position().begin(), s.spec_accepted_by_position().end());
+  j["mean_accepted_length"] =
+      s.spec_verifications() > 0
+          ? json(static_cast<double>(s.spec_accepted_tokens() + s.spec_verifications()) / s.spec_verifications())
+          : json(nullptr);
+  return j;
+}
+
 json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs) {
   json out = {{"runs", json::array()}};
   for (const CompareRun& r : runs) {
@@ -196,6 +223,7 @@ json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs) {
     j["pp"] = r.layout.pp;
     j["serial"] = r.layout.serial;
     j["prefix_caching"] = r.scheduler ? json(r.scheduler->prefix_caching()) : json(nullptr);
+    j["speculative"] = r.scheduler ? SpeculationJson(*r.scheduler) : json(nullptr);
     j["workers"] = r.layout.tp * r.layout.pp;
     j["error"] = r.error.empty() ? json(nullptr) : json(r.error);
     j["model"] = r.run.model.name;

@@ -81,6 +81,13 @@ int Run(const std::vector<std::string>& args) {
               q.running(), q.max_running(), q.waiting(), q.max_waiting(), static_cast<long long>(q.kv_blocks_free()),
               static_cast<long long>(q.kv_blocks_total()), static_cast<long long>(q.block_size()),
               static_cast<long long>(q.preemptions()), q.micro_batches(), static_cast<long long>(q.max_tokens_per_step()));
+  if (!q.speculative().empty()) {
+    const long long proposed = q.spec_proposed_tokens(), accepted = q.spec_accepted_tokens(),
+                    rows = q.spec_verifications();
+    std::printf("speculative decoding: %s, %lld of %lld guessed tokens accepted (%.1f%%), %.2f tokens per verification\n",
+                q.speculative().c_str(), accepted, proposed, proposed > 0 ? 100.0 * accepted / proposed : 0.0,
+                rows > 0 ? static_cast<double>(accepted + rows) / rows : 0.0);
+  }
   if (q.prefix_caching()) {
     std::printf("prefix cache: %lld free blocks cached, %lld of %lld prompt tokens looked up found (%.1f%%)\n\n",
                 static_cast<long long>(q.kv_blocks_cached()), static_cast<long long>(q.prefix_cache_hit_tokens()),

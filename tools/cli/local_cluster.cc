@@ -27,7 +27,7 @@ namespace shardserve::cli {
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
                                  "worker-collectives", "worker-dummy-weights", "max-model-len", "quantization",
-                                 "load-format", "dummy-seed", "activation-quantization"};
+                                 "load-format", "dummy-seed", "activation-quantization", "speculative"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -98,6 +98,11 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     int64_t seed = 0;
     SHARDSERVE_RETURN_IF_ERROR(f.Int("dummy-seed", 0, INT64_MAX, &seed));
     c.coordinator_flags.emplace_back("dummy-seed", f.Get("dummy-seed"));
+  }
+  if (f.Has("speculative")) {
+    std::string value;
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram"}, &value));
+    c.coordinator_flags.emplace_back("speculative", value);
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
   c.expert_parallel = f.Has("expert-parallel");

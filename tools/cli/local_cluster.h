@@ -156,7 +156,7 @@ class LocalCluster {
 // defaults apply otherwise).
 inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size",
-    "heal-timeout-seconds"};
+    "heal-timeout-seconds", "num-speculative-tokens", "speculative-max-running"};
 
 // CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
 // workers, at least one each, so that workers do not oversubscribe the machine. (The test
@@ -176,8 +176,8 @@ struct ClusterFlags {
   // --activation-quantization V as theirs under the same name, and the switches
   // --worker-no-cuda-... (kernels/cuda/cuda_switches.h) as their --no-cuda-... switches.
   std::vector<std::string> worker_flags;
-  // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format and --dummy-seed
-  // as given, in that order:
+  // --max-model-len, kCoordinatorPassThroughFlags, --quantization, --load-format, --dummy-seed and
+  // --speculative as given, in that order:
   // {"max-num-seqs", "8"}.
   std::vector<std::pair<std::string, std::string>> coordinator_flags;
   bool prefix_caching = true;  // off: --no-prefix-caching, passed to the coordinator
