@@ -297,6 +297,12 @@ TEST_P(ClusterSpeculationTest, NgramGuessesKeepHuggingFacesGreedyTokens) {
   EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess was ever right";
   EXPECT_LE(s.spec_accepted_tokens(), s.spec_proposed_tokens());
   EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
+  // The coordinator's Prometheus counters say the same (docs/metrics.md): every accepted guess
+  // counted at its position.
+  const std::map<std::string, double> m = ParseSamples(HttpGetMetrics(cluster.metrics_address()));
+  EXPECT_EQ(Sum(m, "shardserve_spec_proposed_tokens_total", {}), static_cast<double>(s.spec_proposed_tokens()));
+  EXPECT_EQ(Sum(m, "shardserve_spec_accepted_tokens_total", {}), static_cast<double>(s.spec_accepted_tokens()));
+  EXPECT_EQ(Sum(m, "shardserve_spec_accepted_by_position_total", {}), static_cast<double>(s.spec_accepted_tokens()));
   std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
               l.pp, l.fixture.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
               static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
