@@ -93,6 +93,8 @@ def main():
         (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
         (["--cluster", "1x2xB999"], 'unknown GPU "B999"'),
+        (["--cluster", "1x2xA100"], 'GPU "A100" is ambiguous: say which of A100-40GB, A100-80GB'),
+        (["--cluster", "1x2xA100-80GB", "--decode-batch", "0"], "--decode-batch must be an integer in [1, 4096]"),
         (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "-3"], "--hbm-gbps must be a positive number"),
         (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "nan"], "--hbm-gbps must be a positive number"),
         (["--cluster", "1x2xA100-80GB", "--hbm-gbps", "1e-300"], "--hbm-gbps must be in [0.001, 1e6] GB/s"),

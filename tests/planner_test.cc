@@ -21,6 +21,7 @@
 #include "coordinator/planner/memory.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/planner/render.h"
@@ -277,6 +278,90 @@ TEST(Planner, Qwen3_30B_A3B_OneH200_CountsAllExpertsAndTheActiveOnes) {
   const Plan dense = MustPlan(RealConfig("qwen3-32b"), Cluster("1x1xH200-141GB"), o);
   EXPECT_EQ(dense.active_parameters, dense.parameters);
   EXPECT_THAT(PlanTable(dense), ::testing::Not(HasSubstr("active a token")));
+}
+
+// The decode estimate of a mixture of experts reads only the experts a step's tokens choose: k of
+// E at batch 1, E (1 - (1 - k/E)^B) distinct ones on average at batch B, the rest of the weights
+// whole. Checked against the bytes counted here from the config's sizes.
+TEST(Planner, Qwen3_30B_A3B_DecodeReadsTheExpertsTheBatchChooses) {
+  const int64_t H = 2048, layers = 48, E = 128, k = 8, Ie = 768;
+  const uint64_t experts = static_cast<uint64_t>(layers * E * 3 * Ie * H) * 2;  // bf16
+  PlanOptions o;
+  o.tp = 1;
+  o.pp = 1;
+  for (int batch : {1, 8, 64}) {
+    o.decode_batch = batch;
+    const Plan p = MustPlan(RealConfig("qwen3-30b-a3b"), Cluster("1x1xH200"), o);
+    ASSERT_EQ(p.per_gpu.size(), 1u);
+    EXPECT_EQ(p.per_gpu[0].expert_weight_bytes, experts);
+    const double fraction = 1.0 - std::pow(1.0 - static_cast<double>(k) / E, batch);
+    const double read = static_cast<double>(p.per_gpu[0].weight_bytes - experts) + fraction * experts;
+    EXPECT_EQ(p.decode.batch, batch);
+    EXPECT_EQ(p.decode.experts, E);
+    EXPECT_NEAR(p.decode.experts_read, E * fraction, 1e-9) << batch;
+    EXPECT_NEAR(p.decode.weights_s, read / 4800e9, 1e-12) << batch;
+    EXPECT_THAT(PlanTable(p), HasSubstr(absl::StrFormat("experts read a sparse layer: %.1f of 128", E * fraction)));
+  }
+  o.decode_batch = 1;
+  EXPECT_NEAR(MustPlan(RealConfig("qwen3-30b-a3b"), Cluster("1x1xH200"), o).decode.experts_read, 8.0, 1e-9);
+  // A dense model reads every weight at any batch.
+  o.decode_batch = 64;
+  const Plan dense = MustPlan(RealConfig("qwen3-32b"), Cluster("1x1xH200"), o);
+  EXPECT_EQ(dense.per_gpu[0].expert_weight_bytes, 0u);
+  EXPECT_EQ(dense.decode.experts, 0);
+  EXPECT_NEAR(dense.decode.weights_s, static_cast<double>(dense.per_gpu[0].weight_bytes) / 4800e9, 1e-12);
+  EXPECT_THAT(PlanTable(dense), ::testing::Not(HasSubstr("experts read")));
+  o.decode_batch = 0;
+  EXPECT_FALSE(MakePlan(RealConfig("qwen3-32b"), nullptr, Cluster("1x1xH200"), o).ok());
+}
+
+// With expert parallelism each rank holds 1/TP of the experts whole, and a sparse layer's MLP
+// all-reduce becomes the exchange: two all-to-alls of the tokens' hidden states and one
+// all-gather. On 8 H100s at batch 64, Qwen3-30B-A3B's EP layout reads the same expert bytes a rank
+// as the sharded one; its collectives are counted here from the formula in planner.h.
+TEST(Planner, Qwen3_30B_A3B_ExpertParallelCountsTheExchange) {
+  const int64_t H = 2048, layers = 48, k = 8, V = 151936;
+  const int t = 8, batch = 64;
+  PlanOptions o;
+  o.tp = t;
+  o.pp = 1;
+  o.decode_batch = batch;
+  const Plan sharded = MustPlan(RealConfig("qwen3-30b-a3b"), Cluster("1x8xH100"), o);
+  o.expert_parallel = true;
+  const Plan ep = MustPlan(RealConfig("qwen3-30b-a3b"), Cluster("1x8xH100"), o);
+  ASSERT_EQ(ep.per_gpu.size(), 8u);
+  for (size_t r = 0; r < 8; ++r) {
+    EXPECT_EQ(ep.per_gpu[r].expert_weight_bytes, sharded.per_gpu[r].expert_weight_bytes) << r;  // 16 of 128 whole = 1/8 of each
+  }
+  const ClusterSpec c = Cluster("1x8xH100");
+  const double lat = c.intra_node_latency_s, bw = c.intra_node_bytes_per_s;
+  const double M = static_cast<double>(batch * H * 2);
+  const double all_reduce = lat + 2.0 * (t - 1) / t * M / bw;
+  const double logits = lat + (t - 1) * 4.0 * batch * ((V + t - 1) / t) / bw;
+  EXPECT_NEAR(sharded.decode.collectives_s, (2 * layers + 1) * all_reduce + logits, 1e-12);
+  const double all_to_all = lat + k * M / t * (t - 1) / t / bw;
+  const double all_gather = lat + (t - 1.0) / t * M / bw;
+  EXPECT_NEAR(ep.decode.collectives_s, (layers + 1) * all_reduce + layers * (2 * all_to_all + all_gather) + logits, 1e-12);
+  EXPECT_THAT(PlanTable(ep), HasSubstr("expert parallel: tokens exchanged by all-to-all"));
+}
+
+// Qwen3-235B-A22B in bf16 on 8 H100s: 235B parameters, 22B a token (the model card's), counted
+// here from the config's sizes. It fits at TP 8 (470 GB of weights over 8 x 80 GB), and at
+// batch 1 a step reads 8 of 128 experts a layer: a tenth of the weights.
+TEST(Planner, Qwen3_235B_A22B_EightH100) {
+  const int64_t H = 4096, V = 151936, layers = 94, E = 128, k = 8, Ie = 1536;
+  const int64_t attention = 8192 * H * 2 + 512 * H * 2 + 2 * 128;  // q, o; k, v; q_norm, k_norm
+  const int64_t dense_part = layers * (attention + 2 * H + E * H) + H + 2 * V * H;
+  PlanOptions o;
+  const Plan p = MustPlan(RealConfig("qwen3-235b-a22b"), Cluster("1x8xH100"), o);
+  EXPECT_EQ(p.parameters, dense_part + layers * E * 3 * Ie * H);
+  EXPECT_EQ(p.parameters, 235'093'634'560);
+  EXPECT_EQ(p.active_parameters, dense_part + layers * k * 3 * Ie * H);
+  EXPECT_EQ(p.active_parameters, 22'190'763'520);
+  EXPECT_TRUE(p.fits) << p.reason;
+  EXPECT_EQ(p.tp, 8);
+  EXPECT_EQ(p.pp, 1);
+  EXPECT_NEAR(p.decode.experts_read, 8.0, 1e-9);
 }
 
 struct DegreeCase {
@@ -829,6 +914,15 @@ TEST(Cluster, Presets) {
     EXPECT_FALSE(p.ok()) << bad;
   }
   EXPECT_THAT(ParseClusterPreset("1x8xB999").status().message(), HasSubstr("known: A100-40GB"));
+  // A name without its memory where only one preset has it; refused, with the choices, where several do.
+  EXPECT_EQ(Cluster("1x8xH200").gpu.name, "H200-141GB");
+  const ClusterSpec b = Cluster("1x8xb200");
+  EXPECT_EQ(b.gpu.name, "B200-180GB");
+  EXPECT_EQ(b.gpu.memory_bytes, uint64_t{183359} << 20);
+  EXPECT_DOUBLE_EQ(b.gpu.hbm_bytes_per_s, 8000e9);
+  EXPECT_DOUBLE_EQ(b.intra_node_bytes_per_s, 900e9);
+  EXPECT_THAT(ParseClusterPreset("1x8xA100").status().message(), HasSubstr("ambiguous: say which of A100-40GB, A100-80GB"));
+  EXPECT_FALSE(ParseClusterPreset("1x8xH").ok());
 }
 
 // Nodes of different sizes (as workers register): TP groups never straddle two nodes.

@@ -22,10 +22,10 @@ constexpr int kMaxGpus = 65536;
 constexpr uint64_t kMaxGpuMemory = uint64_t{1} << 50;
 
 // Link defaults. NVLink figures are per direction per GPU (A100: 12 links x 25 GB/s; H100/H200:
-// 18 x 25 GB/s); GPUs without NVLink talk over PCIe 4.0 x16 (~32 GB/s). Latencies are the fixed
-// cost of one small NCCL collective or send, the part that dominates a decode step's traffic.
-// Between nodes: one 200 Gb/s NIC (InfiniBand HDR or RoCE), 25 GB/s.
-constexpr double kNvlinkA100 = 300e9, kNvlinkH100 = 450e9, kPcie4 = 32e9;
+// 18 x 25 GB/s; B200: 18 x 50 GB/s); GPUs without NVLink talk over PCIe 4.0 x16 (~32 GB/s).
+// Latencies are the fixed cost of one small NCCL collective or send, the part that dominates a
+// decode step's traffic. Between nodes: one 200 Gb/s NIC (InfiniBand HDR or RoCE), 25 GB/s.
+constexpr double kNvlinkA100 = 300e9, kNvlinkH100 = 450e9, kNvlinkB200 = 900e9, kPcie4 = 32e9;
 constexpr double kNvlinkLatency = 10e-6, kPcieLatency = 20e-6;
 constexpr double kInterNode = 25e9, kInterNodeLatency = 30e-6;
 
@@ -43,6 +43,9 @@ constexpr Preset kPresets[] = {
     {"A100-80GB", 81920, 2039e9, kNvlinkA100, kNvlinkLatency},
     {"H100-80GB", 81559, 3350e9, kNvlinkH100, kNvlinkLatency},
     {"H200-141GB", 143771, 4800e9, kNvlinkH100, kNvlinkLatency},
+    // B200: nvidia-smi's total on an HGX B200; 8 TB/s as sold (the memory clock and bus the driver
+    // reports give 7.67 TB/s).
+    {"B200-180GB", 183359, 8000e9, kNvlinkB200, kNvlinkLatency},
     {"L40S-48GB", 46068, 864e9, kPcie4, kPcieLatency},
     {"L4-24GB", 23034, 300e9, kPcie4, kPcieLatency},
 };
@@ -73,20 +76,35 @@ std::vector<std::string> GpuPresetNames() {
 }
 
 absl::StatusOr<ClusterSpec> GpuPreset(const std::string& gpu_name) {
+  // The name as listed, or the part before its '-' when only one preset has it ("H200"; not "A100").
+  std::vector<const Preset*> matches;
   for (const Preset& p : kPresets) {
-    if (absl::EqualsIgnoreCase(gpu_name, p.name)) {
-      ClusterSpec c;
-      c.gpu = {p.name, p.memory_mib * kMiB, p.hbm_bytes_per_s};
-      c.gpus_per_node = {1};
-      c.intra_node_bytes_per_s = p.intra_bytes_per_s;
-      c.intra_node_latency_s = p.intra_latency_s;
-      c.inter_node_bytes_per_s = kInterNode;
-      c.inter_node_latency_s = kInterNodeLatency;
-      return c;
+    if (absl::EqualsIgnoreCase(gpu_name, p.name)) matches = {&p};
+  }
+  if (matches.empty() && !gpu_name.empty()) {
+    for (const Preset& p : kPresets) {
+      if (absl::StartsWithIgnoreCase(p.name, absl::StrCat(gpu_name, "-"))) matches.push_back(&p);
     }
   }
-  return absl::NotFoundError(
-      absl::StrCat("unknown GPU \"", gpu_name, "\" (known: ", absl::StrJoin(GpuPresetNames(), ", "), ")"));
+  if (matches.size() > 1) {
+    std::vector<std::string> names;
+    for (const Preset* p : matches) names.push_back(p->name);
+    return absl::NotFoundError(
+        absl::StrCat("GPU \"", gpu_name, "\" is ambiguous: say which of ", absl::StrJoin(names, ", ")));
+  }
+  if (matches.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown GPU \"", gpu_name, "\" (known: ", absl::StrJoin(GpuPresetNames(), ", "), ")"));
+  }
+  const Preset& p = *matches.front();
+  ClusterSpec c;
+  c.gpu = {p.name, p.memory_mib * kMiB, p.hbm_bytes_per_s};
+  c.gpus_per_node = {1};
+  c.intra_node_bytes_per_s = p.intra_bytes_per_s;
+  c.intra_node_latency_s = p.intra_latency_s;
+  c.inter_node_bytes_per_s = kInterNode;
+  c.inter_node_latency_s = kInterNodeLatency;
+  return c;
 }
 
 absl::StatusOr<ClusterSpec> ParseClusterPreset(const std::string& spec) {

@@ -48,8 +48,9 @@ struct ClusterSpec {
   std::string Describe() const;
 };
 
-// A preset GPU by name, case-insensitive ("a100-80gb"), with its link defaults filled into a
-// one-node, one-GPU cluster. NotFound lists the known names.
+// A preset GPU by name, case-insensitive ("a100-80gb"), or by the part before its '-' where only
+// one preset has it ("h200"), with its link defaults filled into a one-node, one-GPU cluster.
+// NotFound lists the known names, or the presets an ambiguous name ("A100") could mean.
 absl::StatusOr<ClusterSpec> GpuPreset(const std::string& gpu_name);
 
 // "NxGxGPU": N nodes of G GPUs of preset GPU, e.g. "2x1xA100-80GB", "1x8xH100-80GB".

@@ -1,6 +1,7 @@
 #include "coordinator/planner/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 
 #include "absl/strings/ascii.h"
@@ -142,27 +143,54 @@ void PlaceStages(const ClusterSpec& cluster, int tp, std::vector<StagePlan>* sta
   }
 }
 
-// Roofline of one decode token (batch 1) through every stage in turn. Memory-bound: a GPU reads
-// every weight byte it holds once per step. A ring all-reduce of M bytes over t GPUs moves
-// 2 (t-1)/t x M per GPU; the logits all-gather moves (t-1) slices of F32 logits; a stage hands
-// its hidden state (M bytes) to the next over NVLink or, between nodes, the NIC. Each collective
-// or message also pays the link's fixed latency, which is what dominates at batch 1.
+// Roofline of one decode step of `batch` sequences through every stage in turn (planner.h
+// DecodeEstimate). Memory-bound: a GPU reads every weight byte it holds once a step, but of a
+// sparse layer's experts only the fraction its tokens choose. A ring all-reduce of M bytes over t
+// GPUs moves 2 (t-1)/t x M per GPU; the logits all-gather moves (t-1) slices of F32 logits; a stage
+// hands its hidden states (M bytes) to the next over NVLink or, between nodes, the NIC. With expert
+// parallelism each rank routes its 1/t of the tokens and sends each token's hidden state to the
+// ranks of its k experts, (t-1)/t of them elsewhere, and gets the results back the same way, then
+// one all-gather gives every rank every token. Each collective or message also pays the link's
+// fixed latency, which is what dominates at batch 1.
 DecodeEstimate EstimateDecode(const Context& ctx, const Layout& l) {
   const ClusterSpec& c = ctx.cluster;
-  const double M = static_cast<double>(ctx.config.hidden_size * DTypeSize(ctx.dtype));
+  const ModelConfig& config = ctx.config;
+  const int batch = ctx.options.decode_batch;
+  const double M = static_cast<double>(batch) * static_cast<double>(config.hidden_size * DTypeSize(ctx.dtype));
   const int t = l.tp;
   DecodeEstimate e;
+  e.batch = batch;
+  double expert_fraction = 1;  // of the experts' bytes, what a step reads
+  if (config.num_experts > 0) {
+    const double k = static_cast<double>(config.num_experts_per_tok), E = static_cast<double>(config.num_experts);
+    expert_fraction = 1.0 - std::pow(1.0 - k / E, batch);
+    e.experts = config.num_experts;
+    e.experts_read = E * expert_fraction;
+  }
   for (size_t s = 0; s < l.stages.size(); ++s) {
     const StagePlan& st = l.stages[s];
-    uint64_t max_weights = 0;
-    for (int r = 0; r < t; ++r) max_weights = std::max(max_weights, l.gpus[s * t + r].weight_bytes);
-    e.weights_s += static_cast<double>(max_weights) / c.gpu.hbm_bytes_per_s;
+    double max_read = 0;
+    for (int r = 0; r < t; ++r) {
+      const GpuPlan& g = l.gpus[s * t + r];
+      max_read = std::max(max_read, static_cast<double>(g.weight_bytes - g.expert_weight_bytes) +
+                                        expert_fraction * static_cast<double>(g.expert_weight_bytes));
+    }
+    e.weights_s += max_read / c.gpu.hbm_bytes_per_s;
     if (t > 1) {
       const double all_reduce = c.intra_node_latency_s + 2.0 * (t - 1) / t * M / c.intra_node_bytes_per_s;
-      const int64_t count = 2 * st.num_layers() + (st.embedding ? 1 : 0);  // o_proj, down_proj; embedding
+      int64_t sparse = 0;
+      for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sparse += config.LayerIsSparse(i) ? 1 : 0;
+      const int64_t exchanged = ctx.options.expert_parallel ? sparse : 0;  // MLPs without an all-reduce
+      const int64_t count = 2 * st.num_layers() - exchanged + (st.embedding ? 1 : 0);  // o_proj, down_proj; embedding
       e.collectives_s += static_cast<double>(count) * all_reduce;
+      if (exchanged > 0) {
+        const double k = static_cast<double>(config.num_experts_per_tok);
+        const double all_to_all = c.intra_node_latency_s + k * M / t * (t - 1) / t / c.intra_node_bytes_per_s;
+        const double all_gather = c.intra_node_latency_s + (t - 1.0) / t * M / c.intra_node_bytes_per_s;
+        e.collectives_s += static_cast<double>(exchanged) * (2 * all_to_all + all_gather);
+      }
       if (st.lm_head) {
-        const double slice = 4.0 * static_cast<double>(CeilDiv(ctx.config.vocab_size, t));
+        const double slice = 4.0 * static_cast<double>(batch) * static_cast<double>(CeilDiv(config.vocab_size, t));
         e.collectives_s += c.intra_node_latency_s + (t - 1) * slice / c.intra_node_bytes_per_s;
       }
     }
@@ -216,6 +244,7 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.node = st.node;
       g.gpu = st.first_gpu + r;
       g.weight_bytes = ranks[r].Stage(st.first_layer, st.last_layer + 1, st.embedding, st.lm_head);
+      g.expert_weight_bytes = ranks[r].StageExperts(st.first_layer, st.last_layer + 1);
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
       if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
@@ -357,6 +386,9 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         absl::StrCat("runtime_reserve_bytes must be at most 2^50, got ", o.runtime_reserve_bytes));
   }
   if (o.tp < 0 || o.pp < 0) return absl::InvalidArgumentError("TP and PP must be >= 1 when forced");
+  if (o.decode_batch < 1 || o.decode_batch > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("decode_batch must be in [1, 4096], got ", o.decode_batch));
+  }
   for (auto [name, v, max] : {std::tuple{"max_tokens_per_step", o.limits.max_tokens_per_step, int64_t{1} << 20},
                               {"max_seqs_per_step", o.limits.max_seqs_per_step, int64_t{1} << 20},
                               {"block_size", o.limits.block_size, int64_t{1} << 16}}) {

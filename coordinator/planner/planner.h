@@ -47,6 +47,9 @@ struct PlanOptions {
   // Expert parallelism (model/sharding.h): each TP rank holds whole experts, a block of them, which
   // changes every rank's weight bytes and step buffers. Refused for a model without experts.
   bool expert_parallel = false;
+  // Sequences in the decode step the layouts are ranked by (1 to 4096): a mixture of experts reads
+  // the experts its tokens choose, more of them the larger the batch (DecodeEstimate).
+  int decode_batch = 1;
   // The step limits the workers are sized for (model/step_limits.h): max_tokens_per_step and
   // max_seqs_per_step size their step buffers (worker/shard/model_shard.h), block_size cuts the KV
   // cache. max_model_len is the longest sequence (prompt + output) to serve, and the KV cache must
@@ -80,6 +83,7 @@ struct GpuPlan {
   int node = 0;
   int gpu = 0;                      // index inside the node
   uint64_t weight_bytes = 0;        // this rank's slice of the stage's weights
+  uint64_t expert_weight_bytes = 0; // of which routed experts' products (0 for a dense model)
   uint64_t activation_bytes = 0;    // the worker's step buffers (hidden states, q/k/v, MLP, logits)
   uint64_t reserve_bytes = 0;       // PlanOptions::runtime_reserve_bytes
   // Of the reserve, on CUDA with quantized weights: the backend's dequantize scratch for its
@@ -99,11 +103,24 @@ struct GpuPlan {
   std::vector<MemoryItem> memory;
 };
 
-// Roofline of one decode step for one sequence through every stage in turn (seconds).
+// Roofline of one decode step of `batch` sequences through every stage in turn (seconds): the
+// weights read and the traffic between GPUs; the KV cache's reads are not counted.
+//
+// A mixture of experts reads, in each sparse layer, only the experts its tokens choose: with k of E
+// experts a token and routing taken as uniform, an expert is chosen by none of B tokens with
+// probability (1 - k/E)^B, so a step reads E x (1 - (1 - k/E)^B) distinct experts a layer on
+// average (k at batch 1; nearly all of them at large batches), on every rank alike whether the
+// experts are cut over TP or held whole (expert parallelism).
 struct DecodeEstimate {
-  double weights_s = 0;      // each stage's largest weight slice / HBM bandwidth, summed over stages
-  double collectives_s = 0;  // TP all-reduces (2 per layer, 1 for the embedding) and the logits all-gather
-  double transfers_s = 0;    // the hidden state from each stage to the next
+  int batch = 1;
+  int64_t experts = 0;       // a sparse layer's experts (0: a dense model)
+  double experts_read = 0;   // of which a step reads, on average
+  double weights_s = 0;      // each stage's largest bytes read / HBM bandwidth, summed over stages
+  // TP all-reduces (2 per layer, 1 for the embedding) and the logits all-gather; with expert
+  // parallelism a sparse layer's MLP all-reduce is its exchange instead: the tokens' hidden states
+  // to their experts' ranks and back (two all-to-alls) and one all-gather.
+  double collectives_s = 0;
+  double transfers_s = 0;    // the hidden states from each stage to the next
   double total_s() const { return weights_s + collectives_s + transfers_s; }
 };
 

@@ -153,10 +153,21 @@ std::string PlanTable(const Plan& p) {
   absl::StrAppend(&out, "\n");
 
   const DecodeEstimate& d = p.decode;
-  absl::StrAppendFormat(&out, "decode   %s per token at batch 1 (%.1f tokens/s), by roofline:\n", fmt::Ms(d.total_s()),
-                        1.0 / d.total_s());
-  absl::StrAppendFormat(&out, "         %s weights from %s + %s TP collectives + %s stage hops\n\n",
+  if (d.batch == 1) {
+    absl::StrAppendFormat(&out, "decode   %s per token at batch 1 (%.1f tokens/s), by roofline:\n", fmt::Ms(d.total_s()),
+                          1.0 / d.total_s());
+  } else {
+    absl::StrAppendFormat(&out, "decode   %s per step of %d sequences (%.1f tokens/s), by roofline (KV reads not counted):\n",
+                          fmt::Ms(d.total_s()), d.batch, d.batch / d.total_s());
+  }
+  absl::StrAppendFormat(&out, "         %s weights from %s + %s TP collectives + %s stage hops\n",
                         fmt::Ms(d.weights_s), c.gpu.memory_noun(), fmt::Ms(d.collectives_s), fmt::Ms(d.transfers_s));
+  if (d.experts > 0) {
+    // The experts' share of a sparse layer that a step reads (planner.h DecodeEstimate).
+    absl::StrAppendFormat(&out, "         experts read a sparse layer: %.1f of %d on average%s\n", d.experts_read,
+                          d.experts, p.options.expert_parallel ? " (expert parallel: tokens exchanged by all-to-all)" : "");
+  }
+  absl::StrAppend(&out, "\n");
 
   absl::StrAppend(&out, "layouts weighed, best first:\n");
   const std::string weights_per = absl::StrCat("weights/", device);
@@ -223,6 +234,7 @@ std::string PlanJson(const Plan& p) {
                             {"node", g.node},
                             {"gpu", g.gpu},
                             {"weight_bytes", g.weight_bytes},
+                            {"expert_weight_bytes", g.expert_weight_bytes},
                             {"activation_bytes", g.activation_bytes},
                             {"reserve_bytes", g.reserve_bytes},
                             {"kv_bytes_per_token", g.kv_bytes_per_token},
@@ -241,7 +253,9 @@ std::string PlanJson(const Plan& p) {
                         {"num_kv_blocks", p.limits.num_kv_blocks},
                         {"num_sliding_kv_blocks", p.limits.num_sliding_kv_blocks},
                         {"max_blocks_per_seq", p.limits.max_blocks_per_seq()}};
-  j["decode_step"] = {{"weights_s", p.decode.weights_s},
+  j["decode_step"] = {{"batch", p.decode.batch},
+                      {"experts_read", p.decode.experts_read},
+                      {"weights_s", p.decode.weights_s},
                       {"collectives_s", p.decode.collectives_s},
                       {"transfers_s", p.decode.transfers_s},
                       {"total_s", p.decode.total_s()},

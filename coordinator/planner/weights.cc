@@ -98,6 +98,7 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
                              DType dtype, WeightQuant quant) {
   RankWeights r;
   r.layers.assign(config.num_hidden_layers, 0);
+  r.expert_layers.assign(config.num_hidden_layers, 0);
   r.dequant_scratch.assign(config.num_hidden_layers, 0);
   r.tied = config.tie_word_embeddings;
   for (const WeightDecl& t : tensors) {
@@ -133,7 +134,13 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
     }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;
-      case WeightPart::kLayer: r.layers[t.layer] += bytes; break;
+      case WeightPart::kLayer:
+        r.layers[t.layer] += bytes;
+        if (t.role == WeightRole::kExpertGateProj || t.role == WeightRole::kExpertUpProj ||
+            t.role == WeightRole::kExpertDownProj) {
+          r.expert_layers[t.layer] += bytes;
+        }
+        break;
       case WeightPart::kFinalNorm: r.final_norm += bytes; break;
       case WeightPart::kLmHead: r.lm_head += bytes; break;
     }
@@ -145,6 +152,12 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
 uint64_t RankWeights::DequantScratch(int64_t first_layer, int64_t end_layer) const {
   uint64_t bytes = 0;
   for (int64_t i = first_layer; i < end_layer; ++i) bytes = std::max(bytes, dequant_scratch[i]);
+  return bytes;
+}
+
+uint64_t RankWeights::StageExperts(int64_t first_layer, int64_t end_layer) const {
+  uint64_t bytes = 0;
+  for (int64_t i = first_layer; i < end_layer; ++i) bytes += expert_layers[i];
   return bytes;
 }
 

@@ -45,6 +45,9 @@ int64_t ShardElements(const WeightDecl& tensor, const TpShard& shard);
 struct RankWeights {
   uint64_t embedding = 0;        // first stage
   std::vector<uint64_t> layers;  // per decoder layer
+  // Of `layers`, the routed experts' products (gate/up/down of each expert this rank holds): the
+  // part of a sparse layer that a decode step reads only for the experts its tokens choose.
+  std::vector<uint64_t> expert_layers;
   uint64_t final_norm = 0;       // last stage
   uint64_t lm_head = 0;          // last stage; for tied models, the embedding slice again
   bool tied = false;             // lm_head is embed_tokens: one copy when one stage is first and last
@@ -54,6 +57,8 @@ struct RankWeights {
 
   // Bytes of the stage holding layers [first_layer, end_layer).
   uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
+  // Of those, the routed experts' bytes.
+  uint64_t StageExperts(int64_t first_layer, int64_t end_layer) const;
   // The dequantize scratch a CUDA worker holding layers [first_layer, end_layer) allocates: the
   // largest of theirs (the backend grows one scratch to its largest weight's need).
   uint64_t DequantScratch(int64_t first_layer, int64_t end_layer) const;

@@ -22,7 +22,8 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4|fp8]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
-    "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P] [--json]\n"
+    "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P]\n"
+    "                       [--expert-parallel] [--decode-batch B] [--json]\n"
     "\n"
     "  Chooses tensor parallelism (TP, inside a node) and pipeline parallelism (PP, across nodes)\n"
     "  for a model on a cluster, and prints each stage's layers and each GPU's weights, KV cache\n"
@@ -51,6 +52,10 @@ constexpr char kUsage[] =
     "  --max-seqs-per-step N       sequences per step (default 256)\n"
     "  --runtime-reserve-gb G      GiB per GPU for the CUDA context, cuBLAS and NCCL (default 1)\n"
     "  --tp T, --pp P              force a layout\n"
+    "  --expert-parallel           a mixture of experts' experts held whole, a block a TP rank, as the\n"
+    "                              coordinator's --expert-parallel serves them (default: cut over TP)\n"
+    "  --decode-batch B            sequences in the decode step estimated and ranked by (default 1): a\n"
+    "                              mixture of experts reads more distinct experts the larger B is\n"
     "  --json                      print one JSON object instead of the table\n";
 
 // Defaults for a cluster given by explicit flags only: PCIe between GPUs, one 200 Gb/s NIC.
@@ -122,6 +127,8 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   o.runtime_reserve_bytes = static_cast<uint64_t>(reserve_gib * (1 << 30));
   SHARDSERVE_RETURN_IF_ERROR(f.Int("tp", 1, 4096, &o.tp));
   SHARDSERVE_RETURN_IF_ERROR(f.Int("pp", 1, 1 << 20, &o.pp));
+  SHARDSERVE_RETURN_IF_ERROR(f.Int("decode-batch", 1, 4096, &o.decode_batch));
+  o.expert_parallel = f.Has("expert-parallel");
   if (f.Has("dtype")) {
     absl::StatusOr<DType> d = ParsePlanDType(f.Get("dtype"));
     if (!d.ok()) return d.status();
@@ -140,8 +147,9 @@ int Run(const std::vector<std::string>& args) {
       Flags::Parse(args,
                    {"model", "config", "dtype", "cluster", "nodes", "gpus-per-node", "gpu-memory-gb", "hbm-gbps",
                     "intra-node-gbps", "inter-node-gbps", "gpu-memory-utilization", "max-model-len",
-                    "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp", "quantization"},
-                   {"json", "help"});
+                    "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp", "quantization",
+                    "decode-batch"},
+                   {"json", "help", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf(kUsage, absl::StrJoin(GpuPresetNames(), ", ").c_str());
