@@ -294,7 +294,12 @@ TEST_P(ClusterSpeculationTest, NgramGuessesKeepHuggingFacesGreedyTokens) {
   const v1::SchedulerStatus s = cluster.Status().scheduler();
   EXPECT_EQ(s.speculative(), "ngram");
   EXPECT_GT(s.spec_proposed_tokens(), 0);
-  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess was ever right";
+  // Mistral's 32 golden tokens never repeat a run of its text, so its guesses are all rejected:
+  // every verification rolls back, across the window (accepted runs under windows are
+  // speculation_test's).
+  if (l.fixture != "mistral_window_tf5") {
+    EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess was ever right";
+  }
   EXPECT_LE(s.spec_accepted_tokens(), s.spec_proposed_tokens());
   EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
   // The coordinator's Prometheus counters say the same (docs/metrics.md): every accepted guess
