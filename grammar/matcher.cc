@@ -610,6 +610,33 @@ absl::Status GrammarMatcher::Rollback(int n) {
   return absl::OkStatus();
 }
 
+int GrammarMatcher::GuessMasks(const std::vector<int32_t>& guesses, std::vector<uint32_t>* masks) {
+  const int32_t words = mask_words(), vocab_size = grammar_->vocab().vocab_size();
+  const auto none = [words](const uint32_t* m) { return std::all_of(m, m + words, [](uint32_t w) { return w == 0; }); };
+  masks->assign((guesses.size() + 1) * static_cast<size_t>(words), 0u);
+  FillNextTokenBitmask(masks->data());
+  int kept = 0, advanced = 0;
+  for (size_t i = 0; i < guesses.size() && !none(masks->data()); ++i) {
+    const int32_t g = guesses[i];
+    const uint32_t* here = masks->data() + i * words;
+    if (g < 0 || g >= vocab_size || ((here[g >> 5] >> (g & 31)) & 1u) == 0) break;
+    if (!AcceptToken(g)) {
+      // Allowed by its mask, so only ambiguity refuses it: forgotten with the guess.
+      error_ = absl::OkStatus();
+      round_.overflow = false;
+      break;
+    }
+    ++advanced;
+    uint32_t* next = masks->data() + (i + 1) * words;
+    FillNextTokenBitmask(next);
+    if (none(next)) break;
+    kept = static_cast<int>(i) + 1;
+  }
+  states_.resize(states_.size() - advanced);
+  masks->resize((kept + 1) * static_cast<size_t>(words));
+  return kept;
+}
+
 void GrammarMatcher::FillNextTokenBitmask(uint32_t* mask) {
   const int32_t words = mask_words();
   std::fill(mask, mask + words, 0u);

@@ -192,6 +192,15 @@ class GrammarMatcher {
   // Undoes the last n accepted tokens (or AcceptBytes calls); n <= NumAccepted().
   absl::Status Rollback(int n);
   int NumAccepted() const { return static_cast<int>(states_.size()) - 1; }
+  // Speculative decoding: the masks of a row that samples after each of `guesses` (tokens proposed
+  // to follow the text so far), one per position: masks[i * mask_words() ..] is the mask after the
+  // first i guesses. The guesses are cut before the first one that its position's mask does not
+  // allow, and before one after which nothing is allowed (EOS, or the end of a grammar that has no
+  // EOS there); returns how many are kept, k, with (k + 1) * mask_words() words in *masks. The
+  // matcher ends as it began: it advances over the guesses and rolls them back, and a guess past
+  // which the grammar is too ambiguous to follow is cut, its error forgotten (a guess is no token
+  // of the text until accepted). 0 with one empty mask when nothing is allowed now.
+  int GuessMasks(const std::vector<int32_t>& guesses, std::vector<uint32_t>* masks);
   // ResourceExhausted once the grammar proved too ambiguous to follow (kMaxStacks); from then on
   // nothing is allowed or accepted.
   const absl::Status& status() const { return error_; }

@@ -7,7 +7,11 @@
 // sequence's own accepted tokens (so rejected positions are never read and registered prefix
 // blocks hold accepted tokens only), block accounting exact after every step (the workers' tables
 // hold exactly the blocks in use), preemptions while speculative steps are in flight, and the
-// output distribution of sampling with speculation equal to the model's (chi-square).
+// output distribution of sampling with speculation equal to the model's (chi-square). The same with
+// sliding windows (every layer sliding, or a sliding layers' pool beside full layers: reads stay
+// in the window, and both tables' accounting is exact after rejections), and with constrained
+// sequences (a grammar's masks at every sampled position, guesses cut where the grammar refuses
+// them, the matcher over the accepted tokens only).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,8 +26,11 @@
 
 #include "coordinator/scheduler/proposer.h"
 #include "coordinator/scheduler/scheduler.h"
+#include "grammar/grammar.h"
+#include "grammar/matcher.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/persistent_batch.h"
+#include "worker/step_checks.h"
 
 namespace shardserve {
 namespace {
@@ -53,27 +60,153 @@ std::vector<double> Probs(const std::vector<int32_t>& context) {
 }
 
 // The sampler: greedy (temperature 0) or one uniform draw fixed by (seed, draw_index), as the
-// workers' sampler draws (worker/sampler.cc).
-int32_t Sample(const std::vector<int32_t>& context, const v1::RowSampling& r) {
-  const std::vector<double> p = Probs(context);
+// workers' sampler draws (worker/sampler.cc); with a token mask (constrained decoding: bit v of
+// mask[0] set: v allowed), over the allowed tokens only.
+int32_t Sample(const std::vector<int32_t>& context, const v1::RowSampling& r, const uint32_t* mask = nullptr) {
+  std::vector<double> p = Probs(context);
+  if (mask != nullptr) {
+    for (int v = 0; v < kVocab; ++v) {
+      if (((mask[0] >> v) & 1u) == 0) p[v] = 0;
+    }
+  }
   if (r.temperature() == 0) return static_cast<int32_t>(std::max_element(p.begin(), p.end()) - p.begin());
-  const double u = static_cast<double>(Mix(r.seed() * 0x9E3779B97F4A7C15ull + r.draw_index()) >> 11) * 0x1.0p-53;
+  double sum = 0;
+  for (double x : p) sum += x;
+  const double u = static_cast<double>(Mix(r.seed() * 0x9E3779B97F4A7C15ull + r.draw_index()) >> 11) * 0x1.0p-53 * sum;
   double c = 0;
+  int last = 0;
   for (int v = 0; v < kVocab; ++v) {
+    if (p[v] == 0) continue;
+    last = v;
     c += p[v];
     if (u < c) return v;
   }
-  return kVocab - 1;
+  return last;
 }
 
-// Decoding alone, one token per step: the reference.
-std::vector<int32_t> Reference(std::vector<int32_t> tokens, int64_t max_tokens, v1::RowSampling r) {
+// Decoding alone, one token per step: the reference; with `grammar`, each token sampled under the
+// mask of a matcher advanced token by token.
+std::vector<int32_t> Reference(std::vector<int32_t> tokens, int64_t max_tokens, v1::RowSampling r,
+                               std::shared_ptr<const grammar::CompiledGrammar> grammar = nullptr) {
   const int64_t prompt = static_cast<int64_t>(tokens.size());
+  std::unique_ptr<grammar::GrammarMatcher> m;
+  if (grammar != nullptr) m = std::make_unique<grammar::GrammarMatcher>(grammar);
   for (int64_t i = 0; i < max_tokens; ++i) {
     r.set_draw_index(static_cast<uint64_t>(i));  // the token's index in the completion
-    tokens.push_back(Sample(tokens, r));
+    uint32_t mask = 0;
+    if (m != nullptr) m->FillNextTokenBitmask(&mask);
+    tokens.push_back(Sample(tokens, r, m != nullptr ? &mask : nullptr));
+    if (m != nullptr) {
+      EXPECT_TRUE(m->AcceptToken(tokens.back()));
+    }
   }
   return std::vector<int32_t>(tokens.begin() + prompt, tokens.end());
+}
+
+// The constrained sequences' language over the sampled ids, none of them EOS, so that it never
+// ends: 0 "a", 1 "b", 2 "c", 3 "ab". After "a" only "b" or "c" may follow, after "ab" or "ac" one
+// forced character: guesses are often refused, or right by force.
+std::shared_ptr<const grammar::CompiledGrammar> AbcGrammar() {
+  static const auto compiled = [] {
+    auto vocab = std::make_shared<const grammar::TokenizerInfo>(
+        grammar::TokenizerInfo({"a", "b", "c", "ab"}, {}, {}, kVocab));
+    absl::StatusOr<grammar::Grammar> g = grammar::ParseGbnf(R"(root ::= ("abc" | "acb" | "bb")+)");
+    EXPECT_TRUE(g.ok()) << g.status();
+    absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> c = grammar::CompiledGrammar::Compile(*g, vocab);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *c;
+  }();
+  return compiled;
+}
+
+// The mask after `tokens` of a fresh matcher advanced over them one by one.
+std::vector<uint32_t> MaskTokenByToken(std::shared_ptr<const grammar::CompiledGrammar> g,
+                                       const std::vector<int32_t>& tokens) {
+  grammar::GrammarMatcher m(std::move(g));
+  for (int32_t t : tokens) EXPECT_TRUE(m.AcceptToken(t));
+  std::vector<uint32_t> mask(m.mask_words());
+  m.FillNextTokenBitmask(mask.data());
+  return mask;
+}
+
+// The engine's constrained speculation (coordinator/engine/engine.cc Allowed, AddTokenMasks and
+// FinishOldest) for the sequences given a grammar: guesses cut by GuessMasks, its masks into the
+// plan at every sampled position, and the matcher advanced over the accepted tokens.
+class GrammarGuesses : public GuessFilter {
+ public:
+  void Constrain(uint64_t seq, std::shared_ptr<const grammar::CompiledGrammar> g) {
+    matchers_[seq].grammar = g;
+    matchers_[seq].matcher = std::make_unique<grammar::GrammarMatcher>(std::move(g));
+  }
+  bool Constrained(uint64_t seq) const { return matchers_.count(seq) > 0; }
+  int Allowed(uint64_t seq, const std::vector<int32_t>& guesses) override {
+    auto it = matchers_.find(seq);
+    if (it == matchers_.end()) return static_cast<int>(guesses.size());
+    State& st = it->second;
+    const int kept = st.matcher->GuessMasks(guesses, &st.masks);
+    EXPECT_EQ(st.masks.size(), static_cast<size_t>(kept + 1) * st.matcher->mask_words());
+    cut_ += static_cast<int64_t>(guesses.size()) - kept;
+    return kept;
+  }
+  void AddMasks(const MicroBatch& batch, v1::StepPlan* plan) {
+    for (const MicroBatch::Entry& e : batch.entries) {
+      auto it = matchers_.find(e.seq);
+      if (e.logit_row < 0 || it == matchers_.end()) continue;
+      State& st = it->second;
+      const int words = st.matcher->mask_words();
+      if (e.samples > 1) {
+        ASSERT_GE(st.masks.size(), static_cast<size_t>(e.samples * words));
+      } else {
+        st.masks.assign(words, 0);
+        st.matcher->FillNextTokenBitmask(st.masks.data());
+      }
+      for (int i = 0; i < e.samples; ++i) plan->add_mask_logit_rows(e.logit_row + i);
+      plan->mutable_mask_words()->Add(st.masks.begin(), st.masks.begin() + e.samples * words);
+      st.masks.clear();
+    }
+  }
+  // A token the scheduler returned (accepted) for `seq`.
+  void Accept(uint64_t seq, int32_t token) {
+    auto it = matchers_.find(seq);
+    if (it != matchers_.end()) {
+      EXPECT_TRUE(it->second.matcher->AcceptToken(token)) << "seq " << seq << " token " << token;
+    }
+  }
+  // `seq`'s matcher is the one advanced token by token over `output`: as many tokens, the same mask.
+  void ExpectOver(uint64_t seq, const std::vector<int32_t>& output) {
+    auto it = matchers_.find(seq);
+    if (it == matchers_.end()) return;
+    grammar::GrammarMatcher& m = *it->second.matcher;
+    EXPECT_EQ(m.NumAccepted(), static_cast<int>(output.size())) << "seq " << seq;
+    std::vector<uint32_t> mask(m.mask_words());
+    m.FillNextTokenBitmask(mask.data());
+    EXPECT_EQ(mask, MaskTokenByToken(it->second.grammar, output)) << "seq " << seq;
+  }
+  int64_t cut() const { return cut_; }
+
+ private:
+  struct State {
+    std::shared_ptr<const grammar::CompiledGrammar> grammar;
+    std::unique_ptr<grammar::GrammarMatcher> matcher;
+    std::vector<uint32_t> masks;  // from Allowed, for AddMasks
+  };
+  std::map<uint64_t, State> matchers_;
+  int64_t cut_ = 0;  // guesses cut
+};
+
+// The options every case starts from: blocks of 4 tokens, 64-token sequences, 32-token steps of
+// at most 16 sequences, `k` guesses from `proposer` whatever the batch size (to exercise it).
+SchedulerOptions SpecOptions(const Proposer* proposer, int k, int64_t num_kv_blocks) {
+  SchedulerOptions o;
+  o.limits.block_size = 4;
+  o.limits.max_model_len = 64;
+  o.limits.num_kv_blocks = num_kv_blocks;
+  o.limits.max_tokens_per_step = 32;
+  o.limits.max_seqs_per_step = 16;
+  o.proposer = proposer;
+  o.num_speculative_tokens = k;
+  o.speculative_max_running = 0;
+  return o;
 }
 
 // Test proposers. The oracle knows each sequence's reference continuation.
@@ -121,12 +254,17 @@ class RandomProposer : public Proposer {
 };
 
 // Runs sequences through a Scheduler like the engine and through a worker's PersistentBatch and a
-// fake KV cache, checking reads and block accounting at every step.
+// fake KV cache, checking reads and block accounting at every step. With a sliding window the
+// sliding layers read only the window before each position: every layer's cache where all slide,
+// else a second cache of the sliding layers' pool beside the full one. With `guesses`, the
+// sequences it constrains sample under their grammar's masks.
 class SpecSim {
  public:
-  explicit SpecSim(const SchedulerOptions& o)
-      : o_(o), sched_(o), worker_(o.limits, kInputVocab, /*keep_history=*/true),
-        cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)) {}
+  explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr)
+      : o_(o), sched_(WithFilter(o, guesses)), worker_(o.limits, kInputVocab, /*keep_history=*/true),
+        cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)),
+        sliding_cache_(static_cast<size_t>(o.limits.num_sliding_kv_blocks * o.limits.block_size)),
+        guesses_(guesses) {}
 
   Scheduler& sched() { return sched_; }
 
@@ -154,6 +292,7 @@ class SpecSim {
         f.committed.push_back(sched_.tokens(e.seq));
         proposed_ += static_cast<int64_t>(e.draft.size());
       }
+      if (guesses_ != nullptr) guesses_->AddMasks(*b, &f.plan);
       const absl::Status st = worker_.Apply(f.plan, &f.batch, &f.sampling);
       if (!st.ok()) {
         ADD_FAILURE() << "the worker refuses step " << f.plan.step_id() << ": " << st;
@@ -200,36 +339,67 @@ class SpecSim {
     std::vector<std::vector<int32_t>> committed;  // each row's sequence tokens when scheduled
   };
 
-  // The workers' tables hold exactly the blocks in use, each as often as its reference count.
+  static SchedulerOptions WithFilter(SchedulerOptions o, GrammarGuesses* guesses) {
+    o.guess_filter = guesses;
+    return o;
+  }
+
+  // The workers' tables hold exactly the blocks in use, each as often as its reference count: in
+  // every pool, the entries the coordinator's table still holds (the workers keep the ids of the
+  // blocks let go behind a window; they read nothing there).
   void CheckAccounting() {
-    const BlockManager& bm = sched_.block_manager();
-    std::map<int32_t, int> holders;
-    for (const auto& [id, s] : seqs_) {
-      if (!worker_.Holds(id)) continue;
-      ASSERT_EQ(static_cast<int64_t>(worker_.blocks(id).size()), sched_.table_blocks(id)) << "seq " << id;
-      for (int32_t b : worker_.blocks(id)) ++holders[b];
+    auto check = [&](const BlockManager& bm, bool sliding) {
+      std::map<int32_t, int> holders;
+      for (const auto& [id, s] : seqs_) {
+        if (!worker_.Holds(id)) continue;
+        const std::vector<int32_t> want = sliding ? sched_.sliding_table(id) : sched_.table(id);
+        const std::vector<int32_t> got = sliding ? worker_.sliding_blocks(id) : worker_.blocks(id);
+        ASSERT_EQ(got.size(), want.size()) << "seq " << id << (sliding ? " (sliding)" : "");
+        for (size_t i = 0; i < want.size(); ++i) {
+          if (want[i] == BlockManager::kReleased) continue;
+          ASSERT_EQ(got[i], want[i]) << "seq " << id << " block " << i << (sliding ? " (sliding)" : "");
+          ++holders[got[i]];
+        }
+      }
+      ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used()) << (sliding ? "sliding" : "");
+      for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << "block " << b << (sliding ? " (sliding)" : "");
+      ASSERT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks());
+    };
+    check(sched_.block_manager(), false);
+    if (sched_.sliding_block_manager() != nullptr) check(*sched_.sliding_block_manager(), true);
+  }
+
+  // Every cell position `last` reads in `cache` through `tables` (row `row`) from `first` on must
+  // hold this sequence's tokens.
+  void CheckReads(const std::vector<Cell>& cache, const std::vector<int32_t>& tables, int row, int64_t first,
+                  int64_t last, const std::vector<int32_t>& context, uint64_t id) {
+    const int64_t bs = o_.limits.block_size, width = o_.limits.max_blocks_per_seq();
+    for (int64_t pos = first; pos <= last; ++pos) {
+      const Cell& c = cache[tables[row * width + pos / bs] * bs + pos % bs];
+      ASSERT_EQ(c.pos, pos) << "seq " << id << " reads pos " << pos << " not written for it";
+      ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), context.begin(), context.begin() + pos + 1))
+          << "seq " << id << " reads pos " << pos << " written for other tokens";
     }
-    ASSERT_EQ(static_cast<int64_t>(holders.size()), bm.num_used());
-    for (const auto& [b, k] : holders) ASSERT_EQ(bm.refcount(b), k) << "block " << b;
-    ASSERT_EQ(bm.num_free() + bm.num_cached() + bm.num_used(), bm.num_blocks());
   }
 
   void CompleteOldest() {
     Flight f = std::move(in_flight_.front());
     in_flight_.pop_front();
     const StepBatch& sb = f.batch;
-    const int64_t bs = o_.limits.block_size, width = o_.limits.max_blocks_per_seq();
+    const int64_t window = o_.sliding_window;
+    const bool pool = window > 0 && o_.full_layers;
     // Write every token's KV: its context is what the worker was fed, guesses included.
     for (int i = 0; i < f.plan.token_ids_size(); ++i) {
       const uint64_t id = f.plan.row_seq_ids(sb.token_seq[i]);
       std::vector<int32_t>& fed = fed_[id];
       ASSERT_EQ(static_cast<int64_t>(fed.size()), sb.positions[i]) << "seq " << id;
       fed.push_back(f.plan.token_ids(i));
-      Cell& c = cache_[sb.slots[i]];
-      c.pos = sb.positions[i];
-      c.context = fed;
+      cache_[sb.slots[i]] = Cell{sb.positions[i], fed};
+      if (pool) sliding_cache_[sb.sliding_slots[i]] = Cell{sb.positions[i], fed};
     }
-    // Each sampled position reads its context back through the table: every cell must hold this
+    std::vector<const uint32_t*> masks;
+    ASSERT_TRUE(CheckTokenMasks(f.plan, static_cast<int64_t>(sb.logit_rows.size()), kVocab, &masks).ok());
+    // Each sampled position reads its context back through the tables: every cell must hold this
     // sequence's tokens (accepted ones before the row, the row's own after).
     std::vector<int32_t> sampled;
     std::vector<int> per_row(f.entries.size(), 0);
@@ -244,32 +414,36 @@ class SpecSim {
       const std::vector<int32_t>& committed = f.committed[row];
       const int64_t known = std::min<int64_t>(static_cast<int64_t>(committed.size()), last + 1);
       ASSERT_TRUE(std::equal(committed.begin(), committed.begin() + known, context.begin())) << "seq " << id;
-      for (int64_t pos = 0; pos <= last; ++pos) {
-        const Cell& c = cache_[sb.block_tables[row * width + pos / bs] * bs + pos % bs];
-        ASSERT_EQ(c.pos, pos) << "seq " << id << " reads pos " << pos << " not written for it";
-        ASSERT_TRUE(std::equal(c.context.begin(), c.context.end(), context.begin(), context.begin() + pos + 1))
-            << "seq " << id << " reads pos " << pos << " written for other tokens";
-      }
+      const int64_t in_window = std::max<int64_t>(0, last - window + 1);
+      CheckReads(cache_, sb.block_tables, row, window > 0 && !pool ? in_window : 0, last, context, id);
+      if (pool) CheckReads(sliding_cache_, sb.sliding_block_tables, row, in_window, last, context, id);
+      if (::testing::Test::HasFatalFailure()) return;
       const v1::RowSampling& r = f.sampling[static_cast<int>(k)];
       ASSERT_EQ(r.draw_index(), static_cast<uint64_t>(last + 1 - seqs_.at(id).prompt_len)) << "seq " << id;
-      sampled.push_back(Sample(context, r));
+      ASSERT_EQ(masks[k] != nullptr, guesses_ != nullptr && guesses_->Constrained(id)) << "seq " << id;
+      sampled.push_back(Sample(context, r, masks[k]));
     }
     for (int n : per_row) max_samples_ = std::max<int64_t>(max_samples_, n);
     for (const SampledToken& t : sched_.Complete(f.lane, sampled)) {
       Seq& s = seqs_.at(t.seq);
       if (s.done) continue;  // the engine skips tokens after the one that ended the request
       s.output.push_back(t.token);
+      if (guesses_ != nullptr) guesses_->Accept(t.seq, t.token);
       if (static_cast<int64_t>(s.output.size()) == s.max_tokens) {
         s.done = true;
         sched_.Remove(t.seq);
       }
+    }
+    if (guesses_ != nullptr) {
+      for (const MicroBatch::Entry& e : f.entries) guesses_->ExpectOver(e.seq, seqs_.at(e.seq).output);
     }
   }
 
   const SchedulerOptions o_;
   Scheduler sched_;
   PersistentBatch worker_;
-  std::vector<Cell> cache_;
+  std::vector<Cell> cache_, sliding_cache_;
+  GrammarGuesses* const guesses_;
   std::map<uint64_t, Seq> seqs_;
   std::map<uint64_t, std::vector<int32_t>> fed_;  // what the worker was fed, by sequence
   std::deque<Flight> in_flight_;
@@ -278,6 +452,16 @@ class SpecSim {
 };
 
 enum class Kind { kRight, kWrong, kNgram, kRandom };
+// No sliding window; an 8-token window in every layer (Mistral); or in a sliding layers' pool of
+// its own beside full-attention layers (Gemma 2 and 3), three quarters as large as the full pool.
+enum class Window { kNone, kAll, kPool };
+
+void WithWindow(Window w, SchedulerOptions* o) {
+  if (w == Window::kNone) return;
+  o->sliding_window = 8;
+  o->full_layers = w == Window::kPool;
+  if (w == Window::kPool) o->limits.num_sliding_kv_blocks = o->limits.num_kv_blocks * 3 / 4;
+}
 
 struct Param {
   Kind kind;
@@ -285,8 +469,12 @@ struct Param {
   int64_t num_kv_blocks;
   bool prefix_caching;
   float temperature;
+  Window window;
+  bool grammar;  // every other sequence constrained (AbcGrammar)
   std::string name;
 };
+
+void PrintTo(const Param& p, std::ostream* os) { *os << p.name; }
 
 class SpeculationSimTest : public ::testing::TestWithParam<Param> {};
 
@@ -300,6 +488,7 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
     std::vector<int32_t> prompt;
     int64_t max_tokens;
     v1::RowSampling r;
+    std::shared_ptr<const grammar::CompiledGrammar> grammar;
     std::vector<int32_t> want;
   };
   std::vector<Spec> specs(kSeqs);
@@ -317,7 +506,8 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
     s.r.set_seed(rng());
     s.r.set_temperature(p.temperature);
     if (i % 3 == 1) s.r.set_repetition_penalty(1.2f);  // the workers' penalty history must roll back
-    s.want = Reference(s.prompt, s.max_tokens, s.r);
+    if (p.grammar && i % 2 == 1) s.grammar = AbcGrammar();
+    s.want = Reference(s.prompt, s.max_tokens, s.r, s.grammar);
     std::vector<int32_t> full = s.prompt;
     full.insert(full.end(), s.want.begin(), s.want.end());
     oracle.full[s.prompt] = full;
@@ -328,25 +518,23 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
   RandomProposer random;
   const Proposer* proposers[] = {&right, &wrong, &ngram, &random};
 
-  SchedulerOptions o;
+  SchedulerOptions o = SpecOptions(proposers[static_cast<int>(p.kind)], 4, p.num_kv_blocks);
   o.lanes = p.lanes;
-  o.limits.block_size = 4;
-  o.limits.max_model_len = 64;
-  o.limits.num_kv_blocks = p.num_kv_blocks;
-  o.limits.max_tokens_per_step = 32;
-  o.limits.max_seqs_per_step = 16;
   o.prefix_caching = p.prefix_caching;
-  o.proposer = proposers[static_cast<int>(p.kind)];
-  o.num_speculative_tokens = 4;
-  o.speculative_max_running = 0;  // always, to exercise it
-  SpecSim sim(o);
+  WithWindow(p.window, &o);
+  GrammarGuesses guesses;
+  SpecSim sim(o, p.grammar ? &guesses : nullptr);
+  auto add = [&](int i) {
+    if (specs[i].grammar != nullptr) guesses.Constrain(i + 1, specs[i].grammar);
+    sim.Add(i + 1, specs[i].prompt, specs[i].max_tokens, specs[i].r);
+  };
   int added = 0;
-  for (; added < 6; ++added) sim.Add(added + 1, specs[added].prompt, specs[added].max_tokens, specs[added].r);
+  for (; added < 6; ++added) add(added);
   for (int64_t iter = 0; iter < 20000; ++iter) {
     const bool busy = sim.Step();
     ASSERT_FALSE(HasFatalFailure()) << "iteration " << iter;
     if (added < kSeqs && (iter % 3 == 0 || !busy)) {
-      sim.Add(added + 1, specs[added].prompt, specs[added].max_tokens, specs[added].r);
+      add(added);
       ++added;
     } else if (!busy) {
       break;
@@ -357,6 +545,9 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
   EXPECT_EQ(s.num_running() + s.num_waiting(), 0);
   EXPECT_EQ(s.block_manager().num_used(), 0);
   EXPECT_EQ(s.num_free_blocks(), s.num_blocks());
+  if (p.window == Window::kPool) {
+    EXPECT_EQ(s.sliding_block_manager()->num_used(), 0);
+  }
   const SpeculationStats& st = s.speculation();
   EXPECT_GT(st.proposed, 0);
   EXPECT_EQ(st.proposed, sim.proposed());
@@ -375,22 +566,40 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
     EXPECT_EQ(st.accepted, 0) << "an always-wrong proposer is never accepted";
     EXPECT_GT(sim.rollbacks(), 0);
   }
-  if (p.num_kv_blocks <= 24) EXPECT_GT(s.preemptions(), 0) << "the small cache should preempt";
+  if (p.num_kv_blocks <= 24 && p.window == Window::kNone) {
+    EXPECT_GT(s.preemptions(), 0) << "the small cache should preempt";
+  }
+  // A wrong guess is refused by the grammar as often as not: some are cut before they are fed.
+  if (p.grammar && p.kind == Kind::kWrong) {
+    EXPECT_GT(guesses.cut(), 0);
+  }
   RecordProperty("proposed", static_cast<int>(st.proposed));
   RecordProperty("accepted", static_cast<int>(st.accepted));
 }
 
+// Every proposer, 1 or 2 lanes, a cache small enough to preempt or not, greedy or seeded: with
+// prefix caching on or off and no window, unconstrained; with prefix caching on, each window
+// (every layer, a pool of its own), and constrained sequences without a window.
 std::vector<Param> Params() {
   std::vector<Param> out;
   const char* kinds[] = {"Right", "Wrong", "Ngram", "Random"};
+  struct Variant {
+    bool prefix_caching;
+    Window window;
+    bool grammar;
+    const char* name;
+  };
+  const Variant variants[] = {{true, Window::kNone, false, "_Prefix"},         {false, Window::kNone, false, "_NoPrefix"},
+                              {true, Window::kAll, false, "_Prefix_WindowAll"}, {true, Window::kPool, false, "_Prefix_WindowPool"},
+                              {true, Window::kNone, true, "_Prefix_Grammar"}};
   for (int k = 0; k < 4; ++k) {
     for (int lanes : {1, 2}) {
       for (int64_t blocks : {int64_t{16}, int64_t{400}}) {
-        for (bool pc : {true, false}) {
+        for (const Variant& v : variants) {
           for (float temp : {0.0f, 1.0f}) {
-            out.push_back(Param{static_cast<Kind>(k), lanes, blocks, pc, temp,
+            out.push_back(Param{static_cast<Kind>(k), lanes, blocks, v.prefix_caching, temp, v.window, v.grammar,
                                 std::string(kinds[k]) + "_Lanes" + std::to_string(lanes) +
-                                    (blocks <= 24 ? "_SmallCache" : "_LargeCache") + (pc ? "_Prefix" : "_NoPrefix") +
+                                    (blocks <= 24 ? "_SmallCache" : "_LargeCache") + v.name +
                                     (temp == 0 ? "_Greedy" : "_Sampled")});
           }
         }
@@ -408,15 +617,8 @@ INSTANTIATE_TEST_SUITE_P(Sim, SpeculationSimTest, ::testing::ValuesIn(Params()),
 TEST(SpeculationTest, RejectedGuessesGiveTheirBlocksBackAndStayUncached) {
   Oracle oracle;
   WrongProposer wrong(&oracle);
-  SchedulerOptions o;
-  o.limits.block_size = 4;
-  o.limits.max_model_len = 64;
-  o.limits.num_kv_blocks = 32;
-  o.limits.max_tokens_per_step = 32;
+  SchedulerOptions o = SpecOptions(&wrong, 6, 32);
   o.limits.max_seqs_per_step = 8;
-  o.proposer = &wrong;
-  o.num_speculative_tokens = 6;
-  o.speculative_max_running = 0;
   Scheduler s(o);
   PersistentBatch worker(o.limits, kVocab, true);
   StepBatch batch;
@@ -466,21 +668,66 @@ TEST(SpeculationTest, RejectedGuessesGiveTheirBlocksBackAndStayUncached) {
   EXPECT_EQ(s.block_manager().FindCached(all, 16, &chain).size(), 2u);
 }
 
+// Sliding windows: a step whose guesses are all rejected gives back the blocks it grew for them in
+// both tables (the sliding layers' pool beside the full one), the blocks behind the window stay
+// let go, and the next plan cuts the workers' two tables to the same length.
+TEST(SpeculationTest, RejectedGuessesGiveBackTheBlocksOfBothPoolsWithASlidingWindow) {
+  Oracle oracle;
+  WrongProposer wrong(&oracle);
+  SchedulerOptions o = SpecOptions(&wrong, 6, 32);
+  WithWindow(Window::kPool, &o);  // an 8-token window; 24 sliding blocks
+  Scheduler s(o);
+  PersistentBatch worker(o.limits, kVocab, true);
+  StepBatch batch;
+  google::protobuf::RepeatedPtrField<v1::RowSampling> sampling;
+  s.Add(1, std::vector<int32_t>(19, 1), v1::RowSampling());  // 19 tokens: 5 blocks
+  v1::StepPlan plan;
+  ASSERT_NE(s.Schedule(0, 1, &plan), nullptr);
+  ASSERT_TRUE(worker.Apply(plan, &batch, &sampling).ok());
+  s.Complete(0, {2});  // 20 tokens, 19 fed: position 19 attends to 12..19, blocks 0..2 let go
+  const BlockManager& full = s.block_manager();
+  const BlockManager& sliding = *s.sliding_block_manager();
+  EXPECT_EQ(full.num_used(), 5);
+  EXPECT_EQ(sliding.num_used(), 2);
+  const MicroBatch* b = s.Schedule(0, 2, &plan);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(b->entries[0].draft.size(), 6u);  // positions 19..25: 7 blocks in both tables
+  EXPECT_EQ(s.table(1).size(), 7u);
+  EXPECT_EQ(s.sliding_table(1).size(), 7u);
+  ASSERT_TRUE(worker.Apply(plan, &batch, &sampling).ok());
+  EXPECT_EQ(worker.sliding_blocks(1).size(), 7u);
+  std::vector<int32_t> sampled(7);
+  for (int j = 0; j < 7; ++j) sampled[j] = (b->entries[0].draft[j] + 1) % kVocab;
+  ASSERT_EQ(s.Complete(0, sampled).size(), 1u);
+  // 21 tokens, 20 fed: blocks 0..5 in both tables; the sliding one holds 3..5 (window 13..20).
+  EXPECT_EQ(s.table(1).size(), 6u);
+  ASSERT_EQ(s.sliding_table(1).size(), 6u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(s.sliding_table(1)[i], BlockManager::kReleased) << i;
+  EXPECT_EQ(full.num_used(), 6);
+  EXPECT_EQ(sliding.num_used(), 3);
+  EXPECT_EQ(full.num_used() + full.num_available(), full.num_blocks());
+  EXPECT_EQ(sliding.num_used() + sliding.num_available(), sliding.num_blocks());
+  ASSERT_NE(s.Schedule(0, 3, &plan), nullptr);
+  ASSERT_EQ(plan.rollback_seq_ids_size(), 1);
+  EXPECT_EQ(plan.rollback_num_tokens(0), 20);
+  EXPECT_EQ(plan.rollback_num_blocks(0), 6);
+  ASSERT_TRUE(worker.Apply(plan, &batch, &sampling).ok());
+  EXPECT_EQ(worker.blocks(1).size(), s.table(1).size());
+  EXPECT_EQ(worker.sliding_blocks(1).size(), s.sliding_table(1).size());
+  const std::vector<int32_t> kept = s.sliding_table(1), held = worker.sliding_blocks(1);
+  for (size_t i = 3; i < kept.size(); ++i) EXPECT_EQ(held[i], kept[i]) << i;
+}
+
 // A sequence in a speculative step in flight is never preempted; another sequence's need preempts
 // one that is in no step, and the speculating one's accounting stays exact.
 TEST(SpeculationTest, PreemptionWhileASpeculativeStepIsInFlight) {
   Oracle oracle;
   WrongProposer wrong(&oracle);
-  SchedulerOptions o;
+  SchedulerOptions o = SpecOptions(&wrong, 3, 9);
   o.lanes = 2;
   o.limits.block_size = 2;
   o.limits.max_model_len = 32;
-  o.limits.num_kv_blocks = 9;
-  o.limits.max_tokens_per_step = 32;
   o.limits.max_seqs_per_step = 8;
-  o.proposer = &wrong;
-  o.num_speculative_tokens = 3;
-  o.speculative_max_running = 0;
   SpecSim sim(o);
   v1::RowSampling r;
   for (uint64_t id = 1; id <= 3; ++id) sim.Add(id, {1, 2, 3}, 12, r);
@@ -498,14 +745,8 @@ TEST(SpeculationTest, PreemptionWhileASpeculativeStepIsInFlight) {
 // The adaptive limit: no guesses while speculative_max_running sequences or more run.
 TEST(SpeculationTest, NoGuessesInALargeBatch) {
   NgramProposer ngram(1, 3);
-  SchedulerOptions o;
-  o.limits.block_size = 4;
-  o.limits.max_model_len = 64;
-  o.limits.num_kv_blocks = 64;
+  SchedulerOptions o = SpecOptions(&ngram, 4, 64);
   o.limits.max_tokens_per_step = 64;
-  o.limits.max_seqs_per_step = 16;
-  o.proposer = &ngram;
-  o.num_speculative_tokens = 4;
   o.speculative_max_running = 2;
   for (int n : {1, 2}) {
     Scheduler s(o);
@@ -516,6 +757,102 @@ TEST(SpeculationTest, NoGuessesInALargeBatch) {
     const MicroBatch* b = s.Schedule(0, 2, &plan);
     ASSERT_NE(b, nullptr);
     EXPECT_EQ(b->entries[0].draft.empty(), n == 2) << n << " running";
+  }
+}
+
+// A constrained request's guesses (grammar/matcher.h GuessMasks): a grammar that forces the path
+// "xyzzy" then EOS. A wrong first guess is cut and leaves the one mask of the sampled token; right
+// guesses are all kept, with the mask after each (one-hot on the forced character), except the EOS
+// (nothing may follow it); partly right guesses are kept up to the first wrong one. The matcher ends
+// as it began every time: the mask and the count of tokens it has accepted are those of a matcher
+// advanced token by token over the accepted tokens only.
+TEST(GuessMasksTest, GuessesAreCutWhereTheGrammarRefusesThemAndRolledBack) {
+  constexpr int32_t kX = 0, kY = 1, kZ = 2, kQ = 3, kEos = 4;
+  auto vocab = std::make_shared<const grammar::TokenizerInfo>(
+      grammar::TokenizerInfo({"x", "y", "z", "q", ""}, {}, {kEos}, 5));
+  absl::StatusOr<grammar::Grammar> g = grammar::ParseGbnf(R"(root ::= "xyzzy")");
+  ASSERT_TRUE(g.ok()) << g.status();
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled = grammar::CompiledGrammar::Compile(*g, vocab);
+  ASSERT_TRUE(compiled.ok()) << compiled.status();
+  const std::vector<int32_t> path = {kX, kY, kZ, kZ, kY};
+  auto one_hot = [](int32_t id) { return std::vector<uint32_t>{1u << id}; };
+  auto row = [](const std::vector<uint32_t>& masks, int i) { return std::vector<uint32_t>{masks[i]}; };
+  grammar::GrammarMatcher m(*compiled);
+  ASSERT_EQ(m.mask_words(), 1);
+  std::vector<uint32_t> masks;
+  // Wrong.
+  EXPECT_EQ(m.GuessMasks({kQ, kY}, &masks), 0);
+  ASSERT_EQ(masks.size(), 1u);
+  EXPECT_EQ(row(masks, 0), one_hot(kX));
+  EXPECT_EQ(m.NumAccepted(), 0);
+  // Right, to the end: the EOS guess is cut.
+  EXPECT_EQ(m.GuessMasks({kX, kY, kZ, kZ, kY, kEos}, &masks), 5);
+  ASSERT_EQ(masks.size(), 6u);
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(row(masks, i), one_hot(path[i])) << i;
+  EXPECT_EQ(row(masks, 5), one_hot(kEos));
+  EXPECT_EQ(m.NumAccepted(), 0);
+  // Partly right.
+  EXPECT_EQ(m.GuessMasks({kX, kY, kQ, kZ}, &masks), 2);
+  ASSERT_EQ(masks.size(), 3u);
+  EXPECT_EQ(row(masks, 2), one_hot(kZ));
+  EXPECT_EQ(m.NumAccepted(), 0);
+  // From inside the path, after a verification accepted "x y": guesses "z z q" keep "z z".
+  ASSERT_TRUE(m.AcceptToken(kX));
+  ASSERT_TRUE(m.AcceptToken(kY));
+  EXPECT_EQ(m.GuessMasks({kZ, kZ, kQ}, &masks), 2);
+  ASSERT_EQ(masks.size(), 3u);
+  EXPECT_EQ(row(masks, 0), one_hot(kZ));
+  EXPECT_EQ(row(masks, 2), one_hot(kY));
+  EXPECT_EQ(m.NumAccepted(), 2);
+  std::vector<uint32_t> now(1);
+  m.FillNextTokenBitmask(now.data());
+  EXPECT_EQ(now, MaskTokenByToken(*compiled, {kX, kY}));
+  // The accepted guesses then advance it as token by token.
+  ASSERT_TRUE(m.AcceptToken(kZ));
+  ASSERT_TRUE(m.AcceptToken(kZ));
+  m.FillNextTokenBitmask(now.data());
+  EXPECT_EQ(now, MaskTokenByToken(*compiled, {kX, kY, kZ, kZ}));
+  // Guesses out of the vocabulary are refused like any other.
+  EXPECT_EQ(m.GuessMasks({kY, -1}, &masks), 1);
+  EXPECT_EQ(m.GuessMasks({99}, &masks), 0);
+  EXPECT_EQ(m.NumAccepted(), 4);
+  // Terminated: nothing allowed, no guess kept, one empty mask.
+  ASSERT_TRUE(m.AcceptToken(kY));
+  ASSERT_TRUE(m.AcceptToken(kEos));
+  EXPECT_EQ(m.GuessMasks({kX}, &masks), 0);
+  EXPECT_EQ(masks, std::vector<uint32_t>{0u});
+}
+
+// Through the scheduler: a constrained sequence whose proposer guesses wrong, right and partly
+// right is fed only the guesses its grammar allows, its plan carries one mask per sampled position,
+// and it ends with its constrained reference tokens and its matcher over exactly those.
+TEST(SpeculationTest, ConstrainedSequenceIsFedTheGuessesItsGrammarAllows) {
+  Oracle oracle;
+  RightProposer right(&oracle);
+  WrongProposer wrong(&oracle);
+  RandomProposer random;
+  for (const Proposer* proposer : std::vector<const Proposer*>{&right, &wrong, &random}) {
+    v1::RowSampling r;
+    const std::vector<int32_t> prompt = {1, 2, kVocab};
+    const std::vector<int32_t> want = Reference(prompt, 24, r, AbcGrammar());
+    oracle.full.clear();
+    std::vector<int32_t> full = prompt;
+    full.insert(full.end(), want.begin(), want.end());
+    oracle.full[prompt] = full;
+    GrammarGuesses guesses;
+    guesses.Constrain(1, AbcGrammar());
+    SpecSim sim(SpecOptions(proposer, 4, 32), &guesses);
+    sim.Add(1, prompt, 24, r);
+    while (sim.Step()) ASSERT_FALSE(HasFatalFailure());
+    EXPECT_EQ(sim.Output(1), want);
+    const SpeculationStats& st = sim.sched().speculation();
+    if (proposer == &right) {
+      EXPECT_GT(st.proposed, 0);
+      EXPECT_EQ(st.accepted, st.proposed);
+      EXPECT_EQ(guesses.cut(), 0) << "the reference path is the grammar's";
+    } else {
+      EXPECT_GT(guesses.cut(), 0);
+    }
   }
 }
 
@@ -616,15 +953,9 @@ TEST(PersistentBatchSpeculationTest, BadRollbacksAndSampleCountsAreRefused) {
 // seeds would fail once in 10^4 runs; the seeds are fixed, so this run's outcome never changes.
 TEST(SpeculationTest, SampledOutputsFollowTheModelsDistribution) {
   RandomProposer random;
-  SchedulerOptions o;
-  o.limits.block_size = 4;
+  SchedulerOptions o = SpecOptions(&random, 3, 256);
   o.limits.max_model_len = 16;
-  o.limits.num_kv_blocks = 256;
   o.limits.max_tokens_per_step = 64;
-  o.limits.max_seqs_per_step = 16;
-  o.proposer = &random;
-  o.num_speculative_tokens = 3;
-  o.speculative_max_running = 0;
   const std::vector<int32_t> prompt = {3, 1, 2};
   constexpr int kRuns = 4000;
   std::vector<int64_t> counts(64, 0);

@@ -128,6 +128,7 @@ absl::Status PersistentBatch::Rollback(const v1::StepPlan& p) {
     }
     s.fed = tokens;
     s.blocks.resize(static_cast<size_t>(blocks));
+    if (limits_.num_sliding_kv_blocks > 0) s.sliding_blocks.resize(static_cast<size_t>(blocks));  // as long as the table
     const int64_t kept = tokens - s.prompt_len;
     if (s.sampling.penalty_output_ids_size() > kept) {
       s.sampling.mutable_penalty_output_ids()->Truncate(static_cast<int>(kept));

@@ -216,6 +216,7 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.prefix_caching = options_.prefix_caching;
   o.proposer = ngram_ != nullptr ? ngram_.get() : options_.proposer;
   o.num_speculative_tokens = o.proposer != nullptr ? options_.num_speculative_tokens : 0;
+  o.guess_filter = this;
   o.speculative_max_running = options_.speculative_max_running;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
@@ -267,7 +268,6 @@ void Engine::Admit(std::unique_ptr<Request> r) {
   if (p.grammar != nullptr) r->matcher = std::make_unique<grammar::GrammarMatcher>(p.grammar);
   SeqOptions seq;
   seq.max_len = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
-  seq.speculate = SpeculationAllowed(*r);
   scheduler_->Add(r->id, p.prompt, SamplingTemplate(p), seq);
   if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
   CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
@@ -395,20 +395,41 @@ void Engine::AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step) {
     const int words = r.matcher->mask_words();
     google::protobuf::RepeatedField<uint32_t>* out = step->mutable_mask_words();
     const int at = out->size();
-    out->Resize(at + words, 0);
-    uint32_t* mask = out->mutable_data() + at;
-    r.matcher->FillNextTokenBitmask(mask);
-    step->add_mask_logit_rows(e.logit_row);
-    if (std::all_of(mask, mask + words, [](uint32_t w) { return w == 0; })) {
-      // Nothing allowed (a matcher that stopped, or a grammar that ends where the model has no
-      // EOS): the row still needs a token the workers accept; the request ends when it comes back.
-      r.grammar_error = r.matcher->status().ok()
-                            ? absl::InternalError("the structured output's grammar allows no token here")
-                            : absl::ResourceExhaustedError(absl::StrCat(
-                                  "the structured output's grammar is too ambiguous to follow: ", r.matcher->status().message()));
-      mask[0] = 1;
+    out->Resize(at + e.samples * words, 0);
+    if (r.guess_mask_rows >= e.samples) {
+      // Made when the scheduler cut the guesses (Allowed); the first e.samples of them.
+      std::copy_n(r.guess_masks.begin(), e.samples * words, out->mutable_data() + at);
+    } else {
+      r.matcher->FillNextTokenBitmask(out->mutable_data() + at);  // no guesses: e.samples is 1
+    }
+    r.guess_mask_rows = 0;
+    for (int i = 0; i < e.samples; ++i) {
+      uint32_t* mask = out->mutable_data() + at + i * words;
+      step->add_mask_logit_rows(e.logit_row + i);
+      if (std::all_of(mask, mask + words, [](uint32_t w) { return w == 0; })) {
+        // Nothing allowed (a matcher that stopped, or a grammar that ends where the model has no
+        // EOS; only ever at the row's first position, as guesses before such a position are
+        // cut): the row still needs a token the workers accept; the request ends when it comes
+        // back.
+        r.grammar_error = r.matcher->status().ok()
+                              ? absl::InternalError("the structured output's grammar allows no token here")
+                              : absl::ResourceExhaustedError(absl::StrCat(
+                                    "the structured output's grammar is too ambiguous to follow: ", r.matcher->status().message()));
+        mask[0] = 1;
+      }
     }
   }
+}
+
+int Engine::Allowed(uint64_t seq, const std::vector<int32_t>& guesses) {
+  auto it = requests_.find(seq);
+  if (it == requests_.end()) return 0;
+  Request& r = *it->second;
+  if (r.matcher == nullptr) return static_cast<int>(guesses.size());
+  // Its matcher is over every token sampled so far: a sequence decodes once its step is back.
+  const int kept = r.matcher->GuessMasks(guesses, &r.guess_masks);
+  r.guess_mask_rows = kept + 1;
+  return kept;
 }
 
 absl::Status Engine::AcceptConstrained(Request& r, int32_t token) {
@@ -513,12 +534,6 @@ bool Engine::WaitForHeal() {
     held_.clear();
   }
   return false;
-}
-
-bool Engine::SpeculationAllowed(const Request& r) {
-  // A constrained request's mask depends on every token before it: guesses would need a mask per
-  // guessed position, which the step does not carry.
-  return r.matcher == nullptr;
 }
 
 void Engine::PublishSpeculation(v1::SchedulerStatus* s) {

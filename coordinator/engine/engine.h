@@ -101,7 +101,7 @@ class RequestStream {
   std::optional<absl::Status> ended_ ABSL_GUARDED_BY(mu_);
 };
 
-class Engine {
+class Engine : private GuessFilter {
  public:
   Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics);
   ~Engine();
@@ -135,6 +135,11 @@ class Engine {
     // carried such a row.
     std::unique_ptr<grammar::GrammarMatcher> matcher;
     absl::Status grammar_error;
+    // Speculative decoding of a constrained request: the masks of the step being built, one per
+    // position that samples (the sampled token's, then one after each guess kept), from Allowed,
+    // for AddTokenMasks; guess_mask_rows 0: none.
+    std::vector<uint32_t> guess_masks;
+    int guess_mask_rows = 0;
     SteadyTime arrival;
     SteadyTime started;     // first scheduled
     SteadyTime last_token;  // when the last token was streamed
@@ -158,7 +163,8 @@ class Engine {
   // Waits for the oldest step in flight and streams its tokens.
   absl::Status FinishOldest();
   // Constrained decoding: the token masks of `batch`'s sampling rows whose request has a grammar,
-  // into `step` (StepPlan.mask_logit_rows / mask_words), from each matcher's state.
+  // into `step` (StepPlan.mask_logit_rows / mask_words), from each matcher's state: one per
+  // position that samples (a row with guesses samples after each, with the masks Allowed made).
   void AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step);
   // `r`'s matcher accepts `token` (sampled under its mask); an error ends the request.
   absl::Status AcceptConstrained(Request& r, int32_t token);
@@ -177,9 +183,11 @@ class Engine {
   void PublishStats();
   // Speculative decoding's counters into `s` and the metrics.
   void PublishSpeculation(v1::SchedulerStatus* s);
-  // Whether guesses may be proposed for `r`: not for a request whose tokens a constraint (a
-  // grammar, a JSON schema) restricts, until the constraint can check a run of guessed tokens.
-  static bool SpeculationAllowed(const Request& r);
+  // GuessFilter, for the scheduler: a constrained request's guesses are cut where its grammar
+  // stops allowing them (grammar/matcher.h GuessMasks), and the masks of its positions kept for
+  // AddTokenMasks; its matcher stays over the accepted tokens (FinishOldest advances it over the
+  // tokens a verification accepts). Other requests keep every guess.
+  int Allowed(uint64_t seq, const std::vector<int32_t>& guesses) override;
 
   // ---- Constant after construction ----
   const ServedModel* const model_;

@@ -23,6 +23,18 @@ class Proposer {
   virtual void Propose(const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const = 0;
 };
 
+// Cuts a sequence's guesses to those its constraint allows: a request whose tokens a grammar
+// restricts (structured outputs) is fed only guesses its grammar accepts, each followed by a
+// position where some token is allowed (the engine; grammar/matcher.h GuessMasks). The scheduler
+// calls it after the proposer, on the scheduler's thread.
+class GuessFilter {
+ public:
+  virtual ~GuessFilter() = default;
+  // How many leading tokens of `guesses` (non-empty; proposed after sequence `seq`'s tokens) it
+  // may be fed: 0 to guesses.size().
+  virtual int Allowed(uint64_t seq, const std::vector<int32_t>& guesses) = 0;
+};
+
 // Prompt lookup (n-gram): the sequence's last n tokens, for n from max_n down to min_n, are looked
 // for earlier in the sequence (its prompt or its output), latest occurrence first; the first found
 // proposes the (up to) k tokens that followed it. A text that repeats itself (code edits, quoting

@@ -78,6 +78,16 @@ int64_t Scheduler::table_blocks(uint64_t id) const {
   return it == seqs_.end() ? 0 : static_cast<int64_t>(it->second->blocks.size());
 }
 
+std::vector<int32_t> Scheduler::table(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? std::vector<int32_t>{} : it->second->blocks;
+}
+
+std::vector<int32_t> Scheduler::sliding_table(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? std::vector<int32_t>{} : it->second->sliding_blocks;
+}
+
 std::vector<int32_t> Scheduler::tokens(uint64_t id) const {
   auto it = seqs_.find(id);
   return it == seqs_.end() ? std::vector<int32_t>{} : it->second->tokens;
@@ -187,7 +197,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   int rows = 0;
   // Speculation: logit rows to spare beyond one per sequence that may sample in this step.
   const bool speculate =
-      options_.proposer != nullptr && options_.num_speculative_tokens > 0 && blocks_window_ == 0 && !sliding_ &&
+      options_.proposer != nullptr && options_.num_speculative_tokens > 0 &&
       (options_.speculative_max_running <= 0 || num_running() < options_.speculative_max_running);
   int64_t spare_samples =
       speculate ? options_.limits.max_seqs_per_step - num_running() - num_waiting() : 0;
@@ -403,16 +413,20 @@ std::vector<int32_t> Scheduler::Propose(Seq& s, int64_t tokens, int64_t samples)
   // Accepting a guesses appends a + 1 tokens, within max_len; their positions lie below it.
   const int64_t k = std::min<int64_t>({options_.num_speculative_tokens, tokens, samples, max_len - len - 1});
   std::vector<int32_t> draft;
-  if (!s.options.speculate || k <= 0) return draft;
+  if (k <= 0) return draft;
   options_.proposer->Propose(s.tokens, static_cast<int>(k), &draft);
   if (static_cast<int64_t>(draft.size()) > k) draft.resize(static_cast<size_t>(k));
-  // Guesses never preempt anyone, not even later in this step: they take free blocks only while
-  // one stays available for every running sequence, else there are fewer of them.
+  if (!draft.empty() && options_.guess_filter != nullptr) {
+    draft.resize(static_cast<size_t>(std::clamp<int64_t>(options_.guess_filter->Allowed(s.id, draft), 0,
+                                                         static_cast<int64_t>(draft.size()))));
+  }
+  // Guesses never preempt anyone, not even later in this step: they take free blocks, in every
+  // pool, only while one stays available for every running sequence, else there are fewer of them.
   while (!draft.empty()) {
-    const int64_t need = blocks_.BlocksFor(s.num_fed + 1 + static_cast<int64_t>(draft.size())) -
-                         static_cast<int64_t>(s.blocks.size());
+    const int64_t tokens = s.num_fed + 1 + static_cast<int64_t>(draft.size());
+    const int64_t need = blocks_.BlocksFor(tokens) - static_cast<int64_t>(s.blocks.size());
     if (need <= blocks_.num_available() - num_running() &&
-        Grow(s, s.num_fed + 1 + static_cast<int64_t>(draft.size()))) {
+        (!sliding_ || need <= sliding_->num_available() - num_running()) && Grow(s, tokens)) {
       break;
     }
     draft.pop_back();
@@ -447,7 +461,9 @@ void Scheduler::Verify(Seq& s, const MicroBatch::Entry& e, const std::vector<int
   s.num_fed += a;
   Advance(s);
   // The blocks past the last accepted token (the one sampled after the guesses, fed next) go back.
-  const int64_t cut = blocks_.Truncate(&s.blocks, blocks_.BlocksFor(s.num_fed + 1));
+  const int64_t keep = blocks_.BlocksFor(s.num_fed + 1);
+  const int64_t cut = blocks_.Truncate(&s.blocks, keep);
+  if (sliding_) sliding_->Truncate(&s.sliding_blocks, keep);  // as long as the table
   if (a < k || cut > 0) rollbacks_.push_back(Rollback{s.id, s.num_fed, static_cast<int64_t>(s.blocks.size())});
   spec_.proposed += k;
   spec_.accepted += a;

@@ -83,9 +83,13 @@
 // equal to the samples at the positions before them is accepted, plus the sample after it; they
 // are appended, num_fed moves past the accepted guesses and their full blocks are registered, the
 // blocks past the accepted tokens are given back, and the next plan rolls the workers back
-// (StepPlan.rollback_*). No guesses in a step while speculative_max_running sequences or more
-// run, for sliding-window pools, or past the sequence's max_len; a step's samples stay within
-// max_seqs_per_step (the workers' logits rows).
+// (StepPlan.rollback_*). With sliding windows the guesses' positions lie after the sampled
+// token's, whose window the blocks released so far never reach, and a rollback cuts the sliding
+// layers' table as the other (the blocks released behind the window hold accepted tokens only: a
+// rejected position is never behind it). A constrained sequence is fed only the guesses its
+// grammar allows (SchedulerOptions::guess_filter). No guesses in a step while
+// speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
+// stay within max_seqs_per_step (the workers' logits rows).
 //
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
@@ -124,6 +128,9 @@ struct SchedulerOptions {
   // the scheduler.
   const Proposer* proposer = nullptr;
   int num_speculative_tokens = 0;
+  // Cuts each proposal to what the sequence's constraint allows; null: every guess may be fed.
+  // Borrowed; outlives the scheduler.
+  GuessFilter* guess_filter = nullptr;
   // No guesses in a step while this many sequences or more run; 0: no such limit.
   int64_t speculative_max_running = 8;
 };
@@ -131,7 +138,6 @@ struct SchedulerOptions {
 // Per-sequence settings beyond its sampling.
 struct SeqOptions {
   int64_t max_len = 0;     // tokens it may reach (prompt + max_tokens); 0: limits.max_model_len
-  bool speculate = true;   // guesses may be proposed for it (Engine: SpeculationAllowed)
 };
 
 // Speculative decoding's counters, cumulative.
@@ -236,6 +242,10 @@ class Scheduler {
   // Blocks `id` holds (its table's length), its tokens, and those fed (for tests); 0 / empty for
   // unknown ids.
   int64_t table_blocks(uint64_t id) const;
+  // Its block table and its sliding layers' table (BlockManager::kReleased where let go; the
+  // second empty without that pool), for tests; empty for unknown ids.
+  std::vector<int32_t> table(uint64_t id) const;
+  std::vector<int32_t> sliding_table(uint64_t id) const;
   std::vector<int32_t> tokens(uint64_t id) const;
   int64_t fed(uint64_t id) const;
   const SchedulerOptions& options() const { return options_; }
