@@ -18,7 +18,7 @@ build/lcpp-bench, build/lcpp-bench-F).
 
 agree is the correctness check to run before any speed figure of a family: greedy ids after the same
 prompt ids (--prompts random ones of --prompt-len ids) from llama.cpp and from shardserve, both on the
-float32 weights; it exits 1 unless the two engines' float32 ids are the same for all --tokens of every
+float32 weights (llama.cpp with a float32 KV cache, -ctk f32 -ctv f32); it exits 1 unless the two engines' float32 ids are the same for all --tokens of every
 prompt. With random weights two logits can be near-equal, so that the engines' different summation
 orders pick different tokens: then it says after how many tokens they part, and other prompts
 (--prompt-seed) show whether it is a near-tie or a difference in the math.
@@ -252,8 +252,8 @@ def agree_prompts(a):
 
 
 def agree(a):
-    """Greedy ids after the same prompt ids: llama.cpp (llama-server /completion, return_tokens) for each
-    GGUF of --formats, shardserve (generate-ids: float32 products, so f32, int8 and int4); each against both
+    """Greedy ids after the same prompt ids: llama.cpp (llama-server /completion, return_tokens; its KV
+    cache float32 for f32, its default float16 for the others) for each GGUF of --formats, shardserve (generate-ids: float32 products, so f32, int8 and int4); each against both
     engines' float32 ids. Exit status 1 unless the two engines' float32 ids are the same for every prompt."""
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     formats = a.formats.split(",")
@@ -263,7 +263,9 @@ def agree(a):
     ids = {}  # (engine, format, prompt index): ids
     for fmt in formats:
         a.port = free_port()
-        p = llama_server(fmt, a.port, 1, 1, 1024)
+        # float32 weights with a float32 KV cache, as shardserve's float32 worker keeps it (llama.cpp's
+        # default float16 cache parts from both shardserve and transformers at near-ties).
+        p = llama_server(fmt, a.port, 1, 1, 1024, ["-ctk", "f32", "-ctv", "f32"] if fmt == "f32" else [])
         try:
             for i, prompt in enumerate(prompts):
                 r = post(f"http://127.0.0.1:{a.port}/completion",

@@ -39,7 +39,6 @@ ARCHS = {  # config.json's architecture: GGUF architecture
     "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Safetensors:
