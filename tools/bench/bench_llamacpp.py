@@ -1,23 +1,36 @@
 #!/usr/bin/env python3
 """shardserve against llama.cpp on the same weights and the same VM (docs/performance.md).
 
-    tools/bench/bench_llamacpp.py prepare                 the GGUF files of the bench model
-    tools/bench/bench_llamacpp.py decode  [--rounds R]    llama-bench against shardserve bench at one stream
-    tools/bench/bench_llamacpp.py agree   [--tokens N]    greedy tokens of every format against float32's
-    tools/bench/bench_llamacpp.py servers [--rounds R]    llama-server against shardserve launch's OpenAI port
+    tools/bench/bench_llamacpp.py [--family F] prepare               the GGUF files of the bench model
+    tools/bench/bench_llamacpp.py [--family F] decode  [--rounds R]  llama-bench against shardserve bench at 1 stream
+    tools/bench/bench_llamacpp.py [--family F] agree   [--tokens N]  greedy tokens of every format against float32's
+    tools/bench/bench_llamacpp.py [--family F] servers [--rounds R]  llama-server against shardserve launch's HTTP port
     tools/bench/bench_llamacpp.py report  FILE.jsonl [--run ID]   medians and ratios of its records (of one run)
 
 Needs llama.cpp built by tools/bench/build-llamacpp.sh (LCPP, default /work/llamacpp-build) and shardserve's
 Release or RelWithDebInfo binaries (BIN, default build/bin). Standard library only, apart from
 `prepare`, which runs tools/bench/bench_model_to_gguf.py in the venv build-llamacpp.sh makes (numpy, gguf).
 
+--family llama (default), qwen3, gemma3 or qwen3moe: the bench model of that family
+(tools/fixtures/make_bench_model.py --family F, whose docstring gives the shapes) in MODEL (default
+build/bench-model, build/bench-model-F for the others), its GGUF files and records in OUT (default
+build/lcpp-bench, build/lcpp-bench-F).
+
+agree is the correctness check to run before any speed figure of a family: greedy ids after the same
+prompt ids (--prompts random ones of --prompt-len ids) from llama.cpp and from shardserve, both on the
+float32 weights (llama.cpp with a float32 KV cache, -ctk f32 -ctv f32); it exits 1 unless the two engines' float32 ids are the same for all --tokens of every
+prompt. With random weights two logits can be near-equal, so that the engines' different summation
+orders pick different tokens: then it says after how many tokens they part, and other prompts
+(--prompt-seed) show whether it is a near-tie or a difference in the math.
+
 Formats, each the same weights in both engines (the bench model of tools/fixtures/make_bench_model.py):
   f32   bench-f32.gguf (tools/bench/bench_model_to_gguf.py)   shardserve --worker-matmul-dtype f32
   bf16  llama-quantize BF16                             shardserve --worker-matmul-dtype bf16
   int8  llama-quantize Q8_0                             shardserve --quantization int8
   int4  llama-quantize Q4_0                             shardserve --quantization int4
-llama-quantize keeps the tied embedding / LM head in float32 (--token-embedding-type f32), as
-shardserve keeps it in every format here, and the norms in float32, as both always do.
+llama-quantize keeps the embedding and the LM head (tied or not) in float32 (--token-embedding-type f32,
+--output-tensor-type f32), as shardserve keeps them in every format here, and the norms and an MoE
+router in float32, as both always do.
 
 decode: per round, per format and thread count (1, 2), llama-bench (-p 128 -n 128 -r 3: prompt and
 generation tokens/s, means of its 3 repetitions) and then `shardserve bench --compare tp1
@@ -47,8 +60,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LCPP = os.environ.get("LCPP", "/work/llamacpp-build")
 LBIN = os.path.join(LCPP, "build", "bin")
 BIN = os.environ.get("BIN", os.path.join(ROOT, "build", "bin"))
-MODEL = os.environ.get("MODEL", os.path.join(ROOT, "build", "bench-model"))
-OUT = os.environ.get("OUT", os.path.join(ROOT, "build", "lcpp-bench"))
+FAMILIES = ("llama", "qwen3", "gemma3", "qwen3moe")  # make_bench_model.py --family
+FAMILY = "llama"
+MODEL = OUT = None  # set by main() from --family, or the environment's MODEL and OUT
 VOCAB = 4096  # tools/fixtures/make_bench_model.py
 
 FORMATS = {  # name: (GGUF file, llama-quantize type, shardserve flags)
@@ -138,15 +152,16 @@ def loadavg():
 def prepare(_):
     os.makedirs(OUT, exist_ok=True)
     if not os.path.exists(os.path.join(MODEL, "config.json")):
-        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fixtures", "make_bench_model.py"), MODEL], check=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fixtures", "make_bench_model.py"),
+                        "--family", FAMILY, MODEL], check=True)
     f32 = gguf("f32")
     if not os.path.exists(f32):
         subprocess.run([os.path.join(LCPP, "venv", "bin", "python"), os.path.join(ROOT, "tools", "bench", "bench_model_to_gguf.py"),
                         MODEL, f32], check=True)
     for fmt, (name, qtype, _) in FORMATS.items():
         if qtype and not os.path.exists(gguf(fmt)):
-            subprocess.run([os.path.join(LBIN, "llama-quantize"), "--token-embedding-type", "f32", f32, gguf(fmt), qtype],
-                           check=True)
+            subprocess.run([os.path.join(LBIN, "llama-quantize"), "--token-embedding-type", "f32",
+                            "--output-tensor-type", "f32", f32, gguf(fmt), qtype], check=True)
     for fmt in FORMATS:
         log(f"{fmt}: {gguf(fmt)} ({os.path.getsize(gguf(fmt)) / 2**20:.1f} MiB)")
 
@@ -201,7 +216,8 @@ def decode(a):
                         r = llama_bench(fmt, t, a.input_len, a.output_len, a.llama_args.split())
                     else:
                         r = shardserve_bench_one(fmt, t, a.input_len, a.output_len, a.requests, extra)
-                    rec = {"kind": "decode", "run": run, "round": rnd, "format": fmt, "threads": t, "engine": engine,
+                    rec = {"kind": "decode", "run": run, "family": FAMILY, "round": rnd, "format": fmt, "threads": t,
+                           "engine": engine,
                            "load_before": la, "load_after": loadavg(), **(r or {"error": True})}
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
@@ -225,37 +241,72 @@ def llama_server(fmt, port, threads, parallel, ctx, extra=()):
     return p
 
 
+def agree_prompts(a):
+    """The prompts' ids: --prompt, or --prompts prompts of --prompt-len ids each, drawn by
+    random.Random(--prompt-seed + i) from 2 .. VOCAB - 1 (never the BOS or EOS id, 0 and 1)."""
+    if a.prompt:
+        return [[int(x) for x in a.prompt.split(",")]]
+    import random
+    rngs = [random.Random(a.prompt_seed + i) for i in range(a.prompts)]
+    return [[rng.randrange(2, VOCAB) for _ in range(a.prompt_len)] for rng in rngs]
+
+
 def agree(a):
-    """Greedy ids after the same prompt ids: llama.cpp (llama-server /completion, return_tokens) for each
-    GGUF, shardserve (generate-ids: float32 products, so f32, int8 and int4); each against both engines'
-    float32 ids."""
+    """Greedy ids after the same prompt ids: llama.cpp (llama-server /completion, return_tokens; its KV
+    cache float32 for f32, its default float16 for the others) for each GGUF of --formats, shardserve (generate-ids: float32 products, so f32, int8 and int4); each against both
+    engines' float32 ids. Exit status 1 unless the two engines' float32 ids are the same for every prompt."""
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
-    prompt = [int(x) for x in a.prompt.split(",")]
-    ids = {}
-    for fmt in FORMATS:
+    formats = a.formats.split(",")
+    if "f32" not in formats:
+        sys.exit("agree: --formats must include f32, the reference of every other")
+    prompts = agree_prompts(a)
+    ids = {}  # (engine, format, prompt index): ids
+    for fmt in formats:
         a.port = free_port()
-        p = llama_server(fmt, a.port, 1, 1, 1024)
+        # float32 weights with a float32 KV cache, as shardserve's float32 worker keeps it (llama.cpp's
+        # default float16 cache parts from both shardserve and transformers at near-ties).
+        p = llama_server(fmt, a.port, 1, 1, 1024, ["-ctk", "f32", "-ctv", "f32"] if fmt == "f32" else [])
         try:
-            r = post(f"http://127.0.0.1:{a.port}/completion",
-                     {"prompt": prompt, "n_predict": a.tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
-                      "return_tokens": True, "cache_prompt": False})
-            ids[("llama.cpp", fmt)] = r["tokens"]
+            for i, prompt in enumerate(prompts):
+                r = post(f"http://127.0.0.1:{a.port}/completion",
+                         {"prompt": prompt, "n_predict": a.tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                          "return_tokens": True, "cache_prompt": False})
+                ids[("llama.cpp", fmt, i)] = r["tokens"]
         finally:
             stop(p)
     # generate-ids computes its products in float32 (on the checkpoint's bf16 values, the float32 GGUF's
     # values), whatever the CPU: shardserve's bf16 products are not covered here.
     for fmt, flags in (("f32", []), ("int8", ["--quantization", "int8"]), ("int4", ["--quantization", "int4"])):
-        r = subprocess.run([os.path.join(BIN, "shardserve"), "generate-ids", "--model", MODEL, "--max-new-tokens",
-                            str(a.tokens), *flags, *map(str, prompt)], capture_output=True, text=True, check=True)
-        ids[("shardserve", fmt)] = [int(x) for x in r.stdout.split()][-a.tokens:]
-    ref_l, ref_s = ids[("llama.cpp", "f32")], ids[("shardserve", "f32")]
+        if fmt not in formats:
+            continue
+        for i, prompt in enumerate(prompts):
+            r = subprocess.run([os.path.join(BIN, "shardserve"), "generate-ids", "--model", MODEL, "--max-new-tokens",
+                                str(a.tokens), *flags, *map(str, prompt)], capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"shardserve generate-ids ({fmt}) failed ({r.returncode}): {r.stderr.strip()}")
+            ids[("shardserve", fmt, i)] = [int(x) for x in r.stdout.split()][-a.tokens:]
+
+    def lead(x, y):
+        return next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
 
     def same(x, y):
-        lead = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-        return f"{sum(u == v for u, v in zip(x, y))}/{len(x)} (first {lead} in a row)"
-    print(f"prompt ids: {prompt}")
-    for (engine, fmt), x in ids.items():
-        print(f"{engine:10s} {fmt:4s} vs llama.cpp f32 {same(x, ref_l):24s} vs shardserve f32 {same(x, ref_s):24s} {x}")
+        return f"{sum(u == v for u, v in zip(x, y))}/{len(x)} (first {lead(x, y)} in a row)"
+    print(f"family {FAMILY}: {MODEL}")
+    agreed = []
+    for i, prompt in enumerate(prompts):
+        ref_l, ref_s = ids[("llama.cpp", "f32", i)], ids[("shardserve", "f32", i)]
+        print(f"prompt {i}, {len(prompt)} ids: {prompt}")
+        for (engine, fmt, j), x in ids.items():
+            if j == i:
+                print(f"  {engine:10s} {fmt:4s} vs llama.cpp f32 {same(x, ref_l):24s} vs shardserve f32 "
+                      f"{same(x, ref_s):24s} {x}")
+        agreed.append(lead(ref_l, ref_s) if len(ref_l) == len(ref_s) == a.tokens else 0)
+    print(f"float32 llama.cpp and shardserve agree on the first {', '.join(map(str, agreed))} of {a.tokens} "
+          f"greedy tokens ({len(prompts)} prompts)")
+    if min(agreed) < a.tokens:
+        print("FAIL")
+        sys.exit(1)
+    print("ok")
 
 
 # ---- servers ------------------------------------------------------------------------------------------
@@ -314,8 +365,8 @@ def servers(a):
                             if r.get("error"):  # once more; the record says so
                                 r = dict(bench_openai(f"http://127.0.0.1:{port}/v1", conc, reqs, a.input_len,
                                                       a.output_len, f"{engine}-{fmt}-{conc}"), retried=True)
-                            rec = {"kind": "servers", "run": run, "round": rnd, "format": fmt, "engine": engine,
-                                   "streams": conc,
+                            rec = {"kind": "servers", "run": run, "family": FAMILY, "round": rnd, "format": fmt,
+                                   "engine": engine, "streams": conc,
                                    "load_before": la, "load_after": loadavg(), **r}
                             out.write(json.dumps(rec) + "\n")
                             out.flush()
@@ -391,9 +442,11 @@ def report_file(path, run=None):
 
 
 def main():
+    global FAMILY, MODEL, OUT
     signal.signal(signal.SIGINT, stop_all)
     signal.signal(signal.SIGTERM, stop_all)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=FAMILIES, default="llama", help="the bench model's family")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare")
     d = sub.add_parser("decode")
@@ -403,13 +456,18 @@ def main():
     d.add_argument("--input-len", type=int, default=128)
     d.add_argument("--output-len", type=int, default=128)
     d.add_argument("--requests", type=int, default=3)
-    d.add_argument("--out", default=os.path.join(OUT, "decode.jsonl"))
+    d.add_argument("--out", help="default OUT/decode.jsonl")
     d.add_argument("--llama-args", default="", help="more llama-bench flags, e.g. '--poll 0'")
     d.add_argument("--shardserve-args", action="append", metavar="NAME=FLAGS",
                    help="a shardserve variant with more bench flags (repeatable)")
     g = sub.add_parser("agree")
     g.add_argument("--tokens", type=int, default=32)
-    g.add_argument("--prompt", default="0,791,1062,1419,3993,353,927,279,1605,679")
+    g.add_argument("--formats", default="f32,bf16,int8,int4", help="f32 alone is the correctness check")
+    g.add_argument("--prompt", help="comma-separated ids (one prompt); default --prompts random prompts")
+    g.add_argument("--prompts", type=int, default=4)
+    g.add_argument("--prompt-len", type=int, default=96,
+                   help="longer than the Gemma 3 bench model's sliding window (64), so that it slides")
+    g.add_argument("--prompt-seed", type=int, default=0, help="the first prompt's seed; the others count on")
     s = sub.add_parser("servers")
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--formats", default="f32,int8,int4")
@@ -419,7 +477,7 @@ def main():
     s.add_argument("--requests-1", type=int, default=4)
     s.add_argument("--requests-32", type=int, default=64)
     s.add_argument("--slot-ctx", type=int, default=512)
-    s.add_argument("--out", default=os.path.join(OUT, "servers.jsonl"))
+    s.add_argument("--out", help="default OUT/servers.jsonl")
     s.add_argument("--llama-args", default="", help="more llama-server flags, e.g. '--poll 0'")
     s.add_argument("--shardserve-args", action="append", metavar="NAME=FLAGS",
                    help="a shardserve variant with more launch flags (repeatable), e.g. "
@@ -429,6 +487,12 @@ def main():
     r.add_argument("--run", help="only the records of this run (its start time, each record's \"run\"); "
                                  "default every record in the file")
     a = ap.parse_args()
+    FAMILY = a.family
+    suffix = "" if FAMILY == "llama" else "-" + FAMILY
+    MODEL = os.environ.get("MODEL", os.path.join(ROOT, "build", "bench-model" + suffix))
+    OUT = os.environ.get("OUT", os.path.join(ROOT, "build", "lcpp-bench" + suffix))
+    if a.cmd in ("decode", "servers") and a.out is None:
+        a.out = os.path.join(OUT, a.cmd + ".jsonl")
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     try:
         {"prepare": prepare, "decode": decode, "agree": agree, "servers": servers,
