@@ -15,8 +15,8 @@
 //      (coordinator/planner) lays the model out as TP = gpus_per_node x PP = nodes: the layers of
 //      each stage and the KV cache. Every worker gets its Assignment and loads; each answers Loaded.
 //   3. Serving: every worker is READY; the step dispatcher (step_dispatcher.h) broadcasts a StepPlan
-//      (StartStep) and gathers every worker's StepResult (FinishStep). Several steps may be in flight (pipelined micro-batches): each
-//      worker runs them in the order they were sent.
+//      (StartStep) and gathers every worker's StepResult (FinishStep). Several steps may be in
+//      flight (pipelined micro-batches): each worker runs them in the order they were sent.
 //   4. Healing (docs/healing.md): while serving or loading, a worker is LOST (its control stream
 //      ended, it sent nothing for heartbeat_timeout, it missed a step deadline, or it sent a
 //      malformed message) or a worker reports a Failure (a step or a collective failed, most often because a
