@@ -6,7 +6,7 @@
 //         (CheckRegister, worker_messages.h); then each StepResult is checked (CheckStepResult) as
 //         the answer to an in-flight step whose rows, logprobs and sampling role come from bits of
 //         the first byte; a Failure's text is cut to kMaxFailureLength. (Which message the pool
-//         takes in which phase is WorkerPool::OnMessage's state machine, tested in
+//         takes in which phase is Membership::OnMessage's state machine, tested in
 //         tests/worker_pool_test.cc, not here.)
 //   odd:  rendezvous calls on a TP 2 x PP 2 group under epoch 1, each an op byte then a
 //         varint-length-delimited RendezvousSetRequest or RendezvousGetRequest: op bit 0 Set or
@@ -52,7 +52,7 @@ namespace {
 
 constexpr int kMaxMessages = 64;
 constexpr int64_t kVocab = 4096;        // the demo model's
-constexpr double kAssumedBandwidth = 20e9;  // what WorkerPool plans with when a worker reports none
+constexpr double kAssumedBandwidth = 20e9;  // what GroupFormation plans with when a worker reports none
 constexpr int kWorkers = 4;             // TP 2 x PP 2
 using shardserve_fuzz::Say;
 

@@ -4,10 +4,12 @@
 #include "coordinator/engine/generation.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/field_error.h"
 #include "gtest/gtest.h"
 
 namespace shardserve {
@@ -181,12 +183,16 @@ std::unique_ptr<ServedModel> TinyModel(bool with_tokenizer = true) {
   return m;
 }
 
-// Checks that `request` is refused with InvalidArgument whose message has every one of `expected`.
+// Checks that `request` is refused with InvalidArgument whose message has every one of `expected`,
+// and that the refusal carries its field (base/field_error.h): the message is "field: message".
 void ExpectRefused(const v1::GenerateRequest& request, const ServedModel& model, int64_t max_model_len,
                    const std::vector<std::string>& expected, const std::string& what) {
   absl::StatusOr<GenerationParams> p = PrepareGeneration(request, model, max_model_len, "req-1");
   ASSERT_FALSE(p.ok()) << what << " was accepted";
   EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << what;
+  const std::optional<FieldError> field = FieldErrorOf(p.status());
+  ASSERT_TRUE(field.has_value()) << what << ": no field in " << p.status();
+  EXPECT_EQ(absl::StrCat(field->field, ": ", field->message), p.status().message()) << what;
   for (const std::string& e : expected) {
     EXPECT_NE(p.status().message().find(e), std::string::npos)
         << what << ": '" << p.status().message() << "' does not say '" << e << "'";

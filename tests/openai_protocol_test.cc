@@ -14,6 +14,7 @@
 #include "coordinator/chat/chat_template.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/field_error.h"
 #include "kernels/logit_bias.h"
 
 namespace shardserve::openai {
@@ -513,36 +514,41 @@ TEST(ParseRequestTest, NestingPastTheBoundIsRefused) {
 TEST(RenameGenerationErrorTest, UsesTheOpenAIFieldNames) {
   struct Case {
     Endpoint endpoint;
-    const char* in;
+    const char* field;  // the gRPC API's, as PrepareGeneration's error carries it
+    const char* what;
     const char* param;
     const char* out;
   };
   for (const Case& c : {
-           Case{kCompl, "sampling.temperature: must be >= 0, got -1", "temperature", "temperature: must be >= 0, got -1"},
-           Case{kCompl, "sampling.stop[2]: must be 1 to 256 bytes", "stop[2]", "stop[2]: must be 1 to 256 bytes"},
-           Case{kCompl, "sampling.top_logprobs: must be in [0, 20], got 30", "logprobs",
+           Case{kCompl, "sampling.temperature", "must be >= 0, got -1", "temperature",
+                "temperature: must be >= 0, got -1"},
+           Case{kCompl, "sampling.stop[2]", "must be 1 to 256 bytes", "stop[2]", "stop[2]: must be 1 to 256 bytes"},
+           Case{kCompl, "sampling.top_logprobs", "must be in [0, 20], got 30", "logprobs",
                 "logprobs: must be in [0, 20], got 30"},
-           Case{kChat, "sampling.top_logprobs: must be in [0, 20], got 30", "top_logprobs",
+           Case{kChat, "sampling.top_logprobs", "must be in [0, 20], got 30", "top_logprobs",
                 "top_logprobs: must be in [0, 20], got 30"},
-           Case{kCompl, "prompt.token_ids.ids[4]: 9999 is outside the vocabulary [0, 4096)", "prompt[4]",
+           Case{kCompl, "prompt.token_ids.ids[4]", "9999 is outside the vocabulary [0, 4096)", "prompt[4]",
                 "prompt[4]: 9999 is outside the vocabulary [0, 4096)"},
-           Case{kCompl, "prompt.text: invalid UTF-8", "prompt", "prompt: invalid UTF-8"},
-           Case{kChat, "sampling.logit_bias: token id 9999 is outside the vocabulary [0, 4096)", "logit_bias",
+           Case{kCompl, "prompt.text", "invalid UTF-8", "prompt", "prompt: invalid UTF-8"},
+           Case{kChat, "sampling.logit_bias", "token id 9999 is outside the vocabulary [0, 4096)", "logit_bias",
                 "logit_bias: token id 9999 is outside the vocabulary [0, 4096)"},
-           Case{kCompl, "sampling.min_tokens: must be in [0, max_tokens 8], got 9", "min_tokens",
+           Case{kCompl, "sampling.min_tokens", "must be in [0, max_tokens 8], got 9", "min_tokens",
                 "min_tokens: must be in [0, max_tokens 8], got 9"},
-           Case{kChat, "prompt: its 600 tokens do not fit max_model_len 512", "messages",
+           Case{kChat, "prompt", "its 600 tokens do not fit max_model_len 512", "messages",
                 "messages: its 600 tokens do not fit max_model_len 512"},
-           Case{kCompl, "prompt: its 600 tokens do not fit max_model_len 512", "prompt",
+           Case{kCompl, "prompt", "its 600 tokens do not fit max_model_len 512", "prompt",
                 "prompt: its 600 tokens do not fit max_model_len 512"},
        }) {
-    const absl::Status s = RenameGenerationError(absl::InvalidArgumentError(c.in), c.endpoint);
+    const absl::Status s = RenameGenerationError(FieldErrorStatus(c.field, c.what), c.endpoint);
     EXPECT_EQ(s.message(), c.out);
-    EXPECT_EQ(ParamOf(s), c.param) << c.in;
+    EXPECT_EQ(ParamOf(s), c.param) << c.field;
   }
-  // Other codes pass through.
+  // Other codes pass through, and so does an error that carries no field: its text is not read.
   const absl::Status unavailable = absl::UnavailableError("x: y");
   EXPECT_EQ(RenameGenerationError(unavailable, kCompl), unavailable);
+  const absl::Status no_field = absl::InvalidArgumentError("sampling.temperature: must be >= 0, got -1");
+  EXPECT_EQ(RenameGenerationError(no_field, kCompl), no_field);
+  EXPECT_EQ(ParamOf(no_field), "");
 }
 
 TEST(ErrorTest, StatusesMapToHttpAndOpenAIShape) {
@@ -641,8 +647,8 @@ TEST(StructuredOutputTest, EveryFieldSetsTheConstraint) {
 
 TEST(StructuredOutputTest, CompileErrorsNameTheClientsField) {
   const absl::Status s = RenameGenerationError(
-      absl::InvalidArgumentError("sampling.structured_output.json_schema: unsupported keyword 'if' at /properties/a"),
-      kChat, "response_format.json_schema.schema");
+      FieldErrorStatus("sampling.structured_output.json_schema", "unsupported keyword 'if' at /properties/a"), kChat,
+      "response_format.json_schema.schema");
   EXPECT_EQ(s.message(), "response_format.json_schema.schema: unsupported keyword 'if' at /properties/a");
   EXPECT_EQ(ParamOf(s), "response_format.json_schema.schema");
 }

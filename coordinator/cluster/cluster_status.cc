@@ -1,5 +1,5 @@
-// WorkerPool::FillStatus: the group as `shardserve status` shows it (inference.proto ClusterStatus).
-#include "coordinator/cluster/worker_pool.h"
+// Membership::FillStatus: the group as `shardserve status` shows it (inference.proto ClusterStatus).
+#include "coordinator/cluster/membership.h"
 
 #include <vector>
 
@@ -9,7 +9,7 @@
 
 namespace shardserve {
 
-void WorkerPool::FillStatus(v1::ClusterStatus* status) {
+void Membership::FillStatus(v1::ClusterStatus* status) {
   absl::MutexLock lock(&mu_);
   status->set_tp(options_.gpus_per_node);
   status->set_pp(options_.nodes);

@@ -1,8 +1,9 @@
 // Group formation: which registered worker holds which slot (pipeline stage, TP rank) of a
 // TP x PP layout, its global rank, and the names of the collective groups it joins, under an
-// epoch. Pure functions of their arguments: no locks, no I/O. The coordinator's WorkerPool calls
-// them and sends the result to the workers (worker.proto Assignment); the layers a stage holds
-// come from the plan (coordinator/planner), not from here.
+// epoch. Pure functions of their arguments: no locks, no I/O. The coordinator's GroupFormation and
+// Membership (group_formation.h, membership.h) call them, and Membership sends the result to the
+// workers (worker.proto Assignment); the layers a stage holds come from the plan
+// (coordinator/planner), not from here.
 //
 // Ranks, written once. A group of TP x PP workers has one slot per (stage, tp_rank):
 //

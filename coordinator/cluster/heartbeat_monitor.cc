@@ -1,6 +1,6 @@
-// WorkerPool::MonitorLoop: health watching. A worker that sends nothing, not even a heartbeat
+// Membership::MonitorLoop: health watching. A worker that sends nothing, not even a heartbeat
 // (worker.proto Heartbeat), for heartbeat_timeout is lost, which breaks the group.
-#include "coordinator/cluster/worker_pool.h"
+#include "coordinator/cluster/membership.h"
 
 #include <cstddef>
 
@@ -15,7 +15,7 @@ constexpr absl::Duration kMonitorPeriod = absl::Milliseconds(200);
 
 }  // namespace
 
-void WorkerPool::MonitorLoop() {
+void Membership::MonitorLoop() {
   absl::MutexLock lock(&mu_);
   while (!stop_monitor_) {
     if (mu_.AwaitWithTimeout(absl::Condition(&stop_monitor_), kMonitorPeriod)) break;

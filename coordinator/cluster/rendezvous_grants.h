@@ -11,7 +11,7 @@
 //   - a key may be read only by a member of its group (any rank granted <group>);
 //   - a worker's grant is replaced by its next one (a Regroup's groups are the next epoch's, so the
 //     old epoch's keys are no longer its to read or write) and revoked when the pool marks the
-//     worker lost (worker_pool.h: also a frozen worker whose stream is still open) or its stream
+//     worker lost (membership.h: also a frozen worker whose stream is still open) or its stream
 //     ends.
 //
 // Everything else (no token, an unknown or revoked one, another group's key) is PermissionDenied

@@ -3,11 +3,12 @@
 // StepResult. A worker is a peer over the network: a malformed message is refused (Register) or
 // makes the pool mark the worker lost (a malformed StepResult), never an out-of-range index or a
 // figure the planner cannot take. Loaded, Heartbeat and Failure carry nothing to check beyond
-// their epoch and the pool's state (WorkerPool::OnMessage); a Failure's text is cut to
+// their epoch and the group's state (Membership::OnMessage); a Failure's text is cut to
 // kMaxFailureLength before it is kept.
 //
-// Pure functions of their arguments, so that fuzz/worker_message_fuzzer.cc runs exactly what
-// WorkerPool runs. Threading: none keep state; call them from any thread.
+// Pure functions of their arguments, so that fuzz/worker_message_fuzzer.cc runs exactly what the
+// coordinator runs (Membership::Register, StepDispatcher::OnResult). Threading: none keep state;
+// call them from any thread.
 #ifndef SHARDSERVE_COORDINATOR_CLUSTER_WORKER_MESSAGES_H_
 #define SHARDSERVE_COORDINATOR_CLUSTER_WORKER_MESSAGES_H_
 

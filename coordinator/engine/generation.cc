@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/field_error.h"
 #include "kernels/logit_bias.h"
 #include "kernels/sampling.h"
 
@@ -20,9 +21,8 @@ constexpr size_t kMaxStopBytes = 256;
 constexpr int kMaxStopTokenIds = 256;
 constexpr size_t kMaxRequestIdBytes = 128;
 
-absl::Status Invalid(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
+// InvalidArgument "field: what", carrying the field (base/field_error.h).
+absl::Status Invalid(absl::string_view field, absl::string_view what) { return FieldErrorStatus(field, what); }
 
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "base/field_error.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grammar/grammar.h"
 #include "grammar/json_schema.h"
@@ -13,9 +14,8 @@
 namespace shardserve {
 namespace {
 
-absl::Status Invalid(const std::string& field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
+// InvalidArgument "field: what", carrying the field (base/field_error.h).
+absl::Status Invalid(const std::string& field, absl::string_view what) { return FieldErrorStatus(field, what); }
 
 // The deepest nesting of objects and arrays in a JSON text (strings skipped); the text's
 // well-formedness is the schema parser's to check.

@@ -48,7 +48,7 @@ class CoordinatorMetrics {
   // certificate from the cluster's CA) or "rendezvous_denied" (a rendezvous call whose token does not
   // grant its key: rendezvous_grants.h).
   void AuthFailure(absl::string_view reason);
-  // The group's state (WorkerPool::StateName: starting, serving, healing, degraded): its series is
+  // The group's state (Membership::StateName: starting, serving, healing, degraded): its series is
   // 1, the others 0.
   void SetClusterState(const std::string& state);
   // Speculative decoding's cumulative counts (the scheduler's SpeculationStats): the counters

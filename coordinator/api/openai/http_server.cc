@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/field_error.h"
 #include "coordinator/api/openai/connection_pool.h"
 #include "coordinator/api/openai/peer_watch.h"
 #include "coordinator/api/openai/protocol.h"
@@ -602,10 +603,9 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());
   if (request->model != model_->name) {
-    absl::Status s = absl::NotFoundError(
-        absl::StrCat("model: '", request->model, "' is not served here; this server serves '", model_->name, "'"));
-    s.SetPayload("type.shardserve/openai.param", absl::Cord("model"));
-    return reject(s);
+    return reject(FieldErrorStatus(
+        "model", absl::StrCat("'", request->model, "' is not served here; this server serves '", model_->name, "'"),
+        absl::StatusCode::kNotFound));
   }
 
   // The prompt's token ids when this handler makes them (chat), else PrepareGeneration does.

@@ -6,10 +6,11 @@
 #include <set>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "base/field_error.h"
 #include "base/json.h"
 #include "kernels/logit_bias.h"
 
@@ -17,8 +18,6 @@ namespace shardserve::openai {
 namespace {
 
 using Json = nlohmann::ordered_json;
-
-constexpr char kParamPayload[] = "type.shardserve/openai.param";
 
 // JSON type names as the errors say them.
 const char* TypeName(const Json& v) {
@@ -534,15 +533,11 @@ absl::Status ForcedToolConstraint(Request* r) {
 
 }  // namespace
 
-absl::Status InvalidField(absl::string_view field, absl::string_view what) {
-  absl::Status s = absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-  s.SetPayload(kParamPayload, absl::Cord(field));
-  return s;
-}
+absl::Status InvalidField(absl::string_view field, absl::string_view what) { return FieldErrorStatus(field, what); }
 
 std::string ParamOf(const absl::Status& status) {
-  const auto param = status.GetPayload(kParamPayload);
-  return param.has_value() ? std::string(*param) : std::string();
+  const std::optional<FieldError> error = FieldErrorOf(status);
+  return error.has_value() ? error->field : std::string();
 }
 
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) {
@@ -660,33 +655,74 @@ v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t
   return g;
 }
 
+namespace {
+
+// A field as the OpenAI request names it; `indexed`: an index in the gRPC path ("[3]") follows it.
+struct OpenAIName {
+  absl::string_view name;
+  bool indexed = false;
+};
+
+// The fields PrepareGeneration names (their gRPC paths, an index aside) and the OpenAI request's
+// name for each, by endpoint. The prompt as sent is a chat's messages; a completion's token ids
+// keep their index.
+struct GenerationField {
+  absl::string_view grpc;
+  OpenAIName completions;
+  OpenAIName chat;
+};
+constexpr GenerationField kGenerationFields[] = {
+    {"request_id", {"request_id"}, {"request_id"}},
+    {"prompt", {"prompt"}, {"messages"}},
+    {"prompt.text", {"prompt"}, {"messages"}},
+    {"prompt.token_ids.ids", {"prompt", true}, {"messages"}},
+    {"sampling.max_tokens", {"max_tokens"}, {"max_tokens"}},
+    {"sampling.temperature", {"temperature"}, {"temperature"}},
+    {"sampling.top_k", {"top_k"}, {"top_k"}},
+    {"sampling.top_p", {"top_p"}, {"top_p"}},
+    {"sampling.min_p", {"min_p"}, {"min_p"}},
+    {"sampling.repetition_penalty", {"repetition_penalty"}, {"repetition_penalty"}},
+    {"sampling.presence_penalty", {"presence_penalty"}, {"presence_penalty"}},
+    {"sampling.frequency_penalty", {"frequency_penalty"}, {"frequency_penalty"}},
+    {"sampling.logprobs", {"logprobs"}, {"logprobs"}},
+    // A completion's logprobs is the number of alternatives (chat's top_logprobs).
+    {"sampling.top_logprobs", {"logprobs"}, {"top_logprobs"}},
+    {"sampling.stop", {"stop", true}, {"stop", true}},
+    {"sampling.stop_token_ids", {"stop_token_ids", true}, {"stop_token_ids", true}},
+    {"sampling.ignore_eos", {"ignore_eos"}, {"ignore_eos"}},
+    {"sampling.logit_bias", {"logit_bias"}, {"logit_bias"}},
+    {"sampling.min_tokens", {"min_tokens"}, {"min_tokens"}},
+};
+
+constexpr absl::string_view kSamplingPrefix = "sampling.";
+constexpr absl::string_view kStructuredOutputField = "sampling.structured_output";
+
+}  // namespace
+
 absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint, absl::string_view constraint_field) {
   if (status.code() != absl::StatusCode::kInvalidArgument) return status;
-  const absl::string_view message = status.message();
-  const size_t colon = message.find(": ");
-  if (colon == absl::string_view::npos) return status;
-  const absl::string_view field = message.substr(0, colon);
-  const absl::string_view what = message.substr(colon + 2);
-  const bool chat = endpoint == Endpoint::kChatCompletions;
+  const std::optional<FieldError> error = FieldErrorOf(status);
+  if (!error.has_value()) return status;
+  const absl::string_view path = error->field;
+  const size_t bracket = path.find('[');
+  const absl::string_view base = path.substr(0, bracket);
+  const absl::string_view index = bracket == absl::string_view::npos ? absl::string_view() : path.substr(bracket);
   std::string renamed;
-  if (absl::StartsWith(field, "sampling.structured_output") && !constraint_field.empty()) {
-    renamed = std::string(constraint_field);
-  } else if (absl::StartsWith(field, "sampling.")) {
-    renamed = std::string(field.substr(9));
-    if (renamed == "top_logprobs" && !chat) renamed = "logprobs";
-  } else if (absl::StartsWith(field, "prompt")) {
-    // The prompt as sent: a chat's is its messages; token ids keep their index.
-    if (chat) {
-      renamed = "messages";
-    } else if (absl::StartsWith(field, "prompt.token_ids.ids")) {
-      renamed = absl::StrCat("prompt", field.substr(20));
-    } else {
-      renamed = "prompt";
-    }
+  if (absl::StartsWith(path, kStructuredOutputField)) {
+    // The constraint as the client sent it (response_format, tool_choice, ...; Request::constraint_field).
+    renamed = constraint_field.empty() ? std::string(absl::StripPrefix(path, kSamplingPrefix))
+                                       : std::string(constraint_field);
   } else {
-    renamed = std::string(field);
+    const auto field = std::find_if(std::begin(kGenerationFields), std::end(kGenerationFields),
+                                    [&](const GenerationField& f) { return f.grpc == base; });
+    if (field == std::end(kGenerationFields)) {
+      renamed = std::string(absl::StripPrefix(path, kSamplingPrefix));  // named as in the gRPC API's sampling
+    } else {
+      const OpenAIName& name = endpoint == Endpoint::kChatCompletions ? field->chat : field->completions;
+      renamed = absl::StrCat(name.name, name.indexed ? index : "");
+    }
   }
-  return InvalidField(renamed, what);
+  return InvalidField(renamed, error->message);
 }
 
 ApiError ErrorFromStatus(const absl::Status& status) {

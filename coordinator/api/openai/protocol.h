@@ -5,11 +5,13 @@
 //
 // What is checked where: this file checks the JSON shape (types, which fields go together, what
 // this server does not support); PrepareGeneration checks the values against the model (ranges,
-// vocabulary, context length), and its errors are renamed to the OpenAI field names
-// (RenameGenerationError). Unknown fields are ignored, as OpenAI-compatible servers do.
+// vocabulary, context length), and its errors, which carry the gRPC API's field
+// (base/field_error.h), are given the OpenAI field names by a table (RenameGenerationError).
+// Unknown fields are ignored, as OpenAI-compatible servers do.
 //
 // Errors: absl::Status whose message starts with the field ("temperature: must be >= 0"); the
-// field also travels as a payload (ParamOf) for the error body's "param".
+// field also travels in the status (base/field_error.h FieldError; ParamOf) for the error body's
+// "param".
 //
 // Threading: plain functions and values.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_PROTOCOL_H_
@@ -96,10 +98,12 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body);
 v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t max_tokens,
                                       const std::vector<int32_t>* prompt_ids);
 
-// Renames the gRPC API's field in an error of PrepareGeneration to the OpenAI request's
-// ("sampling.top_p: ..." becomes "top_p: ...", "prompt.token_ids.ids[3]" "prompt[3]", a chat
-// prompt's "prompt" "messages") and sets its param.
-// An error about sampling.structured_output names `constraint_field` (Request::constraint_field).
+// An error of PrepareGeneration as the OpenAI request's field names it: the gRPC API's field it
+// carries (base/field_error.h) mapped by table ("sampling.top_p" becomes "top_p",
+// "prompt.token_ids.ids[3]" "prompt[3]", a chat prompt's "prompt" "messages"), the message after
+// the field kept, and the param set. An error about sampling.structured_output names
+// `constraint_field` (Request::constraint_field). Other errors (another code, no field) pass as
+// they are.
 absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint,
                                    absl::string_view constraint_field = "");
 
