@@ -448,7 +448,7 @@ TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
                                Family{"hermes3", ToolCallFormat::kHermes, ReasoningFormat::kNone},
                                Family{"llama3_1", ToolCallFormat::kLlama3Json, ReasoningFormat::kNone},
                                Family{"mistral_small_3_1", ToolCallFormat::kMistral, ReasoningFormat::kNone},
-                               Family{"deepseek_r1_distill", ToolCallFormat::kNone, ReasoningFormat::kThink},
+                               Family{"deepseek_r1_distill", ToolCallFormat::kDeepSeekV3, ReasoningFormat::kThink},
                                Family{"phi4_mini", ToolCallFormat::kNone, ReasoningFormat::kNone}}) {
     SCOPED_TRACE(family.dir);
     absl::StatusOr<chat::ChatTemplate> tmpl = chat::ChatTemplate::FromDirectory((fixtures / family.dir).string());

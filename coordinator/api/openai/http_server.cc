@@ -150,7 +150,7 @@ class Job {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name);
       } else if (parsing_.on()) {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
-                                                      parsing_.max_calls);
+                                                      parsing_.max_calls, request_.tools);
       }
       choices_.push_back(std::move(c));
     }

@@ -787,8 +787,9 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
               {"text_offset", offsets}};
 }
 
-OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls)
-    : tools_(tools, max_calls) {
+OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
+                               nlohmann::ordered_json tool_list)
+    : tools_(tools, max_calls, std::move(tool_list)) {
   if (reasoning) reasoning_.emplace(reasoning_inside);
 }
 

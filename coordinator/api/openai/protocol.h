@@ -153,7 +153,9 @@ struct OutputSplit {
 class OutputSplitter {
  public:
   // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
-  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls);
+  // `tool_list`: the request's tools (ToolCallParser's `tools`).
+  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
+                 nlohmann::ordered_json tool_list = nullptr);
   // tool_choice "required" or a named function (`forced`; `name` the named one): the output, held
   // until the final piece, is the calls' JSON its grammar made (ForcedToolCalls).
   OutputSplitter(ToolChoice forced, std::string name);
