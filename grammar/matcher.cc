@@ -125,6 +125,9 @@ struct Round {
   absl::flat_hash_set<uint64_t> seen;
   std::vector<std::pair<int32_t, int32_t>> todo;  // (slot, parent) still to expand
   bool overflow = false;
+  // Compile time: set by another thread to stop the walks (`cancelled` then says they stopped).
+  const std::atomic<bool>* cancel = nullptr;
+  bool cancelled = false;
 };
 
 struct Machine {
@@ -349,6 +352,10 @@ void Walk(const Machine& m, Arena& arena, Round& round, const std::vector<int32_
   size_t valid = 0;  // sets[0 .. valid] hold the stacks after the current string's first bytes
   const size_t n = strings.size();
   for (size_t i = 0; i < n;) {
+    if (round.cancel != nullptr && round.cancel->load(std::memory_order_relaxed)) {
+      round.cancelled = true;
+      return;
+    }
     const std::string& s = strings.strings[i];
     const size_t common = static_cast<size_t>(strings.lcp[i]);
     size_t d = std::min(common, valid);
@@ -483,7 +490,8 @@ CompiledGrammar::~CompiledGrammar() = default;
 const SlotCache* CompiledGrammar::cache(int32_t slot) const { return caches_[slot].get(); }
 
 absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(const Grammar& grammar,
-                                                                                std::shared_ptr<const TokenizerInfo> vocab) {
+                                                                                std::shared_ptr<const TokenizerInfo> vocab,
+                                                                                const std::atomic<bool>* cancel) {
   SHARDSERVE_RETURN_IF_ERROR(ValidateGrammar(grammar));
   if (vocab == nullptr) return absl::InvalidArgumentError("no vocabulary");
   std::shared_ptr<CompiledGrammar> out(new CompiledGrammar());
@@ -510,6 +518,7 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
   }
   Arena arena;
   internal::Round round;
+  round.cancel = cancel;
   for (size_t r = 0; r < m.rule_starts.size(); ++r) {
     if (!reachable[r]) continue;
     for (int32_t start : m.rule_starts[r]) {
@@ -517,6 +526,7 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Compile(
         if (m.slots[slot].kind == Machine::kRule) continue;
         arena.Clear();
         out->caches_[slot] = internal::SplitAt(m, *out->vocab_, slot, 0, arena, round);
+        if (round.cancelled) return absl::CancelledError("the grammar's compile was cancelled");
         if (round.overflow) {
           return absl::ResourceExhaustedError(absl::StrCat(
               "the grammar is too ambiguous: a token is read by more than ", internal::kMaxStacks,

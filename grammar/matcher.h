@@ -19,6 +19,7 @@
 #ifndef SHARDSERVE_GRAMMAR_MATCHER_H_
 #define SHARDSERVE_GRAMMAR_MATCHER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -101,8 +102,11 @@ struct SlotCache;
 
 class CompiledGrammar {
  public:
+  // `cancel` (may be null; read from this thread while another sets it): once true, the compile
+  // stops within one pass over the vocabulary's strings and returns Cancelled.
   static absl::StatusOr<std::shared_ptr<const CompiledGrammar>> Compile(const Grammar& grammar,
-                                                                         std::shared_ptr<const TokenizerInfo> vocab);
+                                                                         std::shared_ptr<const TokenizerInfo> vocab,
+                                                                         const std::atomic<bool>* cancel = nullptr);
   ~CompiledGrammar();
 
   const TokenizerInfo& vocab() const { return *vocab_; }

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/field_error.h"
 #include "gtest/gtest.h"
 
@@ -370,6 +372,33 @@ TEST(StructuredOutputCompilerTest, RefusesWhatItCannotCompile) {
   ASSERT_FALSE(late.ok());
   EXPECT_EQ(late.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(late.status().message().find("compile-time bound"), std::string::npos) << late.status();
+
+  // The compile past the bound is cancelled: its thread ends long before the compile would have
+  // (a schema of many character classes, timed whole by a patient compiler first; its properties
+  // doubled until it takes 300 ms, so that a fast machine shows the cancellation too).
+  v1::StructuredOutput slow;
+  absl::Duration whole;
+  absl::Time start;
+  for (int n = 150; n <= 600; n *= 2) {
+    std::string props;
+    for (int i = 0; i < n; ++i) {
+      absl::StrAppend(&props, i ? ", " : "", "\"p", i, "\": {\"type\": \"string\", \"pattern\": \"^[^",
+                      std::string(1, 'a' + i % 26), std::string(1, 'A' + (i / 26) % 26), "]{1,", 2 + i % 5, "}$\"}");
+    }
+    slow.set_json_schema(absl::StrCat(R"({"type": "object", "properties": {)", props, "}}"));
+    StructuredOutputCompiler patient((*model)->tokenizer.get(), static_cast<int32_t>((*model)->config.vocab_size),
+                                     (*model)->eos_ids, absl::Seconds(120));
+    start = absl::Now();
+    ASSERT_TRUE(patient.Get(slow).ok()) << n << " properties";
+    whole = absl::Now() - start;
+    if (whole > absl::Milliseconds(300)) break;
+  }
+  ASSERT_GT(whole, absl::Milliseconds(300)) << "the schema compiles too fast to show a cancellation";
+  ASSERT_FALSE(hasty.Get(slow).ok());
+  start = absl::Now();
+  while (hasty.compiles_running() > 0 && absl::Now() - start < whole) absl::SleepFor(absl::Milliseconds(2));
+  EXPECT_EQ(hasty.compiles_running(), 0);
+  EXPECT_LT(absl::Now() - start, whole / 2) << "whole compile " << whole;
 
   // A Metaspace (SentencePiece-style) tokenizer: its tokens' bytes come from its decoder's steps
   // (byte-fallback <0xXX> tokens, the Metaspace character as a space), so it is served too.

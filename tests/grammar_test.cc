@@ -1,14 +1,18 @@
 // grammar/: the GBNF, regex, choices and JSON Schema front ends (every keyword, each error), the
 // token masks against a brute-force check of every token and against xgrammar's recorded masks
 // (tools/fixtures/make_grammar_fixtures.py), rollback, and random walks whose outputs must validate.
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <random>
 #include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/json.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "grammar/grammar.h"
@@ -359,6 +363,55 @@ TEST(MaskTest, EqualsBruteForceOverNumberTokens) {
       GrammarFromRegex("(1[0-9]|2[0-3]):[0-5][0-9]"),
   };
   ExpectBruteForceMasks(grammars, vocab, /*walks=*/6, /*steps=*/20);
+}
+
+// A compile stops when it is cancelled: with the flag already set at once; set by another thread
+// while it runs, long before the compile would have ended.
+TEST(CompileTest, CancelledCompileReturnsPromptly) {
+  // Many distinct character classes, each repeated: a walk of the Qwen2 vocabulary per slot (about
+  // 2.5 s for 400 on a loaded 2-core machine); doubled until a compile takes 300 ms, so that a
+  // fast machine shows the cancellation too.
+  const std::shared_ptr<const TokenizerInfo> vocab = QwenVocab();
+  using Clock = std::chrono::steady_clock;
+  absl::StatusOr<Grammar> g;
+  absl::StatusOr<std::shared_ptr<const CompiledGrammar>> r;
+  std::atomic<bool> cancel{false};
+  Clock::duration whole{};
+  Clock::time_point t0;
+  for (int n = 400; n <= 3200; n *= 2) {
+    std::string props;
+    for (int i = 0; i < n; ++i) {
+      absl::StrAppend(&props, i ? ", " : "", "\"p", i, "\": {\"type\": \"string\", \"pattern\": \"^[^",
+                      std::string(1, 'a' + i % 26), std::string(1, 'A' + (i / 26) % 26), "]{1,", 2 + i % 5, "}$\"}");
+    }
+    g = GrammarFromJsonSchema(absl::StrCat(R"({"type": "object", "properties": {)", props, "}}"));
+    ASSERT_TRUE(g.ok()) << g.status();
+    t0 = Clock::now();
+    r = CompiledGrammar::Compile(*g, vocab, &cancel);
+    ASSERT_TRUE(r.ok()) << r.status();
+    whole = Clock::now() - t0;
+    if (whole > std::chrono::milliseconds(300)) break;
+  }
+  // The compile must take long enough for a cancellation to show.
+  ASSERT_GT(whole, std::chrono::milliseconds(300)) << "the test's grammar compiles too fast to cancel";
+
+  cancel = true;
+  t0 = Clock::now();
+  r = CompiledGrammar::Compile(*g, vocab, &cancel);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_LT(Clock::now() - t0, whole / 2);
+  cancel = false;
+
+  std::thread canceller([&cancel, whole] {
+    std::this_thread::sleep_for(whole / 10);
+    cancel = true;
+  });
+  t0 = Clock::now();
+  r = CompiledGrammar::Compile(*g, vocab, &cancel);
+  const Clock::duration cancelled = Clock::now() - t0;
+  canceller.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_LT(cancelled, whole / 2) << "whole " << std::chrono::duration<double>(whole).count() << " s";
 }
 
 // PrefixEnd(i, k) is the first string after i that does not start with strings[i][0 .. k).

@@ -8,11 +8,32 @@
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace shardserve::openai {
 namespace {
 
 using Calls = std::vector<ToolCall>;
+using Json = nlohmann::ordered_json;
+
+// The tools of the qwen3_coder cases: the types its parameters' values are converted by.
+const Json& Tools() {
+  static const Json* tools = new Json(Json::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "typed", "parameters": {"type": "object", "properties": {
+      "n": {"type": "number"}, "f": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+      "a": {"type": "array"}, "s": {"type": "string"}, "i": {"type": "integer"}, "z": {"type": "integer"},
+      "e": {"enum": ["x", "y"]}, "any": {"type": ["integer", "null"]}}}}}])"));
+  return *tools;
+}
+
+// DeepSeek's tool tokens.
+const std::string kCallsBegin = "<｜tool▁calls▁begin｜>";
+const std::string kCallsEnd = "<｜tool▁calls▁end｜>";
+const std::string kCallBegin = "<｜tool▁call▁begin｜>";
+const std::string kCallEnd = "<｜tool▁call▁end｜>";
+const std::string kSep = "<｜tool▁sep｜>";
 
 struct Case {
   const char* label;
@@ -26,7 +47,14 @@ std::vector<Case> Cases() {
   const auto H = ToolCallFormat::kHermes;
   const auto L = ToolCallFormat::kLlama3Json;
   const auto M = ToolCallFormat::kMistral;
+  const auto D = ToolCallFormat::kDeepSeekV3;
+  const auto Q = ToolCallFormat::kQwen3Coder;
   const std::string weather = R"({"city":"Paris"})";
+  const std::string ds_weather = kCallBegin + "function" + kSep + "get_weather\n```json\n{\"city\": \"Paris\"}\n```" + kCallEnd;
+  const std::string ds_malformed = kCallsBegin + kCallBegin + "function" + kSep + "a\n```json\n{\"k\": }\n```" + kCallEnd + kCallsEnd;
+  const std::string qwen_weather =
+      "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+      "</function>\n</tool_call>";
   return {
       {"hermes_one", H, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
        "", {{"get_weather", weather}}},
@@ -66,6 +94,54 @@ std::vector<Case> Cases() {
       {"mistral_text_before", M, "Sure. [TOOL_CALLS][{\"name\": \"a\", \"arguments\": {}}]", "Sure.", {{"a", "{}"}}},
       {"mistral_malformed", M, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {]", "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {]",
        {}},
+      // DeepSeek-V3 / R1: the calls' block, each call's type, name and ```json fence.
+      {"deepseek_one", D, kCallsBegin + ds_weather + kCallsEnd, "", {{"get_weather", weather}}},
+      {"deepseek_text_before_two_calls", D,
+       "Let me check." + kCallsBegin + ds_weather + "\n" + kCallBegin + "function" + kSep +
+           "b\n```json\n{\"x\": [1, \"```\"]}\n```" + kCallEnd + kCallsEnd,
+       "Let me check.", {{"get_weather", weather}, {"b", R"({"x":[1,"```"]})"}}},
+      {"deepseek_text_after", D, kCallsBegin + ds_weather + kCallsEnd + "\n\nDone.", "Done.", {{"get_weather", weather}}},
+      {"deepseek_unclosed_last", D, kCallsBegin + kCallBegin + "function" + kSep + "a\n```json\n{\"k\": 1}\n```", "",
+       {{"a", R"({"k":1})"}}},
+      // V3.1: the name before the separator, the arguments right after it.
+      {"deepseek_v3_1", D,
+       kCallsBegin + kCallBegin + "get_weather" + kSep + "{\"city\": \"Paris\"}" + kCallEnd + kCallBegin + "b" + kSep +
+           "{}" + kCallEnd + kCallsEnd,
+       "", {{"get_weather", weather}, {"b", "{}"}}},
+      {"deepseek_malformed_stays_content", D, ds_malformed, ds_malformed, {}},
+      {"deepseek_no_fence_stays_content", D, kCallsBegin + kCallBegin + "function" + kSep + "a\n{}" + kCallEnd,
+       kCallsBegin + kCallBegin + "function" + kSep + "a\n{}" + kCallEnd, {}},
+      {"deepseek_no_call_stays_content", D, "A " + kCallsBegin + " B " + kCallsEnd, "A " + kCallsBegin + " B " + kCallsEnd, {}},
+      {"deepseek_plain_text_unchanged", D, "Hello <｜tool world\n", "Hello <｜tool world\n", {}},
+      // Qwen3-Coder: parameters converted by the types of the tool's schema (Tools()).
+      {"qwen3_coder_one", Q, qwen_weather, "", {{"get_weather", R"({"city":"Paris","days":3})"}}},
+      {"qwen3_coder_types", Q,
+       "<tool_call>\n<function=typed>\n<parameter=n>\n2.5\n</parameter>\n<parameter=f>\n3.0\n</parameter>\n"
+       "<parameter=b>\nTrue\n</parameter>\n<parameter=o>\n{\"k\": [1, 2]}\n</parameter>\n<parameter=a>\n[1, \"x\"]\n"
+       "</parameter>\n<parameter=s>\n042\n two lines\n</parameter>\n<parameter=i>\nabc\n</parameter>\n<parameter=z>\n"
+       "null\n</parameter>\n<parameter=u>\n7\n</parameter>\n<parameter=e>\n5\n</parameter>\n<parameter=any>\n5\n"
+       "</parameter>\n</function>\n</tool_call>",
+       "",
+       {{"typed", R"({"n":2.5,"f":3,"b":true,"o":{"k":[1,2]},"a":[1,"x"],"s":"042\n two lines","i":"abc","z":null,)"
+                  R"("u":"7","e":"5","any":5})"}}},
+      {"qwen3_coder_text_before_two_calls", Q,
+       "I'll check both.\n<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n"
+       "<parameter=x>\nline1\nline2\n</parameter>\n</function>\n</tool_call>",
+       "I'll check both.", {{"a", "{}"}, {"b", R"({"x":"line1\nline2"})"}}},
+      {"qwen3_coder_unclosed_last", Q, "<tool_call>\n<function=get_weather>\n<parameter=days>\n4\n", "",
+       {{"get_weather", R"({"days":4})"}}},
+      {"qwen3_coder_parameter_without_end", Q,
+       "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n</function>\n</tool_call>", "",
+       {{"get_weather", R"({"city":"Rome","days":2})"}}},
+      {"qwen3_coder_bare_function", Q, "<function=a>\n<parameter=x>\n1\n</parameter>\n</function>", "",
+       {{"a", R"({"x":"1"})"}}},
+      {"qwen3_coder_text_after", Q, qwen_weather + "\nDone.", "Done.", {{"get_weather", R"({"city":"Paris","days":3})"}}},
+      {"qwen3_coder_json_call_stays_content", Q, "<tool_call>\n{\"name\": \"a\"}\n</tool_call>",
+       "<tool_call>\n{\"name\": \"a\"}\n</tool_call>", {}},
+      {"qwen3_coder_name_with_space_stays_content", Q, "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+       "<tool_call>\n<function=get weather>\n</function>\n</tool_call>", {}},
+      {"qwen3_coder_parameter_without_name_end_stays_content", Q, "<tool_call><function=a><parameter=x</function></tool_call>",
+       "<tool_call><function=a><parameter=x</function></tool_call>", {}},
       {"none_format_is_content", ToolCallFormat::kNone, "<tool_call>{\"name\": \"a\"}</tool_call>",
        "<tool_call>{\"name\": \"a\"}</tool_call>", {}},
   };
@@ -75,7 +151,7 @@ class ToolCallCase : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ToolCallCase, Whole) {
   const Case& c = GetParam();
-  const ToolCallDelta got = ParseToolCalls(c.format, c.text, 16);
+  const ToolCallDelta got = ParseToolCalls(c.format, c.text, 16, Tools());
   EXPECT_EQ(got.content, c.content);
   ASSERT_EQ(got.calls.size(), c.calls.size());
   for (size_t i = 0; i < c.calls.size(); ++i) {
@@ -88,7 +164,7 @@ TEST_P(ToolCallCase, StreamedInRandomPiecesJoinsToTheWhole) {
   const Case& c = GetParam();
   std::mt19937 rng(1234);
   for (int trial = 0; trial < 200; ++trial) {
-    ToolCallParser parser(c.format, 16);
+    ToolCallParser parser(c.format, 16, Tools());
     std::string content;
     Calls calls;
     for (size_t pos = 0; pos < c.text.size();) {
@@ -103,6 +179,30 @@ TEST_P(ToolCallCase, StreamedInRandomPiecesJoinsToTheWhole) {
     calls.insert(calls.end(), d.calls.begin(), d.calls.end());
     ASSERT_EQ(content, c.content) << "trial " << trial;
     ASSERT_EQ(calls, c.calls) << "trial " << trial;
+  }
+}
+
+// The output in two pieces, split at every byte (inside every marker and every UTF-8 character),
+// and one byte at a time.
+TEST_P(ToolCallCase, SplitAtEveryByte) {
+  const Case& c = GetParam();
+  for (size_t split = 0; split <= c.text.size() + 1; ++split) {
+    ToolCallParser parser(c.format, 16, Tools());
+    std::string content;
+    Calls calls;
+    const auto add = [&](const ToolCallDelta& d) {
+      content += d.content;
+      calls.insert(calls.end(), d.calls.begin(), d.calls.end());
+    };
+    if (split <= c.text.size()) {
+      add(parser.Add(absl::string_view(c.text).substr(0, split)));
+      add(parser.Add(absl::string_view(c.text).substr(split)));
+    } else {
+      for (char ch : c.text) add(parser.Add(std::string(1, ch)));
+    }
+    add(parser.Finish());
+    ASSERT_EQ(content, c.content) << "split at " << split;
+    ASSERT_EQ(calls, c.calls) << "split at " << split;
   }
 }
 
@@ -134,11 +234,49 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
   const absl::StatusOr<ToolCallFormat> bad = ToolCallFormatFromName("qwen9");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
-            "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral");
+            "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral, deepseek_v3, "
+            "qwen3_coder");
+  EXPECT_EQ(*ToolCallFormatFromName("deepseek_v3"), ToolCallFormat::kDeepSeekV3);
+  EXPECT_EQ(*ToolCallFormatFromName("qwen3_coder"), ToolCallFormat::kQwen3Coder);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<tool_call>' }}"), ToolCallFormat::kHermes);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '[TOOL_CALLS]' }}"), ToolCallFormat::kMistral);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<|python_tag|>' }}"), ToolCallFormat::kLlama3Json);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ messages }}"), ToolCallFormat::kNone);
+  // The lines that write a call in the published templates (DeepSeek-R1 and its distills, whose
+  // whole template tests/fixtures/chat_templates/deepseek_r1_distill holds, are in
+  // openai_protocol_test).
+  // DeepSeek-V3.1 (deepseek-ai/DeepSeek-V3.1 tokenizer_config.json):
+  EXPECT_EQ(ToolCallFormatOfTemplate(
+                "{%- if message['content'] is none -%}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ "
+                "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"),
+            ToolCallFormat::kDeepSeekV3);
+  // Qwen3-Coder (Qwen/Qwen3-Coder-30B-A3B-Instruct tokenizer_config.json), which holds <tool_call>
+  // as Hermes' does:
+  EXPECT_EQ(ToolCallFormatOfTemplate("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}\n"
+                                     "{%- if tool_call.arguments is defined %}\n"
+                                     "{%- for args_name, args_value in tool_call.arguments|items %}\n"
+                                     "{{- '<parameter=' + args_name + '>\\n' }}"),
+            ToolCallFormat::kQwen3Coder);
+}
+
+// Malformed DeepSeek and Qwen3-Coder texts of every kind are content or calls, never a crash: every
+// prefix of the well-formed cases, and each with bytes cut out of its middle.
+TEST(ToolCallParserTest, TruncatedAndDamagedOutputs) {
+  for (const Case& c : Cases()) {
+    if (c.format != ToolCallFormat::kDeepSeekV3 && c.format != ToolCallFormat::kQwen3Coder) continue;
+    for (size_t n = 0; n <= c.text.size(); ++n) {
+      for (const std::string& text : {c.text.substr(0, n), c.text.substr(0, n / 2) + c.text.substr(n)}) {
+        const ToolCallDelta d = ParseToolCalls(c.format, text, 16, Tools());
+        for (const ToolCall& call : d.calls) {
+          EXPECT_FALSE(call.name.empty()) << text;
+          EXPECT_TRUE(Json::parse(call.arguments, nullptr, false).is_object()) << text;
+        }
+        if (d.calls.empty()) {
+          EXPECT_EQ(d.content, text);
+        }
+      }
+    }
+  }
 }
 
 // ---- Reasoning ----

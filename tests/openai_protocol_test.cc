@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -15,6 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/field_error.h"
+#include "grammar/json_schema.h"
+#include "grammar/matcher.h"
 #include "kernels/logit_bias.h"
 
 namespace shardserve::openai {
@@ -449,7 +452,7 @@ TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
                                Family{"hermes3", ToolCallFormat::kHermes, ReasoningFormat::kNone},
                                Family{"llama3_1", ToolCallFormat::kLlama3Json, ReasoningFormat::kNone},
                                Family{"mistral_small_3_1", ToolCallFormat::kMistral, ReasoningFormat::kNone},
-                               Family{"deepseek_r1_distill", ToolCallFormat::kNone, ReasoningFormat::kThink},
+                               Family{"deepseek_r1_distill", ToolCallFormat::kDeepSeekV3, ReasoningFormat::kThink},
                                Family{"phi4_mini", ToolCallFormat::kNone, ReasoningFormat::kNone}}) {
     SCOPED_TRACE(family.dir);
     absl::StatusOr<chat::ChatTemplate> tmpl = chat::ChatTemplate::FromDirectory((fixtures / family.dir).string());
@@ -694,6 +697,172 @@ TEST(StructuredOutputTest, ToolChoiceRequiredAndNamedAreGrammars) {
   EXPECT_TRUE(whole.calls.empty());
   EXPECT_EQ(whole.content, R"([{"name":"now","para)");
   EXPECT_STREQ(ChatFinishReason(v1::FINISH_REASON_STOP_TOKEN, true), "tool_calls");
+}
+
+// Streamed forced calls: the pieces of each call, joined, are its name and the "parameters"
+// value's text, however the output is split; the arguments come in several pieces while they are
+// generated, not at the end.
+struct StreamedCall {
+  std::string name;
+  std::string arguments;
+  int pieces = 0;
+  bool operator==(const StreamedCall& o) const { return name == o.name && arguments == o.arguments; }
+};
+
+std::vector<StreamedCall> Join(const std::vector<ToolCallPiece>& pieces) {
+  std::vector<StreamedCall> calls;
+  for (const ToolCallPiece& p : pieces) {
+    if (!p.name.empty()) {
+      EXPECT_EQ(p.index, static_cast<int>(calls.size()));
+      calls.push_back(StreamedCall{p.name, "", 0});
+    }
+    EXPECT_EQ(p.index + 1, static_cast<int>(calls.size())) << "a piece of a call that has not begun";
+    if (calls.empty()) continue;
+    calls.back().arguments += p.arguments;
+    if (!p.arguments.empty()) ++calls.back().pieces;
+  }
+  return calls;
+}
+
+TEST(ForcedCallStreamTest, PiecesJoinToTheCallsAtEverySplit) {
+  struct Case {
+    ToolChoice forced;
+    std::string text;
+    std::vector<StreamedCall> calls;
+  };
+  const std::vector<Case> cases = {
+      {ToolChoice::kRequired,
+       R"([{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"O\"s}lo","n":[1,{"a":"}"}]}}])",
+       {{"now", "{}"}, {"get_weather", R"({"city":"O\"s}lo","n":[1,{"a":"}"}]})"}}},
+      {ToolChoice::kRequired, "[ {\"name\": \"a\", \"parameters\": {\"x\": \"y\"} } ]", {{"a", R"({"x": "y"})"}}},
+      // The name after the arguments: they wait for it.
+      {ToolChoice::kRequired, R"([{"parameters":{"k":[1,2]},"name":"b"}])", {{"b", R"({"k":[1,2]})"}}},
+      {ToolChoice::kRequired, R"([{"name":"c","parameters":5},{"name":"d","parameters":"s"}])", {{"c", "5"}, {"d", R"("s")"}}},
+      {ToolChoice::kNamed, R"({"city":"Paris","days":[1,2]})", {{"get_weather", R"({"city":"Paris","days":[1,2]})"}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    for (size_t split = 0; split <= c.text.size() + 1; ++split) {
+      ForcedCallStream stream(c.forced, "get_weather");
+      std::vector<ToolCallPiece> pieces;
+      const auto add = [&](absl::string_view t) {
+        for (ToolCallPiece& p : stream.Add(t)) pieces.push_back(std::move(p));
+      };
+      if (split <= c.text.size()) {
+        add(absl::string_view(c.text).substr(0, split));
+        add(absl::string_view(c.text).substr(split));
+      } else {
+        for (char ch : c.text) add(std::string(1, ch));
+      }
+      const std::vector<StreamedCall> calls = Join(pieces);
+      ASSERT_EQ(calls, c.calls) << "split at " << split;
+      EXPECT_EQ(stream.calls(), static_cast<int>(c.calls.size()));
+      if (split > c.text.size()) {  // byte by byte: each call's arguments in as many pieces as bytes
+        for (const StreamedCall& call : calls) {
+          if (call.arguments.size() > 2 && call.name != "b") {
+            EXPECT_GT(call.pieces, 2) << call.name;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(ForcedCallStreamTest, SplitterStreamsCallsAndKeepsAnEarlyCutAsContent) {
+  OutputSplitter named(ToolChoice::kNamed, "get_weather", /*incremental=*/true);
+  OutputSplit first = named.Add(R"({"city":)", false);
+  ASSERT_EQ(first.pieces.size(), 1u);
+  EXPECT_EQ(first.pieces[0], (ToolCallPiece{0, "get_weather", R"({"city":)"}));
+  OutputSplit last = named.Add(R"("Paris"})", true);
+  ASSERT_EQ(last.pieces.size(), 1u);
+  EXPECT_EQ(last.pieces[0], (ToolCallPiece{0, "", R"("Paris"})"}));
+  EXPECT_TRUE(last.calls.empty());
+  EXPECT_EQ(last.content, "");
+  // As deltas: the call's name (arguments ""), then its arguments; then more arguments.
+  const std::vector<Json> deltas = ChatDeltas(first, 0, {"call_1"});
+  ASSERT_EQ(deltas.size(), 2u);
+  EXPECT_EQ(deltas[0].dump(),
+            R"({"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]})");
+  EXPECT_EQ(deltas[1].dump(), R"({"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]})");
+  EXPECT_EQ(ChatDeltas(last, 0, {"call_1"}).at(0).dump(),
+            R"({"tool_calls":[{"index":0,"function":{"arguments":"\"Paris\"}"}}]})");
+
+  // Cut before a call's name: content, as when held whole; cut inside one: the call as it came.
+  OutputSplitter early(ToolChoice::kRequired, "", true);
+  EXPECT_TRUE(early.Add(R"([{"na)", false).pieces.empty());
+  EXPECT_EQ(early.Add(R"(me":"no)", true).content, R"([{"name":"no)");
+  OutputSplitter late(ToolChoice::kRequired, "", true);
+  const OutputSplit cut = late.Add(R"([{"name":"now","parameters":{"a)", true);
+  EXPECT_EQ(cut.content, "");
+  ASSERT_EQ(cut.pieces.size(), 1u);
+  EXPECT_EQ(cut.pieces[0], (ToolCallPiece{0, "now", R"({"a)"}));
+}
+
+// Whether `text` is a whole sentence of the JSON Schema `schema` (the grammar engine the server
+// compiles constraints with, over a vocabulary of single ASCII characters).
+bool SchemaAccepts(const std::string& schema, const std::string& text) {
+  absl::StatusOr<grammar::Grammar> g = grammar::GrammarFromJsonSchema(schema);
+  EXPECT_TRUE(g.ok()) << g.status();
+  if (!g.ok()) return false;
+  std::vector<std::string> tokens;
+  for (int c = 32; c < 127; ++c) tokens.push_back(std::string(1, static_cast<char>(c)));
+  tokens.push_back("");  // EOS
+  const std::vector<bool> special(tokens.size(), false);
+  auto vocab = std::make_shared<const grammar::TokenizerInfo>(
+      tokens, special, std::vector<int32_t>{static_cast<int32_t>(tokens.size()) - 1}, static_cast<int32_t>(tokens.size()));
+  auto compiled = grammar::CompiledGrammar::Compile(*g, vocab);
+  EXPECT_TRUE(compiled.ok()) << compiled.status();
+  if (!compiled.ok()) return false;
+  grammar::GrammarMatcher m(*compiled);
+  return m.AcceptBytes(text) && m.CanEnd();
+}
+
+// $ref inside a tool's parameters resolves under tool_choice "required" (the tools' definitions
+// moved to the calls' schema's root, renamed per tool; a reference to a tool's own root too) and
+// named (the tool's schema is the root).
+TEST(ForcedToolConstraintTest, RefsInToolParametersResolve) {
+  const std::string tools = R"("tools": [
+    {"type": "function", "function": {"name": "send", "parameters": {"type": "object",
+      "properties": {"to": {"$ref": "#/$defs/Address"}, "cc": {"type": "array", "items": {"$ref": "#/definitions/Cc"}}},
+      "required": ["to"], "additionalProperties": false,
+      "$defs": {"Address": {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+                            "additionalProperties": false},
+                "City": {"enum": ["Oslo", "Rome"]}},
+      "definitions": {"Address": {"type": "string"}, "Cc": {"$ref": "#/$defs/Address"}}}}},
+    {"type": "function", "function": {"name": "tree", "parameters": {"type": "object",
+      "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+                     "city": {"$ref": "#/$defs/City"}},
+      "required": ["v"], "additionalProperties": false,
+      "$defs": {"City": {"const": "Paris"}}}}}])";
+  absl::StatusOr<Request> required = ParseRequest(
+      kChat, absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )", tools,
+                          R"(, "tool_choice": "required"})"));
+  ASSERT_TRUE(required.ok()) << required.status();
+  const std::string schema = required->sampling.structured_output().json_schema();
+  const Json j = Json::parse(schema);
+  // Each tool's definitions under its own name: "City" of one is not "City" of the other, nor
+  // "Address" of $defs that of definitions.
+  EXPECT_EQ(j["$defs"]["send.$defs.City"], Json::parse(R"({"enum": ["Oslo", "Rome"]})"));
+  EXPECT_EQ(j["$defs"]["tree.$defs.City"], Json::parse(R"({"const": "Paris"})"));
+  EXPECT_EQ(j["$defs"]["send.definitions.Address"], Json::parse(R"({"type": "string"})"));
+  EXPECT_EQ(j["$defs"]["send.definitions.Cc"], Json::parse(R"({"$ref": "#/$defs/send.$defs.Address"})"));
+  EXPECT_EQ(j["items"]["anyOf"][1]["properties"]["parameters"], Json::parse(R"({"$ref": "#/$defs/tree"})"));
+  EXPECT_TRUE(SchemaAccepts(schema, R"([{"name":"send","parameters":{"to":{"city":"Oslo"},"cc":[{"city":"Rome"}]}}])"));
+  EXPECT_FALSE(SchemaAccepts(schema, R"([{"name":"send","parameters":{"to":{"city":"Paris"}}}])"));
+  EXPECT_TRUE(SchemaAccepts(schema, R"([{"name":"tree","parameters":{"v":1,"kids":[{"v":2,"kids":[{"v":3}]}],"city":"Paris"}}])"));
+  EXPECT_FALSE(SchemaAccepts(schema, R"([{"name":"tree","parameters":{"v":1,"city":"Oslo"}}])"));
+
+  // Before: the same tool nested without moving its definitions names what the root lacks.
+  Json nested = Json::parse(R"({"type": "array", "items": {"anyOf": [{"type": "object", "properties": {
+    "parameters": {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+                   "$defs": {"Address": {"type": "string"}}}}}]}})");
+  EXPECT_FALSE(grammar::GrammarFromJsonSchema(nested.dump()).ok());
+
+  absl::StatusOr<Request> named = ParseRequest(
+      kChat, absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "x"}], )", tools,
+                          R"(, "tool_choice": {"type": "function", "function": {"name": "tree"}}})"));
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_TRUE(SchemaAccepts(named->sampling.structured_output().json_schema(), R"({"v":1,"kids":[{"v":2}],"city":"Paris"})"));
 }
 
 }  // namespace

@@ -3,7 +3,8 @@ real local clusters (`shardserve launch` on 127.0.0.1 serving the embedded demo 
 weights are not trained: the grammar's token masks alone make the outputs valid) in two layouts,
 TP1 and TP2 x PP2: `chat.completions.parse` with a pydantic model, json_object, guided_json,
 guided_regex, guided_choice, guided_grammar, structured_outputs, tool_choice "required" and named
-(whole and streamed), and a constraint the engine cannot compile (400 naming the field). Every JSON
+(whole, and streamed: the arguments in several deltas as they are generated; tools whose
+parameters refer to their own $defs), and a constraint the engine cannot compile (400 naming the field). Every JSON
 output is validated with `jsonschema`. Always stops the clusters it started.
 
 Run by CTest as: clients/python/setup-env.sh, then
@@ -54,6 +55,13 @@ TIME_TOOL = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}}}
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
+# Parameters that refer to their own $defs, as pydantic writes nested models.
+SEND_TOOL = {"type": "function", "function": {
+    "name": "send", "parameters": {"type": "object", "properties": {
+        "to": {"$ref": "#/$defs/Place"}, "cc": {"type": "array", "items": {"$ref": "#/$defs/Place"}, "maxItems": 2}},
+        "required": ["to"], "additionalProperties": False,
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+                            "required": ["city"], "additionalProperties": False}}}}}
 MESSAGES = [{"role": "user", "content": "And God said, let there be light."}]
 
 
@@ -137,17 +145,37 @@ class StructuredTest:
             call = choice.message.tool_calls[0]
             self.assertEqual(call.function.name, "get_weather")
             jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
-        # Streamed: a delta with the call's name, then its arguments; finish_reason tool_calls.
-        chunks = list(self.chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                temperature=0, stream=True))
-        names = [tc.function.name for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])
-                 if tc.function and tc.function.name]
-        args = "".join(tc.function.arguments or "" for ch in chunks if ch.choices
-                       for tc in (ch.choices[0].delta.tool_calls or []) if tc.function)
-        self.assertEqual(names, ["get_time"])
-        jsonschema.validate(json.loads(args), TIME_TOOL["function"]["parameters"])
-        self.assertEqual([ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason],
-                         ["tool_calls"])
+        # Streamed: a delta with the call's name, then its arguments in pieces as they are generated;
+        # finish_reason tool_calls.
+        for name, tool in (("get_time", TIME_TOOL), ("get_weather", WEATHER_TOOL)):
+            calls = self.streamed_calls(tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}},
+                                        temperature=0)
+            self.assertEqual([c["name"] for c in calls], [name])
+            jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+            self.assertGreater(calls[0]["pieces"], 1, calls[0])
+
+    def streamed_calls(self, **kw):
+        """The calls of a streamed answer, each assembled from its deltas: name, id, arguments and the
+        number of deltas its arguments came in; checks the deltas' order and the finish_reason."""
+        chunks = list(self.chat(stream=True, **kw))
+        calls = []
+        for ch in chunks:
+            if not ch.choices:
+                continue
+            for tc in ch.choices[0].delta.tool_calls or []:
+                if tc.id is not None:  # a call's first delta: its index, id, type and name
+                    self.assertEqual(tc.index, len(calls))
+                    self.assertEqual(tc.type, "function")
+                    calls.append({"name": tc.function.name, "id": tc.id, "arguments": "", "pieces": 0})
+                    self.assertEqual(tc.function.arguments, "")
+                    continue
+                self.assertEqual(tc.index, len(calls) - 1, "arguments of a call that has not begun")
+                self.assertIsNone(tc.function.name)
+                calls[-1]["arguments"] += tc.function.arguments
+                calls[-1]["pieces"] += 1
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        self.assertEqual(finish, ["tool_calls"])
+        return calls
 
     def test_tool_choice_required(self):
         by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
@@ -165,6 +193,13 @@ class StructuredTest:
             self.assertEqual(choice.finish_reason, "tool_calls", choice.message.content)
             self.assertEqual(len(choice.message.tool_calls), 1)
             check_calls(choice.message.tool_calls)
+        # Streamed: each call's name once complete, then its arguments in pieces.
+        for kw in (dict(temperature=0), dict(temperature=1.0, seed=6)):
+            calls = self.streamed_calls(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, **kw)
+            self.assertEqual(len(calls), 1)
+            self.assertIn(calls[0]["name"], by_name)
+            jsonschema.validate(json.loads(calls[0]["arguments"]), by_name[calls[0]["name"]])
+            self.assertGreater(calls[0]["pieces"], 1, calls[0])
         # Several calls may come; the untrained model may repeat calls until max_tokens, which
         # leaves the cut array as content (a prefix of the calls' grammar).
         for kw in (dict(temperature=0), dict(temperature=1.0, seed=9), dict(temperature=1.0, seed=10)):
@@ -177,6 +212,23 @@ class StructuredTest:
                 self.assertEqual(choice.finish_reason, "length")
                 self.assertFalse(choice.message.tool_calls)
                 self.assertTrue(choice.message.content.startswith('[{"name":"get_'), choice.message.content)
+
+    def test_tool_parameters_with_defs(self):
+        # tool_choice "required" nests each tool's parameters in the calls' schema: their $refs still
+        # resolve. Named: the tool's parameters are the schema.
+        params = SEND_TOOL["function"]["parameters"]
+        for kw in (dict(temperature=0), dict(temperature=1.0, seed=11), dict(temperature=1.0, seed=12)):
+            for choice in ("required", {"type": "function", "function": {"name": "send"}}):
+                r = self.chat(tools=[SEND_TOOL, TIME_TOOL], tool_choice=choice, parallel_tool_calls=False, **kw)
+                c = r.choices[0]
+                self.assertEqual(c.finish_reason, "tool_calls", c.message.content)
+                self.assertEqual(len(c.message.tool_calls), 1)
+                call = c.message.tool_calls[0]
+                if call.function.name == "send":
+                    jsonschema.validate(json.loads(call.function.arguments), params)
+                else:
+                    self.assertEqual(choice, "required")
+                    jsonschema.validate(json.loads(call.function.arguments), TIME_TOOL["function"]["parameters"])
 
     def test_errors_name_the_field(self):
         cases = [

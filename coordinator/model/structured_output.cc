@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <atomic>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -104,8 +105,9 @@ absl::StatusOr<grammar::Grammar> Lower(const v1::StructuredOutput& c, std::strin
 }
 
 // A compile that runs on its own thread, so that the request waits at most the compile-time
-// bound; a compile past it finishes in the background and is dropped.
+// bound; a compile past it is cancelled (its thread stops at its next check) and dropped.
 struct PendingCompile {
+  std::atomic<bool> cancel{false};
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
   absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> result ABSL_GUARDED_BY(mu);
@@ -134,6 +136,8 @@ int64_t StructuredOutputCompiler::compiles() const {
   absl::MutexLock lock(&mu_);
   return compiles_;
 }
+
+int64_t StructuredOutputCompiler::compiles_running() const { return in_flight_->load(); }
 
 int64_t StructuredOutputCompiler::hits() const {
   absl::MutexLock lock(&mu_);
@@ -188,17 +192,23 @@ absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> StructuredOutput
   }
 
   auto pending = std::make_shared<PendingCompile>();
-  std::thread([pending, lowered = *std::move(g), vocab = *vocab]() {
-    absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> r = grammar::CompiledGrammar::Compile(lowered, vocab);
-    absl::MutexLock lock(&pending->mu);
-    pending->result = std::move(r);
-    pending->done = true;
+  in_flight_->fetch_add(1);
+  std::thread([pending, in_flight = in_flight_, lowered = *std::move(g), vocab = *vocab]() {
+    absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> r =
+        grammar::CompiledGrammar::Compile(lowered, vocab, &pending->cancel);
+    {
+      absl::MutexLock lock(&pending->mu);
+      pending->result = std::move(r);
+      pending->done = true;
+    }
+    in_flight->fetch_sub(1);
   }).detach();
   absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled;
   {
     absl::MutexLock lock(&pending->mu);
     auto done = [&pending]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) { return pending->done; };
     if (!pending->mu.AwaitWithTimeout(absl::Condition(&done), compile_timeout_)) {
+      pending->cancel.store(true);
       return Invalid(StructuredOutputField(constraint),
                      absl::StrCat("compiling it against the vocabulary took longer than the compile-time bound of ",
                                   absl::FormatDuration(compile_timeout_), "; simplify it"));

@@ -12,6 +12,7 @@
 #ifndef SHARDSERVE_COORDINATOR_MODEL_STRUCTURED_OUTPUT_H_
 #define SHARDSERVE_COORDINATOR_MODEL_STRUCTURED_OUTPUT_H_
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -69,6 +70,8 @@ class StructuredOutputCompiler {
   // Counters, for tests and the log.
   int64_t compiles() const;
   int64_t hits() const;
+  // Compile threads still running (a compile past the bound is cancelled and soon ends).
+  int64_t compiles_running() const;
 
  private:
   absl::StatusOr<std::shared_ptr<const grammar::TokenizerInfo>> Vocab();
@@ -78,6 +81,8 @@ class StructuredOutputCompiler {
   const int32_t vocab_size_;
   const std::vector<int32_t> eos_ids_;
   const absl::Duration compile_timeout_;
+  // Compile threads running; shared with them, since one may outlive this.
+  const std::shared_ptr<std::atomic<int64_t>> in_flight_ = std::make_shared<std::atomic<int64_t>>(0);
 
   // ---- Guarded by mu_ ----
   mutable absl::Mutex mu_;

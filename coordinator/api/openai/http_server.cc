@@ -148,10 +148,10 @@ class Job {
       c.engine_id = submitted->id;
       c.stream = std::move(submitted->stream);
       if (parsing_.forced != ToolChoice::kAuto) {
-        c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name);
+        c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name, request_.stream);
       } else if (parsing_.on()) {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
-                                                      parsing_.max_calls);
+                                                      parsing_.max_calls, request_.tools);
       }
       choices_.push_back(std::move(c));
     }
@@ -330,6 +330,13 @@ class Job {
       for (const ToolCall& call : split.calls) {
         c.whole.calls.push_back(call);
         c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+      }
+      for (const ToolCallPiece& piece : split.pieces) {
+        if (!piece.name.empty()) {
+          c.whole.calls.push_back(ToolCall{piece.name, ""});
+          c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+        }
+        if (!c.whole.calls.empty()) c.whole.calls.back().arguments += piece.arguments;
       }
     }
     return split;

@@ -504,6 +504,60 @@ Json ToolParameters(const Json& tool) {
   return p == function.end() || p->is_null() ? Json{{"type", "object"}} : *p;
 }
 
+// Rewrites the references of a schema nested in the calls' schema (HoistDefinitions): "#" becomes
+// `self` (*self_referred set), "#/$defs/NAME" "#/$defs/<tool>.$defs.NAME" and "#/definitions/NAME"
+// "#/$defs/<tool>.definitions.NAME".
+// Values (const, enum, default, examples) are not schemas and stay as they are.
+void RewriteRefs(const std::string& tool, const std::string& self, Json* s, bool* self_referred) {
+  if (s->is_array()) {
+    for (Json& item : *s) RewriteRefs(tool, self, &item, self_referred);
+    return;
+  }
+  if (!s->is_object()) return;
+  for (auto& [key, value] : s->items()) {
+    if (key == "const" || key == "enum" || key == "default" || key == "examples") continue;
+    if (key == "$ref" && value.is_string()) {
+      const std::string ref = value.get<std::string>();
+      if (ref == "#") {
+        value = self;
+        *self_referred = true;
+      }
+      for (const absl::string_view key : {"$defs", "definitions"}) {
+        const std::string prefix = absl::StrCat("#/", key, "/");
+        if (absl::StartsWith(ref, prefix)) value = absl::StrCat("#/$defs/", tool, ".", key, ".", ref.substr(prefix.size()));
+      }
+      continue;
+    }
+    RewriteRefs(tool, self, &value, self_referred);
+  }
+}
+
+// Tool `tool`'s parameters schema as a part of the "required" calls' schema, where its $ref "#",
+// "#/$defs/..." and "#/definitions/..." no longer name its own root: its definitions move to the
+// calls' `defs` as "<tool>.$defs.NAME" and "<tool>.definitions.NAME" (tool names hold no '.', so
+// no two tools' meet), and a schema that refers to its own root moves there whole, as "<tool>",
+// referred to in its place.
+Json HoistDefinitions(const std::string& tool, Json params, Json* defs) {
+  if (!params.is_object()) return params;
+  const std::string self = absl::StrCat("#/$defs/", tool);
+  bool self_referred = false;
+  for (const char* key : {"$defs", "definitions"}) {
+    auto it = params.find(key);
+    if (it == params.end() || !it->is_object()) continue;
+    for (auto& [name, def] : it->items()) {
+      RewriteRefs(tool, self, &def, &self_referred);
+      (*defs)[absl::StrCat(tool, ".", key, ".", name)] = std::move(def);
+    }
+    params.erase(it);
+  }
+  RewriteRefs(tool, self, &params, &self_referred);
+  if (self_referred) {
+    (*defs)[tool] = std::move(params);
+    return Json{{"$ref", self}};
+  }
+  return params;
+}
+
 // tool_choice "required" or named: the grammar of the calls (vLLM's), as the request's constraint.
 absl::Status ForcedToolConstraint(Request* r) {
   if (r->tool_choice != ToolChoice::kRequired && r->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
@@ -518,13 +572,16 @@ absl::Status ForcedToolConstraint(Request* r) {
     }
   } else {
     Json any = Json::array();
+    Json defs = Json::object();
     for (const Json& tool : r->tools) {
+      const std::string name = tool.at("function").at("name").get<std::string>();
       any.push_back({{"type", "object"},
-                     {"properties", {{"name", {{"const", tool.at("function").at("name")}}}, {"parameters", ToolParameters(tool)}}},
+                     {"properties", {{"name", {{"const", name}}}, {"parameters", HoistDefinitions(name, ToolParameters(tool), &defs)}}},
                      {"required", {"name", "parameters"}}});
     }
     schema = {{"type", "array"}, {"minItems", 1}, {"items", {{"anyOf", std::move(any)}}}};
     if (!r->parallel_tool_calls) schema["maxItems"] = 1;
+    if (!defs.empty()) schema["$defs"] = std::move(defs);
   }
   r->constraint_field = "tool_choice";
   return ConstraintSchema("tool_choice", schema, /*text_allowed=*/false,
@@ -823,13 +880,129 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
               {"text_offset", offsets}};
 }
 
-OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls)
-    : tools_(tools, max_calls) {
+OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
+                               nlohmann::ordered_json tool_list)
+    : tools_(tools, max_calls, std::move(tool_list)) {
   if (reasoning) reasoning_.emplace(reasoning_inside);
 }
 
-OutputSplitter::OutputSplitter(ToolChoice forced, std::string name)
-    : tools_(ToolCallFormat::kNone, 0), forced_(forced), forced_name_(std::move(name)) {}
+OutputSplitter::OutputSplitter(ToolChoice forced, std::string name, bool incremental)
+    : tools_(ToolCallFormat::kNone, 0), forced_(forced), forced_name_(std::move(name)) {
+  if (incremental) stream_.emplace(forced_, forced_name_);
+}
+
+ForcedCallStream::ForcedCallStream(ToolChoice forced, std::string name) : forced_(forced), name_(std::move(name)) {}
+
+std::vector<ToolCallPiece> ForcedCallStream::Add(absl::string_view text) {
+  std::vector<ToolCallPiece> out;
+  if (text.empty()) return out;
+  if (forced_ == ToolChoice::kNamed) {
+    // The output is the arguments.
+    out.push_back(ToolCallPiece{0, calls_ == 0 ? name_ : "", std::string(text)});
+    calls_ = 1;
+    return out;
+  }
+  text_.append(text.data(), text.size());
+  Scan(&out);
+  Emit(&out);
+  return out;
+}
+
+void ForcedCallStream::Emit(std::vector<ToolCallPiece>* out) {
+  if (!have_name_) return;
+  // The arguments so far: the "parameters" value from its start to its end, or to what was read.
+  std::string arguments;
+  if (params_start_ != std::string::npos) {
+    const size_t from = params_sent_ == std::string::npos ? params_start_ : params_sent_;
+    const size_t to = params_end_ != std::string::npos ? params_end_ : pos_;
+    if (to > from) arguments = text_.substr(from, to - from);
+    params_sent_ = std::max(from, to);
+  }
+  if (!begun_) {
+    begun_ = true;
+    out->push_back(ToolCallPiece{calls_++, item_name_, std::move(arguments)});
+  } else if (!arguments.empty()) {
+    out->push_back(ToolCallPiece{calls_ - 1, "", std::move(arguments)});
+  }
+}
+
+void ForcedCallStream::Scan(std::vector<ToolCallPiece>* out) {
+  constexpr size_t npos = std::string::npos;
+  for (; pos_ < text_.size(); ++pos_) {
+    const char c = text_[pos_];
+    if (in_string_) {
+      if (escaped_) {
+        escaped_ = false;
+      } else if (c == '\\') {
+        escaped_ = true;
+      } else if (c == '"') {
+        in_string_ = false;
+        if (depth_ == 2) {
+          const Json s = Json::parse(text_.begin() + string_start_, text_.begin() + pos_ + 1, nullptr, false);
+          const std::string value = s.is_string() ? s.get<std::string>() : std::string();
+          if (string_is_key_) {
+            key_ = value;
+          } else if (value_key_ == "name") {
+            item_name_ = value;
+            have_name_ = true;
+          } else if (value_key_ == "parameters") {
+            params_end_ = pos_ + 1;
+          }
+        }
+      }
+      continue;
+    }
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') continue;
+    if (depth_ == 2 && awaiting_value_) {
+      awaiting_value_ = false;
+      if (value_key_ == "parameters") params_start_ = pos_;
+    }
+    switch (c) {
+      case '"':
+        in_string_ = true;
+        string_start_ = pos_;
+        string_is_key_ = depth_ == 2 && expect_key_;
+        if (string_is_key_) expect_key_ = false;
+        break;
+      case '{':
+      case '[':
+        if (++depth_ == 2) {  // an item begins
+          expect_key_ = true;
+          key_.clear();
+          value_key_.clear();
+          item_name_.clear();
+          have_name_ = begun_ = false;
+          params_start_ = params_end_ = params_sent_ = npos;
+        }
+        break;
+      case '}':
+      case ']':
+        if (depth_ == 3 && value_key_ == "parameters") params_end_ = pos_ + 1;
+        if (depth_ == 2) {  // the item ends: a scalar "parameters" ends here at the latest
+          if (params_start_ != npos && params_end_ == npos) params_end_ = pos_;
+          Emit(out);
+          have_name_ = false;
+        }
+        --depth_;
+        break;
+      case ':':
+        if (depth_ == 2) {
+          value_key_ = key_;
+          awaiting_value_ = true;
+        }
+        break;
+      case ',':
+        if (depth_ == 2) {
+          if (value_key_ == "parameters" && params_start_ != npos && params_end_ == npos) params_end_ = pos_;
+          value_key_.clear();
+          expect_key_ = true;
+        }
+        break;
+      default:
+        break;
+    }
+  }
+}
 
 std::optional<std::vector<ToolCall>> ForcedToolCalls(ToolChoice forced, const std::string& name,
                                                      absl::string_view output) {
@@ -853,6 +1026,14 @@ std::optional<std::vector<ToolCall>> ForcedToolCalls(ToolChoice forced, const st
 
 OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
   OutputSplit out;
+  if (stream_.has_value()) {
+    // Streamed: the calls as they come; an output cut short before any call began is content.
+    held_.append(text.data(), text.size());
+    out.pieces = stream_->Add(text);
+    if (final && stream_->calls() == 0) out.content = std::move(held_);
+    if (final) held_.clear();
+    return out;
+  }
   if (forced_ != ToolChoice::kAuto) {
     // The calls are one JSON text: held whole, then handed out as calls (or, cut short, content).
     held_.append(text.data(), text.size());
@@ -923,6 +1104,18 @@ std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int fir
                                                    {"function", {{"name", call.name}, {"arguments", ""}}}}})}});
     deltas.push_back(
         {{"tool_calls", Json::array({{{"index", index}, {"function", {{"arguments", call.arguments}}}}})}});
+  }
+  for (const ToolCallPiece& p : piece.pieces) {
+    if (!p.name.empty()) {
+      deltas.push_back({{"tool_calls", Json::array({{{"index", p.index},
+                                                     {"id", ids.at(p.index)},
+                                                     {"type", "function"},
+                                                     {"function", {{"name", p.name}, {"arguments", ""}}}}})}});
+    }
+    if (!p.arguments.empty()) {
+      deltas.push_back(
+          {{"tool_calls", Json::array({{{"index", p.index}, {"function", {{"arguments", p.arguments}}}}})}});
+    }
   }
   return deltas;
 }

@@ -145,11 +145,64 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
 
 // ---- Tool calls and reasoning in chat responses ----
 
-// A chat choice's output, or a streamed piece of it, split into reasoning, content and calls.
+// A piece of a call streamed while it is generated: with a name it begins call `index` (the
+// calls' count so far), whose arguments' text then grows by each piece's `arguments`.
+struct ToolCallPiece {
+  int index = 0;
+  std::string name;       // the first piece of a call only
+  std::string arguments;  // more of the arguments' text (may be empty)
+  bool operator==(const ToolCallPiece& o) const {
+    return index == o.index && name == o.name && arguments == o.arguments;
+  }
+};
+
+// A chat choice's output, or a streamed piece of it, split into reasoning, content and calls:
+// whole calls (what tool-call parsers find, and forced calls in a whole answer) or, for forced
+// calls streamed, pieces of calls.
 struct OutputSplit {
   std::string reasoning;
   std::string content;
   std::vector<ToolCall> calls;
+  std::vector<ToolCallPiece> pieces;
+};
+
+// The calls of tool_choice "required" or named as their grammar generates them, in pieces: for
+// a named function the whole output is its arguments; for "required" the output is a JSON array
+// of {"name", "parameters"} objects, each call begun once its name is complete, its arguments the
+// "parameters" value's text as it comes (the grammar makes that value well-formed, so it can be
+// streamed before it is complete). Used by one thread at a time.
+class ForcedCallStream {
+ public:
+  ForcedCallStream(ToolChoice forced, std::string name);
+  // The pieces `text` completes.
+  std::vector<ToolCallPiece> Add(absl::string_view text);
+  // Calls begun so far.
+  int calls() const { return calls_; }
+
+ private:
+  // Scans text_ from pos_ on, handing out the pieces of each item as it ends.
+  void Scan(std::vector<ToolCallPiece>* out);
+  // The pieces of the current item not yet handed out, once its name is known.
+  void Emit(std::vector<ToolCallPiece>* out);
+
+  const ToolChoice forced_;
+  const std::string name_;
+  std::string text_;  // the output so far
+  size_t pos_ = 0;    // scanned up to here
+  int calls_ = 0;
+  // "required": the JSON scanner's state, and the current item's ({"name", "parameters"}).
+  int depth_ = 0;
+  bool in_string_ = false, escaped_ = false;
+  bool expect_key_ = false;       // at depth 2: the next string is a key
+  bool string_is_key_ = false;    // the open string is such a key
+  size_t string_start_ = 0;       // the open string's quote
+  std::string key_;               // the last key at depth 2
+  std::string value_key_;         // the key of the value being read at depth 2 ("" when none)
+  bool awaiting_value_ = false;   // after that key's ':'
+  std::string item_name_;
+  bool have_name_ = false, begun_ = false;
+  size_t params_start_ = std::string::npos, params_end_ = std::string::npos;
+  size_t params_sent_ = std::string::npos;  // the arguments sent up to here
 };
 
 // Splits one chat choice's output as it streams: the reasoning first (when on), then the tool
@@ -157,10 +210,13 @@ struct OutputSplit {
 class OutputSplitter {
  public:
   // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
-  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls);
-  // tool_choice "required" or a named function (`forced`; `name` the named one): the output, held
-  // until the final piece, is the calls' JSON its grammar made (ForcedToolCalls).
-  OutputSplitter(ToolChoice forced, std::string name);
+  // `tool_list`: the request's tools (ToolCallParser's `tools`).
+  OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
+                 nlohmann::ordered_json tool_list = nullptr);
+  // tool_choice "required" or a named function (`forced`; `name` the named one): the output is the
+  // calls' JSON its grammar made. Held until the final piece (ForcedToolCalls) unless `incremental`
+  // (a streamed answer): then handed out as ForcedCallStream's pieces while it is generated.
+  OutputSplitter(ToolChoice forced, std::string name, bool incremental = false);
   // The next piece of the output; `final`: the last one (what was held is decided).
   OutputSplit Add(absl::string_view text, bool final);
   bool reasoning() const { return reasoning_.has_value(); }
@@ -171,6 +227,7 @@ class OutputSplitter {
   ToolChoice forced_ = ToolChoice::kAuto;
   std::string forced_name_;
   std::string held_;  // forced calls: the output so far
+  std::optional<ForcedCallStream> stream_;  // forced calls, incremental
 };
 
 // The calls of a whole output made under tool_choice `forced` (kRequired: a JSON array of
@@ -185,7 +242,8 @@ std::optional<std::vector<ToolCall>> ForcedToolCalls(ToolChoice forced, const st
 nlohmann::ordered_json ChatMessage(const OutputSplit& whole, bool reasoning, const std::vector<std::string>& ids);
 // The stream deltas of a piece: {"reasoning_content"}, {"content"}, then for each call (indices
 // from `first_call` on, ids[index] its id) one delta with its index, id, type and name (arguments
-// ""), then one with its arguments. Empty when the piece adds nothing.
+// ""), then one with its arguments; for each call piece, a piece with a name as a call's first
+// delta and, when it has arguments, one with them. Empty when the piece adds nothing.
 std::vector<nlohmann::ordered_json> ChatDeltas(const OutputSplit& piece, int first_call,
                                                const std::vector<std::string>& ids);
 // finish_reason "tool_calls" when the choice made calls and stopped by itself; else `reason`.

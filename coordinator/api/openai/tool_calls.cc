@@ -1,7 +1,11 @@
 #include "coordinator/api/openai/tool_calls.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -17,6 +21,15 @@ constexpr absl::string_view kHermesEnd = "</tool_call>";
 constexpr absl::string_view kPythonTag = "<|python_tag|>";
 constexpr absl::string_view kMistralStart = "[TOOL_CALLS]";
 constexpr absl::string_view kMistralArgs = "[ARGS]";
+constexpr absl::string_view kDeepSeekCallsBegin = "<｜tool▁calls▁begin｜>";
+constexpr absl::string_view kDeepSeekCallsEnd = "<｜tool▁calls▁end｜>";
+constexpr absl::string_view kDeepSeekCallBegin = "<｜tool▁call▁begin｜>";
+constexpr absl::string_view kDeepSeekCallEnd = "<｜tool▁call▁end｜>";
+constexpr absl::string_view kDeepSeekSep = "<｜tool▁sep｜>";
+constexpr absl::string_view kQwenFunction = "<function=";
+constexpr absl::string_view kQwenFunctionEnd = "</function>";
+constexpr absl::string_view kQwenParameter = "<parameter=";
+constexpr absl::string_view kQwenParameterEnd = "</parameter>";
 constexpr char kWhitespace[] = " \t\r\n";
 constexpr char kWhitespaceOrSemicolon[] = " \t\r\n;";
 
@@ -27,7 +40,9 @@ struct Named {
 constexpr Named kFormats[] = {{"none", ToolCallFormat::kNone},
                               {"hermes", ToolCallFormat::kHermes},
                               {"llama3_json", ToolCallFormat::kLlama3Json},
-                              {"mistral", ToolCallFormat::kMistral}};
+                              {"mistral", ToolCallFormat::kMistral},
+                              {"deepseek_v3", ToolCallFormat::kDeepSeekV3},
+                              {"qwen3_coder", ToolCallFormat::kQwen3Coder}};
 
 size_t SkipWhitespace(absl::string_view s, size_t i) {
   while (i < s.size() && absl::string_view(kWhitespace).find(s[i]) != absl::string_view::npos) ++i;
@@ -92,6 +107,179 @@ bool CallOf(const Json& v, ToolCall* call) {
   return true;
 }
 
+std::string DumpArguments(const Json& arguments) {
+  return arguments.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+// A function name as a call's marker holds it: not empty, no whitespace.
+bool IsCallName(absl::string_view name) {
+  return !name.empty() && name.find_first_of(kWhitespace) == absl::string_view::npos;
+}
+
+// One DeepSeek call, from after <｜tool▁call▁begin｜> to before <｜tool▁call▁end｜>: V3's
+// "TYPE<｜tool▁sep｜>NAME\n```json\nARGS\n```", or V3.1's "NAME<｜tool▁sep｜>ARGS".
+bool DeepSeekCall(absl::string_view body, ToolCall* call) {
+  const size_t sep = body.find(kDeepSeekSep);
+  if (sep == absl::string_view::npos) return false;
+  absl::string_view name = absl::StripAsciiWhitespace(body.substr(0, sep));
+  absl::string_view args = absl::StripAsciiWhitespace(body.substr(sep + kDeepSeekSep.size()));
+  if (!absl::StartsWith(args, "{")) {
+    // V3: the name on the separator's line, then the arguments in a ```json fence.
+    if (name.empty()) return false;  // the call's type ("function")
+    const size_t line = args.find('\n');
+    if (line == absl::string_view::npos) return false;
+    name = absl::StripAsciiWhitespace(args.substr(0, line));
+    args = absl::StripAsciiWhitespace(args.substr(line + 1));
+    if (!absl::ConsumePrefix(&args, "```json") || !absl::ConsumeSuffix(&args, "```")) return false;
+  }
+  Json v;
+  if (!IsCallName(name) || !ParseJson(args, &v) || !v.is_object()) return false;
+  call->name = std::string(name);
+  call->arguments = DumpArguments(v);
+  return true;
+}
+
+// The properties a tool's `parameters` schema declares (vLLM: the schema's "properties", else the
+// schema itself), or null when `tools` has no function `name`.
+const Json* ParameterTypes(const Json& tools, absl::string_view name) {
+  if (!tools.is_array()) return nullptr;
+  for (const Json& tool : tools) {
+    if (!tool.is_object() || !tool.contains("function")) continue;
+    const Json& function = tool["function"];
+    if (!function.is_object() || !function.contains("name") || !function["name"].is_string() ||
+        function["name"].get<std::string>() != name) {
+      continue;
+    }
+    auto parameters = function.find("parameters");
+    if (parameters == function.end() || !parameters->is_object()) return nullptr;
+    auto properties = parameters->find("properties");
+    return properties != parameters->end() && properties->is_object() ? &*properties : &*parameters;
+  }
+  return nullptr;
+}
+
+// Text Python's int() reads: optional sign, decimal digits, whitespace around.
+bool ParseInteger(absl::string_view text, Json* out) {
+  text = absl::StripAsciiWhitespace(text);
+  const bool negative = absl::ConsumePrefix(&text, "-");
+  if (!negative) absl::ConsumePrefix(&text, "+");
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != absl::string_view::npos) return false;
+  int64_t v = 0;
+  for (char c : text) v = v * 10 + (c - '0');
+  *out = negative ? -v : v;
+  return true;
+}
+
+// Text Python's float() reads; an integral value becomes an integer (vLLM's conversion), a
+// value that is not finite stays text.
+bool ParseNumber(absl::string_view text, Json* out) {
+  const std::string t(absl::StripAsciiWhitespace(text));
+  if (t.empty() || t.find_first_not_of("0123456789+-.eE") != std::string::npos) return false;
+  char* end = nullptr;
+  const double d = std::strtod(t.c_str(), &end);
+  if (end != t.c_str() + t.size() || !std::isfinite(d)) return false;
+  if (d == std::trunc(d) && std::fabs(d) < 9.2e18) {
+    *out = static_cast<int64_t>(d);
+  } else {
+    *out = d;
+  }
+  return true;
+}
+
+// Whether `v` holds no true, false or null (which Python spells True, False, None).
+bool NoJsonLiterals(const Json& v) {
+  if (v.is_boolean() || v.is_null()) return false;
+  if (v.is_structured()) {
+    for (const Json& item : v) {
+      if (!NoJsonLiterals(item)) return false;
+    }
+  }
+  return true;
+}
+
+// A Qwen3-Coder parameter's value (its text) as the JSON value the tool's schema types it as;
+// `types` the tool's properties (ParameterTypes), or null.
+Json ConvertParameter(const std::string& value, const std::string& name, const Json* types) {
+  if (absl::AsciiStrToLower(value) == "null") return nullptr;
+  if (types == nullptr || !types->contains(name)) return value;
+  const Json& schema = (*types)[name];
+  std::string type = "string";
+  if (schema.is_object() && schema.contains("type")) {
+    type = schema["type"].is_string() ? absl::AsciiStrToLower(absl::StripAsciiWhitespace(schema["type"].get<std::string>()))
+                                      : "";  // a list of types: converted as an unknown type
+  }
+  Json v;
+  if (type == "string" || type == "str" || type == "text" || type == "varchar" || type == "char" || type == "enum") {
+    return value;
+  }
+  if (absl::StartsWith(type, "int") || absl::StartsWith(type, "uint") || absl::StartsWith(type, "long") ||
+      absl::StartsWith(type, "short") || absl::StartsWith(type, "unsigned")) {
+    return ParseInteger(value, &v) ? v : Json(value);
+  }
+  if (absl::StartsWith(type, "num") || absl::StartsWith(type, "float")) {
+    return ParseNumber(value, &v) ? v : Json(value);
+  }
+  if (type == "boolean" || type == "bool" || type == "binary") return absl::AsciiStrToLower(value) == "true";
+  // Objects and arrays: the value as JSON. Then (other types too) as a Python literal, of which
+  // this reads what JSON writes alike (numbers, double-quoted strings, lists, dicts) and True,
+  // False, None; else the text.
+  if (type == "object" || type == "array" || type == "arr" || absl::StartsWith(type, "dict") ||
+      absl::StartsWith(type, "list")) {
+    if (ParseJson(value, &v)) return v;
+  }
+  const absl::string_view t = absl::StripAsciiWhitespace(value);
+  if (t == "True" || t == "False") return t == "True";
+  if (t == "None") return nullptr;
+  if (ParseInteger(t, &v) || ParseNumber(t, &v)) return v;
+  if (!t.empty() && (t[0] == '[' || t[0] == '{' || t[0] == '"') && ParseJson(t, &v) && NoJsonLiterals(v)) return v;
+  return value;
+}
+
+// The end of the first of `ends` in `s` from `from` on (its position), or s.size().
+size_t FirstOf(absl::string_view s, size_t from, std::initializer_list<absl::string_view> ends) {
+  size_t best = s.size();
+  for (absl::string_view e : ends) best = std::min(best, s.find(e, from));
+  return best;
+}
+
+// The calls of Qwen3-Coder's XML: each <function=NAME> up to </function> (or the next function,
+// or the end), its <parameter=P> values up to </parameter> (or the next parameter, or the
+// function's end) with one newline on each side dropped. False when there is no function, or a
+// name or parameter without its '>'.
+bool QwenCalls(absl::string_view body, const Json& tools, std::vector<ToolCall>* calls) {
+  constexpr size_t npos = absl::string_view::npos;
+  size_t at = body.find(kQwenFunction);
+  if (at == npos) return false;
+  while (at != npos) {
+    const size_t name_start = at + kQwenFunction.size();
+    const size_t end = body.find(kQwenFunctionEnd, name_start);
+    const absl::string_view function = body.substr(name_start, (end == npos ? body.size() : end) - name_start);
+    at = end == npos ? npos : body.find(kQwenFunction, end + kQwenFunctionEnd.size());
+    const size_t gt = function.find('>');
+    if (gt == npos) return false;
+    const absl::string_view name = absl::StripAsciiWhitespace(function.substr(0, gt));
+    if (!IsCallName(name)) return false;
+    const Json* types = ParameterTypes(tools, name);
+    Json arguments = Json::object();
+    const absl::string_view params = function.substr(gt + 1);
+    for (size_t p = params.find(kQwenParameter); p != npos;) {
+      const size_t pname_start = p + kQwenParameter.size();
+      const size_t pend = FirstOf(params, pname_start, {kQwenParameterEnd, kQwenParameter});
+      const absl::string_view param = params.substr(pname_start, pend - pname_start);
+      const size_t pgt = param.find('>');
+      if (pgt == npos) return false;
+      const std::string pname(absl::StripAsciiWhitespace(param.substr(0, pgt)));
+      absl::string_view value = param.substr(pgt + 1);
+      absl::ConsumePrefix(&value, "\n");
+      absl::ConsumeSuffix(&value, "\n");
+      arguments[pname] = ConvertParameter(std::string(value), pname, types);
+      p = params.find(kQwenParameter, pend);
+    }
+    calls->push_back(ToolCall{std::string(name), DumpArguments(arguments)});
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name) {
@@ -112,6 +300,10 @@ const char* ToolCallFormatName(ToolCallFormat format) {
 }
 
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
+  if (absl::StrContains(source, kDeepSeekCallsBegin)) return ToolCallFormat::kDeepSeekV3;
+  if (absl::StrContains(source, kQwenFunction) && absl::StrContains(source, kQwenParameter)) {
+    return ToolCallFormat::kQwen3Coder;
+  }
   if (absl::StrContains(source, kHermesStart)) return ToolCallFormat::kHermes;
   if (absl::StrContains(source, kMistralStart)) return ToolCallFormat::kMistral;
   if (absl::StrContains(source, kPythonTag)) return ToolCallFormat::kLlama3Json;
@@ -119,11 +311,12 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
 }
 
 bool KeepsSpecialTokens(ToolCallFormat format) {
-  return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json;
+  return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json ||
+         format == ToolCallFormat::kDeepSeekV3;
 }
 
-ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls)
-    : format_(format), max_calls_(max_calls),
+ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools)
+    : format_(format), max_calls_(max_calls), tools_(std::move(tools)),
       separators_(format == ToolCallFormat::kLlama3Json ? kWhitespaceOrSemicolon : kWhitespace) {}
 
 ToolCallDelta ToolCallParser::Add(absl::string_view text) {
@@ -177,10 +370,30 @@ size_t ToolCallParser::FindStart(size_t* hold) const {
     if (absl::StartsWith(kPythonTag, rest)) *hold = p;
     return absl::string_view::npos;
   }
-  const absl::string_view marker = format_ == ToolCallFormat::kHermes ? kHermesStart : kMistralStart;
-  const size_t p = buf.find(marker);
-  if (p == absl::string_view::npos) *hold = buf.size() - PartialMarker(buf, marker);
-  return p;
+  switch (format_) {
+    case ToolCallFormat::kHermes:
+      return FindMarkers({kHermesStart}, hold);
+    case ToolCallFormat::kMistral:
+      return FindMarkers({kMistralStart}, hold);
+    case ToolCallFormat::kDeepSeekV3:
+      // A call's own marker starts one too (the calls after the first), and the end of the calls
+      // is a block of its own, dropped after a call.
+      return FindMarkers({kDeepSeekCallsBegin, kDeepSeekCallBegin, kDeepSeekCallsEnd}, hold);
+    case ToolCallFormat::kQwen3Coder:
+      return FindMarkers({kHermesStart, kQwenFunction}, hold);
+    default:
+      return absl::string_view::npos;
+  }
+}
+
+size_t ToolCallParser::FindMarkers(std::initializer_list<absl::string_view> markers, size_t* hold) const {
+  const absl::string_view buf = buf_;
+  size_t first = absl::string_view::npos;
+  for (absl::string_view m : markers) first = std::min(first, buf.find(m));
+  if (first == absl::string_view::npos) {
+    for (absl::string_view m : markers) *hold = std::min(*hold, buf.size() - PartialMarker(buf, m));
+  }
+  return first;
 }
 
 size_t ToolCallParser::FindEnd() const {
@@ -208,6 +421,22 @@ size_t ToolCallParser::FindEnd() const {
         if (buf[i] != '{') return i;  // not an object: not a call
       }
       return JsonValueEnd(buf, i);
+    }
+    case ToolCallFormat::kDeepSeekV3: {
+      if (absl::StartsWith(buf, kDeepSeekCallsEnd)) return kDeepSeekCallsEnd.size();
+      size_t i = 0;
+      if (absl::StartsWith(buf, kDeepSeekCallsBegin)) {
+        i = SkipWhitespace(buf, kDeepSeekCallsBegin.size());
+        if (absl::StartsWith(kDeepSeekCallBegin, buf.substr(i))) return npos;  // the call may follow
+        if (!absl::StartsWith(buf.substr(i), kDeepSeekCallBegin)) return i;     // no call: not a call
+      }
+      const size_t e = buf.find(kDeepSeekCallEnd, i);
+      return e == npos ? npos : e + kDeepSeekCallEnd.size();
+    }
+    case ToolCallFormat::kQwen3Coder: {
+      const absl::string_view end = absl::StartsWith(buf, kHermesStart) ? kHermesEnd : kQwenFunctionEnd;
+      const size_t e = buf.find(end);
+      return e == npos ? npos : e + end.size();
     }
     case ToolCallFormat::kNone:
       break;
@@ -252,8 +481,24 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
       const absl::string_view name = absl::StripAsciiWhitespace(body.substr(0, args));
       if (name.empty() || name.find_first_of(kWhitespace) != absl::string_view::npos) return false;
       if (!ParseJson(body.substr(args + kMistralArgs.size()), &v) || !v.is_object()) return false;
-      calls->push_back(ToolCall{std::string(name), v.dump(-1, ' ', false, Json::error_handler_t::replace)});
+      calls->push_back(ToolCall{std::string(name), DumpArguments(v)});
       return true;
+    }
+    case ToolCallFormat::kDeepSeekV3: {
+      // <｜tool▁calls▁end｜> closes the calls: dropped after one, content otherwise.
+      if (block == kDeepSeekCallsEnd) return calls_found_ > 0;
+      absl::string_view body = block;
+      if (absl::ConsumePrefix(&body, kDeepSeekCallsBegin)) body = absl::StripLeadingAsciiWhitespace(body);
+      if (!absl::ConsumePrefix(&body, kDeepSeekCallBegin)) return false;
+      absl::ConsumeSuffix(&body, kDeepSeekCallEnd);
+      if (!DeepSeekCall(body, &call)) return false;
+      calls->push_back(std::move(call));
+      return true;
+    }
+    case ToolCallFormat::kQwen3Coder: {
+      absl::string_view body = block;
+      if (absl::ConsumePrefix(&body, kHermesStart)) absl::ConsumeSuffix(&body, kHermesEnd);
+      return QwenCalls(body, tools_, calls);
     }
     case ToolCallFormat::kNone:
       break;
@@ -305,8 +550,8 @@ void ToolCallParser::Process(bool final, ToolCallDelta* out) {
   }
 }
 
-ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls) {
-  ToolCallParser parser(format, max_calls);
+ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls, const Json& tools) {
+  ToolCallParser parser(format, max_calls, tools);
   ToolCallDelta out = parser.Add(text);
   ToolCallDelta end = parser.Finish();
   out.content += end.content;

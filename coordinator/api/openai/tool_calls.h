@@ -6,34 +6,48 @@
 //   llama3_json  Llama 3.1 / 3.2 / 3.3: the output itself is {"name": ..., "parameters": {...}},
 //                optionally after <|python_tag|>, several separated by ';';
 //   mistral      Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], or (newer
-//                tokenizers) [TOOL_CALLS]name[ARGS]{...}, once per call.
+//                tokenizers) [TOOL_CALLS]name[ARGS]{...}, once per call;
+//   deepseek_v3  DeepSeek-V3 and R1: <｜tool▁calls▁begin｜>, then per call
+//                <｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>,
+//                then <｜tool▁calls▁end｜>; V3.1's calls are <｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}
+//                <｜tool▁call▁end｜>, read by the same parser (the JSON right after the separator);
+//   qwen3_coder  Qwen3-Coder: <tool_call>\n<function=name>\n<parameter=p>\nvalue\n</parameter>\n...
+//                </function>\n</tool_call> (or a bare <function=...>...</function>); each value is
+//                text, converted by the type its tool's `parameters` schema gives the parameter
+//                (integer, number, boolean, object, array; "null" is null; unknown parameters and
+//                strings stay text), as vLLM's qwen3_coder parser converts it.
 // What is not a well-formed call (malformed JSON, no name, arguments that are not an object) stays
 // content: the answer is never lost and never an error. Whitespace (and llama3_json's ';') next to
-// a call is dropped; an output without calls comes back as content unchanged.
+// a call is dropped (deepseek_v3's <｜tool▁calls▁end｜> after a call too); an output without calls
+// comes back as content unchanged.
 //
 // Threading: plain values; a ToolCallParser is used by one thread at a time.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
 
 namespace shardserve::openai {
 
-enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral };
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kQwen3Coder };
 
-// The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral"); an unknown one
-// is InvalidArgument listing the known ones.
+// The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral", "deepseek_v3",
+// "qwen3_coder"); an unknown one is InvalidArgument listing the known ones.
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
 const char* ToolCallFormatName(ToolCallFormat format);
-// The format a chat template writes tool calls in, recognised by the markers its text holds
-// (<tool_call>, [TOOL_CALLS], <|python_tag|>); kNone when it names none of them.
+// The format a chat template writes tool calls in, recognised by the markers its text holds:
+// <｜tool▁calls▁begin｜> deepseek_v3; <function= with <parameter= qwen3_coder (before hermes, whose
+// <tool_call> it holds too); <tool_call> hermes; [TOOL_CALLS] mistral; <|python_tag|> llama3_json;
+// kNone when it names none of them.
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
 // Whether the format's markers are special tokens, which the detokenizer must then keep
-// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>).
+// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's tool tokens).
 bool KeepsSpecialTokens(ToolCallFormat format);
 
 struct ToolCall {
@@ -56,7 +70,9 @@ struct ToolCallDelta {
 class ToolCallParser {
  public:
   // At most `max_calls` calls are handed out (parallel_tool_calls false: 1); later ones are dropped.
-  ToolCallParser(ToolCallFormat format, int max_calls);
+  // `tools`: the request's tools (an array as protocol.h checks them, or null): qwen3_coder reads
+  // its parameters' types there.
+  ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools = nullptr);
 
   // The next piece of the output.
   ToolCallDelta Add(absl::string_view text);
@@ -72,6 +88,8 @@ class ToolCallParser {
   // The position of a call's start marker in buf_, or npos; *hold: where text that may still
   // become a marker begins (buf_.size() when none).
   size_t FindStart(size_t* hold) const;
+  // The earliest of `markers` in buf_ (npos when none), and *hold as FindStart's.
+  size_t FindMarkers(std::initializer_list<absl::string_view> markers, size_t* hold) const;
   // The end of the call that buf_ begins with, or npos while incomplete.
   size_t FindEnd() const;
   // The calls of one complete block, or false when it is not well-formed.
@@ -79,6 +97,7 @@ class ToolCallParser {
 
   const ToolCallFormat format_;
   const int max_calls_;
+  const nlohmann::ordered_json tools_;
   const char* separators_;
   std::string buf_;               // text not yet decided
   bool in_call_ = false;          // buf_ begins with a call's start marker
@@ -90,7 +109,8 @@ class ToolCallParser {
 };
 
 // The whole output at once: the parser's Add(text) and Finish() joined.
-ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls);
+ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls,
+                             const nlohmann::ordered_json& tools = nullptr);
 
 }  // namespace shardserve::openai
 
