@@ -49,6 +49,11 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                                                  "CPU backend only; the CUDA kernels for it are not written yet "
                                                  "(docs/gpu.md)"));
   }
+  if (config.swiglu_limit > 0 && backend->device_kind() != DeviceKind::kCpu) {
+    return absl::UnimplementedError(absl::StrCat(config.architecture_name, "'s experts (biases and the clamped SwiGLU) "
+                                                 "run on the CPU backend only; the CUDA kernel for them is not "
+                                                 "written yet (docs/gpu.md)"));
+  }
   if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
