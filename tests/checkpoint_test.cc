@@ -24,6 +24,7 @@
 #include "model/mxfp4.h"
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
+#include "tests/device_like_backend.h"
 #include "worker/shard/model_shard.h"
 
 namespace shardserve {
@@ -702,6 +703,31 @@ TEST_F(CheckpointTest, GptOssFieldsAndStackedExperts) {
        "is not a multiple of 32"},
   };
   ExpectRefused(saved, refused);
+}
+
+// What only the CPU backend computes is refused at load on any other, naming the family and the
+// reason, before a weight is read: gpt-oss's experts (the clamped SwiGLU has no CUDA kernel yet) and
+// DeepSeek-V3's latent attention. The same fixtures load on the CPU backend.
+TEST_F(CheckpointTest, CpuOnlyFamiliesAreRefusedOnADeviceBackend) {
+  for (const auto& [fixture, why] : {std::pair{"gpt_oss_tf5", "GptOssForCausalLM's experts (biases and the clamped SwiGLU) "
+                                                             "run on the CPU backend only"},
+                                     std::pair{"deepseek_v3_tf5", "DeepseekV3ForCausalLM's multi-head latent attention runs "
+                                                                 "on the CPU backend only"}}) {
+    const fs::path dir = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models" / fixture;
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    DeviceLikeBackend device;
+    LocalCommunicator device_tp(&device);
+    const absl::Status refused = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, &device, &device_tp).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << fixture << ": " << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr(why));
+    std::unique_ptr<Backend> cpu = MakeCpuBackend();
+    LocalCommunicator cpu_tp(cpu.get());
+    const absl::Status loaded = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, cpu.get(), &cpu_tp).status();
+    EXPECT_TRUE(loaded.ok()) << fixture << ": " << loaded;
+  }
 }
 
 // model/mxfp4.h's DequantizeMxfp4 against transformers' own decoding (integrations/mxfp4.py

@@ -40,6 +40,21 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
       if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": ", s.message()));
       continue;
     }
+    if (IsMxfp4Part(config, w)) {  // gpt-oss's experts as published: MXFP4 codes and scales (model/mxfp4.h)
+      for (const auto& [name, shape] : Mxfp4Tensors(w)) {
+        absl::StatusOr<const TensorInfo*> t = checkpoint.Find(name);
+        if (!t.ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", name,
+                                                            "\", which config.json's mxfp4 experts need"));
+        }
+        if ((*t)->shape != shape || (*t)->extra != TensorInfo::Extra::kU8) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", name, "\" is ",
+                                                            (*t)->dtype_name(), " ", ShapeString((*t)->shape),
+                                                            "; mxfp4 experts need U8 ", ShapeString(shape)));
+        }
+      }
+      continue;
+    }
     auto it = checkpoint.tensors().find(w.name);
     if (it == checkpoint.tensors().end()) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", w.name,
