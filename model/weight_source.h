@@ -52,6 +52,11 @@ class WeightSource {
   // the host copy; the base refuses with Unimplemented and the caller reads on the host instead.
   virtual absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape,
                                     const Slice& slice, Backend* backend, Tensor* dst) const;
+
+  // Whether this source makes every tensor as a plain float one whatever the checkpoint would store
+  // (DummyWeights): MXFP4 experts (ModelConfig::mxfp4_experts) are then read as their plain stacked
+  // tensors, not as blocks and scales. False for a checkpoint.
+  virtual bool MakesPlainWeights() const { return false; }
 };
 
 // --load-format: auto reads the checkpoint's safetensors; dummy makes the weights from config.json

@@ -730,6 +730,26 @@ TEST_F(CheckpointTest, CpuOnlyFamiliesAreRefusedOnADeviceBackend) {
   }
 }
 
+// Dummy weights of a model whose checkpoint would hold MXFP4 experts (gpt-oss as published) make
+// the experts' plain stacked tensors, and the model loads from them (benchmarks of gpt-oss without
+// its checkpoint).
+TEST_F(CheckpointTest, DummyWeightsOfMxfp4ExpertsArePlain) {
+  const fs::path dir = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gpt_oss_mxfp4_tf5";
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(config->mxfp4_experts);
+  absl::StatusOr<std::unique_ptr<WeightSource>> dummy = OpenWeightSource(dir, *config, LoadFormat::kDummy, 7);
+  ASSERT_TRUE(dummy.ok()) << dummy.status();
+  EXPECT_TRUE((*dummy)->MakesPlainWeights());
+  std::unique_ptr<Backend> cpu = MakeCpuBackend();
+  LocalCommunicator tp(cpu.get());
+  const absl::Status loaded = ModelShard::Load(**dummy, *config, ShardSpec{}, kLimits, cpu.get(), &tp).status();
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_FALSE((*ckpt)->MakesPlainWeights());
+}
+
 // model/mxfp4.h's DequantizeMxfp4 against transformers' own decoding (integrations/mxfp4.py
 // convert_moe_packed_tensors) of random blocks (every code) and scales from 2^-6 to 2^6
 // (tests/fixtures/mxfp4/model.safetensors, written by tools/fixtures/make_parity_fixtures_tf5.py):

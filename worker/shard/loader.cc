@@ -278,7 +278,7 @@ absl::StatusOr<Tensor> WeightLoader::Stacked(const WeightDecl& w, const Slice& s
   }
   std::vector<float> slab(static_cast<size_t>(outs * ins));
   const Slice expert{0, w.expert, w.expert + 1};
-  if (product && config_.mxfp4_experts) {
+  if (product && config_.mxfp4_experts && !ckpt_.MakesPlainWeights()) {
     // <name>_blocks [E, out, in / 32, 16] and <name>_scales [E, out, in / 32], dequantized
     const int64_t groups = ins / kMxfp4BlockSize;
     std::vector<uint8_t> blocks(static_cast<size_t>(outs * groups * kMxfp4BlockBytes)),
@@ -349,7 +349,7 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     if (IsQuantizedLinear(config, w)) {
       SHARDSERVE_RETURN_IF_ERROR(
           CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), w.shape[0], w.shape[1]));
-    } else if (IsMxfp4Part(config, w)) {
+    } else if (IsMxfp4Part(config, w) && !ckpt.MakesPlainWeights()) {
       for (const auto& [name, shape] : Mxfp4Tensors(w)) SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
     } else {
       SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(w.name, CheckpointShape(w)));
