@@ -197,4 +197,8 @@ absl::Status Backend::MlaAttention(Tensor*, const Tensor&, const Tensor&, const 
                                                Describe(), "; it runs on the CPU backend"));
 }
 
+absl::Status Backend::ClampedSwiGlu(Tensor*, const Tensor&, const Tensor&, float, float) {
+  return absl::UnimplementedError(absl::StrCat(Describe(), ": ClampedSwiGlu (gpt-oss's experts) is not implemented"));
+}
+
 }  // namespace shardserve

@@ -374,6 +374,13 @@ class Backend {
                                   const Tensor& x /*[n, k] act*/, const Tensor& gate_w /*[f, k] act*/,
                                   const Tensor& up_w /*[f, k] act*/);
 
+  // gpt-oss's clamped SwiGLU (GptOssExperts._apply_gate): g = min(gate, limit), u = clamp(up, -limit,
+  // limit), out = (u + 1) * (g * sigmoid(alpha * g)), computed in float32 in transformers' order and
+  // rounded to act once (out may alias gate or up). alpha and limit finite and > 0 (InvalidArgument
+  // otherwise). The base refuses (Unimplemented): only the CPU backend has it.
+  virtual absl::Status ClampedSwiGlu(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,
+                                     const Tensor& up /*[n, f] act*/, float alpha, float limit);
+
   // GeGLU with the tanh GELU (Gemma, Gemma 2 and 3's MLP: transformers' gelu_pytorch_tanh, then
   // "* up"): out = gelu_tanh(gate) * up, with gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2 / pi) *
   // (x + 0.044715 * x^3))), PyTorch's gelu(approximate="tanh"), computed in float32 in PyTorch's

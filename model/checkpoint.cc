@@ -30,6 +30,7 @@ const char* TensorInfo::dtype_name() const {
   switch (extra) {
     case Extra::kF8E4M3: return "F8_E4M3";
     case Extra::kI64: return "I64";
+    case Extra::kU8: return "U8";
     case Extra::kNone: break;
   }
   return DTypeName(dtype);
@@ -60,9 +61,12 @@ absl::Status ParseDType(const std::string& s, TensorInfo* info) {
   } else if (s == "I64") {
     info->dtype = DType::kI32;
     info->extra = TensorInfo::Extra::kI64;
+  } else if (s == "U8") {
+    info->dtype = DType::kI8;
+    info->extra = TensorInfo::Extra::kU8;
   } else {
     return absl::UnimplementedError(
-        absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32, I64, F8_E4M3)"));
+        absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32, I64, F8_E4M3, U8)"));
   }
   return absl::OkStatus();
 }
@@ -448,25 +452,28 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
   SHARDSERVE_RETURN_IF_ERROR(CheckShape(name, expected_shape));
   const TensorInfo& t = tensors_.at(name);
   const std::string where = (dir_ / t.file).string();
-  if (t.shape.empty() || t.shape.size() > 2) {
+  if (t.shape.empty() || t.shape.size() > 4 || (t.shape.size() > 2 && slice.dim != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" is ", t.shape.size(),
-                                                   "-D; only 1-D and 2-D tensors can be read"));
+                                                   "-D; only 1-D and 2-D tensors can be read, and rows of 3-D and 4-D ones"));
   }
   // Float weights convert between F32, F16 and BF16; I32 / I64 tensors (packed values, zeros,
   // g_idx, shapes: model/quantized_checkpoint.h) are read only as I32; F8_E4M3 as a float type
   // (decoded) or as I8 (raw).
-  const bool int_src = t.dtype == DType::kI32, fp8_src = t.extra == TensorInfo::Extra::kF8E4M3;
-  const bool ok_type = int_src ? dst_type == DType::kI32
-                               : dst_type != DType::kI32 && (dst_type != DType::kI8 || fp8_src);
+  const bool int_src = t.dtype == DType::kI32, fp8_src = t.extra == TensorInfo::Extra::kF8E4M3,
+             u8_src = t.extra == TensorInfo::Extra::kU8;
+  const bool ok_type = int_src  ? dst_type == DType::kI32
+                       : u8_src ? dst_type == DType::kI8
+                                : dst_type != DType::kI32 && (dst_type != DType::kI8 || fp8_src);
   if (!ok_type) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": tensor \"", name, "\" has dtype ", t.dtype_name(),
                                                    dst_type == DType::kI32 ? "; expected I32"
-                                                   : fp8_src || int_src
+                                                   : fp8_src || int_src || u8_src
                                                        ? absl::StrCat("; it cannot be read as ", DTypeName(dst_type))
                                                        : "; weights must be F32, F16 or BF16"));
   }
   const int64_t rows = t.shape[0];
-  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  int64_t cols = 1;  // the product of the other dimensions (bounded by the file's size at Open)
+  for (size_t d = 1; d < t.shape.size(); ++d) cols *= t.shape[d];
   if (slice.dim < 0 || slice.dim >= static_cast<int>(t.shape.size())) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice dimension ", slice.dim, " out of range"));
   }
@@ -495,7 +502,7 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
         const auto v32 = static_cast<int32_t>(v);
         std::memcpy(to + 4 * i, &v32, 4);
       }
-    } else if (dst_type == DType::kI32) {
+    } else if (dst_type == DType::kI32 || u8_src) {
       std::memcpy(to, from, n * ds);
     } else {
       first = ConvertFinite(to, dst_type, from, fp8_src ? DType::kI8 : t.dtype, n);

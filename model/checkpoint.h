@@ -28,8 +28,9 @@ struct TensorInfo {
   // Safetensors dtypes that kernels/tensor.h has no DType for, read only for published quantized
   // checkpoints (model/quantized_checkpoint.h): F8_E4M3 (`dtype` kI8 holds its bytes; read as
   // F32/F16/BF16, decoded, or as I8, the raw bytes) and I64 (`dtype` kI32 nominally; read as I32,
-  // refused where a value does not fit).
-  enum class Extra : uint8_t { kNone, kF8E4M3, kI64 };
+  // refused where a value does not fit); U8 (`dtype` kI8 holds its bytes; read raw as I8 only: the
+  // codes and scales of MXFP4 experts, model/mxfp4.h).
+  enum class Extra : uint8_t { kNone, kF8E4M3, kI64, kU8 };
 
   std::string name;
   DType dtype = DType::kF32;
@@ -65,8 +66,9 @@ class Checkpoint : public WeightSource {
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& expected_shape) const override;
 
   // Copies `slice` of tensor `name` into `dst`, converting to `dst_type` (F32/F16/BF16; an I32 or
-  // I64 tensor is read only as I32, an F8_E4M3 one as a float type or raw as I8: TensorInfo), reading
-  // only the bytes of that slice. `expected_shape` (full tensor) must match the stored shape;
+  // I64 tensor is read only as I32, an F8_E4M3 one as a float type or raw as I8, a U8 one raw as I8:
+  // TensorInfo), reading only the bytes of that slice. A tensor of 3 or 4 dimensions is read as the
+  // 2-D [shape[0], the product of the rest] (rows only: a slice of dimension 0). `expected_shape` (full tensor) must match the stored shape;
   // a mismatch is an error naming the tensor, both shapes and config.json. dst holds
   // (slice length x other dimension) elements of dst_type, row-major.
   absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,

@@ -399,6 +399,45 @@ absl::Status ParseDeepseekExperts(const json& j, const std::string& source, Mode
   return absl::OkStatus();
 }
 
+// GptOssConfig's experts (c's expert count and k already read): every layer sparse, each expert
+// intermediate_size wide, the clamped SwiGLU's swiglu_limit (7.0) and swiglu_alpha (1.702;
+// transformers 4.x has no field and always 1.702), both finite and > 0.
+absl::Status ParseGptOssExperts(const json& j, const std::string& source, ModelConfig* c) {
+  c->moe_intermediate_size = c->intermediate_size;
+  c->sparse_layers.assign(c->num_hidden_layers, true);
+  c->swiglu_limit = 7.0;
+  c->swiglu_alpha = 1.702;
+  for (auto [field, value] : {std::pair{"swiglu_limit", &c->swiglu_limit}, std::pair{"swiglu_alpha", &c->swiglu_alpha}}) {
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, field, value));
+    if (!(*value > 0)) return FieldError(source, field, absl::StrCat("must be > 0, got ", *value));
+  }
+  return absl::OkStatus();
+}
+
+// gpt-oss's quantization_config: quant_method "mxfp4" (ModelConfig::mxfp4_experts), which
+// transformers applies to the experts alone (replace_with_mxfp4_linear converts only GptOssExperts);
+// modules_to_not_convert may name any module but the experts. Any other method is refused by name.
+absl::Status ParseMxfp4Experts(const json& q, const std::string& source, ModelConfig* c) {
+  if (!q.is_object() || !q.contains("quant_method") || q["quant_method"] != "mxfp4") {
+    return FieldError(source, "quantization_config",
+                      absl::StrCat("has quant_method ", q.is_object() && q.contains("quant_method") ? q["quant_method"].dump() : "null",
+                                   "; ", c->architecture_name, " checkpoints are read plain or with \"mxfp4\" experts"));
+  }
+  if (auto m = q.find("modules_to_not_convert"); m != q.end() && !m->is_null()) {
+    if (!m->is_array()) return FieldError(source, "quantization_config.modules_to_not_convert", "must be a list of names");
+    for (const json& name : *m) {
+      if (!name.is_string() || name.get<std::string>().find("experts") != std::string::npos) {
+        return FieldError(source, "quantization_config.modules_to_not_convert",
+                          absl::StrCat("has ", name.dump(), "; the experts of an mxfp4 checkpoint are all MXFP4"));
+      }
+    }
+  }
+  bool dequantize = false;  // Mxfp4Config's dequantize only changes how transformers holds them
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(q, absl::StrCat(source, " quantization_config"), "dequantize", &dequantize));
+  c->mxfp4_experts = true;
+  return absl::OkStatus();
+}
+
 // Multi-head latent attention's fields (ModelConfig::kv_lora_rank and the rest), as
 // DeepseekV3Attention reads them: head_dim becomes qk_rope_head_dim, and the softmax scale
 // qk_head_dim^-0.5, times mscale^2 for a RoPE scaling with mscale_all_dim (yarn_apply_mscale:
@@ -460,8 +499,9 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
   if (c->num_experts < 0 || c->num_experts > kMaxExperts) {
     return FieldError(source, count_field, absl::StrCat("must be in [0, ", kMaxExperts, "], got ", c->num_experts));
   }
-  if (kind == Experts::kMixtral && c->num_experts == 0) {
-    return FieldError(source, count_field, "is 0; Mixtral's layers are all mixtures of experts");
+  if ((kind == Experts::kMixtral || kind == Experts::kGptOss) && c->num_experts == 0) {
+    return FieldError(source, count_field, absl::StrCat("is 0; ", c->architecture_name,
+                                                        "'s layers are all mixtures of experts"));
   }
   if (c->num_experts == 0) return absl::OkStatus();  // Qwen-MoE with no experts: every MLP dense
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_experts_per_tok", true, &c->num_experts_per_tok));
@@ -469,6 +509,7 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
     return FieldError(source, "num_experts_per_tok", absl::StrCat("must be in [1, ", c->num_experts, "] (",
                                                                   count_field, "), got ", c->num_experts_per_tok));
   }
+  if (kind == Experts::kGptOss) return ParseGptOssExperts(j, source, c);
   if (kind == Experts::kMixtral) {
     // MixtralSparseMoeBlock: every layer; experts of intermediate_size; the top k renormalised.
     c->moe_intermediate_size = c->intermediate_size;
@@ -584,10 +625,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
     c.qkv_bias = true;
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "qkv_bias", &c.qkv_bias));
   }
-  if (c.family->attention_bias == AttentionBias::kConfigured) {
+  if (c.family->attention_bias == AttentionBias::kConfigured ||
+      c.family->attention_bias == AttentionBias::kConfiguredOn) {
+    c.qkv_bias = c.family->attention_bias == AttentionBias::kConfiguredOn;  // GptOssConfig's default: true
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
     c.o_bias = c.qkv_bias;
   }
+  c.attention_sinks = c.family->attention_sinks;
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
   RopeContext rope_context{.max_position_embeddings = c.max_position_embeddings, .phi3 = c.family->phi3_rope};
   // The top level's original_max_position_embeddings replaces the RoPE object's (not one keyed by
@@ -604,10 +648,22 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
     c.rope_scaling = full.scaling;
     c.sliding_rope = sliding;
   } else {
+    // The config class's RoPE where the file leaves it out (GptOssConfig: base 150000, yarn).
+    if (c.family->default_rope_theta > 0) c.rope_theta = c.family->default_rope_theta;
+    if (c.family->default_rope_scaling != nullptr && !Present(j, "rope_scaling") && !Present(j, "rope_parameters")) {
+      json rope = json::parse(c.family->default_rope_scaling);
+      SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "rope_theta", &c.rope_theta));
+      rope["rope_theta"] = c.rope_theta;
+      j["rope_parameters"] = rope;
+    }
     SHARDSERVE_RETURN_IF_ERROR(ParseRope(j, source, rope_context, &c.rope_theta, &c.rope_scaling));
   }
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
-    SHARDSERVE_ASSIGN_OR_RETURN(c.checkpoint_quant, ParseCheckpointQuant(q->dump(), source));
+    if (c.family->experts == FamilyDeclaration::Experts::kGptOss) {
+      SHARDSERVE_RETURN_IF_ERROR(ParseMxfp4Experts(*q, source, &c));
+    } else {
+      SHARDSERVE_ASSIGN_OR_RETURN(c.checkpoint_quant, ParseCheckpointQuant(q->dump(), source));
+    }
   }
 
   for (auto [field, value, max, max_text] :
@@ -628,6 +684,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
                       absl::StrCat("must be in [", kMinPositionEmbeddings, ", 2^31], got ", c.max_position_embeddings));
   }
   SHARDSERVE_RETURN_IF_ERROR(ParseExperts(j, source, &c));
+  if (c.mxfp4_experts && (c.hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0)) {
+    return FieldError(source, "quantization_config",
+                      absl::StrCat("is mxfp4, whose blocks hold 32 inputs, but hidden_size ", c.hidden_size,
+                                   " or intermediate_size ", c.moe_intermediate_size, " is not a multiple of 32"));
+  }
   if (c.num_experts > 0 && c.checkpoint_quant.has_value()) {
     return FieldError(source, "quantization_config",
                       absl::StrCat("describes a quantized checkpoint of ", c.architecture_name,
@@ -717,7 +778,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
        c.family->sliding_window == SlidingWindow::kLayerTypes) &&
       (Present(j, "sliding_window") || (c.family->sliding_window == SlidingWindow::kLayerTypes &&
                                         !j.contains("sliding_window")))) {
-    int64_t window = 4096;  // Gemma2Config's and Gemma3TextConfig's default, when the field is absent
+    // Gemma2Config's and Gemma3TextConfig's default (4096), GptOssConfig's (128), when the field is absent
+    int64_t window = c.family->default_sliding_window;
     SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "sliding_window", false, &window));
     if (window < kMinPositionEmbeddings || window > kMaxPositionEmbeddings) {
       return FieldError(source, "sliding_window",

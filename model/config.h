@@ -134,6 +134,19 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   bool rope_interleave = false;
+  // gpt-oss's experts (FamilyDeclaration::Experts::kGptOss): each has biases on its gate, up and
+  // down products and the clamped SwiGLU out = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha *
+  // g), g = min(gate, limit) (swiglu_limit, swiglu_alpha: GptOssExperts._apply_gate). 0: plain SwiGLU.
+  double swiglu_limit = 0;
+  double swiglu_alpha = 0;
+  // Learned per-head attention sinks (gpt-oss; FamilyDeclaration::attention_sinks).
+  bool attention_sinks = false;
+  // The experts stored in MXFP4 (quantization_config quant_method "mxfp4", as gpt-oss is published):
+  // each stacked expert tensor <name> as <name>_blocks [E, out, in / 32, 16] U8 (two 4-bit e2m1
+  // codes a byte, the low nibble first) and <name>_scales [E, out, in / 32] U8 (E8M0: a power of two,
+  // 2^(s - 127), per 32 inputs), dequantized at load (model/mxfp4.h). Only the experts; the rest is
+  // plain. checkpoint_quant stays unset.
+  bool mxfp4_experts = false;
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none

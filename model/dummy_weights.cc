@@ -85,7 +85,7 @@ absl::StatusOr<CounterUniformSlice> DummyWeights::SliceOf(const std::string& nam
                                                           const Slice& slice) const {
   if (absl::Status s = CheckShape(name, expected_shape); !s.ok()) return s;
   const std::vector<int64_t>& shape = shapes_.at(name);
-  if (slice.dim < 0 || slice.dim >= static_cast<int>(shape.size())) {
+  if (slice.dim < 0 || slice.dim >= static_cast<int>(shape.size()) || (shape.size() > 2 && slice.dim != 0)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor \"", name, "\": slice dimension ", slice.dim, " out of range"));
   }
   const int64_t extent = shape[slice.dim];
@@ -98,7 +98,8 @@ absl::StatusOr<CounterUniformSlice> DummyWeights::SliceOf(const std::string& nam
   s.key = TensorKey(seed_, name);
   s.scale = ElementScale(name, shape);
   s.rows = shape[0];
-  s.cols = shape.size() == 2 ? shape[1] : 1;
+  s.cols = 1;  // a stacked tensor of 3 dimensions (gpt-oss's experts) as [shape[0], the rest]
+  for (size_t d = 1; d < shape.size(); ++d) s.cols *= shape[d];
   s.dim = slice.dim;
   s.begin = begin;
   s.end = end;

@@ -44,6 +44,8 @@ class DummyWeights : public WeightSource {
                     DType dst_type, void* dst) const override;
   absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
                             Backend* backend, Tensor* dst) const override;
+  // Every tensor plain, MXFP4 experts included (their stacked float tensors).
+  bool MakesPlainWeights() const override { return true; }
 
   // The counter-generated slice Read and ReadOnDevice write: CheckShape's errors, or
   // InvalidArgument naming the tensor for a slice outside it.

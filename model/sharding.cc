@@ -98,12 +98,15 @@ Slice ShardSlice(TpSplit split, const TpShard& s) {
     case TpSplit::kMlaKvBRows: return Slice{0, s.mla_kv_b_rows.begin, s.mla_kv_b_rows.end};
     case TpSplit::kMlaOCols: return Slice{1, s.mla_o_cols.begin, s.mla_o_cols.end};
     case TpSplit::kFirstRank: return Slice{0, 0, -1};
+    case TpSplit::kQHeads: return Slice{0, s.tp_rank * s.q_heads, (s.tp_rank + 1) * s.q_heads};
+    case TpSplit::kExpertFirstRank: return Slice{0, 0, -1};
   }
   return Slice{0, 0, -1};
 }
 
 bool HoldsAny(TpSplit split, const TpShard& s, int64_t expert) {
   if (expert >= 0 && (expert < s.experts.begin || expert >= s.experts.end)) return false;  // another rank's expert
+  if (split == TpSplit::kExpertFirstRank) return s.expert_parallel || s.tp_rank == 0;
   return split != TpSplit::kFirstRank || s.tp_rank == 0;
 }
 

@@ -86,12 +86,16 @@ enum class TpSplit {
   kMlaOCols,      // MLA's o_proj: columns mla_o_cols
   kFirstRank,   // the bias of a row-parallel product (o_proj's): added once to the partial sums
                 // that meet in the all-reduce, so rank 0 holds all of it and the others none
+  kQHeads,      // one value per query head (gpt-oss's attention sinks): this rank's q_heads of them
+  kExpertFirstRank,  // an expert's down_proj bias: whole on rank 0 when the experts are cut (added
+                     // once to the partial sums), whole on the expert's rank with expert parallelism
 };
 
 // The part of a tensor cut by `split` that `shard` holds (all of it for kFirstRank: ask HoldsAny).
 Slice ShardSlice(TpSplit split, const TpShard& shard);
-// Whether `shard` holds any of a tensor cut by `split` (false for kFirstRank off rank 0, and for
-// a tensor of expert `expert` outside shard.experts; -1: not an expert's).
+// Whether `shard` holds any of a tensor cut by `split` (false for kFirstRank off rank 0, for
+// kExpertFirstRank off rank 0 unless the experts are whole, and for a tensor of expert `expert`
+// outside shard.experts; -1: not an expert's).
 bool HoldsAny(TpSplit split, const TpShard& shard, int64_t expert = -1);
 
 // The experts rank `tp_rank` of `tp_size` holds under expert parallelism:

@@ -40,7 +40,8 @@ class WeightSource {
 
   // Writes `slice` of tensor `name` into `dst`, converted to `dst_type` (F32/F16/BF16; I32 / I64
   // tensors as I32 only and F8_E4M3 ones as a float type or raw as I8, where the source has them:
-  // published quantized checkpoints, model/quantized_checkpoint.h): dst holds
+  // published quantized checkpoints, model/quantized_checkpoint.h; U8 ones raw as I8, MXFP4 experts,
+  // model/mxfp4.h; a tensor of 3 or 4 dimensions as [shape[0], the rest], rows only): dst holds
   // (slice length x other dimension) elements of dst_type, row-major. `expected_shape` (the full
   // tensor) must match, as CheckShape says.
   virtual absl::Status Read(const std::string& name, const std::vector<int64_t>& expected_shape, const Slice& slice,
@@ -51,6 +52,11 @@ class WeightSource {
   // the host copy; the base refuses with Unimplemented and the caller reads on the host instead.
   virtual absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& expected_shape,
                                     const Slice& slice, Backend* backend, Tensor* dst) const;
+
+  // Whether this source makes every tensor as a plain float one whatever the checkpoint would store
+  // (DummyWeights): MXFP4 experts (ModelConfig::mxfp4_experts) are then read as their plain stacked
+  // tensors, not as blocks and scales. False for a checkpoint.
+  virtual bool MakesPlainWeights() const { return false; }
 };
 
 // --load-format: auto reads the checkpoint's safetensors; dummy makes the weights from config.json

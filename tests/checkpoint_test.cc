@@ -21,8 +21,10 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/families/registry.h"
+#include "model/mxfp4.h"
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
+#include "tests/device_like_backend.h"
 #include "worker/shard/model_shard.h"
 
 namespace shardserve {
@@ -263,7 +265,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
-                        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+                        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
 }
 
@@ -563,6 +565,232 @@ TEST_F(CheckpointTest, DeepseekV3LatentAttentionAndRouter) {
        "quantized mixture-of-experts checkpoints are not supported"},
   };
   ExpectRefused(saved, refused);
+}
+
+// The declaration of expert `expert`'s tensor of `role` (a part of a stacked tensor for gpt-oss).
+const WeightDecl* FindExpertDecl(const std::vector<WeightDecl>& decls, WeightRole role, int64_t layer, int64_t expert) {
+  for (const WeightDecl& w : decls) {
+    if (w.role == role && w.layer == layer && w.expert == expert) return &w;
+  }
+  return nullptr;
+}
+
+// gpt-oss: GptOssConfig's fields as transformers 5 saves them (biases on by default, sinks, the
+// alternating sliding layers and their window, yarn, every layer sparse with experts of
+// intermediate_size, the clamped SwiGLU's limit and alpha); each expert's gate, up and down and their
+// biases declared as parts of the stacked tensors (gate the even outputs of gate_up_proj, up the odd
+// ones, transposed from [in, out]); the down bias on one rank when the experts are cut, on its
+// expert's rank with expert parallelism; the sinks cut by heads; GptOssConfig's defaults where the
+// file leaves fields out; bad fields named.
+TEST_F(CheckpointTest, GptOssFieldsAndStackedExperts) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gpt_oss_tf5/config.json");
+  const json saved = json::parse(in);
+  auto c = ParseModelConfig(saved.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_TRUE(c->o_bias);
+  EXPECT_TRUE(c->attention_sinks);
+  EXPECT_EQ(c->layer_window, (std::vector<int64_t>{32, 0, 32}));
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kYarn);
+  EXPECT_FALSE(c->rope_scaling.truncate);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 150000.0);
+  EXPECT_NEAR(c->rope_scaling.attention_factor, 0.1 * std::log(4.0) + 1.0, 1e-12);
+  EXPECT_EQ(c->num_experts, 5);
+  EXPECT_EQ(c->num_experts_per_tok, 2);
+  EXPECT_EQ(c->moe_intermediate_size, 32);
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{true, true, true}));
+  EXPECT_DOUBLE_EQ(c->swiglu_limit, 1.0);
+  EXPECT_DOUBLE_EQ(c->swiglu_alpha, 1.702);
+  EXPECT_FALSE(c->mxfp4_experts);
+  const std::vector<WeightDecl> decls = ModelWeights(*c);
+  const WeightDecl* gate = FindExpertDecl(decls, WeightRole::kExpertGateProj, 1, 3);
+  const WeightDecl* up = FindExpertDecl(decls, WeightRole::kExpertUpProj, 1, 3);
+  const WeightDecl* down = FindExpertDecl(decls, WeightRole::kExpertDownProj, 1, 3);
+  const WeightDecl* down_bias = FindExpertDecl(decls, WeightRole::kExpertDownBias, 1, 3);
+  ASSERT_TRUE(gate != nullptr && up != nullptr && down != nullptr && down_bias != nullptr);
+  EXPECT_EQ(gate->name, "model.layers.1.mlp.experts.gate_up_proj");
+  EXPECT_EQ(gate->shape, (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(gate->fused_shape, (std::vector<int64_t>{5, 64, 64}));
+  EXPECT_EQ(gate->stack.period, 2);
+  EXPECT_EQ(gate->stack.from, 0);
+  EXPECT_TRUE(gate->stack.transposed);
+  EXPECT_EQ(up->stack.from, 1);
+  EXPECT_EQ(down->shape, (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(down->fused_shape, (std::vector<int64_t>{5, 32, 64}));
+  EXPECT_EQ(down->split, TpSplit::kExpertCols);
+  EXPECT_EQ(FindExpertDecl(decls, WeightRole::kExpertUpBias, 1, 3)->fused_shape, (std::vector<int64_t>{5, 64}));
+  EXPECT_EQ(down_bias->split, TpSplit::kExpertFirstRank);
+  EXPECT_TRUE(TakesWeightQuant(*gate));
+  EXPECT_FALSE(TakesWeightQuant(*down_bias));
+  EXPECT_FALSE(TakesWeightQuant(*FindDecl(decls, "model.layers.0.mlp.router.weight")));
+  ASSERT_NE(FindDecl(decls, "model.layers.0.mlp.router.bias"), nullptr);
+  const WeightDecl* sinks = FindDecl(decls, "model.layers.2.self_attn.sinks");
+  ASSERT_NE(sinks, nullptr);
+  EXPECT_EQ(sinks->split, TpSplit::kQHeads);
+  {
+    const int64_t H = 64, V = 256, E = 5, I = 32;
+    const int64_t attention = 64 * H * 2 + 32 * H * 2 + 64 + 32 * 2 + H + 4;  // q, o; k, v; biases; sinks
+    const int64_t expert = H * 2 * I + 2 * I + I * H + H;                   // gate_up and down, their biases
+    EXPECT_EQ(c->ParameterCount(), 3 * (attention + 2 * H + E * H + E + E * expert) + H + 2 * V * H);
+  }
+  // TP = 2: rank 1 holds query heads 2 and 3's sinks, rows [16, 32) of each expert's gate and up
+  // (and of their biases), those columns of down; the down bias is rank 0's. Expert parallelism:
+  // expert 3 whole on rank 1, with its down bias.
+  auto shard = ComputeTpShard(*c, 1, 2);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  EXPECT_EQ(ShardSlice(TpSplit::kQHeads, *shard).begin, 2);
+  EXPECT_EQ(ShardSlice(TpSplit::kQHeads, *shard).end, 4);
+  EXPECT_EQ(shard->expert_rows.begin, 16);
+  EXPECT_FALSE(HoldsAny(TpSplit::kExpertFirstRank, *shard, 3));
+  EXPECT_TRUE(HoldsAny(TpSplit::kExpertFirstRank, *ComputeTpShard(*c, 0, 2), 3));
+  auto ep = ComputeTpShard(*c, 1, 2, /*expert_parallel=*/true);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  EXPECT_TRUE(HoldsAny(TpSplit::kExpertFirstRank, *ep, 3));
+  EXPECT_FALSE(HoldsAny(TpSplit::kExpertFirstRank, *ComputeTpShard(*c, 0, 2, true), 3));
+
+  // GptOssConfig's defaults: attention_bias true, the even layers sliding over 128 tokens, base
+  // 150000 with yarn factor 32 over 4096 positions, swiglu_limit 7 and alpha 1.702.
+  json bare = saved;
+  for (const char* field : {"attention_bias", "layer_types", "sliding_window", "rope_parameters", "swiglu_limit",
+                            "swiglu_alpha"}) {
+    bare.erase(field);
+  }
+  c = ParseModelConfig(bare.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_EQ(c->layer_window, (std::vector<int64_t>{128, 0, 128}));
+  EXPECT_DOUBLE_EQ(c->rope_theta, 150000.0);
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kYarn);
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 32.0);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_FALSE(c->rope_scaling.truncate);
+  EXPECT_DOUBLE_EQ(c->swiglu_limit, 7.0);
+  EXPECT_DOUBLE_EQ(c->swiglu_alpha, 1.702);
+  json unbiased = saved;
+  unbiased["attention_bias"] = false;
+  c = ParseModelConfig(unbiased.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(FindDecl(ModelWeights(*c), "model.layers.0.self_attn.q_proj.bias"), nullptr);
+  // MXFP4 experts (as published): only the experts' products are read from blocks and scales.
+  json mxfp4 = saved;
+  mxfp4["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"lm_head"}}};
+  c = ParseModelConfig(mxfp4.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->mxfp4_experts);
+  EXPECT_FALSE(c->checkpoint_quant.has_value());
+  const std::vector<WeightDecl> q = ModelWeights(*c);
+  EXPECT_TRUE(IsMxfp4Part(*c, *FindExpertDecl(q, WeightRole::kExpertUpProj, 0, 1)));
+  EXPECT_FALSE(IsMxfp4Part(*c, *FindExpertDecl(q, WeightRole::kExpertUpBias, 0, 1)));
+  EXPECT_FALSE(IsMxfp4Part(*c, *FindDecl(q, "model.layers.0.self_attn.q_proj.weight")));
+  const auto stored = Mxfp4Tensors(*FindExpertDecl(q, WeightRole::kExpertDownProj, 0, 1));
+  ASSERT_EQ(stored.size(), 2u);
+  EXPECT_EQ(stored[0].first, "model.layers.0.mlp.experts.down_proj_blocks");
+  EXPECT_EQ(stored[0].second, (std::vector<int64_t>{5, 64, 1, 16}));
+  EXPECT_EQ(stored[1].second, (std::vector<int64_t>{5, 64, 1}));
+
+  const std::vector<std::pair<std::function<void(json&)>, std::string>> refused = {
+      {[](json& j) { j["swiglu_limit"] = 0; }, "\"swiglu_limit\" must be > 0"},
+      {[](json& j) { j["swiglu_alpha"] = -1.0; }, "\"swiglu_alpha\" must be > 0"},
+      {[](json& j) { j["num_local_experts"] = 0; }, "GptOssForCausalLM's layers are all mixtures of experts"},
+      {[](json& j) { j["num_experts_per_tok"] = 6; }, "\"num_experts_per_tok\" must be in [1, 5]"},
+      {[](json& j) { j["hidden_act"] = "gelu"; }, "\"hidden_act\" is \"gelu\""},
+      {[](json& j) { j["layer_types"][1] = "chunked_attention"; }, "\"layer_types\" has \"chunked_attention\""},
+      {[](json& j) { j["rope_parameters"]["rope_type"] = "dynamic"; }, "rope_type \"dynamic\""},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "fp8"}}; }, "quant_method \"fp8\""},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"model.layers.*.mlp.experts"}}}; },
+       "the experts of an mxfp4 checkpoint are all MXFP4"},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "mxfp4"}}; j["intermediate_size"] = 48; },
+       "is not a multiple of 32"},
+  };
+  ExpectRefused(saved, refused);
+}
+
+// What only the CPU backend computes is refused at load on any other, naming the family and the
+// reason, before a weight is read: gpt-oss's experts (the clamped SwiGLU has no CUDA kernel yet) and
+// DeepSeek-V3's latent attention. The same fixtures load on the CPU backend.
+TEST_F(CheckpointTest, CpuOnlyFamiliesAreRefusedOnADeviceBackend) {
+  for (const auto& [fixture, why] : {std::pair{"gpt_oss_tf5", "GptOssForCausalLM's experts (biases and the clamped SwiGLU) "
+                                                             "run on the CPU backend only"},
+                                     std::pair{"deepseek_v3_tf5", "DeepseekV3ForCausalLM's multi-head latent attention runs "
+                                                                 "on the CPU backend only"}}) {
+    const fs::path dir = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models" / fixture;
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+    DeviceLikeBackend device;
+    LocalCommunicator device_tp(&device);
+    const absl::Status refused = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, &device, &device_tp).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kUnimplemented) << fixture << ": " << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr(why));
+    std::unique_ptr<Backend> cpu = MakeCpuBackend();
+    LocalCommunicator cpu_tp(cpu.get());
+    const absl::Status loaded = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, cpu.get(), &cpu_tp).status();
+    EXPECT_TRUE(loaded.ok()) << fixture << ": " << loaded;
+  }
+}
+
+// Dummy weights of a model whose checkpoint would hold MXFP4 experts (gpt-oss as published) make
+// the experts' plain stacked tensors, and the model loads from them (benchmarks of gpt-oss without
+// its checkpoint).
+TEST_F(CheckpointTest, DummyWeightsOfMxfp4ExpertsArePlain) {
+  const fs::path dir = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gpt_oss_mxfp4_tf5";
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(config->mxfp4_experts);
+  absl::StatusOr<std::unique_ptr<WeightSource>> dummy = OpenWeightSource(dir, *config, LoadFormat::kDummy, 7);
+  ASSERT_TRUE(dummy.ok()) << dummy.status();
+  EXPECT_TRUE((*dummy)->MakesPlainWeights());
+  std::unique_ptr<Backend> cpu = MakeCpuBackend();
+  LocalCommunicator tp(cpu.get());
+  const absl::Status loaded = ModelShard::Load(**dummy, *config, ShardSpec{}, kLimits, cpu.get(), &tp).status();
+  EXPECT_TRUE(loaded.ok()) << loaded;
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_FALSE((*ckpt)->MakesPlainWeights());
+}
+
+// model/mxfp4.h's DequantizeMxfp4 against transformers' own decoding (integrations/mxfp4.py
+// convert_moe_packed_tensors) of random blocks (every code) and scales from 2^-6 to 2^6
+// (tests/fixtures/mxfp4/model.safetensors, written by tools/fixtures/make_parity_fixtures_tf5.py):
+// bit for bit, after transformers' transpose to [E, in, out]. A scale that overflows float32 is refused.
+TEST_F(CheckpointTest, Mxfp4DequantizationIsTransformers) {
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/mxfp4");
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const int64_t E = 2, rows = 3, groups = 2, cols = groups * kMxfp4BlockSize;
+  std::vector<int8_t> blocks(E * rows * groups * kMxfp4BlockBytes), scales(E * rows * groups);
+  absl::Status read = (*ckpt)->Read("w_blocks", {E, rows, groups, kMxfp4BlockBytes}, Slice{}, DType::kI8, blocks.data());
+  ASSERT_TRUE(read.ok()) << read;
+  read = (*ckpt)->Read("w_scales", {E, rows, groups}, Slice{}, DType::kI8, scales.data());
+  ASSERT_TRUE(read.ok()) << read;
+  std::vector<float> want(E * cols * rows);
+  read = (*ckpt)->Read("dequantized", {E, cols, rows}, Slice{}, DType::kF32, want.data());
+  ASSERT_TRUE(read.ok()) << read;
+  // One expert's slab read alone (a row range of the 4-D tensor), as the loader reads it.
+  std::vector<int8_t> second(rows * groups * kMxfp4BlockBytes);
+  ASSERT_TRUE((*ckpt)->Read("w_blocks", {E, rows, groups, kMxfp4BlockBytes}, Slice{0, 1, 2}, DType::kI8, second.data()).ok());
+  EXPECT_TRUE(std::equal(second.begin(), second.end(), blocks.begin() + second.size()));
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<float> got(rows * cols);
+    ASSERT_TRUE(DequantizeMxfp4(reinterpret_cast<const uint8_t*>(blocks.data()) + e * rows * groups * kMxfp4BlockBytes,
+                                reinterpret_cast<const uint8_t*>(scales.data()) + e * rows * groups, rows, cols,
+                                got.data(), "w")
+                    .ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < cols; ++i) {
+        ASSERT_EQ(got[r * cols + i], want[(e * cols + i) * rows + r]) << "expert " << e << " row " << r << " input " << i;
+      }
+    }
+  }
+  // U8 codes read as anything but raw bytes are refused, naming the dtype.
+  std::vector<float> as_float(E * rows * groups * kMxfp4BlockBytes);
+  const absl::Status s = (*ckpt)->Read("w_blocks", {E, rows, groups, kMxfp4BlockBytes}, Slice{}, DType::kF32, as_float.data());
+  EXPECT_THAT(std::string(s.message()), HasSubstr("U8"));
+  const uint8_t big_codes[16] = {0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77, 0x77};
+  const uint8_t huge_scale[1] = {255};
+  std::vector<float> out(32);
+  const absl::Status overflow = DequantizeMxfp4(big_codes, huge_scale, 1, 32, out.data(), "w_blocks");
+  EXPECT_THAT(std::string(overflow.message()), HasSubstr("overflow float32"));
 }
 
 // Qwen2-MoE: Qwen3-MoE's fields plus the shared expert (its size required, its tensors cut over TP

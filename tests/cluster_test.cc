@@ -105,6 +105,10 @@ std::vector<Layout> Layouts() {
       // with q_lora_rank and YaRN, and without q_lora_rank; the sigmoid group-limited router with
       // shared experts after a dense layer.
       {"deepseek_v3_tf5", 3}, {"deepseek_v3_bf16_tf5", 3},
+      // gpt-oss: attention sinks, sliding and full layers in turn, experts with biases and the
+      // clamped SwiGLU (their down bias added once over the TP group), float32, bf16 weights and
+      // MXFP4 experts.
+      {"gpt_oss_tf5", 3}, {"gpt_oss_bf16_tf5", 4}, {"gpt_oss_mxfp4_tf5", 2},
       // Gemma 3 as published (Gemma3ForConditionalGeneration): its text model, tensors under
       // language_model.model. (transformers 5) and model.language_model. (4.52-4.57).
       {"gemma3_cg_tf5", 6}, {"gemma3_cg_tf4", 4}};
@@ -156,7 +160,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
 // of partial sums added by the all-reduce), within the margin the parity test's comment gives.
 // The fixtures have 3, 5 and 7 experts: TP=2 splits 5 and 7 unevenly (2 + 3, 3 + 4), and TP=4
 // (1 KV head per 2 ranks) splits 5 as 1 + 1 + 1 + 2 and 7 as 1 + 2 + 2 + 2. TP=3 is not a layout any
-// fixture allows (4 attention heads).
+// fixture allows (4 attention heads). gpt-oss's experts carry their biases (the down bias whole on
+// the expert's rank), also at TP=1, where the flag changes nothing.
 std::vector<Layout> ExpertParallelLayouts() {
   std::vector<Layout> out;
   for (const char* f : {"qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5",
@@ -164,8 +169,15 @@ std::vector<Layout> ExpertParallelLayouts() {
     out.push_back({f, 2, 1});
     out.push_back({f, 2, 2});
   }
+  for (const char* f : {"gpt_oss_tf5", "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"}) {
+    out.push_back({f, 2, 1});
+    out.push_back({f, 2, 2});
+  }
+  out.push_back({"gpt_oss_tf5", 1, 1});
+  out.push_back({"gpt_oss_tf5", 1, 2});
   out.push_back({"qwen3_moe_tf5", 4, 1});
   out.push_back({"qwen2_moe_bf16_tf5", 4, 1});
+  out.push_back({"gpt_oss_bf16_tf5", 4, 1});
   return out;
 }
 

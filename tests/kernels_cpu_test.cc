@@ -2482,6 +2482,57 @@ TEST_F(CpuBackendTest, SiluMul) {
   EXPECT_TRUE(out.GuardsIntact());
 }
 
+// gpt-oss's clamped SwiGLU against GptOssExperts._apply_gate computed in double: gate clamped from
+// above only, up from both sides, (up + 1) * gate * sigmoid(alpha * gate). Gate and up span [-10,
+// 10] around a limit of 3, so both clamps act on many elements (and not on many others), with a
+// gate far below the limit where sigmoid underflows; in place through either operand; bad alpha and
+// limit refused by name.
+TEST_F(CpuBackendTest, ClampedSwiGlu) {
+  const int64_t n = 3, f = 1000;
+  const float alpha = 1.702f, limit = 3.0f;
+  std::vector<float> gate = Random(rng_, n * f, -10.0f, 10.0f), up = Random(rng_, n * f, -10.0f, 10.0f);
+  gate[0] = -200.0f;  // sigmoid(-340) is 0 in float32: the output is -0 times (up + 1)
+  int clamped_gate = 0, clamped_up_low = 0, clamped_up_high = 0;
+  std::vector<double> want(n * f);
+  for (int64_t i = 0; i < n * f; ++i) {
+    const double g = std::min<double>(gate[i], limit), u = std::clamp<double>(up[i], -limit, limit);
+    clamped_gate += gate[i] > limit;
+    clamped_up_low += up[i] < -limit;
+    clamped_up_high += up[i] > limit;
+    want[i] = (u + 1.0) * (g / (1.0 + std::exp(-alpha * g)));
+  }
+  ASSERT_GT(clamped_gate, 100);
+  ASSERT_GT(clamped_up_low, 100);
+  ASSERT_GT(clamped_up_high, 100);
+  DeviceTensor dg = F32({n, f}, gate), du = F32({n, f}, up);
+  DeviceTensor out = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->ClampedSwiGlu(out.ptr(), dg.t(), du.t(), alpha, limit).ok());
+  const std::vector<float> got = out.Download<float>();
+  // A product, exp, an add, a division and two products: a few ulp of the largest output (~12).
+  ExpectClose("ClampedSwiGlu", got, want, 1e-6);
+  EXPECT_EQ(got[0], 0.0f);
+  EXPECT_TRUE(out.GuardsIntact());
+  // A plain SwiGLU (no clamp, no +1, no alpha) differs: the op is not SiluMul.
+  DeviceTensor silu = Output(DType::kF32, {n, f});
+  ASSERT_TRUE(backend_->SiluMul(silu.ptr(), dg.t(), du.t()).ok());
+  EXPECT_NE(silu.Download<float>(), got);
+
+  ASSERT_TRUE(backend_->ClampedSwiGlu(dg.ptr(), dg.t(), du.t(), alpha, limit).ok());
+  EXPECT_EQ(dg.Download<float>(), got) << "out = gate";
+  DeviceTensor dg2 = F32({n, f}, gate);
+  ASSERT_TRUE(backend_->ClampedSwiGlu(du.ptr(), dg2.t(), du.t(), alpha, limit).ok());
+  EXPECT_EQ(du.Download<float>(), got) << "out = up";
+
+  DeviceTensor a = F32({1, 4}, {0, 0, 0, 0}), b = F32({1, 4}, {0, 0, 0, 0}), o = Output(DType::kF32, {1, 4});
+  for (auto [bad_alpha, bad_limit] : {std::pair{0.0f, 7.0f}, {1.702f, -1.0f}, {1.702f, INFINITY}, {NAN, 7.0f}}) {
+    const absl::Status s = backend_->ClampedSwiGlu(o.ptr(), a.t(), b.t(), bad_alpha, bad_limit);
+    EXPECT_TRUE(IsInvalidArgumentNaming(s, "ClampedSwiGlu")) << s;
+    EXPECT_NE(std::string(s.message()).find("alpha"), std::string::npos) << s;
+  }
+  DeviceTensor wide = Output(DType::kF32, {1, 5});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->ClampedSwiGlu(wide.ptr(), a.t(), b.t(), alpha, limit), "[n, f]"));
+}
+
 // gelu_tanh(x) * u in double: transformers' gelu_pytorch_tanh, then "* up".
 double GeluTanhTimes(double x, double u) {
   const double kBeta = std::sqrt(2.0 / M_PI);

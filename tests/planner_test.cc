@@ -29,7 +29,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "model/families/registry.h"
 #include "model/kv_blocks.h"
+#include "model/mxfp4.h"
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
@@ -362,6 +364,46 @@ TEST(Planner, Qwen3_235B_A22B_EightH100) {
   EXPECT_EQ(p.tp, 8);
   EXPECT_EQ(p.pp, 1);
   EXPECT_NEAR(p.decode.experts_read, 8.0, 1e-9);
+}
+
+// gpt-oss-120b (tests/fixtures/configs/gpt-oss-120b.json, written from the published config.json's
+// values): 128 experts of 2880 with biases, 4 a token, in all 36 layers; attention with q/k/v/o
+// biases and a sink per head. Counted here from the sizes, tensor by tensor, independently of the
+// declaration: 116,829,156,672 parameters (the model card's 116.83B) and 5,711,982,912 read a token,
+// the card's 5.13B active plus the 579,133,440 of the embedding table, which the card leaves out
+// (a lookup). The published experts are MXFP4 (4.25 bits a value: 60.9 GB of them on disk); the
+// workers dequantize them at load to the act dtype, where bf16 holds every MXFP4 value exactly, so
+// the plan counts them in bf16 (234 GB in all): two H200s at TP=2, with or without expert parallelism.
+TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
+  const ModelConfig c = RealConfig("gpt-oss-120b");
+  EXPECT_TRUE(c.mxfp4_experts);
+  const int64_t H = 2880, V = 201088, layers = 36, E = 128, k = 4, I = 2880, q = 64 * 64, kv = 8 * 64;
+  const int64_t attention = 2 * q * H + 2 * kv * H + q + 2 * kv + H + 64;  // q, o; k, v; their biases; sinks
+  const int64_t expert = H * 2 * I + 2 * I + I * H + H;                       // gate_up, its bias; down, its bias
+  const int64_t common = layers * (attention + 2 * H + E * H + E) + H + 2 * V * H;  // norms, router; final norm, embed, head
+  PlanOptions o;
+  o.tp = 2;
+  o.pp = 1;
+  for (const bool ep : {false, true}) {
+    o.expert_parallel = ep;
+    const Plan p = MustPlan(c, Cluster("1x2xH200-141GB"), o);
+    EXPECT_EQ(p.parameters, common + layers * E * expert);
+    EXPECT_EQ(p.parameters, 116'829'156'672);
+    EXPECT_EQ(p.active_parameters, common + layers * k * expert);
+    EXPECT_EQ(p.active_parameters, 5'711'982'912);
+    EXPECT_EQ(p.active_parameters - V * H, 5'132'849'472);  // the model card's 5.13B
+    EXPECT_THAT(PlanTable(p), HasSubstr("(5.71B active a token)"));
+    ASSERT_EQ(p.per_gpu.size(), 2u);
+    // Each rank: half the experts' bf16 bytes (cut or whole), half of every cut tensor.
+    const uint64_t expert_bytes = static_cast<uint64_t>(layers * E * expert) * 2;
+    for (const GpuPlan& g : p.per_gpu) {
+      EXPECT_GT(g.weight_bytes, expert_bytes / 2) << "ep " << ep;
+      EXPECT_LT(g.weight_bytes, static_cast<uint64_t>(p.parameters) * 2 / 2 + (uint64_t{1} << 30)) << "ep " << ep;
+    }
+    EXPECT_TRUE(p.fits) << p.reason;
+  }
+  // The checkpoint's MXFP4 bytes of the experts' products, for the comment above.
+  EXPECT_EQ(Mxfp4Bytes(layers * E * 3 * H * I), 60'914'073'600);
 }
 
 struct DegreeCase {
@@ -1192,15 +1234,18 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 // frequency tables (phi4_mini_tf5); mixtures of experts with dense layers among sparse ones
 // (qwen3_moe_tf5, qwen3_moe_bf16_tf5), in every layer (mixtral_tf5) and with a shared expert
 // (qwen2_moe_tf5); latent attention with a latent cache and picked rows (deepseek_v3_tf5,
-// deepseek_v3_bf16_tf5).
+// deepseek_v3_bf16_tf5); experts stacked in one tensor with their biases, plain (gpt_oss_tf5,
+// gpt_oss_bf16_tf5) and in MXFP4 (gpt_oss_mxfp4_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
           "phi3_tf5", "phi4_mini_tf5", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5",
-          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5"};
+          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "gpt_oss_tf5", "gpt_oss_bf16_tf5",
+          "gpt_oss_mxfp4_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the
-// stored dtype's size: counting from the checkpoint and from config.json agree.
+// stored dtype's size: counting from the checkpoint and from config.json agree. MXFP4 experts
+// (gpt_oss_mxfp4_tf5) are stored in 4.25 bits a value (model/mxfp4.h Mxfp4Bytes), the rest plain.
 TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
   for (const std::string& name : ModelFixtures()) {
     absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / name);
@@ -1211,7 +1256,13 @@ TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
     // A multimodal checkpoint's vision tower and projector are there but not served.
     const uint64_t unserved = UnservedCheckpointBytes(m->config, *m->checkpoint);
     EXPECT_EQ(unserved > 0, absl::StartsWith(name, "gemma3_cg")) << name;
-    EXPECT_EQ(stored - unserved, static_cast<uint64_t>(m->config.ParameterCount()) * DTypeSize(m->config.dtype))
+    int64_t mxfp4 = 0;  // the values stored in MXFP4
+    for (const WeightDecl& w : ModelWeights(m->config)) {
+      if (IsMxfp4Part(m->config, w)) mxfp4 += w.shape[0] * w.shape[1];
+    }
+    EXPECT_EQ(mxfp4 > 0, name == "gpt_oss_mxfp4_tf5") << name;
+    EXPECT_EQ(stored - unserved, static_cast<uint64_t>(m->config.ParameterCount() - mxfp4) * DTypeSize(m->config.dtype) +
+                                     static_cast<uint64_t>(Mxfp4Bytes(mxfp4)))
         << name;
   }
 }

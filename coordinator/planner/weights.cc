@@ -40,6 +40,21 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
       if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": ", s.message()));
       continue;
     }
+    if (IsMxfp4Part(config, w)) {  // gpt-oss's experts as published: MXFP4 codes and scales (model/mxfp4.h)
+      for (const auto& [name, shape] : Mxfp4Tensors(w)) {
+        absl::StatusOr<const TensorInfo*> t = checkpoint.Find(name);
+        if (!t.ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", name,
+                                                            "\", which config.json's mxfp4 experts need"));
+        }
+        if ((*t)->shape != shape || (*t)->extra != TensorInfo::Extra::kU8) {
+          return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": tensor \"", name, "\" is ",
+                                                            (*t)->dtype_name(), " ", ShapeString((*t)->shape),
+                                                            "; mxfp4 experts need U8 ", ShapeString(shape)));
+        }
+      }
+      continue;
+    }
     auto it = checkpoint.tensors().find(w.name);
     if (it == checkpoint.tensors().end()) {
       return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, " has no tensor \"", w.name,
@@ -88,7 +103,8 @@ int64_t ShardElements(const WeightDecl& t, const TpShard& s) {
   const Slice cut = ShardSlice(t.split, s);
   int64_t n = 1;
   for (size_t d = 0; d < t.shape.size(); ++d) {
-    const bool sliced = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank && static_cast<int>(d) == cut.dim;
+    const bool sliced = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank &&
+                        t.split != TpSplit::kExpertFirstRank && static_cast<int>(d) == cut.dim;
     n *= sliced ? cut.end - cut.begin : t.shape[d];
   }
   return n;
@@ -106,10 +122,11 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
     if (elements == 0) continue;  // another rank's (o_proj's bias; an expert of another rank's block)
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
     // DeepSeek-V3's router bias stays float32 (worker/shard/loader.cc)
-    if (t.role == WeightRole::kRouterBias) bytes = static_cast<uint64_t>(elements) * sizeof(float);
+    // (and gpt-oss's attention sinks)
+    if (t.role == WeightRole::kRouterBias || t.role == WeightRole::kSinks) bytes = static_cast<uint64_t>(elements) * sizeof(float);
     // This rank's [rows, cols] of a linear layer's weight (what a quantized layout is counted on).
     const bool cols_cut = t.split != TpSplit::kReplicated && t.split != TpSplit::kFirstRank &&
-                          ShardSlice(t.split, shard).dim == 1;
+                          t.split != TpSplit::kExpertFirstRank && ShardSlice(t.split, shard).dim == 1;
     const int64_t rows = t.shape.size() != 2 ? 0 : cols_cut ? t.shape[0] : (t.shape[1] == 0 ? 0 : elements / t.shape[1]);
     const int64_t cols = elements / std::max<int64_t>(rows, 1);
     WeightQuant stored = WeightQuant::kNone;  // how the worker stores it, when quantized

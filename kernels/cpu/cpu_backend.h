@@ -235,6 +235,7 @@ class CpuBackend final : public Backend {
                             const MlaShape& shape) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status ClampedSwiGlu(Tensor* out, const Tensor& gate, const Tensor& up, float alpha, float limit) override;
   absl::Status Scale(Tensor* out, const Tensor& x, float factor) override;
   absl::Status Softcap(Tensor* x, float cap) override;
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override;

@@ -183,6 +183,27 @@ absl::Status CpuBackend::GeluTanhMul(Tensor* out, const Tensor& gate, const Tens
   return GatedMul("GeluTanhMul", GeluTanhMulRange, out, gate, up);
 }
 
+absl::Status CpuBackend::ClampedSwiGlu(Tensor* out, const Tensor& gate, const Tensor& up, float alpha, float limit) {
+  const ArgCheck check("ClampedSwiGlu", {{"out", out, kF32, 2}, {"gate", &gate, kF32, 2}, {"up", &up, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  if (!SameShape(*out, gate) || !SameShape(gate, up)) return check.Error("want out, gate and up all [n, f]");
+  if (!(alpha > 0) || !std::isfinite(alpha) || !(limit > 0) || !std::isfinite(limit)) {
+    return check.Error(absl::StrCat("alpha (", alpha, ") and limit (", limit, ") must be finite and > 0"));
+  }
+  const int64_t count = gate.numel();
+  float* y = out->as<float>();
+  const float* g = gate.as<float>();
+  const float* u = up.as<float>();
+  // Element by element (out may alias gate or up), in GptOssExperts._apply_gate's order: the clamps,
+  // glu = g * sigmoid(g * alpha), then (u + 1) * glu.
+  for (int64_t i = 0; i < count; ++i) {
+    const float gi = std::min(g[i], limit), ui = std::clamp(u[i], -limit, limit);
+    const float glu = gi * (1.0f / (1.0f + std::exp(-(gi * alpha))));
+    y[i] = (ui + 1.0f) * glu;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuBackend::Scale(Tensor* out, const Tensor& x, float factor) {
   const ArgCheck check("Scale", {{"out", out, kF32, 2}, {"x", &x, kF32, 2}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());

@@ -52,6 +52,10 @@ enum class WeightRole {
   kSharedGateProj, kSharedUpProj, kSharedDownProj, kSharedExpertGate,
   // DeepSeek-V3's router's selection bias (mlp.gate.e_score_correction_bias [E], float32).
   kRouterBias,
+  // gpt-oss: the router's bias, added to its logits (mlp.router.bias [E]); each expert's biases of
+  // its gate, up and down products (cut from mlp.experts.gate_up_proj_bias [E, 2 I] and
+  // down_proj_bias [E, H]); the attention's per-head sink logits (self_attn.sinks [heads], float32).
+  kRouterLogitBias, kExpertGateBias, kExpertUpBias, kExpertDownBias, kSinks,
   // Multi-head latent attention (ModelConfig::mla): q_a_proj [q_lora_rank, hidden] and
   // q_a_layernorm; q's parts without and with RoPE, picked per head from q_b_proj (or q_proj)
   // [heads * nope, in] and [heads * rope, in]; kv_a_proj_with_mqa's latent rows [kv_lora_rank, hidden]
@@ -97,6 +101,18 @@ struct WeightDecl {
     bool deinterleave = false;
   };
   RowPick pick = {};
+  // An expert's part of a tensor that stacks every expert (gpt-oss: mlp.experts.gate_up_proj
+  // [E, hidden, 2 I] with gate and up interleaved in its last dimension, down_proj [E, I, hidden],
+  // and their biases [E, 2 I], [E, hidden]): fused_shape is the stacked tensor's, `expert` picks its
+  // slab, and of each `period` consecutive outputs of the slab the one at `from` is this tensor's
+  // (gate: period 2 from 0; up: from 1). `transposed`: the slab is stored [in, out] (x @ W) and
+  // this tensor is its transpose [out, in], as MatMul takes it. shape is the picked [out, in] (or
+  // [out] for a bias); TP slices are of it. period 0: none.
+  struct ExpertStack {
+    int64_t period = 0, from = 0;
+    bool transposed = false;
+  };
+  ExpertStack stack = {};
 };
 
 // The shape of w's tensor in the checkpoint (the fused tensor's for a part of one).
@@ -144,7 +160,8 @@ struct FamilyDeclaration {
   // kQkvConfigured on q, k and v unless config.json's qkv_bias is false (Qwen2-MoE);
   // kConfigured on q, k, v and o when config.json's attention_bias is true (Llama, Qwen3); kNone
   // never (Mistral, whose attention transformers builds without biases whatever the file says).
-  enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured };
+  // kConfiguredOn as kConfigured, but on unless attention_bias is false (GptOssConfig's default).
+  enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured, kConfiguredOn };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
   bool mla = false;              // multi-head latent attention (DeepSeek-V3): ModelConfig::kv_lora_rank
@@ -158,6 +175,12 @@ struct FamilyDeclaration {
   // 2, the even layers; Gemma 3: 6, or config.json's "sliding_window_pattern", which only
   // rope_per_layer_type families read, as Gemma3TextConfig does).
   int sliding_window_pattern = 2;
+  // kLayerTypes: the window when config.json has no "sliding_window" field (Gemma 2 and 3: 4096;
+  // GptOssConfig: 128).
+  int64_t default_sliding_window = 4096;
+  // Learned attention sinks (gpt-oss): self_attn.sinks [heads], one logit per query head that joins
+  // the softmax and is dropped (kernels/backend.h AttentionOptions::sinks).
+  bool attention_sinks = false;
   // The MLP's activation as config.json names it ("hidden_act", or Gemma's "hidden_activation"):
   // "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU with the tanh approximation).
   const char* activation = "silu";
@@ -179,6 +202,12 @@ struct FamilyDeclaration {
   // A RoPE per layer type (Gemma 3): rope_theta and rope_scaling for the full-attention layers,
   // rope_local_base_freq for the sliding ones; 5.x's rope_parameters keyed by layer type.
   bool rope_per_layer_type = false;
+  // The config class's RoPE where config.json leaves it out (GptOssConfig: rope_theta 150000 and
+  // yarn): default_rope_theta when there is no rope_theta (0: 10000, PreTrainedConfig's), and
+  // default_rope_scaling (a JSON RoPE object without rope_theta; null: none) when there is neither
+  // rope_scaling nor rope_parameters.
+  double default_rope_theta = 0;
+  const char* default_rope_scaling = nullptr;
   // Mixture-of-experts MLPs, as config.json describes them (model/config.cc):
   // kNone: dense MLPs only.
   // kQwen (Qwen3MoeConfig): num_experts (transformers 5 writes it as num_local_experts),
@@ -190,7 +219,10 @@ struct FamilyDeclaration {
   // kDeepseek (DeepseekV3Config): n_routed_experts, num_experts_per_tok, moe_intermediate_size,
   //   the sigmoid group-limited router and its shared experts (ParseDeepseekExperts in
   //   model/config.cc); layers from first_k_dense_replace on sparse, the others intermediate_size wide.
-  enum class Experts { kNone, kQwen, kMixtral, kDeepseek };
+  // kGptOss (GptOssConfig): num_local_experts, num_experts_per_tok, every layer sparse, each expert
+  //   intermediate_size wide with biases and the clamped SwiGLU (swiglu_limit, swiglu_alpha), the
+  //   router a product with a bias whose top k logits are softmaxed (MoeRouter::kTopKSoftmax).
+  enum class Experts { kNone, kQwen, kMixtral, kDeepseek, kGptOss };
   Experts experts = Experts::kNone;
   // Sparse layers also have a shared expert of shared_expert_intermediate_size, gated per token by
   // sigmoid(shared_expert_gate(h)) and added to the routed experts' output (Qwen2-MoE).

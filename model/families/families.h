@@ -21,6 +21,9 @@ class LayerTensors {
   // Expert `expert`'s tensor "<experts>.<expert>.<name>" (mlp.experts.3.gate_proj.weight).
   void AddExpert(const char* experts, int64_t expert, const char* name, std::vector<int64_t> shape, TpSplit split,
                  WeightRole role);
+  // Expert `expert`'s part of the stacked tensor `name` of `fused_shape` (WeightDecl::stack).
+  void AddExpertPart(const char* name, int64_t expert, std::vector<int64_t> shape, std::vector<int64_t> fused_shape,
+                     TpSplit split, WeightRole role, WeightDecl::ExpertStack stack);
   // A tensor of rows picked from the checkpoint tensor `name` of `fused_shape` (WeightDecl::pick).
   void AddPicked(const char* name, std::vector<int64_t> shape, std::vector<int64_t> fused_shape, TpSplit split,
                  WeightRole role, WeightDecl::RowPick pick);
@@ -66,6 +69,10 @@ std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& config, const TpSha
 // deepseek.cc: DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention and a sigmoid,
 // group-limited mixture of experts with shared experts.
 extern const FamilyDeclaration kDeepseekV3Family;
+
+// gptoss.cc: gpt-oss (GptOssForCausalLM): attention with sinks and biases, sliding and full layers,
+// experts with biases and the clamped SwiGLU, stacked in the checkpoint (MXFP4 as published).
+extern const FamilyDeclaration kGptOssFamily;
 
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;

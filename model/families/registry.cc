@@ -6,13 +6,15 @@
 #include "absl/strings/str_join.h"
 #include "model/families/families.h"
 #include "model/kv_blocks.h"
+#include "model/mxfp4.h"
 
 namespace shardserve {
 namespace {
 
 constexpr const FamilyDeclaration* kFamilies[] = {
-    &kDeepseekV3Family, &kGemma2Family, &kGemma3Family,   &kGemma3ConditionalFamily, &kLlamaFamily, &kMistralFamily,
-    &kMixtralFamily,    &kPhi3Family,   &kQwen2Family,    &kQwen2MoeFamily,          &kQwen3Family, &kQwen3MoeFamily};
+    &kDeepseekV3Family, &kGemma2Family,  &kGemma3Family, &kGemma3ConditionalFamily, &kGptOssFamily,
+    &kLlamaFamily,      &kMistralFamily, &kMixtralFamily, &kPhi3Family,             &kQwen2Family,
+    &kQwen2MoeFamily,   &kQwen3Family,   &kQwen3MoeFamily};
 
 }  // namespace
 
@@ -37,6 +39,14 @@ void LayerTensors::AddExpert(const char* experts, int64_t expert, const char* na
                split, role};
   w.expert = expert;
   out_->push_back(std::move(w));
+}
+
+void LayerTensors::AddExpertPart(const char* name, int64_t expert, std::vector<int64_t> shape,
+                                 std::vector<int64_t> fused_shape, TpSplit split, WeightRole role,
+                                 WeightDecl::ExpertStack stack) {
+  Add(name, std::move(shape), split, role, std::move(fused_shape));
+  out_->back().expert = expert;
+  out_->back().stack = stack;
 }
 
 std::vector<WeightDecl> DecoderWeights(const ModelConfig& c,
@@ -122,6 +132,18 @@ std::string SupportedArchitectures() {
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config) {
   if (config.family == nullptr) return {};
   return config.family->weights(config);
+}
+
+bool IsMxfp4Part(const ModelConfig& config, const WeightDecl& w) {
+  return config.mxfp4_experts && w.stack.period > 0 && IsProductWeight(w.role);
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Mxfp4Tensors(const WeightDecl& w) {
+  const std::vector<int64_t>& f = w.fused_shape;  // [E, in, out] transposed, else [E, out, in]
+  if (f.size() != 3) return {};
+  const int64_t out = w.stack.transposed ? f[2] : f[1], in = w.stack.transposed ? f[1] : f[2];
+  return {{w.name + "_blocks", {f[0], out, in / kMxfp4BlockSize, kMxfp4BlockBytes}},
+          {w.name + "_scales", {f[0], out, in / kMxfp4BlockSize}}};
 }
 
 int64_t ActiveParameterCount(const ModelConfig& config) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "model/families/declaration.h"
@@ -21,6 +22,13 @@ std::string SupportedArchitectures();
 // Every tensor of the model's checkpoint, with the shapes config.json implies (config.family's
 // declaration); empty for a config without a family.
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config);
+
+// Whether `w` is an expert's product that a ModelConfig::mxfp4_experts checkpoint stores in MXFP4
+// (a part of a stacked tensor, WeightDecl::stack; the biases stay plain).
+bool IsMxfp4Part(const ModelConfig& config, const WeightDecl& w);
+// The tensors such a part's stacked tensor is stored as (model/mxfp4.h): <name>_blocks
+// [E, out, in / 32, 16] and <name>_scales [E, out, in / 32], out and in as MatMul takes the expert.
+std::vector<std::pair<std::string, std::vector<int64_t>>> Mxfp4Tensors(const WeightDecl& w);
 
 // The parameters one token reads (ModelConfig::ParameterCount's, with a sparse layer's experts
 // counted num_experts_per_tok times, not num_experts): the model's active parameters.

@@ -36,6 +36,10 @@ DecoderBlocks::DecoderBlocks(Backend* backend, const TpPlan* tp, const ModelConf
     routing_.topk_group = static_cast<int>(config.topk_group);
     routing_.routed_scaling_factor = static_cast<float>(config.routed_scaling_factor);
   }
+  if (config.family != nullptr && config.family->experts == FamilyDeclaration::Experts::kGptOss) {
+    routing_.router = MoeRouter::kTopKSoftmax;  // GptOssTopKRouter: softmax over the top k logits
+    routing_.norm_topk_prob = false;
+  }
   routing_.weights_in_act = config.family != nullptr && config.family->router_weights_in_act;
 }
 
@@ -68,10 +72,13 @@ absl::Status DecoderBlocks::SelfAttention(int64_t layer, const LayerWeights& w, 
   const DeviceRope& rope = rope_[config_.LayerRopeTable(layer)];
   SHARDSERVE_RETURN_IF_ERROR(be_.RopeCacheWrite(&s.q, &s.k, s.v, meta.positions, rope.inv_freq, static_cast<int>(D),
                                                 rope.options, &cache.k, &cache.v, meta.slots));
-  // softmax(q k^T * scale (soft-capped), causal, within the layer's window) v, over the cache
+  // softmax(q k^T * scale (soft-capped), causal, within the layer's window, with the head's sink) v,
+  // over the cache
   AttentionOptions attention;
   attention.window = config_.LayerWindow(layer);
   attention.softcap = static_cast<float>(config_.attn_logit_softcap);
+  // gpt-oss: each head's sink logit joins the softmax and is dropped
+  if (w.sinks.data != nullptr) attention.sinks = &w.sinks;
   SHARDSERVE_RETURN_IF_ERROR(be_.Attention(&s.attn, s.q, cache.k, cache.v, meta.positions, meta.token_seq,
                                            meta.block_tables, attention_scale_, attention));
   // o_proj (row-parallel: this rank's heads' columns; its bias, if any, on one rank), summed
@@ -153,9 +160,11 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   const int64_t n = tokens.size(), nk = n * k;
   const Tensor h = s.normed.Rows(tokens.begin, tokens.end);
   Tensor proj = s.proj.Rows(0, n);
-  // router_logits = gate(h), the product in the act dtype (replicated: every rank routes alike)
+  // router_logits = gate(h) (gpt-oss's router with its bias), the product in the act dtype
+  // (replicated: every rank routes alike)
   Tensor logits_act = m.router_logits.Rows(0, n);
-  SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&logits_act, h, w.router, nullptr));
+  SHARDSERVE_RETURN_IF_ERROR(
+      be_.MatMul(&logits_act, h, w.router, w.router_logit_bias.data != nullptr ? &w.router_logit_bias : nullptr));
   // ... widened to float32 for softmax(router_logits, dtype=float): the same tensor in float32, else
   // through the host (a 16-bit act dtype; there is no widening op on the device yet)
   Tensor logits = act == DType::kF32 ? logits_act : m.router_logits_f32.Rows(0, n);
@@ -165,7 +174,8 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   }
   // ids, weights = topk(softmax(router_logits), k), divided by their sum when norm_topk_prob (always
   // for Mixtral), rounded to the act dtype where the family does (Qwen-MoE)
-  // (DeepSeek-V3: sigmoid scores, the layer's e_score_correction_bias for the choice, groups)
+  // (DeepSeek-V3: sigmoid scores, the layer's e_score_correction_bias for the choice, groups;
+  // gpt-oss: softmax(topk(router_logits, k)))
   Tensor ids = m.ids.Rows(0, n), weights = m.weights.Rows(0, n);
   MoeRouting routing = routing_;
   if (w.router_bias.data != nullptr) routing.selection_bias = &w.router_bias;
@@ -187,17 +197,21 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   ExpertRows local;
   SHARDSERVE_RETURN_IF_ERROR(plan.Dispatch(be_, m, host, nk, &local));
   // each expert of this rank that got rows: down_proj(silu(gate_proj(x)) * up_proj(x)) on its rows
-  // (this rank's slice of its intermediate size, or all of it). The grouped product is a loop over
-  // those experts, one product per weight each: plain, and what the CPU needs; a grouped GEMM
-  // would replace it on a GPU.
+  // (this rank's slice of its intermediate size, or all of it); gpt-oss's with biases and the
+  // clamped SwiGLU (GptOssExpert). The grouped product is a loop over those experts, one product per
+  // weight each: plain, and what the CPU needs; a grouped GEMM would replace it on a GPU.
   for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
     const int64_t begin = local.offsets[e], end = local.offsets[e + 1];
     host.expert_rows_total[e] += static_cast<uint64_t>(end - begin);
     if (begin == end) continue;
     Tensor x = local.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
            out = local.out.Rows(begin, end);
-    SHARDSERVE_RETURN_IF_ERROR(
-        SwiGlu(&out, &gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e], w.expert_down_proj[e]));
+    if (config_.swiglu_limit > 0) {
+      SHARDSERVE_RETURN_IF_ERROR(GptOssExpert(w, e, &out, &gate, &up, x));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(
+          SwiGlu(&out, &gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e], w.expert_down_proj[e]));
+    }
   }
   // ... and their outputs back to the tokens' rank
   Tensor expert_out;
@@ -240,6 +254,21 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   }
   // every token's output on every rank: the partial sums summed once, or the ranks' rows gathered
   return plan.Join(be_, m, &s.proj);
+}
+
+absl::Status DecoderBlocks::GptOssExpert(const LayerWeights& w, int64_t e, Tensor* out, Tensor* gate, Tensor* up,
+                                         const Tensor& x) const {
+  // gate, up = gate_up_proj(x) + gate_up_proj_bias, de-interleaved at load into two products with
+  // their biases (column-parallel: this rank's rows)
+  const MatMulProduct gate_up[] = {{gate, &w.expert_gate_proj[e], &w.expert_gate_bias[e]},
+                                   {up, &w.expert_up_proj[e], &w.expert_up_bias[e]}};
+  SHARDSERVE_RETURN_IF_ERROR(be_.MatMuls(x, gate_up));
+  // (clamp(up, -limit, limit) + 1) * glu(min(gate, limit)), into gate
+  SHARDSERVE_RETURN_IF_ERROR(be_.ClampedSwiGlu(gate, *gate, *up, static_cast<float>(config_.swiglu_alpha),
+                                               static_cast<float>(config_.swiglu_limit)));
+  // down_proj (row-parallel) + down_proj_bias, which one rank holds (the expert's, or rank 0's)
+  const Tensor& down_bias = w.expert_down_bias[e];
+  return be_.MatMul(out, *gate, w.expert_down_proj[e], down_bias.data != nullptr ? &down_bias : nullptr);
 }
 
 absl::Status DecoderBlocks::ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const {

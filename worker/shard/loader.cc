@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "model/families/registry.h"
+#include "model/mxfp4.h"
 #include "model/quantized_checkpoint.h"
 
 namespace shardserve {
@@ -64,6 +65,11 @@ Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
       case WeightRole::kSharedDownProj: return &l.shared_down_proj;
       case WeightRole::kSharedExpertGate: return &l.shared_expert_gate;
       case WeightRole::kRouterBias: return &l.router_bias;
+      case WeightRole::kSinks: return &l.sinks;
+      case WeightRole::kRouterLogitBias: return &l.router_logit_bias;
+      case WeightRole::kExpertGateBias: return ExpertSlot(&l.expert_gate_bias, w.expert);
+      case WeightRole::kExpertUpBias: return ExpertSlot(&l.expert_up_bias, w.expert);
+      case WeightRole::kExpertDownBias: return ExpertSlot(&l.expert_down_bias, w.expert);
       case WeightRole::kQAProj: return &l.q_a_proj;
       case WeightRole::kQANorm: return &l.q_a_layernorm;
       case WeightRole::kQNopeProj: return &l.q_nope_proj;
@@ -101,9 +107,13 @@ class WeightLoader {
   // The rows w.pick names of the checkpoint tensor's rows `slice` covers (whole blocks of
   // w.pick.period), in the act dtype; packed for MatMul (as `quant`) when w is a product's.
   absl::StatusOr<Tensor> Picked(const WeightDecl& w, const Slice& slice, WeightQuant quant);
-  // Tensor w whole, in float32 whatever the act dtype (DeepSeek-V3's router bias, which
-  // transformers keeps in float32).
-  absl::StatusOr<Tensor> Float32(const WeightDecl& w);
+  // Tensor w's `slice`, in float32 whatever the act dtype (DeepSeek-V3's router bias, which
+  // transformers keeps in float32; gpt-oss's attention sinks, which the attention reads so).
+  absl::StatusOr<Tensor> Float32(const WeightDecl& w, const Slice& slice);
+  // Expert w.expert's part of a stacked tensor (WeightDecl::stack): its slab read (and transposed
+  // to [out, in]), or dequantized from MXFP4 (ModelConfig::mxfp4_experts), its outputs picked, then
+  // `slice` of it; packed for MatMul (as `quant`) when w is a product's.
+  absl::StatusOr<Tensor> Stacked(const WeightDecl& w, const Slice& slice, WeightQuant quant);
 
  private:
   // A published quantized checkpoint's linear weight `name` (<prefix>.weight): its codes and scales
@@ -243,16 +253,72 @@ absl::StatusOr<Tensor> WeightLoader::Picked(const WeightDecl& w, const Slice& sl
   return Pack(w.name, plain, quant);
 }
 
-absl::StatusOr<Tensor> WeightLoader::Float32(const WeightDecl& w) {
-  int64_t count = 1;
-  for (int64_t d : w.shape) count *= d;
+absl::StatusOr<Tensor> WeightLoader::Float32(const WeightDecl& w, const Slice& slice) {
+  if (w.shape.size() != 1) return absl::InternalError(absl::StrCat(w.name, ": read in float32 but not 1-D"));
+  const int64_t count = (slice.end < 0 ? w.shape[0] : slice.end) - slice.begin;
   std::vector<float> values(static_cast<size_t>(count));
-  SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, w.shape, Slice{0, 0, -1}, DType::kF32, values.data()));
+  SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, w.shape, slice, DType::kF32, values.data()));
   Tensor t;
-  SHARDSERVE_ASSIGN_OR_RETURN(t, arena_->Alloc(DType::kF32, w.shape));
+  SHARDSERVE_ASSIGN_OR_RETURN(t, arena_->Alloc(DType::kF32, {count}));
   SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(t.data, values.data(), t.bytes()));
   report_->weight_bytes += t.bytes();
   return t;
+}
+
+absl::StatusOr<Tensor> WeightLoader::Stacked(const WeightDecl& w, const Slice& slice, WeightQuant quant) {
+  const WeightDecl::ExpertStack& st = w.stack;
+  const std::vector<int64_t>& full = w.fused_shape;
+  const bool product = full.size() == 3;
+  // The expert's slab as [outputs, inputs] (a bias: [outputs, 1]) in float32.
+  const int64_t outs = product ? (st.transposed ? full[2] : full[1]) : full[1];
+  const int64_t ins = product ? (st.transposed ? full[1] : full[2]) : 1;
+  if ((product ? w.shape.size() != 2 : w.shape.size() != 1) || st.period <= 0 || st.from >= st.period ||
+      outs % st.period != 0 || w.shape[0] != outs / st.period || (product && w.shape[1] != ins)) {
+    return absl::InternalError(absl::StrCat(w.name, ": expert ", w.expert, "'s part does not fit the stacked tensor"));
+  }
+  std::vector<float> slab(static_cast<size_t>(outs * ins));
+  const Slice expert{0, w.expert, w.expert + 1};
+  if (product && config_.mxfp4_experts && !ckpt_.MakesPlainWeights()) {
+    // <name>_blocks [E, out, in / 32, 16] and <name>_scales [E, out, in / 32], dequantized
+    const int64_t groups = ins / kMxfp4BlockSize;
+    std::vector<uint8_t> blocks(static_cast<size_t>(outs * groups * kMxfp4BlockBytes)),
+        scales(static_cast<size_t>(outs * groups));
+    const std::string blocks_name = w.name + "_blocks", scales_name = w.name + "_scales";
+    SHARDSERVE_RETURN_IF_ERROR(
+        ckpt_.Read(blocks_name, {full[0], outs, groups, kMxfp4BlockBytes}, expert, DType::kI8, blocks.data()));
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(scales_name, {full[0], outs, groups}, expert, DType::kI8, scales.data()));
+    SHARDSERVE_RETURN_IF_ERROR(DequantizeMxfp4(blocks.data(), scales.data(), outs, ins, slab.data(), blocks_name));
+  } else if (product && st.transposed) {
+    std::vector<float> stored(slab.size());  // [in, out]
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, stored.data()));
+    for (int64_t i = 0; i < ins; ++i) {
+      for (int64_t o = 0; o < outs; ++o) slab[o * ins + i] = stored[i * outs + o];
+    }
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, slab.data()));
+  }
+  // Of each `period` outputs the one at `from` (gate_up's gate, or its up), then this rank's slice:
+  // rows (a column-parallel product, a bias) or columns (a row-parallel product) of the picked [out, in].
+  const int64_t picked_rows = outs / st.period;
+  const int64_t row_begin = slice.dim == 0 ? slice.begin : 0;
+  const int64_t row_end = slice.dim == 0 && slice.end >= 0 ? slice.end : picked_rows;
+  const int64_t col_begin = slice.dim == 1 ? slice.begin : 0;
+  const int64_t col_end = slice.dim == 1 && slice.end >= 0 ? slice.end : ins;
+  if (row_begin < 0 || row_begin > row_end || row_end > picked_rows || col_begin < 0 || col_begin > col_end ||
+      col_end > ins) {
+    return absl::InternalError(absl::StrCat(w.name, ": expert ", w.expert, "'s slice outside its part"));
+  }
+  const int64_t rows = row_end - row_begin, cols = col_end - col_begin;
+  std::vector<float> picked(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = (row_begin + r) * st.period + st.from;
+    std::memcpy(picked.data() + r * cols, slab.data() + o * ins + col_begin, cols * sizeof(float));
+  }
+  const std::string name = absl::StrCat(w.name, " (expert ", w.expert, ")");
+  if (!product) return UploadHost(name, picked.data(), {rows});
+  Tensor plain;
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, UploadHost(name, picked.data(), {rows, cols}));
+  return Pack(name, plain, quant);
 }
 
 absl::StatusOr<Tensor> WeightLoader::UploadHost(const std::string& name, const float* values,
@@ -283,6 +349,8 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     if (IsQuantizedLinear(config, w)) {
       SHARDSERVE_RETURN_IF_ERROR(
           CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), w.shape[0], w.shape[1]));
+    } else if (IsMxfp4Part(config, w) && !ckpt.MakesPlainWeights()) {
+      for (const auto& [name, shape] : Mxfp4Tensors(w)) SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
     } else {
       SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(w.name, CheckpointShape(w)));
     }
@@ -314,8 +382,11 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     } else if (w.pick.period > 0) {
       const WeightQuant quant = TakesWeightQuant(w) ? spec.weight_quant : WeightQuant::kNone;
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Picked(w, slice, quant));
-    } else if (w.role == WeightRole::kRouterBias) {
-      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Float32(w));
+    } else if (w.stack.period > 0) {
+      const WeightQuant quant = TakesWeightQuant(w) ? spec.weight_quant : WeightQuant::kNone;
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Stacked(w, slice, quant));
+    } else if (w.role == WeightRole::kRouterBias || w.role == WeightRole::kSinks) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Float32(w, slice));
     } else if (config.norm_plus_one && IsNormWeight(w.role)) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.NormPlusOne(w));
     } else if (IsProductWeight(w.role)) {

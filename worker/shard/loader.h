@@ -48,6 +48,11 @@ struct LayerWeights {
   Tensor shared_down_proj;                  // [hidden, fs]
   Tensor shared_expert_gate;                // [1, hidden]
   Tensor router_bias;                       // [experts] F32: DeepSeek-V3's e_score_correction_bias
+  // gpt-oss: the attention's sink logits, the router's bias, the experts' biases
+  Tensor sinks;                             // [q heads of this rank] F32
+  Tensor router_logit_bias;                 // [experts] added to the router's logits
+  std::vector<Tensor> expert_gate_bias, expert_up_bias;  // per expert [fe]
+  std::vector<Tensor> expert_down_bias;     // per expert [hidden]: on one rank (TpSplit::kExpertFirstRank)
   // Multi-head latent attention (DeepSeek-V3; h: this rank's heads, ModelConfig's MLA sizes):
   Tensor q_a_proj;                // [q_lora_rank, hidden] (none without q_lora_rank)
   Tensor q_a_layernorm;           // [q_lora_rank]

@@ -1,0 +1,51 @@
+// MXFP4 (the OCP microscaling format with FP4 E2M1 elements), as gpt-oss's published checkpoints
+// store their experts (config.json quantization_config quant_method "mxfp4"): a stacked expert
+// weight <name> [E, out, in] (transformers' orientation, before its transpose) is
+//   <name>_blocks  U8 [E, out, in / 32, 16]   32 codes per block, two a byte: element 2 j of a block
+//                                             is the low nibble of byte j, element 2 j + 1 the high
+//   <name>_scales  U8 [E, out, in / 32]       E8M0: the block's scale is 2^(s - 127)
+// and each 4-bit code c is kMxfp4Values[c] (sign bit 3, then e2m1), so
+//   w[e][o][32 g + i] = kMxfp4Values[code i of block (e, o, g)] * 2^(scales[e][o][g] - 127),
+// transformers' integrations/mxfp4.py convert_moe_packed_tensors (FP4_VALUES, then torch.ldexp).
+// Plain functions; thread-safe.
+#ifndef SHARDSERVE_MODEL_MXFP4_H_
+#define SHARDSERVE_MODEL_MXFP4_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace shardserve {
+
+inline constexpr int64_t kMxfp4BlockSize = 32;  // elements per scale
+inline constexpr int64_t kMxfp4BlockBytes = 16;  // bytes per block of codes
+
+// The 16 values of an e2m1 code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code | 8).
+inline constexpr float kMxfp4Values[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// One block's codes: code 2 j in the low nibble of codes[j], code 2 j + 1 in the high one (its
+// scale byte is stored apart, in <name>_scales).
+struct Mxfp4Block {
+  uint8_t codes[kMxfp4BlockBytes];
+};
+static_assert(sizeof(Mxfp4Block) == kMxfp4BlockBytes, "a block of 32 e2m1 codes is 16 bytes");
+
+// Dequantizes rows x cols values (cols a multiple of 32) from `blocks` [rows, cols / 32, 16] and
+// `scales` [rows, cols / 32] into `out` [rows, cols] float32 (exact: every value is a code's value
+// times a power of two). InvalidArgument naming `name`, the row and the block when a scale makes a
+// value that float32 cannot hold (a scale byte of 255 on a code of magnitude 2 or more overflows).
+absl::Status DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int64_t rows, int64_t cols, float* out,
+                             const std::string& name);
+
+// The bytes MXFP4 stores for `elements` values (a multiple of 32): half a byte each and one scale
+// byte per 32 (4.25 bits a value).
+inline int64_t Mxfp4Bytes(int64_t elements) {
+  return elements / 2 + elements / kMxfp4BlockSize;
+}
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_MODEL_MXFP4_H_
