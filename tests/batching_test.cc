@@ -861,15 +861,21 @@ TEST_P(StructuredOutputTest, EveryOutputFollowsItsConstraintThroughPreemption) {
     ASSERT_EQ(CheckStream(requests[i], alone[i]), "") << "request " << i << "\n" << cluster->Logs();
     EXPECT_EQ(CheckStructured(static_cast<int>(i), alone[i]), "") << "request " << i << " alone";
   }
-  const std::vector<Streamed> together = RunConcurrently(*cluster, requests);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    ASSERT_EQ(CheckStream(requests[i], together[i]), "") << "request " << i;
-    EXPECT_EQ(CheckStructured(static_cast<int>(i), together[i]), "") << "request " << i << " in the batch";
-    EXPECT_EQ(Diff(alone[i].tokens, together[i].tokens), "") << "request " << i << " in the batch vs alone";
+  // One lane batches every sequence at once, so its cache overflows once the requests arrive
+  // together; on a loaded machine they may arrive spread out, so the batch is sent again (up to
+  // three times) until a preemption was seen. With two lanes the short outputs may fit beside each
+  // other (the count is printed).
+  v1::SchedulerStatus s;
+  for (int round = 0; round < 3; ++round) {
+    const std::vector<Streamed> together = RunConcurrently(*cluster, requests);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      ASSERT_EQ(CheckStream(requests[i], together[i]), "") << "request " << i;
+      EXPECT_EQ(CheckStructured(static_cast<int>(i), together[i]), "") << "request " << i << " in the batch";
+      EXPECT_EQ(Diff(alone[i].tokens, together[i].tokens), "") << "request " << i << " in the batch vs alone";
+    }
+    s = cluster->Status().scheduler();
+    if (l.pp != 1 || s.preemptions() > 0) break;
   }
-  const v1::SchedulerStatus s = cluster->Status().scheduler();
-  // One lane batches every sequence at once, so its cache always overflows; with two lanes the
-  // short outputs may fit beside each other (the count is printed).
   if (l.pp == 1) EXPECT_GT(s.preemptions(), 0) << Describe(s);
   std::printf("[ preempt  ] TP%d_PP%d: %lld preemptions\n", l.tp, l.pp, static_cast<long long>(s.preemptions()));
   ExpectIdle(*cluster, "after the structured batch");
