@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "base/field_error.h"
 #include "gtest/gtest.h"
+#include "tests/slow_schema.h"
 
 namespace shardserve {
 namespace {
@@ -380,12 +381,7 @@ TEST(StructuredOutputCompilerTest, RefusesWhatItCannotCompile) {
   absl::Duration whole;
   absl::Time start;
   for (int n = 150; n <= 600; n *= 2) {
-    std::string props;
-    for (int i = 0; i < n; ++i) {
-      absl::StrAppend(&props, i ? ", " : "", "\"p", i, "\": {\"type\": \"string\", \"pattern\": \"^[^",
-                      std::string(1, 'a' + i % 26), std::string(1, 'A' + (i / 26) % 26), "]{1,", 2 + i % 5, "}$\"}");
-    }
-    slow.set_json_schema(absl::StrCat(R"({"type": "object", "properties": {)", props, "}}"));
+    slow.set_json_schema(ManyClassesSchema(n));
     StructuredOutputCompiler patient((*model)->tokenizer.get(), static_cast<int32_t>((*model)->config.vocab_size),
                                      (*model)->eos_ids, absl::Seconds(120));
     start = absl::Now();

@@ -20,6 +20,7 @@
 #include "grammar/matcher.h"
 #include "gtest/gtest.h"
 #include "coordinator/model/structured_output.h"
+#include "tests/slow_schema.h"
 
 namespace shardserve::grammar {
 namespace {
@@ -379,12 +380,7 @@ TEST(CompileTest, CancelledCompileReturnsPromptly) {
   Clock::duration whole{};
   Clock::time_point t0;
   for (int n = 400; n <= 3200; n *= 2) {
-    std::string props;
-    for (int i = 0; i < n; ++i) {
-      absl::StrAppend(&props, i ? ", " : "", "\"p", i, "\": {\"type\": \"string\", \"pattern\": \"^[^",
-                      std::string(1, 'a' + i % 26), std::string(1, 'A' + (i / 26) % 26), "]{1,", 2 + i % 5, "}$\"}");
-    }
-    g = GrammarFromJsonSchema(absl::StrCat(R"({"type": "object", "properties": {)", props, "}}"));
+    g = GrammarFromJsonSchema(ManyClassesSchema(n));
     ASSERT_TRUE(g.ok()) << g.status();
     t0 = Clock::now();
     r = CompiledGrammar::Compile(*g, vocab, &cancel);
