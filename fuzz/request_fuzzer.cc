@@ -19,7 +19,7 @@
 
 #include "coordinator/engine/generation.h"
 #include "coordinator/model/served_model.h"
-#include "kernels/logit_bias.h"
+#include "model/sampling_bounds.h"
 #include "worker/step_checks.h"
 #include "google/protobuf/stubs/logging.h"
 #include "shardserve/v1/inference.pb.h"

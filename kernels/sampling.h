@@ -15,12 +15,6 @@ inline uint64_t SplitMix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Bounds on a request's sampling parameters (inference.proto SamplingParams, worker.proto
-// RowSampling), checked by the coordinator on every request and by the worker on every step.
-constexpr float kMaxRepetitionPenalty = 10.0f;            // repetition_penalty in (0, 10] (0 or 1: off)
-constexpr float kMaxAbsPresenceFrequencyPenalty = 2.0f;   // presence/frequency_penalty in [-2, 2]
-constexpr int32_t kMaxTopLogprobs = 20;                   // top_logprobs in [0, 20]
-
 // A uniform float in [0, 1) for the `step`-th token of a request seeded with `seed`.
 inline float SampleUniform(uint64_t seed, uint64_t step) {
   uint64_t h = SplitMix64(SplitMix64(seed) ^ (step * 0xd1b54a32d192ed03ull));

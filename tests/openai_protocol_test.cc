@@ -18,7 +18,7 @@
 #include "base/field_error.h"
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
-#include "kernels/logit_bias.h"
+#include "model/sampling_bounds.h"
 
 namespace shardserve::openai {
 namespace {

@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
 #include "kernels/sampling.h"
+#include "model/sampling_bounds.h"
 #include "worker/step_checks.h"
 
 namespace shardserve {

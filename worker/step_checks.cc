@@ -8,9 +8,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
-#include "kernels/logit_bias.h"
-#include "kernels/sampling.h"
 #include "model/kv_blocks.h"
+#include "model/sampling_bounds.h"
 #include "model/shard_identity.h"
 #include "model/sharding.h"
 

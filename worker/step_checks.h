@@ -61,7 +61,7 @@ v1::Regroup RegroupOf(const v1::Assignment& a);
 // The sampling rows of step `step_id`: InvalidArgument naming the step, the row and the field for
 // the first out-of-range one: temperature finite >= 0; top_k >= 0; top_p and min_p in [0, 1];
 // repetition_penalty 0 or in (0, 10]; presence/frequency_penalty in [-2, 2]; top_logprobs in
-// [0, 20] and only with logprobs; penalty ids in [0, vocab_size) (kernels/sampling.h's bounds).
+// [0, 20] and only with logprobs; penalty ids in [0, vocab_size) (model/sampling_bounds.h).
 absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::RepeatedPtrField<v1::RowSampling>& rows,
                               int64_t vocab_size);
 

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/planner/cluster.h"
-#include "kernels/sampling.h"
+#include "model/sampling_bounds.h"
 
 namespace shardserve {
 namespace {

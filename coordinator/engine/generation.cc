@@ -7,8 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/field_error.h"
-#include "kernels/logit_bias.h"
-#include "kernels/sampling.h"
+#include "model/sampling_bounds.h"
 
 namespace shardserve {
 namespace {

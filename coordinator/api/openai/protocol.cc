@@ -12,7 +12,7 @@
 #include "absl/strings/strip.h"
 #include "base/field_error.h"
 #include "base/json.h"
-#include "kernels/logit_bias.h"
+#include "model/sampling_bounds.h"
 
 namespace shardserve::openai {
 namespace {
