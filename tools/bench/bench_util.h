@@ -1,5 +1,5 @@
 // The kernel benchmarks' (bench_matmul, bench_attention) command lines: every flag is `--name N`
-// with N a positive integer, parsed by the CLI's flag parser (tools/cli/flags.h).
+// with N a positive integer, parsed by every binary's flag parser (base/flags.h).
 #ifndef SHARDSERVE_TOOLS_BENCH_BENCH_UTIL_H_
 #define SHARDSERVE_TOOLS_BENCH_BENCH_UTIL_H_
 
