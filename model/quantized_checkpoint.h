@@ -71,6 +71,10 @@
 // packed int32s and (for row-parallel) whole groups: CheckpointQuant::output_multiple /
 // input_multiple, which model/sharding.h CheckQuantizedShard checks. Each rank reads only its
 // slice of the packed tensors.
+// Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3) store every expert's
+// gate/up/down (and the shared experts') this way under their own prefixes, cut for TP as a dense
+// MLP's or whole under expert parallelism; the router stays plain. Which weights a checkpoint
+// quantizes: model/families/declaration.h IsCheckpointQuantized.
 //
 // Every field and tensor is checked before use; a mismatch is an error naming the tensor (or the
 // config field) and the numbers, never a crash or silent garbage.
