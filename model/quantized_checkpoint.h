@@ -13,6 +13,8 @@
 //   w[c][i] = scales[g][c] x (q[i][c] - z[g][c]),  g = g_idx[i],
 //   where z is the stored zero plus 1 in checkpoint_format "gptq" (v1; AutoGPTQ stores zero - 1)
 //   and the stored zero in "gptq_v2". sym = true checkpoints must store z = 2^(bits - 1).
+//   GPTQModel's "dynamic" {"-:<regex>": {}} entries keep the modules they match plain (as an ignore
+//   list); entries that override bits or group_size per module are refused.
 //
 // AWQ (quant_method "awq", version "gemm"; AutoAWQ), 4 bits:
 //   <prefix>.qweight  I32 [in, out / 8]   packed along the output in AWQ's interleaved order: output

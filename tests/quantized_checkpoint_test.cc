@@ -949,6 +949,19 @@ TEST(GptqConfigTest, ParsesTheFields) {
                           R"([1])"}) {
     EXPECT_FALSE(ParseCheckpointQuant(bad, "config.json").ok()) << bad;
   }
+  // GPTQModel's "dynamic": "-:" patterns leave their modules plain (a MoE router), overrides are refused
+  c = ParseCheckpointQuant(
+      R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*[.]mlp[.]gate$": {}}})", "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->Quantizes("model.layers.3.mlp.gate"));
+  EXPECT_TRUE(c->Quantizes("model.layers.3.mlp.gate_proj"));
+  EXPECT_TRUE(c->Quantizes("model.layers.3.mlp.experts.0.gate_proj"));
+  c = ParseCheckpointQuant(
+      R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 8}}})",
+      "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "\"dynamic\"")) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "+:.*down_proj")) << c.status();
 }
 
 }  // namespace
