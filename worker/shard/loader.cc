@@ -266,8 +266,8 @@ absl::Status WeightLoader::DequantizedRows(const std::string& name, const std::v
                                                   full_shape[1], Slice{0, r0, r1}, /*map=*/false));
   if (q.k != full_shape[1] || q.m != r1 - r0) return absl::InternalError(absl::StrCat(name, ": dequantized rows of another shape"));
   ++report_->quant_paths[static_cast<int>(WeightQuant::kNone)];
-  if (report_->quant_why_dense.empty()) {
-    report_->quant_why_dense = q.why_dense != "asked for" ? q.why_dense : "MLA's picked and per-head weights are read dequantized";
+  if (report_->quant_why_dense.empty()) {  // (a format's own reason, where it has one, is set by its other weights)
+    report_->quant_why_dense = "MLA's parts of q_b_proj / kv_a_proj_with_mqa and kv_b_proj are read dequantized";
   }
   std::memcpy(out, q.dense.data() + (rows.begin - r0) * q.k, static_cast<size_t>((end - rows.begin) * q.k) * sizeof(float));
   return absl::OkStatus();
