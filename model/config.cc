@@ -689,12 +689,6 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
                       absl::StrCat("is mxfp4, whose blocks hold 32 inputs, but hidden_size ", c.hidden_size,
                                    " or intermediate_size ", c.moe_intermediate_size, " is not a multiple of 32"));
   }
-  if (c.num_experts > 0 && c.checkpoint_quant.has_value()) {
-    return FieldError(source, "quantization_config",
-                      absl::StrCat("describes a quantized checkpoint of ", c.architecture_name,
-                                   "; quantized mixture-of-experts checkpoints are not supported yet (load the "
-                                   "bf16 or float32 one, with --quantization int8 or int4 if it must be smaller)"));
-  }
   c.head_dim = c.hidden_size / c.num_attention_heads;
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "head_dim", false, &c.head_dim));
   if (c.head_dim <= 0 || c.head_dim % 2 != 0 || c.head_dim > 1024) {
@@ -895,8 +889,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
     }
   }
   if (c.checkpoint_quant.has_value()) {
+    // MLA's rows picked per head from q_b_proj and kv_a_proj_with_mqa are read dequantized
+    // (worker/shard/loader.cc); tensors that fuse several products otherwise (Phi-3's qkv_proj,
+    // stacked experts) are not read in a quantized format.
     for (const WeightDecl& w : ModelWeights(c)) {
-      if (!w.fused_shape.empty()) {
+      if (!w.fused_shape.empty() && w.pick.period == 0 && IsCheckpointQuantized(c, w)) {
         return FieldError(source, "quantization_config",
                           absl::StrCat("describes a quantized checkpoint of ", c.architecture_name, ", whose tensor \"",
                                        w.name, "\" fuses several products; quantized checkpoints of fused products are "

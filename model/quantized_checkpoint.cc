@@ -92,6 +92,24 @@ absl::StatusOr<CheckpointQuant> ParseGptq(const json& q, const std::string& sour
   SHARDSERVE_RETURN_IF_ERROR(CheckGroupSize(source, "group_size", c.group_size));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(q, source, "sym", &c.sym));
   SHARDSERVE_RETURN_IF_ERROR(GetBool(q, source, "desc_act", &c.desc_act));
+  // GPTQModel's per-module overrides: "-:<regex>" keeps the modules it matches (from the start of
+  // the name) unquantized; any other key overrides bits / group_size for its modules, which this
+  // loader does not read.
+  if (auto dynamic = q.find("dynamic"); dynamic != q.end() && !dynamic->is_null()) {
+    if (!dynamic->is_object()) return FieldError(source, "dynamic", absl::StrCat("must be an object, got ", dynamic->dump()));
+    for (const auto& [key, value] : dynamic->items()) {
+      if (!absl::StartsWith(key, "-:")) {
+        return Unsupported(source, "dynamic", json::object({{key, value}}),
+                           "per-module overrides are not read (only \"-:\" patterns, modules left unquantized)");
+      }
+      c.ignore.push_back("re:" + key.substr(2));
+      try {
+        std::regex check(key.substr(2));
+      } catch (const std::regex_error&) {
+        return FieldError(source, "dynamic", absl::StrCat("holds \"", key, "\", not a valid regular expression"));
+      }
+    }
+  }
   auto format = q.find("checkpoint_format");
   if (format != q.end() && !format->is_null()) {
     if (*format == "gptq_v2") {

@@ -13,6 +13,8 @@
 //   w[c][i] = scales[g][c] x (q[i][c] - z[g][c]),  g = g_idx[i],
 //   where z is the stored zero plus 1 in checkpoint_format "gptq" (v1; AutoGPTQ stores zero - 1)
 //   and the stored zero in "gptq_v2". sym = true checkpoints must store z = 2^(bits - 1).
+//   GPTQModel's "dynamic" {"-:<regex>": {}} entries keep the modules they match plain (as an ignore
+//   list); entries that override bits or group_size per module are refused.
 //
 // AWQ (quant_method "awq", version "gemm"; AutoAWQ), 4 bits:
 //   <prefix>.qweight  I32 [in, out / 8]   packed along the output in AWQ's interleaved order: output
@@ -71,6 +73,10 @@
 // packed int32s and (for row-parallel) whole groups: CheckpointQuant::output_multiple /
 // input_multiple, which model/sharding.h CheckQuantizedShard checks. Each rank reads only its
 // slice of the packed tensors.
+// Mixture-of-experts checkpoints (Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3) store every expert's
+// gate/up/down (and the shared experts') this way under their own prefixes, cut for TP as a dense
+// MLP's or whole under expert parallelism; the router stays plain. Which weights a checkpoint
+// quantizes: model/families/declaration.h IsCheckpointQuantized.
 //
 // Every field and tensor is checked before use; a mismatch is an error naming the tensor (or the
 // config field) and the numbers, never a crash or silent garbage.

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -112,13 +113,25 @@ bool HoldsAny(TpSplit split, const TpShard& s, int64_t expert) {
 
 namespace {
 
-// model/quantized_checkpoint.h's rules for a published quantized checkpoint split over t ranks.
-absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t) {
+// model/quantized_checkpoint.h's rules for a published quantized checkpoint split over t ranks:
+// each column-parallel product's outputs per rank (q/k/v, the dense MLP's, the experts' and the
+// shared experts' gate/up) whole packed int32s, each row-parallel one's inputs per rank (o, the
+// down projections) whole packed int32s and whole groups. With expert parallelism the routed and
+// shared experts are whole on their ranks. MLA's q_b_proj / kv_a_proj_with_mqa parts and kv_b_proj are read
+// dequantized over whole packed int32s around each rank's rows (worker/shard/loader.cc), so only its
+// o_proj (heads x v_head_dim inputs) is checked. A size of 0 (no such product) is skipped.
+absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t, bool expert_parallel) {
   const CheckpointQuant& q = *c.checkpoint_quant;
   const int64_t out_multiple = q.output_multiple();
   const int64_t kv_rows = t <= c.num_key_value_heads ? c.kv_dim() / t : c.head_dim;
+  const int64_t experts = expert_parallel ? 0 : c.moe_intermediate_size;
+  const int64_t shared = expert_parallel ? 0 : c.shared_expert_intermediate_size;
   const std::pair<const char*, int64_t> column[] = {
-      {"q_proj", c.q_dim() / t}, {"k_proj / v_proj", kv_rows}, {"gate_proj / up_proj", c.intermediate_size / t}};
+      {"q_proj", c.mla() ? 0 : c.q_dim() / t},
+      {"k_proj / v_proj", c.mla() ? 0 : kv_rows},
+      {"gate_proj / up_proj", c.intermediate_size / t},
+      {"the experts' gate_proj / up_proj", experts / t},
+      {"the shared experts' gate_proj / up_proj", shared / t}};
   for (const auto& [name, rows] : column) {
     if (rows % out_multiple != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -127,8 +140,12 @@ absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t) {
     }
   }
   const int64_t packed = q.input_multiple(/*split=*/false), whole = q.input_multiple(/*split=*/t > 1);
-  const std::pair<const char*, int64_t> row[] = {{"o_proj", c.q_dim()}, {"down_proj", c.intermediate_size}};
+  const std::pair<const char*, int64_t> row[] = {{"o_proj", c.mla() ? c.num_attention_heads * c.v_head_dim : c.q_dim()},
+                                                 {"down_proj", c.intermediate_size},
+                                                 {"the experts' down_proj", experts},
+                                                 {"the shared experts' down_proj", shared}};
   for (const auto& [name, width] : row) {
+    if (width == 0) continue;
     if (width % t != 0 || (width / t) % packed != 0) {
       return absl::InvalidArgumentError(absl::StrCat(q.Describe(), " checkpoint: ", name, "'s input of ", width,
                                                      " columns split over tensor parallel size ", t, " gives ",
@@ -139,7 +156,8 @@ absl::Status CheckCheckpointQuantShard(const ModelConfig& c, int t) {
       return absl::InvalidArgumentError(absl::StrCat(
           q.Describe(), " checkpoint: ", name, "'s input of ", width, " columns split over tensor parallel size ", t,
           " gives ", width / t, " per rank, not a whole number of groups of ", q.group_size,
-          " (quantization_config group_size); use a smaller TP"));
+          " (quantization_config group_size); use a smaller TP",
+          absl::StrContains(name, "experts'") && !expert_parallel ? " or --expert-parallel" : ""));
     }
   }
   return absl::OkStatus();
@@ -155,7 +173,7 @@ absl::Status CheckQuantizedShard(const ModelConfig& c, int t, WeightQuant quant,
                                                      "); load it with --quantization none, not ",
                                                      WeightQuantName(quant)));
     }
-    return CheckCheckpointQuantShard(c, t);
+    return CheckCheckpointQuantShard(c, t, expert_parallel);
   }
   if (quant != WeightQuant::kInt4 || t <= 1) return absl::OkStatus();
   const std::pair<const char*, int64_t> cut[] = {{"o_proj", c.q_dim()},

@@ -463,8 +463,10 @@ TEST_F(CheckpointTest, Qwen3MoeConfigAndTensorsAsTransformersReadThem) {
       {[](json& j) { j["mlp_only_layers"] = {3}; }, "\"mlp_only_layers\" has 3; want layer indices in [0, 3)"},
       {[](json& j) { j["decoder_sparse_step"] = 0; }, "\"decoder_sparse_step\" must be >= 1"},
       {[](json& j) { j["norm_topk_prob"] = "yes"; }, "\"norm_topk_prob\" must be true or false"},
-      {[](json& j) { j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}}; },
-       "quantized mixture-of-experts checkpoints are not supported"},
+      // (a quantization_config loads: tests/quantized_checkpoint_test.cc's MoE fixtures; a bad one is
+      // refused by its format's rules)
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 3}, {"group_size", 128}}; },
+       "GPTQ loads 4 or 8 bits"},
   };
   ExpectRefused(saved, refused);
 }
@@ -561,8 +563,8 @@ TEST_F(CheckpointTest, DeepseekV3LatentAttentionAndRouter) {
       {[](json& j) { j["q_lora_rank"] = 0; }, "\"q_lora_rank\" must be null or in [1, 65536]"},
       {[](json& j) { j["attention_bias"] = true; }, "latent attention with biases is not supported"},
       {[](json& j) { j["first_k_dense_replace"] = -1; }, "\"first_k_dense_replace\" must be >= 0"},
-      {[](json& j) { j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}}; },
-       "quantized mixture-of-experts checkpoints are not supported"},
+      {[](json& j) { j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {0, 128}}}; },
+       "\"weight_block_size\" must be two positive integers"},
   };
   ExpectRefused(saved, refused);
 }

@@ -1197,6 +1197,71 @@ TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
   }
 }
 
+// Published quantized mixture-of-experts checkpoints in every TP x PP layout and with
+// --expert-parallel: Hugging Face's greedy tokens of the dequantized weights, exactly (all float32,
+// as above; the fixtures' smallest greedy margin is 1.3e-3). Qwen3-MoE GPTQ group 16 (dequantized;
+// TP = 2 cuts the experts' 32 intermediate rows into whole groups), GPTQ group 128 on its int4 path
+// (PP only: TP = 2 would cut o_proj's one group), FP8 with 24x40 blocks whose grid TP = 2's slices
+// cut (each rank dequantizes its rows and columns with the scales of the blocks they fall in), and
+// DeepSeek-V3 with 128x128 blocks (MLA's picked q_b_proj / kv_a_proj_with_mqa rows and kv_b_proj
+// read dequantized); one case of the other formats.
+struct QuantizedMoeLayout {
+  std::string variant;  // under tests/fixtures
+  int tp, pp;
+  bool expert_parallel;
+  std::string log;  // what the worker log names
+};
+
+void PrintTo(const QuantizedMoeLayout& l, std::ostream* os) {
+  *os << "TP=" << l.tp << " PP=" << l.pp << (l.expert_parallel ? " EP " : " ") << l.variant;
+}
+
+std::vector<QuantizedMoeLayout> QuantizedMoeLayouts() {
+  std::vector<QuantizedMoeLayout> out;
+  for (int tp : {1, 2}) {
+    for (int pp : {1, 2}) out.push_back({"gptq/gptq_qwen3_moe_sym4_g16", tp, pp, false, "GPTQ"});
+  }
+  const std::vector<QuantizedMoeLayout> more = {
+      {"gptq/gptq_qwen3_moe_sym4_g16", 2, 1, true, "GPTQ"},
+      {"gptq/gptq_qwen3_moe_sym4_g16", 2, 2, true, "GPTQ"},
+      {"gptq/gptq_qwen3_moe_sym4_g128", 1, 2, false, "as int4 groups of 128"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 1, false, "FP8"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, false, "FP8"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, true, "FP8"},
+      {"fp8/fp8_deepseek_v3_block128", 1, 2, false, "FP8"},
+      {"fp8/fp8_deepseek_v3_block128", 2, 2, false, "FP8"},
+      {"fp8/fp8_deepseek_v3_block128", 2, 1, true, "FP8"},
+      {"awq/awq_mixtral_g16", 2, 1, false, "AWQ"},
+      {"compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2, false, "compressed-tensors"},
+      {"compressed_tensors/ct_fp8_channel_qwen2_moe", 2, 1, true, "as fp8 e4m3 per output channel"}};
+  out.insert(out.end(), more.begin(), more.end());
+  return out;
+}
+
+class ClusterQuantizedMoeTest : public ::testing::TestWithParam<QuantizedMoeLayout> {};
+
+TEST_P(ClusterQuantizedMoeTest, GreedyTokensMatchHuggingFace) {
+  const QuantizedMoeLayout& l = GetParam();
+  const std::string fixture = "../" + l.variant;
+  const Golden golden = LoadGolden(fixture);
+  ASSERT_EQ(golden.greedy.size(), 32u);
+  std::vector<std::string> coordinator_flags;
+  if (l.expert_parallel) coordinator_flags.push_back("--expert-parallel");
+  Cluster cluster({fixture, /*nodes=*/l.pp, /*gpus_per_node=*/l.tp, {"--matmul-dtype", "f32"}}, coordinator_flags);
+  ASSERT_TRUE(cluster.Start()) << l.variant;
+  const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
+  ASSERT_TRUE(r.status.ok()) << l.variant << ": " << r.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(r.tokens, golden.greedy);
+  EXPECT_NE(cluster.Logs().find(l.log), std::string::npos) << "the worker log names the format\n" << cluster.Logs();
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterQuantizedMoeTest, ::testing::ValuesIn(QuantizedMoeLayouts()),
+                         [](const ::testing::TestParamInfo<QuantizedMoeLayout>& info) {
+                           std::string name = info.param.variant.substr(info.param.variant.find('/') + 1);
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) +
+                                  (info.param.expert_parallel ? "_EP_" : "_") + name;
+                         });
+
 // ---- Dummy weights: a directory holding only config.json -------------------------------------------
 // --load-format dummy on the coordinator reaches every worker, each making only its own slice of
 // weights that are a function of (seed, tensor, element) alone: a TP=2 x PP=2 cluster gives the

@@ -1522,11 +1522,28 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
         {"compressed_tensors/ct_int8_channel_qwen2", 2, 1,
          "linear layers compressed-tensors int8 as int8 per output channel"},
         {"compressed_tensors/ct_fp8_channel_qwen2", 1, 2,
-         "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"}}) {
+         "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"},
+        // mixtures of experts: every expert's weights as the worker holds them; EP_ (expert
+        // parallelism) gives each rank whole experts, an uneven 2 + 3 of 5 or 4 + 5 of 9
+        {"gptq/gptq_qwen3_moe_sym4_g128", 1, 2, "linear layers GPTQ 4-bit as int4 groups of 128"},
+        {"gptq/gptq_qwen3_moe_sym4_g16", 2, 2, "linear layers GPTQ 4-bit dequantized to float32"},
+        {"EP_gptq/gptq_qwen3_moe_sym4_g16", 2, 1, "linear layers GPTQ 4-bit dequantized to float32"},
+        {"awq/awq_mixtral_g16", 2, 1, "linear layers AWQ 4-bit dequantized to float32"},
+        {"compressed_tensors/ct_fp8_channel_qwen2_moe", 2, 1,
+         "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"},
+        {"EP_compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2,
+         "linear layers compressed-tensors int4 dequantized to float32"},
+        {"fp8/fp8_qwen3_moe_block24x40", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
+        {"fp8/fp8_deepseek_v3_block128", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
+        {"EP_fp8/fp8_deepseek_v3_block128", 2, 2, "linear layers FP8 e4m3 dequantized to float32"}}) {
+    const bool ep = absl::StartsWith(variant, "EP_");
+    if (ep) variant += 3;
     absl::StatusOr<PlannerModel> m = OpenPlannerModel(fixtures / variant);
     ASSERT_TRUE(m.ok()) << variant << ": " << m.status();
     ASSERT_TRUE(m->config.checkpoint_quant.has_value());
-    absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), SmallCpuOptions(tp, pp));
+    PlanOptions options = SmallCpuOptions(tp, pp);
+    options.expert_parallel = ep;
+    absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), options);
     ASSERT_TRUE(p.ok()) << variant << ": " << p.status();
     ASSERT_TRUE(p->fits) << p->reason;
     EXPECT_THAT(PlanTable(*p), HasSubstr(label));
@@ -1535,7 +1552,8 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
     for (const GpuPlan& g : p->per_gpu) {
       const StagePlan& s = p->stages[g.stage];
       LoadOnlyCommunicator comm(g.tp_rank, p->tp);
-      const ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p->tp};
+      ShardSpec spec{s.first_layer, s.last_layer + 1, g.tp_rank, p->tp};
+      spec.expert_parallel = ep;
       absl::StatusOr<std::unique_ptr<ModelShard>> shard =
           ModelShard::Load(*m->checkpoint, m->config, spec, p->limits, backend.get(), &comm);
       ASSERT_TRUE(shard.ok()) << variant << " stage " << g.stage << " rank " << g.tp_rank << ": " << shard.status();

@@ -26,6 +26,7 @@
 #include "kernels/tensor.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
+#include "model/families/registry.h"
 #include "model/quantized_checkpoint.h"
 #include "model/sharding.h"
 #include "model/weight_source.h"
@@ -73,6 +74,9 @@ struct Variant {
   std::string name;
   WeightQuant kernel;  // the layout every quantized linear weight takes (kNone: every one dequantized)
   int plain = 0;     // linear weights the checkpoint's ignore list keeps plain
+  // Mixture-of-experts fixtures: the quantized linear weights (attention, dense MLPs, every expert,
+  // shared experts; MLA's picked parts and kv_b_proj); 0: a dense model's 7 per layer.
+  int linears = 0;
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.dir << "/" << v.name; }
@@ -92,6 +96,18 @@ const Variant kVariants[] = {
     {"compressed_tensors", "ct_int4_asym_g32_qwen2", kDense},
     {"compressed_tensors", "ct_int8_channel_qwen2", kInt8},
     {"compressed_tensors", "ct_fp8_channel_qwen2", kFp8, /*plain=*/1},
+    // Qwen3-MoE (3 layers, layer 1 dense, 5 experts): 3 x 4 attention + 3 dense MLP + 2 x 5 x 3 experts.
+    {"gptq", "gptq_qwen3_moe_sym4_g16", kDense, 0, 45},
+    {"gptq", "gptq_qwen3_moe_sym4_g128", kInt4, 0, 45},
+    {"fp8", "fp8_qwen3_moe_block24x40", kDense, 0, 45},
+    // Mixtral (2 layers, 3 experts): 2 x 4 attention + 2 x 3 x 3 experts.
+    {"awq", "awq_mixtral_g16", kDense, 0, 26},
+    // Qwen2-MoE (3 layers, layer 2 dense, 5 experts and a shared one): 12 + 3 + 2 x (15 + 3).
+    {"compressed_tensors", "ct_int4_sym_g8_qwen2_moe", kDense, 0, 51},
+    {"compressed_tensors", "ct_fp8_channel_qwen2_moe", kFp8, 0, 51},
+    // DeepSeek-V3 (3 layers, layer 0 dense, 9 experts, 1 shared): 3 x 7 MLA (q_a_proj, q_b_proj's
+    // two parts, kv_a_proj_with_mqa's two, kv_b_proj, o_proj) + 3 dense MLP + 2 x (27 + 3).
+    {"fp8", "fp8_deepseek_v3_block128", kDense, 0, 84},
 };
 
 // What the worker's summary says of `n` weights in `kernel`'s layout (ModelShard::QuantizationSummary).
@@ -120,7 +136,8 @@ TEST_P(QuantizedParity, GivesHuggingFaceTokensAndLogits) {
   ASSERT_TRUE(model.ok()) << v.name << ": " << model.status();
   const std::string summary = (*model)->QuantizationSummary();
   const int layers = static_cast<int>((*model)->config().num_hidden_layers);
-  EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": linear weights ", PathWords(v.kernel, 7 * layers - v.plain))))
+  const int linears = v.linears > 0 ? v.linears : 7 * layers - v.plain;
+  EXPECT_TRUE(absl::StrContains(summary, absl::StrCat(": linear weights ", PathWords(v.kernel, linears))))
       << summary;
   if (v.kernel != kDense) {
     EXPECT_FALSE(absl::StrContains(summary, "dequantized")) << summary;
@@ -411,6 +428,71 @@ TEST_F(GptqRefusalTest, CompressedTensorsTensors) {
 
 // TP = 2 would cut o_proj's 64 inputs (one short group of 128) into 32 per rank: refused with the
 // numbers, by the check the planner uses too. Groups of 32 split cleanly.
+// Mixture-of-experts checkpoints: a corrupt scale of one expert, an expert tensor whose shape
+// disagrees with config.json, a router stored quantized, and FP8 DeepSeek-V3's kv_b_proj and
+// q_b_proj scales are refused naming the tensor.
+TEST_F(GptqRefusalTest, MixtureOfExpertsTensors) {
+  for (uint16_t bad : {uint16_t{0x7e00} /*NaN*/, uint16_t{0} /*zero*/}) {
+    Copy("gptq_qwen3_moe_sym4_g16");
+    Poke("model.layers.2.mlp.experts.3.down_proj.scales", 2 * 7, &bad, 2);  // scales[0][7]
+    ExpectRefused({"model.layers.2.mlp.experts.3.down_proj.scales[0][7]", "must be finite"});
+  }
+  // moe_intermediate_size 40: gate_proj's qweight [48 / 8, 40] expected, [6, 32] stored
+  Copy("gptq_qwen3_moe_sym4_g16");
+  {
+    std::ifstream in(dir_ / "config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["moe_intermediate_size"] = 40;
+    std::ofstream(dir_ / "config.json") << j.dump(2);
+  }
+  ExpectRefused({"model.layers.0.mlp.experts.0.gate_proj.qweight", "[6, 40]"});
+  // a router stored as another tensor (as if quantized): its plain weight is missing, by name
+  Copy("gptq_qwen3_moe_sym4_g16");
+  Rename("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.gate.weighX");
+  ExpectRefused({"model.layers.0.mlp.gate.weight"});
+  for (float bad : {NAN, 0.0f}) {
+    Copy("fp8/fp8_deepseek_v3_block128");
+    Poke("model.layers.1.self_attn.kv_b_proj.weight_scale_inv", 4 * 1, &bad, 4);  // [1][0] of 2 x 1 blocks
+    ExpectRefused({"model.layers.1.self_attn.kv_b_proj.weight_scale_inv[1][0]", "must be finite"});
+    Copy("fp8/fp8_deepseek_v3_block128");
+    Poke("model.layers.2.self_attn.q_b_proj.weight_scale_inv", 0, &bad, 4);
+    ExpectRefused({"model.layers.2.self_attn.q_b_proj.weight_scale_inv[0][0]", "must be finite"});
+  }
+  Copy("fp8/fp8_deepseek_v3_block128");
+  Rename("model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv", "model.layers.1.mlp.shared_experts.up_proj.weight_scale_inX");
+  ExpectRefused({"model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"});
+}
+
+// The experts' TP cuts follow each format's rules too (moe_intermediate_size 32: gate/up rows and
+// down inputs of 16 a rank at TP = 2): GPTQ group 16 allows TP = 2 and refuses TP = 4 (8 inputs, not
+// a group of 16); group 128 refuses TP = 2 naming o_proj (64 inputs, not a whole group), and with
+// expert parallelism too (the attention is still cut); FP8 blocks allow any cut.
+TEST(GptqShardTest, ExpertsFollowTheFormatsRules) {
+  absl::StatusOr<ModelConfig> g16 = LoadModelConfig(kGptqFixtures / "gptq_qwen3_moe_sym4_g16");
+  ASSERT_TRUE(g16.ok()) << g16.status();
+  EXPECT_TRUE(CheckQuantizedShard(*g16, 2, WeightQuant::kNone).ok());
+  EXPECT_TRUE(CheckQuantizedShard(*g16, 2, WeightQuant::kNone, /*expert_parallel=*/true).ok());
+  absl::Status s = CheckQuantizedShard(*g16, 4, WeightQuant::kNone);
+  EXPECT_FALSE(s.ok());
+  absl::StatusOr<ModelConfig> g128 = LoadModelConfig(kGptqFixtures / "gptq_qwen3_moe_sym4_g128");
+  ASSERT_TRUE(g128.ok()) << g128.status();
+  s = CheckQuantizedShard(*g128, 2, WeightQuant::kNone, /*expert_parallel=*/true);
+  EXPECT_TRUE(absl::StrContains(s.message(), "o_proj's input of 64 columns")) << s;
+  // with o_proj and the dense MLP wide enough, the experts' down_proj is what TP = 2 cuts
+  ModelConfig wide = *g128;
+  wide.num_attention_heads = 16;
+  wide.intermediate_size = 256;
+  s = CheckQuantizedShard(wide, 2, WeightQuant::kNone);
+  EXPECT_TRUE(absl::StrContains(s.message(), "the experts' down_proj's input of 32 columns")) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "--expert-parallel")) << s;
+  EXPECT_TRUE(CheckQuantizedShard(wide, 2, WeightQuant::kNone, /*expert_parallel=*/true).ok());
+  for (const char* fp8 : {"fp8/fp8_qwen3_moe_block24x40", "fp8/fp8_deepseek_v3_block128"}) {
+    absl::StatusOr<ModelConfig> c = LoadModelConfig(kFixtures / fp8);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_TRUE(CheckQuantizedShard(*c, 2, WeightQuant::kNone).ok()) << fp8;
+  }
+}
+
 TEST(GptqShardTest, RefusesALayoutThatCutsAGroup) {
   absl::StatusOr<ModelConfig> g128 = LoadModelConfig(kGptqFixtures / "llama_sym4_g128_v1");
   ASSERT_TRUE(g128.ok()) << g128.status();
@@ -791,16 +873,18 @@ TEST(QuantizedKnownAnswers, FixtureWeightsInKernelLayoutsEqualTheDequantizedOnes
     absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
     ASSERT_TRUE(ckpt.ok()) << ckpt.status();
     const CheckpointQuant& c = *config->checkpoint_quant;
-    const int64_t H = config->hidden_size, I = config->intermediate_size;
     int checked = 0;
-    for (int64_t layer = 0; layer < config->num_hidden_layers; ++layer) {
-      const std::string p = absl::StrCat("model.layers.", layer, ".");
-      for (const auto& [name, out, in, dim] :
-           {std::tuple{"self_attn.q_proj", config->q_dim(), H, 0}, {"self_attn.k_proj", config->kv_dim(), H, 0},
-            {"self_attn.v_proj", config->kv_dim(), H, 0}, {"self_attn.o_proj", H, config->q_dim(), 1},
-            {"mlp.gate_proj", I, H, 0}, {"mlp.up_proj", I, H, 0}, {"mlp.down_proj", H, I, 1}}) {
-        const std::string prefix = p + name;
-        if (!c.Quantizes(prefix)) continue;
+    // every linear weight the family declares that the checkpoint stores quantized (the experts too)
+    for (const WeightDecl& decl : ModelWeights(*config)) {
+      if (!IsCheckpointQuantized(*config, decl) || !IsProductWeight(decl.role) || decl.pick.period > 0) continue;
+      const std::string prefix = LinearPrefix(decl.name);
+      const int64_t out = decl.shape[0], in = decl.shape[1];
+      const WeightRole r = decl.role;
+      const int dim = r == WeightRole::kOProj || r == WeightRole::kDownProj || r == WeightRole::kExpertDownProj ||
+                              r == WeightRole::kSharedDownProj
+                          ? 1
+                          : 0;  // row-parallel products are cut along their inputs
+      {
         const int64_t extent = dim == 0 ? out : in;
         for (const Slice slice : {Slice{dim, 0, -1}, Slice{dim, 0, extent / 2}, Slice{dim, extent / 2, -1}}) {
           // Slices that cut int4 groups are refused by the planner (CheckQuantizedShard); skip them.
@@ -865,6 +949,19 @@ TEST(GptqConfigTest, ParsesTheFields) {
                           R"([1])"}) {
     EXPECT_FALSE(ParseCheckpointQuant(bad, "config.json").ok()) << bad;
   }
+  // GPTQModel's "dynamic": "-:" patterns leave their modules plain (a MoE router), overrides are refused
+  c = ParseCheckpointQuant(
+      R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*[.]mlp[.]gate$": {}}})", "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->Quantizes("model.layers.3.mlp.gate"));
+  EXPECT_TRUE(c->Quantizes("model.layers.3.mlp.gate_proj"));
+  EXPECT_TRUE(c->Quantizes("model.layers.3.mlp.experts.0.gate_proj"));
+  c = ParseCheckpointQuant(
+      R"({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 8}}})",
+      "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "\"dynamic\"")) << c.status();
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "+:.*down_proj")) << c.status();
 }
 
 }  // namespace

@@ -19,24 +19,13 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-namespace {
-
-// The decoder layers' linear weights (q/k/v/o, gate/up/down) that a published quantized checkpoint
-// stores quantized (model/quantized_checkpoint.h): all but its ignore list.
-bool IsQuantizedLinearWeight(const ModelConfig& config, const WeightDecl& t) {
-  return config.checkpoint_quant.has_value() && t.part == WeightPart::kLayer && IsProductWeight(t.role) &&
-         config.checkpoint_quant->Quantizes(t.name.substr(0, t.name.size() - std::string(".weight").size()));
-}
-
-}  // namespace
-
 absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint) {
   std::vector<WeightDecl> weights = ModelWeights(config);
   const std::string where = checkpoint.dir().string();
   for (WeightDecl& w : weights) {
-    if (IsQuantizedLinearWeight(config, w)) {  // stored in its format's tensors (model/quantized_checkpoint.h)
-      absl::Status s = CheckQuantizedLinear(checkpoint, *config.checkpoint_quant, w.name.substr(0, w.name.size() - 7), w.shape[0],
-                                       w.shape[1]);
+    if (IsCheckpointQuantized(config, w)) {  // stored in its format's tensors (model/quantized_checkpoint.h)
+      const std::vector<int64_t>& shape = CheckpointShape(w);  // a picked part's: the fused tensor's
+      absl::Status s = CheckQuantizedLinear(checkpoint, *config.checkpoint_quant, LinearPrefix(w.name), shape[0], shape[1]);
       if (!s.ok()) return absl::FailedPreconditionError(absl::StrCat("checkpoint ", where, ": ", s.message()));
       continue;
     }
@@ -138,10 +127,12 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       stored = quant;
       bytes = static_cast<uint64_t>(QuantizedWeightBytes(quant, rows, cols));
     }
-    if (IsQuantizedLinearWeight(config, t)) {
+    if (IsCheckpointQuantized(config, t) && IsProductWeight(t.role) && t.pick.period == 0) {
       // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h):
       // the int4 / int8 / fp8 kernel's layout (codes, scales and zero points) where the format maps
-      // onto one, else dequantized to float32 (that path saves no memory).
+      // onto one, else dequantized to float32 (that path saves no memory). MLA's parts picked from
+      // q_b_proj / kv_a_proj_with_mqa and its kv_b_proj are dequantized and then held as the plain
+      // checkpoint's are (counted above).
       stored = CheckpointQuantKernel(*config.checkpoint_quant);
       bytes = stored != WeightQuant::kNone ? static_cast<uint64_t>(QuantizedWeightBytes(stored, rows, cols))
                                            : static_cast<uint64_t>(elements) * sizeof(float);

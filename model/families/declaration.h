@@ -74,6 +74,17 @@ struct WeightDecl;
 // head, nor an MoE router or Qwen2-MoE's shared-expert gate (whose logits choose and weigh the
 // experts; vLLM and llama.cpp keep them unquantized too). The loader and the planner's bytes both ask this.
 bool TakesWeightQuant(const WeightDecl& w);
+// Whether a published quantized checkpoint (config.checkpoint_quant) stores w in its format's
+// tensors (model/quantized_checkpoint.h) rather than as a plain <prefix>.weight: the weights
+// TakesWeightQuant names (attention and MLA projections, dense MLPs, routed and shared experts) and
+// MLA's kv_b_proj, unless the format's ignore list keeps them plain. The router and Qwen2-MoE's
+// shared-expert gate never are: GPTQ and AWQ tools leave them out, and compressed-tensors and FP8
+// checkpoints list them as ignored (vLLM builds them unquantized too); a checkpoint that did
+// quantize them lacks their plain .weight and is refused naming it. For a part of a fused tensor
+// (MLA's q_b_proj, kv_a_proj_with_mqa) the fused tensor is the quantized one.
+bool IsCheckpointQuantized(const ModelConfig& config, const WeightDecl& w);
+// The prefix of a linear weight's name ("model.layers.0.mlp.up_proj" of "...up_proj.weight").
+std::string LinearPrefix(const std::string& name);
 // An RMSNorm's weight (Gemma's are stored as w for a scale of 1 + w).
 bool IsNormWeight(WeightRole role);
 

@@ -100,6 +100,15 @@ bool TakesWeightQuant(const WeightDecl& w) {
          w.role != WeightRole::kSharedExpertGate;
 }
 
+std::string LinearPrefix(const std::string& name) {
+  return name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0 ? name.substr(0, name.size() - 7) : name;
+}
+
+bool IsCheckpointQuantized(const ModelConfig& config, const WeightDecl& w) {
+  return config.checkpoint_quant.has_value() && (TakesWeightQuant(w) || (w.part == WeightPart::kLayer && w.role == WeightRole::kKvBProj)) &&
+         config.checkpoint_quant->Quantizes(LinearPrefix(w.name));
+}
+
 bool IsNormWeight(WeightRole role) {
   switch (role) {
     case WeightRole::kInputNorm:

@@ -1,5 +1,6 @@
 #include "worker/shard/loader.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -15,16 +16,6 @@
 namespace shardserve {
 
 namespace {
-
-// The prefix of a linear weight's name ("model.layers.0.mlp.up_proj" of "...up_proj.weight").
-std::string LinearPrefix(const std::string& name) { return name.substr(0, name.size() - std::string(".weight").size()); }
-
-// A decoder layer's linear weight that a published quantized checkpoint stores quantized (not in
-// its ignore list): model/quantized_checkpoint.h.
-bool IsQuantizedLinear(const ModelConfig& config, const WeightDecl& w) {
-  return config.checkpoint_quant.has_value() && w.part == WeightPart::kLayer && IsProductWeight(w.role) &&
-         config.checkpoint_quant->Quantizes(LinearPrefix(w.name));
-}
 
 // Expert `expert`'s slot among a layer's experts (the list grown to hold it); null for no expert.
 Tensor* ExpertSlot(std::vector<Tensor>* experts, int64_t expert) {
@@ -107,6 +98,10 @@ class WeightLoader {
   // The rows w.pick names of the checkpoint tensor's rows `slice` covers (whole blocks of
   // w.pick.period), in the act dtype; packed for MatMul (as `quant`) when w is a product's.
   absl::StatusOr<Tensor> Picked(const WeightDecl& w, const Slice& slice, WeightQuant quant);
+  // A published quantized checkpoint's weight that is not a product (MLA's kv_b_proj, which the
+  // attention reads plain): `slice` of it dequantized (model/quantized_checkpoint.h) and held in the
+  // act dtype, as the plain checkpoint's would be.
+  absl::StatusOr<Tensor> Dequantized(const WeightDecl& w, const Slice& slice);
   // Tensor w's `slice`, in float32 whatever the act dtype (DeepSeek-V3's router bias, which
   // transformers keeps in float32; gpt-oss's attention sinks, which the attention reads so).
   absl::StatusOr<Tensor> Float32(const WeightDecl& w, const Slice& slice);
@@ -121,6 +116,11 @@ class WeightLoader {
   // (model/quantized_checkpoint.h).
   absl::StatusOr<Tensor> QuantizedCheckpointProduct(const std::string& name, const std::vector<int64_t>& full_shape,
                                                     const Slice& slice);
+  // Rows `rows` (a dim-0 slice) of the quantized [out, in] weight `name`, dequantized to float32 into
+  // `out` ([rows, in]). A format that packs several outputs into one int32 (GPTQ, AWQ, asymmetric
+  // compressed-tensors) is read over whole packed int32s around them, then cut.
+  absl::Status DequantizedRows(const std::string& name, const std::vector<int64_t>& full_shape, const Slice& rows,
+                               float* out);
   // A weight made on the host in float32, held in the act dtype on the backend's device.
   absl::StatusOr<Tensor> UploadHost(const std::string& name, const float* values, absl::Span<const int64_t> dims);
   // `plain` (the arena's latest buffer) packed for MatMul as `quant`; the packed copy replaces it.
@@ -211,7 +211,7 @@ absl::StatusOr<Tensor> WeightLoader::QuantizedCheckpointProduct(const std::strin
 absl::StatusOr<Tensor> WeightLoader::Product(const WeightDecl& w, const Slice& slice, WeightQuant quant) {
   // A published quantized checkpoint stores the decoder layers' linear weights in its format
   // (model/quantized_checkpoint.h); its embeddings, LM head and ignored modules are plain.
-  if (IsQuantizedLinear(config_, w)) return QuantizedCheckpointProduct(w.name, w.shape, slice);
+  if (IsCheckpointQuantized(config_, w)) return QuantizedCheckpointProduct(w.name, w.shape, slice);
   Tensor plain;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
   return Pack(w.name, plain, quant);
@@ -235,8 +235,12 @@ absl::StatusOr<Tensor> WeightLoader::Picked(const WeightDecl& w, const Slice& sl
   }
   const int64_t first = slice.begin / p.count, blocks = end / p.count - first, cols = full[1];
   std::vector<float> read(static_cast<size_t>(blocks * p.period * cols));
-  SHARDSERVE_RETURN_IF_ERROR(
-      ckpt_.Read(w.name, full, Slice{0, first * p.period, (first + blocks) * p.period}, DType::kF32, read.data()));
+  const Slice rows{0, first * p.period, (first + blocks) * p.period};
+  if (IsCheckpointQuantized(config_, w)) {
+    SHARDSERVE_RETURN_IF_ERROR(DequantizedRows(w.name, full, rows, read.data()));
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, rows, DType::kF32, read.data()));
+  }
   std::vector<float> picked(static_cast<size_t>(blocks * p.count * cols));
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t i = 0; i < p.count; ++i) {
@@ -251,6 +255,32 @@ absl::StatusOr<Tensor> WeightLoader::Picked(const WeightDecl& w, const Slice& sl
   SHARDSERVE_ASSIGN_OR_RETURN(plain, UploadHost(w.name, picked.data(), {blocks * p.count, cols}));
   if (!IsProductWeight(w.role)) return plain;
   return Pack(w.name, plain, quant);
+}
+
+absl::Status WeightLoader::DequantizedRows(const std::string& name, const std::vector<int64_t>& full_shape,
+                                          const Slice& rows, float* out) {
+  const int64_t m = config_.checkpoint_quant->output_multiple(), end = rows.end < 0 ? full_shape[0] : rows.end;
+  const int64_t r0 = rows.begin / m * m, r1 = std::min(full_shape[0], (end + m - 1) / m * m);
+  SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice q,
+                              ReadQuantizedLinear(ckpt_, *config_.checkpoint_quant, LinearPrefix(name), full_shape[0],
+                                                  full_shape[1], Slice{0, r0, r1}, /*map=*/false));
+  if (q.k != full_shape[1] || q.m != r1 - r0) return absl::InternalError(absl::StrCat(name, ": dequantized rows of another shape"));
+  ++report_->quant_paths[static_cast<int>(WeightQuant::kNone)];
+  if (report_->quant_why_dense.empty()) {  // (a format's own reason, where it has one, is set by its other weights)
+    report_->quant_why_dense = "MLA's parts of q_b_proj / kv_a_proj_with_mqa and kv_b_proj are read dequantized";
+  }
+  std::memcpy(out, q.dense.data() + (rows.begin - r0) * q.k, static_cast<size_t>((end - rows.begin) * q.k) * sizeof(float));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> WeightLoader::Dequantized(const WeightDecl& w, const Slice& slice) {
+  if (slice.dim != 0 || w.shape.size() != 2) {
+    return absl::InternalError(absl::StrCat(w.name, ": a quantized weight held plain is cut by rows only"));
+  }
+  const int64_t rows = (slice.end < 0 ? w.shape[0] : slice.end) - slice.begin;
+  std::vector<float> values(static_cast<size_t>(rows * w.shape[1]));
+  SHARDSERVE_RETURN_IF_ERROR(DequantizedRows(w.name, w.shape, slice, values.data()));
+  return UploadHost(w.name, values.data(), {rows, w.shape[1]});
 }
 
 absl::StatusOr<Tensor> WeightLoader::Float32(const WeightDecl& w, const Slice& slice) {
@@ -346,9 +376,10 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
   // ---- Shapes first: config.json's sizes are only bounded (model/config.cc) until the
   // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----
   for (const WeightDecl& w : tensors) {
-    if (IsQuantizedLinear(config, w)) {
+    if (IsCheckpointQuantized(config, w)) {
+      const std::vector<int64_t>& shape = CheckpointShape(w);  // a picked part's: the fused tensor's
       SHARDSERVE_RETURN_IF_ERROR(
-          CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), w.shape[0], w.shape[1]));
+          CheckQuantizedLinear(ckpt, *config.checkpoint_quant, LinearPrefix(w.name), shape[0], shape[1]));
     } else if (IsMxfp4Part(config, w) && !ckpt.MakesPlainWeights()) {
       for (const auto& [name, shape] : Mxfp4Tensors(w)) SHARDSERVE_RETURN_IF_ERROR(ckpt.CheckShape(name, shape));
     } else {
@@ -387,6 +418,8 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Stacked(w, slice, quant));
     } else if (w.role == WeightRole::kRouterBias || w.role == WeightRole::kSinks) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Float32(w, slice));
+    } else if (IsCheckpointQuantized(config, w) && !IsProductWeight(w.role)) {
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Dequantized(w, slice));
     } else if (config.norm_plus_one && IsNormWeight(w.role)) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.NormPlusOne(w));
     } else if (IsProductWeight(w.role)) {
