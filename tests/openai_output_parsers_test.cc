@@ -73,6 +73,8 @@ std::vector<Case> Cases() {
       {"hermes_unclosed_last", H, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": 1}}", "", {{"a", R"({"k":1})"}}},
       {"hermes_string_arguments", H, "<tool_call>{\"name\": \"a\", \"arguments\": \"{\\\"k\\\": 2}\"}</tool_call>", "",
        {{"a", R"({"k":2})"}}},
+      {"hermes_arguments_before_name", H, "<tool_call>{\"arguments\": {\"k\": [1]}, \"name\": \"a\"}</tool_call>", "",
+       {{"a", R"({"k":[1]})"}}},
       {"hermes_malformed_stays_content", H, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>",
        "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>", {},
        Calls{{"a", "{\"k\":}\n</tool_call>"}}, ""},

@@ -28,8 +28,8 @@
 // them, each the compact JSON (as the whole call's `arguments` is written) of the text that came:
 // a string's characters as they come, a number or literal once it ends, qwen3_coder's parameter
 // once it is closed. Joined, a call's pieces are exactly the `arguments` the whole output gives.
-// A call the parser cannot stream this way (keys in another order, "arguments" as a JSON string,
-// a format's variant read only whole) is handed out as one piece once it is complete, as without
+// A call the parser cannot stream this way ("arguments" before "name", or as a JSON string; a
+// qwen3_coder name with '<' in it) is handed out as one piece once it is complete, as without
 // streaming. The rules once a call has begun (its name was sent, so it stays a call):
 //   - it turns out malformed (bad JSON, a missing fence or tag, the output ends inside it): the
 //     rest of its block's text, from where the pieces sent stop, as the model wrote it, is the end
