@@ -75,6 +75,10 @@ std::vector<Case> Cases() {
        {{"a", R"({"k":2})"}}},
       {"hermes_arguments_before_name", H, "<tool_call>{\"arguments\": {\"k\": [1]}, \"name\": \"a\"}</tool_call>", "",
        {{"a", R"({"k":[1]})"}}},
+      // A byte that is no UTF-8 inside a string: the string is sent up to it, whatever the cut.
+      {"hermes_bad_utf8_in_a_string", H, "<tool_call>{\"name\": \"a\", \"arguments\": {\"s\": \"caf\\u00e9 \xd6x\"}}</tool_call>",
+       "<tool_call>{\"name\": \"a\", \"arguments\": {\"s\": \"caf\\u00e9 \xd6x\"}}</tool_call>", {},
+       Calls{{"a", "{\"s\":\"caf\xc3\xa9 \xd6x\"}}</tool_call>"}}, ""},
       {"hermes_malformed_stays_content", H, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>",
        "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>", {},
        Calls{{"a", "{\"k\":}\n</tool_call>"}}, ""},

@@ -298,8 +298,8 @@ std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_hand
 }  // namespace
 
 // A JSON object's text read as it comes, written out compact as DumpArguments writes the parsed
-// value: a string's characters as they come (cut only between characters, so that each cut piece
-// is escaped as the whole is), numbers and literals once they end, whitespace dropped. A text that
+// value: a string's characters as they come (each escaped as the whole is), numbers and literals
+// once they end, whitespace dropped. A text that
 // is not JSON stops it (kBad), at the first byte not written out.
 class ToolCallParser::ArgumentsStream {
  public:
@@ -430,16 +430,19 @@ class ToolCallParser::ArgumentsStream {
     }
   }
 
-  // Writes out `raw` (whole characters of a string's text) escaped as Dump escapes them.
-  bool WriteSegment(absl::string_view text, size_t end, std::string* out) {
-    if (end == segment_) return true;
-    Json v;
-    if (!ParseJson(absl::StrCat("\"", text.substr(segment_, end - segment_), "\""), &v) || !v.is_string()) {
-      return false;
+  // Writes out one character of a string's text (a byte, a UTF-8 sequence or an escape) as Dump
+  // writes it; false when it is not valid JSON. One at a time, so that where a bad one stops the
+  // string does not depend on how the text was cut.
+  static bool WriteCharacter(absl::string_view raw, std::string* out) {
+    const unsigned char c = raw[0];
+    if (raw.size() == 1 && c >= 0x20 && c < 0x80 && c != '\\') {
+      out->push_back(raw[0]);
+      return true;
     }
+    Json v;
+    if (!ParseJson(absl::StrCat("\"", raw, "\""), &v) || !v.is_string()) return false;
     const std::string d = Dump(v);
     out->append(d, 1, d.size() - 2);
-    segment_ = end;
     return true;
   }
 
@@ -471,11 +474,6 @@ class ToolCallParser::ArgumentsStream {
           out->append(Dump(v));
           stack_.back().expect = Expect::kColon;
         } else {
-          if (!WriteSegment(text, i, out)) {
-            pos_ = i;
-            Bad();
-            return false;
-          }
           out->push_back('"');
           ValueDone();
         }
@@ -490,10 +488,17 @@ class ToolCallParser::ArgumentsStream {
         n = 2;
       }
       if (i + n > text.size()) break;
+      if (!key_) {
+        if (!WriteCharacter(text.substr(i, n), out)) {
+          pos_ = i;
+          Bad();
+          return false;
+        }
+        segment_ = i + n;
+      }
       i += n;
     }
     pos_ = i;
-    if (!key_ && !WriteSegment(text, i, out)) Bad();
     return false;
   }
 
