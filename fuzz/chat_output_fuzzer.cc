@@ -6,6 +6,9 @@
 //
 // Invariants: the output streamed in those pieces gives, joined, exactly what it gives whole
 // (reasoning, content and calls); every call has a name and arguments that parse as a JSON object.
+// With calls streamed as pieces (a streamed answer): each piece begins the next call or adds to
+// one begun, and the pieces join to the same calls however the output was cut; where the whole
+// answer has the same content and as many calls, they are the same calls.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +34,15 @@ void Append(OutputSplit* all, OutputSplit piece) {
   all->reasoning += piece.reasoning;
   all->content += piece.content;
   for (auto& c : piece.calls) all->calls.push_back(std::move(c));
+  for (auto& p : piece.pieces) {
+    if (!p.name.empty()) {
+      Check(p.index == static_cast<int>(all->calls.size()), "a call begun out of order");
+      all->calls.push_back({std::move(p.name), std::move(p.arguments)});
+    } else {
+      Check(p.index >= 0 && p.index < static_cast<int>(all->calls.size()), "arguments of a call not begun");
+      all->calls[p.index].arguments += p.arguments;
+    }
+  }
 }
 
 }  // namespace
@@ -50,18 +62,40 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
       "a": {"type": "array"}, "s": {"type": "string"}, "t": {"type": ["integer", "null"]}}}}}])"));
 
-  OutputSplitter whole_splitter(reasoning, inside, format, 4, *tools);
-  const OutputSplit whole = whole_splitter.Add(text, /*final=*/true);
-  OutputSplitter streamed_splitter(reasoning, inside, format, 4, *tools);
-  OutputSplit streamed;
-  for (size_t pos = 0; pos < text.size(); pos += piece) {
-    Append(&streamed, streamed_splitter.Add(text.substr(pos, piece), pos + piece >= text.size()));
-  }
-  if (text.empty()) Append(&streamed, streamed_splitter.Add("", true));
+  // The output whole, and in pieces of `piece` bytes; `incremental`: calls come as pieces.
+  const auto split = [&](bool incremental, bool in_pieces) {
+    OutputSplitter splitter(reasoning, inside, format, 4, *tools, incremental);
+    OutputSplit all;
+    if (!in_pieces || text.empty()) Append(&all, splitter.Add(text, /*final=*/true));
+    for (size_t pos = 0; in_pieces && pos < text.size(); pos += piece) {
+      Append(&all, splitter.Add(text.substr(pos, piece), pos + piece >= text.size()));
+    }
+    return all;
+  };
+  const OutputSplit whole = split(false, false);
+  const OutputSplit streamed = split(false, true);
   Check(streamed.reasoning == whole.reasoning, "streamed reasoning differs from the whole");
   Check(streamed.content == whole.content, "streamed content differs from the whole");
   Check(streamed.calls == whole.calls, "streamed calls differ from the whole");
   Check(whole.calls.size() <= 4, "more calls than max_calls");
+  // Calls streamed as pieces: the same whatever the cut.
+  const OutputSplit pieces_whole = split(true, false);
+  const OutputSplit pieces = split(true, true);
+  Check(pieces.reasoning == pieces_whole.reasoning, "streamed reasoning (calls in pieces) differs from the whole");
+  Check(pieces.content == pieces_whole.content, "streamed content (calls in pieces) differs from the whole");
+  Check(pieces.calls == pieces_whole.calls, "calls in pieces differ with the cut");
+  Check(pieces.reasoning == whole.reasoning, "reasoning differs with calls in pieces");
+  for (const auto& c : pieces.calls) Check(!c.name.empty(), "a call in pieces without a name");
+  if (pieces.content == whole.content && pieces.calls.size() == whole.calls.size()) {
+    // The same calls; a key written twice is sent twice, which reads as the whole's one.
+    for (size_t i = 0; i < whole.calls.size(); ++i) {
+      Check(pieces.calls[i].name == whole.calls[i].name, "a call in pieces with another name than the whole's");
+      const auto args = nlohmann::ordered_json::parse(pieces.calls[i].arguments, nullptr, false);
+      Check(!args.is_discarded() && args.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) ==
+                                        whole.calls[i].arguments,
+            "calls in pieces join to other arguments than the whole's");
+    }
+  }
   for (const auto& c : whole.calls) {
     Check(!c.name.empty(), "a call without a name");
     const nlohmann::json args = nlohmann::json::parse(c.arguments, nullptr, false);

@@ -10,7 +10,8 @@ keep-alive connection serves more than httplib's default 5 requests. logit_bias 
 -100 bans one) and min_tokens in both APIs; the new fields' bounds; tool-call and reasoning parsing
 (launched with --tool-call-parser llama3_json --reasoning-parser qwen3): the demo model writes no
 tool call, so a forced '{' output checks that what is no call stays content (held back while it
-might be one), and a prompt that ends with <think> that the output comes as reasoning_content. A second, one-worker cluster on a test fixture
+might be one), a call a guided_regex makes it write streams its arguments in several deltas (tool_choice
+auto), and a prompt that ends with <think> that the output comes as reasoning_content. A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
 the clusters it started.
 
@@ -463,6 +464,38 @@ class OpenAIApiTest(unittest.TestCase):
                 # auto: held back until the output ended as no call; none: streamed token by token.
                 self.assertEqual(len(contents), content_chunks)
                 self.assertEqual(chunks[-1].choices[0].finish_reason, "length")
+
+    def test_auto_tool_call_streams_its_arguments(self):
+        # A regex makes the demo model write a llama3_json call; with tool_choice auto the parser
+        # finds it. Streamed, the call's first delta has its id, type and name, then its arguments
+        # come in several deltas, which join to the arguments of the whole answer (same greedy output).
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+        regex = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{12,16}", "days": [1-9]\}\}'
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
+                  tool_choice="auto", max_tokens=120, temperature=0, extra_body={"guided_regex": regex})
+        whole = self.client.chat.completions.create(**kw)
+        self.assertEqual(whole.choices[0].finish_reason, "tool_calls")
+        calls = whole.choices[0].message.tool_calls
+        self.assertEqual(len(calls), 1, whole)
+        self.assertEqual(calls[0].function.name, "get_weather")
+        arguments = json.loads(calls[0].function.arguments)
+        self.assertEqual(sorted(arguments), ["city", "days"])
+
+        chunks = list(self.client.chat.completions.create(stream=True, **kw))
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        self.assertTrue(deltas)
+        first = deltas[0]
+        self.assertEqual((first.index, first.type, first.function.name, first.function.arguments),
+                         (0, "function", "get_weather", ""))
+        self.assertTrue(first.id.startswith("call_"), first.id)
+        pieces = [d.function.arguments for d in deltas[1:]]
+        self.assertTrue(all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:]))
+        self.assertGreater(len(pieces), 1, "the arguments came in one delta")
+        self.assertEqual("".join(pieces), calls[0].function.arguments)
+        self.assertEqual(json.loads("".join(pieces)), arguments)
+        self.assertFalse(any(c.choices[0].delta.content for c in chunks if c.choices))
+        self.assertEqual(chunks[-1].choices[0].finish_reason, "tool_calls")
 
     def test_reasoning_opened_by_the_prompt_is_reasoning_content(self):
         # A prompt that ends with <think> (as DeepSeek-R1's template ends its own): the output is

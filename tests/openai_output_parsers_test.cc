@@ -1,6 +1,7 @@
 // coordinator/api/openai/tool_calls.h and reasoning.h: each format's calls and reasoning from whole
 // outputs (text before a call, several calls, malformed JSON staying content), and every output
 // streamed in random pieces giving, joined, what the whole gives.
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -41,6 +42,10 @@ struct Case {
   std::string text;
   std::string content;
   Calls calls;
+  // With streamed arguments, where that differs: a call whose name was sent stays a call (its
+  // arguments end with the rest of its block as written), a key written twice is sent twice.
+  std::optional<Calls> streamed_calls = std::nullopt;
+  std::optional<std::string> streamed_content = std::nullopt;
 };
 
 std::vector<Case> Cases() {
@@ -68,8 +73,15 @@ std::vector<Case> Cases() {
       {"hermes_unclosed_last", H, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": 1}}", "", {{"a", R"({"k":1})"}}},
       {"hermes_string_arguments", H, "<tool_call>{\"name\": \"a\", \"arguments\": \"{\\\"k\\\": 2}\"}</tool_call>", "",
        {{"a", R"({"k":2})"}}},
+      {"hermes_arguments_before_name", H, "<tool_call>{\"arguments\": {\"k\": [1]}, \"name\": \"a\"}</tool_call>", "",
+       {{"a", R"({"k":[1]})"}}},
+      // A byte that is no UTF-8 inside a string: the string is sent up to it, whatever the cut.
+      {"hermes_bad_utf8_in_a_string", H, "<tool_call>{\"name\": \"a\", \"arguments\": {\"s\": \"caf\\u00e9 \xd6x\"}}</tool_call>",
+       "<tool_call>{\"name\": \"a\", \"arguments\": {\"s\": \"caf\\u00e9 \xd6x\"}}</tool_call>", {},
+       Calls{{"a", "{\"s\":\"caf\xc3\xa9 \xd6x\"}}</tool_call>"}}, ""},
       {"hermes_malformed_stays_content", H, "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>",
-       "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>", {}},
+       "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"k\": }\n</tool_call>", {},
+       Calls{{"a", "{\"k\":}\n</tool_call>"}}, ""},
       {"hermes_no_name_stays_content", H, "say <tool_call>{\"arguments\": {}}</tool_call> ok",
        "say <tool_call>{\"arguments\": {}}</tool_call> ok", {}},
       {"hermes_text_after", H, "<tool_call>{\"name\": \"a\"}</tool_call>\n\nDone.", "Done.", {{"a", "{}"}}},
@@ -85,7 +97,8 @@ std::vector<Case> Cases() {
       {"llama_json_answer_is_content", L, "{\"name\": \"Bob\", \"age\": 3}", "{\"name\": \"Bob\", \"age\": 3}", {}},
       {"llama_text_first_is_content", L, "The call is {\"name\": \"a\", \"parameters\": {}}",
        "The call is {\"name\": \"a\", \"parameters\": {}}", {}},
-      {"llama_unclosed_is_content", L, "{\"name\": \"a\", \"parameters\": {\"x\": 1}", "{\"name\": \"a\", \"parameters\": {\"x\": 1}", {}},
+      {"llama_unclosed_is_content", L, "{\"name\": \"a\", \"parameters\": {\"x\": 1}", "{\"name\": \"a\", \"parameters\": {\"x\": 1}", {},
+       Calls{{"a", R"({"x":1})"}}, ""},
       {"llama_text_after_call", L, "{\"name\": \"a\", \"parameters\": {}}\nThat is all.", "That is all.", {{"a", "{}"}}},
       {"mistral_array", M, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": 1}}, {\"name\": \"b\", \"arguments\": {}}]",
        "", {{"a", R"({"x":1})"}, {"b", "{}"}}},
@@ -93,7 +106,7 @@ std::vector<Case> Cases() {
        {{"get_weather", weather}, {"b", "{}"}}},
       {"mistral_text_before", M, "Sure. [TOOL_CALLS][{\"name\": \"a\", \"arguments\": {}}]", "Sure.", {{"a", "{}"}}},
       {"mistral_malformed", M, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {]", "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {]",
-       {}},
+       {}, Calls{{"a", "{]"}}, ""},
       // DeepSeek-V3 / R1: the calls' block, each call's type, name and ```json fence.
       {"deepseek_one", D, kCallsBegin + ds_weather + kCallsEnd, "", {{"get_weather", weather}}},
       {"deepseek_text_before_two_calls", D,
@@ -108,7 +121,7 @@ std::vector<Case> Cases() {
        kCallsBegin + kCallBegin + "get_weather" + kSep + "{\"city\": \"Paris\"}" + kCallEnd + kCallBegin + "b" + kSep +
            "{}" + kCallEnd + kCallsEnd,
        "", {{"get_weather", weather}, {"b", "{}"}}},
-      {"deepseek_malformed_stays_content", D, ds_malformed, ds_malformed, {}},
+      {"deepseek_malformed_stays_content", D, ds_malformed, ds_malformed, {}, Calls{{"a", "{\"k\":}\n```" + kCallEnd}}, ""},
       {"deepseek_no_fence_stays_content", D, kCallsBegin + kCallBegin + "function" + kSep + "a\n{}" + kCallEnd,
        kCallsBegin + kCallBegin + "function" + kSep + "a\n{}" + kCallEnd, {}},
       {"deepseek_no_call_stays_content", D, "A " + kCallsBegin + " B " + kCallsEnd, "A " + kCallsBegin + " B " + kCallsEnd, {}},
@@ -141,13 +154,64 @@ std::vector<Case> Cases() {
       {"qwen3_coder_name_with_space_stays_content", Q, "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
        "<tool_call>\n<function=get weather>\n</function>\n</tool_call>", {}},
       {"qwen3_coder_parameter_without_name_end_stays_content", Q, "<tool_call><function=a><parameter=x</function></tool_call>",
-       "<tool_call><function=a><parameter=x</function></tool_call>", {}},
+       "<tool_call><function=a><parameter=x</function></tool_call>", {},
+       Calls{{"a", "{<parameter=x</function></tool_call>"}}, ""},
+      {"hermes_key_twice", H, "<tool_call>{\"name\": \"a\", \"arguments\": {\"k\": 1, \"k\": 2}}</tool_call>", "",
+       {{"a", R"({"k":2})"}}, Calls{{"a", R"({"k":1,"k":2})"}}},
+      {"qwen3_coder_parameter_twice", Q, "<function=get_weather>\n<parameter=days>\n1\n</parameter>\n<parameter=days>\n2\n"
+       "</parameter>\n</function>", "", {{"get_weather", R"({"days":2})"}}, Calls{{"get_weather", R"({"days":1,"days":2})"}}},
+      {"qwen3_coder_parameter_twice_unclosed", Q, "<function=get_weather>\n<parameter=days>\n1\n</parameter>\n"
+       "<parameter=days>\n2\n", "", {{"get_weather", R"({"days":2})"}}, Calls{{"get_weather", R"({"days":1,"days":2})"}}},
       {"none_format_is_content", ToolCallFormat::kNone, "<tool_call>{\"name\": \"a\"}</tool_call>",
        "<tool_call>{\"name\": \"a\"}</tool_call>", {}},
   };
 }
 
 class ToolCallCase : public ::testing::TestWithParam<Case> {};
+
+// The content and calls that streamed pieces make, joined; each piece checked to begin the next
+// call (with a name) or add to one begun.
+struct Joined {
+  std::string content;
+  Calls calls;
+  void Add(const ToolCallDelta& d) {
+    EXPECT_TRUE(d.calls.empty()) << "with streamed arguments calls come as pieces";
+    content += d.content;
+    for (const ToolCallPiece& p : d.pieces) {
+      if (!p.name.empty()) {
+        ASSERT_EQ(p.index, static_cast<int>(calls.size())) << "a call begun out of order";
+        calls.push_back(ToolCall{p.name, p.arguments});
+      } else {
+        ASSERT_GE(p.index, 0);
+        ASSERT_LT(p.index, static_cast<int>(calls.size())) << "arguments of a call not begun";
+        calls[p.index].arguments += p.arguments;
+      }
+    }
+  }
+};
+
+// With streamed arguments, in random pieces, at every split and a byte at a time: the pieces join
+// to the whole output's calls (the arguments the non-streamed answer gives), the content unchanged.
+TEST_P(ToolCallCase, StreamedArgumentsJoinToTheWhole) {
+  const Case& c = GetParam();
+  const Calls& want_calls = c.streamed_calls.has_value() ? *c.streamed_calls : c.calls;
+  const std::string& want_content = c.streamed_content.has_value() ? *c.streamed_content : c.content;
+  std::mt19937 rng(4321);
+  for (int trial = 0; trial < 200 + static_cast<int>(c.text.size()) + 2; ++trial) {
+    ToolCallParser parser(c.format, 16, Tools(), /*stream_arguments=*/true);
+    Joined joined;
+    const int split = trial - 200;  // then two pieces split at every byte, then a byte at a time
+    for (size_t pos = 0; pos < c.text.size();) {
+      size_t n = std::min<size_t>(c.text.size() - pos, 1 + rng() % (trial % 2 ? 3 : 12));
+      if (split >= 0) n = split > static_cast<int>(c.text.size()) ? 1 : (pos == 0 && split > 0 ? split : c.text.size() - pos);
+      joined.Add(parser.Add(absl::string_view(c.text).substr(pos, n)));
+      pos += n;
+    }
+    joined.Add(parser.Finish());
+    ASSERT_EQ(joined.content, want_content) << "trial " << trial;
+    ASSERT_EQ(joined.calls, want_calls) << "trial " << trial;
+  }
+}
 
 TEST_P(ToolCallCase, Whole) {
   const Case& c = GetParam();
@@ -228,6 +292,72 @@ TEST(ToolCallParserTest, AtMostMaxCalls) {
   EXPECT_EQ(d.content, "");
 }
 
+// With streamed arguments a call's name comes as soon as it is complete and its arguments while
+// they are written, long before the call's text ends, in every format; joined, they are the
+// arguments the whole output gives.
+TEST(ToolCallParserTest, ArgumentsArriveWhileTheCallIsWritten) {
+  std::string words;
+  for (int i = 0; i < 60; ++i) words += "word" + std::to_string(i) + " ";
+  const std::string args = "{\"text\": \"" + words + "caf\xc3\xa9 \\\"q\\\" \\u00e9\\ud83d\\ude00\", \"n\": 12345, \"f\": 2.50, "
+                           "\"items\": [1, true, null, {\"k\": \"v\"}, []], \"empty\": {}}";
+  const std::string qwen_params = "<parameter=s>\n" + words + "\n</parameter>\n<parameter=i>\n7\n</parameter>\n"
+                                  "<parameter=o>\n{\"k\": [1, 2]}\n</parameter>\n<parameter=b>\ntrue\n</parameter>\n"
+                                  "<parameter=n>\n1.5\n</parameter>\n";
+  const struct {
+    const char* label;
+    ToolCallFormat format;
+    std::string text;
+    int min_pieces;  // argument pieces at least, before the call's last 10 bytes
+  } cases[] = {
+      {"hermes", ToolCallFormat::kHermes, "<tool_call>\n{\"name\": \"f\", \"arguments\": " + args + "}\n</tool_call>", 100},
+      {"llama3_json", ToolCallFormat::kLlama3Json, "<|python_tag|>{\"name\": \"f\", \"parameters\": " + args + "}", 100},
+      {"mistral_list", ToolCallFormat::kMistral, "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": " + args + "}]", 100},
+      {"mistral_args", ToolCallFormat::kMistral, "[TOOL_CALLS]f[ARGS]" + args, 100},
+      {"deepseek_v3", ToolCallFormat::kDeepSeekV3,
+       kCallsBegin + kCallBegin + "function" + kSep + "f\n```json\n" + args + "\n```" + kCallEnd + kCallsEnd, 100},
+      {"deepseek_v3_1", ToolCallFormat::kDeepSeekV3, kCallsBegin + kCallBegin + "f" + kSep + args + kCallEnd + kCallsEnd, 100},
+      // Parameters are sent once closed: one piece each.
+      {"qwen3_coder", ToolCallFormat::kQwen3Coder,
+       "<tool_call>\n<function=typed>\n" + qwen_params + "</function>\n</tool_call>", 5},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    const ToolCallDelta whole = ParseToolCalls(c.format, c.text, 16, Tools());
+    ASSERT_EQ(whole.calls.size(), 1u);
+    ASSERT_EQ(whole.content, "");
+    ToolCallParser parser(c.format, 16, Tools(), /*stream_arguments=*/true);
+    Joined joined;
+    size_t name_at = 0;
+    int early_pieces = 0;
+    for (size_t i = 0; i < c.text.size(); ++i) {
+      const ToolCallDelta d = parser.Add(c.text.substr(i, 1));
+      joined.Add(d);
+      for (const ToolCallPiece& p : d.pieces) {
+        if (!p.name.empty()) name_at = i + 1;
+        if (p.name.empty() && !p.arguments.empty() && i + 10 < c.text.size()) ++early_pieces;
+      }
+    }
+    joined.Add(parser.Finish());
+    ASSERT_EQ(joined.calls.size(), 1u);
+    EXPECT_EQ(joined.calls[0], whole.calls[0]);
+    EXPECT_EQ(joined.content, "");
+    EXPECT_GT(name_at, 0u);
+    EXPECT_LT(name_at, c.text.size() / 4) << "the name came late";
+    EXPECT_GE(early_pieces, c.min_pieces);
+  }
+}
+
+TEST(ToolCallParserTest, StreamedArgumentsAtMostMaxCalls) {
+  const std::string text = "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": 1}}, {\"name\": \"b\", \"arguments\": {}}] ok";
+  ToolCallParser parser(ToolCallFormat::kMistral, 1, nullptr, /*stream_arguments=*/true);
+  Joined joined;
+  for (char ch : text) joined.Add(parser.Add(std::string(1, ch)));
+  joined.Add(parser.Finish());
+  EXPECT_EQ(joined.calls, (Calls{{"a", R"({"x":1})"}}));
+  EXPECT_EQ(joined.content, "ok");
+  EXPECT_EQ(parser.calls_found(), 2);
+}
+
 TEST(ToolCallParserTest, NamesAndTemplates) {
   EXPECT_EQ(*ToolCallFormatFromName("hermes"), ToolCallFormat::kHermes);
   EXPECT_EQ(*ToolCallFormatFromName("none"), ToolCallFormat::kNone);
@@ -274,6 +404,12 @@ TEST(ToolCallParserTest, TruncatedAndDamagedOutputs) {
         if (d.calls.empty()) {
           EXPECT_EQ(d.content, text);
         }
+        // Streamed arguments: calls begun in order, arguments only for calls begun.
+        ToolCallParser parser(c.format, 16, Tools(), /*stream_arguments=*/true);
+        Joined joined;
+        for (size_t pos = 0; pos < text.size(); pos += 5) joined.Add(parser.Add(text.substr(pos, 5)));
+        joined.Add(parser.Finish());
+        for (const ToolCall& call : joined.calls) EXPECT_FALSE(call.name.empty()) << text;
       }
     }
   }

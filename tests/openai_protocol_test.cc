@@ -4,6 +4,7 @@
 // to the OpenAI fields, statuses map to HTTP's.
 #include "coordinator/api/openai/protocol.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -434,6 +435,48 @@ TEST(OutputSplitterTest, ReasoningThenToolCallsOutsideIt) {
   EXPECT_EQ(all.content, "OK");
   ASSERT_EQ(all.calls.size(), 1u);
   EXPECT_EQ(all.calls[0].name, "yes");
+}
+
+// A streamed answer (incremental): reasoning, content, then the call as pieces while it is written,
+// whose deltas are the call's name first and then its arguments, joining to the whole answer's.
+TEST(OutputSplitterTest, StreamedAutoCallsComeInPieces) {
+  const std::string text =
+      "<think>hm</think>\n\nLet me look. <tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+      "{\"city\": \"Paris, France\", \"days\": 3}}\n</tool_call>";
+  OutputSplitter whole_splitter(/*reasoning=*/true, /*reasoning_inside=*/false, ToolCallFormat::kHermes, 8);
+  const OutputSplit whole = whole_splitter.Add(text, true);
+  ASSERT_EQ(whole.calls.size(), 1u);
+  EXPECT_TRUE(whole.pieces.empty());
+
+  OutputSplitter splitter(true, false, ToolCallFormat::kHermes, 8, nullptr, /*incremental=*/true);
+  OutputSplit all;
+  std::vector<Json> deltas;
+  int argument_deltas = 0;
+  for (size_t i = 0; i < text.size(); i += 4) {
+    const OutputSplit d = splitter.Add(text.substr(i, 4), i + 4 >= text.size());
+    EXPECT_TRUE(d.calls.empty());
+    all.reasoning += d.reasoning;
+    all.content += d.content;
+    for (const ToolCallPiece& p : d.pieces) {
+      if (!p.name.empty()) all.calls.push_back(ToolCall{p.name, ""});
+      ASSERT_EQ(p.index, 0);
+      all.calls.back().arguments += p.arguments;
+    }
+    for (const Json& delta : ChatDeltas(d, 0, {"call_1"})) {
+      deltas.push_back(delta);
+      if (delta.contains("tool_calls") && !delta["tool_calls"][0].contains("id")) ++argument_deltas;
+    }
+  }
+  EXPECT_EQ(all.reasoning, whole.reasoning);
+  EXPECT_EQ(all.content, "Let me look.");
+  EXPECT_EQ(all.calls, whole.calls);
+  EXPECT_EQ(all.calls[0].arguments, R"({"city":"Paris, France","days":3})");
+  EXPECT_GT(argument_deltas, 3);
+  // The call's first delta: index, id, type, name, arguments "".
+  const auto first = std::find_if(deltas.begin(), deltas.end(), [](const Json& d) { return d.contains("tool_calls"); });
+  ASSERT_NE(first, deltas.end());
+  EXPECT_EQ(first->dump(),
+            R"({"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"get_weather","arguments":""}}]})");
 }
 
 // An OpenAI-shaped conversation with tool calls (arguments as JSON text) renders through each

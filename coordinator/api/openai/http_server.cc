@@ -151,7 +151,7 @@ class Job {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name, request_.stream);
       } else if (parsing_.on()) {
         c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
-                                                      parsing_.max_calls, request_.tools);
+                                                      parsing_.max_calls, request_.tools, request_.stream);
       }
       choices_.push_back(std::move(c));
     }
@@ -336,7 +336,9 @@ class Job {
           c.whole.calls.push_back(ToolCall{piece.name, ""});
           c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
         }
-        if (!c.whole.calls.empty()) c.whole.calls.back().arguments += piece.arguments;
+        if (piece.index >= 0 && static_cast<size_t>(piece.index) < c.whole.calls.size()) {
+          c.whole.calls[piece.index].arguments += piece.arguments;
+        }
       }
     }
     return split;

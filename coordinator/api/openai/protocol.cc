@@ -881,8 +881,8 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
 }
 
 OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
-                               nlohmann::ordered_json tool_list)
-    : tools_(tools, max_calls, std::move(tool_list)) {
+                               nlohmann::ordered_json tool_list, bool incremental)
+    : tools_(tools, max_calls, std::move(tool_list), incremental) {
   if (reasoning) reasoning_.emplace(reasoning_inside);
 }
 
@@ -1064,9 +1064,11 @@ OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
     ToolCallDelta end = tools_.Finish();
     d.content += end.content;
     for (ToolCall& c : end.calls) d.calls.push_back(std::move(c));
+    for (ToolCallPiece& p : end.pieces) d.pieces.push_back(std::move(p));
   }
   out.content = std::move(d.content);
   out.calls = std::move(d.calls);
+  out.pieces = std::move(d.pieces);
   return out;
 }
 

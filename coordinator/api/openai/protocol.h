@@ -145,20 +145,8 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
 
 // ---- Tool calls and reasoning in chat responses ----
 
-// A piece of a call streamed while it is generated: with a name it begins call `index` (the
-// calls' count so far), whose arguments' text then grows by each piece's `arguments`.
-struct ToolCallPiece {
-  int index = 0;
-  std::string name;       // the first piece of a call only
-  std::string arguments;  // more of the arguments' text (may be empty)
-  bool operator==(const ToolCallPiece& o) const {
-    return index == o.index && name == o.name && arguments == o.arguments;
-  }
-};
-
 // A chat choice's output, or a streamed piece of it, split into reasoning, content and calls:
-// whole calls (what tool-call parsers find, and forced calls in a whole answer) or, for forced
-// calls streamed, pieces of calls.
+// whole calls (in a whole answer) or, streamed, pieces of calls.
 struct OutputSplit {
   std::string reasoning;
   std::string content;
@@ -210,9 +198,10 @@ class ForcedCallStream {
 class OutputSplitter {
  public:
   // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
-  // `tool_list`: the request's tools (ToolCallParser's `tools`).
+  // `tool_list`: the request's tools (ToolCallParser's `tools`). `incremental` (a streamed answer):
+  // calls are handed out as pieces while they are written (ToolCallParser's `stream_arguments`).
   OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
-                 nlohmann::ordered_json tool_list = nullptr);
+                 nlohmann::ordered_json tool_list = nullptr, bool incremental = false);
   // tool_choice "required" or a named function (`forced`; `name` the named one): the output is the
   // calls' JSON its grammar made. Held until the final piece (ForcedToolCalls) unless `incremental`
   // (a streamed answer): then handed out as ForcedCallStream's pieces while it is generated.

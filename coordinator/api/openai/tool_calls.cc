@@ -280,7 +280,237 @@ bool QwenCalls(absl::string_view body, const Json& tools, std::vector<ToolCall>*
   return true;
 }
 
+// The end of the JSON string whose opening quote is at s[i] (after its closing quote), or npos
+// while it is not closed.
+size_t JsonStringEnd(absl::string_view s, size_t i) {
+  for (++i; i < s.size(); ++i) {
+    if (s[i] == '\\') {
+      ++i;
+    } else if (s[i] == '"') {
+      return i + 1;
+    }
+  }
+  return absl::string_view::npos;
+}
+
+std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
 }  // namespace
+
+// A JSON object's text read as it comes, written out compact as DumpArguments writes the parsed
+// value: a string's characters as they come (each escaped as the whole is), numbers and literals
+// once they end, whitespace dropped. A text that
+// is not JSON stops it (kBad), at the first byte not written out.
+class ToolCallParser::ArgumentsStream {
+ public:
+  enum class State { kMore, kDone, kBad };
+  // `start`: the object's '{' in the text Advance is given.
+  explicit ArgumentsStream(size_t start) : pos_(start) {}
+
+  // Reads `text` (the text begun at the same place each time, longer) from where it stopped;
+  // appends what it writes out to *out.
+  State Advance(absl::string_view text, std::string* out) {
+    while (state_ == State::kMore && pos_ < text.size()) {
+      if (token_ == Token::kString) {
+        if (!ReadString(text, out)) return state_;
+        continue;
+      }
+      if (token_ == Token::kScalar) {
+        size_t i = pos_;
+        while (i < text.size() && (absl::ascii_isalnum(text[i]) || text[i] == '+' || text[i] == '-' || text[i] == '.')) ++i;
+        if (i == text.size()) {
+          pos_ = i;
+          return state_;
+        }
+        Json v;
+        if (!ParseJson(text.substr(token_start_, i - token_start_), &v) || v.is_structured() || v.is_string()) {
+          return Bad();
+        }
+        out->append(Dump(v));
+        token_ = Token::kNone;
+        pos_ = i;
+        ValueDone();
+        continue;
+      }
+      const char c = text[pos_];
+      if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+        ++pos_;
+        continue;
+      }
+      Expect& expect = stack_.empty() ? top_ : stack_.back().expect;
+      switch (expect) {
+        case Expect::kValue:
+        case Expect::kValueOrClose:
+          if (c == '{' || c == '[') {
+            if (stack_.empty() && c != '{') return Bad();
+            stack_.push_back({c == '{', c == '{' ? Expect::kKeyOrClose : Expect::kValueOrClose});
+            out->push_back(c);
+            ++pos_;
+          } else if (c == ']' && expect == Expect::kValueOrClose) {
+            Close(c, out);
+          } else if (c == '"') {
+            StartString(/*key=*/false, out);
+          } else if (c == '-' || (c >= '0' && c <= '9') || c == 't' || c == 'f' || c == 'n') {
+            token_ = Token::kScalar;
+            token_start_ = pos_++;
+          } else {
+            return Bad();
+          }
+          break;
+        case Expect::kKey:
+        case Expect::kKeyOrClose:
+          if (c == '"') {
+            StartString(/*key=*/true, out);
+          } else if (c == '}' && expect == Expect::kKeyOrClose) {
+            Close(c, out);
+          } else {
+            return Bad();
+          }
+          break;
+        case Expect::kColon:
+          if (c != ':') return Bad();
+          out->push_back(c);
+          expect = Expect::kValue;
+          ++pos_;
+          break;
+        case Expect::kCommaOrClose:
+          if (c == ',') {
+            out->push_back(c);
+            expect = stack_.back().object ? Expect::kKey : Expect::kValue;
+            ++pos_;
+          } else if (c == (stack_.back().object ? '}' : ']')) {
+            Close(c, out);
+          } else {
+            return Bad();
+          }
+          break;
+      }
+    }
+    return state_;
+  }
+
+  // Where the text not yet written out begins.
+  size_t consumed() const {
+    if (token_ == Token::kString && !key_) return segment_;
+    return token_ == Token::kNone ? pos_ : token_start_;
+  }
+
+ private:
+  enum class Expect { kValue, kValueOrClose, kKey, kKeyOrClose, kColon, kCommaOrClose };
+  enum class Token { kNone, kString, kScalar };
+  struct Level {
+    bool object;
+    Expect expect;
+  };
+
+  State Bad() { return state_ = State::kBad; }
+
+  void StartString(bool key, std::string* out) {
+    token_ = Token::kString;
+    key_ = key;
+    token_start_ = pos_++;
+    segment_ = pos_;
+    if (!key) out->push_back('"');
+  }
+
+  void Close(char c, std::string* out) {
+    out->push_back(c);
+    stack_.pop_back();
+    ++pos_;
+    ValueDone();
+  }
+
+  // A value ended: the container's next is a comma or its end (set when the value began), or the
+  // object is done.
+  void ValueDone() {
+    if (stack_.empty()) {
+      state_ = State::kDone;
+    } else {
+      stack_.back().expect = Expect::kCommaOrClose;
+    }
+  }
+
+  // Writes out one character of a string's text (a byte, a UTF-8 sequence or an escape) as Dump
+  // writes it; false when it is not valid JSON. One at a time, so that where a bad one stops the
+  // string does not depend on how the text was cut.
+  static bool WriteCharacter(absl::string_view raw, std::string* out) {
+    const unsigned char c = raw[0];
+    if (raw.size() == 1 && c >= 0x20 && c < 0x80 && c != '\\') {
+      out->push_back(raw[0]);
+      return true;
+    }
+    Json v;
+    if (!ParseJson(absl::StrCat("\"", raw, "\""), &v) || !v.is_string()) return false;
+    const std::string d = Dump(v);
+    out->append(d, 1, d.size() - 2);
+    return true;
+  }
+
+  // Reads a string on from pos_: false when it needs more text or is bad (state_ says which).
+  bool ReadString(absl::string_view text, std::string* out) {
+    size_t i = pos_;
+    while (i < text.size()) {
+      const unsigned char c = text[i];
+      size_t n = 1;
+      if (c == '\\') {
+        n = 2;
+        if (i + 1 < text.size() && text[i + 1] == 'u') {
+          n = 6;
+          // A high surrogate's escape is read with the low one after it.
+          if (i + 6 <= text.size()) {
+            const std::string hex(text.substr(i + 2, 4));
+            const long u = std::strtol(hex.c_str(), nullptr, 16);
+            if (u >= 0xD800 && u <= 0xDBFF) n = 12;
+          }
+        }
+      } else if (c == '"') {
+        if (key_) {
+          Json v;
+          if (!ParseJson(text.substr(token_start_, i + 1 - token_start_), &v) || !v.is_string()) {
+            pos_ = i;
+            Bad();
+            return false;
+          }
+          out->append(Dump(v));
+          stack_.back().expect = Expect::kColon;
+        } else {
+          out->push_back('"');
+          ValueDone();
+        }
+        token_ = Token::kNone;
+        pos_ = i + 1;
+        return true;
+      } else if (c >= 0xF0) {
+        n = 4;
+      } else if (c >= 0xE0) {
+        n = 3;
+      } else if (c >= 0xC0) {
+        n = 2;
+      }
+      if (i + n > text.size()) break;
+      if (!key_) {
+        if (!WriteCharacter(text.substr(i, n), out)) {
+          pos_ = i;
+          Bad();
+          return false;
+        }
+        segment_ = i + n;
+      }
+      i += n;
+    }
+    pos_ = i;
+    return false;
+  }
+
+  std::vector<Level> stack_;
+  Expect top_ = Expect::kValue;
+  size_t pos_;
+  State state_ = State::kMore;
+  Token token_ = Token::kNone;
+  bool key_ = false;
+  size_t token_start_ = 0;  // the open token's first byte (a string's quote)
+  size_t segment_ = 0;      // the open string's first byte not written out
+};
 
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name) {
   std::string known;
@@ -315,9 +545,11 @@ bool KeepsSpecialTokens(ToolCallFormat format) {
          format == ToolCallFormat::kDeepSeekV3;
 }
 
-ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools)
+ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools,
+                               bool stream_arguments)
     : format_(format), max_calls_(max_calls), tools_(std::move(tools)),
-      separators_(format == ToolCallFormat::kLlama3Json ? kWhitespaceOrSemicolon : kWhitespace) {}
+      separators_(format == ToolCallFormat::kLlama3Json ? kWhitespaceOrSemicolon : kWhitespace),
+      stream_arguments_(stream_arguments) {}
 
 ToolCallDelta ToolCallParser::Add(absl::string_view text) {
   ToolCallDelta out;
@@ -522,31 +754,318 @@ void ToolCallParser::Process(bool final, ToolCallDelta* out) {
       in_call_ = true;
     }
     size_t end = FindEnd();
+    // Its calls' pieces so far (to its end when complete, so that how the text was cut into
+    // pieces changes nothing).
+    if (stream_arguments_) {
+      const bool complete = end != std::string::npos || final;
+      Stream(absl::string_view(buf_).substr(0, complete && end != std::string::npos ? end : buf_.size()), complete, out);
+    }
     if (end == std::string::npos) {
       if (!final) return;
       end = buf_.size();  // the output ended inside it: a call if what came is complete
     }
-    std::vector<ToolCall> calls;
-    const absl::string_view block = absl::string_view(buf_).substr(0, end);
-    in_call_ = false;
-    if (ParseBlock(block, &calls)) {
-      pending_.clear();
-      pending_after_call_ = true;
-      for (ToolCall& c : calls) {
-        ++calls_found_;
-        if (calls_out_ < max_calls_) {
-          ++calls_out_;
-          out->calls.push_back(std::move(c));
-        }
-      }
-    } else {
-      // Not a call: its text is content, and is not looked at again for a start marker.
-      EmitText(block, out);
-      calls_only_ = false;
-    }
+    EndBlock(end, out);
     buf_.erase(0, end);
-    if (buf_.empty() && !final) return;
     if (buf_.empty()) return;
+  }
+}
+
+void ToolCallParser::Hand(ToolCall call, ToolCallDelta* out) {
+  ++calls_found_;
+  if (calls_out_ >= max_calls_) return;
+  if (stream_arguments_) {
+    out->pieces.push_back(ToolCallPiece{calls_out_, std::move(call.name), std::move(call.arguments)});
+  } else {
+    out->calls.push_back(std::move(call));
+  }
+  ++calls_out_;
+}
+
+void ToolCallParser::EndBlock(size_t end, ToolCallDelta* out) {
+  std::vector<ToolCall> calls;
+  const absl::string_view block = absl::string_view(buf_).substr(0, end);
+  in_call_ = false;
+  const bool ok = ParseBlock(block, &calls);
+  const size_t begun = sent_.size();
+  if (ok || begun > 0) {
+    pending_.clear();
+    pending_after_call_ = true;
+  }
+  if (ok) {
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (i >= begun) {
+        Hand(std::move(calls[i]), out);
+      } else if (absl::StartsWith(calls[i].arguments, sent_[i]) && calls[i].arguments.size() > sent_[i].size()) {
+        // The arguments' end not yet sent (a value the end of the output closed).
+        out->pieces.push_back(ToolCallPiece{first_index_ + static_cast<int>(i), "",
+                                            calls[i].arguments.substr(sent_[i].size())});
+      }
+    }
+  } else if (begun > 0) {
+    // Begun, then malformed: the rest of the block as written, to the open call or to content.
+    const bool open = args_ != nullptr || in_function_;
+    const size_t from = std::min(block.size(), args_ != nullptr ? args_->consumed() : scan_);
+    if (open) {
+      SendArguments(std::string(block.substr(from)), out);
+    } else {
+      EmitText(block.substr(from), out);
+    }
+  } else {
+    // Not a call: its text is content, and is not looked at again for a start marker.
+    EmitText(block, out);
+    calls_only_ = false;
+  }
+  scan_ = 0;
+  stream_off_ = false;
+  sent_.clear();
+  args_.reset();
+  wrapper_ = std::string::npos;
+  in_function_ = false;
+  types_ = nullptr;
+}
+
+bool ToolCallParser::Begin(std::string name, std::string arguments, ToolCallDelta* out) {
+  if (calls_out_ >= max_calls_) {
+    stream_off_ = true;  // decided whole at the block's end, where it is counted and dropped
+    return false;
+  }
+  ++calls_found_;
+  if (sent_.empty()) first_index_ = calls_out_;
+  sent_.push_back(arguments);
+  out->pieces.push_back(ToolCallPiece{calls_out_++, std::move(name), std::move(arguments)});
+  pending_.clear();
+  pending_after_call_ = true;
+  return true;
+}
+
+void ToolCallParser::SendArguments(std::string text, ToolCallDelta* out) {
+  if (text.empty() || sent_.empty()) return;
+  sent_.back() += text;
+  out->pieces.push_back(ToolCallPiece{first_index_ + static_cast<int>(sent_.size()) - 1, "", std::move(text)});
+}
+
+namespace {
+
+// A cursor over a call's text as far as it came: each step says whether it matched, did not, or
+// needs more text.
+struct Cursor {
+  absl::string_view s;
+  size_t i;
+  bool more = false;  // ran out of text
+  bool SkipSpace() {
+    i = SkipWhitespace(s, i);
+    more = i == s.size();
+    return !more;
+  }
+  // The literal `m` next (after whitespace).
+  bool Literal(absl::string_view m) {
+    if (!SkipSpace()) return false;
+    const absl::string_view rest = s.substr(i);
+    if (absl::StartsWith(rest, m)) {
+      i += m.size();
+      return true;
+    }
+    more = absl::StartsWith(m, rest);
+    return false;
+  }
+  // A JSON string next (after whitespace), decoded.
+  bool String(std::string* out) {
+    if (!SkipSpace()) return false;
+    if (s[i] != '"') return false;
+    const size_t end = JsonStringEnd(s, i);
+    if (end == absl::string_view::npos) {
+      more = true;
+      return false;
+    }
+    Json v;
+    if (!ParseJson(s.substr(i, end - i), &v) || !v.is_string()) return false;
+    *out = v.get<std::string>();
+    i = end;
+    return true;
+  }
+  // {"name": NAME, "arguments" or "parameters": { — the '{' of the arguments at *args.
+  bool Wrapper(std::string* name, size_t* args) {
+    std::string key;
+    if (!Literal("{") || !String(&key) || key != "name" || !Literal(":") || !String(name) || name->empty() ||
+        !Literal(",") || !String(&key) || (key != "arguments" && key != "parameters") || !Literal(":") ||
+        !Literal("{")) {
+      return false;
+    }
+    *args = i - 1;
+    return true;
+  }
+};
+
+}  // namespace
+
+ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::string* name, size_t* args) {
+  Cursor c{buf, scan_};
+  const auto result = [&](bool found) { return found ? Header::kFound : c.more ? Header::kNeedMore : Header::kNone; };
+  const bool first = sent_.empty();
+  switch (format_) {
+    case ToolCallFormat::kHermes:
+      if (!first) return Header::kNone;
+      c.i = kHermesStart.size();
+      return result(c.Wrapper(name, args));
+    case ToolCallFormat::kLlama3Json:
+      if (!first) return Header::kNone;
+      c.i = absl::StartsWith(buf, kPythonTag) ? kPythonTag.size() : 0;
+      return result(c.Wrapper(name, args));
+    case ToolCallFormat::kMistral: {
+      if (!first) {
+        // The list's next item, after the one before ends.
+        if (wrapper_ == std::string::npos) return Header::kNone;
+        const size_t end = JsonValueEnd(buf, wrapper_);
+        if (end == absl::string_view::npos) return Header::kNeedMore;
+        c.i = end;
+        if (!c.Literal(",")) return result(false);
+        if (!c.SkipSpace()) return Header::kNeedMore;
+        const size_t item = c.i;
+        const Header h = result(c.Wrapper(name, args));
+        if (h == Header::kFound) wrapper_ = item;
+        return h;
+      }
+      c.i = kMistralStart.size();
+      if (!c.SkipSpace()) return Header::kNeedMore;
+      if (buf[c.i] == '[' || buf[c.i] == '{') {
+        if (buf[c.i] == '[') {
+          ++c.i;
+          if (!c.SkipSpace()) return Header::kNeedMore;
+        }
+        const size_t item = c.i;
+        const Header h = result(c.Wrapper(name, args));
+        if (h == Header::kFound) wrapper_ = item;
+        return h;
+      }
+      const size_t at = buf.find(kMistralArgs, c.i);
+      if (at == absl::string_view::npos) return Header::kNeedMore;
+      const absl::string_view n = absl::StripAsciiWhitespace(buf.substr(c.i, at - c.i));
+      if (!IsCallName(n)) return Header::kNone;
+      c.i = at + kMistralArgs.size();
+      if (!c.Literal("{")) return result(false);
+      *name = std::string(n);
+      *args = c.i - 1;
+      return Header::kFound;
+    }
+    case ToolCallFormat::kDeepSeekV3: {
+      if (!first) return Header::kNone;
+      c.i = 0;
+      if (absl::StartsWith(buf, kDeepSeekCallsBegin)) c.i = kDeepSeekCallsBegin.size();
+      if (!c.Literal(kDeepSeekCallBegin)) return result(false);
+      const size_t sep = buf.find(kDeepSeekSep, c.i);
+      if (sep == absl::string_view::npos) return Header::kNeedMore;
+      const absl::string_view before = absl::StripAsciiWhitespace(buf.substr(c.i, sep - c.i));
+      c.i = sep + kDeepSeekSep.size();
+      if (!c.SkipSpace()) return Header::kNeedMore;
+      if (buf[c.i] == '{') {  // V3.1: the name before the separator
+        if (!IsCallName(before)) return Header::kNone;
+        *name = std::string(before);
+        *args = c.i;
+        return Header::kFound;
+      }
+      // V3: the name on the separator's line, then the arguments in a ```json fence.
+      const size_t line = buf.find('\n', c.i);
+      if (line == absl::string_view::npos) return Header::kNeedMore;
+      const absl::string_view n = absl::StripAsciiWhitespace(buf.substr(c.i, line - c.i));
+      if (before.empty() || !IsCallName(n)) return Header::kNone;
+      c.i = line + 1;
+      if (!c.Literal("```json") || !c.Literal("{")) return result(false);
+      *name = std::string(n);
+      *args = c.i - 1;
+      return Header::kFound;
+    }
+    default:
+      return Header::kNone;
+  }
+}
+
+void ToolCallParser::Stream(absl::string_view block, bool complete, ToolCallDelta* out) {
+  if (format_ == ToolCallFormat::kQwen3Coder) {
+    StreamQwen(block, complete, out);
+    return;
+  }
+  while (!stream_off_) {
+    if (args_ != nullptr) {
+      std::string text;
+      const ArgumentsStream::State state = args_->Advance(block, &text);
+      SendArguments(std::move(text), out);
+      if (state == ArgumentsStream::State::kMore) return;
+      if (state == ArgumentsStream::State::kBad) {
+        stream_off_ = true;
+        return;
+      }
+      scan_ = args_->consumed();
+      args_.reset();
+      continue;
+    }
+    std::string name;
+    size_t args = 0;
+    const Header h = NextHeader(block, &name, &args);
+    if (h == Header::kNeedMore) return;
+    if (h == Header::kNone || !Begin(std::move(name), "", out)) {
+      stream_off_ = true;
+      return;
+    }
+    args_ = std::make_shared<ArgumentsStream>(args);
+  }
+}
+
+void ToolCallParser::StreamQwen(absl::string_view buf, bool complete, ToolCallDelta* out) {
+  constexpr size_t npos = std::string::npos;
+  // A complete block's functions and parameters end at its end at the latest (before the
+  // </tool_call> of a <tool_call> block), as QwenCalls reads them.
+  size_t body_end = npos;
+  if (complete) {
+    body_end = buf.size();
+    if (absl::StartsWith(buf, kHermesStart) && absl::EndsWith(buf.substr(kHermesStart.size()), kHermesEnd)) {
+      body_end -= kHermesEnd.size();
+    }
+  }
+  while (!stream_off_) {
+    if (!in_function_) {
+      const size_t f = buf.find(kQwenFunction, scan_);
+      if (f == npos) return;
+      const size_t gt = buf.find('>', f + kQwenFunction.size());
+      if (gt == npos) return;
+      const absl::string_view name = absl::StripAsciiWhitespace(buf.substr(f + kQwenFunction.size(), gt - f - kQwenFunction.size()));
+      // A name the whole block may read otherwise (or not at all) is decided at the end.
+      if (!IsCallName(name) || name.find('<') != npos || !Begin(std::string(name), "{", out)) {
+        stream_off_ = true;
+        return;
+      }
+      types_ = ParameterTypes(tools_, name);
+      in_function_ = true;
+      scan_ = gt + 1;
+    }
+    // Inside a function: its next parameter once closed, or its end.
+    size_t end = buf.find(kQwenFunctionEnd, scan_);
+    const bool at_body_end = end == npos || end > body_end;
+    if (complete && at_body_end) end = body_end;
+    const size_t p = buf.find(kQwenParameter, scan_);
+    if (p != npos && (end == npos || p < end)) {
+      const size_t name_start = p + kQwenParameter.size();
+      const size_t close = std::min({buf.find(kQwenParameterEnd, name_start), buf.find(kQwenParameter, name_start), end});
+      if (close == npos) return;
+      const absl::string_view param = buf.substr(name_start, close - name_start);
+      const size_t gt = param.find('>');
+      if (gt == npos) {
+        stream_off_ = true;
+        return;
+      }
+      const std::string pname(absl::StripAsciiWhitespace(param.substr(0, gt)));
+      absl::string_view value = param.substr(gt + 1);
+      absl::ConsumePrefix(&value, "\n");
+      absl::ConsumeSuffix(&value, "\n");
+      SendArguments(absl::StrCat(sent_.back() == "{" ? "" : ",", Dump(Json(pname)), ":",
+                                 DumpArguments(ConvertParameter(std::string(value), pname, types_))),
+                    out);
+      scan_ = close;
+      continue;
+    }
+    if (end == npos) return;
+    SendArguments("}", out);
+    in_function_ = false;
+    scan_ = (complete && at_body_end) ? end : end + kQwenFunctionEnd.size();
   }
 }
 

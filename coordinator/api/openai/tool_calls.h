@@ -21,11 +21,30 @@
 // a call is dropped (deepseek_v3's <｜tool▁calls▁end｜> after a call too); an output without calls
 // comes back as content unchanged.
 //
+// Streamed arguments (a parser made with `stream_arguments`, for streamed responses): as vLLM's
+// streaming tool parsers do, a call is begun (a piece with its index and name, no arguments) as
+// soon as its name is complete and its arguments have begun as a JSON object (qwen3_coder: once
+// <function=NAME> is complete), and its arguments then come in pieces while the model writes
+// them, each the compact JSON (as the whole call's `arguments` is written) of the text that came:
+// a string's characters as they come, a number or literal once it ends, qwen3_coder's parameter
+// once it is closed. Joined, a call's pieces are exactly the `arguments` the whole output gives.
+// A call the parser cannot stream this way ("arguments" before "name", or as a JSON string; a
+// qwen3_coder name with '<' in it) is handed out as one piece once it is complete, as without
+// streaming. The rules once a call has begun (its name was sent, so it stays a call):
+//   - it turns out malformed (bad JSON, a missing fence or tag, the output ends inside it): the
+//     rest of its block's text, from where the pieces sent stop, as the model wrote it, is the end
+//     of the open call's arguments (which are then not valid JSON), or content when no call of
+//     the block is open; nothing is dropped. Without streaming such a block is content.
+//   - a key (qwen3_coder: a parameter) written twice is sent twice, as written; the whole output's
+//     arguments keep it once with its last value, which is what JSON readers make of both.
+//   - calls over `max_calls` are never begun.
+//
 // Threading: plain values; a ToolCallParser is used by one thread at a time.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_TOOL_CALLS_H_
 
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,23 +75,36 @@ struct ToolCall {
   bool operator==(const ToolCall& o) const { return name == o.name && arguments == o.arguments; }
 };
 
+// A piece of a call streamed while it is generated: with a name it begins call `index` (the
+// calls' count so far), whose arguments' text then grows by each piece's `arguments`.
+struct ToolCallPiece {
+  int index = 0;
+  std::string name;       // the first piece of a call only
+  std::string arguments;  // more of the arguments' text (may be empty)
+  bool operator==(const ToolCallPiece& o) const {
+    return index == o.index && name == o.name && arguments == o.arguments;
+  }
+};
+
 // What a piece of text adds: content to show, then the calls it completed (in order; their
-// indices continue from the calls before).
+// indices continue from the calls before), or with streamed arguments the pieces of calls.
 struct ToolCallDelta {
   std::string content;
-  std::vector<ToolCall> calls;
+  std::vector<ToolCall> calls;        // without streamed arguments
+  std::vector<ToolCallPiece> pieces;  // with streamed arguments
 };
 
 // Splits a streamed output into content and calls. Text is held back only while it may still be
 // (the start of) a call: a partial marker, a call not yet complete, whitespace that may border one.
 // A call is handed out once its text is complete and well-formed, so that a malformed one can
-// still turn into content.
+// still turn into content; with `stream_arguments`, in pieces as it is written (see above).
 class ToolCallParser {
  public:
   // At most `max_calls` calls are handed out (parallel_tool_calls false: 1); later ones are dropped.
   // `tools`: the request's tools (an array as protocol.h checks them, or null): qwen3_coder reads
   // its parameters' types there.
-  ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools = nullptr);
+  ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools = nullptr,
+                 bool stream_arguments = false);
 
   // The next piece of the output.
   ToolCallDelta Add(absl::string_view text);
@@ -94,6 +126,21 @@ class ToolCallParser {
   size_t FindEnd() const;
   // The calls of one complete block, or false when it is not well-formed.
   bool ParseBlock(absl::string_view block, std::vector<ToolCall>* calls) const;
+  // Decides the block buf_[0, end) begins with: its calls, or content.
+  void EndBlock(size_t end, ToolCallDelta* out);
+  // A call found whole: counted, and handed out (as a call, or one piece) under max_calls.
+  void Hand(ToolCall call, ToolCallDelta* out);
+
+  // Streamed arguments: the pieces of the calls of `block` (the block buf_ begins with, as far as
+  // it came; `complete`: all of it), from where the last look stopped.
+  void Stream(absl::string_view block, bool complete, ToolCallDelta* out);
+  void StreamQwen(absl::string_view block, bool complete, ToolCallDelta* out);
+  enum class Header { kNeedMore, kFound, kNone };
+  // The next call's name and where its arguments' '{' is in `block`, from scan_ on.
+  Header NextHeader(absl::string_view block, std::string* name, size_t* args);
+  // Begins a call (false over max_calls); `arguments` its first text.
+  bool Begin(std::string name, std::string arguments, ToolCallDelta* out);
+  void SendArguments(std::string text, ToolCallDelta* out);
 
   const ToolCallFormat format_;
   const int max_calls_;
@@ -106,6 +153,18 @@ class ToolCallParser {
   bool calls_only_ = true;        // nothing but separators and calls so far
   int calls_found_ = 0;
   int calls_out_ = 0;
+
+  // Streamed arguments (all reset at the end of each block).
+  class ArgumentsStream;
+  const bool stream_arguments_;
+  size_t scan_ = 0;                          // buf_ read up to here for the block's calls
+  bool stream_off_ = false;                  // the rest of the block is decided at its end
+  std::vector<std::string> sent_;            // the arguments sent of each call begun in the block
+  int first_index_ = 0;                      // the index of the block's first call begun
+  std::shared_ptr<ArgumentsStream> args_;    // the open call's JSON arguments
+  size_t wrapper_ = std::string::npos;       // mistral's list: the open item's '{'
+  bool in_function_ = false;                 // qwen3_coder: inside a function begun
+  const nlohmann::ordered_json* types_ = nullptr;  // qwen3_coder: its parameters' types
 };
 
 // The whole output at once: the parser's Add(text) and Finish() joined.
