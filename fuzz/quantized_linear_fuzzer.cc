@@ -86,6 +86,9 @@ const std::vector<Fixture>& Fixtures() {
       absl::StatusOr<shardserve::ModelConfig> config = shardserve::LoadModelConfig(dir);
       absl::StatusOr<std::unique_ptr<shardserve::Checkpoint>> ckpt = shardserve::Checkpoint::Open(dir);
       Check(config.ok() && ckpt.ok() && config->checkpoint_quant.has_value(), "a fixture that does not load");
+      // The mixture-of-experts fixtures hold their MLPs as experts, read by the same readers as a
+      // dense module of their format; the dense fixtures of each format are the ones fuzzed.
+      if (config->num_experts > 0) continue;
       Fixture f;
       f.name = dir.parent_path().filename().string() + "_" + dir.filename().string();
       f.quant = *config->checkpoint_quant;
