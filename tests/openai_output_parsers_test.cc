@@ -162,6 +162,11 @@ std::vector<Case> Cases() {
        "</parameter>\n</function>", "", {{"get_weather", R"({"days":2})"}}, Calls{{"get_weather", R"({"days":1,"days":2})"}}},
       {"qwen3_coder_parameter_twice_unclosed", Q, "<function=get_weather>\n<parameter=days>\n1\n</parameter>\n"
        "<parameter=days>\n2\n", "", {{"get_weather", R"({"days":2})"}}, Calls{{"get_weather", R"({"days":1,"days":2})"}}},
+      // Two names that are no UTF-8 and write alike (each bad byte as U+FFFD): one key, as a name
+      // written twice (get_weather has no "d": its values stay strings).
+      {"qwen3_coder_names_written_alike", Q, "<function=get_weather>\n<parameter=d\xff>\n1\n</parameter>\n"
+       "<parameter=d\xfe>\n2\n</parameter>\n</function>", "", {{"get_weather", "{\"d\xEF\xBF\xBD\":\"2\"}"}},
+       Calls{{"get_weather", "{\"d\xEF\xBF\xBD\":\"1\",\"d\xEF\xBF\xBD\":\"2\"}"}}},
       {"none_format_is_content", ToolCallFormat::kNone, "<tool_call>{\"name\": \"a\"}</tool_call>",
        "<tool_call>{\"name\": \"a\"}</tool_call>", {}},
   };

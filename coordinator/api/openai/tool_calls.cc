@@ -235,6 +235,15 @@ Json ConvertParameter(const std::string& value, const std::string& name, const J
   return value;
 }
 
+std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// A Qwen3-Coder parameter's name as the key of its call's arguments: stripped, and its bytes that
+// are no UTF-8 replaced as Dump writes them, so that two names written alike are one key in the
+// whole answer as in the streamed one (where a key written twice is sent twice).
+std::string ParameterKey(absl::string_view name) {
+  return Json::parse(Dump(Json(std::string(absl::StripAsciiWhitespace(name))))).get<std::string>();
+}
+
 // The end of the first of `ends` in `s` from `from` on (its position), or s.size().
 size_t FirstOf(absl::string_view s, size_t from, std::initializer_list<absl::string_view> ends) {
   size_t best = s.size();
@@ -268,7 +277,7 @@ bool QwenCalls(absl::string_view body, const Json& tools, std::vector<ToolCall>*
       const absl::string_view param = params.substr(pname_start, pend - pname_start);
       const size_t pgt = param.find('>');
       if (pgt == npos) return false;
-      const std::string pname(absl::StripAsciiWhitespace(param.substr(0, pgt)));
+      const std::string pname = ParameterKey(param.substr(0, pgt));
       absl::string_view value = param.substr(pgt + 1);
       absl::ConsumePrefix(&value, "\n");
       absl::ConsumeSuffix(&value, "\n");
@@ -292,8 +301,6 @@ size_t JsonStringEnd(absl::string_view s, size_t i) {
   }
   return absl::string_view::npos;
 }
-
-std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 }  // namespace
 
@@ -1052,7 +1059,7 @@ void ToolCallParser::StreamQwen(absl::string_view buf, bool complete, ToolCallDe
         stream_off_ = true;
         return;
       }
-      const std::string pname(absl::StripAsciiWhitespace(param.substr(0, gt)));
+      const std::string pname = ParameterKey(param.substr(0, gt));
       absl::string_view value = param.substr(gt + 1);
       absl::ConsumePrefix(&value, "\n");
       absl::ConsumeSuffix(&value, "\n");
