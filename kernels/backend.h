@@ -80,7 +80,7 @@ struct SampleParams {
   float temperature = 1.0f;  // > 0. (Greedy decoding uses Argmax instead.)
   int32_t top_k = 0;         // 0 = no limit. Keeps every token whose prob >= the k-th largest.
   float top_p = 1.0f;        // (0, 1]. Keeps the smallest set of most likely tokens with mass >= top_p.
-  float uniform = 0.5f;      // the row's random draw in [0, 1), from SampleRng (kernels/sampling.h).
+  float uniform = 0.5f;      // the row's random draw in [0, 1), from SampleUniform (kernels/sampling.h).
 };
 
 // One product of Backend::MatMuls: out = x @ w^T (+ bias, which may be null).
