@@ -365,7 +365,7 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
             "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral, deepseek_v3, "
-            "qwen3_coder");
+            "qwen3_coder, openai");
   EXPECT_EQ(*ToolCallFormatFromName("deepseek_v3"), ToolCallFormat::kDeepSeekV3);
   EXPECT_EQ(*ToolCallFormatFromName("qwen3_coder"), ToolCallFormat::kQwen3Coder);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<tool_call>' }}"), ToolCallFormat::kHermes);
