@@ -3,7 +3,6 @@
 // whole or in pieces) giving the same; bad output (misplaced markers, unknown channels, a message
 // cut short) defined and kept; the parser's names and its detection in a chat template.
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -12,6 +11,7 @@
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "gtest/gtest.h"
+#include "tests/output_chunkings.h"
 
 namespace shardserve::openai {
 namespace {
@@ -145,18 +145,12 @@ TEST_P(HarmonyCase, Whole) {
 // character), then a byte at a time; calls whole and in pieces: the same as the whole.
 TEST_P(HarmonyCase, StreamedInPiecesJoinsToTheWhole) {
   const Case& c = GetParam();
-  std::mt19937 rng(2024);
+  const std::vector<std::vector<absl::string_view>> chunkings = OutputChunkings(c.text, 2024);
   for (bool stream : {false, true}) {
-    for (int trial = 0; trial < 200 + static_cast<int>(c.text.size()) + 2; ++trial) {
+    for (size_t trial = 0; trial < chunkings.size(); ++trial) {
       HarmonyParser parser(c.max_calls, stream);
       Joined joined;
-      const int split = trial - 200;
-      for (size_t pos = 0; pos < c.text.size();) {
-        size_t n = std::min<size_t>(c.text.size() - pos, 1 + rng() % (trial % 2 ? 3 : 12));
-        if (split >= 0) n = split > static_cast<int>(c.text.size()) ? 1 : (pos == 0 && split > 0 ? split : c.text.size() - pos);
-        joined.Add(parser.Add(absl::string_view(c.text).substr(pos, n)));
-        pos += n;
-      }
+      for (absl::string_view piece : chunkings[trial]) joined.Add(parser.Add(piece));
       joined.Add(parser.Finish());
       ASSERT_EQ(joined.reasoning, c.reasoning) << "trial " << trial << " stream " << stream;
       ASSERT_EQ(joined.content, c.content) << "trial " << trial << " stream " << stream;
