@@ -25,9 +25,11 @@
 // in pieces as the body is written; joined they are exactly the arguments of the whole output.
 //
 // Bad output never crashes and never loses text:
-//   - a header is markup, never shown. A word in it that is not markup (text before any marker
-//     other than to=..., where the first message's header is expected) gives the header up: from
-//     that word (and the whitespace before it) on the text is content, until a message's start;
+//   - a header is markup, never shown. Its words are markup when they are to=..., the word right
+//     after <|start|> (the role), <|channel|> or <|constrain|>, or any word after the channel's;
+//     another word (text where a header is expected, as in an output that is not harmony) gives
+//     the header up: from that word (and the whitespace before it) on the text is content, until
+//     the next <|start|> or <|channel|>;
 //   - a header that an end marker closes before <|message|>, or that the output's end cuts, is
 //     dropped with that marker (it holds only markup);
 //   - in a body, <|start|> or <|channel|> ends the message (a missing <|end|>) and begins the next
