@@ -1,14 +1,16 @@
 // A model's chat output, as coordinator/api/openai/http_server.cc splits it (protocol.h's
-// OutputSplitter: reasoning.h, then tool_calls.h). The first byte picks the tool-call format
-// (hermes, llama3_json, mistral, deepseek_v3, qwen3_coder, none; qwen3_coder with tools whose
-// parameters have types), whether reasoning is parsed and whether the prompt opened it, and the
-// sizes of the streamed pieces; the rest is the output.
+// OutputSplitter: reasoning.h, then tool_calls.h; harmony.h for gpt-oss). The first byte picks the
+// tool-call format (hermes, llama3_json, mistral, deepseek_v3, qwen3_coder, none, openai (harmony);
+// qwen3_coder with tools whose parameters have types), whether reasoning is parsed and whether the
+// prompt opened it, and the sizes of the streamed pieces; the rest is the output.
 //
 // Invariants: the output streamed in those pieces gives, joined, exactly what it gives whole
 // (reasoning, content and calls); every call has a name and arguments that parse as a JSON object.
 // With calls streamed as pieces (a streamed answer): each piece begins the next call or adds to
 // one begun, and the pieces join to the same calls however the output was cut; where the whole
-// answer has the same content and as many calls, they are the same calls.
+// answer has the same content and as many calls, they are the same calls. Harmony: its calls in
+// pieces are exactly the whole's, and its arguments are the body as written where it is not a
+// JSON object (harmony.h), so only its well-formed bodies are held to JSON.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -51,11 +53,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   constexpr ToolCallFormat kFormats[] = {ToolCallFormat::kHermes,     ToolCallFormat::kLlama3Json,
                                          ToolCallFormat::kMistral,    ToolCallFormat::kDeepSeekV3,
-                                         ToolCallFormat::kQwen3Coder, ToolCallFormat::kNone};
-  const ToolCallFormat format = kFormats[data[0] % 6];
-  const unsigned mode = data[0] / 6;  // 0 to 42
+                                         ToolCallFormat::kQwen3Coder, ToolCallFormat::kNone,
+                                         ToolCallFormat::kHarmony};
+  const ToolCallFormat format = kFormats[data[0] % 7];
+  const unsigned mode = data[0] / 7;  // 0 to 36
   const bool reasoning = mode & 1, inside = (mode >> 1) & 1;
-  const size_t piece = 1 + (mode >> 2);  // 1 to 11 bytes a piece
+  const size_t piece = 1 + (mode >> 2);  // 1 to 10 bytes a piece
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   static const nlohmann::ordered_json* tools = new nlohmann::ordered_json(nlohmann::ordered_json::parse(R"([
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
@@ -86,6 +89,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Check(pieces.calls == pieces_whole.calls, "calls in pieces differ with the cut");
   Check(pieces.reasoning == whole.reasoning, "reasoning differs with calls in pieces");
   for (const auto& c : pieces.calls) Check(!c.name.empty(), "a call in pieces without a name");
+  if (format == ToolCallFormat::kHarmony) {
+    Check(pieces.content == whole.content, "harmony: content differs with calls in pieces");
+    Check(pieces.calls == whole.calls, "harmony: calls in pieces differ from the whole's");
+    for (const auto& c : whole.calls) Check(!c.name.empty(), "harmony: a call without a name");
+    return 0;
+  }
   if (pieces.content == whole.content && pieces.calls.size() == whole.calls.size()) {
     // The same calls; a key written twice is sent twice, which reads as the whole's one.
     for (size_t i = 0; i < whole.calls.size(); ++i) {

@@ -10,6 +10,7 @@
 #include "coordinator/api/openai/tool_calls.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/output_chunkings.h"
 
 namespace shardserve::openai {
 namespace {
@@ -201,17 +202,11 @@ TEST_P(ToolCallCase, StreamedArgumentsJoinToTheWhole) {
   const Case& c = GetParam();
   const Calls& want_calls = c.streamed_calls.has_value() ? *c.streamed_calls : c.calls;
   const std::string& want_content = c.streamed_content.has_value() ? *c.streamed_content : c.content;
-  std::mt19937 rng(4321);
-  for (int trial = 0; trial < 200 + static_cast<int>(c.text.size()) + 2; ++trial) {
+  const std::vector<std::vector<absl::string_view>> chunkings = OutputChunkings(c.text, 4321);
+  for (size_t trial = 0; trial < chunkings.size(); ++trial) {
     ToolCallParser parser(c.format, 16, Tools(), /*stream_arguments=*/true);
     Joined joined;
-    const int split = trial - 200;  // then two pieces split at every byte, then a byte at a time
-    for (size_t pos = 0; pos < c.text.size();) {
-      size_t n = std::min<size_t>(c.text.size() - pos, 1 + rng() % (trial % 2 ? 3 : 12));
-      if (split >= 0) n = split > static_cast<int>(c.text.size()) ? 1 : (pos == 0 && split > 0 ? split : c.text.size() - pos);
-      joined.Add(parser.Add(absl::string_view(c.text).substr(pos, n)));
-      pos += n;
-    }
+    for (absl::string_view piece : chunkings[trial]) joined.Add(parser.Add(piece));
     joined.Add(parser.Finish());
     ASSERT_EQ(joined.content, want_content) << "trial " << trial;
     ASSERT_EQ(joined.calls, want_calls) << "trial " << trial;
@@ -370,7 +365,7 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
             "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral, deepseek_v3, "
-            "qwen3_coder");
+            "qwen3_coder, openai");
   EXPECT_EQ(*ToolCallFormatFromName("deepseek_v3"), ToolCallFormat::kDeepSeekV3);
   EXPECT_EQ(*ToolCallFormatFromName("qwen3_coder"), ToolCallFormat::kQwen3Coder);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<tool_call>' }}"), ToolCallFormat::kHermes);

@@ -675,9 +675,18 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
     parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
     parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
-    if (request->tools.is_array() && !request->tools.empty() && request->tool_choice == ToolChoice::kAuto) {
+    const bool calls = request->tools.is_array() && !request->tools.empty() && request->tool_choice == ToolChoice::kAuto;
+    if (calls) {
       parsing.tools = tool_format_;
       parsing.max_calls = request->parallel_tool_calls ? kMaxToolCallsPerMessage : 1;
+    }
+    if (tool_format_ == ToolCallFormat::kHarmony || reasoning_format_ == ReasoningFormat::kHarmony) {
+      // Harmony is parsed whole (harmony.h), with or without tools; its calls only under the
+      // tool parser openai.
+      parsing.tools = ToolCallFormat::kHarmony;
+      parsing.reasoning = true;
+      parsing.reasoning_inside = false;
+      if (!calls || tool_format_ != ToolCallFormat::kHarmony) parsing.max_calls = 0;
     }
     if (request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed) {
       parsing.reasoning = false;  // the grammar makes the calls' JSON from the first token

@@ -883,7 +883,11 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
 OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,
                                nlohmann::ordered_json tool_list, bool incremental)
     : tools_(tools, max_calls, std::move(tool_list), incremental) {
-  if (reasoning) reasoning_.emplace(reasoning_inside);
+  if (tools == ToolCallFormat::kHarmony) {
+    harmony_.emplace(max_calls, incremental);
+  } else if (reasoning) {
+    reasoning_.emplace(reasoning_inside);
+  }
 }
 
 OutputSplitter::OutputSplitter(ToolChoice forced, std::string name, bool incremental)
@@ -1045,6 +1049,17 @@ OutputSplit OutputSplitter::Add(absl::string_view text, bool final) {
     }
     held_.clear();
     return out;
+  }
+  if (harmony_.has_value()) {
+    HarmonyDelta d = harmony_->Add(text);
+    if (final) {
+      HarmonyDelta end = harmony_->Finish();
+      d.reasoning += end.reasoning;
+      d.content += end.content;
+      for (ToolCall& c : end.calls) d.calls.push_back(std::move(c));
+      for (ToolCallPiece& p : end.pieces) d.pieces.push_back(std::move(p));
+    }
+    return OutputSplit{std::move(d.reasoning), std::move(d.content), std::move(d.calls), std::move(d.pieces)};
   }
   std::string content;
   if (reasoning_.has_value()) {

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "coordinator/api/openai/harmony.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "coordinator/model/structured_output.h"  // the constraints' bounds (kMaxStructured*)
@@ -194,7 +195,8 @@ class ForcedCallStream {
 };
 
 // Splits one chat choice's output as it streams: the reasoning first (when on), then the tool
-// calls in what is left (when the format is not kNone). Used by one thread at a time.
+// calls in what is left (when the format is not kNone); with the format kHarmony all three by
+// harmony.h (reasoning then always on). Used by one thread at a time.
 class OutputSplitter {
  public:
   // `reasoning_inside`: the prompt opened <think>. `max_calls`: 1 with parallel_tool_calls false.
@@ -208,11 +210,12 @@ class OutputSplitter {
   OutputSplitter(ToolChoice forced, std::string name, bool incremental = false);
   // The next piece of the output; `final`: the last one (what was held is decided).
   OutputSplit Add(absl::string_view text, bool final);
-  bool reasoning() const { return reasoning_.has_value(); }
+  bool reasoning() const { return reasoning_.has_value() || harmony_.has_value(); }
 
  private:
   std::optional<ReasoningParser> reasoning_;
   ToolCallParser tools_;
+  std::optional<HarmonyParser> harmony_;
   ToolChoice forced_ = ToolChoice::kAuto;
   std::string forced_name_;
   std::string held_;  // forced calls: the output so far

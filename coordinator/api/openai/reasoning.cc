@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/api/openai/harmony.h"
 
 namespace shardserve::openai {
 namespace {
@@ -17,11 +18,13 @@ constexpr char kWhitespace[] = " \t\r\n";
 absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name) {
   if (name == "none") return ReasoningFormat::kNone;
   if (name == "deepseek_r1" || name == "qwen3") return ReasoningFormat::kThink;
+  if (name == "openai_gptoss") return ReasoningFormat::kHarmony;
   return absl::InvalidArgumentError(
-      absl::StrCat("reasoning parser '", name, "' is not known; the known ones are none, deepseek_r1, qwen3"));
+      absl::StrCat("reasoning parser '", name, "' is not known; the known ones are none, deepseek_r1, qwen3, openai_gptoss"));
 }
 
 ReasoningFormat ReasoningFormatOfTemplate(absl::string_view source) {
+  if (IsHarmonyTemplate(source)) return ReasoningFormat::kHarmony;
   return absl::StrContains(source, kOpen) ? ReasoningFormat::kThink : ReasoningFormat::kNone;
 }
 

@@ -16,12 +16,14 @@
 
 namespace shardserve::openai {
 
-enum class ReasoningFormat { kNone, kThink };
+// kHarmony: gpt-oss's harmony format, its channel analysis (harmony.h parses the whole output).
+enum class ReasoningFormat { kNone, kThink, kHarmony };
 
-// The names --reasoning-parser takes: "none", "deepseek_r1" and "qwen3" (both <think>); an unknown
-// one is InvalidArgument listing the known ones.
+// The names --reasoning-parser takes: "none", "deepseek_r1" and "qwen3" (both <think>),
+// "openai_gptoss" (harmony); an unknown one is InvalidArgument listing the known ones.
 absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name);
-// kThink when the chat template's text writes <think>, else kNone.
+// kHarmony when the chat template's text writes <|channel|>, else kThink when it writes <think>,
+// else kNone.
 ReasoningFormat ReasoningFormatOfTemplate(absl::string_view template_source);
 // Whether a rendered prompt ends with <think> (and whitespace): the template opened the reasoning
 // after the generation prompt, so the output starts inside it.

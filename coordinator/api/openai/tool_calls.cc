@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "coordinator/api/openai/harmony.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve::openai {
@@ -42,7 +43,8 @@ constexpr Named kFormats[] = {{"none", ToolCallFormat::kNone},
                               {"llama3_json", ToolCallFormat::kLlama3Json},
                               {"mistral", ToolCallFormat::kMistral},
                               {"deepseek_v3", ToolCallFormat::kDeepSeekV3},
-                              {"qwen3_coder", ToolCallFormat::kQwen3Coder}};
+                              {"qwen3_coder", ToolCallFormat::kQwen3Coder},
+                              {"openai", ToolCallFormat::kHarmony}};
 
 size_t SkipWhitespace(absl::string_view s, size_t i) {
   while (i < s.size() && absl::string_view(kWhitespace).find(s[i]) != absl::string_view::npos) ++i;
@@ -304,221 +306,6 @@ size_t JsonStringEnd(absl::string_view s, size_t i) {
 
 }  // namespace
 
-// A JSON object's text read as it comes, written out compact as DumpArguments writes the parsed
-// value: a string's characters as they come (each escaped as the whole is), numbers and literals
-// once they end, whitespace dropped. A text that
-// is not JSON stops it (kBad), at the first byte not written out.
-class ToolCallParser::ArgumentsStream {
- public:
-  enum class State { kMore, kDone, kBad };
-  // `start`: the object's '{' in the text Advance is given.
-  explicit ArgumentsStream(size_t start) : pos_(start) {}
-
-  // Reads `text` (the text begun at the same place each time, longer) from where it stopped;
-  // appends what it writes out to *out.
-  State Advance(absl::string_view text, std::string* out) {
-    while (state_ == State::kMore && pos_ < text.size()) {
-      if (token_ == Token::kString) {
-        if (!ReadString(text, out)) return state_;
-        continue;
-      }
-      if (token_ == Token::kScalar) {
-        size_t i = pos_;
-        while (i < text.size() && (absl::ascii_isalnum(text[i]) || text[i] == '+' || text[i] == '-' || text[i] == '.')) ++i;
-        if (i == text.size()) {
-          pos_ = i;
-          return state_;
-        }
-        Json v;
-        if (!ParseJson(text.substr(token_start_, i - token_start_), &v) || v.is_structured() || v.is_string()) {
-          return Bad();
-        }
-        out->append(Dump(v));
-        token_ = Token::kNone;
-        pos_ = i;
-        ValueDone();
-        continue;
-      }
-      const char c = text[pos_];
-      if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
-        ++pos_;
-        continue;
-      }
-      Expect& expect = stack_.empty() ? top_ : stack_.back().expect;
-      switch (expect) {
-        case Expect::kValue:
-        case Expect::kValueOrClose:
-          if (c == '{' || c == '[') {
-            if (stack_.empty() && c != '{') return Bad();
-            stack_.push_back({c == '{', c == '{' ? Expect::kKeyOrClose : Expect::kValueOrClose});
-            out->push_back(c);
-            ++pos_;
-          } else if (c == ']' && expect == Expect::kValueOrClose) {
-            Close(c, out);
-          } else if (c == '"') {
-            StartString(/*key=*/false, out);
-          } else if (c == '-' || (c >= '0' && c <= '9') || c == 't' || c == 'f' || c == 'n') {
-            token_ = Token::kScalar;
-            token_start_ = pos_++;
-          } else {
-            return Bad();
-          }
-          break;
-        case Expect::kKey:
-        case Expect::kKeyOrClose:
-          if (c == '"') {
-            StartString(/*key=*/true, out);
-          } else if (c == '}' && expect == Expect::kKeyOrClose) {
-            Close(c, out);
-          } else {
-            return Bad();
-          }
-          break;
-        case Expect::kColon:
-          if (c != ':') return Bad();
-          out->push_back(c);
-          expect = Expect::kValue;
-          ++pos_;
-          break;
-        case Expect::kCommaOrClose:
-          if (c == ',') {
-            out->push_back(c);
-            expect = stack_.back().object ? Expect::kKey : Expect::kValue;
-            ++pos_;
-          } else if (c == (stack_.back().object ? '}' : ']')) {
-            Close(c, out);
-          } else {
-            return Bad();
-          }
-          break;
-      }
-    }
-    return state_;
-  }
-
-  // Where the text not yet written out begins.
-  size_t consumed() const {
-    if (token_ == Token::kString && !key_) return segment_;
-    return token_ == Token::kNone ? pos_ : token_start_;
-  }
-
- private:
-  enum class Expect { kValue, kValueOrClose, kKey, kKeyOrClose, kColon, kCommaOrClose };
-  enum class Token { kNone, kString, kScalar };
-  struct Level {
-    bool object;
-    Expect expect;
-  };
-
-  State Bad() { return state_ = State::kBad; }
-
-  void StartString(bool key, std::string* out) {
-    token_ = Token::kString;
-    key_ = key;
-    token_start_ = pos_++;
-    segment_ = pos_;
-    if (!key) out->push_back('"');
-  }
-
-  void Close(char c, std::string* out) {
-    out->push_back(c);
-    stack_.pop_back();
-    ++pos_;
-    ValueDone();
-  }
-
-  // A value ended: the container's next is a comma or its end (set when the value began), or the
-  // object is done.
-  void ValueDone() {
-    if (stack_.empty()) {
-      state_ = State::kDone;
-    } else {
-      stack_.back().expect = Expect::kCommaOrClose;
-    }
-  }
-
-  // Writes out one character of a string's text (a byte, a UTF-8 sequence or an escape) as Dump
-  // writes it; false when it is not valid JSON. One at a time, so that where a bad one stops the
-  // string does not depend on how the text was cut.
-  static bool WriteCharacter(absl::string_view raw, std::string* out) {
-    const unsigned char c = raw[0];
-    if (raw.size() == 1 && c >= 0x20 && c < 0x80 && c != '\\') {
-      out->push_back(raw[0]);
-      return true;
-    }
-    Json v;
-    if (!ParseJson(absl::StrCat("\"", raw, "\""), &v) || !v.is_string()) return false;
-    const std::string d = Dump(v);
-    out->append(d, 1, d.size() - 2);
-    return true;
-  }
-
-  // Reads a string on from pos_: false when it needs more text or is bad (state_ says which).
-  bool ReadString(absl::string_view text, std::string* out) {
-    size_t i = pos_;
-    while (i < text.size()) {
-      const unsigned char c = text[i];
-      size_t n = 1;
-      if (c == '\\') {
-        n = 2;
-        if (i + 1 < text.size() && text[i + 1] == 'u') {
-          n = 6;
-          // A high surrogate's escape is read with the low one after it.
-          if (i + 6 <= text.size()) {
-            const std::string hex(text.substr(i + 2, 4));
-            const long u = std::strtol(hex.c_str(), nullptr, 16);
-            if (u >= 0xD800 && u <= 0xDBFF) n = 12;
-          }
-        }
-      } else if (c == '"') {
-        if (key_) {
-          Json v;
-          if (!ParseJson(text.substr(token_start_, i + 1 - token_start_), &v) || !v.is_string()) {
-            pos_ = i;
-            Bad();
-            return false;
-          }
-          out->append(Dump(v));
-          stack_.back().expect = Expect::kColon;
-        } else {
-          out->push_back('"');
-          ValueDone();
-        }
-        token_ = Token::kNone;
-        pos_ = i + 1;
-        return true;
-      } else if (c >= 0xF0) {
-        n = 4;
-      } else if (c >= 0xE0) {
-        n = 3;
-      } else if (c >= 0xC0) {
-        n = 2;
-      }
-      if (i + n > text.size()) break;
-      if (!key_) {
-        if (!WriteCharacter(text.substr(i, n), out)) {
-          pos_ = i;
-          Bad();
-          return false;
-        }
-        segment_ = i + n;
-      }
-      i += n;
-    }
-    pos_ = i;
-    return false;
-  }
-
-  std::vector<Level> stack_;
-  Expect top_ = Expect::kValue;
-  size_t pos_;
-  State state_ = State::kMore;
-  Token token_ = Token::kNone;
-  bool key_ = false;
-  size_t token_start_ = 0;  // the open token's first byte (a string's quote)
-  size_t segment_ = 0;      // the open string's first byte not written out
-};
-
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name) {
   std::string known;
   for (const Named& f : kFormats) {
@@ -537,6 +324,7 @@ const char* ToolCallFormatName(ToolCallFormat format) {
 }
 
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
+  if (IsHarmonyTemplate(source)) return ToolCallFormat::kHarmony;
   if (absl::StrContains(source, kDeepSeekCallsBegin)) return ToolCallFormat::kDeepSeekV3;
   if (absl::StrContains(source, kQwenFunction) && absl::StrContains(source, kQwenParameter)) {
     return ToolCallFormat::kQwen3Coder;
@@ -549,7 +337,7 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
 
 bool KeepsSpecialTokens(ToolCallFormat format) {
   return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json ||
-         format == ToolCallFormat::kDeepSeekV3;
+         format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kHarmony;
 }
 
 ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools,
@@ -560,7 +348,7 @@ ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::o
 
 ToolCallDelta ToolCallParser::Add(absl::string_view text) {
   ToolCallDelta out;
-  if (format_ == ToolCallFormat::kNone) {
+  if (format_ == ToolCallFormat::kNone || format_ == ToolCallFormat::kHarmony) {
     out.content = std::string(text);
     return out;
   }
@@ -571,7 +359,7 @@ ToolCallDelta ToolCallParser::Add(absl::string_view text) {
 
 ToolCallDelta ToolCallParser::Finish() {
   ToolCallDelta out;
-  if (format_ == ToolCallFormat::kNone) return out;
+  if (format_ == ToolCallFormat::kNone || format_ == ToolCallFormat::kHarmony) return out;
   Process(/*final=*/true, &out);
   // Separators at the end: kept in an output without calls (unchanged), dropped after one.
   if (calls_found_ == 0) out.content += pending_;
@@ -678,6 +466,7 @@ size_t ToolCallParser::FindEnd() const {
       return e == npos ? npos : e + end.size();
     }
     case ToolCallFormat::kNone:
+    case ToolCallFormat::kHarmony:
       break;
   }
   return npos;
@@ -740,6 +529,7 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
       return QwenCalls(body, tools_, calls);
     }
     case ToolCallFormat::kNone:
+    case ToolCallFormat::kHarmony:
       break;
   }
   return false;

@@ -50,23 +50,26 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "coordinator/api/openai/arguments_stream.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve::openai {
 
-enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kQwen3Coder };
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kQwen3Coder, kHarmony };
 
 // The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral", "deepseek_v3",
-// "qwen3_coder"); an unknown one is InvalidArgument listing the known ones.
+// "qwen3_coder", "openai"); an unknown one is InvalidArgument listing the known ones. "openai" is
+// gpt-oss's harmony format (kHarmony), which harmony.h parses whole, reasoning and content too: a
+// ToolCallParser of it passes the text through as content, as kNone's does.
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
 const char* ToolCallFormatName(ToolCallFormat format);
 // The format a chat template writes tool calls in, recognised by the markers its text holds:
-// <｜tool▁calls▁begin｜> deepseek_v3; <function= with <parameter= qwen3_coder (before hermes, whose
+// <|channel|> openai (harmony); <｜tool▁calls▁begin｜> deepseek_v3; <function= with <parameter= qwen3_coder (before hermes, whose
 // <tool_call> it holds too); <tool_call> hermes; [TOOL_CALLS] mistral; <|python_tag|> llama3_json;
 // kNone when it names none of them.
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
 // Whether the format's markers are special tokens, which the detokenizer must then keep
-// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's tool tokens).
+// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's tool tokens, harmony's).
 bool KeepsSpecialTokens(ToolCallFormat format);
 
 struct ToolCall {
@@ -155,7 +158,6 @@ class ToolCallParser {
   int calls_out_ = 0;
 
   // Streamed arguments (all reset at the end of each block).
-  class ArgumentsStream;
   const bool stream_arguments_;
   size_t scan_ = 0;                          // buf_ read up to here for the block's calls
   bool stream_off_ = false;                  // the rest of the block is decided at its end
