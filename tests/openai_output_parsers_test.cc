@@ -157,6 +157,9 @@ std::vector<Case> Cases() {
       {"qwen3_coder_parameter_without_name_end_stays_content", Q, "<tool_call><function=a><parameter=x</function></tool_call>",
        "<tool_call><function=a><parameter=x</function></tool_call>", {},
        Calls{{"a", "{<parameter=x</function></tool_call>"}}, ""},
+      // The arguments written twice: the first, which a streamed call has sent by the time the second comes.
+      {"hermes_arguments_twice", H, "<tool_call>{\"name\": \"a\", \"arguments\": {\"k\": 1}, \"arguments\": {\"k\": 2}}</tool_call>",
+       "", {{"a", R"({"k":1})"}}},
       {"hermes_key_twice", H, "<tool_call>{\"name\": \"a\", \"arguments\": {\"k\": 1, \"k\": 2}}</tool_call>", "",
        {{"a", R"({"k":2})"}}, Calls{{"a", R"({"k":1,"k":2})"}}},
       {"qwen3_coder_parameter_twice", Q, "<function=get_weather>\n<parameter=days>\n1\n</parameter>\n<parameter=days>\n2\n"

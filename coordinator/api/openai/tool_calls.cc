@@ -90,6 +90,27 @@ bool ParseJson(absl::string_view text, Json* out) {
   return !out->is_discarded();
 }
 
+// A call's JSON, or a list of calls': as ParseJson, but where a call's object writes "name", or its
+// arguments ("arguments" or "parameters"), twice, the first is kept, as the streamed call sent it
+// (a key written twice inside the arguments is kept last, as JSON reads it, streamed or not).
+bool ParseCallJson(absl::string_view text, Json* out) {
+  bool list = false;
+  bool has_name = false, has_arguments = false;
+  const Json::parser_callback_t keep_first = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::array_start && depth == 0) list = true;
+    if (event == Json::parse_event_t::object_start && depth == (list ? 1 : 0)) has_name = has_arguments = false;
+    if (event != Json::parse_event_t::key || depth != (list ? 2 : 1) || !parsed.is_string()) return true;
+    const std::string& key = parsed.get_ref<const std::string&>();
+    bool* seen = key == "name" ? &has_name : (key == "arguments" || key == "parameters") ? &has_arguments : nullptr;
+    if (seen == nullptr) return true;
+    if (*seen) return false;
+    *seen = true;
+    return true;
+  };
+  *out = Json::parse(text.begin(), text.end(), keep_first, /*allow_exceptions=*/false);
+  return !out->is_discarded();
+}
+
 // A call from {"name": string, "arguments" or "parameters": object (or its JSON text)}; absent
 // arguments are {}.
 bool CallOf(const Json& v, ToolCall* call) {
@@ -479,14 +500,14 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
     case ToolCallFormat::kHermes: {
       absl::string_view body = block.substr(kHermesStart.size());
       absl::ConsumeSuffix(&body, kHermesEnd);
-      if (!ParseJson(body, &v) || !CallOf(v, &call)) return false;
+      if (!ParseCallJson(body, &v) || !CallOf(v, &call)) return false;
       calls->push_back(std::move(call));
       return true;
     }
     case ToolCallFormat::kLlama3Json: {
       absl::string_view body = block;
       absl::ConsumePrefix(&body, kPythonTag);
-      if (!ParseJson(body, &v) || !CallOf(v, &call)) return false;
+      if (!ParseCallJson(body, &v) || !CallOf(v, &call)) return false;
       // A JSON answer is not a call: a call names its arguments.
       if (!v.contains("parameters") && !v.contains("arguments")) return false;
       calls->push_back(std::move(call));
@@ -495,7 +516,7 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
     case ToolCallFormat::kMistral: {
       absl::string_view body = absl::StripLeadingAsciiWhitespace(block.substr(kMistralStart.size()));
       if (!body.empty() && (body[0] == '[' || body[0] == '{')) {
-        if (!ParseJson(body, &v)) return false;
+        if (!ParseCallJson(body, &v)) return false;
         if (v.is_object()) v = Json::array({v});
         if (!v.is_array() || v.empty()) return false;
         for (const Json& item : v) {

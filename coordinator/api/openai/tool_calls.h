@@ -37,6 +37,8 @@
 //     the block is open; nothing is dropped. Without streaming such a block is content.
 //   - a key (qwen3_coder: a parameter) written twice is sent twice, as written; the whole output's
 //     arguments keep it once with its last value, which is what JSON readers make of both.
+//   - a call's object that writes "name" or its arguments twice: the first, which is what was
+//     streamed, in the whole output too.
 //   - calls over `max_calls` are never begun.
 //
 // Threading: plain values; a ToolCallParser is used by one thread at a time.
