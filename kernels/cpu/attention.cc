@@ -14,6 +14,7 @@
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu/paged_tokens.h"
+#include "kernels/cpu/tanh_avx2.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -183,6 +184,7 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
   }
   const int64_t window = options.window;
   const float softcap = options.softcap;
+  static const bool avx2 = TanhHasAvx2();  // soft-capping with Sleef's tanhf, as PyTorch's kernels
   // The first position a token at position p attends to: p - window < j (AttentionOptions::window).
   auto first_key = [window](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t{0}; };
 
@@ -283,7 +285,9 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
     for (int64_t r = 0; r < rows; ++r) {
       float* row = weights + r * width + begin_of(r) - key0;  // the row's keys, then its sink
       const int64_t keys = context_of(r) - begin_of(r);
-      if (softcap > 0.0f) {
+      if (softcap > 0.0f && avx2) {
+        SoftcapAvx2(row, keys, softcap);
+      } else if (softcap > 0.0f) {
         for (int64_t j = 0; j < keys; ++j) row[j] = softcap * std::tanh(row[j] / softcap);
       }
       if (sinks != nullptr) row[keys] = sinks[head_of(r)];

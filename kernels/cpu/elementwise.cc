@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu/gelu_tanh.h"
+#include "kernels/cpu/tanh_avx2.h"
 
 namespace shardserve::cpu {
 namespace {
@@ -27,8 +27,8 @@ SHARDSERVE_VECTOR_CLONES void SiluMulRange(float* y, const float* g, const float
 
 // tanh(x) in float32 near PyTorch's CPU kernels on float32 tensors of 16 or more elements
 // (Vectorized<float>::tanh, Sleef's tanhf_u10: what transformers' tanh GELU and Gemma 2's logit
-// capping run into), for CPUs without AVX2 + FMA, where GELU does not call Sleef itself
-// (gelu_tanh.h), and for Softcap: tanh in double, rounded once, which Sleef's double-float evaluation equals but
+// capping run into), for CPUs without AVX2 + FMA, where GELU and Softcap do not call Sleef
+// themselves (tanh_avx2.h): tanh in double, rounded once, which Sleef's double-float evaluation equals but
 // for an ulp on about 1 input in 10^4 (measured over 2 million points of [-12, 12]); and +-1 where
 // |x| > 8.664339742, where Sleef stops evaluating (1 - tanh falls below an ulp of 1 there; rounded,
 // tanh would still be 1 - 2^-24 up to |x| ~ 9.01, which GELU's 1 + tanh would turn into a
@@ -183,7 +183,7 @@ absl::Status CpuBackend::SiluMul(Tensor* out, const Tensor& gate, const Tensor& 
 
 absl::Status CpuBackend::GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) {
   // Sleef's tanhf, as PyTorch, where the CPU has AVX2 + FMA; tanh in double rounded once elsewhere.
-  static const bool avx2 = GeluTanhHasAvx2();
+  static const bool avx2 = TanhHasAvx2();
   return GatedMul("GeluTanhMul", avx2 ? GeluTanhMulAvx2 : GeluTanhMulRange, out, gate, up);
 }
 
@@ -228,7 +228,12 @@ absl::Status CpuBackend::Softcap(Tensor* x, float cap) {
   const int64_t count = x->numel();
   float* v = x->as<float>();
   // Gemma2ForCausalLM: logits = logits / cap; logits = torch.tanh(logits); logits = logits * cap.
-  for (int64_t i = 0; i < count; ++i) v[i] = TanhAsPyTorch(v[i] / cap) * cap;
+  static const bool avx2 = TanhHasAvx2();
+  if (avx2) {
+    SoftcapAvx2(v, count, cap);
+  } else {
+    for (int64_t i = 0; i < count; ++i) v[i] = TanhAsPyTorch(v[i] / cap) * cap;
+  }
   return absl::OkStatus();
 }
 

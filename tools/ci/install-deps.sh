@@ -10,7 +10,7 @@ PACKAGES=(
   prometheus-cpp-dev
   libgloo-dev
   libdnnl-dev               # oneDNN: the CPU backend's matrix products
-  libsleef-dev              # Sleef: the vectorized tanhf of GELU, as PyTorch's CPU kernels compute it
+  libsleef-dev              # Sleef: the vectorized tanhf of GELU and soft-capping, as PyTorch's CPU kernels compute it
   libpcre2-dev libutf8proc-dev
   nlohmann-json3-dev
   libssl-dev                # OpenSSL: certificate checks, launch's CA, API key hashes (security/), the prefix cache's block keys (SHA-256)

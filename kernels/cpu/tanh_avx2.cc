@@ -1,5 +1,5 @@
-// GeluTanhMulAvx2 (gelu_tanh.h): compiled with -mavx2 -mfma, so that sleef.h declares its 8-lane
-// functions.
+// The Sleef tanh loops of tanh_avx2.h: compiled with -mavx2 -mfma, so that sleef.h declares its
+// 8-lane functions.
 #include <immintrin.h>
 #include <sleef.h>
 
@@ -8,11 +8,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cpu/gelu_tanh.h"
+#include "kernels/cpu/tanh_avx2.h"
 
 namespace shardserve::cpu {
 
-bool GeluTanhHasAvx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+bool TanhHasAvx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 void GeluTanhMulAvx2(float* y, const float* g, const float* u, int64_t begin, int64_t end) {
   // PyTorch's GeluKernelImpl (aten/src/ATen/native/cpu/Activation.cpp, tanh branch, float32,
@@ -44,6 +44,22 @@ void GeluTanhMulAvx2(float* y, const float* g, const float* u, int64_t begin, in
       _mm256_store_ps(out, r);
       std::memcpy(y + i, out, static_cast<size_t>(lanes) * sizeof(float));
     }
+  }
+}
+
+void SoftcapAvx2(float* x, int64_t n, float cap) {
+  // Gemma2ForCausalLM and its eager attention: x = x / cap; x = torch.tanh(x); x = x * cap.
+  const __m256 c = _mm256_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 8) {
+    const int64_t lanes = std::min<int64_t>(8, n - i);
+    alignas(32) float tail[8] = {};
+    float* p = x + i;
+    if (lanes < 8) {
+      std::memcpy(tail, p, static_cast<size_t>(lanes) * sizeof(float));
+      p = tail;
+    }
+    _mm256_storeu_ps(p, _mm256_mul_ps(Sleef_tanhf8_u10(_mm256_div_ps(_mm256_loadu_ps(p), c)), c));
+    if (lanes < 8) std::memcpy(x + i, tail, static_cast<size_t>(lanes) * sizeof(float));
   }
 }
 
