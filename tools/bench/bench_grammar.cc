@@ -13,6 +13,10 @@
 // finish) and time every FillNextTokenBitmask. The whole case is run --runs times, each from a
 // fresh compile and with the same walks, and each mask's time is the median over the runs (a
 // loaded machine's outliers are not the engine's).
+//
+// --write-walks FILE writes the vocabulary (each token's bytes in hex, "" for a special token), the
+// end-of-sequence ids and each case's walks (the tokens accepted), so that
+// tools/bench/bench_xgrammar.py times xgrammar along the same walks over the same vocabulary.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -42,7 +46,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr char kUsage[] =
     "usage: bench_grammar [--tokenizer DIR] [--vocab N] [--cases FILE] [--compiles N] [--walks N] [--steps N] "
-    "[--runs N]\n";
+    "[--runs N] [--write-walks FILE]\n";
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -140,7 +144,7 @@ double Percentile(std::vector<double> v, double p) {
 
 int main(int argc, char** argv) {
   auto flags = shardserve::Flags::Parse(std::vector<std::string>(argv + 1, argv + argc),
-                                        {"tokenizer", "vocab", "cases", "compiles", "walks", "steps", "runs"});
+                                        {"tokenizer", "vocab", "cases", "compiles", "walks", "steps", "runs", "write-walks"});
   int64_t vocab_size = 151643, compiles = 3, walks = 5, steps = 200, runs = 3;
   absl::Status st = flags.ok() ? flags->Int("vocab", 1, 1 << 22, &vocab_size) : flags.status();
   if (st.ok()) st = flags->Int("compiles", 1, 1000, &compiles);
@@ -170,6 +174,17 @@ int main(int argc, char** argv) {
   std::printf("%-30s %10s %12s %6s %10s %10s %10s %10s %10s\n", "case", "compile_ms", "ctx_dep_tok", "masks",
               "p50_us", "p99_us", "max_us", "cpu_p50_us", "cpu_p99_us");
   std::vector<double> all, all_cpu, case_compile_ms;
+  nlohmann::json walks_out = {{"vocab", nlohmann::json::array()}, {"eos", vocab->eos_ids()}, {"cases", nlohmann::json::array()}};
+  if (flags->Has("write-walks")) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    for (int32_t id = 0; id < vocab->vocab_size(); ++id) {
+      std::string hex;
+      if (vocab->allowed_ever(id)) {
+        for (unsigned char b : vocab->token_bytes(id)) hex += {kHex[b >> 4], kHex[b & 15]};
+      }
+      walks_out["vocab"].push_back(hex);
+    }
+  }
   int case_index = 0;
   for (const auto& c : *cases) {
     const std::string kind = c["kind"];
@@ -195,9 +210,11 @@ int main(int argc, char** argv) {
       std::vector<double>& us = run_us.emplace_back();
       std::vector<double>& cpu_us = run_cpu_us.emplace_back();
       std::vector<uint32_t> mask((vocab->vocab_size() + 31) / 32);
+      nlohmann::json case_walks = nlohmann::json::array();
       for (int64_t w = 0; w < walks; ++w) {
         std::mt19937 rng(static_cast<uint32_t>(case_index * 10007 + w));
         GrammarMatcher m(compiled);
+        nlohmann::json& walk = case_walks.emplace_back(nlohmann::json::array());
         for (int64_t s = 0; s < steps && !m.IsTerminated(); ++s) {
           const double c0 = ThreadCpuMicros();
           const auto t0 = Clock::now();
@@ -214,9 +231,12 @@ int main(int argc, char** argv) {
           }
           if (ids.empty()) break;
           const std::vector<int32_t>& from = !closing.empty() && rng() % 2 == 0 ? closing : ids;
-          m.AcceptToken(from[rng() % from.size()]);
+          const int32_t token = from[rng() % from.size()];
+          m.AcceptToken(token);
+          walk.push_back(token);
         }
       }
+      if (r == 0) walks_out["cases"].push_back({{"name", c["name"]}, {"walks", std::move(case_walks)}});
       if (us.size() != run_us[0].size()) {
         std::fprintf(stderr, "bench_grammar: %s: run %lld walked differently from run 0\n",
                      c["name"].get<std::string>().c_str(), static_cast<long long>(r));
@@ -246,6 +266,14 @@ int main(int argc, char** argv) {
   std::printf("%-30s %10.1f %12s %6zu %10.1f %10.1f %10.1f %10.1f %10.1f\n", "all", Percentile(case_compile_ms, 0.5), "",
               all.size(), Percentile(all, 0.5), Percentile(all, 0.99), Percentile(all, 1.0), Percentile(all_cpu, 0.5),
               Percentile(all_cpu, 0.99));
+  if (flags->Has("write-walks")) {
+    std::ofstream out(flags->Get("write-walks", ""));
+    out << walks_out.dump() << "\n";
+    if (!out.good()) {
+      std::fprintf(stderr, "bench_grammar: cannot write %s\n", flags->Get("write-walks", "").c_str());
+      return 1;
+    }
+  }
   std::printf("compile: median of the cases' medians %.1f ms, largest %.1f ms; %lld runs, masks the median over runs\n",
               Percentile(case_compile_ms, 0.5), Percentile(case_compile_ms, 1.0), static_cast<long long>(runs));
   return 0;
