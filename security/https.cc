@@ -141,7 +141,16 @@ class PolicedServer final : public Base {
     return ServeConnection(
         sock, ctx, policy_, peers_, [this] { return this->svr_sock_ == INVALID_SOCKET; },
         [this](httplib::Stream& stream, bool close_connection, bool& connection_closed) {
-          return this->process_request(stream, close_connection, connection_closed, nullptr);
+          // httplib calls setup_request once it has read a request's line and headers. A request
+          // it answered without (a line or header it cannot parse: 400; a line too long: 414)
+          // leaves the stream at an unknown place in the client's bytes: what follows is not known
+          // to begin a request, so the connection is closed rather than read on (each further line
+          // would be answered as a request of its own).
+          bool head_read = false;
+          const bool served = this->process_request(stream, close_connection, connection_closed,
+                                                    [&head_read](httplib::Request&) { head_read = true; });
+          if (!head_read) connection_closed = true;
+          return served;
         });
   }
 

@@ -53,6 +53,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> ServeMetrics(const std::string& l
   });
   s->http_->set_error_handler([](const httplib::Request&, httplib::Response& res) {
     if (res.status == 404) res.set_content("only GET /metrics is served here\n", "text/plain");
+    // A head httplib could not read closes the connection (security/https.cc): say so.
+    if (res.status == 400 || res.status == 414) res.set_header("Connection", "close");
   });
   const int bound = port == 0 ? s->http_->bind_to_any_port(host) : (s->http_->bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {

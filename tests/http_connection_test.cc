@@ -1,6 +1,7 @@
 // How the HTTP ports serve a connection (security/http_connection.h), with a real httplib server made
 // by MakeHttpServer and raw sockets on 127.0.0.1:
 // - pipelined requests (several in one write) are all answered, in order, over HTTP and HTTPS;
+// - a head that cannot be parsed is answered once and the connection closed;
 // - a request line and headers sent a byte at a time are cut off at the head deadline with 408,
 //   and a body that stops arriving at the body deadline;
 // - connections past the cap per address are answered 503 too_many_connections at once, and the
@@ -212,6 +213,25 @@ TEST(HttpConnectionTest, ARequestLineCutShortIsAnswered408) {
   const std::string got = c.ReadUntilClosed(10);
   EXPECT_TRUE(c.closed());
   EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 408")) << got;
+}
+
+// A head httplib cannot parse leaves the connection at an unknown place in the client's bytes: one
+// 400, then the connection closes; the lines after it are not read as requests of their own, nor
+// is the well-formed request behind them.
+TEST(HttpConnectionTest, AnUnreadableHeadIsAnsweredOnceAndTheConnectionClosed) {
+  Server server(Quick());
+  RawClient c(server.port());
+  ASSERT_TRUE(c.connected());
+  std::string junk = "NOT HTTP AT ALL\r\n";
+  for (int i = 0; i < 50; ++i) junk += "x\r\n";
+  ASSERT_TRUE(c.Send(junk + "\r\nGET /1 HTTP/1.1\r\nHost: x\r\n\r\n"));
+  const auto start = Clock::now();
+  const std::string got = c.ReadUntilClosed(10);
+  EXPECT_TRUE(c.closed()) << got;
+  EXPECT_LT(SecondsSince(start), 5) << "closed at once, not at the idle timeout";
+  EXPECT_TRUE(absl::StartsWith(got, "HTTP/1.1 400")) << got;
+  EXPECT_EQ(c.Count("HTTP/1.1 "), 1) << got;
+  EXPECT_FALSE(absl::StrContains(got, "answer 1")) << got;
 }
 
 TEST(HttpConnectionTest, ABodyThatStopsArrivingIsCutOffAtItsDeadline) {

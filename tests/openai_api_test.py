@@ -624,6 +624,18 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
         self.assertIn(b"malformed HTTP/1.1 request", got)
 
+    def test_malformed_request_closes_the_connection(self):
+        # Where the next request would begin is not known after a head the server cannot read: one
+        # 400 that says it closes, then the close; the lines after it are not read as requests (each
+        # was answered 400 of its own, up to 100 answers for a few hundred bytes), nor is the GET.
+        start = time.monotonic()
+        got = self.raw_exchange(b"NOT HTTP AT ALL\r\n" + b"x\r\n" * 50 + b"\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)
+        self.assertEqual(len(re.findall(rb"HTTP/1\.1 \d{3} ", got)), 1, got)  # status lines
+        self.assertIn(b"Connection: close", got)
+        self.assertNotIn(b'"ok"', got)
+        self.assertLess(time.monotonic() - start, 10, "closed, not left to the idle timeout")
+
     def test_full_queue_is_429(self):
         # n = 16 submissions: at most max-num-seqs run and none may wait (--max-waiting-requests 0).
         with self.assertRaises(openai.RateLimitError) as ctx:

@@ -483,12 +483,14 @@ void HttpServer::Routes() {
     } else if (res.status == 414) {
       e.message = "the request line is longer than 8192 bytes";
       e.code = "uri_too_long";
+      res.set_header("Connection", "close");  // as every unreadable head (security/https.cc)
     } else if (res.status == 400) {
       // httplib parsed neither the request line nor the headers (it says no more).
       e.message =
           "malformed HTTP/1.1 request: the first line must be 'METHOD /path HTTP/1.1' and each header "
           "'Name: value' on a line of its own (at most 8192 bytes), ending with an empty line";
       e.code = "malformed_request";
+      res.set_header("Connection", "close");  // where the next request would begin is not known
     } else {
       e.message = absl::StrCat("HTTP ", res.status);
     }
@@ -518,6 +520,7 @@ void HttpServer::Routes() {
         } else if (const std::string bad = BadContentLength(req); !bad.empty()) {
           e.message = absl::StrCat("Content-Length: '", bad, "' is not a number of bytes");
           e.code = "malformed_request";
+      res.set_header("Connection", "close");  // where the next request would begin is not known
         } else {
           return httplib::Server::HandlerResponse::Unhandled;
         }
