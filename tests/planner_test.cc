@@ -256,6 +256,33 @@ TEST(Planner, DeepSeekV3_CountsItsParametersAndTheLatentCache) {
   EXPECT_EQ(p.stages[0].num_layers() + p.stages[1].num_layers(), layers);
 }
 
+// DeepSeek-V3 as published: FP8 e4m3 with 128 x 128 block scales, which no kernel layout holds yet,
+// so the worker dequantizes each linear weight at load and holds it in its dtype as a plain weight
+// (bf16 on the GPUs): each GPU holds what it would hold of the bf16 conversion, no more (4 bytes a
+// weight were counted, twice what the workers allocate), and 8 H200 still cannot hold it.
+TEST(Planner, DeepSeekV3_Fp8BlockScalesDequantizedCountAsTheWorkersDtype) {
+  std::ifstream file(kConfigs / "deepseek-v3.json");
+  nlohmann::json published = nlohmann::json::parse(file);
+  absl::StatusOr<ModelConfig> fp8 = ParseModelConfig(published.dump(), "deepseek-v3.json");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  ASSERT_TRUE(fp8->checkpoint_quant.has_value());
+  published.erase("quantization_config");
+  absl::StatusOr<ModelConfig> bf16 = ParseModelConfig(published.dump(), "deepseek-v3.json");
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  PlanOptions o;
+  o.tp = 8;
+  o.pp = 1;
+  absl::StatusOr<Plan> p = MakePlan(*fp8, nullptr, Cluster("1x8xH200-141GB"), o);
+  absl::StatusOr<Plan> plain = MakePlan(*bf16, nullptr, Cluster("1x8xH200-141GB"), o);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_EQ(p->per_gpu.size(), 8u);
+  for (size_t r = 0; r < 8; ++r) EXPECT_EQ(p->per_gpu[r].weight_bytes, plain->per_gpu[r].weight_bytes) << "rank " << r;
+  EXPECT_FALSE(p->fits);
+  EXPECT_GT(p->per_gpu[0].weight_bytes, uint64_t{141} << 30);
+  EXPECT_THAT(PlanTable(*p), HasSubstr("linear layers FP8 e4m3 dequantized to bf16"));
+}
+
 // Qwen3-30B-A3B (128 experts of 768, 8 a token, in all 48 layers): every expert's weights count
 // toward the bytes, and the plan says how many parameters a token reads. Both counted here from the
 // config's sizes, tensor by tensor, independently of the declaration.

@@ -564,7 +564,9 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
       case WeightQuant::kInt4: plan.checkpoint_quant = " as int4 groups of 128"; break;
       case WeightQuant::kInt8: plan.checkpoint_quant = " as int8 per output channel"; break;
       case WeightQuant::kFp8: plan.checkpoint_quant = " as fp8 e4m3 per output channel"; break;
-      case WeightQuant::kNone: plan.checkpoint_quant = " dequantized to float32"; break;
+      case WeightQuant::kNone:  // held as a plain weight in the workers' dtype
+        plan.checkpoint_quant = absl::StrCat(" dequantized to ", ctx.dtype == DType::kF32 ? "float32" : PlanDTypeName(ctx.dtype));
+        break;
     }
     plan.checkpoint_quant = absl::StrCat(c.checkpoint_quant->Name(), plan.checkpoint_quant);
   }

@@ -130,12 +130,12 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
     if (IsCheckpointQuantized(config, t) && IsProductWeight(t.role) && t.pick.period == 0) {
       // A quantized checkpoint's linear weight, as the worker holds it (model/quantized_checkpoint.h):
       // the int4 / int8 / fp8 kernel's layout (codes, scales and zero points) where the format maps
-      // onto one, else dequantized to float32 (that path saves no memory). MLA's parts picked from
+      // onto one, else dequantized to float32 on the host and held in the workers' dtype as a plain
+      // weight (worker/shard/loader.cc: that path saves no memory). MLA's parts picked from
       // q_b_proj / kv_a_proj_with_mqa and its kv_b_proj are dequantized and then held as the plain
       // checkpoint's are (counted above).
       stored = CheckpointQuantKernel(*config.checkpoint_quant);
-      bytes = stored != WeightQuant::kNone ? static_cast<uint64_t>(QuantizedWeightBytes(stored, rows, cols))
-                                           : static_cast<uint64_t>(elements) * sizeof(float);
+      if (stored != WeightQuant::kNone) bytes = static_cast<uint64_t>(QuantizedWeightBytes(stored, rows, cols));
     }
     if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {
       r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], CudaDequantScratchBytes(rows, cols, dtype));
