@@ -156,7 +156,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   p.ignore_eos = s.ignore_eos();
 
   if (s.logit_bias_size() > kMaxLogitBiasEntries) {
-    return Invalid("sampling.logit_bias", absl::StrCat("at most ", kMaxLogitBiasEntries, " ids, got ", s.logit_bias_size()));
+    return Invalid("sampling.logit_bias",
+                   absl::StrCat("at most ", kMaxLogitBiasEntries, " token ids, got ", s.logit_bias_size()));
   }
   for (const auto& [id, bias] : s.logit_bias()) {
     if (id < 0 || id >= vocab) {
