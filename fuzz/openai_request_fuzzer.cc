@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "coordinator/api/openai/protocol.h"
-#include "coordinator/engine/generation.h"
+#include "coordinator/api/request_validation.h"
 #include "coordinator/model/served_model.h"
 #include "nlohmann/json.hpp"
 

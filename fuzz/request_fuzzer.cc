@@ -1,7 +1,8 @@
 // A GenerateRequest off the wire, as InferenceService::Generate receives it: protobuf parsing,
-// then the coordinator's validation (PrepareGeneration, coordinator/engine/generation.h) against
-// the demo model (models/demo, loaded once as the coordinator loads it), then, for a request that
-// passes, the stream a Generation makes when the model "samples" the prompt's own ids back.
+// then the coordinator's validation at the edge (PrepareGeneration,
+// coordinator/api/request_validation.h) against the demo model (models/demo, loaded once as the
+// coordinator loads it), then, for a request that passes, the stream a Generation
+// (coordinator/engine/generation.h) makes when the model "samples" the prompt's own ids back.
 //
 // Invariants: a refused request is InvalidArgument; an accepted one has prompt ids inside the
 // vocabulary and prompt + max_tokens within max_model_len, logit_bias and min_tokens within their
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/api/request_validation.h"
 #include "coordinator/engine/generation.h"
 #include "coordinator/model/served_model.h"
 #include "model/sampling_bounds.h"

@@ -1,8 +1,7 @@
 // The bounds of a request's sampling parameters (inference.proto SamplingParams, worker.proto
-// RowSampling): part of the API, checked by the coordinator on every request (the OpenAI API's
-// body in coordinator/api/openai/protocol.h, every request in coordinator/engine/generation.h
-// PrepareGeneration) and by the worker on every step (worker/step_checks.h); the worker's sampler
-// sizes its top-logprobs scratch by kMaxTopLogprobs.
+// RowSampling): part of the API, checked by the coordinator on every request, from either API
+// (coordinator/api/request_validation.h PrepareGeneration), and by the worker on every step
+// (worker/step_checks.h); the worker's sampler sizes its top-logprobs scratch by kMaxTopLogprobs.
 #ifndef SHARDSERVE_MODEL_SAMPLING_BOUNDS_H_
 #define SHARDSERVE_MODEL_SAMPLING_BOUNDS_H_
 

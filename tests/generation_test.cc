@@ -1,6 +1,7 @@
-// The coordinator's request logic (coordinator/engine/generation.h) without processes: the steps a
-// request needs, the text it streams (stop strings held back, never streamed), finish reasons and
-// usage. The fixtures have no tokenizer.json, so the text path is tested here with a tiny one.
+// The coordinator's request logic (coordinator/engine/generation.h, and its checks at the edge,
+// coordinator/api/request_validation.h) without processes: the steps a request needs, the text it
+// streams (stop strings held back, never streamed), finish reasons and usage. The fixtures have no
+// tokenizer.json, so the text path is tested here with a tiny one.
 #include "coordinator/engine/generation.h"
 
 #include <memory>
@@ -12,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/field_error.h"
+#include "coordinator/api/request_validation.h"
 #include "gtest/gtest.h"
 #include "tests/slow_schema.h"
 

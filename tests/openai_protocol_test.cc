@@ -1,7 +1,7 @@
 // The OpenAI API's request checks and response JSON (coordinator/api/openai/protocol.h), without HTTP
 // or processes: every field's error names the field (and sets the error's param), accepted
 // requests become the GenerateRequest the gRPC API takes, PrepareGeneration's errors are renamed
-// to the OpenAI fields, statuses map to HTTP's.
+// to the OpenAI fields (and the bounds only it checks reach a client so), statuses map to HTTP's.
 #include "coordinator/api/openai/protocol.h"
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/field_error.h"
+#include "coordinator/api/request_validation.h"
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
 #include "model/sampling_bounds.h"
@@ -170,9 +171,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "logit_bias", "is not a token id"},
         BadCase{"LogitBiasValueString", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": "up"}})",
                 "logit_bias[5]", "a number"},
-        BadCase{"LogitBiasValueOutOfRange", kChat,
-                R"({"model": "m", "messages": [{"role": "user"}], "logit_bias": {"5": 100.5}})", "logit_bias",
-                "the bias of token id 5 must be in [-100, 100], got 100.5"},
+        BadCase{"LogitBiasValueOverflowsFloat32", kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": 1e39}})",
+                "logit_bias[5]", "magnitude at most 1e30 (a float32), got 1e+39"},
         BadCase{"MinTokensNegative", kCompl, R"({"model": "m", "prompt": "x", "min_tokens": -1})", "min_tokens",
                 "must be in [0, 2147483647], got -1"},
         BadCase{"ToolChoiceRequiredWithoutTools", kChat,
@@ -369,14 +369,44 @@ TEST(ParseRequestTest, LogitBiasAndMinTokensReachTheSamplingParams) {
   EXPECT_EQ(g.sampling().logit_bias().at(17), -100.0f);
   EXPECT_EQ(g.sampling().logit_bias().at(3), 0.5f);
   EXPECT_EQ(g.sampling().min_tokens(), 4);
-  // More ids than the bound.
+}
+
+// logit_bias's bounds (how many ids, the ids against the vocabulary, each bias's range) are checked
+// once, by the validation both APIs share (PrepareGeneration): the body parses, and the request is
+// refused there, its error renamed to the OpenAI field as the server does.
+TEST(SharedValidationTest, LogitBiasBoundsAreCheckedOnceForBothAPIs) {
+  ServedModel model;
+  model.name = "m";
+  model.config.vocab_size = 4096;
+  const std::vector<int32_t> prompt = {1};  // the prompt as the chat template and tokenizer make it
   std::string many = R"({"model": "m", "prompt": "x", "logit_bias": {)";
   for (int i = 0; i <= shardserve::kMaxLogitBiasEntries; ++i) many += absl::StrCat(i ? ", " : "", "\"", i, "\": 1");
   many += "}}";
-  absl::StatusOr<Request> over = ParseRequest(kCompl, many);
-  ASSERT_FALSE(over.ok());
-  EXPECT_EQ(ParamOf(over.status()), "logit_bias");
-  EXPECT_TRUE(absl::StrContains(over.status().message(), "at most 1024 token ids, got 1025")) << over.status();
+  struct Case {
+    Endpoint endpoint;
+    std::string body;
+    const char* says;
+  };
+  for (const Case& c : {
+           Case{kChat, R"({"model": "m", "messages": [{"role": "user"}], "logit_bias": {"5": 100.5}})",
+                "the bias of token id 5 must be in [-100, 100], got 100.5"},
+           Case{kCompl, many, "at most 1024 token ids, got 1025"},
+           Case{kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"9999": 1}})",
+                "token id 9999 is outside the vocabulary [0, 4096)"},
+       }) {
+    absl::StatusOr<Request> r = ParseRequest(c.endpoint, c.body);
+    ASSERT_TRUE(r.ok()) << c.says << ": " << r.status();
+    absl::StatusOr<GenerationParams> p = PrepareGeneration(ToGenerateRequest(*r, 0, 8, &prompt), model, 512, "req-1");
+    ASSERT_FALSE(p.ok()) << c.says;
+    const absl::Status s = RenameGenerationError(p.status(), c.endpoint, r->constraint_field);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ParamOf(s), "logit_bias") << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), "logit_bias: ")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), c.says)) << s;
+    const ApiError e = ErrorFromStatus(s);
+    EXPECT_EQ(e.http_status, 400);
+    EXPECT_EQ(e.type, "invalid_request_error");
+  }
 }
 
 TEST(ParseRequestTest, ToolsOverTheBoundAreRefused) {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/api/grpc_status.h"
+#include "coordinator/api/request_validation.h"
 #include "coordinator/telemetry/log.h"
 
 namespace shardserve {

@@ -22,7 +22,6 @@
 #include <cstdint>
 
 #include "coordinator/engine/engine.h"
-#include "coordinator/engine/generation.h"
 #include "coordinator/telemetry/metrics.h"
 #include "coordinator/model/served_model.h"
 #include "coordinator/cluster/worker_pool.h"

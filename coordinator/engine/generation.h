@@ -1,6 +1,6 @@
-// One generation request, apart from gRPC, the scheduler and the workers: its checked parameters
-// and what each sampled token adds to the stream (its text, held back while it may be the start
-// of a stop string; the finish reason).
+// One generation request, apart from gRPC, the scheduler and the workers: its parameters, checked
+// at the edge (coordinator/api/request_validation.h), and what each sampled token adds to the
+// stream (its text, held back while it may be the start of a stop string; the finish reason).
 //
 // Threading: plain values and single-threaded objects; one Generation per request.
 #ifndef SHARDSERVE_COORDINATOR_ENGINE_GENERATION_H_
@@ -12,9 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "coordinator/model/served_model.h"
 #include "grammar/matcher.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "shardserve/v1/inference.pb.h"
@@ -22,7 +20,8 @@
 
 namespace shardserve {
 
-// A GenerateRequest, checked and resolved (defaults applied, text tokenized, a seed drawn).
+// A GenerateRequest, checked and resolved (defaults applied, text tokenized, a seed drawn) by
+// PrepareGeneration (coordinator/api/request_validation.h).
 struct GenerationParams {
   std::string request_id;
   std::vector<int32_t> prompt;
@@ -50,15 +49,6 @@ struct GenerationParams {
   // sequence of the request runs its own matcher over it (the engine's).
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
 };
-
-// A client's request_id may be logged and echoed: at most 128 printable ASCII characters without
-// spaces (empty: the server makes one).
-bool IsValidRequestId(absl::string_view id);
-
-// Checks `request` against the model and `max_model_len`; InvalidArgument naming the field
-// otherwise. `default_request_id` is used when the request has none.
-absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
-                                                   int64_t max_model_len, const std::string& default_request_id);
 
 // The per-row sampling parameters of every step that samples for this request (the scheduler
 // fills draw_index and the penalty ids).

@@ -20,7 +20,7 @@
 #include "coordinator/api/openai/connection_pool.h"
 #include "coordinator/api/openai/peer_watch.h"
 #include "coordinator/api/openai/protocol.h"
-#include "coordinator/engine/generation.h"
+#include "coordinator/api/request_validation.h"
 #include "coordinator/telemetry/log.h"
 #include "security/https.h"
 

@@ -12,7 +12,6 @@
 #include "absl/strings/strip.h"
 #include "base/field_error.h"
 #include "base/json.h"
-#include "model/sampling_bounds.h"
 
 namespace shardserve::openai {
 namespace {
@@ -38,6 +37,18 @@ absl::Status WrongType(absl::string_view field, absl::string_view want, const Js
   return InvalidField(field, absl::StrCat("must be ", want, ", got ", TypeName(got)));
 }
 
+// A number kept as a float, as the gRPC API does; its range is PrepareGeneration's to check.
+absl::Status Float32(absl::string_view field, const Json& v, float* out) {
+  if (!v.is_number()) return WrongType(field, "a number", v);
+  const double d = v.get<double>();
+  // Sampling parameters are float32 on the wire to the workers: 1e308 would become inf there.
+  if (!std::isfinite(d) || std::fabs(d) > 1e30) {
+    return InvalidField(field, absl::StrCat("must be a number of magnitude at most 1e30 (a float32), got ", d));
+  }
+  *out = static_cast<float>(d);
+  return absl::OkStatus();
+}
+
 // The body's fields, each read at most once; absent and null are the same.
 class Fields {
  public:
@@ -61,18 +72,11 @@ class Fields {
     *out = v->get<bool>();
     return absl::OkStatus();
   }
-  // A number; its range is PrepareGeneration's to check. Kept as a float as the gRPC API does.
+  // A number (Float32).
   absl::Status Float(const char* name, float* out) const {
     const Json* v = Get(name);
     if (v == nullptr) return absl::OkStatus();
-    if (!v->is_number()) return WrongType(name, "a number", *v);
-    const double d = v->get<double>();
-    // Sampling parameters are float32 on the wire to the workers: 1e308 would become inf there.
-    if (!std::isfinite(d) || std::fabs(d) > 1e30) {
-      return InvalidField(name, absl::StrCat("must be a number of magnitude at most 1e30 (a float32), got ", d));
-    }
-    *out = static_cast<float>(d);
-    return absl::OkStatus();
+    return Float32(name, *v, out);
   }
   // An integer in [lo, hi] (the wire's bounds; the meaningful range is checked later).
   absl::Status Int(const char* name, int64_t lo, int64_t hi, std::optional<int64_t>* out) const {
@@ -313,15 +317,13 @@ absl::Status ParseStop(const Fields& f, Request* r) {
   return absl::OkStatus();
 }
 
-// logit_bias: {"token id": bias}, as OpenAI sends it (ids as decimal strings). Its size and the
-// biases are checked here; the ids against the vocabulary by PrepareGeneration.
+// logit_bias: {"token id": bias}, as OpenAI sends it (ids as decimal strings). Only its shape is
+// checked here (an object, each key a token id, each bias a float32); the number of ids, the ids
+// against the vocabulary and the biases' range are PrepareGeneration's to check, for both APIs.
 absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
   const Json* bias = f.Get("logit_bias");
   if (bias == nullptr) return absl::OkStatus();
   if (!bias->is_object()) return WrongType("logit_bias", "an object of token id to bias", *bias);
-  if (bias->size() > static_cast<size_t>(kMaxLogitBiasEntries)) {
-    return InvalidField("logit_bias", absl::StrCat("at most ", kMaxLogitBiasEntries, " token ids, got ", bias->size()));
-  }
   for (auto it = bias->begin(); it != bias->end(); ++it) {
     const std::string& key = it.key();
     int64_t id = -1;
@@ -331,13 +333,9 @@ absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
     if (!digits || id > std::numeric_limits<int32_t>::max()) {
       return InvalidField("logit_bias", absl::StrCat("key '", key.substr(0, 32), "' is not a token id"));
     }
-    if (!it->is_number()) return WrongType(absl::StrCat("logit_bias[", key, "]"), "a number", *it);
-    const double b = it->get<double>();
-    if (!(b >= -kMaxAbsLogitBias && b <= kMaxAbsLogitBias)) {
-      return InvalidField("logit_bias", absl::StrCat("the bias of token id ", key, " must be in [", -kMaxAbsLogitBias,
-                                                     ", ", kMaxAbsLogitBias, "], got ", b));
-    }
-    (*s->mutable_logit_bias())[static_cast<int32_t>(id)] = static_cast<float>(b);
+    float b = 0;
+    SHARDSERVE_OPENAI_CHECK(Float32(absl::StrCat("logit_bias[", key, "]"), *it, &b));
+    (*s->mutable_logit_bias())[static_cast<int32_t>(id)] = b;
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,6 @@
 // The OpenAI API's wire format, apart from HTTP and the engine: a request body parsed and checked
 // field by field (each field once, here, with its name in the error), turned into the gRPC API's
-// GenerateRequest so that PrepareGeneration (coordinator/engine/generation.h) applies the same
+// GenerateRequest so that PrepareGeneration (coordinator/api/request_validation.h) applies the same
 // checks and defaults to both front doors; and the JSON of responses, stream chunks and errors.
 //
 // What is checked where: this file checks the JSON shape (types, which fields go together, what
