@@ -1,8 +1,9 @@
 // shardserve bench: a load generator against a running coordinator, in the manner of vLLM's
 // benchmark_serving. Random prompts of token ids (from the model's vocabulary, never an EOS id,
-// the same for the same --seed), every request with ignore_eos and max_tokens = its output length,
-// so that each produces exactly that many tokens. Closed loop (--concurrency N streams, each sending
-// its next request when the previous ends) or open loop (--request-rate R: Poisson arrivals).
+// the same for the same --seed), every request with ignore_eos (with --json-schema, a JSON Schema
+// constraint instead) and max_tokens = its output length, so that each produces exactly that many
+// tokens. Closed loop (--concurrency N streams, each sending its next request when the previous
+// ends) or open loop (--request-rate R: Poisson arrivals).
 // Measures time to first token, inter-token latency, end-to-end latency and throughput.
 //
 // --compare LAYOUTS runs the same load against one local cluster per layout (tools/cli/local_cluster.h,
@@ -74,9 +75,9 @@ constexpr char kUsage[] =
     "                        [--worker-cuda-int4-folded]\n"
     "                        [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
-    "  latency. Every request has ignore_eos (but with --json-schema) and max_tokens = its output length;\n"
-    "  one that fails or returns fewer tokens counts as failed (each distinct error is shown once, with\n"
-    "  its count).\n"
+    "  latency. Every request has max_tokens = its output length and ignore_eos (with --json-schema, a\n"
+    "  JSON Schema instead); one that fails or returns fewer tokens counts as failed (each distinct\n"
+    "  error is shown once, with its count).\n"
     "  --address, --tls-ca, --tls-cert, --tls-key, --api-key, --insecure  the coordinator and how to\n"
     "                     reach it, as for `shardserve generate --help`\n"
     "  --backend          grpc (default): the coordinator's gRPC API at --address; openai: any\n"
