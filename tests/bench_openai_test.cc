@@ -45,6 +45,9 @@ struct FakeServerPolicy {
   // The request after those gets a status line, headers and one event, then the close (instead of
   // the close alone): a failure after the response began.
   bool cut_after_headers = false;
+  // A request with response_format gets text that is the start of a JSON array of strings
+  // (`["aaa...`) instead of `aaa...` (a server applying the constraint).
+  bool json_answers = false;
 };
 
 // What the fake server saw.
@@ -53,6 +56,7 @@ struct FakeServerLog {
   int answered = 0;            // requests answered in full
   int closed_unanswered = 0;   // connections closed under a request that had arrived (not read)
   int cut = 0;                 // responses cut after their headers
+  std::string last_body;       // the body of the last request read
 };
 
 // A streaming /v1/completions server on 127.0.0.1, one connection at a time, by hand on POSIX
@@ -143,7 +147,7 @@ class FakeServer {
       "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n";
 
   // The answer to a completion request: max_tokens events of one token, the usage, [DONE].
-  static std::string Answer(const std::string& body) {
+  std::string Answer(const std::string& body) const {
     const nlohmann::json req = nlohmann::json::parse(body, nullptr, false);
     const int64_t tokens = req.is_object() && req.contains("max_tokens") && req["max_tokens"].is_number_integer()
                                ? req["max_tokens"].get<int64_t>()
@@ -151,9 +155,11 @@ class FakeServer {
     const int64_t prompt = req.is_object() && req.contains("prompt") && req["prompt"].is_array()
                                ? static_cast<int64_t>(req["prompt"].size())
                                : 0;
+    const bool json = policy_.json_answers && req.is_object() && req.contains("response_format");
     std::string out = kHeaders;
     for (int64_t i = 0; i < tokens; ++i) {
-      out += Event({{"choices", {{{"index", 0}, {"text", "a"}, {"finish_reason", i + 1 == tokens ? nlohmann::json("length") : nlohmann::json(nullptr)}}}}});
+      const char* text = json && i == 0 ? "[\"" : "a";
+      out += Event({{"choices", {{{"index", 0}, {"text", text}, {"finish_reason", i + 1 == tokens ? nlohmann::json("length") : nlohmann::json(nullptr)}}}}});
     }
     out += Event({{"choices", nlohmann::json::array()},
                   {"usage", {{"prompt_tokens", prompt}, {"completion_tokens", tokens}}}});
@@ -184,6 +190,7 @@ class FakeServer {
       {
         absl::MutexLock l(&mu_);
         ++log_.answered;  // counted before the client can read the answer (and look at the log)
+        log_.last_body = body;
       }
       if (!WriteAll(fd, Answer(body))) return;
     }
@@ -291,6 +298,79 @@ TEST(BenchOpenAI, AFailureAfterTheResponseBeganIsNotRetried) {
   EXPECT_EQ(log.answered, 1);
   EXPECT_EQ(log.cut, 1);
   EXPECT_EQ(log.connections, 1);
+}
+
+// With a JSON Schema the request carries it as OpenAI's response_format and goes without ignore_eos
+// (which a constraint excludes); the output must be the start of a JSON text.
+TEST(BenchOpenAI, AJsonSchemaGoesAsResponseFormatWithoutIgnoreEos) {
+  FakeServer server({.answered_per_connection = 2, .json_answers = true});
+  LoadConfig c = ConfigFor(server);
+  c.json_schema = R"({"type":"array","items":{"type":"string"}})";
+  c.json_schema_file = "schema.json";
+  OpenAIConnection conn(c);
+  const RequestResult r = conn.Send(Spec(0, 5));
+  EXPECT_TRUE(r.ok) << r.error;
+  EXPECT_EQ(r.output_tokens, 5);
+  EXPECT_EQ(r.output_text, "[\"aaaa");
+  const nlohmann::json body = nlohmann::json::parse(server.Log().last_body, nullptr, false);
+  ASSERT_TRUE(body.is_object()) << server.Log().last_body;
+  EXPECT_FALSE(body.contains("ignore_eos")) << body.dump();
+  EXPECT_EQ(body["response_format"]["type"], "json_schema");
+  EXPECT_EQ(body["response_format"]["json_schema"]["name"], "bench");
+  EXPECT_EQ(body["response_format"]["json_schema"]["schema"], nlohmann::json::parse(c.json_schema));
+}
+
+// A server that ignores the constraint answers text that is no JSON: every such request fails.
+TEST(BenchOpenAI, AnOutputThatIsNoJsonFailsUnderAJsonSchema) {
+  FakeServer server({.answered_per_connection = 2});
+  LoadConfig c = ConfigFor(server);
+  c.json_schema = R"({"type":"array"})";
+  c.json_schema_file = "schema.json";
+  OpenAIConnection conn(c);
+  const RequestResult r = conn.Send(Spec(0, 3));
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.error.find("the output is not the start of a JSON text"), std::string::npos) << r.error;
+}
+
+// JsonPrefixError: a JSON text cut anywhere is accepted (in a string, a number, a literal, between
+// tokens); a byte no JSON text has at its place is refused.
+TEST(BenchStructured, JsonPrefix) {
+  for (const char* ok : {"", "[", "[\"", "[\"ab\\", "[\"a\\u00", "{\"id\":12", "{\"id\":-", "[1,tr", "[1.", "[1e",
+                         "[{\"a\":[]},", "[1]", "{}", "\"x\"", "12", "[-0.5e+3,true,null,false]", "{\"k\" : [ {} ] }",
+                         "[\"\\u00e9\"]", " [ 1 , "}) {
+    EXPECT_EQ(JsonPrefixError(ok), "") << ok;
+  }
+  for (const char* bad : {"a", "[1]x", "[,", "{\"a\" 1", "[1 2", "[\"\x01", "{1", "[tx", "[1]]", "[01", "{tr", "[1,]",
+                          "{\"a\":1,}", "[1.5.", "\"\\q", "[1}", "{\"a\"]", "[-a", "[1e+]", "\"\\u12g"}) {
+    EXPECT_NE(JsonPrefixError(bad), "") << bad;
+  }
+}
+
+TEST(BenchStructured, ReadJsonSchema) {
+  const std::string dir = testing::TempDir();
+  auto write = [&](const std::string& name, const std::string& text) {
+    const std::string path = dir + "/" + name;
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    std::fwrite(text.data(), 1, text.size(), f);
+    std::fclose(f);
+    return path;
+  };
+  const std::string good = write("good.json", "{\n  \"type\": \"array\",\n  \"minItems\": 3\n}\n");
+  absl::StatusOr<std::string> schema = ReadJsonSchema(good);
+  ASSERT_TRUE(schema.ok()) << schema.status();
+  EXPECT_EQ(*schema, R"({"minItems":3,"type":"array"})");
+  for (const auto& [path, want] : std::vector<std::pair<std::string, std::string>>{
+           {dir + "/none.json", "cannot open the file"},
+           {write("text.json", "{\"type\": "), "is not JSON"},
+           {write("array.json", "[1, 2]"), "must be a JSON object"},
+           {write("big.json", absl::StrCat("{\"x\":\"", std::string(70000, 'a'), "\"}")),
+            "is 70008 bytes written compactly; servers take at most 65536"}}) {
+    absl::StatusOr<std::string> s = ReadJsonSchema(path);
+    ASSERT_FALSE(s.ok()) << path;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find(absl::StrCat("--json-schema ", path, ": ", want)), std::string::npos)
+        << s.status();
+  }
 }
 
 }  // namespace

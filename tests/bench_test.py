@@ -32,6 +32,11 @@
    gRPC, --address with openai.
 10. Expert parallelism: `bench --compare tp2,tp2/ep` on a mixture-of-experts fixture runs both, the
    /ep layout's coordinator with --expert-parallel.
+11. Structured outputs: `bench --compare tp1,tp1/json,tp1/http/json` runs the same load without a
+   constraint, with tools/bench/bench_schema.json over gRPC and over HTTP: every request completes
+   with exactly --output-len tokens in each (bench checks each constrained output is the start of a
+   JSON text); a schema whose instances end sooner (a boolean) fails every request, saying why.
+   Bad --json-schema files and combinations are refused with exit 2, naming the file.
 
 bench runs in a session of its own (start_new_session), so "left behind" means a process of that
 session, and tests running beside this one in parallel are not counted. Every wait is bounded.
@@ -253,6 +258,68 @@ def case_expert_parallel(work):
     print("ok: tp2,tp2/ep: the /ep layout's coordinator has --expert-parallel, both complete")
 
 
+def case_json_schema(work):
+    """--compare tp1,tp1/json,tp1/http/json with the committed schema; a schema that ends too soon."""
+    rc, out, err, sid = run_bench(["--compare", "tp1,tp1/json,tp1/http/json", "--num-requests", "4",
+                                   "--concurrency", "2", "--input-len", "8", "--output-len", "12", "--warmup", "1",
+                                   "--json", "--log-dir", os.path.join(work, "json-logs")])
+    left = leftovers(sid)
+    kill_session(sid)
+    check(not left, f"processes left behind after bench exited:\n{left}")
+    check(rc == 0, f"bench --compare tp1,tp1/json,tp1/http/json exited {rc}\nstdout:\n{out}\nstderr:\n{err}")
+    free, grpc, http = json.loads(out)["runs"]
+    check(free["json_schema"] is None, f"tp1: json_schema {free['json_schema']!r}")
+    for r in (grpc, http):
+        check(str(r["json_schema"]).endswith(os.path.join("tools", "bench", "bench_schema.json")),
+              f"{r['layout']}: json_schema {r['json_schema']!r}")
+    check(http["backend"] == "openai", f"tp1/http/json: backend {http['backend']}")
+    for r in (free, grpc, http):
+        check(r["completed"] == 4 and r["failed"] == 0, f"{r['layout']}: {r['completed']} completed: {r['errors']}")
+        check(r["total_output_tokens"] == 48, f"{r['layout']}: {r['total_output_tokens']} output tokens, want 4 x 12")
+
+    short = os.path.join(work, "boolean.json")
+    with open(short, "w") as f:
+        f.write('{"type": "boolean"}')
+    rc, out, err, sid = run_bench(["--compare", "tp1/json", "--json-schema", short, "--num-requests", "2",
+                                   "--input-len", "8", "--output-len", "12", "--warmup", "0", "--json",
+                                   "--log-dir", os.path.join(work, "json-short-logs")])
+    kill_session(sid)
+    check(rc == 1, f"bench with a boolean schema exited {rc}, expected 1\n{err}")
+    r = json.loads(out)["runs"][0]
+    check(r["completed"] == 0 and r["failed"] == 2, f"boolean schema: {r['completed']} completed, {r['failed']} failed")
+    message = r["errors"][0]["message"] if r["errors"] else ""
+    check("the output ended where the schema allows" in message and "FINISH_REASON_STOP" in message,
+          f"boolean schema: unclear error {message!r}")
+    print(f"ok: tp1, tp1/json, tp1/http/json: 4/4 each, 48 output tokens each; output tok/s {free['output_tokens_per_s']:.1f}"
+          f" / {grpc['output_tokens_per_s']:.1f} / {http['output_tokens_per_s']:.1f}; a boolean schema fails 2/2: "
+          f"{message[:80]}...")
+
+
+def case_json_schema_flags(work):
+    not_json = os.path.join(work, "not.json")
+    with open(not_json, "w") as f:
+        f.write('{"type": ')
+    listed = os.path.join(work, "list.json")
+    with open(listed, "w") as f:
+        f.write('[{"type": "string"}]')
+    missing = os.path.join(work, "missing.json")
+    good = os.path.join(work, "good.json")
+    with open(good, "w") as f:
+        f.write('{"type": "array"}')
+    cases = [
+        (["--json-schema", missing, "--address", "127.0.0.1:1"], f"--json-schema {missing}: cannot open the file"),
+        (["--json-schema", not_json, "--address", "127.0.0.1:1"], f"--json-schema {not_json}: is not JSON"),
+        (["--compare", "tp1/json", "--json-schema", listed], f"--json-schema {listed}: must be a JSON object"),
+        (["--compare", "tp1", "--json-schema", good], "the schema of its /json layouts, and none is given"),
+        (["--compare", "tp1/jsn"], "layout 'tp1/jsn' is not"),
+    ]
+    for args, want in cases:
+        rc, out, err, sid = run_bench(args, timeout=30)
+        kill_session(sid)
+        check(rc == 2 and want in err, f"bench {' '.join(args)}: exit {rc}, wanted 2 and {want!r} in:\n{err}")
+    print(f"ok: {len(cases)} bad --json-schema files and combinations refused with exit 2")
+
+
 def case_http_vs_grpc(work):
     rc, out, err, sid = run_bench(["--compare", "tp1,tp1/http", "--num-requests", "6", "--concurrency", "2",
                                    "--input-len", "8", "--output-len", "8", "--json",
@@ -394,6 +461,8 @@ if __name__ == "__main__":
             case_chat(work)
             case_expert_parallel(work)
             case_http_vs_grpc(work)
+            case_json_schema_flags(work)
+            case_json_schema(work)
             case_openai_launch(work)
     except SystemExit:
         print(f"logs kept in {work}")

@@ -1,6 +1,7 @@
 // What the files of `shardserve bench` share: cmd_bench.cc (flags, Run), bench_load.cc (the load
 // generator), bench_report.cc (tables and JSON), bench_compare.cc (--compare: one local cluster per
-// layout). Internal to those files; bench_stats.h holds the statistics.
+// layout), bench_structured.cc (--json-schema). Internal to those files; bench_stats.h holds the
+// statistics.
 #ifndef SHARDSERVE_TOOLS_CLI_BENCH_H_
 #define SHARDSERVE_TOOLS_CLI_BENCH_H_
 
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tools/cli/client.h"
 #include "nlohmann/json.hpp"
 #include "shardserve/v1/inference.grpc.pb.h"
@@ -70,6 +72,15 @@ struct LoadConfig {
   // server streamed.
   int64_t chat_turns = 0;
   int64_t system_prompt_len = 0;
+  // Non-empty: every request's output is constrained to this JSON Schema (its compact text; gRPC
+  // sampling.structured_output.json_schema, HTTP response_format json_schema), and json_schema_file
+  // says where it came from. The engine refuses ignore_eos with a constraint (the grammar decides
+  // where the output ends), so these requests go without it and still count as completed only with
+  // exactly their output length: the schema's shortest instance must be longer than that many
+  // tokens (tools/bench/bench_schema.json's is). Each output must also be the start of a JSON text
+  // (JsonPrefixError), which a server that ignored the constraint would not give.
+  std::string json_schema;
+  std::string json_schema_file;
 };
 
 struct LoadResult {
@@ -113,7 +124,8 @@ struct RequestResult {
   int64_t output_tokens = 0;
   int64_t cached_tokens = 0;  // usage's cached prompt tokens
   std::vector<int32_t> output_ids;  // gRPC only (an OpenAI server returns text)
-  std::string output_text;          // chat over HTTP: the answer's text (the next turn's history)
+  // The answer's text: chat over HTTP (the next turn's history), and with a JSON Schema (checked).
+  std::string output_text;
   // Over HTTP: sent a second time, on a new connection, because the server had closed the
   // keep-alive connection it first went on (bench_openai.cc); its times count from the first send.
   bool resent = false;
@@ -170,6 +182,19 @@ class OpenAIConnection {
   const LoadConfig& c_;
 };
 
+// ---- Structured outputs (bench_structured.cc) ---------------------------------------------------
+
+// The JSON Schema in `path`, written compactly: InvalidArgument naming --json-schema and the file
+// when it cannot be read, is not JSON, is not an object, or is over the server's 64 KiB bound.
+absl::StatusOr<std::string> ReadJsonSchema(const std::string& path);
+// Empty when `text` is the start of some JSON text (all of one, or one cut short); otherwise the
+// JSON parser's message about the first byte that no JSON text has there.
+std::string JsonPrefixError(absl::string_view text);
+// A completed request's error when it returned `got` tokens instead of `wanted` (finish reason
+// `finish`), and when its output is not the start of a JSON text (`why`: JsonPrefixError's).
+std::string ShortOutputError(const LoadConfig& c, int64_t wanted, int64_t got, absl::string_view finish);
+std::string NotJsonError(absl::string_view why);
+
 // ---- --compare (bench_compare.cc) ---------------------------------------------------------------
 
 struct Layout {
@@ -181,10 +206,11 @@ struct Layout {
   bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
+  bool json = false;             // /json: every request with CompareOptions' JSON Schema
 };
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /http and /ep (in any
-// order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /http, /ep and
+// /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text);
 
 struct CompareRun {
@@ -197,11 +223,15 @@ struct CompareRun {
   std::optional<v1::SchedulerStatus> scheduler;  // after the load
   double start_s = 0;                          // start until serving
   std::string address;                         // where the cluster served
+  std::string json_schema_file;                // /json: the schema's file; empty otherwise
 };
 
 struct CompareOptions {
   ClusterFlags cluster;  // worker_threads unset: DefaultWorkerThreads on cpu; --micro-batches: non-serial layouts only
   std::string log_dir;
+  // /json layouts' JSON Schema (LoadConfig::json_schema) and its file.
+  std::string json_schema;
+  std::string json_schema_file;
 };
 
 // Starts a local cluster for `layout`, runs `load` against it, reads its workers' facts and stops it.

@@ -86,39 +86,36 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /http and /ep
-// (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /http, /ep and
+// /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
   std::string body = absl::AsciiStrToLower(text);
-  for (bool more = true; more;) {
+  bool more = true;
+  // Takes `suffix` off the end of body when it is there.
+  auto strip = [&](absl::string_view suffix) {
+    if (!absl::EndsWith(body, suffix)) return false;
+    body.resize(body.size() - suffix.size());
+    return more = true;
+  };
+  while (more) {
     more = false;
-    if (absl::EndsWith(body, "/serial")) {
-      l.serial = more = true;
-      body.resize(body.size() - std::string_view("/serial").size());
+    if (strip("/serial")) l.serial = true;
+    if (strip("/http")) l.http = true;
+    if (strip("/json")) l.json = true;
+    if (strip("/ep")) {
+      l.expert_parallel = true;
+    } else if (strip("/ngram")) {
+      l.ngram = true;
     }
-    if (absl::EndsWith(body, "/http")) {
-      l.http = more = true;
-      body.resize(body.size() - std::string_view("/http").size());
-    }
-    if (absl::EndsWith(body, "/ep")) {
-      l.expert_parallel = more = true;
-      body.resize(body.size() - std::string_view("/ep").size());
-    } else if (absl::EndsWith(body, "/ngram")) {
-      l.ngram = more = true;
-      body.resize(body.size() - std::string_view("/ngram").size());
-    }
-    if (absl::EndsWith(body, "/no-prefix-caching")) {
-      l.prefix_caching = false;
-      more = true;
-      body.resize(body.size() - std::string_view("/no-prefix-caching").size());
-    }
+    if (strip("/no-prefix-caching")) l.prefix_caching = false;
   }
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /http, /ep), e.g. tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /http, /ep, /json), e.g. "
+        "tp2xpp2/serial"));
   };
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -144,6 +141,10 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
 CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig load) {
   CompareRun out;
   out.layout = layout;
+  if (layout.json) {
+    load.json_schema = o.json_schema;
+    load.json_schema_file = out.json_schema_file = o.json_schema_file;
+  }
   const int64_t workers = layout.tp * layout.pp;
   LocalClusterOptions co;
   co.bin_dir = fs::read_symlink("/proc/self/exe").parent_path().string();

@@ -198,7 +198,11 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
   v1::SamplingParams* s = req.mutable_sampling();
   s->set_max_tokens(spec.output_len);
   s->set_temperature(static_cast<float>(c.temperature));
-  s->set_ignore_eos(true);
+  if (c.json_schema.empty()) {
+    s->set_ignore_eos(true);
+  } else {
+    s->mutable_structured_output()->set_json_schema(c.json_schema);  // the engine refuses ignore_eos with it
+  }
   if (spec.sampling_seed) s->set_seed(*spec.sampling_seed);
 
   grpc::ClientContext ctx;
@@ -220,6 +224,7 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
       r.output_tokens += resp.token_ids_size();
       r.output_ids.insert(r.output_ids.end(), resp.token_ids().begin(), resp.token_ids().end());
     }
+    if (!c.json_schema.empty()) r.output_text += resp.text();
     if (resp.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
       finish = resp.finish_reason();
       usage_tokens = resp.usage().completion_tokens();
@@ -233,11 +238,12 @@ RequestResult RunRequest(v1::InferenceService::Stub* stub, const RequestSpec& sp
   if (!status.ok()) {
     r.error = absl::StrCat(CodeName(status.error_code()), ": ", status.error_message());
   } else if (r.output_tokens != spec.output_len) {
-    r.error = absl::StrCat("a request for ", spec.output_len, " tokens (ignore_eos) returned ", r.output_tokens,
-                           " (finish reason ", v1::FinishReason_Name(finish), ")");
+    r.error = ShortOutputError(c, spec.output_len, r.output_tokens, v1::FinishReason_Name(finish));
   } else if (usage_tokens != r.output_tokens) {
     r.error = absl::StrCat("usage.completion_tokens ", usage_tokens, " differs from the ", r.output_tokens,
                            " tokens streamed");
+  } else if (std::string why = c.json_schema.empty() ? "" : JsonPrefixError(r.output_text); !why.empty()) {
+    r.error = NotJsonError(why);
   } else {
     r.ok = true;
     r.ttft_s = arrivals.front();

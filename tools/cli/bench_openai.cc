@@ -2,11 +2,11 @@
 // cpp-httplib's client (a Debian package). Each request is POST /completions with the prompt as a
 // list of token ids (shardserve, vLLM and llama.cpp's server take them) or, for the multi-turn chat
 // load, POST /chat/completions with the conversation's messages as text; max_tokens = its output
-// length, ignore_eos, stream with stream_options.include_usage. The stream's server-sent events
-// are parsed as they arrive: the first chunk with text (chat: delta.content) is the first token
-// (TTFT); the gaps between chunks with text are the inter-token latencies, one per chunk (a chunk
-// may carry several tokens, which then count as one gap); the tokens are counted from the final
-// usage.completion_tokens.
+// length, ignore_eos (with a JSON Schema, response_format json_schema instead), stream with
+// stream_options.include_usage. The stream's server-sent events are parsed as they arrive: the
+// first chunk with text (chat: delta.content) is the first token (TTFT); the gaps between chunks
+// with text are the inter-token latencies, one per chunk (a chunk may carry several tokens, which
+// then count as one gap); the tokens are counted from the final usage.completion_tokens.
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -99,6 +99,7 @@ struct OpenAIConnection::Impl {
   std::unique_ptr<httplib::Client> client;
   httplib::Headers headers;
   std::string url_error;  // set when the URL does not parse
+  nlohmann::json json_schema;  // LoadConfig::json_schema parsed; null without one
 };
 
 OpenAIConnection::OpenAIConnection(const LoadConfig& c) : impl_(std::make_unique<Impl>()), c_(c) {
@@ -108,6 +109,7 @@ OpenAIConnection::OpenAIConnection(const LoadConfig& c) : impl_(std::make_unique
     return;
   }
   impl_->url = *url;
+  if (!c.json_schema.empty()) impl_->json_schema = nlohmann::json::parse(c.json_schema, nullptr, false);
   impl_->client = std::make_unique<httplib::Client>(url->host, url->port);
   impl_->client->set_keep_alive(true);
   // Without it, Nagle and delayed ACKs hold a request body back by up to 40 ms (a TTFT artefact).
@@ -183,7 +185,13 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
   }
   body["max_tokens"] = spec.output_len;
   body["temperature"] = c_.temperature;
-  body["ignore_eos"] = true;
+  if (impl_->json_schema.is_null()) {
+    body["ignore_eos"] = true;
+  } else {
+    // OpenAI's structured output; ignore_eos would be refused with it (bench.h, LoadConfig::json_schema).
+    body["response_format"] = {{"type", "json_schema"},
+                               {"json_schema", {{"name", "bench"}, {"schema", impl_->json_schema}}}};
+  }
   body["stream"] = true;
   body["stream_options"] = {{"include_usage", true}};
   if (!c_.model_name.empty()) body["model"] = c_.model_name;
@@ -229,7 +237,7 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
           }
           if (text != nullptr && text->is_string() && !text->get_ref<const std::string&>().empty()) {
             arrivals.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-            if (chat) r.output_text += text->get_ref<const std::string&>();
+            if (chat || !c_.json_schema.empty()) r.output_text += text->get_ref<const std::string&>();
           }
           if (ch.contains("finish_reason") && ch["finish_reason"].is_string()) finish = ch["finish_reason"];
         }
@@ -311,10 +319,11 @@ RequestResult OpenAIConnection::Send(const RequestSpec& spec) {
     r.error = absl::StrCat(what, ": the stream has no usage.", usage_tokens < 0 ? "completion_tokens" : "prompt_tokens",
                            " (stream_options.include_usage unsupported?)");
   } else if (usage_tokens != spec.output_len) {
-    r.error = absl::StrCat("a request for ", spec.output_len, " tokens (ignore_eos) returned ", usage_tokens,
-                           " (finish reason ", finish.empty() ? "none" : finish, ")");
+    r.error = ShortOutputError(c_, spec.output_len, usage_tokens, finish.empty() ? "none" : finish);
   } else if (arrivals.empty()) {
     r.error = absl::StrCat(what, ": ", usage_tokens, " tokens in usage but no chunk with text");
+  } else if (std::string why = c_.json_schema.empty() ? "" : JsonPrefixError(r.output_text); !why.empty()) {
+    r.error = NotJsonError(why);
   } else {
     r.ok = true;
     r.output_tokens = usage_tokens;

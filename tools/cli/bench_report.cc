@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -57,6 +58,7 @@ json ResultJson(const LoadConfig& c, const LoadResult& r) {
   j["warmup"] = c.warmup;
   j["chat_turns"] = c.chat_turns;
   j["system_prompt_len"] = c.system_prompt_len;
+  j["json_schema"] = c.json_schema_file.empty() ? json(nullptr) : json(c.json_schema_file);
   j["interrupted"] = r.interrupted;
   j["duration_s"] = r.duration_s;
   j["completed"] = r.completed;
@@ -96,9 +98,11 @@ std::string LoadLine(const LoadConfig& c) {
                            "each turn's new message)",
                            load, c.num_requests / c.chat_turns, c.chat_turns, c.system_prompt_len);
   }
-  return absl::StrFormat(
+  std::string line = absl::StrFormat(
       "%s; %d requests (+%d warm-up), input %d, output %d tokens (range ratio %g), temperature %g, seed %d", load,
       c.num_requests, c.warmup, c.input_len, c.output_len, c.range_ratio, c.temperature, c.seed);
+  if (!c.json_schema.empty()) absl::StrAppend(&line, "; outputs constrained to the JSON Schema of ", c.json_schema_file);
+  return line;
 }
 
 void PrintTable(const LoadConfig& c, const BenchRun& run) {
@@ -149,6 +153,9 @@ void PrintCompareTable(const LoadConfig& c, const std::vector<CompareRun>& runs)
   });
   row("prefix caching", [](const CompareRun& r) {
     return r.scheduler ? std::string(r.scheduler->prefix_caching() ? "on" : "off") : std::string("-");
+  });
+  row("JSON Schema", [](const CompareRun& r) {
+    return r.json_schema_file.empty() ? std::string("off") : std::filesystem::path(r.json_schema_file).filename().string();
   });
   row("speculative", [](const CompareRun& r) { return r.scheduler ? SpeculationSummary(*r.scheduler) : std::string("-"); });
   row("prompt tok cached", [](const CompareRun& r) {
@@ -230,6 +237,7 @@ json CompareJson(const LoadConfig& c, const std::vector<CompareRun>& runs) {
     j["address"] = r.address;
     j["cluster_start_s"] = r.start_s;
     j.update(ResultJson(c, r.run.load));
+    j["json_schema"] = r.json_schema_file.empty() ? json(nullptr) : json(r.json_schema_file);  // /json layouts only
     j["backend"] = r.layout.http ? "openai" : "grpc";  // /http: the OpenAI API, whatever c says
     j["worker_names"] = r.worker_names;
     j["worker_peak_rss_bytes"] = r.worker_peak_rss_bytes;

@@ -1,8 +1,9 @@
 // shardserve bench: a load generator against a running coordinator, in the manner of vLLM's
 // benchmark_serving. Random prompts of token ids (from the model's vocabulary, never an EOS id,
-// the same for the same --seed), every request with ignore_eos and max_tokens = its output length,
-// so that each produces exactly that many tokens. Closed loop (--concurrency N streams, each sending
-// its next request when the previous ends) or open loop (--request-rate R: Poisson arrivals).
+// the same for the same --seed), every request with ignore_eos (with --json-schema, a JSON Schema
+// constraint instead) and max_tokens = its output length, so that each produces exactly that many
+// tokens. Closed loop (--concurrency N streams, each sending its next request when the previous
+// ends) or open loop (--request-rate R: Poisson arrivals).
 // Measures time to first token, inter-token latency, end-to-end latency and throughput.
 //
 // --compare LAYOUTS runs the same load against one local cluster per layout (tools/cli/local_cluster.h,
@@ -17,6 +18,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -54,7 +56,7 @@ constexpr char kUsage[] =
     "usage: shardserve bench [--address HOST:PORT] [--concurrency N | --request-rate R] [--num-requests M]\n"
     "                        [--input-len I] [--output-len O] [--range-ratio X] [--seed S] [--temperature T]\n"
     "                        [--warmup K] [--timeout-seconds S] [--json] [--json-out FILE]\n"
-    "                        [--chat-turns T [--system-prompt-len S]]\n"
+    "                        [--chat-turns T [--system-prompt-len S]] [--json-schema FILE]\n"
     "       shardserve bench --backend openai --base-url URL --vocab-size V [--model NAME] [--api-key KEY]\n"
     "                        [load flags as above]\n"
     "       shardserve bench --compare LAYOUTS [--model DIR] [--device cpu|cuda] [--worker-threads N]\n"
@@ -73,8 +75,9 @@ constexpr char kUsage[] =
     "                        [--worker-cuda-int4-folded]\n"
     "                        [load flags as above]\n"
     "  Sends M requests of random prompt token ids to the coordinator and reports throughput and\n"
-    "  latency. Every request has ignore_eos and max_tokens = its output length; one that fails or\n"
-    "  returns fewer tokens counts as failed (each distinct error is shown once, with its count).\n"
+    "  latency. Every request has max_tokens = its output length and ignore_eos (with --json-schema, a\n"
+    "  JSON Schema instead); one that fails or returns fewer tokens counts as failed (each distinct\n"
+    "  error is shown once, with its count).\n"
     "  --address, --tls-ca, --tls-cert, --tls-key, --api-key, --insecure  the coordinator and how to\n"
     "                     reach it, as for `shardserve generate --help`\n"
     "  --backend          grpc (default): the coordinator's gRPC API at --address; openai: any\n"
@@ -115,6 +118,13 @@ constexpr char kUsage[] =
     "  --timeout-seconds  deadline of each request (default 600)\n"
     "  --json             one JSON object instead of the table\n"
     "  --json-out         also write that JSON object to FILE\n"
+    "  --json-schema      every request's output constrained to the JSON Schema in FILE (gRPC\n"
+    "                     sampling.structured_output.json_schema; HTTP response_format json_schema), without\n"
+    "                     ignore_eos, which a constraint excludes: a request still completes only with\n"
+    "                     exactly --output-len tokens, so the schema's shortest instance must be longer\n"
+    "                     than that (tools/bench/bench_schema.json's is), and only when its output is the\n"
+    "                     start of a JSON text. With --compare: the schema of the /json layouts\n"
+    "                     (default tools/bench/bench_schema.json)\n"
     "  --compare          comma-separated layouts tpN, ppM or tpNxppM, each optionally with /serial\n"
     "                     (one micro-batch in flight: coordinator --micro-batches 1) and\n"
     "                     /no-prefix-caching (coordinator --no-prefix-caching), /ngram (coordinator\n"
@@ -122,7 +132,8 @@ constexpr char kUsage[] =
     "                     tp1,tp2,pp2,pp2/serial,tp2xpp2,tp1/no-prefix-caching, and /http: the same\n"
     "                     load over the coordinator's OpenAI API (as --backend openai) instead of gRPC,\n"
     "                     e.g. tp1,tp1/http,tp1,tp1/http, and /ep: coordinator --expert-parallel, e.g.\n"
-    "                     tp2,tp2/ep on a mixture-of-experts model. For each, starts a local cluster of --model\n"
+    "                     tp2,tp2/ep on a mixture-of-experts model, and /json: every request with\n"
+    "                     --json-schema's constraint, e.g. tp1,tp1/json. For each, starts a local cluster of --model\n"
     "                     (default: the embedded demo model) on a free port, waits until it serves,\n"
     "                     runs the load, reads each worker's peak RSS (VmHWM) and weight bytes, and\n"
     "                     stops it; then prints the layouts side by side (--json: {\"runs\": [...]}).\n"
@@ -172,7 +183,7 @@ int Run(const std::vector<std::string>& args) {
   // clang-format off
   std::set<std::string> with_value = {
       "concurrency", "request-rate", "num-requests", "input-len", "output-len", "range-ratio", "seed",
-      "temperature", "warmup", "timeout-seconds", "json-out", "chat-turns", "system-prompt-len",
+      "temperature", "warmup", "timeout-seconds", "json-out", "chat-turns", "system-prompt-len", "json-schema",
       "backend", "base-url", "vocab-size",
       // --compare (and ClusterFlags::Names())
       "compare", "log-dir"};
@@ -305,6 +316,12 @@ int Run(const std::vector<std::string>& args) {
     for (const std::string& f : ClusterFlags::Switches()) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only (it sets up the cluster it starts)"));
     }
+    if (flags->Has("json-schema")) {
+      absl::StatusOr<std::string> schema = ReadJsonSchema(flags->Get("json-schema"));
+      if (!schema.ok()) return Usage(std::string(schema.status().message()));
+      c.json_schema = *std::move(schema);
+      c.json_schema_file = flags->Get("json-schema");
+    }
     std::fprintf(stderr, "bench: %s: %s\n", c.address.c_str(), LoadLine(c).c_str());
     absl::StatusOr<BenchRun> run = Benchmark(c);
     if (!run.ok()) {
@@ -335,6 +352,16 @@ int Run(const std::vector<std::string>& args) {
   }
   if (layouts.empty()) return Usage("--compare needs at least one layout, e.g. tp1,tp2,pp2");
   CompareOptions o;
+  // The /json layouts' schema: --json-schema's, else the committed one.
+  if (std::any_of(layouts.begin(), layouts.end(), [](const Layout& l) { return l.json; })) {
+    o.json_schema_file = flags->Get("json-schema", SHARDSERVE_BENCH_JSON_SCHEMA);
+    absl::StatusOr<std::string> schema = ReadJsonSchema(o.json_schema_file);
+    if (!schema.ok()) return Usage(std::string(schema.status().message()));
+    o.json_schema = *std::move(schema);
+  } else if (flags->Has("json-schema")) {
+    return Usage("--json-schema with --compare is the schema of its /json layouts, and none is given (e.g. --compare "
+                 "tp1,tp1/json)");
+  }
   absl::StatusOr<ClusterFlags> cluster = ClusterFlags::Parse(*flags);
   if (!cluster.ok()) return Usage(std::string(cluster.status().message()));
   o.cluster = *std::move(cluster);
