@@ -47,6 +47,14 @@ class DeviceLikeBackend final : public Backend {
     return cpu_->Attention(o, q, kc, vc, p, ts, bt, sc, ao);
   }
   absl::Status SiluMul(Tensor* o, const Tensor& g, const Tensor& u) override { return cpu_->SiluMul(o, g, u); }
+  absl::Status ClampedSwiGlu(Tensor* o, const Tensor& g, const Tensor& u, float alpha, float limit) override {
+    return cpu_->ClampedSwiGlu(o, g, u, alpha, limit);
+  }
+  absl::Status MlaAttention(Tensor* o, const Tensor& qn, const Tensor& qp, const Tensor& c, const Tensor& kp,
+                            const Tensor& b, Tensor* cache, const Tensor& sl, const Tensor& p, const Tensor& ts,
+                            const Tensor& bt, float sc, const MlaShape& shape) override {
+    return cpu_->MlaAttention(o, qn, qp, c, kp, b, cache, sl, p, ts, bt, sc, shape);
+  }
   absl::Status GeluTanhMul(Tensor* o, const Tensor& g, const Tensor& u) override {
     return cpu_->GeluTanhMul(o, g, u);
   }

@@ -89,6 +89,8 @@ enum class Op {
   kGeluTanhMul,
   kScale,
   kSoftcap,
+  kClampedSwiGlu,
+  kMlaAttention,
 };
 
 // Unit roundoff of a float dtype: the largest relative error of one round-to-nearest.
@@ -126,10 +128,16 @@ double Threshold(Op op, DType act) {
     case Op::kRope:
     case Op::kSiluMul:
     case Op::kGeluTanhMul:  // CUDA's tanhf (2 ulp) where the CPU rounds tanh once
+    case Op::kClampedSwiGlu:  // CUDA's expf against libm's
     case Op::kMatMul:
       return std::max(1e-5, act == DType::kF32 ? 0.0 : round_out);
     case Op::kAttention:
       return std::max(2e-5, act == DType::kF32 ? 0.0 : round_out);
+    case Op::kMlaAttention:
+      // Attention's sources of error with three reductions of up to ~600 terms in float32 (the
+      // query into latent space, the scores over latent + rope dims, the value rows), each in
+      // another order than the CPU's: 5e-5.
+      return std::max(5e-5, act == DType::kF32 ? 0.0 : round_out);
     case Op::kMatMulF32Out:
       // Output stays float32, so only (a). For F16/BF16 inputs cuBLAS runs on tensor cores with
       // float32 accumulation, in a blocked order, and their adders are not guaranteed to round
@@ -820,6 +828,23 @@ TEST_P(CudaVsCpu, CacheWrite) {
 // the cache. Three head layouts: GQA (8 q heads on 2 kv heads, hd 128), plain MHA (hd 64) and a
 // head dim of 30, off the 16-byte loads of keys and the 4-value loads of values (their scalar
 // paths, the last lane's run cut at the head's end).
+// Block tables [3, max_blocks] of three sequences needing 2, 10 and 3 blocks (positions up to 19,
+// 150 and 44): a random permutation of the cache's `blocks` blocks dealt out to them. Unused entries
+// point at block 0 (valid, never read).
+std::vector<int32_t> ThreeSequenceTables(uint32_t seed, int64_t blocks, int64_t max_blocks) {
+  std::vector<int32_t> perm(blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937 rng(seed);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int32_t> tables(3 * max_blocks, 0);
+  const int64_t blocks_needed[3] = {2, 10, 3};
+  int next = 0;
+  for (int64_t s = 0; s < 3; ++s) {
+    for (int64_t b = 0; b < blocks_needed[s]; ++b) tables[s * max_blocks + b] = perm[next++];
+  }
+  return tables;
+}
+
 void CudaVsCpu::CheckAttention(const AttentionFeatures& features) {
   // Sinks below, among and above the scores (~1-5 in magnitude), far below and far above.
   constexpr float kSinks[8] = {-40.0f, 0.5f, 3.0f, 40.0f, -2.0f, 1.0f, 6.0f, -0.5f};
@@ -831,18 +856,7 @@ void CudaVsCpu::CheckAttention(const AttentionFeatures& features) {
                                       << lay.hd);
     const int64_t blocks = 40, bs = 16, max_blocks = 12, seqs = 3;
     const uint32_t salt = static_cast<uint32_t>(lay.hd);
-    // Block tables: a random permutation of the cache's blocks, dealt out to the sequences. Unused
-    // entries point at block 0 (valid, never read).
-    std::vector<int32_t> perm(blocks);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::mt19937 rng(Seed(Op::kAttention, act(), salt));
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::vector<int32_t> tables(seqs * max_blocks, 0);
-    const int64_t blocks_needed[seqs] = {2, 10, 3};  // positions up to 19, 150, 44
-    int next = 0;
-    for (int64_t s = 0; s < seqs; ++s) {
-      for (int64_t b = 0; b < blocks_needed[s]; ++b) tables[s * max_blocks + b] = perm[next++];
-    }
+    const std::vector<int32_t> tables = ThreeSequenceTables(Seed(Op::kAttention, act(), salt), blocks, max_blocks);
     // Tokens: (sequence, position), interleaved.
     std::vector<int32_t> token_seq, positions;
     token_seq.push_back(1);
@@ -963,6 +977,88 @@ TEST_P(CudaVsCpu, AttentionSinks) { CheckAttention({.sinks = true}); }
 
 TEST_P(CudaVsCpu, AttentionAllOptions) { CheckAttention({.window = 40, .softcap = 5.0f, .sinks = true, .q_range = 8.0f}); }
 
+// Multi-head latent attention (DeepSeek-V3's) against the CPU backend, which kernels_cpu_test and
+// the DeepSeek-V3 parity fixtures check against transformers: three sequences over a cache of
+// random rows whose block tables are a permutation of the blocks, the step's tokens (a prefill of
+// 20 positions, one of 8 interleaved with it, a decode at position 150) written into their slots
+// first, in a small shape and in one with DeepSeek-V3's head sizes and a latent width that is not a
+// multiple of the block's threads. The caches afterwards must be identical.
+TEST_P(CudaVsCpu, MlaAttention) {
+  for (const MlaShape& shape : {MlaShape{.heads = 4, .nope = 32, .rope = 16, .v = 24, .latent = 64},
+                                MlaShape{.heads = 2, .nope = 128, .rope = 64, .v = 128, .latent = 520}}) {
+    SCOPED_TRACE(::testing::Message() << "heads " << shape.heads << ", nope " << shape.nope << ", rope " << shape.rope
+                                      << ", v " << shape.v << ", latent " << shape.latent);
+    const int64_t blocks = 40, bs = 16, max_blocks = 12, seqs = 3, row = shape.latent + shape.rope;
+    const uint32_t salt = static_cast<uint32_t>(shape.latent);
+    const std::vector<int32_t> tables = ThreeSequenceTables(Seed(Op::kMlaAttention, act(), salt), blocks, max_blocks);
+    std::vector<int32_t> token_seq = {1}, positions = {150};
+    for (int p = 0; p < 20; ++p) {
+      token_seq.push_back(0);
+      positions.push_back(p);
+      if (p % 3 == 0) {
+        token_seq.push_back(2);
+        positions.push_back(37 + p / 3);
+      }
+    }
+    const int64_t n = static_cast<int64_t>(token_seq.size());
+    std::vector<int32_t> slots(n);
+    for (int64_t t = 0; t < n; ++t) {
+      slots[t] = tables[token_seq[t] * max_blocks + positions[t] / bs] * bs + positions[t] % bs;
+    }
+    const int64_t H = shape.heads;
+    // Queries in [-3, 3] and kv_b in [-1/4, 1/4] give scores of magnitude ~1-5: peaked softmaxes.
+    const std::vector<float> q_nope =
+        RandomValues(n * H * shape.nope, Seed(Op::kMlaAttention, act(), salt + 1), act(), -3.0f, 3.0f);
+    const std::vector<float> q_pe =
+        RandomValues(n * H * shape.rope, Seed(Op::kMlaAttention, act(), salt + 2), act(), -3.0f, 3.0f);
+    const std::vector<float> kv_c = RandomValues(n * shape.latent, Seed(Op::kMlaAttention, act(), salt + 3), act());
+    const std::vector<float> k_pe = RandomValues(n * shape.rope, Seed(Op::kMlaAttention, act(), salt + 4), act());
+    const std::vector<float> kv_b = RandomValues(H * (shape.nope + shape.v) * shape.latent,
+                                                 Seed(Op::kMlaAttention, act(), salt + 5), act(), -0.25f, 0.25f);
+    const std::vector<float> cache = RandomValues(blocks * bs * row, Seed(Op::kMlaAttention, act(), salt + 6), act());
+    const float scale = 1.0f / std::sqrt(static_cast<float>(shape.nope + shape.rope));
+
+    struct Inputs {
+      Guarded out, q_nope, q_pe, kv_c, k_pe, kv_b, cache, slots, positions, token_seq, tables;
+    };
+    auto run = [&](Backend* be, DType t) -> absl::StatusOr<Inputs> {
+      absl::StatusOr<Guarded> parts[11] = {
+          Output(be, t, {n, H * shape.v}),
+          UploadF(be, q_nope, t, {n, H * shape.nope}),
+          UploadF(be, q_pe, t, {n, H * shape.rope}),
+          UploadF(be, kv_c, t, {n, shape.latent}),
+          UploadF(be, k_pe, t, {n, shape.rope}),
+          UploadF(be, kv_b, t, {H * (shape.nope + shape.v), shape.latent}),
+          UploadF(be, cache, t, {blocks, bs, 1, row}),
+          UploadI(be, slots, {n}),
+          UploadI(be, positions, {n}),
+          UploadI(be, token_seq, {n}),
+          UploadI(be, tables, {seqs, max_blocks}),
+      };
+      for (const auto& p : parts) {
+        if (!p.ok()) return p.status();
+      }
+      Inputs in{*std::move(parts[0]), *std::move(parts[1]), *std::move(parts[2]), *std::move(parts[3]),
+                *std::move(parts[4]), *std::move(parts[5]), *std::move(parts[6]), *std::move(parts[7]),
+                *std::move(parts[8]), *std::move(parts[9]), *std::move(parts[10])};
+      absl::Status s = be->MlaAttention(&in.out.t, in.q_nope.t, in.q_pe.t, in.kv_c.t, in.k_pe.t, in.kv_b.t,
+                                        &in.cache.t, in.slots.t, in.positions.t, in.token_seq.t, in.tables.t, scale,
+                                        shape);
+      if (!s.ok()) return s;
+      return in;
+    };
+    SS_ASSIGN_OR_FAIL(Inputs g, run(cuda_.get(), act()));
+    SS_ASSIGN_OR_FAIL(Inputs c, run(cpu_.get(), DType::kF32));
+    SS_ASSERT_OK(cuda_->Synchronize());  // no bad-metadata error was raised
+    SS_READ_F(got, cuda_.get(), g.out);
+    SS_READ_F(want, cpu_.get(), c.out);
+    EXPECT_TRUE(Close("MlaAttention", got, want, Threshold(Op::kMlaAttention, act())));
+    SS_READ_F(got_cache, cuda_.get(), g.cache);
+    SS_READ_F(want_cache, cpu_.get(), c.cache);
+    EXPECT_TRUE(Close("MlaAttention's cache rows", got_cache, want_cache, 0.0));
+  }
+}
+
 void CudaVsCpu::CheckBinary(Op op, const char* name, float a_range, const BinaryOp& run) {
   const int64_t n = 4, d = 1000;
   const std::vector<float> a = RandomValues(n * d, Seed(op, act()), act(), -a_range, a_range);
@@ -1000,6 +1096,17 @@ TEST_P(CudaVsCpu, GeluTanhMul) {
               [](Backend* be, Tensor* out, const Tensor& gate, const Tensor& up) {
                 return be->GeluTanhMul(out, gate, up);
               });
+}
+
+// gpt-oss's limit (7) inside gate's range [-8, 8], then a limit of 0.75 that clamps up too.
+TEST_P(CudaVsCpu, ClampedSwiGlu) {
+  for (const float limit : {7.0f, 0.75f}) {
+    SCOPED_TRACE(::testing::Message() << "limit " << limit);
+    CheckBinary(Op::kClampedSwiGlu, "ClampedSwiGlu", 8.0f,
+                [limit](Backend* be, Tensor* out, const Tensor& gate, const Tensor& up) {
+                  return be->ClampedSwiGlu(out, gate, up, 1.702f, limit);
+                });
+  }
 }
 
 TEST_P(CudaVsCpu, Add) {
@@ -1412,6 +1519,49 @@ TEST_P(CudaChecks, AttentionBadMetadataIsReported) {
   for (int64_t t : {2, 3, 4}) {  // rows with unusable metadata are zero
     for (int64_t j = 0; j < row; ++j) ASSERT_EQ(out[t * row + j], 0.0f) << "token " << t;
   }
+}
+
+// MlaAttention's device-side metadata as Attention's and CacheWrite's: a bad slot is not written, a
+// bad sequence or position zeroes the token's row, a bad block-table entry leaves its key out; the
+// next Synchronize() names them once. Bad shapes are refused on the host, naming the op.
+TEST_P(CudaChecks, MlaAttentionBadMetadataIsReported) {
+  const MlaShape shape{.heads = 2, .nope = 16, .rope = 8, .v = 16, .latent = 32};
+  const int64_t blocks = 4, bs = 16, max_blocks = 3, seqs = 2, row = shape.latent + shape.rope, n = 4;
+  const std::vector<int32_t> tables = {0, 1, 2, 3, 1000000, -5};  // sequence 1: blocks past the end
+  // Token 0 fine; 1 reads sequence 1's bad blocks; 2 has sequence 7 (of 2); 3 a negative position
+  // and a slot past the cache.
+  const std::vector<int32_t> token_seq = {0, 1, 7, 0}, positions = {20, 40, 3, -1}, slots = {20, 3, 5, 64};
+  SS_ASSIGN_OR_FAIL(Guarded g_qn, UploadF(cuda_.get(), RandomValues(n * 2 * 16, 1, act()), act(), {n, 2 * 16}));
+  SS_ASSIGN_OR_FAIL(Guarded g_qp, UploadF(cuda_.get(), RandomValues(n * 2 * 8, 2, act()), act(), {n, 2 * 8}));
+  SS_ASSIGN_OR_FAIL(Guarded g_c, UploadF(cuda_.get(), RandomValues(n * 32, 3, act()), act(), {n, 32}));
+  SS_ASSIGN_OR_FAIL(Guarded g_kp, UploadF(cuda_.get(), RandomValues(n * 8, 4, act()), act(), {n, 8}));
+  SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda_.get(), RandomValues(2 * 32 * 32, 5, act()), act(), {2 * 32, 32}));
+  SS_ASSIGN_OR_FAIL(Guarded g_cache,
+                    UploadF(cuda_.get(), RandomValues(blocks * bs * row, 6, act()), act(), {blocks, bs, 1, row}));
+  SS_ASSIGN_OR_FAIL(Guarded g_slots, UploadI(cuda_.get(), slots, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_pos, UploadI(cuda_.get(), positions, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_seq, UploadI(cuda_.get(), token_seq, {n}));
+  SS_ASSIGN_OR_FAIL(Guarded g_tab, UploadI(cuda_.get(), tables, {seqs, max_blocks}));
+  SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda_.get(), act(), {n, 2 * 16}));
+  SS_ASSERT_OK(cuda_->MlaAttention(&g_out.t, g_qn.t, g_qp.t, g_c.t, g_kp.t, g_b.t, &g_cache.t, g_slots.t, g_pos.t,
+                                   g_seq.t, g_tab.t, 0.2f, shape));
+  const absl::Status sync = cuda_->Synchronize();
+  EXPECT_TRUE(absl::IsInvalidArgument(sync)) << sync;
+  EXPECT_NE(std::string(sync.message()).find("Attention"), std::string::npos) << sync;
+  EXPECT_NE(std::string(sync.message()).find("CacheWrite"), std::string::npos) << sync;
+  SS_ASSERT_OK(cuda_->Synchronize());  // reported once, then cleared
+  SS_READ_F(out, cuda_.get(), g_out);  // also checks the guards
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_TRUE(std::isfinite(out[i])) << "element " << i;
+  for (int64_t t : {2, 3}) {
+    for (int64_t j = 0; j < 2 * 16; ++j) ASSERT_EQ(out[t * 2 * 16 + j], 0.0f) << "token " << t;
+  }
+  // q_nope one head short: refused before any launch, naming the op.
+  const uint64_t launches = cuda_->kernel_launches();
+  const absl::Status bad = cuda_->MlaAttention(&g_out.t, g_qp.t, g_qp.t, g_c.t, g_kp.t, g_b.t, &g_cache.t, g_slots.t,
+                                               g_pos.t, g_seq.t, g_tab.t, 0.2f, shape);
+  EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+  EXPECT_NE(std::string(bad.message()).find("MlaAttention"), std::string::npos) << bad;
+  EXPECT_EQ(cuda_->kernel_launches(), launches);
 }
 
 TEST_P(CudaChecks, CacheWriteBadSlotIsReported) {

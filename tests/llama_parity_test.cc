@@ -230,12 +230,6 @@ class FixtureTest : public ::testing::TestWithParam<FixtureOnEngine> {
  protected:
   void SetUp() override {
     if (std::string why = MissingEngine(engine()); !why.empty()) GTEST_SKIP() << why;
-    // A family the CUDA backend cannot run yet: ModelShard::Load refuses it there, by name
-    // (checkpoint_test's CpuOnlyFamiliesAreRefusedOnADeviceBackend checks the refusal).
-    if (engine() != Engine::kCpu && engine() != Engine::kCpuBf16Products) {
-      absl::StatusOr<ModelConfig> config = LoadModelConfig(kFixtures / name());
-      if (config.ok() && !CpuOnlyReason(*config).empty()) GTEST_SKIP() << "refused on CUDA: " << CpuOnlyReason(*config);
-    }
   }
   const std::string& name() const { return std::get<0>(GetParam()); }
   Engine engine() const { return std::get<1>(GetParam()); }

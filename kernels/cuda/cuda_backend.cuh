@@ -206,8 +206,14 @@ class CudaBackend final : public Backend {
   absl::Status Attention(Tensor* out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                          const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables,
                          float scale, const AttentionOptions& options) override;
+  // mla_attention.cu.
+  absl::Status MlaAttention(Tensor* out, const Tensor& q_nope, const Tensor& q_pe, const Tensor& kv_c,
+                            const Tensor& k_pe, const Tensor& kv_b, Tensor* cache, const Tensor& slots,
+                            const Tensor& positions, const Tensor& token_seq, const Tensor& block_tables, float scale,
+                            const MlaShape& shape) override;
   absl::Status SiluMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
   absl::Status GeluTanhMul(Tensor* out, const Tensor& gate, const Tensor& up) override;
+  absl::Status ClampedSwiGlu(Tensor* out, const Tensor& gate, const Tensor& up, float alpha, float limit) override;
   absl::Status Scale(Tensor* out, const Tensor& x, float factor) override;
   absl::Status Softcap(Tensor* x, float cap) override;
   // One dense GEMV launch with options_.fused_kernels where MatMuls would take one for the two

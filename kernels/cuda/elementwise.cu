@@ -44,6 +44,22 @@ __global__ void GatedMulKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* u
   }
 }
 
+// gpt-oss's clamped SwiGLU (Backend::ClampedSwiGlu), in the CPU backend's order and with its
+// clamps' NaN behaviour (std::min / std::clamp keep a NaN input): g = min(gate, limit),
+// u = clamp(up, -limit, limit), out = (u + 1) * (g * sigmoid(g * alpha)), rounded to T once.
+template <typename T>
+__global__ void ClampedSwiGluKernel(T* out /*[n]*/, const T* gate /*[n]*/, const T* up /*[n]*/, float alpha, float limit,
+                                    int64_t n) {
+  WaitForPriorKernels();  // CudaBackend::Launch
+  GRID_STRIDE_LOOP(i, n) {
+    const float g0 = ToFloat(gate[i]), u0 = ToFloat(up[i]);
+    const float g = limit < g0 ? limit : g0;
+    const float u = u0 < -limit ? -limit : (limit < u0 ? limit : u0);
+    const float glu = g * (1.0f / (1.0f + expf(-(g * alpha))));
+    out[i] = FromFloat<T>((u + 1.0f) * glu);
+  }
+}
+
 template <typename T>
 __global__ void ScaleKernel(T* out /*[n]*/, const T* x /*[n]*/, float factor, int64_t n) {
   WaitForPriorKernels();  // CudaBackend::Launch
@@ -432,6 +448,27 @@ absl::Status CudaBackend::GatedMul(const char* op, bool gelu_tanh, Tensor* out, 
     }
     return Launch("SiluMulKernel", GatedMulKernel<T, false>, grid, kElementwiseThreads, out->as<T>(),
                   gate.as<const T>(), up.as<const T>(), count);
+  });
+}
+
+absl::Status CudaBackend::ClampedSwiGlu(Tensor* out, const Tensor& gate, const Tensor& up, float alpha, float limit) {
+  constexpr const char* kOp = "ClampedSwiGlu";
+  if (out == nullptr) return Invalid(kOp, "out is null", {{"gate", &gate}, {"up", &up}});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"gate", &gate}, {"up", &up}};
+  if (!Is(*out, 2, act_) || !Is(gate, 2, act_) || !Is(up, 2, act_)) {
+    return Invalid(kOp, absl::StrCat("expected out, gate, up [n, f] ", DTypeName(act_)), all);
+  }
+  if (!SameShape(*out, gate) || !SameShape(*out, up)) return Invalid(kOp, "shapes do not match", all);
+  if (!(alpha > 0.0f) || std::isinf(alpha) || !(limit > 0.0f) || std::isinf(limit)) {
+    return Invalid(kOp, absl::StrCat("alpha (", alpha, ") and limit (", limit, ") must be finite and > 0"), all);
+  }
+  const int64_t count = out->numel();
+  if (count == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    return Launch("ClampedSwiGluKernel", ClampedSwiGluKernel<T>, GridFor(count, kElementwiseThreads),
+                  kElementwiseThreads, out->as<T>(), gate.as<const T>(), up.as<const T>(), alpha, limit, count);
   });
 }
 

@@ -34,18 +34,6 @@ KvCacheLayout LayerKvCacheLayout(const ModelConfig& config, const TpShard& shard
 
 }  // namespace
 
-std::string CpuOnlyReason(const ModelConfig& config) {
-  if (config.mla()) {
-    return absl::StrCat(config.architecture_name, "'s multi-head latent attention runs on the CPU backend only; the "
-                        "CUDA kernels for it are not written yet (docs/gpu.md)");
-  }
-  if (config.swiglu_limit > 0) {
-    return absl::StrCat(config.architecture_name, "'s experts (biases and the clamped SwiGLU) run on the CPU backend "
-                        "only; the CUDA kernel for them is not written yet (docs/gpu.md)");
-  }
-  return "";
-}
-
 absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource& ckpt, const ModelConfig& config,
                                                              const ShardSpec& spec, const StepLimits& opt,
                                                              Backend* backend, Communicator* tp) {
@@ -56,9 +44,6 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   m->first_layer_ = spec.first_layer;
   m->end_layer_ = spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
   SHARDSERVE_RETURN_IF_ERROR(CheckShard(config, spec, opt));
-  if (std::string why = CpuOnlyReason(config); !why.empty() && backend->device_kind() != DeviceKind::kCpu) {
-    return absl::UnimplementedError(why);
-  }
   if (tp->size() != spec.tp_size || tp->rank() != spec.tp_rank) {
     return absl::InvalidArgumentError(absl::StrCat("shard is TP rank ", spec.tp_rank, " of ", spec.tp_size,
                                                    " but the communicator is rank ", tp->rank(), " of ", tp->size()));
@@ -189,6 +174,8 @@ std::string ModelShard::GpuPathsNotYetRun() const {
       break;
     }
   }
+  if (config_.mla()) paths.push_back("multi-head latent attention");
+  if (config_.swiglu_limit > 0) paths.push_back("gpt-oss's clamped SwiGLU");
   if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
   for (const DeviceRope& rope : rope_) {
     if (rope.options.rotary_dim < config_.head_dim || rope.options.attention_factor != 1.0f ||

@@ -32,10 +32,6 @@
 
 namespace shardserve {
 
-// Why `config`'s model runs on the CPU backend only (what ModelShard::Load on another backend refuses
-// it with, Unimplemented): DeepSeek-V3's latent attention, gpt-oss's experts. Empty for the others.
-std::string CpuOnlyReason(const ModelConfig& config);
-
 class ModelShard {
  public:
   // Loads this shard's slice of the weights (a Checkpoint, or DummyWeights) in the backend's
