@@ -80,6 +80,10 @@ std::string EscapeCodePoint(uint32_t cp, bool in_class) {
 }  // namespace
 
 std::string CharClassGbnf(const CharClass& c) {
+  // A special token's class (<[id]>), as the parser reads it
+  if (c.ranges.size() == 1 && c.ranges[0].first == c.ranges[0].second && c.ranges[0].first >= kSpecialTokenBase) {
+    return absl::StrCat("<[", c.ranges[0].first - kSpecialTokenBase, "]>");
+  }
   std::string out = "[";
   for (auto [lo, hi] : c.ranges) {
     out += EscapeCodePoint(lo, true);
@@ -451,6 +455,22 @@ class GbnfParser {
           g_->rules[r].alternatives = std::move(alternatives);
           atom.push_back({Element::Kind::kRule, r});
         }
+      } else if (c == '<' && pos_ + 1 < text_.size() && text_[pos_ + 1] == '[') {
+        // <[ID]>: special token ID (a chat format's marker; grammar/utf8.h), as llama.cpp writes it
+        pos_ += 2;
+        int64_t id = 0;
+        const size_t digits = pos_;
+        while (pos_ < text_.size() && isdigit(static_cast<unsigned char>(text_[pos_])) && id <= kMaxSpecialTokenId) {
+          id = id * 10 + (text_[pos_++] - '0');
+        }
+        if (pos_ == digits) return ErrorAt(at, "expected a token id after <[");
+        if (id > kMaxSpecialTokenId) return ErrorAt(at, absl::StrCat("token id past ", kMaxSpecialTokenId));
+        if (pos_ + 1 >= text_.size() || text_[pos_] != ']' || text_[pos_ + 1] != '>') {
+          return ErrorAt(at, "expected ]> after <[ and a token id");
+        }
+        pos_ += 2;
+        const uint32_t cp = SpecialTokenCodePoint(static_cast<int32_t>(id));
+        atom.push_back({Element::Kind::kClass, builder_.Class(CharClass{{{cp, cp}}})});
       } else if (NameChar(c)) {
         const std::string name = Name();
         atom.push_back({Element::Kind::kRule, RuleIndex(name, at)});

@@ -32,7 +32,7 @@
 //    subtrees pruned at the first byte they fail (each prefix's end in the sorted strings is
 //    precomputed, and a byte is tested against the bytes the stacks can read before any step).
 //    A matcher keeps the left-over tokens it found for each stack top, so a top met again (every
-//    character of a JSON string) costs an OR. Special tokens are never allowed; the end of
+//    character of a JSON string) costs an OR. Special tokens are allowed only where a grammar names them (<[ID]>); the end of
 //    sequence token(s) only where the root rule may end.
 //
 // Threading: a Grammar and a CompiledGrammar are immutable once built, and shared freely between
@@ -100,7 +100,9 @@ absl::Status ValidateGrammar(const Grammar& grammar);
 
 // GBNF as llama.cpp writes it (grammars/README.md there): `name ::= alternatives`, "literals" and
 // [classes] with \n \t \r \\ \" \] \xHH \uHHHH \UHHHHHHHH escapes, [^...] negation, `.` any
-// character, ( ) groups, * + ? {m} {m,} {m,n} quantifiers, # comments. The start rule is `root`
+// character, ( ) groups, * + ? {m} {m,} {m,n} quantifiers, # comments, and <[ID]> for special
+// token ID (llama.cpp's token syntax: a chat format's marker such as gpt-oss's <|channel|>, which
+// no text can spell; grammar/utf8.h). The start rule is `root`
 // unless `root_rule` names another. Differences: a rule may continue on the next line anywhere
 // (llama.cpp ends a rule at a newline outside parentheses); a rule with left recursion is an
 // error (llama.cpp's too). Errors name the line and column.

@@ -50,7 +50,16 @@ TokenizerInfo::TokenizerInfo(std::vector<std::string> token_bytes, const std::ve
   for (int32_t id = 0; id < n; ++id) {
     const bool is_special = id < static_cast<int32_t>(special.size()) && special[id];
     const bool is_eos = std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
-    if (is_special || is_eos || token_bytes_[id].empty()) continue;
+    if (is_eos) continue;
+    if (is_special) {
+      // Read as its own "character" (utf8.h), which only a grammar naming it (<[id]>) allows.
+      if (id > kMaxSpecialTokenId) continue;
+      token_bytes_[id] = SpecialTokenBytes(id);
+    } else if (token_bytes_[id].empty() ||
+               std::any_of(token_bytes_[id].begin(), token_bytes_[id].end(),
+                           [](char c) { return static_cast<uint8_t>(c) >= 0xF5; })) {
+      continue;  // no valid UTF-8 holds such a byte; it would begin a special token's bytes
+    }
     allowed_ever_[id] = 1;
     order.push_back(id);
   }
@@ -255,7 +264,7 @@ struct Machine {
         value = b & 0x1F, remaining = 1, length = 2;
       } else if (b >= 0xE0 && b <= 0xEF) {
         value = b & 0x0F, remaining = 2, length = 3;
-      } else if (b >= 0xF0 && b <= 0xF4) {
+      } else if (b >= 0xF0 && b <= 0xF7) {  // 0xF5-0xF7: special tokens only (utf8.h)
         value = b & 0x07, remaining = 3, length = 4;
       } else {
         return Match::kFail;
@@ -269,7 +278,7 @@ struct Machine {
     // Code points this prefix can still become, within the ones its length encodes.
     static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
     const uint32_t lo = std::max(value << (6 * remaining), kMin[length]);
-    const uint32_t hi = std::min((value << (6 * remaining)) | ((1u << (6 * remaining)) - 1), kMaxCodePoint);
+    const uint32_t hi = std::min((value << (6 * remaining)) | ((1u << (6 * remaining)) - 1), kMaxEncodable);
     if (lo > hi || !classes[cls].Intersects(lo, hi)) return Match::kFail;
     if (remaining == 0) return Match::kComplete;
     *next = PackPartial(value, remaining, length);

@@ -61,8 +61,10 @@ struct SortedStrings {
 // A tokenizer's vocabulary as the grammar engine needs it: the bytes of each token, sorted once.
 class TokenizerInfo {
  public:
-  // token_bytes[id]: the bytes token `id` adds to the text. special[id] (or an empty byte string):
-  // a token the grammar never allows. eos_ids: the tokens allowed where the grammar may end.
+  // token_bytes[id]: the bytes token `id` adds to the text. special[id]: a special token, allowed
+  // only where the grammar names it (<[id]>; its bytes are then SpecialTokenBytes(id), grammar/utf8.h).
+  // A token of text with an empty byte string or a byte of 0xF5 or more (no valid UTF-8 holds one)
+  // is never allowed. eos_ids: the tokens allowed where the grammar may end.
   // vocab_size >= token_bytes.size(): the model's vocabulary (ids past the tokenizer's never allowed).
   TokenizerInfo(std::vector<std::string> token_bytes, const std::vector<bool>& special, std::vector<int32_t> eos_ids,
                 int32_t vocab_size);

@@ -18,6 +18,7 @@
 #include "grammar/grammar.h"
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
+#include "grammar/utf8.h"
 #include "gtest/gtest.h"
 #include "coordinator/model/structured_output.h"
 #include "tests/slow_schema.h"
@@ -443,6 +444,59 @@ TEST(MaskTest, SpecialTokensNeverAndEosOnlyAtTheEnd) {
   EXPECT_TRUE(m.IsTerminated());
   EXPECT_TRUE(Allowed(m, vocab->vocab_size()).empty());
   EXPECT_FALSE(m.AcceptBytes("c"));
+}
+
+// A special token is allowed exactly where the grammar names it (<[id]>): not in a negated class or
+// `.`, not where another special is named; text tokens whose bytes would spell a special token's
+// (a byte of 0xF5 or more, which no valid UTF-8 holds) are never allowed; masks equal the
+// brute-force sets along random walks, and AcceptBytes never reads text as a special token.
+TEST(MaskTest, SpecialTokensOnlyWhereTheGrammarNamesThem) {
+  std::vector<std::string> tokens = {"a", "b", "ab", "x", " ", "\xF5", "\xF5\x80\x80\x80", "\x80\x80\x80", "\xC3\xA9"};
+  const int32_t first_special = static_cast<int32_t>(tokens.size());
+  tokens.insert(tokens.end(), {"<|channel|>", "<|message|>", "<|other|>", ""});  // the last: EOS
+  std::vector<bool> special(tokens.size(), false);
+  special[first_special] = special[first_special + 1] = special[first_special + 2] = true;
+  const int32_t channel = first_special, message = first_special + 1, other = first_special + 2;
+  const int32_t eos = static_cast<int32_t>(tokens.size()) - 1;
+  const auto vocab = std::make_shared<const TokenizerInfo>(tokens, special, std::vector<int32_t>{eos},
+                                                           static_cast<int32_t>(tokens.size()));
+  const std::string gbnf = absl::StrCat("root ::= \"a\" <[", channel, "]> [^x]* <[", message, "]> (\"b\" | .)+");
+  absl::StatusOr<Grammar> g = ParseGbnf(gbnf);
+  ASSERT_TRUE(g.ok()) << g.status();
+  auto compiled = CompileOrDie(g, vocab);
+  ASSERT_NE(compiled, nullptr);
+  GrammarMatcher m(compiled);
+  EXPECT_EQ(Allowed(m, vocab->vocab_size()), std::vector<int32_t>{0});  // "a" ("ab" is not followed by the special)
+  ASSERT_TRUE(m.AcceptToken(0));
+  EXPECT_EQ(Allowed(m, vocab->vocab_size()), std::vector<int32_t>{channel});
+  EXPECT_FALSE(m.AcceptBytes("\xF5\x80\x80\x80"));  // text never reads as a special token
+  ASSERT_TRUE(m.AcceptToken(channel));
+  // [^x]*: text but "x", and the next special; never another special or the raw bytes
+  EXPECT_EQ(Allowed(m, vocab->vocab_size()), (std::vector<int32_t>{0, 1, 2, 4, 8, message}));
+  ASSERT_TRUE(m.AcceptToken(8));
+  ASSERT_TRUE(m.AcceptToken(message));
+  // ("b" | .)+: `.` holds no special token
+  EXPECT_EQ(Allowed(m, vocab->vocab_size()), (std::vector<int32_t>{0, 1, 2, 3, 4, 8}));
+  EXPECT_FALSE(m.AcceptToken(other));
+  ASSERT_TRUE(m.AcceptToken(1));
+  ASSERT_TRUE(m.AcceptToken(eos));
+  EXPECT_TRUE(m.IsTerminated());
+  ExpectBruteForceMasks({ParseGbnf(gbnf), ParseGbnf(absl::StrCat("root ::= (<[", other, "]> | \"x\")* <[", message,
+                                                                 "]>"))},
+                        vocab, /*walks=*/6, /*steps=*/12);
+  // Grammars without <[id]> allow no special token, as before.
+  GrammarMatcher plain(CompileOrDie(ParseGbnf("root ::= .*"), vocab));
+  for (int32_t id : Allowed(plain, vocab->vocab_size())) EXPECT_FALSE(special[id] || id == 5 || id == 6) << id;
+}
+
+TEST(GbnfTest, SpecialTokenSyntax) {
+  absl::StatusOr<Grammar> g = ParseGbnf("root ::= <[7]> \"a\"");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(CharClassGbnf(CharClass{{{SpecialTokenCodePoint(7), SpecialTokenCodePoint(7)}}}), "<[7]>");
+  for (const char* bad : {"root ::= <[]>", "root ::= <[12", "root ::= <[12]", "root ::= <[99999999]>"}) {
+    EXPECT_FALSE(ParseGbnf(bad).ok()) << bad;
+  }
+  EXPECT_NE(std::string(ParseGbnf("root ::= <[99999999]>").status().message()).find("token id past"), std::string::npos);
 }
 
 TEST(MaskTest, RollbackRestoresMasks) {

@@ -47,7 +47,7 @@ inline constexpr size_t kStructuredCacheEntries = 64;
 inline constexpr absl::Duration kDefaultGrammarCompileTimeout = absl::Seconds(30);
 
 // The grammar engine's vocabulary from `tokenizer`: each token's raw bytes (Tokenizer::TokenBytes);
-// special tokens never allowed; `eos_ids` allowed where a grammar may end; ids up to `vocab_size`
+// special tokens allowed only where a grammar names them (<[id]>); `eos_ids` allowed where a grammar may end; ids up to `vocab_size`
 // (the logits' width, at least the tokenizer's) of which those past the tokenizer's never allowed.
 std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, std::vector<int32_t> eos_ids,
                                                            int32_t vocab_size);
