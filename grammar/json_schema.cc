@@ -131,11 +131,13 @@ std::string IntegerRange(std::optional<int64_t> lo, std::optional<int64_t> hi) {
 
 class SchemaWriter {
  public:
-  explicit SchemaWriter(const Json& root) : root_(root) {}
+  // Helper rules are named `prefix` and a counter.
+  explicit SchemaWriter(const Json& root, std::string prefix = "") : root_(root), prefix_(std::move(prefix)) {}
 
-  absl::StatusOr<std::string> Write() {
+  // `root_name ::= ...`, then the shared JSON rules (kBasics) when `basics`, then the helpers.
+  absl::StatusOr<std::string> Write(std::string_view root_name = "root", bool basics = true) {
     SHARDSERVE_ASSIGN_OR_RETURN(std::string body, Visit(root_, "", 0));
-    std::string out = absl::StrCat("root ::= ", body, "\n", kBasics);
+    std::string out = absl::StrCat(std::string(root_name), " ::= ", body, "\n", basics ? kBasics : "");
     for (const auto& [name, rule] : rules_) absl::StrAppend(&out, name, " ::= ", rule, "\n");
     return out;
   }
@@ -147,7 +149,7 @@ class SchemaWriter {
 
   // A rule named after `hint`, holding `body`; returns its name.
   std::string AddRule(const std::string& hint, std::string body) {
-    const std::string name = absl::StrCat("s", rules_.size(), "-", hint);
+    const std::string name = absl::StrCat(prefix_, "s", rules_.size(), "-", hint);
     rules_[name] = std::move(body);
     return name;
   }
@@ -168,7 +170,7 @@ class SchemaWriter {
       }
     }
     if (target == nullptr) return Error(path, absl::StrCat("$ref \"", ref, "\" does not name \"#\", #/$defs/NAME or #/definitions/NAME of this schema"));
-    const std::string name = absl::StrCat("ref", refs_.size());
+    const std::string name = absl::StrCat(prefix_, "ref", refs_.size());
     refs_[ref] = name;  // before the visit: a recursive reference finds it
     SHARDSERVE_ASSIGN_OR_RETURN(std::string body, Visit(*target, ref.substr(1), depth + 1));
     rules_[name] = body;
@@ -472,20 +474,33 @@ class SchemaWriter {
   }
 
   const Json& root_;
+  const std::string prefix_;
   std::map<std::string, std::string> rules_;
   std::map<std::string, std::string> refs_;
   int64_t visits_ = 0;
 };
 
-}  // namespace
-
-absl::StatusOr<std::string> JsonSchemaToGbnf(std::string_view schema_json) {
+absl::StatusOr<Json> ParseSchema(std::string_view schema_json) {
   if (schema_json.size() > static_cast<size_t>(kMaxInputBytes)) {
     return absl::InvalidArgumentError(absl::StrCat("the JSON Schema is longer than ", kMaxInputBytes, " bytes"));
   }
-  SHARDSERVE_ASSIGN_OR_RETURN(Json schema, ParseJson<Json>(schema_json, "the JSON Schema", kMaxNesting));
+  return ParseJson<Json>(schema_json, "the JSON Schema", kMaxNesting);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> JsonSchemaToGbnf(std::string_view schema_json) {
+  SHARDSERVE_ASSIGN_OR_RETURN(Json schema, ParseSchema(schema_json));
   return SchemaWriter(schema).Write();
 }
+
+absl::StatusOr<std::string> JsonSchemaToGbnfRules(std::string_view schema_json, std::string_view root_name,
+                                                  std::string_view prefix) {
+  SHARDSERVE_ASSIGN_OR_RETURN(Json schema, ParseSchema(schema_json));
+  return SchemaWriter(schema, std::string(prefix)).Write(root_name, /*basics=*/false);
+}
+
+std::string JsonSharedGbnf() { return kBasics; }
 
 absl::StatusOr<Grammar> GrammarFromJsonSchema(std::string_view schema_json) {
   SHARDSERVE_ASSIGN_OR_RETURN(std::string gbnf, JsonSchemaToGbnf(schema_json));

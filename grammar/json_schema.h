@@ -29,6 +29,13 @@ namespace shardserve::grammar {
 // GBNF text (root rule `root`) of the instances of `schema_json`.
 absl::StatusOr<std::string> JsonSchemaToGbnf(std::string_view schema_json);
 absl::StatusOr<Grammar> GrammarFromJsonSchema(std::string_view schema_json);
+// For a grammar that joins several schemas (a chat format's calls, one schema a tool): the rule
+// `root_name` of `schema_json`'s instances and its helper rules (named `prefix` and a counter),
+// without the JSON rules every schema shares (json-string, json-value, ...), which
+// JsonSharedGbnf() gives once.
+absl::StatusOr<std::string> JsonSchemaToGbnfRules(std::string_view schema_json, std::string_view root_name,
+                                                  std::string_view prefix);
+std::string JsonSharedGbnf();
 // Any JSON value (the OpenAI API's json_object response format), compact.
 absl::StatusOr<Grammar> GrammarForAnyJson();
 

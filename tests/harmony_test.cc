@@ -2,7 +2,11 @@
 // calls, whole and streamed (in random pieces, split at every byte, a byte at a time, with calls
 // whole or in pieces) giving the same; bad output (misplaced markers, unknown channels, a message
 // cut short) defined and kept; the parser's names and its detection in a chat template.
+#include <algorithm>
+#include <memory>
 #include <optional>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -10,6 +14,9 @@
 #include "coordinator/api/openai/protocol.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
+#include "grammar/grammar.h"
+#include "grammar/matcher.h"
+#include "nlohmann/json.hpp"
 #include "gtest/gtest.h"
 #include "tests/output_chunkings.h"
 
@@ -211,6 +218,111 @@ TEST(HarmonyParserTest, OutputSplitter) {
   const OutputSplit s = calls.Add("<|channel|>commentary to=functions.f json<|message|>{\"a\": 1}", true);
   EXPECT_EQ(s.calls, (Calls{{"f", R"({"a":1})"}}));
   EXPECT_EQ(ChatFinishReason(v1::FINISH_REASON_STOP_TOKEN, !s.calls.empty()), std::string("tool_calls"));
+}
+
+// tool_choice "required" and named under harmony (HarmonyForcedToolConstraint): the grammar, over a
+// vocabulary with harmony's markers as special tokens, first allows <|channel|> alone, and every
+// random walk of it (a token drawn among those allowed until the end, <|call|> as EOS) is one call
+// the harmony parser reads, to one of the request's tools, with arguments valid under its schema.
+// A schema the grammar engine refuses is an error naming tool_choice.
+TEST(HarmonyForcedCallTest, TheGrammarWritesOneCallTheParserReads) {
+  std::vector<std::string> tokens;
+  for (char c = ' '; c <= '~'; ++c) tokens.push_back(std::string(1, c));
+  for (const char* t : {"commentary", " to", "=", "functions", ".", "get_weather", "json", "{\"", "\":", "\",\"", "city",
+                        "days", "Paris", "\"}", "1", "7", "}", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>",
+                        "<|call|>"}) {
+    tokens.push_back(t);
+  }
+  const auto id_of = [&](const std::string& t) {
+    return static_cast<int32_t>(std::find(tokens.begin(), tokens.end(), t) - tokens.begin());
+  };
+  std::vector<bool> special(tokens.size(), false);
+  std::vector<std::string> bytes = tokens;
+  for (const char* t : {"<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>"}) {
+    special[id_of(t)] = true;
+    bytes[id_of(t)] = "";
+  }
+  const int32_t call = id_of("<|call|>");
+  const auto vocab = std::make_shared<const grammar::TokenizerInfo>(bytes, special, std::vector<int32_t>{call},
+                                                                    static_cast<int32_t>(tokens.size()));
+  const HarmonyMarkers markers{.channel = id_of("<|channel|>"), .constrain = id_of("<|constrain|>"),
+                               .message = id_of("<|message|>")};
+  const std::string tools = R"("tools": [
+      {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"]}}},
+      {"type": "function", "function": {"name": "now"}}])";
+  for (const std::string choice : {R"("required")", R"({"type": "function", "function": {"name": "get_weather"}})"}) {
+    SCOPED_TRACE(choice);
+    absl::StatusOr<Request> r = ParseRequest(
+        Endpoint::kChatCompletions,
+        absl::StrCat(R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], )", tools,
+                     R"(, "tool_choice": )", choice, "}"));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(HarmonyForcedToolConstraint(&*r, markers).ok());
+    EXPECT_EQ(r->constraint_field, "tool_choice");
+    ASSERT_TRUE(r->sampling.structured_output().has_grammar());
+    absl::StatusOr<grammar::Grammar> g = grammar::ParseGbnf(r->sampling.structured_output().grammar());
+    ASSERT_TRUE(g.ok()) << g.status() << "\n" << r->sampling.structured_output().grammar();
+    absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled = grammar::CompiledGrammar::Compile(*g, vocab);
+    ASSERT_TRUE(compiled.ok()) << compiled.status();
+    std::set<std::string> names;
+    for (uint32_t seed = 0; seed < 40; ++seed) {
+      grammar::GrammarMatcher m(*compiled);
+      std::mt19937 rng(seed);
+      std::string text;
+      std::vector<uint32_t> mask(m.mask_words());
+      for (int step = 0; !m.IsTerminated(); ++step) {
+        ASSERT_LT(step, 400) << "the walk did not end: " << text;
+        m.FillNextTokenBitmask(mask.data());
+        std::vector<int32_t> allowed;
+        for (int32_t id = 0; id < static_cast<int32_t>(tokens.size()); ++id) {
+          if ((mask[id / 32] >> (id % 32)) & 1) allowed.push_back(id);
+        }
+        ASSERT_FALSE(allowed.empty()) << text;
+        if (step == 0) EXPECT_EQ(allowed, std::vector<int32_t>{markers.channel});
+        // End as soon as the grammar allows it half the time; else any other allowed token.
+        const bool end = std::find(allowed.begin(), allowed.end(), call) != allowed.end() && (allowed.size() == 1 || rng() % 2);
+        std::erase(allowed, call);
+        const int32_t pick = end ? call : allowed[rng() % allowed.size()];
+        ASSERT_TRUE(m.AcceptToken(pick));
+        text += tokens[pick];
+      }
+      OutputSplitter splitter(false, false, ToolCallFormat::kHarmony, 1);
+      const OutputSplit split = splitter.Add(text, true);
+      ASSERT_EQ(split.calls.size(), 1u) << text;
+      EXPECT_EQ(split.content, "") << text;
+      EXPECT_EQ(split.reasoning, "") << text;
+      const ToolCall& c = split.calls[0];
+      names.insert(c.name);
+      if (c.name == "get_weather") {
+        const nlohmann::json args = nlohmann::json::parse(c.arguments, nullptr, false);
+        ASSERT_TRUE(args.is_object()) << text;
+        ASSERT_TRUE(args.contains("city") && args["city"].is_string() && args["city"].get<std::string>().size() <= 8) << text;
+        ASSERT_TRUE(args.contains("days") && args["days"].is_number_integer()) << text;
+        EXPECT_GE(args["days"].get<int>(), 1);
+        EXPECT_LE(args["days"].get<int>(), 7);
+      } else {
+        // any object ({"type": "object"}): its numbers may be past a double's range, which the
+        // JSON grammar allows and nlohmann refuses, so only its shape is checked
+        EXPECT_EQ(c.name, "now") << text;
+        EXPECT_TRUE(c.arguments.starts_with("{") && c.arguments.ends_with("}")) << text;
+      }
+    }
+    if (choice == R"("required")") {
+      EXPECT_EQ(names, (std::set<std::string>{"get_weather", "now"}));
+    } else {
+      EXPECT_EQ(names, std::set<std::string>{"get_weather"});
+    }
+  }
+  absl::StatusOr<Request> bad = ParseRequest(
+      Endpoint::kChatCompletions,
+      R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+          {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]})");
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  const absl::Status refused = HarmonyForcedToolConstraint(&*bad, markers);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_EQ(ParamOf(refused), "tool_choice") << refused;
 }
 
 // vLLM's names for gpt-oss's parsers, and a chat template that writes harmony.

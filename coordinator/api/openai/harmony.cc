@@ -5,6 +5,9 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "grammar/grammar.h"
+#include "grammar/json_schema.h"
 
 namespace shardserve::openai {
 namespace {
@@ -133,6 +136,35 @@ void EndArguments(ArgumentsStream* stream, absl::string_view body, std::string* 
 }
 
 }  // namespace
+
+std::optional<HarmonyMarkers> HarmonyMarkersOf(const Tokenizer& tokenizer) {
+  HarmonyMarkers m;
+  for (auto [text, id] : {std::pair{kChannel, &m.channel}, {kConstrain, &m.constrain}, {kMessage, &m.message}}) {
+    const std::optional<int32_t> found = tokenizer.TokenToId(std::string_view(text.data(), text.size()));
+    if (!found.has_value() || !tokenizer.IsSpecial(*found)) return std::nullopt;
+    *id = *found;
+  }
+  return m;
+}
+
+absl::StatusOr<std::string> HarmonyCallGrammar(const std::vector<std::pair<std::string, std::string>>& tools,
+                                               const HarmonyMarkers& markers) {
+  if (tools.empty()) return absl::InvalidArgumentError("a forced call needs at least one tool");
+  std::string calls, rules;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const auto& [name, schema] = tools[i];
+    const std::string args = absl::StrCat("args", i);
+    absl::StatusOr<std::string> r = grammar::JsonSchemaToGbnfRules(schema, args, absl::StrCat("t", i, "-"));
+    if (!r.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("the parameters of tool \"", name, "\": ", r.status().message()));
+    }
+    absl::StrAppend(&rules, *r);
+    // commentary to=functions.NAME <|constrain|>json<|message|>ARGS
+    absl::StrAppend(&calls, i == 0 ? "" : " | ", grammar::GbnfLiteral(absl::StrCat("commentary to=functions.", name, " ")),
+                    " <[", markers.constrain, "]> \"json\" <[", markers.message, "]> ", args);
+  }
+  return absl::StrCat("root ::= <[", markers.channel, "]> (", calls, ")\n", rules, grammar::JsonSharedGbnf());
+}
 
 bool IsHarmonyTemplate(absl::string_view template_source) { return absl::StrContains(template_source, kChannel); }
 

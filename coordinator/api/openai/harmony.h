@@ -42,11 +42,15 @@
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_HARMONY_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_HARMONY_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "coordinator/tokenizer/tokenizer.h"
 #include "coordinator/api/openai/arguments_stream.h"
 #include "coordinator/api/openai/tool_calls.h"
 
@@ -101,6 +105,26 @@ class HarmonyParser {
 
 // The arguments of a call whose whole body is `body`, as the header above states.
 std::string HarmonyArguments(absl::string_view body);
+
+// The special tokens a forced call's grammar names (HarmonyCallGrammar): their ids in the model's
+// tokenizer.
+struct HarmonyMarkers {
+  int32_t channel = -1;    // <|channel|>
+  int32_t constrain = -1;  // <|constrain|>
+  int32_t message = -1;    // <|message|>
+};
+// From the model's tokenizer; nullopt unless each is one of its special tokens.
+std::optional<HarmonyMarkers> HarmonyMarkersOf(const Tokenizer& tokenizer);
+
+// tool_choice "required" or named under harmony: GBNF (grammar/grammar.h, the markers as <[id]>)
+// of one call as gpt-oss writes it, <|channel|>commentary to=functions.NAME <|constrain|>json
+// <|message|> and the arguments: NAME one of `tools` (name, its parameters schema as JSON text),
+// the arguments that schema's compact JSON. The analysis channel is left out: the call begins at
+// the first token, as a forced call does in the other formats, and generation ends where the
+// arguments may (gpt-oss's <|call|> is an end token). InvalidArgument when a schema is refused
+// (grammar/json_schema.h's message, naming the tool).
+absl::StatusOr<std::string> HarmonyCallGrammar(const std::vector<std::pair<std::string, std::string>>& tools,
+                                               const HarmonyMarkers& markers);
 
 }  // namespace shardserve::openai
 

@@ -383,6 +383,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     if (!format.ok()) return format.status();
     s->tool_format_ = *format;
   }
+  if (s->tool_format_ == ToolCallFormat::kHarmony && model->tokenizer != nullptr) {
+    s->harmony_markers_ = HarmonyMarkersOf(*model->tokenizer);
+  }
   if (options.reasoning_parser.empty()) {
     s->reasoning_format_ = ReasoningFormatOfTemplate(template_source);
   } else {
@@ -678,10 +681,18 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
     parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
     parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
-    const bool calls = request->tools.is_array() && !request->tools.empty() && request->tool_choice == ToolChoice::kAuto;
+    const bool forced = request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed;
+    // A forced call under harmony is written as harmony writes calls (HarmonyForcedToolConstraint)
+    // and parsed as harmony: one call, since gpt-oss's <|call|> ends the generation.
+    const bool harmony_forced = forced && tool_format_ == ToolCallFormat::kHarmony && harmony_markers_.has_value();
+    if (harmony_forced) {
+      if (absl::Status s = HarmonyForcedToolConstraint(&*request, *harmony_markers_); !s.ok()) return reject(s);
+    }
+    const bool calls = request->tools.is_array() && !request->tools.empty() &&
+                       (request->tool_choice == ToolChoice::kAuto || harmony_forced);
     if (calls) {
       parsing.tools = tool_format_;
-      parsing.max_calls = request->parallel_tool_calls ? kMaxToolCallsPerMessage : 1;
+      parsing.max_calls = request->parallel_tool_calls && !harmony_forced ? kMaxToolCallsPerMessage : 1;
     }
     if (tool_format_ == ToolCallFormat::kHarmony || reasoning_format_ == ReasoningFormat::kHarmony) {
       // Harmony is parsed whole (harmony.h), with or without tools; its calls only under the
@@ -691,7 +702,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       parsing.reasoning_inside = false;
       if (!calls || tool_format_ != ToolCallFormat::kHarmony) parsing.max_calls = 0;
     }
-    if (request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed) {
+    if (forced && !harmony_forced) {
       parsing.reasoning = false;  // the grammar makes the calls' JSON from the first token
       parsing.forced = request->tool_choice;
       parsing.forced_name = request->named_tool;

@@ -36,10 +36,12 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "coordinator/api/openai/harmony.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "coordinator/engine/engine.h"
@@ -123,6 +125,9 @@ class HttpServer {
   const HttpServerOptions options_;
   const int64_t created_;  // unix seconds: /v1/models' "created"
   ToolCallFormat tool_format_ = ToolCallFormat::kNone;      // set by Start
+  // Harmony's markers in the model's tokenizer (set by Start with the format harmony): forced calls
+  // are then written as harmony writes calls; without them, as JSON.
+  std::optional<HarmonyMarkers> harmony_markers_;
   ReasoningFormat reasoning_format_ = ReasoningFormat::kNone;  // set by Start
   std::unique_ptr<httplib::Server> http_;
   // The connection pool httplib made (new_task_queue), for ConnectionPolicy::crowded.

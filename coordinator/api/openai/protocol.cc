@@ -590,6 +590,21 @@ absl::Status ForcedToolConstraint(Request* r) {
 
 absl::Status InvalidField(absl::string_view field, absl::string_view what) { return FieldErrorStatus(field, what); }
 
+absl::Status HarmonyForcedToolConstraint(Request* r, const HarmonyMarkers& markers) {
+  if (r->tool_choice != ToolChoice::kRequired && r->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
+  std::vector<std::pair<std::string, std::string>> tools;
+  for (const Json& tool : r->tools) {
+    const std::string name = tool.at("function").at("name").get<std::string>();
+    if (r->tool_choice == ToolChoice::kNamed && name != r->named_tool) continue;
+    tools.emplace_back(name, ToolParameters(tool).dump(-1, ' ', false, Json::error_handler_t::replace));
+  }
+  absl::StatusOr<std::string> gbnf = HarmonyCallGrammar(tools, markers);
+  if (!gbnf.ok()) return InvalidField("tool_choice", gbnf.status().message());
+  r->constraint_field = "tool_choice";
+  r->sampling.mutable_structured_output()->set_grammar(*std::move(gbnf));
+  return absl::OkStatus();
+}
+
 std::string ParamOf(const absl::Status& status) {
   const std::optional<FieldError> error = FieldErrorOf(status);
   return error.has_value() ? error->field : std::string();

@@ -108,6 +108,12 @@ v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t
 absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint,
                                    absl::string_view constraint_field = "");
 
+// tool_choice "required" or named when the model writes gpt-oss's harmony format (`markers` its
+// special tokens): the request's constraint, the JSON array of calls every other format gets,
+// becomes the grammar of one call as harmony writes it (HarmonyCallGrammar: the named tool, or
+// one of the request's tools), so the output is parsed as harmony. An error names tool_choice.
+absl::Status HarmonyForcedToolConstraint(Request* r, const HarmonyMarkers& markers);
+
 // InvalidArgument "field: what" with field as its param.
 absl::Status InvalidField(absl::string_view field, absl::string_view what);
 // The field an error names, or empty.
