@@ -235,7 +235,9 @@ struct CompareOptions {
 };
 
 // Starts a local cluster for `layout`, runs `load` against it, reads its workers' facts and stops it.
-CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig load);
+// `round`: the how-manieth time the comparison runs this layout (1, 2, ...); its logs go to
+// log_dir/<layout>, then <layout>_2, ..., so that no round's logs overwrite another's.
+CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, LoadConfig load);
 
 // ---- Reporting (bench_report.cc) ----------------------------------------------------------------
 

@@ -138,7 +138,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   return l;
 }
 
-CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig load) {
+CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, LoadConfig load) {
   CompareRun out;
   out.layout = layout;
   if (layout.json) {
@@ -155,6 +155,7 @@ CompareRun RunLayout(const Layout& layout, const CompareOptions& o, LoadConfig l
   co.address = "127.0.0.1:0";  // the coordinator picks a free port: no clash with a cluster on 50051
   std::string dir_name = layout.name;
   std::replace(dir_name.begin(), dir_name.end(), '/', '_');
+  if (round > 1) absl::StrAppend(&dir_name, "_", round);
   co.log_dir = (fs::path(o.log_dir) / dir_name).string();
   co.metrics_port_base = 0;
   // /serial layouts run one micro-batch.

@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -369,9 +370,10 @@ int Run(const std::vector<std::string>& args) {
 
   std::vector<CompareRun> runs;
   bool all_ok = true;
+  std::map<std::string, int> rounds;  // of each layout so far
   for (const Layout& layout : layouts) {
     if (g_stop) break;
-    runs.push_back(RunLayout(layout, o, c));
+    runs.push_back(RunLayout(layout, ++rounds[layout.name], o, c));
     const CompareRun& r = runs.back();
     if (g_stop) break;
     if (!r.error.empty()) {
