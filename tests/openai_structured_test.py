@@ -4,7 +4,10 @@ weights are not trained: the grammar's token masks alone make the outputs valid)
 TP1 and TP2 x PP2: `chat.completions.parse` with a pydantic model, json_object, guided_json,
 guided_regex, guided_choice, guided_grammar, structured_outputs, tool_choice "required" and named
 (whole, and streamed: the arguments in several deltas as they are generated; tools whose
-parameters refer to their own $defs), and a constraint the engine cannot compile (400 naming the field). Every JSON
+parameters refer to their own $defs), and a constraint the engine cannot compile (400 naming the field).
+Then tool_choice "required" and named with the demo model made to write gpt-oss's harmony format
+(its tokenizer given harmony's markers as special tokens, a chat template writing <|channel|>):
+one call as harmony writes it, read into tool_calls, whole and streamed. Every JSON
 output is validated with `jsonschema`. Always stops the clusters it started.
 
 Run by CTest as: clients/python/setup-env.sh, then
@@ -253,6 +256,111 @@ class TP1(StructuredTest, unittest.TestCase):
 
 class TP2_PP2(StructuredTest, unittest.TestCase):
     LAYOUT = ["--nodes", "2", "--gpus-per-node", "2"]
+
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>"]
+
+
+def harmony_demo_model(dest: str) -> str:
+    """The demo model made to write gpt-oss's harmony format: the same weights, its tokenizer with
+    seven of its tokens (the highest ids that no merge uses) given up to harmony's markers as
+    special tokens, a chat template that writes <|channel|> (so the server reads harmony), and
+    <|call|> and <|return|> among the end tokens, as gpt-oss's generation_config.json has them."""
+    demo = os.path.join(ROOT, "models", MODEL)
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(demo, name), os.path.join(dest, name))
+    with open(os.path.join(demo, "tokenizer.json")) as f:
+        tok = json.load(f)
+    model = tok["model"]
+    merges = [m if isinstance(m, list) else m.split(" ") for m in model["merges"]]
+    used = {part for m in merges for part in m}
+    by_id = {i: t for t, i in model["vocab"].items()}
+    leaves = [i for i in sorted(by_id, reverse=True) if by_id[i] not in used and len(by_id[i]) > 1][:len(HARMONY_MARKERS)]
+    ids = {}
+    for marker, i in zip(HARMONY_MARKERS, leaves):
+        old = by_id[i]
+        merges = [m for m in merges if "".join(m) != old]
+        del model["vocab"][old]
+        model["vocab"][marker] = i
+        tok["added_tokens"].append({"id": i, "content": marker, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+        ids[marker] = i
+    model["merges"] = merges
+    with open(os.path.join(dest, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with open(os.path.join(demo, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    for marker, i in ids.items():
+        config["added_tokens_decoder"][str(i)] = {"content": marker, "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": True}
+    config["chat_template"] = (
+        "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+        "<|message|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+    with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(demo, "generation_config.json")) as f:
+        generation = json.load(f)
+    generation["eos_token_id"] = [1, ids["<|call|>"], ids["<|return|>"]]
+    with open(os.path.join(dest, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    return dest
+
+
+class Harmony(unittest.TestCase):
+    """tool_choice "required" and named with a model that writes gpt-oss's harmony format: the call
+    comes as harmony writes calls, read by the harmony parser into tool_calls (whole and streamed),
+    its arguments valid under the tool's schema, with the untrained demo weights."""
+
+    @classmethod
+    def setUpClass(cls):
+        grpc_port, http_port = free_ports(2)
+        cls.base = f"http://127.0.0.1:{http_port}"
+        model = os.path.join(tempfile.mkdtemp(prefix="shardserve-harmony-model-"), MODEL)  # served as MODEL
+        os.mkdir(model)
+        harmony_demo_model(model)
+        cls.launch = start_launch(
+            ["--model", model, "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port), "--nodes", "1",
+             "--gpus-per-node", "1"], cls.base, tempfile.mkdtemp(prefix="shardserve-harmony-"))
+        cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+
+    def chat(self, **kw):
+        return self.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, **kw)
+
+    def test_forced_calls_are_written_and_read_as_harmony(self):
+        by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for kw in (dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=1.0, seed=4)):
+            for choice, names in (({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+                                  ("required", set(by_name))):
+                r = self.chat(tools=TOOLS, tool_choice=choice, logprobs=True, **kw)
+                c = r.choices[0]
+                # harmony's layout, not the JSON array of the other formats
+                tokens = [t.token for t in c.logprobs.content]
+                self.assertEqual(tokens[0], "<|channel|>", tokens)
+                self.assertIn("<|message|>", tokens)
+                self.assertEqual(c.finish_reason, "tool_calls", c.message)
+                self.assertIsNone(c.message.content)
+                self.assertEqual(len(c.message.tool_calls), 1, c.message)
+                call = c.message.tool_calls[0]
+                self.assertIn(call.function.name, names)
+                jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+        # Streamed: the call begins once its header is complete, then its arguments.
+        chunks = list(self.chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                temperature=0, stream=True))
+        name, arguments = None, ""
+        for ch in chunks:
+            for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+                if tc.function.name:
+                    self.assertIsNone(name, "a second call")
+                    name = tc.function.name
+                arguments += tc.function.arguments or ""
+        self.assertEqual(name, "get_time")
+        jsonschema.validate(json.loads(arguments), TIME_TOOL["function"]["parameters"])
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        self.assertEqual(finish, ["tool_calls"])
 
 
 if __name__ == "__main__":
