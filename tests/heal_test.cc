@@ -6,6 +6,8 @@
 //   0), with a replacement process started for its node about 1 s later: the stream finishes with
 //   exactly the tokens of an undisturbed run, and the group serves under the next epoch.
 // - The same with seeded sampling (temperature, top-p, a repetition penalty): the same tokens.
+// - The same with speculative decoding (n-gram guesses, PP=2, the last stage killed): the same
+//   tokens, Hugging Face's.
 // - A SIGSTOPped worker: lost after its heartbeats stop. Let go on (SIGCONT) before a replacement
 //   came, it registers again and takes its slot back without reloading. Stopped again and
 //   replaced, its peer, stuck in a collective with it, fails that step, is not lost for it, and
@@ -326,6 +328,35 @@ TEST_F(HealTest, ExpertParallelRankKilledIsReplacedWithItsExperts) {
   EXPECT_EQ(run.tokens, reference.tokens) << cluster.Logs();
   EXPECT_EQ(cluster.Status().state(), "serving");
   EXPECT_GE(cluster.Status().epoch(), 2u);
+}
+
+// Speculative decoding across a heal (PP=2, n-gram guesses, docs/speculative-decoding.md): the last
+// stage, which samples and keeps each sequence's fed tokens for the rollbacks of rejected guesses,
+// is killed mid-stream and replaced; the stream resumes by recompute and finishes with the tokens of
+// an undisturbed run, which are Hugging Face's greedy ones, and guesses were made before and after.
+TEST_F(HealTest, SpeculatingGroupKeepsItsTokensAcrossAHeal) {
+  std::vector<std::string> flags = kPatientHeal;
+  flags.insert(flags.end(), {"--speculative", "ngram", "--num-speculative-tokens", "4"});
+  Cluster cluster({"llama3_rope", 2, 1, {"--debug-step-delay-ms", "20"}}, flags);
+  ASSERT_TRUE(cluster.Start());
+  const Golden golden = LoadGolden("llama3_rope");
+  const v1::GenerateRequest request = TokenRequest(golden.prompt, kTokens);
+  const Streamed reference = Generate(cluster.client(), request, std::chrono::seconds(120));
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  const size_t common = std::min(reference.tokens.size(), golden.greedy.size());
+  ASSERT_GT(common, 0u);
+  EXPECT_EQ(std::vector<int32_t>(reference.tokens.begin(), reference.tokens.begin() + common),
+            std::vector<int32_t>(golden.greedy.begin(), golden.greedy.begin() + common));
+  const double proposed = Sum(cluster.Metrics(), "shardserve_spec_proposed_tokens_total");
+  EXPECT_GT(proposed, 0) << "the undisturbed run made no guesses: the test would not speculate";
+  const HealMetrics before = ScrapeHealMetrics(cluster);
+  const StreamRun run = StreamWith(cluster, request, /*after=*/10, [&] { KillAndReplace(cluster, 1, 0); });
+  ASSERT_TRUE(run.status.ok()) << run.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(run.tokens, reference.tokens);
+  EXPECT_EQ(cluster.Status().state(), "serving");
+  ExpectOneHeal(before, ScrapeHealMetrics(cluster), /*resumed=*/1);
+  EXPECT_GT(Sum(cluster.Metrics(), "shardserve_spec_proposed_tokens_total"), proposed);
+  if (HasFailure()) std::printf("%s", cluster.Logs().c_str());
 }
 
 TEST_F(HealTest, SeededSamplingGivesTheSameTokensAcrossAHeal) {
