@@ -95,6 +95,14 @@
 #                  Qwen2.5-72B's first 40 layers (config with num_hidden_layers 40 and the embedding
 #                  tied as the LM head, so the device holds what PP stage 0 holds), KV tokens beside
 #                  the planner's figure
+#   qwen3-8b-b1, qwen3-8b-c64, gemma3-12b-b1, gemma3-12b-c64
+#                  Qwen3-8B's and Gemma-3-12B's shapes (from the 32B's and 27B's configs), dummy bf16
+#                  weights, 1 stream 128/128 and 64 streams 512/128, against the roofline
+#   qwen3-30b-a3b-b1, qwen3-30b-a3b-c64, gpt-oss-20b-b1, deepseek-v3-4-layers-b1
+#                  mixtures of experts on the one GPU: Qwen3-30B-A3B whole, gpt-oss-20b's shape (24
+#                  layers, 32 experts, from the 120b's config; plain bf16 experts), and DeepSeek-V3's
+#                  shapes cut to 4 layers (1 dense, 3 of 256 experts; multi-head latent attention);
+#                  the roofline counts the experts a step reads at its batch (the planner's)
 #   tp-on-one-gpu  tools/gpu/gpu_layouts_check.py: TP=2, PP=2 and TP2xPP2 as worker processes sharing the
 #                  GPU (--worker-collectives gloo: host-staged), and TP=1 with the dummy weights made
 #                  on the host (the others make them in GPU memory), each against generate-ids (one
@@ -277,7 +285,8 @@ bench_step() {
     qplan=(--quantization "$quant")
     qbench=(--quantization "$quant")
   fi
-  "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --json "${qplan[@]}" >"$plan" 2>/dev/null
+  "$BIN/shardserve" plan --config "$model/config.json" --cluster "$preset" --decode-batch "$conc" --json "${qplan[@]}" \
+    >"$plan" 2>/dev/null
   step "$name" "${BENCH_LIMIT:-240}" "$BIN/shardserve" bench --compare tp1 --model "$model" --device cuda --load-format "${LOAD_FORMAT:-dummy}" \
     --concurrency "$conc" --num-requests "$reqs" --warmup 1 --input-len "$in" --output-len "$out" \
     --log-dir "$LOGS/$name" --json-out "$json" "${qbench[@]}" "${extra[@]}" ${BENCH_FLAGS:-}
@@ -287,11 +296,17 @@ bench_step() {
 import json, sys
 p = json.load(open(sys.argv[1])); c = json.load(open(sys.argv[2])); conc, i, o = map(int, sys.argv[3:6])
 g = p["per_gpu"][0]
+t = c.get("text_config", c)  # a multimodal checkpoint's text model
 # One decode step reads the weights once, but an untied model's embedding table (one row a token:
 # its LM head is a matrix of its own), and each stream's KV cache (its mean context: the prompt and
-# half the output). The table stays in the checkpoint's dtype whatever the quantization.
-table = 0 if c.get("tie_word_embeddings") else c["vocab_size"] * c["hidden_size"] * (4 if c.get("torch_dtype") == "float32" else 2)
-print(f"--metric bytes_per_decode_step={g['weight_bytes'] - table + conc * g['kv_bytes_per_token'] * (i + o // 2)}")
+# half the output). The table stays in the checkpoint's dtype whatever the quantization. Of a
+# mixture of experts' expert weights, a step reads those of the experts its batch chose: the
+# planner's experts_read of the layer's experts at this batch (E (1 - (1 - k/E)^B) on average).
+table = 0 if t.get("tie_word_embeddings", c.get("tie_word_embeddings")) else t["vocab_size"] * t["hidden_size"] * (4 if c.get("torch_dtype") == "float32" else 2)
+experts = t.get("num_experts") or t.get("num_local_experts") or t.get("n_routed_experts") or 0
+expert_bytes = g.get("expert_weight_bytes", 0)
+unread = expert_bytes * (1 - p["decode_step"]["experts_read"] / experts) if experts and expert_bytes else 0
+print(f"--metric bytes_per_decode_step={int(g['weight_bytes'] - table - unread + conc * g['kv_bytes_per_token'] * (i + o // 2))}")
 print(f"--metric planned_kv_tokens={p['kv_cache_tokens']} --metric batch={conc}")
 EOF
     ))
@@ -478,6 +493,27 @@ run_steps() {
   done
   bench_step qwen72b-stage-b1 "$qwen" "$preset" 1 2 128 64
   bench_step qwen72b-stage-c64 "$qwen" "$preset" 64 64 512 128
+
+  # ---- The 2026 families at their real shapes (dummy bf16 weights; their CUDA paths that have not
+  # yet run on a GPU say so in the workers' logs) ----
+  local qwen3 gemma3 qwen3moe gptoss deepseek
+  qwen3=$(config_dir qwen3-8b tests/fixtures/configs/qwen3-32b.json \
+    'c.update(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, max_window_layers=36)')
+  gemma3=$(config_dir gemma-3-12b tests/fixtures/configs/gemma-3-27b-it.json \
+    'c["text_config"].update(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256)')
+  qwen3moe=$(config_dir qwen3-30b-a3b tests/fixtures/configs/qwen3-30b-a3b.json)
+  gptoss=$(config_dir gpt-oss-20b tests/fixtures/configs/gpt-oss-120b.json \
+    'c.update(num_hidden_layers=24, num_local_experts=32, layer_types=c["layer_types"][:24]); c.pop("quantization_config")')
+  deepseek=$(config_dir deepseek-v3-4-layers tests/fixtures/configs/deepseek-v3.json \
+    'c.update(num_hidden_layers=4, first_k_dense_replace=1); c.pop("quantization_config")')
+  bench_step qwen3-8b-b1 "$qwen3" "$preset" 1 4 128 128
+  bench_step qwen3-8b-c64 "$qwen3" "$preset" 64 128 512 128
+  bench_step gemma3-12b-b1 "$gemma3" "$preset" 1 4 128 128
+  bench_step gemma3-12b-c64 "$gemma3" "$preset" 64 128 512 128
+  bench_step qwen3-30b-a3b-b1 "$qwen3moe" "$preset" 1 4 128 128
+  bench_step qwen3-30b-a3b-c64 "$qwen3moe" "$preset" 64 128 512 128
+  bench_step gpt-oss-20b-b1 "$gptoss" "$preset" 1 4 128 128
+  bench_step deepseek-v3-4-layers-b1 "$deepseek" "$preset" 1 4 128 128
 
   # ---- TP and PP on one GPU ----
   # Worker processes sharing the GPU, their groups over Gloo staged through host memory
