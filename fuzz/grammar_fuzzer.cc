@@ -1,6 +1,7 @@
 // grammar/: JSON Schema, GBNF and regular expressions from a request, through the same entry
 // points the server calls (GrammarFromJsonSchema, ParseGbnf, GrammarFromRegex), then compiled
-// against a small fixed vocabulary and matched for a few steps. Byte 0 picks the front end
+// against a small fixed vocabulary (two special tokens among it, which GBNF's <[id]> names) and
+// matched for a few steps. Byte 0 picks the front end
 // (0: JSON Schema, 1: GBNF, 2: regex), byte 1 seeds the walk, the rest is the text.
 // Errors must be InvalidArgument; an accepted grammar must compile; every token a mask allows
 // must be accepted, and a token it leaves out refused.
@@ -23,10 +24,13 @@ std::shared_ptr<const shardserve::grammar::TokenizerInfo> Vocab() {
     const std::string alphabet = "{}[]\",:0123456789-.eabflnrstuTZ _\\";
     for (char a : alphabet) tokens.push_back(std::string(1, a));
     for (const char* t : {"true", "false", "null", "\":\"", "\",\"", "{\"", "\"}", "\xC3\xA9", "\xC3", "\xA9",
-                          "\xE6\x97\xA5", "\xE6\x97", "\xFF", "\\n", "\\u00", "12", "-0.5", "e+", "ab\",", "<eos>"}) {
+                          "\xE6\x97\xA5", "\xE6\x97", "\xFF", "\xF5\x80\x80\x80", "\\n", "\\u00", "12", "-0.5", "e+", "ab\",",
+                          "<s1>", "<s2>", "<eos>"}) {
       tokens.push_back(t);
     }
+    // Two special tokens, the last ids before EOS (a grammar names them <[id]>).
     std::vector<bool> special(tokens.size(), false);
+    special[tokens.size() - 3] = special[tokens.size() - 2] = true;
     const int32_t eos = static_cast<int32_t>(tokens.size()) - 1;
     return std::make_shared<const shardserve::grammar::TokenizerInfo>(tokens, special, std::vector<int32_t>{eos},
                                                                       static_cast<int32_t>(tokens.size()));
