@@ -224,14 +224,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case shardserve::WeightQuant::kInt8:
     case shardserve::WeightQuant::kFp8: {
-      Check(static_cast<int64_t>(w->rows.size()) == m * static_cast<int64_t>(sizeof(float)) + m * k,
+      Check(w->group == 0 || w->kernel == shardserve::WeightQuant::kFp8, "input groups on int8 rows");
+      Check(static_cast<int64_t>(w->rows.size()) == shardserve::Fp8RowsLayout{m, k, w->group}.bytes(),
             "rows of another size");
-      std::vector<float> scale(static_cast<size_t>(m));
-      for (int64_t r = 0; r < m; ++r) scale[r] = w->row_scale(r);
       if (w->kernel == shardserve::WeightQuant::kInt8) {
-        shardserve::DequantizeInt8Rows(back.data(), scale.data(), reinterpret_cast<const int8_t*>(w->codes()), m, k);
+        shardserve::DequantizeInt8Rows(back.data(), w->scales(), reinterpret_cast<const int8_t*>(w->codes()), m, k);
       } else {
-        shardserve::DequantizeFp8Rows(back.data(), scale.data(), w->codes(), m, k);
+        shardserve::DequantizeFp8Groups(back.data(), w->scales(), w->codes(), m, k, w->group);
       }
       break;
     }

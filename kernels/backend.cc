@@ -135,7 +135,7 @@ absl::StatusOr<Buffer> Backend::PackMatMulWeight(const Tensor& w, Tensor* packed
   return Buffer();
 }
 
-absl::StatusOr<Buffer> Backend::PackQuantizedWeight(WeightQuant quant, const void*, int64_t, int64_t, Tensor*) {
+absl::StatusOr<Buffer> Backend::PackQuantizedWeight(WeightQuant quant, const void*, int64_t, int64_t, Tensor*, int64_t) {
   return absl::UnimplementedError(absl::StrCat("PackQuantizedWeight: the ", Describe(), " backend has no ",
                                                WeightQuantName(quant),
                                                " weights yet (quantized checkpoints load on the CPU)"));

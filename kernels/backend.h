@@ -253,13 +253,15 @@ class Backend {
   virtual absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w /*[m, k] act*/, Tensor* packed,
                                                   WeightQuant quant = WeightQuant::kNone);
   // A weight [m, k] already in kernels/quant.h's layout for `quant` (kInt8: Int8RowsLayout, kFp8:
-  // Fp8RowsLayout, kInt4: Int4GroupsLayout; host memory, layout.bytes() bytes at `stored`; a
-  // published quantized checkpoint's codes and scales, model/quantized_checkpoint.h): copied as it
-  // is, the same as PackMatMulWeight's own packing of such a weight, for MatMul. The caller keeps
-  // `stored`. The base refuses with Unimplemented (the CUDA backend without
+  // Fp8RowsLayout{m, k, group}, kInt4: Int4GroupsLayout; host memory, layout.bytes() bytes at
+  // `stored`; a published quantized checkpoint's codes and scales, model/quantized_checkpoint.h):
+  // copied as it is, the same as PackMatMulWeight's own packing of such a weight, for MatMul.
+  // `group`: kFp8's inputs per scale (an FP8 checkpoint's block scales; 0: one scale a row, what
+  // PackMatMulWeight makes), which *packed's quant_group then says; 0 for the other formats. The
+  // caller keeps `stored`. The base refuses with Unimplemented (the CUDA backend without
   // CudaBackendOptions::quantized_kernels).
   virtual absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored /*host*/, int64_t m,
-                                                     int64_t k, Tensor* packed);
+                                                     int64_t k, Tensor* packed, int64_t group = 0);
   // The weights are loaded: host memory the packing kept for the next weight may go (the CUDA
   // backend's buffers for quantizing at load, the size of the largest weight: 2.5 GB of bf16 for
   // Qwen2.5-72B's LM head). A later PackMatMulWeight grows them again. ModelShard::Load calls it

@@ -216,12 +216,12 @@ absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name) {
   return absl::InvalidArgumentError(absl::StrCat("quantization must be none, int8, int4 or fp8, got '", name, "'"));
 }
 
-int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k) {
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k, int64_t group) {
   switch (q) {
     case WeightQuant::kNone: return m * k * static_cast<int64_t>(sizeof(float));
     case WeightQuant::kInt8: return Int8RowsLayout{m, k}.bytes();
     case WeightQuant::kInt4: return Int4GroupsLayout{m, k}.bytes();
-    case WeightQuant::kFp8: return Fp8RowsLayout{m, k}.bytes();
+    case WeightQuant::kFp8: return Fp8RowsLayout{m, k, group}.bytes();
   }
   return 0;
 }
@@ -297,6 +297,13 @@ absl::Status QuantizeFp8Rows(float* scale, uint8_t* q, const float* w, int64_t m
 void DequantizeFp8Rows(float* w, const float* scale, const uint8_t* q, int64_t m, int64_t k) {
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < k; ++c) w[r * k + c] = Fp8E4m3ToFloat(q[r * k + c]) * scale[r];
+  }
+}
+
+void DequantizeFp8Groups(float* w, const float* scale, const uint8_t* q, int64_t m, int64_t k, int64_t group) {
+  const int64_t G = Fp8RowsLayout{m, k, group}.groups_per_row();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < k; ++c) w[r * k + c] = Fp8E4m3ToFloat(q[r * k + c]) * scale[r * G + (G == 1 ? 0 : c / group)];
   }
 }
 

@@ -20,7 +20,8 @@ enum class WeightQuant : uint8_t {
   kNone = 0,  // the activation dtype (or the backend's own packing of it)
   kInt8 = 1,  // int8, symmetric, one float32 scale per output channel (below)
   kInt4 = 2,  // 4-bit unsigned with a zero point, per group of 128 inputs (Int4Group128 below)
-  kFp8 = 3,   // fp8 e4m3 (OCP E4M3FN), one float32 scale per output channel (Fp8RowsLayout below)
+  kFp8 = 3,   // fp8 e4m3 (OCP E4M3FN), one float32 scale per output channel, or per output channel and
+              // group of inputs (Fp8RowsLayout below, its `group`)
 };
 
 // "none", "int8", "int4", "fp8".
@@ -29,8 +30,9 @@ const char* WeightQuantName(WeightQuant q);
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name);
 
 // Bytes of a weight [m, k] stored as `q` (its layout's below: values, scales and zeros); m x k x 4
-// (float32) for kNone.
-int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k);
+// (float32) for kNone. `group`: kFp8's inputs per scale (Fp8RowsLayout::group; 0: one scale a row),
+// 0 for the other formats.
+int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k, int64_t group = 0);
 
 // ---- int8, per output channel ----------------------------------------------------------------
 // A weight w [m, k] (row r = output channel r) is stored as
@@ -57,7 +59,7 @@ absl::Status QuantizeInt8Rows(float* scale /*[m]*/, int8_t* q /*[m, k]*/, const 
 void DequantizeInt8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const int8_t* q /*[m, k]*/, int64_t m,
                         int64_t k);
 
-// ---- fp8 e4m3, per output channel ---------------------------------------------------------------
+// ---- fp8 e4m3, per output channel (or per output channel and group of inputs) -------------------
 // A weight w [m, k] is stored as
 //   scale [m] float32, then q [m, k] bytes, each an OCP "E4M3FN" fp8 number (the byte of
 //   torch.float8_e4m3fn / __nv_fp8_e4m3): sign bit, 4 exponent bits (bias 7), 3 mantissa bits;
@@ -71,12 +73,28 @@ void DequantizeInt8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const i
 // checkpoint (weight_scale [m, 1]), so a loader may copy those in as they are; per-tensor scales
 // repeat per row. A loader must refuse NaN bytes (0x7F, 0xFF: Fp8E4m3IsNan): the kernels read
 // them as +-480, the reference as NaN. 1 byte a weight plus 4 bytes a row.
+//
+// With input-group scales (`group` > 0): scale [m, G] float32 (G = ceil(k / group), row-major),
+// then q [m, k] as above, and w[r][c] = Fp8E4m3ToFloat(q[r][c]) x scale[r][c / group] (each
+// product rounded once to float32): the last group of a row is shorter when group does not divide
+// k. What an FP8 checkpoint with block scales (weight_block_size [bo, bi], DeepSeek-V3's and
+// Qwen3's 128 x 128) holds, exactly: its block's scale repeated over the block's bo rows, group =
+// bi (model/quantized_checkpoint.h). Nothing quantizes into it at load (QuantizeWeight makes one
+// scale a row). 1 byte a weight plus 4 bytes a group. A group of k or more inputs is one scale a
+// row: the bytes of the layout without groups. The CUDA fp8 kernels take groups that are multiples
+// of kFp8GroupMultiple (each run of 8 weights in one group), the CPU's any group (lane by lane
+// where a vector spans two); loaders map multiples of kFp8GroupMultiple only and keep other sizes
+// dequantized.
 struct Fp8RowsLayout {
   int64_t m = 0, k = 0;
+  int64_t group = 0;  // inputs per scale; 0: one scale per row
+  // Scales per row: 1 without groups (or a group of k or more), else ceil(k / group).
+  int64_t groups_per_row() const { return group > 0 && group < k ? (k + group - 1) / group : 1; }
   // Bytes of the whole stored weight, and where q starts (scales first: 4-byte aligned).
   int64_t bytes() const { return scale_bytes() + m * k; }
-  int64_t scale_bytes() const { return m * static_cast<int64_t>(sizeof(float)); }
+  int64_t scale_bytes() const { return m * groups_per_row() * static_cast<int64_t>(sizeof(float)); }
 };
+inline constexpr int64_t kFp8GroupMultiple = 8;
 inline constexpr float kFp8E4m3Max = 448.0f;
 
 // One e4m3 byte's value (exact in float32); NaN for 0x7F and 0xFF.
@@ -92,6 +110,10 @@ absl::Status QuantizeFp8Rows(float* scale /*[m]*/, uint8_t* q /*[m, k]*/, const 
 // The reference: w [m, k] = Fp8E4m3ToFloat(q) x scale per row.
 void DequantizeFp8Rows(float* w /*[m, k]*/, const float* scale /*[m]*/, const uint8_t* q /*[m, k]*/, int64_t m,
                        int64_t k);
+// The reference with input-group scales: w[r][c] = Fp8E4m3ToFloat(q[r][c]) x scale[r][c / group]
+// (Fp8RowsLayout{m, k, group}.groups_per_row() scales a row; group 0: DequantizeFp8Rows).
+void DequantizeFp8Groups(float* w /*[m, k]*/, const float* scale /*[m, G]*/, const uint8_t* q /*[m, k]*/, int64_t m,
+                         int64_t k, int64_t group);
 
 // ---- int4, groups of 128 along the input, asymmetric ------------------------------------------
 // A weight w [m, k] is stored as m x ceil(k / 128) blocks, row by row (block [r][g] holds

@@ -56,6 +56,8 @@ struct Tensor {
   // A quantized weight (Backend::PackMatMulWeight): an I8 [m, k] view of its kernels/quant.h
   // layout, whose bytes() are that layout's (scales and zeros included), not m x k.
   WeightQuant quant = WeightQuant::kNone;
+  // kFp8 with input-group scales: inputs per scale (kernels/quant.h Fp8RowsLayout::group); 0: one a row.
+  int64_t quant_group = 0;
 
   Tensor() = default;
   Tensor(void* d, DType t, std::initializer_list<int64_t> dims) : data(d), dtype(t) {
@@ -69,7 +71,7 @@ struct Tensor {
     return n;
   }
   size_t bytes() const {
-    if (quant != WeightQuant::kNone && ndim == 2) return static_cast<size_t>(QuantizedWeightBytes(quant, shape[0], shape[1]));
+    if (quant != WeightQuant::kNone && ndim == 2) return static_cast<size_t>(QuantizedWeightBytes(quant, shape[0], shape[1], quant_group));
     return static_cast<size_t>(numel()) * DTypeSize(dtype);
   }
   // Rows of a 2-D view: [begin, end) of dimension 0 (not of a quantized weight's).

@@ -570,6 +570,41 @@ absl::StatusOr<QuantizedLinearSlice> ReadFp8(const WeightSource& ckpt, const Che
   const int64_t m = rg.m(), k = rg.k();
   const Slice weight_slice{slice.dim, slice.begin, slice.end};
   if (c.method == QuantMethod::kFp8) {
+    const int64_t bo = (out + c.block_out - 1) / c.block_out, bi = (in + c.block_in - 1) / c.block_in;
+    std::vector<float> s(bo * bi);
+    SHARDSERVE_RETURN_IF_ERROR(
+        ckpt.Read(prefix + ".weight_scale_inv", {bo, bi}, Slice{0, 0, -1}, DType::kF32, s.data()));
+    SHARDSERVE_RETURN_IF_ERROR(CheckScales(prefix + ".weight_scale_inv", s, [&](size_t i) {
+      return absl::StrCat("[", static_cast<int64_t>(i) / bi, "][", static_cast<int64_t>(i) % bi, "]");
+    }));
+    // The fp8 kernels' input-group scales hold the block scales exactly (each block's scale repeated
+    // over its rows), where this rank's inputs start on a block's edge and the blocks are whole
+    // vectors of the kernels (or this rank's inputs lie in one block: one scale a row).
+    const bool one_block = rg.i0 % c.block_in == 0 && k <= c.block_in;
+    const bool groups = rg.i0 % c.block_in == 0 && c.block_in % kFp8GroupMultiple == 0;
+    if (map && (one_block || groups)) {
+      const int64_t group = one_block ? 0 : c.block_in;
+      const Fp8RowsLayout layout{m, k, group};
+      const int64_t G = layout.groups_per_row();
+      result.kernel = WeightQuant::kFp8;
+      result.group = group;
+      result.rows.resize(static_cast<size_t>(layout.bytes()));
+      std::vector<float> local(static_cast<size_t>(m * G));
+      for (int64_t r = 0; r < m; ++r) {
+        const float* srow = &s[((rg.o0 + r) / c.block_out) * bi + rg.i0 / c.block_in];
+        for (int64_t g = 0; g < G; ++g) local[r * G + g] = srow[g];
+      }
+      std::memcpy(result.rows.data(), local.data(), static_cast<size_t>(layout.scale_bytes()));
+      uint8_t* codes = result.rows.data() + layout.scale_bytes();
+      SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(prefix + ".weight", {out, in}, weight_slice, DType::kI8, codes));
+      for (int64_t i = 0; i < m * k; ++i) {
+        if (Fp8E4m3IsNan(codes[i])) {
+          return absl::InvalidArgumentError(absl::StrCat(prefix, ".weight[", rg.o0 + i / k, "][", rg.i0 + i % k,
+                                                         "] is NaN (an e4m3 0x7f / 0xff)"));
+        }
+      }
+      return result;
+    }
     result.dense.resize(m * k);
     SHARDSERVE_RETURN_IF_ERROR(ckpt.Read(prefix + ".weight", {out, in}, weight_slice, DType::kF32, result.dense.data()));
     for (int64_t i = 0; i < m * k; ++i) {
@@ -578,19 +613,20 @@ absl::StatusOr<QuantizedLinearSlice> ReadFp8(const WeightSource& ckpt, const Che
                                                        "] is NaN (an e4m3 0x7f / 0xff)"));
       }
     }
-    const int64_t bo = (out + c.block_out - 1) / c.block_out, bi = (in + c.block_in - 1) / c.block_in;
-    std::vector<float> s(bo * bi);
-    SHARDSERVE_RETURN_IF_ERROR(
-        ckpt.Read(prefix + ".weight_scale_inv", {bo, bi}, Slice{0, 0, -1}, DType::kF32, s.data()));
-    SHARDSERVE_RETURN_IF_ERROR(CheckScales(prefix + ".weight_scale_inv", s, [&](size_t i) {
-      return absl::StrCat("[", static_cast<int64_t>(i) / bi, "][", static_cast<int64_t>(i) % bi, "]");
-    }));
     for (int64_t r = 0; r < m; ++r) {
       const float* srow = &s[((rg.o0 + r) / c.block_out) * bi];
       for (int64_t li = 0; li < k; ++li) result.dense[r * k + li] *= srow[(rg.i0 + li) / c.block_in];
     }
-    result.why_dense = absl::StrCat("e4m3 with ", c.block_out, "x", c.block_in,
-                                    " block scales: the fp8 kernel has one scale per output channel");
+    if (!map) {
+      result.why_dense = "asked for";
+    } else if (rg.i0 % c.block_in != 0) {
+      result.why_dense = absl::StrCat("e4m3 with ", c.block_out, "x", c.block_in, " block scales: this rank's inputs start at ",
+                                      rg.i0, ", inside a block of ", c.block_in, " (the fp8 kernels' scale groups start "
+                                      "where a rank's inputs do)");
+    } else {
+      result.why_dense = absl::StrCat("e4m3 with ", c.block_out, "x", c.block_in, " block scales: the fp8 kernels take "
+                                      "scale groups of a multiple of ", kFp8GroupMultiple, " inputs");
+    }
     return result;
   }
   // compressed-tensors float-quantized: one scale per output channel, or one for the tensor.
@@ -678,7 +714,7 @@ std::string CheckpointQuant::Name() const {
 }
 
 WeightQuant CheckpointQuantKernel(const CheckpointQuant& c) {
-  if (c.fp8) return c.method == QuantMethod::kCompressedTensors ? WeightQuant::kFp8 : WeightQuant::kNone;
+  if (c.fp8) return c.method == QuantMethod::kCompressedTensors || Fp8BlocksMapped(c) ? WeightQuant::kFp8 : WeightQuant::kNone;
   if (c.bits == 4) {
     return c.group_size == kInt4GroupSize && !(c.method == QuantMethod::kGptq && c.desc_act) ? WeightQuant::kInt4
                                                                                              : WeightQuant::kNone;
@@ -695,6 +731,23 @@ const void* QuantizedLinearSlice::stored() const {
   }
   return nullptr;
 }
+
+bool Fp8BlocksMapped(const CheckpointQuant& c) {
+  return c.method == QuantMethod::kFp8 && c.block_in % kFp8GroupMultiple == 0;
+}
+
+int64_t CheckpointLinearBytes(const CheckpointQuant& c, int64_t rows, int64_t cols, int64_t col0) {
+  if (c.method == QuantMethod::kFp8) {  // as ReadFp8 decides
+    if (col0 % c.block_in != 0) return -1;  // a cut inside a block: dequantized
+    if (cols <= c.block_in) return QuantizedWeightBytes(WeightQuant::kFp8, rows, cols);  // one block: a scale a row
+    if (c.block_in % kFp8GroupMultiple != 0) return -1;
+    return QuantizedWeightBytes(WeightQuant::kFp8, rows, cols, c.block_in);
+  }
+  const WeightQuant kernel = CheckpointQuantKernel(c);
+  return kernel == WeightQuant::kNone ? -1 : QuantizedWeightBytes(kernel, rows, cols);
+}
+
+const float* QuantizedLinearSlice::scales() const { return reinterpret_cast<const float*>(rows.data()); }
 
 float QuantizedLinearSlice::row_scale(int64_t r) const {
   float v;
@@ -756,7 +809,7 @@ absl::Status CheckFinite(const std::string& prefix, const QuantizedLinearSlice& 
     if (w.kernel == WeightQuant::kNone) {
       values = w.dense.data() + r * w.k;
     } else {
-      const float scale = w.kernel == WeightQuant::kInt4 ? 0.0f : w.row_scale(r);
+      const float scale = w.kernel == WeightQuant::kInt4 || w.group > 0 ? 0.0f : w.row_scale(r);
       switch (w.kernel) {
         case WeightQuant::kInt4:
           DequantizeInt4Groups(row.data(), w.blocks.data() + r * blocks_per_row, 1, w.k);
@@ -765,7 +818,12 @@ absl::Status CheckFinite(const std::string& prefix, const QuantizedLinearSlice& 
           DequantizeInt8Rows(row.data(), &scale, reinterpret_cast<const int8_t*>(w.codes()) + r * w.k, 1, w.k);
           break;
         default:
-          DequantizeFp8Rows(row.data(), &scale, w.codes() + r * w.k, 1, w.k);
+          if (w.group > 0) {
+            const int64_t G = Fp8RowsLayout{w.m, w.k, w.group}.groups_per_row();
+            DequantizeFp8Groups(row.data(), w.scales() + r * G, w.codes() + r * w.k, 1, w.k, w.group);
+          } else {
+            DequantizeFp8Rows(row.data(), &scale, w.codes() + r * w.k, 1, w.k);
+          }
           break;
       }
     }

@@ -61,13 +61,20 @@
 //   (widened to f32) the row's, as Int8RowsLayout (8 bits + 4 bytes a row).
 // - fp8: compressed-tensors float-quantized e4m3 with strategy "channel" or "tensor" (the one
 //   scale repeated per row): the bytes as stored, as Fp8RowsLayout.
+// - fp8 with input-group scales: FP8's block scales [bn, bk] with bk a multiple of
+//   kFp8GroupMultiple (8; DeepSeek-V3's and Qwen3's 128 x 128): the e4m3 bytes as stored and, per
+//   output row, the scale of each of its blocks (the block's scale repeated over its bn rows, exact),
+//   as Fp8RowsLayout{m, k, group = bk} (1 byte a weight and 4 bytes per bk of a row). Where a
+//   row-parallel rank's inputs start inside a block (an offset that is not a multiple of bk) the
+//   groups would not start where the rank's inputs do: that slice is dequantized, saying so. A
+//   rank whose inputs lie within one block (any bk) takes one scale a row.
 // - dequantized: everything else (8 bits in groups along the input or with zero points,
-//   other group sizes, desc_act reorders, FP8's block scales): w is computed exactly in float32
-//   at load (f16 / bf16 / e4m3 times a small integer or an f32 scale) and multiplied as a plain
-//   weight; QuantizedLinearSlice::why_dense says why, the worker log too. This path saves no
-//   memory. FP8 block scales stay here: a row's 128-input blocks have different scales, and
-//   folding them into one per-row scale would round the e4m3 codes again (up to 2^-4 of each
-//   weight, the load-time fp8 quantizer's error, where the format promises the stored values).
+//   other group sizes, desc_act reorders, FP8 blocks of other widths or cut inside): w is computed
+//   exactly in float32 at load (f16 / bf16 / e4m3 times a small integer or an f32 scale) and
+//   multiplied as a plain weight; QuantizedLinearSlice::why_dense says why, the worker log too.
+//   This path saves no memory. (Folding FP8's block scales into one per-row scale instead would
+//   round the e4m3 codes again, up to 2^-4 of each weight, where the format promises the stored
+//   values.)
 // Tensor parallelism: column-parallel layers (q/k/v/gate/up) take a range of the outputs,
 // row-parallel ones (o/down) a range of the inputs; each format needs those ranges to be whole
 // packed int32s and (for row-parallel) whole groups: CheckpointQuant::output_multiple /
@@ -135,6 +142,14 @@ struct CheckpointQuant {
 // checkpoint whose g_idx turns out trivial, or an 8-bit one whose zero points all happen to be
 // 128, is mapped too; the planner then counts float32 for it, an overestimate.)
 WeightQuant CheckpointQuantKernel(const CheckpointQuant& config);
+// Whether `config` is an FP8 checkpoint with block scales whose blocks the fp8 kernels' input-group
+// scales hold (block_in a multiple of kFp8GroupMultiple): its linear weights load as kFp8 with
+// Fp8RowsLayout::group = block_in, unless a rank's inputs start inside a block.
+bool Fp8BlocksMapped(const CheckpointQuant& config);
+// Bytes a worker holds for a rank's [rows, cols] slice, starting at input column col0, of one of
+// `config`'s quantized linear weights in a kernel layout, as ReadQuantizedLinear decides it; -1
+// where it is dequantized (the caller counts the workers' dtype). What the planner counts.
+int64_t CheckpointLinearBytes(const CheckpointQuant& config, int64_t rows, int64_t cols, int64_t col0);
 
 // Parses config.json's quantization_config (the JSON text of that object). `source` names the file
 // in errors. A quant_method other than the four above, bits, formats, strategies or fields this
@@ -152,16 +167,19 @@ absl::Status CheckQuantizedLinear(const WeightSource& ckpt, const CheckpointQuan
 struct QuantizedLinearSlice {
   int64_t m = 0, k = 0;               // local out, local in
   WeightQuant kernel = WeightQuant::kNone;  // the layout below that holds it; kNone: `dense`
+  int64_t group = 0;                  // kFp8: inputs per scale (FP8 block scales' block_in); 0: one a row
   std::vector<Int4Group128> blocks;   // kInt4: [m, ceil(k / 128)], Int4GroupsLayout{m, k}
-  std::vector<uint8_t> rows;          // kInt8 / kFp8: Int8RowsLayout{m, k} / Fp8RowsLayout{m, k}'s bytes
+  std::vector<uint8_t> rows;          // kInt8 / kFp8: Int8RowsLayout{m, k} / Fp8RowsLayout{m, k, group}'s bytes
   std::vector<float> dense;           // kNone: [m, k], row-major
   std::string why_dense;              // kNone: why no kernel layout holds it, for the worker log
 
   // kernels/quant.h's layout of `kernel` (kNone: null): what Backend::PackQuantizedWeight takes.
   const void* stored() const;
-  // kInt8 / kFp8: row r's scale and codes [m, k] inside `rows`.
+  // kInt8 / kFp8 without groups: row r's scale; and the codes [m, k] inside `rows`.
   float row_scale(int64_t r) const;
-  const uint8_t* codes() const { return rows.data() + m * static_cast<int64_t>(sizeof(float)); }
+  const uint8_t* codes() const { return rows.data() + Fp8RowsLayout{m, k, group}.scale_bytes(); }
+  // kInt8 / kFp8: the scales [m, Fp8RowsLayout{m, k, group}.groups_per_row()] inside `rows`.
+  const float* scales() const;
 };
 
 // Reads `slice` (dim 0: a range of the outputs, dim 1: a range of the inputs; Slice.end -1: to the

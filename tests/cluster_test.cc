@@ -1182,7 +1182,7 @@ TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
   };
   for (const Case& c : {Case{"gptq/llama_sym4_g128_v1", 2, 1, "GPTQ"}, Case{"gptq/qwen2_asym4_g32_desc_act_v1", 1, 2, "GPTQ"},
                         Case{"gptq/qwen2_asym8_g32_v2", 2, 2, "GPTQ"}, Case{"awq/awq_qwen2_g32", 1, 2, "AWQ"},
-                        Case{"fp8/fp8_qwen2_block32x64", 2, 2, "FP8"},
+                        Case{"fp8/fp8_qwen2_block32x64", 2, 2, "as fp8 e4m3 with 32x64 block scales"},
                         Case{"compressed_tensors/ct_int4_asym_g32_qwen2", 1, 2, "compressed-tensors"},
                         Case{"compressed_tensors/ct_fp8_channel_qwen2", 2, 1, "compressed-tensors"}}) {
     const std::string fixture = "../" + c.variant;
@@ -1202,9 +1202,10 @@ TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
 // as above; the fixtures' smallest greedy margin is 1.3e-3). Qwen3-MoE GPTQ group 16 (dequantized;
 // TP = 2 cuts the experts' 32 intermediate rows into whole groups), GPTQ group 128 on its int4 path
 // (PP only: TP = 2 would cut o_proj's one group), FP8 with 24x40 blocks whose grid TP = 2's slices
-// cut (each rank dequantizes its rows and columns with the scales of the blocks they fall in), and
-// DeepSeek-V3 with 128x128 blocks (MLA's picked q_b_proj / kv_a_proj_with_mqa rows and kv_b_proj
-// read dequantized); one case of the other formats.
+// cut (each rank holds its slice on the fp8 kernel with its blocks' scales where its inputs start
+// on a block's edge, else dequantized with the scales of the blocks they fall in), and DeepSeek-V3
+// with 128x128 blocks on the fp8 kernel (MLA's picked q_b_proj / kv_a_proj_with_mqa rows and
+// kv_b_proj read dequantized); one case of the other formats.
 struct QuantizedMoeLayout {
   std::string variant;  // under tests/fixtures
   int tp, pp;
@@ -1225,12 +1226,12 @@ std::vector<QuantizedMoeLayout> QuantizedMoeLayouts() {
       {"gptq/gptq_qwen3_moe_sym4_g16", 2, 1, true, "GPTQ"},
       {"gptq/gptq_qwen3_moe_sym4_g16", 2, 2, true, "GPTQ"},
       {"gptq/gptq_qwen3_moe_sym4_g128", 1, 2, false, "as int4 groups of 128"},
-      {"fp8/fp8_qwen3_moe_block24x40", 2, 1, false, "FP8"},
-      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, false, "FP8"},
-      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, true, "FP8"},
-      {"fp8/fp8_deepseek_v3_block128", 1, 2, false, "FP8"},
-      {"fp8/fp8_deepseek_v3_block128", 2, 2, false, "FP8"},
-      {"fp8/fp8_deepseek_v3_block128", 2, 1, true, "FP8"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 1, false, "as fp8 e4m3 with 24x40 block scales"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, false, "as fp8 e4m3 with 24x40 block scales"},
+      {"fp8/fp8_qwen3_moe_block24x40", 2, 2, true, "as fp8 e4m3 with 24x40 block scales"},
+      {"fp8/fp8_deepseek_v3_block128", 1, 2, false, "as fp8 e4m3 with 128x128 block scales"},
+      {"fp8/fp8_deepseek_v3_block128", 2, 2, false, "as fp8 e4m3 with 128x128 block scales"},
+      {"fp8/fp8_deepseek_v3_block128", 2, 1, true, "as fp8 e4m3 with 128x128 block scales"},
       {"awq/awq_mixtral_g16", 2, 1, false, "AWQ"},
       {"compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2, false, "compressed-tensors"},
       {"compressed_tensors/ct_fp8_channel_qwen2_moe", 2, 1, true, "as fp8 e4m3 per output channel"}};

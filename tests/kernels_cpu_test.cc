@@ -683,6 +683,65 @@ TEST(PanelTilesTest, BytePanelsGiveTheF32PanelsSumsOfTheCodesScaled) {
   }
 }
 
+// Random e4m3 codes (no NaN bytes, which loaders refuse; subnormals and +-448 included) with
+// input-group scales [m, G] (G = Fp8RowsLayout{m, k, group}.groups_per_row()), positive and
+// negative, of several magnitudes; and their reference weights (DequantizeFp8Groups).
+struct Fp8GroupWeight {
+  std::vector<uint8_t> q;
+  std::vector<float> scale, dequantized;
+};
+Fp8GroupWeight RandomFp8GroupWeight(std::mt19937& rng, int64_t m, int64_t k, int64_t group) {
+  Fp8GroupWeight w;
+  const int64_t groups = Fp8RowsLayout{m, k, group}.groups_per_row();
+  std::uniform_int_distribution<int> byte(0, 255);
+  w.q.resize(m * k);
+  for (uint8_t& v : w.q) {
+    do {
+      v = static_cast<uint8_t>(byte(rng));
+    } while (Fp8E4m3IsNan(v));
+  }
+  w.scale = Random(rng, m * groups, 1e-4f, 2e-2f);
+  for (size_t i = 0; i < w.scale.size(); i += 3) w.scale[i] = -w.scale[i];
+  w.dequantized.resize(m * k);
+  DequantizeFp8Groups(w.dequantized.data(), w.scale.data(), w.q.data(), m, k, group);
+  return w;
+}
+
+// fp8 with input-group scales on the one-byte panels (PackPanelScales, PanelMatMulFp8Groups: an FP8
+// checkpoint's block scales on an AVX-512 CPU): bitwise the float32 panels' products by the weights
+// DequantizeFp8Groups gives (each code times its group's scale, rounded once, then the same chains,
+// the bias added to the finished sum), for groups that are multiples of 8 and 16 (8, 16, 40, 128),
+// one that is neither (3: supported by the kernel, not mapped by loaders) and one wider than some
+// rows (k = 1, 7, 33 with group 40: one scale a row), at 1 to 40 rows. Skipped where the CPU lacks
+// AVX-512F.
+TEST(PanelTilesTest, Fp8GroupPanelsGiveTheF32PanelsResultsOnTheDequantizedWeights) {
+  if (!cpu::PanelTilesSupported(cpu::PanelTiles::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512F";
+  for (int64_t group : {8, 16, 40, 128, 3}) {
+    std::mt19937 rng(53 + static_cast<int>(group));
+    std::vector<float> packed, scales, scratch;
+    std::vector<uint8_t> packed_bytes;
+    const std::string name = absl::StrCat("fp8 panels, groups of ", group);
+    ExpectPanelsBitwise(
+        rng, name.c_str(),
+        [&](int64_t m, int64_t k) {
+          const Fp8GroupWeight w = RandomFp8GroupWeight(rng, m, k, group);
+          const int64_t groups = (k + group - 1) / group;
+          packed.assign(cpu::PanelMatMulFloats(m, k), 0);
+          cpu::PackPanels(packed.data(), w.dequantized.data(), m, k);
+          packed_bytes.assign(cpu::PanelMatMulFloats(m, k), 0);
+          cpu::PackPanelsBytes(packed_bytes.data(), w.q.data(), m, k);
+          scales.assign(cpu::PanelScaleFloats(m, groups), 0);
+          cpu::PackPanelScales(scales.data(), w.scale.data(), m, groups);
+        },
+        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+          cpu::PanelMatMul(y, x, n, m, k, packed.data(), /*plain=*/false, bias, threads, &scratch);
+        },
+        [&](float* y, const float* x, int64_t n, int64_t m, int64_t k, const float* bias, int threads) {
+          cpu::PanelMatMulFp8Groups(y, x, n, m, k, packed_bytes.data(), scales.data(), group, bias, threads);
+        });
+  }
+}
+
 // w [m, k] in bf16_matmul.h's layout (oneDNN's "BA16a64b2a" of the [k, m] weights), rounded to bf16
 // to nearest even as oneDNN's reorder rounds: what oneDNN packs on AVX-512 BF16 without AMX, written
 // here so that the kernel is checked on every CPU that runs it, whatever layout oneDNN picks there
@@ -991,6 +1050,45 @@ TEST_P(RowsQuantMatMulTest, EqualsTheDequantizedProduct) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, RowsQuantMatMulTest, ::testing::Values(WeightQuant::kInt8, WeightQuant::kFp8),
                          QuantParamName);
+
+// fp8 with input-group scales through the backend (PackQuantizedWeight with a group, as the loader
+// stores an FP8 checkpoint's block scales; MatMul: the panels on AVX-512 CPUs, else the rows): the
+// packed weight says its group, its bytes() are Fp8RowsLayout{m, k, group}'s (1 byte a weight, 4 a
+// group), and its products equal the reference's within float32 rounding (the weights summed are
+// the reference's bit for bit: 1e-5, as the per-row products). A group of k or more is one scale a
+// row (the layout without groups, byte for byte); a group on another format is refused. Both ways
+// the backend may hold them: as the CPU picks (panels on AVX-512), and the rows' instance under
+// an AVX2 override where the CPU has AVX2.
+TEST_F(CpuBackendTest, Fp8GroupScalesEqualTheDequantizedProduct) {
+  for (std::optional<cpu::QuantIsa> isa : {std::optional<cpu::QuantIsa>(), std::optional(cpu::QuantIsa::kAvx2)}) {
+    if (isa.has_value() && !cpu::QuantIsaSupported(*isa)) continue;
+    cpu::SetQuantIsaOverride(isa);
+    for (auto [k, m, group] : {std::tuple<int64_t, int64_t, int64_t>{256, 40, 128}, {200, 17, 40}, {300, 33, 128},
+                               {64, 7, 8}, {24, 5, 40}}) {
+      const Fp8GroupWeight w = RandomFp8GroupWeight(rng_, m, k, group);
+      const Fp8RowsLayout layout{m, k, group};
+      std::vector<uint8_t> stored(layout.bytes());
+      std::memcpy(stored.data(), w.scale.data(), layout.scale_bytes());
+      std::memcpy(stored.data() + layout.scale_bytes(), w.q.data(), m * k);
+      Tensor packed;
+      absl::StatusOr<Buffer> buffer = backend_->PackQuantizedWeight(WeightQuant::kFp8, stored.data(), m, k, &packed, group);
+      ASSERT_TRUE(buffer.ok()) << buffer.status();
+      EXPECT_EQ(packed.quant, WeightQuant::kFp8);
+      EXPECT_EQ(packed.quant_group, k > group ? group : 0) << "a group of k or more is one scale a row";
+      EXPECT_EQ(packed.bytes(), static_cast<size_t>(layout.bytes()));
+      EXPECT_EQ(packed.bytes(), static_cast<size_t>(m * k + m * ((k + group - 1) / group) * 4));
+      stored.assign(stored.size(), 0xFF);  // MatMul must read only the packed copy
+      const std::vector<float> b = Random(rng_, m);
+      ASSERT_NO_FATAL_FAILURE(ExpectQuantizedProducts(backend_.get(), rng_, WeightQuant::kFp8, packed, w.dequantized, b, k,
+                                                      m, {1, 2, 3, 16, 17}, 1e-5));
+    }
+  }
+  cpu::SetQuantIsaOverride(std::nullopt);
+  Tensor packed;
+  std::vector<uint8_t> stored(Int8RowsLayout{4, 16}.bytes());
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      backend_->PackQuantizedWeight(WeightQuant::kInt8, stored.data(), 4, 16, &packed, 8).status()));
+}
 
 // As for the float32 products: a row's product by an int8 or int4 weight is bitwise the same
 // whatever other rows share the call, on 1 or 2 threads; with --activation-quantization int8 too
@@ -1419,6 +1517,41 @@ TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// fp8 with input-group scales (Fp8GroupMatMul, an FP8 checkpoint's block scales on the rows'
+// instances: baseline x86-64, AVX2 + FMA, AVX-512; the integer instances run the exact fp8 ones)
+// against the dequantize-then-multiply reference (DequantizeFp8Groups), called directly: groups of 8
+// and 16 (whole vectors), 40 and 24 (16-lane vectors across two groups), 128 and 3 (not a multiple
+// of 8: correct, lane by lane, though loaders keep it dequantized), k with tails and shorter last
+// groups, m off the 8-row tiles, 1 to 65 input rows, with bias, guards around the output. The
+// weights summed are the reference's bit for bit (each widened vector times its scales), so only
+// the order of the float32 additions differs: 1e-5 as for the per-row products.
+TEST_P(QuantIsaTest, Fp8GroupScalesEqualTheDequantizedReference) {
+  const cpu::QuantIsa isa = GetParam();
+  if (!cpu::QuantIsaSupported(isa)) GTEST_SKIP() << "this CPU lacks " << cpu::QuantIsaName(isa);
+  std::mt19937 rng(31 + static_cast<int>(isa));
+  constexpr size_t kGuard = 64;
+  for (auto [k, m, group] : {std::tuple<int64_t, int64_t, int64_t>{256, 9, 128}, {300, 17, 128}, {200, 8, 40},
+                             {96, 33, 24}, {64, 5, 8}, {77, 3, 16}, {50, 11, 3}, {129, 4, 8}}) {
+    const Fp8GroupWeight w = RandomFp8GroupWeight(rng, m, k, group);
+    const std::vector<float> b = Random(rng, m);
+    for (int64_t n : {1, 2, 3, 4, 17, 65}) {
+      const std::vector<float> x = Random(rng, n * k);
+      const std::string what =
+          absl::StrCat(cpu::QuantIsaName(isa), " fp8 groups of ", group, " n=", n, " k=", k, " m=", m);
+      std::vector<float> y(kGuard + n * m + kGuard, std::numeric_limits<float>::quiet_NaN());
+      std::fill(y.begin(), y.begin() + kGuard, 7.0f);
+      std::fill(y.end() - kGuard, y.end(), 7.0f);
+      float* out = y.data() + kGuard;
+      cpu::Fp8GroupMatMul(out, x.data(), n, m, k, w.q.data(), w.scale.data(), group, b.data(), 2, isa);
+      ExpectClose(what, std::vector<float>(out, out + n * m), MatMulReference(x, w.dequantized, &b, n, k, m), 1e-5);
+      for (size_t g = 0; g < kGuard; ++g) {
+        ASSERT_EQ(y[g], 7.0f) << what << ": guard before";
+        ASSERT_EQ(y[kGuard + n * m + g], 7.0f) << what << ": guard after";
       }
     }
   }

@@ -1660,11 +1660,23 @@ class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>
   WeightQuant quant() const { return std::get<0>(GetParam()); }
   DType act() const { return std::get<1>(GetParam()); }
 
-  // kernels/quant.h's layout of w [m, k] for quant(), by its own quantizer.
+  // kernels/quant.h's layout of w [m, k] for quant(), by its own quantizer. fp8 with group_ > 0:
+  // input-group scales (an FP8 checkpoint's block scales), the row quantizer's codes with each
+  // group's scale the row's times 1, 1.25, 1.5 or 1.75 by group (nothing quantizes into groups; the
+  // reference is whatever they hold).
   std::vector<uint8_t> Quantize(const std::vector<float>& w, int64_t m, int64_t k) const {
-    std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant(), m, k)));
+    std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(quant(), m, k, group_)));
     absl::Status s;
-    if (quant() == WeightQuant::kInt8) {
+    if (quant() == WeightQuant::kFp8 && group_ > 0) {
+      const Fp8RowsLayout layout{m, k, group_};
+      const int64_t groups = layout.groups_per_row();
+      std::vector<float> row_scale(static_cast<size_t>(m));
+      s = QuantizeFp8Rows(row_scale.data(), stored.data() + layout.scale_bytes(), w.data(), m, k);
+      auto* scale = reinterpret_cast<float*>(stored.data());
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t g = 0; g < groups; ++g) scale[r * groups + g] = row_scale[r] * (1.0f + 0.25f * static_cast<float>(g % 4));
+      }
+    } else if (quant() == WeightQuant::kInt8) {
       s = QuantizeInt8Rows(reinterpret_cast<float*>(stored.data()),
                            reinterpret_cast<int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), w.data(), m, k);
     } else if (quant() == WeightQuant::kFp8) {
@@ -1679,7 +1691,10 @@ class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>
   // The reference dequantization of `stored`.
   std::vector<float> Dequantize(const std::vector<uint8_t>& stored, int64_t m, int64_t k) const {
     std::vector<float> w(static_cast<size_t>(m * k));
-    if (quant() == WeightQuant::kInt8) {
+    if (quant() == WeightQuant::kFp8 && group_ > 0) {
+      DequantizeFp8Groups(w.data(), reinterpret_cast<const float*>(stored.data()),
+                          stored.data() + Fp8RowsLayout{m, k, group_}.scale_bytes(), m, k, group_);
+    } else if (quant() == WeightQuant::kInt8) {
       DequantizeInt8Rows(w.data(), reinterpret_cast<const float*>(stored.data()),
                          reinterpret_cast<const int8_t*>(stored.data() + Int8RowsLayout{m, k}.scale_bytes()), m, k);
     } else if (quant() == WeightQuant::kFp8) {
@@ -1712,6 +1727,7 @@ class CudaQuant : public ::testing::TestWithParam<std::tuple<WeightQuant, DType>
   }
 
   std::unique_ptr<Backend> cuda_;
+  int64_t group_ = 0;  // fp8: inputs per scale of the weights Quantize makes (0: one a row)
 };
 
 void CudaQuant::ExpectMatMulsMatchTheReference(Backend* cuda, const std::vector<Shape>& shapes, bool check_scratch,
@@ -1725,7 +1741,7 @@ void CudaQuant::ExpectMatMulsMatchTheReference(Backend* cuda, const std::vector<
     const std::vector<uint8_t> stored = Quantize(w, m, k);
     const std::vector<float> w_ref = Dequantize(stored, m, k);
     Tensor packed;
-    SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda->PackQuantizedWeight(quant(), stored.data(), m, k, &packed));
+    SS_ASSIGN_OR_FAIL(Buffer w_buf, cuda->PackQuantizedWeight(quant(), stored.data(), m, k, &packed, group_));
     ASSERT_EQ(packed.quant, quant());
     ASSERT_EQ(packed.bytes(), stored.size());
     if (check_scratch) {
@@ -1782,6 +1798,26 @@ TEST_P(CudaQuant, MatMulMatchesTheDequantizedReference) {
           ? std::vector<Shape>{{520, 384}, {37, 1024}, {67, 1000}, {130, 300}}  // last groups of 104, 44 inputs
           : std::vector<Shape>{{520, 384}, {37, 1000}, {301, 1001}},  // vector loads; byte loads of w; of w and x
       true);
+}
+
+// fp8 with input-group scales (an FP8 checkpoint's block scales: RowsGemvKernel's groups, and
+// DequantRowsKernel's for the cuBLAS path; written without a GPU, not yet run on one): the same
+// reference (DequantizeFp8Groups) and bound as above, for groups of 128 (DeepSeek-V3's and Qwen3's),
+// 40 and 8 (the smallest the kernels take), on the GEMV's vector loads (k % 16 == 0: a run of 16
+// inputs across two groups of 40 or 8) and its byte loads, with short last groups (1000, 1001).
+// Groups of other sizes are refused when stored.
+TEST_P(CudaQuant, Fp8GroupScalesMatchTheDequantizedReference) {
+  if (quant() != WeightQuant::kFp8) GTEST_SKIP() << "input-group scales are fp8's";
+  for (int64_t group : {128, 40, 8}) {
+    SCOPED_TRACE(::testing::Message() << "groups of " << group);
+    group_ = group;
+    ExpectMatMulsMatchTheReference(cuda_.get(), {{520, 384}, {64, 1024}, {37, 1000}, {301, 1001}}, false);
+  }
+  group_ = 0;
+  std::vector<uint8_t> stored(static_cast<size_t>(QuantizedWeightBytes(WeightQuant::kFp8, 4, 64, 12)));
+  Tensor packed;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      cuda_->PackQuantizedWeight(WeightQuant::kFp8, stored.data(), 4, 64, &packed, 12).status()));
 }
 
 // The int4 GEMV on the tensor cores (CudaBackendOptions::int4_mma, quant_matmul.cu's

@@ -256,11 +256,16 @@ TEST(Planner, DeepSeekV3_CountsItsParametersAndTheLatentCache) {
   EXPECT_EQ(p.stages[0].num_layers() + p.stages[1].num_layers(), layers);
 }
 
-// DeepSeek-V3 as published: FP8 e4m3 with 128 x 128 block scales, which no kernel layout holds yet,
-// so the worker dequantizes each linear weight at load and holds it in its dtype as a plain weight
-// (bf16 on the GPUs): each GPU holds what it would hold of the bf16 conversion, no more (4 bytes a
-// weight were counted, twice what the workers allocate), and 8 H200 still cannot hold it.
-TEST(Planner, DeepSeekV3_Fp8BlockScalesDequantizedCountAsTheWorkersDtype) {
+// DeepSeek-V3 as published: FP8 e4m3 with 128 x 128 block scales, which the workers hold as they
+// are (the fp8 kernels' input-group scales: 1 byte a weight and a float32 scale per 128 inputs of a
+// row), so each GPU holds the bf16 conversion's bytes less, for every linear weight it holds in that
+// layout, rows x cols - 4 x rows x ceil(cols / 128), counted here from the config's sizes: per layer
+// q_a_proj [1536, 7168] (replicated) and o_proj [7168, 16384 / 8]; the 3 dense MLPs' gate / up
+// [18432 / 8, 7168] and down [7168, 18432 / 8]; the 58 sparse layers' 256 experts and one shared
+// expert, gate / up [2048 / 8, 7168] and down [7168, 2048 / 8] each. (MLA's parts of q_b_proj and
+// kv_a_proj_with_mqa and its kv_b_proj stay dequantized, held in bf16 as the conversion's.) Every TP
+// 8 cut falls on a block's edge. 8 H200 now hold it, with room for the KV cache.
+TEST(Planner, DeepSeekV3_Fp8BlockScalesCountTheStoredBytes) {
   std::ifstream file(kConfigs / "deepseek-v3.json");
   nlohmann::json published = nlohmann::json::parse(file);
   absl::StatusOr<ModelConfig> fp8 = ParseModelConfig(published.dump(), "deepseek-v3.json");
@@ -276,11 +281,19 @@ TEST(Planner, DeepSeekV3_Fp8BlockScalesDequantizedCountAsTheWorkersDtype) {
   absl::StatusOr<Plan> plain = MakePlan(*bf16, nullptr, Cluster("1x8xH200-141GB"), o);
   ASSERT_TRUE(p.ok()) << p.status();
   ASSERT_TRUE(plain.ok()) << plain.status();
+  const auto saved = [](uint64_t rows, uint64_t cols) { return rows * cols - 4 * rows * ((cols + 127) / 128); };
+  const uint64_t per_rank = 61 * (saved(1536, 7168) + saved(7168, 16384 / 8)) +
+                            3 * (2 * saved(18432 / 8, 7168) + saved(7168, 18432 / 8)) +
+                            58 * (256 + 1) * (2 * saved(2048 / 8, 7168) + saved(7168, 2048 / 8));
   ASSERT_EQ(p->per_gpu.size(), 8u);
-  for (size_t r = 0; r < 8; ++r) EXPECT_EQ(p->per_gpu[r].weight_bytes, plain->per_gpu[r].weight_bytes) << "rank " << r;
-  EXPECT_FALSE(p->fits);
-  EXPECT_GT(p->per_gpu[0].weight_bytes, uint64_t{141} << 30);
-  EXPECT_THAT(PlanTable(*p), HasSubstr("linear layers FP8 e4m3 dequantized to bf16"));
+  for (size_t r = 0; r < 8; ++r) {
+    EXPECT_EQ(p->per_gpu[r].weight_bytes, plain->per_gpu[r].weight_bytes - per_rank) << "rank " << r;
+  }
+  EXPECT_TRUE(p->fits) << p->reason;
+  EXPECT_LT(p->per_gpu[0].weight_bytes, uint64_t{90} << 30);
+  EXPECT_THAT(PlanTable(*p), HasSubstr("linear layers FP8 e4m3 as fp8 e4m3 with 128x128 block scales"));
+  std::printf("DeepSeek-V3 FP8 at TP 8: %.2f GiB of weights a GPU, KV cache for %lld tokens\n",
+              static_cast<double>(p->per_gpu[0].weight_bytes) / (1 << 30), static_cast<long long>(p->kv_cache_tokens));
 }
 
 // Qwen3-30B-A3B (128 experts of 768, 8 a token, in all 48 layers): every expert's weights count
@@ -1531,8 +1544,9 @@ TEST(PlannerMemory, QuantizedWeightsOnCudaCountTheDequantizeScratch) {
 
 // Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
 // compressed_tensors}): the plan counts each shard's linear weights as the worker holds them (int4
-// blocks for 4 bits in groups of 128, int8 / fp8 rows for per-channel 8-bit and fp8 checkpoints,
-// float32 where they are dequantized at load, the checkpoint's
+// blocks for 4 bits in groups of 128, int8 / fp8 rows for per-channel 8-bit and fp8 checkpoints, fp8
+// with input-group scales for FP8 block scales (dequantized where a rank's inputs start inside a
+// block), float32 where they are dequantized at load, the checkpoint's
 // dtype for modules its ignore list keeps plain), which the worker's own byte count confirms shard
 // by shard; the checkpoint's format tensors are checked against config.json instead of `.weight`
 // tensors.
@@ -1543,7 +1557,7 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
         {"gptq/qwen2_asym8_g32_v2", 2, 1, "linear layers GPTQ 8-bit dequantized to float32"},
         {"awq/awq_llama_g128", 1, 2, "linear layers AWQ 4-bit as int4 groups of 128"},
         {"awq/awq_qwen2_g32", 2, 1, "linear layers AWQ 4-bit dequantized to float32"},
-        {"fp8/fp8_qwen2_block32x64", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
+        {"fp8/fp8_qwen2_block32x64", 2, 1, "linear layers FP8 e4m3 as fp8 e4m3 with 32x64 block scales"},
         {"compressed_tensors/ct_int4_sym_g128_llama", 1, 2,
          "linear layers compressed-tensors int4 as int4 groups of 128"},
         {"compressed_tensors/ct_int8_channel_qwen2", 2, 1,
@@ -1560,9 +1574,12 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
          "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"},
         {"EP_compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2,
          "linear layers compressed-tensors int4 dequantized to float32"},
-        {"fp8/fp8_qwen3_moe_block24x40", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
-        {"fp8/fp8_deepseek_v3_block128", 2, 1, "linear layers FP8 e4m3 dequantized to float32"},
-        {"EP_fp8/fp8_deepseek_v3_block128", 2, 2, "linear layers FP8 e4m3 dequantized to float32"}}) {
+        // FP8 block scales on the fp8 kernel where a rank's inputs start on a block's edge, else
+        // dequantized (the 24x40 experts' down_proj at TP 2: rank 1's 16 inputs start at 16)
+        {"fp8/fp8_qwen3_moe_block24x40", 2, 1, "linear layers FP8 e4m3 as fp8 e4m3 with 24x40 block scales"},
+        {"fp8/fp8_deepseek_v3_block128", 2, 1, "linear layers FP8 e4m3 as fp8 e4m3 with 128x128 block scales"},
+        {"EP_fp8/fp8_deepseek_v3_block128", 2, 2,
+         "linear layers FP8 e4m3 as fp8 e4m3 with 128x128 block scales"}}) {
     const bool ep = absl::StartsWith(variant, "EP_");
     if (ep) variant += 3;
     absl::StatusOr<PlannerModel> m = OpenPlannerModel(fixtures / variant);

@@ -82,9 +82,9 @@ class RecordingBackend final : public Backend {
     return inner_->PackMatMulWeight(w, packed, quant);
   }
   absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
-                                             Tensor* packed) override {
+                                             Tensor* packed, int64_t group = 0) override {
     if (recording_) return Spoil("PackQuantizedWeight");
-    return inner_->PackQuantizedWeight(quant, stored, m, k, packed);
+    return inner_->PackQuantizedWeight(quant, stored, m, k, packed, group);
   }
   bool EmbeddingTakesPackedTable() const override { return inner_->EmbeddingTakesPackedTable(); }
   void ReleaseLoadBuffers() override {

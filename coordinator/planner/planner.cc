@@ -563,7 +563,12 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     switch (CheckpointQuantKernel(*c.checkpoint_quant)) {
       case WeightQuant::kInt4: plan.checkpoint_quant = " as int4 groups of 128"; break;
       case WeightQuant::kInt8: plan.checkpoint_quant = " as int8 per output channel"; break;
-      case WeightQuant::kFp8: plan.checkpoint_quant = " as fp8 e4m3 per output channel"; break;
+      case WeightQuant::kFp8:
+        plan.checkpoint_quant = c.checkpoint_quant->method == QuantMethod::kFp8
+                                    ? absl::StrCat(" as fp8 e4m3 with ", c.checkpoint_quant->block_out, "x",
+                                                   c.checkpoint_quant->block_in, " block scales")
+                                    : std::string(" as fp8 e4m3 per output channel");
+        break;
       case WeightQuant::kNone:  // held as a plain weight in the workers' dtype
         plan.checkpoint_quant = absl::StrCat(" dequantized to ", ctx.dtype == DType::kF32 ? "float32" : PlanDTypeName(ctx.dtype));
         break;

@@ -134,8 +134,13 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       // weight (worker/shard/loader.cc: that path saves no memory). MLA's parts picked from
       // q_b_proj / kv_a_proj_with_mqa and its kv_b_proj are dequantized and then held as the plain
       // checkpoint's are (counted above).
-      stored = CheckpointQuantKernel(*config.checkpoint_quant);
-      if (stored != WeightQuant::kNone) bytes = static_cast<uint64_t>(QuantizedWeightBytes(stored, rows, cols));
+      // FP8 block scales: the fp8 kernel's input-group scales, 1 byte a weight and 4 a block's row,
+      // unless this rank's inputs start inside a block (CheckpointLinearBytes).
+      const int64_t col0 = cols_cut ? ShardSlice(t.split, shard).begin : 0;
+      const int64_t held = CheckpointLinearBytes(*config.checkpoint_quant, rows, cols, col0);
+      const CheckpointQuant& c = *config.checkpoint_quant;
+      stored = held < 0 ? WeightQuant::kNone : c.fp8 ? WeightQuant::kFp8 : CheckpointQuantKernel(c);
+      if (held >= 0) bytes = static_cast<uint64_t>(held);
     }
     if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {
       r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], CudaDequantScratchBytes(rows, cols, dtype));

@@ -206,7 +206,7 @@ class CpuBackend final : public Backend {
   }
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
   absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
-                                             Tensor* packed) override;
+                                             Tensor* packed, int64_t group = 0) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
     return Copy("CopyToDevice", dst, host_src, bytes);
   }
@@ -265,6 +265,9 @@ class CpuBackend final : public Backend {
     // (Fp8RowsLayout, the same order); kInt4: Int4Group128 blocks (Int4GroupsLayout). Each is
     // viewed as an I8 tensor [m, k] whose `quant` says which (so that its bytes() are `bytes`).
     WeightQuant quant = WeightQuant::kNone;
+    // kFp8 with input-group scales: inputs per scale (Fp8RowsLayout::group; the scales [m, G] before
+    // the codes, or on panels PackPanelScales' [panel][G][16]); 0: one scale a row.
+    int64_t group = 0;
     // bf16 weights whose `desc` is the blocked layout bf16_matmul.h's product reads too, on a CPU
     // that runs it, and whose oneDNN products that product repeats bitwise with this chunk (its
     // `chunk` argument, found by FindBf16Chunk): Bf16MatMul multiplies few rows by it. 0: oneDNN only.
@@ -293,8 +296,9 @@ class CpuBackend final : public Backend {
   // and points *packed at it (PackMatMulWeight's quantizers and PackQuantizedWeight's copy); an
   // int8 or fp8 one on a CPU that multiplies them on panels is filled aside and repacked
   // (byte_panels).
+  // `group`: kFp8's inputs per scale (0: one scale a row).
   absl::StatusOr<Buffer> PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
-                                       absl::FunctionRef<absl::Status(void*)> fill);
+                                       absl::FunctionRef<absl::Status(void*)> fill, int64_t group = 0);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;

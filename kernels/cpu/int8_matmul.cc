@@ -50,6 +50,9 @@ void Run(ColumnsFn columns, float* y, const float* x, int64_t n, int64_t m, int6
                      [&](int64_t r0, int64_t r1) { columns(y, x, n, m, k, q, scale, bias, r0, r1); });
 }
 
+using GroupColumnsFn = void (*)(float*, const float*, int64_t, int64_t, int64_t, const uint8_t*, const float*,
+                                int64_t, const float*, int64_t, int64_t);
+
 }  // namespace
 
 void Int8ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
@@ -60,6 +63,11 @@ void Int8ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t
 void Fp8ColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
                         const float* scale, const float* bias, int64_t r0, int64_t r1) {
   Columns<WidenFp8Portable>(y, x, n, m, k, q, scale, bias, r0, r1);
+}
+
+void Fp8GroupColumnsPortable(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
+                             const float* scale, int64_t group, const float* bias, int64_t r0, int64_t r1) {
+  Columns<WidenFp8Portable, false, true>(y, x, n, m, k, q, scale, bias, r0, r1, group);
 }
 
 void Int8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
@@ -84,6 +92,15 @@ void Fp8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const 
                             : isa == QuantIsa::kAvx2 || isa == QuantIsa::kAvx2Int8 ? Fp8ColumnsAvx2
                                                      : Fp8ColumnsPortable;
   Run(columns, y, x, n, m, k, q, scale, bias, threads);
+}
+
+void Fp8GroupMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale,
+                    int64_t group, const float* bias, int threads, QuantIsa isa) {
+  const GroupColumnsFn columns = isa == QuantIsa::kAvx512 || isa == QuantIsa::kAvx512Vnni ? Fp8GroupColumnsAvx512
+                                 : isa == QuantIsa::kAvx2 || isa == QuantIsa::kAvx2Int8   ? Fp8GroupColumnsAvx2
+                                                                                          : Fp8GroupColumnsPortable;
+  ForEachColumnRange(m, kInt8TileRows, threads,
+                     [&](int64_t r0, int64_t r1) { columns(y, x, n, m, k, q, scale, group, bias, r0, r1); });
 }
 
 }  // namespace shardserve::cpu

@@ -6,7 +6,8 @@
 // lanes), picked by quant_isa.h's ActiveQuantIsa unless the caller names one; for int8 also
 // AVX-512 VNNI (activations quantized to int8, integer dot products: inexact, only when named).
 // On AVX2 and AVX-512 CPUs the backend stores int8 as panels instead, and fp8 on AVX-512 ones
-// (panel_matmul.h PanelMatMulInt8 / PanelMatMulFp8, quant_isa.h IntOnPanels, Fp8OnPanels); there
+// (panel_matmul.h PanelMatMulInt8 / PanelMatMulFp8 / PanelMatMulFp8Groups, quant_isa.h IntOnPanels,
+// Fp8OnPanels); there
 // int8's rows run only under --activation-quantization int8 (its integer instances), and every
 // instance in bench_matmul.
 //
@@ -32,6 +33,15 @@ void Int8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const
 // quantizer never makes, read as +-480).
 void Fp8MatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale,
                const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
+// The same with input-group scales (kernels/quant.h Fp8RowsLayout with `group` > 0, an FP8
+// checkpoint's block scales): scale [m, G], G = ceil(k / group), w[r][c] = e4m3(q[r][c]) x
+// scale[r][c / group]. Each widened weight vector is multiplied by its inputs' scales before it is
+// summed, which gives the sums DequantizeFp8Groups' weights bit for bit (the rows' chains of
+// Fp8MatMul otherwise); any group >= 1 is correct, multiples of the instance's lanes (8, or 16 on
+// AVX-512) take one broadcast scale a vector, others a lane-by-lane one where a vector spans two
+// groups (loaders map multiples of kFp8GroupMultiple = 8 only).
+void Fp8GroupMatMul(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale,
+                    int64_t group, const float* bias, int threads, QuantIsa isa = ActiveQuantIsa());
 
 }  // namespace shardserve::cpu
 

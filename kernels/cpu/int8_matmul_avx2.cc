@@ -45,4 +45,9 @@ void Fp8ColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, c
   Columns<WidenFp8Avx2>(y, x, n, m, k, q, scale, bias, r0, r1);
 }
 
+void Fp8GroupColumnsAvx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
+                         const float* scale, int64_t group, const float* bias, int64_t r0, int64_t r1) {
+  Columns<WidenFp8Avx2, false, true>(y, x, n, m, k, q, scale, bias, r0, r1, group);
+}
+
 }  // namespace shardserve::cpu

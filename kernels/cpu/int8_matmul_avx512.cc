@@ -41,4 +41,9 @@ void Fp8ColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k,
   Columns<WidenFp8Avx512, true>(y, x, n, m, k, q, scale, bias, r0, r1);
 }
 
+void Fp8GroupColumnsAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q,
+                           const float* scale, int64_t group, const float* bias, int64_t r0, int64_t r1) {
+  Columns<WidenFp8Avx512, true, true>(y, x, n, m, k, q, scale, bias, r0, r1, group);
+}
+
 }  // namespace shardserve::cpu

@@ -28,6 +28,15 @@ SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsPortable);
 SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsAvx2);
 SHARDSERVE_BYTE_COLUMNS(Fp8ColumnsAvx512);
 #undef SHARDSERVE_BYTE_COLUMNS
+// fp8 e4m3 with input-group scales (kernels/quant.h Fp8RowsLayout with `group` > 0): scale [m, G],
+// G = ceil(k / group).
+#define SHARDSERVE_FP8_GROUP_COLUMNS(name)                                                                   \
+  void name(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* q, const float* scale, \
+            int64_t group, const float* bias, int64_t r0, int64_t r1)
+SHARDSERVE_FP8_GROUP_COLUMNS(Fp8GroupColumnsPortable);
+SHARDSERVE_FP8_GROUP_COLUMNS(Fp8GroupColumnsAvx2);
+SHARDSERVE_FP8_GROUP_COLUMNS(Fp8GroupColumnsAvx512);
+#undef SHARDSERVE_FP8_GROUP_COLUMNS
 // int8_matmul_vnni.cc: the whole int8 product with activations quantized (QuantIsa::kAvx512Vnni).
 void Int8MatMulVnni(float* y, const float* x, int64_t n, int64_t m, int64_t k, const int8_t* q, const float* scale,
                     const float* bias, int threads);
@@ -101,15 +110,45 @@ template <class Widen>
   return Widen::Load(padded);
 }
 
+// Input-group scales: lanes j of the scales of inputs c + j of a row (`srow` its G = ceil(k /
+// group) scales): one broadcast where the vector lies in one group (always, for a group that is a
+// multiple of the lanes), else lane by lane, the group advanced as its inputs run out (a 16-lane
+// vector across two groups of 8 x j inputs), lanes past k taking the row's last scale (their
+// inputs are 0).
+template <class V>
+[[gnu::always_inline]] inline V ScaleLanes(const float* srow, int64_t c, int64_t group, int64_t groups) {
+  constexpr int64_t L = kLanesOf<V>;
+  int64_t g = c / group;
+  int64_t left = (g + 1) * group - c;  // inputs of group g from c on
+  V s;
+  if (left >= L) {
+    for (int64_t j = 0; j < L; ++j) s[j] = srow[g];
+  } else {
+    for (int64_t j = 0; j < L; ++j) {
+      s[j] = srow[std::min<int64_t>(g, groups - 1)];
+      if (--left == 0) {
+        ++g;
+        left = group;
+      }
+    }
+  }
+  return s;
+}
+
 // y[i .. i+I) x columns [r, r+R): R x I sums, each over k in the same order whatever R and I
 // (the tile's size only decides which sums share a weight load), so that tails and full tiles
 // give every output the same bits. Bounds are compile-time so the sums stay in registers. Weight
 // row r's bytes at w (the next rows k bytes further each).
-template <class Widen, int R, int I>
+// kGroups (fp8 with input-group scales, `group` inputs a scale): each widened weight vector is
+// multiplied by its inputs' scales before the sums (scale [m, G] here), so that the sums take the
+// reference's dequantized weights (DequantizeFp8Groups: code x scale, rounded once) bit for bit,
+// and the finished sums are not scaled again.
+template <class Widen, int R, int I, bool kGroups = false>
 [[gnu::always_inline]] inline void Tile(float* y, const float* x, int64_t i, int64_t m, int64_t k, const uint8_t* w,
-                                        const float* scale, const float* bias, int64_t r) {
+                                        const float* scale, const float* bias, int64_t r, int64_t group = 0) {
   using V = typename Widen::V;
   constexpr int64_t L = kLanesOf<V>;
+  const int64_t groups = kGroups ? (k + group - 1) / group : 1;
   V acc[I][R] = {};
   // Whole vectors with fixed-size loads (a variable-size copy would be a library call per step),
   // then the tail, zero-padded: the same sequence of operations for every output.
@@ -124,7 +163,8 @@ template <class Widen, int R, int I>
     for (int b = 0; b < R; ++b) {
       // Each cache line of the row kPrefetchRows on, once (column_tiles.h), in the 16-lane instances.
       if (L != 8 && (c & 63) == 0) __builtin_prefetch(w + (PrefetchRow(r + b, m) - r) * k + c, 0, 3);
-      const V wv = Widen::Load(w + b * k + c);
+      V wv = Widen::Load(w + b * k + c);
+      if constexpr (kGroups) wv *= ScaleLanes<V>(scale + (r + b) * groups, c, group, groups);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }
   }
@@ -133,24 +173,26 @@ template <class Widen, int R, int I>
     V xv[I];
     for (int a = 0; a < I; ++a) xv[a] = LoadLanes<V>(x + (i + a) * k + c, count);
     for (int b = 0; b < R; ++b) {
-      const V wv = LoadTail<Widen>(w + b * k + c, count);
+      V wv = LoadTail<Widen>(w + b * k + c, count);
+      if constexpr (kGroups) wv *= ScaleLanes<V>(scale + (r + b) * groups, c, group, groups);
       for (int a = 0; a < I; ++a) acc[a][b] += xv[a] * wv;
     }
   }
   for (int a = 0; a < I; ++a) {
     for (int b = 0; b < R; ++b) {
-      const float v = SumLanes(acc[a][b]) * scale[r + b];
+      const float v = kGroups ? SumLanes(acc[a][b]) : SumLanes(acc[a][b]) * scale[r + b];
       y[(i + a) * m + r + b] = bias != nullptr ? v + bias[r + b] : v;
     }
   }
 }
 
 // Tile<R, I> for R known only at run time (1 to kMaxRows).
-template <class Widen, int I, int kMaxRows = kInt8TileRows>
+template <class Widen, int I, int kMaxRows = kInt8TileRows, bool kGroups = false>
 [[gnu::always_inline]] inline void TileOf(int64_t rows, float* y, const float* x, int64_t i, int64_t m, int64_t k,
-                                          const uint8_t* w, const float* scale, const float* bias, int64_t r) {
+                                          const uint8_t* w, const float* scale, const float* bias, int64_t r,
+                                          int64_t group = 0) {
   WithTileRows<kMaxRows>(rows, [&](auto R) __attribute__((always_inline)) {
-    Tile<Widen, R, I>(y, x, i, m, k, w, scale, bias, r);
+    Tile<Widen, R, I, kGroups>(y, x, i, m, k, w, scale, bias, r, group);
   });
 }
 
@@ -160,20 +202,22 @@ template <class Widen, int I, int kMaxRows = kInt8TileRows>
 // multiple of 4 in one tile of 3, 2 or 1 over the same 4 weight rows. Measured on an Intel Xeon
 // with AVX-512 and AMX (bench_matmul): from 4 rows up the
 // bench stage's products take 25-30% less time than with the pairs.
-template <class Widen>
+template <class Widen, bool kGroups = false>
 [[gnu::always_inline]] inline void QuadColumns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                                const uint8_t* q, const float* scale, const float* bias, int64_t r,
-                                               int64_t rows) {
+                                               int64_t rows, int64_t group = 0) {
   constexpr int kQuad = 4;
   for (int64_t b = 0; b < rows; b += kQuad) {
     const int64_t part = std::min<int64_t>(kQuad, rows - b);
     const uint8_t* w = q + (r + b) * k;
     int64_t i = 0;
-    for (; i + kQuad <= n; i += kQuad) TileOf<Widen, kQuad, kQuad>(part, y, x, i, m, k, w, scale, bias, r + b);
+    for (; i + kQuad <= n; i += kQuad) {
+      TileOf<Widen, kQuad, kQuad, kGroups>(part, y, x, i, m, k, w, scale, bias, r + b, group);
+    }
     switch (n - i) {
-      case 3: TileOf<Widen, 3, kQuad>(part, y, x, i, m, k, w, scale, bias, r + b); break;
-      case 2: TileOf<Widen, 2, kQuad>(part, y, x, i, m, k, w, scale, bias, r + b); break;
-      case 1: TileOf<Widen, 1, kQuad>(part, y, x, i, m, k, w, scale, bias, r + b); break;
+      case 3: TileOf<Widen, 3, kQuad, kGroups>(part, y, x, i, m, k, w, scale, bias, r + b, group); break;
+      case 2: TileOf<Widen, 2, kQuad, kGroups>(part, y, x, i, m, k, w, scale, bias, r + b, group); break;
+      case 1: TileOf<Widen, 1, kQuad, kGroups>(part, y, x, i, m, k, w, scale, bias, r + b, group); break;
       default: break;
     }
   }
@@ -185,19 +229,24 @@ template <class Widen>
 // keeps 8 independent sums in flight. With kQuads (AVX-512), from 4 input rows on, QuadColumns'
 // tiles instead: the same sums, operation for operation (Tile's), so a row's result does not depend
 // on which tiles its step took.
-template <class Widen, bool kQuads = false>
+// kGroups: fp8 with input-group scales (Tile's), scale [m, G].
+template <class Widen, bool kQuads = false, bool kGroups = false>
 [[gnu::always_inline]] inline void Columns(float* y, const float* x, int64_t n, int64_t m, int64_t k,
                                            const uint8_t* q, const float* scale, const float* bias, int64_t r0,
-                                           int64_t r1) {
+                                           int64_t r1, int64_t group = 0) {
   for (int64_t r = r0; r < r1; r += kInt8TileRows) {
     if (kQuads && n >= 4) {
-      QuadColumns<Widen>(y, x, n, m, k, q, scale, bias, r, std::min<int64_t>(kInt8TileRows, r1 - r));
+      QuadColumns<Widen, kGroups>(y, x, n, m, k, q, scale, bias, r, std::min<int64_t>(kInt8TileRows, r1 - r), group);
       continue;
     }
     ForEachRowTile(
         n, std::min<int64_t>(kInt8TileRows, r1 - r), r,
-        [&](int64_t rows, int64_t i, int64_t rr) { TileOf<Widen, 2>(rows, y, x, i, m, k, q + rr * k, scale, bias, rr); },
-        [&](int64_t rows, int64_t i, int64_t rr) { TileOf<Widen, 1>(rows, y, x, i, m, k, q + rr * k, scale, bias, rr); });
+        [&](int64_t rows, int64_t i, int64_t rr) {
+          TileOf<Widen, 2, kInt8TileRows, kGroups>(rows, y, x, i, m, k, q + rr * k, scale, bias, rr, group);
+        },
+        [&](int64_t rows, int64_t i, int64_t rr) {
+          TileOf<Widen, 1, kInt8TileRows, kGroups>(rows, y, x, i, m, k, q + rr * k, scale, bias, rr, group);
+        });
   }
 }
 

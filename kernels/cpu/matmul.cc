@@ -118,6 +118,11 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return check.Error(absl::StrCat("w says it is quantized as ", WeightQuantName(w.quant), ", its packed buffer holds ",
                                     WeightQuantName(quant)));
   }
+  const int64_t group = *packed != nullptr ? (*packed)->group : 0;
+  if (w.quant_group != group) {
+    return check.Error(absl::StrCat("w says its fp8 scales are per ", w.quant_group, " inputs, its packed buffer's per ",
+                                    group, " (0: per row)"));
+  }
   // (A quantized w's bytes() are its layout's: scales and zeros included.)
   if (Overlaps(*out, x) || Overlaps(*out, w, *packed != nullptr ? (*packed)->bytes : 0) ||
       (bias != nullptr && Overlaps(*out, *bias))) {
@@ -154,6 +159,19 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
       return absl::OkStatus();
     }
     cpu::Int4MatMul(y, x.as<float>(), n, m, k, static_cast<const Int4Group128*>(w.data), b, threads_, int_isa);
+    return absl::OkStatus();
+  }
+  if (quant == WeightQuant::kFp8 && group > 0) {
+    // Input-group scales: [m, G] then the codes, or on panels [panel][G][16] then the panels.
+    const int64_t groups = Fp8RowsLayout{m, k, group}.groups_per_row();
+    const auto* scale = static_cast<const float*>(w.data);
+    if ((*packed)->byte_panels) {
+      const auto* q = static_cast<const uint8_t*>(w.data) + cpu::PanelScaleFloats(m, groups) * sizeof(float);
+      cpu::PanelMatMulFp8Groups(y, x.as<float>(), n, m, k, q, scale, group, b, threads_);
+    } else {
+      const auto* q = static_cast<const uint8_t*>(w.data) + Fp8RowsLayout{m, k, group}.scale_bytes();
+      cpu::Fp8GroupMatMul(y, x.as<float>(), n, m, k, q, scale, group, b, threads_);
+    }
     return absl::OkStatus();
   }
   if (quant == WeightQuant::kInt8 || quant == WeightQuant::kFp8) {
@@ -299,7 +317,7 @@ int64_t CpuBackend::FindBf16Chunk(const PackedWeight& packed, void* w) {
 }
 
 absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
-                                                       Tensor* packed) {
+                                                       Tensor* packed, int64_t group) {
   if (quant == WeightQuant::kNone) {
     return absl::InvalidArgumentError("PackQuantizedWeight: kNone is no quantized layout; use PackMatMulWeight");
   }
@@ -307,20 +325,51 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
     return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: an empty [", m, ", ", k, "] ",
                                                    WeightQuantName(quant), " weight"));
   }
-  return PackQuantized(quant, m, k, packed, [&](void* to) {
-    std::memcpy(to, stored, static_cast<size_t>(QuantizedWeightBytes(quant, m, k)));
-    return absl::OkStatus();
-  });
+  if (group < 0 || (group > 0 && quant != WeightQuant::kFp8)) {
+    return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: input groups of ", group, " for a ",
+                                                   WeightQuantName(quant), " weight (only fp8 has them; 0: none)"));
+  }
+  return PackQuantized(
+      quant, m, k, packed,
+      [&](void* to) {
+        std::memcpy(to, stored, static_cast<size_t>(QuantizedWeightBytes(quant, m, k, group)));
+        return absl::OkStatus();
+      },
+      group);
 }
 
 absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
-                                                 absl::FunctionRef<absl::Status(void*)> fill) {
-  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+                                                 absl::FunctionRef<absl::Status(void*)> fill, int64_t group) {
+  // A group of k or more inputs is one scale a row: the layout without groups, byte for byte.
+  if (quant != WeightQuant::kFp8 || Fp8RowsLayout{m, k, group}.groups_per_row() == 1) group = 0;
+  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k, group));
   // The weight's instance, and whether it runs int8 / fp8 / int4 weights as panels (fp8 has no
   // integer instance: its own is the exact one, ActiveQuantIsa, whatever act_).
   const QuantIsa isa = quant == WeightQuant::kFp8 ? ActiveQuantIsa() : IntIsa();
   const bool byte_panels =
       quant == WeightQuant::kFp8 ? Fp8OnPanels(isa) : quant == WeightQuant::kInt8 && IntOnPanels(isa);
+  if (byte_panels && group > 0) {
+    // The rows' layout first, then its scales in panel order and its codes as panels (panel_matmul.h).
+    std::vector<uint8_t> rows(bytes);
+    SHARDSERVE_RETURN_IF_ERROR(fill(rows.data()));
+    const Fp8RowsLayout layout{m, k, group};
+    const int64_t groups = layout.groups_per_row();
+    const int64_t scale_bytes = cpu::PanelScaleFloats(m, groups) * static_cast<int64_t>(sizeof(float));
+    const auto panel_bytes = static_cast<size_t>(scale_bytes + cpu::PanelMatMulFloats(m, k));
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
+    std::vector<float> scales(static_cast<size_t>(m * groups));
+    std::memcpy(scales.data(), rows.data(), static_cast<size_t>(layout.scale_bytes()));
+    cpu::PackPanelScales(static_cast<float*>(buffer.data()), scales.data(), m, groups);
+    cpu::PackPanelsBytes(static_cast<uint8_t*>(buffer.data()) + scale_bytes, rows.data() + layout.scale_bytes(), m, k);
+    PackedWeight& p = packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
+    p.group = group;
+    p.byte_panels = true;
+    p.panel_tiles = PanelTilesFor(isa);
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = quant;
+    packed->quant_group = group;
+    return buffer;
+  }
   if (byte_panels) {
     // The rows' layout first, then its codes repacked as panels after its scales (panel_matmul.h).
     std::vector<uint8_t> rows(bytes);
@@ -354,8 +403,10 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
   SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(bytes));
   SHARDSERVE_RETURN_IF_ERROR(fill(buffer.data()));
   packed_[buffer.data()] = PackedWeight{m, k, bytes, {}, quant};
+  packed_[buffer.data()].group = group;
   *packed = Tensor(buffer.data(), DType::kI8, {m, k});
   packed->quant = quant;
+  packed->quant_group = group;
   return buffer;
 }
 

@@ -264,14 +264,14 @@ void PackPanelsBytes(uint8_t* packed, const uint8_t* q, int64_t m, int64_t k) {
 // The one-byte panels' instances: AVX-512's (panel_matmul_bytes_avx512.cc), int8 (fp8 false) or
 // e4m3 (true) bytes, and AVX2's for int8 (panel_matmul_avx2.cc).
 void PanelMatMulBytesAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
-                            const float* scale, const float* bias, int threads, bool fp8);
+                            const float* scale, int64_t group, const float* bias, int threads, bool fp8);
 void PanelMatMulInt8Avx2(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
                          const float* scale, const float* bias, int threads);
 
 void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
                      const float* bias, int threads, PanelTiles tiles) {
   if (tiles == PanelTiles::kAvx512) {
-    PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, bias, threads, /*fp8=*/false);
+    PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, /*group=*/0, bias, threads, /*fp8=*/false);
   } else {
     PanelMatMulInt8Avx2(y, x, n, m, k, w, scale, bias, threads);
   }
@@ -279,7 +279,25 @@ void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 
 void PanelMatMulFp8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
                     const float* bias, int threads) {
-  PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, bias, threads, /*fp8=*/true);
+  PanelMatMulBytesAvx512(y, x, n, m, k, w, scale, /*group=*/0, bias, threads, /*fp8=*/true);
+}
+
+int64_t PanelScaleFloats(int64_t m, int64_t groups) { return Panels(m) * groups * kPanelCols; }
+
+void PackPanelScales(float* packed, const float* scale, int64_t m, int64_t groups) {
+  for (int64_t p = 0; p < Panels(m); ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t c = 0; c < kPanelCols; ++c) {
+        const int64_t row = p * kPanelCols + c;
+        packed[(p * groups + g) * kPanelCols + c] = row < m ? scale[row * groups + g] : 0.0f;
+      }
+    }
+  }
+}
+
+void PanelMatMulFp8Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
+                          const float* scales, int64_t group, const float* bias, int threads) {
+  PanelMatMulBytesAvx512(y, x, n, m, k, w, scales, group, bias, threads, /*fp8=*/true);
 }
 
 // PanelMatMulInt4's two instances (panel_matmul_int4_avx512.cc, panel_matmul_int4_avx2.cc): every

@@ -90,6 +90,18 @@ void PanelMatMulInt8(float* y, const float* x, int64_t n, int64_t m, int64_t k, 
 // product, quant_isa.h Fp8OnPanels).
 void PanelMatMulFp8(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
                     const float* bias, int threads);
+// The same by e4m3 bytes with input-group scales (kernels/quant.h Fp8RowsLayout with `group` > 0:
+// an FP8 checkpoint's block scales), scales in panel order (PackPanelScales): each widened vector of
+// 16 codes is multiplied by its group's 16 scales before its fused multiply-adds, so that each
+// output is PanelMatMul's chain for the weights DequantizeFp8Groups gives, bit for bit, the bias
+// added to the finished sum: y[i][c] = (chain of x[i][kk] (code[c][kk] x scale[c][kk / group]) over
+// kk) + bias[c]. Any group >= 1 (a group's scales are reloaded from L1 at its first input).
+// Floats PackPanelScales writes for m outputs and `groups` scales a row: ceil(m / 16) x groups x 16.
+int64_t PanelScaleFloats(int64_t m, int64_t groups);
+// packed [panel][group][16] = scale [m, groups] (row-major), 0 past m.
+void PackPanelScales(float* packed, const float* scale, int64_t m, int64_t groups);
+void PanelMatMulFp8Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
+                          const float* scales, int64_t group, const float* bias, int threads);
 
 // The same products by int4 weights (kernels/quant.h's Int4Group128 blocks: groups of 128 inputs,
 // a scale and a zero point each), for CPUs with AVX2 and FMA, whose exact int4 products the CPU backend

@@ -54,14 +54,22 @@ template <bool kFp8>
 
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ (P adjacent one-byte panels [k, 16], the
 // first at `panel`, their values times scale [cols]) (+ bias [cols]); cols <= 16 P.
-template <bool kFp8, int R, int P>
+// With input-group scales (group > 0: fp8 only) `scale` is the first panel's [G, 16] scales
+// (PackPanelScales), the next panels' G x 16 floats apart: each widened vector is multiplied by its
+// group's 16 scales (read from L1 by the multiply itself, no register held) before its FMAs, so that
+// the chains take DequantizeFp8Groups' weights bit for bit, and the finished sums are not scaled:
+// y = chain (+ bias), PanelMatMul's result for those weights.
+template <bool kFp8, int R, int P, bool kGroups = false>
 [[gnu::always_inline]] inline void Tile(float* y, int64_t ldy, const float* x, int64_t k, const uint8_t* panel,
-                                        int64_t cols, const float* scale, const float* bias) {
+                                        int64_t cols, const float* scale, const float* bias, int64_t group = 0) {
   __m512 acc[R][P];
   for (int r = 0; r < R; ++r) {
     for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
   }
   const int64_t stride = k * kPanelCols;
+  const int64_t scale_stride = kGroups ? (k + group - 1) / group * kPanelCols : 0;  // floats between panels' scales
+  const float* group_scale = scale;  // the current group's 16 scales of the first panel
+  int64_t left = group;              // inputs left in the current group
   for (int64_t kk = 0; kk < k; ++kk) {
     const uint8_t* at = panel + kk * kPanelCols;
     if ((kk & 3) == 0) {
@@ -69,8 +77,18 @@ template <bool kFp8, int R, int P>
         _mm_prefetch(reinterpret_cast<const char*>(at + q * stride) + kPrefetchBytes, _MM_HINT_T0);
       }
     }
+    if constexpr (kGroups) {
+      if (left == 0) {
+        group_scale += kPanelCols;
+        left = group;
+      }
+      --left;
+    }
     __m512 b[P];
-    for (int q = 0; q < P; ++q) b[q] = Widen<kFp8>(at + q * stride);
+    for (int q = 0; q < P; ++q) {
+      b[q] = Widen<kFp8>(at + q * stride);
+      if constexpr (kGroups) b[q] = _mm512_mul_ps(b[q], _mm512_loadu_ps(group_scale + q * scale_stride));
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * k + kk]);
       for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(b[q], xr, acc[r][q]);
@@ -80,28 +98,37 @@ template <bool kFp8, int R, int P>
     const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
     if (n <= 0) break;
     const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + c0);
     const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      // One rounding with the bias, as std::fma (the AVX2 instance's); with none, the product alone.
-      const __m512 v = bias != nullptr ? _mm512_fmadd_ps(acc[r][q], s, add) : _mm512_mul_ps(acc[r][q], s);
-      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
+    if constexpr (kGroups) {
+      for (int r = 0; r < R; ++r) {
+        const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], add) : acc[r][q];
+        _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
+      }
+    } else {
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + c0);
+      for (int r = 0; r < R; ++r) {
+        // One rounding with the bias, as std::fma (the AVX2 instance's); with none, the product alone.
+        const __m512 v = bias != nullptr ? _mm512_fmadd_ps(acc[r][q], s, add) : _mm512_mul_ps(acc[r][q], s);
+        _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
+      }
     }
   }
 }
 
 // Every row of y (row stride m) at panels [p, p + have) (have <= P), the rows in balanced tiles.
-template <bool kFp8, int P>
+template <bool kFp8, int P, bool kGroups>
 void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const uint8_t* w, const float* scale,
-           const float* bias, int64_t p, int64_t have) {
+           int64_t group, const float* bias, int64_t p, int64_t have) {
   const int64_t c0 = p * kPanelCols, cols = std::min(have * kPanelCols, m - c0);
   const uint8_t* panel = w + p * k * kPanelCols;
   const float* bc = bias != nullptr ? bias + c0 : nullptr;
+  // Per row: the panels' columns; with groups: panel p's [G, 16] scales.
+  const float* sc = kGroups ? scale + p * ((k + group - 1) / group) * kPanelCols : scale + c0;
   WithBalancedTiles<kWideTileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
     // (Every tile of a product has at least the registers of its longest: the same P serves.)
     if constexpr (R() * P + P <= 30) {
       WithTileRows<P>(have, [&](auto Q) __attribute__((always_inline)) {
-        Tile<kFp8, R(), Q()>(y + r * m + c0, m, x + r * k, k, panel, cols, scale + c0, bc);
+        Tile<kFp8, R(), Q(), kGroups>(y + r * m + c0, m, x + r * k, k, panel, cols, sc, bc, group);
       });
     }
   });
@@ -109,9 +136,9 @@ void Group(float* y, int64_t m, const float* x, int64_t n, int64_t k, const uint
 
 // Every group of `per` panels, threads taking them as they come free, never k: the thread count
 // cannot change a sum.
-template <bool kFp8>
+template <bool kFp8, bool kGroups = false>
 void Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* scale,
-            const float* bias, int threads) {
+            int64_t group, const float* bias, int threads) {
   const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
   const int64_t per = WidePanelsPerGroup(n);
   const int64_t groups = (panels + per - 1) / per;
@@ -119,9 +146,9 @@ void Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uin
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t p = g * per, have = std::min(per, panels - p);
     switch (per) {
-      case 4: Group<kFp8, 4>(y, m, x, n, k, w, scale, bias, p, have); break;
-      case 3: Group<kFp8, 3>(y, m, x, n, k, w, scale, bias, p, have); break;
-      default: Group<kFp8, 2>(y, m, x, n, k, w, scale, bias, p, have); break;
+      case 4: Group<kFp8, 4, kGroups>(y, m, x, n, k, w, scale, group, bias, p, have); break;
+      case 3: Group<kFp8, 3, kGroups>(y, m, x, n, k, w, scale, group, bias, p, have); break;
+      default: Group<kFp8, 2, kGroups>(y, m, x, n, k, w, scale, group, bias, p, have); break;
     }
   }
 }
@@ -129,11 +156,13 @@ void Groups(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uin
 }  // namespace
 
 void PanelMatMulBytesAvx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
-                            const float* scale, const float* bias, int threads, bool fp8) {
-  if (fp8) {
-    Groups<true>(y, x, n, m, k, w, scale, bias, threads);
+                            const float* scale, int64_t group, const float* bias, int threads, bool fp8) {
+  if (fp8 && group > 0) {
+    Groups<true, true>(y, x, n, m, k, w, scale, group, bias, threads);
+  } else if (fp8) {
+    Groups<true>(y, x, n, m, k, w, scale, 0, bias, threads);
   } else {
-    Groups<false>(y, x, n, m, k, w, scale, bias, threads);
+    Groups<false>(y, x, n, m, k, w, scale, 0, bias, threads);
   }
 }
 

@@ -181,7 +181,7 @@ class CudaBackend final : public Backend {
   // options_.quantized_kernels.
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
   absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
-                                             Tensor* packed) override;
+                                             Tensor* packed, int64_t group = 0) override;
   void ReleaseLoadBuffers() override {
     pack_raw_ = {};
     pack_stored_ = {};
@@ -354,6 +354,8 @@ class CudaBackend final : public Backend {
     WeightQuant quant = WeightQuant::kNone;
     // int4: every group's zero below 128 (Int4MmaGemvKernel forms 128 + zero exactly in bf16).
     bool small_zeros = false;
+    // fp8: inputs per scale (kernels/quant.h Fp8RowsLayout::group; 0: one scale a row).
+    int64_t group = 0;
   };
   std::map<const void*, QuantizedWeight> quantized_;
   // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown as each

@@ -1,5 +1,6 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
-// int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (on in the worker unless
+// fp8 with input-group scales (an FP8 checkpoint's block scales; written without a GPU, not yet run
+// on one), int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (on in the worker unless
 // --no-cuda-quantized-kernels). These GEMVs (a block per two rows, an instance per input-row count)
 // passed their CudaQuant tests on an H200 and served the 8B quantized at load there, int4 and int8
 // (docs/performance.md).
@@ -101,16 +102,27 @@ __device__ __forceinline__ float MagicByte(uint32_t bytes, int t) {
 // (l < kGemvLoads) of each row a step, all loads of a step in flight before the first is used, a
 // block reading 2 KB of each row a load; else one byte a thread a step (still coalesced). int8
 // codes are read as float by MagicByte on the codes + 128.
+// fp8 with input-group scales (group > 0, a multiple of kFp8GroupMultiple = 8: an FP8 checkpoint's
+// block scales, scale [m, G]; written without a GPU, not yet run on one): on the vector path each
+// thread's 16 weights are two runs of 8 in one group each, summed apart and each sum times its
+// group's scale into the row's sum; on the byte path each weight times its group's scale. The
+// finished sums are then not scaled again.
 template <typename T, typename TO, bool kFp8, int N, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads)
     RowsGemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
-                   const float* __restrict__ scale /*[m]*/, const uint8_t* __restrict__ q /*[m, k]*/,
-                   const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, bool prefetch) {
+                   const float* __restrict__ scale /*[m] or [m, G]*/, const uint8_t* __restrict__ q /*[m, k]*/,
+                   const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, int group, bool prefetch) {
   constexpr int R = kGemvRows;
   const int r0 = static_cast<int>(blockIdx.x) * R;
+  const bool groups = kFp8 && group > 0;  // the same for every thread
+  const int per_row = groups ? (k + group - 1) / group : 1;
   const uint8_t* qr[R];
+  const float* sr[R];  // groups: the row's G scales
 #pragma unroll
-  for (int rr = 0; rr < R; ++rr) qr[rr] = q + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+  for (int rr = 0; rr < R; ++rr) {
+    qr[rr] = q + static_cast<int64_t>(min(r0 + rr, m - 1)) * k;  // past m: not written
+    sr[rr] = scale + static_cast<int64_t>(min(r0 + rr, m - 1)) * per_row;
+  }
   if (kVec && prefetch) {  // launched with PDL: the first loads' lines into L2 while the kernel ahead drains
 #pragma unroll
     for (int l = 0; l < kGemvLoads; ++l) {
@@ -152,6 +164,14 @@ __global__ void __launch_bounds__(kGemvThreads)
             }
           }
         }
+        float s0[R], s1[R];  // groups: the scales of inputs c .. c + 7 and c + 8 .. c + 15
+        if (groups) {
+#pragma unroll
+          for (int rr = 0; rr < R; ++rr) {
+            s0[rr] = __ldg(sr[rr] + c / group);
+            s1[rr] = __ldg(sr[rr] + min(c + 8, k - 1) / group);
+          }
+        }
 #pragma unroll
         for (int i = 0; i < N; ++i) {
           if (i < n) {  // the same for the whole block
@@ -160,10 +180,19 @@ __global__ void __launch_bounds__(kGemvThreads)
             LoadX8<T, true>(x + static_cast<int64_t>(i) * k, c + 8, k, xv + 8);
 #pragma unroll
             for (int rr = 0; rr < R; ++rr) {
-              float d = 0.0f;
+              if (groups) {
+                float d0 = 0.0f, d1 = 0.0f;
 #pragma unroll
-              for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
-              acc[rr][i] += d;
+                for (int j = 0; j < 8; ++j) d0 = fmaf(w[rr][j], xv[j], d0);
+#pragma unroll
+                for (int j = 8; j < 16; ++j) d1 = fmaf(w[rr][j], xv[j], d1);
+                acc[rr][i] = fmaf(d1, s1[rr], fmaf(d0, s0[rr], acc[rr][i]));
+              } else {
+                float d = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) d = fmaf(w[rr][j], xv[j], d);
+                acc[rr][i] += d;
+              }
             }
           }
         }
@@ -173,7 +202,10 @@ __global__ void __launch_bounds__(kGemvThreads)
     for (int c = static_cast<int>(threadIdx.x); c < k; c += kGemvThreads) {
       float w[R];
 #pragma unroll
-      for (int rr = 0; rr < R; ++rr) w[rr] = RowValue<kFp8>(__ldg(qr[rr] + c));
+      for (int rr = 0; rr < R; ++rr) {
+        w[rr] = RowValue<kFp8>(__ldg(qr[rr] + c));
+        if (groups) w[rr] *= __ldg(sr[rr] + c / group);
+      }
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         if (i < n) {
@@ -184,7 +216,7 @@ __global__ void __launch_bounds__(kGemvThreads)
       }
     }
   }
-  FinishRows<T, TO, N>(out, acc, scale, bias, n, m, r0);
+  FinishRows<T, TO, N>(out, acc, groups ? nullptr : scale, bias, n, m, r0);
 }
 
 // Int4 groups (Int4GroupsLayout): block b computes output rows kGemvRows b + [0, kGemvRows), for N
@@ -539,12 +571,21 @@ __global__ void __launch_bounds__(kGemvThreads)
 }
 
 // w [rows, k] (act) = rows r0 .. r0 + rows of an int8 / fp8 weight, dequantized as
-// DequantizeInt8Rows / DequantizeFp8Rows do (value x scale in float32), rounded once.
+// DequantizeInt8Rows / DequantizeFp8Rows do (value x scale in float32), rounded once; fp8 with
+// input-group scales (group > 0: scale [m, G]) as DequantizeFp8Groups.
 template <typename T, bool kFp8>
 __global__ void DequantRowsKernel(T* __restrict__ w, const float* __restrict__ scale, const uint8_t* __restrict__ q,
-                                  int64_t r0, int64_t rows, int64_t k) {
+                                  int64_t r0, int64_t rows, int64_t k, int64_t group) {
   const uint8_t* q0 = q + r0 * k;
-  GRID_STRIDE_LOOP(i, rows * k) w[i] = FromFloat<T>(RowValue<kFp8>(q0[i]) * scale[r0 + i / k]);
+  if (kFp8 && group > 0) {
+    const int64_t per_row = (k + group - 1) / group;
+    GRID_STRIDE_LOOP(i, rows * k) {
+      const int64_t r = i / k;
+      w[i] = FromFloat<T>(RowValue<kFp8>(q0[i]) * scale[(r0 + r) * per_row + (i - r * k) / group]);
+    }
+  } else {
+    GRID_STRIDE_LOOP(i, rows * k) w[i] = FromFloat<T>(RowValue<kFp8>(q0[i]) * scale[r0 + i / k]);
+  }
 }
 
 // The same for int4 groups, as DequantizeInt4Groups: (q - zero) x scale.
@@ -571,7 +612,7 @@ absl::Status Off(const char* op, WeightQuant quant) {
 }  // namespace
 
 absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
-                                                        Tensor* packed) {
+                                                        Tensor* packed, int64_t group) {
   if (quant == WeightQuant::kNone) {
     return absl::InvalidArgumentError("PackQuantizedWeight: kNone is no quantized layout; use PackMatMulWeight");
   }
@@ -581,7 +622,14 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
                                                    " weight (want 0 < m, k <= 2^31 - 1)"));
   }
   if (stored == nullptr) return absl::InvalidArgumentError("PackQuantizedWeight: stored is null");
-  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k));
+  // fp8's input-group scales: RowsGemvKernel's runs of 8 inputs each in one group.
+  if (group < 0 || (group > 0 && (quant != WeightQuant::kFp8 || group % kFp8GroupMultiple != 0))) {
+    return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: input groups of ", group, " for a ",
+                                                   WeightQuantName(quant), " weight (fp8 only, a multiple of ",
+                                                   kFp8GroupMultiple, "; 0: none)"));
+  }
+  const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k, group));
+  if (quant == WeightQuant::kFp8 && Fp8RowsLayout{m, k, group}.groups_per_row() == 1) group = 0;  // one scale a row
   absl::StatusOr<Buffer> buffer = Allocate(bytes);
   if (!buffer.ok()) return buffer.status();
   SHARDSERVE_RETURN_IF_ERROR(CopyToDevice(buffer->data(), stored, bytes));
@@ -596,9 +644,10 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
     small_zeros = true;
     for (int64_t g = 0; g < count && small_zeros; ++g) small_zeros = groups[g].zero < 128;
   }
-  quantized_[buffer->data()] = QuantizedWeight{m, k, quant, small_zeros};
+  quantized_[buffer->data()] = QuantizedWeight{m, k, quant, small_zeros, group};
   *packed = Tensor(buffer->data(), DType::kI8, {m, k});
   packed->quant = quant;
+  packed->quant_group = group;
   return buffer;
 }
 
@@ -634,7 +683,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   }
   if (!options_.quantized_kernels) return Off(kOp, w.quant);
   const auto it = quantized_.find(w.data);
-  if (it == quantized_.end() || it->second.m != w.dim(0) || it->second.k != w.dim(1) || it->second.quant != w.quant) {
+  if (it == quantized_.end() || it->second.m != w.dim(0) || it->second.k != w.dim(1) || it->second.quant != w.quant ||
+      it->second.group != w.quant_group) {
     return Invalid(kOp,
                    absl::StrCat("w (", WeightQuantName(w.quant),
                                 ") is not the whole of a quantized weight this backend stored; pass the tensor "
@@ -656,7 +706,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   if (n == 0) return absl::OkStatus();  // (m, k > 0: PackQuantizedWeight refuses empty weights)
   SHARDSERVE_RETURN_IF_ERROR(Activate());
   const WeightQuant quant = w.quant;
-  const int64_t scale_bytes = Int8RowsLayout{m, k}.scale_bytes();  // the same for fp8
+  const int64_t group = it->second.group;  // fp8's inputs per scale (0: one a row)
+  const int64_t scale_bytes = Fp8RowsLayout{m, k, group}.scale_bytes();  // int8's with group 0
   const auto* scale = static_cast<const float*>(w.data);
   const auto* q = static_cast<const uint8_t*>(w.data) + scale_bytes;
   const auto* blocks = static_cast<const Int4Group128*>(w.data);
@@ -704,10 +755,11 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
         return ForGemvInstance(rows, vec_w && vec_x, [&](auto kn, auto kvec) -> absl::Status {
           if (quant == WeightQuant::kInt8) {
             SHARDSERVE_RETURN_IF_ERROR(Launch("RowsGemvKernel<int8>", RowsGemvKernel<T, TO, false, kn(), kvec()>, grid,
-                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
+                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, 0, pdl_));
           } else {
             SHARDSERVE_RETURN_IF_ERROR(Launch("RowsGemvKernel<fp8>", RowsGemvKernel<T, TO, true, kn(), kvec()>, grid,
-                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, pdl_));
+                                              kGemvThreads, y, xs, scale, q, b, rows, mi, ki, static_cast<int>(group),
+                                              pdl_));
           }
           return absl::OkStatus();
         });
@@ -719,7 +771,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   if (bias != nullptr) SHARDSERVE_RETURN_IF_ERROR(BroadcastBias(out, *bias));
   // fp8 by cuBLASLt's fp8 GEMM on x rounded to e4m3 (options_.fp8_gemm, fp8_gemm.cu), where it
   // takes the shape; else, or where it finds no algorithm, the dequantize path.
-  if (quant == WeightQuant::kFp8 && Fp8GemmTakes(m, k, q, out->data)) {
+  // (Its scales are one a row: fp8 with input-group scales keeps the dequantize path.)
+  if (quant == WeightQuant::kFp8 && group == 0 && Fp8GemmTakes(m, k, q, out->data)) {
     SHARDSERVE_ASSIGN_OR_RETURN(
         const bool done, Fp8Gemm(out->data, out->dtype, x.data, n, m, k, q, scale, bias != nullptr ? 1.0f : 0.0f));
     if (done) return absl::OkStatus();
@@ -739,10 +792,10 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
         DequantInt4Kernel<T><<<grid, kElementwiseThreads, 0, stream_>>>(dst, blocks, r0, rows, k, groups);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantInt4Kernel");
       } else if (quant == WeightQuant::kInt8) {
-        DequantRowsKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k);
+        DequantRowsKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k, 0);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantRowsKernel<int8>");
       } else {
-        DequantRowsKernel<T, true><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k);
+        DequantRowsKernel<T, true><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k, group);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantRowsKernel<fp8>");
       }
       return absl::OkStatus();

@@ -192,10 +192,12 @@ absl::StatusOr<Tensor> WeightLoader::QuantizedCheckpointProduct(const std::strin
   const std::string prefix = LinearPrefix(name);
   SHARDSERVE_ASSIGN_OR_RETURN(QuantizedLinearSlice w,
                               ReadQuantizedLinear(ckpt_, *config_.checkpoint_quant, prefix, full_shape[0], full_shape[1], slice));
-  ++report_->quant_paths[static_cast<int>(w.kernel)];
+  // (An FP8 checkpoint's block scales on the fp8 kernel counted apart: LoadReport::kFp8BlocksPath.)
+  const bool fp8_blocks = w.kernel == WeightQuant::kFp8 && config_.checkpoint_quant->method == QuantMethod::kFp8;
+  ++report_->quant_paths[fp8_blocks ? LoadReport::kFp8BlocksPath : static_cast<int>(w.kernel)];
   if (w.kernel != WeightQuant::kNone) {  // the kernel's own layout, bit for bit
     Tensor packed;
-    absl::StatusOr<Buffer> buffer = backend_->PackQuantizedWeight(w.kernel, w.stored(), w.m, w.k, &packed);
+    absl::StatusOr<Buffer> buffer = backend_->PackQuantizedWeight(w.kernel, w.stored(), w.m, w.k, &packed, w.group);
     if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(prefix, ": ", buffer.status().message()));
     report_->weight_bytes += packed.bytes();
     arena_->Keep(std::move(*buffer));
@@ -471,6 +473,12 @@ std::string QuantizationSummary(const ModelConfig& config, const ShardSpec& spec
       absl::StrAppend(&out, any ? ", " : " ", n, " ", what, " (the checkpoint's codes and scales, exact)");
       any = true;
     }
+  }
+  if (const int n = report.quant_paths[LoadReport::kFp8BlocksPath]; n > 0) {
+    const CheckpointQuant& c = *config.checkpoint_quant;
+    absl::StrAppend(&out, any ? ", " : " ", n, " as fp8 e4m3 with ", c.block_out, "x", c.block_in,
+                    " block scales (the checkpoint's codes and scales, exact)");
+    any = true;
   }
   if (const int n = report.quant_paths[static_cast<int>(WeightQuant::kNone)]; n > 0 || !any) {
     absl::StrAppend(&out, any ? ", " : " ", n, " dequantized to float32 at load",

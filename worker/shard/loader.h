@@ -74,8 +74,10 @@ struct ShardWeights {
 struct LoadReport {
   uint64_t weight_bytes = 0;  // logical bytes, as the planner counts them
   // A published quantized checkpoint's linear weights by the layout that holds them (kNone:
-  // dequantized to float32), indexed by WeightQuant, and why the first dequantized one is.
-  int quant_paths[4] = {};
+  // dequantized to float32), indexed by WeightQuant, and at kFp8BlocksPath an FP8 checkpoint's held
+  // by the fp8 kernel with its block scales; and why the first dequantized one is.
+  static constexpr int kFp8BlocksPath = 4;
+  int quant_paths[5] = {};
   std::string quant_why_dense;
 };
 
