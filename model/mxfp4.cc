@@ -1,6 +1,7 @@
 #include "model/mxfp4.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
@@ -33,6 +34,35 @@ absl::Status DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int64
     }
   }
   return absl::OkStatus();
+}
+
+bool Mxfp4AsFp8Groups(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
+                      int64_t group0, int64_t num_groups, std::vector<uint8_t>* out) {
+  // kMxfp4Values[c] as e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): 0, 0.5 = 2^-1,
+  // 1, 1.5, 2, 3, 4, 6, then the same with the sign bit
+  static constexpr uint8_t kE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                        0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+  const int64_t m = static_cast<int64_t>(rows.size()), k = num_groups * kMxfp4BlockSize;
+  // Fp8RowsLayout{m, k, 32}: [m, num_groups] float32 scales (one a row when the row is one block),
+  // then the codes [m, k]
+  out->assign(static_cast<size_t>(m * num_groups * sizeof(float) + m * k), 0);
+  float* scale = reinterpret_cast<float*>(out->data());
+  uint8_t* codes = out->data() + m * num_groups * sizeof(float);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t block = rows[r] * groups + group0 + g;
+      if (scales[block] == 255) return false;
+      const float s = std::ldexp(1.0f, static_cast<int>(scales[block]) - 127);
+      std::memcpy(scale + r * num_groups + g, &s, sizeof(float));
+      const uint8_t* in = reinterpret_cast<const Mxfp4Block*>(blocks)[block].codes;
+      uint8_t* to = codes + r * k + g * kMxfp4BlockSize;
+      for (int64_t j = 0; j < kMxfp4BlockBytes; ++j) {
+        to[2 * j] = kE4m3[in[j] & 0x0F];
+        to[2 * j + 1] = kE4m3[in[j] >> 4];
+      }
+    }
+  }
+  return true;
 }
 
 }  // namespace shardserve

@@ -40,6 +40,16 @@ static_assert(sizeof(Mxfp4Block) == kMxfp4BlockBytes, "a block of 32 e2m1 codes 
 absl::Status DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int64_t rows, int64_t cols, float* out,
                              const std::string& name);
 
+// MXFP4 as the fp8 kernels' layout with input-group scales (kernels/quant.h Fp8RowsLayout, group
+// 32), exactly: every e2m1 value is an e4m3 one, and every E8M0 scale a float32 (2^-127 a
+// subnormal). Rows `rows` (indices into `blocks` [*, groups, 16] / `scales` [*, groups]) and blocks
+// [group0, group0 + num_groups) of each become `out`: Fp8RowsLayout{rows.size(), num_groups * 32,
+// 32}'s bytes (scales, then codes), w[r][c] = e4m3(code) x scale[r][c / 32], DequantizeMxfp4's
+// values bit for bit. False (out unspecified) when a scale byte is 255, which float32 cannot hold
+// as a power of two (DequantizeMxfp4 then says whether a value overflows).
+bool Mxfp4AsFp8Groups(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
+                      int64_t group0, int64_t num_groups, std::vector<uint8_t>* out);
+
 // The bytes MXFP4 stores for `elements` values (a multiple of 32): half a byte each and one scale
 // byte per 32 (4.25 bits a value).
 inline int64_t Mxfp4Bytes(int64_t elements) {

@@ -2,6 +2,7 @@
 // (each gives an error naming the file and the tensor or field; none crashes).
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,7 @@
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/families/registry.h"
+#include "kernels/quant.h"
 #include "model/mxfp4.h"
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
@@ -751,6 +754,20 @@ TEST_F(CheckpointTest, DummyWeightsOfMxfp4ExpertsArePlain) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_FALSE((*ckpt)->MakesPlainWeights());
+  // The checkpoint's MXFP4 experts load onto the fp8 kernels (gate, up and down of each expert),
+  // none dequantized; asked for int8, they are dequantized and quantized again.
+  absl::StatusOr<std::unique_ptr<ModelShard>> real = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, cpu.get(), &tp);
+  ASSERT_TRUE(real.ok()) << real.status();
+  const int64_t products = 3 * config->num_experts * static_cast<int64_t>(std::count(
+                               config->sparse_layers.begin(), config->sparse_layers.end(), true));
+  EXPECT_THAT((*real)->QuantizationSummary(),
+              HasSubstr(absl::StrCat(products, " as fp8 e4m3 with a scale per 32 inputs (the checkpoint's values and "
+                                               "scales, exact), 0 dequantized at load")));
+  ShardSpec int8;
+  int8.weight_quant = WeightQuant::kInt8;
+  absl::StatusOr<std::unique_ptr<ModelShard>> requantized = ModelShard::Load(**ckpt, *config, int8, kLimits, cpu.get(), &tp);
+  ASSERT_TRUE(requantized.ok()) << requantized.status();
+  EXPECT_THAT((*requantized)->QuantizationSummary(), HasSubstr(absl::StrCat("int8; MXFP4 experts' products: 0 as fp8")));
 }
 
 // model/mxfp4.h's DequantizeMxfp4 against transformers' own decoding (integrations/mxfp4.py
@@ -794,6 +811,44 @@ TEST_F(CheckpointTest, Mxfp4DequantizationIsTransformers) {
   std::vector<float> out(32);
   const absl::Status overflow = DequantizeMxfp4(big_codes, huge_scale, 1, 32, out.data(), "w_blocks");
   EXPECT_THAT(std::string(overflow.message()), HasSubstr("overflow float32"));
+}
+
+// MXFP4 as the fp8 kernels' layout with a scale per 32 inputs (Mxfp4AsFp8Groups): every code (all
+// 16, both nibbles) and scales from 2^-127 to 2^125 (the largest a code of 6 keeps in float32),
+// rows picked out of order and blocks from the second on, dequantize (kernels/quant.h DequantizeFp8Groups) to DequantizeMxfp4's values bit for
+// bit; a scale byte of 255 is refused (false), as float32 has no 2^128.
+TEST(Mxfp4AsFp8, TheLayoutHoldsTheSameValues) {
+  const int64_t rows = 5, groups = 4, cols = groups * kMxfp4BlockSize;
+  std::vector<uint8_t> blocks(rows * groups * kMxfp4BlockBytes), scales(rows * groups);
+  std::mt19937 rng(7);
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = i < 8 ? static_cast<uint8_t>(i * 0x11 + 0x10 * (i & 1)) : rng() & 0xFF;
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = i == 0 ? 0 : i == 1 ? 252 : 100 + rng() % 50;
+  std::vector<float> want(rows * cols);
+  ASSERT_TRUE(DequantizeMxfp4(blocks.data(), scales.data(), rows, cols, want.data(), "w").ok());
+  const std::vector<int64_t> picked = {3, 0, 4};
+  for (const auto& [group0, num_groups] : {std::pair<int64_t, int64_t>{0, 4}, {1, 2}, {3, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "blocks [" << group0 << ", " << group0 + num_groups << ")");
+    std::vector<uint8_t> layout;
+    ASSERT_TRUE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, picked, group0, num_groups, &layout));
+    const int64_t m = static_cast<int64_t>(picked.size()), k = num_groups * kMxfp4BlockSize;
+    const Fp8RowsLayout l{m, k, kMxfp4BlockSize};
+    ASSERT_EQ(static_cast<int64_t>(layout.size()), l.bytes());
+    EXPECT_EQ(l.bytes(), QuantizedWeightBytes(WeightQuant::kFp8, m, k, kMxfp4BlockSize));
+    std::vector<float> got(m * k);
+    DequantizeFp8Groups(got.data(), reinterpret_cast<const float*>(layout.data()), layout.data() + l.scale_bytes(), m,
+                        k, kMxfp4BlockSize);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < k; ++c) {
+        const float expected = want[picked[r] * cols + group0 * kMxfp4BlockSize + c];
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[r * k + c]), std::bit_cast<uint32_t>(expected))
+            << "row " << picked[r] << " input " << c << ": " << got[r * k + c] << " vs " << expected;
+      }
+    }
+  }
+  scales[2 * groups + 1] = 255;
+  std::vector<uint8_t> layout;
+  EXPECT_FALSE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 0, groups, &layout));
+  EXPECT_TRUE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 2, 2, &layout));  // not that block
 }
 
 // Qwen2-MoE: Qwen3-MoE's fields plus the shared expert (its size required, its tensors cut over TP

@@ -412,8 +412,9 @@ TEST(Planner, Qwen3_235B_A22B_EightH100) {
 // declaration: 116,829,156,672 parameters (the model card's 116.83B) and 5,711,982,912 read a token,
 // the card's 5.13B active plus the 579,133,440 of the embedding table, which the card leaves out
 // (a lookup). The published experts are MXFP4 (4.25 bits a value: 60.9 GB of them on disk); the
-// workers dequantize them at load to the act dtype, where bf16 holds every MXFP4 value exactly, so
-// the plan counts them in bf16 (234 GB in all): two H200s at TP=2, with or without expert parallelism.
+// workers hold their products on the fp8 kernels with a scale per 32 inputs (model/mxfp4.h
+// Mxfp4AsFp8Groups: 9 bytes per 8 values), so the plan counts them so, the rest in bf16 (the sinks
+// in float32): 133.3 GB, on one H200, or two at TP=2 with or without expert parallelism.
 TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   const ModelConfig c = RealConfig("gpt-oss-120b");
   EXPECT_TRUE(c.mxfp4_experts);
@@ -421,9 +422,16 @@ TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   const int64_t attention = 2 * q * H + 2 * kv * H + q + 2 * kv + H + 64;  // q, o; k, v; their biases; sinks
   const int64_t expert = H * 2 * I + 2 * I + I * H + H;                       // gate_up, its bias; down, its bias
   const int64_t common = layers * (attention + 2 * H + E * H + E) + H + 2 * V * H;  // norms, router; final norm, embed, head
+  const int64_t products = layers * E * 3 * H * I;  // the experts' MXFP4 values
+  const uint64_t held = static_cast<uint64_t>(116'829'156'672 - products) * 2 + products / 8 * 9 + layers * 64 * 2;
   PlanOptions o;
-  o.tp = 2;
+  o.tp = 1;
   o.pp = 1;
+  const Plan one = MustPlan(c, Cluster("1x1xH200-141GB"), o);
+  EXPECT_TRUE(one.fits) << one.reason;
+  ASSERT_EQ(one.per_gpu.size(), 1u);
+  EXPECT_EQ(one.per_gpu[0].weight_bytes, held);
+  o.tp = 2;
   for (const bool ep : {false, true}) {
     o.expert_parallel = ep;
     const Plan p = MustPlan(c, Cluster("1x2xH200-141GB"), o);
@@ -434,11 +442,11 @@ TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
     EXPECT_EQ(p.active_parameters - V * H, 5'132'849'472);  // the model card's 5.13B
     EXPECT_THAT(PlanTable(p), HasSubstr("(5.71B active a token)"));
     ASSERT_EQ(p.per_gpu.size(), 2u);
-    // Each rank: half the experts' bf16 bytes (cut or whole), half of every cut tensor.
-    const uint64_t expert_bytes = static_cast<uint64_t>(layers * E * expert) * 2;
+    // Each rank: half the experts' bytes (cut or whole), half of every cut tensor.
+    const uint64_t expert_bytes = static_cast<uint64_t>(products) / 8 * 9;
     for (const GpuPlan& g : p.per_gpu) {
       EXPECT_GT(g.weight_bytes, expert_bytes / 2) << "ep " << ep;
-      EXPECT_LT(g.weight_bytes, static_cast<uint64_t>(p.parameters) * 2 / 2 + (uint64_t{1} << 30)) << "ep " << ep;
+      EXPECT_LT(g.weight_bytes, held / 2 + (uint64_t{1} << 30)) << "ep " << ep;
     }
     EXPECT_TRUE(p.fits) << p.reason;
   }

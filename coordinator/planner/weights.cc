@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/backend.h"
 #include "model/families/registry.h"
+#include "model/mxfp4.h"
 #include "model/quantized_checkpoint.h"
 
 namespace shardserve {
@@ -141,6 +142,16 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       const CheckpointQuant& c = *config.checkpoint_quant;
       stored = held < 0 ? WeightQuant::kNone : c.fp8 ? WeightQuant::kFp8 : CheckpointQuantKernel(c);
       if (held >= 0) bytes = static_cast<uint64_t>(held);
+    }
+    if (IsMxfp4Part(config, t) && quant == WeightQuant::kNone) {
+      // gpt-oss's MXFP4 experts on the fp8 kernels with a scale per 32 inputs (model/mxfp4.h
+      // Mxfp4AsFp8Groups): 1 byte a weight and 4 per block, unless this rank's inputs cut a block
+      // (then dequantized, counted above)
+      const int64_t col0 = cols_cut ? ShardSlice(t.split, shard).begin : 0;
+      if (col0 % kMxfp4BlockSize == 0 && cols % kMxfp4BlockSize == 0) {
+        stored = WeightQuant::kFp8;
+        bytes = static_cast<uint64_t>(QuantizedWeightBytes(WeightQuant::kFp8, rows, cols, kMxfp4BlockSize));
+      }
     }
     if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {
       r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], CudaDequantScratchBytes(rows, cols, dtype));

@@ -308,27 +308,6 @@ absl::StatusOr<Tensor> WeightLoader::Stacked(const WeightDecl& w, const Slice& s
       outs % st.period != 0 || w.shape[0] != outs / st.period || (product && w.shape[1] != ins)) {
     return absl::InternalError(absl::StrCat(w.name, ": expert ", w.expert, "'s part does not fit the stacked tensor"));
   }
-  std::vector<float> slab(static_cast<size_t>(outs * ins));
-  const Slice expert{0, w.expert, w.expert + 1};
-  if (product && config_.mxfp4_experts && !ckpt_.MakesPlainWeights()) {
-    // <name>_blocks [E, out, in / 32, 16] and <name>_scales [E, out, in / 32], dequantized
-    const int64_t groups = ins / kMxfp4BlockSize;
-    std::vector<uint8_t> blocks(static_cast<size_t>(outs * groups * kMxfp4BlockBytes)),
-        scales(static_cast<size_t>(outs * groups));
-    const std::string blocks_name = w.name + "_blocks", scales_name = w.name + "_scales";
-    SHARDSERVE_RETURN_IF_ERROR(
-        ckpt_.Read(blocks_name, {full[0], outs, groups, kMxfp4BlockBytes}, expert, DType::kI8, blocks.data()));
-    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(scales_name, {full[0], outs, groups}, expert, DType::kI8, scales.data()));
-    SHARDSERVE_RETURN_IF_ERROR(DequantizeMxfp4(blocks.data(), scales.data(), outs, ins, slab.data(), blocks_name));
-  } else if (product && st.transposed) {
-    std::vector<float> stored(slab.size());  // [in, out]
-    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, stored.data()));
-    for (int64_t i = 0; i < ins; ++i) {
-      for (int64_t o = 0; o < outs; ++o) slab[o * ins + i] = stored[i * outs + o];
-    }
-  } else {
-    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, slab.data()));
-  }
   // Of each `period` outputs the one at `from` (gate_up's gate, or its up), then this rank's slice:
   // rows (a column-parallel product, a bias) or columns (a row-parallel product) of the picked [out, in].
   const int64_t picked_rows = outs / st.period;
@@ -341,12 +320,53 @@ absl::StatusOr<Tensor> WeightLoader::Stacked(const WeightDecl& w, const Slice& s
     return absl::InternalError(absl::StrCat(w.name, ": expert ", w.expert, "'s slice outside its part"));
   }
   const int64_t rows = row_end - row_begin, cols = col_end - col_begin;
+  const std::string name = absl::StrCat(w.name, " (expert ", w.expert, ")");
+
+  std::vector<float> slab(static_cast<size_t>(outs * ins));
+  const Slice expert{0, w.expert, w.expert + 1};
+  if (product && config_.mxfp4_experts && !ckpt_.MakesPlainWeights()) {
+    // <name>_blocks [E, out, in / 32, 16] and <name>_scales [E, out, in / 32]
+    const int64_t groups = ins / kMxfp4BlockSize;
+    std::vector<uint8_t> blocks(static_cast<size_t>(outs * groups * kMxfp4BlockBytes)),
+        scales(static_cast<size_t>(outs * groups));
+    const std::string blocks_name = w.name + "_blocks", scales_name = w.name + "_scales";
+    SHARDSERVE_RETURN_IF_ERROR(
+        ckpt_.Read(blocks_name, {full[0], outs, groups, kMxfp4BlockBytes}, expert, DType::kI8, blocks.data()));
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(scales_name, {full[0], outs, groups}, expert, DType::kI8, scales.data()));
+    // On the fp8 kernels with a scale per 32 inputs, exactly (Mxfp4AsFp8Groups), unless another
+    // layout was asked for (--quantization) or this rank's inputs cut a block
+    if (quant == WeightQuant::kNone && col_begin % kMxfp4BlockSize == 0 && cols % kMxfp4BlockSize == 0) {
+      std::vector<int64_t> picked(static_cast<size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) picked[r] = (row_begin + r) * st.period + st.from;
+      std::vector<uint8_t> stored;
+      if (Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, picked, col_begin / kMxfp4BlockSize,
+                           cols / kMxfp4BlockSize, &stored)) {
+        Tensor packed;
+        absl::StatusOr<Buffer> buffer =
+            backend_->PackQuantizedWeight(WeightQuant::kFp8, stored.data(), rows, cols, &packed, kMxfp4BlockSize);
+        if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
+        report_->weight_bytes += packed.bytes();
+        ++report_->mxfp4_as_fp8;
+        arena_->Keep(std::move(*buffer));
+        return packed;
+      }
+    }
+    ++report_->mxfp4_dequantized;
+    SHARDSERVE_RETURN_IF_ERROR(DequantizeMxfp4(blocks.data(), scales.data(), outs, ins, slab.data(), blocks_name));
+  } else if (product && st.transposed) {
+    std::vector<float> stored(slab.size());  // [in, out]
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, stored.data()));
+    for (int64_t i = 0; i < ins; ++i) {
+      for (int64_t o = 0; o < outs; ++o) slab[o * ins + i] = stored[i * outs + o];
+    }
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(w.name, full, expert, DType::kF32, slab.data()));
+  }
   std::vector<float> picked(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = (row_begin + r) * st.period + st.from;
     std::memcpy(picked.data() + r * cols, slab.data() + o * ins + col_begin, cols * sizeof(float));
   }
-  const std::string name = absl::StrCat(w.name, " (expert ", w.expert, ")");
   if (!product) return UploadHost(name, picked.data(), {rows});
   Tensor plain;
   SHARDSERVE_ASSIGN_OR_RETURN(plain, UploadHost(name, picked.data(), {rows, cols}));
@@ -461,6 +481,11 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
 }
 
 std::string QuantizationSummary(const ModelConfig& config, const ShardSpec& spec, const LoadReport& report) {
+  if (report.mxfp4_as_fp8 > 0 || report.mxfp4_dequantized > 0) {
+    return absl::StrCat(WeightQuantName(spec.weight_quant), "; MXFP4 experts' products: ", report.mxfp4_as_fp8,
+                        " as fp8 e4m3 with a scale per 32 inputs (the checkpoint's values and scales, exact), ",
+                        report.mxfp4_dequantized, " dequantized at load");
+  }
   if (!config.checkpoint_quant.has_value()) return WeightQuantName(spec.weight_quant);
   constexpr std::pair<WeightQuant, const char*> kPaths[] = {
       {WeightQuant::kInt4, "as int4 groups of 128"},

@@ -79,6 +79,11 @@ struct LoadReport {
   static constexpr int kFp8BlocksPath = 4;
   int quant_paths[5] = {};
   std::string quant_why_dense;
+  // MXFP4 experts' products (ModelConfig::mxfp4_experts) on the fp8 kernels with a scale per 32
+  // inputs (model/mxfp4.h Mxfp4AsFp8Groups), and those dequantized at load (--quantization given,
+  // a rank's inputs that cut a block, a scale past float32).
+  int mxfp4_as_fp8 = 0;
+  int mxfp4_dequantized = 0;
 };
 
 // Loads this rank (`shard`) of the stage `spec` names: its layers' tensors, the embedding on the
