@@ -6,8 +6,11 @@
 //
 // - The model as its own draft: every guess is accepted, and the outputs are those of the same
 //   worker without speculation.
-// - Two sequences share a prefix, so the second starts from the prefix cache and its NewSeq carries
-//   the cached tokens' ids (NewSeq.cached_token_ids) for the draft.
+// - A different draft (models/demo-draft): guesses are rejected and rolled back, the outputs stay
+//   those without speculation, and after every step the guesses for each sequence equal those of a
+//   fresh draft (a ModelShard of its own, GreedyGenerate) fed exactly the sequence's tokens: the
+//   draft's cache, cut back after rejections and fed again, holds the sequence's own tokens. Two
+//   sequences share a prefix, so the second starts from the prefix cache (NewSeq.cached_token_ids).
 // - A draft whose vocabulary is not the model's is refused, naming both.
 #include <algorithm>
 #include <cstdint>
@@ -39,7 +42,7 @@ const std::string kDemoDraft = std::string(SHARDSERVE_SOURCE_DIR) + "/models/dem
 constexpr int kGuesses = 4;
 
 StepLimits Limits() {
-  return StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 4, .block_size = 4, .num_kv_blocks = 64,
+  return StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 8, .block_size = 4, .num_kv_blocks = 64,
                     .max_model_len = 64};
 }
 
@@ -184,6 +187,27 @@ TEST(DraftRunnerTest, TheModelAsItsOwnDraftIsAlwaysRight) {
   EXPECT_GT(got.spec.proposed, 0);
   EXPECT_EQ(got.spec.accepted, got.spec.proposed) << "the model guessing its own greedy tokens";
   EXPECT_EQ(got.cached_prompt_tokens, 12);
+}
+
+TEST(DraftRunnerTest, AfterRejectionsTheGuessesAreAFreshDraftsOnTheSameTokens) {
+  absl::StatusOr<std::unique_ptr<StepExecutor>> plain = Worker("");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<std::unique_ptr<StepExecutor>> drafted = Worker(kDemoDraft);
+  ASSERT_TRUE(drafted.ok()) << drafted.status();
+  FreshDraft fresh(kDemoDraft);
+  ASSERT_NE(fresh.shard, nullptr);
+  Outcome want, got;
+  RunRequests(plain->get(), false, Prompts(), 24, nullptr, &want);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  RunRequests(drafted->get(), true, Prompts(), 24, &fresh, &got);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  EXPECT_EQ(got.outputs, want.outputs);
+  EXPECT_GT(got.spec.accepted, 0) << "the draft never agreed with the model";
+  EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
+  EXPECT_EQ(got.cached_prompt_tokens, 12);
+  std::printf("[ draft    ] proposed %lld, accepted %lld in %lld verifications\n",
+              static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
+              static_cast<long long>(got.spec.verifications));
 }
 
 TEST(DraftRunnerTest, ADraftWithAnotherVocabularyIsRefused) {
