@@ -115,6 +115,8 @@ class ShardDraftModel final : public DraftModel {
   }
 
   const ModelConfig& config() const { return shard_->config(); }
+  uint64_t weight_bytes() const { return shard_->weight_bytes(); }
+  uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
 
  private:
   ShardDraftModel() = default;
@@ -236,6 +238,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       absl::StatusOr<std::unique_ptr<ShardDraftModel>> draft =
           ShardDraftModel::Load(a.draft_model_path(), *config, draft_limits, backend);
       if (!draft.ok()) return draft.status();
+      e->draft_summary_ = absl::StrFormat(
+          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), run after sampling",
+          a.draft_model_path(), static_cast<double>((*draft)->weight_bytes()) / (1 << 20),
+          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.max_seqs_per_step,
+          draft_limits.max_model_len);
       const int64_t context = (*draft)->config().max_position_embeddings;
       const int64_t positions = context > 0 ? std::min(context, draft_limits.max_model_len) : draft_limits.max_model_len;
       e->draft_ = std::make_unique<DraftRunner>(std::move(*draft), options, config->vocab_size, positions);
@@ -350,6 +357,13 @@ void StepExecutor::LeaveCoordinator() {
 }
 
 absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store) {
+  // The worker that samples holds the draft model it loaded: a coordinator that wants another (or
+  // none, or one where there was none) gets a fresh load instead.
+  if (sampler_ != nullptr && a.draft_model_path() != assignment_.draft_model_path()) {
+    return absl::FailedPreconditionError(absl::StrCat("the adopting coordinator's draft model '", a.draft_model_path(),
+                                                      "' is not the one this worker loaded, '",
+                                                      assignment_.draft_model_path(), "'"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Adopt(assignment_, a));
   if (draft_ != nullptr) draft_->Clear();
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change

@@ -158,6 +158,8 @@ class StepExecutor {
   std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
+  // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
+  const std::string& draft_summary() const { return draft_summary_; }
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
   // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
   // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
@@ -195,6 +197,7 @@ class StepExecutor {
   std::vector<const uint32_t*> token_masks_;  // per logit row of the step: its mask in the plan, or null
   // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
   std::unique_ptr<DraftRunner> draft_;
+  std::string draft_summary_;
 
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at

@@ -315,7 +315,10 @@ absl::Status Engine::SendSteps() {
       metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
     }
     SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs, batch->draft_ids));
-    InFlight f{lane, batch->step_id, now};
+    InFlight f;
+    f.lane = lane;
+    f.step_id = batch->step_id;
+    f.sent = now;
     if (batch->draft_tokens > 0) {
       f.draft_tokens = batch->draft_tokens;
       for (const MicroBatch::Entry& e : batch->entries) {
