@@ -1012,6 +1012,39 @@ TEST(NgramProposerTest, ProposesWhatFollowedTheLongestRecentMatch) {
   EXPECT_EQ(out, (std::vector<int32_t>{8, 7}));
 }
 
+// A draft model's guesses are served for the sequence and token count they were made for only,
+// cut to k, and not after the sequence is forgotten or the proposer cleared.
+TEST(DraftProposerTest, ServesGuessesForTheirTokenCountOnly) {
+  DraftProposer p;
+  EXPECT_TRUE(p.proposes_in_step());
+  std::vector<int32_t> out = {9};
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "nothing offered";
+  p.Offer(1, 3, {7, 8, 9});
+  p.Offer(2, 2, {5});
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{7, 8, 9}));
+  p.Propose(1, {1, 2, 3}, 2, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{7, 8}));
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "made for 3 tokens, not 4";
+  p.Propose(3, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "another sequence's";
+  p.Offer(1, 4, {6});  // the next step's replace them
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{6}));
+  p.Forget(1);
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(p.size(), 1);
+  p.Clear();
+  p.Propose(2, {1, 2}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(p.size(), 0);
+}
+
 TEST(PersistentBatchSpeculationTest, BadRollbacksAndSampleCountsAreRefused) {
   StepLimits l;
   l.block_size = 4;
