@@ -869,7 +869,10 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, got 'eagle'"},
+      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram or draft, got 'eagle'"},
+      {{"--speculative", "draft", "--num-speculative-tokens", "4"}, "--speculative draft needs --draft-model DIR"},
+      {{"--speculative", "ngram", "--num-speculative-tokens", "4", "--draft-model", "/tmp"},
+       "--draft-model /tmp needs --speculative draft"},
       {{"--speculative", "ngram"}, "--speculative ngram needs --num-speculative-tokens in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "17"}, "--num-speculative-tokens must be an integer in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "0"}, "--num-speculative-tokens must be an integer in [1, 16]"},
@@ -887,6 +890,24 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
     const std::string output = Tail(log, 1 << 16);
     EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
   }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// A draft model whose vocabulary is not the model's is refused at start (exit 1), naming both.
+TEST(CoordinatorFlagsTest, ADraftModelOfAnotherVocabularyIsRefused) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const fs::path log = dir / "coordinator.log";
+  const std::string demo = (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo").string();
+  const std::string other = (kFixtures / "llama_gqa").string();
+  Process coordinator({SHARDSERVE_COORDINATOR_BIN, "--model", demo, "--listen", "127.0.0.1:0", "--insecure",
+                       "--speculative", "draft", "--num-speculative-tokens", "4", "--draft-model", other},
+                      log);
+  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 1) << Tail(log);
+  const std::string output = Tail(log, 1 << 16);
+  EXPECT_NE(output.find("--draft-model " + other + " has a vocabulary of "), std::string::npos) << output;
+  EXPECT_NE(output.find("but --model " + demo + " has 4096"), std::string::npos) << output;
   std::error_code ec;
   fs::remove_all(dir, ec);
 }
