@@ -437,6 +437,83 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterConstrainedSpeculationTest,
                                   info.param.fixture;
                          });
 
+// The draft model (--speculative draft, docs/speculative-decoding.md): the worker that samples runs
+// models/demo-draft right after sampling and returns its guesses with the step's samples. The demo
+// model answers three requests at once (greedy, seeded sampling, greedy with logprobs), then the
+// first again, whose prompt the prefix cache now holds (so the draft is sent the cached tokens'
+// ids): in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
+// speculation, token for token; guesses were made and some accepted, and the status names the
+// proposer.
+class ClusterDraftSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
+  const Layout& l = GetParam();
+  std::vector<v1::GenerateRequest> requests(3);
+  const char* prompts[] = {"And the LORD said unto Moses,", "In the beginning", "Blessed are the"};
+  for (size_t i = 0; i < requests.size(); ++i) {
+    v1::GenerateRequest& r = requests[i];
+    r.set_text(prompts[i]);
+    r.set_request_id("draft-" + std::to_string(i));
+    r.mutable_sampling()->set_max_tokens(40);
+    r.mutable_sampling()->set_ignore_eos(true);
+  }
+  requests[1].mutable_sampling()->set_temperature(0.8f);
+  requests[1].mutable_sampling()->set_seed(11);
+  requests[2].mutable_sampling()->set_logprobs(true);
+  const fs::path demo = fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo";
+  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status) {
+    ClusterSpecForTest spec;
+    spec.fixture = demo.string();
+    spec.nodes = l.pp;
+    spec.gpus_per_node = l.tp;
+    spec.worker_flags = {"--matmul-dtype", "f32"};
+    Cluster cluster(std::move(spec), flags);
+    ASSERT_TRUE(cluster.Start());
+    out->assign(requests.size() + 1, Streamed{});
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { (*out)[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+    out->back() = Generate(cluster.client(), requests[0]);  // its prompt's blocks are cached now
+    for (size_t i = 0; i < out->size(); ++i) {
+      ASSERT_TRUE((*out)[i].status.ok()) << i << ": " << (*out)[i].status.error_message() << "\n" << cluster.Logs();
+    }
+    *status = cluster.Status().scheduler();
+  };
+  std::vector<Streamed> plain, speculated;
+  v1::SchedulerStatus plain_status, s;
+  run({"--block-size", "4"}, &plain, &plain_status);
+  ASSERT_FALSE(HasFatalFailure());
+  run({"--block-size", "4", "--speculative", "draft", "--draft-model",
+       (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(), "--num-speculative-tokens", "4"},
+      &speculated, &s);
+  ASSERT_FALSE(HasFatalFailure());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
+    EXPECT_EQ(speculated[i].tokens.size(), 40u) << "request " << i;
+  }
+  int logprobs = 0;
+  for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
+  EXPECT_EQ(logprobs, 40);
+  EXPECT_EQ(s.speculative(), "draft");
+  EXPECT_GT(s.spec_proposed_tokens(), 0);
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of the draft was ever right";
+  EXPECT_GT(s.prefix_cache_hit_tokens(), 0) << "the repeated request found no cached prefix";
+  EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
+  std::printf("[ timing   ] TP=%d PP=%d draft: speculation proposed %lld, accepted %lld in %lld verifications\n",
+              l.tp, l.pp, static_cast<long long>(s.spec_proposed_tokens()), static_cast<long long>(s.spec_accepted_tokens()),
+              static_cast<long long>(s.spec_verifications()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
+                         ::testing::Values(Layout{"demo", 1, 1}, Layout{"demo", 2, 1}, Layout{"demo", 1, 2},
+                                           Layout{"demo", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
 // ---- Sliding windows: blocks behind the window go to other sequences ------------------------------------
 
 // Mistral with a 32-token window in every layer: a sequence lets go of the blocks behind its window
@@ -792,7 +869,10 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, got 'eagle'"},
+      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram or draft, got 'eagle'"},
+      {{"--speculative", "draft", "--num-speculative-tokens", "4"}, "--speculative draft needs --draft-model DIR"},
+      {{"--speculative", "ngram", "--num-speculative-tokens", "4", "--draft-model", "/tmp"},
+       "--draft-model /tmp needs --speculative draft"},
       {{"--speculative", "ngram"}, "--speculative ngram needs --num-speculative-tokens in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "17"}, "--num-speculative-tokens must be an integer in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "0"}, "--num-speculative-tokens must be an integer in [1, 16]"},
@@ -810,6 +890,24 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
     const std::string output = Tail(log, 1 << 16);
     EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
   }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// A draft model whose vocabulary is not the model's is refused at start (exit 1), naming both.
+TEST(CoordinatorFlagsTest, ADraftModelOfAnotherVocabularyIsRefused) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const fs::path log = dir / "coordinator.log";
+  const std::string demo = (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo").string();
+  const std::string other = (kFixtures / "llama_gqa").string();
+  Process coordinator({SHARDSERVE_COORDINATOR_BIN, "--model", demo, "--listen", "127.0.0.1:0", "--insecure",
+                       "--speculative", "draft", "--num-speculative-tokens", "4", "--draft-model", other},
+                      log);
+  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 1) << Tail(log);
+  const std::string output = Tail(log, 1 << 16);
+  EXPECT_NE(output.find("--draft-model " + other + " has a vocabulary of "), std::string::npos) << output;
+  EXPECT_NE(output.find("but --model " + demo + " has 4096"), std::string::npos) << output;
   std::error_code ec;
   fs::remove_all(dir, ec);
 }

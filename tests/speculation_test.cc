@@ -29,6 +29,7 @@
 #include "grammar/grammar.h"
 #include "grammar/matcher.h"
 #include "shardserve/v1/worker.pb.h"
+#include "worker/draft_runner.h"
 #include "worker/persistent_batch.h"
 #include "worker/step_checks.h"
 
@@ -217,7 +218,7 @@ struct Oracle {
 class RightProposer : public Proposer {
  public:
   explicit RightProposer(const Oracle* o) : o_(o) {}
-  void Propose(const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
+  void Propose(uint64_t /*seq*/, const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
     out->clear();
     for (const auto& [prompt, full] : o_->full) {
       if (full.size() <= tokens.size() || !std::equal(tokens.begin(), tokens.end(), full.begin())) continue;
@@ -233,8 +234,8 @@ class RightProposer : public Proposer {
 class WrongProposer : public Proposer {
  public:
   explicit WrongProposer(const Oracle* o) : right_(o) {}
-  void Propose(const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
-    right_.Propose(tokens, k, out);
+  void Propose(uint64_t /*seq*/, const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
+    right_.Propose(0, tokens, k, out);
     if (out->empty()) out->assign(k, 0);
     for (int32_t& t : *out) t = (t + 1) % kVocab;  // the first guess is always wrong
   }
@@ -245,12 +246,78 @@ class WrongProposer : public Proposer {
 
 class RandomProposer : public Proposer {
  public:
-  void Propose(const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
+  void Propose(uint64_t /*seq*/, const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const override {
     out->clear();
     uint64_t h = Mix(tokens.size() * 7919 + static_cast<uint64_t>(tokens.back()));
     const int n = static_cast<int>(h % (k + 1));
     for (int i = 0; i < n; ++i) out->push_back(static_cast<int32_t>(Mix(h + i) % kVocab));
   }
+};
+
+// A draft model (worker/draft_runner.h) over a fake KV cache like the simulated workers': each cell
+// remembers the position and the tokens its KV was computed from, read back through the block
+// table (a token's context is the cell before it plus the token itself), so the guesses depend on
+// exactly what the draft's cache holds. `same`: its greedy choice is the target's (Probs); else a
+// different model that agrees with it on about half the contexts.
+class FakeDraftModel : public DraftModel {
+ public:
+  FakeDraftModel(const StepLimits& draft_limits, bool same)
+      : limits_(draft_limits), same_(same),
+        cache_(static_cast<size_t>(draft_limits.num_kv_blocks * draft_limits.block_size)) {}
+
+  // The draft's greedy id after `context`.
+  static int32_t Next(const std::vector<int32_t>& context, bool same) {
+    std::vector<double> p = Probs(context);
+    if (!same) {
+      uint64_t h = 7;
+      for (int32_t t : context) h = Mix(h * 31 + static_cast<uint64_t>(t));
+      if (h % 2 == 0) p = Probs({static_cast<int32_t>(h % 1000), 9});  // another model's choice
+    }
+    return static_cast<int32_t>(std::max_element(p.begin(), p.end()) - p.begin());
+  }
+  // What a fresh draft fed `tokens` guesses next: k greedy ids.
+  static std::vector<int32_t> Guesses(std::vector<int32_t> tokens, int k, bool same) {
+    std::vector<int32_t> out;
+    for (int i = 0; i < k; ++i) {
+      out.push_back(Next(tokens, same));
+      tokens.push_back(out.back());
+    }
+    return out;
+  }
+
+  absl::Status Forward(const StepBatch& b, std::vector<int32_t>* next) override {
+    const int64_t bs = limits_.block_size, width = limits_.max_blocks_per_seq();
+    EXPECT_EQ(b.block_tables.size(), static_cast<size_t>(b.num_seqs * width));
+    std::vector<std::vector<int32_t>> contexts(b.positions.size());
+    for (size_t t = 0; t < b.positions.size(); ++t) {
+      const int64_t pos = b.positions[t];
+      const int32_t* table = b.block_tables.data() + b.token_seq[t] * width;
+      std::vector<int32_t> context;
+      if (pos > 0) {  // the cell before, through the table: it must hold position pos - 1
+        const Cell& c = cache_[table[(pos - 1) / bs] * bs + (pos - 1) % bs];
+        EXPECT_EQ(c.pos, pos - 1) << "the draft reads a position it never wrote";
+        context = c.context;
+      }
+      context.push_back(b.token_ids[t]);
+      EXPECT_EQ(b.slots[t], table[pos / bs] * bs + pos % bs);
+      cache_[b.slots[t]] = Cell{pos, context};
+      contexts[t] = std::move(context);
+    }
+    next->clear();
+    for (int32_t r : b.logit_rows) next->push_back(Next(contexts[r], same_));
+    ++forwards_;
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Cell {
+    int64_t pos = -1;
+    std::vector<int32_t> context;
+  };
+  const StepLimits limits_;
+  const bool same_;
+  std::vector<Cell> cache_;
+  int64_t forwards_ = 0;
 };
 
 // Runs sequences through a Scheduler like the engine and through a worker's PersistentBatch and a
@@ -260,11 +327,21 @@ class RandomProposer : public Proposer {
 // sequences it constrains sample under their grammar's masks.
 class SpecSim {
  public:
-  explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr)
+  // With `draft` (o.proposer), a draft model on the simulated worker makes the guesses in each step
+  // (FakeDraftModel: `draft_same` or not), returned with the step's samples and offered to it, as
+  // the engine does.
+  explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr, DraftProposer* draft = nullptr,
+                   bool draft_same = true)
       : o_(o), sched_(WithFilter(o, guesses)), worker_(o.limits, kInputVocab, /*keep_history=*/true),
         cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)),
         sliding_cache_(static_cast<size_t>(o.limits.num_sliding_kv_blocks * o.limits.block_size)),
-        guesses_(guesses) {}
+        guesses_(guesses), draft_(draft), draft_same_(draft_same) {
+    if (draft_ != nullptr) {
+      const StepLimits dl = DraftRunner::DraftLimits(o.limits);
+      draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), o.limits,
+                                                    kInputVocab, dl.max_model_len);
+    }
+  }
 
   Scheduler& sched() { return sched_; }
 
@@ -319,6 +396,8 @@ class SpecSim {
   int64_t proposed() const { return proposed_; }
   int64_t rollbacks() const { return rollbacks_; }
   int64_t max_samples_in_a_row() const { return max_samples_; }
+  int64_t draft_offers() const { return draft_offers_; }
+  int64_t draft_forwards() const { return draft_runner_ != nullptr ? draft_runner_->forwards() : 0; }
 
  private:
   struct Seq {
@@ -424,7 +503,40 @@ class SpecSim {
       sampled.push_back(Sample(context, r, masks[k]));
     }
     for (int n : per_row) max_samples_ = std::max<int64_t>(max_samples_, n);
-    for (const SampledToken& t : sched_.Complete(f.lane, sampled)) {
+    // The draft model runs on the worker right after sampling (StepExecutor::Execute).
+    google::protobuf::RepeatedField<int32_t> draft_ids;
+    if (draft_runner_ != nullptr) {
+      ASSERT_TRUE(draft_runner_->Apply(f.plan).ok());
+      google::protobuf::RepeatedField<int32_t> samples(sampled.begin(), sampled.end());
+      ASSERT_TRUE(draft_runner_->Propose(f.plan, samples, &draft_ids).ok());
+    }
+    const std::vector<SampledToken> returned = sched_.Complete(f.lane, sampled);
+    if (draft_runner_ != nullptr) {
+      // The engine's part: each sampling row's guesses for its sequence's token count now. Each must
+      // be what a fresh draft fed exactly those tokens guesses: the draft's cache, cut back and fed
+      // again after every verification, holds the sequence's own tokens.
+      const int k = f.plan.num_draft_tokens();
+      int i = 0;
+      for (const MicroBatch::Entry& e : f.entries) {
+        if (e.logit_row < 0 || k == 0) continue;
+        ASSERT_LE((i + 1) * k, draft_ids.size());
+        const std::vector<int32_t> guesses(draft_ids.begin() + i * k, draft_ids.begin() + (i + 1) * k);
+        ++i;
+        if (!sched_.Contains(e.seq)) continue;
+        const std::vector<int32_t> tokens = sched_.tokens(e.seq);
+        ASSERT_EQ(guesses, FakeDraftModel::Guesses(tokens, k, draft_same_)) << "seq " << e.seq;
+        // Its record of the fed tokens starts with the sequence's accepted ones (rejected guesses
+        // after them until the next plan's rollback).
+        const std::vector<int32_t> fed = draft_runner_->fed(e.seq);
+        const size_t accepted = static_cast<size_t>(sched_.fed(e.seq));
+        ASSERT_GE(fed.size(), accepted) << "seq " << e.seq;
+        ASSERT_TRUE(std::equal(tokens.begin(), tokens.begin() + accepted, fed.begin())) << "seq " << e.seq;
+        draft_->Offer(e.seq, sched_.num_tokens(e.seq), guesses);
+        ++draft_offers_;
+      }
+      ASSERT_EQ(i * k, draft_ids.size());
+    }
+    for (const SampledToken& t : returned) {
       Seq& s = seqs_.at(t.seq);
       if (s.done) continue;  // the engine skips tokens after the one that ended the request
       s.output.push_back(t.token);
@@ -432,6 +544,7 @@ class SpecSim {
       if (static_cast<int64_t>(s.output.size()) == s.max_tokens) {
         s.done = true;
         sched_.Remove(t.seq);
+        if (draft_ != nullptr) draft_->Forget(t.seq);
       }
     }
     if (guesses_ != nullptr) {
@@ -444,6 +557,10 @@ class SpecSim {
   PersistentBatch worker_;
   std::vector<Cell> cache_, sliding_cache_;
   GrammarGuesses* const guesses_;
+  DraftProposer* const draft_;
+  const bool draft_same_;
+  std::unique_ptr<DraftRunner> draft_runner_;
+  int64_t draft_offers_ = 0;
   std::map<uint64_t, Seq> seqs_;
   std::map<uint64_t, std::vector<int32_t>> fed_;  // what the worker was fed, by sequence
   std::deque<Flight> in_flight_;
@@ -451,7 +568,10 @@ class SpecSim {
   int64_t proposed_ = 0, rollbacks_ = 0, max_samples_ = 0;
 };
 
-enum class Kind { kRight, kWrong, kNgram, kRandom };
+// The proposers: an oracle always right or always wrong, n-gram, random; and a draft model on the
+// simulated worker (guesses made in the step, through the step results) whose greedy choice is the
+// target's, or one that agrees with it about half the time.
+enum class Kind { kRight, kWrong, kNgram, kRandom, kDraftSame, kDraftOther };
 // No sliding window; an 8-token window in every layer (Mistral); or in a sliding layers' pool of
 // its own beside full-attention layers (Gemma 2 and 3), three quarters as large as the full pool.
 enum class Window { kNone, kAll, kPool };
@@ -516,14 +636,20 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
   WrongProposer wrong(&oracle);
   NgramProposer ngram(1, 3);
   RandomProposer random;
-  const Proposer* proposers[] = {&right, &wrong, &ngram, &random};
+  DraftProposer draft;
+  const Proposer* proposers[] = {&right, &wrong, &ngram, &random, &draft, &draft};
+  const bool drafted = p.kind == Kind::kDraftSame || p.kind == Kind::kDraftOther;
 
   SchedulerOptions o = SpecOptions(proposers[static_cast<int>(p.kind)], 4, p.num_kv_blocks);
   o.lanes = p.lanes;
   o.prefix_caching = p.prefix_caching;
+  // A draft's guesses are asked for only while speculation is on: here it goes off and on as the
+  // batch grows and shrinks, so the draft falls behind and must find where its cache and the
+  // sequence's tokens part.
+  if (drafted) o.speculative_max_running = 5;
   WithWindow(p.window, &o);
   GrammarGuesses guesses;
-  SpecSim sim(o, p.grammar ? &guesses : nullptr);
+  SpecSim sim(o, p.grammar ? &guesses : nullptr, drafted ? &draft : nullptr, p.kind == Kind::kDraftSame);
   auto add = [&](int i) {
     if (specs[i].grammar != nullptr) guesses.Constrain(i + 1, specs[i].grammar);
     sim.Add(i + 1, specs[i].prompt, specs[i].max_tokens, specs[i].r);
@@ -566,6 +692,19 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
     EXPECT_EQ(st.accepted, 0) << "an always-wrong proposer is never accepted";
     EXPECT_GT(sim.rollbacks(), 0);
   }
+  if (drafted) {
+    EXPECT_GT(sim.draft_offers(), 0);
+    EXPECT_GT(sim.draft_forwards(), 0);
+    EXPECT_GT(st.accepted, 0);
+    // A draft whose greedy choice is the target's is always right when the target decodes greedily
+    // (under a grammar too: the guesses kept are allowed, and an allowed argmax is the masked one).
+    if (p.kind == Kind::kDraftSame && p.temperature == 0) {
+      EXPECT_EQ(st.accepted, st.proposed);
+    }
+    if (p.kind == Kind::kDraftOther) {
+      EXPECT_GT(sim.rollbacks(), 0);
+    }
+  }
   if (p.num_kv_blocks <= 24 && p.window == Window::kNone) {
     EXPECT_GT(s.preemptions(), 0) << "the small cache should preempt";
   }
@@ -582,7 +721,7 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
 // (every layer, a pool of its own), and constrained sequences without a window.
 std::vector<Param> Params() {
   std::vector<Param> out;
-  const char* kinds[] = {"Right", "Wrong", "Ngram", "Random"};
+  const char* kinds[] = {"Right", "Wrong", "Ngram", "Random", "DraftSame", "DraftOther"};
   struct Variant {
     bool prefix_caching;
     Window window;
@@ -592,7 +731,7 @@ std::vector<Param> Params() {
   const Variant variants[] = {{true, Window::kNone, false, "_Prefix"},         {false, Window::kNone, false, "_NoPrefix"},
                               {true, Window::kAll, false, "_Prefix_WindowAll"}, {true, Window::kPool, false, "_Prefix_WindowPool"},
                               {true, Window::kNone, true, "_Prefix_Grammar"}};
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < 6; ++k) {
     for (int lanes : {1, 2}) {
       for (int64_t blocks : {int64_t{16}, int64_t{400}}) {
         for (const Variant& v : variants) {
@@ -860,17 +999,50 @@ TEST(NgramProposerTest, ProposesWhatFollowedTheLongestRecentMatch) {
   NgramProposer p(1, 3);
   std::vector<int32_t> out;
   // "5 6 7" occurred before, followed by 8 9: the 3-gram wins over the later 1-gram "7".
-  p.Propose({5, 6, 7, 8, 9, 7, 1, 5, 6, 7}, 2, &out);
+  p.Propose(1, {5, 6, 7, 8, 9, 7, 1, 5, 6, 7}, 2, &out);
   EXPECT_EQ(out, (std::vector<int32_t>{8, 9}));
   // Only a 1-gram matches: its latest occurrence.
-  p.Propose({4, 1, 3, 1, 2, 9, 1}, 3, &out);
+  p.Propose(1, {4, 1, 3, 1, 2, 9, 1}, 3, &out);
   EXPECT_EQ(out, (std::vector<int32_t>{2, 9, 1}));
   // Nothing: no proposal.
-  p.Propose({1, 2, 3}, 3, &out);
+  p.Propose(1, {1, 2, 3}, 3, &out);
   EXPECT_TRUE(out.empty());
   // Fewer than k tokens follow: what there is.
-  p.Propose({7, 8, 7}, 4, &out);
+  p.Propose(1, {7, 8, 7}, 4, &out);
   EXPECT_EQ(out, (std::vector<int32_t>{8, 7}));
+}
+
+// A draft model's guesses are served for the sequence and token count they were made for only,
+// cut to k, and not after the sequence is forgotten or the proposer cleared.
+TEST(DraftProposerTest, ServesGuessesForTheirTokenCountOnly) {
+  DraftProposer p;
+  EXPECT_TRUE(p.proposes_in_step());
+  std::vector<int32_t> out = {9};
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "nothing offered";
+  p.Offer(1, 3, {7, 8, 9});
+  p.Offer(2, 2, {5});
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{7, 8, 9}));
+  p.Propose(1, {1, 2, 3}, 2, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{7, 8}));
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "made for 3 tokens, not 4";
+  p.Propose(3, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty()) << "another sequence's";
+  p.Offer(1, 4, {6});  // the next step's replace them
+  p.Propose(1, {1, 2, 3}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_EQ(out, (std::vector<int32_t>{6}));
+  p.Forget(1);
+  p.Propose(1, {1, 2, 3, 7}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(p.size(), 1);
+  p.Clear();
+  p.Propose(2, {1, 2}, 4, &out);
+  EXPECT_TRUE(out.empty());
+  EXPECT_EQ(p.size(), 0);
 }
 
 TEST(PersistentBatchSpeculationTest, BadRollbacksAndSampleCountsAreRefused) {

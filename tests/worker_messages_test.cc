@@ -38,6 +38,17 @@ TEST(WorkerMessagesTest, StepResultRowsIdsAndTimings) {
   ExpectRefused(CheckStepResult(Answer(), 2, 0, 100), "came back with 2 logprob rows, expected 0");
   ExpectRefused(CheckStepResult(Answer(), 2, 2, 99), "sampled id 99 outside the vocabulary [0, 99)");
 
+  // A draft model's guesses (StepResult.draft_ids): as many as the plan asked, in the vocabulary.
+  v1::StepResult drafted = Answer();
+  for (int32_t id : {5, 6, 7, 99}) drafted.add_draft_ids(id);
+  EXPECT_TRUE(CheckStepResult(drafted, 2, 2, 100, 4).ok());
+  ExpectRefused(CheckStepResult(Answer(), 2, 2, 100, 4), "came back with 0 draft ids, expected 4");
+  ExpectRefused(CheckStepResult(drafted, 2, 2, 100), "came back with 4 draft ids, expected 0");
+  ExpectRefused(CheckStepResult(drafted, 2, 2, 99, 4), "sampled id 99");
+  drafted.set_sampled_ids(1, 3);
+  drafted.mutable_logprobs(1)->set_top_ids(0, 3);
+  ExpectRefused(CheckStepResult(drafted, 2, 2, 99, 4), "draft id 99 outside the vocabulary [0, 99)");
+
   v1::StepResult r = Answer();
   r.mutable_logprobs(1)->add_top_ids(3);  // one more id than logprobs
   ExpectRefused(CheckStepResult(r, 2, 2, 100), "has a malformed logprob row");

@@ -72,6 +72,59 @@ std::pair<int64_t, int64_t> DeviceMemoryInfo(int cuda_ordinal) {
   return {-1, -1};
 }
 
+// A draft model for speculative decoding (worker/draft_runner.h): a whole checkpoint as one
+// ModelShard (every layer, TP rank 0 of 1, no communicator but a LocalCommunicator), argmax on the
+// device.
+class ShardDraftModel final : public DraftModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShardDraftModel>> Load(const std::string& path, const ModelConfig& target,
+                                                                const StepLimits& limits, Backend* backend) {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(path);
+    if (!config.ok()) {
+      return absl::Status(config.status().code(), absl::StrCat("draft model: ", config.status().message()));
+    }
+    if (config->vocab_size != target.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("the draft model at ", path, " has a vocabulary of ",
+                                                     config->vocab_size, " ids but the model has ", target.vocab_size,
+                                                     "; a draft must share the model's tokenizer and vocabulary"));
+    }
+    std::unique_ptr<ShardDraftModel> d(new ShardDraftModel());
+    absl::StatusOr<std::unique_ptr<WeightSource>> weights = OpenWeightSource(path, *config, LoadFormat::kAuto, 0, true);
+    if (!weights.ok()) return weights.status();
+    d->tp_ = std::make_unique<LocalCommunicator>(backend);
+    absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+        ModelShard::Load(**weights, *config, ShardSpec{}, limits, backend, d->tp_.get());
+    if (!shard.ok()) {
+      return absl::Status(shard.status().code(), absl::StrCat("draft model at ", path, ": ", shard.status().message()));
+    }
+    d->shard_ = std::move(*shard);
+    absl::StatusOr<Buffer> ids = backend->Allocate(static_cast<size_t>(limits.max_seqs_per_step) * sizeof(int32_t));
+    if (!ids.ok()) return ids.status();
+    d->ids_ = std::move(*ids);
+    return d;
+  }
+
+  absl::Status Forward(const StepBatch& batch, std::vector<int32_t>* next) override {
+    SHARDSERVE_RETURN_IF_ERROR(shard_->Forward(batch));
+    const int64_t m = static_cast<int64_t>(batch.logit_rows.size());
+    next->resize(static_cast<size_t>(m));  // within the capacity DraftRunner reserved
+    if (m == 0) return absl::OkStatus();
+    Tensor out(ids_.data(), DType::kI32, {m});
+    SHARDSERVE_RETURN_IF_ERROR(shard_->backend()->Argmax(&out, shard_->logits(m)));
+    return shard_->backend()->CopyToHost(next->data(), out.data, static_cast<size_t>(m) * sizeof(int32_t));
+  }
+
+  const ModelConfig& config() const { return shard_->config(); }
+  uint64_t weight_bytes() const { return shard_->weight_bytes(); }
+  uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
+
+ private:
+  ShardDraftModel() = default;
+  std::unique_ptr<Communicator> tp_;
+  std::unique_ptr<ModelShard> shard_;
+  Buffer ids_;
+};
+
 std::string Bytes(int64_t bytes) {
   return absl::StrFormat("%d B (%.2f MiB)", bytes, static_cast<double>(bytes) / (1 << 20));
 }
@@ -179,6 +232,21 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
     if (!sampler.ok()) return sampler.status();
     e->sampler_ = std::move(*sampler);
+    // Speculative decoding's draft model, beside the shard, on the worker that samples.
+    if (!a.draft_model_path().empty()) {
+      const StepLimits draft_limits = DraftRunner::DraftLimits(options);
+      absl::StatusOr<std::unique_ptr<ShardDraftModel>> draft =
+          ShardDraftModel::Load(a.draft_model_path(), *config, draft_limits, backend);
+      if (!draft.ok()) return draft.status();
+      e->draft_summary_ = absl::StrFormat(
+          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), run after sampling",
+          a.draft_model_path(), static_cast<double>((*draft)->weight_bytes()) / (1 << 20),
+          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.max_seqs_per_step,
+          draft_limits.max_model_len);
+      const int64_t context = (*draft)->config().max_position_embeddings;
+      const int64_t positions = context > 0 ? std::min(context, draft_limits.max_model_len) : draft_limits.max_model_len;
+      e->draft_ = std::make_unique<DraftRunner>(std::move(*draft), options, config->vocab_size, positions);
+    }
   }
   if (*cuda_ordinal >= 0) SHARDSERVE_RETURN_IF_ERROR(backend->Synchronize());  // the loads have landed
   e->device_memory_.free_loaded = DeviceMemoryInfo(*cuda_ordinal).second;
@@ -256,6 +324,7 @@ std::string StepExecutor::MemoryAfterSteps() const {
 absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store) {
   // Whatever happens after the check, the old groups are gone and the running batch with them.
   SHARDSERVE_RETURN_IF_ERROR(steps_->Regroup(assignment_, r));
+  if (draft_ != nullptr) draft_->Clear();
   return JoinGroups(r, store);
 }
 
@@ -283,11 +352,20 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
 
 void StepExecutor::LeaveCoordinator() {
   steps_->Clear();
+  if (draft_ != nullptr) draft_->Clear();
   LeaveGroups();
 }
 
 absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store) {
+  // The worker that samples holds the draft model it loaded: a coordinator that wants another (or
+  // none, or one where there was none) gets a fresh load instead.
+  if (sampler_ != nullptr && a.draft_model_path() != assignment_.draft_model_path()) {
+    return absl::FailedPreconditionError(absl::StrCat("the adopting coordinator's draft model '", a.draft_model_path(),
+                                                      "' is not the one this worker loaded, '",
+                                                      assignment_.draft_model_path(), "'"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Adopt(assignment_, a));
+  if (draft_ != nullptr) draft_->Clear();
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
   return JoinGroups(RegroupOf(a), store);
 }
@@ -301,6 +379,12 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     if (c != nullptr) c->ResetSeconds();
   }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
+  if (draft_ != nullptr) {
+    SHARDSERVE_RETURN_IF_ERROR(draft_->Apply(plan));
+  } else if (sampler_ != nullptr && plan.num_draft_tokens() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " asks for ", plan.num_draft_tokens(),
+                                                   " draft tokens a row; this worker has no draft model"));
+  }
   const StepBatch& batch = steps_->batch();
   const int64_t n = static_cast<int64_t>(batch.positions.size());
   const uint64_t launches_before = backend_->kernel_launches();
@@ -319,6 +403,10 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     SHARDSERVE_RETURN_IF_ERROR(CheckTokenMasks(plan, static_cast<int64_t>(batch.logit_rows.size()),
                                                sampler_->vocab_size(), &token_masks_));
     SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result, token_masks_));
+    // The draft's guesses for these sequences' next step, in this step.
+    if (draft_ != nullptr) {
+      SHARDSERVE_RETURN_IF_ERROR(draft_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
+    }
   }
 
   double collective = 0;

@@ -8,7 +8,8 @@
 //                    TP rank
 //   last, rank 0:    sample one id per logit row, and logprobs where asked (worker/sampler.h:
 //                    argmax or Sample on the device; rows with min_p, penalties or logprobs on
-//                    the host)
+//                    the host); with a draft model (Assignment.draft_model_path), its guesses for
+//                    the sampled sequences' next step (worker/draft_runner.h)
 //
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
@@ -36,6 +37,7 @@
 #include "shardserve/v1/worker.pb.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/shard/model_shard.h"
+#include "worker/draft_runner.h"
 #include "worker/persistent_batch.h"
 #include "worker/sampler.h"
 #include "worker/step_state.h"
@@ -156,6 +158,8 @@ class StepExecutor {
   std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
+  // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
+  const std::string& draft_summary() const { return draft_summary_; }
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
   // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
   // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
@@ -191,6 +195,9 @@ class StepExecutor {
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
   std::vector<const uint32_t*> token_masks_;  // per logit row of the step: its mask in the plan, or null
+  // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
+  std::unique_ptr<DraftRunner> draft_;
+  std::string draft_summary_;
 
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at

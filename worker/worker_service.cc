@@ -432,6 +432,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    seconds, static_cast<double>(executor_->weight_bytes()) / (1 << 20),
                                    executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
+  if (!executor_->draft_summary().empty()) WorkerLog(Who(), executor_->draft_summary(), Ids());
   if (const std::string untried = executor_->gpu_paths_not_yet_run(); !untried.empty()) {
     WorkerLog(Who(), absl::StrCat("this model runs CUDA kernels that have not yet passed on a GPU (docs/gpu.md): ",
                                   untried), Ids("warn"));

@@ -5,6 +5,7 @@
 #define SHARDSERVE_COORDINATOR_CLUSTER_POOL_OPTIONS_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/time/time.h"
 #include "kernels/quant.h"
@@ -28,6 +29,9 @@ struct PoolOptions {
   // Where the workers' weights come from (--load-format, --dummy-seed; model/weight_source.h).
   LoadFormat load_format = LoadFormat::kAuto;
   uint64_t dummy_seed = 0;
+  // Speculative decoding's draft model (--draft-model; docs/speculative-decoding.md): its directory,
+  // absolute, as the workers see it; the worker that samples loads it beside its shard. "": none.
+  std::string draft_model_path;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };

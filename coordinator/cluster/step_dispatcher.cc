@@ -30,10 +30,11 @@ absl::Status StepDispatcher::CheckResultLocked(int worker, const InFlightStep& s
   const auto [stage, tp_rank] = membership_->PositionLocked(worker);
   const bool sampler = stage == num_stages_ - 1 && tp_rank == 0;
   const int want = sampler ? step.rows : 0;
-  return CheckStepResult(r, want, sampler && step.wants_logprobs ? step.rows : 0, vocab_size_);
+  return CheckStepResult(r, want, sampler && step.wants_logprobs ? step.rows : 0, vocab_size_,
+                         sampler ? step.draft_ids : 0);
 }
 
-absl::Status StepDispatcher::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {
+absl::Status StepDispatcher::StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs, int draft_ids) {
   std::vector<int> group;
   std::vector<bool> samples;  // group[i] is a last-stage worker
   uint64_t epoch = 0;
@@ -45,6 +46,7 @@ absl::Status StepDispatcher::StartStep(const v1::StepPlan& step, int logit_rows,
     InFlightStep& f = steps_[step.step_id()];
     f.rows = logit_rows;
     f.wants_logprobs = wants_logprobs;
+    f.draft_ids = draft_ids;
     f.answered.assign(g.slots.size(), false);
     f.results.assign(g.slots.size(), v1::StepResult());
     for (const Slot& s : g.slots) {
@@ -56,15 +58,20 @@ absl::Status StepDispatcher::StartStep(const v1::StepPlan& step, int logit_rows,
   v1::CoordinatorMessage message;
   *message.mutable_step() = step;
   message.mutable_step()->set_epoch(epoch);
-  // Token masks are for the last stage's sampler only: the other stages get the plan without them.
+  // Token masks are for the last stage's sampler only, and so are the cached tokens' ids a draft
+  // model needs: the other stages get the plan without them.
+  const bool cached_ids = std::any_of(step.new_seqs().begin(), step.new_seqs().end(),
+                                      [](const v1::NewSeq& n) { return n.cached_token_ids_size() > 0; });
+  const bool last_only = step.mask_logit_rows_size() > 0 || cached_ids;
   v1::CoordinatorMessage unmasked;
-  if (step.mask_logit_rows_size() > 0) {
+  if (last_only) {
     unmasked = message;
     unmasked.mutable_step()->clear_mask_logit_rows();
     unmasked.mutable_step()->clear_mask_words();
+    for (v1::NewSeq& n : *unmasked.mutable_step()->mutable_new_seqs()) n.clear_cached_token_ids();
   }
   for (size_t k = 0; k < group.size(); ++k) {
-    membership_->Send(group[k], samples[k] || step.mask_logit_rows_size() == 0 ? message : unmasked);
+    membership_->Send(group[k], samples[k] || !last_only ? message : unmasked);
   }
   return absl::OkStatus();
 }
@@ -137,10 +144,12 @@ absl::Status StepDispatcher::FinishStep(uint64_t step_id, absl::Duration timeout
   outcome->sampled_ids.clear();
   outcome->logprobs.clear();
   outcome->non_finite_rows.clear();
+  outcome->draft_ids.clear();
   outcome->forward_seconds = outcome->collective_seconds = 0;
   for (const v1::StepResult& r : step.results) {
     if (r.sampled_ids_size() > 0) outcome->sampled_ids.assign(r.sampled_ids().begin(), r.sampled_ids().end());
     if (r.logprobs_size() > 0) outcome->logprobs.assign(r.logprobs().begin(), r.logprobs().end());
+    if (r.draft_ids_size() > 0) outcome->draft_ids.assign(r.draft_ids().begin(), r.draft_ids().end());
     if (r.non_finite_rows_size() > 0) {
       outcome->non_finite_rows.assign(r.non_finite_rows().begin(), r.non_finite_rows().end());
     }

@@ -1,5 +1,5 @@
 // The step dispatcher: fans each step out to the group's workers (the full plan to the last
-// stage, which samples; the plan without token masks to the others) and gathers their results.
+// stage, which samples; the plan without token masks and cached token ids to the others) and gathers their results.
 // Several steps may be in flight (pipelined micro-batches): each worker runs them in the order
 // they were sent, and they are finished in the order they were started.
 //
@@ -30,6 +30,7 @@ struct StepOutcome {
   std::vector<int32_t> sampled_ids;          // one per logit row
   std::vector<v1::RowLogprobs> logprobs;     // one per logit row when the step asked for any
   std::vector<int32_t> non_finite_rows;      // logit rows whose logits were not finite, ascending
+  std::vector<int32_t> draft_ids;            // a draft model's guesses (StepResult.draft_ids)
   double forward_seconds = 0;                // the slowest worker's
   double collective_seconds = 0;             // the slowest worker's
 };
@@ -41,7 +42,7 @@ class StepDispatcher {
   StepDispatcher& operator=(const StepDispatcher&) = delete;
 
   // worker_pool.h StartStep, FinishStep and DropSteps say what these do.
-  absl::Status StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs)
+  absl::Status StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs, int draft_ids)
       ABSL_LOCKS_EXCLUDED(membership_->mu());
   absl::Status FinishStep(uint64_t step_id, absl::Duration timeout, StepOutcome* outcome)
       ABSL_LOCKS_EXCLUDED(membership_->mu());
@@ -59,6 +60,7 @@ class StepDispatcher {
   struct InFlightStep {
     int rows = 0;                         // logit rows: ids the sampler must return
     bool wants_logprobs = false;          // some row asked for logprobs
+    int draft_ids = 0;                    // ids of a draft model's guesses the sampler must return
     std::vector<bool> answered;           // by rank in the group
     std::vector<v1::StepResult> results;  // by rank in the group
   };

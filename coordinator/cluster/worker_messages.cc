@@ -65,7 +65,8 @@ absl::Status CheckRegister(const v1::Register& hello) {
   return absl::OkStatus();
 }
 
-absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logprob_rows, int64_t vocab_size) {
+absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logprob_rows, int64_t vocab_size,
+                             int draft_ids) {
   auto bad = [&](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", r.step_id(), " ", parts...)); };
   if (r.sampled_ids_size() != sampled_rows) {
     return bad("came back with ", r.sampled_ids_size(), " sampled ids, expected ", sampled_rows);
@@ -83,6 +84,12 @@ absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logp
     for (int32_t id : l.top_ids()) {
       if (id < 0 || id >= vocab_size) return bad("logprob id ", id, " outside the vocabulary [0, ", vocab_size, ")");
     }
+  }
+  if (r.draft_ids_size() != draft_ids) {
+    return bad("came back with ", r.draft_ids_size(), " draft ids, expected ", draft_ids);
+  }
+  for (int32_t id : r.draft_ids()) {
+    if (id < 0 || id >= vocab_size) return bad("draft id ", id, " outside the vocabulary [0, ", vocab_size, ")");
   }
   int32_t previous = -1;
   for (int32_t row : r.non_finite_rows()) {

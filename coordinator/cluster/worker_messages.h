@@ -42,9 +42,11 @@ absl::Status CheckRegister(const v1::Register& hello);
 // last stage's TP rank 0) with `logprob_rows` logprob rows (0 unless some row asked), over a
 // vocabulary of `vocab_size`: that many ids in the vocabulary, logprob rows with as many top ids as
 // top logprobs (at most kMaxTopLogprobs), ids in the vocabulary and no NaN logprob, non-finite rows
-// ascending inside [0, sampled_rows), timings finite and >= 0. InvalidArgument naming the step and
+// ascending inside [0, sampled_rows), `draft_ids` draft ids in the vocabulary (a draft model's
+// guesses; 0 unless the plan asked), timings finite and >= 0. InvalidArgument naming the step and
 // what is wrong.
-absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logprob_rows, int64_t vocab_size);
+absl::Status CheckStepResult(const v1::StepResult& r, int sampled_rows, int logprob_rows, int64_t vocab_size,
+                             int draft_ids = 0);
 
 }  // namespace shardserve
 

@@ -98,12 +98,13 @@ class WorkerPool {
   // The group's epoch: 1 once formed, one more at each re-forming; 0 before it forms.
   uint64_t epoch() { return membership_.epoch(); }
   // Sends `step` (a new, increasing step_id) to every worker; its result carries `logit_rows`
-  // sampled ids (the rows that sample), and logprobs when `wants_logprobs`. Unavailable when the
+  // sampled ids (the rows that sample), logprobs when `wants_logprobs`, and `draft_ids` ids a draft
+  // model proposed (StepResult.draft_ids; 0: none asked). Unavailable when the
   // group is not serving. Steps are finished in the order they were started. Plans are stateful:
   // after a failure here the group's workers must not get later plans (the engine clears its
   // scheduler; a new group starts empty).
-  absl::Status StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs) {
-    return steps_.StartStep(step, logit_rows, wants_logprobs);
+  absl::Status StartStep(const v1::StepPlan& step, int logit_rows, bool wants_logprobs, int draft_ids = 0) {
+    return steps_.StartStep(step, logit_rows, wants_logprobs, draft_ids);
   }
   // Waits for every worker's StepResult of the oldest step in flight, `step_id`, at most `timeout`.
   // Unavailable, naming the lost workers, when the group is not serving or breaks during the step

@@ -65,9 +65,15 @@ void RequestStream::End(absl::Status status) {
 // ---- Engine: the handlers' side -----------------------------------------------------------------
 
 absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
-  if (!o.speculative.empty() && o.speculative != "ngram") {
+  if (!o.speculative.empty() && o.speculative != "ngram" && o.speculative != "draft") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; the one there is: ngram"));
+        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; those there are: ngram, draft"));
+  }
+  if (o.speculative == "draft" && o.draft_model.empty()) {
+    return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR (the draft model's checkpoint)");
+  }
+  if (o.speculative != "draft" && !o.draft_model.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--draft-model ", o.draft_model, " needs --speculative draft"));
   }
   if (o.num_speculative_tokens < 0 || o.num_speculative_tokens > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(absl::StrCat("--num-speculative-tokens ", o.num_speculative_tokens,
@@ -94,6 +100,7 @@ absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
 Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
     : model_(model), pool_(pool), options_(options), metrics_(metrics) {
   if (options_.speculative == "ngram") ngram_ = std::make_unique<NgramProposer>(options_.ngram_min, options_.ngram_max);
+  if (options_.speculative == "draft") draft_ = std::make_unique<DraftProposer>();
   loop_ = std::thread([this] { Loop(); });
 }
 
@@ -214,7 +221,7 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.limits = pool_->limits();
   o.lanes = options_.micro_batches > 0 ? options_.micro_batches : pool_->num_stages();
   o.prefix_caching = options_.prefix_caching;
-  o.proposer = ngram_ != nullptr ? ngram_.get() : options_.proposer;
+  o.proposer = ngram_ != nullptr ? ngram_.get() : draft_ != nullptr ? draft_.get() : options_.proposer;
   o.num_speculative_tokens = o.proposer != nullptr ? options_.num_speculative_tokens : 0;
   o.guess_filter = this;
   o.speculative_max_running = options_.speculative_max_running;
@@ -307,8 +314,18 @@ absl::Status Engine::SendSteps() {
       metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
       metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
     }
-    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs));
-    in_flight_.push_back(InFlight{lane, batch->step_id, now});
+    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs, batch->draft_ids));
+    InFlight f;
+    f.lane = lane;
+    f.step_id = batch->step_id;
+    f.sent = now;
+    if (batch->draft_tokens > 0) {
+      f.draft_tokens = batch->draft_tokens;
+      for (const MicroBatch::Entry& e : batch->entries) {
+        if (e.logit_row >= 0) f.sampling.push_back(e.seq);
+      }
+    }
+    in_flight_.push_back(std::move(f));
   }
   return absl::OkStatus();
 }
@@ -319,7 +336,21 @@ absl::Status Engine::FinishOldest() {
   SHARDSERVE_RETURN_IF_ERROR(pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_));
   const auto now = std::chrono::steady_clock::now();
   const double step_seconds = SecondsBetween(f.sent, now);
-  for (const SampledToken& t : scheduler_->Complete(f.lane, outcome_.sampled_ids)) {
+  const std::vector<SampledToken> sampled = scheduler_->Complete(f.lane, outcome_.sampled_ids);
+  // The draft model's guesses, made for each sampled sequence's tokens as verified now: served at
+  // its next decode (DraftProposer), before its tokens are streamed (a request they end forgets
+  // them).
+  if (draft_ != nullptr && f.draft_tokens > 0 &&
+      outcome_.draft_ids.size() == f.sampling.size() * static_cast<size_t>(f.draft_tokens)) {
+    for (size_t i = 0; i < f.sampling.size(); ++i) {
+      const auto from = outcome_.draft_ids.begin() + static_cast<std::ptrdiff_t>(i * f.draft_tokens);
+      if (scheduler_->Contains(f.sampling[i])) {
+        draft_->Offer(f.sampling[i], scheduler_->num_tokens(f.sampling[i]),
+                      std::vector<int32_t>(from, from + f.draft_tokens));
+      }
+    }
+  }
+  for (const SampledToken& t : sampled) {
     auto found = requests_.find(t.seq);
     if (found == requests_.end()) continue;  // ended by an earlier token of the same step's accepted run
     Request& r = *found->second;
@@ -458,6 +489,7 @@ void Engine::End(uint64_t id, const absl::Status& status) {
     scheduler_->Remove(id);
     PublishStats();
   }
+  if (draft_ != nullptr) draft_->Forget(id);
   EndStream(*it->second, status);
   requests_.erase(it);
 }
@@ -472,6 +504,7 @@ void Engine::FailAll(const absl::Status& status) {
   }
   requests_.clear();
   if (scheduler_ != nullptr) scheduler_->Clear();
+  if (draft_ != nullptr) draft_->Clear();
   in_flight_.clear();
   pool_->DropSteps();
   std::vector<std::unique_ptr<Request>> inbox;
@@ -486,6 +519,7 @@ void Engine::HoldForHeal(const absl::Status& status) {
   in_flight_.clear();
   pool_->DropSteps();
   scheduler_->RequeueAllForRegroup();
+  if (draft_ != nullptr) draft_->Clear();  // the new group's draft starts empty and catches up
   holding_ = true;
   held_.clear();
   for (auto& [id, r] : requests_) {

@@ -65,10 +65,13 @@ struct EngineOptions {
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
-  // Speculative decoding (docs/speculative-decoding.md): "" (off) or "ngram" (--speculative), at
-  // most num_speculative_tokens guesses per sequence per step, none while speculative_max_running
-  // sequences or more run (0: no such limit).
+  // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram" or "draft"
+  // (--speculative), at most num_speculative_tokens guesses per sequence per step, none while
+  // speculative_max_running sequences or more run (0: no such limit). With "draft", draft_model is
+  // the draft's directory (--draft-model), which the worker that samples runs (the pool's
+  // assignments carry it: PoolOptions::draft_model_path).
   std::string speculative;
+  std::string draft_model;
   int num_speculative_tokens = 0;
   int64_t speculative_max_running = 8;
   // The n-gram proposer's lengths, longest first.
@@ -149,6 +152,10 @@ class Engine : private GuessFilter {
     int lane = 0;
     uint64_t step_id = 0;
     SteadyTime sent;
+    // With a draft model: the sequences of the step's rows that sample, in row order (the draft's
+    // guesses come back for them), and the guesses per row.
+    std::vector<uint64_t> sampling;
+    int draft_tokens = 0;
   };
 
   void Loop();
@@ -195,6 +202,8 @@ class Engine : private GuessFilter {
   const EngineOptions options_;
   CoordinatorMetrics* const metrics_;
   std::unique_ptr<Proposer> ngram_;  // with speculative "ngram"
+  // With speculative "draft": the guesses the last step results brought, fed by FinishOldest.
+  std::unique_ptr<DraftProposer> draft_;
 
   // ---- Guarded by mu_: the handlers' side ----
   absl::Mutex mu_;

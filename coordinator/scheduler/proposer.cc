@@ -1,10 +1,12 @@
 #include "coordinator/scheduler/proposer.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace shardserve {
 
-void NgramProposer::Propose(const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const {
+void NgramProposer::Propose(uint64_t /*seq*/, const std::vector<int32_t>& tokens, int k,
+                            std::vector<int32_t>* out) const {
   out->clear();
   const int64_t len = static_cast<int64_t>(tokens.size());
   for (int n = std::min<int64_t>(max_n_, len - 1); n >= min_n_; --n) {
@@ -17,6 +19,20 @@ void NgramProposer::Propose(const std::vector<int32_t>& tokens, int k, std::vect
       return;
     }
   }
+}
+
+void DraftProposer::Offer(uint64_t seq, int64_t num_tokens, std::vector<int32_t> guesses) {
+  Guesses& g = guesses_[seq];
+  g.num_tokens = num_tokens;
+  g.ids = std::move(guesses);
+}
+
+void DraftProposer::Propose(uint64_t seq, const std::vector<int32_t>& tokens, int k, std::vector<int32_t>* out) const {
+  out->clear();
+  auto it = guesses_.find(seq);
+  if (it == guesses_.end() || it->second.num_tokens != static_cast<int64_t>(tokens.size())) return;
+  const std::vector<int32_t>& ids = it->second.ids;
+  out->assign(ids.begin(), ids.begin() + std::min<int64_t>(k, static_cast<int64_t>(ids.size())));
 }
 
 }  // namespace shardserve

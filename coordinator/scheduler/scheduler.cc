@@ -73,6 +73,11 @@ int64_t Scheduler::cached_prompt_tokens(uint64_t id) const {
   return std::min(it->second->num_cached, it->second->prompt_len);
 }
 
+int64_t Scheduler::num_tokens(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : static_cast<int64_t>(it->second->tokens.size());
+}
+
 int64_t Scheduler::table_blocks(uint64_t id) const {
   auto it = seqs_.find(id);
   return it == seqs_.end() ? 0 : static_cast<int64_t>(it->second->blocks.size());
@@ -310,6 +315,8 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   }
 
   if (batch.entries.empty()) return nullptr;
+  // A draft model on the workers guesses within the step, for the sequences' next decodes.
+  if (speculate && options_.proposer->proposes_in_step()) batch.draft_tokens = options_.num_speculative_tokens;
   WriteStep(batch, step);
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
@@ -336,6 +343,7 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
     seqs_.at(r.seq)->blocks_sent = r.blocks;  // its table may have grown again since, for this plan
   }
   rollbacks_.clear();
+  step->set_num_draft_tokens(batch.draft_tokens);
   const bool speculative = std::any_of(batch.entries.begin(), batch.entries.end(),
                                        [](const MicroBatch::Entry& e) { return !e.draft.empty(); });
   for (const MicroBatch::Entry& e : batch.entries) {
@@ -359,6 +367,10 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
       *n->mutable_sampling() = s.sampling;
       n->set_prompt_len(static_cast<int32_t>(s.prompt_len));
       n->set_num_cached_tokens(static_cast<int32_t>(s.num_fed));  // its first row starts there
+      // A draft model on the workers keeps a KV cache of its own: it needs the tokens no row feeds.
+      if (options_.proposer != nullptr && options_.proposer->proposes_in_step()) {
+        n->mutable_cached_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + s.num_fed);
+      }
       s.sent = true;
     } else if (num_blocks > s.blocks_sent) {
       v1::SeqBlocks* a = step->add_appended_blocks();
@@ -376,6 +388,7 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
     step->add_row_samples(e.logit_row >= 0);
     if (speculative) step->add_row_num_sampled(e.samples);
     if (e.logit_row >= 0) {
+      batch.draft_ids += batch.draft_tokens;
       batch.logit_rows += e.samples;
       batch.wants_logprobs = batch.wants_logprobs || s.sampling.logprobs();
     }
@@ -414,7 +427,7 @@ std::vector<int32_t> Scheduler::Propose(Seq& s, int64_t tokens, int64_t samples)
   const int64_t k = std::min<int64_t>({options_.num_speculative_tokens, tokens, samples, max_len - len - 1});
   std::vector<int32_t> draft;
   if (k <= 0) return draft;
-  options_.proposer->Propose(s.tokens, static_cast<int>(k), &draft);
+  options_.proposer->Propose(s.id, s.tokens, static_cast<int>(k), &draft);
   if (static_cast<int64_t>(draft.size()) > k) draft.resize(static_cast<size_t>(k));
   if (!draft.empty() && options_.guess_filter != nullptr) {
     draft.resize(static_cast<size_t>(std::clamp<int64_t>(options_.guess_filter->Allowed(s.id, draft), 0,

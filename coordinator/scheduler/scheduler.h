@@ -87,7 +87,11 @@
 // token's, whose window the blocks released so far never reach, and a rollback cuts the sliding
 // layers' table as the other (the blocks released behind the window hold accepted tokens only: a
 // rejected position is never behind it). A constrained sequence is fed only the guesses its
-// grammar allows (SchedulerOptions::guess_filter). No guesses in a step while
+// grammar allows (SchedulerOptions::guess_filter). A proposer that guesses within the steps (a draft
+// model on the worker that samples: Proposer::proposes_in_step) is asked for guesses in every plan
+// while speculation is on (StepPlan.num_draft_tokens), for each row that samples; the workers hold
+// the draft's state, so a new sequence carries the ids of the tokens the prefix cache gave it
+// (NewSeq.cached_token_ids). No guesses in a step while
 // speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
 // stay within max_seqs_per_step (the workers' logits rows).
 //
@@ -164,6 +168,11 @@ struct MicroBatch {
   int64_t prefill_tokens = 0;   // tokens of entries that feed more than one token
   int64_t decode_tokens = 0;
   int logit_rows = 0;           // positions that sample: the ids the step's result carries
+  // A proposer whose guesses the workers make in the step (Proposer::proposes_in_step): the guesses
+  // asked per row that samples (StepPlan.num_draft_tokens; 0: none), and the ids the result brings
+  // back for them (StepResult.draft_ids), entry after entry.
+  int draft_tokens = 0;
+  int draft_ids = 0;
   bool wants_logprobs = false;  // one of them asks for logprobs
 };
 
@@ -218,6 +227,8 @@ class Scheduler {
   bool Contains(uint64_t id) const { return seqs_.count(id) > 0; }
   // Tokens sampled for `id` so far (0 for unknown ids).
   int64_t generated(uint64_t id) const;
+  // Its tokens, prompt and generated (0 for unknown ids).
+  int64_t num_tokens(uint64_t id) const;
 
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }

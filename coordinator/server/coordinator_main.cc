@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -28,6 +29,7 @@
 #include "coordinator/model/served_model.h"
 #include "coordinator/cluster/worker_control_service.h"
 #include "coordinator/cluster/worker_pool.h"
+#include "model/config.h"
 #include "model/weight_source.h"
 #include "security/api_keys.h"
 #include "security/tls.h"
@@ -50,7 +52,8 @@ constexpr char kUsage[] =
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--expert-parallel]\n"
-    "                              [--speculative ngram --num-speculative-tokens K]\n"
+    "                              [--speculative ngram|draft --num-speculative-tokens K]\n"
+    "                              [--draft-model DIR]\n"
     "                              [--speculative-max-running N]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
@@ -138,6 +141,10 @@ constexpr char kUsage[] =
     "  --speculative ngram           speculative decoding with the n-gram (prompt lookup) proposer:\n"
     "                                guesses from the sequence's own earlier text, verified in one\n"
     "                                step; outputs unchanged (docs/speculative-decoding.md)\n"
+    "  --speculative draft           ... with a draft model (--draft-model), run by the worker that\n"
+    "                                samples right after sampling, in the same step\n"
+    "  --draft-model DIR             the draft's checkpoint (same tokenizer and vocabulary as --model),\n"
+    "                                as the workers see it; with --speculative draft\n"
     "  --num-speculative-tokens K    guesses per sequence per step, 1 to 16 (with --speculative)\n"
     "  --speculative-max-running N   no guesses in a step while N or more sequences run (default 8;\n"
     "                                0: no limit): a large batch is compute-bound already\n";
@@ -169,7 +176,8 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
-                    "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running"},
+                    "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running",
+                    "draft-model"},
                    {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -218,7 +226,7 @@ int Main(int argc, char** argv) {
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
            flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
-           flags->OneOf("speculative", {"ngram"}, &engine_options.speculative),
+           flags->OneOf("speculative", {"ngram", "draft"}, &engine_options.speculative),
            flags->Int("num-speculative-tokens", 1, kMaxSpeculativeTokens, &engine_options.num_speculative_tokens),
            flags->Int("speculative-max-running", 0, 4096, &engine_options.speculative_max_running),
        }) {
@@ -245,6 +253,7 @@ int Main(int argc, char** argv) {
   engine_options.step_timeout = absl::Seconds(step_timeout);
   engine_options.heal_timeout = absl::Seconds(heal_timeout);
   engine_options.prefix_caching = !flags->Has("no-prefix-caching");
+  engine_options.draft_model = flags->Get("draft-model");
   if (absl::Status s = CheckSpeculativeOptions(engine_options); !s.ok()) return Usage(std::string(s.message()));
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
@@ -301,6 +310,22 @@ int Main(int argc, char** argv) {
 
   absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir, pool_options.load_format);
   if (!model.ok()) return Fail(std::string(model.status().message()));
+  if (!engine_options.draft_model.empty()) {
+    // The draft must speak the model's vocabulary; the worker that loads it checks again.
+    std::error_code ec;
+    const std::filesystem::path draft = std::filesystem::absolute(engine_options.draft_model, ec);
+    absl::StatusOr<ModelConfig> draft_config = LoadModelConfig(draft);
+    if (!draft_config.ok()) return Fail(absl::StrCat("--draft-model: ", draft_config.status().message()));
+    if (draft_config->vocab_size != (*model)->config.vocab_size) {
+      return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, " has a vocabulary of ",
+                               draft_config->vocab_size, " ids but --model ", model_dir, " has ",
+                               (*model)->config.vocab_size, "; a draft must share the model's tokenizer and vocabulary"));
+    }
+    pool_options.draft_model_path = draft.string();
+    CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
+                                         draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
+                                         " layers), run by the worker that samples"));
+  }
   absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model->get(), pool_options);
   if (!pool.ok()) return Fail(std::string(pool.status().message()));
   CoordinatorLog("model", absl::StrCat((*model)->name, " (", (*model)->config.architecture_name, ", ",

@@ -86,8 +86,8 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /http, /ep and
-// /json (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram or /draft, /http,
+// /ep and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -108,15 +108,19 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.expert_parallel = true;
     } else if (strip("/ngram")) {
       l.ngram = true;
+    } else if (strip("/draft")) {
+      l.draft = true;
     }
     if (strip("/no-prefix-caching")) l.prefix_caching = false;
   }
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /http, /ep, /json), e.g. "
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /http, /ep, /json), "
+        "e.g. "
         "tp2xpp2/serial"));
   };
+  if (l.ngram && l.draft) return bad();
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
   bool seen_tp = false, seen_pp = false;
@@ -163,11 +167,21 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
   if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
-  // /ngram layouts speculate with the n-gram proposer (--num-speculative-tokens as given, else 4).
+  // /ngram and /draft layouts speculate with the n-gram proposer or the draft model
+  // (--num-speculative-tokens as given, else 4).
   const bool speculative_given =
       std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--speculative") != co.coordinator_flags.end();
-  if (layout.ngram && !speculative_given) {
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "ngram"});
+  // /draft layouts with the draft model, bench's --draft-model.
+  if (layout.draft && !speculative_given) {
+    if (o.cluster.draft_model.empty()) {
+      out.error = absl::StrCat("layout ", layout.name, " needs --draft-model DIR (the draft's checkpoint)");
+      return out;
+    }
+    co.coordinator_flags.insert(co.coordinator_flags.end(),
+                                {"--speculative", "draft", "--draft-model", o.cluster.draft_model});
+  }
+  if ((layout.ngram || layout.draft) && !speculative_given) {
+    if (layout.ngram) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "ngram"});
     if (std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--num-speculative-tokens") ==
         co.coordinator_flags.end()) {
       co.coordinator_flags.insert(co.coordinator_flags.end(), {"--num-speculative-tokens", "4"});

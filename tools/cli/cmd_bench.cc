@@ -68,7 +68,8 @@ constexpr char kUsage[] =
     "                        [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                        [--num-kv-blocks N] [--micro-batches K] [--block-size B] [--no-prefix-caching]\n"
     "                        [--expert-parallel] [--heal-timeout-seconds S]\n"
-    "                        [--speculative ngram] [--num-speculative-tokens K] [--speculative-max-running N]\n"
+    "                        [--speculative ngram|draft] [--num-speculative-tokens K] [--speculative-max-running N]\n"
+    "                        [--draft-model DIR]\n"
     "                        [--worker-no-cuda-quantized-kernels] [--worker-no-cuda-graphs]\n"
     "                        [--worker-no-cuda-split-attention] [--worker-no-cuda-fused-kernels]\n"
     "                        [--worker-no-cuda-dense-gemv]\n"
@@ -129,7 +130,7 @@ constexpr char kUsage[] =
     "  --compare          comma-separated layouts tpN, ppM or tpNxppM, each optionally with /serial\n"
     "                     (one micro-batch in flight: coordinator --micro-batches 1) and\n"
     "                     /no-prefix-caching (coordinator --no-prefix-caching), /ngram (coordinator\n"
-    "                     --speculative ngram), e.g.\n"
+    "                     --speculative ngram), /draft (coordinator --speculative draft with --draft-model), e.g.\n"
     "                     tp1,tp2,pp2,pp2/serial,tp2xpp2,tp1/no-prefix-caching, and /http: the same\n"
     "                     load over the coordinator's OpenAI API (as --backend openai) instead of gRPC,\n"
     "                     e.g. tp1,tp1/http,tp1,tp1/http, and /ep: coordinator --expert-parallel, e.g.\n"
@@ -165,7 +166,9 @@ constexpr char kUsage[] =
     "  --expert-parallel  the coordinator's: whole experts per TP rank (docs/moe.md), every layout\n"
     "  --speculative ngram, --num-speculative-tokens K, --speculative-max-running N  the coordinator's\n"
     "                     speculative decoding (docs/speculative-decoding.md), for every layout; or\n"
-    "                     per layout: /ngram (K 4 unless given), e.g. --compare tp1,tp1/ngram\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
+    "                     per layout: /ngram or /draft (K 4 unless given), e.g. --compare tp1,tp1/ngram\n"
+    "  --draft-model DIR  the draft model of --speculative draft and of the /draft layouts (same tokenizer\n"
+    "                     and vocabulary as --model), e.g. --compare tp1,tp1/draft --draft-model models/demo-draft\n"    "  --quantization, --load-format, --dummy-seed  the coordinator's, passed through when given:\n"
     "                     --load-format dummy runs weights made from config.json alone (a --model\n"
     "                     directory may then hold only config.json; bench sends token ids)\n"
     "  Progress goes to stderr. Exit code 0 when every request completed, 1 when any failed or a\n"
@@ -308,7 +311,7 @@ int Run(const std::vector<std::string>& args) {
     if (c.backend == Backend::kGrpc && flags->Has("model")) return Usage("--model applies to --compare (or --backend openai) only");
     for (const char* f : {"device", "worker-threads", "worker-matmul-dtype", "worker-collectives", "worker-dummy-weights", "log-dir",
                           "ready-timeout-seconds", "max-model-len", "quantization", "load-format", "dummy-seed",
-                          "activation-quantization", "speculative"}) {
+                          "activation-quantization", "speculative", "draft-model"}) {
       if (flags->Has(f)) return Usage(absl::StrCat("--", f, " applies to --compare only"));
     }
     for (const char* f : kCoordinatorPassThroughFlags) {

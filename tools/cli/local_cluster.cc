@@ -27,7 +27,8 @@ namespace shardserve::cli {
 std::set<std::string> ClusterFlags::Names() {
   std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
                                  "worker-collectives", "worker-dummy-weights", "max-model-len", "quantization",
-                                 "load-format", "dummy-seed", "activation-quantization", "speculative"};
+                                 "load-format", "dummy-seed", "activation-quantization", "speculative",
+                                 "draft-model"};
   names.insert(std::begin(kCoordinatorPassThroughFlags), std::end(kCoordinatorPassThroughFlags));
   return names;
 }
@@ -101,8 +102,19 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
   }
   if (f.Has("speculative")) {
     std::string value;
-    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram"}, &value));
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft"}, &value));
     c.coordinator_flags.emplace_back("speculative", value);
+  }
+  if (f.Has("draft-model")) {
+    std::error_code ec;
+    c.draft_model = std::filesystem::absolute(f.Get("draft-model"), ec).string();
+    if (!std::filesystem::exists(std::filesystem::path(c.draft_model) / "config.json")) {
+      return absl::InvalidArgumentError(absl::StrCat("--draft-model ", f.Get("draft-model"),
+                                                     " has no config.json (give the draft's checkpoint directory)"));
+    }
+  }
+  if (f.Get("speculative") == "draft" && c.draft_model.empty()) {
+    return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR");
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
   c.expert_parallel = f.Has("expert-parallel");
@@ -114,6 +126,9 @@ std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) 
   for (const auto& [name, value] : coordinator_flags) {
     if (name != skip) args.insert(args.end(), {absl::StrCat("--", name), value});
   }
+  // The draft model goes with --speculative draft only (bench --compare's /draft layouts add both).
+  const bool draft = std::find(args.begin(), args.end(), "draft") != args.end();
+  if (draft && !draft_model.empty()) args.insert(args.end(), {"--draft-model", draft_model});
   if (!prefix_caching) args.push_back("--no-prefix-caching");
   if (expert_parallel) args.push_back("--expert-parallel");
   return args;

@@ -182,6 +182,9 @@ struct ClusterFlags {
   std::vector<std::pair<std::string, std::string>> coordinator_flags;
   bool prefix_caching = true;  // off: --no-prefix-caching, passed to the coordinator
   bool expert_parallel = false;  // --expert-parallel, passed to the coordinator
+  // --draft-model, absolute: passed to the coordinator with --speculative draft (and by bench
+  // --compare's /draft layouts).
+  std::string draft_model;
 
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
