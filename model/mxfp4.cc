@@ -1,9 +1,11 @@
 #include "model/mxfp4.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quant.h"
 
 namespace shardserve {
 
@@ -38,16 +40,19 @@ absl::Status DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int64
 
 bool Mxfp4AsFp8Groups(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
                       int64_t group0, int64_t num_groups, std::vector<uint8_t>* out) {
-  // kMxfp4Values[c] as e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): 0, 0.5 = 2^-1,
-  // 1, 1.5, 2, 3, 4, 6, then the same with the sign bit
-  static constexpr uint8_t kE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
-                                        0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+  // kMxfp4Values[c] as e4m3 (each is one exactly)
+  static const std::array<uint8_t, 16> kE4m3 = [] {
+    std::array<uint8_t, 16> t{};
+    for (int c = 0; c < 16; ++c) t[c] = FloatToFp8E4m3(kMxfp4Values[c]);
+    return t;
+  }();
   const int64_t m = static_cast<int64_t>(rows.size()), k = num_groups * kMxfp4BlockSize;
   // Fp8RowsLayout{m, k, 32}: [m, num_groups] float32 scales (one a row when the row is one block),
   // then the codes [m, k]
-  out->assign(static_cast<size_t>(m * num_groups * sizeof(float) + m * k), 0);
+  const Fp8RowsLayout layout{m, k, kMxfp4BlockSize};
+  out->assign(static_cast<size_t>(layout.bytes()), 0);
   float* scale = reinterpret_cast<float*>(out->data());
-  uint8_t* codes = out->data() + m * num_groups * sizeof(float);
+  uint8_t* codes = out->data() + layout.scale_bytes();
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t block = rows[r] * groups + group0 + g;
