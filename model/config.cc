@@ -395,7 +395,9 @@ absl::Status ParseDeepseekExperts(const json& j, const std::string& source, Mode
   if (shared < 0 || shared > 64) return FieldError(source, "n_shared_experts", absl::StrCat("must be in [0, 64], got ", shared));
   c->shared_expert_intermediate_size = shared * c->moe_intermediate_size;
   if (first_dense < 0) return FieldError(source, "first_k_dense_replace", absl::StrCat("must be >= 0, got ", first_dense));
-  for (int64_t i = 0; i < c->num_hidden_layers; ++i) c->sparse_layers[i] = i >= first_dense;
+  // (the multi-token-prediction layers after them by the same rule)
+  c->sparse_layers.resize(c->num_hidden_layers + c->num_nextn_predict_layers);
+  for (size_t i = 0; i < c->sparse_layers.size(); ++i) c->sparse_layers[i] = static_cast<int64_t>(i) >= first_dense;
   return absl::OkStatus();
 }
 
@@ -682,6 +684,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
       (c.max_position_embeddings < kMinPositionEmbeddings || c.max_position_embeddings > kMaxPositionEmbeddings)) {
     return FieldError(source, "max_position_embeddings",
                       absl::StrCat("must be in [", kMinPositionEmbeddings, ", 2^31], got ", c.max_position_embeddings));
+  }
+  if (c.family->mtp_weights != nullptr) {
+    // DeepseekV3Config's num_nextn_predict_layers (1 in the published files, 0 in transformers'
+    // default): the layers --speculative mtp runs; the model's forward pass never reads them.
+    SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "num_nextn_predict_layers", false, &c.num_nextn_predict_layers));
+    if (c.num_nextn_predict_layers < 0 || c.num_nextn_predict_layers > 8) {
+      return FieldError(source, "num_nextn_predict_layers",
+                        absl::StrCat("must be in [0, 8], got ", c.num_nextn_predict_layers));
+    }
   }
   SHARDSERVE_RETURN_IF_ERROR(ParseExperts(j, source, &c));
   if (c.mxfp4_experts && (c.hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0)) {

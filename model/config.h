@@ -69,6 +69,11 @@ struct ModelConfig {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
+  // Multi-token-prediction layers after the decoder's (DeepSeek-V3's num_nextn_predict_layers: layer
+  // num_hidden_layers on, FamilyDeclaration::mtp_weights): not part of the model's forward pass,
+  // read only by speculative decoding with them (docs/speculative-decoding.md, --speculative mtp).
+  // Their kinds of layer (LayerIsSparse) follow the decoder's rule past num_hidden_layers.
+  int64_t num_nextn_predict_layers = 0;
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;  // == num_attention_heads when config.json omits it
   int64_t head_dim = 0;             // hidden_size / num_attention_heads when config.json omits it

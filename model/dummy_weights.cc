@@ -52,6 +52,7 @@ float ElementScale(const std::string& name, const std::vector<int64_t>& shape) {
 std::map<std::string, std::vector<int64_t>> TensorShapes(const ModelConfig& config) {
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const WeightDecl& w : ModelWeights(config)) shapes[w.name] = CheckpointShape(w);
+  for (const WeightDecl& w : MtpWeights(config)) shapes[w.name] = CheckpointShape(w);
   return shapes;
 }
 

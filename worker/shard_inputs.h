@@ -23,6 +23,10 @@ struct ShardSpec {
   // Expert parallelism (model/sharding.h): this rank holds its block of the experts whole, and the
   // mixture-of-experts layers exchange tokens with the other ranks by all-to-all.
   bool expert_parallel = false;
+  // The model's multi-token-prediction layer (ModelConfig::num_nextn_predict_layers) as a shard of
+  // its own (worker/mtp_runner.h): first_layer is num_hidden_layers, end_layer one past it, TP 1;
+  // it loads MtpWeights, embeds the next tokens and reads the model's hidden states (ModelShard).
+  bool mtp = false;
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position

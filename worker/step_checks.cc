@@ -41,6 +41,9 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
   if (!v1::WeightQuantization_IsValid(a.weight_quantization())) {
     return bad("weight_quantization ", static_cast<int>(a.weight_quantization()), " is not one this worker knows");
   }
+  if (!a.draft_model_path().empty() && a.speculative_mtp()) {
+    return bad("draft_model_path and speculative_mtp are both set; speculative decoding has one proposer");
+  }
   if (!a.has_limits()) return bad("limits are missing");
   if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
   if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
@@ -51,7 +54,14 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
 }
 
 absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const StepLimits& limits) {
-  const int64_t L = config.num_hidden_layers, end = EndLayer(spec, config);
+  // (a multi-token-prediction layer's shard: one of those layers, whole on one rank)
+  const int64_t L = config.num_hidden_layers + (spec.mtp ? config.num_nextn_predict_layers : 0),
+                end = EndLayer(spec, config);
+  if (spec.mtp && (spec.first_layer < config.num_hidden_layers || end != spec.first_layer + 1 || spec.tp_size != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", spec.first_layer, ", ", end, ") on ", spec.tp_size,
+                                                   " ranks is not one multi-token-prediction layer of the model's ",
+                                                   config.num_nextn_predict_layers, " on one rank"));
+  }
   if (spec.first_layer < 0 || spec.first_layer >= end || end > L) {
     return absl::InvalidArgumentError(absl::StrCat("layer range [", spec.first_layer, ", ", end,
                                                    ") is not a non-empty part of the model's ", L, " layers"));

@@ -247,6 +247,20 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       const int64_t positions = context > 0 ? std::min(context, draft_limits.max_model_len) : draft_limits.max_model_len;
       e->draft_ = std::make_unique<DraftRunner>(std::move(*draft), options, config->vocab_size, positions);
     }
+    // ... or the model's own multi-token-prediction layer, from the same checkpoint.
+    if (a.speculative_mtp()) {
+      absl::StatusOr<std::unique_ptr<MtpRunner>> mtp =
+          MtpRunner::Load(**weights, *config, spec.weight_quant, options, e->shard_.get());
+      if (!mtp.ok()) return mtp.status();
+      const StepLimits mtp_limits = MtpRunner::MtpLimits(options);
+      e->draft_summary_ = absl::StrFormat(
+          "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), "
+          "run after sampling",
+          config->num_hidden_layers, static_cast<double>((*mtp)->weight_bytes()) / (1 << 20),
+          static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.max_seqs_per_step,
+          mtp_limits.max_model_len);
+      e->mtp_ = std::move(*mtp);
+    }
   }
   if (*cuda_ordinal >= 0) SHARDSERVE_RETURN_IF_ERROR(backend->Synchronize());  // the loads have landed
   e->device_memory_.free_loaded = DeviceMemoryInfo(*cuda_ordinal).second;
@@ -325,6 +339,7 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
   // Whatever happens after the check, the old groups are gone and the running batch with them.
   SHARDSERVE_RETURN_IF_ERROR(steps_->Regroup(assignment_, r));
   if (draft_ != nullptr) draft_->Clear();
+  if (mtp_ != nullptr) mtp_->Clear();
   return JoinGroups(r, store);
 }
 
@@ -353,6 +368,7 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
 void StepExecutor::LeaveCoordinator() {
   steps_->Clear();
   if (draft_ != nullptr) draft_->Clear();
+  if (mtp_ != nullptr) mtp_->Clear();
   LeaveGroups();
 }
 
@@ -364,8 +380,15 @@ absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store
                                                       "' is not the one this worker loaded, '",
                                                       assignment_.draft_model_path(), "'"));
   }
+  if (sampler_ != nullptr && a.speculative_mtp() != assignment_.speculative_mtp()) {
+    return absl::FailedPreconditionError(absl::StrCat("the adopting coordinator ",
+                                                      a.speculative_mtp() ? "wants" : "does not want",
+                                                      " the multi-token-prediction layer, which this worker ",
+                                                      assignment_.speculative_mtp() ? "loaded" : "did not load"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Adopt(assignment_, a));
   if (draft_ != nullptr) draft_->Clear();
+  if (mtp_ != nullptr) mtp_->Clear();
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
   return JoinGroups(RegroupOf(a), store);
 }
@@ -381,6 +404,8 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
   if (draft_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(draft_->Apply(plan));
+  } else if (mtp_ != nullptr) {
+    SHARDSERVE_RETURN_IF_ERROR(mtp_->Apply(plan));
   } else if (sampler_ != nullptr && plan.num_draft_tokens() > 0) {
     return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " asks for ", plan.num_draft_tokens(),
                                                    " draft tokens a row; this worker has no draft model"));
@@ -407,6 +432,11 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     if (draft_ != nullptr) {
       SHARDSERVE_RETURN_IF_ERROR(draft_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
     }
+  }
+  // The multi-token-prediction layer follows every step (its pairs need this step's hidden states),
+  // and guesses for the sequences that sampled.
+  if (mtp_ != nullptr && n > 0) {
+    SHARDSERVE_RETURN_IF_ERROR(mtp_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
   }
 
   double collective = 0;

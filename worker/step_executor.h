@@ -9,7 +9,9 @@
 //   last, rank 0:    sample one id per logit row, and logprobs where asked (worker/sampler.h:
 //                    argmax or Sample on the device; rows with min_p, penalties or logprobs on
 //                    the host); with a draft model (Assignment.draft_model_path), its guesses for
-//                    the sampled sequences' next step (worker/draft_runner.h)
+//                    the sampled sequences' next step (worker/draft_runner.h); with the model's
+//                    multi-token-prediction layer (Assignment.speculative_mtp), that layer over
+//                    every step's hidden states and its guesses (worker/mtp_runner.h)
 //
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
@@ -38,6 +40,7 @@
 #include "worker/comm/rendezvous.h"
 #include "worker/shard/model_shard.h"
 #include "worker/draft_runner.h"
+#include "worker/mtp_runner.h"
 #include "worker/persistent_batch.h"
 #include "worker/sampler.h"
 #include "worker/step_state.h"
@@ -197,6 +200,8 @@ class StepExecutor {
   std::vector<const uint32_t*> token_masks_;  // per logit row of the step: its mask in the plan, or null
   // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
   std::unique_ptr<DraftRunner> draft_;
+  // Last stage, TP rank 0, with Assignment.speculative_mtp: the model's multi-token-prediction layer.
+  std::unique_ptr<MtpRunner> mtp_;
   std::string draft_summary_;
 
   uint64_t last_step_kernel_launches_ = 0;

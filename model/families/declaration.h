@@ -27,6 +27,8 @@ enum class WeightPart {
   kLayer,      // a decoder layer's: the stage owning that layer
   kFinalNorm,  // the last stage
   kLmHead,     // the last stage (the embedding again when tie_word_embeddings)
+  kMtp,        // a multi-token-prediction layer's (FamilyDeclaration::mtp_weights): the worker that
+               // samples, with --speculative mtp only
 };
 
 // What a tensor is to the forward pass: the slot the loader puts it in.
@@ -64,6 +66,11 @@ enum class WeightRole {
   kQAProj, kQANorm, kQNopeProj, kQPeProj, kKvAProj, kKPeProj, kKvANorm, kKvBProj,
   kFinalNorm,
   kLmHead,
+  // A multi-token-prediction layer (DeepSeek-V3's model.layers.{num_hidden_layers}): enorm and hnorm
+  // [hidden], the norms of the next token's embedding and of the model's hidden state, and eh_proj
+  // [hidden, 2 hidden], their concatenation's projection. Its shared_head.norm and shared_head.head
+  // are kFinalNorm and kLmHead, the model's embed_tokens kEmbedTokens, under WeightPart::kMtp.
+  kMtpENorm, kMtpHNorm, kMtpEhProj,
 };
 
 // A linear layer's weight: read by MatMul, so the loader packs it for the backend's products and
@@ -244,6 +251,11 @@ struct FamilyDeclaration {
   // Every tensor of the checkpoint, in the order a stage loads them (embedding, layers in order,
   // final norm, LM head; no LM head when tie_word_embeddings).
   std::vector<WeightDecl> (*weights)(const ModelConfig& config);
+  // The multi-token-prediction layers' tensors (ModelConfig::num_nextn_predict_layers of them, layer
+  // num_hidden_layers on; WeightPart::kMtp), which only speculative decoding with them loads
+  // (--speculative mtp): each a decoder layer of its index's kind, its own norms, projection and
+  // head, and the embedding it reads. Null: the family has none.
+  std::vector<WeightDecl> (*mtp_weights)(const ModelConfig& config) = nullptr;
   // The buffers of the family's decoder layers for `tokens` tokens a step on the rank `shard`.
   std::vector<StepBufferDecl> (*layer_buffers)(const ModelConfig& config, const TpShard& shard, DType act,
                                                int64_t tokens);

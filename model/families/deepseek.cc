@@ -11,8 +11,12 @@
 //   (kernels/backend.h MoeRouter::kSigmoidGroupTopK), the experts as Qwen-MoE's, plus the shared
 //   experts mlp.shared_experts.{gate,up,down}_proj, one ungated SwiGLU every token takes. The first
 //   layers have Llama's MLP.
-// Not read: the multi-token-prediction layers (num_nextn_predict_layers; transformers skips
-// model.layers.61 on load too).
+// - The multi-token-prediction layers (num_nextn_predict_layers, model.layers.{num_hidden_layers}
+//   on; transformers skips them on load, and the model's forward pass never reads them):
+//   enorm, hnorm, eh_proj [hidden, 2 hidden], a decoder layer of its index's kind, shared_head.norm
+//   and shared_head.head (the model's lm_head where a checkpoint leaves it out: the loader's
+//   fallback), over the model's embed_tokens. Declared apart (mtp_weights): --speculative mtp alone
+//   loads them, whole on the worker that samples (worker/mtp_runner.h).
 #include "model/families/families.h"
 
 namespace shardserve {
@@ -72,6 +76,27 @@ void DeepseekLayer(const ModelConfig& c, LayerTensors& t) {
 
 std::vector<WeightDecl> DeepseekWeights(const ModelConfig& c) { return DecoderWeights(c, DeepseekLayer); }
 
+// DeepSeekMultiTokenPredictorLayer (vLLM's deepseek_mtp.py, the checkpoint's names): for each layer
+// the embedding it reads, its norms and projection, its decoder layer, its head.
+std::vector<WeightDecl> DeepseekMtpWeights(const ModelConfig& c) {
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  using R = WeightRole;
+  using S = TpSplit;
+  std::vector<WeightDecl> w;
+  for (int64_t i = c.num_hidden_layers; i < c.num_hidden_layers + c.num_nextn_predict_layers; ++i) {
+    w.push_back({c.weight_prefix + "embed_tokens.weight", {V, H}, WeightPart::kMtp, i, S::kVocabRows, R::kEmbedTokens});
+    LayerTensors t(c.weight_prefix, i, &w);
+    t.Add("enorm.weight", {H}, S::kReplicated, R::kMtpENorm);
+    t.Add("hnorm.weight", {H}, S::kReplicated, R::kMtpHNorm);
+    t.Add("eh_proj.weight", {H, 2 * H}, S::kReplicated, R::kMtpEhProj);
+    DeepseekLayer(c, t);
+    t.Add("shared_head.norm.weight", {H}, S::kReplicated, R::kFinalNorm);
+    t.Add("shared_head.head.weight", {V, H}, S::kVocabRows, R::kLmHead);
+  }
+  for (WeightDecl& d : w) d.part = WeightPart::kMtp;
+  return w;
+}
+
 // For n tokens a step on this rank's heads: q_a_proj's output (with q_lora_rank), q's parts
 // without and with RoPE, the latent and the RoPE key, the attention output (v_head_dim a head),
 // the products' partial sums, the dense layers' gate and up, RoPE's frequencies; the sparse layers'
@@ -99,6 +124,7 @@ const FamilyDeclaration kDeepseekV3Family = {.architecture = "DeepseekV3ForCausa
                                              .mla = true,
                                              .experts = FamilyDeclaration::Experts::kDeepseek,
                                              .weights = DeepseekWeights,
+                                             .mtp_weights = DeepseekMtpWeights,
                                              .layer_buffers = DeepseekBuffers};
 
 }  // namespace shardserve

@@ -89,6 +89,7 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kKvAProj:
     case WeightRole::kKPeProj:
     case WeightRole::kLmHead:
+    case WeightRole::kMtpEhProj:
       return true;
     default:
       return false;
@@ -96,8 +97,10 @@ bool IsProductWeight(WeightRole role) {
 }
 
 bool TakesWeightQuant(const WeightDecl& w) {
-  return w.part == WeightPart::kLayer && IsProductWeight(w.role) && w.role != WeightRole::kRouter &&
-         w.role != WeightRole::kSharedExpertGate;
+  // (a multi-token-prediction layer's decoder block as any layer's; its eh_proj and head plain)
+  const bool layer = w.part == WeightPart::kLayer ||
+                     (w.part == WeightPart::kMtp && w.role != WeightRole::kLmHead && w.role != WeightRole::kMtpEhProj);
+  return layer && IsProductWeight(w.role) && w.role != WeightRole::kRouter && w.role != WeightRole::kSharedExpertGate;
 }
 
 std::string LinearPrefix(const std::string& name) {
@@ -105,7 +108,7 @@ std::string LinearPrefix(const std::string& name) {
 }
 
 bool IsCheckpointQuantized(const ModelConfig& config, const WeightDecl& w) {
-  return config.checkpoint_quant.has_value() && (TakesWeightQuant(w) || (w.part == WeightPart::kLayer && w.role == WeightRole::kKvBProj)) &&
+  return config.checkpoint_quant.has_value() && (TakesWeightQuant(w) || ((w.part == WeightPart::kLayer || w.part == WeightPart::kMtp) && w.role == WeightRole::kKvBProj)) &&
          config.checkpoint_quant->Quantizes(LinearPrefix(w.name));
 }
 
@@ -120,6 +123,8 @@ bool IsNormWeight(WeightRole role) {
     case WeightRole::kQANorm:
     case WeightRole::kKvANorm:
     case WeightRole::kFinalNorm:
+    case WeightRole::kMtpENorm:
+    case WeightRole::kMtpHNorm:
       return true;
     default:
       return false;
@@ -141,6 +146,11 @@ std::string SupportedArchitectures() {
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config) {
   if (config.family == nullptr) return {};
   return config.family->weights(config);
+}
+
+std::vector<WeightDecl> MtpWeights(const ModelConfig& config) {
+  if (config.family == nullptr || config.family->mtp_weights == nullptr || config.num_nextn_predict_layers <= 0) return {};
+  return config.family->mtp_weights(config);
 }
 
 bool IsMxfp4Part(const ModelConfig& config, const WeightDecl& w) {
@@ -187,6 +197,8 @@ std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_la
       case WeightPart::kLmHead:
         if (last_stage) stage.push_back(std::move(w));
         break;
+      case WeightPart::kMtp:
+        break;  // MtpWeights'
     }
   }
   if (tied_head.has_value()) stage.push_back(std::move(*tied_head));
@@ -221,6 +233,11 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
     b.push_back({"logits", DType::kF32, {m, config.vocab_size}});
   }
   return b;
+}
+
+std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
+  const int64_t n = limits.max_tokens_per_step, H = config.hidden_size;
+  return {{"mtp_pairs", act, {2 * n + 1, H}}, {"mtp_cat", act, {n, 2 * H}}, {"mtp_cat_rows", DType::kI32, {2 * n}}};
 }
 
 }  // namespace shardserve

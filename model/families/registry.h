@@ -23,6 +23,10 @@ std::string SupportedArchitectures();
 // declaration); empty for a config without a family.
 std::vector<WeightDecl> ModelWeights(const ModelConfig& config);
 
+// The tensors of the model's multi-token-prediction layers (FamilyDeclaration::mtp_weights), in
+// load order; empty for a model without them (num_nextn_predict_layers 0, or a family that has none).
+std::vector<WeightDecl> MtpWeights(const ModelConfig& config);
+
 // Whether `w` is an expert's product that a ModelConfig::mxfp4_experts checkpoint stores in MXFP4
 // (a part of a stacked tensor, WeightDecl::stack; the biases stay plain).
 bool IsMxfp4Part(const ModelConfig& config, const WeightDecl& w);
@@ -46,6 +50,12 @@ std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_la
 // rank's gathered when TP > 1, the whole rows).
 std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard& shard, DType act,
                                         const StepLimits& limits, bool last_stage);
+
+// The buffers a multi-token-prediction layer's shard (ShardSpec::mtp) adds to StepBuffers' for
+// `limits`: the normed embeddings and hidden states of a step's tokens side by side ("mtp_pairs",
+// [2 n + 1, hidden], the last row zero), their concatenation ("mtp_cat", [n, 2 hidden]) and the
+// rows that gather it ("mtp_cat_rows", [2 n]).
+std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
 }  // namespace shardserve
 

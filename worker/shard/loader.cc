@@ -27,7 +27,13 @@ Tensor* ExpertSlot(std::vector<Tensor>* experts, int64_t expert) {
 // Where tensor `w` goes in `stage` (whose layers start at `first_layer`); null for one the forward
 // pass has no place for.
 Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
-  if (w.part == WeightPart::kLayer) {
+  switch (w.role) {
+    case WeightRole::kEmbedTokens: return &stage->embed_tokens;
+    case WeightRole::kFinalNorm: return &stage->norm;
+    case WeightRole::kLmHead: return &stage->lm_head;
+    default: break;
+  }
+  if (w.layer >= first_layer && w.layer - first_layer < static_cast<int64_t>(stage->layers.size())) {
     LayerWeights& l = stage->layers[w.layer - first_layer];
     switch (w.role) {
       case WeightRole::kInputNorm: return &l.input_layernorm;
@@ -69,15 +75,42 @@ Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
       case WeightRole::kKPeProj: return &l.k_pe_proj;
       case WeightRole::kKvANorm: return &l.kv_a_layernorm;
       case WeightRole::kKvBProj: return &l.kv_b_proj;
+      case WeightRole::kMtpENorm: return &l.enorm;
+      case WeightRole::kMtpHNorm: return &l.hnorm;
+      case WeightRole::kMtpEhProj: return &l.eh_proj;
       default: return nullptr;
     }
   }
-  switch (w.role) {
-    case WeightRole::kEmbedTokens: return &stage->embed_tokens;
-    case WeightRole::kFinalNorm: return &stage->norm;
-    case WeightRole::kLmHead: return &stage->lm_head;
-    default: return nullptr;
+  return nullptr;
+}
+
+// The multi-token-prediction layer `layer`'s tensors (MtpWeights), its head the model's LM head
+// where the checkpoint has no shared_head.head (as vLLM and SGLang load it); FailedPrecondition
+// naming the first one the checkpoint lacks.
+absl::StatusOr<std::vector<WeightDecl>> MtpStageWeights(const WeightSource& ckpt, const ModelConfig& config,
+                                                        int64_t layer) {
+  std::vector<WeightDecl> tensors;
+  for (WeightDecl& w : MtpWeights(config)) {
+    if (w.layer == layer) tensors.push_back(std::move(w));
   }
+  if (tensors.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        config.architecture_name, " as config.json describes it has no multi-token-prediction layer ", layer,
+        " (num_hidden_layers ", config.num_hidden_layers, ", num_nextn_predict_layers ",
+        config.num_nextn_predict_layers, "); --speculative mtp needs one"));
+  }
+  for (WeightDecl& w : tensors) {
+    if (w.role == WeightRole::kLmHead && absl::IsNotFound(ckpt.CheckShape(w.name, CheckpointShape(w)))) {
+      w.name = config.tie_word_embeddings ? config.weight_prefix + "embed_tokens.weight" : config.lm_head_weight;
+    }
+    if (absl::IsNotFound(ckpt.CheckShape(w.name, CheckpointShape(w))) && !IsCheckpointQuantized(config, w)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the checkpoint has no tensor \"", w.name, "\" of the multi-token-prediction layer ", layer,
+          " that config.json's num_nextn_predict_layers (", config.num_nextn_predict_layers,
+          ") announces; --speculative mtp needs the layer's weights (some checkpoints leave them out)"));
+    }
+  }
+  return tensors;
 }
 
 // One load: the tensors' device buffers (in the arena) and the host staging they pass through.
@@ -392,8 +425,13 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
                                               const ShardSpec& spec, const TpShard& shard, Backend* backend,
                                               DeviceArena* arena, LoadReport* report) {
   const int64_t first = spec.first_layer, end = spec.end_layer < 0 ? config.num_hidden_layers : spec.end_layer;
-  const bool first_stage = first == 0, last_stage = end == config.num_hidden_layers;
-  const std::vector<WeightDecl> tensors = StageWeights(config, first, end, first_stage, last_stage);
+  const bool first_stage = first == 0 && !spec.mtp, last_stage = end == config.num_hidden_layers && !spec.mtp;
+  std::vector<WeightDecl> tensors;
+  if (spec.mtp) {
+    SHARDSERVE_ASSIGN_OR_RETURN(tensors, MtpStageWeights(ckpt, config, first));
+  } else {
+    tensors = StageWeights(config, first, end, first_stage, last_stage);
+  }
 
   // ---- Shapes first: config.json's sizes are only bounded (model/config.cc) until the
   // checkpoint confirms them, so every tensor's shape is checked before anything is allocated ----

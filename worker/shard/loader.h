@@ -60,6 +60,9 @@ struct LayerWeights {
   Tensor kv_a_proj, k_pe_proj;    // [kv_lora_rank, hidden], [rope, hidden] (RoPE rows de-interleaved)
   Tensor kv_a_layernorm;          // [kv_lora_rank]
   Tensor kv_b_proj;               // [h * (nope + v), kv_lora_rank] plain (MlaAttention reads its rows)
+  // A multi-token-prediction layer's own (DeepSeek-V3's model.layers.{num_hidden_layers}):
+  Tensor enorm, hnorm;            // [hidden] of the next token's embedding, of the model's hidden state
+  Tensor eh_proj;                 // [hidden, 2 hidden] of their concatenation
 };
 
 // This rank's slice of a pipeline stage's weights.
@@ -89,6 +92,10 @@ struct LoadReport {
 // Loads this rank (`shard`) of the stage `spec` names: its layers' tensors, the embedding on the
 // first stage and the final norm and LM head on the last, as config.family declares them, into
 // buffers of `arena`. A tied LM head on a stage that also embeds is the embedding's buffer.
+// With spec.mtp, the multi-token-prediction layer first_layer's tensors (MtpWeights) instead: its
+// decoder layer and own tensors in layers[0], the embedding, and its shared_head's norm and head as
+// norm and lm_head (the model's LM head where the checkpoint has no shared_head.head); a checkpoint
+// without them is FailedPrecondition naming the missing tensor and num_nextn_predict_layers.
 absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& weights, const ModelConfig& config,
                                               const ShardSpec& spec, const TpShard& shard, Backend* backend,
                                               DeviceArena* arena, LoadReport* report);

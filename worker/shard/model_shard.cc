@@ -82,6 +82,17 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
     m->step_buffer_bytes_ += slot->bytes();
   }
+  if (spec.mtp) {
+    for (const StepBufferDecl& b : MtpStepBuffers(config, backend->act_dtype(), opt)) {
+      Tensor* slot = m->StepBufferSlot(b.name);
+      if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
+      m->step_buffer_bytes_ += slot->bytes();
+    }
+    const Tensor zero = m->mtp_pairs_.Rows(2 * opt.max_tokens_per_step, 2 * opt.max_tokens_per_step + 1);
+    SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(zero.data, zero.bytes()));
+    m->mtp_cat_rows_host_.reserve(2 * opt.max_tokens_per_step);
+  }
   // RoPE: each kind of layer's frequencies in two rows of inv_freq_ (LongRoPE's long ones second).
   const std::vector<RopeTable> rope_tables = RopeTables(config);
   const int64_t rotary_half = config.RotaryDim() / 2;
@@ -146,7 +157,8 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"expert_all_offsets", &moe_.all_offsets}, {"expert_exchanged", &moe_.exchanged},
       {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
       {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
-      {"mla_k_pe", &mla_.k_pe}};
+      {"mla_k_pe", &mla_.k_pe}, {"mtp_pairs", &mtp_pairs_}, {"mtp_cat", &mtp_cat_},
+      {"mtp_cat_rows", &mtp_cat_rows_}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
@@ -190,13 +202,18 @@ std::string ModelShard::GpuPathsNotYetRun() const {
 Tensor ModelShard::hidden(int64_t n) const { return hidden_.Rows(0, n); }
 Tensor ModelShard::logits(int64_t m) const { return logits_.Rows(0, m); }
 
+absl::Status ModelShard::FinalNormed(Tensor* out, int64_t n) const {
+  if (!is_last_stage() || spec_.mtp) return absl::FailedPreconditionError("only the last stage has the final norm");
+  return backend_->RmsNorm(out, hidden_.Rows(0, n), weights_.norm, static_cast<float>(config_.rms_norm_eps));
+}
+
 absl::Status ModelShard::Upload(const Tensor& dst, const std::vector<int32_t>& src) {
   if (src.empty()) return absl::OkStatus();
   return backend_->CopyToDevice(dst.data, src.data(), src.size() * sizeof(int32_t));
 }
 
 absl::Status ModelShard::Forward(const StepBatch& b) {
-  SHARDSERVE_RETURN_IF_ERROR(CheckStepBatch(b, limits_, config_, is_first_stage()));
+  SHARDSERVE_RETURN_IF_ERROR(CheckStepBatch(b, limits_, config_, is_first_stage() || spec_.mtp));
   const int64_t n = static_cast<int64_t>(b.positions.size());
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
 
@@ -210,7 +227,18 @@ absl::Status ModelShard::Forward(const StepBatch& b) {
     SHARDSERVE_RETURN_IF_ERROR(Upload(sliding_block_tables_.Rows(0, b.num_seqs), b.sliding_block_tables));
   }
   SHARDSERVE_RETURN_IF_ERROR(Upload(logit_rows_.Rows(0, m), b.logit_rows));
-  if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
+  if (is_first_stage() || spec_.mtp) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
+  if (spec_.mtp) {
+    // The concatenation's rows: token i's normed embedding (the zero row at position 0), then its
+    // normed hidden state.
+    const int32_t N = static_cast<int32_t>(limits_.max_tokens_per_step);
+    mtp_cat_rows_host_.clear();
+    for (int32_t i = 0; i < static_cast<int32_t>(n); ++i) {
+      mtp_cat_rows_host_.push_back(b.positions[i] == 0 ? 2 * N : i);
+      mtp_cat_rows_host_.push_back(N + i);
+    }
+    SHARDSERVE_RETURN_IF_ERROR(Upload(mtp_cat_rows_.Rows(0, 2 * n), mtp_cat_rows_host_));
+  }
 
   if (graphs_on_ && n == b.num_seqs && n <= kMaxGraphSeqs) return ComputeWithGraph(n, m, b.num_seqs);
   return Compute(n, m, b.num_seqs);
@@ -260,6 +288,22 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
 
   // Embedding (first stage).
   if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&x, weights_.embed_tokens, ids_.Rows(0, n)));
+  if (spec_.mtp) {
+    // A multi-token-prediction layer's input, from the next token and the model's hidden state x:
+    // x = eh_proj(cat(enorm(embed(next token)), hnorm(x)))
+    const LayerWeights& w = weights_.layers[0];
+    const float eps = static_cast<float>(config_.rms_norm_eps);
+    const int64_t N = limits_.max_tokens_per_step, H = config_.hidden_size;
+    Tensor e = mtp_pairs_.Rows(0, n), h = mtp_pairs_.Rows(N, N + n);
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&h, x, w.hnorm, eps));
+    SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&e, weights_.embed_tokens, ids_.Rows(0, n)));
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&e, e, w.enorm, eps));
+    // the concatenation, [n, 2 hidden] as [2 n, hidden]: a gather of the rows e_0, h_0, e_1, h_1, ...
+    Tensor cat_rows(mtp_cat_.data, be.act_dtype(), {2 * n, H});
+    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, mtp_pairs_, mtp_cat_rows_.Rows(0, 2 * n), 0));
+    const Tensor cat(mtp_cat_.data, be.act_dtype(), {n, 2 * H});
+    SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&x, cat, w.eh_proj, nullptr));
+  }
   // The stage's layers; each leaves the next one's input norm in s.normed.
   const std::vector<LayerWeights>& layers = weights_.layers;
   if (!layers.empty()) {

@@ -41,7 +41,11 @@ class ModelShard {
                                                           Backend* backend, Communicator* tp);
 
   // Runs the shard's layers over a step. On the first stage the input is the batch's token ids;
-  // on later stages it is `hidden` ([n, hidden] act, from the previous stage). On return
+  // on later stages it is `hidden` ([n, hidden] act, from the previous stage). A
+  // multi-token-prediction layer's shard (ShardSpec::mtp) takes both: for each row the next token's
+  // id (batch.token_ids) and the model's normed hidden state at the row's position (`hidden`), and
+  // computes eh_proj(cat(enorm(embed(id)), hnorm(hidden))) (the embedding zero at position 0, as
+  // vLLM's DeepSeekMultiTokenPredictorLayer masks it), its decoder layer, then its head's logits. On return
   // `hidden` holds this stage's output hidden state; on the last stage, logits() holds
   // [m, vocab] F32 logits for batch.logit_rows. All outputs live on the backend's device.
   absl::Status Forward(const StepBatch& batch);
@@ -50,9 +54,16 @@ class ModelShard {
   Tensor hidden(int64_t n) const;
   // [m, vocab] F32, valid after Forward on the last stage.
   Tensor logits(int64_t m) const;
+  // On the last stage after Forward: the model's final norm of the step's first n hidden rows (every
+  // fed token's, not only the logit rows') into `out` ([n, hidden] act): the states a
+  // multi-token-prediction layer reads (worker/mtp_runner.h; vLLM and SGLang feed it the normed state).
+  absl::Status FinalNormed(Tensor* out, int64_t n) const;
 
   bool is_first_stage() const { return first_layer_ == 0; }
-  bool is_last_stage() const { return end_layer_ == config_.num_hidden_layers; }
+  // (a multi-token-prediction layer's shard, ShardSpec::mtp, is neither first nor last stage of the
+  // model, but ends in logits as the last does: its head's)
+  bool is_last_stage() const { return end_layer_ >= config_.num_hidden_layers; }
+  bool is_mtp() const { return spec_.mtp; }
   const ModelConfig& config() const { return config_; }
   const StepLimits& limits() const { return limits_; }
   uint64_t weight_bytes() const { return load_.weight_bytes; }
@@ -132,6 +143,11 @@ class ModelShard {
   Tensor local_logits_;     // [m, vocab_rows_per_rank] F32
   Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32; only when tp > 1
   Tensor logits_;           // [m, vocab] F32
+  // A multi-token-prediction layer's shard only (registry.h MtpStepBuffers):
+  Tensor mtp_pairs_;     // [2 n + 1, hidden]: enorm(embed) rows [0, n), hnorm(hidden) rows [n, 2 n), a zero row
+  Tensor mtp_cat_;       // [n, 2 hidden] their concatenation
+  Tensor mtp_cat_rows_;  // [2 n] I32: the pairs' rows the concatenation gathers
+  std::vector<int32_t> mtp_cat_rows_host_;  // reserved for 2 n
 
   // ---- Step graphs, by shape (tokens, logit rows): -1 until recorded ----
   struct StepGraph {

@@ -1,0 +1,320 @@
+// Speculative decoding with the model's multi-token-prediction (MTP) layer (worker/mtp_runner.h, run
+// by StepExecutor) on tests/fixtures/models/deepseek_v3_mtp (deepseek_v3_tf5 with an MTP layer:
+// tools/fixtures/make_mtp_fixture.py). transformers does not run the layer, so there is no Hugging
+// Face reference for its guesses; what must hold, and what these tests check:
+//
+// - The layer's forward (ModelShard with ShardSpec::mtp) is its decoder layer over
+//   eh_proj(cat(enorm(embed(next token)), hnorm(hidden))): the same tokens and hidden states through a
+//   plain shard of that decoder layer (its checkpoint's shared_head as the final norm and LM head),
+//   fed the projection computed here on the host in double, give the same logits.
+// - A CPU worker of the model with the layer, driven by the coordinator's Scheduler and DraftProposer
+//   as the engine drives them (prompts prefilled in chunks, so a chunk's last row waits for its next
+//   token; one prompt from the prefix cache), gives the greedy outputs of the same worker without
+//   speculation; guesses are made, some accepted, some rejected.
+// - A model without the layer, or a checkpoint without its tensors, is refused, naming what is missing.
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "coordinator/scheduler/proposer.h"
+#include "coordinator/scheduler/scheduler.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/weight_source.h"
+#include "nlohmann/json.hpp"
+#include "worker/comm/rendezvous.h"
+#include "worker/communicator.h"
+#include "worker/mtp_runner.h"
+#include "worker/shard/model_shard.h"
+#include "worker/step_executor.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
+const std::string kMtp = (kFixtures / "deepseek_v3_mtp").string();
+
+constexpr int kGuesses = 3;
+
+// Small steps, so that the prompts are prefilled in chunks.
+StepLimits Limits() {
+  return StepLimits{.max_tokens_per_step = 8, .max_seqs_per_step = 4, .block_size = 4, .num_kv_blocks = 64,
+                    .max_model_len = 64};
+}
+
+absl::StatusOr<std::unique_ptr<StepExecutor>> Worker(const std::string& model, bool mtp) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(model);
+  if (!config.ok()) return config.status();
+  v1::Assignment a;
+  a.set_worker_id("w0");
+  a.set_model_path(model);
+  a.set_stage(0);
+  a.set_num_stages(1);
+  a.set_tp_rank(0);
+  a.set_tp_size(1);
+  a.set_first_layer(0);
+  a.set_end_layer(config->num_hidden_layers);
+  ToProto(Limits(), a.mutable_limits());
+  a.set_collective_timeout_seconds(10);
+  a.set_speculative_mtp(mtp);
+  InMemoryRendezvousStore store;  // unused: every group has one rank
+  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = CpuMatMul::kF32});
+}
+
+struct Outcome {
+  std::map<uint64_t, std::vector<int32_t>> outputs;
+  SpeculationStats spec;
+  int64_t offers = 0, cached_prompt_tokens = 0;
+};
+
+// Runs the prompts (the second after the first's prompt has been computed, so that it finds its
+// shared prefix in the cache) for `max_tokens` each through `worker` as the engine does.
+void RunRequests(StepExecutor* worker, bool speculate, const std::vector<std::vector<int32_t>>& prompts,
+                 int64_t max_tokens, Outcome* run) {
+  DraftProposer proposer;
+  SchedulerOptions o;
+  o.limits = Limits();
+  o.proposer = speculate ? &proposer : nullptr;
+  o.num_speculative_tokens = speculate ? kGuesses : 0;
+  o.speculative_max_running = 0;
+  Scheduler sched(o);
+  v1::RowSampling greedy;
+  SeqOptions so;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    so.max_len = static_cast<int64_t>(prompts[i].size()) + max_tokens;
+    if (i != 1) sched.Add(i + 1, prompts[i], greedy, so);
+  }
+  v1::StepPlan plan;
+  v1::StepResult result;
+  for (uint64_t step = 1; step < 500; ++step) {
+    if (step == 6) {
+      so.max_len = static_cast<int64_t>(prompts[1].size()) + max_tokens;
+      sched.Add(2, prompts[1], greedy, so);
+    }
+    const MicroBatch* b = sched.Schedule(0, step, &plan);
+    if (b == nullptr) break;
+    const std::vector<MicroBatch::Entry> entries = b->entries;
+    const int draft_tokens = b->draft_tokens;
+    plan.set_epoch(worker->epoch());
+    for (const v1::NewSeq& n : plan.new_seqs()) {
+      if (n.seq_id() == 2) run->cached_prompt_tokens = n.num_cached_tokens();
+    }
+    const absl::Status st = worker->Execute(plan, &result);
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(result.draft_ids_size(), b->draft_ids);
+    const std::vector<int32_t> sampled(result.sampled_ids().begin(), result.sampled_ids().end());
+    const std::vector<SampledToken> tokens = sched.Complete(0, sampled);
+    int row = 0;
+    for (const MicroBatch::Entry& e : entries) {
+      if (e.logit_row < 0 || draft_tokens == 0) continue;
+      const std::vector<int32_t> guesses(result.draft_ids().begin() + row * draft_tokens,
+                                         result.draft_ids().begin() + (row + 1) * draft_tokens);
+      ++row;
+      for (int32_t g : guesses) ASSERT_TRUE(g >= 0 && g < 256) << g;
+      proposer.Offer(e.seq, sched.num_tokens(e.seq), guesses);
+      ++run->offers;
+    }
+    for (const SampledToken& t : tokens) {
+      std::vector<int32_t>& out = run->outputs[t.seq];
+      if (static_cast<int64_t>(out.size()) == max_tokens) continue;
+      out.push_back(t.token);
+      if (static_cast<int64_t>(out.size()) == max_tokens) {
+        sched.Remove(t.seq);
+        proposer.Forget(t.seq);
+      }
+    }
+  }
+  EXPECT_EQ(sched.num_running() + sched.num_waiting(), 0);
+  run->spec = sched.speculation();
+}
+
+// Three prompts: Hugging Face's golden prompt and one sharing its first 8 tokens (two blocks of 4),
+// and a third; all longer than a step's 8 tokens.
+std::vector<std::vector<int32_t>> Prompts() {
+  const std::vector<int32_t> golden = {227, 117, 20, 134, 113, 221, 101, 116, 30, 64, 79, 226};
+  std::vector<int32_t> b(golden.begin(), golden.begin() + 8);
+  for (int32_t t : {5, 6, 7, 166, 166}) b.push_back(t);
+  return {golden, b, {3, 9, 27, 81, 243, 200, 100, 50, 25, 12, 6}};
+}
+
+TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
+  absl::StatusOr<std::unique_ptr<StepExecutor>> plain = Worker(kMtp, false);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<std::unique_ptr<StepExecutor>> mtp = Worker(kMtp, true);
+  ASSERT_TRUE(mtp.ok()) << mtp.status();
+  EXPECT_NE((*mtp)->draft_summary().find("multi-token-prediction layer 3"), std::string::npos)
+      << (*mtp)->draft_summary();
+  Outcome want, got;
+  RunRequests(plain->get(), false, Prompts(), 24, &want);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  RunRequests(mtp->get(), true, Prompts(), 24, &got);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  EXPECT_EQ(got.outputs, want.outputs);
+  // Hugging Face's greedy tokens for the golden prompt (tests/fixtures/models/deepseek_v3_mtp/golden.json).
+  const std::vector<int32_t> hf = {166, 166, 166, 111, 87, 226, 235, 161, 76, 255, 133, 25,
+                                   119, 160, 195, 136, 113, 161, 76, 119, 237, 111, 7, 188};
+  EXPECT_EQ(got.outputs[1], hf);
+  EXPECT_GT(got.offers, 0);
+  EXPECT_GT(got.spec.accepted, 0) << "the layer never agreed with the model";
+  EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
+  EXPECT_EQ(got.cached_prompt_tokens, 8);
+  std::printf("[ mtp      ] proposed %lld, accepted %lld in %lld verifications\n",
+              static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
+              static_cast<long long>(got.spec.verifications));
+}
+
+// The checkpoint with the MTP layer's shared_head as the final norm and LM head, so that a plain
+// shard of layer 3 is the layer's decoder layer and head.
+class SharedHeadAsFinal : public WeightSource {
+ public:
+  explicit SharedHeadAsFinal(const WeightSource& base) : base_(base) {}
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
+    return base_.CheckShape(Map(name), shape);
+  }
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType type,
+                    void* dst) const override {
+    return base_.Read(Map(name), shape, slice, type, dst);
+  }
+
+ private:
+  static std::string Map(const std::string& name) {
+    if (name == "model.norm.weight") return "model.layers.3.shared_head.norm.weight";
+    if (name == "lm_head.weight") return "model.layers.3.shared_head.head.weight";
+    return name;
+  }
+  const WeightSource& base_;
+};
+
+std::vector<float> ReadAll(const WeightSource& w, const std::string& name, std::vector<int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> out(static_cast<size_t>(n));
+  EXPECT_TRUE(w.Read(name, shape, Slice{0, 0, -1}, DType::kF32, out.data()).ok()) << name;
+  return out;
+}
+
+TEST(MtpRunnerTest, TheLayerIsItsDecoderLayerOverTheProjectedInputs) {
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(kMtp);
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->num_nextn_predict_layers, 1);
+  const int64_t H = config->hidden_size, V = config->vocab_size, L = config->num_hidden_layers;
+  absl::StatusOr<std::unique_ptr<WeightSource>> weights = OpenWeightSource(kMtp, *config, LoadFormat::kAuto, 0);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
+  LocalCommunicator tp1(backend.get()), tp2(backend.get());
+  const StepLimits limits = Limits();
+  const ShardSpec mtp_spec{.first_layer = L, .end_layer = L + 1, .mtp = true};
+  absl::StatusOr<std::unique_ptr<ModelShard>> mtp = ModelShard::Load(**weights, *config, mtp_spec, limits, backend.get(), &tp1);
+  ASSERT_TRUE(mtp.ok()) << mtp.status();
+  // The plain shard: layer L of a model one layer deeper, its last stage.
+  ModelConfig deeper = *config;
+  deeper.num_hidden_layers = L + 1;
+  SharedHeadAsFinal renamed(**weights);
+  absl::StatusOr<std::unique_ptr<ModelShard>> plain =
+      ModelShard::Load(renamed, deeper, ShardSpec{.first_layer = L, .end_layer = L + 1}, limits, backend.get(), &tp2);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+
+  // Two steps of one sequence: positions 0..3 (position 0's embedding masked), then 4..6.
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::vector<float> embed = ReadAll(**weights, "model.embed_tokens.weight", {V, H});
+  const std::vector<float> enorm = ReadAll(**weights, "model.layers.3.enorm.weight", {H});
+  const std::vector<float> hnorm = ReadAll(**weights, "model.layers.3.hnorm.weight", {H});
+  const std::vector<float> eh = ReadAll(**weights, "model.layers.3.eh_proj.weight", {H, 2 * H});
+  const double eps = config->rms_norm_eps;
+  int32_t pos = 0;
+  for (int64_t n : {4, 3}) {
+    StepBatch b;
+    std::vector<float> hidden(static_cast<size_t>(n * H)), projected(static_cast<size_t>(n * H));
+    for (float& v : hidden) v = normal(rng);
+    for (int64_t i = 0; i < n; ++i, ++pos) {
+      const int32_t id = static_cast<int32_t>(rng() % V);
+      b.token_ids.push_back(id);
+      b.positions.push_back(pos);
+      b.token_seq.push_back(0);
+      b.slots.push_back(pos);
+      // x = eh_proj(cat(enorm(embed(id)), hnorm(hidden))), the embedding zero at position 0
+      std::vector<double> cat(2 * H);
+      auto rms = [&](const float* x) {
+        double s = 0;
+        for (int64_t j = 0; j < H; ++j) s += static_cast<double>(x[j]) * x[j];
+        return 1.0 / std::sqrt(s / H + eps);
+      };
+      const float* e = embed.data() + id * H;
+      const float* h = hidden.data() + i * H;
+      const double re = rms(e), rh = rms(h);
+      for (int64_t j = 0; j < H; ++j) {
+        cat[j] = pos == 0 ? 0.0 : e[j] * re * enorm[j];
+        cat[H + j] = h[j] * rh * hnorm[j];
+      }
+      for (int64_t r = 0; r < H; ++r) {
+        double s = 0;
+        for (int64_t j = 0; j < 2 * H; ++j) s += eh[r * 2 * H + j] * cat[j];
+        projected[i * H + r] = static_cast<float>(s);
+      }
+    }
+    b.num_seqs = 1;
+    for (int32_t j = 0; j < limits.max_blocks_per_seq(); ++j) b.block_tables.push_back(j);
+    for (int32_t i = 0; i < n; ++i) b.logit_rows.push_back(i);
+    ASSERT_TRUE(backend->CopyToDevice((*mtp)->hidden(n).data, hidden.data(), hidden.size() * sizeof(float)).ok());
+    ASSERT_TRUE(backend->CopyToDevice((*plain)->hidden(n).data, projected.data(), projected.size() * sizeof(float)).ok());
+    const absl::Status ran = (*mtp)->Forward(b);
+    ASSERT_TRUE(ran.ok()) << ran;
+    StepBatch no_ids = b;
+    no_ids.token_ids.clear();
+    const absl::Status ran_plain = (*plain)->Forward(no_ids);
+    ASSERT_TRUE(ran_plain.ok()) << ran_plain;
+    std::vector<float> got(static_cast<size_t>(n * V)), want(static_cast<size_t>(n * V));
+    ASSERT_TRUE(backend->CopyToHost(got.data(), (*mtp)->logits(n).data, got.size() * sizeof(float)).ok());
+    ASSERT_TRUE(backend->CopyToHost(want.data(), (*plain)->logits(n).data, want.size() * sizeof(float)).ok());
+    // float32 on both sides; only the projection's summation differs (double here): a few ulps of
+    // logits of size ~1 after one layer.
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << i;
+      worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
+    }
+    EXPECT_LT(worst, 1e-4) << "step of " << n << " tokens";
+  }
+}
+
+TEST(MtpRunnerTest, AModelWithoutTheLayerIsRefused) {
+  absl::StatusOr<std::unique_ptr<StepExecutor>> w = Worker((kFixtures / "deepseek_v3_tf5").string(), true);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kFailedPrecondition) << w.status();
+  EXPECT_NE(w.status().message().find("num_nextn_predict_layers is 0"), std::string::npos) << w.status();
+}
+
+TEST(MtpRunnerTest, ACheckpointWithoutTheLayersTensorsIsRefused) {
+  // deepseek_v3_tf5's tensors under a config.json announcing one MTP layer.
+  char pattern[] = "/tmp/mtp_runner_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const fs::path src = kFixtures / "deepseek_v3_tf5";
+  fs::copy_file(src / "model.safetensors", dir / "model.safetensors");
+  std::ifstream in(src / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["num_nextn_predict_layers"] = 1;
+  std::ofstream(dir / "config.json") << config.dump(2);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> plain = Worker(dir.string(), false);
+  EXPECT_TRUE(plain.ok()) << "the model itself loads: " << plain.status();
+  absl::StatusOr<std::unique_ptr<StepExecutor>> w = Worker(dir.string(), true);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kFailedPrecondition) << w.status();
+  EXPECT_NE(w.status().message().find("model.layers.3.enorm.weight"), std::string::npos) << w.status();
+  EXPECT_NE(w.status().message().find("num_nextn_predict_layers (1)"), std::string::npos) << w.status();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+}  // namespace
+}  // namespace shardserve

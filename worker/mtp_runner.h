@@ -1,0 +1,133 @@
+// Speculative decoding with the model's own multi-token-prediction (MTP) layer, on the worker that
+// samples (docs/speculative-decoding.md, --speculative mtp): DeepSeek-V3's model.layers.{L} (L =
+// num_hidden_layers) predicts the token after next from the model's hidden state at a position and
+// the next token. It is the draft model's counterpart (worker/draft_runner.h): its guesses go back in
+// StepResult.draft_ids and the coordinator's DraftProposer serves them; but where a draft model
+// catches up from tokens alone, the MTP layer reads the model's hidden states, which exist only in
+// the step that computed them, so it follows every step.
+//
+// Each step (Propose, after sampling; every step, sampling or not):
+//   - the model's final-normed hidden state of every fed row (ModelShard::FinalNormed: vLLM and
+//     SGLang feed the MTP layer the normed state) pairs with the token after it: the next fed token,
+//     or for a row that samples, the tokens Scheduler::Verify will keep (the fed guesses while the
+//     sample before each equals it) and then the sample after them. Rows past the kept ones are
+//     dropped; a prefill chunk's last row waits for its next token, kept on the device until the
+//     sequence's next row (one row a sequence);
+//   - the MTP layer runs over those pairs, each at its row's position, into its own paged KV cache
+//     (DraftRunner::DraftLimits' layout: one run of blocks per sequence slot), and its head's argmax
+//     at each sampling row's last pair is the first guess;
+//   - when the plan asks for K > 1 guesses (StepPlan.num_draft_tokens), the layer runs K - 1 more
+//     times, one token a sampling row, on its own output hidden state and its last guess (as vLLM's
+//     EAGLE proposer reuses one MTP layer); the positions so written are rewritten by the next step's
+//     pairs before anything reads them.
+// With K = 0 the pairs still run (the layer's KV cache stays whole), without logits. Positions whose
+// hidden states this worker never saw (a prefix from the prefix cache, a sequence's start after the
+// group re-formed) leave holes in that cache: worse guesses, never different outputs, since the
+// verification decides.
+//
+// Memory: the MTP layer's weights and KV cache (ModelShard), and a table of hidden rows
+// [max_seqs_per_step + max_tokens_per_step, hidden] allocated at construction. Ownership: owns the
+// layer's shard and its communicator of one rank; borrows the model's shard, which must outlive it.
+// Threading: not thread-safe; the step's thread.
+#ifndef SHARDSERVE_WORKER_MTP_RUNNER_H_
+#define SHARDSERVE_WORKER_MTP_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "google/protobuf/repeated_field.h"
+#include "model/step_limits.h"
+#include "model/weight_source.h"
+#include "shardserve/v1/worker.pb.h"
+#include "worker/communicator.h"
+#include "worker/shard/model_shard.h"
+#include "worker/shard_inputs.h"  // StepBatch
+
+namespace shardserve {
+
+class MtpRunner {
+ public:
+  // The MTP layer's step limits for a model served within `target`: DraftRunner::DraftLimits', with
+  // room for one more token a sequence a step (a prefill chunk's waiting row).
+  static StepLimits MtpLimits(const StepLimits& target);
+
+  // Loads the MTP layer num_hidden_layers of `config` from `weights` (whole, in the backend's act
+  // dtype, linear weights as `quant`) beside `target`, the last stage's shard on TP rank 0, for plans
+  // within `limits`. FailedPrecondition naming the field or tensor when the model has no such layer.
+  static absl::StatusOr<std::unique_ptr<MtpRunner>> Load(const WeightSource& weights, const ModelConfig& config,
+                                                         WeightQuant quant, const StepLimits& limits,
+                                                         ModelShard* target);
+
+  // Follows `plan` (after PersistentBatch::Apply accepted it): freed sequences give back their slot,
+  // new ones take one. InvalidArgument for a num_draft_tokens outside [0, kMaxDraftTokens].
+  absl::Status Apply(const v1::StepPlan& plan);
+
+  // After the step ran (and sampled `sampled`, one id per logit row, row after row): the pairs above
+  // through the MTP layer, and when the plan asks, num_draft_tokens guesses per row that samples
+  // appended to *draft_ids.
+  absl::Status Propose(const v1::StepPlan& plan, const google::protobuf::RepeatedField<int32_t>& sampled,
+                       google::protobuf::RepeatedField<int32_t>* draft_ids);
+
+  // Drops every sequence (the group re-formed, or the coordinator went away).
+  void Clear();
+
+  uint64_t weight_bytes() const { return shard_->weight_bytes(); }
+  uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
+  // MTP forwards run so far.
+  int64_t forwards() const { return forwards_; }
+  // For tests: the layer's shard.
+  ModelShard* shard() const { return shard_.get(); }
+
+ private:
+  struct Seq {
+    int32_t slot = 0;          // its KV blocks [slot * width, (slot + 1) * width) and its waiting row
+    bool waiting = false;      // a hidden row waits in table_ row `slot` for its next token
+    int32_t waiting_pos = 0;   // that row's position
+  };
+  MtpRunner() = default;
+  // Adds the token `id` at `pos` of `s` to batch_ (a new row of the batch when `new_row`), its
+  // hidden state table_ row `src`.
+  void Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new_row);
+  void ClearBatch();
+  // Runs batch_ with its hidden rows gathered from `table` by src_rows_host_; the argmax after each
+  // logit row into next_.
+  absl::Status Run(const Tensor& table);
+
+  // ---- Constant after Load ----
+  std::unique_ptr<Communicator> tp_;  // one rank
+  std::unique_ptr<ModelShard> shard_;
+  ModelShard* target_ = nullptr;
+  Backend* backend_ = nullptr;
+  StepLimits limits_;              // the MTP layer's
+  int64_t context_ = 0;            // the positions it takes: its KV cache's and its RoPE's
+  int64_t table_seqs_ = 0;         // the table's waiting rows [0, table_seqs_); the step's after them
+  Buffer table_buffer_, src_rows_buffer_, ids_buffer_;
+  Tensor table_;                   // [table_seqs_ + target max_tokens_per_step, hidden] act
+  Tensor src_rows_, ids_;          // [MtpLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
+
+  // ---- State ----
+  std::vector<Seq> slots_;
+  std::vector<int32_t> free_slots_;
+  absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
+  int64_t forwards_ = 0;
+  // Propose's scratch, reserved at Load.
+  StepBatch batch_;
+  std::vector<int32_t> src_rows_host_;  // per batch_ token: its hidden state's row of the table
+  std::vector<int32_t> next_;           // per logit row: the argmax
+  struct Guessing {
+    int32_t out = 0;   // where its guesses go in draft_ids
+    int32_t slot = 0;
+    int32_t pos = 0;   // the position of its last pair
+  };
+  std::vector<Guessing> guessing_;       // the sampling rows that guess, in logit-row order
+  std::vector<int32_t> waits_;           // (slot, step row) pairs whose row waits after this step
+};
+
+}  // namespace shardserve
+
+#endif  // SHARDSERVE_WORKER_MTP_RUNNER_H_
