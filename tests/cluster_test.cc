@@ -514,6 +514,103 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
                                   info.param.fixture;
                          });
 
+// The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
+// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp), run by the worker that
+// samples over every step's hidden states. Three requests at once (Hugging Face's golden prompt
+// greedy, a seeded sampling one, a greedy one with logprobs), then the first again from the prefix
+// cache: in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
+// speculation, token for token, the greedy one Hugging Face's; guesses were made and some accepted.
+class ClusterMtpSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  std::vector<v1::GenerateRequest> requests = {TokenRequest(golden.prompt, 32), TokenRequest(golden.prompt, 32),
+                                               TokenRequest({5, 6, 7, 166, 166, 30, 64, 79, 226}, 32)};
+  for (size_t i = 0; i < requests.size(); ++i) requests[i].set_request_id("mtp-" + std::to_string(i));
+  requests[1].mutable_sampling()->set_temperature(0.8f);
+  requests[1].mutable_sampling()->set_seed(11);
+  requests[2].mutable_sampling()->set_logprobs(true);
+  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status) {
+    Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}}, flags);
+    ASSERT_TRUE(cluster.Start());
+    out->assign(requests.size() + 1, Streamed{});
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { (*out)[i] = Generate(cluster.client(), requests[i]); });
+    }
+    for (std::thread& t : threads) t.join();
+    out->back() = Generate(cluster.client(), requests[0]);  // its prompt's blocks are cached now
+    for (size_t i = 0; i < out->size(); ++i) {
+      ASSERT_TRUE((*out)[i].status.ok()) << i << ": " << (*out)[i].status.error_message() << "\n" << cluster.Logs();
+    }
+    *status = cluster.Status().scheduler();
+  };
+  std::vector<Streamed> plain, speculated;
+  v1::SchedulerStatus plain_status, s;
+  run({"--block-size", "4"}, &plain, &plain_status);
+  ASSERT_FALSE(HasFatalFailure());
+  run({"--block-size", "4", "--speculative", "mtp", "--num-speculative-tokens", "3"}, &speculated, &s);
+  ASSERT_FALSE(HasFatalFailure());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
+    EXPECT_EQ(speculated[i].tokens.size(), 32u) << "request " << i;
+  }
+  EXPECT_EQ(speculated[0].tokens, golden.greedy);
+  EXPECT_EQ(speculated[3].tokens, golden.greedy);
+  int logprobs = 0;
+  for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
+  EXPECT_EQ(logprobs, 32);
+  EXPECT_EQ(s.speculative(), "mtp");
+  EXPECT_GT(s.spec_proposed_tokens(), 0);
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of the multi-token-prediction layer was ever right";
+  EXPECT_GT(s.prefix_cache_hit_tokens(), 0) << "the repeated request found no cached prefix";
+  EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
+  std::printf("[ timing   ] TP=%d PP=%d mtp: speculation proposed %lld, accepted %lld in %lld verifications\n",
+              l.tp, l.pp, static_cast<long long>(s.spec_proposed_tokens()), static_cast<long long>(s.spec_accepted_tokens()),
+              static_cast<long long>(s.spec_verifications()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterMtpSpeculationTest,
+                         ::testing::Values(Layout{"deepseek_v3_mtp", 1, 1}, Layout{"deepseek_v3_mtp", 2, 1},
+                                           Layout{"deepseek_v3_mtp", 1, 2}, Layout{"deepseek_v3_mtp", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
+// A model without a multi-token-prediction layer asked for --speculative mtp is refused at start
+// (exit 1), naming config.json's field; so is a checkpoint whose config.json announces the layer
+// but whose files leave its tensors out, naming the first missing one.
+TEST(CoordinatorFlagsTest, MtpWithoutTheLayerIsRefused) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const fs::path stripped = dir / "stripped";
+  fs::create_directories(stripped);
+  fs::copy_file(kFixtures / "deepseek_v3_tf5" / "model.safetensors", stripped / "model.safetensors");
+  {
+    std::ifstream in(kFixtures / "deepseek_v3_tf5" / "config.json");
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["num_nextn_predict_layers"] = 1;
+    std::ofstream(stripped / "config.json") << config.dump(2);
+  }
+  const std::vector<std::pair<fs::path, std::string>> cases = {
+      {kFixtures / "deepseek_v3_tf5", "has no num_nextn_predict_layers above 0"},
+      {kFixtures / "llama_gqa", "has no num_nextn_predict_layers this server reads"},
+      {stripped, "has no tensor \"model.layers.3.enorm.weight\" of the multi-token-prediction layer"}};
+  for (const auto& [model, want] : cases) {
+    const fs::path log = dir / "coordinator.log";
+    Process coordinator({SHARDSERVE_COORDINATOR_BIN, "--model", model.string(), "--listen", "127.0.0.1:0",
+                         "--insecure", "--speculative", "mtp", "--num-speculative-tokens", "2"},
+                        log);
+    EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 1) << want << ": " << Tail(log);
+    const std::string output = Tail(log, 1 << 16);
+    EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 // ---- Sliding windows: blocks behind the window go to other sequences ------------------------------------
 
 // Mistral with a 32-token window in every layer: a sequence lets go of the blocks behind its window
@@ -869,7 +966,7 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram or draft, got 'eagle'"},
+      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, draft or mtp, got 'eagle'"},
       {{"--speculative", "draft", "--num-speculative-tokens", "4"}, "--speculative draft needs --draft-model DIR"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "4", "--draft-model", "/tmp"},
        "--draft-model /tmp needs --speculative draft"},

@@ -237,6 +237,7 @@ v1::Assignment GroupFormation::AssignmentFor(const Slot& slot, const std::string
                                                                           : v1::WEIGHT_QUANTIZATION_UNSPECIFIED);
   a.set_expert_parallel(options_.expert_parallel);
   a.set_draft_model_path(options_.draft_model_path);  // loaded by the worker that samples only
+  a.set_speculative_mtp(options_.speculative_mtp);     // likewise
   if (options_.load_format == LoadFormat::kDummy) {
     a.set_load_format(v1::LOAD_FORMAT_DUMMY);
     a.set_dummy_seed(options_.dummy_seed);

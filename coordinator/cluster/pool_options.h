@@ -32,6 +32,9 @@ struct PoolOptions {
   // Speculative decoding's draft model (--draft-model; docs/speculative-decoding.md): its directory,
   // absolute, as the workers see it; the worker that samples loads it beside its shard. "": none.
   std::string draft_model_path;
+  // Speculative decoding with the model's multi-token-prediction layer (--speculative mtp): the
+  // worker that samples loads and runs it (Assignment.speculative_mtp).
+  bool speculative_mtp = false;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };

@@ -65,9 +65,9 @@ void RequestStream::End(absl::Status status) {
 // ---- Engine: the handlers' side -----------------------------------------------------------------
 
 absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
-  if (!o.speculative.empty() && o.speculative != "ngram" && o.speculative != "draft") {
+  if (!o.speculative.empty() && o.speculative != "ngram" && o.speculative != "draft" && o.speculative != "mtp") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; those there are: ngram, draft"));
+        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; those there are: ngram, draft, mtp"));
   }
   if (o.speculative == "draft" && o.draft_model.empty()) {
     return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR (the draft model's checkpoint)");
@@ -100,7 +100,8 @@ absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
 Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
     : model_(model), pool_(pool), options_(options), metrics_(metrics) {
   if (options_.speculative == "ngram") ngram_ = std::make_unique<NgramProposer>(options_.ngram_min, options_.ngram_max);
-  if (options_.speculative == "draft") draft_ = std::make_unique<DraftProposer>();
+  // A draft model's guesses and the multi-token-prediction layer's come back alike (StepResult.draft_ids).
+  if (options_.speculative == "draft" || options_.speculative == "mtp") draft_ = std::make_unique<DraftProposer>();
   loop_ = std::thread([this] { Loop(); });
 }
 

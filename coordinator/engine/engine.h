@@ -65,11 +65,12 @@ struct EngineOptions {
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
-  // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram" or "draft"
+  // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram", "draft" or "mtp"
   // (--speculative), at most num_speculative_tokens guesses per sequence per step, none while
   // speculative_max_running sequences or more run (0: no such limit). With "draft", draft_model is
   // the draft's directory (--draft-model), which the worker that samples runs (the pool's
-  // assignments carry it: PoolOptions::draft_model_path).
+  // assignments carry it: PoolOptions::draft_model_path); with "mtp", that worker runs the model's
+  // own multi-token-prediction layer (PoolOptions::speculative_mtp).
   std::string speculative;
   std::string draft_model;
   int num_speculative_tokens = 0;
@@ -202,7 +203,7 @@ class Engine : private GuessFilter {
   const EngineOptions options_;
   CoordinatorMetrics* const metrics_;
   std::unique_ptr<Proposer> ngram_;  // with speculative "ngram"
-  // With speculative "draft": the guesses the last step results brought, fed by FinishOldest.
+  // With speculative "draft" or "mtp": the guesses the last step results brought, fed by FinishOldest.
   std::unique_ptr<DraftProposer> draft_;
 
   // ---- Guarded by mu_: the handlers' side ----

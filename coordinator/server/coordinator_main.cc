@@ -30,6 +30,7 @@
 #include "coordinator/cluster/worker_control_service.h"
 #include "coordinator/cluster/worker_pool.h"
 #include "model/config.h"
+#include "model/families/registry.h"
 #include "model/weight_source.h"
 #include "security/api_keys.h"
 #include "security/tls.h"
@@ -52,7 +53,7 @@ constexpr char kUsage[] =
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--expert-parallel]\n"
-    "                              [--speculative ngram|draft --num-speculative-tokens K]\n"
+    "                              [--speculative ngram|draft|mtp --num-speculative-tokens K]\n"
     "                              [--draft-model DIR]\n"
     "                              [--speculative-max-running N]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
@@ -143,6 +144,9 @@ constexpr char kUsage[] =
     "                                step; outputs unchanged (docs/speculative-decoding.md)\n"
     "  --speculative draft           ... with a draft model (--draft-model), run by the worker that\n"
     "                                samples right after sampling, in the same step\n"
+    "  --speculative mtp             ... with the model's own multi-token-prediction layer\n"
+    "                                (DeepSeek-V3's num_nextn_predict_layers), run by that worker over\n"
+    "                                every step's hidden states\n"
     "  --draft-model DIR             the draft's checkpoint (same tokenizer and vocabulary as --model),\n"
     "                                as the workers see it; with --speculative draft\n"
     "  --num-speculative-tokens K    guesses per sequence per step, 1 to 16 (with --speculative)\n"
@@ -226,7 +230,7 @@ int Main(int argc, char** argv) {
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
            flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
-           flags->OneOf("speculative", {"ngram", "draft"}, &engine_options.speculative),
+           flags->OneOf("speculative", {"ngram", "draft", "mtp"}, &engine_options.speculative),
            flags->Int("num-speculative-tokens", 1, kMaxSpeculativeTokens, &engine_options.num_speculative_tokens),
            flags->Int("speculative-max-running", 0, 4096, &engine_options.speculative_max_running),
        }) {
@@ -325,6 +329,29 @@ int Main(int argc, char** argv) {
     CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
                                          draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
                                          " layers), run by the worker that samples"));
+  }
+  if (engine_options.speculative == "mtp") {
+    // The model's own multi-token-prediction layer; the worker that loads it checks its tensors.
+    const ModelConfig& c = (*model)->config;
+    if (c.num_nextn_predict_layers <= 0) {
+      return Fail(absl::StrCat("--speculative mtp needs a model with a multi-token-prediction layer, but ", model_dir,
+                               "'s config.json (", c.architecture_name, ") has no num_nextn_predict_layers",
+                               c.family != nullptr && c.family->mtp_weights != nullptr ? " above 0" : " this server reads",
+                               "; use --speculative draft or ngram"));
+    }
+    if (pool_options.load_format != LoadFormat::kDummy) {
+      for (const WeightDecl& w : MtpWeights(c)) {
+        if (w.layer != c.num_hidden_layers || w.role == WeightRole::kLmHead) continue;  // the head may be the model's
+        if ((*model)->checkpoint != nullptr && !IsCheckpointQuantized(c, w) && !(*model)->checkpoint->Find(w.name).ok()) {
+          return Fail(absl::StrCat("--speculative mtp: the checkpoint ", model_dir, " has no tensor \"", w.name,
+                                   "\" of the multi-token-prediction layer that config.json's num_nextn_predict_layers (",
+                                   c.num_nextn_predict_layers, ") announces; it leaves the layer's weights out"));
+        }
+      }
+    }
+    pool_options.speculative_mtp = true;
+    CoordinatorLog("model", absl::StrCat("speculative decoding with the model's multi-token-prediction layer ",
+                                         c.num_hidden_layers, ", run by the worker that samples"));
   }
   absl::StatusOr<std::unique_ptr<WorkerPool>> pool = WorkerPool::Create(model->get(), pool_options);
   if (!pool.ok()) return Fail(std::string(pool.status().message()));

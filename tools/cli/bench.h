@@ -205,6 +205,7 @@ struct Layout {
   bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
   bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool draft = false;          // /draft: the coordinator's --speculative draft with bench's --draft-model
+  bool mtp = false;            // /mtp: the coordinator's --speculative mtp (the model's own MTP layer)
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
   bool json = false;             // /json: every request with CompareOptions' JSON Schema

@@ -86,7 +86,7 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram or /draft, /http,
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /draft or /mtp, /http,
 // /ep and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
@@ -110,17 +110,19 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.ngram = true;
     } else if (strip("/draft")) {
       l.draft = true;
+    } else if (strip("/mtp")) {
+      l.mtp = true;
     }
     if (strip("/no-prefix-caching")) l.prefix_caching = false;
   }
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /http, /ep, /json), "
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /http, /ep, /json), "
         "e.g. "
         "tp2xpp2/serial"));
   };
-  if (l.ngram && l.draft) return bad();
+  if (int{l.ngram} + int{l.draft} + int{l.mtp} > 1) return bad();
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
   bool seen_tp = false, seen_pp = false;
@@ -167,8 +169,8 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
   if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
-  // /ngram and /draft layouts speculate with the n-gram proposer or the draft model
-  // (--num-speculative-tokens as given, else 4).
+  // /ngram, /draft and /mtp layouts speculate with the n-gram proposer, the draft model or the
+  // model's multi-token-prediction layer (--num-speculative-tokens as given, else 4).
   const bool speculative_given =
       std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--speculative") != co.coordinator_flags.end();
   // /draft layouts with the draft model, bench's --draft-model.
@@ -180,8 +182,9 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
     co.coordinator_flags.insert(co.coordinator_flags.end(),
                                 {"--speculative", "draft", "--draft-model", o.cluster.draft_model});
   }
-  if ((layout.ngram || layout.draft) && !speculative_given) {
+  if ((layout.ngram || layout.draft || layout.mtp) && !speculative_given) {
     if (layout.ngram) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "ngram"});
+    if (layout.mtp) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "mtp"});
     if (std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--num-speculative-tokens") ==
         co.coordinator_flags.end()) {
       co.coordinator_flags.insert(co.coordinator_flags.end(), {"--num-speculative-tokens", "4"});

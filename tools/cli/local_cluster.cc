@@ -102,7 +102,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
   }
   if (f.Has("speculative")) {
     std::string value;
-    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft"}, &value));
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp"}, &value));
     c.coordinator_flags.emplace_back("speculative", value);
   }
   if (f.Has("draft-model")) {
