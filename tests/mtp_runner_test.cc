@@ -10,8 +10,12 @@
 // - A CPU worker of the model with the layer, driven by the coordinator's Scheduler and DraftProposer
 //   as the engine drives them (prompts prefilled in chunks, so a chunk's last row waits for its next
 //   token; one prompt from the prefix cache), gives the greedy outputs of the same worker without
-//   speculation; guesses are made, some accepted, some rejected.
+//   speculation; guesses are made, some accepted, some rejected; and after every step the guesses
+//   for a sequence are those of a fresh model and layer fed its tokens in one go (FreshMtp): the
+//   runner paired every hidden state with the right token at the right position, kept the waiting
+//   rows and dropped the rejected ones.
 // - A model without the layer, or a checkpoint without its tensors, is refused, naming what is missing.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -71,16 +75,95 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> Worker(const std::string& model, b
   return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = CpuMatMul::kF32});
 }
 
+// A fresh model and MTP layer, each a ModelShard of its own: the guesses the layer makes for a
+// sequence's tokens computed in one go (the model's prefill over all but the last token, its
+// final-normed hidden states paired with the tokens after them through the layer, then the layer
+// again on its own output), what the runner's step-by-step state must reproduce.
+struct FreshMtp {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
+  std::unique_ptr<Communicator> tp1, tp2;
+  std::unique_ptr<WeightSource> weights;
+  std::unique_ptr<ModelShard> model, mtp;
+  StepLimits limits{.max_tokens_per_step = 64, .max_seqs_per_step = 4, .block_size = 4, .num_kv_blocks = 24,
+                    .max_model_len = 80};
+
+  FreshMtp() {
+    absl::StatusOr<ModelConfig> config = LoadModelConfig(kMtp);
+    EXPECT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::unique_ptr<WeightSource>> w = OpenWeightSource(kMtp, *config, LoadFormat::kAuto, 0);
+    EXPECT_TRUE(w.ok()) << w.status();
+    weights = std::move(*w);
+    tp1 = std::make_unique<LocalCommunicator>(backend.get());
+    tp2 = std::make_unique<LocalCommunicator>(backend.get());
+    absl::StatusOr<std::unique_ptr<ModelShard>> m =
+        ModelShard::Load(*weights, *config, ShardSpec{}, limits, backend.get(), tp1.get());
+    EXPECT_TRUE(m.ok()) << m.status();
+    const int64_t L = config->num_hidden_layers;
+    absl::StatusOr<std::unique_ptr<ModelShard>> t = ModelShard::Load(
+        *weights, *config, ShardSpec{.first_layer = L, .end_layer = L + 1, .mtp = true}, limits, backend.get(), tp2.get());
+    EXPECT_TRUE(t.ok()) << t.status();
+    if (m.ok() && t.ok()) {
+      model = std::move(*m);
+      mtp = std::move(*t);
+    }
+  }
+
+  static StepBatch Batch(const std::vector<int32_t>& ids, int32_t first_pos, const StepLimits& l) {
+    StepBatch b;
+    b.token_ids = ids;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      b.positions.push_back(first_pos + static_cast<int32_t>(i));
+      b.token_seq.push_back(0);
+      b.slots.push_back(first_pos + static_cast<int32_t>(i));
+    }
+    b.num_seqs = 1;
+    for (int32_t j = 0; j < l.max_blocks_per_seq(); ++j) b.block_tables.push_back(j);
+    b.logit_rows.push_back(static_cast<int32_t>(ids.size()) - 1);
+    return b;
+  }
+
+  int32_t Argmax() {
+    std::vector<float> logits(256);
+    EXPECT_TRUE(backend->CopyToHost(logits.data(), mtp->logits(1).data, logits.size() * sizeof(float)).ok());
+    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+
+  // The layer's k guesses after `tokens` (the last one sampled, not yet fed to the model).
+  std::vector<int32_t> Guesses(const std::vector<int32_t>& tokens, int k) {
+    const int64_t n = static_cast<int64_t>(tokens.size()) - 1;
+    std::vector<int32_t> out;
+    const std::vector<int32_t> fed(tokens.begin(), tokens.end() - 1), next(tokens.begin() + 1, tokens.end());
+    EXPECT_TRUE(model->Forward(Batch(fed, 0, limits)).ok());
+    Tensor hidden = mtp->hidden(n);
+    EXPECT_TRUE(model->FinalNormed(&hidden, n).ok());
+    EXPECT_TRUE(mtp->Forward(Batch(next, 0, limits)).ok());
+    out.push_back(Argmax());
+    const size_t row = static_cast<size_t>(mtp->hidden(1).bytes());
+    for (int j = 1; j < k; ++j) {
+      // the layer's output at its last token as the next input (already row 0 after a one-token forward)
+      const int64_t last = j == 1 ? n - 1 : 0;
+      if (last > 0) {
+        EXPECT_TRUE(backend->CopyOnDevice(mtp->hidden(1).data, mtp->hidden(last + 1).Rows(last, last + 1).data, row).ok());
+      }
+      EXPECT_TRUE(mtp->Forward(Batch({out.back()}, static_cast<int32_t>(n - 1 + j), limits)).ok());
+      out.push_back(Argmax());
+    }
+    return out;
+  }
+};
+
 struct Outcome {
   std::map<uint64_t, std::vector<int32_t>> outputs;
   SpeculationStats spec;
-  int64_t offers = 0, cached_prompt_tokens = 0;
+  int64_t offers = 0, cached_prompt_tokens = 0, checked = 0;
 };
 
 // Runs the prompts (the second after the first's prompt has been computed, so that it finds its
 // shared prefix in the cache) for `max_tokens` each through `worker` as the engine does.
+// With `fresh`, each step's guesses for the sequences that started from nothing cached are checked
+// against it.
 void RunRequests(StepExecutor* worker, bool speculate, const std::vector<std::vector<int32_t>>& prompts,
-                 int64_t max_tokens, Outcome* run) {
+                 int64_t max_tokens, Outcome* run, FreshMtp* fresh = nullptr) {
   DraftProposer proposer;
   SchedulerOptions o;
   o.limits = Limits();
@@ -114,13 +197,26 @@ void RunRequests(StepExecutor* worker, bool speculate, const std::vector<std::ve
     ASSERT_EQ(result.draft_ids_size(), b->draft_ids);
     const std::vector<int32_t> sampled(result.sampled_ids().begin(), result.sampled_ids().end());
     const std::vector<SampledToken> tokens = sched.Complete(0, sampled);
-    int row = 0;
+    int row = 0, rows = 0;
+    for (const MicroBatch::Entry& e : entries) rows += e.logit_row >= 0 ? 1 : 0;
     for (const MicroBatch::Entry& e : entries) {
       if (e.logit_row < 0 || draft_tokens == 0) continue;
       const std::vector<int32_t> guesses(result.draft_ids().begin() + row * draft_tokens,
                                          result.draft_ids().begin() + (row + 1) * draft_tokens);
       ++row;
       for (int32_t g : guesses) ASSERT_TRUE(g >= 0 && g < 256) << g;
+      if (fresh != nullptr && e.seq != 2) {  // seq 2's cached prefix is a hole in the layer's cache
+        ASSERT_EQ(guesses, fresh->Guesses(sched.tokens(e.seq), draft_tokens)) << "seq " << e.seq << " step " << step;
+        // ... and the layer's output hidden state at the last guess's position (the last forward's
+        // row of this sequence), which every pair before it shaped through the layer's attention:
+        // float32 both ways, the same products over other batchings, within 1e-4.
+        const ModelShard* layer = worker->mtp_runner()->shard();
+        std::vector<float> got(64), want(64);
+        ASSERT_TRUE(layer->backend()->CopyToHost(got.data(), layer->hidden(rows).Rows(row - 1, row).data, 64 * sizeof(float)).ok());
+        ASSERT_TRUE(fresh->backend->CopyToHost(want.data(), fresh->mtp->hidden(1).data, 64 * sizeof(float)).ok());
+        for (int i = 0; i < 64; ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << "seq " << e.seq << " step " << step << " [" << i << "]";
+        ++run->checked;
+      }
       proposer.Offer(e.seq, sched.num_tokens(e.seq), guesses);
       ++run->offers;
     }
@@ -154,10 +250,12 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   ASSERT_TRUE(mtp.ok()) << mtp.status();
   EXPECT_NE((*mtp)->draft_summary().find("multi-token-prediction layer 3"), std::string::npos)
       << (*mtp)->draft_summary();
+  FreshMtp fresh;
+  ASSERT_NE(fresh.mtp, nullptr);
   Outcome want, got;
   RunRequests(plain->get(), false, Prompts(), 24, &want);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  RunRequests(mtp->get(), true, Prompts(), 24, &got);
+  RunRequests(mtp->get(), true, Prompts(), 24, &got, &fresh);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   EXPECT_EQ(got.outputs, want.outputs);
   // Hugging Face's greedy tokens for the golden prompt (tests/fixtures/models/deepseek_v3_mtp/golden.json).
@@ -168,6 +266,7 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   EXPECT_GT(got.spec.accepted, 0) << "the layer never agreed with the model";
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
+  EXPECT_GT(got.checked, 20);
   std::printf("[ mtp      ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

@@ -163,6 +163,8 @@ class StepExecutor {
   std::string backend_name() const { return backend_->Describe(); }
   // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
   const std::string& draft_summary() const { return draft_summary_; }
+  // For tests: the multi-token-prediction layer's runner; null without one.
+  const MtpRunner* mtp_runner() const { return mtp_.get(); }
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
   // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
   // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
