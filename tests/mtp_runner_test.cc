@@ -272,11 +272,11 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
               static_cast<long long>(got.spec.verifications));
 }
 
-// The checkpoint with the MTP layer's shared_head as the final norm and LM head, so that a plain
-// shard of layer 3 is the layer's decoder layer and head.
+// The checkpoint with the MTP layer's shared_head as the final norm and LM head (the model's LM head
+// kept with `models_head`), so that a plain shard of layer 3 is the layer's decoder layer and head.
 class SharedHeadAsFinal : public WeightSource {
  public:
-  explicit SharedHeadAsFinal(const WeightSource& base) : base_(base) {}
+  SharedHeadAsFinal(const WeightSource& base, bool models_head) : base_(base), models_head_(models_head) {}
   absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
     return base_.CheckShape(Map(name), shape);
   }
@@ -286,11 +286,29 @@ class SharedHeadAsFinal : public WeightSource {
   }
 
  private:
-  static std::string Map(const std::string& name) {
+  std::string Map(const std::string& name) const {
     if (name == "model.norm.weight") return "model.layers.3.shared_head.norm.weight";
-    if (name == "lm_head.weight") return "model.layers.3.shared_head.head.weight";
+    if (name == "lm_head.weight" && !models_head_) return "model.layers.3.shared_head.head.weight";
     return name;
   }
+  const WeightSource& base_;
+  const bool models_head_;
+};
+
+// The checkpoint without the MTP layer's shared_head.head, as some leave it out.
+class WithoutSharedHead : public WeightSource {
+ public:
+  explicit WithoutSharedHead(const WeightSource& base) : base_(base) {}
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
+    return name == kHead ? absl::NotFoundError(name) : base_.CheckShape(name, shape);
+  }
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType type,
+                    void* dst) const override {
+    return name == kHead ? absl::NotFoundError(name) : base_.Read(name, shape, slice, type, dst);
+  }
+
+ private:
+  static constexpr const char* kHead = "model.layers.3.shared_head.head.weight";
   const WeightSource& base_;
 };
 
@@ -312,78 +330,84 @@ TEST(MtpRunnerTest, TheLayerIsItsDecoderLayerOverTheProjectedInputs) {
   std::unique_ptr<Backend> backend = MakeCpuBackend(0, CpuMatMul::kF32);
   LocalCommunicator tp1(backend.get()), tp2(backend.get());
   const StepLimits limits = Limits();
-  const ShardSpec mtp_spec{.first_layer = L, .end_layer = L + 1, .mtp = true};
-  absl::StatusOr<std::unique_ptr<ModelShard>> mtp = ModelShard::Load(**weights, *config, mtp_spec, limits, backend.get(), &tp1);
-  ASSERT_TRUE(mtp.ok()) << mtp.status();
-  // The plain shard: layer L of a model one layer deeper, its last stage.
-  ModelConfig deeper = *config;
-  deeper.num_hidden_layers = L + 1;
-  SharedHeadAsFinal renamed(**weights);
-  absl::StatusOr<std::unique_ptr<ModelShard>> plain =
-      ModelShard::Load(renamed, deeper, ShardSpec{.first_layer = L, .end_layer = L + 1}, limits, backend.get(), &tp2);
-  ASSERT_TRUE(plain.ok()) << plain.status();
+  // The checkpoint as it is, then without the layer's own head (the model's LM head instead).
+  for (bool without_head : {false, true}) {
+    SCOPED_TRACE(without_head ? "without shared_head.head" : "with shared_head.head");
+    const ShardSpec mtp_spec{.first_layer = L, .end_layer = L + 1, .mtp = true};
+    WithoutSharedHead headless(**weights);
+    const WeightSource& source = without_head ? static_cast<const WeightSource&>(headless) : **weights;
+    absl::StatusOr<std::unique_ptr<ModelShard>> mtp = ModelShard::Load(source, *config, mtp_spec, limits, backend.get(), &tp1);
+    ASSERT_TRUE(mtp.ok()) << mtp.status();
+    // The plain shard: layer L of a model one layer deeper, its last stage.
+    ModelConfig deeper = *config;
+    deeper.num_hidden_layers = L + 1;
+    SharedHeadAsFinal renamed(**weights, without_head);
+    absl::StatusOr<std::unique_ptr<ModelShard>> plain =
+        ModelShard::Load(renamed, deeper, ShardSpec{.first_layer = L, .end_layer = L + 1}, limits, backend.get(), &tp2);
+    ASSERT_TRUE(plain.ok()) << plain.status();
 
-  // Two steps of one sequence: positions 0..3 (position 0's embedding masked), then 4..6.
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const std::vector<float> embed = ReadAll(**weights, "model.embed_tokens.weight", {V, H});
-  const std::vector<float> enorm = ReadAll(**weights, "model.layers.3.enorm.weight", {H});
-  const std::vector<float> hnorm = ReadAll(**weights, "model.layers.3.hnorm.weight", {H});
-  const std::vector<float> eh = ReadAll(**weights, "model.layers.3.eh_proj.weight", {H, 2 * H});
-  const double eps = config->rms_norm_eps;
-  int32_t pos = 0;
-  for (int64_t n : {4, 3}) {
-    StepBatch b;
-    std::vector<float> hidden(static_cast<size_t>(n * H)), projected(static_cast<size_t>(n * H));
-    for (float& v : hidden) v = normal(rng);
-    for (int64_t i = 0; i < n; ++i, ++pos) {
-      const int32_t id = static_cast<int32_t>(rng() % V);
-      b.token_ids.push_back(id);
-      b.positions.push_back(pos);
-      b.token_seq.push_back(0);
-      b.slots.push_back(pos);
-      // x = eh_proj(cat(enorm(embed(id)), hnorm(hidden))), the embedding zero at position 0
-      std::vector<double> cat(2 * H);
-      auto rms = [&](const float* x) {
-        double s = 0;
-        for (int64_t j = 0; j < H; ++j) s += static_cast<double>(x[j]) * x[j];
-        return 1.0 / std::sqrt(s / H + eps);
-      };
-      const float* e = embed.data() + id * H;
-      const float* h = hidden.data() + i * H;
-      const double re = rms(e), rh = rms(h);
-      for (int64_t j = 0; j < H; ++j) {
-        cat[j] = pos == 0 ? 0.0 : e[j] * re * enorm[j];
-        cat[H + j] = h[j] * rh * hnorm[j];
+    // Two steps of one sequence: positions 0..3 (position 0's embedding masked), then 4..6.
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const std::vector<float> embed = ReadAll(**weights, "model.embed_tokens.weight", {V, H});
+    const std::vector<float> enorm = ReadAll(**weights, "model.layers.3.enorm.weight", {H});
+    const std::vector<float> hnorm = ReadAll(**weights, "model.layers.3.hnorm.weight", {H});
+    const std::vector<float> eh = ReadAll(**weights, "model.layers.3.eh_proj.weight", {H, 2 * H});
+    const double eps = config->rms_norm_eps;
+    int32_t pos = 0;
+    for (int64_t n : {4, 3}) {
+      StepBatch b;
+      std::vector<float> hidden(static_cast<size_t>(n * H)), projected(static_cast<size_t>(n * H));
+      for (float& v : hidden) v = normal(rng);
+      for (int64_t i = 0; i < n; ++i, ++pos) {
+        const int32_t id = static_cast<int32_t>(rng() % V);
+        b.token_ids.push_back(id);
+        b.positions.push_back(pos);
+        b.token_seq.push_back(0);
+        b.slots.push_back(pos);
+        // x = eh_proj(cat(enorm(embed(id)), hnorm(hidden))), the embedding zero at position 0
+        std::vector<double> cat(2 * H);
+        auto rms = [&](const float* x) {
+          double s = 0;
+          for (int64_t j = 0; j < H; ++j) s += static_cast<double>(x[j]) * x[j];
+          return 1.0 / std::sqrt(s / H + eps);
+        };
+        const float* e = embed.data() + id * H;
+        const float* h = hidden.data() + i * H;
+        const double re = rms(e), rh = rms(h);
+        for (int64_t j = 0; j < H; ++j) {
+          cat[j] = pos == 0 ? 0.0 : e[j] * re * enorm[j];
+          cat[H + j] = h[j] * rh * hnorm[j];
+        }
+        for (int64_t r = 0; r < H; ++r) {
+          double s = 0;
+          for (int64_t j = 0; j < 2 * H; ++j) s += eh[r * 2 * H + j] * cat[j];
+          projected[i * H + r] = static_cast<float>(s);
+        }
       }
-      for (int64_t r = 0; r < H; ++r) {
-        double s = 0;
-        for (int64_t j = 0; j < 2 * H; ++j) s += eh[r * 2 * H + j] * cat[j];
-        projected[i * H + r] = static_cast<float>(s);
+      b.num_seqs = 1;
+      for (int32_t j = 0; j < limits.max_blocks_per_seq(); ++j) b.block_tables.push_back(j);
+      for (int32_t i = 0; i < n; ++i) b.logit_rows.push_back(i);
+      ASSERT_TRUE(backend->CopyToDevice((*mtp)->hidden(n).data, hidden.data(), hidden.size() * sizeof(float)).ok());
+      ASSERT_TRUE(backend->CopyToDevice((*plain)->hidden(n).data, projected.data(), projected.size() * sizeof(float)).ok());
+      const absl::Status ran = (*mtp)->Forward(b);
+      ASSERT_TRUE(ran.ok()) << ran;
+      StepBatch no_ids = b;
+      no_ids.token_ids.clear();
+      const absl::Status ran_plain = (*plain)->Forward(no_ids);
+      ASSERT_TRUE(ran_plain.ok()) << ran_plain;
+      std::vector<float> got(static_cast<size_t>(n * V)), want(static_cast<size_t>(n * V));
+      ASSERT_TRUE(backend->CopyToHost(got.data(), (*mtp)->logits(n).data, got.size() * sizeof(float)).ok());
+      ASSERT_TRUE(backend->CopyToHost(want.data(), (*plain)->logits(n).data, want.size() * sizeof(float)).ok());
+      // float32 on both sides; only the projection's summation differs (double here): a few ulps of
+      // logits of size ~1 after one layer.
+      double worst = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(got[i])) << i;
+        worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
       }
+      EXPECT_LT(worst, 1e-4) << "step of " << n << " tokens";
     }
-    b.num_seqs = 1;
-    for (int32_t j = 0; j < limits.max_blocks_per_seq(); ++j) b.block_tables.push_back(j);
-    for (int32_t i = 0; i < n; ++i) b.logit_rows.push_back(i);
-    ASSERT_TRUE(backend->CopyToDevice((*mtp)->hidden(n).data, hidden.data(), hidden.size() * sizeof(float)).ok());
-    ASSERT_TRUE(backend->CopyToDevice((*plain)->hidden(n).data, projected.data(), projected.size() * sizeof(float)).ok());
-    const absl::Status ran = (*mtp)->Forward(b);
-    ASSERT_TRUE(ran.ok()) << ran;
-    StepBatch no_ids = b;
-    no_ids.token_ids.clear();
-    const absl::Status ran_plain = (*plain)->Forward(no_ids);
-    ASSERT_TRUE(ran_plain.ok()) << ran_plain;
-    std::vector<float> got(static_cast<size_t>(n * V)), want(static_cast<size_t>(n * V));
-    ASSERT_TRUE(backend->CopyToHost(got.data(), (*mtp)->logits(n).data, got.size() * sizeof(float)).ok());
-    ASSERT_TRUE(backend->CopyToHost(want.data(), (*plain)->logits(n).data, want.size() * sizeof(float)).ok());
-    // float32 on both sides; only the projection's summation differs (double here): a few ulps of
-    // logits of size ~1 after one layer.
-    double worst = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(std::isfinite(got[i])) << i;
-      worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]));
-    }
-    EXPECT_LT(worst, 1e-4) << "step of " << n << " tokens";
   }
 }
 

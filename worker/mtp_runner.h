@@ -85,9 +85,9 @@ class MtpRunner {
 
  private:
   struct Seq {
-    int32_t slot = 0;          // its KV blocks [slot * width, (slot + 1) * width) and its waiting row
-    bool waiting = false;      // a hidden row waits in table_ row `slot` for its next token
-    int32_t waiting_pos = 0;   // that row's position
+    int32_t slot = 0;         // its KV blocks [slot * width, (slot + 1) * width) and its waiting row
+    bool waiting = false;     // a hidden row waits in table_ row `slot` for its next token
+    int32_t waiting_pos = 0;  // that row's position
   };
   MtpRunner() = default;
   // Adds the token `id` at `pos` of `s` to batch_ (a new row of the batch when `new_row`), its
@@ -103,12 +103,12 @@ class MtpRunner {
   std::unique_ptr<ModelShard> shard_;
   ModelShard* target_ = nullptr;
   Backend* backend_ = nullptr;
-  StepLimits limits_;              // the MTP layer's
-  int64_t context_ = 0;            // the positions it takes: its KV cache's and its RoPE's
-  int64_t table_seqs_ = 0;         // the table's waiting rows [0, table_seqs_); the step's after them
+  StepLimits limits_;       // the MTP layer's
+  int64_t context_ = 0;     // the positions it takes: its KV cache's and its RoPE's
+  int64_t table_seqs_ = 0;  // the table's waiting rows [0, table_seqs_); the step's after them
   Buffer table_buffer_, src_rows_buffer_, ids_buffer_;
-  Tensor table_;                   // [table_seqs_ + target max_tokens_per_step, hidden] act
-  Tensor src_rows_, ids_;          // [MtpLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
+  Tensor table_;           // [table_seqs_ + target max_tokens_per_step, hidden] act
+  Tensor src_rows_, ids_;  // [MtpLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
 
   // ---- State ----
   std::vector<Seq> slots_;
@@ -120,12 +120,12 @@ class MtpRunner {
   std::vector<int32_t> src_rows_host_;  // per batch_ token: its hidden state's row of the table
   std::vector<int32_t> next_;           // per logit row: the argmax
   struct Guessing {
-    int32_t out = 0;   // where its guesses go in draft_ids
+    int32_t out = 0;  // where its guesses go in draft_ids
     int32_t slot = 0;
-    int32_t pos = 0;   // the position of its last pair
+    int32_t pos = 0;  // the position of its last pair
   };
-  std::vector<Guessing> guessing_;       // the sampling rows that guess, in logit-row order
-  std::vector<int32_t> waits_;           // (slot, step row) pairs whose row waits after this step
+  std::vector<Guessing> guessing_;  // the sampling rows that guess, in logit-row order
+  std::vector<int32_t> waits_;      // (slot, step row) pairs whose row waits after this step
 };
 
 }  // namespace shardserve
