@@ -515,7 +515,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
                          });
 
 // The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
-// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp), run by the worker that
+// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp_tf5), run by the worker that
 // samples over every step's hidden states. Three requests at once (Hugging Face's golden prompt
 // greedy, a seeded sampling one, a greedy one with logprobs), then the first again from the prefix
 // cache: in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
@@ -572,8 +572,8 @@ TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterMtpSpeculationTest,
-                         ::testing::Values(Layout{"deepseek_v3_mtp", 1, 1}, Layout{"deepseek_v3_mtp", 2, 1},
-                                           Layout{"deepseek_v3_mtp", 1, 2}, Layout{"deepseek_v3_mtp", 2, 2}),
+                         ::testing::Values(Layout{"deepseek_v3_mtp_tf5", 1, 1}, Layout{"deepseek_v3_mtp_tf5", 2, 1},
+                                           Layout{"deepseek_v3_mtp_tf5", 1, 2}, Layout{"deepseek_v3_mtp_tf5", 2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;

@@ -1,5 +1,5 @@
 // Speculative decoding with the model's multi-token-prediction (MTP) layer (worker/mtp_runner.h, run
-// by StepExecutor) on tests/fixtures/models/deepseek_v3_mtp (deepseek_v3_tf5 with an MTP layer:
+// by StepExecutor) on tests/fixtures/models/deepseek_v3_mtp_tf5 (deepseek_v3_tf5 with an MTP layer:
 // tools/fixtures/make_mtp_fixture.py). transformers does not run the layer, so there is no Hugging
 // Face reference for its guesses; what must hold, and what these tests check:
 //
@@ -46,7 +46,7 @@ namespace {
 namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models";
-const std::string kMtp = (kFixtures / "deepseek_v3_mtp").string();
+const std::string kMtp = (kFixtures / "deepseek_v3_mtp_tf5").string();
 
 constexpr int kGuesses = 3;
 
@@ -258,7 +258,7 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   RunRequests(mtp->get(), true, Prompts(), 24, &got, &fresh);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   EXPECT_EQ(got.outputs, want.outputs);
-  // Hugging Face's greedy tokens for the golden prompt (tests/fixtures/models/deepseek_v3_mtp/golden.json).
+  // Hugging Face's greedy tokens for the golden prompt (tests/fixtures/models/deepseek_v3_mtp_tf5/golden.json).
   const std::vector<int32_t> hf = {166, 166, 166, 111, 87, 226, 235, 161, 76, 255, 133, 25,
                                    119, 160, 195, 136, 113, 161, 76, 119, 237, 111, 7, 188};
   EXPECT_EQ(got.outputs[1], hf);
