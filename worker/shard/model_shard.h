@@ -63,7 +63,6 @@ class ModelShard {
   // (a multi-token-prediction layer's shard, ShardSpec::mtp, is neither first nor last stage of the
   // model, but ends in logits as the last does: its head's)
   bool is_last_stage() const { return end_layer_ >= config_.num_hidden_layers; }
-  bool is_mtp() const { return spec_.mtp; }
   const ModelConfig& config() const { return config_; }
   const StepLimits& limits() const { return limits_; }
   uint64_t weight_bytes() const { return load_.weight_bytes; }
