@@ -67,13 +67,15 @@ struct EngineOptions {
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
   // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram" or "draft"
   // (--speculative), at most num_speculative_tokens guesses per sequence per step, none while
-  // speculative_max_running sequences or more run (0: no such limit). With "draft", draft_model is
+  // speculative_max_running sequences or more run (0: no such limit), each sequence's number
+  // adapting to its acceptance with adaptive_speculative_tokens (scheduler.h). With "draft", draft_model is
   // the draft's directory (--draft-model), which the worker that samples runs (the pool's
   // assignments carry it: PoolOptions::draft_model_path).
   std::string speculative;
   std::string draft_model;
   int num_speculative_tokens = 0;
   int64_t speculative_max_running = 8;
+  bool adaptive_speculative_tokens = false;
   // The n-gram proposer's lengths, longest first.
   int ngram_min = 1;
   int ngram_max = 3;
