@@ -329,16 +329,19 @@ class SpecSim {
  public:
   // With `draft` (o.proposer), a draft model on the simulated worker makes the guesses in each step
   // (FakeDraftModel: `draft_same` or not), returned with the step's samples and offered to it, as
-  // the engine does.
+  // the engine does; its KV pool is sized for a model's cache of `draft_pool_for_blocks` blocks
+  // (DraftRunner::DraftLimits; -1: o.limits').
   explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr, DraftProposer* draft = nullptr,
-                   bool draft_same = true)
+                   bool draft_same = true, int64_t draft_pool_for_blocks = -1)
       : o_(o), sched_(WithFilter(o, guesses)), worker_(o.limits, kInputVocab, /*keep_history=*/true),
         cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)),
         sliding_cache_(static_cast<size_t>(o.limits.num_sliding_kv_blocks * o.limits.block_size)),
         guesses_(guesses), draft_(draft), draft_same_(draft_same) {
     if (draft_ != nullptr) {
-      const StepLimits dl = DraftRunner::DraftLimits(o.limits);
-      draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), o.limits,
+      StepLimits target = o.limits;
+      if (draft_pool_for_blocks >= 0) target.num_kv_blocks = draft_pool_for_blocks;
+      const StepLimits dl = DraftRunner::DraftLimits(target);
+      draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), target,
                                                     kInputVocab, dl.max_model_len);
     }
   }
@@ -398,6 +401,7 @@ class SpecSim {
   int64_t max_samples_in_a_row() const { return max_samples_; }
   int64_t draft_offers() const { return draft_offers_; }
   int64_t draft_forwards() const { return draft_runner_ != nullptr ? draft_runner_->forwards() : 0; }
+  const DraftRunner* draft_runner() const { return draft_runner_.get(); }
 
  private:
   struct Seq {
@@ -505,6 +509,7 @@ class SpecSim {
     for (int n : per_row) max_samples_ = std::max<int64_t>(max_samples_, n);
     // The draft model runs on the worker right after sampling (StepExecutor::Execute).
     google::protobuf::RepeatedField<int32_t> draft_ids;
+    const int64_t starved = draft_runner_ != nullptr ? draft_runner_->starved() : 0;
     if (draft_runner_ != nullptr) {
       ASSERT_TRUE(draft_runner_->Apply(f.plan).ok());
       google::protobuf::RepeatedField<int32_t> samples(sampled.begin(), sampled.end());
@@ -524,7 +529,12 @@ class SpecSim {
         ++i;
         if (!sched_.Contains(e.seq)) continue;
         const std::vector<int32_t> tokens = sched_.tokens(e.seq);
-        ASSERT_EQ(guesses, FakeDraftModel::Guesses(tokens, k, draft_same_)) << "seq " << e.seq;
+        // A row the draft's pool had no blocks for this step gets padding: its last token.
+        const bool padding = draft_runner_->starved() > starved &&
+                             guesses == std::vector<int32_t>(static_cast<size_t>(k), tokens.back());
+        if (!padding) {
+          ASSERT_EQ(guesses, FakeDraftModel::Guesses(tokens, k, draft_same_)) << "seq " << e.seq;
+        }
         // Its record of the fed tokens starts with the sequence's accepted ones (rejected guesses
         // after them until the next plan's rollback).
         const std::vector<int32_t> fed = draft_runner_->fed(e.seq);
@@ -905,6 +915,42 @@ TEST(SpeculationTest, NoGuessesInALargeBatch) {
     ASSERT_NE(b, nullptr);
     EXPECT_EQ(b->entries[0].draft.empty(), n == 2) << n << " running";
   }
+}
+
+// The draft's KV pool (DraftRunner::DraftLimits) holds as many blocks as the model's cache and
+// room for each sequence's guesses; sized here for a model's cache of none, it holds far fewer
+// tokens than the running sequences: rows that find no free blocks get padding for guesses, the
+// others guesses a fresh draft would make on their tokens (the blocks given back on every cut and
+// free are reused without mixing sequences), and the outputs are those of decoding alone.
+TEST(SpeculationTest, ADraftPoolTooSmallStarvesRowsButKeepsOutputsAndBlocks) {
+  Oracle oracle;
+  DraftProposer draft;
+  SchedulerOptions o = SpecOptions(&draft, 4, 400);
+  o.limits.max_seqs_per_step = 8;
+  SpecSim sim(o, nullptr, &draft, /*draft_same=*/true, /*draft_pool_for_blocks=*/0);
+  const StepLimits dl = DraftRunner::DraftLimits(StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 8,
+                                                            .block_size = 4, .num_kv_blocks = 0, .max_model_len = 64});
+  ASSERT_EQ(dl.num_kv_blocks, 8 * 5) << "room for 4 + 16 guessed tokens a sequence, and no more";
+  ASSERT_EQ(sim.draft_runner()->free_blocks(), dl.num_kv_blocks);
+  std::mt19937_64 rng(5);
+  v1::RowSampling greedy;
+  std::map<uint64_t, std::vector<int32_t>> want;
+  for (uint64_t id = 1; id <= 12; ++id) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 20; ++j) prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+    prompt.push_back(kVocab + static_cast<int32_t>(id));
+    want[id] = Reference(prompt, 24, greedy);
+    sim.Add(id, prompt, 24, greedy);
+  }
+  int64_t steps = 0;
+  while (sim.Step() && steps < 5000) {
+    ASSERT_FALSE(HasFatalFailure());
+    ++steps;
+    ASSERT_GE(sim.draft_runner()->free_blocks(), 0);
+  }
+  for (const auto& [id, tokens] : want) EXPECT_EQ(sim.Output(id), tokens) << "seq " << id;
+  EXPECT_GT(sim.draft_runner()->starved(), 0) << "the pool never ran short";
+  EXPECT_GT(sim.sched().speculation().accepted, 0) << "no row ever got the draft's guesses";
 }
 
 // Adaptive guesses (adaptive_speculative_tokens): a sequence starts at num_speculative_tokens

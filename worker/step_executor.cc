@@ -239,10 +239,10 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
           ShardDraftModel::Load(a.draft_model_path(), *config, draft_limits, backend);
       if (!draft.ok()) return draft.status();
       e->draft_summary_ = absl::StrFormat(
-          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), run after sampling",
+          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d blocks of %d tokens), run after sampling",
           a.draft_model_path(), static_cast<double>((*draft)->weight_bytes()) / (1 << 20),
-          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.max_seqs_per_step,
-          draft_limits.max_model_len);
+          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.num_kv_blocks,
+          draft_limits.block_size);
       const int64_t context = (*draft)->config().max_position_embeddings;
       const int64_t positions = context > 0 ? std::min(context, draft_limits.max_model_len) : draft_limits.max_model_len;
       e->draft_ = std::make_unique<DraftRunner>(std::move(*draft), options, config->vocab_size, positions);
