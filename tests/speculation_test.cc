@@ -330,7 +330,7 @@ class SpecSim {
   // With `draft` (o.proposer), a draft model on the simulated worker makes the guesses in each step
   // (FakeDraftModel: `draft_same` or not), returned with the step's samples and offered to it, as
   // the engine does; its KV pool is sized for a model's cache of `draft_pool_for_blocks` blocks
-  // (DraftRunner::DraftLimits; -1: o.limits').
+  // (DraftStepLimits; -1: o.limits').
   explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr, DraftProposer* draft = nullptr,
                    bool draft_same = true, int64_t draft_pool_for_blocks = -1)
       : o_(o), sched_(WithFilter(o, guesses)), worker_(o.limits, kInputVocab, /*keep_history=*/true),
@@ -340,7 +340,7 @@ class SpecSim {
     if (draft_ != nullptr) {
       StepLimits target = o.limits;
       if (draft_pool_for_blocks >= 0) target.num_kv_blocks = draft_pool_for_blocks;
-      const StepLimits dl = DraftRunner::DraftLimits(target);
+      const StepLimits dl = DraftStepLimits(target);
       draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), target,
                                                     kInputVocab, dl.max_model_len);
     }
@@ -917,7 +917,7 @@ TEST(SpeculationTest, NoGuessesInALargeBatch) {
   }
 }
 
-// The draft's KV pool (DraftRunner::DraftLimits) holds as many blocks as the model's cache and
+// The draft's KV pool (DraftStepLimits) holds as many blocks as the model's cache and
 // room for each sequence's guesses; sized here for a model's cache of none, it holds far fewer
 // tokens than the running sequences: rows that find no free blocks get padding for guesses, the
 // others guesses a fresh draft would make on their tokens (the blocks given back on every cut and
@@ -928,7 +928,7 @@ TEST(SpeculationTest, ADraftPoolTooSmallStarvesRowsButKeepsOutputsAndBlocks) {
   SchedulerOptions o = SpecOptions(&draft, 4, 400);
   o.limits.max_seqs_per_step = 8;
   SpecSim sim(o, nullptr, &draft, /*draft_same=*/true, /*draft_pool_for_blocks=*/0);
-  const StepLimits dl = DraftRunner::DraftLimits(StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 8,
+  const StepLimits dl = DraftStepLimits(StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 8,
                                                             .block_size = 4, .num_kv_blocks = 0, .max_model_len = 64});
   ASSERT_EQ(dl.num_kv_blocks, 8 * 5) << "room for 4 + 16 guessed tokens a sequence, and no more";
   ASSERT_EQ(sim.draft_runner()->free_blocks(), dl.num_kv_blocks);

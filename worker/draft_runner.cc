@@ -7,25 +7,9 @@
 
 namespace shardserve {
 
-StepLimits DraftRunner::DraftLimits(const StepLimits& target) {
-  StepLimits d;
-  d.max_tokens_per_step = target.max_tokens_per_step;
-  d.max_seqs_per_step = target.max_seqs_per_step;
-  d.block_size = target.block_size;
-  // The proposed tokens are fed after the sequence's last (all but the last of them).
-  d.max_model_len = target.max_model_len + kMaxDraftTokens;
-  // As many blocks as the target's cache, which holds every running sequence's tokens, and room for
-  // each sequence's guesses past them; never more than every sequence at its longest.
-  const int64_t guesses = (kMaxDraftTokens + d.block_size - 1) / d.block_size + 1;
-  d.num_kv_blocks = std::min(d.max_seqs_per_step * d.max_blocks_per_seq(),
-                             target.num_kv_blocks + d.max_seqs_per_step * guesses);
-  d.num_sliding_kv_blocks = 0;  // sliding layers, if any, read their window through the one table
-  return d;
-}
-
 DraftRunner::DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& target, int64_t vocab_size,
                          int64_t max_positions)
-    : model_(std::move(model)), limits_(DraftLimits(target)), vocab_size_(vocab_size) {
+    : model_(std::move(model)), limits_(DraftStepLimits(target)), vocab_size_(vocab_size) {
   const int64_t m = std::max<int64_t>(0, limits_.max_seqs_per_step);
   const int64_t len = limits_.max_blocks_per_seq() * limits_.block_size;
   max_positions_ = std::min(max_positions, len);
@@ -92,8 +76,8 @@ std::vector<int32_t> DraftRunner::held(uint64_t seq) const {
 
 absl::Status DraftRunner::Apply(const v1::StepPlan& p) {
   auto bad = [&p](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": ", parts...)); };
-  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxDraftTokens) {
-    return bad("num_draft_tokens ", p.num_draft_tokens(), " outside [0, ", kMaxDraftTokens, "]");
+  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxSpeculativeTokens) {
+    return bad("num_draft_tokens ", p.num_draft_tokens(), " outside [0, ", kMaxSpeculativeTokens, "]");
   }
   // As PersistentBatch::Apply, which checked the plan: freed, rolled back, new, then the rows.
   for (uint64_t id : p.freed_seq_ids()) {

@@ -16,9 +16,9 @@
 //            K draft forwards in all (more only when the missing tokens exceed a step), K ids per
 //            row into StepResult.draft_ids.
 //
-// The draft's KV cache: its own paged pool (DraftLimits) of as many blocks as the model's cache
+// The draft's KV cache: its own paged pool (model/step_limits.h DraftStepLimits) of as many blocks as the model's cache
 // and room for every sequence's guesses past its tokens (the proposed tokens are fed past the
-// sequence's last), at most max_seqs_per_step sequences of max_model_len + kMaxDraftTokens tokens.
+// sequence's last), at most max_seqs_per_step sequences of max_model_len + kMaxSpeculativeTokens tokens.
 // A sequence takes blocks as its draft KV grows and gives back those past a cut. Per sequence it
 // remembers which tokens its KV holds (positions 0 on); a rollback cuts that record and its blocks.
 // The model's cache may share a cached prefix among sequences where the draft's holds a copy per
@@ -44,10 +44,6 @@
 
 namespace shardserve {
 
-// The most tokens a plan may ask the draft for per row (StepPlan.num_draft_tokens), as the
-// coordinator's --num-speculative-tokens.
-inline constexpr int kMaxDraftTokens = 16;
-
 // The draft's forward pass: a whole model over a StepBatch laid out as ModelShard::Forward takes it
 // (worker/shard_inputs.h), in the draft's own KV cache, with the greedy id after each logit row.
 // ShardDraftModel (worker/step_executor.cc) is a ModelShard; tests pass models of their own.
@@ -61,20 +57,16 @@ class DraftModel {
 
 class DraftRunner {
  public:
-  // The draft's limits for a target served within `target`: its steps as the target's (tokens,
-  // sequences, block size), its KV cache one run of blocks per sequence the worker may hold.
-  static StepLimits DraftLimits(const StepLimits& target);
-
   // For plans within `target` (the worker's limits) over a vocabulary of `vocab_size` ids; `model`
-  // runs within DraftLimits(target) and takes positions below `max_positions` (the draft's context:
-  // DraftLimits' max_model_len, or less where the draft's config says so). A sequence longer than
+  // runs within DraftStepLimits(target) and takes positions below `max_positions` (the draft's context:
+  // DraftStepLimits' max_model_len, or less where the draft's config says so). A sequence longer than
   // that gets padding for guesses (its last token, repeated: the verification refuses what is
   // wrong), as do the guesses past it.
   DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& target, int64_t vocab_size, int64_t max_positions);
 
   // Follows `plan` (see above). Call after PersistentBatch::Apply accepted it. InvalidArgument for a
   // new sequence whose cached_token_ids are not its num_cached_tokens ids of the vocabulary, or a
-  // num_draft_tokens outside [0, kMaxDraftTokens]; the state is undefined after an error.
+  // num_draft_tokens outside [0, kMaxSpeculativeTokens]; the state is undefined after an error.
   absl::Status Apply(const v1::StepPlan& plan);
 
   // After the step sampled `sampled` (one id per logit row, row after row): when the plan asks,

@@ -198,6 +198,7 @@ class StepExecutor {
   // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
   std::unique_ptr<DraftRunner> draft_;
   std::string draft_summary_;
+  int64_t draft_bytes_ = 0;  // its weights, KV cache and step buffers
 
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at

@@ -83,8 +83,6 @@ struct EngineOptions {
   const Proposer* proposer = nullptr;
 };
 
-// The bounds of --num-speculative-tokens.
-inline constexpr int kMaxSpeculativeTokens = 16;
 // Checks the speculative decoding options: InvalidArgument naming the flag.
 absl::Status CheckSpeculativeOptions(const EngineOptions& options);
 
