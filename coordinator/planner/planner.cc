@@ -119,9 +119,6 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
   return count;
 }
 
-// The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
-// length, an upper bound on the one the workers get.
-// The KV cache device `g` needs for one sequence of the shortest max_model_len accepted.
 // The options' step limits serving sequences of `len` tokens.
 StepLimits ServedLimits(const Context& ctx, int64_t len) {
   StepLimits limits = ctx.options.limits;
@@ -129,6 +126,7 @@ StepLimits ServedLimits(const Context& ctx, int64_t len) {
   return limits;
 }
 
+// The KV cache device `g` needs for one sequence of the shortest max_model_len accepted.
 uint64_t NeedKvBytes(const Context& ctx, const GpuPlan& g) {
   const int64_t blocks = CeilDiv(ctx.min_len, ctx.options.limits.block_size);
   return GpuKvBytes(g, blocks, PlannedSlidingBlocks(ctx.config, ctx.options.limits, blocks, ctx.min_len),
@@ -159,6 +157,8 @@ absl::Status CountDraft(Context* ctx) {
   return absl::OkStatus();
 }
 
+// The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
+// length, an upper bound on the one the workers get.
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
   StepLimits limits = ctx.options.limits;
   limits.num_kv_blocks = 0;
