@@ -1,5 +1,7 @@
 #include "model/step_limits.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "shardserve/v1/worker.pb.h"
@@ -60,6 +62,19 @@ void ToProto(const StepLimits& limits, v1::StepLimits* out) {
   out->set_num_kv_blocks(limits.num_kv_blocks);
   out->set_max_model_len(limits.max_model_len);
   out->set_num_sliding_kv_blocks(limits.num_sliding_kv_blocks);
+}
+
+StepLimits DraftStepLimits(const StepLimits& model) {
+  StepLimits d;
+  d.max_tokens_per_step = model.max_tokens_per_step;
+  d.max_seqs_per_step = model.max_seqs_per_step;
+  d.block_size = model.block_size;
+  d.max_model_len = model.max_model_len + kMaxSpeculativeTokens;
+  const int64_t guesses = (kMaxSpeculativeTokens + d.block_size - 1) / d.block_size + 1;
+  d.num_kv_blocks = std::min(d.max_seqs_per_step * d.max_blocks_per_seq(),
+                             model.num_kv_blocks + d.max_seqs_per_step * guesses);
+  d.num_sliding_kv_blocks = 0;  // sliding layers, if any, read their window through the one table
+  return d;
 }
 
 StepLimits FromProto(const v1::StepLimits& in) {

@@ -47,6 +47,17 @@ struct StepLimits {
   bool operator==(const StepLimits&) const = default;
 };
 
+// Speculative decoding (docs/speculative-decoding.md): the most guesses a step may feed a sequence
+// (--num-speculative-tokens) and a plan may ask a draft model for (StepPlan.num_draft_tokens).
+inline constexpr int kMaxSpeculativeTokens = 16;
+
+// The limits a draft model beside a model served within `model` runs within (worker/draft_runner.h):
+// its steps as the model's (tokens, sequences, block size); sequences kMaxSpeculativeTokens longer
+// (the guesses are fed past a sequence's last token); a KV pool of as many blocks as the model's
+// cache, which holds every running sequence's tokens, and room for each sequence's guesses past
+// them, never more than every sequence at its longest. The planner counts its cache from these.
+StepLimits DraftStepLimits(const StepLimits& model);
+
 // The wire form (worker.proto), and back. FromProto does not check: call ValidateDecided().
 void ToProto(const StepLimits& limits, v1::StepLimits* out);
 StepLimits FromProto(const v1::StepLimits& in);

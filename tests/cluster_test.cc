@@ -209,7 +209,9 @@ TEST_P(ClusterExpertParallelTest, GreedyTokensMatchHuggingFace) {
     const Range mine = ExpertRange(experts, w.tp_rank(), l.tp);
     for (int64_t e = 0; e < experts; ++e) {
       const double rows = Sum(m, "shardserve_worker_expert_rows_total", {"expert=\"" + std::to_string(e) + "\""});
-      if (e < mine.begin || e >= mine.end) EXPECT_EQ(rows, 0) << "rank " << w.tp_rank() << " expert " << e;
+      if (e < mine.begin || e >= mine.end) {
+        EXPECT_EQ(rows, 0) << "rank " << w.tp_rank() << " expert " << e;
+      }
     }
     if (bytes_by_stage.size() == 1) {
       EXPECT_GT(Sum(m, "shardserve_worker_expert_rows_total", {}), 0) << "rank " << w.tp_rank();
@@ -443,7 +445,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterConstrainedSpeculationTest,
 // first again, whose prompt the prefix cache now holds (so the draft is sent the cached tokens'
 // ids): in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
 // speculation, token for token; guesses were made and some accepted, and the status names the
-// proposer.
+// proposer. The TP 2 layouts adapt each sequence's guesses (--adaptive-speculative-tokens).
 class ClusterDraftSpeculationTest : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
@@ -485,9 +487,11 @@ TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
   v1::SchedulerStatus plain_status, s;
   run({"--block-size", "4"}, &plain, &plain_status);
   ASSERT_FALSE(HasFatalFailure());
-  run({"--block-size", "4", "--speculative", "draft", "--draft-model",
-       (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(), "--num-speculative-tokens", "4"},
-      &speculated, &s);
+  std::vector<std::string> flags = {"--block-size", "4", "--speculative", "draft", "--draft-model",
+                                    (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(),
+                                    "--num-speculative-tokens", "4"};
+  if (l.tp == 2) flags.push_back("--adaptive-speculative-tokens");
+  run(flags, &speculated, &s);
   ASSERT_FALSE(HasFatalFailure());
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
@@ -976,6 +980,7 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
       {{"--num-speculative-tokens", "4"}, "--num-speculative-tokens needs --speculative"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "2", "--speculative-max-running", "-1"},
        "--speculative-max-running must be an integer in [0, 4096]"},
+      {{"--adaptive-speculative-tokens"}, "--adaptive-speculative-tokens needs --speculative"},
   };
   for (const auto& [flags, want] : cases) {
     const fs::path log = dir / "coordinator.log";

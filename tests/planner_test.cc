@@ -1429,7 +1429,9 @@ TEST_P(PlannerFixtureLayouts, PlanLoadsAndMatchesTheWorker) {
     ASSERT_EQ(q4.per_gpu.size(), p.per_gpu.size());
     // Not so for the MoE fixtures: their experts' down_proj rows of 32 inputs fill a quarter of a
     // 72-byte group (2.25 bytes a value against int8's 1.125), and experts are most of their bytes.
-    if (c.num_experts == 0) EXPECT_LT(q4.model_weight_bytes, q.model_weight_bytes);
+    if (c.num_experts == 0) {
+      EXPECT_LT(q4.model_weight_bytes, q.model_weight_bytes);
+    }
     ASSERT_NO_FATAL_FAILURE(expect_worker_holds(q4, WeightQuant::kInt4));
   } else {
     absl::StatusOr<Plan> refused = MakePlan(c, nullptr, SmallCpuCluster(), int4);
@@ -1729,14 +1731,74 @@ TEST(PlannerExpertParallel, PlanMatchesTheWorkerOnEveryRank) {
               if (a.stage != b.stage || !sparse) continue;
               const int64_t ea = ExpertRange(c.num_experts, a.tp_rank, tp).size(),
                             eb = ExpertRange(c.num_experts, b.tp_rank, tp).size();
-              if (ea < eb) EXPECT_LT(a.weight_bytes, b.weight_bytes) << where << " ranks " << a.tp_rank << ", " << b.tp_rank;
-              if (ea == eb) EXPECT_EQ(a.weight_bytes, b.weight_bytes) << where << " ranks " << a.tp_rank << ", " << b.tp_rank;
+              if (ea < eb) {
+                EXPECT_LT(a.weight_bytes, b.weight_bytes) << where << " ranks " << a.tp_rank << ", " << b.tp_rank;
+              }
+              if (ea == eb) {
+                EXPECT_EQ(a.weight_bytes, b.weight_bytes) << where << " ranks " << a.tp_rank << ", " << b.tp_rank;
+              }
             }
           }
         }
       }
     }
   }
+}
+
+// Speculative decoding's draft model (PlanOptions::draft): the demo model with models/demo-draft
+// on two nodes of two small "GPUs". The last stage's TP rank 0 holds the draft: its item equals
+// what the worker's loader allocates for the draft (weights, step buffers, and a KV pool of
+// DraftStepLimits' blocks for the plan's limits), every device lists the item (0 on the others) and
+// its items still add up to its memory, and the draft's cache takes its share of what is left: the
+// model's cache is smaller than without the draft. A draft of another vocabulary is refused.
+TEST(PlannerDraft, CountsTheDraftAsTheWorkerLoadsIt) {
+  const fs::path root = fs::path(SHARDSERVE_SOURCE_DIR) / "models";
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(root / "demo");
+  ASSERT_TRUE(m.ok()) << m.status();
+  absl::StatusOr<PlannerModel> d = OpenPlannerModel(root / "demo-draft");
+  ASSERT_TRUE(d.ok()) << d.status();
+  ClusterSpec cluster = SmallCpuCluster();
+  cluster.gpu = {"cpu", 48u << 20, 10e9};  // CPU workers of 48 MiB: no CUDA runtime beside them
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  // 4 sequences: the draft's pool is every sequence at its longest (68 blocks); 64: the model's
+  // blocks and the guesses' (fewer than 64 sequences at their longest).
+  for (const auto& [tp, pp, seqs] : {std::tuple{1, 1, 4}, std::tuple{2, 2, 4}, std::tuple{1, 1, 64}}) {
+    const std::string where = absl::StrCat("TP=", tp, " PP=", pp, " sequences ", seqs);
+    PlanOptions plain = SmallCpuOptions(tp, pp);
+    plain.limits.max_seqs_per_step = seqs;
+    PlanOptions o = plain;
+    o.draft = d->config;
+    const Plan without = MustPlan(m->config, cluster, plain);
+    const Plan p = MustPlan(m->config, cluster, o);
+    ASSERT_TRUE(p.fits) << where << ": " << p.reason;
+    EXPECT_LT(p.kv_cache_tokens, without.kv_cache_tokens) << where;
+    for (const GpuPlan& g : p.per_gpu) {
+      const bool sampler = g.stage == pp - 1 && g.tp_rank == 0;
+      EXPECT_EQ(ItemSum(g), static_cast<int64_t>(cluster.gpu.memory_bytes)) << where;
+      EXPECT_GE(Item(g, kMemFree), 0) << where;
+      if (!sampler) {
+        EXPECT_EQ(Item(g, kMemDraftModel), 0) << where << " stage " << g.stage << " rank " << g.tp_rank;
+        continue;
+      }
+      LoadOnlyCommunicator comm(0, 1);
+      absl::StatusOr<std::unique_ptr<ModelShard>> draft = ModelShard::Load(
+          *d->checkpoint, d->config, ShardSpec{0, -1, 0, 1}, DraftStepLimits(p.limits), backend.get(), &comm);
+      ASSERT_TRUE(draft.ok()) << where << ": " << draft.status();
+      const StepLimits dl = DraftStepLimits(p.limits);
+      EXPECT_EQ(dl.num_kv_blocks == seqs * dl.max_blocks_per_seq(), seqs == 4) << where;
+      EXPECT_EQ(Item(g, kMemDraftModel),
+                static_cast<int64_t>((*draft)->weight_bytes() + (*draft)->kv_cache_bytes() +
+                                     (*draft)->step_buffer_bytes()))
+          << where;
+    }
+  }
+  ModelConfig other = d->config;
+  other.vocab_size += 1;
+  PlanOptions o = SmallCpuOptions(1, 1);
+  o.draft = other;
+  absl::StatusOr<Plan> refused = MakePlan(m->config, nullptr, cluster, o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("a draft must share the model's tokenizer and vocabulary"));
 }
 
 // A dense model has no experts to place: --expert-parallel is refused, saying so, at any TP.

@@ -329,16 +329,19 @@ class SpecSim {
  public:
   // With `draft` (o.proposer), a draft model on the simulated worker makes the guesses in each step
   // (FakeDraftModel: `draft_same` or not), returned with the step's samples and offered to it, as
-  // the engine does.
+  // the engine does; its KV pool is sized for a model's cache of `draft_pool_for_blocks` blocks
+  // (DraftStepLimits; -1: o.limits').
   explicit SpecSim(const SchedulerOptions& o, GrammarGuesses* guesses = nullptr, DraftProposer* draft = nullptr,
-                   bool draft_same = true)
+                   bool draft_same = true, int64_t draft_pool_for_blocks = -1)
       : o_(o), sched_(WithFilter(o, guesses)), worker_(o.limits, kInputVocab, /*keep_history=*/true),
         cache_(static_cast<size_t>(o.limits.num_kv_blocks * o.limits.block_size)),
         sliding_cache_(static_cast<size_t>(o.limits.num_sliding_kv_blocks * o.limits.block_size)),
         guesses_(guesses), draft_(draft), draft_same_(draft_same) {
     if (draft_ != nullptr) {
-      const StepLimits dl = DraftRunner::DraftLimits(o.limits);
-      draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), o.limits,
+      StepLimits target = o.limits;
+      if (draft_pool_for_blocks >= 0) target.num_kv_blocks = draft_pool_for_blocks;
+      const StepLimits dl = DraftStepLimits(target);
+      draft_runner_ = std::make_unique<DraftRunner>(std::make_unique<FakeDraftModel>(dl, draft_same), target,
                                                     kInputVocab, dl.max_model_len);
     }
   }
@@ -398,6 +401,7 @@ class SpecSim {
   int64_t max_samples_in_a_row() const { return max_samples_; }
   int64_t draft_offers() const { return draft_offers_; }
   int64_t draft_forwards() const { return draft_runner_ != nullptr ? draft_runner_->forwards() : 0; }
+  const DraftRunner* draft_runner() const { return draft_runner_.get(); }
 
  private:
   struct Seq {
@@ -505,6 +509,7 @@ class SpecSim {
     for (int n : per_row) max_samples_ = std::max<int64_t>(max_samples_, n);
     // The draft model runs on the worker right after sampling (StepExecutor::Execute).
     google::protobuf::RepeatedField<int32_t> draft_ids;
+    const int64_t starved = draft_runner_ != nullptr ? draft_runner_->starved() : 0;
     if (draft_runner_ != nullptr) {
       ASSERT_TRUE(draft_runner_->Apply(f.plan).ok());
       google::protobuf::RepeatedField<int32_t> samples(sampled.begin(), sampled.end());
@@ -524,7 +529,12 @@ class SpecSim {
         ++i;
         if (!sched_.Contains(e.seq)) continue;
         const std::vector<int32_t> tokens = sched_.tokens(e.seq);
-        ASSERT_EQ(guesses, FakeDraftModel::Guesses(tokens, k, draft_same_)) << "seq " << e.seq;
+        // A row the draft's pool had no blocks for this step gets padding: its last token.
+        const bool padding = draft_runner_->starved() > starved &&
+                             guesses == std::vector<int32_t>(static_cast<size_t>(k), tokens.back());
+        if (!padding) {
+          ASSERT_EQ(guesses, FakeDraftModel::Guesses(tokens, k, draft_same_)) << "seq " << e.seq;
+        }
         // Its record of the fed tokens starts with the sequence's accepted ones (rejected guesses
         // after them until the next plan's rollback).
         const std::vector<int32_t> fed = draft_runner_->fed(e.seq);
@@ -591,6 +601,7 @@ struct Param {
   float temperature;
   Window window;
   bool grammar;  // every other sequence constrained (AbcGrammar)
+  bool adaptive;  // adaptive_speculative_tokens
   std::string name;
 };
 
@@ -643,6 +654,7 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
   SchedulerOptions o = SpecOptions(proposers[static_cast<int>(p.kind)], 4, p.num_kv_blocks);
   o.lanes = p.lanes;
   o.prefix_caching = p.prefix_caching;
+  o.adaptive_speculative_tokens = p.adaptive;
   // A draft's guesses are asked for only while speculation is on: here it goes off and on as the
   // batch grows and shrinks, so the draft falls behind and must find where its cache and the
   // sequence's tokens part.
@@ -681,7 +693,9 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
   int64_t by_position = 0;
   for (size_t i = 0; i < st.accepted_by_position.size(); ++i) {
     by_position += st.accepted_by_position[i];
-    if (i > 0) EXPECT_LE(st.accepted_by_position[i], st.accepted_by_position[i - 1]);
+    if (i > 0) {
+      EXPECT_LE(st.accepted_by_position[i], st.accepted_by_position[i - 1]);
+    }
   }
   EXPECT_EQ(by_position, st.accepted);
   if (p.kind == Kind::kRight) {
@@ -718,7 +732,7 @@ TEST_P(SpeculationSimTest, OutputsEqualDecodingAlone) {
 
 // Every proposer, 1 or 2 lanes, a cache small enough to preempt or not, greedy or seeded: with
 // prefix caching on or off and no window, unconstrained; with prefix caching on, each window
-// (every layer, a pool of its own), and constrained sequences without a window.
+// (every layer, a pool of its own), constrained sequences without a window, and adaptive guesses.
 std::vector<Param> Params() {
   std::vector<Param> out;
   const char* kinds[] = {"Right", "Wrong", "Ngram", "Random", "DraftSame", "DraftOther"};
@@ -726,18 +740,22 @@ std::vector<Param> Params() {
     bool prefix_caching;
     Window window;
     bool grammar;
+    bool adaptive;
     const char* name;
   };
-  const Variant variants[] = {{true, Window::kNone, false, "_Prefix"},         {false, Window::kNone, false, "_NoPrefix"},
-                              {true, Window::kAll, false, "_Prefix_WindowAll"}, {true, Window::kPool, false, "_Prefix_WindowPool"},
-                              {true, Window::kNone, true, "_Prefix_Grammar"}};
+  const Variant variants[] = {{true, Window::kNone, false, false, "_Prefix"},
+                              {false, Window::kNone, false, false, "_NoPrefix"},
+                              {true, Window::kAll, false, false, "_Prefix_WindowAll"},
+                              {true, Window::kPool, false, false, "_Prefix_WindowPool"},
+                              {true, Window::kNone, true, false, "_Prefix_Grammar"},
+                              {true, Window::kNone, false, true, "_Prefix_Adaptive"}};
   for (int k = 0; k < 6; ++k) {
     for (int lanes : {1, 2}) {
       for (int64_t blocks : {int64_t{16}, int64_t{400}}) {
         for (const Variant& v : variants) {
           for (float temp : {0.0f, 1.0f}) {
             out.push_back(Param{static_cast<Kind>(k), lanes, blocks, v.prefix_caching, temp, v.window, v.grammar,
-                                std::string(kinds[k]) + "_Lanes" + std::to_string(lanes) +
+                                v.adaptive, std::string(kinds[k]) + "_Lanes" + std::to_string(lanes) +
                                     (blocks <= 24 ? "_SmallCache" : "_LargeCache") + v.name +
                                     (temp == 0 ? "_Greedy" : "_Sampled")});
           }
@@ -897,6 +915,120 @@ TEST(SpeculationTest, NoGuessesInALargeBatch) {
     ASSERT_NE(b, nullptr);
     EXPECT_EQ(b->entries[0].draft.empty(), n == 2) << n << " running";
   }
+}
+
+// The draft's KV pool (DraftStepLimits) holds as many blocks as the model's cache and
+// room for each sequence's guesses; sized here for a model's cache of none, it holds far fewer
+// tokens than the running sequences: rows that find no free blocks get padding for guesses, the
+// others guesses a fresh draft would make on their tokens (the blocks given back on every cut and
+// free are reused without mixing sequences), and the outputs are those of decoding alone.
+TEST(SpeculationTest, ADraftPoolTooSmallStarvesRowsButKeepsOutputsAndBlocks) {
+  Oracle oracle;
+  DraftProposer draft;
+  SchedulerOptions o = SpecOptions(&draft, 4, 400);
+  o.limits.max_seqs_per_step = 8;
+  SpecSim sim(o, nullptr, &draft, /*draft_same=*/true, /*draft_pool_for_blocks=*/0);
+  const StepLimits dl = DraftStepLimits(StepLimits{.max_tokens_per_step = 32, .max_seqs_per_step = 8,
+                                                            .block_size = 4, .num_kv_blocks = 0, .max_model_len = 64});
+  ASSERT_EQ(dl.num_kv_blocks, 8 * 5) << "room for 4 + 16 guessed tokens a sequence, and no more";
+  ASSERT_EQ(sim.draft_runner()->free_blocks(), dl.num_kv_blocks);
+  std::mt19937_64 rng(5);
+  v1::RowSampling greedy;
+  std::map<uint64_t, std::vector<int32_t>> want;
+  for (uint64_t id = 1; id <= 12; ++id) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 20; ++j) prompt.push_back(static_cast<int32_t>(rng() % kVocab));
+    prompt.push_back(kVocab + static_cast<int32_t>(id));
+    want[id] = Reference(prompt, 24, greedy);
+    sim.Add(id, prompt, 24, greedy);
+  }
+  int64_t steps = 0;
+  while (sim.Step() && steps < 5000) {
+    ASSERT_FALSE(HasFatalFailure());
+    ++steps;
+    ASSERT_GE(sim.draft_runner()->free_blocks(), 0);
+  }
+  for (const auto& [id, tokens] : want) EXPECT_EQ(sim.Output(id), tokens) << "seq " << id;
+  EXPECT_GT(sim.draft_runner()->starved(), 0) << "the pool never ran short";
+  EXPECT_GT(sim.sched().speculation().accepted, 0) << "no row ever got the draft's guesses";
+}
+
+// Adaptive guesses (adaptive_speculative_tokens): a sequence starts at num_speculative_tokens
+// guesses; a verification that rejects any lowers its number by 1 (to 1 at least), one that
+// accepts all it was fed raises it by 2 (to num_speculative_tokens at most). Without the option
+// every decode is fed num_speculative_tokens.
+TEST(SpeculationTest, AdaptiveGuessesFollowWhatTheSequenceAccepts) {
+  // Guesses k copies of id 1: the samples decide what is accepted.
+  class Ones : public Proposer {
+   public:
+    void Propose(uint64_t, const std::vector<int32_t>&, int k, std::vector<int32_t>* out) const override {
+      out->assign(static_cast<size_t>(k), 1);
+    }
+  } ones;
+  for (bool adaptive : {false, true}) {
+    SchedulerOptions o = SpecOptions(&ones, 6, 64);
+    o.limits.max_model_len = 256;
+    o.adaptive_speculative_tokens = adaptive;
+    Scheduler s(o);
+    s.Add(1, {2, 3}, v1::RowSampling());
+    v1::StepPlan plan;
+    uint64_t step = 1;
+    ASSERT_NE(s.Schedule(0, step++, &plan), nullptr);  // the prompt
+    s.Complete(0, {1});
+    // Rejected five times (the samples are 0), then accepted in full (all 1) four times.
+    std::vector<size_t> fed;
+    for (int i = 0; i < 9; ++i) {
+      const MicroBatch* b = s.Schedule(0, step++, &plan);
+      ASSERT_NE(b, nullptr);
+      ASSERT_EQ(b->entries.size(), 1u);
+      const size_t k = b->entries[0].draft.size();
+      fed.push_back(k);
+      s.Complete(0, std::vector<int32_t>(k + 1, i < 5 ? 0 : 1));
+    }
+    const std::vector<size_t> want = adaptive ? std::vector<size_t>{6, 5, 4, 3, 2, 1, 3, 5, 6}
+                                              : std::vector<size_t>(9, 6);
+    EXPECT_EQ(fed, want) << (adaptive ? "adaptive" : "fixed");
+  }
+}
+
+// With a draft model on the workers, a plan asks the draft for as many guesses as any sequence that
+// samples in it may be fed.
+TEST(SpeculationTest, AdaptiveGuessesSizeTheDraftsWork) {
+  DraftProposer draft;
+  SchedulerOptions o = SpecOptions(&draft, 4, 64);
+  o.limits.max_model_len = 256;
+  o.adaptive_speculative_tokens = true;
+  Scheduler s(o);
+  s.Add(1, {2, 3}, v1::RowSampling());
+  s.Add(2, {2, 3}, v1::RowSampling());
+  v1::StepPlan plan;
+  uint64_t step = 1;
+  const MicroBatch* b = s.Schedule(0, step++, &plan);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->draft_tokens, 4);
+  s.Complete(0, {1, 1});
+  // Sequence 1's guesses are always wrong, sequence 2's always right: 2 stays at 4 guesses.
+  for (int i = 0; i < 6; ++i) {
+    for (uint64_t id : {1, 2}) draft.Offer(id, s.num_tokens(id), std::vector<int32_t>(4, 1));
+    b = s.Schedule(0, step++, &plan);
+    ASSERT_NE(b, nullptr);
+    EXPECT_EQ(b->draft_tokens, 4) << "step " << i;
+    std::vector<int32_t> sampled;
+    for (const MicroBatch::Entry& e : b->entries) {
+      const size_t end = static_cast<size_t>(e.logit_row) + e.draft.size() + 1;
+      if (sampled.size() < end) sampled.resize(end);
+      for (size_t j = e.logit_row; j < end; ++j) sampled[j] = e.seq == 1 ? 0 : 1;
+    }
+    s.Complete(0, sampled);
+  }
+  // Sequence 2 ends: the draft is asked for sequence 1's number alone, down to 1.
+  s.Remove(2);
+  draft.Offer(1, s.num_tokens(1), std::vector<int32_t>(4, 1));
+  b = s.Schedule(0, step++, &plan);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(b->entries.size(), 1u);
+  EXPECT_EQ(b->entries[0].draft.size(), 1u);
+  EXPECT_EQ(b->draft_tokens, 1);
 }
 
 // A constrained request's guesses (grammar/matcher.h GuessMasks): a grammar that forces the path

@@ -7,21 +7,9 @@
 
 namespace shardserve {
 
-StepLimits DraftRunner::DraftLimits(const StepLimits& target) {
-  StepLimits d;
-  d.max_tokens_per_step = target.max_tokens_per_step;
-  d.max_seqs_per_step = target.max_seqs_per_step;
-  d.block_size = target.block_size;
-  // The proposed tokens are fed after the sequence's last (all but the last of them).
-  d.max_model_len = target.max_model_len + kMaxDraftTokens;
-  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
-  d.num_sliding_kv_blocks = 0;  // sliding layers, if any, read their window through the one table
-  return d;
-}
-
 DraftRunner::DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& target, int64_t vocab_size,
                          int64_t max_positions)
-    : model_(std::move(model)), limits_(DraftLimits(target)), vocab_size_(vocab_size) {
+    : model_(std::move(model)), limits_(DraftStepLimits(target)), vocab_size_(vocab_size) {
   const int64_t m = std::max<int64_t>(0, limits_.max_seqs_per_step);
   const int64_t len = limits_.max_blocks_per_seq() * limits_.block_size;
   max_positions_ = std::min(max_positions, len);
@@ -30,10 +18,11 @@ DraftRunner::DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& ta
   for (int64_t i = m - 1; i >= 0; --i) {
     slots_[i].fed.reserve(len);
     slots_[i].held.reserve(len);
-    slots_[i].slot = static_cast<int32_t>(i);
+    slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
     work_[i].pending.reserve(len);
-    free_slots_.push_back(static_cast<int32_t>(i));
   }
+  free_blocks_.reserve(limits_.num_kv_blocks);
+  Clear();
   index_.reserve(m);
   const int64_t n = limits_.max_tokens_per_step;
   for (std::vector<int32_t>* v : {&batch_.token_ids, &batch_.positions, &batch_.token_seq, &batch_.slots}) v->reserve(n);
@@ -47,10 +36,32 @@ void DraftRunner::Clear() {
   for (Seq& s : slots_) {
     s.fed.clear();
     s.held.clear();
+    s.blocks.clear();
   }
   free_slots_.clear();
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) free_slots_.push_back(static_cast<int32_t>(i));
+  free_blocks_.clear();
+  for (int64_t b = limits_.num_kv_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
   index_.clear();
+}
+
+bool DraftRunner::Cover(Seq& s, int64_t tokens) {
+  const int64_t want = (tokens + limits_.block_size - 1) / limits_.block_size - static_cast<int64_t>(s.blocks.size());
+  if (want > static_cast<int64_t>(free_blocks_.size())) return false;
+  for (int64_t i = 0; i < want; ++i) {
+    s.blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+  return true;
+}
+
+void DraftRunner::Cut(Seq& s, int64_t tokens) {
+  s.held.resize(std::min(s.held.size(), static_cast<size_t>(tokens)));
+  const size_t keep = static_cast<size_t>((tokens + limits_.block_size - 1) / limits_.block_size);
+  while (s.blocks.size() > keep) {
+    free_blocks_.push_back(s.blocks.back());
+    s.blocks.pop_back();
+  }
 }
 
 std::vector<int32_t> DraftRunner::fed(uint64_t seq) const {
@@ -65,8 +76,8 @@ std::vector<int32_t> DraftRunner::held(uint64_t seq) const {
 
 absl::Status DraftRunner::Apply(const v1::StepPlan& p) {
   auto bad = [&p](auto... parts) { return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": ", parts...)); };
-  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxDraftTokens) {
-    return bad("num_draft_tokens ", p.num_draft_tokens(), " outside [0, ", kMaxDraftTokens, "]");
+  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxSpeculativeTokens) {
+    return bad("num_draft_tokens ", p.num_draft_tokens(), " outside [0, ", kMaxSpeculativeTokens, "]");
   }
   // As PersistentBatch::Apply, which checked the plan: freed, rolled back, new, then the rows.
   for (uint64_t id : p.freed_seq_ids()) {
@@ -74,7 +85,7 @@ absl::Status DraftRunner::Apply(const v1::StepPlan& p) {
     if (it == index_.end()) continue;
     Seq& s = slots_[it->second];
     s.fed.clear();
-    s.held.clear();
+    Cut(s, 0);
     free_slots_.push_back(it->second);
     index_.erase(it);
   }
@@ -104,7 +115,7 @@ absl::Status DraftRunner::Apply(const v1::StepPlan& p) {
     free_slots_.pop_back();
     Seq& s = slots_[slot];
     s.fed.assign(n.cached_token_ids().begin(), n.cached_token_ids().end());
-    s.held.clear();
+    Cut(s, 0);
     index_[n.seq_id()] = slot;
   }
   int64_t t = 0;
@@ -146,11 +157,11 @@ void DraftRunner::AddRow(Seq& s, const int32_t* ids, int64_t n, bool logit) {
     batch_.token_ids.push_back(ids[i]);
     batch_.positions.push_back(static_cast<int32_t>(pos));
     batch_.token_seq.push_back(row);
-    // Slot `slot`'s blocks are [slot * width, (slot + 1) * width): position pos is cell slot * width * bs + pos.
-    batch_.slots.push_back(static_cast<int32_t>(s.slot * width * bs + pos));
+    batch_.slots.push_back(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));  // Cover gave the block
     s.held.push_back(ids[i]);
   }
-  for (int64_t j = 0; j < width; ++j) batch_.block_tables.push_back(static_cast<int32_t>(s.slot * width + j));
+  batch_.block_tables.insert(batch_.block_tables.end(), s.blocks.begin(), s.blocks.end());
+  batch_.block_tables.resize(static_cast<size_t>((row + 1) * width), 0);
   if (logit) batch_.logit_rows.push_back(static_cast<int32_t>(batch_.token_ids.size() - 1));
 }
 
@@ -183,14 +194,18 @@ absl::Status DraftRunner::Propose(const v1::StepPlan& p, const google::protobuf:
     int64_t common = 0;
     const int64_t most = std::min<int64_t>(static_cast<int64_t>(s.held.size()), kept);
     while (common < most && s.held[common] == s.fed[common]) ++common;
-    s.held.resize(common);
+    Cut(s, common);
     Work& w = work_[rows++];
     w.seq = &s;
     w.pending.assign(s.fed.begin() + common, s.fed.begin() + kept);
     w.pending.push_back(bonus);
     w.from = 0;
     w.out = draft_ids->size();
-    w.active = kept + 1 <= max_positions_;
+    // Its blocks for the tokens and the guesses fed after them (k - 1), within the draft's context;
+    // with too few free blocks (sequences that share a cached prefix in the model's cache each hold
+    // their own copy here) it gets no guesses this step.
+    w.active = kept + 1 <= max_positions_ && Cover(s, std::min<int64_t>(kept + k, max_positions_));
+    if (!w.active) ++starved_;
     for (int j = 0; j < k; ++j) draft_ids->Add(bonus);  // padding until guessed
   }
   // 2. Catch up: while the missing tokens exceed a step, feed all but each row's last in chunks.

@@ -16,10 +16,14 @@
 //            K draft forwards in all (more only when the missing tokens exceed a step), K ids per
 //            row into StepResult.draft_ids.
 //
-// The draft's KV cache: its own paged pool (DraftLimits), one fixed run of blocks per sequence
-// slot: max_seqs_per_step slots (the most sequences the worker holds) of max_model_len +
-// kMaxDraftTokens tokens (the proposed tokens are fed past the sequence's last). Per sequence it
-// remembers which tokens its KV holds (positions 0 on); a rollback is only that record cut.
+// The draft's KV cache: its own paged pool (model/step_limits.h DraftStepLimits) of as many blocks as the model's cache
+// and room for every sequence's guesses past its tokens (the proposed tokens are fed past the
+// sequence's last), at most max_seqs_per_step sequences of max_model_len + kMaxSpeculativeTokens tokens.
+// A sequence takes blocks as its draft KV grows and gives back those past a cut. Per sequence it
+// remembers which tokens its KV holds (positions 0 on); a rollback cuts that record and its blocks.
+// The model's cache may share a cached prefix among sequences where the draft's holds a copy per
+// sequence: a row that finds too few free blocks gets no guesses that step (starved()), and the
+// verification turns its padding away.
 //
 // Memory: every buffer is sized at construction (the per-sequence token records reserved to the
 // slot's length, the draft's step batch to its limits). Ownership: owns the DraftModel.
@@ -40,10 +44,6 @@
 
 namespace shardserve {
 
-// The most tokens a plan may ask the draft for per row (StepPlan.num_draft_tokens), as the
-// coordinator's --num-speculative-tokens.
-inline constexpr int kMaxDraftTokens = 16;
-
 // The draft's forward pass: a whole model over a StepBatch laid out as ModelShard::Forward takes it
 // (worker/shard_inputs.h), in the draft's own KV cache, with the greedy id after each logit row.
 // ShardDraftModel (worker/step_executor.cc) is a ModelShard; tests pass models of their own.
@@ -57,20 +57,16 @@ class DraftModel {
 
 class DraftRunner {
  public:
-  // The draft's limits for a target served within `target`: its steps as the target's (tokens,
-  // sequences, block size), its KV cache one run of blocks per sequence the worker may hold.
-  static StepLimits DraftLimits(const StepLimits& target);
-
   // For plans within `target` (the worker's limits) over a vocabulary of `vocab_size` ids; `model`
-  // runs within DraftLimits(target) and takes positions below `max_positions` (the draft's context:
-  // DraftLimits' max_model_len, or less where the draft's config says so). A sequence longer than
+  // runs within DraftStepLimits(target) and takes positions below `max_positions` (the draft's context:
+  // DraftStepLimits' max_model_len, or less where the draft's config says so). A sequence longer than
   // that gets padding for guesses (its last token, repeated: the verification refuses what is
   // wrong), as do the guesses past it.
   DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& target, int64_t vocab_size, int64_t max_positions);
 
   // Follows `plan` (see above). Call after PersistentBatch::Apply accepted it. InvalidArgument for a
   // new sequence whose cached_token_ids are not its num_cached_tokens ids of the vocabulary, or a
-  // num_draft_tokens outside [0, kMaxDraftTokens]; the state is undefined after an error.
+  // num_draft_tokens outside [0, kMaxSpeculativeTokens]; the state is undefined after an error.
   absl::Status Apply(const v1::StepPlan& plan);
 
   // After the step sampled `sampled` (one id per logit row, row after row): when the plan asks,
@@ -87,12 +83,15 @@ class DraftRunner {
   std::vector<int32_t> fed(uint64_t seq) const;
   std::vector<int32_t> held(uint64_t seq) const;
   int64_t forwards() const { return forwards_; }
+  // Rows that got no guesses for want of free blocks; blocks free now.
+  int64_t starved() const { return starved_; }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
 
  private:
   struct Seq {
     std::vector<int32_t> fed;   // the tokens fed to the model so far (the cached prefix included)
-    std::vector<int32_t> held;  // the tokens whose KV the draft's cache holds, from position 0
-    int32_t slot = 0;           // its blocks: [slot * width, (slot + 1) * width)
+    std::vector<int32_t> held;    // the tokens whose KV the draft's cache holds, from position 0
+    std::vector<int32_t> blocks;  // its block table: held's positions and those about to be fed
   };
   // One row of the draft's work in Propose.
   struct Work {
@@ -105,8 +104,13 @@ class DraftRunner {
 
   // Adds `n` tokens of `s` (from `ids`) at its next positions as a row of batch_; with `logit`, the
   // last one's logits are wanted.
+  // (Within blocks Cover gave.)
   void AddRow(Seq& s, const int32_t* ids, int64_t n, bool logit);
   void ClearBatch();
+  // Grows s.blocks to hold `tokens` tokens; false, with none taken, when too few are free.
+  bool Cover(Seq& s, int64_t tokens);
+  // Cuts s.held to at most `tokens` tokens and gives back the blocks past them.
+  void Cut(Seq& s, int64_t tokens);
 
   // ---- Constant after construction ----
   std::unique_ptr<DraftModel> model_;
@@ -117,8 +121,10 @@ class DraftRunner {
   // ---- State ----
   std::vector<Seq> slots_;                        // [max_seqs_per_step]
   std::vector<int32_t> free_slots_;
+  std::vector<int32_t> free_blocks_;              // of the draft's KV pool
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   int64_t forwards_ = 0;
+  int64_t starved_ = 0;
   // Propose's scratch, reserved at construction.
   std::vector<Work> work_;
   StepBatch batch_;

@@ -5,13 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "worker/draft_runner.h"  // DraftLimits, kMaxDraftTokens
 
 namespace shardserve {
 
 StepLimits MtpRunner::MtpLimits(const StepLimits& target) {
-  StepLimits d = DraftRunner::DraftLimits(target);
+  StepLimits d = DraftStepLimits(target);
   d.max_tokens_per_step = target.max_tokens_per_step + target.max_seqs_per_step;
+  // One run of blocks per sequence slot: slot s holds [s * width, (s + 1) * width).
+  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
   return d;
 }
 
@@ -77,9 +78,9 @@ void MtpRunner::Clear() {
 }
 
 absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
-  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxDraftTokens) {
+  if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": num_draft_tokens ", p.num_draft_tokens(),
-                                                   " outside [0, ", kMaxDraftTokens, "]"));
+                                                   " outside [0, ", kMaxSpeculativeTokens, "]"));
   }
   for (uint64_t id : p.freed_seq_ids()) {
     auto it = index_.find(id);

@@ -14,8 +14,8 @@
 //     dropped; a prefill chunk's last row waits for its next token, kept on the device until the
 //     sequence's next row (one row a sequence);
 //   - the MTP layer runs over those pairs, each at its row's position, into its own paged KV cache
-//     (DraftRunner::DraftLimits' layout: one run of blocks per sequence slot), and its head's argmax
-//     at each sampling row's last pair is the first guess;
+//     (one run of blocks per sequence slot, max_model_len + kMaxSpeculativeTokens tokens each), and
+//     its head's argmax at each sampling row's last pair is the first guess;
 //   - when the plan asks for K > 1 guesses (StepPlan.num_draft_tokens), the layer runs K - 1 more
 //     times, one token a sampling row, on its own output hidden state and its last guess (as vLLM's
 //     EAGLE proposer reuses one MTP layer); the positions so written are rewritten by the next step's
@@ -52,8 +52,9 @@ namespace shardserve {
 
 class MtpRunner {
  public:
-  // The MTP layer's step limits for a model served within `target`: DraftRunner::DraftLimits', with
-  // room for one more token a sequence a step (a prefill chunk's waiting row).
+  // The MTP layer's step limits for a model served within `target`: model/step_limits.h
+  // DraftStepLimits', with room for one more token a sequence a step (a prefill chunk's waiting row)
+  // and a KV cache of one run of blocks per sequence slot.
   static StepLimits MtpLimits(const StepLimits& target);
 
   // Loads the MTP layer num_hidden_layers of `config` from `weights` (whole, in the backend's act
@@ -64,7 +65,7 @@ class MtpRunner {
                                                          ModelShard* target);
 
   // Follows `plan` (after PersistentBatch::Apply accepted it): freed sequences give back their slot,
-  // new ones take one. InvalidArgument for a num_draft_tokens outside [0, kMaxDraftTokens].
+  // new ones take one. InvalidArgument for a num_draft_tokens outside [0, kMaxSpeculativeTokens].
   absl::Status Apply(const v1::StepPlan& plan);
 
   // After the step ran (and sampled `sampled`, one id per logit row, row after row): the pairs above

@@ -117,6 +117,7 @@ class ShardDraftModel final : public DraftModel {
   const ModelConfig& config() const { return shard_->config(); }
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
+  uint64_t step_buffer_bytes() const { return shard_->step_buffer_bytes(); }
 
  private:
   ShardDraftModel() = default;
@@ -234,15 +235,17 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     e->sampler_ = std::move(*sampler);
     // Speculative decoding's draft model, beside the shard, on the worker that samples.
     if (!a.draft_model_path().empty()) {
-      const StepLimits draft_limits = DraftRunner::DraftLimits(options);
+      const StepLimits draft_limits = DraftStepLimits(options);
       absl::StatusOr<std::unique_ptr<ShardDraftModel>> draft =
           ShardDraftModel::Load(a.draft_model_path(), *config, draft_limits, backend);
       if (!draft.ok()) return draft.status();
       e->draft_summary_ = absl::StrFormat(
-          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), run after sampling",
+          "draft model %s: %.1f MiB of weights, %.1f MiB of KV cache (%d blocks of %d tokens), run after sampling",
           a.draft_model_path(), static_cast<double>((*draft)->weight_bytes()) / (1 << 20),
-          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.max_seqs_per_step,
-          draft_limits.max_model_len);
+          static_cast<double>((*draft)->kv_cache_bytes()) / (1 << 20), draft_limits.num_kv_blocks,
+          draft_limits.block_size);
+      e->draft_bytes_ =
+          static_cast<int64_t>((*draft)->weight_bytes() + (*draft)->kv_cache_bytes() + (*draft)->step_buffer_bytes());
       const int64_t context = (*draft)->config().max_position_embeddings;
       const int64_t positions = context > 0 ? std::min(context, draft_limits.max_model_len) : draft_limits.max_model_len;
       e->draft_ = std::make_unique<DraftRunner>(std::move(*draft), options, config->vocab_size, positions);
@@ -284,6 +287,8 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = Bytes(static_cast<int64_t>(shard_->kv_cache_bytes())) + ", the shard's own count";
     } else if (name == "step_buffers") {
       measured = Bytes(static_cast<int64_t>(shard_->step_buffer_bytes())) + ", the shard's own count";
+    } else if (name == "draft_model") {
+      measured = Bytes(draft_bytes_) + ", the draft's own count (weights, KV cache, step buffers)";
     } else if (name == "dequant_scratch") {
       measured = Bytes(scratch) + ", the backend's own count (grown as the quantized weights were stored)";
     } else if (name == "cuda_graph_pools") {

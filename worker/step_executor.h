@@ -205,6 +205,7 @@ class StepExecutor {
   // Last stage, TP rank 0, with Assignment.speculative_mtp: the model's multi-token-prediction layer.
   std::unique_ptr<MtpRunner> mtp_;
   std::string draft_summary_;
+  int64_t draft_bytes_ = 0;  // its weights, KV cache and step buffers
 
   uint64_t last_step_kernel_launches_ = 0;
   // cudaMemGetInfo during Create (-1: CPU, or not read): the device's total and its free bytes at

@@ -5,10 +5,12 @@
 #define SHARDSERVE_COORDINATOR_CLUSTER_POOL_OPTIONS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/time/time.h"
 #include "kernels/quant.h"
+#include "model/config.h"
 #include "model/step_limits.h"
 #include "model/weight_source.h"
 
@@ -31,7 +33,9 @@ struct PoolOptions {
   uint64_t dummy_seed = 0;
   // Speculative decoding's draft model (--draft-model; docs/speculative-decoding.md): its directory,
   // absolute, as the workers see it; the worker that samples loads it beside its shard. "": none.
+  // With it, its config.json, which the plan counts on that worker (PlanOptions::draft).
   std::string draft_model_path;
+  std::optional<ModelConfig> draft_config;
   // Speculative decoding with the model's multi-token-prediction layer (--speculative mtp): the
   // worker that samples loads and runs it (Assignment.speculative_mtp).
   bool speculative_mtp = false;

@@ -86,6 +86,9 @@ absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
   if (o.speculative.empty() && o.proposer == nullptr && o.num_speculative_tokens != 0) {
     return absl::InvalidArgumentError("--num-speculative-tokens needs --speculative (e.g. --speculative ngram)");
   }
+  if (o.adaptive_speculative_tokens && o.speculative.empty() && o.proposer == nullptr) {
+    return absl::InvalidArgumentError("--adaptive-speculative-tokens needs --speculative (e.g. --speculative ngram)");
+  }
   if (o.speculative_max_running < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--speculative-max-running ", o.speculative_max_running, " is negative (0: no limit)"));
@@ -226,6 +229,7 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.num_speculative_tokens = o.proposer != nullptr ? options_.num_speculative_tokens : 0;
   o.guess_filter = this;
   o.speculative_max_running = options_.speculative_max_running;
+  o.adaptive_speculative_tokens = options_.adaptive_speculative_tokens;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
   // 2 and 3), the sliding layers have a pool of their own on the workers (num_sliding_kv_blocks,

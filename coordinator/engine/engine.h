@@ -67,7 +67,8 @@ struct EngineOptions {
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
   // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram", "draft" or "mtp"
   // (--speculative), at most num_speculative_tokens guesses per sequence per step, none while
-  // speculative_max_running sequences or more run (0: no such limit). With "draft", draft_model is
+  // speculative_max_running sequences or more run (0: no such limit), each sequence's number
+  // adapting to its acceptance with adaptive_speculative_tokens (scheduler.h). With "draft", draft_model is
   // the draft's directory (--draft-model), which the worker that samples runs (the pool's
   // assignments carry it: PoolOptions::draft_model_path); with "mtp", that worker runs the model's
   // own multi-token-prediction layer (PoolOptions::speculative_mtp).
@@ -75,6 +76,7 @@ struct EngineOptions {
   std::string draft_model;
   int num_speculative_tokens = 0;
   int64_t speculative_max_running = 8;
+  bool adaptive_speculative_tokens = false;
   // The n-gram proposer's lengths, longest first.
   int ngram_min = 1;
   int ngram_max = 3;
@@ -82,8 +84,6 @@ struct EngineOptions {
   const Proposer* proposer = nullptr;
 };
 
-// The bounds of --num-speculative-tokens.
-inline constexpr int kMaxSpeculativeTokens = 16;
 // Checks the speculative decoding options: InvalidArgument naming the flag.
 absl::Status CheckSpeculativeOptions(const EngineOptions& options);
 

@@ -146,11 +146,22 @@ uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding
          static_cast<uint64_t>(block_size);
 }
 
+uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv_blocks) {
+  if (g.draft_kv_bytes_per_token == 0) return 0;
+  StepLimits model = limits;
+  model.num_kv_blocks = num_kv_blocks;
+  const StepLimits draft = DraftStepLimits(model);
+  return g.draft_kv_bytes_per_token * static_cast<uint64_t>(draft.num_kv_blocks * draft.block_size);
+}
+
 int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
                      int64_t bytes, int64_t cap) {
+  StepLimits served = limits;
+  served.max_model_len = target_len;
   const auto fits = [&](int64_t blocks) {
     const int64_t sliding = PlannedSlidingBlocks(config, limits, blocks, target_len);
-    return GpuKvBytes(g, blocks, sliding, limits.block_size) <= static_cast<uint64_t>(std::max<int64_t>(bytes, 0));
+    return GpuKvBytes(g, blocks, sliding, limits.block_size) + DraftKvBytes(g, served, blocks) <=
+           static_cast<uint64_t>(std::max<int64_t>(bytes, 0));
   };
   // The cache grows with the blocks (PlannedSlidingBlocks is monotone): the largest that fits.
   int64_t lo = 0, hi = std::max<int64_t>(cap, 0);
@@ -170,14 +181,16 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   const uint64_t kv =
       GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
-  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + r.total());
+  const uint64_t draft = g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
+  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + draft + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
   std::vector<MemoryItem> items = {
       {kMemWeights, static_cast<int64_t>(g.weight_bytes)},
       {kMemKvCache, static_cast<int64_t>(kv)},
       {kMemStepBuffers, static_cast<int64_t>(step)},
-      {kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)},
   };
+  if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(draft)});
+  items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
   if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
   items.insert(items.end(), {
       {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},

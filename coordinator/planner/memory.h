@@ -32,6 +32,9 @@ struct GpuPlan;
 inline constexpr const char* kMemWeights = "weights";
 inline constexpr const char* kMemKvCache = "kv_cache";
 inline constexpr const char* kMemStepBuffers = "step_buffers";
+// Listed only in a plan with a draft model (PlanOptions::draft): its weights, KV cache and step
+// buffers, on the last stage's TP rank 0 (0 on every other device).
+inline constexpr const char* kMemDraftModel = "draft_model";
 inline constexpr const char* kMemCublasWorkspace = "cublas_workspace";
 // Listed only where it is not 0: quantized weights on CUDA (GpuPlan::dequant_scratch_bytes).
 inline constexpr const char* kMemDequantScratch = "dequant_scratch";
@@ -114,8 +117,12 @@ int64_t PlannedSlidingBlocks(const ModelConfig& config, const StepLimits& limits
 // (g.sliding_kv_bytes_per_token a token).
 uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding_kv_blocks, int64_t block_size);
 
+// The KV cache of a draft model on `g` (0 without one) beside a model's cache of `num_kv_blocks`
+// blocks within `limits`: DraftStepLimits' blocks at g.draft_kv_bytes_per_token a token.
+uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv_blocks);
+
 // The most full-pool blocks, at most `cap`, whose KV cache on `g` with its planned sliding pool
-// (PlannedSlidingBlocks) fits in `bytes`.
+// (PlannedSlidingBlocks) and a draft model's blocks beside them (DraftKvBytes) fits in `bytes`.
 int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
                      int64_t bytes, int64_t cap);
 

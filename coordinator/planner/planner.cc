@@ -47,6 +47,10 @@ struct Context {
   int64_t target_len;  // max_model_len wanted
   int64_t min_len;     // the shortest max_model_len accepted (== target_len when it was set)
   std::vector<WeightDecl> tensors;
+  // A draft model (PlanOptions::draft) on the last stage's TP rank 0: GpuPlan::draft_bytes and
+  // draft_kv_bytes_per_token there.
+  uint64_t draft_bytes = 0;
+  uint64_t draft_kv_bytes_per_token = 0;
 };
 
 // One layout, evaluated.
@@ -115,15 +119,46 @@ std::vector<int64_t> BalanceLayers(int64_t layers, int pp, uint64_t layer_bytes,
   return count;
 }
 
-// The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
-// length, an upper bound on the one the workers get.
+// The options' step limits serving sequences of `len` tokens.
+StepLimits ServedLimits(const Context& ctx, int64_t len) {
+  StepLimits limits = ctx.options.limits;
+  limits.max_model_len = len;
+  return limits;
+}
+
 // The KV cache device `g` needs for one sequence of the shortest max_model_len accepted.
 uint64_t NeedKvBytes(const Context& ctx, const GpuPlan& g) {
   const int64_t blocks = CeilDiv(ctx.min_len, ctx.options.limits.block_size);
   return GpuKvBytes(g, blocks, PlannedSlidingBlocks(ctx.config, ctx.options.limits, blocks, ctx.min_len),
-                    ctx.options.limits.block_size);
+                    ctx.options.limits.block_size) +
+         DraftKvBytes(g, ServedLimits(ctx, ctx.min_len), blocks);
 }
 
+// A draft model's bytes (PlanOptions::draft) as the worker that samples allocates them
+// (worker/step_executor.cc ShardDraftModel): its whole weights and step buffers in ctx.dtype within
+// DraftStepLimits, and its KV bytes per token (its blocks follow the model's: DraftKvBytes).
+absl::Status CountDraft(Context* ctx) {
+  const ModelConfig& d = *ctx->options.draft;
+  if (d.vocab_size != ctx->config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("the draft model has a vocabulary of ", d.vocab_size,
+                                                   " ids but the model has ", ctx->config.vocab_size,
+                                                   "; a draft must share the model's tokenizer and vocabulary"));
+  }
+  absl::StatusOr<TpShard> whole = ComputeTpShard(d, 0, 1);
+  if (!whole.ok()) return whole.status();
+  const StepLimits limits = DraftStepLimits(ServedLimits(*ctx, ctx->target_len));
+  // Every layer's K and V in the one pool (a draft's sliding layers read their window through it).
+  const uint64_t per_token = static_cast<uint64_t>(d.num_hidden_layers) *
+                             static_cast<uint64_t>(d.KvValuesPerToken(whole->kv_heads)) * DTypeSize(ctx->dtype);
+  ctx->draft_kv_bytes_per_token = per_token;
+  ctx->draft_bytes =
+      CountRankWeights(d, ModelWeights(d), *whole, ctx->dtype).Stage(0, d.num_hidden_layers, true, true) +
+      StepBufferBytes(d, *whole, ctx->dtype, limits, /*last_stage=*/true);
+  return absl::OkStatus();
+}
+
+// The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
+// length, an upper bound on the one the workers get.
 uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) {
   StepLimits limits = ctx.options.limits;
   limits.num_kv_blocks = 0;
@@ -247,15 +282,19 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.expert_weight_bytes = ranks[r].StageExperts(st.first_layer, st.last_layer + 1);
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
+      if (st.lm_head && r == 0) {  // the worker that samples runs the draft
+        g.draft_bytes = ctx.draft_bytes;
+        g.draft_kv_bytes_per_token = ctx.draft_kv_bytes_per_token;
+      }
       if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
       int64_t sliding_layers = 0;
       for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
       const uint64_t per_layer = c.KvValuesPerToken(shards[r].kv_heads) * DTypeSize(ctx.dtype);
       g.kv_bytes_per_token = (st.num_layers() - sliding_layers) * per_layer;
       g.sliding_kv_bytes_per_token = sliding_layers * per_layer;
-      const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes);
+      const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes);
       const int64_t free = static_cast<int64_t>(ctx.usable) - fixed;
-      if (g.sliding_kv_bytes_per_token == 0) {
+      if (g.sliding_kv_bytes_per_token == 0 && g.draft_kv_bytes_per_token == 0) {
         g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
       } else {
         g.kv_cache_tokens = MostKvBlocks(c, g, ctx.options.limits, ctx.target_len, free, most_blocks) * block;
@@ -520,6 +559,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   } else {
     ctx.tensors = ModelWeights(c);
   }
+  if (options.draft.has_value()) SHARDSERVE_RETURN_IF_ERROR(CountDraft(&ctx));
 
   // Weigh every layout the request allows.
   std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp}

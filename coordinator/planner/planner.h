@@ -61,6 +61,11 @@ struct PlanOptions {
   // Memory a GPU process uses beyond the worker's own buffers: CUDA context, cuBLAS workspace,
   // NCCL buffers, allocator slack.
   uint64_t runtime_reserve_bytes = uint64_t{1} << 30;
+  // Speculative decoding's draft model (--draft-model; worker/draft_runner.h): a whole model beside
+  // the last stage's TP rank 0, in `dtype`, with its step buffers and a KV cache of as many blocks
+  // as the model's and room for every sequence's guesses (model/step_limits.h DraftStepLimits).
+  // Its vocabulary must be the model's. Unset: none.
+  std::optional<ModelConfig> draft;
 };
 
 // One pipeline stage: consecutive layers on one TP group inside one node.
@@ -97,6 +102,11 @@ struct GpuPlan {
   // Tokens of the full pool the memory left after the above holds, beside its sliding pool
   // (memory.h MostKvBlocks).
   int64_t kv_cache_tokens = 0;
+  // Speculative decoding's draft model, on the last stage's TP rank 0 (0 elsewhere): its weights
+  // and step buffers; then its KV cache's bytes per token, of a pool sized from the model's
+  // (memory.h DraftKvBytes).
+  uint64_t draft_bytes = 0;
+  uint64_t draft_kv_bytes_per_token = 0;
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
   // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they
   // add up to the GPU's memory.

@@ -51,6 +51,7 @@ void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampl
   s->prompt_len = static_cast<int64_t>(prompt.size());
   s->tokens = std::move(prompt);
   s->sampling = sampling;
+  s->guesses = options_.num_speculative_tokens;
   s->penalized = (sampling.repetition_penalty() != 0 && sampling.repetition_penalty() != 1) ||
                  sampling.presence_penalty() != 0 || sampling.frequency_penalty() != 0;
   // Workers derive these per step (worker/persistent_batch.h); NewSeq carries them unset.
@@ -315,8 +316,17 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
   }
 
   if (batch.entries.empty()) return nullptr;
-  // A draft model on the workers guesses within the step, for the sequences' next decodes.
-  if (speculate && options_.proposer->proposes_in_step()) batch.draft_tokens = options_.num_speculative_tokens;
+  // A draft model on the workers guesses within the step, for the sequences' next decodes: as many
+  // as any sequence that samples may be fed.
+  if (speculate && options_.proposer->proposes_in_step()) {
+    batch.draft_tokens = options_.num_speculative_tokens;
+    if (options_.adaptive_speculative_tokens) {
+      batch.draft_tokens = 1;
+      for (const MicroBatch::Entry& e : batch.entries) {
+        if (e.logit_row >= 0) batch.draft_tokens = std::max(batch.draft_tokens, seqs_.at(e.seq)->guesses);
+      }
+    }
+  }
   WriteStep(batch, step);
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
@@ -424,7 +434,8 @@ std::vector<int32_t> Scheduler::Propose(Seq& s, int64_t tokens, int64_t samples)
   const int64_t max_len = s.options.max_len > 0 ? std::min(s.options.max_len, options_.limits.max_model_len)
                                                 : options_.limits.max_model_len;
   // Accepting a guesses appends a + 1 tokens, within max_len; their positions lie below it.
-  const int64_t k = std::min<int64_t>({options_.num_speculative_tokens, tokens, samples, max_len - len - 1});
+  const int64_t most = options_.adaptive_speculative_tokens ? s.guesses : options_.num_speculative_tokens;
+  const int64_t k = std::min<int64_t>({most, tokens, samples, max_len - len - 1});
   std::vector<int32_t> draft;
   if (k <= 0) return draft;
   options_.proposer->Propose(s.id, s.tokens, static_cast<int>(k), &draft);
@@ -478,6 +489,9 @@ void Scheduler::Verify(Seq& s, const MicroBatch::Entry& e, const std::vector<int
   const int64_t cut = blocks_.Truncate(&s.blocks, keep);
   if (sliding_) sliding_->Truncate(&s.sliding_blocks, keep);  // as long as the table
   if (a < k || cut > 0) rollbacks_.push_back(Rollback{s.id, s.num_fed, static_cast<int64_t>(s.blocks.size())});
+  if (options_.adaptive_speculative_tokens) {
+    s.guesses = a == k ? std::min(options_.num_speculative_tokens, s.guesses + 2) : std::max(1, s.guesses - 1);
+  }
   spec_.proposed += k;
   spec_.accepted += a;
   ++spec_.verifications;

@@ -91,7 +91,11 @@
 // model on the worker that samples: Proposer::proposes_in_step) is asked for guesses in every plan
 // while speculation is on (StepPlan.num_draft_tokens), for each row that samples; the workers hold
 // the draft's state, so a new sequence carries the ids of the tokens the prefix cache gave it
-// (NewSeq.cached_token_ids). No guesses in a step while
+// (NewSeq.cached_token_ids). With adaptive_speculative_tokens a sequence's guesses adapt to its
+// acceptance, as Hugging Face's assisted generation schedules them ("heuristic"): it starts at
+// num_speculative_tokens, a verification that accepted every guess fed raises its number by 2
+// (up to num_speculative_tokens), one that rejected any lowers it by 1 (down to 1); a draft model
+// is then asked for the most any sampling row of the step may take. No guesses in a step while
 // speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
 // stay within max_seqs_per_step (the workers' logits rows).
 //
@@ -137,6 +141,9 @@ struct SchedulerOptions {
   GuessFilter* guess_filter = nullptr;
   // No guesses in a step while this many sequences or more run; 0: no such limit.
   int64_t speculative_max_running = 8;
+  // Each sequence's guesses adapt to what it accepts (see above): off, every decode may be fed
+  // num_speculative_tokens of them.
+  bool adaptive_speculative_tokens = false;
 };
 
 // Per-sequence settings beyond its sampling.
@@ -290,6 +297,7 @@ class Scheduler {
     int64_t blocks_sent = 0;
     v1::RowSampling sampling;
     SeqOptions options;
+    int guesses = 0;  // the most guesses a decode may be fed (adaptive_speculative_tokens)
 
     int64_t unfed() const { return static_cast<int64_t>(tokens.size()) - num_fed; }
     // Its next token to feed is the one sampled last (else, with unfed() > 0, a prompt or

@@ -55,7 +55,7 @@ constexpr char kUsage[] =
     "                              [--no-prefix-caching] [--expert-parallel]\n"
     "                              [--speculative ngram|draft|mtp --num-speculative-tokens K]\n"
     "                              [--draft-model DIR]\n"
-    "                              [--speculative-max-running N]\n"
+    "                              [--speculative-max-running N] [--adaptive-speculative-tokens]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"
     "                                same path)\n"
     "  --listen                      address for clients and workers; port 0 picks a free port\n"
@@ -151,7 +151,9 @@ constexpr char kUsage[] =
     "                                as the workers see it; with --speculative draft\n"
     "  --num-speculative-tokens K    guesses per sequence per step, 1 to 16 (with --speculative)\n"
     "  --speculative-max-running N   no guesses in a step while N or more sequences run (default 8;\n"
-    "                                0: no limit): a large batch is compute-bound already\n";
+    "                                0: no limit): a large batch is compute-bound already\n"
+    "  --adaptive-speculative-tokens each sequence's guesses adapt to what it accepts: 2 more after a\n"
+    "                                step that accepted all (up to K), 1 fewer after one that did not\n";
 
 constexpr char kInferenceServiceName[] = "shardserve.v1.InferenceService";
 
@@ -182,7 +184,8 @@ int Main(int argc, char** argv) {
                     "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
                     "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running",
                     "draft-model"},
-                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel"});
+                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel",
+                    "adaptive-speculative-tokens"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
     std::printf("%s", kUsage);
@@ -258,6 +261,7 @@ int Main(int argc, char** argv) {
   engine_options.heal_timeout = absl::Seconds(heal_timeout);
   engine_options.prefix_caching = !flags->Has("no-prefix-caching");
   engine_options.draft_model = flags->Get("draft-model");
+  engine_options.adaptive_speculative_tokens = flags->Has("adaptive-speculative-tokens");
   if (absl::Status s = CheckSpeculativeOptions(engine_options); !s.ok()) return Usage(std::string(s.message()));
   if (absl::Status s = pool_options.limits.Validate(); !s.ok()) return Usage(std::string(s.message()));
   const absl::StatusOr<TlsFiles> tls = TlsFilesFromFlags(*flags);
@@ -326,6 +330,7 @@ int Main(int argc, char** argv) {
                                (*model)->config.vocab_size, "; a draft must share the model's tokenizer and vocabulary"));
     }
     pool_options.draft_model_path = draft.string();
+    pool_options.draft_config = *draft_config;
     CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
                                          draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
                                          " layers), run by the worker that samples"));

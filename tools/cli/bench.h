@@ -206,13 +206,14 @@ struct Layout {
   bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool draft = false;          // /draft: the coordinator's --speculative draft with bench's --draft-model
   bool mtp = false;            // /mtp: the coordinator's --speculative mtp (the model's own MTP layer)
+  bool adaptive = false;       // /adaptive (with /ngram or /draft): the coordinator's --adaptive-speculative-tokens
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
   bool json = false;             // /json: every request with CompareOptions' JSON Schema
 };
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram or /draft, /http,
-// /ep and /json (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram or /draft,
+// /adaptive, /http, /ep and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text);
 
 struct CompareRun {

@@ -86,8 +86,8 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /draft or /mtp, /http,
-// /ep and /json (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /draft or /mtp,
+// /adaptive, /http, /ep and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -114,15 +114,19 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.mtp = true;
     }
     if (strip("/no-prefix-caching")) l.prefix_caching = false;
+    if (strip("/adaptive")) l.adaptive = true;
   }
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /http, /ep, /json), "
-        "e.g. "
-        "tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /adaptive, /http, "
+        "/ep, /json), e.g. tp2xpp2/serial"));
   };
   if (int{l.ngram} + int{l.draft} + int{l.mtp} > 1) return bad();
+  if (l.adaptive && !l.ngram && !l.draft && !l.mtp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout '", text, "': /adaptive adapts the guesses of /ngram, /draft or /mtp; it needs one of them"));
+  }
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
   bool seen_tp = false, seen_pp = false;
@@ -169,6 +173,9 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
   if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
+  if (layout.adaptive && !o.cluster.adaptive_speculative_tokens) {
+    co.coordinator_flags.push_back("--adaptive-speculative-tokens");
+  }
   // /ngram, /draft and /mtp layouts speculate with the n-gram proposer, the draft model or the
   // model's multi-token-prediction layer (--num-speculative-tokens as given, else 4).
   const bool speculative_given =

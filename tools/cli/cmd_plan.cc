@@ -23,7 +23,7 @@ constexpr char kUsage[] =
     "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4|fp8]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
     "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P]\n"
-    "                       [--expert-parallel] [--decode-batch B] [--json]\n"
+    "                       [--expert-parallel] [--decode-batch B] [--draft-model DIR] [--json]\n"
     "\n"
     "  Chooses tensor parallelism (TP, inside a node) and pipeline parallelism (PP, across nodes)\n"
     "  for a model on a cluster, and prints each stage's layers and each GPU's weights, KV cache\n"
@@ -56,6 +56,8 @@ constexpr char kUsage[] =
     "                              coordinator's --expert-parallel serves them (default: cut over TP)\n"
     "  --decode-batch B            sequences in the decode step estimated and ranked by (default 1): a\n"
     "                              mixture of experts reads more distinct experts the larger B is\n"
+    "  --draft-model DIR           speculative decoding's draft model (its config.json): counted on the\n"
+    "                              last stage's TP rank 0, as the coordinator's --draft-model runs it\n"
     "  --json                      print one JSON object instead of the table\n";
 
 // Defaults for a cluster given by explicit flags only: PCIe between GPUs, one 200 Gb/s NIC.
@@ -148,7 +150,7 @@ int Run(const std::vector<std::string>& args) {
                    {"model", "config", "dtype", "cluster", "nodes", "gpus-per-node", "gpu-memory-gb", "hbm-gbps",
                     "intra-node-gbps", "inter-node-gbps", "gpu-memory-utilization", "max-model-len",
                     "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp", "quantization",
-                    "decode-batch"},
+                    "decode-batch", "draft-model"},
                    {"json", "help", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -166,6 +168,14 @@ int Run(const std::vector<std::string>& args) {
   if (!model.ok()) {
     std::fprintf(stderr, "shardserve plan: %s\n", std::string(model.status().message()).c_str());
     return 1;
+  }
+  if (flags->Has("draft-model")) {
+    absl::StatusOr<ModelConfig> draft = LoadModelConfig(flags->Get("draft-model"));
+    if (!draft.ok()) {
+      std::fprintf(stderr, "shardserve plan: --draft-model: %s\n", std::string(draft.status().message()).c_str());
+      return 1;
+    }
+    options->draft = *std::move(draft);
   }
   absl::StatusOr<Plan> plan = MakePlan(model->config, model->checkpoint.get(), *cluster, *options);
   if (!plan.ok()) {

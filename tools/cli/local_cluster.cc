@@ -118,6 +118,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
   c.expert_parallel = f.Has("expert-parallel");
+  c.adaptive_speculative_tokens = f.Has("adaptive-speculative-tokens");
   return c;
 }
 
@@ -131,6 +132,7 @@ std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) 
   if (draft && !draft_model.empty()) args.insert(args.end(), {"--draft-model", draft_model});
   if (!prefix_caching) args.push_back("--no-prefix-caching");
   if (expert_parallel) args.push_back("--expert-parallel");
+  if (adaptive_speculative_tokens) args.push_back("--adaptive-speculative-tokens");
   return args;
 }
 
