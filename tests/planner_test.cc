@@ -412,9 +412,9 @@ TEST(Planner, Qwen3_235B_A22B_EightH100) {
 // declaration: 116,829,156,672 parameters (the model card's 116.83B) and 5,711,982,912 read a token,
 // the card's 5.13B active plus the 579,133,440 of the embedding table, which the card leaves out
 // (a lookup). The published experts are MXFP4 (4.25 bits a value: 60.9 GB of them on disk); the
-// workers hold their products on the fp8 kernels with a scale per 32 inputs (model/mxfp4.h
-// Mxfp4AsFp8Groups: 9 bytes per 8 values), so the plan counts them so, the rest in bf16 (the sinks
-// in float32): 133.3 GB, on one H200, or two at TP=2 with or without expert parallelism.
+// workers hold their products as published (kernels/quant.h Mxfp4RowsLayout: 17 bytes per 32
+// values), so the plan counts them so, the rest in bf16 (the sinks in float32): 60.77 GiB, on one
+// H100-80GB or one H200, or two H200s at TP=2 with or without expert parallelism.
 TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   const ModelConfig c = RealConfig("gpt-oss-120b");
   EXPECT_TRUE(c.mxfp4_experts);
