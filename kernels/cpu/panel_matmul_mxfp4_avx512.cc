@@ -14,7 +14,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <vector>
+
 #include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
 #include "kernels/quant.h"
 
@@ -79,6 +82,26 @@ template <int R, int P>
   }
 }
 
+// `have` adjacent panels' weights as the float32 panels PackPanels makes of the dequantized weights
+// (panel q's [k][16] floats at out + q k 16): each code's value times its block's scale, exact.
+void DequantizePanels(float* out, const uint8_t* codes, const uint8_t* scales, int64_t k, int64_t have) {
+  const __m512 table = _mm512_loadu_ps(kMxfp4Values);
+  const int64_t code_stride = k / 2 * kPanelCols, scale_stride = k / kMxfp4BlockSize * kPanelCols;
+  for (int64_t q = 0; q < have; ++q) {
+    float* to = out + q * k * kPanelCols;
+    for (int64_t g = 0; g < k / kMxfp4BlockSize; ++g) {
+      const __m512 s = Scales(scales + q * scale_stride + g * kPanelCols);
+      for (int64_t j = g * (kMxfp4BlockSize / 2); j < (g + 1) * (kMxfp4BlockSize / 2); ++j) {
+        const __m512i b = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + q * code_stride + j * kPanelCols)));
+        _mm512_storeu_ps(to + 2 * j * kPanelCols, _mm512_mul_ps(_mm512_permutexvar_ps(b, table), s));
+        _mm512_storeu_ps(to + (2 * j + 1) * kPanelCols,
+                         _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), s));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void PanelMatMulMxfp4Avx512(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w,
@@ -86,8 +109,24 @@ void PanelMatMulMxfp4Avx512(float* y, const float* x, int64_t n, int64_t m, int6
   const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
   const int64_t code_stride = k / 2 * kPanelCols, scale_stride = k / kMxfp4BlockSize * kPanelCols;
   const uint8_t* scale_base = w + panels * code_stride;
-  const int64_t per = PanelsPerTile(n), groups = (panels + per - 1) / per;
   // Threads take groups of panels as they come free, never k: the thread count cannot change a sum.
+  if (n > 3) {
+    // A prefill: each group of panels dequantized once into the thread's float32 panels and
+    // multiplied by the float32 panels' AVX-512 tiles (panel_matmul_avx512.h: the same chains), so
+    // that each weight is decoded once, not once per tile of rows.
+    const int64_t wide = WidePanelsPerGroup(n), wide_groups = (panels + wide - 1) / wide;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t grp = 0; grp < wide_groups; ++grp) {
+      thread_local std::vector<float> panel;  // each thread's, grown once to the widest group
+      if (panel.size() < static_cast<size_t>(wide * k * kPanelCols)) panel.resize(static_cast<size_t>(wide * k * kPanelCols));
+      const int64_t p = grp * wide, have = std::min(wide, panels - p), c0 = p * kPanelCols;
+      DequantizePanels(panel.data(), w + p * code_stride, scale_base + p * scale_stride, k, have);
+      PanelGroupAvx512(y + c0, m, x, n, k, panel.data(), have, std::min(have * kPanelCols, m - c0),
+                       bias != nullptr ? bias + c0 : nullptr, nullptr, 0);
+    }
+    return;
+  }
+  const int64_t per = PanelsPerTile(n), groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t grp = 0; grp < groups; ++grp) {
     const int64_t p = grp * per, have = std::min(per, panels - p), c0 = p * kPanelCols;

@@ -12,8 +12,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/panel_matmul.h"
+#include "kernels/cpu/panel_tiles.h"
 #include "kernels/cpu/tile_rows.h"
 #include "kernels/host_vec.h"
 #include "kernels/quant.h"
@@ -97,16 +99,51 @@ template <class D, int R, int P>
   }
 }
 
-// The whole product: groups of Mxfp4PanelsPerTile(n) panels shared out to the threads as they come
-// free (never k: the thread count cannot change a sum), each group's rows in balanced tiles.
+// One panel's weights as the float32 panel PackPanels makes of the dequantized weights ([k][16]
+// floats at `out`): each code's value times its block's scale, exact.
+template <class D>
+[[gnu::always_inline]] inline void DequantizeMxfp4Panel(float* out, const uint8_t* codes, const uint8_t* scales,
+                                                        int64_t k) {
+  const float* table = Mxfp4Scales().v;
+  for (int64_t g = 0; g < k / kMxfp4BlockSize; ++g) {
+    float f[kPanelCols];
+    for (int64_t l = 0; l < kPanelCols; ++l) f[l] = table[scales[g * kPanelCols + l]];
+    const Vec8 s[2] = {LoadVec(f), LoadVec(f + kVecLanes)};
+    for (int64_t j = g * (kMxfp4BlockSize / 2); j < (g + 1) * (kMxfp4BlockSize / 2); ++j) {
+      Vec8 even[2], odd[2];
+      D::Decode(codes + j * kPanelCols, even, odd);
+      for (int h = 0; h < 2; ++h) {
+        StoreVec(out + 2 * j * kPanelCols + h * kVecLanes, even[h] * s[h]);
+        StoreVec(out + (2 * j + 1) * kPanelCols + h * kVecLanes, odd[h] * s[h]);
+      }
+    }
+  }
+}
+
+// The whole product. Up to kFewRows rows (decode steps): groups of Mxfp4PanelsPerTile(n) panels
+// shared out to the threads as they come free (never k: the thread count cannot change a sum), each
+// step's codes decoded in registers for the group's rows. From kFewRows + 1 rows each panel is
+// dequantized once into the thread's float32 panel and multiplied by the float32 panels' own tiles
+// (panel_tiles.h PanelProduct: the same chains), so that a prefill decodes each weight once, not
+// once per tile of rows.
 template <class D>
 void Mxfp4Product(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* bias,
                   int threads) {
   const int64_t panels = (m + kPanelCols - 1) / kPanelCols;
   const int64_t code_stride = Mxfp4PanelCodeBytes(k);
   const uint8_t* scale_base = w + panels * code_stride;
-  const int64_t per = Mxfp4PanelsPerTile(n), groups = (panels + per - 1) / per;
   (void)Mxfp4Scales();  // made before the threads start
+  if (n > kFewRows) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsAtATime)
+    for (int64_t p = 0; p < panels; ++p) {
+      thread_local std::vector<float> panel;  // each thread's, grown once to a panel of the widest k
+      if (panel.size() < static_cast<size_t>(k * kPanelCols)) panel.resize(static_cast<size_t>(k * kPanelCols));
+      DequantizeMxfp4Panel<D>(panel.data(), w + p * code_stride, scale_base + p * Mxfp4PanelScaleBytes(k), k);
+      PanelProduct<F32Panels, false>(y, x, n, m, k, panel.data(), nullptr, bias, p);
+    }
+    return;
+  }
+  const int64_t per = Mxfp4PanelsPerTile(n), groups = (panels + per - 1) / per;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t grp = 0; grp < groups; ++grp) {
     const int64_t p = grp * per, have = std::min(per, panels - p), c0 = p * kPanelCols;
