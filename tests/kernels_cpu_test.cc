@@ -1663,9 +1663,10 @@ TEST_P(QuantIsaTest, Fp8GroupScalesEqualTheDequantizedReference) {
 // instance: bitwise the chains of the float32 panels over DequantizeMxfp4Rows' weights (fused
 // multiply-adds on AVX2 and AVX-512, a multiply and an add on baseline x86-64), and where the CPU
 // runs PanelMatMul's fused clones bitwise PanelMatMul itself on the dequantized weights packed as
-// float32 panels. k of 1, 3, 10 and 12 blocks, m on and off the 16-column panels (1, 5, 16, 17,
-// 40), n from 1 to 33 (the decode tiles of several panels, balanced tiles of odd rows), with and
-// without bias, 2 threads; guards around the output; scales of 2^-127 (subnormal) to 2^127.
+// float32 panels. k of 1, 2, 3, 10 and 12 blocks, m on and off the 16-column panels (1, 5, 16, 17,
+// 40), n from 1 to 33 (the decoding tiles of several panels up to 7 rows, balanced tiles of odd
+// rows; from 8 rows each panel dequantized once for the float32 tiles), with and without bias, 2
+// threads; guards around the output; scales of 2^-127 (subnormal) to 2^127.
 TEST_P(QuantIsaTest, Mxfp4PanelsAreTheDequantizedChainsBitForBit) {
   const cpu::QuantIsa isa = GetParam();
   if (!cpu::QuantIsaSupported(isa)) GTEST_SKIP() << "this CPU lacks " << cpu::QuantIsaName(isa);
@@ -1679,7 +1680,7 @@ TEST_P(QuantIsaTest, Mxfp4PanelsAreTheDequantizedChainsBitForBit) {
     std::vector<float> f32_panels(static_cast<size_t>(cpu::PanelMatMulFloats(m, k))), scratch;
     cpu::PackPanels(f32_panels.data(), w.dequantized.data(), m, k);
     const std::vector<float> b = Random(rng, m);
-    for (int64_t n : {1, 2, 3, 4, 5, 9, 17, 33}) {
+    for (int64_t n : {1, 2, 3, 4, 5, 7, 8, 9, 17, 33}) {
       for (bool bias : {false, true}) {
         const std::vector<float> x = Random(rng, n * k);
         const std::string what = absl::StrCat(cpu::QuantIsaName(isa), " mxfp4 n=", n, " k=", k, " m=", m, bias ? " +bias" : "");

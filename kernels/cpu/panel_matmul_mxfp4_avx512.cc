@@ -32,6 +32,12 @@ static_assert(kPanelCols == 16, "one panel row is one zmm");
 constexpr int kRows = 8;
 constexpr int PanelsPerTile(int64_t rows) { return rows <= 3 ? 4 : 2; }
 
+// From this many rows a product dequantizes each group of panels once and runs the float32 panels'
+// tiles (below): bench_matmul (one thread, a shared VM) had the decoding tiles faster at 4 rows (1.14
+// against 1.30 ms at 2880 x 2880; the bench stage's products 1.6 against 2.1) and slower at 16 (3.9
+// against 3.4).
+constexpr int64_t kDequantizeRows = 8;
+
 // 16 E8M0 bytes as 2^(e - 127) in float32, exactly.
 [[gnu::always_inline]] inline __m512 Scales(const uint8_t* e) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
@@ -110,7 +116,7 @@ void PanelMatMulMxfp4Avx512(float* y, const float* x, int64_t n, int64_t m, int6
   const int64_t code_stride = k / 2 * kPanelCols, scale_stride = k / kMxfp4BlockSize * kPanelCols;
   const uint8_t* scale_base = w + panels * code_stride;
   // Threads take groups of panels as they come free, never k: the thread count cannot change a sum.
-  if (n > 3) {
+  if (n >= kDequantizeRows) {
     // A prefill: each group of panels dequantized once into the thread's float32 panels and
     // multiplied by the float32 panels' AVX-512 tiles (panel_matmul_avx512.h: the same chains), so
     // that each weight is decoded once, not once per tile of rows.

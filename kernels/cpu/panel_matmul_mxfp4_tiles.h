@@ -120,12 +120,17 @@ template <class D>
   }
 }
 
-// The whole product. Up to kFewRows rows (decode steps): groups of Mxfp4PanelsPerTile(n) panels
-// shared out to the threads as they come free (never k: the thread count cannot change a sum), each
-// step's codes decoded in registers for the group's rows. From kFewRows + 1 rows each panel is
-// dequantized once into the thread's float32 panel and multiplied by the float32 panels' own tiles
-// (panel_tiles.h PanelProduct: the same chains), so that a prefill decodes each weight once, not
-// once per tile of rows.
+// From this many rows a product dequantizes each panel once (below): bench_matmul (one thread, a
+// shared AVX-512 VM) had the AVX2 tiles decoding in registers faster at 4 rows (1.7 against 2.3 ms
+// at 2880 x 2880) and slower at 16 (9.0 against 8.2; 47.5 against 22.0 at 64).
+constexpr int64_t kMxfp4DequantizeRows = 8;
+
+// The whole product. Below kMxfp4DequantizeRows rows (decode steps, short chunks): groups of
+// Mxfp4PanelsPerTile(n) panels shared out to the threads as they come free (never k: the thread
+// count cannot change a sum), each step's codes decoded in registers for the group's rows. From
+// kMxfp4DequantizeRows rows each panel is dequantized once into the thread's float32 panel and
+// multiplied by the float32 panels' own tiles (panel_tiles.h PanelProduct: the same chains), so
+// that a prefill decodes each weight once, not once per tile of rows.
 template <class D>
 void Mxfp4Product(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* bias,
                   int threads) {
@@ -133,7 +138,7 @@ void Mxfp4Product(float* y, const float* x, int64_t n, int64_t m, int64_t k, con
   const int64_t code_stride = Mxfp4PanelCodeBytes(k);
   const uint8_t* scale_base = w + panels * code_stride;
   (void)Mxfp4Scales();  // made before the threads start
-  if (n > kFewRows) {
+  if (n >= kMxfp4DequantizeRows) {
 #pragma omp parallel for num_threads(threads) schedule(dynamic, kPanelsAtATime)
     for (int64_t p = 0; p < panels; ++p) {
       thread_local std::vector<float> panel;  // each thread's, grown once to a panel of the widest k
