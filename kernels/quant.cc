@@ -205,6 +205,7 @@ const char* WeightQuantName(WeightQuant q) {
     case WeightQuant::kInt8: return "int8";
     case WeightQuant::kInt4: return "int4";
     case WeightQuant::kFp8: return "fp8";
+    case WeightQuant::kMxfp4: return "mxfp4";
   }
   return "?";
 }
@@ -222,8 +223,56 @@ int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k, int64_t group)
     case WeightQuant::kInt8: return Int8RowsLayout{m, k}.bytes();
     case WeightQuant::kInt4: return Int4GroupsLayout{m, k}.bytes();
     case WeightQuant::kFp8: return Fp8RowsLayout{m, k, group}.bytes();
+    case WeightQuant::kMxfp4: return Mxfp4RowsLayout{m, k}.bytes();
   }
   return 0;
+}
+
+float Mxfp4Scale(uint8_t e) {
+  if (e == kMxfp4NanScale) return std::numeric_limits<float>::infinity();
+  return std::ldexp(1.0f, static_cast<int>(e) - 127);
+}
+
+void DequantizeMxfp4Rows(float* w, const uint8_t* stored, int64_t m, int64_t k) {
+  const Mxfp4RowsLayout layout{m, k};
+  const int64_t groups = layout.blocks_per_row();
+  const auto* blocks = reinterpret_cast<const Mxfp4Block*>(stored);
+  const uint8_t* scales = stored + layout.code_bytes();
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t e = scales[r * groups + g];
+      const uint8_t* codes = blocks[r * groups + g].codes;
+      float* to = w + r * k + g * kMxfp4BlockSize;
+      for (int64_t j = 0; j < kMxfp4BlockBytes; ++j) {
+        for (int h = 0; h < 2; ++h) {
+          const float v = kMxfp4Values[h == 0 ? codes[j] & 0x0F : codes[j] >> 4];
+          to[2 * j + h] = e == kMxfp4NanScale ? std::numeric_limits<float>::quiet_NaN()
+                                              : std::ldexp(v, static_cast<int>(e) - 127);
+        }
+      }
+    }
+  }
+}
+
+bool Mxfp4BlockFinite(const uint8_t* codes, uint8_t scale) {
+  if (scale < 253) return true;  // 6 x 2^125 < 2^128
+  if (scale == kMxfp4NanScale) return false;
+  // The smallest magnitude code (bits 0-2) past float32: 4 (value 2) under 254, 6 (value 4) under 253.
+  const int limit = scale == 254 ? 4 : 6;
+  for (int64_t j = 0; j < kMxfp4BlockBytes; ++j) {
+    if ((codes[j] & 7) >= limit || ((codes[j] >> 4) & 7) >= limit) return false;
+  }
+  return true;
+}
+
+bool Mxfp4ValuesFinite(const uint8_t* stored, int64_t m, int64_t k) {
+  const Mxfp4RowsLayout layout{m, k};
+  const auto* blocks = reinterpret_cast<const Mxfp4Block*>(stored);
+  const uint8_t* scales = stored + layout.code_bytes();
+  for (int64_t b = 0; b < layout.scale_bytes(); ++b) {
+    if (!Mxfp4BlockFinite(blocks[b].codes, scales[b])) return false;
+  }
+  return true;
 }
 
 absl::Status QuantizeInt8Rows(float* scale, int8_t* q, const float* w, int64_t m, int64_t k) {
@@ -363,6 +412,9 @@ absl::Status ForRowParts(int64_t m, int threads, const std::function<absl::Statu
 absl::Status QuantizeWeight(WeightQuant quant, void* stored, const void* w, DType dtype, int64_t m, int64_t k,
                             int threads) {
   if (quant == WeightQuant::kNone) return absl::InvalidArgumentError("QuantizeWeight: kNone is no quantized layout");
+  if (quant == WeightQuant::kMxfp4) {
+    return absl::InvalidArgumentError("QuantizeWeight: nothing quantizes into mxfp4; only a checkpoint stores it");
+  }
   if (m < 0 || k < 0) return absl::InvalidArgumentError(absl::StrCat("QuantizeWeight: a [", m, ", ", k, "] weight"));
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
     return absl::InvalidArgumentError(

@@ -1,7 +1,7 @@
 // Quantized weight formats: how a MatMul weight may be stored (Backend::PackMatMulWeight), one
 // declared layout per format and one dequantize reference per format, which the fast kernels
-// (kernels/cpu/int8_matmul.h: int8 and fp8, kernels/cpu/int4_matmul.h) are tested against
-// (tests/kernels_cpu_test.cc).
+// (kernels/cpu/int8_matmul.h: int8 and fp8, kernels/cpu/int4_matmul.h, kernels/cpu/panel_matmul.h:
+// mxfp4) are tested against (tests/kernels_cpu_test.cc).
 //
 // Embeddings, norms and the LM head stay in the activation dtype, as in the peers (vLLM,
 // llama.cpp): only the linear layers' weights are quantized.
@@ -22,16 +22,20 @@ enum class WeightQuant : uint8_t {
   kInt4 = 2,  // 4-bit unsigned with a zero point, per group of 128 inputs (Int4Group128 below)
   kFp8 = 3,   // fp8 e4m3 (OCP E4M3FN), one float32 scale per output channel, or per output channel and
               // group of inputs (Fp8RowsLayout below, its `group`)
+  kMxfp4 = 4,  // MXFP4: e2m1 codes with an E8M0 scale per 32 inputs (Mxfp4RowsLayout below), as
+               // gpt-oss's experts are published; loaded as stored, never quantized into at load
 };
 
-// "none", "int8", "int4", "fp8".
+// "none", "int8", "int4", "fp8", "mxfp4".
 const char* WeightQuantName(WeightQuant q);
-// The inverse of WeightQuantName; InvalidArgument listing the names otherwise.
+// The inverse of WeightQuantName for the formats a weight can be quantized into at load
+// (--quantization: none, int8, int4, fp8); InvalidArgument listing them otherwise (mxfp4 too: only
+// a checkpoint stores it).
 absl::StatusOr<WeightQuant> ParseWeightQuant(absl::string_view name);
 
 // Bytes of a weight [m, k] stored as `q` (its layout's below: values, scales and zeros); m x k x 4
 // (float32) for kNone. `group`: kFp8's inputs per scale (Fp8RowsLayout::group; 0: one scale a row),
-// 0 for the other formats.
+// 0 for the other formats (kMxfp4's group is always kMxfp4BlockSize; k a multiple of it).
 int64_t QuantizedWeightBytes(WeightQuant q, int64_t m, int64_t k, int64_t group = 0);
 
 // ---- int8, per output channel ----------------------------------------------------------------
@@ -158,6 +162,50 @@ absl::Status QuantizeInt4Groups(Int4Group128* blocks /*[m, ceil(k / 128)]*/, con
 void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, ceil(k / 128)]*/, int64_t m,
                           int64_t k);
 
+// ---- MXFP4: e2m1 codes, one E8M0 scale per 32 inputs ------------------------------------------
+// The OCP microscaling format with FP4 E2M1 elements, as gpt-oss's checkpoints publish their
+// experts (model/mxfp4.h reads them). A weight w [m, k] (k a multiple of 32) is stored as
+//   blocks [m, k / 32] Mxfp4Block (16 bytes each: code 2 j of the block in the low nibble of byte j,
+//   code 2 j + 1 in the high one), then scales [m, k / 32] bytes (E8M0),
+// with w[r][32 g + i] = kMxfp4Values[code i of block (r, g)] x 2^(scales[r][g] - 127) (each a power
+// of two times a value of at most 2 significant bits: exact in float32 where finite). Not finite:
+// every value of a block with scale byte 255 (NaN in OCP's E8M0), and codes of magnitude 4 or 6
+// under 253 and 2 or more under 254 (2^128 and past); the kernels refuse a weight that has any
+// when it is stored (Mxfp4ValuesFinite). The codes are the checkpoint's `_blocks` bytes and the scales its `_scales`
+// bytes, row by row, as they are: 4.25 bits a weight. The CPU backend repacks them into panels of
+// the same bytes (kernels/cpu/panel_matmul.h PackPanelsMxfp4); CUDA reads them as they are.
+inline constexpr int64_t kMxfp4BlockSize = 32;   // inputs per scale
+inline constexpr int64_t kMxfp4BlockBytes = 16;  // bytes per block of codes
+// The 16 values of an e2m1 code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code | 8).
+inline constexpr float kMxfp4Values[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// One block's codes (its scale byte is stored apart).
+struct Mxfp4Block {
+  uint8_t codes[kMxfp4BlockBytes];
+};
+static_assert(sizeof(Mxfp4Block) == kMxfp4BlockBytes, "a block of 32 e2m1 codes is 16 bytes");
+// The E8M0 scale byte that means NaN.
+inline constexpr uint8_t kMxfp4NanScale = 255;
+
+struct Mxfp4RowsLayout {
+  int64_t m = 0, k = 0;  // k a multiple of kMxfp4BlockSize
+  int64_t blocks_per_row() const { return k / kMxfp4BlockSize; }
+  // Bytes of the codes (where the scales start), of the scales, and of the whole stored weight.
+  int64_t code_bytes() const { return m * blocks_per_row() * kMxfp4BlockBytes; }
+  int64_t scale_bytes() const { return m * blocks_per_row(); }
+  int64_t bytes() const { return code_bytes() + scale_bytes(); }
+};
+
+// An E8M0 scale byte's value, 2^(e - 127), exactly (2^-127 a float32 subnormal); +inf for 255.
+float Mxfp4Scale(uint8_t e);
+// The reference: w [m, k] from `stored` (Mxfp4RowsLayout{m, k}'s bytes), code value x scale, each
+// exact. A scale byte of 255 gives NaN for that block's values (a stored weight never has one).
+void DequantizeMxfp4Rows(float* w /*[m, k]*/, const uint8_t* stored, int64_t m, int64_t k);
+// Whether every value of one block (its 16 code bytes and scale byte) is finite in float32.
+bool Mxfp4BlockFinite(const uint8_t* codes /*[16]*/, uint8_t scale);
+// Whether every value of `stored` (Mxfp4RowsLayout{m, k}) is: what the kernels take.
+bool Mxfp4ValuesFinite(const uint8_t* stored, int64_t m, int64_t k);
+
 // ---- Any format ---------------------------------------------------------------------------------
 
 // Quantizes w [m, k] float32 into `stored`: QuantizedWeightBytes(quant, m, k) bytes of quant's
@@ -168,7 +216,7 @@ void DequantizeInt4Groups(float* w /*[m, k]*/, const Int4Group128* blocks /*[m, 
 // int4 now go 8 weights at a time, fp8 without libm: one AVX2 EPYC thread quantizes about 380 M
 // weights/s to int4, 345 M to int8, 140 M to fp8, against 75-90, 75-90 and 30-45 before:
 // bench_matmul's packing times). Non-finite weights are refused, naming the row and column, before anything
-// is written (one scan, shared among the threads too); kNone is refused.
+// is written (one scan, shared among the threads too); kNone and kMxfp4 are refused.
 absl::Status QuantizeWeight(WeightQuant quant, void* stored, const float* w /*[m, k]*/, int64_t m, int64_t k,
                             int threads = 0);
 enum class DType : uint8_t;  // kernels/tensor.h (which includes this header)

@@ -70,4 +70,22 @@ bool Mxfp4AsFp8Groups(const uint8_t* blocks, const uint8_t* scales, int64_t grou
   return true;
 }
 
+bool Mxfp4Rows(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
+               int64_t group0, int64_t num_groups, std::vector<uint8_t>* out) {
+  const int64_t m = static_cast<int64_t>(rows.size());
+  const Mxfp4RowsLayout layout{m, num_groups * kMxfp4BlockSize};
+  out->assign(static_cast<size_t>(layout.bytes()), 0);
+  uint8_t* to_scales = out->data() + layout.code_bytes();
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t first = rows[r] * groups + group0;
+    std::memcpy(out->data() + r * num_groups * kMxfp4BlockBytes, blocks + first * kMxfp4BlockBytes,
+                static_cast<size_t>(num_groups * kMxfp4BlockBytes));
+    for (int64_t g = 0; g < num_groups; ++g) {
+      if (!Mxfp4BlockFinite(blocks + (first + g) * kMxfp4BlockBytes, scales[first + g])) return false;
+      to_scales[r * num_groups + g] = scales[first + g];
+    }
+  }
+  return true;
+}
+
 }  // namespace shardserve

@@ -16,22 +16,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/quant.h"
 
 namespace shardserve {
 
-inline constexpr int64_t kMxfp4BlockSize = 32;  // elements per scale
-inline constexpr int64_t kMxfp4BlockBytes = 16;  // bytes per block of codes
-
-// The 16 values of an e2m1 code: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code | 8).
-inline constexpr float kMxfp4Values[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
-                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// One block's codes: code 2 j in the low nibble of codes[j], code 2 j + 1 in the high one (its
-// scale byte is stored apart, in <name>_scales).
-struct Mxfp4Block {
-  uint8_t codes[kMxfp4BlockBytes];
-};
-static_assert(sizeof(Mxfp4Block) == kMxfp4BlockBytes, "a block of 32 e2m1 codes is 16 bytes");
+// The format itself (kMxfp4BlockSize, kMxfp4Values, Mxfp4Block, the stored layout and its
+// reference) is kernels/quant.h's; here, reading it from a checkpoint.
 
 // Dequantizes rows x cols values (cols a multiple of 32) from `blocks` [rows, cols / 32, 16] and
 // `scales` [rows, cols / 32] into `out` [rows, cols] float32 (exact: every value is a code's value
@@ -50,10 +40,18 @@ absl::Status DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int64
 bool Mxfp4AsFp8Groups(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
                       int64_t group0, int64_t num_groups, std::vector<uint8_t>* out);
 
+// Rows `rows` (indices into `blocks` [*, groups, 16] / `scales` [*, groups]) and blocks [group0,
+// group0 + num_groups) of each as kernels/quant.h's Mxfp4RowsLayout{rows.size(), num_groups * 32}
+// into `out`: the checkpoint's bytes as they are, codes then scales. False (out unspecified) when a
+// value is past float32 (kernels/quant.h Mxfp4BlockFinite: a scale byte of 255, or 253 / 254 on a
+// large code), which the kernels refuse (DequantizeMxfp4 then refuses it too, naming the block).
+bool Mxfp4Rows(const uint8_t* blocks, const uint8_t* scales, int64_t groups, const std::vector<int64_t>& rows,
+               int64_t group0, int64_t num_groups, std::vector<uint8_t>* out);
+
 // The bytes MXFP4 stores for `elements` values (a multiple of 32): half a byte each and one scale
-// byte per 32 (4.25 bits a value).
+// byte per 32 (4.25 bits a value): Mxfp4RowsLayout's.
 inline int64_t Mxfp4Bytes(int64_t elements) {
-  return elements / 2 + elements / kMxfp4BlockSize;
+  return Mxfp4RowsLayout{1, elements}.bytes();
 }
 
 }  // namespace shardserve

@@ -727,6 +727,7 @@ const void* QuantizedLinearSlice::stored() const {
     case WeightQuant::kInt4: return blocks.data();
     case WeightQuant::kInt8:
     case WeightQuant::kFp8: return rows.data();
+    case WeightQuant::kMxfp4:  // (not one of these formats' kernels: model/mxfp4.h)
     case WeightQuant::kNone: return nullptr;
   }
   return nullptr;

@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -40,6 +41,7 @@ constexpr StepLimits kLimits{.max_tokens_per_step = 256, .max_seqs_per_step = 16
                              .num_kv_blocks = 64, .max_model_len = 512};
 using json = nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // A tensor to write: name, shape, F32 values (generated) or raw header overrides.
 struct FakeTensor {
@@ -754,20 +756,66 @@ TEST_F(CheckpointTest, DummyWeightsOfMxfp4ExpertsArePlain) {
   absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_FALSE((*ckpt)->MakesPlainWeights());
-  // The checkpoint's MXFP4 experts load onto the fp8 kernels (gate, up and down of each expert),
-  // none dequantized; asked for int8, they are dequantized and quantized again.
+  // The checkpoint's MXFP4 experts load as they are (gate, up and down of each expert), none
+  // dequantized; asked for int8, they are dequantized and quantized again, the log saying why.
   absl::StatusOr<std::unique_ptr<ModelShard>> real = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, cpu.get(), &tp);
   ASSERT_TRUE(real.ok()) << real.status();
   const int64_t products = 3 * config->num_experts * static_cast<int64_t>(std::count(
                                config->sparse_layers.begin(), config->sparse_layers.end(), true));
   EXPECT_THAT((*real)->QuantizationSummary(),
-              HasSubstr(absl::StrCat(products, " as fp8 e4m3 with a scale per 32 inputs (the checkpoint's values and "
-                                               "scales, exact), 0 dequantized at load")));
+              HasSubstr(absl::StrCat(products, " as mxfp4 (the checkpoint's e2m1 codes and E8M0 scales, 4.25 bits a "
+                                               "weight), 0 dequantized at load")));
+  EXPECT_THAT((*real)->QuantizationSummary(), Not(HasSubstr("not as mxfp4")));
   ShardSpec int8;
   int8.weight_quant = WeightQuant::kInt8;
   absl::StatusOr<std::unique_ptr<ModelShard>> requantized = ModelShard::Load(**ckpt, *config, int8, kLimits, cpu.get(), &tp);
   ASSERT_TRUE(requantized.ok()) << requantized.status();
-  EXPECT_THAT((*requantized)->QuantizationSummary(), HasSubstr(absl::StrCat("int8; MXFP4 experts' products: 0 as fp8")));
+  EXPECT_THAT((*requantized)->QuantizationSummary(),
+              HasSubstr(absl::StrCat("int8; MXFP4 experts' products: 0 as mxfp4")));
+  EXPECT_THAT((*requantized)->QuantizationSummary(),
+              HasSubstr(absl::StrCat(products, " dequantized at load (not as mxfp4: --quantization int8 asked for)")));
+}
+
+// A device backend: with mxfp4 kernels the experts stay mxfp4 and the shard names their GPU path
+// among those not yet run; one without them (its PackQuantizedWeight Unimplemented for mxfp4) takes
+// the experts on the fp8 kernels with a scale per 32 inputs (Mxfp4AsFp8Groups), the log saying why,
+// and names that path instead. Without any quantized kernels the load fails, naming the expert.
+TEST_F(CheckpointTest, Mxfp4ExpertsOnABackendWithoutMxfp4KernelsTakeTheFp8Kernels) {
+  const fs::path dir = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/gpt_oss_mxfp4_tf5";
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const int64_t products = 3 * config->num_experts * config->num_hidden_layers;
+  {
+    DeviceLikeBackend device;
+    device.quantized = true;
+    LocalCommunicator tp(&device);
+    absl::StatusOr<std::unique_ptr<ModelShard>> shard = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, &device, &tp);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    EXPECT_THAT((*shard)->QuantizationSummary(), HasSubstr(absl::StrCat(products, " as mxfp4")));
+    EXPECT_THAT((*shard)->GpuPathsNotYetRun(), HasSubstr("MXFP4 experts' products"));
+  }
+  {
+    DeviceLikeBackend device;
+    device.quantized = true;
+    device.without = {WeightQuant::kMxfp4};
+    LocalCommunicator tp(&device);
+    absl::StatusOr<std::unique_ptr<ModelShard>> shard = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, &device, &tp);
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    const std::string summary = (*shard)->QuantizationSummary();
+    EXPECT_THAT(summary, HasSubstr(absl::StrCat("0 as mxfp4 (the checkpoint's e2m1 codes and E8M0 scales, 4.25 bits a "
+                                                "weight), ",
+                                                products, " as fp8 e4m3 with a scale per 32 inputs")));
+    EXPECT_THAT(summary, HasSubstr("0 dequantized at load (not as mxfp4: this backend has no mxfp4 kernels"));
+    EXPECT_THAT((*shard)->GpuPathsNotYetRun(), HasSubstr("fp8 products with input-group scales"));
+    EXPECT_THAT((*shard)->GpuPathsNotYetRun(), Not(HasSubstr("MXFP4 experts' products")));
+  }
+  DeviceLikeBackend none;
+  LocalCommunicator tp(&none);
+  const absl::Status refused = ModelShard::Load(**ckpt, *config, ShardSpec{}, kLimits, &none, &tp).status();
+  EXPECT_TRUE(absl::IsUnimplemented(refused)) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("(expert 0)"));
 }
 
 // model/mxfp4.h's DequantizeMxfp4 against transformers' own decoding (integrations/mxfp4.py
@@ -849,6 +897,58 @@ TEST(Mxfp4AsFp8, TheLayoutHoldsTheSameValues) {
   std::vector<uint8_t> layout;
   EXPECT_FALSE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 0, groups, &layout));
   EXPECT_TRUE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 2, 2, &layout));  // not that block
+}
+
+// MXFP4 kept as it is (Mxfp4Rows: the loader's picked rows and blocks of a stacked expert into
+// kernels/quant.h's Mxfp4RowsLayout): every code (all 16, both nibbles) and scales from 2^-127 to
+// 2^125, rows picked out of order and blocks from the second on, dequantize (DequantizeMxfp4Rows,
+// the kernels' reference) to DequantizeMxfp4's values bit for bit (transformers' decoding, above);
+// the layout's bytes are 4.25 bits a value. Refused (false), as the kernels refuse them: a scale
+// byte of 255, and 254 / 253 on a code they carry past float32 (2 and 4: 2^128); the largest finite
+// codes under each kept.
+TEST(Mxfp4Rows, TheLayoutHoldsTheCheckpointsValues) {
+  const int64_t rows = 5, groups = 4, cols = groups * kMxfp4BlockSize;
+  std::vector<uint8_t> blocks(rows * groups * kMxfp4BlockBytes), scales(rows * groups);
+  std::mt19937 rng(11);
+  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = i < 8 ? static_cast<uint8_t>(i * 0x11 + 0x10 * (i & 1)) : rng() & 0xFF;
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = i == 0 ? 0 : i == 1 ? 252 : 100 + rng() % 50;
+  std::vector<float> want(rows * cols);
+  ASSERT_TRUE(DequantizeMxfp4(blocks.data(), scales.data(), rows, cols, want.data(), "w").ok());
+  const std::vector<int64_t> picked = {3, 0, 4};
+  for (const auto& [group0, num_groups] : {std::pair<int64_t, int64_t>{0, 4}, {1, 2}, {3, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "blocks [" << group0 << ", " << group0 + num_groups << ")");
+    std::vector<uint8_t> layout;
+    ASSERT_TRUE(Mxfp4Rows(blocks.data(), scales.data(), groups, picked, group0, num_groups, &layout));
+    const int64_t m = static_cast<int64_t>(picked.size()), k = num_groups * kMxfp4BlockSize;
+    ASSERT_EQ(static_cast<int64_t>(layout.size()), (Mxfp4RowsLayout{m, k}.bytes()));
+    EXPECT_EQ(QuantizedWeightBytes(WeightQuant::kMxfp4, m, k), m * k / 2 + m * k / 32);
+    EXPECT_TRUE(Mxfp4ValuesFinite(layout.data(), m, k));
+    std::vector<float> got(m * k);
+    DequantizeMxfp4Rows(got.data(), layout.data(), m, k);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < k; ++c) {
+        const float expected = want[picked[r] * cols + group0 * kMxfp4BlockSize + c];
+        ASSERT_EQ(std::bit_cast<uint32_t>(got[r * k + c]), std::bit_cast<uint32_t>(expected))
+            << "row " << picked[r] << " input " << c << ": " << got[r * k + c] << " vs " << expected;
+      }
+    }
+  }
+  std::vector<uint8_t> layout;
+  for (const auto& [scale, code, finite] : {std::tuple<uint8_t, uint8_t, bool>{255, 0x00, false}, {254, 0x33, true},
+                                            {254, 0x34, false}, {254, 0xC0, false}, {253, 0x55, true}, {253, 0x60, false}}) {
+    SCOPED_TRACE(::testing::Message() << "scale " << int{scale} << ", code byte " << int{code});
+    std::vector<uint8_t> b = blocks, s = scales;
+    std::fill_n(b.begin() + (2 * groups + 1) * kMxfp4BlockBytes, kMxfp4BlockBytes, uint8_t{0});
+    b[(2 * groups + 1) * kMxfp4BlockBytes + 7] = code;
+    s[2 * groups + 1] = scale;
+    EXPECT_EQ(Mxfp4Rows(b.data(), s.data(), groups, {2}, 0, groups, &layout), finite);
+    EXPECT_TRUE(Mxfp4Rows(b.data(), s.data(), groups, {2}, 2, 2, &layout));  // not that block
+    std::vector<float> dequantized(cols);
+    EXPECT_EQ(DequantizeMxfp4(b.data() + 2 * groups * kMxfp4BlockBytes, s.data() + 2 * groups, 1, cols,
+                              dequantized.data(), "w")
+                  .ok(),
+              finite || scale == 255);  // (255 on code 0 is NaN, not an overflow: DequantizeMxfp4 gives 0 x 2^128)
+  }
 }
 
 // Qwen2-MoE: Qwen3-MoE's fields plus the shared expert (its size required, its tensors cut over TP

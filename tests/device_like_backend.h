@@ -4,6 +4,7 @@
 #ifndef SHARDSERVE_TESTS_DEVICE_LIKE_BACKEND_H_
 #define SHARDSERVE_TESTS_DEVICE_LIKE_BACKEND_H_
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,7 +69,20 @@ class DeviceLikeBackend final : public Backend {
     return cpu_->Sample(o, l, p);
   }
 
+  // Weights already quantized (a checkpoint's codes): refused with Unimplemented (the base's, as a
+  // device backend without quantized kernels) unless `quantized`, then stored by the CPU backend,
+  // except the formats in `without` (a device backend without those formats' kernels).
+  absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant q, const void* s, int64_t m, int64_t k, Tensor* p,
+                                             int64_t g) override {
+    if (!quantized || std::find(without.begin(), without.end(), q) != without.end()) {
+      return Backend::PackQuantizedWeight(q, s, m, k, p, g);
+    }
+    return cpu_->PackQuantizedWeight(q, s, m, k, p, g);
+  }
+
   int copies_to_host = 0;
+  bool quantized = false;
+  std::vector<WeightQuant> without;
 
  private:
   std::unique_ptr<Backend> cpu_ = MakeCpuBackend();

@@ -504,6 +504,60 @@ TEST_P(CudaVsCpu, MatMul) {
   }
 }
 
+// MXFP4 weights (gpt-oss's experts as published: kernels/quant.h Mxfp4RowsLayout; written without
+// a GPU, not yet run on one): Mxfp4GemvKernel for decode rows (n = 1, 2, 3, 8: its 1-, 2-, 4- and
+// 8-row instances) and DequantMxfp4Kernel + cuBLAS above kGemvMaxRows (n = 33, over several blocks
+// of rows: a 64 KiB scratch), with and without bias, act and F32 out, against the CPU backend's
+// MXFP4 panels on the same bytes (whose results are the float32 chains over DequantizeMxfp4Rows'
+// weights, kernels_cpu_test), by MatMul's thresholds. Every code, scales 2^-10 .. 2^10 with blocks of
+// byte 0 (2^-127) among them; m odd (a block's second row past m), k of 1, 12 and 90 blocks (2880,
+// gpt-oss's width: a block's 128 threads take 90 blocks, some threads none). A scale byte of 255 is
+// refused when stored.
+TEST_P(CudaVsCpu, Mxfp4MatMul) {
+  absl::StatusOr<std::unique_ptr<Backend>> made =
+      MakeCudaBackend(0, act(), {.quantized_kernels = true, .quantized_scratch_bytes = 64 << 10});
+  ASSERT_TRUE(made.ok()) << made.status();
+  Backend* cuda = made->get();
+  uint32_t salt = 0;
+  for (const auto& [m, k] : {std::pair<int64_t, int64_t>{37, 32}, {520, 384}, {67, 2880}}) {
+    const Mxfp4RowsLayout layout{m, k};
+    std::vector<uint8_t> stored(static_cast<size_t>(layout.bytes()));
+    std::mt19937 rng(Seed(Op::kMatMul, act(), 9000 + salt++));
+    for (int64_t i = 0; i < layout.code_bytes(); ++i) stored[i] = static_cast<uint8_t>(rng() & 0xFF);
+    for (int64_t b = 0; b < layout.scale_bytes(); ++b) {
+      stored[layout.code_bytes() + b] = b % 11 == 5 ? 0 : static_cast<uint8_t>(117 + rng() % 21);
+    }
+    Tensor on_cuda, on_cpu;
+    SS_ASSIGN_OR_FAIL(Buffer cuda_w, cuda->PackQuantizedWeight(WeightQuant::kMxfp4, stored.data(), m, k, &on_cuda));
+    SS_ASSIGN_OR_FAIL(Buffer cpu_w, cpu_->PackQuantizedWeight(WeightQuant::kMxfp4, stored.data(), m, k, &on_cpu));
+    ASSERT_EQ(on_cuda.bytes(), stored.size());
+    const std::vector<float> b = RandomValues(m, Seed(Op::kMatMul, act(), 9100 + salt), act());
+    for (const auto& [n, with_bias, f32_out] : std::vector<std::tuple<int64_t, bool, bool>>{
+             {1, false, false}, {2, true, true}, {3, true, false}, {8, false, true}, {33, true, false}}) {
+      SCOPED_TRACE(::testing::Message() << "mxfp4 m " << m << ", k " << k << ", n " << n << (with_bias ? ", bias" : "")
+                                        << (f32_out ? ", F32 out" : ", act out"));
+      const std::vector<float> x = RandomValues(n * k, Seed(Op::kMatMul, act(), 9200 + salt + static_cast<uint32_t>(n)), act());
+      const DType out_t = f32_out ? DType::kF32 : act();
+      SS_ASSIGN_OR_FAIL(Guarded g_x, UploadF(cuda, x, act(), {n, k}));
+      SS_ASSIGN_OR_FAIL(Guarded g_b, UploadF(cuda, b, act(), {m}));
+      SS_ASSIGN_OR_FAIL(Guarded g_out, Output(cuda, out_t, {n, m}));
+      SS_RUN_OP("CUDA", cuda->MatMul(&g_out.t, g_x.t, on_cuda, with_bias ? &g_b.t : nullptr));
+      SS_ASSIGN_OR_FAIL(Guarded c_x, UploadF(cpu_.get(), x, DType::kF32, {n, k}));
+      SS_ASSIGN_OR_FAIL(Guarded c_b, UploadF(cpu_.get(), b, DType::kF32, {m}));
+      SS_ASSIGN_OR_FAIL(Guarded c_out, Output(cpu_.get(), DType::kF32, {n, m}));
+      SS_RUN_OP("CPU", cpu_->MatMul(&c_out.t, c_x.t, on_cpu, with_bias ? &c_b.t : nullptr));
+      SS_READ_F(got, cuda, g_out);
+      SS_READ_F(want, cpu_.get(), c_out);
+      EXPECT_TRUE(Close("MatMul mxfp4", got, want, Threshold(f32_out ? Op::kMatMulF32Out : Op::kMatMul, act())));
+    }
+  }
+  // A scale byte of 255 (NaN in E8M0) is refused when stored, as on the CPU.
+  std::vector<uint8_t> bad(static_cast<size_t>(Mxfp4RowsLayout{2, 64}.bytes()), 0x11);
+  bad.back() = 255;
+  Tensor packed;
+  EXPECT_TRUE(absl::IsInvalidArgument(cuda->PackQuantizedWeight(WeightQuant::kMxfp4, bad.data(), 2, 64, &packed).status()));
+}
+
 // The dense GEMV (CudaBackendOptions::dense_gemv; passed on an H200, 2026-11-28):
 // decode-sized n (1, 2, 3, 8), k a multiple of 8 over one round of a thread's loads and not a
 // whole number of them (1000), 14,336 (Llama-3-8B's down: the long-row instance, two rounds of

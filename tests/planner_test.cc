@@ -412,9 +412,9 @@ TEST(Planner, Qwen3_235B_A22B_EightH100) {
 // declaration: 116,829,156,672 parameters (the model card's 116.83B) and 5,711,982,912 read a token,
 // the card's 5.13B active plus the 579,133,440 of the embedding table, which the card leaves out
 // (a lookup). The published experts are MXFP4 (4.25 bits a value: 60.9 GB of them on disk); the
-// workers hold their products on the fp8 kernels with a scale per 32 inputs (model/mxfp4.h
-// Mxfp4AsFp8Groups: 9 bytes per 8 values), so the plan counts them so, the rest in bf16 (the sinks
-// in float32): 133.3 GB, on one H200, or two at TP=2 with or without expert parallelism.
+// workers hold their products as published (kernels/quant.h Mxfp4RowsLayout: 17 bytes per 32
+// values), so the plan counts them so, the rest in bf16 (the sinks in float32): 60.77 GiB, on one
+// H100-80GB or one H200, or two H200s at TP=2 with or without expert parallelism.
 TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   const ModelConfig c = RealConfig("gpt-oss-120b");
   EXPECT_TRUE(c.mxfp4_experts);
@@ -423,7 +423,8 @@ TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   const int64_t expert = H * 2 * I + 2 * I + I * H + H;                       // gate_up, its bias; down, its bias
   const int64_t common = layers * (attention + 2 * H + E * H + E) + H + 2 * V * H;  // norms, router; final norm, embed, head
   const int64_t products = layers * E * 3 * H * I;  // the experts' MXFP4 values
-  const uint64_t held = static_cast<uint64_t>(116'829'156'672 - products) * 2 + products / 8 * 9 + layers * 64 * 2;
+  const uint64_t held =
+      static_cast<uint64_t>(116'829'156'672 - products) * 2 + products / 32 * 17 + layers * 64 * 2;
   PlanOptions o;
   o.tp = 1;
   o.pp = 1;
@@ -431,6 +432,9 @@ TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
   EXPECT_TRUE(one.fits) << one.reason;
   ASSERT_EQ(one.per_gpu.size(), 1u);
   EXPECT_EQ(one.per_gpu[0].weight_bytes, held);
+  const Plan h100 = MustPlan(c, Cluster("1x1xH100-80GB"), o);
+  EXPECT_TRUE(h100.fits) << h100.reason;
+  EXPECT_EQ(h100.per_gpu[0].weight_bytes, held);
   o.tp = 2;
   for (const bool ep : {false, true}) {
     o.expert_parallel = ep;
@@ -443,7 +447,7 @@ TEST(Planner, GptOss120B_CountsItsParametersAndTheExpertsAsTheWorkersHoldThem) {
     EXPECT_THAT(PlanTable(p), HasSubstr("(5.71B active a token)"));
     ASSERT_EQ(p.per_gpu.size(), 2u);
     // Each rank: half the experts' bytes (cut or whole), half of every cut tensor.
-    const uint64_t expert_bytes = static_cast<uint64_t>(products) / 8 * 9;
+    const uint64_t expert_bytes = static_cast<uint64_t>(products) / 32 * 17;
     for (const GpuPlan& g : p.per_gpu) {
       EXPECT_GT(g.weight_bytes, expert_bytes / 2) << "ep " << ep;
       EXPECT_LT(g.weight_bytes, held / 2 + (uint64_t{1} << 30)) << "ep " << ep;
@@ -1620,6 +1624,53 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
     const bool kernel = CheckpointQuantKernel(*m->config.checkpoint_quant) != WeightQuant::kNone;
     EXPECT_EQ(gpu->per_gpu[0].dequant_scratch_bytes > 0, kernel) << variant;
     EXPECT_EQ(ItemSum(gpu->per_gpu[0]), static_cast<int64_t>(gpu->cluster.gpu.memory_bytes)) << variant;
+  }
+}
+
+// gpt-oss's MXFP4 experts (gpt_oss_mxfp4_tf5: 5 experts of 64 x 64 in 2 layers) kept as the
+// checkpoint's codes and scales (kernels/quant.h Mxfp4RowsLayout, 4.25 bits a weight): at TP 1 and 2
+// (32 of down_proj's inputs a rank, one block) and with --expert-parallel at TP 4, every product;
+// at TP 4 with the experts cut, 16 inputs a rank cut a block, so down_proj is dequantized (gate and
+// up, cut by rows, stay mxfp4) and the worker says why. The plan counts each rank's bytes as its
+// worker holds them, and the mxfp4 products' bytes are 4.25 bits a weight.
+TEST(PlannerMxfp4, TheWorkersHoldTheMxfp4BytesThePlanCounts) {
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "gpt_oss_mxfp4_tf5");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const ModelConfig& c = m->config;
+  ASSERT_TRUE(c.mxfp4_experts);
+  ClusterSpec cluster = SmallCpuCluster();
+  cluster.gpus_per_node = {4};
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  const int64_t E = c.num_experts;
+  for (const auto& [tp, ep, kept, why] :
+       {std::tuple<int, bool, int, std::string>{1, false, 3 * 5 * 2, ""}, {2, false, 3 * 5 * 2, ""},
+        {4, true, 3 * 5 * 2, ""}, {4, false, 2 * 5 * 2, "this rank's inputs [16, 32) cut a block of 32"}}) {
+    SCOPED_TRACE(::testing::Message() << "TP " << tp << (ep ? " with expert parallelism" : ""));
+    PlanOptions o = SmallCpuOptions(tp, 1);
+    o.expert_parallel = ep;
+    absl::StatusOr<Plan> p = MakePlan(c, m->checkpoint.get(), cluster, o);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(p->fits) << p->reason;
+    for (const GpuPlan& g : p->per_gpu) {
+      LoadOnlyCommunicator comm(g.tp_rank, tp);
+      ShardSpec spec{0, c.num_hidden_layers, g.tp_rank, tp};
+      spec.expert_parallel = ep;
+      absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+          ModelShard::Load(*m->checkpoint, c, spec, p->limits, backend.get(), &comm);
+      ASSERT_TRUE(shard.ok()) << "rank " << g.tp_rank << ": " << shard.status();
+      EXPECT_EQ((*shard)->weight_bytes(), g.weight_bytes) << "rank " << g.tp_rank;
+      const std::string summary = (*shard)->QuantizationSummary();
+      // With expert parallelism rank r holds experts [r E / tp, (r + 1) E / tp): 1, 1, 1 and 2 of 5.
+      const int held = ep ? static_cast<int>(((g.tp_rank + 1) * E / tp - g.tp_rank * E / tp) * 3 * c.num_hidden_layers) : kept;
+      EXPECT_THAT(summary, HasSubstr(absl::StrCat("MXFP4 experts' products: ", held,
+                                                  " as mxfp4 (the checkpoint's e2m1 codes and E8M0 scales")))
+          << summary;
+      if (why.empty()) {
+        EXPECT_THAT(summary, HasSubstr(", 0 dequantized at load")) << summary;
+      } else if (g.tp_rank == 1) {
+        EXPECT_THAT(summary, HasSubstr(absl::StrCat(", 10 dequantized at load (not as mxfp4: ", why, ")"))) << summary;
+      }
+    }
   }
 }
 

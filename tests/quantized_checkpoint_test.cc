@@ -127,6 +127,7 @@ std::string PathWords(WeightQuant kernel, int n, const std::string& blocks = "")
     case WeightQuant::kFp8:
       if (!blocks.empty()) return absl::StrCat(n, " as fp8 e4m3 with ", blocks, " block scales");
       return absl::StrCat(n, " as fp8 e4m3 per output channel");
+    case WeightQuant::kMxfp4: return absl::StrCat(n, " as mxfp4");
     case WeightQuant::kNone: return absl::StrCat(n, " dequantized to float32");
   }
   return "?";

@@ -609,6 +609,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
                                                    c.checkpoint_quant->block_in, " block scales")
                                     : std::string(" as fp8 e4m3 per output channel");
         break;
+      case WeightQuant::kMxfp4:  // (gpt-oss's MXFP4 is ModelConfig::mxfp4_experts, not a checkpoint_quant)
       case WeightQuant::kNone:  // held as a plain weight in the workers' dtype
         plan.checkpoint_quant = absl::StrCat(" dequantized to ", ctx.dtype == DType::kF32 ? "float32" : PlanDTypeName(ctx.dtype));
         break;

@@ -144,13 +144,15 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       if (held >= 0) bytes = static_cast<uint64_t>(held);
     }
     if (IsMxfp4Part(config, t) && quant == WeightQuant::kNone) {
-      // gpt-oss's MXFP4 experts on the fp8 kernels with a scale per 32 inputs (model/mxfp4.h
-      // Mxfp4AsFp8Groups): 1 byte a weight and 4 per block, unless this rank's inputs cut a block
-      // (then dequantized, counted above)
+      // gpt-oss's MXFP4 experts kept as the checkpoint's codes and scales (kernels/quant.h
+      // Mxfp4RowsLayout: half a byte a weight and one per block of 32, 4.25 bits), as the CPU and
+      // CUDA backends hold them, unless this rank's inputs cut a block (then dequantized, counted
+      // above). (A backend without mxfp4 kernels would hold them on the fp8 kernels instead,
+      // worker/shard/loader.cc: neither of ours.)
       const int64_t col0 = cols_cut ? ShardSlice(t.split, shard).begin : 0;
       if (col0 % kMxfp4BlockSize == 0 && cols % kMxfp4BlockSize == 0) {
-        stored = WeightQuant::kFp8;
-        bytes = static_cast<uint64_t>(QuantizedWeightBytes(WeightQuant::kFp8, rows, cols, kMxfp4BlockSize));
+        stored = WeightQuant::kMxfp4;
+        bytes = static_cast<uint64_t>(QuantizedWeightBytes(WeightQuant::kMxfp4, rows, cols));
       }
     }
     if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {

@@ -262,8 +262,10 @@ class CpuBackend final : public Backend {
     // weights: none (data_type undef); they are panels (panel_matmul.h).
     dnnl::memory::desc desc;
     // kInt8: int8 rows (kernels/quant.h Int8RowsLayout: scales, then values); kFp8: e4m3 rows
-    // (Fp8RowsLayout, the same order); kInt4: Int4Group128 blocks (Int4GroupsLayout). Each is
-    // viewed as an I8 tensor [m, k] whose `quant` says which (so that its bytes() are `bytes`).
+    // (Fp8RowsLayout, the same order); kInt4: Int4Group128 blocks (Int4GroupsLayout); kMxfp4:
+    // always panel_matmul.h's MXFP4 panels (PackPanelsMxfp4: the codes, then the scales), which
+    // PanelMatMulMxfp4 multiplies on every CPU. Each is viewed as an I8 tensor [m, k] whose `quant`
+    // says which (so that its bytes() are the layout's; `bytes` counts the last panel's padding).
     WeightQuant quant = WeightQuant::kNone;
     // kFp8 with input-group scales: inputs per scale (Fp8RowsLayout::group; the scales [m, G] before
     // the codes, or on panels PackPanelScales' [panel][G][16]); 0: one scale a row.

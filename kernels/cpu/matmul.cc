@@ -135,7 +135,9 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return check.Error("a BF16 w must be a weight PackMatMulWeight stored in bf16, and such a weight is BF16");
   }
   if ((w.dtype == DType::kI8) != (quant != WeightQuant::kNone)) {
-    return check.Error("an I8 w must be a weight PackMatMulWeight stored in int8, int4 or fp8, and such a weight is I8");
+    return check.Error(
+        "an I8 w must be a weight PackMatMulWeight / PackQuantizedWeight stored in int8, int4, fp8 or mxfp4, and such a "
+        "weight is I8");
   }
   float* y = out->as<float>();
   if (k == 0) {  // an empty sum: out is the bias (or 0) on every row
@@ -152,6 +154,11 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   // int8 and int4 weights: the exact instance this CPU runs best, or under act_ kInt8 the one with
   // int8-rounded activations.
   const QuantIsa int_isa = IntIsa();
+  if (quant == WeightQuant::kMxfp4) {
+    // Always panels (PackPanelsMxfp4), on the exact instance this CPU runs best (as fp8's).
+    cpu::PanelMatMulMxfp4(y, x.as<float>(), n, m, k, static_cast<const uint8_t*>(w.data), b, threads_, ActiveQuantIsa());
+    return absl::OkStatus();
+  }
   if (quant == WeightQuant::kInt4) {
     if ((*packed)->int4_panels) {
       cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_,
@@ -329,6 +336,27 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantizedWeight(WeightQuant quant, const 
     return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: input groups of ", group, " for a ",
                                                    WeightQuantName(quant), " weight (only fp8 has them; 0: none)"));
   }
+  if (quant == WeightQuant::kMxfp4) {
+    // The checkpoint's codes and E8M0 scales (Mxfp4RowsLayout) repacked as panels.
+    if (k % kMxfp4BlockSize != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: an mxfp4 weight of ", k,
+                                                     " inputs, not a whole number of blocks of ", kMxfp4BlockSize));
+    }
+    const auto* bytes = static_cast<const uint8_t*>(stored);
+    if (!Mxfp4ValuesFinite(bytes, m, k)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PackQuantizedWeight: an mxfp4 [", m, ", ", k,
+                       "] weight with values past float32 (a scale byte of 255, NaN in E8M0, or 253 / 254 on a code "
+                       "it carries past 2^128)"));
+    }
+    const auto panel_bytes = static_cast<size_t>(cpu::Mxfp4PanelBytes(m, k));
+    SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
+    cpu::PackPanelsMxfp4(static_cast<uint8_t*>(buffer.data()), bytes, m, k);
+    packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
+    *packed = Tensor(buffer.data(), DType::kI8, {m, k});
+    packed->quant = quant;
+    return buffer;
+  }
   return PackQuantized(
       quant, m, k, packed,
       [&](void* to) {
@@ -416,6 +444,9 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   *packed = w;
   const int64_t m = w.dim(0), k = w.dim(1);
   if (m == 0 || k == 0) return Buffer();  // nothing to multiply; MatMul handles it plain
+  if (quant == WeightQuant::kMxfp4) {
+    return check.Error("nothing quantizes into mxfp4 at load; PackQuantizedWeight takes a checkpoint's codes");
+  }
   if (quant != WeightQuant::kNone) {  // kernels/quant.h's layouts, for int8_matmul.h and int4_matmul.h
     return PackQuantized(quant, m, k, packed, [&](void* to) -> absl::Status {
       const absl::Status s = QuantizeWeight(quant, to, w.as<float>(), m, k);

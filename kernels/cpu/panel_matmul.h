@@ -136,6 +136,30 @@ void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t 
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads, PanelTiles tiles);
 
+// The same products by MXFP4 weights (kernels/quant.h Mxfp4RowsLayout: e2m1 codes, an E8M0 scale
+// per 32 inputs; gpt-oss's experts as published), on every CPU: panels of 16 outputs whose input
+// pair 2j, 2j + 1 is one 16-byte step (byte c: output c's code at input 2j in the low nibble, at
+// 2j + 1 in the high one, its stored byte as it is), then each panel's scales, [G][16] bytes, so
+// that a decode step reads 4.25 bits a weight as two streams. Each code is made a float by a
+// 16-entry table (AVX-512: VPERMPS on the nibble; AVX2: VPERMPS on its 3 magnitude bits, the sign
+// bit moved to float32's), times its block's scale 2^(e - 127) (exact: the weight DequantizeMxfp4Rows
+// gives), then one fused multiply-add per input in order from zero, the bias added to the finished
+// sum: each output is PanelMatMul's chain for the dequantized weights, bit for bit (the portable
+// instance, with no FMA, a multiply and an add per input, as PanelMatMul's baseline clone).
+// Bytes a packed w [m, k] takes (k a multiple of 32): ceil(m / 16) panels of k / 2 x 16 code bytes
+// and k / 32 x 16 scale bytes (Mxfp4RowsLayout's bytes when 16 divides m).
+int64_t Mxfp4PanelBytes(int64_t m, int64_t k);
+// packed [Mxfp4PanelBytes(m, k)] = `stored` (Mxfp4RowsLayout{m, k}) in panels, codes and scales 0
+// past m. m >= 0, k a multiple of 32.
+void PackPanelsMxfp4(uint8_t* packed, const uint8_t* stored, int64_t m, int64_t k);
+// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsMxfp4
+// (no scale byte 255: the backend refuses it), by `isa`'s instance: AVX-512's 16-float tiles
+// (kAvx512, kAvx512Vnni), AVX2's 8-float ones (kAvx2, kAvx2Int8) or baseline x86-64's (kPortable),
+// which the CPU must support. y must not overlap the inputs. n, m >= 1, k a multiple of 32.
+enum class QuantIsa : uint8_t;
+void PanelMatMulMxfp4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const uint8_t* w, const float* bias,
+                      int threads, QuantIsa isa);
+
 // Which tiles the products from 4 rows run: the 8-float ones (kVec8, every CPU) or the AVX-512
 // ones (kAvx512, CPUs with AVX-512F and FMA).
 enum class PanelTiles : uint8_t { kVec8 = 0, kAvx512 = 1 };

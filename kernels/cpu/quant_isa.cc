@@ -80,19 +80,24 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
                    ", avx512-vnni ", yes(CpuHas(QuantIsa::kAvx512Vnni)), IsaCapNote());
   // fp8 has no integer instance: it runs the exact one, on panels (Fp8OnPanels) or its rows.
   const std::string fp8 = Fp8OnPanels(ActiveQuantIsa()) ? "16-float panels" : QuantIsaName(ActiveQuantIsa());
+  // mxfp4 (gpt-oss's experts) is on panels on every CPU, by the exact instance (PanelMatMulMxfp4).
+  const QuantIsa exact = ActiveQuantIsa();
+  const std::string mxfp4 = absl::StrCat(", mxfp4 on ",
+                                         exact == QuantIsa::kAvx512 ? "16-float" : exact == QuantIsa::kAvx2 ? "8-float" : "portable",
+                                         " panels");
   if (int_isa == QuantIsa::kAvx512Vnni || int_isa == QuantIsa::kAvx2Int8) {
     return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ", fp8,
-                        " ", cpu, "]");
+                        mxfp4, " ", cpu, "]");
   }
   const std::string inexact = vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]";
   if (Fp8OnPanels(int_isa)) {
-    return absl::StrCat("int8/fp8/int4 products on 16-float panels (codes widened in registers) ", cpu, inexact);
+    return absl::StrCat("int8/fp8/int4 products on 16-float panels (codes widened in registers)", mxfp4, " ", cpu, inexact);
   }
   if (IntOnPanels(int_isa)) {
-    return absl::StrCat("int8/int4 products on 8-float panels (codes widened in registers), fp8 on ", fp8, " ", cpu,
-                        inexact);
+    return absl::StrCat("int8/int4 products on 8-float panels (codes widened in registers), fp8 on ", fp8, mxfp4, " ",
+                        cpu, inexact);
   }
-  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), " ", cpu, inexact);
+  return absl::StrCat("int8/fp8/int4 products on ", QuantIsaName(int_isa), mxfp4, " ", cpu, inexact);
 }
 
 }  // namespace shardserve::cpu

@@ -1,6 +1,7 @@
 // The CUDA backend's products by quantized weights (kernels/quant.h: int8 and fp8 per output row,
 // fp8 with input-group scales (an FP8 checkpoint's block scales; written without a GPU, not yet run
-// on one), int4 in groups of 128), behind CudaBackendOptions::quantized_kernels (on in the worker unless
+// on one), int4 in groups of 128, MXFP4 (gpt-oss's experts: e2m1 codes and an E8M0 scale per 32
+// inputs; written without a GPU, not yet run on one)), behind CudaBackendOptions::quantized_kernels (on in the worker unless
 // --no-cuda-quantized-kernels). These GEMVs (a block per two rows, an instance per input-row count)
 // passed their CudaQuant tests on an H200 and served the 8B quantized at load there, int4 and int8
 // (docs/performance.md).
@@ -217,6 +218,84 @@ __global__ void __launch_bounds__(kGemvThreads)
     }
   }
   FinishRows<T, TO, N>(out, acc, groups ? nullptr : scale, bias, n, m, r0);
+}
+
+// An e2m1 code (the low 4 bits of c) as float, exactly kMxfp4Values[c]: exponent field e = bits
+// 1-2 and mantissa bit 0; e = 0 is 0 or 0.5 (m x 0.5), else (1 + m / 2) 2^(e - 1); bit 3 the sign.
+__device__ __forceinline__ float E2m1ToFloat(uint32_t c) {
+  const uint32_t e = (c >> 1) & 3u, man = c & 1u;
+  const float f = e == 0 ? static_cast<float>(man) * 0.5f : __uint_as_float(((e + 126u) << 23) | (man << 22));
+  return (c & 8u) != 0 ? -f : f;
+}
+
+// An E8M0 scale byte as 2^(e - 127), exactly (byte 0: the subnormal 2^-127; 255, which
+// PackQuantizedWeight refuses, would read as +inf).
+__device__ __forceinline__ float E8m0ToFloat(uint32_t e) { return e == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23); }
+
+// MXFP4 rows (Mxfp4RowsLayout: blocks [m, G] of 16 bytes, then scales [m, G]; k = 32 G): block b
+// computes output rows kGemvRows b + [0, kGemvRows), for N input rows (those past n skipped). Thread
+// t takes blocks t, t + 128, ... of each row: one 16-byte load of codes and one scale byte, its 32
+// values made float (E2m1ToFloat, times the block's scale: DequantizeMxfp4Rows' values exactly), each
+// input row's 32 products summed in order and added to the row's sum; the block's sums as the other
+// GEMVs' (FinishRows). kVecX: x's rows 16-byte aligned (LoadX8's vector loads). Written without a
+// GPU, not yet run on one (CudaVsCpu.Mxfp4MatMul).
+template <typename T, typename TO, int N, bool kVecX>
+__global__ void __launch_bounds__(kGemvThreads)
+    Mxfp4GemvKernel(TO* __restrict__ out /*[n, m]*/, const T* __restrict__ x /*[n, k]*/,
+                    const uint8_t* __restrict__ blocks /*[m, G, 16]*/, const uint8_t* __restrict__ scales /*[m, G]*/,
+                    const T* __restrict__ bias /*[m] or null*/, int n, int m, int k, bool prefetch) {
+  constexpr int R = kGemvRows;
+  const int r0 = static_cast<int>(blockIdx.x) * R;
+  const int G = k / static_cast<int>(kMxfp4BlockSize);
+  const uint4* br[R];
+  const uint8_t* sr[R];
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+    const int64_t row = min(r0 + rr, m - 1);  // past m: not written
+    br[rr] = reinterpret_cast<const uint4*>(blocks) + row * G;
+    sr[rr] = scales + row * G;
+  }
+  if (prefetch) {  // launched with PDL: the first blocks' lines into L2 while the kernel ahead drains
+    const int g = static_cast<int>(threadIdx.x);
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+      if (g < G && (g & 7) == 0) PrefetchL2(br[rr] + g);
+    }
+  }
+  WaitForPriorKernels();  // CudaBackend::Launch
+  float acc[R][N] = {};
+  for (int g = static_cast<int>(threadIdx.x); g < G; g += kGemvThreads) {
+    float w[R][32];
+#pragma unroll
+    for (int rr = 0; rr < R; ++rr) {
+      const uint4 q = __ldg(br[rr] + g);
+      const float s = E8m0ToFloat(__ldg(sr[rr] + g));
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const uint32_t byte = (words[j / 4] >> (8 * (j % 4))) & 0xFFu;
+        w[rr][2 * j] = E2m1ToFloat(byte) * s;
+        w[rr][2 * j + 1] = E2m1ToFloat(byte >> 4) * s;
+      }
+    }
+    const int c = g * static_cast<int>(kMxfp4BlockSize);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (i < n) {  // the same for the whole block
+        float xv[32];
+#pragma unroll
+        for (int h = 0; h < 4; ++h) LoadX8<T, kVecX>(x + static_cast<int64_t>(i) * k, c + 8 * h, k, xv + 8 * h);
+#pragma unroll
+        for (int rr = 0; rr < R; ++rr) {
+          float d = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) d = fmaf(w[rr][j], xv[j], d);
+          acc[rr][i] += d;
+        }
+      }
+    }
+  }
+  FinishRows<T, TO, N>(out, acc, nullptr, bias, n, m, r0);
 }
 
 // Int4 groups (Int4GroupsLayout): block b computes output rows kGemvRows b + [0, kGemvRows), for N
@@ -602,6 +681,19 @@ __global__ void DequantInt4Kernel(T* __restrict__ w, const Int4Group128* __restr
   }
 }
 
+// The same for MXFP4 rows, as DequantizeMxfp4Rows: code value x 2^(e - 127), exact.
+template <typename T>
+__global__ void DequantMxfp4Kernel(T* __restrict__ w, const uint8_t* __restrict__ blocks,
+                                   const uint8_t* __restrict__ scales, int64_t r0, int64_t rows, int64_t k) {
+  const int64_t groups = k / kMxfp4BlockSize;
+  GRID_STRIDE_LOOP(i, rows * k) {
+    const int64_t r = i / k, c = i - r * k, block = (r0 + r) * groups + c / kMxfp4BlockSize;
+    const int j = static_cast<int>(c % kMxfp4BlockSize);
+    const uint32_t byte = blocks[block * kMxfp4BlockBytes + j / 2];
+    w[i] = FromFloat<T>(E2m1ToFloat((j & 1) != 0 ? byte >> 4 : byte) * E8m0ToFloat(scales[block]));
+  }
+}
+
 absl::Status Off(const char* op, WeightQuant quant) {
   return absl::UnimplementedError(absl::StrCat(
       op, ": the CUDA kernels for ", WeightQuantName(quant),
@@ -627,6 +719,18 @@ absl::StatusOr<Buffer> CudaBackend::PackQuantizedWeight(WeightQuant quant, const
     return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: input groups of ", group, " for a ",
                                                    WeightQuantName(quant), " weight (fp8 only, a multiple of ",
                                                    kFp8GroupMultiple, "; 0: none)"));
+  }
+  if (quant == WeightQuant::kMxfp4) {  // the checkpoint's codes and scales as they are (Mxfp4RowsLayout)
+    if (k % kMxfp4BlockSize != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("PackQuantizedWeight: an mxfp4 weight of ", k,
+                                                     " inputs, not a whole number of blocks of ", kMxfp4BlockSize));
+    }
+    if (!Mxfp4ValuesFinite(static_cast<const uint8_t*>(stored), m, k)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PackQuantizedWeight: an mxfp4 [", m, ", ", k,
+                       "] weight with values past float32 (a scale byte of 255, NaN in E8M0, or 253 / 254 on a code "
+                       "it carries past 2^128)"));
+    }
   }
   const auto bytes = static_cast<size_t>(QuantizedWeightBytes(quant, m, k, group));
   if (quant == WeightQuant::kFp8 && Fp8RowsLayout{m, k, group}.groups_per_row() == 1) group = 0;  // one scale a row
@@ -655,6 +759,10 @@ absl::StatusOr<Buffer> CudaBackend::PackMatMulWeight(const Tensor& w, Tensor* pa
   if (quant == WeightQuant::kNone) return Backend::PackMatMulWeight(w, packed, quant);
   *packed = w;
   if (!options_.quantized_kernels) return Off("PackMatMulWeight", quant);
+  if (quant == WeightQuant::kMxfp4) {
+    return Invalid("PackMatMulWeight", "nothing quantizes into mxfp4 at load; PackQuantizedWeight takes a checkpoint's codes",
+                   {{"w", &w}});
+  }
   if (!Is(w, 2, act_)) {
     return Invalid("PackMatMulWeight", absl::StrCat("expected w [m, k] ", DTypeName(act_)), {{"w", &w}});
   }
@@ -712,6 +820,8 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
   const auto* q = static_cast<const uint8_t*>(w.data) + scale_bytes;
   const auto* blocks = static_cast<const Int4Group128*>(w.data);
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
+  const auto* mx_blocks = static_cast<const uint8_t*>(w.data);  // mxfp4: codes, then scales
+  const uint8_t* mx_scales = mx_blocks + Mxfp4RowsLayout{m, k}.code_bytes();
   if (!Aligned(w.data, 8)) return Invalid(kOp, "a quantized w must be 8-byte aligned", all);
 
   if (n <= kGemvMaxRows && k <= kGemvMaxK) {
@@ -729,6 +839,13 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
       const T* b = bias != nullptr ? bias->as<const T>() : nullptr;
       auto launch = [&](auto* y) -> absl::Status {
         using TO = std::remove_pointer_t<decltype(y)>;
+        if (quant == WeightQuant::kMxfp4) {
+          return ForGemvInstance(rows, vec_x, [&](auto kn, auto kvec) -> absl::Status {
+            SHARDSERVE_RETURN_IF_ERROR(Launch("Mxfp4GemvKernel", Mxfp4GemvKernel<T, TO, kn(), kvec()>, grid,
+                                              kGemvThreads, y, xs, mx_blocks, mx_scales, b, rows, mi, ki, pdl_));
+            return absl::OkStatus();
+          });
+        }
         if (quant == WeightQuant::kInt4) {
           if constexpr (sizeof(T) == 2) {
             if (mma) {
@@ -791,6 +908,9 @@ absl::Status CudaBackend::QuantizedMatMul(Tensor* out, const Tensor& x, const Te
       if (quant == WeightQuant::kInt4) {
         DequantInt4Kernel<T><<<grid, kElementwiseThreads, 0, stream_>>>(dst, blocks, r0, rows, k, groups);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantInt4Kernel");
+      } else if (quant == WeightQuant::kMxfp4) {
+        DequantMxfp4Kernel<T><<<grid, kElementwiseThreads, 0, stream_>>>(dst, mx_blocks, mx_scales, r0, rows, k);
+        SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantMxfp4Kernel");
       } else if (quant == WeightQuant::kInt8) {
         DequantRowsKernel<T, false><<<grid, kElementwiseThreads, 0, stream_>>>(dst, scale, q, r0, rows, k, 0);
         SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("DequantRowsKernel<int8>");

@@ -5,7 +5,8 @@
 // product up to a few rows; where oneDNN has no bf16 product, the backend's bf16 panels, "bf16
 // panels": kernels/cpu/panel_matmul.h), and the backend's products by the same weights quantized
 // to int8, fp8 (kernels/cpu/int8_matmul.h) and int4 (the blocks of kernels/cpu/int4_matmul.h, and
-// the panels of kernels/cpu/panel_matmul.h that the backend runs on AVX2 and AVX-512 CPUs) on each
+// the panels of kernels/cpu/panel_matmul.h that the backend runs on AVX2 and AVX-512 CPUs), and by
+// random mxfp4 weights (its panels: every k must be a multiple of 32), on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 with activations quantized, as
 // --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h), over the weights of one
 // pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
@@ -204,6 +205,15 @@ int main(int argc, char** argv) {
     kernels.push_back({"int8 panels avx2", WeightQuant::kInt8, std::nullopt, 1.0});
     kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   }
+  // mxfp4 (gpt-oss's experts as published: kernels/cpu/panel_matmul.h PanelMatMulMxfp4), on panels on
+  // every CPU, by the CPU's exact instance, and on an AVX-512 CPU by the AVX2 one beside it. Its codes
+  // and scales are random (nothing quantizes into mxfp4), scales near 1 (finite products).
+  // (Only where every product's inputs are whole blocks of 32.)
+  const bool mxfp4 = hidden % shardserve::kMxfp4BlockSize == 0 && mlp % shardserve::kMxfp4BlockSize == 0;
+  if (mxfp4) kernels.push_back({"mxfp4 panels", WeightQuant::kMxfp4, std::nullopt, 17.0 / 32});
+  if (mxfp4 && shardserve::cpu::ActiveQuantIsa() == QuantIsa::kAvx512) {
+    kernels.push_back({"mxfp4 panels avx2", WeightQuant::kMxfp4, QuantIsa::kAvx2, 17.0 / 32});
+  }
   // The products a worker runs under --activation-quantization int8 (VNNI's, else AVX2's), packed and
   // run by a backend made as that worker makes its own.
   const std::optional<QuantIsa> act8_isa = shardserve::cpu::Int8ActivationsIsa();
@@ -252,6 +262,22 @@ int main(int argc, char** argv) {
           weight.act8[q] = {std::move(*buffer_act8), packed_act8};
         }
       }
+      if (mxfp4) {
+        std::vector<uint8_t> stored(static_cast<size_t>(shardserve::Mxfp4RowsLayout{s.m, s.k}.bytes()));
+        const int64_t codes = shardserve::Mxfp4RowsLayout{s.m, s.k}.code_bytes();
+        for (int64_t i = 0; i < static_cast<int64_t>(stored.size()); ++i) {
+          stored[i] = static_cast<uint8_t>(i < codes ? rng() & 0xFF : 120 + rng() % 8);
+        }
+        Tensor packed;
+        const auto t0 = std::chrono::steady_clock::now();
+        auto buffer = backend->PackQuantizedWeight(WeightQuant::kMxfp4, stored.data(), s.m, s.k, &packed);
+        pack_seconds[WeightQuant::kMxfp4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (!buffer.ok()) {
+          std::fprintf(stderr, "bench_matmul: %s\n", std::string(buffer.status().message()).c_str());
+          return 1;
+        }
+        weight.packed[WeightQuant::kMxfp4] = {std::move(*buffer), packed};
+      }
       if (panels) {
         weight.int8_rows.resize(static_cast<size_t>(shardserve::Int8RowsLayout{s.m, s.k}.bytes()));
         weight.fp8_rows.resize(static_cast<size_t>(shardserve::Fp8RowsLayout{s.m, s.k}.bytes()));
@@ -292,7 +318,8 @@ int main(int argc, char** argv) {
       return;
     }
     const int64_t scale_bytes = shardserve::Int8RowsLayout{w.shape.m, w.shape.k}.scale_bytes();  // fp8's too
-    if (panels && kernel.quant != WeightQuant::kInt4 && kernel.isa.has_value()) {                // the rows' instances
+    if (panels && kernel.quant != WeightQuant::kInt4 && kernel.quant != WeightQuant::kMxfp4 &&
+        kernel.isa.has_value()) {  // the rows' instances
       const std::vector<uint8_t>& rows = kernel.quant == WeightQuant::kInt8 ? w.int8_rows : w.fp8_rows;
       const auto* scale = reinterpret_cast<const float*>(rows.data());
       if (kernel.quant == WeightQuant::kInt8) {

@@ -366,24 +366,49 @@ absl::StatusOr<Tensor> WeightLoader::Stacked(const WeightDecl& w, const Slice& s
     SHARDSERVE_RETURN_IF_ERROR(
         ckpt_.Read(blocks_name, {full[0], outs, groups, kMxfp4BlockBytes}, expert, DType::kI8, blocks.data()));
     SHARDSERVE_RETURN_IF_ERROR(ckpt_.Read(scales_name, {full[0], outs, groups}, expert, DType::kI8, scales.data()));
-    // On the fp8 kernels with a scale per 32 inputs, exactly (Mxfp4AsFp8Groups), unless another
-    // layout was asked for (--quantization) or this rank's inputs cut a block
-    if (quant == WeightQuant::kNone && col_begin % kMxfp4BlockSize == 0 && cols % kMxfp4BlockSize == 0) {
+    // Kept as the checkpoint's codes and scales (Mxfp4RowsLayout, the backend's mxfp4 kernels), or
+    // where the backend has none on the fp8 kernels with a scale per 32 inputs (Mxfp4AsFp8Groups),
+    // both exact, unless another layout was asked for (--quantization) or this rank's inputs cut a
+    // block; the planner counts the mxfp4 bytes (coordinator/planner/weights.cc).
+    std::string why_not;
+    if (quant != WeightQuant::kNone) {
+      why_not = absl::StrCat("--quantization ", WeightQuantName(quant), " asked for");
+    } else if (col_begin % kMxfp4BlockSize != 0 || cols % kMxfp4BlockSize != 0) {
+      why_not = absl::StrCat("this rank's inputs [", col_begin, ", ", col_end, ") cut a block of ", kMxfp4BlockSize);
+    } else {
       std::vector<int64_t> picked(static_cast<size_t>(rows));
       for (int64_t r = 0; r < rows; ++r) picked[r] = (row_begin + r) * st.period + st.from;
+      const int64_t group0 = col_begin / kMxfp4BlockSize, num_groups = cols / kMxfp4BlockSize;
       std::vector<uint8_t> stored;
-      if (Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, picked, col_begin / kMxfp4BlockSize,
-                           cols / kMxfp4BlockSize, &stored)) {
+      if (!Mxfp4Rows(blocks.data(), scales.data(), groups, picked, group0, num_groups, &stored)) {
+        why_not = "a value past float32 (a scale byte of 255, or 253 / 254 on a large code)";
+      } else {
         Tensor packed;
-        absl::StatusOr<Buffer> buffer =
-            backend_->PackQuantizedWeight(WeightQuant::kFp8, stored.data(), rows, cols, &packed, kMxfp4BlockSize);
-        if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
-        report_->weight_bytes += packed.bytes();
-        ++report_->mxfp4_as_fp8;
-        arena_->Keep(std::move(*buffer));
-        return packed;
+        absl::StatusOr<Buffer> buffer = backend_->PackQuantizedWeight(WeightQuant::kMxfp4, stored.data(), rows, cols, &packed);
+        if (buffer.ok()) {
+          report_->weight_bytes += packed.bytes();
+          ++report_->mxfp4_kept;
+          arena_->Keep(std::move(*buffer));
+          return packed;
+        }
+        if (!absl::IsUnimplemented(buffer.status())) {
+          return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
+        }
+        why_not = absl::StrCat("this backend has no mxfp4 kernels (", buffer.status().message(), ")");
+        if (Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, picked, group0, num_groups, &stored)) {
+          Tensor as_fp8;
+          absl::StatusOr<Buffer> fp8 =
+              backend_->PackQuantizedWeight(WeightQuant::kFp8, stored.data(), rows, cols, &as_fp8, kMxfp4BlockSize);
+          if (!fp8.ok()) return absl::Status(fp8.status().code(), absl::StrCat(name, ": ", fp8.status().message()));
+          report_->weight_bytes += as_fp8.bytes();
+          ++report_->mxfp4_as_fp8;
+          if (report_->mxfp4_why_not.empty()) report_->mxfp4_why_not = why_not;
+          arena_->Keep(std::move(*fp8));
+          return as_fp8;
+        }
       }
     }
+    if (report_->mxfp4_why_not.empty()) report_->mxfp4_why_not = why_not;
     ++report_->mxfp4_dequantized;
     SHARDSERVE_RETURN_IF_ERROR(DequantizeMxfp4(blocks.data(), scales.data(), outs, ins, slab.data(), blocks_name));
   } else if (product && st.transposed) {
@@ -519,10 +544,16 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
 }
 
 std::string QuantizationSummary(const ModelConfig& config, const ShardSpec& spec, const LoadReport& report) {
-  if (report.mxfp4_as_fp8 > 0 || report.mxfp4_dequantized > 0) {
-    return absl::StrCat(WeightQuantName(spec.weight_quant), "; MXFP4 experts' products: ", report.mxfp4_as_fp8,
-                        " as fp8 e4m3 with a scale per 32 inputs (the checkpoint's values and scales, exact), ",
-                        report.mxfp4_dequantized, " dequantized at load");
+  if (report.mxfp4_kept > 0 || report.mxfp4_as_fp8 > 0 || report.mxfp4_dequantized > 0) {
+    std::string out = absl::StrCat(WeightQuantName(spec.weight_quant), "; MXFP4 experts' products: ", report.mxfp4_kept,
+                                   " as mxfp4 (the checkpoint's e2m1 codes and E8M0 scales, 4.25 bits a weight)");
+    if (report.mxfp4_as_fp8 > 0) {
+      absl::StrAppend(&out, ", ", report.mxfp4_as_fp8,
+                      " as fp8 e4m3 with a scale per 32 inputs (the checkpoint's values and scales, exact)");
+    }
+    absl::StrAppend(&out, ", ", report.mxfp4_dequantized, " dequantized at load");
+    if (!report.mxfp4_why_not.empty()) absl::StrAppend(&out, " (not as mxfp4: ", report.mxfp4_why_not, ")");
+    return out;
   }
   if (!config.checkpoint_quant.has_value()) return WeightQuantName(spec.weight_quant);
   constexpr std::pair<WeightQuant, const char*> kPaths[] = {

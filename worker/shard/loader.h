@@ -82,11 +82,15 @@ struct LoadReport {
   static constexpr int kFp8BlocksPath = 4;
   int quant_paths[5] = {};
   std::string quant_why_dense;
-  // MXFP4 experts' products (ModelConfig::mxfp4_experts) on the fp8 kernels with a scale per 32
-  // inputs (model/mxfp4.h Mxfp4AsFp8Groups), and those dequantized at load (--quantization given,
-  // a rank's inputs that cut a block, a scale past float32).
+  // MXFP4 experts' products (ModelConfig::mxfp4_experts): kept as the checkpoint's codes and scales
+  // (kernels/quant.h Mxfp4RowsLayout, the backend's mxfp4 kernels), on the fp8 kernels with a scale
+  // per 32 inputs where the backend has no mxfp4 kernels (model/mxfp4.h Mxfp4AsFp8Groups), and
+  // dequantized at load (--quantization given, a rank's inputs that cut a block, a scale byte of
+  // 255); and why the first product not kept as mxfp4 was not.
+  int mxfp4_kept = 0;
   int mxfp4_as_fp8 = 0;
   int mxfp4_dequantized = 0;
+  std::string mxfp4_why_not;
 };
 
 // Loads this rank (`shard`) of the stage `spec` names: its layers' tensors, the embedding on the

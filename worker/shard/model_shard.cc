@@ -188,6 +188,8 @@ std::string ModelShard::GpuPathsNotYetRun() const {
   }
   if (config_.mla()) paths.push_back("multi-head latent attention");
   if (config_.swiglu_limit > 0) paths.push_back("gpt-oss's clamped SwiGLU");
+  if (load_.mxfp4_kept > 0) paths.push_back("MXFP4 experts' products (Mxfp4GemvKernel, DequantMxfp4Kernel)");
+  if (load_.mxfp4_as_fp8 > 0) paths.push_back("fp8 products with input-group scales (MXFP4 experts on the fp8 kernels)");
   if (config_.final_logit_softcap > 0 && is_last_stage()) paths.push_back("logit soft-capping");
   for (const DeviceRope& rope : rope_) {
     if (rope.options.rotary_dim < config_.head_dim || rope.options.attention_factor != 1.0f ||
