@@ -440,7 +440,7 @@ def case_bad_flags():
         (["--backend", "openai", "--base-url", base, "--chat-turns", "2", "--num-requests", "3"], "multiple of"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--address", "x:1"], "--address"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--compare", "tp1"], "--compare"),
-        (["--compare", "tp1/adaptive"], "/adaptive adapts the guesses of /ngram or /draft"),
+        (["--compare", "tp1/adaptive"], "/adaptive adapts the guesses of /ngram, /draft or /mtp"),
     ]
     for args, want in cases:
         rc, out, err, sid = run_bench(args, timeout=30)

@@ -169,6 +169,8 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
         break;
       case WeightPart::kFinalNorm: r.final_norm += bytes; break;
       case WeightPart::kLmHead: r.lm_head += bytes; break;
+      // A multi-token-prediction layer (--speculative mtp) is not among the tensors planned yet.
+      case WeightPart::kMtp: break;
     }
   }
   if (r.tied) r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice
