@@ -876,7 +876,9 @@ TEST_P(StructuredOutputTest, EveryOutputFollowsItsConstraintThroughPreemption) {
     s = cluster->Status().scheduler();
     if (l.pp != 1 || s.preemptions() > 0) break;
   }
-  if (l.pp == 1) EXPECT_GT(s.preemptions(), 0) << Describe(s);
+  if (l.pp == 1) {
+    EXPECT_GT(s.preemptions(), 0) << Describe(s);
+  }
   std::printf("[ preempt  ] TP%d_PP%d: %lld preemptions\n", l.tp, l.pp, static_cast<long long>(s.preemptions()));
   ExpectIdle(*cluster, "after the structured batch");
   if (HasFailure()) std::printf("%s", cluster->Logs().c_str());

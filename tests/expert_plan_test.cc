@@ -181,7 +181,9 @@ std::vector<float> RunMoe(Communicator& comm, bool expert_parallel, const Expert
   // Every row of this step counted once over the group with whole experts, on every rank when cut.
   uint64_t counted = 0;
   for (uint64_t v : host.expert_rows_total) counted += v;
-  if (!expert_parallel) EXPECT_EQ(counted, static_cast<uint64_t>(n * k));
+  if (!expert_parallel) {
+    EXPECT_EQ(counted, static_cast<uint64_t>(n * k));
+  }
   return std::vector<float>(proj_all.as<float>(), proj_all.as<float>() + n * H);
 }
 

@@ -606,7 +606,9 @@ TEST_F(XgrammarFixture, MasksAlongRecordedPaths) {
         snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(Fnv1a(ids)));
         ASSERT_EQ(std::string(hash), want["hash"].get<std::string>()) << c["name"] << " step " << s;
         ++steps;
-        if (s < tokens.size()) ASSERT_TRUE(m.AcceptToken(tokens[s].get<int32_t>())) << c["name"] << " step " << s;
+        if (s < tokens.size()) {
+          ASSERT_TRUE(m.AcceptToken(tokens[s].get<int32_t>())) << c["name"] << " step " << s;
+        }
       }
       EXPECT_EQ(m.IsTerminated(), path["terminated"].get<bool>()) << c["name"];
     }

@@ -280,7 +280,9 @@ TEST(HarmonyForcedCallTest, TheGrammarWritesOneCallTheParserReads) {
           if ((mask[id / 32] >> (id % 32)) & 1) allowed.push_back(id);
         }
         ASSERT_FALSE(allowed.empty()) << text;
-        if (step == 0) EXPECT_EQ(allowed, std::vector<int32_t>{markers.channel});
+        if (step == 0) {
+          EXPECT_EQ(allowed, std::vector<int32_t>{markers.channel});
+        }
         // End as soon as the grammar allows it half the time; else any other allowed token.
         const bool end = std::find(allowed.begin(), allowed.end(), call) != allowed.end() && (allowed.size() == 1 || rng() % 2);
         std::erase(allowed, call);

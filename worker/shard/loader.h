@@ -79,8 +79,8 @@ struct LoadReport {
   // A published quantized checkpoint's linear weights by the layout that holds them (kNone:
   // dequantized to float32), indexed by WeightQuant, and at kFp8BlocksPath an FP8 checkpoint's held
   // by the fp8 kernel with its block scales; and why the first dequantized one is.
-  static constexpr int kFp8BlocksPath = 4;
-  int quant_paths[5] = {};
+  static constexpr int kFp8BlocksPath = static_cast<int>(WeightQuant::kMxfp4) + 1;  // past every WeightQuant
+  int quant_paths[kFp8BlocksPath + 1] = {};
   std::string quant_why_dense;
   // MXFP4 experts' products (ModelConfig::mxfp4_experts): kept as the checkpoint's codes and scales
   // (kernels/quant.h Mxfp4RowsLayout, the backend's mxfp4 kernels), on the fp8 kernels with a scale
