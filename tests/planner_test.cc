@@ -35,6 +35,7 @@
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
+#include "worker/mtp_runner.h"
 #include "worker/shard/model_shard.h"
 
 namespace shardserve {
@@ -1850,6 +1851,165 @@ TEST(PlannerDraft, CountsTheDraftAsTheWorkerLoadsIt) {
   absl::StatusOr<Plan> refused = MakePlan(m->config, nullptr, cluster, o);
   ASSERT_FALSE(refused.ok());
   EXPECT_THAT(refused.status().message(), HasSubstr("a draft must share the model's tokenizer and vocabulary"));
+}
+
+// Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp) of
+// tests/fixtures/models/deepseek_v3_mtp_tf5, on CPU workers, in three layouts. The last stage's TP
+// rank 0 lists the item mtp_layer with exactly the bytes an MtpRunner allocates beside that worker's
+// shard for the plan's limits (the layer's weights whole, its KV cache of one run of blocks per
+// sequence slot, its shard's step buffers, the runner's hidden rows and index buffers), part by part;
+// every other device lists 0 and every device's items still add up to its memory. The layer's
+// cache is per sequence slot, not per token: the sampling worker's room for the model's cache is
+// smaller by the layer's bytes, a fixed number of tokens, and so is the plan's cache where that
+// worker's is the smallest.
+TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "deepseek_v3_mtp_tf5");
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->config.num_nextn_predict_layers, 1);
+  ClusterSpec cluster = SmallCpuCluster();
+  cluster.gpu = {"cpu", 16u << 20, 10e9};  // CPU workers of 16 MiB: no CUDA runtime beside them
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  for (const auto& [tp, pp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 3}}) {
+    const std::string where = absl::StrCat("TP=", tp, " PP=", pp);
+    const PlanOptions plain = SmallCpuOptions(tp, pp);
+    PlanOptions o = plain;
+    o.mtp = true;
+    const Plan without = MustPlan(m->config, cluster, plain, m->checkpoint.get());
+    const Plan p = MustPlan(m->config, cluster, o, m->checkpoint.get());
+    ASSERT_TRUE(p.fits) << where << ": " << p.reason;
+    // (with PP > 1 the plan's cache may be another stage's, which keeps its room)
+    EXPECT_LE(p.kv_cache_tokens, without.kv_cache_tokens) << where;
+    if (pp == 1) {
+      EXPECT_LT(p.kv_cache_tokens, without.kv_cache_tokens) << where;
+    }
+    EXPECT_THAT(p.reason, HasSubstr("The multi-token-prediction layer takes")) << where;
+    for (size_t i = 0; i < p.per_gpu.size(); ++i) {
+      const GpuPlan& g = p.per_gpu[i];
+      const bool sampler = g.stage == pp - 1 && g.tp_rank == 0;
+      EXPECT_EQ(ItemSum(g), static_cast<int64_t>(cluster.gpu.memory_bytes)) << where;
+      EXPECT_GE(Item(g, kMemFree), 0) << where;
+      if (!sampler) {
+        EXPECT_EQ(Item(g, kMemMtpLayer), 0) << where << " stage " << g.stage << " rank " << g.tp_rank;
+        EXPECT_EQ(g.kv_cache_tokens, without.per_gpu[i].kv_cache_tokens) << where;
+        continue;
+      }
+      // The worker that samples: its shard of the model, then the layer beside it, as
+      // StepExecutor::Create loads them.
+      const StagePlan& st = p.stages[g.stage];
+      LoadOnlyCommunicator comm(0, tp);
+      absl::StatusOr<std::unique_ptr<ModelShard>> shard = ModelShard::Load(
+          *m->checkpoint, m->config, ShardSpec{st.first_layer, st.last_layer + 1, 0, tp}, p.limits, backend.get(), &comm);
+      ASSERT_TRUE(shard.ok()) << where << ": " << shard.status();
+      absl::StatusOr<std::unique_ptr<MtpRunner>> mtp =
+          MtpRunner::Load(*m->checkpoint, m->config, WeightQuant::kNone, p.limits, shard->get());
+      ASSERT_TRUE(mtp.ok()) << where << ": " << mtp.status();
+      const MtpLayerMemory planned = MtpLayerBytes(m->config, g, p.dtype, p.limits);
+      EXPECT_EQ(planned.weights, (*mtp)->weight_bytes()) << where;
+      EXPECT_EQ(planned.kv_cache, (*mtp)->kv_cache_bytes()) << where;
+      EXPECT_EQ(planned.buffers, (*mtp)->step_buffer_bytes() + (*mtp)->buffer_bytes()) << where;
+      EXPECT_EQ(Item(g, kMemMtpLayer), static_cast<int64_t>((*mtp)->total_bytes())) << where;
+      // 4 sequence slots of max_model_len + 16 tokens: (256 + 16) / 16 = 17 blocks each, of one
+      // layer's latent and RoPE key (32 + 8 float32 values a token).
+      EXPECT_EQ((*mtp)->kv_cache_bytes(), uint64_t{4} * 17 * 16 * (32 + 8) * 4) << where;
+      // A fixed amount: the room of that many tokens of the model's cache, to the token (the cache
+      // counts whole tokens of what is left).
+      const int64_t room = static_cast<int64_t>((*mtp)->total_bytes() / g.kv_bytes_per_token);
+      const int64_t lost = without.per_gpu[i].kv_cache_tokens - g.kv_cache_tokens;
+      EXPECT_TRUE(lost == room || lost == room + 1) << where << ": " << lost << " tokens, not " << room;
+    }
+  }
+}
+
+// DeepSeek-V3's multi-token-prediction layer (--speculative mtp) as published, FP8 with 128 x 128
+// block scales, on 8 H200 at TP 8: GPU 0, the worker that samples, holds the layer whole. Its weights,
+// counted here from the config's sizes: the embedding, eh_proj, its norms, one sparse decoder layer
+// with its 256 experts and the shared one, and its head, in bf16 (the router's bias in float32), less
+// what the linear weights held as fp8 with block scales save (q_a_proj, o_proj and every expert's
+// products, whole: rows x cols - 4 x rows x ceil(cols / 128)). Its KV cache: 256 sequence slots
+// (--max-seqs-per-step) of max_model_len + 16 tokens, one layer's latent and RoPE key (576 bf16
+// values a token). The other GPUs hold none of it and keep their cache; the plan's cache, the same
+// on every GPU, is GPU 0's, smaller.
+TEST(PlannerMtp, DeepSeekV3_Fp8_EightH200) {
+  std::ifstream file(kConfigs / "deepseek-v3.json");
+  const nlohmann::json published = nlohmann::json::parse(file);
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(published.dump(), "deepseek-v3.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(c->checkpoint_quant.has_value());
+  const int64_t H = 7168, V = 129280, E = 256, Ie = 2048, heads = 128;
+  const int64_t q_lora = 1536, kv_lora = 512, nope = 128, rope = 64, v = 128;
+  const int64_t attention = q_lora * H + q_lora + heads * (nope + rope) * q_lora + (kv_lora + rope) * H + kv_lora +
+                            heads * (nope + v) * kv_lora + H * heads * v;
+  const int64_t bf16_values = 2 * V * H + H * 2 * H + 3 * H +                  // embed, head; eh_proj; 3 norms
+                              attention + 2 * H + E * H + (E + 1) * 3 * Ie * H;  // the layer, less the router's bias
+  const auto saved = [](uint64_t rows, uint64_t cols) { return rows * cols - 4 * rows * ((cols + 127) / 128); };
+  const uint64_t weights = static_cast<uint64_t>(bf16_values) * 2 + E * 4 - saved(q_lora, H) - saved(H, heads * v) -
+                           (E + 1) * (2 * saved(Ie, H) + saved(H, Ie));
+  PlanOptions o;
+  const Plan without = MustPlan(*c, Cluster("1x8xH200-141GB"), o);
+  o.mtp = true;
+  const Plan p = MustPlan(*c, Cluster("1x8xH200-141GB"), o);
+  ASSERT_TRUE(p.fits) << p.reason;
+  ASSERT_EQ(p.tp, 8);
+  ASSERT_EQ(p.pp, 1);
+  const GpuPlan& g0 = p.per_gpu[0];
+  EXPECT_EQ(g0.mtp_weight_bytes, weights);
+  const MtpLayerMemory m = MtpLayerBytes(*c, g0, p.dtype, p.limits);
+  const uint64_t width = (static_cast<uint64_t>(p.max_model_len) + 16 + 15) / 16;
+  EXPECT_EQ(m.kv_cache, 256 * width * 16 * (kv_lora + rope) * 2);
+  EXPECT_EQ(Item(g0, kMemMtpLayer), static_cast<int64_t>(m.total()));
+  for (const GpuPlan& g : p.per_gpu) {
+    EXPECT_EQ(ItemSum(g), static_cast<int64_t>(p.cluster.gpu.memory_bytes)) << "GPU " << g.gpu;
+    EXPECT_GE(Item(g, kMemFree), 0) << "GPU " << g.gpu;
+    if (g.gpu > 0) {
+      EXPECT_EQ(Item(g, kMemMtpLayer), 0) << "GPU " << g.gpu;
+    }
+  }
+  EXPECT_LT(p.kv_cache_tokens, without.kv_cache_tokens);
+  // 256 slots of 163,856 tokens do not fit beside the weights: the plan lowers max_model_len to the
+  // longest, in whole blocks, whose cache holds a sequence of it beside the layer sized for it. (The
+  // step buffers' block tables stay sized for 163,840 tokens while it searches, an upper bound worth
+  // a few blocks: 16 blocks more do not fit.)
+  EXPECT_EQ(without.max_model_len, 163840);
+  EXPECT_LT(p.max_model_len, without.max_model_len);
+  EXPECT_EQ(p.max_model_len % 16, 0);
+  EXPECT_GE(p.kv_cache_tokens, p.max_model_len);
+  EXPECT_THAT(p.reason, HasSubstr("max_model_len lowered from 163,840"));
+  PlanOptions longer = o;
+  longer.tp = 8;
+  longer.pp = 1;
+  longer.limits.max_model_len = p.max_model_len + 16 * 16;
+  EXPECT_FALSE(MustPlan(*c, Cluster("1x8xH200-141GB"), longer).fits);
+  std::printf("DeepSeek-V3 FP8 on 8 H200: the MTP layer %.2f GiB (%.2f GiB of weights, %.2f GiB of KV cache, %.2f "
+              "GiB of buffers); max_model_len %lld -> %lld, KV cache %lld -> %lld tokens\n",
+              m.total() / double(1 << 30), m.weights / double(1 << 30), m.kv_cache / double(1 << 30),
+              m.buffers / double(1 << 30), static_cast<long long>(without.max_model_len),
+              static_cast<long long>(p.max_model_len), static_cast<long long>(without.kv_cache_tokens),
+              static_cast<long long>(p.kv_cache_tokens));
+}
+
+// A model without the layer is refused with --speculative mtp, saying why: a DeepSeek-V3 whose
+// config.json has num_nextn_predict_layers 0, a family that declares none; and the layer beside a
+// draft model (a server runs one of them).
+TEST(PlannerMtp, ModelWithoutTheLayerIsRefused) {
+  PlanOptions o = SmallCpuOptions(1, 1);
+  o.mtp = true;
+  for (const auto& [model, message] :
+       {std::pair{"deepseek_v3_tf5", "as config.json describes it has none (num_nextn_predict_layers 0)"},
+        std::pair{"llama_gqa", "has no such layer in this server (only DeepSeek-V3's family declares one)"}}) {
+    absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / model);
+    ASSERT_TRUE(m.ok()) << m.status();
+    const absl::StatusOr<Plan> p = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), o);
+    ASSERT_FALSE(p.ok()) << model;
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << model;
+    EXPECT_THAT(p.status().message(), HasSubstr("--speculative mtp needs the model's multi-token-prediction layer"));
+    EXPECT_THAT(p.status().message(), HasSubstr(message));
+  }
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "deepseek_v3_mtp_tf5");
+  ASSERT_TRUE(m.ok()) << m.status();
+  o.draft = m->config;
+  const absl::StatusOr<Plan> both = MakePlan(m->config, m->checkpoint.get(), SmallCpuCluster(), o);
+  ASSERT_FALSE(both.ok());
+  EXPECT_THAT(both.status().message(), HasSubstr("a server runs one (--speculative draft or mtp)"));
 }
 
 // A dense model has no experts to place: --expert-parallel is refused, saying so, at any TP.

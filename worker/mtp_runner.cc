@@ -1,20 +1,16 @@
 #include "worker/mtp_runner.h"
 
 #include <algorithm>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "model/families/registry.h"
 
 namespace shardserve {
 
-StepLimits MtpRunner::MtpLimits(const StepLimits& target) {
-  StepLimits d = DraftStepLimits(target);
-  d.max_tokens_per_step = target.max_tokens_per_step + target.max_seqs_per_step;
-  // One run of blocks per sequence slot: slot s holds [s * width, (s + 1) * width).
-  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
-  return d;
-}
+StepLimits MtpRunner::MtpLimits(const StepLimits& target) { return MtpStepLimits(target); }
 
 absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& weights, const ModelConfig& config,
                                                            WeightQuant quant, const StepLimits& limits,
@@ -41,17 +37,25 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& w
   r->shard_ = std::move(*shard);
   r->context_ = r->limits_.max_blocks_per_seq() * r->limits_.block_size;
   if (config.max_position_embeddings > 0) r->context_ = std::min(r->context_, config.max_position_embeddings);
-  // The hidden rows: one waiting row a sequence slot, then the step's rows.
-  const int64_t m = limits.max_seqs_per_step, H = config.hidden_size, n = r->limits_.max_tokens_per_step;
+  // The hidden rows (one waiting row a sequence slot, then the step's rows), the rows a forward
+  // gathers and the guesses, as registry.h MtpRunnerBuffers declares them.
+  const int64_t m = limits.max_seqs_per_step, n = r->limits_.max_tokens_per_step;
   r->table_seqs_ = m;
-  const DType act = backend->act_dtype();
-  SHARDSERVE_ASSIGN_OR_RETURN(r->table_buffer_,
-                              backend->Allocate(static_cast<size_t>((m + limits.max_tokens_per_step) * H) * DTypeSize(act)));
-  r->table_ = Tensor(r->table_buffer_.data(), act, {m + limits.max_tokens_per_step, H});
-  SHARDSERVE_ASSIGN_OR_RETURN(r->src_rows_buffer_, backend->Allocate(static_cast<size_t>(n) * sizeof(int32_t)));
-  r->src_rows_ = Tensor(r->src_rows_buffer_.data(), DType::kI32, {n});
-  SHARDSERVE_ASSIGN_OR_RETURN(r->ids_buffer_, backend->Allocate(static_cast<size_t>(m) * sizeof(int32_t)));
-  r->ids_ = Tensor(r->ids_buffer_.data(), DType::kI32, {m});
+  for (const StepBufferDecl& b : MtpRunnerBuffers(config, backend->act_dtype(), limits)) {
+    const std::string_view name = b.name;
+    auto [buffer, tensor] = name == "mtp_table"      ? std::pair{&r->table_buffer_, &r->table_}
+                            : name == "mtp_src_rows" ? std::pair{&r->src_rows_buffer_, &r->src_rows_}
+                            : name == "mtp_ids"      ? std::pair{&r->ids_buffer_, &r->ids_}
+                                                     : std::pair<Buffer*, Tensor*>{nullptr, nullptr};
+    if (buffer == nullptr) return absl::InternalError(absl::StrCat("MTP buffer \"", b.name, "\" has no slot"));
+    Tensor t;
+    t.dtype = b.dtype;
+    for (int64_t d : b.dims) t.shape[t.ndim++] = d;
+    SHARDSERVE_ASSIGN_OR_RETURN(*buffer, backend->Allocate(t.bytes()));
+    t.data = buffer->data();
+    *tensor = t;
+    r->buffer_bytes_ += t.bytes();
+  }
   r->slots_.resize(m);
   for (int64_t i = m - 1; i >= 0; --i) {
     r->slots_[i].slot = static_cast<int32_t>(i);

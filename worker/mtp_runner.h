@@ -25,8 +25,9 @@
 // group re-formed) leave holes in that cache: worse guesses, never different outputs, since the
 // verification decides.
 //
-// Memory: the MTP layer's weights and KV cache (ModelShard), and a table of hidden rows
-// [max_seqs_per_step + max_tokens_per_step, hidden] allocated at construction. Ownership: owns the
+// Memory: the MTP layer's weights, KV cache and step buffers (ModelShard), and a table of hidden
+// rows [max_seqs_per_step + max_tokens_per_step, hidden] with its index buffers (registry.h
+// MtpRunnerBuffers), allocated at Load; the planner counts the same (docs/planner.md). Ownership: owns the
 // layer's shard and its communicator of one rank; borrows the model's shard, which must outlive it.
 // Threading: not thread-safe; the step's thread.
 #ifndef SHARDSERVE_WORKER_MTP_RUNNER_H_
@@ -52,9 +53,9 @@ namespace shardserve {
 
 class MtpRunner {
  public:
-  // The MTP layer's step limits for a model served within `target`: model/step_limits.h
-  // DraftStepLimits', with room for one more token a sequence a step (a prefill chunk's waiting row)
-  // and a KV cache of one run of blocks per sequence slot.
+  // The MTP layer's step limits for a model served within `target`: model/families/registry.h
+  // MtpStepLimits (DraftStepLimits', with room for one more token a sequence a step, a prefill
+  // chunk's waiting row, and a KV cache of one run of blocks per sequence slot).
   static StepLimits MtpLimits(const StepLimits& target);
 
   // Loads the MTP layer num_hidden_layers of `config` from `weights` (whole, in the backend's act
@@ -79,6 +80,12 @@ class MtpRunner {
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
+  // The layer's shard's step buffers (MtpLimits), and the runner's own: the hidden rows' table and
+  // its index buffers.
+  uint64_t step_buffer_bytes() const { return shard_->step_buffer_bytes(); }
+  uint64_t buffer_bytes() const { return buffer_bytes_; }
+  // All of the above: the device memory the layer takes beside the model's shard.
+  uint64_t total_bytes() const { return weight_bytes() + kv_cache_bytes() + step_buffer_bytes() + buffer_bytes(); }
   // MTP forwards run so far.
   int64_t forwards() const { return forwards_; }
   // For tests: the layer's shard.
@@ -110,6 +117,7 @@ class MtpRunner {
   Buffer table_buffer_, src_rows_buffer_, ids_buffer_;
   Tensor table_;           // [table_seqs_ + target max_tokens_per_step, hidden] act
   Tensor src_rows_, ids_;  // [MtpLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
+  uint64_t buffer_bytes_ = 0;  // of the three above
 
   // ---- State ----
   std::vector<Seq> slots_;

@@ -48,6 +48,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   p.weight_quant = o.weight_quant;
   p.expert_parallel = o.expert_parallel;
   p.draft = o.draft_config;
+  p.mtp = o.speculative_mtp;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
     p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces

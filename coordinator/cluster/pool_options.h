@@ -37,7 +37,8 @@ struct PoolOptions {
   std::string draft_model_path;
   std::optional<ModelConfig> draft_config;
   // Speculative decoding with the model's multi-token-prediction layer (--speculative mtp): the
-  // worker that samples loads and runs it (Assignment.speculative_mtp).
+  // worker that samples loads and runs it (Assignment.speculative_mtp), and the plan counts it there
+  // (PlanOptions::mtp).
   bool speculative_mtp = false;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);

@@ -55,6 +55,16 @@ constexpr uint64_t kNcclPeers = 2;
 constexpr uint64_t kNcclChannels = 16;
 constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * kNcclChannels;
 
+uint64_t DeclaredBytes(const std::vector<StepBufferDecl>& buffers) {
+  uint64_t bytes = 0;
+  for (const StepBufferDecl& b : buffers) {
+    uint64_t elements = 1;
+    for (int64_t d : b.dims) elements *= static_cast<uint64_t>(d);
+    bytes += elements * DTypeSize(b.dtype);
+  }
+  return bytes;
+}
+
 bool BeforeHopper(const GpuSpec& gpu) {
   std::string name = absl::AsciiStrToUpper(gpu.name);
   if (absl::StartsWith(name, "NVIDIA ")) name = name.substr(7);
@@ -104,13 +114,7 @@ RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage,
 
 uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype, const StepLimits& limits,
                          bool last_stage) {
-  uint64_t bytes = 0;
-  for (const StepBufferDecl& b : StepBuffers(c, s, act_dtype, limits, last_stage)) {
-    uint64_t elements = 1;
-    for (int64_t d : b.dims) elements *= static_cast<uint64_t>(d);
-    bytes += elements * DTypeSize(b.dtype);
-  }
-  return bytes;
+  return DeclaredBytes(StepBuffers(c, s, act_dtype, limits, last_stage));
 }
 
 SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
@@ -154,6 +158,22 @@ uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv
   return g.draft_kv_bytes_per_token * static_cast<uint64_t>(draft.num_kv_blocks * draft.block_size);
 }
 
+MtpLayerMemory MtpLayerBytes(const ModelConfig& config, const GpuPlan& g, DType act, const StepLimits& limits) {
+  MtpLayerMemory m;
+  absl::StatusOr<TpShard> whole = ComputeTpShard(config, 0, 1);
+  // (MakePlan computed the whole shard already: a model it plans has one)
+  if (g.mtp_weight_bytes == 0 || !whole.ok()) return m;
+  const StepLimits mtp = MtpStepLimits(limits);
+  m.weights = g.mtp_weight_bytes;
+  // One layer's cache, in one pool (MtpStepLimits has no sliding pool).
+  m.kv_cache = static_cast<uint64_t>(config.KvValuesPerToken(whole->kv_heads)) * DTypeSize(act) *
+               static_cast<uint64_t>(mtp.num_kv_blocks * mtp.block_size);
+  // Its shard ends in logits, as a last stage's does (ModelShard::is_last_stage).
+  m.buffers = StepBufferBytes(config, *whole, act, mtp, /*last_stage=*/true) +
+              DeclaredBytes(MtpStepBuffers(config, act, mtp)) + DeclaredBytes(MtpRunnerBuffers(config, act, limits));
+  return m;
+}
+
 int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
                      int64_t bytes, int64_t cap) {
   StepLimits served = limits;
@@ -182,7 +202,8 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
       GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
   const uint64_t draft = g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
-  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + draft + r.total());
+  const uint64_t mtp = MtpLayerBytes(config, g, plan.dtype, plan.limits).total();
+  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + draft + mtp + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
   std::vector<MemoryItem> items = {
       {kMemWeights, static_cast<int64_t>(g.weight_bytes)},
@@ -190,6 +211,7 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
       {kMemStepBuffers, static_cast<int64_t>(step)},
   };
   if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(draft)});
+  if (plan.options.mtp) items.push_back({kMemMtpLayer, static_cast<int64_t>(mtp)});
   items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
   if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
   items.insert(items.end(), {

@@ -35,6 +35,9 @@ inline constexpr const char* kMemStepBuffers = "step_buffers";
 // Listed only in a plan with a draft model (PlanOptions::draft): its weights, KV cache and step
 // buffers, on the last stage's TP rank 0 (0 on every other device).
 inline constexpr const char* kMemDraftModel = "draft_model";
+// Listed only in a plan with the model's multi-token-prediction layer (PlanOptions::mtp): its
+// weights, KV cache, step buffers and hidden rows, on the last stage's TP rank 0 (0 elsewhere).
+inline constexpr const char* kMemMtpLayer = "mtp_layer";
 inline constexpr const char* kMemCublasWorkspace = "cublas_workspace";
 // Listed only where it is not 0: quantized weights on CUDA (GpuPlan::dequant_scratch_bytes).
 inline constexpr const char* kMemDequantScratch = "dequant_scratch";
@@ -121,6 +124,20 @@ uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding
 // blocks within `limits`: DraftStepLimits' blocks at g.draft_kv_bytes_per_token a token.
 uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv_blocks);
 
+// The model's multi-token-prediction layer on `g` (0 where g.mtp_weight_bytes is 0: not the
+// worker that runs it) for a model served within `limits`, in `act`, as worker/mtp_runner.h
+// allocates it: g.mtp_weight_bytes, a KV cache of one run of blocks per sequence slot for one
+// layer (MtpStepLimits' blocks; latent attention's latent rows, whole), its shard's step buffers
+// (StepBuffers and MtpStepBuffers, whole, for MtpStepLimits) and the runner's (MtpRunnerBuffers).
+// It follows max_seqs_per_step and max_model_len, not the model's KV blocks.
+struct MtpLayerMemory {
+  uint64_t weights = 0;
+  uint64_t kv_cache = 0;
+  uint64_t buffers = 0;  // the shard's step buffers and the runner's
+  uint64_t total() const { return weights + kv_cache + buffers; }
+};
+MtpLayerMemory MtpLayerBytes(const ModelConfig& config, const GpuPlan& g, DType act, const StepLimits& limits);
+
 // The most full-pool blocks, at most `cap`, whose KV cache on `g` with its planned sliding pool
 // (PlannedSlidingBlocks) and a draft model's blocks beside them (DraftKvBytes) fits in `bytes`.
 int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimits& limits, int64_t target_len,
@@ -128,9 +145,10 @@ int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimi
 
 // One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
 // (plan.limits.num_kv_blocks blocks and num_sliding_kv_blocks for the sliding layers, the same on
-// every device: GpuKvBytes), the step buffers for plan.limits,
-// the runtime items (the dequantize scratch only where g has one), what is left free of the usable
-// memory and what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
+// every device: GpuKvBytes), the step buffers for plan.limits, a draft model and the
+// multi-token-prediction layer where the plan has them (MtpLayerBytes at plan.limits), the runtime
+// items (the dequantize scratch only where g has one), what is left free of the usable memory and
+// what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);
 
 // Sets every GpuPlan::memory of `plan` from its current limits (MakePlan does; the coordinator

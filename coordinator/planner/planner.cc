@@ -51,6 +51,10 @@ struct Context {
   // draft_kv_bytes_per_token there.
   uint64_t draft_bytes = 0;
   uint64_t draft_kv_bytes_per_token = 0;
+  // The multi-token-prediction layer (PlanOptions::mtp) on the same worker: GpuPlan::mtp_weight_bytes
+  // there, and its largest quantized weight's dequantize scratch on CUDA.
+  uint64_t mtp_weight_bytes = 0;
+  uint64_t mtp_dequant_scratch = 0;
 };
 
 // One layout, evaluated.
@@ -155,6 +159,54 @@ absl::Status CountDraft(Context* ctx) {
       CountRankWeights(d, ModelWeights(d), *whole, ctx->dtype).Stage(0, d.num_hidden_layers, true, true) +
       StepBufferBytes(d, *whole, ctx->dtype, limits, /*last_stage=*/true);
   return absl::OkStatus();
+}
+
+// The model's multi-token-prediction layer (PlanOptions::mtp) as the worker that samples loads it
+// (worker/mtp_runner.h MtpRunner::Load): its first layer's tensors whole (one TP rank of one), in
+// ctx.dtype, linear weights as options.weight_quant or in the checkpoint's format. Its KV cache and
+// buffers follow the step limits (memory.h MtpLayerBytes).
+absl::Status CountMtp(Context* ctx) {
+  const ModelConfig& c = ctx->config;
+  if (ctx->options.draft.has_value()) {
+    return absl::InvalidArgumentError(
+        "a draft model and the multi-token-prediction layer are two ways of speculative decoding and a server "
+        "runs one (--speculative draft or mtp): plan with one of them");
+  }
+  std::vector<WeightDecl> tensors;
+  for (WeightDecl& w : MtpWeights(c)) {
+    if (w.layer == c.num_hidden_layers) tensors.push_back(std::move(w));  // of several, the first runs
+  }
+  if (tensors.empty()) {
+    const bool declared = c.family != nullptr && c.family->mtp_weights != nullptr;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--speculative mtp needs the model's multi-token-prediction layer, but ", c.architecture_name,
+        declared ? absl::StrCat(" as config.json describes it has none (num_nextn_predict_layers ",
+                                c.num_nextn_predict_layers, ")")
+                 : " has no such layer in this server (only DeepSeek-V3's family declares one)",
+        "; plan with --draft-model or without speculative decoding"));
+  }
+  absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
+  if (!whole.ok()) return whole.status();
+  const RankWeights w = CountRankWeights(c, tensors, *whole, ctx->dtype, ctx->options.weight_quant);
+  ctx->mtp_weight_bytes = w.mtp;
+  ctx->mtp_dequant_scratch = w.mtp_dequant_scratch;
+  return absl::OkStatus();
+}
+
+// The multi-token-prediction layer's bytes on device `g` serving sequences of up to `len` tokens (0
+// on the devices that do not run it).
+uint64_t MtpBytesAt(const Context& ctx, const GpuPlan& g, int64_t len) {
+  return MtpLayerBytes(ctx.config, g, ctx.dtype, ServedLimits(ctx, len)).total();
+}
+
+// Tokens of the model's KV cache device `g` holds in `free` bytes (its sliding pool and a draft's
+// blocks beside them: memory.h MostKvBlocks), at most `most_blocks` blocks where those count.
+int64_t KvCacheTokens(const Context& ctx, const GpuPlan& g, int64_t free, int64_t most_blocks) {
+  if (g.sliding_kv_bytes_per_token == 0 && g.draft_kv_bytes_per_token == 0) {
+    return free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
+  }
+  return MostKvBlocks(ctx.config, g, ctx.options.limits, ctx.target_len, free, most_blocks) *
+         ctx.options.limits.block_size;
 }
 
 // The worker's step buffers (memory.h StepBufferBytes), with the block table sized for the target
@@ -270,6 +322,8 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
   const int64_t most_blocks = kMaxKvCacheTokens / block;  // cache slots are I32
   l.kv_blocks = most_blocks;
   l.shortfall = INT64_MIN;
+  int mtp_gpu = -1;                    // the GPU that runs the multi-token-prediction layer
+  int64_t others_blocks = most_blocks;  // the smallest cache of the other GPUs
   for (int s = 0; s < pp; ++s) {
     const StagePlan& st = l.stages[s];
     for (int r = 0; r < tp; ++r) {
@@ -282,24 +336,34 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.expert_weight_bytes = ranks[r].StageExperts(st.first_layer, st.last_layer + 1);
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
-      if (st.lm_head && r == 0) {  // the worker that samples runs the draft
+      const bool sampler = st.lm_head && r == 0;
+      if (sampler) {  // the worker that samples runs the draft or the multi-token-prediction layer
         g.draft_bytes = ctx.draft_bytes;
         g.draft_kv_bytes_per_token = ctx.draft_kv_bytes_per_token;
+        g.mtp_weight_bytes = ctx.mtp_weight_bytes;
       }
-      if (!ctx.cluster.gpu.is_cpu()) g.dequant_scratch_bytes = ranks[r].DequantScratch(st.first_layer, st.last_layer + 1);
+      if (!ctx.cluster.gpu.is_cpu()) {
+        // (the backend grows one scratch for the largest quantized weight, the layer's included)
+        g.dequant_scratch_bytes = std::max(ranks[r].DequantScratch(st.first_layer, st.last_layer + 1),
+                                           sampler ? ctx.mtp_dequant_scratch : 0);
+      }
       int64_t sliding_layers = 0;
       for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
       const uint64_t per_layer = c.KvValuesPerToken(shards[r].kv_heads) * DTypeSize(ctx.dtype);
       g.kv_bytes_per_token = (st.num_layers() - sliding_layers) * per_layer;
       g.sliding_kv_bytes_per_token = sliding_layers * per_layer;
+      // The multi-token-prediction layer, sized for the target length here, follows max_model_len.
       const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes);
-      const int64_t free = static_cast<int64_t>(ctx.usable) - fixed;
-      if (g.sliding_kv_bytes_per_token == 0 && g.draft_kv_bytes_per_token == 0) {
-        g.kv_cache_tokens = free > 0 ? free / static_cast<int64_t>(g.kv_bytes_per_token) : 0;
+      g.kv_cache_tokens = KvCacheTokens(
+          ctx, g, static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, ctx.target_len)),
+          most_blocks);
+      g.shortfall_bytes = fixed + static_cast<int64_t>(MtpBytesAt(ctx, g, ctx.min_len) + NeedKvBytes(ctx, g)) -
+                          static_cast<int64_t>(ctx.usable);
+      if (g.mtp_weight_bytes > 0) {
+        mtp_gpu = static_cast<int>(l.gpus.size());
       } else {
-        g.kv_cache_tokens = MostKvBlocks(c, g, ctx.options.limits, ctx.target_len, free, most_blocks) * block;
+        others_blocks = std::min(others_blocks, g.kv_cache_tokens / block);
       }
-      g.shortfall_bytes = fixed + static_cast<int64_t>(NeedKvBytes(ctx, g)) - static_cast<int64_t>(ctx.usable);
       l.kv_blocks = std::min(l.kv_blocks, g.kv_cache_tokens / block);
       if (g.shortfall_bytes > l.shortfall) {
         l.shortfall = g.shortfall_bytes;
@@ -312,6 +376,32 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
   if (capacity >= ctx.target_len) {
     l.tier = Tier::kFull;
     l.max_model_len = ctx.target_len;
+  } else if (mtp_gpu >= 0 && ctx.min_len < ctx.target_len) {
+    // The multi-token-prediction layer's cache is max_seqs_per_step runs of max_model_len: a shorter
+    // length leaves the model's cache more room. The longest length (in whole blocks) whose cache,
+    // with the layer sized for it, holds a sequence of it: the cache shrinks as the length grows.
+    GpuPlan& g = l.gpus[mtp_gpu];
+    const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes);
+    const auto blocks_at = [&](int64_t len) {
+      const int64_t free = static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, len));
+      return std::min(others_blocks, KvCacheTokens(ctx, g, free, most_blocks) / block);
+    };
+    int64_t lo = ctx.min_len - 1, hi = ctx.target_len;  // holds at lo (or lo is below min_len), not at hi
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (blocks_at(mid) * block >= mid ? lo : hi) = mid;
+    }
+    const int64_t len = lo / block * block >= ctx.min_len ? lo / block * block : lo;
+    if (len >= ctx.min_len) {
+      g.kv_cache_tokens = KvCacheTokens(
+          ctx, g, static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, len)), most_blocks);
+      l.kv_blocks = blocks_at(len);
+      l.tier = Tier::kLowered;
+      l.max_model_len = len;
+    } else {
+      l.tier = Tier::kNone;
+      l.max_model_len = ctx.target_len;
+    }
   } else if (capacity >= ctx.min_len) {
     l.tier = Tier::kLowered;
     l.max_model_len = capacity;
@@ -380,6 +470,21 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
                     fmt::Count(chosen.max_model_len), ": no layout's KV cache holds a ", fmt::Count(ctx.target_len),
                     "-token sequence (set max_model_len, add GPUs or raise gpu_memory_utilization)");
   }
+  for (const GpuPlan& g : chosen.gpus) {
+    if (g.mtp_weight_bytes == 0) continue;
+    // Its cache is per sequence slot, not per token: a fixed amount the model's cache loses.
+    const StepLimits served = ServedLimits(ctx, chosen.max_model_len);
+    const StepLimits slots = MtpStepLimits(served);
+    const MtpLayerMemory m = MtpLayerBytes(ctx.config, g, ctx.dtype, served);
+    absl::StrAppend(&why, ". The multi-token-prediction layer takes ", fmt::Size(m.total()), " on ", GpuName(g), ": ",
+                    fmt::Size(m.weights), " of weights, ", fmt::Size(m.kv_cache), " of KV cache (",
+                    fmt::Count(slots.max_seqs_per_step), " sequence slots of ",
+                    fmt::Count(slots.max_blocks_per_seq() * slots.block_size), " tokens) and ", fmt::Size(m.buffers),
+                    " of buffers: a fixed amount, set by max_seqs_per_step and max_model_len, not a share of each "
+                    "token as a draft model's, which takes the room of ",
+                    fmt::Count(static_cast<int64_t>(m.total() / std::max<uint64_t>(g.kv_bytes_per_token, 1))),
+                    " tokens of the model's KV cache on that GPU");
+  }
   return why + ".";
 }
 
@@ -389,14 +494,18 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   const GpuPlan& g = closest.gpus[closest.worst_gpu];
   const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.limits.block_size) * ctx.options.limits.block_size;
   const uint64_t kv = NeedKvBytes(ctx, g);
-  const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes;
+  const uint64_t mtp = MtpBytesAt(ctx, g, ctx.min_len);
+  const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes + mtp;
+  std::string speculative;  // on the worker that samples
+  if (g.draft_bytes > 0) absl::StrAppend(&speculative, fmt::Size(g.draft_bytes), " draft model + ");
+  if (mtp > 0) absl::StrAppend(&speculative, fmt::Size(mtp), " multi-token-prediction layer + ");
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s in %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
                                     PlanDTypeName(ctx.dtype), ctx.cluster.Describe());
   absl::StrAppend(&why, forced ? "The forced layout, " : "The closest layout, ", fmt::Layout(closest.tp, closest.pp),
                   ", needs ", fmt::Size(fixed + kv), " on ", GpuName(g), " (", fmt::Size(g.weight_bytes), " weights + ",
                   fmt::Size(g.activation_bytes), " step buffers + ", fmt::Size(g.reserve_bytes), " runtime reserve + ",
-                  fmt::Size(kv), " KV cache for ", fmt::Count(need_tokens), " tokens) but ", fmt::Size(ctx.usable),
+                  speculative, fmt::Size(kv), " KV cache for ", fmt::Count(need_tokens), " tokens) but ", fmt::Size(ctx.usable),
                   absl::StrFormat(" is usable (%.2f x %s)", ctx.options.gpu_memory_utilization,
                                   fmt::Size(ctx.cluster.gpu.memory_bytes)),
                   ": short by ", fmt::Size(g.shortfall_bytes), ".");
@@ -560,6 +669,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     ctx.tensors = ModelWeights(c);
   }
   if (options.draft.has_value()) SHARDSERVE_RETURN_IF_ERROR(CountDraft(&ctx));
+  if (options.mtp) SHARDSERVE_RETURN_IF_ERROR(CountMtp(&ctx));
 
   // Weigh every layout the request allows.
   std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp}

@@ -66,6 +66,12 @@ struct PlanOptions {
   // as the model's and room for every sequence's guesses (model/step_limits.h DraftStepLimits).
   // Its vocabulary must be the model's. Unset: none.
   std::optional<ModelConfig> draft;
+  // Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp;
+  // worker/mtp_runner.h): the layer whole beside the last stage's TP rank 0, its weights as that
+  // worker loads them (`weight_quant`, or the checkpoint's format), with a KV cache of one run of
+  // blocks per sequence slot, its step buffers and hidden rows (memory.h MtpLayerBytes). Refused for
+  // a model without the layer, and beside a draft model.
+  bool mtp = false;
 };
 
 // One pipeline stage: consecutive layers on one TP group inside one node.
@@ -107,6 +113,10 @@ struct GpuPlan {
   // (memory.h DraftKvBytes).
   uint64_t draft_bytes = 0;
   uint64_t draft_kv_bytes_per_token = 0;
+  // The model's multi-token-prediction layer (PlanOptions::mtp), on the last stage's TP rank 0 (0
+  // elsewhere): its weights. Its KV cache and buffers follow the step limits, not the model's KV
+  // cache (memory.h MtpLayerBytes): a fixed amount beside the weights, which the cache's room loses.
+  uint64_t mtp_weight_bytes = 0;
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
   // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they
   // add up to the GPU's memory.

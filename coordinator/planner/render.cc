@@ -39,7 +39,7 @@ std::string Wrap(const std::string& text, const std::string& indent) {
 std::string MemoryHeading(const std::string& name) {
   constexpr std::pair<const char*, const char*> kHeadings[] = {
       {kMemWeights, "weights"},           {kMemKvCache, "KV cache"},          {kMemStepBuffers, "step bufs"},
-      {kMemDraftModel, "draft"},
+      {kMemDraftModel, "draft"},           {kMemMtpLayer, "MTP layer"},
       {kMemCublasWorkspace, "cuBLAS ws"}, {kMemDequantScratch, "dequant"},    {kMemCudaGraphPools, "graphs"},
       {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemRuntimeSlack, "slack"},
       {kMemFree, "free"},                 {kMemHeldBack, "held back"}};

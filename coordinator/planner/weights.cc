@@ -155,8 +155,10 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
         bytes = static_cast<uint64_t>(QuantizedWeightBytes(WeightQuant::kMxfp4, rows, cols));
       }
     }
-    if (stored != WeightQuant::kNone && t.part == WeightPart::kLayer && rows > 0 && cols > 0) {
-      r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], CudaDequantScratchBytes(rows, cols, dtype));
+    if (stored != WeightQuant::kNone && rows > 0 && cols > 0) {
+      const uint64_t scratch = CudaDequantScratchBytes(rows, cols, dtype);
+      if (t.part == WeightPart::kLayer) r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], scratch);
+      if (t.part == WeightPart::kMtp) r.mtp_dequant_scratch = std::max(r.mtp_dequant_scratch, scratch);
     }
     switch (t.part) {
       case WeightPart::kEmbedding: r.embedding += bytes; break;
@@ -169,8 +171,7 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
         break;
       case WeightPart::kFinalNorm: r.final_norm += bytes; break;
       case WeightPart::kLmHead: r.lm_head += bytes; break;
-      // A multi-token-prediction layer (--speculative mtp) is not among the tensors planned yet.
-      case WeightPart::kMtp: break;
+      case WeightPart::kMtp: r.mtp += bytes; break;
     }
   }
   if (r.tied) r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice

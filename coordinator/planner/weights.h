@@ -54,6 +54,10 @@ struct RankWeights {
   // Per decoder layer: the CUDA backend's dequantize scratch for its largest quantized weight
   // (CudaDequantScratchBytes, kernels/backend.h, in the dtype counted); 0 where none is quantized.
   std::vector<uint64_t> dequant_scratch;
+  // The multi-token-prediction layers' tensors among those counted (WeightPart::kMtp; registry.h
+  // MtpWeights), and the same scratch for their largest quantized weight.
+  uint64_t mtp = 0;
+  uint64_t mtp_dequant_scratch = 0;
 
   // Bytes of the stage holding layers [first_layer, end_layer).
   uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;

@@ -240,4 +240,19 @@ std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act,
   return {{"mtp_pairs", act, {2 * n + 1, H}}, {"mtp_cat", act, {n, 2 * H}}, {"mtp_cat_rows", DType::kI32, {2 * n}}};
 }
 
+StepLimits MtpStepLimits(const StepLimits& model) {
+  StepLimits d = DraftStepLimits(model);
+  d.max_tokens_per_step = model.max_tokens_per_step + model.max_seqs_per_step;
+  // One run of blocks per sequence slot: slot s holds [s * width, (s + 1) * width).
+  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
+  return d;
+}
+
+std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model) {
+  const int64_t m = model.max_seqs_per_step, H = config.hidden_size;
+  return {{"mtp_table", act, {m + model.max_tokens_per_step, H}},
+          {"mtp_src_rows", DType::kI32, {MtpStepLimits(model).max_tokens_per_step}},
+          {"mtp_ids", DType::kI32, {m}}};
+}
+
 }  // namespace shardserve

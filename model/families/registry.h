@@ -57,6 +57,21 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
 // rows that gather it ("mtp_cat_rows", [2 n]).
 std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
+// The limits the model's multi-token-prediction layer runs within beside a model served within
+// `model` (worker/mtp_runner.h, --speculative mtp): model/step_limits.h DraftStepLimits', with room
+// for one more token a sequence a step (a prefill chunk's last row, which waits for its next token)
+// and a KV cache of one run of blocks per sequence slot (max_seqs_per_step x max_blocks_per_seq
+// blocks), whatever the model's cache holds. The planner counts the layer's cache and buffers from
+// these.
+StepLimits MtpStepLimits(const StepLimits& model);
+
+// The buffers worker/mtp_runner.h holds beside the layer's shard for a model served within
+// `model`: the hidden rows the layer reads ("mtp_table", [max_seqs_per_step + max_tokens_per_step,
+// hidden]: a waiting row per sequence slot, then a step's rows), the rows a forward gathers from it
+// ("mtp_src_rows", [MtpStepLimits' max_tokens_per_step] I32) and the guesses ("mtp_ids",
+// [max_seqs_per_step] I32).
+std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_

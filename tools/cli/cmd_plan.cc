@@ -23,7 +23,8 @@ constexpr char kUsage[] =
     "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4|fp8]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
     "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P]\n"
-    "                       [--expert-parallel] [--decode-batch B] [--draft-model DIR] [--json]\n"
+    "                       [--expert-parallel] [--decode-batch B] [--speculative ngram|draft|mtp]\n"
+    "                       [--draft-model DIR] [--json]\n"
     "\n"
     "  Chooses tensor parallelism (TP, inside a node) and pipeline parallelism (PP, across nodes)\n"
     "  for a model on a cluster, and prints each stage's layers and each GPU's weights, KV cache\n"
@@ -56,6 +57,10 @@ constexpr char kUsage[] =
     "                              coordinator's --expert-parallel serves them (default: cut over TP)\n"
     "  --decode-batch B            sequences in the decode step estimated and ranked by (default 1): a\n"
     "                              mixture of experts reads more distinct experts the larger B is\n"
+    "  --speculative S             speculative decoding as the coordinator's --speculative runs it, counted\n"
+    "                              on the last stage's TP rank 0 (the worker that samples): mtp, the\n"
+    "                              model's multi-token-prediction layer (weights, KV cache, buffers);\n"
+    "                              draft, with --draft-model; ngram (nothing on the GPUs)\n"
     "  --draft-model DIR           speculative decoding's draft model (its config.json): counted on the\n"
     "                              last stage's TP rank 0, as the coordinator's --draft-model runs it\n"
     "  --json                      print one JSON object instead of the table\n";
@@ -131,6 +136,18 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   SHARDSERVE_RETURN_IF_ERROR(f.Int("pp", 1, 1 << 20, &o.pp));
   SHARDSERVE_RETURN_IF_ERROR(f.Int("decode-batch", 1, 4096, &o.decode_batch));
   o.expert_parallel = f.Has("expert-parallel");
+  // As the coordinator takes them (coordinator/engine/engine.cc): a draft model with --speculative
+  // draft; --draft-model alone is --speculative draft, as it was before --speculative.
+  std::string speculative;
+  SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp"}, &speculative));
+  if (speculative == "draft" && !f.Has("draft-model")) {
+    return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR (the draft model's config.json)");
+  }
+  if (!speculative.empty() && speculative != "draft" && f.Has("draft-model")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--draft-model is speculative decoding's draft model, not --speculative ", speculative, "'s"));
+  }
+  o.mtp = speculative == "mtp";
   if (f.Has("dtype")) {
     absl::StatusOr<DType> d = ParsePlanDType(f.Get("dtype"));
     if (!d.ok()) return d.status();
@@ -150,7 +167,7 @@ int Run(const std::vector<std::string>& args) {
                    {"model", "config", "dtype", "cluster", "nodes", "gpus-per-node", "gpu-memory-gb", "hbm-gbps",
                     "intra-node-gbps", "inter-node-gbps", "gpu-memory-utilization", "max-model-len",
                     "max-tokens-per-step", "max-seqs-per-step", "runtime-reserve-gb", "tp", "pp", "quantization",
-                    "decode-batch", "draft-model"},
+                    "decode-batch", "draft-model", "speculative"},
                    {"json", "help", "expert-parallel"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
