@@ -1237,6 +1237,28 @@ TEST(Render, TableShowsStagesGpusAndLayouts) {
   std::printf("%s", t.c_str());
 }
 
+// The model line says how the weights are held: gpt-oss-120b's experts' products in MXFP4 as
+// published, the rest in the workers' dtype; with --quantization its experts are stored as every
+// linear layer is (the line then says so), and a model without MXFP4 experts is in its dtype alone.
+TEST(Render, ModelLineNamesTheExpertsFormat) {
+  const ModelConfig gpt_oss = RealConfig("gpt-oss-120b");
+  const Plan p = MustPlan(gpt_oss, Cluster("1x1xH100-80GB"));
+  EXPECT_EQ(p.experts_format, "mxfp4");
+  EXPECT_THAT(PlanTable(p), HasSubstr("60.77 GiB in bf16 with the experts' products in mxfp4 (4.25 bits a weight, as "
+                                      "published) (weights from config.json)"));
+  EXPECT_EQ(nlohmann::json::parse(PlanJson(p))["model"]["experts_format"], "mxfp4");
+  PlanOptions fp8;
+  fp8.weight_quant = WeightQuant::kFp8;
+  const Plan q = MustPlan(gpt_oss, Cluster("1x1xH100-80GB"), fp8);
+  EXPECT_EQ(q.experts_format, "");
+  EXPECT_THAT(PlanTable(q), HasSubstr(" in bf16, linear layers fp8 (weights from config.json)"));
+  const Plan small = MustPlan(gpt_oss, Cluster("1x1xL4-24GB"));
+  ASSERT_FALSE(small.fits);
+  EXPECT_THAT(small.reason, HasSubstr("60.77 GiB in bf16 with the experts' products in mxfp4"));
+  const Plan qwen = MustPlan(RealConfig("qwen2.5-72b-instruct"), Cluster("1x2xA100-80GB"));
+  EXPECT_THAT(PlanTable(qwen), HasSubstr("135.43 GiB in bf16 (weights from config.json)"));
+}
+
 // ---- The parity fixtures: real safetensors, loaded by the worker ---------------------------
 
 // A TP group member for loading only: ModelShard::Load checks rank and size but runs no

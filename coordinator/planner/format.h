@@ -40,6 +40,15 @@ inline std::string Parameters(int64_t n) {
 // "37.31 ms".
 inline std::string Ms(double seconds) { return absl::StrFormat("%.2f ms", seconds * 1e3); }
 
+// How a model's weights are held, after its size: "in bf16", or where its routed experts' products
+// are kept in a format of their own (Plan::experts_format), "in bf16 with the experts' products in
+// mxfp4 (4.25 bits a weight, as published)".
+inline std::string HeldIn(const std::string& dtype, const std::string& experts_format) {
+  if (experts_format.empty()) return "in " + dtype;
+  return absl::StrFormat("in %s with the experts' products in %s%s", dtype, experts_format,
+                         experts_format == "mxfp4" ? " (4.25 bits a weight, as published)" : "");
+}
+
 // "TP=2 x PP=1".
 inline std::string Layout(int tp, int pp) { return absl::StrFormat("TP=%d x PP=%d", tp, pp); }
 

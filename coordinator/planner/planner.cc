@@ -488,6 +488,13 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
   return why + ".";
 }
 
+// Plan::experts_format.
+std::string ExpertsFormat(const ModelConfig& c, const PlanOptions& options) {
+  // (--quantization stores them as every linear layer; and the CPU and CUDA backends both keep
+  // mxfp4 weights: weights.cc CountRankWeights)
+  return c.mxfp4_experts && options.weight_quant == WeightQuant::kNone ? "mxfp4" : "";
+}
+
 // Why nothing fits, by how much, and what would help.
 std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t model_bytes, bool forced) {
   const ModelConfig& c = ctx.config;
@@ -499,9 +506,10 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   std::string speculative;  // on the worker that samples
   if (g.draft_bytes > 0) absl::StrAppend(&speculative, fmt::Size(g.draft_bytes), " draft model + ");
   if (mtp > 0) absl::StrAppend(&speculative, fmt::Size(mtp), " multi-token-prediction layer + ");
-  std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s in %s) does not fit on %s. ", c.architecture_name,
+  std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
-                                    PlanDTypeName(ctx.dtype), ctx.cluster.Describe());
+                                    fmt::HeldIn(PlanDTypeName(ctx.dtype), ExpertsFormat(c, ctx.options)),
+                                    ctx.cluster.Describe());
   absl::StrAppend(&why, forced ? "The forced layout, " : "The closest layout, ", fmt::Layout(closest.tp, closest.pp),
                   ", needs ", fmt::Size(fixed + kv), " on ", GpuName(g), " (", fmt::Size(g.weight_bytes), " weights + ",
                   fmt::Size(g.activation_bytes), " step buffers + ", fmt::Size(g.reserve_bytes), " runtime reserve + ",
@@ -726,6 +734,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
     }
     plan.checkpoint_quant = absl::StrCat(c.checkpoint_quant->Name(), plan.checkpoint_quant);
   }
+  plan.experts_format = ExpertsFormat(c, options);
   plan.cluster = cluster;
   plan.options = options;
   plan.options.dtype = ctx.dtype;

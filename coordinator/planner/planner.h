@@ -173,6 +173,10 @@ struct Plan {
   // A published quantized checkpoint's linear layers as counted (model/quantized_checkpoint.h), e.g.
   // "GPTQ 4-bit as int4 groups of 128", "FP8 e4m3 dequantized to float32"; empty for plain checkpoints.
   std::string checkpoint_quant;
+  // How the routed experts' products are counted where they differ from the linear layers: "mxfp4"
+  // for gpt-oss's MXFP4 experts kept as published (ModelConfig::mxfp4_experts, without
+  // --quantization); empty otherwise.
+  std::string experts_format;
   ClusterSpec cluster;
   PlanOptions options;
   uint64_t usable_bytes_per_gpu = 0;  // gpu_memory_utilization x memory

@@ -63,9 +63,9 @@ std::string PlanTable(const Plan& p) {
   const std::string active = p.active_parameters == p.parameters
                                  ? ""
                                  : absl::StrCat(" (", fmt::Parameters(p.active_parameters), " active a token)");
-  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters%s, %s in %s%s (weights from %s%s)\n",
+  absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters%s, %s %s%s (weights from %s%s)\n",
                         p.architecture, p.num_layers, fmt::Parameters(p.parameters), active, fmt::Size(p.model_weight_bytes),
-                        PlanDTypeName(p.dtype), quant, p.weights_from, checkpoint_dtype);
+                        fmt::HeldIn(PlanDTypeName(p.dtype), p.experts_format), quant, p.weights_from, checkpoint_dtype);
   if (p.unserved_checkpoint_bytes > 0) {
     absl::StrAppendFormat(&out, "         not served: %s of the checkpoint's tensors outside the text model (vision "
                           "tower, projector), neither loaded nor counted\n", fmt::Size(p.unserved_checkpoint_bytes));
@@ -193,7 +193,8 @@ std::string PlanJson(const Plan& p) {
   j["model"] = {{"architecture", p.architecture},  {"weights_from", p.weights_from},
                 {"num_layers", p.num_layers},      {"parameters", p.parameters},
                 {"active_parameters", p.active_parameters},
-                {"dtype", PlanDTypeName(p.dtype)}, {"weight_bytes", p.model_weight_bytes},
+                {"dtype", PlanDTypeName(p.dtype)}, {"experts_format", p.experts_format},
+                {"weight_bytes", p.model_weight_bytes},
                 {"unserved_checkpoint_bytes", p.unserved_checkpoint_bytes}};
   j["cluster"] = {{"gpu", c.gpu.name},
                   {"gpus_per_node", c.gpus_per_node},
