@@ -11,6 +11,10 @@
 5. The itemised memory (issue 29 part 3): Llama-3-8B on one H100-80GB prints a row per GPU with
    each item, and in --json the nine items add up to the GPU's memory, weights 2 bytes a parameter;
    with --quantization int4 a tenth, the dequantize scratch of the CUDA quantized products (64 MiB).
+6. --speculative mtp: DeepSeek-V3 on 8 H200 counts its multi-token-prediction layer on GPU 0 only
+   (the item mtp_layer, a column and the plan's explanation), its items still add up, the model's
+   cache is smaller; a model without the layer is refused (exit 1), naming why.
+7. gpt-oss-120b's model line names its experts' MXFP4 format beside the bf16 of the rest.
 
 usage: plan_cli_test.py BIN_DIR
 """
@@ -89,7 +93,35 @@ def main():
           memory["runtime_slack"] == (1 << 30) - (32 << 20) - (64 << 20) - 623706112 and
           sum(memory.values()) == json.loads(out)["cluster"]["gpu_memory_bytes"], "the int4 plan's JSON items", out)
 
+    # --speculative mtp: DeepSeek-V3's multi-token-prediction layer on GPU 0 of 8 H200, the worker that
+    # samples; an item of its own, 0 on the other GPUs, and a model cache smaller than without it.
+    deepseek = os.path.join(ROOT, "tests/fixtures/configs/deepseek-v3.json")
+    rc, out, err = plan("--cluster", "1x8xH200", "--json", config=deepseek)
+    check(rc == 0, f"DeepSeek-V3 on 8 H200 exits 0, got {rc}", out + err)
+    plain = json.loads(out)
+    rc, out, err = plan("--cluster", "1x8xH200", "--speculative", "mtp", "--json", config=deepseek)
+    check(rc == 0, f"DeepSeek-V3 --speculative mtp on 8 H200 exits 0, got {rc}", out + err)
+    j = json.loads(out)
+    layer = [g["memory"].get("mtp_layer") for g in j["per_gpu"]]
+    check(layer[0] and layer[0] > 14 << 30 and layer[1:] == [0] * 7, "the layer's item: GPU 0's, 0 elsewhere", out)
+    check(all(sum(g["memory"].values()) == j["cluster"]["gpu_memory_bytes"] and g["memory"]["free"] >= 0
+              for g in j["per_gpu"]), "the items with the layer add up to each GPU", out)
+    check(j["kv_cache_tokens"] < plain["kv_cache_tokens"], "the layer leaves the model's cache smaller", out)
+    rc, out, err = plan("--cluster", "1x8xH200", "--speculative", "mtp", config=deepseek)
+    words = " ".join(out.split())
+    check(rc == 0 and "MTP layer" in out and "The multi-token-prediction layer takes" in words and
+          "not a share of each token as a draft model's" in words, "the table's MTP column and explanation", out)
+    rc, out, err = plan("--cluster", "1x2xA100-80GB", "--speculative", "mtp")
+    check(rc == 1 and "--speculative mtp needs the model's multi-token-prediction layer" in err,
+          "a model without the layer is refused", out + err)
+    # gpt-oss-120b's experts are held in MXFP4 as published, the rest in bf16: the model line says so.
+    gpt_oss = os.path.join(ROOT, "tests/fixtures/configs/gpt-oss-120b.json")
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", config=gpt_oss)
+    check(rc == 0 and "60.77 GiB in bf16 with the experts' products in mxfp4" in out, "gpt-oss's model line", out + err)
+
     bad = [
+        (["--cluster", "1x2xA100-80GB", "--speculative", "eagle"], "--speculative must be ngram, draft or mtp"),
+        (["--cluster", "1x2xA100-80GB", "--speculative", "draft"], "--speculative draft needs --draft-model DIR"),
         (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),
         (["--cluster", "1x2xB999"], 'unknown GPU "B999"'),
@@ -105,7 +137,8 @@ def main():
         rc, out, err = plan(*args)
         check(rc == 2, f"{args}: exit 2, got {rc}", out + err)
         check(message in err, f"{args}: the message names {message!r}", err)
-    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, 9 of itemised memory, {len(bad)} bad flags")
+    print(f"PASS: 3 checks of the worked example, 1 that does not fit, 3 of int4, 9 of itemised memory, "
+          f"6 of --speculative mtp, 1 of gpt-oss's model line, {len(bad)} bad flags")
 
 
 if __name__ == "__main__":
