@@ -27,8 +27,9 @@
 //
 // Memory: the MTP layer's weights, KV cache and step buffers (ModelShard), and a table of hidden
 // rows [max_seqs_per_step + max_tokens_per_step, hidden] with its index buffers (registry.h
-// MtpRunnerBuffers), allocated at Load; the planner counts the same (docs/planner.md). Ownership: owns the
-// layer's shard and its communicator of one rank; borrows the model's shard, which must outlive it.
+// MtpRunnerBuffers), allocated at Load; the planner counts the same (docs/planner.md).
+// Ownership: owns the layer's shard and its communicator of one rank; borrows the model's shard,
+// which must outlive it.
 // Threading: not thread-safe; the step's thread.
 #ifndef SHARDSERVE_WORKER_MTP_RUNNER_H_
 #define SHARDSERVE_WORKER_MTP_RUNNER_H_

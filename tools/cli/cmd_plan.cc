@@ -137,7 +137,7 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   SHARDSERVE_RETURN_IF_ERROR(f.Int("decode-batch", 1, 4096, &o.decode_batch));
   o.expert_parallel = f.Has("expert-parallel");
   // As the coordinator takes them (coordinator/engine/engine.cc): a draft model with --speculative
-  // draft; --draft-model alone is --speculative draft, as it was before --speculative.
+  // draft; --draft-model alone plans a draft too.
   std::string speculative;
   SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp"}, &speculative));
   if (speculative == "draft" && !f.Has("draft-model")) {
