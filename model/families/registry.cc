@@ -12,9 +12,9 @@ namespace shardserve {
 namespace {
 
 constexpr const FamilyDeclaration* kFamilies[] = {
-    &kDeepseekV3Family, &kGemma2Family,  &kGemma3Family, &kGemma3ConditionalFamily, &kGptOssFamily,
-    &kLlamaFamily,      &kMistralFamily, &kMixtralFamily, &kPhi3Family,             &kQwen2Family,
-    &kQwen2MoeFamily,   &kQwen3Family,   &kQwen3MoeFamily};
+    &kDeepseekV3Family, &kEagle3LlamaFamily, &kGemma2Family, &kGemma3Family, &kGemma3ConditionalFamily,
+    &kGptOssFamily,     &kLlamaFamily,       &kMistralFamily, &kMixtralFamily, &kPhi3Family,
+    &kQwen2Family,      &kQwen2MoeFamily,    &kQwen3Family,  &kQwen3MoeFamily};
 
 }  // namespace
 
@@ -90,6 +90,7 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kKPeProj:
     case WeightRole::kLmHead:
     case WeightRole::kMtpEhProj:
+    case WeightRole::kEagle3Fc:
       return true;
     default:
       return false;
@@ -238,6 +239,13 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
 std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
   const int64_t n = limits.max_tokens_per_step, H = config.hidden_size;
   return {{"mtp_pairs", act, {2 * n + 1, H}}, {"mtp_cat", act, {n, 2 * H}}, {"mtp_cat_rows", DType::kI32, {2 * n}}};
+}
+
+std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
+  if (!config.eagle3.has_value()) return {};
+  const int64_t n = limits.max_tokens_per_step;
+  const int64_t a = config.eagle3->num_aux();
+  return {{"eagle3_cat", act, {n, a * config.eagle3->target_hidden_size}}, {"eagle3_cat_rows", DType::kI32, {a * n}}};
 }
 
 }  // namespace shardserve

@@ -57,6 +57,12 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
 // rows that gather it ("mtp_cat_rows", [2 n]).
 std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
+// The buffers an EAGLE-3 head's shard (ShardSpec::eagle3) adds to MtpStepBuffers' (which it uses as
+// the MTP layer does): its fc's input, the model's hidden states at its aux layers side by side
+// ("eagle3_cat", [n, aux layers x the model's hidden]), and the rows that gather it
+// ("eagle3_cat_rows", [aux layers x n]).
+std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_
