@@ -165,6 +165,7 @@ TEST(Eagle3Test, GreedyOutputsAreThoseWithout) {
   EXPECT_GT(got.spec.accepted, 0) << "the head never agreed with the model";
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
+  EXPECT_EQ((*head)->mtp_runner()->starved(), 0) << "the head's pool holds every sequence's positions";
   std::printf("[ eagle3   ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

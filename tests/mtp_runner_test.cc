@@ -199,6 +199,7 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
   EXPECT_GT(checked, 20);
+  EXPECT_EQ(worker->mtp_runner()->starved(), 0) << "the layer's pool holds every sequence's positions";
   std::printf("[ mtp      ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

@@ -12,8 +12,6 @@ namespace shardserve {
 StepLimits MtpRunner::MtpLimits(const StepLimits& target) {
   StepLimits d = DraftStepLimits(target);
   d.max_tokens_per_step = target.max_tokens_per_step + target.max_seqs_per_step;
-  // One run of blocks per sequence slot: slot s holds [s * width, (s + 1) * width).
-  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
   return d;
 }
 
@@ -165,8 +163,11 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
   slots_.resize(m);
   for (int64_t i = m - 1; i >= 0; --i) {
     slots_[i].slot = static_cast<int32_t>(i);
+    slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
     free_slots_.push_back(static_cast<int32_t>(i));
   }
+  free_blocks_.reserve(limits_.num_kv_blocks);
+  for (int64_t b = limits_.num_kv_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
   index_.reserve(m);
   for (std::vector<int32_t>* v : {&batch_.token_ids, &batch_.positions, &batch_.token_seq, &batch_.slots, &src_rows_host_}) {
     v->reserve(n);
@@ -179,8 +180,24 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
   return absl::OkStatus();
 }
 
+bool MtpRunner::Cover(Seq& s, int64_t tokens) {
+  const int64_t want = (tokens + limits_.block_size - 1) / limits_.block_size - static_cast<int64_t>(s.blocks.size());
+  if (want > static_cast<int64_t>(free_blocks_.size())) return false;
+  for (int64_t i = 0; i < want; ++i) {
+    s.blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+  return true;
+}
+
+void MtpRunner::Release(Seq& s) {
+  s.waiting = false;
+  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
+  s.blocks.clear();
+}
+
 void MtpRunner::Clear() {
-  for (Seq& s : slots_) s.waiting = false;
+  for (Seq& s : slots_) Release(s);
   free_slots_.clear();
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) free_slots_.push_back(static_cast<int32_t>(i));
   index_.clear();
@@ -194,7 +211,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
   for (uint64_t id : p.freed_seq_ids()) {
     auto it = index_.find(id);
     if (it == index_.end()) continue;
-    slots_[it->second].waiting = false;
+    Release(slots_[it->second]);
     free_slots_.push_back(it->second);
     index_.erase(it);
   }
@@ -206,7 +223,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
     }
     const int32_t slot = free_slots_.back();
     free_slots_.pop_back();
-    slots_[slot].waiting = false;
+    Release(slots_[slot]);
     index_[id] = slot;
   }
   return absl::OkStatus();
@@ -227,13 +244,15 @@ void MtpRunner::Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new
   const int64_t bs = limits_.block_size, width = limits_.max_blocks_per_seq();
   if (new_row) {
     ++batch_.num_seqs;
-    for (int64_t j = 0; j < width; ++j) batch_.block_tables.push_back(static_cast<int32_t>(s.slot * width + j));
+    // (the table past the sequence's blocks is never read: no position reaches it)
+    for (int64_t j = 0; j < width; ++j) {
+      batch_.block_tables.push_back(j < static_cast<int64_t>(s.blocks.size()) ? s.blocks[j] : 0);
+    }
   }
   batch_.token_ids.push_back(id);
   batch_.positions.push_back(pos);
   batch_.token_seq.push_back(batch_.num_seqs - 1);
-  // Slot `slot`'s blocks are [slot * width, (slot + 1) * width): position pos is cell slot * width * bs + pos.
-  batch_.slots.push_back(static_cast<int32_t>(s.slot * width * bs + pos));
+  batch_.slots.push_back(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
   src_rows_host_.push_back(src);
 }
 
@@ -307,6 +326,18 @@ absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::R
         guessing_.push_back({.out = draft_ids->size(), .slot = s.slot, .pos = static_cast<int32_t>(start + pairs - 1)});
         for (int j = 0; j < k; ++j) draft_ids->Add(after_last);  // padding until guessed
       }
+    }
+    // The blocks of the positions the row writes: its pairs' and, when it guesses, its guesses'. Too
+    // few free (the model's cache shares prefixes this cache holds a copy of per sequence): the row
+    // is skipped, which leaves a hole in this cache and the row without guesses (its padding).
+    int64_t last = start + pairs - 1;
+    if (after_last >= 0 && k > 0) last += k - 1;
+    if (!Cover(s, std::min(max_pos, last + 1))) {
+      ++starved_;
+      s.waiting = false;
+      if (after_last >= 0 && k > 0) guessing_.pop_back();
+      t += count;
+      continue;
     }
     bool new_row = true;
     if (s.waiting && s.waiting_pos == start - 1 && start - 1 < max_pos) {

@@ -17,8 +17,7 @@
 //     equals it) and then the sample after them. Rows past the kept ones are dropped; a prefill
 //     chunk's last row waits for its next token, kept on the device until the sequence's next row
 //     (one row a sequence);
-//   - the head runs over those pairs, each at its row's position, into its own paged KV cache
-//     (one run of blocks per sequence slot, max_model_len + kMaxSpeculativeTokens tokens each), and
+//   - the head runs over those pairs, each at its row's position, into its own paged KV cache, and
 //     its argmax at each sampling row's last pair is the first guess;
 //   - when the plan asks for K > 1 guesses (StepPlan.num_draft_tokens), the head runs K - 1 more
 //     times, one token a sampling row, on its own output hidden state (before its final norm) and its
@@ -28,6 +27,13 @@
 // hidden states this worker never saw (a prefix from the prefix cache, a sequence's start after the
 // group re-formed) leave holes in that cache: worse guesses, never different outputs, since the
 // verification decides.
+//
+// The head's KV cache: a paged pool of its own, as the draft model's (model/step_limits.h
+// DraftStepLimits: as many blocks as the model's cache and room for every sequence's guesses). A
+// sequence takes blocks as the positions it writes grow and gives them back when it is freed (a
+// rolled-back guess's position is written again by the next step's pairs); a row that finds too few
+// free blocks is skipped for that step (starved()): a hole in that cache and no guesses, never other
+// outputs.
 //
 // Memory: the head's weights and KV cache (ModelShard), and a table of hidden rows
 // [max_seqs_per_step + max_tokens_per_step, hidden] allocated at construction. Ownership: owns the
@@ -57,9 +63,9 @@ namespace shardserve {
 
 class MtpRunner {
  public:
-  // The MTP layer's step limits for a model served within `target`: model/step_limits.h
-  // DraftStepLimits', with room for one more token a sequence a step (a prefill chunk's waiting row)
-  // and a KV cache of one run of blocks per sequence slot.
+  // The head's step limits for a model served within `target`: model/step_limits.h
+  // DraftStepLimits' (its KV cache's pool among them), with room for one more token a sequence a step
+  // (a prefill chunk's waiting row).
   static StepLimits MtpLimits(const StepLimits& target);
 
   // Loads the MTP layer num_hidden_layers of `config` from `weights` (whole, in the backend's act
@@ -93,21 +99,28 @@ class MtpRunner {
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
-  // MTP forwards run so far.
+  // Head forwards run so far; rows skipped for want of free blocks; blocks free now.
   int64_t forwards() const { return forwards_; }
+  int64_t starved() const { return starved_; }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
   // For tests: the layer's shard.
   ModelShard* shard() const { return shard_.get(); }
 
  private:
   struct Seq {
-    int32_t slot = 0;         // its KV blocks [slot * width, (slot + 1) * width) and its waiting row
+    int32_t slot = 0;         // its waiting row's in the table
+    std::vector<int32_t> blocks;  // its block table in the head's pool: positions [0, blocks x block size)
     bool waiting = false;     // a hidden row waits in table_ row `slot` for its next token
     int32_t waiting_pos = 0;  // that row's position
   };
   MtpRunner() = default;
   // The table, index buffers and scratch, for the head of `config` beside `target` (after shard_).
   absl::Status Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target);
-  // Adds the token `id` at `pos` of `s` to batch_ (a new row of the batch when `new_row`), its
+  // Grows s.blocks to hold `tokens` positions; false, with none taken, when too few are free.
+  bool Cover(Seq& s, int64_t tokens);
+  // Gives back s's blocks and forgets its waiting row.
+  void Release(Seq& s);
+  // Adds the token `id` at `pos` of `s` (within its blocks) to batch_ (a new row of the batch when `new_row`), its
   // hidden state table_ row `src`.
   void Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new_row);
   void ClearBatch();
@@ -132,8 +145,10 @@ class MtpRunner {
   // ---- State ----
   std::vector<Seq> slots_;
   std::vector<int32_t> free_slots_;
+  std::vector<int32_t> free_blocks_;              // of the head's KV pool
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   int64_t forwards_ = 0;
+  int64_t starved_ = 0;
   // Propose's scratch, reserved at Load.
   StepBatch batch_;
   std::vector<int32_t> src_rows_host_;  // per batch_ token: its hidden state's row of the table

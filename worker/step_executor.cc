@@ -258,11 +258,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       if (!mtp.ok()) return mtp.status();
       const StepLimits mtp_limits = MtpRunner::MtpLimits(options);
       e->draft_summary_ = absl::StrFormat(
-          "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), "
+          "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d blocks of %d tokens), "
           "run after sampling",
           config->num_hidden_layers, static_cast<double>((*mtp)->weight_bytes()) / (1 << 20),
-          static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.max_seqs_per_step,
-          mtp_limits.max_model_len);
+          static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.num_kv_blocks,
+          mtp_limits.block_size);
       e->mtp_ = std::move(*mtp);
     }
     // ... or an EAGLE-3 head, from its own directory, over the hidden states the stages keep.
@@ -274,11 +274,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       const StepLimits head_limits = MtpRunner::MtpLimits(options);
       e->draft_summary_ = absl::StrFormat(
           "EAGLE-3 head %s over the hidden states of layers %s: %.1f MiB of weights, %.1f MiB of KV cache "
-          "(%d sequences of %d tokens), run after sampling",
+          "(%d blocks of %d tokens), run after sampling",
           a.draft_model_path(), absl::StrJoin(a.aux_hidden_layers(), ", "),
           static_cast<double>((*head)->weight_bytes()) / (1 << 20),
-          static_cast<double>((*head)->kv_cache_bytes()) / (1 << 20), head_limits.max_seqs_per_step,
-          head_limits.max_model_len);
+          static_cast<double>((*head)->kv_cache_bytes()) / (1 << 20), head_limits.num_kv_blocks,
+          head_limits.block_size);
       e->mtp_ = std::move(*head);
     }
   }
