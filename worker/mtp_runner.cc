@@ -166,8 +166,7 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
     slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
     free_slots_.push_back(static_cast<int32_t>(i));
   }
-  free_blocks_.reserve(limits_.num_kv_blocks);
-  for (int64_t b = limits_.num_kv_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
+  pool_.Init(limits_.num_kv_blocks, limits_.block_size);
   index_.reserve(m);
   for (std::vector<int32_t>* v : {&batch_.token_ids, &batch_.positions, &batch_.token_seq, &batch_.slots, &src_rows_host_}) {
     v->reserve(n);
@@ -180,20 +179,9 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
   return absl::OkStatus();
 }
 
-bool MtpRunner::Cover(Seq& s, int64_t tokens) {
-  const int64_t want = (tokens + limits_.block_size - 1) / limits_.block_size - static_cast<int64_t>(s.blocks.size());
-  if (want > static_cast<int64_t>(free_blocks_.size())) return false;
-  for (int64_t i = 0; i < want; ++i) {
-    s.blocks.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
-  }
-  return true;
-}
-
 void MtpRunner::Release(Seq& s) {
   s.waiting = false;
-  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
-  s.blocks.clear();
+  pool_.Cut(&s.blocks, 0);
 }
 
 void MtpRunner::Clear() {
@@ -332,7 +320,7 @@ absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::R
     // is skipped, which leaves a hole in this cache and the row without guesses (its padding).
     int64_t last = start + pairs - 1;
     if (after_last >= 0 && k > 0) last += k - 1;
-    if (!Cover(s, std::min(max_pos, last + 1))) {
+    if (!pool_.Cover(&s.blocks, std::min(max_pos, last + 1))) {
       ++starved_;
       s.waiting = false;
       if (after_last >= 0 && k > 0) guessing_.pop_back();

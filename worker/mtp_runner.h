@@ -56,6 +56,7 @@
 #include "model/weight_source.h"
 #include "shardserve/v1/worker.pb.h"
 #include "worker/communicator.h"
+#include "worker/head_kv_pool.h"
 #include "worker/shard/model_shard.h"
 #include "worker/shard_inputs.h"  // StepBatch
 
@@ -102,7 +103,7 @@ class MtpRunner {
   // Head forwards run so far; rows skipped for want of free blocks; blocks free now.
   int64_t forwards() const { return forwards_; }
   int64_t starved() const { return starved_; }
-  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
+  int64_t free_blocks() const { return pool_.free_blocks(); }
   // For tests: the layer's shard.
   ModelShard* shard() const { return shard_.get(); }
 
@@ -116,8 +117,6 @@ class MtpRunner {
   MtpRunner() = default;
   // The table, index buffers and scratch, for the head of `config` beside `target` (after shard_).
   absl::Status Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target);
-  // Grows s.blocks to hold `tokens` positions; false, with none taken, when too few are free.
-  bool Cover(Seq& s, int64_t tokens);
   // Gives back s's blocks and forgets its waiting row.
   void Release(Seq& s);
   // Adds the token `id` at `pos` of `s` (within its blocks) to batch_ (a new row of the batch when `new_row`), its
@@ -145,7 +144,7 @@ class MtpRunner {
   // ---- State ----
   std::vector<Seq> slots_;
   std::vector<int32_t> free_slots_;
-  std::vector<int32_t> free_blocks_;              // of the head's KV pool
+  HeadKvPool pool_;                               // the head's KV cache's blocks
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   int64_t forwards_ = 0;
   int64_t starved_ = 0;
