@@ -171,6 +171,34 @@ TEST(Eagle3Test, GreedyOutputsAreThoseWithout) {
               static_cast<long long>(got.spec.verifications));
 }
 
+// With --load-format dummy (benchmarks of the machinery without checkpoints) the head is made from
+// its config.json alone, as the model is: a directory with nothing else serves, and guesses come
+// back (in the model's vocabulary: d2t is the identity then).
+TEST(Eagle3Test, ADummyHeadFromItsConfigAloneRuns) {
+  char pattern[] = "/tmp/eagle3_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  fs::copy_file(fs::path(kHead) / "config.json", dir / "config.json");
+  const StepLimits limits = Limits(8);
+  v1::Assignment a = WholeModelAssignment(kModel, 5, limits);
+  a.set_load_format(v1::LOAD_FORMAT_DUMMY);
+  a.set_dummy_seed(7);
+  a.set_speculative_eagle3(true);
+  a.set_draft_model_path(dir.string());
+  for (int64_t layer : {1, 2, 4}) a.add_aux_hidden_layers(layer);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> worker = CpuWorker(a);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  const nlohmann::json golden = ReadJson(fs::path(kModel) / "golden.json");
+  SpeculationOutcome run;
+  RunRequests(worker->get(), Driven(limits, true, 8), Prompts(golden.at("prompt_ids").get<std::vector<int32_t>>()),
+              &run);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_GT(run.offers, 0);
+  EXPECT_GT(run.spec.proposed, 0);
+  EXPECT_EQ(run.outputs.size(), 3u);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 TEST(Eagle3Test, AHeadThatDoesNotFitIsRefused) {
   // A model for a head: refused, naming the architecture.
   absl::StatusOr<std::unique_ptr<StepExecutor>> worker = Worker(Limits(8), kModel);
