@@ -586,7 +586,84 @@ absl::StatusOr<json> TextConfig(const json& j, const std::string& source, const 
   return text;
 }
 
+// An EAGLE-3 head's fields (ModelConfig::Eagle3): draft_vocab_size (vocab_size when absent: no
+// reduced vocabulary), target_hidden_size (hidden_size when absent), eagle_config's
+// use_aux_hidden_state (true; false is EAGLE-1/2's head, not this one) and
+// eagle_aux_hidden_state_layer_ids, norm_before_residual; one decoder layer.
+absl::Status ParseEagle3(const json& j, const std::string& source, ModelConfig* c) {
+  ModelConfig::Eagle3 e;
+  e.embedding_vocab_size = c->vocab_size;
+  int64_t draft_vocab = c->vocab_size;
+  if (Present(j, "draft_vocab_size")) SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "draft_vocab_size", false, &draft_vocab));
+  if (draft_vocab < 1 || draft_vocab > c->vocab_size) {
+    return FieldError(source, "draft_vocab_size",
+                      absl::StrCat("must be in [1, vocab_size ", c->vocab_size, "], got ", draft_vocab));
+  }
+  e.target_hidden_size = c->hidden_size;
+  if (Present(j, "target_hidden_size")) SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "target_hidden_size", false, &e.target_hidden_size));
+  if (e.target_hidden_size < 1 || e.target_hidden_size > kMaxHiddenSize) {
+    return FieldError(source, "target_hidden_size", absl::StrCat("must be in [1, 2^18], got ", e.target_hidden_size));
+  }
+  if (c->num_hidden_layers != 1) {
+    return FieldError(source, "num_hidden_layers",
+                      absl::StrCat("is ", c->num_hidden_layers, "; an EAGLE-3 head of one decoder layer is supported"));
+  }
+  if (auto eagle = j.find("eagle_config"); eagle != j.end() && !eagle->is_null()) {
+    if (!eagle->is_object()) return FieldError(source, "eagle_config", "must be an object");
+    if (auto use = eagle->find("use_aux_hidden_state"); use != eagle->end() && !(use->is_boolean() && use->get<bool>())) {
+      return FieldError(source, "eagle_config.use_aux_hidden_state",
+                        absl::StrCat("is ", use->dump(), "; a head over one hidden state (EAGLE-1/2) is not supported"));
+    }
+    if (auto ids = eagle->find("eagle_aux_hidden_state_layer_ids"); ids != eagle->end() && !ids->is_null()) {
+      if (!ids->is_array() || ids->empty() || ids->size() > 16) {
+        return FieldError(source, "eagle_config.eagle_aux_hidden_state_layer_ids", "must be a list of 1 to 16 layers");
+      }
+      for (const json& id : *ids) {
+        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= kMaxLayers) {
+          return FieldError(source, "eagle_config.eagle_aux_hidden_state_layer_ids",
+                            absl::StrCat("has ", id.dump(), "; want layer indices in [0, 1024)"));
+        }
+        e.aux_layers.push_back(id.get<int64_t>());
+      }
+    }
+  }
+  SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "norm_before_residual", &e.norm_before_residual));
+  c->vocab_size = draft_vocab;
+  c->eagle3 = std::move(e);
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, const ModelConfig& target) {
+  if (!head.eagle3.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(head.architecture_name, " is not an EAGLE-3 head"));
+  }
+  const ModelConfig::Eagle3& e = *head.eagle3;
+  const int64_t L = target.num_hidden_layers;
+  std::vector<int64_t> layers = e.aux_layers;
+  if (layers.empty()) layers = {2, L / 2, L - 3};
+  std::vector<int64_t> sorted = layers;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (sorted[i] < 0 || sorted[i] >= L || (i > 0 && sorted[i] == sorted[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the EAGLE-3 head reads the served model's hidden states at layers ", absl::StrJoin(layers, ", "),
+          e.aux_layers.empty() ? " (2, L / 2, L - 3: its config.json's eagle_config names none)" : "",
+          ", which are not distinct layers of the model's ", L));
+    }
+  }
+  if (e.target_hidden_size != target.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head reads hidden states of ", e.target_hidden_size,
+                                                   " (target_hidden_size) but the served model's hidden_size is ",
+                                                   target.hidden_size));
+  }
+  if (e.embedding_vocab_size != target.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head's vocabulary is ", e.embedding_vocab_size,
+                                                   " ids (vocab_size) but the served model's is ", target.vocab_size));
+  }
+  return sorted;
+}
 
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::string source) {
   SHARDSERVE_ASSIGN_OR_RETURN(json j, ParseJson<json>(text, source));
@@ -694,6 +771,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
                         absl::StrCat("must be in [0, 8], got ", c.num_nextn_predict_layers));
     }
   }
+  if (c.family->eagle3) SHARDSERVE_RETURN_IF_ERROR(ParseEagle3(j, source, &c));
   SHARDSERVE_RETURN_IF_ERROR(ParseExperts(j, source, &c));
   if (c.mxfp4_experts && (c.hidden_size % 32 != 0 || c.moe_intermediate_size % 32 != 0)) {
     return FieldError(source, "quantization_config",

@@ -152,6 +152,24 @@ struct ModelConfig {
   // 2^(s - 127), per 32 inputs), dequantized at load (model/mxfp4.h). Only the experts; the rest is
   // plain. checkpoint_quant stays unset.
   bool mxfp4_experts = false;
+  // An EAGLE-3 head's (FamilyDeclaration::eagle3; set for those only): vocab_size above is its LM
+  // head's (draft_vocab_size, as published: a subset of the served model's vocabulary that d2t maps
+  // back), embedding_vocab_size the served model's (config.json's vocab_size), which its embedding
+  // has (the head's own embed_tokens, or the served model's where the head leaves it out);
+  // target_hidden_size the served model's hidden size; aux_layers the served model's layers whose
+  // input hidden state (the residual stream before the layer) its fc reads, side by side in
+  // ascending order: eagle_config's eagle_aux_hidden_state_layer_ids, or when absent (2, L / 2,
+  // L - 3) of the served model's L layers (Eagle3AuxLayers), as vLLM and SGLang take them;
+  // norm_before_residual: the residual is the normed hidden state (as config.json says).
+  struct Eagle3 {
+    int64_t embedding_vocab_size = 0;
+    int64_t target_hidden_size = 0;
+    std::vector<int64_t> aux_layers;
+    bool norm_before_residual = false;
+    // The hidden states fc reads side by side: the listed layers', or the default three.
+    int64_t num_aux() const { return aux_layers.empty() ? 3 : static_cast<int64_t>(aux_layers.size()); }
+  };
+  std::optional<Eagle3> eagle3;
   DType dtype = DType::kF32;    // dtype (transformers 5.x) or torch_dtype (4.x)
   std::vector<int64_t> eos_token_ids;  // from config.json's eos_token_id (int or list)
   int64_t bos_token_id = -1;           // -1: none
@@ -188,6 +206,12 @@ struct ModelConfig {
   // the family's declared tensors.
   int64_t ParameterCount() const;
 };
+
+// The served model's layers whose input hidden states the EAGLE-3 head `head` reads (ascending):
+// its own list, or (2, L / 2, L - 3) of the model's L = target.num_hidden_layers. InvalidArgument
+// naming both when a layer is outside the model, the list repeats one, or the head's fc does not
+// read as many hidden states of the model's size (target_hidden_size, vocabulary) as it has.
+absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, const ModelConfig& target);
 
 // Parses and validates config.json text. `source` names the file in error messages.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, std::string source);

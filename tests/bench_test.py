@@ -440,7 +440,8 @@ def case_bad_flags():
         (["--backend", "openai", "--base-url", base, "--chat-turns", "2", "--num-requests", "3"], "multiple of"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--address", "x:1"], "--address"),
         (["--backend", "openai", "--base-url", base, "--vocab-size", "100", "--compare", "tp1"], "--compare"),
-        (["--compare", "tp1/adaptive"], "/adaptive adapts the guesses of /ngram, /draft or /mtp"),
+        (["--compare", "tp1/adaptive"], "/adaptive adapts the guesses of /ngram, /draft, /mtp or /eagle3"),
+        (["--compare", "tp1/draft/eagle3"], "/mtp, /eagle3, /adaptive"),
     ]
     for args, want in cases:
         rc, out, err, sid = run_bench(args, timeout=30)

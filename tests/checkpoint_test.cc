@@ -269,7 +269,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   ASSERT_FALSE(config.ok());
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
+              HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: DeepseekV3ForCausalLM, LlamaForCausalLMEagle3, Gemma2ForCausalLM, "
                         "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
 }

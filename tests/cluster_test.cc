@@ -518,20 +518,16 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
                                   info.param.fixture;
                          });
 
-// The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
-// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp_tf5), run by the worker that
-// samples over every step's hidden states. Three requests at once (Hugging Face's golden prompt
-// greedy, a seeded sampling one, a greedy one with logprobs), then the first again from the prefix
-// cache: in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
-// speculation, token for token, the greedy one Hugging Face's; guesses were made and some accepted.
-class ClusterMtpSpeculationTest : public ::testing::TestWithParam<Layout> {};
-
-TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
-  const Layout& l = GetParam();
+// Three requests at once (Hugging Face's golden prompt greedy, a seeded sampling one, a greedy one
+// with logprobs), then the first again from the prefix cache, through a cluster of layout `l` without
+// speculation and with `speculative` (the coordinator's flags): every output the same token for
+// token, the greedy one Hugging Face's; `proposer`'s guesses were made and some accepted.
+void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
+                                 const std::string& proposer) {
   const Golden golden = LoadGolden(l.fixture);
   std::vector<v1::GenerateRequest> requests = {TokenRequest(golden.prompt, 32), TokenRequest(golden.prompt, 32),
                                                TokenRequest({5, 6, 7, 166, 166, 30, 64, 79, 226}, 32)};
-  for (size_t i = 0; i < requests.size(); ++i) requests[i].set_request_id("mtp-" + std::to_string(i));
+  for (size_t i = 0; i < requests.size(); ++i) requests[i].set_request_id(proposer + "-" + std::to_string(i));
   requests[1].mutable_sampling()->set_temperature(0.8f);
   requests[1].mutable_sampling()->set_seed(11);
   requests[2].mutable_sampling()->set_logprobs(true);
@@ -553,9 +549,11 @@ TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
   std::vector<Streamed> plain, speculated;
   v1::SchedulerStatus plain_status, s;
   run({"--block-size", "4"}, &plain, &plain_status);
-  ASSERT_FALSE(HasFatalFailure());
-  run({"--block-size", "4", "--speculative", "mtp", "--num-speculative-tokens", "3"}, &speculated, &s);
-  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  std::vector<std::string> flags = {"--block-size", "4"};
+  flags.insert(flags.end(), speculative.begin(), speculative.end());
+  run(flags, &speculated, &s);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
     EXPECT_EQ(speculated[i].tokens.size(), 32u) << "request " << i;
@@ -565,19 +563,48 @@ TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
   int logprobs = 0;
   for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
   EXPECT_EQ(logprobs, 32);
-  EXPECT_EQ(s.speculative(), "mtp");
+  EXPECT_EQ(s.speculative(), proposer);
   EXPECT_GT(s.spec_proposed_tokens(), 0);
-  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of the multi-token-prediction layer was ever right";
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of " << proposer << " was ever right";
   EXPECT_GT(s.prefix_cache_hit_tokens(), 0) << "the repeated request found no cached prefix";
   EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
-  std::printf("[ timing   ] TP=%d PP=%d mtp: speculation proposed %lld, accepted %lld in %lld verifications\n",
-              l.tp, l.pp, static_cast<long long>(s.spec_proposed_tokens()), static_cast<long long>(s.spec_accepted_tokens()),
-              static_cast<long long>(s.spec_verifications()));
+  std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
+              l.pp, proposer.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
+              static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+}
+
+// The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
+// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp_tf5), run by the worker that
+// samples over every step's hidden states, in TP {1, 2} x PP {1, 2}.
+class ClusterMtpSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
+  ExpectGuessesKeepTheOutputs(GetParam(), {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterMtpSpeculationTest,
                          ::testing::Values(Layout{"deepseek_v3_mtp_tf5", 1, 1}, Layout{"deepseek_v3_mtp_tf5", 2, 1},
                                            Layout{"deepseek_v3_mtp_tf5", 1, 2}, Layout{"deepseek_v3_mtp_tf5", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
+// An EAGLE-3 head (--speculative eagle3 --draft-model DIR, docs/speculative-decoding.md):
+// tests/fixtures/models/llama_gqa_eagle3 over llama_gqa, whose hidden states at layers 1, 2 and 4
+// every stage keeps and passes on (with PP 2 the first stage's two and the second's one), run by the
+// worker that samples, in TP {1, 2} x PP {1, 2}.
+class ClusterEagle3SpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterEagle3SpeculationTest, HeadGuessesKeepTheOutputs) {
+  const std::string head = (fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa_eagle3").string();
+  ExpectGuessesKeepTheOutputs(
+      GetParam(), {"--speculative", "eagle3", "--draft-model", head, "--num-speculative-tokens", "3"}, "eagle3");
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterEagle3SpeculationTest,
+                         ::testing::Values(Layout{"llama_gqa", 1, 1}, Layout{"llama_gqa", 2, 1},
+                                           Layout{"llama_gqa", 1, 2}, Layout{"llama_gqa", 2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;
@@ -607,6 +634,34 @@ TEST(CoordinatorFlagsTest, MtpWithoutTheLayerIsRefused) {
     Process coordinator({SHARDSERVE_COORDINATOR_BIN, "--model", model.string(), "--listen", "127.0.0.1:0",
                          "--insecure", "--speculative", "mtp", "--num-speculative-tokens", "2"},
                         log);
+    EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 1) << want << ": " << Tail(log);
+    const std::string output = Tail(log, 1 << 16);
+    EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
+  }
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+// An EAGLE-3 head is refused at start (exit 1) where it cannot run, naming why: served as the model,
+// given to --speculative draft, a model given to --speculative eagle3, and a head for another model
+// (its fc reads hidden states of another size).
+TEST(CoordinatorFlagsTest, AnEagle3HeadWhereItCannotRunIsRefused) {
+  char pattern[] = "/tmp/cluster_test.XXXXXX";
+  const fs::path dir = mkdtemp(pattern);
+  const std::string head = (kFixtures / "llama_gqa_eagle3").string(), model = (kFixtures / "llama_gqa").string();
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--model", head}, "holds an EAGLE-3 head (LlamaForCausalLMEagle3), not a model to serve"},
+      {{"--model", model, "--speculative", "draft", "--draft-model", head}, "is an EAGLE-3 head, which --speculative eagle3 runs"},
+      {{"--model", model, "--speculative", "eagle3", "--draft-model", model},
+       "is a model (LlamaForCausalLM), not an EAGLE-3 head"},
+      {{"--model", (kFixtures / "qwen3_tf5").string(), "--speculative", "eagle3", "--draft-model", head},
+       "which are not distinct layers of the model's 3"}};
+  for (const auto& [flags, want] : cases) {
+    const fs::path log = dir / "coordinator.log";
+    std::vector<std::string> args = {SHARDSERVE_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--insecure"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    if (flags.size() > 2) args.insert(args.end(), {"--num-speculative-tokens", "2"});
+    Process coordinator(args, log);
     EXPECT_EQ(coordinator.Wait(std::chrono::seconds(20)), 1) << want << ": " << Tail(log);
     const std::string output = Tail(log, 1 << 16);
     EXPECT_NE(output.find(want), std::string::npos) << want << ": " << output;
@@ -970,10 +1025,11 @@ TEST(CoordinatorFlagsTest, BadSpeculativeFlagsAreUsageErrorsNamingTheFlag) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, draft or mtp, got 'eagle'"},
+      {{"--speculative", "eagle", "--num-speculative-tokens", "4"}, "--speculative must be ngram, draft, mtp or eagle3, got 'eagle'"},
+      {{"--speculative", "eagle3", "--num-speculative-tokens", "4"}, "--speculative eagle3 needs --draft-model DIR"},
       {{"--speculative", "draft", "--num-speculative-tokens", "4"}, "--speculative draft needs --draft-model DIR"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "4", "--draft-model", "/tmp"},
-       "--draft-model /tmp needs --speculative draft"},
+       "--draft-model /tmp needs --speculative draft (or eagle3, for an EAGLE-3 head)"},
       {{"--speculative", "ngram"}, "--speculative ngram needs --num-speculative-tokens in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "17"}, "--num-speculative-tokens must be an integer in [1, 16]"},
       {{"--speculative", "ngram", "--num-speculative-tokens", "0"}, "--num-speculative-tokens must be an integer in [1, 16]"},

@@ -26,6 +26,7 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/weight_source.h"
+#include "tests/speculation_driver.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/communicator.h"
 #include "worker/draft_runner.h"
@@ -47,20 +48,9 @@ StepLimits Limits() {
 }
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> Worker(const std::string& draft) {
-  v1::Assignment a;
-  a.set_worker_id("w0");
-  a.set_model_path(kDemo);
-  a.set_stage(0);
-  a.set_num_stages(1);
-  a.set_tp_rank(0);
-  a.set_tp_size(1);
-  a.set_first_layer(0);
-  a.set_end_layer(4);
-  ToProto(Limits(), a.mutable_limits());
-  a.set_collective_timeout_seconds(10);
+  v1::Assignment a = WholeModelAssignment(kDemo, 4, Limits());
   a.set_draft_model_path(draft);
-  InMemoryRendezvousStore store;  // unused: every group has one rank
-  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = CpuMatMul::kF32});
+  return CpuWorker(a);
 }
 
 // A fresh draft: the draft checkpoint alone in a ModelShard of its own.
@@ -91,76 +81,10 @@ struct FreshDraft {
   }
 };
 
-struct Outcome {
-  std::map<uint64_t, std::vector<int32_t>> outputs;
-  SpeculationStats spec;
-  int64_t offers = 0, cached_prompt_tokens = 0;
-};
-
-// Runs the prompts (the second after the first's prompt has been computed, so that it finds its
-// shared prefix in the cache) for `max_tokens` each through `worker` like the engine; with a
-// draft, checks each step's guesses against `fresh` (when not null).
-void RunRequests(StepExecutor* worker, bool speculate, const std::vector<std::vector<int32_t>>& prompts,
-                 int64_t max_tokens, FreshDraft* fresh, Outcome* run) {
-  DraftProposer proposer;
-  SchedulerOptions o;
-  o.limits = Limits();
-  o.proposer = speculate ? &proposer : nullptr;
-  o.num_speculative_tokens = speculate ? kGuesses : 0;
-  o.speculative_max_running = 0;
-  Scheduler sched(o);
-  v1::RowSampling greedy;
-  SeqOptions so;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    so.max_len = static_cast<int64_t>(prompts[i].size()) + max_tokens;
-    if (i != 1) sched.Add(i + 1, prompts[i], greedy, so);
-  }
-  v1::StepPlan plan;
-  v1::StepResult result;
-  for (uint64_t step = 1; step < 500; ++step) {
-    if (step == 3) {
-      so.max_len = static_cast<int64_t>(prompts[1].size()) + max_tokens;
-      sched.Add(2, prompts[1], greedy, so);
-    }
-    const MicroBatch* b = sched.Schedule(0, step, &plan);
-    if (b == nullptr) break;
-    const std::vector<MicroBatch::Entry> entries = b->entries;
-    const int draft_tokens = b->draft_tokens;
-    EXPECT_EQ(plan.num_draft_tokens(), draft_tokens);
-    plan.set_epoch(worker->epoch());
-    for (const v1::NewSeq& n : plan.new_seqs()) {
-      EXPECT_EQ(n.cached_token_ids_size(), speculate ? n.num_cached_tokens() : 0);
-      if (n.seq_id() == 2) run->cached_prompt_tokens = n.num_cached_tokens();
-    }
-    const absl::Status st = worker->Execute(plan, &result);
-    ASSERT_TRUE(st.ok()) << st;
-    ASSERT_EQ(result.draft_ids_size(), b->draft_ids);
-    const std::vector<int32_t> sampled(result.sampled_ids().begin(), result.sampled_ids().end());
-    const std::vector<SampledToken> tokens = sched.Complete(0, sampled);
-    int row = 0;
-    for (const MicroBatch::Entry& e : entries) {
-      if (e.logit_row < 0 || draft_tokens == 0) continue;
-      const std::vector<int32_t> guesses(result.draft_ids().begin() + row * draft_tokens,
-                                         result.draft_ids().begin() + (row + 1) * draft_tokens);
-      ++row;
-      if (fresh != nullptr) {
-        ASSERT_EQ(guesses, fresh->Guesses(sched.tokens(e.seq), draft_tokens)) << "seq " << e.seq << " step " << step;
-      }
-      proposer.Offer(e.seq, sched.num_tokens(e.seq), guesses);
-      ++run->offers;
-    }
-    for (const SampledToken& t : tokens) {
-      std::vector<int32_t>& out = run->outputs[t.seq];
-      if (static_cast<int64_t>(out.size()) == max_tokens) continue;
-      out.push_back(t.token);
-      if (static_cast<int64_t>(out.size()) == max_tokens) {
-        sched.Remove(t.seq);
-        proposer.Forget(t.seq);
-      }
-    }
-  }
-  EXPECT_EQ(sched.num_running() + sched.num_waiting(), 0);
-  run->spec = sched.speculation();
+// The engine's drive of the worker: the second prompt from step 3.
+Drive Driven(bool speculate) {
+  return {.limits = Limits(), .speculate = speculate, .guesses = kGuesses, .vocab = 4096, .max_tokens = 24,
+          .second_at = 3};
 }
 
 // Three prompts; the first two share their first 12 tokens (three blocks of 4).
@@ -177,10 +101,10 @@ TEST(DraftRunnerTest, TheModelAsItsOwnDraftIsAlwaysRight) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   absl::StatusOr<std::unique_ptr<StepExecutor>> drafted = Worker(kDemo);
   ASSERT_TRUE(drafted.ok()) << drafted.status();
-  Outcome want, got;
-  RunRequests(plain->get(), false, Prompts(), 24, nullptr, &want);
+  SpeculationOutcome want, got;
+  RunRequests(plain->get(), Driven(false), Prompts(), &want);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  RunRequests(drafted->get(), true, Prompts(), 24, nullptr, &got);
+  RunRequests(drafted->get(), Driven(true), Prompts(), &got);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   EXPECT_EQ(got.outputs, want.outputs);
   EXPECT_GT(got.offers, 0);
@@ -196,10 +120,14 @@ TEST(DraftRunnerTest, AfterRejectionsTheGuessesAreAFreshDraftsOnTheSameTokens) {
   ASSERT_TRUE(drafted.ok()) << drafted.status();
   FreshDraft fresh(kDemoDraft);
   ASSERT_NE(fresh.shard, nullptr);
-  Outcome want, got;
-  RunRequests(plain->get(), false, Prompts(), 24, nullptr, &want);
+  SpeculationOutcome want, got;
+  RunRequests(plain->get(), Driven(false), Prompts(), &want);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  RunRequests(drafted->get(), true, Prompts(), 24, &fresh, &got);
+  // After every step, each sequence's guesses are those of a fresh draft fed its tokens.
+  RunRequests(drafted->get(), Driven(true), Prompts(), &got,
+              [&](uint64_t seq, const std::vector<int32_t>& tokens, const std::vector<int32_t>& guesses, int, int) {
+                ASSERT_EQ(guesses, fresh.Guesses(tokens, static_cast<int>(guesses.size()))) << "seq " << seq;
+              });
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   EXPECT_EQ(got.outputs, want.outputs);
   EXPECT_GT(got.spec.accepted, 0) << "the draft never agreed with the model";

@@ -34,6 +34,7 @@
 #include "model/config.h"
 #include "model/weight_source.h"
 #include "nlohmann/json.hpp"
+#include "tests/speculation_driver.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/communicator.h"
 #include "worker/mtp_runner.h"
@@ -59,20 +60,9 @@ StepLimits Limits() {
 absl::StatusOr<std::unique_ptr<StepExecutor>> Worker(const std::string& model, bool mtp) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(model);
   if (!config.ok()) return config.status();
-  v1::Assignment a;
-  a.set_worker_id("w0");
-  a.set_model_path(model);
-  a.set_stage(0);
-  a.set_num_stages(1);
-  a.set_tp_rank(0);
-  a.set_tp_size(1);
-  a.set_first_layer(0);
-  a.set_end_layer(config->num_hidden_layers);
-  ToProto(Limits(), a.mutable_limits());
-  a.set_collective_timeout_seconds(10);
+  v1::Assignment a = WholeModelAssignment(model, config->num_hidden_layers, Limits());
   a.set_speculative_mtp(mtp);
-  InMemoryRendezvousStore store;  // unused: every group has one rank
-  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = CpuMatMul::kF32});
+  return CpuWorker(a);
 }
 
 // A fresh model and MTP layer, each a ModelShard of its own: the guesses the layer makes for a
@@ -152,88 +142,6 @@ struct FreshMtp {
   }
 };
 
-struct Outcome {
-  std::map<uint64_t, std::vector<int32_t>> outputs;
-  SpeculationStats spec;
-  int64_t offers = 0, cached_prompt_tokens = 0, checked = 0;
-};
-
-// Runs the prompts (the second after the first's prompt has been computed, so that it finds its
-// shared prefix in the cache) for `max_tokens` each through `worker` as the engine does.
-// With `fresh`, each step's guesses for the sequences that started from nothing cached are checked
-// against it.
-void RunRequests(StepExecutor* worker, bool speculate, const std::vector<std::vector<int32_t>>& prompts,
-                 int64_t max_tokens, Outcome* run, FreshMtp* fresh = nullptr) {
-  DraftProposer proposer;
-  SchedulerOptions o;
-  o.limits = Limits();
-  o.proposer = speculate ? &proposer : nullptr;
-  o.num_speculative_tokens = speculate ? kGuesses : 0;
-  o.speculative_max_running = 0;
-  Scheduler sched(o);
-  v1::RowSampling greedy;
-  SeqOptions so;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    so.max_len = static_cast<int64_t>(prompts[i].size()) + max_tokens;
-    if (i != 1) sched.Add(i + 1, prompts[i], greedy, so);
-  }
-  v1::StepPlan plan;
-  v1::StepResult result;
-  for (uint64_t step = 1; step < 500; ++step) {
-    if (step == 6) {
-      so.max_len = static_cast<int64_t>(prompts[1].size()) + max_tokens;
-      sched.Add(2, prompts[1], greedy, so);
-    }
-    const MicroBatch* b = sched.Schedule(0, step, &plan);
-    if (b == nullptr) break;
-    const std::vector<MicroBatch::Entry> entries = b->entries;
-    const int draft_tokens = b->draft_tokens;
-    plan.set_epoch(worker->epoch());
-    for (const v1::NewSeq& n : plan.new_seqs()) {
-      if (n.seq_id() == 2) run->cached_prompt_tokens = n.num_cached_tokens();
-    }
-    const absl::Status st = worker->Execute(plan, &result);
-    ASSERT_TRUE(st.ok()) << st;
-    ASSERT_EQ(result.draft_ids_size(), b->draft_ids);
-    const std::vector<int32_t> sampled(result.sampled_ids().begin(), result.sampled_ids().end());
-    const std::vector<SampledToken> tokens = sched.Complete(0, sampled);
-    int row = 0, rows = 0;
-    for (const MicroBatch::Entry& e : entries) rows += e.logit_row >= 0 ? 1 : 0;
-    for (const MicroBatch::Entry& e : entries) {
-      if (e.logit_row < 0 || draft_tokens == 0) continue;
-      const std::vector<int32_t> guesses(result.draft_ids().begin() + row * draft_tokens,
-                                         result.draft_ids().begin() + (row + 1) * draft_tokens);
-      ++row;
-      for (int32_t g : guesses) ASSERT_TRUE(g >= 0 && g < 256) << g;
-      if (fresh != nullptr && e.seq != 2) {  // seq 2's cached prefix is a hole in the layer's cache
-        ASSERT_EQ(guesses, fresh->Guesses(sched.tokens(e.seq), draft_tokens)) << "seq " << e.seq << " step " << step;
-        // ... and the layer's output hidden state at the last guess's position (the last forward's
-        // row of this sequence), which every pair before it shaped through the layer's attention:
-        // float32 both ways, the same products over other batchings, within 1e-4.
-        const ModelShard* layer = worker->mtp_runner()->shard();
-        std::vector<float> got(64), want(64);
-        ASSERT_TRUE(layer->backend()->CopyToHost(got.data(), layer->hidden(rows).Rows(row - 1, row).data, 64 * sizeof(float)).ok());
-        ASSERT_TRUE(fresh->backend->CopyToHost(want.data(), fresh->mtp->hidden(1).data, 64 * sizeof(float)).ok());
-        for (int i = 0; i < 64; ++i) ASSERT_NEAR(got[i], want[i], 1e-4) << "seq " << e.seq << " step " << step << " [" << i << "]";
-        ++run->checked;
-      }
-      proposer.Offer(e.seq, sched.num_tokens(e.seq), guesses);
-      ++run->offers;
-    }
-    for (const SampledToken& t : tokens) {
-      std::vector<int32_t>& out = run->outputs[t.seq];
-      if (static_cast<int64_t>(out.size()) == max_tokens) continue;
-      out.push_back(t.token);
-      if (static_cast<int64_t>(out.size()) == max_tokens) {
-        sched.Remove(t.seq);
-        proposer.Forget(t.seq);
-      }
-    }
-  }
-  EXPECT_EQ(sched.num_running() + sched.num_waiting(), 0);
-  run->spec = sched.speculation();
-}
-
 // Three prompts: Hugging Face's golden prompt and one sharing its first 8 tokens (two blocks of 4),
 // and a third; all longer than a step's 8 tokens.
 std::vector<std::vector<int32_t>> Prompts() {
@@ -252,10 +160,34 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
       << (*mtp)->draft_summary();
   FreshMtp fresh;
   ASSERT_NE(fresh.mtp, nullptr);
-  Outcome want, got;
-  RunRequests(plain->get(), false, Prompts(), 24, &want);
+  SpeculationOutcome want, got;
+  const Drive drive{.limits = Limits(), .speculate = true, .guesses = kGuesses, .vocab = 256, .max_tokens = 24};
+  Drive no_guesses = drive;
+  no_guesses.speculate = false;
+  RunRequests(plain->get(), no_guesses, Prompts(), &want);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  RunRequests(mtp->get(), true, Prompts(), 24, &got, &fresh);
+  // Each step's guesses for the sequences that started from nothing cached (seq 2's cached prefix is
+  // a hole in the layer's cache) against a fresh model and layer fed the sequence's tokens in one go.
+  StepExecutor* worker = mtp->get();
+  int checked = 0;
+  RunRequests(worker, drive, Prompts(), &got,
+              [&](uint64_t seq, const std::vector<int32_t>& tokens, const std::vector<int32_t>& guesses, int row,
+                  int rows) {
+                if (seq == 2) return;
+                ++checked;
+                ASSERT_EQ(guesses, fresh.Guesses(tokens, static_cast<int>(guesses.size()))) << "seq " << seq;
+                // ... and the layer's output hidden state at the last guess's position (the last
+                // forward's row of this sequence), which every pair before it shaped through the
+                // layer's attention: float32 both ways, the same products over other batchings,
+                // within 1e-4.
+                const ModelShard* layer = worker->mtp_runner()->shard();
+                std::vector<float> got_row(64), want_row(64);
+                ASSERT_TRUE(layer->backend()
+                                ->CopyToHost(got_row.data(), layer->hidden(rows).Rows(row - 1, row).data, 64 * sizeof(float))
+                                .ok());
+                ASSERT_TRUE(fresh.backend->CopyToHost(want_row.data(), fresh.mtp->hidden(1).data, 64 * sizeof(float)).ok());
+                for (int i = 0; i < 64; ++i) ASSERT_NEAR(got_row[i], want_row[i], 1e-4) << "seq " << seq << " [" << i << "]";
+              });
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   EXPECT_EQ(got.outputs, want.outputs);
   // Hugging Face's greedy tokens for the golden prompt (tests/fixtures/models/deepseek_v3_mtp_tf5/golden.json).
@@ -266,7 +198,8 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   EXPECT_GT(got.spec.accepted, 0) << "the layer never agreed with the model";
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
-  EXPECT_GT(got.checked, 20);
+  EXPECT_GT(checked, 20);
+  EXPECT_EQ(worker->mtp_runner()->starved(), 0) << "the layer's pool holds every sequence's positions";
   std::printf("[ mtp      ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

@@ -21,7 +21,7 @@ DraftRunner::DraftRunner(std::unique_ptr<DraftModel> model, const StepLimits& ta
     slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
     work_[i].pending.reserve(len);
   }
-  free_blocks_.reserve(limits_.num_kv_blocks);
+  pool_.Init(limits_.num_kv_blocks, limits_.block_size);
   Clear();
   index_.reserve(m);
   const int64_t n = limits_.max_tokens_per_step;
@@ -40,28 +40,15 @@ void DraftRunner::Clear() {
   }
   free_slots_.clear();
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) free_slots_.push_back(static_cast<int32_t>(i));
-  free_blocks_.clear();
-  for (int64_t b = limits_.num_kv_blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
+  pool_.Reset();
   index_.clear();
 }
 
-bool DraftRunner::Cover(Seq& s, int64_t tokens) {
-  const int64_t want = (tokens + limits_.block_size - 1) / limits_.block_size - static_cast<int64_t>(s.blocks.size());
-  if (want > static_cast<int64_t>(free_blocks_.size())) return false;
-  for (int64_t i = 0; i < want; ++i) {
-    s.blocks.push_back(free_blocks_.back());
-    free_blocks_.pop_back();
-  }
-  return true;
-}
+bool DraftRunner::Cover(Seq& s, int64_t tokens) { return pool_.Cover(&s.blocks, tokens); }
 
 void DraftRunner::Cut(Seq& s, int64_t tokens) {
   s.held.resize(std::min(s.held.size(), static_cast<size_t>(tokens)));
-  const size_t keep = static_cast<size_t>((tokens + limits_.block_size - 1) / limits_.block_size);
-  while (s.blocks.size() > keep) {
-    free_blocks_.push_back(s.blocks.back());
-    s.blocks.pop_back();
-  }
+  pool_.Cut(&s.blocks, tokens);
 }
 
 std::vector<int32_t> DraftRunner::fed(uint64_t seq) const {

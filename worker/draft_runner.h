@@ -40,6 +40,7 @@
 #include "google/protobuf/repeated_field.h"
 #include "model/step_limits.h"
 #include "shardserve/v1/worker.pb.h"
+#include "worker/head_kv_pool.h"
 #include "worker/shard_inputs.h"  // StepBatch
 
 namespace shardserve {
@@ -85,7 +86,7 @@ class DraftRunner {
   int64_t forwards() const { return forwards_; }
   // Rows that got no guesses for want of free blocks; blocks free now.
   int64_t starved() const { return starved_; }
-  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
+  int64_t free_blocks() const { return pool_.free_blocks(); }
 
  private:
   struct Seq {
@@ -121,7 +122,7 @@ class DraftRunner {
   // ---- State ----
   std::vector<Seq> slots_;                        // [max_seqs_per_step]
   std::vector<int32_t> free_slots_;
-  std::vector<int32_t> free_blocks_;              // of the draft's KV pool
+  HeadKvPool pool_;                               // the draft's KV cache's blocks
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   int64_t forwards_ = 0;
   int64_t starved_ = 0;

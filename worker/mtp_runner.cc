@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "model/families/registry.h"
 
@@ -20,32 +21,141 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& w
         "--speculative mtp needs the model's multi-token-prediction layer, but config.json's "
         "num_nextn_predict_layers is ", config.num_nextn_predict_layers, " (", config.architecture_name, ")"));
   }
-  Backend* backend = target->backend();
   std::unique_ptr<MtpRunner> r(new MtpRunner());
-  r->target_ = target;
-  r->backend_ = backend;
   r->limits_ = MtpLimits(limits);
-  r->tp_ = std::make_unique<LocalCommunicator>(backend);
+  r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
   const ShardSpec spec{.first_layer = config.num_hidden_layers, .end_layer = config.num_hidden_layers + 1,
                        .tp_rank = 0, .tp_size = 1, .weight_quant = quant, .expert_parallel = false, .mtp = true};
   absl::StatusOr<std::unique_ptr<ModelShard>> shard =
-      ModelShard::Load(weights, config, spec, r->limits_, backend, r->tp_.get());
+      ModelShard::Load(weights, config, spec, r->limits_, target->backend(), r->tp_.get());
   if (!shard.ok()) {
     return absl::Status(shard.status().code(),
                         absl::StrCat("multi-token-prediction layer: ", shard.status().message()));
   }
   r->shard_ = std::move(*shard);
-  r->context_ = r->limits_.max_blocks_per_seq() * r->limits_.block_size;
-  if (config.max_position_embeddings > 0) r->context_ = std::min(r->context_, config.max_position_embeddings);
+  SHARDSERVE_RETURN_IF_ERROR(r->Init(config, limits, target));
+  return r;
+}
+
+namespace {
+
+// An EAGLE-3 head's tensors, with the served model's embedding where the head has none (the
+// published heads share it, as vLLM and SGLang load them).
+class Eagle3HeadWeights : public WeightSource {
+ public:
+  Eagle3HeadWeights(const WeightSource& head, const WeightSource& model, std::string model_embedding)
+      : head_(head), model_(model), model_embedding_(std::move(model_embedding)) {}
+  absl::Status CheckShape(const std::string& name, const std::vector<int64_t>& shape) const override {
+    return Source(name, shape).CheckShape(Name(name, shape), shape);
+  }
+  absl::Status Read(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice, DType dst_type,
+                    void* dst) const override {
+    return Source(name, shape).Read(Name(name, shape), shape, slice, dst_type, dst);
+  }
+  absl::Status ReadOnDevice(const std::string& name, const std::vector<int64_t>& shape, const Slice& slice,
+                            Backend* backend, Tensor* dst) const override {
+    return Source(name, shape).ReadOnDevice(Name(name, shape), shape, slice, backend, dst);
+  }
+  bool MakesPlainWeights() const override { return head_.MakesPlainWeights(); }
+
+ private:
+  bool FromModel(const std::string& name, const std::vector<int64_t>& shape) const {
+    return name == "embed_tokens.weight" && absl::IsNotFound(head_.CheckShape(name, shape));
+  }
+  const WeightSource& Source(const std::string& name, const std::vector<int64_t>& shape) const {
+    return FromModel(name, shape) ? model_ : head_;
+  }
+  std::string Name(const std::string& name, const std::vector<int64_t>& shape) const {
+    return FromModel(name, shape) ? model_embedding_ : name;
+  }
+  const WeightSource& head_;
+  const WeightSource& model_;
+  const std::string model_embedding_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::LoadEagle3(const std::string& head_dir, LoadFormat format,
+                                                                 uint64_t dummy_seed, const WeightSource& model_weights,
+                                                                 const ModelConfig& model_config, WeightQuant quant,
+                                                                 const StepLimits& limits, ModelShard* target) {
+  auto refuse = [&head_dir](const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("EAGLE-3 head at ", head_dir, ": ", s.message()));
+  };
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(head_dir);
+  if (!config.ok()) return refuse(config.status());
+  if (!config->eagle3.has_value()) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat(
+        "config.json's architecture is ", config->architecture_name,
+        "; --speculative eagle3 takes an EAGLE-3 head (LlamaForCausalLMEagle3)")));
+  }
+  absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(*config, model_config);
+  if (!aux.ok()) return refuse(aux.status());
+  const std::vector<int64_t>& kept = target->aux_hidden_layers();
+  if (*aux != kept) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        "it reads the model's hidden states at layers ", absl::StrJoin(*aux, ", "), " but the workers keep layers ",
+        absl::StrJoin(kept, ", "), " (the assignment's aux_hidden_layers)")));
+  }
+  if (config->hidden_size != model_config.hidden_size) {
+    // (the embedding, its own or the model's, is the head's width; the published heads are the model's)
+    return refuse(absl::InvalidArgumentError(absl::StrCat("its hidden_size ", config->hidden_size,
+                                                          " is not the model's ", model_config.hidden_size)));
+  }
+  absl::StatusOr<std::unique_ptr<WeightSource>> head = OpenWeightSource(head_dir, *config, format, dummy_seed);
+  if (!head.ok()) return refuse(head.status());
+  const Eagle3HeadWeights weights(**head, model_weights, model_config.weight_prefix + "embed_tokens.weight");
+
+  std::unique_ptr<MtpRunner> r(new MtpRunner());
+  r->limits_ = MtpLimits(limits);
+  r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
+  const ShardSpec spec{.first_layer = 0, .end_layer = 1, .tp_rank = 0, .tp_size = 1, .weight_quant = quant,
+                       .expert_parallel = false, .mtp = false, .eagle3 = true};
+  absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+      ModelShard::Load(weights, *config, spec, r->limits_, target->backend(), r->tp_.get());
+  if (!shard.ok()) return refuse(shard.status());
+  r->shard_ = std::move(*shard);
+  r->eagle3_ = true;
+
+  // d2t: the head's id d is the model's d + d2t[d] (none: the same ids, a head over the whole vocabulary).
+  const int64_t draft_vocab = config->vocab_size, vocab = model_config.vocab_size;
+  r->d2t_.assign(static_cast<size_t>(draft_vocab), 0);
+  if (const absl::Status has = (*head)->CheckShape("d2t", {draft_vocab}); has.ok() && !(*head)->MakesPlainWeights()) {
+    SHARDSERVE_RETURN_IF_ERROR((*head)->Read("d2t", {draft_vocab}, Slice{}, DType::kI32, r->d2t_.data()));
+    for (int64_t d = 0; d < draft_vocab; ++d) {
+      const int64_t id = d + r->d2t_[d];
+      if (id < 0 || id >= vocab) {
+        return refuse(absl::InvalidArgumentError(absl::StrCat("d2t maps its id ", d, " to ", id,
+                                                              ", outside the model's vocabulary of ", vocab)));
+      }
+    }
+  } else if (!absl::IsNotFound(has) && !has.ok()) {
+    return refuse(has);
+  } else if (draft_vocab != vocab && !(*head)->MakesPlainWeights()) {
+    return refuse(absl::FailedPreconditionError(absl::StrCat("its draft_vocab_size is ", draft_vocab, " of the model's ",
+                                                             vocab, " ids but it has no d2t tensor to map them")));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(r->Init(*config, limits, target));
+  return r;
+}
+
+absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target) {
+  target_ = target;
+  backend_ = target->backend();
+  Backend* backend = backend_;
+  context_ = limits_.max_blocks_per_seq() * limits_.block_size;
+  // (an EAGLE-3 head follows the model's context whatever its config.json says: the published ones
+  // give 2048, and vLLM runs them at the model's length)
+  if (config.max_position_embeddings > 0 && !eagle3_) context_ = std::min(context_, config.max_position_embeddings);
   // The hidden rows (one waiting row a sequence slot, then the step's rows), the rows a forward
   // gathers and the guesses, as registry.h MtpRunnerBuffers declares them.
-  const int64_t m = limits.max_seqs_per_step, n = r->limits_.max_tokens_per_step;
-  r->table_seqs_ = m;
+  const int64_t m = limits.max_seqs_per_step, n = limits_.max_tokens_per_step;
+  table_seqs_ = m;
   for (const StepBufferDecl& b : MtpRunnerBuffers(config, backend->act_dtype(), limits)) {
     const std::string_view name = b.name;
-    auto [buffer, tensor] = name == "mtp_table"      ? std::pair{&r->table_buffer_, &r->table_}
-                            : name == "mtp_src_rows" ? std::pair{&r->src_rows_buffer_, &r->src_rows_}
-                            : name == "mtp_ids"      ? std::pair{&r->ids_buffer_, &r->ids_}
+    auto [buffer, tensor] = name == "mtp_table"      ? std::pair{&table_buffer_, &table_}
+                            : name == "mtp_src_rows" ? std::pair{&src_rows_buffer_, &src_rows_}
+                            : name == "mtp_ids"      ? std::pair{&ids_buffer_, &ids_}
                                                      : std::pair<Buffer*, Tensor*>{nullptr, nullptr};
     if (buffer == nullptr) return absl::InternalError(absl::StrCat("MTP buffer \"", b.name, "\" has no slot"));
     Tensor t;
@@ -54,28 +164,34 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& w
     SHARDSERVE_ASSIGN_OR_RETURN(*buffer, backend->Allocate(t.bytes()));
     t.data = buffer->data();
     *tensor = t;
-    r->buffer_bytes_ += t.bytes();
+    buffer_bytes_ += t.bytes();
   }
-  r->slots_.resize(m);
+  slots_.resize(m);
   for (int64_t i = m - 1; i >= 0; --i) {
-    r->slots_[i].slot = static_cast<int32_t>(i);
-    r->free_slots_.push_back(static_cast<int32_t>(i));
+    slots_[i].slot = static_cast<int32_t>(i);
+    slots_[i].blocks.reserve(limits_.max_blocks_per_seq());
+    free_slots_.push_back(static_cast<int32_t>(i));
   }
-  r->index_.reserve(m);
-  for (std::vector<int32_t>* v :
-       {&r->batch_.token_ids, &r->batch_.positions, &r->batch_.token_seq, &r->batch_.slots, &r->src_rows_host_}) {
+  pool_.Init(limits_.num_kv_blocks, limits_.block_size);
+  index_.reserve(m);
+  for (std::vector<int32_t>* v : {&batch_.token_ids, &batch_.positions, &batch_.token_seq, &batch_.slots, &src_rows_host_}) {
     v->reserve(n);
   }
-  r->batch_.block_tables.reserve(m * r->limits_.max_blocks_per_seq());
-  r->batch_.logit_rows.reserve(m);
-  r->next_.reserve(m);
-  r->guessing_.reserve(m);
-  r->waits_.reserve(2 * m);
-  return r;
+  batch_.block_tables.reserve(m * limits_.max_blocks_per_seq());
+  batch_.logit_rows.reserve(m);
+  next_.reserve(m);
+  guessing_.reserve(m);
+  waits_.reserve(2 * m);
+  return absl::OkStatus();
+}
+
+void MtpRunner::Release(Seq& s) {
+  s.waiting = false;
+  pool_.Cut(&s.blocks, 0);
 }
 
 void MtpRunner::Clear() {
-  for (Seq& s : slots_) s.waiting = false;
+  for (Seq& s : slots_) Release(s);
   free_slots_.clear();
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) free_slots_.push_back(static_cast<int32_t>(i));
   index_.clear();
@@ -89,7 +205,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
   for (uint64_t id : p.freed_seq_ids()) {
     auto it = index_.find(id);
     if (it == index_.end()) continue;
-    slots_[it->second].waiting = false;
+    Release(slots_[it->second]);
     free_slots_.push_back(it->second);
     index_.erase(it);
   }
@@ -101,7 +217,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
     }
     const int32_t slot = free_slots_.back();
     free_slots_.pop_back();
-    slots_[slot].waiting = false;
+    Release(slots_[slot]);
     index_[id] = slot;
   }
   return absl::OkStatus();
@@ -122,13 +238,15 @@ void MtpRunner::Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new
   const int64_t bs = limits_.block_size, width = limits_.max_blocks_per_seq();
   if (new_row) {
     ++batch_.num_seqs;
-    for (int64_t j = 0; j < width; ++j) batch_.block_tables.push_back(static_cast<int32_t>(s.slot * width + j));
+    // (the table past the sequence's blocks is never read: no position reaches it)
+    for (int64_t j = 0; j < width; ++j) {
+      batch_.block_tables.push_back(j < static_cast<int64_t>(s.blocks.size()) ? s.blocks[j] : 0);
+    }
   }
   batch_.token_ids.push_back(id);
   batch_.positions.push_back(pos);
   batch_.token_seq.push_back(batch_.num_seqs - 1);
-  // Slot `slot`'s blocks are [slot * width, (slot + 1) * width): position pos is cell slot * width * bs + pos.
-  batch_.slots.push_back(static_cast<int32_t>(s.slot * width * bs + pos));
+  batch_.slots.push_back(static_cast<int32_t>(s.blocks[pos / bs] * bs + pos % bs));
   src_rows_host_.push_back(src);
 }
 
@@ -145,7 +263,12 @@ absl::Status MtpRunner::Run(const Tensor& table) {
   if (m == 0) return absl::OkStatus();
   Tensor out = ids_.Rows(0, m);
   SHARDSERVE_RETURN_IF_ERROR(backend_->Argmax(&out, shard_->logits(m)));
-  return backend_->CopyToHost(next_.data(), out.data, static_cast<size_t>(m) * sizeof(int32_t));
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToHost(next_.data(), out.data, static_cast<size_t>(m) * sizeof(int32_t)));
+  // An EAGLE-3 head's ids are its own vocabulary's: the model's id is d + d2t[d].
+  for (int32_t& id : next_) {
+    if (eagle3_ && id >= 0 && id < static_cast<int32_t>(d2t_.size())) id += d2t_[id];
+  }
+  return absl::OkStatus();
 }
 
 absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::RepeatedField<int32_t>& sampled,
@@ -157,9 +280,14 @@ absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::R
   int64_t n = 0;
   for (int row = 0; row < p.row_num_tokens_size(); ++row) n += p.row_num_tokens(row);
   if (n == 0 || n > p.token_ids_size() || n > table_.dim(0) - table_seqs_) return lost(0);
-  // The model's hidden state of every fed row, final-normed, after the waiting rows.
+  // The model's hidden state of every fed row after the waiting rows: final-normed (the MTP layer's),
+  // or its hidden states at the aux layers through the head's fc (an EAGLE-3 head's).
   Tensor step_rows = table_.Rows(table_seqs_, table_seqs_ + n);
-  SHARDSERVE_RETURN_IF_ERROR(target_->FinalNormed(&step_rows, n));
+  if (!eagle3_) {
+    SHARDSERVE_RETURN_IF_ERROR(target_->FinalNormed(&step_rows, n));
+  } else {
+    SHARDSERVE_RETURN_IF_ERROR(shard_->Eagle3Input(&step_rows, target_->aux_hidden(n), n));
+  }
 
   // 1. The pairs (hidden state at a position, the token after it), sequence by sequence.
   ClearBatch();
@@ -192,6 +320,18 @@ absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::R
         guessing_.push_back({.out = draft_ids->size(), .slot = s.slot, .pos = static_cast<int32_t>(start + pairs - 1)});
         for (int j = 0; j < k; ++j) draft_ids->Add(after_last);  // padding until guessed
       }
+    }
+    // The blocks of the positions the row writes: its pairs' and, when it guesses, its guesses'. Too
+    // few free (the model's cache shares prefixes this cache holds a copy of per sequence): the row
+    // is skipped, which leaves a hole in this cache and the row without guesses (its padding).
+    int64_t last = start + pairs - 1;
+    if (after_last >= 0 && k > 0) last += k - 1;
+    if (!pool_.Cover(&s.blocks, std::min(max_pos, last + 1))) {
+      ++starved_;
+      s.waiting = false;
+      if (after_last >= 0 && k > 0) guessing_.pop_back();
+      t += count;
+      continue;
     }
     bool new_row = true;
     if (s.waiting && s.waiting_pos == start - 1 && start - 1 < max_pos) {

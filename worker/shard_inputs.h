@@ -27,6 +27,14 @@ struct ShardSpec {
   // its own (worker/mtp_runner.h): first_layer is num_hidden_layers, end_layer one past it, TP 1;
   // it loads MtpWeights, embeds the next tokens and reads the model's hidden states (ModelShard).
   bool mtp = false;
+  // An EAGLE-3 head as a shard of its own (worker/mtp_runner.h, ModelConfig::eagle3): its one layer,
+  // whole on one rank; it embeds the next tokens and reads a hidden state the runner puts in
+  // hidden() (ModelShard::Forward).
+  bool eagle3 = false;
+  // The model's layers whose input hidden state (the residual stream before the layer) an EAGLE-3
+  // head reads, ascending (Eagle3AuxLayers): every stage keeps those of its layers in aux_hidden()
+  // and passes them on with its output. Empty: none kept.
+  std::vector<int64_t> aux_hidden_layers;
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position

@@ -44,6 +44,10 @@ absl::Status CheckAssignment(const v1::Assignment& a) {
   if (!a.draft_model_path().empty() && a.speculative_mtp()) {
     return bad("draft_model_path and speculative_mtp are both set; speculative decoding has one proposer");
   }
+  if (a.speculative_eagle3() && (a.draft_model_path().empty() || a.speculative_mtp())) {
+    return bad("speculative_eagle3 needs draft_model_path (the head's directory) and not speculative_mtp");
+  }
+  if (a.aux_hidden_layers_size() > 16) return bad(a.aux_hidden_layers_size(), " aux_hidden_layers; at most 16");
   if (!a.has_limits()) return bad("limits are missing");
   if (absl::Status s = FromProto(a.limits()).ValidateDecided(); !s.ok()) return bad(s.message());
   if (!(a.collective_timeout_seconds() > 0 && a.collective_timeout_seconds() <= kMaxCollectiveTimeoutSeconds)) {
@@ -61,6 +65,18 @@ absl::Status CheckShard(const ModelConfig& config, const ShardSpec& spec, const 
     return absl::InvalidArgumentError(absl::StrCat("layer range [", spec.first_layer, ", ", end, ") on ", spec.tp_size,
                                                    " ranks is not one multi-token-prediction layer of the model's ",
                                                    config.num_nextn_predict_layers, " on one rank"));
+  }
+  if (spec.eagle3 && (!config.eagle3.has_value() || spec.tp_size != 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(config.architecture_name, " on ", spec.tp_size,
+                                                   " ranks is not an EAGLE-3 head on one rank"));
+  }
+  for (size_t i = 0; i < spec.aux_hidden_layers.size(); ++i) {
+    const int64_t a = spec.aux_hidden_layers[i];
+    if (a < 0 || a >= config.num_hidden_layers || (i > 0 && a <= spec.aux_hidden_layers[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat("aux_hidden_layers: layer ", a, " at ", i,
+                                                     " is not one of the model's ", config.num_hidden_layers,
+                                                     " layers in ascending order"));
+    }
   }
   if (spec.first_layer < 0 || spec.first_layer >= end || end > L) {
     return absl::InvalidArgumentError(absl::StrCat("layer range [", spec.first_layer, ", ", end,
@@ -83,7 +99,9 @@ ShardSpec ShardSpecOf(const v1::Assignment& a) {
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_INT4 ? WeightQuant::kInt4
                             : a.weight_quantization() == v1::WEIGHT_QUANTIZATION_FP8  ? WeightQuant::kFp8
                                                                                       : WeightQuant::kNone;
-  return ShardSpec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant, a.expert_parallel()};
+  ShardSpec spec{a.first_layer(), a.end_layer(), a.tp_rank(), a.tp_size(), quant, a.expert_parallel()};
+  spec.aux_hidden_layers.assign(a.aux_hidden_layers().begin(), a.aux_hidden_layers().end());
+  return spec;
 }
 
 absl::Status CheckStageLayers(const v1::Assignment& a, const ModelConfig& config) {
@@ -253,9 +271,11 @@ absl::Status CheckStepBatch(const StepBatch& b, const StepLimits& limits, const 
       return bad("sliding block ", block, " outside [0, ", limits.num_sliding_kv_blocks, ")");
     }
   }
+  // (an EAGLE-3 head embeds the model's ids: its embedding's vocabulary, not its LM head's)
+  const int64_t vocab = config.eagle3.has_value() ? config.eagle3->embedding_vocab_size : config.vocab_size;
   for (size_t t = 0; t < n; ++t) {
-    if (first_stage && (b.token_ids[t] < 0 || b.token_ids[t] >= config.vocab_size)) {
-      return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", config.vocab_size, ")");
+    if (first_stage && (b.token_ids[t] < 0 || b.token_ids[t] >= vocab)) {
+      return bad("token id ", b.token_ids[t], " outside the vocabulary [0, ", vocab, ")");
     }
     if (b.positions[t] < 0 || b.positions[t] >= limits.max_blocks_per_seq() * limits.block_size ||
         (config.max_position_embeddings > 0 && b.positions[t] >= config.max_position_embeddings)) {

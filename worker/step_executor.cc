@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "model/weight_source.h"
 #include "model/config.h"
@@ -234,7 +235,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     if (!sampler.ok()) return sampler.status();
     e->sampler_ = std::move(*sampler);
     // Speculative decoding's draft model, beside the shard, on the worker that samples.
-    if (!a.draft_model_path().empty()) {
+    if (!a.draft_model_path().empty() && !a.speculative_eagle3()) {
       const StepLimits draft_limits = DraftStepLimits(options);
       absl::StatusOr<std::unique_ptr<ShardDraftModel>> draft =
           ShardDraftModel::Load(a.draft_model_path(), *config, draft_limits, backend);
@@ -257,12 +258,28 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       if (!mtp.ok()) return mtp.status();
       const StepLimits mtp_limits = MtpRunner::MtpLimits(options);
       e->draft_summary_ = absl::StrFormat(
-          "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d sequences of %d tokens), "
+          "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d blocks of %d tokens), "
           "run after sampling",
           config->num_hidden_layers, static_cast<double>((*mtp)->weight_bytes()) / (1 << 20),
-          static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.max_seqs_per_step,
-          mtp_limits.max_model_len);
+          static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.num_kv_blocks,
+          mtp_limits.block_size);
       e->mtp_ = std::move(*mtp);
+    }
+    // ... or an EAGLE-3 head, from its own directory, over the hidden states the stages keep.
+    if (a.speculative_eagle3()) {
+      absl::StatusOr<std::unique_ptr<MtpRunner>> head =
+          MtpRunner::LoadEagle3(a.draft_model_path(), format, a.dummy_seed(), **weights, *config, spec.weight_quant,
+                                options, e->shard_.get());
+      if (!head.ok()) return head.status();
+      const StepLimits head_limits = MtpRunner::MtpLimits(options);
+      e->draft_summary_ = absl::StrFormat(
+          "EAGLE-3 head %s over the hidden states of layers %s: %.1f MiB of weights, %.1f MiB of KV cache "
+          "(%d blocks of %d tokens), run after sampling",
+          a.draft_model_path(), absl::StrJoin(a.aux_hidden_layers(), ", "),
+          static_cast<double>((*head)->weight_bytes()) / (1 << 20),
+          static_cast<double>((*head)->kv_cache_bytes()) / (1 << 20), head_limits.num_kv_blocks,
+          head_limits.block_size);
+      e->mtp_ = std::move(*head);
     }
   }
   if (*cuda_ordinal >= 0) SHARDSERVE_RETURN_IF_ERROR(backend->Synchronize());  // the loads have landed
@@ -391,6 +408,18 @@ absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store
                                                       "' is not the one this worker loaded, '",
                                                       assignment_.draft_model_path(), "'"));
   }
+  if (sampler_ != nullptr && a.speculative_eagle3() != assignment_.speculative_eagle3()) {
+    return absl::FailedPreconditionError(absl::StrCat("the adopting coordinator ",
+                                                      a.speculative_eagle3() ? "wants" : "does not want",
+                                                      " an EAGLE-3 head, which this worker ",
+                                                      assignment_.speculative_eagle3() ? "loaded" : "did not load"));
+  }
+  if (!std::equal(a.aux_hidden_layers().begin(), a.aux_hidden_layers().end(), assignment_.aux_hidden_layers().begin(),
+                  assignment_.aux_hidden_layers().end())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the adopting coordinator wants the hidden states of layers ", absl::StrJoin(a.aux_hidden_layers(), ", "),
+                     " kept; this worker keeps ", absl::StrJoin(assignment_.aux_hidden_layers(), ", ")));
+  }
   if (sampler_ != nullptr && a.speculative_mtp() != assignment_.speculative_mtp()) {
     return absl::FailedPreconditionError(absl::StrCat("the adopting coordinator ",
                                                       a.speculative_mtp() ? "wants" : "does not want",
@@ -426,13 +455,16 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   const uint64_t launches_before = backend_->kernel_launches();
 
   // The previous stage's output is this stage's input.
-  Tensor hidden = shard_->hidden(n);
+  // With an EAGLE-3 head, the hidden states kept at its layers travel with it (aux_hidden).
+  Tensor hidden = shard_->hidden(n), aux = shard_->aux_hidden(n);
   if (recv_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(recv_->Recv(&hidden, 0));
+    if (aux.data != nullptr) SHARDSERVE_RETURN_IF_ERROR(recv_->Recv(&aux, 0));
   }
   SHARDSERVE_RETURN_IF_ERROR(shard_->Forward(batch));
   if (send_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(send_->Send(hidden, 1));
+    if (aux.data != nullptr) SHARDSERVE_RETURN_IF_ERROR(send_->Send(aux, 1));
   }
   if (sampler_ != nullptr && !batch.logit_rows.empty()) {
     const Tensor logits = shard_->logits(static_cast<int64_t>(batch.logit_rows.size()));

@@ -240,6 +240,8 @@ v1::Assignment GroupFormation::AssignmentFor(const Slot& slot, const std::string
   a.set_expert_parallel(options_.expert_parallel);
   a.set_draft_model_path(options_.draft_model_path);  // loaded by the worker that samples only
   a.set_speculative_mtp(options_.speculative_mtp);     // likewise
+  a.set_speculative_eagle3(options_.speculative_eagle3);  // likewise
+  for (int64_t layer : options_.aux_hidden_layers) a.add_aux_hidden_layers(layer);  // every worker keeps these
   if (options_.load_format == LoadFormat::kDummy) {
     a.set_load_format(v1::LOAD_FORMAT_DUMMY);
     a.set_dummy_seed(options_.dummy_seed);

@@ -40,6 +40,11 @@ struct PoolOptions {
   // worker that samples loads and runs it (Assignment.speculative_mtp), and the plan counts it there
   // (PlanOptions::mtp).
   bool speculative_mtp = false;
+  // Speculative decoding with an EAGLE-3 head (--speculative eagle3; draft_model_path its directory,
+  // draft_config unset): the worker that samples loads and runs it (Assignment.speculative_eagle3),
+  // and every worker keeps the model's hidden states at aux_hidden_layers (Eagle3AuxLayers).
+  bool speculative_eagle3 = false;
+  std::vector<int64_t> aux_hidden_layers;
   absl::Duration collective_timeout = absl::Seconds(5);
   absl::Duration heartbeat_timeout = absl::Seconds(3);
 };

@@ -65,15 +65,20 @@ void RequestStream::End(absl::Status status) {
 // ---- Engine: the handlers' side -----------------------------------------------------------------
 
 absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
-  if (!o.speculative.empty() && o.speculative != "ngram" && o.speculative != "draft" && o.speculative != "mtp") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--speculative '", o.speculative, "' is not a proposer; those there are: ngram, draft, mtp"));
+  if (!o.speculative.empty() && o.speculative != "ngram" && o.speculative != "draft" && o.speculative != "mtp" &&
+      o.speculative != "eagle3") {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative '", o.speculative,
+                                                   "' is not a proposer; those there are: ngram, draft, mtp, eagle3"));
   }
   if (o.speculative == "draft" && o.draft_model.empty()) {
     return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR (the draft model's checkpoint)");
   }
-  if (o.speculative != "draft" && !o.draft_model.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--draft-model ", o.draft_model, " needs --speculative draft"));
+  if (o.speculative == "eagle3" && o.draft_model.empty()) {
+    return absl::InvalidArgumentError("--speculative eagle3 needs --draft-model DIR (the EAGLE-3 head's directory)");
+  }
+  if (o.speculative != "draft" && o.speculative != "eagle3" && !o.draft_model.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--draft-model ", o.draft_model, " needs --speculative draft (or eagle3, for an EAGLE-3 head)"));
   }
   if (o.num_speculative_tokens < 0 || o.num_speculative_tokens > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(absl::StrCat("--num-speculative-tokens ", o.num_speculative_tokens,
@@ -103,8 +108,11 @@ absl::Status CheckSpeculativeOptions(const EngineOptions& o) {
 Engine::Engine(const ServedModel* model, WorkerPool* pool, const EngineOptions& options, CoordinatorMetrics* metrics)
     : model_(model), pool_(pool), options_(options), metrics_(metrics) {
   if (options_.speculative == "ngram") ngram_ = std::make_unique<NgramProposer>(options_.ngram_min, options_.ngram_max);
-  // A draft model's guesses and the multi-token-prediction layer's come back alike (StepResult.draft_ids).
-  if (options_.speculative == "draft" || options_.speculative == "mtp") draft_ = std::make_unique<DraftProposer>();
+  // A draft model's guesses, the multi-token-prediction layer's and an EAGLE-3 head's come back alike
+  // (StepResult.draft_ids).
+  if (options_.speculative == "draft" || options_.speculative == "mtp" || options_.speculative == "eagle3") {
+    draft_ = std::make_unique<DraftProposer>();
+  }
   loop_ = std::thread([this] { Loop(); });
 }
 

@@ -65,13 +65,14 @@ struct EngineOptions {
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
   bool prefix_caching = true;  // automatic prefix caching (coordinator/scheduler/scheduler.h)
-  // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram", "draft" or "mtp"
+  // Speculative decoding (docs/speculative-decoding.md): "" (off), "ngram", "draft", "mtp" or "eagle3"
   // (--speculative), at most num_speculative_tokens guesses per sequence per step, none while
   // speculative_max_running sequences or more run (0: no such limit), each sequence's number
   // adapting to its acceptance with adaptive_speculative_tokens (scheduler.h). With "draft", draft_model is
   // the draft's directory (--draft-model), which the worker that samples runs (the pool's
   // assignments carry it: PoolOptions::draft_model_path); with "mtp", that worker runs the model's
-  // own multi-token-prediction layer (PoolOptions::speculative_mtp).
+  // own multi-token-prediction layer (PoolOptions::speculative_mtp); with "eagle3", draft_model is
+  // an EAGLE-3 head's directory, which that worker runs (PoolOptions::speculative_eagle3).
   std::string speculative;
   std::string draft_model;
   int num_speculative_tokens = 0;

@@ -58,6 +58,11 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
 
   absl::StatusOr<ModelConfig> config = LoadModelConfig(path);
   if (!config.ok()) return config.status();
+  if (config->eagle3.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", dir, "' holds an EAGLE-3 head (", config->architecture_name,
+                                                   "), not a model to serve: give it as --draft-model with "
+                                                   "--speculative eagle3 beside the model it was trained for"));
+  }
   m->config = std::move(*config);
   if (load_format == LoadFormat::kAuto) {
     absl::StatusOr<std::unique_ptr<Checkpoint>> checkpoint = Checkpoint::Open(path);

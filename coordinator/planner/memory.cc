@@ -201,17 +201,19 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   const uint64_t kv =
       GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
-  const uint64_t draft = g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
-  const uint64_t mtp = MtpLayerBytes(config, g, plan.dtype, plan.limits).total();
-  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + draft + mtp + r.total());
+  // A draft model or the multi-token-prediction layer, on the worker that samples (the layer's at the
+  // plan's limits exactly as its runner allocates: MtpLayerBytes).
+  const uint64_t beside = plan.options.mtp ? MtpLayerBytes(config, g, plan.dtype, plan.limits).total()
+                                           : g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
+  const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + beside + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
   std::vector<MemoryItem> items = {
       {kMemWeights, static_cast<int64_t>(g.weight_bytes)},
       {kMemKvCache, static_cast<int64_t>(kv)},
       {kMemStepBuffers, static_cast<int64_t>(step)},
   };
-  if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(draft)});
-  if (plan.options.mtp) items.push_back({kMemMtpLayer, static_cast<int64_t>(mtp)});
+  if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(beside)});
+  if (plan.options.mtp) items.push_back({kMemMtpLayer, static_cast<int64_t>(beside)});
   items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
   if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
   items.insert(items.end(), {

@@ -126,10 +126,10 @@ uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv
 
 // The model's multi-token-prediction layer on `g` (0 where g.mtp_weight_bytes is 0: not the
 // worker that runs it) for a model served within `limits`, in `act`, as worker/mtp_runner.h
-// allocates it: g.mtp_weight_bytes, a KV cache of one run of blocks per sequence slot for one
-// layer (MtpStepLimits' blocks; latent attention's latent rows, whole), its shard's step buffers
-// (StepBuffers and MtpStepBuffers, whole, for MtpStepLimits) and the runner's (MtpRunnerBuffers).
-// It follows max_seqs_per_step and max_model_len, not the model's KV blocks.
+// allocates it: g.mtp_weight_bytes, a KV cache of one layer in MtpStepLimits' pool (latent
+// attention's latent rows, whole; the pool follows the model's blocks, limits.num_kv_blocks, as a
+// draft model's), its shard's step buffers (StepBuffers and MtpStepBuffers, whole, for
+// MtpStepLimits) and the runner's (MtpRunnerBuffers).
 struct MtpLayerMemory {
   uint64_t weights = 0;
   uint64_t kv_cache = 0;

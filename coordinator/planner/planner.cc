@@ -163,8 +163,9 @@ absl::Status CountDraft(Context* ctx) {
 
 // The model's multi-token-prediction layer (PlanOptions::mtp) as the worker that samples loads it
 // (worker/mtp_runner.h MtpRunner::Load): its first layer's tensors whole (one TP rank of one), in
-// ctx.dtype, linear weights as options.weight_quant or in the checkpoint's format. Its KV cache and
-// buffers follow the step limits (memory.h MtpLayerBytes).
+// ctx.dtype, linear weights as options.weight_quant or in the checkpoint's format. It is planned as a
+// draft model is: its weights and buffers (memory.h MtpLayerBytes) a fixed amount there, its KV
+// cache one layer's latent row a token of DraftStepLimits' pool, which follows the model's blocks.
 absl::Status CountMtp(Context* ctx) {
   const ModelConfig& c = ctx->config;
   if (ctx->options.draft.has_value()) {
@@ -190,13 +191,12 @@ absl::Status CountMtp(Context* ctx) {
   const RankWeights w = CountRankWeights(c, tensors, *whole, ctx->dtype, ctx->options.weight_quant);
   ctx->mtp_weight_bytes = w.mtp;
   ctx->mtp_dequant_scratch = w.mtp_dequant_scratch;
+  GpuPlan sampler;
+  sampler.mtp_weight_bytes = w.mtp;
+  const MtpLayerMemory m = MtpLayerBytes(c, sampler, ctx->dtype, ServedLimits(*ctx, ctx->target_len));
+  ctx->draft_bytes = m.weights + m.buffers;
+  ctx->draft_kv_bytes_per_token = static_cast<uint64_t>(c.KvValuesPerToken(whole->kv_heads)) * DTypeSize(ctx->dtype);
   return absl::OkStatus();
-}
-
-// The multi-token-prediction layer's bytes on device `g` serving sequences of up to `len` tokens (0
-// on the devices that do not run it).
-uint64_t MtpBytesAt(const Context& ctx, const GpuPlan& g, int64_t len) {
-  return MtpLayerBytes(ctx.config, g, ctx.dtype, ServedLimits(ctx, len)).total();
 }
 
 // Tokens of the model's KV cache device `g` holds in `free` bytes (its sliding pool and a draft's
@@ -322,8 +322,6 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
   const int64_t most_blocks = kMaxKvCacheTokens / block;  // cache slots are I32
   l.kv_blocks = most_blocks;
   l.shortfall = INT64_MIN;
-  int mtp_gpu = -1;                    // the GPU that runs the multi-token-prediction layer
-  int64_t others_blocks = most_blocks;  // the smallest cache of the other GPUs
   for (int s = 0; s < pp; ++s) {
     const StagePlan& st = l.stages[s];
     for (int r = 0; r < tp; ++r) {
@@ -352,18 +350,11 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       const uint64_t per_layer = c.KvValuesPerToken(shards[r].kv_heads) * DTypeSize(ctx.dtype);
       g.kv_bytes_per_token = (st.num_layers() - sliding_layers) * per_layer;
       g.sliding_kv_bytes_per_token = sliding_layers * per_layer;
-      // The multi-token-prediction layer, sized for the target length here, follows max_model_len.
+      // (a draft model's or the multi-token-prediction layer's weights and buffers in draft_bytes, its
+      // cache per token beside the model's: KvCacheTokens)
       const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes);
-      g.kv_cache_tokens = KvCacheTokens(
-          ctx, g, static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, ctx.target_len)),
-          most_blocks);
-      g.shortfall_bytes = fixed + static_cast<int64_t>(MtpBytesAt(ctx, g, ctx.min_len) + NeedKvBytes(ctx, g)) -
-                          static_cast<int64_t>(ctx.usable);
-      if (g.mtp_weight_bytes > 0) {
-        mtp_gpu = static_cast<int>(l.gpus.size());
-      } else {
-        others_blocks = std::min(others_blocks, g.kv_cache_tokens / block);
-      }
+      g.kv_cache_tokens = KvCacheTokens(ctx, g, static_cast<int64_t>(ctx.usable) - fixed, most_blocks);
+      g.shortfall_bytes = fixed + static_cast<int64_t>(NeedKvBytes(ctx, g)) - static_cast<int64_t>(ctx.usable);
       l.kv_blocks = std::min(l.kv_blocks, g.kv_cache_tokens / block);
       if (g.shortfall_bytes > l.shortfall) {
         l.shortfall = g.shortfall_bytes;
@@ -376,32 +367,6 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
   if (capacity >= ctx.target_len) {
     l.tier = Tier::kFull;
     l.max_model_len = ctx.target_len;
-  } else if (mtp_gpu >= 0 && ctx.min_len < ctx.target_len) {
-    // The multi-token-prediction layer's cache is max_seqs_per_step runs of max_model_len: a shorter
-    // length leaves the model's cache more room. The longest length (in whole blocks) whose cache,
-    // with the layer sized for it, holds a sequence of it: the cache shrinks as the length grows.
-    GpuPlan& g = l.gpus[mtp_gpu];
-    const int64_t fixed = static_cast<int64_t>(g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes);
-    const auto blocks_at = [&](int64_t len) {
-      const int64_t free = static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, len));
-      return std::min(others_blocks, KvCacheTokens(ctx, g, free, most_blocks) / block);
-    };
-    int64_t lo = ctx.min_len - 1, hi = ctx.target_len;  // holds at lo (or lo is below min_len), not at hi
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (blocks_at(mid) * block >= mid ? lo : hi) = mid;
-    }
-    const int64_t len = lo / block * block >= ctx.min_len ? lo / block * block : lo;
-    if (len >= ctx.min_len) {
-      g.kv_cache_tokens = KvCacheTokens(
-          ctx, g, static_cast<int64_t>(ctx.usable) - fixed - static_cast<int64_t>(MtpBytesAt(ctx, g, len)), most_blocks);
-      l.kv_blocks = blocks_at(len);
-      l.tier = Tier::kLowered;
-      l.max_model_len = len;
-    } else {
-      l.tier = Tier::kNone;
-      l.max_model_len = ctx.target_len;
-    }
   } else if (capacity >= ctx.min_len) {
     l.tier = Tier::kLowered;
     l.max_model_len = capacity;
@@ -472,18 +437,15 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
   }
   for (const GpuPlan& g : chosen.gpus) {
     if (g.mtp_weight_bytes == 0) continue;
-    // Its cache is per sequence slot, not per token: a fixed amount the model's cache loses.
-    const StepLimits served = ServedLimits(ctx, chosen.max_model_len);
-    const StepLimits slots = MtpStepLimits(served);
+    // Its weights and buffers a fixed amount; its cache a latent row beside each of the model's.
+    StepLimits served = ServedLimits(ctx, chosen.max_model_len);
+    served.num_kv_blocks = chosen.kv_blocks;
     const MtpLayerMemory m = MtpLayerBytes(ctx.config, g, ctx.dtype, served);
     absl::StrAppend(&why, ". The multi-token-prediction layer takes ", fmt::Size(m.total()), " on ", GpuName(g), ": ",
-                    fmt::Size(m.weights), " of weights, ", fmt::Size(m.kv_cache), " of KV cache (",
-                    fmt::Count(slots.max_seqs_per_step), " sequence slots of ",
-                    fmt::Count(slots.max_blocks_per_seq() * slots.block_size), " tokens) and ", fmt::Size(m.buffers),
-                    " of buffers: a fixed amount, set by max_seqs_per_step and max_model_len, not a share of each "
-                    "token as a draft model's, which takes the room of ",
-                    fmt::Count(static_cast<int64_t>(m.total() / std::max<uint64_t>(g.kv_bytes_per_token, 1))),
-                    " tokens of the model's KV cache on that GPU");
+                    fmt::Size(m.weights), " of weights, ", fmt::Size(m.buffers), " of buffers and ",
+                    fmt::Size(m.kv_cache), " of KV cache (", fmt::Size(g.draft_kv_bytes_per_token),
+                    " a token of the model's cache, one layer's latent row, and room for every sequence's guesses), "
+                    "so that GPU's share of the model's cache, the same on every GPU, is smaller");
   }
   return why + ".";
 }
@@ -501,11 +463,12 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   const GpuPlan& g = closest.gpus[closest.worst_gpu];
   const int64_t need_tokens = CeilDiv(ctx.min_len, ctx.options.limits.block_size) * ctx.options.limits.block_size;
   const uint64_t kv = NeedKvBytes(ctx, g);
-  const uint64_t mtp = MtpBytesAt(ctx, g, ctx.min_len);
-  const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes + mtp;
-  std::string speculative;  // on the worker that samples
-  if (g.draft_bytes > 0) absl::StrAppend(&speculative, fmt::Size(g.draft_bytes), " draft model + ");
-  if (mtp > 0) absl::StrAppend(&speculative, fmt::Size(mtp), " multi-token-prediction layer + ");
+  const uint64_t fixed = g.weight_bytes + g.activation_bytes + g.reserve_bytes + g.draft_bytes;
+  std::string speculative;  // on the worker that samples (its cache is in the KV cache's bytes)
+  if (g.draft_bytes > 0) {
+    absl::StrAppend(&speculative, fmt::Size(g.draft_bytes),
+                    g.mtp_weight_bytes > 0 ? " multi-token-prediction layer + " : " draft model + ");
+  }
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
                                     fmt::HeldIn(PlanDTypeName(ctx.dtype), ExpertsFormat(c, ctx.options)),

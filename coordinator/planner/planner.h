@@ -68,9 +68,9 @@ struct PlanOptions {
   std::optional<ModelConfig> draft;
   // Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp;
   // worker/mtp_runner.h): the layer whole beside the last stage's TP rank 0, its weights as that
-  // worker loads them (`weight_quant`, or the checkpoint's format), with a KV cache of one run of
-  // blocks per sequence slot, its step buffers and hidden rows (memory.h MtpLayerBytes). Refused for
-  // a model without the layer, and beside a draft model.
+  // worker loads them (`weight_quant`, or the checkpoint's format), its step buffers and hidden rows,
+  // and a KV cache of one layer beside the model's, as a draft model's (memory.h MtpLayerBytes).
+  // Refused for a model without the layer, and beside a draft model.
   bool mtp = false;
 };
 
@@ -108,14 +108,14 @@ struct GpuPlan {
   // Tokens of the full pool the memory left after the above holds, beside its sliding pool
   // (memory.h MostKvBlocks).
   int64_t kv_cache_tokens = 0;
-  // Speculative decoding's draft model, on the last stage's TP rank 0 (0 elsewhere): its weights
-  // and step buffers; then its KV cache's bytes per token, of a pool sized from the model's
-  // (memory.h DraftKvBytes).
+  // Speculative decoding's draft model (or the multi-token-prediction layer), on the last stage's TP
+  // rank 0 (0 elsewhere): its weights and step buffers; then its KV cache's bytes per token, of a
+  // pool sized from the model's (memory.h DraftKvBytes).
   uint64_t draft_bytes = 0;
   uint64_t draft_kv_bytes_per_token = 0;
   // The model's multi-token-prediction layer (PlanOptions::mtp), on the last stage's TP rank 0 (0
-  // elsewhere): its weights. Its KV cache and buffers follow the step limits, not the model's KV
-  // cache (memory.h MtpLayerBytes): a fixed amount beside the weights, which the cache's room loses.
+  // elsewhere): its weights. It is planned as a draft model (draft_bytes its weights and buffers,
+  // draft_kv_bytes_per_token its cache's; memory.h MtpLayerBytes).
   uint64_t mtp_weight_bytes = 0;
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
   // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they

@@ -20,6 +20,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/flags.h"
 #include "coordinator/api/openai/http_server.h"
@@ -147,8 +148,10 @@ constexpr char kUsage[] =
     "  --speculative mtp             ... with the model's own multi-token-prediction layer\n"
     "                                (DeepSeek-V3's num_nextn_predict_layers), run by that worker over\n"
     "                                every step's hidden states\n"
+    "  --speculative eagle3          ... with an EAGLE-3 head (--draft-model: its directory), run by\n"
+    "                                that worker over the hidden states of three of the model's layers\n"
     "  --draft-model DIR             the draft's checkpoint (same tokenizer and vocabulary as --model),\n"
-    "                                as the workers see it; with --speculative draft\n"
+    "                                or the EAGLE-3 head's, as the workers see it\n"
     "  --num-speculative-tokens K    guesses per sequence per step, 1 to 16 (with --speculative)\n"
     "  --speculative-max-running N   no guesses in a step while N or more sequences run (default 8;\n"
     "                                0: no limit): a large batch is compute-bound already\n"
@@ -233,7 +236,7 @@ int Main(int argc, char** argv) {
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
            flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
-           flags->OneOf("speculative", {"ngram", "draft", "mtp"}, &engine_options.speculative),
+           flags->OneOf("speculative", {"ngram", "draft", "mtp", "eagle3"}, &engine_options.speculative),
            flags->Int("num-speculative-tokens", 1, kMaxSpeculativeTokens, &engine_options.num_speculative_tokens),
            flags->Int("speculative-max-running", 0, 4096, &engine_options.speculative_max_running),
        }) {
@@ -319,21 +322,44 @@ int Main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<ServedModel>> model = ServedModel::Open(model_dir, pool_options.load_format);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   if (!engine_options.draft_model.empty()) {
-    // The draft must speak the model's vocabulary; the worker that loads it checks again.
+    // A draft model must speak the model's vocabulary (the worker that loads it checks again). An
+    // EAGLE-3 head reads the model's hidden states at a few layers, which every stage keeps and passes
+    // on; the worker that samples loads it and checks its tensors.
     std::error_code ec;
     const std::filesystem::path draft = std::filesystem::absolute(engine_options.draft_model, ec);
     absl::StatusOr<ModelConfig> draft_config = LoadModelConfig(draft);
     if (!draft_config.ok()) return Fail(absl::StrCat("--draft-model: ", draft_config.status().message()));
-    if (draft_config->vocab_size != (*model)->config.vocab_size) {
-      return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, " has a vocabulary of ",
-                               draft_config->vocab_size, " ids but --model ", model_dir, " has ",
-                               (*model)->config.vocab_size, "; a draft must share the model's tokenizer and vocabulary"));
+    const bool head = draft_config->eagle3.has_value();
+    if (head != (engine_options.speculative == "eagle3")) {
+      return Fail(head ? absl::StrCat("--draft-model ", engine_options.draft_model,
+                                      " is an EAGLE-3 head, which --speculative eagle3 runs")
+                       : absl::StrCat("--draft-model ", engine_options.draft_model, " is a model (",
+                                      draft_config->architecture_name,
+                                      "), not an EAGLE-3 head (LlamaForCausalLMEagle3); --speculative draft runs it"));
     }
     pool_options.draft_model_path = draft.string();
-    pool_options.draft_config = *draft_config;
-    CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
-                                         draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
-                                         " layers), run by the worker that samples"));
+    if (head) {
+      absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(*draft_config, (*model)->config);
+      if (!aux.ok()) {
+        return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, ": ", aux.status().message()));
+      }
+      pool_options.speculative_eagle3 = true;
+      pool_options.aux_hidden_layers = *aux;
+      CoordinatorLog("model", absl::StrCat("speculative decoding with the EAGLE-3 head ", draft.string(),
+                                           " over the hidden states of layers ", absl::StrJoin(*aux, ", "),
+                                           ", run by the worker that samples"));
+    } else {
+      if (draft_config->vocab_size != (*model)->config.vocab_size) {
+        return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, " has a vocabulary of ",
+                                 draft_config->vocab_size, " ids but --model ", model_dir, " has ",
+                                 (*model)->config.vocab_size,
+                                 "; a draft must share the model's tokenizer and vocabulary"));
+      }
+      pool_options.draft_config = *draft_config;
+      CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
+                                           draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
+                                           " layers), run by the worker that samples"));
+    }
   }
   if (engine_options.speculative == "mtp") {
     // The model's own multi-token-prediction layer; the worker that loads it checks its tensors.

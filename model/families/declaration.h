@@ -71,6 +71,10 @@ enum class WeightRole {
   // [hidden, 2 hidden], their concatenation's projection. Its shared_head.norm and shared_head.head
   // are kFinalNorm and kLmHead, the model's embed_tokens kEmbedTokens, under WeightPart::kMtp.
   kMtpENorm, kMtpHNorm, kMtpEhProj,
+  // An EAGLE-3 head's fc [hidden, aux layers x the served model's hidden]: the projection of the
+  // served model's hidden states at its aux layers, side by side, to the head's input
+  // (FamilyDeclaration::eagle3; its hidden_norm is kMtpHNorm, the norm of a hidden state).
+  kEagle3Fc,
 };
 
 // A linear layer's weight: read by MatMul, so the loader packs it for the backend's products and
@@ -256,6 +260,11 @@ struct FamilyDeclaration {
   // (--speculative mtp): each a decoder layer of its index's kind, its own norms, projection and
   // head, and the embedding it reads. Null: the family has none.
   std::vector<WeightDecl> (*mtp_weights)(const ModelConfig& config) = nullptr;
+  // An EAGLE-3 head (docs/speculative-decoding.md), not a model to serve: one decoder layer whose
+  // attention reads the next token's normed embedding and the normed hidden state side by side, over
+  // a projection of the served model's hidden states at a few of its layers (config.json's
+  // draft_vocab_size, target_hidden_size, eagle_config; ModelConfig::eagle3).
+  bool eagle3 = false;
   // The buffers of the family's decoder layers for `tokens` tokens a step on the rank `shard`.
   std::vector<StepBufferDecl> (*layer_buffers)(const ModelConfig& config, const TpShard& shard, DType act,
                                                int64_t tokens);

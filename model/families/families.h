@@ -74,6 +74,10 @@ extern const FamilyDeclaration kDeepseekV3Family;
 // experts with biases and the clamped SwiGLU, stacked in the checkpoint (MXFP4 as published).
 extern const FamilyDeclaration kGptOssFamily;
 
+// eagle3.cc: EAGLE-3 heads over Llama-shaped models (LlamaForCausalLMEagle3), speculative decoding's
+// proposer, loaded beside the served model (FamilyDeclaration::eagle3).
+extern const FamilyDeclaration kEagle3LlamaFamily;
+
 // phi3.cc: Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
 extern const FamilyDeclaration kPhi3Family;
 

@@ -12,9 +12,9 @@ namespace shardserve {
 namespace {
 
 constexpr const FamilyDeclaration* kFamilies[] = {
-    &kDeepseekV3Family, &kGemma2Family,  &kGemma3Family, &kGemma3ConditionalFamily, &kGptOssFamily,
-    &kLlamaFamily,      &kMistralFamily, &kMixtralFamily, &kPhi3Family,             &kQwen2Family,
-    &kQwen2MoeFamily,   &kQwen3Family,   &kQwen3MoeFamily};
+    &kDeepseekV3Family, &kEagle3LlamaFamily, &kGemma2Family, &kGemma3Family, &kGemma3ConditionalFamily,
+    &kGptOssFamily,     &kLlamaFamily,       &kMistralFamily, &kMixtralFamily, &kPhi3Family,
+    &kQwen2Family,      &kQwen2MoeFamily,    &kQwen3Family,  &kQwen3MoeFamily};
 
 }  // namespace
 
@@ -90,6 +90,7 @@ bool IsProductWeight(WeightRole role) {
     case WeightRole::kKPeProj:
     case WeightRole::kLmHead:
     case WeightRole::kMtpEhProj:
+    case WeightRole::kEagle3Fc:
       return true;
     default:
       return false;
@@ -243,8 +244,6 @@ std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act,
 StepLimits MtpStepLimits(const StepLimits& model) {
   StepLimits d = DraftStepLimits(model);
   d.max_tokens_per_step = model.max_tokens_per_step + model.max_seqs_per_step;
-  // One run of blocks per sequence slot: slot s holds [s * width, (s + 1) * width).
-  d.num_kv_blocks = d.max_seqs_per_step * d.max_blocks_per_seq();
   return d;
 }
 
@@ -253,6 +252,13 @@ std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType ac
   return {{"mtp_table", act, {m + model.max_tokens_per_step, H}},
           {"mtp_src_rows", DType::kI32, {MtpStepLimits(model).max_tokens_per_step}},
           {"mtp_ids", DType::kI32, {m}}};
+}
+
+std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
+  if (!config.eagle3.has_value()) return {};
+  const int64_t n = limits.max_tokens_per_step;
+  const int64_t a = config.eagle3->num_aux();
+  return {{"eagle3_cat", act, {n, a * config.eagle3->target_hidden_size}}, {"eagle3_cat_rows", DType::kI32, {a * n}}};
 }
 
 }  // namespace shardserve

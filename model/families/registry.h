@@ -59,10 +59,9 @@ std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act,
 
 // The limits the model's multi-token-prediction layer runs within beside a model served within
 // `model` (worker/mtp_runner.h, --speculative mtp): model/step_limits.h DraftStepLimits', with room
-// for one more token a sequence a step (a prefill chunk's last row, which waits for its next token)
-// and a KV cache of one run of blocks per sequence slot (max_seqs_per_step x max_blocks_per_seq
-// blocks), whatever the model's cache holds. The planner counts the layer's cache and buffers from
-// these.
+// for one more token a sequence a step (a prefill chunk's last row, which waits for its next token);
+// its KV cache is DraftStepLimits' pool (the model's blocks and room for every sequence's guesses).
+// The planner counts the layer's cache and buffers from these.
 StepLimits MtpStepLimits(const StepLimits& model);
 
 // The buffers worker/mtp_runner.h holds beside the layer's shard for a model served within
@@ -71,6 +70,12 @@ StepLimits MtpStepLimits(const StepLimits& model);
 // ("mtp_src_rows", [MtpStepLimits' max_tokens_per_step] I32) and the guesses ("mtp_ids",
 // [max_seqs_per_step] I32).
 std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model);
+
+// The buffers an EAGLE-3 head's shard (ShardSpec::eagle3) adds to MtpStepBuffers' (which it uses as
+// the MTP layer does): its fc's input, the model's hidden states at its aux layers side by side
+// ("eagle3_cat", [n, aux layers x the model's hidden]), and the rows that gather it
+// ("eagle3_cat_rows", [aux layers x n]).
+std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
 }  // namespace shardserve
 

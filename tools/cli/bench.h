@@ -206,6 +206,7 @@ struct Layout {
   bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool draft = false;          // /draft: the coordinator's --speculative draft with bench's --draft-model
   bool mtp = false;            // /mtp: the coordinator's --speculative mtp (the model's own MTP layer)
+  bool eagle3 = false;         // /eagle3: the coordinator's --speculative eagle3 with bench's --draft-model as the head
   bool adaptive = false;       // /adaptive (with /ngram or /draft): the coordinator's --adaptive-speculative-tokens
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel

@@ -112,6 +112,8 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
       l.draft = true;
     } else if (strip("/mtp")) {
       l.mtp = true;
+    } else if (strip("/eagle3")) {
+      l.eagle3 = true;
     }
     if (strip("/no-prefix-caching")) l.prefix_caching = false;
     if (strip("/adaptive")) l.adaptive = true;
@@ -119,13 +121,13 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /adaptive, /http, "
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /eagle3, /adaptive, /http, "
         "/ep, /json), e.g. tp2xpp2/serial"));
   };
-  if (int{l.ngram} + int{l.draft} + int{l.mtp} > 1) return bad();
-  if (l.adaptive && !l.ngram && !l.draft && !l.mtp) {
+  if (int{l.ngram} + int{l.draft} + int{l.mtp} + int{l.eagle3} > 1) return bad();
+  if (l.adaptive && !l.ngram && !l.draft && !l.mtp && !l.eagle3) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "layout '", text, "': /adaptive adapts the guesses of /ngram, /draft or /mtp; it needs one of them"));
+        "layout '", text, "': /adaptive adapts the guesses of /ngram, /draft, /mtp or /eagle3; it needs one of them"));
   }
   const std::vector<std::string> parts = absl::StrSplit(body, 'x');
   if (parts.empty() || parts.size() > 2) return bad();
@@ -180,16 +182,17 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
   // model's multi-token-prediction layer (--num-speculative-tokens as given, else 4).
   const bool speculative_given =
       std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--speculative") != co.coordinator_flags.end();
-  // /draft layouts with the draft model, bench's --draft-model.
-  if (layout.draft && !speculative_given) {
+  // /draft layouts with the draft model, /eagle3 ones with the EAGLE-3 head: bench's --draft-model.
+  if ((layout.draft || layout.eagle3) && !speculative_given) {
     if (o.cluster.draft_model.empty()) {
-      out.error = absl::StrCat("layout ", layout.name, " needs --draft-model DIR (the draft's checkpoint)");
+      out.error = absl::StrCat("layout ", layout.name, " needs --draft-model DIR (the ",
+                               layout.draft ? "draft's checkpoint" : "EAGLE-3 head's directory", ")");
       return out;
     }
-    co.coordinator_flags.insert(co.coordinator_flags.end(),
-                                {"--speculative", "draft", "--draft-model", o.cluster.draft_model});
+    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", layout.draft ? "draft" : "eagle3",
+                                                             "--draft-model", o.cluster.draft_model});
   }
-  if ((layout.ngram || layout.draft || layout.mtp) && !speculative_given) {
+  if ((layout.ngram || layout.draft || layout.mtp || layout.eagle3) && !speculative_given) {
     if (layout.ngram) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "ngram"});
     if (layout.mtp) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--speculative", "mtp"});
     if (std::find(co.coordinator_flags.begin(), co.coordinator_flags.end(), "--num-speculative-tokens") ==

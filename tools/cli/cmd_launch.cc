@@ -84,7 +84,7 @@ constexpr char kUsage[] =
     "                        point folded out of the GEMV's loop (not yet run on a GPU: docs/gpu.md)\n"
     "  --max-num-seqs, --max-waiting-requests, --max-tokens-per-step, --num-kv-blocks, --micro-batches,\n"
     "  --block-size, --no-prefix-caching  the coordinator's scheduler flags, passed through when given\n"
-    "  --speculative ngram|draft|mtp, --num-speculative-tokens K, --speculative-max-running N, --draft-model DIR,\n"
+    "  --speculative ngram|draft|mtp|eagle3, --num-speculative-tokens K, --speculative-max-running N, --draft-model DIR,\n"
     "  --adaptive-speculative-tokens\n"
     "                         the coordinator's speculative decoding (docs/speculative-decoding.md), passed through\n"
     "                        (shardserve-coordinator --help)\n"

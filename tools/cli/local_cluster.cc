@@ -102,7 +102,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
   }
   if (f.Has("speculative")) {
     std::string value;
-    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp"}, &value));
+    SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp", "eagle3"}, &value));
     c.coordinator_flags.emplace_back("speculative", value);
   }
   if (f.Has("draft-model")) {
@@ -113,8 +113,8 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
                                                      " has no config.json (give the draft's checkpoint directory)"));
     }
   }
-  if (f.Get("speculative") == "draft" && c.draft_model.empty()) {
-    return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR");
+  if ((f.Get("speculative") == "draft" || f.Get("speculative") == "eagle3") && c.draft_model.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative ", f.Get("speculative"), " needs --draft-model DIR"));
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
   c.expert_parallel = f.Has("expert-parallel");
@@ -127,8 +127,10 @@ std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) 
   for (const auto& [name, value] : coordinator_flags) {
     if (name != skip) args.insert(args.end(), {absl::StrCat("--", name), value});
   }
-  // The draft model goes with --speculative draft only (bench --compare's /draft layouts add both).
-  const bool draft = std::find(args.begin(), args.end(), "draft") != args.end();
+  // The draft model (or EAGLE-3 head) goes with --speculative draft (eagle3) only (bench --compare's
+  // /draft layouts add both).
+  const bool draft =
+      std::find(args.begin(), args.end(), "draft") != args.end() || std::find(args.begin(), args.end(), "eagle3") != args.end();
   if (draft && !draft_model.empty()) args.insert(args.end(), {"--draft-model", draft_model});
   if (!prefix_caching) args.push_back("--no-prefix-caching");
   if (expert_parallel) args.push_back("--expert-parallel");

@@ -66,6 +66,10 @@
 #   llama8b-b1-pdl, llama8b-c64-pdl
 #                  llama8b-b1 and llama8b-c64 with programmatic dependent launch (--worker-cuda-pdl:
 #                  written without a GPU, off by default until this and its parity cases pass)
+#   llama8b-eagle3-b1, llama8b-eagle3-c64
+#                  llama8b-b1 and llama8b-c64 speculating with an EAGLE-3 head of the published
+#                  head's shapes (tests/fixtures/configs/eagle3-llama-3.1-8b.json), dummy weights, 3
+#                  guesses a step (at 64 streams too: --speculative-max-running 0): the machinery's cost
 #   llama8b-b1-long, llama8b-b1-long-plain
 #                  batch-1 decode after a 4096-token prompt, with the defaults and plain
 #   llama8b-int4-b1, llama8b-int8-b1, llama8b-int4-mma-b1
@@ -441,6 +445,15 @@ run_steps() {
   bench_step llama8b-c64-pdl "$llama" "$preset" 64 128 512 128 "" --worker-cuda-pdl
   bench_step llama8b-b1-long "$llama" "$preset" 1 2 4096 128
   bench_step llama8b-b1-long-plain "$llama" "$preset" 1 2 4096 128 "" "${plain[@]}"
+  # The 8B with an EAGLE-3 head of its shapes (the published head's config), dummy weights: the
+  # speed of the machinery (the kept hidden states, the head's forwards, verifying 3 guesses a step
+  # that random weights seldom get right), against llama8b-b1 and -c64.
+  local head
+  head=$(config_dir eagle3-llama-3.1-8b tests/fixtures/configs/eagle3-llama-3.1-8b.json)
+  bench_step llama8b-eagle3-b1 "$llama" "$preset" 1 4 128 128 "" --speculative eagle3 --draft-model "$head" \
+    --num-speculative-tokens 3
+  bench_step llama8b-eagle3-c64 "$llama" "$preset" 64 128 512 128 "" --speculative eagle3 --draft-model "$head" \
+    --num-speculative-tokens 3 --speculative-max-running 0
   bench_step llama8b-int4-b1 "$llama" "$preset" 1 4 128 128 int4
   bench_step llama8b-int8-b1 "$llama" "$preset" 1 4 128 128 int8
   bench_step llama8b-int4-mma-b1 "$llama" "$preset" 1 4 128 128 int4 --worker-cuda-int4-mma

@@ -319,6 +319,18 @@ absl::Status DecoderBlocks::Layer(int64_t layer, const LayerWeights& w, KvCache&
   return absl::InternalError("unknown norm placement");
 }
 
+absl::Status DecoderBlocks::Eagle3Layer(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta,
+                                        LayerScratch& s, const Tensor& cat, Tensor* x) const {
+  // h = x + self_attn(cat(input_layernorm(embeds), hidden_norm(x)))
+  LayerScratch attention = s;
+  attention.normed = cat;
+  SHARDSERVE_RETURN_IF_ERROR(SelfAttention(layer, w, cache, meta, attention));
+  SHARDSERVE_RETURN_IF_ERROR(AddThenNorm(x, s.proj, s, &w.pre_mlp_norm));
+  // out = h + mlp(post_attention_layernorm(h))
+  SHARDSERVE_RETURN_IF_ERROR(Mlp(w, s));
+  return AddThenNorm(x, s.proj, s, nullptr);
+}
+
 absl::Status DecoderBlocks::LocalLogits(Tensor* logits, const Tensor& rows, Tensor* normed, const Tensor& final_norm,
                                         const Tensor& lm_head) const {
   // norm(hidden) of the rows whose logits are wanted

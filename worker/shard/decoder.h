@@ -90,6 +90,12 @@ class DecoderBlocks {
   // null, s.normed is that norm of it.
   absl::Status Layer(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta, LayerScratch& s,
                      Tensor* x, const Tensor* next_input_norm) const;
+  // An EAGLE-3 head's layer (FamilyDeclaration::eagle3): as Layer's pre-norm one, but its attention
+  // reads `cat` [n, 2 hidden] (the token's normed embedding and the normed hidden state side by
+  // side) where Layer's reads s.normed; `x` the residual stream on entry, the layer's output (before
+  // the final norm) on return.
+  absl::Status Eagle3Layer(int64_t layer, const LayerWeights& w, KvCache& cache, const StepMeta& meta,
+                           LayerScratch& s, const Tensor& cat, Tensor* x) const;
   // The token embedding (vocab-parallel: each rank looks up its rows, zeros elsewhere, and the sum
   // fills in the rest), times the family's scale.
   absl::Status Embed(Tensor* x, const Tensor& table, const Tensor& ids) const;

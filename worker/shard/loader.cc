@@ -31,6 +31,7 @@ Tensor* Slot(ShardWeights* stage, int64_t first_layer, const WeightDecl& w) {
     case WeightRole::kEmbedTokens: return &stage->embed_tokens;
     case WeightRole::kFinalNorm: return &stage->norm;
     case WeightRole::kLmHead: return &stage->lm_head;
+    case WeightRole::kEagle3Fc: return &stage->eagle3_fc;
     default: break;
   }
   if (w.layer >= first_layer && w.layer - first_layer < static_cast<int64_t>(stage->layers.size())) {

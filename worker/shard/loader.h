@@ -71,6 +71,7 @@ struct ShardWeights {
   std::vector<LayerWeights> layers;  // the stage's layers, first to last
   Tensor norm;                       // [hidden] (last stage)
   Tensor lm_head;                    // [vocab rows of this rank, hidden] (last stage)
+  Tensor eagle3_fc;                  // [hidden, aux layers x the model's hidden] (an EAGLE-3 head's)
 };
 
 // What a load counted, for the memory report and the worker's log.

@@ -82,7 +82,7 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
     m->step_buffer_bytes_ += slot->bytes();
   }
-  if (spec.mtp) {
+  if (spec.mtp || spec.eagle3) {
     for (const StepBufferDecl& b : MtpStepBuffers(config, backend->act_dtype(), opt)) {
       Tensor* slot = m->StepBufferSlot(b.name);
       if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
@@ -92,6 +92,20 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     const Tensor zero = m->mtp_pairs_.Rows(2 * opt.max_tokens_per_step, 2 * opt.max_tokens_per_step + 1);
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(zero.data, zero.bytes()));
     m->mtp_cat_rows_host_.reserve(2 * opt.max_tokens_per_step);
+  }
+  if (spec.eagle3) {
+    for (const StepBufferDecl& b : Eagle3StepBuffers(config, backend->act_dtype(), opt)) {
+      Tensor* slot = m->StepBufferSlot(b.name);
+      if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
+      m->step_buffer_bytes_ += slot->bytes();
+    }
+    m->eagle3_cat_rows_host_.reserve(m->eagle3_cat_rows_.numel());
+  }
+  if (!spec.aux_hidden_layers.empty()) {
+    const int64_t rows = static_cast<int64_t>(spec.aux_hidden_layers.size()) * opt.max_tokens_per_step;
+    SHARDSERVE_ASSIGN_OR_RETURN(m->aux_hidden_, m->arena_.Alloc(backend->act_dtype(), {rows, config.hidden_size}));
+    m->step_buffer_bytes_ += m->aux_hidden_.bytes();
   }
   // RoPE: each kind of layer's frequencies in two rows of inv_freq_ (LongRoPE's long ones second).
   const std::vector<RopeTable> rope_tables = RopeTables(config);
@@ -158,7 +172,7 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
       {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
       {"mla_k_pe", &mla_.k_pe}, {"mtp_pairs", &mtp_pairs_}, {"mtp_cat", &mtp_cat_},
-      {"mtp_cat_rows", &mtp_cat_rows_}};
+      {"mtp_cat_rows", &mtp_cat_rows_}, {"eagle3_cat", &eagle3_cat_}, {"eagle3_cat_rows", &eagle3_cat_rows_}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
@@ -204,6 +218,37 @@ std::string ModelShard::GpuPathsNotYetRun() const {
 Tensor ModelShard::hidden(int64_t n) const { return hidden_.Rows(0, n); }
 Tensor ModelShard::logits(int64_t m) const { return logits_.Rows(0, m); }
 
+Tensor ModelShard::aux_hidden(int64_t n) const {
+  if (aux_hidden_.data == nullptr) return Tensor();
+  const int64_t a = static_cast<int64_t>(spec_.aux_hidden_layers.size());
+  return Tensor(aux_hidden_.data, aux_hidden_.dtype, {a * n, config_.hidden_size});
+}
+
+absl::Status ModelShard::Eagle3Input(Tensor* out, const Tensor& aux, int64_t n) {
+  if (!spec_.eagle3 || n <= 0 || n > limits_.max_tokens_per_step) {
+    return absl::FailedPreconditionError(absl::StrCat("not an EAGLE-3 head's shard, or ", n, " rows out of its step"));
+  }
+  const int64_t width = eagle3_cat_.dim(1), target_hidden = config_.eagle3->target_hidden_size;
+  const int64_t a = width / target_hidden;
+  if (aux.dim(0) != a * n || aux.dim(1) != target_hidden) {
+    return absl::InvalidArgumentError(absl::StrCat("the model's aux hidden states are [", aux.dim(0), ", ", aux.dim(1),
+                                                   "]; the EAGLE-3 head reads ", a, " blocks of ", n, " rows of ",
+                                                   target_hidden));
+  }
+  // cat(aux_0[i], aux_1[i], ...) a row, [n, a x hidden] as [a n, hidden]: a gather of block j's row i
+  // into row i a + j
+  eagle3_cat_rows_host_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < a; ++j) eagle3_cat_rows_host_.push_back(static_cast<int32_t>(j * n + i));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(Upload(eagle3_cat_rows_.Rows(0, a * n), eagle3_cat_rows_host_));
+  Tensor rows(eagle3_cat_.data, aux.dtype, {a * n, target_hidden});
+  SHARDSERVE_RETURN_IF_ERROR(backend_->Embedding(&rows, aux, eagle3_cat_rows_.Rows(0, a * n), 0));
+  // x = fc(cat(...))
+  const Tensor cat(eagle3_cat_.data, aux.dtype, {n, width});
+  return backend_->MatMul(out, cat, weights_.eagle3_fc, nullptr);
+}
+
 absl::Status ModelShard::FinalNormed(Tensor* out, int64_t n) const {
   if (!is_last_stage() || spec_.mtp) return absl::FailedPreconditionError("only the last stage has the final norm");
   return backend_->RmsNorm(out, hidden_.Rows(0, n), weights_.norm, static_cast<float>(config_.rms_norm_eps));
@@ -230,13 +275,13 @@ absl::Status ModelShard::Forward(const StepBatch& b) {
   }
   SHARDSERVE_RETURN_IF_ERROR(Upload(logit_rows_.Rows(0, m), b.logit_rows));
   if (is_first_stage() || spec_.mtp) SHARDSERVE_RETURN_IF_ERROR(Upload(ids_.Rows(0, n), b.token_ids));
-  if (spec_.mtp) {
-    // The concatenation's rows: token i's normed embedding (the zero row at position 0), then its
-    // normed hidden state.
+  if (spec_.mtp || spec_.eagle3) {
+    // The concatenation's rows: token i's normed embedding (the MTP layer's: the zero row at
+    // position 0), then its normed hidden state.
     const int32_t N = static_cast<int32_t>(limits_.max_tokens_per_step);
     mtp_cat_rows_host_.clear();
     for (int32_t i = 0; i < static_cast<int32_t>(n); ++i) {
-      mtp_cat_rows_host_.push_back(b.positions[i] == 0 ? 2 * N : i);
+      mtp_cat_rows_host_.push_back(spec_.mtp && b.positions[i] == 0 ? 2 * N : i);
       mtp_cat_rows_host_.push_back(N + i);
     }
     SHARDSERVE_RETURN_IF_ERROR(Upload(mtp_cat_rows_.Rows(0, 2 * n), mtp_cat_rows_host_));
@@ -288,8 +333,10 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
                  moe_,               &moe_host_,       mla_};
   Tensor x = hidden_.Rows(0, n);
 
-  // Embedding (first stage).
-  if (is_first_stage()) SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&x, weights_.embed_tokens, ids_.Rows(0, n)));
+  // Embedding (first stage; an EAGLE-3 head's below).
+  if (is_first_stage() && !spec_.eagle3) {
+    SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&x, weights_.embed_tokens, ids_.Rows(0, n)));
+  }
   if (spec_.mtp) {
     // A multi-token-prediction layer's input, from the next token and the model's hidden state x:
     // x = eh_proj(cat(enorm(embed(next token)), hnorm(x)))
@@ -306,15 +353,39 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     const Tensor cat(mtp_cat_.data, be.act_dtype(), {n, 2 * H});
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&x, cat, w.eh_proj, nullptr));
   }
-  // The stage's layers; each leaves the next one's input norm in s.normed.
   const std::vector<LayerWeights>& layers = weights_.layers;
-  if (!layers.empty()) {
+  if (spec_.eagle3) {
+    // An EAGLE-3 head, from the next token and the hidden state x (fc's projection of the model's, or
+    // its own previous output):
+    // cat(input_layernorm(embed(next token)), hidden_norm(x)); the residual x, or hidden_norm(x)
+    // with norm_before_residual
+    const LayerWeights& w = layers[0];
+    const float eps = static_cast<float>(config_.rms_norm_eps);
+    const int64_t N = limits_.max_tokens_per_step, H = config_.hidden_size;
+    Tensor e = mtp_pairs_.Rows(0, n), h = mtp_pairs_.Rows(N, N + n);
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&h, x, w.hnorm, eps));
+    if (config_.eagle3->norm_before_residual) SHARDSERVE_RETURN_IF_ERROR(be.CopyOnDevice(x.data, h.data, h.bytes()));
+    SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&e, weights_.embed_tokens, ids_.Rows(0, n)));
+    SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&e, e, w.input_layernorm, eps));
+    Tensor cat_rows(mtp_cat_.data, be.act_dtype(), {2 * n, H});
+    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, mtp_pairs_, mtp_cat_rows_.Rows(0, 2 * n), 0));
+    const Tensor cat(mtp_cat_.data, be.act_dtype(), {n, 2 * H});
+    SHARDSERVE_RETURN_IF_ERROR(blocks_->Eagle3Layer(first_layer_, w, kv_[0], meta, s, cat, &x));
+  }
+  // The stage's layers; each leaves the next one's input norm in s.normed. An EAGLE-3 head reads the
+  // input hidden states of some (aux_hidden_layers): kept as they pass.
+  const std::vector<int64_t>& aux_layers = spec_.aux_hidden_layers;
+  if (!layers.empty() && !spec_.eagle3) {
     SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&s.normed, x, layers[0].input_layernorm, static_cast<float>(config_.rms_norm_eps)));
   }
-  for (size_t i = 0; i < layers.size(); ++i) {
+  for (size_t i = 0; i < layers.size() && !spec_.eagle3; ++i) {
     const Tensor* next_norm = i + 1 < layers.size() ? &layers[i + 1].input_layernorm : nullptr;
     const int64_t layer = first_layer_ + static_cast<int64_t>(i);
     const StepMeta& layer_meta = LayerInSlidingPool(config_, limits_, layer) ? sliding_meta : meta;
+    if (auto a = std::find(aux_layers.begin(), aux_layers.end(), layer); a != aux_layers.end()) {
+      const Tensor kept = aux_hidden(n).Rows((a - aux_layers.begin()) * n, (a - aux_layers.begin() + 1) * n);
+      SHARDSERVE_RETURN_IF_ERROR(be.CopyOnDevice(kept.data, x.data, x.bytes()));
+    }
     SHARDSERVE_RETURN_IF_ERROR(blocks_->Layer(layer, layers[i], kv_[i], layer_meta, s, &x, next_norm));
   }
 

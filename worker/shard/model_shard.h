@@ -45,7 +45,11 @@ class ModelShard {
   // multi-token-prediction layer's shard (ShardSpec::mtp) takes both: for each row the next token's
   // id (batch.token_ids) and the model's normed hidden state at the row's position (`hidden`), and
   // computes eh_proj(cat(enorm(embed(id)), hnorm(hidden))) (the embedding zero at position 0, as
-  // vLLM's DeepSeekMultiTokenPredictorLayer masks it), its decoder layer, then its head's logits. On return
+  // vLLM's DeepSeekMultiTokenPredictorLayer masks it), its decoder layer, then its head's logits. An
+  // EAGLE-3 head's shard (ShardSpec::eagle3) takes both too, `hidden` being fc's projection of the
+  // model's hidden states (Eagle3Input) or its own output: DecoderBlocks::Eagle3Layer, then its
+  // logits over its own vocabulary. With ShardSpec::aux_hidden_layers, the input hidden state of each
+  // of those layers the stage holds goes to aux_hidden() on the way. On return
   // `hidden` holds this stage's output hidden state; on the last stage, logits() holds
   // [m, vocab] F32 logits for batch.logit_rows. All outputs live on the backend's device.
   absl::Status Forward(const StepBatch& batch);
@@ -54,11 +58,21 @@ class ModelShard {
   Tensor hidden(int64_t n) const;
   // [m, vocab] F32, valid after Forward on the last stage.
   Tensor logits(int64_t m) const;
+  // [aux layers x n, hidden] act (ShardSpec::aux_hidden_layers): the model's hidden state at the input
+  // of each of those layers, one block of n rows a layer in their order. A stage writes the blocks of
+  // its layers during Forward; the others come from the previous stage (the worker passes the
+  // tensor along with hidden()). Empty without aux layers.
+  Tensor aux_hidden(int64_t n) const;
+  // On an EAGLE-3 head's shard: its fc over `aux` (another shard's aux_hidden(n)), the blocks side by
+  // side a row, into `out` ([n, hidden] act): the hidden states its first guesses read.
+  absl::Status Eagle3Input(Tensor* out, const Tensor& aux, int64_t n);
   // On the last stage after Forward: the model's final norm of the step's first n hidden rows (every
   // fed token's, not only the logit rows') into `out` ([n, hidden] act): the states a
   // multi-token-prediction layer reads (worker/mtp_runner.h; vLLM and SGLang feed it the normed state).
   absl::Status FinalNormed(Tensor* out, int64_t n) const;
 
+  // ShardSpec::aux_hidden_layers: the layers whose input hidden states aux_hidden() keeps.
+  const std::vector<int64_t>& aux_hidden_layers() const { return spec_.aux_hidden_layers; }
   bool is_first_stage() const { return first_layer_ == 0; }
   // (a multi-token-prediction layer's shard, ShardSpec::mtp, is neither first nor last stage of the
   // model, but ends in logits as the last does: its head's)
@@ -147,6 +161,13 @@ class ModelShard {
   Tensor mtp_cat_;       // [n, 2 hidden] their concatenation
   Tensor mtp_cat_rows_;  // [2 n] I32: the pairs' rows the concatenation gathers
   std::vector<int32_t> mtp_cat_rows_host_;  // reserved for 2 n
+  // (an EAGLE-3 head's shard uses the three above as the MTP layer's: its embedding's and hidden
+  // state's norms side by side, no zero row read; and these for its fc's input:)
+  Tensor eagle3_cat_;       // [n, aux layers x the model's hidden]
+  Tensor eagle3_cat_rows_;  // [aux layers x n] I32: the aux blocks' rows the concatenation gathers
+  std::vector<int32_t> eagle3_cat_rows_host_;
+  // With ShardSpec::aux_hidden_layers:
+  Tensor aux_hidden_;  // [aux layers x n, hidden]
 
   // ---- Step graphs, by shape (tokens, logit rows): -1 until recorded ----
   struct StepGraph {
