@@ -107,13 +107,21 @@ def main():
     check(all(sum(g["memory"].values()) == j["cluster"]["gpu_memory_bytes"] and g["memory"]["free"] >= 0
               for g in j["per_gpu"]), "the items with the layer add up to each GPU", out)
     check(j["kv_cache_tokens"] < plain["kv_cache_tokens"], "the layer leaves the model's cache smaller", out)
+    check(j["max_model_len"] == plain["max_model_len"] == 163840, "the layer's cache is per token: the length stays", out)
     rc, out, err = plan("--cluster", "1x8xH200", "--speculative", "mtp", config=deepseek)
     words = " ".join(out.split())
     check(rc == 0 and "MTP layer" in out and "The multi-token-prediction layer takes" in words and
-          "not a share of each token as a draft model's" in words, "the table's MTP column and explanation", out)
+          "a token of the model's cache, one layer's latent row" in words, "the table's MTP column and explanation",
+          out)
     rc, out, err = plan("--cluster", "1x2xA100-80GB", "--speculative", "mtp")
     check(rc == 1 and "--speculative mtp needs the model's multi-token-prediction layer" in err,
           "a model without the layer is refused", out + err)
+    # An EAGLE-3 head is not a draft model, and the plan does not count it yet: refused, saying so.
+    head = os.path.join(ROOT, "tests/fixtures/models/llama_gqa_eagle3")
+    rc, out, err = plan("--cluster", "1x1xH100-80GB", "--draft-model", head,
+                        config=os.path.join(ROOT, "tests/fixtures/models/llama_gqa/config.json"))
+    check(rc == 1 and "is an EAGLE-3 head (LlamaForCausalLMEagle3), which the plan does not count yet" in err,
+          "an EAGLE-3 head as --draft-model", out + err)
     # gpt-oss-120b's experts are held in MXFP4 as published, the rest in bf16: the model line says so.
     gpt_oss = os.path.join(ROOT, "tests/fixtures/configs/gpt-oss-120b.json")
     rc, out, err = plan("--cluster", "1x1xH100-80GB", config=gpt_oss)

@@ -192,6 +192,14 @@ int Run(const std::vector<std::string>& args) {
       std::fprintf(stderr, "shardserve plan: --draft-model: %s\n", std::string(draft.status().message()).c_str());
       return 1;
     }
+    if (draft->eagle3.has_value()) {
+      // (the coordinator's --speculative eagle3 runs it; the plan does not count a head yet)
+      std::fprintf(stderr,
+                   "shardserve plan: --draft-model %s is an EAGLE-3 head (%s), which the plan does not count yet: "
+                   "plan without it and leave room on the last stage's first GPU (docs/speculative-decoding.md)\n",
+                   flags->Get("draft-model").c_str(), draft->architecture_name.c_str());
+      return 1;
+    }
     options->draft = *std::move(draft);
   }
   absl::StatusOr<Plan> plan = MakePlan(model->config, model->checkpoint.get(), *cluster, *options);
