@@ -31,6 +31,7 @@ const char* TensorInfo::dtype_name() const {
     case Extra::kF8E4M3: return "F8_E4M3";
     case Extra::kI64: return "I64";
     case Extra::kU8: return "U8";
+    case Extra::kBool: return "BOOL";
     case Extra::kNone: break;
   }
   return DTypeName(dtype);
@@ -61,12 +62,12 @@ absl::Status ParseDType(const std::string& s, TensorInfo* info) {
   } else if (s == "I64") {
     info->dtype = DType::kI32;
     info->extra = TensorInfo::Extra::kI64;
-  } else if (s == "U8") {
+  } else if (s == "U8" || s == "BOOL") {
     info->dtype = DType::kI8;
-    info->extra = TensorInfo::Extra::kU8;
+    info->extra = s == "U8" ? TensorInfo::Extra::kU8 : TensorInfo::Extra::kBool;
   } else {
     return absl::UnimplementedError(
-        absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32, I64, F8_E4M3, U8)"));
+        absl::StrCat("dtype ", s, " is not supported (supported: F32, F16, BF16, I32, I64, F8_E4M3, U8, BOOL)"));
   }
   return absl::OkStatus();
 }
@@ -460,7 +461,7 @@ absl::Status Checkpoint::Read(const std::string& name, const std::vector<int64_t
   // g_idx, shapes: model/quantized_checkpoint.h) are read only as I32; F8_E4M3 as a float type
   // (decoded) or as I8 (raw).
   const bool int_src = t.dtype == DType::kI32, fp8_src = t.extra == TensorInfo::Extra::kF8E4M3,
-             u8_src = t.extra == TensorInfo::Extra::kU8;
+             u8_src = t.extra == TensorInfo::Extra::kU8 || t.extra == TensorInfo::Extra::kBool;
   const bool ok_type = int_src  ? dst_type == DType::kI32
                        : u8_src ? dst_type == DType::kI8
                                 : dst_type != DType::kI32 && (dst_type != DType::kI8 || fp8_src);

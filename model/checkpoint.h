@@ -29,8 +29,9 @@ struct TensorInfo {
   // checkpoints (model/quantized_checkpoint.h): F8_E4M3 (`dtype` kI8 holds its bytes; read as
   // F32/F16/BF16, decoded, or as I8, the raw bytes) and I64 (`dtype` kI32 nominally; read as I32,
   // refused where a value does not fit); U8 (`dtype` kI8 holds its bytes; read raw as I8 only: the
-  // codes and scales of MXFP4 experts, model/mxfp4.h).
-  enum class Extra : uint8_t { kNone, kF8E4M3, kI64, kU8 };
+  // codes and scales of MXFP4 experts, model/mxfp4.h); BOOL (as U8: an EAGLE-3 head's t2d, which
+  // nothing reads, but a published head's checkpoint must open).
+  enum class Extra : uint8_t { kNone, kF8E4M3, kI64, kU8, kBool };
 
   std::string name;
   DType dtype = DType::kF32;
