@@ -951,16 +951,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
                         absl::StrCat("must be an integer or a list of at most ", kMaxEosIds, " integers"));
     }
   }
+  // (an EAGLE-3 head's token ids are the served model's: config.json's vocab_size, not its LM head's)
+  const int64_t ids = c.eagle3.has_value() ? c.eagle3->embedding_vocab_size : c.vocab_size;
   for (int64_t id : c.eos_token_ids) {
-    if (id < 0 || id >= c.vocab_size) {
+    if (id < 0 || id >= ids) {
       return FieldError(source, "eos_token_id",
-                        absl::StrCat("has ", id, ", outside the vocabulary [0, ", c.vocab_size, ") (vocab_size)"));
+                        absl::StrCat("has ", id, ", outside the vocabulary [0, ", ids, ") (vocab_size)"));
     }
   }
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "bos_token_id", false, &c.bos_token_id));
-  if (c.bos_token_id != -1 && (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)) {
+  if (c.bos_token_id != -1 && (c.bos_token_id < 0 || c.bos_token_id >= ids)) {
     return FieldError(source, "bos_token_id",
-                      absl::StrCat("is ", c.bos_token_id, ", outside the vocabulary [0, ", c.vocab_size, ") (vocab_size)"));
+                      absl::StrCat("is ", c.bos_token_id, ", outside the vocabulary [0, ", ids, ") (vocab_size)"));
   }
   // The worker computes RoPE in float32: a rope_theta or llama3 scaling that is positive in double
   // can still give inf or NaN there (rope_theta 1e-50 rounds to 0).

@@ -518,12 +518,29 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
                                   info.param.fixture;
                          });
 
+// What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
+// planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
+std::map<std::string, std::pair<int64_t, int64_t>> LoggedMemory(Cluster& cluster, int i) {
+  std::ifstream log(cluster.worker(i).log());
+  std::map<std::string, std::pair<int64_t, int64_t>> items;
+  const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
+  for (std::string text; std::getline(log, text);) {
+    std::smatch match;
+    if (std::regex_search(text, match, line)) {
+      items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
+    }
+  }
+  return items;
+}
+
 // Three requests at once (Hugging Face's golden prompt greedy, a seeded sampling one, a greedy one
 // with logprobs), then the first again from the prefix cache, through a cluster of layout `l` without
 // speculation and with `speculative` (the coordinator's flags): every output the same token for
-// token, the greedy one Hugging Face's; `proposer`'s guesses were made and some accepted.
+// token, the greedy one Hugging Face's; `proposer`'s guesses were made and some accepted. A head
+// (`head_item`, the plan's memory item: mtp_layer or eagle3_head) is the plan's to the byte on the
+// worker that runs it, the only one that lists it above 0, and every worker's step buffers are.
 void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
-                                 const std::string& proposer) {
+                                 const std::string& proposer, const std::string& head_item) {
   const Golden golden = LoadGolden(l.fixture);
   std::vector<v1::GenerateRequest> requests = {TokenRequest(golden.prompt, 32), TokenRequest(golden.prompt, 32),
                                                TokenRequest({5, 6, 7, 166, 166, 30, 64, 79, 226}, 32)};
@@ -531,7 +548,8 @@ void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>
   requests[1].mutable_sampling()->set_temperature(0.8f);
   requests[1].mutable_sampling()->set_seed(11);
   requests[2].mutable_sampling()->set_logprobs(true);
-  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status) {
+  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status,
+                 bool speculating) {
     Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}}, flags);
     ASSERT_TRUE(cluster.Start());
     out->assign(requests.size() + 1, Streamed{});
@@ -545,14 +563,25 @@ void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>
       ASSERT_TRUE((*out)[i].status.ok()) << i << ": " << (*out)[i].status.error_message() << "\n" << cluster.Logs();
     }
     *status = cluster.Status().scheduler();
+    if (!speculating) return;
+    int heads = 0;
+    for (int i = 0; i < cluster.num_workers(); ++i) {
+      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, i);
+      for (const std::string& name : {std::string("step_buffers"), head_item}) {
+        ASSERT_TRUE(items.count(name)) << "worker " << i << " logged no memory " << name << "\n" << cluster.Logs();
+        EXPECT_EQ(items[name].first, items[name].second) << "worker " << i << " " << name;
+      }
+      heads += items[head_item].first > 0 ? 1 : 0;
+    }
+    EXPECT_EQ(heads, 1) << "workers planned to hold " << head_item;
   };
   std::vector<Streamed> plain, speculated;
   v1::SchedulerStatus plain_status, s;
-  run({"--block-size", "4"}, &plain, &plain_status);
+  run({"--block-size", "4"}, &plain, &plain_status, false);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   std::vector<std::string> flags = {"--block-size", "4"};
   flags.insert(flags.end(), speculative.begin(), speculative.end());
-  run(flags, &speculated, &s);
+  run(flags, &speculated, &s, true);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
@@ -579,7 +608,8 @@ void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>
 class ClusterMtpSpeculationTest : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
-  ExpectGuessesKeepTheOutputs(GetParam(), {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp");
+  ExpectGuessesKeepTheOutputs(GetParam(), {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp",
+                              "mtp_layer");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterMtpSpeculationTest,
@@ -599,7 +629,8 @@ class ClusterEagle3SpeculationTest : public ::testing::TestWithParam<Layout> {};
 TEST_P(ClusterEagle3SpeculationTest, HeadGuessesKeepTheOutputs) {
   const std::string head = (fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/llama_gqa_eagle3").string();
   ExpectGuessesKeepTheOutputs(
-      GetParam(), {"--speculative", "eagle3", "--draft-model", head, "--num-speculative-tokens", "3"}, "eagle3");
+      GetParam(), {"--speculative", "eagle3", "--draft-model", head, "--num-speculative-tokens", "3"}, "eagle3",
+      "eagle3_head");
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterEagle3SpeculationTest,
@@ -1557,18 +1588,10 @@ TEST(ClusterDummyWeightsTest, Tp2Pp2GivesTheTokensOfOneProcess) {
     const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
     ASSERT_TRUE(r.status.ok()) << r.status.error_message() << "\n" << cluster.Logs();
     EXPECT_EQ(r.tokens, reference);
-    // Each worker logs the plan's memory beside what it allocated (issue 29 part 3): its weights,
-    // KV cache and step buffers are the plan's to the byte, on every stage and rank.
+    // Each worker logs the plan's memory beside what it allocated: its weights, KV cache and step
+    // buffers are the plan's to the byte, on every stage and rank.
     for (int i = 0; i < cluster.num_workers(); ++i) {
-      std::ifstream log(cluster.worker(i).log());
-      std::map<std::string, std::pair<int64_t, int64_t>> items;  // name -> (planned, measured)
-      const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
-      for (std::string text; std::getline(log, text);) {
-        std::smatch match;
-        if (std::regex_search(text, match, line)) {
-          items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
-        }
-      }
+      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, i);
       for (const char* name : {"weights", "kv_cache", "step_buffers"}) {
         ASSERT_TRUE(items.count(name)) << "worker " << i << " logged no memory " << name << "\n" << cluster.Logs();
         EXPECT_GT(items[name].first, 0) << "worker " << i << " " << name;

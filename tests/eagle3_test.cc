@@ -114,6 +114,17 @@ TEST(Eagle3Test, TheHeadsConfigIsReadAsPublished) {
     ASSERT_FALSE(c.ok()) << field;
     EXPECT_NE(c.status().message().find(field), std::string::npos) << c.status();
   }
+  // Its token ids are the served model's, not its LM head's: an eos_token_id past draft_vocab_size is
+  // the model's id (the published head for Llama-3.1-8B: eos 128001, 32,000 ids of 128,256 guessed).
+  absl::StatusOr<ModelConfig> published =
+      LoadModelConfig(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/configs/eagle3-llama-3.1-8b.json");
+  ASSERT_TRUE(published.ok()) << published.status();
+  EXPECT_EQ(published->vocab_size, 32000);
+  EXPECT_EQ(published->eagle3->embedding_vocab_size, 128256);
+  EXPECT_EQ(published->eos_token_ids, (std::vector<int64_t>{128001}));
+  absl::StatusOr<ModelConfig> past = parse([](nlohmann::json& j) { j["eos_token_id"] = 512; });
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.status().message().find("outside the vocabulary [0, 512)"), std::string::npos) << past.status();
 }
 
 TEST(Eagle3Test, TheHeadsGuessesAreTheReferences) {

@@ -14,7 +14,10 @@
 6. --speculative mtp: DeepSeek-V3 on 8 H200 counts its multi-token-prediction layer on GPU 0 only
    (the item mtp_layer, a column and the plan's explanation), its items still add up, the model's
    cache is smaller; a model without the layer is refused (exit 1), naming why.
-7. gpt-oss-120b's model line names its experts' MXFP4 format beside the bf16 of the rest.
+7. --speculative eagle3: Llama-3.1-8B's published EAGLE-3 head on one H200 is an item of its own, the
+   hidden states kept for it 48 MiB of the step buffers; a head as a draft, a model as a head, a head
+   of another model and a missing --draft-model are refused.
+8. gpt-oss-120b's model line names its experts' MXFP4 format beside the bf16 of the rest.
 
 usage: plan_cli_test.py BIN_DIR
 """
@@ -116,19 +119,53 @@ def main():
     rc, out, err = plan("--cluster", "1x2xA100-80GB", "--speculative", "mtp")
     check(rc == 1 and "--speculative mtp needs the model's multi-token-prediction layer" in err,
           "a model without the layer is refused", out + err)
-    # An EAGLE-3 head is not a draft model, and the plan does not count it yet: refused, saying so.
-    head = os.path.join(ROOT, "tests/fixtures/models/llama_gqa_eagle3")
-    rc, out, err = plan("--cluster", "1x1xH100-80GB", "--draft-model", head,
-                        config=os.path.join(ROOT, "tests/fixtures/models/llama_gqa/config.json"))
-    check(rc == 1 and "is an EAGLE-3 head (LlamaForCausalLMEagle3), which the plan does not count yet" in err,
-          "an EAGLE-3 head as --draft-model", out + err)
+    # --speculative eagle3: the published head for Llama-3.1-8B on one H200 is counted on that GPU (an
+    # item of its own, the plan's explanation, the hidden states kept for it in the step buffers); a
+    # head is not a draft model, nor a model a head.
+    llama31 = os.path.join(ROOT, "tests/fixtures/configs/llama-3.1-8b.json")
+    head = os.path.join(ROOT, "tests/fixtures/configs/eagle3-llama-3.1-8b.json")
+    rc, out, err = plan("--cluster", "1x1xH200", "--json", config=llama31)
+    check(rc == 0, f"Llama-3.1-8B on one H200 exits 0, got {rc}", out + err)
+    plain = json.loads(out)
+    rc, out, err = plan("--cluster", "1x1xH200", "--speculative", "eagle3", "--draft-model", head, "--json",
+                        config=llama31)
+    check(rc == 0, f"Llama-3.1-8B --speculative eagle3 on one H200 exits 0, got {rc}", out + err)
+    j = json.loads(out)
+    memory, before = j["per_gpu"][0]["memory"], plain["per_gpu"][0]["memory"]
+    # (the head: its one layer's K and V beside each token of the model's 32 layers' cache, and under
+    # 3 GiB of bf16 weights, the model's embedding copied in among them, and buffers)
+    check(memory["kv_cache"] // 32 < memory.get("eagle3_head", 0) < memory["kv_cache"] // 32 + (3 << 30),
+          "the head's item", out)
+    check(memory["step_buffers"] - before["step_buffers"] == 3 * 2048 * 4096 * 2,
+          "the hidden states kept at three layers: 48 MiB of step buffers", out)
+    check(sum(memory.values()) == j["cluster"]["gpu_memory_bytes"] and memory["free"] >= 0,
+          "the items with the head add up to the GPU", out)
+    check(j["kv_cache_tokens"] < plain["kv_cache_tokens"], "the head leaves the model's cache smaller", out)
+    rc, out, err = plan("--cluster", "1x1xH200", "--speculative", "eagle3", "--draft-model", head, config=llama31)
+    words = " ".join(out.split())
+    check(rc == 0 and "EAGLE-3 head" in out and "The EAGLE-3 head takes" in words and
+          "every GPU keeps the model's hidden states at the head's 3 layers for it, 48.00 MiB" in words,
+          "the table's EAGLE-3 column and explanation", out)
+    rc, out, err = plan("--cluster", "1x1xH200", "--draft-model", head, config=llama31)
+    check(rc == 1 and "is an EAGLE-3 head (LlamaForCausalLMEagle3): plan it with --speculative eagle3" in err,
+          "an EAGLE-3 head as a draft model", out + err)
+    rc, out, err = plan("--cluster", "1x1xH200", "--speculative", "eagle3", "--draft-model", llama31, config=llama31)
+    check(rc == 1 and "is not an EAGLE-3 head (LlamaForCausalLM): plan it with --speculative draft" in err,
+          "a model as an EAGLE-3 head", out + err)
+    rc, out, err = plan("--cluster", "1x1xH200", "--speculative", "eagle3",
+                        config=os.path.join(ROOT, "tests/fixtures/configs/qwen3-32b.json"))
+    check(rc == 2 and "--speculative eagle3 needs --draft-model DIR (the EAGLE-3 head's config.json)" in err,
+          "--speculative eagle3 without its head", out + err)
+    rc, out, err = plan("--cluster", "1x1xH200", "--speculative", "eagle3", "--draft-model", head,
+                        config=os.path.join(ROOT, "tests/fixtures/configs/qwen3-32b.json"))
+    check(rc == 1 and "target_hidden_size" in err, "a head of another model's width is refused", out + err)
     # gpt-oss-120b's experts are held in MXFP4 as published, the rest in bf16: the model line says so.
     gpt_oss = os.path.join(ROOT, "tests/fixtures/configs/gpt-oss-120b.json")
     rc, out, err = plan("--cluster", "1x1xH100-80GB", config=gpt_oss)
     check(rc == 0 and "60.77 GiB in bf16 with the experts' products in mxfp4" in out, "gpt-oss's model line", out + err)
 
     bad = [
-        (["--cluster", "1x2xA100-80GB", "--speculative", "eagle"], "--speculative must be ngram, draft or mtp"),
+        (["--cluster", "1x2xA100-80GB", "--speculative", "eagle"], "--speculative must be ngram, draft, mtp or eagle3"),
         (["--cluster", "1x2xA100-80GB", "--speculative", "draft"], "--speculative draft needs --draft-model DIR"),
         (["--cluster", "1x2xA100-80GB", "--quantization", "int3"], "quantization must be none, int8, int4 or fp8"),
         (["--cluster", "1x2xA100-80GB", "--foo", "1"], "unknown flag --foo"),

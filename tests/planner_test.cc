@@ -1292,6 +1292,13 @@ ClusterSpec SmallCpuCluster() {
   return c;
 }
 
+// SmallCpuCluster's nodes, of CPU workers of `bytes` each: no CUDA runtime beside them.
+ClusterSpec SmallCpuWorkers(uint64_t bytes) {
+  ClusterSpec c = SmallCpuCluster();
+  c.gpu = {"cpu", bytes, 10e9};
+  return c;
+}
+
 PlanOptions SmallCpuOptions(int tp, int pp) {
   PlanOptions o;
   o.tp = tp;
@@ -1831,8 +1838,7 @@ TEST(PlannerDraft, CountsTheDraftAsTheWorkerLoadsIt) {
   ASSERT_TRUE(m.ok()) << m.status();
   absl::StatusOr<PlannerModel> d = OpenPlannerModel(root / "demo-draft");
   ASSERT_TRUE(d.ok()) << d.status();
-  ClusterSpec cluster = SmallCpuCluster();
-  cluster.gpu = {"cpu", 48u << 20, 10e9};  // CPU workers of 48 MiB: no CUDA runtime beside them
+  const ClusterSpec cluster = SmallCpuWorkers(48u << 20);
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   // 4 sequences: the draft's pool is every sequence at its longest (68 blocks); 64: the model's
   // blocks and the guesses' (fewer than 64 sequences at their longest).
@@ -1888,8 +1894,7 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
   absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "deepseek_v3_mtp_tf5");
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_EQ(m->config.num_nextn_predict_layers, 1);
-  ClusterSpec cluster = SmallCpuCluster();
-  cluster.gpu = {"cpu", 16u << 20, 10e9};  // CPU workers of 16 MiB: no CUDA runtime beside them
+  const ClusterSpec cluster = SmallCpuWorkers(16u << 20);
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   for (const auto& [tp, pp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 3}}) {
     const std::string where = absl::StrCat("TP=", tp, " PP=", pp);
@@ -1925,7 +1930,7 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
       absl::StatusOr<std::unique_ptr<MtpRunner>> mtp =
           MtpRunner::Load(*m->checkpoint, m->config, WeightQuant::kNone, p.limits, shard->get());
       ASSERT_TRUE(mtp.ok()) << where << ": " << mtp.status();
-      const MtpLayerMemory planned = MtpLayerBytes(m->config, g, p.dtype, p.limits);
+      const HeadMemory planned = HeadBytes(m->config, g, p.dtype, p.limits);
       EXPECT_EQ(planned.weights, (*mtp)->weight_bytes()) << where;
       EXPECT_EQ(planned.kv_cache, (*mtp)->kv_cache_bytes()) << where;
       EXPECT_EQ(planned.buffers, (*mtp)->step_buffer_bytes() + (*mtp)->buffer_bytes()) << where;
@@ -1938,6 +1943,84 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
       EXPECT_EQ(g.draft_kv_bytes_per_token, uint64_t{(32 + 8) * 4}) << where;
     }
   }
+}
+
+// Speculative decoding with an EAGLE-3 head (--speculative eagle3): tests/fixtures/models/
+// llama_gqa_eagle3 over llama_gqa (its layers 1, 2 and 4; no embedding of its own, so the model's
+// is copied in), on CPU workers, in three layouts. Every worker loads its shard keeping the hidden
+// states of those layers, and its step buffers item is exactly what that shard allocates (the
+// hidden states kept among them); the last stage's TP rank 0 lists the item eagle3_head with exactly
+// the bytes MtpRunner::LoadEagle3 allocates beside its shard, part by part; every other device lists
+// 0 and every device's items still add up to its memory. A head beside a draft model, a head that
+// does not fit the model and a head given as a draft model are refused.
+TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "llama_gqa");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const fs::path head_dir = kModels / "llama_gqa_eagle3";
+  absl::StatusOr<ModelConfig> head = LoadModelConfig(head_dir);
+  ASSERT_TRUE(head.ok()) << head.status();
+  const std::vector<int64_t> kept = {1, 2, 4};
+  const ClusterSpec cluster = SmallCpuWorkers(16u << 20);
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  for (const auto& [tp, pp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 3}}) {
+    const std::string where = absl::StrCat("TP=", tp, " PP=", pp);
+    const PlanOptions plain = SmallCpuOptions(tp, pp);
+    PlanOptions o = plain;
+    o.eagle3 = *head;
+    const Plan without = MustPlan(m->config, cluster, plain, m->checkpoint.get());
+    const Plan p = MustPlan(m->config, cluster, o, m->checkpoint.get());
+    ASSERT_TRUE(p.fits) << where << ": " << p.reason;
+    EXPECT_LE(p.kv_cache_tokens, without.kv_cache_tokens) << where;
+    EXPECT_THAT(p.reason, HasSubstr("The EAGLE-3 head takes")) << where;
+    EXPECT_THAT(p.reason, HasSubstr("every GPU keeps the model's hidden states at the head's 3 layers")) << where;
+    for (size_t i = 0; i < p.per_gpu.size(); ++i) {
+      const GpuPlan& g = p.per_gpu[i];
+      const bool sampler = g.stage == pp - 1 && g.tp_rank == 0;
+      EXPECT_EQ(ItemSum(g), static_cast<int64_t>(cluster.gpu.memory_bytes)) << where;
+      EXPECT_GE(Item(g, kMemFree), 0) << where;
+      // Every worker, as StepExecutor::Create loads it for the head.
+      const StagePlan& st = p.stages[g.stage];
+      LoadOnlyCommunicator comm(g.tp_rank, tp);
+      ShardSpec spec{st.first_layer, st.last_layer + 1, g.tp_rank, tp};
+      spec.aux_hidden_layers = kept;
+      absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+          ModelShard::Load(*m->checkpoint, m->config, spec, p.limits, backend.get(), &comm);
+      ASSERT_TRUE(shard.ok()) << where << ": " << shard.status();
+      EXPECT_EQ(Item(g, kMemStepBuffers), static_cast<int64_t>((*shard)->step_buffer_bytes())) << where;
+      // (the kept rows: 3 layers x 64 tokens a step x 64 float32 values)
+      EXPECT_EQ(Item(g, kMemStepBuffers) - Item(without.per_gpu[i], kMemStepBuffers), 3 * 64 * 64 * 4) << where;
+      if (!sampler) {
+        EXPECT_EQ(Item(g, kMemEagle3Head), 0) << where << " stage " << g.stage << " rank " << g.tp_rank;
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<MtpRunner>> runner =
+          MtpRunner::LoadEagle3(head_dir.string(), LoadFormat::kAuto, 0, *m->checkpoint, m->config, WeightQuant::kNone,
+                                p.limits, shard->get());
+      ASSERT_TRUE(runner.ok()) << where << ": " << runner.status();
+      const HeadMemory planned = HeadBytes(*head, g, p.dtype, p.limits);
+      EXPECT_EQ(planned.weights, (*runner)->weight_bytes()) << where;
+      EXPECT_EQ(planned.kv_cache, (*runner)->kv_cache_bytes()) << where;
+      EXPECT_EQ(planned.buffers, (*runner)->step_buffer_bytes() + (*runner)->buffer_bytes()) << where;
+      EXPECT_EQ(Item(g, kMemEagle3Head), static_cast<int64_t>((*runner)->total_bytes())) << where;
+      // Its own layer's K and V (2 KV heads of 16) a token of a draft model's pool.
+      EXPECT_EQ(g.draft_kv_bytes_per_token, uint64_t{2 * 2 * 16 * 4}) << where;
+    }
+  }
+  const auto refused = [&](const PlanOptions& o) {
+    absl::StatusOr<Plan> p = MakePlan(m->config, nullptr, cluster, o);
+    return p.ok() ? std::string("planned") : std::string(p.status().message());
+  };
+  PlanOptions both = SmallCpuOptions(1, 1);
+  both.eagle3 = *head;
+  both.draft = m->config;
+  EXPECT_THAT(refused(both), HasSubstr("an EAGLE-3 head and a draft model are two ways of speculative decoding"));
+  PlanOptions narrow = SmallCpuOptions(1, 1);
+  narrow.eagle3 = *head;
+  narrow.eagle3->eagle3->target_hidden_size = 32;
+  EXPECT_THAT(refused(narrow), HasSubstr("target_hidden_size"));
+  PlanOptions as_draft = SmallCpuOptions(1, 1);
+  as_draft.draft = *head;
+  EXPECT_THAT(refused(as_draft), HasSubstr("plan it as one (--speculative eagle3), not as a draft model"));
 }
 
 // DeepSeek-V3's multi-token-prediction layer (--speculative mtp) as published, FP8 with 128 x 128
@@ -1974,8 +2057,8 @@ TEST(PlannerMtp, DeepSeekV3_Fp8_EightH200) {
   ASSERT_EQ(p.tp, 8);
   ASSERT_EQ(p.pp, 1);
   const GpuPlan& g0 = p.per_gpu[0];
-  EXPECT_EQ(g0.mtp_weight_bytes, weights);
-  const MtpLayerMemory m = MtpLayerBytes(*c, g0, p.dtype, p.limits);
+  EXPECT_EQ(g0.head_weight_bytes, weights);
+  const HeadMemory m = HeadBytes(*c, g0, p.dtype, p.limits);
   const StepLimits pool = DraftStepLimits(p.limits);
   EXPECT_EQ(m.kv_cache, static_cast<uint64_t>(pool.num_kv_blocks * 16) * (kv_lora + rope) * 2);
   EXPECT_EQ(pool.num_kv_blocks, p.limits.num_kv_blocks + 256 * 2);  // 16 guesses: 2 blocks of 16 a sequence

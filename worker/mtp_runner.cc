@@ -25,7 +25,8 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& w
   r->limits_ = MtpLimits(limits);
   r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
   const ShardSpec spec{.first_layer = config.num_hidden_layers, .end_layer = config.num_hidden_layers + 1,
-                       .tp_rank = 0, .tp_size = 1, .weight_quant = quant, .expert_parallel = false, .mtp = true};
+                       .tp_rank = 0, .tp_size = 1, .weight_quant = quant, .expert_parallel = false, .mtp = true,
+                       .eagle3 = false, .aux_hidden_layers = {}};
   absl::StatusOr<std::unique_ptr<ModelShard>> shard =
       ModelShard::Load(weights, config, spec, r->limits_, target->backend(), r->tp_.get());
   if (!shard.ok()) {
@@ -110,7 +111,7 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::LoadEagle3(const std::stri
   r->limits_ = MtpLimits(limits);
   r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
   const ShardSpec spec{.first_layer = 0, .end_layer = 1, .tp_rank = 0, .tp_size = 1, .weight_quant = quant,
-                       .expert_parallel = false, .mtp = false, .eagle3 = true};
+                       .expert_parallel = false, .mtp = false, .eagle3 = true, .aux_hidden_layers = {}};
   absl::StatusOr<std::unique_ptr<ModelShard>> shard =
       ModelShard::Load(weights, *config, spec, r->limits_, target->backend(), r->tp_.get());
   if (!shard.ok()) return refuse(shard.status());

@@ -292,7 +292,7 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
   const bool cuda = d.total >= 0 && d.free_start >= 0 && d.free_backend >= 0 && d.free_groups >= 0 &&
                     d.free_loaded >= 0;
   const int64_t scratch = static_cast<int64_t>(backend_->dequant_scratch_bytes());
-  // (with a draft model's or the multi-token-prediction layer's own count, where this worker runs one)
+  // (with a draft model's or a head's own count, where this worker runs one)
   const int64_t own = static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() +
                                            shard_->step_buffer_bytes() + (mtp_ != nullptr ? mtp_->total_bytes() : 0)) +
                       draft_bytes_ + scratch;
@@ -308,10 +308,11 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = Bytes(static_cast<int64_t>(shard_->step_buffer_bytes())) + ", the shard's own count";
     } else if (name == "draft_model") {
       measured = Bytes(draft_bytes_) + ", the draft's own count (weights, KV cache, step buffers)";
-    } else if (name == "mtp_layer") {
-      measured = mtp_ == nullptr ? Bytes(0) + ", this worker runs no multi-token-prediction layer"
+    } else if (name == "mtp_layer" || name == "eagle3_head") {
+      const char* what = name == "mtp_layer" ? "multi-token-prediction layer" : "EAGLE-3 head";
+      measured = mtp_ == nullptr ? absl::StrCat(Bytes(0), ", this worker runs no ", what)
                                  : Bytes(static_cast<int64_t>(mtp_->total_bytes())) +
-                                       ", the layer's own count (weights, KV cache, step buffers, hidden rows)";
+                                       ", the head's own count (weights, KV cache, step buffers, hidden rows)";
     } else if (name == "dequant_scratch") {
       measured = Bytes(scratch) + ", the backend's own count (grown as the quantized weights were stored)";
     } else if (name == "cuda_graph_pools") {

@@ -47,7 +47,7 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   p.limits = o.limits;  // the plan decides num_kv_blocks (and max_model_len when 0)
   p.weight_quant = o.weight_quant;
   p.expert_parallel = o.expert_parallel;
-  p.draft = o.draft_config;
+  (o.speculative_eagle3 ? p.eagle3 : p.draft) = o.draft_config;
   p.mtp = o.speculative_mtp;
   if (cpu_only) {
     p.dtype = DType::kF32;        // the CPU backend computes and stores in float32

@@ -31,9 +31,10 @@ struct PoolOptions {
   // Where the workers' weights come from (--load-format, --dummy-seed; model/weight_source.h).
   LoadFormat load_format = LoadFormat::kAuto;
   uint64_t dummy_seed = 0;
-  // Speculative decoding's draft model (--draft-model; docs/speculative-decoding.md): its directory,
-  // absolute, as the workers see it; the worker that samples loads it beside its shard. "": none.
-  // With it, its config.json, which the plan counts on that worker (PlanOptions::draft).
+  // Speculative decoding's draft model or EAGLE-3 head (--draft-model; docs/speculative-decoding.md):
+  // its directory, absolute, as the workers see it; the worker that samples loads it beside its
+  // shard. "": none. With it, its config.json, which the plan counts on that worker
+  // (PlanOptions::draft, or with speculative_eagle3 PlanOptions::eagle3).
   std::string draft_model_path;
   std::optional<ModelConfig> draft_config;
   // Speculative decoding with the model's multi-token-prediction layer (--speculative mtp): the
@@ -41,8 +42,9 @@ struct PoolOptions {
   // (PlanOptions::mtp).
   bool speculative_mtp = false;
   // Speculative decoding with an EAGLE-3 head (--speculative eagle3; draft_model_path its directory,
-  // draft_config unset): the worker that samples loads and runs it (Assignment.speculative_eagle3),
-  // and every worker keeps the model's hidden states at aux_hidden_layers (Eagle3AuxLayers).
+  // draft_config its config.json): the worker that samples loads and runs it
+  // (Assignment.speculative_eagle3), and every worker keeps the model's hidden states at
+  // aux_hidden_layers (Eagle3AuxLayers).
   bool speculative_eagle3 = false;
   std::vector<int64_t> aux_hidden_layers;
   absl::Duration collective_timeout = absl::Seconds(5);

@@ -55,16 +55,6 @@ constexpr uint64_t kNcclPeers = 2;
 constexpr uint64_t kNcclChannels = 16;
 constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * kNcclChannels;
 
-uint64_t DeclaredBytes(const std::vector<StepBufferDecl>& buffers) {
-  uint64_t bytes = 0;
-  for (const StepBufferDecl& b : buffers) {
-    uint64_t elements = 1;
-    for (int64_t d : b.dims) elements *= static_cast<uint64_t>(d);
-    bytes += elements * DTypeSize(b.dtype);
-  }
-  return bytes;
-}
-
 bool BeforeHopper(const GpuSpec& gpu) {
   std::string name = absl::AsciiStrToUpper(gpu.name);
   if (absl::StartsWith(name, "NVIDIA ")) name = name.substr(7);
@@ -112,9 +102,24 @@ RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage,
   return r;
 }
 
+uint64_t DeclaredBytes(const std::vector<StepBufferDecl>& buffers) {
+  uint64_t bytes = 0;
+  for (const StepBufferDecl& b : buffers) {
+    uint64_t elements = 1;
+    for (int64_t d : b.dims) elements *= static_cast<uint64_t>(d);
+    bytes += elements * DTypeSize(b.dtype);
+  }
+  return bytes;
+}
+
+int64_t AuxLayers(const PlanOptions& options) {
+  return options.eagle3.has_value() && options.eagle3->eagle3.has_value() ? options.eagle3->eagle3->num_aux() : 0;
+}
+
 uint64_t StepBufferBytes(const ModelConfig& c, const TpShard& s, DType act_dtype, const StepLimits& limits,
-                         bool last_stage) {
-  return DeclaredBytes(StepBuffers(c, s, act_dtype, limits, last_stage));
+                         bool last_stage, int64_t aux_layers) {
+  return DeclaredBytes(StepBuffers(c, s, act_dtype, limits, last_stage)) +
+         DeclaredBytes(AuxHiddenBuffers(c, aux_layers, act_dtype, limits));
 }
 
 SequenceKv SequenceKvBytes(const ModelConfig& config, int64_t first_layer, int64_t end_layer, int64_t kv_heads,
@@ -158,19 +163,20 @@ uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv
   return g.draft_kv_bytes_per_token * static_cast<uint64_t>(draft.num_kv_blocks * draft.block_size);
 }
 
-MtpLayerMemory MtpLayerBytes(const ModelConfig& config, const GpuPlan& g, DType act, const StepLimits& limits) {
-  MtpLayerMemory m;
-  absl::StatusOr<TpShard> whole = ComputeTpShard(config, 0, 1);
-  // (MakePlan computed the whole shard already: a model it plans has one)
-  if (g.mtp_weight_bytes == 0 || !whole.ok()) return m;
+HeadMemory HeadBytes(const ModelConfig& head, const GpuPlan& g, DType act, const StepLimits& limits) {
+  HeadMemory m;
+  absl::StatusOr<TpShard> whole = ComputeTpShard(head, 0, 1);
+  // (MakePlan computed the whole shard already: a head it plans has one)
+  if (g.head_weight_bytes == 0 || !whole.ok()) return m;
   const StepLimits mtp = MtpStepLimits(limits);
-  m.weights = g.mtp_weight_bytes;
+  m.weights = g.head_weight_bytes;
   // One layer's cache, in one pool (MtpStepLimits has no sliding pool).
-  m.kv_cache = static_cast<uint64_t>(config.KvValuesPerToken(whole->kv_heads)) * DTypeSize(act) *
+  m.kv_cache = static_cast<uint64_t>(head.KvValuesPerToken(whole->kv_heads)) * DTypeSize(act) *
                static_cast<uint64_t>(mtp.num_kv_blocks * mtp.block_size);
   // Its shard ends in logits, as a last stage's does (ModelShard::is_last_stage).
-  m.buffers = StepBufferBytes(config, *whole, act, mtp, /*last_stage=*/true) +
-              DeclaredBytes(MtpStepBuffers(config, act, mtp)) + DeclaredBytes(MtpRunnerBuffers(config, act, limits));
+  m.buffers = StepBufferBytes(head, *whole, act, mtp, /*last_stage=*/true) +
+              DeclaredBytes(MtpStepBuffers(head, act, mtp)) + DeclaredBytes(Eagle3StepBuffers(head, act, mtp)) +
+              DeclaredBytes(MtpRunnerBuffers(head, act, limits));
   return m;
 }
 
@@ -197,14 +203,17 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   const GpuSpec& gpu = plan.cluster.gpu;
   const StagePlan& stage = plan.stages[g.stage];
   absl::StatusOr<TpShard> shard = ComputeTpShard(config, g.tp_rank, plan.tp, plan.options.expert_parallel);
-  const uint64_t step = shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head) : 0;
+  const uint64_t step =
+      shard.ok() ? StepBufferBytes(config, *shard, plan.dtype, plan.limits, stage.lm_head, AuxLayers(plan.options)) : 0;
   const uint64_t kv =
       GpuKvBytes(g, plan.limits.num_kv_blocks, plan.limits.num_sliding_kv_blocks, plan.limits.block_size);
   const RuntimeMemory r = SplitRuntimeReserve(gpu, plan.tp, plan.pp, g.stage, g.reserve_bytes, g.dequant_scratch_bytes);
-  // A draft model or the multi-token-prediction layer, on the worker that samples (the layer's at the
-  // plan's limits exactly as its runner allocates: MtpLayerBytes).
-  const uint64_t beside = plan.options.mtp ? MtpLayerBytes(config, g, plan.dtype, plan.limits).total()
-                                           : g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
+  // A draft model or a head, on the worker that samples (a head's at the plan's limits exactly as its
+  // runner allocates: HeadBytes).
+  const ModelConfig& head = plan.options.eagle3.has_value() ? *plan.options.eagle3 : config;
+  const uint64_t beside = plan.options.mtp || plan.options.eagle3.has_value()
+                              ? HeadBytes(head, g, plan.dtype, plan.limits).total()
+                              : g.draft_bytes + DraftKvBytes(g, plan.limits, plan.limits.num_kv_blocks);
   const int64_t used = static_cast<int64_t>(g.weight_bytes + kv + step + beside + r.total());
   const int64_t usable = static_cast<int64_t>(plan.usable_bytes_per_gpu);
   std::vector<MemoryItem> items = {
@@ -214,6 +223,7 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   };
   if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(beside)});
   if (plan.options.mtp) items.push_back({kMemMtpLayer, static_cast<int64_t>(beside)});
+  if (plan.options.eagle3.has_value()) items.push_back({kMemEagle3Head, static_cast<int64_t>(beside)});
   items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
   if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
   items.insert(items.end(), {

@@ -20,6 +20,7 @@
 #include "coordinator/planner/cluster.h"
 #include "kernels/tensor.h"
 #include "model/config.h"
+#include "model/families/declaration.h"
 #include "model/sharding.h"
 #include "model/step_limits.h"
 
@@ -27,6 +28,7 @@ namespace shardserve {
 
 struct Plan;
 struct GpuPlan;
+struct PlanOptions;
 
 // The item names, in the order they are listed.
 inline constexpr const char* kMemWeights = "weights";
@@ -38,6 +40,8 @@ inline constexpr const char* kMemDraftModel = "draft_model";
 // Listed only in a plan with the model's multi-token-prediction layer (PlanOptions::mtp): its
 // weights, KV cache, step buffers and hidden rows, on the last stage's TP rank 0 (0 elsewhere).
 inline constexpr const char* kMemMtpLayer = "mtp_layer";
+// Listed only in a plan with an EAGLE-3 head (PlanOptions::eagle3): the same, for the head.
+inline constexpr const char* kMemEagle3Head = "eagle3_head";
 inline constexpr const char* kMemCublasWorkspace = "cublas_workspace";
 // Listed only where it is not 0: quantized weights on CUDA (GpuPlan::dequant_scratch_bytes).
 inline constexpr const char* kMemDequantScratch = "dequant_scratch";
@@ -85,10 +89,18 @@ int NcclCommunicators(int tp, int pp, int stage);
 RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
                                   uint64_t dequant_scratch_bytes = 0);
 
+// The bytes of `buffers` as the worker allocates them (registry.h's declarations).
+uint64_t DeclaredBytes(const std::vector<StepBufferDecl>& buffers);
+
+// The model's layers whose input hidden states every worker keeps for an EAGLE-3 head
+// (PlanOptions::eagle3, ModelConfig::Eagle3::num_aux); 0 without one.
+int64_t AuxLayers(const PlanOptions& options);
+
 // The bytes of the buffers one step works in, which the worker allocates at load for `limits`: the
-// family's declared step buffers (model/families/registry.h StepBuffers).
+// family's declared step buffers (model/families/registry.h StepBuffers), and where it keeps the
+// model's hidden states at `aux_layers` layers for an EAGLE-3 head, those (AuxHiddenBuffers).
 uint64_t StepBufferBytes(const ModelConfig& config, const TpShard& shard, DType act, const StepLimits& limits,
-                         bool last_stage);
+                         bool last_stage, int64_t aux_layers = 0);
 
 // The KV cache one sequence of `context` tokens holds in layers [first_layer, end_layer) of
 // `config`, with `kv_heads` KV heads each (the TP shard's) in `dtype`, in blocks of `block_size`,
@@ -124,19 +136,20 @@ uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding
 // blocks within `limits`: DraftStepLimits' blocks at g.draft_kv_bytes_per_token a token.
 uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv_blocks);
 
-// The model's multi-token-prediction layer on `g` (0 where g.mtp_weight_bytes is 0: not the
-// worker that runs it) for a model served within `limits`, in `act`, as worker/mtp_runner.h
-// allocates it: g.mtp_weight_bytes, a KV cache of one layer in MtpStepLimits' pool (latent
+// A head over the model's hidden states on `g` (0 where g.head_weight_bytes is 0: not the worker
+// that runs it) for a model served within `limits`, in `act`, as worker/mtp_runner.h allocates it:
+// `head` is the config of the layer that runs, the model's for its multi-token-prediction layer or an
+// EAGLE-3 head's own. g.head_weight_bytes, a KV cache of one layer in MtpStepLimits' pool (latent
 // attention's latent rows, whole; the pool follows the model's blocks, limits.num_kv_blocks, as a
-// draft model's), its shard's step buffers (StepBuffers and MtpStepBuffers, whole, for
-// MtpStepLimits) and the runner's (MtpRunnerBuffers).
-struct MtpLayerMemory {
+// draft model's), its shard's step buffers (StepBuffers, MtpStepBuffers and an EAGLE-3 head's
+// Eagle3StepBuffers, whole, for MtpStepLimits) and the runner's (MtpRunnerBuffers).
+struct HeadMemory {
   uint64_t weights = 0;
   uint64_t kv_cache = 0;
   uint64_t buffers = 0;  // the shard's step buffers and the runner's
   uint64_t total() const { return weights + kv_cache + buffers; }
 };
-MtpLayerMemory MtpLayerBytes(const ModelConfig& config, const GpuPlan& g, DType act, const StepLimits& limits);
+HeadMemory HeadBytes(const ModelConfig& head, const GpuPlan& g, DType act, const StepLimits& limits);
 
 // The most full-pool blocks, at most `cap`, whose KV cache on `g` with its planned sliding pool
 // (PlannedSlidingBlocks) and a draft model's blocks beside them (DraftKvBytes) fits in `bytes`.
@@ -145,8 +158,8 @@ int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimi
 
 // One device's items in the plan: g.weight_bytes, the KV cache the workers allocate
 // (plan.limits.num_kv_blocks blocks and num_sliding_kv_blocks for the sliding layers, the same on
-// every device: GpuKvBytes), the step buffers for plan.limits, a draft model and the
-// multi-token-prediction layer where the plan has them (MtpLayerBytes at plan.limits), the runtime
+// every device: GpuKvBytes), the step buffers for plan.limits, a draft model, the
+// multi-token-prediction layer or an EAGLE-3 head where the plan has one (HeadBytes at plan.limits), the runtime
 // items (the dequantize scratch only where g has one), what is left free of the usable memory and
 // what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);

@@ -51,10 +51,10 @@ struct Context {
   // draft_kv_bytes_per_token there.
   uint64_t draft_bytes = 0;
   uint64_t draft_kv_bytes_per_token = 0;
-  // The multi-token-prediction layer (PlanOptions::mtp) on the same worker: GpuPlan::mtp_weight_bytes
-  // there, and its largest quantized weight's dequantize scratch on CUDA.
-  uint64_t mtp_weight_bytes = 0;
-  uint64_t mtp_dequant_scratch = 0;
+  // A head (PlanOptions::mtp or eagle3) on the same worker: GpuPlan::head_weight_bytes there, and its
+  // largest quantized weight's dequantize scratch on CUDA.
+  uint64_t head_weight_bytes = 0;
+  uint64_t head_dequant_scratch = 0;
 };
 
 // One layout, evaluated.
@@ -143,6 +143,10 @@ uint64_t NeedKvBytes(const Context& ctx, const GpuPlan& g) {
 // DraftStepLimits, and its KV bytes per token (its blocks follow the model's: DraftKvBytes).
 absl::Status CountDraft(Context* ctx) {
   const ModelConfig& d = *ctx->options.draft;
+  if (d.eagle3.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("the draft model is an EAGLE-3 head (", d.architecture_name,
+                                                   "): plan it as one (--speculative eagle3), not as a draft model"));
+  }
   if (d.vocab_size != ctx->config.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("the draft model has a vocabulary of ", d.vocab_size,
                                                    " ids but the model has ", ctx->config.vocab_size,
@@ -164,7 +168,7 @@ absl::Status CountDraft(Context* ctx) {
 // The model's multi-token-prediction layer (PlanOptions::mtp) as the worker that samples loads it
 // (worker/mtp_runner.h MtpRunner::Load): its first layer's tensors whole (one TP rank of one), in
 // ctx.dtype, linear weights as options.weight_quant or in the checkpoint's format. It is planned as a
-// draft model is: its weights and buffers (memory.h MtpLayerBytes) a fixed amount there, its KV
+// draft model is: its weights and buffers (memory.h HeadBytes) a fixed amount there, its KV
 // cache one layer's latent row a token of DraftStepLimits' pool, which follows the model's blocks.
 absl::Status CountMtp(Context* ctx) {
   const ModelConfig& c = ctx->config;
@@ -189,13 +193,50 @@ absl::Status CountMtp(Context* ctx) {
   absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
   if (!whole.ok()) return whole.status();
   const RankWeights w = CountRankWeights(c, tensors, *whole, ctx->dtype, ctx->options.weight_quant);
-  ctx->mtp_weight_bytes = w.mtp;
-  ctx->mtp_dequant_scratch = w.mtp_dequant_scratch;
+  ctx->head_weight_bytes = w.mtp;
+  ctx->head_dequant_scratch = w.mtp_dequant_scratch;
   GpuPlan sampler;
-  sampler.mtp_weight_bytes = w.mtp;
-  const MtpLayerMemory m = MtpLayerBytes(c, sampler, ctx->dtype, ServedLimits(*ctx, ctx->target_len));
+  sampler.head_weight_bytes = w.mtp;
+  const HeadMemory m = HeadBytes(c, sampler, ctx->dtype, ServedLimits(*ctx, ctx->target_len));
   ctx->draft_bytes = m.weights + m.buffers;
   ctx->draft_kv_bytes_per_token = static_cast<uint64_t>(c.KvValuesPerToken(whole->kv_heads)) * DTypeSize(ctx->dtype);
+  return absl::OkStatus();
+}
+
+// An EAGLE-3 head (PlanOptions::eagle3) as the worker that samples loads it (worker/mtp_runner.h
+// MtpRunner::LoadEagle3): its tensors whole (one TP rank of one), in ctx.dtype, linear weights as
+// options.weight_quant, the model's embedding copied in where the head has none. It is planned as the
+// MTP layer is: its weights and buffers (memory.h HeadBytes) a fixed amount there, its KV cache one
+// layer's K and V a token of DraftStepLimits' pool. The hidden states every worker keeps for it are
+// in each one's step buffers (ActivationBytes).
+absl::Status CountEagle3(Context* ctx) {
+  const ModelConfig& head = *ctx->options.eagle3;
+  if (ctx->options.draft.has_value() || ctx->options.mtp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "an EAGLE-3 head and ", ctx->options.mtp ? "the multi-token-prediction layer" : "a draft model",
+        " are two ways of speculative decoding and a server runs one: plan with one of them"));
+  }
+  if (!head.eagle3.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative eagle3 takes an EAGLE-3 head (LlamaForCausalLMEagle3); ",
+                                                   "this config.json's architecture is ", head.architecture_name));
+  }
+  absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(head, ctx->config);
+  if (!aux.ok()) return aux.status();
+  if (head.hidden_size != ctx->config.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head's hidden_size ", head.hidden_size,
+                                                   " is not the model's ", ctx->config.hidden_size));
+  }
+  absl::StatusOr<TpShard> whole = ComputeTpShard(head, 0, 1);
+  if (!whole.ok()) return whole.status();
+  const RankWeights w = CountRankWeights(head, ModelWeights(head), *whole, ctx->dtype, ctx->options.weight_quant);
+  ctx->head_weight_bytes = w.Stage(0, head.num_hidden_layers, true, true);
+  ctx->head_dequant_scratch = w.DequantScratch(0, head.num_hidden_layers);
+  GpuPlan sampler;
+  sampler.head_weight_bytes = ctx->head_weight_bytes;
+  const HeadMemory m = HeadBytes(head, sampler, ctx->dtype, ServedLimits(*ctx, ctx->target_len));
+  ctx->draft_bytes = m.weights + m.buffers;
+  ctx->draft_kv_bytes_per_token =
+      static_cast<uint64_t>(head.KvValuesPerToken(whole->kv_heads)) * DTypeSize(ctx->dtype);
   return absl::OkStatus();
 }
 
@@ -215,7 +256,7 @@ uint64_t ActivationBytes(const Context& ctx, const TpShard& s, bool last_stage) 
   StepLimits limits = ctx.options.limits;
   limits.num_kv_blocks = 0;
   limits.max_model_len = ctx.target_len;
-  return StepBufferBytes(ctx.config, s, ctx.dtype, limits, last_stage);
+  return StepBufferBytes(ctx.config, s, ctx.dtype, limits, last_stage, AuxLayers(ctx.options));
 }
 
 // Assigns stage s to the s-th TP group slot: nodes in order, groups packed from GPU 0, so
@@ -335,15 +376,15 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.activation_bytes = ActivationBytes(ctx, shards[r], st.lm_head);
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
       const bool sampler = st.lm_head && r == 0;
-      if (sampler) {  // the worker that samples runs the draft or the multi-token-prediction layer
+      if (sampler) {  // the worker that samples runs the draft or the head
         g.draft_bytes = ctx.draft_bytes;
         g.draft_kv_bytes_per_token = ctx.draft_kv_bytes_per_token;
-        g.mtp_weight_bytes = ctx.mtp_weight_bytes;
+        g.head_weight_bytes = ctx.head_weight_bytes;
       }
       if (!ctx.cluster.gpu.is_cpu()) {
         // (the backend grows one scratch for the largest quantized weight, the layer's included)
         g.dequant_scratch_bytes = std::max(ranks[r].DequantScratch(st.first_layer, st.last_layer + 1),
-                                           sampler ? ctx.mtp_dequant_scratch : 0);
+                                           sampler ? ctx.head_dequant_scratch : 0);
       }
       int64_t sliding_layers = 0;
       for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
@@ -435,17 +476,26 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
                     fmt::Count(chosen.max_model_len), ": no layout's KV cache holds a ", fmt::Count(ctx.target_len),
                     "-token sequence (set max_model_len, add GPUs or raise gpu_memory_utilization)");
   }
+  const bool eagle3 = ctx.options.eagle3.has_value();
   for (const GpuPlan& g : chosen.gpus) {
-    if (g.mtp_weight_bytes == 0) continue;
-    // Its weights and buffers a fixed amount; its cache a latent row beside each of the model's.
+    if (g.head_weight_bytes == 0) continue;
+    // Its weights and buffers a fixed amount; its cache one layer's row beside each of the model's.
     StepLimits served = ServedLimits(ctx, chosen.max_model_len);
     served.num_kv_blocks = chosen.kv_blocks;
-    const MtpLayerMemory m = MtpLayerBytes(ctx.config, g, ctx.dtype, served);
-    absl::StrAppend(&why, ". The multi-token-prediction layer takes ", fmt::Size(m.total()), " on ", GpuName(g), ": ",
-                    fmt::Size(m.weights), " of weights, ", fmt::Size(m.buffers), " of buffers and ",
-                    fmt::Size(m.kv_cache), " of KV cache (", fmt::Size(g.draft_kv_bytes_per_token),
-                    " a token of the model's cache, one layer's latent row, and room for every sequence's guesses), "
-                    "so that GPU's share of the model's cache, the same on every GPU, is smaller");
+    const HeadMemory m = HeadBytes(eagle3 ? *ctx.options.eagle3 : ctx.config, g, ctx.dtype, served);
+    absl::StrAppend(&why, eagle3 ? ". The EAGLE-3 head takes " : ". The multi-token-prediction layer takes ",
+                    fmt::Size(m.total()), " on ", GpuName(g), ": ", fmt::Size(m.weights), " of weights, ",
+                    fmt::Size(m.buffers), " of buffers and ", fmt::Size(m.kv_cache), " of KV cache (",
+                    fmt::Size(g.draft_kv_bytes_per_token), " a token of the model's cache, one layer's ",
+                    ctx.config.mla() && !eagle3 ? "latent row" : "K and V",
+                    ", and room for every sequence's guesses), so that GPU's share of the model's cache, the same on "
+                    "every GPU, is smaller");
+  }
+  if (eagle3) {
+    const ModelConfig& c = ctx.config;
+    const uint64_t kept = DeclaredBytes(AuxHiddenBuffers(c, AuxLayers(ctx.options), ctx.dtype, ctx.options.limits));
+    absl::StrAppend(&why, "; every GPU keeps the model's hidden states at the head's ", AuxLayers(ctx.options),
+                    " layers for it, ", fmt::Size(kept), " of its step buffers");
   }
   return why + ".";
 }
@@ -467,7 +517,9 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   std::string speculative;  // on the worker that samples (its cache is in the KV cache's bytes)
   if (g.draft_bytes > 0) {
     absl::StrAppend(&speculative, fmt::Size(g.draft_bytes),
-                    g.mtp_weight_bytes > 0 ? " multi-token-prediction layer + " : " draft model + ");
+                    g.head_weight_bytes == 0        ? " draft model + "
+                    : ctx.options.eagle3.has_value() ? " EAGLE-3 head + "
+                                                     : " multi-token-prediction layer + ");
   }
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
@@ -641,6 +693,7 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   }
   if (options.draft.has_value()) SHARDSERVE_RETURN_IF_ERROR(CountDraft(&ctx));
   if (options.mtp) SHARDSERVE_RETURN_IF_ERROR(CountMtp(&ctx));
+  if (options.eagle3.has_value()) SHARDSERVE_RETURN_IF_ERROR(CountEagle3(&ctx));
 
   // Weigh every layout the request allows.
   std::vector<int> tps = options.tp > 0 ? std::vector<int>{options.tp}

@@ -69,9 +69,17 @@ struct PlanOptions {
   // Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp;
   // worker/mtp_runner.h): the layer whole beside the last stage's TP rank 0, its weights as that
   // worker loads them (`weight_quant`, or the checkpoint's format), its step buffers and hidden rows,
-  // and a KV cache of one layer beside the model's, as a draft model's (memory.h MtpLayerBytes).
+  // and a KV cache of one layer beside the model's, as a draft model's (memory.h HeadBytes).
   // Refused for a model without the layer, and beside a draft model.
   bool mtp = false;
+  // Speculative decoding with an EAGLE-3 head (--speculative eagle3 --draft-model HEAD; its
+  // config.json, ModelConfig::eagle3 set): the head whole beside the last stage's TP rank 0, as
+  // worker/mtp_runner.h LoadEagle3 loads it (its weights as `weight_quant`, the model's embedding
+  // where it has none, its step buffers and hidden rows, a KV cache of one layer as the MTP layer's:
+  // memory.h HeadBytes), and on every worker the model's hidden states at the head's layers
+  // (registry.h AuxHiddenBuffers, in the step buffers). Refused where it does not fit the model
+  // (Eagle3AuxLayers, hidden size), and beside a draft model or the MTP layer. Unset: none.
+  std::optional<ModelConfig> eagle3;
 };
 
 // One pipeline stage: consecutive layers on one TP group inside one node.
@@ -108,15 +116,16 @@ struct GpuPlan {
   // Tokens of the full pool the memory left after the above holds, beside its sliding pool
   // (memory.h MostKvBlocks).
   int64_t kv_cache_tokens = 0;
-  // Speculative decoding's draft model (or the multi-token-prediction layer), on the last stage's TP
+  // Speculative decoding's draft model (or a head: head_weight_bytes), on the last stage's TP
   // rank 0 (0 elsewhere): its weights and step buffers; then its KV cache's bytes per token, of a
   // pool sized from the model's (memory.h DraftKvBytes).
   uint64_t draft_bytes = 0;
   uint64_t draft_kv_bytes_per_token = 0;
-  // The model's multi-token-prediction layer (PlanOptions::mtp), on the last stage's TP rank 0 (0
-  // elsewhere): its weights. It is planned as a draft model (draft_bytes its weights and buffers,
-  // draft_kv_bytes_per_token its cache's; memory.h MtpLayerBytes).
-  uint64_t mtp_weight_bytes = 0;
+  // A head over the model's hidden states, the multi-token-prediction layer (PlanOptions::mtp) or an
+  // EAGLE-3 head (PlanOptions::eagle3), on the last stage's TP rank 0 (0 elsewhere): its weights. It
+  // is planned as a draft model (draft_bytes its weights and buffers, draft_kv_bytes_per_token its
+  // cache's; memory.h HeadBytes).
+  uint64_t head_weight_bytes = 0;
   int64_t shortfall_bytes = 0;      // > 0: bytes missing for weights, buffers, reserve and one sequence
   // The device's memory item by item for the plan's limits (coordinator/planner/memory.h): they
   // add up to the GPU's memory.

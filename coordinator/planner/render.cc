@@ -39,7 +39,7 @@ std::string Wrap(const std::string& text, const std::string& indent) {
 std::string MemoryHeading(const std::string& name) {
   constexpr std::pair<const char*, const char*> kHeadings[] = {
       {kMemWeights, "weights"},           {kMemKvCache, "KV cache"},          {kMemStepBuffers, "step bufs"},
-      {kMemDraftModel, "draft"},           {kMemMtpLayer, "MTP layer"},
+      {kMemDraftModel, "draft"},           {kMemMtpLayer, "MTP layer"},        {kMemEagle3Head, "EAGLE-3 head"},
       {kMemCublasWorkspace, "cuBLAS ws"}, {kMemDequantScratch, "dequant"},    {kMemCudaGraphPools, "graphs"},
       {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemRuntimeSlack, "slack"},
       {kMemFree, "free"},                 {kMemHeldBack, "held back"}};

@@ -338,6 +338,7 @@ int Main(int argc, char** argv) {
                                       "), not an EAGLE-3 head (LlamaForCausalLMEagle3); --speculative draft runs it"));
     }
     pool_options.draft_model_path = draft.string();
+    pool_options.draft_config = *draft_config;
     if (head) {
       absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(*draft_config, (*model)->config);
       if (!aux.ok()) {
@@ -355,7 +356,6 @@ int Main(int argc, char** argv) {
                                  (*model)->config.vocab_size,
                                  "; a draft must share the model's tokenizer and vocabulary"));
       }
-      pool_options.draft_config = *draft_config;
       CoordinatorLog("model", absl::StrCat("speculative decoding with the draft model ", draft.string(), " (",
                                            draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
                                            " layers), run by the worker that samples"));

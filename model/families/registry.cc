@@ -261,4 +261,10 @@ std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType a
   return {{"eagle3_cat", act, {n, a * config.eagle3->target_hidden_size}}, {"eagle3_cat_rows", DType::kI32, {a * n}}};
 }
 
+std::vector<StepBufferDecl> AuxHiddenBuffers(const ModelConfig& config, int64_t aux_layers, DType act,
+                                             const StepLimits& limits) {
+  if (aux_layers == 0) return {};
+  return {{"aux_hidden", act, {aux_layers * limits.max_tokens_per_step, config.hidden_size}}};
+}
+
 }  // namespace shardserve

@@ -77,6 +77,13 @@ std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType ac
 // ("eagle3_cat_rows", [aux layers x n]).
 std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
+// The buffer every worker of a model served with an EAGLE-3 head keeps beside StepBuffers' for
+// `limits` (ShardSpec::aux_hidden_layers, `aux_layers` of them): the model's input hidden state at
+// each of those layers, the earlier stages' received with the step's hidden state ("aux_hidden",
+// [aux_layers x n, hidden]); none when aux_layers is 0.
+std::vector<StepBufferDecl> AuxHiddenBuffers(const ModelConfig& config, int64_t aux_layers, DType act,
+                                             const StepLimits& limits);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_MODEL_FAMILIES_REGISTRY_H_

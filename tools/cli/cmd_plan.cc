@@ -23,7 +23,7 @@ constexpr char kUsage[] =
     "usage: shardserve plan (--model DIR | --config FILE) [--dtype bf16|fp16|fp32] [--quantization none|int8|int4|fp8]\n"
     "                       (--cluster NODESxGPUSxGPU | --gpu-memory-gb G --hbm-gbps B) [cluster flags]\n"
     "                       [--gpu-memory-utilization F] [--max-model-len N] [--tp T] [--pp P]\n"
-    "                       [--expert-parallel] [--decode-batch B] [--speculative ngram|draft|mtp]\n"
+    "                       [--expert-parallel] [--decode-batch B] [--speculative ngram|draft|mtp|eagle3]\n"
     "                       [--draft-model DIR] [--json]\n"
     "\n"
     "  Chooses tensor parallelism (TP, inside a node) and pipeline parallelism (PP, across nodes)\n"
@@ -60,9 +60,12 @@ constexpr char kUsage[] =
     "  --speculative S             speculative decoding as the coordinator's --speculative runs it, counted\n"
     "                              on the last stage's TP rank 0 (the worker that samples): mtp, the\n"
     "                              model's multi-token-prediction layer (weights, KV cache, buffers);\n"
-    "                              draft, with --draft-model; ngram (nothing on the GPUs)\n"
-    "  --draft-model DIR           speculative decoding's draft model (its config.json): counted on the\n"
-    "                              last stage's TP rank 0, as the coordinator's --draft-model runs it\n"
+    "                              draft, with --draft-model; eagle3, with --draft-model the EAGLE-3\n"
+    "                              head (and on every GPU the hidden states kept for it); ngram\n"
+    "                              (nothing on the GPUs)\n"
+    "  --draft-model DIR           speculative decoding's draft model or EAGLE-3 head (its config.json):\n"
+    "                              counted on the last stage's TP rank 0, as the coordinator's\n"
+    "                              --draft-model runs it\n"
     "  --json                      print one JSON object instead of the table\n";
 
 // Defaults for a cluster given by explicit flags only: PCIe between GPUs, one 200 Gb/s NIC.
@@ -137,13 +140,15 @@ absl::StatusOr<PlanOptions> OptionsFromFlags(const Flags& f) {
   SHARDSERVE_RETURN_IF_ERROR(f.Int("decode-batch", 1, 4096, &o.decode_batch));
   o.expert_parallel = f.Has("expert-parallel");
   // As the coordinator takes them (coordinator/engine/engine.cc): a draft model with --speculative
-  // draft; --draft-model alone plans a draft too.
+  // draft, an EAGLE-3 head with --speculative eagle3; --draft-model alone plans a draft too.
   std::string speculative;
-  SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp"}, &speculative));
-  if (speculative == "draft" && !f.Has("draft-model")) {
-    return absl::InvalidArgumentError("--speculative draft needs --draft-model DIR (the draft model's config.json)");
+  SHARDSERVE_RETURN_IF_ERROR(f.OneOf("speculative", {"ngram", "draft", "mtp", "eagle3"}, &speculative));
+  if ((speculative == "draft" || speculative == "eagle3") && !f.Has("draft-model")) {
+    return absl::InvalidArgumentError(absl::StrCat("--speculative ", speculative, " needs --draft-model DIR (the ",
+                                                   speculative == "draft" ? "draft model's" : "EAGLE-3 head's",
+                                                   " config.json)"));
   }
-  if (!speculative.empty() && speculative != "draft" && f.Has("draft-model")) {
+  if (!speculative.empty() && speculative != "draft" && speculative != "eagle3" && f.Has("draft-model")) {
     return absl::InvalidArgumentError(
         absl::StrCat("--draft-model is speculative decoding's draft model, not --speculative ", speculative, "'s"));
   }
@@ -192,15 +197,15 @@ int Run(const std::vector<std::string>& args) {
       std::fprintf(stderr, "shardserve plan: --draft-model: %s\n", std::string(draft.status().message()).c_str());
       return 1;
     }
-    if (draft->eagle3.has_value()) {
-      // (the coordinator's --speculative eagle3 runs it; the plan does not count a head yet)
-      std::fprintf(stderr,
-                   "shardserve plan: --draft-model %s is an EAGLE-3 head (%s), which the plan does not count yet: "
-                   "plan without it and leave room on the last stage's first GPU (docs/speculative-decoding.md)\n",
-                   flags->Get("draft-model").c_str(), draft->architecture_name.c_str());
+    // (as the coordinator: a head with --speculative eagle3 only, a model with draft only)
+    const bool eagle3 = flags->Get("speculative") == "eagle3";
+    if (draft->eagle3.has_value() != eagle3) {
+      std::fprintf(stderr, "shardserve plan: --draft-model %s is %s (%s): plan it with --speculative %s\n",
+                   flags->Get("draft-model").c_str(), eagle3 ? "not an EAGLE-3 head" : "an EAGLE-3 head",
+                   draft->architecture_name.c_str(), eagle3 ? "draft" : "eagle3");
       return 1;
     }
-    options->draft = *std::move(draft);
+    (eagle3 ? options->eagle3 : options->draft) = *std::move(draft);
   }
   absl::StatusOr<Plan> plan = MakePlan(model->config, model->checkpoint.get(), *cluster, *options);
   if (!plan.ok()) {

@@ -75,38 +75,30 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
     }
   }
 
-  // ---- Step buffers: everything a step needs, allocated once ----
-  for (const StepBufferDecl& b : StepBuffers(config, s, backend->act_dtype(), opt, m->is_last_stage())) {
-    Tensor* slot = m->StepBufferSlot(b.name);
-    if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
-    SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
-    m->step_buffer_bytes_ += slot->bytes();
-  }
-  if (spec.mtp || spec.eagle3) {
-    for (const StepBufferDecl& b : MtpStepBuffers(config, backend->act_dtype(), opt)) {
+  // ---- Step buffers: everything a step needs, allocated once; a head's (an MTP layer's or an
+  // EAGLE-3 head's) and the hidden states kept for an EAGLE-3 head beside them ----
+  const auto allocate = [&m](const std::vector<StepBufferDecl>& decls) -> absl::Status {
+    for (const StepBufferDecl& b : decls) {
       Tensor* slot = m->StepBufferSlot(b.name);
       if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
       m->step_buffer_bytes_ += slot->bytes();
     }
+    return absl::OkStatus();
+  };
+  SHARDSERVE_RETURN_IF_ERROR(allocate(StepBuffers(config, s, backend->act_dtype(), opt, m->is_last_stage())));
+  if (spec.mtp || spec.eagle3) {
+    SHARDSERVE_RETURN_IF_ERROR(allocate(MtpStepBuffers(config, backend->act_dtype(), opt)));
     const Tensor zero = m->mtp_pairs_.Rows(2 * opt.max_tokens_per_step, 2 * opt.max_tokens_per_step + 1);
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(zero.data, zero.bytes()));
     m->mtp_cat_rows_host_.reserve(2 * opt.max_tokens_per_step);
   }
   if (spec.eagle3) {
-    for (const StepBufferDecl& b : Eagle3StepBuffers(config, backend->act_dtype(), opt)) {
-      Tensor* slot = m->StepBufferSlot(b.name);
-      if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
-      SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
-      m->step_buffer_bytes_ += slot->bytes();
-    }
+    SHARDSERVE_RETURN_IF_ERROR(allocate(Eagle3StepBuffers(config, backend->act_dtype(), opt)));
     m->eagle3_cat_rows_host_.reserve(m->eagle3_cat_rows_.numel());
   }
-  if (!spec.aux_hidden_layers.empty()) {
-    const int64_t rows = static_cast<int64_t>(spec.aux_hidden_layers.size()) * opt.max_tokens_per_step;
-    SHARDSERVE_ASSIGN_OR_RETURN(m->aux_hidden_, m->arena_.Alloc(backend->act_dtype(), {rows, config.hidden_size}));
-    m->step_buffer_bytes_ += m->aux_hidden_.bytes();
-  }
+  SHARDSERVE_RETURN_IF_ERROR(allocate(
+      AuxHiddenBuffers(config, static_cast<int64_t>(spec.aux_hidden_layers.size()), backend->act_dtype(), opt)));
   // RoPE: each kind of layer's frequencies in two rows of inv_freq_ (LongRoPE's long ones second).
   const std::vector<RopeTable> rope_tables = RopeTables(config);
   const int64_t rotary_half = config.RotaryDim() / 2;
@@ -172,7 +164,8 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
       {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
       {"mla_k_pe", &mla_.k_pe}, {"mtp_pairs", &mtp_pairs_}, {"mtp_cat", &mtp_cat_},
-      {"mtp_cat_rows", &mtp_cat_rows_}, {"eagle3_cat", &eagle3_cat_}, {"eagle3_cat_rows", &eagle3_cat_rows_}};
+      {"mtp_cat_rows", &mtp_cat_rows_}, {"eagle3_cat", &eagle3_cat_}, {"eagle3_cat_rows", &eagle3_cat_rows_},
+      {"aux_hidden", &aux_hidden_}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
   }
