@@ -861,23 +861,54 @@ TEST_F(CheckpointTest, Mxfp4DequantizationIsTransformers) {
   EXPECT_THAT(std::string(overflow.message()), HasSubstr("overflow float32"));
 }
 
+// Rows x groups MXFP4 blocks and scales as a checkpoint stores them (`seed` picks them): every code
+// (all 16, both nibbles) in the first bytes, scales 2^-127 and 2^125 (the largest a code of 6 keeps in
+// float32) first, then random ones; and their values as transformers decodes them (DequantizeMxfp4).
+struct Mxfp4Sample {
+  static constexpr int64_t kRows = 5, kGroups = 4, kCols = kGroups * kMxfp4BlockSize;
+  std::vector<uint8_t> blocks, scales;
+  std::vector<float> values;  // [kRows, kCols]
+};
+Mxfp4Sample RandomMxfp4(uint32_t seed) {
+  Mxfp4Sample x;
+  x.blocks.resize(x.kRows * x.kGroups * kMxfp4BlockBytes);
+  x.scales.resize(x.kRows * x.kGroups);
+  std::mt19937 rng(seed);
+  for (size_t i = 0; i < x.blocks.size(); ++i) {
+    x.blocks[i] = i < 8 ? static_cast<uint8_t>(i * 0x11 + 0x10 * (i & 1)) : rng() & 0xFF;
+  }
+  for (size_t i = 0; i < x.scales.size(); ++i) x.scales[i] = i == 0 ? 0 : i == 1 ? 252 : 100 + rng() % 50;
+  x.values.resize(x.kRows * x.kCols);
+  const absl::Status s = DequantizeMxfp4(x.blocks.data(), x.scales.data(), x.kRows, x.kCols, x.values.data(), "w");
+  EXPECT_TRUE(s.ok()) << s;
+  return x;
+}
+
+// `got`, [picked rows, k] of the blocks from `group0` on, holds x's values of those rows and inputs,
+// bit for bit.
+void ExpectPickedValues(const Mxfp4Sample& x, const std::vector<int64_t>& picked, int64_t group0, int64_t k,
+                        const std::vector<float>& got) {
+  for (size_t r = 0; r < picked.size(); ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      const float expected = x.values[picked[r] * x.kCols + group0 * kMxfp4BlockSize + c];
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[r * k + c]), std::bit_cast<uint32_t>(expected))
+          << "row " << picked[r] << " input " << c << ": " << got[r * k + c] << " vs " << expected;
+    }
+  }
+}
+
 // MXFP4 as the fp8 kernels' layout with a scale per 32 inputs (Mxfp4AsFp8Groups): every code (all
-// 16, both nibbles) and scales from 2^-127 to 2^125 (the largest a code of 6 keeps in float32),
-// rows picked out of order and blocks from the second on, dequantize (kernels/quant.h DequantizeFp8Groups) to DequantizeMxfp4's values bit for
-// bit; a scale byte of 255 is refused (false), as float32 has no 2^128.
+// 16, both nibbles) and scales from 2^-127 to 2^125 (RandomMxfp4), rows picked out of order and
+// blocks from the second on, dequantize (kernels/quant.h DequantizeFp8Groups) to DequantizeMxfp4's
+// values bit for bit; a scale byte of 255 is refused (false), as float32 has no 2^128.
 TEST(Mxfp4AsFp8, TheLayoutHoldsTheSameValues) {
-  const int64_t rows = 5, groups = 4, cols = groups * kMxfp4BlockSize;
-  std::vector<uint8_t> blocks(rows * groups * kMxfp4BlockBytes), scales(rows * groups);
-  std::mt19937 rng(7);
-  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = i < 8 ? static_cast<uint8_t>(i * 0x11 + 0x10 * (i & 1)) : rng() & 0xFF;
-  for (size_t i = 0; i < scales.size(); ++i) scales[i] = i == 0 ? 0 : i == 1 ? 252 : 100 + rng() % 50;
-  std::vector<float> want(rows * cols);
-  ASSERT_TRUE(DequantizeMxfp4(blocks.data(), scales.data(), rows, cols, want.data(), "w").ok());
+  Mxfp4Sample x = RandomMxfp4(7);
+  const int64_t groups = x.kGroups;
   const std::vector<int64_t> picked = {3, 0, 4};
   for (const auto& [group0, num_groups] : {std::pair<int64_t, int64_t>{0, 4}, {1, 2}, {3, 1}}) {
     SCOPED_TRACE(::testing::Message() << "blocks [" << group0 << ", " << group0 + num_groups << ")");
     std::vector<uint8_t> layout;
-    ASSERT_TRUE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, picked, group0, num_groups, &layout));
+    ASSERT_TRUE(Mxfp4AsFp8Groups(x.blocks.data(), x.scales.data(), groups, picked, group0, num_groups, &layout));
     const int64_t m = static_cast<int64_t>(picked.size()), k = num_groups * kMxfp4BlockSize;
     const Fp8RowsLayout l{m, k, kMxfp4BlockSize};
     ASSERT_EQ(static_cast<int64_t>(layout.size()), l.bytes());
@@ -885,59 +916,42 @@ TEST(Mxfp4AsFp8, TheLayoutHoldsTheSameValues) {
     std::vector<float> got(m * k);
     DequantizeFp8Groups(got.data(), reinterpret_cast<const float*>(layout.data()), layout.data() + l.scale_bytes(), m,
                         k, kMxfp4BlockSize);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t c = 0; c < k; ++c) {
-        const float expected = want[picked[r] * cols + group0 * kMxfp4BlockSize + c];
-        ASSERT_EQ(std::bit_cast<uint32_t>(got[r * k + c]), std::bit_cast<uint32_t>(expected))
-            << "row " << picked[r] << " input " << c << ": " << got[r * k + c] << " vs " << expected;
-      }
-    }
+    ExpectPickedValues(x, picked, group0, k, got);
   }
-  scales[2 * groups + 1] = 255;
+  x.scales[2 * groups + 1] = 255;
   std::vector<uint8_t> layout;
-  EXPECT_FALSE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 0, groups, &layout));
-  EXPECT_TRUE(Mxfp4AsFp8Groups(blocks.data(), scales.data(), groups, {2}, 2, 2, &layout));  // not that block
+  EXPECT_FALSE(Mxfp4AsFp8Groups(x.blocks.data(), x.scales.data(), groups, {2}, 0, groups, &layout));
+  EXPECT_TRUE(Mxfp4AsFp8Groups(x.blocks.data(), x.scales.data(), groups, {2}, 2, 2, &layout));  // not that block
 }
 
 // MXFP4 kept as it is (Mxfp4Rows: the loader's picked rows and blocks of a stacked expert into
 // kernels/quant.h's Mxfp4RowsLayout): every code (all 16, both nibbles) and scales from 2^-127 to
-// 2^125, rows picked out of order and blocks from the second on, dequantize (DequantizeMxfp4Rows,
-// the kernels' reference) to DequantizeMxfp4's values bit for bit (transformers' decoding, above);
-// the layout's bytes are 4.25 bits a value. Refused (false), as the kernels refuse them: a scale
-// byte of 255, and 254 / 253 on a code they carry past float32 (2 and 4: 2^128); the largest finite
-// codes under each kept.
+// 2^125 (RandomMxfp4), rows picked out of order and blocks from the second on, dequantize
+// (DequantizeMxfp4Rows, the kernels' reference) to DequantizeMxfp4's values bit for bit
+// (transformers' decoding, above); the layout's bytes are 4.25 bits a value. Refused (false), as the
+// kernels refuse them: a scale byte of 255, and 254 / 253 on a code they carry past float32 (2 and 4:
+// 2^128); the largest finite codes under each kept.
 TEST(Mxfp4Rows, TheLayoutHoldsTheCheckpointsValues) {
-  const int64_t rows = 5, groups = 4, cols = groups * kMxfp4BlockSize;
-  std::vector<uint8_t> blocks(rows * groups * kMxfp4BlockBytes), scales(rows * groups);
-  std::mt19937 rng(11);
-  for (size_t i = 0; i < blocks.size(); ++i) blocks[i] = i < 8 ? static_cast<uint8_t>(i * 0x11 + 0x10 * (i & 1)) : rng() & 0xFF;
-  for (size_t i = 0; i < scales.size(); ++i) scales[i] = i == 0 ? 0 : i == 1 ? 252 : 100 + rng() % 50;
-  std::vector<float> want(rows * cols);
-  ASSERT_TRUE(DequantizeMxfp4(blocks.data(), scales.data(), rows, cols, want.data(), "w").ok());
+  const Mxfp4Sample x = RandomMxfp4(11);
+  const int64_t groups = x.kGroups, cols = x.kCols;
   const std::vector<int64_t> picked = {3, 0, 4};
   for (const auto& [group0, num_groups] : {std::pair<int64_t, int64_t>{0, 4}, {1, 2}, {3, 1}}) {
     SCOPED_TRACE(::testing::Message() << "blocks [" << group0 << ", " << group0 + num_groups << ")");
     std::vector<uint8_t> layout;
-    ASSERT_TRUE(Mxfp4Rows(blocks.data(), scales.data(), groups, picked, group0, num_groups, &layout));
+    ASSERT_TRUE(Mxfp4Rows(x.blocks.data(), x.scales.data(), groups, picked, group0, num_groups, &layout));
     const int64_t m = static_cast<int64_t>(picked.size()), k = num_groups * kMxfp4BlockSize;
     ASSERT_EQ(static_cast<int64_t>(layout.size()), (Mxfp4RowsLayout{m, k}.bytes()));
     EXPECT_EQ(QuantizedWeightBytes(WeightQuant::kMxfp4, m, k), m * k / 2 + m * k / 32);
     EXPECT_TRUE(Mxfp4ValuesFinite(layout.data(), m, k));
     std::vector<float> got(m * k);
     DequantizeMxfp4Rows(got.data(), layout.data(), m, k);
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t c = 0; c < k; ++c) {
-        const float expected = want[picked[r] * cols + group0 * kMxfp4BlockSize + c];
-        ASSERT_EQ(std::bit_cast<uint32_t>(got[r * k + c]), std::bit_cast<uint32_t>(expected))
-            << "row " << picked[r] << " input " << c << ": " << got[r * k + c] << " vs " << expected;
-      }
-    }
+    ExpectPickedValues(x, picked, group0, k, got);
   }
   std::vector<uint8_t> layout;
   for (const auto& [scale, code, finite] : {std::tuple<uint8_t, uint8_t, bool>{255, 0x00, false}, {254, 0x33, true},
                                             {254, 0x34, false}, {254, 0xC0, false}, {253, 0x55, true}, {253, 0x60, false}}) {
     SCOPED_TRACE(::testing::Message() << "scale " << int{scale} << ", code byte " << int{code});
-    std::vector<uint8_t> b = blocks, s = scales;
+    std::vector<uint8_t> b = x.blocks, s = x.scales;
     std::fill_n(b.begin() + (2 * groups + 1) * kMxfp4BlockBytes, kMxfp4BlockBytes, uint8_t{0});
     b[(2 * groups + 1) * kMxfp4BlockBytes + 7] = code;
     s[2 * groups + 1] = scale;

@@ -31,11 +31,11 @@
 #include "kernels/sampling.h"
 #include "tests/bf16_products.h"
 #include "tests/device_like_backend.h"
+#include "tests/one_worker.h"
 #include "tests/overflowing_fixture.h"
 #include "shardserve/v1/worker.pb.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
-#include "worker/comm/rendezvous.h"
 #include "worker/communicator.h"
 #include "worker/shard/greedy.h"
 #include "worker/shard/model_shard.h"
@@ -839,23 +839,13 @@ TEST_F(SamplerTest, NonFiniteRowsAreReportedAndTheOtherRowsSampledAsAlone) {
 absl::StatusOr<std::unique_ptr<StepExecutor>> WholeModelWorker(const std::string& fixture, int layers,
                                                                 std::optional<CpuMatMul> matmul = std::nullopt,
                                                                 int64_t num_kv_blocks = 16) {
-  v1::Assignment a;
-  a.set_worker_id("w0");
-  // A fixture's name, or an absolute path to a model.
-  a.set_model_path(fixture.front() == '/' ? fixture
-                                          : std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture);
-  a.set_stage(0);
-  a.set_num_stages(1);
-  a.set_tp_rank(0);
-  a.set_tp_size(1);
-  a.set_first_layer(0);
-  a.set_end_layer(layers);
-  ToProto(StepLimits{.max_tokens_per_step = 16, .max_seqs_per_step = 4, .block_size = 4,
-                     .num_kv_blocks = num_kv_blocks, .max_model_len = 4 * 4},
-          a.mutable_limits());
-  a.set_collective_timeout_seconds(10);
-  InMemoryRendezvousStore store;  // unused: every group has one rank
-  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = matmul});
+  // (a fixture's name, or an absolute path to a model)
+  const std::string model =
+      fixture.front() == '/' ? fixture : std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/models/" + fixture;
+  return CpuWorker(WholeModelAssignment(model, layers,
+                                        StepLimits{.max_tokens_per_step = 16, .max_seqs_per_step = 4, .block_size = 4,
+                                                   .num_kv_blocks = num_kv_blocks, .max_model_len = 4 * 4}),
+                   matmul);
 }
 
 // A worker refuses a KV cache that int32 slots cannot address (more than kMaxKvCacheTokens

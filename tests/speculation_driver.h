@@ -17,32 +17,10 @@
 #include "coordinator/scheduler/proposer.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "gtest/gtest.h"
-#include "worker/comm/rendezvous.h"
+#include "tests/one_worker.h"
 #include "worker/step_executor.h"
 
 namespace shardserve {
-
-// The assignment of a CPU worker holding the whole model at `model` (its `layers` layers) alone.
-inline v1::Assignment WholeModelAssignment(const std::string& model, int64_t layers, const StepLimits& limits) {
-  v1::Assignment a;
-  a.set_worker_id("w0");
-  a.set_model_path(model);
-  a.set_stage(0);
-  a.set_num_stages(1);
-  a.set_tp_rank(0);
-  a.set_tp_size(1);
-  a.set_first_layer(0);
-  a.set_end_layer(layers);
-  ToProto(limits, a.mutable_limits());
-  a.set_collective_timeout_seconds(10);
-  return a;
-}
-
-// That worker, its products in float32.
-inline absl::StatusOr<std::unique_ptr<StepExecutor>> CpuWorker(const v1::Assignment& a) {
-  InMemoryRendezvousStore store;  // unused: every group has one rank
-  return StepExecutor::Create(a, "cpu", &store, "127.0.0.1", {.cpu_matmul = CpuMatMul::kF32});
-}
 
 struct SpeculationOutcome {
   std::map<uint64_t, std::vector<int32_t>> outputs;
