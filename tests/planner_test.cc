@@ -68,6 +68,19 @@ Plan MustPlan(const ModelConfig& config, const ClusterSpec& cluster, const PlanO
   return p.ok() ? *p : Plan{};
 }
 
+// Every published config.json of tests/fixtures/configs (README.md there) loads as the server and
+// `shardserve plan` load it, the EAGLE-3 head's among them (tools/gpu/gpu-bench.sh starts from these).
+TEST(PublishedConfigs, EveryOneLoads) {
+  int files = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(kConfigs)) {
+    if (e.path().extension() != ".json") continue;
+    ++files;
+    absl::StatusOr<ModelConfig> c = LoadModelConfig(e.path());
+    EXPECT_TRUE(c.ok()) << e.path().filename() << ": " << c.status();
+  }
+  EXPECT_EQ(files, 14);
+}
+
 // ---- The cases: Qwen2.5-72B in bf16 on A100-80GB ----------------------------------
 
 TEST(Planner, Qwen72B_OneA100_DoesNotFitAndSaysByHowMuch) {
