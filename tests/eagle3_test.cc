@@ -1,4 +1,4 @@
-// Speculative decoding with an EAGLE-3 head (worker/mtp_runner.h, --speculative eagle3) on
+// Speculative decoding with an EAGLE-3 head (worker/head_runner.h, --speculative eagle3) on
 // tests/fixtures/models/llama_gqa_eagle3, a head for tests/fixtures/models/llama_gqa written by
 // tools/fixtures/make_eagle3_fixture.py. transformers does not run EAGLE-3 heads: the script computes
 // what the head must guess itself, in double precision, from vLLM's formulas (its guesses.json).
@@ -176,7 +176,7 @@ TEST(Eagle3Test, GreedyOutputsAreThoseWithout) {
   EXPECT_GT(got.spec.accepted, 0) << "the head never agreed with the model";
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
-  EXPECT_EQ((*head)->mtp_runner()->starved(), 0) << "the head's pool holds every sequence's positions";
+  EXPECT_EQ((*head)->head_runner()->starved(), 0) << "the head's pool holds every sequence's positions";
   std::printf("[ eagle3   ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

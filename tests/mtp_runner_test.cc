@@ -1,4 +1,4 @@
-// Speculative decoding with the model's multi-token-prediction (MTP) layer (worker/mtp_runner.h, run
+// Speculative decoding with the model's multi-token-prediction (MTP) layer (worker/head_runner.h, run
 // by StepExecutor) on tests/fixtures/models/deepseek_v3_mtp_tf5 (deepseek_v3_tf5 with an MTP layer:
 // tools/fixtures/make_mtp_fixture.py). transformers does not run the layer, so there is no Hugging
 // Face reference for its guesses; what must hold, and what these tests check:
@@ -37,7 +37,7 @@
 #include "tests/speculation_driver.h"
 #include "worker/comm/rendezvous.h"
 #include "worker/communicator.h"
-#include "worker/mtp_runner.h"
+#include "worker/head_runner.h"
 #include "worker/shard/model_shard.h"
 #include "worker/step_executor.h"
 
@@ -180,7 +180,7 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
                 // forward's row of this sequence), which every pair before it shaped through the
                 // layer's attention: float32 both ways, the same products over other batchings,
                 // within 1e-4.
-                const ModelShard* layer = worker->mtp_runner()->shard();
+                const ModelShard* layer = worker->head_runner()->shard();
                 std::vector<float> got_row(64), want_row(64);
                 ASSERT_TRUE(layer->backend()
                                 ->CopyToHost(got_row.data(), layer->hidden(rows).Rows(row - 1, row).data, 64 * sizeof(float))
@@ -199,7 +199,7 @@ TEST(MtpRunnerTest, GreedyOutputsAreThoseWithout) {
   EXPECT_LT(got.spec.accepted, got.spec.proposed) << "no guess was rejected: nothing was rolled back";
   EXPECT_EQ(got.cached_prompt_tokens, 8);
   EXPECT_GT(checked, 20);
-  EXPECT_EQ(worker->mtp_runner()->starved(), 0) << "the layer's pool holds every sequence's positions";
+  EXPECT_EQ(worker->head_runner()->starved(), 0) << "the layer's pool holds every sequence's positions";
   std::printf("[ mtp      ] proposed %lld, accepted %lld in %lld verifications\n",
               static_cast<long long>(got.spec.proposed), static_cast<long long>(got.spec.accepted),
               static_cast<long long>(got.spec.verifications));

@@ -35,7 +35,7 @@
 #include "model/sharding.h"
 #include "nlohmann/json.hpp"
 #include "worker/communicator.h"
-#include "worker/mtp_runner.h"
+#include "worker/head_runner.h"
 #include "worker/shard/model_shard.h"
 
 namespace shardserve {
@@ -1896,7 +1896,7 @@ TEST(PlannerDraft, CountsTheDraftAsTheWorkerLoadsIt) {
 
 // Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp) of
 // tests/fixtures/models/deepseek_v3_mtp_tf5, on CPU workers, in three layouts. The last stage's TP
-// rank 0 lists the item mtp_layer with exactly the bytes an MtpRunner allocates beside that worker's
+// rank 0 lists the item mtp_layer with exactly the bytes an HeadRunner allocates beside that worker's
 // shard for the plan's limits (the layer's weights whole, its KV cache of one run of blocks per
 // sequence slot, its shard's step buffers, the runner's hidden rows and index buffers), part by part;
 // every other device lists 0 and every device's items still add up to its memory. The layer's
@@ -1940,8 +1940,8 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
       absl::StatusOr<std::unique_ptr<ModelShard>> shard = ModelShard::Load(
           *m->checkpoint, m->config, ShardSpec{st.first_layer, st.last_layer + 1, 0, tp}, p.limits, backend.get(), &comm);
       ASSERT_TRUE(shard.ok()) << where << ": " << shard.status();
-      absl::StatusOr<std::unique_ptr<MtpRunner>> mtp =
-          MtpRunner::Load(*m->checkpoint, m->config, WeightQuant::kNone, p.limits, shard->get());
+      absl::StatusOr<std::unique_ptr<HeadRunner>> mtp =
+          HeadRunner::Load(*m->checkpoint, m->config, WeightQuant::kNone, p.limits, shard->get());
       ASSERT_TRUE(mtp.ok()) << where << ": " << mtp.status();
       const HeadMemory planned = HeadBytes(m->config, g, p.dtype, p.limits);
       EXPECT_EQ(planned.weights, (*mtp)->weight_bytes()) << where;
@@ -1963,7 +1963,7 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
 // is copied in), on CPU workers, in three layouts. Every worker loads its shard keeping the hidden
 // states of those layers, and its step buffers item is exactly what that shard allocates (the
 // hidden states kept among them); the last stage's TP rank 0 lists the item eagle3_head with exactly
-// the bytes MtpRunner::LoadEagle3 allocates beside its shard, part by part; every other device lists
+// the bytes HeadRunner::LoadEagle3 allocates beside its shard, part by part; every other device lists
 // 0 and every device's items still add up to its memory. A head beside a draft model, a head that
 // does not fit the model and a head given as a draft model are refused.
 TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
@@ -2006,8 +2006,8 @@ TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
         EXPECT_EQ(Item(g, kMemEagle3Head), 0) << where << " stage " << g.stage << " rank " << g.tp_rank;
         continue;
       }
-      absl::StatusOr<std::unique_ptr<MtpRunner>> runner =
-          MtpRunner::LoadEagle3(head_dir.string(), LoadFormat::kAuto, 0, *m->checkpoint, m->config, WeightQuant::kNone,
+      absl::StatusOr<std::unique_ptr<HeadRunner>> runner =
+          HeadRunner::LoadEagle3(head_dir.string(), LoadFormat::kAuto, 0, *m->checkpoint, m->config, WeightQuant::kNone,
                                 p.limits, shard->get());
       ASSERT_TRUE(runner.ok()) << where << ": " << runner.status();
       const HeadMemory planned = HeadBytes(*head, g, p.dtype, p.limits);

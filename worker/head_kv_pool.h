@@ -1,5 +1,5 @@
 // The paged KV pool of a speculative proposer that runs beside the model on the worker that samples
-// (a draft model, worker/draft_runner.h; the MTP layer or an EAGLE-3 head, worker/mtp_runner.h): its
+// (a draft model, worker/draft_runner.h; the MTP layer or an EAGLE-3 head, worker/head_runner.h): its
 // free blocks, from which each sequence's block table grows and to which it gives blocks back. The
 // pool's size is model/step_limits.h DraftStepLimits' num_kv_blocks.
 //

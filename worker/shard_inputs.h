@@ -24,10 +24,10 @@ struct ShardSpec {
   // mixture-of-experts layers exchange tokens with the other ranks by all-to-all.
   bool expert_parallel = false;
   // The model's multi-token-prediction layer (ModelConfig::num_nextn_predict_layers) as a shard of
-  // its own (worker/mtp_runner.h): first_layer is num_hidden_layers, end_layer one past it, TP 1;
+  // its own (worker/head_runner.h): first_layer is num_hidden_layers, end_layer one past it, TP 1;
   // it loads MtpWeights, embeds the next tokens and reads the model's hidden states (ModelShard).
   bool mtp = false;
-  // An EAGLE-3 head as a shard of its own (worker/mtp_runner.h, ModelConfig::eagle3): its one layer,
+  // An EAGLE-3 head as a shard of its own (worker/head_runner.h, ModelConfig::eagle3): its one layer,
   // whole on one rank; it embeds the next tokens and reads a hidden state the runner puts in
   // hidden() (ModelShard::Forward).
   bool eagle3 = false;

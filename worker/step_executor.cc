@@ -253,25 +253,25 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
     }
     // ... or the model's own multi-token-prediction layer, from the same checkpoint.
     if (a.speculative_mtp()) {
-      absl::StatusOr<std::unique_ptr<MtpRunner>> mtp =
-          MtpRunner::Load(**weights, *config, spec.weight_quant, options, e->shard_.get());
+      absl::StatusOr<std::unique_ptr<HeadRunner>> mtp =
+          HeadRunner::Load(**weights, *config, spec.weight_quant, options, e->shard_.get());
       if (!mtp.ok()) return mtp.status();
-      const StepLimits mtp_limits = MtpRunner::MtpLimits(options);
+      const StepLimits mtp_limits = HeadRunner::HeadLimits(options);
       e->draft_summary_ = absl::StrFormat(
           "multi-token-prediction layer %d: %.1f MiB of weights, %.1f MiB of KV cache (%d blocks of %d tokens), "
           "run after sampling",
           config->num_hidden_layers, static_cast<double>((*mtp)->weight_bytes()) / (1 << 20),
           static_cast<double>((*mtp)->kv_cache_bytes()) / (1 << 20), mtp_limits.num_kv_blocks,
           mtp_limits.block_size);
-      e->mtp_ = std::move(*mtp);
+      e->head_ = std::move(*mtp);
     }
     // ... or an EAGLE-3 head, from its own directory, over the hidden states the stages keep.
     if (a.speculative_eagle3()) {
-      absl::StatusOr<std::unique_ptr<MtpRunner>> head =
-          MtpRunner::LoadEagle3(a.draft_model_path(), format, a.dummy_seed(), **weights, *config, spec.weight_quant,
+      absl::StatusOr<std::unique_ptr<HeadRunner>> head =
+          HeadRunner::LoadEagle3(a.draft_model_path(), format, a.dummy_seed(), **weights, *config, spec.weight_quant,
                                 options, e->shard_.get());
       if (!head.ok()) return head.status();
-      const StepLimits head_limits = MtpRunner::MtpLimits(options);
+      const StepLimits head_limits = HeadRunner::HeadLimits(options);
       e->draft_summary_ = absl::StrFormat(
           "EAGLE-3 head %s over the hidden states of layers %s: %.1f MiB of weights, %.1f MiB of KV cache "
           "(%d blocks of %d tokens), run after sampling",
@@ -279,7 +279,7 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
           static_cast<double>((*head)->weight_bytes()) / (1 << 20),
           static_cast<double>((*head)->kv_cache_bytes()) / (1 << 20), head_limits.num_kv_blocks,
           head_limits.block_size);
-      e->mtp_ = std::move(*head);
+      e->head_ = std::move(*head);
     }
   }
   if (*cuda_ordinal >= 0) SHARDSERVE_RETURN_IF_ERROR(backend->Synchronize());  // the loads have landed
@@ -294,7 +294,7 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
   const int64_t scratch = static_cast<int64_t>(backend_->dequant_scratch_bytes());
   // (with a draft model's or a head's own count, where this worker runs one)
   const int64_t own = static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() +
-                                           shard_->step_buffer_bytes() + (mtp_ != nullptr ? mtp_->total_bytes() : 0)) +
+                                           shard_->step_buffer_bytes() + (head_ != nullptr ? head_->total_bytes() : 0)) +
                       draft_bytes_ + scratch;
   std::vector<std::string> lines;
   for (const v1::MemoryItem& item : assignment_.planned_memory()) {
@@ -310,8 +310,8 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = Bytes(draft_bytes_) + ", the draft's own count (weights, KV cache, step buffers)";
     } else if (name == "mtp_layer" || name == "eagle3_head") {
       const char* what = name == "mtp_layer" ? "multi-token-prediction layer" : "EAGLE-3 head";
-      measured = mtp_ == nullptr ? absl::StrCat(Bytes(0), ", this worker runs no ", what)
-                                 : Bytes(static_cast<int64_t>(mtp_->total_bytes())) +
+      measured = head_ == nullptr ? absl::StrCat(Bytes(0), ", this worker runs no ", what)
+                                 : Bytes(static_cast<int64_t>(head_->total_bytes())) +
                                        ", the head's own count (weights, KV cache, step buffers, hidden rows)";
     } else if (name == "dequant_scratch") {
       measured = Bytes(scratch) + ", the backend's own count (grown as the quantized weights were stored)";
@@ -368,7 +368,7 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
   // Whatever happens after the check, the old groups are gone and the running batch with them.
   SHARDSERVE_RETURN_IF_ERROR(steps_->Regroup(assignment_, r));
   if (draft_ != nullptr) draft_->Clear();
-  if (mtp_ != nullptr) mtp_->Clear();
+  if (head_ != nullptr) head_->Clear();
   return JoinGroups(r, store);
 }
 
@@ -397,7 +397,7 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
 void StepExecutor::LeaveCoordinator() {
   steps_->Clear();
   if (draft_ != nullptr) draft_->Clear();
-  if (mtp_ != nullptr) mtp_->Clear();
+  if (head_ != nullptr) head_->Clear();
   LeaveGroups();
 }
 
@@ -429,7 +429,7 @@ absl::Status StepExecutor::Adopt(const v1::Assignment& a, RendezvousStore* store
   }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Adopt(assignment_, a));
   if (draft_ != nullptr) draft_->Clear();
-  if (mtp_ != nullptr) mtp_->Clear();
+  if (head_ != nullptr) head_->Clear();
   assignment_ = a;  // the same shard: only the id, the group names and the collective timeout change
   return JoinGroups(RegroupOf(a), store);
 }
@@ -445,8 +445,8 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
   if (draft_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(draft_->Apply(plan));
-  } else if (mtp_ != nullptr) {
-    SHARDSERVE_RETURN_IF_ERROR(mtp_->Apply(plan));
+  } else if (head_ != nullptr) {
+    SHARDSERVE_RETURN_IF_ERROR(head_->Apply(plan));
   } else if (sampler_ != nullptr && plan.num_draft_tokens() > 0) {
     return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " asks for ", plan.num_draft_tokens(),
                                                    " draft tokens a row; this worker has no draft model"));
@@ -479,8 +479,8 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   }
   // The multi-token-prediction layer follows every step (its pairs need this step's hidden states),
   // and guesses for the sequences that sampled.
-  if (mtp_ != nullptr && n > 0) {
-    SHARDSERVE_RETURN_IF_ERROR(mtp_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
+  if (head_ != nullptr && n > 0) {
+    SHARDSERVE_RETURN_IF_ERROR(head_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
   }
 
   double collective = 0;

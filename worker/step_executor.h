@@ -11,7 +11,7 @@
 //                    the host); with a draft model (Assignment.draft_model_path), its guesses for
 //                    the sampled sequences' next step (worker/draft_runner.h); with the model's
 //                    multi-token-prediction layer (Assignment.speculative_mtp), that layer over
-//                    every step's hidden states and its guesses (worker/mtp_runner.h)
+//                    every step's hidden states and its guesses (worker/head_runner.h)
 //
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
@@ -40,7 +40,7 @@
 #include "worker/comm/rendezvous.h"
 #include "worker/shard/model_shard.h"
 #include "worker/draft_runner.h"
-#include "worker/mtp_runner.h"
+#include "worker/head_runner.h"
 #include "worker/persistent_batch.h"
 #include "worker/sampler.h"
 #include "worker/step_state.h"
@@ -164,7 +164,7 @@ class StepExecutor {
   // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
   const std::string& draft_summary() const { return draft_summary_; }
   // For tests: the multi-token-prediction layer's runner; null without one.
-  const MtpRunner* mtp_runner() const { return mtp_.get(); }
+  const HeadRunner* head_runner() const { return head_.get(); }
   // The device's memory beside the plan's, one line per item of Assignment.planned_memory, in its
   // order ("weights: planned 123 B (0.00 MiB), measured 123 B (0.00 MiB), the shard's own count"),
   // then the lines that only measure. Measured: the shard's own counts of its weights, KV cache
@@ -203,7 +203,7 @@ class StepExecutor {
   // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
   std::unique_ptr<DraftRunner> draft_;
   // Last stage, TP rank 0, with Assignment.speculative_mtp: the model's multi-token-prediction layer.
-  std::unique_ptr<MtpRunner> mtp_;
+  std::unique_ptr<HeadRunner> head_;
   std::string draft_summary_;
   int64_t draft_bytes_ = 0;  // its weights, KV cache and step buffers
 

@@ -168,15 +168,15 @@ HeadMemory HeadBytes(const ModelConfig& head, const GpuPlan& g, DType act, const
   absl::StatusOr<TpShard> whole = ComputeTpShard(head, 0, 1);
   // (MakePlan computed the whole shard already: a head it plans has one)
   if (g.head_weight_bytes == 0 || !whole.ok()) return m;
-  const StepLimits mtp = MtpStepLimits(limits);
+  const StepLimits mtp = HeadStepLimits(limits);
   m.weights = g.head_weight_bytes;
-  // One layer's cache, in one pool (MtpStepLimits has no sliding pool).
+  // One layer's cache, in one pool (HeadStepLimits has no sliding pool).
   m.kv_cache = static_cast<uint64_t>(head.KvValuesPerToken(whole->kv_heads)) * DTypeSize(act) *
                static_cast<uint64_t>(mtp.num_kv_blocks * mtp.block_size);
   // Its shard ends in logits, as a last stage's does (ModelShard::is_last_stage).
   m.buffers = StepBufferBytes(head, *whole, act, mtp, /*last_stage=*/true) +
-              DeclaredBytes(MtpStepBuffers(head, act, mtp)) + DeclaredBytes(Eagle3StepBuffers(head, act, mtp)) +
-              DeclaredBytes(MtpRunnerBuffers(head, act, limits));
+              DeclaredBytes(HeadStepBuffers(head, act, mtp)) + DeclaredBytes(Eagle3StepBuffers(head, act, mtp)) +
+              DeclaredBytes(HeadRunnerBuffers(head, act, limits));
   return m;
 }
 

@@ -137,12 +137,12 @@ uint64_t GpuKvBytes(const GpuPlan& g, int64_t num_kv_blocks, int64_t num_sliding
 uint64_t DraftKvBytes(const GpuPlan& g, const StepLimits& limits, int64_t num_kv_blocks);
 
 // A head over the model's hidden states on `g` (0 where g.head_weight_bytes is 0: not the worker
-// that runs it) for a model served within `limits`, in `act`, as worker/mtp_runner.h allocates it:
+// that runs it) for a model served within `limits`, in `act`, as worker/head_runner.h allocates it:
 // `head` is the config of the layer that runs, the model's for its multi-token-prediction layer or an
-// EAGLE-3 head's own. g.head_weight_bytes, a KV cache of one layer in MtpStepLimits' pool (latent
+// EAGLE-3 head's own. g.head_weight_bytes, a KV cache of one layer in HeadStepLimits' pool (latent
 // attention's latent rows, whole; the pool follows the model's blocks, limits.num_kv_blocks, as a
-// draft model's), its shard's step buffers (StepBuffers, MtpStepBuffers and an EAGLE-3 head's
-// Eagle3StepBuffers, whole, for MtpStepLimits) and the runner's (MtpRunnerBuffers).
+// draft model's), its shard's step buffers (StepBuffers, HeadStepBuffers and an EAGLE-3 head's
+// Eagle3StepBuffers, whole, for HeadStepLimits) and the runner's (HeadRunnerBuffers).
 struct HeadMemory {
   uint64_t weights = 0;
   uint64_t kv_cache = 0;

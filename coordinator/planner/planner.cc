@@ -166,7 +166,7 @@ absl::Status CountDraft(Context* ctx) {
 }
 
 // The model's multi-token-prediction layer (PlanOptions::mtp) as the worker that samples loads it
-// (worker/mtp_runner.h MtpRunner::Load): its first layer's tensors whole (one TP rank of one), in
+// (worker/head_runner.h HeadRunner::Load): its first layer's tensors whole (one TP rank of one), in
 // ctx.dtype, linear weights as options.weight_quant or in the checkpoint's format. It is planned as a
 // draft model is: its weights and buffers (memory.h HeadBytes) a fixed amount there, its KV
 // cache one layer's latent row a token of DraftStepLimits' pool, which follows the model's blocks.
@@ -203,8 +203,8 @@ absl::Status CountMtp(Context* ctx) {
   return absl::OkStatus();
 }
 
-// An EAGLE-3 head (PlanOptions::eagle3) as the worker that samples loads it (worker/mtp_runner.h
-// MtpRunner::LoadEagle3): its tensors whole (one TP rank of one), in ctx.dtype, linear weights as
+// An EAGLE-3 head (PlanOptions::eagle3) as the worker that samples loads it (worker/head_runner.h
+// HeadRunner::LoadEagle3): its tensors whole (one TP rank of one), in ctx.dtype, linear weights as
 // options.weight_quant, the model's embedding copied in where the head has none. It is planned as the
 // MTP layer is: its weights and buffers (memory.h HeadBytes) a fixed amount there, its KV cache one
 // layer's K and V a token of DraftStepLimits' pool. The hidden states every worker keeps for it are

@@ -67,14 +67,14 @@ struct PlanOptions {
   // Its vocabulary must be the model's. Unset: none.
   std::optional<ModelConfig> draft;
   // Speculative decoding with the model's own multi-token-prediction layer (--speculative mtp;
-  // worker/mtp_runner.h): the layer whole beside the last stage's TP rank 0, its weights as that
+  // worker/head_runner.h): the layer whole beside the last stage's TP rank 0, its weights as that
   // worker loads them (`weight_quant`, or the checkpoint's format), its step buffers and hidden rows,
   // and a KV cache of one layer beside the model's, as a draft model's (memory.h HeadBytes).
   // Refused for a model without the layer, and beside a draft model.
   bool mtp = false;
   // Speculative decoding with an EAGLE-3 head (--speculative eagle3 --draft-model HEAD; its
   // config.json, ModelConfig::eagle3 set): the head whole beside the last stage's TP rank 0, as
-  // worker/mtp_runner.h LoadEagle3 loads it (its weights as `weight_quant`, the model's embedding
+  // worker/head_runner.h LoadEagle3 loads it (its weights as `weight_quant`, the model's embedding
   // where it has none, its step buffers and hidden rows, a KV cache of one layer as the MTP layer's:
   // memory.h HeadBytes), and on every worker the model's hidden states at the head's layers
   // (registry.h AuxHiddenBuffers, in the step buffers). Refused where it does not fit the model

@@ -16,7 +16,7 @@
 //   enorm, hnorm, eh_proj [hidden, 2 hidden], a decoder layer of its index's kind, shared_head.norm
 //   and shared_head.head (the model's lm_head where a checkpoint leaves it out: the loader's
 //   fallback), over the model's embed_tokens. Declared apart (mtp_weights): --speculative mtp alone
-//   loads them, whole on the worker that samples (worker/mtp_runner.h).
+//   loads them, whole on the worker that samples (worker/head_runner.h).
 #include "model/families/families.h"
 
 namespace shardserve {

@@ -6,7 +6,7 @@
 //   h = x + o_proj(attention(q/k/v_proj(cat(input_layernorm(embed(token)), hidden_norm(x)))))
 //   out = h + mlp(post_attention_layernorm(h))
 // (with norm_before_residual the residual is hidden_norm(x)), and guesses argmax(lm_head(norm(out)))
-// over its own vocabulary, which d2t maps to the served model's ids (worker/mtp_runner.h runs it).
+// over its own vocabulary, which d2t maps to the served model's ids (worker/head_runner.h runs it).
 // q/k/v_proj thus read 2 x hidden inputs. The head runs whole on one worker (TP 1); its embedding is
 // the served model's where the checkpoint leaves embed_tokens out (the published heads do).
 #include "model/families/families.h"

@@ -236,22 +236,22 @@ std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard
   return b;
 }
 
-std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
+std::vector<StepBufferDecl> HeadStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {
   const int64_t n = limits.max_tokens_per_step, H = config.hidden_size;
-  return {{"mtp_pairs", act, {2 * n + 1, H}}, {"mtp_cat", act, {n, 2 * H}}, {"mtp_cat_rows", DType::kI32, {2 * n}}};
+  return {{"head_pairs", act, {2 * n + 1, H}}, {"head_cat", act, {n, 2 * H}}, {"head_cat_rows", DType::kI32, {2 * n}}};
 }
 
-StepLimits MtpStepLimits(const StepLimits& model) {
+StepLimits HeadStepLimits(const StepLimits& model) {
   StepLimits d = DraftStepLimits(model);
   d.max_tokens_per_step = model.max_tokens_per_step + model.max_seqs_per_step;
   return d;
 }
 
-std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model) {
+std::vector<StepBufferDecl> HeadRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model) {
   const int64_t m = model.max_seqs_per_step, H = config.hidden_size;
-  return {{"mtp_table", act, {m + model.max_tokens_per_step, H}},
-          {"mtp_src_rows", DType::kI32, {MtpStepLimits(model).max_tokens_per_step}},
-          {"mtp_ids", DType::kI32, {m}}};
+  return {{"head_table", act, {m + model.max_tokens_per_step, H}},
+          {"head_src_rows", DType::kI32, {HeadStepLimits(model).max_tokens_per_step}},
+          {"head_ids", DType::kI32, {m}}};
 }
 
 std::vector<StepBufferDecl> Eagle3StepBuffers(const ModelConfig& config, DType act, const StepLimits& limits) {

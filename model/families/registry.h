@@ -51,27 +51,28 @@ std::vector<WeightDecl> StageWeights(const ModelConfig& config, int64_t first_la
 std::vector<StepBufferDecl> StepBuffers(const ModelConfig& config, const TpShard& shard, DType act,
                                         const StepLimits& limits, bool last_stage);
 
-// The buffers a multi-token-prediction layer's shard (ShardSpec::mtp) adds to StepBuffers' for
-// `limits`: the normed embeddings and hidden states of a step's tokens side by side ("mtp_pairs",
-// [2 n + 1, hidden], the last row zero), their concatenation ("mtp_cat", [n, 2 hidden]) and the
-// rows that gather it ("mtp_cat_rows", [2 n]).
-std::vector<StepBufferDecl> MtpStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
+// The buffers a head's shard (a multi-token-prediction layer's, ShardSpec::mtp, or an EAGLE-3
+// head's, ShardSpec::eagle3) adds to StepBuffers' for `limits`: the normed embeddings and hidden states of a step's tokens side by side ("head_pairs",
+// [2 n + 1, hidden], the last row zero), their concatenation ("head_cat", [n, 2 hidden]) and the
+// rows that gather it ("head_cat_rows", [2 n]).
+std::vector<StepBufferDecl> HeadStepBuffers(const ModelConfig& config, DType act, const StepLimits& limits);
 
-// The limits the model's multi-token-prediction layer runs within beside a model served within
-// `model` (worker/mtp_runner.h, --speculative mtp): model/step_limits.h DraftStepLimits', with room
+// The limits a head (the model's multi-token-prediction layer or an EAGLE-3 head) runs within beside
+// a model served within `model` (worker/head_runner.h, --speculative mtp or eagle3):
+// model/step_limits.h DraftStepLimits', with room
 // for one more token a sequence a step (a prefill chunk's last row, which waits for its next token);
 // its KV cache is DraftStepLimits' pool (the model's blocks and room for every sequence's guesses).
-// The planner counts the layer's cache and buffers from these.
-StepLimits MtpStepLimits(const StepLimits& model);
+// The planner counts the head's cache and buffers from these.
+StepLimits HeadStepLimits(const StepLimits& model);
 
-// The buffers worker/mtp_runner.h holds beside the layer's shard for a model served within
-// `model`: the hidden rows the layer reads ("mtp_table", [max_seqs_per_step + max_tokens_per_step,
+// The buffers worker/head_runner.h holds beside the head's shard for a model served within
+// `model`: the hidden rows the head reads ("head_table", [max_seqs_per_step + max_tokens_per_step,
 // hidden]: a waiting row per sequence slot, then a step's rows), the rows a forward gathers from it
-// ("mtp_src_rows", [MtpStepLimits' max_tokens_per_step] I32) and the guesses ("mtp_ids",
+// ("head_src_rows", [HeadStepLimits' max_tokens_per_step] I32) and the guesses ("head_ids",
 // [max_seqs_per_step] I32).
-std::vector<StepBufferDecl> MtpRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model);
+std::vector<StepBufferDecl> HeadRunnerBuffers(const ModelConfig& config, DType act, const StepLimits& model);
 
-// The buffers an EAGLE-3 head's shard (ShardSpec::eagle3) adds to MtpStepBuffers' (which it uses as
+// The buffers an EAGLE-3 head's shard (ShardSpec::eagle3) adds to HeadStepBuffers' (which it uses as
 // the MTP layer does): its fc's input, the model's hidden states at its aux layers side by side
 // ("eagle3_cat", [n, aux layers x the model's hidden]), and the rows that gather it
 // ("eagle3_cat_rows", [aux layers x n]).

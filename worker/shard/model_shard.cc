@@ -88,10 +88,10 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   };
   SHARDSERVE_RETURN_IF_ERROR(allocate(StepBuffers(config, s, backend->act_dtype(), opt, m->is_last_stage())));
   if (spec.mtp || spec.eagle3) {
-    SHARDSERVE_RETURN_IF_ERROR(allocate(MtpStepBuffers(config, backend->act_dtype(), opt)));
-    const Tensor zero = m->mtp_pairs_.Rows(2 * opt.max_tokens_per_step, 2 * opt.max_tokens_per_step + 1);
+    SHARDSERVE_RETURN_IF_ERROR(allocate(HeadStepBuffers(config, backend->act_dtype(), opt)));
+    const Tensor zero = m->head_pairs_.Rows(2 * opt.max_tokens_per_step, 2 * opt.max_tokens_per_step + 1);
     SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(zero.data, zero.bytes()));
-    m->mtp_cat_rows_host_.reserve(2 * opt.max_tokens_per_step);
+    m->head_cat_rows_host_.reserve(2 * opt.max_tokens_per_step);
   }
   if (spec.eagle3) {
     SHARDSERVE_RETURN_IF_ERROR(allocate(Eagle3StepBuffers(config, backend->act_dtype(), opt)));
@@ -163,8 +163,8 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"expert_all_offsets", &moe_.all_offsets}, {"expert_exchanged", &moe_.exchanged},
       {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
       {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
-      {"mla_k_pe", &mla_.k_pe}, {"mtp_pairs", &mtp_pairs_}, {"mtp_cat", &mtp_cat_},
-      {"mtp_cat_rows", &mtp_cat_rows_}, {"eagle3_cat", &eagle3_cat_}, {"eagle3_cat_rows", &eagle3_cat_rows_},
+      {"mla_k_pe", &mla_.k_pe}, {"head_pairs", &head_pairs_}, {"head_cat", &head_cat_},
+      {"head_cat_rows", &head_cat_rows_}, {"eagle3_cat", &eagle3_cat_}, {"eagle3_cat_rows", &eagle3_cat_rows_},
       {"aux_hidden", &aux_hidden_}};
   for (const auto& [slot, tensor] : slots) {
     if (name == slot) return tensor;
@@ -272,12 +272,12 @@ absl::Status ModelShard::Forward(const StepBatch& b) {
     // The concatenation's rows: token i's normed embedding (the MTP layer's: the zero row at
     // position 0), then its normed hidden state.
     const int32_t N = static_cast<int32_t>(limits_.max_tokens_per_step);
-    mtp_cat_rows_host_.clear();
+    head_cat_rows_host_.clear();
     for (int32_t i = 0; i < static_cast<int32_t>(n); ++i) {
-      mtp_cat_rows_host_.push_back(spec_.mtp && b.positions[i] == 0 ? 2 * N : i);
-      mtp_cat_rows_host_.push_back(N + i);
+      head_cat_rows_host_.push_back(spec_.mtp && b.positions[i] == 0 ? 2 * N : i);
+      head_cat_rows_host_.push_back(N + i);
     }
-    SHARDSERVE_RETURN_IF_ERROR(Upload(mtp_cat_rows_.Rows(0, 2 * n), mtp_cat_rows_host_));
+    SHARDSERVE_RETURN_IF_ERROR(Upload(head_cat_rows_.Rows(0, 2 * n), head_cat_rows_host_));
   }
 
   if (graphs_on_ && n == b.num_seqs && n <= kMaxGraphSeqs) return ComputeWithGraph(n, m, b.num_seqs);
@@ -336,14 +336,14 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     const LayerWeights& w = weights_.layers[0];
     const float eps = static_cast<float>(config_.rms_norm_eps);
     const int64_t N = limits_.max_tokens_per_step, H = config_.hidden_size;
-    Tensor e = mtp_pairs_.Rows(0, n), h = mtp_pairs_.Rows(N, N + n);
+    Tensor e = head_pairs_.Rows(0, n), h = head_pairs_.Rows(N, N + n);
     SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&h, x, w.hnorm, eps));
     SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&e, weights_.embed_tokens, ids_.Rows(0, n)));
     SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&e, e, w.enorm, eps));
     // the concatenation, [n, 2 hidden] as [2 n, hidden]: a gather of the rows e_0, h_0, e_1, h_1, ...
-    Tensor cat_rows(mtp_cat_.data, be.act_dtype(), {2 * n, H});
-    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, mtp_pairs_, mtp_cat_rows_.Rows(0, 2 * n), 0));
-    const Tensor cat(mtp_cat_.data, be.act_dtype(), {n, 2 * H});
+    Tensor cat_rows(head_cat_.data, be.act_dtype(), {2 * n, H});
+    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, head_pairs_, head_cat_rows_.Rows(0, 2 * n), 0));
+    const Tensor cat(head_cat_.data, be.act_dtype(), {n, 2 * H});
     SHARDSERVE_RETURN_IF_ERROR(be.MatMul(&x, cat, w.eh_proj, nullptr));
   }
   const std::vector<LayerWeights>& layers = weights_.layers;
@@ -355,14 +355,14 @@ absl::Status ModelShard::Compute(int64_t n, int64_t m, int64_t seqs) {
     const LayerWeights& w = layers[0];
     const float eps = static_cast<float>(config_.rms_norm_eps);
     const int64_t N = limits_.max_tokens_per_step, H = config_.hidden_size;
-    Tensor e = mtp_pairs_.Rows(0, n), h = mtp_pairs_.Rows(N, N + n);
+    Tensor e = head_pairs_.Rows(0, n), h = head_pairs_.Rows(N, N + n);
     SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&h, x, w.hnorm, eps));
     if (config_.eagle3->norm_before_residual) SHARDSERVE_RETURN_IF_ERROR(be.CopyOnDevice(x.data, h.data, h.bytes()));
     SHARDSERVE_RETURN_IF_ERROR(blocks_->Embed(&e, weights_.embed_tokens, ids_.Rows(0, n)));
     SHARDSERVE_RETURN_IF_ERROR(be.RmsNorm(&e, e, w.input_layernorm, eps));
-    Tensor cat_rows(mtp_cat_.data, be.act_dtype(), {2 * n, H});
-    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, mtp_pairs_, mtp_cat_rows_.Rows(0, 2 * n), 0));
-    const Tensor cat(mtp_cat_.data, be.act_dtype(), {n, 2 * H});
+    Tensor cat_rows(head_cat_.data, be.act_dtype(), {2 * n, H});
+    SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&cat_rows, head_pairs_, head_cat_rows_.Rows(0, 2 * n), 0));
+    const Tensor cat(head_cat_.data, be.act_dtype(), {n, 2 * H});
     SHARDSERVE_RETURN_IF_ERROR(blocks_->Eagle3Layer(first_layer_, w, kv_[0], meta, s, cat, &x));
   }
   // The stage's layers; each leaves the next one's input norm in s.normed. An EAGLE-3 head reads the

@@ -68,7 +68,7 @@ class ModelShard {
   absl::Status Eagle3Input(Tensor* out, const Tensor& aux, int64_t n);
   // On the last stage after Forward: the model's final norm of the step's first n hidden rows (every
   // fed token's, not only the logit rows') into `out` ([n, hidden] act): the states a
-  // multi-token-prediction layer reads (worker/mtp_runner.h; vLLM and SGLang feed it the normed state).
+  // multi-token-prediction layer reads (worker/head_runner.h; vLLM and SGLang feed it the normed state).
   absl::Status FinalNormed(Tensor* out, int64_t n) const;
 
   // ShardSpec::aux_hidden_layers: the layers whose input hidden states aux_hidden() keeps.
@@ -156,11 +156,11 @@ class ModelShard {
   Tensor local_logits_;     // [m, vocab_rows_per_rank] F32
   Tensor gathered_logits_;  // [tp, m, vocab_rows_per_rank] F32; only when tp > 1
   Tensor logits_;           // [m, vocab] F32
-  // A multi-token-prediction layer's shard only (registry.h MtpStepBuffers):
-  Tensor mtp_pairs_;     // [2 n + 1, hidden]: enorm(embed) rows [0, n), hnorm(hidden) rows [n, 2 n), a zero row
-  Tensor mtp_cat_;       // [n, 2 hidden] their concatenation
-  Tensor mtp_cat_rows_;  // [2 n] I32: the pairs' rows the concatenation gathers
-  std::vector<int32_t> mtp_cat_rows_host_;  // reserved for 2 n
+  // A head's shard only (an MTP layer's or an EAGLE-3 head's; registry.h HeadStepBuffers):
+  Tensor head_pairs_;     // [2 n + 1, hidden]: enorm(embed) rows [0, n), hnorm(hidden) rows [n, 2 n), a zero row
+  Tensor head_cat_;       // [n, 2 hidden] their concatenation
+  Tensor head_cat_rows_;  // [2 n] I32: the pairs' rows the concatenation gathers
+  std::vector<int32_t> head_cat_rows_host_;  // reserved for 2 n
   // (an EAGLE-3 head's shard uses the three above as the MTP layer's: its embedding's and hidden
   // state's norms side by side, no zero row read; and these for its fc's input:)
   Tensor eagle3_cat_;       // [n, aux layers x the model's hidden]

@@ -1,4 +1,4 @@
-#include "worker/mtp_runner.h"
+#include "worker/head_runner.h"
 
 #include <algorithm>
 #include <string_view>
@@ -11,9 +11,9 @@
 
 namespace shardserve {
 
-StepLimits MtpRunner::MtpLimits(const StepLimits& target) { return MtpStepLimits(target); }
+StepLimits HeadRunner::HeadLimits(const StepLimits& target) { return HeadStepLimits(target); }
 
-absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& weights, const ModelConfig& config,
+absl::StatusOr<std::unique_ptr<HeadRunner>> HeadRunner::Load(const WeightSource& weights, const ModelConfig& config,
                                                            WeightQuant quant, const StepLimits& limits,
                                                            ModelShard* target) {
   if (config.num_nextn_predict_layers <= 0) {
@@ -21,8 +21,8 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::Load(const WeightSource& w
         "--speculative mtp needs the model's multi-token-prediction layer, but config.json's "
         "num_nextn_predict_layers is ", config.num_nextn_predict_layers, " (", config.architecture_name, ")"));
   }
-  std::unique_ptr<MtpRunner> r(new MtpRunner());
-  r->limits_ = MtpLimits(limits);
+  std::unique_ptr<HeadRunner> r(new HeadRunner());
+  r->limits_ = HeadLimits(limits);
   r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
   const ShardSpec spec{.first_layer = config.num_hidden_layers, .end_layer = config.num_hidden_layers + 1,
                        .tp_rank = 0, .tp_size = 1, .weight_quant = quant, .expert_parallel = false, .mtp = true,
@@ -76,7 +76,7 @@ class Eagle3HeadWeights : public WeightSource {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::LoadEagle3(const std::string& head_dir, LoadFormat format,
+absl::StatusOr<std::unique_ptr<HeadRunner>> HeadRunner::LoadEagle3(const std::string& head_dir, LoadFormat format,
                                                                  uint64_t dummy_seed, const WeightSource& model_weights,
                                                                  const ModelConfig& model_config, WeightQuant quant,
                                                                  const StepLimits& limits, ModelShard* target) {
@@ -107,8 +107,8 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::LoadEagle3(const std::stri
   if (!head.ok()) return refuse(head.status());
   const Eagle3HeadWeights weights(**head, model_weights, model_config.weight_prefix + "embed_tokens.weight");
 
-  std::unique_ptr<MtpRunner> r(new MtpRunner());
-  r->limits_ = MtpLimits(limits);
+  std::unique_ptr<HeadRunner> r(new HeadRunner());
+  r->limits_ = HeadLimits(limits);
   r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
   const ShardSpec spec{.first_layer = 0, .end_layer = 1, .tp_rank = 0, .tp_size = 1, .weight_quant = quant,
                        .expert_parallel = false, .mtp = false, .eagle3 = true, .aux_hidden_layers = {}};
@@ -140,7 +140,7 @@ absl::StatusOr<std::unique_ptr<MtpRunner>> MtpRunner::LoadEagle3(const std::stri
   return r;
 }
 
-absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target) {
+absl::Status HeadRunner::Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target) {
   target_ = target;
   backend_ = target->backend();
   Backend* backend = backend_;
@@ -149,16 +149,16 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
   // give 2048, and vLLM runs them at the model's length)
   if (config.max_position_embeddings > 0 && !eagle3_) context_ = std::min(context_, config.max_position_embeddings);
   // The hidden rows (one waiting row a sequence slot, then the step's rows), the rows a forward
-  // gathers and the guesses, as registry.h MtpRunnerBuffers declares them.
+  // gathers and the guesses, as registry.h HeadRunnerBuffers declares them.
   const int64_t m = limits.max_seqs_per_step, n = limits_.max_tokens_per_step;
   table_seqs_ = m;
-  for (const StepBufferDecl& b : MtpRunnerBuffers(config, backend->act_dtype(), limits)) {
+  for (const StepBufferDecl& b : HeadRunnerBuffers(config, backend->act_dtype(), limits)) {
     const std::string_view name = b.name;
-    auto [buffer, tensor] = name == "mtp_table"      ? std::pair{&table_buffer_, &table_}
-                            : name == "mtp_src_rows" ? std::pair{&src_rows_buffer_, &src_rows_}
-                            : name == "mtp_ids"      ? std::pair{&ids_buffer_, &ids_}
+    auto [buffer, tensor] = name == "head_table"      ? std::pair{&table_buffer_, &table_}
+                            : name == "head_src_rows" ? std::pair{&src_rows_buffer_, &src_rows_}
+                            : name == "head_ids"      ? std::pair{&ids_buffer_, &ids_}
                                                      : std::pair<Buffer*, Tensor*>{nullptr, nullptr};
-    if (buffer == nullptr) return absl::InternalError(absl::StrCat("MTP buffer \"", b.name, "\" has no slot"));
+    if (buffer == nullptr) return absl::InternalError(absl::StrCat("head buffer \"", b.name, "\" has no slot"));
     Tensor t;
     t.dtype = b.dtype;
     for (int64_t d : b.dims) t.shape[t.ndim++] = d;
@@ -186,19 +186,19 @@ absl::Status MtpRunner::Init(const ModelConfig& config, const StepLimits& limits
   return absl::OkStatus();
 }
 
-void MtpRunner::Release(Seq& s) {
+void HeadRunner::Release(Seq& s) {
   s.waiting = false;
   pool_.Cut(&s.blocks, 0);
 }
 
-void MtpRunner::Clear() {
+void HeadRunner::Clear() {
   for (Seq& s : slots_) Release(s);
   free_slots_.clear();
   for (int64_t i = static_cast<int64_t>(slots_.size()) - 1; i >= 0; --i) free_slots_.push_back(static_cast<int32_t>(i));
   index_.clear();
 }
 
-absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
+absl::Status HeadRunner::Apply(const v1::StepPlan& p) {
   if (p.num_draft_tokens() < 0 || p.num_draft_tokens() > kMaxSpeculativeTokens) {
     return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": num_draft_tokens ", p.num_draft_tokens(),
                                                    " outside [0, ", kMaxSpeculativeTokens, "]"));
@@ -214,7 +214,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
     const uint64_t id = p.new_seqs(i).seq_id();
     if (free_slots_.empty() || index_.contains(id)) {
       return absl::InvalidArgumentError(absl::StrCat("step ", p.step_id(), ": new_seqs[", i, "]: seq ", id,
-                                                     " does not fit the multi-token-prediction layer's state"));
+                                                     " does not fit the head's state"));
     }
     const int32_t slot = free_slots_.back();
     free_slots_.pop_back();
@@ -224,7 +224,7 @@ absl::Status MtpRunner::Apply(const v1::StepPlan& p) {
   return absl::OkStatus();
 }
 
-void MtpRunner::ClearBatch() {
+void HeadRunner::ClearBatch() {
   batch_.token_ids.clear();
   batch_.positions.clear();
   batch_.token_seq.clear();
@@ -235,7 +235,7 @@ void MtpRunner::ClearBatch() {
   src_rows_host_.clear();
 }
 
-void MtpRunner::Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new_row) {
+void HeadRunner::Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new_row) {
   const int64_t bs = limits_.block_size, width = limits_.max_blocks_per_seq();
   if (new_row) {
     ++batch_.num_seqs;
@@ -251,7 +251,7 @@ void MtpRunner::Add(const Seq& s, int32_t id, int32_t pos, int32_t src, bool new
   src_rows_host_.push_back(src);
 }
 
-absl::Status MtpRunner::Run(const Tensor& table) {
+absl::Status HeadRunner::Run(const Tensor& table) {
   const int64_t n = static_cast<int64_t>(batch_.positions.size()), m = static_cast<int64_t>(batch_.logit_rows.size());
   // Each token's hidden state, gathered into the layer's input.
   SHARDSERVE_RETURN_IF_ERROR(
@@ -272,11 +272,11 @@ absl::Status MtpRunner::Run(const Tensor& table) {
   return absl::OkStatus();
 }
 
-absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::RepeatedField<int32_t>& sampled,
+absl::Status HeadRunner::Propose(const v1::StepPlan& p, const google::protobuf::RepeatedField<int32_t>& sampled,
                                 google::protobuf::RepeatedField<int32_t>* draft_ids) {
   const int k = p.num_draft_tokens();
   auto lost = [&p](int row) {
-    return absl::InternalError(absl::StrCat("step ", p.step_id(), ": the multi-token-prediction layer's state lost row ", row));
+    return absl::InternalError(absl::StrCat("step ", p.step_id(), ": the head's state lost row ", row));
   };
   int64_t n = 0;
   for (int row = 0; row < p.row_num_tokens_size(); ++row) n += p.row_num_tokens(row);
@@ -374,7 +374,7 @@ absl::Status MtpRunner::Propose(const v1::StepPlan& p, const google::protobuf::R
   // output hidden state at its last token and the guess before.
   for (int j = 0; j < k; ++j) {
     const size_t rows = guessing_.size();
-    if (next_.size() != rows) return absl::InternalError("the multi-token-prediction layer lost its logit rows");
+    if (next_.size() != rows) return absl::InternalError("the head lost its logit rows");
     for (size_t r = 0; r < rows; ++r) {
       for (int g = j; g < k; ++g) draft_ids->Set(guessing_[r].out + g, next_[r]);  // the later ones padding until guessed
     }

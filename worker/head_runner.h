@@ -37,12 +37,12 @@
 //
 // Memory: the head's weights, KV cache and step buffers (ModelShard), and a table of hidden rows
 // [max_seqs_per_step + max_tokens_per_step, hidden] with its index buffers (registry.h
-// MtpRunnerBuffers), allocated at Load; the planner counts the same for the MTP layer
-// (docs/planner.md). Ownership: owns the head's shard and its communicator of one rank; borrows the
-// model's shard, which must outlive it.
+// HeadRunnerBuffers), allocated at Load; the planner counts the same (coordinator/planner/memory.h
+// HeadBytes, docs/planner.md). Ownership: owns the head's shard and its communicator of one rank;
+// borrows the model's shard, which must outlive it.
 // Threading: not thread-safe; the step's thread.
-#ifndef SHARDSERVE_WORKER_MTP_RUNNER_H_
-#define SHARDSERVE_WORKER_MTP_RUNNER_H_
+#ifndef SHARDSERVE_WORKER_HEAD_RUNNER_H_
+#define SHARDSERVE_WORKER_HEAD_RUNNER_H_
 
 #include <cstdint>
 #include <memory>
@@ -64,17 +64,17 @@
 
 namespace shardserve {
 
-class MtpRunner {
+class HeadRunner {
  public:
   // The head's step limits for a model served within `target`: model/families/registry.h
-  // MtpStepLimits (DraftStepLimits', its KV cache's pool among them, with room for one more token a
+  // HeadStepLimits (DraftStepLimits', its KV cache's pool among them, with room for one more token a
   // sequence a step: a prefill chunk's waiting row).
-  static StepLimits MtpLimits(const StepLimits& target);
+  static StepLimits HeadLimits(const StepLimits& target);
 
   // Loads the MTP layer num_hidden_layers of `config` from `weights` (whole, in the backend's act
   // dtype, linear weights as `quant`) beside `target`, the last stage's shard on TP rank 0, for plans
   // within `limits`. FailedPrecondition naming the field or tensor when the model has no such layer.
-  static absl::StatusOr<std::unique_ptr<MtpRunner>> Load(const WeightSource& weights, const ModelConfig& config,
+  static absl::StatusOr<std::unique_ptr<HeadRunner>> Load(const WeightSource& weights, const ModelConfig& config,
                                                          WeightQuant quant, const StepLimits& limits,
                                                          ModelShard* target);
 
@@ -82,7 +82,7 @@ class MtpRunner {
   // there as `format` reads them; embed_tokens from `model_weights` where the head has none) beside
   // `target`, whose aux_hidden_layers must be the ones the head reads (Eagle3AuxLayers), for plans
   // within `limits`. Errors name the head's directory and what does not fit the model.
-  static absl::StatusOr<std::unique_ptr<MtpRunner>> LoadEagle3(const std::string& head_dir, LoadFormat format,
+  static absl::StatusOr<std::unique_ptr<HeadRunner>> LoadEagle3(const std::string& head_dir, LoadFormat format,
                                                                uint64_t dummy_seed, const WeightSource& model_weights,
                                                                const ModelConfig& model_config, WeightQuant quant,
                                                                const StepLimits& limits, ModelShard* target);
@@ -92,7 +92,7 @@ class MtpRunner {
   absl::Status Apply(const v1::StepPlan& plan);
 
   // After the step ran (and sampled `sampled`, one id per logit row, row after row): the pairs above
-  // through the MTP layer, and when the plan asks, num_draft_tokens guesses per row that samples
+  // through the head, and when the plan asks, num_draft_tokens guesses per row that samples
   // appended to *draft_ids.
   absl::Status Propose(const v1::StepPlan& plan, const google::protobuf::RepeatedField<int32_t>& sampled,
                        google::protobuf::RepeatedField<int32_t>* draft_ids);
@@ -102,7 +102,7 @@ class MtpRunner {
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
   uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
-  // The layer's shard's step buffers (MtpLimits), and the runner's own: the hidden rows' table and
+  // The layer's shard's step buffers (HeadLimits), and the runner's own: the hidden rows' table and
   // its index buffers.
   uint64_t step_buffer_bytes() const { return shard_->step_buffer_bytes(); }
   uint64_t buffer_bytes() const { return buffer_bytes_; }
@@ -122,7 +122,7 @@ class MtpRunner {
     bool waiting = false;     // a hidden row waits in table_ row `slot` for its next token
     int32_t waiting_pos = 0;  // that row's position
   };
-  MtpRunner() = default;
+  HeadRunner() = default;
   // The table, index buffers and scratch, for the head of `config` beside `target` (after shard_).
   absl::Status Init(const ModelConfig& config, const StepLimits& limits, ModelShard* target);
   // Gives back s's blocks and forgets its waiting row.
@@ -140,14 +140,14 @@ class MtpRunner {
   std::unique_ptr<ModelShard> shard_;
   ModelShard* target_ = nullptr;
   Backend* backend_ = nullptr;
-  StepLimits limits_;       // the MTP layer's
+  StepLimits limits_;       // the head's (HeadLimits)
   int64_t context_ = 0;     // the positions it takes: its KV cache's and its RoPE's
   int64_t table_seqs_ = 0;  // the table's waiting rows [0, table_seqs_); the step's after them
   bool eagle3_ = false;       // an EAGLE-3 head (else the MTP layer)
   std::vector<int32_t> d2t_;  // an EAGLE-3 head's: its id d is the model's d + d2t_[d]
   Buffer table_buffer_, src_rows_buffer_, ids_buffer_;
   Tensor table_;           // [table_seqs_ + target max_tokens_per_step, hidden] act
-  Tensor src_rows_, ids_;  // [MtpLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
+  Tensor src_rows_, ids_;  // [HeadLimits' max_tokens_per_step] I32, [max_seqs_per_step] I32
   uint64_t buffer_bytes_ = 0;  // of the three above
 
   // ---- State ----
@@ -172,4 +172,4 @@ class MtpRunner {
 
 }  // namespace shardserve
 
-#endif  // SHARDSERVE_WORKER_MTP_RUNNER_H_
+#endif  // SHARDSERVE_WORKER_HEAD_RUNNER_H_
