@@ -126,13 +126,7 @@ absl::Status DraftRunner::Apply(const v1::StepPlan& p) {
 }
 
 void DraftRunner::ClearBatch() {
-  batch_.token_ids.clear();
-  batch_.positions.clear();
-  batch_.token_seq.clear();
-  batch_.slots.clear();
-  batch_.block_tables.clear();
-  batch_.logit_rows.clear();
-  batch_.num_seqs = 0;
+  batch_.Clear();
   batch_rows_.clear();
 }
 

@@ -225,13 +225,7 @@ absl::Status HeadRunner::Apply(const v1::StepPlan& p) {
 }
 
 void HeadRunner::ClearBatch() {
-  batch_.token_ids.clear();
-  batch_.positions.clear();
-  batch_.token_seq.clear();
-  batch_.slots.clear();
-  batch_.block_tables.clear();
-  batch_.logit_rows.clear();
-  batch_.num_seqs = 0;
+  batch_.Clear();
   src_rows_host_.clear();
 }
 

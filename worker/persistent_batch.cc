@@ -235,14 +235,8 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     }
   }
   const int64_t width = limits_.max_blocks_per_seq(), bs = limits_.block_size;
+  batch->Clear();
   batch->token_ids.assign(p.token_ids().begin(), p.token_ids().end());  // within the reserved capacity
-  batch->positions.clear();
-  batch->token_seq.clear();
-  batch->slots.clear();
-  batch->block_tables.clear();
-  batch->sliding_slots.clear();
-  batch->sliding_block_tables.clear();
-  batch->logit_rows.clear();
   const bool sliding = limits_.num_sliding_kv_blocks > 0;
   batch->num_seqs = rows;
   sampling->Clear();  // keeps the elements for reuse

@@ -54,6 +54,15 @@ struct StepBatch {
   std::vector<int32_t> sliding_block_tables;  // like block_tables, or empty
   int32_t num_seqs = 0;
   std::vector<int32_t> logit_rows;  // [m]
+
+  // Empty, keeping every vector's capacity (a step's batch is rebuilt in place).
+  void Clear() {
+    for (std::vector<int32_t>* v : {&token_ids, &positions, &token_seq, &slots, &block_tables, &sliding_slots,
+                                    &sliding_block_tables, &logit_rows}) {
+      v->clear();
+    }
+    num_seqs = 0;
+  }
 };
 
 }  // namespace shardserve
