@@ -658,6 +658,11 @@ absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, co
                                                    " (target_hidden_size) but the served model's hidden_size is ",
                                                    target.hidden_size));
   }
+  if (head.hidden_size != target.hidden_size) {
+    // (its embedding, its own or the model's, is the head's width; the published heads are the model's)
+    return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head's hidden_size ", head.hidden_size,
+                                                   " is not the served model's ", target.hidden_size));
+  }
   if (e.embedding_vocab_size != target.vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head's vocabulary is ", e.embedding_vocab_size,
                                                    " ids (vocab_size) but the served model's is ", target.vocab_size));

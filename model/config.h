@@ -209,8 +209,9 @@ struct ModelConfig {
 
 // The served model's layers whose input hidden states the EAGLE-3 head `head` reads (ascending):
 // its own list, or (2, L / 2, L - 3) of the model's L = target.num_hidden_layers. InvalidArgument
-// naming both when a layer is outside the model, the list repeats one, or the head's fc does not
-// read as many hidden states of the model's size (target_hidden_size, vocabulary) as it has.
+// naming both when a layer is outside the model, the list repeats one, the head's fc does not
+// read hidden states of the model's size (target_hidden_size), or its width (hidden_size) or
+// vocabulary is not the model's.
 absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, const ModelConfig& target);
 
 // Parses and validates config.json text. `source` names the file in error messages.

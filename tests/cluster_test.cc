@@ -674,19 +674,33 @@ TEST(CoordinatorFlagsTest, MtpWithoutTheLayerIsRefused) {
 }
 
 // An EAGLE-3 head is refused at start (exit 1) where it cannot run, naming why: served as the model,
-// given to --speculative draft, a model given to --speculative eagle3, and a head for another model
-// (its fc reads hidden states of another size).
+// given to --speculative draft, a model given to --speculative eagle3, a head for another model (its
+// fc reads other layers than the model has), and a head of another width than the model's.
 TEST(CoordinatorFlagsTest, AnEagle3HeadWhereItCannotRunIsRefused) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   const std::string head = (kFixtures / "llama_gqa_eagle3").string(), model = (kFixtures / "llama_gqa").string();
+  // The fixture head with hidden_size 96 (its fc still reads the model's 64-wide states).
+  const fs::path wide_head = dir / "wide_head";
+  fs::create_directories(wide_head);
+  {
+    std::ifstream in(fs::path(head) / "config.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string narrow = "\"hidden_size\": 64";
+    const size_t at = text.find(narrow);
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, narrow.size(), "\"hidden_size\": 96, \"target_hidden_size\": 64");
+    std::ofstream(wide_head / "config.json") << text;
+  }
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--model", head}, "holds an EAGLE-3 head (LlamaForCausalLMEagle3), not a model to serve"},
       {{"--model", model, "--speculative", "draft", "--draft-model", head}, "is an EAGLE-3 head, which --speculative eagle3 runs"},
       {{"--model", model, "--speculative", "eagle3", "--draft-model", model},
        "is a model (LlamaForCausalLM), not an EAGLE-3 head"},
       {{"--model", (kFixtures / "qwen3_tf5").string(), "--speculative", "eagle3", "--draft-model", head},
-       "which are not distinct layers of the model's 3"}};
+       "which are not distinct layers of the model's 3"},
+      {{"--model", model, "--speculative", "eagle3", "--draft-model", wide_head.string()},
+       "the EAGLE-3 head's hidden_size 96 is not the served model's 64"}};
   for (const auto& [flags, want] : cases) {
     const fs::path log = dir / "coordinator.log";
     std::vector<std::string> args = {SHARDSERVE_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--insecure"};

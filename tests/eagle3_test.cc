@@ -97,6 +97,12 @@ TEST(Eagle3Test, TheHeadsConfigIsReadAsPublished) {
   aux = Eagle3AuxLayers(*head, wide);
   ASSERT_FALSE(aux.ok());
   EXPECT_NE(aux.status().message().find("target_hidden_size"), std::string::npos) << aux.status();
+  ModelConfig wider_head = *head;  // its fc reads the model's states, but its own width is not the model's
+  wider_head.hidden_size = 96;
+  aux = Eagle3AuxLayers(wider_head, *model);
+  ASSERT_FALSE(aux.ok());
+  EXPECT_NE(aux.status().message().find("hidden_size 96 is not the served model's 64"), std::string::npos)
+      << aux.status();
   ModelConfig other_vocab = *model;
   other_vocab.vocab_size = 1000;
   EXPECT_FALSE(Eagle3AuxLayers(*head, other_vocab).ok());

@@ -2031,6 +2031,10 @@ TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
   narrow.eagle3 = *head;
   narrow.eagle3->eagle3->target_hidden_size = 32;
   EXPECT_THAT(refused(narrow), HasSubstr("target_hidden_size"));
+  PlanOptions thin = SmallCpuOptions(1, 1);
+  thin.eagle3 = *head;
+  thin.eagle3->hidden_size = 32;
+  EXPECT_THAT(refused(thin), HasSubstr("the EAGLE-3 head's hidden_size 32 is not the served model's"));
   PlanOptions as_draft = SmallCpuOptions(1, 1);
   as_draft.draft = *head;
   EXPECT_THAT(refused(as_draft), HasSubstr("plan it as one (--speculative eagle3), not as a draft model"));

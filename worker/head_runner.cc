@@ -98,11 +98,6 @@ absl::StatusOr<std::unique_ptr<HeadRunner>> HeadRunner::LoadEagle3(const std::st
         "it reads the model's hidden states at layers ", absl::StrJoin(*aux, ", "), " but the workers keep layers ",
         absl::StrJoin(kept, ", "), " (the assignment's aux_hidden_layers)")));
   }
-  if (config->hidden_size != model_config.hidden_size) {
-    // (the embedding, its own or the model's, is the head's width; the published heads are the model's)
-    return refuse(absl::InvalidArgumentError(absl::StrCat("its hidden_size ", config->hidden_size,
-                                                          " is not the model's ", model_config.hidden_size)));
-  }
   absl::StatusOr<std::unique_ptr<WeightSource>> head = OpenWeightSource(head_dir, *config, format, dummy_seed);
   if (!head.ok()) return refuse(head.status());
   const Eagle3HeadWeights weights(**head, model_weights, model_config.weight_prefix + "embed_tokens.weight");

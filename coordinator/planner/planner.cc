@@ -222,10 +222,6 @@ absl::Status CountEagle3(Context* ctx) {
   }
   absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(head, ctx->config);
   if (!aux.ok()) return aux.status();
-  if (head.hidden_size != ctx->config.hidden_size) {
-    return absl::InvalidArgumentError(absl::StrCat("the EAGLE-3 head's hidden_size ", head.hidden_size,
-                                                   " is not the model's ", ctx->config.hidden_size));
-  }
   absl::StatusOr<TpShard> whole = ComputeTpShard(head, 0, 1);
   if (!whole.ok()) return whole.status();
   const RankWeights w = CountRankWeights(head, ModelWeights(head), *whole, ctx->dtype, ctx->options.weight_quant);
