@@ -670,6 +670,10 @@ absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, co
   return sorted;
 }
 
+bool Eagle3SharesEmbedding(const ModelConfig& head, bool whole_table) {
+  return whole_table && head.eagle3.has_value() && !head.eagle3->embedding_in_checkpoint && !head.tie_word_embeddings;
+}
+
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::string source) {
   SHARDSERVE_ASSIGN_OR_RETURN(json j, ParseJson<json>(text, source));
   if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(source, ": expected a JSON object"));

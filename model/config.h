@@ -166,6 +166,10 @@ struct ModelConfig {
     int64_t target_hidden_size = 0;
     std::vector<int64_t> aux_layers;
     bool norm_before_residual = false;
+    // Whether the head's checkpoint holds its own embed_tokens. config.json does not say:
+    // NoteEagle3Embedding (model/weight_source.h) reads it from the checkpoint; until then it counts
+    // as held, which plans the bytes of a copy.
+    bool embedding_in_checkpoint = true;
     // The hidden states fc reads side by side: the listed layers', or the default three.
     int64_t num_aux() const { return aux_layers.empty() ? 3 : static_cast<int64_t>(aux_layers.size()); }
   };
@@ -213,6 +217,13 @@ struct ModelConfig {
 // read hidden states of the model's size (target_hidden_size), or its width (hidden_size) or
 // vocabulary is not the model's.
 absl::StatusOr<std::vector<int64_t>> Eagle3AuxLayers(const ModelConfig& head, const ModelConfig& target);
+
+// Whether the worker that runs the EAGLE-3 head `head` looks its tokens up in the served model's own
+// embedding table rather than in a copy loaded for it: the head has no embedding of its own (and no
+// LM head tied to one), and that worker holds the model's table whole (`whole_table`: the first
+// stage on one TP rank, so with one stage and TP 1, since the head runs on the last stage). Elsewhere
+// the model's table is copied in for it.
+bool Eagle3SharesEmbedding(const ModelConfig& head, bool whole_table);
 
 // Parses and validates config.json text. `source` names the file in error messages.
 absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& json_text, std::string source);

@@ -26,4 +26,11 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesy
   return std::unique_ptr<WeightSource>(std::move(*checkpoint));
 }
 
+void NoteEagle3Embedding(const WeightSource& weights, ModelConfig* head) {
+  if (!head->eagle3.has_value()) return;
+  // (a tensor of another shape is held: the worker refuses it, naming both shapes)
+  head->eagle3->embedding_in_checkpoint = !absl::IsNotFound(
+      weights.CheckShape("embed_tokens.weight", {head->eagle3->embedding_vocab_size, head->hidden_size}));
+}
+
 }  // namespace shardserve

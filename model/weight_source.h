@@ -73,6 +73,10 @@ absl::StatusOr<std::unique_ptr<WeightSource>> OpenWeightSource(const std::filesy
                                                                const ModelConfig& config, LoadFormat format,
                                                                uint64_t dummy_seed, bool dummy_on_device = false);
 
+// Sets the EAGLE-3 head `head`'s Eagle3::embedding_in_checkpoint from `weights`, its tensors: whether
+// they hold embed_tokens.weight (the published heads do not; dummy weights hold every tensor).
+void NoteEagle3Embedding(const WeightSource& weights, ModelConfig* head);
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_MODEL_WEIGHT_SOURCE_H_

@@ -141,6 +141,9 @@ TEST(Eagle3Test, TheHeadsGuessesAreTheReferences) {
   ASSERT_TRUE(worker.ok()) << worker.status();
   EXPECT_NE((*worker)->draft_summary().find("EAGLE-3 head"), std::string::npos) << (*worker)->draft_summary();
   EXPECT_NE((*worker)->draft_summary().find("layers 1, 2, 4"), std::string::npos) << (*worker)->draft_summary();
+  // (the head has no embedding: it looks tokens up in the model's, which this one worker holds whole)
+  EXPECT_NE((*worker)->draft_summary().find("the model's embedding shared"), std::string::npos)
+      << (*worker)->draft_summary();
   std::vector<std::vector<int32_t>> first;
   SpeculationOutcome run;
   RunRequests(worker->get(), Driven(limits, true, 4), {prompt}, &run,

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <ostream>
 #include <string>
 #include <tuple>
@@ -1959,8 +1960,9 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
 }
 
 // Speculative decoding with an EAGLE-3 head (--speculative eagle3): tests/fixtures/models/
-// llama_gqa_eagle3 over llama_gqa (its layers 1, 2 and 4; no embedding of its own, so the model's
-// is copied in), on CPU workers, in three layouts. Every worker loads its shard keeping the hidden
+// llama_gqa_eagle3 over llama_gqa (its layers 1, 2 and 4; no embedding of its own, so it shares the
+// model's table where the worker holds it whole, at TP 1 with one stage, and a copy of it comes in
+// elsewhere), on CPU workers, in three layouts. Every worker loads its shard keeping the hidden
 // states of those layers, and its step buffers item is exactly what that shard allocates (the
 // hidden states kept among them); the last stage's TP rank 0 lists the item eagle3_head with exactly
 // the bytes HeadRunner::LoadEagle3 allocates beside its shard, part by part; every other device lists
@@ -1972,7 +1974,12 @@ TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
   const fs::path head_dir = kModels / "llama_gqa_eagle3";
   absl::StatusOr<ModelConfig> head = LoadModelConfig(head_dir);
   ASSERT_TRUE(head.ok()) << head.status();
+  absl::StatusOr<std::unique_ptr<Checkpoint>> head_tensors = Checkpoint::Open(head_dir);
+  ASSERT_TRUE(head_tensors.ok()) << head_tensors.status();
+  NoteEagle3Embedding(**head_tensors, &*head);
+  EXPECT_FALSE(head->eagle3->embedding_in_checkpoint);
   const std::vector<int64_t> kept = {1, 2, 4};
+  std::map<std::string, uint64_t> head_weights;  // by layout
   const ClusterSpec cluster = SmallCpuWorkers(16u << 20);
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   for (const auto& [tp, pp] : {std::pair{1, 1}, std::pair{2, 2}, std::pair{1, 3}}) {
@@ -2012,6 +2019,8 @@ TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
       ASSERT_TRUE(runner.ok()) << where << ": " << runner.status();
       const HeadMemory planned = HeadBytes(*head, g, p.dtype, p.limits);
       EXPECT_EQ(planned.weights, (*runner)->weight_bytes()) << where;
+      EXPECT_EQ((*runner)->shares_embedding(), tp == 1 && pp == 1) << where;
+      head_weights[where] = planned.weights;
       EXPECT_EQ(planned.kv_cache, (*runner)->kv_cache_bytes()) << where;
       EXPECT_EQ(planned.buffers, (*runner)->step_buffer_bytes() + (*runner)->buffer_bytes()) << where;
       EXPECT_EQ(Item(g, kMemEagle3Head), static_cast<int64_t>((*runner)->total_bytes())) << where;
@@ -2019,6 +2028,9 @@ TEST(PlannerEagle3, CountsTheHeadAsTheWorkerLoadsIt) {
       EXPECT_EQ(g.draft_kv_bytes_per_token, uint64_t{2 * 2 * 16 * 4}) << where;
     }
   }
+  // (the model's embedding, 512 x 64 float32 values, shared at TP 1 with one stage)
+  EXPECT_EQ(head_weights["TP=2 PP=2"] - head_weights["TP=1 PP=1"], uint64_t{512 * 64 * 4});
+  EXPECT_EQ(head_weights["TP=1 PP=3"], head_weights["TP=2 PP=2"]);
   const auto refused = [&](const PlanOptions& o) {
     absl::StatusOr<Plan> p = MakePlan(m->config, nullptr, cluster, o);
     return p.ok() ? std::string("planned") : std::string(p.status().message());

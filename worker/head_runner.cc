@@ -100,18 +100,24 @@ absl::StatusOr<std::unique_ptr<HeadRunner>> HeadRunner::LoadEagle3(const std::st
   }
   absl::StatusOr<std::unique_ptr<WeightSource>> head = OpenWeightSource(head_dir, *config, format, dummy_seed);
   if (!head.ok()) return refuse(head.status());
+  NoteEagle3Embedding(**head, &*config);
   const Eagle3HeadWeights weights(**head, model_weights, model_config.weight_prefix + "embed_tokens.weight");
 
   std::unique_ptr<HeadRunner> r(new HeadRunner());
   r->limits_ = HeadLimits(limits);
   r->tp_ = std::make_unique<LocalCommunicator>(target->backend());
+  // Its embedding: the model's own table where this worker holds it whole, else a copy (or its own).
+  const Tensor* shared = Eagle3SharesEmbedding(*config, target->whole_embedding() != nullptr) ? target->whole_embedding()
+                                                                                              : nullptr;
   const ShardSpec spec{.first_layer = 0, .end_layer = 1, .tp_rank = 0, .tp_size = 1, .weight_quant = quant,
-                       .expert_parallel = false, .mtp = false, .eagle3 = true, .aux_hidden_layers = {}};
+                       .expert_parallel = false, .mtp = false, .eagle3 = true, .aux_hidden_layers = {},
+                       .embedding = shared};
   absl::StatusOr<std::unique_ptr<ModelShard>> shard =
       ModelShard::Load(weights, *config, spec, r->limits_, target->backend(), r->tp_.get());
   if (!shard.ok()) return refuse(shard.status());
   r->shard_ = std::move(*shard);
   r->eagle3_ = true;
+  r->shares_embedding_ = shared != nullptr;
 
   // d2t: the head's id d is the model's d + d2t[d] (none: the same ids, a head over the whole vocabulary).
   const int64_t draft_vocab = config->vocab_size, vocab = model_config.vocab_size;

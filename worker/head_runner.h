@@ -79,9 +79,11 @@ class HeadRunner {
                                                          ModelShard* target);
 
   // Loads the EAGLE-3 head at `head_dir` (its config.json LlamaForCausalLMEagle3, its tensors from
-  // there as `format` reads them; embed_tokens from `model_weights` where the head has none) beside
-  // `target`, whose aux_hidden_layers must be the ones the head reads (Eagle3AuxLayers), for plans
-  // within `limits`. Errors name the head's directory and what does not fit the model.
+  // there as `format` reads them) beside `target`, whose aux_hidden_layers must be the ones the head
+  // reads (Eagle3AuxLayers), for plans within `limits`. Where the head has no embedding it looks its
+  // tokens up in the model's: `target`'s own table where that holds it whole (Eagle3SharesEmbedding),
+  // else a copy read from `model_weights`. Errors name the head's directory and what does not fit the
+  // model.
   static absl::StatusOr<std::unique_ptr<HeadRunner>> LoadEagle3(const std::string& head_dir, LoadFormat format,
                                                                uint64_t dummy_seed, const WeightSource& model_weights,
                                                                const ModelConfig& model_config, WeightQuant quant,
@@ -100,7 +102,9 @@ class HeadRunner {
   // Drops every sequence (the group re-formed, or the coordinator went away).
   void Clear();
 
+  // (not the model's embedding where the head shares it: shares_embedding())
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
+  bool shares_embedding() const { return shares_embedding_; }
   uint64_t kv_cache_bytes() const { return shard_->kv_cache_bytes(); }
   // The layer's shard's step buffers (HeadLimits), and the runner's own: the hidden rows' table and
   // its index buffers.
@@ -144,6 +148,7 @@ class HeadRunner {
   int64_t context_ = 0;     // the positions it takes: its KV cache's and its RoPE's
   int64_t table_seqs_ = 0;  // the table's waiting rows [0, table_seqs_); the step's after them
   bool eagle3_ = false;       // an EAGLE-3 head (else the MTP layer)
+  bool shares_embedding_ = false;  // looks tokens up in the model shard's own table
   std::vector<int32_t> d2t_;  // an EAGLE-3 head's: its id d is the model's d + d2t_[d]
   Buffer table_buffer_, src_rows_buffer_, ids_buffer_;
   Tensor table_;           // [table_seqs_ + target max_tokens_per_step, hidden] act

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/quant.h"
+#include "kernels/tensor.h"
 
 namespace shardserve {
 
@@ -35,6 +36,10 @@ struct ShardSpec {
   // head reads, ascending (Eagle3AuxLayers): every stage keeps those of its layers in aux_hidden()
   // and passes them on with its output. Empty: none kept.
   std::vector<int64_t> aux_hidden_layers;
+  // The embedding table to look tokens up in, another shard's, instead of loading one: an EAGLE-3
+  // head's that shares the served model's (Eagle3SharesEmbedding, worker/head_runner.h). That shard
+  // must outlive this one. Null: the shard loads its own.
+  const Tensor* embedding = nullptr;
 };
 
 // One step's work, on the host. Token t belongs to sequence token_seq[t] at position

@@ -273,10 +273,11 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
       if (!head.ok()) return head.status();
       const StepLimits head_limits = HeadRunner::HeadLimits(options);
       e->draft_summary_ = absl::StrFormat(
-          "EAGLE-3 head %s over the hidden states of layers %s: %.1f MiB of weights, %.1f MiB of KV cache "
+          "EAGLE-3 head %s over the hidden states of layers %s: %.1f MiB of weights%s, %.1f MiB of KV cache "
           "(%d blocks of %d tokens), run after sampling",
           a.draft_model_path(), absl::StrJoin(a.aux_hidden_layers(), ", "),
           static_cast<double>((*head)->weight_bytes()) / (1 << 20),
+          (*head)->shares_embedding() ? " (the model's embedding shared)" : "",
           static_cast<double>((*head)->kv_cache_bytes()) / (1 << 20), head_limits.num_kv_blocks,
           head_limits.block_size);
       e->head_ = std::move(*head);

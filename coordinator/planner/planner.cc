@@ -55,6 +55,9 @@ struct Context {
   // largest quantized weight's dequantize scratch on CUDA.
   uint64_t head_weight_bytes = 0;
   uint64_t head_dequant_scratch = 0;
+  // Of those, an EAGLE-3 head's copy of the model's embedding, which a worker that holds the model's
+  // table whole shares instead (Eagle3SharesEmbedding); 0 where the head has its own.
+  uint64_t head_shared_embedding_bytes = 0;
 };
 
 // One layout, evaluated.
@@ -205,7 +208,8 @@ absl::Status CountMtp(Context* ctx) {
 
 // An EAGLE-3 head (PlanOptions::eagle3) as the worker that samples loads it (worker/head_runner.h
 // HeadRunner::LoadEagle3): its tensors whole (one TP rank of one), in ctx.dtype, linear weights as
-// options.weight_quant, the model's embedding copied in where the head has none. It is planned as the
+// options.weight_quant, the model's embedding copied in where the head has none (and the worker does
+// not hold the model's table whole, to share: Context::head_shared_embedding_bytes). It is planned as the
 // MTP layer is: its weights and buffers (memory.h HeadBytes) a fixed amount there, its KV cache one
 // layer's K and V a token of DraftStepLimits' pool. The hidden states every worker keeps for it are
 // in each one's step buffers (ActivationBytes).
@@ -227,6 +231,7 @@ absl::Status CountEagle3(Context* ctx) {
   const RankWeights w = CountRankWeights(head, ModelWeights(head), *whole, ctx->dtype, ctx->options.weight_quant);
   ctx->head_weight_bytes = w.Stage(0, head.num_hidden_layers, true, true);
   ctx->head_dequant_scratch = w.DequantScratch(0, head.num_hidden_layers);
+  ctx->head_shared_embedding_bytes = Eagle3SharesEmbedding(head, /*whole_table=*/true) ? w.embedding : 0;
   GpuPlan sampler;
   sampler.head_weight_bytes = ctx->head_weight_bytes;
   const HeadMemory m = HeadBytes(head, sampler, ctx->dtype, ServedLimits(*ctx, ctx->target_len));
@@ -373,9 +378,11 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
       g.reserve_bytes = ctx.options.runtime_reserve_bytes;
       const bool sampler = st.lm_head && r == 0;
       if (sampler) {  // the worker that samples runs the draft or the head
-        g.draft_bytes = ctx.draft_bytes;
+        // (a head shares the model's embedding where this worker holds it whole)
+        const uint64_t shared = st.embedding && tp == 1 ? ctx.head_shared_embedding_bytes : 0;
+        g.draft_bytes = ctx.draft_bytes - shared;
         g.draft_kv_bytes_per_token = ctx.draft_kv_bytes_per_token;
-        g.head_weight_bytes = ctx.head_weight_bytes;
+        g.head_weight_bytes = ctx.head_weight_bytes - shared;
       }
       if (!ctx.cluster.gpu.is_cpu()) {
         // (the backend grows one scratch for the largest quantized weight, the layer's included)

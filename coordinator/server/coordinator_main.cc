@@ -337,13 +337,18 @@ int Main(int argc, char** argv) {
                                       draft_config->architecture_name,
                                       "), not an EAGLE-3 head (LlamaForCausalLMEagle3); --speculative draft runs it"));
     }
-    pool_options.draft_model_path = draft.string();
-    pool_options.draft_config = *draft_config;
     if (head) {
       absl::StatusOr<std::vector<int64_t>> aux = Eagle3AuxLayers(*draft_config, (*model)->config);
       if (!aux.ok()) {
         return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, ": ", aux.status().message()));
       }
+      // (whether it has an embedding of its own, which the plan counts where it cannot share the model's)
+      absl::StatusOr<std::unique_ptr<WeightSource>> tensors =
+          OpenWeightSource(draft, *draft_config, pool_options.load_format, 0);
+      if (!tensors.ok()) {
+        return Fail(absl::StrCat("--draft-model ", engine_options.draft_model, ": ", tensors.status().message()));
+      }
+      NoteEagle3Embedding(**tensors, &*draft_config);
       pool_options.speculative_eagle3 = true;
       pool_options.aux_hidden_layers = *aux;
       CoordinatorLog("model", absl::StrCat("speculative decoding with the EAGLE-3 head ", draft.string(),
@@ -360,6 +365,8 @@ int Main(int argc, char** argv) {
                                            draft_config->architecture_name, ", ", draft_config->num_hidden_layers,
                                            " layers), run by the worker that samples"));
     }
+    pool_options.draft_model_path = draft.string();
+    pool_options.draft_config = *draft_config;
   }
   if (engine_options.speculative == "mtp") {
     // The model's own multi-token-prediction layer; the worker that loads it checks its tensors.

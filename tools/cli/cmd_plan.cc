@@ -13,6 +13,7 @@
 #include "coordinator/planner/cluster.h"
 #include "coordinator/planner/planner.h"
 #include "coordinator/planner/render.h"
+#include "model/weight_source.h"
 #include "tools/cli/command.h"
 #include "base/flags.h"
 
@@ -192,20 +193,23 @@ int Run(const std::vector<std::string>& args) {
     return 1;
   }
   if (flags->Has("draft-model")) {
-    absl::StatusOr<ModelConfig> draft = LoadModelConfig(flags->Get("draft-model"));
-    if (!draft.ok()) {
-      std::fprintf(stderr, "shardserve plan: --draft-model: %s\n", std::string(draft.status().message()).c_str());
+    // (a head's checkpoint, where the directory has one, says whether it has an embedding of its own)
+    absl::StatusOr<PlannerModel> draft_model = OpenPlannerModel(flags->Get("draft-model"));
+    if (!draft_model.ok()) {
+      std::fprintf(stderr, "shardserve plan: --draft-model: %s\n", std::string(draft_model.status().message()).c_str());
       return 1;
     }
+    ModelConfig& draft = draft_model->config;
+    if (draft_model->checkpoint != nullptr) NoteEagle3Embedding(*draft_model->checkpoint, &draft);
     // (as the coordinator: a head with --speculative eagle3 only, a model with draft only)
     const bool eagle3 = flags->Get("speculative") == "eagle3";
-    if (draft->eagle3.has_value() != eagle3) {
+    if (draft.eagle3.has_value() != eagle3) {
       std::fprintf(stderr, "shardserve plan: --draft-model %s is %s (%s): plan it with --speculative %s\n",
                    flags->Get("draft-model").c_str(), eagle3 ? "not an EAGLE-3 head" : "an EAGLE-3 head",
-                   draft->architecture_name.c_str(), eagle3 ? "draft" : "eagle3");
+                   draft.architecture_name.c_str(), eagle3 ? "draft" : "eagle3");
       return 1;
     }
-    (eagle3 ? options->eagle3 : options->draft) = *std::move(draft);
+    (eagle3 ? options->eagle3 : options->draft) = std::move(draft);
   }
   absl::StatusOr<Plan> plan = MakePlan(model->config, model->checkpoint.get(), *cluster, *options);
   if (!plan.ok()) {

@@ -480,6 +480,9 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
   // table on every step), else plain.
   const bool one_packed_table =
       config.tie_word_embeddings && first_stage && last_stage && backend->EmbeddingTakesPackedTable();
+  if (spec.embedding != nullptr && config.tie_word_embeddings) {
+    return absl::InternalError("a shard whose LM head is its embedding loads its own table (ShardSpec::embedding)");
+  }
   WeightLoader load(ckpt, config, backend, arena, report);
   ShardWeights stage;
   stage.layers.resize(end - first);
@@ -493,6 +496,8 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     const Slice slice = ShardSlice(w.split, shard);
     if (w.role == WeightRole::kLmHead && config.tie_word_embeddings && first_stage) {
       *slot = stage.embed_tokens;  // tied, and already loaded on this stage (packed if one_packed_table)
+    } else if (w.role == WeightRole::kEmbedTokens && spec.embedding != nullptr) {
+      *slot = *spec.embedding;  // another shard's, whose bytes are its own
     } else if (w.role == WeightRole::kEmbedTokens) {
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? load.Product(w, slice)
                                                           : load.Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));

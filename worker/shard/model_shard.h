@@ -74,6 +74,12 @@ class ModelShard {
   // ShardSpec::aux_hidden_layers: the layers whose input hidden states aux_hidden() keeps.
   const std::vector<int64_t>& aux_hidden_layers() const { return spec_.aux_hidden_layers; }
   bool is_first_stage() const { return first_layer_ == 0; }
+  // The embedding table where this shard holds it whole (the first stage on one TP rank), for a head
+  // that shares it (ShardSpec::embedding); null elsewhere.
+  const Tensor* whole_embedding() const {
+    return is_first_stage() && spec_.tp_size == 1 && weights_.embed_tokens.data != nullptr ? &weights_.embed_tokens
+                                                                                            : nullptr;
+  }
   // (a multi-token-prediction layer's shard, ShardSpec::mtp, is neither first nor last stage of the
   // model, but ends in logits as the last does: its head's)
   bool is_last_stage() const { return end_layer_ >= config_.num_hidden_layers; }
