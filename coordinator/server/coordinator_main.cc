@@ -54,7 +54,7 @@ constexpr char kUsage[] =
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--expert-parallel]\n"
-    "                              [--speculative ngram|draft|mtp --num-speculative-tokens K]\n"
+    "                              [--speculative ngram|draft|mtp|eagle3 --num-speculative-tokens K]\n"
     "                              [--draft-model DIR]\n"
     "                              [--speculative-max-running N] [--adaptive-speculative-tokens]\n"
     "  --model                       Hugging Face checkpoint directory (the workers must see the\n"

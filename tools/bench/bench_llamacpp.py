@@ -5,6 +5,7 @@
     tools/bench/bench_llamacpp.py [--family F] decode  [--rounds R]  llama-bench against shardserve bench at 1 stream
     tools/bench/bench_llamacpp.py [--family F] agree   [--tokens N]  greedy tokens of every format against float32's
     tools/bench/bench_llamacpp.py [--family F] servers [--rounds R]  llama-server against shardserve launch's HTTP port
+    tools/bench/bench_llamacpp.py speculative [--rounds R]          both servers with and without a draft model, 1 stream
     tools/bench/bench_llamacpp.py report  FILE.jsonl [--run ID]   medians and ratios of its records (of one run)
 
 Needs llama.cpp built by tools/bench/build-llamacpp.sh (LCPP, default /work/llamacpp-build) and shardserve's
@@ -40,6 +41,14 @@ servers: per round, per format, llama-server (-np 32, continuous batching, -c 32
 `shardserve launch` (one CPU worker, --http-port), each driven by `shardserve bench --backend openai`
 at 1 stream and at 32 with the same token-id prompts (bench draws them from --vocab-size with --seed
 0, never an EOS id; both servers take a list of ids as the prompt, so no tokenizer is involved).
+speculative: speculative decoding with a draft model in both engines, on a model with a real language
+(run it with MODEL=models/demo, whose draft is --draft, default models/demo-draft, both as float32
+GGUF files in OUT): per round, llama-server (-np 1) and `shardserve launch`, each without and with the
+draft (llama-server --spec-type draft-simple -md with --spec-draft-n-max K --spec-draft-n-min 0
+--spec-draft-p-min P; shardserve --speculative draft
+--num-speculative-tokens K), driven by `shardserve bench --backend openai` at 1 stream with the same
+token-id prompts, greedy; the order of the four servers reverses from round to round. llama-server's
+log gives its draft's acceptance.
 --shardserve-args 'NAME=FLAGS' (repeatable; decode and servers) adds a shardserve variant with more
 launch / bench flags, e.g. --shardserve-args 'act8=--activation-quantization int8': its records say
 engine "shardserve[NAME]" and the report puts it beside plain shardserve, each against llama.cpp.
@@ -376,6 +385,63 @@ def servers(a):
     report_file(a.out, run)
 
 
+# ---- speculative ---------------------------------------------------------------------------------------
+
+def llama_acceptance(logfile):
+    """llama-server's draft acceptance over the run, from its log's per-request lines
+    ("draft acceptance = 0.57895 (   44 accepted /    76 generated), mean len =  3.32"): (accepted, generated)."""
+    import re
+    accepted = generated = 0
+    for line in open(logfile, errors="replace"):
+        m = re.search(r"draft acceptance = [0-9.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)", line)
+        if m:
+            accepted += int(m.group(1))
+            generated += int(m.group(2))
+    return accepted, generated
+
+
+def speculative(a):
+    out = open(a.out, "a")
+    run = run_id()
+    fmt = "f32"
+    if not os.path.exists(gguf(fmt)):
+        sys.exit(f"{gguf(fmt)} is missing: run `prepare` first (with the same MODEL and OUT)")
+    draft = os.path.join(OUT, "draft-f32.gguf")
+    if not os.path.exists(draft):
+        subprocess.run([os.path.join(LCPP, "venv", "bin", "python"), os.path.join(ROOT, "tools", "bench", "bench_model_to_gguf.py"),
+                        a.draft, draft], check=True)
+    k = str(a.num_speculative_tokens)
+    servers_ = [("llama.cpp", "none", []),
+                ("llama.cpp", "draft", ["--spec-type", "draft-simple", "-md", draft, "--spec-draft-n-max", k,
+                                        "--spec-draft-n-min", "0", "--spec-draft-p-min", str(a.draft_p_min),
+                                        "-td", str(a.threads)]),
+                ("shardserve", "none", []),
+                ("shardserve", "draft", ["--speculative", "draft", "--draft-model", os.path.abspath(a.draft),
+                                         "--num-speculative-tokens", k])]
+    for rnd in range(1, a.rounds + 1):
+        for engine, variant, extra in (servers_ if rnd % 2 else servers_[::-1]):
+            with tempfile.TemporaryDirectory(prefix="lcpp-bench-") as tmp:
+                port = free_port()
+                if engine == "llama.cpp":
+                    p = llama_server(fmt, port, a.threads, 1, a.slot_ctx, extra)
+                else:
+                    p = shardserve_launch(fmt, port, a.threads, tmp, extra)
+                try:
+                    la = loadavg()
+                    r = bench_openai(f"http://127.0.0.1:{port}/v1", 1, a.requests, a.input_len, a.output_len,
+                                     f"{engine}-{variant}")
+                    rec = {"kind": "speculative", "run": run, "round": rnd, "engine": engine, "draft": variant,
+                           "k": a.num_speculative_tokens, "load_before": la, "load_after": loadavg(), **r}
+                finally:
+                    stop(p)
+                if engine == "llama.cpp" and variant == "draft":
+                    rec["accepted"], rec["proposed"] = llama_acceptance(os.path.join(OUT, "logs", f"llama-server-{fmt}.log"))
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                log(json.dumps(rec))
+    report_file(a.out, run)
+
+
 # ---- report -------------------------------------------------------------------------------------------
 
 def med(xs):
@@ -437,6 +503,21 @@ def report_file(path, run=None):
                     if "llama.cpp" in tput and engine in tput:
                         print(f"| {fmt} | {conc} | {engine} / llama.cpp | {tput[engine] / tput['llama.cpp']:.2f}x "
                               "| | | | | | |")
+    spec = [r for r in recs if r["kind"] == "speculative" and not r.get("error")]
+    if spec:
+        print("| engine | draft | output tok/s (rounds) | median | against none | guesses accepted |")
+        print("|---|---|---|---:|---:|---|")
+        for engine in ("llama.cpp", "shardserve"):
+            none = med(r["output_tokens_per_s"] for r in spec if r["engine"] == engine and r["draft"] == "none")
+            for variant in ("none", "draft"):
+                rows = [r for r in spec if r["engine"] == engine and r["draft"] == variant]
+                if not rows:
+                    continue
+                tput = med(r["output_tokens_per_s"] for r in rows)
+                acc, prop = sum(r.get("accepted", 0) for r in rows), sum(r.get("proposed", 0) for r in rows)
+                accepted = f"{100 * acc / prop:.0f}% of {prop}" if prop else "-"
+                rounds = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in rows)
+                print(f"| {engine} | {variant} | {rounds} | {tput:.1f} | {tput / none:.2f}x | {accepted} |")
     if loads:
         print(f"load average (1 min) over the runs: {min(loads):.1f} to {max(loads):.1f}, median {med(loads):.1f}")
 
@@ -482,6 +563,18 @@ def main():
     s.add_argument("--shardserve-args", action="append", metavar="NAME=FLAGS",
                    help="a shardserve variant with more launch flags (repeatable), e.g. "
                         "'act8=--activation-quantization int8'")
+    sp = sub.add_parser("speculative")
+    sp.add_argument("--rounds", type=int, default=2)
+    sp.add_argument("--draft", default=os.path.join(ROOT, "models", "demo-draft"), help="the draft model's directory")
+    sp.add_argument("--num-speculative-tokens", type=int, default=4, help="K: guesses a step at most, in both")
+    sp.add_argument("--draft-p-min", type=float, default=0.0,
+                    help="llama-server's: the draft stops guessing below this probability (its default 0)")
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--input-len", type=int, default=64)
+    sp.add_argument("--output-len", type=int, default=128)
+    sp.add_argument("--requests", type=int, default=16)
+    sp.add_argument("--slot-ctx", type=int, default=512)
+    sp.add_argument("--out", help="default OUT/speculative.jsonl")
     r = sub.add_parser("report")
     r.add_argument("file")
     r.add_argument("--run", help="only the records of this run (its start time, each record's \"run\"); "
@@ -491,11 +584,11 @@ def main():
     suffix = "" if FAMILY == "llama" else "-" + FAMILY
     MODEL = os.environ.get("MODEL", os.path.join(ROOT, "build", "bench-model" + suffix))
     OUT = os.environ.get("OUT", os.path.join(ROOT, "build", "lcpp-bench" + suffix))
-    if a.cmd in ("decode", "servers") and a.out is None:
+    if a.cmd in ("decode", "servers", "speculative") and a.out is None:
         a.out = os.path.join(OUT, a.cmd + ".jsonl")
     os.makedirs(os.path.join(OUT, "logs"), exist_ok=True)
     try:
-        {"prepare": prepare, "decode": decode, "agree": agree, "servers": servers,
+        {"prepare": prepare, "decode": decode, "agree": agree, "servers": servers, "speculative": speculative,
          "report": lambda a: report_file(a.file, a.run)}[a.cmd](a)
     finally:
         for p in list(_children):
