@@ -675,7 +675,8 @@ TEST(CoordinatorFlagsTest, MtpWithoutTheLayerIsRefused) {
 
 // An EAGLE-3 head is refused at start (exit 1) where it cannot run, naming why: served as the model,
 // given to --speculative draft, a model given to --speculative eagle3, a head for another model (its
-// fc reads other layers than the model has), and a head of another width than the model's.
+// fc reads other layers than the model has), a head of another width than the model's, and a head
+// without its tensors (the coordinator reads whether it has an embedding of its own).
 TEST(CoordinatorFlagsTest, AnEagle3HeadWhereItCannotRunIsRefused) {
   char pattern[] = "/tmp/cluster_test.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
@@ -692,6 +693,9 @@ TEST(CoordinatorFlagsTest, AnEagle3HeadWhereItCannotRunIsRefused) {
     text.replace(at, narrow.size(), "\"hidden_size\": 96, \"target_hidden_size\": 64");
     std::ofstream(wide_head / "config.json") << text;
   }
+  const fs::path config_only = dir / "config_only";
+  fs::create_directories(config_only);
+  fs::copy_file(fs::path(head) / "config.json", config_only / "config.json");
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--model", head}, "holds an EAGLE-3 head (LlamaForCausalLMEagle3), not a model to serve"},
       {{"--model", model, "--speculative", "draft", "--draft-model", head}, "is an EAGLE-3 head, which --speculative eagle3 runs"},
@@ -700,7 +704,9 @@ TEST(CoordinatorFlagsTest, AnEagle3HeadWhereItCannotRunIsRefused) {
       {{"--model", (kFixtures / "qwen3_tf5").string(), "--speculative", "eagle3", "--draft-model", head},
        "which are not distinct layers of the model's 3"},
       {{"--model", model, "--speculative", "eagle3", "--draft-model", wide_head.string()},
-       "the EAGLE-3 head's hidden_size 96 is not the served model's 64"}};
+       "the EAGLE-3 head's hidden_size 96 is not the served model's 64"},
+      {{"--model", model, "--speculative", "eagle3", "--draft-model", config_only.string()},
+       "no model.safetensors or model.safetensors.index.json"}};
   for (const auto& [flags, want] : cases) {
     const fs::path log = dir / "coordinator.log";
     std::vector<std::string> args = {SHARDSERVE_COORDINATOR_BIN, "--listen", "127.0.0.1:0", "--insecure"};
