@@ -439,23 +439,21 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterConstrainedSpeculationTest,
                                   info.param.fixture;
                          });
 
-// The draft model (--speculative draft, docs/speculative-decoding.md): the worker that samples runs
-// models/demo-draft right after sampling and returns its guesses with the step's samples. The demo
+// Speculation on the demo model, whose language makes guesses meaningful: the worker that samples
+// runs the proposer right after sampling and returns its guesses with the step's samples. The demo
 // model answers three requests at once (greedy, seeded sampling, greedy with logprobs), then the
-// first again, whose prompt the prefix cache now holds (so the draft is sent the cached tokens'
-// ids): in TP {1, 2} x PP {1, 2} every output is the one the same cluster gives without
-// speculation, token for token; guesses were made and some accepted, and the status names the
-// proposer. The TP 2 layouts adapt each sequence's guesses (--adaptive-speculative-tokens).
-class ClusterDraftSpeculationTest : public ::testing::TestWithParam<Layout> {};
-
-TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
-  const Layout& l = GetParam();
+// first again, whose prompt the prefix cache now holds (so the proposer is sent the cached tokens'
+// ids): every output is the one the same cluster gives without speculation, token for token;
+// guesses were made and at least `min_accepted_percent` of them accepted, and the status names the
+// proposer.
+void ExpectDemoGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
+                                     const std::string& proposer, int min_accepted_percent) {
   std::vector<v1::GenerateRequest> requests(3);
   const char* prompts[] = {"And the LORD said unto Moses,", "In the beginning", "Blessed are the"};
   for (size_t i = 0; i < requests.size(); ++i) {
     v1::GenerateRequest& r = requests[i];
     r.set_text(prompts[i]);
-    r.set_request_id("draft-" + std::to_string(i));
+    r.set_request_id(proposer + "-" + std::to_string(i));
     r.mutable_sampling()->set_max_tokens(40);
     r.mutable_sampling()->set_ignore_eos(true);
   }
@@ -486,13 +484,11 @@ TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
   std::vector<Streamed> plain, speculated;
   v1::SchedulerStatus plain_status, s;
   run({"--block-size", "4"}, &plain, &plain_status);
-  ASSERT_FALSE(HasFatalFailure());
-  std::vector<std::string> flags = {"--block-size", "4", "--speculative", "draft", "--draft-model",
-                                    (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(),
-                                    "--num-speculative-tokens", "4"};
-  if (l.tp == 2) flags.push_back("--adaptive-speculative-tokens");
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  std::vector<std::string> flags = {"--block-size", "4"};
+  flags.insert(flags.end(), speculative.begin(), speculative.end());
   run(flags, &speculated, &s);
-  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
   for (size_t i = 0; i < plain.size(); ++i) {
     EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
     EXPECT_EQ(speculated[i].tokens.size(), 40u) << "request " << i;
@@ -500,23 +496,57 @@ TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
   int logprobs = 0;
   for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
   EXPECT_EQ(logprobs, 40);
-  EXPECT_EQ(s.speculative(), "draft");
+  EXPECT_EQ(s.speculative(), proposer);
   EXPECT_GT(s.spec_proposed_tokens(), 0);
-  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of the draft was ever right";
+  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of " << proposer << " was ever right";
+  EXPECT_GE(s.spec_accepted_tokens() * 100, s.spec_proposed_tokens() * min_accepted_percent)
+      << proposer << ": " << s.spec_accepted_tokens() << " of " << s.spec_proposed_tokens() << " guesses accepted";
   EXPECT_GT(s.prefix_cache_hit_tokens(), 0) << "the repeated request found no cached prefix";
   EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
-  std::printf("[ timing   ] TP=%d PP=%d draft: speculation proposed %lld, accepted %lld in %lld verifications\n",
-              l.tp, l.pp, static_cast<long long>(s.spec_proposed_tokens()), static_cast<long long>(s.spec_accepted_tokens()),
-              static_cast<long long>(s.spec_verifications()));
+  std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
+              l.pp, proposer.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
+              static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+}
+
+std::string DemoLayoutName(const ::testing::TestParamInfo<Layout>& info) {
+  return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" + info.param.fixture;
+}
+
+// The draft model (--speculative draft, docs/speculative-decoding.md), models/demo-draft, in TP {1, 2}
+// x PP {1, 2}, a fifth of its guesses or more right. The TP 2 layouts adapt each sequence's guesses
+// (--adaptive-speculative-tokens).
+class ClusterDraftSpeculationTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
+  const Layout& l = GetParam();
+  std::vector<std::string> flags = {"--speculative", "draft", "--draft-model",
+                                    (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(),
+                                    "--num-speculative-tokens", "4"};
+  if (l.tp == 2) flags.push_back("--adaptive-speculative-tokens");
+  ExpectDemoGuessesKeepTheOutputs(l, flags, "draft", 20);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,
                          ::testing::Values(Layout{"demo", 1, 1}, Layout{"demo", 2, 1}, Layout{"demo", 1, 2},
                                            Layout{"demo", 2, 2}),
-                         [](const ::testing::TestParamInfo<Layout>& info) {
-                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
-                                  info.param.fixture;
-                         });
+                         DemoLayoutName);
+
+// The demo model's trained EAGLE-3 head (--speculative eagle3, models/demo-eagle3) over its real
+// hidden states, at TP 1 (where it shares the model's embedding) and TP 2 x PP 2 (where each stage
+// keeps its layers' states and passes them on): the outputs unchanged, and a third of its guesses
+// or more right.
+class ClusterDemoEagle3Test : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterDemoEagle3Test, TrainedHeadGuessesKeepTheOutputs) {
+  ExpectDemoGuessesKeepTheOutputs(GetParam(),
+                                  {"--speculative", "eagle3", "--draft-model",
+                                   (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-eagle3").string(),
+                                   "--num-speculative-tokens", "3"},
+                                  "eagle3", 33);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDemoEagle3Test,
+                         ::testing::Values(Layout{"demo", 1, 1}, Layout{"demo", 2, 2}), DemoLayoutName);
 
 // What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
 // planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
