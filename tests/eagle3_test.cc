@@ -191,6 +191,43 @@ TEST(Eagle3Test, GreedyOutputsAreThoseWithout) {
               static_cast<long long>(got.spec.verifications));
 }
 
+// While the batch is large enough that no sequence guesses (speculative_max_running), the head runs
+// nothing: those positions are holes in its cache. The second prompt comes while the others run, so
+// it decodes its first tokens without guesses and guesses over its holes once it runs alone; the
+// outputs stay those without the head.
+TEST(Eagle3Test, StepsWithoutGuessesRunNoHead) {
+  const nlohmann::json golden = ReadJson(fs::path(kModel) / "golden.json");
+  const StepLimits limits = Limits(8);
+  absl::StatusOr<std::unique_ptr<StepExecutor>> plain = Worker(limits, "");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<std::unique_ptr<StepExecutor>> head = Worker(limits, kHead);
+  ASSERT_TRUE(head.ok()) << head.status();
+  Drive drive = Driven(limits, true, 24);
+  drive.max_running = 3;
+  const std::vector<std::vector<int32_t>> prompts = Prompts(golden.at("prompt_ids").get<std::vector<int32_t>>());
+  SpeculationOutcome want, got, every;
+  RunRequests(plain->get(), Driven(limits, false, 24), prompts, &want);
+  ASSERT_FALSE(HasFatalFailure());
+  RunRequests(head->get(), drive, prompts, &got);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(got.outputs, want.outputs);
+  const HeadRunner* runner = (*head)->head_runner();
+  EXPECT_GT(runner->idle_steps(), 0) << "every step asked for guesses";
+  EXPECT_GT(got.offers, 0) << "no sequence guessed once the batch shrank";
+  // A worker guessing in every step runs the head more often.
+  absl::StatusOr<std::unique_ptr<StepExecutor>> always = Worker(limits, kHead);
+  ASSERT_TRUE(always.ok()) << always.status();
+  RunRequests(always->get(), Driven(limits, true, 24), prompts, &every);
+  ASSERT_FALSE(HasFatalFailure());
+  EXPECT_EQ(every.outputs, want.outputs);
+  EXPECT_EQ((*always)->head_runner()->idle_steps(), 0);
+  EXPECT_GT((*always)->head_runner()->forwards(), runner->forwards());
+  std::printf("[ eagle3   ] idle steps %lld; proposed %lld, accepted %lld (every step: %lld of %lld)\n",
+              static_cast<long long>(runner->idle_steps()), static_cast<long long>(got.spec.proposed),
+              static_cast<long long>(got.spec.accepted), static_cast<long long>(every.spec.accepted),
+              static_cast<long long>(every.spec.proposed));
+}
+
 // With --load-format dummy (benchmarks of the machinery without checkpoints) the head is made from
 // its config.json alone, as the model is: a directory with nothing else serves, and guesses come
 // back (in the model's vocabulary: d2t is the identity then).

@@ -35,6 +35,7 @@ struct Drive {
   int64_t vocab = 0;         // every guess is an id below this
   int64_t max_tokens = 0;    // each prompt's
   uint64_t second_at = 6;    // the step at which the second prompt comes (its prefix cached by then)
+  int64_t max_running = 0;   // no guesses while this many sequences run (0: no limit)
 };
 
 // Called for each sampling row's guesses: the sequence, its tokens so far (the sample included), the
@@ -51,7 +52,7 @@ inline void RunRequests(StepExecutor* worker, const Drive& d, const std::vector<
   o.limits = d.limits;
   o.proposer = d.speculate ? &proposer : nullptr;
   o.num_speculative_tokens = d.speculate ? d.guesses : 0;
-  o.speculative_max_running = 0;
+  o.speculative_max_running = d.max_running;
   Scheduler sched(o);
   v1::RowSampling greedy;
   SeqOptions so;

@@ -273,6 +273,17 @@ absl::Status HeadRunner::Propose(const v1::StepPlan& p, const google::protobuf::
   auto lost = [&p](int row) {
     return absl::InternalError(absl::StrCat("step ", p.step_id(), ": the head's state lost row ", row));
   };
+  if (k == 0) {
+    // No guesses asked: the step's positions are holes in the head's cache, and a waiting row's
+    // next token was never paired.
+    for (int row = 0; row < p.row_seq_ids_size(); ++row) {
+      auto it = index_.find(p.row_seq_ids(row));
+      if (it == index_.end()) return lost(row);
+      slots_[it->second].waiting = false;
+    }
+    ++idle_steps_;
+    return absl::OkStatus();
+  }
   int64_t n = 0;
   for (int row = 0; row < p.row_num_tokens_size(); ++row) n += p.row_num_tokens(row);
   if (n == 0 || n > p.token_ids_size() || n > table_.dim(0) - table_seqs_) return lost(0);
@@ -312,20 +323,18 @@ absl::Status HeadRunner::Propose(const v1::StepPlan& p, const google::protobuf::
       after_last = sampled[static_cast<int>(logit + a)];
       logit += samples;
       pairs = first_guess + a;
-      if (k > 0) {
-        guessing_.push_back({.out = draft_ids->size(), .slot = s.slot, .pos = static_cast<int32_t>(start + pairs - 1)});
-        for (int j = 0; j < k; ++j) draft_ids->Add(after_last);  // padding until guessed
-      }
+      guessing_.push_back({.out = draft_ids->size(), .slot = s.slot, .pos = static_cast<int32_t>(start + pairs - 1)});
+      for (int j = 0; j < k; ++j) draft_ids->Add(after_last);  // padding until guessed
     }
     // The blocks of the positions the row writes: its pairs' and, when it guesses, its guesses'. Too
     // few free (the model's cache shares prefixes this cache holds a copy of per sequence): the row
     // is skipped, which leaves a hole in this cache and the row without guesses (its padding).
     int64_t last = start + pairs - 1;
-    if (after_last >= 0 && k > 0) last += k - 1;
+    if (after_last >= 0) last += k - 1;
     if (!pool_.Cover(&s.blocks, std::min(max_pos, last + 1))) {
       ++starved_;
       s.waiting = false;
-      if (after_last >= 0 && k > 0) guessing_.pop_back();
+      if (after_last >= 0) guessing_.pop_back();
       t += count;
       continue;
     }
@@ -345,7 +354,7 @@ absl::Status HeadRunner::Propose(const v1::StepPlan& p, const google::protobuf::
       waits_.push_back(s.slot);
       waits_.push_back(static_cast<int32_t>(table_seqs_ + t + count - 1));
     }
-    if (after_last >= 0 && k > 0) {
+    if (after_last >= 0) {
       // The first guess: the logits after the row's last pair (none past the layer's context).
       if (new_row || guessing_.back().pos + k - 1 >= max_pos) {
         guessing_.pop_back();
@@ -363,7 +372,7 @@ absl::Status HeadRunner::Propose(const v1::StepPlan& p, const google::protobuf::
     SHARDSERVE_RETURN_IF_ERROR(backend_->CopyOnDevice(table_.Rows(waits_[i], waits_[i] + 1).data,
                                                       table_.Rows(waits_[i + 1], waits_[i + 1] + 1).data, row_bytes));
   }
-  if (k == 0 || guessing_.empty()) return absl::OkStatus();
+  if (guessing_.empty()) return absl::OkStatus();
 
   // 2. The first guesses, then k - 1 more forwards of one token a sampling row: the layer's own
   // output hidden state at its last token and the guess before.

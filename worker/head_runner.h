@@ -7,7 +7,7 @@
 // d2t maps to the model's). It is the draft model's counterpart (worker/draft_runner.h): its guesses
 // go back in StepResult.draft_ids and the coordinator's DraftProposer serves them; but where a draft
 // model catches up from tokens alone, a head reads the model's hidden states, which exist only in
-// the step that computed them, so it follows every step.
+// the step that computed them, so it follows every step that guesses.
 //
 // Each step (Propose, after sampling; every step, sampling or not):
 //   - the model's hidden state of every fed row (the MTP layer's: final-normed, ModelShard::FinalNormed,
@@ -23,10 +23,12 @@
 //     times, one token a sampling row, on its own output hidden state (before its final norm) and its
 //     last guess (as vLLM's EAGLE proposer runs both); the positions so written are rewritten by the
 //     next step's pairs before anything reads them.
-// With K = 0 the pairs still run (the head's KV cache stays whole), without logits. Positions whose
-// hidden states this worker never saw (a prefix from the prefix cache, a sequence's start after the
-// group re-formed) leave holes in that cache: worse guesses, never different outputs, since the
-// verification decides.
+// With K = 0 (speculation is off for the step: the batch is large, Scheduler) the head runs
+// nothing: the positions so fed are holes in its KV cache, as are positions whose hidden states
+// this worker never saw (a prefix from the prefix cache, a sequence's start after the group
+// re-formed). A hole holds whatever its slot last held: worse guesses once the sequence guesses
+// again, never different outputs, since the verification decides; a large batch pays nothing for
+// the head (docs/performance.md measures both).
 //
 // The head's KV cache: a paged pool of its own, as the draft model's (model/step_limits.h
 // DraftStepLimits: as many blocks as the model's cache and room for every sequence's guesses). A
@@ -93,9 +95,10 @@ class HeadRunner {
   // new ones take one. InvalidArgument for a num_draft_tokens outside [0, kMaxSpeculativeTokens].
   absl::Status Apply(const v1::StepPlan& plan);
 
-  // After the step ran (and sampled `sampled`, one id per logit row, row after row): the pairs above
-  // through the head, and when the plan asks, num_draft_tokens guesses per row that samples
-  // appended to *draft_ids.
+  // After the step ran (and sampled `sampled`, one id per logit row, row after row): when the plan
+  // asks for num_draft_tokens guesses, the pairs above through the head and that many guesses per
+  // row that samples appended to *draft_ids; else nothing but the check that it knows every row's
+  // sequence.
   absl::Status Propose(const v1::StepPlan& plan, const google::protobuf::RepeatedField<int32_t>& sampled,
                        google::protobuf::RepeatedField<int32_t>* draft_ids);
 
@@ -112,9 +115,11 @@ class HeadRunner {
   uint64_t buffer_bytes() const { return buffer_bytes_; }
   // All of the above: the device memory the layer takes beside the model's shard.
   uint64_t total_bytes() const { return weight_bytes() + kv_cache_bytes() + step_buffer_bytes() + buffer_bytes(); }
-  // Head forwards run so far; rows skipped for want of free blocks; blocks free now.
+  // Head forwards run so far; rows skipped for want of free blocks; steps skipped for asking no
+  // guesses (K = 0); blocks free now.
   int64_t forwards() const { return forwards_; }
   int64_t starved() const { return starved_; }
+  int64_t idle_steps() const { return idle_steps_; }
   int64_t free_blocks() const { return pool_.free_blocks(); }
   // For tests: the layer's shard.
   ModelShard* shard() const { return shard_.get(); }
@@ -162,6 +167,7 @@ class HeadRunner {
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   int64_t forwards_ = 0;
   int64_t starved_ = 0;
+  int64_t idle_steps_ = 0;
   // Propose's scratch, reserved at Load.
   StepBatch batch_;
   std::vector<int32_t> src_rows_host_;  // per batch_ token: its hidden state's row of the table
