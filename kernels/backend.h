@@ -268,18 +268,22 @@ class Backend {
   // last. The base has nothing to release.
   virtual void ReleaseLoadBuffers() {}
 
-  // Whether Embedding also takes as its table a weight PackMatMulWeight stored unquantized in this
-  // backend's own layout, so that a tied embedding and LM head on one stage can be one buffer, in
-  // the products' layout: the CPU backend's float32 panels (CpuMatMul::kF32), from which the few
-  // rows a step looks up are gathered, where a plain table would be repacked by every LM-head
-  // product (kernels/cpu/panel_matmul.h). False: Embedding takes plain tables only.
-  virtual bool EmbeddingTakesPackedTable() const { return false; }
+  // A tied embedding and LM head on one stage is one buffer: its table w [rows, d] (act), packed
+  // where the backend has a layout that both Embedding and MatMul read: the CPU backend's float32
+  // panels (kernels/cpu/panel_matmul.h) whatever its products' dtype (the table is float32 either
+  // way), from which Embedding gathers the few rows a step looks up, where the LM head's product
+  // would read a plain table at half speed up to 3 rows and repack it on every call from 4. The
+  // base (CUDA, whose kernels read plain tables) returns an empty Buffer and sets *packed = w.
+  virtual absl::StatusOr<Buffer> PackTiedTable(const Tensor& w /*[rows, d] act*/, Tensor* packed) {
+    *packed = w;
+    return Buffer();
+  }
 
   // ---- Ops -----------------------------------------------------------------------------------
   // Vocab-parallel embedding: this shard holds rows [row_offset, row_offset + rows) of the table.
   // Ids outside that range give zero rows (the all-reduce across shards fills them in). Ids below
   // 0 or at/above vocab_size are an error the caller checks before the step. The table is plain,
-  // or as PackMatMulWeight made it where EmbeddingTakesPackedTable.
+  // or as PackTiedTable made it.
   virtual absl::Status Embedding(Tensor* out /*[n, d] act*/, const Tensor& table /*[rows, d] act*/,
                                  const Tensor& ids /*[n] i32*/, int64_t row_offset) = 0;
 

@@ -2716,33 +2716,47 @@ TEST_F(CpuBackendTest, EmbeddingWithRowOffset) {
   EXPECT_TRUE(out.GuardsIntact());
 }
 
-// A tied table stored once as the LM head's packed weight (Backend::EmbeddingTakesPackedTable: float32
-// panels on a CpuMatMul::kF32 backend, not on a bf16 one): Embedding gathers each row from its panel
+// A tied table stored once as the LM head's packed weight (Backend::PackTiedTable: float32 panels,
+// on a CpuMatMul::kF32 backend and on a bf16 one alike): Embedding gathers each row from its panel
 // and gives the plain table's rows exactly, with the row offset and the zero rows of other shards,
-// for a row count that ends inside a panel; the same packed weight still multiplies as before.
+// for a row count that ends inside a panel; the LM head's product by it is bitwise the product by
+// the plain table, for 1 to 9 rows (the few-rows tiles, the plain ones, the repacking ones).
 // A quantized packed weight is refused, naming what it is.
 TEST_F(CpuBackendTest, EmbeddingFromTheLmHeadsPackedTable) {
-  EXPECT_TRUE(backend_->EmbeddingTakesPackedTable());
-  EXPECT_FALSE(MakeCpuBackend(2, CpuMatMul::kBF16)->EmbeddingTakesPackedTable());
   const int64_t rows = 37, d = 20, row_offset = 3;  // 3 panels, the last holding 5 rows
   std::vector<float> table = Random(rng_, rows * d);
+  const Tensor plain_table(table.data(), DType::kF32, {rows, d});
   const std::vector<int32_t> ids = {3, 39, 2, 40, 18, 19, 34, 35, 100};
   const int64_t n = static_cast<int64_t>(ids.size());
   std::vector<int32_t> ids_copy = ids;
   const Tensor ti(ids_copy.data(), DType::kI32, {n});
-  Tensor packed;
-  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(Tensor(table.data(), DType::kF32, {rows, d}), &packed);
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
-  ASSERT_NE(packed.data, static_cast<void*>(table.data()));
-  std::vector<float> from_packed(n * d, 7.0f), from_plain(n * d, 7.0f);
-  Tensor out_packed(from_packed.data(), DType::kF32, {n, d}), out_plain(from_plain.data(), DType::kF32, {n, d});
-  ASSERT_TRUE(backend_->Embedding(&out_packed, packed, ti, row_offset).ok());
-  ASSERT_TRUE(backend_->Embedding(&out_plain, Tensor(table.data(), DType::kF32, {rows, d}), ti, row_offset).ok());
-  EXPECT_EQ(from_packed, from_plain);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t r = ids[t] - row_offset;
-    for (int64_t c = 0; c < d; ++c) {
-      ASSERT_EQ(from_packed[t * d + c], r >= 0 && r < rows ? table[r * d + c] : 0.0f) << "id " << ids[t] << " col " << c;
+  const std::vector<float> x = Random(rng_, 9 * d);
+  for (CpuMatMul matmul : {CpuMatMul::kF32, CpuMatMul::kBF16}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(2, matmul);
+    SCOPED_TRACE(matmul == CpuMatMul::kF32 ? "f32 products" : "bf16 products");
+    Tensor packed;
+    absl::StatusOr<Buffer> buffer = backend->PackTiedTable(plain_table, &packed);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    ASSERT_NE(packed.data, static_cast<void*>(table.data()));
+    EXPECT_EQ(packed.dtype, DType::kF32);
+    std::vector<float> from_packed(n * d, 7.0f), from_plain(n * d, 7.0f);
+    Tensor out_packed(from_packed.data(), DType::kF32, {n, d}), out_plain(from_plain.data(), DType::kF32, {n, d});
+    ASSERT_TRUE(backend->Embedding(&out_packed, packed, ti, row_offset).ok());
+    ASSERT_TRUE(backend->Embedding(&out_plain, plain_table, ti, row_offset).ok());
+    EXPECT_EQ(from_packed, from_plain);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t r = ids[t] - row_offset;
+      for (int64_t c = 0; c < d; ++c) {
+        ASSERT_EQ(from_packed[t * d + c], r >= 0 && r < rows ? table[r * d + c] : 0.0f) << "id " << ids[t] << " col " << c;
+      }
+    }
+    for (int64_t m = 1; m <= 9; ++m) {
+      std::vector<float> by_packed(m * rows), by_plain(m * rows);
+      Tensor y_packed(by_packed.data(), DType::kF32, {m, rows}), y_plain(by_plain.data(), DType::kF32, {m, rows});
+      const Tensor tx(const_cast<float*>(x.data()), DType::kF32, {m, d});
+      ASSERT_TRUE(backend->MatMul(&y_packed, tx, packed, nullptr).ok());
+      ASSERT_TRUE(backend->MatMul(&y_plain, tx, plain_table, nullptr).ok());
+      EXPECT_EQ(std::memcmp(by_packed.data(), by_plain.data(), by_packed.size() * sizeof(float)), 0) << m << " rows";
     }
   }
   Tensor quantized;
@@ -2750,7 +2764,9 @@ TEST_F(CpuBackendTest, EmbeddingFromTheLmHeadsPackedTable) {
                                                         WeightQuant::kInt8);
   ASSERT_TRUE(q.ok()) << q.status();
   const Tensor as_f32(quantized.data, DType::kF32, {rows, d});
-  const absl::Status refused = backend_->Embedding(&out_packed, as_f32, ti, row_offset);
+  std::vector<float> from_quantized(n * d);
+  Tensor out(from_quantized.data(), DType::kF32, {n, d});
+  const absl::Status refused = backend_->Embedding(&out, as_f32, ti, row_offset);
   EXPECT_TRUE(IsInvalidArgumentNaming(refused, "quantized")) << refused;
 }
 

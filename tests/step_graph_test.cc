@@ -86,7 +86,10 @@ class RecordingBackend final : public Backend {
     if (recording_) return Spoil("PackQuantizedWeight");
     return inner_->PackQuantizedWeight(quant, stored, m, k, packed, group);
   }
-  bool EmbeddingTakesPackedTable() const override { return inner_->EmbeddingTakesPackedTable(); }
+  absl::StatusOr<Buffer> PackTiedTable(const Tensor& w, Tensor* packed) override {
+    if (recording_) return Spoil("PackTiedTable");
+    return inner_->PackTiedTable(w, packed);
+  }
   void ReleaseLoadBuffers() override {
     ++releases_;
     inner_->ReleaseLoadBuffers();

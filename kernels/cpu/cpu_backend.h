@@ -178,9 +178,6 @@ class CpuBackend final : public Backend {
       : threads_(threads), matmul_(matmul), act_(act) {}
 
   DeviceKind device_kind() const override { return DeviceKind::kCpu; }
-  // Float32 weights are packed as panels, which Embedding reads (gathering a row's k values, one
-  // from each input step of its panel); bf16 ones are not (their values are rounded).
-  bool EmbeddingTakesPackedTable() const override { return matmul_ == CpuMatMul::kF32; }
   DType act_dtype() const override { return kF32; }
   std::string Describe() const override {
     const dnnl_version_t* v = dnnl_version();
@@ -205,6 +202,9 @@ class CpuBackend final : public Backend {
     std::free(data);
   }
   absl::StatusOr<Buffer> PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) override;
+  // Float32 panels (what PackMatMulWeight makes on a CpuMatMul::kF32 backend) on either backend:
+  // Embedding gathers a row's k values, one from each input step of its panel.
+  absl::StatusOr<Buffer> PackTiedTable(const Tensor& w, Tensor* packed) override;
   absl::StatusOr<Buffer> PackQuantizedWeight(WeightQuant quant, const void* stored, int64_t m, int64_t k,
                                              Tensor* packed, int64_t group = 0) override;
   absl::Status CopyToDevice(void* dst, const void* host_src, size_t bytes) override {
@@ -301,6 +301,8 @@ class CpuBackend final : public Backend {
   // `group`: kFp8's inputs per scale (0: one scale a row).
   absl::StatusOr<Buffer> PackQuantized(WeightQuant quant, int64_t m, int64_t k, Tensor* packed,
                                        absl::FunctionRef<absl::Status(void*)> fill, int64_t group = 0);
+  // w [m, k] (F32, m and k >= 1) as float32 panels (PackPanels), registered in packed_.
+  absl::StatusOr<Buffer> PackF32Panels(const Tensor& w, Tensor* packed);
   // The packed weight w views, or null when w is plain. An error when w lies inside a packed
   // buffer without being the whole of it (a Rows() view, say).
   absl::StatusOr<const PackedWeight*> FindPacked(const Tensor& w) const;

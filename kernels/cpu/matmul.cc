@@ -438,6 +438,25 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
   return buffer;
 }
 
+absl::StatusOr<Buffer> CpuBackend::PackF32Panels(const Tensor& w, Tensor* packed) {
+  const int64_t m = w.dim(0), k = w.dim(1);
+  const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);
+  absl::StatusOr<Buffer> buffer = Allocate(bytes);
+  if (!buffer.ok()) return buffer.status();
+  cpu::PackPanels(static_cast<float*>(buffer->data()), w.as<float>(), m, k);
+  packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
+  *packed = Tensor(buffer->data(), kF32, {m, k});
+  return buffer;
+}
+
+absl::StatusOr<Buffer> CpuBackend::PackTiedTable(const Tensor& w, Tensor* packed) {
+  const ArgCheck check("PackTiedTable", {{"w", &w, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  *packed = w;
+  if (w.dim(0) == 0 || w.dim(1) == 0) return Buffer();  // nothing to multiply or look up
+  return PackF32Panels(w, packed);
+}
+
 absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* packed, WeightQuant quant) {
   const ArgCheck check("PackMatMulWeight", {{"w", &w, kF32, 2}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
@@ -453,15 +472,7 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
       return s.ok() ? s : check.Error(s.message());
     });
   }
-  if (matmul_ == CpuMatMul::kF32) {  // panels for panel_matmul.h's loops
-    const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(float);
-    absl::StatusOr<Buffer> buffer = Allocate(bytes);
-    if (!buffer.ok()) return buffer.status();
-    cpu::PackPanels(static_cast<float*>(buffer->data()), w.as<float>(), m, k);
-    packed_[buffer->data()] = PackedWeight{m, k, bytes, {}};
-    *packed = Tensor(buffer->data(), kF32, {m, k});
-    return buffer;
-  }
+  if (matmul_ == CpuMatMul::kF32) return PackF32Panels(w, packed);  // panels for panel_matmul.h's loops
   if (!OneDnnHasBf16MatMul()) {  // bf16 panels for panel_matmul.h's loops
     const auto bytes = static_cast<size_t>(cpu::PanelMatMulFloats(m, k)) * sizeof(uint16_t);
     absl::StatusOr<Buffer> buffer = Allocate(bytes);

@@ -13,9 +13,9 @@
 //
 // Layout: a weight w [m, k] is packed once, at load, into panels of kPanelCols output columns:
 // panel p holds w[p*16 + j][kk] at [p][kk][j] (the last panel zero-padded), so a panel is one
-// contiguous stream that a tile of rows reads once. A plain w (a tied LM head on a bf16 backend,
-// whose table Embedding reads by rows; a float32 backend's tied table is stored once, packed, and
-// Embedding gathers from that: worker/shard/loader.cc) is packed panel by panel into per-thread scratch
+// contiguous stream that a tile of rows reads once (a tied embedding and LM head too: its table is
+// stored so, Backend::PackTiedTable, and Embedding gathers rows from it). A plain w (a caller's
+// row-major matrix: tools/bench/bench_matmul.cc's "f32 plain w") is packed panel by panel into per-thread scratch
 // as the product runs (8 x 8 blocks transposed in registers), giving bitwise the same results as a
 // packed one. Up to 3 rows (a decode step), a w's tiles take 2 to 4 panels at a time, so that 8 to
 // 12 chains hide the FMA latency (one panel's 2 per row would not); the chains are the same.

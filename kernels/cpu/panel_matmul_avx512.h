@@ -39,7 +39,7 @@ constexpr int64_t WidePanelsPerGroup(int64_t n) {
 void PanelGroupAvx512(float* y, int64_t ldy, const float* x, int64_t n, int64_t k, const float* panel, int64_t have,
                       int64_t cols, const float* bias, const float* next, int64_t next_have);
 
-// Up to this many rows, a plain w's products (a tied LM head's, panel_matmul.h) run
+// Up to this many rows, a plain w's products (panel_matmul.h) run
 // PlainPanelsAvx512, reading w itself, kPlainPanels panels' rows at a time: one panel's 16 rows
 // (each asked for 128 floats ahead), as bench_matmul measured ("f32 plain w", AMD EPYC, shared
 // machine, minima): 1 and 2 rows on one thread 2.04-2.14 ms against 2.59-3.17 for the 8-float

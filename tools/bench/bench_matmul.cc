@@ -9,8 +9,8 @@
 // random mxfp4 weights (its panels: every k must be a multiple of 32), on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 with activations quantized, as
 // --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h), over the weights of one
-// pipeline stage (and float32 by the plain weight, "f32 plain w", packed on every product as a tied
-// LM head is; and, where the CPU has AVX-512, the float32 panels' 8-float tiles, "f32 vec8 tiles",
+// pipeline stage (and float32 by the plain weight, "f32 plain w", a row-major weight packed
+// on every product; and, where the CPU has AVX-512, the float32 panels' 8-float tiles, "f32 vec8 tiles",
 // beside the AVX-512 ones the backend runs from 4 rows), side by side in one run: for each row
 // count, all of them alternate `--repeat` times and the medians are reported (and the minimum,
 // "min ms", and the mean CPU time of this process per run, "cpu ms": on a machine shared with other

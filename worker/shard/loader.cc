@@ -126,6 +126,8 @@ class WeightLoader {
   // Plain, then the backend's PackMatMulWeight (quantized as `quant`): for weights only MatMul reads.
   // A published quantized checkpoint's linear weight in its own format instead.
   absl::StatusOr<Tensor> Product(const WeightDecl& w, const Slice& slice, WeightQuant quant = WeightQuant::kNone);
+  // A tied embedding and LM head's table: Plain, then the backend's PackTiedTable.
+  absl::StatusOr<Tensor> TiedTable(const WeightDecl& w, const Slice& slice);
   // An RMSNorm's weight w, stored for a scale of 1 + w (Gemma): read in float32, 1 added there as
   // transformers adds it, then held in the act dtype.
   absl::StatusOr<Tensor> NormPlusOne(const WeightDecl& w);
@@ -159,6 +161,9 @@ class WeightLoader {
   absl::StatusOr<Tensor> UploadHost(const std::string& name, const float* values, absl::Span<const int64_t> dims);
   // `plain` (the arena's latest buffer) packed for MatMul as `quant`; the packed copy replaces it.
   absl::StatusOr<Tensor> Pack(const std::string& name, const Tensor& plain, WeightQuant quant);
+  // What a packing of `plain` gave: `packed`, whose buffer (when the backend made one) replaces it.
+  absl::StatusOr<Tensor> Adopt(const std::string& name, const Tensor& plain, absl::StatusOr<Buffer> buffer,
+                               const Tensor& packed);
   // Host staging for weights bound for device memory: one buffer grown to the largest weight and
   // reused, where a fresh zero-filled buffer per weight (page faults and a fill for every byte)
   // took 6.7 s against 0.7 s for 8.6 GB of 117 MB weights on a Zen 5 VM.
@@ -210,7 +215,17 @@ absl::StatusOr<Tensor> WeightLoader::Plain(const std::string& name, std::vector<
 
 absl::StatusOr<Tensor> WeightLoader::Pack(const std::string& name, const Tensor& plain, WeightQuant quant) {
   Tensor packed;
-  absl::StatusOr<Buffer> buffer = backend_->PackMatMulWeight(plain, &packed, quant);
+  return Adopt(name, plain, backend_->PackMatMulWeight(plain, &packed, quant), packed);
+}
+
+absl::StatusOr<Tensor> WeightLoader::TiedTable(const WeightDecl& w, const Slice& slice) {
+  Tensor plain, packed;
+  SHARDSERVE_ASSIGN_OR_RETURN(plain, Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
+  return Adopt(w.name, plain, backend_->PackTiedTable(plain, &packed), packed);
+}
+
+absl::StatusOr<Tensor> WeightLoader::Adopt(const std::string& name, const Tensor& plain, absl::StatusOr<Buffer> buffer,
+                                           const Tensor& packed) {
   if (!buffer.ok()) return absl::Status(buffer.status().code(), absl::StrCat(name, ": ", buffer.status().message()));
   if (buffer->data() != nullptr) {  // the packed copy replaces the plain one (BF16: half its bytes)
     // Logical bytes, as the planner counts: quantized weights with their scales (and zeros) (kernels/quant.h).
@@ -474,12 +489,10 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
   }
 
   // ---- This rank's slice of each tensor, as the family declares it ----
-  // A tied table on a stage that both looks tokens up and computes the logits is one buffer: in the
-  // products' layout where the backend's Embedding reads that (Backend::EmbeddingTakesPackedTable:
-  // the CPU's float32 panels, which the LM head's product would otherwise repack from the plain
-  // table on every step), else plain.
-  const bool one_packed_table =
-      config.tie_word_embeddings && first_stage && last_stage && backend->EmbeddingTakesPackedTable();
+  // A tied table on a stage that both looks tokens up and computes the logits is one buffer, as
+  // Backend::PackTiedTable lays it out (the CPU's float32 panels, which the LM head's product would
+  // otherwise repack from the plain table on every step; plain on CUDA).
+  const bool one_table = config.tie_word_embeddings && first_stage && last_stage;
   if (spec.embedding != nullptr && config.tie_word_embeddings) {
     return absl::InternalError("a shard whose LM head is its embedding loads its own table (ShardSpec::embedding)");
   }
@@ -495,12 +508,12 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     if (!HoldsAny(w.split, shard, w.expert)) continue;  // another rank's (o_proj's bias: rank 0's; an expert)
     const Slice slice = ShardSlice(w.split, shard);
     if (w.role == WeightRole::kLmHead && config.tie_word_embeddings && first_stage) {
-      *slot = stage.embed_tokens;  // tied, and already loaded on this stage (packed if one_packed_table)
+      *slot = stage.embed_tokens;  // tied, and already loaded on this stage (by TiedTable if one_table)
     } else if (w.role == WeightRole::kEmbedTokens && spec.embedding != nullptr) {
       *slot = *spec.embedding;  // another shard's, whose bytes are its own
     } else if (w.role == WeightRole::kEmbedTokens) {
-      SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_packed_table ? load.Product(w, slice)
-                                                          : load.Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, one_table ? load.TiedTable(w, slice)
+                                                   : load.Plain(w.name, CheckpointShape(w), CheckpointSlice(w, slice)));
     } else if (w.pick.period > 0) {
       const WeightQuant quant = TakesWeightQuant(w) ? spec.weight_quant : WeightQuant::kNone;
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.Picked(w, slice, quant));
