@@ -513,7 +513,7 @@ std::string DemoLayoutName(const ::testing::TestParamInfo<Layout>& info) {
 }
 
 // The draft model (--speculative draft, docs/speculative-decoding.md), models/demo-draft, in TP {1, 2}
-// x PP {1, 2}, a fifth of its guesses or more right. The TP 2 layouts adapt each sequence's guesses
+// x PP {1, 2}, a third of its guesses or more right (half of them, about, are). The TP 2 layouts adapt each sequence's guesses
 // (--adaptive-speculative-tokens).
 class ClusterDraftSpeculationTest : public ::testing::TestWithParam<Layout> {};
 
@@ -523,7 +523,7 @@ TEST_P(ClusterDraftSpeculationTest, DraftGuessesKeepTheOutputs) {
                                     (fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo-draft").string(),
                                     "--num-speculative-tokens", "4"};
   if (l.tp == 2) flags.push_back("--adaptive-speculative-tokens");
-  ExpectDemoGuessesKeepTheOutputs(l, flags, "draft", 20);
+  ExpectDemoGuessesKeepTheOutputs(l, flags, "draft", 33);
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDraftSpeculationTest,

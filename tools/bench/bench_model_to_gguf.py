@@ -105,6 +105,17 @@ def hf_tensors(cfg, st):
     return out
 
 
+def rope_theta(cfg):
+    """RoPE's base as transformers 4 writes it (rope_theta) or 5 (rope_parameters: one plain RoPE
+    only; a scaled one, or one per layer type, is not what llama.cpp's metadata here says)."""
+    if "rope_theta" in cfg:
+        return cfg["rope_theta"]
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        sys.exit(f"rope_parameters {rope}: only one unscaled RoPE (rope_type default) converts here")
+    return rope["rope_theta"]
+
+
 def add_metadata(w, cfg, arch):
     """The keys convert_hf_to_gguf.py writes for this config (TextModel.set_gguf_parameters and the
     family's own), less those of an ordinary general.* description."""
@@ -115,7 +126,7 @@ def add_metadata(w, cfg, arch):
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_rope_freq_base(rope_theta(cfg))
     if arch == "llama":
         w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     else:  # an explicit head_dim, which may differ from hidden / heads
