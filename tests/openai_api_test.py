@@ -12,8 +12,9 @@ keep-alive connection serves more than httplib's default 5 requests. logit_bias 
 tool call, so a forced '{' output checks that what is no call stays content (held back while it
 might be one), a call a guided_regex makes it write streams its arguments in several deltas (tool_choice
 auto), and a prompt that ends with <think> that the output comes as reasoning_content. A second, one-worker cluster on a test fixture
-without tokenizer or chat template checks that chat is refused with a 400 saying so. Always stops
-the clusters it started.
+without tokenizer or chat template checks that chat is refused with a 400 saying so. Two more,
+one speculating with the demo draft, give the same n = 2 seeded choices, streamed or not, with
+logprobs and a stop string, and the same greedy chat. Always stops the clusters it started.
 
 Run by CTest as: clients/python/setup-env.sh, then
     .venv-client/bin/python tests/openai_api_test.py --bin <build>/bin
@@ -746,6 +747,75 @@ class NoChatTemplateTest(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as ctx:  # text needs a tokenizer
             self.client.completions.create(model=self.model, prompt="Hi")
         self.assertEqual(ctx.exception.param, "prompt")
+
+
+class SpeculativeChoicesTest(unittest.TestCase):
+    """The API over a cluster that speculates (--speculative draft with models/demo-draft): n = 2
+    seeded choices, streamed and not, with logprobs and a stop string, and greedy chat, give what the
+    same one-worker cluster without speculation gives, and guesses were accepted on the way."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.clients, cls.launches, cls.metrics_urls = [], [], []
+        try:  # tearDownClass does not run when setUpClass fails
+            for flags in ([], ["--speculative", "draft", "--draft-model", os.path.join(ROOT, "models", "demo-draft"),
+                               "--num-speculative-tokens", "4"]):
+                http_port, grpc_port = free_ports(2)
+                base = f"http://127.0.0.1:{http_port}"
+                log_dir = tempfile.mkdtemp(prefix="shardserve-openai-spec-")
+                cls.launches.append(start_launch(
+                    ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "1",
+                     "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)] + flags, base, log_dir))
+                with open(os.path.join(log_dir, "coordinator.log")) as f:
+                    cls.metrics_urls.append(re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1))
+                cls.clients.append(openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120))
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        for launch in cls.launches:
+            stop_launch(launch)
+
+    def both(self, call):
+        """call(client) on the plain cluster and on the speculating one."""
+        return [call(c) for c in self.clients]
+
+    def test_choices_are_those_without_speculation(self):
+        kw = dict(model=MODEL, prompt="In the beginning", max_tokens=40, temperature=0.8, seed=5, n=2)
+        plain, spec = self.both(lambda c: c.completions.create(logprobs=1, **kw))
+        self.assertEqual([c.text for c in spec.choices], [c.text for c in plain.choices])
+        self.assertNotEqual(plain.choices[0].text, plain.choices[1].text)
+        for p, q in zip(plain.choices, spec.choices):
+            self.assertEqual(q.logprobs.tokens, p.logprobs.tokens)
+            for a, b in zip(p.logprobs.token_logprobs, q.logprobs.token_logprobs):
+                self.assertAlmostEqual(a, b, places=4)
+        self.assertEqual(spec.usage.completion_tokens, plain.usage.completion_tokens)
+
+        def streamed(client):
+            texts = {0: "", 1: ""}
+            for chunk in client.completions.create(stream=True, **kw):
+                texts[chunk.choices[0].index] += chunk.choices[0].text
+            return [texts[0], texts[1]]
+        self.assertEqual(self.both(streamed), [[c.text for c in plain.choices]] * 2)
+
+        stop = plain.choices[1].text[8:12]  # inside choice 1's text, past its start
+        plain_stop, spec_stop = self.both(lambda c: c.completions.create(stop=stop, **kw))
+        self.assertEqual([c.text for c in spec_stop.choices], [c.text for c in plain_stop.choices])
+        self.assertEqual(spec_stop.choices[1].finish_reason, "stop")
+
+        chat = self.both(lambda c: c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Sing"}], max_tokens=32, temperature=0)
+            .choices[0].message.content)
+        self.assertEqual(chat[1], chat[0])
+
+        with urllib.request.urlopen(self.metrics_urls[1], timeout=5) as r:
+            text = r.read().decode()
+        proposed = metric_sum(text, "shardserve_spec_proposed_tokens_total")
+        accepted = metric_sum(text, "shardserve_spec_accepted_tokens_total")
+        self.assertGreater(accepted, 0, f"no guess accepted of {proposed}")
+        print(f"[ speculative ] {accepted:.0f} of {proposed:.0f} guesses accepted", file=sys.stderr)
 
 
 if __name__ == "__main__":
