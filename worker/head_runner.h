@@ -9,7 +9,7 @@
 // model catches up from tokens alone, a head reads the model's hidden states, which exist only in
 // the step that computed them, so it follows every step that guesses.
 //
-// Each step (Propose, after sampling; every step, sampling or not):
+// Each step that asks for guesses (Propose, after sampling; whether or not the row samples):
 //   - the model's hidden state of every fed row (the MTP layer's: final-normed, ModelShard::FinalNormed,
 //     as vLLM and SGLang feed it; an EAGLE-3 head's: fc over the aux layers' states,
 //     ModelShard::Eagle3Input) pairs with the token after it: the next fed token, or for a row that
