@@ -439,35 +439,42 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterConstrainedSpeculationTest,
                                   info.param.fixture;
                          });
 
-// Speculation on the demo model, whose language makes guesses meaningful: the worker that samples
-// runs the proposer right after sampling and returns its guesses with the step's samples. The demo
-// model answers three requests at once (greedy, seeded sampling, greedy with logprobs), then the
-// first again, whose prompt the prefix cache now holds (so the proposer is sent the cached tokens'
-// ids): every output is the one the same cluster gives without speculation, token for token;
-// guesses were made and at least `min_accepted_percent` of them accepted, and the status names the
-// proposer.
-void ExpectDemoGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
-                                     const std::string& proposer, int min_accepted_percent) {
-  std::vector<v1::GenerateRequest> requests(3);
-  const char* prompts[] = {"And the LORD said unto Moses,", "In the beginning", "Blessed are the"};
-  for (size_t i = 0; i < requests.size(); ++i) {
-    v1::GenerateRequest& r = requests[i];
-    r.set_text(prompts[i]);
-    r.set_request_id(proposer + "-" + std::to_string(i));
-    r.mutable_sampling()->set_max_tokens(40);
-    r.mutable_sampling()->set_ignore_eos(true);
+// What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
+// planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
+std::map<std::string, std::pair<int64_t, int64_t>> LoggedMemory(Cluster& cluster, int i) {
+  std::ifstream log(cluster.worker(i).log());
+  std::map<std::string, std::pair<int64_t, int64_t>> items;
+  const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
+  for (std::string text; std::getline(log, text);) {
+    std::smatch match;
+    if (std::regex_search(text, match, line)) {
+      items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
+    }
   }
+  return items;
+}
+
+// Speculation keeps the outputs: three requests at once (greedy, seeded sampling at 0.8, greedy with
+// logprobs), then the first again, whose prompt the prefix cache now holds (so the proposer is sent
+// the cached tokens' ids), through a cluster of `model` in layout `l` without speculation and with
+// `speculative` (the coordinator's flags): every output the same token for token and as long as its
+// request asks; `proposer`'s guesses were made and at least `min_accepted_percent` of them (one at
+// least) accepted, and the status names it; the repeat found its prefix cached and every block came
+// back. A head (`head_item`, the plan's memory item: mtp_layer or eagle3_head; "" for none) is the
+// plan's to the byte on the worker that runs it, the only one that lists it above 0, and every
+// worker's step buffers are. Returns the speculating cluster's outputs, the repeat last.
+std::vector<Streamed> ExpectSpeculationKeepsTheOutputs(const std::string& model, const Layout& l,
+                                                       std::vector<v1::GenerateRequest> requests,
+                                                       const std::vector<std::string>& speculative,
+                                                       const std::string& proposer, int min_accepted_percent,
+                                                       const std::string& head_item = "") {
+  for (size_t i = 0; i < requests.size(); ++i) requests[i].set_request_id(proposer + "-" + std::to_string(i));
   requests[1].mutable_sampling()->set_temperature(0.8f);
   requests[1].mutable_sampling()->set_seed(11);
   requests[2].mutable_sampling()->set_logprobs(true);
-  const fs::path demo = fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo";
-  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status) {
-    ClusterSpecForTest spec;
-    spec.fixture = demo.string();
-    spec.nodes = l.pp;
-    spec.gpus_per_node = l.tp;
-    spec.worker_flags = {"--matmul-dtype", "f32"};
-    Cluster cluster(std::move(spec), flags);
+  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status,
+                 bool speculating) {
+    Cluster cluster({model, l.pp, l.tp, {"--matmul-dtype", "f32"}}, flags);
     ASSERT_TRUE(cluster.Start());
     out->assign(requests.size() + 1, Streamed{});
     std::vector<std::thread> threads;
@@ -480,22 +487,34 @@ void ExpectDemoGuessesKeepTheOutputs(const Layout& l, const std::vector<std::str
       ASSERT_TRUE((*out)[i].status.ok()) << i << ": " << (*out)[i].status.error_message() << "\n" << cluster.Logs();
     }
     *status = cluster.Status().scheduler();
+    if (!speculating || head_item.empty()) return;
+    int heads = 0;
+    for (int i = 0; i < cluster.num_workers(); ++i) {
+      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, i);
+      for (const std::string& name : {std::string("step_buffers"), head_item}) {
+        ASSERT_TRUE(items.count(name)) << "worker " << i << " logged no memory " << name << "\n" << cluster.Logs();
+        EXPECT_EQ(items[name].first, items[name].second) << "worker " << i << " " << name;
+      }
+      heads += items[head_item].first > 0 ? 1 : 0;
+    }
+    EXPECT_EQ(heads, 1) << "workers planned to hold " << head_item;
   };
   std::vector<Streamed> plain, speculated;
   v1::SchedulerStatus plain_status, s;
-  run({"--block-size", "4"}, &plain, &plain_status);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  run({"--block-size", "4"}, &plain, &plain_status, false);
+  if (::testing::Test::HasFatalFailure()) return speculated;
   std::vector<std::string> flags = {"--block-size", "4"};
   flags.insert(flags.end(), speculative.begin(), speculative.end());
-  run(flags, &speculated, &s);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  run(flags, &speculated, &s, true);
+  if (::testing::Test::HasFatalFailure()) return speculated;
   for (size_t i = 0; i < plain.size(); ++i) {
+    const v1::GenerateRequest& asked = i < requests.size() ? requests[i] : requests[0];  // the repeat last
     EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
-    EXPECT_EQ(speculated[i].tokens.size(), 40u) << "request " << i;
+    EXPECT_EQ(speculated[i].tokens.size(), static_cast<size_t>(asked.sampling().max_tokens())) << "request " << i;
   }
   int logprobs = 0;
   for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
-  EXPECT_EQ(logprobs, 40);
+  EXPECT_EQ(logprobs, static_cast<int>(requests[2].sampling().max_tokens()));
   EXPECT_EQ(s.speculative(), proposer);
   EXPECT_GT(s.spec_proposed_tokens(), 0);
   EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of " << proposer << " was ever right";
@@ -506,6 +525,23 @@ void ExpectDemoGuessesKeepTheOutputs(const Layout& l, const std::vector<std::str
   std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
               l.pp, proposer.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
               static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+  return speculated;
+}
+
+// Speculation on the demo model, whose language makes guesses meaningful (the worker that samples
+// runs the proposer right after sampling and returns its guesses with the step's samples): three
+// prompts of King James text, 40 tokens each, through ExpectSpeculationKeepsTheOutputs.
+void ExpectDemoGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
+                                     const std::string& proposer, int min_accepted_percent) {
+  std::vector<v1::GenerateRequest> requests(3);
+  const char* prompts[] = {"And the LORD said unto Moses,", "In the beginning", "Blessed are the"};
+  for (size_t i = 0; i < requests.size(); ++i) {
+    requests[i].set_text(prompts[i]);
+    requests[i].mutable_sampling()->set_max_tokens(40);
+    requests[i].mutable_sampling()->set_ignore_eos(true);
+  }
+  ExpectSpeculationKeepsTheOutputs((fs::path(SHARDSERVE_SOURCE_DIR) / "models/demo").string(), l, std::move(requests),
+                                   speculative, proposer, min_accepted_percent);
 }
 
 std::string DemoLayoutName(const ::testing::TestParamInfo<Layout>& info) {
@@ -548,88 +584,19 @@ TEST_P(ClusterDemoEagle3Test, TrainedHeadGuessesKeepTheOutputs) {
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterDemoEagle3Test,
                          ::testing::Values(Layout{"demo", 1, 1}, Layout{"demo", 2, 2}), DemoLayoutName);
 
-// What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
-// planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
-std::map<std::string, std::pair<int64_t, int64_t>> LoggedMemory(Cluster& cluster, int i) {
-  std::ifstream log(cluster.worker(i).log());
-  std::map<std::string, std::pair<int64_t, int64_t>> items;
-  const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
-  for (std::string text; std::getline(log, text);) {
-    std::smatch match;
-    if (std::regex_search(text, match, line)) {
-      items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
-    }
-  }
-  return items;
-}
-
-// Three requests at once (Hugging Face's golden prompt greedy, a seeded sampling one, a greedy one
-// with logprobs), then the first again from the prefix cache, through a cluster of layout `l` without
-// speculation and with `speculative` (the coordinator's flags): every output the same token for
-// token, the greedy one Hugging Face's; `proposer`'s guesses were made and some accepted. A head
-// (`head_item`, the plan's memory item: mtp_layer or eagle3_head) is the plan's to the byte on the
-// worker that runs it, the only one that lists it above 0, and every worker's step buffers are.
+// Speculation on a test fixture (ExpectSpeculationKeepsTheOutputs, 32 tokens a request): Hugging
+// Face's golden prompt twice and a third, the greedy one and its repeat Hugging Face's tokens.
 void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>& speculative,
                                  const std::string& proposer, const std::string& head_item) {
   const Golden golden = LoadGolden(l.fixture);
-  std::vector<v1::GenerateRequest> requests = {TokenRequest(golden.prompt, 32), TokenRequest(golden.prompt, 32),
-                                               TokenRequest({5, 6, 7, 166, 166, 30, 64, 79, 226}, 32)};
-  for (size_t i = 0; i < requests.size(); ++i) requests[i].set_request_id(proposer + "-" + std::to_string(i));
-  requests[1].mutable_sampling()->set_temperature(0.8f);
-  requests[1].mutable_sampling()->set_seed(11);
-  requests[2].mutable_sampling()->set_logprobs(true);
-  auto run = [&](const std::vector<std::string>& flags, std::vector<Streamed>* out, v1::SchedulerStatus* status,
-                 bool speculating) {
-    Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}}, flags);
-    ASSERT_TRUE(cluster.Start());
-    out->assign(requests.size() + 1, Streamed{});
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < requests.size(); ++i) {
-      threads.emplace_back([&, i] { (*out)[i] = Generate(cluster.client(), requests[i]); });
-    }
-    for (std::thread& t : threads) t.join();
-    out->back() = Generate(cluster.client(), requests[0]);  // its prompt's blocks are cached now
-    for (size_t i = 0; i < out->size(); ++i) {
-      ASSERT_TRUE((*out)[i].status.ok()) << i << ": " << (*out)[i].status.error_message() << "\n" << cluster.Logs();
-    }
-    *status = cluster.Status().scheduler();
-    if (!speculating) return;
-    int heads = 0;
-    for (int i = 0; i < cluster.num_workers(); ++i) {
-      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, i);
-      for (const std::string& name : {std::string("step_buffers"), head_item}) {
-        ASSERT_TRUE(items.count(name)) << "worker " << i << " logged no memory " << name << "\n" << cluster.Logs();
-        EXPECT_EQ(items[name].first, items[name].second) << "worker " << i << " " << name;
-      }
-      heads += items[head_item].first > 0 ? 1 : 0;
-    }
-    EXPECT_EQ(heads, 1) << "workers planned to hold " << head_item;
-  };
-  std::vector<Streamed> plain, speculated;
-  v1::SchedulerStatus plain_status, s;
-  run({"--block-size", "4"}, &plain, &plain_status, false);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  std::vector<std::string> flags = {"--block-size", "4"};
-  flags.insert(flags.end(), speculative.begin(), speculative.end());
-  run(flags, &speculated, &s, true);
-  ASSERT_FALSE(::testing::Test::HasFatalFailure());
-  for (size_t i = 0; i < plain.size(); ++i) {
-    EXPECT_EQ(speculated[i].tokens, plain[i].tokens) << "request " << i;
-    EXPECT_EQ(speculated[i].tokens.size(), 32u) << "request " << i;
-  }
-  EXPECT_EQ(speculated[0].tokens, golden.greedy);
-  EXPECT_EQ(speculated[3].tokens, golden.greedy);
-  int logprobs = 0;
-  for (const v1::GenerateResponse& m : speculated[2].messages) logprobs += m.logprobs_size();
-  EXPECT_EQ(logprobs, 32);
-  EXPECT_EQ(s.speculative(), proposer);
-  EXPECT_GT(s.spec_proposed_tokens(), 0);
-  EXPECT_GT(s.spec_accepted_tokens(), 0) << "no guess of " << proposer << " was ever right";
-  EXPECT_GT(s.prefix_cache_hit_tokens(), 0) << "the repeated request found no cached prefix";
-  EXPECT_EQ(s.kv_blocks_free(), s.kv_blocks_total()) << "every block back once the requests ended";
-  std::printf("[ timing   ] TP=%d PP=%d %s: speculation proposed %lld, accepted %lld in %lld verifications\n", l.tp,
-              l.pp, proposer.c_str(), static_cast<long long>(s.spec_proposed_tokens()),
-              static_cast<long long>(s.spec_accepted_tokens()), static_cast<long long>(s.spec_verifications()));
+  const std::vector<Streamed> out = ExpectSpeculationKeepsTheOutputs(
+      l.fixture, l,
+      {TokenRequest(golden.prompt, 32), TokenRequest(golden.prompt, 32),
+       TokenRequest({5, 6, 7, 166, 166, 30, 64, 79, 226}, 32)},
+      speculative, proposer, 0, head_item);
+  if (out.size() != 4) return;  // (a fatal failure, reported)
+  EXPECT_EQ(out[0].tokens, golden.greedy);
+  EXPECT_EQ(out[3].tokens, golden.greedy);
 }
 
 // The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
