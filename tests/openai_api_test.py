@@ -93,6 +93,11 @@ def grpc_client(log_dir: str) -> Client:
     return Client(c["address"], tls_ca=c["ca"], tls_cert=c["cert"], tls_key=c["key"])
 
 
+def metrics_url(coordinator_log: str) -> str:
+    """The coordinator's Prometheus address, as its log says it ("metrics on http://.../metrics")."""
+    return re.search(r"metrics on (http://\S+/metrics)", coordinator_log).group(1)
+
+
 def stop_launch(launch: subprocess.Popen) -> str:
     """SIGTERM (launch stops and reaps its processes), SIGKILL to the group past 30 s; its output
     (from start_launch's file, or from the pipe of a launch started with stdout=PIPE)."""
@@ -138,7 +143,7 @@ class OpenAIApiTest(unittest.TestCase):
         try:  # tearDownClass does not run when setUpClass fails
             cls.grpc = grpc_client(cls.launch.args[cls.launch.args.index("--log-dir") + 1])
             with open(os.path.join(cls.launch.args[cls.launch.args.index("--log-dir") + 1], "coordinator.log")) as f:
-                cls.metrics_url = re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1)
+                cls.metrics_url = metrics_url(f.read())
         except BaseException:
             stop_launch(cls.launch)
             raise
@@ -767,7 +772,7 @@ class SpeculativeChoicesTest(unittest.TestCase):
                     ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "1",
                      "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)] + flags, base, log_dir))
                 with open(os.path.join(log_dir, "coordinator.log")) as f:
-                    cls.metrics_urls.append(re.search(r"metrics on (http://\S+/metrics)", f.read()).group(1))
+                    cls.metrics_urls.append(metrics_url(f.read()))
                 cls.clients.append(openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120))
         except BaseException:
             cls.tearDownClass()
