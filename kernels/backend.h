@@ -475,25 +475,33 @@ enum class CpuMatMul : uint8_t { kF32, kBF16 };
 // the calling thread.
 std::unique_ptr<Backend> MakeCpuBackend(int threads = 0, CpuMatMul matmul = CpuMatMul::kF32);
 
-// Whether the CPU backend rounds the input rows of its products by int8 and int4 weights to int8
-// (worker --activation-quantization). kNone (the default): those products multiply the float32
-// inputs by the exactly widened weights, and equal the dequantized weights' float32 product up to
-// float32 rounding. kInt8: each input row is rounded to int8 with one scale (max |x| / 127) and
-// multiplied in integers (AVX-512 VNNI's VPDPBUSD, else AVX2's VPMADDUBSW), as llama.cpp's Q8_0 /
-// Q4_0 products do:
-// faster, and each input moves by up to 1/254 of its row's largest (tests/llama_parity_test.cc
-// states what that does to the logits). fp8 weights, float32 and bf16 products are unaffected.
-enum class CpuActivationQuant : uint8_t { kNone, kInt8 };
+// Whether the CPU backend rounds the input rows of its products by int8 and int4 weights to
+// integers (worker --activation-quantization; its default, auto, is DefaultCpuActivationQuant).
+// kNone: those products multiply the float32 inputs by the exactly widened weights, and equal the
+// dequantized weights' float32 product up to float32 rounding. kInt8: each input row is rounded to
+// int8 with one scale (max |x| / 127) and multiplied in integers (AVX-512 VNNI's VPDPBUSD, else
+// AVX2's VPMADDUBSW), as llama.cpp's Q8_0 / Q4_0 products do: faster, and each input moves by up to
+// 1/254 of its row's largest
+// (tests/llama_parity_test.cc states what that does to the logits). kInt16: int4 weights only, each
+// input row rounded to int16 per group of 128 (max |x| / 32767 a group) and multiplied in integers
+// (AVX-512 VNNI's VPDPWSSD, two inputs an instruction: kernels/cpu/panel_matmul.h
+// PanelMatMulInt4Act16), each input moving by up to 1/65534 of its group's largest; int8 weights stay
+// exact. fp8 and MXFP4 weights, float32 and bf16 products are unaffected by either.
+enum class CpuActivationQuant : uint8_t { kNone, kInt8, kInt16 };
 
-// "none" or "int8"; InvalidArgument naming the value otherwise.
+// --activation-quantization auto: kInt16 on a CPU with AVX-512 VNNI (int4 weights' products 1.1x to
+// 2.4x faster there, their logits ~1e-3 from the exact ones: docs/quantization.md), else kNone.
+CpuActivationQuant DefaultCpuActivationQuant();
+// "auto" (DefaultCpuActivationQuant), "none", "int8" or "int16"; InvalidArgument naming the value
+// otherwise.
 absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name);
 const char* CpuActivationQuantName(CpuActivationQuant act);
 
 // MakeCpuBackend with `act`. kInt8 needs AVX-512 VNNI or AVX2 (kernels/cpu/quant_isa.h
-// Int8ActivationsIsa): on a CPU with neither this is FailedPrecondition naming what the CPU has,
-// rather than a silent fall back to the exact products. InvalidArgument when ONEDNN_MAX_CPU_ISA (the
-// cap on the instruction sets of oneDNN and of the CPU backend's own products: kernels/cpu/isa_cap.h)
-// holds a value oneDNN does not know.
+// Int8ActivationsIsa), kInt16 AVX-512 VNNI: on a CPU without them this is FailedPrecondition naming
+// what the CPU has, rather than a silent fall back to the exact products. InvalidArgument when
+// ONEDNN_MAX_CPU_ISA (the cap on the instruction sets of oneDNN and of the CPU backend's own
+// products: kernels/cpu/isa_cap.h) holds a value oneDNN does not know.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act);
 
 // Whether oneDNN multiplies bf16 on this CPU with bf16 instructions (AVX512-BF16 or AMX; within any

@@ -150,6 +150,39 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
                                   info.param.fixture;
                          });
 
+// bf16 CPU products (worker --matmul-dtype bf16) give one process's outputs in every layout: PP = 2
+// (a worker of one thread a stage) the greedy tokens of PP = 1 (one worker of two threads) and, bit
+// for bit, their logprobs, on a model with a tied LM head and one without. Every weight is in the
+// layout its product runs with whatever OpenMP count the loading thread held (once, a stage's
+// products by the second and later weights of a shape ran with the first one's layout, and PP = 2's
+// tokens were others from the first), and a last stage's copy of a tied table multiplies as one
+// stage's own table does (Backend::PackTiedTable: the CPU's float32 panels; it was a bf16 product
+// there). The layers' outputs pass between the stages unchanged.
+TEST(ClusterParityTest, Bf16ProductsGiveOneProcesssOutputsInEveryLayout) {
+  for (const std::string fixture : {"qwen2_tied_bias", "llama_gqa"}) {
+    const Golden golden = LoadGolden(fixture);
+    std::vector<Streamed> runs;
+    for (int pp : {1, 2}) {
+      Cluster cluster({fixture, pp, 1, {"--matmul-dtype", "bf16"}});
+      ASSERT_TRUE(cluster.Start()) << fixture << " PP=" << pp;
+      v1::GenerateRequest request = TokenRequest(golden.prompt, 16);
+      request.mutable_sampling()->set_logprobs(true);
+      runs.push_back(Generate(cluster.client(), request));
+      ASSERT_TRUE(runs.back().status.ok()) << fixture << " PP=" << pp << ": " << runs.back().status.error_message()
+                                           << "\n" << cluster.Logs();
+    }
+    EXPECT_EQ(runs[1].tokens, runs[0].tokens) << fixture;
+    std::vector<float> logprobs[2];
+    for (int i = 0; i < 2; ++i) {
+      for (const v1::GenerateResponse& m : runs[i].messages) {
+        for (const v1::TokenLogprobs& t : m.logprobs()) logprobs[i].push_back(t.logprob());
+      }
+    }
+    ASSERT_EQ(logprobs[0].size(), 16u) << fixture;
+    EXPECT_EQ(logprobs[1], logprobs[0]) << fixture << ": PP=2's logprobs are not PP=1's";
+  }
+}
+
 // ---- Expert parallelism: whole experts per rank, the same tokens ----------------------------------
 
 // Every MoE fixture with --expert-parallel (worker/shard/expert_plan.h): each TP rank holds a block
@@ -1397,8 +1430,11 @@ TEST(ClusterQuantizationTest, Int8ActivationsGiveTheTokensOfOneSuchProcess) {
 // (--load-format dummy), 256 wide: the fixtures' 64-wide rows would be cut inside a group by TP = 2.
 // The float32 tokens of the same model must differ from the int4 ones (the weights really were
 // quantized), and the plan in the status says int4.
-// `fixture`'s config.json resized as above (and by `edit`) checked so, with dummy weights of `seed`.
-void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::function<void(nlohmann::json&)>& edit) {
+// `fixture`'s config.json resized as above (and by `edit`) checked so, with dummy weights of `seed`;
+// with `activations` (--activation-quantization) passed to generate-ids and to every worker, whose
+// log must then name it.
+void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::function<void(nlohmann::json&)>& edit,
+                            const std::string& activations = "none") {
   char pattern[] = "/tmp/int4_model.XXXXXX";
   const fs::path dir = mkdtemp(pattern);
   {
@@ -1418,6 +1454,7 @@ void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::fun
   const auto generate_ids = [&](const std::string& quantization) {
     std::string command = std::string(SHARDSERVE_CLI_BIN) + " generate-ids --model " + dir.string() +
                           " --load-format dummy --dummy-seed " + std::to_string(seed) + " --quantization " + quantization +
+                          " --activation-quantization " + activations +
                           " --max-new-tokens " + std::to_string(new_tokens);
     for (int32_t id : prompt) command += " " + std::to_string(id);
     std::vector<int32_t> ids;
@@ -1441,7 +1478,8 @@ void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::fun
   EXPECT_NE(generate_ids("none"), reference) << "int4 and float32 weights give the same tokens";
 
   for (auto [pp, tp] : {std::pair{1, 1}, {1, 2}, {2, 1}, {2, 2}}) {
-    Cluster cluster({dir.string(), /*nodes=*/pp, /*gpus_per_node=*/tp, {"--matmul-dtype", "f32"}},
+    const std::vector<std::string> worker_flags = {"--matmul-dtype", "f32", "--activation-quantization", activations};
+    Cluster cluster({dir.string(), /*nodes=*/pp, /*gpus_per_node=*/tp, worker_flags},
                     {"--quantization", "int4", "--load-format", "dummy", "--dummy-seed", std::to_string(seed)});
     ASSERT_TRUE(cluster.Start()) << "TP=" << tp << " PP=" << pp;
     const Streamed r = Generate(cluster.client(), TokenRequest(prompt, new_tokens));
@@ -1450,6 +1488,13 @@ void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::fun
     EXPECT_EQ(r.tokens, reference) << "TP=" << tp << " PP=" << pp;
     EXPECT_NE(cluster.Status().plan_text().find("linear layers int4"), std::string::npos)
         << cluster.Status().plan_text();
+    if (activations == "int16") {
+      for (int i = 0; i < cluster.num_workers(); ++i) {
+        const std::string log = Tail(cluster.worker(i).log(), size_t{1} << 20);
+        EXPECT_NE(log.find("activations rounded to int16 per group of 128"), std::string::npos)
+            << "TP=" << tp << " PP=" << pp << " worker " << i << "\n" << log;
+      }
+    }
   }
   std::error_code ec;
   fs::remove_all(dir, ec);
@@ -1457,6 +1502,16 @@ void CheckInt4InEveryLayout(const std::string& fixture, int seed, const std::fun
 
 TEST(ClusterQuantizationTest, Int4GivesTheTokensOfOneInt4ProcessInEveryLayout) {
   CheckInt4InEveryLayout("llama_gqa", 3, [](nlohmann::json&) {});
+}
+
+// The same on int16-rounded activations (--activation-quantization int16, AVX-512 VNNI CPUs): each
+// rank rounds its slice of a row-parallel input per group of 128, the groups whole on every rank, so
+// every layout computes the roundings of one process: its tokens exactly.
+TEST(ClusterQuantizationTest, Int16ActivationsGiveTheTokensOfOneSuchProcessInEveryLayout) {
+  if (!MakeCpuBackend(1, CpuMatMul::kF32, CpuActivationQuant::kInt16).ok()) {
+    GTEST_SKIP() << "this CPU lacks AVX-512 VNNI (the workers refuse int16: CpuActivationQuantTest)";
+  }
+  CheckInt4InEveryLayout("llama_gqa", 3, [](nlohmann::json&) {}, "int16");
 }
 
 // The same with experts (Qwen3-MoE, 5 experts of 256, 2 a token, layer 1 dense): each rank quantizes
@@ -1474,10 +1529,11 @@ TEST(ClusterQuantizationTest, Int4ExpertsGiveTheTokensOfOneInt4ProcessInEveryLay
 // compressed_tensors}) ----
 // Real processes in the layouts each variant allows give Hugging Face's greedy tokens (of the
 // dequantized weights) exactly, as ClusterParityTest does for float32 checkpoints (worker
-// --matmul-dtype f32; the fixtures' smallest greedy margin is 2.2e-3, float32 rounding moves logits
-// by ~1e-6): the int4-mapped variant in PP = 2 (TP = 2 would cut its one group of 128, refused);
-// the dequantized ones in TP = 2 (each rank reading only its slice of the packed tensors, g_idx
-// reordered by desc_act) and TP = 2 x PP = 2; one variant of each other format.
+// --matmul-dtype f32 and --activation-quantization none, the exact products; the fixtures' smallest
+// greedy margin is 2.2e-3, float32 rounding moves logits by ~1e-6): the int4-mapped variant in
+// PP = 2 (TP = 2 would cut its one group of 128, refused); the dequantized ones in TP = 2 (each
+// rank reading only its slice of the packed tensors, g_idx reordered by desc_act) and TP = 2 x
+// PP = 2; one variant of each other format.
 TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
   struct Case {
     std::string variant;  // under tests/fixtures
@@ -1492,7 +1548,8 @@ TEST(ClusterGptqTest, GptqCheckpointsGiveHuggingFaceTokensAcrossProcesses) {
     const std::string fixture = "../" + c.variant;
     const Golden golden = LoadGolden(fixture);
     ASSERT_EQ(golden.greedy.size(), 32u);
-    Cluster cluster({fixture, /*nodes=*/c.pp, /*gpus_per_node=*/c.tp, {"--matmul-dtype", "f32"}});
+    Cluster cluster({fixture, /*nodes=*/c.pp, /*gpus_per_node=*/c.tp,
+                     {"--matmul-dtype", "f32", "--activation-quantization", "none"}});
     ASSERT_TRUE(cluster.Start()) << c.variant;
     const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
     ASSERT_TRUE(r.status.ok()) << c.variant << ": " << r.status.error_message() << "\n" << cluster.Logs();
@@ -1552,7 +1609,9 @@ TEST_P(ClusterQuantizedMoeTest, GreedyTokensMatchHuggingFace) {
   ASSERT_EQ(golden.greedy.size(), 32u);
   std::vector<std::string> coordinator_flags;
   if (l.expert_parallel) coordinator_flags.push_back("--expert-parallel");
-  Cluster cluster({fixture, /*nodes=*/l.pp, /*gpus_per_node=*/l.tp, {"--matmul-dtype", "f32"}}, coordinator_flags);
+  Cluster cluster({fixture, /*nodes=*/l.pp, /*gpus_per_node=*/l.tp,
+                   {"--matmul-dtype", "f32", "--activation-quantization", "none"}},
+                  coordinator_flags);
   ASSERT_TRUE(cluster.Start()) << l.variant;
   const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 32));
   ASSERT_TRUE(r.status.ok()) << l.variant << ": " << r.status.error_message() << "\n" << cluster.Logs();

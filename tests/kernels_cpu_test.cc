@@ -8,6 +8,7 @@
 // missed writes both show. Bad metadata and mismatched shapes must give InvalidArgument naming
 // the op, leave outputs untouched where the op promises to, and never crash.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <bit>
@@ -25,6 +26,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -813,6 +815,49 @@ std::vector<uint16_t> PackBf16Blocked(const std::vector<float>& w, int64_t m, in
   return packed;
 }
 
+// The backend's bf16 products (oneDNN's, and bf16_matmul.h's for few rows without AMX) against the
+// float32 sum of the bf16-rounded operands' products, on backends of 1 and 2 threads, with two
+// weights of each shape packed on threads whose OpenMP counts differ (1 and 2: a worker's loading
+// thread holds whatever count it last set, and oneDNN's layout for a shape depends on it) and
+// multiplied on yet another thread: every weight in whatever layout it got, a model's small shapes
+// and others, 1 to 33 rows. (Once, a product made for one weight's layout served every weight of
+// its shape: on an Intel Xeon with AMX the second layout's products were wrong.)
+TEST_F(CpuBackendTest, Bf16ProductsEqualTheReferenceWhateverThreadPackedThem) {
+  for (int threads : {1, 2}) {
+    std::unique_ptr<Backend> backend = MakeCpuBackend(threads, CpuMatMul::kBF16);
+    for (auto [m, k] : {std::pair<int64_t, int64_t>{64, 64}, {128, 64}, {64, 128}, {512, 64}, {200, 100}, {77, 300}}) {
+      for (int packing_threads : {2, 1}) {
+        const std::vector<float> w = Random(rng_, m * k);
+        DeviceTensor dw(backend.get(), DType::kF32, {m, k});
+        dw.Upload(w);
+        Tensor packed;
+        absl::StatusOr<Buffer> buffer;
+        std::thread([&] {
+          omp_set_num_threads(packing_threads);
+          buffer = backend->PackMatMulWeight(dw.t(), &packed);
+        }).join();
+        ASSERT_TRUE(buffer.ok()) << buffer.status();
+        std::vector<float> w_used = w;
+        std::transform(w_used.begin(), w_used.end(), w_used.begin(), RoundToBf16);
+        for (int64_t n : {1, 2, 5, 16, 17, 33}) {
+          const std::string what = absl::StrCat("bf16 n=", n, " k=", k, " m=", m, ", ", threads,
+                                                " threads, packed under an OpenMP count of ", packing_threads);
+          std::vector<float> x = Random(rng_, n * k);
+          std::vector<float> x_used = x;
+          std::transform(x_used.begin(), x_used.end(), x_used.begin(), RoundToBf16);
+          DeviceTensor dx(backend.get(), DType::kF32, {n, k});
+          dx.Upload(x);
+          DeviceTensor out(backend.get(), DType::kF32, {n, m});
+          absl::Status st;
+          std::thread([&] { st = backend->MatMul(out.ptr(), dx.t(), packed, nullptr); }).join();
+          ASSERT_TRUE(st.ok()) << what << ": " << st;
+          ExpectClose(what, out.Download<float>(), MatMulReference(x_used, w_used, nullptr, n, k, m), 1e-5);
+        }
+      }
+    }
+  }
+}
+
 // The bf16 product for few rows (kernels/cpu/bf16_matmul.h), which reads the weight in the blocked
 // layout oneDNN picks for it without AMX, called directly on that layout (PackBf16Blocked) at every
 // row count (so that it is checked beyond the rows the backend gives it), summing all inputs at once
@@ -1193,9 +1238,9 @@ TEST_F(CpuBackendTest, Mxfp4WeightsEqualTheDequantizedProduct) {
 }
 
 // As for the float32 products: a row's product by an int8 or int4 weight is bitwise the same
-// whatever other rows share the call, on 1 or 2 threads; with --activation-quantization int8 too
-// where the CPU has VNNI (its one-row 8 x 1 tiles against its 4 x 4 ones: the same integer sums
-// and the same float32 steps).
+// whatever other rows share the call, on 1 or 2 threads; with --activation-quantization int8 and
+// int16 too where the CPU has VNNI (int8's one-row 8 x 1 tiles against its 4 x 4 ones, int16's
+// tiles of 1 to 12 rows: the same integer sums and the same float32 steps).
 class QuantMatMulRowsTest : public ::testing::TestWithParam<WeightQuant> {};
 
 TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
@@ -1204,13 +1249,18 @@ TEST_P(QuantMatMulRowsTest, RowsDoNotDependOnTheBatch) {
   const int64_t rows = 67, m = 70, k = 203;
   const std::vector<float> w = Random(rng, m * k), x = Random(rng, rows * k);
   std::vector<CpuActivationQuant> acts = {CpuActivationQuant::kNone};
-  if (cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) acts.push_back(CpuActivationQuant::kInt8);
+  if (cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+    acts.push_back(CpuActivationQuant::kInt8);
+    acts.push_back(CpuActivationQuant::kInt16);
+  }
   // The CPU's own instance, and on an AVX-512 CPU also the AVX2 CPUs' (their int8 and int4 panels).
   std::vector<std::optional<cpu::QuantIsa>> isas = {std::nullopt};
   if (cpu::ActiveQuantIsa() == cpu::QuantIsa::kAvx512) isas.push_back(cpu::QuantIsa::kAvx2);
   for (const std::optional<cpu::QuantIsa>& isa : isas) {
     cpu::SetQuantIsaOverride(isa);
-    for (auto [threads, act] : {std::pair{1, acts[0]}, {2, acts[0]}, {1, acts.back()}, {2, acts.back()}}) {
+    std::vector<std::pair<int, CpuActivationQuant>> runs;
+    for (CpuActivationQuant act : acts) runs.insert(runs.end(), {{1, act}, {2, act}});
+    for (auto [threads, act] : runs) {
       absl::StatusOr<std::unique_ptr<Backend>> made = MakeCpuBackend(threads, CpuMatMul::kF32, act);
       ASSERT_TRUE(made.ok()) << made.status();
       std::unique_ptr<Backend> backend = std::move(*made);
@@ -1540,6 +1590,184 @@ TEST(Int4PanelsTest, Avx2InstanceIsTheAvx512OneBitForBit) {
   }
 }
 
+// ---- int4 on int16 activations (--activation-quantization int16: PanelMatMulInt4Act16) -------
+
+// Int16ActivationGroups against a scalar loop: per group of 128 of each row, scale max |x| / 32767
+// (0 for an all-zero group, NaN for one with a NaN or an infinity, whose values stay 0), each value
+// nearbyint(x * (32767 / max |x|)) (to nearest even), zero padding to whole groups, and each group's
+// sum; rows whose width ends inside a 16-value step, one group or several.
+TEST(Int16ActivationsTest, QuantizerEqualsTheScalarRounding) {
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) GTEST_SKIP() << "this CPU lacks AVX-512 VNNI";
+  std::mt19937 rng(43);
+  for (int64_t k : {1, 7, 16, 17, 128, 129, 300}) {
+    const int64_t n = 5, groups = (k + 127) / 128;
+    std::vector<float> x = Random(rng, n * k, -3.0f, 3.0f);
+    for (int64_t c = 0; c < k; ++c) x[1 * k + c] = 0.0f;                 // row 1: all zero
+    x[2 * k + k / 2] = std::numeric_limits<float>::quiet_NaN();            // row 2: NaN in one group
+    x[3 * k + k - 1] = -std::numeric_limits<float>::infinity();            // row 3: -Inf in the last
+    if (k > 2) x[4 * k + 2] = 1000.0f;                                   // row 4: one large value
+    std::vector<int16_t> v(n * groups * 128, 0);
+    std::vector<float> scale(n * groups, 0.0f), sum(n * groups, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = g * 128, end = std::min(k, begin + 128), at = i * groups + g;
+        float amax = 0;
+        bool bad = false;
+        for (int64_t c = begin; c < end; ++c) {
+          bad = bad || !std::isfinite(x[i * k + c]);
+          amax = std::max(amax, std::fabs(x[i * k + c]));
+        }
+        if (bad) {
+          scale[at] = std::numeric_limits<float>::quiet_NaN();
+          continue;
+        }
+        if (amax == 0) continue;
+        scale[at] = amax / 32767.0f;
+        const float inv = 32767.0f / amax;
+        int64_t total = 0;
+        for (int64_t c = begin; c < end; ++c) {
+          const auto q = static_cast<int32_t>(std::nearbyint(x[i * k + c] * inv));
+          ASSERT_LE(std::abs(q), 32767);
+          v[at * 128 + (c - begin)] = static_cast<int16_t>(q);
+          total += q;
+        }
+        sum[at] = static_cast<float>(total);
+      }
+    }
+    std::vector<int16_t> got_v(v.size(), 99);
+    std::vector<float> got_scale(scale.size(), 99.0f), got_sum(sum.size(), 99.0f);
+    cpu::Int16ActivationGroups(got_v.data(), got_scale.data(), got_sum.data(), x.data(), n, k);
+    EXPECT_EQ(got_v, v) << "k=" << k;
+    EXPECT_EQ(got_sum, sum) << "k=" << k;
+    for (size_t at = 0; at < scale.size(); ++at) {
+      if (std::isnan(scale[at])) {
+        EXPECT_TRUE(std::isnan(got_scale[at])) << "k=" << k << " group " << at;
+      } else {
+        EXPECT_EQ(got_scale[at], scale[at]) << "k=" << k << " group " << at;
+      }
+    }
+  }
+}
+
+// x [n, k] @ w^T (+ b) in double, each input as Int16ActivationGroups rounds it (v x scale, finite
+// inputs): what PanelMatMulInt4Act16 computes up to float32 rounding, its integer sums being exact.
+std::vector<double> Int16GroupsReference(const std::vector<float>& x, const std::vector<float>& w,
+                                         const std::vector<float>* b, int64_t n, int64_t k, int64_t m) {
+  const int64_t groups = (k + 127) / 128;
+  std::vector<int16_t> v(n * groups * 128);
+  std::vector<float> scale(n * groups), sum(n * groups);
+  cpu::Int16ActivationGroups(v.data(), scale.data(), sum.data(), x.data(), n, k);
+  std::vector<double> want(n * m);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < m; ++j) {
+      double s = b != nullptr ? (*b)[j] : 0.0;
+      for (int64_t l = 0; l < k; ++l) {
+        const int64_t at = i * groups + l / 128;
+        s += static_cast<double>(v[at * 128 + l % 128]) * scale[at] * w[j * k + l];
+      }
+      want[i * m + j] = s;
+    }
+  }
+  return want;
+}
+
+// The int16 rounding moves each activation by up to max |x| / 65534 of its group, uniform: an output
+// moves by ~(1 / 32767) / sqrt(12) x |w| rms, 258 times less than int8's (kVnniLimit's reasoning):
+// ~2e-5 normalized on these inputs over many outputs. kInt16Limit = 1e-4; a wrong nibble, sign or
+// scale gives 1e-2 to 1.
+constexpr double kInt16Limit = 1e-4;
+
+// Each output of PanelMatMulInt4Act16 against the exact product by the dequantized weights w: within
+// the most the rounding can move it, sum over inputs of |w| x (its group's max |x|) / 65534, plus
+// float32 rounding (1e-6 of sum |x w|). Holds for any number of outputs (a normalized error over one
+// or two outputs can exceed kInt16Limit by chance).
+void ExpectWithinInt16Rounding(const std::string& what, const std::vector<float>& got, const std::vector<float>& x,
+                               const std::vector<float>& w, const std::vector<float>* b, int64_t n, int64_t k,
+                               int64_t m) {
+  const std::vector<double> exact = MatMulReference(x, w, b, n, k, m);
+  double worst = 0;  // the largest |got - exact| / bound
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<double> group_max((k + 127) / 128, 0.0);
+    for (int64_t l = 0; l < k; ++l) group_max[l / 128] = std::max<double>(group_max[l / 128], std::fabs(x[i * k + l]));
+    for (int64_t j = 0; j < m; ++j) {
+      double bound = 0, magnitude = 0;
+      for (int64_t l = 0; l < k; ++l) {
+        bound += std::fabs(w[j * k + l]) * group_max[l / 128] / 65534.0;
+        magnitude += std::fabs(static_cast<double>(w[j * k + l]) * x[i * k + l]);
+      }
+      bound += 1e-6 * magnitude;
+      const double diff = std::fabs(got[i * m + j] - exact[i * m + j]);
+      worst = std::max(worst, diff / bound);
+      ASSERT_LE(diff, bound) << what << ": row " << i << ", column " << j << " is " << got[i * m + j]
+                             << ", the exact product " << exact[i * m + j];
+    }
+  }
+  std::printf("    %-44s worst |error| / rounding bound %.2f\n", what.c_str(), worst);
+  if (n * m >= 64) ExpectClose(what + " (exact)", got, exact, kInt16Limit);
+}
+
+// PanelMatMulInt4Act16 on the int4 panels: against the reference on the rounded activations (only
+// float32 rounding left: 1e-5) and against the exact product on the activations as they are
+// (ExpectWithinInt16Rounding), for m on and off the 64-output blocks, k with short last groups of odd and even
+// length, 1 row to 65 (every tile shape: 4 panels up to 5 rows, 2 from 6, balanced tiles of up to
+// 12), with and without bias, GPTQ v1's zero point 16 on some groups; guards around the output; a
+// NaN or Inf row is NaN and leaves the other rows as they were; 1 or 3 threads give the same bits.
+TEST(Int16ActivationsTest, Int4PanelsProductEqualsTheReference) {
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) GTEST_SKIP() << "this CPU lacks AVX-512 VNNI";
+  std::mt19937 rng(47);
+  constexpr size_t kGuard = 64;
+  for (auto [m, k] : {std::pair<int64_t, int64_t>{70, 300}, {64, 128}, {17, 129}, {130, 256}, {40, 1023}, {9, 23},
+                      {1, 64}}) {
+    const std::vector<float> w = Random(rng, m * k), b = Random(rng, m);
+    std::vector<Int4Group128> blocks(m * Int4GroupsLayout{m, k}.groups_per_row());
+    ASSERT_TRUE(QuantizeInt4Groups(blocks.data(), w.data(), m, k).ok());
+    for (size_t i = 0; i < blocks.size(); i += 7) blocks[i].zero = 16;
+    std::vector<float> ref4(m * k);
+    DequantizeInt4Groups(ref4.data(), blocks.data(), m, k);
+    std::vector<cpu::Int4PanelGroup> panels(cpu::Int4PanelGroupCount(m, k));
+    cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k);
+    for (int64_t n : {1, 2, 3, 5, 6, 12, 13, 32, 65}) {
+      for (const std::vector<float>* bias : {static_cast<const std::vector<float>*>(nullptr), &b}) {
+        const std::vector<float> x = Random(rng, n * k);
+        const std::string what = absl::StrCat("int4 on int16 n=", n, " m=", m, " k=", k, bias ? " +bias" : "");
+        std::vector<float> y(kGuard + n * m + kGuard, std::numeric_limits<float>::quiet_NaN());
+        std::fill(y.begin(), y.begin() + kGuard, 7.0f);
+        std::fill(y.end() - kGuard, y.end(), 7.0f);
+        float* out = y.data() + kGuard;
+        const float* bp = bias != nullptr ? bias->data() : nullptr;
+        const auto run = [&](const std::vector<float>& in, int threads) {
+          cpu::PanelMatMulInt4Act16(out, in.data(), n, m, k, panels.data(), bp, threads);
+          return std::vector<float>(out, out + n * m);
+        };
+        const std::vector<float> got = run(x, 2);
+        ExpectClose(what + " (rounded)", got, Int16GroupsReference(x, ref4, bias, n, k, m), 1e-5);
+        ExpectWithinInt16Rounding(what, got, x, ref4, bias, n, k, m);
+        for (size_t g = 0; g < kGuard; ++g) {
+          ASSERT_EQ(y[g], 7.0f) << what << ": guard before";
+          ASSERT_EQ(y[kGuard + n * m + g], 7.0f) << what << ": guard after";
+        }
+        EXPECT_EQ(run(x, 1), got) << what << ": 1 thread";
+        EXPECT_EQ(run(x, 3), got) << what << ": 3 threads";
+        if (n < 3) continue;
+        std::vector<float> bad = x;
+        bad[1 * k + k / 2] = std::numeric_limits<float>::quiet_NaN();
+        bad[2 * k] = std::numeric_limits<float>::infinity();
+        const std::vector<float> dirty = run(bad, 2);
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t r = 0; r < m; ++r) {
+            const float v = dirty[i * m + r];
+            if (i == 1 || i == 2) {
+              EXPECT_TRUE(std::isnan(v)) << what << ": row " << i << " (NaN / Inf), column " << r;
+            } else {
+              ASSERT_EQ(v, got[i * m + r]) << what << ": row " << i << " changed by another row's NaN / Inf";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 class QuantIsaTest : public ::testing::TestWithParam<cpu::QuantIsa> {};
 
 TEST_P(QuantIsaTest, ProductsEqualTheDequantizedReference) {
@@ -1719,6 +1947,29 @@ INSTANTIATE_TEST_SUITE_P(Isa, QuantIsaTest,
                            return std::string(cpu::QuantIsaName(info.param));
                          });
 
+// A product by w [m, k] quantized as `quant` on x [n, k], by `act` (a backend made with an
+// activation quantization) and by `exact`: both outputs, and act's packed weight (its buffer kept).
+struct BothProducts {
+  std::vector<float> act, exact;
+  Buffer buffer;
+  Tensor packed;
+};
+void RunBoth(Backend& act, Backend& exact, WeightQuant quant, std::vector<float>& w, std::vector<float>& x, int64_t n,
+             int64_t m, int64_t k, BothProducts* out) {
+  const std::string what = absl::StrCat(WeightQuantName(quant), " weights");
+  out->act.assign(n * m, 0.0f);
+  out->exact.assign(n * m, 0.0f);
+  Tensor packed_exact;
+  absl::StatusOr<Buffer> b_act = act.PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &out->packed, quant);
+  absl::StatusOr<Buffer> b_exact = exact.PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &packed_exact, quant);
+  ASSERT_TRUE(b_act.ok() && b_exact.ok()) << what;
+  out->buffer = std::move(*b_act);
+  const Tensor tx(x.data(), DType::kF32, {n, k});
+  Tensor ty_act(out->act.data(), DType::kF32, {n, m}), ty_exact(out->exact.data(), DType::kF32, {n, m});
+  ASSERT_TRUE(act.MatMul(&ty_act, tx, out->packed, nullptr).ok()) << what;
+  ASSERT_TRUE(exact.MatMul(&ty_exact, tx, packed_exact, nullptr).ok()) << what;
+}
+
 // --activation-quantization int8 (CpuActivationQuant::kInt8): the backend's products by int8 and
 // int4 weights are the instance Int8ActivationsIsa names (VNNI where the CPU has it, else AVX2's):
 // bitwise the same as cpu::Int8MatMul / Int4MatMul called with it on the packed buffer, so within
@@ -1731,6 +1982,7 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
   EXPECT_STREQ(CpuActivationQuantName(CpuActivationQuant::kInt8), "int8");
   const absl::StatusOr<CpuActivationQuant> bad = ParseCpuActivationQuant("int4");
   EXPECT_TRUE(IsInvalidArgumentNaming(bad.status(), "'int4'")) << bad.status();
+  EXPECT_NE(bad.status().message().find("auto, none, int8 or int16"), std::string::npos) << bad.status();
   absl::StatusOr<std::unique_ptr<Backend>> act = MakeCpuBackend(2, CpuMatMul::kF32, CpuActivationQuant::kInt8);
   const std::optional<cpu::QuantIsa> isa = cpu::Int8ActivationsIsa();
   if (!isa.has_value()) {
@@ -1747,17 +1999,13 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
   std::mt19937 rng(41);
   const int64_t n = 5, m = 33, k = 300;
   std::vector<float> w = Random(rng, m * k), x = Random(rng, n * k);
-  const Tensor tx(x.data(), DType::kF32, {n, k});
   for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
     const std::string what = absl::StrCat(WeightQuantName(quant), " weights");
-    std::vector<float> y_act(n * m), y_exact(n * m), y_direct(n * m);
-    Tensor packed_act, packed_exact;
-    absl::StatusOr<Buffer> b_act = (*act)->PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &packed_act, quant);
-    absl::StatusOr<Buffer> b_exact = exact->PackMatMulWeight(Tensor(w.data(), DType::kF32, {m, k}), &packed_exact, quant);
-    ASSERT_TRUE(b_act.ok() && b_exact.ok()) << what;
-    Tensor ty_act(y_act.data(), DType::kF32, {n, m}), ty_exact(y_exact.data(), DType::kF32, {n, m});
-    ASSERT_TRUE((*act)->MatMul(&ty_act, tx, packed_act, nullptr).ok()) << what;
-    ASSERT_TRUE(exact->MatMul(&ty_exact, tx, packed_exact, nullptr).ok()) << what;
+    BothProducts both;
+    ASSERT_NO_FATAL_FAILURE(RunBoth(**act, *exact, quant, w, x, n, m, k, &both));
+    const std::vector<float>& y_act = both.act, &y_exact = both.exact;
+    const Tensor& packed_act = both.packed;
+    std::vector<float> y_direct(n * m);
     if (quant == WeightQuant::kFp8) {
       EXPECT_EQ(y_act, y_exact) << what << ": fp8 has no integer instance and must stay exact";
       continue;
@@ -1775,6 +2023,53 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
     EXPECT_NE(y_act, y_exact) << what << ": int8 activations gave the exact products bit for bit";
     ExpectClose(what + " with int8 activations", y_act, std::vector<double>(y_exact.begin(), y_exact.end()),
                 kVnniLimit);
+  }
+}
+
+// --activation-quantization int16 (CpuActivationQuant::kInt16): the backend's products by int4
+// weights are PanelMatMulInt4Act16's on the packed panels, bit for bit, so within kInt16Limit of the
+// exact backend's and not equal to them; int8 and fp8 weights' stay exact, bit for bit. Describe
+// says so. On a CPU without AVX-512 VNNI, MakeCpuBackend refuses, naming it. The name parses both
+// ways, and auto (the default) is int16 exactly where the CPU has AVX-512 VNNI.
+TEST(CpuActivationQuantTest, Int4WeightsRunOnInt16Activations) {
+  EXPECT_EQ(*ParseCpuActivationQuant("int16"), CpuActivationQuant::kInt16);
+  EXPECT_STREQ(CpuActivationQuantName(CpuActivationQuant::kInt16), "int16");
+  // auto, the workers' default: int16 where the CPU has AVX-512 VNNI, else the exact products.
+  const CpuActivationQuant by_default =
+      cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) ? CpuActivationQuant::kInt16 : CpuActivationQuant::kNone;
+  EXPECT_EQ(DefaultCpuActivationQuant(), by_default);
+  EXPECT_EQ(*ParseCpuActivationQuant("auto"), by_default);
+  absl::StatusOr<std::unique_ptr<Backend>> act = MakeCpuBackend(2, CpuMatMul::kF32, CpuActivationQuant::kInt16);
+  if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+    EXPECT_EQ(act.status().code(), absl::StatusCode::kFailedPrecondition) << act.status();
+    EXPECT_NE(act.status().message().find("AVX-512 VNNI"), std::string::npos) << act.status();
+    GTEST_SKIP() << "this CPU lacks AVX-512 VNNI: refused, as it must be";
+  }
+  ASSERT_TRUE(act.ok()) << act.status();
+  EXPECT_NE((*act)->Describe().find("int4 products on avx512vnni panels (activations rounded to int16"),
+            std::string::npos)
+      << (*act)->Describe();
+  std::unique_ptr<Backend> exact = MakeCpuBackend(2);
+  std::mt19937 rng(53);
+  const int64_t n = 5, m = 70, k = 300;
+  std::vector<float> w = Random(rng, m * k), x = Random(rng, n * k);
+  for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4, WeightQuant::kFp8}) {
+    const std::string what = absl::StrCat(WeightQuantName(quant), " weights");
+    BothProducts both;
+    ASSERT_NO_FATAL_FAILURE(RunBoth(**act, *exact, quant, w, x, n, m, k, &both));
+    const std::vector<float>& y_act = both.act, &y_exact = both.exact;
+    const Tensor& packed_act = both.packed;
+    std::vector<float> y_direct(n * m);
+    if (quant != WeightQuant::kInt4) {
+      EXPECT_EQ(y_act, y_exact) << what << ": only int4 weights run on int16 activations";
+      continue;
+    }
+    cpu::PanelMatMulInt4Act16(y_direct.data(), x.data(), n, m, k,
+                              static_cast<const cpu::Int4PanelGroup*>(packed_act.data), nullptr, 1);
+    EXPECT_EQ(y_act, y_direct) << what << ": the backend's product is not PanelMatMulInt4Act16's";
+    EXPECT_NE(y_act, y_exact) << what << ": int16 activations gave the exact products bit for bit";
+    ExpectClose(what + " with int16 activations", y_act, std::vector<double>(y_exact.begin(), y_exact.end()),
+                kInt16Limit);
   }
 }
 

@@ -82,7 +82,8 @@ struct WorkerOptions {
   std::optional<CpuMatMul> cpu_matmul;
   Collectives collectives = Collectives::kAuto;  // --collectives (StepExecutor::Options)
   bool dummy_weights_on_device = true;           // --dummy-weights device (default)
-  // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8.
+  // --activation-quantization: kInt8 rounds the CPU products' inputs by int8/int4 weights to int8, kInt16
+  // those by int4 weights to int16 (the worker's default where the CPU has AVX-512 VNNI).
   CpuActivationQuant cpu_activation_quant = CpuActivationQuant::kNone;
   // The CUDA backend's paths, each on but those a --no-cuda-... switch turns off
   // (kernels/cuda/cuda_switches.h; StepExecutorOptions::cuda).

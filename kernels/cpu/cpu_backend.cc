@@ -69,13 +69,27 @@ std::unique_ptr<Backend> MakeCpuBackend(int threads, CpuMatMul matmul) {
   return std::make_unique<cpu::CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul);
 }
 
-absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name) {
-  if (name == "none") return CpuActivationQuant::kNone;
-  if (name == "int8") return CpuActivationQuant::kInt8;
-  return absl::InvalidArgumentError(absl::StrCat("activation-quantization must be none or int8, got '", name, "'"));
+CpuActivationQuant DefaultCpuActivationQuant() {
+  return cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) ? CpuActivationQuant::kInt16 : CpuActivationQuant::kNone;
 }
 
-const char* CpuActivationQuantName(CpuActivationQuant act) { return act == CpuActivationQuant::kInt8 ? "int8" : "none"; }
+absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name) {
+  if (name == "auto") return DefaultCpuActivationQuant();
+  if (name == "none") return CpuActivationQuant::kNone;
+  if (name == "int8") return CpuActivationQuant::kInt8;
+  if (name == "int16") return CpuActivationQuant::kInt16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("activation-quantization must be auto, none, int8 or int16, got '", name, "'"));
+}
+
+const char* CpuActivationQuantName(CpuActivationQuant act) {
+  switch (act) {
+    case CpuActivationQuant::kInt8: return "int8";
+    case CpuActivationQuant::kInt16: return "int16";
+    case CpuActivationQuant::kNone: break;
+  }
+  return "none";
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul matmul, CpuActivationQuant act) {
   if (absl::Status cap = cpu::CheckIsaCapSetting(); !cap.ok()) return cap;
@@ -85,6 +99,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCpuBackend(int threads, CpuMatMul m
     return absl::FailedPreconditionError(absl::StrCat(
         "--activation-quantization int8 runs the int8/int4 products on AVX-512 VNNI or AVX2, which this CPU lacks (",
         cpu::QuantizedKernelsDescription(), "); run without it (none: the exact products)"));
+  }
+  if (act == CpuActivationQuant::kInt16 && !cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--activation-quantization int16 runs the int4 products on AVX-512 VNNI, which this CPU lacks (",
+        cpu::QuantizedKernelsDescription(), "); run without it (none: the exact products) or with int8"));
   }
   return std::make_unique<cpu::CpuBackend>(threads > 0 ? threads : omp_get_max_threads(), matmul, act);
 }

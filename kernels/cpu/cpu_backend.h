@@ -326,13 +326,16 @@ class CpuBackend final : public Backend {
 
   const int threads_;  // OpenMP's threads for this backend's products, attention, SiluMul and GeluTanhMul
   const CpuMatMul matmul_;  // the dtype PackMatMulWeight stores weights in
-  const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on Int8ActivationsIsa()
+  const CpuActivationQuant act_;  // kInt8: int8 and int4 weights' products on Int8ActivationsIsa(); kInt16: int4's
+                                  // on PanelMatMulInt4Act16
   const dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::map<const void*, PackedWeight> packed_;
-  // oneDNN bf16 matmuls of kBf16Rows rows by (m, k, bias): one per weight shape, made
-  // (JIT-compiled, ~0.4 ms) on first use. A model has a handful of weight shapes.
-  std::map<std::tuple<int64_t, int64_t, bool>, dnnl::matmul> bf16_matmuls_;
+  // oneDNN bf16 matmuls of kBf16Rows rows by (m, k, bias) and the weight's layout (a primitive is
+  // made for one layout): one per weight shape, made (JIT-compiled, ~0.4 ms) on first use. A model
+  // has a handful of weight shapes, each packed in one layout (PackMatMulWeight picks it under this
+  // backend's thread count, as the products run).
+  std::map<std::tuple<int64_t, int64_t, bool>, std::vector<std::pair<dnnl::memory::desc, dnnl::matmul>>> bf16_matmuls_;
   std::map<std::pair<int64_t, int64_t>, int64_t> bf16_chunks_;  // FindBf16Chunk's answers by (m, k)
   // For bf16 products: reorders of an [n, k] float32 input to bf16, by (n, k), and their output.
   std::map<std::pair<int64_t, int64_t>, dnnl::reorder> to_bf16_;

@@ -152,7 +152,7 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
   }
   const float* b = bias != nullptr ? bias->as<float>() : nullptr;
   // int8 and int4 weights: the exact instance this CPU runs best, or under act_ kInt8 the one with
-  // int8-rounded activations.
+  // int8-rounded activations (under kInt16, int4 panels on int16-rounded ones).
   const QuantIsa int_isa = IntIsa();
   if (quant == WeightQuant::kMxfp4) {
     // Always panels (PackPanelsMxfp4), on the exact instance this CPU runs best (as fp8's).
@@ -160,6 +160,11 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
     return absl::OkStatus();
   }
   if (quant == WeightQuant::kInt4) {
+    if ((*packed)->int4_panels && act_ == CpuActivationQuant::kInt16) {
+      cpu::PanelMatMulInt4Act16(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b,
+                                threads_);
+      return absl::OkStatus();
+    }
     if ((*packed)->int4_panels) {
       cpu::PanelMatMulInt4(y, x.as<float>(), n, m, k, static_cast<const cpu::Int4PanelGroup*>(w.data), b, threads_,
                            (*packed)->panel_tiles);
@@ -221,6 +226,10 @@ absl::Status CpuBackend::MatMul(Tensor* out, const Tensor& x, const Tensor& w, c
 }
 
 std::string CpuBackend::QuantizedKernelsDescription(CpuActivationQuant act) {
+  if (act == CpuActivationQuant::kInt16 && IntOnPanels(IntIsaFor(act))) {
+    return absl::StrCat("int4 products on avx512vnni panels (activations rounded to int16 per group of 128); other ",
+                        cpu::QuantizedKernelsDescription(IntIsaFor(act)));
+  }
   return cpu::QuantizedKernelsDescription(IntIsaFor(act));
 }
 
@@ -251,12 +260,13 @@ void CpuBackend::Bf16MatMul(float* y, const float* x, int64_t n, int64_t m, int6
   }
   const memory::desc bias_desc({1, m}, f32, ab);
   const memory::desc chunk_src({kBf16Rows, k}, bf16, ab), chunk_dst({kBf16Rows, m}, f32, ab);
-  // The oneDNN matmul for this weight's shape, made (JIT-compiled, ~0.4 ms) on first use.
-  auto it = bf16_matmuls_.find({m, k, bias != nullptr});
-  if (it == bf16_matmuls_.end()) {
+  // The oneDNN matmul for this weight's shape and layout, made (JIT-compiled, ~0.4 ms) on first use.
+  std::vector<std::pair<memory::desc, dnnl::matmul>>& made = bf16_matmuls_[{m, k, bias != nullptr}];
+  auto it = std::find_if(made.begin(), made.end(), [&](const auto& p) { return p.first == packed.desc; });
+  if (it == made.end()) {
     const dnnl::matmul::primitive_desc pd =
         MatMulPrimitiveDesc(engine_, chunk_src, packed.desc, bias != nullptr ? &bias_desc : nullptr, chunk_dst);
-    it = bf16_matmuls_.emplace(std::make_tuple(m, k, bias != nullptr), dnnl::matmul(pd)).first;
+    it = made.emplace(made.end(), packed.desc, dnnl::matmul(pd));
   }
   const dnnl::matmul& mm = it->second;
   auto run = [&](void* src, float* dst) {
@@ -485,7 +495,11 @@ absl::StatusOr<Buffer> CpuBackend::PackMatMulWeight(const Tensor& w, Tensor* pac
   }
   using dnnl::memory;
   constexpr auto bf16 = memory::data_type::bf16;
-  // The layout oneDNN picks for kBf16Rows-row products, the only row count Bf16MatMul uses.
+  // The layout oneDNN picks for kBf16Rows-row products, the only row count Bf16MatMul uses, picked
+  // under this backend's thread count (oneDNN's choice depends on the calling thread's OpenMP
+  // count, which a loading thread may hold at another value), so that every weight of a shape gets
+  // the layout the products run with.
+  omp_set_num_threads(threads_);
   try {
     const dnnl::matmul::primitive_desc pd = MatMulPrimitiveDesc(
         engine_, memory::desc({kBf16Rows, k}, bf16, memory::format_tag::ab),

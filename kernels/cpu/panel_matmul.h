@@ -135,6 +135,21 @@ void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t 
 // y must not overlap the inputs. n, m, k >= 1.
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads, PanelTiles tiles);
+// The same product on int16 activations (the CPU backend's int4 products under
+// --activation-quantization int16; panel_matmul_int4_vnni.cc, CPUs with AVX-512 VNNI only): each
+// row's inputs quantized per group of 128 as Int16ActivationGroups states, the codes multiplied by
+// them as integers (exact sums), then per output and group, from acc = 0,
+//   acc = fma(scale x sx, fnmadd(zero, sum of the group's v, float(sum_j q_j v_j)), acc),
+// y = acc (+ bias): scale x sx x sum_j (q_j - zero) v_j. Not exact against the dequantized weights
+// (each activation moves by up to max |x| / 65534 of its group), the same operations for every row
+// whatever the others. A group with a NaN or an infinity makes its row's outputs NaN.
+void PanelMatMulInt4Act16(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
+                          const float* bias, int threads);
+// PanelMatMulInt4Act16's quantization of x [n, k] (AVX-512 VNNI CPUs), G = ceil(k / 128) groups a
+// row: for group g of row i, with M its largest |x|, scale[i * G + g] = M / 32767 and
+// v[(i * G + g) * 128 + j] = round(x * (32767 / M)) (float32 product, to nearest even), sum its v
+// (0 past k); an all-zero group has scale 0 and v 0, one with a NaN or an infinity scale NaN and v 0.
+void Int16ActivationGroups(int16_t* v, float* scale, float* sum, const float* x, int64_t n, int64_t k);
 
 // The same products by MXFP4 weights (kernels/quant.h Mxfp4RowsLayout: e2m1 codes, an E8M0 scale
 // per 32 inputs; gpt-oss's experts as published), on every CPU: panels of 16 outputs whose input

@@ -89,7 +89,7 @@ std::string QuantizedKernelsDescription(QuantIsa int_isa) {
     return absl::StrCat("int8/int4 products on ", QuantIsaName(int_isa), " (activations rounded to int8), fp8 on ", fp8,
                         mxfp4, " ", cpu, "]");
   }
-  const std::string inexact = vnni ? ": not used, inexact (--activation-quantization int8 uses it)]" : "]";
+  const std::string inexact = vnni ? ": not used, inexact (--activation-quantization int8 or int16 uses it)]" : "]";
   if (Fp8OnPanels(int_isa)) {
     return absl::StrCat("int8/fp8/int4 products on 16-float panels (codes widened in registers)", mxfp4, " ", cpu, inexact);
   }

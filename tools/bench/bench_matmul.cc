@@ -8,7 +8,9 @@
 // the panels of kernels/cpu/panel_matmul.h that the backend runs on AVX2 and AVX-512 CPUs), and by
 // random mxfp4 weights (its panels: every k must be a multiple of 32), on each
 // instruction set this CPU has (AVX2, AVX-512, and int8 and int4 with activations quantized, as
-// --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h), over the weights of one
+// --activation-quantization int8 runs them: on AVX-512 VNNI, else AVX2; kernels/cpu/quant_isa.h; and int4 on
+// int16-rounded activations, "int4 panels int16", as --activation-quantization int16 runs it on AVX-512
+// VNNI), over the weights of one
 // pipeline stage (and float32 by the plain weight, "f32 plain w", a row-major weight packed
 // on every product; and, where the CPU has AVX-512, the float32 panels' 8-float tiles, "f32 vec8 tiles",
 // beside the AVX-512 ones the backend runs from 4 rows), side by side in one run: for each row
@@ -205,6 +207,11 @@ int main(int argc, char** argv) {
     kernels.push_back({"int8 panels avx2", WeightQuant::kInt8, std::nullopt, 1.0});
     kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   }
+  // int4 on int16-rounded activations (--activation-quantization int16: PanelMatMulInt4Act16), on the
+  // same panels, where the CPU has AVX-512 VNNI.
+  if (panels && shardserve::cpu::QuantIsaSupported(QuantIsa::kAvx512Vnni)) {
+    kernels.push_back({"int4 panels int16", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
+  }
   // mxfp4 (gpt-oss's experts as published: kernels/cpu/panel_matmul.h PanelMatMulMxfp4), on panels on
   // every CPU, by the CPU's exact instance, and on an AVX-512 CPU by the AVX2 one beside it. Its codes
   // and scales are random (nothing quantizes into mxfp4), scales near 1 (finite products).
@@ -330,6 +337,12 @@ int main(int argc, char** argv) {
         shardserve::cpu::Fp8MatMul(out, x.data(), n, w.shape.m, w.shape.k, rows.data() + scale_bytes, scale, nullptr,
                                    threads, *kernel.isa);
       }
+      return;
+    }
+    if (kernel.name == "int4 panels int16") {
+      shardserve::cpu::PanelMatMulInt4Act16(
+          out, x.data(), n, w.shape.m, w.shape.k,
+          static_cast<const shardserve::cpu::Int4PanelGroup*>(w.packed[kernel.quant].second.data), nullptr, threads);
       return;
     }
     if (kernel.name == "int8 panels avx2") {

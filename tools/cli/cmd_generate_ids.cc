@@ -23,7 +23,7 @@ namespace {
 constexpr char kUsage[] =
     "usage: shardserve generate-ids --model DIR [--max-new-tokens N] [--device cpu|cuda:K]\n"
     "                               [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
-    "                               [--activation-quantization none|int8] [--no-cuda-quantized-kernels]\n"
+    "                               [--activation-quantization auto|none|int8|int16] [--no-cuda-quantized-kernels]\n"
     "                               [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
     "                               [--no-cuda-dense-gemv] [--cuda-int4-mma] [--cuda-pdl] [--cuda-fp8-gemm]\n"
     "                               [--cuda-int4-folded]\n"
@@ -36,7 +36,8 @@ constexpr char kUsage[] =
     "  --no-cuda-... turn the CUDA paths off and --cuda-int4-mma, --cuda-pdl, --cuda-fp8-gemm,\n"
     "  --cuda-int4-folded turn their own on, as the worker's do (shardserve-worker --help).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
-    "  or AVX2), as the worker's --activation-quantization does.\n"
+    "  or AVX2), int16 those of the int4 products to int16 (AVX-512 VNNI), none neither; auto (default)\n"
+    "  is int16 on a CPU with AVX-512 VNNI, else none: as the worker's --activation-quantization.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
     "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 
@@ -83,7 +84,7 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(quant.status().message()).c_str());
     return 2;
   }
-  const absl::StatusOr<CpuActivationQuant> act = ParseCpuActivationQuant(flags->Get("activation-quantization", "none"));
+  const absl::StatusOr<CpuActivationQuant> act = ParseCpuActivationQuant(flags->Get("activation-quantization", "auto"));
   if (!act.ok()) {
     std::fprintf(stderr, "shardserve generate-ids: --%s\n", std::string(act.status().message()).c_str());
     return 2;
@@ -121,7 +122,8 @@ int Run(const std::vector<std::string>& args) {
     if (!cpu.ok()) return Fail(std::string(cpu.status().message()));
     backend = std::move(*cpu);
   } else if (device.rfind("cuda", 0) == 0) {
-    if (*act != CpuActivationQuant::kNone) {
+    // (auto, the default, means nothing there)
+    if (const std::string asked = flags->Get("activation-quantization", "auto"); asked != "auto" && asked != "none") {
       std::fprintf(stderr, "shardserve generate-ids: --activation-quantization applies to --device cpu only\n");
       return 2;
     }

@@ -491,7 +491,8 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
   // ---- This rank's slice of each tensor, as the family declares it ----
   // A tied table on a stage that both looks tokens up and computes the logits is one buffer, as
   // Backend::PackTiedTable lays it out (the CPU's float32 panels, which the LM head's product would
-  // otherwise repack from the plain table on every step; plain on CUDA).
+  // otherwise repack from the plain table on every step; plain on CUDA); a last stage's copy of it
+  // is laid out the same way.
   const bool one_table = config.tie_word_embeddings && first_stage && last_stage;
   if (spec.embedding != nullptr && config.tie_word_embeddings) {
     return absl::InternalError("a shard whose LM head is its embedding loads its own table (ShardSpec::embedding)");
@@ -509,6 +510,10 @@ absl::StatusOr<ShardWeights> LoadShardWeights(const WeightSource& ckpt, const Mo
     const Slice slice = ShardSlice(w.split, shard);
     if (w.role == WeightRole::kLmHead && config.tie_word_embeddings && first_stage) {
       *slot = stage.embed_tokens;  // tied, and already loaded on this stage (by TiedTable if one_table)
+    } else if (w.role == WeightRole::kLmHead && config.tie_word_embeddings) {
+      // a later stage's copy of the tied table, laid out as the one table is, so that the LM head
+      // multiplies alike in every layout (a bf16 CPU backend's in float32 either way)
+      SHARDSERVE_ASSIGN_OR_RETURN(*slot, load.TiedTable(w, slice));
     } else if (w.role == WeightRole::kEmbedTokens && spec.embedding != nullptr) {
       *slot = *spec.embedding;  // another shard's, whose bytes are its own
     } else if (w.role == WeightRole::kEmbedTokens) {
