@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -173,11 +174,71 @@ absl::Status Backend::GateUpSilu(Tensor* gate, Tensor* up, const Tensor& x, cons
 absl::Status Backend::MoeRoute(Tensor*, Tensor*, const Tensor&, const MoeRouting&) {
   return absl::UnimplementedError(absl::StrCat("MoeRoute: the ", Describe(), " backend has no MoE routing"));
 }
-absl::Status Backend::MoeGroupByExpert(Tensor*, Tensor*, Tensor*, const Tensor&) {
+absl::Status Backend::MoeGroupByExpert(Tensor*, Tensor*, Tensor*, Tensor*, const Tensor&) {
   return absl::UnimplementedError(absl::StrCat("MoeGroupByExpert: the ", Describe(), " backend has no MoE grouping"));
+}
+absl::Status Backend::MoeCountRows(Tensor*, const Tensor&, int64_t, int64_t) {
+  return absl::UnimplementedError(absl::StrCat("MoeCountRows: the ", Describe(), " backend has no MoE row counts"));
 }
 absl::Status Backend::MoeCombine(Tensor*, const Tensor&, const Tensor&, const Tensor&) {
   return absl::UnimplementedError(absl::StrCat("MoeCombine: the ", Describe(), " backend has no MoE combine"));
+}
+absl::Status Backend::SigmoidGateMul(Tensor*, const Tensor&, const Tensor&) {
+  return absl::UnimplementedError(absl::StrCat("SigmoidGateMul: the ", Describe(), " backend has no sigmoid gate"));
+}
+
+absl::Status CheckMoeExperts(const char* op, const Tensor* out, const Tensor* gate, const Tensor* up, const Tensor& x,
+                             const Tensor& offsets, const MoeExpertWeights& w) {
+  const auto error = [op](const std::string& what) { return absl::InvalidArgumentError(absl::StrCat(op, ": ", what)); };
+  if (out == nullptr || gate == nullptr || up == nullptr) return error("out, gate and up must not be null");
+  if (offsets.dtype != DType::kI32 || offsets.ndim != 1 || offsets.dim(0) < 2) {
+    return error("want offsets [E + 1] I32 with E >= 1");
+  }
+  const int64_t E = offsets.dim(0) - 1;
+  if (w.begin < 0 || w.begin > w.end || w.end > E) {
+    return error(absl::StrCat("experts [", w.begin, ", ", w.end, ") are not within [0, E = ", E, ")"));
+  }
+  for (absl::Span<const Tensor> t : {w.gate_proj, w.up_proj, w.down_proj}) {
+    if (static_cast<int64_t>(t.size()) < w.end) {
+      return error(absl::StrCat("want a gate_proj, up_proj and down_proj for each of experts [", w.begin, ", ", w.end,
+                                ")"));
+    }
+  }
+  if (x.ndim != 2 || out->ndim != 2 || gate->ndim != 2 || up->ndim != 2 || gate->shape != up->shape ||
+      out->dim(0) != x.dim(0) || gate->dim(0) != x.dim(0)) {
+    return error("want x [rows, h], out [rows, d], gate and up [rows, f]");
+  }
+  if (!(w.swiglu_limit >= 0.0f) || !std::isfinite(w.swiglu_limit)) return error("swiglu_limit must be finite, >= 0");
+  return absl::OkStatus();
+}
+
+absl::Status Backend::MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& offsets,
+                                 const MoeExpertWeights& w) {
+  SHARDSERVE_RETURN_IF_ERROR(CheckMoeExperts("MoeExperts", out, gate, up, x, offsets, w));
+  std::vector<int32_t> off(static_cast<size_t>(offsets.dim(0)));
+  SHARDSERVE_RETURN_IF_ERROR(CopyToHost(off.data(), offsets.data, offsets.bytes()));
+  const auto bias = [](absl::Span<const Tensor> b, int64_t e) -> const Tensor* {
+    return e < static_cast<int64_t>(b.size()) && b[e].data != nullptr ? &b[e] : nullptr;
+  };
+  for (int64_t e = w.begin; e < w.end; ++e) {
+    const int64_t begin = off[e], end = off[e + 1];
+    if (begin < 0 || begin > end || end > x.dim(0)) {
+      return absl::InvalidArgumentError(absl::StrCat("MoeExperts: expert ", e, "'s rows [", begin, ", ", end,
+                                                     ") are not within x's ", x.dim(0), " rows"));
+    }
+    if (begin == end) continue;
+    Tensor xe = x.Rows(begin, end), g = gate->Rows(begin, end), u = up->Rows(begin, end), o = out->Rows(begin, end);
+    if (w.swiglu_limit > 0.0f) {
+      // gate, up = gate_up_proj(x) + its bias; (clamp(up) + 1) * glu(min(gate, limit)) into gate
+      const MatMulProduct gate_up[] = {{&g, &w.gate_proj[e], bias(w.gate_bias, e)}, {&u, &w.up_proj[e], bias(w.up_bias, e)}};
+      SHARDSERVE_RETURN_IF_ERROR(MatMuls(xe, gate_up));
+      SHARDSERVE_RETURN_IF_ERROR(ClampedSwiGlu(&g, g, u, w.swiglu_alpha, w.swiglu_limit));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(GateUpSilu(&g, &u, xe, w.gate_proj[e], w.up_proj[e]));
+    }
+    SHARDSERVE_RETURN_IF_ERROR(MatMul(&o, g, w.down_proj[e], bias(w.down_bias, e)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Backend::BeginGraph() {

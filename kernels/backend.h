@@ -180,6 +180,23 @@ struct MoeRouting {
 // otherwise. Both backends check with it.
 absl::Status CheckMoeRouting(const char* op, const MoeRouting& routing, int64_t experts);
 
+// The experts of one sparse layer for Backend::MoeExperts, indexed by expert id: gate_proj, up_proj
+// and down_proj (packed as MatMul takes them) for at least the experts [0, end) and, where the
+// family has them (gpt-oss), their biases (an expert past a bias span's end, or whose entry has no
+// data, has none).
+struct MoeExpertWeights {
+  absl::Span<const Tensor> gate_proj, up_proj, down_proj;
+  absl::Span<const Tensor> gate_bias, up_bias, down_bias;
+  // gpt-oss's clamped SwiGLU (ClampedSwiGlu) when limit > 0; SiLU-gated (GateUpSilu) otherwise.
+  float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;
+  int64_t begin = 0, end = 0;  // the experts computed: [begin, end)
+};
+
+// InvalidArgument naming `op` unless Backend::MoeExperts's arguments fit together (the weights one
+// per expert, the experts within E, the rows' shapes); OK otherwise. The backends check with it.
+absl::Status CheckMoeExperts(const char* op, const Tensor* out, const Tensor* gate, const Tensor* up, const Tensor& x,
+                             const Tensor& offsets, const MoeExpertWeights& w);
+
 // Multi-head latent attention's sizes (DeepSeek-V2/V3; Backend::MlaAttention).
 struct MlaShape {
   int64_t heads = 0;   // this rank's query heads
@@ -222,6 +239,9 @@ class Backend {
   // Whether this backend can record a step's ops as a graph and replay it (CUDA graphs: the CUDA
   // backend made with CudaBackendOptions::step_graphs). The CPU backend cannot.
   virtual bool records_graphs() const { return false; }
+  // Whether MoeExperts runs without reading its offsets on the host, so that a graph can record a
+  // mixture-of-experts step (the base reads them: false).
+  virtual bool records_moe_experts() const { return false; }
   // Between BeginGraph and EndGraph the ops called on this backend (kernels, products, CopyOnDevice
   // and Fill0) are recorded, not run, each with the arguments it was called with (tensor addresses
   // and shapes, scalars). EndGraph ends the recording, also after an op failed, and returns the
@@ -383,7 +403,7 @@ class Backend {
   // gpt-oss's clamped SwiGLU (GptOssExperts._apply_gate): g = min(gate, limit), u = clamp(up, -limit,
   // limit), out = (u + 1) * (g * sigmoid(alpha * g)), computed in float32 in transformers' order and
   // rounded to act once (out may alias gate or up). alpha and limit finite and > 0 (InvalidArgument
-  // otherwise). The base refuses (Unimplemented): only the CPU backend has it.
+  // otherwise). The base refuses (Unimplemented); the CPU and CUDA backends have it.
   virtual absl::Status ClampedSwiGlu(Tensor* out /*[n, f] act*/, const Tensor& gate /*[n, f] act*/,
                                      const Tensor& up /*[n, f] act*/, float alpha, float limit);
 
@@ -414,23 +434,50 @@ class Backend {
   // -> the experts' products, not here -> weighted combine). The base refuses each with
   // Unimplemented; the CPU and CUDA backends implement them.
 
-  // Per token (row of logits), the k experts `routing` chooses and their weights, in top-k order:
+  // Per token (row of logits, float32 or the act dtype, which is widened to float32 as
+  // softmax(router_logits, dtype=float) does), the k experts `routing` chooses and their weights, in top-k order:
   // larger selection value first, and on equal values the lower expert id first (docs/kernels.md
   // says how that compares with torch.topk). Every logit must be finite: the CPU backend refuses a
   // NaN or infinite one with InvalidArgument naming its row and column; the CUDA backend writes ids
   // -1 and weights 0 for that row and reports it at the next Synchronize(). So does a NaN
   // selection bias.
   virtual absl::Status MoeRoute(Tensor* ids /*[n, k] i32*/, Tensor* weights /*[n, k] f32*/,
-                                const Tensor& logits /*[n, E] f32*/, const MoeRouting& routing);
+                                const Tensor& logits /*[n, E] f32 or act*/, const MoeRouting& routing);
 
   // The (token, slot) pairs p = token * k + slot of `ids` grouped by expert: order[offsets[e] ..
   // offsets[e + 1]) lists expert e's pairs in increasing p (a stable counting sort), offsets[0] = 0,
   // offsets[E] = n * k, and rows[token, slot] is where that pair sits in order (the inverse
   // permutation): the row of the grouped products' output that MoeCombine reads for it. Ids must be
   // in [0, E) (the CPU backend refuses others; the CUDA backend skips them, leaving their rows -1,
-  // and reports them at the next Synchronize()). n * k < 2^31.
+  // and reports them at the next Synchronize()). tokens, where not null, gets each grouped pair's
+  // token, order[i] / k: the rows of the layer's input the experts read. n * k < 2^31.
   virtual absl::Status MoeGroupByExpert(Tensor* order /*[n * k] i32*/, Tensor* rows /*[n, k] i32*/,
-                                        Tensor* offsets /*[E + 1] i32*/, const Tensor& ids /*[n, k] i32*/);
+                                        Tensor* offsets /*[E + 1] i32*/, Tensor* tokens /*[n * k] i32 or null*/,
+                                        const Tensor& ids /*[n, k] i32*/);
+
+  // counts[e] += offsets[e + 1] - offsets[e] for e in [begin, end): the rows each expert got, summed
+  // over a step's layers on the device (the worker reads them after the step). Offsets must be
+  // nondecreasing (the CPU backend refuses others; the CUDA backend adds nothing for such an
+  // expert and reports it at the next Synchronize()).
+  virtual absl::Status MoeCountRows(Tensor* counts /*[E] i32*/, const Tensor& offsets /*[E + 1] i32*/,
+                                    int64_t begin, int64_t end);
+
+  // The experts' MLPs on rows grouped by expert (MoeGroupByExpert's order): for each expert e in
+  // [w.begin, w.end), its rows [offsets[e], offsets[e + 1]) of x give out's same rows,
+  // down_proj(act(gate_proj(x), up_proj(x))), act SiLU-gated (GateUpSilu) or gpt-oss's clamped
+  // SwiGLU with the biases (ClampedSwiGlu); rows of other experts are left as they are. gate and up
+  // are scratch of x's rows. offsets is device memory (written by the step's ops), nondecreasing,
+  // offsets[end] at most x's rows (InvalidArgument otherwise). The base reads offsets on the host
+  // and runs each expert that has rows as the ops named (records_moe_experts() is false).
+  virtual absl::Status MoeExperts(Tensor* out /*[rows, d] act*/, Tensor* gate /*[rows, f] act*/,
+                                  Tensor* up /*[rows, f] act*/, const Tensor& x /*[rows, h] act*/,
+                                  const Tensor& offsets /*[E + 1] i32*/, const MoeExpertWeights& w);
+
+  // Qwen2-MoE's gated shared expert: out[t] = x[t] * sigmoid(gate[t]), the sigmoid taken in float32
+  // and rounded to act, then the product rounded to act (transformers' F.sigmoid(shared_expert_gate(
+  // h)) * shared_expert_output in the hidden dtype). out may alias x.
+  virtual absl::Status SigmoidGateMul(Tensor* out /*[n, d] act*/, const Tensor& x /*[n, d] act*/,
+                                      const Tensor& gate /*[n, 1] act*/);
 
   // out[t] = sum over the token's k slots of weights[t, s] * expert_out[rows[t, s]], as
   // transformers' experts loop computes it: out starts at zero and, slot by slot in increasing row

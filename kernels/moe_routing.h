@@ -40,20 +40,23 @@ SHARDSERVE_MOE_HD inline bool Finite(float x) { return x - x == 0.0f; }
 SHARDSERVE_MOE_HD inline float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // The router's selection value of expert e for one token (its probability, logit or biased score).
+// L: the logits' type, float or (on the device) a 16-bit act type, widened to float as read.
+template <typename L>
 struct Scores {
-  const float* logits;  // [E]
+  const L* logits;  // [E]
   const RouteParams* p;
   float max_logit;  // kRouteSoftmaxTopK
   float inv_sum;    // kRouteSoftmaxTopK: 1 / sum(exp(logit - max))
 
+  SHARDSERVE_MOE_HD float Logit(int e) const { return static_cast<float>(logits[e]); }
   SHARDSERVE_MOE_HD float Select(int e) const {
     switch (p->router) {
       case kRouteSoftmaxTopK:
-        return expf(logits[e] - max_logit) * inv_sum;
+        return expf(Logit(e) - max_logit) * inv_sum;
       case kRouteTopKSoftmax:
-        return logits[e];
+        return Logit(e);
       default:
-        return Sigmoid(logits[e]) + (p->bias != nullptr ? p->bias[e] : 0.0f);
+        return Sigmoid(Logit(e)) + (p->bias != nullptr ? p->bias[e] : 0.0f);
     }
   }
   // DeepSeek-V3's group score: the sum of the group's two largest selection values.
@@ -87,16 +90,17 @@ struct Scores {
   }
 };
 
-// Routes one token: ids[k] and weights[k]. Returns false (writing ids -1, weights 0) when a logit or
+// Routes one token (its logits of type L: Scores): ids[k] and weights[k]. Returns false (writing ids -1, weights 0) when a logit or
 // a selection value is not finite.
-SHARDSERVE_MOE_HD inline bool RouteToken(const float* logits, const RouteParams& p, int32_t* ids, float* weights) {
+template <typename L>
+SHARDSERVE_MOE_HD inline bool RouteToken(const L* logits, const RouteParams& p, int32_t* ids, float* weights) {
   const int E = p.experts;
-  Scores s{logits, &p, 0.0f, 1.0f};
+  Scores<L> s{logits, &p, 0.0f, 1.0f};
   bool finite = true;
   float max_logit = -INFINITY;
   for (int e = 0; e < E; ++e) {
-    finite = finite && Finite(logits[e]) && (p.bias == nullptr || Finite(p.bias[e]));
-    max_logit = fmaxf(max_logit, logits[e]);
+    finite = finite && Finite(s.Logit(e)) && (p.bias == nullptr || Finite(p.bias[e]));
+    max_logit = fmaxf(max_logit, s.Logit(e));
   }
   if (!finite) {
     for (int i = 0; i < p.k; ++i) ids[i] = -1, weights[i] = 0.0f;
@@ -104,7 +108,7 @@ SHARDSERVE_MOE_HD inline bool RouteToken(const float* logits, const RouteParams&
   }
   if (p.router == kRouteSoftmaxTopK) {
     float sum = 0.0f;
-    for (int e = 0; e < E; ++e) sum += expf(logits[e] - max_logit);
+    for (int e = 0; e < E; ++e) sum += expf(s.Logit(e) - max_logit);
     s.max_logit = max_logit;
     s.inv_sum = 1.0f / sum;
   }
@@ -148,7 +152,7 @@ SHARDSERVE_MOE_HD inline bool RouteToken(const float* logits, const RouteParams&
     }
     default: {
       // The unbiased scores of the chosen experts.
-      for (int i = 0; i < p.k; ++i) weights[i] = Sigmoid(logits[ids[i]]);
+      for (int i = 0; i < p.k; ++i) weights[i] = Sigmoid(s.Logit(ids[i]));
       if (p.norm_topk_prob) {
         float sum = 0.0f;
         for (int i = 0; i < p.k; ++i) sum += weights[i];

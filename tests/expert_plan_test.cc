@@ -120,6 +120,8 @@ std::vector<float> RunMoe(Communicator& comm, bool expert_parallel, const Expert
   m.order = a.Alloc(DType::kI32, {nk});
   m.rows = a.Alloc(DType::kI32, {max_n, k});
   m.offsets = a.Alloc(DType::kI32, {E + 1});
+  m.row_counts = a.Alloc(DType::kI32, {E});
+  std::fill_n(m.row_counts.as<int32_t>(), E, 0);
   m.tokens = a.Alloc(DType::kI32, {nk});
   m.in = a.Alloc(DType::kF32, {nk, H});
   m.gate = a.Alloc(DType::kF32, {nk, f.size()});
@@ -131,10 +133,6 @@ std::vector<float> RunMoe(Communicator& comm, bool expert_parallel, const Expert
   m.ungroup = a.Alloc(DType::kI32, {nk});
   m.gathered = a.Alloc(DType::kF32, {t * c, H});
   MoeHostScratch host;
-  host.offsets.resize(E + 1);
-  host.order.resize(nk);
-  host.tokens.resize(nk);
-  host.expert_rows_total.assign(E, 0);
   host.all_offsets.resize(t * (E + 1));
   host.local_offsets.resize(E + 1);
   host.regroup.resize(nk);
@@ -156,21 +154,20 @@ std::vector<float> RunMoe(Communicator& comm, bool expert_parallel, const Expert
            weights = m.weights.Rows(0, nl), order = m.order.Rows(0, nlk), rows = m.rows.Rows(0, nl);
     if (absl::Status s = be.MatMul(&logits, h, router, nullptr); !s.ok()) return s;
     if (absl::Status s = be.MoeRoute(&ids, &weights, logits, routing); !s.ok()) return s;
-    if (absl::Status s = be.MoeGroupByExpert(&order, &rows, &m.offsets, ids); !s.ok()) return s;
-    std::copy(m.offsets.as<int32_t>(), m.offsets.as<int32_t>() + E + 1, host.offsets.begin());
     Tensor token_ids = m.tokens.Rows(0, nlk), in = m.in.Rows(0, nlk);
-    for (int64_t i = 0; i < nlk; ++i) token_ids.as<int32_t>()[i] = order.as<int32_t>()[i] / static_cast<int32_t>(k);
+    if (absl::Status s = be.MoeGroupByExpert(&order, &rows, &m.offsets, &token_ids, ids); !s.ok()) return s;
     if (absl::Status s = be.Embedding(&in, h, token_ids, 0); !s.ok()) return s;
     ExpertRows local;
     if (absl::Status s = plan.Dispatch(be, m, host, nlk, &local); !s.ok()) return s;
-    for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
-      const int64_t b = local.offsets[e], end = local.offsets[e + 1];
-      host.expert_rows_total[e] += end - b;
-      if (b == end) continue;
-      Tensor xe = local.in.Rows(b, end), g = m.gate.Rows(b, end), u = m.up.Rows(b, end), o = local.out.Rows(b, end);
-      if (absl::Status s = be.GateUpSilu(&g, &u, xe, gate[e], up[e]); !s.ok()) return s;
-      if (absl::Status s = be.MatMul(&o, g, down[e], nullptr); !s.ok()) return s;
+    if (absl::Status s = be.MoeCountRows(&m.row_counts, local.offsets, plan.experts.begin, plan.experts.end);
+        !s.ok()) {
+      return s;
     }
+    const int64_t rows_here = local.in.dim(0);
+    Tensor g = m.gate.Rows(0, rows_here), u = m.up.Rows(0, rows_here);
+    const MoeExpertWeights w{
+        .gate_proj = gate, .up_proj = up, .down_proj = down, .begin = plan.experts.begin, .end = plan.experts.end};
+    if (absl::Status s = be.MoeExperts(&local.out, &g, &u, local.in, local.offsets, w); !s.ok()) return s;
     Tensor expert_out;
     if (absl::Status s = plan.Return(be, m, host, local, nlk, &expert_out); !s.ok()) return s;
     if (absl::Status s = be.MoeCombine(&proj, expert_out, rows, weights); !s.ok()) return s;
@@ -180,7 +177,7 @@ std::vector<float> RunMoe(Communicator& comm, bool expert_parallel, const Expert
   EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
   // Every row of this step counted once over the group with whole experts, on every rank when cut.
   uint64_t counted = 0;
-  for (uint64_t v : host.expert_rows_total) counted += v;
+  for (int64_t e = 0; e < E; ++e) counted += m.row_counts.as<int32_t>()[e];
   if (!expert_parallel) {
     EXPECT_EQ(counted, static_cast<uint64_t>(n * k));
   }

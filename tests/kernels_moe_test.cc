@@ -1,4 +1,5 @@
-// kernels/: the mixture-of-experts steps of Backend (MoeRoute, MoeGroupByExpert, MoeCombine) against
+// kernels/: the mixture-of-experts steps of Backend (MoeRoute, MoeGroupByExpert, MoeCountRows,
+// MoeExperts, MoeCombine, SigmoidGateMul) against
 // plain references written here, against transformers' routers (tests/fixtures/moe/routing.json,
 // made by tools/fixtures/make_moe_routing_fixture.py), and their refusals. Every case runs on the CPU backend
 // and, where a GPU is present, on the CUDA backend with f32 and bf16 activations (skipped, and
@@ -441,6 +442,27 @@ TEST_P(MoeOpsTest, RouteRefusesBadArguments) {
   EXPECT_TRUE(backend_->Synchronize().ok());
 }
 
+// The router's logits as the product leaves them, in the act dtype, route as the same values in
+// float32 (MoeRoute widens them as it reads them).
+TEST_P(MoeOpsTest, RouteReadsLogitsInTheActDtype) {
+  const DType act = backend_->act_dtype();
+  const int64_t n = 9, E = 60;
+  std::vector<float> logits = RandomVector(n * E, 61, 2.0f);
+  for (float& v : logits) v = RoundTo(act, v);
+  MoeRouting r;
+  r.k = 4;
+  r.norm_topk_prob = true;
+  r.weights_in_act = true;
+  Guarded as_f32 = F32({n, E}, logits), as_act = Act({n, E}, logits);
+  Guarded ids32 = Make(DType::kI32, {n, r.k}), w32 = Make(DType::kF32, {n, r.k}), ids = Make(DType::kI32, {n, r.k}),
+          w = Make(DType::kF32, {n, r.k});
+  ASSERT_TRUE(backend_->MoeRoute(ids32.ptr(), w32.ptr(), as_f32.t(), r).ok());
+  const absl::Status s = backend_->MoeRoute(ids.ptr(), w.ptr(), as_act.t(), r);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(Read<int32_t>(ids), Read<int32_t>(ids32));
+  EXPECT_EQ(Read<float>(w), Read<float>(w32));
+}
+
 // ---- MoeGroupByExpert -------------------------------------------------------------------------
 
 TEST_P(MoeOpsTest, GroupByExpertIsAStableCountingSort) {
@@ -457,11 +479,11 @@ TEST_P(MoeOpsTest, GroupByExpertIsAStableCountingSort) {
     for (int32_t& id : ids) id = pick(rng);
     Guarded id = I32({sh.n, sh.k}, ids);
     Guarded order = Make(DType::kI32, {sh.n * sh.k}), rows = Make(DType::kI32, {sh.n, sh.k}),
-            offsets = Make(DType::kI32, {sh.E + 1});
-    const absl::Status s = backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), id.t());
+            offsets = Make(DType::kI32, {sh.E + 1}), tokens = Make(DType::kI32, {sh.n * sh.k});
+    const absl::Status s = backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), tokens.ptr(), id.t());
     ASSERT_TRUE(s.ok()) << s;
     const std::vector<int32_t> got_order = Read<int32_t>(order), got_rows = Read<int32_t>(rows),
-                               got_off = Read<int32_t>(offsets);
+                               got_off = Read<int32_t>(offsets), got_tokens = Read<int32_t>(tokens);
     // Reference: pairs sorted by expert, stably.
     std::vector<int32_t> want_order(ids.size());
     std::iota(want_order.begin(), want_order.end(), 0);
@@ -471,7 +493,10 @@ TEST_P(MoeOpsTest, GroupByExpertIsAStableCountingSort) {
     for (int32_t e : ids) ++want_off[e + 1];
     std::partial_sum(want_off.begin(), want_off.end(), want_off.begin());
     EXPECT_EQ(got_off, want_off);
-    for (size_t r = 0; r < want_order.size(); ++r) ASSERT_EQ(got_rows[want_order[r]], static_cast<int32_t>(r));
+    for (size_t r = 0; r < want_order.size(); ++r) {
+      ASSERT_EQ(got_rows[want_order[r]], static_cast<int32_t>(r));
+      ASSERT_EQ(got_tokens[r], want_order[r] / sh.k) << "grouped row " << r << "'s token";
+    }
   }
 }
 
@@ -479,7 +504,7 @@ TEST_P(MoeOpsTest, GroupByExpertRefusesBadIds) {
   Guarded order = Make(DType::kI32, {6}), rows = Make(DType::kI32, {3, 2}), offsets = Make(DType::kI32, {5});
   for (int32_t bad : {-1, 4, std::numeric_limits<int32_t>::max()}) {
     Guarded id = I32({3, 2}, {0, 1, 2, bad, 3, 0});
-    const absl::Status s = backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), id.t());
+    const absl::Status s = backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), nullptr, id.t());
     if (!GetParam().cuda) {
       EXPECT_TRUE(IsInvalidArgumentNaming(s, "MoeGroupByExpert")) << s;
       EXPECT_NE(s.message().find(absl::StrCat("ids[1, 1] = ", bad)), std::string::npos) << s;
@@ -493,16 +518,175 @@ TEST_P(MoeOpsTest, GroupByExpertRefusesBadIds) {
   Guarded id = I32({3, 2}, {0, 1, 2, 3, 3, 0});
   Guarded short_order = Make(DType::kI32, {5}), rows_t = Make(DType::kI32, {2, 3}), off1 = Make(DType::kI32, {1});
   Guarded id_f = Make(DType::kF32, {3, 2});
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(short_order.ptr(), rows.ptr(), offsets.ptr(), id.t()),
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(short_order.ptr(), rows.ptr(), offsets.ptr(), nullptr, id.t()),
                                       "MoeGroupByExpert"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows_t.ptr(), offsets.ptr(), id.t()),
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows_t.ptr(), offsets.ptr(), nullptr, id.t()),
                                       "MoeGroupByExpert"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), off1.ptr(), id.t()),
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), off1.ptr(), nullptr, id.t()),
                                       "MoeGroupByExpert"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), id_f.t()),
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), nullptr, id_f.t()),
                                       "MoeGroupByExpert"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(nullptr, rows.ptr(), offsets.ptr(), id.t()),
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeGroupByExpert(nullptr, rows.ptr(), offsets.ptr(), nullptr, id.t()),
                                       "MoeGroupByExpert"));
+  Guarded short_tokens = Make(DType::kI32, {5}), tokens_f = Make(DType::kF32, {6});
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), short_tokens.ptr(), id.t()),
+      "MoeGroupByExpert"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), tokens_f.ptr(), id.t()), "MoeGroupByExpert"));
+}
+
+// ---- MoeCountRows ----------------------------------------------------------------------------
+
+TEST_P(MoeOpsTest, CountRowsAddsEachExpertsRows) {
+  Guarded counts = I32({5}, {1, 2, 3, 4, 5});
+  Guarded offsets = I32({6}, {0, 3, 3, 7, 10, 12});
+  ASSERT_TRUE(backend_->MoeCountRows(counts.ptr(), offsets.t(), 1, 4).ok());
+  EXPECT_EQ(Read<int32_t>(counts), (std::vector<int32_t>{1, 2, 7, 7, 5})) << "experts 1 to 3 only";
+  ASSERT_TRUE(backend_->MoeCountRows(counts.ptr(), offsets.t(), 0, 5).ok());
+  EXPECT_EQ(Read<int32_t>(counts), (std::vector<int32_t>{4, 2, 11, 10, 7}));
+  ASSERT_TRUE(backend_->MoeCountRows(counts.ptr(), offsets.t(), 2, 2).ok());
+  EXPECT_TRUE(backend_->Synchronize().ok());
+
+  Guarded short_offsets = I32({5}, {0, 1, 2, 3, 4}), counts_f = Make(DType::kF32, {5});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeCountRows(counts.ptr(), short_offsets.t(), 0, 4), "MoeCountRows"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeCountRows(counts_f.ptr(), offsets.t(), 0, 5), "MoeCountRows"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeCountRows(counts.ptr(), offsets.t(), 3, 6), "MoeCountRows"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeCountRows(counts.ptr(), offsets.t(), 3, 2), "MoeCountRows"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeCountRows(nullptr, offsets.t(), 0, 5), "MoeCountRows"));
+  Guarded decreasing = I32({6}, {0, 3, 2, 7, 10, 12});
+  const absl::Status s = backend_->MoeCountRows(counts.ptr(), decreasing.t(), 0, 5);
+  if (!GetParam().cuda) {
+    EXPECT_TRUE(IsInvalidArgumentNaming(s, "MoeCountRows")) << s;
+    EXPECT_NE(s.message().find("offsets[2] = 2"), std::string::npos) << s;
+  } else {
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(IsInvalidArgumentNaming(backend_->Synchronize(), "MoeCountRows"));
+  }
+}
+
+// ---- MoeExperts ------------------------------------------------------------------------------
+
+// MoeExperts against each expert's ops called one by one on its rows (the experts' MLP as
+// DecoderBlocks ran it before the grouped op): the same bits, the rows of experts outside the range
+// untouched, and bad offsets refused.
+TEST_P(MoeOpsTest, ExpertsEqualEachExpertsOpsOnItsRows) {
+  const int64_t E = 5, h = 24, f = 16, d = 24;
+  // rows per expert: 3, 0, 1, 4, 2 (offsets 0, 3, 3, 4, 8, 10)
+  const std::vector<int32_t> off = {0, 3, 3, 4, 8, 10};
+  const int64_t rows = off.back();
+  uint32_t seed = 41;
+  std::vector<Guarded> held;
+  std::vector<Tensor> gate_w, up_w, down_w, gate_b, up_b, down_b;
+  for (int64_t e = 0; e < E; ++e) {
+    held.push_back(Act({f, h}, RandomVector(f * h, seed++, 0.3f)));
+    gate_w.push_back(held.back().t());
+    held.push_back(Act({f, h}, RandomVector(f * h, seed++, 0.3f)));
+    up_w.push_back(held.back().t());
+    held.push_back(Act({d, f}, RandomVector(d * f, seed++, 0.3f)));
+    down_w.push_back(held.back().t());
+    held.push_back(Act({f}, RandomVector(f, seed++, 0.5f)));
+    gate_b.push_back(held.back().t());
+    held.push_back(Act({f}, RandomVector(f, seed++, 0.5f)));
+    up_b.push_back(held.back().t());
+    held.push_back(Act({d}, RandomVector(d, seed++, 0.5f)));
+    down_b.push_back(e == 3 ? Tensor() : held.back().t());  // expert 3 without a down bias (another rank's)
+  }
+  const std::vector<float> x_host = RandomVector(rows * h, seed++, 2.0f);
+  Guarded x = Act({rows, h}, x_host), offsets = I32({E + 1}, off);
+  for (const bool clamped : {false, true}) {
+    SCOPED_TRACE(clamped ? "gpt-oss's clamped SwiGLU with biases" : "SwiGLU");
+    MoeExpertWeights w{.gate_proj = gate_w, .up_proj = up_w, .down_proj = down_w, .begin = 1, .end = 4};
+    if (clamped) {
+      w.gate_bias = gate_b, w.up_bias = up_b, w.down_bias = down_b;
+      w.swiglu_alpha = 1.702f, w.swiglu_limit = 0.75f;
+    }
+    const std::vector<float> before = RandomVector(rows * d, seed++);
+    Guarded out = Act({rows, d}, before), gate = Make(backend_->act_dtype(), {rows, f}),
+            up = Make(backend_->act_dtype(), {rows, f});
+    const absl::Status s = backend_->MoeExperts(out.ptr(), gate.ptr(), up.ptr(), x.t(), offsets.t(), w);
+    ASSERT_TRUE(s.ok()) << s;
+    const std::vector<float> got = ReadAct(out);
+    // Each expert in [1, 4) with rows by its own ops; the rows of experts 0 and 4 as they were.
+    Guarded want = Act({rows, d}, before), g = Make(backend_->act_dtype(), {rows, f}),
+            u = Make(backend_->act_dtype(), {rows, f});
+    for (int64_t e = 1; e < 4; ++e) {
+      if (off[e] == off[e + 1]) continue;
+      Tensor xe = x.t().Rows(off[e], off[e + 1]), ge = g.t().Rows(off[e], off[e + 1]), ue = u.t().Rows(off[e], off[e + 1]),
+             oe = want.t().Rows(off[e], off[e + 1]);
+      if (clamped) {
+        ASSERT_TRUE(backend_->MatMul(&ge, xe, gate_w[e], &gate_b[e]).ok());
+        ASSERT_TRUE(backend_->MatMul(&ue, xe, up_w[e], &up_b[e]).ok());
+        ASSERT_TRUE(backend_->ClampedSwiGlu(&ge, ge, ue, w.swiglu_alpha, w.swiglu_limit).ok());
+        ASSERT_TRUE(backend_->MatMul(&oe, ge, down_w[e], e == 3 ? nullptr : &down_b[e]).ok());
+      } else {
+        ASSERT_TRUE(backend_->GateUpSilu(&ge, &ue, xe, gate_w[e], up_w[e]).ok());
+        ASSERT_TRUE(backend_->MatMul(&oe, ge, down_w[e], nullptr).ok());
+      }
+    }
+    const std::vector<float> expected = ReadAct(want);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < d; ++j) ASSERT_EQ(got[r * d + j], expected[r * d + j]) << "row " << r << " col " << j;
+    }
+    for (int64_t r : {0, 1, 2, 8, 9}) EXPECT_EQ(got[r * d], RoundTo(backend_->act_dtype(), before[r * d])) << r;
+  }
+
+  // Refusals: offsets past x's rows or decreasing, experts outside E, too few weights, bad shapes.
+  Guarded out = Make(backend_->act_dtype(), {rows, d}), gate = Make(backend_->act_dtype(), {rows, f}),
+          up = Make(backend_->act_dtype(), {rows, f}), up_short = Make(backend_->act_dtype(), {rows - 1, f});
+  const MoeExpertWeights all{.gate_proj = gate_w, .up_proj = up_w, .down_proj = down_w, .begin = 0, .end = E};
+  Guarded past = I32({E + 1}, {0, 3, 3, 4, 8, 11}), decreasing = I32({E + 1}, {0, 3, 2, 4, 8, 10});
+  for (const Guarded* bad : {&past, &decreasing}) {
+    EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeExperts(out.ptr(), gate.ptr(), up.ptr(), x.t(), bad->t(), all),
+                                        "MoeExperts"));
+  }
+  MoeExpertWeights beyond = all;
+  beyond.end = E + 1;
+  const std::vector<Tensor> four(gate_w.begin(), gate_w.begin() + 4);
+  MoeExpertWeights few = all;
+  few.up_proj = four;
+  for (const MoeExpertWeights* bad : {&beyond, &few}) {
+    EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeExperts(out.ptr(), gate.ptr(), up.ptr(), x.t(), offsets.t(), *bad),
+                                        "MoeExperts"));
+  }
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      backend_->MoeExperts(out.ptr(), gate.ptr(), up_short.ptr(), x.t(), offsets.t(), all), "MoeExperts"));
+  EXPECT_TRUE(
+      IsInvalidArgumentNaming(backend_->MoeExperts(nullptr, gate.ptr(), up.ptr(), x.t(), offsets.t(), all), "MoeExperts"));
+}
+
+// ---- SigmoidGateMul --------------------------------------------------------------------------
+
+TEST_P(MoeOpsTest, SigmoidGateMulRoundsTheGateThenTheProduct) {
+  const DType act = backend_->act_dtype();
+  const int64_t n = 7, d = 33;
+  std::vector<float> x = RandomVector(n * d, 51, 3.0f), gate = RandomVector(n, 52, 4.0f);
+  gate[0] = -100.0f, gate[1] = 100.0f;  // saturated: 0 and 1
+  for (float& v : x) v = RoundTo(act, v);
+  for (float& v : gate) v = RoundTo(act, v);
+  Guarded xs = Act({n, d}, x), g = Act({n, 1}, gate), out = Make(act, {n, d});
+  ASSERT_TRUE(backend_->SigmoidGateMul(out.ptr(), xs.t(), g.t()).ok());
+  const std::vector<float> got = ReadAct(out);
+  for (int64_t t = 0; t < n; ++t) {
+    // transformers: F.sigmoid(gate_logit) in the act dtype, times the shared expert's output
+    const float scale = RoundTo(act, 1.0f / (1.0f + std::exp(-gate[t])));
+    for (int64_t j = 0; j < d; ++j) {
+      // exact on the CPU; CUDA's expf may differ from std::exp by an ulp, which moves the rounding
+      const float want = RoundTo(act, x[t * d + j] * scale);
+      if (!GetParam().cuda) {
+        ASSERT_EQ(got[t * d + j], want) << "token " << t << " dim " << j;
+      } else {
+        ASSERT_NEAR(got[t * d + j], want, std::abs(want) * (act == DType::kF32 ? 1e-6f : 8e-3f)) << t << ", " << j;
+      }
+    }
+  }
+  // in place
+  ASSERT_TRUE(backend_->SigmoidGateMul(xs.ptr(), xs.t(), g.t()).ok());
+  EXPECT_EQ(ReadAct(xs), got);
+  Guarded g2 = Act({n, 2}, RandomVector(2 * n, 53)), out_short = Make(act, {n - 1, d});
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->SigmoidGateMul(out.ptr(), xs.t(), g2.t()), "SigmoidGateMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->SigmoidGateMul(out_short.ptr(), xs.t(), g.t()), "SigmoidGateMul"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->SigmoidGateMul(nullptr, xs.t(), g.t()), "SigmoidGateMul"));
 }
 
 // ---- MoeCombine ------------------------------------------------------------------------------
@@ -530,7 +714,7 @@ TEST_P(MoeOpsTest, CombineMatchesTransformersExpertLoop) {
     Guarded id = I32({sh.n, sh.k}, ids);
     Guarded order = Make(DType::kI32, {sh.n * sh.k}), rows = Make(DType::kI32, {sh.n, sh.k}),
             offsets = Make(DType::kI32, {sh.E + 1});
-    ASSERT_TRUE(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), id.t()).ok());
+    ASSERT_TRUE(backend_->MoeGroupByExpert(order.ptr(), rows.ptr(), offsets.ptr(), nullptr, id.t()).ok());
     const std::vector<int32_t> row = Read<int32_t>(rows);
     Guarded expert_out = Act({sh.n * sh.k, sh.d}, y), w = F32({sh.n, sh.k}, weights);
     Guarded out = Make(act, {sh.n, sh.d});

@@ -343,7 +343,7 @@ void CheckAgainstHuggingFace(const std::string& name, Engine engine, int64_t chu
   std::printf("[ parity   ] %s on %s, chunk=%lld: prefill logits error %.3g, decode logits error %.3g\n",
               name.c_str(), EngineName(engine).c_str(), static_cast<long long>(chunk), prefill_err, decode_err);
   if (engine == Engine::kCudaGraphs || engine == Engine::kCudaDefaults || engine == Engine::kCudaPdl) {  // as graphs
-    if (f.config.num_experts > 0) {  // the sparse layers' host reads keep graphs off, and say so
+    if (f.config.num_experts > 0) {  // the CUDA MoeExperts reads its offsets on the host: graphs off, said
       EXPECT_NE(model->get()->step_graphs_off(), "");
       EXPECT_EQ(model->get()->step_graphs_recorded(), 0);
     } else {

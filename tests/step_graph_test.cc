@@ -43,6 +43,10 @@ class RecordingBackend final : public Backend {
 
   // The next recording fails at EndGraph, as a CUDA capture spoiled by the driver would.
   void SpoilNextRecording() { spoil_next_ = true; }
+  // Reports that MoeExperts reads its offsets on the host (records_moe_experts() false), as the
+  // base's does. By default its MoeExperts is recorded, the inner backend reading the offsets when
+  // the op runs (on the CPU host memory is the device's): what a device kernel does.
+  void SetMoeExpertsOnHost() { moe_experts_on_host_ = true; }
   int graphs_run() const { return graphs_run_; }
 
   DeviceKind device_kind() const override { return kind_; }
@@ -139,6 +143,41 @@ class RecordingBackend final : public Backend {
   absl::Status Add(Tensor* out, const Tensor& a, const Tensor& b) override {
     return Op([=, this, o = *out]() mutable { return inner_->Add(&o, a, b); });
   }
+  absl::Status ClampedSwiGlu(Tensor* out, const Tensor& gate, const Tensor& up, float alpha, float limit) override {
+    return Op([=, this, o = *out]() mutable { return inner_->ClampedSwiGlu(&o, gate, up, alpha, limit); });
+  }
+  absl::Status MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) override {
+    std::optional<Tensor> bias;
+    if (routing.selection_bias != nullptr) bias = *routing.selection_bias;
+    return Op([=, this, i = *ids, w = *weights]() mutable {
+      MoeRouting r = routing;
+      r.selection_bias = bias ? &*bias : nullptr;
+      return inner_->MoeRoute(&i, &w, logits, r);
+    });
+  }
+  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, Tensor* tokens,
+                                const Tensor& ids) override {
+    std::optional<Tensor> t;
+    if (tokens != nullptr) t = *tokens;
+    return Op([=, this, o = *order, r = *rows, off = *offsets]() mutable {
+      return inner_->MoeGroupByExpert(&o, &r, &off, t ? &*t : nullptr, ids);
+    });
+  }
+  absl::Status MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) override {
+    return Op([=, this, c = *counts]() mutable { return inner_->MoeCountRows(&c, offsets, begin, end); });
+  }
+  bool records_moe_experts() const override { return !moe_experts_on_host_; }
+  absl::Status MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& offsets,
+                          const MoeExpertWeights& w) override {
+    if (moe_experts_on_host_) return Backend::MoeExperts(out, gate, up, x, offsets, w);  // reads them now
+    return Op([=, this, o = *out, g = *gate, u = *up]() mutable { return inner_->MoeExperts(&o, &g, &u, x, offsets, w); });
+  }
+  absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override {
+    return Op([=, this, o = *out]() mutable { return inner_->MoeCombine(&o, expert_out, rows, weights); });
+  }
+  absl::Status SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) override {
+    return Op([=, this, o = *out]() mutable { return inner_->SigmoidGateMul(&o, x, gate); });
+  }
   absl::Status Softmax(Tensor* out, const Tensor& x, float temperature) override {
     return Op([=, this, o = *out]() mutable { return inner_->Softmax(&o, x, temperature); });
   }
@@ -200,15 +239,15 @@ class RecordingBackend final : public Backend {
   const DeviceKind kind_;
   uint64_t bytes_to_device_ = 0;
   int releases_ = 0;  // ReleaseLoadBuffers calls
-  bool recording_ = false, spoil_next_ = false;
+  bool recording_ = false, spoil_next_ = false, moe_experts_on_host_ = false;
   absl::Status spoiled_;
   std::vector<std::function<absl::Status()>> ops_;
   std::vector<std::vector<std::function<absl::Status()>>> graphs_;
   int graphs_run_ = 0;
 };
 
-ModelConfig Config() {
-  absl::StatusOr<ModelConfig> c = LoadModelConfig(kFixtures / "llama_gqa");
+ModelConfig Config(const std::string& fixture) {
+  absl::StatusOr<ModelConfig> c = LoadModelConfig(kFixtures / fixture);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *c : ModelConfig{};
 }
@@ -221,11 +260,13 @@ struct Schedule {
   int graphs_recorded = 0;
   uint64_t graph_replays = 0;
   std::string graphs_off;
+  std::vector<uint64_t> expert_rows;  // ModelShard::ExpertRowsTotal after the last step
 };
-// The weights: `source`, else dummy weights of seed 3.
-Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* source = nullptr) {
+// The model: the fixture's config, and `source`'s weights, else dummy weights of seed 3.
+Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* source = nullptr,
+                         const std::string& fixture = "llama_gqa") {
   Schedule out;
-  const ModelConfig c = Config();
+  const ModelConfig c = Config(fixture);
   const DummyWeights dummy(c, 3);
   const WeightSource& w = source != nullptr ? *source : dummy;
   LocalCommunicator tp(backend);
@@ -240,7 +281,7 @@ Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* sour
   const int64_t per = limits.max_blocks_per_seq();
   const std::vector<std::vector<int32_t>> tables = {{blocks.begin(), blocks.begin() + per},
                                                     {blocks.begin() + per, blocks.end()}};
-  std::vector<std::vector<int32_t>> tokens = {{1, 17, 300, 42, 5}, {7, 99, 256}};
+  std::vector<std::vector<int32_t>> tokens = {{1, 17, 200, 42, 5}, {7, 99, 255}};
   std::vector<int64_t> cached = {0, 0};
   absl::StatusOr<Buffer> next_buf = backend->Allocate(2 * sizeof(int32_t));
   EXPECT_TRUE(next_buf.ok());
@@ -281,6 +322,9 @@ Schedule RunTwoSequences(Backend* backend, int decodes, const WeightSource* sour
   out.graphs_recorded = model->get()->step_graphs_recorded();
   out.graph_replays = model->get()->step_graph_replays();
   out.graphs_off = model->get()->step_graphs_off();
+  absl::StatusOr<std::vector<uint64_t>> rows = model->get()->ExpertRowsTotal();
+  EXPECT_TRUE(rows.ok()) << rows.status();
+  if (rows.ok()) out.expert_rows = *rows;
   return out;
 }
 
@@ -304,6 +348,55 @@ TEST(StepGraphTest, ReplayedDecodeStepsGiveTheLogitsOfStepsRunAsTheyAre) {
   for (size_t i = 0; i < got.logits.size(); ++i) {
     EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
   }
+}
+
+// Mixture-of-experts models record their decode steps too where the backend's MoeExperts reads its
+// offsets on the device: routing, grouping, the experts, the combine and the shared experts' gate
+// all recorded with the step (a host read would spoil it), and the replays give the logits of the
+// steps run as they are (Qwen2-MoE with its gated shared expert, Qwen3-MoE, Mixtral, gpt-oss with
+// its router bias, clamped SwiGLU, attention sinks and sliding window); the rows each expert got
+// are counted on the device, the same either way.
+TEST(StepGraphTest, MixtureOfExpertsDecodeStepsAreRecordedAndReplayed) {
+  constexpr int kDecodes = 6;
+  for (const char* fixture : {"qwen2_moe_tf5", "qwen3_moe_tf5", "mixtral_tf5", "gpt_oss_tf5"}) {
+    SCOPED_TRACE(fixture);
+    std::unique_ptr<Backend> plain = MakeCpuBackend(2);
+    const Schedule want = RunTwoSequences(plain.get(), kDecodes, nullptr, fixture);
+    RecordingBackend recording(MakeCpuBackend(2));
+    const Schedule got = RunTwoSequences(&recording, kDecodes, nullptr, fixture);
+    EXPECT_EQ(got.graphs_off, "");
+    EXPECT_EQ(got.graphs_recorded, 1);
+    EXPECT_EQ(got.graph_replays, static_cast<uint64_t>(kDecodes - 2));
+    ASSERT_EQ(got.logits.size(), want.logits.size());
+    ASSERT_EQ(got.logits.size(), static_cast<size_t>(2 * (kDecodes + 1)));
+    for (size_t i = 0; i < got.logits.size(); ++i) {
+      EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i / 2 << ", sequence " << i % 2;
+    }
+    EXPECT_EQ(got.expert_rows, want.expert_rows);
+    const ModelConfig c = Config(fixture);
+    uint64_t rows = 0;
+    for (uint64_t r : got.expert_rows) rows += r;
+    // every token of every step once a sparse layer per expert it chose
+    int64_t sparse_layers = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) sparse_layers += c.LayerIsSparse(l) ? 1 : 0;
+    EXPECT_EQ(rows, static_cast<uint64_t>((8 + 2 * kDecodes) * c.num_experts_per_tok * sparse_layers));
+  }
+}
+
+// Where MoeExperts reads its offsets on the host (the base's, the CUDA backend's today), an MoE
+// model's steps run as they are, and the shard says why.
+TEST(StepGraphTest, MixtureOfExpertsRunWithoutGraphsWhereTheExpertsReadTheHost) {
+  std::unique_ptr<Backend> plain = MakeCpuBackend(2);
+  const Schedule want = RunTwoSequences(plain.get(), 4, nullptr, "qwen3_moe_tf5");
+  RecordingBackend recording(MakeCpuBackend(2));
+  recording.SetMoeExpertsOnHost();
+  const Schedule got = RunTwoSequences(&recording, 4, nullptr, "qwen3_moe_tf5");
+  EXPECT_EQ(got.graphs_recorded, 0);
+  EXPECT_EQ(recording.graphs_run(), 0);
+  EXPECT_NE(got.graphs_off.find("mixture-of-experts"), std::string::npos) << got.graphs_off;
+  ASSERT_EQ(got.logits.size(), 10u);
+  EXPECT_EQ(got.logits, want.logits);
+  EXPECT_EQ(got.expert_rows, want.expert_rows);
 }
 
 // A recording that fails turns graphs off for the shard: that step and the later ones run as they

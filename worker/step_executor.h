@@ -155,7 +155,7 @@ class StepExecutor {
   const std::string& step_graphs_off() const { return shard_->step_graphs_off(); }
 
   uint64_t weight_bytes() const { return shard_->weight_bytes(); }
-  const std::vector<uint64_t>& expert_rows_total() const { return shard_->expert_rows_total(); }
+  absl::StatusOr<std::vector<uint64_t>> ExpertRowsTotal() { return shard_->ExpertRowsTotal(); }
   // How the linear weights are held (ModelShard::QuantizationSummary), for the worker log.
   std::string quantization_summary() const { return shard_->QuantizationSummary(); }
   std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }

@@ -528,7 +528,12 @@ void WorkerService::RunStep(Stream* stream) {
   if (metrics_ != nullptr) {
     metrics_->StepDone(prefill, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                        kernels);
-    metrics_->ExpertRowsDone(executor_->expert_rows_total());
+  }
+  // read every step, so that the device's 32-bit counts stay small
+  if (absl::StatusOr<std::vector<uint64_t>> rows = executor_->ExpertRowsTotal(); !rows.ok()) {
+    WorkerLog(Who(), absl::StrCat("reading the experts' row counts failed: ", rows.status().message()), Ids());
+  } else if (metrics_ != nullptr) {
+    metrics_->ExpertRowsDone(*rows);
   }
   bool memory_line = false;  // the device memory taken since loading, beside these (on CUDA)
   if (!prefill && kernels != logged_decode_kernels_) {  // on CUDA; tools/gpu/gpu-bench.sh reads this line

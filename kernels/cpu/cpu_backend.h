@@ -245,8 +245,11 @@ class CpuBackend final : public Backend {
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
   // moe.cc: the per-token routing of kernels/moe_routing.h, a stable counting sort, the combine.
   absl::Status MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) override;
-  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) override;
+  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, Tensor* tokens,
+                                const Tensor& ids) override;
+  absl::Status MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) override;
   absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override;
+  absl::Status SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) override;
 
  private:
   // SiluMul's and GeluTanhMul's body (elementwise.cc): `op`'s argument checks, then

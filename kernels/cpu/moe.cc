@@ -45,15 +45,18 @@ absl::Status CpuBackend::MoeRoute(Tensor* ids, Tensor* weights, const Tensor& lo
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) {
+absl::Status CpuBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, Tensor* tokens,
+                                          const Tensor& ids) {
   const ArgCheck check("MoeGroupByExpert", {{"order", order, kI32, 1},
                                             {"rows", rows, kI32, 2},
                                             {"offsets", offsets, kI32, 1},
+                                            {"tokens", tokens, kI32, 1, true},
                                             {"ids", &ids, kI32, 2}});
   SHARDSERVE_RETURN_IF_ERROR(check.Types());
   const int64_t pairs = ids.numel();
-  if (!SameShape(*rows, ids) || order->dim(0) != pairs || offsets->dim(0) < 2) {
-    return check.Error("want order [n * k], rows and ids [n, k], offsets [E + 1] with E >= 1");
+  if (!SameShape(*rows, ids) || order->dim(0) != pairs || offsets->dim(0) < 2 ||
+      (tokens != nullptr && tokens->dim(0) != pairs)) {
+    return check.Error("want order and tokens [n * k], rows and ids [n, k], offsets [E + 1] with E >= 1");
   }
   if (pairs > std::numeric_limits<int32_t>::max()) return check.Error("n * k must be below 2^31");
   const int64_t E = offsets->dim(0) - 1;
@@ -75,6 +78,30 @@ absl::Status CpuBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* o
     const int32_t r = next[id[i]]++;
     ord[r] = static_cast<int32_t>(i);
     row[i] = r;
+  }
+  if (tokens != nullptr) {
+    int32_t* token = tokens->as<int32_t>();
+    const int64_t k = ids.dim(1);
+    for (int64_t r = 0; r < pairs; ++r) token[r] = static_cast<int32_t>(ord[r] / k);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) {
+  const ArgCheck check("MoeCountRows", {{"counts", counts, kI32, 1}, {"offsets", &offsets, kI32, 1}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  const int64_t E = counts->dim(0);
+  if (offsets.dim(0) != E + 1 || begin < 0 || begin > end || end > E) {
+    return check.Error(absl::StrCat("want counts [E], offsets [E + 1] and experts [", begin, ", ", end,
+                                    ") within [0, E)"));
+  }
+  const int32_t* off = offsets.as<const int32_t>();
+  int32_t* count = counts->as<int32_t>();
+  for (int64_t e = begin; e < end; ++e) {
+    if (off[e + 1] < off[e]) {
+      return check.Error(absl::StrCat("offsets[", e + 1, "] = ", off[e + 1], " is below offsets[", e, "] = ", off[e]));
+    }
+    count[e] += off[e + 1] - off[e];
   }
   return absl::OkStatus();
 }
@@ -114,6 +141,23 @@ absl::Status CpuBackend::MoeCombine(Tensor* out, const Tensor& expert_out, const
       const float* ys = y + static_cast<int64_t>(tr[s]) * d;
       for (int64_t j = 0; j < d; ++j) ot[j] += ws * ys[j];
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) {
+  const ArgCheck check("SigmoidGateMul", {{"out", out, kF32, 2}, {"x", &x, kF32, 2}, {"gate", &gate, kF32, 2}});
+  SHARDSERVE_RETURN_IF_ERROR(check.Types());
+  const int64_t n = x.dim(0), d = x.dim(1);
+  if (!SameShape(*out, x) || gate.dim(0) != n || gate.dim(1) != 1) {
+    return check.Error("want out and x [n, d], gate [n, 1]");
+  }
+  const float* g = gate.as<const float>();
+  const float* in = x.as<const float>();
+  float* o = out->as<float>();
+  for (int64_t t = 0; t < n; ++t) {
+    const float scale = 1.0f / (1.0f + std::exp(-g[t]));
+    for (int64_t j = 0; j < d; ++j) o[t * d + j] = in[t * d + j] * scale;
   }
   return absl::OkStatus();
 }

@@ -133,6 +133,7 @@ absl::Status CudaBackend::SyncAndCheck() {
     absl::StrAppend(&msg, " MoeGroupByExpert: an expert id outside [0, E) (those pairs were left out, rows -1);");
   }
   if (bits & kErrMoeRow) absl::StrAppend(&msg, " MoeCombine: a row outside [0, expert_rows) (skipped);");
+  if (bits & kErrMoeOffsets) absl::StrAppend(&msg, " MoeCountRows: decreasing offsets (those experts not counted);");
   return absl::InvalidArgumentError(msg);
 }
 

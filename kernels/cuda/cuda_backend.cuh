@@ -104,6 +104,7 @@ enum : unsigned {
   kErrMoeLogit = 1u << 4,        // MoeRoute: a NaN or infinite logit or selection bias
   kErrMoeExpert = 1u << 5,       // MoeGroupByExpert: an id outside [0, E)
   kErrMoeRow = 1u << 6,          // MoeCombine: a row outside [0, expert_rows)
+  kErrMoeOffsets = 1u << 7,      // MoeCountRows: offsets decreasing
 };
 
 template <typename T>
@@ -227,8 +228,11 @@ class CudaBackend final : public Backend {
   absl::Status Sample(Tensor* out, const Tensor& logits, const std::vector<SampleParams>& params) override;
   // moe.cu.
   absl::Status MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) override;
-  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) override;
+  absl::Status MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, Tensor* tokens,
+                                const Tensor& ids) override;
+  absl::Status MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) override;
   absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override;
+  absl::Status SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) override;
 
  private:
   absl::Status Activate() const;

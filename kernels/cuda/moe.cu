@@ -1,6 +1,6 @@
 // CudaBackend's mixture-of-experts steps: MoeRoute (a thread per token running kernels/moe_routing.h,
-// the CPU backend's code), MoeGroupByExpert (a counting sort in one block) and MoeCombine (a block
-// per token). Bad ids, rows and non-finite logits, which only the device sees, set bits of the
+// the CPU backend's code), MoeGroupByExpert (a counting sort in one block), MoeCountRows (a thread
+// per expert), MoeCombine and SigmoidGateMul (a block per token). Bad ids, rows and non-finite logits, which only the device sees, set bits of the
 // device error word (reported by the next Synchronize()) and are skipped.
 #include <cstdint>
 
@@ -22,8 +22,10 @@ constexpr int kMoeGroupThreads = 1024;
 // MoeCombine: one block per token, a thread per element of the row (rows of 2k-8k elements).
 constexpr int kMoeCombineThreads = 256;
 
-// weights_rounding: 0 none, else the act dtype's rounding (1 bf16, 2 f16).
-__global__ void MoeRouteKernel(int32_t* ids, float* weights, const float* logits, moe::RouteParams p, int64_t n,
+// weights_rounding: 0 none, else the act dtype's rounding (1 bf16, 2 f16). L: the logits' type
+// (float, or the act dtype widened as read).
+template <typename L>
+__global__ void MoeRouteKernel(int32_t* ids, float* weights, const L* logits, moe::RouteParams p, int64_t n,
                                int weights_rounding, unsigned* errors) {
   WaitForPriorKernels();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -40,8 +42,9 @@ __global__ void MoeRouteKernel(int32_t* ids, float* weights, const float* logits
   }
 }
 
-__global__ void MoeGroupKernel(int32_t* order, int32_t* rows, int32_t* offsets, const int32_t* ids, int64_t pairs,
-                               int64_t experts, unsigned* errors) {
+// tokens (may be null): each grouped pair's token, order / k.
+__global__ void MoeGroupKernel(int32_t* order, int32_t* rows, int32_t* offsets, int32_t* tokens, const int32_t* ids,
+                               int64_t pairs, int64_t k, int64_t experts, unsigned* errors) {
   WaitForPriorKernels();
   for (int64_t i = threadIdx.x; i < pairs; i += blockDim.x) {
     if (ids[i] < 0 || ids[i] >= experts) {
@@ -65,9 +68,33 @@ __global__ void MoeGroupKernel(int32_t* order, int32_t* rows, int32_t* offsets, 
     for (int64_t i = 0; i < pairs; ++i) {
       if (ids[i] != e) continue;
       order[at] = static_cast<int32_t>(i);
+      if (tokens != nullptr) tokens[at] = static_cast<int32_t>(i / k);
       rows[i] = at++;
     }
   }
+}
+
+// counts[e] += offsets[e + 1] - offsets[e], a thread per expert.
+__global__ void MoeCountRowsKernel(int32_t* counts, const int32_t* offsets, int64_t begin, int64_t end,
+                                   unsigned* errors) {
+  WaitForPriorKernels();
+  const int64_t e = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= end) return;
+  const int32_t rows = offsets[e + 1] - offsets[e];
+  if (rows < 0) {
+    atomicOr(errors, kErrMoeOffsets);
+    return;
+  }
+  counts[e] += rows;
+}
+
+// out[t] = round(x[t] * round(sigmoid(gate[t]))), a block per token.
+template <typename T>
+__global__ void SigmoidGateMulKernel(T* out, const T* x, const T* gate, int64_t d) {
+  WaitForPriorKernels();
+  const int64_t t = blockIdx.x;
+  const float scale = ToFloat(FromFloat<T>(1.0f / (1.0f + expf(-ToFloat(gate[t])))));
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[t * d + j] = FromFloat<T>(__fmul_rn(ToFloat(x[t * d + j]), scale));
 }
 
 // out[t] = sum of w * y[row] over the token's slots in increasing row, each product and each sum
@@ -108,8 +135,10 @@ absl::Status CudaBackend::MoeRoute(Tensor* ids, Tensor* weights, const Tensor& l
   constexpr const char* kOp = "MoeRoute";
   if (ids == nullptr || weights == nullptr) return Invalid(kOp, "ids and weights must not be null", {});
   const auto all = {std::pair<const char*, const Tensor*>{"ids", ids}, {"weights", weights}, {"logits", &logits}};
-  if (!Is(logits, 2, DType::kF32) || !Is(*ids, 2, DType::kI32) || !Is(*weights, 2, DType::kF32)) {
-    return Invalid(kOp, "expected ids [n, k] I32, weights [n, k] F32, logits [n, E] F32", all);
+  if (!(Is(logits, 2, DType::kF32) || Is(logits, 2, act_)) || !Is(*ids, 2, DType::kI32) ||
+      !Is(*weights, 2, DType::kF32)) {
+    return Invalid(kOp, absl::StrCat("expected ids [n, k] I32, weights [n, k] F32, logits [n, E] F32 or ", DTypeName(act_)),
+                   all);
   }
   const int64_t n = logits.dim(0), E = logits.dim(1);
   SHARDSERVE_RETURN_IF_ERROR(CheckMoeRouting(kOp, routing, E));
@@ -124,11 +153,15 @@ absl::Status CudaBackend::MoeRoute(Tensor* ids, Tensor* weights, const Tensor& l
                            routing.selection_bias != nullptr ? routing.selection_bias->as<const float>() : nullptr};
   const int rounding = !routing.weights_in_act ? 0 : act_ == DType::kBF16 ? 1 : act_ == DType::kF16 ? 2 : 0;
   const unsigned grid = static_cast<unsigned>((n + kMoeRouteThreads - 1) / kMoeRouteThreads);
-  return Launch("MoeRouteKernel", MoeRouteKernel, grid, kMoeRouteThreads, ids->as<int32_t>(), weights->as<float>(),
-                logits.as<const float>(), p, n, rounding, errors_dev_);
+  return DispatchFloat(logits.dtype, [&](auto tag) {
+    using L = typename decltype(tag)::type;
+    return Launch("MoeRouteKernel", MoeRouteKernel<L>, grid, kMoeRouteThreads, ids->as<int32_t>(),
+                  weights->as<float>(), logits.as<const L>(), p, n, rounding, errors_dev_);
+  });
 }
 
-absl::Status CudaBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, const Tensor& ids) {
+absl::Status CudaBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* offsets, Tensor* tokens,
+                                           const Tensor& ids) {
   constexpr const char* kOp = "MoeGroupByExpert";
   if (order == nullptr || rows == nullptr || offsets == nullptr) {
     return Invalid(kOp, "order, rows and offsets must not be null", {});
@@ -143,10 +176,50 @@ absl::Status CudaBackend::MoeGroupByExpert(Tensor* order, Tensor* rows, Tensor* 
   if (!SameShape(*rows, ids) || order->dim(0) != pairs || offsets->dim(0) < 2) {
     return Invalid(kOp, "want order [n * k], rows and ids [n, k], offsets [E + 1] with E >= 1", all);
   }
+  if (tokens != nullptr && (!Is(*tokens, 1, DType::kI32) || tokens->dim(0) != pairs)) {
+    return Invalid(kOp, "want tokens [n * k] I32", {{"tokens", tokens}, {"ids", &ids}});
+  }
   if (pairs > 0x7fffffff) return Invalid(kOp, "n * k must be below 2^31", all);
   SHARDSERVE_RETURN_IF_ERROR(Activate());
   return Launch("MoeGroupKernel", MoeGroupKernel, 1, kMoeGroupThreads, order->as<int32_t>(), rows->as<int32_t>(),
-                offsets->as<int32_t>(), ids.as<const int32_t>(), pairs, offsets->dim(0) - 1, errors_dev_);
+                offsets->as<int32_t>(), tokens != nullptr ? tokens->as<int32_t>() : nullptr, ids.as<const int32_t>(),
+                pairs, ids.dim(1), offsets->dim(0) - 1, errors_dev_);
+}
+
+absl::Status CudaBackend::MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) {
+  constexpr const char* kOp = "MoeCountRows";
+  if (counts == nullptr) return Invalid(kOp, "counts is null", {});
+  const auto all = {std::pair<const char*, const Tensor*>{"counts", counts}, {"offsets", &offsets}};
+  if (!Is(*counts, 1, DType::kI32) || !Is(offsets, 1, DType::kI32) || offsets.dim(0) != counts->dim(0) + 1 ||
+      begin < 0 || begin > end || end > counts->dim(0)) {
+    return Invalid(kOp, absl::StrCat("want counts [E] and offsets [E + 1] I32, experts [", begin, ", ", end,
+                                     ") within [0, E)"),
+                   all);
+  }
+  if (begin == end) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  constexpr int kThreads = 128;
+  return Launch("MoeCountRowsKernel", MoeCountRowsKernel, static_cast<unsigned>((end - begin + kThreads - 1) / kThreads),
+                kThreads, counts->as<int32_t>(), offsets.as<const int32_t>(), begin, end, errors_dev_);
+}
+
+absl::Status CudaBackend::SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) {
+  constexpr const char* kOp = "SigmoidGateMul";
+  if (out == nullptr) return Invalid(kOp, "out is null", {});
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"x", &x}, {"gate", &gate}};
+  if (!Is(*out, 2, act_) || !Is(x, 2, act_) || !Is(gate, 2, act_) || !SameShape(*out, x) || gate.dim(0) != x.dim(0) ||
+      gate.dim(1) != 1) {
+    return Invalid(kOp, absl::StrCat("want out and x [n, d], gate [n, 1], all ", DTypeName(act_)), all);
+  }
+  const int64_t n = x.dim(0);
+  if (n == 0 || x.dim(1) == 0) return absl::OkStatus();
+  if (n > 0x7fffffff) return Invalid(kOp, "too many tokens", all);
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  return DispatchFloat(act_, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return Launch("SigmoidGateMulKernel", SigmoidGateMulKernel<T>, static_cast<unsigned>(n), kMoeCombineThreads,
+                  out->as<T>(), x.as<const T>(), gate.as<const T>(), x.dim(1));
+  });
 }
 
 absl::Status CudaBackend::MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) {

@@ -93,12 +93,12 @@ std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& c, const TpShard& s
   if (c.num_experts == 0) return b;
   const int64_t E = c.num_experts, k = c.num_experts_per_tok, H = c.hidden_size, f = s.expert_rows.size();
   const std::vector<StepBufferDecl> moe = {{"router_logits", act, {n, E}},
-                                          {"router_logits_f32", DType::kF32, {n, E}},
                                           {"expert_ids", DType::kI32, {n, k}},
                                           {"expert_weights", DType::kF32, {n, k}},
                                           {"expert_order", DType::kI32, {n * k}},
                                           {"expert_rows", DType::kI32, {n, k}},
                                           {"expert_offsets", DType::kI32, {E + 1}},
+                                          {"expert_row_counts", DType::kI32, {E}},
                                           {"expert_tokens", DType::kI32, {n * k}},
                                           {"expert_in", act, {n * k, H}},
                                           {"expert_gate", act, {n * k, f}},
@@ -119,19 +119,12 @@ std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& c, const TpShard& s
   }
   if (c.shared_expert_intermediate_size > 0) {
     // The shared expert's gate and up (this rank's slice) and its output; where the family gates
-    // it (Qwen2-MoE), its gate's logit (act and float32), each token's row of its output (the
-    // identity, for MoeCombine) and the gated output.
+    // it (Qwen2-MoE), its gate's logit.
     const int64_t fs = s.shared_expert_rows.size();
     const std::vector<StepBufferDecl> shared = {
         {"shared_gate", act, {n, fs}}, {"shared_up", act, {n, fs}}, {"shared_out", act, {n, H}}};
     b.insert(b.end(), shared.begin(), shared.end());
-    if (c.family->shared_expert) {
-      const std::vector<StepBufferDecl> gated = {{"shared_gate_logit", act, {n, 1}},
-                                                 {"shared_scale", DType::kF32, {n, 1}},
-                                                 {"shared_rows", DType::kI32, {n, 1}},
-                                                 {"shared_gated", act, {n, H}}};
-      b.insert(b.end(), gated.begin(), gated.end());
-    }
+    if (c.family->shared_expert) b.push_back({"shared_gate_logit", act, {n, 1}});
   }
   return b;
 }

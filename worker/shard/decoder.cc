@@ -150,10 +150,8 @@ absl::Status DecoderBlocks::SwiGlu(Tensor* out, Tensor* gate, Tensor* up, const 
 
 absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const {
   MoeScratch& m = s.moe;
-  MoeHostScratch& host = *s.moe_host;
   const ExpertPlan& plan = tp_.experts;
-  const int64_t k = config_.num_experts_per_tok, E = config_.num_experts;
-  const DType act = be_.act_dtype();
+  const int64_t k = config_.num_experts_per_tok;
   // the tokens this rank routes (all of them when the experts are cut; its slice of them with
   // expert parallelism), and their rows of the output
   const Range tokens = plan.TokenRows(s.normed.dim(0));
@@ -162,124 +160,67 @@ absl::Status DecoderBlocks::MoeMlp(const LayerWeights& w, LayerScratch& s) const
   Tensor proj = s.proj.Rows(0, n);
   // router_logits = gate(h) (gpt-oss's router with its bias), the product in the act dtype
   // (replicated: every rank routes alike)
-  Tensor logits_act = m.router_logits.Rows(0, n);
+  Tensor logits = m.router_logits.Rows(0, n);
   SHARDSERVE_RETURN_IF_ERROR(
-      be_.MatMul(&logits_act, h, w.router, w.router_logit_bias.data != nullptr ? &w.router_logit_bias : nullptr));
-  // ... widened to float32 for softmax(router_logits, dtype=float): the same tensor in float32, else
-  // through the host (a 16-bit act dtype; there is no widening op on the device yet)
-  Tensor logits = act == DType::kF32 ? logits_act : m.router_logits_f32.Rows(0, n);
-  if (act != DType::kF32) {
-    SHARDSERVE_RETURN_IF_ERROR(ReadF32OnHost(logits_act, host));
-    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(logits.data, host.logits_f32.data(), n * E * sizeof(float)));
-  }
-  // ids, weights = topk(softmax(router_logits), k), divided by their sum when norm_topk_prob (always
-  // for Mixtral), rounded to the act dtype where the family does (Qwen-MoE)
+      be_.MatMul(&logits, h, w.router, w.router_logit_bias.data != nullptr ? &w.router_logit_bias : nullptr));
+  // ids, weights = topk(softmax(router_logits, dtype=float), k), divided by their sum when
+  // norm_topk_prob (always for Mixtral), rounded to the act dtype where the family does (Qwen-MoE)
   // (DeepSeek-V3: sigmoid scores, the layer's e_score_correction_bias for the choice, groups;
   // gpt-oss: softmax(topk(router_logits, k)))
   Tensor ids = m.ids.Rows(0, n), weights = m.weights.Rows(0, n);
   MoeRouting routing = routing_;
   if (w.router_bias.data != nullptr) routing.selection_bias = &w.router_bias;
   SHARDSERVE_RETURN_IF_ERROR(be_.MoeRoute(&ids, &weights, logits, routing));
-  // the (token, expert) pairs grouped by expert: transformers' loop over the experts that got tokens
-  Tensor order = m.order.Rows(0, nk), rows = m.rows.Rows(0, n);
-  SHARDSERVE_RETURN_IF_ERROR(be_.MoeGroupByExpert(&order, &rows, &m.offsets, ids));
-  // each expert's row count and each grouped row's token, read on the host: they drive the loop
-  // below (and keep step graphs off for these layers: ModelShard::Load)
-  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.offsets.data(), m.offsets.data, (E + 1) * sizeof(int32_t)));
-  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.order.data(), order.data, nk * sizeof(int32_t)));
-  for (int64_t i = 0; i < nk; ++i) host.tokens[i] = static_cast<int32_t>(host.order[i] / k);
-  Tensor token_ids = m.tokens.Rows(0, nk);
-  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(token_ids.data, host.tokens.data(), nk * sizeof(int32_t)));
+  // the (token, expert) pairs grouped by expert: transformers' loop over the experts that got
+  // tokens, each grouped row's token beside it
+  Tensor order = m.order.Rows(0, nk), rows = m.rows.Rows(0, n), token_ids = m.tokens.Rows(0, nk);
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeGroupByExpert(&order, &rows, &m.offsets, &token_ids, ids));
   // current_state = hidden_states[token_idx] for every expert at once (a row gather)
   Tensor in = m.in.Rows(0, nk);
   SHARDSERVE_RETURN_IF_ERROR(be_.Embedding(&in, h, token_ids, 0));
   // ... to the ranks of their experts (they stay here when the experts are cut)
   ExpertRows local;
-  SHARDSERVE_RETURN_IF_ERROR(plan.Dispatch(be_, m, host, nk, &local));
+  SHARDSERVE_RETURN_IF_ERROR(plan.Dispatch(be_, m, *s.moe_host, nk, &local));
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeCountRows(&m.row_counts, local.offsets, plan.experts.begin, plan.experts.end));
   // each expert of this rank that got rows: down_proj(silu(gate_proj(x)) * up_proj(x)) on its rows
   // (this rank's slice of its intermediate size, or all of it); gpt-oss's with biases and the
-  // clamped SwiGLU (GptOssExpert). The grouped product is a loop over those experts, one product per
-  // weight each: plain, and what the CPU needs; a grouped GEMM would replace it on a GPU.
-  for (int64_t e = plan.experts.begin; e < plan.experts.end; ++e) {
-    const int64_t begin = local.offsets[e], end = local.offsets[e + 1];
-    host.expert_rows_total[e] += static_cast<uint64_t>(end - begin);
-    if (begin == end) continue;
-    Tensor x = local.in.Rows(begin, end), gate = m.gate.Rows(begin, end), up = m.up.Rows(begin, end),
-           out = local.out.Rows(begin, end);
-    if (config_.swiglu_limit > 0) {
-      SHARDSERVE_RETURN_IF_ERROR(GptOssExpert(w, e, &out, &gate, &up, x));
-    } else {
-      SHARDSERVE_RETURN_IF_ERROR(
-          SwiGlu(&out, &gate, &up, x, w.expert_gate_proj[e], w.expert_up_proj[e], w.expert_down_proj[e]));
-    }
-  }
+  // clamped SwiGLU (GptOssExperts: gate_up_proj de-interleaved at load into two products, and
+  // down_proj's bias on one rank)
+  const int64_t local_rows = local.in.dim(0);
+  const MoeExpertWeights experts{.gate_proj = w.expert_gate_proj,
+                                 .up_proj = w.expert_up_proj,
+                                 .down_proj = w.expert_down_proj,
+                                 .gate_bias = w.expert_gate_bias,
+                                 .up_bias = w.expert_up_bias,
+                                 .down_bias = w.expert_down_bias,
+                                 .swiglu_alpha = static_cast<float>(config_.swiglu_alpha),
+                                 .swiglu_limit = static_cast<float>(config_.swiglu_limit),
+                                 .begin = plan.experts.begin,
+                                 .end = plan.experts.end};
+  Tensor gate = m.gate.Rows(0, local_rows), up = m.up.Rows(0, local_rows);
+  SHARDSERVE_RETURN_IF_ERROR(be_.MoeExperts(&local.out, &gate, &up, local.in, local.offsets, experts));
   // ... and their outputs back to the tokens' rank
   Tensor expert_out;
-  SHARDSERVE_RETURN_IF_ERROR(plan.Return(be_, m, host, local, nk, &expert_out));
+  SHARDSERVE_RETURN_IF_ERROR(plan.Return(be_, m, *s.moe_host, local, nk, &expert_out));
   // final_hidden_states.index_add_(token_idx, expert output * its weight), expert by expert
   SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&proj, expert_out, rows, weights));
-  if (w.shared_expert_gate.data != nullptr) {
-    // Qwen2-MoE: shared_expert(h) = down_proj(silu(gate_proj(h)) * up_proj(h)), this rank's slice
-    // (whole with expert parallelism, on this rank's tokens)
+  if (w.shared_gate_proj.data != nullptr) {
+    // Qwen2-MoE: shared_expert(h) = down_proj(silu(gate_proj(h)) * up_proj(h)); DeepSeek-V3's
+    // shared_experts(h) alike (this rank's slice; whole with expert parallelism, on this rank's
+    // tokens)
     Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
     SHARDSERVE_RETURN_IF_ERROR(SwiGlu(&out, &gate, &up, h, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
-    // sigmoid(shared_expert_gate(h)) in the act dtype, per token, on the host (no sigmoid op on the
-    // device yet)
-    Tensor gate_logit = m.shared_gate_logit.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&gate_logit, h, w.shared_expert_gate, nullptr));
-    SHARDSERVE_RETURN_IF_ERROR(ReadF32OnHost(gate_logit, host));
-    for (int64_t t = 0; t < n; ++t) {
-      float scale = 1.0f / (1.0f + std::exp(-host.logits_f32[t]));
-      uint16_t narrow = 0;
-      if (act != DType::kF32 && ConvertOnHost(&narrow, act, &scale, DType::kF32, 1)) {
-        ConvertOnHost(&scale, DType::kF32, &narrow, act, 1);
-      }
-      host.logits_f32[t] = scale;
-      host.tokens[t] = static_cast<int32_t>(t);
+    if (w.shared_expert_gate.data != nullptr) {
+      // Qwen2-MoE: sigmoid(shared_expert_gate(h)) * shared_expert_output, in the act dtype
+      Tensor gate_logit = m.shared_gate_logit.Rows(0, n);
+      SHARDSERVE_RETURN_IF_ERROR(be_.MatMul(&gate_logit, h, w.shared_expert_gate, nullptr));
+      SHARDSERVE_RETURN_IF_ERROR(be_.SigmoidGateMul(&out, out, gate_logit));
     }
-    Tensor scale = m.shared_scale.Rows(0, n), token_rows = m.shared_rows.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(scale.data, host.logits_f32.data(), n * sizeof(float)));
-    SHARDSERVE_RETURN_IF_ERROR(be_.CopyToDevice(token_rows.data, host.tokens.data(), n * sizeof(int32_t)));
-    // expert_output + sigmoid(...) * shared_expert_output (MoeCombine of one slot a token: the
-    // product rounded to act as transformers' is)
-    Tensor gated = m.shared_gated.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(be_.MoeCombine(&gated, out, token_rows, scale));
-    SHARDSERVE_RETURN_IF_ERROR(be_.Add(&proj, proj, gated));
-  } else if (w.shared_gate_proj.data != nullptr) {
-    // DeepSeek-V3: + shared_experts(h), ungated (this rank's slice; whole with expert parallelism,
-    // on this rank's tokens)
-    Tensor gate = m.shared_gate.Rows(0, n), up = m.shared_up.Rows(0, n), out = m.shared_out.Rows(0, n);
-    SHARDSERVE_RETURN_IF_ERROR(SwiGlu(&out, &gate, &up, h, w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj));
+    // expert_output + shared (DeepSeek-V3's ungated)
     SHARDSERVE_RETURN_IF_ERROR(be_.Add(&proj, proj, out));
   }
   // every token's output on every rank: the partial sums summed once, or the ranks' rows gathered
   return plan.Join(be_, m, &s.proj);
-}
-
-absl::Status DecoderBlocks::GptOssExpert(const LayerWeights& w, int64_t e, Tensor* out, Tensor* gate, Tensor* up,
-                                         const Tensor& x) const {
-  // gate, up = gate_up_proj(x) + gate_up_proj_bias, de-interleaved at load into two products with
-  // their biases (column-parallel: this rank's rows)
-  const MatMulProduct gate_up[] = {{gate, &w.expert_gate_proj[e], &w.expert_gate_bias[e]},
-                                   {up, &w.expert_up_proj[e], &w.expert_up_bias[e]}};
-  SHARDSERVE_RETURN_IF_ERROR(be_.MatMuls(x, gate_up));
-  // (clamp(up, -limit, limit) + 1) * glu(min(gate, limit)), into gate
-  SHARDSERVE_RETURN_IF_ERROR(be_.ClampedSwiGlu(gate, *gate, *up, static_cast<float>(config_.swiglu_alpha),
-                                               static_cast<float>(config_.swiglu_limit)));
-  // down_proj (row-parallel) + down_proj_bias, which one rank holds (the expert's, or rank 0's)
-  const Tensor& down_bias = w.expert_down_bias[e];
-  return be_.MatMul(out, *gate, w.expert_down_proj[e], down_bias.data != nullptr ? &down_bias : nullptr);
-}
-
-absl::Status DecoderBlocks::ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const {
-  const DType act = be_.act_dtype();
-  const size_t count = static_cast<size_t>(t.numel());
-  if (act == DType::kF32) return be_.CopyToHost(host.logits_f32.data(), t.data, t.bytes());
-  SHARDSERVE_RETURN_IF_ERROR(be_.CopyToHost(host.logits_act.data(), t.data, t.bytes()));
-  if (!ConvertOnHost(host.logits_f32.data(), DType::kF32, host.logits_act.data(), act, count)) {
-    return absl::InternalError(absl::StrCat("cannot widen ", DTypeName(act), " to float32 on the host"));
-  }
-  return absl::OkStatus();
 }
 
 absl::Status DecoderBlocks::Mlp(const LayerWeights& w, LayerScratch& s) const {

@@ -125,14 +125,6 @@ class DecoderBlocks {
   // experts (tp_.experts: cut and summed once, or whole on their ranks with the tokens sent to them
   // and gathered back).
   absl::Status MoeMlp(const LayerWeights& w, LayerScratch& s) const;
-  // gpt-oss's expert e on its rows x (GptOssExperts): out = down_proj(clamped SwiGLU of gate_proj(x)
-  // + its bias and up_proj(x) + its bias) + down_proj's bias where this rank holds it; gate and up
-  // are scratch. out is this rank's partial sum.
-  absl::Status GptOssExpert(const LayerWeights& w, int64_t e, Tensor* out, Tensor* gate, Tensor* up,
-                            const Tensor& x) const;
-  // The [n, cols] act product `t` read into host.logits_f32 as float32 (through logits_act for a
-  // 16-bit act dtype).
-  absl::Status ReadF32OnHost(const Tensor& t, MoeHostScratch& host) const;
   // The layer's MLP: MoeMlp where the layer has a router (a sparse layer), else GatedMlp.
   absl::Status Mlp(const LayerWeights& w, LayerScratch& s) const;
   // x += residual, then normed = next_norm(x) when there is a next norm (one pass where the backend

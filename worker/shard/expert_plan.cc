@@ -17,7 +17,7 @@ absl::Status ExpertPlan::Dispatch(Backend& be, MoeScratch& m, MoeHostScratch& ho
                                   ExpertRows* rows) const {
   if (!expert_parallel) {
     // every expert is here (cut): the rows stay where they are
-    *rows = {m.in.Rows(0, sent), m.out.Rows(0, sent), host.offsets.data()};
+    *rows = {m.in.Rows(0, sent), m.out.Rows(0, sent), m.offsets};
     return absl::OkStatus();
   }
   const int t = group->size(), r = group->rank();
@@ -61,13 +61,15 @@ absl::Status ExpertPlan::Dispatch(Backend& be, MoeScratch& m, MoeHostScratch& ho
     }
   }
   for (int64_t e = experts.end; e <= E; ++e) host.local_offsets[e] = static_cast<int32_t>(row);
+  // m.offsets, sent above, now counts this rank's experts' rows
+  SHARDSERVE_RETURN_IF_ERROR(be.CopyToDevice(m.offsets.data, host.local_offsets.data(), m.offsets.bytes()));
   Tensor regroup = m.regroup.Rows(0, received), ungroup = m.ungroup.Rows(0, received);
   SHARDSERVE_RETURN_IF_ERROR(be.CopyToDevice(regroup.data, host.regroup.data(), received * sizeof(int32_t)));
   SHARDSERVE_RETURN_IF_ERROR(be.CopyToDevice(ungroup.data, host.ungroup.data(), received * sizeof(int32_t)));
   // m.in is free once sent: the regrouped rows go there (a row gather)
   Tensor in = m.in.Rows(0, received);
   SHARDSERVE_RETURN_IF_ERROR(be.Embedding(&in, exchanged, regroup, 0));
-  *rows = {in, m.out.Rows(0, received), host.local_offsets.data()};
+  *rows = {in, m.out.Rows(0, received), m.offsets};
   return absl::OkStatus();
 }
 

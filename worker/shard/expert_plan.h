@@ -33,23 +33,21 @@ namespace shardserve {
 // (token, expert) rows at most.
 struct MoeScratch {
   Tensor router_logits;      // [n, experts] act: the router's product
-  Tensor router_logits_f32;  // [n, experts] F32: the same, widened for the routing
   Tensor ids;                // [n, k] I32: each token's experts, in top-k order
   Tensor weights;            // [n, k] F32: their weights
   Tensor order;              // [n * k] I32: the (token, slot) pairs grouped by expert
   Tensor rows;               // [n, k] I32: each pair's row in the grouping
-  Tensor offsets;            // [experts + 1] I32: where each expert's rows start
+  Tensor offsets;            // [experts + 1] I32: where each expert's rows start (with expert
+                             // parallelism, once Dispatch has sent them: this rank's experts' rows')
+  Tensor row_counts;         // [experts] I32: rows per expert over the step's layers (MoeCountRows)
   Tensor tokens;             // [n * k] I32: each grouped row's token
   Tensor in;                 // [n * k, hidden] the grouped rows' inputs
   Tensor gate, up;           // [n * k, fe] each expert's products on its rows (this rank's slice)
   Tensor out;                // [n * k, hidden] each expert's output on its rows (partial sums)
-  // Qwen2-MoE's shared expert:
+  // The shared experts (Qwen2-MoE's, DeepSeek-V3's):
   Tensor shared_gate, shared_up;  // [n, fs] its products (this rank's slice)
-  Tensor shared_out;              // [n, hidden] its output (partial sums)
-  Tensor shared_gate_logit;       // [n, 1] act: shared_expert_gate(h)
-  Tensor shared_scale;            // [n, 1] F32: sigmoid of it, in the act dtype's precision
-  Tensor shared_rows;             // [n, 1] I32: 0, 1, ..., n - 1
-  Tensor shared_gated;            // [n, hidden] its output times the scale (partial sums)
+  Tensor shared_out;              // [n, hidden] its output (partial sums), gated in place (Qwen2-MoE)
+  Tensor shared_gate_logit;       // [n, 1] act: Qwen2-MoE's shared_expert_gate(h)
   // Expert parallelism only (model/families/moe.cc MoeBuffers):
   Tensor all_offsets;  // [tp, experts + 1] I32: every rank's `offsets`
   Tensor exchanged;    // [n * k, hidden] the rows received from the ranks (then the outputs sent back)
@@ -58,13 +56,10 @@ struct MoeScratch {
   Tensor gathered;     // [tp * ceil(n / tp), hidden] every rank's combined rows
 };
 
-// Host memory a sparse layer reads the grouping into, sized at load for the step limits.
+// Host memory of the sparse layers, sized at load for the step limits. With the experts cut a
+// step's grouping stays on the device (so a step graph can record it); expert parallelism reads
+// the ranks' row counts on the host to size its exchanges.
 struct MoeHostScratch {
-  std::vector<int32_t> offsets;      // [experts + 1]
-  std::vector<int32_t> order;        // [n * k]
-  std::vector<int32_t> tokens;       // [n * k]
-  std::vector<uint16_t> logits_act;  // [n * experts] the router's (or shared gate's) logits, 16-bit act
-  std::vector<float> logits_f32;     // [n * experts] the same in float32
   // Expert parallelism only:
   std::vector<int32_t> all_offsets;            // [tp * (experts + 1)]
   std::vector<int32_t> local_offsets;          // [experts + 1] this rank's experts' rows, regrouped
@@ -72,16 +67,17 @@ struct MoeHostScratch {
   std::vector<int64_t> send_rows, recv_rows;   // [tp]
   // Rows each expert of this rank computed since load (its load-balance counter), per expert id
   // [experts]: with the experts cut every rank counts every row; with expert parallelism each row
-  // once, on its expert's rank.
+  // once, on its expert's rank. MoeScratch::row_counts of the steps run since the last read are
+  // added to it (ModelShard::ExpertRowsTotal).
   std::vector<uint64_t> expert_rows_total;
+  std::vector<int32_t> row_counts;  // [experts] the device's counts as read
 };
 
 // The rows this rank's experts compute on: `in` [rows, hidden] grouped by expert, their outputs
-// into `out` [rows, hidden]; expert e's rows are [offsets[e], offsets[e + 1]) (host memory, [E + 1],
-// read for e in ExpertPlan::experts).
+// into `out` [rows, hidden]; expert e's rows are [offsets[e], offsets[e + 1]) (device memory,
+// [E + 1] I32, for e in ExpertPlan::experts).
 struct ExpertRows {
-  Tensor in, out;
-  const int32_t* offsets = nullptr;
+  Tensor in, out, offsets;
 };
 
 struct ExpertPlan {
@@ -92,7 +88,7 @@ struct ExpertPlan {
 
   // The rows of the step's n tokens this rank routes and combines.
   Range TokenRows(int64_t n) const;
-  // m.in's first `sent` rows (this rank's (token, expert) rows grouped by expert, host.offsets
+  // m.in's first `sent` rows (this rank's (token, expert) rows grouped by expert, m.offsets
   // counting them) -> the rows this rank's experts compute on.
   absl::Status Dispatch(Backend& be, MoeScratch& m, MoeHostScratch& host, int64_t sent, ExpertRows* rows) const;
   // The experts' outputs (rows.out) -> *out [sent, hidden]: the outputs of this rank's `sent` rows,

@@ -118,22 +118,21 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
                     .long_from = table.long_from};
   }
   m->blocks_ = std::make_unique<DecoderBlocks>(backend, &m->tp_, m->config_, &m->rope_);
-  // A sparse layer's host reads (DecoderBlocks::MoeMlp) cannot be recorded.
-  m->graphs_on_ = backend->records_graphs() && tp->size() == 1 && config.num_experts == 0;
-  if (backend->records_graphs() && config.num_experts > 0) {
-    m->graphs_off_why_ = "the mixture-of-experts layers read their experts' row counts on the host each step";
+  // A sparse layer's step stays on the device where the backend's MoeExperts reads its offsets
+  // there (expert parallelism, which reads row counts on the host, needs TP > 1).
+  m->graphs_on_ = backend->records_graphs() && tp->size() == 1 &&
+                  (config.num_experts == 0 || backend->records_moe_experts());
+  if (backend->records_graphs() && tp->size() == 1 && !m->graphs_on_) {
+    m->graphs_off_why_ = absl::StrCat("the mixture-of-experts layers' experts read their row counts on the host (",
+                                      backend->Describe(), ")");
   }
   if (config.num_experts > 0) {
-    const size_t nk = static_cast<size_t>(opt.max_tokens_per_step * config.num_experts_per_tok);
-    const size_t logits = static_cast<size_t>(opt.max_tokens_per_step * config.num_experts);
     MoeHostScratch& host = m->moe_host_;
-    host.offsets.resize(config.num_experts + 1);
-    host.order.resize(nk);
-    host.tokens.resize(nk);
-    host.logits_f32.resize(logits);
-    if (backend->act_dtype() != DType::kF32) host.logits_act.resize(logits);
     host.expert_rows_total.assign(config.num_experts, 0);
+    host.row_counts.assign(config.num_experts, 0);
+    SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(m->moe_.row_counts.data, m->moe_.row_counts.bytes()));
     if (s.expert_parallel) {
+      const size_t nk = static_cast<size_t>(opt.max_tokens_per_step * config.num_experts_per_tok);
       host.all_offsets.resize(static_cast<size_t>(spec.tp_size) * (config.num_experts + 1));
       host.local_offsets.resize(config.num_experts + 1);
       host.regroup.resize(nk);
@@ -153,13 +152,12 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
       {"normed", &normed_}, {"q", &q_},  {"k", &k_},   {"v", &v_},   {"attn", &attn_}, {"proj", &proj_},
       {"gate", &gate_},     {"up", &up_}, {"inv_freq", &inv_freq_},   {"last", &last_},
       {"local_logits", &local_logits_}, {"gathered_logits", &gathered_logits_}, {"logits", &logits_},
-      {"router_logits", &moe_.router_logits}, {"router_logits_f32", &moe_.router_logits_f32},
-      {"expert_ids", &moe_.ids}, {"expert_weights", &moe_.weights}, {"expert_order", &moe_.order},
-      {"expert_rows", &moe_.rows}, {"expert_offsets", &moe_.offsets}, {"expert_tokens", &moe_.tokens},
+      {"router_logits", &moe_.router_logits}, {"expert_ids", &moe_.ids}, {"expert_weights", &moe_.weights},
+      {"expert_order", &moe_.order}, {"expert_rows", &moe_.rows}, {"expert_offsets", &moe_.offsets},
+      {"expert_row_counts", &moe_.row_counts}, {"expert_tokens", &moe_.tokens},
       {"expert_in", &moe_.in}, {"expert_gate", &moe_.gate}, {"expert_up", &moe_.up}, {"expert_out", &moe_.out},
       {"shared_gate", &moe_.shared_gate}, {"shared_up", &moe_.shared_up}, {"shared_out", &moe_.shared_out},
-      {"shared_gate_logit", &moe_.shared_gate_logit}, {"shared_scale", &moe_.shared_scale},
-      {"shared_rows", &moe_.shared_rows}, {"shared_gated", &moe_.shared_gated},
+      {"shared_gate_logit", &moe_.shared_gate_logit},
       {"expert_all_offsets", &moe_.all_offsets}, {"expert_exchanged", &moe_.exchanged},
       {"expert_regroup", &moe_.regroup}, {"expert_ungroup", &moe_.ungroup}, {"expert_gathered", &moe_.gathered},
       {"mla_q_a", &mla_.q_a}, {"mla_q_nope", &mla_.q_nope}, {"mla_q_pe", &mla_.q_pe}, {"mla_kv_c", &mla_.kv_c},
@@ -170,6 +168,18 @@ Tensor* ModelShard::StepBufferSlot(const std::string& name) {
     if (name == slot) return tensor;
   }
   return nullptr;
+}
+
+absl::StatusOr<std::vector<uint64_t>> ModelShard::ExpertRowsTotal() {
+  MoeHostScratch& host = moe_host_;
+  if (config_.num_experts == 0) return host.expert_rows_total;
+  // the device's counts since the last read (steps run in order on its stream: this read follows
+  // them), added to the totals, and the device's zeroed
+  const Tensor& counts = moe_.row_counts;
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToHost(host.row_counts.data(), counts.data, counts.bytes()));
+  SHARDSERVE_RETURN_IF_ERROR(backend_->Fill0(counts.data, counts.bytes()));
+  for (size_t e = 0; e < host.row_counts.size(); ++e) host.expert_rows_total[e] += static_cast<uint32_t>(host.row_counts[e]);
+  return host.expert_rows_total;
 }
 
 std::string ModelShard::QuantizationSummary() const { return shardserve::QuantizationSummary(config_, spec_, load_); }

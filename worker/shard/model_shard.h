@@ -87,8 +87,10 @@ class ModelShard {
   const StepLimits& limits() const { return limits_; }
   uint64_t weight_bytes() const { return load_.weight_bytes; }
   // Rows (token, expert pairs) each expert computed on this rank since load, by expert id (empty for
-  // a dense model): the experts' load balance (MoeHostScratch::expert_rows_total).
-  const std::vector<uint64_t>& expert_rows_total() const { return moe_host_.expert_rows_total; }
+  // a dense model): the experts' load balance (MoeHostScratch::expert_rows_total). The steps' counts
+  // are summed on the device; each call reads and adds those of the steps run since the one before
+  // (one small read after the step's own).
+  absl::StatusOr<std::vector<uint64_t>> ExpertRowsTotal();
   // Bytes of the buffers one step works in (inputs, activations, logits, RoPE frequencies): what
   // the planner counts as activation bytes (coordinator/planner/planner.cc).
   uint64_t step_buffer_bytes() const { return step_buffer_bytes_; }
@@ -103,8 +105,8 @@ class ModelShard {
   // The first step of a shape runs as it is (the kernels' code and cuBLAS's workspace loaded), the
   // second is recorded and run, the later ones replay it. If a recording fails the shard turns
   // graphs off, runs that step as it is, and step_graphs_off() says why. A model with experts runs
-  // without graphs (its sparse layers read their experts' row counts on the host each step), and
-  // step_graphs_off() says so.
+  // with graphs only where the backend's MoeExperts reads its row offsets on the device
+  // (Backend::records_moe_experts); elsewhere step_graphs_off() says so.
   static constexpr int64_t kMaxGraphSeqs = 64;
   int step_graphs_recorded() const { return static_cast<int>(graphs_recorded_); }
   uint64_t step_graph_replays() const { return graph_replays_; }
