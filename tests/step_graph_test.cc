@@ -457,7 +457,8 @@ TEST(StepGraphTest, TheCpuBackendRecordsNoGraphs) {
 // (docs/gpu.md), each --no-cuda-... switch turning its own off and no other; the int4 tensor-core
 // GEMV (slower there than the default) off unless --cuda-int4-mma, programmatic dependent launch
 // (not yet run on one) unless --cuda-pdl, cuBLASLt's fp8 GEMM (not yet run, inexact) unless
-// --cuda-fp8-gemm, the int4 GEMV with the zero folded out (not yet run) unless --cuda-int4-folded.
+// --cuda-fp8-gemm, the int4 GEMV with the zero folded out (not yet run) unless --cuda-int4-folded,
+// the grouped MoE experts (not yet run) unless --cuda-moe-grouped.
 TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   auto parse = [](std::vector<std::string> args) {
     absl::StatusOr<Flags> f = Flags::Parse(args, {}, WithCudaSwitches({}));
@@ -482,6 +483,10 @@ TEST(CudaSwitches, EveryPathOnButThoseASwitchTurnsOff) {
   EXPECT_TRUE(fp8.fp8_gemm && fp8.quantized_kernels && fp8.step_graphs && fp8.dense_gemv);
   EXPECT_FALSE(fp8.pdl || fp8.int4_mma || fp8.int4_folded);
   EXPECT_FALSE(on.int4_folded) << "not yet run on a GPU: off unless asked for";
+  EXPECT_FALSE(on.moe_grouped) << "not yet run on a GPU: off unless asked for";
+  const CudaBackendOptions grouped = parse({"--cuda-moe-grouped"});
+  EXPECT_TRUE(grouped.moe_grouped && grouped.step_graphs && grouped.dense_gemv);
+  EXPECT_FALSE(grouped.int4_folded || grouped.pdl || grouped.fp8_gemm || grouped.int4_mma);
   const CudaBackendOptions folded = parse({"--cuda-int4-folded"});
   EXPECT_TRUE(folded.int4_folded && folded.quantized_kernels && folded.step_graphs && folded.dense_gemv);
   EXPECT_FALSE(folded.int4_mma || folded.pdl || folded.fp8_gemm);

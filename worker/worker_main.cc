@@ -49,7 +49,7 @@ constexpr char kUsage[] =
     "                         [--activation-quantization auto|none|int8|int16] [--no-cuda-quantized-kernels]\n"
     "                         [--no-cuda-graphs] [--no-cuda-split-attention] [--no-cuda-fused-kernels]\n"
     "                         [--no-cuda-dense-gemv] [--cuda-int4-mma] [--cuda-pdl] [--cuda-fp8-gemm]\n"
-    "                         [--cuda-int4-folded]\n"
+    "                         [--cuda-int4-folded] [--cuda-moe-grouped]\n"
     "  --coordinator            the coordinator's address (default localhost:50051)\n"
     "  --node                   node name; the workers of one node form a tensor-parallel group\n"
     "                           (default: this host's name)\n"

@@ -54,6 +54,7 @@ CudaBackend::~CudaBackend() {
     (void)cudaGetLastError();
   }
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
+  grouped_experts_.clear();  // their tables' Buffers free through this backend, still whole here
   for (const StepGraph& g : graphs_) (void)cudaGraphExecDestroy(g.exec);
   if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
   if (lt_ != nullptr) (void)cublasLtDestroy(lt_);
@@ -133,7 +134,9 @@ absl::Status CudaBackend::SyncAndCheck() {
     absl::StrAppend(&msg, " MoeGroupByExpert: an expert id outside [0, E) (those pairs were left out, rows -1);");
   }
   if (bits & kErrMoeRow) absl::StrAppend(&msg, " MoeCombine: a row outside [0, expert_rows) (skipped);");
-  if (bits & kErrMoeOffsets) absl::StrAppend(&msg, " MoeCountRows: decreasing offsets (those experts not counted);");
+  if (bits & kErrMoeOffsets) {
+    absl::StrAppend(&msg, " MoeCountRows / MoeExperts: offsets decreasing or past the rows (those experts skipped);");
+  }
   return absl::InvalidArgumentError(msg);
 }
 

@@ -104,7 +104,7 @@ enum : unsigned {
   kErrMoeLogit = 1u << 4,        // MoeRoute: a NaN or infinite logit or selection bias
   kErrMoeExpert = 1u << 5,       // MoeGroupByExpert: an id outside [0, E)
   kErrMoeRow = 1u << 6,          // MoeCombine: a row outside [0, expert_rows)
-  kErrMoeOffsets = 1u << 7,      // MoeCountRows: offsets decreasing
+  kErrMoeOffsets = 1u << 7,      // MoeCountRows, MoeExperts: offsets decreasing (or past x's rows)
 };
 
 template <typename T>
@@ -233,6 +233,9 @@ class CudaBackend final : public Backend {
   absl::Status MoeCountRows(Tensor* counts, const Tensor& offsets, int64_t begin, int64_t end) override;
   absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override;
   absl::Status SigmoidGateMul(Tensor* out, const Tensor& x, const Tensor& gate) override;
+  bool records_moe_experts() const override { return options_.moe_grouped; }
+  absl::Status MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& offsets,
+                          const MoeExpertWeights& w) override;
 
  private:
   absl::Status Activate() const;
@@ -362,6 +365,17 @@ class CudaBackend final : public Backend {
     int64_t group = 0;
   };
   std::map<const void*, QuantizedWeight> quantized_;
+  // MoeExperts with options_.moe_grouped (moe.cu): per layer (keyed by its gate_proj span's
+  // address), the experts' weight and bias pointers as the grouped GEMV reads them, on the device
+  // (six arrays of E), and the host copy they are checked against at each call (rebuilt when the
+  // weights moved; null when some expert's weights are not plain act-dtype ones: the host loop).
+  struct GroupedExperts {
+    std::vector<const void*> host;  // [6 * E]: gate, up, down, gate bias, up bias, down bias
+    Buffer table;                   // its device copy
+    bool grouped = false;
+  };
+  std::map<const void*, GroupedExperts> grouped_experts_;
+  absl::StatusOr<const GroupedExperts*> GroupedTable(const MoeExpertWeights& w, int64_t f, int64_t h, int64_t d);
   // The dequantized rows of a quantized weight for the cuBLAS path (act dtype), grown as each
   // quantized weight is stored to DequantScratchBytes of it (a power of two: the largest of them),
   // never shrunk.

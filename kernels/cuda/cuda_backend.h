@@ -70,6 +70,16 @@ struct CudaBackendOptions {
   // 16-byte aligned and k a multiple of 8; int4_mma, where it takes a shape, first. Worker
   // --cuda-int4-folded. Written without a GPU (2026-11-29): off until it passes on one.
   bool int4_folded = false;
+  // MoeExperts (a mixture-of-experts layer's experts on their grouped rows) as a grouped GEMV that
+  // reads the experts' row offsets on the device (moe.cu's GroupedGemvKernel: a block per expert,
+  // product and 8 output columns, a warp a column, the expert's rows 4 at a time; gate and up in
+  // one launch, then SiluMul or ClampedSwiGlu over the rows, then down_proj), in place of the host
+  // loop of one product per expert; so records_moe_experts() is true and step graphs record MoE
+  // decode steps. Weights in the act dtype (quantized experts keep the loop, and a step graph that
+  // meets it is refused and graphs turned off). Not exact as the loop's cuBLAS / GEMV products
+  // (another summation order). Worker --cuda-moe-grouped. Written without a GPU (2026-12-04): off
+  // until it passes on one.
+  bool moe_grouped = false;
   // The most device memory MatMul by a quantized weight uses for the weight's dequantized rows on
   // its cuBLAS path (more than 8 rows of x), a block of rows at a time; 0: kCudaDequantScratchBytes.
   // (Tests set a few KiB to cover several blocks.)

@@ -19,11 +19,11 @@ inline constexpr std::array<const char*, 5> kCudaOffSwitches = {"no-cuda-quantiz
                                                                  "no-cuda-split-attention", "no-cuda-fused-kernels",
                                                                  "no-cuda-dense-gemv"};
 // Paths off by default, a switch turns each on: int4 on the tensor cores passed its tests on an
-// H200 but ran slower than the GEMV there; programmatic dependent launch, the fp8 GEMM and the
-// int4 GEMV with the zero folded out are not yet run on a GPU, and the fp8 GEMM rounds x to e4m3
-// (inexact: opt-in for good) (docs/gpu.md).
-inline constexpr std::array<const char*, 4> kCudaOnSwitches = {"cuda-int4-mma", "cuda-pdl", "cuda-fp8-gemm",
-                                                               "cuda-int4-folded"};
+// H200 but ran slower than the GEMV there; programmatic dependent launch, the fp8 GEMM, the int4
+// GEMV with the zero folded out and the grouped MoE experts are not yet run on a GPU, and the fp8
+// GEMM rounds x to e4m3 (inexact: opt-in for good) (docs/gpu.md).
+inline constexpr std::array<const char*, 5> kCudaOnSwitches = {"cuda-int4-mma", "cuda-pdl", "cuda-fp8-gemm",
+                                                               "cuda-int4-folded", "cuda-moe-grouped"};
 
 // `switches` and all of those (each after `prefix`: launch and bench take them as
 // --worker-no-cuda-... / --worker-cuda-...), for Flags::Parse.
@@ -61,7 +61,10 @@ inline constexpr char kCudaSwitchesUsage[] =
     "                           per row (W8A8: inexact in x); written without a GPU (docs/gpu.md)\n"
     "  --cuda-int4-folded       --device cuda: multiply up to 8 rows (decode) by int4 weights with the\n"
     "                           zero point folded out of the GEMV's inner loop (bf16 / f16; fewer\n"
-    "                           instructions a weight); written without a GPU (docs/gpu.md)\n";
+    "                           instructions a weight); written without a GPU (docs/gpu.md)\n"
+    "  --cuda-moe-grouped       --device cuda: a mixture-of-experts layer's experts as one grouped\n"
+    "                           GEMV reading their row counts on the device (so MoE decode steps are\n"
+    "                           recorded as graphs); written without a GPU (docs/gpu.md)\n";
 
 // CudaBackendOptions with every path that passed on a GPU on but those a --no-cuda-... switch of
 // `flags` turns off, and the others on where their switch is given.
@@ -74,7 +77,8 @@ inline CudaBackendOptions CudaOptionsFromSwitches(const Flags& flags) {
           .int4_mma = flags.Has("cuda-int4-mma"),
           .pdl = flags.Has("cuda-pdl"),
           .fp8_gemm = flags.Has("cuda-fp8-gemm"),
-          .int4_folded = flags.Has("cuda-int4-folded")};
+          .int4_folded = flags.Has("cuda-int4-folded"),
+          .moe_grouped = flags.Has("cuda-moe-grouped")};
 }
 
 }  // namespace shardserve

@@ -2,7 +2,9 @@
 // the CPU backend's code), MoeGroupByExpert (a counting sort in one block), MoeCountRows (a thread
 // per expert), MoeCombine and SigmoidGateMul (a block per token). Bad ids, rows and non-finite logits, which only the device sees, set bits of the
 // device error word (reported by the next Synchronize()) and are skipped.
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_backend.cuh"
@@ -129,7 +131,159 @@ __global__ void MoeCombineKernel(T* out, const T* y, const int32_t* rows, const 
   }
 }
 
+// MoeExperts with CudaBackendOptions::moe_grouped: a grouped GEMV. A block per (expert, product,
+// tile of kGroupedWarps output columns), a warp per column; the expert's rows, read from the offsets
+// on the device, kGroupedRows at a time, so that a decode step reads each expert's weights about
+// once. Blocks of experts without rows return at once; the grid is fixed by the expert count, so a
+// step graph replays it whatever the routing.
+constexpr int kGroupedWarps = 8;
+constexpr int kGroupedRows = 4;
+
+// One product of a launch: per expert e (device arrays), its weight [m, k] and bias [m] (entries or
+// the whole array null: none), into out [rows, m].
+template <typename T>
+struct GroupedProduct {
+  const T* const* w;
+  const T* const* bias;
+  T* out;
+};
+
+// kVec inputs of a lane at a time (16 bytes) where k is a multiple of it and rows are 16-byte aligned.
+template <typename T, int kVec>
+__global__ void GroupedGemvKernel(GroupedProduct<T> p0, GroupedProduct<T> p1, int products, const T* x,
+                                  int64_t x_rows, const int32_t* offsets, int64_t begin, int64_t m, int64_t k,
+                                  unsigned tiles, unsigned* errors) {
+  WaitForPriorKernels();
+  const unsigned tile = blockIdx.x % tiles;
+  const unsigned rest = blockIdx.x / tiles;
+  const GroupedProduct<T>& p = rest % products == 0 ? p0 : p1;
+  const int64_t e = begin + rest / products;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t j = static_cast<int64_t>(tile) * kGroupedWarps + warp;
+  const int64_t row_begin = offsets[e], row_end = offsets[e + 1];
+  if (row_begin < 0 || row_end < row_begin || row_end > x_rows) {
+    if (threadIdx.x == 0 && tile == 0) atomicOr(errors, kErrMoeOffsets);
+    return;
+  }
+  if (j >= m) return;  // whole warps
+  const T* w = p.w[e] + j * k;
+  const T* bias = p.bias != nullptr ? p.bias[e] : nullptr;
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += kGroupedRows) {
+    const int rows = static_cast<int>(row_end - r0 < kGroupedRows ? row_end - r0 : kGroupedRows);
+    float acc[kGroupedRows] = {};
+    for (int64_t i = static_cast<int64_t>(lane) * kVec; i < k; i += 32 * kVec) {
+      alignas(16) T wv[kVec];
+      if constexpr (kVec > 1) {
+        *reinterpret_cast<uint4*>(wv) = *reinterpret_cast<const uint4*>(w + i);
+      } else {
+        wv[0] = w[i];
+      }
+#pragma unroll
+      for (int r = 0; r < kGroupedRows; ++r) {
+        if (r >= rows) break;
+        alignas(16) T xv[kVec];
+        if constexpr (kVec > 1) {
+          *reinterpret_cast<uint4*>(xv) = *reinterpret_cast<const uint4*>(x + (r0 + r) * k + i);
+        } else {
+          xv[0] = x[(r0 + r) * k + i];
+        }
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) acc[r] = fmaf(ToFloat(wv[v]), ToFloat(xv[v]), acc[r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kGroupedRows; ++r) {
+      float sum = acc[r];
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane == 0 && r < rows) p.out[(r0 + r) * m + j] = FromFloat<T>(sum + (bias != nullptr ? ToFloat(bias[j]) : 0.0f));
+    }
+  }
+}
+
 }  // namespace
+
+absl::StatusOr<const CudaBackend::GroupedExperts*> CudaBackend::GroupedTable(const MoeExpertWeights& w, int64_t f,
+                                                                            int64_t h, int64_t d) {
+  const int64_t E = static_cast<int64_t>(w.gate_proj.size());
+  std::vector<const void*> host(static_cast<size_t>(6 * E), nullptr);
+  bool grouped = true;
+  const auto plain = [&](const Tensor& t, int64_t rows, int64_t cols) {
+    const bool ok = t.data != nullptr && t.quant == WeightQuant::kNone && t.dtype == act_ && t.ndim == 2 &&
+                    t.dim(0) == rows && t.dim(1) == cols && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+    grouped = grouped && ok;
+    return t.data;
+  };
+  const auto bias = [&](absl::Span<const Tensor> b, int64_t e, int64_t size) -> const void* {
+    if (e >= static_cast<int64_t>(b.size()) || b[e].data == nullptr) return nullptr;
+    grouped = grouped && b[e].dtype == act_ && b[e].numel() == size;
+    return b[e].data;
+  };
+  for (int64_t e = w.begin; e < w.end; ++e) {
+    host[e] = plain(w.gate_proj[e], f, h);
+    host[E + e] = plain(w.up_proj[e], f, h);
+    host[2 * E + e] = plain(w.down_proj[e], d, f);
+    host[3 * E + e] = bias(w.gate_bias, e, f);
+    host[4 * E + e] = bias(w.up_bias, e, f);
+    host[5 * E + e] = bias(w.down_bias, e, d);
+  }
+  GroupedExperts& t = grouped_experts_[w.gate_proj.data()];
+  if (t.host == host && (t.table.data() != nullptr || !t.grouped)) return &t;
+  t.host = host;
+  t.grouped = grouped;
+  if (!grouped) return &t;
+  SHARDSERVE_ASSIGN_OR_RETURN(t.table, Allocate(host.size() * sizeof(void*)));
+  SHARDSERVE_RETURN_IF_ERROR(CopyToDevice(t.table.data(), host.data(), host.size() * sizeof(void*)));
+  return &t;
+}
+
+absl::Status CudaBackend::MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& offsets,
+                                     const MoeExpertWeights& w) {
+  constexpr const char* kOp = "MoeExperts";
+  SHARDSERVE_RETURN_IF_ERROR(CheckMoeExperts(kOp, out, gate, up, x, offsets, w));
+  if (!options_.moe_grouped) return Backend::MoeExperts(out, gate, up, x, offsets, w);
+  const auto all = {std::pair<const char*, const Tensor*>{"out", out}, {"gate", gate}, {"up", up}, {"x", &x}};
+  if (!Is(*out, 2, act_) || !Is(*gate, 2, act_) || !Is(*up, 2, act_) || !Is(x, 2, act_)) {
+    return Invalid(kOp, absl::StrCat("want out, gate, up and x ", DTypeName(act_)), all);
+  }
+  const int64_t rows = x.dim(0), h = x.dim(1), f = gate->dim(1), d = out->dim(1);
+  SHARDSERVE_ASSIGN_OR_RETURN(const GroupedExperts* table, GroupedTable(w, f, h, d));
+  if (!table->grouped) return Backend::MoeExperts(out, gate, up, x, offsets, w);  // quantized experts: the loop
+  if (w.begin == w.end || rows == 0) return absl::OkStatus();
+  SHARDSERVE_RETURN_IF_ERROR(Activate());
+  const int64_t E = static_cast<int64_t>(w.gate_proj.size()), experts = w.end - w.begin;
+  const void* const* ptr = static_cast<const void* const*>(table->table.data());
+  const bool any_bias = std::any_of(table->host.begin() + 3 * E, table->host.end(), [](const void* p) { return p; });
+  return DispatchFloat(act_, [&](auto tag) -> absl::Status {
+    using T = typename decltype(tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const auto table_of = [&](int i) { return reinterpret_cast<const T* const*>(ptr + i * E); };
+    const auto launch = [&](GroupedProduct<T> p0, GroupedProduct<T> p1, int products, const Tensor& in, int64_t m,
+                            int64_t k) {
+      const unsigned tiles = static_cast<unsigned>((m + kGroupedWarps - 1) / kGroupedWarps);
+      const unsigned grid = static_cast<unsigned>(tiles * products * experts);
+      const bool vec = k % kVec == 0 && reinterpret_cast<uintptr_t>(in.data) % 16 == 0;
+      if (vec) {
+        return Launch("GroupedGemvKernel", GroupedGemvKernel<T, kVec>, grid, kGroupedWarps * 32, p0, p1, products,
+                      in.as<const T>(), rows, offsets.as<const int32_t>(), w.begin, m, k, tiles, errors_dev_);
+      }
+      return Launch("GroupedGemvKernel", GroupedGemvKernel<T, 1>, grid, kGroupedWarps * 32, p0, p1, products,
+                    in.as<const T>(), rows, offsets.as<const int32_t>(), w.begin, m, k, tiles, errors_dev_);
+    };
+    // gate = gate_proj(x) (+ bias), up = up_proj(x) (+ bias): one launch
+    const GroupedProduct<T> g{table_of(0), any_bias ? table_of(3) : nullptr, gate->as<T>()};
+    const GroupedProduct<T> u{table_of(1), any_bias ? table_of(4) : nullptr, up->as<T>()};
+    SHARDSERVE_RETURN_IF_ERROR(launch(g, u, 2, x, f, h));
+    // silu(gate) * up, or gpt-oss's clamped SwiGLU, over every row (a row of no expert here is scratch)
+    if (w.swiglu_limit > 0.0f) {
+      SHARDSERVE_RETURN_IF_ERROR(ClampedSwiGlu(gate, *gate, *up, w.swiglu_alpha, w.swiglu_limit));
+    } else {
+      SHARDSERVE_RETURN_IF_ERROR(SiluMul(gate, *gate, *up));
+    }
+    // out = down_proj(gate) (+ bias)
+    const GroupedProduct<T> down{table_of(2), any_bias ? table_of(5) : nullptr, out->as<T>()};
+    return launch(down, down, 1, *gate, d, f);
+  });
+}
 
 absl::Status CudaBackend::MoeRoute(Tensor* ids, Tensor* weights, const Tensor& logits, const MoeRouting& routing) {
   constexpr const char* kOp = "MoeRoute";

@@ -107,6 +107,9 @@
 #                  layers, 32 experts, from the 120b's config; plain bf16 experts), and DeepSeek-V3's
 #                  shapes cut to 4 layers (1 dense, 3 of 256 experts; multi-head latent attention);
 #                  the roofline counts the experts a step reads at its batch (the planner's)
+#   qwen3-30b-a3b-grouped-b1, qwen3-30b-a3b-grouped-c64
+#                  the same Qwen3-30B-A3B steps with the experts as one grouped GEMV and the decode
+#                  steps as graphs (--worker-cuda-moe-grouped: not yet run on a GPU)
 #   tp-on-one-gpu  tools/gpu/gpu_layouts_check.py: TP=2, PP=2 and TP2xPP2 as worker processes sharing the
 #                  GPU (--worker-collectives gloo: host-staged), and TP=1 with the dummy weights made
 #                  on the host (the others make them in GPU memory), each against generate-ids (one
@@ -525,6 +528,8 @@ run_steps() {
   bench_step gemma3-12b-c64 "$gemma3" "$preset" 64 128 512 128
   bench_step qwen3-30b-a3b-b1 "$qwen3moe" "$preset" 1 4 128 128
   bench_step qwen3-30b-a3b-c64 "$qwen3moe" "$preset" 64 128 512 128
+  bench_step qwen3-30b-a3b-grouped-b1 "$qwen3moe" "$preset" 1 4 128 128 "" --worker-cuda-moe-grouped
+  bench_step qwen3-30b-a3b-grouped-c64 "$qwen3moe" "$preset" 64 128 512 128 "" --worker-cuda-moe-grouped
   bench_step gpt-oss-20b-b1 "$gptoss" "$preset" 1 4 128 128
   bench_step deepseek-v3-4-layers-b1 "$deepseek" "$preset" 1 4 128 128
 

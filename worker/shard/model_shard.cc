@@ -198,7 +198,8 @@ std::string ModelShard::GpuPathsNotYetRun() const {
   if (config_.embedding_scale > 0) paths.push_back("the embedding scale");
   for (int64_t i = first_layer_; i < end_layer_; ++i) {
     if (config_.LayerIsSparse(i)) {
-      paths.push_back("mixture-of-experts layers (routing, grouping, the experts' products, combine)");
+      paths.push_back(absl::StrCat("mixture-of-experts layers (routing, grouping, the experts' products",
+                                   backend_->records_moe_experts() ? " as one grouped GEMV" : "", ", combine)"));
       if (spec_.expert_parallel) paths.push_back("expert parallelism (the all-to-all dispatch over NCCL)");
       break;
     }
