@@ -230,7 +230,8 @@ absl::Status Backend::MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Te
     Tensor xe = x.Rows(begin, end), g = gate->Rows(begin, end), u = up->Rows(begin, end), o = out->Rows(begin, end);
     if (w.swiglu_limit > 0.0f) {
       // gate, up = gate_up_proj(x) + its bias; (clamp(up) + 1) * glu(min(gate, limit)) into gate
-      const MatMulProduct gate_up[] = {{&g, &w.gate_proj[e], bias(w.gate_bias, e)}, {&u, &w.up_proj[e], bias(w.up_bias, e)}};
+      const MatMulProduct gate_up[] = {{&g, &w.gate_proj[e], bias(w.gate_bias, e)},
+                                       {&u, &w.up_proj[e], bias(w.up_bias, e)}};
       SHARDSERVE_RETURN_IF_ERROR(MatMuls(xe, gate_up));
       SHARDSERVE_RETURN_IF_ERROR(ClampedSwiGlu(&g, g, u, w.swiglu_alpha, w.swiglu_limit));
     } else {

@@ -431,16 +431,16 @@ class Backend {
                            const Tensor& b /*[n, d] act*/) = 0;
 
   // ---- Mixture-of-experts steps (router logits -> experts and weights -> tokens grouped by expert
-  // -> the experts' products, not here -> weighted combine). The base refuses each with
-  // Unimplemented; the CPU and CUDA backends implement them.
+  // -> the experts' products (MoeExperts) -> weighted combine). The base refuses each with
+  // Unimplemented but MoeExperts; the CPU and CUDA backends implement them.
 
   // Per token (row of logits, float32 or the act dtype, which is widened to float32 as
-  // softmax(router_logits, dtype=float) does), the k experts `routing` chooses and their weights, in top-k order:
-  // larger selection value first, and on equal values the lower expert id first (docs/kernels.md
-  // says how that compares with torch.topk). Every logit must be finite: the CPU backend refuses a
-  // NaN or infinite one with InvalidArgument naming its row and column; the CUDA backend writes ids
-  // -1 and weights 0 for that row and reports it at the next Synchronize(). So does a NaN
-  // selection bias.
+  // softmax(router_logits, dtype=float) does), the k experts `routing` chooses and their weights, in
+  // top-k order: larger selection value first, and on equal values the lower expert id first
+  // (docs/kernels.md says how that compares with torch.topk). Every logit must be finite: the CPU
+  // backend refuses a NaN or infinite one with InvalidArgument naming its row and column; the CUDA
+  // backend writes ids -1 and weights 0 for that row and reports it at the next Synchronize(). So
+  // does a NaN selection bias.
   virtual absl::Status MoeRoute(Tensor* ids /*[n, k] i32*/, Tensor* weights /*[n, k] f32*/,
                                 const Tensor& logits /*[n, E] f32 or act*/, const MoeRouting& routing);
 
@@ -467,8 +467,10 @@ class Backend {
   // down_proj(act(gate_proj(x), up_proj(x))), act SiLU-gated (GateUpSilu) or gpt-oss's clamped
   // SwiGLU with the biases (ClampedSwiGlu); rows of other experts are left as they are. gate and up
   // are scratch of x's rows. offsets is device memory (written by the step's ops), nondecreasing,
-  // offsets[end] at most x's rows (InvalidArgument otherwise). The base reads offsets on the host
-  // and runs each expert that has rows as the ops named (records_moe_experts() is false).
+  // offsets[end] at most x's rows (InvalidArgument otherwise; where the offsets are read on the
+  // device, at the next Synchronize()). The base reads offsets on the host and runs each expert that
+  // has rows as the ops named (records_moe_experts() is false); the CUDA backend with
+  // CudaBackendOptions::moe_grouped runs one grouped GEMV instead.
   virtual absl::Status MoeExperts(Tensor* out /*[rows, d] act*/, Tensor* gate /*[rows, f] act*/,
                                   Tensor* up /*[rows, f] act*/, const Tensor& x /*[rows, h] act*/,
                                   const Tensor& offsets /*[E + 1] i32*/, const MoeExpertWeights& w);

@@ -613,8 +613,8 @@ TEST_P(MoeOpsTest, ExpertsEqualEachExpertsOpsOnItsRows) {
             u = Make(backend_->act_dtype(), {rows, f});
     for (int64_t e = 1; e < 4; ++e) {
       if (off[e] == off[e + 1]) continue;
-      Tensor xe = x.t().Rows(off[e], off[e + 1]), ge = g.t().Rows(off[e], off[e + 1]), ue = u.t().Rows(off[e], off[e + 1]),
-             oe = want.t().Rows(off[e], off[e + 1]);
+      const int64_t b = off[e], end = off[e + 1];
+      Tensor xe = x.t().Rows(b, end), ge = g.t().Rows(b, end), ue = u.t().Rows(b, end), oe = want.t().Rows(b, end);
       if (clamped) {
         ASSERT_TRUE(backend_->MatMul(&ge, xe, gate_w[e], &gate_b[e]).ok());
         ASSERT_TRUE(backend_->MatMul(&ue, xe, up_w[e], &up_b[e]).ok());
@@ -664,8 +664,8 @@ TEST_P(MoeOpsTest, ExpertsEqualEachExpertsOpsOnItsRows) {
   }
   EXPECT_TRUE(IsInvalidArgumentNaming(
       backend_->MoeExperts(out.ptr(), gate.ptr(), up_short.ptr(), x.t(), offsets.t(), all), "MoeExperts"));
-  EXPECT_TRUE(
-      IsInvalidArgumentNaming(backend_->MoeExperts(nullptr, gate.ptr(), up.ptr(), x.t(), offsets.t(), all), "MoeExperts"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(backend_->MoeExperts(nullptr, gate.ptr(), up.ptr(), x.t(), offsets.t(), all),
+                                      "MoeExperts"));
 }
 
 // ---- SigmoidGateMul --------------------------------------------------------------------------

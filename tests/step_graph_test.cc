@@ -170,7 +170,9 @@ class RecordingBackend final : public Backend {
   absl::Status MoeExperts(Tensor* out, Tensor* gate, Tensor* up, const Tensor& x, const Tensor& offsets,
                           const MoeExpertWeights& w) override {
     if (moe_experts_on_host_) return Backend::MoeExperts(out, gate, up, x, offsets, w);  // reads them now
-    return Op([=, this, o = *out, g = *gate, u = *up]() mutable { return inner_->MoeExperts(&o, &g, &u, x, offsets, w); });
+    return Op([=, this, o = *out, g = *gate, u = *up]() mutable {
+      return inner_->MoeExperts(&o, &g, &u, x, offsets, w);
+    });
   }
   absl::Status MoeCombine(Tensor* out, const Tensor& expert_out, const Tensor& rows, const Tensor& weights) override {
     return Op([=, this, o = *out]() mutable { return inner_->MoeCombine(&o, expert_out, rows, weights); });

@@ -96,7 +96,9 @@ __global__ void SigmoidGateMulKernel(T* out, const T* x, const T* gate, int64_t 
   WaitForPriorKernels();
   const int64_t t = blockIdx.x;
   const float scale = ToFloat(FromFloat<T>(1.0f / (1.0f + expf(-ToFloat(gate[t])))));
-  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[t * d + j] = FromFloat<T>(__fmul_rn(ToFloat(x[t * d + j]), scale));
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    out[t * d + j] = FromFloat<T>(__fmul_rn(ToFloat(x[t * d + j]), scale));
+  }
 }
 
 // out[t] = sum of w * y[row] over the token's slots in increasing row, each product and each sum
@@ -195,7 +197,9 @@ __global__ void GroupedGemvKernel(GroupedProduct<T> p0, GroupedProduct<T> p1, in
     for (int r = 0; r < kGroupedRows; ++r) {
       float sum = acc[r];
       for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane == 0 && r < rows) p.out[(r0 + r) * m + j] = FromFloat<T>(sum + (bias != nullptr ? ToFloat(bias[j]) : 0.0f));
+      if (lane == 0 && r < rows) {
+        p.out[(r0 + r) * m + j] = FromFloat<T>(sum + (bias != nullptr ? ToFloat(bias[j]) : 0.0f));
+      }
     }
   }
 }

@@ -178,7 +178,9 @@ absl::StatusOr<std::vector<uint64_t>> ModelShard::ExpertRowsTotal() {
   const Tensor& counts = moe_.row_counts;
   SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToHost(host.row_counts.data(), counts.data, counts.bytes()));
   SHARDSERVE_RETURN_IF_ERROR(backend_->Fill0(counts.data, counts.bytes()));
-  for (size_t e = 0; e < host.row_counts.size(); ++e) host.expert_rows_total[e] += static_cast<uint32_t>(host.row_counts[e]);
+  for (size_t e = 0; e < host.row_counts.size(); ++e) {
+    host.expert_rows_total[e] += static_cast<uint32_t>(host.row_counts[e]);
+  }
   return host.expert_rows_total;
 }
 
