@@ -9,11 +9,10 @@
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/tile_store_avx512.h"
 
 namespace shardserve::cpu {
 namespace {
-
-static_assert(kPanelCols == 16, "one panel row is one zmm");
 
 // y [R, cols] (row stride ldy) = x [R, k] (row stride k) @ P adjacent panels [k, 16] (+ bias
 // [cols]): R x P accumulators, each one chain over k in order, as panel_matmul.cc's tiles' (the
@@ -45,16 +44,7 @@ template <int R, int P, bool kPrefetch>
       for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(b[q], xr, acc[r][q]);
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
-    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      // With no bias the sum is stored as it is (adding +0.0 would turn a -0.0 sum into +0.0).
-      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], add) : acc[r][q];
-      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
-    }
-  }
+  StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return acc[r][q]; });
 }
 
 // PanelGroupAvx512 with P, the panels per group, known at compile time.
@@ -144,20 +134,13 @@ template <int R, int P>
     const __m512i at = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(k)));
     for (; kk < k; ++kk) {
       for (int q = 0; q < P; ++q) {
-        const __mmask16 mask = static_cast<__mmask16>((1u << rows[q]) - 1);
+        const __mmask16 mask = FirstLanes(rows[q]);
         const __m512 c = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask, at, w + q * kPanelCols * k + kk, 4);
         for (int r = 0; r < R; ++r) acc[r][q] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * k + kk]), acc[r][q]);
       }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << rows[q]) - 1);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + q * kPanelCols) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], add) : acc[r][q];
-      _mm512_mask_storeu_ps(y + r * ldy + q * kPanelCols, mask, v);
-    }
-  }
+  StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return acc[r][q]; });
 }
 
 }  // namespace

@@ -22,11 +22,10 @@
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/tile_store_avx512.h"
 
 namespace shardserve::cpu {
 namespace {
-
-static_assert(kPanelCols == 16, "one panel row is one zmm");
 
 // The tiles' shapes are the float32 AVX-512 tiles' (panel_matmul_avx512.h): up to kWideTileRows
 // rows (14 rows x 2 panels: 28 sums and the 2 widened vectors in 32 registers), WidePanelsPerGroup
@@ -94,17 +93,14 @@ template <bool kFp8, int R, int P, bool kGroups = false>
       for (int q = 0; q < P; ++q) acc[r][q] = _mm512_fmadd_ps(b[q], xr, acc[r][q]);
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
-    if (n <= 0) break;
-    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    if constexpr (kGroups) {
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], add) : acc[r][q];
-        _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
-      }
-    } else {
+  if constexpr (kGroups) {
+    StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return acc[r][q]; });
+  } else {
+    for (int q = 0; q < P; ++q) {
+      const int64_t c0 = q * kPanelCols;
+      if (c0 >= cols) break;
+      const __mmask16 mask = FirstLanes(cols - c0);
+      const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
       const __m512 s = _mm512_maskz_loadu_ps(mask, scale + c0);
       for (int r = 0; r < R; ++r) {
         // One rounding with the bias, as std::fma (the AVX2 instance's); with none, the product alone.

@@ -21,11 +21,11 @@
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/tile_store_avx512.h"
 
 namespace shardserve::cpu {
 namespace {
 
-static_assert(kPanelCols == 16, "one panel row is one zmm");
 static_assert(sizeof(Int4PanelGroup) == kInt4GroupPanels * (2 * 64 + 1024), "scales, zeros and 64 code lines");
 
 // Rows per tile, at most, and panels per tile for a tile of `rows` rows: all 4 of a block up to 5
@@ -100,18 +100,7 @@ template <int R, int P>
       }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
-    if (n <= 0) break;
-    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      // With no bias the sum is stored as it is (adding +0.0 would turn a -0.0 sum into +0.0).
-      const __m512 total = _mm512_load_ps(acc[r][q]);
-      const __m512 v = bias != nullptr ? _mm512_add_ps(total, add) : total;
-      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
-    }
-  }
+  StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return _mm512_load_ps(acc[r][q]); });
 }
 
 // Every row of y (row stride m) at block b's output columns, P panels at a time, the rows in

@@ -31,11 +31,11 @@
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/tile_store_avx512.h"
 
 namespace shardserve::cpu {
 namespace {
 
-static_assert(kPanelCols == 16, "one panel row is one zmm");
 constexpr int64_t kGroup = kInt4PanelGroupInputs;  // 128: the weights' groups, and the activations'
 constexpr int64_t kTileRows = 12;
 constexpr int64_t PanelsFor(int64_t rows) { return rows <= 5 ? 4 : 2; }
@@ -52,7 +52,7 @@ struct Rows16 {
 // x [n, k] -> *rows (Int16ActivationGroups states the rounding). A group with a NaN or an infinity
 // gets scale NaN (its row's outputs are NaN) and v 0.
 void Quantize(Rows16* rows, const float* x, int64_t n, int64_t k, int64_t groups) {
-  rows->v.assign(static_cast<size_t>(n * groups * kGroup), 0);
+  rows->v.resize(static_cast<size_t>(n * groups * kGroup));  // each group's 128 written below
   rows->scale.resize(static_cast<size_t>(n * groups));
   rows->sum.resize(static_cast<size_t>(n * groups));
   const __m512 finite = _mm512_set1_ps(std::numeric_limits<float>::max());
@@ -63,33 +63,30 @@ void Quantize(Rows16* rows, const float* x, int64_t n, int64_t k, int64_t groups
       __m512 amax = _mm512_setzero_ps();
       __mmask16 bad = 0;
       for (int64_t c = 0; c < size; c += 16) {
-        const __mmask16 lanes = size - c >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (size - c)) - 1);
+        const __mmask16 lanes = FirstLanes(size - c);
         const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, xg + c));
         bad |= _mm512_mask_cmp_ps_mask(lanes, a, finite, _CMP_NLE_UQ);  // NaN or above the largest float
         amax = _mm512_max_ps(amax, a);
       }
       const int64_t at = i * groups + g;
       int16_t* v = rows->v.data() + at * kGroup;
-      if (bad != 0) {
-        rows->scale[at] = std::numeric_limits<float>::quiet_NaN();
-        rows->sum[at] = 0;
-        continue;
-      }
       const float m = _mm512_reduce_max_ps(amax);
-      if (m == 0) {
-        rows->scale[at] = 0;
+      if (bad != 0 || m == 0) {
+        rows->scale[at] = bad != 0 ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
         rows->sum[at] = 0;
+        std::fill(v, v + kGroup, int16_t{0});
         continue;
       }
       const __m512 inv = _mm512_set1_ps(kLevels / m);
       __m512i sum = _mm512_setzero_si512();
       for (int64_t c = 0; c < size; c += 16) {
-        const __mmask16 lanes = size - c >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (size - c)) - 1);
+        const __mmask16 lanes = FirstLanes(size - c);
         // round to nearest even (MXCSR's default), then saturated to int16 (|x| x inv <= 32767 anyway)
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, xg + c), inv));
         sum = _mm512_add_epi32(sum, q);
         _mm256_mask_storeu_epi16(v + c, lanes, _mm512_cvtsepi32_epi16(q));
       }
+      std::fill(v + size, v + kGroup, int16_t{0});  // past k
       rows->scale[at] = m / kLevels;
       rows->sum[at] = static_cast<float>(_mm512_reduce_add_epi32(sum));
     }
@@ -137,17 +134,7 @@ template <int R, int P>
       }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
-    if (n <= 0) break;
-    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 add = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      // With no bias the sum is stored as it is (adding +0.0 would turn a -0.0 sum into +0.0).
-      const __m512 total = _mm512_load_ps(acc[r][q]);
-      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, bias != nullptr ? _mm512_add_ps(total, add) : total);
-    }
-  }
+  StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return _mm512_load_ps(acc[r][q]); });
 }
 
 // Every row of y (row stride m) at block b's output columns, P panels at a time, the rows in
@@ -173,6 +160,8 @@ void Block(float* y, int64_t m, const Rows16& rows, int64_t n, int64_t k, const 
 void Int16ActivationGroups(int16_t* v, float* scale, float* sum, const float* x, int64_t n, int64_t k) {
   const int64_t groups = (k + kGroup - 1) / kGroup;
   Rows16 rows;
+  // Poisoned first, as a reused buffer would hold another product's values: Quantize writes them all.
+  rows.v.assign(static_cast<size_t>(n * groups * kGroup), int16_t{0x5555});
   Quantize(&rows, x, n, k, groups);
   std::copy(rows.v.begin(), rows.v.end(), v);
   std::copy(rows.scale.begin(), rows.scale.end(), scale);

@@ -19,12 +19,11 @@
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/panel_matmul_avx512.h"
 #include "kernels/cpu/tile_rows.h"
+#include "kernels/cpu/tile_store_avx512.h"
 #include "kernels/quant.h"
 
 namespace shardserve::cpu {
 namespace {
-
-static_assert(kPanelCols == 16, "one panel row is one zmm");
 
 // Rows per tile at most, and panels per tile: 8 rows x 2 panels (16 sums, with the 2 tables' worth
 // of decoded values, 2 scales and the table in 32 registers), 1-3 rows x 4 panels for decode steps
@@ -77,15 +76,7 @@ template <int R, int P>
       }
     }
   }
-  for (int q = 0; q < P; ++q) {
-    const int64_t c0 = q * kPanelCols, n = std::min(kPanelCols, cols - c0);
-    if (n <= 0) break;
-    const __mmask16 mask = n >= kPanelCols ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-    for (int r = 0; r < R; ++r) {
-      const __m512 v = bias != nullptr ? _mm512_add_ps(acc[r][q], _mm512_maskz_loadu_ps(mask, bias + c0)) : acc[r][q];
-      _mm512_mask_storeu_ps(y + r * ldy + c0, mask, v);
-    }
-  }
+  StoreTileSums<R, P>(y, ldy, cols, bias, [&](int r, int q) { return acc[r][q]; });
 }
 
 // `have` adjacent panels' weights as the float32 panels PackPanels makes of the dequantized weights
