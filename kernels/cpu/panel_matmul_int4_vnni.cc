@@ -21,6 +21,7 @@
 // This file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma
 // (kernels/CMakeLists.txt); the CPU backend calls it only on CPUs that have them.
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,14 +50,19 @@ struct Rows16 {
   std::vector<float> sum;  // each group's sum of v, as a float (exact: |sum| <= 128 x 32767 < 2^24)
 };
 
-// x [n, k] -> *rows (Int16ActivationGroups states the rounding). A group with a NaN or an infinity
-// gets scale NaN (its row's outputs are NaN) and v 0.
-void Quantize(Rows16* rows, const float* x, int64_t n, int64_t k, int64_t groups) {
-  rows->v.resize(static_cast<size_t>(n * groups * kGroup));  // each group's 128 written below
+// *rows sized for n rows of `groups` groups (their values left to QuantizeRows).
+void SizeRows(Rows16* rows, int64_t n, int64_t groups) {
+  rows->v.resize(static_cast<size_t>(n * groups * kGroup));
   rows->scale.resize(static_cast<size_t>(n * groups));
   rows->sum.resize(static_cast<size_t>(n * groups));
+}
+
+// Rows [i0, i1) of x [n, k] -> *rows (sized by SizeRows; Int16ActivationGroups states the rounding),
+// every value of their groups written. A group with a NaN or an infinity gets scale NaN (its row's
+// outputs are NaN) and v 0.
+void QuantizeRows(Rows16* rows, const float* x, int64_t k, int64_t groups, int64_t i0, int64_t i1) {
   const __m512 finite = _mm512_set1_ps(std::numeric_limits<float>::max());
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = x + i * k + g * kGroup;
       const int64_t size = std::min(kGroup, k - g * kGroup);
@@ -160,9 +166,10 @@ void Block(float* y, int64_t m, const Rows16& rows, int64_t n, int64_t k, const 
 void Int16ActivationGroups(int16_t* v, float* scale, float* sum, const float* x, int64_t n, int64_t k) {
   const int64_t groups = (k + kGroup - 1) / kGroup;
   Rows16 rows;
-  // Poisoned first, as a reused buffer would hold another product's values: Quantize writes them all.
+  // Poisoned first, as a reused buffer would hold another product's values: QuantizeRows writes them all.
   rows.v.assign(static_cast<size_t>(n * groups * kGroup), int16_t{0x5555});
-  Quantize(&rows, x, n, k, groups);
+  SizeRows(&rows, n, groups);
+  QuantizeRows(&rows, x, k, groups, 0, n);
   std::copy(rows.v.begin(), rows.v.end(), v);
   std::copy(rows.scale.begin(), rows.scale.end(), scale);
   std::copy(rows.sum.begin(), rows.sum.end(), sum);
@@ -173,15 +180,19 @@ void PanelMatMulInt4Act16(float* y, const float* x, int64_t n, int64_t m, int64_
   const int64_t groups = (k + kGroup - 1) / kGroup;
   const int64_t blocks = (m + kInt4GroupPanels * kPanelCols - 1) / (kInt4GroupPanels * kPanelCols);
   thread_local Rows16 rows;  // the calling thread's, reused
-  Quantize(&rows, x, n, k, groups);
-  const Rows16& r = rows;  // (named here: inside the parallel loop, `rows` is each thread's own)
+  SizeRows(&rows, n, groups);
+  Rows16& r = rows;  // (named here: inside the parallel region, `rows` is each thread's own)
   const int64_t per = PanelsFor(LongestBalancedTile(n, kTileRows));
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
-  // Threads share out whole blocks (columns), never k, so the thread count cannot change a sum;
+  // The threads first quantize a share of the rows each (rather than one thread while the others
+  // wait), then share out whole blocks (columns), never k, so the thread count cannot change a sum;
   // each thread's blocks are adjacent, one stream of memory.
-#pragma omp parallel for num_threads(parts) schedule(static)
-  for (int t = 0; t < parts; ++t) {
-    for (int64_t b = blocks * t / parts; b < blocks * (t + 1) / parts; ++b) {
+#pragma omp parallel num_threads(parts)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    QuantizeRows(&r, x, k, groups, n * t / team, n * (t + 1) / team);
+#pragma omp barrier
+    for (int64_t b = blocks * t / team; b < blocks * (t + 1) / team; ++b) {
       if (per == 4) {
         Block<4>(y, m, r, n, k, w, groups, b, bias);
       } else {
