@@ -110,14 +110,15 @@ absl::Status GetFactors(const json& r, const std::string& source, const std::str
 }
 
 // The scaling of a RoPE object: transformers 4.x's "rope_scaling" or 5.x's "rope_parameters"
-// (`field` names it); "rope_type" (or 4.x's "type") default, linear, llama3, yarn or longrope, each
-// type's fields resolved as modeling_rope_utils.py's _compute_*_parameters resolve them.
+// (`field` names it); "rope_type" (or 4.x's "type") default, linear, dynamic, llama3, yarn or
+// longrope, each type's fields resolved as modeling_rope_utils.py's _compute_*_parameters resolve them.
 //
-// dynamic (NTK) is refused: transformers recomputes its frequencies from the longest position of
-// each forward call, so a key's rotation depends on how its sequence was cut into calls (a prompt
-// prefilled at once, or in chunks, or decoded token by token), which a server that batches and
-// chunks cannot reproduce; a rule of its own would decode other tokens than transformers without
-// saying so.
+// dynamic (NTK): transformers raises the base for a forward call whose longest position reaches L >
+// max_position_embeddings, to base x (factor x L / max_position_embeddings - (factor - 1))^(d / (d - 2)),
+// and otherwise (L taken as max_position_embeddings: the factor of the base is 1) keeps the default
+// frequencies. A shard serves no position at or past max_position_embeddings (step_checks.cc refuses
+// them; the planner keeps max_model_len within it), so every rotation it makes is the default one,
+// exactly what transformers computes there: dynamic loads as default.
 absl::Status ParseRopeScaling(const json& r, const std::string& source, const std::string& field,
                               const RopeContext& ctx, RopeScaling* out) {
   using Type = RopeScaling::Type;
@@ -135,10 +136,17 @@ absl::Status ParseRopeScaling(const json& r, const std::string& source, const st
                       absl::StrCat("has rope_type \"", type, "\"; Phi3ForCausalLM takes default and longrope"));
   }
   if (type == "dynamic") {
-    return FieldError(source, field,
-                      "has rope_type \"dynamic\" (NTK), which is not supported: transformers recomputes its "
-                      "frequencies from the longest position of each forward call, so a token's rotation depends "
-                      "on how its sequence was split into calls, which a batching server cannot reproduce");
+    if (ctx.max_position_embeddings <= 0) {
+      return FieldError(source, field,
+                        "has rope_type \"dynamic\", which needs max_position_embeddings > 0 (the context it "
+                        "leaves unscaled, and the most this server serves)");
+    }
+    if (!Present(r, "factor")) return FieldError(source, field, "has rope_type \"dynamic\" but no \"factor\"");
+    double factor = 0;
+    SHARDSERVE_RETURN_IF_ERROR(GetDouble(r, absl::StrCat(source, " ", field), "factor", &factor));
+    if (!(factor > 0)) return FieldError(source, field, "needs factor > 0");
+    out->type = Type::kNone;
+    return absl::OkStatus();
   }
   const std::pair<const char*, Type> kTypes[] = {{"default", Type::kNone},
                                                  {"linear", Type::kLinear},
@@ -155,7 +163,7 @@ absl::Status ParseRopeScaling(const json& r, const std::string& source, const st
   if (!known) {
     return FieldError(source, field,
                       absl::StrCat("has rope_type \"", type,
-                                   "\", which is not supported (supported: default, linear, llama3, yarn, longrope)"));
+                                   "\", which is not supported (supported: default, linear, dynamic, llama3, yarn, longrope)"));
   }
   if (out->type == Type::kNone) return absl::OkStatus();
   const std::string where = absl::StrCat(source, " ", field);

@@ -702,7 +702,7 @@ TEST_F(CheckpointTest, GptOssFieldsAndStackedExperts) {
       {[](json& j) { j["num_experts_per_tok"] = 6; }, "\"num_experts_per_tok\" must be in [1, 5]"},
       {[](json& j) { j["hidden_act"] = "gelu"; }, "\"hidden_act\" is \"gelu\""},
       {[](json& j) { j["layer_types"][1] = "chunked_attention"; }, "\"layer_types\" has \"chunked_attention\""},
-      {[](json& j) { j["rope_parameters"]["rope_type"] = "dynamic"; }, "rope_type \"dynamic\""},
+      {[](json& j) { j["rope_parameters"]["rope_type"] = "proportional"; }, "rope_type \"proportional\""},
       {[](json& j) { j["quantization_config"] = {{"quant_method", "fp8"}}; }, "quant_method \"fp8\""},
       {[](json& j) { j["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"model.layers.*.mlp.experts"}}}; },
        "the experts of an mxfp4 checkpoint are all MXFP4"},
@@ -1084,7 +1084,7 @@ TEST_F(CheckpointTest, Gemma3RopePerLayerTypeInBothFormats) {
       {[](json& c) { c["rope_local_base_freq"] = 5e4; },
        "field \"rope_parameters.sliding_attention\" has rope_theta 10000 but the file's \"rope_local_base_freq\""},
       {[](json& c) { c["rope_parameters"]["sliding_attention"]["rope_type"] = "dynamic"; },
-       "field \"rope_parameters.sliding_attention\" has rope_type \"dynamic\""},
+       "field \"rope_parameters.sliding_attention\" has rope_type \"dynamic\" but no \"factor\""},
       {[](json& c) { c["use_bidirectional_attention"] = true; }, "field \"use_bidirectional_attention\" is true"},
   };
   for (const Case& k : cases) {
@@ -1135,8 +1135,12 @@ TEST_F(CheckpointTest, NewerConfigFieldsThatChangeTheMathAreRefusedByName) {
     const char* says;
   };
   const std::vector<Case> cases = {
-      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "dynamic"}, {"factor", 4.0}}}},
-       "field \"rope_parameters\" has rope_type \"dynamic\" (NTK), which is not supported: transformers recomputes"},
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "dynamic"}}}},
+       "field \"rope_parameters\" has rope_type \"dynamic\" but no \"factor\""},
+      {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "dynamic"}, {"factor", 0.0}}}},
+       "field \"rope_parameters\" needs factor > 0"},
+      {{{"max_position_embeddings", nullptr}, {"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "dynamic"}, {"factor", 2.0}}}},
+       "has rope_type \"dynamic\", which needs max_position_embeddings > 0"},
       {{{"rope_parameters", {{"rope_theta", 1e4}, {"rope_type", "proportional"}, {"factor", 4.0}}}},
        "field \"rope_parameters\" has rope_type \"proportional\", which is not supported (supported: default, linear"},
       {{{"rope_scaling", {{"rope_type", "linear"}}}}, "field \"rope_scaling\" has rope_type \"linear\" but no \"factor\""},
@@ -1224,6 +1228,18 @@ TEST_F(CheckpointTest, RopeTypesGiveTransformersFrequencies) {
        {1.0f, 0.14849025f, 0.0250000004f, 0.00790569466f, 0.00249999994f, 0.000790569466f, 0.000250000012f,
         7.90569466e-05f},
        0.964326914892074},
+      // dynamic (NTK) at any position below max_position_embeddings (all a shard serves): the
+      // default frequencies, in both formats.
+      {"dynamic",
+       {{"rope_parameters", {{"rope_type", "dynamic"}, {"rope_theta", 1e4}, {"factor", 4.0}}}},
+       {1.0f, 0.316227764f, 0.100000001f, 0.0316227786f, 0.00999999978f, 0.00316227786f, 0.00100000005f,
+        0.000316227786f},
+       1.0},
+      {"dynamic (4.x rope_scaling)",
+       {{"rope_theta", 1e4}, {"rope_scaling", {{"type", "dynamic"}, {"factor", 2.7}}}},
+       {1.0f, 0.316227764f, 0.100000001f, 0.0316227786f, 0.00999999978f, 0.00316227786f, 0.00100000005f,
+        0.000316227786f},
+       1.0},
       // Phi-4-mini-shaped: longrope on 3/4 of the head, original_max_position_embeddings at the top
       // level (which Phi3Config puts in place of the object's 4096 default); factor from 256 / 32.
       {"longrope, partial rotary",

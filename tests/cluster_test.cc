@@ -87,10 +87,10 @@ std::vector<Layout> Layouts() {
       {"llama3_rope", 2}, {"llama_bf16", 3}, {"llama_gqa", 5}, {"mistral_sharded", 4}, {"qwen2_tied_bias", 3},
       // config.json as transformers 5 writes it (rope_parameters, dtype, layer_types); Qwen3 in both
       // formats; Phi-3's fused tensors; Mistral's sliding window; the RoPE types (LongRoPE crossing
-      // its original context, partial rotary, yarn, linear).
+      // its original context, partial rotary, yarn, linear, dynamic).
       {"llama3_rope_tf5", 2}, {"qwen2_tf5", 3}, {"qwen3_tf5", 3}, {"qwen3_tf4", 2}, {"phi3_tf5", 3},
       {"mistral_window_tf5", 2}, {"gemma2_tf5", 4}, {"phi3_longrope_tf5", 2}, {"phi4_mini_tf5", 2},
-      {"llama_yarn_tf5", 2}, {"llama_linear_tf5", 2},
+      {"llama_yarn_tf5", 2}, {"llama_linear_tf5", 2}, {"llama_dynamic_tf5", 2},
       // Gemma 3: q/k norms, five sliding layers to one global, a RoPE per layer type; both formats.
       {"gemma3_tf5", 6}, {"gemma3_tf4", 4},
       // Mixtures of experts, each expert's intermediate size split over the TP group: Qwen3-MoE

@@ -888,7 +888,7 @@ TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
   const std::vector<std::string> names = FixtureNames();
   for (const char* want : {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16",
                            "llama3_rope_tf5", "qwen2_tf5", "qwen3_tf5", "qwen3_tf4", "phi3_tf5", "mistral_window_tf5", "gemma2_tf5",
-                           "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5",
+                           "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5", "llama_dynamic_tf5",
                            "gemma3_tf5", "gemma3_tf4", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5",
                            "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5",
                            "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "gpt_oss_tf5", "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"}) {
