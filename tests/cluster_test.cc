@@ -191,14 +191,16 @@ TEST(ClusterParityTest, Bf16ProductsGiveOneProcesssOutputsInEveryLayout) {
 // above give with the experts cut (so identical with and without the flag), exactly: every layout
 // computes in float32 and only the order of summation differs (an expert's whole down_proj instead
 // of partial sums added by the all-reduce), within the margin the parity test's comment gives.
-// The fixtures have 3, 5 and 7 experts: TP=2 splits 5 and 7 unevenly (2 + 3, 3 + 4), and TP=4
-// (1 KV head per 2 ranks) splits 5 as 1 + 1 + 1 + 2 and 7 as 1 + 2 + 2 + 2. TP=3 is not a layout any
-// fixture allows (4 attention heads). gpt-oss's experts carry their biases (the down bias whole on
-// the expert's rank), also at TP=1, where the flag changes nothing.
+// The fixtures have 3, 5, 6, 7 and 9 experts: TP=2 splits 5, 7 and 9 unevenly (2 + 3, 3 + 4, 4 + 5), and
+// TP=4 (1 KV head per 2 ranks) splits 5 as 1 + 1 + 1 + 2, 7 as 1 + 2 + 2 + 2 and 9 as 2 + 2 + 2 + 3. TP=3
+// is not a layout any fixture allows (4 attention heads). gpt-oss's experts carry their biases (the
+// down bias whole on the expert's rank), also at TP=1, where the flag changes nothing. DeepSeek-V3's
+// (9 and 6 experts) come with group-limited routing and shared experts, whole on every rank, beside
+// latent attention cut by heads.
 std::vector<Layout> ExpertParallelLayouts() {
   std::vector<Layout> out;
   for (const char* f : {"qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5",
-                        "qwen2_moe_bf16_tf5"}) {
+                        "qwen2_moe_bf16_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5"}) {
     out.push_back({f, 2, 1});
     out.push_back({f, 2, 2});
   }
@@ -211,6 +213,7 @@ std::vector<Layout> ExpertParallelLayouts() {
   out.push_back({"qwen3_moe_tf5", 4, 1});
   out.push_back({"qwen2_moe_bf16_tf5", 4, 1});
   out.push_back({"gpt_oss_bf16_tf5", 4, 1});
+  out.push_back({"deepseek_v3_tf5", 4, 1});
   return out;
 }
 
@@ -229,8 +232,11 @@ TEST_P(ClusterExpertParallelTest, GreedyTokensMatchHuggingFace) {
   // same (a stage of dense layers only, qwen2_moe_tf5's last, holds no experts).
   std::ifstream config_file(kFixtures / l.fixture / "config.json");
   const nlohmann::json config = nlohmann::json::parse(config_file);
-  const int64_t experts = config.contains("num_local_experts") ? config["num_local_experts"].get<int64_t>()
-                                                                : config["num_experts"].get<int64_t>();
+  int64_t experts = 0;
+  for (const char* key : {"num_local_experts", "num_experts", "n_routed_experts"}) {
+    if (config.contains(key)) experts = config[key].get<int64_t>();
+  }
+  ASSERT_GT(experts, 0) << l.fixture << ": no expert count in config.json";
   std::map<int, std::set<int64_t>> bytes_by_stage;
   const v1::ClusterStatus status = cluster.Status();
   for (const v1::WorkerStatus& w : status.workers()) bytes_by_stage[w.stage()].insert(w.weight_bytes());
