@@ -2030,15 +2030,13 @@ TEST(CpuActivationQuantTest, IntWeightsRunTheInt8ActivationsInstance) {
 // weights are PanelMatMulInt4Act16's on the packed panels, bit for bit, so within kInt16Limit of the
 // exact backend's and not equal to them; int8 and fp8 weights' stay exact, bit for bit. Describe
 // says so. On a CPU without AVX-512 VNNI, MakeCpuBackend refuses, naming it. The name parses both
-// ways, and auto (the default) is int16 exactly where the CPU has AVX-512 VNNI and AMX.
+// ways, and auto (the default) is int16 exactly where the CPU has AVX-512 VNNI.
 TEST(CpuActivationQuantTest, Int4WeightsRunOnInt16Activations) {
   EXPECT_EQ(*ParseCpuActivationQuant("int16"), CpuActivationQuant::kInt16);
   EXPECT_STREQ(CpuActivationQuantName(CpuActivationQuant::kInt16), "int16");
-  // auto, the workers' default: int16 where the CPU has AVX-512 VNNI and AMX (the Xeons it was
-  // measured faster on), else the exact products.
-  const CpuActivationQuant by_default = cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) && cpu::OneDnnBf16UsesAmx()
-                                            ? CpuActivationQuant::kInt16
-                                            : CpuActivationQuant::kNone;
+  // auto, the workers' default: int16 where the CPU has AVX-512 VNNI, else the exact products.
+  const CpuActivationQuant by_default =
+      cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) ? CpuActivationQuant::kInt16 : CpuActivationQuant::kNone;
   EXPECT_EQ(DefaultCpuActivationQuant(), by_default);
   EXPECT_EQ(*ParseCpuActivationQuant("auto"), by_default);
   absl::StatusOr<std::unique_ptr<Backend>> act = MakeCpuBackend(2, CpuMatMul::kF32, CpuActivationQuant::kInt16);

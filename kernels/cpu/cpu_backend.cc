@@ -70,11 +70,9 @@ std::unique_ptr<Backend> MakeCpuBackend(int threads, CpuMatMul matmul) {
 }
 
 CpuActivationQuant DefaultCpuActivationQuant() {
-  // int16 where it was measured faster served: the Intel Xeons with AMX (1.05-1.15x the exact int4
-  // products against llama.cpp's Q4_0). On the Zen 4 EPYC, VNNI too, it served slower than the exact
-  // products (0.83-1.01x against 0.88-1.05x), its faster GEMV notwithstanding (docs/performance.md).
-  return cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) && cpu::OneDnnBf16UsesAmx() ? CpuActivationQuant::kInt16
-                                                                                          : CpuActivationQuant::kNone;
+  // int16 wherever it runs (AVX-512 VNNI): measured faster served than the exact int4 products on
+  // the Intel Xeons with AMX and on the Zen 4 EPYC (docs/performance.md).
+  return cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni) ? CpuActivationQuant::kInt16 : CpuActivationQuant::kNone;
 }
 
 absl::StatusOr<CpuActivationQuant> ParseCpuActivationQuant(const std::string& name) {
