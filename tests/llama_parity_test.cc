@@ -160,7 +160,6 @@ enum class Engine {
   kCudaPdl,             // kCudaDefaults and programmatic dependent launch (CudaBackendOptions::pdl)
   kCudaBf16Pdl,         // kCudaBf16Defaults likewise
   kCudaMoeGrouped,      // kCudaDefaults and the grouped MoE experts (CudaBackendOptions::moe_grouped)
-  kCudaBf16MoeGrouped,  // kCudaBf16Defaults likewise
 };
 
 std::string EngineName(Engine e) {
@@ -180,7 +179,6 @@ std::string EngineName(Engine e) {
     case Engine::kCudaPdl: return "cuda_pdl";
     case Engine::kCudaBf16Pdl: return "cuda_bf16_pdl";
     case Engine::kCudaMoeGrouped: return "cuda_moe_grouped";
-    case Engine::kCudaBf16MoeGrouped: return "cuda_bf16_moe_grouped";
   }
   return "unknown";
 }
@@ -204,8 +202,7 @@ std::string MissingEngine(Engine e) {
     case Engine::kCudaBf16Defaults:
     case Engine::kCudaPdl:
     case Engine::kCudaBf16Pdl:
-    case Engine::kCudaMoeGrouped:
-    case Engine::kCudaBf16MoeGrouped: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
+    case Engine::kCudaMoeGrouped: return CudaDeviceCount() > 0 ? "" : "no CUDA device";
   }
   return "unknown engine";
 }
@@ -227,13 +224,12 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(Engine e) {
     case Engine::kCudaBf16Defaults:
     case Engine::kCudaPdl:
     case Engine::kCudaBf16Pdl:
-    case Engine::kCudaMoeGrouped:
-    case Engine::kCudaBf16MoeGrouped: {
+    case Engine::kCudaMoeGrouped: {
       const bool f32 = e == Engine::kCudaDefaults || e == Engine::kCudaPdl || e == Engine::kCudaMoeGrouped;
       CudaBackendOptions options = CudaOptionsFromSwitches(*Flags::Parse({}, {}, WithCudaSwitches({})));
       options.split_attention_keys = 16;  // the fixtures' contexts are short: ranges of 16 keys split them
       options.pdl = e == Engine::kCudaPdl || e == Engine::kCudaBf16Pdl;
-      options.moe_grouped = e == Engine::kCudaMoeGrouped || e == Engine::kCudaBf16MoeGrouped;
+      options.moe_grouped = e == Engine::kCudaMoeGrouped;
       return MakeCudaBackend(0, f32 ? DType::kF32 : DType::kBF16, options);
     }
   }

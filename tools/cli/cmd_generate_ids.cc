@@ -38,8 +38,7 @@ constexpr char kUsage[] =
     "  --help).\n"
     "  --activation-quantization int8 rounds the inputs of the int8/int4 products to int8 (AVX-512 VNNI\n"
     "  or AVX2), int16 those of the int4 products to int16 (AVX-512 VNNI), none neither; auto (default)\n"
-    "  is int16 on a CPU with AVX-512 VNNI, else none: as the worker's\n"
-    "  --activation-quantization.\n"
+    "  is int16 on a CPU with AVX-512 VNNI, else none: as the worker's --activation-quantization.\n"
     "  --load-format dummy makes the weights from config.json and --dummy-seed (default 0) instead of\n"
     "  reading safetensors, as the coordinator's --load-format dummy does: DIR may hold only config.json.\n";
 
