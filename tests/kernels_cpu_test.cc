@@ -1710,7 +1710,7 @@ void ExpectWithinInt16Rounding(const std::string& what, const std::vector<float>
 // float32 rounding left: 1e-5) and against the exact product on the activations as they are
 // (ExpectWithinInt16Rounding), for m on and off the 64-output blocks, k with short last groups of odd and even
 // length, 1 row to 65 (every tile shape: 4 panels up to 5 rows, 2 from 6, balanced tiles of up to
-// 12), with and without bias, GPTQ v1's zero point 16 on some groups; guards around the output; a
+// 8), with and without bias, GPTQ v1's zero point 16 on some groups; guards around the output; a
 // NaN or Inf row is NaN and leaves the other rows as they were; 1 or 3 threads give the same bits.
 TEST(Int16ActivationsTest, Int4PanelsProductEqualsTheReference) {
   if (!cpu::QuantIsaSupported(cpu::QuantIsa::kAvx512Vnni)) GTEST_SKIP() << "this CPU lacks AVX-512 VNNI";
@@ -1725,7 +1725,7 @@ TEST(Int16ActivationsTest, Int4PanelsProductEqualsTheReference) {
     std::vector<float> ref4(m * k);
     DequantizeInt4Groups(ref4.data(), blocks.data(), m, k);
     std::vector<cpu::Int4PanelGroup> panels(cpu::Int4PanelGroupCount(m, k));
-    cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k);
+    cpu::PackPanelsInt4(panels.data(), blocks.data(), m, k, cpu::Int4CodeOrder::kOctets);
     for (int64_t n : {1, 2, 3, 5, 6, 12, 13, 32, 65}) {
       for (const std::vector<float>* bias : {static_cast<const std::vector<float>*>(nullptr), &b}) {
         const std::vector<float> x = Random(rng, n * k);

@@ -430,7 +430,9 @@ absl::StatusOr<Buffer> CpuBackend::PackQuantized(WeightQuant quant, int64_t m, i
     SHARDSERVE_RETURN_IF_ERROR(fill(blocks.data()));
     const auto panel_bytes = static_cast<size_t>(cpu::Int4PanelGroupCount(m, k)) * sizeof(cpu::Int4PanelGroup);
     SHARDSERVE_ASSIGN_OR_RETURN(Buffer buffer, Allocate(panel_bytes));
-    cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k);
+    // (int16 activations' product reads the codes in its own order: panel_matmul.h Int4CodeOrder.)
+    cpu::PackPanelsInt4(static_cast<cpu::Int4PanelGroup*>(buffer.data()), blocks.data(), m, k,
+                        act_ == CpuActivationQuant::kInt16 ? cpu::Int4CodeOrder::kOctets : cpu::Int4CodeOrder::kPairs);
     packed_[buffer.data()] = PackedWeight{m, k, panel_bytes, {}, quant};
     packed_[buffer.data()].int4_panels = true;
     packed_[buffer.data()].panel_tiles = PanelTilesFor(isa);

@@ -358,7 +358,7 @@ int64_t Int4PanelGroupCount(int64_t m, int64_t k) {
   return (m + kOutputs - 1) / kOutputs * Int4GroupsLayout{m, k}.groups_per_row();
 }
 
-void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k) {
+void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k, Int4CodeOrder order) {
   constexpr int64_t kOutputs = kInt4GroupPanels * kPanelCols;
   const int64_t groups = Int4GroupsLayout{m, k}.groups_per_row();
   for (int64_t b = 0; b < (m + kOutputs - 1) / kOutputs; ++b) {
@@ -371,8 +371,21 @@ void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t 
         out.scale[p][c] = block.scale;
         out.zero[p][c] = static_cast<float>(block.zero);
         const auto code = [&](int64_t j) { return j < 64 ? block.q[j] & 15 : block.q[j - 64] >> 4; };
-        for (int64_t j = 0; j < kInt4PanelGroupInputs / 2; ++j) {
-          out.q[j][p][c] = static_cast<uint8_t>(code(2 * j) | code(2 * j + 1) << 4);
+        if (order == Int4CodeOrder::kPairs) {
+          for (int64_t j = 0; j < kInt4PanelGroupInputs / 2; ++j) {
+            out.q[j][p][c] = static_cast<uint8_t>(code(2 * j) | code(2 * j + 1) << 4);
+          }
+          continue;
+        }
+        // kOctets: byte b of output c's 4 bytes is half h = b / 2's nibbles t = 2 (b % 2) (low)
+        // and t + 1 (high), the codes at inputs 8o + 2t + h.
+        uint8_t* bytes = &out.q[0][0][0];
+        for (int64_t o = 0; o < kInt4PanelGroupInputs / 8; ++o) {
+          for (int64_t b = 0; b < 4; ++b) {
+            const int64_t h = b / 2, t = 2 * (b % 2);
+            bytes[((o * kInt4GroupPanels + p) * kPanelCols + c) * 4 + b] =
+                static_cast<uint8_t>(code(8 * o + 2 * t + h) | code(8 * o + 2 * (t + 1) + h) << 4);
+          }
         }
       }
     }

@@ -126,17 +126,27 @@ struct alignas(64) Int4PanelGroup {
 };
 // Int4PanelGroups a packed w [m, k] takes: ceil(m / 64) blocks of ceil(k / 128) groups.
 int64_t Int4PanelGroupCount(int64_t m, int64_t k);
-// packed [Int4PanelGroupCount(m, k)] = blocks [m, ceil(k / 128)] (Int4GroupsLayout) in panels; the
-// codes past k and the outputs past m are 0. m, k >= 0.
-void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k);
-// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsInt4,
-// by `tiles`' instance: kAvx512's (panel_matmul_int4_avx512.cc, CPUs with AVX-512F) or kVec8's,
+// The order of a group's code bytes: kPairs as `q` above (the exact instances'), or kOctets
+// (PanelMatMulInt4Act16's): for each 8 inputs 8o .. 8o + 7, each panel p and output c, 4 bytes at
+// byte offset ((o x 4 + p) x 16 + c) x 4 of `q`, read as two little-endian 16-bit halves h = 0, 1
+// whose nibble t (bits 4t .. 4t + 3) is output c's code at input 8o + 2t + h. A 64-byte line is
+// then a panel's 128 codes of 8 inputs, and shifting and masking its 16-bit lanes by 4t gives, in
+// each 32-bit lane, one output's codes at inputs 8o + 2t and 8o + 2t + 1 as two int16: what VPDPWSSD
+// multiplies by a pair of int16 activations, with no widening of bytes.
+enum class Int4CodeOrder : uint8_t { kPairs = 0, kOctets = 1 };
+// packed [Int4PanelGroupCount(m, k)] = blocks [m, ceil(k / 128)] (Int4GroupsLayout) in panels, the
+// codes in `order`; the codes past k and the outputs past m are 0. m, k >= 0.
+void PackPanelsInt4(Int4PanelGroup* packed, const Int4Group128* blocks, int64_t m, int64_t k,
+                    Int4CodeOrder order = Int4CodeOrder::kPairs);
+// y [n, m] = x [n, k] @ w^T (+ bias [m]) on `threads` threads (>= 1), w packed by PackPanelsInt4 in
+// kPairs order, by `tiles`' instance: kAvx512's (panel_matmul_int4_avx512.cc, CPUs with AVX-512F) or kVec8's,
 // 8-float vectors (panel_matmul_int4_avx2.cc, CPUs with AVX2 and FMA), bitwise the same results.
 // y must not overlap the inputs. n, m, k >= 1.
 void PanelMatMulInt4(float* y, const float* x, int64_t n, int64_t m, int64_t k, const Int4PanelGroup* w,
                      const float* bias, int threads, PanelTiles tiles);
 // The same product on int16 activations (the CPU backend's int4 products under
-// --activation-quantization int16; panel_matmul_int4_vnni.cc, CPUs with AVX-512 VNNI only): each
+// --activation-quantization int16; panel_matmul_int4_vnni.cc, CPUs with AVX-512 VNNI only), w packed
+// by PackPanelsInt4 in kOctets order: each
 // row's inputs quantized per group of 128 as Int16ActivationGroups states, the codes multiplied by
 // them as integers (exact sums), then per output and group, from acc = 0,
 //   acc = fma(scale x sx, fnmadd(zero, sum of the group's v, float(sum_j q_j v_j)), acc),

@@ -241,6 +241,7 @@ int main(int argc, char** argv) {
     std::vector<float> plain;                                 // w itself ("f32 plain w": packed per product)
     std::vector<uint8_t> int8_rows, fp8_rows;                 // where the backend packs them as panels
     std::vector<shardserve::Int4Group128> int4_blocks;         // where the backend packs int4 as panels
+    std::vector<shardserve::cpu::Int4PanelGroup> int4_octets;  // those panels in int16 activations' order
   };
   std::vector<Weight> weights;
   std::map<WeightQuant, double> pack_seconds;  // the backend's packing (quantization) of every weight, per format
@@ -248,7 +249,7 @@ int main(int argc, char** argv) {
     for (const Shape& s : layer) {
       std::vector<float> w(static_cast<size_t>(s.m * s.k));
       for (float& v : w) v = dist(rng);
-      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}, {}, {}};
+      Weight weight{s, std::make_unique<OneDnnProduct>(engine, w.data(), s.m, s.k), {}, {}, {}, w, {}, {}, {}, {}};
       for (WeightQuant q : {WeightQuant::kNone, WeightQuant::kInt8, WeightQuant::kFp8, WeightQuant::kInt4}) {
         Tensor packed;
         const auto t0 = std::chrono::steady_clock::now();
@@ -298,6 +299,11 @@ int main(int argc, char** argv) {
           }
         }
       }
+      if (panels && shardserve::cpu::QuantIsaSupported(QuantIsa::kAvx512Vnni)) {
+        weight.int4_octets.resize(static_cast<size_t>(shardserve::cpu::Int4PanelGroupCount(s.m, s.k)));
+        shardserve::cpu::PackPanelsInt4(weight.int4_octets.data(), weight.int4_blocks.data(), s.m, s.k,
+                                        shardserve::cpu::Int4CodeOrder::kOctets);
+      }
       if (bf16) {
         Tensor packed;
         auto buffer = bf16_backend->PackMatMulWeight(Tensor(w.data(), DType::kF32, {s.m, s.k}), &packed);
@@ -340,9 +346,8 @@ int main(int argc, char** argv) {
       return;
     }
     if (kernel.name == "int4 panels int16") {
-      shardserve::cpu::PanelMatMulInt4Act16(
-          out, x.data(), n, w.shape.m, w.shape.k,
-          static_cast<const shardserve::cpu::Int4PanelGroup*>(w.packed[kernel.quant].second.data), nullptr, threads);
+      shardserve::cpu::PanelMatMulInt4Act16(out, x.data(), n, w.shape.m, w.shape.k, w.int4_octets.data(), nullptr,
+                                            threads);
       return;
     }
     if (kernel.name == "int8 panels avx2") {
