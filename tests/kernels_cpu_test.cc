@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <limits>
@@ -25,6 +26,7 @@
 #include <optional>
 #include <ostream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -296,6 +298,47 @@ TEST_F(CpuBackendTest, DescribesItselfAndAllocatesAligned) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 64, 0u) << bytes;
     EXPECT_EQ(b->bytes(), bytes);
   }
+}
+
+// A buffer of 2 MiB or more starts on a 2 MiB boundary and is marked for transparent huge pages
+// (MADV_HUGEPAGE): where the kernel's THP mode is "always" or "madvise", /proc/self/smaps shows the
+// mapping that holds it as THPeligible (whether the pages are huge then depends on free memory; the
+// flag does not). Its bytes are all usable and kept.
+TEST_F(CpuBackendTest, LargeBuffersAskForHugePages) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = 3 * kHuge + 1000;
+  absl::StatusOr<Buffer> b = backend_->Allocate(bytes);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % kHuge, 0u);
+  auto* p = static_cast<unsigned char*>(b->data());
+  for (size_t i = 0; i < bytes; i += 4096) p[i] = static_cast<unsigned char>(i / 4096);
+  p[bytes - 1] = 7;
+  for (size_t i = 0; i < bytes; i += 4096) ASSERT_EQ(p[i], static_cast<unsigned char>(i / 4096)) << i;
+  ASSERT_EQ(p[bytes - 1], 7);
+  std::ifstream mode_file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode((std::istreambuf_iterator<char>(mode_file)), std::istreambuf_iterator<char>());
+  if (mode.find("[always]") == std::string::npos && mode.find("[madvise]") == std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off on this machine (" << mode << ")";
+  }
+  std::ifstream smaps("/proc/self/smaps");
+  ASSERT_TRUE(smaps.is_open());
+  const auto at = reinterpret_cast<uintptr_t>(b->data());
+  std::string line;
+  bool inside = false, found = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t start = 0, end = 0;
+    char dash = 0;
+    std::istringstream header(line);
+    if (header >> std::hex >> start >> dash >> end && dash == '-' && line.find(':') > line.find(' ')) {
+      inside = start <= at && at < end;  // a mapping's first line: "start-end perms offset ..."
+      continue;
+    }
+    if (inside && line.rfind("THPeligible:", 0) == 0) {
+      found = true;
+      EXPECT_NE(line.find('1'), std::string::npos) << line;
+    }
+  }
+  EXPECT_TRUE(found) << "no THPeligible line for the buffer's mapping in /proc/self/smaps";
 }
 
 // ---- MatMul ----------------------------------------------------------------------------------

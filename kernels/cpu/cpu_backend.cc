@@ -1,6 +1,7 @@
 // The CPU backend's class (cpu_backend.h) outside its ops: host memory and copies, the shape check
 // the ops share, and MakeCpuBackend.
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -23,6 +24,16 @@ namespace {
 // split lines.
 constexpr size_t kAlignment = 64;
 
+// From this size a buffer starts on a 2 MiB boundary and asks the kernel for transparent huge pages
+// (madvise MADV_HUGEPAGE, which the default "madvise" mode of
+// /sys/kernel/mm/transparent_hugepage/enabled honours; a hint, ignored where they are off). A
+// decode step streams every weight once, and on 4 KiB pages each page starts a new TLB walk and a
+// new hardware prefetch stream: bench_matmul's one-row float32 product of a Qwen3-MoE-sized stage
+// (--layers 4 --hidden 2048 --kv 512 --mlp 6144, 2 threads) took 20.7-21.0 ms on 4 KiB pages and
+// 11.6-11.8 ms on huge ones on the Zen 4 EPYC (36 against 66 GB/s; bf16 10.5 against 6.2 ms). The
+// buffer's memory is not rounded up: the last partial 2 MiB stays on small pages.
+constexpr size_t kHugePage = size_t{2} << 20;
+
 }  // namespace
 
 bool SameShape(const Tensor& a, const Tensor& b) {
@@ -34,16 +45,16 @@ bool SameShape(const Tensor& a, const Tensor& b) {
 }
 
 absl::StatusOr<Buffer> CpuBackend::Allocate(size_t bytes) {
-  // aligned_alloc wants a size that is a multiple of the alignment (and we want a non-null
-  // pointer for 0 bytes too).
-  if (bytes > std::numeric_limits<size_t>::max() - kAlignment) {
+  if (bytes > std::numeric_limits<size_t>::max() - kHugePage) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu Allocate: ", bytes, " bytes is too large"));
   }
-  const size_t rounded = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
-  void* data = std::aligned_alloc(kAlignment, rounded);
-  if (data == nullptr) {
+  const bool huge = bytes >= kHugePage;
+  void* data = nullptr;
+  // (A non-null pointer for 0 bytes too; posix_memalign takes any size.)
+  if (posix_memalign(&data, huge ? kHugePage : kAlignment, std::max(bytes, kAlignment)) != 0 || data == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat("cpu Allocate: out of host memory for ", bytes, " bytes"));
   }
+  if (huge) madvise(data, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // a hint: its result does not matter
   return Buffer(this, data, bytes);
 }
 
