@@ -18,7 +18,8 @@ few minutes, and checks that nothing was lost, wrong or leaked (docs/security.md
    them) for --minutes: a pool entry with an action drawn at random: complete it (gRPC streaming; HTTP
    streaming or not), cancel it (gRPC: cancel() after a few tokens), give it a short deadline (gRPC),
    or disconnect (HTTP: close the connection mid-stream, or while a non-streaming answer is awaited).
-   Every --kill-every seconds, once the group serves, a random worker holding a slot is SIGKILLed;
+   Every --kill-every seconds, once the group serves and a client has a request in flight (waited for
+   up to KILL_WAIT_S), a random worker holding a slot is SIGKILLed;
    launch restarts it and the group heals (docs/healing.md). A sampler reads every process's RSS and
    thread count (/proc/PID/status) every --sample-every seconds.
 4. Checks, each failure named in the exit message:
@@ -69,6 +70,8 @@ WORDS = ("the river ran past the mill and the old stone bridge where children co
 SUFFIXES = ["What happened next?", "Tell it again, shorter.", "Who was there?", "Why did it matter?",
             "Describe the bridge.", "And in the evening?", "What did the merchants sell?", "Finish the story."]
 
+# How long a kill waits, when its time comes, for a client to have a request in flight.
+KILL_WAIT_S = 30.0
 
 # The served model's name (the checkpoint directory's base name), set by main().
 MODEL_NAME = ""
@@ -459,6 +462,7 @@ def main():
         lock = threading.Lock()
         stop = threading.Event()
         counter = [0]
+        active = [0]  # requests the clients have started and not yet recorded (under lock)
 
         def client(k):
             rng = random.Random(args.seed * 1000 + k)
@@ -466,7 +470,9 @@ def main():
                 i = rng.randrange(len(pool))
                 entry = pool[i]
                 r = rng.random()
-                start = time.time()
+                with lock:  # so that a kill made under the lock while active[0] > 0 lies within a record
+                    start = time.time()
+                    active[0] += 1
                 if entry["api"] == "grpc":
                     if r < 0.6:
                         action, o = "grpc stream", run_grpc(stub, entry, request_timeout)
@@ -488,6 +494,7 @@ def main():
                             o = Outcome("", None, f"{type(e).__name__}: {e}")
                 with lock:
                     counter[0] += 1
+                    active[0] -= 1
                     records.append({"index": i, "action": action, "answer": o.answer, "finish": o.finish,
                                     "error": o.error, "start": start, "end": time.time()})
                 stop.wait(args.pause)
@@ -526,8 +533,17 @@ def main():
                 failures.append("no worker process holding a slot was found to kill")
                 break
             pid = rng.choice(sorted(holders))
-            os.kill(pid, signal.SIGKILL)
-            kills.append({"time": time.time(), "t": round(time.time() - soak_start, 1), "pid": pid, "slot": holders[pid]})
+            # The kill should find requests in flight (the check below): with a few clients and pauses
+            # between their requests, a moment with none comes now and then.
+            waited_until = time.time() + KILL_WAIT_S
+            while True:
+                with lock:
+                    if active[0] > 0 or time.time() >= waited_until:
+                        os.kill(pid, signal.SIGKILL)
+                        kills.append({"time": time.time(), "t": round(time.time() - soak_start, 1), "pid": pid,
+                                      "slot": holders[pid]})
+                        break
+                time.sleep(0.01)
             log(f"t={time.time() - soak_start:6.0f} s: SIGKILL worker pid {pid} ({holders[pid]})")
             next_kill = time.time() + args.kill_every
         if kills and not wait_serving(stub, args.heal_timeout):
