@@ -208,8 +208,10 @@ int main(int argc, char** argv) {
     kernels.push_back({"int4 panels avx2", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   }
   // int4 on int16-rounded activations (--activation-quantization int16: PanelMatMulInt4Act16), on the
-  // same panels, where the CPU has AVX-512 VNNI.
-  if (panels && shardserve::cpu::QuantIsaSupported(QuantIsa::kAvx512Vnni)) {
+  // same panels with their codes in that product's order (Int4CodeOrder::kOctets), where the CPU has
+  // AVX-512 VNNI.
+  const bool int16_panels = panels && shardserve::cpu::QuantIsaSupported(QuantIsa::kAvx512Vnni);
+  if (int16_panels) {
     kernels.push_back({"int4 panels int16", WeightQuant::kInt4, std::nullopt, 72.0 / 128});
   }
   // mxfp4 (gpt-oss's experts as published: kernels/cpu/panel_matmul.h PanelMatMulMxfp4), on panels on
@@ -299,7 +301,7 @@ int main(int argc, char** argv) {
           }
         }
       }
-      if (panels && shardserve::cpu::QuantIsaSupported(QuantIsa::kAvx512Vnni)) {
+      if (int16_panels) {
         weight.int4_octets.resize(static_cast<size_t>(shardserve::cpu::Int4PanelGroupCount(s.m, s.k)));
         shardserve::cpu::PackPanelsInt4(weight.int4_octets.data(), weight.int4_blocks.data(), s.m, s.k,
                                         shardserve::cpu::Int4CodeOrder::kOctets);
