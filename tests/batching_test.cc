@@ -3,8 +3,9 @@
 // (models/demo: it has a tokenizer, so every stream's text is checked too).
 //
 // - Concurrent greedy streams equal lone runs: 64 (TP=2 x PP=2: 32) concurrent requests of
-//   varied lengths, some longer than a step's token budget (chunked prefill), on TP1_PP1, TP1_PP2
-//   (micro-batches in flight) and TP2_PP2. Exact equality, no tolerance: a sequence's row goes
+//   varied lengths, some longer than a step's token budget (chunked prefill), on TP1_PP1
+//   (asynchronous scheduling: two steps in flight, the second fed the first's samples by the worker),
+//   TP1_PP1_Sync (--no-async-scheduling), TP1_PP2 (micro-batches in flight) and TP2_PP2. Exact equality, no tolerance: a sequence's row goes
 //   through the same per-row arithmetic whatever else is in the batch (the CPU backend's GEMM
 //   blocks the reduction dimension the same way for any number of rows: kernels_cpu_test's
 //   PackedMatMulRowsDoNotDependOnTheBatch), so its logits are bitwise those of a lone run.
@@ -25,6 +26,7 @@
 #include <functional>
 #include <latch>
 #include <map>
+#include <tuple>
 #include <regex>
 #include <memory>
 #include <ostream>
@@ -262,13 +264,14 @@ std::unique_ptr<Cluster> StartDemo(int tp, int pp, std::vector<std::string> coor
 struct Layout {
   int tp;
   int pp;
-  int streams;  // concurrent greedy requests
+  int streams;        // concurrent greedy requests
+  bool sync = false;  // the coordinator's --no-async-scheduling
 };
 
-void PrintTo(const Layout& l, std::ostream* os) { *os << "TP" << l.tp << "_PP" << l.pp; }
+void PrintTo(const Layout& l, std::ostream* os) { *os << "TP" << l.tp << "_PP" << l.pp << (l.sync ? "_Sync" : ""); }
 
 std::string LayoutName(const ::testing::TestParamInfo<Layout>& info) {
-  return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp);
+  return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + (info.param.sync ? "_Sync" : "");
 }
 
 // One cluster per layout, shared by the suite's tests and stopped with the suite: 64 sequences
@@ -280,17 +283,19 @@ class BatchingTest : public ::testing::TestWithParam<Layout> {
 
   Cluster* GetCluster() {
     const Layout& l = GetParam();
-    std::unique_ptr<Cluster>& c = clusters_[{l.tp, l.pp}];
+    std::unique_ptr<Cluster>& c = clusters_[{l.tp, l.pp, l.sync}];
     if (c == nullptr) {
-      c = StartDemo(l.tp, l.pp, {"--max-num-seqs", "64", "--max-tokens-per-step", "64"});
+      std::vector<std::string> flags = {"--max-num-seqs", "64", "--max-tokens-per-step", "64"};
+      if (l.sync) flags.push_back("--no-async-scheduling");
+      c = StartDemo(l.tp, l.pp, flags);
       if (c != nullptr) std::printf("[ cluster  ] TP%d_PP%d up in %.2f s\n", l.tp, l.pp, c->start_seconds());
     }
     return c.get();
   }
 
-  static std::map<std::pair<int, int>, std::unique_ptr<Cluster>> clusters_;
+  static std::map<std::tuple<int, int, bool>, std::unique_ptr<Cluster>> clusters_;
 };
-std::map<std::pair<int, int>, std::unique_ptr<Cluster>> BatchingTest::clusters_;
+std::map<std::tuple<int, int, bool>, std::unique_ptr<Cluster>> BatchingTest::clusters_;
 
 TEST_P(BatchingTest, ConcurrentGreedyStreamsEqualLoneRuns) {
   const Layout& l = GetParam();
@@ -335,6 +340,9 @@ TEST_P(BatchingTest, ConcurrentGreedyStreamsEqualLoneRuns) {
     tokens += static_cast<int>(together[i].tokens.size());
   }
   ExpectIdle(*cluster, "after the batch");
+  // A group of one worker schedules asynchronously unless told not to (the scheduler's log line).
+  const std::string log = Tail(cluster->coordinator().log(), std::string::npos);
+  EXPECT_EQ(log.find(", asynchronous scheduling") != std::string::npos, l.tp * l.pp == 1 && !l.sync);
   std::printf("[ timing   ] TP%d_PP%d: %zu requests one by one in %.2f s, together in %.2f s "
               "(%d tokens, %.0f tokens/s)\n",
               l.tp, l.pp, requests.size(), alone_seconds, together_seconds, tokens, tokens / together_seconds);
@@ -414,7 +422,9 @@ TEST_P(BatchingTest, SeededSamplingIsReproducibleInAnyBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, BatchingTest,
-                         ::testing::Values(Layout{1, 1, 64}, Layout{1, 2, 64}, Layout{2, 2, 32}), LayoutName);
+                         ::testing::Values(Layout{1, 1, 64}, Layout{1, 1, 64, /*sync=*/true}, Layout{1, 2, 64},
+                                           Layout{2, 2, 32}),
+                         LayoutName);
 
 // ---- Preemption ------------------------------------------------------------------------------------------
 

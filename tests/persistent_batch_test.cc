@@ -4,6 +4,7 @@
 // wrong. The scheduler's randomized cluster tests (scheduler_test.cc) decode every plan with it too.
 #include "worker/persistent_batch.h"
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -505,6 +506,105 @@ TEST_F(PersistentBatchTest, RefusesTokenIdsOutsideTheVocabulary) {
   v1::StepPlan p = Prefill();
   p.set_token_ids(2, kVocab);
   ExpectBad(p, "token id 100 outside the vocabulary [0, 100)");
+}
+
+// Asynchronous scheduling: a row that feeds its last sample gets the id the sampler drew for it
+// (the plan carries a placeholder), also in the penalty ids, and each sample feeds once, at the
+// position it is the token of.
+TEST(PersistentBatchFedSampleTest, FeedsTheSampleDrawnForTheSequence) {
+  PersistentBatch state(kLimits, kVocab, /*keep_history=*/true, /*feeds_samples=*/true);
+  StepBatch batch;
+  RowList sampling;
+  state.Reserve(&batch);
+  v1::RowSampling rs;
+  rs.set_presence_penalty(0.5f);
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {7, 2}, 3, rs);
+  AddNewSeq(&p, 2, {5}, 2);
+  AddRow(&p, 1, 0, {11, 12, 13}, true);
+  AddRow(&p, 2, 0, {21, 22}, true);
+  ASSERT_TRUE(state.Apply(p, &batch, &sampling).ok());
+  google::protobuf::RepeatedField<int32_t> drawn;
+  drawn.Add(41);
+  drawn.Add(42);
+  state.RecordSamples(drawn);
+
+  // Seq 1 feeds its sample (41) in row 1; seq 2 feeds its sample (42) in row 0.
+  v1::StepPlan q;
+  q.set_step_id(2);
+  AddRow(&q, 2, 2, {0}, true);
+  AddRow(&q, 1, 3, {0}, true);
+  q.add_row_feeds_sample(true);
+  q.add_row_feeds_sample(true);
+  ASSERT_TRUE(state.Apply(q, &batch, &sampling).ok());
+  EXPECT_EQ(batch.token_ids, (std::vector<int32_t>{42, 41}));
+  EXPECT_EQ(batch.positions, (std::vector<int32_t>{2, 3}));
+  ASSERT_EQ(sampling.size(), 2);
+  EXPECT_EQ(std::vector<int32_t>(sampling[1].penalty_output_ids().begin(), sampling[1].penalty_output_ids().end()),
+            (std::vector<int32_t>{41}));
+  drawn.Set(0, 52);
+  drawn.Set(1, 51);
+  state.RecordSamples(drawn);
+
+  // Seq 1 feeds 51 beside a row of seq 2 that feeds a known token (the flag is per row).
+  v1::StepPlan r;
+  r.set_step_id(3);
+  AddRow(&r, 1, 4, {0}, true);
+  AddRow(&r, 2, 3, {52}, false);
+  r.add_row_feeds_sample(true);
+  r.add_row_feeds_sample(false);
+  ASSERT_TRUE(state.Apply(r, &batch, &sampling).ok());
+  EXPECT_EQ(batch.token_ids, (std::vector<int32_t>{51, 52}));
+  EXPECT_EQ(std::vector<int32_t>(sampling[0].penalty_output_ids().begin(), sampling[0].penalty_output_ids().end()),
+            (std::vector<int32_t>{41, 51}));
+}
+
+TEST(PersistentBatchFedSampleTest, RefusesRowsThatCannotFeedASample) {
+  StepBatch batch;
+  RowList sampling;
+  // A worker that has prefilled seq 1's prompt {11, 12, 13} and, with `drawn`, drawn 41 after it.
+  auto prefilled = [&](bool feeds_samples, bool drawn) {
+    auto state = std::make_unique<PersistentBatch>(kLimits, kVocab, true, feeds_samples);
+    state->Reserve(&batch);
+    v1::StepPlan p;
+    p.set_step_id(1);
+    AddNewSeq(&p, 1, {7, 2}, 3);
+    AddRow(&p, 1, 0, {11, 12, 13}, true);
+    EXPECT_TRUE(state->Apply(p, &batch, &sampling).ok());
+    google::protobuf::RepeatedField<int32_t> ids;
+    ids.Add(41);
+    if (drawn) state->RecordSamples(ids);
+    return state;
+  };
+  // Step `step`: seq 1 from `start`, its row feeding its last sample and `tokens` after it.
+  auto feed = [](uint64_t step, int32_t start, std::vector<int32_t> tokens) {
+    v1::StepPlan q;
+    q.set_step_id(step);
+    AddRow(&q, 1, start, std::move(tokens), true);
+    q.add_row_feeds_sample(true);
+    return q;
+  };
+  auto expect_bad = [](const absl::Status& s, const std::string& want) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(want), std::string::npos) << "want '" << want << "' in: " << s.message();
+  };
+  // A worker that does not both embed and sample.
+  expect_bad(prefilled(false, true)->Apply(feed(2, 3, {0}), &batch, &sampling), "only the worker of a one-worker group");
+  // No sample drawn yet.
+  expect_bad(prefilled(true, false)->Apply(feed(2, 3, {0}), &batch, &sampling), "this worker has sampled none for it");
+  // More than the one token.
+  expect_bad(prefilled(true, true)->Apply(feed(2, 3, {0, 5}), &batch, &sampling), "its last sample and 1 more tokens");
+  // A sample of another position: the coordinator fed 41 itself, so the next row has none.
+  std::unique_ptr<PersistentBatch> state = prefilled(true, true);
+  v1::StepPlan known = feed(2, 3, {41});
+  known.set_row_feeds_sample(0, false);
+  ASSERT_TRUE(state->Apply(known, &batch, &sampling).ok());
+  expect_bad(state->Apply(feed(3, 4, {0}), &batch, &sampling), "that sample is the token at position 3");
+  // Flags not one per row.
+  v1::StepPlan two_flags = feed(2, 3, {0});
+  two_flags.add_row_feeds_sample(false);
+  expect_bad(prefilled(true, true)->Apply(two_flags, &batch, &sampling), "row_feeds_sample has 2 flags for 1 rows");
 }
 
 }  // namespace

@@ -507,12 +507,18 @@ bool PenaltyOn(const v1::RowSampling& s) {
          s.frequency_penalty() != 0;
 }
 
-// Drives a Scheduler like the engine (schedule every lane with no step in flight, complete the
-// oldest step in flight, remove sequences that reached max_tokens) and runs each step on a fake
-// KV cache, checking the plan's invariants with gtest assertions (fatal: callers check
-// HasFatalFailure()). Plans are stateful: each is decoded, in the order sent, by the worker's own
-// PersistentBatch (worker/persistent_batch.h), which must accept it, and the checks read the
-// StepBatch and sampling rows it derives, as the model and the sampler would.
+// Drives a Scheduler like the engine (schedule every lane until it is busy, complete the oldest
+// step in flight, remove sequences that reached max_tokens) and runs each step on a fake KV cache,
+// checking the plan's invariants with gtest assertions (fatal: callers check HasFatalFailure()).
+// Plans are stateful: each is decoded, in the order sent, by the worker's own PersistentBatch
+// (worker/persistent_batch.h), which must accept it, and the checks read the StepBatch and
+// sampling rows it derives, as the model and the sampler would.
+//
+// With asynchronous scheduling (SchedulerOptions::feed_samples) a row may feed the sample of a
+// step still in flight, which the worker puts in: the model is a function of the context, so the
+// simulation draws each step's samples when the worker takes the plan (RecordSamples, as the real
+// worker does once its step has run, before the next plan), keeps them ahead of the tokens the
+// scheduler knows, and checks at completion that the scheduler got the same.
 //
 // With sliding-window layers (SchedulerOptions::sliding_window), a row reads only the window before
 // each of its tokens: through its one table when every layer slides, else the full-attention
@@ -526,7 +532,7 @@ class SimCluster {
   explicit SimCluster(const SchedulerOptions& o)
       : o_(o),
         sched_(o),
-        worker_(o.limits, kVocab, /*keep_history=*/true),
+        worker_(o.limits, kVocab, /*keep_history=*/true, /*feeds_samples=*/o.feed_samples),
         window_(o.sliding_window),
         one_pool_slides_(o.sliding_window > 0 && !o.full_layers),
         two_pools_(o.sliding_window > 0 && o.full_layers),
@@ -535,26 +541,28 @@ class SimCluster {
 
   Scheduler& sched() { return sched_; }
 
-  void Add(uint64_t id, std::vector<int32_t> prompt, int64_t max_tokens, const v1::RowSampling& sampling) {
+  void Add(uint64_t id, std::vector<int32_t> prompt, int64_t max_tokens, const v1::RowSampling& sampling,
+           SeqOptions options = {}) {
     Seq& s = seqs_[id];
     s.tokens = prompt;
     s.prompt_len = static_cast<int64_t>(prompt.size());
     s.max_tokens = max_tokens;
     s.sampling = sampling;
-    sched_.Add(id, std::move(prompt), sampling);
+    s.max_len = options.max_len;
+    sched_.Add(id, std::move(prompt), sampling, options);
   }
 
-  // Schedules every lane with no step in flight; returns how many steps it scheduled.
+  // Schedules every lane until it is busy; returns how many steps it scheduled.
   int ScheduleFreeLanes() {
     int n = 0;
     for (int lane = 0; lane < sched_.lanes(); ++lane) {
-      if (sched_.LaneBusy(lane)) continue;
+     while (!sched_.LaneBusy(lane)) {
       Flight f;
       f.lane = lane;
       const MicroBatch* batch = sched_.Schedule(lane, next_step_id_, &f.plan);
       if (batch == nullptr) {
         EXPECT_FALSE(sched_.LaneBusy(lane));
-        continue;
+        break;
       }
       ++next_step_id_;
       plan_bytes_ += static_cast<int64_t>(f.plan.ByteSizeLong());
@@ -591,8 +599,10 @@ class SimCluster {
       EXPECT_LE(worker_.size(), sched_.num_running());
       CheckStep(*batch, &f);
       if (::testing::Test::HasFatalFailure()) return n;
+      DrawSamples(&f);
       in_flight_.push_back(std::move(f));
       ++n;
+     }
     }
     return n;
   }
@@ -605,6 +615,8 @@ class SimCluster {
   int64_t max_in_flight_seen() const { return max_in_flight_seen_; }
   // Rows scheduled while a step feeding the same sequence (an earlier prompt chunk) was in flight.
   int64_t chunks_behind_chunks() const { return chunks_behind_chunks_; }
+  // Rows that fed the sample of a step in flight (asynchronous scheduling).
+  int64_t continuations() const { return continuations_; }
   // Serialized bytes of every plan sent.
   int64_t plan_bytes() const { return plan_bytes_; }
   const PersistentBatch& worker() const { return worker_; }
@@ -641,7 +653,7 @@ class SimCluster {
       Cell& c = cache_[sb.slots[i]];
       const Seq& s = seqs_.at(f.rows[sb.token_seq[i]]);
       c.pos = sb.positions[i];
-      ASSERT_EQ(p.token_ids(i), s.tokens[c.pos]);
+      ASSERT_EQ(sb.token_ids[i], s.tokens[c.pos]);
       c.context.assign(s.tokens.begin(), s.tokens.begin() + c.pos + 1);
       if (two_pools_) {
         const std::vector<int32_t>& table = f.sliding_tables[sb.token_seq[i]];
@@ -671,11 +683,20 @@ class SimCluster {
       }
       const std::vector<int32_t> context(s.tokens.begin(), s.tokens.begin() + last + 1);
       sampled.push_back(NextToken(context, f.sampling[k].seed()));
+      ASSERT_EQ(sampled.back(), f.drawn[k]) << "step " << p.step_id() << " seq " << id << ": the worker fed another sample";
       if (!s.removed) expected.push_back(SampledToken{id, sampled.back(), k});
     }
 
     const std::vector<SampledToken> got = sched_.Complete(f.lane, sampled);
     ASSERT_FALSE(sched_.LaneBusy(f.lane));
+    for (int k = 0; k < static_cast<int>(sb.logit_rows.size()); ++k) {  // their samples are known now
+      Seq& s = seqs_.at(f.rows[sb.token_seq[sb.logit_rows[k]]]);
+      ASSERT_GT(s.sampling_in_flight, 0);
+      --s.sampling_in_flight;
+      ASSERT_FALSE(s.ahead.empty());
+      ASSERT_EQ(s.ahead.front(), sampled[k]);
+      s.ahead.erase(s.ahead.begin());
+    }
     ASSERT_EQ(got.size(), expected.size()) << "step " << p.step_id();
     for (size_t i = 0; i < got.size(); ++i) {
       ASSERT_EQ(got[i].seq, expected[i].seq);
@@ -685,7 +706,6 @@ class SimCluster {
     for (size_t row = 0; row < f.rows.size(); ++row) {
       Seq& s = seqs_.at(f.rows[row]);
       --s.in_flight;
-      if (f.ends[row] == static_cast<int64_t>(s.tokens.size())) s.sampling_in_flight = false;
       s.cached = f.ends[row];
     }
     for (const SampledToken& t : got) {
@@ -696,7 +716,8 @@ class SimCluster {
       ASSERT_LE(generated, s.max_tokens) << "seq " << t.seq << " sampled past max_tokens";
       if (generated == s.max_tokens) {  // the engine's role: the request is finished
         sched_.Remove(t.seq);
-        ASSERT_FALSE(sched_.Contains(t.seq));
+        // Gone now, or when the continuation in flight that feeds it comes back.
+        ASSERT_EQ(sched_.Contains(t.seq), s.in_flight > 0);
         s.done = true;
         s.removed = true;
       }
@@ -722,10 +743,18 @@ class SimCluster {
     std::vector<int32_t> tokens;  // prompt + every token sampled so far
     int64_t prompt_len = 0;
     int64_t max_tokens = 0;
+    int64_t max_len = 0;           // the scheduler's SeqOptions::max_len (0: none)
     int64_t cached = 0;            // positions whose KV the completed steps wrote
     int64_t fed = 0;               // positions fed to the steps sent so far
     int in_flight = 0;             // steps in flight that feed it
-    bool sampling_in_flight = false;  // one of them samples its next token
+    int sampling_in_flight = 0;    // of them, those that sample its next tokens
+    std::vector<int32_t> ahead;    // their samples, drawn when the worker took them
+    // Its tokens and those samples: what the workers have fed or will feed.
+    std::vector<int32_t> Known() const {
+      std::vector<int32_t> all = tokens;
+      all.insert(all.end(), ahead.begin(), ahead.end());
+      return all;
+    }
     std::vector<int32_t> table;    // blocks seen in its last step (prefix in use)
     v1::RowSampling sampling;
     bool started = false, done = false, removed = false;
@@ -744,7 +773,25 @@ class SimCluster {
     std::vector<int64_t> ends;    // position after each row's last token
     std::vector<int32_t> slots;   // written by this step
     std::vector<std::vector<int32_t>> sliding_tables;  // each row's sliding table when sent
+    std::vector<int32_t> drawn;   // the samples the worker drew, one per logit row
   };
+
+  // The worker ran `f`'s step: it draws each logit row's sample from the row's context and keeps
+  // it for a row that feeds it (PersistentBatch::RecordSamples).
+  void DrawSamples(Flight* f) {
+    const StepBatch& sb = f->batch;
+    for (int k = 0; k < static_cast<int>(sb.logit_rows.size()); ++k) {
+      const int t = sb.logit_rows[k];
+      Seq& s = seqs_.at(f->rows[sb.token_seq[t]]);
+      const std::vector<int32_t> known = s.Known();
+      ASSERT_EQ(static_cast<int64_t>(known.size()), sb.positions[t] + 1) << "a sample before the row's last token";
+      f->drawn.push_back(NextToken(known, f->sampling[k].seed()));
+      s.ahead.push_back(f->drawn.back());
+    }
+    google::protobuf::RepeatedField<int32_t> drawn;
+    drawn.Add(f->drawn.begin(), f->drawn.end());
+    worker_.RecordSamples(drawn);
+  }
 
   // The first position a token at position `q` reads through the first table: 0, or its window's
   // first when every layer slides.
@@ -798,8 +845,18 @@ class SimCluster {
       ASSERT_TRUE(seqs_.count(id)) << at << ": unknown seq " << id;
       const Seq& s = seqs_.at(id);
       ASSERT_FALSE(s.removed) << at << ": removed seq " << id << " scheduled";
-      ASSERT_FALSE(s.sampling_in_flight) << at << ": seq " << id << " scheduled before the token it samples is back";
-      if (s.in_flight > 0) ++chunks_behind_chunks_;
+      if (batch.entries[row].feeds_sample) {
+        ASSERT_TRUE(o_.feed_samples) << at;
+        ASSERT_EQ(s.sampling_in_flight, 1) << at << ": seq " << id << " feeds a sample, with "
+                                           << s.sampling_in_flight << " in flight";
+        ASSERT_EQ(s.in_flight, 1) << at << ": seq " << id;
+        ASSERT_EQ(p.row_feeds_sample(row), true) << at;
+        ++continuations_;
+      } else {
+        ASSERT_EQ(s.sampling_in_flight, 0) << at << ": seq " << id << " scheduled before the token it samples is back";
+        if (p.row_feeds_sample_size() > 0) { ASSERT_FALSE(p.row_feeds_sample(row)) << at; }
+        if (s.in_flight > 0) ++chunks_behind_chunks_;
+      }
       ASSERT_TRUE(in_step.insert(id).second) << at << ": seq " << id << " in two rows";
       f->rows.push_back(id);
       if (two_pools_) f->sliding_tables.push_back(sliding_tables_.at(id));
@@ -812,11 +869,14 @@ class SimCluster {
     for (const v1::NewSeq& ns : p.new_seqs()) new_seqs[ns.seq_id()] = ns.num_cached_tokens();
     std::vector<int64_t> next(n, -1), first(n, -1), count(n, 0);
     std::set<int32_t> step_slots;
+    std::map<uint64_t, std::vector<int32_t>> known;  // Seq::Known() of each row's sequence
+    for (int row = 0; row < n; ++row) known[f->rows[row]] = seqs_.at(f->rows[row]).Known();
     for (int i = 0; i < num_tokens; ++i) {
       const int row = sb.token_seq[i];
       ASSERT_GE(row, 0) << at;
       ASSERT_LT(row, n) << at;
       const Seq& s = seqs_.at(f->rows[row]);
+      const std::vector<int32_t>& tokens = known.at(f->rows[row]);
       const int64_t pos = sb.positions[i];
       if (next[row] < 0) {
         first[row] = pos;
@@ -837,8 +897,13 @@ class SimCluster {
       }
       next[row] = pos + 1;
       ++count[row];
-      ASSERT_LT(pos, static_cast<int64_t>(s.tokens.size())) << at << ": seq " << f->rows[row] << " fed past its end";
-      ASSERT_EQ(p.token_ids(i), s.tokens[pos]) << at << ": seq " << f->rows[row] << " pos " << pos;
+      ASSERT_LT(pos, static_cast<int64_t>(tokens.size())) << at << ": seq " << f->rows[row] << " fed past its end";
+      ASSERT_EQ(sb.token_ids[i], tokens[pos]) << at << ": seq " << f->rows[row] << " pos " << pos;
+      if (batch.entries[row].feeds_sample) {
+        ASSERT_EQ(p.token_ids(i), 0) << at << ": a fed sample's placeholder";
+      } else {
+        ASSERT_EQ(p.token_ids(i), tokens[pos]) << at;
+      }
       ASSERT_LT(pos / bs, mbps) << at;
       const int32_t block = sb.block_tables[row * mbps + pos / bs];
       ASSERT_GE(block, 0) << at;
@@ -873,6 +938,7 @@ class SimCluster {
     for (int row = 0; row < n; ++row) {
       const MicroBatch::Entry& e = batch.entries[row];
       Seq& s = seqs_.at(e.seq);
+      const std::vector<int32_t>& tokens = known.at(e.seq);
       ASSERT_GE(count[row], 1) << at << ": row " << row << " feeds no token";
       ASSERT_EQ(count[row], e.tokens) << at;
       (e.tokens > 1 ? prefill : decode) += e.tokens;
@@ -883,19 +949,20 @@ class SimCluster {
       const int64_t end = next[row];
       f->firsts.push_back(first[row]);
       f->ends.push_back(end);
-      if (end == static_cast<int64_t>(s.tokens.size())) {
+      if (end == static_cast<int64_t>(tokens.size())) {
         ASSERT_EQ(e.logit_row, logit_rows) << at << ": seq " << e.seq << " reaches its end";
+        if (s.max_len > 0) { ASSERT_LT(end, s.max_len) << at << ": seq " << e.seq << " samples past its max_len"; }
         ASSERT_LT(logit_rows, static_cast<int>(sb.logit_rows.size())) << at;
         const int t = sb.logit_rows[logit_rows];
         ASSERT_EQ(sb.token_seq[t], row) << at;
         ASSERT_EQ(sb.positions[t], end - 1) << at << ": logit row is not the last token of seq " << e.seq;
         const v1::RowSampling& r = f->sampling[logit_rows];
-        const int64_t generated = static_cast<int64_t>(s.tokens.size()) - s.prompt_len;
+        const int64_t generated = static_cast<int64_t>(tokens.size()) - s.prompt_len;
         ASSERT_EQ(r.draw_index(), static_cast<uint64_t>(generated)) << at << ": seq " << e.seq;
         ASSERT_EQ(r.seed(), s.sampling.seed());
         ASSERT_EQ(r.temperature(), s.sampling.temperature());
-        const std::vector<int32_t> prompt(s.tokens.begin(), s.tokens.begin() + s.prompt_len);
-        const std::vector<int32_t> output(s.tokens.begin() + s.prompt_len, s.tokens.end());
+        const std::vector<int32_t> prompt(tokens.begin(), tokens.begin() + s.prompt_len);
+        const std::vector<int32_t> output(tokens.begin() + s.prompt_len, tokens.end());
         const bool repetition = s.sampling.repetition_penalty() != 0 && s.sampling.repetition_penalty() != 1;
         ASSERT_EQ(std::vector<int32_t>(r.penalty_prompt_ids().begin(), r.penalty_prompt_ids().end()),
                   repetition ? prompt : std::vector<int32_t>{})
@@ -932,7 +999,7 @@ class SimCluster {
       if (!s.started) started.insert(e.seq);
       s.started = true;
       ++s.in_flight;
-      s.sampling_in_flight = end == static_cast<int64_t>(s.tokens.size());
+      if (e.logit_row >= 0) ++s.sampling_in_flight;
       s.fed = end;
     }
     ASSERT_EQ(logit_rows, static_cast<int>(sb.logit_rows.size())) << at;
@@ -963,6 +1030,7 @@ class SimCluster {
   int64_t cached_tokens_ = 0;
   int64_t max_in_flight_seen_ = 0;
   int64_t chunks_behind_chunks_ = 0;
+  int64_t continuations_ = 0;
 };
 
 // ---- End to end: many sequences through the simulated cluster -----------------------------------
@@ -976,6 +1044,7 @@ struct ClusterParam {
   bool colliding_keys = false;  // every block key the same: hits only where the tokens match
   int64_t window = 0;           // sliding_window
   int64_t sliding_blocks = 0;   // > 0: full-attention layers beside a sliding pool of these; 0: every layer slides
+  bool feed_samples = false;    // asynchronous scheduling
 };
 
 
@@ -1004,6 +1073,7 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   o.sliding_window = param.window;
   o.full_layers = param.window == 0 || param.sliding_blocks > 0;
   o.limits.num_sliding_kv_blocks = param.sliding_blocks;
+  o.feed_samples = param.feed_samples;
   SimCluster sim(o);
 
   // 64 sequences, one of them as long as allowed (so the tiny cache holds exactly one of it).
@@ -1058,7 +1128,16 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   int added = 0;
   auto add = [&](int n) {
     for (; n > 0 && added < kSeqs; --n, ++added) {
-      sim.Add(static_cast<uint64_t>(added + 1), specs[added].prompt, specs[added].max_tokens, specs[added].sampling);
+      // With asynchronous scheduling, every third sequence tells the scheduler its max_len (it then
+      // never continues past it; the others are removed with a continuation in flight, as at a stop
+      // token), and every fifth may not continue (as a constrained one).
+      SeqOptions options;
+      if (param.feed_samples && added % 3 == 0) {
+        options.max_len = static_cast<int64_t>(specs[added].prompt.size()) + specs[added].max_tokens;
+      }
+      if (param.feed_samples && added % 5 == 0) options.feed_ahead = false;
+      sim.Add(static_cast<uint64_t>(added + 1), specs[added].prompt, specs[added].max_tokens, specs[added].sampling,
+              options);
     }
   };
   add(8);
@@ -1130,8 +1209,13 @@ TEST_P(SchedulerClusterTest, EverySequenceMatchesItsSoloRun) {
   if (param.lanes > 1 && param.budget == 8 && param.num_kv_blocks != kTinyCache) {
     EXPECT_GT(sim.chunks_behind_chunks(), 0) << "no prompt chunk followed one in flight";
   }
-  if (param.lanes == 1) {
+  if (param.lanes == 1 && !param.feed_samples) {
     EXPECT_EQ(sim.chunks_behind_chunks(), 0);
+  }
+  if (param.feed_samples) {
+    EXPECT_GT(sim.continuations(), 0) << "no sequence continued before its sample was back";
+  } else {
+    EXPECT_EQ(sim.continuations(), 0);
   }
   RecordProperty("steps", static_cast<int>(sim.steps()));
   RecordProperty("preemptions", static_cast<int>(s.preemptions()));
@@ -1160,6 +1244,17 @@ std::vector<ClusterParam> ClusterParams() {
       }
     }
   }
+  // Asynchronous scheduling (a group of one worker: one lane, or more with --micro-batches).
+  for (int lanes : {1, 2}) {
+    for (int64_t blocks : {kTinyCache, kMediumCache, kGenerousCache}) {
+      for (int64_t budget : {8, 256}) {
+        out.push_back({lanes, blocks, budget, true, true, false, 0, 0, /*feed_samples=*/true});
+      }
+    }
+    out.push_back({lanes, kMediumCache, 8, false, false, false, 0, 0, true});
+    out.push_back({lanes, kMediumCache, 8, true, true, false, 10, 0, true});
+    out.push_back({lanes, kMediumCache, 256, true, true, false, 3, kMaxBlocksPerSeq, true});
+  }
   return out;
 }
 
@@ -1174,7 +1269,8 @@ INSTANTIATE_TEST_SUITE_P(Sim, SchedulerClusterTest, ::testing::ValuesIn(ClusterP
                                   (info.param.window > 0 ? "_Window" + std::to_string(info.param.window) : "") +
                                   (info.param.sliding_blocks > 0
                                        ? "_SlidingPool" + std::to_string(info.param.sliding_blocks)
-                                       : "");
+                                       : "") +
+                                  (info.param.feed_samples ? "_Async" : "");
                          });
 
 // ---- Focused behaviours ------------------------------------------------------------------------

@@ -16,8 +16,8 @@ bool PenaltyOn(const v1::RowSampling& r) {
 
 }  // namespace
 
-PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history)
-    : limits_(limits), vocab_size_(vocab_size), keep_history_(keep_history) {
+PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history, bool feeds_samples)
+    : limits_(limits), vocab_size_(vocab_size), keep_history_(keep_history), feeds_samples_(feeds_samples) {
   const int64_t m = std::max<int64_t>(0, limits.max_seqs_per_step);
   slots_.resize(m);
   free_slots_.reserve(m);
@@ -27,6 +27,7 @@ PersistentBatch::PersistentBatch(const StepLimits& limits, int64_t vocab_size, b
     free_slots_.push_back(static_cast<int32_t>(i));
   }
   index_.reserve(m);
+  sampled_slots_.reserve(m);
 }
 
 void PersistentBatch::Clear() {
@@ -38,6 +39,18 @@ void PersistentBatch::Clear() {
     free_slots_.push_back(static_cast<int32_t>(i));
   }
   index_.clear();
+  sampled_slots_.clear();
+}
+
+void PersistentBatch::RecordSamples(const google::protobuf::RepeatedField<int32_t>& sampled) {
+  const int n = std::min(sampled.size(), static_cast<int>(sampled_slots_.size()));
+  for (int i = 0; i < n; ++i) {
+    const auto [slot, at] = sampled_slots_[i];
+    if (slot < 0) continue;
+    slots_[slot].sample = sampled[i];
+    slots_[slot].sample_at = at;
+  }
+  sampled_slots_.clear();  // each sample is kept once
 }
 
 void PersistentBatch::Reserve(StepBatch* b) const {
@@ -127,6 +140,7 @@ absl::Status PersistentBatch::Rollback(const v1::StepPlan& p) {
                  " tokens need ", (tokens + bs - 1) / bs);
     }
     s.fed = tokens;
+    s.sample_at = -1;  // its samples past `tokens` were rejected
     s.blocks.resize(static_cast<size_t>(blocks));
     if (limits_.num_sliding_kv_blocks > 0) s.sliding_blocks.resize(static_cast<size_t>(blocks));  // as long as the table
     const int64_t kept = tokens - s.prompt_len;
@@ -185,6 +199,8 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     s.repetition = RepetitionOn(r);
     s.penalty = PenaltyOn(r);
     s.last_step = 0;
+    s.sample = -1;
+    s.sample_at = -1;
     s.sampling.CopyFrom(r);
     absl::Status st = AppendBlocks(step, s, n.block_ids(), n.sliding_block_ids(), "new_seqs");
     if (!st.ok()) return st;
@@ -222,6 +238,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   if (p.row_num_sampled_size() != 0 && p.row_num_sampled_size() != rows) {
     return bad("row_num_sampled has ", p.row_num_sampled_size(), " counts for ", rows, " rows; one per row, or none");
   }
+  if (p.row_feeds_sample_size() != 0 && p.row_feeds_sample_size() != rows) {
+    return bad("row_feeds_sample has ", p.row_feeds_sample_size(), " flags for ", rows, " rows; one per row, or none");
+  }
   if (rows < 1 || rows > limits_.max_seqs_per_step) {
     return bad(rows, " rows; a step takes 1 to ", limits_.max_seqs_per_step);
   }
@@ -240,6 +259,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   const bool sliding = limits_.num_sliding_kv_blocks > 0;
   batch->num_seqs = rows;
   sampling->Clear();  // keeps the elements for reuse
+  sampled_slots_.clear();
   int64_t t = 0;      // the row's first token in token_ids
   for (int row = 0; row < rows; ++row) {
     const uint64_t id = p.row_seq_ids(row);
@@ -262,6 +282,19 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
       return bad("row ", row, " feeds seq ", id, " positions up to ", end - 1, ", beyond its table of ",
                  s.blocks.size(), " blocks of ", bs, " tokens");
     }
+    if (p.row_feeds_sample_size() > 0 && p.row_feeds_sample(row)) {
+      if (!feeds_samples_) {
+        return bad("row ", row, " feeds seq ", id, " its last sample; only the worker of a one-worker group "
+                   "(which embeds and samples) holds it");
+      }
+      if (count != 1) return bad("row ", row, " feeds seq ", id, " its last sample and ", count - 1, " more tokens; such a row feeds 1");
+      if (s.sample_at != start) {
+        return bad("row ", row, " feeds seq ", id, " its last sample at position ", start,
+                   s.sample_at < 0 ? absl::StrCat("; this worker has sampled none for it")
+                                   : absl::StrCat("; that sample is the token at position ", s.sample_at));
+      }
+      batch->token_ids[static_cast<size_t>(t)] = s.sample;
+    }
     for (int64_t pos = start; pos < end; ++pos, ++t) {
       batch->positions.push_back(static_cast<int32_t>(pos));
       batch->token_seq.push_back(row);
@@ -269,9 +302,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
       if (sliding) batch->sliding_slots.push_back(static_cast<int32_t>(s.sliding_blocks[pos / bs] * bs + pos % bs));
       if (keep_history_) {
         if (pos < s.prompt_len) {
-          if (s.repetition) s.sampling.add_penalty_prompt_ids(p.token_ids(static_cast<int>(t)));
+          if (s.repetition) s.sampling.add_penalty_prompt_ids(batch->token_ids[static_cast<size_t>(t)]);
         } else if (s.penalty) {
-          s.sampling.add_penalty_output_ids(p.token_ids(static_cast<int>(t)));
+          s.sampling.add_penalty_output_ids(batch->token_ids[static_cast<size_t>(t)]);
         }
       }
     }
@@ -299,6 +332,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
         return bad("row ", row, " samples seq ", id, " after ", upto, " tokens, inside its prompt of ", s.prompt_len);
       }
       batch->logit_rows.push_back(static_cast<int32_t>(t - sampled + j));
+      sampled_slots_.emplace_back(j + 1 == sampled ? it->second : -1, end);
       v1::RowSampling* r = sampling->Add();
       r->CopyFrom(s.sampling);
       r->set_draw_index(static_cast<uint64_t>(upto - s.prompt_len));

@@ -22,11 +22,16 @@
 //   penalties   penalty_prompt_ids = the fed tokens at positions < prompt_len (repetition penalty
 //               on), penalty_output_ids = those at positions >= prompt_len (any penalty on): the
 //               prompt and every token generated so far, in order, as the coordinator sent them
-//               in version 1 (a preempted sequence comes back new and is fed from position 0).
+//               in version 1 (a preempted sequence comes back new and is fed from position 0);
+//   fed sample  a row with row_feeds_sample (asynchronous scheduling) feeds the token this worker
+//               sampled for s at its last sampled position (RecordSamples), which must be the
+//               row's position p0; only where the worker both embeds and samples (`feeds_samples`).
 //
 // Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown
 // or twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with
-// a penalty on, a table past max_blocks_per_seq, a block outside
+// a penalty on, a table past max_blocks_per_seq, a row that feeds a sample where this worker
+// cannot (not both first stage and sampler), of more than one token, or with no sample of s at its
+// position, a block outside
 // [0, num_kv_blocks) (a sliding block outside [0, num_sliding_kv_blocks), sliding ids where there
 // is no such pool, or a sliding table not as long as the table), a row whose positions are not the next ones or lie beyond its table, more
 // rows, tokens or held sequences than the limits, lists of unequal length, a token id outside the
@@ -45,6 +50,7 @@
 #define SHARDSERVE_WORKER_PERSISTENT_BATCH_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -61,13 +67,20 @@ class PersistentBatch {
   // For plans within `limits` (checked by the caller: ValidateDecided) over a vocabulary of
   // `vocab_size` ids. With `keep_history` (the worker that samples) the fed tokens of sequences
   // with a penalty on are kept and handed to the sampler; elsewhere the penalty ids stay empty.
-  PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history);
+  // With `feeds_samples` (a group of one worker: it embeds and samples) rows may feed the
+  // samples RecordSamples kept (StepPlan.row_feeds_sample).
+  PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history, bool feeds_samples = false);
 
   // Applies `plan` (freed ids, new sequences, appended blocks, rows: in that order) and fills
   // `batch` (its vectors cleared and refilled within their capacity) and `sampling` (one per
   // logit row, elements reused). `batch` should come from Reserve() for no allocation.
   absl::Status Apply(const v1::StepPlan& plan, StepBatch* batch,
                      google::protobuf::RepeatedPtrField<v1::RowSampling>* sampling);
+
+  // The sampler drew `sampled` (one id per logit row of the last Apply()): each row's sample at its
+  // last sampled position is kept for a later row that feeds it. Ids past the logit rows are
+  // ignored; rows without an id keep none.
+  void RecordSamples(const google::protobuf::RepeatedField<int32_t>& sampled);
 
   // Reserves `batch`'s vectors for the largest step within the limits.
   void Reserve(StepBatch* batch) const;
@@ -95,6 +108,9 @@ class PersistentBatch {
     bool repetition = false;      // repetition penalty on: keep the prompt
     bool penalty = false;         // any penalty on: keep the completion
     uint64_t last_step = 0;       // Apply() call that last gave it a row (1-based; 0: none)
+    // Its last sample (RecordSamples) and the position that token takes; -1: none.
+    int32_t sample = -1;
+    int64_t sample_at = -1;
     // Settings; with keep_history, the penalty ids hold the fed tokens (see the file comment).
     v1::RowSampling sampling;
   };
@@ -110,12 +126,16 @@ class PersistentBatch {
   StepLimits limits_;
   int64_t vocab_size_ = 0;
   bool keep_history_ = false;
+  bool feeds_samples_ = false;
 
   // ---- State ----
   std::vector<Seq> slots_;                        // [max_seqs_per_step]
   std::vector<int32_t> free_slots_;               // indices into slots_ not holding a sequence
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   uint64_t applied_ = 0;                          // Apply() calls so far
+  // Per logit row of the last Apply(): the slot whose sample it is and that sample's position, or
+  // slot -1 for a position before the row's last (reserved to max_seqs_per_step).
+  std::vector<std::pair<int32_t, int64_t>> sampled_slots_;
 };
 
 }  // namespace shardserve

@@ -443,6 +443,12 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->ResetSeconds();
   }
+  if ((draft_ != nullptr || head_ != nullptr) && plan.row_feeds_sample_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(),
+                                                   " has rows that feed their last sample; this worker's ",
+                                                   draft_ != nullptr ? "draft model" : "speculative head",
+                                                   " reads the plan's token ids, so it needs every token in them"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
   if (draft_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(draft_->Apply(plan));
@@ -473,6 +479,7 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     SHARDSERVE_RETURN_IF_ERROR(CheckTokenMasks(plan, static_cast<int64_t>(batch.logit_rows.size()),
                                                sampler_->vocab_size(), &token_masks_));
     SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result, token_masks_));
+    steps_->RecordSamples(result->sampled_ids());
     // The draft's guesses for these sequences' next step, in this step.
     if (draft_ != nullptr) {
       SHARDSERVE_RETURN_IF_ERROR(draft_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));

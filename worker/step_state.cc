@@ -15,7 +15,8 @@ absl::Status CheckLoadable(const v1::Assignment& a, const ModelConfig& config) {
 StepState::StepState(const v1::Assignment& a, int64_t vocab_size)
     : vocab_size_(vocab_size),
       epoch_(a.epoch()),
-      state_(FromProto(a.limits()), vocab_size, a.stage() + 1 == a.num_stages() && a.tp_rank() == 0) {
+      state_(FromProto(a.limits()), vocab_size, a.stage() + 1 == a.num_stages() && a.tp_rank() == 0,
+             a.num_stages() == 1 && a.tp_size() == 1) {
   state_.Reserve(&batch_);
 }
 

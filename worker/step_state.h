@@ -28,7 +28,8 @@ class StepState {
  public:
   // For the shard of `assignment` (its limits and epoch; CheckLoadable passed) of a model whose
   // vocabulary has `vocab_size` ids. The last stage's TP rank 0 samples, and keeps the fed tokens
-  // of sequences with a penalty.
+  // of sequences with a penalty; a group of one worker (one stage, TP 1) feeds rows its own samples
+  // (StepPlan.row_feeds_sample).
   StepState(const v1::Assignment& assignment, int64_t vocab_size);
 
   // The group's epoch: the assignment's, then the last Regroup's or adoption's.
@@ -43,6 +44,8 @@ class StepState {
   absl::Status Prepare(const v1::StepPlan& plan);
   const StepBatch& batch() const { return batch_; }
   const google::protobuf::RepeatedPtrField<v1::RowSampling>& sampling() const { return sampling_; }
+  // The ids the sampler drew for the prepared step (PersistentBatch::RecordSamples).
+  void RecordSamples(const google::protobuf::RepeatedField<int32_t>& sampled) { state_.RecordSamples(sampled); }
 
   // A Regroup of the group that holds `held` (CheckRegroup against this epoch); on success the
   // running batch is dropped and the epoch is the regroup's.

@@ -124,6 +124,8 @@ class WorkerPool {
   StepLimits limits() { return membership_.limits(); }
   // Pipeline stages (--nodes).
   int num_stages() const { return membership_.formation().options().nodes; }
+  // Workers in the group (--nodes x --gpus-per-node).
+  int group_size() const { return membership_.formation().group_size(); }
   // Fills tp, pp, plan_text, workers and serving.
   void FillStatus(v1::ClusterStatus* status) { membership_.FillStatus(status); }
 

@@ -238,6 +238,8 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.guess_filter = this;
   o.speculative_max_running = options_.speculative_max_running;
   o.adaptive_speculative_tokens = options_.adaptive_speculative_tokens;
+  // The worker puts in the samples itself: it must both embed and sample.
+  o.feed_samples = options_.async_scheduling && pool_->group_size() == 1 && o.proposer == nullptr;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
   // 2 and 3), the sliding layers have a pool of their own on the workers (num_sliding_kv_blocks,
@@ -269,6 +271,7 @@ bool Engine::EnsureScheduler() {
                                            " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
                                            o.limits.block_size, " tokens, prefix caching ",
                                            o.prefix_caching ? "on" : "off",
+                                           o.feed_samples ? ", asynchronous scheduling" : "",
                                            o.sliding_window > 0
                                                ? absl::StrCat(", blocks behind the ", o.sliding_window,
                                                               "-token sliding window let go",
@@ -288,6 +291,7 @@ void Engine::Admit(std::unique_ptr<Request> r) {
   if (p.grammar != nullptr) r->matcher = std::make_unique<grammar::GrammarMatcher>(p.grammar);
   SeqOptions seq;
   seq.max_len = static_cast<int64_t>(p.prompt.size()) + p.max_tokens;
+  seq.feed_ahead = r->matcher == nullptr;  // a grammar's mask needs the token sampled before it
   scheduler_->Add(r->id, p.prompt, SamplingTemplate(p), seq);
   if (metrics_ != nullptr) metrics_->prompt_tokens.Increment(static_cast<double>(p.prompt.size()));
   CoordinatorRequestLog(p.request_id, absl::StrFormat("queued: %d prompt tokens, max_tokens %d, temperature %g%s",
@@ -307,39 +311,45 @@ void Engine::CancelNow(uint64_t id, const absl::Status& why) {
 
 absl::Status Engine::SendSteps() {
   for (int lane = 0; lane < scheduler_->lanes(); ++lane) {
-    if (scheduler_->LaneBusy(lane)) continue;
-    const MicroBatch* batch = scheduler_->Schedule(lane, next_step_, &step_);
-    if (batch == nullptr) continue;
-    ++next_step_;
-    AddTokenMasks(*batch, &step_);
-    const auto now = std::chrono::steady_clock::now();
-    if (!batch->started.empty()) {
-      for (uint64_t id : batch->started) {
-        Request& r = *requests_.at(id);
-        r.started = now;
-        if (metrics_ != nullptr) metrics_->request_queue.Observe(SecondsBetween(r.arrival, now));
-      }
-      absl::MutexLock lock(&mu_);
-      queued_ -= static_cast<int64_t>(batch->started.size());
+    while (!scheduler_->LaneBusy(lane)) {
+      const MicroBatch* batch = scheduler_->Schedule(lane, next_step_, &step_);
+      if (batch == nullptr) break;
+      SHARDSERVE_RETURN_IF_ERROR(SendStep(*batch));
     }
-    if (metrics_ != nullptr) {
-      metrics_->step_sequences.Observe(static_cast<double>(batch->entries.size()));
-      metrics_->step_tokens.Observe(static_cast<double>(batch->prefill_tokens + batch->decode_tokens));
-      metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
-    }
-    SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch->logit_rows, batch->wants_logprobs, batch->draft_ids));
-    InFlight f;
-    f.lane = lane;
-    f.step_id = batch->step_id;
-    f.sent = now;
-    if (batch->draft_tokens > 0) {
-      f.draft_tokens = batch->draft_tokens;
-      for (const MicroBatch::Entry& e : batch->entries) {
-        if (e.logit_row >= 0) f.sampling.push_back(e.seq);
-      }
-    }
-    in_flight_.push_back(std::move(f));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SendStep(const MicroBatch& batch) {
+  ++next_step_;
+  AddTokenMasks(batch, &step_);
+  const auto now = std::chrono::steady_clock::now();
+  if (!batch.started.empty()) {
+    for (uint64_t id : batch.started) {
+      Request& r = *requests_.at(id);
+      r.started = now;
+      if (metrics_ != nullptr) metrics_->request_queue.Observe(SecondsBetween(r.arrival, now));
+    }
+    absl::MutexLock lock(&mu_);
+    queued_ -= static_cast<int64_t>(batch.started.size());
+  }
+  if (metrics_ != nullptr) {
+    metrics_->step_sequences.Observe(static_cast<double>(batch.entries.size()));
+    metrics_->step_tokens.Observe(static_cast<double>(batch.prefill_tokens + batch.decode_tokens));
+    metrics_->step_plan_bytes.Increment(static_cast<double>(step_.ByteSizeLong()));
+  }
+  SHARDSERVE_RETURN_IF_ERROR(pool_->StartStep(step_, batch.logit_rows, batch.wants_logprobs, batch.draft_ids));
+  InFlight f;
+  f.lane = batch.lane;
+  f.step_id = batch.step_id;
+  f.sent = now;
+  if (batch.draft_tokens > 0) {
+    f.draft_tokens = batch.draft_tokens;
+    for (const MicroBatch::Entry& e : batch.entries) {
+      if (e.logit_row >= 0) f.sampling.push_back(e.seq);
+    }
+  }
+  in_flight_.push_back(std::move(f));
   return absl::OkStatus();
 }
 
@@ -348,7 +358,10 @@ absl::Status Engine::FinishOldest() {
   in_flight_.pop_front();
   SHARDSERVE_RETURN_IF_ERROR(pool_->FinishStep(f.step_id, options_.step_timeout, &outcome_));
   const auto now = std::chrono::steady_clock::now();
-  const double step_seconds = SecondsBetween(f.sent, now);
+  // A step sent while the one before it was in flight (asynchronous scheduling, micro-batches) is
+  // timed from that one's result (StepTimings.step_seconds).
+  const double step_seconds = SecondsBetween(std::max(f.sent, last_finish_), now);
+  last_finish_ = now;
   const std::vector<SampledToken> sampled = scheduler_->Complete(f.lane, outcome_.sampled_ids);
   // The draft model's guesses, made for each sampled sequence's tokens as verified now: served at
   // its next decode (DraftProposer), before its tokens are streamed (a request they end forgets

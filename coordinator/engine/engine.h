@@ -1,11 +1,15 @@
 // The engine: continuous batching on top of the worker pool. One thread runs the loop
 //
-//   take new requests and cancellations -> schedule a step for every lane with none in flight
+//   take new requests and cancellations -> schedule a step for every lane that may take one
 //   (coordinator/scheduler) -> send it -> wait for the oldest step in flight -> hand each sampled
 //   token to its request (text, stop conditions) and stream it -> drop finished requests
 //
 // so requests join and leave the running batch at every step, and with PP = P up to P
-// micro-batches are in flight at once. A gRPC handler submits its checked request, then reads
+// micro-batches are in flight at once. In a group of one worker, scheduling is asynchronous
+// (EngineOptions::async_scheduling; scheduler.h): the next step goes out before the one in flight
+// is back, feeding the tokens that one samples (the worker puts them in), so the worker never waits
+// for the coordinator between two decode steps. A request that the step in flight ends (a stop
+// token or string) loses the token its next step sampled: it is never streamed. A gRPC handler submits its checked request, then reads
 // the request's stream (RequestStream) and writes what it gets to its client; when the client
 // goes away or its deadline passes, the handler cancels the request and the engine removes it
 // at the next step, freeing its KV blocks.
@@ -61,6 +65,9 @@ using SteadyTime = std::chrono::steady_clock::time_point;
 struct EngineOptions {
   int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
   int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
+  // Asynchronous scheduling where the group is one worker and no speculative decoding runs
+  // (--no-async-scheduling turns it off; scheduler.h SchedulerOptions::feed_samples).
+  bool async_scheduling = true;
   absl::Duration step_timeout = absl::Seconds(60);
   // How long requests wait for a healing group (--heal-timeout-seconds).
   absl::Duration heal_timeout = absl::Seconds(60);
@@ -167,8 +174,10 @@ class Engine : private GuessFilter {
   bool EnsureScheduler();
   void Admit(std::unique_ptr<Request> request);
   void CancelNow(uint64_t id, const absl::Status& why);
-  // Schedules and sends a step for every lane without one in flight.
+  // Schedules and sends steps for every lane, as many as each may have in flight.
   absl::Status SendSteps();
+  // Sends `batch` (the step_ Schedule just built) and records it in flight.
+  absl::Status SendStep(const MicroBatch& batch);
   // Waits for the oldest step in flight and streams its tokens.
   absl::Status FinishOldest();
   // Constrained decoding: the token masks of `batch`'s sampling rows whose request has a grammar,
@@ -221,6 +230,7 @@ class Engine : private GuessFilter {
   std::unique_ptr<Scheduler> scheduler_;
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // in the scheduler
   std::deque<InFlight> in_flight_;
+  SteadyTime last_finish_;  // when the last step came back
   uint64_t next_step_ = 1;
   // Requests held by the heal in progress (resumed when the group serves again).
   std::vector<uint64_t> held_;

@@ -6,6 +6,7 @@ namespace shardserve {
 
 Scheduler::Scheduler(const SchedulerOptions& options)
     : options_(options),
+      depth_(options.feed_samples && options.proposer == nullptr ? 2 : 1),
       blocks_(options.limits.num_kv_blocks, options.limits.block_size, options.prefix_caching, options.prefix_key_fn),
       blocks_window_(options.full_layers ? 0 : options.sliding_window),
       lanes_(std::max(1, options.lanes)) {
@@ -33,13 +34,13 @@ void Scheduler::FreeBlocks(Seq& s) {
 
 void Scheduler::Advance(Seq& s) {
   // The blocks this step fills are written before any later step reads them.
-  blocks_.Register(s.blocks, s.tokens, s.num_fed, &s.chain);
+  blocks_.Register(s.blocks, s.tokens, s.known_fed(), &s.chain);
   // The next token, at num_fed, attends to [num_fed - window + 1, num_fed]: every worker runs the
   // steps in the order sent, so the steps in flight read the blocks let go before a later step
   // that takes them writes them.
   if (blocks_window_ > 0) blocks_.Release(&s.blocks, s.num_fed - blocks_window_ + 1);
   if (sliding_) {
-    sliding_->Register(s.sliding_blocks, s.tokens, s.num_fed, &s.sliding_chain);
+    sliding_->Register(s.sliding_blocks, s.tokens, s.known_fed(), &s.sliding_chain);
     sliding_->Release(&s.sliding_blocks, s.num_fed - options_.sliding_window + 1);
   }
 }
@@ -117,6 +118,7 @@ void Scheduler::Preempt(Seq& s) {
   Forget(s);  // it comes back as a new sequence, with new blocks
   FreeBlocks(s);
   s.num_fed = 0;
+  s.pending = 0;
   s.stalled = false;
   --lanes_[s.lane].running;
   s.lane = -1;
@@ -154,11 +156,21 @@ bool Scheduler::Reserve(Seq& s, int64_t tokens) {
   return true;
 }
 
-void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft) {
+bool Scheduler::Continues(const Seq& s) const {
+  if (depth_ < 2 || !s.options.feed_ahead || s.pending != 1 || s.in_flight != 1 || s.unfed() != 0) return false;
+  // Its continuation samples the token after the one in flight: both within max_len.
+  const int64_t max_len = s.options.max_len > 0 ? std::min(s.options.max_len, options_.limits.max_model_len)
+                                                : options_.limits.max_model_len;
+  return static_cast<int64_t>(s.tokens.size()) + 2 <= max_len;
+}
+
+void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft,
+                      bool continues) {
   MicroBatch::Entry e;
   e.seq = s.id;
   e.tokens = static_cast<int32_t>(chunk + static_cast<int64_t>(draft.size()));
-  if (chunk == s.unfed()) {
+  e.feeds_sample = continues;
+  if (chunk == s.unfed() || continues) {
     e.logit_row = *rows;
     e.samples = 1 + static_cast<int32_t>(draft.size());
     *rows += e.samples;
@@ -177,11 +189,11 @@ int64_t Scheduler::PrefillCap() const {
   if (lanes() == 1) return options_.limits.max_tokens_per_step;
   int64_t work = 0;
   for (const Lane& l : lanes_) {
-    if (l.busy) work += l.batch.prefill_tokens;
+    for (const MicroBatch& b : l.batches) work += b.prefill_tokens;
   }
   for (uint64_t id : running_) {
     const Seq& s = *seqs_.at(id);
-    if (!s.decodes() && !s.removed) work += s.unfed();
+    if (!s.decodes() && !s.removed) work += std::max<int64_t>(0, s.unfed());
   }
   int64_t admissible = options_.limits.max_seqs_per_step - num_running();
   for (auto it = waiting_.begin(); it != waiting_.end() && admissible > 0; ++it, --admissible) {
@@ -192,10 +204,9 @@ int64_t Scheduler::PrefillCap() const {
 }
 
 const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* step) {
+  if (LaneBusy(lane)) return nullptr;
   Lane& l = lanes_[lane];
-  if (l.busy) return nullptr;
-  MicroBatch& batch = l.batch;
-  batch = MicroBatch{};
+  MicroBatch& batch = l.batches.emplace_back();
   batch.lane = lane;
   batch.step_id = step_id;
   int64_t budget = options_.limits.max_tokens_per_step;
@@ -219,9 +230,10 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       if (budget == 0 || (!decodes && prefill_budget == 0)) break;
       if (!running_.count(id)) continue;  // preempted while this step was built
       Seq& s = *seqs_.at(id);
-      const int64_t need = s.unfed();
-      if (s.in_batch || s.removed || need == 0) continue;  // removed: only waits for its step in flight
-      const bool decode = s.decodes();
+      const bool continues = Continues(s);
+      const int64_t need = continues ? 1 : s.unfed();
+      if (s.in_batch || s.removed || need <= 0) continue;  // removed: only waits for its step in flight
+      const bool decode = continues || s.decodes();
       if (decode != decodes || (decode && s.lane != lane)) continue;
       int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
       if (chunk == need && s.lane != lane && l.running >= share) {
@@ -238,7 +250,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       if (decode && spare_samples > 0) draft = Propose(s, budget - chunk, spare_samples);
       spare_samples -= static_cast<int64_t>(draft.size());
       budget -= chunk + static_cast<int64_t>(draft.size());
-      Place(s, chunk, &batch, &rows, std::move(draft));
+      Place(s, chunk, &batch, &rows, std::move(draft), continues);
       if (!decode) prefill_budget -= chunk;
     }
   }
@@ -255,7 +267,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
          num_running() < options_.limits.max_seqs_per_step) {
     int home = lane;
     for (int i = 0; home == lane && l.running >= share && i < lanes(); ++i) {
-      if (i != lane && lanes_[i].busy && lanes_[i].running < share) home = i;
+      if (i != lane && !lanes_[i].batches.empty() && lanes_[i].running < share) home = i;
     }
     if (lanes_[home].running >= share) break;
     Seq& s = *seqs_.at(*waiting_.begin());
@@ -315,7 +327,10 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     prefill_budget -= chunk;
   }
 
-  if (batch.entries.empty()) return nullptr;
+  if (batch.entries.empty()) {
+    l.batches.pop_back();
+    return nullptr;
+  }
   // A draft model on the workers guesses within the step, for the sequences' next decodes: as many
   // as any sequence that samples may be fed.
   if (speculate && options_.proposer->proposes_in_step()) {
@@ -332,10 +347,10 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     Seq& s = *seqs_.at(e.seq);
     s.num_fed += e.tokens - static_cast<int64_t>(e.draft.size());  // the guesses once accepted (Verify)
     ++s.in_flight;
+    if (e.logit_row >= 0) ++s.pending;
     s.in_batch = false;
     Advance(s);
   }
-  l.busy = true;
   return &batch;
 }
 
@@ -356,6 +371,8 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
   step->set_num_draft_tokens(batch.draft_tokens);
   const bool speculative = std::any_of(batch.entries.begin(), batch.entries.end(),
                                        [](const MicroBatch::Entry& e) { return !e.draft.empty(); });
+  const bool continuing = std::any_of(batch.entries.begin(), batch.entries.end(),
+                                      [](const MicroBatch::Entry& e) { return e.feeds_sample; });
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
     const int64_t num_blocks = static_cast<int64_t>(s.blocks.size());
@@ -390,13 +407,18 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
     }
     s.blocks_sent = num_blocks;
     const int64_t own = e.tokens - static_cast<int64_t>(e.draft.size());
-    step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + own);
+    if (e.feeds_sample) {
+      step->add_token_ids(0);  // the worker's sample, which it puts in itself
+    } else {
+      step->mutable_token_ids()->Add(s.tokens.begin() + s.num_fed, s.tokens.begin() + s.num_fed + own);
+    }
     step->mutable_token_ids()->Add(e.draft.begin(), e.draft.end());
     step->add_row_seq_ids(s.id);
     step->add_row_start_positions(static_cast<int32_t>(s.num_fed));
     step->add_row_num_tokens(e.tokens);
     step->add_row_samples(e.logit_row >= 0);
     if (speculative) step->add_row_num_sampled(e.samples);
+    if (continuing) step->add_row_feeds_sample(e.feeds_sample);
     if (e.logit_row >= 0) {
       batch.draft_ids += batch.draft_tokens;
       batch.logit_rows += e.samples;
@@ -408,13 +430,13 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
 std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_t>& sampled) {
   Lane& l = lanes_[lane];
   std::vector<SampledToken> out;
-  if (!l.busy) return out;
-  l.busy = false;
-  for (const MicroBatch::Entry& e : l.batch.entries) {
+  if (l.batches.empty()) return out;
+  for (const MicroBatch::Entry& e : l.batches.front().entries) {
     auto it = seqs_.find(e.seq);
     if (it == seqs_.end()) continue;
     Seq& s = *it->second;
     --s.in_flight;
+    if (e.logit_row >= 0) --s.pending;
     if (s.removed) {
       if (s.in_flight == 0) Erase(s);
       continue;
@@ -424,8 +446,14 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
     } else if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {
       s.tokens.push_back(sampled[e.logit_row]);
       out.push_back(SampledToken{s.id, sampled[e.logit_row], e.logit_row});
+      // A continuation fed this token already: the block it completes can be registered now.
+      if (s.num_fed >= static_cast<int64_t>(s.tokens.size())) {
+        blocks_.Register(s.blocks, s.tokens, s.known_fed(), &s.chain);
+        if (sliding_) sliding_->Register(s.sliding_blocks, s.tokens, s.known_fed(), &s.sliding_chain);
+      }
     }
   }
+  l.batches.pop_front();
   return out;
 }
 
@@ -536,6 +564,7 @@ void Scheduler::RequeueAllForRegroup() {
     s.num_cached = 0;
     s.lane = -1;
     s.in_flight = 0;
+    s.pending = 0;
     s.in_batch = false;
     s.stalled = false;
     s.sent = false;

@@ -99,11 +99,27 @@
 // speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
 // stay within max_seqs_per_step (the workers' logits rows).
 //
+// Asynchronous scheduling (SchedulerOptions::feed_samples, for a group of one worker, which embeds
+// and samples): a lane may have two steps in flight. A sequence whose one step in flight samples
+// its next token, with every token known fed, is scheduled again at once (it "continues"): its row
+// feeds one token, the one that step samples, which the worker puts in itself
+// (StepPlan.row_feeds_sample), at the next position; num_fed counts it, and the sequence's samples
+// in flight (Seq::pending) are two. So the worker finds its next step waiting when it finishes one,
+// and the round trip to the coordinator and the scheduling of each token leave its critical path.
+// A sequence continues only while the token its continuation samples lies within max_len, not when
+// its options refuse it (SeqOptions::feed_ahead: a constrained sequence, whose mask needs that
+// token), and never with speculative decoding. When the step in flight ends the sequence (a stop
+// token or string, a cancellation), the engine removes it and the continuation's sample is dropped
+// when it comes back (as for any sequence removed in flight). Blocks are registered for the prefix
+// cache once their tokens are known (Complete registers what the sample completes).
+//
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 
+#include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -144,11 +160,16 @@ struct SchedulerOptions {
   // Each sequence's guesses adapt to what it accepts (see above): off, every decode may be fed
   // num_speculative_tokens of them.
   bool adaptive_speculative_tokens = false;
+  // Asynchronous scheduling (see above): two steps in flight a lane, the second continuing the
+  // sequences the first samples. Only for a group whose worker embeds and samples; ignored with a
+  // proposer.
+  bool feed_samples = false;
 };
 
 // Per-sequence settings beyond its sampling.
 struct SeqOptions {
   int64_t max_len = 0;     // tokens it may reach (prompt + max_tokens); 0: limits.max_model_len
+  bool feed_ahead = true;  // may continue before its sample is known (SchedulerOptions::feed_samples)
 };
 
 // Speculative decoding's counters, cumulative.
@@ -166,6 +187,7 @@ struct MicroBatch {
     int32_t tokens = 0;      // fed this step
     int32_t logit_row = -1;  // >= 0: the step samples this sequence's next token in that row
     int32_t samples = 0;     // logit rows from logit_row on: 1, or 1 + draft.size()
+    bool feeds_sample = false;  // continues: feeds the sample of the step in flight (the worker's)
     std::vector<int32_t> draft;  // proposed tokens fed after its sampled one (tokens counts them)
   };
   int lane = 0;
@@ -201,12 +223,13 @@ class Scheduler {
   void Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling, SeqOptions seq = {});
 
   // Builds `lane`'s next step into `step` (cleared; `step_id` set). Returns the micro-batch, valid
-  // until the lane's Complete, or null when the lane has a step in flight or nothing to run.
+  // until the lane's Complete of that step, or null when the lane is busy (LaneBusy) or has
+  // nothing to run.
   // Plans are stateful (worker.proto StepPlan): every plan returned must reach every worker, in
   // the order built; when one cannot, the group is over (Clear()).
   const MicroBatch* Schedule(int lane, uint64_t step_id, v1::StepPlan* step);
 
-  // `lane`'s step came back with one sampled id per logit row: its tokens are cached now, and the
+  // `lane`'s oldest step in flight came back with one sampled id per logit row: its tokens are cached now, and the
   // sampled ids are appended to their sequences (of a row with guesses, the accepted ones: see
   // above). Returns them in row order, leaving out sequences removed while the step was in
   // flight (their blocks are freed now).
@@ -229,7 +252,8 @@ class Scheduler {
   // longer hold (a new group starts with an empty cache). Sequences running keep their blocks.
   void DropPrefixCache();
 
-  bool LaneBusy(int lane) const { return lanes_[lane].busy; }
+  // The lane has as many steps in flight as it may: one, or two with feed_samples.
+  bool LaneBusy(int lane) const { return static_cast<int>(lanes_[lane].batches.size()) >= depth_; }
   int lanes() const { return static_cast<int>(lanes_.size()); }
   bool Contains(uint64_t id) const { return seqs_.count(id) > 0; }
   // Tokens sampled for `id` so far (0 for unknown ids).
@@ -286,7 +310,8 @@ class Scheduler {
     // tables may have let the first of them go already).
     std::vector<int32_t> found, sliding_found;
     int lane = -1;                // while running: its home lane, where it decodes
-    int in_flight = 0;            // steps in flight that feed it (> 1 only for prompt chunks)
+    int in_flight = 0;            // steps in flight that feed it (> 1 for prompt chunks, and continuations)
+    int pending = 0;              // of them, those that sample its next tokens (not yet in `tokens`)
     bool started = false;         // scheduled at least once
     bool in_batch = false;        // in the step being built
     bool removed = false;         // Remove()d while in a step in flight
@@ -299,17 +324,21 @@ class Scheduler {
     SeqOptions options;
     int guesses = 0;  // the most guesses a decode may be fed (adaptive_speculative_tokens)
 
+    // Tokens known and not yet fed; -1 while a continuation has fed the sample of a step in flight.
     int64_t unfed() const { return static_cast<int64_t>(tokens.size()) - num_fed; }
+    // Tokens known and fed, whose blocks may be registered.
+    int64_t known_fed() const { return std::min<int64_t>(num_fed, static_cast<int64_t>(tokens.size())); }
     // Its next token to feed is the one sampled last (else, with unfed() > 0, a prompt or
     // recompute chunk).
     bool decodes() const { return unfed() == 1 && in_flight == 0; }
   };
   struct Lane {
-    bool busy = false;  // a step is in flight
+    std::deque<MicroBatch> batches;  // its steps in flight, oldest first (pointers stay valid)
     int64_t running = 0;
-    MicroBatch batch;
   };
 
+  // `s` continues in the step being built (see above).
+  bool Continues(const Seq& s) const;
   // Makes room for `s` to hold `tokens` tokens, preempting newer sequences; false when it cannot
   // now (`s` may have been preempted itself).
   bool Reserve(Seq& s, int64_t tokens);
@@ -321,8 +350,10 @@ class Scheduler {
   // After a step fed `s` up to num_fed: registers its full blocks, then lets go of the sliding
   // blocks its next token no longer sees.
   void Advance(Seq& s);
-  // Adds `chunk` of `s`'s unfed tokens to the step being built.
-  void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft = {});
+  // Adds `chunk` of `s`'s unfed tokens to the step being built (with `continues`, the one token
+  // the step in flight samples).
+  void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft = {},
+             bool continues = false);
   // The guesses for decoding `s` (reserved for its next token) in a step with `tokens` tokens and
   // `samples` logit rows left to spare; its table grows over them.
   std::vector<int32_t> Propose(Seq& s, int64_t tokens, int64_t samples);
@@ -340,6 +371,7 @@ class Scheduler {
   void WriteStep(MicroBatch& batch, v1::StepPlan* step);
 
   const SchedulerOptions options_;
+  const int depth_;  // steps in flight a lane may have
   BlockManager blocks_;
   const int64_t blocks_window_;  // the window of blocks_' layers: sliding_window when every layer slides, else 0
   std::optional<BlockManager> sliding_;

@@ -53,7 +53,7 @@ constexpr char kUsage[] =
     "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
-    "                              [--no-prefix-caching] [--expert-parallel]\n"
+    "                              [--no-prefix-caching] [--no-async-scheduling] [--expert-parallel]\n"
     "                              [--speculative ngram|draft|mtp|eagle3 --num-speculative-tokens K]\n"
     "                              [--draft-model DIR]\n"
     "                              [--speculative-max-running N] [--adaptive-speculative-tokens]\n"
@@ -136,6 +136,9 @@ constexpr char kUsage[] =
     "                                kept after their request (evicted least recently used) and a\n"
     "                                request whose first tokens match reuses them instead of computing\n"
     "                                them again (docs/prefix-caching.md)\n"
+    "  --no-async-scheduling         send each step only once the one before is back: by default, a group\n"
+    "                                of one worker gets its next step while it runs one, feeding the\n"
+    "                                tokens that one samples (without speculative decoding)\n"
     "  --expert-parallel             mixture-of-experts models: each TP rank holds whole experts (a block\n"
     "                                of them) and tokens travel to their experts' ranks by all-to-all,\n"
     "                                instead of every expert split over the ranks (docs/moe.md); refused\n"
@@ -187,7 +190,8 @@ int Main(int argc, char** argv) {
                     "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
                     "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running",
                     "draft-model"},
-                   {"help", "insecure", "no-prefix-caching", "http-plaintext", "metrics-plaintext", "expert-parallel",
+                   {"help", "insecure", "no-prefix-caching", "no-async-scheduling", "http-plaintext", "metrics-plaintext",
+                    "expert-parallel",
                     "adaptive-speculative-tokens"});
   if (!flags.ok()) return Usage(std::string(flags.status().message()));
   if (flags->Has("help")) {
@@ -263,6 +267,7 @@ int Main(int argc, char** argv) {
   engine_options.step_timeout = absl::Seconds(step_timeout);
   engine_options.heal_timeout = absl::Seconds(heal_timeout);
   engine_options.prefix_caching = !flags->Has("no-prefix-caching");
+  engine_options.async_scheduling = !flags->Has("no-async-scheduling");
   engine_options.draft_model = flags->Get("draft-model");
   engine_options.adaptive_speculative_tokens = flags->Has("adaptive-speculative-tokens");
   if (absl::Status s = CheckSpeculativeOptions(engine_options); !s.ok()) return Usage(std::string(s.message()));

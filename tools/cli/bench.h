@@ -203,6 +203,7 @@ struct Layout {
   int64_t pp = 1;
   bool serial = false;
   bool prefix_caching = true;  // false: /no-prefix-caching (the coordinator's --no-prefix-caching)
+  bool sync = false;           // /sync: the coordinator's --no-async-scheduling
   bool ngram = false;          // /ngram: the coordinator's --speculative ngram
   bool draft = false;          // /draft: the coordinator's --speculative draft with bench's --draft-model
   bool mtp = false;            // /mtp: the coordinator's --speculative mtp (the model's own MTP layer)

@@ -86,8 +86,8 @@ absl::StatusOr<int> FreeLoopbackPort() {
 
 }  // namespace
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram, /draft or /mtp,
-// /adaptive, /http, /ep and /json (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /sync, /no-prefix-caching, /ngram, /draft or
+// /mtp, /adaptive, /http, /ep and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -102,6 +102,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   while (more) {
     more = false;
     if (strip("/serial")) l.serial = true;
+    if (strip("/sync")) l.sync = true;
     if (strip("/http")) l.http = true;
     if (strip("/json")) l.json = true;
     if (strip("/ep")) {
@@ -121,8 +122,8 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
-        "' is not tpN, ppM or tpNxppM (optionally /serial, /no-prefix-caching, /ngram, /draft, /mtp, /eagle3, /adaptive, /http, "
-        "/ep, /json), e.g. tp2xpp2/serial"));
+        "' is not tpN, ppM or tpNxppM (optionally /serial, /sync, /no-prefix-caching, /ngram, /draft, /mtp, /eagle3, /adaptive, "
+        "/http, /ep, /json), e.g. tp2xpp2/serial"));
   };
   if (int{l.ngram} + int{l.draft} + int{l.mtp} + int{l.eagle3} > 1) return bad();
   if (l.adaptive && !l.ngram && !l.draft && !l.mtp && !l.eagle3) {
@@ -174,6 +175,7 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
   co.coordinator_flags = o.cluster.CoordinatorArgs(layout.serial ? "micro-batches" : "");
   if (layout.serial) co.coordinator_flags.insert(co.coordinator_flags.end(), {"--micro-batches", "1"});
   if (!layout.prefix_caching && o.cluster.prefix_caching) co.coordinator_flags.push_back("--no-prefix-caching");
+  if (layout.sync && o.cluster.async_scheduling) co.coordinator_flags.push_back("--no-async-scheduling");
   if (layout.expert_parallel && !o.cluster.expert_parallel) co.coordinator_flags.push_back("--expert-parallel");
   if (layout.adaptive && !o.cluster.adaptive_speculative_tokens) {
     co.coordinator_flags.push_back("--adaptive-speculative-tokens");

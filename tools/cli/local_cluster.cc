@@ -117,6 +117,7 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     return absl::InvalidArgumentError(absl::StrCat("--speculative ", f.Get("speculative"), " needs --draft-model DIR"));
   }
   c.prefix_caching = !f.Has("no-prefix-caching");
+  c.async_scheduling = !f.Has("no-async-scheduling");
   c.expert_parallel = f.Has("expert-parallel");
   c.adaptive_speculative_tokens = f.Has("adaptive-speculative-tokens");
   return c;
@@ -133,6 +134,7 @@ std::vector<std::string> ClusterFlags::CoordinatorArgs(const std::string& skip) 
       std::find(args.begin(), args.end(), "draft") != args.end() || std::find(args.begin(), args.end(), "eagle3") != args.end();
   if (draft && !draft_model.empty()) args.insert(args.end(), {"--draft-model", draft_model});
   if (!prefix_caching) args.push_back("--no-prefix-caching");
+  if (!async_scheduling) args.push_back("--no-async-scheduling");
   if (expert_parallel) args.push_back("--expert-parallel");
   if (adaptive_speculative_tokens) args.push_back("--adaptive-speculative-tokens");
   return args;

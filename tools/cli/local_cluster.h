@@ -181,6 +181,7 @@ struct ClusterFlags {
   // {"max-num-seqs", "8"}.
   std::vector<std::pair<std::string, std::string>> coordinator_flags;
   bool prefix_caching = true;  // off: --no-prefix-caching, passed to the coordinator
+  bool async_scheduling = true;  // off: --no-async-scheduling, passed to the coordinator
   bool expert_parallel = false;  // --expert-parallel, passed to the coordinator
   bool adaptive_speculative_tokens = false;  // --adaptive-speculative-tokens, passed to the coordinator
   // --draft-model, absolute: passed to the coordinator with --speculative draft (and by bench
@@ -190,10 +191,11 @@ struct ClusterFlags {
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
   static std::set<std::string> Switches() {
-    return WithCudaSwitches({"no-prefix-caching", "expert-parallel", "adaptive-speculative-tokens"}, "worker-");
+    return WithCudaSwitches(
+        {"no-prefix-caching", "no-async-scheduling", "expert-parallel", "adaptive-speculative-tokens"}, "worker-");
   }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
-  // --no-prefix-caching when off, --expert-parallel and --adaptive-speculative-tokens when on. `skip`: a flag name left out (its value set elsewhere).
+  // --no-prefix-caching and --no-async-scheduling when off, --expert-parallel and --adaptive-speculative-tokens when on. `skip`: a flag name left out (its value set elsewhere).
   std::vector<std::string> CoordinatorArgs(const std::string& skip = "") const;
   // InvalidArgument naming the flag for a bad value.
   static absl::StatusOr<ClusterFlags> Parse(const Flags& f);
