@@ -4,9 +4,9 @@
 //
 // - Concurrent greedy streams equal lone runs: 64 (TP=2 x PP=2: 32) concurrent requests of
 //   varied lengths, some longer than a step's token budget (chunked prefill), on TP1_PP1
-//   (asynchronous scheduling: two steps in flight, the second fed the first's samples by the worker),
-//   TP1_PP1_Sync (--no-async-scheduling), TP1_PP2 (micro-batches in flight) and TP2_PP2. Exact equality, no tolerance: a sequence's row goes
-//   through the same per-row arithmetic whatever else is in the batch (the CPU backend's GEMM
+//   (asynchronous scheduling: two steps in flight, the second fed the first's samples by the
+//   worker), TP1_PP1_Sync (--no-async-scheduling), TP1_PP2 (micro-batches in flight) and TP2_PP2.
+//   Exact equality, no tolerance: a sequence's row goes through the same per-row arithmetic whatever else is in the batch (the CPU backend's GEMM
 //   blocks the reduction dimension the same way for any number of rows: kernels_cpu_test's
 //   PackedMatMulRowsDoNotDependOnTheBatch), so its logits are bitwise those of a lone run.
 // - Seeded sampling reproduces: the draws depend on (seed, draw index) only, so a seeded request

@@ -287,7 +287,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
         return bad("row ", row, " feeds seq ", id, " its last sample; only the worker of a one-worker group "
                    "(which embeds and samples) holds it");
       }
-      if (count != 1) return bad("row ", row, " feeds seq ", id, " its last sample and ", count - 1, " more tokens; such a row feeds 1");
+      if (count != 1) {
+        return bad("row ", row, " feeds seq ", id, " its last sample and ", count - 1, " more tokens; such a row feeds 1");
+      }
       if (s.sample_at != start) {
         return bad("row ", row, " feeds seq ", id, " its last sample at position ", start,
                    s.sample_at < 0 ? absl::StrCat("; this worker has sampled none for it")

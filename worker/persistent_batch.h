@@ -27,17 +27,16 @@
 //               sampled for s at its last sampled position (RecordSamples), which must be the
 //               row's position p0; only where the worker both embeds and samples (`feeds_samples`).
 //
-// Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown
-// or twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with
-// a penalty on, a table past max_blocks_per_seq, a row that feeds a sample where this worker
-// cannot (not both first stage and sampler), of more than one token, or with no sample of s at its
-// position, a block outside
-// [0, num_kv_blocks) (a sliding block outside [0, num_sliding_kv_blocks), sliding ids where there
-// is no such pool, or a sliding table not as long as the table), a row whose positions are not the next ones or lie beyond its table, more
-// rows, tokens or held sequences than the limits, lists of unequal length, a token id outside the
-// vocabulary. The state is changed as the plan is read, so after an error it is undefined: the
-// worker runs no further steps (StepExecutor), and the coordinator starts a new group with new
-// workers.
+// Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown or
+// twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with a
+// penalty on, a table past max_blocks_per_seq, a row that feeds a sample where this worker cannot
+// (not its group's only worker), of more than one token, or with no sample of s at its
+// position, a block outside [0, num_kv_blocks) (a sliding block outside [0, num_sliding_kv_blocks),
+// sliding ids where there is no such pool, or a sliding table not as long as the table), a row
+// whose positions are not the next ones or lie beyond its table, more rows, tokens or held
+// sequences than the limits, lists of unequal length, a token id outside the vocabulary. The state
+// is changed as the plan is read, so after an error it is undefined: the worker runs no further
+// steps (StepExecutor), and the coordinator starts a new group with new workers.
 //
 // Bounds: at most max_seqs_per_step sequences are held (the coordinator's running set, whose
 // freed ids come before its new ones). Memory is allocated once, at construction: a slot per

@@ -9,10 +9,11 @@
 // (EngineOptions::async_scheduling; scheduler.h): the next step goes out before the one in flight
 // is back, feeding the tokens that one samples (the worker puts them in), so the worker never waits
 // for the coordinator between two decode steps. A request that the step in flight ends (a stop
-// token or string) loses the token its next step sampled: it is never streamed. A gRPC handler submits its checked request, then reads
-// the request's stream (RequestStream) and writes what it gets to its client; when the client
-// goes away or its deadline passes, the handler cancels the request and the engine removes it
-// at the next step, freeing its KV blocks.
+// token or string) loses the token its next step sampled: it is never streamed.
+//
+// A gRPC handler submits its checked request, then reads the request's stream (RequestStream) and
+// writes what it gets to its client; when the client goes away or its deadline passes, the handler
+// cancels the request and the engine removes it at the next step, freeing its KV blocks.
 //
 // A sequence whose logits were not finite (the worker's StepResult.non_finite_rows: the model
 // overflowed on its input) ends with INTERNAL saying so, logged once; the step's other sequences

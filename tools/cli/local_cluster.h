@@ -195,7 +195,8 @@ struct ClusterFlags {
         {"no-prefix-caching", "no-async-scheduling", "expert-parallel", "adaptive-speculative-tokens"}, "worker-");
   }
   // The coordinator's command-line arguments for them: coordinator_flags as --name value, then
-  // --no-prefix-caching and --no-async-scheduling when off, --expert-parallel and --adaptive-speculative-tokens when on. `skip`: a flag name left out (its value set elsewhere).
+  // --no-prefix-caching and --no-async-scheduling when off, --expert-parallel and
+  // --adaptive-speculative-tokens when on. `skip`: a flag name left out (its value set elsewhere).
   std::vector<std::string> CoordinatorArgs(const std::string& skip = "") const;
   // InvalidArgument naming the flag for a bad value.
   static absl::StatusOr<ClusterFlags> Parse(const Flags& f);
