@@ -57,6 +57,9 @@
 #                  (--worker-no-cuda-graphs, --worker-no-cuda-split-attention, --worker-no-cuda-fused-kernels,
 #                  --worker-no-cuda-dense-gemv): what step graphs, split-KV attention, the fused
 #                  kernels and the dense GEMV gain
+#   llama8b-b1-sync
+#                  llama8b-b1 with each step sent once the one before is back (--no-async-scheduling):
+#                  what asynchronous scheduling gains where the host's cores idle while the GPU works
 #   llama8b-b1-cublas
 #                  llama8b-b1 with cuBLAS for the decode products (--worker-no-cuda-dense-gemv): what
 #                  the dense GEMV gains alone
@@ -442,6 +445,7 @@ run_steps() {
     --worker-no-cuda-dense-gemv)
   bench_step llama8b-b1-plain "$llama" "$preset" 1 4 128 128 "" "${plain[@]}"
   bench_step llama8b-c64-plain "$llama" "$preset" 64 128 512 128 "" "${plain[@]}"
+  bench_step llama8b-b1-sync "$llama" "$preset" 1 4 128 128 "" --no-async-scheduling
   bench_step llama8b-b1-cublas "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-dense-gemv
   bench_step llama8b-b1-unfused "$llama" "$preset" 1 4 128 128 "" --worker-no-cuda-fused-kernels
   bench_step llama8b-b1-pdl "$llama" "$preset" 1 4 128 128 "" --worker-cuda-pdl
