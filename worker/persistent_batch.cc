@@ -45,10 +45,10 @@ void PersistentBatch::Clear() {
 void PersistentBatch::RecordSamples(const google::protobuf::RepeatedField<int32_t>& sampled) {
   const int n = std::min(sampled.size(), static_cast<int>(sampled_slots_.size()));
   for (int i = 0; i < n; ++i) {
-    const auto [slot, at] = sampled_slots_[i];
+    const int32_t slot = sampled_slots_[i];
     if (slot < 0) continue;
     slots_[slot].sample = sampled[i];
-    slots_[slot].sample_at = at;
+    slots_[slot].sample_at = slots_[slot].fed;  // the position after the last token the row fed
   }
   sampled_slots_.clear();  // each sample is kept once
 }
@@ -334,7 +334,7 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
         return bad("row ", row, " samples seq ", id, " after ", upto, " tokens, inside its prompt of ", s.prompt_len);
       }
       batch->logit_rows.push_back(static_cast<int32_t>(t - sampled + j));
-      sampled_slots_.emplace_back(j + 1 == sampled ? it->second : -1, end);
+      sampled_slots_.push_back(j + 1 == sampled ? it->second : -1);
       v1::RowSampling* r = sampling->Add();
       r->CopyFrom(s.sampling);
       r->set_draw_index(static_cast<uint64_t>(upto - s.prompt_len));

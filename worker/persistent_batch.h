@@ -49,7 +49,6 @@
 #define SHARDSERVE_WORKER_PERSISTENT_BATCH_H_
 
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -132,9 +131,9 @@ class PersistentBatch {
   std::vector<int32_t> free_slots_;               // indices into slots_ not holding a sequence
   absl::flat_hash_map<uint64_t, int32_t> index_;  // seq id -> slot
   uint64_t applied_ = 0;                          // Apply() calls so far
-  // Per logit row of the last Apply(): the slot whose sample it is and that sample's position, or
-  // slot -1 for a position before the row's last (reserved to max_seqs_per_step).
-  std::vector<std::pair<int32_t, int64_t>> sampled_slots_;
+  // Per logit row of the last Apply(): the slot whose sample it is, or -1 for a position before the
+  // row's last (reserved to max_seqs_per_step).
+  std::vector<int32_t> sampled_slots_;
 };
 
 }  // namespace shardserve

@@ -32,17 +32,19 @@ void Scheduler::FreeBlocks(Seq& s) {
   s.sliding_chain = BlockManager::Chain{};
 }
 
+void Scheduler::Register(Seq& s) {
+  blocks_.Register(s.blocks, s.tokens, s.known_fed(), &s.chain);
+  if (sliding_) sliding_->Register(s.sliding_blocks, s.tokens, s.known_fed(), &s.sliding_chain);
+}
+
 void Scheduler::Advance(Seq& s) {
   // The blocks this step fills are written before any later step reads them.
-  blocks_.Register(s.blocks, s.tokens, s.known_fed(), &s.chain);
+  Register(s);
   // The next token, at num_fed, attends to [num_fed - window + 1, num_fed]: every worker runs the
   // steps in the order sent, so the steps in flight read the blocks let go before a later step
   // that takes them writes them.
   if (blocks_window_ > 0) blocks_.Release(&s.blocks, s.num_fed - blocks_window_ + 1);
-  if (sliding_) {
-    sliding_->Register(s.sliding_blocks, s.tokens, s.known_fed(), &s.sliding_chain);
-    sliding_->Release(&s.sliding_blocks, s.num_fed - options_.sliding_window + 1);
-  }
+  if (sliding_) sliding_->Release(&s.sliding_blocks, s.num_fed - options_.sliding_window + 1);
 }
 
 void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampling& sampling, SeqOptions seq) {
@@ -118,7 +120,6 @@ void Scheduler::Preempt(Seq& s) {
   Forget(s);  // it comes back as a new sequence, with new blocks
   FreeBlocks(s);
   s.num_fed = 0;
-  s.pending = 0;
   s.stalled = false;
   --lanes_[s.lane].running;
   s.lane = -1;
@@ -157,7 +158,10 @@ bool Scheduler::Reserve(Seq& s, int64_t tokens) {
 }
 
 bool Scheduler::Continues(const Seq& s) const {
-  if (depth_ < 2 || !s.options.feed_ahead || s.pending != 1 || s.in_flight != 1 || s.unfed() != 0) return false;
+  // Every known token fed and one step in flight: that step fed the last of them, so it samples (a
+  // step that feeds a sequence up to its last token always does; one that stops short leaves it
+  // unfed).
+  if (depth_ < 2 || !s.options.feed_ahead || s.in_flight != 1 || s.unfed() != 0) return false;
   // Its continuation samples the token after the one in flight: both within max_len.
   const int64_t max_len = s.options.max_len > 0 ? std::min(s.options.max_len, options_.limits.max_model_len)
                                                 : options_.limits.max_model_len;
@@ -347,7 +351,6 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     Seq& s = *seqs_.at(e.seq);
     s.num_fed += e.tokens - static_cast<int64_t>(e.draft.size());  // the guesses once accepted (Verify)
     ++s.in_flight;
-    if (e.logit_row >= 0) ++s.pending;
     s.in_batch = false;
     Advance(s);
   }
@@ -436,7 +439,6 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
     if (it == seqs_.end()) continue;
     Seq& s = *it->second;
     --s.in_flight;
-    if (e.logit_row >= 0) --s.pending;
     if (s.removed) {
       if (s.in_flight == 0) Erase(s);
       continue;
@@ -447,10 +449,7 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
       s.tokens.push_back(sampled[e.logit_row]);
       out.push_back(SampledToken{s.id, sampled[e.logit_row], e.logit_row});
       // A continuation fed this token already: the block it completes can be registered now.
-      if (s.num_fed >= static_cast<int64_t>(s.tokens.size())) {
-        blocks_.Register(s.blocks, s.tokens, s.known_fed(), &s.chain);
-        if (sliding_) sliding_->Register(s.sliding_blocks, s.tokens, s.known_fed(), &s.sliding_chain);
-      }
+      if (s.num_fed >= static_cast<int64_t>(s.tokens.size())) Register(s);
     }
   }
   l.batches.pop_front();
@@ -564,7 +563,6 @@ void Scheduler::RequeueAllForRegroup() {
     s.num_cached = 0;
     s.lane = -1;
     s.in_flight = 0;
-    s.pending = 0;
     s.in_batch = false;
     s.stalled = false;
     s.sent = false;

@@ -103,8 +103,8 @@
 // and samples): a lane may have two steps in flight. A sequence whose one step in flight samples
 // its next token, with every token known fed, is scheduled again at once (it "continues"): its row
 // feeds one token, the one that step samples, which the worker puts in itself
-// (StepPlan.row_feeds_sample), at the next position; num_fed counts it, and the sequence's samples
-// in flight (Seq::pending) are two. So the worker finds its next step waiting when it finishes one,
+// (StepPlan.row_feeds_sample), at the next position; num_fed counts it (one past the known tokens
+// while that sample is in flight). So the worker finds its next step waiting when it finishes one,
 // and the round trip to the coordinator and the scheduling of each token leave its critical path.
 // A sequence continues only while the token its continuation samples lies within max_len, not when
 // its options refuse it (SeqOptions::feed_ahead: a constrained sequence, whose mask needs that
@@ -311,7 +311,6 @@ class Scheduler {
     std::vector<int32_t> found, sliding_found;
     int lane = -1;                // while running: its home lane, where it decodes
     int in_flight = 0;            // steps in flight that feed it (> 1 for prompt chunks, and continuations)
-    int pending = 0;              // of them, those that sample its next tokens (not yet in `tokens`)
     bool started = false;         // scheduled at least once
     bool in_batch = false;        // in the step being built
     bool removed = false;         // Remove()d while in a step in flight
@@ -347,6 +346,8 @@ class Scheduler {
   bool Grow(Seq& s, int64_t tokens);
   // Lets go of every block `s` holds, in every pool, and forgets its chains.
   void FreeBlocks(Seq& s);
+  // Registers `s`'s full blocks whose tokens are known (every pool), for the prefix cache.
+  void Register(Seq& s);
   // After a step fed `s` up to num_fed: registers its full blocks, then lets go of the sliding
   // blocks its next token no longer sees.
   void Advance(Seq& s);
