@@ -17,7 +17,12 @@
    Hugging Face's tensor names and shapes back to back in the header, lm_head only when untied, the
    q/k/v biases for Qwen2, the norms bf16 ones; with BIN_DIR, `shardserve generate-ids` loads each
    (the real load path on the CPU) and generates 3 ids.
-7. tools/gpu/sass_census.py's reading of nvdisasm output (canned, two kernels): a kernel's instructions
+7. A bundle split into pieces (tools/gpu/gpu-tests.sh split_bundle, as gpu-bench.sh pack does where the
+   bundle and the tree exceed one copy) is joined and unpacked by setup's unpack to the same files,
+   the pieces then removed (kept with `keep`); a missing piece, pieces of two packs, and pieces of
+   two packs with the same count (which do not join) are refused by name; a bundle that fits is not
+   split.
+8. tools/gpu/sass_census.py's reading of nvdisasm output (canned, two kernels): a kernel's instructions
    counted without its labels, a loop found at a backward branch (not at a forward one or a branch
    to itself) with its length and opcodes, predicates and modifiers stripped.
 
@@ -25,6 +30,7 @@ usage: gpu_bench_test.py [BIN_DIR]
 """
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -204,8 +210,81 @@ def main():
                 check(rc == 0 and len(ids) == 3 and all(0 <= int(i) < 300 for i in ids),
                       f"{src}: the checkpoint loads and generates 3 ids", out + err)
                 checks += 1
+    checks += bundle_pieces_checks()
     checks += sass_census_checks()
     print(f"PASS: {checks} checks")
+
+
+def bundle_pieces_checks():
+    gpu_tests = os.path.join(ROOT, "tools/gpu/gpu-tests.sh")
+
+    def sh(cmd, cwd):
+        return run(["bash", "-c", f'source "{gpu_tests}" && cd "{cwd}" && {cmd}'])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def pack(seed):  # a bundle of 6 KiB of incompressible bytes, as tar.xz
+            src = os.path.join(tmp, "src")
+            shutil.rmtree(src, ignore_errors=True)
+            os.makedirs(os.path.join(src, "bin"))
+            with open(os.path.join(src, "bin", "tool"), "wb") as f:
+                f.write(random.Random(seed).randbytes(6144))
+            with open(os.path.join(src, "source-dir"), "w") as f:
+                f.write(f"/src/{seed}\n")
+            rc, out, err = run(["tar", "-C", src, "-cJf", os.path.join(tmp, "b.tar.xz"), "bin", "source-dir"])
+            check(rc == 0, "tar", out + err)
+
+        def pieces():
+            return sorted(n for n in os.listdir(tmp) if ".part" in n)
+
+        pack(1)
+        rc, out, err = sh("split_bundle b.tar.xz 2500", tmp)
+        check(rc == 0 and pieces() == ["b.tar.xz.part1of3", "b.tar.xz.part2of3", "b.tar.xz.part3of3"] and
+              not os.path.exists(os.path.join(tmp, "b.tar.xz")) and
+              all(os.path.getsize(os.path.join(tmp, p)) <= 2500 for p in pieces()),
+              "split_bundle: three pieces of at most 2500 bytes, the whole removed", out + err + str(pieces()))
+        rc, out, err = sh("unpack b keep", tmp)
+        with open(os.path.join(tmp, "b", "source-dir")) as f:
+            kept = f.read()
+        with open(os.path.join(tmp, "b", "bin", "tool"), "rb") as f:
+            same = f.read() == random.Random(1).randbytes(6144)
+        check(rc == 0 and kept == "/src/1\n" and same and len(pieces()) == 3,
+              "unpack keep: the pieces joined into the same files, kept", out + err)
+        rc, out, err = sh("unpack b", tmp)
+        check(rc == 0 and pieces() == [], "unpack: the pieces removed once unpacked", out + err + str(pieces()))
+
+        pack(1)
+        sh("split_bundle b.tar.xz 2500", tmp)
+        os.remove(os.path.join(tmp, "b.tar.xz.part2of3"))
+        rc, out, err = sh("setup b", tmp)
+        check(rc == 1 and "b.tar.xz.part2of3 is missing" in err, "a missing piece is named", out + err)
+        stale = {p: open(os.path.join(tmp, p), "rb").read() for p in pieces()}
+        pack(2)
+        sh("split_bundle b.tar.xz 3500", tmp)  # part1of2, part2of2 (removing the earlier pieces) ...
+        for p, data in stale.items():  # ... and the earlier pack's part1of3 and part3of3 back beside them
+            with open(os.path.join(tmp, p), "wb") as f:
+                f.write(data)
+        rc, out, err = sh("unpack b", tmp)
+        check(rc == 1 and "more than one pack" in err, "pieces of two packs are refused", out + err)
+        for p in pieces():
+            os.remove(os.path.join(tmp, p))
+        pack(3)
+        sh("split_bundle b.tar.xz 3500", tmp)
+        os.rename(os.path.join(tmp, "b.tar.xz.part2of2"), os.path.join(tmp, "third.part2of2"))
+        pack(4)
+        sh("split_bundle b.tar.xz 3500", tmp)
+        os.replace(os.path.join(tmp, "third.part2of2"), os.path.join(tmp, "b.tar.xz.part2of2"))
+        rc, out, err = sh("unpack b", tmp)
+        check(rc == 1 and "do not join into one bundle" in err, "pieces of two packs with the same count are refused",
+              out + err)
+        for p in pieces():
+            os.remove(os.path.join(tmp, p))
+        pack(5)
+        rc, out, err = sh("split_bundle b.tar.xz 1000000 && unpack b", tmp)
+        with open(os.path.join(tmp, "b", "source-dir")) as f:
+            kept = f.read()
+        check(rc == 0 and pieces() == [] and kept == "/src/5\n", "a bundle that fits stays whole and unpacks",
+              out + err + str(pieces()))
+    return 7
 
 
 SASS = """\

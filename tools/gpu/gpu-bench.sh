@@ -6,7 +6,10 @@
 #   tools/gpu/gpu-bench.sh pack       here: packs the binaries of $BUILD_DIR (default build-cuda, a
 #                                 CUDA build) into build/gpu-bundle.tar.xz with gpu-tests.sh pack,
 #                                 then checks that the bundle plus the working tree that travels
-#                                 with it stay under the 64 MiB a run carries, printing the sizes
+#                                 with it stay under the 64 MiB a run carries, printing the sizes;
+#                                 where they do not, splits the bundle into pieces that each do
+#                                 (build/gpu-bundle.tar.xz.part1ofN ..., copied one at a time to
+#                                 the same machine; `run` joins them)
 #   tools/gpu/gpu-bench.sh dry-run    here, without a GPU: pack (BUILD_DIR=build will do for a rehearsal),
 #                                 then every step of `run` with its command checked (the binary or
 #                                 script there and executable, the configs written, the HF script's
@@ -125,6 +128,7 @@ source tools/gpu/gpu-tests.sh
 
 BUNDLE=build/gpu-bundle
 CARRY_LIMIT=$((64 << 20))
+CARRY_MARGIN=$((256 << 10))  # files that appear in the tree before the copy (logs, caches)
 REPORT=(python3 tools/gpu/gpu_bench_report.py)
 
 usage() {
@@ -137,18 +141,26 @@ tree_bytes() {
   git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | awk 'END {print $1 + 0}'
 }
 
+# Packs, then checks the bundle against what one copy carries beside the working tree; where it does
+# not fit, splits it into pieces that each do (split_bundle: carried one at a time, joined by setup).
 pack_checked() {
   BUILD_DIR=${BUILD_DIR:-build-cuda} pack "$BUNDLE" || return 1
-  local bundle tree total
+  local bundle tree room
   bundle=$(stat -c %s "$BUNDLE.tar.xz") || return 1
   tree=$(tree_bytes)
-  total=$((bundle + tree))
+  room=$((CARRY_LIMIT - tree - CARRY_MARGIN))
   awk -v b="$bundle" -v t="$tree" -v l="$CARRY_LIMIT" 'BEGIN {
     printf "gpu-bench: bundle %.1f MiB + working tree %.1f MiB = %.1f MiB of the %.0f MiB a run carries\n",
            b / 1048576, t / 1048576, (b + t) / 1048576, l / 1048576 }'
-  if [ "$total" -gt "$CARRY_LIMIT" ]; then
-    echo "gpu-bench: too large to carry: leave binaries out or trim the tree" >&2
+  if [ "$room" -lt $((1 << 20)) ]; then
+    echo "gpu-bench: the working tree alone leaves no room for the bundle: trim the tree" >&2
     return 1
+  fi
+  split_bundle "$BUNDLE.tar.xz" "$room" || return 1
+  if [ ! -f "$BUNDLE.tar.xz" ]; then
+    echo "gpu-bench: too large for one copy: split into pieces of at most $((room >> 10)) KiB, to be copied" \
+      "one at a time beside the tree into build/ (setup joins them):"
+    ls -l "$BUNDLE".tar.xz.part*of* | awk '{printf "  %s %.1f MiB\n", $NF, $5 / 1048576}'
   fi
 }
 
@@ -587,7 +599,7 @@ main() {
   BIN=$BUNDLE/bin
   if [ "$DRY_RUN" = 1 ]; then
     BUILD_DIR=${BUILD_DIR:-build} pack_checked || return 1
-    rm -rf "$BUNDLE" && mkdir -p "$BUNDLE" && tar -C "$BUNDLE" -xJf "$BUNDLE.tar.xz" || return 1
+    unpack "$BUNDLE" keep || return 1
     GPUS=""
   else
     setup "$BUNDLE" || return 1

@@ -65,7 +65,7 @@ nccl_filter() {
 
 pack() {
   local bundle=${1:-build/gpu-bundle} bin=${BUILD_DIR:-build}/bin
-  rm -rf "$bundle" && mkdir -p "$bundle/bin" "$bundle/lib" || return 1
+  rm -rf "$bundle" "$bundle".tar.xz.part*of* && mkdir -p "$bundle/bin" "$bundle/lib" || return 1
   for b in "${BINARIES[@]}"; do
     [ -x "$bin/$b" ] || { echo "gpu-tests: $bin/$b is missing; build it first" >&2; return 1; }
     cp "$bin/$b" "$bundle/bin/"
@@ -95,15 +95,64 @@ cuda_lib_dirs() {
   printf '%s\n' "${dirs[@]}" | awk '!seen[$0]++' | paste -sd:
 }
 
-# Unpacks BUNDLE.tar.xz where it is present (afresh, so that no earlier bundle's binaries stay),
-# links the compiled-in source directory to this checkout where it is absent, and points
-# LD_LIBRARY_PATH at the bundle's and CUDA's libraries.
-setup() {
-  local bundle=$1 src cuda_dirs
-  if [ -f "$bundle.tar.xz" ]; then
+# A bundle larger than one copy may carry travels as pieces: split_bundle FILE MAX_BYTES splits FILE
+# into FILE.part1ofN .. FILE.partNofN of at most MAX_BYTES each (N the fewest that do; FILE removed;
+# nothing done where FILE fits), and unpack joins them.
+split_bundle() {
+  local file=$1 max=$2 size n k
+  size=$(stat -c %s "$file") || return 1
+  rm -f "$file".part*of*
+  n=$(((size + max - 1) / max))
+  [ "$n" -gt 1 ] || return 0
+  split -n "$n" -d -a 4 "$file" "$file.split." || return 1
+  for k in $(seq 1 "$n"); do
+    mv "$file.split.$(printf %04d $((k - 1)))" "$file.part${k}of$n" || return 1
+  done
+  rm -f "$file"
+}
+
+# The pieces of FILE in order, one a line; exit 1 (quietly) where there are none, 2 (saying what)
+# where one is missing or pieces of two packs lie there.
+bundle_pieces() {
+  local file=$1 n k pieces=("$1".part*of*)
+  [ -e "${pieces[0]}" ] || return 1
+  n=${pieces[0]##*of}
+  for k in $(seq 1 "$n"); do
+    [ -f "$file.part${k}of$n" ] || { echo "gpu-tests: $file.part${k}of$n is missing: copy every piece pack wrote" >&2; return 2; }
+  done
+  [ "${#pieces[@]}" -eq "$n" ] || { echo "gpu-tests: pieces of more than one pack: ${pieces[*]}" >&2; return 2; }
+  for k in $(seq 1 "$n"); do echo "$file.part${k}of$n"; done
+}
+
+# unpack BUNDLE [keep]: unpacks the bundle afresh (so that no earlier bundle's binaries stay) from
+# its pieces where there are any, else from BUNDLE.tar.xz where present; nothing where neither is.
+# The pieces are removed once unpacked (kept with `keep`), so that no piece of this pack can mix
+# with the next one's.
+unpack() {
+  local bundle=$1 keep=${2:-} listed rc pieces
+  listed=$(bundle_pieces "$bundle.tar.xz")
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    mapfile -t pieces <<<"$listed"
+    rm -rf "$bundle" && mkdir -p "$bundle" || return 1
+    if ! cat "${pieces[@]}" | tar -C "$bundle" -xJ; then
+      echo "gpu-tests: the pieces at $bundle.tar.xz.part* do not join into one bundle (pieces of different packs?): pack again and copy every piece" >&2
+      return 1
+    fi
+    [ "$keep" = keep ] || rm -f "${pieces[@]}"
+  elif [ $rc -eq 2 ]; then
+    return 1
+  elif [ -f "$bundle.tar.xz" ]; then
     rm -rf "$bundle" && mkdir -p "$bundle" && tar -C "$bundle" -xJf "$bundle.tar.xz" || return 1
   fi
-  [ -f "$bundle/source-dir" ] || { echo "gpu-tests: no bundle at $bundle(.tar.xz); run pack first" >&2; return 1; }
+}
+
+# Unpacks the bundle (unpack), links the compiled-in source directory to this checkout where it is
+# absent, and points LD_LIBRARY_PATH at the bundle's and CUDA's libraries.
+setup() {
+  local bundle=$1 src cuda_dirs
+  unpack "$bundle" || return 1
+  [ -f "$bundle/source-dir" ] || { echo "gpu-tests: no bundle at $bundle(.tar.xz or its pieces); run pack first" >&2; return 1; }
   src=$(cat "$bundle/source-dir")
   if [ ! -e "$src" ]; then mkdir -p "$(dirname "$src")" && ln -s "$PWD" "$src"; fi
   cuda_dirs=$(cuda_lib_dirs) || return 1
