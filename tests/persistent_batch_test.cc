@@ -590,9 +590,9 @@ TEST(PersistentBatchFedSampleTest, RefusesRowsThatCannotFeedASample) {
     EXPECT_NE(s.message().find(want), std::string::npos) << "want '" << want << "' in: " << s.message();
   };
   // A worker that does not both embed and sample.
-  expect_bad(prefilled(false, true)->Apply(feed(2, 3, {0}), &batch, &sampling), "only the worker of a one-worker group");
+  expect_bad(prefilled(false, true)->Apply(feed(2, 3, {0}), &batch, &sampling), "only the workers of a group of one stage");
   // No sample drawn yet.
-  expect_bad(prefilled(true, false)->Apply(feed(2, 3, {0}), &batch, &sampling), "this worker has sampled none for it");
+  expect_bad(prefilled(true, false)->Apply(feed(2, 3, {0}), &batch, &sampling), "this worker holds none for it");
   // More than the one token.
   expect_bad(prefilled(true, true)->Apply(feed(2, 3, {0, 5}), &batch, &sampling), "its last sample and 1 more tokens");
   // A sample of another position: the coordinator fed 41 itself, so the next row has none.

@@ -139,5 +139,64 @@ TEST(StepStateTest, StepsOfTheGroupsEpochOnlyAndRegroupDropsTheBatch) {
   EXPECT_EQ(steps.epoch(), 5u);
 }
 
+// Asynchronous scheduling in a TP group of one stage: every rank feeds the samples a share_samples
+// step gave it (StepExecutor::ShareSamples all-reduces TP rank 0's ids), and takes such a step only
+// where the group is one stage and no row samples draft tokens.
+TEST(StepStateTest, SharedSamplesFeedTheRowsOfAOneStageTpGroup) {
+  v1::Assignment rank1 = Assigned();
+  rank1.set_tp_size(2);
+  rank1.set_tp_rank(1);
+  v1::StepPlan prefill = Prefill(3);
+  prefill.set_share_samples(true);
+  v1::StepPlan decode;  // seq 7's next position, fed its last sample
+  decode.set_step_id(2);
+  decode.set_epoch(3);
+  decode.add_row_seq_ids(7);
+  decode.add_row_start_positions(4);
+  decode.add_row_num_tokens(1);
+  decode.add_row_samples(true);
+  decode.add_row_feeds_sample(true);
+  decode.add_token_ids(0);
+
+  StepState steps(rank1, 1000);
+  ASSERT_TRUE(steps.Prepare(prefill).ok()) << steps.Prepare(prefill);
+  google::protobuf::RepeatedField<int32_t> shared;
+  shared.Add(42);
+  steps.RecordSamples(shared);
+  ASSERT_TRUE(steps.Prepare(decode).ok()) << steps.Prepare(decode);
+  ASSERT_EQ(steps.batch().token_ids.size(), 1u);
+  EXPECT_EQ(steps.batch().token_ids[0], 42);
+
+  // A rank that was given no sample refuses the row, by name.
+  StepState unshared(rank1, 1000);
+  ASSERT_TRUE(unshared.Prepare(prefill).ok());
+  const absl::Status none = unshared.Prepare(decode);
+  EXPECT_TRUE(absl::IsInvalidArgument(none)) << none;
+  EXPECT_NE(none.message().find("this worker holds none for it"), std::string::npos) << none;
+
+  // Two stages: the first does not sample, so no step shares samples there (nor feeds them).
+  v1::Assignment two_stages = rank1;
+  two_stages.set_num_stages(2);
+  two_stages.set_end_layer(2);
+  StepState staged(two_stages, 1000);
+  const absl::Status refused = staged.Prepare(prefill);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_NE(refused.message().find("shares its samples with the TP group; this worker's group has more than one stage"),
+            std::string::npos)
+      << refused;
+  StepState staged_feed(two_stages, 1000);
+  ASSERT_TRUE(staged_feed.Prepare(Prefill(3)).ok());
+  const absl::Status fed = staged_feed.Prepare(decode);
+  EXPECT_NE(fed.message().find("only the workers of a group of one stage"), std::string::npos) << fed;
+
+  // Draft tokens: a row samples more than one id.
+  v1::StepPlan drafts = prefill;
+  drafts.set_num_draft_tokens(2);
+  StepState drafted(rank1, 1000);
+  const absl::Status with_drafts = drafted.Prepare(drafts);
+  EXPECT_TRUE(absl::IsInvalidArgument(with_drafts)) << with_drafts;
+  EXPECT_NE(with_drafts.message().find("it asks for 2 draft tokens a row"), std::string::npos) << with_drafts;
+}
+
 }  // namespace
 }  // namespace shardserve

@@ -284,15 +284,15 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     }
     if (p.row_feeds_sample_size() > 0 && p.row_feeds_sample(row)) {
       if (!feeds_samples_) {
-        return bad("row ", row, " feeds seq ", id, " its last sample; only the worker of a one-worker group "
-                   "(which embeds and samples) holds it");
+        return bad("row ", row, " feeds seq ", id, " its last sample; only the workers of a group of one stage "
+                   "(which embed, and are given the samples) hold it");
       }
       if (count != 1) {
         return bad("row ", row, " feeds seq ", id, " its last sample and ", count - 1, " more tokens; such a row feeds 1");
       }
       if (s.sample_at != start) {
         return bad("row ", row, " feeds seq ", id, " its last sample at position ", start,
-                   s.sample_at < 0 ? absl::StrCat("; this worker has sampled none for it")
+                   s.sample_at < 0 ? absl::StrCat("; this worker holds none for it")
                                    : absl::StrCat("; that sample is the token at position ", s.sample_at));
       }
       batch->token_ids[static_cast<size_t>(t)] = s.sample;

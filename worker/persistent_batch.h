@@ -23,9 +23,10 @@
 //               on), penalty_output_ids = those at positions >= prompt_len (any penalty on): the
 //               prompt and every token generated so far, in order, as the coordinator sent them
 //               in version 1 (a preempted sequence comes back new and is fed from position 0);
-//   fed sample  a row with row_feeds_sample (asynchronous scheduling) feeds the token this worker
+//   fed sample  a row with row_feeds_sample (asynchronous scheduling) feeds the token the group
 //               sampled for s at its last sampled position (RecordSamples), which must be the
-//               row's position p0; only where the worker both embeds and samples (`feeds_samples`).
+//               row's position p0; only in a group of one stage (`feeds_samples`), whose workers
+//               both embed and are given the samples.
 //
 // Every bad plan is InvalidArgument naming the step and what is wrong, never a crash: an unknown or
 // twice-new or twice-freed id, a num_cached_tokens off the block grid, past its blocks or with a
@@ -65,8 +66,8 @@ class PersistentBatch {
   // For plans within `limits` (checked by the caller: ValidateDecided) over a vocabulary of
   // `vocab_size` ids. With `keep_history` (the worker that samples) the fed tokens of sequences
   // with a penalty on are kept and handed to the sampler; elsewhere the penalty ids stay empty.
-  // With `feeds_samples` (a group of one worker: it embeds and samples) rows may feed the
-  // samples RecordSamples kept (StepPlan.row_feeds_sample).
+  // With `feeds_samples` (a group of one stage: its workers embed, and are given the samples)
+  // rows may feed the samples RecordSamples kept (StepPlan.row_feeds_sample).
   PersistentBatch(const StepLimits& limits, int64_t vocab_size, bool keep_history, bool feeds_samples = false);
 
   // Applies `plan` (freed ids, new sequences, appended blocks, rows: in that order) and fills

@@ -230,6 +230,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   // The running batch and the step buffers, for the largest step.
   const int64_t m = options.max_seqs_per_step;
   e->steps_ = std::make_unique<StepState>(a, config->vocab_size);
+  // A TP group of one stage shares rank 0's samples through this (StepPlan.share_samples).
+  if (a.num_stages() == 1 && a.tp_size() > 1) {
+    absl::StatusOr<Buffer> ids = backend->Allocate(static_cast<size_t>(m) * sizeof(int32_t));
+    if (!ids.ok()) return ids.status();
+    e->shared_ids_ = std::move(*ids);
+  }
   if (last && a.tp_rank() == 0) {
     absl::StatusOr<std::unique_ptr<Sampler>> sampler = Sampler::Create(backend, m, config->vocab_size);
     if (!sampler.ok()) return sampler.status();
@@ -479,11 +485,16 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
     SHARDSERVE_RETURN_IF_ERROR(CheckTokenMasks(plan, static_cast<int64_t>(batch.logit_rows.size()),
                                                sampler_->vocab_size(), &token_masks_));
     SHARDSERVE_RETURN_IF_ERROR(sampler_->Sample(plan.step_id(), logits, steps_->sampling(), result, token_masks_));
-    steps_->RecordSamples(result->sampled_ids());
+    // The samples later rows may feed (StepPlan.row_feeds_sample): a group's only worker keeps its
+    // own; the ranks of a TP group keep those a share_samples step gives each of them (below).
+    if (assignment_.tp_size() == 1) steps_->RecordSamples(result->sampled_ids());
     // The draft's guesses for these sequences' next step, in this step.
     if (draft_ != nullptr) {
       SHARDSERVE_RETURN_IF_ERROR(draft_->Propose(plan, result->sampled_ids(), result->mutable_draft_ids()));
     }
+  }
+  if (plan.share_samples() && !batch.logit_rows.empty()) {
+    SHARDSERVE_RETURN_IF_ERROR(ShareSamples(plan.step_id(), static_cast<int64_t>(batch.logit_rows.size()), *result));
   }
   // The multi-token-prediction layer follows every step (its pairs need this step's hidden states),
   // and guesses for the sequences that sampled.
@@ -499,6 +510,33 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
   last_step_kernel_launches_ = backend_->kernel_launches() - launches_before;
   result->set_collective_seconds(collective);
   result->set_forward_seconds(std::max(0.0, total - collective));
+  return absl::OkStatus();
+}
+
+absl::Status StepExecutor::ShareSamples(uint64_t step_id, int64_t rows, const v1::StepResult& result) {
+  if (assignment_.tp_size() == 1) return absl::OkStatus();  // its only worker kept its own (Execute)
+  if (shared_ids_.data() == nullptr || rows > static_cast<int64_t>(shared_ids_.bytes() / sizeof(int32_t))) {
+    return absl::InternalError(absl::StrCat("step ", step_id, " shares ", rows, " samples; this worker has room for ",
+                                            shared_ids_.bytes() / sizeof(int32_t)));
+  }
+  shared_.Resize(static_cast<int>(rows), 0);
+  if (sampler_ != nullptr) {
+    if (result.sampled_ids_size() != rows) {
+      return absl::InternalError(absl::StrCat("step ", step_id, " sampled ", result.sampled_ids_size(), " ids for ",
+                                              rows, " logit rows"));
+    }
+    std::copy(result.sampled_ids().begin(), result.sampled_ids().end(), shared_.begin());
+  } else {
+    std::fill(shared_.begin(), shared_.end(), 0);
+  }
+  // Rank 0's ids, the other ranks adding zeros: an all-reduce every communicator has, on the
+  // device's memory as the forward pass's.
+  Tensor ids = shared_ids_.View(DType::kI32, {rows});
+  const size_t bytes = static_cast<size_t>(rows) * sizeof(int32_t);
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToDevice(ids.data, shared_.data(), bytes));
+  SHARDSERVE_RETURN_IF_ERROR(tp_->AllReduceSum(&ids));
+  SHARDSERVE_RETURN_IF_ERROR(backend_->CopyToHost(shared_.mutable_data(), ids.data, bytes));
+  steps_->RecordSamples(shared_);
   return absl::OkStatus();
 }
 

@@ -12,6 +12,8 @@
 //                    the sampled sequences' next step (worker/draft_runner.h); with the model's
 //                    multi-token-prediction layer (Assignment.speculative_mtp), that layer over
 //                    every step's hidden states and its guesses (worker/head_runner.h)
+//   one stage, TP>1: with StepPlan.share_samples, rank 0's sampled ids all-reduced to every rank
+//                    (asynchronous scheduling: each rank feeds them in the next step)
 //
 // Pipeline pairs are 2-rank groups: in `send_group` this worker is rank 0 and the next stage's
 // worker rank 1; in `recv_group` the previous stage's worker is rank 0 and this one rank 1.
@@ -183,6 +185,9 @@ class StepExecutor {
   StepExecutor() = default;
   // Closes the communicators and joins the groups `regroup` names, in Create's order.
   absl::Status JoinGroups(const v1::Regroup& regroup, RendezvousStore* store);
+  // StepPlan.share_samples: TP rank 0's `rows` sampled ids (in its `result`) to every rank of the
+  // group, each of which keeps them for the rows that feed them (StepState::RecordSamples).
+  absl::Status ShareSamples(uint64_t step_id, int64_t rows, const v1::StepResult& result);
 
   // ---- Constant after Create ----
   v1::Assignment assignment_;
@@ -200,6 +205,10 @@ class StepExecutor {
   // backend_, so destroyed before it.
   std::unique_ptr<Sampler> sampler_;
   std::vector<const uint32_t*> token_masks_;  // per logit row of the step: its mask in the plan, or null
+  // A TP group of one stage: max_seqs_per_step int32 on the device, and their host copy, for
+  // ShareSamples (empty elsewhere).
+  Buffer shared_ids_;
+  google::protobuf::RepeatedField<int32_t> shared_;
   // Last stage, TP rank 0, with Assignment.draft_model_path: speculative decoding's draft model.
   std::unique_ptr<DraftRunner> draft_;
   // Last stage, TP rank 0, with Assignment.speculative_mtp: the model's multi-token-prediction layer.

@@ -28,8 +28,8 @@ class StepState {
  public:
   // For the shard of `assignment` (its limits and epoch; CheckLoadable passed) of a model whose
   // vocabulary has `vocab_size` ids. The last stage's TP rank 0 samples, and keeps the fed tokens
-  // of sequences with a penalty; a group of one worker (one stage, TP 1) feeds rows its own samples
-  // (StepPlan.row_feeds_sample).
+  // of sequences with a penalty; the workers of a group of one stage feed rows the samples they
+  // were given (RecordSamples; StepPlan.row_feeds_sample).
   StepState(const v1::Assignment& assignment, int64_t vocab_size);
 
   // The group's epoch: the assignment's, then the last Regroup's or adoption's.
@@ -44,7 +44,8 @@ class StepState {
   absl::Status Prepare(const v1::StepPlan& plan);
   const StepBatch& batch() const { return batch_; }
   const google::protobuf::RepeatedPtrField<v1::RowSampling>& sampling() const { return sampling_; }
-  // The ids the sampler drew for the prepared step (PersistentBatch::RecordSamples).
+  // The ids the group's sampler drew for the prepared step (PersistentBatch::RecordSamples): its
+  // own where the worker is its group's only one, rank 0's shared ones in a TP group.
   void RecordSamples(const google::protobuf::RepeatedField<int32_t>& sampled) { state_.RecordSamples(sampled); }
 
   // A Regroup of the group that holds `held` (CheckRegroup against this epoch); on success the
@@ -61,6 +62,7 @@ class StepState {
  private:
   const int64_t vocab_size_;
   uint64_t epoch_ = 0;
+  const bool one_stage_;  // StepPlan.share_samples is taken
   PersistentBatch state_;
   StepBatch batch_;
   google::protobuf::RepeatedPtrField<v1::RowSampling> sampling_;  // one per logit row; elements reused

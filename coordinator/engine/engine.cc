@@ -238,8 +238,9 @@ SchedulerOptions Engine::SchedulerOptionsFromPool() {
   o.guess_filter = this;
   o.speculative_max_running = options_.speculative_max_running;
   o.adaptive_speculative_tokens = options_.adaptive_speculative_tokens;
-  // The worker puts in the samples itself: it must both embed and sample.
-  o.feed_samples = options_.async_scheduling && pool_->group_size() == 1 && o.proposer == nullptr;
+  // The workers put in the samples themselves: those that embed must hold them, so the group is one
+  // stage, whose TP rank 0 samples and, in a TP group, shares them (StepPlan.share_samples).
+  o.feed_samples = options_.async_scheduling && pool_->num_stages() == 1 && o.proposer == nullptr;
   // Where every layer slides (Mistral or Phi-3 with a window), sequences let go of the blocks
   // behind their window (scheduler.h). Where full-attention layers sit beside sliding ones (Gemma
   // 2 and 3), the sliding layers have a pool of their own on the workers (num_sliding_kv_blocks,
@@ -266,6 +267,7 @@ bool Engine::EnsureScheduler() {
   if (!pool_->CheckServing().ok()) return false;
   const SchedulerOptions o = SchedulerOptionsFromPool();
   scheduler_ = std::make_unique<Scheduler>(o);
+  share_samples_ = o.feed_samples && pool_->group_size() > 1;
   CoordinatorLog("scheduler", absl::StrCat("continuous batching: up to ", o.limits.max_seqs_per_step, " sequences and ",
                                            o.limits.max_tokens_per_step, " tokens per step, ", o.lanes,
                                            " micro-batch(es) in flight, KV cache ", o.limits.num_kv_blocks, " blocks of ",
@@ -323,6 +325,7 @@ absl::Status Engine::SendSteps() {
 absl::Status Engine::SendStep(const MicroBatch& batch) {
   ++next_step_;
   AddTokenMasks(batch, &step_);
+  step_.set_share_samples(share_samples_);
   const auto now = std::chrono::steady_clock::now();
   if (!batch.started.empty()) {
     for (uint64_t id : batch.started) {

@@ -5,10 +5,11 @@
 //   token to its request (text, stop conditions) and stream it -> drop finished requests
 //
 // so requests join and leave the running batch at every step, and with PP = P up to P
-// micro-batches are in flight at once. In a group of one worker, scheduling is asynchronous
-// (EngineOptions::async_scheduling; scheduler.h): the next step goes out before the one in flight
-// is back, feeding the tokens that one samples (the worker puts them in), so the worker never waits
-// for the coordinator between two decode steps. A request that the step in flight ends (a stop
+// micro-batches are in flight at once. In a group of one stage (TP 1 or more), scheduling is
+// asynchronous (EngineOptions::async_scheduling; scheduler.h): the next step goes out before the one
+// in flight is back, feeding the tokens that one samples (the workers put them in: TP rank 0 shares
+// them with its group, StepPlan.share_samples), so the workers never wait for the coordinator
+// between two decode steps. A request that the step in flight ends (a stop
 // token or string) loses the token its next step sampled: it is never streamed.
 //
 // A gRPC handler submits its checked request, then reads the request's stream (RequestStream) and
@@ -66,8 +67,8 @@ using SteadyTime = std::chrono::steady_clock::time_point;
 struct EngineOptions {
   int64_t max_waiting = 256;  // requests queued beyond the running batch; more: RESOURCE_EXHAUSTED
   int micro_batches = 0;      // steps in flight at most; 0: the number of pipeline stages
-  // Asynchronous scheduling where the group is one worker and no speculative decoding runs
-  // (--no-async-scheduling turns it off; scheduler.h SchedulerOptions::feed_samples).
+  // Asynchronous scheduling where the group is one stage (TP 1 or more) and no speculative
+  // decoding runs (--no-async-scheduling turns it off; scheduler.h SchedulerOptions::feed_samples).
   bool async_scheduling = true;
   absl::Duration step_timeout = absl::Seconds(60);
   // How long requests wait for a healing group (--heal-timeout-seconds).
@@ -232,6 +233,7 @@ class Engine : private GuessFilter {
   std::map<uint64_t, std::unique_ptr<Request>> requests_;  // in the scheduler
   std::deque<InFlight> in_flight_;
   SteadyTime last_finish_;  // when the last step came back
+  bool share_samples_ = false;  // asynchronous scheduling in a TP group: StepPlan.share_samples
   uint64_t next_step_ = 1;
   // Requests held by the heal in progress (resumed when the group serves again).
   std::vector<uint64_t> held_;

@@ -99,10 +99,10 @@
 // speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
 // stay within max_seqs_per_step (the workers' logits rows).
 //
-// Asynchronous scheduling (SchedulerOptions::feed_samples, for a group of one worker, which embeds
-// and samples): a lane may have two steps in flight. A sequence whose one step in flight samples
+// Asynchronous scheduling (SchedulerOptions::feed_samples, for a group of one stage, whose workers
+// embed and are given the samples): a lane may have two steps in flight. A sequence whose one step in flight samples
 // its next token, with every token known fed, is scheduled again at once (it "continues"): its row
-// feeds one token, the one that step samples, which the worker puts in itself
+// feeds one token, the one that step samples, which the workers put in themselves
 // (StepPlan.row_feeds_sample), at the next position; num_fed counts it (one past the known tokens
 // while that sample is in flight). So the worker finds its next step waiting when it finishes one,
 // and the round trip to the coordinator and the scheduling of each token leave its critical path.
