@@ -18,6 +18,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -290,14 +291,15 @@ class GlooSizeTest : public Guarded<::testing::TestWithParam<int>> {
 INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
 
-// F32 with 5 elements (fewer than a ring segment per rank) and 300007 (more than Gloo's 1 MiB
-// segment, an odd count), then I32.
+// F32 with 5 elements (fewer than a ring segment per rank), 16384 (64 KiB: the largest gathered
+// and summed in rank order), 16385 (the smallest that takes Gloo's ring) and 300007 (more than
+// Gloo's 1 MiB segment, an odd count), then I32.
 TEST_P(GlooSizeTest, AllReduceSum) {
   const int size = GetParam();
   OnEveryRank([&](Communicator& comm, int rank) {
     EXPECT_EQ(comm.rank(), rank);
     EXPECT_EQ(comm.size(), size);
-    for (int64_t n : {int64_t{5}, int64_t{300007}}) {
+    for (int64_t n : {int64_t{5}, int64_t{16384}, int64_t{16385}, int64_t{300007}}) {
       std::vector<float> x(n);
       for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(rank, i);
       Tensor t(x.data(), DType::kF32, {n});
@@ -316,6 +318,28 @@ TEST_P(GlooSizeTest, AllReduceSum) {
     ASSERT_TRUE(comm.AllReduceSum(&t).ok());
     const int32_t rank_sum = size * (size - 1) / 2;
     EXPECT_EQ(ids, (std::vector<int32_t>{rank_sum, 1000 * rank_sum, -7 * size}));
+  });
+}
+
+// Sums that float32 rounds (no exact want) still come out bit for bit the same on every rank, on
+// both paths (gathered and summed in rank order; Gloo's ring): the TP ranks' activations stay
+// identical. Each rank's result is all-gathered and compared byte for byte.
+TEST_P(GlooSizeTest, AllReduceSumGivesEveryRankTheSameBits) {
+  const int size = GetParam();
+  OnEveryRank([&](Communicator& comm, int rank) {
+    for (int64_t n : {int64_t{1000}, int64_t{20000}}) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) x[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(rank)) / 3.0f;
+      Tensor t(x.data(), DType::kF32, {n});
+      ASSERT_TRUE(comm.AllReduceSum(&t).ok()) << "n=" << n;
+      std::vector<float> all(static_cast<size_t>(n * size));
+      Tensor out(all.data(), DType::kF32, {size, n});
+      ASSERT_TRUE(comm.AllGather(&out, t).ok()) << "n=" << n;
+      for (int r = 1; r < size; ++r) {
+        EXPECT_EQ(std::memcmp(all.data(), all.data() + r * n, static_cast<size_t>(n) * sizeof(float)), 0)
+            << "rank " << r << "'s sum differs from rank 0's, n=" << n;
+      }
+    }
   });
 }
 

@@ -247,9 +247,38 @@ class GlooCommunicator final : public Communicator {
                                                          " (the CPU backend's activations are F32)"));
       }
       opts.setTimeout(gloo_timeout_);
+      if (t->bytes() <= kGatherSumBytes) {
+        // Small tensors (a decode step's activations): every rank's tensor to every rank in one
+        // all-gather, then summed here in rank order (the same bits on every rank): one exchange
+        // instead of the ring's reduce-scatter and all-gather, whose messages and wake-ups, not
+        // their bytes, are the cost at this size (docs/performance.md, "CPU, TP on one node").
+        if (n == 0) return absl::OkStatus();
+        if (t->dtype == DType::kF32) {
+          GatherSum(t->as<float>(), n, &gathered_f32_);
+        } else {
+          GatherSum(t->as<int32_t>(), n, &gathered_i32_);
+        }
+        return absl::OkStatus();
+      }
       gloo::allreduce(opts);
       return absl::OkStatus();
     });
+  }
+
+  // AllReduceSum's small path: data[i] = the sum over ranks r = 0, 1, ... of rank r's data[i].
+  template <typename T>
+  void GatherSum(T* data, size_t n, std::vector<T>* gathered) {
+    gathered->resize(n * static_cast<size_t>(size()));
+    gloo::AllgatherOptions opts(context_);
+    opts.setInput(data, n);
+    opts.setOutput(gathered->data(), gathered->size());
+    opts.setTimeout(gloo_timeout_);
+    gloo::allgather(opts);
+    for (size_t i = 0; i < n; ++i) {
+      T sum = (*gathered)[i];
+      for (size_t r = 1; r < static_cast<size_t>(size()); ++r) sum += (*gathered)[r * n + i];
+      data[i] = sum;
+    }
   }
 
   absl::Status AllGather(Tensor* out, const Tensor& in) override {
@@ -406,6 +435,11 @@ class GlooCommunicator final : public Communicator {
   const std::string other_ranks_;  // the ranks a collective waits on, for messages
   const absl::Duration timeout_;
   const std::chrono::milliseconds gloo_timeout_;
+  // AllReduceSum of at most this many bytes gathers every rank's tensor and sums (GatherSum), into
+  // these: reused, so a decode step allocates nothing.
+  static constexpr size_t kGatherSumBytes = 64 << 10;
+  std::vector<float> gathered_f32_;
+  std::vector<int32_t> gathered_i32_;
 
   // The first error; once set, every call fails at once.
   absl::Status broken_;

@@ -28,7 +28,9 @@ namespace shardserve {
 //
 // The communicator owns its sockets and Gloo's event-loop thread; destroying it closes the
 // connections, which the peers see as Unavailable on their next call. Tensors are host memory.
-// AllReduceSum supports F32 and I32 (the CPU backend's activations are F32); AllGather, Send,
+// AllReduceSum supports F32 and I32 (the CPU backend's activations are F32): up to 64 KiB (a decode
+// step's activations) as one all-gather and a sum in rank order, above it Gloo's ring (a
+// reduce-scatter, then an all-gather); both give every rank the same bits. AllGather, Send,
 // Recv and AllToAllV move any dtype. Send/Recv exchange a small header first, so a Recv whose dtype
 // or shape differs from the Send's is InvalidArgument naming both, not a corrupted tensor; so does
 // AllToAllV with every peer (one more round trip), so a pair of ranks whose row counts disagree
