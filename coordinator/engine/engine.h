@@ -9,8 +9,8 @@
 // asynchronous (EngineOptions::async_scheduling; scheduler.h): the next step goes out before the one
 // in flight is back, feeding the tokens that one samples (the workers put them in: TP rank 0 shares
 // them with its group, StepPlan.share_samples), so the workers never wait for the coordinator
-// between two decode steps. A request that the step in flight ends (a stop
-// token or string) loses the token its next step sampled: it is never streamed.
+// between two decode steps. A request that the step in flight ends (a stop token or string) loses
+// the token its next step sampled: it is never streamed.
 //
 // A gRPC handler submits its checked request, then reads the request's stream (RequestStream) and
 // writes what it gets to its client; when the client goes away or its deadline passes, the handler

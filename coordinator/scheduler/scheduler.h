@@ -100,18 +100,19 @@
 // stay within max_seqs_per_step (the workers' logits rows).
 //
 // Asynchronous scheduling (SchedulerOptions::feed_samples, for a group of one stage, whose workers
-// embed and are given the samples): a lane may have two steps in flight. A sequence whose one step in flight samples
-// its next token, with every token known fed, is scheduled again at once (it "continues"): its row
-// feeds one token, the one that step samples, which the workers put in themselves
-// (StepPlan.row_feeds_sample), at the next position; num_fed counts it (one past the known tokens
-// while that sample is in flight). So the worker finds its next step waiting when it finishes one,
-// and the round trip to the coordinator and the scheduling of each token leave its critical path.
-// A sequence continues only while the token its continuation samples lies within max_len, not when
-// its options refuse it (SeqOptions::feed_ahead: a constrained sequence, whose mask needs that
-// token), and never with speculative decoding. When the step in flight ends the sequence (a stop
-// token or string, a cancellation), the engine removes it and the continuation's sample is dropped
-// when it comes back (as for any sequence removed in flight). Blocks are registered for the prefix
-// cache once their tokens are known (Complete registers what the sample completes).
+// embed and are given the samples): a lane may have two steps in flight. A sequence whose one step
+// in flight samples its next token, with every token known fed, is scheduled again at once (it
+// "continues"): its row feeds one token, the one that step samples, which the workers put in
+// themselves (StepPlan.row_feeds_sample), at the next position; num_fed counts it (one past the
+// known tokens while that sample is in flight). So the workers find their next step waiting when
+// they finish one, and the round trip to the coordinator and the scheduling of each token leave
+// their critical path. A sequence continues only while the token its continuation samples lies
+// within max_len, not when its options refuse it (SeqOptions::feed_ahead: a constrained sequence,
+// whose mask needs that token), and never with speculative decoding. When the step in flight ends
+// the sequence (a stop token or string, a cancellation), the engine removes it and the
+// continuation's sample is dropped when it comes back (as for any sequence removed in flight).
+// Blocks are registered for the prefix cache once their tokens are known (Complete registers what
+// the sample completes).
 //
 // Threading: not thread-safe; the engine's thread owns it.
 #ifndef SHARDSERVE_COORDINATOR_SCHEDULER_SCHEDULER_H_

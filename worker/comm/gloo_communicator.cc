@@ -231,43 +231,37 @@ class GlooCommunicator final : public Communicator {
 
   absl::Status AllReduceSum(Tensor* t) override {
     return Run("AllReduceSum", other_ranks_, [&]() -> absl::Status {
-      gloo::AllreduceOptions opts(context_);
       const size_t n = static_cast<size_t>(t->numel());
       switch (t->dtype) {
         case DType::kF32:
-          opts.setOutput(t->as<float>(), n);
-          opts.setReduceFunction(&Sum<float>);
-          break;
+          SumOverRanks(t->as<float>(), n, &gathered_f32_);
+          return absl::OkStatus();
         case DType::kI32:
-          opts.setOutput(t->as<int32_t>(), n);
-          opts.setReduceFunction(&Sum<int32_t>);
-          break;
+          SumOverRanks(t->as<int32_t>(), n, &gathered_i32_);
+          return absl::OkStatus();
         default:
           return absl::InvalidArgumentError(absl::StrCat("Gloo sums F32 and I32 tensors, not ", DTypeName(t->dtype),
                                                          " (the CPU backend's activations are F32)"));
       }
-      opts.setTimeout(gloo_timeout_);
-      if (t->bytes() <= kGatherSumBytes) {
-        // Small tensors (a decode step's activations): every rank's tensor to every rank in one
-        // all-gather, then summed here in rank order (the same bits on every rank): one exchange
-        // instead of the ring's reduce-scatter and all-gather, whose messages and wake-ups, not
-        // their bytes, are the cost at this size (docs/performance.md, "CPU, TP on one node").
-        if (n == 0) return absl::OkStatus();
-        if (t->dtype == DType::kF32) {
-          GatherSum(t->as<float>(), n, &gathered_f32_);
-        } else {
-          GatherSum(t->as<int32_t>(), n, &gathered_i32_);
-        }
-        return absl::OkStatus();
-      }
-      gloo::allreduce(opts);
-      return absl::OkStatus();
     });
   }
 
-  // AllReduceSum's small path: data[i] = the sum over ranks r = 0, 1, ... of rank r's data[i].
+  // AllReduceSum: data[i] = the sum over the ranks of their data[i].
   template <typename T>
-  void GatherSum(T* data, size_t n, std::vector<T>* gathered) {
+  void SumOverRanks(T* data, size_t n, std::vector<T>* gathered) {
+    if (n * sizeof(T) > kGatherSumBytes) {
+      gloo::AllreduceOptions opts(context_);
+      opts.setOutput(data, n);
+      opts.setReduceFunction(&Sum<T>);
+      opts.setTimeout(gloo_timeout_);
+      gloo::allreduce(opts);
+      return;
+    }
+    // Small tensors (a decode step's activations): every rank's tensor to every rank in one
+    // all-gather, then summed here in rank order r = 0, 1, ... (the same bits on every rank): one
+    // exchange instead of the ring's reduce-scatter and all-gather, whose messages and wake-ups,
+    // not their bytes, are the cost at this size (docs/performance.md, "CPU, TP on one node").
+    if (n == 0) return;
     gathered->resize(n * static_cast<size_t>(size()));
     gloo::AllgatherOptions opts(context_);
     opts.setInput(data, n);
@@ -435,8 +429,8 @@ class GlooCommunicator final : public Communicator {
   const std::string other_ranks_;  // the ranks a collective waits on, for messages
   const absl::Duration timeout_;
   const std::chrono::milliseconds gloo_timeout_;
-  // AllReduceSum of at most this many bytes gathers every rank's tensor and sums (GatherSum), into
-  // these: reused, so a decode step allocates nothing.
+  // AllReduceSum of at most this many bytes gathers every rank's tensor and sums (SumOverRanks),
+  // into these: reused, so a decode step allocates nothing.
   static constexpr size_t kGatherSumBytes = 64 << 10;
   std::vector<float> gathered_f32_;
   std::vector<int32_t> gathered_i32_;
