@@ -20,6 +20,7 @@ PACKAGES=(
   curl                      # tools/demo.sh, README.md's tour (tests/readme_doc_test.py): the HTTP API
   iproute2                  # ip: tests/readme_doc_test.py brings up the loopback of its own network namespace
   procps                    # pgrep: tests/bench_test.py checks that no process is left behind
+  xz-utils                  # xz: the GPU bundle (tools/gpu/gpu-tests.sh pack) and tests/gpu_bench_test.py's pieces
   prometheus                # promtool: tests/deploy_test.sh checks deploy/prometheus
   clang libclang-rt-14-dev  # tools/ci/fuzz.sh: clang and libFuzzer (libclang_rt.fuzzer-x86_64.a)
   libomp-dev                # OpenMP for clang, which the fuzz build's configure looks for
