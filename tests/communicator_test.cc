@@ -2,6 +2,8 @@
 //
 // Gloo runs over real TCP on loopback: each rank is a thread of this process with its own Gloo
 // context (its own sockets and event loop), and the ranks meet through an InMemoryRendezvousStore.
+// The collective cases run twice: over Gloo's TCP, and with WithSharedMemory's segment (the
+// threads share a host); a peer process that dies is a child process of the test.
 // Values are small multiples of 1/4, so every sum is exact in float and results compare with ==.
 // All-to-all cases send uneven row counts, zeros included, and every rank checks all it received.
 // The failure cases (a rank that never joins, a rank that skips a collective, a rank that exits,
@@ -16,19 +18,25 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
 #include <utility>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -45,6 +53,7 @@
 #include "worker/comm/interface_address.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
+#include "worker/comm/shared_memory_communicator.h"
 #include "worker/comm/staged_communicator.h"
 #include "worker/timed_communicator.h"
 
@@ -106,6 +115,25 @@ void RunRanks(int size, const std::function<void(int rank)>& fn) {
 absl::StatusOr<std::unique_ptr<Communicator>> JoinGloo(RendezvousStore* store, const std::string& group, int rank,
                                                        int size, absl::Duration timeout = kNoTimeout) {
   return MakeGlooCommunicator(store, group, rank, size, "127.0.0.1", timeout);
+}
+
+// How the ranks of a Gloo group exchange all-reduces and all-gathers: Gloo's TCP, or shared memory
+// (the ranks are threads of one process, so they share a host).
+enum class Transport { kTcp, kSharedMemory };
+
+// JoinGloo, then WithSharedMemory for kSharedMemory.
+absl::StatusOr<std::unique_ptr<Communicator>> Join(Transport transport, RendezvousStore* store, const std::string& group,
+                                                   int rank, int size, absl::Duration timeout = kNoTimeout) {
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(store, group, rank, size, timeout);
+  if (!comm.ok() || transport == Transport::kTcp) return comm;
+  return WithSharedMemory(std::move(*comm), group, timeout);
+}
+
+// "Tcp_Size2", "SharedMemory_Size3": names of the tests over (transport, size).
+using TransportAndSize = std::tuple<Transport, int>;
+std::string TransportAndSizeName(const ::testing::TestParamInfo<TransportAndSize>& info) {
+  return absl::StrCat(std::get<0>(info.param) == Transport::kTcp ? "Tcp" : "SharedMemory", "_Size",
+                      std::get<1>(info.param));
 }
 
 void PrintTime(const std::string& what, absl::Duration took) {
@@ -276,26 +304,31 @@ TEST_F(CommunicatorTest, TimedReportsAnAllToAllWithTheBytesSent) {
 
 // ---- Gloo: results ---------------------------------------------------------------------------
 
-class GlooSizeTest : public Guarded<::testing::TestWithParam<int>> {
+class GlooSizeTest : public Guarded<::testing::TestWithParam<TransportAndSize>> {
  protected:
-  // Runs fn(comm, rank) on every rank of a Gloo group of GetParam() ranks, each on its own thread.
+  int GroupSize() const { return std::get<1>(GetParam()); }
+  // Runs fn(comm, rank) on every rank of a Gloo group of GroupSize() ranks over the transport of
+  // the parameter, each rank on its own thread.
   void OnEveryRank(const std::function<void(Communicator& comm, int rank)>& fn) {
     InMemoryRendezvousStore store;
-    RunRanks(GetParam(), [&](int rank) {
-      absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, GetParam());
+    RunRanks(GroupSize(), [&](int rank) {
+      absl::StatusOr<std::unique_ptr<Communicator>> comm =
+          Join(std::get<0>(GetParam()), &store, "tp", rank, GroupSize());
       ASSERT_TRUE(comm.ok()) << comm.status();
       fn(**comm, rank);
     });
   }
 };
-INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest, ::testing::Values(1, 2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooSizeTest,
+                         ::testing::Combine(::testing::Values(Transport::kTcp, Transport::kSharedMemory),
+                                            ::testing::Values(1, 2, 3, 4)),
+                         TransportAndSizeName);
 
 // F32 with 5 elements (fewer than a ring segment per rank), 16384 (64 KiB: the largest gathered
 // and summed in rank order), 16385 (the smallest that takes Gloo's ring) and 300007 (more than
 // Gloo's 1 MiB segment, an odd count), then I32.
 TEST_P(GlooSizeTest, AllReduceSum) {
-  const int size = GetParam();
+  const int size = GroupSize();
   OnEveryRank([&](Communicator& comm, int rank) {
     EXPECT_EQ(comm.rank(), rank);
     EXPECT_EQ(comm.size(), size);
@@ -325,7 +358,7 @@ TEST_P(GlooSizeTest, AllReduceSum) {
 // both paths (gathered and summed in rank order; Gloo's ring): the TP ranks' activations stay
 // identical. Each rank's result is all-gathered and compared byte for byte.
 TEST_P(GlooSizeTest, AllReduceSumGivesEveryRankTheSameBits) {
-  const int size = GetParam();
+  const int size = GroupSize();
   OnEveryRank([&](Communicator& comm, int rank) {
     for (int64_t n : {int64_t{1000}, int64_t{20000}}) {
       std::vector<float> x(n);
@@ -345,7 +378,7 @@ TEST_P(GlooSizeTest, AllReduceSumGivesEveryRankTheSameBits) {
 
 // Rank r contributes [2, 3] = r * 100 + i; also a BF16 gather, since AllGather moves any dtype.
 TEST_P(GlooSizeTest, AllGather) {
-  const int size = GetParam();
+  const int size = GroupSize();
   OnEveryRank([&](Communicator& comm, int rank) {
     std::vector<float> in(6), out(6 * size, -1.0f);
     for (int i = 0; i < 6; ++i) in[i] = static_cast<float>(rank * 100 + i);
@@ -359,12 +392,23 @@ TEST_P(GlooSizeTest, AllGather) {
     Tensor gathered_t(gathered.data(), DType::kBF16, {size, 1});
     ASSERT_TRUE(comm.AllGather(&gathered_t, Tensor(&mine, DType::kBF16, {1})).ok());
     for (int r = 0; r < size; ++r) EXPECT_EQ(Bf16ToF32(gathered[r]), static_cast<float>(r) + 0.5f);
+    // More than 1 MiB a rank (shared memory's piece), an odd count.
+    const int64_t n = 300007;
+    std::vector<float> big(n), all(n * size, -1.0f);
+    for (int64_t i = 0; i < n; ++i) big[i] = AllReduceInput(rank, i);
+    Tensor all_t(all.data(), DType::kF32, {size, n});
+    ASSERT_TRUE(comm.AllGather(&all_t, Tensor(big.data(), DType::kF32, {n})).ok());
+    int64_t wrong = 0;
+    for (int r = 0; r < size; ++r) {
+      for (int64_t i = 0; i < n; ++i) wrong += all[r * n + i] != AllReduceInput(r, i);
+    }
+    EXPECT_EQ(wrong, 0) << "rank " << rank;
   });
 }
 
 // Rows of [2, 3] with uneven counts, zeros included, then rows of [4] where rank 0 sends nothing.
 TEST_P(GlooSizeTest, AllToAllV) {
-  const int size = GetParam();
+  const int size = GroupSize();
   OnEveryRank([&](Communicator& comm, int rank) {
     AllToAllCase uneven(rank, size, {2, 3}, UnevenRows);
     ASSERT_TRUE(uneven.Run(comm).ok()) << "rank " << rank;
@@ -377,7 +421,7 @@ TEST_P(GlooSizeTest, AllToAllV) {
 
 // A stage waits at the barrier until the slowest (the last, after 100 ms per rank) has arrived.
 TEST_P(GlooSizeTest, Barrier) {
-  const int size = GetParam();
+  const int size = GroupSize();
   std::atomic<int> arrived{0};
   OnEveryRank([&](Communicator& comm, int rank) {
     for (int round = 1; round <= 2; ++round) {
@@ -681,14 +725,15 @@ TEST_P(GlooMissingRankTest, RendezvousTimesOut) {
 // closed its connection before this rank's own timeout; the first to time out always gets
 // DeadlineExceeded. Every later call fails at once with FailedPrecondition.
 void ExpectARankThatSkipsIsATimeoutForTheOthers(
-    int size, const std::string& op, const std::function<absl::Status(Communicator&, int rank)>& collective) {
+    Transport transport, int size, const std::string& op,
+    const std::function<absl::Status(Communicator&, int rank)>& collective) {
   const int skipper = size - 1;
   InMemoryRendezvousStore store;
   absl::BlockingCounter others_done(size - 1);
   absl::Mutex mu;
   std::vector<absl::StatusCode> codes;
   RunRanks(size, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, size, kTimeout);
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(transport, &store, "tp", rank, size, kTimeout);
     ASSERT_TRUE(comm.ok()) << comm.status();
     ASSERT_TRUE(collective(**comm, rank).ok());
     if (rank == skipper) {
@@ -723,12 +768,15 @@ void ExpectARankThatSkipsIsATimeoutForTheOthers(
   EXPECT_THAT(codes, ::testing::Contains(absl::StatusCode::kDeadlineExceeded));
 }
 
-class GlooPeersTest : public Guarded<::testing::TestWithParam<int>> {};
-INSTANTIATE_TEST_SUITE_P(Sizes, GlooPeersTest, ::testing::Values(2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return absl::StrCat("Size", info.param); });
+class GlooPeersTest : public Guarded<::testing::TestWithParam<TransportAndSize>> {};
+INSTANTIATE_TEST_SUITE_P(Sizes, GlooPeersTest,
+                         ::testing::Combine(::testing::Values(Transport::kTcp, Transport::kSharedMemory),
+                                            ::testing::Values(2, 3, 4)),
+                         TransportAndSizeName);
 
 TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
-  ExpectARankThatSkipsIsATimeoutForTheOthers(GetParam(), "AllReduceSum", [](Communicator& comm, int) {
+  const auto [transport, size] = GetParam();
+  ExpectARankThatSkipsIsATimeoutForTheOthers(transport, size, "AllReduceSum", [](Communicator& comm, int) {
     float x[3] = {1, 2, 3};
     Tensor t(x, DType::kF32, {3});
     return comm.AllReduceSum(&t);
@@ -736,8 +784,8 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllReduceIsATimeoutForTheOthers) {
 }
 
 TEST_P(GlooPeersTest, RankThatSkipsAnAllToAllIsATimeoutForTheOthers) {
-  const int size = GetParam();
-  ExpectARankThatSkipsIsATimeoutForTheOthers(size, "AllToAllV", [size](Communicator& comm, int rank) {
+  const auto [transport, size] = GetParam();
+  ExpectARankThatSkipsIsATimeoutForTheOthers(transport, size, "AllToAllV", [size](Communicator& comm, int rank) {
     AllToAllCase c(rank, size, {3}, UnevenRows);
     return c.Run(comm);
   });
@@ -745,11 +793,17 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllToAllIsATimeoutForTheOthers) {
 
 // A rank that goes away (its communicator destroyed, as when its process exits) is a lost
 // connection for its peer, reported at once rather than after the timeout.
-TEST_F(CommunicatorTest, GlooPeerThatExitsIsUnavailable) {
+class GlooTransportTest : public Guarded<::testing::TestWithParam<Transport>> {};
+INSTANTIATE_TEST_SUITE_P(Transports, GlooTransportTest, ::testing::Values(Transport::kTcp, Transport::kSharedMemory),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kTcp ? "Tcp" : "SharedMemory";
+                         });
+
+TEST_P(GlooTransportTest, PeerThatExitsIsUnavailable) {
   InMemoryRendezvousStore store;
   absl::Notification joined, gone;
   RunRanks(2, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "tp", rank, 2, kTimeout);
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(GetParam(), &store, "tp", rank, 2, kTimeout);
     if (rank == 0) joined.Notify();  // also on failure, so that rank 1 never waits for nothing
     ASSERT_TRUE(comm.ok()) << comm.status();
     if (rank == 1) {
@@ -770,6 +824,116 @@ TEST_F(CommunicatorTest, GlooPeerThatExitsIsUnavailable) {
     EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
     EXPECT_LT(took, kTimeout);
   });
+}
+
+// ---- Gloo with shared memory: what only it checks ----------------------------------------------
+
+// Ranks that call different collectives, or one with different sizes, at the same point: every
+// rank gets InvalidArgument naming both calls (Gloo's TCP would exchange mismatched bytes).
+TEST_F(CommunicatorTest, SharedMemoryRanksThatCallDifferentCollectivesAreAnErrorOnEveryRank) {
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    float x[4] = {1, 2, 3, 4};
+    std::vector<float> gathered(8);
+    absl::StatusOr<std::unique_ptr<Communicator>> kinds =
+        Join(Transport::kSharedMemory, &store, "kinds", rank, 2, kTimeout);
+    ASSERT_TRUE(kinds.ok()) << kinds.status();
+    Tensor all(gathered.data(), DType::kF32, {2, 4}), mine(x, DType::kF32, {4});
+    absl::Status s = rank == 0 ? (*kinds)->AllReduceSum(&mine) : (*kinds)->AllGather(&all, mine);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(rank == 0 ? "shared-memory AllReduceSum in group 'kinds' (rank 0 of 2): rank "
+                                                   "1 called AllGather of 16 bytes where this rank called "
+                                                   "AllReduceSum of F32 of 16 bytes"
+                                                 : "shared-memory AllGather in group 'kinds' (rank 1 of 2): rank 0 "
+                                                   "called AllReduceSum of F32 of 16 bytes where this rank called "
+                                                   "AllGather of 16 bytes"));
+    EXPECT_EQ((*kinds)->Barrier().code(), absl::StatusCode::kFailedPrecondition);
+
+    absl::StatusOr<std::unique_ptr<Communicator>> sizes =
+        Join(Transport::kSharedMemory, &store, "sizes", rank, 2, kTimeout);
+    ASSERT_TRUE(sizes.ok()) << sizes.status();
+    Tensor t(x, DType::kF32, {4 - rank});
+    s = (*sizes)->AllReduceSum(&t);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(rank == 0 ? "rank 1 called AllReduceSum of F32 of 12 bytes where this rank "
+                                                   "called AllReduceSum of F32 of 16 bytes"
+                                                 : "rank 0 called AllReduceSum of F32 of 16 bytes where this rank "
+                                                   "called AllReduceSum of F32 of 12 bytes"));
+  });
+}
+
+// A RendezvousStore in a directory, one file a key: for ranks in separate processes.
+class DirectoryStore final : public RendezvousStore {
+ public:
+  explicit DirectoryStore(std::string dir) : dir_(std::move(dir)) {}
+  absl::Status Set(const std::string& key, const std::string& value) override {
+    const std::string tmp = absl::StrCat(Path(key), ".", getpid());
+    {
+      std::ofstream out(tmp, std::ios::binary);
+      out << value;
+      if (!out) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+    }
+    if (std::rename(tmp.c_str(), Path(key).c_str()) != 0) return absl::InternalError("rename failed");
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::string> Get(const std::string& key, absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      std::ifstream in(Path(key), std::ios::binary);
+      if (in) return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (absl::Now() > deadline) return absl::DeadlineExceededError(absl::StrCat("no key '", key, "'"));
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  }
+
+ private:
+  std::string Path(std::string key) const {
+    std::replace(key.begin(), key.end(), '/', '_');
+    return absl::StrCat(dir_, "/", key);
+  }
+  const std::string dir_;
+};
+
+// A peer whose process dies without a word (SIGKILL: no destructor tells the segment it left) is
+// Unavailable once the liveness check sees its mutex's owner dead (every 10 ms of waiting), not
+// after the timeout. The peer is a child process. No watchdog here: its thread would be copied
+// into the child half way; the child ends itself (alarm) and the waits are bounded by the
+// communicator's timeout.
+TEST(SharedMemoryProcessTest, PeerProcessThatDiesIsUnavailable) {
+  char dir[] = "/tmp/communicator_test_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  float x[3] = {1, 2, 3};
+  Tensor t(x, DType::kF32, {3});
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(60);
+    DirectoryStore store(dir);
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(Transport::kSharedMemory, &store, "tp", 1, 2);
+    if (!comm.ok() || !(*comm)->AllReduceSum(&t).ok()) _exit(2);
+    kill(getpid(), SIGKILL);
+  }
+  DirectoryStore store(dir);
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(Transport::kSharedMemory, &store, "tp", 0, 2);
+  absl::Status first = comm.ok() ? (*comm)->AllReduceSum(&t) : comm.status();
+  EXPECT_TRUE(first.ok()) << first;
+  EXPECT_EQ(x[2], 6.0f);
+  absl::Status s;
+  absl::Duration took;
+  if (first.ok()) {
+    const absl::Time start = absl::Now();
+    s = (*comm)->AllReduceSum(&t);
+    took = absl::Now() - start;
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "child status " << status;
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(first.ok());
+  PrintTime("shared-memory AllReduceSum with a peer process killed", took);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("rank 1's process ended"));
+  EXPECT_LT(took, kNoTimeout / 4);
 }
 
 // Gloo writes with writev, and a write to a connection the peer has closed raises SIGPIPE, whose

@@ -15,6 +15,7 @@
 #include "model/config.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
+#include "worker/comm/shared_memory_communicator.h"
 #include "worker/comm/staged_communicator.h"
 #include "worker/step_checks.h"
 #include "worker/step_state.h"
@@ -26,7 +27,8 @@ namespace shardserve {
 namespace {
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
-// Gloo on the CPU, NCCL on a GPU, or Gloo staged through host memory on a GPU (kGloo). NCCL runs
+// Gloo on the CPU (kAuto: with shared memory where the ranks share a host), NCCL on a GPU, or Gloo
+// staged through host memory on a GPU (kGloo). NCCL runs
 // on the legacy default stream, not the backend's (Backend does not expose its stream);
 // TimedCommunicator synchronizes the backend before each collective, which orders the two.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* store, const std::string& group,
@@ -35,7 +37,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* 
                                                               const std::string& collective_host,
                                                               absl::Duration timeout) {
   if (size == 1) return std::make_unique<LocalCommunicator>(backend);
-  if (cuda_ordinal < 0) return MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+  if (cuda_ordinal < 0) {
+    absl::StatusOr<std::unique_ptr<Communicator>> gloo =
+        MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+    if (!gloo.ok() || collectives == Collectives::kGloo) return gloo;
+    return WithSharedMemory(std::move(*gloo), group, timeout);
+  }
   if (collectives == Collectives::kGloo) {
     absl::StatusOr<std::unique_ptr<Communicator>> gloo =
         MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);

@@ -260,7 +260,7 @@ class GlooCommunicator final : public Communicator {
     // Small tensors (a decode step's activations): every rank's tensor to every rank in one
     // all-gather, then summed here in rank order r = 0, 1, ... (the same bits on every rank): one
     // exchange instead of the ring's reduce-scatter and all-gather, whose messages and wake-ups,
-    // not their bytes, are the cost at this size (docs/performance.md, "CPU, TP on one node").
+    // not their bytes, are the cost at this size (docs/performance.md, "CPU, TP across hosts").
     if (n == 0) return;
     gathered->resize(n * static_cast<size_t>(size()));
     gloo::AllgatherOptions opts(context_);
