@@ -149,9 +149,11 @@ using AllToAllRows = int64_t (*)(int from, int to);
 int64_t UnevenRows(int from, int to) { return (from + 2 * to + 1) % 3; }
 // Rank 0 sends nothing at all (its in has no rows); the others send 1 to 3 rows to every rank.
 int64_t RankZeroSendsNothing(int from, int to) { return from == 0 ? 0 : (from + to) % 3 + 1; }
+// 20 to 26 rows to every rank.
+int64_t ManyRows(int from, int to) { return 20 + (from + 2 * to) % 7; }
 
 // Element j of row k of the rows rank `from` sends rank `to`: a multiple of 1/4 that names all four
-// (k < 10 and j < 10 here).
+// where k < 10 and j < 10 (ManyRows' rows of 4096 differ from their neighbours' too).
 float AllToAllValue(int from, int to, int64_t k, int64_t j) {
   return 0.25f * static_cast<float>(from * 1000 + to * 100 + k * 10 + j);
 }
@@ -304,6 +306,13 @@ TEST_F(CommunicatorTest, TimedReportsAnAllToAllWithTheBytesSent) {
 
 // ---- Gloo: results ---------------------------------------------------------------------------
 
+// Cases of two ranks, over each transport.
+class GlooTransportTest : public Guarded<::testing::TestWithParam<Transport>> {};
+INSTANTIATE_TEST_SUITE_P(Transports, GlooTransportTest, ::testing::Values(Transport::kTcp, Transport::kSharedMemory),
+                         [](const ::testing::TestParamInfo<Transport>& info) {
+                           return info.param == Transport::kTcp ? "Tcp" : "SharedMemory";
+                         });
+
 class GlooSizeTest : public Guarded<::testing::TestWithParam<TransportAndSize>> {
  protected:
   int GroupSize() const { return std::get<1>(GetParam()); }
@@ -406,7 +415,9 @@ TEST_P(GlooSizeTest, AllGather) {
   });
 }
 
-// Rows of [2, 3] with uneven counts, zeros included, then rows of [4] where rank 0 sends nothing.
+// Rows of [2, 3] with uneven counts, zeros included, then rows of [4] where rank 0 sends nothing,
+// then rows of [4096] floats (16 KiB), 20 to 26 of them to each rank: more than 1 MiB from a rank
+// of a group of four (shared memory's piece), its rows for one rank split over two pieces.
 TEST_P(GlooSizeTest, AllToAllV) {
   const int size = GroupSize();
   OnEveryRank([&](Communicator& comm, int rank) {
@@ -416,6 +427,9 @@ TEST_P(GlooSizeTest, AllToAllV) {
     AllToAllCase silent(rank, size, {4}, RankZeroSendsNothing);
     ASSERT_TRUE(silent.Run(comm).ok()) << "rank " << rank;
     EXPECT_EQ(silent.out, silent.want) << "rank " << rank;
+    AllToAllCase big(rank, size, {4096}, ManyRows);
+    ASSERT_TRUE(big.Run(comm).ok()) << "rank " << rank;
+    EXPECT_TRUE(big.out == big.want) << "rank " << rank;
   });
 }
 
@@ -644,10 +658,10 @@ TEST_F(CommunicatorTest, GlooAllToAllVRejectsBadArgumentsAndThenStaysBroken) {
 
 // Rank 0 sends rank 1 two rows where rank 1 expects one. The counts travel ahead of the rows, so
 // both ranks say so at once, and no row lands (not even a rank's own).
-TEST_F(CommunicatorTest, GlooAllToAllVWithCountsThatDisagreeIsAnErrorOnBothRanks) {
+TEST_P(GlooTransportTest, AllToAllVWithCountsThatDisagreeIsAnErrorOnBothRanks) {
   InMemoryRendezvousStore store;
   RunRanks(2, [&](int rank) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "ep", rank, 2, kTimeout);
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(GetParam(), &store, "ep", rank, 2, kTimeout);
     ASSERT_TRUE(comm.ok()) << comm.status();
     const std::vector<int64_t> send_rows = {1, rank == 0 ? 2 : 1}, recv_rows = {1, 1};
     std::vector<float> x(4 * (1 + send_rows[1]), 0.5f), y(4 * 2, -1.0f);
@@ -793,11 +807,6 @@ TEST_P(GlooPeersTest, RankThatSkipsAnAllToAllIsATimeoutForTheOthers) {
 
 // A rank that goes away (its communicator destroyed, as when its process exits) is a lost
 // connection for its peer, reported at once rather than after the timeout.
-class GlooTransportTest : public Guarded<::testing::TestWithParam<Transport>> {};
-INSTANTIATE_TEST_SUITE_P(Transports, GlooTransportTest, ::testing::Values(Transport::kTcp, Transport::kSharedMemory),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return info.param == Transport::kTcp ? "Tcp" : "SharedMemory";
-                         });
 
 TEST_P(GlooTransportTest, PeerThatExitsIsUnavailable) {
   InMemoryRendezvousStore store;

@@ -66,7 +66,7 @@ constexpr char kUsage[] =
     "                        bf16 for a bf16 checkpoint on a CPU with bf16 instructions, else f32),\n"
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
     "  --worker-collectives  the workers' --collectives: auto (default: Gloo on cpu, with the\n"
-    "                        all-reduces of ranks on one host through shared memory; NCCL on cuda),\n"
+    "                        collectives of ranks on one host through shared memory; NCCL on cuda),\n"
     "                        gloo (Gloo's TCP alone; on cuda staged through host memory, so that\n"
     "                        TP/PP ranks can share one GPU; --gpus-per-node 2 on a one-GPU machine\n"
     "                        needs CUDA_VISIBLE_DEVICES or the same ordinal: see docs/gpu.md) or nccl\n"

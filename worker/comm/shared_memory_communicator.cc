@@ -54,7 +54,7 @@ struct Header {
 };
 
 enum RankState : uint32_t { kJoined = 1, kLeft = 2, kFailed = 3 };
-enum OpKind : uint32_t { kSumF32 = 1, kSumI32 = 2, kGather = 3 };
+enum OpKind : uint32_t { kSumF32 = 1, kSumI32 = 2, kGather = 3, kAllToAllCounts = 4, kAllToAllRows = 5 };
 
 // One rank's line, written by that rank (its peers write only `sleepers` and, once the rank's
 // process has ended, `alive`). Cache-line pairs apart, so that a rank spinning on a peer's
@@ -177,10 +177,67 @@ const char* OpName(uint32_t op) {
       return "AllReduceSum of I32";
     case kGather:
       return "AllGather";
+    case kAllToAllCounts:
+    case kAllToAllRows:
+      return "AllToAllV";
     default:
       return "an unknown collective";
   }
 }
+
+// What a rank publishes ahead of an AllToAllV's rows: its `in`'s dtype and shape, then its
+// send_rows and recv_rows (one int64 a rank each), so that every pair of ranks whose counts,
+// dtypes or row shapes disagree sees it before any row moves.
+class AllToAllHeader {
+ public:
+  static size_t Bytes(int size) { return sizeof(int64_t) * (2 + Tensor::kMaxDims + 2 * static_cast<size_t>(size)); }
+  static void Write(const Tensor& in, absl::Span<const int64_t> send_rows, absl::Span<const int64_t> recv_rows,
+                    uint8_t* to) {
+    std::vector<int64_t> words = {static_cast<int64_t>(in.dtype), in.ndim};
+    words.insert(words.end(), in.shape.begin(), in.shape.end());
+    words.insert(words.end(), send_rows.begin(), send_rows.end());
+    words.insert(words.end(), recv_rows.begin(), recv_rows.end());
+    std::memcpy(to, words.data(), words.size() * sizeof(int64_t));
+  }
+  // A peer's header, as published (read in place; aligned, since each piece starts a MiB apart).
+  AllToAllHeader(const uint8_t* from, int size) : words_(reinterpret_cast<const int64_t*>(from)), size_(size) {}
+  int64_t send_rows(int q) const { return words_[2 + Tensor::kMaxDims + q]; }
+  int64_t recv_rows(int q) const { return words_[2 + Tensor::kMaxDims + size_ + q]; }
+
+  // That rank `p`'s rows for rank `rank` have the dtype and row shape of `out` and as many rows
+  // as mine_recv[p], and that it expects mine_send[p] rows from `rank` (mine_send, mine_recv: the
+  // calling rank's counts). The messages are Gloo's.
+  absl::Status Check(int p, int rank, const Tensor& out, absl::Span<const int64_t> mine_send,
+                     absl::Span<const int64_t> mine_recv) const {
+    Tensor theirs = out, want = out;
+    theirs.dtype = static_cast<DType>(words_[0]);
+    theirs.ndim = static_cast<int>(std::clamp<int64_t>(words_[1], 1, Tensor::kMaxDims));
+    std::copy(words_ + 2, words_ + 2 + Tensor::kMaxDims, theirs.shape.begin());
+    theirs.shape[0] = send_rows(rank);
+    want.shape[0] = mine_recv[p];
+    const bool same = theirs.dtype == want.dtype && words_[1] == want.ndim &&
+                      std::equal(theirs.shape.begin(), theirs.shape.begin() + want.ndim, want.shape.begin());
+    if (!same) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", p, " sends ", Describe(theirs),
+                                                     " but this rank expected ", Describe(want), " from it"));
+    }
+    if (recv_rows(rank) != mine_send[p]) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", p, " expects ", recv_rows(rank),
+                                                     " row(s) from this rank, which sends it ", mine_send[p]));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  static std::string Describe(const Tensor& t) {
+    return absl::StrCat(static_cast<uint8_t>(t.dtype) <= static_cast<uint8_t>(DType::kI8) ? DTypeName(t.dtype)
+                                                                                           : "an unknown dtype",
+                        " ", t.ShapeString());
+  }
+
+  const int64_t* words_;
+  int size_;
+};
 
 // ---- The communicator -------------------------------------------------------------------------
 
@@ -233,16 +290,62 @@ class SharedMemoryCommunicator final : public Communicator {
     });
   }
 
+  // Two rounds: every rank's counts and row shape (AllToAllHeader), checked against this rank's
+  // before any row moves; then every rank's whole `in`, in pieces of at most kSlotBytes, from which
+  // each rank copies the rows sent to it.
+  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
+                         absl::Span<const int64_t> recv_rows) override {
+    return Guard("AllToAllV", [&]() -> absl::Status {
+      SHARDSERVE_ASSIGN_OR_RETURN(const int64_t row_elements,
+                                  CheckAllToAllVArgs(*out, in, send_rows, recv_rows, rank_, size_));
+      const size_t row_bytes = static_cast<size_t>(row_elements) * DTypeSize(in.dtype);
+      const size_t header_bytes = AllToAllHeader::Bytes(size_);
+      std::vector<uint8_t> header(header_bytes);
+      AllToAllHeader::Write(in, send_rows, recv_rows, header.data());
+      SHARDSERVE_ASSIGN_OR_RETURN(const uint32_t counts_seq,
+                                  Exchange(kAllToAllCounts, header_bytes, header.data(), header_bytes));
+      // What each peer sends this rank, where its rows for this rank start in its `in`, and the
+      // most pieces any rank's `in` takes.
+      std::vector<size_t> from_at(size_), from_bytes(size_), to_at(size_);
+      size_t pieces = 0, recv_at = 0;
+      for (int p = 0; p < size_; ++p) {
+        const AllToAllHeader theirs(mapping_.piece(counts_seq, p, size_), size_);
+        SHARDSERVE_RETURN_IF_ERROR(theirs.Check(p, rank_, *out, send_rows, recv_rows));
+        size_t at = 0, total = 0;
+        for (int q = 0; q < size_; ++q) {
+          if (q == rank_) at = total;
+          total += static_cast<size_t>(theirs.send_rows(q)) * row_bytes;
+        }
+        from_at[p] = at;
+        from_bytes[p] = static_cast<size_t>(recv_rows[p]) * row_bytes;
+        to_at[p] = recv_at;
+        recv_at += from_bytes[p];
+        pieces = std::max(pieces, (total + kSlotBytes - 1) / kSlotBytes);
+      }
+      const uint8_t* src = static_cast<const uint8_t*>(in.data);
+      uint8_t* dst = out->as<uint8_t>();
+      const size_t in_bytes = in.bytes();
+      for (size_t k = 0; k < pieces; ++k) {
+        const size_t begin = k * kSlotBytes, end = begin + kSlotBytes;
+        const size_t n = begin < in_bytes ? std::min(kSlotBytes, in_bytes - begin) : 0;
+        SHARDSERVE_ASSIGN_OR_RETURN(const uint32_t seq, Exchange(kAllToAllRows, pieces, src + begin, n));
+        for (int p = 0; p < size_; ++p) {
+          // the part of [from_at, from_at + from_bytes) of rank p's `in` that lies in this piece
+          const size_t lo = std::max(begin, from_at[p]), hi = std::min(end, from_at[p] + from_bytes[p]);
+          if (lo >= hi) continue;
+          std::memcpy(dst + to_at[p] + (lo - from_at[p]), mapping_.piece(seq, p, size_) + (lo - begin), hi - lo);
+        }
+      }
+      return absl::OkStatus();
+    });
+  }
+
   // The rest is the host communicator's, whose messages name the operation and the group.
   absl::Status Send(const Tensor& t, int peer) override {
     return Guard("Send", [&] { return host_->Send(t, peer); }, /*own=*/false);
   }
   absl::Status Recv(Tensor* t, int peer) override {
     return Guard("Recv", [&] { return host_->Recv(t, peer); }, /*own=*/false);
-  }
-  absl::Status AllToAllV(Tensor* out, const Tensor& in, absl::Span<const int64_t> send_rows,
-                         absl::Span<const int64_t> recv_rows) override {
-    return Guard("AllToAllV", [&] { return host_->AllToAllV(out, in, send_rows, recv_rows); }, /*own=*/false);
   }
   absl::Status Barrier() override {
     return Guard("Barrier", [&] { return host_->Barrier(); }, /*own=*/false);

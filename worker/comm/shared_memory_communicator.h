@@ -1,8 +1,8 @@
-// Collectives through shared memory for a CPU group whose ranks run on one host. AllReduceSum and
-// AllGather go through a segment that every rank maps: each rank copies its tensor in, waits for
-// its peers' copies, and sums or copies them out, which costs microseconds where Gloo's loopback
-// TCP costs a few hundred for the messages and wake-ups of each of a decode step's collectives
-// (docs/performance.md, "TP on one host"). Send, Recv, AllToAllV and Barrier stay with the
+// Collectives through shared memory for a CPU group whose ranks run on one host. AllReduceSum,
+// AllGather and AllToAllV go through a segment that every rank maps: each rank copies its tensor
+// in, waits for its peers' copies, and sums or copies them out, which costs microseconds where
+// Gloo's loopback TCP costs a few hundred for the messages and wake-ups of each of a decode step's
+// collectives (docs/performance.md, "TP on one host"). Send, Recv and Barrier stay with the
 // wrapped communicator.
 #ifndef SHARDSERVE_WORKER_COMM_SHARED_MEMORY_COMMUNICATOR_H_
 #define SHARDSERVE_WORKER_COMM_SHARED_MEMORY_COMMUNICATOR_H_
@@ -16,10 +16,10 @@
 
 namespace shardserve {
 
-// Returns a communicator that runs AllReduceSum and AllGather through shared memory when every rank
-// of `host`'s group maps one POSIX shared-memory segment (one host, one IPC namespace: processes
-// of one machine, or the containers of one pod), and `host` itself otherwise (ranks on several
-// machines, or in separate pods). Every rank of the group calls this at the same point of its
+// Returns a communicator that runs AllReduceSum, AllGather and AllToAllV through shared memory when
+// every rank of `host`'s group maps one POSIX shared-memory segment (one host, one IPC namespace:
+// processes of one machine, or the containers of one pod), and `host` itself otherwise (ranks on
+// several machines, or in separate pods). Every rank of the group calls this at the same point of its
 // sequence of collectives, right after joining `host`: the ranks agree through two small
 // AllGathers of `host`, whose errors this returns. `group_name` names the group in messages;
 // `timeout` bounds each wait for the peers, as it does `host`'s.
@@ -33,7 +33,8 @@ namespace shardserve {
 // wait longer than `timeout` is DeadlineExceeded naming the ranks that did not arrive; a peer whose
 // process ended (seen within about 10 ms of waiting), whose communicator was destroyed, or which
 // gave up after an error of its own is Unavailable; ranks that call different collectives, dtypes
-// or sizes at the same point are InvalidArgument on every rank, naming both; after any error every
+// or sizes at the same point are InvalidArgument on every rank, naming both (AllToAllV: the pair
+// whose counts, dtypes or row shapes disagree, before any row moves); after any error every
 // call is FailedPrecondition quoting it. Not thread-safe, like every Communicator.
 absl::StatusOr<std::unique_ptr<Communicator>> WithSharedMemory(std::unique_ptr<Communicator> host,
                                                                const std::string& group_name, absl::Duration timeout);
