@@ -450,12 +450,13 @@ TEST_P(GlooSizeTest, Barrier) {
 
 // A pipeline of three stages hands three micro-batches of different token counts down the line:
 // stage 0 makes the hidden state, each later stage receives it and adds 1, stage 2 checks it.
-TEST_F(CommunicatorTest, GlooSendRecvPipelineHandOff) {
+// (With shared memory, a group of three sends over the host communicator.)
+TEST_P(GlooTransportTest, SendRecvPipelineHandOff) {
   constexpr int kStages = 3;
   constexpr int64_t kHidden = 8;
   InMemoryRendezvousStore store;
   RunRanks(kStages, [&](int stage) {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm = JoinGloo(&store, "pp", stage, kStages);
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(GetParam(), &store, "pp", stage, kStages);
     ASSERT_TRUE(comm.ok()) << comm.status();
     for (int64_t tokens : {int64_t{1}, int64_t{4}, int64_t{7}}) {
       std::vector<float> hidden(tokens * kHidden, -1.0f);
@@ -471,6 +472,46 @@ TEST_F(CommunicatorTest, GlooSendRecvPipelineHandOff) {
       } else {
         for (int64_t i = 0; i < tokens * kHidden; ++i) {
           EXPECT_EQ(hidden[i], static_cast<float>(tokens * 1000 + i + kStages - 1)) << "tokens " << tokens;
+        }
+      }
+    }
+  });
+}
+
+// A pair of stages, as the worker's pipeline groups are: rank 0 sends a row, an empty tensor and
+// more than 1 MiB (shared memory's piece, an odd count), an all-reduce between them; rank 1 sends
+// the last back with 1 added.
+TEST_P(GlooTransportTest, SendRecvOfAPair) {
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = Join(GetParam(), &store, "pp", rank, 2);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    Communicator& c = **comm;
+    for (int64_t n : {int64_t{8}, int64_t{0}, int64_t{300007}}) {
+      std::vector<float> x(n, -1.0f);
+      Tensor t(x.data(), DType::kF32, {n});
+      if (rank == 0) {
+        for (int64_t i = 0; i < n; ++i) x[i] = AllReduceInput(3, i);
+        ASSERT_TRUE(c.Send(t, 1).ok()) << "n=" << n;
+      } else {
+        ASSERT_TRUE(c.Recv(&t, 0).ok()) << "n=" << n;
+        int64_t wrong = 0;
+        for (int64_t i = 0; i < n; ++i) wrong += x[i] != AllReduceInput(3, i);
+        EXPECT_EQ(wrong, 0) << "n=" << n;
+      }
+      float one[1] = {1.0f};
+      Tensor o(one, DType::kF32, {1});
+      ASSERT_TRUE(c.AllReduceSum(&o).ok());
+      EXPECT_EQ(one[0], 2.0f);
+      if (n == 300007) {
+        if (rank == 1) {
+          for (float& v : x) v += 1.0f;
+          ASSERT_TRUE(c.Send(t, 0).ok());
+        } else {
+          ASSERT_TRUE(c.Recv(&t, 1).ok());
+          int64_t wrong = 0;
+          for (int64_t i = 0; i < n; ++i) wrong += x[i] != AllReduceInput(3, i) + 1.0f;
+          EXPECT_EQ(wrong, 0);
         }
       }
     }
@@ -868,6 +909,37 @@ TEST_F(CommunicatorTest, SharedMemoryRanksThatCallDifferentCollectivesAreAnError
                                                    "called AllReduceSum of F32 of 16 bytes"
                                                  : "rank 0 called AllReduceSum of F32 of 16 bytes where this rank "
                                                    "called AllReduceSum of F32 of 12 bytes"));
+  });
+}
+
+// A Send and a Recv of different shapes, or two Sends: both ranks get InvalidArgument naming both
+// sides, at once (over TCP the sender of a rejected Send times out: GlooRecvOfTheWrongShapeIsAnError).
+TEST_F(CommunicatorTest, SharedMemorySendAndRecvThatDisagreeAreAnErrorOnBothRanks) {
+  InMemoryRendezvousStore store;
+  RunRanks(2, [&](int rank) {
+    std::vector<float> x(4 * 16, -1.0f);
+    absl::StatusOr<std::unique_ptr<Communicator>> shapes =
+        Join(Transport::kSharedMemory, &store, "shapes", rank, 2, kTimeout);
+    ASSERT_TRUE(shapes.ok()) << shapes.status();
+    const absl::Time start = absl::Now();
+    absl::Status s = rank == 0 ? (*shapes)->Send(Tensor(x.data(), DType::kF32, {4, 8}), 1)
+                               : [&] {
+                                   Tensor t(x.data(), DType::kF32, {4, 16});
+                                   return (*shapes)->Recv(&t, 0);
+                                 }();
+    EXPECT_LT(absl::Now() - start, kTimeout);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(rank == 0 ? "rank 1 expected F32 [4, 16] but this rank sent F32 [4, 8]"
+                                                 : "rank 0 sent F32 [4, 8] but this rank expected F32 [4, 16]"));
+    EXPECT_EQ(x[0], -1.0f);  // nothing landed
+
+    absl::StatusOr<std::unique_ptr<Communicator>> sends =
+        Join(Transport::kSharedMemory, &store, "sends", rank, 2, kTimeout);
+    ASSERT_TRUE(sends.ok()) << sends.status();
+    s = (*sends)->Send(Tensor(x.data(), DType::kF32, {4}), 1 - rank);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("rank ", 1 - rank, " called Send of 16 bytes where this rank "
+                                                    "called Send of 16 bytes (a Send meets the peer's Recv)")));
   });
 }
 

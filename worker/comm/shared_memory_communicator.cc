@@ -54,7 +54,16 @@ struct Header {
 };
 
 enum RankState : uint32_t { kJoined = 1, kLeft = 2, kFailed = 3 };
-enum OpKind : uint32_t { kSumF32 = 1, kSumI32 = 2, kGather = 3, kAllToAllCounts = 4, kAllToAllRows = 5 };
+enum OpKind : uint32_t {
+  kSumF32 = 1,
+  kSumI32 = 2,
+  kGather = 3,
+  kAllToAllCounts = 4,
+  kAllToAllRows = 5,
+  kSend = 6,  // of a group of two: a Send and its Recv meet as the two sides of one exchange
+  kRecv = 7,
+  kBarrier = 8,
+};
 
 // One rank's line, written by that rank (its peers write only `sleepers` and, once the rank's
 // process has ended, `alive`). Cache-line pairs apart, so that a rank spinning on a peer's
@@ -65,6 +74,7 @@ struct alignas(128) RankSlot {
   std::atomic<uint32_t> state;     // RankState
   uint32_t op[2];                  // the OpKind of the chunk in buffer 0 / 1
   int64_t op_bytes[2];             // and the bytes of its whole collective
+  int64_t tensor[2][2 + Tensor::kMaxDims];  // a Send's or Recv's dtype, ndim and shape
   // A robust, process-shared mutex that a thread of the rank (Keeper) holds while it is in the
   // group. When that process ends, however it ends, the kernel marks the mutex's owner dead, and a
   // peer's trylock says so: a liveness check that needs no shared PID namespace (the workers of
@@ -180,9 +190,37 @@ const char* OpName(uint32_t op) {
     case kAllToAllCounts:
     case kAllToAllRows:
       return "AllToAllV";
+    case kSend:
+      return "Send";
+    case kRecv:
+      return "Recv";
+    case kBarrier:
+      return "Barrier";
     default:
       return "an unknown collective";
   }
+}
+
+// "F32 [4, 8]", for messages about a peer's tensor.
+std::string Describe(const Tensor& t) {
+  return absl::StrCat(static_cast<uint8_t>(t.dtype) <= static_cast<uint8_t>(DType::kI8) ? DTypeName(t.dtype)
+                                                                                         : "an unknown dtype",
+                      " ", t.ShapeString());
+}
+
+// A tensor's dtype, ndim and shape as RankSlot::tensor holds them, and back (ndim clamped to a
+// valid count: a peer's words are only described, never used as a shape).
+void WriteShape(const Tensor& t, int64_t* words) {
+  words[0] = static_cast<int64_t>(t.dtype);
+  words[1] = t.ndim;
+  std::copy(t.shape.begin(), t.shape.end(), words + 2);
+}
+Tensor ReadShape(const int64_t* words) {
+  Tensor t;
+  t.dtype = static_cast<DType>(words[0]);
+  t.ndim = static_cast<int>(std::clamp<int64_t>(words[1], 0, Tensor::kMaxDims));
+  std::copy(words + 2, words + 2 + Tensor::kMaxDims, t.shape.begin());
+  return t;
 }
 
 // What a rank publishes ahead of an AllToAllV's rows: its `in`'s dtype and shape, then its
@@ -229,12 +267,6 @@ class AllToAllHeader {
   }
 
  private:
-  static std::string Describe(const Tensor& t) {
-    return absl::StrCat(static_cast<uint8_t>(t.dtype) <= static_cast<uint8_t>(DType::kI8) ? DTypeName(t.dtype)
-                                                                                           : "an unknown dtype",
-                        " ", t.ShapeString());
-  }
-
   const int64_t* words_;
   int size_;
 };
@@ -340,15 +372,27 @@ class SharedMemoryCommunicator final : public Communicator {
     });
   }
 
-  // The rest is the host communicator's, whose messages name the operation and the group.
+  // In a group of two (a pipeline's pair of stages) a Send and the peer's Recv are the two sides of
+  // one exchange: the sender publishes the tensor, the receiver its expected dtype and shape, each
+  // checks the other's, and the receiver copies the tensor out; like Gloo's, a Send returns once
+  // the peer has posted its Recv. In a larger group a pair's Send/Recv is not a step of every
+  // rank's sequence, so the host communicator carries it (its messages name the operation).
   absl::Status Send(const Tensor& t, int peer) override {
-    return Guard("Send", [&] { return host_->Send(t, peer); }, /*own=*/false);
+    if (size_ != 2) return Guard("Send", [&] { return host_->Send(t, peer); }, /*own=*/false);
+    return Guard("Send", [&]() -> absl::Status {
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank_, size_));
+      return PointToPoint(kSend, t, static_cast<const uint8_t*>(t.data), nullptr);
+    });
   }
   absl::Status Recv(Tensor* t, int peer) override {
-    return Guard("Recv", [&] { return host_->Recv(t, peer); }, /*own=*/false);
+    if (size_ != 2) return Guard("Recv", [&] { return host_->Recv(t, peer); }, /*own=*/false);
+    return Guard("Recv", [&]() -> absl::Status {
+      SHARDSERVE_RETURN_IF_ERROR(comm::CheckPeer(peer, rank_, size_));
+      return PointToPoint(kRecv, *t, nullptr, t->as<uint8_t>());
+    });
   }
   absl::Status Barrier() override {
-    return Guard("Barrier", [&] { return host_->Barrier(); }, /*own=*/false);
+    return Guard("Barrier", [&] { return Exchange(kBarrier, 0, nullptr, 0).status(); });
   }
 
  private:
@@ -373,21 +417,56 @@ class SharedMemoryCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // Publishes this rank's `n` bytes at `src` as the next chunk of collective `op` (of `op_bytes` in
-  // all) and waits until every peer has published the same chunk; returns its number, whose buffer
-  // the caller then reads.
-  absl::StatusOr<uint32_t> Exchange(OpKind op, size_t op_bytes, const void* src, size_t n) {
+  // One side of a Send (src: the tensor's bytes) or Recv (dst: where they go) of `t` in a group of
+  // two, in pieces of at most kSlotBytes; one exchange even for an empty tensor, so that the two
+  // sides meet and check each other's shape.
+  absl::Status PointToPoint(OpKind op, const Tensor& t, const uint8_t* src, uint8_t* dst) {
+    const size_t bytes = t.bytes();
+    const int peer = 1 - rank_;
+    for (size_t at = 0; at == 0 || at < bytes; at += kSlotBytes) {
+      const size_t n = std::min(kSlotBytes, bytes - at);
+      SHARDSERVE_ASSIGN_OR_RETURN(const uint32_t seq, Exchange(op, bytes, src == nullptr ? nullptr : src + at,
+                                                               src == nullptr ? 0 : n, &t));
+      if (dst != nullptr && n > 0) std::memcpy(dst + at, mapping_.piece(seq, peer, size_), n);
+    }
+    return absl::OkStatus();
+  }
+
+  // Publishes this rank's `n` bytes at `src` as the next chunk of operation `op` (of `op_bytes` in
+  // all; for a Send or Recv also `tensor`'s shape) and waits until every peer has published the
+  // same chunk; returns its number, whose buffer the caller then reads. The peers must have called
+  // the same operation with as many bytes (a Send: the peer's Recv of the same dtype and shape).
+  absl::StatusOr<uint32_t> Exchange(OpKind op, size_t op_bytes, const void* src, size_t n,
+                                    const Tensor* tensor = nullptr) {
     const uint32_t seq = ++seq_;
-    std::memcpy(mapping_.piece(seq, rank_, size_), src, n);
+    if (n > 0) std::memcpy(mapping_.piece(seq, rank_, size_), src, n);
     mine_->op[seq % 2] = op;
     mine_->op_bytes[seq % 2] = static_cast<int64_t>(op_bytes);
+    if (tensor != nullptr) WriteShape(*tensor, mine_->tensor[seq % 2]);
     mine_->arrived.store(seq, std::memory_order_seq_cst);
     if (mine_->sleepers.load(std::memory_order_seq_cst) != 0) FutexWakeAll(&mine_->arrived);
     SHARDSERVE_RETURN_IF_ERROR(WaitForPeers(seq));
+    const uint32_t matching = op == kSend ? kRecv : op == kRecv ? kSend : op;
     for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
       const RankSlot* peer = mapping_.slot(p);
-      if (peer->op[seq % 2] != op || peer->op_bytes[seq % 2] != static_cast<int64_t>(op_bytes)) {
-        return absl::InvalidArgumentError(absl::StrCat("rank ", p, " called ", OpName(peer->op[seq % 2]), " of ",
+      const uint32_t theirs = peer->op[seq % 2];
+      if (theirs != matching) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rank ", p, " called ", OpName(theirs), " of ", peer->op_bytes[seq % 2], " bytes where this rank called ",
+            OpName(op), " of ", op_bytes, " bytes", op == kSend || op == kRecv ? " (a Send meets the peer's Recv)" : ""));
+      }
+      if (tensor != nullptr) {
+        const Tensor other = ReadShape(peer->tensor[seq % 2]);
+        if (other.dtype != tensor->dtype || other.ndim != tensor->ndim ||
+            !std::equal(tensor->shape.begin(), tensor->shape.begin() + tensor->ndim, other.shape.begin())) {
+          return absl::InvalidArgumentError(op == kRecv ? absl::StrCat("rank ", p, " sent ", Describe(other),
+                                                                       " but this rank expected ", Describe(*tensor))
+                                                        : absl::StrCat("rank ", p, " expected ", Describe(other),
+                                                                       " but this rank sent ", Describe(*tensor)));
+        }
+      } else if (peer->op_bytes[seq % 2] != static_cast<int64_t>(op_bytes)) {
+        return absl::InvalidArgumentError(absl::StrCat("rank ", p, " called ", OpName(theirs), " of ",
                                                        peer->op_bytes[seq % 2], " bytes where this rank called ",
                                                        OpName(op), " of ", op_bytes, " bytes"));
       }
