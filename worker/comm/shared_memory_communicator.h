@@ -2,7 +2,7 @@
 // goes through a segment that every rank maps: each rank copies its tensor in, waits for its
 // peers' copies, and sums or copies them out, which costs microseconds where Gloo's loopback TCP
 // costs a few hundred for the messages and wake-ups of each of a decode step's collectives
-// (docs/performance.md, "TP on one host"). Only Send and Recv in a group of more than two ranks
+// (docs/performance.md, "TP and PP on one host"). Only Send and Recv in a group of more than two ranks
 // (which the worker does not form) stay with the wrapped communicator.
 #ifndef SHARDSERVE_WORKER_COMM_SHARED_MEMORY_COMMUNICATOR_H_
 #define SHARDSERVE_WORKER_COMM_SHARED_MEMORY_COMMUNICATOR_H_
