@@ -344,6 +344,18 @@ TEST_P(BatchingTest, ConcurrentGreedyStreamsEqualLoneRuns) {
   // A group of one stage schedules asynchronously unless told not to (the scheduler's log line).
   const std::string log = Tail(cluster->coordinator().log(), std::string::npos);
   EXPECT_EQ(log.find(", asynchronous scheduling") != std::string::npos, l.pp == 1 && !l.sync);
+  // The workers run on this host, so every group of two or more ranks goes through shared memory
+  // (the workers' log line); a layout of one worker has no such group and no line.
+  for (int w = 0; w < cluster->num_workers(); ++w) {
+    const std::string worker_log = Tail(cluster->worker(w).log(), std::string::npos);
+    if (l.tp * l.pp == 1) {
+      EXPECT_EQ(worker_log.find("collectives:"), std::string::npos) << "worker " << w;
+      continue;
+    }
+    if (l.tp > 1) EXPECT_NE(worker_log.find("TP group: shared memory"), std::string::npos) << "worker " << w;
+    if (l.pp > 1) EXPECT_NE(worker_log.find(" stage: shared memory"), std::string::npos) << "worker " << w;
+    EXPECT_EQ(worker_log.find("Gloo TCP"), std::string::npos) << "worker " << w;
+  }
   std::printf("[ timing   ] TP%d_PP%d: %zu requests one by one in %.2f s, together in %.2f s "
               "(%d tokens, %.0f tokens/s)\n",
               l.tp, l.pp, requests.size(), alone_seconds, together_seconds, tokens, tokens / together_seconds);

@@ -28,27 +28,37 @@ namespace {
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
 // Gloo on the CPU (kAuto: with shared memory where the ranks share a host), NCCL on a GPU, or Gloo
-// staged through host memory on a GPU (kGloo). NCCL runs
-// on the legacy default stream, not the backend's (Backend does not expose its stream);
-// TimedCommunicator synchronizes the backend before each collective, which orders the two.
+// staged through host memory on a GPU (kGloo); `transport` says which, for the worker's log ("" for
+// a group of one). NCCL runs on the legacy default stream, not the backend's (Backend does not
+// expose its stream); TimedCommunicator synchronizes the backend before each collective, which
+// orders the two.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* store, const std::string& group,
                                                               int rank, int size, Backend* backend, int cuda_ordinal,
                                                               Collectives collectives,
                                                               const std::string& collective_host,
-                                                              absl::Duration timeout) {
+                                                              absl::Duration timeout, std::string* transport) {
+  transport->clear();
   if (size == 1) return std::make_unique<LocalCommunicator>(backend);
   if (cuda_ordinal < 0) {
     absl::StatusOr<std::unique_ptr<Communicator>> gloo =
         MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
+    *transport = "Gloo TCP";
     if (!gloo.ok() || collectives == Collectives::kGloo) return gloo;
-    return WithSharedMemory(std::move(*gloo), group, timeout);
+    const Communicator* tcp = gloo->get();
+    absl::StatusOr<std::unique_ptr<Communicator>> shared = WithSharedMemory(std::move(*gloo), group, timeout);
+    if (shared.ok()) {
+      *transport = shared->get() == tcp ? "Gloo TCP (the ranks share no memory)" : "shared memory";
+    }
+    return shared;
   }
   if (collectives == Collectives::kGloo) {
     absl::StatusOr<std::unique_ptr<Communicator>> gloo =
         MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
     if (!gloo.ok()) return gloo.status();
+    *transport = "Gloo TCP staged through host memory";
     return std::make_unique<StagedCommunicator>(std::move(*gloo), std::make_unique<BackendCopier>(backend));
   }
+  *transport = "NCCL";
   return MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
 }
 
@@ -56,9 +66,9 @@ absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* st
                                                              int size, Backend* backend, int cuda_ordinal,
                                                              Collectives collectives,
                                                              const std::string& collective_host,
-                                                             absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<Communicator>> comm =
-      MakeCommunicator(store, group, rank, size, backend, cuda_ordinal, collectives, collective_host, timeout);
+                                                             absl::Duration timeout, std::string* transport) {
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(
+      store, group, rank, size, backend, cuda_ordinal, collectives, collective_host, timeout, transport);
   if (!comm.ok()) return comm.status();
   return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
 }
@@ -201,18 +211,18 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
   absl::StatusOr<std::unique_ptr<TimedCommunicator>> comm =
       JoinGroup(store, a.tp_group(), a.tp_rank(), a.tp_size(), backend, *cuda_ordinal, worker_options.collectives,
-                collective_host, timeout);
+                collective_host, timeout, &e->transports_[0]);
   if (!comm.ok()) return comm.status();
   e->tp_ = std::move(*comm);
   if (!first) {
     comm = JoinGroup(store, a.recv_group(), 1, 2, backend, *cuda_ordinal, worker_options.collectives,
-                     collective_host, timeout);
+                     collective_host, timeout, &e->transports_[1]);
     if (!comm.ok()) return comm.status();
     e->recv_ = std::move(*comm);
   }
   if (!last) {
     comm = JoinGroup(store, a.send_group(), 0, 2, backend, *cuda_ordinal, worker_options.collectives,
-                     collective_host, timeout);
+                     collective_host, timeout, &e->transports_[2]);
     if (!comm.ok()) return comm.status();
     e->send_ = std::move(*comm);
   }
@@ -386,6 +396,15 @@ absl::Status StepExecutor::Regroup(const v1::Regroup& r, RendezvousStore* store)
   return JoinGroups(r, store);
 }
 
+std::string StepExecutor::collectives_summary() const {
+  std::vector<std::string> parts;
+  const char* const kGroups[] = {"TP group", "from the previous stage", "to the next stage"};
+  for (int i = 0; i < 3; ++i) {
+    if (!transports_[i].empty()) parts.push_back(absl::StrCat(kGroups[i], ": ", transports_[i]));
+  }
+  return parts.empty() ? "" : absl::StrCat("collectives: ", absl::StrJoin(parts, "; "));
+}
+
 absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* store) {
   const v1::Assignment& a = assignment_;
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
@@ -395,16 +414,17 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
   // The order of Create: the TP group first, then the pair with the previous stage, then the next.
   const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
   Backend* backend = backend_.get();
-  auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size) -> absl::Status {
-    absl::StatusOr<std::unique_ptr<Communicator>> comm =
-        MakeCommunicator(store, group, rank, size, backend, cuda_ordinal_, collectives_, collective_host_, timeout);
+  auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size,
+                  std::string* transport) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(
+        store, group, rank, size, backend, cuda_ordinal_, collectives_, collective_host_, timeout, transport);
     if (!comm.ok()) return comm.status();
     c->Replace(std::move(*comm));
     return absl::OkStatus();
   };
-  SHARDSERVE_RETURN_IF_ERROR(join(tp_.get(), r.tp_group(), a.tp_rank(), a.tp_size()));
-  if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2));
-  if (!last) SHARDSERVE_RETURN_IF_ERROR(join(send_.get(), r.send_group(), 0, 2));
+  SHARDSERVE_RETURN_IF_ERROR(join(tp_.get(), r.tp_group(), a.tp_rank(), a.tp_size(), &transports_[0]));
+  if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2, &transports_[1]));
+  if (!last) SHARDSERVE_RETURN_IF_ERROR(join(send_.get(), r.send_group(), 0, 2, &transports_[2]));
   return absl::OkStatus();
 }
 

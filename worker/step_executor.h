@@ -165,6 +165,10 @@ class StepExecutor {
   std::string gpu_paths_not_yet_run() const { return shard_->GpuPathsNotYetRun(); }
   int64_t kv_blocks() const { return shard_->limits().num_kv_blocks; }
   std::string backend_name() const { return backend_->Describe(); }
+  // How the groups of more than one rank exchange tensors, for the worker log: "collectives: TP
+  // group: shared memory; to the next stage: Gloo TCP (the ranks share no memory)"; "" where every
+  // group is of one rank.
+  std::string collectives_summary() const;
   // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
   const std::string& draft_summary() const { return draft_summary_; }
   // For tests: the multi-token-prediction layer's runner; null without one.
@@ -202,6 +206,7 @@ class StepExecutor {
   std::unique_ptr<TimedCommunicator> tp_;    // the stage's TP group (a LocalCommunicator for TP = 1)
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
+  std::string transports_[3];                // how tp_, recv_ and send_ move tensors (MakeCommunicator)
   std::unique_ptr<ModelShard> shard_;
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
   // backend_, so destroyed before it.

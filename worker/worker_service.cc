@@ -433,6 +433,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    executor_->quantization_summary(), executor_->kv_blocks(),
                                    executor_->backend_name()), Ids());
   if (!executor_->draft_summary().empty()) WorkerLog(Who(), executor_->draft_summary(), Ids());
+  if (const std::string c = executor_->collectives_summary(); !c.empty()) WorkerLog(Who(), c, Ids());
   if (const std::string untried = executor_->gpu_paths_not_yet_run(); !untried.empty()) {
     WorkerLog(Who(), absl::StrCat("this model runs CUDA kernels that have not yet passed on a GPU (docs/gpu.md): ",
                                   untried), Ids("warn"));
@@ -508,6 +509,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   const v1::WorkerMessage loaded = LoadedMessage(r.epoch(), seconds);
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
+  if (const std::string c = executor_->collectives_summary(); !c.empty()) WorkerLog(Who(), c, Ids());
   rejoins_ = 0;
   Write(stream, loaded);
 }

@@ -17,9 +17,9 @@
 namespace shardserve {
 
 // Returns a communicator that runs the group's operations through shared memory when every rank
-// of `host`'s group maps one POSIX shared-memory segment (one host, one IPC namespace:
-// processes of one machine, or the containers of one pod), and `host` itself otherwise (ranks on
-// several machines, or in separate pods). Every rank of the group calls this at the same point of its
+// of `host`'s group maps one POSIX shared-memory segment (one host and one /dev/shm: processes of
+// one machine, or the containers of one pod), and `host` itself otherwise (ranks on several
+// machines, or in separate pods). Every rank of the group calls this at the same point of its
 // sequence of collectives, right after joining `host`: the ranks agree through two small
 // AllGathers of `host`, whose errors this returns. `group_name` names the group in messages;
 // `timeout` bounds each wait for the peers, as it does `host`'s.
