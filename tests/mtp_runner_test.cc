@@ -90,7 +90,7 @@ struct FreshMtp {
     EXPECT_TRUE(m.ok()) << m.status();
     const int64_t L = config->num_hidden_layers;
     absl::StatusOr<std::unique_ptr<ModelShard>> t = ModelShard::Load(
-        *weights, *config, ShardSpec{.first_layer = L, .end_layer = L + 1, .mtp = true}, limits, backend.get(), tp2.get());
+        *weights, *config, ShardSpec{.first_layer = L, .end_layer = L + 1, .mtp = true, .aux_hidden_layers = {}}, limits, backend.get(), tp2.get());
     EXPECT_TRUE(t.ok()) << t.status();
     if (m.ok() && t.ok()) {
       model = std::move(*m);
@@ -266,7 +266,7 @@ TEST(MtpRunnerTest, TheLayerIsItsDecoderLayerOverTheProjectedInputs) {
   // The checkpoint as it is, then without the layer's own head (the model's LM head instead).
   for (bool without_head : {false, true}) {
     SCOPED_TRACE(without_head ? "without shared_head.head" : "with shared_head.head");
-    const ShardSpec mtp_spec{.first_layer = L, .end_layer = L + 1, .mtp = true};
+    const ShardSpec mtp_spec{.first_layer = L, .end_layer = L + 1, .mtp = true, .aux_hidden_layers = {}};
     WithoutSharedHead headless(**weights);
     const WeightSource& source = without_head ? static_cast<const WeightSource&>(headless) : **weights;
     absl::StatusOr<std::unique_ptr<ModelShard>> mtp = ModelShard::Load(source, *config, mtp_spec, limits, backend.get(), &tp1);
@@ -276,7 +276,7 @@ TEST(MtpRunnerTest, TheLayerIsItsDecoderLayerOverTheProjectedInputs) {
     deeper.num_hidden_layers = L + 1;
     SharedHeadAsFinal renamed(**weights, without_head);
     absl::StatusOr<std::unique_ptr<ModelShard>> plain =
-        ModelShard::Load(renamed, deeper, ShardSpec{.first_layer = L, .end_layer = L + 1}, limits, backend.get(), &tp2);
+        ModelShard::Load(renamed, deeper, ShardSpec{.first_layer = L, .end_layer = L + 1, .aux_hidden_layers = {}}, limits, backend.get(), &tp2);
     ASSERT_TRUE(plain.ok()) << plain.status();
 
     // Two steps of one sequence: positions 0..3 (position 0's embedding masked), then 4..6.
