@@ -54,11 +54,10 @@ namespace shardserve {
 absl::StatusOr<int> ParseDevice(const std::string& device);
 
 // The library of a worker's collective groups (worker --collectives): kAuto is Gloo on the CPU,
-// with the all-reduces, all-gathers and all-to-alls of a group whose ranks share a host through
-// shared memory (worker/comm/shared_memory_communicator.h), and NCCL on CUDA; kGloo is Gloo's TCP
-// alone, and on CUDA stages each device tensor through host memory
-// (worker/comm/staged_communicator.h), so that several ranks can share one GPU, which NCCL refuses;
-// kNccl on the CPU is refused.
+// with the collectives and hand-offs of a group whose ranks share a host through shared memory
+// (worker/comm/shared_memory_communicator.h), and NCCL on CUDA; kGloo is Gloo's TCP alone, and on
+// CUDA stages each device tensor through host memory (worker/comm/staged_communicator.h), so that
+// several ranks can share one GPU, which NCCL refuses; kNccl on the CPU is refused.
 enum class Collectives { kAuto, kGloo, kNccl };
 
 // "auto", "gloo" or "nccl"; InvalidArgument naming the value otherwise.
