@@ -62,17 +62,6 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* 
   return MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
 }
 
-absl::StatusOr<std::unique_ptr<TimedCommunicator>> JoinGroup(RendezvousStore* store, const std::string& group, int rank,
-                                                             int size, Backend* backend, int cuda_ordinal,
-                                                             Collectives collectives,
-                                                             const std::string& collective_host,
-                                                             absl::Duration timeout, std::string* transport) {
-  absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(
-      store, group, rank, size, backend, cuda_ordinal, collectives, collective_host, timeout, transport);
-  if (!comm.ok()) return comm.status();
-  return std::make_unique<TimedCommunicator>(std::move(*comm), backend);
-}
-
 // cudaMemGetInfo of cuda:K: {total, free}; {-1, -1} on cpu, in a build without CUDA or on an error
 // (the figures only feed the memory report).
 std::pair<int64_t, int64_t> DeviceMemoryInfo(int cuda_ordinal) {
@@ -205,27 +194,12 @@ absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Ass
   Backend* backend = e->backend_.get();
   e->device_memory_.free_backend = DeviceMemoryInfo(*cuda_ordinal).second;
 
-  // Groups, in an order that cannot deadlock: every rank joins its TP group first; then stage s
-  // joins the pair (s-1, s) before the pair (s, s+1), so the pairs form from the first stage on.
-  const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
+  // The groups (JoinGroups: the assignment's, as a regroup to them would name them).
   const bool first = a.stage() == 0, last = a.stage() + 1 == a.num_stages();
-  absl::StatusOr<std::unique_ptr<TimedCommunicator>> comm =
-      JoinGroup(store, a.tp_group(), a.tp_rank(), a.tp_size(), backend, *cuda_ordinal, worker_options.collectives,
-                collective_host, timeout, &e->transports_[0]);
-  if (!comm.ok()) return comm.status();
-  e->tp_ = std::move(*comm);
-  if (!first) {
-    comm = JoinGroup(store, a.recv_group(), 1, 2, backend, *cuda_ordinal, worker_options.collectives,
-                     collective_host, timeout, &e->transports_[1]);
-    if (!comm.ok()) return comm.status();
-    e->recv_ = std::move(*comm);
-  }
-  if (!last) {
-    comm = JoinGroup(store, a.send_group(), 0, 2, backend, *cuda_ordinal, worker_options.collectives,
-                     collective_host, timeout, &e->transports_[2]);
-    if (!comm.ok()) return comm.status();
-    e->send_ = std::move(*comm);
-  }
+  e->tp_ = std::make_unique<TimedCommunicator>(nullptr, backend);
+  if (!first) e->recv_ = std::make_unique<TimedCommunicator>(nullptr, backend);
+  if (!last) e->send_ = std::make_unique<TimedCommunicator>(nullptr, backend);
+  SHARDSERVE_RETURN_IF_ERROR(e->JoinGroups(RegroupOf(a), store));
 
   e->device_memory_.free_groups = DeviceMemoryInfo(*cuda_ordinal).second;
 
@@ -411,7 +385,8 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
   for (TimedCommunicator* c : {tp_.get(), recv_.get(), send_.get()}) {
     if (c != nullptr) c->Replace(nullptr);
   }
-  // The order of Create: the TP group first, then the pair with the previous stage, then the next.
+  // In an order that cannot deadlock: every rank joins its TP group first; then stage s joins the
+  // pair (s-1, s) before the pair (s, s+1), so the pairs form from the first stage on.
   const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
   Backend* backend = backend_.get();
   auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size,

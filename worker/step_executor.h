@@ -188,7 +188,8 @@ class StepExecutor {
 
  private:
   StepExecutor() = default;
-  // Closes the communicators and joins the groups `regroup` names, in Create's order.
+  // Closes the communicators and joins the groups `regroup` names (Create: the assignment's), TP
+  // group first, recording how each moves tensors (transports_).
   absl::Status JoinGroups(const v1::Regroup& regroup, RendezvousStore* store);
   // StepPlan.share_samples: TP rank 0's `rows` sampled ids (in its `result`) to every rank of the
   // group, each of which keeps them for the rows that feed them (StepState::RecordSamples).
