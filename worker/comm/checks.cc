@@ -49,4 +49,23 @@ absl::Status CheckAllGatherShapes(const Tensor& out, const Tensor& in, int size)
                                                  DTypeName(in.dtype), " ", in.ShapeString()));
 }
 
+std::string DescribeTensor(int64_t dtype, const Tensor& shape) {
+  const bool known = dtype >= 0 && dtype <= static_cast<int64_t>(DType::kI8);
+  return absl::StrCat(known ? DTypeName(static_cast<DType>(dtype)) : "an unknown dtype", " ", shape.ShapeString());
+}
+
+absl::Status SentOtherThanExpected(int peer, const std::string& sent, const std::string& expected) {
+  return absl::InvalidArgumentError(absl::StrCat("rank ", peer, " sent ", sent, " but this rank expected ", expected));
+}
+
+absl::Status SendsOtherRowsThanExpected(int peer, const std::string& sends, const std::string& expected) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("rank ", peer, " sends ", sends, " but this rank expected ", expected, " from it"));
+}
+
+absl::Status ExpectsOtherRowCount(int peer, int64_t expects, int64_t sends) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("rank ", peer, " expects ", expects, " row(s) from this rank, which sends it ", sends));
+}
+
 }  // namespace shardserve::comm

@@ -30,6 +30,19 @@ absl::Status CheckPeer(int peer, int rank, int size);
 // AllGather's out is [size, ...in's shape] in in's dtype.
 absl::Status CheckAllGatherShapes(const Tensor& out, const Tensor& in, int size);
 
+// "F32 [4, 8]": a tensor's dtype and shape for messages about a peer's tensor. `dtype` is the
+// number as it came from the peer: one this build does not name is "an unknown dtype".
+std::string DescribeTensor(int64_t dtype, const Tensor& shape);
+inline std::string DescribeTensor(const Tensor& t) { return DescribeTensor(static_cast<int64_t>(t.dtype), t); }
+
+// What the transports say, in the same words, when the two ranks of a pair disagree (descriptions
+// from DescribeTensor): a Recv's peer sent another tensor than this rank expected; an AllToAllV's
+// peer sends other rows than this rank expects from it, or expects another count than this rank
+// sends it.
+absl::Status SentOtherThanExpected(int peer, const std::string& sent, const std::string& expected);
+absl::Status SendsOtherRowsThanExpected(int peer, const std::string& sends, const std::string& expected);
+absl::Status ExpectsOtherRowCount(int peer, int64_t expects, int64_t sends);
+
 }  // namespace shardserve::comm
 
 #endif  // SHARDSERVE_WORKER_COMM_CHECKS_H_

@@ -183,8 +183,7 @@ std::string Describe(const P2pHeader& h) {
   t.dtype = static_cast<DType>(h.dtype);
   t.ndim = static_cast<int>(h.ndim);
   std::copy(h.shape, h.shape + t.ndim, t.shape.begin());
-  return absl::StrCat(h.dtype <= static_cast<uint32_t>(DType::kI32) ? DTypeName(t.dtype) : "an unknown dtype", " ",
-                      t.ShapeString());
+  return comm::DescribeTensor(h.dtype, t);
 }
 
 // What AllToAllV tells each peer before any row moves: the rows it sends the peer, as the header
@@ -315,8 +314,7 @@ class GlooCommunicator final : public Communicator {
       header_buf->waitRecv(gloo_timeout_);
       const P2pHeader want = HeaderOf(*t);
       if (std::memcmp(&got, &want, sizeof(got)) != 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("rank ", peer, " sent ", Describe(got), " but this rank expected ", Describe(want)));
+        return comm::SentOtherThanExpected(peer, Describe(got), Describe(want));
       }
       if (t->bytes() == 0) return absl::OkStatus();
       auto payload = context_->createUnboundBuffer(t->data, t->bytes());
@@ -352,13 +350,9 @@ class GlooCommunicator final : public Communicator {
         if (p == rank()) continue;
         const P2pHeader want = HeaderOf(WithRows(*out, recv_rows[p]));
         if (std::memcmp(&heard[p].sends, &want, sizeof(want)) != 0) {
-          return absl::InvalidArgumentError(absl::StrCat("rank ", p, " sends ", Describe(heard[p].sends),
-                                                         " but this rank expected ", Describe(want), " from it"));
+          return comm::SendsOtherRowsThanExpected(p, Describe(heard[p].sends), Describe(want));
         }
-        if (heard[p].expects != send_rows[p]) {
-          return absl::InvalidArgumentError(absl::StrCat("rank ", p, " expects ", heard[p].expects,
-                                                         " row(s) from this rank, which sends it ", send_rows[p]));
-        }
+        if (heard[p].expects != send_rows[p]) return comm::ExpectsOtherRowCount(p, heard[p].expects, send_rows[p]);
       }
 
       // Gloo takes a byte count of 0 as "the rest of the buffer": empty blocks are not posted.

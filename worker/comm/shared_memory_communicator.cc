@@ -201,13 +201,6 @@ const char* OpName(uint32_t op) {
   }
 }
 
-// "F32 [4, 8]", for messages about a peer's tensor.
-std::string Describe(const Tensor& t) {
-  return absl::StrCat(static_cast<uint8_t>(t.dtype) <= static_cast<uint8_t>(DType::kI8) ? DTypeName(t.dtype)
-                                                                                         : "an unknown dtype",
-                      " ", t.ShapeString());
-}
-
 // A tensor's dtype, ndim and shape as RankSlot::tensor holds them, and back (ndim clamped to a
 // valid count: a peer's words are only described, never used as a shape).
 void WriteShape(const Tensor& t, int64_t* words) {
@@ -244,7 +237,7 @@ class AllToAllHeader {
 
   // That rank `p`'s rows for rank `rank` have the dtype and row shape of `out` and as many rows
   // as mine_recv[p], and that it expects mine_send[p] rows from `rank` (mine_send, mine_recv: the
-  // calling rank's counts). The messages are Gloo's.
+  // calling rank's counts), in the words Gloo's transport uses.
   absl::Status Check(int p, int rank, const Tensor& out, absl::Span<const int64_t> mine_send,
                      absl::Span<const int64_t> mine_recv) const {
     Tensor theirs = out, want = out;
@@ -256,13 +249,9 @@ class AllToAllHeader {
     const bool same = theirs.dtype == want.dtype && words_[1] == want.ndim &&
                       std::equal(theirs.shape.begin(), theirs.shape.begin() + want.ndim, want.shape.begin());
     if (!same) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", p, " sends ", Describe(theirs),
-                                                     " but this rank expected ", Describe(want), " from it"));
+      return comm::SendsOtherRowsThanExpected(p, comm::DescribeTensor(words_[0], theirs), comm::DescribeTensor(want));
     }
-    if (recv_rows(rank) != mine_send[p]) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", p, " expects ", recv_rows(rank),
-                                                     " row(s) from this rank, which sends it ", mine_send[p]));
-    }
+    if (recv_rows(rank) != mine_send[p]) return comm::ExpectsOtherRowCount(p, recv_rows(rank), mine_send[p]);
     return absl::OkStatus();
   }
 
@@ -451,24 +440,23 @@ class SharedMemoryCommunicator final : public Communicator {
       if (p == rank_) continue;
       const RankSlot* peer = mapping_.slot(p);
       const uint32_t theirs = peer->op[seq % 2];
-      if (theirs != matching) {
+      const int64_t their_bytes = peer->op_bytes[seq % 2];
+      // A Send and its Recv compare shapes below, which names them better than their bytes.
+      if (theirs != matching || (tensor == nullptr && their_bytes != static_cast<int64_t>(op_bytes))) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "rank ", p, " called ", OpName(theirs), " of ", peer->op_bytes[seq % 2], " bytes where this rank called ",
-            OpName(op), " of ", op_bytes, " bytes", op == kSend || op == kRecv ? " (a Send meets the peer's Recv)" : ""));
+            "rank ", p, " called ", OpName(theirs), " of ", their_bytes, " bytes where this rank called ", OpName(op),
+            " of ", op_bytes, " bytes", tensor != nullptr ? " (a Send meets the peer's Recv)" : ""));
       }
-      if (tensor != nullptr) {
-        const Tensor other = ReadShape(peer->tensor[seq % 2]);
-        if (other.dtype != tensor->dtype || other.ndim != tensor->ndim ||
-            !std::equal(tensor->shape.begin(), tensor->shape.begin() + tensor->ndim, other.shape.begin())) {
-          return absl::InvalidArgumentError(op == kRecv ? absl::StrCat("rank ", p, " sent ", Describe(other),
-                                                                       " but this rank expected ", Describe(*tensor))
-                                                        : absl::StrCat("rank ", p, " expected ", Describe(other),
-                                                                       " but this rank sent ", Describe(*tensor)));
-        }
-      } else if (peer->op_bytes[seq % 2] != static_cast<int64_t>(op_bytes)) {
-        return absl::InvalidArgumentError(absl::StrCat("rank ", p, " called ", OpName(theirs), " of ",
-                                                       peer->op_bytes[seq % 2], " bytes where this rank called ",
-                                                       OpName(op), " of ", op_bytes, " bytes"));
+      if (tensor == nullptr) continue;
+      const int64_t* words = peer->tensor[seq % 2];
+      const Tensor other = ReadShape(words);
+      if (other.dtype != tensor->dtype || other.ndim != tensor->ndim ||
+          !std::equal(tensor->shape.begin(), tensor->shape.begin() + tensor->ndim, other.shape.begin())) {
+        const std::string theirs_described = comm::DescribeTensor(words[0], other);
+        const std::string mine = comm::DescribeTensor(*tensor);
+        if (op == kRecv) return comm::SentOtherThanExpected(p, theirs_described, mine);
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", p, " expected ", theirs_described, " but this rank sent ", mine));
       }
     }
     return seq;
@@ -530,7 +518,8 @@ class SharedMemoryCommunicator final : public Communicator {
     }
     const absl::Status status = body();
     if (status.ok()) return status;
-    broken_ = own ? absl::Status(status.code(), absl::StrCat("shared-memory ", op, " in ", where_, ": ", status.message()))
+    broken_ = own ? absl::Status(status.code(),
+                                 absl::StrCat("shared-memory ", op, " in ", where_, ": ", status.message()))
                   : status;
     Leave(kFailed);
     return broken_;
