@@ -633,15 +633,16 @@ absl::StatusOr<std::unique_ptr<Communicator>> WithSharedMemory(std::unique_ptr<C
 
   // Every rank maps it and joins its line (its `alive` held from now on); once all have tried,
   // the name is no longer needed. Where any rank could not, the group keeps to `host`.
-  bool joined = made.ok == 1 && (rank == 0 || OpenSegment(made, size, &mapping));
-  if (joined) {
+  auto join = [&]() -> bool {
+    if (made.ok != 1 || (rank != 0 && !OpenSegment(made, size, &mapping))) return false;
     RankSlot* mine = mapping.slot(rank);
-    joined = InitAlive(mine);
-    if (joined) keeper = std::make_unique<Keeper>(&mine->alive);
-    joined = joined && keeper->ok();
-    if (joined) mine->state.store(kJoined, std::memory_order_seq_cst);
-  }
-  absl::StatusOr<bool> all_joined = AllRanks(*host, joined ? 1 : 0);
+    if (!InitAlive(mine)) return false;
+    keeper = std::make_unique<Keeper>(&mine->alive);
+    if (!keeper->ok()) return false;
+    mine->state.store(kJoined, std::memory_order_seq_cst);
+    return true;
+  };
+  absl::StatusOr<bool> all_joined = AllRanks(*host, join() ? 1 : 0);
   if (rank == 0 && made.ok == 1) shm_unlink(made.name);
   if (!all_joined.ok()) return all_joined.status();
   if (!*all_joined) return host;
