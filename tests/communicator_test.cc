@@ -117,9 +117,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> JoinGloo(RendezvousStore* store, c
   return MakeGlooCommunicator(store, group, rank, size, "127.0.0.1", timeout);
 }
 
-// How the ranks of a Gloo group exchange all-reduces and all-gathers: Gloo's TCP, or shared memory
-// (the ranks are threads of one process, so they share a host).
+// How the ranks of a Gloo group exchange tensors: Gloo's TCP, or shared memory (the ranks are
+// threads of one process, so they share a host).
 enum class Transport { kTcp, kSharedMemory };
+const char* TransportName(Transport t) { return t == Transport::kTcp ? "Tcp" : "SharedMemory"; }
 
 // JoinGloo, then WithSharedMemory for kSharedMemory.
 absl::StatusOr<std::unique_ptr<Communicator>> Join(Transport transport, RendezvousStore* store, const std::string& group,
@@ -132,8 +133,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Join(Transport transport, Rendezvo
 // "Tcp_Size2", "SharedMemory_Size3": names of the tests over (transport, size).
 using TransportAndSize = std::tuple<Transport, int>;
 std::string TransportAndSizeName(const ::testing::TestParamInfo<TransportAndSize>& info) {
-  return absl::StrCat(std::get<0>(info.param) == Transport::kTcp ? "Tcp" : "SharedMemory", "_Size",
-                      std::get<1>(info.param));
+  return absl::StrCat(TransportName(std::get<0>(info.param)), "_Size", std::get<1>(info.param));
 }
 
 void PrintTime(const std::string& what, absl::Duration took) {
@@ -309,9 +309,7 @@ TEST_F(CommunicatorTest, TimedReportsAnAllToAllWithTheBytesSent) {
 // Cases of two ranks, over each transport.
 class GlooTransportTest : public Guarded<::testing::TestWithParam<Transport>> {};
 INSTANTIATE_TEST_SUITE_P(Transports, GlooTransportTest, ::testing::Values(Transport::kTcp, Transport::kSharedMemory),
-                         [](const ::testing::TestParamInfo<Transport>& info) {
-                           return info.param == Transport::kTcp ? "Tcp" : "SharedMemory";
-                         });
+                         [](const ::testing::TestParamInfo<Transport>& info) { return TransportName(info.param); });
 
 class GlooSizeTest : public Guarded<::testing::TestWithParam<TransportAndSize>> {
  protected:
