@@ -31,8 +31,9 @@
 9. Bad flags refused with exit 2 and a message naming the flag: --backend other, openai without
    --base-url or --vocab-size (but for the chat load), an https or portless URL, --base-url with
    gRPC, --address with openai.
-10. Expert parallelism: `bench --compare tp2,tp2/ep` on a mixture-of-experts fixture runs both, the
-   /ep layout's coordinator with --expert-parallel.
+10. Expert parallelism and the collectives' transport: `bench --compare tp2,tp2/ep/gloo` on a
+   mixture-of-experts fixture runs both, the /ep layout's coordinator with --expert-parallel, the
+   /gloo layout's workers with --collectives gloo (their logs: Gloo TCP; tp2's: shared memory).
 11. Structured outputs: `bench --compare tp1,tp1/json,tp1/http/json` runs the same load without a
    constraint, with tools/bench/bench_schema.json over gRPC and over HTTP: every request completes
    with exactly --output-len tokens in each (bench checks each constrained output is the start of a
@@ -242,24 +243,37 @@ def case_chat(work):
 
 
 def case_expert_parallel(work):
-    """`bench --compare tp2,tp2/ep` on a mixture-of-experts fixture: both layouts complete, and the /ep
-    one's coordinator runs with --expert-parallel (its commands.sh), the other's without."""
+    """`bench --compare tp2,tp2/ep/gloo` on a mixture-of-experts fixture: both layouts complete; the
+    /ep one's coordinator runs with --expert-parallel (its commands.sh), the other's without; the
+    /gloo one's workers move tensors over Gloo's TCP (--collectives gloo; their logs say so), the
+    other's through shared memory (the default on CPUs)."""
     logs = os.path.join(work, "ep-logs")
     model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "models", "qwen3_moe_tf5")
-    rc, out, err, sid = run_bench(["--compare", "tp2,tp2/ep", "--model", model, "--num-requests", "4",
+    rc, out, err, sid = run_bench(["--compare", "tp2,tp2/ep/gloo", "--model", model, "--num-requests", "4",
                                    "--concurrency", "2", "--input-len", "8", "--output-len", "8", "--warmup", "0",
                                    "--json", "--log-dir", logs])
     left = leftovers(sid)
     kill_session(sid)
     check(not left, f"processes left behind after bench exited:\n{left}")
-    check(rc == 0, f"bench --compare tp2,tp2/ep exited {rc}\nstderr:\n{err}")
-    with open(os.path.join(logs, "tp2_ep", "commands.sh")) as f:
-        check("--expert-parallel" in f.read(), "the /ep coordinator lacks --expert-parallel")
+    check(rc == 0, f"bench --compare tp2,tp2/ep/gloo exited {rc}\nstderr:\n{err}")
+    with open(os.path.join(logs, "tp2_ep_gloo", "commands.sh")) as f:
+        commands = f.read()
+    check("--expert-parallel" in commands, "the /ep coordinator lacks --expert-parallel")
+    check("--collectives gloo" in commands, "the /gloo workers lack --collectives gloo")
     with open(os.path.join(logs, "tp2", "commands.sh")) as f:
-        check("--expert-parallel" not in f.read(), "the tp2 coordinator has --expert-parallel")
+        commands = f.read()
+    check("--expert-parallel" not in commands, "the tp2 coordinator has --expert-parallel")
+    check("--collectives" not in commands, "the tp2 workers have --collectives")
+    for layout, transport in (("tp2", "shared memory"), ("tp2_ep_gloo", "Gloo TCP")):
+        for rank in (0, 1):
+            with open(os.path.join(logs, layout, f"worker-node0-{rank}.log")) as f:
+                log = f.read()
+            check(f"collectives: TP group: {transport}" in log,
+                  f"{layout} worker {rank} does not log 'collectives: TP group: {transport}':\n{log[-2000:]}")
     for r in json.loads(out)["runs"]:
         check(r["completed"] == 4 and r["failed"] == 0, f"{r['layout']}: {r['completed']} completed: {r['errors']}")
-    print("ok: tp2,tp2/ep: the /ep layout's coordinator has --expert-parallel, both complete")
+    print("ok: tp2,tp2/ep/gloo: the /ep layout's coordinator has --expert-parallel, its workers Gloo's TCP, "
+          "tp2's shared memory; both complete")
 
 
 def case_json_schema(work):

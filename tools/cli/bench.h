@@ -211,11 +211,12 @@ struct Layout {
   bool adaptive = false;       // /adaptive (with /ngram or /draft): the coordinator's --adaptive-speculative-tokens
   bool http = false;           // /http: the load goes to the coordinator's OpenAI API (--http-port)
   bool expert_parallel = false;  // /ep: the coordinator's --expert-parallel
+  bool gloo = false;             // /gloo: the workers' --collectives gloo (Gloo's TCP alone)
   bool json = false;             // /json: every request with CompareOptions' JSON Schema
 };
 
-// tpN, ppM, tpNxppM, each optionally followed by /serial, /no-prefix-caching, /ngram or /draft,
-// /adaptive, /http, /ep and /json (in any order).
+// tpN, ppM, tpNxppM, each optionally followed by /serial, /sync, /no-prefix-caching, /ngram, /draft,
+// /mtp or /eagle3, /adaptive, /http, /ep, /gloo and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text);
 
 struct CompareRun {

@@ -87,7 +87,7 @@ absl::StatusOr<int> FreeLoopbackPort() {
 }  // namespace
 
 // tpN, ppM, tpNxppM, each optionally followed by /serial, /sync, /no-prefix-caching, /ngram, /draft or
-// /mtp, /adaptive, /http, /ep and /json (in any order).
+// /mtp, /adaptive, /http, /ep, /gloo and /json (in any order).
 absl::StatusOr<Layout> ParseLayout(const std::string& text) {
   Layout l;
   l.name = text;
@@ -105,6 +105,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
     if (strip("/sync")) l.sync = true;
     if (strip("/http")) l.http = true;
     if (strip("/json")) l.json = true;
+    if (strip("/gloo")) l.gloo = true;
     if (strip("/ep")) {
       l.expert_parallel = true;
     } else if (strip("/ngram")) {
@@ -123,7 +124,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& text) {
     return absl::InvalidArgumentError(absl::StrCat(
         "layout '", text,
         "' is not tpN, ppM or tpNxppM (optionally /serial, /sync, /no-prefix-caching, /ngram, /draft, /mtp, /eagle3, /adaptive, "
-        "/http, /ep, /json), e.g. tp2xpp2/serial"));
+        "/http, /ep, /gloo, /json), e.g. tp2xpp2/serial"));
   };
   if (int{l.ngram} + int{l.draft} + int{l.mtp} + int{l.eagle3} > 1) return bad();
   if (l.adaptive && !l.ngram && !l.draft && !l.mtp && !l.eagle3) {
@@ -216,6 +217,18 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
       o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
   co.worker_flags.insert(co.worker_flags.end(), o.cluster.worker_flags.begin(), o.cluster.worker_flags.end());
+  // /gloo layouts: the workers' collectives over Gloo's TCP alone, where --worker-collectives left
+  // them to the default (on CPUs: shared memory between the ranks of one host).
+  if (layout.gloo) {
+    const auto given = std::find(co.worker_flags.begin(), co.worker_flags.end(), "--collectives");
+    if (given == co.worker_flags.end()) {
+      co.worker_flags.insert(co.worker_flags.end(), {"--collectives", "gloo"});
+    } else if (*(given + 1) != "gloo") {  // local_cluster.cc gives the flag with its value
+      out.error = absl::StrCat("layout ", layout.name, " runs the workers' collectives over Gloo; --worker-collectives ",
+                               *(given + 1), " says otherwise");
+      return out;
+    }
+  }
 
   std::fprintf(stderr, "bench: %s: starting a coordinator and %lld worker(s) (TP=%lld x PP=%lld%s), logs in %s\n",
                layout.name.c_str(), static_cast<long long>(workers), static_cast<long long>(layout.tp),
