@@ -14,16 +14,21 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/notification.h"
+#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "worker/comm/checks.h"
 
@@ -88,54 +93,100 @@ size_t SlotsOffset() { return RoundUp(sizeof(Header), kPage); }
 size_t BuffersOffset(int size) { return SlotsOffset() + RoundUp(sizeof(RankSlot) * size, kPage); }
 size_t SegmentBytes(int size) { return BuffersOffset(size) + 2 * kSlotBytes * size; }
 
-// A mapping of the segment; unmapped on destruction.
+// A mapping of the segment, shared by the ranks one process holds: the tests run a group's ranks
+// as threads of one process, which then see the segment at one address (so ThreadSanitizer sees
+// their accesses meet, as they would across processes). Unmapped when its last rank lets it go.
 class Mapping {
  public:
   Mapping() = default;
-  Mapping(void* base, size_t bytes) : base_(static_cast<uint8_t*>(base)), bytes_(bytes) {}
-  Mapping(Mapping&& o) noexcept : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_) {}
-  Mapping& operator=(Mapping&& o) noexcept {
-    std::swap(base_, o.base_);
-    std::swap(bytes_, o.bytes_);
-    return *this;
-  }
-  ~Mapping() {
-    if (base_ != nullptr) munmap(base_, bytes_);
-  }
-  bool ok() const { return base_ != nullptr; }
-  Header* header() const { return reinterpret_cast<Header*>(base_); }
-  RankSlot* slot(int rank) const { return reinterpret_cast<RankSlot*>(base_ + SlotsOffset()) + rank; }
+  bool ok() const { return region_ != nullptr; }
+  Header* header() const { return reinterpret_cast<Header*>(base()); }
+  RankSlot* slot(int rank) const { return reinterpret_cast<RankSlot*>(base() + SlotsOffset()) + rank; }
   uint8_t* piece(uint32_t seq, int rank, int size) const {
-    return base_ + BuffersOffset(size) + ((seq % 2) * size + rank) * kSlotBytes;
+    return base() + BuffersOffset(size) + ((seq % 2) * size + rank) * kSlotBytes;
+  }
+
+  // Maps `bytes` of the open segment `fd` named `name`, or takes this process's mapping of it.
+  static Mapping Map(const std::string& name, int fd, size_t bytes) {
+    Mapping m;
+    {
+      absl::MutexLock lock(&mu_);
+      std::weak_ptr<Region>& held = (*regions_)[name];
+      m.region_ = held.lock();
+      if (m.region_ == nullptr) {
+        void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED) {
+          regions_->erase(name);
+          return m;
+        }
+        m.region_ = std::shared_ptr<Region>(new Region{name, static_cast<uint8_t*>(base), bytes}, Unmap);
+        held = m.region_;
+      }
+    }
+    if (m.region_->bytes != bytes) m.region_.reset();  // outside the lock: this may unmap it
+    return m;
   }
 
  private:
-  uint8_t* base_ = nullptr;
-  size_t bytes_ = 0;
+  struct Region {
+    std::string name;
+    uint8_t* base;
+    size_t bytes;
+  };
+  uint8_t* base() const { return region_->base; }
+  static void Unmap(Region* r) {
+    munmap(r->base, r->bytes);
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = regions_->find(r->name);
+      if (it != regions_->end() && it->second.expired()) regions_->erase(it);
+    }
+    delete r;
+  }
+
+  static absl::Mutex mu_;
+  static absl::flat_hash_map<std::string, std::weak_ptr<Region>>* regions_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Region> region_;
 };
+absl::Mutex Mapping::mu_(absl::kConstInit);
+absl::flat_hash_map<std::string, std::weak_ptr<Mapping::Region>>* Mapping::regions_ =
+    new absl::flat_hash_map<std::string, std::weak_ptr<Mapping::Region>>();
 
 // Holds a rank's `alive` mutex on a thread of its own from construction to destruction, so that
 // the mutex is released exactly when the rank leaves the group or its process ends.
 class Keeper {
  public:
   explicit Keeper(pthread_mutex_t* alive) : thread_([this, alive] {
-    locked_ = pthread_mutex_lock(alive) == 0;
-    held_.Notify();
-    release_.WaitForNotification();
-    if (locked_) pthread_mutex_unlock(alive);
+    const bool locked = pthread_mutex_lock(alive) == 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      locked_ = locked;
+      held_ = true;
+      changed_.notify_all();
+      changed_.wait(lock, [this] { return release_; });
+    }
+    if (locked) pthread_mutex_unlock(alive);
   }) {
-    held_.WaitForNotification();
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [this] { return held_; });
   }
   ~Keeper() {
-    release_.Notify();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      release_ = true;
+    }
+    changed_.notify_all();
     thread_.join();
   }
-  bool ok() const { return locked_; }
+  bool ok() const { return locked_; }  // settled once the constructor returns
 
  private:
-  absl::Notification held_, release_;
-  bool locked_ = false;  // written before held_ is notified
-  std::thread thread_;   // last: it reads the members above
+  // std's mutex and condition variable, not Abseil's: ThreadSanitizer sees pthread's (the
+  // distribution's Abseil is not built with it).
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool held_ = false, release_ = false, locked_ = false;
+  std::thread thread_;  // last: it reads the members above
 };
 
 // Makes `slot`'s `alive` a robust, process-shared mutex. False if the system refuses.
@@ -223,12 +274,11 @@ class AllToAllHeader {
  public:
   static size_t Bytes(int size) { return sizeof(int64_t) * (2 + Tensor::kMaxDims + 2 * static_cast<size_t>(size)); }
   static void Write(const Tensor& in, absl::Span<const int64_t> send_rows, absl::Span<const int64_t> recv_rows,
-                    uint8_t* to) {
-    std::vector<int64_t> words = {static_cast<int64_t>(in.dtype), in.ndim};
-    words.insert(words.end(), in.shape.begin(), in.shape.end());
-    words.insert(words.end(), send_rows.begin(), send_rows.end());
-    words.insert(words.end(), recv_rows.begin(), recv_rows.end());
-    std::memcpy(to, words.data(), words.size() * sizeof(int64_t));
+                    int64_t* to) {
+    to[0] = static_cast<int64_t>(in.dtype);
+    to[1] = in.ndim;
+    to = std::copy(in.shape.begin(), in.shape.end(), to + 2);
+    std::copy(recv_rows.begin(), recv_rows.end(), std::copy(send_rows.begin(), send_rows.end(), to));
   }
   // A peer's header, as published (read in place; aligned, since each piece starts a MiB apart).
   AllToAllHeader(const uint8_t* from, int size) : words_(reinterpret_cast<const int64_t*>(from)), size_(size) {}
@@ -321,13 +371,11 @@ class SharedMemoryCommunicator final : public Communicator {
                                   CheckAllToAllVArgs(*out, in, send_rows, recv_rows, rank_, size_));
       const size_t row_bytes = static_cast<size_t>(row_elements) * DTypeSize(in.dtype);
       const size_t header_bytes = AllToAllHeader::Bytes(size_);
-      std::vector<uint8_t> header(header_bytes);
-      AllToAllHeader::Write(in, send_rows, recv_rows, header.data());
+      AllToAllHeader::Write(in, send_rows, recv_rows, header_.data());
       SHARDSERVE_ASSIGN_OR_RETURN(const uint32_t counts_seq,
-                                  Exchange(kAllToAllCounts, header_bytes, header.data(), header_bytes));
+                                  Exchange(kAllToAllCounts, header_bytes, header_.data(), header_bytes));
       // What each peer sends this rank, where its rows for this rank start in its `in`, and the
       // most pieces any rank's `in` takes.
-      std::vector<size_t> from_at(size_), from_bytes(size_), to_at(size_);
       size_t pieces = 0, recv_at = 0;
       for (int p = 0; p < size_; ++p) {
         const AllToAllHeader theirs(mapping_.piece(counts_seq, p, size_), size_);
@@ -337,10 +385,10 @@ class SharedMemoryCommunicator final : public Communicator {
           if (q == rank_) at = total;
           total += static_cast<size_t>(theirs.send_rows(q)) * row_bytes;
         }
-        from_at[p] = at;
-        from_bytes[p] = static_cast<size_t>(recv_rows[p]) * row_bytes;
-        to_at[p] = recv_at;
-        recv_at += from_bytes[p];
+        from_at_[p] = at;
+        from_bytes_[p] = static_cast<size_t>(recv_rows[p]) * row_bytes;
+        to_at_[p] = recv_at;
+        recv_at += from_bytes_[p];
         pieces = std::max(pieces, (total + kSlotBytes - 1) / kSlotBytes);
       }
       const uint8_t* src = static_cast<const uint8_t*>(in.data);
@@ -352,9 +400,9 @@ class SharedMemoryCommunicator final : public Communicator {
         SHARDSERVE_ASSIGN_OR_RETURN(const uint32_t seq, Exchange(kAllToAllRows, pieces, src + begin, n));
         for (int p = 0; p < size_; ++p) {
           // the part of [from_at, from_at + from_bytes) of rank p's `in` that lies in this piece
-          const size_t lo = std::max(begin, from_at[p]), hi = std::min(end, from_at[p] + from_bytes[p]);
+          const size_t lo = std::max(begin, from_at_[p]), hi = std::min(end, from_at_[p] + from_bytes_[p]);
           if (lo >= hi) continue;
-          std::memcpy(dst + to_at[p] + (lo - from_at[p]), mapping_.piece(seq, p, size_) + (lo - begin), hi - lo);
+          std::memcpy(dst + to_at_[p] + (lo - from_at_[p]), mapping_.piece(seq, p, size_) + (lo - begin), hi - lo);
         }
       }
       return absl::OkStatus();
@@ -540,6 +588,9 @@ class SharedMemoryCommunicator final : public Communicator {
   const int rank_, size_;
   RankSlot* const mine_;
   uint32_t seq_ = 0;      // the chunks this rank has published
+  // AllToAllV's: this rank's header, and where each peer's rows for it lie (sized once).
+  std::vector<int64_t> header_ = std::vector<int64_t>(AllToAllHeader::Bytes(size_) / sizeof(int64_t));
+  std::vector<size_t> from_at_ = std::vector<size_t>(size_), from_bytes_ = from_at_, to_at_ = from_at_;
   absl::Status broken_;  // the first error; once set, every call fails at once
 };
 
@@ -562,16 +613,12 @@ bool CreateSegment(int size, Mapping* mapping, Offer* offer) {
   const int fd = shm_open(offer->name, O_RDWR | O_CREAT | O_EXCL, 0600);
   if (fd < 0) return false;
   const size_t bytes = SegmentBytes(size);
-  void* base = MAP_FAILED;
-  if (posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) {
-    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
+  if (posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0) *mapping = Mapping::Map(offer->name, fd, bytes);
   close(fd);
-  if (base == MAP_FAILED) {
+  if (!mapping->ok()) {
     shm_unlink(offer->name);
     return false;
   }
-  *mapping = Mapping(base, bytes);
   Header* h = mapping->header();
   h->nonce[0] = offer->nonce[0] = random[1];
   h->nonce[1] = offer->nonce[1] = random[2];
@@ -588,13 +635,10 @@ bool OpenSegment(const Offer& offer, int size, Mapping* mapping) {
   if (fd < 0) return false;
   const size_t bytes = SegmentBytes(size);
   struct stat st {};
-  void* base = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) {
-    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  }
+  Mapping m;
+  if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes) m = Mapping::Map(offer.name, fd, bytes);
   close(fd);
-  if (base == MAP_FAILED) return false;
-  Mapping m(base, bytes);
+  if (!m.ok()) return false;
   const Header* h = m.header();
   if (h->magic != kMagic || h->nonce[0] != offer.nonce[0] || h->nonce[1] != offer.nonce[1] || h->size != size ||
       h->slot_bytes != static_cast<int64_t>(kSlotBytes)) {
