@@ -213,6 +213,8 @@ class Backend {
   virtual DeviceKind device_kind() const = 0;
   virtual DType act_dtype() const = 0;
   virtual std::string Describe() const = 0;  // e.g. "cpu (oneDNN 2.6.3, 2 threads)", "cuda:0 (H100, bf16)"
+  // The host threads the math runs on (the CPU backend's OpenMP threads); 0 where a device runs it.
+  virtual int compute_threads() const { return 0; }
 
   // ---- Memory --------------------------------------------------------------------------------
   virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;

@@ -50,6 +50,7 @@
 #include "kernels/backend.h"
 #include "kernels/tensor.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/host_cpus.h"
 #include "worker/comm/interface_address.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/rendezvous.h"
@@ -978,6 +979,68 @@ class DirectoryStore final : public RendezvousStore {
 // after the timeout. The peer is a child process. No watchdog here: its thread would be copied
 // into the child half way; the child ends itself (alarm) and the waits are bounded by the
 // communicator's timeout.
+// The ranks of a group on one host against the CPUs they share (OversubscriptionNote).
+RankCpus Cpus(int threads, std::initializer_list<int> cpus) {
+  RankCpus r;
+  r.threads = threads;
+  CPU_ZERO(&r.cpus);
+  for (int c : cpus) CPU_SET(c, &r.cpus);
+  return r;
+}
+
+TEST(HostCpusTest, ThreadsBeyondTheSharedCpusAreNamedWithEachRanksShare) {
+  // Two workers of 2 threads on the same 2 CPUs (each with OpenMP's default on a 2-CPU host).
+  const std::vector<RankCpus> two = {Cpus(2, {0, 1}), Cpus(2, {0, 1})};
+  EXPECT_THAT(OversubscriptionNote(two), ::testing::AllOf(::testing::HasSubstr("2 ranks on this host run 4 compute "
+                                                                               "threads on its 2 CPUs"),
+                                                          ::testing::HasSubstr("--threads 1 ")));
+  // Four ranks of 3 threads on 8 CPUs: 12 > 8; a share of 2 each.
+  const std::vector<RankCpus> four = {Cpus(3, {0, 1, 2, 3, 4, 5, 6, 7}), Cpus(3, {0, 1, 2, 3, 4, 5, 6, 7}),
+                                      Cpus(3, {0, 1, 2, 3, 4, 5, 6, 7}), Cpus(3, {0, 1, 2, 3, 4, 5, 6, 7})};
+  EXPECT_THAT(OversubscriptionNote(four), ::testing::HasSubstr("run 12 compute threads on its 8 CPUs"));
+  EXPECT_THAT(OversubscriptionNote(four), ::testing::HasSubstr("--threads 2 "));
+  // More ranks than CPUs: a share of at least one thread.
+  EXPECT_THAT(OversubscriptionNote({Cpus(1, {0}), Cpus(1, {0})}),
+              ::testing::HasSubstr("2 compute threads on its 1 CPU:"));
+  EXPECT_THAT(OversubscriptionNote({Cpus(1, {0}), Cpus(1, {0})}), ::testing::HasSubstr("--threads 1 "));
+}
+
+TEST(HostCpusTest, ThreadsWithinTheirCpusAreFine) {
+  EXPECT_EQ(OversubscriptionNote({Cpus(1, {0, 1}), Cpus(1, {0, 1})}), "");  // launch's share
+  EXPECT_EQ(OversubscriptionNote({Cpus(2, {0, 1, 2, 3}), Cpus(1, {0, 1, 2, 3})}), "");
+  // Ranks pinned to CPUs of their own count apart: 2 + 2 threads on 4 CPUs.
+  EXPECT_EQ(OversubscriptionNote({Cpus(2, {0, 1}), Cpus(2, {2, 3})}), "");
+  EXPECT_NE(OversubscriptionNote({Cpus(2, {0, 1}), Cpus(3, {2, 3})}), "");
+  EXPECT_EQ(OversubscriptionNote({}), "");
+}
+
+// HostCpuShare through a group: every rank gathers the others' threads and affinity, and all
+// return the same note.
+TEST(HostCpusTest, HostCpuShareGathersEveryRanksThreadsAndCpus) {
+  cpu_set_t mine;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+  const int cpus = CPU_COUNT(&mine);
+  for (const int threads : {1, cpus + 1}) {
+    InMemoryRendezvousStore store;
+    std::string notes[2];
+    RunRanks(2, [&](int rank) {
+      absl::StatusOr<std::unique_ptr<Communicator>> comm =
+          Join(Transport::kSharedMemory, &store, absl::StrCat("cpus", threads), rank, 2, kTimeout);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      absl::StatusOr<std::string> note = HostCpuShare(**comm, threads);
+      ASSERT_TRUE(note.ok()) << note.status();
+      notes[rank] = *note;
+    });
+    EXPECT_EQ(notes[0], notes[1]);
+    if (2 * threads > cpus) {
+      EXPECT_THAT(notes[0], ::testing::HasSubstr(absl::StrCat("2 ranks on this host run ", 2 * threads,
+                                                              " compute threads on its ", cpus, " CPU")));
+    } else {
+      EXPECT_EQ(notes[0], "");
+    }
+  }
+}
+
 TEST(SharedMemoryProcessTest, PeerProcessThatDiesIsUnavailable) {
   char dir[] = "/tmp/communicator_test_XXXXXX";
   ASSERT_NE(mkdtemp(dir), nullptr);

@@ -14,6 +14,7 @@
 #include "model/weight_source.h"
 #include "model/config.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/host_cpus.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/comm/shared_memory_communicator.h"
 #include "worker/comm/staged_communicator.h"
@@ -25,6 +26,8 @@
 
 namespace shardserve {
 namespace {
+
+constexpr char kSharedMemoryTransport[] = "shared memory";
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
 // Gloo on the CPU (kAuto: with shared memory where the ranks share a host), NCCL on a GPU, or Gloo
@@ -47,7 +50,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* 
     const Communicator* tcp = gloo->get();
     absl::StatusOr<std::unique_ptr<Communicator>> shared = WithSharedMemory(std::move(*gloo), group, timeout);
     if (shared.ok()) {
-      *transport = shared->get() == tcp ? "Gloo TCP (the ranks share no memory)" : "shared memory";
+      *transport = shared->get() == tcp ? "Gloo TCP (the ranks share no memory)" : kSharedMemoryTransport;
     }
     return shared;
   }
@@ -398,6 +401,11 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
     return absl::OkStatus();
   };
   SHARDSERVE_RETURN_IF_ERROR(join(tp_.get(), r.tp_group(), a.tp_rank(), a.tp_size(), &transports_[0]));
+  // A TP group in one host's shared memory shares its CPUs too: are there enough for its threads?
+  host_cpus_warning_.clear();
+  if (transports_[0] == kSharedMemoryTransport && backend->compute_threads() > 0) {
+    SHARDSERVE_ASSIGN_OR_RETURN(host_cpus_warning_, HostCpuShare(*tp_, backend->compute_threads()));
+  }
   if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2, &transports_[1]));
   if (!last) SHARDSERVE_RETURN_IF_ERROR(join(send_.get(), r.send_group(), 0, 2, &transports_[2]));
   return absl::OkStatus();

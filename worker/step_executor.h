@@ -168,6 +168,9 @@ class StepExecutor {
   // group: shared memory; to the next stage: Gloo TCP (the ranks share no memory)"; "" where every
   // group is of one rank.
   std::string collectives_summary() const;
+  // Where the TP group's ranks share a host and its CPUs, and their threads outnumber those CPUs:
+  // a warning for the worker log naming each worker's share (HostCpuShare); "" otherwise.
+  const std::string& host_cpus_warning() const { return host_cpus_warning_; }
   // Speculative decoding's draft model, for the worker log: what it holds; "" without one.
   const std::string& draft_summary() const { return draft_summary_; }
   // For tests: the multi-token-prediction layer's runner; null without one.
@@ -207,6 +210,7 @@ class StepExecutor {
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
   std::string transports_[3];                // how tp_, recv_ and send_ move tensors (MakeCommunicator)
+  std::string host_cpus_warning_;            // host_cpus_warning(), from the last JoinGroups
   std::unique_ptr<ModelShard> shard_;
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
   // backend_, so destroyed before it.

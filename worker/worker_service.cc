@@ -434,6 +434,7 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
                                    executor_->backend_name()), Ids());
   if (!executor_->draft_summary().empty()) WorkerLog(Who(), executor_->draft_summary(), Ids());
   if (const std::string c = executor_->collectives_summary(); !c.empty()) WorkerLog(Who(), c, Ids());
+  if (!executor_->host_cpus_warning().empty()) WorkerLog(Who(), executor_->host_cpus_warning(), Ids("warn"));
   if (const std::string untried = executor_->gpu_paths_not_yet_run(); !untried.empty()) {
     WorkerLog(Who(), absl::StrCat("this model runs CUDA kernels that have not yet passed on a GPU (docs/gpu.md): ",
                                   untried), Ids("warn"));
@@ -510,6 +511,7 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   SetServing(true);
   WorkerLog(Who(), absl::StrFormat("regrouped under epoch %d in %.2f s", r.epoch(), seconds), Ids());
   if (const std::string c = executor_->collectives_summary(); !c.empty()) WorkerLog(Who(), c, Ids());
+  if (!executor_->host_cpus_warning().empty()) WorkerLog(Who(), executor_->host_cpus_warning(), Ids("warn"));
   rejoins_ = 0;
   Write(stream, loaded);
 }

@@ -196,6 +196,8 @@ class CpuBackend final : public Backend {
     return absl::StrCat("cpu (", products, "; ", QuantizedKernelsDescription(act_), ", ", threads_, " threads)");
   }
 
+  int compute_threads() const override { return threads_; }
+
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
   void Free(void* data) override {
     packed_.erase(data);
