@@ -186,7 +186,7 @@ absl::Status CheckMoeRouting(const char* op, const MoeRouting& routing, int64_t 
 // data, has none).
 struct MoeExpertWeights {
   absl::Span<const Tensor> gate_proj, up_proj, down_proj;
-  absl::Span<const Tensor> gate_bias, up_bias, down_bias;
+  absl::Span<const Tensor> gate_bias = {}, up_bias = {}, down_bias = {};
   // gpt-oss's clamped SwiGLU (ClampedSwiGlu) when limit > 0; SiLU-gated (GateUpSilu) otherwise.
   float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;
   int64_t begin = 0, end = 0;  // the experts computed: [begin, end)

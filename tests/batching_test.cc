@@ -352,8 +352,12 @@ TEST_P(BatchingTest, ConcurrentGreedyStreamsEqualLoneRuns) {
       EXPECT_EQ(worker_log.find("collectives:"), std::string::npos) << "worker " << w;
       continue;
     }
-    if (l.tp > 1) EXPECT_NE(worker_log.find("TP group: shared memory"), std::string::npos) << "worker " << w;
-    if (l.pp > 1) EXPECT_NE(worker_log.find(" stage: shared memory"), std::string::npos) << "worker " << w;
+    if (l.tp > 1) {
+      EXPECT_NE(worker_log.find("TP group: shared memory"), std::string::npos) << "worker " << w;
+    }
+    if (l.pp > 1) {
+      EXPECT_NE(worker_log.find(" stage: shared memory"), std::string::npos) << "worker " << w;
+    }
     EXPECT_EQ(worker_log.find("Gloo TCP"), std::string::npos) << "worker " << w;
   }
   std::printf("[ timing   ] TP%d_PP%d: %zu requests one by one in %.2f s, together in %.2f s "

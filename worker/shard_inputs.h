@@ -35,7 +35,7 @@ struct ShardSpec {
   // The model's layers whose input hidden state (the residual stream before the layer) an EAGLE-3
   // head reads, ascending (Eagle3AuxLayers): every stage keeps those of its layers in aux_hidden()
   // and passes them on with its output. Empty: none kept.
-  std::vector<int64_t> aux_hidden_layers;
+  std::vector<int64_t> aux_hidden_layers = {};
   // The embedding table to look tokens up in, another shard's, instead of loading one: an EAGLE-3
   // head's that shares the served model's (Eagle3SharesEmbedding, worker/head_runner.h). That shard
   // must outlive this one. Null: the shard loads its own.
