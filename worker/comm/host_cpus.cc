@@ -8,13 +8,6 @@
 #include "base/status_macros.h"
 
 namespace shardserve {
-namespace {
-
-// A rank's record in the AllGather: its threads, then its CPU set as bits of int32 words.
-constexpr int kMaskWords = CPU_SETSIZE / 32;
-constexpr int kRecordWords = 1 + kMaskWords;
-
-}  // namespace
 
 std::string OversubscriptionNote(absl::Span<const RankCpus> ranks) {
   if (ranks.empty()) return "";
@@ -37,27 +30,15 @@ std::string OversubscriptionNote(absl::Span<const RankCpus> ranks) {
 }
 
 absl::StatusOr<std::string> HostCpuShare(Communicator& group, int threads) {
-  cpu_set_t mine;
-  CPU_ZERO(&mine);
-  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) CPU_ZERO(&mine);
-  std::vector<int32_t> record(kRecordWords, 0);
-  record[0] = threads;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &mine)) record[1 + c / 32] |= static_cast<int32_t>(uint32_t{1} << (c % 32));
-  }
-  const int size = group.size();
-  std::vector<int32_t> all(static_cast<size_t>(size) * kRecordWords);
-  Tensor out(all.data(), DType::kI32, {size, kRecordWords});
-  SHARDSERVE_RETURN_IF_ERROR(group.AllGather(&out, Tensor(record.data(), DType::kI32, {kRecordWords})));
-  std::vector<RankCpus> ranks(size);
-  for (int p = 0; p < size; ++p) {
-    const int32_t* r = all.data() + static_cast<size_t>(p) * kRecordWords;
-    ranks[p].threads = r[0];
-    CPU_ZERO(&ranks[p].cpus);
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if ((static_cast<uint32_t>(r[1 + c / 32]) >> (c % 32)) & 1) CPU_SET(c, &ranks[p].cpus);
-    }
-  }
+  // Each rank's RankCpus as bytes (the ranks run one build on one host), as WithSharedMemory
+  // gathers its offer.
+  RankCpus mine{};
+  mine.threads = threads;
+  if (sched_getaffinity(0, sizeof(mine.cpus), &mine.cpus) != 0) CPU_ZERO(&mine.cpus);
+  std::vector<RankCpus> ranks(group.size());
+  const int64_t bytes = sizeof(RankCpus);
+  Tensor out(ranks.data(), DType::kI8, {group.size(), bytes});
+  SHARDSERVE_RETURN_IF_ERROR(group.AllGather(&out, Tensor(&mine, DType::kI8, {bytes})));
   return OversubscriptionNote(ranks);
 }
 
