@@ -37,6 +37,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "base/free_port.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -56,25 +57,6 @@ struct ClusterSpecForTest {
   std::vector<std::string> worker_flags;
   bool http = false;  // the coordinator serves the OpenAI HTTP API too (--http-port), on http_port()
 };
-
-// A TCP port of 127.0.0.1 free a moment ago (bound to port 0 and released), for a server that
-// cannot bind port 0 and log what it got (the coordinator's --http-port, where 0 means off). Another
-// process may take it meanwhile: the caller tries again on a "cannot listen" error. 0 on failure.
-inline int FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 0;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
-}
 
 // GET http://<host:port>/metrics with a bare socket (HTTP/1.0: the server closes when done). The
 // body, or "" on any error.
@@ -197,7 +179,12 @@ class Cluster {
           "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
           "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
       if (spec_.http) {
-        http_port_ = FreeLoopbackPort();
+        const absl::StatusOr<int> port = FreeLoopbackPort();  // base/free_port.h
+        if (!port.ok()) {
+          ADD_FAILURE() << port.status();
+          return false;
+        }
+        http_port_ = *port;
         coordinator_argv.insert(coordinator_argv.end(), {"--http-port", std::to_string(http_port_)});
       }
       coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());

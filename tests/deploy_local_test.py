@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,37 +25,13 @@ import urllib.parse
 import urllib.request
 
 from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from ports import free_port, free_port_block  # noqa: E402 (tools/ci, on the path from cli_check)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 SKIP = 77
 # Series only a mixture-of-experts model has (the demo model is dense): their panels' queries are
 # still evaluated, and tests/deploy_test.py checks their names against docs/metrics.md.
 ONLY_WITH_EXPERTS = {"shardserve_worker_expert_rows_total"}
-
-
-def free_port_block(n):
-    """A base port B with B..B+n-1 free (best effort)."""
-    for _ in range(50):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-        s.close()
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            t = socket.socket()
-            try:
-                t.bind(("127.0.0.1", p))
-            except OSError:
-                ok = False
-            finally:
-                t.close()
-            if not ok:
-                break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
 
 
 def api(port, path, **params):
@@ -84,10 +59,8 @@ def main():
     procs = []
     failures = []
     try:
-        base = free_port_block(5)
-        grpc_port, prom_port = base, base  # two ports apart from each other and from the block
-        while grpc_port == prom_port or any(base <= p < base + 5 for p in (grpc_port, prom_port)):
-            grpc_port, prom_port = free_port_block(1), free_port_block(1)
+        base = free_port_block(5)  # launch's metrics ports: the coordinator's, then the workers'
+        grpc_port, prom_port = free_port(), free_port()  # claimed: apart from each other and the block
         # launch's default TLS: its CA and client certificate in cluster.json of our own state
         # directory (tests run in parallel), which `generate` below reads.
         os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(work, "state")

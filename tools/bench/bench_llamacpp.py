@@ -74,6 +74,9 @@ FAMILY = "llama"
 MODEL = OUT = None  # set by main() from --family, or the environment's MODEL and OUT
 VOCAB = 4096  # tools/fixtures/make_bench_model.py
 
+sys.path.insert(0, os.path.join(ROOT, "tools", "ci"))
+from ports import free_port  # noqa: E402  (each server its own port, claimed: never one just released)
+
 FORMATS = {  # name: (GGUF file, llama-quantize type, shardserve flags)
     "f32": ("bench-f32.gguf", None, ["--worker-matmul-dtype", "f32"]),
     "bf16": ("bench-bf16.gguf", "BF16", ["--worker-matmul-dtype", "bf16"]),
@@ -141,15 +144,6 @@ def run_json(cmd, timeout=1800):
         if r.returncode != 1 or not r.stdout.strip():  # bench: 1 = some requests failed, JSON still written
             return None
     return json.loads(r.stdout)
-
-
-def free_port():
-    """A port nobody listens on now: each server gets its own, since a port just released can still be
-    refused to the next listener (connections of the last run in TIME_WAIT)."""
-    import socket
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0))
-        return so.getsockname()[1]
 
 
 def loadavg():

@@ -33,8 +33,9 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ci"))  # launch_process
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ci"))  # launch_process, ports
 from launch_process import LaunchProcess, time_scale  # noqa: E402
+from ports import free_port  # noqa: E402
 
 HEAD = b"GET /v1/models HTTP/1.1\r\nHost: attacker\r\nUser-Agent: slow\r\nAccept: */*\r\n" + b"X-Pad: " + b"a" * 64 + b"\r\n\r\n"
 
@@ -191,10 +192,7 @@ def main():
     args = ap.parse_args()
 
     log_dir = tempfile.mkdtemp(prefix="shardserve-http-attack-")
-    port_sock = socket.socket()
-    port_sock.bind(("127.0.0.1", 0))
-    http_port = port_sock.getsockname()[1]
-    port_sock.close()
+    http_port = free_port()
     launch = LaunchProcess([os.path.join(args.bin, "shardserve"), "launch", "--model", args.model, "--nodes", "1",
                             "--gpus-per-node", "1", "--address", "127.0.0.1:0", "--http-port", str(http_port),
                             "--metrics-port-base", "0", "--log-dir", log_dir] + args.launch_flag, log_dir)

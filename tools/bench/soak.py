@@ -56,7 +56,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python", "gen"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools", "ci"))  # launch_process
+sys.path.insert(0, os.path.join(ROOT, "tools", "ci"))  # launch_process, ports
 
 import grpc  # noqa: E402
 from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
@@ -64,6 +64,7 @@ from shardserve.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
 import chaos_bench  # noqa: E402
 from chaos_bench import slot_holders, wait_serving  # noqa: E402
 from launch_process import LaunchProcess, children, metric_sum as metric  # noqa: E402
+from ports import free_port, free_port_block  # noqa: E402
 
 WORDS = ("the river ran past the mill and the old stone bridge where children counted boats in the "
          "morning light while merchants argued over the price of wool salt grain and copper").split()
@@ -80,32 +81,6 @@ MODEL_NAME = ""
 def log(message):
     print(f"soak: {message}", flush=True)
 
-
-def free_port_base(count):
-    """A port P with P .. P+count-1 free on 127.0.0.1 now (launch's --metrics-port-base takes consecutive ports)."""
-    for _ in range(200):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-        s.close()
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + count):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
-
-
-# ---- processes ----------------------------------------------------------------------------------
 
 def proc_status(pid):
     """(rss_kib, threads) of `pid`, or None once it has exited."""
@@ -379,10 +354,8 @@ def main():
     watchdog.daemon = True
     signal.signal(signal.SIGTERM, on_sigterm)
 
-    metrics_port = free_port_base(5)  # the coordinator's, then the 4 workers'
-    http_port = free_port_base(1)
-    while metrics_port <= http_port < metrics_port + 5:
-        http_port = free_port_base(1)
+    metrics_port = free_port_block(5)  # the coordinator's, then the 4 workers'
+    http_port = free_port()  # claimed: apart from the block
     cmd = [os.path.join(args.bin_dir, "shardserve"), "launch", "--model", args.model, "--nodes", "2",
            "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base", str(metrics_port),
            "--http-port", str(http_port), "--insecure", "--log-dir", log_dir, "--log-format", "json",

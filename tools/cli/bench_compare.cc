@@ -1,14 +1,5 @@
 // shardserve bench --compare: parses the layouts and, for each, starts a local cluster
 // (local_cluster.h), runs the load against it, reads its workers' memory and stops it.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/types.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -27,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/free_port.h"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/bench.h"
 #include "tools/cli/client.h"
@@ -62,26 +54,6 @@ ClusterFacts GetClusterFacts(const std::string& address) {
   for (const v1::WorkerStatus& w : workers) facts.weight_bytes.push_back(w.weight_bytes());
   if (cs.has_scheduler()) facts.scheduler = cs.scheduler();
   return facts;
-}
-
-// A port free on 127.0.0.1 now, for the coordinator's --http-port (which has no port file):
-// the kernel's pick for a socket bound to port 0, closed again.
-absl::StatusOr<int> FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  const int err = errno;
-  close(fd);
-  if (port <= 0) return absl::InternalError(absl::StrCat("cannot find a free port on 127.0.0.1: ", std::strerror(err)));
-  return port;
 }
 
 }  // namespace
