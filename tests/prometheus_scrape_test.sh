@@ -37,26 +37,10 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
-# Free ports: one for gRPC, one for Prometheus, and a run of 3 consecutive ones for the metrics.
-read -r GRPC_PORT PROM_PORT METRICS_BASE < <(python3 - <<'PY'
-import socket
-def free(port=0):
-    s = socket.socket()
-    try:
-        s.bind(("127.0.0.1", port))
-        return s.getsockname()[1]
-    except OSError:
-        return None
-    finally:
-        s.close()
-a, b = free(), free()
-for _ in range(200):
-    base = free()
-    if base and base + 2 < 65536 and all(free(base + k) for k in (1, 2)) and not {a, b} & {base, base + 1, base + 2}:
-        print(a, b, base)
-        break
-PY
-)
+# Free ports (tools/ci/ports.py: outside the ephemeral range, claimed): one for gRPC, one for
+# Prometheus, and a run of 3 consecutive ones for the metrics.
+read -r GRPC_PORT PROM_PORT METRICS_BASE < <(PYTHONPATH="$(dirname "$0")/../tools/ci" python3 -c \
+  'import ports; print(ports.free_port(), ports.free_port(), ports.free_port_block(3))')
 [ -n "${METRICS_BASE:-}" ] || { echo "FAIL: no free port range"; exit 1; }
 ADDRESS=127.0.0.1:$GRPC_PORT
 TARGETS="'127.0.0.1:$METRICS_BASE', '127.0.0.1:$((METRICS_BASE + 1))', '127.0.0.1:$((METRICS_BASE + 2))'"
