@@ -11,10 +11,10 @@ block may start a cluster in the background (`shardserve launch ... &`) and a la
 (`kill %1; wait`): every block that starts something must be paired with a block that stops it.
 The script runs in a fresh temporary directory holding links to the checkout's folders the README
 names (`models`, `tests`, `tools`, `clients`) and `build/bin`, a link to the built binaries, so the
-commands read as a user types them after `tools/demo.sh`. It runs in its own user, network and PID
-namespaces (`unshare`): only a loopback of its own, so the default ports (50051, 8000, 9400, ...)
-collide with nothing else on the machine, no network beyond it, and every process it started is
-killed when it ends. Where the machine refuses namespaces (or has no `ip` to bring the loopback
+commands read as a user types them after `tools/demo.sh`. It runs in its own user, network, PID and
+mount namespaces (`unshare`, with a /proc of its own): only a loopback of its own, so the default
+ports (50051, 8000, 9400, ...) collide with nothing else on the machine, no network beyond it, and
+every process it started is killed when it ends. Where the machine refuses namespaces (or has no `ip` to bring the loopback
 up) it runs without them, in its own process group, killed at the end. The whole is bounded in time (--timeout, default 240 s,
 scaled by SHARDSERVE_TEST_TIME_SCALE). A failing command fails the test, naming its block and the
 README line where it starts.
@@ -78,7 +78,7 @@ def script_of(blocks, python):
 
 def namespaces_work():
     try:
-        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork",
+        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc",
                                 "ip", "link", "set", "lo", "up"], capture_output=True, timeout=20)
         return probe.returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -119,7 +119,9 @@ def main():
             env.pop(proxy, None)
         if namespaces_work():
             # PID 1 of the new namespace is bash: when it exits, the kernel kills every process left.
-            command = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
+            # --mount-proc: a /proc of the namespace's own, whose PIDs are the ones its processes see
+            # (LeakSanitizer, in the ASan-built binaries, reads /proc/<its pid>/task to stop threads).
+            command = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc",
                        "bash", "-c", "ip link set lo up && exec bash ./readme.sh"]
         else:
             print("readme_doc_test.py: no namespaces here; running on the machine's own loopback")

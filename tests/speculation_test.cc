@@ -799,9 +799,10 @@ TEST(SpeculationTest, RejectedGuessesGiveTheirBlocksBackAndStayUncached) {
   ASSERT_EQ(sampling.size(), 7);
   for (int j = 0; j < 7; ++j) EXPECT_EQ(sampling[j].draw_index(), static_cast<uint64_t>(1 + j));
   const int64_t cached_before = s.num_cached_blocks();
-  // Every guess wrong: the sample at position 7 is the one token accepted.
-  std::vector<int32_t> sampled(7);
-  for (int j = 0; j < 7; ++j) sampled[j] = (b->entries[0].draft[j] + 1) % kVocab;
+  // Every guess wrong: the sample at position 7 is the one token accepted. (The 7th row's sample,
+  // after the last guess, checks no guess: any token.)
+  std::vector<int32_t> sampled(7, 0);
+  for (size_t j = 0; j < b->entries[0].draft.size(); ++j) sampled[j] = (b->entries[0].draft[j] + 1) % kVocab;
   const std::vector<SampledToken> got = s.Complete(0, sampled);
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].token, sampled[0]);
@@ -853,8 +854,8 @@ TEST(SpeculationTest, RejectedGuessesGiveBackTheBlocksOfBothPoolsWithASlidingWin
   EXPECT_EQ(s.sliding_table(1).size(), 7u);
   ASSERT_TRUE(worker.Apply(plan, &batch, &sampling).ok());
   EXPECT_EQ(worker.sliding_blocks(1).size(), 7u);
-  std::vector<int32_t> sampled(7);
-  for (int j = 0; j < 7; ++j) sampled[j] = (b->entries[0].draft[j] + 1) % kVocab;
+  std::vector<int32_t> sampled(7, 0);  // every guess wrong; the 7th row's sample checks none
+  for (size_t j = 0; j < b->entries[0].draft.size(); ++j) sampled[j] = (b->entries[0].draft[j] + 1) % kVocab;
   ASSERT_EQ(s.Complete(0, sampled).size(), 1u);
   // 21 tokens, 20 fed: blocks 0..5 in both tables; the sliding one holds 3..5 (window 13..20).
   EXPECT_EQ(s.table(1).size(), 6u);
