@@ -1176,6 +1176,43 @@ TEST(WorkerFlagsTest, AnIsaCapOneDnnWouldIgnoreIsRefusedAtStart) {
   fs::remove_all(dir, ec);
 }
 
+// A TP group whose ranks share this host's memory shares its CPUs too: each rank warns, once loaded,
+// when the group's compute threads outnumber the CPUs (worker/comm/host_cpus.h), and is silent when
+// each has its share.
+TEST(WorkerFlagsTest, ATpGroupWithMoreThreadsThanCpusWarnsOnEveryRank) {
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  const std::string warning = absl::StrCat("the TP group's 2 ranks on this host run ", 2 * cpus,
+                                           " compute threads on its ", cpus, " CPU", cpus == 1 ? "" : "s");
+  // Logged after the load, so once the cluster serves, within a moment.
+  const auto logged = [](Cluster& cluster, int w, const std::string& text) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    do {
+      if (Tail(cluster.worker(w).log(), size_t{1} << 20).find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } while (std::chrono::steady_clock::now() < deadline);
+    return false;
+  };
+  {
+    Cluster cluster({"llama_gqa", /*nodes=*/1, /*gpus_per_node=*/2, {"--threads", std::to_string(cpus)}});
+    ASSERT_TRUE(cluster.Start());
+    for (int w = 0; w < 2; ++w) {
+      EXPECT_TRUE(logged(cluster, w, "TP group: shared memory")) << cluster.Logs();
+      EXPECT_TRUE(logged(cluster, w, warning)) << "worker " << w << " lacks '" << warning << "'\n" << cluster.Logs();
+    }
+  }
+  // Each rank its share (on one CPU, two ranks of one thread each outnumber it: the case above).
+  if (cpus < 2) return;
+  Cluster cluster({"llama_gqa", /*nodes=*/1, /*gpus_per_node=*/2, {"--threads", std::to_string(cpus / 2)}});
+  ASSERT_TRUE(cluster.Start());
+  for (int w = 0; w < 2; ++w) {
+    ASSERT_TRUE(logged(cluster, w, "TP group: shared memory")) << cluster.Logs();
+    EXPECT_EQ(Tail(cluster.worker(w).log(), size_t{1} << 20).find("compute threads on its"), std::string::npos)
+        << "worker " << w << "\n" << cluster.Logs();
+  }
+}
+
 // A port a coordinator serves is refused to a second coordinator's gRPC port and to its HTTP port,
 // at start and by name: gRPC's and httplib's default SO_REUSEPORT let both bind and take a share of
 // the first one's connections (seen in CI: a launch whose --http-port was its own gRPC port served

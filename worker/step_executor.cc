@@ -27,30 +27,41 @@
 namespace shardserve {
 namespace {
 
-constexpr char kSharedMemoryTransport[] = "shared memory";
+// For the worker's log ("" for a group of one).
+const char* CollectiveTransportName(CollectiveTransport t) {
+  switch (t) {
+    case CollectiveTransport::kNone: return "";
+    case CollectiveTransport::kGlooTcp: return "Gloo TCP";
+    case CollectiveTransport::kGlooTcpNoSharedMemory: return "Gloo TCP (the ranks share no memory)";
+    case CollectiveTransport::kSharedMemory: return "shared memory";
+    case CollectiveTransport::kGlooStaged: return "Gloo TCP staged through host memory";
+    case CollectiveTransport::kNccl: return "NCCL";
+  }
+  return "";
+}
 
 // Joins rank `rank` of the `size`-rank group `group`: a LocalCommunicator for a group of one,
 // Gloo on the CPU (kAuto: with shared memory where the ranks share a host), NCCL on a GPU, or Gloo
-// staged through host memory on a GPU (kGloo); `transport` says which, for the worker's log ("" for
-// a group of one). NCCL runs on the legacy default stream, not the backend's (Backend does not
-// expose its stream); TimedCommunicator synchronizes the backend before each collective, which
-// orders the two.
+// staged through host memory on a GPU (kGloo); `transport` says which. NCCL runs on the legacy
+// default stream, not the backend's (Backend does not expose its stream); TimedCommunicator
+// synchronizes the backend before each collective, which orders the two.
 absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* store, const std::string& group,
                                                               int rank, int size, Backend* backend, int cuda_ordinal,
                                                               Collectives collectives,
                                                               const std::string& collective_host,
-                                                              absl::Duration timeout, std::string* transport) {
-  transport->clear();
+                                                              absl::Duration timeout, CollectiveTransport* transport) {
+  *transport = CollectiveTransport::kNone;
   if (size == 1) return std::make_unique<LocalCommunicator>(backend);
   if (cuda_ordinal < 0) {
     absl::StatusOr<std::unique_ptr<Communicator>> gloo =
         MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
-    *transport = "Gloo TCP";
+    *transport = CollectiveTransport::kGlooTcp;
     if (!gloo.ok() || collectives == Collectives::kGloo) return gloo;
     const Communicator* tcp = gloo->get();
     absl::StatusOr<std::unique_ptr<Communicator>> shared = WithSharedMemory(std::move(*gloo), group, timeout);
     if (shared.ok()) {
-      *transport = shared->get() == tcp ? "Gloo TCP (the ranks share no memory)" : kSharedMemoryTransport;
+      *transport =
+          shared->get() == tcp ? CollectiveTransport::kGlooTcpNoSharedMemory : CollectiveTransport::kSharedMemory;
     }
     return shared;
   }
@@ -58,10 +69,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(RendezvousStore* 
     absl::StatusOr<std::unique_ptr<Communicator>> gloo =
         MakeGlooCommunicator(store, group, rank, size, collective_host, timeout);
     if (!gloo.ok()) return gloo.status();
-    *transport = "Gloo TCP staged through host memory";
+    *transport = CollectiveTransport::kGlooStaged;
     return std::make_unique<StagedCommunicator>(std::move(*gloo), std::make_unique<BackendCopier>(backend));
   }
-  *transport = "NCCL";
+  *transport = CollectiveTransport::kNccl;
   return MakeNcclCommunicator(store, group, rank, size, cuda_ordinal, /*stream=*/nullptr, timeout);
 }
 
@@ -377,7 +388,9 @@ std::string StepExecutor::collectives_summary() const {
   std::vector<std::string> parts;
   const char* const kGroups[] = {"TP group", "from the previous stage", "to the next stage"};
   for (int i = 0; i < 3; ++i) {
-    if (!transports_[i].empty()) parts.push_back(absl::StrCat(kGroups[i], ": ", transports_[i]));
+    if (transports_[i] != CollectiveTransport::kNone) {
+      parts.push_back(absl::StrCat(kGroups[i], ": ", CollectiveTransportName(transports_[i])));
+    }
   }
   return parts.empty() ? "" : absl::StrCat("collectives: ", absl::StrJoin(parts, "; "));
 }
@@ -393,7 +406,7 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
   const absl::Duration timeout = absl::Seconds(a.collective_timeout_seconds());
   Backend* backend = backend_.get();
   auto join = [&](TimedCommunicator* c, const std::string& group, int rank, int size,
-                  std::string* transport) -> absl::Status {
+                  CollectiveTransport* transport) -> absl::Status {
     absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(
         store, group, rank, size, backend, cuda_ordinal_, collectives_, collective_host_, timeout, transport);
     if (!comm.ok()) return comm.status();
@@ -403,7 +416,7 @@ absl::Status StepExecutor::JoinGroups(const v1::Regroup& r, RendezvousStore* sto
   SHARDSERVE_RETURN_IF_ERROR(join(tp_.get(), r.tp_group(), a.tp_rank(), a.tp_size(), &transports_[0]));
   // A TP group in one host's shared memory shares its CPUs too: are there enough for its threads?
   host_cpus_warning_.clear();
-  if (transports_[0] == kSharedMemoryTransport && backend->compute_threads() > 0) {
+  if (transports_[0] == CollectiveTransport::kSharedMemory && backend->compute_threads() > 0) {
     SHARDSERVE_ASSIGN_OR_RETURN(host_cpus_warning_, HostCpuShare(*tp_, backend->compute_threads()));
   }
   if (!first) SHARDSERVE_RETURN_IF_ERROR(join(recv_.get(), r.recv_group(), 1, 2, &transports_[1]));

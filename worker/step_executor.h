@@ -63,6 +63,12 @@ enum class Collectives { kAuto, kGloo, kNccl };
 // "auto", "gloo" or "nccl"; InvalidArgument naming the value otherwise.
 absl::StatusOr<Collectives> ParseCollectives(const std::string& name);
 
+// How one of a worker's groups moves tensors, as it was joined: nothing for a group of one; Gloo's
+// TCP alone (--collectives gloo on the CPU, or kAuto where the ranks share no memory:
+// kGlooTcpNoSharedMemory); shared memory (kAuto, the ranks on one host); Gloo staged through host
+// memory (kGloo on CUDA); or NCCL.
+enum class CollectiveTransport { kNone, kGlooTcp, kGlooTcpNoSharedMemory, kSharedMemory, kGlooStaged, kNccl };
+
 // How a worker runs besides its assignment (worker flags).
 struct StepExecutorOptions {
   int cpu_threads = 0;                  // --threads: the CPU backend's math threads (0: OpenMP's default)
@@ -209,7 +215,7 @@ class StepExecutor {
   std::unique_ptr<TimedCommunicator> tp_;    // the stage's TP group (a LocalCommunicator for TP = 1)
   std::unique_ptr<TimedCommunicator> recv_;  // from the previous stage; null on the first stage
   std::unique_ptr<TimedCommunicator> send_;  // to the next stage; null on the last stage
-  std::string transports_[3];                // how tp_, recv_ and send_ move tensors (MakeCommunicator)
+  CollectiveTransport transports_[3] = {};   // how tp_, recv_ and send_ move tensors (MakeCommunicator)
   std::string host_cpus_warning_;            // host_cpus_warning(), from the last JoinGroups
   std::unique_ptr<ModelShard> shard_;
   // Last stage, TP rank 0 only (null elsewhere): for max_seqs_per_step rows. Declared after
