@@ -37,7 +37,6 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
-#include "base/free_port.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -170,38 +169,28 @@ class Cluster {
   // AddWorker). Failures are reported through gtest; returns whether it got there.
   bool StartCoordinator() {
     const auto start = Clock::now();
-    const fs::path port_file = dir_ / "port";
-    // With spec_.http, a port taken by another process between FreeLoopbackPort and the
-    // coordinator's bind makes it exit saying so: it is started again on another port.
-    for (int attempt = 1;; ++attempt) {
-      std::vector<std::string> coordinator_argv = {
-          SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen", "127.0.0.1:0",
-          "--nodes", std::to_string(spec_.nodes), "--gpus-per-node", std::to_string(spec_.gpus_per_node),
-          "--port-file", port_file.string(), "--metrics-listen", "127.0.0.1:0"};
-      if (spec_.http) {
-        const absl::StatusOr<int> port = FreeLoopbackPort();  // base/free_port.h
-        if (!port.ok()) {
-          ADD_FAILURE() << port.status();
-          return false;
-        }
-        http_port_ = *port;
-        coordinator_argv.insert(coordinator_argv.end(), {"--http-port", std::to_string(http_port_)});
-      }
-      coordinator_argv.insert(coordinator_argv.end(), coordinator_flags_.begin(), coordinator_flags_.end());
-      coordinator_argv_ = coordinator_argv;
-      coordinator_ = std::make_unique<Process>(std::move(coordinator_argv), dir_ / "coordinator.log");
-      while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < ScaledSeconds(30)) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      if (fs::exists(port_file)) break;
-      const bool http_taken = !coordinator_->running() &&
-                              Tail(coordinator_->log()).find("cannot listen for HTTP") != std::string::npos;
-      if (!spec_.http || !http_taken || attempt == 5 || SecondsSince(start) >= ScaledSeconds(30)) {
-        ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
-        return false;
-      }
+    const fs::path port_file = dir_ / "port", http_port_file = dir_ / "http_port";
+    // Every server on a free port the coordinator binds and names (the HTTP port's file is written
+    // before the gRPC one's).
+    coordinator_argv_ = {SHARDSERVE_COORDINATOR_BIN, "--model", (kFixtures / spec_.fixture).string(), "--listen",
+                         "127.0.0.1:0", "--nodes", std::to_string(spec_.nodes), "--gpus-per-node",
+                         std::to_string(spec_.gpus_per_node), "--port-file", port_file.string(), "--metrics-listen",
+                         "127.0.0.1:0"};
+    if (spec_.http) coordinator_argv_.insert(coordinator_argv_.end(), {"--http-port-file", http_port_file.string()});
+    coordinator_argv_.insert(coordinator_argv_.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    coordinator_ = std::make_unique<Process>(coordinator_argv_, dir_ / "coordinator.log");
+    while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < ScaledSeconds(30)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!fs::exists(port_file)) {
+      ADD_FAILURE() << "the coordinator did not start listening:\n" << Logs();
+      return false;
     }
     std::ifstream(port_file) >> port_;
+    if (spec_.http && !(std::ifstream(http_port_file) >> http_port_)) {
+      ADD_FAILURE() << "the coordinator did not write its HTTP port:\n" << Logs();
+      return false;
+    }
     metrics_address_ = LoggedAddress(coordinator_->log(), "metrics on http://", '/');  // logged before the port file
     address_ = "127.0.0.1:" + std::to_string(port_);
     channel_ = grpc::CreateChannel(address_, grpc::InsecureChannelCredentials());
@@ -242,10 +231,13 @@ class Cluster {
     for (size_t k = 0; k + 1 < argv.size(); ++k) {
       if (argv[k] == "--listen") argv[k + 1] = address_;
     }
-    const fs::path port_file = dir_ / ("port" + std::to_string(old_coordinators_.size() + 1));
+    const std::string n = std::to_string(old_coordinators_.size() + 1);
+    const fs::path port_file = dir_ / ("port" + n);
     for (size_t k = 0; k + 1 < argv.size(); ++k) {
       if (argv[k] == "--port-file") argv[k + 1] = port_file.string();
+      if (argv[k] == "--http-port-file") argv[k + 1] = (dir_ / ("http_port" + n)).string();
     }
+    if (spec_.http) argv.insert(argv.end(), {"--http-port", std::to_string(http_port_)});  // the same HTTP port
     argv.insert(argv.end(), extra.begin(), extra.end());
     old_coordinators_.push_back(std::move(coordinator_));
     const fs::path log = dir_ / ("coordinator-" + std::to_string(old_coordinators_.size() + 1) + ".log");

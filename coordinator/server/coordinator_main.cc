@@ -50,7 +50,8 @@ constexpr char kUsage[] =
     "                              [--quantization none|int8|int4|fp8] [--load-format auto|dummy] [--dummy-seed N]\n"
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
-    "                              [--http-port P] [--http-host HOST] [--http-max-body-bytes N]\n"
+    "                              [--http-port P] [--http-port-file FILE] [--http-host HOST]\n"
+    "                              [--http-max-body-bytes N]\n"
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--no-async-scheduling] [--expert-parallel]\n"
@@ -114,6 +115,8 @@ constexpr char kUsage[] =
     "                                HTTPS with --tls-cert/--tls-key (no client certificate asked), and\n"
     "                                'Authorization: Bearer <key>' required with --api-keys-file\n"
     "                                (/health stays open)\n"
+    "  --http-port-file              serve the HTTP API and, once it listens, write its port to FILE;\n"
+    "                                without --http-port on a free port (for scripts and tests)\n"
     "  --http-host                   the HTTP API's address (default 127.0.0.1; 0.0.0.0: every interface,\n"
     "                                which needs HTTPS and --api-keys-file, or --insecure)\n"
     "  --http-plaintext              serve the HTTP API in plain HTTP even with --tls-cert (what launch\n"
@@ -180,6 +183,14 @@ void ServerWarning(absl::string_view message) {
   CoordinatorLog("server", message, ids);
 }
 
+// Writes `port` and a newline to `path` whole (through a rename), so that a reader never sees a
+// part of it. False when it cannot.
+bool WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
 int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags =
       Flags::Parse(argc, argv,
@@ -187,7 +198,7 @@ int Main(int argc, char** argv) {
                     "step-timeout-seconds", "heal-timeout-seconds", "port-file", "metrics-listen", "log-format", "max-num-seqs",
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
-                    "http-port", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
+                    "http-port", "http-port-file", "http-host", "http-max-body-bytes", "http-max-connections-per-peer", "tool-call-parser",
                     "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running",
                     "draft-model"},
                    {"help", "insecure", "no-prefix-caching", "no-async-scheduling", "http-plaintext", "metrics-plaintext",
@@ -201,6 +212,7 @@ int Main(int argc, char** argv) {
   const std::string model_dir = flags->Get("model");
   const std::string listen = flags->Get("listen", "127.0.0.1:50051");
   const std::string port_file = flags->Get("port-file");
+  const std::string http_port_file = flags->Get("http-port-file");
   if (model_dir.empty()) return Usage("--model is required");
   std::string log_format_name = "text";
   LogFormat log_format;
@@ -291,7 +303,8 @@ int Main(int argc, char** argv) {
   }
   // The HTTP API: HTTPS with the gRPC port's certificate (unless --http-plaintext), and the same keys.
   const bool http_tls = tls->has_identity() && !flags->Has("http-plaintext");
-  if (http_port > 0) {
+  const bool serve_http = http_port > 0 || !http_port_file.empty();
+  if (serve_http) {
     if (absl::Status s = CheckHttpListen(http_options.host, http_tls, api_keys != nullptr, flags->Has("insecure"));
         !s.ok()) {
       return Usage(std::string(s.message()));
@@ -438,8 +451,8 @@ int Main(int argc, char** argv) {
     health->SetServingStatus(serving);
   });
   std::unique_ptr<openai::HttpServer> http;
-  if (http_port > 0) {
-    http_options.port = static_cast<int>(http_port);
+  if (serve_http) {
+    http_options.port = static_cast<int>(http_port);  // 0: a free port (--http-port-file alone)
     // A thread per connection: one for every request the engine takes at once (running and
     // waiting; more are refused with 429), and some for probes and idle keep-alive connections.
     http_options.threads = static_cast<int>(std::min<int64_t>(
@@ -457,13 +470,13 @@ int Main(int argc, char** argv) {
                                           v6 ? absl::StrCat("[", http_options.host, "]") : http_options.host, ":",
                                           http->port(), "/v1", api_keys != nullptr ? " (API keys required)" : "",
                                           (*model)->chat_template ? "" : "; the model has no chat template"));
-  }
-  if (!port_file.empty()) {
-    const std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) {
-      return Fail(absl::StrCat("cannot write --port-file ", port_file));
+    if (!http_port_file.empty() && !WritePortFile(http_port_file, http->port())) {
+      return Fail(absl::StrCat("cannot write --http-port-file ", http_port_file));
     }
+  }
+  // Last: a script that waits for this file finds every server listening.
+  if (!port_file.empty() && !WritePortFile(port_file, port)) {
+    return Fail(absl::StrCat("cannot write --port-file ", port_file));
   }
   CoordinatorLog("server", absl::StrCat("listening on ", listen.substr(0, listen.rfind(':')), ":", port,
                                         !tls->has_identity() ? " (plaintext)"

@@ -1,5 +1,7 @@
-"""Loopback ports for the servers the tests and tools start and must name a port for (the
-coordinator's --http-port, where 0 means off; launch's --metrics-port-base block).
+"""Loopback ports for the servers the Python tests and tools start and must name a port for
+(`shardserve launch`'s --address, --http-port, where 0 means off, and --metrics-port-base block).
+Where a server can bind port 0 and say which it got (the coordinator's --port-file and
+--http-port-file, which the C++ tests' cluster harness and `bench --compare` use), that is better.
 
 A port found by binding port 0 and releasing it comes from the kernel's ephemeral range
 (net.ipv4.ip_local_port_range), the range every later bind to port 0 and every outgoing connection
@@ -8,8 +10,7 @@ takes its port from: a server told to listen on it may find it taken (seen in CI
 So the ports come from outside that range, where the kernel hands out none, drawn at random and
 checked by binding, and each is claimed with a file in one directory under the temp dir (an
 exclusive create), so that two processes picking at once never pick the same one. A claim older
-than CLAIM_SECONDS is stale and may be taken again. base/free_port.h is the C++ twin, with the
-same range, directory and claims: C++ tests and `shardserve bench --compare` pick beside these.
+than CLAIM_SECONDS is stale and may be taken again (tests/ports_test.py).
 
 free_ports(n): n distinct ports. free_port(): one. free_port_block(n): a base port B with B..B+n-1
 free and claimed.

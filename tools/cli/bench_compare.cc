@@ -18,7 +18,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "base/free_port.h"
 #include "shardserve/v1/inference.grpc.pb.h"
 #include "tools/cli/bench.h"
 #include "tools/cli/client.h"
@@ -175,16 +174,7 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
       co.coordinator_flags.insert(co.coordinator_flags.end(), {"--num-speculative-tokens", "4"});
     }
   }
-  int http_port = 0;
-  if (layout.http) {
-    absl::StatusOr<int> port = FreeLoopbackPort();
-    if (!port.ok()) {
-      out.error = std::string(port.status().message());
-      return out;
-    }
-    http_port = *port;
-    co.coordinator_flags.insert(co.coordinator_flags.end(), {"--http-port", std::to_string(http_port)});
-  }
+  co.http_free_port = layout.http;
   const int64_t threads =
       o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
@@ -226,7 +216,7 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
     // Over HTTP; the vocabulary and EOS ids (vocab_size 0) still from gRPC, so the prompts are the
     // gRPC layouts' own.
     load.backend = Backend::kOpenAI;
-    load.base_url = absl::StrCat("http://127.0.0.1:", http_port, "/v1");
+    load.base_url = absl::StrCat("http://127.0.0.1:", (*cluster)->http_port(), "/v1");
     load.vocab_size = 0;
   }
   absl::StatusOr<BenchRun> run = Benchmark(load);

@@ -300,9 +300,14 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
                                     "--log-format",
                                     o.log_format};
   const fs::path port_file = fs::path(o.log_dir) / "coordinator.port";
+  const fs::path http_port_file = fs::path(o.log_dir) / "coordinator.http_port";
   if (port == 0) {
     fs::remove(port_file, ec);
     coord.insert(coord.end(), {"--port-file", port_file.string()});
+  }
+  if (o.http_free_port) {
+    fs::remove(http_port_file, ec);
+    coord.insert(coord.end(), {"--http-port-file", http_port_file.string()});
   }
   coord.insert(coord.end(), o.coordinator_flags.begin(), o.coordinator_flags.end());
   c->metrics_lines_.push_back(absl::StrCat("  coordinator      http://127.0.0.1:", metrics_port(0), "/metrics"));
@@ -310,33 +315,44 @@ absl::StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::Start(const LocalClu
     return absl::Status(s.code(), absl::StrCat("starting the coordinator: ", s.message()));
   }
 
-  c->address_ = o.address;
-  if (port == 0) {
-    // The workers need the real port: wait for the coordinator to write it (atomically, by rename).
-    const auto deadline = std::chrono::steady_clock::now() + o.listen_timeout;
+  // The ports the coordinator chose: it writes each file (atomically, by rename) once that server
+  // listens. A restarted coordinator listens where the workers and clients know it is.
+  const auto deadline = std::chrono::steady_clock::now() + o.listen_timeout;
+  auto chosen_port = [&](const fs::path& file, const char* flag, const char* fixed_flag) -> absl::StatusOr<int64_t> {
     int64_t chosen = 0;
     while (true) {
-      std::ifstream in(port_file);
+      std::ifstream in(file);
       if (in >> chosen && chosen > 0 && chosen <= 65535) break;
       if (std::optional<ExitedProcess> dead = c->ReapExited()) {
         return absl::UnavailableError(absl::StrCat("the coordinator ", dead->how, " before listening; last lines of ",
                                                    dead->log, ":\n", dead->log_tail));
       }
       if (std::chrono::steady_clock::now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("the coordinator did not write its port to ",
-                                                        port_file.string(), " within ", o.listen_timeout.count(),
-                                                        " s; see ", c->children_[0].log));
+        return absl::DeadlineExceededError(absl::StrCat("the coordinator did not write its port to ", file.string(),
+                                                        " within ", o.listen_timeout.count(), " s; see ",
+                                                        c->children_[0].log));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    std::vector<std::string>& argv = c->children_[0].argv;
+    const auto at = std::find(argv.begin(), argv.end(), flag);
+    if (at != argv.end()) argv.erase(at, at + 2);
+    if (fixed_flag != nullptr) argv.insert(argv.end(), {fixed_flag, std::to_string(chosen)});
+    return chosen;
+  };
+  c->address_ = o.address;
+  if (port == 0) {
+    // The workers need the real port.
+    SHARDSERVE_ASSIGN_OR_RETURN(const int64_t chosen, chosen_port(port_file, "--port-file", nullptr));
     c->address_ = absl::StrCat(o.address.substr(0, o.address.rfind(':')), ":", chosen);
-    // A restarted coordinator listens where the workers and clients know it is.
     std::vector<std::string>& argv = c->children_[0].argv;
     for (size_t k = 0; k + 1 < argv.size(); ++k) {
       if (argv[k] == "--listen") argv[k + 1] = c->address_;
     }
-    const auto port_flag = std::find(argv.begin(), argv.end(), "--port-file");
-    if (port_flag != argv.end()) argv.erase(port_flag, port_flag + 2);
+  }
+  if (o.http_free_port) {
+    SHARDSERVE_ASSIGN_OR_RETURN(const int64_t chosen, chosen_port(http_port_file, "--http-port-file", "--http-port"));
+    c->http_port_ = static_cast<int>(chosen);
   }
 
   // Worker g of a node takes cuda:g. With the workers' collectives over Gloo (--worker-collectives

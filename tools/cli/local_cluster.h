@@ -55,6 +55,10 @@ struct LocalClusterOptions {
   // Prometheus /metrics: the coordinator on 127.0.0.1:base, worker k on base + 1 + k; 0: every
   // process picks a free port.
   int64_t metrics_port_base = 0;
+  // The coordinator serves the OpenAI HTTP API on a free port of --http-host (--http-port-file in
+  // the log directory); http_port() then has it, and a restarted coordinator keeps it. Otherwise
+  // coordinator_flags say whether and where it serves HTTP.
+  bool http_free_port = false;
   std::string log_format = "text";
   // Appended to the coordinator's and to every worker's command line as given ("--flag", "value").
   std::vector<std::string> coordinator_flags;
@@ -66,7 +70,8 @@ struct LocalClusterOptions {
   // cuda:(gpus_per_node + k / nodes) on cuda); metrics after the workers'. Each takes a lost slot
   // of its node at once (docs/healing.md).
   int64_t spare_workers = 0;
-  // How long the coordinator may take to write its port file when the address has port 0.
+  // How long the coordinator may take to write its port files (an address with port 0,
+  // http_free_port).
   std::chrono::seconds listen_timeout{30};
 };
 
@@ -91,6 +96,8 @@ class LocalCluster {
 
   // The address clients connect to (with the chosen port when the options had port 0).
   const std::string& address() const { return address_; }
+  // The HTTP API's port with options.http_free_port; 0 otherwise.
+  int http_port() const { return http_port_; }
   const LocalClusterOptions& options() const { return options_; }
   // "  coordinator      http://127.0.0.1:9400/metrics", one line per process, as launch prints them.
   const std::vector<std::string>& metrics_lines() const { return metrics_lines_; }
@@ -146,6 +153,7 @@ class LocalCluster {
 
   const LocalClusterOptions options_;
   std::string address_;
+  int http_port_ = 0;
   std::vector<std::string> metrics_lines_;
   std::vector<Child> children_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
