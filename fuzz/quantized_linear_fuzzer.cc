@@ -17,8 +17,6 @@
 //
 // Seeds: SHARDSERVE_FUZZ_WRITE_SEEDS=DIR quantized_linear_fuzzer writes, for every fixture and
 // layer, the input that reproduces the fixture's own bytes.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -32,16 +30,20 @@
 #include <vector>
 
 #include "fuzz/check.h"
+#include "fuzz/scratch_checkpoint.h"
 #include "kernels/quant.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
 #include "model/quantized_checkpoint.h"
 #include "model/weight_source.h"
-#include "nlohmann/json.hpp"
 
 namespace {
 
 using shardserve_fuzz::Check;
+using shardserve_fuzz::MakeScratchDir;
+using shardserve_fuzz::ReadFileBytes;
+using shardserve_fuzz::SafetensorsFile;
+using shardserve_fuzz::WriteSafetensors;
 
 namespace fs = std::filesystem;
 using shardserve::QuantizedLinearSlice;
@@ -61,15 +63,6 @@ struct Fixture {
   shardserve::CheckpointQuant quant;
   Layer layers[2];
 };
-
-std::string ReadBytes(const fs::path& file, uint64_t offset, uint64_t n) {
-  std::ifstream in(file, std::ios::binary);
-  std::string out(n, '\0');
-  in.seekg(static_cast<std::streamoff>(offset));
-  in.read(out.data(), static_cast<std::streamsize>(n));
-  Check(in.good() || n == 0, "cannot read a fixture");
-  return out;
-}
 
 const std::vector<Fixture>& Fixtures() {
   static const std::vector<Fixture>* fixtures = [] {
@@ -112,7 +105,7 @@ const std::vector<Fixture>& Fixtures() {
         Check(!layer.tensors.empty(), "a fixture layer without tensors");
         std::sort(layer.tensors.begin(), layer.tensors.end(),
                   [](const TensorInfo& a, const TensorInfo& b) { return a.nbytes < b.nbytes; });
-        for (const TensorInfo& t : layer.tensors) layer.bytes.push_back(ReadBytes(dir / t.file, t.offset, t.nbytes));
+        for (const TensorInfo& t : layer.tensors) layer.bytes.push_back(ReadFileBytes(dir / t.file, t.offset, t.nbytes));
       }
       out->push_back(std::move(f));
     }
@@ -121,30 +114,13 @@ const std::vector<Fixture>& Fixtures() {
   return *fixtures;
 }
 
-// A per-process scratch directory for the checkpoint each input becomes.
-const fs::path& ScratchDir() {
-  static const fs::path* dir = [] {
-    std::string tmpl = (fs::temp_directory_path() / "quantized_linear_fuzzer.XXXXXX").string();
-    Check(mkdtemp(tmpl.data()) != nullptr, "cannot make a scratch directory");
-    return new fs::path(tmpl);
-  }();
-  return *dir;
-}
-
-// The safetensors file of `layer` with its data bytes overwritten by `contents` from the start.
-std::string SafetensorsFile(const Layer& layer, const uint8_t* contents, size_t n) {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+// The checkpoint each input becomes: the layer's tensors with their data bytes overwritten by
+// `contents` from the start.
+std::string LayerFile(const Layer& layer, const uint8_t* contents, size_t n) {
   std::string data;
-  for (size_t i = 0; i < layer.tensors.size(); ++i) {
-    const TensorInfo& t = layer.tensors[i];
-    header[t.name] = {{"dtype", t.dtype_name()}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.nbytes}}};
-    data += layer.bytes[i];
-  }
+  for (const std::string& b : layer.bytes) data += b;
   std::copy(contents, contents + std::min(n, data.size()), data.begin());
-  const std::string json = header.dump();
-  std::string file(8, '\0');
-  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((json.size() >> (8 * i)) & 0xff);
-  return file + json + data;
+  return SafetensorsFile(layer.tensors, data);
 }
 
 bool AllFinite(const std::vector<float>& w) {
@@ -183,12 +159,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t extent = layer.dim == 0 ? layer.out : layer.in;
   const shardserve::Slice slices[3] = {{layer.dim, 0, -1}, {layer.dim, 0, extent / 2}, {layer.dim, extent / 2, -1}};
   const shardserve::Slice slice = slices[((data[1] >> 1) & 3) % 3];
-  {
-    std::ofstream out(ScratchDir() / "model.safetensors", std::ios::binary | std::ios::trunc);
-    out << SafetensorsFile(layer, data + 2, size - 2);
-    Check(out.good(), "cannot write the scratch checkpoint");
-  }
-  absl::StatusOr<std::unique_ptr<shardserve::Checkpoint>> ckpt = shardserve::Checkpoint::Open(ScratchDir());
+  static const fs::path scratch = MakeScratchDir();
+  WriteSafetensors(scratch, LayerFile(layer, data + 2, size - 2));
+  absl::StatusOr<std::unique_ptr<shardserve::Checkpoint>> ckpt = shardserve::Checkpoint::Open(scratch);
   Check(ckpt.ok(), "the layer's own header refused");
   // The shapes are the fixture's; only compressed-tensors' weight_shape values may disagree.
   if (const absl::Status s = shardserve::CheckQuantizedLinear(**ckpt, f.quant, layer.prefix, layer.out, layer.in);

@@ -6,8 +6,6 @@
 // only plain file names inside the directory (not empty, ".", "..", no '/' or NUL); when Open
 // succeeds, every tensor the index lists is in the checkpoint, in the file the index names, and
 // (for a non-empty index) the checkpoint holds no tensor the index does not list.
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +18,7 @@
 #include <string_view>
 
 #include "fuzz/check.h"
+#include "fuzz/scratch_checkpoint.h"
 #include "model/checkpoint.h"
 
 namespace {
@@ -31,13 +30,12 @@ namespace fs = std::filesystem;
 // The scratch checkpoint directory: the fixture's shards linked in, the index written per input.
 const fs::path& ScratchDir() {
   static const fs::path* dir = [] {
-    std::string tmpl = (fs::temp_directory_path() / "safetensors_index_fuzzer.XXXXXX").string();
-    Check(mkdtemp(tmpl.data()) != nullptr, "cannot make a scratch directory");
+    auto* scratch = new fs::path(shardserve_fuzz::MakeScratchDir());
     const fs::path fixture = fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/mistral_sharded";
     for (const fs::directory_entry& e : fs::directory_iterator(fixture)) {
-      if (e.path().extension() == ".safetensors") fs::create_symlink(e.path(), fs::path(tmpl) / e.path().filename());
+      if (e.path().extension() == ".safetensors") fs::create_symlink(e.path(), *scratch / e.path().filename());
     }
-    return new fs::path(tmpl);
+    return scratch;
   }();
   return *dir;
 }

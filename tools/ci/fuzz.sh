@@ -17,11 +17,11 @@ cd "$(dirname "$0")/../.."
 BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-$(nproc)}
 TARGETS=(safetensors config tokenizer_json tokenize request chat_template openai_request coordinator_message worker_message
-         safetensors_index quantized_linear generation_config tokenizer_config http_request grammar chat_output)
+         safetensors_index quantized_linear mxfp4_experts generation_config tokenizer_config http_request grammar chat_output)
 # Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB.
 declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=16384
                        [openai_request]=8192 [coordinator_message]=8192 [worker_message]=4096
-                       [safetensors_index]=8192 [quantized_linear]=16384 [generation_config]=1024
+                       [safetensors_index]=8192 [quantized_linear]=16384 [mxfp4_experts]=8192 [generation_config]=1024
                        [tokenizer_config]=16384 [http_request]=8192 [grammar]=4096 [chat_output]=4096)
 # CI runs each target a fixed number of executions from a fixed seed (a time bound would test more
 # or less on a faster or slower machine), JOBS targets side by side. The runs still differ from one
@@ -33,7 +33,7 @@ declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tok
 # carry a structured output, compiled over the demo vocabulary, hence its 100,000.
 declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 [tokenize]=400000 [request]=100000
                     [chat_template]=60000 [openai_request]=200000 [coordinator_message]=500000 [worker_message]=300000
-                    [safetensors_index]=20000 [quantized_linear]=10000 [generation_config]=600000
+                    [safetensors_index]=20000 [quantized_linear]=10000 [mxfp4_experts]=20000 [generation_config]=600000
                     [tokenizer_config]=20000 [http_request]=20000 [grammar]=10000 [chat_output]=150000)
 
 build() {
