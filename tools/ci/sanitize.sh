@@ -101,15 +101,20 @@ case "$MODE" in
              tokenizer_test scheduler_test persistent_batch_test generation_test group_test)
     # Then the engine, the scheduler's loop, the worker service and the step executor, which run
     # only in the coordinator and worker processes: a subset of the multi-process tests (TP2, PP2,
-    # TP2xPP2 parity; TP2xPP2 streaming, concurrent streams and a killed worker; a heal; continuous
-    # batching, preemption and cancellation) against the TSan-built services, with every deadline
-    # the harness waits for a process scaled by SHARDSERVE_TEST_TIME_SCALE. A report in a child
-    # process fails its test (tests/process_harness.h reads the child's log when it reaps it).
+    # TP2xPP2 parity; TP2xPP2 streaming, concurrent streams and a killed worker; a heal; expert
+    # parallelism; continuous batching, preemption and cancellation) against the TSan-built
+    # services, with every deadline the harness waits for a process scaled by
+    # SHARDSERVE_TEST_TIME_SCALE. A report in a child process fails its test
+    # (tests/process_harness.h reads the child's log when it reaps it).
     PROCESS_PROGRAMS=(cluster_test heal_test batching_test)
     PROCESS_CASES='ClusterParityTest[.]GreedyTokensMatchHuggingFace/TP(2_PP1|1_PP2|2_PP2)_llama3_rope( |$)'
     PROCESS_CASES+='|ClusterApiTest[.](StreamsOneTokenPerMessageWithUsageOnTheLast|ConcurrentRequestsEachGetTheirOwnStream)$'
     PROCESS_CASES+='|ClusterFailureTest[.]KilledWorkerEndsTheStreamWithUnavailable$'
     PROCESS_CASES+='|HealTest[.]SeededSamplingGivesTheSameTokensAcrossAHeal$'
+    # Expert parallelism's all-to-all through shared memory across TP 2 x PP 2; the host CPU check's
+    # gather when the TP group joins.
+    PROCESS_CASES+='|ClusterExpertParallelTest[.]GreedyTokensMatchHuggingFace/TP2_PP2_qwen3_moe_tf5( |$)'
+    PROCESS_CASES+='|WorkerFlagsTest[.]ATpGroupWithMoreThreadsThanCpusWarnsOnEveryRank$'
     # Not the one-worker (TP1_PP1) batching layouts: that worker runs 2 compute threads, whose
     # OpenMP loops crawl under TSan (0.3 tokens/s; 64 streams twice), and libgomp is not checked.
     PROCESS_CASES+='|^Layouts/(BatchingTest|PreemptionTest|BatchingCancelTest)[.].*/TP(1_PP2|2_PP2)( |$)'
