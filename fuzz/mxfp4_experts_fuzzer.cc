@@ -125,7 +125,9 @@ void WriteSeeds(const std::string& dir) {
       for (int up = 0; up < (p == 0 ? 2 : 1); ++up) {
         const int64_t e = (slice + up) % product.experts;
         std::string input{static_cast<char>(p | (e << 1) | (slice << 4) | (up << 6))};
-        for (int t = 0; t < 2; ++t) input += product.bytes[t].substr(e * product.expert_bytes(t), product.expert_bytes(t));
+        for (int t = 0; t < 2; ++t) {
+          input += product.bytes[t].substr(e * product.expert_bytes(t), product.expert_bytes(t));
+        }
         const std::string stem = dir + "/" + product.name.substr(product.name.rfind('.') + 1) + "_slice" +
                                  std::to_string(slice) + (p == 0 ? (up ? "_up" : "_gate") : "");
         std::ofstream(stem, std::ios::binary) << input;
@@ -175,7 +177,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                    blocks.data())
             .ok(),
         "the expert's blocks do not read back");
-  Check(ckpt.value()->Read(p.name + "_scales", {p.experts, outs, groups}, expert, shardserve::DType::kI8, scales.data()).ok(),
+  Check(ckpt.value()
+            ->Read(p.name + "_scales", {p.experts, outs, groups}, expert, shardserve::DType::kI8, scales.data())
+            .ok(),
         "the expert's scales do not read back");
   const auto finite_block = [&](int64_t row, int64_t g) {
     return shardserve::Mxfp4BlockFinite(blocks.data() + (row * groups + g) * kMxfp4BlockBytes, scales[row * groups + g]);
