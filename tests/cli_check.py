@@ -1,8 +1,11 @@
 """What the command-line tests share (stdlib only): run a command, stop at the first failed check,
 and scale a deadline for slower (instrumented) binaries."""
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import unittest
 
 # SHARDSERVE_TEST_TIME_SCALE's rule has one home in Python, tools/ci/launch_process.py (the tools the tests
 # run scale their deadlines by it too); re-exported here for the tests.
@@ -26,6 +29,32 @@ def scaled(seconds):
     """`seconds`, a deadline for waiting on a process of ours, times SHARDSERVE_TEST_TIME_SCALE (default
     1; tools/ci/sanitize.sh asan-all sets it for the ASan binaries, as tests/process_harness.h reads it)."""
     return seconds * TIME_SCALE
+
+
+_work_dirs = []
+
+
+def work_dir(prefix):
+    """A new directory for a test's logs and files, under the temp dir; remove_work_dirs() removes it
+    once the test has passed (a failed test's are kept, for its logs)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    _work_dirs.append(path)
+    return path
+
+
+def remove_work_dirs():
+    """Removes every work_dir() of this process: call it when the test has passed."""
+    while _work_dirs:
+        shutil.rmtree(_work_dirs.pop(), ignore_errors=True)
+
+
+def run_unittests(argv):
+    """unittest.main over `argv`; the work dirs are removed when every case passed. Exits with its
+    status."""
+    result = unittest.main(argv=argv, verbosity=2, exit=False).result
+    if result.wasSuccessful():
+        remove_work_dirs()
+    sys.exit(0 if result.wasSuccessful() else 1)
 
 
 def run(cmd, timeout=60):

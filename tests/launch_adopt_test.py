@@ -17,11 +17,10 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
-from cli_check import scaled  # SHARDSERVE_TEST_TIME_SCALE
+from cli_check import remove_work_dirs, scaled, work_dir  # SHARDSERVE_TEST_TIME_SCALE
 
 from launch_heal_test import cmdline  # noqa: E402 (this directory is on sys.path)
 from launch_process import LaunchProcess, children  # noqa: E402 (tools/, which launch_heal_test puts on sys.path)
@@ -38,7 +37,7 @@ def exe(pid):
 
 def main(bin_dir):
     cli = os.path.join(bin_dir, "shardserve")
-    log_dir = tempfile.mkdtemp(prefix="launch_adopt_test.")
+    log_dir = work_dir("launch_adopt_test.")
     env = dict(os.environ, SHARDSERVE_STATE_DIR=os.path.join(log_dir, "state"))
     launch = LaunchProcess(  # with the same SHARDSERVE_STATE_DIR as env's
         [cli, "launch", "--nodes", "1", "--gpus-per-node", "2", "--address", "127.0.0.1:0", "--metrics-port-base",
@@ -110,5 +109,6 @@ def main(bin_dir):
 if __name__ == "__main__":
     try:
         main(sys.argv[1])
+        remove_work_dirs()  # passed: no logs to keep
     except RuntimeError as e:  # from LaunchProcess.wait_for: launch exited, or no such line in time
         fail(e)

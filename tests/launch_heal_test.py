@@ -24,12 +24,11 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "ci"))
 from launch_process import LaunchProcess, children, scrape_heal_metrics  # noqa: E402
-from cli_check import scaled  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
+from cli_check import remove_work_dirs, scaled, work_dir  # noqa: E402 SHARDSERVE_TEST_TIME_SCALE
 
 
 def fail(message):
@@ -72,7 +71,7 @@ def expect_heal_metrics(log_dir, heals):
 
 def run(bin_dir, spare):
     cli = os.path.join(bin_dir, "shardserve")
-    log_dir = tempfile.mkdtemp(prefix="launch_heal_test.")
+    log_dir = work_dir("launch_heal_test.")
     # A state directory of its own: launch's cluster.json (address, TLS files), which the client
     # commands below read, is not overwritten or removed by another launch running beside this test
     # (LaunchProcess starts launch with this SHARDSERVE_STATE_DIR).
@@ -165,5 +164,6 @@ if __name__ == "__main__":
     try:
         run(sys.argv[1], spare=False)
         run(sys.argv[1], spare=True)
+        remove_work_dirs()  # passed: no logs to keep
     except RuntimeError as e:  # from LaunchProcess.wait_for: launch exited, or no such line in time
         fail(e)

@@ -28,13 +28,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 import urllib.error
 import urllib.request
 
-from cli_check import free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_ports, run_unittests, scaled, work_dir  # scaled: SHARDSERVE_TEST_TIME_SCALE
 from launch_process import metric_sum  # noqa: E402 (tools/, on the path from cli_check)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,7 +138,7 @@ class OpenAIApiTest(unittest.TestCase):
              # The demo template writes neither tool calls nor <think>: the parsers are named
              # (they act only on chat requests with tools, and on outputs that open <think>).
              "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"],
-            cls.base, tempfile.mkdtemp(prefix="shardserve-openai-"))
+            cls.base, work_dir("shardserve-openai-"))
         try:  # tearDownClass does not run when setUpClass fails
             cls.grpc = grpc_client(cls.launch.args[cls.launch.args.index("--log-dir") + 1])
             with open(os.path.join(cls.launch.args[cls.launch.args.index("--log-dir") + 1], "coordinator.log")) as f:
@@ -730,7 +729,7 @@ class NoChatTemplateTest(unittest.TestCase):
         base = f"http://127.0.0.1:{http_port}"
         cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
                                    "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)],
-                                  base, tempfile.mkdtemp(prefix="shardserve-openai-notemplate-"))
+                                  base, work_dir("shardserve-openai-notemplate-"))
         cls.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     @classmethod
@@ -767,7 +766,7 @@ class SpeculativeChoicesTest(unittest.TestCase):
                                "--num-speculative-tokens", "4"]):
                 http_port, grpc_port = free_ports(2)
                 base = f"http://127.0.0.1:{http_port}"
-                log_dir = tempfile.mkdtemp(prefix="shardserve-openai-spec-")
+                log_dir = work_dir("shardserve-openai-spec-")
                 cls.launches.append(start_launch(
                     ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "1",
                      "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)] + flags, base, log_dir))
@@ -828,4 +827,4 @@ if __name__ == "__main__":
     parser.add_argument("--bin", required=True, help="directory holding shardserve, shardserve-coordinator, -worker")
     args, rest = parser.parse_known_args()
     BIN = args.bin
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_unittests([sys.argv[0]] + rest)

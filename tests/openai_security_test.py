@@ -20,12 +20,11 @@ import signal
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 import urllib.request
 
-from cli_check import free_port, free_ports, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_port, free_ports, run_unittests, scaled, work_dir  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 import httpx
 import openai
@@ -64,7 +63,7 @@ def make_certificates(d: str):
 class HttpsAndKeysTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="shardserve-openai-sec-")
+        cls.dir = work_dir("shardserve-openai-sec-")
         cls.ca, cert, key = make_certificates(cls.dir)
         keys = os.path.join(cls.dir, "keys")
         with open(keys, "w") as f:
@@ -207,4 +206,4 @@ if __name__ == "__main__":
     parser.add_argument("--bin", required=True, help="directory holding shardserve, shardserve-coordinator, -worker")
     args, rest = parser.parse_known_args()
     BIN = args.bin
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_unittests([sys.argv[0]] + rest)

@@ -17,14 +17,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import unittest
 from typing import Annotated, List, Literal, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from openai_api_test import ROOT, start_launch, stop_launch  # noqa: E402
 import openai_api_test  # noqa: E402
-from cli_check import free_ports  # noqa: E402
+from cli_check import free_ports, run_unittests, work_dir  # noqa: E402
 
 import jsonschema  # noqa: E402
 import openai  # noqa: E402
@@ -78,7 +77,7 @@ class StructuredTest:
         cls.base = f"http://127.0.0.1:{http_port}"
         cls.launch = start_launch(
             ["--model", os.path.join(ROOT, "models", MODEL), "--address", f"127.0.0.1:{grpc_port}",
-             "--http-port", str(http_port)] + cls.LAYOUT, cls.base, tempfile.mkdtemp(prefix="shardserve-structured-"))
+             "--http-port", str(http_port)] + cls.LAYOUT, cls.base, work_dir("shardserve-structured-"))
         cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     @classmethod
@@ -315,12 +314,12 @@ class Harmony(unittest.TestCase):
     def setUpClass(cls):
         grpc_port, http_port = free_ports(2)
         cls.base = f"http://127.0.0.1:{http_port}"
-        model = os.path.join(tempfile.mkdtemp(prefix="shardserve-harmony-model-"), MODEL)  # served as MODEL
+        model = os.path.join(work_dir("shardserve-harmony-model-"), MODEL)  # served as MODEL
         os.mkdir(model)
         harmony_demo_model(model)
         cls.launch = start_launch(
             ["--model", model, "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port), "--nodes", "1",
-             "--gpus-per-node", "1"], cls.base, tempfile.mkdtemp(prefix="shardserve-harmony-"))
+             "--gpus-per-node", "1"], cls.base, work_dir("shardserve-harmony-"))
         cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     @classmethod
@@ -368,4 +367,4 @@ if __name__ == "__main__":
     parser.add_argument("--bin", required=True)
     args, rest = parser.parse_known_args()
     openai_api_test.BIN = args.bin
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_unittests([sys.argv[0]] + rest)

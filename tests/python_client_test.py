@@ -10,11 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
-from cli_check import free_port, scaled  # scaled: SHARDSERVE_TEST_TIME_SCALE
+from cli_check import free_port, run_unittests, scaled, work_dir  # scaled: SHARDSERVE_TEST_TIME_SCALE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
@@ -29,7 +28,7 @@ class PythonClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.address = f"127.0.0.1:{free_port()}"
-        cls.logs = tempfile.mkdtemp(prefix="shardserve-pyclient-")
+        cls.logs = work_dir("shardserve-pyclient-")
         # launch's default: mutual TLS inside the cluster, its CA and a client certificate named in
         # cluster.json in this state directory (our own: tests run in parallel).
         os.environ["SHARDSERVE_STATE_DIR"] = os.path.join(cls.logs, "state")
@@ -112,4 +111,4 @@ if __name__ == "__main__":
     parser.add_argument("--bin", required=True, help="directory holding shardserve, shardserve-coordinator, -worker")
     args, rest = parser.parse_known_args()
     BIN = args.bin
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_unittests([sys.argv[0]] + rest)
