@@ -1,5 +1,6 @@
 """What the command-line tests share (stdlib only): run a command, stop at the first failed check,
-and scale a deadline for slower (instrumented) binaries."""
+scale a deadline for slower (instrumented) binaries, and keep a test's work directories only when it
+fails."""
 import os
 import shutil
 import subprocess
