@@ -37,6 +37,7 @@
 #include "coordinator/model/served_model.h"
 #include "coordinator/cluster/worker_pool.h"
 #include "fuzz/check.h"
+#include "fuzz/scratch_dir.h"
 #include "nlohmann/json.hpp"
 #include "security/api_keys.h"
 
@@ -71,12 +72,7 @@ const Server& TheServer() {
     s->metrics = std::make_unique<shardserve::CoordinatorMetrics>(s->model->name);
     s->engine = std::make_unique<shardserve::Engine>(s->model.get(), s->pool.get(), shardserve::EngineOptions{},
                                                      s->metrics.get());
-    // Removed when the process exits normally.
-    static std::string key_file = (fs::temp_directory_path() / "http_request_fuzzer.keys.XXXXXX").string();
-    const int fd = mkstemp(key_file.data());
-    Check(fd >= 0, "cannot make the key file");
-    ::close(fd);
-    std::atexit([] { ::unlink(key_file.c_str()); });
+    const std::string key_file = (shardserve_fuzz::MakeScratchDir() / "keys").string();
     std::ofstream(key_file) << "# the fuzz target's key\n" << kKey << "\n";
     absl::StatusOr<std::unique_ptr<shardserve::ApiKeys>> keys = shardserve::ApiKeys::Load(key_file);
     Check(keys.ok(), "cannot load the key file");

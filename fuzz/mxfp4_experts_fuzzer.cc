@@ -43,6 +43,7 @@
 
 namespace {
 
+using shardserve_fuzz::AllFinite;
 using shardserve_fuzz::Check;
 using shardserve_fuzz::MakeScratchDir;
 using shardserve_fuzz::ReadFileBytes;
@@ -107,10 +108,6 @@ std::string ProductFile(const Product& p, int64_t e, const uint8_t* contents, si
     data += bytes;
   }
   return SafetensorsFile({p.tensors[0], p.tensors[1]}, data);
-}
-
-bool AllFinite(const std::vector<float>& w) {
-  return std::all_of(w.begin(), w.end(), [](float x) { return std::isfinite(x); });
 }
 
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {

@@ -39,6 +39,7 @@
 
 namespace {
 
+using shardserve_fuzz::AllFinite;
 using shardserve_fuzz::Check;
 using shardserve_fuzz::MakeScratchDir;
 using shardserve_fuzz::ReadFileBytes;
@@ -121,10 +122,6 @@ std::string LayerFile(const Layer& layer, const uint8_t* contents, size_t n) {
   for (const std::string& b : layer.bytes) data += b;
   std::copy(contents, contents + std::min(n, data.size()), data.begin());
   return SafetensorsFile(layer.tensors, data);
-}
-
-bool AllFinite(const std::vector<float>& w) {
-  return std::all_of(w.begin(), w.end(), [](float x) { return std::isfinite(x); });
 }
 
 void WriteSeeds(const std::string& dir) {

@@ -18,7 +18,7 @@
 #include <string_view>
 
 #include "fuzz/check.h"
-#include "fuzz/scratch_checkpoint.h"
+#include "fuzz/scratch_dir.h"
 #include "model/checkpoint.h"
 
 namespace {

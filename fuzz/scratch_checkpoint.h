@@ -1,41 +1,23 @@
-// What the fuzz targets that write each input as a checkpoint share: a per-process scratch
-// directory, a fixture tensor's bytes, and a safetensors file of given tensors and data.
-// Header-only.
+// What the fuzz targets that write each input as a checkpoint share: a fixture tensor's bytes, a
+// safetensors file of given tensors and data written to a scratch directory (fuzz/scratch_dir.h),
+// and the check that the weights read back are finite. Header-only.
 #ifndef SHARDSERVE_FUZZ_SCRATCH_CHECKPOINT_H_
 #define SHARDSERVE_FUZZ_SCRATCH_CHECKPOINT_H_
 
-#include <errno.h>  // program_invocation_short_name (glibc)
-#include <stdlib.h>  // mkdtemp
-
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "fuzz/check.h"
+#include "fuzz/scratch_dir.h"
 #include "model/checkpoint.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve_fuzz {
-
-// A new directory under the system's temporary one, named after the target (mkdtemp), removed
-// with what it holds when the process exits normally (a crash leaves it, beside its input).
-inline std::filesystem::path MakeScratchDir() {
-  static std::vector<std::filesystem::path>* made = [] {
-    std::atexit([] {
-      std::error_code ec;
-      for (const std::filesystem::path& dir : *made) std::filesystem::remove_all(dir, ec);
-    });
-    return new std::vector<std::filesystem::path>();
-  }();
-  std::string tmpl =
-      (std::filesystem::temp_directory_path() / (std::string(program_invocation_short_name) + ".XXXXXX")).string();
-  Check(mkdtemp(tmpl.data()) != nullptr, "cannot make a scratch directory");
-  made->push_back(tmpl);
-  return tmpl;
-}
 
 // `n` bytes of `file` from `offset` (a fixture tensor's data: TensorInfo's file, offset, nbytes).
 inline std::string ReadFileBytes(const std::filesystem::path& file, uint64_t offset, uint64_t n) {
@@ -68,6 +50,11 @@ inline void WriteSafetensors(const std::filesystem::path& dir, const std::string
   std::ofstream out(dir / "model.safetensors", std::ios::binary | std::ios::trunc);
   out << file;
   Check(out.good(), "cannot write the scratch checkpoint");
+}
+
+// Whether every weight is finite.
+inline bool AllFinite(const std::vector<float>& w) {
+  return std::all_of(w.begin(), w.end(), [](float x) { return std::isfinite(x); });
 }
 
 }  // namespace shardserve_fuzz
