@@ -175,9 +175,11 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
     }
   }
   co.http_free_port = layout.http;
-  const int64_t threads =
-      o.cluster.worker_threads.value_or(o.cluster.device == "cpu" ? DefaultWorkerThreads(workers) : 0);
+  const int64_t threads = o.cluster.WorkerThreads(workers);
   if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
+  if (const std::string note = o.cluster.WorkerThreadsNote(workers); !note.empty()) {
+    std::fprintf(stderr, "bench: %s: warning: %s\n", layout.name.c_str(), note.c_str());
+  }
   co.worker_flags.insert(co.worker_flags.end(), o.cluster.worker_flags.begin(), o.cluster.worker_flags.end());
   // /gloo layouts: the workers' collectives over Gloo's TCP alone, where --worker-collectives left
   // them to the default (on CPUs: shared memory between the ranks of one host).

@@ -60,8 +60,9 @@ constexpr char kUsage[] =
     "  Prometheus /metrics on 127.0.0.1: the coordinator on port P (default 9400), the workers on\n"
     "  P+1, P+2, ... (docs/metrics.md); P = 0: each process picks a free port (see its log and\n"
     "  shardserve status).\n"
-    "  --worker-threads      CPU threads of each worker (worker --threads); default on cpu: the cores\n"
-    "                        divided by the number of workers, at least 1; 0: the worker's default\n"
+    "  --worker-threads      CPU threads of each worker (worker --threads); default on cpu: the CPUs\n"
+    "                        launch may use divided by the number of workers, at least 1; 0: the\n"
+    "                        worker's default (every CPU); more threads than CPUs in all: a warning\n"
     "  --worker-matmul-dtype  cpu: the products' precision (worker --matmul-dtype): auto (default:\n"
     "                        bf16 for a bf16 checkpoint on a CPU with bf16 instructions, else f32),\n"
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
@@ -243,11 +244,14 @@ int Run(const std::vector<std::string>& args) {
       options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), flags->Get(name)});
     }
   }
-  // --threads for every worker: given, or on cpu the cores shared out among the workers; 0 leaves
-  // it to the worker.
-  const int64_t worker_threads =
-      cluster_flags->worker_threads.value_or(device == "cpu" ? DefaultWorkerThreads(*nodes * *gpus) : 0);
+  // --threads for every worker: given, or on cpu the CPUs shared out among the workers; 0 leaves
+  // it to the worker. Threads past the CPUs are said once, here (spares compute nothing until they
+  // take a slot, and are not counted).
+  const int64_t worker_threads = cluster_flags->WorkerThreads(*nodes * *gpus);
   if (worker_threads > 0) options.worker_flags = {"--threads", std::to_string(worker_threads)};
+  if (const std::string note = cluster_flags->WorkerThreadsNote(*nodes * *gpus); !note.empty()) {
+    std::fprintf(stderr, "shardserve launch: warning: %s\n", note.c_str());
+  }
   options.worker_flags.insert(options.worker_flags.end(), cluster_flags->worker_flags.begin(),
                               cluster_flags->worker_flags.end());
   options.worker_flags.insert(options.worker_flags.end(),

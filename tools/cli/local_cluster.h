@@ -15,6 +15,7 @@
 #ifndef SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
 #define SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
 
+#include <sched.h>
 #include <sys/types.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "base/flags.h"
 #include "security/tls.h"
 #include "kernels/cuda/cuda_switches.h"
@@ -166,12 +168,35 @@ inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size",
     "heal-timeout-seconds", "num-speculative-tokens", "speculative-max-running"};
 
-// CPU threads per CPU worker when --worker-threads is not given: the cores shared out among the
+// The CPUs this process may run on: its affinity (taskset, a container's cpuset), which is also
+// how many threads a worker started from it takes by default (OpenMP's count); at least 1.
+inline int64_t UsableCpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
+}
+
+// CPU threads per CPU worker when --worker-threads is not given: the CPUs shared out among the
 // workers, at least one each, so that workers do not oversubscribe the machine. (The test
 // harness, tests/cluster_harness.h, gives its workers the same.)
-inline int64_t DefaultWorkerThreads(int64_t workers) {
-  const int64_t cores = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  return std::max<int64_t>(1, cores / std::max<int64_t>(1, workers));
+inline int64_t DefaultWorkerThreads(int64_t workers, int64_t cpus = UsableCpus()) {
+  return std::max<int64_t>(1, cpus / std::max<int64_t>(1, workers));
+}
+
+// "" unless `workers` CPU workers on this machine of `threads` compute threads each (0: the
+// worker's default, every CPU) run more threads than its `cpus` where fewer would fit
+// (DefaultWorkerThreads); else a sentence for stderr naming the threads, the CPUs and the share.
+// Past the CPUs, a worker's OpenMP threads that wait spin before they sleep, and the collectives
+// of the other workers wait behind them (docs/performance.md, "TP and PP on one host").
+inline std::string WorkerThreadsNote(int64_t workers, int64_t threads, int64_t cpus) {
+  const int64_t each = threads > 0 ? threads : cpus;
+  const int64_t share = DefaultWorkerThreads(workers, cpus);
+  if (workers * each <= cpus || each <= share) return "";
+  return absl::StrCat(workers, " worker", workers == 1 ? "" : "s", " of ", each, " compute thread",
+                      each == 1 ? "" : "s", threads > 0 ? "" : " (--worker-threads 0: every CPU)", " run ",
+                      workers * each, " threads on this machine's ", cpus, " CPU", cpus == 1 ? "" : "s",
+                      ": every step will take many times its time; --worker-threads ", share,
+                      " (the CPUs shared out, the default) fits them");
 }
 
 // The flags `launch` and `bench --compare` share for the clusters they start, checked once here.
@@ -195,6 +220,16 @@ struct ClusterFlags {
   // --draft-model, absolute: passed to the coordinator with --speculative draft (and by bench
   // --compare's /draft layouts).
   std::string draft_model;
+
+  // Each worker's --threads for `workers` workers on this machine: --worker-threads as given, else
+  // on cpu DefaultWorkerThreads, on cuda 0 (the worker's default).
+  int64_t WorkerThreads(int64_t workers) const {
+    return worker_threads.value_or(device == "cpu" ? DefaultWorkerThreads(workers) : 0);
+  }
+  // WorkerThreadsNote of WorkerThreads(workers) on cpu, on this machine's UsableCpus(); "" on cuda.
+  std::string WorkerThreadsNote(int64_t workers) const {
+    return device == "cpu" ? cli::WorkerThreadsNote(workers, WorkerThreads(workers), UsableCpus()) : "";
+  }
 
   // The flags read, for Flags::Parse: with a value, and switches.
   static std::set<std::string> Names();
