@@ -55,8 +55,8 @@ class LaunchThreadsTest(unittest.TestCase):
     def test_more_threads_than_cpus_are_warned(self):
         output, threads = self.launch(1, ["--worker-threads", "2"])
         self.assertEqual(threads, [2])
-        self.assertRegex(output, r"shardserve launch: warning: 1 worker of 2 compute threads run 2 threads on this "
-                                 r"machine's 1 CPU: .* --worker-threads 1 \(the CPUs shared out, the default\)")
+        self.assertRegex(output, r"shardserve launch: warning: 1 worker of 2 compute threads run 2 threads on the "
+                                 r"1 CPU available here: .* --worker-threads 1 \(the CPUs shared out, the default\)")
 
     def test_the_default_shares_the_cpus_launch_may_use(self):
         output, threads = self.launch(1, [])

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -23,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/cpus.h"
 #include "base/flags.h"
 #include "security/tls.h"
 #include "telemetry/log.h"
@@ -84,8 +87,10 @@ constexpr char kUsage[] =
     "  --log-format             text (default) or json: one JSON object per line\n"
     "  --threads                --device cpu: threads for the CPU backend's matrix products and\n"
     "                           attention (oneDNN, OpenMP; its other ops run on the step thread); 0\n"
-    "                           (default): OpenMP's default (OMP_NUM_THREADS, else one per core).\n"
-    "                           Give each worker its share of the cores. Ignored on cuda\n"
+    "                           (default): OMP_NUM_THREADS where set, else the CPUs the worker may\n"
+    "                           use: those it may run on (its affinity), fewer under its container's\n"
+    "                           CPU limit (cgroup cpu.max or cfs quota, rounded up). Give each\n"
+    "                           worker its share of the cores. Ignored on cuda\n"
     "  --matmul-dtype           --device cpu: the matrix products' precision. bf16: weights kept in\n"
     "                           bfloat16 (half the memory), inputs rounded to bfloat16, sums in\n"
     "                           float32 (oneDNN's AMX / AVX-512 kernels; needs AVX-512): faster, logits\n"
@@ -192,6 +197,7 @@ int Main(int argc, char** argv) {
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0, coordinator_grace = 60;
   int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
+  std::string threads_note;  // for the log, where a CPU limit lowered the default --threads
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
@@ -239,6 +245,18 @@ int Main(int argc, char** argv) {
         !probe.ok()) {
       std::fprintf(stderr, "shardserve-worker: %s\n", std::string(probe.status().message()).c_str());
       return 1;
+    }
+    // --threads 0: OMP_NUM_THREADS where set (OpenMP's own default), else the CPUs this process may
+    // use, fewer than those it may run on under a container's CPU limit (base/cpus.h).
+    if (options.cpu_threads == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+      const int affinity = AffinityCpus();
+      const std::optional<double> limit = CgroupCpuLimit();
+      options.cpu_threads = UsableCpus(affinity, limit);
+      if (options.cpu_threads < affinity) {
+        threads_note = absl::StrCat(options.cpu_threads, options.cpu_threads == 1 ? " compute thread" : " compute threads",
+                                    ": the CPU limit of its control group is ",
+                                    *limit, " of the ", affinity, " CPUs it may run on (--threads sets another)");
+      }
     }
   }
   if (memory_gb == 0) {
@@ -338,6 +356,7 @@ int Main(int argc, char** argv) {
   ids.node = options.node;
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
             absl::StrCat("metrics on ", (*exposer)->url()), ids);
+  if (!threads_note.empty()) WorkerLog(absl::StrCat("worker (node ", options.node, ")"), threads_note, ids);
   if (!health_listen.empty()) {
     WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
               absl::StrCat("plaintext health on ", HostOf(health_listen), ":", health_port, " (grpc.health.v1)"), ids);

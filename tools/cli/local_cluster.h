@@ -15,7 +15,6 @@
 #ifndef SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
 #define SHARDSERVE_TOOLS_CLI_LOCAL_CLUSTER_H_
 
-#include <sched.h>
 #include <sys/types.h>
 
 #include <algorithm>
@@ -33,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "base/cpus.h"
 #include "base/flags.h"
 #include "security/tls.h"
 #include "kernels/cuda/cuda_switches.h"
@@ -168,17 +168,10 @@ inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "max-num-seqs", "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "micro-batches", "block-size",
     "heal-timeout-seconds", "num-speculative-tokens", "speculative-max-running"};
 
-// The CPUs this process may run on: its affinity (taskset, a container's cpuset), which is also
-// how many threads a worker started from it takes by default (OpenMP's count); at least 1.
-inline int64_t UsableCpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max<int64_t>(1, std::thread::hardware_concurrency());
-}
-
-// CPU threads per CPU worker when --worker-threads is not given: the CPUs shared out among the
-// workers, at least one each, so that workers do not oversubscribe the machine. (The test
-// harness, tests/cluster_harness.h, gives its workers the same.)
+// CPU threads per CPU worker when --worker-threads is not given: the CPUs this process may use
+// (base/cpus.h: its affinity, fewer under a CPU limit) shared out among the workers, at least one
+// each, so that workers do not oversubscribe the machine. (The test harness,
+// tests/cluster_harness.h, gives its workers the same.)
 inline int64_t DefaultWorkerThreads(int64_t workers, int64_t cpus = UsableCpus()) {
   return std::max<int64_t>(1, cpus / std::max<int64_t>(1, workers));
 }
@@ -194,7 +187,7 @@ inline std::string WorkerThreadsNote(int64_t workers, int64_t threads, int64_t c
   if (workers * each <= cpus || each <= share) return "";
   return absl::StrCat(workers, " worker", workers == 1 ? "" : "s", " of ", each, " compute thread",
                       each == 1 ? "" : "s", threads > 0 ? "" : " (--worker-threads 0: every CPU)", " run ",
-                      workers * each, " threads on this machine's ", cpus, " CPU", cpus == 1 ? "" : "s",
+                      workers * each, " threads on the ", cpus, " CPU", cpus == 1 ? "" : "s", " available here",
                       ": every step will take many times its time; --worker-threads ", share,
                       " (the CPUs shared out, the default) fits them");
 }

@@ -1,0 +1,133 @@
+// base/cpus.h: the CPU limit read from control-group trees laid out in a scratch directory as the
+// kernel shows them (cgroup v2's cpu.max, v1's cfs quota and period; /proc/self/cgroup and
+// /proc/self/mountinfo as their texts), and the threads a process takes under it.
+#include "base/cpus.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace shardserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CgroupTree : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::path(::testing::TempDir()) / ("cpus_test." + std::to_string(getpid()) + "." +
+                                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(root_);
+  }
+  // Writes `text` to `rel` under the scratch root, making its directories.
+  void Write(const std::string& rel, const std::string& text) {
+    const fs::path p = root_ / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p) << text;
+  }
+  std::optional<double> Limit(const std::string& cgroup, const std::string& mountinfo) {
+    return CgroupCpuLimit(cgroup, mountinfo, root_.string());
+  }
+  fs::path root_;
+};
+
+// A pure cgroup v2 host, as a Kubernetes node with cgroupns shows it from a container: the unified
+// hierarchy mounted at /sys/fs/cgroup with root "/".
+constexpr char kV2Mountinfo[] =
+    "24 30 0:22 / /proc rw,nosuid - proc proc rw\n"
+    "35 24 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate\n";
+
+TEST_F(CgroupTree, V2TheGroupsQuota) {
+  Write("sys/fs/cgroup/kubepods/pod1/c1/cpu.max", "250000 100000\n");
+  EXPECT_EQ(Limit("0::/kubepods/pod1/c1\n", kV2Mountinfo), 2.5);
+}
+
+TEST_F(CgroupTree, V2TheLeastAlongTheAncestors) {
+  Write("sys/fs/cgroup/kubepods/cpu.max", "max 100000\n");
+  Write("sys/fs/cgroup/kubepods/pod1/cpu.max", "150000 100000\n");  // the pod's limit
+  Write("sys/fs/cgroup/kubepods/pod1/c1/cpu.max", "400000 100000\n");
+  EXPECT_EQ(Limit("0::/kubepods/pod1/c1\n", kV2Mountinfo), 1.5);
+}
+
+TEST_F(CgroupTree, V2NoLimit) {
+  Write("sys/fs/cgroup/user.slice/cpu.max", "max 100000\n");
+  EXPECT_EQ(Limit("0::/user.slice\n", kV2Mountinfo), std::nullopt);
+  EXPECT_EQ(Limit("0::/\n", kV2Mountinfo), std::nullopt);  // the root has no cpu.max
+  EXPECT_EQ(Limit("0::/not/made\n", kV2Mountinfo), std::nullopt);
+}
+
+TEST_F(CgroupTree, V2UnreadableValuesAreNoLimit) {
+  for (const char* text : {"", "100000", "abc 100000", "100000 0", "-5 100000", "100000 100000 7", "1e5 1e5"}) {
+    Write("sys/fs/cgroup/g/cpu.max", text);
+    EXPECT_EQ(Limit("0::/g\n", kV2Mountinfo), std::nullopt) << text;
+  }
+}
+
+// cgroup v1 (or hybrid, as Debian 12 hosts with systemd in legacy mode): the cpu controller's
+// line and mount decide; the unified hierarchy beside it is not read.
+TEST_F(CgroupTree, V1TheCpuControllersQuota) {
+  const std::string mountinfo =
+      "40 35 0:34 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+      "41 35 0:35 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n"
+      "42 35 0:36 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw\n";
+  Write("sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "300000\n");
+  Write("sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n");
+  Write("sys/fs/cgroup/cpu,cpuacct/docker/cpu.cfs_quota_us", "-1\n");
+  Write("sys/fs/cgroup/cpu,cpuacct/docker/cpu.cfs_period_us", "100000\n");
+  Write("sys/fs/cgroup/unified/docker/abc/cpu.max", "50000 100000\n");  // not the cpu controller's
+  const std::string cgroup = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n0::/docker/abc\n";
+  EXPECT_EQ(Limit(cgroup, mountinfo), 3.0);
+  Write("sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n");
+  EXPECT_EQ(Limit(cgroup, mountinfo), std::nullopt);
+}
+
+// A container without a cgroup namespace on v1: the group's directory is bind-mounted as the
+// hierarchy's mount, whose root is the group's path.
+TEST_F(CgroupTree, V1AMountWhoseRootIsTheGroup) {
+  const std::string mountinfo = "50 40 0:34 /docker/abc /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
+  Write("sys/fs/cgroup/cpu/cpu.cfs_quota_us", "50000\n");
+  Write("sys/fs/cgroup/cpu/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(Limit("2:cpu:/docker/abc\n", mountinfo), 0.5);
+  // Outside the mount's root, or outside the namespace: not visible, no limit read.
+  EXPECT_EQ(Limit("2:cpu:/other\n", mountinfo), std::nullopt);
+  EXPECT_EQ(Limit("2:cpu:/docker/abcd\n", mountinfo), std::nullopt);
+  Write("sys/fs/x/cpu.max", "100000 100000\n");  // where "/../x" would lead from the mount
+  EXPECT_EQ(Limit("0::/../x\n", kV2Mountinfo), std::nullopt);
+}
+
+TEST_F(CgroupTree, MalformedTextsAreNoLimit) {
+  for (const char* cgroup : {"", "garbage", "0:/x", "::::", "0::"}) {
+    for (const char* mountinfo : {"", "garbage\n", "1 2 3\n", "35 24 0:30 / /sys/fs/cgroup - cgroup2\n", kV2Mountinfo}) {
+      EXPECT_EQ(Limit(cgroup, mountinfo), std::nullopt) << cgroup << " | " << mountinfo;
+    }
+  }
+  EXPECT_EQ(Limit("0::/g\n", "35 24 0:30 / /sys/fs/cgroup rw - ext4 /dev/sda rw\n"), std::nullopt);
+}
+
+TEST(UsableCpus, TheLimitRoundedUpUnderTheAffinity) {
+  EXPECT_EQ(UsableCpus(8, std::nullopt), 8);
+  EXPECT_EQ(UsableCpus(8, 2.5), 3);
+  EXPECT_EQ(UsableCpus(8, 4.0), 4);
+  EXPECT_EQ(UsableCpus(8, 150000.0 / 100000.0), 2);
+  EXPECT_EQ(UsableCpus(8, 300000.0 / 100000.0), 3);
+  EXPECT_EQ(UsableCpus(2, 4.0), 2);  // a limit above the CPUs changes nothing
+  EXPECT_EQ(UsableCpus(8, 0.5), 1);  // at least one
+  EXPECT_EQ(UsableCpus(0, std::nullopt), 1);
+}
+
+TEST(UsableCpus, ThisProcessHasAtLeastOneAndNoMoreThanItsAffinity) {
+  EXPECT_GE(UsableCpus(), 1);
+  EXPECT_LE(UsableCpus(), AffinityCpus());
+}
+
+}  // namespace
+}  // namespace shardserve
