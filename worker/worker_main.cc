@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -24,8 +25,9 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "base/cpus.h"
+#include "base/resource_limits.h"
 #include "base/flags.h"
 #include "security/tls.h"
 #include "telemetry/log.h"
@@ -59,8 +61,9 @@ constexpr char kUsage[] =
     "  --device                 cpu (default) or cuda:K\n"
     "  --listen                 this worker's gRPC server (health, reflection); port 0 picks a free\n"
     "                           port (default 127.0.0.1:0)\n"
-    "  --memory-gb              memory for weights and KV cache, GiB (default: the host's memory on\n"
-    "                           cpu, the GPU's on cuda)\n"
+    "  --memory-gb              memory for weights and KV cache, GiB (default: on cpu the host's\n"
+    "                           memory, or its container's memory limit where lower; the GPU's on\n"
+    "                           cuda)\n"
     "  --memory-bandwidth-gbps  that memory's peak bandwidth, GB/s, for the decode estimate of the\n"
     "                           plan (`shardserve status`); it places nothing (default 0: on cuda the\n"
     "                           GPU's, from CUDA; on cpu none, and the coordinator assumes 20)\n"
@@ -143,9 +146,10 @@ std::string HostOf(const std::string& address) {
 
 bool IsWildcard(const std::string& host) { return host.empty() || host == "0.0.0.0" || host == "[::]" || host == "::"; }
 
-// What the device holds: the host's physical memory for cpu, the GPU's for cuda:K.
+// What the device holds: for cpu the host's physical memory, or the memory limit of this
+// process's control group where that is lower (base/resource_limits.h); the GPU's for cuda:K.
 absl::StatusOr<int64_t> DeviceMemoryBytes(int cuda_ordinal) {
-  if (cuda_ordinal < 0) return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  if (cuda_ordinal < 0) return UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit());
 #if SHARDSERVE_HAVE_CUDA
   size_t free_bytes = 0, total_bytes = 0;
   cudaError_t err = cudaSetDevice(cuda_ordinal);
@@ -197,7 +201,7 @@ int Main(int argc, char** argv) {
   double memory_gb = 0, connect_timeout = 60, bandwidth_gbps = 0, coordinator_grace = 60;
   int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
-  std::string threads_note;  // for the log, where a CPU limit lowered the default --threads
+  std::vector<std::string> limit_notes;  // for the log, where a cgroup limit lowered a default
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
@@ -247,15 +251,15 @@ int Main(int argc, char** argv) {
       return 1;
     }
     // --threads 0: OMP_NUM_THREADS where set (OpenMP's own default), else the CPUs this process may
-    // use, fewer than those it may run on under a container's CPU limit (base/cpus.h).
+    // use, fewer than those it may run on under a container's CPU limit (base/resource_limits.h).
     if (options.cpu_threads == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
       const int affinity = AffinityCpus();
       const std::optional<double> limit = CgroupCpuLimit();
       options.cpu_threads = UsableCpus(affinity, limit);
       if (options.cpu_threads < affinity) {
-        threads_note = absl::StrCat(options.cpu_threads, options.cpu_threads == 1 ? " compute thread" : " compute threads",
+        limit_notes.push_back(absl::StrCat(options.cpu_threads, options.cpu_threads == 1 ? " compute thread" : " compute threads",
                                     ": the CPU limit of its control group is ",
-                                    *limit, " of the ", affinity, " CPUs it may run on (--threads sets another)");
+                                    *limit, " of the ", affinity, " CPUs it may run on (--threads sets another)"));
       }
     }
   }
@@ -266,6 +270,12 @@ int Main(int argc, char** argv) {
       return 1;
     }
     options.memory_bytes = *memory;
+    if (*cuda_ordinal < 0 && *memory < HostMemoryBytes()) {
+      limit_notes.push_back(absl::StrFormat(
+          "%.2f GiB for weights and KV cache: the memory limit of its control group, of the host's %.2f GiB "
+          "(--memory-gb sets another)",
+          *memory / 1073741824.0, HostMemoryBytes() / 1073741824.0));
+    }
   } else {
     options.memory_bytes = static_cast<int64_t>(memory_gb * (1ull << 30));
   }
@@ -356,7 +366,7 @@ int Main(int argc, char** argv) {
   ids.node = options.node;
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
             absl::StrCat("metrics on ", (*exposer)->url()), ids);
-  if (!threads_note.empty()) WorkerLog(absl::StrCat("worker (node ", options.node, ")"), threads_note, ids);
+  for (const std::string& note : limit_notes) WorkerLog(absl::StrCat("worker (node ", options.node, ")"), note, ids);
   if (!health_listen.empty()) {
     WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
               absl::StrCat("plaintext health on ", HostOf(health_listen), ":", health_port, " (grpc.health.v1)"), ids);

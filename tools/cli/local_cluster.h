@@ -32,7 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "base/cpus.h"
+#include "base/resource_limits.h"
 #include "base/flags.h"
 #include "security/tls.h"
 #include "kernels/cuda/cuda_switches.h"
@@ -169,8 +169,8 @@ inline constexpr const char* kCoordinatorPassThroughFlags[] = {
     "heal-timeout-seconds", "num-speculative-tokens", "speculative-max-running"};
 
 // CPU threads per CPU worker when --worker-threads is not given: the CPUs this process may use
-// (base/cpus.h: its affinity, fewer under a CPU limit) shared out among the workers, at least one
-// each, so that workers do not oversubscribe the machine. (The test harness,
+// (base/resource_limits.h: its affinity, fewer under a CPU limit) shared out among the workers, at
+// least one each, so that workers do not oversubscribe the machine. (The test harness,
 // tests/cluster_harness.h, gives its workers the same.)
 inline int64_t DefaultWorkerThreads(int64_t workers, int64_t cpus = UsableCpus()) {
   return std::max<int64_t>(1, cpus / std::max<int64_t>(1, workers));

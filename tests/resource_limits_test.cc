@@ -1,7 +1,8 @@
-// base/cpus.h: the CPU limit read from control-group trees laid out in a scratch directory as the
-// kernel shows them (cgroup v2's cpu.max, v1's cfs quota and period; /proc/self/cgroup and
-// /proc/self/mountinfo as their texts), and the threads a process takes under it.
-#include "base/cpus.h"
+// base/resource_limits.h: the CPU and memory limits read from control-group trees laid out in a
+// scratch directory as the kernel shows them (cgroup v2's cpu.max and memory.max, v1's cfs quota
+// and period and memory.limit_in_bytes; /proc/self/cgroup and /proc/self/mountinfo as their
+// texts), and the threads and memory a process takes under them.
+#include "base/resource_limits.h"
 
 #include <unistd.h>
 
@@ -20,7 +21,7 @@ namespace fs = std::filesystem;
 class CgroupTree : public ::testing::Test {
  protected:
   void SetUp() override {
-    root_ = fs::path(::testing::TempDir()) / ("cpus_test." + std::to_string(getpid()) + "." +
+    root_ = fs::path(::testing::TempDir()) / ("resource_limits_test." + std::to_string(getpid()) + "." +
                                               ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(root_);
     fs::create_directories(root_);
@@ -111,6 +112,38 @@ TEST_F(CgroupTree, MalformedTextsAreNoLimit) {
     }
   }
   EXPECT_EQ(Limit("0::/g\n", "35 24 0:30 / /sys/fs/cgroup rw - ext4 /dev/sda rw\n"), std::nullopt);
+}
+
+TEST_F(CgroupTree, V2MemoryTheLeastAlongTheAncestors) {
+  Write("sys/fs/cgroup/kubepods/memory.max", "max\n");
+  Write("sys/fs/cgroup/kubepods/pod1/memory.max", "2147483648\n");  // the pod's 2Gi
+  Write("sys/fs/cgroup/kubepods/pod1/c1/memory.max", "4294967296\n");
+  Write("sys/fs/cgroup/kubepods/pod1/c1/cpu.max", "max 100000\n");
+  EXPECT_EQ(Limit("0::/kubepods/pod1/c1\n", kV2Mountinfo), std::nullopt);  // the cpu limit: none
+  EXPECT_EQ(CgroupMemoryLimit("0::/kubepods/pod1/c1\n", kV2Mountinfo, root_.string()), 2147483648.0);
+  for (const char* text : {"max", "", "2G", "-1", "0"}) {
+    Write("sys/fs/cgroup/kubepods/pod1/memory.max", text);
+    EXPECT_EQ(CgroupMemoryLimit("0::/kubepods/pod1/c1\n", kV2Mountinfo, root_.string()), 4294967296.0) << text;
+  }
+}
+
+TEST_F(CgroupTree, V1MemoryTheMemoryControllersLimit) {
+  const std::string mountinfo =
+      "40 35 0:34 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct\n"
+      "41 35 0:35 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n";
+  const std::string cgroup = "4:memory:/process_api/abc\n3:cpu,cpuacct:/\n";
+  Write("sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");  // v1's "none"
+  EXPECT_EQ(CgroupMemoryLimit(cgroup, mountinfo, root_.string()), std::nullopt);
+  Write("sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes", "1073741824\n");
+  EXPECT_EQ(CgroupMemoryLimit(cgroup, mountinfo, root_.string()), 1073741824.0);
+  EXPECT_EQ(Limit(cgroup, mountinfo), std::nullopt);  // the cpu hierarchy's root holds no quota
+}
+
+TEST(UsableMemoryBytes, TheLimitWhereLower) {
+  EXPECT_EQ(UsableMemoryBytes(int64_t{64} << 30, std::nullopt), int64_t{64} << 30);
+  EXPECT_EQ(UsableMemoryBytes(int64_t{64} << 30, 2147483648.0), int64_t{2} << 30);
+  EXPECT_EQ(UsableMemoryBytes(int64_t{1} << 30, 2147483648.0), int64_t{1} << 30);
+  EXPECT_GT(HostMemoryBytes(), 0);
 }
 
 TEST(UsableCpus, TheLimitRoundedUpUnderTheAffinity) {
