@@ -8,9 +8,9 @@
 2. `bench --address` on a port nobody listens on fails within seconds, non-zero, naming the address.
 3. Ctrl-C: SIGINT to bench while it loads a cluster: exit 130 within seconds, nothing left behind.
 4. Flag forwarding: `bench --compare pp2/serial,pp2/serial` with scheduler flags and
-   --worker-threads; the command lines in each round's log dir (pp2_serial, then pp2_serial_2: a
-   layout run twice keeps both rounds' logs) carry them (--micro-batches 1 from /serial), and both
-   runs complete.
+   --worker-threads and --worker-memory-gb; the command lines in each round's log dir (pp2_serial,
+   then pp2_serial_2: a layout run twice keeps both rounds' logs) carry them (--micro-batches 1 from
+   /serial), and both runs complete.
 5. The multi-turn chat load: `bench --compare tp1,tp1/no-prefix-caching --chat-turns 3` with a
    shared system prompt: every turn completes in both; the first run has prefix caching on and
    reports cached prompt tokens (more than the system prompt's full blocks alone, since later
@@ -194,7 +194,7 @@ def case_forwarding(work, old_binaries):
     rc, out, err, sid = run_bench(["--compare", "pp2/serial,pp2/serial", "--num-requests", "2", "--concurrency", "2",
                                    "--input-len", "8", "--output-len", "4", "--warmup", "0", "--json",
                                    "--max-num-seqs", "4", "--block-size", "16", "--worker-threads", "1",
-                                   "--log-dir", logs])
+                                   "--worker-memory-gb", "3", "--log-dir", logs])
     left = leftovers(sid)
     kill_session(sid)
     check(not left, f"processes left behind after bench exited:\n{left}")
@@ -206,7 +206,8 @@ def case_forwarding(work, old_binaries):
         check(len(coordinator) == 1, f"{round_dir}/commands.sh: {lines}")
         for flag in ("--nodes 2", "--gpus-per-node 1", "--max-num-seqs 4", "--block-size 16", "--micro-batches 1"):
             check(flag in coordinator[0], f"coordinator command lacks '{flag}': {coordinator[0]}")
-        check(len(workers) == 2 and all(w.endswith("--threads 1") for w in workers), f"worker commands: {workers}")
+        check(len(workers) == 2 and all(w.endswith("--threads 1 --memory-gb 3.000") for w in workers),
+              f"worker commands: {workers}")
     check(rc == 0, f"bench --compare pp2/serial,pp2/serial exited {rc}\nstderr:\n{err}")
     runs = json.loads(out)["runs"]
     check(len(runs) == 2, f"runs: {runs}")

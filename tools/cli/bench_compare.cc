@@ -175,8 +175,7 @@ CompareRun RunLayout(const Layout& layout, int round, const CompareOptions& o, L
     }
   }
   co.http_free_port = layout.http;
-  const int64_t threads = o.cluster.WorkerThreads(workers);
-  if (threads > 0) co.worker_flags = {"--threads", std::to_string(threads)};
+  co.worker_flags = o.cluster.WorkerArgs(workers);
   if (const std::string note = o.cluster.WorkerThreadsNote(workers); !note.empty()) {
     std::fprintf(stderr, "bench: %s: warning: %s\n", layout.name.c_str(), note.c_str());
   }

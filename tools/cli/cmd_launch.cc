@@ -33,6 +33,7 @@ constexpr char kUsage[] =
     "usage: shardserve launch [--model DIR] [--nodes N] [--gpus-per-node G] [--device cpu|cuda]\n"
     "                         [--address HOST:PORT] [--max-model-len L] [--log-dir DIR] [--ready-timeout-seconds S]\n"
     "                         [--metrics-port-base P] [--log-format text|json] [--worker-threads N]\n"
+    "                         [--worker-memory-gb G]\n"
     "                         [--max-num-seqs N] [--max-waiting-requests N] [--max-tokens-per-step T]\n"
     "                         [--num-kv-blocks N] [--micro-batches K] [--block-size B]\n"
     "                         [--worker-matmul-dtype auto|f32|bf16] [--quantization none|int8|int4|fp8]\n"
@@ -63,6 +64,9 @@ constexpr char kUsage[] =
     "  --worker-threads      CPU threads of each worker (worker --threads); default on cpu: the CPUs\n"
     "                        launch may use divided by the number of workers, at least 1; 0: the\n"
     "                        worker's default (every CPU); more threads than CPUs in all: a warning\n"
+    "  --worker-memory-gb    GiB for each worker's weights and KV cache (worker --memory-gb); default\n"
+    "                        on cpu: the memory launch may use divided by the number of workers; 0:\n"
+    "                        the worker's default\n"
     "  --worker-matmul-dtype  cpu: the products' precision (worker --matmul-dtype): auto (default:\n"
     "                        bf16 for a bf16 checkpoint on a CPU with bf16 instructions, else f32),\n"
     "                        f32, or bf16 (faster, half the weight memory, logits ~1e-2 from f32's)\n"
@@ -244,11 +248,10 @@ int Run(const std::vector<std::string>& args) {
       options.coordinator_flags.insert(options.coordinator_flags.end(), {absl::StrCat("--", name), flags->Get(name)});
     }
   }
-  // --threads for every worker: given, or on cpu the CPUs shared out among the workers; 0 leaves
-  // it to the worker. Threads past the CPUs are said once, here (spares compute nothing until they
-  // take a slot, and are not counted).
-  const int64_t worker_threads = cluster_flags->WorkerThreads(*nodes * *gpus);
-  if (worker_threads > 0) options.worker_flags = {"--threads", std::to_string(worker_threads)};
+  // --threads and --memory-gb for every worker: given, or on cpu the CPUs and the memory shared out
+  // among the workers; 0 leaves them to the worker. Threads past the CPUs are said once, here
+  // (spares compute nothing and hold no shard until they take a slot, and are not counted).
+  options.worker_flags = cluster_flags->WorkerArgs(*nodes * *gpus);
   if (const std::string note = cluster_flags->WorkerThreadsNote(*nodes * *gpus); !note.empty()) {
     std::fprintf(stderr, "shardserve launch: warning: %s\n", note.c_str());
   }

@@ -25,7 +25,8 @@
 namespace shardserve::cli {
 
 std::set<std::string> ClusterFlags::Names() {
-  std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-matmul-dtype",
+  std::set<std::string> names = {"model", "device", "ready-timeout-seconds", "worker-threads", "worker-memory-gb",
+                                 "worker-matmul-dtype",
                                  "worker-collectives", "worker-dummy-weights", "max-model-len", "quantization",
                                  "load-format", "dummy-seed", "activation-quantization", "speculative",
                                  "draft-model"};
@@ -47,6 +48,11 @@ absl::StatusOr<ClusterFlags> ClusterFlags::Parse(const Flags& f) {
     int64_t threads = 0;
     SHARDSERVE_RETURN_IF_ERROR(f.Int("worker-threads", 0, 4096, &threads));
     c.worker_threads = threads;
+  }
+  if (f.Has("worker-memory-gb")) {
+    double gb = 0;
+    SHARDSERVE_RETURN_IF_ERROR(f.Double("worker-memory-gb", 0, 1 << 24, &gb));  // the worker's --memory-gb range
+    c.worker_memory_gb = gb;
   }
   if (f.Has("worker-matmul-dtype")) {
     std::string dtype;

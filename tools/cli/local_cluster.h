@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/resource_limits.h"
 #include "base/flags.h"
 #include "security/tls.h"
@@ -198,6 +199,7 @@ struct ClusterFlags {
   std::string device = "cpu";             // --device cpu|cuda
   int64_t ready_timeout_s = 300;          // --ready-timeout-seconds
   std::optional<int64_t> worker_threads;  // --worker-threads as given (0: the worker's default)
+  std::optional<double> worker_memory_gb;  // --worker-memory-gb as given (0: the worker's default)
   // --worker-X V (matmul-dtype, collectives, dummy-weights) as the workers' --X V, and
   // --activation-quantization V as theirs under the same name, and the switches
   // --worker-no-cuda-... (kernels/cuda/cuda_switches.h) as their --no-cuda-... switches.
@@ -218,6 +220,24 @@ struct ClusterFlags {
   // on cpu DefaultWorkerThreads, on cuda 0 (the worker's default).
   int64_t WorkerThreads(int64_t workers) const {
     return worker_threads.value_or(device == "cpu" ? DefaultWorkerThreads(workers) : 0);
+  }
+  // Each worker's --memory-gb for `workers` workers on this machine: --worker-memory-gb as given,
+  // else on cpu this process's UsableMemoryBytes() shared out among them (each holds its own shard
+  // and KV cache), on cuda 0 (the worker's default: its GPU's).
+  double WorkerMemoryGb(int64_t workers) const {
+    return worker_memory_gb.value_or(
+        device == "cpu" ? static_cast<double>(UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit())) /
+                              static_cast<double>(std::max<int64_t>(1, workers)) / 1073741824.0
+                        : 0);
+  }
+  // The workers' --threads and --memory-gb (WorkerThreads, WorkerMemoryGb), each where not 0.
+  std::vector<std::string> WorkerArgs(int64_t workers) const {
+    std::vector<std::string> args;
+    if (const int64_t threads = WorkerThreads(workers); threads > 0) args = {"--threads", std::to_string(threads)};
+    if (const double gb = WorkerMemoryGb(workers); gb > 0) {
+      args.insert(args.end(), {"--memory-gb", absl::StrFormat("%.3f", gb)});
+    }
+    return args;
   }
   // WorkerThreadsNote of WorkerThreads(workers) on cpu, on this machine's UsableCpus(); "" on cuda.
   std::string WorkerThreadsNote(int64_t workers) const {
