@@ -27,8 +27,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "base/resource_limits.h"
 #include "base/flags.h"
+#include "base/resource_limits.h"
 #include "security/tls.h"
 #include "telemetry/log.h"
 #include "telemetry/metrics_http.h"
@@ -257,9 +257,10 @@ int Main(int argc, char** argv) {
       const std::optional<double> limit = CgroupCpuLimit();
       options.cpu_threads = UsableCpus(affinity, limit);
       if (options.cpu_threads < affinity) {
-        limit_notes.push_back(absl::StrCat(options.cpu_threads, options.cpu_threads == 1 ? " compute thread" : " compute threads",
-                                    ": the CPU limit of its control group is ",
-                                    *limit, " of the ", affinity, " CPUs it may run on (--threads sets another)"));
+        limit_notes.push_back(absl::StrCat(options.cpu_threads,
+                                           options.cpu_threads == 1 ? " compute thread" : " compute threads",
+                                           ": the CPU limit of its control group is ", *limit, " of the ", affinity,
+                                           " CPUs it may run on (--threads sets another)"));
       }
     }
   }
