@@ -235,12 +235,13 @@ def read_events(log_dir):
     return events
 
 
-def read_deaths(launch):
-    """[(name, pid, how)] of every process launch saw end ("shardserve launch: worker node0/1 (pid 123)
-    killed by signal 9 (Killed); last lines of ..."), in order."""
+def read_deaths(output):
+    """[(name, pid, how)] of every process launch saw end in its `output` ("shardserve launch: worker
+    node0/1 (pid 123) killed by signal 9 (Killed); last lines of ..."), in order. A process started
+    as a spare keeps that name when it has taken a slot ("spare node0/0 (pid 124) ...")."""
     return [(m.group(1), int(m.group(2)), m.group(3)) for m in
-            re.finditer(r"^shardserve launch: (coordinator|worker \S+) \(pid (\d+)\) (.+?); last lines of ",
-                        launch.output(), re.M)]
+            re.finditer(r"^shardserve launch: (coordinator|worker \S+|spare \S+) \(pid (\d+)\) (.+?); last lines of ",
+                        output, re.M)]
 
 
 def check_deaths(kills, deaths, sig):
@@ -458,7 +459,7 @@ def main():
         lost_requests = [r for r in records if not r["ok"]]
         differing = [r for r in completed if r["tokens"] != reference[r["index"]]]
         disturbed = [r for r in records if any(r["start"] < k.get("time", -1) < r["end"] for k in kills)]
-        deaths = read_deaths(launch)
+        deaths = read_deaths(launch.output())
         death_problems = check_deaths(kills, deaths, signal.SIGKILL)
         kills_unstreamed = [h["at_s"] for h in heals if h["streaming"] == 0]
         heal_metrics = scrape_heal_metrics(log_dir)
