@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "fuzz/seeds.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/message_lite.h"
@@ -33,14 +34,11 @@ inline void Say(const char* what, const absl::Status& s) {
 
 // For LLVMFuzzerInitialize: quiets protobuf's log (parsing logs each refusal of a non-UTF-8
 // string), reads SHARDSERVE_FUZZ_VERBOSE, and with SHARDSERVE_FUZZ_WRITE_SEEDS=DIR calls
-// write_seeds(DIR) and exits.
+// write_seeds(DIR) and exits (WriteSeedsIfAsked).
 inline void Initialize(void (*write_seeds)(const std::string& dir)) {
   google::protobuf::SetLogHandler(nullptr);
   Verbose() = std::getenv("SHARDSERVE_FUZZ_VERBOSE") != nullptr;
-  if (const char* dir = std::getenv("SHARDSERVE_FUZZ_WRITE_SEEDS")) {
-    write_seeds(dir);
-    std::exit(0);
-  }
+  WriteSeedsIfAsked(write_seeds);
 }
 
 // The next delimited message of `in` into `m` (cleared first: the parser merges); false at the

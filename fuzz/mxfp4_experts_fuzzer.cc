@@ -35,6 +35,7 @@
 
 #include "fuzz/check.h"
 #include "fuzz/scratch_checkpoint.h"
+#include "fuzz/seeds.h"
 #include "kernels/quant.h"
 #include "model/checkpoint.h"
 #include "model/config.h"
@@ -49,6 +50,7 @@ using shardserve_fuzz::MakeScratchDir;
 using shardserve_fuzz::ReadFileBytes;
 using shardserve_fuzz::SafetensorsFile;
 using shardserve_fuzz::WriteSafetensors;
+using shardserve_fuzz::WriteSeedsIfAsked;
 
 namespace fs = std::filesystem;
 using shardserve::kMxfp4BlockBytes;
@@ -145,10 +147,7 @@ void WriteSeeds(const std::string& dir) {
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   Products();
-  if (const char* dir = std::getenv("SHARDSERVE_FUZZ_WRITE_SEEDS")) {
-    WriteSeeds(dir);
-    std::exit(0);
-  }
+  WriteSeedsIfAsked(WriteSeeds);
   return 0;
 }
 
