@@ -215,6 +215,9 @@ inline int64_t UsableMemoryBytes(int64_t host, std::optional<double> limit) {
   return limit && *limit < static_cast<double>(host) ? static_cast<int64_t>(*limit) : host;
 }
 
+// UsableMemoryBytes of this process.
+inline int64_t UsableMemoryBytes() { return UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit()); }
+
 }  // namespace shardserve
 
 #endif  // SHARDSERVE_BASE_RESOURCE_LIMITS_H_

@@ -149,7 +149,7 @@ bool IsWildcard(const std::string& host) { return host.empty() || host == "0.0.0
 // What the device holds: for cpu the host's physical memory, or the memory limit of this
 // process's control group where that is lower (base/resource_limits.h); the GPU's for cuda:K.
 absl::StatusOr<int64_t> DeviceMemoryBytes(int cuda_ordinal) {
-  if (cuda_ordinal < 0) return UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit());
+  if (cuda_ordinal < 0) return UsableMemoryBytes();
 #if SHARDSERVE_HAVE_CUDA
   size_t free_bytes = 0, total_bytes = 0;
   cudaError_t err = cudaSetDevice(cuda_ordinal);

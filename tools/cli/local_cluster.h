@@ -25,7 +25,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -226,7 +225,7 @@ struct ClusterFlags {
   // and KV cache), on cuda 0 (the worker's default: its GPU's).
   double WorkerMemoryGb(int64_t workers) const {
     return worker_memory_gb.value_or(
-        device == "cpu" ? static_cast<double>(UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit())) /
+        device == "cpu" ? static_cast<double>(UsableMemoryBytes()) /
                               static_cast<double>(std::max<int64_t>(1, workers)) / 1073741824.0
                         : 0);
   }
