@@ -1,7 +1,8 @@
 """tools/bench/chaos_bench.py's accounting of the processes launch saw end, on made-up launch output
 (no cluster): every killed worker must have died once, by the signal sent, whether it was started as
-a worker or as a spare that had taken a slot; a process the benchmark did not kill is reported. The
-chaos run itself is chaos_bench_test, and by hand (docs/security.md).
+a worker or as a spare that had taken a slot; a process the benchmark did not kill is reported. Also
+its refusal of a --launch-flag that names a flag of launch's it sets itself. The chaos run itself is
+chaos_bench_test, and by hand (docs/security.md).
 
 Run by CTest as: clients/python/setup-env.sh, then .venv-client/bin/python tests/chaos_check_test.py
 """
@@ -11,7 +12,7 @@ import sys
 import unittest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "bench"))
-from chaos_bench import check_deaths, read_deaths  # noqa: E402
+from chaos_bench import check_deaths, launch_flag_errors, read_deaths  # noqa: E402
 
 OUTPUT = """shardserve launch: coordinator + 4 workers (2 node(s) x 2), model m, logs in /tmp/x
 shardserve launch: worker node1/1 (pid 100) killed by signal 9 (Killed); last lines of /tmp/x/worker-node1-1.log:
@@ -43,6 +44,22 @@ class ChaosAccountingTest(unittest.TestCase):
         problems = check_deaths(kills, read_deaths(OUTPUT.replace("pid 101) killed by signal 9 (Killed)",
                                                                   "pid 101) exited with code 1")), signal.SIGKILL)
         self.assertEqual(problems, ["worker pid 101 (stage 0 tp rank 0) was sent SIGKILL but exited with code 1"])
+
+
+class LaunchFlagsTest(unittest.TestCase):
+    def test_flags_the_benchmark_sets_are_refused_naming_its_own(self):
+        # A spare given to launch past the benchmark: the report would say 0 spares.
+        self.assertEqual(launch_flag_errors(["--spare-workers", "1"]),
+                         ["--launch-flag=--spare-workers: chaos_bench sets launch's --spare-workers itself; "
+                          "give chaos_bench's --spare-workers"])
+        self.assertEqual(launch_flag_errors(["--heal-timeout-seconds=5", "--http-port=8000"]),
+                         ["--launch-flag=--heal-timeout-seconds=5: chaos_bench sets launch's --heal-timeout-seconds "
+                          "itself; give chaos_bench's --heal-timeout",
+                          "--launch-flag=--http-port=8000: chaos_bench sets launch's --http-port itself"])
+
+    def test_other_flags_pass(self):
+        self.assertEqual(launch_flag_errors(["--worker-threads", "1", "--worker-collectives=gloo", "--expert-parallel"]),
+                         [])
 
 
 if __name__ == "__main__":

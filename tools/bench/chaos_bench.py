@@ -79,6 +79,27 @@ def log(message):
 
 # ---- launch and its processes -------------------------------------------------------------------
 
+# launch's flags the benchmark sets itself, with the benchmark's own flag for each where it has one:
+# given again by --launch-flag, launch would take the later value while the report says the earlier.
+OWN_LAUNCH_FLAGS = {"--model": "--model", "--nodes": "--nodes", "--gpus-per-node": "--gpus-per-node",
+                    "--spare-workers": "--spare-workers", "--heal-timeout-seconds": "--heal-timeout",
+                    "--log-dir": "--log-dir", "--address": None, "--metrics-port-base": None, "--http-port": None,
+                    "--insecure": None, "--log-format": None, "--max-worker-restarts": None}
+
+
+def launch_flag_errors(launch_flags):
+    """What is wrong with the --launch-flag arguments: one line for each that names a flag of launch's
+    the benchmark sets itself (OWN_LAUNCH_FLAGS), saying which of its own flags to use instead."""
+    errors = []
+    for flag in launch_flags:
+        name = flag.split("=", 1)[0]
+        if name in OWN_LAUNCH_FLAGS:
+            own = OWN_LAUNCH_FLAGS[name]
+            errors.append(f"--launch-flag={flag}: chaos_bench sets launch's {name} itself"
+                          + (f"; give chaos_bench's {own}" if own else ""))
+    return errors
+
+
 class Launch(LaunchProcess):
     """`shardserve launch` of the benchmark's cluster, in a session of its own (tools/ci/launch_process.py)."""
 
@@ -326,6 +347,8 @@ def main():
     args = p.parse_args()
     if args.streams < 1 or args.duration <= 0 or args.kill_every <= 0 or args.num_prompts < 1:
         p.error("--streams, --duration, --kill-every and --num-prompts must be positive")
+    if errors := launch_flag_errors(args.launch_flags):
+        p.error("; ".join(errors))
     global TIME_SCALE
     try:
         TIME_SCALE = time_scale()
