@@ -10,7 +10,8 @@
 // takes tens of milliseconds more. A memory limit is enforced by the OOM killer: a worker that
 // sized its KV cache by the host's memory is killed when it fills it. The CPU worker takes
 // UsableCpus() threads and UsableMemoryBytes() of memory by default, and `shardserve launch` shares
-// the CPUs out among its workers.
+// the CPUs out among its workers. Also what a process uses: the memory figures of /proc/PID/status
+// (a CPU worker's own memory beside its buffers; the peak RSS `shardserve bench --compare` reports).
 #ifndef SHARDSERVE_BASE_RESOURCE_LIMITS_H_
 #define SHARDSERVE_BASE_RESOURCE_LIMITS_H_
 
@@ -217,6 +218,30 @@ inline int64_t UsableMemoryBytes(int64_t host, std::optional<double> limit) {
 
 // UsableMemoryBytes of this process.
 inline int64_t UsableMemoryBytes() { return UsableMemoryBytes(HostMemoryBytes(), CgroupMemoryLimit()); }
+
+// A memory figure of a process's /proc/PID/status ("VmHWM": its peak resident set; "RssAnon": its
+// anonymous memory resident now, which a memory limit cannot reclaim as it can the page cache), in
+// bytes: `status` is the file's text. nullopt where the field is missing or not "<N> kB".
+inline std::optional<int64_t> StatusFieldBytes(absl::string_view status, absl::string_view field) {
+  for (absl::string_view line : absl::StrSplit(status, '\n')) {
+    if (!absl::ConsumePrefix(&line, field) || !absl::ConsumePrefix(&line, ":")) continue;
+    std::vector<absl::string_view> words = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    int64_t kib = 0;
+    if (words.size() != 2 || words[1] != "kB" || !absl::SimpleAtoi(words[0], &kib) || kib < 0 ||
+        kib > (int64_t{1} << 50)) {
+      return std::nullopt;
+    }
+    return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+// StatusFieldBytes of process `pid`'s /proc/PID/status ("self": this process's); nullopt also where
+// the file cannot be read (the process has gone).
+inline std::optional<int64_t> ProcStatusBytes(const std::string& pid, absl::string_view field) {
+  std::optional<std::string> status = resource_limits_internal::ReadSmallFile("/proc/" + pid + "/status");
+  return status ? StatusFieldBytes(*status, field) : std::nullopt;
+}
 
 }  // namespace shardserve
 

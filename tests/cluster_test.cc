@@ -123,6 +123,21 @@ std::vector<Layout> Layouts() {
   return out;
 }
 
+// What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
+// planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
+std::map<std::string, std::pair<int64_t, int64_t>> LoggedMemory(Cluster& cluster, int i) {
+  std::ifstream log(cluster.worker(i).log());
+  std::map<std::string, std::pair<int64_t, int64_t>> items;
+  const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
+  for (std::string text; std::getline(log, text);) {
+    std::smatch match;
+    if (std::regex_search(text, match, line)) {
+      items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
+    }
+  }
+  return items;
+}
+
 class ClusterParityTest : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(ClusterParityTest, GreedyTokensMatchHuggingFace) {
@@ -149,6 +164,50 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterParityTest, ::testing::ValuesIn(Layouts
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;
                          });
+
+// CPU workers hold what their plan says: their weights as planned to the byte, in float32 products or
+// bf16 ones (worker --matmul-dtype, which the worker tells the coordinator at Register: the products'
+// weights in half the bytes, the rest float32), and their own memory beside their buffers within the
+// plan's "process" item (planner/memory.h: the coordinator's reserve for CPU workers and the load's
+// staging), which each logs beside its RssAnon less its weights, KV cache and step buffers: a dense
+// model across TP, a mixture of experts across PP, and in bf16 the latter, a tied table and every
+// way of loading a product (Qwen2-MoE's shared expert and its gate, MLA's projections, gpt-oss's
+// stacked experts with their biases, Phi-3's rows picked from fused tensors, Gemma's norms). (The
+// process not under a sanitizer, whose shadow memory is the process's too.)
+TEST(ClusterMemoryTest, CpuWorkersHoldWhatTheirPlanSays) {
+  struct Case {
+    Layout layout;
+    const char* matmul;
+  };
+  for (const Case& c : {Case{{"llama3_rope", 2, 1}, "f32"}, Case{{"qwen3_moe_tf5", 1, 2}, "f32"},
+                        Case{{"qwen3_moe_tf5", 1, 2}, "bf16"}, Case{{"qwen2_tied_bias", 1, 1}, "bf16"},
+                        Case{{"qwen2_moe_tf5", 1, 1}, "bf16"}, Case{{"deepseek_v3_tf5", 1, 1}, "bf16"},
+                        Case{{"gpt_oss_tf5", 1, 1}, "bf16"}, Case{{"phi3_tf5", 1, 1}, "bf16"},
+                        Case{{"gemma3_tf5", 1, 1}, "bf16"}}) {
+    const Layout& l = c.layout;
+    const std::string where = absl::StrCat(l.fixture, " TP=", l.tp, " PP=", l.pp, " ", c.matmul);
+    const Golden golden = LoadGolden(l.fixture);
+    Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", c.matmul}});
+    ASSERT_TRUE(cluster.Start()) << where;
+    const Streamed r = Generate(cluster.client(), TokenRequest(golden.prompt, 8));
+    ASSERT_TRUE(r.status.ok()) << where << ": " << r.status.error_message() << "\n" << cluster.Logs();
+    for (int i = 0; i < cluster.num_workers(); ++i) {
+      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, i);
+      for (const char* name : {"weights", "process"}) {
+        ASSERT_TRUE(items.count(name)) << where << " worker " << i << " logged no memory " << name << "\n"
+                                       << cluster.Logs();
+      }
+      EXPECT_EQ(items["weights"].first, items["weights"].second) << where << " worker " << i;
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+      const auto [planned, measured] = items["process"];
+      EXPECT_GT(measured, 0) << where << " worker " << i;
+      EXPECT_LE(measured, planned) << where << " worker " << i << "\n" << cluster.Logs();
+      std::printf("[ memory   ] %s worker %d: process %.1f MiB of %.1f MiB planned\n", where.c_str(), i,
+                  measured / 1048576.0, planned / 1048576.0);
+#endif
+    }
+  }
+}
 
 // bf16 CPU products (worker --matmul-dtype bf16) give one process's outputs in every layout: PP = 2
 // (a worker of one thread a stage) the greedy tokens of PP = 1 (one worker of two threads) and, bit
@@ -477,21 +536,6 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterConstrainedSpeculationTest,
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;
                          });
-
-// What worker `i` of `cluster` logged of its memory (StepExecutor::MemoryReport's lines "memory NAME:
-// planned P B ..., measured M B ..."): name -> (planned, measured), for the items it measures.
-std::map<std::string, std::pair<int64_t, int64_t>> LoggedMemory(Cluster& cluster, int i) {
-  std::ifstream log(cluster.worker(i).log());
-  std::map<std::string, std::pair<int64_t, int64_t>> items;
-  const std::regex line(R"(memory (\w+): planned (-?\d+) B .*, measured (-?\d+) B)");
-  for (std::string text; std::getline(log, text);) {
-    std::smatch match;
-    if (std::regex_search(text, match, line)) {
-      items[match[1].str()] = {std::stoll(match[2].str()), std::stoll(match[3].str())};
-    }
-  }
-  return items;
-}
 
 // Speculation keeps the outputs: three requests at once (greedy, seeded sampling at 0.8, greedy with
 // logprobs), then the first again, whose prompt the prefix cache now holds (so the proposer is sent

@@ -1600,6 +1600,90 @@ TEST(PlannerMemory, QuantizedWeightsOnCudaCountTheDequantizeScratch) {
   }
 }
 
+// CPU workers (the device "cpu") list the process's own memory in place of the CUDA items: the
+// reserve the coordinator gives them (CpuWorkerProcessBytes) and what loading holds beyond the weights
+// (RankWeights::LoadStaging), the largest weight read in float32 and, for one converted on the host,
+// its copies and the loader's kept staging buffer.
+TEST(PlannerMemory, CpuWorkersPlanTheirProcessAndLoadStaging) {
+  absl::StatusOr<ModelConfig> gqa = LoadModelConfig(kModels / "llama_gqa" / "config.json");
+  ASSERT_TRUE(gqa.ok()) << gqa.status();
+  PlanOptions o = SmallCpuOptions(2, 2);
+  o.runtime_reserve_bytes = CpuWorkerProcessBytes();
+  const Plan p = MustPlan(*gqa, SmallCpuWorkers(uint64_t{1} << 30), o);
+  ASSERT_EQ(p.per_gpu.size(), 4u);
+  const std::vector<std::string> names = {kMemWeights, kMemKvCache, kMemStepBuffers,
+                                          kMemProcess, kMemFree,    kMemHeldBack};
+  for (const GpuPlan& g : p.per_gpu) {
+    const std::string where = "stage " + std::to_string(g.stage) + " rank " + std::to_string(g.tp_rank);
+    std::vector<std::string> got;
+    for (const MemoryItem& item : g.memory) got.push_back(item.name);
+    EXPECT_EQ(got, names) << where;
+    // Each rank's largest weight: its half of the vocabulary's rows, the embedding's on the first stage
+    // and the LM head's on the last, [512 / 2, 64] in float32, read straight in (nothing kept).
+    EXPECT_EQ(g.load_staging_bytes, 256u * 64 * 4) << where;
+    EXPECT_EQ(g.reserve_bytes, CpuWorkerProcessBytes() + g.load_staging_bytes) << where;
+    EXPECT_EQ(Item(g, kMemProcess), static_cast<int64_t>(g.reserve_bytes)) << where;
+    EXPECT_EQ(ItemSum(g), static_cast<int64_t>(p.cluster.gpu.memory_bytes)) << where;
+  }
+
+  // gpt-oss's experts are parts of tensors stacking every expert: an expert's gate_up_proj slab [64,
+  // 2 x 32] (16 KiB in float32) and the transposed copy it is read in, then its gate (or up) rows
+  // [32, 64] (8 KiB) picked, staged and uploaded: 2 x 16 + 3 x 8 = 56 KiB in flight, and the staging
+  // buffer kept from an earlier one, 8 KiB. The embedding [256, 64] (64 KiB) is larger.
+  absl::StatusOr<ModelConfig> oss = LoadModelConfig(kModels / "gpt_oss_tf5" / "config.json");
+  ASSERT_TRUE(oss.ok()) << oss.status();
+  absl::StatusOr<TpShard> whole = ComputeTpShard(*oss, 0, 1);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const RankWeights r = CountRankWeights(*oss, ModelWeights(*oss), *whole, DType::kF32);
+  EXPECT_EQ(r.LoadStaging(0, 3, false, false), (56u + 8) << 10);
+  EXPECT_EQ(r.LoadStaging(0, 3, true, false), (64u + 8) << 10);
+  const Plan q = MustPlan(*oss, SmallCpuWorkers(uint64_t{1} << 30), SmallCpuOptions(1, 1));
+  ASSERT_EQ(q.per_gpu.size(), 1u);
+  EXPECT_EQ(q.per_gpu[0].load_staging_bytes, (64u + 8) << 10);
+}
+
+// CPU workers whose products are bf16 (worker --matmul-dtype; PlanOptions::products_dtype) hold those
+// weights in half the bytes: llama_gqa's 5 layers of q [64, 64], k and v [32, 64], o [64, 64], gate,
+// up [128, 64] and down [64, 128] and its LM head [512, 64], 217,088 values, two bytes each fewer;
+// the embedding and the norms stay float32. A tied table stays float32 too (the CPU's panels), and
+// quantized products keep their layout's bytes.
+TEST(PlannerWeights, CpuBf16ProductsHalveTheProductsOnly) {
+  absl::StatusOr<ModelConfig> gqa = LoadModelConfig(kModels / "llama_gqa" / "config.json");
+  ASSERT_TRUE(gqa.ok()) << gqa.status();
+  PlanOptions o = SmallCpuOptions(1, 1);
+  const Plan f32 = MustPlan(*gqa, SmallCpuWorkers(uint64_t{1} << 30), o);
+  o.products_dtype = DType::kBF16;
+  const Plan bf16 = MustPlan(*gqa, SmallCpuWorkers(uint64_t{1} << 30), o);
+  ASSERT_EQ(f32.per_gpu.size(), 1u);
+  ASSERT_EQ(bf16.per_gpu.size(), 1u);
+  EXPECT_EQ(bf16.per_gpu[0].weight_bytes, f32.per_gpu[0].weight_bytes - 217088u * 2);
+  EXPECT_EQ(bf16.model_weight_bytes, f32.model_weight_bytes - 217088u * 2);
+  EXPECT_THAT(PlanTable(bf16), HasSubstr("in fp32 with the products in bf16"));
+  const Plan small = MustPlan(*gqa, SmallCpuWorkers(256u << 10), o);
+  EXPECT_FALSE(small.fits);
+  EXPECT_THAT(small.reason, HasSubstr("in fp32 with the products in bf16) does not fit"));
+  EXPECT_THAT(small.reason, HasSubstr("on node 0 CPU worker 0 ("));
+
+  absl::StatusOr<ModelConfig> tied = LoadModelConfig(kModels / "qwen2_tied_bias" / "config.json");
+  ASSERT_TRUE(tied.ok()) << tied.status();
+  ASSERT_TRUE(tied->tie_word_embeddings);
+  absl::StatusOr<TpShard> whole = ComputeTpShard(*tied, 0, 1);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const RankWeights t32 = CountRankWeights(*tied, ModelWeights(*tied), *whole, DType::kF32);
+  const RankWeights t16 =
+      CountRankWeights(*tied, ModelWeights(*tied), *whole, DType::kF32, WeightQuant::kNone, DType::kBF16);
+  EXPECT_EQ(t16.embedding, t32.embedding);
+  EXPECT_EQ(t16.lm_head, t32.lm_head);
+  EXPECT_LT(t16.layers[0], t32.layers[0]);
+
+  const RankWeights q32 = CountRankWeights(*gqa, ModelWeights(*gqa), *ComputeTpShard(*gqa, 0, 1), DType::kF32,
+                                           WeightQuant::kInt8);
+  const RankWeights q16 = CountRankWeights(*gqa, ModelWeights(*gqa), *ComputeTpShard(*gqa, 0, 1), DType::kF32,
+                                           WeightQuant::kInt8, DType::kBF16);
+  EXPECT_EQ(q16.layers, q32.layers);             // int8 layers, whatever the products' dtype
+  EXPECT_EQ(q16.lm_head, q32.lm_head - 512u * 64 * 2);  // the LM head takes no --quantization
+}
+
 // Published quantized checkpoints (model/quantized_checkpoint.h, tests/fixtures/{gptq,awq,fp8,
 // compressed_tensors}): the plan counts each shard's linear weights as the worker holds them (int4
 // blocks for 4 bits in groups of 128, int8 / fp8 rows for per-channel 8-bit and fp8 checkpoints, fp8

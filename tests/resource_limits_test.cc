@@ -162,5 +162,27 @@ TEST(UsableCpus, ThisProcessHasAtLeastOneAndNoMoreThanItsAffinity) {
   EXPECT_LE(UsableCpus(), AffinityCpus());
 }
 
+// /proc/PID/status's memory fields: "<N> kB" in bytes; a missing or malformed one is nullopt, and a
+// field's name is matched whole ("Rss" is not "RssAnon").
+TEST(ProcStatus, MemoryFieldsInBytes) {
+  const std::string status = "Name:\tshardserve-work\nVmHWM:\t  864616 kB\nVmRSS:\t  674228 kB\n"
+                             "RssAnon:\t  589040 kB\nRssFile:\t85188 kB\nThreads:\t23\nBad:\t12 MB\n";
+  EXPECT_EQ(StatusFieldBytes(status, "VmHWM"), int64_t{864616} * 1024);
+  EXPECT_EQ(StatusFieldBytes(status, "RssAnon"), int64_t{589040} * 1024);
+  EXPECT_EQ(StatusFieldBytes(status, "RssFile"), int64_t{85188} * 1024);
+  EXPECT_EQ(StatusFieldBytes(status, "Rss"), std::nullopt);
+  EXPECT_EQ(StatusFieldBytes(status, "Threads"), std::nullopt);  // no unit
+  EXPECT_EQ(StatusFieldBytes(status, "Bad"), std::nullopt);
+  EXPECT_EQ(StatusFieldBytes("RssAnon:\t-4 kB\n", "RssAnon"), std::nullopt);
+  EXPECT_EQ(StatusFieldBytes("", "RssAnon"), std::nullopt);
+}
+
+TEST(ProcStatus, ThisProcessHasAnonymousMemoryAndAGoneOneNone) {
+  std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
+  ASSERT_TRUE(anon.has_value());
+  EXPECT_GT(*anon, 0);
+  EXPECT_EQ(ProcStatusBytes("0", "RssAnon"), std::nullopt);  // no such process
+}
+
 }  // namespace
 }  // namespace shardserve

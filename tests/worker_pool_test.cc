@@ -120,6 +120,9 @@ TEST_F(WorkerPoolRegisterTest, BadFieldsRefuseTheWorkerNamingTheFieldAndTheValue
                    {"register.memory_bytes_per_s", "inf"}});
   cases.push_back({"bandwidth below the planner's range", with([](v1::Register& h) { h.set_memory_bytes_per_s(10); }),
                    {"register.memory_bytes_per_s", "got 10"}});
+  cases.push_back({"unknown products' dtype",
+                   with([](v1::Register& h) { h.set_cpu_matmul(static_cast<v1::CpuMatMulDtype>(7)); }),
+                   {"register.cpu_matmul", "got 7"}});
   cases.push_back({"negative memory", with([](v1::Register& h) { h.set_memory_bytes(-1); }),
                    {"register.memory_bytes", "got -1"}});
   cases.push_back({"zero memory", with([](v1::Register& h) { h.set_memory_bytes(0); }),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/resource_limits.h"
 #include "base/status_macros.h"
 #include "model/weight_source.h"
 #include "model/config.h"
@@ -151,6 +153,18 @@ std::string Bytes(int64_t bytes) {
   return absl::StrFormat("%d B (%.2f MiB)", bytes, static_cast<double>(bytes) / (1 << 20));
 }
 
+// A CPU worker's own memory beside `own` bytes of buffers (the shard's, a draft model's or a head's),
+// in the memory report's form: its anonymous memory resident now (RssAnon, which a memory limit
+// cannot reclaim) less those buffers, which are resident: the weights written at load, the KV cache
+// zero-filled (ModelShard::Load), the step buffers as far as a step has touched them (none yet at
+// load: then this counts them short).
+std::string ProcessMemoryBeside(int64_t own) {
+  const std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
+  if (!anon) return "not measured: no RssAnon in /proc/self/status";
+  return absl::StrCat(Bytes(*anon - own), ", /proc/self/status RssAnon ", Bytes(*anon),
+                      " less the worker's own weights, KV cache and step buffers (", Bytes(own), ")");
+}
+
 }  // namespace
 
 absl::StatusOr<int> ParseDevice(const std::string& device) {
@@ -172,6 +186,11 @@ absl::StatusOr<Collectives> ParseCollectives(const std::string& name) {
 
 CpuMatMul StepExecutor::ChooseCpuMatMul(DType checkpoint_dtype) {
   return checkpoint_dtype == DType::kBF16 && CpuHasNativeBf16MatMul() ? CpuMatMul::kBF16 : CpuMatMul::kF32;
+}
+
+v1::CpuMatMulDtype StepExecutor::RegisteredCpuMatMul(std::optional<CpuMatMul> flag) {
+  if (flag.has_value()) return *flag == CpuMatMul::kBF16 ? v1::CPU_MATMUL_BF16 : v1::CPU_MATMUL_F32;
+  return CpuHasNativeBf16MatMul() ? v1::CPU_MATMUL_BF16_IF_BF16 : v1::CPU_MATMUL_F32;
 }
 
 absl::StatusOr<std::unique_ptr<StepExecutor>> StepExecutor::Create(const v1::Assignment& a, const std::string& device,
@@ -331,6 +350,8 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = backend_->records_graphs()
                      ? "not measured: the step graphs are recorded at decode steps, after loading"
                      : Bytes(0) + ", no CUDA graphs are recorded";
+    } else if (name == "process") {
+      measured = ProcessMemoryBeside(own);
     } else if (!cuda) {
       measured = "not measured on this device";
     } else if (name == "nccl_buffers") {

@@ -106,6 +106,9 @@ class StepExecutor {
   // checkpoint's own dtype where this CPU has it in hardware, so bf16 when the checkpoint is bf16
   // and CpuHasNativeBf16MatMul(); float32 otherwise (f32 and f16 checkpoints, older CPUs).
   static CpuMatMul ChooseCpuMatMul(DType checkpoint_dtype);
+  // What a CPU worker of --matmul-dtype `flag` (none: auto) tells the coordinator it stores its
+  // products' weights in (Register.cpu_matmul), ChooseCpuMatMul's choice for any checkpoint.
+  static v1::CpuMatMulDtype RegisteredCpuMatMul(std::optional<CpuMatMul> flag);
 
   // Runs this worker's part of `plan` and fills `result` (cleared first): the step id, the timings
   // and, on the last stage's TP rank 0, one sampled id per logit row (and the logprobs, when a row

@@ -233,6 +233,7 @@ absl::Status WorkerService::Session(v1::WorkerControl::Stub* stub, SessionEnd* e
   r->set_address(options_.address);
   r->set_collective_host(options_.collective_host);
   r->set_metrics_address(options_.metrics_address);
+  if (options_.device == "cpu") r->set_cpu_matmul(StepExecutor::RegisteredCpuMatMul(options_.cpu_matmul));
   // A spare that took a slot holds a shard now: it comes back as that slot's worker.
   r->set_spare(options_.spare && executor_ == nullptr);
   if (executor_ != nullptr) {

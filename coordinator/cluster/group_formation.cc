@@ -40,7 +40,19 @@ ClusterSpec ClusterFor(int nodes, int gpus_per_node, const std::string& device, 
   return c;
 }
 
-PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
+// The dtype CPU workers that registered `cpu_matmul` store the products' weights of a checkpoint in
+// `checkpoint_dtype` in (worker/step_executor.h ChooseCpuMatMul): bf16 where every one does, else
+// float32, the CPU backend's own.
+DType CpuProductsDtype(const std::vector<v1::CpuMatMulDtype>& cpu_matmul, DType checkpoint_dtype) {
+  for (v1::CpuMatMulDtype m : cpu_matmul) {
+    const bool bf16 =
+        m == v1::CPU_MATMUL_BF16 || (m == v1::CPU_MATMUL_BF16_IF_BF16 && checkpoint_dtype == DType::kBF16);
+    if (!bf16) return DType::kF32;
+  }
+  return cpu_matmul.empty() ? DType::kF32 : DType::kBF16;
+}
+
+PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only, DType cpu_products = DType::kF32) {
   PlanOptions p;
   p.tp = o.gpus_per_node;
   p.pp = o.nodes;
@@ -50,8 +62,10 @@ PlanOptions PlanOptionsFor(const PoolOptions& o, bool cpu_only) {
   (o.speculative_eagle3 ? p.eagle3 : p.draft) = o.draft_config;
   p.mtp = o.speculative_mtp;
   if (cpu_only) {
-    p.dtype = DType::kF32;        // the CPU backend computes and stores in float32
-    p.runtime_reserve_bytes = 0;  // no CUDA context or library workspaces
+    p.dtype = DType::kF32;  // the CPU backend computes and stores in float32, its products perhaps in bf16
+    if (cpu_products != DType::kF32) p.products_dtype = cpu_products;
+    // No CUDA context or library workspaces: the worker process's own memory (planner/memory.h).
+    p.runtime_reserve_bytes = CpuWorkerProcessBytes();
   }
   return p;
 }
@@ -101,6 +115,7 @@ absl::StatusOr<FormedGroup> GroupFormation::Form(const std::vector<Registered>& 
   uint64_t memory = UINT64_MAX;
   double bandwidth = std::numeric_limits<double>::infinity();  // the slowest worker's; 0 if one is unknown
   bool cpu_only = true;
+  std::vector<v1::CpuMatMulDtype> cpu_matmul;
   // The first epoch: after every epoch a worker held under an earlier coordinator, so that epochs
   // only grow across coordinator restarts (and an adopted worker's Regroup is to a later one).
   uint64_t first_epoch = kFirstEpoch;
@@ -109,6 +124,7 @@ absl::StatusOr<FormedGroup> GroupFormation::Form(const std::vector<Registered>& 
     memory = std::min(memory, static_cast<uint64_t>(h.memory_bytes()));
     bandwidth = std::min(bandwidth, h.memory_bytes_per_s());  // 0 or in range (Register checked)
     cpu_only = cpu_only && h.device() == "cpu";
+    cpu_matmul.push_back(h.cpu_matmul());
     if (h.has_held() && h.held().assignment().epoch() < kMaxHeldEpoch) {
       first_epoch = std::max(first_epoch, h.held().assignment().epoch() + 1);
     }
@@ -154,7 +170,8 @@ absl::StatusOr<FormedGroup> GroupFormation::Form(const std::vector<Registered>& 
   // The plan: the layers of each stage and the memory of each worker.
   const ClusterSpec cluster = ClusterFor(pp, tp, device, memory, bandwidth > 0 ? bandwidth : kAssumedMemoryBytesPerS);
   absl::StatusOr<Plan> plan =
-      MakePlan(model_->config, model_->checkpoint.get(), cluster, PlanOptionsFor(options_, cpu_only));
+      MakePlan(model_->config, model_->checkpoint.get(), cluster,
+               PlanOptionsFor(options_, cpu_only, CpuProductsDtype(cpu_matmul, model_->config.dtype)));
   if (!group.ok()) return absl::FailedPreconditionError(group.status().message());
   if (!plan.ok()) return absl::FailedPreconditionError(plan.status().message());
   if (!plan->fits) return absl::FailedPreconditionError(plan->reason);

@@ -62,6 +62,10 @@ absl::Status CheckRegister(const v1::Register& hello) {
                                                    kMinBandwidthBytesPerS, ", ", kMaxBandwidthBytesPerS,
                                                    "] bytes/s, got ", bandwidth));
   }
+  if (!v1::CpuMatMulDtype_IsValid(hello.cpu_matmul())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("register.cpu_matmul must be one of CpuMatMulDtype's values, got ", hello.cpu_matmul()));
+  }
   return absl::OkStatus();
 }
 

@@ -55,6 +55,15 @@ constexpr uint64_t kNcclPeers = 2;
 constexpr uint64_t kNcclChannels = 16;
 constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * kNcclChannels;
 
+// A CPU worker process's own anonymous memory beside its buffers: /proc/PID/status RssAnon less the
+// worker's weights, KV cache (zero-filled at load, so resident) and step buffers, on the Qwen3 bench
+// model (tools/fixtures/make_bench_model.py --family qwen3; AMD EPYC Zen 4 VM, 2 CPUs, 2026-12-06):
+// 98 MiB before it loads (92 of them libcublasLt's data, which its static initialisers write when the
+// library is loaded, GPU or not), 91-101 MiB after loading and 106-144 MiB after serving 64 requests
+// of 512 + 32 tokens, 32 at a time (oneDNN's scratch and primitives; bf16 products the most). The
+// figure leaves a third above the largest; the worker logs its own beside it (`memory process`).
+constexpr uint64_t kCpuWorkerProcessBytes = 192 * kMiB;
+
 bool BeforeHopper(const GpuSpec& gpu) {
   std::string name = absl::AsciiStrToUpper(gpu.name);
   if (absl::StartsWith(name, "NVIDIA ")) name = name.substr(7);
@@ -65,6 +74,8 @@ bool BeforeHopper(const GpuSpec& gpu) {
 }
 
 }  // namespace
+
+uint64_t CpuWorkerProcessBytes() { return kCpuWorkerProcessBytes; }
 
 uint64_t CublasWorkspaceBytes(const GpuSpec& gpu) {
   if (gpu.is_cpu()) return 0;
@@ -84,8 +95,8 @@ int NcclCommunicators(int tp, int pp, int stage) {
 RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
                                   uint64_t dequant_scratch_bytes) {
   RuntimeMemory r;
-  if (gpu.is_cpu()) {  // no CUDA: the reserve (0 for CPU workers) is the process's own
-    r.cuda_context = reserve_bytes;
+  if (gpu.is_cpu()) {  // no CUDA: the reserve is the process's own
+    r.process = reserve_bytes;
     return r;
   }
   r.cublas_workspace = CublasWorkspaceBytes(gpu);
@@ -224,14 +235,18 @@ std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& pl
   if (plan.options.draft.has_value()) items.push_back({kMemDraftModel, static_cast<int64_t>(beside)});
   if (plan.options.mtp) items.push_back({kMemMtpLayer, static_cast<int64_t>(beside)});
   if (plan.options.eagle3.has_value()) items.push_back({kMemEagle3Head, static_cast<int64_t>(beside)});
-  items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
-  if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
-  items.insert(items.end(), {
-      {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},
-      {kMemNcclBuffers, static_cast<int64_t>(r.nccl_buffers)},
-      {kMemCudaContext, static_cast<int64_t>(r.cuda_context)},
-  });
-  if (r.runtime_slack > 0) items.push_back({kMemRuntimeSlack, static_cast<int64_t>(r.runtime_slack)});
+  if (gpu.is_cpu()) {
+    items.push_back({kMemProcess, static_cast<int64_t>(r.process)});
+  } else {
+    items.push_back({kMemCublasWorkspace, static_cast<int64_t>(r.cublas_workspace)});
+    if (r.dequant_scratch > 0) items.push_back({kMemDequantScratch, static_cast<int64_t>(r.dequant_scratch)});
+    items.insert(items.end(), {
+        {kMemCudaGraphPools, static_cast<int64_t>(r.cuda_graph_pools)},
+        {kMemNcclBuffers, static_cast<int64_t>(r.nccl_buffers)},
+        {kMemCudaContext, static_cast<int64_t>(r.cuda_context)},
+    });
+    if (r.runtime_slack > 0) items.push_back({kMemRuntimeSlack, static_cast<int64_t>(r.runtime_slack)});
+  }
   items.insert(items.end(), {
       {kMemFree, usable - used},
       {kMemHeldBack, static_cast<int64_t>(gpu.memory_bytes) - usable},

@@ -50,6 +50,11 @@ inline constexpr const char* kMemNcclBuffers = "nccl_buffers";
 inline constexpr const char* kMemCudaContext = "cuda_context";
 // Listed only where it is not 0: what the reserve holds beyond a measured CUDA context.
 inline constexpr const char* kMemRuntimeSlack = "runtime_slack";
+// CPU workers' instead of the CUDA items: the worker process's own memory beside its buffers (the
+// libraries' data, threads, gRPC, oneDNN's scratch: PlanOptions::runtime_reserve_bytes, which the
+// coordinator sets to CpuWorkerProcessBytes) and the largest weight it reads whole in float32 while
+// loading (GpuPlan::load_staging_bytes).
+inline constexpr const char* kMemProcess = "process";
 inline constexpr const char* kMemFree = "free";
 inline constexpr const char* kMemHeldBack = "held_back";
 
@@ -61,7 +66,8 @@ struct MemoryItem {
 // The runtime's share of PlanOptions::runtime_reserve_bytes on one device, by item. Where the
 // context is measured (CudaContextBytes) it is that figure and runtime_slack the rest of the reserve
 // (the kernel modules CUDA loads at their first launch, ours and cuBLAS's, and the allocator's
-// slack: not measured item by item); elsewhere the context is what the named items leave.
+// slack: not measured item by item); elsewhere the context is what the named items leave. On a CPU
+// worker all of it is the process's own (kMemProcess).
 struct RuntimeMemory {
   uint64_t cublas_workspace = 0;
   uint64_t dequant_scratch = 0;
@@ -69,10 +75,16 @@ struct RuntimeMemory {
   uint64_t nccl_buffers = 0;
   uint64_t cuda_context = 0;
   uint64_t runtime_slack = 0;
+  uint64_t process = 0;
   uint64_t total() const {
-    return cublas_workspace + dequant_scratch + cuda_graph_pools + nccl_buffers + cuda_context + runtime_slack;
+    return cublas_workspace + dequant_scratch + cuda_graph_pools + nccl_buffers + cuda_context + runtime_slack +
+           process;
   }
 };
+
+// A CPU worker process's own anonymous memory beside its weights, KV cache and step buffers, as
+// measured (memory.cc says where): the reserve the coordinator plans CPU workers with.
+uint64_t CpuWorkerProcessBytes();
 
 // The CUDA context of a worker on `gpu` as measured (memory.cc says where), or 0 where none is.
 uint64_t CudaContextBytes(const GpuSpec& gpu);
@@ -85,7 +97,8 @@ uint64_t CublasWorkspaceBytes(const GpuSpec& gpu);
 int NcclCommunicators(int tp, int pp, int stage);
 
 // The runtime items of one device of `gpu`, splitting `reserve_bytes`; `dequant_scratch_bytes`
-// (GpuPlan's) is the backend's own figure, taken as it is.
+// (GpuPlan's) is the backend's own figure, taken as it is. On a CPU worker the reserve (with its
+// load staging, GpuPlan::reserve_bytes) is the process's.
 RuntimeMemory SplitRuntimeReserve(const GpuSpec& gpu, int tp, int pp, int stage, uint64_t reserve_bytes,
                                   uint64_t dequant_scratch_bytes = 0);
 
@@ -160,8 +173,9 @@ int64_t MostKvBlocks(const ModelConfig& config, const GpuPlan& g, const StepLimi
 // (plan.limits.num_kv_blocks blocks and num_sliding_kv_blocks for the sliding layers, the same on
 // every device: GpuKvBytes), the step buffers for plan.limits, a draft model, the
 // multi-token-prediction layer or an EAGLE-3 head where the plan has one (HeadBytes at plan.limits), the runtime
-// items (the dequantize scratch only where g has one), what is left free of the usable memory and
-// what gpu_memory_utilization holds back. They sum to plan.cluster.gpu.memory_bytes.
+// items (the dequantize scratch only where g has one; on CPU workers the process alone), what is left
+// free of the usable memory and what gpu_memory_utilization holds back. They sum to
+// plan.cluster.gpu.memory_bytes.
 std::vector<MemoryItem> GpuMemoryItems(const ModelConfig& config, const Plan& plan, const GpuPlan& g);
 
 // Sets every GpuPlan::memory of `plan` from its current limits (MakePlan does; the coordinator

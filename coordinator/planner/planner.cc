@@ -388,6 +388,9 @@ Layout Evaluate(const Context& ctx, const std::vector<RankWeights>& ranks, const
         // (the backend grows one scratch for the largest quantized weight, the layer's included)
         g.dequant_scratch_bytes = std::max(ranks[r].DequantScratch(st.first_layer, st.last_layer + 1),
                                            sampler ? ctx.head_dequant_scratch : 0);
+      } else {
+        g.load_staging_bytes = ranks[r].LoadStaging(st.first_layer, st.last_layer + 1, st.embedding, st.lm_head);
+        g.reserve_bytes += g.load_staging_bytes;
       }
       int64_t sliding_layers = 0;
       for (int64_t i = st.first_layer; i <= st.last_layer; ++i) sliding_layers += InSlidingPool(c, i) ? 1 : 0;
@@ -433,7 +436,10 @@ bool Better(const Layout& a, const Layout& b) {
   return std::tuple(a.decode.total_s(), a.tp * a.pp, -a.tp) < std::tuple(b.decode.total_s(), b.tp * b.pp, -b.tp);
 }
 
-std::string GpuName(const GpuPlan& g) { return absl::StrCat("node ", g.node, " GPU ", g.gpu); }
+// "node 0 GPU 1", or "node 0 CPU worker 1".
+std::string GpuName(const GpuSpec& gpu, const GpuPlan& g) {
+  return absl::StrCat("node ", g.node, " ", gpu.device_noun(), " ", g.gpu);
+}
 
 LayoutOption Summarize(const Context& ctx, const Layout& l) {
   LayoutOption o;
@@ -449,7 +455,7 @@ LayoutOption Summarize(const Context& ctx, const Layout& l) {
     case Tier::kFull: o.note = "fits"; break;
     case Tier::kLowered: o.note = absl::StrCat("fits with max_model_len ", fmt::Count(l.max_model_len)); break;
     case Tier::kNone:
-      o.note = absl::StrCat("short by ", fmt::Size(l.shortfall), " on ", GpuName(l.gpus[l.worst_gpu]));
+      o.note = absl::StrCat("short by ", fmt::Size(l.shortfall), " on ", GpuName(ctx.cluster.gpu, l.gpus[l.worst_gpu]));
       break;
   }
   return o;
@@ -487,7 +493,8 @@ std::string FitReason(const Context& ctx, const Layout& chosen, const std::vecto
     served.num_kv_blocks = chosen.kv_blocks;
     const HeadMemory m = HeadBytes(eagle3 ? *ctx.options.eagle3 : ctx.config, g, ctx.dtype, served);
     absl::StrAppend(&why, eagle3 ? ". The EAGLE-3 head takes " : ". The multi-token-prediction layer takes ",
-                    fmt::Size(m.total()), " on ", GpuName(g), ": ", fmt::Size(m.weights), " of weights, ",
+                    fmt::Size(m.total()), " on ", GpuName(ctx.cluster.gpu, g), ": ", fmt::Size(m.weights),
+                    " of weights, ",
                     fmt::Size(m.buffers), " of buffers and ", fmt::Size(m.kv_cache), " of KV cache (",
                     fmt::Size(g.draft_kv_bytes_per_token), " a token of the model's cache, one layer's ",
                     ctx.config.mla() && !eagle3 ? "latent row" : "K and V",
@@ -526,11 +533,14 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
   }
   std::string why = absl::StrFormat("%s (%d layers, %s parameters: %s %s) does not fit on %s. ", c.architecture_name,
                                     c.num_hidden_layers, fmt::Parameters(c.ParameterCount()), fmt::Size(model_bytes),
-                                    fmt::HeldIn(PlanDTypeName(ctx.dtype), ExpertsFormat(c, ctx.options)),
+                                    fmt::HeldIn(WeightsDTypeName(ctx.dtype, ctx.options),
+                                                ExpertsFormat(c, ctx.options)),
                                     ctx.cluster.Describe());
   absl::StrAppend(&why, forced ? "The forced layout, " : "The closest layout, ", fmt::Layout(closest.tp, closest.pp),
-                  ", needs ", fmt::Size(fixed + kv), " on ", GpuName(g), " (", fmt::Size(g.weight_bytes), " weights + ",
-                  fmt::Size(g.activation_bytes), " step buffers + ", fmt::Size(g.reserve_bytes), " runtime reserve + ",
+                  ", needs ", fmt::Size(fixed + kv), " on ", GpuName(ctx.cluster.gpu, g), " (",
+                  fmt::Size(g.weight_bytes), " weights + ",
+                  fmt::Size(g.activation_bytes), " step buffers + ", fmt::Size(g.reserve_bytes),
+                  ctx.cluster.gpu.is_cpu() ? " process (libraries, threads, load staging) + " : " runtime reserve + ",
                   speculative, fmt::Size(kv), " KV cache for ", fmt::Count(need_tokens), " tokens) but ", fmt::Size(ctx.usable),
                   absl::StrFormat(" is usable (%.2f x %s)", ctx.options.gpu_memory_utilization,
                                   fmt::Size(ctx.cluster.gpu.memory_bytes)),
@@ -541,7 +551,8 @@ std::string RefusalReason(const Context& ctx, const Layout& closest, uint64_t mo
                     " tokens: lower max_model_len to at most that, raise gpu_memory_utilization or add GPUs.");
   } else if (ctx.usable > ctx.options.runtime_reserve_bytes + g.activation_bytes) {
     const uint64_t room = ctx.usable - ctx.options.runtime_reserve_bytes - g.activation_bytes;
-    absl::StrAppend(&why, " The weights alone need at least ", CeilDiv(model_bytes, room), " GPUs of this size.");
+    absl::StrAppend(&why, " The weights alone need at least ", CeilDiv(model_bytes, room), " ",
+                    ctx.cluster.gpu.device_noun(), "s of this size.");
   }
   return why;
 }
@@ -617,6 +628,11 @@ absl::StatusOr<DType> ParsePlanDType(const std::string& name) {
   if (n == "fp16" || n == "f16" || n == "float16") return DType::kF16;
   if (n == "fp32" || n == "f32" || n == "float32") return DType::kF32;
   return absl::InvalidArgumentError(absl::StrCat("dtype \"", name, "\" is not one of bf16, fp16, fp32"));
+}
+
+std::string WeightsDTypeName(DType dtype, const PlanOptions& options) {
+  if (!options.products_dtype.has_value() || *options.products_dtype == dtype) return PlanDTypeName(dtype);
+  return absl::StrCat(PlanDTypeName(dtype), " with the products in ", PlanDTypeName(*options.products_dtype));
 }
 
 const char* PlanDTypeName(DType dtype) {
@@ -709,7 +725,8 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
       absl::StatusOr<TpShard> shard = ComputeTpShard(c, r, tp, options.expert_parallel);
       if (!shard.ok()) return shard.status();
       shards.push_back(*shard);
-      ranks.push_back(CountRankWeights(c, ctx.tensors, *shard, ctx.dtype, options.weight_quant));
+      ranks.push_back(
+          CountRankWeights(c, ctx.tensors, *shard, ctx.dtype, options.weight_quant, options.products_dtype));
     }
     const int max_pp = static_cast<int>(std::min<int64_t>(c.num_hidden_layers, StageSlots(cluster, tp)));
     for (int pp = 1; pp <= max_pp; ++pp) {
@@ -732,7 +749,8 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   if (checkpoint != nullptr) plan.unserved_checkpoint_bytes = UnservedCheckpointBytes(c, *checkpoint);
   absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
   if (!whole.ok()) return whole.status();
-  plan.model_weight_bytes = CountRankWeights(c, ctx.tensors, *whole, ctx.dtype, options.weight_quant)
+  plan.model_weight_bytes = CountRankWeights(c, ctx.tensors, *whole, ctx.dtype, options.weight_quant,
+                                             options.products_dtype)
                                 .Stage(0, c.num_hidden_layers, /*first_stage=*/true, /*last_stage=*/true);
   plan.dtype = ctx.dtype;
   plan.checkpoint_dtype = c.dtype;

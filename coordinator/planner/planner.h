@@ -44,6 +44,11 @@ struct PlanOptions {
   std::optional<DType> dtype;
   // How the linear layers' weights are stored (kernels/quant.h): quantized weights need fewer bytes.
   WeightQuant weight_quant = WeightQuant::kNone;
+  // CPU workers that store the model's products' weights in another dtype than `dtype` (bf16: worker
+  // --matmul-dtype, Register.cpu_matmul): those weights counted in it, except the quantized ones and a
+  // tied embedding and LM head's table (the CPU keeps it in float32 panels). Unset: `dtype`. (A draft
+  // model's and a head's weights stay counted in `dtype`.)
+  std::optional<DType> products_dtype;
   // Expert parallelism (model/sharding.h): each TP rank holds whole experts, a block of them, which
   // changes every rank's weight bytes and step buffers. Refused for a model without experts.
   bool expert_parallel = false;
@@ -104,7 +109,11 @@ struct GpuPlan {
   uint64_t weight_bytes = 0;        // this rank's slice of the stage's weights
   uint64_t expert_weight_bytes = 0; // of which routed experts' products (0 for a dense model)
   uint64_t activation_bytes = 0;    // the worker's step buffers (hidden states, q/k/v, MLP, logits)
-  uint64_t reserve_bytes = 0;       // PlanOptions::runtime_reserve_bytes
+  // PlanOptions::runtime_reserve_bytes, and on a CPU worker its load_staging_bytes beside it
+  uint64_t reserve_bytes = 0;
+  // Of the reserve, on a CPU worker: the host memory in flight beyond its weights while it loads
+  // (RankWeights::LoadStaging); 0 on CUDA, whose host memory the plan does not count.
+  uint64_t load_staging_bytes = 0;
   // Of the reserve, on CUDA with quantized weights: the backend's dequantize scratch for its
   // products above 8 rows (the largest of its weights' CudaDequantScratchBytes, kernels/backend.h);
   // 0 on the CPU and for plain weights.
@@ -246,6 +255,9 @@ absl::StatusOr<PlannerModel> OpenPlannerModel(const std::filesystem::path& path)
 absl::StatusOr<DType> ParsePlanDType(const std::string& name);
 // "bf16", "fp16", "fp32".
 const char* PlanDTypeName(DType dtype);
+// What a plan's weights are held in: PlanDTypeName(dtype), with the products' dtype where
+// `options` gives another one ("fp32 with the products in bf16": CPU workers' bf16 products).
+std::string WeightsDTypeName(DType dtype, const PlanOptions& options);
 
 }  // namespace shardserve
 

@@ -42,6 +42,7 @@ std::string MemoryHeading(const std::string& name) {
       {kMemDraftModel, "draft"},           {kMemMtpLayer, "MTP layer"},        {kMemEagle3Head, "EAGLE-3 head"},
       {kMemCublasWorkspace, "cuBLAS ws"}, {kMemDequantScratch, "dequant"},    {kMemCudaGraphPools, "graphs"},
       {kMemNcclBuffers, "NCCL"},          {kMemCudaContext, "context"},       {kMemRuntimeSlack, "slack"},
+      {kMemProcess, "process"},
       {kMemFree, "free"},                 {kMemHeldBack, "held back"}};
   for (const auto& [item, heading] : kHeadings) {
     if (name == item) return heading;
@@ -65,7 +66,8 @@ std::string PlanTable(const Plan& p) {
                                  : absl::StrCat(" (", fmt::Parameters(p.active_parameters), " active a token)");
   absl::StrAppendFormat(&out, "model    %s: %d layers, %s parameters%s, %s %s%s (weights from %s%s)\n",
                         p.architecture, p.num_layers, fmt::Parameters(p.parameters), active, fmt::Size(p.model_weight_bytes),
-                        fmt::HeldIn(PlanDTypeName(p.dtype), p.experts_format), quant, p.weights_from, checkpoint_dtype);
+                        fmt::HeldIn(WeightsDTypeName(p.dtype, p.options), p.experts_format), quant, p.weights_from,
+                        checkpoint_dtype);
   if (p.unserved_checkpoint_bytes > 0) {
     absl::StrAppendFormat(&out, "         not served: %s of the checkpoint's tensors outside the text model (vision "
                           "tower, projector), neither loaded nor counted\n", fmt::Size(p.unserved_checkpoint_bytes));

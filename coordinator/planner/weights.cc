@@ -101,15 +101,36 @@ int64_t ShardElements(const WeightDecl& t, const TpShard& s) {
 }
 
 RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightDecl>& tensors, const TpShard& shard,
-                             DType dtype, WeightQuant quant) {
+                             DType dtype, WeightQuant quant, std::optional<DType> products) {
   RankWeights r;
   r.layers.assign(config.num_hidden_layers, 0);
   r.expert_layers.assign(config.num_hidden_layers, 0);
   r.dequant_scratch.assign(config.num_hidden_layers, 0);
+  r.layer_staging.assign(config.num_hidden_layers, {});
   r.tied = config.tie_word_embeddings;
   for (const WeightDecl& t : tensors) {
     const int64_t elements = ShardElements(t, shard);
     if (elements == 0) continue;  // another rank's (o_proj's bias; an expert of another rank's block)
+    {
+      // Loading it on a CPU worker (RankWeights::LoadStaging): what is read in float32, and how.
+      const uint64_t slice = static_cast<uint64_t>(elements) * sizeof(float);
+      const std::vector<int64_t>& full = CheckpointShape(t);
+      int64_t part = elements;  // what is read: the slice, or an expert's whole slab, or whole blocks of rows
+      if (t.stack.period > 0 && !full.empty() && full[0] > 0) {
+        part = 1;
+        for (size_t d = 1; d < full.size(); ++d) part *= full[d];
+      } else if (t.pick.period > 0 && t.pick.count > 0) {
+        part = elements / t.pick.count * t.pick.period;
+      }
+      const bool on_host = t.stack.period > 0 || t.pick.period > 0 || IsCheckpointQuantized(config, t);
+      const uint64_t in_flight = on_host ? 2 * static_cast<uint64_t>(part) * sizeof(float) + 3 * slice : slice;
+      RankWeights::Staging* st = t.part == WeightPart::kLayer       ? &r.layer_staging[t.layer]
+                                 : t.part == WeightPart::kEmbedding ? &r.embedding_staging
+                                 : t.part == WeightPart::kMtp       ? &r.mtp_staging
+                                                                    : &r.lm_head_staging;
+      st->in_flight = std::max(st->in_flight, in_flight);
+      if (on_host) st->kept = std::max(st->kept, slice);
+    }
     uint64_t bytes = static_cast<uint64_t>(elements) * DTypeSize(dtype);
     // DeepSeek-V3's router bias stays float32 (worker/shard/loader.cc)
     // (and gpt-oss's attention sinks)
@@ -155,6 +176,11 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
         bytes = static_cast<uint64_t>(QuantizedWeightBytes(WeightQuant::kMxfp4, rows, cols));
       }
     }
+    if (stored == WeightQuant::kNone && products.has_value() && IsProductWeight(t.role)) {
+      // Packed for MatMul in the workers' products dtype (the CPU backend's bf16 products). A tied
+      // table is the embedding's role, kept in float32 panels (Backend::PackTiedTable).
+      bytes = static_cast<uint64_t>(elements) * DTypeSize(*products);
+    }
     if (stored != WeightQuant::kNone && rows > 0 && cols > 0) {
       const uint64_t scratch = CudaDequantScratchBytes(rows, cols, dtype);
       if (t.part == WeightPart::kLayer) r.dequant_scratch[t.layer] = std::max(r.dequant_scratch[t.layer], scratch);
@@ -174,7 +200,10 @@ RankWeights CountRankWeights(const ModelConfig& config, const std::vector<Weight
       case WeightPart::kMtp: r.mtp += bytes; break;
     }
   }
-  if (r.tied) r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice
+  if (r.tied) {
+    r.lm_head = r.embedding;  // the last stage's LM head is its own copy of the embedding slice
+    r.lm_head_staging.in_flight = std::max(r.lm_head_staging.in_flight, r.embedding_staging.in_flight);
+  }
   return r;
 }
 
@@ -182,6 +211,20 @@ uint64_t RankWeights::DequantScratch(int64_t first_layer, int64_t end_layer) con
   uint64_t bytes = 0;
   for (int64_t i = first_layer; i < end_layer; ++i) bytes = std::max(bytes, dequant_scratch[i]);
   return bytes;
+}
+
+uint64_t RankWeights::LoadStaging(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const {
+  std::vector<Staging> parts(layer_staging.begin() + first_layer, layer_staging.begin() + end_layer);
+  if (first_stage) parts.push_back(embedding_staging);
+  if (last_stage) parts.insert(parts.end(), {lm_head_staging, mtp_staging});
+  // The loader's staging buffer only grows, and stays until the load ends: at any weight's load it
+  // holds at most the largest converted before it.
+  uint64_t in_flight = 0, kept = 0;
+  for (const Staging& st : parts) {
+    in_flight = std::max(in_flight, st.in_flight);
+    kept = std::max(kept, st.kept);
+  }
+  return in_flight + kept;
 }
 
 uint64_t RankWeights::StageExperts(int64_t first_layer, int64_t end_layer) const {

@@ -10,6 +10,7 @@
 #define SHARDSERVE_COORDINATOR_PLANNER_WEIGHTS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,15 @@ struct RankWeights {
   // MtpWeights), and the same scratch for their largest quantized weight.
   uint64_t mtp = 0;
   uint64_t mtp_dequant_scratch = 0;
+  // A CPU worker's host memory in flight while it loads one weight beyond what it keeps
+  // (worker/shard/loader.cc; LoadStaging), by part: per decoder layer, the embedding, the final norm
+  // and LM head, the multi-token-prediction layers.
+  struct Staging {
+    uint64_t in_flight = 0;  // the largest weight's float32 copies in flight while it is converted
+    uint64_t kept = 0;       // the loader's staging buffer, grown to the largest weight converted on the host
+  };
+  std::vector<Staging> layer_staging;
+  Staging embedding_staging, lm_head_staging, mtp_staging;
 
   // Bytes of the stage holding layers [first_layer, end_layer).
   uint64_t Stage(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
@@ -66,11 +76,23 @@ struct RankWeights {
   // The dequantize scratch a CUDA worker holding layers [first_layer, end_layer) allocates: the
   // largest of theirs (the backend grows one scratch to its largest weight's need).
   uint64_t DequantScratch(int64_t first_layer, int64_t end_layer) const;
+  // The most host memory beyond its weights a CPU worker holding those layers (and the embedding, the
+  // LM head and the multi-token-prediction layers where `first_stage`, `last_stage`) takes while it
+  // loads: the largest weight's float32 copies in flight and the staging buffer the loader keeps from
+  // the weights before it. Every weight is read in float32 (the CPU backend's activation dtype); a
+  // plain one straight into the buffer it is then packed from (its float32 in flight beside the
+  // packed copy the weights count), one converted on the host (an expert's part of a stacked tensor,
+  // rows picked from a fused tensor, a quantized checkpoint's weight dequantized) as at most two
+  // copies of what is read and three of its slice (read, transposed; picked, staged, uploaded).
+  uint64_t LoadStaging(int64_t first_layer, int64_t end_layer, bool first_stage, bool last_stage) const;
 };
 
-// `quant`: how the linear layers' weights are stored (the worker's ShardSpec::weight_quant).
+// `quant`: how the linear layers' weights are stored (the worker's ShardSpec::weight_quant);
+// `products`: the dtype the products' weights that are not quantized are stored in where it is not
+// `dtype` (PlanOptions::products_dtype).
 RankWeights CountRankWeights(const ModelConfig& config, const std::vector<WeightDecl>& tensors, const TpShard& shard,
-                             DType dtype, WeightQuant quant = WeightQuant::kNone);
+                             DType dtype, WeightQuant quant = WeightQuant::kNone,
+                             std::optional<DType> products = std::nullopt);
 
 }  // namespace shardserve
 

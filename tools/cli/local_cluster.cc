@@ -477,21 +477,9 @@ void LocalCluster::Stop(std::chrono::seconds grace) {
 }
 
 absl::StatusOr<int64_t> PeakRssBytes(pid_t pid) {
-  const std::string path = absl::StrCat("/proc/", pid, "/status");
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmHWM:", 0) != 0) continue;
-    std::istringstream fields(line.substr(6));
-    int64_t kib;
-    std::string unit;
-    if (!(fields >> kib >> unit) || unit != "kB" || kib < 0 || kib > (int64_t{1} << 50)) {
-      return absl::InternalError(absl::StrCat(path, ": cannot parse '", line, "'"));
-    }
-    return kib * 1024;
-  }
-  return absl::NotFoundError(absl::StrCat(path, " has no VmHWM"));
+  std::optional<int64_t> bytes = ProcStatusBytes(absl::StrCat(pid), "VmHWM");
+  if (!bytes) return absl::NotFoundError(absl::StrCat("/proc/", pid, "/status: unreadable, or no VmHWM of '<N> kB'"));
+  return *bytes;
 }
 
 }  // namespace shardserve::cli
