@@ -11,7 +11,8 @@
 //
 // Test names carry the op and the dtype: Ops/CudaVsCpu.Attention/BF16. Without a CUDA device (or
 // in a build without CUDA) every case is reported as skipped with "no CUDA device"; an op that a
-// backend reports as Unimplemented is skipped with that message, never passed.
+// backend reports as Unimplemented is skipped with that message, never passed. The CublasApi cases
+// (cuBLAS opened at run time, kernels/cuda/cublas_api.h) need no device and run in every CUDA build.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,6 +40,9 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
+#if SHARDSERVE_HAVE_CUDA
+#include "kernels/cuda/cublas_api.h"
+#endif
 #include "kernels/counter_uniform.h"
 #include "kernels/int4_folded.h"
 #include "kernels/quant.h"
@@ -2342,6 +2346,75 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudaInt4Folded,
 
 INSTANTIATE_TEST_SUITE_P(Ops, CudaVsCpu, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);
 INSTANTIATE_TEST_SUITE_P(Ops, CudaChecks, ::testing::Values(DType::kF32, DType::kF16, DType::kBF16), DTypeParamName);
+
+#if SHARDSERVE_HAVE_CUDA
+// Whether this process maps a file whose path contains `name` (/proc/self/maps).
+bool ProcessMaps(const std::string& name) {
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return false;
+  char line[4096];
+  bool found = false;
+  while (!found && std::fgets(line, sizeof(line), maps) != nullptr) found = std::strstr(line, name.c_str()) != nullptr;
+  std::fclose(maps);
+  return found;
+}
+
+// cuBLAS and cuBLASLt are opened by the first CUDA backend, not with the program: no GPU is needed
+// to open them and find every entry point.
+TEST(CublasApi, OpensEveryEntryPointWithoutAGpu) {
+  absl::StatusOr<const cuda::CublasApi*> api = cuda::LoadCublas();
+  ASSERT_TRUE(api.ok()) << api.status();
+  const cuda::CublasApi& b = **api;
+  const void* entries[] = {
+      reinterpret_cast<const void*>(b.create),
+      reinterpret_cast<const void*>(b.destroy),
+      reinterpret_cast<const void*>(b.set_stream),
+      reinterpret_cast<const void*>(b.set_math_mode),
+      reinterpret_cast<const void*>(b.gemm_ex),
+      reinterpret_cast<const void*>(b.status_name),
+      reinterpret_cast<const void*>(b.status_string),
+      reinterpret_cast<const void*>(b.lt_create),
+      reinterpret_cast<const void*>(b.lt_destroy),
+      reinterpret_cast<const void*>(b.lt_matmul),
+      reinterpret_cast<const void*>(b.lt_matmul_desc_create),
+      reinterpret_cast<const void*>(b.lt_matmul_desc_destroy),
+      reinterpret_cast<const void*>(b.lt_matmul_desc_set_attribute),
+      reinterpret_cast<const void*>(b.lt_matrix_layout_create),
+      reinterpret_cast<const void*>(b.lt_matrix_layout_destroy),
+      reinterpret_cast<const void*>(b.lt_matmul_preference_create),
+      reinterpret_cast<const void*>(b.lt_matmul_preference_destroy),
+      reinterpret_cast<const void*>(b.lt_matmul_preference_set_attribute),
+      reinterpret_cast<const void*>(b.lt_matmul_algo_get_heuristic),
+  };
+  static_assert(sizeof(entries) == sizeof(cuda::CublasApi), "every member of CublasApi is checked here");
+  for (size_t i = 0; i < std::size(entries); ++i) EXPECT_NE(entries[i], nullptr) << "entry " << i;
+  // Calls that need no device: the library answers through the table.
+  EXPECT_STREQ(b.status_name(CUBLAS_STATUS_ALLOC_FAILED), "CUBLAS_STATUS_ALLOC_FAILED");
+  EXPECT_EQ(cuda::LoadedCublas(), *api);
+  absl::StatusOr<const cuda::CublasApi*> again = cuda::LoadCublas();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *api);  // opened once
+  EXPECT_EQ(cuda::CublasLibraryPath(true, false), absl::StrCat("libcublasLt.so.", CUBLAS_VER_MAJOR));
+  EXPECT_EQ(cuda::CublasLibraryPath(false, false), absl::StrCat("libcublas.so.", CUBLAS_VER_MAJOR));
+}
+
+// A program built with CUDA does not load cuBLAS until it asks: the libraries are absent from a
+// fresh process (a re-run of this program, gtest's "threadsafe" death-test style), present after.
+TEST(CublasApi, OpenedOnlyWhenAskedFor) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        if (ProcessMaps("libcublas") || cuda::LoadedCublas() != nullptr) {
+          std::fprintf(stderr, "cuBLAS was loaded before LoadCublas\n");
+          std::_Exit(1);
+        }
+        if (!cuda::LoadCublas().ok() || cuda::LoadedCublas() == nullptr) std::_Exit(2);
+        if (!ProcessMaps("libcublasLt.so") || !ProcessMaps("libcublas.so")) std::_Exit(3);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+#endif  // SHARDSERVE_HAVE_CUDA
 
 }  // namespace
 }  // namespace shardserve

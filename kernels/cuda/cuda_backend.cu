@@ -56,8 +56,8 @@ CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) (void)cudaStreamSynchronize(stream_);
   grouped_experts_.clear();  // their tables' Buffers free through this backend, still whole here
   for (const StepGraph& g : graphs_) (void)cudaGraphExecDestroy(g.exec);
-  if (cublas_ != nullptr) (void)cublasDestroy(cublas_);
-  if (lt_ != nullptr) (void)cublasLtDestroy(lt_);
+  if (cublas_ != nullptr) (void)blas_->destroy(cublas_);
+  if (lt_ != nullptr) (void)blas_->lt_destroy(lt_);
   if (params_dev_ != nullptr) (void)cudaFree(params_dev_);
   if (params_host_ != nullptr) (void)cudaFreeHost(params_host_);
   if (ids_dev_ != nullptr) (void)cudaFree(ids_dev_);
@@ -83,13 +83,14 @@ absl::Status CudaBackend::Init() {
   pdl_ = options_.pdl && prop.major >= 9;
   // Non-blocking: the legacy default stream, used by other libraries, never stalls ours.
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, stream_));
+  SHARDSERVE_ASSIGN_OR_RETURN(blas_, LoadCublas());
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->create(&cublas_));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->set_stream(cublas_, stream_));
   // Default math: CUBLAS_COMPUTE_32F stays true float32 for F32 inputs (no TF32).
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->set_math_mode(cublas_, CUBLAS_DEFAULT_MATH));
   // fp8 tensor cores: Ada (8.9) and newer; elsewhere the option changes nothing.
   if (options_.fp8_gemm && (prop.major > 8 || (prop.major == 8 && prop.minor >= 9))) {
-    SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lt_));
+    SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->lt_create(&lt_));
   }
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMalloc(&errors_dev_, sizeof(unsigned)));
   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&errors_host_, sizeof(unsigned)));

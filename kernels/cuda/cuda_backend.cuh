@@ -57,6 +57,7 @@
 #include "absl/strings/string_view.h"
 #include "base/status_macros.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/cublas_api.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/tensor.h"
@@ -342,6 +343,7 @@ class CudaBackend final : public Backend {
   bool pdl_ = false;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
+  const CublasApi* blas_ = nullptr;  // cuBLAS and cuBLASLt, opened by Init (cublas_api.h)
   cublasHandle_t cublas_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;    // options_.fp8_gemm on compute capability 8.9+ only (Fp8Gemm)
   unsigned* errors_dev_ = nullptr;   // device error word (kErr* bits)

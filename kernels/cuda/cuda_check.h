@@ -6,7 +6,7 @@
 // return absl::Status (or absl::StatusOr<T>, which converts from a non-OK Status).
 //
 //   SHARDSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, n, kind, stream));
-//   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(...));
+//   SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->gemm_ex(...));   // cuBLAS through cublas_api.h
 //   MyKernel<<<grid, block, 0, stream>>>(...);
 //   SHARDSERVE_CUDA_RETURN_IF_LAUNCH_ERROR("MyKernel");
 //
@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/cuda/cublas_api.h"
 
 namespace shardserve::cuda {
 
@@ -63,8 +64,11 @@ inline absl::Status CudaErrorToStatus(cudaError_t e, const char* expr, const cha
 // The same for a cuBLAS call.
 inline absl::Status CublasErrorToStatus(cublasStatus_t s, const char* expr, const char* file, int line) {
   if (s == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  std::string msg = absl::StrCat("cuBLAS error ", cublasGetStatusName(s), " (", cublasGetStatusString(s), ") in ",
-                                 expr, " at ", BaseName(file), ":", line);
+  // A status comes from a call through the loaded table, so LoadedCublas() names it.
+  const CublasApi* api = LoadedCublas();
+  std::string msg = api != nullptr ? absl::StrCat("cuBLAS error ", api->status_name(s), " (", api->status_string(s), ")")
+                                   : absl::StrCat("cuBLAS error ", static_cast<int>(s));
+  absl::StrAppend(&msg, " in ", expr, " at ", BaseName(file), ":", line);
   switch (s) {
     case CUBLAS_STATUS_ALLOC_FAILED:
       return absl::ResourceExhaustedError(msg);

@@ -66,11 +66,14 @@ __global__ void __launch_bounds__(kFp8RowThreads)
   }
 }
 
+// cuBLASLt, opened by the backend's Init before any of these run (Fp8Gemm needs its lt_).
+const CublasApi& Lt() { return *LoadedCublas(); }
+
 // cuBLASLt's descriptors, destroyed with the call.
 struct LtDeleter {
-  void operator()(cublasLtMatmulDescOpaque_t* d) const { (void)cublasLtMatmulDescDestroy(d); }
-  void operator()(cublasLtMatrixLayoutOpaque_t* l) const { (void)cublasLtMatrixLayoutDestroy(l); }
-  void operator()(cublasLtMatmulPreferenceOpaque_t* p) const { (void)cublasLtMatmulPreferenceDestroy(p); }
+  void operator()(cublasLtMatmulDescOpaque_t* d) const { (void)Lt().lt_matmul_desc_destroy(d); }
+  void operator()(cublasLtMatrixLayoutOpaque_t* l) const { (void)Lt().lt_matrix_layout_destroy(l); }
+  void operator()(cublasLtMatmulPreferenceOpaque_t* p) const { (void)Lt().lt_matmul_preference_destroy(p); }
 };
 using LtDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, LtDeleter>;
 using LtLayout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, LtDeleter>;
@@ -78,13 +81,13 @@ using LtPreference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, LtDeleter
 
 absl::StatusOr<LtLayout> Layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
   cublasLtMatrixLayout_t l = nullptr;
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(Lt().lt_matrix_layout_create(&l, type, rows, cols, ld));
   return LtLayout(l);
 }
 
 template <typename V>
 absl::Status SetDesc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(Lt().lt_matmul_desc_set_attribute(desc, attr, &value, sizeof(value)));
   return absl::OkStatus();
 }
 
@@ -107,7 +110,7 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
   auto* x_scale = reinterpret_cast<float*>(x_codes + (static_cast<size_t>(rows) * k + 15) / 16 * 16);
 
   cublasLtMatmulDesc_t raw_desc = nullptr;
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->lt_matmul_desc_create(&raw_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const LtDesc desc(raw_desc);
   // As Gemm (matmul.cu): column-major out^T [m, n] = w [m, k] (A: [k, m], transposed) x x^T [k, n]:
   // the "TN" layout fp8 GEMMs require.
@@ -121,10 +124,10 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
   SHARDSERVE_RETURN_IF_ERROR(
       SetDesc(raw_desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, static_cast<const void*>(x_scale)));
   cublasLtMatmulPreference_t raw_pref = nullptr;
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&raw_pref));
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->lt_matmul_preference_create(&raw_pref));
   const LtPreference pref(raw_pref);
   const uint64_t max_workspace = workspace;
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->lt_matmul_preference_set_attribute(
       raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace, sizeof(max_workspace)));
 
   const size_t out_elem = DTypeSize(out_dtype);
@@ -137,7 +140,7 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
     cublasLtMatmulHeuristicResult_t found{};
     int count = 0;
     const cublasStatus_t h =
-        cublasLtMatmulAlgoGetHeuristic(lt_, raw_desc, a.get(), b.get(), c.get(), c.get(), raw_pref, 1, &found, &count);
+        blas_->lt_matmul_algo_get_heuristic(lt_, raw_desc, a.get(), b.get(), c.get(), c.get(), raw_pref, 1, &found, &count);
     if (h != CUBLAS_STATUS_SUCCESS || count == 0) {
       if (i0 == 0) return false;  // nothing written yet: the caller's default path runs instead
       SHARDSERVE_CUBLAS_RETURN_IF_ERROR(h == CUBLAS_STATUS_SUCCESS ? CUBLAS_STATUS_NOT_SUPPORTED : h);
@@ -153,9 +156,9 @@ absl::StatusOr<bool> CudaBackend::Fp8Gemm(void* out, DType out_dtype, const void
     const float alpha = 1.0f;
     void* d = static_cast<char*>(out) + static_cast<size_t>(i0) * m * out_elem;
     CountLaunch();
-    SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, raw_desc, &alpha, codes, a.get(), x_codes, b.get(), &beta, d,
-                                                     c.get(), d, c.get(), &found.algo, dequant_dev_, workspace,
-                                                     stream_));
+    SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->lt_matmul(lt_, raw_desc, &alpha, codes, a.get(), x_codes, b.get(), &beta,
+                                                       d, c.get(), d, c.get(), &found.algo, dequant_dev_, workspace,
+                                                       stream_));
   }
   return true;
 }

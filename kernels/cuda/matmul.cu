@@ -125,7 +125,7 @@ absl::Status CudaBackend::Gemm(void* out, DType out_dtype, int64_t m, const void
   // row, and C is the [rows, n] block of out^T, still with ld m.
   const float alpha = 1.0f;
   CountLaunch();
-  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+  SHARDSERVE_CUBLAS_RETURN_IF_ERROR(blas_->gemm_ex(
       cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), &alpha,
       w, CudaDataType(act_), static_cast<int>(k), x, CudaDataType(act_), static_cast<int>(k), &beta, out,
       CudaDataType(out_dtype), static_cast<int>(m), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
