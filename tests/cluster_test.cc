@@ -209,6 +209,42 @@ TEST(ClusterMemoryTest, CpuWorkersHoldWhatTheirPlanSays) {
   }
 }
 
+// Speculative decoding's proposers on CPU workers hold what their plan says, to the byte: a draft
+// model (its weights, KV cache and step buffers), the multi-token-prediction layer and an EAGLE-3
+// head, with float32 products and with bf16 ones, whose weights the workers pack in bf16 through the
+// same backend as the model's, so that the plan counts them so too (PlanOptions::products_dtype).
+TEST(ClusterMemoryTest, CpuWorkersHoldTheProposersTheirPlanSays) {
+  struct Case {
+    std::string model;
+    std::vector<std::string> flags;
+    const char* item;
+  };
+  const fs::path source(SHARDSERVE_SOURCE_DIR);
+  for (const Case& c :
+       {Case{(source / "models/demo").string(),
+             {"--speculative", "draft", "--draft-model", (source / "models/demo-draft").string(),
+              "--num-speculative-tokens", "4"},
+             "draft_model"},
+        Case{"deepseek_v3_mtp_tf5", {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp_layer"},
+        Case{"llama_gqa",
+             {"--speculative", "eagle3", "--draft-model", (source / "tests/fixtures/models/llama_gqa_eagle3").string(),
+              "--num-speculative-tokens", "3"},
+             "eagle3_head"}}) {
+    std::map<std::string, int64_t> planned;
+    for (const char* matmul : {"f32", "bf16"}) {
+      const std::string where = absl::StrCat(c.item, " ", matmul);
+      Cluster cluster({c.model, 1, 1, {"--matmul-dtype", matmul}}, c.flags);
+      ASSERT_TRUE(cluster.Start()) << where;
+      std::map<std::string, std::pair<int64_t, int64_t>> items = LoggedMemory(cluster, 0);
+      ASSERT_TRUE(items.count(c.item)) << where << ": the worker logged no memory " << c.item << "\n" << cluster.Logs();
+      EXPECT_GT(items[c.item].first, 0) << where;
+      EXPECT_EQ(items[c.item].first, items[c.item].second) << where << " (planned, measured)";
+      planned[matmul] = items[c.item].first;
+    }
+    EXPECT_LT(planned["bf16"], planned["f32"]) << c.item << ": bf16 products planned in no fewer bytes";
+  }
+}
+
 // bf16 CPU products (worker --matmul-dtype bf16) give one process's outputs in every layout: PP = 2
 // (a worker of one thread a stage) the greedy tokens of PP = 1 (one worker of two threads) and, bit
 // for bit, their logprobs, on a model with a tied LM head and one without. Every weight is in the

@@ -163,7 +163,8 @@ absl::Status CountDraft(Context* ctx) {
                              static_cast<uint64_t>(d.KvValuesPerToken(whole->kv_heads)) * DTypeSize(ctx->dtype);
   ctx->draft_kv_bytes_per_token = per_token;
   ctx->draft_bytes =
-      CountRankWeights(d, ModelWeights(d), *whole, ctx->dtype).Stage(0, d.num_hidden_layers, true, true) +
+      CountRankWeights(d, ModelWeights(d), *whole, ctx->dtype, WeightQuant::kNone, ctx->options.products_dtype)
+          .Stage(0, d.num_hidden_layers, true, true) +
       StepBufferBytes(d, *whole, ctx->dtype, limits, /*last_stage=*/true);
   return absl::OkStatus();
 }
@@ -195,7 +196,8 @@ absl::Status CountMtp(Context* ctx) {
   }
   absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
   if (!whole.ok()) return whole.status();
-  const RankWeights w = CountRankWeights(c, tensors, *whole, ctx->dtype, ctx->options.weight_quant);
+  const RankWeights w =
+      CountRankWeights(c, tensors, *whole, ctx->dtype, ctx->options.weight_quant, ctx->options.products_dtype);
   ctx->head_weight_bytes = w.mtp;
   ctx->head_dequant_scratch = w.mtp_dequant_scratch;
   GpuPlan sampler;
@@ -228,7 +230,8 @@ absl::Status CountEagle3(Context* ctx) {
   if (!aux.ok()) return aux.status();
   absl::StatusOr<TpShard> whole = ComputeTpShard(head, 0, 1);
   if (!whole.ok()) return whole.status();
-  const RankWeights w = CountRankWeights(head, ModelWeights(head), *whole, ctx->dtype, ctx->options.weight_quant);
+  const RankWeights w = CountRankWeights(head, ModelWeights(head), *whole, ctx->dtype, ctx->options.weight_quant,
+                                         ctx->options.products_dtype);
   ctx->head_weight_bytes = w.Stage(0, head.num_hidden_layers, true, true);
   ctx->head_dequant_scratch = w.DequantScratch(0, head.num_hidden_layers);
   ctx->head_shared_embedding_bytes = Eagle3SharesEmbedding(head, /*whole_table=*/true) ? w.embedding : 0;

@@ -46,8 +46,8 @@ struct PlanOptions {
   WeightQuant weight_quant = WeightQuant::kNone;
   // CPU workers that store the model's products' weights in another dtype than `dtype` (bf16: worker
   // --matmul-dtype, Register.cpu_matmul): those weights counted in it, except the quantized ones and a
-  // tied embedding and LM head's table (the CPU keeps it in float32 panels). Unset: `dtype`. (A draft
-  // model's and a head's weights stay counted in `dtype`.)
+  // tied embedding and LM head's table (the CPU keeps it in float32 panels); a draft model's and a
+  // head's (MTP layer, EAGLE-3) likewise, which the workers pack through the same backend. Unset: `dtype`.
   std::optional<DType> products_dtype;
   // Expert parallelism (model/sharding.h): each TP rank holds whole experts, a block of them, which
   // changes every rank's weight bytes and step buffers. Refused for a model without experts.
