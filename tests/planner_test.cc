@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/resource_limits.h"
 #include "coordinator/planner/render.h"
 #include "coordinator/planner/weights.h"
 #include "gmock/gmock.h"
@@ -1598,6 +1599,36 @@ TEST(PlannerMemory, QuantizedWeightsOnCudaCountTheDequantizeScratch) {
     EXPECT_EQ(gc.dequant_scratch_bytes, 0u);
     for (const MemoryItem& item : gc.memory) EXPECT_NE(item.name, kMemDequantScratch);
   }
+}
+
+// A CPU shard is resident once loaded: its weights, KV cache and step buffers (the latter two
+// zero-filled by ModelShard::Load) all count in the process's RssAnon, so that a memory limit too
+// small for them stops the load rather than the first long step, and the worker's `memory process`
+// line, RssAnon less them, measures the rest whole. Steps of 16,384 tokens make the step buffers
+// the larger part; a buffer the loader only allocated would be missing from RssAnon.
+TEST(PlannerMemory, ACpuShardIsResidentOnceLoaded) {
+  absl::StatusOr<PlannerModel> m = OpenPlannerModel(kModels / "llama_gqa");
+  ASSERT_TRUE(m.ok()) << m.status();
+  PlanOptions o = SmallCpuOptions(1, 1);
+  o.limits.max_tokens_per_step = 16384;
+  const Plan p = MustPlan(m->config, SmallCpuWorkers(uint64_t{160} << 20), o);
+  ASSERT_EQ(p.per_gpu.size(), 1u);
+  std::unique_ptr<Backend> backend = MakeCpuBackend();
+  LoadOnlyCommunicator comm(0, 1);
+  const std::optional<int64_t> before = ProcStatusBytes("self", "RssAnon");
+  ASSERT_TRUE(before.has_value()) << "no RssAnon in /proc/self/status";
+  absl::StatusOr<std::unique_ptr<ModelShard>> shard =
+      ModelShard::Load(*m->checkpoint, m->config, ShardSpec{0, -1, 0, 1}, p.limits, backend.get(), &comm);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  const int64_t grown = *ProcStatusBytes("self", "RssAnon") - *before;
+  const int64_t own = static_cast<int64_t>((*shard)->weight_bytes() + (*shard)->kv_cache_bytes() +
+                                           (*shard)->step_buffer_bytes());
+  ASSERT_GT((*shard)->step_buffer_bytes(), uint64_t{32} << 20) << "the step buffers are to be the larger part";
+  // (RssAnon is counted in pages, and memory the process had freed before may be taken again: a
+  // little less than `own` may show.)
+  EXPECT_GE(grown, own - (int64_t{1} << 20)) << "RssAnon grew by " << grown << " B for " << own
+                                            << " B of weights, KV cache and step buffers ("
+                                            << (*shard)->step_buffer_bytes() << " B of them step buffers)";
 }
 
 // CPU workers (the device "cpu") list the process's own memory in place of the CUDA items: the

@@ -156,8 +156,7 @@ std::string Bytes(int64_t bytes) {
 // A CPU worker's own memory beside `own` bytes of buffers (the shard's, a draft model's or a head's),
 // in the memory report's form: its anonymous memory resident now (RssAnon, which a memory limit
 // cannot reclaim) less those buffers, which are resident: the weights written at load, the KV cache
-// zero-filled (ModelShard::Load), the step buffers as far as a step has touched them (none yet at
-// load: then this counts them short).
+// and the step buffers zero-filled there (ModelShard::Load).
 std::string ProcessMemoryBeside(int64_t own) {
   const std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
   if (!anon) return "not measured: no RssAnon in /proc/self/status";

@@ -76,12 +76,16 @@ absl::StatusOr<std::unique_ptr<ModelShard>> ModelShard::Load(const WeightSource&
   }
 
   // ---- Step buffers: everything a step needs, allocated once; a head's (an MTP layer's or an
-  // EAGLE-3 head's) and the hidden states kept for an EAGLE-3 head beside them ----
-  const auto allocate = [&m](const std::vector<StepBufferDecl>& decls) -> absl::Status {
+  // EAGLE-3 head's) and the hidden states kept for an EAGLE-3 head beside them. Zero-filled, as the
+  // KV cache: resident from the load on (on a CPU, where a page is taken at its first write), so
+  // that a memory limit too small for them stops the load rather than the first long step, and
+  // the worker's own memory beside them is measured whole at load (StepExecutor::MemoryReport) ----
+  const auto allocate = [&m, backend](const std::vector<StepBufferDecl>& decls) -> absl::Status {
     for (const StepBufferDecl& b : decls) {
       Tensor* slot = m->StepBufferSlot(b.name);
       if (slot == nullptr) return absl::InternalError(absl::StrCat("step buffer \"", b.name, "\" has no slot"));
       SHARDSERVE_ASSIGN_OR_RETURN(*slot, m->arena_.Alloc(b.dtype, b.dims));
+      SHARDSERVE_RETURN_IF_ERROR(backend->Fill0(slot->data, slot->bytes()));
       m->step_buffer_bytes_ += slot->bytes();
     }
     return absl::OkStatus();
