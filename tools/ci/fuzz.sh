@@ -4,7 +4,10 @@
 #
 #   tools/ci/fuzz.sh build                 # configure + build build-fuzz/ (clang, no CUDA, no tests)
 #   tools/ci/fuzz.sh run [SECONDS [TARGET...]]  # each target for SECONDS (default 60); fails on any crash
-#   tools/ci/fuzz.sh ci                    # build, then run each target a fixed number of times (CI)
+#   tools/ci/fuzz.sh seeds [write]         # the seeds the targets write themselves (SEED_WRITERS) are
+#                                       # the committed ones, else fail naming them; write: rewrite them
+#   tools/ci/fuzz.sh ci                    # build, check the written seeds, then run each target a
+#                                       # fixed number of times (CI)
 #   tools/ci/fuzz.sh runs N [TARGET...]    # each target for N executions (-runs=N), e.g. 1000000; with
 #                                       # FUZZ_MAX_SECONDS=S, or S seconds if that comes first
 #
@@ -35,6 +38,11 @@ declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 
                     [chat_template]=60000 [openai_request]=200000 [coordinator_message]=500000 [worker_message]=300000
                     [safetensors_index]=20000 [quantized_linear]=10000 [mxfp4_experts]=20000 [generation_config]=600000
                     [tokenizer_config]=20000 [http_request]=20000 [grammar]=10000 [chat_output]=150000)
+
+# The targets that write their own seeds (SHARDSERVE_FUZZ_WRITE_SEEDS=DIR, fuzz/seeds.h) from the code
+# that builds valid inputs: a seed written before a message or format changed (a protocol version
+# bumped) would be refused at its first message and fuzz nothing past it, so CI checks them.
+SEED_WRITERS=(coordinator_message worker_message quantized_linear mxfp4_experts)
 
 build() {
   local start
@@ -83,6 +91,33 @@ run_one() {
   done
 }
 
+# seeds [write]: each SEED_WRITERS target writes its seeds into a scratch folder; each must be in
+# fuzz/corpus/NAME byte for byte (other files there, inputs fuzzing found, are left alone). With
+# `write`, the written ones replace the committed ones.
+seeds() {
+  local mode=${1:-check} stale=0 name file
+  for name in "${SEED_WRITERS[@]}"; do
+    local bin=$BUILD_DIR/bin/${name}_fuzzer out=$BUILD_DIR/written-seeds/$name
+    [ -x "$bin" ] || { echo "fuzz.sh: $bin is not built (tools/ci/fuzz.sh build)"; return 1; }
+    rm -rf "$out" && mkdir -p "$out"
+    SHARDSERVE_FUZZ_WRITE_SEEDS=$out "$bin" >"$out.log" 2>&1 || { echo "fuzz.sh: $name's seed writer failed:"; cat "$out.log"; return 1; }
+    [ -n "$(ls -A "$out")" ] || { echo "fuzz.sh: $name wrote no seed"; return 1; }
+    for file in "$out"/*; do
+      if [ "$mode" = write ]; then
+        cp "$file" fuzz/corpus/"$name"/
+      elif ! cmp -s "$file" fuzz/corpus/"$name"/"$(basename "$file")"; then
+        echo "fuzz.sh: fuzz/corpus/$name/$(basename "$file") is not what $name writes today"
+        stale=1
+      fi
+    done
+  done
+  if [ "$stale" -ne 0 ]; then
+    echo "fuzz.sh: rewrite them with tools/ci/fuzz.sh seeds write (docs/security.md, \"Fuzzing\")"
+    return 1
+  fi
+  echo "fuzz.sh: the written seeds of ${SEED_WRITERS[*]} are current"
+}
+
 run_all() {
   local failed=0 name
   for name in "$@"; do run_one "$name" "${EXTRA_ARGS[@]}" || failed=1; done
@@ -101,8 +136,10 @@ case "$cmd" in
     EXTRA_ARGS=(-runs="${2:?tools/ci/fuzz.sh runs N [TARGET...]}" -max_total_time="${FUZZ_MAX_SECONDS:-0}")
     shift 2
     if [ $# -gt 0 ]; then run_all "$@"; else run_all "${TARGETS[@]}"; fi ;;
+  seeds) seeds "${2:-check}" ;;
   ci)
     build
+    seeds || exit 1
     # JOBS targets at a time: a libFuzzer run is one process on one core, and each run is its own
     # (its corpus copy, log and crash folder), so running them side by side changes no run.
     failed=0 running=0
@@ -121,6 +158,6 @@ case "$cmd" in
     done
     exit $failed ;;
   *)
-    sed -n '2,14p' "$0"
+    sed -n '2,16p' "$0"
     exit 2 ;;
 esac
