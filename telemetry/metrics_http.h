@@ -6,7 +6,7 @@
 // OpenAI HTTP API uses (security/https.h), rather than prometheus-cpp's civetweb Exposer: civetweb
 // starts its threads with a fixed 100 KiB stack, and in a process that loads cuBLAS 13
 // (libcublasLt's static TLS is larger than that) glibc refuses to create them (pthread_create:
-// EINVAL), so the worker of a CUDA build could not serve metrics. (Debian's Exposer does take
+// EINVAL), so a CUDA worker could not serve metrics. (Debian's Exposer does take
 // civetweb options, and its civetweb 1.15 has SSL, dlopen()ing "libssl.so" at run time; but it
 // reads one PEM file holding both certificate and key once, at start: no rotation.)
 #ifndef SHARDSERVE_TELEMETRY_METRICS_HTTP_H_

@@ -125,6 +125,19 @@ TEST(MetricsTest, EveryDocumentedMetricIsExposedAndCountersMove) {
     EXPECT_EQ(Sum(m, "shardserve_worker_step_seconds_count", {"phase=\"prefill\""}), kRequests);
     EXPECT_EQ(Sum(m, "shardserve_worker_step_seconds_count", {"phase=\"decode\""}), kRequests * (kMaxTokens - 1));
     EXPECT_GT(Sum(m, "shardserve_worker_weight_bytes", ids), 0);
+    // The plan's memory by item: the weights as planned, byte for byte; the CPU worker's own memory
+    // beside its buffers within the plan's process item.
+    std::vector<std::string> weights_item = ids;
+    weights_item.push_back("item=\"weights\"");
+    EXPECT_EQ(Sum(m, "shardserve_worker_memory_planned_bytes", weights_item),
+              Sum(m, "shardserve_worker_weight_bytes", ids));
+    std::vector<std::string> process_item = ids;
+    process_item.push_back("item=\"process\"");
+    const double process = Sum(m, "shardserve_worker_process_memory_bytes", ids);
+    EXPECT_GT(process, 0);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    EXPECT_LE(process, Sum(m, "shardserve_worker_memory_planned_bytes", process_item));
+#endif
     // TP = 2: every step all-reduces; PP = 2: stage 0 sends, stage 1 receives.
     EXPECT_GT(Sum(m, "shardserve_worker_collective_seconds_count", {"op=\"all_reduce\""}), 0);
     EXPECT_GT(Sum(m, "shardserve_worker_collective_bytes_total", {"op=\"all_reduce\""}), 0);

@@ -322,10 +322,7 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
   const bool cuda = d.total >= 0 && d.free_start >= 0 && d.free_backend >= 0 && d.free_groups >= 0 &&
                     d.free_loaded >= 0;
   const int64_t scratch = static_cast<int64_t>(backend_->dequant_scratch_bytes());
-  // (with a draft model's or a head's own count, where this worker runs one)
-  const int64_t own = static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() +
-                                           shard_->step_buffer_bytes() + (head_ != nullptr ? head_->total_bytes() : 0)) +
-                      draft_bytes_ + scratch;
+  const int64_t own = OwnBufferBytes();
   std::vector<std::string> lines;
   for (const v1::MemoryItem& item : assignment_.planned_memory()) {
     const std::string& name = item.name();
@@ -378,6 +375,20 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
                                  " beyond them)"));
   }
   return lines;
+}
+
+int64_t StepExecutor::OwnBufferBytes() const {
+  // (with a draft model's or a head's own count, where this worker runs one)
+  return static_cast<int64_t>(shard_->weight_bytes() + shard_->kv_cache_bytes() + shard_->step_buffer_bytes() +
+                              (head_ != nullptr ? head_->total_bytes() : 0) + backend_->dequant_scratch_bytes()) +
+         draft_bytes_;
+}
+
+std::optional<int64_t> StepExecutor::ProcessMemoryBytes() const {
+  if (cuda_ordinal_ >= 0) return std::nullopt;
+  const std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
+  if (!anon) return std::nullopt;
+  return *anon - OwnBufferBytes();
 }
 
 std::string StepExecutor::MemoryAfterSteps() const {

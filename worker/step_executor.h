@@ -197,9 +197,16 @@ class StepExecutor {
   // cudaMemGetInfo's free bytes after loading less those now (cuBLAS's workspace, the kernel modules
   // loaded at their first launch, the step graphs). "" on a CPU worker.
   std::string MemoryAfterSteps() const;
+  // On a CPU worker, its own anonymous memory beside its buffers now, what the memory report's
+  // `process` line measures (RssAnon less the weights, KV cache, step buffers, a draft model's and a
+  // head's); nullopt on CUDA or where /proc/self/status has no RssAnon.
+  std::optional<int64_t> ProcessMemoryBytes() const;
 
  private:
   StepExecutor() = default;
+  // The bytes of the buffers this worker allocated itself: the shard's weights, KV cache and step
+  // buffers, a draft model's, a head's, the backend's dequantize scratch.
+  int64_t OwnBufferBytes() const;
   // Closes the communicators and joins the groups `regroup` names (Create: the assignment's), TP
   // group first, recording how each moves tensors (transports_).
   absl::Status JoinGroups(const v1::Regroup& regroup, RendezvousStore* store);

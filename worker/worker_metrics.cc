@@ -59,7 +59,32 @@ WorkerMetrics::WorkerMetrics(prometheus::Registry* registry, const std::string& 
                              .Help("Tokens routed to each expert (one row per token and chosen expert) that this "
                                    "worker computed, by expert id: the experts' load balance.")
                              .Register(*registry);
+  planned_memory_family_ = &prometheus::BuildGauge()
+                                .Name("shardserve_worker_memory_planned_bytes")
+                                .Help("The plan's memory for this worker by item (weights, kv_cache, step_buffers, "
+                                      "process, ...; the planner's itemised memory), set at each load.")
+                                .Register(*registry);
+  process_memory_family_ = &prometheus::BuildGauge()
+                                .Name("shardserve_worker_process_memory_bytes")
+                                .Help("A CPU worker's own anonymous memory beside its weights, KV cache and step "
+                                      "buffers (RssAnon less them), against the planned process item; at load and "
+                                      "after steps, at most once a second.")
+                                .Register(*registry);
   base_ = base;
+}
+
+void WorkerMetrics::SetPlannedMemory(const std::vector<std::pair<std::string, int64_t>>& items) {
+  for (auto& [item, gauge] : planned_memory_) gauge->Set(0);  // an item the new plan lacks
+  for (const auto& [item, bytes] : items) {
+    prometheus::Gauge*& gauge = planned_memory_[item];
+    if (gauge == nullptr) gauge = &planned_memory_family_->Add(With(base_, "item", item));
+    gauge->Set(static_cast<double>(bytes));
+  }
+}
+
+void WorkerMetrics::SetProcessMemory(int64_t bytes) {
+  if (process_memory_ == nullptr) process_memory_ = &process_memory_family_->Add(base_);
+  process_memory_->Set(static_cast<double>(bytes));
 }
 
 void WorkerMetrics::ExpertRowsDone(const std::vector<uint64_t>& totals) {

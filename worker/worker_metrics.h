@@ -10,7 +10,9 @@
 #define SHARDSERVE_WORKER_WORKER_METRICS_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <prometheus/counter.h>
@@ -34,6 +36,12 @@ class WorkerMetrics final : public CollectiveObserver {
   // when it carried more tokens than sequences.
   void StepDone(bool prefill, double seconds, uint64_t kernel_launches = 0);
   void SetWeightBytes(uint64_t bytes) { weight_bytes_->Set(static_cast<double>(bytes)); }
+  // The plan's memory for this worker, item by item (Assignment.planned_memory: weights, kv_cache,
+  // step_buffers, process, ...), at each load: a series per item, set again by a later load.
+  void SetPlannedMemory(const std::vector<std::pair<std::string, int64_t>>& items);
+  // A CPU worker's own memory beside its buffers (StepExecutor::ProcessMemoryBytes), against the
+  // plan's `process` item; its series is made at the first call, so a CUDA worker has none.
+  void SetProcessMemory(int64_t bytes);
   // The shard's rows per expert since load (ModelShard::expert_rows_total): the counters grow by
   // what is new since the last call (from zero again after a reload). A series is made the first
   // time its expert has rows, so a worker shows the experts it computes.
@@ -54,7 +62,12 @@ class WorkerMetrics final : public CollectiveObserver {
   prometheus::Counter* prefill_kernels_ = nullptr;
   prometheus::Counter* decode_kernels_ = nullptr;
   prometheus::Family<prometheus::Counter>* expert_rows_family_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* planned_memory_family_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* process_memory_family_ = nullptr;
   prometheus::Labels base_;
+  // ---- The worker service's thread only (SetPlannedMemory, SetProcessMemory) ----
+  std::map<std::string, prometheus::Gauge*> planned_memory_;  // by item
+  prometheus::Gauge* process_memory_ = nullptr;                // made at the first SetProcessMemory
   // ---- The step loop's only (ExpertRowsDone) ----
   std::vector<prometheus::Counter*> expert_rows_;  // by expert id; null until it has rows
   std::vector<uint64_t> expert_rows_seen_;         // the totals at the last call

@@ -442,6 +442,12 @@ void WorkerService::Load(Stream* stream, v1::WorkerControl::StubInterface* stub)
   }
   // The plan's memory beside what this worker allocated and measured, item by item (docs/gpu.md).
   for (const std::string& line : executor_->MemoryReport()) WorkerLog(Who(), "memory " + line, Ids());
+  if (metrics_ != nullptr) {
+    std::vector<std::pair<std::string, int64_t>> planned;
+    for (const v1::MemoryItem& item : a.planned_memory()) planned.emplace_back(item.name(), item.bytes());
+    metrics_->SetPlannedMemory(planned);
+    SampleProcessMemory(/*now=*/true);
+  }
   rejoins_ = 0;
   Write(stream, loaded);
 }
@@ -517,6 +523,14 @@ void WorkerService::Regroup(Stream* stream, v1::WorkerControl::StubInterface* st
   Write(stream, loaded);
 }
 
+void WorkerService::SampleProcessMemory(bool now) {
+  if (metrics_ == nullptr || executor_ == nullptr) return;
+  const auto t = std::chrono::steady_clock::now();
+  if (!now && t - process_memory_at_ < std::chrono::seconds(1)) return;  // a read of /proc a second at most
+  process_memory_at_ = t;
+  if (const std::optional<int64_t> bytes = executor_->ProcessMemoryBytes()) metrics_->SetProcessMemory(*bytes);
+}
+
 void WorkerService::RunStep(Stream* stream) {
   const v1::StepPlan& plan = in_.step();
   if (options_.debug_step_delay > absl::ZeroDuration()) absl::SleepFor(options_.debug_step_delay);
@@ -534,6 +548,7 @@ void WorkerService::RunStep(Stream* stream) {
     metrics_->StepDone(prefill, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
                        kernels);
   }
+  SampleProcessMemory(/*now=*/false);
   // read every step, so that the device's 32-bit counts stay small
   if (absl::StatusOr<std::vector<uint64_t>> rows = executor_->ExpertRowsTotal(); !rows.ok()) {
     WorkerLog(Who(), absl::StrCat("reading the experts' row counts failed: ", rows.status().message()), Ids());

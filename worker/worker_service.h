@@ -44,6 +44,7 @@
 #ifndef SHARDSERVE_WORKER_WORKER_SERVICE_H_
 #define SHARDSERVE_WORKER_WORKER_SERVICE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -162,6 +163,9 @@ class WorkerService {
   void Regroup(Stream* stream, v1::WorkerControl::StubInterface* stub);
   // Executes a step (a shard held, no failure) and answers its StepResult, or the failure.
   void RunStep(Stream* stream);
+  // Sets the process-memory metric (a CPU worker's own memory beside its buffers) when `now`, or when
+  // the last setting is a second old or more.
+  void SampleProcessMemory(bool now);
   // Sends heartbeats every second until the stream is done.
   void HeartbeatLoop(Stream* stream);
   // Writes one message; serialized with the heartbeat thread's writes.
@@ -208,6 +212,7 @@ class WorkerService {
   uint64_t logged_decode_kernels_ = 0;  // kernels per decode step in the last such log line
   int logged_step_graphs_ = 0;          // step graphs recorded, in the last such log line
   bool logged_graphs_off_ = false;      // the line saying why step graphs were turned off was written
+  std::chrono::steady_clock::time_point process_memory_at_;  // the last SetProcessMemory
   v1::CoordinatorMessage in_;   // the message being handled
   v1::WorkerMessage reply_;     // holds a step_result, reused step after step
 };
