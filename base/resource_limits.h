@@ -208,6 +208,27 @@ inline int UsableCpus(int affinity, std::optional<double> limit) {
 // UsableCpus of this process.
 inline int UsableCpus() { return UsableCpus(AffinityCpus(), CgroupCpuLimit()); }
 
+// What a CPU worker whose math threads were set by hand (`source`: "--threads 4", "OMP_NUM_THREADS=4")
+// says where `threads` outnumber the CPUs it may use (UsableCpus of `affinity` and `limit`); "" where
+// they fit. A thread past those CPUs is descheduled or throttled in the middle of a product, and
+// every product waits for its slowest thread.
+inline std::string ThreadsBeyondCpusNote(const std::string& source, int threads, int affinity,
+                                         std::optional<double> limit) {
+  const int usable = UsableCpus(affinity, limit);
+  if (threads <= usable) return "";
+  std::ostringstream why;
+  if (limit && *limit < affinity) {
+    why << "its control group's CPU limit is " << *limit << " of the " << affinity << " CPUs it may run on";
+  } else {
+    why << "its affinity holds " << affinity << (affinity == 1 ? " CPU" : " CPUs");
+  }
+  std::ostringstream note;
+  note << source << " runs " << threads << " compute threads on the " << usable << (usable == 1 ? " CPU" : " CPUs")
+       << " this process may use (" << why.str() << "): the threads past them are descheduled or throttled in the "
+       << "middle of a product and every step waits for them; --threads " << usable << " fits";
+  return note.str();
+}
+
 // The host's memory (physical pages), in bytes.
 inline int64_t HostMemoryBytes() { return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE); }
 

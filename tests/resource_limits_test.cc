@@ -157,6 +157,22 @@ TEST(UsableCpus, TheLimitRoundedUpUnderTheAffinity) {
   EXPECT_EQ(UsableCpus(0, std::nullopt), 1);
 }
 
+// Threads set by hand past the CPUs a worker may use are said, with what limits them and the
+// --threads that fits; those within them are not.
+TEST(UsableCpus, ThreadsSetByHandPastTheCpusAreSaid) {
+  EXPECT_EQ(ThreadsBeyondCpusNote("--threads 2", 2, 2, std::nullopt), "");
+  EXPECT_EQ(ThreadsBeyondCpusNote("--threads 3", 3, 8, 2.5), "");  // the limit rounded up
+  EXPECT_EQ(ThreadsBeyondCpusNote("--threads 4", 4, 16, 2.0),
+            "--threads 4 runs 4 compute threads on the 2 CPUs this process may use (its control group's CPU "
+            "limit is 2 of the 16 CPUs it may run on): the threads past them are descheduled or throttled in the "
+            "middle of a product and every step waits for them; --threads 2 fits");
+  EXPECT_EQ(ThreadsBeyondCpusNote("OMP_NUM_THREADS=3,1", 3, 1, std::nullopt),
+            "OMP_NUM_THREADS=3,1 runs 3 compute threads on the 1 CPU this process may use (its affinity holds 1 "
+            "CPU): the threads past them are descheduled or throttled in the middle of a product and every step "
+            "waits for them; --threads 1 fits");
+  EXPECT_NE(ThreadsBeyondCpusNote("--threads 3", 3, 2, 4.0).find("its affinity holds 2 CPUs"), std::string::npos);
+}
+
 TEST(UsableCpus, ThisProcessHasAtLeastOneAndNoMoreThanItsAffinity) {
   EXPECT_GE(UsableCpus(), 1);
   EXPECT_LE(UsableCpus(), AffinityCpus());

@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -202,6 +203,7 @@ int Main(int argc, char** argv) {
   int64_t delay_ms = 0, load_delay_ms = 0;
   WorkerOptions options;
   std::vector<std::string> limit_notes;  // for the log, where a cgroup limit lowered a default
+  std::vector<std::string> limit_warnings;  // for the log, where a setting by hand exceeds a limit
   for (const absl::Status& s : {
            flags->OneOf("log-format", {"text", "json"}, &log_format_name),
            flags->Double("memory-gb", 0, 1 << 24, &memory_gb),
@@ -252,15 +254,29 @@ int Main(int argc, char** argv) {
     }
     // --threads 0: OMP_NUM_THREADS where set (OpenMP's own default), else the CPUs this process may
     // use, fewer than those it may run on under a container's CPU limit (base/resource_limits.h).
-    if (options.cpu_threads == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
-      const int affinity = AffinityCpus();
-      const std::optional<double> limit = CgroupCpuLimit();
+    const int affinity = AffinityCpus();
+    const std::optional<double> limit = CgroupCpuLimit();
+    const char* omp_threads = std::getenv("OMP_NUM_THREADS");
+    if (options.cpu_threads == 0 && omp_threads == nullptr) {
       options.cpu_threads = UsableCpus(affinity, limit);
       if (options.cpu_threads < affinity) {
         limit_notes.push_back(absl::StrCat(options.cpu_threads,
                                            options.cpu_threads == 1 ? " compute thread" : " compute threads",
                                            ": the CPU limit of its control group is ", *limit, " of the ", affinity,
                                            " CPUs it may run on (--threads sets another)"));
+      }
+    } else {
+      // Set by hand: said (as a warning) where they outnumber the CPUs this process may use. (An
+      // OMP_NUM_THREADS list, "4,2", sets the first level's.)
+      int threads = options.cpu_threads;
+      std::string source = absl::StrCat("--threads ", threads);
+      if (threads == 0) {
+        const absl::string_view omp(omp_threads);
+        if (!absl::SimpleAtoi(omp.substr(0, omp.find(',')), &threads)) threads = 0;
+        source = absl::StrCat("OMP_NUM_THREADS=", omp);
+      }
+      if (std::string note = ThreadsBeyondCpusNote(source, threads, affinity, limit); !note.empty()) {
+        limit_warnings.push_back(std::move(note));
       }
     }
   }
@@ -368,6 +384,9 @@ int Main(int argc, char** argv) {
   WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
             absl::StrCat("metrics on ", (*exposer)->url()), ids);
   for (const std::string& note : limit_notes) WorkerLog(absl::StrCat("worker (node ", options.node, ")"), note, ids);
+  LogIds warn = ids;
+  warn.level = "warn";
+  for (const std::string& w : limit_warnings) WorkerLog(absl::StrCat("worker (node ", options.node, ")"), w, warn);
   if (!health_listen.empty()) {
     WorkerLog(absl::StrCat("worker (node ", options.node, ")"),
               absl::StrCat("plaintext health on ", HostOf(health_listen), ":", health_port, " (grpc.health.v1)"), ids);
