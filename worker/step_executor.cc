@@ -153,17 +153,6 @@ std::string Bytes(int64_t bytes) {
   return absl::StrFormat("%d B (%.2f MiB)", bytes, static_cast<double>(bytes) / (1 << 20));
 }
 
-// A CPU worker's own memory beside `own` bytes of buffers (the shard's, a draft model's or a head's),
-// in the memory report's form: its anonymous memory resident now (RssAnon, which a memory limit
-// cannot reclaim) less those buffers, which are resident: the weights written at load, the KV cache
-// and the step buffers zero-filled there (ModelShard::Load).
-std::string ProcessMemoryBeside(int64_t own) {
-  const std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
-  if (!anon) return "not measured: no RssAnon in /proc/self/status";
-  return absl::StrCat(Bytes(*anon - own), ", /proc/self/status RssAnon ", Bytes(*anon),
-                      " less the worker's own weights, KV cache and step buffers (", Bytes(own), ")");
-}
-
 }  // namespace
 
 absl::StatusOr<int> ParseDevice(const std::string& device) {
@@ -346,8 +335,12 @@ std::vector<std::string> StepExecutor::MemoryReport() const {
       measured = backend_->records_graphs()
                      ? "not measured: the step graphs are recorded at decode steps, after loading"
                      : Bytes(0) + ", no CUDA graphs are recorded";
-    } else if (name == "process") {
-      measured = ProcessMemoryBeside(own);
+    } else if (name == "process") {  // (a CPU worker's item)
+      const std::optional<int64_t> process = ProcessMemoryBytes();
+      measured = process ? absl::StrCat(Bytes(*process), ", /proc/self/status RssAnon ", Bytes(*process + own),
+                                        " less the worker's own weights, KV cache and step buffers (", Bytes(own),
+                                        ")")
+                         : "not measured: no RssAnon in /proc/self/status";
     } else if (!cuda) {
       measured = "not measured on this device";
     } else if (name == "nccl_buffers") {
@@ -384,6 +377,9 @@ int64_t StepExecutor::OwnBufferBytes() const {
          draft_bytes_;
 }
 
+// Its anonymous memory resident now (RssAnon, which a memory limit cannot reclaim) less its own
+// buffers, which are resident: the weights written at load, the KV cache and the step buffers
+// zero-filled there (ModelShard::Load).
 std::optional<int64_t> StepExecutor::ProcessMemoryBytes() const {
   if (cuda_ordinal_ >= 0) return std::nullopt;
   const std::optional<int64_t> anon = ProcStatusBytes("self", "RssAnon");
