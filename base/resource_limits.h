@@ -11,16 +11,19 @@
 // sized its KV cache by the host's memory is killed when it fills it. The CPU worker takes
 // UsableCpus() threads and UsableMemoryBytes() of memory by default, and `shardserve launch` shares
 // the CPUs out among its workers. Also what a process uses: the memory figures of /proc/PID/status
-// (a CPU worker's own memory beside its buffers; the peak RSS `shardserve bench --compare` reports).
+// (a CPU worker's own memory beside its buffers; the peak RSS `shardserve bench --compare` reports),
+// and the allocator's settings that keep it close to what the process holds.
 #ifndef SHARDSERVE_BASE_RESOURCE_LIMITS_H_
 #define SHARDSERVE_BASE_RESOURCE_LIMITS_H_
 
+#include <malloc.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -29,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -262,6 +266,24 @@ inline std::optional<int64_t> StatusFieldBytes(absl::string_view status, absl::s
 inline std::optional<int64_t> ProcStatusBytes(const std::string& pid, absl::string_view field) {
   std::optional<std::string> status = resource_limits_internal::ReadSmallFile("/proc/" + pid + "/status");
   return status ? StatusFieldBytes(*status, field) : std::nullopt;
+}
+
+// Has the C library's allocator give freed memory back to the host promptly, as a process under a
+// memory limit needs: blocks of 4 MiB and more are mapped and unmapped on their own, and the heap is
+// trimmed once 1 MiB is free at its top. glibc's defaults raise the first threshold with each large
+// block freed, up to 32 MiB, and the second to twice it, so a process that once freed a 32 MiB block
+// keeps up to 64 MiB of freed heap resident in each arena: a CPU worker serving the Qwen3-MoE bench
+// model kept 91-101 MiB beside its buffers at its peak, 38 MiB with these settings, and the dense
+// bench models 22-62 MiB, 9-37 MiB with them (coordinator/planner/memory.cc; docs/operations.md). An environment's GLIBC_TUNABLES for either threshold is kept. True where both
+// were set here or by the environment; false where mallopt refused one.
+inline bool ReturnFreedMemoryPromptly() {
+  constexpr int kMmapThreshold = 4 << 20, kTrimThreshold = 1 << 20;
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  const absl::string_view set = tunables != nullptr ? tunables : "";
+  bool ok = true;
+  if (!absl::StrContains(set, "glibc.malloc.mmap_threshold")) ok &= mallopt(M_MMAP_THRESHOLD, kMmapThreshold) == 1;
+  if (!absl::StrContains(set, "glibc.malloc.trim_threshold")) ok &= mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+  return ok;
 }
 
 }  // namespace shardserve

@@ -252,6 +252,12 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "shardserve-worker: %s\n", std::string(probe.status().message()).c_str());
       return 1;
     }
+    // What a step frees goes back to the host at once, not kept in the heap for the next: the
+    // plan's process item (coordinator/planner/memory.cc) is measured so.
+    if (!ReturnFreedMemoryPromptly()) {
+      limit_warnings.push_back("the C library refused the allocator's thresholds (mallopt): freed memory may "
+                               "stay resident beyond the plan's process item");
+    }
     // --threads 0: OMP_NUM_THREADS where set (OpenMP's own default), else the CPUs this process may
     // use, fewer than those it may run on under a container's CPU limit (base/resource_limits.h).
     const int affinity = AffinityCpus();

@@ -58,12 +58,14 @@ constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * k
 // A CPU worker process's own anonymous memory beside its buffers: /proc/PID/status RssAnon less the
 // worker's weights, KV cache and step buffers (all resident from the load on), at its peak while
 // serving 64 requests of 512 + 32 tokens, 32 at a time (AMD EPYC Zen 4 VM, 2 CPUs, 2026-12-06;
-// oneDNN's scratch and primitives, gRPC, threads): 33 MiB on the Qwen3 bench model with float32
-// products, 32 MiB with bf16 ones, 107 MiB on the Qwen3-MoE one with bf16 products (128 experts;
-// tools/fixtures/make_bench_model.py --family qwen3, qwen3moe); 10-31 MiB of it once loaded. cuBLAS,
-// which CUDA builds open only for a CUDA backend (kernels/cuda/cublas_api.h), is not in it. The
-// figure leaves half again above the largest; the worker logs its own beside it (`memory process`).
-constexpr uint64_t kCpuWorkerProcessBytes = 160 * kMiB;
+// oneDNN's scratch and primitives, gRPC, threads), two rounds each: 10-22 MiB on the Llama, Qwen3
+// and Gemma 3 bench models with bf16 products, 21-37 MiB with float32 ones, 38 MiB on the Qwen3-MoE
+// one (bf16, 128 experts; tools/fixtures/make_bench_model.py). The worker has the allocator return
+// what it frees at once (base/resource_limits.h ReturnFreedMemoryPromptly): with glibc's defaults
+// the same runs kept 22-62 MiB and 91-101 MiB. cuBLAS, which CUDA builds open only for a CUDA
+// backend (kernels/cuda/cublas_api.h), is not in it. The figure leaves half again above the largest;
+// the worker logs its own beside it (`memory process`).
+constexpr uint64_t kCpuWorkerProcessBytes = 64 * kMiB;
 
 bool BeforeHopper(const GpuSpec& gpu) {
   std::string name = absl::AsciiStrToUpper(gpu.name);
