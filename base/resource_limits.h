@@ -269,13 +269,14 @@ inline std::optional<int64_t> ProcStatusBytes(const std::string& pid, absl::stri
 }
 
 // Has the C library's allocator give freed memory back to the host promptly, as a process under a
-// memory limit needs: blocks of 4 MiB and more are mapped and unmapped on their own, and the heap is
-// trimmed once 1 MiB is free at its top. glibc's defaults raise the first threshold with each large
-// block freed, up to 32 MiB, and the second to twice it, so a process that once freed a 32 MiB block
-// keeps up to 64 MiB of freed heap resident in each arena: a CPU worker serving the Qwen3-MoE bench
-// model kept 91-101 MiB beside its buffers at its peak, 38 MiB with these settings, and the dense
-// bench models 22-62 MiB, 9-37 MiB with them (coordinator/planner/memory.cc; docs/operations.md). An environment's GLIBC_TUNABLES for either threshold is kept. True where both
-// were set here or by the environment; false where mallopt refused one.
+// memory limit needs: blocks of 4 MiB and more are mapped and unmapped on their own, and the heap
+// is trimmed once 1 MiB is free at its top. glibc's defaults raise the first threshold with each
+// large block freed, up to 32 MiB, and the second to twice it, so a process that once freed a
+// 32 MiB block keeps up to 64 MiB of freed heap resident in each arena: a CPU worker serving the
+// Qwen3-MoE bench model kept 91-101 MiB beside its buffers at its peak, 38 MiB with these settings,
+// and the dense bench models 11-62 MiB, 9-37 MiB with them (coordinator/planner/memory.cc;
+// docs/operations.md). An environment's GLIBC_TUNABLES for either threshold is kept. True where
+// both were set here or by the environment; false where mallopt refused one.
 inline bool ReturnFreedMemoryPromptly() {
   constexpr int kMmapThreshold = 4 << 20, kTrimThreshold = 1 << 20;
   const char* tunables = std::getenv("GLIBC_TUNABLES");

@@ -62,7 +62,7 @@ constexpr uint64_t kNcclBytesPerCommunicator = kNcclBufferBytes * kNcclPeers * k
 // and Gemma 3 bench models with bf16 products, 21-37 MiB with float32 ones, 38 MiB on the Qwen3-MoE
 // one (bf16, 128 experts; tools/fixtures/make_bench_model.py). The worker has the allocator return
 // what it frees at once (base/resource_limits.h ReturnFreedMemoryPromptly): with glibc's defaults
-// the same runs kept 22-62 MiB and 91-101 MiB. cuBLAS, which CUDA builds open only for a CUDA
+// the same runs kept 11-62 MiB and 91-101 MiB. cuBLAS, which CUDA builds open only for a CUDA
 // backend (kernels/cuda/cublas_api.h), is not in it. The figure leaves half again above the largest;
 // the worker logs its own beside it (`memory process`).
 constexpr uint64_t kCpuWorkerProcessBytes = 64 * kMiB;
