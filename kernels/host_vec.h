@@ -31,7 +31,12 @@ inline constexpr int64_t kVecLanes = 8;
 // clones' resolver (an IFUNC) runs while the dynamic loader relocates the program, before the TSan
 // runtime is initialized, and its instrumentation then crashed every program that links the
 // kernels (SIGSEGV in SoftmaxRow's resolver, before main).
-#if defined(__SANITIZE_THREAD__)
+//
+// Clang builds (the fuzz targets and CI's ASan + UBSan programs: tools/ci/fuzz.sh) have no clones
+// either: clang 14 refuses an 8-float vector passed by value or returned between a clone (AVX
+// enabled) and the helpers below (compiled for the file's baseline), although always_inline means
+// no call is ever made; GCC only notes it (-Wpsabi).
+#if defined(__SANITIZE_THREAD__) || defined(__clang__)
 #define SHARDSERVE_VECTOR_CLONES
 #else
 #define SHARDSERVE_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

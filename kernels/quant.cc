@@ -37,9 +37,9 @@ using cpu::kVecLanes;
 // The vector forms of the helpers above, lane by lane the same operations (so the same results):
 // the quantizers below run 8 weights at a time where they can, in functions cloned per instruction
 // set (SHARDSERVE_VECTOR_CLONES). Scalar, the Llama-3-8B's 7 G weights took over 150 s on one
-// thread (kernels/quant.h), 75 M weights/s an AVX2 EPYC thread. Vectors go by reference: this file
-// is also compiled by clang (the fuzz targets link it), which refuses an 8-float vector passed by
-// value where the baseline clone has no AVX.
+// thread (kernels/quant.h), 75 M weights/s an AVX2 EPYC thread. Vectors go by reference, which any
+// compiler takes in a clone (clang refuses an 8-float vector passed by value between an AVX clone
+// and a baseline helper: kernels/host_vec.h).
 [[gnu::always_inline]] inline void Load8(Vec8* v, const float* p) { std::memcpy(v, p, sizeof *v); }
 [[gnu::always_inline]] inline void MinVec(Vec8* a, const Vec8& b) { *a = b < *a ? b : *a; }
 [[gnu::always_inline]] inline void MaxVec(Vec8* a, const Vec8& b) { *a = *a < b ? b : *a; }

@@ -10,8 +10,8 @@
 #
 # After CTest, the fuzz targets (fuzz/) are built with clang in build-fuzz/ and each runs a fixed
 # number of executions from a fixed seed over its seed corpus (tools/ci/fuzz.sh ci, two at a time);
-# FUZZ=0 skips them. Then CI's set of test programs is built with GCC under ASan + UBSan in
-# build-asan/ and run (tools/ci/sanitize.sh ci); SANITIZE=0 skips it.
+# FUZZ=0 skips them. Then CI's set of test programs is built under ASan + UBSan in the same tree,
+# whose libraries the fuzz step has built, and run (tools/ci/sanitize.sh ci); SANITIZE=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -230,7 +230,9 @@ absl::Status CpuBackend::Attention(Tensor* out, const Tensor& q, const Tensor& k
   const int64_t items = chunks * splits;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) if (items > 1)
   for (int64_t i = 0; i < items; ++i) {
-    const auto [first, last] = attn_items_[i / splits];
+    // Not a structured binding: the lambdas below use first and last, and clang 14 (the fuzz and
+    // CI sanitizer build) cannot capture a binding.
+    const int64_t first = attn_items_[i / splits].first, last = attn_items_[i / splits].second;
     const int64_t kv_begin = kv_heads * (i % splits) / splits, kv_end = kv_heads * (i % splits + 1) / splits;
     const int32_t* table = tables + seq[first] * max_blocks;  // position j lives in block table[j / block_size]
     float* weights = attn_weights_.data() + omp_get_thread_num() * max_rows * width;  // [rows, width]

@@ -2,7 +2,8 @@
 # The libFuzzer targets of fuzz/ (docs/security.md, "Fuzzing"): build them with clang, ASan and
 # UBSan in build-fuzz/, and run each over a copy of its seed corpus for a bounded time.
 #
-#   tools/ci/fuzz.sh build                 # configure + build build-fuzz/ (clang, no CUDA, no tests)
+#   tools/ci/fuzz.sh configure             # configure build-fuzz/ (clang, ASan + UBSan, no CUDA)
+#   tools/ci/fuzz.sh build                 # configure it and build the targets
 #   tools/ci/fuzz.sh run [SECONDS [TARGET...]]  # each target for SECONDS (default 60); fails on any crash
 #   tools/ci/fuzz.sh seeds [write]         # the seeds the targets write themselves (SEED_WRITERS) are
 #                                       # the committed ones, else fail naming them; write: rewrite them
@@ -44,11 +45,17 @@ declare -A CI_RUNS=([safetensors]=500000 [config]=600000 [tokenizer_json]=50000 
 # bumped) would be refused at its first message and fuzz nothing past it, so CI checks them.
 SEED_WRITERS=(coordinator_message worker_message quantized_linear mxfp4_experts)
 
+# The tree also holds the test programs (not built here): CI's ASan + UBSan programs are built in
+# it (tools/ci/sanitize.sh ci), so that the libraries both link compile once.
+configure() {
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_FUZZ=ON -DSHARDSERVE_BUILD_TESTS=ON >/dev/null
+}
+
 build() {
   local start
   start=$(date +%s)
-  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
-    -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_BUILD_TESTS=OFF -DSHARDSERVE_FUZZ=ON >/dev/null
+  configure
   cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]/%/_fuzzer}"
   echo "fuzz.sh: build took $(( $(date +%s) - start )) s"
 }
@@ -126,6 +133,7 @@ run_all() {
 
 cmd=${1:-}
 case "$cmd" in
+  configure) configure ;;
   build) build ;;
   run)
     EXTRA_ARGS=(-max_total_time="${2:-60}")
@@ -158,6 +166,6 @@ case "$cmd" in
     done
     exit $failed ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,17p' "$0"
     exit 2 ;;
 esac

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The test programs built and run under sanitizers (docs/security.md, "Sanitizers"): GCC, no CUDA.
+# The test programs built and run under sanitizers (docs/security.md, "Sanitizers"): no CUDA.
 #
-#   tools/ci/sanitize.sh asan [PROGRAM...]   # build-asan/: AddressSanitizer + UndefinedBehaviorSanitizer
+#   tools/ci/sanitize.sh asan [PROGRAM...]   # build-asan/: GCC, AddressSanitizer + UndefinedBehaviorSanitizer
 #   tools/ci/sanitize.sh asan-all            # build-asan/: every target, the WHOLE CTest suite
-#   tools/ci/sanitize.sh ci                  # the same, for CI's list (tools/test.sh runs it)
+#   tools/ci/sanitize.sh ci                  # CI's list (tools/test.sh runs it), built by clang in the
+#                                            # fuzz targets' tree, build-fuzz/ (ASan + UBSan there too)
 #   tools/ci/sanitize.sh tsan [PROGRAM...]   # build-tsan/: ThreadSanitizer (not in CI: docs/security.md)
 #
 # PROGRAM is a test program of tests/CMakeLists.txt (kernels_cpu_test, scheduler_test, ...); only
@@ -28,7 +29,10 @@
 #
 # tools/test.sh runs `ci`: ASan + UBSan on the programs that test the parsers of untrusted bytes
 # and the newest memory-heavy code (CI_PROGRAMS below), which fit CI's budget; the full default
-# list took 10 minutes to build on a 2-core machine (then 35 s of tests), beyond it. Run `asan` and
+# list took 10 minutes to build on a 2-core machine (then 35 s of tests), beyond it. `ci` builds
+# them in the fuzz targets' tree (tools/ci/fuzz.sh configure: clang, ASan + UBSan and the fuzzers'
+# coverage instrumentation, which a test program links without libFuzzer), which tools/test.sh has
+# just built for its fuzz step, so the libraries both link compile once. Run `asan` and
 # `tsan` by hand after touching memory or threading code; docs/security.md ("Sanitizers") says what
 # each covers and what it found.
 #
@@ -55,8 +59,11 @@ CI_PROGRAMS=(openai_protocol_test chat_template_test security_test https_test ht
              quantized_checkpoint_test tokenizer_test)
 
 ALL=0
+CI_MODE=0
 if [ "$MODE" = ci ]; then
   MODE=asan
+  CI_MODE=1
+  BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
   set -- "${CI_PROGRAMS[@]}"
 elif [ "$MODE" = asan-all ]; then
   [ $# -eq 0 ] || { echo "tools/ci/sanitize.sh asan-all takes no PROGRAM (it runs the whole suite)" >&2; exit 2; }
@@ -159,7 +166,11 @@ if [ "$ALL" = 1 ]; then
 fi
 
 start=$(date +%s)
-cmake -S . -B "$BUILD_DIR" -G Ninja -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_SANITIZE="$SANITIZE" >/dev/null
+if [ "$CI_MODE" = 1 ]; then
+  FUZZ_BUILD_DIR=$BUILD_DIR tools/ci/fuzz.sh configure
+else
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DSHARDSERVE_WITH_CUDA=OFF -DSHARDSERVE_SANITIZE="$SANITIZE" >/dev/null
+fi
 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${PROGRAMS[@]}" "${PROCESS_PROGRAMS[@]}"
 echo "sanitize.sh: $MODE build took $(( $(date +%s) - start )) s"
 
