@@ -69,10 +69,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   Check(request->n >= 1 && request->n <= shardserve::openai::kMaxChoices, "n out of range accepted");
+  const bool chat = endpoint == Endpoint::kChatCompletions;
+  const int prompts = chat ? 1 : static_cast<int>(request->prompts.size());
+  Check(chat ? request->prompts.empty() : prompts >= 1 && prompts <= shardserve::openai::kMaxPrompts,
+        "a completion's prompts out of range accepted");
+  Check(static_cast<int64_t>(prompts) * request->n <= shardserve::openai::kMaxBatchChoices,
+        "more choices than a request may have accepted");
   const shardserve::ServedModel& model = Model();
   const int64_t max_model_len = model.config.max_position_embeddings;
   std::optional<std::vector<int32_t>> ids;
-  if (endpoint == Endpoint::kChatCompletions) {
+  if (chat) {
     absl::StatusOr<std::string> prompt = model.chat_template->Render(
         request->messages, request->add_generation_prompt, request->tools, request->chat_template_kwargs);
     if (!prompt.ok()) {
@@ -82,18 +88,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     absl::StatusOr<std::vector<int32_t>> encoded = model.tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
     if (!encoded.ok()) return 0;
     ids = std::move(*encoded);
-  } else if (request->prompt_is_ids) {
-    ids = request->prompt_ids;
   }
   const int32_t max_tokens = static_cast<int32_t>(request->max_tokens.value_or(16));
-  absl::StatusOr<shardserve::GenerationParams> params = shardserve::PrepareGeneration(
-      shardserve::openai::ToGenerateRequest(*request, 0, max_tokens, ids.has_value() ? &*ids : nullptr), model,
-      max_model_len, "cmpl-fuzz");
-  if (!params.ok()) {
-    CheckRefusal(shardserve::openai::RenameGenerationError(params.status(), endpoint, request->constraint_field));
-    return 0;
+  for (int p = 0; p < prompts; ++p) {
+    const std::vector<int32_t>* prompt_ids = chat                         ? &*ids
+                                             : request->prompts[p].is_ids ? &request->prompts[p].ids
+                                                                          : nullptr;
+    absl::StatusOr<shardserve::GenerationParams> params = shardserve::PrepareGeneration(
+        shardserve::openai::ToGenerateRequest(*request, p, 0, max_tokens, prompt_ids), model, max_model_len,
+        "cmpl-fuzz");
+    if (!params.ok()) {
+      CheckRefusal(shardserve::openai::RenameGenerationError(params.status(), endpoint, request->constraint_field,
+                                                             prompts > 1 ? p : -1));
+      return 0;
+    }
+    Check(static_cast<int64_t>(params->prompt.size()) + params->max_tokens <= max_model_len,
+          "prompt + max_tokens exceed max_model_len");
   }
-  Check(static_cast<int64_t>(params->prompt.size()) + params->max_tokens <= max_model_len,
-        "prompt + max_tokens exceed max_model_len");
   return 0;
 }

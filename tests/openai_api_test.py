@@ -2,7 +2,7 @@
 unchanged, against a real local cluster (`shardserve launch`: a coordinator and two worker
 processes on 127.0.0.1, the embedded demo model, whose tokenizer_config.json has a chat template).
 
-Checks chat and completions, streaming and not, usage, n, stop, logprobs, seeds, greedy output
+Checks chat and completions, streaming and not, usage, n, a batch of prompts, stop, logprobs, seeds, greedy output
 equal to the gRPC API's for the same prompt ids, every error status (400 naming the field, 404,
 413, 429, 503), and that a client that disconnects, mid-stream or while waiting for a whole
 answer, has its request cancelled (its KV blocks freed, the request never finishing), and that one
@@ -315,6 +315,40 @@ class OpenAIApiTest(unittest.TestCase):
                 finished.append(c.choices[0].index)
         self.assertEqual(sorted(finished), [0, 1])
         self.assertEqual([texts[0], texts[1]], [c.text for c in two.choices])
+
+    def test_a_batch_of_prompts_answers_each_as_alone(self):
+        # --max-num-seqs 4 and no waiting: the 4 choices below fit only in an idle engine.
+        wait_until(lambda: self.scheduler().running == 0 and self.scheduler().waiting == 0, 60, "an idle engine")
+        ids = self.grpc.tokenize("And God said")
+        want = [self.grpc_greedy_ids(self.grpc.tokenize("In the beginning"), 12), self.grpc_greedy_ids(ids, 12)]
+        # Strings and token id lists mixed; prompt p's choice i is choice p * n + i.
+        r = self.client.completions.create(model=MODEL, prompt=["In the beginning", ids], max_tokens=12,
+                                           temperature=0)
+        self.assertEqual([c.index for c in r.choices], [0, 1])
+        self.assertEqual([c.text for c in r.choices], [text for text, _ in want])
+        self.assertEqual(r.usage.prompt_tokens, len(self.grpc.tokenize("In the beginning")) + len(ids))
+        self.assertEqual(r.usage.completion_tokens, sum(len(got) for _, got in want))
+        # Seeded, n = 2: each prompt's choices are those it gets alone.
+        kw = dict(model=MODEL, max_tokens=8, temperature=0.9, seed=7, n=2)
+        prompts = ["In the beginning", "And God said"]
+        alone = [[c.text for c in self.client.completions.create(prompt=p, **kw).choices] for p in prompts]
+        batch = self.client.completions.create(prompt=prompts, **kw)
+        self.assertEqual([c.index for c in batch.choices], [0, 1, 2, 3])
+        self.assertEqual([c.text for c in batch.choices], alone[0] + alone[1])
+        # Streamed: every chunk names its choice, each choice finishes once, with the same text.
+        texts, finished = [""] * 4, []
+        for c in self.client.completions.create(prompt=prompts, stream=True, **kw):
+            texts[c.choices[0].index] += c.choices[0].text
+            if c.choices[0].finish_reason:
+                finished.append(c.choices[0].index)
+        self.assertEqual(sorted(finished), [0, 1, 2, 3])
+        self.assertEqual(texts, alone[0] + alone[1])
+        # An error in one prompt names it, and nothing of the batch runs.
+        status, body = self.post_raw("/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": ["x", [1, 999999]], "max_tokens": 2}).encode())
+        self.assertEqual(status, 400, body)
+        self.assertEqual(body["error"]["param"], "prompt[1][1]", body)
+        self.assertTrue(body["error"]["message"].startswith("prompt[1][1]: "), body)
 
     def test_logprobs(self):
         r = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],

@@ -70,7 +70,17 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"ModelNotString", kCompl, R"({"model": 3, "prompt": "x"})", "model", "must be a string"},
         BadCase{"PromptMissing", kCompl, R"({"model": "m"})", "prompt", "is required"},
         BadCase{"PromptWrongType", kCompl, R"({"model": "m", "prompt": {}})", "prompt", "a string or an array"},
-        BadCase{"PromptBatch", kCompl, R"({"model": "m", "prompt": ["a", "b"]})", "prompt", "batch"},
+        BadCase{"PromptBatchMixed", kCompl, R"({"model": "m", "prompt": ["a", 5]})", "prompt[1]",
+                "a string or an array of token ids"},
+        BadCase{"PromptBatchIdNotInt", kCompl, R"({"model": "m", "prompt": [[1], [2, "x"]]})", "prompt[1][1]",
+                "integer token id"},
+        BadCase{"PromptBatchNested", kCompl, R"({"model": "m", "prompt": [[[1]]]})", "prompt[0][0]",
+                "integer token id"},
+        BadCase{"PromptIdsThenText", kCompl, R"({"model": "m", "prompt": [1, "a"]})", "prompt[1]",
+                "integer token id"},
+        BadCase{"PromptBatchTooManyChoices", kCompl, R"({"model": "m", "prompt": ["a", "b", "c", "d", "e", "f", "g",
+                "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"], "n": 16})", "n",
+                "17 prompts of 16 choices each are 272 choices; at most 256 a request"},
         BadCase{"PromptIdNotInt", kCompl, R"({"model": "m", "prompt": [1, 2.5]})", "prompt[1]", "integer token id"},
         BadCase{"PromptIdNegative", kCompl, R"({"model": "m", "prompt": [-1]})", "prompt[0]", "not a token id"},
         BadCase{"MessagesMissing", kChat, R"({"model": "m"})", "messages", "is required"},
@@ -276,8 +286,9 @@ TEST(ParseRequestTest, CompletionWithEveryField) {
     "echo": false, "best_of": 1, "logit_bias": {}, "suffix": null})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->model, "demo");
-  EXPECT_EQ(r->prompt_text, "And God said");
-  EXPECT_FALSE(r->prompt_is_ids);
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].text, "And God said");
+  EXPECT_FALSE(r->prompts[0].is_ids);
   EXPECT_EQ(r->n, 2);
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
@@ -298,7 +309,7 @@ TEST(ParseRequestTest, CompletionWithEveryField) {
   EXPECT_TRUE(s.ignore_eos());
 
   // Choice 1 of 2: seed + 1; the prompt as text for PrepareGeneration to tokenize.
-  const v1::GenerateRequest g = ToGenerateRequest(*r, 1, 7, nullptr);
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 0, 1, 7, nullptr);
   EXPECT_EQ(g.text(), "And God said");
   EXPECT_EQ(g.sampling().max_tokens(), 7);
   EXPECT_EQ(g.sampling().seed(), 12u);
@@ -308,8 +319,9 @@ TEST(ParseRequestTest, CompletionWithEveryField) {
 TEST(ParseRequestTest, DefaultsFollowOpenAI) {
   absl::StatusOr<Request> r = ParseRequest(kCompl, R"({"model": "m", "prompt": [[3, 4, 5]], "top_k": -1})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_TRUE(r->prompt_is_ids);  // a list of one prompt is that prompt
-  EXPECT_EQ(r->prompt_ids, (std::vector<int32_t>{3, 4, 5}));
+  ASSERT_EQ(r->prompts.size(), 1u);  // a list of one prompt is that prompt
+  EXPECT_TRUE(r->prompts[0].is_ids);
+  EXPECT_EQ(r->prompts[0].ids, (std::vector<int32_t>{3, 4, 5}));
   EXPECT_EQ(r->n, 1);
   EXPECT_FALSE(r->stream);
   EXPECT_FALSE(r->max_tokens.has_value());
@@ -318,9 +330,56 @@ TEST(ParseRequestTest, DefaultsFollowOpenAI) {
   EXPECT_FALSE(r->sampling.has_seed());
   EXPECT_FALSE(r->sampling.logprobs());
   const std::vector<int32_t> ids = {3, 4, 5};
-  const v1::GenerateRequest g = ToGenerateRequest(*r, 3, 16, &ids);
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 0, 3, 16, &ids);
   EXPECT_EQ(g.token_ids().ids_size(), 3);
   EXPECT_FALSE(g.sampling().has_seed());  // unseeded choices stay unseeded: each draws its own
+}
+
+// A batch of prompts (strings and token id lists mixed, as OpenAI's API takes them): each its own
+// GenerateRequest, every one with the request's sampling and the same seeds as when sent alone.
+TEST(ParseRequestTest, ABatchOfPromptsIsEachItsOwnRequest) {
+  absl::StatusOr<Request> r =
+      ParseRequest(kCompl, R"({"model": "m", "prompt": ["And God said", [3, 4], ""], "n": 2, "seed": 5})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 3u);
+  EXPECT_EQ(r->prompts[0].text, "And God said");
+  EXPECT_FALSE(r->prompts[0].is_ids);
+  EXPECT_TRUE(r->prompts[1].is_ids);
+  EXPECT_EQ(r->prompts[1].ids, (std::vector<int32_t>{3, 4}));
+  EXPECT_EQ(r->prompts[2].text, "");
+  EXPECT_EQ(ToGenerateRequest(*r, 0, 1, 8, nullptr).text(), "And God said");
+  EXPECT_EQ(ToGenerateRequest(*r, 2, 0, 8, nullptr).text(), "");
+  EXPECT_EQ(ToGenerateRequest(*r, 2, 0, 8, nullptr).sampling().seed(), 5u);
+  EXPECT_EQ(ToGenerateRequest(*r, 2, 1, 8, nullptr).sampling().seed(), 6u);
+
+  std::string many = R"({"model": "m", "prompt": [)";
+  for (int i = 0; i <= kMaxPrompts; ++i) many += absl::StrCat(i ? ", " : "", "\"p\"");
+  many += "]}";
+  absl::StatusOr<Request> over = ParseRequest(kCompl, many);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(ParamOf(over.status()), "prompt");
+  EXPECT_TRUE(absl::StrContains(over.status().message(), "a batch of 257 prompts; at most 256")) << over.status();
+}
+
+// An error PrepareGeneration finds in one prompt of a batch names that prompt.
+TEST(SharedValidationTest, AnErrorInABatchNamesItsPrompt) {
+  ServedModel model;
+  model.name = "m";
+  model.config.vocab_size = 4096;
+  absl::StatusOr<Request> r = ParseRequest(kCompl, R"({"model": "m", "prompt": [[1, 2], [3, 9999], []]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int p : {1, 2}) {
+    absl::StatusOr<GenerationParams> g =
+        PrepareGeneration(ToGenerateRequest(*r, p, 0, 8, &r->prompts[p].ids), model, 512, "req-1");
+    ASSERT_FALSE(g.ok()) << p;
+    const absl::Status s = RenameGenerationError(g.status(), kCompl, r->constraint_field, p);
+    EXPECT_EQ(ParamOf(s), p == 1 ? "prompt[1][1]" : "prompt[2]") << s;
+    EXPECT_TRUE(absl::StartsWith(s.message(), absl::StrCat(ParamOf(s), ": "))) << s;
+  }
+  // Not a batch: the index of the id alone, as before.
+  absl::StatusOr<GenerationParams> g = PrepareGeneration(ToGenerateRequest(*r, 1, 0, 8, &r->prompts[1].ids), model, 512, "r");
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(ParamOf(RenameGenerationError(g.status(), kCompl)), "prompt[1]");
 }
 
 TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
@@ -363,7 +422,7 @@ TEST(ParseRequestTest, LogitBiasAndMinTokensReachTheSamplingParams) {
   absl::StatusOr<Request> r = ParseRequest(
       kCompl, R"({"model": "m", "prompt": "x", "logit_bias": {"5": 100, "17": -100, "3": 0.5}, "min_tokens": 4})");
   ASSERT_TRUE(r.ok()) << r.status();
-  const v1::GenerateRequest g = ToGenerateRequest(*r, 0, 8, nullptr);
+  const v1::GenerateRequest g = ToGenerateRequest(*r, 0, 0, 8, nullptr);
   ASSERT_EQ(g.sampling().logit_bias_size(), 3);
   EXPECT_EQ(g.sampling().logit_bias().at(5), 100.0f);
   EXPECT_EQ(g.sampling().logit_bias().at(17), -100.0f);
@@ -396,7 +455,7 @@ TEST(SharedValidationTest, LogitBiasBoundsAreCheckedOnceForBothAPIs) {
        }) {
     absl::StatusOr<Request> r = ParseRequest(c.endpoint, c.body);
     ASSERT_TRUE(r.ok()) << c.says << ": " << r.status();
-    absl::StatusOr<GenerationParams> p = PrepareGeneration(ToGenerateRequest(*r, 0, 8, &prompt), model, 512, "req-1");
+    absl::StatusOr<GenerationParams> p = PrepareGeneration(ToGenerateRequest(*r, 0, 0, 8, &prompt), model, 512, "req-1");
     ASSERT_FALSE(p.ok()) << c.says;
     const absl::Status s = RenameGenerationError(p.status(), c.endpoint, r->constraint_field);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
@@ -716,7 +775,7 @@ TEST(StructuredOutputTest, EveryFieldSetsTheConstraint) {
     }
     EXPECT_EQ(text, c.text) << body;
     // The constraint travels to the gRPC request of every choice.
-    EXPECT_EQ(ToGenerateRequest(*r, 1, 8, nullptr).sampling().structured_output().SerializeAsString(),
+    EXPECT_EQ(ToGenerateRequest(*r, 0, 1, 8, nullptr).sampling().structured_output().SerializeAsString(),
               so.SerializeAsString());
   }
 }

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "base/field_error.h"
+#include "base/status_macros.h"
 #include "coordinator/api/openai/connection_pool.h"
 #include "coordinator/api/openai/peer_watch.h"
 #include "coordinator/api/openai/protocol.h"
@@ -85,6 +86,7 @@ std::string RandomHex() {
 
 // One choice of a request: its engine submission and what it has produced.
 struct Choice {
+  int prompt = 0;  // its prompt in a completions batch (Request::prompts)
   uint64_t engine_id = 0;
   std::shared_ptr<RequestStream> stream;
   bool ended = false;
@@ -118,42 +120,29 @@ struct Polled {
   OutputSplit split;
 };
 
-// A request's choices in the engine, from submission to their end. Used by one thread at a time
+// A request's choices in the engine, from submission to their end: n for each prompt (a chat's one,
+// a completion's one or a batch), prompt p's choice i at p * n + i. Used by one thread at a time
 // (the handler, then httplib's content provider on the same connection).
 class Job {
  public:
-  Job(Engine* engine, Request request, std::string id, int64_t prompt_tokens, OutputParsing parsing)
-      : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(prompt_tokens),
+  // `prompt_tokens`: each prompt's length in tokens.
+  Job(Engine* engine, Request request, std::string id, std::vector<int64_t> prompt_tokens, OutputParsing parsing)
+      : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(std::move(prompt_tokens)),
         created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
   ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
 
   const Request& request() const { return request_; }
   bool chat() const { return request_.endpoint == Endpoint::kChatCompletions; }
 
-  // Submits every choice; on a refusal cancels those already submitted.
-  absl::Status Submit(const GenerationParams& first, std::chrono::steady_clock::time_point arrival) {
+  // Submits every choice of every prompt (`prompts`: each one's checked request, its choice 0);
+  // on a refusal cancels those already submitted.
+  absl::Status Submit(const std::vector<GenerationParams>& prompts, std::chrono::steady_clock::time_point arrival) {
     absl::BitGen gen;
-    for (int i = 0; i < request_.n; ++i) {
-      GenerationParams params = first;
-      if (request_.n > 1) params.request_id = absl::StrCat(first.request_id, "-", i);
-      if (i > 0) {
-        params.seed = request_.sampling.has_seed() ? first.seed + static_cast<uint64_t>(i) : absl::Uniform<uint64_t>(gen);
+    const bool several = prompts.size() * request_.n > 1;
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      for (int i = 0; i < request_.n; ++i) {
+        SHARDSERVE_RETURN_IF_ERROR(SubmitChoice(prompts[p], static_cast<int>(p), i, several, gen, arrival));
       }
-      absl::StatusOr<Engine::Submitted> submitted = engine_->Submit(std::move(params), arrival);
-      if (!submitted.ok()) {
-        Cancel(absl::CancelledError("another choice of the request was refused"));
-        return submitted.status();
-      }
-      Choice c;
-      c.engine_id = submitted->id;
-      c.stream = std::move(submitted->stream);
-      if (parsing_.forced != ToolChoice::kAuto) {
-        c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name, request_.stream);
-      } else if (parsing_.on()) {
-        c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
-                                                      parsing_.max_calls, request_.tools, request_.stream);
-      }
-      choices_.push_back(std::move(c));
     }
     return absl::OkStatus();
   }
@@ -207,13 +196,21 @@ class Job {
   }
 
   // ---- JSON ----
+  // Each prompt counted once (its choices share it), with the most of it any of its choices found
+  // cached; every choice's completion tokens.
   Json UsageJson() const {
-    int64_t completion = 0, cached = 0;
+    int64_t completion = 0;
+    std::vector<int64_t> cached(prompt_tokens_.size(), 0);
     for (const Choice& c : choices_) {
       completion += c.completion_tokens;
-      cached = std::max(cached, c.cached_tokens);
+      cached[c.prompt] = std::max(cached[c.prompt], c.cached_tokens);
     }
-    return openai::UsageJson(prompt_tokens_, completion, std::min(cached, prompt_tokens_));
+    int64_t prompt = 0, cached_sum = 0;
+    for (size_t p = 0; p < prompt_tokens_.size(); ++p) {
+      prompt += prompt_tokens_[p];
+      cached_sum += std::min(cached[p], prompt_tokens_[p]);
+    }
+    return openai::UsageJson(prompt, completion, cached_sum);
   }
 
   // The whole answer, once done() without error.
@@ -311,6 +308,33 @@ class Job {
   const std::string& id() const { return id_; }
 
  private:
+  // Submits prompt p's choice i (with `several`, its request id numbered as its choice).
+  absl::Status SubmitChoice(const GenerationParams& first, int p, int i, bool several, absl::BitGen& gen,
+                            std::chrono::steady_clock::time_point arrival) {
+    GenerationParams params = first;
+    if (several) params.request_id = absl::StrCat(first.request_id, "-", p * request_.n + i);
+    if (i > 0) {
+      params.seed = request_.sampling.has_seed() ? first.seed + static_cast<uint64_t>(i) : absl::Uniform<uint64_t>(gen);
+    }
+    absl::StatusOr<Engine::Submitted> submitted = engine_->Submit(std::move(params), arrival);
+    if (!submitted.ok()) {
+      Cancel(absl::CancelledError("another choice of the request was refused"));
+      return submitted.status();
+    }
+    Choice c;
+    c.prompt = p;
+    c.engine_id = submitted->id;
+    c.stream = std::move(submitted->stream);
+    if (parsing_.forced != ToolChoice::kAuto) {
+      c.splitter = std::make_unique<OutputSplitter>(parsing_.forced, parsing_.forced_name, request_.stream);
+    } else if (parsing_.on()) {
+      c.splitter = std::make_unique<OutputSplitter>(parsing_.reasoning, parsing_.reasoning_inside, parsing_.tools,
+                                                    parsing_.max_calls, request_.tools, request_.stream);
+    }
+    choices_.push_back(std::move(c));
+    return absl::OkStatus();
+  }
+
   // Adds a response to its choice; returns what its text added, split (chat with parsing on).
   static OutputSplit Apply(Choice& c, const v1::GenerateResponse& r) {
     c.text += r.text();
@@ -347,7 +371,7 @@ class Job {
   Engine* const engine_;
   const Request request_;
   const std::string id_;
-  const int64_t prompt_tokens_;
+  const std::vector<int64_t> prompt_tokens_;
   const int64_t created_;
   const OutputParsing parsing_;
   std::vector<Choice> choices_;
@@ -623,7 +647,8 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
         absl::StatusCode::kNotFound));
   }
 
-  // The prompt's token ids when this handler makes them (chat), else PrepareGeneration does.
+  // A chat prompt's token ids (this handler renders and encodes it); a completion's come with it
+  // or PrepareGeneration makes them.
   std::optional<std::vector<int32_t>> ids;
   OutputParsing parsing;
   if (chat) {
@@ -711,28 +736,38 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
     if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
     ids = std::move(*encoded);
-  } else if (request->prompt_is_ids) {
-    ids = request->prompt_ids;
   }
 
-  // Unset max_tokens: 16 for completions, what the context leaves for chat (a prompt that fills
-  // it is PrepareGeneration's error).
+  // Each prompt checked (a chat's one, a completion's one or each of a batch, whose errors name
+  // it), before any is submitted. Unset max_tokens: 16 for completions, what the context leaves for
+  // chat (a prompt that fills it is PrepareGeneration's error).
   const int64_t max_model_len = pool_->max_model_len();
-  int64_t max_tokens = request->max_tokens.value_or(16);
-  if (chat && !request->max_tokens.has_value()) {
-    max_tokens = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(ids->size()));
+  const int prompts = chat ? 1 : static_cast<int>(request->prompts.size());
+  const bool batch = !chat && prompts > 1;
+  std::vector<GenerationParams> prepared;
+  std::vector<int64_t> prompt_tokens;
+  for (int p = 0; p < prompts; ++p) {
+    const std::vector<int32_t>* prompt_ids = chat                         ? &*ids
+                                             : request->prompts[p].is_ids ? &request->prompts[p].ids
+                                                                          : nullptr;
+    int64_t max_tokens = request->max_tokens.value_or(16);
+    if (chat && !request->max_tokens.has_value()) {
+      max_tokens = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(prompt_ids->size()));
+    }
+    absl::StatusOr<GenerationParams> params = PrepareGeneration(
+        ToGenerateRequest(*request, p, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)), prompt_ids),
+        *model_, max_model_len, id);
+    if (!params.ok()) {
+      return reject(RenameGenerationError(params.status(), endpoint, request->constraint_field, batch ? p : -1));
+    }
+    // A format whose markers are special tokens needs them in the text.
+    if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
+    prompt_tokens.push_back(static_cast<int64_t>(params->prompt.size()));
+    prepared.push_back(*std::move(params));
   }
-  absl::StatusOr<GenerationParams> params = PrepareGeneration(
-      ToGenerateRequest(*request, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)),
-                        ids.has_value() ? &*ids : nullptr),
-      *model_, max_model_len, id);
-  if (!params.ok()) return reject(RenameGenerationError(params.status(), endpoint, request->constraint_field));
-  // A format whose markers are special tokens needs them in the text.
-  if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
 
-  auto job = std::make_shared<Job>(engine_, *std::move(request), id, static_cast<int64_t>(params->prompt.size()),
-                                   parsing);
-  if (absl::Status s = job->Submit(*params, arrival); !s.ok()) {
+  auto job = std::make_shared<Job>(engine_, *std::move(request), id, std::move(prompt_tokens), parsing);
+  if (absl::Status s = job->Submit(prepared, arrival); !s.ok()) {
     CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
     return SetError(res, s);
   }

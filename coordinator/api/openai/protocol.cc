@@ -275,30 +275,50 @@ absl::Status ParseMessages(const Fields& f, Request* r) {
   return f.Bool("add_generation_prompt", &r->add_generation_prompt);
 }
 
+// One prompt: a string, or token ids; `field` names it ("prompt", or "prompt[2]" in a batch).
+absl::StatusOr<Request::Prompt> ParseOnePrompt(const Json& p, const std::string& field) {
+  Request::Prompt prompt;
+  if (p.is_string()) {
+    prompt.text = p.get<std::string>();
+    return prompt;
+  }
+  if (!p.is_array()) return WrongType(field, "a string or an array of token ids", p);
+  prompt.ids.reserve(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    const Json& id = p[i];
+    if (!id.is_number_integer()) return WrongType(absl::StrCat(field, "[", i, "]"), "an integer token id", id);
+    const int64_t x = id.get<int64_t>();
+    if (x < 0 || x > std::numeric_limits<int32_t>::max()) {
+      return InvalidField(absl::StrCat(field, "[", i, "]"), absl::StrCat(x, " is not a token id"));
+    }
+    prompt.ids.push_back(static_cast<int32_t>(x));
+  }
+  prompt.is_ids = true;
+  return prompt;
+}
+
+// `prompt`: a string, token ids, or a batch: a list of strings and token id lists.
 absl::Status ParsePrompt(const Fields& f, Request* r) {
   const Json* prompt = f.Get("prompt");
   if (prompt == nullptr) return InvalidField("prompt", "is required");
-  // A list of one prompt is that prompt; a batch of several is n requests' work for the client.
-  const Json* p = prompt;
-  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
-  if (p->is_string()) {
-    r->prompt_text = p->get<std::string>();
+  const bool batch = prompt->is_array() && !prompt->empty() && ((*prompt)[0].is_string() || (*prompt)[0].is_array());
+  if (!batch) {
+    absl::StatusOr<Request::Prompt> one = ParseOnePrompt(*prompt, "prompt");
+    if (!one.ok()) return one.status();
+    r->prompts.push_back(*std::move(one));
     return absl::OkStatus();
   }
-  if (!p->is_array()) return WrongType("prompt", "a string or an array of token ids", *p);
-  for (size_t i = 0; i < p->size(); ++i) {
-    const Json& id = (*p)[i];
-    if (id.is_string() || id.is_array()) {
-      return InvalidField("prompt", "a batch of several prompts is not supported: send one request per prompt");
-    }
-    if (!id.is_number_integer()) return WrongType(absl::StrCat("prompt[", i, "]"), "an integer token id", id);
-    const int64_t x = id.get<int64_t>();
-    if (x < 0 || x > std::numeric_limits<int32_t>::max()) {
-      return InvalidField(absl::StrCat("prompt[", i, "]"), absl::StrCat(x, " is not a token id"));
-    }
-    r->prompt_ids.push_back(static_cast<int32_t>(x));
+  if (prompt->size() > static_cast<size_t>(kMaxPrompts)) {
+    return InvalidField("prompt", absl::StrCat("a batch of ", prompt->size(), " prompts; at most ", kMaxPrompts));
   }
-  r->prompt_is_ids = true;
+  for (size_t i = 0; i < prompt->size(); ++i) {
+    const Json& p = (*prompt)[i];
+    const std::string field = absl::StrCat("prompt[", i, "]");
+    if (!p.is_string() && !p.is_array()) return WrongType(field, "a string or an array of token ids", p);
+    absl::StatusOr<Request::Prompt> one = ParseOnePrompt(p, field);
+    if (!one.ok()) return one.status();
+    r->prompts.push_back(*std::move(one));
+  }
   return absl::OkStatus();
 }
 
@@ -628,6 +648,10 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   std::optional<int64_t> n, max_tokens, max_completion_tokens, top_k, seed, top_logprobs;
   SHARDSERVE_OPENAI_CHECK(f.Int("n", 1, kMaxChoices, &n));
   r.n = static_cast<int>(n.value_or(1));
+  if (const int64_t choices = static_cast<int64_t>(r.prompts.size()) * r.n; choices > kMaxBatchChoices) {
+    return InvalidField("n", absl::StrCat(r.prompts.size(), " prompts of ", r.n, " choices each are ", choices,
+                                          " choices; at most ", kMaxBatchChoices, " a request"));
+  }
   SHARDSERVE_OPENAI_CHECK(f.Bool("stream", &r.stream));
   if (const Json* options = f.Get("stream_options")) {
     if (!options->is_object()) return WrongType("stream_options", "an object", *options);
@@ -711,14 +735,14 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   return r;
 }
 
-v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t max_tokens,
+v1::GenerateRequest ToGenerateRequest(const Request& request, int prompt, int index, int32_t max_tokens,
                                       const std::vector<int32_t>* prompt_ids) {
   v1::GenerateRequest g;
   if (prompt_ids != nullptr) {
     g.mutable_token_ids()->mutable_ids()->Add(prompt_ids->begin(), prompt_ids->end());
-  } else {
-    g.set_text(request.prompt_text);
-  }
+  } else if (prompt >= 0 && static_cast<size_t>(prompt) < request.prompts.size()) {
+    g.set_text(request.prompts[prompt].text);
+  }  // (else no prompt: PrepareGeneration says so)
   *g.mutable_sampling() = request.sampling;
   g.mutable_sampling()->set_max_tokens(max_tokens);
   if (request.sampling.has_seed()) g.mutable_sampling()->set_seed(request.sampling.seed() + static_cast<uint64_t>(index));
@@ -769,7 +793,8 @@ constexpr absl::string_view kStructuredOutputField = "sampling.structured_output
 
 }  // namespace
 
-absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint, absl::string_view constraint_field) {
+absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint, absl::string_view constraint_field,
+                                   int batch_prompt) {
   if (status.code() != absl::StatusCode::kInvalidArgument) return status;
   const std::optional<FieldError> error = FieldErrorOf(status);
   if (!error.has_value()) return status;
@@ -789,7 +814,8 @@ absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint
       renamed = std::string(absl::StripPrefix(path, kSamplingPrefix));  // named as in the gRPC API's sampling
     } else {
       const OpenAIName& name = endpoint == Endpoint::kChatCompletions ? field->chat : field->completions;
-      renamed = absl::StrCat(name.name, name.indexed ? index : "");
+      renamed = absl::StrCat(name.name, batch_prompt >= 0 && name.name == "prompt" ? absl::StrCat("[", batch_prompt, "]") : "",
+                             name.indexed ? index : "");
     }
   }
   return InvalidField(renamed, error->message);

@@ -37,8 +37,11 @@ namespace shardserve::openai {
 
 enum class Endpoint { kChatCompletions, kCompletions };
 
-// Choices one request may ask for (n).
+// Choices one request may ask for (n), and a completion's prompts in one request (a batch), and
+// the choices of all of them together (prompts x n).
 inline constexpr int kMaxChoices = 16;
+inline constexpr int kMaxPrompts = 256;
+inline constexpr int kMaxBatchChoices = 256;
 // Tools one request may declare, and the longest tool name (OpenAI's limits); a name is letters,
 // digits, '_' and '-'.
 inline constexpr int kMaxTools = 128;
@@ -72,10 +75,15 @@ struct Request {
   ToolChoice tool_choice = ToolChoice::kAuto;
   bool parallel_tool_calls = true;  // false: at most one call returned
   std::string named_tool;  // ToolChoice::kNamed: the function's name
-  // /v1/completions: a string, or token ids.
-  std::string prompt_text;
-  std::vector<int32_t> prompt_ids;
-  bool prompt_is_ids = false;
+  // /v1/completions: one prompt or a batch of them (`prompt` a list of strings or of token id
+  // lists), each a string or token ids. Prompt p's choice i is the answer's choice p * n + i, as
+  // OpenAI numbers them.
+  struct Prompt {
+    std::string text;
+    std::vector<int32_t> ids;
+    bool is_ids = false;
+  };
+  std::vector<Prompt> prompts;
 
   int n = 1;
   bool stream = false;
@@ -93,10 +101,12 @@ struct Request {
 // Parses and checks `body` for `endpoint`. InvalidArgument naming the field (ParamOf) otherwise.
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body);
 
-// The GenerateRequest of choice `index` (of n): the prompt (ids or text), `max_tokens`, and the
-// seed of the choice: seed + index when the request gave one (each choice its own draws, the
-// first the seed itself), else none (PrepareGeneration draws one).
-v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t max_tokens,
+// The GenerateRequest of choice `index` (of n) of a prompt: `prompt_ids` where given (a chat's, or
+// a completion's ids), else the completion's prompt `prompt` as text; `max_tokens`; and the seed
+// of the choice: seed + index when the request gave one (each choice its own draws, the first the
+// seed itself; every prompt of a batch the same seeds, as when each is sent alone), else none
+// (PrepareGeneration draws one).
+v1::GenerateRequest ToGenerateRequest(const Request& request, int prompt, int index, int32_t max_tokens,
                                       const std::vector<int32_t>* prompt_ids);
 
 // An error of PrepareGeneration as the OpenAI request's field names it: the gRPC API's field it
@@ -104,9 +114,10 @@ v1::GenerateRequest ToGenerateRequest(const Request& request, int index, int32_t
 // "prompt.token_ids.ids[3]" "prompt[3]", a chat prompt's "prompt" "messages"), the message after
 // the field kept, and the param set. An error about sampling.structured_output names
 // `constraint_field` (Request::constraint_field). Other errors (another code, no field) pass as
-// they are.
+// they are. `batch_prompt` >= 0: the error is about that prompt of a batch, and a field of the
+// prompt is named with its index ("prompt[2]", "prompt[2][5]").
 absl::Status RenameGenerationError(const absl::Status& status, Endpoint endpoint,
-                                   absl::string_view constraint_field = "");
+                                   absl::string_view constraint_field = "", int batch_prompt = -1);
 
 // tool_choice "required" or named when the model writes gpt-oss's harmony format (`markers` its
 // special tokens): the request's constraint, the JSON array of calls every other format gets,
