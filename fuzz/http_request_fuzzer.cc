@@ -10,7 +10,8 @@
 //
 // Invariants: the server answers with HTTP/1.1 status lines only, each with a status in
 // [100, 600), and closes the connection within 20 s (no hang; below libFuzzer's -timeout=25); an
-// input that does not carry the key never gets the model list (GET /v1/models answered 200);
+// input that does not carry the key never gets the model list or the model (GET /v1/models or
+// /v1/models/{model} answered 200);
 // every 4xx/5xx body the server wrote is OpenAI's error JSON. The server itself must not crash (the sanitizers watch its threads).
 #include <arpa/inet.h>
 #include <errno.h>
@@ -156,7 +157,7 @@ std::string Exchange(std::string_view request) {
 // checked: the status, and an error body that is OpenAI's JSON. The answer to a HEAD request has a
 // head only (its Content-Length says what a GET would get): one whose body would run past the
 // answer or start with the next status line is taken as that, allowed when `head_asked`. Returns
-// whether one of them was the model list.
+// whether one of them was the model list or the model's object.
 bool CheckResponses(std::string_view answer, bool head_asked) {
   bool model_list = false;
   while (!answer.empty()) {
@@ -193,7 +194,7 @@ bool CheckResponses(std::string_view answer, bool head_asked) {
                 e["error"]["message"].is_string() && e["error"].contains("type"),
             "an error body that is not OpenAI's error JSON");
     }
-    if (status == 200 && body.find("\"object\":\"list\"") != std::string::npos) model_list = true;
+    if (status == 200 && body.find("\"object\":\"model\"") != std::string::npos) model_list = true;  // (the list's too)
   }
   return model_list;
 }
@@ -209,6 +210,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view request(reinterpret_cast<const char*>(data), size);
   const std::string answer = Exchange(request);
   const bool model_list = CheckResponses(answer, request.find("HEAD") != std::string_view::npos);
-  Check(!model_list || request.find(kKey) != std::string_view::npos, "the model list without the key");
+  Check(!model_list || request.find(kKey) != std::string_view::npos, "the model list or the model without the key");
   return 0;
 }

@@ -196,6 +196,16 @@ class OpenAIApiTest(unittest.TestCase):
         models = self.client.models.list()
         self.assertEqual([m.id for m in models.data], [MODEL])
         self.assertTrue(self.http_ok("/health"))
+        # Retrieve: the served model's object, as the list has it; another name is 404 naming both.
+        model = self.client.models.retrieve(MODEL)
+        self.assertEqual(model.id, MODEL)
+        self.assertEqual(model.model_dump(), models.data[0].model_dump())
+        with self.assertRaises(openai.NotFoundError) as ctx:
+            self.client.models.retrieve("gpt-4")
+        self.assertIn("'gpt-4' is not served here; this server serves 'demo'", ctx.exception.message)
+        self.assertEqual(ctx.exception.body["param"], "model")
+        self.assertGreaterEqual(self.metric("shardserve_http_requests_total", endpoint="/v1/models/{model}",
+                                            status="404"), 1)
 
     def test_keep_alive_connection_serves_many_requests(self):
         # A long-lived client's connection is not closed every fifth request (httplib 0.11.4's

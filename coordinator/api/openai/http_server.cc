@@ -13,6 +13,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -69,6 +70,7 @@ std::string EndpointLabel(const std::string& path) {
   for (const char* route : {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}) {
     if (path == route) return route;
   }
+  if (absl::StartsWith(path, "/v1/models/")) return "/v1/models/{model}";  // one series, whatever is asked
   return "other";
 }
 
@@ -603,14 +605,29 @@ void HttpServer::Routes() {
       if (!refuse_key(req, res)) Generate(chat, req, body, res);
     };
   };
-  http_->Get("/v1/models", guarded([this](const httplib::Request&, httplib::Response& res) {
-    const Json body = {{"object", "list"},
-                       {"data", Json::array({{{"id", model_->name},
-                                              {"object", "model"},
-                                              {"created", created_},
-                                              {"owned_by", "shardserve"},
-                                              {"max_model_len", pool_->max_model_len()}}})}};
-    res.set_content(body.dump(), kJson);
+  // The served model as OpenAI's model object.
+  auto model_object = [this] {
+    return Json{{"id", model_->name},
+                {"object", "model"},
+                {"created", created_},
+                {"owned_by", "shardserve"},
+                {"max_model_len", pool_->max_model_len()}};
+  };
+  http_->Get("/v1/models", guarded([model_object](const httplib::Request&, httplib::Response& res) {
+    const Json body = {{"object", "list"}, {"data", Json::array({model_object()})}};
+    res.set_content(body.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+  }));
+  // Retrieve a model (the openai client's models.retrieve): the served one, else 404 as a completion for
+  // another model gets.
+  http_->Get("/v1/models/(.+)", guarded([this, model_object](const httplib::Request& req, httplib::Response& res) {
+    const std::string asked = req.matches[1];
+    if (asked != model_->name) {
+      return SetError(res, FieldErrorStatus("model",
+                                            absl::StrCat("'", asked, "' is not served here; this server serves '",
+                                                         model_->name, "'"),
+                                            absl::StatusCode::kNotFound));
+    }
+    res.set_content(model_object().dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
   http_->Post("/v1/chat/completions", with_body(true));
   http_->Post("/v1/completions", with_body(false));
