@@ -107,6 +107,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"AddGenerationPromptNotBool", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "add_generation_prompt": 1})",
                 "add_generation_prompt", "a boolean"},
+        BadCase{"ReasoningEffortUnknown", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "max"})", "reasoning_effort",
+                "must be \"low\", \"medium\" or \"high\", got \"max\""},
+        BadCase{"ReasoningEffortNotString", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": 2})", "reasoning_effort",
+                "must be a string"},
+        BadCase{"ReasoningEffortTwice", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "low",
+                    "chat_template_kwargs": {"reasoning_effort": "high"}})",
+                "reasoning_effort", "\"low\" where chat_template_kwargs.reasoning_effort is \"high\": send one"},
         BadCase{"NZero", kCompl, R"({"model": "m", "prompt": "x", "n": 0})", "n", "must be in [1, 16]"},
         BadCase{"NTooMany", kCompl, R"({"model": "m", "prompt": "x", "n": 17})", "n", "must be in [1, 16]"},
         BadCase{"NFloat", kCompl, R"({"model": "m", "prompt": "x", "n": 1.5})", "n", "an integer"},
@@ -407,6 +417,22 @@ TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
   EXPECT_EQ(r->max_tokens, 9);
   EXPECT_TRUE(r->sampling.logprobs());
   EXPECT_EQ(r->sampling.top_logprobs(), 2);
+}
+
+// reasoning_effort reaches the chat template as its variable of that name (gpt-oss's writes it);
+// the same value in chat_template_kwargs too is accepted.
+TEST(ParseRequestTest, ReasoningEffortIsATemplateVariable) {
+  absl::StatusOr<Request> r =
+      ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "high"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->chat_template_kwargs, Json::parse(R"({"reasoning_effort": "high"})"));
+  r = ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "low",
+    "chat_template_kwargs": {"reasoning_effort": "low", "x": 1}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->chat_template_kwargs, Json::parse(R"({"reasoning_effort": "low", "x": 1})"));
+  r = ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": null})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->chat_template_kwargs.is_null());
 }
 
 TEST(ParseRequestTest, ToolChoiceNoneAndOneCall) {

@@ -22,11 +22,12 @@ BUILD_DIR=${FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${JOBS:-$(nproc)}
 TARGETS=(safetensors config tokenizer_json tokenize request chat_template openai_request coordinator_message worker_message
          safetensors_index quantized_linear mxfp4_experts generation_config tokenizer_config http_request grammar chat_output)
-# Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB.
-declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=16384
+# Longest input each target is given: safetensors and tokenizer.json seeds are a few KB to 43 KB, gpt-oss's
+# chat template 16.4 KiB (17.2 KiB as tokenizer_config.json).
+declare -A MAX_LEN=([safetensors]=8192 [config]=4096 [tokenizer_json]=65536 [tokenize]=4096 [request]=4096 [chat_template]=20480
                        [openai_request]=8192 [coordinator_message]=8192 [worker_message]=4096
                        [safetensors_index]=8192 [quantized_linear]=16384 [mxfp4_experts]=8192 [generation_config]=1024
-                       [tokenizer_config]=16384 [http_request]=8192 [grammar]=4096 [chat_output]=4096)
+                       [tokenizer_config]=20480 [http_request]=8192 [grammar]=4096 [chat_output]=4096)
 # CI runs each target a fixed number of executions from a fixed seed (a time bound would test more
 # or less on a faster or slower machine), JOBS targets side by side. The runs still differ from one
 # clone to another (docs/security.md, "In CI"): a crash they find is a defect to fix. Sized from the runs' times in one

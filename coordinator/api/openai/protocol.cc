@@ -272,6 +272,23 @@ absl::Status ParseMessages(const Fields& f, Request* r) {
     if (!kwargs->is_object()) return WrongType("chat_template_kwargs", "an object", *kwargs);
     r->chat_template_kwargs = *kwargs;
   }
+  // reasoning_effort (OpenAI's field for reasoning models): the template variable of that name, which
+  // gpt-oss's template writes into its system message ("Reasoning: high"; medium when unset);
+  // templates that do not read it ignore it, as vLLM's do.
+  std::string effort;
+  SHARDSERVE_OPENAI_CHECK(f.String("reasoning_effort", &effort));
+  if (f.Get("reasoning_effort") != nullptr) {
+    if (effort != "low" && effort != "medium" && effort != "high") {
+      return InvalidField("reasoning_effort", absl::StrCat("must be \"low\", \"medium\" or \"high\", got \"", effort, "\""));
+    }
+    if (!r->chat_template_kwargs.is_object()) r->chat_template_kwargs = Json::object();
+    if (auto it = r->chat_template_kwargs.find("reasoning_effort");
+        it != r->chat_template_kwargs.end() && *it != Json(effort)) {
+      return InvalidField("reasoning_effort", absl::StrCat("\"", effort, "\" where chat_template_kwargs.reasoning_effort is ",
+                                                           it->dump(), ": send one"));
+    }
+    r->chat_template_kwargs["reasoning_effort"] = effort;
+  }
   return f.Bool("add_generation_prompt", &r->add_generation_prompt);
 }
 
