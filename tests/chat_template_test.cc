@@ -36,31 +36,45 @@ std::string ReadText(const std::filesystem::path& p) {
 
 // --- golden cases against transformers ---
 
-// Today as strftime_now("%Y-%m-%d") gives it.
-std::string Today() {
+// The date formats the fixtures' templates give strftime_now (gpt-oss's, Llama 3.2's).
+constexpr const char* kDateFormats[] = {"%Y-%m-%d", "%d %b %Y"};
+
+std::string Format(const std::tm& day, const char* format) {
+  char buf[64];
+  return std::string(buf, std::strftime(buf, sizeof(buf), format, &day));
+}
+
+// Today, as strftime_now reads the clock.
+std::tm Today() {
   const std::time_t now = std::time(nullptr);
   std::tm local{};
   localtime_r(&now, &local);
-  char buf[16];
-  return std::string(buf, std::strftime(buf, sizeof(buf), "%Y-%m-%d", &local));
+  return local;
 }
 
 // Renders case `c` of a fixture and its expected text. The fixtures were rendered on the day
 // cases.json names ("today": transformers' clock pinned to it), and a template that writes the
-// date (gpt-oss's system message) writes today's here: the expected text has today's date in
-// place of that day's. (A render that runs across midnight is rendered again.)
+// date (gpt-oss's system message, Llama 3.2's) writes today's here: the expected text has today's
+// date in place of that day's, in each format of kDateFormats. (A render that runs across
+// midnight is rendered again.)
 struct Rendered {
   absl::StatusOr<std::string> out;
   std::string expected;
 };
 Rendered RenderCase(const ChatTemplate& tmpl, const json& cases, const json& c, const RenderBudget& budget = {}) {
   for (;;) {
-    const std::string before = Today();
+    const std::tm before = Today();
     Rendered r{tmpl.Render(c["messages"], c["add_generation_prompt"].get<bool>(), c["tools"], c["extra"], budget), ""};
-    if (Today() != before) continue;
+    if (Format(Today(), "%F") != Format(before, "%F")) continue;
     if (c.contains("expected")) {
       r.expected = c["expected"].get<std::string>();
-      if (cases.contains("today")) r.expected = absl::StrReplaceAll(r.expected, {{cases["today"].get<std::string>(), before}});
+      if (cases.contains("today")) {
+        std::tm pinned{};
+        EXPECT_NE(strptime(cases["today"].get<std::string>().c_str(), "%Y-%m-%d", &pinned), nullptr) << cases["today"];
+        for (const char* format : kDateFormats) {
+          r.expected = absl::StrReplaceAll(r.expected, {{Format(pinned, format), Format(before, format)}});
+        }
+      }
     }
     return r;
   }
@@ -109,7 +123,8 @@ TEST(FixtureTest, EveryFamilyIsPresent) {
   // The families tools/fixtures/make_chat_template_fixtures.py writes; a missing one is a failure, not a skip.
   for (const char* f : {"chatml", "llama2", "llama3", "llama3_1", "qwen2_5", "mistral", "gemma2", "phi3_5",
                         "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3", "gemma3",
-                        "phi4", "phi4_mini", "gpt_oss"}) {
+                        "phi4", "phi4_mini", "gpt_oss", "qwen3_original", "deepseek_v3_1", "kimi_k2", "llama3_2",
+                        "mistral_nemo"}) {
     EXPECT_TRUE(std::filesystem::exists(kFixtures / f / "cases.json")) << f;
   }
 }
