@@ -1,6 +1,6 @@
 // A model's chat output, as coordinator/api/openai/http_server.cc splits it (protocol.h's
 // OutputSplitter: reasoning.h, then tool_calls.h; harmony.h for gpt-oss). The first byte picks the
-// tool-call format (hermes, llama3_json, mistral, deepseek_v3, qwen3_coder, none, openai (harmony);
+// tool-call format (hermes, llama3_json, mistral, deepseek_v3, kimi_k2, qwen3_coder, none, openai (harmony);
 // qwen3_coder with tools whose parameters have types), whether reasoning is parsed and whether the
 // prompt opened it, and the sizes of the streamed pieces; the rest is the output.
 //
@@ -39,7 +39,7 @@ void Append(OutputSplit* all, OutputSplit piece) {
   for (auto& p : piece.pieces) {
     if (!p.name.empty()) {
       Check(p.index == static_cast<int>(all->calls.size()), "a call begun out of order");
-      all->calls.push_back({std::move(p.name), std::move(p.arguments)});
+      all->calls.push_back({std::move(p.name), std::move(p.arguments), std::move(p.id)});
     } else {
       Check(p.index >= 0 && p.index < static_cast<int>(all->calls.size()), "arguments of a call not begun");
       all->calls[p.index].arguments += p.arguments;
@@ -53,12 +53,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   constexpr ToolCallFormat kFormats[] = {ToolCallFormat::kHermes,     ToolCallFormat::kLlama3Json,
                                          ToolCallFormat::kMistral,    ToolCallFormat::kDeepSeekV3,
-                                         ToolCallFormat::kQwen3Coder, ToolCallFormat::kNone,
-                                         ToolCallFormat::kHarmony};
-  const ToolCallFormat format = kFormats[data[0] % 7];
-  const unsigned mode = data[0] / 7;  // 0 to 36
+                                         ToolCallFormat::kKimiK2,     ToolCallFormat::kQwen3Coder,
+                                         ToolCallFormat::kNone,       ToolCallFormat::kHarmony};
+  const ToolCallFormat format = kFormats[data[0] % 8];
+  const unsigned mode = data[0] / 8;  // 0 to 31
   const bool reasoning = mode & 1, inside = (mode >> 1) & 1;
-  const size_t piece = 1 + (mode >> 2);  // 1 to 10 bytes a piece
+  const size_t piece = 1 + (mode >> 2);  // 1 to 8 bytes a piece
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   static const nlohmann::ordered_json* tools = new nlohmann::ordered_json(nlohmann::ordered_json::parse(R"([
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
@@ -99,6 +99,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // The same calls; a key written twice is sent twice, which reads as the whole's one.
     for (size_t i = 0; i < whole.calls.size(); ++i) {
       Check(pieces.calls[i].name == whole.calls[i].name, "a call in pieces with another name than the whole's");
+      Check(pieces.calls[i].id == whole.calls[i].id, "a call in pieces with another id than the whole's");
       const auto args = nlohmann::ordered_json::parse(pieces.calls[i].arguments, nullptr, false);
       Check(!args.is_discarded() && args.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) ==
                                         whole.calls[i].arguments,

@@ -11,7 +11,8 @@ keep-alive connection serves more than httplib's default 5 requests. logit_bias 
 (launched with --tool-call-parser llama3_json --reasoning-parser qwen3): the demo model writes no
 tool call, so a forced '{' output checks that what is no call stays content (held back while it
 might be one), a call a guided_regex makes it write streams its arguments in several deltas (tool_choice
-auto), and a prompt that ends with <think> that the output comes as reasoning_content. A second, one-worker cluster on a test fixture
+auto), and a prompt that ends with <think> that the output comes as reasoning_content. Another, launched with
+--tool-call-parser kimi_k2, returns a call with the id the model wrote. A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Two more,
 one speculating with the demo draft, give the same n = 2 seeded choices, streamed or not, with
 logprobs and a stop string, and the same greedy chat. Always stops the clusters it started.
@@ -795,6 +796,43 @@ class NoChatTemplateTest(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as ctx:  # text needs a tokenizer
             self.client.completions.create(model=self.model, prompt="Hi")
         self.assertEqual(ctx.exception.param, "prompt")
+
+
+class KimiToolCallTest(unittest.TestCase):
+    """--tool-call-parser kimi_k2 (a one-worker cluster of the demo model, which a regex makes write
+    Kimi K2's call format): the call keeps the id the model wrote, whole and streamed."""
+
+    @classmethod
+    def setUpClass(cls):
+        http_port, grpc_port = free_ports(2)
+        base = f"http://127.0.0.1:{http_port}"
+        cls.launch = start_launch(
+            ["--model", os.path.join(ROOT, "models", MODEL), "--nodes", "1", "--gpus-per-node", "1",
+             "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port), "--tool-call-parser", "kimi_k2"],
+            base, work_dir("shardserve-openai-kimi-"))
+        cls.client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+
+    def test_the_call_keeps_the_models_id(self):
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+        regex = (r"<\|tool_calls_section_begin\|><\|tool_call_begin\|>functions\.get_weather:0"
+                 r'<\|tool_call_argument_begin\|>\{"city": "[a-z]{4,8}"\}<\|tool_call_end\|><\|tool_calls_section_end\|>')
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
+                  max_tokens=400, temperature=0, extra_body={"guided_regex": regex})  # the markers spelled out
+        whole = self.client.chat.completions.create(**kw)
+        self.assertEqual(whole.choices[0].finish_reason, "tool_calls", whole)
+        calls = whole.choices[0].message.tool_calls
+        self.assertEqual([(c.id, c.function.name) for c in calls], [("functions.get_weather:0", "get_weather")])
+        self.assertEqual(sorted(json.loads(calls[0].function.arguments)), ["city"])
+        self.assertFalse(whole.choices[0].message.content)
+        chunks = list(self.client.chat.completions.create(stream=True, **kw))
+        deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        self.assertEqual((deltas[0].id, deltas[0].function.name), ("functions.get_weather:0", "get_weather"))
+        self.assertEqual("".join(d.function.arguments for d in deltas), calls[0].function.arguments)
 
 
 class SpeculativeChoicesTest(unittest.TestCase):

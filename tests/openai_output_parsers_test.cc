@@ -1,6 +1,7 @@
 // coordinator/api/openai/tool_calls.h and reasoning.h: each format's calls and reasoning from whole
 // outputs (text before a call, several calls, malformed JSON staying content), and every output
 // streamed in random pieces giving, joined, what the whole gives.
+#include <fstream>
 #include <optional>
 #include <random>
 #include <string>
@@ -30,6 +31,13 @@ const Json& Tools() {
   return *tools;
 }
 
+// Kimi K2's tool tokens.
+const std::string kKimiBegin = "<|tool_calls_section_begin|>";
+const std::string kKimiEnd = "<|tool_calls_section_end|>";
+const std::string kKimiCall = "<|tool_call_begin|>";
+const std::string kKimiArgs = "<|tool_call_argument_begin|>";
+const std::string kKimiCallEnd = "<|tool_call_end|>";
+
 // DeepSeek's tool tokens.
 const std::string kCallsBegin = "<｜tool▁calls▁begin｜>";
 const std::string kCallsEnd = "<｜tool▁calls▁end｜>";
@@ -55,6 +63,8 @@ std::vector<Case> Cases() {
   const auto M = ToolCallFormat::kMistral;
   const auto D = ToolCallFormat::kDeepSeekV3;
   const auto Q = ToolCallFormat::kQwen3Coder;
+  const auto K = ToolCallFormat::kKimiK2;
+  const std::string kimi_weather = kKimiCall + "functions.get_weather:0" + kKimiArgs + "{\"city\": \"Paris\"}" + kKimiCallEnd;
   const std::string weather = R"({"city":"Paris"})";
   const std::string ds_weather = kCallBegin + "function" + kSep + "get_weather\n```json\n{\"city\": \"Paris\"}\n```" + kCallEnd;
   const std::string ds_malformed = kCallsBegin + kCallBegin + "function" + kSep + "a\n```json\n{\"k\": }\n```" + kCallEnd + kCallsEnd;
@@ -127,6 +137,25 @@ std::vector<Case> Cases() {
        kCallsBegin + kCallBegin + "function" + kSep + "a\n{}" + kCallEnd, {}},
       {"deepseek_no_call_stays_content", D, "A " + kCallsBegin + " B " + kCallsEnd, "A " + kCallsBegin + " B " + kCallsEnd, {}},
       {"deepseek_plain_text_unchanged", D, "Hello <｜tool world\n", "Hello <｜tool world\n", {}},
+      // Kimi K2: the section, each call's id (functions.NAME:INDEX, kept as the call's id) and arguments.
+      {"kimi_one", K, kKimiBegin + kimi_weather + kKimiEnd, "", {{"get_weather", weather, "functions.get_weather:0"}}},
+      {"kimi_text_before_two_calls", K,
+       "Let me check." + kKimiBegin + kimi_weather + "\n" + kKimiCall + " functions.b:1 " + kKimiArgs +
+           " {\"x\": [1, \"<|tool_call_end|\"]} " + kKimiCallEnd + kKimiEnd,
+       "Let me check.", {{"get_weather", weather, "functions.get_weather:0"}, {"b", R"({"x":[1,"<|tool_call_end|"]})", "functions.b:1"}}},
+      {"kimi_text_after", K, kKimiBegin + kimi_weather + kKimiEnd + "\n\nDone.", "Done.",
+       {{"get_weather", weather, "functions.get_weather:0"}}},
+      {"kimi_unclosed_last", K, kKimiBegin + kKimiCall + "functions.a:0" + kKimiArgs + "{\"k\": 1}", "",
+       {{"a", R"({"k":1})", "functions.a:0"}}},
+      {"kimi_name_without_namespace", K, kKimiBegin + kKimiCall + "a:3" + kKimiArgs + "{}" + kKimiCallEnd + kKimiEnd, "",
+       {{"a", "{}", "a:3"}}},
+      {"kimi_id_without_index_stays_content", K, kKimiBegin + kKimiCall + "functions.a" + kKimiArgs + "{}" + kKimiCallEnd,
+       kKimiBegin + kKimiCall + "functions.a" + kKimiArgs + "{}" + kKimiCallEnd, {}},
+      {"kimi_malformed_stays_content", K, kKimiBegin + kKimiCall + "functions.a:0" + kKimiArgs + "{\"k\": }" + kKimiCallEnd + kKimiEnd,
+       kKimiBegin + kKimiCall + "functions.a:0" + kKimiArgs + "{\"k\": }" + kKimiCallEnd + kKimiEnd, {},
+       Calls{{"a", "{\"k\":}" + kKimiCallEnd, "functions.a:0"}}, ""},
+      {"kimi_no_call_stays_content", K, "A " + kKimiBegin + " B " + kKimiEnd, "A " + kKimiBegin + " B " + kKimiEnd, {}},
+      {"kimi_plain_text_unchanged", K, "Hello <|tool world\n", "Hello <|tool world\n", {}},
       // Qwen3-Coder: parameters converted by the types of the tool's schema (Tools()).
       {"qwen3_coder_one", Q, qwen_weather, "", {{"get_weather", R"({"city":"Paris","days":3})"}}},
       {"qwen3_coder_types", Q,
@@ -189,7 +218,7 @@ struct Joined {
     for (const ToolCallPiece& p : d.pieces) {
       if (!p.name.empty()) {
         ASSERT_EQ(p.index, static_cast<int>(calls.size())) << "a call begun out of order";
-        calls.push_back(ToolCall{p.name, p.arguments});
+        calls.push_back(ToolCall{p.name, p.arguments, p.id});
       } else {
         ASSERT_GE(p.index, 0);
         ASSERT_LT(p.index, static_cast<int>(calls.size())) << "arguments of a call not begun";
@@ -368,7 +397,8 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
             "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral, deepseek_v3, "
-            "qwen3_coder, openai");
+            "kimi_k2, qwen3_coder, openai");
+  EXPECT_EQ(*ToolCallFormatFromName("kimi_k2"), ToolCallFormat::kKimiK2);
   EXPECT_EQ(*ToolCallFormatFromName("deepseek_v3"), ToolCallFormat::kDeepSeekV3);
   EXPECT_EQ(*ToolCallFormatFromName("qwen3_coder"), ToolCallFormat::kQwen3Coder);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<tool_call>' }}"), ToolCallFormat::kHermes);
@@ -383,6 +413,12 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
                 "{%- if message['content'] is none -%}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ "
                 "tool['function']['name'] + '<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"),
             ToolCallFormat::kDeepSeekV3);
+  // Kimi K2, whose whole template tests/fixtures/chat_templates/kimi_k2 holds:
+  std::ifstream kimi(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/chat_templates/kimi_k2/tokenizer_config.json");
+  ASSERT_TRUE(kimi.good());
+  EXPECT_EQ(ToolCallFormatOfTemplate(nlohmann::json::parse(kimi).at("chat_template").get<std::string>()),
+            ToolCallFormat::kKimiK2);
+  EXPECT_TRUE(KeepsSpecialTokens(ToolCallFormat::kKimiK2));
   // Qwen3-Coder (Qwen/Qwen3-Coder-30B-A3B-Instruct tokenizer_config.json), which holds <tool_call>
   // as Hermes' does:
   EXPECT_EQ(ToolCallFormatOfTemplate("{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}\n"
@@ -396,7 +432,10 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
 // prefix of the well-formed cases, and each with bytes cut out of its middle.
 TEST(ToolCallParserTest, TruncatedAndDamagedOutputs) {
   for (const Case& c : Cases()) {
-    if (c.format != ToolCallFormat::kDeepSeekV3 && c.format != ToolCallFormat::kQwen3Coder) continue;
+    if (c.format != ToolCallFormat::kDeepSeekV3 && c.format != ToolCallFormat::kKimiK2 &&
+        c.format != ToolCallFormat::kQwen3Coder) {
+      continue;
+    }
     for (size_t n = 0; n <= c.text.size(); ++n) {
       for (const std::string& text : {c.text.substr(0, n), c.text.substr(0, n / 2) + c.text.substr(n)}) {
         const ToolCallDelta d = ParseToolCalls(c.format, text, 16, Tools());

@@ -353,14 +353,15 @@ class Job {
       split = c.splitter->Add(r.text(), finished);
       c.whole.reasoning += split.reasoning;
       c.whole.content += split.content;
+      // Each call's id: the model's own where its format has one (kimi_k2), else a new one.
       for (const ToolCall& call : split.calls) {
         c.whole.calls.push_back(call);
-        c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+        c.call_ids.push_back(call.id.empty() ? absl::StrCat("call_", RandomHex()) : call.id);
       }
       for (const ToolCallPiece& piece : split.pieces) {
         if (!piece.name.empty()) {
-          c.whole.calls.push_back(ToolCall{piece.name, ""});
-          c.call_ids.push_back(absl::StrCat("call_", RandomHex()));
+          c.whole.calls.push_back(ToolCall{piece.name, "", piece.id});
+          c.call_ids.push_back(piece.id.empty() ? absl::StrCat("call_", RandomHex()) : piece.id);
         }
         if (piece.index >= 0 && static_cast<size_t>(piece.index) < c.whole.calls.size()) {
           c.whole.calls[piece.index].arguments += piece.arguments;

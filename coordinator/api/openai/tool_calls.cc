@@ -27,6 +27,17 @@ constexpr absl::string_view kDeepSeekCallsEnd = "<｜tool▁calls▁end｜>";
 constexpr absl::string_view kDeepSeekCallBegin = "<｜tool▁call▁begin｜>";
 constexpr absl::string_view kDeepSeekCallEnd = "<｜tool▁call▁end｜>";
 constexpr absl::string_view kDeepSeekSep = "<｜tool▁sep｜>";
+constexpr absl::string_view kKimiCallsBegin = "<|tool_calls_section_begin|>";
+constexpr absl::string_view kKimiCallsEnd = "<|tool_calls_section_end|>";
+constexpr absl::string_view kKimiCallBegin = "<|tool_call_begin|>";
+constexpr absl::string_view kKimiArguments = "<|tool_call_argument_begin|>";
+constexpr absl::string_view kKimiCallEnd = "<|tool_call_end|>";
+// DeepSeek's and Kimi K2's layout: the calls' section between its markers, each call between its own.
+struct Section {
+  absl::string_view begin, end, call_begin, call_end;
+};
+constexpr Section kDeepSeekSection{kDeepSeekCallsBegin, kDeepSeekCallsEnd, kDeepSeekCallBegin, kDeepSeekCallEnd};
+constexpr Section kKimiSection{kKimiCallsBegin, kKimiCallsEnd, kKimiCallBegin, kKimiCallEnd};
 constexpr absl::string_view kQwenFunction = "<function=";
 constexpr absl::string_view kQwenFunctionEnd = "</function>";
 constexpr absl::string_view kQwenParameter = "<parameter=";
@@ -43,6 +54,7 @@ constexpr Named kFormats[] = {{"none", ToolCallFormat::kNone},
                               {"llama3_json", ToolCallFormat::kLlama3Json},
                               {"mistral", ToolCallFormat::kMistral},
                               {"deepseek_v3", ToolCallFormat::kDeepSeekV3},
+                              {"kimi_k2", ToolCallFormat::kKimiK2},
                               {"qwen3_coder", ToolCallFormat::kQwen3Coder},
                               {"openai", ToolCallFormat::kHarmony}};
 
@@ -159,6 +171,37 @@ bool DeepSeekCall(absl::string_view body, ToolCall* call) {
   if (!IsCallName(name) || !ParseJson(args, &v) || !v.is_object()) return false;
   call->name = std::string(name);
   call->arguments = DumpArguments(v);
+  return true;
+}
+
+// A Kimi K2 call's id, functions.NAME:INDEX (vLLM's kimi_k2 parser: the name is the part after the last
+// '.' and before the ':'): its name, or empty when `id` is not one.
+absl::string_view KimiName(absl::string_view id) {
+  const size_t colon = id.rfind(':');
+  if (colon == absl::string_view::npos || colon + 1 == id.size() ||
+      id.find_first_not_of("0123456789", colon + 1) != absl::string_view::npos) {
+    return "";
+  }
+  absl::string_view name = id.substr(0, colon);
+  if (const size_t dot = name.rfind('.'); dot != absl::string_view::npos) name = name.substr(dot + 1);
+  return IsCallName(name) && IsCallName(id) ? name : "";
+}
+
+// One Kimi K2 call, from after <|tool_call_begin|> to before <|tool_call_end|>:
+// "ID<|tool_call_argument_begin|>ARGS".
+bool KimiCall(absl::string_view body, ToolCall* call) {
+  const size_t at = body.find(kKimiArguments);
+  if (at == absl::string_view::npos) return false;
+  const absl::string_view id = absl::StripAsciiWhitespace(body.substr(0, at));
+  const absl::string_view name = KimiName(id);
+  Json v;
+  if (name.empty() || !ParseJson(absl::StripAsciiWhitespace(body.substr(at + kKimiArguments.size())), &v) ||
+      !v.is_object()) {
+    return false;
+  }
+  call->name = std::string(name);
+  call->arguments = DumpArguments(v);
+  call->id = std::string(id);
   return true;
 }
 
@@ -347,6 +390,7 @@ const char* ToolCallFormatName(ToolCallFormat format) {
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
   if (IsHarmonyTemplate(source)) return ToolCallFormat::kHarmony;
   if (absl::StrContains(source, kDeepSeekCallsBegin)) return ToolCallFormat::kDeepSeekV3;
+  if (absl::StrContains(source, kKimiCallsBegin)) return ToolCallFormat::kKimiK2;
   if (absl::StrContains(source, kQwenFunction) && absl::StrContains(source, kQwenParameter)) {
     return ToolCallFormat::kQwen3Coder;
   }
@@ -358,7 +402,7 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
 
 bool KeepsSpecialTokens(ToolCallFormat format) {
   return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json ||
-         format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kHarmony;
+         format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kKimiK2 || format == ToolCallFormat::kHarmony;
 }
 
 ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools,
@@ -424,9 +468,12 @@ size_t ToolCallParser::FindStart(size_t* hold) const {
     case ToolCallFormat::kMistral:
       return FindMarkers({kMistralStart}, hold);
     case ToolCallFormat::kDeepSeekV3:
+    case ToolCallFormat::kKimiK2: {
       // A call's own marker starts one too (the calls after the first), and the end of the calls
       // is a block of its own, dropped after a call.
-      return FindMarkers({kDeepSeekCallsBegin, kDeepSeekCallBegin, kDeepSeekCallsEnd}, hold);
+      const Section& section = format_ == ToolCallFormat::kKimiK2 ? kKimiSection : kDeepSeekSection;
+      return FindMarkers({section.begin, section.call_begin, section.end}, hold);
+    }
     case ToolCallFormat::kQwen3Coder:
       return FindMarkers({kHermesStart, kQwenFunction}, hold);
     default:
@@ -470,16 +517,18 @@ size_t ToolCallParser::FindEnd() const {
       }
       return JsonValueEnd(buf, i);
     }
-    case ToolCallFormat::kDeepSeekV3: {
-      if (absl::StartsWith(buf, kDeepSeekCallsEnd)) return kDeepSeekCallsEnd.size();
+    case ToolCallFormat::kDeepSeekV3:
+    case ToolCallFormat::kKimiK2: {
+      const Section& section = format_ == ToolCallFormat::kKimiK2 ? kKimiSection : kDeepSeekSection;
+      if (absl::StartsWith(buf, section.end)) return section.end.size();
       size_t i = 0;
-      if (absl::StartsWith(buf, kDeepSeekCallsBegin)) {
-        i = SkipWhitespace(buf, kDeepSeekCallsBegin.size());
-        if (absl::StartsWith(kDeepSeekCallBegin, buf.substr(i))) return npos;  // the call may follow
-        if (!absl::StartsWith(buf.substr(i), kDeepSeekCallBegin)) return i;     // no call: not a call
+      if (absl::StartsWith(buf, section.begin)) {
+        i = SkipWhitespace(buf, section.begin.size());
+        if (absl::StartsWith(section.call_begin, buf.substr(i))) return npos;  // the call may follow
+        if (!absl::StartsWith(buf.substr(i), section.call_begin)) return i;     // no call: not a call
       }
-      const size_t e = buf.find(kDeepSeekCallEnd, i);
-      return e == npos ? npos : e + kDeepSeekCallEnd.size();
+      const size_t e = buf.find(section.call_end, i);
+      return e == npos ? npos : e + section.call_end.size();
     }
     case ToolCallFormat::kQwen3Coder: {
       const absl::string_view end = absl::StartsWith(buf, kHermesStart) ? kHermesEnd : kQwenFunctionEnd;
@@ -533,14 +582,17 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
       calls->push_back(ToolCall{std::string(name), DumpArguments(v)});
       return true;
     }
-    case ToolCallFormat::kDeepSeekV3: {
-      // <｜tool▁calls▁end｜> closes the calls: dropped after one, content otherwise.
-      if (block == kDeepSeekCallsEnd) return calls_found_ > 0;
+    case ToolCallFormat::kDeepSeekV3:
+    case ToolCallFormat::kKimiK2: {
+      const bool kimi = format_ == ToolCallFormat::kKimiK2;
+      const Section& section = kimi ? kKimiSection : kDeepSeekSection;
+      // The section's end closes the calls: dropped after one, content otherwise.
+      if (block == section.end) return calls_found_ > 0;
       absl::string_view body = block;
-      if (absl::ConsumePrefix(&body, kDeepSeekCallsBegin)) body = absl::StripLeadingAsciiWhitespace(body);
-      if (!absl::ConsumePrefix(&body, kDeepSeekCallBegin)) return false;
-      absl::ConsumeSuffix(&body, kDeepSeekCallEnd);
-      if (!DeepSeekCall(body, &call)) return false;
+      if (absl::ConsumePrefix(&body, section.begin)) body = absl::StripLeadingAsciiWhitespace(body);
+      if (!absl::ConsumePrefix(&body, section.call_begin)) return false;
+      absl::ConsumeSuffix(&body, section.call_end);
+      if (!(kimi ? KimiCall(body, &call) : DeepSeekCall(body, &call))) return false;
       calls->push_back(std::move(call));
       return true;
     }
@@ -592,7 +644,7 @@ void ToolCallParser::Hand(ToolCall call, ToolCallDelta* out) {
   ++calls_found_;
   if (calls_out_ >= max_calls_) return;
   if (stream_arguments_) {
-    out->pieces.push_back(ToolCallPiece{calls_out_, std::move(call.name), std::move(call.arguments)});
+    out->pieces.push_back(ToolCallPiece{calls_out_, std::move(call.name), std::move(call.arguments), std::move(call.id)});
   } else {
     out->calls.push_back(std::move(call));
   }
@@ -642,7 +694,7 @@ void ToolCallParser::EndBlock(size_t end, ToolCallDelta* out) {
   types_ = nullptr;
 }
 
-bool ToolCallParser::Begin(std::string name, std::string arguments, ToolCallDelta* out) {
+bool ToolCallParser::Begin(std::string name, std::string arguments, std::string id, ToolCallDelta* out) {
   if (calls_out_ >= max_calls_) {
     stream_off_ = true;  // decided whole at the block's end, where it is counted and dropped
     return false;
@@ -650,7 +702,7 @@ bool ToolCallParser::Begin(std::string name, std::string arguments, ToolCallDelt
   ++calls_found_;
   if (sent_.empty()) first_index_ = calls_out_;
   sent_.push_back(arguments);
-  out->pieces.push_back(ToolCallPiece{calls_out_++, std::move(name), std::move(arguments)});
+  out->pieces.push_back(ToolCallPiece{calls_out_++, std::move(name), std::move(arguments), std::move(id)});
   pending_.clear();
   pending_after_call_ = true;
   return true;
@@ -716,7 +768,8 @@ struct Cursor {
 
 }  // namespace
 
-ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::string* name, size_t* args) {
+ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::string* name, std::string* id,
+                                                  size_t* args) {
   Cursor c{buf, scan_};
   const auto result = [&](bool found) { return found ? Header::kFound : c.more ? Header::kNeedMore : Header::kNone; };
   const bool first = sent_.empty();
@@ -792,6 +845,23 @@ ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::st
       *args = c.i - 1;
       return Header::kFound;
     }
+    case ToolCallFormat::kKimiK2: {
+      if (!first) return Header::kNone;
+      c.i = 0;
+      if (absl::StartsWith(buf, kKimiCallsBegin)) c.i = kKimiCallsBegin.size();
+      if (!c.Literal(kKimiCallBegin)) return result(false);
+      const size_t at = buf.find(kKimiArguments, c.i);
+      if (at == absl::string_view::npos) return Header::kNeedMore;
+      const absl::string_view call_id = absl::StripAsciiWhitespace(buf.substr(c.i, at - c.i));
+      const absl::string_view n = KimiName(call_id);
+      if (n.empty()) return Header::kNone;
+      c.i = at + kKimiArguments.size();
+      if (!c.Literal("{")) return result(false);
+      *name = std::string(n);
+      *id = std::string(call_id);
+      *args = c.i - 1;
+      return Header::kFound;
+    }
     default:
       return Header::kNone;
   }
@@ -816,11 +886,11 @@ void ToolCallParser::Stream(absl::string_view block, bool complete, ToolCallDelt
       args_.reset();
       continue;
     }
-    std::string name;
+    std::string name, id;
     size_t args = 0;
-    const Header h = NextHeader(block, &name, &args);
+    const Header h = NextHeader(block, &name, &id, &args);
     if (h == Header::kNeedMore) return;
-    if (h == Header::kNone || !Begin(std::move(name), "", out)) {
+    if (h == Header::kNone || !Begin(std::move(name), "", std::move(id), out)) {
       stream_off_ = true;
       return;
     }
@@ -847,7 +917,7 @@ void ToolCallParser::StreamQwen(absl::string_view buf, bool complete, ToolCallDe
       if (gt == npos) return;
       const absl::string_view name = absl::StripAsciiWhitespace(buf.substr(f + kQwenFunction.size(), gt - f - kQwenFunction.size()));
       // A name the whole block may read otherwise (or not at all) is decided at the end.
-      if (!IsCallName(name) || name.find('<') != npos || !Begin(std::string(name), "{", out)) {
+      if (!IsCallName(name) || name.find('<') != npos || !Begin(std::string(name), "{", "", out)) {
         stream_off_ = true;
         return;
       }

@@ -11,6 +11,11 @@
 //                <｜tool▁call▁begin｜>function<｜tool▁sep｜>name\n```json\n{...}\n```<｜tool▁call▁end｜>,
 //                then <｜tool▁calls▁end｜>; V3.1's calls are <｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}
 //                <｜tool▁call▁end｜>, read by the same parser (the JSON right after the separator);
+//   kimi_k2      Kimi K2: <|tool_calls_section_begin|>, then per call <|tool_call_begin|>ID
+//                <|tool_call_argument_begin|>{...}<|tool_call_end|>, then <|tool_calls_section_end|>;
+//                ID is functions.NAME:INDEX, the call's name its part after the last '.' and before
+//                the ':', and the call keeps ID as its id (Kimi's template writes a tool result
+//                under the id it came with), as vLLM's kimi_k2 parser reads it;
 //   qwen3_coder  Qwen3-Coder: <tool_call>\n<function=name>\n<parameter=p>\nvalue\n</parameter>\n...
 //                </function>\n</tool_call> (or a bare <function=...>...</function>); each value is
 //                text, converted by the type its tool's `parameters` schema gives the parameter
@@ -18,7 +23,8 @@
 //                strings stay text), as vLLM's qwen3_coder parser converts it.
 // What is not a well-formed call (malformed JSON, no name, arguments that are not an object) stays
 // content: the answer is never lost and never an error. Whitespace (and llama3_json's ';') next to
-// a call is dropped (deepseek_v3's <｜tool▁calls▁end｜> after a call too); an output without calls
+// a call is dropped (deepseek_v3's <｜tool▁calls▁end｜> and kimi_k2's <|tool_calls_section_end|> after
+// a call too); an output without calls
 // comes back as content unchanged.
 //
 // Streamed arguments (a parser made with `stream_arguments`, for streamed responses): as vLLM's
@@ -57,27 +63,30 @@
 
 namespace shardserve::openai {
 
-enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kQwen3Coder, kHarmony };
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kKimiK2, kQwen3Coder, kHarmony };
 
 // The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral", "deepseek_v3",
-// "qwen3_coder", "openai"); an unknown one is InvalidArgument listing the known ones. "openai" is
+// "kimi_k2", "qwen3_coder", "openai"); an unknown one is InvalidArgument listing the known ones. "openai" is
 // gpt-oss's harmony format (kHarmony), which harmony.h parses whole, reasoning and content too: a
 // ToolCallParser of it passes the text through as content, as kNone's does.
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
 const char* ToolCallFormatName(ToolCallFormat format);
 // The format a chat template writes tool calls in, recognised by the markers its text holds:
-// <|channel|> openai (harmony); <｜tool▁calls▁begin｜> deepseek_v3; <function= with <parameter= qwen3_coder (before hermes, whose
+// <|channel|> openai (harmony); <｜tool▁calls▁begin｜> deepseek_v3; <|tool_calls_section_begin|> kimi_k2;
+// <function= with <parameter= qwen3_coder (before hermes, whose
 // <tool_call> it holds too); <tool_call> hermes; [TOOL_CALLS] mistral; <|python_tag|> llama3_json;
 // kNone when it names none of them.
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
 // Whether the format's markers are special tokens, which the detokenizer must then keep
-// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's tool tokens, harmony's).
+// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's and kimi_k2's tool tokens,
+// harmony's).
 bool KeepsSpecialTokens(ToolCallFormat format);
 
 struct ToolCall {
   std::string name;
   std::string arguments;  // a JSON object's text
-  bool operator==(const ToolCall& o) const { return name == o.name && arguments == o.arguments; }
+  std::string id{};       // the id the model wrote for the call (kimi_k2), else empty
+  bool operator==(const ToolCall& o) const { return name == o.name && arguments == o.arguments && id == o.id; }
 };
 
 // A piece of a call streamed while it is generated: with a name it begins call `index` (the
@@ -86,8 +95,9 @@ struct ToolCallPiece {
   int index = 0;
   std::string name;       // the first piece of a call only
   std::string arguments;  // more of the arguments' text (may be empty)
+  std::string id{};       // the first piece of a call only: ToolCall::id
   bool operator==(const ToolCallPiece& o) const {
-    return index == o.index && name == o.name && arguments == o.arguments;
+    return index == o.index && name == o.name && arguments == o.arguments && id == o.id;
   }
 };
 
@@ -141,10 +151,11 @@ class ToolCallParser {
   void Stream(absl::string_view block, bool complete, ToolCallDelta* out);
   void StreamQwen(absl::string_view block, bool complete, ToolCallDelta* out);
   enum class Header { kNeedMore, kFound, kNone };
-  // The next call's name and where its arguments' '{' is in `block`, from scan_ on.
-  Header NextHeader(absl::string_view block, std::string* name, size_t* args);
+  // The next call's name (and the id the model wrote, if its format has one) and where its
+  // arguments' '{' is in `block`, from scan_ on.
+  Header NextHeader(absl::string_view block, std::string* name, std::string* id, size_t* args);
   // Begins a call (false over max_calls); `arguments` its first text.
-  bool Begin(std::string name, std::string arguments, ToolCallDelta* out);
+  bool Begin(std::string name, std::string arguments, std::string id, ToolCallDelta* out);
   void SendArguments(std::string text, ToolCallDelta* out);
 
   const ToolCallFormat format_;
