@@ -329,10 +329,7 @@ absl::Status ParsePrompt(const Fields& f, Request* r) {
     return InvalidField("prompt", absl::StrCat("a batch of ", prompt->size(), " prompts; at most ", kMaxPrompts));
   }
   for (size_t i = 0; i < prompt->size(); ++i) {
-    const Json& p = (*prompt)[i];
-    const std::string field = absl::StrCat("prompt[", i, "]");
-    if (!p.is_string() && !p.is_array()) return WrongType(field, "a string or an array of token ids", p);
-    absl::StatusOr<Request::Prompt> one = ParseOnePrompt(p, field);
+    absl::StatusOr<Request::Prompt> one = ParseOnePrompt((*prompt)[i], absl::StrCat("prompt[", i, "]"));
     if (!one.ok()) return one.status();
     r->prompts.push_back(*std::move(one));
   }

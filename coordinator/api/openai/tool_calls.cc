@@ -38,6 +38,9 @@ struct Section {
 };
 constexpr Section kDeepSeekSection{kDeepSeekCallsBegin, kDeepSeekCallsEnd, kDeepSeekCallBegin, kDeepSeekCallEnd};
 constexpr Section kKimiSection{kKimiCallsBegin, kKimiCallsEnd, kKimiCallBegin, kKimiCallEnd};
+const Section& SectionOf(ToolCallFormat format) {
+  return format == ToolCallFormat::kKimiK2 ? kKimiSection : kDeepSeekSection;
+}
 constexpr absl::string_view kQwenFunction = "<function=";
 constexpr absl::string_view kQwenFunctionEnd = "</function>";
 constexpr absl::string_view kQwenParameter = "<parameter=";
@@ -471,7 +474,7 @@ size_t ToolCallParser::FindStart(size_t* hold) const {
     case ToolCallFormat::kKimiK2: {
       // A call's own marker starts one too (the calls after the first), and the end of the calls
       // is a block of its own, dropped after a call.
-      const Section& section = format_ == ToolCallFormat::kKimiK2 ? kKimiSection : kDeepSeekSection;
+      const Section& section = SectionOf(format_);
       return FindMarkers({section.begin, section.call_begin, section.end}, hold);
     }
     case ToolCallFormat::kQwen3Coder:
@@ -519,7 +522,7 @@ size_t ToolCallParser::FindEnd() const {
     }
     case ToolCallFormat::kDeepSeekV3:
     case ToolCallFormat::kKimiK2: {
-      const Section& section = format_ == ToolCallFormat::kKimiK2 ? kKimiSection : kDeepSeekSection;
+      const Section& section = SectionOf(format_);
       if (absl::StartsWith(buf, section.end)) return section.end.size();
       size_t i = 0;
       if (absl::StartsWith(buf, section.begin)) {
@@ -584,15 +587,14 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
     }
     case ToolCallFormat::kDeepSeekV3:
     case ToolCallFormat::kKimiK2: {
-      const bool kimi = format_ == ToolCallFormat::kKimiK2;
-      const Section& section = kimi ? kKimiSection : kDeepSeekSection;
+      const Section& section = SectionOf(format_);
       // The section's end closes the calls: dropped after one, content otherwise.
       if (block == section.end) return calls_found_ > 0;
       absl::string_view body = block;
       if (absl::ConsumePrefix(&body, section.begin)) body = absl::StripLeadingAsciiWhitespace(body);
       if (!absl::ConsumePrefix(&body, section.call_begin)) return false;
       absl::ConsumeSuffix(&body, section.call_end);
-      if (!(kimi ? KimiCall(body, &call) : DeepSeekCall(body, &call))) return false;
+      if (!(format_ == ToolCallFormat::kKimiK2 ? KimiCall(body, &call) : DeepSeekCall(body, &call))) return false;
       calls->push_back(std::move(call));
       return true;
     }
@@ -818,11 +820,25 @@ ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::st
       *args = c.i - 1;
       return Header::kFound;
     }
-    case ToolCallFormat::kDeepSeekV3: {
+    case ToolCallFormat::kDeepSeekV3:
+    case ToolCallFormat::kKimiK2: {
       if (!first) return Header::kNone;
-      c.i = 0;
-      if (absl::StartsWith(buf, kDeepSeekCallsBegin)) c.i = kDeepSeekCallsBegin.size();
-      if (!c.Literal(kDeepSeekCallBegin)) return result(false);
+      const Section& section = SectionOf(format_);
+      c.i = absl::StartsWith(buf, section.begin) ? section.begin.size() : 0;
+      if (!c.Literal(section.call_begin)) return result(false);
+      if (format_ == ToolCallFormat::kKimiK2) {  // the call's id, then its arguments
+        const size_t at = buf.find(kKimiArguments, c.i);
+        if (at == absl::string_view::npos) return Header::kNeedMore;
+        const absl::string_view call_id = absl::StripAsciiWhitespace(buf.substr(c.i, at - c.i));
+        const absl::string_view n = KimiName(call_id);
+        if (n.empty()) return Header::kNone;
+        c.i = at + kKimiArguments.size();
+        if (!c.Literal("{")) return result(false);
+        *name = std::string(n);
+        *id = std::string(call_id);
+        *args = c.i - 1;
+        return Header::kFound;
+      }
       const size_t sep = buf.find(kDeepSeekSep, c.i);
       if (sep == absl::string_view::npos) return Header::kNeedMore;
       const absl::string_view before = absl::StripAsciiWhitespace(buf.substr(c.i, sep - c.i));
@@ -842,23 +858,6 @@ ToolCallParser::Header ToolCallParser::NextHeader(absl::string_view buf, std::st
       c.i = line + 1;
       if (!c.Literal("```json") || !c.Literal("{")) return result(false);
       *name = std::string(n);
-      *args = c.i - 1;
-      return Header::kFound;
-    }
-    case ToolCallFormat::kKimiK2: {
-      if (!first) return Header::kNone;
-      c.i = 0;
-      if (absl::StartsWith(buf, kKimiCallsBegin)) c.i = kKimiCallsBegin.size();
-      if (!c.Literal(kKimiCallBegin)) return result(false);
-      const size_t at = buf.find(kKimiArguments, c.i);
-      if (at == absl::string_view::npos) return Header::kNeedMore;
-      const absl::string_view call_id = absl::StripAsciiWhitespace(buf.substr(c.i, at - c.i));
-      const absl::string_view n = KimiName(call_id);
-      if (n.empty()) return Header::kNone;
-      c.i = at + kKimiArguments.size();
-      if (!c.Literal("{")) return result(false);
-      *name = std::string(n);
-      *id = std::string(call_id);
       *args = c.i - 1;
       return Header::kFound;
     }
