@@ -1,6 +1,6 @@
 // Chat templates (coordinator/chat): the input is a template's source, parsed and rendered as
 // ChatTemplate::FromString + Render do in production, over a fixed conversation with a tool call
-// and tools. A template comes from a model directory, so it is less trusted than it looks: every
+// and tools, and continuing its final message as RenderContinuing does (continue_final_message). A template comes from a model directory, so it is less trusted than it looks: every
 // failure must be an INVALID_ARGUMENT Status (never a crash, a hang or unbounded memory: the engine
 // bounds nesting, loop iterations, macro calls and string sizes).
 #include <cstddef>
@@ -26,5 +26,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                      with_tools ? shardserve_fuzz::ChatTools() : nullptr, {{"date_string", "01 Jan 2025"}});
     if (!out.ok() && !shardserve_fuzz::AcceptableRenderError(out.status())) std::abort();
   }
+  absl::StatusOr<std::string> continued = tmpl->RenderContinuing(shardserve_fuzz::ChatMessages(), nullptr,
+                                                                 {{"date_string", "01 Jan 2025"}});
+  if (!continued.ok() && !shardserve_fuzz::AcceptableRenderError(continued.status())) std::abort();
   return 0;
 }

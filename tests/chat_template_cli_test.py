@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """shardserve chat-template (tools/cli/cmd_chat_template.cc): every fixture case of
-tests/fixtures/chat_templates rendered through the command line, stdout compared byte for byte with
+tests/fixtures/chat_templates and of chat_template_continuations.json (--continue-final-message)
+rendered through the command line, stdout compared byte for byte with
 transformers' output, a raising template's message on stderr with exit code 1, and bad flags exit 2.
 Usage: chat_template_cli_test.py BIN_DIR"""
 import datetime
@@ -12,6 +13,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "chat_templates")
+CONTINUATIONS = os.path.join(ROOT, "tests", "fixtures", "chat_template_continuations.json")
 # The date formats the fixtures' templates give strftime_now (gpt-oss's, Llama 3.2's).
 DATE_FORMATS = ("%Y-%m-%d", "%d %b %Y")
 
@@ -31,9 +33,13 @@ def main():
     shardserve = os.path.join(sys.argv[1], "shardserve")
     failures = 0
     runs = 0
+    continuations = json.load(open(CONTINUATIONS, encoding="utf-8"))
+    suites = [(family, json.load(open(os.path.join(FIXTURES, family, "cases.json"), encoding="utf-8")))
+              for family in sorted(os.listdir(FIXTURES))]
+    suites += [(family, {"today": continuations["today"], "cases": cases})
+               for family, cases in continuations["families"].items()]
     with tempfile.TemporaryDirectory() as tmp:
-        for family in sorted(os.listdir(FIXTURES)):
-            fixture = json.load(open(os.path.join(FIXTURES, family, "cases.json"), encoding="utf-8"))
+        for family, fixture in suites:
             for case in fixture["cases"]:
                 paths = {}
                 for key in ("messages", "tools", "extra"):
@@ -45,7 +51,9 @@ def main():
                 cmd = [shardserve, "chat-template", "--model", os.path.join(FIXTURES, family)]
                 for key, path in paths.items():
                     cmd += [f"--{key}", path]
-                if not case["add_generation_prompt"]:
+                if case.get("continue_final_message"):
+                    cmd.append("--continue-final-message")
+                elif not case["add_generation_prompt"]:
                     cmd.append("--no-generation-prompt")
                 while True:  # (a run across midnight is run again)
                     today = datetime.date.today()

@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "coordinator/chat/chat_template.h"
 #include "coordinator/chat/lexer.h"
@@ -17,6 +18,7 @@
 #include "coordinator/chat/budget.h"
 #include "coordinator/chat/render.h"
 #include "coordinator/chat/value.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -64,7 +66,10 @@ struct Rendered {
 Rendered RenderCase(const ChatTemplate& tmpl, const json& cases, const json& c, const RenderBudget& budget = {}) {
   for (;;) {
     const std::tm before = Today();
-    Rendered r{tmpl.Render(c["messages"], c["add_generation_prompt"].get<bool>(), c["tools"], c["extra"], budget), ""};
+    Rendered r{c.value("continue_final_message", false)
+                   ? tmpl.RenderContinuing(c["messages"], c["tools"], c["extra"], budget)
+                   : tmpl.Render(c["messages"], c["add_generation_prompt"].get<bool>(), c["tools"], c["extra"], budget),
+               ""};
     if (Format(Today(), "%F") != Format(before, "%F")) continue;
     if (c.contains("expected")) {
       r.expected = c["expected"].get<std::string>();
@@ -105,6 +110,30 @@ TEST_P(FixtureTest, MatchesTransformers) {
     ++checked;
   }
   EXPECT_EQ(checked, static_cast<int>(cases["cases"].size()));
+}
+
+// Each family's template asked to continue a conversation's final message (continue_final_message),
+// against transformers 5 (tests/fixtures/chat_template_continuations.json).
+TEST(ContinuationTest, MatchesTransformers) {
+  const json fixture = json::parse(ReadText(kFixtures.parent_path() / "chat_template_continuations.json"));
+  int checked = 0;
+  for (const auto& [family, cases] : fixture["families"].items()) {
+    absl::StatusOr<ChatTemplate> tmpl = ChatTemplate::FromDirectory((kFixtures / family).string());
+    ASSERT_TRUE(tmpl.ok()) << family << ": " << tmpl.status();
+    for (const json& c : cases) {
+      SCOPED_TRACE(absl::StrCat(family, " ", c["name"].get<std::string>()));
+      ASSERT_TRUE(c["continue_final_message"].get<bool>());
+      const Rendered r = RenderCase(*tmpl, fixture, c);
+      if (c.contains("error")) {
+        ASSERT_FALSE(r.out.ok()) << "expected transformers' error: " << c["error"];
+        continue;
+      }
+      ASSERT_TRUE(r.out.ok()) << r.out.status();
+      EXPECT_EQ(*r.out, r.expected);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 100);
 }
 
 std::vector<std::string> Families() {
@@ -558,6 +587,52 @@ TEST(ChatTemplateTest, JinjaFileOverridesConfigAndInputsAreChecked) {
   EXPECT_EQ(ChatTemplate::FromDirectory((dir / "nope").string()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ChatTemplate::FromTokenizerConfig("{}").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(ChatTemplate::FromTokenizerConfig("[").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --- continue_final_message (the families' cases are in the fixtures) ---
+
+TEST(ChatTemplateTest, ContinuingCutsWhereTheFinalTextEnds) {
+  absl::StatusOr<ChatTemplate> t = ChatTemplate::FromString(
+      "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}"
+      "{% for p in m.content %}{{ p.text }}|{% endfor %}{% endif %}<end>{% endfor %}");
+  ASSERT_TRUE(t.ok()) << t.status();
+  const json user = {{"role", "user"}, {"content", "Hi"}};
+  EXPECT_EQ(*t->RenderContinuing(json::array({user, {{"role", "assistant"}, {"content", "Hello "}}})),
+            "[user]Hi<end>[assistant]Hello ");
+  // A list's last text part is the one continued; what follows it is cut.
+  const json parts = json::array({{{"type", "text"}, {"text", "A"}}, {{"type", "text"}, {"text", "B"}},
+                                  {{"type", "image"}}});
+  EXPECT_EQ(*t->RenderContinuing(json::array({user, {{"role", "assistant"}, {"content", parts}}})),
+            "[user]Hi<end>[assistant]A|B");
+  // The template's trimming: cut after the text's last non-space.
+  absl::StatusOr<ChatTemplate> trims = ChatTemplate::FromString("{% for m in messages %}{{ m.content | trim }}!{% endfor %}");
+  ASSERT_TRUE(trims.ok());
+  EXPECT_EQ(*trims->RenderContinuing(json::array({{{"role", "assistant"}, {"content", "one two  "}}})), "one two");
+}
+
+TEST(ChatTemplateTest, ContinuingRefusesWhatCannotBeContinued) {
+  absl::StatusOr<ChatTemplate> t = ChatTemplate::FromString("{% for m in messages %}{{ m.content }}{% endfor %}");
+  ASSERT_TRUE(t.ok());
+  auto message = [](const absl::StatusOr<std::string>& out) {
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+    return std::string(out.status().message());
+  };
+  EXPECT_THAT(message(t->RenderContinuing(json::array())), testing::HasSubstr("the conversation is empty"));
+  EXPECT_THAT(message(t->RenderContinuing(json::array({{{"role", "assistant"}}}))),
+              testing::HasSubstr("has no \"content\" to continue"));
+  EXPECT_THAT(message(t->RenderContinuing(json::array({{{"role", "assistant"}, {"content", json::array({{{"type", "image"}}})}}}))),
+              testing::HasSubstr("could not find any text"));
+  EXPECT_THAT(message(t->RenderContinuing(json::array({{{"role", "assistant"}, {"content", 5}}}))),
+              testing::HasSubstr("content is not text"));
+  absl::StatusOr<ChatTemplate> blind = ChatTemplate::FromString("{% for m in messages %}{{ m.role }}{% endfor %}");
+  ASSERT_TRUE(blind.ok());
+  EXPECT_THAT(message(blind->RenderContinuing(json::array({{{"role", "assistant"}, {"content", "x"}}}))),
+              testing::HasSubstr("not an accepted field"));
+  // A template that rewrites the message: the text is not found.
+  absl::StatusOr<ChatTemplate> upper = ChatTemplate::FromString("{% for m in messages %}{{ m.content | upper }}{% endfor %}");
+  ASSERT_TRUE(upper.ok());
+  EXPECT_THAT(message(upper->RenderContinuing(json::array({{{"role", "assistant"}, {"content", "quiet"}}}))),
+              testing::HasSubstr("does not appear in the chat"));
 }
 
 }  // namespace

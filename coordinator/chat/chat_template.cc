@@ -1,5 +1,7 @@
 #include "coordinator/chat/chat_template.h"
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -7,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/json.h"
 #include "coordinator/chat/parser.h"
+#include "coordinator/chat/py_str.h"
 #include "coordinator/chat/render.h"
 #include "coordinator/chat/value.h"
 
@@ -58,7 +61,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromString(const std::string& source,
   absl::StatusOr<std::shared_ptr<const Template>> parsed = Parse(source);
   if (!parsed.ok()) return parsed.status();
   ChatTemplate t;
-  t.templates_["default"] = *std::move(parsed);
+  t.templates_["default"] = Named{*std::move(parsed), source};
   t.source_ = source;
   if (special_tokens.is_object()) t.special_tokens_ = special_tokens;
   return t;
@@ -77,7 +80,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
   if (!jinja_override.empty()) {
     absl::StatusOr<std::shared_ptr<const Template>> parsed = Parse(jinja_override);
     if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("chat_template.jinja: ", parsed.status().message()));
-    t.templates_["default"] = *std::move(parsed);
+    t.templates_["default"] = Named{*std::move(parsed), jinja_override};
     t.source_ = jinja_override;
     return t;
   }
@@ -88,7 +91,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
   if (it->is_string()) {
     absl::StatusOr<std::shared_ptr<const Template>> parsed = Parse(it->get<std::string>());
     if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat("chat_template: ", parsed.status().message()));
-    t.templates_["default"] = *std::move(parsed);
+    t.templates_["default"] = Named{*std::move(parsed), it->get<std::string>()};
     t.source_ = it->get<std::string>();
     return t;
   }
@@ -105,7 +108,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromTokenizerConfig(const std::string
     if (!parsed.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("chat_template '", name, "': ", parsed.status().message()));
     }
-    t.templates_[name] = *std::move(parsed);
+    t.templates_[name] = Named{*std::move(parsed), entry["template"].get<std::string>()};
     t.source_ += entry["template"].get<std::string>();
   }
   if (t.templates_.empty()) return absl::NotFoundError("tokenizer_config.json: chat_template is an empty list");
@@ -141,10 +144,9 @@ std::vector<std::string> ChatTemplate::names() const {
   return out;
 }
 
-absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
-                                                 const nlohmann::ordered_json& tools,
-                                                 const nlohmann::ordered_json& extra,
-                                                 const RenderBudget& budget) const {
+absl::StatusOr<const ChatTemplate::Named*> ChatTemplate::Pick(const nlohmann::ordered_json& messages,
+                                                              const nlohmann::ordered_json& tools,
+                                                              const nlohmann::ordered_json& extra) const {
   if (!messages.is_array()) return absl::InvalidArgumentError("messages must be a JSON array");
   if (!tools.is_null() && !tools.is_array()) return absl::InvalidArgumentError("tools must be a JSON array or null");
   if (!extra.is_null() && !extra.is_object()) return absl::InvalidArgumentError("extra arguments must be a JSON object");
@@ -152,16 +154,16 @@ absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& m
     if (!tools[i].is_object()) return absl::InvalidArgumentError(absl::StrCat("tools[", i, "] must be a JSON object"));
   }
   // transformers' get_chat_template: "tool_use" when tools are given and the model has one.
-  const Template* tmpl = nullptr;
-  if (templates_.size() == 1) {
-    tmpl = templates_.begin()->second.get();
-  } else if (!tools.is_null() && templates_.count("tool_use")) {
-    tmpl = templates_.at("tool_use").get();
-  } else if (templates_.count("default")) {
-    tmpl = templates_.at("default").get();
-  } else {
-    return absl::InvalidArgumentError("the model has several chat templates and none named \"default\"");
-  }
+  if (templates_.size() == 1) return &templates_.begin()->second;
+  if (!tools.is_null() && templates_.count("tool_use")) return &templates_.at("tool_use");
+  if (templates_.count("default")) return &templates_.at("default");
+  return absl::InvalidArgumentError("the model has several chat templates and none named \"default\"");
+}
+
+absl::StatusOr<std::string> ChatTemplate::RenderWith(const Named& tmpl, const nlohmann::ordered_json& messages,
+                                                     bool add_generation_prompt, const nlohmann::ordered_json& tools,
+                                                     const nlohmann::ordered_json& extra,
+                                                     const RenderBudget& budget) const {
   Dict context;
   context.items.emplace_back(Value("messages"), Value::FromJson(messages));
   context.items.emplace_back(Value("tools"), Value::FromJson(tools));  // None when absent, as transformers
@@ -171,7 +173,73 @@ absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& m
   if (extra.is_object()) {
     for (const auto& [k, v] : extra.items()) context.Set(Value(k), Value::FromJson(v));
   }
-  return chat::Render(*tmpl, Value::MakeDict(std::move(context)), budget);
+  return chat::Render(*tmpl.parsed, Value::MakeDict(std::move(context)), budget);
+}
+
+absl::StatusOr<std::string> ChatTemplate::Render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                                 const nlohmann::ordered_json& tools,
+                                                 const nlohmann::ordered_json& extra,
+                                                 const RenderBudget& budget) const {
+  absl::StatusOr<const Named*> tmpl = Pick(messages, tools, extra);
+  if (!tmpl.ok()) return tmpl.status();
+  return RenderWith(**tmpl, messages, add_generation_prompt, tools, extra, budget);
+}
+
+absl::StatusOr<std::string> ChatTemplate::RenderContinuing(const nlohmann::ordered_json& messages,
+                                                           const nlohmann::ordered_json& tools,
+                                                           const nlohmann::ordered_json& extra,
+                                                           const RenderBudget& budget) const {
+  absl::StatusOr<const Named*> tmpl = Pick(messages, tools, extra);
+  if (!tmpl.ok()) return tmpl.status();
+  // transformers' errors, word for word up to their first sentence's end.
+  if (messages.empty()) return absl::InvalidArgumentError("continue_final_message is set but the conversation is empty!");
+  if (!messages.back().is_object()) return absl::InvalidArgumentError("the final message must be a JSON object");
+  auto content = messages.back().find("content");
+  if (content == messages.back().end() || content->is_null()) {
+    return absl::InvalidArgumentError("continue_final_message is set but the final message has no \"content\" to continue!");
+  }
+  if ((*tmpl)->source.find("content") == std::string::npos) {
+    return absl::InvalidArgumentError(
+        "continue_final_message is set to \"content\" but this is not an accepted field in the chat_template");
+  }
+  // The final message's text (a list's last part with text) marked at its end; the render is cut
+  // where the mark lands.
+  nlohmann::ordered_json marked = messages;
+  nlohmann::ordered_json& last = marked.back()["content"];
+  std::string final_text;
+  if (last.is_array()) {
+    auto part = std::find_if(last.rbegin(), last.rend(), [](const nlohmann::ordered_json& p) {
+      return p.is_object() && p.contains("text") && p["text"].is_string();
+    });
+    if (part == last.rend()) {
+      return absl::InvalidArgumentError(
+          "continue_final_message is set but we could not find any text to continue in the final message!");
+    }
+    final_text = (*part)["text"].get<std::string>();
+    (*part)["text"] = final_text + kContinueMark;
+  } else if (last.is_string()) {
+    final_text = last.get<std::string>();
+    last = final_text + kContinueMark;
+  } else {
+    return absl::InvalidArgumentError("continue_final_message is set but the final message's content is not text");
+  }
+  absl::StatusOr<std::string> out = RenderWith(**tmpl, marked, /*add_generation_prompt=*/false, tools, extra, budget);
+  if (!out.ok()) return out;
+  const std::string mark = Strip(kContinueMark, nullptr, true, true);
+  const size_t at = out->rfind(mark);
+  if (out->find(Strip(final_text, nullptr, true, true)) == std::string::npos || at == std::string::npos) {
+    return absl::InvalidArgumentError(
+        "continue_final_message is set but the final message does not appear in the chat after applying the chat "
+        "template! The template drops or rewrites part of the final message.");
+  }
+  // The template kept the text as it was: the prompt ends where the mark began; else (it trimmed the
+  // message) the prompt ends at the text's last non-space.
+  if (absl::string_view(*out).substr(at, std::strlen(kContinueMark)) == kContinueMark) {
+    out->resize(at);
+  } else {
+    *out = Strip(out->substr(0, at), nullptr, false, true);
+  }
+  return out;
 }
 
 }  // namespace shardserve::chat

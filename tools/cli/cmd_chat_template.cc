@@ -16,12 +16,15 @@ namespace shardserve::cli {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: shardserve chat-template --model DIR --messages FILE.json [--no-generation-prompt]\n"
+    "usage: shardserve chat-template --model DIR --messages FILE.json\n"
+    "                                [--no-generation-prompt | --continue-final-message]\n"
     "                                [--tools FILE.json] [--extra FILE.json]\n"
     "  Renders the chat template of checkpoint DIR (chat_template.jinja or tokenizer_config.json) as\n"
     "  transformers' apply_chat_template(tokenize=False) does and prints the prompt, byte for byte.\n"
     "  --messages              a JSON array of messages ({\"role\": ..., \"content\": ...})\n"
     "  --no-generation-prompt  add_generation_prompt=False (default True)\n"
+    "  --continue-final-message  the prompt ends inside the final message, for the model to continue\n"
+    "                          it (continue_final_message=True; no generation prompt)\n"
     "  --tools                 a JSON array of tool definitions\n"
     "  --extra                 a JSON object of further template variables (date_string, ...)\n";
 
@@ -44,7 +47,8 @@ bool ReadJson(const std::string& flag, const std::string& path, nlohmann::ordere
 }
 
 int RunChatTemplate(const std::vector<std::string>& args) {
-  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "messages", "tools", "extra"}, {"help", "no-generation-prompt"});
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"model", "messages", "tools", "extra"},
+                                             {"help", "no-generation-prompt", "continue-final-message"});
   if (!flags.ok()) {
     std::fprintf(stderr, "shardserve chat-template: %s\n%s", std::string(flags.status().message()).c_str(), kUsage);
     return 2;
@@ -70,7 +74,9 @@ int RunChatTemplate(const std::vector<std::string>& args) {
   // The server's default budget (coordinator/chat/budget.h): a hostile template ends in an
   // error that names the budget, not in minutes of CPU or gigabytes of memory.
   absl::StatusOr<std::string> prompt =
-      tmpl->Render(messages, !flags->Has("no-generation-prompt"), tools, extra, chat::RenderBudget());
+      flags->Has("continue-final-message")
+          ? tmpl->RenderContinuing(messages, tools, extra, chat::RenderBudget())
+          : tmpl->Render(messages, !flags->Has("no-generation-prompt"), tools, extra, chat::RenderBudget());
   if (!prompt.ok()) {
     std::fprintf(stderr, "shardserve chat-template: %s\n", prompt.status().ToString().c_str());
     return 1;
