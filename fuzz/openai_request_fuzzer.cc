@@ -1,8 +1,9 @@
 // An OpenAI API request body off the wire, as coordinator/api/openai/http_server.cc handles it: the
-// first byte picks the endpoint (even: /v1/chat/completions, odd: /v1/completions), the rest is
-// the body. ParseRequest (coordinator/api/openai/protocol.h), then for chat the demo model's chat
-// template and tokenizer, then PrepareGeneration against the demo model (models/demo) and the
-// renaming of its errors.
+// first byte picks the endpoint (modulo 4: 0 /v1/chat/completions, 1 /v1/completions, 2 /tokenize,
+// 3 /detokenize), the rest is the body. ParseRequest (coordinator/api/openai/protocol.h), then for
+// chat the demo model's chat template (continuing the final message when asked) and tokenizer, then
+// PrepareGeneration against the demo model (models/demo) and the renaming of its errors; or
+// ParseTokenizeRequest / ParseDetokenizeRequest, then the template and the tokenizer.
 //
 // Invariants: every refusal is InvalidArgument and names its field as its param when its message
 // starts with one; an accepted request has 1 <= n <= kMaxChoices and prompt + max_tokens within
@@ -59,10 +60,63 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
+// A chat's prompt as the server renders it, or nullopt once a refusal was checked.
+std::optional<std::string> Render(const shardserve::openai::Request& request) {
+  const shardserve::ServedModel& model = Model();
+  absl::StatusOr<std::string> prompt =
+      request.continue_final_message
+          ? model.chat_template->RenderContinuing(request.messages, request.tools, request.chat_template_kwargs)
+          : model.chat_template->Render(request.messages, request.add_generation_prompt, request.tools,
+                                        request.chat_template_kwargs);
+  if (!prompt.ok()) {
+    CheckRefusal(prompt.status());
+    return std::nullopt;
+  }
+  return *std::move(prompt);
+}
+
+// /tokenize and /detokenize.
+void Tokenize(const std::string& body) {
+  const shardserve::Tokenizer& tokenizer = *Model().tokenizer;
+  absl::StatusOr<shardserve::openai::TokenizeRequest> request = shardserve::openai::ParseTokenizeRequest(body);
+  if (!request.ok()) return CheckRefusal(request.status());
+  std::string text = request->prompt;
+  if (request->chat) {
+    Check(!request->messages.continue_final_message || !request->messages.add_generation_prompt,
+          "a continuation with a generation prompt accepted");
+    std::optional<std::string> prompt = Render(request->messages);
+    if (!prompt.has_value()) return;
+    text = *std::move(prompt);
+  }
+  absl::StatusOr<std::vector<int32_t>> ids = tokenizer.Encode(text, request->add_special_tokens);
+  if (!ids.ok()) return;
+  for (int32_t id : *ids) Check(id >= 0 && id < tokenizer.vocab_size(), "a token id outside the vocabulary");
+}
+
+void Detokenize(const std::string& body) {
+  const shardserve::Tokenizer& tokenizer = *Model().tokenizer;
+  absl::StatusOr<shardserve::openai::DetokenizeRequest> request = shardserve::openai::ParseDetokenizeRequest(body);
+  if (!request.ok()) return CheckRefusal(request.status());
+  std::vector<int32_t> known;
+  for (int32_t id : request->tokens) {
+    Check(id >= 0, "a negative token id accepted");
+    if (id < tokenizer.vocab_size()) known.push_back(id);  // the server refuses the others by name
+  }
+  tokenizer.Decode(known, /*skip_special_tokens=*/false);
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  const Endpoint endpoint = data[0] % 2 == 0 ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] % 4 == 2) {
+    Tokenize(body);
+    return 0;
+  }
+  if (data[0] % 4 == 3) {
+    Detokenize(body);
+    return 0;
+  }
+  const Endpoint endpoint = data[0] % 4 == 0 ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   absl::StatusOr<shardserve::openai::Request> request = shardserve::openai::ParseRequest(endpoint, body);
   if (!request.ok()) {
     CheckRefusal(request.status());
@@ -79,12 +133,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int64_t max_model_len = model.config.max_position_embeddings;
   std::optional<std::vector<int32_t>> ids;
   if (chat) {
-    absl::StatusOr<std::string> prompt = model.chat_template->Render(
-        request->messages, request->add_generation_prompt, request->tools, request->chat_template_kwargs);
-    if (!prompt.ok()) {
-      CheckRefusal(prompt.status());
-      return 0;
-    }
+    std::optional<std::string> prompt = Render(*request);
+    if (!prompt.has_value()) return 0;
     absl::StatusOr<std::vector<int32_t>> encoded = model.tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
     if (!encoded.ok()) return 0;
     ids = std::move(*encoded);

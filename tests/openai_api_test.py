@@ -386,6 +386,61 @@ class OpenAIApiTest(unittest.TestCase):
         plain = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=8, temperature=0)
         self.assertIsNone(plain.choices[0].logprobs)
 
+    def test_continue_final_message_extends_the_answer_begun(self):
+        # The demo template trims each message: the prompt ends at the begun answer's last letter.
+        messages = [{"role": "user", "content": "Tell a story."}, {"role": "assistant", "content": "Once upon a "}]
+        ids = self.grpc.tokenize("<|begin_of_text|>User: Tell a story.\n\nAssistant: Once upon a",
+                                 add_special_tokens=False)
+        text, _ = self.grpc_greedy_ids(ids, 12)
+        r = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                extra_body={"continue_final_message": True,
+                                                            "add_generation_prompt": False})
+        self.assertEqual(r.usage.prompt_tokens, len(ids))
+        self.assertEqual(r.choices[0].message.content, text)
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                extra_body={"continue_final_message": True,
+                                                            "add_generation_prompt": True})
+        self.assertEqual(ctx.exception.body["param"], "continue_final_message")
+
+    def test_tokenize_and_detokenize_as_vllm_does(self):
+        text = "In the beginning God created the heaven"
+        status, t = self.post_raw("/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode())
+        self.assertEqual(status, 200, t)
+        self.assertEqual(t["tokens"], self.grpc.tokenize(text))
+        self.assertEqual(t["count"], len(t["tokens"]))
+        self.assertEqual(t["max_model_len"], self.client.models.retrieve(MODEL).model_extra["max_model_len"])
+        self.assertIsNone(t["token_strs"])
+        # No model named (vLLM's default), no special tokens, the vocabulary's strings.
+        status, t = self.post_raw("/tokenize", json.dumps({"prompt": text, "add_special_tokens": False,
+                                                           "return_token_strs": True}).encode())
+        self.assertEqual(status, 200, t)
+        self.assertEqual(t["tokens"], self.grpc.tokenize(text, add_special_tokens=False))
+        self.assertEqual(len(t["token_strs"]), t["count"])
+        status, d = self.post_raw("/detokenize", json.dumps({"model": MODEL, "tokens": t["tokens"]}).encode())
+        self.assertEqual((status, d), (200, {"prompt": text}))
+        # A chat: the prompt a chat completion of the same messages reads, token for token.
+        messages = [{"role": "user", "content": "Hello there"}]
+        status, t = self.post_raw("/tokenize", json.dumps({"model": MODEL, "messages": messages}).encode())
+        self.assertEqual(status, 200, t)
+        self.assertEqual(t["tokens"], self.chat_prompt_ids(messages))
+        r = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+        self.assertEqual(r.usage.prompt_tokens, t["count"])
+        status, d = self.post_raw("/detokenize", json.dumps({"tokens": t["tokens"]}).encode())
+        self.assertEqual(status, 200, d)
+        self.assertTrue(d["prompt"].startswith("<|begin_of_text|>User: Hello there"), d)  # special tokens kept
+        # Bad requests name what is wrong.
+        for path, body, code, param in (
+                ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+                ("/tokenize", {"prompt": "x", "messages": messages}, 400, "prompt"),
+                ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True,
+                               "add_generation_prompt": True}, 400, "continue_final_message"),
+                ("/detokenize", {"tokens": [1, 999999]}, 400, "tokens[1]"),
+                ("/detokenize", {"tokens": "1 2"}, 400, "tokens")):
+            status, e = self.post_raw(path, json.dumps(body).encode())
+            self.assertEqual((status, e["error"]["param"]), (code, param), (path, body, e))
+        self.assertGreaterEqual(self.metric("shardserve_http_requests_total", endpoint="/tokenize", status="200"), 3)
+
     # ---- errors ----
     def test_bad_requests_are_400_naming_the_field(self):
         cases = [
@@ -771,7 +826,7 @@ class NoChatTemplateTest(unittest.TestCase):
         cls.model_dir = os.path.join(ROOT, "tests", "fixtures", "models", "llama_gqa")
         cls.model = os.path.basename(cls.model_dir)
         http_port, grpc_port = free_ports(2)
-        base = f"http://127.0.0.1:{http_port}"
+        base = cls.base = f"http://127.0.0.1:{http_port}"
         cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
                                    "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)],
                                   base, work_dir("shardserve-openai-notemplate-"))
@@ -796,6 +851,19 @@ class NoChatTemplateTest(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as ctx:  # text needs a tokenizer
             self.client.completions.create(model=self.model, prompt="Hi")
         self.assertEqual(ctx.exception.param, "prompt")
+
+    def test_tokenize_and_detokenize_say_there_is_no_tokenizer(self):
+        for path, body, param, says in (("/tokenize", {"prompt": "Hi"}, "prompt", "has no tokenizer.json"),
+                                        ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, "messages",
+                                         "has no chat template"),
+                                        ("/detokenize", {"tokens": [1, 2]}, "tokens", "has no tokenizer.json")):
+            req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with self.assertRaises(urllib.error.HTTPError) as ctx:
+                urllib.request.urlopen(req, timeout=60)
+            error = json.loads(ctx.exception.read())["error"]
+            self.assertEqual((ctx.exception.code, error["param"]), (400, param), error)
+            self.assertIn(says, error["message"])
 
 
 class KimiToolCallTest(unittest.TestCase):

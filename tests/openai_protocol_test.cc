@@ -107,6 +107,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"AddGenerationPromptNotBool", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "add_generation_prompt": 1})",
                 "add_generation_prompt", "a boolean"},
+        BadCase{"ContinueFinalMessageNotBool", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "continue_final_message": "yes"})",
+                "continue_final_message", "a boolean"},
+        BadCase{"ContinueFinalMessageWithGenerationPrompt", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "continue_final_message": true,
+                    "add_generation_prompt": true})",
+                "continue_final_message", "cannot be used with add_generation_prompt true"},
         BadCase{"ReasoningEffortUnknown", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "max"})", "reasoning_effort",
                 "must be \"low\", \"medium\" or \"high\", got \"max\""},
@@ -421,6 +428,79 @@ TEST(ParseRequestTest, ChatMessagesToolsAndKwargs) {
 
 // reasoning_effort reaches the chat template as its variable of that name (gpt-oss's writes it);
 // the same value in chat_template_kwargs too is accepted.
+TEST(ParseRequestTest, ContinueFinalMessageTurnsTheGenerationPromptOff) {
+  absl::StatusOr<Request> r = ParseRequest(
+      kChat, R"({"model": "m", "messages": [{"role": "assistant", "content": "Once"}], "continue_final_message": true})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->continue_final_message);
+  EXPECT_FALSE(r->add_generation_prompt);
+  r = ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "continue_final_message": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->continue_final_message);
+  EXPECT_TRUE(r->add_generation_prompt);
+}
+
+// vLLM's /tokenize and /detokenize bodies.
+TEST(TokenizeRequestTest, APromptOrMessages) {
+  absl::StatusOr<TokenizeRequest> t = ParseTokenizeRequest(R"({"prompt": "Hello"})");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE(t->chat);
+  EXPECT_EQ(t->prompt, "Hello");
+  EXPECT_TRUE(t->add_special_tokens);
+  EXPECT_FALSE(t->return_token_strs);
+  EXPECT_TRUE(t->model.empty());
+  t = ParseTokenizeRequest(R"({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+    "add_generation_prompt": false, "continue_final_message": true, "return_token_strs": true,
+    "chat_template_kwargs": {"enable_thinking": false}})");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(t->chat);
+  EXPECT_EQ(t->model, "m");
+  EXPECT_FALSE(t->add_special_tokens);  // the template writes them
+  EXPECT_TRUE(t->return_token_strs);
+  EXPECT_TRUE(t->messages.continue_final_message);
+  EXPECT_EQ(t->messages.messages[0]["content"], "a");  // parts joined, as for a chat completion
+  EXPECT_EQ(t->messages.chat_template_kwargs, Json::parse(R"({"enable_thinking": false})"));
+  t = ParseTokenizeRequest(R"({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": true})");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(t->add_special_tokens);
+
+  struct Bad {
+    const char* body;
+    const char* param;
+    const char* says;
+  };
+  for (const Bad& b : {Bad{R"({})", "messages", "is required (or a prompt)"},
+                       Bad{R"({"prompt": "a", "messages": []})", "prompt", "not both"},
+                       Bad{R"({"prompt": [1, 2]})", "prompt", "a string"},
+                       Bad{R"({"messages": [{"role": 1}]})", "messages[0].role", "a string"},
+                       Bad{R"({"prompt": "a", "model": 3})", "model", "a string"},
+                       Bad{R"({"prompt": "a", "return_token_strs": "yes"})", "return_token_strs", "a boolean"},
+                       Bad{R"([1])", "", "a JSON object"}}) {
+    absl::StatusOr<TokenizeRequest> r = ParseTokenizeRequest(b.body);
+    ASSERT_FALSE(r.ok()) << b.body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.body;
+    EXPECT_EQ(ParamOf(r.status()), b.param) << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), b.says)) << r.status();
+  }
+}
+
+TEST(TokenizeRequestTest, DetokenizeTakesTokenIds) {
+  absl::StatusOr<DetokenizeRequest> d = ParseDetokenizeRequest(R"({"model": "m", "tokens": [1, 2, 2147483647]})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->model, "m");
+  EXPECT_EQ(d->tokens, (std::vector<int32_t>{1, 2, 2147483647}));
+  d = ParseDetokenizeRequest(R"({"tokens": []})");
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->tokens.empty());
+  for (const auto& [body, param] : std::vector<std::pair<const char*, const char*>>{
+           {R"({})", "tokens"}, {R"({"tokens": "1 2"})", "tokens"}, {R"({"tokens": [1, -1]})", "tokens[1]"},
+           {R"({"tokens": [1, 2147483648]})", "tokens[1]"}, {R"({"tokens": [1.5]})", "tokens[0]"}}) {
+    absl::StatusOr<DetokenizeRequest> r = ParseDetokenizeRequest(body);
+    ASSERT_FALSE(r.ok()) << body;
+    EXPECT_EQ(ParamOf(r.status()), param) << r.status();
+  }
+}
+
 TEST(ParseRequestTest, ReasoningEffortIsATemplateVariable) {
   absl::StatusOr<Request> r =
       ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "reasoning_effort": "high"})");

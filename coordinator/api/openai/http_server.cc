@@ -67,7 +67,8 @@ std::string BadContentLength(const httplib::Request& req) {
 
 // The endpoint label of a path: the routes, or "other" (no unbounded label values).
 std::string EndpointLabel(const std::string& path) {
-  for (const char* route : {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"}) {
+  for (const char* route :
+       {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health"}) {
     if (path == route) return route;
   }
   if (absl::StartsWith(path, "/v1/models/")) return "/v1/models/{model}";  // one series, whatever is asked
@@ -80,6 +81,12 @@ void SetError(httplib::Response& res, const ApiError& error) {
 }
 
 void SetError(httplib::Response& res, const absl::Status& status) { SetError(res, ErrorFromStatus(status)); }
+
+// A request refused: logged under its id, answered with the status's error.
+void Refuse(const std::string& id, const absl::Status& status, httplib::Response& res) {
+  CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
+  SetError(res, status);
+}
 
 std::string RandomHex() {
   absl::BitGen gen;
@@ -581,10 +588,11 @@ void HttpServer::Routes() {
   };
   // A POST's body read here, not by httplib, whose own reading refuses a form-encoded body over
   // 8 KB (what `curl -d` sends) with 413; the body is parsed as JSON whatever its Content-Type.
-  // A completion on an overflow thread is refused before its body is read (the connection closes).
-  auto with_body = [this, refuse_key](bool chat) {
-    return [this, refuse_key, chat](const httplib::Request& req, httplib::Response& res,
-                                    const httplib::ContentReader& reader) {
+  // A POST on an overflow thread is refused before its body is read (the connection closes).
+  using BodyHandler = void (HttpServer::*)(const httplib::Request&, const std::string&, httplib::Response&);
+  auto with_body = [this, refuse_key](BodyHandler handler) {
+    return [this, refuse_key, handler](const httplib::Request& req, httplib::Response& res,
+                                       const httplib::ContentReader& reader) {
       if (ConnectionPool::OnOverflowThread()) return Busy(res);
       std::string body;
       if (!reader([&body](const char* data, size_t n) {
@@ -603,7 +611,7 @@ void HttpServer::Routes() {
                                       "or its chunked encoding is malformed",
                                       "", "malformed_request"});
       }
-      if (!refuse_key(req, res)) Generate(chat, req, body, res);
+      if (!refuse_key(req, res)) (this->*handler)(req, body, res);
     };
   };
   // The served model as OpenAI's model object.
@@ -622,16 +630,68 @@ void HttpServer::Routes() {
   // another model gets.
   http_->Get("/v1/models/(.+)", guarded([this, model_object](const httplib::Request& req, httplib::Response& res) {
     const std::string asked = req.matches[1];
-    if (asked != model_->name) {
-      return SetError(res, FieldErrorStatus("model",
-                                            absl::StrCat("'", asked, "' is not served here; this server serves '",
-                                                         model_->name, "'"),
-                                            absl::StatusCode::kNotFound));
-    }
+    if (absl::Status s = CheckModelName(asked); !s.ok()) return SetError(res, s);
     res.set_content(model_object().dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
-  http_->Post("/v1/chat/completions", with_body(true));
-  http_->Post("/v1/completions", with_body(false));
+  http_->Post("/v1/chat/completions", with_body(&HttpServer::Chat));
+  http_->Post("/v1/completions", with_body(&HttpServer::Complete));
+  http_->Post("/tokenize", with_body(&HttpServer::Tokenize));
+  http_->Post("/detokenize", with_body(&HttpServer::Detokenize));
+}
+
+void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  const std::string id = absl::StrCat("tokenize-", RandomHex());
+  auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
+  absl::StatusOr<TokenizeRequest> request = ParseTokenizeRequest(body);
+  if (!request.ok()) return reject(request.status());
+  if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
+  std::string text = request->prompt;
+  if (request->chat) {
+    std::optional<std::string> prompt = RenderChat(id, request->messages, req, res);
+    if (!prompt.has_value()) return;
+    text = *std::move(prompt);
+  } else if (model_->tokenizer == nullptr) {
+    return reject(InvalidField("prompt", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+  }
+  absl::StatusOr<std::vector<int32_t>> ids = model_->tokenizer->Encode(text, request->add_special_tokens);
+  if (!ids.ok()) return reject(InvalidField(request->chat ? "messages" : "prompt", ids.status().message()));
+  Json out = {{"count", ids->size()}, {"max_model_len", pool_->max_model_len()}, {"tokens", *ids},
+              {"token_strs", nullptr}};
+  if (request->return_token_strs) {
+    Json strs = Json::array();
+    for (int32_t t : *ids) strs.push_back(std::string(model_->tokenizer->IdToToken(t).value_or("")));
+    out["token_strs"] = std::move(strs);
+  }
+  res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+}
+
+void HttpServer::Detokenize(const httplib::Request&, const std::string& body, httplib::Response& res) {
+  const std::string id = absl::StrCat("detokenize-", RandomHex());
+  auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
+  absl::StatusOr<DetokenizeRequest> request = ParseDetokenizeRequest(body);
+  if (!request.ok()) return reject(request.status());
+  if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
+  const Tokenizer* tokenizer = model_->tokenizer.get();
+  if (tokenizer == nullptr) {
+    return reject(InvalidField("tokens", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+  }
+  for (size_t i = 0; i < request->tokens.size(); ++i) {
+    if (request->tokens[i] >= tokenizer->vocab_size()) {
+      return reject(InvalidField(absl::StrCat("tokens[", i, "]"),
+                                 absl::StrCat(request->tokens[i], " is not in the vocabulary (ids 0 to ",
+                                              tokenizer->vocab_size() - 1, ")")));
+    }
+  }
+  // As transformers' decode: special tokens kept; bytes that end mid-character become U+FFFD.
+  const Json out = {{"prompt", tokenizer->Decode(request->tokens, /*skip_special_tokens=*/false)}};
+  res.set_content(out.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+}
+
+absl::Status HttpServer::CheckModelName(const std::string& model) const {
+  if (model.empty() || model == model_->name) return absl::OkStatus();
+  return FieldErrorStatus(
+      "model", absl::StrCat("'", model, "' is not served here; this server serves '", model_->name, "'"),
+      absl::StatusCode::kNotFound);
 }
 
 void HttpServer::Busy(httplib::Response& res) {
@@ -648,80 +708,100 @@ void HttpServer::Busy(httplib::Response& res) {
   res.set_header("Connection", "close");
 }
 
+std::optional<std::string> HttpServer::RenderChat(const std::string& id, const Request& request,
+                                                  const httplib::Request& req, httplib::Response& res) {
+  auto reject = [&](const absl::Status& status) {
+    Refuse(id, status, res);
+    return std::nullopt;
+  };
+  if (model_->chat_template == nullptr) {
+    return reject(InvalidField(
+        "messages", model_->chat_template_status.code() == absl::StatusCode::kNotFound
+                        ? absl::StrCat("the model ", model_->name,
+                                       " has no chat template (tokenizer_config.json chat_template, or "
+                                       "chat_template.jinja): use /v1/completions")
+                        : absl::StrCat("the model's chat template cannot be used: ",
+                                       model_->chat_template_status.message())));
+  }
+  if (model_->tokenizer == nullptr) {
+    return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+  }
+  // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
+  // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
+  // render has run 10 ms (real ones take far less), then polled at most every 10 ms.
+  chat::RenderBudget budget;
+  std::optional<PeerWatch> render_peer;
+  auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+  budget.cancelled = [&]() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_probe) return false;
+    next_probe = now + std::chrono::milliseconds(10);
+    if (!render_peer.has_value()) {
+      render_peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
+    }
+    return render_peer.has_value() && render_peer->Closed();
+  };
+  auto render = [&](const nlohmann::ordered_json& messages) {
+    return request.continue_final_message
+               ? model_->chat_template->RenderContinuing(messages, request.tools, request.chat_template_kwargs, budget)
+               : model_->chat_template->Render(messages, request.add_generation_prompt, request.tools,
+                                               request.chat_template_kwargs, budget);
+  };
+  absl::StatusOr<std::string> prompt = render(request.messages);
+  if (prompt.status().code() == absl::StatusCode::kInvalidArgument && !request.messages_with_argument_text.is_null()) {
+    // A template that writes the tool-call arguments' text (not the object) as it is.
+    absl::StatusOr<std::string> as_text = render(request.messages_with_argument_text);
+    if (as_text.ok()) prompt = std::move(as_text);
+  }
+  if (prompt.status().code() == absl::StatusCode::kCancelled) {
+    CoordinatorRequestLog(id, "client disconnected while the chat template rendered: cancelled", "warn");
+    res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
+    if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
+    return std::nullopt;
+  }
+  if (prompt.status().code() == absl::StatusCode::kResourceExhausted ||
+      prompt.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    // The model's template failed, not the request: a server error (500), not invalid_request_error,
+    // and not ErrorFromStatus's 429 for RESOURCE_EXHAUSTED, which means a full queue to retry.
+    CoordinatorRequestLog(id, absl::StrCat("chat template failed: ", prompt.status().message()), "error");
+    SetError(res, ApiError{500, "server_error", std::string(prompt.status().message()), "",
+                           "chat_template_budget_exceeded"});
+    return std::nullopt;
+  }
+  if (!prompt.ok()) {
+    // A continuation that cannot be made names its field; anything else the template raised, messages.
+    return reject(request.continue_final_message && absl::StartsWith(prompt.status().message(), "continue_final_message")
+                      ? InvalidField("continue_final_message", prompt.status().message())
+                      : absl::InvalidArgumentError(prompt.status().message()));
+  }
+  return *std::move(prompt);
+}
+
+void HttpServer::Chat(const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  Generate(true, req, body, res);
+}
+
+void HttpServer::Complete(const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  Generate(false, req, body, res);
+}
+
 void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
-  auto reject = [&](const absl::Status& status) {
-    CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
-    SetError(res, status);
-  };
+  auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
 
   absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());
-  if (request->model != model_->name) {
-    return reject(FieldErrorStatus(
-        "model", absl::StrCat("'", request->model, "' is not served here; this server serves '", model_->name, "'"),
-        absl::StatusCode::kNotFound));
-  }
+  if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
 
   // A chat prompt's token ids (this handler renders and encodes it); a completion's come with it
   // or PrepareGeneration makes them.
   std::optional<std::vector<int32_t>> ids;
   OutputParsing parsing;
   if (chat) {
-    if (model_->chat_template == nullptr) {
-      return reject(InvalidField(
-          "messages", model_->chat_template_status.code() == absl::StatusCode::kNotFound
-                          ? absl::StrCat("the model ", model_->name,
-                                         " has no chat template (tokenizer_config.json chat_template, or "
-                                         "chat_template.jinja): use /v1/completions")
-                          : absl::StrCat("the model's chat template cannot be used: ",
-                                         model_->chat_template_status.message())));
-    }
-    if (model_->tokenizer == nullptr) {
-      return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
-    }
-    // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
-    // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
-    // render has run 10 ms (real ones take far less), then polled at most every 10 ms.
-    chat::RenderBudget budget;
-    std::optional<PeerWatch> render_peer;
-    auto next_probe = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
-    budget.cancelled = [&]() {
-      const auto now = std::chrono::steady_clock::now();
-      if (now < next_probe) return false;
-      next_probe = now + std::chrono::milliseconds(10);
-      if (!render_peer.has_value()) {
-        render_peer = PeerWatch::Find(req.local_addr, req.local_port, req.remote_addr, req.remote_port);
-      }
-      return render_peer.has_value() && render_peer->Closed();
-    };
-    absl::StatusOr<std::string> prompt =
-        model_->chat_template->Render(request->messages, request->add_generation_prompt, request->tools,
-                                      request->chat_template_kwargs, budget);
-    if (prompt.status().code() == absl::StatusCode::kInvalidArgument && !request->messages_with_argument_text.is_null()) {
-      // A template that writes the tool-call arguments' text (not the object) as it is.
-      absl::StatusOr<std::string> as_text =
-          model_->chat_template->Render(request->messages_with_argument_text, request->add_generation_prompt,
-                                        request->tools, request->chat_template_kwargs, budget);
-      if (as_text.ok()) prompt = std::move(as_text);
-    }
-    if (prompt.status().code() == absl::StatusCode::kCancelled) {
-      CoordinatorRequestLog(id, "client disconnected while the chat template rendered: cancelled", "warn");
-      res.status = kClientClosed;  // nobody reads it; the logger leaves it to this count
-      if (metrics_ != nullptr) metrics_->HttpRequest(EndpointLabel(req.path), kClientClosed);
-      return;
-    }
-    if (prompt.status().code() == absl::StatusCode::kResourceExhausted ||
-        prompt.status().code() == absl::StatusCode::kDeadlineExceeded) {
-      // The model's template failed, not the request: a server error (500), not invalid_request_error,
-      // and not ErrorFromStatus's 429 for RESOURCE_EXHAUSTED, which means a full queue to retry.
-      CoordinatorRequestLog(id, absl::StrCat("chat template failed: ", prompt.status().message()), "error");
-      return SetError(res, ApiError{500, "server_error", std::string(prompt.status().message()), "",
-                                    "chat_template_budget_exceeded"});
-    }
-    if (!prompt.ok()) return reject(absl::InvalidArgumentError(prompt.status().message()));
+    std::optional<std::string> prompt = RenderChat(id, *request, req, res);
+    if (!prompt.has_value()) return;
     parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
     parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
     const bool forced = request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed;

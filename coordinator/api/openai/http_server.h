@@ -3,10 +3,12 @@
 //
 //   POST /v1/chat/completions  messages rendered by the model's chat template (coordinator/chat)
 //   POST /v1/completions       a prompt as text or token ids
-//   GET  /v1/models            the served model
+//   GET  /v1/models            the served model (and /v1/models/{model})
+//   POST /tokenize             a prompt, or a chat's messages as rendered, as token ids (vLLM's)
+//   POST /detokenize           token ids as text (vLLM's)
 //   GET  /health               200 while the group serves, 503 (saying why) otherwise
 //
-// Both POSTs answer at once or stream server-sent events (`data: {chunk}\n\n` ... `data: [DONE]`).
+// Both completions answer at once or stream server-sent events (`data: {chunk}\n\n` ... `data: [DONE]`).
 // A request body is parsed and checked by protocol.h, then by PrepareGeneration (the gRPC API's
 // checks), and submitted to the engine once per choice (n). Errors are OpenAI's JSON shape with
 // the status HTTP means: 400 (a bad field, named), 404 (unknown model or path), 413 (a body over
@@ -19,15 +21,16 @@
 //
 // TLS and API keys (docs/security.md): with options.tls_cert/tls_key it serves HTTPS
 // (security/https.h: httplib::SSLServer, OpenSSL) with that certificate, re-read when its files
-// change (new handshakes get the new one); clients are not asked for one (they authenticate by key). With options.api_keys, every /v1/ route (not GET /health) must carry
+// change (new handshakes get the new one); clients are not asked for one (they authenticate by
+// key). With options.api_keys, every route but GET /health must carry
 // `Authorization: Bearer <key>` (what the openai client sends as api_key); without one, or with an
 // unknown one, it is answered 401 in OpenAI's shape (code invalid_api_key) and counted in
 // shardserve_auth_failures_total{reason="missing_key"|"invalid_key"}. Keys are never logged.
 //
 // Ownership: borrows the model, the pool, the engine, the metrics (may be null) and the API keys
-// (may be null: no keys asked), which must outlive it. Owns the listening thread and httplib's worker threads, joined by Stop() or the
-// destructor; shut the engine down first (Engine::Shutdown ends the streams that handlers wait on,
-// so that Stop() returns at once).
+// (may be null: no keys asked), which must outlive it. Owns the listening thread and httplib's
+// worker threads, joined by Stop() or the destructor; shut the engine down first (Engine::Shutdown
+// ends the streams that handlers wait on, so that Stop() returns at once).
 // Threading: handlers run on httplib's threads, concurrently; Stop() from any one thread.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_HTTP_SERVER_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_HTTP_SERVER_H_
@@ -42,6 +45,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/api/openai/harmony.h"
+#include "coordinator/api/openai/protocol.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "coordinator/engine/engine.h"
@@ -112,8 +116,22 @@ class HttpServer {
   void Routes();
   // OK, or UNAUTHENTICATED saying what to send (counted in the metrics).
   absl::Status Authorize(const httplib::Request& req);
+  // The POST routes, each given the request's body: chat and text completions (Generate), and
+  // vLLM's /tokenize and /detokenize.
+  void Chat(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  void Complete(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // A completion request whose body is `body`.
   void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // The prompt of a chat request as the model's chat template renders it (continuing the final
+  // message when asked), the client's connection watched meanwhile; nullopt once `res` has the
+  // answer: 400 (no template or tokenizer, the template raised), 500 (it ran past its budget), or
+  // 499 counted (the client went away). `id` names the request in the log.
+  std::optional<std::string> RenderChat(const std::string& id, const Request& request, const httplib::Request& req,
+                                        httplib::Response& res);
+  // OK for the served model's name or none; NOT_FOUND naming both otherwise.
+  absl::Status CheckModelName(const std::string& model) const;
   // The answer to a completion on an overflow thread: 503 server_busy, "Connection: close".
   void Busy(httplib::Response& res);
 

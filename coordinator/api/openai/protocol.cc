@@ -289,7 +289,18 @@ absl::Status ParseMessages(const Fields& f, Request* r) {
     }
     r->chat_template_kwargs["reasoning_effort"] = effort;
   }
-  return f.Bool("add_generation_prompt", &r->add_generation_prompt);
+  SHARDSERVE_OPENAI_CHECK(f.Bool("add_generation_prompt", &r->add_generation_prompt));
+  SHARDSERVE_OPENAI_CHECK(f.Bool("continue_final_message", &r->continue_final_message));
+  if (r->continue_final_message) {
+    // The prompt ends inside the final message: no new turn opened after it (unset means false here).
+    if (f.Get("add_generation_prompt") != nullptr && r->add_generation_prompt) {
+      return InvalidField("continue_final_message",
+                          "cannot be used with add_generation_prompt true: the prompt either opens a new assistant "
+                          "message or continues the final one (send add_generation_prompt false)");
+    }
+    r->add_generation_prompt = false;
+  }
+  return absl::OkStatus();
 }
 
 // One prompt: a string, or token ids; `field` names it ("prompt", or "prompt[2]" in a batch).
@@ -644,11 +655,20 @@ std::string ParamOf(const absl::Status& status) {
   return error.has_value() ? error->field : std::string();
 }
 
-absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) {
+// A request body: a JSON object.
+absl::StatusOr<Json> ParseBody(absl::string_view body) {
   absl::StatusOr<Json> parsed = ParseJson<Json>(body, "the body");
   if (!parsed.ok()) return parsed.status();
+  if (!parsed->is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat("the body must be a JSON object, got ", TypeName(*parsed)));
+  }
+  return parsed;
+}
+
+absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) {
+  absl::StatusOr<Json> parsed = ParseBody(body);
+  if (!parsed.ok()) return parsed.status();
   const Json json = *std::move(parsed);
-  if (!json.is_object()) return absl::InvalidArgumentError(absl::StrCat("the body must be a JSON object, got ", TypeName(json)));
 
   const Fields f(json);
   Request r;
@@ -746,6 +766,46 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
   SHARDSERVE_OPENAI_CHECK(ParseConstraint(f, &r));
   SHARDSERVE_OPENAI_CHECK(ForcedToolConstraint(&r));
+  return r;
+}
+
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(absl::string_view body) {
+  absl::StatusOr<Json> parsed = ParseBody(body);
+  if (!parsed.ok()) return parsed.status();
+  const Json json = *std::move(parsed);
+  const Fields f(json);
+  TokenizeRequest r;
+  SHARDSERVE_OPENAI_CHECK(f.String("model", &r.model));
+  r.chat = f.Get("messages") != nullptr;
+  if (r.chat == (f.Get("prompt") != nullptr)) {
+    return InvalidField(r.chat ? "prompt" : "messages",
+                        r.chat ? "send a prompt or messages, not both" : "is required (or a prompt)");
+  }
+  if (r.chat) {
+    r.messages.endpoint = Endpoint::kChatCompletions;
+    SHARDSERVE_OPENAI_CHECK(ParseMessages(f, &r.messages));
+    r.add_special_tokens = false;  // the chat template writes them
+  } else {
+    SHARDSERVE_OPENAI_CHECK(f.String("prompt", &r.prompt));
+  }
+  SHARDSERVE_OPENAI_CHECK(f.Bool("add_special_tokens", &r.add_special_tokens));
+  SHARDSERVE_OPENAI_CHECK(f.Bool("return_token_strs", &r.return_token_strs));
+  return r;
+}
+
+absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(absl::string_view body) {
+  absl::StatusOr<Json> parsed = ParseBody(body);
+  if (!parsed.ok()) return parsed.status();
+  const Json json = *std::move(parsed);
+  const Fields f(json);
+  DetokenizeRequest r;
+  SHARDSERVE_OPENAI_CHECK(f.String("model", &r.model));
+  const Json* tokens = f.Get("tokens");
+  if (tokens == nullptr) return InvalidField("tokens", "is required");
+  if (!tokens->is_array()) return WrongType("tokens", "an array of token ids", *tokens);
+  absl::StatusOr<Request::Prompt> ids = ParseOnePrompt(*tokens, "tokens");
+  if (!ids.ok()) return ids.status();
+  r.tokens = std::move(ids->ids);
   return r;
 }
 

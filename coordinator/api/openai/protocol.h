@@ -63,7 +63,7 @@ struct Request {
   // /v1/chat/completions: the messages (each content made a string: text parts joined by "\n";
   // an assistant message's tool_calls with their arguments parsed into objects, as templates take
   // them), tools (null or an array of checked function tools), chat_template_kwargs (null or an
-  // object), add_generation_prompt.
+  // object), add_generation_prompt, continue_final_message.
   nlohmann::ordered_json messages;
   // The messages with tool-call arguments as the client's JSON text, when some were parsed: for
   // templates that write the text itself (DeepSeek-R1's concatenates it), tried when `messages`
@@ -72,6 +72,9 @@ struct Request {
   nlohmann::ordered_json tools;
   nlohmann::ordered_json chat_template_kwargs;
   bool add_generation_prompt = true;
+  // The prompt ends inside the final message, which the model continues (an answer begun by the
+  // client: chat::ChatTemplate::RenderContinuing); add_generation_prompt is then false.
+  bool continue_final_message = false;
   ToolChoice tool_choice = ToolChoice::kAuto;
   bool parallel_tool_calls = true;  // false: at most one call returned
   std::string named_tool;  // ToolChoice::kNamed: the function's name
@@ -100,6 +103,28 @@ struct Request {
 
 // Parses and checks `body` for `endpoint`. InvalidArgument naming the field (ParamOf) otherwise.
 absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body);
+
+// POST /tokenize (vLLM's): a prompt's text, or a chat's messages as the chat template renders them
+// (the chat fields of Request: messages, tools, chat_template_kwargs, add_generation_prompt,
+// continue_final_message), as token ids. A model, when named, must be the served one.
+struct TokenizeRequest {
+  std::string model;  // empty: the served model
+  bool chat = false;  // messages were sent (else a prompt)
+  std::string prompt;
+  Request messages;  // chat: its chat fields
+  // BOS and the like added by the tokenizer: by default for a prompt, not for messages (their
+  // template writes them).
+  bool add_special_tokens = true;
+  bool return_token_strs = false;  // also the tokens' vocabulary strings
+};
+absl::StatusOr<TokenizeRequest> ParseTokenizeRequest(absl::string_view body);
+
+// POST /detokenize (vLLM's): token ids back to text, special tokens kept.
+struct DetokenizeRequest {
+  std::string model;  // empty: the served model
+  std::vector<int32_t> tokens;
+};
+absl::StatusOr<DetokenizeRequest> ParseDetokenizeRequest(absl::string_view body);
 
 // The GenerateRequest of choice `index` (of n) of a prompt: `prompt_ids` where given (a chat's, or
 // a completion's ids), else the completion's prompt `prompt` as text; `max_tokens`; and the seed
