@@ -403,6 +403,38 @@ class OpenAIApiTest(unittest.TestCase):
                                                             "add_generation_prompt": True})
         self.assertEqual(ctx.exception.body["param"], "continue_final_message")
 
+    def test_echo_begins_each_choice_with_the_prompt(self):
+        kw = dict(model=MODEL, max_tokens=8, temperature=0)
+        plain = self.client.completions.create(prompt="And God said", **kw)
+        r = self.client.completions.create(prompt="And God said", echo=True, **kw)
+        self.assertEqual(r.choices[0].text, "And God said" + plain.choices[0].text)
+        self.assertEqual((r.usage.prompt_tokens, r.usage.completion_tokens),
+                         (plain.usage.prompt_tokens, plain.usage.completion_tokens))
+        ids = self.grpc.tokenize("And God said")  # BOS first: decoded without it, as the output is
+        r = self.client.completions.create(prompt=[ids, "In the"], echo=True, **kw)
+        self.assertEqual(r.choices[0].text, "And God said" + plain.choices[0].text)
+        self.assertTrue(r.choices[1].text.startswith("In the"), r.choices[1].text)
+        chunks = list(self.client.completions.create(prompt="And God said", echo=True, stream=True, **kw))
+        self.assertEqual(chunks[0].choices[0].text, "And God said")
+        self.assertEqual("".join(c.choices[0].text for c in chunks), "And God said" + plain.choices[0].text)
+        with self.assertRaises(openai.BadRequestError) as ctx:  # that would be the prompt's logprobs
+            self.client.completions.create(prompt="x", echo=True, logprobs=1, **kw)
+        self.assertEqual(ctx.exception.param, "echo")
+        # Chat: the answer begun (continue_final_message) and its continuation, whole and streamed.
+        messages = [{"role": "user", "content": "Tell a story."}, {"role": "assistant", "content": "Once upon a"}]
+        extra = {"continue_final_message": True, "add_generation_prompt": False}
+        cont = self.client.chat.completions.create(messages=messages, extra_body=extra, **kw)
+        r = self.client.chat.completions.create(messages=messages, extra_body=dict(extra, echo=True), **kw)
+        self.assertEqual(r.choices[0].message.content, "Once upon a" + cont.choices[0].message.content)
+        chunks = list(self.client.chat.completions.create(messages=messages, extra_body=dict(extra, echo=True),
+                                                          stream=True, **kw))
+        self.assertEqual(chunks[1].choices[0].delta.content, "Once upon a")
+        self.assertEqual("".join(c.choices[0].delta.content or "" for c in chunks), r.choices[0].message.content)
+        # A new answer after a user's message echoes nothing.
+        r = self.client.chat.completions.create(messages=messages[:1], extra_body={"echo": True}, **kw)
+        plain = self.client.chat.completions.create(messages=messages[:1], **kw)
+        self.assertEqual(r.choices[0].message.content, plain.choices[0].message.content)
+
     def test_tokenize_and_detokenize_as_vllm_does(self):
         text = "In the beginning God created the heaven"
         status, t = self.post_raw("/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode())

@@ -134,10 +134,12 @@ struct Polled {
 // (the handler, then httplib's content provider on the same connection).
 class Job {
  public:
-  // `prompt_tokens`: each prompt's length in tokens.
-  Job(Engine* engine, Request request, std::string id, std::vector<int64_t> prompt_tokens, OutputParsing parsing)
+  // `prompt_tokens`: each prompt's length in tokens; `echoes`: with Request::echo, the text each
+  // prompt's choices begin with (else empty).
+  Job(Engine* engine, Request request, std::string id, std::vector<int64_t> prompt_tokens, OutputParsing parsing,
+      std::vector<std::string> echoes)
       : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(std::move(prompt_tokens)),
-        created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
+        echoes_(std::move(echoes)), created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
   ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
 
   const Request& request() const { return request_; }
@@ -233,12 +235,17 @@ class Job {
                           : CompletionLogprobs(c.logprobs, tokenizer, 0);
       }
       Json choice = {{"index", i}};
+      const std::string& echo = Echo(c);
       if (chat() && c.splitter != nullptr) {
         choice["message"] = ChatMessage(c.whole, c.splitter->reasoning(), c.call_ids);
+        if (!echo.empty()) {
+          const Json& content = choice["message"]["content"];
+          choice["message"]["content"] = echo + (content.is_string() ? content.get<std::string>() : "");
+        }
       } else if (chat()) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+        choice["message"] = {{"role", "assistant"}, {"content", echo + c.text}};
       } else {
-        choice["text"] = c.text;
+        choice["text"] = echo + c.text;
       }
       choice["logprobs"] = logprobs;
       choice["finish_reason"] = ChatFinishReason(c.finish, !c.whole.calls.empty());
@@ -313,10 +320,30 @@ class Job {
                 {"usage", UsageJson()}};
   }
 
+  // The chunks that open a stream: chat's role for each choice, then each choice's echo.
+  std::vector<Json> OpeningChunks() const {
+    std::vector<Json> out;
+    if (chat()) {
+      for (int i = 0; i < n(); ++i) {
+        out.push_back(Chunk(i, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+      }
+    }
+    for (int i = 0; i < n(); ++i) {
+      const std::string& echo = Echo(choices_[i]);
+      if (!echo.empty()) out.push_back(Chunk(i, chat() ? Json{{"content", echo}} : Json(echo), nullptr, nullptr));
+    }
+    return out;
+  }
+
   int n() const { return static_cast<int>(choices_.size()); }
   const std::string& id() const { return id_; }
 
  private:
+  const std::string& Echo(const Choice& c) const {
+    static const std::string kNone;
+    return static_cast<size_t>(c.prompt) < echoes_.size() ? echoes_[c.prompt] : kNone;
+  }
+
   // Submits prompt p's choice i (with `several`, its request id numbered as its choice).
   absl::Status SubmitChoice(const GenerationParams& first, int p, int i, bool several, absl::BitGen& gen,
                             std::chrono::steady_clock::time_point arrival) {
@@ -382,6 +409,7 @@ class Job {
   const Request request_;
   const std::string id_;
   const std::vector<int64_t> prompt_tokens_;
+  const std::vector<std::string> echoes_;
   const int64_t created_;
   const OutputParsing parsing_;
   std::vector<Choice> choices_;
@@ -864,7 +892,28 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     prepared.push_back(*std::move(params));
   }
 
-  auto job = std::make_shared<Job>(engine_, *std::move(request), id, std::move(prompt_tokens), parsing);
+  // echo: the text each prompt's choices begin with (vLLM's: a chat's final message when it is the
+  // role answering; a completion's prompt, token ids decoded as the output is).
+  std::vector<std::string> echoes;
+  if (request->echo && chat) {
+    const Json& last = request->messages.back();
+    const bool answering = !request->add_generation_prompt || last.value("role", "") == "assistant";
+    auto content = last.find("content");
+    echoes.push_back(answering && content != last.end() && content->is_string() ? content->get<std::string>() : "");
+  } else if (request->echo) {
+    for (int p = 0; p < prompts; ++p) {
+      const Request::Prompt& prompt = request->prompts[p];
+      if (prompt.is_ids && model_->tokenizer == nullptr) {
+        return reject(InvalidField("echo", absl::StrCat("the model ", model_->name,
+                                                        " has no tokenizer.json to write the prompt's text")));
+      }
+      echoes.push_back(prompt.is_ids ? model_->tokenizer->Decode(prompt.ids, prepared[p].skip_special_tokens)
+                                     : prompt.text);
+    }
+  }
+
+  auto job = std::make_shared<Job>(engine_, *std::move(request), id, std::move(prompt_tokens), parsing,
+                                   std::move(echoes));
   if (absl::Status s = job->Submit(prepared, arrival); !s.ok()) {
     CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
     return SetError(res, s);
@@ -901,12 +950,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
         std::string out;
         if (*first) {
           *first = false;
-          // Chat: each choice opens with the assistant's role.
-          if (job->chat()) {
-            for (int i = 0; i < job->n(); ++i) {
-              out += Event(job->Chunk(i, Json{{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
-            }
-          }
+          for (const Json& chunk : job->OpeningChunks()) out += Event(chunk);
         }
         for (const Polled& p : job->Poll()) {
           for (const Json& chunk : job->ChunksOf(p, tokenizer)) out += Event(chunk);

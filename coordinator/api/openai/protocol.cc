@@ -388,9 +388,6 @@ absl::Status ParseLogitBias(const Fields& f, v1::SamplingParams* s) {
 // Fields this server does not implement: refused when they would change the answer, so that a
 // client never gets a silently different one.
 absl::Status RefuseUnsupported(const Fields& f) {
-  if (const Json* echo = f.Get("echo"); echo != nullptr && !(echo->is_boolean() && !echo->get<bool>())) {
-    return InvalidField("echo", "is not supported");
-  }
   if (const Json* suffix = f.Get("suffix"); suffix != nullptr && !(suffix->is_string() && suffix->empty())) {
     return InvalidField("suffix", "is not supported");
   }
@@ -762,6 +759,12 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
     SHARDSERVE_OPENAI_CHECK(f.Int("logprobs", 0, kInt32Max, &logprobs));
     s.set_logprobs(logprobs.has_value());
     s.set_top_logprobs(static_cast<int32_t>(logprobs.value_or(0)));
+  }
+  SHARDSERVE_OPENAI_CHECK(f.Bool("echo", &r.echo));
+  if (r.echo && !chat && s.logprobs()) {
+    return InvalidField("echo",
+                        "with logprobs asks for the prompt's log-probabilities (lm-evaluation-harness's "
+                        "loglikelihood), which this server does not compute: send echo or logprobs, not both");
   }
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
   SHARDSERVE_OPENAI_CHECK(ParseConstraint(f, &r));

@@ -90,6 +90,10 @@ struct Request {
 
   int n = 1;
   bool stream = false;
+  // vLLM's echo: each choice's text begins with its prompt (completions: the text as sent, token
+  // ids decoded; not with logprobs) or with the final message's content (chat: when that message
+  // is the assistant's, or any message continued without a generation prompt).
+  bool echo = false;
   bool include_usage = false;  // stream_options.include_usage
   // Unset: 16 for completions, what the context leaves for chat (as OpenAI and vLLM).
   std::optional<int64_t> max_tokens;
