@@ -8,7 +8,8 @@
 // vocabulary and prompt + max_tokens within max_model_len, logit_bias and min_tokens within their
 // bounds and a RowSampling the workers' CheckRowSampling accepts, a structured output compiled
 // and its first mask one the workers' CheckTokenMasks accepts; the streamed text is the decode of the
-// accepted ids (special tokens skipped), cut before the first stop string.
+// accepted ids (special tokens skipped unless skip_special_tokens is false; the EOS that ends it
+// never text), cut before the first stop string (with include_stop_str_in_output, after it).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -113,10 +114,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (finished) break;
   }
   if (finished) {
-    const std::string full = model.tokenizer->Decode(accepted, /*skip_special_tokens=*/true);
-    size_t cut = std::string::npos;
-    for (const std::string& stop : params->stop) cut = std::min(cut, full.find(stop));
-    Check(streamed == full.substr(0, cut), "streamed text is not the decode cut at the first stop string");
+    std::vector<int32_t> text_ids = accepted;
+    const bool eos = !params->ignore_eos &&
+                     std::find(model.eos_ids.begin(), model.eos_ids.end(), accepted.back()) != model.eos_ids.end();
+    if (eos && !params->skip_special_tokens) text_ids.pop_back();  // never text (else skipped when special)
+    const std::string full = model.tokenizer->Decode(text_ids, params->skip_special_tokens);
+    size_t cut = std::string::npos, end = std::string::npos;
+    for (const std::string& stop : params->stop) {
+      if (const size_t at = full.find(stop); at < cut) {
+        cut = at;
+        end = at + stop.size();
+      }
+    }
+    Check(streamed == full.substr(0, params->include_stop_str_in_output ? end : cut),
+          "streamed text is not the decode cut at the first stop string");
   }
   return 0;
 }

@@ -82,6 +82,29 @@ TEST(StopStringFilterTest, EarliestStopStringWins) {
   EXPECT_TRUE(stopped);
 }
 
+TEST(StopStringFilterTest, KeepingTheStopStringHoldsNothingBackAndCutsAfterIt) {
+  StopStringFilter f({"STOP", "!!"}, /*keep=*/true);
+  bool stopped = false;
+  EXPECT_EQ(f.Add("hello S", &stopped), "hello S");  // handed out at once
+  EXPECT_FALSE(stopped);
+  EXPECT_EQ(f.Add("T", &stopped), "T");
+  EXPECT_EQ(f.Add("OP and more", &stopped), "OP");  // "STOP" completed across three pieces
+  EXPECT_TRUE(stopped);
+  StopStringFilter g({"lo", "hel"}, /*keep=*/true);
+  EXPECT_EQ(g.Add("xhello", &stopped), "xhel");  // the earliest one, up to its end
+  EXPECT_TRUE(stopped);
+  StopStringFilter h({"end"}, /*keep=*/true);
+  EXPECT_EQ(h.Add("the en", &stopped), "the en");
+  EXPECT_EQ(h.Add("d", &stopped), "d");
+  EXPECT_TRUE(stopped);
+  StopStringFilter none({}, /*keep=*/true);
+  EXPECT_EQ(none.Add("abc", &stopped), "abc");
+  EXPECT_EQ(none.Flush(), "");
+  StopStringFilter flushed({"STOP"}, /*keep=*/true);
+  EXPECT_EQ(flushed.Add("oh ST", &stopped), "oh ST");
+  EXPECT_EQ(flushed.Flush(), "");  // nothing was held
+}
+
 GenerationParams Params(std::vector<int32_t> prompt, int max_tokens) {
   GenerationParams p;
   p.request_id = "test";

@@ -298,6 +298,29 @@ class OpenAIApiTest(unittest.TestCase):
                                                stop=stops)
             self.assertEqual(r.choices[0].text, want)
             self.assertEqual(r.choices[0].finish_reason, "stop")
+        # vLLM's include_stop_str_in_output: the text ends where the stop string ends, whole or streamed.
+        kept = text[:text.find(stop) + len(stop)]
+        kw = dict(model=MODEL, prompt="And God said", max_tokens=24, temperature=0, stop=stop,
+                  extra_body={"include_stop_str_in_output": True})
+        r = self.client.completions.create(**kw)
+        self.assertEqual((r.choices[0].text, r.choices[0].finish_reason), (kept, "stop"))
+        self.assertEqual("".join(c.choices[0].text for c in self.client.completions.create(stream=True, **kw)), kept)
+
+    def test_output_controls_as_vllm_has_them(self):
+        # truncate_prompt_tokens: a prompt longer than the context keeps its end, and is answered as
+        # that end alone would be.
+        kw = dict(model=MODEL, max_tokens=6, temperature=0)
+        short = self.client.completions.create(prompt=[5] * 100, **kw)
+        r = self.client.completions.create(prompt=[5] * 600, extra_body={"truncate_prompt_tokens": 100}, **kw)
+        self.assertEqual(r.usage.prompt_tokens, 100)
+        self.assertEqual(r.choices[0].text, short.choices[0].text)
+        # skip_special_tokens false: BOS stays in the text (here, the echoed prompt's).
+        ids = self.grpc.tokenize("And God said")
+        r = self.client.completions.create(prompt=ids, echo=True, extra_body={"skip_special_tokens": False}, **kw)
+        self.assertTrue(r.choices[0].text.startswith("<|begin_of_text|>And God said"), r.choices[0].text)
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(prompt="x", extra_body={"truncate_prompt_tokens": -1}, **kw)
+        self.assertEqual(ctx.exception.param, "truncate_prompt_tokens")
 
     def test_n_choices_and_seeds(self):
         kw = dict(model=MODEL, prompt="In the beginning", max_tokens=12, temperature=0.9)

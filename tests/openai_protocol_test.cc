@@ -185,6 +185,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"CompletionLogprobsBool", kCompl, R"({"model": "m", "prompt": "x", "logprobs": true})", "logprobs",
                 "an integer"},
         BadCase{"UserNotString", kCompl, R"({"model": "m", "prompt": "x", "user": 5})", "user", "a string"},
+        BadCase{"SkipSpecialTokensNotBool", kCompl, R"({"model": "m", "prompt": "x", "skip_special_tokens": 0})",
+                "skip_special_tokens", "a boolean"},
+        BadCase{"IncludeStopNotBool", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "include_stop_str_in_output": "yes"})",
+                "include_stop_str_in_output", "a boolean"},
+        BadCase{"TruncateZero", kCompl, R"({"model": "m", "prompt": "x", "truncate_prompt_tokens": 0})",
+                "truncate_prompt_tokens", "must be in [1, "},
         BadCase{"EchoWithLogprobs", kCompl, R"({"model": "m", "prompt": "x", "echo": true, "logprobs": 1})", "echo",
                 "does not compute"},
         BadCase{"EchoNotBool", kChat, R"({"model": "m", "messages": [{"role": "user"}], "echo": 1})", "echo",
@@ -542,6 +549,45 @@ TEST(ParseRequestTest, LogitBiasAndMinTokensReachTheSamplingParams) {
 // logit_bias's bounds (how many ids, the ids against the vocabulary, each bias's range) are checked
 // once, by the validation both APIs share (PrepareGeneration): the body parses, and the request is
 // refused there, its error renamed to the OpenAI field as the server does.
+// vLLM's output controls reach the generation: special tokens kept, the stop string kept, the
+// prompt's start dropped.
+TEST(SharedValidationTest, OutputControlsReachTheGeneration) {
+  ServedModel model;
+  model.name = "m";
+  model.config.vocab_size = 4096;
+  const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
+  absl::StatusOr<Request> r = ParseRequest(kCompl, R"({"model": "m", "prompt": [1, 2, 3, 4, 5],
+    "skip_special_tokens": false, "include_stop_str_in_output": true, "truncate_prompt_tokens": 2})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  absl::StatusOr<GenerationParams> g = PrepareGeneration(ToGenerateRequest(*r, 0, 0, 8, &prompt), model, 512, "req");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_FALSE(g->skip_special_tokens);
+  EXPECT_TRUE(g->include_stop_str_in_output);
+  EXPECT_EQ(g->prompt, (std::vector<int32_t>{4, 5}));
+  // Defaults: special tokens skipped, the stop string left out, the whole prompt.
+  r = ParseRequest(kCompl, R"({"model": "m", "prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 9})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  g = PrepareGeneration(ToGenerateRequest(*r, 0, 0, 8, &prompt), model, 512, "req");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_TRUE(g->skip_special_tokens);
+  EXPECT_FALSE(g->include_stop_str_in_output);
+  EXPECT_EQ(g->prompt, prompt);
+  // A prompt too long for the context fits once truncated.
+  const std::vector<int32_t> long_prompt(600, 7);
+  r = ParseRequest(kChat, R"({"model": "m", "messages": [{"role": "user"}], "truncate_prompt_tokens": 500})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  g = PrepareGeneration(ToGenerateRequest(*r, 0, 0, 8, &long_prompt), model, 512, "req");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->prompt.size(), 500u);
+  // The gRPC API's negative count names its field, as the OpenAI API spells it.
+  v1::GenerateRequest grpc = ToGenerateRequest(*r, 0, 0, 8, &long_prompt);
+  grpc.mutable_sampling()->set_truncate_prompt_tokens(-1);
+  g = PrepareGeneration(grpc, model, 512, "req");
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(ParamOf(g.status()), "sampling.truncate_prompt_tokens");
+  EXPECT_EQ(ParamOf(RenameGenerationError(g.status(), kChat)), "truncate_prompt_tokens");
+}
+
 TEST(SharedValidationTest, LogitBiasBoundsAreCheckedOnceForBothAPIs) {
   ServedModel model;
   model.name = "m";

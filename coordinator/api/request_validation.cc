@@ -68,6 +68,14 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
       return Invalid("prompt", "set text or token_ids");
   }
   if (p.prompt.empty()) return Invalid("prompt", "it has no tokens");
+  const v1::SamplingParams& s = request.sampling();
+  if (s.truncate_prompt_tokens() < 0) {
+    return Invalid("sampling.truncate_prompt_tokens",
+                   absl::StrCat("must be >= 1 (0 means off), got ", s.truncate_prompt_tokens()));
+  }
+  if (s.truncate_prompt_tokens() > 0 && p.prompt.size() > static_cast<size_t>(s.truncate_prompt_tokens())) {
+    p.prompt.erase(p.prompt.begin(), p.prompt.end() - s.truncate_prompt_tokens());
+  }
   // A prompt that alone fills the context leaves no room for a generated token, whatever
   // max_tokens says: the prompt is what must change.
   const int64_t prompt_tokens = static_cast<int64_t>(p.prompt.size());
@@ -77,7 +85,6 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
                                           " tokens, leaving room for one generated token"));
   }
 
-  const v1::SamplingParams& s = request.sampling();
   if (s.max_tokens() < 0) return Invalid("sampling.max_tokens", absl::StrCat("must be >= 0, got ", s.max_tokens()));
   p.max_tokens = s.max_tokens() == 0 ? kDefaultMaxTokens : s.max_tokens();
   const int64_t total = prompt_tokens + p.max_tokens;
@@ -154,6 +161,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     p.stop_token_ids.push_back(id);
   }
   p.ignore_eos = s.ignore_eos();
+  p.include_stop_str_in_output = s.include_stop_str_in_output();
+  p.skip_special_tokens = !s.has_skip_special_tokens() || s.skip_special_tokens();
 
   if (s.logit_bias_size() > kMaxLogitBiasEntries) {
     return Invalid("sampling.logit_bias",

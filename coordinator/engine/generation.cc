@@ -31,11 +31,36 @@ v1::RowSampling SamplingTemplate(const GenerationParams& p) {
 
 // ---- StopStringFilter ---------------------------------------------------------------------------
 
+StopStringFilter::StopStringFilter(std::vector<std::string> stops, bool keep) : stops_(std::move(stops)), keep_(keep) {
+  for (const std::string& stop : stops_) longest_ = std::max(longest_, stop.size());
+}
+
 std::string StopStringFilter::Add(absl::string_view text, bool* stopped) {
   *stopped = false;
   held_.append(text.data(), text.size());
-  size_t cut = std::string::npos;
-  for (const std::string& stop : stops_) cut = std::min(cut, held_.find(stop));
+  size_t cut = std::string::npos, end = std::string::npos;
+  for (const std::string& stop : stops_) {
+    if (const size_t at = held_.find(stop); at < cut) {
+      cut = at;
+      end = at + stop.size();
+    }
+  }
+  if (keep_) {
+    // The stop string, were one found, ends past what was handed out (else it would have ended
+    // the text then).
+    std::string out = held_.substr(sent_, (cut != std::string::npos ? end : held_.size()) - sent_);
+    if (cut != std::string::npos) {
+      *stopped = true;
+      held_.clear();
+      sent_ = 0;
+      return out;
+    }
+    // What a stop string completing later may begin in.
+    const size_t tail = longest_ > 0 ? longest_ - 1 : 0;
+    if (held_.size() > tail) held_.erase(0, held_.size() - tail);
+    sent_ = held_.size();
+    return out;
+  }
   if (cut != std::string::npos) {
     *stopped = true;
     std::string out = held_.substr(0, cut);
@@ -58,8 +83,9 @@ std::string StopStringFilter::Add(absl::string_view text, bool* stopped) {
 }
 
 std::string StopStringFilter::Flush() {
-  std::string out;
-  out.swap(held_);
+  std::string out = keep_ ? std::string() : held_;  // with keep_, all of it was handed out
+  held_.clear();
+  sent_ = 0;
   return out;
 }
 
@@ -67,7 +93,7 @@ std::string StopStringFilter::Flush() {
 
 Generation::Generation(const GenerationParams& params, const std::vector<int32_t>& eos_ids,
                        const Tokenizer* tokenizer)
-    : params_(params), eos_ids_(eos_ids), filter_(params.stop) {
+    : params_(params), eos_ids_(eos_ids), filter_(params.stop, params.include_stop_str_in_output) {
   if (tokenizer != nullptr) {
     detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, params.skip_special_tokens);
   }

@@ -42,9 +42,11 @@ struct GenerationParams {
   std::vector<std::pair<int32_t, float>> logit_bias;  // (id, bias), sorted by id
   int32_t min_tokens = 0;
   std::vector<int32_t> min_tokens_banned_ids;  // with min_tokens: the EOS and stop ids, sorted
-  // false: special tokens stay in the text (a tool-call format whose markers are special tokens);
-  // the EOS that ends the output is never text.
+  // false: special tokens stay in the text (asked, or a tool-call format whose markers are special
+  // tokens); the EOS that ends the output is never text.
   bool skip_special_tokens = true;
+  // The stop string that ends the output is part of its text.
+  bool include_stop_str_in_output = false;
   // The structured-output constraint compiled against the model's vocabulary (null: none); each
   // sequence of the request runs its own matcher over it (the engine's).
   std::shared_ptr<const grammar::CompiledGrammar> grammar;
@@ -57,20 +59,26 @@ v1::RowSampling SamplingTemplate(const GenerationParams& params);
 // Holds back the end of the streamed text while it may be the start of a stop string, and cuts
 // the text where a stop string begins. Text handed out is never taken back: a stop string that
 // completes later begins at or after the held text, because the longest end of the text that
-// could begin one is always held.
+// could begin one is always held. With `keep` (vLLM's include_stop_str_in_output) the stop string
+// is part of the text, which is then cut where the stop string ends and held back not at all (the
+// end of the text handed out is kept only to find a stop string that completes later).
 class StopStringFilter {
  public:
-  explicit StopStringFilter(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  explicit StopStringFilter(std::vector<std::string> stops, bool keep = false);
 
   // Adds `text` and returns what may be streamed now. When a stop string appears, returns the
-  // text before it, sets *stopped, and drops the rest; add nothing more then.
+  // text before it (with `keep`, up to its end), sets *stopped, and drops the rest; add nothing
+  // more then. Of stop strings that begin at once, the first listed is the one.
   std::string Add(absl::string_view text, bool* stopped);
   // The held text, at the end of a generation that did not stop on a stop string.
   std::string Flush();
 
  private:
   const std::vector<std::string> stops_;
+  const bool keep_;
+  size_t longest_ = 0;  // the longest stop string's bytes
   std::string held_;
+  size_t sent_ = 0;  // with keep_: held_'s bytes already handed out
 };
 
 class Generation {

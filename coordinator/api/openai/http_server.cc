@@ -878,7 +878,11 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
                                                                           : nullptr;
     int64_t max_tokens = request->max_tokens.value_or(16);
     if (chat && !request->max_tokens.has_value()) {
-      max_tokens = std::max<int64_t>(1, max_model_len - static_cast<int64_t>(prompt_ids->size()));
+      int64_t prompt_len = static_cast<int64_t>(prompt_ids->size());
+      if (const int32_t keep = request->sampling.truncate_prompt_tokens(); keep > 0) {
+        prompt_len = std::min<int64_t>(prompt_len, keep);
+      }
+      max_tokens = std::max<int64_t>(1, max_model_len - prompt_len);
     }
     absl::StatusOr<GenerationParams> params = PrepareGeneration(
         ToGenerateRequest(*request, p, 0, static_cast<int32_t>(std::min<int64_t>(max_tokens, INT32_MAX)), prompt_ids),

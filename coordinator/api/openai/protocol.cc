@@ -742,6 +742,18 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   std::optional<int64_t> min_tokens;
   SHARDSERVE_OPENAI_CHECK(f.Int("min_tokens", 0, kInt32Max, &min_tokens));
   s.set_min_tokens(static_cast<int32_t>(min_tokens.value_or(0)));
+  // vLLM's output controls.
+  if (f.Get("skip_special_tokens") != nullptr) {
+    bool skip = true;
+    SHARDSERVE_OPENAI_CHECK(f.Bool("skip_special_tokens", &skip));
+    s.set_skip_special_tokens(skip);
+  }
+  bool include_stop = false;
+  SHARDSERVE_OPENAI_CHECK(f.Bool("include_stop_str_in_output", &include_stop));
+  s.set_include_stop_str_in_output(include_stop);
+  std::optional<int64_t> truncate;
+  SHARDSERVE_OPENAI_CHECK(f.Int("truncate_prompt_tokens", 1, kInt32Max, &truncate));
+  s.set_truncate_prompt_tokens(static_cast<int32_t>(truncate.value_or(0)));
 
   // logprobs: chat takes a boolean and top_logprobs; completions an integer, the alternatives.
   if (chat) {
@@ -863,6 +875,7 @@ constexpr GenerationField kGenerationFields[] = {
     {"sampling.ignore_eos", {"ignore_eos"}, {"ignore_eos"}},
     {"sampling.logit_bias", {"logit_bias"}, {"logit_bias"}},
     {"sampling.min_tokens", {"min_tokens"}, {"min_tokens"}},
+    {"sampling.truncate_prompt_tokens", {"truncate_prompt_tokens"}, {"truncate_prompt_tokens"}},
 };
 
 constexpr absl::string_view kSamplingPrefix = "sampling.";
