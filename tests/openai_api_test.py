@@ -261,6 +261,15 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(chunks[-1].usage.completion_tokens, len(want_ids))
         self.assertEqual(chunks[-1].usage.prompt_tokens, len(ids))
         self.assertTrue(all(c.usage is None for c in chunks[:-1]))
+        # vLLM's continuous_usage_stats: every chunk has its choice's usage so far, the last the whole.
+        chunks = list(self.client.completions.create(
+            model=MODEL, prompt="In the beginning", max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens for c in chunks]
+        self.assertEqual(counts, sorted(counts))
+        self.assertEqual(counts[-1], len(want_ids))
+        self.assertTrue(all(c.usage.prompt_tokens == len(ids) for c in chunks))
+        self.assertEqual(chunks[-2].usage.completion_tokens, len(want_ids))  # the finishing chunk's
 
     def test_chat_equals_grpc_for_the_rendered_prompt(self):
         messages = [{"role": "system", "content": "You are a scribe."},
@@ -408,6 +417,18 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(lp.text_offset[1], len(lp.tokens[0].encode()))
         plain = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=8, temperature=0)
         self.assertIsNone(plain.choices[0].logprobs)
+        # vLLM's return_tokens_as_token_ids: the generated ids themselves, as the gRPC API gives them.
+        _, want_ids = self.grpc_greedy_ids(self.grpc.tokenize("And God said"), 8)
+        c = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=8, temperature=0,
+                                           logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+        self.assertEqual(c.choices[0].logprobs.tokens, [f"token_id:{i}" for i in want_ids])
+        self.assertEqual(c.choices[0].logprobs.text_offset[1], len(lp.tokens[0].encode()))  # offsets in text
+        r = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=8, temperature=0, logprobs=True,
+                                                extra_body={"return_tokens_as_token_ids": True})
+        self.assertTrue(all(re.fullmatch(r"token_id:\d+", t.token) for t in r.choices[0].logprobs.content))
+        self.assertEqual(b"".join(bytes(t.bytes) for t in r.choices[0].logprobs.content).decode(),
+                         r.choices[0].message.content)
 
     def test_continue_final_message_extends_the_answer_begun(self):
         # The demo template trims each message: the prompt ends at the begun answer's last letter.

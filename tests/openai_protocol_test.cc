@@ -134,6 +134,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"IncludeUsageNotBool", kCompl,
                 R"({"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
                 "stream_options.include_usage", "a boolean"},
+        BadCase{"ContinuousUsageNotBool", kCompl,
+                R"({"model": "m", "prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": 1}})",
+                "stream_options.continuous_usage_stats", "a boolean"},
+        BadCase{"TokenIdsNotBool", kCompl, R"({"model": "m", "prompt": "x", "return_tokens_as_token_ids": "y"})",
+                "return_tokens_as_token_ids", "a boolean"},
         // One wording for every out-of-range integer: the range, then what was sent.
         BadCase{"MaxTokensZero", kCompl, R"({"model": "m", "prompt": "x", "max_tokens": 0})", "max_tokens",
                 "must be in [1, 2147483647], got 0"},
@@ -883,6 +888,15 @@ TEST(ResponseJsonTest, UsageAndLogprobs) {
   EXPECT_EQ(completion["token_logprobs"], Json::parse("[-0.5, -1.5]"));
   EXPECT_EQ(completion["text_offset"], Json::parse("[10, 10]"));
   EXPECT_EQ(completion["top_logprobs"][1], Json::object());
+  // return_tokens_as_token_ids: the ids named, the bytes and offsets still the text's.
+  const Json chat_ids = ChatLogprobsContent(entries, nullptr, /*token_ids=*/true);
+  EXPECT_EQ(chat_ids[0]["token"], "token_id:7");
+  EXPECT_EQ(chat_ids[0]["top_logprobs"][0]["token"], "token_id:7");
+  EXPECT_EQ(chat_ids[0]["bytes"], Json::array());
+  const Json completion_ids = CompletionLogprobs(entries, nullptr, 10, /*token_ids=*/true);
+  EXPECT_EQ(completion_ids["tokens"], Json::parse(R"(["token_id:7", "token_id:8"])"));
+  EXPECT_EQ(completion_ids["top_logprobs"][0], Json::parse(R"({"token_id:7": -0.5})"));
+  EXPECT_EQ(completion_ids["text_offset"], Json::parse("[10, 10]"));
 }
 
 TEST(StructuredOutputTest, EveryFieldSetsTheConstraint) {

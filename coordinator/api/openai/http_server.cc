@@ -231,8 +231,9 @@ class Job {
       const Choice& c = choices_[i];
       Json logprobs = nullptr;
       if (request_.sampling.logprobs()) {
-        logprobs = chat() ? Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer)}}
-                          : CompletionLogprobs(c.logprobs, tokenizer, 0);
+        const bool ids = request_.return_tokens_as_token_ids;
+        logprobs = chat() ? Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer, ids)}}
+                          : CompletionLogprobs(c.logprobs, tokenizer, 0, ids);
       }
       Json choice = {{"index", i}};
       const std::string& echo = Echo(c);
@@ -272,7 +273,13 @@ class Job {
                   {"model", request_.model},
                   {"choices", Json::array({choice})},
                   {"system_fingerprint", nullptr}};
-    if (request_.include_usage) chunk["usage"] = nullptr;
+    if (request_.include_usage) {
+      // continuous_usage_stats: the choice's usage so far (its prompt, its tokens).
+      const Choice& c = choices_[index];
+      chunk["usage"] = request_.continuous_usage_stats
+                           ? openai::UsageJson(prompt_tokens_[c.prompt], c.completion_tokens, c.cached_tokens)
+                           : Json(nullptr);
+    }
     return chunk;
   }
 
@@ -295,8 +302,9 @@ class Job {
     const std::vector<v1::TokenLogprobs> entries(r.logprobs().begin(), r.logprobs().end());
     Json logprobs = nullptr;
     if (request_.sampling.logprobs()) {
-      logprobs = chat() ? Json{{"content", ChatLogprobsContent(entries, tokenizer)}}
-                        : CompletionLogprobs(entries, tokenizer, c.text_offset);
+      const bool ids = request_.return_tokens_as_token_ids;
+      logprobs = chat() ? Json{{"content", ChatLogprobsContent(entries, tokenizer, ids)}}
+                        : CompletionLogprobs(entries, tokenizer, c.text_offset, ids);
     }
     c.text_offset += static_cast<int64_t>(r.text().size());
     std::vector<Json> chunks;

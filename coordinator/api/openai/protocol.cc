@@ -687,9 +687,12 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   if (const Json* options = f.Get("stream_options")) {
     if (!options->is_object()) return WrongType("stream_options", "an object", *options);
     if (!r.stream) return InvalidField("stream_options", "is only allowed with stream: true");
-    if (auto it = options->find("include_usage"); it != options->end() && !it->is_null()) {
-      if (!it->is_boolean()) return WrongType("stream_options.include_usage", "a boolean", *it);
-      r.include_usage = it->get<bool>();
+    for (auto [key, out] : {std::pair{"include_usage", &r.include_usage},
+                            std::pair{"continuous_usage_stats", &r.continuous_usage_stats}}) {
+      if (auto it = options->find(key); it != options->end() && !it->is_null()) {
+        if (!it->is_boolean()) return WrongType(absl::StrCat("stream_options.", key), "a boolean", *it);
+        *out = it->get<bool>();
+      }
     }
   }
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
@@ -773,6 +776,7 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
     s.set_top_logprobs(static_cast<int32_t>(logprobs.value_or(0)));
   }
   SHARDSERVE_OPENAI_CHECK(f.Bool("echo", &r.echo));
+  SHARDSERVE_OPENAI_CHECK(f.Bool("return_tokens_as_token_ids", &r.return_tokens_as_token_ids));
   if (r.echo && !chat && s.logprobs()) {
     return InvalidField("echo",
                         "with logprobs asks for the prompt's log-probabilities (lm-evaluation-harness's "
@@ -970,6 +974,11 @@ std::string TokenText(int32_t id, const Tokenizer* tokenizer) {
   return tokenizer == nullptr ? std::string() : tokenizer->Decode({id});
 }
 
+// A token as the logprobs name it: its text, or "token_id:ID" (vLLM's return_tokens_as_token_ids).
+std::string TokenName(int32_t id, const Tokenizer* tokenizer, bool as_ids) {
+  return as_ids ? absl::StrCat("token_id:", id) : TokenText(id, tokenizer);
+}
+
 Json Bytes(const std::string& s) {
   Json bytes = Json::array();
   for (unsigned char c : s) bytes.push_back(static_cast<int>(c));
@@ -978,31 +987,34 @@ Json Bytes(const std::string& s) {
 
 }  // namespace
 
-nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer) {
+nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                           bool token_ids) {
   Json content = Json::array();
   for (const v1::TokenLogprobs& e : entries) {
-    const std::string token = TokenText(e.token_id(), tokenizer);
     Json top = Json::array();
     for (const v1::TopLogprob& t : e.top_logprobs()) {
-      const std::string alt = TokenText(t.token_id(), tokenizer);
-      top.push_back({{"token", alt}, {"logprob", t.logprob()}, {"bytes", Bytes(alt)}});
+      top.push_back({{"token", TokenName(t.token_id(), tokenizer, token_ids)},
+                     {"logprob", t.logprob()},
+                     {"bytes", Bytes(TokenText(t.token_id(), tokenizer))}});
     }
-    content.push_back({{"token", token}, {"logprob", e.logprob()}, {"bytes", Bytes(token)}, {"top_logprobs", top}});
+    content.push_back({{"token", TokenName(e.token_id(), tokenizer, token_ids)},
+                       {"logprob", e.logprob()},
+                       {"bytes", Bytes(TokenText(e.token_id(), tokenizer))},
+                       {"top_logprobs", top}});
   }
   return content;
 }
 
 nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
-                                          int64_t text_offset) {
+                                          int64_t text_offset, bool token_ids) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(), offsets = Json::array();
   for (const v1::TokenLogprobs& e : entries) {
-    const std::string token = TokenText(e.token_id(), tokenizer);
-    tokens.push_back(token);
+    tokens.push_back(TokenName(e.token_id(), tokenizer, token_ids));
     token_logprobs.push_back(e.logprob());
     offsets.push_back(text_offset);
-    text_offset += static_cast<int64_t>(token.size());
+    text_offset += static_cast<int64_t>(TokenText(e.token_id(), tokenizer).size());
     Json top = Json::object();
-    for (const v1::TopLogprob& t : e.top_logprobs()) top[TokenText(t.token_id(), tokenizer)] = t.logprob();
+    for (const v1::TopLogprob& t : e.top_logprobs()) top[TokenName(t.token_id(), tokenizer, token_ids)] = t.logprob();
     top_logprobs.push_back(top);
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},

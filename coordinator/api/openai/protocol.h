@@ -95,6 +95,12 @@ struct Request {
   // is the assistant's, or any message continued without a generation prompt).
   bool echo = false;
   bool include_usage = false;  // stream_options.include_usage
+  // stream_options.continuous_usage_stats (vLLM's): with include_usage, every chunk carries its
+  // choice's usage so far (else only the last, usage-only chunk has usage).
+  bool continuous_usage_stats = false;
+  // vLLM's return_tokens_as_token_ids: the logprobs name each token "token_id:ID" (its bytes stay
+  // its text's), for clients that need the exact ids.
+  bool return_tokens_as_token_ids = false;
   // Unset: 16 for completions, what the context leaves for chat (as OpenAI and vLLM).
   std::optional<int64_t> max_tokens;
   // Everything but max_tokens, as the gRPC API takes it (seed included when given).
@@ -183,12 +189,13 @@ nlohmann::ordered_json UsageJson(int64_t prompt_tokens, int64_t completion_token
 
 // Log-probabilities of `entries` (one per generated token) in the chat shape's "content" list
 // ([{token, logprob, bytes, top_logprobs: [...]}]); tokens as the tokenizer decodes each alone
-// (empty without one).
-nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer);
+// (empty without one), or with `token_ids` named "token_id:ID" (bytes still the decoded text's).
+nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                           bool token_ids = false);
 // The completions shape: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
-// offsets counted from `text_offset` in UTF-8 bytes of the completion.
+// offsets counted from `text_offset` in UTF-8 bytes of the completion; tokens named as above.
 nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
-                                          int64_t text_offset);
+                                          int64_t text_offset, bool token_ids = false);
 
 // ---- Tool calls and reasoning in chat responses ----
 
