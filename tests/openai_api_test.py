@@ -479,6 +479,24 @@ class OpenAIApiTest(unittest.TestCase):
         plain = self.client.chat.completions.create(messages=messages[:1], **kw)
         self.assertEqual(r.choices[0].message.content, plain.choices[0].message.content)
 
+    def test_the_client_names_the_request(self):
+        # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.
+        raw = self.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            extra_headers={"X-Request-Id": "trace-42"})
+        self.assertEqual((raw.headers["X-Request-Id"], raw.parse().id), ("trace-42", "chatcmpl-trace-42"))
+        raw = self.client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2,
+                                                               extra_body={"request_id": "batch-7"})
+        self.assertEqual((raw.headers["X-Request-Id"], raw.parse().id), ("batch-7", "cmpl-batch-7"))
+        raw = self.client.completions.with_raw_response.create(model=MODEL, prompt="x", max_tokens=2)
+        self.assertEqual(raw.headers["X-Request-Id"], raw.parse().id)  # one of the server's own
+        with open(self.launch.args[self.launch.args.index("--log-dir") + 1] + "/coordinator.log") as f:
+            self.assertIn("chatcmpl-trace-42", f.read())  # the log names it
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                           extra_headers={"X-Request-Id": "has space"})
+        self.assertIn("X-Request-Id", ctx.exception.message)
+
     def test_tokenize_and_detokenize_as_vllm_does(self):
         text = "In the beginning God created the heaven"
         status, t = self.post_raw("/tokenize", json.dumps({"model": MODEL, "prompt": text}).encode())

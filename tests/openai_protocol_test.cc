@@ -197,6 +197,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "include_stop_str_in_output", "a boolean"},
         BadCase{"TruncateZero", kCompl, R"({"model": "m", "prompt": "x", "truncate_prompt_tokens": 0})",
                 "truncate_prompt_tokens", "must be in [1, "},
+        BadCase{"RequestIdWithSpace", kCompl, R"({"model": "m", "prompt": "x", "request_id": "a b"})", "request_id",
+                "printable characters without spaces"},
         BadCase{"EchoWithLogprobs", kCompl, R"({"model": "m", "prompt": "x", "echo": true, "logprobs": 1})", "echo",
                 "does not compute"},
         BadCase{"EchoNotBool", kChat, R"({"model": "m", "messages": [{"role": "user"}], "echo": 1})", "echo",

@@ -824,11 +824,23 @@ void HttpServer::Complete(const httplib::Request& req, const std::string& body, 
 void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
-  const std::string id = absl::StrCat(chat ? "chatcmpl-" : "cmpl-", RandomHex());
+  // The request's id, in the log and the answer: the client's (an X-Request-Id header, else the
+  // body's request_id, as vLLM takes them) after the endpoint's prefix, else a random one. The
+  // answer's X-Request-Id header says which.
+  const char* prefix = chat ? "chatcmpl-" : "cmpl-";
+  std::string client_id = req.get_header_value("X-Request-Id");
+  std::string id = absl::StrCat(prefix, RandomHex());
   auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
+  if (!IsValidRequestId(client_id)) {
+    return reject(absl::InvalidArgumentError(
+        "the X-Request-Id header must be at most 128 printable characters without spaces"));
+  }
 
   absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());
+  if (client_id.empty()) client_id = request->request_id;
+  if (!client_id.empty()) id = absl::StrCat(prefix, client_id);
+  res.set_header("X-Request-Id", client_id.empty() ? id : client_id);
   if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
 
   // A chat prompt's token ids (this handler renders and encodes it); a completion's come with it

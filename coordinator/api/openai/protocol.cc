@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "base/field_error.h"
 #include "base/json.h"
+#include "coordinator/api/request_validation.h"
 
 namespace shardserve::openai {
 namespace {
@@ -783,6 +784,10 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
                         "loglikelihood), which this server does not compute: send echo or logprobs, not both");
   }
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
+  SHARDSERVE_OPENAI_CHECK(f.String("request_id", &r.request_id));
+  if (!IsValidRequestId(r.request_id)) {
+    return InvalidField("request_id", "must be at most 128 printable characters without spaces");
+  }
   SHARDSERVE_OPENAI_CHECK(ParseConstraint(f, &r));
   SHARDSERVE_OPENAI_CHECK(ForcedToolConstraint(&r));
   return r;

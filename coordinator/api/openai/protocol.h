@@ -109,6 +109,9 @@ struct Request {
   // "guided_regex", ...): errors about the constraint name it. Empty: no constraint.
   std::string constraint_field;
   std::string user;  // accepted, unused
+  // vLLM's request_id: the id the answer and the log give the request (after "chatcmpl-" or
+  // "cmpl-"), unless an X-Request-Id header names one. Empty: a random one.
+  std::string request_id;
 };
 
 // Parses and checks `body` for `endpoint`. InvalidArgument naming the field (ParamOf) otherwise.
