@@ -806,9 +806,10 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
   }
   if (!prompt.ok()) {
     // A continuation that cannot be made names its field; anything else the template raised, messages.
-    return reject(request.continue_final_message && absl::StartsWith(prompt.status().message(), "continue_final_message")
-                      ? InvalidField("continue_final_message", prompt.status().message())
-                      : absl::InvalidArgumentError(prompt.status().message()));
+    const absl::string_view why = prompt.status().message();
+    return reject(request.continue_final_message && absl::StartsWith(why, "continue_final_message")
+                      ? InvalidField("continue_final_message", why)
+                      : absl::InvalidArgumentError(why));
   }
   return *std::move(prompt);
 }
