@@ -791,6 +791,46 @@ TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
   EXPECT_GE(rendered, 18);
 }
 
+// documents (vLLM's field) reach the template as transformers' apply_chat_template(documents=...)
+// passes them: Command R7B's retrieval prompt, byte for byte.
+TEST(ChatTemplateFixturesTest, DocumentsRenderAsTransformersDoes) {
+  const std::filesystem::path dir = std::filesystem::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/chat_templates";
+  int rendered = 0;
+  for (const char* family : {"command_r7b", "chatml"}) {
+    absl::StatusOr<chat::ChatTemplate> tmpl = chat::ChatTemplate::FromDirectory((dir / family).string());
+    ASSERT_TRUE(tmpl.ok()) << tmpl.status();
+    std::ifstream in(dir / family / "cases.json");
+    const Json cases = Json::parse(in);
+    for (const Json& c : cases["cases"]) {
+      if (!c["extra"].contains("documents")) continue;
+      SCOPED_TRACE(absl::StrCat(family, " ", c["name"].get<std::string>()));
+      const Json body = {{"model", "m"}, {"messages", c["messages"]}, {"tools", c["tools"]},
+                         {"documents", c["extra"]["documents"]}};
+      absl::StatusOr<Request> r = ParseRequest(kChat, body.dump());
+      ASSERT_TRUE(r.ok()) << r.status();
+      absl::StatusOr<std::string> prompt =
+          tmpl->Render(r->messages, r->add_generation_prompt, r->tools, r->chat_template_kwargs);
+      if (c.contains("error")) {
+        EXPECT_FALSE(prompt.ok());
+        continue;
+      }
+      ASSERT_TRUE(prompt.ok()) << prompt.status();
+      EXPECT_EQ(*prompt, c["expected"].get<std::string>());
+      ++rendered;
+    }
+  }
+  EXPECT_EQ(rendered, 4);  // command_r7b's empty and with tools, chatml's two
+  for (const auto& [body, param] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"model": "m", "messages": [{"role": "user"}], "documents": {"title": "x"}})", "documents"},
+           {R"({"model": "m", "messages": [{"role": "user"}], "documents": [{"title": "x"}, "text"]})", "documents[1]"},
+           {R"({"model": "m", "messages": [{"role": "user"}], "documents": [],
+                "chat_template_kwargs": {"documents": []}})", "documents"}}) {
+    absl::StatusOr<Request> r = ParseRequest(kChat, body);
+    ASSERT_FALSE(r.ok()) << body;
+    EXPECT_EQ(ParamOf(r.status()), param) << r.status();
+  }
+}
+
 TEST(ParseRequestTest, NullIsAbsent) {
   absl::StatusOr<Request> r =
       ParseRequest(kCompl, R"({"model": "m", "prompt": "x", "temperature": null, "stop": null, "n": null})");

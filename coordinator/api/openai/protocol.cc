@@ -273,6 +273,19 @@ absl::Status ParseMessages(const Fields& f, Request* r) {
     if (!kwargs->is_object()) return WrongType("chat_template_kwargs", "an object", *kwargs);
     r->chat_template_kwargs = *kwargs;
   }
+  // documents (vLLM's, for retrieval templates such as Command R's): the template variable of that
+  // name, as transformers' apply_chat_template(documents=...) passes it.
+  if (const Json* documents = f.Get("documents")) {
+    if (!documents->is_array()) return WrongType("documents", "an array of objects", *documents);
+    for (size_t i = 0; i < documents->size(); ++i) {
+      if (!(*documents)[i].is_object()) return WrongType(absl::StrCat("documents[", i, "]"), "an object", (*documents)[i]);
+    }
+    if (!r->chat_template_kwargs.is_object()) r->chat_template_kwargs = Json::object();
+    if (r->chat_template_kwargs.contains("documents")) {
+      return InvalidField("documents", "given beside chat_template_kwargs.documents: send one");
+    }
+    r->chat_template_kwargs["documents"] = *documents;
+  }
   // reasoning_effort (OpenAI's field for reasoning models): the template variable of that name, which
   // gpt-oss's template writes into its system message ("Reasoning: high"; medium when unset);
   // templates that do not read it ignore it, as vLLM's do.

@@ -63,7 +63,8 @@ struct Request {
   // /v1/chat/completions: the messages (each content made a string: text parts joined by "\n";
   // an assistant message's tool_calls with their arguments parsed into objects, as templates take
   // them), tools (null or an array of checked function tools), chat_template_kwargs (null or an
-  // object), add_generation_prompt, continue_final_message.
+  // object; reasoning_effort and documents join it as the template variables they are),
+  // add_generation_prompt, continue_final_message.
   nlohmann::ordered_json messages;
   // The messages with tool-call arguments as the client's JSON text, when some were parsed: for
   // templates that write the text itself (DeepSeek-R1's concatenates it), tried when `messages`
