@@ -29,14 +29,17 @@ bool IsValidRequestId(absl::string_view id) {
   return id.size() <= kMaxRequestIdBytes && std::all_of(id.begin(), id.end(), [](char c) { return c > ' ' && c < 127; });
 }
 
+absl::Status CheckRequestId(absl::string_view field, absl::string_view id) {
+  if (IsValidRequestId(id)) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("at most ", kMaxRequestIdBytes, " printable characters without spaces"));
+}
+
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
                                                    int64_t max_model_len, const std::string& default_request_id) {
   GenerationParams p;
   const int64_t vocab = model.config.vocab_size;
 
-  if (!IsValidRequestId(request.request_id())) {
-    return Invalid("request_id", absl::StrCat("at most ", kMaxRequestIdBytes, " printable characters without spaces"));
-  }
+  if (absl::Status s = CheckRequestId("request_id", request.request_id()); !s.ok()) return s;
   p.request_id = request.request_id().empty() ? default_request_id : request.request_id();
 
   switch (request.prompt_case()) {

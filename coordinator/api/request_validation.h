@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "coordinator/engine/generation.h"
@@ -22,6 +23,9 @@ namespace shardserve {
 // A client's request_id may be logged and echoed: at most 128 printable ASCII characters without
 // spaces (empty: the server makes one).
 bool IsValidRequestId(absl::string_view id);
+// OK for such an id, else InvalidArgument "FIELD: at most 128 printable characters ..." naming `field`
+// (base/field_error.h): the gRPC API's request_id, the OpenAI API's request_id and X-Request-Id.
+absl::Status CheckRequestId(absl::string_view field, absl::string_view id);
 
 // Checks `request` against the model and `max_model_len` and resolves it (defaults applied, text
 // tokenized, a seed drawn, a structured output compiled); InvalidArgument naming the field

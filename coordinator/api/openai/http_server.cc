@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -625,7 +626,7 @@ void HttpServer::Routes() {
   // A POST's body read here, not by httplib, whose own reading refuses a form-encoded body over
   // 8 KB (what `curl -d` sends) with 413; the body is parsed as JSON whatever its Content-Type.
   // A POST on an overflow thread is refused before its body is read (the connection closes).
-  using BodyHandler = void (HttpServer::*)(const httplib::Request&, const std::string&, httplib::Response&);
+  using BodyHandler = std::function<void(const httplib::Request&, const std::string&, httplib::Response&)>;
   auto with_body = [this, refuse_key](BodyHandler handler) {
     return [this, refuse_key, handler](const httplib::Request& req, httplib::Response& res,
                                        const httplib::ContentReader& reader) {
@@ -647,7 +648,7 @@ void HttpServer::Routes() {
                                       "or its chunked encoding is malformed",
                                       "", "malformed_request"});
       }
-      if (!refuse_key(req, res)) (this->*handler)(req, body, res);
+      if (!refuse_key(req, res)) handler(req, body, res);
     };
   };
   // The served model as OpenAI's model object.
@@ -669,10 +670,11 @@ void HttpServer::Routes() {
     if (absl::Status s = CheckModelName(asked); !s.ok()) return SetError(res, s);
     res.set_content(model_object().dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
-  http_->Post("/v1/chat/completions", with_body(&HttpServer::Chat));
-  http_->Post("/v1/completions", with_body(&HttpServer::Complete));
-  http_->Post("/tokenize", with_body(&HttpServer::Tokenize));
-  http_->Post("/detokenize", with_body(&HttpServer::Detokenize));
+  using std::placeholders::_1, std::placeholders::_2, std::placeholders::_3;
+  http_->Post("/v1/chat/completions", with_body(std::bind(&HttpServer::Generate, this, true, _1, _2, _3)));
+  http_->Post("/v1/completions", with_body(std::bind(&HttpServer::Generate, this, false, _1, _2, _3)));
+  http_->Post("/tokenize", with_body(std::bind(&HttpServer::Tokenize, this, _1, _2, _3)));
+  http_->Post("/detokenize", with_body(std::bind(&HttpServer::Detokenize, this, _1, _2, _3)));
 }
 
 void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res) {
@@ -814,14 +816,6 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
   return *std::move(prompt);
 }
 
-void HttpServer::Chat(const httplib::Request& req, const std::string& body, httplib::Response& res) {
-  Generate(true, req, body, res);
-}
-
-void HttpServer::Complete(const httplib::Request& req, const std::string& body, httplib::Response& res) {
-  Generate(false, req, body, res);
-}
-
 void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
@@ -832,10 +826,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   std::string client_id = req.get_header_value("X-Request-Id");
   std::string id = absl::StrCat(prefix, RandomHex());
   auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
-  if (!IsValidRequestId(client_id)) {
-    return reject(absl::InvalidArgumentError(
-        "the X-Request-Id header must be at most 128 printable characters without spaces"));
-  }
+  if (absl::Status s = CheckRequestId("X-Request-Id", client_id); !s.ok()) return reject(s);
 
   absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());

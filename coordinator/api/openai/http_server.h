@@ -116,14 +116,11 @@ class HttpServer {
   void Routes();
   // OK, or UNAUTHENTICATED saying what to send (counted in the metrics).
   absl::Status Authorize(const httplib::Request& req);
-  // The POST routes, each given the request's body: chat and text completions (Generate), and
-  // vLLM's /tokenize and /detokenize.
-  void Chat(const httplib::Request& req, const std::string& body, httplib::Response& res);
-  void Complete(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // The POST routes, each given the request's body: a chat or text completion, and vLLM's
+  // /tokenize and /detokenize.
+  void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
-  // A completion request whose body is `body`.
-  void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
   // The prompt of a chat request as the model's chat template renders it (continuing the final
   // message when asked), the client's connection watched meanwhile; nullopt once `res` has the
   // answer: 400 (no template or tokenizer, the template raised), 500 (it ran past its budget), or

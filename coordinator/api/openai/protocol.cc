@@ -798,9 +798,7 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   }
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
   SHARDSERVE_OPENAI_CHECK(f.String("request_id", &r.request_id));
-  if (!IsValidRequestId(r.request_id)) {
-    return InvalidField("request_id", "must be at most 128 printable characters without spaces");
-  }
+  SHARDSERVE_OPENAI_CHECK(CheckRequestId("request_id", r.request_id));
   SHARDSERVE_OPENAI_CHECK(ParseConstraint(f, &r));
   SHARDSERVE_OPENAI_CHECK(ForcedToolConstraint(&r));
   return r;
