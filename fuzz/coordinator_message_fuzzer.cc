@@ -30,8 +30,9 @@
 // step's tokens and one sampling row each with penalty ids in the vocabulary.
 //
 // Seeds: SHARDSERVE_FUZZ_WRITE_SEEDS=DIR coordinator_message_fuzzer writes the seed corpus (valid
-// streams for four layouts: prefill, decode, prefix-cached blocks, penalties and logprobs, a
-// regroup, an adoption, a shutdown; and a sliding layers' pool with its tables) into DIR and exits. With SHARDSERVE_FUZZ_VERBOSE set, every
+// streams for four layouts: prefill, decode, prefix-cached blocks, penalties and logprobs, a prompt
+// scored, a regroup, an adoption, a shutdown; and a sliding layers' pool with its tables) into DIR
+// and exits. With SHARDSERVE_FUZZ_VERBOSE set, every
 // refusal and accepted step is printed (each seed's steps are all accepted).
 #include <algorithm>
 #include <cstddef>
@@ -150,6 +151,8 @@ void CheckAccepted(const Shard& shard, const shardserve::v1::StepPlan& plan) {
   for (int32_t r : b.logit_rows) Check(r >= 0 && r < n, "a logit row outside the step");
   for (const shardserve::v1::RowSampling& r : shard.steps->sampling()) {
     Check(r.top_logprobs() >= 0 && r.top_logprobs() <= 20, "top_logprobs outside [0, 20]");
+    Check(!r.has_scored_id() || (r.scored_id() >= 0 && r.scored_id() < config.vocab_size && r.logprobs()),
+          "a scored row outside the vocabulary or without logprobs");
     for (int32_t id : r.penalty_prompt_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
     for (int32_t id : r.penalty_output_ids()) Check(id >= 0 && id < config.vocab_size, "a penalty id outside the vocabulary");
   }
@@ -264,6 +267,22 @@ void WriteSeeds(const std::string& dir) {
     s.push_back(SeedStep(4, 1, {{2, 5, 1, true}}));
     s.push_back(shutdown);
     WriteSeed(dir, "single_stage", s);
+  }
+  // One stage, TP 1: a prompt of 6 tokens scored (prompt log-probabilities), its first chunk at
+  // every position, its second at all but the last, which samples.
+  {
+    std::vector<CoordinatorMessage> s{assignment(SeedAssignment(0, 1, 0, 1, 1))};
+    CoordinatorMessage first = SeedStep(1, 1, {{3, 0, 3, false}});
+    AddSeq(&first, 3, {0}, 6)->mutable_sampling()->set_prompt_logprobs(2);
+    first.mutable_step()->add_row_num_scored(3);
+    for (int pos = 1; pos <= 3; ++pos) first.mutable_step()->add_scored_ids(pos * 37 % Config().vocab_size);
+    s.push_back(first);
+    CoordinatorMessage second = SeedStep(2, 1, {{3, 3, 3, true}});
+    second.mutable_step()->add_row_num_scored(2);
+    for (int pos = 4; pos <= 5; ++pos) second.mutable_step()->add_scored_ids(pos * 37 % Config().vocab_size);
+    s.push_back(second);
+    s.push_back(shutdown);
+    WriteSeed(dir, "prompt_logprobs", s);
   }
   // The last of two stages, TP rank 0 of 2: a sequence whose first block is shared (prefix cache),
   // blocks appended as it grows, two sequences in one step, then a regroup under epoch 2.

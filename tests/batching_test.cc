@@ -471,6 +471,7 @@ TEST_P(PreemptionTest, TinyKvCachePreemptsAndEveryRequestGetsItsLoneTokens) {
     longest = std::max(longest, length + kMaxTokens);
     v1::GenerateRequest r =
         Request(Prompt(length, 7 * i, /*bos=*/true), kMaxTokens, /*ignore_eos=*/true, "preempt-" + std::to_string(i));
+    if (i % 4 == 1) r.mutable_sampling()->set_prompt_logprobs(1);  // scored again when preempted before its first token
     if (i % 4 == 3) {  // a recomputed sequence must draw its next tokens as it would have
       r.mutable_sampling()->set_temperature(0.8f);
       r.mutable_sampling()->set_top_k(50);
@@ -502,6 +503,23 @@ TEST_P(PreemptionTest, TinyKvCachePreemptsAndEveryRequestGetsItsLoneTokens) {
     EXPECT_EQ(bad, "") << "request " << i << " in the batch: " << bad;
     EXPECT_EQ(Diff(alone[i].tokens, together[i].tokens), "")
         << "request " << i << " (" << requests[i].token_ids().ids_size() << " prompt tokens) with preemption vs alone";
+    // Prompt logprobs: one per prompt token after the first, in the first message only, the same
+    // (bitwise: a row's arithmetic does not depend on the batch) alone and with preemption.
+    if (!requests[i].sampling().has_prompt_logprobs() || together[i].messages.empty() || alone[i].messages.empty()) {
+      continue;
+    }
+    const auto& got = together[i].messages.front().prompt_logprobs();
+    const auto& want = alone[i].messages.front().prompt_logprobs();
+    ASSERT_EQ(want.size(), requests[i].token_ids().ids_size() - 1) << "request " << i;
+    ASSERT_EQ(got.size(), want.size()) << "request " << i;
+    for (int k = 0; k < got.size(); ++k) {
+      EXPECT_EQ(got[k].token_id(), requests[i].token_ids().ids(k + 1)) << "request " << i << " position " << k;
+      EXPECT_EQ(got[k].logprob(), want[k].logprob()) << "request " << i << " position " << k;
+      EXPECT_EQ(got[k].rank(), want[k].rank()) << "request " << i << " position " << k;
+    }
+    for (size_t m = 1; m < together[i].messages.size(); ++m) {
+      EXPECT_EQ(together[i].messages[m].prompt_logprobs_size(), 0) << "request " << i << " message " << m;
+    }
   }
   s = cluster->Status().scheduler();
   EXPECT_GT(s.preemptions(), 0) << Describe(s);
@@ -780,6 +798,8 @@ TEST(BatchingValidationTest, TP1_PP1_BadNewSamplingParametersAreInvalidArgumentN
        "sampling.top_logprobs"},
       {"top_logprobs without logprobs", [](v1::SamplingParams* s) { s->set_top_logprobs(3); },
        "sampling.top_logprobs"},
+      {"prompt_logprobs 21", [](v1::SamplingParams* s) { s->set_prompt_logprobs(21); }, "sampling.prompt_logprobs"},
+      {"prompt_logprobs -1", [](v1::SamplingParams* s) { s->set_prompt_logprobs(-1); }, "sampling.prompt_logprobs"},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest r = Request(Prompt(8, 0, true), 4, true, "invalid");

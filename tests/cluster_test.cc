@@ -26,7 +26,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -278,6 +280,92 @@ TEST(ClusterParityTest, Bf16ProductsGiveOneProcesssOutputsInEveryLayout) {
   }
 }
 
+// ---- Prompt log-probabilities --------------------------------------------------------------------
+
+// The log-softmax of `logits` at `id`, in double.
+double LogSoftmaxAt(const std::vector<float>& logits, int32_t id) {
+  const double max = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - max);
+  return static_cast<double>(logits[static_cast<size_t>(id)]) - max - std::log(sum);
+}
+
+// A prompt's log-probabilities (SamplingParams.prompt_logprobs) in TP {1, 2} x PP {1, 2}: the golden
+// prompt followed by Hugging Face's 32 greedy tokens is scored, with 8 logit rows and 16 tokens a
+// step (so its chunks are cut by the rows) while a decode of the golden prompt with logprobs runs
+// beside it. Every prompt token after the first gets its entry; the greedy tokens' equal the
+// decode's (rank 1, the same alternatives; the prefill's arithmetic differs from the decode's in
+// the order of its sums, hence 1e-4), and at the two positions whose logits the fixture holds
+// (after the prompt, at the 32nd decode step) Hugging Face's log-softmax, within twice the parity
+// tests' logits tolerance (1e-4 of the largest logit: a log-probability is a logit less the log of
+// the sum, each off by at most that).
+class ClusterPromptLogprobsTest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(ClusterPromptLogprobsTest, PromptLogprobsAreHuggingFacesAndTheDecodesOwn) {
+  const Layout& l = GetParam();
+  const Golden golden = LoadGolden(l.fixture);
+  Cluster cluster({l.fixture, l.pp, l.tp, {"--matmul-dtype", "f32"}},
+                  {"--max-num-seqs", "8", "--max-tokens-per-step", "16"});
+  ASSERT_TRUE(cluster.Start());
+  std::vector<int32_t> prompt = golden.prompt;
+  prompt.insert(prompt.end(), golden.greedy.begin(), golden.greedy.end());
+  v1::GenerateRequest score = TokenRequest(prompt, 2);
+  score.mutable_sampling()->set_prompt_logprobs(3);
+  v1::GenerateRequest decode = TokenRequest(golden.prompt, 32);
+  decode.mutable_sampling()->set_logprobs(true);
+  decode.mutable_sampling()->set_top_logprobs(3);
+  Streamed decoded;
+  std::thread beside([&] { decoded = Generate(cluster.client(), decode); });
+  const Streamed scored = Generate(cluster.client(), score);
+  beside.join();
+  ASSERT_TRUE(decoded.status.ok()) << decoded.status.error_message() << "\n" << cluster.Logs();
+  ASSERT_TRUE(scored.status.ok()) << scored.status.error_message() << "\n" << cluster.Logs();
+  EXPECT_EQ(decoded.tokens, golden.greedy);
+  std::vector<v1::TokenLogprobs> got, want;
+  for (size_t i = 0; i < scored.messages.size(); ++i) {
+    EXPECT_TRUE(i == 0 || scored.messages[i].prompt_logprobs_size() == 0) << "message " << i << " has prompt logprobs";
+    got.insert(got.end(), scored.messages[i].prompt_logprobs().begin(), scored.messages[i].prompt_logprobs().end());
+  }
+  for (const v1::GenerateResponse& m : decoded.messages) want.insert(want.end(), m.logprobs().begin(), m.logprobs().end());
+  ASSERT_EQ(got.size(), prompt.size() - 1);
+  ASSERT_EQ(want.size(), golden.greedy.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    const v1::TokenLogprobs& g = got[i];
+    EXPECT_EQ(g.token_id(), prompt[i + 1]) << "position " << i;
+    ASSERT_EQ(g.top_logprobs_size(), 3) << "position " << i;
+    EXPECT_LE(g.logprob(), g.top_logprobs(0).logprob()) << "position " << i;
+    EXPECT_GE(g.rank(), 1) << "position " << i;
+    EXPECT_EQ(g.rank() == 1, g.top_logprobs(0).token_id() == g.token_id()) << "position " << i;
+  }
+  const size_t first = golden.prompt.size() - 1;  // the position after which the first greedy token comes
+  for (size_t j = 0; j < want.size(); ++j) {
+    const v1::TokenLogprobs& g = got[first + j];
+    EXPECT_EQ(g.rank(), 1) << "greedy token " << j;
+    EXPECT_NEAR(g.logprob(), want[j].logprob(), 1e-4) << "greedy token " << j;
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_EQ(g.top_logprobs(k).token_id(), want[j].top_logprobs(k).token_id()) << "greedy token " << j << " top " << k;
+    }
+  }
+  for (const auto& [at, logits] : {std::pair{first, &golden.prompt_last_logits},
+                                   std::pair{first + golden.greedy.size() - 1, &golden.final_logits}}) {
+    const double hf = LogSoftmaxAt(*logits, prompt[at + 1]);
+    const double scale = std::max(std::abs(*std::max_element(logits->begin(), logits->end())),
+                                  std::abs(*std::min_element(logits->begin(), logits->end())));
+    EXPECT_NEAR(got[at].logprob(), hf, 2 * 1e-4 * scale) << "position " << at << " against Hugging Face";
+    std::printf("[ parity   ] TP=%d PP=%d %s: prompt logprob at position %zu %.6f, Hugging Face's %.6f\n", l.tp,
+                l.pp, l.fixture.c_str(), at, got[at].logprob(), hf);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClusterPromptLogprobsTest,
+                         ::testing::Values(Layout{"llama_gqa", 1, 1}, Layout{"llama_gqa", 2, 1},
+                                           Layout{"llama_gqa", 1, 2}, Layout{"llama_gqa", 2, 2},
+                                           Layout{"qwen3_tf5", 2, 2}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
+                                  info.param.fixture;
+                         });
+
 // ---- Expert parallelism: whole experts per rank, the same tokens ----------------------------------
 
 // Every MoE fixture with --expert-parallel (worker/shard/expert_plan.h): each TP rank holds a block
@@ -439,6 +527,13 @@ TEST_P(ClusterSpeculationTest, NgramGuessesKeepHuggingFacesGreedyTokens) {
   const Streamed alone = Generate(cluster.client(), requests[0]);
   ASSERT_TRUE(alone.status.ok()) << alone.status.error_message();
   EXPECT_EQ(alone.tokens, golden.greedy);
+  // Prompt log-probabilities are not served beside speculation: refused, naming the field.
+  v1::GenerateRequest scored = requests[0];
+  scored.mutable_sampling()->set_prompt_logprobs(0);
+  const Streamed refused = Generate(cluster.client(), scored);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.status.error_message();
+  EXPECT_NE(refused.status.error_message().find("sampling.prompt_logprobs"), std::string::npos)
+      << refused.status.error_message();
   const v1::SchedulerStatus s = cluster.Status().scheduler();
   EXPECT_EQ(s.speculative(), "ngram");
   EXPECT_GT(s.spec_proposed_tokens(), 0);

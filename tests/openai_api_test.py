@@ -461,9 +461,6 @@ class OpenAIApiTest(unittest.TestCase):
         chunks = list(self.client.completions.create(prompt="And God said", echo=True, stream=True, **kw))
         self.assertEqual(chunks[0].choices[0].text, "And God said")
         self.assertEqual("".join(c.choices[0].text for c in chunks), "And God said" + plain.choices[0].text)
-        with self.assertRaises(openai.BadRequestError) as ctx:  # that would be the prompt's logprobs
-            self.client.completions.create(prompt="x", echo=True, logprobs=1, **kw)
-        self.assertEqual(ctx.exception.param, "echo")
         # Chat: the answer begun (continue_final_message) and its continuation, whole and streamed.
         messages = [{"role": "user", "content": "Tell a story."}, {"role": "assistant", "content": "Once upon a"}]
         extra = {"continue_final_message": True, "add_generation_prompt": False}
@@ -478,6 +475,48 @@ class OpenAIApiTest(unittest.TestCase):
         r = self.client.chat.completions.create(messages=messages[:1], extra_body={"echo": True}, **kw)
         plain = self.client.chat.completions.create(messages=messages[:1], **kw)
         self.assertEqual(r.choices[0].message.content, plain.choices[0].message.content)
+
+    def test_prompt_logprobs(self):
+        # lm-evaluation-harness's loglikelihood: echo with logprobs and max_tokens 1. The prompt's
+        # tokens come first (the first with nothing to be predicted from: null), then the output's.
+        ids = self.grpc.tokenize("And God said, Let there be light: and there was light")
+        kw = dict(model=MODEL, max_tokens=1, temperature=0)
+        r = self.client.completions.create(prompt=ids, echo=True, logprobs=1, **kw)
+        lp = r.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), len(ids) + 1)
+        self.assertEqual(len(lp.token_logprobs), len(ids) + 1)
+        self.assertIsNone(lp.token_logprobs[0])
+        self.assertIsNone(lp.top_logprobs[0])
+        self.assertEqual(lp.text_offset[0], 0)
+        self.assertEqual(lp.text_offset, sorted(lp.text_offset))
+        prompt_lp = r.model_dump()["choices"][0]["prompt_logprobs"]  # vLLM's field, there too
+        self.assertEqual(len(prompt_lp), len(ids))
+        self.assertIsNone(prompt_lp[0])
+        for k in (1, 4, len(ids) - 1):
+            # The same number by another path: the prefix decoded one token, forced to the prompt's
+            # next by logit_bias (logprobs are the raw logits'), its logprob reported as sampled.
+            forced = self.client.completions.create(prompt=ids[:k], logprobs=1, logit_bias={str(ids[k]): 100}, **kw)
+            self.assertEqual(forced.choices[0].logprobs.tokens[0], lp.tokens[k])
+            self.assertAlmostEqual(forced.choices[0].logprobs.token_logprobs[0], lp.token_logprobs[k], delta=1e-4)
+            entry = prompt_lp[k][str(ids[k])]
+            self.assertAlmostEqual(entry["logprob"], lp.token_logprobs[k], places=5)
+            self.assertGreaterEqual(entry["rank"], 1)
+            # The most likely alternative there is the prefix's greedy token.
+            greedy = self.client.completions.create(prompt=ids[:k], logprobs=1, **kw)
+            self.assertEqual(list(lp.top_logprobs[k]), [greedy.choices[0].logprobs.tokens[0]])
+        # Chat: vLLM's prompt_logprobs beside the choices, one per prompt token.
+        c = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=2, extra_body={"prompt_logprobs": 2})
+        chat_lp = c.model_dump()["prompt_logprobs"]
+        self.assertEqual(len(chat_lp), c.usage.prompt_tokens)
+        self.assertTrue(all(len(p) in (2, 3) for p in chat_lp[1:]), chat_lp[1:])
+        self.assertTrue(all(any(v["rank"] == 1 for v in p.values()) for p in chat_lp[1:]))
+        with self.assertRaises(openai.BadRequestError) as ctx:  # a whole answer only
+            self.client.completions.create(prompt="x", echo=True, logprobs=1, stream=True, **kw)
+        self.assertEqual(ctx.exception.param, "echo")
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(prompt="x", extra_body={"prompt_logprobs": 21}, **kw)
+        self.assertEqual(ctx.exception.param, "prompt_logprobs")
 
     def test_the_client_names_the_request(self):
         # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.

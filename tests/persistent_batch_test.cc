@@ -450,7 +450,69 @@ TEST_F(PersistentBatchTest, RefusesBadNewSequences) {
   v1::RowSampling drawn;
   drawn.set_draw_index(3);
   const absl::Status s = state.Apply(Prefill(drawn), &batch_, &sampling_);
-  EXPECT_NE(s.message().find("sampling carries draw_index or penalty ids"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("sampling carries draw_index, penalty ids or a scored id"), std::string::npos) << s;
+}
+
+// Prompt log-probabilities: a row's scored positions (row_num_scored) come just before its sampled
+// one, each a logit row with logprobs, the sequence's prompt_logprobs alternatives and the prompt's
+// next token (scored_ids); a plan that scores where it may not is refused, naming what is wrong.
+TEST_F(PersistentBatchTest, ScoredPositionsComeBeforeTheSampledOne) {
+  v1::RowSampling asks;
+  asks.set_temperature(0.5f);
+  asks.set_prompt_logprobs(4);
+  // Seq 1's prompt {11 .. 15}: a first chunk of 3 scores them all, the second (2 tokens) its first
+  // and samples at its last.
+  v1::StepPlan p;
+  p.set_step_id(1);
+  AddNewSeq(&p, 1, {7, 2}, 5, asks);
+  AddRow(&p, 1, 0, {11, 12, 13}, false);
+  p.add_row_num_scored(3);
+  for (int32_t id : {12, 13, 14}) p.add_scored_ids(id);
+  ASSERT_TRUE(Apply(p).ok()) << Apply(p);
+  EXPECT_EQ(batch_.logit_rows, (std::vector<int32_t>{0, 1, 2}));
+  ASSERT_EQ(sampling_.size(), 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(sampling_[i].scored_id(), 12 + i);
+    EXPECT_TRUE(sampling_[i].logprobs());
+    EXPECT_EQ(sampling_[i].top_logprobs(), 4);
+    EXPECT_EQ(sampling_[i].temperature(), 0.0f) << "a scored row draws nothing";
+  }
+  v1::StepPlan q;
+  q.set_step_id(2);
+  AddRow(&q, 1, 3, {14, 15}, true);
+  q.add_row_num_scored(1);
+  q.add_scored_ids(15);
+  ASSERT_TRUE(Apply(q).ok());
+  EXPECT_EQ(batch_.logit_rows, (std::vector<int32_t>{0, 1}));
+  ASSERT_EQ(sampling_.size(), 2);
+  EXPECT_EQ(sampling_[0].scored_id(), 15);
+  EXPECT_FALSE(sampling_[1].has_scored_id());
+  EXPECT_EQ(sampling_[1].temperature(), 0.5f);
+  EXPECT_EQ(sampling_[1].draw_index(), 0u);
+
+  const auto refused = [&](const v1::RowSampling& sampling, int32_t scored, std::vector<int32_t> ids, bool sample,
+                           const std::string& want) {
+    PersistentBatch state(kLimits, kVocab, true);
+    v1::StepPlan bad;
+    bad.set_step_id(1);
+    AddNewSeq(&bad, 1, {7, 2}, 5, sampling);
+    AddRow(&bad, 1, 0, sample ? std::vector<int32_t>{11, 12, 13, 14, 15} : std::vector<int32_t>{11, 12, 13}, sample);
+    bad.add_row_num_scored(scored);
+    bad.mutable_scored_ids()->Add(ids.begin(), ids.end());
+    const absl::Status s = state.Apply(bad, &batch_, &sampling_);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << want << ": " << s;
+    EXPECT_NE(s.message().find(want), std::string::npos) << "want '" << want << "' in: " << s.message();
+  };
+  refused(v1::RowSampling(), 3, {12, 13, 14}, false, "which asked for no prompt logprobs");
+  refused(asks, 4, {12, 13, 14, 15}, false, "they must lie among its 3 positions");
+  refused(asks, 5, {12, 13, 14, 15, 1}, true, "each be followed by a token of its prompt of 5");
+  refused(asks, 3, {12, 13}, false, "scored_ids has 2 ids left");
+  refused(asks, 2, {12, 13, 14}, false, "the rows score 2 positions but scored_ids has 3 ids");
+  refused(asks, 3, {12, 13, 100}, false, "scored_ids[2] 100 is outside the vocabulary");
+  refused(asks, 4, {12, 13, 14, 15}, true, "more than max_seqs_per_step = 4 positions");
+  v1::RowSampling carried = asks;
+  carried.set_scored_id(3);
+  refused(carried, 3, {12, 13, 14}, false, "sampling carries draw_index, penalty ids or a scored id");
 }
 
 // A sequence whose first blocks hold cached KV (the coordinator's prefix cache) starts after them:

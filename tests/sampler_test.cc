@@ -278,6 +278,58 @@ TEST_F(SamplerTest, LogprobsAreLogSoftmaxOfTheRawLogits) {
   }
 }
 
+// A scored prompt position (RowSampling.scored_id) draws nothing: its id is the scored one, its
+// logprob that id's under the raw logits, its rank 1 + the ids with a larger logit (ties: not
+// larger), its alternatives the most likely; a sampled row's rank likewise. On the CPU and on a
+// device-like backend (the row copied to the host).
+TEST_F(SamplerTest, ScoredRowsGiveTheScoredTokensLogprobAndRank) {
+  const int64_t v = 300;
+  std::vector<float> row = Random(v, -5.0f, 5.0f);
+  row[40] = row[41] = 7.0f;  // the most likely two, tied
+  row[90] = 6.0f;
+  const std::vector<double> want = LogSoftmax(row);
+  v1::RowSampling scored;
+  scored.set_logprobs(true);
+  scored.set_top_logprobs(3);
+  scored.set_scored_id(90);
+  v1::RowSampling tied = scored;
+  tied.set_scored_id(41);
+  v1::RowSampling unlikely = scored;
+  unlikely.set_top_logprobs(0);
+  const int32_t least = static_cast<int32_t>(std::min_element(row.begin(), row.end()) - row.begin());
+  unlikely.set_scored_id(least);
+  v1::RowSampling greedy = Greedy();
+  greedy.set_logprobs(true);
+  std::vector<float> logits;
+  for (int i = 0; i < 4; ++i) logits.insert(logits.end(), row.begin(), row.end());
+  for (Backend* backend : {cpu_.get(), static_cast<Backend*>(nullptr)}) {
+    DeviceLikeBackend device_like;
+    absl::StatusOr<v1::StepResult> result = Run(logits, v, {scored, tied, unlikely, greedy}, backend ? backend : &device_like);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(std::vector<int32_t>(result->sampled_ids().begin(), result->sampled_ids().end()),
+              (std::vector<int32_t>{90, 41, least, 40}));
+    ASSERT_EQ(result->logprobs_size(), 4);
+    EXPECT_NEAR(result->logprobs(0).logprob(), want[90], kLogprobTolerance);
+    EXPECT_EQ(result->logprobs(0).rank(), 3);
+    EXPECT_EQ(std::vector<int32_t>(result->logprobs(0).top_ids().begin(), result->logprobs(0).top_ids().end()),
+              (std::vector<int32_t>{40, 41, 90}));
+    EXPECT_EQ(result->logprobs(1).rank(), 1) << "a tie is not larger";
+    EXPECT_NEAR(result->logprobs(2).logprob(), want[least], kLogprobTolerance);
+    EXPECT_EQ(result->logprobs(2).rank(), v);
+    EXPECT_EQ(result->logprobs(2).top_ids_size(), 0);
+    EXPECT_EQ(result->logprobs(3).rank(), 1);
+  }
+  v1::RowSampling outside = scored;
+  outside.set_scored_id(static_cast<int32_t>(v));
+  v1::RowSampling bare;
+  bare.set_scored_id(3);  // without logprobs
+  for (const v1::RowSampling& bad : {outside, bare}) {
+    absl::StatusOr<v1::StepResult> result = Run(std::vector<float>(row), v, {bad});
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+    EXPECT_NE(result.status().message().find("scored_id"), std::string::npos) << result.status();
+  }
+}
+
 TEST_F(SamplerTest, NoLogprobsWhenNoRowAsks) {
   absl::StatusOr<v1::StepResult> result = Run(Random(2 * 50, -1, 1), 50, {Greedy(), Sampled(1, 2, 3)});
   ASSERT_TRUE(result.ok()) << result.status();

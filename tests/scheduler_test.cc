@@ -1893,6 +1893,66 @@ void RunToEnd(Scheduler& s, uint64_t id, int n, int32_t token, uint64_t* step, D
   s.Remove(id);
 }
 
+// Prompt log-probabilities: a sequence that asks for them takes no cached blocks, and each chunk of
+// its prompt scores every position but the prompt's last (which samples), a logit row each, within
+// what max_seqs_per_step leaves beside the other sequences (8 here, with a decode beside it: chunks
+// of 7 at most); the worker's rows name the prompt's next tokens; Complete gives every position
+// back once, in order; once the first token is sampled nothing more is scored.
+TEST(SchedulerTest, PromptScoringTakesARowAPositionWithinTheStep) {
+  SchedulerOptions o = CachingOptions();  // 8 logit rows, 64 tokens a step, blocks of 4
+  Scheduler s(o);
+  Decoder worker(o.limits);
+  uint64_t step = 0;
+  const std::vector<int32_t> prompt = Prompt(30, 10);
+  s.Add(1, prompt, {});
+  RunToEnd(s, 1, 2, 7, &step, &worker);  // its full blocks stay cached
+  s.Add(2, Prompt(3, 500), {});          // a decode beside the scored prompt
+  v1::RowSampling scores;
+  scores.set_prompt_logprobs(2);
+  s.Add(3, prompt, scores);
+  std::vector<int64_t> positions;  // scored, in the order Complete gave them
+  v1::StepPlan p;
+  int steps = 0;
+  while (s.generated(3) < 3) {
+    ASSERT_LT(++steps, 40);
+    const MicroBatch* b = s.Schedule(0, step++, &p);
+    ASSERT_NE(b, nullptr);
+    EXPECT_LE(b->logit_rows, o.limits.max_seqs_per_step);
+    for (const v1::NewSeq& n : p.new_seqs()) {
+      if (n.seq_id() == 3) EXPECT_EQ(n.num_cached_tokens(), 0) << "a scored prompt took cached blocks";
+    }
+    worker.Apply(p);
+    std::vector<int32_t> sampled(static_cast<size_t>(b->logit_rows), 7);
+    int scored_in_plan = 0;
+    for (const MicroBatch::Entry& e : b->entries) {
+      if (e.seq != 3) {
+        EXPECT_EQ(e.scored, 0);
+        continue;
+      }
+      scored_in_plan += e.scored;
+      for (int j = 0; j < e.scored; ++j) {
+        const v1::RowSampling& r = worker.sampling()[e.scored_row + j];
+        EXPECT_EQ(r.scored_id(), prompt[static_cast<size_t>(e.start + j + 1)]);
+        EXPECT_TRUE(r.logprobs());
+        EXPECT_EQ(r.top_logprobs(), 2);
+        sampled[static_cast<size_t>(e.scored_row + j)] = r.scored_id();
+      }
+      if (e.scored > 0 && e.logit_row >= 0) EXPECT_EQ(e.logit_row, e.scored_row + e.scored);
+    }
+    EXPECT_EQ(p.scored_ids_size(), scored_in_plan);
+    std::vector<ScoredPositions> scored;
+    s.Complete(0, sampled, &scored);
+    for (const ScoredPositions& sp : scored) {
+      EXPECT_EQ(sp.seq, 3u);
+      for (int j = 0; j < sp.count; ++j) positions.push_back(sp.position + j);
+    }
+  }
+  std::vector<int64_t> want(prompt.size() - 1);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = static_cast<int64_t>(i);
+  EXPECT_EQ(positions, want);
+  EXPECT_GE(steps, 5) << "29 positions in chunks of at most 7";
+}
+
 // A finished sequence's full blocks stay cached; a new one with the same first tokens starts after
 // them (its NewSeq says so, its first row starts there), its last prompt token always computed.
 TEST(SchedulerTest, PrefixCacheHitOnASharedPrompt) {

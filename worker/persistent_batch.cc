@@ -185,9 +185,10 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
                  limits_.max_model_len, "]");
     }
     const v1::RowSampling& r = n.sampling();
-    if (r.draw_index() != 0 || r.penalty_prompt_ids_size() > 0 || r.penalty_output_ids_size() > 0) {
+    if (r.draw_index() != 0 || r.penalty_prompt_ids_size() > 0 || r.penalty_output_ids_size() > 0 ||
+        r.has_scored_id()) {
       return bad("new_seqs[", i, "]: seq ", n.seq_id(),
-                 " sampling carries draw_index or penalty ids; workers derive them");
+                 " sampling carries draw_index, penalty ids or a scored id; workers derive them");
     }
     const int32_t slot = free_slots_.back();
     Seq& s = slots_[slot];
@@ -238,6 +239,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   if (p.row_num_sampled_size() != 0 && p.row_num_sampled_size() != rows) {
     return bad("row_num_sampled has ", p.row_num_sampled_size(), " counts for ", rows, " rows; one per row, or none");
   }
+  if (p.row_num_scored_size() != 0 && p.row_num_scored_size() != rows) {
+    return bad("row_num_scored has ", p.row_num_scored_size(), " counts for ", rows, " rows; one per row, or none");
+  }
   if (p.row_feeds_sample_size() != 0 && p.row_feeds_sample_size() != rows) {
     return bad("row_feeds_sample has ", p.row_feeds_sample_size(), " flags for ", rows, " rows; one per row, or none");
   }
@@ -260,7 +264,8 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
   batch->num_seqs = rows;
   sampling->Clear();  // keeps the elements for reuse
   sampled_slots_.clear();
-  int64_t t = 0;      // the row's first token in token_ids
+  int64_t t = 0;       // the row's first token in token_ids
+  int scored_at = 0;   // the row's first entry in scored_ids
   for (int row = 0; row < rows; ++row) {
     const uint64_t id = p.row_seq_ids(row);
     auto it = index_.find(id);
@@ -323,8 +328,40 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
       return bad("row ", row, " of seq ", id, " samples at ", sampled, " positions; a row that samples does so at 1 to ",
                  "its ", count, " tokens, one that does not at 0");
     }
-    if (static_cast<int64_t>(batch->logit_rows.size()) + sampled > limits_.max_seqs_per_step) {
-      return bad("the rows sample at more than max_seqs_per_step = ", limits_.max_seqs_per_step, " positions");
+    // Scored positions (prompt log-probabilities): the `scored` before the sampled ones, each
+    // predicting the prompt's next token.
+    const int64_t scored = p.row_num_scored_size() == 0 ? 0 : p.row_num_scored(row);
+    if (scored != 0) {
+      const int64_t first = end - sampled - scored;
+      if (!s.sampling.has_prompt_logprobs()) {
+        return bad("row ", row, " scores ", scored, " positions of seq ", id, ", which asked for no prompt logprobs");
+      }
+      if (scored < 0 || first < start || first + scored >= s.prompt_len) {
+        return bad("row ", row, " scores ", scored, " positions of seq ", id, " before its ", sampled,
+                   " sampled ones; they must lie among its ", count, " positions and each be followed by a token of "
+                   "its prompt of ", s.prompt_len);
+      }
+      if (scored > p.scored_ids_size() - scored_at) {
+        return bad("row ", row, " scores ", scored, " positions; scored_ids has ", p.scored_ids_size() - scored_at,
+                   " ids left");
+      }
+    }
+    if (static_cast<int64_t>(batch->logit_rows.size()) + scored + sampled > limits_.max_seqs_per_step) {
+      return bad("the rows sample and score at more than max_seqs_per_step = ", limits_.max_seqs_per_step,
+                 " positions");
+    }
+    for (int64_t j = 0; j < scored; ++j, ++scored_at) {
+      const int32_t next = p.scored_ids(scored_at);
+      if (next < 0 || next >= vocab_size_) {
+        return bad("scored_ids[", scored_at, "] ", next, " is outside the vocabulary [0, ", vocab_size_, ")");
+      }
+      batch->logit_rows.push_back(static_cast<int32_t>(t - sampled - scored + j));
+      sampled_slots_.push_back(-1);
+      v1::RowSampling* r = sampling->Add();
+      r->Clear();
+      r->set_logprobs(true);
+      r->set_top_logprobs(s.sampling.prompt_logprobs());
+      r->set_scored_id(next);
     }
     for (int64_t j = 0; j < sampled; ++j) {
       // Position end - sampled + j: the tokens fed up to it count as generated (a proposal before
@@ -345,6 +382,9 @@ absl::Status PersistentBatch::Apply(const v1::StepPlan& p, StepBatch* batch,
     }
   }
   if (t != n) return bad("the rows feed ", t, " tokens but token_ids has ", n);
+  if (scored_at != p.scored_ids_size()) {
+    return bad("the rows score ", scored_at, " positions but scored_ids has ", p.scored_ids_size(), " ids");
+  }
   return absl::OkStatus();
 }
 

@@ -15,7 +15,10 @@
 //               same slots and table from s's sliding table (NewSeq.sliding_block_ids), which is
 //               always as long as its table;
 //   logit row   the row's last token, when the row samples (its last row_num_sampled tokens
-//               when the row verifies proposed tokens: speculative decoding);
+//               when the row verifies proposed tokens: speculative decoding); before them, one
+//               per scored position (row_num_scored: prompt log-probabilities), whose RowSampling
+//               is logprobs with the sequence's prompt_logprobs alternatives and scored_id, the
+//               prompt's next token (scored_ids);
 //   draw_index  p0 + n - prompt_len (a row samples only once every token of s is fed, so this is
 //               the number of tokens generated so far: the coordinator's tokens.size() -
 //               prompt_len); at a sampled position p before the row's last, p + 1 - prompt_len;

@@ -133,7 +133,7 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
     if (finite_[i] == 0) {
       paths_[i] = Path::kNonFinite;
     } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0) || r.logit_bias_ids_size() > 0 ||
-               MinTokensActive(r) || mask_of(i) != nullptr) {
+               MinTokensActive(r) || mask_of(i) != nullptr || r.has_scored_id()) {
       paths_[i] = Path::kHost;
     } else {
       paths_[i] = greedy ? Path::kArgmax : Path::kSample;
@@ -251,6 +251,13 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
     }
   }
 
+  // A scored prompt position draws nothing: its token is the prompt's next one.
+  if (r.has_scored_id()) {
+    *id = r.scored_id();
+    SetChosen(raw, *id, log_normalizer, lp);
+    return absl::OkStatus();
+  }
+
   // The row the choice is made on: the raw one, or a copy to penalize and mask.
   const float* row = raw;
   if (penalize || min_p || biased || min_tokens || mask != nullptr) {
@@ -327,9 +334,16 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   }
   if (!s.ok()) return ForRows(step_id, row_index, row_index + 1, s);
 
-  // (e) The chosen token's logprob.
-  if (lp != nullptr) lp->set_logprob(static_cast<float>(raw[*id] - log_normalizer));
+  // (e) The chosen token's logprob and rank.
+  if (lp != nullptr) SetChosen(raw, *id, log_normalizer, lp);
   return absl::OkStatus();
+}
+
+void Sampler::SetChosen(const float* raw, int32_t id, double log_normalizer, v1::RowLogprobs* lp) const {
+  int64_t above = 0;
+  for (int64_t i = 0; i < vocab_size_; ++i) above += raw[i] > raw[id] ? 1 : 0;
+  lp->set_logprob(static_cast<float>(raw[id] - log_normalizer));
+  lp->set_rank(static_cast<int32_t>(above + 1));
 }
 
 }  // namespace shardserve

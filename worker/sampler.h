@@ -23,7 +23,10 @@
 //        under softmax(logits / T) is below min_p x the largest become -inf; then the CPU
 //        backend's Sample with the same draw, so top-k/top-p and the draw rule have exactly one
 //        implementation and a row with neutral extras draws what the device path draws;
-//     4. the chosen token's logprob, from step 1's normalizer.
+//     4. the chosen token's logprob, from step 1's normalizer, and its rank (1 + the ids whose raw
+//        logit is larger).
+//   a scored prompt position (RowSampling.scored_id, prompt log-probabilities) takes the host path
+//   for step 1 only: its id is the scored one, its logprob and rank that id's.
 // Runs of consecutive device-path rows of one kind go to the backend in one call.
 //
 // A row whose logits hold a NaN or an infinity (Backend::FiniteRows, one pass on the device before
@@ -86,6 +89,8 @@ class Sampler {
   // One host-path row: its id into *id and, when asked, its logprobs into *lp.
   absl::Status SampleOnHost(uint64_t step_id, int row, const float* device_row, const v1::RowSampling& rs,
                             const uint32_t* mask, int32_t* id, v1::RowLogprobs* lp);
+  // The logprob of `id` under the raw row (log_normalizer: log sum exp of it) and its rank.
+  void SetChosen(const float* raw, int32_t id, double log_normalizer, v1::RowLogprobs* lp) const;
 
   // ---- Constant after Create ----
   Backend* device_ = nullptr;

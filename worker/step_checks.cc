@@ -217,6 +217,13 @@ absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::Repeated
       }
     }
     if (r.min_tokens() < 0) return bad("min_tokens", r.min_tokens(), "must be >= 0 (0: off)");
+    if (r.has_prompt_logprobs() && (r.prompt_logprobs() < 0 || r.prompt_logprobs() > kMaxTopLogprobs)) {
+      return bad("prompt_logprobs", r.prompt_logprobs(), absl::StrCat("is outside [0, ", kMaxTopLogprobs, "]"));
+    }
+    if (r.has_scored_id() && (r.scored_id() < 0 || r.scored_id() >= vocab_size || !r.logprobs())) {
+      return bad("scored_id", r.scored_id(),
+                 absl::StrCat("must be inside the vocabulary [0, ", vocab_size, ") and come with logprobs"));
+    }
     for (auto [field, ids] : {std::pair{"penalty_prompt_ids", &r.penalty_prompt_ids()},
                               std::pair{"penalty_output_ids", &r.penalty_output_ids()},
                               std::pair{"logit_bias_ids", &r.logit_bias_ids()},

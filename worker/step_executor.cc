@@ -505,6 +505,11 @@ absl::Status StepExecutor::Execute(const v1::StepPlan& plan, v1::StepResult* res
                                                    draft_ != nullptr ? "draft model" : "speculative head",
                                                    " reads the plan's token ids, so it needs every token in them"));
   }
+  if ((draft_ != nullptr || head_ != nullptr) && plan.row_num_scored_size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", plan.step_id(), " scores prompt positions; this worker's ",
+                                                   draft_ != nullptr ? "draft model" : "speculative head",
+                                                   " reads one logit row per sampled position"));
+  }
   SHARDSERVE_RETURN_IF_ERROR(steps_->Prepare(plan));
   if (draft_ != nullptr) {
     SHARDSERVE_RETURN_IF_ERROR(draft_->Apply(plan));

@@ -125,6 +125,11 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   if (s.top_logprobs() > 0 && !s.logprobs()) {
     return Invalid("sampling.top_logprobs", "needs sampling.logprobs");
   }
+  if (s.has_prompt_logprobs() && (s.prompt_logprobs() < 0 || s.prompt_logprobs() > kMaxTopLogprobs)) {
+    return Invalid("sampling.prompt_logprobs",
+                   absl::StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", s.prompt_logprobs()));
+  }
+  p.prompt_logprobs = s.has_prompt_logprobs() ? s.prompt_logprobs() : -1;
   p.temperature = s.temperature();
   p.top_k = s.top_k();
   p.top_p = s.top_p() == 0 ? 1.0f : s.top_p();

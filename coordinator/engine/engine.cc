@@ -144,6 +144,11 @@ absl::StatusOr<Engine::Submitted> Engine::Submit(GenerationParams params, Steady
         queued_ - free_places, " requests are waiting (--max-waiting-requests ", options_.max_waiting,
         "); retry later"));
   }
+  if (params.prompt_logprobs >= 0 && (!options_.speculative.empty() || options_.proposer != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sampling.prompt_logprobs: not served with speculative decoding (this coordinator runs --speculative ",
+        options_.speculative.empty() ? "with a test proposer" : options_.speculative, ")"));
+  }
   auto r = std::make_unique<Request>();
   r->id = next_id_++;
   r->stream = std::make_shared<RequestStream>();
@@ -365,7 +370,9 @@ absl::Status Engine::FinishOldest() {
   // timed from that one's result (StepTimings.step_seconds).
   const double step_seconds = SecondsBetween(std::max(f.sent, last_finish_), now);
   last_finish_ = now;
-  const std::vector<SampledToken> sampled = scheduler_->Complete(f.lane, outcome_.sampled_ids);
+  scored_.clear();
+  const std::vector<SampledToken> sampled = scheduler_->Complete(f.lane, outcome_.sampled_ids, &scored_);
+  TakeScored(scored_);
   // The draft model's guesses, made for each sampled sequence's tokens as verified now: served at
   // its next decode (DraftProposer), before its tokens are streamed (a request they end forgets
   // them).
@@ -414,6 +421,7 @@ absl::Status Engine::FinishOldest() {
       v1::TokenLogprobs* l = response.add_logprobs();
       l->set_token_id(t.token);
       l->set_logprob(row.logprob());
+      l->set_rank(row.rank());
       for (int k = 0; k < row.top_ids_size(); ++k) {
         v1::TopLogprob* top = l->add_top_logprobs();
         top->set_token_id(row.top_ids(k));
@@ -421,6 +429,18 @@ absl::Status Engine::FinishOldest() {
       }
     }
     const int32_t generated = r.generation->completion_tokens();
+    if (generated == 1 && r.params.prompt_logprobs >= 0) {
+      if (r.num_prompt_scored != static_cast<int64_t>(r.prompt_logprobs.size())) {
+        const absl::Status failed = absl::InternalError(absl::StrCat(
+            "the prompt's log-probabilities are incomplete at its first token: ", r.num_prompt_scored, " of ",
+            r.prompt_logprobs.size(), " positions scored"));
+        CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
+        End(t.seq, failed);
+        continue;
+      }
+      for (v1::TokenLogprobs& l : r.prompt_logprobs) *response.add_prompt_logprobs() = std::move(l);
+      r.prompt_logprobs.clear();
+    }
     if (generated == 1) r.first_token_seconds = SecondsBetween(r.arrival, now);
     if (metrics_ != nullptr) {
       if (generated == 1) {
@@ -445,6 +465,52 @@ absl::Status Engine::FinishOldest() {
     if (done) End(t.seq, absl::OkStatus());
   }
   return absl::OkStatus();
+}
+
+void Engine::TakeScored(const std::vector<ScoredPositions>& scored) {
+  for (const ScoredPositions& sp : scored) {
+    auto found = requests_.find(sp.seq);
+    if (found == requests_.end()) continue;
+    Request& r = *found->second;
+    const int64_t n = static_cast<int64_t>(r.params.prompt.size()) - 1;
+    if (r.prompt_logprobs.empty()) {
+      r.prompt_logprobs.resize(static_cast<size_t>(n));
+      r.prompt_scored.assign(static_cast<size_t>(n), false);
+    }
+    const auto& bad_rows = outcome_.non_finite_rows;
+    const auto first_bad = std::lower_bound(bad_rows.begin(), bad_rows.end(), sp.logit_row);
+    if (first_bad != bad_rows.end() && *first_bad < sp.logit_row + sp.count) {
+      const absl::Status failed = absl::InternalError(absl::StrCat(
+          "the model's logits at prompt position ", sp.position + (*first_bad - sp.logit_row),
+          " were not finite (NaN or infinity): the model's arithmetic overflowed on this input"));
+      CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
+      End(sp.seq, failed);
+      continue;
+    }
+    for (int32_t j = 0; j < sp.count; ++j) {
+      const int32_t row = sp.logit_row + j;
+      const int64_t at = sp.position + j;  // predicts the prompt token at + 1
+      if (at < 0 || at >= n || row >= static_cast<int32_t>(outcome_.logprobs.size()) ||
+          row >= static_cast<int32_t>(outcome_.sampled_ids.size())) {
+        continue;
+      }
+      const v1::RowLogprobs& lp = outcome_.logprobs[row];
+      v1::TokenLogprobs& l = r.prompt_logprobs[static_cast<size_t>(at)];
+      l.Clear();
+      l.set_token_id(outcome_.sampled_ids[row]);
+      l.set_logprob(lp.logprob());
+      l.set_rank(lp.rank());
+      for (int k = 0; k < lp.top_ids_size(); ++k) {
+        v1::TopLogprob* top = l.add_top_logprobs();
+        top->set_token_id(lp.top_ids(k));
+        top->set_logprob(lp.top_logprobs(k));
+      }
+      if (!r.prompt_scored[static_cast<size_t>(at)]) {
+        r.prompt_scored[static_cast<size_t>(at)] = true;
+        ++r.num_prompt_scored;
+      }
+    }
+  }
 }
 
 void Engine::AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step) {

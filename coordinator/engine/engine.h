@@ -16,6 +16,10 @@
 // writes what it gets to its client; when the client goes away or its deadline passes, the handler
 // cancels the request and the engine removes it at the next step, freeing its KV blocks.
 //
+// Prompt log-probabilities (SamplingParams.prompt_logprobs): the prompt positions each step scored
+// (scheduler.h) are kept with their request and sent with its first token; after a preemption or a
+// heal before it, the positions scored again replace them.
+//
 // A sequence whose logits were not finite (the worker's StepResult.non_finite_rows: the model
 // overflowed on its input) ends with INTERNAL saying so, logged once; the step's other sequences
 // and the group go on.
@@ -154,6 +158,11 @@ class Engine : private GuessFilter {
     // for AddTokenMasks; guess_mask_rows 0: none.
     std::vector<uint32_t> guess_masks;
     int guess_mask_rows = 0;
+    // With prompt log-probabilities: one per prompt token from the second on, filled as the steps
+    // that score them come back (again after a preemption or a heal), sent with the first token.
+    std::vector<v1::TokenLogprobs> prompt_logprobs;
+    std::vector<bool> prompt_scored;
+    int64_t num_prompt_scored = 0;
     SteadyTime arrival;
     SteadyTime started;     // first scheduled
     SteadyTime last_token;  // when the last token was streamed
@@ -186,6 +195,9 @@ class Engine : private GuessFilter {
   // into `step` (StepPlan.mask_logit_rows / mask_words), from each matcher's state: one per
   // position that samples (a row with guesses samples after each, with the masks Allowed made).
   void AddTokenMasks(const MicroBatch& batch, v1::StepPlan* step);
+  // The prompt positions a step scored: into their requests' prompt_logprobs (a non-finite row
+  // fails its request).
+  void TakeScored(const std::vector<ScoredPositions>& scored);
   // `r`'s matcher accepts `token` (sampled under its mask); an error ends the request.
   absl::Status AcceptConstrained(Request& r, int32_t token);
   // Ends `r`'s stream with `status`; a request never scheduled leaves the queued count.
@@ -240,6 +252,7 @@ class Engine : private GuessFilter {
   bool holding_ = false;          // HoldForHeal ran for the heal in progress
   uint64_t scheduled_epoch_ = 0;  // the group's epoch the scheduler's state is for
   StepOutcome outcome_;
+  std::vector<ScoredPositions> scored_;  // FinishOldest's, kept for their capacity
   v1::StepPlan step_;
 
   std::thread loop_;

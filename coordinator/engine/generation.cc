@@ -18,6 +18,7 @@ v1::RowSampling SamplingTemplate(const GenerationParams& p) {
   r.set_frequency_penalty(p.frequency_penalty);
   r.set_logprobs(p.logprobs);
   r.set_top_logprobs(p.top_logprobs);
+  if (p.prompt_logprobs >= 0) r.set_prompt_logprobs(p.prompt_logprobs);
   for (const auto& [id, bias] : p.logit_bias) {
     r.add_logit_bias_ids(id);
     r.add_logit_bias_values(bias);

@@ -35,6 +35,7 @@ struct GenerationParams {
   float frequency_penalty = 0;
   bool logprobs = false;
   int32_t top_logprobs = 0;
+  int32_t prompt_logprobs = -1;  // -1: none; else the alternatives per prompt token (0 to 20)
   uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;

@@ -57,6 +57,7 @@ void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampl
   s->guesses = options_.num_speculative_tokens;
   s->penalized = (sampling.repetition_penalty() != 0 && sampling.repetition_penalty() != 1) ||
                  sampling.presence_penalty() != 0 || sampling.frequency_penalty() != 0;
+  s->scores = sampling.has_prompt_logprobs();
   // Workers derive these per step (worker/persistent_batch.h); NewSeq carries them unset.
   s->sampling.clear_draw_index();
   s->sampling.clear_penalty_prompt_ids();
@@ -168,12 +169,38 @@ bool Scheduler::Continues(const Seq& s) const {
   return static_cast<int64_t>(s.tokens.size()) + 2 <= max_len;
 }
 
+int64_t Scheduler::Scored(const Seq& s, int64_t chunk) const {
+  // Until its first token is sampled: the positions of the chunk followed by a prompt token.
+  if (!s.scores || static_cast<int64_t>(s.tokens.size()) != s.prompt_len) return 0;
+  return std::max<int64_t>(0, std::min(s.num_fed + chunk, s.prompt_len - 1) - s.num_fed);
+}
+
+int64_t Scheduler::RowsFor(const Seq& s, int rows) const {
+  // Every other sequence that may still join this step samples at most once in it (the guesses
+  // come with the decodes, placed first).
+  int64_t others = 0;
+  for (uint64_t id : running_) {
+    const Seq& o = *seqs_.at(id);
+    if (o.id != s.id && !o.in_batch && !o.removed) ++others;
+  }
+  const int64_t waiting = num_waiting() - static_cast<int64_t>(waiting_.count(s.id));
+  const int64_t places = options_.limits.max_seqs_per_step - num_running() - static_cast<int64_t>(waiting_.count(s.id));
+  others += std::clamp<int64_t>(waiting, 0, std::max<int64_t>(0, places));
+  return options_.limits.max_seqs_per_step - rows - others;
+}
+
 void Scheduler::Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft,
                       bool continues) {
   MicroBatch::Entry e;
   e.seq = s.id;
   e.tokens = static_cast<int32_t>(chunk + static_cast<int64_t>(draft.size()));
   e.feeds_sample = continues;
+  e.start = s.num_fed;
+  e.scored = static_cast<int32_t>(Scored(s, chunk));
+  if (e.scored > 0) {
+    e.scored_row = *rows;
+    *rows += e.scored;
+  }
   if (chunk == s.unfed() || continues) {
     e.logit_row = *rows;
     e.samples = 1 + static_cast<int32_t>(draft.size());
@@ -240,6 +267,9 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
       const bool decode = continues || s.decodes();
       if (decode != decodes || (decode && s.lane != lane)) continue;
       int64_t chunk = std::min(need, decode ? budget : std::min(budget, prefill_budget));
+      // A prompt scored takes a logit row a position.
+      if (Scored(s, chunk) > 0) chunk = std::min(chunk, RowsFor(s, rows));
+      if (chunk <= 0) continue;
       if (chunk == need && s.lane != lane && l.running >= share) {
         chunk = need - 1;  // the chunk that samples waits for the home lane
         if (chunk == 0) continue;
@@ -280,7 +310,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     // pool.
     BlockManager::Chain chain, sliding_chain;
     std::vector<int32_t> hit, sliding_hit;
-    if (!s.penalized) {
+    if (!s.penalized && !s.scores) {
       hit = blocks_.FindCached(s.tokens, (static_cast<int64_t>(s.tokens.size()) - 1) / bs, &chain);
       if (sliding_) {
         const int64_t n = static_cast<int64_t>(hit.size());
@@ -293,6 +323,8 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     const int64_t cached = static_cast<int64_t>(hit.size()) * bs;
     const int64_t need = static_cast<int64_t>(s.tokens.size()) - cached;
     int64_t chunk = std::min({need, budget, prefill_budget});
+    if (Scored(s, chunk) > 0) chunk = std::min(chunk, RowsFor(s, rows));  // a logit row a position
+    if (chunk <= 0) break;
     if (home != lane && chunk == need) chunk = need - 1;
     if (chunk == 0) break;
     // Of the blocks found, a sliding pool keeps those in the window of the first token fed (at
@@ -318,7 +350,7 @@ const MicroBatch* Scheduler::Schedule(int lane, uint64_t step_id, v1::StepPlan* 
     s.num_cached = cached;
     s.chain = chain;
     s.sliding_chain = sliding_chain;
-    if (blocks_.prefix_caching() && !s.penalized) {
+    if (blocks_.prefix_caching() && !s.penalized && !s.scores) {
       prefix_query_tokens_ += static_cast<int64_t>(s.tokens.size());
       prefix_hit_tokens_ += cached;
     }
@@ -376,6 +408,8 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
                                        [](const MicroBatch::Entry& e) { return !e.draft.empty(); });
   const bool continuing = std::any_of(batch.entries.begin(), batch.entries.end(),
                                       [](const MicroBatch::Entry& e) { return e.feeds_sample; });
+  const bool scoring = std::any_of(batch.entries.begin(), batch.entries.end(),
+                                   [](const MicroBatch::Entry& e) { return e.scored > 0; });
   for (const MicroBatch::Entry& e : batch.entries) {
     Seq& s = *seqs_.at(e.seq);
     const int64_t num_blocks = static_cast<int64_t>(s.blocks.size());
@@ -422,6 +456,13 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
     step->add_row_samples(e.logit_row >= 0);
     if (speculative) step->add_row_num_sampled(e.samples);
     if (continuing) step->add_row_feeds_sample(e.feeds_sample);
+    if (scoring) step->add_row_num_scored(e.scored);
+    if (e.scored > 0) {
+      // Position p scores the prompt token at p + 1.
+      step->mutable_scored_ids()->Add(s.tokens.begin() + e.start + 1, s.tokens.begin() + e.start + 1 + e.scored);
+      batch.logit_rows += e.scored;
+      batch.wants_logprobs = true;
+    }
     if (e.logit_row >= 0) {
       batch.draft_ids += batch.draft_tokens;
       batch.logit_rows += e.samples;
@@ -430,7 +471,8 @@ void Scheduler::WriteStep(MicroBatch& batch, v1::StepPlan* step) {
   }
 }
 
-std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_t>& sampled) {
+std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_t>& sampled,
+                                              std::vector<ScoredPositions>* scored) {
   Lane& l = lanes_[lane];
   std::vector<SampledToken> out;
   if (l.batches.empty()) return out;
@@ -443,6 +485,7 @@ std::vector<SampledToken> Scheduler::Complete(int lane, const std::vector<int32_
       if (s.in_flight == 0) Erase(s);
       continue;
     }
+    if (e.scored > 0 && scored != nullptr) scored->push_back(ScoredPositions{s.id, e.start, e.scored_row, e.scored});
     if (!e.draft.empty()) {
       Verify(s, e, sampled, &out);
     } else if (e.logit_row >= 0 && e.logit_row < static_cast<int32_t>(sampled.size())) {

@@ -99,6 +99,15 @@
 // speculative_max_running sequences or more run, or past the sequence's max_len; a step's samples
 // stay within max_seqs_per_step (the workers' logits rows).
 //
+// Prompt log-probabilities (RowSampling.prompt_logprobs): until a sequence has sampled its first
+// token, each chunk of its prompt scores every position but the prompt's last (which samples): the
+// logits at position p give the log-probability of the prompt token at p + 1 (StepPlan.row_num_scored
+// and scored_ids; Complete hands the scored rows back). So every position of such a chunk takes a
+// logit row, and a chunk is cut to the rows max_seqs_per_step leaves it: the step's rows so far and
+// one for every other sequence that may still sample in the step (at least one row, else it waits
+// for the next step). Such a sequence takes no cached blocks (the workers must compute every
+// position), and a preempted one scores its prompt again.
+//
 // Asynchronous scheduling (SchedulerOptions::feed_samples, for a group of one stage, whose workers
 // embed and are given the samples): a lane may have two steps in flight. A sequence whose one step
 // in flight samples its next token, with every token known fed, is scheduled again at once (it
@@ -188,6 +197,9 @@ struct MicroBatch {
     int32_t tokens = 0;      // fed this step
     int32_t logit_row = -1;  // >= 0: the step samples this sequence's next token in that row
     int32_t samples = 0;     // logit rows from logit_row on: 1, or 1 + draft.size()
+    int64_t start = 0;       // the position of its first token fed
+    int32_t scored = 0;      // prompt positions scored from `start` on, in the logit rows before logit_row
+    int32_t scored_row = -1;  // the first of them
     bool feeds_sample = false;  // continues: feeds the sample of the step in flight (the worker's)
     std::vector<int32_t> draft;  // proposed tokens fed after its sampled one (tokens counts them)
   };
@@ -197,7 +209,7 @@ struct MicroBatch {
   std::vector<uint64_t> started;  // sequences scheduled for the first time (out of the queue)
   int64_t prefill_tokens = 0;   // tokens of entries that feed more than one token
   int64_t decode_tokens = 0;
-  int logit_rows = 0;           // positions that sample: the ids the step's result carries
+  int logit_rows = 0;           // positions that sample or score: the ids the step's result carries
   // A proposer whose guesses the workers make in the step (Proposer::proposes_in_step): the guesses
   // asked per row that samples (StepPlan.num_draft_tokens; 0: none), and the ids the result brings
   // back for them (StepResult.draft_ids), entry after entry.
@@ -211,6 +223,16 @@ struct SampledToken {
   uint64_t seq = 0;
   int32_t token = 0;
   int32_t logit_row = 0;  // the row of the step's result it came from
+};
+
+// Prompt positions a step scored for a sequence (prompt log-probabilities): positions
+// position .. position + count - 1, in the step's logit rows logit_row .. logit_row + count - 1, each
+// the log-probability of the prompt token after it.
+struct ScoredPositions {
+  uint64_t seq = 0;
+  int64_t position = 0;
+  int32_t logit_row = 0;
+  int32_t count = 0;
 };
 
 class Scheduler {
@@ -233,8 +255,10 @@ class Scheduler {
   // `lane`'s oldest step in flight came back with one sampled id per logit row: its tokens are cached now, and the
   // sampled ids are appended to their sequences (of a row with guesses, the accepted ones: see
   // above). Returns them in row order, leaving out sequences removed while the step was in
-  // flight (their blocks are freed now).
-  std::vector<SampledToken> Complete(int lane, const std::vector<int32_t>& sampled);
+  // flight (their blocks are freed now). The prompt positions the step scored go to `scored`
+  // (when given), likewise.
+  std::vector<SampledToken> Complete(int lane, const std::vector<int32_t>& sampled,
+                                     std::vector<ScoredPositions>* scored = nullptr);
 
   // Ends a sequence (finished, cancelled): its blocks are freed now, or when the step it is in
   // comes back. Unknown ids are ignored.
@@ -302,6 +326,7 @@ class Scheduler {
                                   // from the prefix cache's included
     int64_t num_cached = 0;       // tokens its table's shared blocks held at its latest admission
     bool penalized = false;       // a sampling penalty on: takes no cached blocks
+    bool scores = false;          // asks for prompt log-probabilities: takes no cached blocks
     BlockManager::Chain chain;    // its blocks registered (or found) so far
     std::vector<int32_t> blocks;  // block table
     // In the sliding layers' own pool (sliding_), likewise; as long as `blocks`.
@@ -352,6 +377,10 @@ class Scheduler {
   // After a step fed `s` up to num_fed: registers its full blocks, then lets go of the sliding
   // blocks its next token no longer sees.
   void Advance(Seq& s);
+  // Prompt positions that `chunk` of `s`'s unfed tokens scores (see above).
+  int64_t Scored(const Seq& s, int64_t chunk) const;
+  // The logit rows a chunk of `s` may take in the step being built, which has `rows` already.
+  int64_t RowsFor(const Seq& s, int rows) const;
   // Adds `chunk` of `s`'s unfed tokens to the step being built (with `continues`, the one token
   // the step in flight samples).
   void Place(Seq& s, int64_t chunk, MicroBatch* batch, int* rows, std::vector<int32_t> draft = {},

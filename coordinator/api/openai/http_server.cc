@@ -105,6 +105,7 @@ struct Choice {
   int64_t cached_tokens = 0;
   int64_t text_offset = 0;  // completions logprobs: bytes streamed so far
   std::vector<v1::TokenLogprobs> logprobs;
+  std::vector<v1::TokenLogprobs> prompt_logprobs;  // with sampling.prompt_logprobs: its first response's
   v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
   // Chat with reasoning or tool calls parsed: the output split so far, and each call's id.
   std::unique_ptr<OutputSplitter> splitter;
@@ -137,10 +138,12 @@ class Job {
  public:
   // `prompt_tokens`: each prompt's length in tokens; `echoes`: with Request::echo, the text each
   // prompt's choices begin with (else empty).
+  // `first_tokens`: each prompt's first token (the one the prompt's log-probabilities leave out).
   Job(Engine* engine, Request request, std::string id, std::vector<int64_t> prompt_tokens, OutputParsing parsing,
-      std::vector<std::string> echoes)
+      std::vector<std::string> echoes, std::vector<int32_t> first_tokens)
       : engine_(engine), request_(std::move(request)), id_(std::move(id)), prompt_tokens_(std::move(prompt_tokens)),
-        echoes_(std::move(echoes)), created_(absl::ToUnixSeconds(absl::Now())), parsing_(parsing) {}
+        echoes_(std::move(echoes)), first_tokens_(std::move(first_tokens)), created_(absl::ToUnixSeconds(absl::Now())),
+        parsing_(parsing) {}
   ~Job() { Cancel(absl::CancelledError("the request was dropped")); }
 
   const Request& request() const { return request_; }
@@ -233,8 +236,15 @@ class Job {
       Json logprobs = nullptr;
       if (request_.sampling.logprobs()) {
         const bool ids = request_.return_tokens_as_token_ids;
-        logprobs = chat() ? Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer, ids)}}
-                          : CompletionLogprobs(c.logprobs, tokenizer, 0, ids);
+        if (chat()) {
+          logprobs = Json{{"content", ChatLogprobsContent(c.logprobs, tokenizer, ids)}};
+        } else if (request_.echo) {  // the prompt's tokens first, then the output's
+          std::vector<v1::TokenLogprobs> all = c.prompt_logprobs;
+          all.insert(all.end(), c.logprobs.begin(), c.logprobs.end());
+          logprobs = CompletionLogprobs(all, tokenizer, 0, ids, first_tokens_[c.prompt]);
+        } else {
+          logprobs = CompletionLogprobs(c.logprobs, tokenizer, 0, ids);
+        }
       }
       Json choice = {{"index", i}};
       const std::string& echo = Echo(c);
@@ -251,15 +261,23 @@ class Job {
       }
       choice["logprobs"] = logprobs;
       choice["finish_reason"] = ChatFinishReason(c.finish, !c.whole.calls.empty());
+      if (!chat() && request_.sampling.has_prompt_logprobs()) {
+        choice["prompt_logprobs"] = PromptLogprobs(c.prompt_logprobs, tokenizer);
+      }
       choices.push_back(std::move(choice));
     }
-    return Json{{"id", id_},
-                {"object", chat() ? "chat.completion" : "text_completion"},
-                {"created", created_},
-                {"model", request_.model},
-                {"choices", choices},
-                {"usage", UsageJson()},
-                {"system_fingerprint", nullptr}};
+    Json answer = {{"id", id_},
+                   {"object", chat() ? "chat.completion" : "text_completion"},
+                   {"created", created_},
+                   {"model", request_.model},
+                   {"choices", choices},
+                   {"usage", UsageJson()},
+                   {"system_fingerprint", nullptr}};
+    // A chat's one prompt, whatever its choices: its log-probabilities beside them (vLLM's place).
+    if (chat() && request_.sampling.has_prompt_logprobs() && !choices_.empty()) {
+      answer["prompt_logprobs"] = PromptLogprobs(choices_.front().prompt_logprobs, tokenizer);
+    }
+    return answer;
   }
 
   // A stream chunk of choice `index`: `delta` text (chat: a delta object), logprobs, finish.
@@ -385,6 +403,7 @@ class Job {
     c.text += r.text();
     c.completion_tokens += r.token_ids_size();
     c.logprobs.insert(c.logprobs.end(), r.logprobs().begin(), r.logprobs().end());
+    c.prompt_logprobs.insert(c.prompt_logprobs.end(), r.prompt_logprobs().begin(), r.prompt_logprobs().end());
     const bool finished = r.finish_reason() != v1::FINISH_REASON_UNSPECIFIED;
     if (finished) {
       c.finish = r.finish_reason();
@@ -419,6 +438,7 @@ class Job {
   const std::string id_;
   const std::vector<int64_t> prompt_tokens_;
   const std::vector<std::string> echoes_;
+  const std::vector<int32_t> first_tokens_;
   const int64_t created_;
   const OutputParsing parsing_;
   std::vector<Choice> choices_;
@@ -928,8 +948,10 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     }
   }
 
+  std::vector<int32_t> first_tokens;
+  for (const GenerationParams& params : prepared) first_tokens.push_back(params.prompt.front());
   auto job = std::make_shared<Job>(engine_, *std::move(request), id, std::move(prompt_tokens), parsing,
-                                   std::move(echoes));
+                                   std::move(echoes), std::move(first_tokens));
   if (absl::Status s = job->Submit(prepared, arrival); !s.ok()) {
     CoordinatorRequestLog(id, absl::StrCat("refused: ", s.message()), "warn");
     return SetError(res, s);

@@ -791,10 +791,17 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   }
   SHARDSERVE_OPENAI_CHECK(f.Bool("echo", &r.echo));
   SHARDSERVE_OPENAI_CHECK(f.Bool("return_tokens_as_token_ids", &r.return_tokens_as_token_ids));
-  if (r.echo && !chat && s.logprobs()) {
-    return InvalidField("echo",
-                        "with logprobs asks for the prompt's log-probabilities (lm-evaluation-harness's "
-                        "loglikelihood), which this server does not compute: send echo or logprobs, not both");
+  // vLLM's prompt_logprobs; a completion's echo with logprobs (lm-evaluation-harness's
+  // loglikelihood) asks for them too, as many alternatives as its logprobs.
+  std::optional<int64_t> prompt_logprobs;
+  SHARDSERVE_OPENAI_CHECK(f.Int("prompt_logprobs", 0, kInt32Max, &prompt_logprobs));
+  if (r.echo && !chat && s.logprobs() && !prompt_logprobs.has_value()) prompt_logprobs = s.top_logprobs();
+  if (prompt_logprobs.has_value()) {
+    if (r.stream) {
+      return InvalidField(f.Get("prompt_logprobs") != nullptr ? "prompt_logprobs" : "echo",
+                          "the prompt's log-probabilities come in a whole answer only: send stream: false");
+    }
+    s.set_prompt_logprobs(static_cast<int32_t>(*prompt_logprobs));
   }
   SHARDSERVE_OPENAI_CHECK(f.String("user", &r.user));
   SHARDSERVE_OPENAI_CHECK(f.String("request_id", &r.request_id));
@@ -896,6 +903,7 @@ constexpr GenerationField kGenerationFields[] = {
     {"sampling.logit_bias", {"logit_bias"}, {"logit_bias"}},
     {"sampling.min_tokens", {"min_tokens"}, {"min_tokens"}},
     {"sampling.truncate_prompt_tokens", {"truncate_prompt_tokens"}, {"truncate_prompt_tokens"}},
+    {"sampling.prompt_logprobs", {"prompt_logprobs"}, {"prompt_logprobs"}},
 };
 
 constexpr absl::string_view kSamplingPrefix = "sampling.";
@@ -1022,8 +1030,15 @@ nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>&
 }
 
 nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
-                                          int64_t text_offset, bool token_ids) {
+                                          int64_t text_offset, bool token_ids, std::optional<int32_t> unscored_first) {
   Json tokens = Json::array(), token_logprobs = Json::array(), top_logprobs = Json::array(), offsets = Json::array();
+  if (unscored_first.has_value()) {
+    tokens.push_back(TokenName(*unscored_first, tokenizer, token_ids));
+    token_logprobs.push_back(nullptr);
+    top_logprobs.push_back(nullptr);
+    offsets.push_back(text_offset);
+    text_offset += static_cast<int64_t>(TokenText(*unscored_first, tokenizer).size());
+  }
   for (const v1::TokenLogprobs& e : entries) {
     tokens.push_back(TokenName(e.token_id(), tokenizer, token_ids));
     token_logprobs.push_back(e.logprob());
@@ -1035,6 +1050,23 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
   }
   return Json{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top_logprobs},
               {"text_offset", offsets}};
+}
+
+nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer) {
+  Json out = Json::array({nullptr});
+  for (const v1::TokenLogprobs& e : entries) {
+    Json position = Json::object();
+    position[std::to_string(e.token_id())] = {
+        {"logprob", e.logprob()}, {"rank", e.rank()}, {"decoded_token", TokenText(e.token_id(), tokenizer)}};
+    for (int k = 0; k < e.top_logprobs_size(); ++k) {
+      const v1::TopLogprob& t = e.top_logprobs(k);
+      if (t.token_id() == e.token_id()) continue;
+      position[std::to_string(t.token_id())] = {
+          {"logprob", t.logprob()}, {"rank", k + 1}, {"decoded_token", TokenText(t.token_id(), tokenizer)}};
+    }
+    out.push_back(std::move(position));
+  }
+  return out;
 }
 
 OutputSplitter::OutputSplitter(bool reasoning, bool reasoning_inside, ToolCallFormat tools, int max_calls,

@@ -197,9 +197,16 @@ nlohmann::ordered_json UsageJson(int64_t prompt_tokens, int64_t completion_token
 nlohmann::ordered_json ChatLogprobsContent(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
                                            bool token_ids = false);
 // The completions shape: {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset},
-// offsets counted from `text_offset` in UTF-8 bytes of the completion; tokens named as above.
+// offsets counted from `text_offset` in UTF-8 bytes of the completion; tokens named as above. With
+// `unscored_first` (an echoed prompt's first token, which nothing predicts) that token comes first,
+// its logprob and top_logprobs null.
 nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
-                                          int64_t text_offset, bool token_ids = false);
+                                          int64_t text_offset, bool token_ids = false,
+                                          std::optional<int32_t> unscored_first = std::nullopt);
+// vLLM's prompt_logprobs: null for the prompt's first token, then per token an object keyed by token
+// id (decimal) holding {logprob, rank, decoded_token} of the prompt's token and of each alternative
+// (rank 1 + its place among them).
+nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer);
 
 // ---- Tool calls and reasoning in chat responses ----
 
