@@ -323,6 +323,14 @@ class OpenAIApiTest(unittest.TestCase):
         r = self.client.completions.create(prompt=[5] * 600, extra_body={"truncate_prompt_tokens": 100}, **kw)
         self.assertEqual(r.usage.prompt_tokens, 100)
         self.assertEqual(r.choices[0].text, short.choices[0].text)
+        # With echo, the tokens kept are echoed (as vLLM does), text prompts too.
+        r = self.client.completions.create(prompt=[5] * 600, echo=True, extra_body={"truncate_prompt_tokens": 100}, **kw)
+        echoed = self.client.completions.create(prompt=[5] * 100, echo=True, **kw)
+        self.assertEqual(r.choices[0].text, echoed.choices[0].text)
+        words = " ".join(["light"] * 300)
+        r = self.client.completions.create(prompt=words, echo=True, extra_body={"truncate_prompt_tokens": 10}, **kw)
+        self.assertLess(len(r.choices[0].text), len(words))
+        self.assertTrue(r.choices[0].text.startswith(" light light"), r.choices[0].text)  # 10 tokens of the middle
         # skip_special_tokens false: BOS stays in the text (here, the echoed prompt's).
         ids = self.grpc.tokenize("And God said")
         r = self.client.completions.create(prompt=ids, echo=True, extra_body={"skip_special_tokens": False}, **kw)

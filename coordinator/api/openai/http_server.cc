@@ -929,7 +929,8 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   }
 
   // echo: the text each prompt's choices begin with (vLLM's: a chat's final message when it is the
-  // role answering; a completion's prompt, token ids decoded as the output is).
+  // role answering; a completion's prompt, token ids decoded as the output is, and of a prompt that
+  // truncate_prompt_tokens cut, the tokens kept).
   std::vector<std::string> echoes;
   if (request->echo && chat) {
     const Json& last = request->messages.back();
@@ -937,14 +938,17 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     auto content = last.find("content");
     echoes.push_back(answering && content != last.end() && content->is_string() ? content->get<std::string>() : "");
   } else if (request->echo) {
+    const int32_t keep = request->sampling.truncate_prompt_tokens();
     for (int p = 0; p < prompts; ++p) {
       const Request::Prompt& prompt = request->prompts[p];
-      if (prompt.is_ids && model_->tokenizer == nullptr) {
+      // A prompt truncate_prompt_tokens may have cut echoes the tokens kept.
+      const bool decoded = prompt.is_ids || (keep > 0 && prepared[p].prompt.size() == static_cast<size_t>(keep));
+      if (decoded && model_->tokenizer == nullptr) {
         return reject(InvalidField("echo", absl::StrCat("the model ", model_->name,
                                                         " has no tokenizer.json to write the prompt's text")));
       }
-      echoes.push_back(prompt.is_ids ? model_->tokenizer->Decode(prompt.ids, prepared[p].skip_special_tokens)
-                                     : prompt.text);
+      echoes.push_back(decoded ? model_->tokenizer->Decode(prepared[p].prompt, prepared[p].skip_special_tokens)
+                               : prompt.text);
     }
   }
 
