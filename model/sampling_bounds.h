@@ -14,6 +14,11 @@ constexpr float kMaxAbsPresenceFrequencyPenalty = 2.0f;   // presence/frequency_
 constexpr int32_t kMaxTopLogprobs = 20;                   // top_logprobs in [0, 20]
 constexpr float kMaxAbsLogitBias = 100.0f;                // each logit_bias in [-100, 100], as OpenAI's
 constexpr int32_t kMaxLogitBiasEntries = 1024;            // ids in one request's logit_bias
+constexpr int32_t kMaxAllowedTokenIds = 4096;             // ids in one request's allowed_token_ids
+constexpr int32_t kMaxBadWords = 64;                      // words in one request's bad_words
+constexpr int32_t kMaxBadWordSequences = 2 * kMaxBadWords;  // their token sequences (bare and after a space)
+constexpr int32_t kMaxBadWordBytes = 256;                 // bytes of one bad word
+constexpr int32_t kMaxBadWordTokens = 256;                // tokens of one bad word as tokenized
 
 }  // namespace shardserve
 

@@ -799,6 +799,20 @@ TEST(BatchingValidationTest, TP1_PP1_BadNewSamplingParametersAreInvalidArgumentN
       {"top_logprobs without logprobs", [](v1::SamplingParams* s) { s->set_top_logprobs(3); },
        "sampling.top_logprobs"},
       {"prompt_logprobs 21", [](v1::SamplingParams* s) { s->set_prompt_logprobs(21); }, "sampling.prompt_logprobs"},
+      {"allowed_token_ids outside the vocabulary",
+       [](v1::SamplingParams* s) { s->add_allowed_token_ids(5), s->add_allowed_token_ids(1 << 30); },
+       "sampling.allowed_token_ids[1]"},
+      {"allowed_token_ids that min_tokens all bans (the demo's EOS, 1)",
+       [](v1::SamplingParams* s) { s->set_ignore_eos(false), s->set_min_tokens(1), s->add_allowed_token_ids(1); },
+       "sampling.allowed_token_ids"},
+      {"an empty bad word", [](v1::SamplingParams* s) { s->add_bad_words("light"), s->add_bad_words(""); },
+       "sampling.bad_words[1]"},
+      {"a bad word of invalid UTF-8", [](v1::SamplingParams* s) { s->add_bad_words("\xff"); }, "sampling.bad_words[0]"},
+      {"65 bad words",
+       [](v1::SamplingParams* s) {
+         for (int i = 0; i < 65; ++i) s->add_bad_words("w");
+       },
+       "sampling.bad_words"},
       {"prompt_logprobs -1", [](v1::SamplingParams* s) { s->set_prompt_logprobs(-1); }, "sampling.prompt_logprobs"},
   };
   for (const Case& c : cases) {
@@ -972,6 +986,10 @@ TEST(StructuredOutputValidationTest, TP1_PP1_BadConstraintsAreInvalidArgumentNam
          s->set_min_tokens(2);
          s->mutable_structured_output()->set_regex("a+");
        }, {"sampling.min_tokens", "structured output"}},
+      {"allowed_token_ids", [](v1::SamplingParams* s) {
+         s->add_allowed_token_ids(5);
+         s->mutable_structured_output()->set_regex("a+");
+       }, {"sampling.allowed_token_ids", "structured output"}},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest r = Request(Prompt(8, 0, true), 4, false, "invalid-constraint");

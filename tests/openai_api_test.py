@@ -526,6 +526,45 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.completions.create(prompt="x", extra_body={"prompt_logprobs": 21}, **kw)
         self.assertEqual(ctx.exception.param, "prompt_logprobs")
 
+    def test_allowed_token_ids_and_bad_words(self):
+        # vLLM's allowed_token_ids: only those ids come, here the greedy answer's 3rd to 6th ids (so
+        # that its first ids are out of reach), on both routes and the gRPC API.
+        prompt = self.grpc.tokenize("And God said")
+        _, greedy = self.grpc_greedy_ids(prompt, 12)
+        allowed = sorted(set(greedy[2:6]))
+        kw = dict(model=MODEL, prompt="And God said", max_tokens=12, temperature=0.8, seed=3, logprobs=0,
+                  extra_body={"return_tokens_as_token_ids": True, "allowed_token_ids": allowed})
+        r = self.client.completions.create(**kw)
+        got = [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+        self.assertTrue(got and set(got) <= set(allowed), (got, allowed))
+        c = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                                logprobs=True, extra_body={"return_tokens_as_token_ids": True,
+                                                                           "allowed_token_ids": allowed})
+        self.assertTrue(all(int(t.token.split(":")[1]) in allowed for t in c.choices[0].logprobs.content))
+        request = inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=prompt),
+            sampling=inference_pb2.SamplingParams(max_tokens=8, temperature=0, allowed_token_ids=allowed))
+        ids = [i for msg in self.grpc._stub.Generate(request, timeout=120) for i in msg.token_ids]
+        self.assertTrue(ids and set(ids) <= set(allowed), (ids, allowed))
+        # bad_words: a word of the greedy answer never comes again, as a whole word in the text.
+        text = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=24, temperature=0)
+        words = re.findall(r"[A-Za-z]+", text.choices[0].text)
+        self.assertTrue(words, text.choices[0].text)
+        word = max(words, key=len)
+        r = self.client.completions.create(model=MODEL, prompt="And God said", max_tokens=24, temperature=0,
+                                           extra_body={"bad_words": [word]})
+        self.assertNotIn(word, re.findall(r"[A-Za-z]+", r.choices[0].text), r.choices[0].text)
+        self.assertNotEqual(r.choices[0].text, text.choices[0].text)
+        many = self.client.completions.create(model=MODEL, prompt="x", max_tokens=2,  # each word two ways
+                                              extra_body={"bad_words": [f"word{i}" for i in range(64)]})
+        self.assertEqual(many.usage.completion_tokens, 2)
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"allowed_token_ids": [-1]})
+        self.assertEqual(ctx.exception.param, "allowed_token_ids[0]")
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["a", ""]})
+        self.assertEqual(ctx.exception.param, "bad_words[1]")
+
     def test_the_client_names_the_request(self):
         # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.
         raw = self.client.chat.completions.with_raw_response.create(

@@ -153,6 +153,17 @@ TEST_F(PersistentBatchTest, KeepsPenaltyIdsOnlyWhereNeeded) {
   ASSERT_TRUE(elsewhere.Apply(d, &b, &sampling_).ok());
   EXPECT_EQ(sampling_[0].penalty_output_ids_size(), 0);
   EXPECT_EQ(sampling_[0].presence_penalty(), 0.5f);
+
+  // Bad words read the output too.
+  PersistentBatch words(kLimits, kVocab, /*keep_history=*/true);
+  v1::RowSampling bad;
+  bad.add_bad_word_ids(4);
+  bad.add_bad_word_lengths(1);
+  ASSERT_TRUE(words.Apply(Prefill(bad), &b, &sampling_).ok());
+  ASSERT_TRUE(words.Apply(d, &b, &sampling_).ok());
+  EXPECT_EQ(std::vector<int32_t>(sampling_[0].penalty_output_ids().begin(), sampling_[0].penalty_output_ids().end()),
+            std::vector<int32_t>{9});
+  EXPECT_EQ(sampling_[0].penalty_prompt_ids_size(), 0);
 }
 
 // A preempted sequence is freed and comes back new in the same plan, with other blocks, fed from

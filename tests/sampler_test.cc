@@ -717,6 +717,60 @@ TEST_F(SamplerTest, NeutralExtrasDrawWhatThePlainPathDraws) {
   }
 }
 
+// ---- allowed_ids and bad words -------------------------------------------------------------
+
+// allowed_ids: only those ids are chosen, greedy or drawn, and the logprobs stay the raw logits'.
+// Bad words: a one-id word is never chosen; a longer one's last id only where its other ids end the
+// output so far (penalty_output_ids). Bans that would leave nothing yield. The CPU and a device-like
+// backend agree.
+TEST_F(SamplerTest, AllowedIdsAndBadWordsRestrictTheChoice) {
+  const int64_t v = 50;
+  std::vector<float> row = Random(v, -2.0f, 2.0f);
+  row[7] = 9.0f;  // the argmax
+  row[8] = 8.0f;
+  row[9] = 7.0f;
+  const std::vector<double> logsoftmax = LogSoftmax(row);
+  v1::RowSampling allowed = Greedy();
+  allowed.add_allowed_ids(30);
+  allowed.add_allowed_ids(9);
+  allowed.set_logprobs(true);
+  v1::RowSampling word = Greedy();  // {3, 7}: 7 banned after a 3 only
+  word.add_bad_word_ids(3);
+  word.add_bad_word_ids(7);
+  word.add_bad_word_lengths(2);
+  v1::RowSampling after = word;
+  after.add_penalty_output_ids(5);
+  after.add_penalty_output_ids(3);
+  v1::RowSampling single = Greedy();  // {7} and {8}: both always banned
+  for (int32_t id : {7, 8}) {
+    single.add_bad_word_ids(id);
+    single.add_bad_word_lengths(1);
+  }
+  v1::RowSampling yields = allowed;  // bans 9 and 30, all that is allowed: they yield
+  for (int32_t id : {9, 30}) {
+    yields.add_bad_word_ids(id);
+    yields.add_bad_word_lengths(1);
+  }
+  std::vector<float> logits;
+  for (int i = 0; i < 5; ++i) logits.insert(logits.end(), row.begin(), row.end());
+  for (Backend* backend : {cpu_.get(), static_cast<Backend*>(nullptr)}) {
+    DeviceLikeBackend device_like;
+    absl::StatusOr<v1::StepResult> result = Run(logits, v, {allowed, word, after, single, yields}, backend ? backend : &device_like);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(std::vector<int32_t>(result->sampled_ids().begin(), result->sampled_ids().end()),
+              (std::vector<int32_t>{9, 7, 8, 9, 9}));
+    EXPECT_NEAR(result->logprobs(0).logprob(), logsoftmax[9], kLogprobTolerance);
+  }
+  // Drawn with temperature, only allowed ids ever come.
+  v1::RowSampling drawn = Sampled(2.0f, 5, 0);
+  for (int32_t id : {1, 2, 40}) drawn.add_allowed_ids(id);
+  for (uint64_t draw = 0; draw < 200; ++draw) {
+    drawn.set_draw_index(draw);
+    const int32_t id = One(row, drawn);
+    EXPECT_TRUE(id == 1 || id == 2 || id == 40) << "draw " << draw << " chose " << id;
+  }
+}
+
 // ---- Bad parameters --------------------------------------------------------------------------
 
 TEST_F(SamplerTest, EachInvalidParameterIsInvalidArgumentNamingIt) {
@@ -755,6 +809,10 @@ TEST_F(SamplerTest, EachInvalidParameterIsInvalidArgumentNamingIt) {
       {"logit_bias_ids[0]", [](auto* r) { r->add_logit_bias_ids(v), r->add_logit_bias_values(1); }},
       {"min_tokens", [](auto* r) { r->set_min_tokens(-1); }},
       {"min_tokens_banned_ids[0]", [](auto* r) { r->set_min_tokens(2), r->add_min_tokens_banned_ids(-3); }},
+      {"allowed_ids[1]", [](auto* r) { r->add_allowed_ids(2), r->add_allowed_ids(v); }},
+      {"bad_word_lengths[0]", [](auto* r) { r->add_bad_word_lengths(0); }},
+      {"bad_word_ids", [](auto* r) { r->add_bad_word_lengths(2), r->add_bad_word_ids(1); }},
+      {"bad_word_ids[0]", [](auto* r) { r->add_bad_word_lengths(1), r->add_bad_word_ids(-1); }},
   };
   for (const Case& c : cases) {
     v1::RowSampling bad = Sampled(1.0f, 1, 1);

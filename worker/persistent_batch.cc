@@ -10,8 +10,9 @@ namespace {
 
 bool RepetitionOn(const v1::RowSampling& r) { return r.repetition_penalty() != 0 && r.repetition_penalty() != 1; }
 
+// The sampler reads the generated tokens (penalty_output_ids): a penalty, or bad words to match.
 bool PenaltyOn(const v1::RowSampling& r) {
-  return RepetitionOn(r) || r.presence_penalty() != 0 || r.frequency_penalty() != 0;
+  return RepetitionOn(r) || r.presence_penalty() != 0 || r.frequency_penalty() != 0 || r.bad_word_lengths_size() > 0;
 }
 
 }  // namespace

@@ -97,6 +97,7 @@ absl::StatusOr<std::unique_ptr<Sampler>> Sampler::Create(Backend* device, int64_
   s->work_.assign(vocab_size, 0.0f);
   s->output_counts_.assign(vocab_size, 0);
   s->penalized_.assign(vocab_size, 0);
+  s->banned_.reserve(kMaxBadWordSequences);
   // The CPU backend's Sample sizes its own scratch to the vocabulary on first use: do that now,
   // so that the first step does not allocate.
   Tensor out(s->host_ids_.data(), DType::kI32, {1});
@@ -133,7 +134,8 @@ absl::Status Sampler::Sample(uint64_t step_id, const Tensor& logits, const RowLi
     if (finite_[i] == 0) {
       paths_[i] = Path::kNonFinite;
     } else if (r.logprobs() || PenaltyActive(r) || (!greedy && r.min_p() > 0) || r.logit_bias_ids_size() > 0 ||
-               MinTokensActive(r) || mask_of(i) != nullptr || r.has_scored_id()) {
+               MinTokensActive(r) || mask_of(i) != nullptr || r.has_scored_id() || r.allowed_ids_size() > 0 ||
+               r.bad_word_lengths_size() > 0) {
       paths_[i] = Path::kHost;
     } else {
       paths_[i] = greedy ? Path::kArgmax : Path::kSample;
@@ -209,6 +211,7 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   const bool min_p = !greedy && r.min_p() > 0;
   const bool biased = r.logit_bias_ids_size() > 0;
   const bool min_tokens = MinTokensActive(r);
+  const bool restricted = r.allowed_ids_size() > 0 || r.bad_word_lengths_size() > 0;
 
   // The raw row on the host.
   const float* raw = device_row;
@@ -260,11 +263,12 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
 
   // The row the choice is made on: the raw one, or a copy to penalize and mask.
   const float* row = raw;
-  if (penalize || min_p || biased || min_tokens || mask != nullptr) {
+  if (penalize || min_p || biased || min_tokens || mask != nullptr || restricted) {
     std::memcpy(work_.data(), raw, v * sizeof(float));
     row = work_.data();
   }
   if (mask != nullptr) ApplyTokenMask(mask, v, work_.data());
+  if (restricted) ApplyAllowedAndBadWords(r, work_.data());
 
   // (b) logit_bias, added to the raw logits (kept finite: a logit of -inf stays -inf); then the ids
   // banned before min_tokens.
@@ -337,6 +341,37 @@ absl::Status Sampler::SampleOnHost(uint64_t step_id, int row_index, const float*
   // (e) The chosen token's logprob and rank.
   if (lp != nullptr) SetChosen(raw, *id, log_normalizer, lp);
   return absl::OkStatus();
+}
+
+void Sampler::ApplyAllowedAndBadWords(const v1::RowSampling& r, float* w) {
+  const int64_t v = vocab_size_;
+  // allowed_ids: the others -inf (flags in output_counts_, zero between rows).
+  if (r.allowed_ids_size() > 0) {
+    for (int32_t t : r.allowed_ids()) output_counts_[t] = 1;
+    for (int64_t i = 0; i < v; ++i) {
+      if (output_counts_[i] == 0) w[i] = -kInf;
+    }
+    for (int32_t t : r.allowed_ids()) output_counts_[t] = 0;
+  }
+  // Bad words: the last id of each whose other ids end the output so far.
+  const auto& output = r.penalty_output_ids();
+  banned_.clear();
+  for (int j = 0, at = 0; j < r.bad_word_lengths_size(); at += r.bad_word_lengths(j), ++j) {
+    const int prefix = r.bad_word_lengths(j) - 1;
+    if (prefix > output.size()) continue;
+    if (std::equal(r.bad_word_ids().begin() + at, r.bad_word_ids().begin() + at + prefix, output.end() - prefix)) {
+      banned_.push_back(r.bad_word_ids(at + prefix));
+    }
+  }
+  if (banned_.empty()) return;
+  // They yield where they would leave no token to choose.
+  int64_t finite = 0;
+  for (int64_t i = 0; i < v; ++i) finite += w[i] != -kInf ? 1 : 0;
+  std::sort(banned_.begin(), banned_.end());
+  banned_.erase(std::unique(banned_.begin(), banned_.end()), banned_.end());
+  for (int32_t t : banned_) finite -= w[t] != -kInf ? 1 : 0;
+  if (finite == 0) return;
+  for (int32_t t : banned_) w[t] = -kInf;
 }
 
 void Sampler::SetChosen(const float* raw, int32_t id, double log_normalizer, v1::RowLogprobs* lp) const {

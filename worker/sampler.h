@@ -10,6 +10,8 @@
 //   logit_bias, min_tokens not yet reached,         read in place on the CPU backend):
 //   a token mask)
 //     0. a token mask (constrained decoding): the disallowed ids become -inf in the working row;
+//        so do the ids outside allowed_ids, then the last id of each bad word whose other ids end
+//        penalty_output_ids (unless that would leave no id finite: the bans then yield);
 //     1. logprobs: log-softmax of the RAW logits (normalizer in double); the top_logprobs most
 //        likely ids, most likely first, ties lower id first;
 //     2. logit_bias added (the sum kept within +-1e30); before min_tokens tokens, the EOS and stop
@@ -89,6 +91,9 @@ class Sampler {
   // One host-path row: its id into *id and, when asked, its logprobs into *lp.
   absl::Status SampleOnHost(uint64_t step_id, int row, const float* device_row, const v1::RowSampling& rs,
                             const uint32_t* mask, int32_t* id, v1::RowLogprobs* lp);
+  // allowed_ids and the bad words that apply (RowSampling) into the working row `w`: -inf for the
+  // ids not allowed, then for the banned ones unless that would leave no id finite.
+  void ApplyAllowedAndBadWords(const v1::RowSampling& r, float* w);
   // The logprob of `id` under the raw row (log_normalizer: log sum exp of it) and its rank.
   void SetChosen(const float* raw, int32_t id, double log_normalizer, v1::RowLogprobs* lp) const;
 
@@ -111,6 +116,7 @@ class Sampler {
   std::vector<float> work_;                // [vocab] the row being penalized and masked
   std::vector<int32_t> output_counts_;     // [vocab] occurrences in penalty_output_ids; zero between rows
   std::vector<uint8_t> penalized_;         // [vocab] repetition penalty applied; zero between rows
+  std::vector<int32_t> banned_;            // capacity kMaxBadWordSequences: a row's bad-word bans
 };
 
 }  // namespace shardserve

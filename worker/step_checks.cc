@@ -220,6 +220,23 @@ absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::Repeated
     if (r.has_prompt_logprobs() && (r.prompt_logprobs() < 0 || r.prompt_logprobs() > kMaxTopLogprobs)) {
       return bad("prompt_logprobs", r.prompt_logprobs(), absl::StrCat("is outside [0, ", kMaxTopLogprobs, "]"));
     }
+    if (r.allowed_ids_size() > kMaxAllowedTokenIds) {
+      return bad("allowed_ids", r.allowed_ids_size(), absl::StrCat("ids; at most ", kMaxAllowedTokenIds));
+    }
+    if (r.bad_word_lengths_size() > kMaxBadWordSequences) {
+      return bad("bad_word_lengths", r.bad_word_lengths_size(), absl::StrCat("sequences; at most ", kMaxBadWordSequences));
+    }
+    int64_t bad_ids = 0;
+    for (int j = 0; j < r.bad_word_lengths_size(); ++j) {
+      const int32_t n = r.bad_word_lengths(j);
+      if (n < 1 || n > kMaxBadWordTokens) {
+        return bad(absl::StrCat("bad_word_lengths[", j, "]"), n, absl::StrCat("is outside [1, ", kMaxBadWordTokens, "]"));
+      }
+      bad_ids += n;
+    }
+    if (bad_ids != r.bad_word_ids_size()) {
+      return bad("bad_word_ids", r.bad_word_ids_size(), absl::StrCat("ids; the lengths add up to ", bad_ids));
+    }
     if (r.has_scored_id() && (r.scored_id() < 0 || r.scored_id() >= vocab_size || !r.logprobs())) {
       return bad("scored_id", r.scored_id(),
                  absl::StrCat("must be inside the vocabulary [0, ", vocab_size, ") and come with logprobs"));
@@ -227,7 +244,8 @@ absl::Status CheckRowSampling(uint64_t step_id, const google::protobuf::Repeated
     for (auto [field, ids] : {std::pair{"penalty_prompt_ids", &r.penalty_prompt_ids()},
                               std::pair{"penalty_output_ids", &r.penalty_output_ids()},
                               std::pair{"logit_bias_ids", &r.logit_bias_ids()},
-                              std::pair{"min_tokens_banned_ids", &r.min_tokens_banned_ids()}}) {
+                              std::pair{"min_tokens_banned_ids", &r.min_tokens_banned_ids()},
+                              std::pair{"allowed_ids", &r.allowed_ids()}, std::pair{"bad_word_ids", &r.bad_word_ids()}}) {
       for (int j = 0; j < ids->size(); ++j) {
         if ((*ids)[j] < 0 || (*ids)[j] >= vocab_size) {
           return bad(absl::StrCat(field, "[", j, "]"), (*ids)[j],

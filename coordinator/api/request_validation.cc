@@ -5,8 +5,10 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "base/field_error.h"
+#include "base/status_macros.h"
 #include "model/sampling_bounds.h"
 
 namespace shardserve {
@@ -22,6 +24,20 @@ constexpr size_t kMaxRequestIdBytes = 128;
 
 // InvalidArgument "field: what", carrying the field (base/field_error.h).
 absl::Status Invalid(absl::string_view field, absl::string_view what) { return FieldErrorStatus(field, what); }
+
+// At most `most` ids, each inside the vocabulary, appended to `out`; else InvalidArgument naming
+// `field` (and the id's index).
+absl::Status TakeTokenIds(const google::protobuf::RepeatedField<int32_t>& ids, absl::string_view field, int64_t most,
+                          int64_t vocab, std::vector<int32_t>* out) {
+  if (ids.size() > most) return Invalid(field, absl::StrCat("at most ", most, " ids, got ", ids.size()));
+  for (int i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab) {
+      return Invalid(absl::StrCat(field, "[", i, "]"), absl::StrCat(ids[i], " is outside the vocabulary [0, ", vocab, ")"));
+    }
+    out->push_back(ids[i]);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -157,17 +173,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     }
     p.stop.push_back(s.stop(i));
   }
-  if (s.stop_token_ids_size() > kMaxStopTokenIds) {
-    return Invalid("sampling.stop_token_ids", absl::StrCat("at most ", kMaxStopTokenIds, " ids"));
-  }
-  for (int i = 0; i < s.stop_token_ids_size(); ++i) {
-    const int32_t id = s.stop_token_ids(i);
-    if (id < 0 || id >= vocab) {
-      return Invalid(absl::StrCat("sampling.stop_token_ids[", i, "]"),
-                     absl::StrCat(id, " is outside the vocabulary [0, ", vocab, ")"));
-    }
-    p.stop_token_ids.push_back(id);
-  }
+  SHARDSERVE_RETURN_IF_ERROR(
+      TakeTokenIds(s.stop_token_ids(), "sampling.stop_token_ids", kMaxStopTokenIds, vocab, &p.stop_token_ids));
   p.ignore_eos = s.ignore_eos();
   p.include_stop_str_in_output = s.include_stop_str_in_output();
   p.skip_special_tokens = !s.has_skip_special_tokens() || s.skip_special_tokens();
@@ -200,8 +207,58 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     p.min_tokens_banned_ids.erase(std::unique(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end()),
                                   p.min_tokens_banned_ids.end());
   }
+  SHARDSERVE_RETURN_IF_ERROR(TakeTokenIds(s.allowed_token_ids(), "sampling.allowed_token_ids", kMaxAllowedTokenIds,
+                                          vocab, &p.allowed_token_ids));
+  std::sort(p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+  p.allowed_token_ids.erase(std::unique(p.allowed_token_ids.begin(), p.allowed_token_ids.end()),
+                            p.allowed_token_ids.end());
+  // min_tokens must leave an id to choose until it is reached.
+  if (!p.allowed_token_ids.empty() &&
+      std::includes(p.min_tokens_banned_ids.begin(), p.min_tokens_banned_ids.end(), p.allowed_token_ids.begin(),
+                    p.allowed_token_ids.end())) {
+    return Invalid("sampling.allowed_token_ids", "allows only ids that min_tokens bans (the EOS and stop ids)");
+  }
+  if (s.bad_words_size() > kMaxBadWords) {
+    return Invalid("sampling.bad_words", absl::StrCat("at most ", kMaxBadWords, " words, got ", s.bad_words_size()));
+  }
+  if (s.bad_words_size() > 0 && model.tokenizer == nullptr) {
+    return Invalid("sampling.bad_words", absl::StrCat("the model ", model.name, " has no tokenizer.json to tokenize them"));
+  }
+  for (int i = 0; i < s.bad_words_size(); ++i) {
+    const std::string field = absl::StrCat("sampling.bad_words[", i, "]");
+    const std::string& word = s.bad_words(i);
+    if (word.empty() || word.size() > static_cast<size_t>(kMaxBadWordBytes)) {
+      return Invalid(field, absl::StrCat("must be 1 to ", kMaxBadWordBytes, " bytes"));
+    }
+    if (absl::Status utf8 = CheckUtf8(word); !utf8.ok()) return Invalid(field, utf8.message());
+    // The word as it stands (leading spaces dropped) and after a space (a word inside text), the
+    // second where its tokens differ. vLLM keeps the second only when it has as many tokens as the
+    // first: "house" as two tokens would then leave " house" (one) allowed.
+    const std::string bare(absl::StripLeadingAsciiWhitespace(word));
+    std::vector<int32_t> first;
+    for (const bool space : {false, true}) {
+      absl::StatusOr<std::vector<int32_t>> ids = model.tokenizer->Encode(space ? " " + bare : bare, false);
+      if (!ids.ok()) return Invalid(field, ids.status().message());
+      if (ids->empty()) {
+        if (space) break;
+        return Invalid(field, "it has no tokens");
+      }
+      if (ids->size() > static_cast<size_t>(kMaxBadWordTokens)) {
+        return Invalid(field, absl::StrCat("it has ", ids->size(), " tokens; at most ", kMaxBadWordTokens));
+      }
+      if (!space) {
+        first = *ids;
+      } else if (*ids == first) {
+        break;
+      }
+      p.bad_word_ids.push_back(*std::move(ids));
+    }
+  }
   if (s.has_structured_output()) {
     const std::string field = StructuredOutputField(s.structured_output());
+    if (!p.allowed_token_ids.empty()) {
+      return Invalid("sampling.allowed_token_ids", "cannot be combined with a structured output constraint");
+    }
     // The grammar decides where the output ends (an EOS where it may end): nothing may forbid that.
     if (p.ignore_eos) return Invalid("sampling.ignore_eos", "cannot be combined with a structured output constraint");
     if (p.min_tokens > 0) return Invalid("sampling.min_tokens", "cannot be combined with a structured output constraint");

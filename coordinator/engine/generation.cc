@@ -19,6 +19,11 @@ v1::RowSampling SamplingTemplate(const GenerationParams& p) {
   r.set_logprobs(p.logprobs);
   r.set_top_logprobs(p.top_logprobs);
   if (p.prompt_logprobs >= 0) r.set_prompt_logprobs(p.prompt_logprobs);
+  r.mutable_allowed_ids()->Add(p.allowed_token_ids.begin(), p.allowed_token_ids.end());
+  for (const std::vector<int32_t>& word : p.bad_word_ids) {
+    r.mutable_bad_word_ids()->Add(word.begin(), word.end());
+    r.add_bad_word_lengths(static_cast<int32_t>(word.size()));
+  }
   for (const auto& [id, bias] : p.logit_bias) {
     r.add_logit_bias_ids(id);
     r.add_logit_bias_values(bias);

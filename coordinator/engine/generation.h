@@ -36,6 +36,8 @@ struct GenerationParams {
   bool logprobs = false;
   int32_t top_logprobs = 0;
   int32_t prompt_logprobs = -1;  // -1: none; else the alternatives per prompt token (0 to 20)
+  std::vector<int32_t> allowed_token_ids;          // sorted, distinct; empty: all
+  std::vector<std::vector<int32_t>> bad_word_ids;  // each bad word's token sequences
   uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;

@@ -56,7 +56,8 @@ void Scheduler::Add(uint64_t id, std::vector<int32_t> prompt, const v1::RowSampl
   s->sampling = sampling;
   s->guesses = options_.num_speculative_tokens;
   s->penalized = (sampling.repetition_penalty() != 0 && sampling.repetition_penalty() != 1) ||
-                 sampling.presence_penalty() != 0 || sampling.frequency_penalty() != 0;
+                 sampling.presence_penalty() != 0 || sampling.frequency_penalty() != 0 ||
+                 sampling.bad_word_lengths_size() > 0;
   s->scores = sampling.has_prompt_logprobs();
   // Workers derive these per step (worker/persistent_batch.h); NewSeq carries them unset.
   s->sampling.clear_draw_index();

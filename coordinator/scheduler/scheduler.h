@@ -49,9 +49,9 @@
 // tokens, all but its last token at most (the step that feeds it must sample), and starts with
 // num_fed = the tokens they hold; the workers start it at that position (NewSeq.num_cached_tokens).
 // It never writes them: it feeds and appends only after them. A sequence with a sampling penalty
-// on takes no cached blocks (it still registers its own): the workers derive the penalties from the
-// tokens fed, which must then be all of them. Blocks that sequences let go stay cached until a
-// block is needed and none is empty; Clear() (the workers' KV is gone) drops them all.
+// or bad words on takes no cached blocks (it still registers its own): the workers derive the
+// penalties (and match the bad words) from the tokens fed, which must then be all of them. Blocks
+// that sequences let go stay cached until a block is needed and none is empty; Clear() (the workers' KV is gone) drops them all.
 //
 // Sliding-window attention (SchedulerOptions::sliding_window): a sliding layer's next token
 // attends to the window before it only, so after every step a sequence lets go of the sliding
@@ -325,7 +325,7 @@ class Scheduler {
     int64_t num_fed = 0;          // tokens fed to steps sent (in the KV cache once they come back),
                                   // from the prefix cache's included
     int64_t num_cached = 0;       // tokens its table's shared blocks held at its latest admission
-    bool penalized = false;       // a sampling penalty on: takes no cached blocks
+    bool penalized = false;       // a sampling penalty or bad words: takes no cached blocks
     bool scores = false;          // asks for prompt log-probabilities: takes no cached blocks
     BlockManager::Chain chain;    // its blocks registered (or found) so far
     std::vector<int32_t> blocks;  // block table

@@ -361,17 +361,34 @@ absl::Status ParsePrompt(const Fields& f, Request* r) {
   return absl::OkStatus();
 }
 
-absl::Status ParseStop(const Fields& f, Request* r) {
-  const Json* stop = f.Get("stop");
-  if (stop == nullptr) return absl::OkStatus();
-  if (stop->is_string()) {
-    r->sampling.add_stop(stop->get<std::string>());
+// A string or an array of strings (stop, bad_words), into `out`.
+absl::Status ParseStrings(const Fields& f, const char* name, google::protobuf::RepeatedPtrField<std::string>* out) {
+  const Json* v = f.Get(name);
+  if (v == nullptr) return absl::OkStatus();
+  if (v->is_string()) {
+    out->Add(v->get<std::string>());
     return absl::OkStatus();
   }
-  if (!stop->is_array()) return WrongType("stop", "a string or an array of strings", *stop);
-  for (size_t i = 0; i < stop->size(); ++i) {
-    if (!(*stop)[i].is_string()) return WrongType(absl::StrCat("stop[", i, "]"), "a string", (*stop)[i]);
-    r->sampling.add_stop((*stop)[i].get<std::string>());
+  if (!v->is_array()) return WrongType(name, "a string or an array of strings", *v);
+  for (size_t i = 0; i < v->size(); ++i) {
+    if (!(*v)[i].is_string()) return WrongType(absl::StrCat(name, "[", i, "]"), "a string", (*v)[i]);
+    out->Add((*v)[i].get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+// An array of token ids (stop_token_ids, allowed_token_ids), into `out`; the vocabulary is
+// PrepareGeneration's to check.
+absl::Status ParseTokenIds(const Fields& f, const char* name, google::protobuf::RepeatedField<int32_t>* out) {
+  const Json* ids = f.Get(name);
+  if (ids == nullptr) return absl::OkStatus();
+  if (!ids->is_array()) return WrongType(name, "an array of token ids", *ids);
+  for (size_t i = 0; i < ids->size(); ++i) {
+    const Json& id = (*ids)[i];
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return InvalidField(absl::StrCat(name, "[", i, "]"), "must be a token id");
+    }
+    out->Add(id.get<int32_t>());
   }
   return absl::OkStatus();
 }
@@ -741,17 +758,11 @@ absl::StatusOr<Request> ParseRequest(Endpoint endpoint, absl::string_view body) 
   s.set_repetition_penalty(repetition);
   s.set_top_k(static_cast<int32_t>(std::max<int64_t>(0, top_k.value_or(0))));
   if (seed.has_value()) s.set_seed(static_cast<uint64_t>(*seed));
-  SHARDSERVE_OPENAI_CHECK(ParseStop(f, &r));
-  if (const Json* ids = f.Get("stop_token_ids")) {
-    if (!ids->is_array()) return WrongType("stop_token_ids", "an array of token ids", *ids);
-    for (size_t i = 0; i < ids->size(); ++i) {
-      const Json& id = (*ids)[i];
-      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() > kInt32Max) {
-        return InvalidField(absl::StrCat("stop_token_ids[", i, "]"), "must be a token id");
-      }
-      s.add_stop_token_ids(id.get<int32_t>());
-    }
-  }
+  SHARDSERVE_OPENAI_CHECK(ParseStrings(f, "stop", s.mutable_stop()));
+  SHARDSERVE_OPENAI_CHECK(ParseTokenIds(f, "stop_token_ids", s.mutable_stop_token_ids()));
+  // vLLM's allowed_token_ids and bad_words.
+  SHARDSERVE_OPENAI_CHECK(ParseTokenIds(f, "allowed_token_ids", s.mutable_allowed_token_ids()));
+  SHARDSERVE_OPENAI_CHECK(ParseStrings(f, "bad_words", s.mutable_bad_words()));
   bool ignore_eos = false;
   SHARDSERVE_OPENAI_CHECK(f.Bool("ignore_eos", &ignore_eos));
   s.set_ignore_eos(ignore_eos);
@@ -899,6 +910,8 @@ constexpr GenerationField kGenerationFields[] = {
     {"sampling.top_logprobs", {"logprobs"}, {"top_logprobs"}},
     {"sampling.stop", {"stop", true}, {"stop", true}},
     {"sampling.stop_token_ids", {"stop_token_ids", true}, {"stop_token_ids", true}},
+    {"sampling.allowed_token_ids", {"allowed_token_ids", true}, {"allowed_token_ids", true}},
+    {"sampling.bad_words", {"bad_words", true}, {"bad_words", true}},
     {"sampling.ignore_eos", {"ignore_eos"}, {"ignore_eos"}},
     {"sampling.logit_bias", {"logit_bias"}, {"logit_bias"}},
     {"sampling.min_tokens", {"min_tokens"}, {"min_tokens"}},
