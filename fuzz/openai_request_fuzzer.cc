@@ -1,6 +1,7 @@
 // An OpenAI API request body off the wire, as coordinator/api/openai/http_server.cc handles it: the
 // first byte picks the endpoint (modulo 4: 0 /v1/chat/completions, 1 /v1/completions, 2 /tokenize,
-// 3 /detokenize), the rest is the body. ParseRequest (coordinator/api/openai/protocol.h), then for
+// 3 /detokenize; of the chat bytes, those 4 modulo 8 /v1/responses, whose body ResponsesToChat
+// makes a chat completion's first), the rest is the body. ParseRequest (coordinator/api/openai/protocol.h), then for
 // chat the demo model's chat template (continuing the final message when asked) and tokenizer, then
 // PrepareGeneration against the demo model (models/demo) and the renaming of its errors; or
 // ParseTokenizeRequest / ParseDetokenizeRequest, then the template and the tokenizer.
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "coordinator/api/openai/protocol.h"
+#include "coordinator/api/openai/responses.h"
 #include "coordinator/api/request_validation.h"
 #include "coordinator/model/served_model.h"
 #include "nlohmann/json.hpp"
@@ -107,7 +109,17 @@ void Detokenize(const std::string& body) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  const std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
+  std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] % 8 == 4) {
+    absl::StatusOr<nlohmann::ordered_json> parsed = shardserve::openai::ParseBody(body);
+    absl::StatusOr<nlohmann::ordered_json> chat =
+        parsed.ok() ? shardserve::openai::ResponsesToChat(*parsed) : absl::StatusOr<nlohmann::ordered_json>(parsed.status());
+    if (!chat.ok()) {
+      CheckRefusal(chat.status());
+      return 0;
+    }
+    body = chat->dump();
+  }
   if (data[0] % 4 == 2) {
     Tokenize(body);
     return 0;

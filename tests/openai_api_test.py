@@ -565,6 +565,72 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"bad_words": ["a", ""]})
         self.assertEqual(ctx.exception.param, "bad_words[1]")
 
+    def test_responses_api(self):
+        # /v1/responses answers as chat completions do, in the Responses API's shape: instructions
+        # a system message, the input's items the messages, output items the answer's parts.
+        def respond(**body):
+            return self.post_raw("/v1/responses", json.dumps(dict(model=MODEL, **body)).encode())
+
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who made the heaven?"}]
+        chat = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+        status, r = respond(instructions="Be brief.", input="Who made the heaven?", max_output_tokens=12, temperature=0)
+        self.assertEqual(status, 200, r)
+        self.assertEqual((r["object"], r["status"]), ("response", "incomplete"))
+        self.assertEqual(r["incomplete_details"], {"reason": "max_output_tokens"})
+        self.assertTrue(r["id"].startswith("resp_"), r["id"])
+        [message] = [item for item in r["output"] if item["type"] == "message"]
+        self.assertEqual(message["content"][0]["type"], "output_text")
+        self.assertEqual(message["content"][0]["text"], chat.choices[0].message.content)
+        self.assertEqual(r["usage"]["input_tokens"], chat.usage.prompt_tokens)
+        self.assertEqual(r["usage"]["output_tokens"], 12)
+        # Items: a message with content parts, as the same conversation.
+        status, items = respond(input=[{"type": "message", "role": "developer", "content": "Be brief."},
+                                       {"role": "user", "content": [{"type": "input_text", "text": "Who made "},
+                                                                    {"type": "input_text", "text": "the heaven?"}]}],
+                                max_output_tokens=12, temperature=0)
+        self.assertEqual(status, 200, items)
+        self.assertEqual([item["content"] for item in items["output"]], [item["content"] for item in r["output"]])
+        # A function call and its output in the input are the chat API's tool call and tool message;
+        # a forced call comes back as a function_call item.
+        tool = {"type": "function", "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}
+        status, called = respond(input="Weather in Paris?", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                 max_output_tokens=60, temperature=0)
+        self.assertEqual(status, 200, called)
+        calls = [item for item in called["output"] if item["type"] == "function_call"]
+        self.assertEqual(len(calls), 1, called)
+        call = calls[0]
+        self.assertEqual(call["name"], "get_weather")
+        self.assertIn("city", json.loads(call["arguments"]))
+        status, after = respond(input=["Weather in Paris?", call, {"type": "function_call_output",
+                                                                   "call_id": call["call_id"], "output": "Sunny"}],
+                                tools=[tool], max_output_tokens=8, temperature=0)
+        self.assertEqual(status, 400, after)  # the input string among items is no item
+        status, after = respond(input=[{"role": "user", "content": "Weather in Paris?"}, call,
+                                       {"type": "function_call_output", "call_id": call["call_id"], "output": "Sunny"}],
+                                tools=[tool], max_output_tokens=8, temperature=0)
+        self.assertEqual(status, 200, after)
+        self.assertGreater(after["usage"]["input_tokens"], called["usage"]["input_tokens"])
+        # text.format json_schema constrains the output, as response_format does.
+        schema = {"type": "object", "properties": {"light": {"type": "boolean"}}, "required": ["light"],
+                  "additionalProperties": False}
+        status, structured = respond(input="Was there light?", max_output_tokens=40, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "light", "schema": schema}})
+        self.assertEqual(status, 200, structured)
+        [message] = [item for item in structured["output"] if item["type"] == "message"]
+        self.assertIsInstance(json.loads(message["content"][0]["text"])["light"], bool)
+        # Refusals name the Responses API's fields.
+        for body, param in [(dict(input="x", stream=True), "stream"),
+                            (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+                            (dict(input="x", max_output_tokens=-1), "max_output_tokens"),
+                            (dict(input=[{"type": "input_image", "image_url": "x"}]), "input[0].type"),
+                            (dict(input="x", tools=[{"type": "web_search"}]), "tools[0].type"),
+                            (dict(), "input")]:
+            status, error = respond(**body)
+            self.assertEqual(status, 400, (body, error))
+            self.assertEqual(error["error"]["param"], param, (body, error))
+        self.assertGreater(self.metric("shardserve_http_requests_total", endpoint="/v1/responses", status="200"), 0)
+
     def test_the_client_names_the_request(self):
         # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.
         raw = self.client.chat.completions.with_raw_response.create(

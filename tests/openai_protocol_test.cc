@@ -3,6 +3,7 @@
 // requests become the GenerateRequest the gRPC API takes, PrepareGeneration's errors are renamed
 // to the OpenAI fields (and the bounds only it checks reach a client so), statuses map to HTTP's.
 #include "coordinator/api/openai/protocol.h"
+#include "coordinator/api/openai/responses.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -1226,6 +1227,106 @@ TEST(ForcedToolConstraintTest, RefsInToolParametersResolve) {
                           R"(, "tool_choice": {"type": "function", "function": {"name": "tree"}}})"));
   ASSERT_TRUE(named.ok()) << named.status();
   EXPECT_TRUE(SchemaAccepts(named->sampling.structured_output().json_schema(), R"({"v":1,"kids":[{"v":2}],"city":"Paris"})"));
+}
+
+
+// ---- The Responses API ----------------------------------------------------------------------------
+
+// Its body as a chat completion's: instructions first, a developer message a system one, content
+// parts joined, consecutive function calls one assistant message's tool_calls, their outputs tool
+// messages, earlier reasoning dropped; function tools and a named tool_choice in the chat shape;
+// max_output_tokens and text.format renamed; what is not served refused naming the field.
+TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
+  const nlohmann::ordered_json body = nlohmann::ordered_json::parse(R"({
+    "model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0.5, "store": true,
+    "input": [
+      {"type": "message", "role": "developer", "content": "Use tools."},
+      {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
+      {"type": "reasoning", "id": "rs_1", "summary": []},
+      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+      {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+      {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+      {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]}],
+    "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": null}],
+    "tool_choice": {"type": "function", "name": "get_weather"},
+    "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": true}}})");
+  absl::StatusOr<nlohmann::ordered_json> chat = ResponsesToChat(body);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ((*chat)["messages"], nlohmann::ordered_json::parse(R"([
+    {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": null, "tool_calls": [
+      {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+      {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "noon"}])"));
+  EXPECT_EQ((*chat)["tools"], nlohmann::ordered_json::parse(
+                                  R"([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])"));
+  EXPECT_EQ((*chat)["tool_choice"], nlohmann::ordered_json::parse(R"({"type": "function", "function": {"name": "get_weather"}})"));
+  EXPECT_EQ((*chat)["max_tokens"], 9);
+  EXPECT_EQ((*chat)["temperature"], 0.5);
+  EXPECT_EQ((*chat)["response_format"]["json_schema"]["name"], "w");
+  EXPECT_FALSE(chat->contains("store"));
+  EXPECT_FALSE(chat->contains("input"));
+  // And the chat body parses as a chat completion (but for its two constraints: one a request).
+  nlohmann::ordered_json one = *chat;
+  one.erase("response_format");
+  absl::StatusOr<Request> request = ParseRequest(Endpoint::kChatCompletions, one.dump());
+  ASSERT_TRUE(request.ok()) << request.status().message();
+  EXPECT_EQ(request->tool_choice, ToolChoice::kNamed);
+
+  for (const auto& [json, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"model": "m", "input": "x", "stream": true})", "stream"},
+           {R"({"model": "m", "input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
+           {R"({"model": "m"})", "input"},
+           {R"({"input": "x"})", "model"},
+           {R"({"model": "m", "input": 5})", "input"},
+           {R"({"model": "m", "input": []})", "input"},
+           {R"({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image"}]}]})", "input[0].content[0].type"},
+           {R"({"model": "m", "input": [{"role": "critic", "content": "x"}]})", "input[0].role"},
+           {R"({"model": "m", "input": [{"type": "function_call", "name": "f"}]})", "input[0].call_id"},
+           {R"({"model": "m", "input": "x", "tools": [{"type": "file_search"}]})", "tools[0].type"},
+           {R"({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}})", "text.format.type"}}) {
+    absl::StatusOr<nlohmann::ordered_json> refused = ResponsesToChat(nlohmann::ordered_json::parse(json));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << json;
+    EXPECT_EQ(ParamOf(refused.status()), param) << json << ": " << refused.status();
+  }
+  EXPECT_EQ(ResponsesParam("max_tokens"), "max_output_tokens");
+  EXPECT_EQ(ResponsesParam("messages[2].content"), "input");
+  EXPECT_EQ(ResponsesParam("tools[1].function.name"), "tools[1]");
+  EXPECT_EQ(ResponsesParam("temperature"), "temperature");
+}
+
+// A chat answer as a Response: reasoning, the message and each call as output items in that
+// order, a length finish incomplete, the usage renamed.
+TEST(ResponsesTest, AChatAnswerBecomesAResponse) {
+  const nlohmann::ordered_json chat = nlohmann::ordered_json::parse(R"({
+    "id": "chatcmpl-abc", "object": "chat.completion", "created": 7, "model": "m",
+    "choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "Hi",
+      "reasoning_content": "think", "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "f", "arguments": "{}"}}]}}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 4}}})");
+  const nlohmann::ordered_json request = nlohmann::ordered_json::parse(R"({"model": "m", "input": "x", "max_output_tokens": 3})");
+  const nlohmann::ordered_json r = ChatToResponse(chat, request);
+  EXPECT_EQ(r["id"], "resp_abc");
+  EXPECT_EQ(r["object"], "response");
+  EXPECT_EQ(r["created_at"], 7);
+  EXPECT_EQ(r["status"], "incomplete");
+  EXPECT_EQ(r["incomplete_details"]["reason"], "max_output_tokens");
+  EXPECT_EQ(r["max_output_tokens"], 3);
+  ASSERT_EQ(r["output"].size(), 3u);
+  EXPECT_EQ(r["output"][0]["type"], "reasoning");
+  EXPECT_EQ(r["output"][0]["content"][0]["text"], "think");
+  EXPECT_EQ(r["output"][1]["type"], "message");
+  EXPECT_EQ(r["output"][1]["content"][0], nlohmann::ordered_json::parse(R"({"type": "output_text", "text": "Hi", "annotations": []})"));
+  EXPECT_EQ(r["output"][2]["type"], "function_call");
+  EXPECT_EQ(r["output"][2]["call_id"], "call_1");
+  EXPECT_EQ(r["output"][2]["name"], "f");
+  EXPECT_EQ(r["output"][2]["arguments"], "{}");
+  EXPECT_EQ(r["usage"]["input_tokens"], 5);
+  EXPECT_EQ(r["usage"]["output_tokens"], 3);
+  EXPECT_EQ(r["usage"]["total_tokens"], 8);
+  EXPECT_EQ(r["usage"]["input_tokens_details"]["cached_tokens"], 4);
 }
 
 }  // namespace

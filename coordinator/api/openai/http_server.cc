@@ -23,6 +23,7 @@
 #include "coordinator/api/openai/connection_pool.h"
 #include "coordinator/api/openai/peer_watch.h"
 #include "coordinator/api/openai/protocol.h"
+#include "coordinator/api/openai/responses.h"
 #include "coordinator/api/request_validation.h"
 #include "coordinator/telemetry/log.h"
 #include "security/https.h"
@@ -69,7 +70,8 @@ std::string BadContentLength(const httplib::Request& req) {
 // The endpoint label of a path: the routes, or "other" (no unbounded label values).
 std::string EndpointLabel(const std::string& path) {
   for (const char* route :
-       {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health"}) {
+       {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
+        "/health"}) {
     if (path == route) return route;
   }
   if (absl::StartsWith(path, "/v1/models/")) return "/v1/models/{model}";  // one series, whatever is asked
@@ -693,8 +695,35 @@ void HttpServer::Routes() {
   using std::placeholders::_1, std::placeholders::_2, std::placeholders::_3;
   http_->Post("/v1/chat/completions", with_body(std::bind(&HttpServer::Generate, this, true, _1, _2, _3)));
   http_->Post("/v1/completions", with_body(std::bind(&HttpServer::Generate, this, false, _1, _2, _3)));
+  http_->Post("/v1/responses", with_body(std::bind(&HttpServer::Respond, this, _1, _2, _3)));
   http_->Post("/tokenize", with_body(std::bind(&HttpServer::Tokenize, this, _1, _2, _3)));
   http_->Post("/detokenize", with_body(std::bind(&HttpServer::Detokenize, this, _1, _2, _3)));
+}
+
+void HttpServer::Respond(const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  absl::StatusOr<Json> request = ParseBody(body);
+  absl::StatusOr<Json> chat = request.ok() ? ResponsesToChat(*request) : absl::StatusOr<Json>(request.status());
+  if (!chat.ok()) return Refuse(absl::StrCat("resp_", RandomHex()), chat.status(), res);
+  Generate(/*chat=*/true, req, chat->dump(), res);
+  absl::StatusOr<Json> answer = ParseBody(res.body);
+  if (!answer.ok()) return;  // a body not written (the client went away)
+  if (res.status >= 400) {  // the error's param as this API names it
+    if (Json& error = (*answer)["error"]; error.is_object() && error.contains("param") && error["param"].is_string()) {
+      const std::string param = error["param"].get<std::string>(), renamed = ResponsesParam(param);
+      std::string message = error.value("message", "");
+      if (absl::StartsWith(message, param + ":")) message = renamed + message.substr(param.size());
+      error["param"] = renamed;
+      error["message"] = message;
+      res.set_content(answer->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+    }
+    return;
+  }
+  const Json response = ChatToResponse(*answer, *request);
+  if (absl::StartsWith(res.get_header_value("X-Request-Id"), "chatcmpl-")) {
+    res.headers.erase("X-Request-Id");
+    res.set_header("X-Request-Id", response.value("id", ""));
+  }
+  res.set_content(response.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
 }
 
 void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res) {

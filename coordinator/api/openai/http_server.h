@@ -119,6 +119,9 @@ class HttpServer {
   // The POST routes, each given the request's body: a chat or text completion, and vLLM's
   // /tokenize and /detokenize.
   void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // The Responses API: its body made a chat completion's (responses.h), served by Generate, and the
+  // answer (or the error's param) made the Responses API's.
+  void Respond(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // The prompt of a chat request as the model's chat template renders it (continuing the final

@@ -166,6 +166,9 @@ absl::Status HarmonyForcedToolConstraint(Request* r, const HarmonyMarkers& marke
 
 // InvalidArgument "field: what" with field as its param.
 absl::Status InvalidField(absl::string_view field, absl::string_view what);
+// A request body parsed: a JSON object (nested at most 128 levels), else InvalidArgument saying
+// what is wrong.
+absl::StatusOr<nlohmann::ordered_json> ParseBody(absl::string_view body);
 // The field an error names, or empty.
 std::string ParamOf(const absl::Status& status);
 

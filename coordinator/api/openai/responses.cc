@@ -1,0 +1,250 @@
+#include "coordinator/api/openai/responses.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "coordinator/api/openai/protocol.h"
+
+namespace shardserve::openai {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+std::string TypeOf(const Json& item) { return item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : ""; }
+
+// A message item's content as chat text: a string, or the text of its input_text / output_text
+// parts, joined.
+absl::StatusOr<std::string> ContentText(const Json& content, const std::string& field) {
+  if (content.is_string()) return content.get<std::string>();
+  if (!content.is_array()) return InvalidField(field, "must be a string or an array of content parts");
+  std::string text;
+  for (size_t i = 0; i < content.size(); ++i) {
+    const Json& part = content[i];
+    const std::string type = part.is_object() ? TypeOf(part) : "";
+    const std::string where = absl::StrCat(field, "[", i, "]");
+    if (type != "input_text" && type != "output_text") {
+      return InvalidField(absl::StrCat(where, ".type"),
+                          absl::StrCat("'", type.substr(0, 64), "' is not served: input_text or output_text only"));
+    }
+    if (!part.contains("text") || !part["text"].is_string()) return InvalidField(absl::StrCat(where, ".text"), "must be a string");
+    text += part["text"].get<std::string>();
+  }
+  return text;
+}
+
+// The input items as chat messages, appended to `messages`: consecutive function calls join one
+// assistant message's tool_calls.
+absl::Status InputMessages(const Json& input, Json* messages) {
+  if (input.is_string()) {
+    messages->push_back({{"role", "user"}, {"content", input}});
+    return absl::OkStatus();
+  }
+  if (!input.is_array()) return InvalidField("input", "must be a string or an array of items");
+  for (size_t i = 0; i < input.size(); ++i) {
+    const Json& item = input[i];
+    const std::string field = absl::StrCat("input[", i, "]");
+    if (!item.is_object()) return InvalidField(field, "must be an object");
+    const std::string type = TypeOf(item);
+    if (type == "message" || (type.empty() && item.contains("role"))) {
+      if (!item.contains("role") || !item["role"].is_string()) return InvalidField(absl::StrCat(field, ".role"), "must be a string");
+      std::string role = item["role"].get<std::string>();
+      if (role == "developer") role = "system";
+      if (role != "system" && role != "user" && role != "assistant") {
+        return InvalidField(absl::StrCat(field, ".role"), "must be user, assistant, system or developer");
+      }
+      if (!item.contains("content")) return InvalidField(absl::StrCat(field, ".content"), "is required");
+      absl::StatusOr<std::string> text = ContentText(item["content"], absl::StrCat(field, ".content"));
+      if (!text.ok()) return text.status();
+      messages->push_back({{"role", role}, {"content", *std::move(text)}});
+    } else if (type == "function_call") {
+      for (const char* key : {"call_id", "name", "arguments"}) {
+        if (!item.contains(key) || !item[key].is_string()) return InvalidField(absl::StrCat(field, ".", key), "must be a string");
+      }
+      Json call = {{"id", item["call_id"]},
+                   {"type", "function"},
+                   {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}};
+      Json* last = messages->empty() ? nullptr : &messages->back();
+      if (last != nullptr && (*last)["role"] == "assistant" && last->contains("tool_calls")) {
+        (*last)["tool_calls"].push_back(std::move(call));
+      } else {
+        messages->push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", Json::array({std::move(call)})}});
+      }
+    } else if (type == "function_call_output") {
+      if (!item.contains("call_id") || !item["call_id"].is_string()) {
+        return InvalidField(absl::StrCat(field, ".call_id"), "must be a string");
+      }
+      if (!item.contains("output")) return InvalidField(absl::StrCat(field, ".output"), "is required");
+      absl::StatusOr<std::string> text = ContentText(item["output"], absl::StrCat(field, ".output"));
+      if (!text.ok()) return text.status();
+      messages->push_back({{"role", "tool"}, {"tool_call_id", item["call_id"]}, {"content", *std::move(text)}});
+    } else if (type == "reasoning") {
+      continue;  // the model's own earlier reasoning: chat templates drop it from past turns
+    } else {
+      return InvalidField(absl::StrCat(field, ".type"),
+                          absl::StrCat("'", type.substr(0, 64),
+                                       "' is not served: message, function_call, function_call_output or reasoning"));
+    }
+  }
+  if (messages->empty()) return InvalidField("input", "has no message");
+  return absl::OkStatus();
+}
+
+// Responses' function tools ({type, name, description, parameters, strict}) as chat tools.
+absl::StatusOr<Json> Tools(const Json& tools) {
+  if (!tools.is_array()) return InvalidField("tools", "must be an array");
+  Json out = Json::array();
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const Json& tool = tools[i];
+    const std::string field = absl::StrCat("tools[", i, "]");
+    if (!tool.is_object() || TypeOf(tool) != "function") {
+      return InvalidField(absl::StrCat(field, ".type"), "only function tools are served (no built-in tools)");
+    }
+    Json function = Json::object();
+    for (const char* key : {"name", "description", "parameters", "strict"}) {
+      if (tool.contains(key) && !tool[key].is_null()) function[key] = tool[key];
+    }
+    out.push_back({{"type", "function"}, {"function", std::move(function)}});
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Json> ResponsesToChat(const Json& body) {
+  for (const char* refused : {"previous_response_id", "background", "conversation"}) {
+    if (body.contains(refused) && !body[refused].is_null() && body[refused] != false) {
+      return InvalidField(refused, "is not served: this server stores no responses; send the whole conversation as input");
+    }
+  }
+  if (body.contains("stream") && body["stream"] == true) {
+    return InvalidField("stream", "is not served on /v1/responses yet: send stream: false, or use /v1/chat/completions");
+  }
+  Json chat = Json::object();
+  // Fields chat completions take as they are (vLLM's extras included).
+  for (const auto& [key, value] : body.items()) {
+    if (key == "input" || key == "instructions" || key == "max_output_tokens" || key == "tools" || key == "text" ||
+        key == "tool_choice" || key == "reasoning" || key == "store" || key == "metadata" || key == "stream" ||
+        key == "include" || key == "truncation" || key == "previous_response_id" || key == "background") {
+      continue;
+    }
+    chat[key] = value;
+  }
+  if (!body.contains("model")) return InvalidField("model", "is required");
+  Json messages = Json::array();
+  if (body.contains("instructions") && !body["instructions"].is_null()) {
+    if (!body["instructions"].is_string()) return InvalidField("instructions", "must be a string");
+    messages.push_back({{"role", "system"}, {"content", body["instructions"]}});
+  }
+  if (!body.contains("input")) return InvalidField("input", "is required");
+  if (absl::Status s = InputMessages(body["input"], &messages); !s.ok()) return s;
+  chat["messages"] = std::move(messages);
+  if (body.contains("max_output_tokens") && !body["max_output_tokens"].is_null()) {
+    chat["max_tokens"] = body["max_output_tokens"];
+  }
+  if (body.contains("tools") && !body["tools"].is_null()) {
+    absl::StatusOr<Json> tools = Tools(body["tools"]);
+    if (!tools.ok()) return tools.status();
+    chat["tools"] = *std::move(tools);
+  }
+  if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
+    const Json& choice = body["tool_choice"];
+    if (choice.is_object() && TypeOf(choice) == "function" && choice.contains("name")) {
+      chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", choice["name"]}}}};
+    } else {
+      chat["tool_choice"] = choice;
+    }
+  }
+  if (body.contains("text") && body["text"].is_object() && body["text"].contains("format")) {
+    const Json& format = body["text"]["format"];
+    const std::string type = format.is_object() ? TypeOf(format) : "";
+    if (type == "json_schema") {
+      Json schema = {{"name", format.value("name", "output")}};
+      if (format.contains("schema")) schema["schema"] = format["schema"];
+      if (format.contains("strict")) schema["strict"] = format["strict"];
+      chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(schema)}};
+    } else if (type == "json_object") {
+      chat["response_format"] = {{"type", "json_object"}};
+    } else if (type != "text") {
+      return InvalidField("text.format.type", "must be text, json_schema or json_object");
+    }
+  }
+  return chat;
+}
+
+std::string ResponsesParam(const std::string& chat_param) {
+  if (chat_param == "max_tokens") return "max_output_tokens";
+  if (absl::StartsWith(chat_param, "messages")) return "input";
+  if (absl::StartsWith(chat_param, "response_format")) return "text.format";
+  if (absl::StartsWith(chat_param, "tools[")) {
+    const size_t end = chat_param.find(']');
+    return end == std::string::npos ? chat_param : chat_param.substr(0, end + 1);
+  }
+  return chat_param;
+}
+
+Json ChatToResponse(const Json& chat, const Json& request) {
+  std::string id = chat.value("id", "");
+  if (absl::StartsWith(id, "chatcmpl-")) id = id.substr(9);
+  const Json& choice = chat["choices"][0];
+  const Json& message = choice["message"];
+  Json output = Json::array();
+  if (message.contains("reasoning_content") && message["reasoning_content"].is_string()) {
+    output.push_back({{"type", "reasoning"},
+                      {"id", absl::StrCat("rs_", id)},
+                      {"summary", Json::array()},
+                      {"content", Json::array({{{"type", "reasoning_text"}, {"text", message["reasoning_content"]}}})}});
+  }
+  if (message.contains("content") && message["content"].is_string() && !message["content"].get<std::string>().empty()) {
+    output.push_back({{"type", "message"},
+                      {"id", absl::StrCat("msg_", id)},
+                      {"status", "completed"},
+                      {"role", "assistant"},
+                      {"content", Json::array({{{"type", "output_text"}, {"text", message["content"]}, {"annotations", Json::array()}}})}});
+  }
+  if (message.contains("tool_calls") && message["tool_calls"].is_array()) {
+    for (size_t i = 0; i < message["tool_calls"].size(); ++i) {
+      const Json& call = message["tool_calls"][i];
+      output.push_back({{"type", "function_call"},
+                        {"id", absl::StrCat("fc_", id, "_", i)},
+                        {"call_id", call["id"]},
+                        {"name", call["function"]["name"]},
+                        {"arguments", call["function"]["arguments"]},
+                        {"status", "completed"}});
+    }
+  }
+  const bool cut = choice.value("finish_reason", "") == "length";
+  const Json& usage = chat["usage"];
+  const int64_t cached = usage.contains("prompt_tokens_details") && usage["prompt_tokens_details"].is_object()
+                             ? usage["prompt_tokens_details"].value("cached_tokens", int64_t{0})
+                             : 0;
+  Json response = {{"id", absl::StrCat("resp_", id)},
+                   {"object", "response"},
+                   {"created_at", chat.value("created", int64_t{0})},
+                   {"status", cut ? "incomplete" : "completed"},
+                   {"error", nullptr},
+                   {"incomplete_details", cut ? Json{{"reason", "max_output_tokens"}} : Json(nullptr)},
+                   {"instructions", request.value("instructions", Json(nullptr))},
+                   {"max_output_tokens", request.value("max_output_tokens", Json(nullptr))},
+                   {"model", chat.value("model", "")},
+                   {"output", std::move(output)},
+                   {"parallel_tool_calls", request.value("parallel_tool_calls", true)},
+                   {"previous_response_id", nullptr},
+                   {"store", false},
+                   {"temperature", request.value("temperature", Json(1.0))},
+                   {"text", request.value("text", Json{{"format", {{"type", "text"}}}})},
+                   {"tool_choice", request.value("tool_choice", Json("auto"))},
+                   {"tools", request.value("tools", Json::array())},
+                   {"top_p", request.value("top_p", Json(1.0))},
+                   {"usage",
+                    {{"input_tokens", usage.value("prompt_tokens", int64_t{0})},
+                     {"input_tokens_details", {{"cached_tokens", cached}}},
+                     {"output_tokens", usage.value("completion_tokens", int64_t{0})},
+                     {"output_tokens_details", {{"reasoning_tokens", 0}}},
+                     {"total_tokens", usage.value("total_tokens", int64_t{0})}}},
+                   {"metadata", request.value("metadata", Json::object())}};
+  return response;
+}
+
+}  // namespace shardserve::openai
