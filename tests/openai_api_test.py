@@ -619,9 +619,42 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(status, 200, structured)
         [message] = [item for item in structured["output"] if item["type"] == "message"]
         self.assertIsInstance(json.loads(message["content"][0]["text"])["light"], bool)
+        # Streamed: the Responses API's events, in order, whose deltas make the whole answer's.
+        def stream(**body):
+            req = urllib.request.Request(self.base + "/v1/responses", data=json.dumps(dict(model=MODEL, stream=True, **body)).encode(),
+                                         headers={"Content-Type": "application/json"})
+            events = []
+            with urllib.request.urlopen(req, timeout=60) as response:
+                for block in response.read().decode().split("\n\n"):
+                    if block.strip():
+                        kind, data = block.split("\n", 1)
+                        event = json.loads(data[len("data: "):])
+                        self.assertEqual(kind, "event: " + event["type"])
+                        events.append(event)
+            self.assertEqual([e["sequence_number"] for e in events], list(range(len(events))))
+            return events
+
+        events = stream(instructions="Be brief.", input="Who made the heaven?", max_output_tokens=12, temperature=0)
+        types = [e["type"] for e in events]
+        self.assertEqual(types[:4], ["response.created", "response.in_progress", "response.output_item.added",
+                                     "response.content_part.added"])
+        self.assertEqual(types[-4:], ["response.output_text.done", "response.content_part.done",
+                                      "response.output_item.done", "response.incomplete"])
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        self.assertEqual(text, chat.choices[0].message.content)
+        final = events[-1]["response"]
+        self.assertEqual([item["content"] for item in final["output"]], [item["content"] for item in r["output"]])
+        self.assertEqual(final["usage"]["output_tokens"], 12)
+        events = stream(input="Weather in Paris?", tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                        max_output_tokens=60, temperature=0)
+        added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+        self.assertEqual([item["type"] for item in added], ["function_call"])
+        arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+        self.assertEqual(arguments, call["arguments"])
+        self.assertEqual(events[-1]["type"], "response.completed")
+        self.assertEqual(events[-1]["response"]["output"][0]["arguments"], call["arguments"])
         # Refusals name the Responses API's fields.
-        for body, param in [(dict(input="x", stream=True), "stream"),
-                            (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+        for body, param in [(dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
                             (dict(input="x", max_output_tokens=-1), "max_output_tokens"),
                             (dict(input=[{"type": "input_image", "image_url": "x"}]), "input[0].type"),
                             (dict(input="x", tools=[{"type": "web_search"}]), "tools[0].type"),

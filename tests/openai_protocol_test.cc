@@ -17,6 +17,7 @@
 #include "coordinator/chat/chat_template.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "base/field_error.h"
 #include "coordinator/api/request_validation.h"
 #include "grammar/json_schema.h"
@@ -1276,7 +1277,6 @@ TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
   EXPECT_EQ(request->tool_choice, ToolChoice::kNamed);
 
   for (const auto& [json, param] : std::vector<std::pair<std::string, std::string>>{
-           {R"({"model": "m", "input": "x", "stream": true})", "stream"},
            {R"({"model": "m", "input": "x", "previous_response_id": "resp_1"})", "previous_response_id"},
            {R"({"model": "m"})", "input"},
            {R"({"input": "x"})", "model"},
@@ -1327,6 +1327,66 @@ TEST(ResponsesTest, AChatAnswerBecomesAResponse) {
   EXPECT_EQ(r["usage"]["output_tokens"], 3);
   EXPECT_EQ(r["usage"]["total_tokens"], 8);
   EXPECT_EQ(r["usage"]["input_tokens_details"]["cached_tokens"], 4);
+}
+
+
+// A chat stream's chunks as Responses events: created and in_progress, then per item (reasoning,
+// message, call) its added, delta and done events, closed as the next begins, then completed with
+// the whole Response, whose items have the streamed ids; an error ends the stream as an error event.
+TEST(ResponsesTest, AChatStreamBecomesResponsesEvents) {
+  ResponseEvents events(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x", "stream": true})"));
+  std::string out;
+  for (const char* chunk : {
+           R"({"id": "chatcmpl-s", "created": 3, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"content": "He"}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"content": "llo"}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_9",
+               "type": "function", "function": {"name": "f", "arguments": ""}}]}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]}}]})",
+           R"({"id": "chatcmpl-s", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}, "finish_reason": "tool_calls"}]})",
+           R"({"id": "chatcmpl-s", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}})"}) {
+    out += events.Chunk(nlohmann::ordered_json::parse(chunk));
+  }
+  out += events.End();
+  std::vector<nlohmann::ordered_json> parsed;
+  std::vector<std::string> types;
+  for (absl::string_view block : absl::StrSplit(out, "\n\n", absl::SkipEmpty())) {
+    const std::vector<std::string> lines = absl::StrSplit(block, '\n');
+    ASSERT_EQ(lines.size(), 2u) << block;
+    parsed.push_back(nlohmann::ordered_json::parse(lines[1].substr(6)));
+    EXPECT_EQ(lines[0], "event: " + parsed.back()["type"].get<std::string>());
+    EXPECT_EQ(parsed.back()["sequence_number"], parsed.size() - 1);
+    types.push_back(parsed.back()["type"]);
+  }
+  EXPECT_EQ(types, (std::vector<std::string>{
+                       "response.created", "response.in_progress",
+                       "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+                       "response.output_item.done",
+                       "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                       "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                       "response.output_item.done",
+                       "response.output_item.added", "response.function_call_arguments.delta",
+                       "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                       "response.output_item.done", "response.completed"}));
+  const nlohmann::ordered_json& whole = parsed.back()["response"];
+  EXPECT_EQ(whole["id"], "resp_s");
+  EXPECT_EQ(whole["status"], "completed");
+  ASSERT_EQ(whole["output"].size(), 3u);
+  EXPECT_EQ(whole["output"][0]["id"], parsed[2]["item"]["id"]);
+  EXPECT_EQ(whole["output"][1]["content"][0]["text"], "Hello");
+  EXPECT_EQ(whole["output"][1]["id"], parsed[6]["item"]["id"]);
+  EXPECT_EQ(whole["output"][2]["arguments"], "{\"a\": 1}");
+  EXPECT_EQ(whole["output"][2]["call_id"], "call_9");
+  EXPECT_EQ(whole["output"][2]["id"], parsed[13]["item"]["id"]);
+  EXPECT_EQ(whole["usage"]["output_tokens"], 6);
+  EXPECT_EQ(parsed[0]["response"]["status"], "in_progress");
+
+  ResponseEvents failing(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x"})"));
+  const nlohmann::ordered_json error = nlohmann::ordered_json::parse(R"({"error": {"message": "boom", "code": null, "param": null}})");
+  const std::string ended = failing.End(&error);
+  EXPECT_TRUE(absl::StartsWith(ended, "event: error\ndata: ")) << ended;
+  EXPECT_NE(ended.find("boom"), std::string::npos) << ended;
 }
 
 }  // namespace

@@ -693,8 +693,8 @@ void HttpServer::Routes() {
     res.set_content(model_object().dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
   using std::placeholders::_1, std::placeholders::_2, std::placeholders::_3;
-  http_->Post("/v1/chat/completions", with_body(std::bind(&HttpServer::Generate, this, true, _1, _2, _3)));
-  http_->Post("/v1/completions", with_body(std::bind(&HttpServer::Generate, this, false, _1, _2, _3)));
+  http_->Post("/v1/chat/completions", with_body(std::bind(&HttpServer::Generate, this, true, _1, _2, _3, nullptr)));
+  http_->Post("/v1/completions", with_body(std::bind(&HttpServer::Generate, this, false, _1, _2, _3, nullptr)));
   http_->Post("/v1/responses", with_body(std::bind(&HttpServer::Respond, this, _1, _2, _3)));
   http_->Post("/tokenize", with_body(std::bind(&HttpServer::Tokenize, this, _1, _2, _3)));
   http_->Post("/detokenize", with_body(std::bind(&HttpServer::Detokenize, this, _1, _2, _3)));
@@ -704,7 +704,8 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
   absl::StatusOr<Json> request = ParseBody(body);
   absl::StatusOr<Json> chat = request.ok() ? ResponsesToChat(*request) : absl::StatusOr<Json>(request.status());
   if (!chat.ok()) return Refuse(absl::StrCat("resp_", RandomHex()), chat.status(), res);
-  Generate(/*chat=*/true, req, chat->dump(), res);
+  const bool stream = chat->value("stream", false);
+  Generate(/*chat=*/true, req, chat->dump(), res, stream ? std::make_shared<ResponseEvents>(*request) : nullptr);
   absl::StatusOr<Json> answer = ParseBody(res.body);
   if (!answer.ok()) return;  // a body not written (the client went away)
   if (res.status >= 400) {  // the error's param as this API names it
@@ -865,7 +866,8 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
   return *std::move(prompt);
 }
 
-void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res) {
+void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res,
+                          std::shared_ptr<ResponseEvents> events) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   // The request's id, in the log and the answer: the client's (an X-Request-Id header, else the
@@ -1017,30 +1019,36 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [job, first, tokenizer](size_t, httplib::DataSink& sink) {
+      [job, first, tokenizer, events](size_t, httplib::DataSink& sink) {
+        // A chunk as the client reads it: a chat or completion chunk, or /v1/responses' events.
+        auto write = [&events](const Json& chunk) { return events != nullptr ? events->Chunk(chunk) : Event(chunk); };
         std::string out;
         if (*first) {
           *first = false;
-          for (const Json& chunk : job->OpeningChunks()) out += Event(chunk);
+          for (const Json& chunk : job->OpeningChunks()) out += write(chunk);
         }
         for (const Polled& p : job->Poll()) {
-          for (const Json& chunk : job->ChunksOf(p, tokenizer)) out += Event(chunk);
+          for (const Json& chunk : job->ChunksOf(p, tokenizer)) out += write(chunk);
         }
         if (job->done()) {
           if (!job->error().ok()) {
             // The 200 is sent: the error travels as an event, as OpenAI-compatible servers do.
-            const ApiError e = ErrorFromStatus(job->error());
-            out += Event(Json::parse(ErrorBody(e)));
+            const Json error = Json::parse(ErrorBody(ErrorFromStatus(job->error())));
+            out += events != nullptr ? events->End(&error) : Event(error);
           } else if (job->request().include_usage) {
-            out += Event(job->UsageChunk());
+            out += write(job->UsageChunk());
           }
-          out += "data: [DONE]\n\n";
+          if (events == nullptr) {
+            out += "data: [DONE]\n\n";
+          } else if (job->error().ok()) {
+            out += events->End();
+          }
         }
         if (!out.empty() && !sink.write(out.data(), out.size())) return false;
         if (job->done()) sink.done();
         return true;
       },
-      [this, job, counted](bool success) {
+      [this, job, counted, responses = events != nullptr](bool success) {
         // The stream ended: written to the end, or its client went away (cancel what runs).
         if (counted->exchange(true)) return;
         const bool gone = !success && !job->done();
@@ -1049,7 +1057,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
           job->Cancel(absl::CancelledError("the HTTP client disconnected"));
         }
         if (metrics_ != nullptr) {
-          metrics_->HttpRequest(job->chat() ? "/v1/chat/completions" : "/v1/completions",
+          metrics_->HttpRequest(responses ? "/v1/responses" : job->chat() ? "/v1/chat/completions" : "/v1/completions",
                                 success || !gone ? 200 : kClientClosed);
         }
       });

@@ -46,6 +46,7 @@
 #include "absl/status/statusor.h"
 #include "coordinator/api/openai/harmony.h"
 #include "coordinator/api/openai/protocol.h"
+#include "coordinator/api/openai/responses.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "coordinator/engine/engine.h"
@@ -118,9 +119,11 @@ class HttpServer {
   absl::Status Authorize(const httplib::Request& req);
   // The POST routes, each given the request's body: a chat or text completion, and vLLM's
   // /tokenize and /detokenize.
-  void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // With `events` (a streamed /v1/responses), the stream's chunks are written as its events.
+  void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res,
+                std::shared_ptr<ResponseEvents> events);
   // The Responses API: its body made a chat completion's (responses.h), served by Generate, and the
-  // answer (or the error's param) made the Responses API's.
+  // answer (or the error's param) made the Responses API's; a stream's chunks its events.
   void Respond(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);

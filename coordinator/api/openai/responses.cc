@@ -118,9 +118,6 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body) {
       return InvalidField(refused, "is not served: this server stores no responses; send the whole conversation as input");
     }
   }
-  if (body.contains("stream") && body["stream"] == true) {
-    return InvalidField("stream", "is not served on /v1/responses yet: send stream: false, or use /v1/chat/completions");
-  }
   Json chat = Json::object();
   // Fields chat completions take as they are (vLLM's extras included).
   for (const auto& [key, value] : body.items()) {
@@ -140,6 +137,10 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body) {
   if (!body.contains("input")) return InvalidField("input", "is required");
   if (absl::Status s = InputMessages(body["input"], &messages); !s.ok()) return s;
   chat["messages"] = std::move(messages);
+  if (body.contains("stream") && body["stream"] == true) {
+    chat["stream"] = true;
+    chat["stream_options"] = {{"include_usage", true}};
+  }
   if (body.contains("max_output_tokens") && !body["max_output_tokens"].is_null()) {
     chat["max_tokens"] = body["max_output_tokens"];
   }
@@ -245,6 +246,160 @@ Json ChatToResponse(const Json& chat, const Json& request) {
                      {"total_tokens", usage.value("total_tokens", int64_t{0})}}},
                    {"metadata", request.value("metadata", Json::object())}};
   return response;
+}
+
+// ---- ResponseEvents -------------------------------------------------------------------------------
+
+std::string ResponseEvents::Emit(const std::string& type, Json fields) {
+  Json event = {{"type", type}, {"sequence_number", sequence_++}};
+  for (auto& [key, value] : fields.items()) event[key] = std::move(value);
+  return absl::StrCat("event: ", type, "\ndata: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
+}
+
+Json ResponseEvents::Whole(const std::string& status) const {
+  Json message = {{"role", "assistant"}, {"content", content_}};
+  if (!reasoning_.empty()) message["reasoning_content"] = reasoning_;
+  if (!calls_.empty()) message["tool_calls"] = calls_;
+  Json chat = {{"id", absl::StrCat("chatcmpl-", id_)},
+               {"created", chat_.value("created", int64_t{0})},
+               {"model", chat_.value("model", "")},
+               {"choices", Json::array({{{"index", 0}, {"message", std::move(message)}, {"finish_reason", finish_}}})},
+               {"usage", chat_.contains("usage") ? chat_["usage"] : Json::object()}};
+  Json response = ChatToResponse(chat, request_);
+  response["status"] = status;
+  if (status == "in_progress") {
+    response["output"] = Json::array();
+    response["usage"] = nullptr;
+    response["incomplete_details"] = nullptr;
+  }
+  return response;
+}
+
+std::string ResponseEvents::Open(Kind kind, const Json* call) {
+  std::string out = Close();
+  open_ = kind;
+  ++output_index_;
+  Json item;
+  if (kind == Kind::kReasoning) {
+    item = {{"type", "reasoning"}, {"id", absl::StrCat("rs_", id_)}, {"summary", Json::array()}, {"content", Json::array()}};
+  } else if (kind == Kind::kMessage) {
+    item = {{"type", "message"}, {"id", absl::StrCat("msg_", id_)}, {"status", "in_progress"}, {"role", "assistant"},
+            {"content", Json::array()}};
+  } else {
+    const Json& function = call->contains("function") ? (*call)["function"] : Json::object();
+    calls_.push_back({{"id", call->value("id", "")},
+                      {"type", "function"},
+                      {"function", {{"name", function.value("name", "")}, {"arguments", ""}}}});
+    item = {{"type", "function_call"}, {"id", absl::StrCat("fc_", id_, "_", calls_.size() - 1)},
+            {"call_id", call->value("id", "")}, {"name", function.value("name", "")}, {"arguments", ""},
+            {"status", "in_progress"}};
+  }
+  const std::string item_id = item["id"].get<std::string>();
+  out += Emit("response.output_item.added", {{"output_index", output_index_}, {"item", std::move(item)}});
+  if (kind == Kind::kMessage) {
+    out += Emit("response.content_part.added",
+                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0},
+                 {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", Json::array()}}}});
+  }
+  return out;
+}
+
+std::string ResponseEvents::Close() {
+  if (open_ == Kind::kNone) return "";
+  std::string out;
+  Json item;
+  if (open_ == Kind::kReasoning) {
+    const std::string item_id = absl::StrCat("rs_", id_);
+    out += Emit("response.reasoning_text.done",
+                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", reasoning_}});
+    item = {{"type", "reasoning"}, {"id", item_id}, {"summary", Json::array()},
+            {"content", Json::array({{{"type", "reasoning_text"}, {"text", reasoning_}}})}};
+  } else if (open_ == Kind::kMessage) {
+    const std::string item_id = absl::StrCat("msg_", id_);
+    const Json part = {{"type", "output_text"}, {"text", content_}, {"annotations", Json::array()}};
+    out += Emit("response.output_text.done",
+                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", content_}});
+    out += Emit("response.content_part.done",
+                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"part", part}});
+    item = {{"type", "message"}, {"id", item_id}, {"status", "completed"}, {"role", "assistant"},
+            {"content", Json::array({part})}};
+  } else {
+    const size_t i = calls_.size() - 1;
+    const std::string item_id = absl::StrCat("fc_", id_, "_", i);
+    const Json& call = calls_[i];
+    out += Emit("response.function_call_arguments.done",
+                {{"item_id", item_id}, {"output_index", output_index_}, {"arguments", call["function"]["arguments"]}});
+    item = {{"type", "function_call"}, {"id", item_id}, {"call_id", call["id"]}, {"name", call["function"]["name"]},
+            {"arguments", call["function"]["arguments"]}, {"status", "completed"}};
+  }
+  out += Emit("response.output_item.done", {{"output_index", output_index_}, {"item", std::move(item)}});
+  open_ = Kind::kNone;
+  return out;
+}
+
+std::string ResponseEvents::Chunk(const Json& chunk) {
+  std::string out;
+  if (!started_) {
+    started_ = true;
+    id_ = chunk.value("id", "");
+    if (absl::StartsWith(id_, "chatcmpl-")) id_ = id_.substr(9);
+    chat_["created"] = chunk.value("created", int64_t{0});
+    chat_["model"] = chunk.value("model", "");
+    out += Emit("response.created", {{"response", Whole("in_progress")}});
+    out += Emit("response.in_progress", {{"response", Whole("in_progress")}});
+  }
+  if (chunk.contains("usage") && chunk["usage"].is_object()) chat_["usage"] = chunk["usage"];
+  if (!chunk.contains("choices") || !chunk["choices"].is_array() || chunk["choices"].empty()) return out;
+  const Json& choice = chunk["choices"][0];
+  if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) finish_ = choice["finish_reason"];
+  if (!choice.contains("delta") || !choice["delta"].is_object()) return out;
+  const Json& delta = choice["delta"];
+  if (delta.contains("reasoning_content") && delta["reasoning_content"].is_string() &&
+      !delta["reasoning_content"].get<std::string>().empty()) {
+    if (open_ != Kind::kReasoning) out += Open(Kind::kReasoning);
+    const std::string piece = delta["reasoning_content"];
+    reasoning_ += piece;
+    out += Emit("response.reasoning_text.delta", {{"item_id", absl::StrCat("rs_", id_)}, {"output_index", output_index_},
+                                                  {"content_index", 0}, {"delta", piece}});
+  }
+  if (delta.contains("content") && delta["content"].is_string() && !delta["content"].get<std::string>().empty()) {
+    if (open_ != Kind::kMessage) out += Open(Kind::kMessage);
+    const std::string piece = delta["content"];
+    content_ += piece;
+    out += Emit("response.output_text.delta", {{"item_id", absl::StrCat("msg_", id_)}, {"output_index", output_index_},
+                                               {"content_index", 0}, {"delta", piece}, {"logprobs", Json::array()}});
+  }
+  if (delta.contains("tool_calls") && delta["tool_calls"].is_array()) {
+    for (const Json& call : delta["tool_calls"]) {
+      if (!call.is_object()) continue;
+      const size_t index = call.contains("index") && call["index"].is_number_unsigned() ? call["index"].get<size_t>()
+                           : calls_.empty()                                             ? 0
+                                                                                         : calls_.size() - 1;
+      if (index >= calls_.size()) out += Open(Kind::kCall, &call);
+      if (index >= calls_.size()) continue;  // an index past the next: not the chat stream's
+      const Json* function = call.contains("function") ? &call["function"] : nullptr;
+      if (function == nullptr || !function->contains("arguments") || !(*function)["arguments"].is_string()) continue;
+      const std::string piece = (*function)["arguments"];
+      if (piece.empty()) continue;
+      calls_[index]["function"]["arguments"] = calls_[index]["function"]["arguments"].get<std::string>() + piece;
+      out += Emit("response.function_call_arguments.delta",
+                  {{"item_id", absl::StrCat("fc_", id_, "_", index)}, {"output_index", output_index_}, {"delta", piece}});
+    }
+  }
+  return out;
+}
+
+std::string ResponseEvents::End(const Json* error) {
+  if (error != nullptr) {
+    const Json& e = error->contains("error") ? (*error)["error"] : *error;
+    return Emit("error", {{"code", e.value("code", Json(nullptr))},
+                          {"message", e.value("message", "")},
+                          {"param", e.value("param", Json(nullptr))}});
+  }
+  std::string out = Close();
+  const bool cut = finish_ == "length";
+  out += Emit(cut ? "response.incomplete" : "response.completed", {{"response", Whole(cut ? "incomplete" : "completed")}});
+  return out;
 }
 
 }  // namespace shardserve::openai

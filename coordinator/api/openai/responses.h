@@ -9,15 +9,17 @@
 // reasoning items are dropped, as they are what the model wrote), instructions, max_output_tokens,
 // temperature, top_p, tools of type function, tool_choice, parallel_tool_calls, text.format
 // (json_schema, json_object, text), user, store and metadata (accepted: nothing is stored) and the
-// fields chat completions take beside them (vLLM's). Refused, naming the field: stream (not yet
-// served), previous_response_id and background (nothing is stored), other tool and content types
-// (built-in tools, images, files).
+// fields chat completions take beside them (vLLM's), and stream (the chat stream's chunks made the
+// Responses API's events by ResponseEvents). Refused, naming the field: previous_response_id and
+// background (nothing is stored), other tool and content types (built-in tools, images, files).
 //
-// Threading: plain functions.
+// Threading: plain functions; a ResponseEvents is used by one thread at a time.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 
+#include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
@@ -25,8 +27,47 @@
 namespace shardserve::openai {
 
 // The chat completion body for a Responses request body (a JSON object); InvalidArgument naming
-// the Responses field (base/field_error.h) when it is malformed or asks for what is not served.
+// the Responses field (base/field_error.h) when it is malformed or asks for what is not served. A
+// streamed one asks for the usage chunk (stream_options.include_usage), which the last event needs.
 absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body);
+
+// A streamed chat completion's chunks (their JSON, in order) as the Responses API's server-sent
+// events ("event: TYPE\ndata: JSON\n\n", sequence_number from 0): response.created and
+// response.in_progress first; per output item (reasoning, the message, each function call, in the
+// order they begin) output_item.added, its deltas (reasoning_text.delta; content_part.added and
+// output_text.delta; function_call_arguments.delta) and their .done events, output_item.done when
+// the next begins or the output ends; then response.completed (response.incomplete at
+// max_output_tokens) with the whole Response, as ChatToResponse makes it, item ids included.
+class ResponseEvents {
+ public:
+  explicit ResponseEvents(nlohmann::ordered_json request) : request_(std::move(request)) {}
+  // The events of one chat chunk (the usage chunk included).
+  std::string Chunk(const nlohmann::ordered_json& chunk);
+  // The events that end the stream: the items still open closed and the Response; or, with an
+  // error body (the API's error JSON), an "error" event.
+  std::string End(const nlohmann::ordered_json* error = nullptr);
+
+ private:
+  enum class Kind { kNone, kReasoning, kMessage, kCall };
+  std::string Emit(const std::string& type, nlohmann::ordered_json fields);
+  // Closes the open item, if any, with its .done events.
+  std::string Close();
+  // Opens an item of `kind` (closing the one open); `call` the chat delta of a new call.
+  std::string Open(Kind kind, const nlohmann::ordered_json* call = nullptr);
+  // The Response so far, as ChatToResponse makes it from what was streamed.
+  nlohmann::ordered_json Whole(const std::string& status) const;
+
+  const nlohmann::ordered_json request_;
+  std::string id_;  // the chat stream's, without "chatcmpl-"
+  nlohmann::ordered_json chat_ = nlohmann::ordered_json::object();  // the answer gathered as a chat completion
+  std::string reasoning_, content_;
+  nlohmann::ordered_json calls_ = nlohmann::ordered_json::array();  // chat tool_calls
+  Kind open_ = Kind::kNone;
+  int output_index_ = -1;  // the open item's
+  int64_t sequence_ = 0;
+  bool started_ = false;
+  std::string finish_;
+};
 
 // The Response object for `chat`, a chat completion answer to ResponsesToChat(`request`):
 // id "resp_" + what follows "chatcmpl-" in the chat answer's id.
