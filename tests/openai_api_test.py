@@ -653,6 +653,18 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(arguments, call["arguments"])
         self.assertEqual(events[-1]["type"], "response.completed")
         self.assertEqual(events[-1]["response"]["output"][0]["arguments"], call["arguments"])
+        # The official client reads both: its typed Response (output_text), and its stream helper,
+        # which checks the events' order and assembles the Response from them.
+        sdk = self.client.responses.create(model=MODEL, instructions="Be brief.", input="Who made the heaven?",
+                                           max_output_tokens=12, temperature=0)
+        self.assertEqual((sdk.status, sdk.output_text), ("incomplete", chat.choices[0].message.content))
+        with self.client.responses.stream(model=MODEL, input="Weather in Paris?", tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, max_output_tokens=60, temperature=0) as streamed:
+            kinds = {event.type for event in streamed}
+            assembled = streamed.get_final_response()
+        self.assertIn("response.function_call_arguments.delta", kinds)
+        self.assertEqual([(item.type, item.name, item.arguments) for item in assembled.output],
+                         [("function_call", "get_weather", call["arguments"])])
         # Refusals name the Responses API's fields.
         for body, param in [(dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
                             (dict(input="x", max_output_tokens=-1), "max_output_tokens"),
