@@ -519,6 +519,10 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertEqual(len(chat_lp), c.usage.prompt_tokens)
         self.assertTrue(all(len(p) in (2, 3) for p in chat_lp[1:]), chat_lp[1:])
         self.assertTrue(all(any(v["rank"] == 1 for v in p.values()) for p in chat_lp[1:]))
+        c = self.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                                extra_body={"prompt_logprobs": 0, "return_tokens_as_token_ids": True})
+        named = [(key, value["decoded_token"]) for p in c.model_dump()["prompt_logprobs"][1:] for key, value in p.items()]
+        self.assertEqual([token for _, token in named], [f"token_id:{key}" for key, _ in named])
         with self.assertRaises(openai.BadRequestError) as ctx:  # a whole answer only
             self.client.completions.create(prompt="x", echo=True, logprobs=1, stream=True, **kw)
         self.assertEqual(ctx.exception.param, "echo")

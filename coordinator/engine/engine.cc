@@ -17,6 +17,18 @@ constexpr absl::Duration kIdleWait = absl::Milliseconds(100);
 
 double SecondsBetween(SteadyTime a, SteadyTime b) { return std::chrono::duration<double>(b - a).count(); }
 
+// A step's logprobs row for `token` as the API gives them, into `out`.
+void SetTokenLogprobs(int32_t token, const v1::RowLogprobs& row, v1::TokenLogprobs* out) {
+  out->set_token_id(token);
+  out->set_logprob(row.logprob());
+  out->set_rank(row.rank());
+  for (int k = 0; k < row.top_ids_size(); ++k) {
+    v1::TopLogprob* top = out->add_top_logprobs();
+    top->set_token_id(row.top_ids(k));
+    top->set_logprob(row.top_logprobs(k));
+  }
+}
+
 const char* FinishLabel(v1::FinishReason r) {
   switch (r) {
     case v1::FINISH_REASON_STOP_TOKEN: return "stop_token";
@@ -417,16 +429,7 @@ absl::Status Engine::FinishOldest() {
     timings->set_forward_seconds(outcome_.forward_seconds);
     timings->set_collective_seconds(outcome_.collective_seconds);
     if (r.params.logprobs && t.logit_row < static_cast<int32_t>(outcome_.logprobs.size())) {
-      const v1::RowLogprobs& row = outcome_.logprobs[t.logit_row];
-      v1::TokenLogprobs* l = response.add_logprobs();
-      l->set_token_id(t.token);
-      l->set_logprob(row.logprob());
-      l->set_rank(row.rank());
-      for (int k = 0; k < row.top_ids_size(); ++k) {
-        v1::TopLogprob* top = l->add_top_logprobs();
-        top->set_token_id(row.top_ids(k));
-        top->set_logprob(row.top_logprobs(k));
-      }
+      SetTokenLogprobs(t.token, outcome_.logprobs[t.logit_row], response.add_logprobs());
     }
     const int32_t generated = r.generation->completion_tokens();
     if (generated == 1 && r.params.prompt_logprobs >= 0) {
@@ -494,17 +497,9 @@ void Engine::TakeScored(const std::vector<ScoredPositions>& scored) {
           row >= static_cast<int32_t>(outcome_.sampled_ids.size())) {
         continue;
       }
-      const v1::RowLogprobs& lp = outcome_.logprobs[row];
       v1::TokenLogprobs& l = r.prompt_logprobs[static_cast<size_t>(at)];
       l.Clear();
-      l.set_token_id(outcome_.sampled_ids[row]);
-      l.set_logprob(lp.logprob());
-      l.set_rank(lp.rank());
-      for (int k = 0; k < lp.top_ids_size(); ++k) {
-        v1::TopLogprob* top = l.add_top_logprobs();
-        top->set_token_id(lp.top_ids(k));
-        top->set_logprob(lp.top_logprobs(k));
-      }
+      SetTokenLogprobs(outcome_.sampled_ids[row], outcome_.logprobs[row], &l);
       if (!r.prompt_scored[static_cast<size_t>(at)]) {
         r.prompt_scored[static_cast<size_t>(at)] = true;
         ++r.num_prompt_scored;

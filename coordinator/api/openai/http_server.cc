@@ -264,7 +264,7 @@ class Job {
       choice["logprobs"] = logprobs;
       choice["finish_reason"] = ChatFinishReason(c.finish, !c.whole.calls.empty());
       if (!chat() && request_.sampling.has_prompt_logprobs()) {
-        choice["prompt_logprobs"] = PromptLogprobs(c.prompt_logprobs, tokenizer);
+        choice["prompt_logprobs"] = PromptLogprobs(c.prompt_logprobs, tokenizer, request_.return_tokens_as_token_ids);
       }
       choices.push_back(std::move(choice));
     }
@@ -277,7 +277,8 @@ class Job {
                    {"system_fingerprint", nullptr}};
     // A chat's one prompt, whatever its choices: its log-probabilities beside them (vLLM's place).
     if (chat() && request_.sampling.has_prompt_logprobs() && !choices_.empty()) {
-      answer["prompt_logprobs"] = PromptLogprobs(choices_.front().prompt_logprobs, tokenizer);
+      answer["prompt_logprobs"] =
+          PromptLogprobs(choices_.front().prompt_logprobs, tokenizer, request_.return_tokens_as_token_ids);
     }
     return answer;
   }

@@ -1065,17 +1065,18 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
               {"text_offset", offsets}};
 }
 
-nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer) {
+nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                      bool token_ids) {
   Json out = Json::array({nullptr});
   for (const v1::TokenLogprobs& e : entries) {
     Json position = Json::object();
     position[std::to_string(e.token_id())] = {
-        {"logprob", e.logprob()}, {"rank", e.rank()}, {"decoded_token", TokenText(e.token_id(), tokenizer)}};
+        {"logprob", e.logprob()}, {"rank", e.rank()}, {"decoded_token", TokenName(e.token_id(), tokenizer, token_ids)}};
     for (int k = 0; k < e.top_logprobs_size(); ++k) {
       const v1::TopLogprob& t = e.top_logprobs(k);
       if (t.token_id() == e.token_id()) continue;
       position[std::to_string(t.token_id())] = {
-          {"logprob", t.logprob()}, {"rank", k + 1}, {"decoded_token", TokenText(t.token_id(), tokenizer)}};
+          {"logprob", t.logprob()}, {"rank", k + 1}, {"decoded_token", TokenName(t.token_id(), tokenizer, token_ids)}};
     }
     out.push_back(std::move(position));
   }

@@ -208,8 +208,9 @@ nlohmann::ordered_json CompletionLogprobs(const std::vector<v1::TokenLogprobs>& 
                                           std::optional<int32_t> unscored_first = std::nullopt);
 // vLLM's prompt_logprobs: null for the prompt's first token, then per token an object keyed by token
 // id (decimal) holding {logprob, rank, decoded_token} of the prompt's token and of each alternative
-// (rank 1 + its place among them).
-nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer);
+// (rank 1 + its place among them); decoded_token named as above.
+nlohmann::ordered_json PromptLogprobs(const std::vector<v1::TokenLogprobs>& entries, const Tokenizer* tokenizer,
+                                      bool token_ids = false);
 
 // ---- Tool calls and reasoning in chat responses ----
 
