@@ -1334,7 +1334,7 @@ TEST(ResponsesTest, AChatAnswerBecomesAResponse) {
 // message, call) its added, delta and done events, closed as the next begins, then completed with
 // the whole Response, whose items have the streamed ids; an error ends the stream as an error event.
 TEST(ResponsesTest, AChatStreamBecomesResponsesEvents) {
-  ResponseEvents events(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x", "stream": true})"));
+  ResponsesView events(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x", "stream": true})"));
   std::string out;
   for (const char* chunk : {
            R"({"id": "chatcmpl-s", "created": 3, "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})",
@@ -1382,7 +1382,7 @@ TEST(ResponsesTest, AChatStreamBecomesResponsesEvents) {
   EXPECT_EQ(whole["usage"]["output_tokens"], 6);
   EXPECT_EQ(parsed[0]["response"]["status"], "in_progress");
 
-  ResponseEvents failing(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x"})"));
+  ResponsesView failing(nlohmann::ordered_json::parse(R"({"model": "m", "input": "x"})"));
   const nlohmann::ordered_json error = nlohmann::ordered_json::parse(R"({"error": {"message": "boom", "code": null, "param": null}})");
   const std::string ended = failing.End(&error);
   EXPECT_TRUE(absl::StartsWith(ended, "event: error\ndata: ")) << ended;

@@ -32,7 +32,8 @@ absl::Status TakeTokenIds(const google::protobuf::RepeatedField<int32_t>& ids, a
   if (ids.size() > most) return Invalid(field, absl::StrCat("at most ", most, " ids, got ", ids.size()));
   for (int i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= vocab) {
-      return Invalid(absl::StrCat(field, "[", i, "]"), absl::StrCat(ids[i], " is outside the vocabulary [0, ", vocab, ")"));
+      return Invalid(absl::StrCat(field, "[", i, "]"),
+                     absl::StrCat(ids[i], " is outside the vocabulary [0, ", vocab, ")"));
     }
     out->push_back(ids[i]);
   }
@@ -222,7 +223,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
     return Invalid("sampling.bad_words", absl::StrCat("at most ", kMaxBadWords, " words, got ", s.bad_words_size()));
   }
   if (s.bad_words_size() > 0 && model.tokenizer == nullptr) {
-    return Invalid("sampling.bad_words", absl::StrCat("the model ", model.name, " has no tokenizer.json to tokenize them"));
+    return Invalid("sampling.bad_words",
+                   absl::StrCat("the model ", model.name, " has no tokenizer.json to tokenize them"));
   }
   for (int i = 0; i < s.bad_words_size(); ++i) {
     const std::string field = absl::StrCat("sampling.bad_words[", i, "]");

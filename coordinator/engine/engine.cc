@@ -433,10 +433,11 @@ absl::Status Engine::FinishOldest() {
     }
     const int32_t generated = r.generation->completion_tokens();
     if (generated == 1 && r.params.prompt_logprobs >= 0) {
-      if (r.num_prompt_scored != static_cast<int64_t>(r.prompt_logprobs.size())) {
+      const int64_t scored = std::count(r.prompt_scored.begin(), r.prompt_scored.end(), true);
+      if (scored != static_cast<int64_t>(r.params.prompt.size()) - 1) {
         const absl::Status failed = absl::InternalError(absl::StrCat(
-            "the prompt's log-probabilities are incomplete at its first token: ", r.num_prompt_scored, " of ",
-            r.prompt_logprobs.size(), " positions scored"));
+            "the prompt's log-probabilities are incomplete at its first token: ", scored, " of ",
+            r.params.prompt.size() - 1, " positions scored"));
         CoordinatorRequestLog(r.params.request_id, absl::StrCat("failed: ", failed.message()), "error");
         End(t.seq, failed);
         continue;
@@ -500,10 +501,7 @@ void Engine::TakeScored(const std::vector<ScoredPositions>& scored) {
       v1::TokenLogprobs& l = r.prompt_logprobs[static_cast<size_t>(at)];
       l.Clear();
       SetTokenLogprobs(outcome_.sampled_ids[row], outcome_.logprobs[row], &l);
-      if (!r.prompt_scored[static_cast<size_t>(at)]) {
-        r.prompt_scored[static_cast<size_t>(at)] = true;
-        ++r.num_prompt_scored;
-      }
+      r.prompt_scored[static_cast<size_t>(at)] = true;
     }
   }
 }

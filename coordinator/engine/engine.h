@@ -161,8 +161,7 @@ class Engine : private GuessFilter {
     // With prompt log-probabilities: one per prompt token from the second on, filled as the steps
     // that score them come back (again after a preemption or a heal), sent with the first token.
     std::vector<v1::TokenLogprobs> prompt_logprobs;
-    std::vector<bool> prompt_scored;
-    int64_t num_prompt_scored = 0;
+    std::vector<bool> prompt_scored;  // which of them a step has filled
     SteadyTime arrival;
     SteadyTime started;     // first scheduled
     SteadyTime last_token;  // when the last token was streamed

@@ -51,7 +51,8 @@
 // It never writes them: it feeds and appends only after them. A sequence with a sampling penalty
 // or bad words on takes no cached blocks (it still registers its own): the workers derive the
 // penalties (and match the bad words) from the tokens fed, which must then be all of them. Blocks
-// that sequences let go stay cached until a block is needed and none is empty; Clear() (the workers' KV is gone) drops them all.
+// that sequences let go stay cached until a block is needed and none is empty; Clear() (the
+// workers' KV is gone) drops them all.
 //
 // Sliding-window attention (SchedulerOptions::sliding_window): a sliding layer's next token
 // attends to the window before it only, so after every step a sequence lets go of the sliding

@@ -705,27 +705,24 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
   absl::StatusOr<Json> request = ParseBody(body);
   absl::StatusOr<Json> chat = request.ok() ? ResponsesToChat(*request) : absl::StatusOr<Json>(request.status());
   if (!chat.ok()) return Refuse(absl::StrCat("resp_", RandomHex()), chat.status(), res);
-  const bool stream = chat->value("stream", false);
-  Generate(/*chat=*/true, req, chat->dump(), res, stream ? std::make_shared<ResponseEvents>(*request) : nullptr);
-  absl::StatusOr<Json> answer = ParseBody(res.body);
-  if (!answer.ok()) return;  // a body not written (the client went away)
-  if (res.status >= 400) {  // the error's param as this API names it
-    if (Json& error = (*answer)["error"]; error.is_object() && error.contains("param") && error["param"].is_string()) {
-      const std::string param = error["param"].get<std::string>(), renamed = ResponsesParam(param);
-      std::string message = error.value("message", "");
-      if (absl::StartsWith(message, param + ":")) message = renamed + message.substr(param.size());
-      error["param"] = renamed;
-      error["message"] = message;
-      res.set_content(answer->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
-    }
-    return;
-  }
-  const Json response = ChatToResponse(*answer, *request);
-  if (absl::StartsWith(res.get_header_value("X-Request-Id"), "chatcmpl-")) {
+  Generate(/*chat=*/true, req, chat->dump(), res, std::make_shared<ResponsesView>(*request));
+  // The server's own id names the Response (ChatToResponse's "resp_" + what follows "chatcmpl-").
+  if (const std::string id = res.get_header_value("X-Request-Id"); absl::StartsWith(id, "chatcmpl-")) {
     res.headers.erase("X-Request-Id");
-    res.set_header("X-Request-Id", response.value("id", ""));
+    res.set_header("X-Request-Id", absl::StrCat("resp_", id.substr(9)));
   }
-  res.set_content(response.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+  if (res.status < 400) return;
+  // An error's param as this API names it.
+  absl::StatusOr<Json> answer = ParseBody(res.body);
+  if (!answer.ok()) return;
+  if (Json& error = (*answer)["error"]; error.is_object() && error.contains("param") && error["param"].is_string()) {
+    const std::string param = error["param"].get<std::string>(), renamed = ResponsesParam(param);
+    std::string message = error.value("message", "");
+    if (absl::StartsWith(message, param + ":")) message = renamed + message.substr(param.size());
+    error["param"] = renamed;
+    error["message"] = message;
+    res.set_content(answer->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+  }
 }
 
 void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res) {
@@ -868,7 +865,7 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
 }
 
 void HttpServer::Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res,
-                          std::shared_ptr<ResponseEvents> events) {
+                          std::shared_ptr<ResponsesView> view) {
   const auto arrival = std::chrono::steady_clock::now();
   const Endpoint endpoint = chat ? Endpoint::kChatCompletions : Endpoint::kCompletions;
   // The request's id, in the log and the answer: the client's (an X-Request-Id header, else the
@@ -1009,7 +1006,8 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       }
     }
     if (!job->error().ok()) return SetError(res, job->error());
-    res.set_content(job->Response(tokenizer).dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+    const Json answer = view != nullptr ? view->Answer(job->Response(tokenizer)) : job->Response(tokenizer);
+    res.set_content(answer.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
     return;
   }
 
@@ -1020,9 +1018,9 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [job, first, tokenizer, events](size_t, httplib::DataSink& sink) {
+      [job, first, tokenizer, view](size_t, httplib::DataSink& sink) {
         // A chunk as the client reads it: a chat or completion chunk, or /v1/responses' events.
-        auto write = [&events](const Json& chunk) { return events != nullptr ? events->Chunk(chunk) : Event(chunk); };
+        auto write = [&view](const Json& chunk) { return view != nullptr ? view->Chunk(chunk) : Event(chunk); };
         std::string out;
         if (*first) {
           *first = false;
@@ -1035,21 +1033,21 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
           if (!job->error().ok()) {
             // The 200 is sent: the error travels as an event, as OpenAI-compatible servers do.
             const Json error = Json::parse(ErrorBody(ErrorFromStatus(job->error())));
-            out += events != nullptr ? events->End(&error) : Event(error);
+            out += view != nullptr ? view->End(&error) : Event(error);
           } else if (job->request().include_usage) {
             out += write(job->UsageChunk());
           }
-          if (events == nullptr) {
+          if (view == nullptr) {
             out += "data: [DONE]\n\n";
           } else if (job->error().ok()) {
-            out += events->End();
+            out += view->End();
           }
         }
         if (!out.empty() && !sink.write(out.data(), out.size())) return false;
         if (job->done()) sink.done();
         return true;
       },
-      [this, job, counted, responses = events != nullptr](bool success) {
+      [this, job, counted, responses = view != nullptr](bool success) {
         // The stream ended: written to the end, or its client went away (cancel what runs).
         if (counted->exchange(true)) return;
         const bool gone = !success && !job->done();

@@ -119,11 +119,11 @@ class HttpServer {
   absl::Status Authorize(const httplib::Request& req);
   // The POST routes, each given the request's body: a chat or text completion, and vLLM's
   // /tokenize and /detokenize.
-  // With `events` (a streamed /v1/responses), the stream's chunks are written as its events.
+  // With `view` (/v1/responses), the answer is written as a Response, a stream's chunks as its events.
   void Generate(bool chat, const httplib::Request& req, const std::string& body, httplib::Response& res,
-                std::shared_ptr<ResponseEvents> events);
-  // The Responses API: its body made a chat completion's (responses.h), served by Generate, and the
-  // answer (or the error's param) made the Responses API's; a stream's chunks its events.
+                std::shared_ptr<ResponsesView> view);
+  // The Responses API: its body made a chat completion's (responses.h), served by Generate through a
+  // ResponsesView, and an error's param named as this API names it.
   void Respond(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);

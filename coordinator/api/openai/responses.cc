@@ -12,7 +12,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-std::string TypeOf(const Json& item) { return item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : ""; }
+std::string TypeOf(const Json& item) {
+  return item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : "";
+}
 
 // A message item's content as chat text: a string, or the text of its input_text / output_text
 // parts, joined.
@@ -28,7 +30,8 @@ absl::StatusOr<std::string> ContentText(const Json& content, const std::string& 
       return InvalidField(absl::StrCat(where, ".type"),
                           absl::StrCat("'", type.substr(0, 64), "' is not served: input_text or output_text only"));
     }
-    if (!part.contains("text") || !part["text"].is_string()) return InvalidField(absl::StrCat(where, ".text"), "must be a string");
+    if (!part.contains("text") || !part["text"].is_string())
+      return InvalidField(absl::StrCat(where, ".text"), "must be a string");
     text += part["text"].get<std::string>();
   }
   return text;
@@ -48,7 +51,8 @@ absl::Status InputMessages(const Json& input, Json* messages) {
     if (!item.is_object()) return InvalidField(field, "must be an object");
     const std::string type = TypeOf(item);
     if (type == "message" || (type.empty() && item.contains("role"))) {
-      if (!item.contains("role") || !item["role"].is_string()) return InvalidField(absl::StrCat(field, ".role"), "must be a string");
+      if (!item.contains("role") || !item["role"].is_string())
+        return InvalidField(absl::StrCat(field, ".role"), "must be a string");
       std::string role = item["role"].get<std::string>();
       if (role == "developer") role = "system";
       if (role != "system" && role != "user" && role != "assistant") {
@@ -60,7 +64,8 @@ absl::Status InputMessages(const Json& input, Json* messages) {
       messages->push_back({{"role", role}, {"content", *std::move(text)}});
     } else if (type == "function_call") {
       for (const char* key : {"call_id", "name", "arguments"}) {
-        if (!item.contains(key) || !item[key].is_string()) return InvalidField(absl::StrCat(field, ".", key), "must be a string");
+        if (!item.contains(key) || !item[key].is_string())
+          return InvalidField(absl::StrCat(field, ".", key), "must be a string");
       }
       Json call = {{"id", item["call_id"]},
                    {"type", "function"},
@@ -69,7 +74,8 @@ absl::Status InputMessages(const Json& input, Json* messages) {
       if (last != nullptr && (*last)["role"] == "assistant" && last->contains("tool_calls")) {
         (*last)["tool_calls"].push_back(std::move(call));
       } else {
-        messages->push_back({{"role", "assistant"}, {"content", nullptr}, {"tool_calls", Json::array({std::move(call)})}});
+        messages->push_back(
+            {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", Json::array({std::move(call)})}});
       }
     } else if (type == "function_call_output") {
       if (!item.contains("call_id") || !item["call_id"].is_string()) {
@@ -115,7 +121,8 @@ absl::StatusOr<Json> Tools(const Json& tools) {
 absl::StatusOr<Json> ResponsesToChat(const Json& body) {
   for (const char* refused : {"previous_response_id", "background", "conversation"}) {
     if (body.contains(refused) && !body[refused].is_null() && body[refused] != false) {
-      return InvalidField(refused, "is not served: this server stores no responses; send the whole conversation as input");
+      return InvalidField(refused,
+                          "is not served: this server stores no responses; send the whole conversation as input");
     }
   }
   Json chat = Json::object();
@@ -192,17 +199,20 @@ Json ChatToResponse(const Json& chat, const Json& request) {
   const Json& message = choice["message"];
   Json output = Json::array();
   if (message.contains("reasoning_content") && message["reasoning_content"].is_string()) {
-    output.push_back({{"type", "reasoning"},
-                      {"id", absl::StrCat("rs_", id)},
-                      {"summary", Json::array()},
-                      {"content", Json::array({{{"type", "reasoning_text"}, {"text", message["reasoning_content"]}}})}});
+    output.push_back(
+        {{"type", "reasoning"},
+         {"id", absl::StrCat("rs_", id)},
+         {"summary", Json::array()},
+         {"content", Json::array({{{"type", "reasoning_text"}, {"text", message["reasoning_content"]}}})}});
   }
   if (message.contains("content") && message["content"].is_string() && !message["content"].get<std::string>().empty()) {
-    output.push_back({{"type", "message"},
-                      {"id", absl::StrCat("msg_", id)},
-                      {"status", "completed"},
-                      {"role", "assistant"},
-                      {"content", Json::array({{{"type", "output_text"}, {"text", message["content"]}, {"annotations", Json::array()}}})}});
+    output.push_back(
+        {{"type", "message"},
+         {"id", absl::StrCat("msg_", id)},
+         {"status", "completed"},
+         {"role", "assistant"},
+         {"content",
+          Json::array({{{"type", "output_text"}, {"text", message["content"]}, {"annotations", Json::array()}}})}});
   }
   if (message.contains("tool_calls") && message["tool_calls"].is_array()) {
     for (size_t i = 0; i < message["tool_calls"].size(); ++i) {
@@ -248,15 +258,17 @@ Json ChatToResponse(const Json& chat, const Json& request) {
   return response;
 }
 
-// ---- ResponseEvents -------------------------------------------------------------------------------
+// ---- ResponsesView -------------------------------------------------------------------------------
 
-std::string ResponseEvents::Emit(const std::string& type, Json fields) {
+Json ResponsesView::Answer(const Json& chat) const { return ChatToResponse(chat, request_); }
+
+std::string ResponsesView::Emit(const std::string& type, Json fields) {
   Json event = {{"type", type}, {"sequence_number", sequence_++}};
   for (auto& [key, value] : fields.items()) event[key] = std::move(value);
   return absl::StrCat("event: ", type, "\ndata: ", event.dump(-1, ' ', false, Json::error_handler_t::replace), "\n\n");
 }
 
-Json ResponseEvents::Whole(const std::string& status) const {
+Json ResponsesView::Whole(const std::string& status) const {
   Json message = {{"role", "assistant"}, {"content", content_}};
   if (!reasoning_.empty()) message["reasoning_content"] = reasoning_;
   if (!calls_.empty()) message["tool_calls"] = calls_;
@@ -275,36 +287,47 @@ Json ResponseEvents::Whole(const std::string& status) const {
   return response;
 }
 
-std::string ResponseEvents::Open(Kind kind, const Json* call) {
+std::string ResponsesView::Open(Kind kind, const Json* call) {
   std::string out = Close();
   open_ = kind;
   ++output_index_;
   Json item;
   if (kind == Kind::kReasoning) {
-    item = {{"type", "reasoning"}, {"id", absl::StrCat("rs_", id_)}, {"summary", Json::array()}, {"content", Json::array()}};
+    item = {{"type", "reasoning"},
+            {"id", absl::StrCat("rs_", id_)},
+            {"summary", Json::array()},
+            {"content", Json::array()}};
   } else if (kind == Kind::kMessage) {
-    item = {{"type", "message"}, {"id", absl::StrCat("msg_", id_)}, {"status", "in_progress"}, {"role", "assistant"},
+    item = {{"type", "message"},
+            {"id", absl::StrCat("msg_", id_)},
+            {"status", "in_progress"},
+            {"role", "assistant"},
             {"content", Json::array()}};
   } else {
     const Json& function = call->contains("function") ? (*call)["function"] : Json::object();
     calls_.push_back({{"id", call->value("id", "")},
                       {"type", "function"},
                       {"function", {{"name", function.value("name", "")}, {"arguments", ""}}}});
-    item = {{"type", "function_call"}, {"id", absl::StrCat("fc_", id_, "_", calls_.size() - 1)},
-            {"call_id", call->value("id", "")}, {"name", function.value("name", "")}, {"arguments", ""},
+    item = {{"type", "function_call"},
+            {"id", absl::StrCat("fc_", id_, "_", calls_.size() - 1)},
+            {"call_id", call->value("id", "")},
+            {"name", function.value("name", "")},
+            {"arguments", ""},
             {"status", "in_progress"}};
   }
   const std::string item_id = item["id"].get<std::string>();
   out += Emit("response.output_item.added", {{"output_index", output_index_}, {"item", std::move(item)}});
   if (kind == Kind::kMessage) {
     out += Emit("response.content_part.added",
-                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0},
+                {{"item_id", item_id},
+                 {"output_index", output_index_},
+                 {"content_index", 0},
                  {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", Json::array()}}}});
   }
   return out;
 }
 
-std::string ResponseEvents::Close() {
+std::string ResponsesView::Close() {
   if (open_ == Kind::kNone) return "";
   std::string out;
   Json item;
@@ -312,7 +335,9 @@ std::string ResponseEvents::Close() {
     const std::string item_id = absl::StrCat("rs_", id_);
     out += Emit("response.reasoning_text.done",
                 {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", reasoning_}});
-    item = {{"type", "reasoning"}, {"id", item_id}, {"summary", Json::array()},
+    item = {{"type", "reasoning"},
+            {"id", item_id},
+            {"summary", Json::array()},
             {"content", Json::array({{{"type", "reasoning_text"}, {"text", reasoning_}}})}};
   } else if (open_ == Kind::kMessage) {
     const std::string item_id = absl::StrCat("msg_", id_);
@@ -321,7 +346,10 @@ std::string ResponseEvents::Close() {
                 {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", content_}});
     out += Emit("response.content_part.done",
                 {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"part", part}});
-    item = {{"type", "message"}, {"id", item_id}, {"status", "completed"}, {"role", "assistant"},
+    item = {{"type", "message"},
+            {"id", item_id},
+            {"status", "completed"},
+            {"role", "assistant"},
             {"content", Json::array({part})}};
   } else {
     const size_t i = calls_.size() - 1;
@@ -329,15 +357,19 @@ std::string ResponseEvents::Close() {
     const Json& call = calls_[i];
     out += Emit("response.function_call_arguments.done",
                 {{"item_id", item_id}, {"output_index", output_index_}, {"arguments", call["function"]["arguments"]}});
-    item = {{"type", "function_call"}, {"id", item_id}, {"call_id", call["id"]}, {"name", call["function"]["name"]},
-            {"arguments", call["function"]["arguments"]}, {"status", "completed"}};
+    item = {{"type", "function_call"},
+            {"id", item_id},
+            {"call_id", call["id"]},
+            {"name", call["function"]["name"]},
+            {"arguments", call["function"]["arguments"]},
+            {"status", "completed"}};
   }
   out += Emit("response.output_item.done", {{"output_index", output_index_}, {"item", std::move(item)}});
   open_ = Kind::kNone;
   return out;
 }
 
-std::string ResponseEvents::Chunk(const Json& chunk) {
+std::string ResponsesView::Chunk(const Json& chunk) {
   std::string out;
   if (!started_) {
     started_ = true;
@@ -359,22 +391,27 @@ std::string ResponseEvents::Chunk(const Json& chunk) {
     if (open_ != Kind::kReasoning) out += Open(Kind::kReasoning);
     const std::string piece = delta["reasoning_content"];
     reasoning_ += piece;
-    out += Emit("response.reasoning_text.delta", {{"item_id", absl::StrCat("rs_", id_)}, {"output_index", output_index_},
-                                                  {"content_index", 0}, {"delta", piece}});
+    out += Emit("response.reasoning_text.delta", {{"item_id", absl::StrCat("rs_", id_)},
+                                                  {"output_index", output_index_},
+                                                  {"content_index", 0},
+                                                  {"delta", piece}});
   }
   if (delta.contains("content") && delta["content"].is_string() && !delta["content"].get<std::string>().empty()) {
     if (open_ != Kind::kMessage) out += Open(Kind::kMessage);
     const std::string piece = delta["content"];
     content_ += piece;
-    out += Emit("response.output_text.delta", {{"item_id", absl::StrCat("msg_", id_)}, {"output_index", output_index_},
-                                               {"content_index", 0}, {"delta", piece}, {"logprobs", Json::array()}});
+    out += Emit("response.output_text.delta", {{"item_id", absl::StrCat("msg_", id_)},
+                                               {"output_index", output_index_},
+                                               {"content_index", 0},
+                                               {"delta", piece},
+                                               {"logprobs", Json::array()}});
   }
   if (delta.contains("tool_calls") && delta["tool_calls"].is_array()) {
     for (const Json& call : delta["tool_calls"]) {
       if (!call.is_object()) continue;
       const size_t index = call.contains("index") && call["index"].is_number_unsigned() ? call["index"].get<size_t>()
                            : calls_.empty()                                             ? 0
-                                                                                         : calls_.size() - 1;
+                                                                                        : calls_.size() - 1;
       if (index >= calls_.size()) out += Open(Kind::kCall, &call);
       if (index >= calls_.size()) continue;  // an index past the next: not the chat stream's
       const Json* function = call.contains("function") ? &call["function"] : nullptr;
@@ -382,14 +419,15 @@ std::string ResponseEvents::Chunk(const Json& chunk) {
       const std::string piece = (*function)["arguments"];
       if (piece.empty()) continue;
       calls_[index]["function"]["arguments"] = calls_[index]["function"]["arguments"].get<std::string>() + piece;
-      out += Emit("response.function_call_arguments.delta",
-                  {{"item_id", absl::StrCat("fc_", id_, "_", index)}, {"output_index", output_index_}, {"delta", piece}});
+      out +=
+          Emit("response.function_call_arguments.delta",
+               {{"item_id", absl::StrCat("fc_", id_, "_", index)}, {"output_index", output_index_}, {"delta", piece}});
     }
   }
   return out;
 }
 
-std::string ResponseEvents::End(const Json* error) {
+std::string ResponsesView::End(const Json* error) {
   if (error != nullptr) {
     const Json& e = error->contains("error") ? (*error)["error"] : *error;
     return Emit("error", {{"code", e.value("code", Json(nullptr))},
@@ -398,7 +436,8 @@ std::string ResponseEvents::End(const Json* error) {
   }
   std::string out = Close();
   const bool cut = finish_ == "length";
-  out += Emit(cut ? "response.incomplete" : "response.completed", {{"response", Whole(cut ? "incomplete" : "completed")}});
+  out +=
+      Emit(cut ? "response.incomplete" : "response.completed", {{"response", Whole(cut ? "incomplete" : "completed")}});
   return out;
 }
 

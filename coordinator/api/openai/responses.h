@@ -10,10 +10,10 @@
 // temperature, top_p, tools of type function, tool_choice, parallel_tool_calls, text.format
 // (json_schema, json_object, text), user, store and metadata (accepted: nothing is stored) and the
 // fields chat completions take beside them (vLLM's), and stream (the chat stream's chunks made the
-// Responses API's events by ResponseEvents). Refused, naming the field: previous_response_id and
+// Responses API's events by ResponsesView). Refused, naming the field: previous_response_id and
 // background (nothing is stored), other tool and content types (built-in tools, images, files).
 //
-// Threading: plain functions; a ResponseEvents is used by one thread at a time.
+// Threading: plain functions; a ResponsesView is used by one thread at a time.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 
@@ -31,16 +31,19 @@ namespace shardserve::openai {
 // streamed one asks for the usage chunk (stream_options.include_usage), which the last event needs.
 absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body);
 
-// A streamed chat completion's chunks (their JSON, in order) as the Responses API's server-sent
-// events ("event: TYPE\ndata: JSON\n\n", sequence_number from 0): response.created and
-// response.in_progress first; per output item (reasoning, the message, each function call, in the
+// One /v1/responses request's answer made from the chat path's: a whole answer by ChatToResponse
+// (Answer), a stream's chunks (their JSON, in order) as the Responses API's server-sent events
+// ("event: TYPE\ndata: JSON\n\n", sequence_number from 0): response.created and response.in_progress
+// first; per output item (reasoning, the message, each function call, in the
 // order they begin) output_item.added, its deltas (reasoning_text.delta; content_part.added and
 // output_text.delta; function_call_arguments.delta) and their .done events, output_item.done when
 // the next begins or the output ends; then response.completed (response.incomplete at
 // max_output_tokens) with the whole Response, as ChatToResponse makes it, item ids included.
-class ResponseEvents {
+class ResponsesView {
  public:
-  explicit ResponseEvents(nlohmann::ordered_json request) : request_(std::move(request)) {}
+  explicit ResponsesView(nlohmann::ordered_json request) : request_(std::move(request)) {}
+  // The Response for a whole chat completion answer.
+  nlohmann::ordered_json Answer(const nlohmann::ordered_json& chat) const;
   // The events of one chat chunk (the usage chunk included).
   std::string Chunk(const nlohmann::ordered_json& chunk);
   // The events that end the stream: the items still open closed and the Response; or, with an
