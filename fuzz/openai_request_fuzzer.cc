@@ -1,14 +1,16 @@
 // An OpenAI API request body off the wire, as coordinator/api/openai/http_server.cc handles it: the
 // first byte picks the endpoint (modulo 4: 0 /v1/chat/completions, 1 /v1/completions, 2 /tokenize,
 // 3 /detokenize; of the chat bytes, those 4 modulo 8 /v1/responses, whose body ResponsesToChat
-// makes a chat completion's first), the rest is the body. ParseRequest (coordinator/api/openai/protocol.h), then for
+// makes a chat completion's first, a previous_response_id reading the input as stored before it),
+// the rest is the body. ParseRequest (coordinator/api/openai/protocol.h), then for
 // chat the demo model's chat template (continuing the final message when asked) and tokenizer, then
 // PrepareGeneration against the demo model (models/demo) and the renaming of its errors; or
 // ParseTokenizeRequest / ParseDetokenizeRequest, then the template and the tokenizer.
 //
 // Invariants: every refusal is InvalidArgument and names its field as its param when its message
 // starts with one; an accepted request has 1 <= n <= kMaxChoices and prompt + max_tokens within
-// max_model_len; the error body is valid JSON.
+// max_model_len; the error body is valid JSON; a /v1/responses input accepted, stored
+// (NormalizedInputItems) and read back makes the same chat messages.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -112,11 +114,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string body(reinterpret_cast<const char*>(data) + 1, size - 1);
   if (data[0] % 8 == 4) {
     absl::StatusOr<nlohmann::ordered_json> parsed = shardserve::openai::ParseBody(body);
-    absl::StatusOr<nlohmann::ordered_json> chat =
-        parsed.ok() ? shardserve::openai::ResponsesToChat(*parsed) : absl::StatusOr<nlohmann::ordered_json>(parsed.status());
+    // A previous_response_id continues a stored conversation: here the input itself, as stored.
+    std::optional<nlohmann::ordered_json> earlier;
+    if (parsed.ok() && parsed->is_object() && parsed->contains("previous_response_id") && parsed->contains("input")) {
+      earlier = shardserve::openai::NormalizedInputItems((*parsed)["input"], "resp_fuzz");
+    }
+    const nlohmann::ordered_json* stored = earlier.has_value() ? &*earlier : nullptr;
+    absl::StatusOr<nlohmann::ordered_json> chat = parsed.ok() ? shardserve::openai::ResponsesToChat(*parsed, stored)
+                                                              : absl::StatusOr<nlohmann::ordered_json>(parsed.status());
     if (!chat.ok()) {
       CheckRefusal(chat.status());
       return 0;
+    }
+    // An accepted input, stored and read back, makes the same messages.
+    nlohmann::ordered_json again = *parsed;
+    again["input"] = shardserve::openai::NormalizedInputItems((*parsed)["input"], "resp_fuzz");
+    absl::StatusOr<nlohmann::ordered_json> back = shardserve::openai::ResponsesToChat(again, stored);
+    if (!back.ok() || (*back)["messages"] != (*chat)["messages"]) {
+      std::fprintf(stderr, "the stored input reads back otherwise: %s\n", again.dump().c_str());
+      std::abort();
     }
     body = chat->dump();
   }

@@ -7,6 +7,7 @@
 #include <openssl/sha.h>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -95,6 +96,20 @@ size_t ApiKeys::size() const {
   return hashes_.size();
 }
 
+absl::string_view ApiKeys::BearerKey(std::optional<absl::string_view> authorization) {
+  if (!authorization.has_value()) return "";
+  absl::string_view value = absl::StripAsciiWhitespace(*authorization);
+  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) return "";
+  return absl::StripAsciiWhitespace(value.substr(7));
+}
+
+std::string ApiKeys::Fingerprint(std::optional<absl::string_view> authorization) {
+  const absl::string_view key = BearerKey(authorization);
+  if (key.empty()) return "";
+  const Hash h = Sha256(key);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(h.data()), h.size()));
+}
+
 ApiKeys::Verdict ApiKeys::Check(std::optional<absl::string_view> authorization) {
   bool stale;
   {
@@ -102,10 +117,7 @@ ApiKeys::Verdict ApiKeys::Check(std::optional<absl::string_view> authorization) 
     stale = absl::Now() - last_stat_ >= kStatInterval;
   }
   if (stale) Reload().IgnoreError();  // a bad rewrite keeps the previous keys; Reload() tells kept_
-  if (!authorization.has_value()) return Verdict::kMissing;
-  absl::string_view value = absl::StripAsciiWhitespace(*authorization);
-  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "bearer ")) return Verdict::kMissing;
-  const absl::string_view key = absl::StripAsciiWhitespace(value.substr(7));
+  const absl::string_view key = BearerKey(authorization);
   if (key.empty()) return Verdict::kMissing;
   if (key.size() > kMaxKeyBytes) return Verdict::kInvalid;
   const Hash presented = Sha256(key);

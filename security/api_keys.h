@@ -50,6 +50,10 @@ class ApiKeys {
   // it changed.
   Verdict Check(std::optional<absl::string_view> authorization);
 
+  // The key's SHA-256 in hex, naming who made what a server keeps for a client (stored responses)
+  // without keeping the key; empty without a bearer key.
+  static std::string Fingerprint(std::optional<absl::string_view> authorization);
+
   // The status a gRPC handler returns for a verdict: OK, or UNAUTHENTICATED with a message that
   // says what to send (never the key).
   static absl::Status ToStatus(Verdict verdict);
@@ -66,6 +70,8 @@ class ApiKeys {
   // Reads and parses the file.
   static absl::StatusOr<std::vector<Hash>> Read(const std::string& path, FileId* id);
   static Hash Sha256(absl::string_view key);
+  // The key of "Bearer <key>" (scheme case-insensitive, spaces trimmed); empty when there is none.
+  static absl::string_view BearerKey(std::optional<absl::string_view> authorization);
 
   // Constant after construction.
   const std::string path_;

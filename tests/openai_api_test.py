@@ -680,6 +680,61 @@ class OpenAIApiTest(unittest.TestCase):
             self.assertEqual(error["error"]["param"], param, (body, error))
         self.assertGreater(self.metric("shardserve_http_requests_total", endpoint="/v1/responses", status="200"), 0)
 
+    def test_stored_responses(self):
+        # store (OpenAI's default) keeps a Response: retrieved, its input items listed, continued
+        # with previous_response_id as the same conversation sent whole, and deleted.
+        first = self.client.responses.create(model=MODEL, instructions="Be brief.", input="Who made the heaven?",
+                                             max_output_tokens=8, temperature=0)
+        self.assertTrue(first.store)
+        self.assertEqual(self.client.responses.retrieve(first.id).model_dump(), first.model_dump())
+        listed = self.client.responses.input_items.list(first.id)
+        self.assertEqual([(item.type, item.role, item.content[0].text) for item in listed.data],
+                         [("message", "user", "Who made the heaven?")])
+        # Continued: the earlier input and output are read before the new input; the instructions are
+        # the new request's (OpenAI's rule: they are not carried over).
+        second = self.client.responses.create(model=MODEL, previous_response_id=first.id, input="And the earth?",
+                                              max_output_tokens=8, temperature=0)
+        self.assertEqual(second.previous_response_id, first.id)
+        whole = self.client.responses.create(
+            model=MODEL, store=False, max_output_tokens=8, temperature=0,
+            input=[{"role": "user", "content": "Who made the heaven?"},
+                   {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And the earth?"}])
+        self.assertFalse(whole.store)
+        self.assertEqual((second.output_text, second.usage.input_tokens), (whole.output_text, whole.usage.input_tokens))
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(whole.id)  # store: false
+        # A stream is stored once whole, as its last event (here response.incomplete) has it.
+        with self.client.responses.stream(model=MODEL, previous_response_id=second.id, input="And the light?",
+                                          max_output_tokens=6, temperature=0) as streamed:
+            last = list(streamed)[-1]
+        self.assertEqual(last.type, "response.incomplete")
+        final = last.response
+        self.assertEqual(self.client.responses.retrieve(final.id).model_dump(), final.model_dump())
+        # Input items page as OpenAI's: newest first by default, `after` the cursor (the client follows it).
+        items = [{"role": "user", "content": f"Line {i}"} for i in range(3)]
+        third = self.client.responses.create(model=MODEL, input=items, max_output_tokens=2, temperature=0)
+        page = self.client.responses.input_items.list(third.id, limit=2)
+        self.assertEqual([item.content[0].text for item in page.data], ["Line 2", "Line 1"])
+        self.assertTrue(page.has_more)
+        every = self.client.responses.input_items.list(third.id, limit=2, order="asc")
+        self.assertEqual([item.content[0].text for item in every], ["Line 0", "Line 1", "Line 2"])
+        req = urllib.request.Request(f"{self.base}/v1/responses/{third.id}/input_items?limit=0")
+        with self.assertRaises(urllib.error.HTTPError) as ctx:
+            urllib.request.urlopen(req, timeout=10)
+        self.assertEqual((ctx.exception.code, json.loads(ctx.exception.read())["error"]["param"]), (400, "limit"))
+        # Deleted: gone, and a conversation through it can no longer be continued (named).
+        self.assertIsNone(self.client.responses.delete(first.id))
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(first.id)
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.delete(first.id)
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.responses.create(model=MODEL, previous_response_id=final.id, input="x", max_output_tokens=2)
+        self.assertEqual(ctx.exception.param, "previous_response_id")
+        self.assertIn(first.id, ctx.exception.message)
+        for endpoint in ("/v1/responses/{id}", "/v1/responses/{id}/input_items"):
+            self.assertGreater(self.metric("shardserve_http_requests_total", endpoint=endpoint, status="200"), 0)
+
     def test_the_client_names_the_request(self):
         # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.
         raw = self.client.chat.completions.with_raw_response.create(

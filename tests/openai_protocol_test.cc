@@ -4,6 +4,7 @@
 // to the OpenAI fields (and the bounds only it checks reach a client so), statuses map to HTTP's.
 #include "coordinator/api/openai/protocol.h"
 #include "coordinator/api/openai/responses.h"
+#include "coordinator/api/openai/responses_store.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -1387,6 +1388,127 @@ TEST(ResponsesTest, AChatStreamBecomesResponsesEvents) {
   const std::string ended = failing.End(&error);
   EXPECT_TRUE(absl::StartsWith(ended, "event: error\ndata: ")) << ended;
   EXPECT_NE(ended.find("boom"), std::string::npos) << ended;
+}
+
+// previous_response_id: the stored conversation is read after the instructions and before the
+// input (an earlier answer's message and its calls one assistant message); without one, refused.
+TEST(ResponsesTest, AStoredConversationIsReadBeforeTheInput) {
+  const Json earlier = Json::parse(R"([
+    {"id": "msg_a_in0", "type": "message", "role": "user", "status": "completed",
+     "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+    {"id": "rs_a", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+    {"id": "msg_a", "type": "message", "role": "assistant", "status": "completed",
+     "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+    {"id": "fc_a_0", "type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}",
+     "status": "completed"}])");
+  const Json body = Json::parse(R"({"model": "m", "instructions": "Be brief.", "previous_response_id": "resp_a",
+    "input": [{"type": "function_call_output", "call_id": "c1", "output": "Sunny"}]})");
+  absl::StatusOr<Json> chat = ResponsesToChat(body, &earlier);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  EXPECT_EQ((*chat)["messages"], Json::parse(R"([
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+      {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}])"));
+  EXPECT_FALSE(chat->contains("previous_response_id"));
+  absl::StatusOr<Json> refused = ResponsesToChat(body);
+  EXPECT_EQ(ParamOf(refused.status()), "previous_response_id") << refused.status();
+  // A bad item of the conversation is named as previous_response_id's, the input's as input's.
+  const Json bad = Json::parse(R"([{"type": "web_search_call"}])");
+  EXPECT_EQ(ParamOf(ResponsesToChat(body, &bad).status()), "previous_response_id[0].type");
+  const Json empty = Json::array();
+  EXPECT_TRUE(ResponsesToChat(body, &empty).ok());
+}
+
+// The input as stored: a string a user message, string contents as parts, and every item an id.
+TEST(ResponsesTest, InputItemsAreNormalizedForTheStore) {
+  EXPECT_EQ(NormalizedInputItems(Json("Hi"), "resp_x"), Json::parse(R"([{"id": "msg_x_in0", "type": "message",
+    "role": "user", "status": "completed", "content": [{"type": "input_text", "text": "Hi"}]}])"));
+  const Json items = NormalizedInputItems(Json::parse(R"([
+    {"role": "developer", "content": "Be brief."},
+    {"role": "assistant", "content": "Sure."},
+    {"type": "function_call", "id": "fc_mine", "call_id": "c1", "name": "f", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "ok"}])"), "resp_x");
+  EXPECT_EQ(items, Json::parse(R"([
+    {"id": "msg_x_in0", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}],
+     "type": "message"},
+    {"id": "msg_x_in1", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}],
+     "type": "message"},
+    {"type": "function_call", "id": "fc_mine", "call_id": "c1", "name": "f", "arguments": "{}"},
+    {"id": "fco_x_in3", "type": "function_call_output", "call_id": "c1", "output": "ok"}])"));
+  // Read back, they make the same chat messages as the input did.
+  const Json input = Json::parse(R"([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])");
+  absl::StatusOr<Json> direct = ResponsesToChat(Json{{"model", "m"}, {"input", input}});
+  absl::StatusOr<Json> stored = ResponsesToChat(Json{{"model", "m"}, {"input", NormalizedInputItems(input, "resp_y")}});
+  ASSERT_TRUE(direct.ok() && stored.ok());
+  EXPECT_EQ((*direct)["messages"], (*stored)["messages"]);
+}
+
+StoredResponse Stored(const std::string& id, const std::string& owner, const std::string& previous,
+                      const std::string& text) {
+  return StoredResponse{
+      owner, previous, NormalizedInputItems(Json(text), id),
+      Json{{"id", id},
+           {"object", "response"},
+           {"output", Json::array({{{"id", "msg_" + id},
+                                    {"type", "message"},
+                                    {"role", "assistant"},
+                                    {"content", Json::array({{{"type", "output_text"}, {"text", text + "!"}}})}}})}}};
+}
+
+std::vector<std::string> Texts(const Json& items) {
+  std::vector<std::string> texts;
+  for (const Json& item : items) texts.push_back(item["content"][0]["text"]);
+  return texts;
+}
+
+// The store: a chain read oldest first, owners apart, deletes, and the least recently used dropped
+// beyond the budget (a continued conversation counts as used, all of it).
+TEST(ResponsesStoreTest, ChainsOwnersAndTheBudget) {
+  ResponsesStore store(1 << 20);
+  ASSERT_TRUE(store.Put(Stored("resp_1", "k", "", "a")));
+  ASSERT_TRUE(store.Put(Stored("resp_2", "k", "resp_1", "b")));
+  absl::StatusOr<Json> conversation = store.Conversation("resp_2", "k");
+  ASSERT_TRUE(conversation.ok()) << conversation.status();
+  EXPECT_EQ(Texts(*conversation), (std::vector<std::string>{"a", "a!", "b", "b!"}));
+  // Another owner sees nothing, and cannot take the id.
+  EXPECT_EQ(store.Conversation("resp_2", "other").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(store.Get("resp_1", "other").has_value());
+  EXPECT_FALSE(store.Delete("resp_1", "other"));
+  EXPECT_TRUE(store.Taken("resp_1", "other"));
+  EXPECT_FALSE(store.Taken("resp_1", "k"));
+  EXPECT_FALSE(store.Put(Stored("resp_1", "other", "", "z")));
+  // The same owner replaces its own.
+  ASSERT_TRUE(store.Put(Stored("resp_1", "k", "", "c")));
+  EXPECT_EQ(Texts(*store.Conversation("resp_2", "k")), (std::vector<std::string>{"c", "c!", "b", "b!"}));
+  EXPECT_EQ((*store.InputItems("resp_2", "k"))[0]["id"], "msg_2_in0");
+  // A deleted response breaks the chains through it, naming it.
+  EXPECT_TRUE(store.Delete("resp_1", "k"));
+  EXPECT_FALSE(store.Get("resp_1", "k").has_value());
+  absl::Status broken = store.Conversation("resp_2", "k").status();
+  EXPECT_EQ(broken.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(broken.message(), "'resp_1'")) << broken;
+  EXPECT_EQ(store.size(), 1u);
+
+  // The budget: room for three such entries; continuing resp_a (and so using it) keeps it over resp_b.
+  ResponsesStore probe(1 << 20);
+  ASSERT_TRUE(probe.Put(Stored("resp_a", "", "", "x")));
+  const int64_t entry = probe.bytes();
+  ResponsesStore small(3 * entry + entry / 2);
+  ASSERT_TRUE(small.Put(Stored("resp_a", "", "", "x")));
+  ASSERT_TRUE(small.Put(Stored("resp_b", "", "", "y")));
+  ASSERT_TRUE(small.Conversation("resp_a", "").ok());
+  ASSERT_TRUE(small.Put(Stored("resp_c", "", "", "z")));
+  ASSERT_TRUE(small.Put(Stored("resp_d", "", "", "w")));
+  EXPECT_FALSE(small.Get("resp_b", "").has_value());
+  EXPECT_TRUE(small.Get("resp_a", "").has_value());
+  EXPECT_EQ(small.size(), 3u);
+  EXPECT_LE(small.bytes(), small.max_bytes());
+  // An entry over the whole budget is not stored; a store of 0 bytes stores nothing.
+  EXPECT_FALSE(small.Put(Stored("resp_e", "", "", std::string(4 * entry, 'x'))));
+  EXPECT_EQ(small.size(), 3u);
+  EXPECT_FALSE(ResponsesStore(0).Put(Stored("resp_f", "", "", "x")));
 }
 
 }  // namespace

@@ -150,6 +150,31 @@ class HttpsAndKeysTest(unittest.TestCase):
             with open(os.path.join(self.dir, "logs", name), errors="replace") as f:
                 self.assertNotIn(KEY[:-1], f.read(), name)
 
+    def test_stored_responses_are_their_keys(self):
+        # A stored response is found only with the key that made it: to another key it is unknown.
+        with self.client(KEY) as mine, self.client("sk-other-key") as other:
+            r = mine.responses.create(model=MODEL, input="Hi", max_output_tokens=2, temperature=0,
+                                      extra_headers={"X-Request-Id": "sec-stored-1"})
+            self.assertEqual(r.id, "resp_sec-stored-1")
+            self.assertEqual(mine.responses.retrieve(r.id).id, r.id)
+            with self.assertRaises(openai.NotFoundError):
+                other.responses.retrieve(r.id)
+            with self.assertRaises(openai.NotFoundError):
+                other.responses.input_items.list(r.id)
+            with self.assertRaises(openai.NotFoundError):
+                other.responses.delete(r.id)
+            with self.assertRaises(openai.BadRequestError) as ctx:
+                other.responses.create(model=MODEL, previous_response_id=r.id, input="x", max_output_tokens=2)
+            self.assertEqual(ctx.exception.param, "previous_response_id")
+            # Nor can another key take its id.
+            with self.assertRaises(openai.BadRequestError) as ctx:
+                other.responses.create(model=MODEL, input="x", max_output_tokens=2,
+                                       extra_headers={"X-Request-Id": "sec-stored-1"})
+            self.assertEqual(ctx.exception.param, "X-Request-Id")
+            # Its own key continues it.
+            after = mine.responses.create(model=MODEL, previous_response_id=r.id, input="x", max_output_tokens=2)
+            self.assertGreater(after.usage.input_tokens, r.usage.input_tokens)
+
     def test_health_is_open(self):
         r = self.https.get(self.base + "/health")
         self.assertEqual(r.status_code, 200)

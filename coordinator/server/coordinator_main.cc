@@ -51,7 +51,7 @@ constexpr char kUsage[] =
     "                              [--tls-cert FILE --tls-key FILE [--tls-ca FILE]] [--api-keys-file FILE]\n"
     "                              [--insecure]\n"
     "                              [--http-port P] [--http-port-file FILE] [--http-host HOST]\n"
-    "                              [--http-max-body-bytes N]\n"
+    "                              [--http-max-body-bytes N] [--http-responses-store-bytes N]\n"
     "                              [--http-plaintext] [--metrics-plaintext]\n"
     "                              [--tool-call-parser NAME] [--reasoning-parser NAME]\n"
     "                              [--no-prefix-caching] [--no-async-scheduling] [--expert-parallel]\n"
@@ -124,6 +124,9 @@ constexpr char kUsage[] =
     "  --http-max-body-bytes         larger request bodies are refused with 413 (default 8388608: 8 MiB)\n"
     "                                (the HTTP API serves --max-num-seqs + --max-waiting-requests + 32\n"
     "                                connections at once, at most 4096; one more is answered 503 at once)\n"
+    "  --http-responses-store-bytes  /v1/responses' stored responses (what previous_response_id continues)\n"
+    "                                kept within N bytes, the least recently used dropped first (default\n"
+    "                                134217728: 128 MiB; 0: none stored)\n"
     "  --tool-call-parser            how chat outputs' tool calls are read: hermes (Hermes, Qwen2.5, Qwen3),\n"
     "                                llama3_json (Llama 3.x), mistral, deepseek_v3 (DeepSeek-V3, R1, V3.1),\n"
     "                                kimi_k2 (Kimi K2), qwen3_coder (Qwen3-Coder), openai (gpt-oss's\n"
@@ -200,6 +203,7 @@ int Main(int argc, char** argv) {
                     "max-waiting-requests", "max-tokens-per-step", "num-kv-blocks", "block-size", "micro-batches",
                     "quantization", "load-format", "dummy-seed", "tls-cert", "tls-key", "tls-ca", "api-keys-file",
                     "http-port", "http-port-file", "http-host", "http-max-body-bytes", "http-max-connections-per-peer",
+                    "http-responses-store-bytes",
                     "tool-call-parser", "reasoning-parser", "speculative", "num-speculative-tokens", "speculative-max-running",
                     "draft-model"},
                    {"help", "insecure", "no-prefix-caching", "no-async-scheduling", "http-plaintext", "metrics-plaintext",
@@ -253,6 +257,7 @@ int Main(int argc, char** argv) {
            flags->Int("http-port", 0, 65535, &http_port),
            flags->Int("http-max-body-bytes", 1024, int64_t{1} << 32, &http_options.max_body_bytes),
            flags->Int("http-max-connections-per-peer", 1, openai::kMaxHttpThreads, &http_per_peer),
+           flags->Int("http-responses-store-bytes", 0, int64_t{1} << 40, &http_options.responses_store_bytes),
            flags->OneOf("speculative", {"ngram", "draft", "mtp", "eagle3"}, &engine_options.speculative),
            flags->Int("num-speculative-tokens", 1, kMaxSpeculativeTokens, &engine_options.num_speculative_tokens),
            flags->Int("speculative-max-running", 0, 4096, &engine_options.speculative_max_running),

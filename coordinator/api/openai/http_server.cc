@@ -15,6 +15,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -75,6 +76,9 @@ std::string EndpointLabel(const std::string& path) {
     if (path == route) return route;
   }
   if (absl::StartsWith(path, "/v1/models/")) return "/v1/models/{model}";  // one series, whatever is asked
+  if (absl::StartsWith(path, "/v1/responses/")) {
+    return absl::EndsWith(path, "/input_items") ? "/v1/responses/{id}/input_items" : "/v1/responses/{id}";
+  }
   return "other";
 }
 
@@ -457,7 +461,9 @@ std::string Event(const Json& data) {
 HttpServer::HttpServer(const ServedModel* model, WorkerPool* pool, Engine* engine, CoordinatorMetrics* metrics,
                        const HttpServerOptions& options)
     : model_(model), pool_(pool), engine_(engine), metrics_(metrics), options_(options),
-      created_(absl::ToUnixSeconds(absl::Now())) {}
+      created_(absl::ToUnixSeconds(absl::Now())),
+      responses_(options.responses_store_bytes > 0 ? std::make_unique<ResponsesStore>(options.responses_store_bytes)
+                                                   : nullptr) {}
 
 HttpServer::~HttpServer() { Stop(); }
 
@@ -697,15 +703,104 @@ void HttpServer::Routes() {
   http_->Post("/v1/chat/completions", with_body(std::bind(&HttpServer::Generate, this, true, _1, _2, _3, nullptr)));
   http_->Post("/v1/completions", with_body(std::bind(&HttpServer::Generate, this, false, _1, _2, _3, nullptr)));
   http_->Post("/v1/responses", with_body(std::bind(&HttpServer::Respond, this, _1, _2, _3)));
+  // The stored responses: another key's, or one never stored, is 404 (as an unknown id).
+  auto stored = [this](const httplib::Request& req) -> absl::StatusOr<std::string> {
+    const std::string id = req.matches[1];
+    if (responses_ == nullptr) {
+      return absl::NotFoundError(absl::StrCat("no response '", id.substr(0, 128),
+                                              "': this server stores none (--http-responses-store-bytes 0)"));
+    }
+    return id;
+  };
+  auto unknown = [](const std::string& id) {
+    return absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'"));
+  };
+  http_->Get(R"(/v1/responses/([^/]+))", guarded([this, stored, unknown](const httplib::Request& req,
+                                                                          httplib::Response& res) {
+    absl::StatusOr<std::string> id = stored(req);
+    if (!id.ok()) return SetError(res, id.status());
+    std::optional<Json> response = responses_->Get(*id, Owner(req));
+    if (!response.has_value()) return SetError(res, unknown(*id));
+    res.set_content(response->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+  }));
+  http_->Delete(R"(/v1/responses/([^/]+))", guarded([this, stored, unknown](const httplib::Request& req,
+                                                                             httplib::Response& res) {
+    absl::StatusOr<std::string> id = stored(req);
+    if (!id.ok()) return SetError(res, id.status());
+    if (!responses_->Delete(*id, Owner(req))) return SetError(res, unknown(*id));
+    const Json answer = {{"id", *id}, {"object", "response"}, {"deleted", true}};
+    res.set_content(answer.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
+  }));
+  http_->Get(R"(/v1/responses/([^/]+)/input_items)", guarded([this, stored](const httplib::Request& req,
+                                                                            httplib::Response& res) {
+    if (absl::StatusOr<std::string> id = stored(req); !id.ok()) return SetError(res, id.status());
+    ListInputItems(req, res);
+  }));
   http_->Post("/tokenize", with_body(std::bind(&HttpServer::Tokenize, this, _1, _2, _3)));
   http_->Post("/detokenize", with_body(std::bind(&HttpServer::Detokenize, this, _1, _2, _3)));
 }
 
+std::string HttpServer::Owner(const httplib::Request& req) const {
+  if (options_.api_keys == nullptr) return "";
+  std::optional<absl::string_view> header;
+  if (auto it = req.headers.find("Authorization"); it != req.headers.end()) header = it->second;
+  return ApiKeys::Fingerprint(header);
+}
+
 void HttpServer::Respond(const httplib::Request& req, const std::string& body, httplib::Response& res) {
+  const std::string refused_id = absl::StrCat("resp_", RandomHex());
   absl::StatusOr<Json> request = ParseBody(body);
-  absl::StatusOr<Json> chat = request.ok() ? ResponsesToChat(*request) : absl::StatusOr<Json>(request.status());
-  if (!chat.ok()) return Refuse(absl::StrCat("resp_", RandomHex()), chat.status(), res);
-  Generate(/*chat=*/true, req, chat->dump(), res, std::make_shared<ResponsesView>(*request));
+  if (!request.ok()) return Refuse(refused_id, request.status(), res);
+  const std::string owner = Owner(req);
+  // previous_response_id: the stored conversation it ends, read before this input.
+  std::optional<Json> earlier;
+  std::string previous;
+  if (responses_ != nullptr && request->contains("previous_response_id") &&
+      !(*request)["previous_response_id"].is_null()) {
+    if (!(*request)["previous_response_id"].is_string()) {
+      return Refuse(refused_id, InvalidField("previous_response_id", "must be a string"), res);
+    }
+    previous = (*request)["previous_response_id"].get<std::string>();
+    absl::StatusOr<Json> conversation = responses_->Conversation(previous, owner);
+    if (!conversation.ok()) {
+      return Refuse(refused_id, InvalidField("previous_response_id", conversation.status().message()), res);
+    }
+    earlier = *std::move(conversation);
+  }
+  // Stored unless it says store: false (OpenAI's default is to store).
+  if (request->contains("store") && !(*request)["store"].is_boolean() && !(*request)["store"].is_null()) {
+    return Refuse(refused_id, InvalidField("store", "must be true or false"), res);
+  }
+  const bool store = responses_ != nullptr && request->value("store", Json(true)) != false;
+  (*request)["store"] = store;
+  absl::StatusOr<Json> chat = ResponsesToChat(*request, earlier.has_value() ? &*earlier : nullptr);
+  if (!chat.ok()) return Refuse(refused_id, chat.status(), res);
+  auto view = std::make_shared<ResponsesView>(*request);
+  if (store) {
+    // A client-named id (X-Request-Id, request_id) that names another key's stored response is
+    // refused before anything runs: stored ids are unique.
+    std::string named = req.get_header_value("X-Request-Id");
+    if (named.empty() && request->contains("request_id") && (*request)["request_id"].is_string()) {
+      named = (*request)["request_id"].get<std::string>();
+    }
+    if (!named.empty() && responses_->Taken(absl::StrCat("resp_", named), owner)) {
+      return Refuse(refused_id,
+                    InvalidField(req.has_header("X-Request-Id") ? "X-Request-Id" : "request_id",
+                                 absl::StrCat("'", named, "' names a stored response of another API key: a stored "
+                                              "response's id is unique; name this request otherwise")),
+                    res);
+    }
+    view->OnFinished([this, owner, previous, input = (*request)["input"]](const Json& response) {
+      const std::string id = response.value("id", "");
+      StoredResponse entry{owner, previous, NormalizedInputItems(input, id), response};
+      if (!responses_->Put(std::move(entry))) {
+        CoordinatorRequestLog(id, absl::StrCat("not stored: larger than --http-responses-store-bytes (",
+                                               responses_->max_bytes(), "), or its id is another API key's"),
+                              "warn");
+      }
+    });
+  }
+  Generate(/*chat=*/true, req, chat->dump(), res, std::move(view));
   // The server's own id names the Response (ChatToResponse's "resp_" + what follows "chatcmpl-").
   if (const std::string id = res.get_header_value("X-Request-Id"); absl::StartsWith(id, "chatcmpl-")) {
     res.headers.erase("X-Request-Id");
@@ -723,6 +818,47 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
     error["message"] = message;
     res.set_content(answer->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }
+}
+
+void HttpServer::ListInputItems(const httplib::Request& req, httplib::Response& res) {
+  const std::string id = req.matches[1];
+  int64_t limit = 20;
+  if (req.has_param("limit")) {
+    const std::string value = req.get_param_value("limit");
+    if (!absl::SimpleAtoi(value, &limit) || limit < 1 || limit > 100) {
+      return SetError(res, InvalidField("limit", absl::StrCat("'", value.substr(0, 32), "' is not 1 to 100")));
+    }
+  }
+  const std::string order = req.has_param("order") ? req.get_param_value("order") : "desc";
+  if (order != "asc" && order != "desc") {
+    return SetError(res, InvalidField("order", absl::StrCat("'", order.substr(0, 32), "' is not asc or desc")));
+  }
+  std::optional<Json> items = responses_->InputItems(id, Owner(req));
+  if (!items.has_value()) {
+    return SetError(res, absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'")));
+  }
+  std::vector<const Json*> ordered;
+  for (const Json& item : *items) ordered.push_back(&item);
+  if (order == "desc") std::reverse(ordered.begin(), ordered.end());
+  size_t from = 0;
+  if (req.has_param("after")) {
+    const std::string after = req.get_param_value("after");
+    auto at = std::find_if(ordered.begin(), ordered.end(), [&](const Json* item) { return (*item)["id"] == after; });
+    if (at == ordered.end()) {
+      return SetError(res, InvalidField("after", absl::StrCat("no input item of '", id.substr(0, 128),
+                                                              "' has the id '", after.substr(0, 128), "'")));
+    }
+    from = static_cast<size_t>(at - ordered.begin()) + 1;
+  }
+  const size_t to = std::min(ordered.size(), from + static_cast<size_t>(limit));
+  Json data = Json::array();
+  for (size_t i = from; i < to; ++i) data.push_back(*ordered[i]);
+  const Json answer = {{"object", "list"},
+                       {"data", data},
+                       {"first_id", data.empty() ? Json(nullptr) : data.front()["id"]},
+                       {"last_id", data.empty() ? Json(nullptr) : data.back()["id"]},
+                       {"has_more", to < ordered.size()}};
+  res.set_content(answer.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
 }
 
 void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res) {

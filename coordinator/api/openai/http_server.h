@@ -4,6 +4,9 @@
 //   POST /v1/chat/completions  messages rendered by the model's chat template (coordinator/chat)
 //   POST /v1/completions       a prompt as text or token ids
 //   GET  /v1/models            the served model (and /v1/models/{model})
+//   POST /v1/responses         OpenAI's Responses API, served as a chat completion (responses.h);
+//                              GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items
+//                              read the stored ones (responses_store.h)
 //   POST /tokenize             a prompt, or a chat's messages as rendered, as token ids (vLLM's)
 //   POST /detokenize           token ids as text (vLLM's)
 //   GET  /health               200 while the group serves, 503 (saying why) otherwise
@@ -47,6 +50,7 @@
 #include "coordinator/api/openai/harmony.h"
 #include "coordinator/api/openai/protocol.h"
 #include "coordinator/api/openai/responses.h"
+#include "coordinator/api/openai/responses_store.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "coordinator/engine/engine.h"
@@ -93,6 +97,9 @@ struct HttpServerOptions {
   // model's chat template. An unknown name fails Start.
   std::string tool_call_parser;
   std::string reasoning_parser;
+  // The stored responses of /v1/responses (responses_store.h) within this many bytes, the least
+  // recently used dropped first; 0: none stored (previous_response_id is refused).
+  int64_t responses_store_bytes = int64_t{128} << 20;
 };
 
 class HttpServer {
@@ -124,7 +131,14 @@ class HttpServer {
                 std::shared_ptr<ResponsesView> view);
   // The Responses API: its body made a chat completion's (responses.h), served by Generate through a
   // ResponsesView, and an error's param named as this API names it.
+  // With the store on, a previous_response_id's conversation is read from it, and the Response is
+  // stored once whole (unless the request says store: false).
   void Respond(const httplib::Request& req, const std::string& body, httplib::Response& res);
+  // GET /v1/responses/{id}/input_items: a stored response's input items, as OpenAI lists them
+  // (limit 1-100, default 20; order desc (the default) or asc; after an item id).
+  void ListInputItems(const httplib::Request& req, httplib::Response& res);
+  // Who a request is, to the store: its API key's fingerprint, or empty without keys.
+  std::string Owner(const httplib::Request& req) const;
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // The prompt of a chat request as the model's chat template renders it (continuing the final
@@ -150,6 +164,7 @@ class HttpServer {
   // are then written as harmony writes calls; without them, as JSON.
   std::optional<HarmonyMarkers> harmony_markers_;
   ReasoningFormat reasoning_format_ = ReasoningFormat::kNone;  // set by Start
+  const std::unique_ptr<ResponsesStore> responses_;  // null: nothing stored
   std::unique_ptr<httplib::Server> http_;
   // The connection pool httplib made (new_task_queue), for ConnectionPolicy::crowded.
   const std::shared_ptr<std::atomic<ConnectionPool*>> connections_ = std::make_shared<std::atomic<ConnectionPool*>>(nullptr);

@@ -37,17 +37,18 @@ absl::StatusOr<std::string> ContentText(const Json& content, const std::string& 
   return text;
 }
 
-// The input items as chat messages, appended to `messages`: consecutive function calls join one
-// assistant message's tool_calls.
-absl::Status InputMessages(const Json& input, Json* messages) {
+// The input items as chat messages, appended to `messages`: function calls join the assistant
+// message before them (the text the model wrote with them, or the calls before them), as one chat
+// answer writes them. Errors name `name`[i].
+absl::Status InputMessages(const Json& input, const std::string& name, Json* messages) {
   if (input.is_string()) {
     messages->push_back({{"role", "user"}, {"content", input}});
     return absl::OkStatus();
   }
-  if (!input.is_array()) return InvalidField("input", "must be a string or an array of items");
+  if (!input.is_array()) return InvalidField(name, "must be a string or an array of items");
   for (size_t i = 0; i < input.size(); ++i) {
     const Json& item = input[i];
-    const std::string field = absl::StrCat("input[", i, "]");
+    const std::string field = absl::StrCat(name, "[", i, "]");
     if (!item.is_object()) return InvalidField(field, "must be an object");
     const std::string type = TypeOf(item);
     if (type == "message" || (type.empty() && item.contains("role"))) {
@@ -71,8 +72,8 @@ absl::Status InputMessages(const Json& input, Json* messages) {
                    {"type", "function"},
                    {"function", {{"name", item["name"]}, {"arguments", item["arguments"]}}}};
       Json* last = messages->empty() ? nullptr : &messages->back();
-      if (last != nullptr && (*last)["role"] == "assistant" && last->contains("tool_calls")) {
-        (*last)["tool_calls"].push_back(std::move(call));
+      if (last != nullptr && (*last)["role"] == "assistant") {
+        (*last)["tool_calls"].push_back(std::move(call));  // made an array when absent
       } else {
         messages->push_back(
             {{"role", "assistant"}, {"content", nullptr}, {"tool_calls", Json::array({std::move(call)})}});
@@ -93,7 +94,6 @@ absl::Status InputMessages(const Json& input, Json* messages) {
                                        "' is not served: message, function_call, function_call_output or reasoning"));
     }
   }
-  if (messages->empty()) return InvalidField("input", "has no message");
   return absl::OkStatus();
 }
 
@@ -118,12 +118,18 @@ absl::StatusOr<Json> Tools(const Json& tools) {
 
 }  // namespace
 
-absl::StatusOr<Json> ResponsesToChat(const Json& body) {
-  for (const char* refused : {"previous_response_id", "background", "conversation"}) {
+absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
+  for (const char* refused : {"background", "conversation"}) {
     if (body.contains(refused) && !body[refused].is_null() && body[refused] != false) {
-      return InvalidField(refused,
-                          "is not served: this server stores no responses; send the whole conversation as input");
+      return InvalidField(refused, "is not served: send the conversation as input, or continue a stored response "
+                                   "with previous_response_id");
     }
+  }
+  const bool continues = body.contains("previous_response_id") && !body["previous_response_id"].is_null();
+  if (continues && earlier == nullptr) {
+    return InvalidField("previous_response_id",
+                        "is not served: this server stores no responses (--http-responses-store-bytes 0); send the "
+                        "whole conversation as input");
   }
   Json chat = Json::object();
   // Fields chat completions take as they are (vLLM's extras included).
@@ -141,8 +147,12 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body) {
     if (!body["instructions"].is_string()) return InvalidField("instructions", "must be a string");
     messages.push_back({{"role", "system"}, {"content", body["instructions"]}});
   }
+  if (continues) {
+    if (absl::Status s = InputMessages(*earlier, "previous_response_id", &messages); !s.ok()) return s;
+  }
   if (!body.contains("input")) return InvalidField("input", "is required");
-  if (absl::Status s = InputMessages(body["input"], &messages); !s.ok()) return s;
+  if (absl::Status s = InputMessages(body["input"], "input", &messages); !s.ok()) return s;
+  if (messages.empty()) return InvalidField("input", "has no message");
   chat["messages"] = std::move(messages);
   if (body.contains("stream") && body["stream"] == true) {
     chat["stream"] = true;
@@ -241,8 +251,8 @@ Json ChatToResponse(const Json& chat, const Json& request) {
                    {"model", chat.value("model", "")},
                    {"output", std::move(output)},
                    {"parallel_tool_calls", request.value("parallel_tool_calls", true)},
-                   {"previous_response_id", nullptr},
-                   {"store", false},
+                   {"previous_response_id", request.value("previous_response_id", Json(nullptr))},
+                   {"store", request.value("store", false)},
                    {"temperature", request.value("temperature", Json(1.0))},
                    {"text", request.value("text", Json{{"format", {{"type", "text"}}}})},
                    {"tool_choice", request.value("tool_choice", Json("auto"))},
@@ -258,9 +268,54 @@ Json ChatToResponse(const Json& chat, const Json& request) {
   return response;
 }
 
+Json NormalizedInputItems(const Json& input, const std::string& id) {
+  const std::string suffix = absl::StartsWith(id, "resp_") ? id.substr(5) : id;
+  Json items = Json::array();
+  if (input.is_string()) {
+    items.push_back({{"id", absl::StrCat("msg_", suffix, "_in0")},
+                     {"type", "message"},
+                     {"role", "user"},
+                     {"status", "completed"},
+                     {"content", Json::array({{{"type", "input_text"}, {"text", input}}})}});
+    return items;
+  }
+  if (!input.is_array()) return items;
+  for (size_t i = 0; i < input.size(); ++i) {
+    Json item = input[i];
+    if (!item.is_object()) continue;
+    std::string type = TypeOf(item);
+    if (type.empty() && item.contains("role")) {
+      type = "message";
+      item["type"] = type;
+    }
+    if (type == "message" && item.contains("content") && item["content"].is_string()) {
+      const std::string role = item.value("role", "user");
+      item["content"] = Json::array({{{"type", role == "assistant" ? "output_text" : "input_text"},
+                                      {"text", item["content"]}}});
+    }
+    if (!item.contains("id") || !item["id"].is_string()) {
+      const char* prefix = type == "function_call"          ? "fc_"
+                           : type == "function_call_output" ? "fco_"
+                           : type == "reasoning"            ? "rs_"
+                                                            : "msg_";
+      Json named = {{"id", absl::StrCat(prefix, suffix, "_in", i)}};
+      for (auto& [key, value] : item.items()) {
+        if (key != "id") named[key] = std::move(value);
+      }
+      item = std::move(named);
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
 // ---- ResponsesView -------------------------------------------------------------------------------
 
-Json ResponsesView::Answer(const Json& chat) const { return ChatToResponse(chat, request_); }
+Json ResponsesView::Answer(const Json& chat) {
+  Json response = ChatToResponse(chat, request_);
+  if (finished_) finished_(response);
+  return response;
+}
 
 std::string ResponsesView::Emit(const std::string& type, Json fields) {
   Json event = {{"type", type}, {"sequence_number", sequence_++}};
@@ -436,8 +491,9 @@ std::string ResponsesView::End(const Json* error) {
   }
   std::string out = Close();
   const bool cut = finish_ == "length";
-  out +=
-      Emit(cut ? "response.incomplete" : "response.completed", {{"response", Whole(cut ? "incomplete" : "completed")}});
+  const Json response = Whole(cut ? "incomplete" : "completed");
+  if (finished_) finished_(response);
+  out += Emit(cut ? "response.incomplete" : "response.completed", {{"response", response}});
   return out;
 }
 

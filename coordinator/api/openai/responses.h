@@ -8,16 +8,18 @@
 // Served: input as text or items (messages with text content, function_call, function_call_output;
 // reasoning items are dropped, as they are what the model wrote), instructions, max_output_tokens,
 // temperature, top_p, tools of type function, tool_choice, parallel_tool_calls, text.format
-// (json_schema, json_object, text), user, store and metadata (accepted: nothing is stored) and the
+// (json_schema, json_object, text), user, metadata, store and previous_response_id (the HTTP
+// server keeps stored responses: responses_store.h; this file is given the conversation), the
 // fields chat completions take beside them (vLLM's), and stream (the chat stream's chunks made the
-// Responses API's events by ResponsesView). Refused, naming the field: previous_response_id and
-// background (nothing is stored), other tool and content types (built-in tools, images, files).
+// Responses API's events by ResponsesView). Refused, naming the field: background and conversation,
+// other tool and content types (built-in tools, images, files).
 //
 // Threading: plain functions; a ResponsesView is used by one thread at a time.
 #ifndef SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 #define SHARDSERVE_COORDINATOR_API_OPENAI_RESPONSES_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -29,7 +31,17 @@ namespace shardserve::openai {
 // The chat completion body for a Responses request body (a JSON object); InvalidArgument naming
 // the Responses field (base/field_error.h) when it is malformed or asks for what is not served. A
 // streamed one asks for the usage chunk (stream_options.include_usage), which the last event needs.
-absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body);
+// `earlier`: the items of the stored conversation that previous_response_id names
+// (ResponsesStore::Conversation), read after the instructions and before the input; without it, a
+// previous_response_id is refused (nothing is stored).
+absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body,
+                                                       const nlohmann::ordered_json* earlier = nullptr);
+
+// A request's input (checked by ResponsesToChat) as the items a stored response keeps and
+// GET /v1/responses/{id}/input_items lists: a string a user message, each message's content as
+// input_text / output_text parts, and every item with an id (its own, else "msg_" / "fc_" /
+// "fco_" / "rs_" + `id` without "resp_" + "_in" + its index).
+nlohmann::ordered_json NormalizedInputItems(const nlohmann::ordered_json& input, const std::string& id);
 
 // One /v1/responses request's answer made from the chat path's: a whole answer by ChatToResponse
 // (Answer), a stream's chunks (their JSON, in order) as the Responses API's server-sent events
@@ -42,8 +54,11 @@ absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_j
 class ResponsesView {
  public:
   explicit ResponsesView(nlohmann::ordered_json request) : request_(std::move(request)) {}
+  // Called with the Response once it is whole (Answer, or End without an error): what the server
+  // stores.
+  void OnFinished(std::function<void(const nlohmann::ordered_json&)> finished) { finished_ = std::move(finished); }
   // The Response for a whole chat completion answer.
-  nlohmann::ordered_json Answer(const nlohmann::ordered_json& chat) const;
+  nlohmann::ordered_json Answer(const nlohmann::ordered_json& chat);
   // The events of one chat chunk (the usage chunk included).
   std::string Chunk(const nlohmann::ordered_json& chunk);
   // The events that end the stream: the items still open closed and the Response; or, with an
@@ -61,6 +76,7 @@ class ResponsesView {
   nlohmann::ordered_json Whole(const std::string& status) const;
 
   const nlohmann::ordered_json request_;
+  std::function<void(const nlohmann::ordered_json&)> finished_;
   std::string id_;  // the chat stream's, without "chatcmpl-"
   nlohmann::ordered_json chat_ = nlohmann::ordered_json::object();  // the answer gathered as a chat completion
   std::string reasoning_, content_;
@@ -73,7 +89,8 @@ class ResponsesView {
 };
 
 // The Response object for `chat`, a chat completion answer to ResponsesToChat(`request`):
-// id "resp_" + what follows "chatcmpl-" in the chat answer's id.
+// id "resp_" + what follows "chatcmpl-" in the chat answer's id; `store` as the request says
+// (the server writes there whether it stores it), and its previous_response_id.
 nlohmann::ordered_json ChatToResponse(const nlohmann::ordered_json& chat, const nlohmann::ordered_json& request);
 
 // A chat completion error's param as the Responses request names it (max_tokens is

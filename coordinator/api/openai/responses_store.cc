@@ -1,0 +1,120 @@
+#include "coordinator/api/openai/responses_store.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardserve::openai {
+
+using Json = nlohmann::ordered_json;
+
+namespace {
+
+int64_t SizeOf(const StoredResponse& entry) {
+  auto length = [](const Json& json) {
+    return static_cast<int64_t>(json.dump(-1, ' ', false, Json::error_handler_t::replace).size());
+  };
+  return length(entry.input) + length(entry.response) +
+         static_cast<int64_t>(entry.owner.size() + entry.previous.size());
+}
+
+}  // namespace
+
+ResponsesStore::Slot* ResponsesStore::Find(const std::string& id, const std::string& owner) {
+  auto it = slots_.find(id);
+  if (it == slots_.end() || it->second.entry.owner != owner) return nullptr;
+  used_.splice(used_.begin(), used_, it->second.use);
+  return &it->second;
+}
+
+void ResponsesStore::Erase(const std::string& id) {
+  auto it = slots_.find(id);
+  if (it == slots_.end()) return;
+  bytes_ -= it->second.bytes;
+  used_.erase(it->second.use);
+  slots_.erase(it);
+}
+
+bool ResponsesStore::Put(StoredResponse entry) {
+  const std::string id = entry.response.value("id", "");
+  const int64_t bytes = SizeOf(entry);
+  if (id.empty() || bytes > max_bytes_) return false;
+  absl::MutexLock lock(&mu_);
+  if (auto it = slots_.find(id); it != slots_.end()) {
+    if (it->second.entry.owner != entry.owner) return false;
+    Erase(id);
+  }
+  used_.push_front(id);
+  slots_[id] = Slot{std::move(entry), bytes, used_.begin()};
+  bytes_ += bytes;
+  while (bytes_ > max_bytes_) Erase(used_.back());
+  return true;
+}
+
+bool ResponsesStore::Taken(const std::string& id, const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  auto it = slots_.find(id);
+  return it != slots_.end() && it->second.entry.owner != owner;
+}
+
+std::optional<Json> ResponsesStore::Get(const std::string& id, const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  const Slot* slot = Find(id, owner);
+  if (slot == nullptr) return std::nullopt;
+  return slot->entry.response;
+}
+
+std::optional<Json> ResponsesStore::InputItems(const std::string& id, const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  const Slot* slot = Find(id, owner);
+  if (slot == nullptr) return std::nullopt;
+  return slot->entry.input;
+}
+
+bool ResponsesStore::Delete(const std::string& id, const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  if (Find(id, owner) == nullptr) return false;
+  Erase(id);
+  return true;
+}
+
+absl::StatusOr<Json> ResponsesStore::Conversation(const std::string& id, const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  std::vector<const Slot*> chain;  // newest first
+  for (std::string at = id; !at.empty();) {
+    const Slot* slot = Find(at, owner);
+    if (slot == nullptr) {
+      return absl::NotFoundError(at == id ? absl::StrCat("no stored response has the id '", id, "'")
+                                          : absl::StrCat("the response '", at, "', which '", id,
+                                                         "' continues, is no longer stored"));
+    }
+    // A chain is stored oldest first, so it cannot loop; the bound guards the walk all the same.
+    if (chain.size() > slots_.size()) return absl::InternalError("the stored responses' chain loops");
+    chain.push_back(slot);
+    at = slot->entry.previous;
+  }
+  Json items = Json::array();
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    const StoredResponse& entry = (*it)->entry;
+    for (const Json& item : entry.input) items.push_back(item);
+    if (entry.response.contains("output") && entry.response["output"].is_array()) {
+      for (const Json& item : entry.response["output"]) items.push_back(item);
+    }
+  }
+  return items;
+}
+
+int64_t ResponsesStore::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
+size_t ResponsesStore::size() const {
+  absl::MutexLock lock(&mu_);
+  return slots_.size();
+}
+
+}  // namespace shardserve::openai
