@@ -33,11 +33,18 @@ constexpr int HalvesFor(int64_t rows) { return rows == 1 ? 8 : rows == 2 ? 4 : r
 // As panel_matmul_int4_avx512.cc: the line this far past each one read is asked for.
 constexpr int64_t kPrefetchBytes = 8192;
 
+// Half `half` of a block's panels (its outputs 8 half .. + 7): in panel half / 2, indexed within it
+// (one pointer running across the panels would index past each panel's array).
+template <typename T>
+[[gnu::always_inline]] inline const T* Half(const T (&panels)[kInt4GroupPanels][kPanelCols], int half) {
+  return panels[half / 2] + kHalf * (half % 2);
+}
+
 // Half first + h of a block (its outputs 8 (first + h) .. + 7) of line j: its 8 bytes as int32
 // lanes (Bytes), or their codes at input 2j (kOdd false) or 2j + 1 as floats (Widen). (A line's
 // halves are 8 bytes apart, as its scales' and zeros' are 8 floats apart.)
 [[gnu::always_inline]] inline __m256i Bytes(const Int4PanelGroup& group, int64_t j, int first, int h) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(group.q[j][0] + kHalf * (first + h))));
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(Half(group.q[j], first + h))));
 }
 template <bool kOdd>
 [[gnu::always_inline]] inline __m256 Widen(const Int4PanelGroup& group, int64_t j, int first, int h) {
@@ -95,8 +102,8 @@ template <int R, int H>
     }
     if (size % 2 != 0) Step<R, H, false>(part, xg, k, group, first, pairs);  // a short last group's last input
     for (int h = 0; h < H; ++h) {
-      const __m256 scale = _mm256_load_ps(group.scale[0] + kHalf * (first + h));
-      const __m256 zero = _mm256_load_ps(group.zero[0] + kHalf * (first + h));
+      const __m256 scale = _mm256_load_ps(Half(group.scale, first + h));
+      const __m256 zero = _mm256_load_ps(Half(group.zero, first + h));
       for (int r = 0; r < R; ++r) {
         const __m256 centred = _mm256_fnmadd_ps(zero, _mm256_set1_ps(sums[r * groups + g]), part[r][h]);
         _mm256_store_ps(acc[r][h], _mm256_fmadd_ps(scale, centred, _mm256_load_ps(acc[r][h])));
