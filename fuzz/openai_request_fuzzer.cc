@@ -10,7 +10,8 @@
 // Invariants: every refusal is InvalidArgument and names its field as its param when its message
 // starts with one; an accepted request has 1 <= n <= kMaxChoices and prompt + max_tokens within
 // max_model_len; the error body is valid JSON; a /v1/responses input accepted, stored
-// (NormalizedInputItems) and read back makes the same chat messages.
+// (NormalizedInputItems) and read back makes the same chat messages, and its oldest turns dropped
+// one by one (DropOldestTurn) leave fewer messages each time, the last one kept.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -133,6 +134,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!back.ok() || (*back)["messages"] != (*chat)["messages"]) {
       std::fprintf(stderr, "the stored input reads back otherwise: %s\n", again.dump().c_str());
       std::abort();
+    }
+    // truncation "auto" drops whole turns: fewer messages each time, the last one kept, then it stops.
+    nlohmann::ordered_json messages = (*chat)["messages"];
+    for (size_t size = messages.size(); shardserve::openai::DropOldestTurn(&messages, nullptr);
+         size = messages.size()) {
+      if (messages.size() >= size || messages.empty() || messages.back() != (*chat)["messages"].back()) {
+        std::fprintf(stderr, "a dropped turn broke the conversation: %s\n", (*chat)["messages"].dump().c_str());
+        std::abort();
+      }
     }
     body = chat->dump();
   }

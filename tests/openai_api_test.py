@@ -669,8 +669,12 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertIn("response.function_call_arguments.delta", kinds)
         self.assertEqual([(item.type, item.name, item.arguments) for item in assembled.output],
                          [("function_call", "get_weather", call["arguments"])])
+        # reasoning.effort is the chat API's reasoning_effort (the template's variable).
+        status, effort = respond(input="x", max_output_tokens=2, reasoning={"effort": "high"})
+        self.assertEqual((status, effort["reasoning"]["effort"]), (200, "high"), effort)
         # Refusals name the Responses API's fields.
         for body, param in [(dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+                            (dict(input="x", reasoning={"effort": "extreme"}), "reasoning.effort"),
                             (dict(input="x", max_output_tokens=-1), "max_output_tokens"),
                             (dict(input=[{"type": "input_image", "image_url": "x"}]), "input[0].type"),
                             (dict(input="x", tools=[{"type": "web_search"}]), "tools[0].type"),
@@ -732,8 +736,32 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.responses.create(model=MODEL, previous_response_id=final.id, input="x", max_output_tokens=2)
         self.assertEqual(ctx.exception.param, "previous_response_id")
         self.assertIn(first.id, ctx.exception.message)
+        self.assertGreater(self.metric("shardserve_http_responses_stored"), 0)
+        self.assertGreater(self.metric("shardserve_http_responses_stored_bytes"), 0)
         for endpoint in ("/v1/responses/{id}", "/v1/responses/{id}/input_items"):
             self.assertGreater(self.metric("shardserve_http_requests_total", endpoint=endpoint, status="200"), 0)
+
+    def test_responses_truncation(self):
+        # truncation "auto" drops the oldest turns until the prompt leaves room for the output;
+        # "disabled" (the default) refuses a conversation longer than the context.
+        with urllib.request.urlopen(self.base + "/v1/models", timeout=10) as r:
+            max_len = json.loads(r.read())["data"][0]["max_model_len"]
+        long = " ".join(["heaven"] * max_len)
+        conversation = [{"role": "user", "content": long}, {"role": "assistant", "content": "Yes."},
+                        {"role": "user", "content": "Who made the earth?"}]
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.responses.create(model=MODEL, input=conversation, max_output_tokens=4, store=False)
+        self.assertEqual(ctx.exception.param, "input")
+        cut = self.client.responses.create(model=MODEL, input=conversation, max_output_tokens=4, temperature=0,
+                                           truncation="auto", store=False)
+        alone = self.client.responses.create(model=MODEL, input=conversation[-1:], max_output_tokens=4,
+                                             temperature=0, store=False)
+        self.assertEqual(cut.truncation, "auto")
+        self.assertEqual((cut.usage.input_tokens, cut.output_text), (alone.usage.input_tokens, alone.output_text))
+        # A last turn that cannot fit is still refused.
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.responses.create(model=MODEL, input=long, max_output_tokens=4, truncation="auto", store=False)
+        self.assertEqual(ctx.exception.param, "input")
 
     def test_the_client_names_the_request(self):
         # X-Request-Id (as a proxy sets it), else the body's request_id: the answer's id and header.

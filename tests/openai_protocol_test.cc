@@ -1241,6 +1241,7 @@ TEST(ForcedToolConstraintTest, RefsInToolParametersResolve) {
 TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
   const nlohmann::ordered_json body = nlohmann::ordered_json::parse(R"({
     "model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0.5, "store": true,
+    "reasoning": {"effort": "high", "summary": "auto"},
     "input": [
       {"type": "message", "role": "developer", "content": "Use tools."},
       {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
@@ -1269,6 +1270,8 @@ TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
   EXPECT_EQ((*chat)["temperature"], 0.5);
   EXPECT_EQ((*chat)["response_format"]["json_schema"]["name"], "w");
   EXPECT_FALSE(chat->contains("store"));
+  EXPECT_EQ((*chat)["reasoning_effort"], "high");
+  EXPECT_FALSE(chat->contains("reasoning"));
   EXPECT_FALSE(chat->contains("input"));
   // And the chat body parses as a chat completion (but for its two constraints: one a request).
   nlohmann::ordered_json one = *chat;
@@ -1287,12 +1290,14 @@ TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
            {R"({"model": "m", "input": [{"role": "critic", "content": "x"}]})", "input[0].role"},
            {R"({"model": "m", "input": [{"type": "function_call", "name": "f"}]})", "input[0].call_id"},
            {R"({"model": "m", "input": "x", "tools": [{"type": "file_search"}]})", "tools[0].type"},
-           {R"({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}})", "text.format.type"}}) {
+           {R"({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}})", "text.format.type"},
+           {R"({"model": "m", "input": "x", "reasoning": "high"})", "reasoning"}}) {
     absl::StatusOr<nlohmann::ordered_json> refused = ResponsesToChat(nlohmann::ordered_json::parse(json));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << json;
     EXPECT_EQ(ParamOf(refused.status()), param) << json << ": " << refused.status();
   }
   EXPECT_EQ(ResponsesParam("max_tokens"), "max_output_tokens");
+  EXPECT_EQ(ResponsesParam("reasoning_effort"), "reasoning.effort");
   EXPECT_EQ(ResponsesParam("messages[2].content"), "input");
   EXPECT_EQ(ResponsesParam("tools[1].function.name"), "tools[1]");
   EXPECT_EQ(ResponsesParam("temperature"), "temperature");
@@ -1328,6 +1333,11 @@ TEST(ResponsesTest, AChatAnswerBecomesAResponse) {
   EXPECT_EQ(r["usage"]["output_tokens"], 3);
   EXPECT_EQ(r["usage"]["total_tokens"], 8);
   EXPECT_EQ(r["usage"]["input_tokens_details"]["cached_tokens"], 4);
+  EXPECT_EQ(r["reasoning"], Json::parse(R"({"effort": null, "summary": null})"));
+  EXPECT_EQ(r["store"], false);
+  const Json low = ChatToResponse(chat, Json::parse(R"({"reasoning": {"effort": "low"}, "store": true})"));
+  EXPECT_EQ(low["reasoning"]["effort"], "low");
+  EXPECT_EQ(low["store"], true);
 }
 
 
@@ -1443,6 +1453,44 @@ TEST(ResponsesTest, InputItemsAreNormalizedForTheStore) {
   absl::StatusOr<Json> stored = ResponsesToChat(Json{{"model", "m"}, {"input", NormalizedInputItems(input, "resp_y")}});
   ASSERT_TRUE(direct.ok() && stored.ok());
   EXPECT_EQ((*direct)["messages"], (*stored)["messages"]);
+}
+
+// truncation "auto": the oldest turn (after the system messages, up to the next user message) goes,
+// from both forms of the list, until one turn is left; null fields of a request take their defaults.
+TEST(ResponsesTest, TruncationDropsTheOldestTurns) {
+  Json messages = Json::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+    {"role": "assistant", "content": null, "tool_calls": []}, {"role": "tool", "content": "t"},
+    {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"}])");
+  Json twin = messages;
+  Json contents = Json::array();
+  ASSERT_TRUE(DropOldestTurn(&messages, &twin));
+  EXPECT_EQ(messages, twin);
+  for (const Json& m : messages) contents.push_back(m["content"]);
+  EXPECT_EQ(contents, Json::parse(R"(["s", "c", "d", "e"])"));
+  ASSERT_TRUE(DropOldestTurn(&messages, nullptr));
+  EXPECT_EQ(messages.size(), 2u);
+  EXPECT_EQ(messages[1]["content"], "e");
+  EXPECT_FALSE(DropOldestTurn(&messages, nullptr));
+  EXPECT_EQ(messages.size(), 2u);
+  Json from_assistant = Json::parse(R"([{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])");
+  ASSERT_TRUE(DropOldestTurn(&from_assistant, nullptr));
+  EXPECT_EQ(from_assistant, Json::parse(R"([{"role": "user", "content": "y"}])"));
+
+  EXPECT_EQ(ParamOf(ResponsesToChat(Json::parse(R"({"model": "m", "input": "x", "truncation": "middle"})")).status()),
+            "truncation");
+  EXPECT_TRUE(ResponsesToChat(Json::parse(R"({"model": "m", "input": "x", "truncation": "auto"})")).ok());
+  EXPECT_TRUE(ResponsesView(Json::parse(R"({"truncation": "auto"})")).truncates());
+  EXPECT_FALSE(ResponsesView(Json::parse(R"({"truncation": null})")).truncates());
+  const Json chat = Json::parse(R"({"id": "chatcmpl-n", "created": 1, "model": "m", "usage": {},
+    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"}}]})");
+  const Json r = ChatToResponse(chat, Json::parse(R"({"parallel_tool_calls": null, "temperature": null,
+    "tools": null, "truncation": null, "store": null, "reasoning": {"effort": null}, "metadata": null})"));
+  EXPECT_EQ(r["parallel_tool_calls"], true);
+  EXPECT_EQ(r["temperature"], 1.0);
+  EXPECT_EQ(r["tools"], Json::array());
+  EXPECT_EQ(r["truncation"], "disabled");
+  EXPECT_EQ(r["store"], false);
+  EXPECT_EQ(r["metadata"], Json::object());
 }
 
 StoredResponse Stored(const std::string& id, const std::string& owner, const std::string& previous,

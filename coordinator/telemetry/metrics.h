@@ -94,6 +94,9 @@ class CoordinatorMetrics {
   prometheus::Counter& prefix_cache_queries;  // tokens looked up in the prefix cache
   prometheus::Counter& prefix_cache_hits;     // tokens found there
   prometheus::Gauge& prefix_cache_blocks;     // blocks cached, held by no sequence
+  // ---- The HTTP API's stored responses (/v1/responses) ----
+  prometheus::Gauge& responses_stored;        // responses stored
+  prometheus::Gauge& responses_stored_bytes;  // their bytes, within --http-responses-store-bytes
   // ---- Speculative decoding (docs/speculative-decoding.md) ----
   prometheus::Counter& spec_proposed;       // tokens proposed
   prometheus::Counter& spec_accepted;       // of them accepted

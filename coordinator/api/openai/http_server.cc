@@ -728,6 +728,7 @@ void HttpServer::Routes() {
     absl::StatusOr<std::string> id = stored(req);
     if (!id.ok()) return SetError(res, id.status());
     if (!responses_->Delete(*id, Owner(req))) return SetError(res, unknown(*id));
+    StoreMetrics();
     const Json answer = {{"id", *id}, {"object", "response"}, {"deleted", true}};
     res.set_content(answer.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
@@ -738,6 +739,12 @@ void HttpServer::Routes() {
   }));
   http_->Post("/tokenize", with_body(std::bind(&HttpServer::Tokenize, this, _1, _2, _3)));
   http_->Post("/detokenize", with_body(std::bind(&HttpServer::Detokenize, this, _1, _2, _3)));
+}
+
+void HttpServer::StoreMetrics() {
+  if (metrics_ == nullptr) return;
+  metrics_->responses_stored.Set(static_cast<double>(responses_->size()));
+  metrics_->responses_stored_bytes.Set(static_cast<double>(responses_->bytes()));
 }
 
 std::string HttpServer::Owner(const httplib::Request& req) const {
@@ -798,6 +805,7 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
                                                responses_->max_bytes(), "), or its id is another API key's"),
                               "warn");
       }
+      StoreMetrics();
     });
   }
   Generate(/*chat=*/true, req, chat->dump(), res, std::move(view));
@@ -1025,8 +1033,23 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   std::optional<std::vector<int32_t>> ids;
   OutputParsing parsing;
   if (chat) {
-    std::optional<std::string> prompt = RenderChat(id, *request, req, res);
-    if (!prompt.has_value()) return;
+    // The template writes the special tokens (BOS) itself: none are added again (as vLLM). Under
+    // /v1/responses' truncation "auto", the oldest turns are dropped until the prompt leaves room for
+    // max_tokens (or one token), each time rendered again.
+    std::optional<std::string> prompt;
+    const bool truncates = view != nullptr && view->truncates();
+    for (;;) {
+      prompt = RenderChat(id, *request, req, res);
+      if (!prompt.has_value()) return;
+      absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
+      if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
+      ids = std::move(*encoded);
+      const int64_t room = request->max_tokens.value_or(1);
+      if (!truncates || static_cast<int64_t>(ids->size()) + room <= pool_->max_model_len() ||
+          !DropOldestTurn(&request->messages, &request->messages_with_argument_text)) {
+        break;
+      }
+    }
     parsing.reasoning = reasoning_format_ != ReasoningFormat::kNone;
     parsing.reasoning_inside = parsing.reasoning && PromptOpensReasoning(*prompt);
     const bool forced = request->tool_choice == ToolChoice::kRequired || request->tool_choice == ToolChoice::kNamed;
@@ -1055,10 +1078,6 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       parsing.forced = request->tool_choice;
       parsing.forced_name = request->named_tool;
     }
-    // The template writes the special tokens (BOS) itself: none are added again (as vLLM).
-    absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
-    if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
-    ids = std::move(*encoded);
   }
 
   // Each prompt checked (a chat's one, a completion's one or each of a batch, whose errors name

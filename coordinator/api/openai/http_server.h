@@ -139,6 +139,8 @@ class HttpServer {
   void ListInputItems(const httplib::Request& req, httplib::Response& res);
   // Who a request is, to the store: its API key's fingerprint, or empty without keys.
   std::string Owner(const httplib::Request& req) const;
+  // The store's size in the metrics (after a Put or a Delete).
+  void StoreMetrics();
   void Tokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   void Detokenize(const httplib::Request& req, const std::string& body, httplib::Response& res);
   // The prompt of a chat request as the model's chat template renders it (continuing the final

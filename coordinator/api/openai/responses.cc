@@ -12,6 +12,11 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
+// The request's `key`, or `fallback` where it is absent or null.
+Json Given(const Json& request, const char* key, Json fallback) {
+  return request.contains(key) && !request[key].is_null() ? request[key] : std::move(fallback);
+}
+
 std::string TypeOf(const Json& item) {
   return item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : "";
 }
@@ -166,6 +171,17 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
     if (!tools.ok()) return tools.status();
     chat["tools"] = *std::move(tools);
   }
+  if (body.contains("truncation") && !body["truncation"].is_null() && body["truncation"] != "auto" &&
+      body["truncation"] != "disabled") {
+    return InvalidField("truncation", "must be \"auto\" or \"disabled\"");
+  }
+  if (body.contains("reasoning") && !body["reasoning"].is_null()) {
+    // reasoning.effort is the chat API's reasoning_effort (the chat template's variable); its summary
+    // is not made.
+    const Json& reasoning = body["reasoning"];
+    if (!reasoning.is_object()) return InvalidField("reasoning", "must be an object");
+    if (reasoning.contains("effort") && !reasoning["effort"].is_null()) chat["reasoning_effort"] = reasoning["effort"];
+  }
   if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
     const Json& choice = body["tool_choice"];
     if (choice.is_object() && TypeOf(choice) == "function" && choice.contains("name")) {
@@ -193,6 +209,7 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
 
 std::string ResponsesParam(const std::string& chat_param) {
   if (chat_param == "max_tokens") return "max_output_tokens";
+  if (chat_param == "reasoning_effort") return "reasoning.effort";
   if (absl::StartsWith(chat_param, "messages")) return "input";
   if (absl::StartsWith(chat_param, "response_format")) return "text.format";
   if (absl::StartsWith(chat_param, "tools[")) {
@@ -246,25 +263,30 @@ Json ChatToResponse(const Json& chat, const Json& request) {
                    {"status", cut ? "incomplete" : "completed"},
                    {"error", nullptr},
                    {"incomplete_details", cut ? Json{{"reason", "max_output_tokens"}} : Json(nullptr)},
-                   {"instructions", request.value("instructions", Json(nullptr))},
-                   {"max_output_tokens", request.value("max_output_tokens", Json(nullptr))},
+                   {"instructions", Given(request, "instructions", nullptr)},
+                   {"max_output_tokens", Given(request, "max_output_tokens", nullptr)},
                    {"model", chat.value("model", "")},
                    {"output", std::move(output)},
-                   {"parallel_tool_calls", request.value("parallel_tool_calls", true)},
-                   {"previous_response_id", request.value("previous_response_id", Json(nullptr))},
-                   {"store", request.value("store", false)},
-                   {"temperature", request.value("temperature", Json(1.0))},
-                   {"text", request.value("text", Json{{"format", {{"type", "text"}}}})},
-                   {"tool_choice", request.value("tool_choice", Json("auto"))},
-                   {"tools", request.value("tools", Json::array())},
-                   {"top_p", request.value("top_p", Json(1.0))},
+                   {"parallel_tool_calls", Given(request, "parallel_tool_calls", true)},
+                   {"previous_response_id", Given(request, "previous_response_id", nullptr)},
+                   {"reasoning", {{"effort", request.contains("reasoning") && request["reasoning"].is_object()
+                                                 ? Given(request["reasoning"], "effort", nullptr)
+                                                 : Json(nullptr)},
+                                  {"summary", nullptr}}},
+                   {"store", Given(request, "store", false)},
+                   {"temperature", Given(request, "temperature", 1.0)},
+                   {"text", Given(request, "text", Json{{"format", {{"type", "text"}}}})},
+                   {"tool_choice", Given(request, "tool_choice", "auto")},
+                   {"tools", Given(request, "tools", Json::array())},
+                   {"truncation", Given(request, "truncation", "disabled")},
+                   {"top_p", Given(request, "top_p", 1.0)},
                    {"usage",
                     {{"input_tokens", usage.value("prompt_tokens", int64_t{0})},
                      {"input_tokens_details", {{"cached_tokens", cached}}},
                      {"output_tokens", usage.value("completion_tokens", int64_t{0})},
                      {"output_tokens_details", {{"reasoning_tokens", 0}}},
                      {"total_tokens", usage.value("total_tokens", int64_t{0})}}},
-                   {"metadata", request.value("metadata", Json::object())}};
+                   {"metadata", Given(request, "metadata", Json::object())}};
   return response;
 }
 
@@ -307,6 +329,22 @@ Json NormalizedInputItems(const Json& input, const std::string& id) {
     items.push_back(std::move(item));
   }
   return items;
+}
+
+bool DropOldestTurn(Json* messages, Json* twin) {
+  if (!messages->is_array()) return false;
+  const size_t size = messages->size();
+  auto role = [&](size_t i) { return (*messages)[i].is_object() ? (*messages)[i].value("role", Json("")) : Json(""); };
+  size_t first = 0;
+  while (first < size && role(first) == "system") ++first;
+  size_t next = first + 1;
+  while (next < size && role(next) != "user") ++next;
+  if (next >= size) return false;  // one turn left, or none
+  for (Json* list : {messages, twin}) {
+    if (list == nullptr || !list->is_array() || list->size() != size) continue;
+    list->erase(list->begin() + static_cast<std::ptrdiff_t>(first), list->begin() + static_cast<std::ptrdiff_t>(next));
+  }
+  return true;
 }
 
 // ---- ResponsesView -------------------------------------------------------------------------------

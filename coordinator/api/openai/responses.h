@@ -7,7 +7,9 @@
 //
 // Served: input as text or items (messages with text content, function_call, function_call_output;
 // reasoning items are dropped, as they are what the model wrote), instructions, max_output_tokens,
-// temperature, top_p, tools of type function, tool_choice, parallel_tool_calls, text.format
+// temperature, top_p, reasoning.effort (the chat API's reasoning_effort), truncation (auto: the
+// oldest turns dropped until the prompt fits; DropOldestTurn), tools of type function,
+// tool_choice, parallel_tool_calls, text.format
 // (json_schema, json_object, text), user, metadata, store and previous_response_id (the HTTP
 // server keeps stored responses: responses_store.h; this file is given the conversation), the
 // fields chat completions take beside them (vLLM's), and stream (the chat stream's chunks made the
@@ -57,6 +59,9 @@ class ResponsesView {
   // Called with the Response once it is whole (Answer, or End without an error): what the server
   // stores.
   void OnFinished(std::function<void(const nlohmann::ordered_json&)> finished) { finished_ = std::move(finished); }
+  // Whether the request asks for truncation "auto": the oldest turns dropped until the prompt
+  // leaves room for the output (the server renders it again each time).
+  bool truncates() const { return request_.contains("truncation") && request_["truncation"] == "auto"; }
   // The Response for a whole chat completion answer.
   nlohmann::ordered_json Answer(const nlohmann::ordered_json& chat);
   // The events of one chat chunk (the usage chunk included).
@@ -88,14 +93,19 @@ class ResponsesView {
   std::string finish_;
 };
 
+// The oldest turn of a chat conversation dropped (truncation "auto"): the messages after the
+// leading system ones up to the next user message, from `messages` and from `twin` (another form
+// of the same list; may be null). False, and nothing dropped, when one turn is left.
+bool DropOldestTurn(nlohmann::ordered_json* messages, nlohmann::ordered_json* twin);
+
 // The Response object for `chat`, a chat completion answer to ResponsesToChat(`request`):
 // id "resp_" + what follows "chatcmpl-" in the chat answer's id; `store` as the request says
 // (the server writes there whether it stores it), and its previous_response_id.
 nlohmann::ordered_json ChatToResponse(const nlohmann::ordered_json& chat, const nlohmann::ordered_json& request);
 
 // A chat completion error's param as the Responses request names it (max_tokens is
-// max_output_tokens, messages[i] is input, tools[i].function is tools[i], response_format is
-// text.format); others unchanged.
+// max_output_tokens, reasoning_effort is reasoning.effort, messages[i] is input, tools[i].function is
+// tools[i], response_format is text.format); others unchanged.
 std::string ResponsesParam(const std::string& chat_param);
 
 }  // namespace shardserve::openai
