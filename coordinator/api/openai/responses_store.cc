@@ -13,19 +13,16 @@ using Json = nlohmann::ordered_json;
 
 namespace {
 
-int64_t SizeOf(const StoredResponse& entry) {
-  auto length = [](const Json& json) {
-    return static_cast<int64_t>(json.dump(-1, ' ', false, Json::error_handler_t::replace).size());
-  };
-  return length(entry.input) + length(entry.response) +
-         static_cast<int64_t>(entry.owner.size() + entry.previous.size());
-}
+std::string Text(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// Text this store wrote (valid JSON).
+Json Parsed(const std::string& text) { return Json::parse(text, nullptr, /*allow_exceptions=*/false); }
 
 }  // namespace
 
 ResponsesStore::Slot* ResponsesStore::Find(const std::string& id, const std::string& owner) {
   auto it = slots_.find(id);
-  if (it == slots_.end() || it->second.entry.owner != owner) return nullptr;
+  if (it == slots_.end() || it->second.owner != owner) return nullptr;
   used_.splice(used_.begin(), used_, it->second.use);
   return &it->second;
 }
@@ -40,16 +37,19 @@ void ResponsesStore::Erase(const std::string& id) {
 
 bool ResponsesStore::Put(StoredResponse entry) {
   const std::string id = entry.response.value("id", "");
-  const int64_t bytes = SizeOf(entry);
-  if (id.empty() || bytes > max_bytes_) return false;
+  Slot slot{std::move(entry.owner), std::move(entry.previous), Text(entry.input), Text(entry.response)};
+  slot.bytes = static_cast<int64_t>(id.size() + slot.owner.size() + slot.previous.size() + slot.input.size() +
+                                    slot.response.size());
+  if (id.empty() || slot.bytes > max_bytes_) return false;
   absl::MutexLock lock(&mu_);
   if (auto it = slots_.find(id); it != slots_.end()) {
-    if (it->second.entry.owner != entry.owner) return false;
+    if (it->second.owner != slot.owner) return false;
     Erase(id);
   }
   used_.push_front(id);
-  slots_[id] = Slot{std::move(entry), bytes, used_.begin()};
-  bytes_ += bytes;
+  slot.use = used_.begin();
+  bytes_ += slot.bytes;
+  slots_[id] = std::move(slot);
   while (bytes_ > max_bytes_) Erase(used_.back());
   return true;
 }
@@ -57,21 +57,21 @@ bool ResponsesStore::Put(StoredResponse entry) {
 bool ResponsesStore::Taken(const std::string& id, const std::string& owner) const {
   absl::MutexLock lock(&mu_);
   auto it = slots_.find(id);
-  return it != slots_.end() && it->second.entry.owner != owner;
+  return it != slots_.end() && it->second.owner != owner;
 }
 
 std::optional<Json> ResponsesStore::Get(const std::string& id, const std::string& owner) {
   absl::MutexLock lock(&mu_);
   const Slot* slot = Find(id, owner);
   if (slot == nullptr) return std::nullopt;
-  return slot->entry.response;
+  return Parsed(slot->response);
 }
 
 std::optional<Json> ResponsesStore::InputItems(const std::string& id, const std::string& owner) {
   absl::MutexLock lock(&mu_);
   const Slot* slot = Find(id, owner);
   if (slot == nullptr) return std::nullopt;
-  return slot->entry.input;
+  return Parsed(slot->input);
 }
 
 bool ResponsesStore::Delete(const std::string& id, const std::string& owner) {
@@ -94,14 +94,14 @@ absl::StatusOr<Json> ResponsesStore::Conversation(const std::string& id, const s
     // A chain is stored oldest first, so it cannot loop; the bound guards the walk all the same.
     if (chain.size() > slots_.size()) return absl::InternalError("the stored responses' chain loops");
     chain.push_back(slot);
-    at = slot->entry.previous;
+    at = slot->previous;
   }
   Json items = Json::array();
   for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-    const StoredResponse& entry = (*it)->entry;
-    for (const Json& item : entry.input) items.push_back(item);
-    if (entry.response.contains("output") && entry.response["output"].is_array()) {
-      for (const Json& item : entry.response["output"]) items.push_back(item);
+    for (Json& item : Parsed((*it)->input)) items.push_back(std::move(item));
+    Json response = Parsed((*it)->response);
+    if (response.contains("output") && response["output"].is_array()) {
+      for (Json& item : response["output"]) items.push_back(std::move(item));
     }
   }
   return items;

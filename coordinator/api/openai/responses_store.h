@@ -4,7 +4,8 @@
 // (--http-responses-store-bytes): the least recently used go first, a response continued counting
 // as used with every response before it in its conversation. A restart forgets them all.
 //
-// Each response is stored with its own input items and its owner: with API keys, the fingerprint
+// Each response is kept as JSON text (its size what the budget counts, and about what it takes),
+// parsed again when read, with its own input items and its owner: with API keys, the fingerprint
 // of the key that made it (ApiKeys::Fingerprint), and another key finds nothing there, as if the
 // id were unknown; without keys every client is the same owner. A conversation is the chain of
 // previous_response_id links: each response's input items, then its output items, oldest first.
@@ -35,7 +36,7 @@ struct StoredResponse {
 
 class ResponsesStore {
  public:
-  // At most `max_bytes` (each response counted as its JSON's length); 0 stores nothing.
+  // At most `max_bytes` (each response counted as its JSON text's length); 0 stores nothing.
   explicit ResponsesStore(int64_t max_bytes) : max_bytes_(max_bytes) {}
 
   // Stores `entry` under the id of its response, replacing one of the same id and owner, then drops
@@ -61,7 +62,8 @@ class ResponsesStore {
 
  private:
   struct Slot {
-    StoredResponse entry;
+    std::string owner, previous;
+    std::string input, response;  // JSON text
     int64_t bytes = 0;
     std::list<std::string>::iterator use;  // its place in used_
   };
