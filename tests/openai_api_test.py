@@ -669,6 +669,16 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertIn("response.function_call_arguments.delta", kinds)
         self.assertEqual([(item.type, item.name, item.arguments) for item in assembled.output],
                          [("function_call", "get_weather", call["arguments"])])
+        # include's message.output_text.logprobs (and top_logprobs) give the chat API's logprobs.
+        chat = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+        scored = self.client.responses.create(model=MODEL, instructions="Be brief.", input="Who made the heaven?",
+                                              max_output_tokens=4, temperature=0, top_logprobs=2,
+                                              include=["message.output_text.logprobs"])
+        part = [item for item in scored.output if item.type == "message"][0].content[0]
+        self.assertEqual([(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in part.logprobs],
+                         [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs])
+                          for t in chat.choices[0].logprobs.content])
         # reasoning.effort is the chat API's reasoning_effort (the template's variable).
         status, effort = respond(input="x", max_output_tokens=2, reasoning={"effort": "high"})
         self.assertEqual((status, effort["reasoning"]["effort"]), (200, "high"), effort)

@@ -1493,6 +1493,54 @@ TEST(ResponsesTest, TruncationDropsTheOldestTurns) {
   EXPECT_EQ(r["metadata"], Json::object());
 }
 
+// Log-probabilities: include's "message.output_text.logprobs" or top_logprobs > 0 ask the chat API
+// for them, and the message's output_text part has them, whole and streamed.
+TEST(ResponsesTest, LogprobsReachTheOutputText) {
+  auto chat_of = [](const char* body) { return ResponsesToChat(Json::parse(body)); };
+  absl::StatusOr<Json> included =
+      chat_of(R"({"model": "m", "input": "x", "include": ["message.output_text.logprobs"]})");
+  ASSERT_TRUE(included.ok()) << included.status();
+  EXPECT_EQ((*included)["logprobs"], true);
+  EXPECT_FALSE(included->contains("top_logprobs"));
+  absl::StatusOr<Json> top = chat_of(R"({"model": "m", "input": "x", "top_logprobs": 3})");
+  ASSERT_TRUE(top.ok()) << top.status();
+  EXPECT_EQ((*top)["top_logprobs"], 3);
+  EXPECT_EQ((*top)["logprobs"], true);
+  absl::StatusOr<Json> none = chat_of(R"({"model": "m", "input": "x", "top_logprobs": 0, "include": ["x.y"]})");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->contains("logprobs"));
+  EXPECT_EQ(ParamOf(chat_of(R"({"model": "m", "input": "x", "include": "all"})").status()), "include");
+  EXPECT_EQ(ParamOf(chat_of(R"({"model": "m", "input": "x", "top_logprobs": "2"})").status()), "top_logprobs");
+
+  const Json tokens = Json::parse(R"([{"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": []},
+                                      {"token": "i", "logprob": -1.5, "bytes": [105], "top_logprobs": []}])");
+  Json chat = Json::parse(R"({"id": "chatcmpl-l", "created": 1, "model": "m", "usage": {},
+    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"}}]})");
+  chat["choices"][0]["logprobs"] = {{"content", tokens}};
+  const Json request = Json::parse(R"({"model": "m", "input": "x", "include": ["message.output_text.logprobs"]})");
+  EXPECT_EQ(ChatToResponse(chat, request)["output"][0]["content"][0]["logprobs"], tokens);
+
+  ResponsesView view(request);
+  std::string events;
+  for (int i = 0; i < 2; ++i) {
+    Json chunk = {{"id", "chatcmpl-l"}, {"created", 1}, {"model", "m"},
+                  {"choices", Json::array({{{"index", 0},
+                                            {"delta", {{"content", tokens[i]["token"]}}},
+                                            {"logprobs", {{"content", Json::array({tokens[i]})}}}}})}};
+    events += view.Chunk(chunk);
+  }
+  events += view.End();
+  Json completed;
+  int deltas_with_logprobs = 0;
+  for (absl::string_view block : absl::StrSplit(events, "\n\n", absl::SkipEmpty())) {
+    const Json event = Json::parse(block.substr(block.find("data: ") + 6));
+    if (event["type"] == "response.output_text.delta" && event["logprobs"].size() == 1) ++deltas_with_logprobs;
+    if (event["type"] == "response.completed") completed = event["response"];
+  }
+  EXPECT_EQ(deltas_with_logprobs, 2);
+  EXPECT_EQ(completed["output"][0]["content"][0]["logprobs"], tokens);
+}
+
 StoredResponse Stored(const std::string& id, const std::string& owner, const std::string& previous,
                       const std::string& text) {
   return StoredResponse{

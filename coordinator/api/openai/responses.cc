@@ -21,6 +21,20 @@ std::string TypeOf(const Json& item) {
   return item.contains("type") && item["type"].is_string() ? item["type"].get<std::string>() : "";
 }
 
+// The chat answer's token log-probabilities (choices[0].logprobs.content), or null without them.
+Json ChatLogprobs(const Json& choice) {
+  if (!choice.contains("logprobs") || !choice["logprobs"].is_object()) return nullptr;
+  const Json& logprobs = choice["logprobs"];
+  return logprobs.contains("content") && logprobs["content"].is_array() ? logprobs["content"] : Json(nullptr);
+}
+
+// A message's output_text part; with `logprobs` (an array), its tokens' log-probabilities.
+Json OutputText(const Json& text, const Json& logprobs) {
+  Json part = {{"type", "output_text"}, {"text", text}, {"annotations", Json::array()}};
+  if (logprobs.is_array()) part["logprobs"] = logprobs;
+  return part;
+}
+
 // A message item's content as chat text: a string, or the text of its input_text / output_text
 // parts, joined.
 absl::StatusOr<std::string> ContentText(const Json& content, const std::string& field) {
@@ -123,6 +137,15 @@ absl::StatusOr<Json> Tools(const Json& tools) {
 
 }  // namespace
 
+bool AsksLogprobs(const Json& body) {
+  bool asks = false;
+  if (body.contains("include") && body["include"].is_array()) {
+    for (const Json& what : body["include"]) asks |= what == "message.output_text.logprobs";
+  }
+  return asks || (body.contains("top_logprobs") && body["top_logprobs"].is_number_integer() &&
+                  body["top_logprobs"].get<int64_t>() > 0);
+}
+
 absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
   for (const char* refused : {"background", "conversation"}) {
     if (body.contains(refused) && !body[refused].is_null() && body[refused] != false) {
@@ -141,7 +164,8 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
   for (const auto& [key, value] : body.items()) {
     if (key == "input" || key == "instructions" || key == "max_output_tokens" || key == "tools" || key == "text" ||
         key == "tool_choice" || key == "reasoning" || key == "store" || key == "metadata" || key == "stream" ||
-        key == "include" || key == "truncation" || key == "previous_response_id" || key == "background") {
+        key == "include" || key == "truncation" || key == "previous_response_id" || key == "background" ||
+        key == "top_logprobs") {
       continue;
     }
     chat[key] = value;
@@ -170,6 +194,17 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
     absl::StatusOr<Json> tools = Tools(body["tools"]);
     if (!tools.ok()) return tools.status();
     chat["tools"] = *std::move(tools);
+  }
+  // Log-probabilities (the chat API's logprobs): include's "message.output_text.logprobs", or
+  // top_logprobs > 0 (its alternatives).
+  if (body.contains("include") && !body["include"].is_null() && !body["include"].is_array()) {
+    return InvalidField("include", "must be an array of strings");
+  }
+  if (AsksLogprobs(body)) {
+    chat["logprobs"] = true;
+    if (body.contains("top_logprobs") && !body["top_logprobs"].is_null()) chat["top_logprobs"] = body["top_logprobs"];
+  } else if (body.contains("top_logprobs") && !body["top_logprobs"].is_null() && body["top_logprobs"] != 0) {
+    return InvalidField("top_logprobs", "must be an integer from 0 to 20");
   }
   if (body.contains("truncation") && !body["truncation"].is_null() && body["truncation"] != "auto" &&
       body["truncation"] != "disabled") {
@@ -238,8 +273,7 @@ Json ChatToResponse(const Json& chat, const Json& request) {
          {"id", absl::StrCat("msg_", id)},
          {"status", "completed"},
          {"role", "assistant"},
-         {"content",
-          Json::array({{{"type", "output_text"}, {"text", message["content"]}, {"annotations", Json::array()}}})}});
+         {"content", Json::array({OutputText(message["content"], ChatLogprobs(choice))})}});
   }
   if (message.contains("tool_calls") && message["tool_calls"].is_array()) {
     for (size_t i = 0; i < message["tool_calls"].size(); ++i) {
@@ -279,6 +313,7 @@ Json ChatToResponse(const Json& chat, const Json& request) {
                    {"tool_choice", Given(request, "tool_choice", "auto")},
                    {"tools", Given(request, "tools", Json::array())},
                    {"truncation", Given(request, "truncation", "disabled")},
+                   {"top_logprobs", Given(request, "top_logprobs", 0)},
                    {"top_p", Given(request, "top_p", 1.0)},
                    {"usage",
                     {{"input_tokens", usage.value("prompt_tokens", int64_t{0})},
@@ -368,7 +403,10 @@ Json ResponsesView::Whole(const std::string& status) const {
   Json chat = {{"id", absl::StrCat("chatcmpl-", id_)},
                {"created", chat_.value("created", int64_t{0})},
                {"model", chat_.value("model", "")},
-               {"choices", Json::array({{{"index", 0}, {"message", std::move(message)}, {"finish_reason", finish_}}})},
+               {"choices", Json::array({{{"index", 0},
+                                         {"message", std::move(message)},
+                                         {"logprobs", logprobs_ ? Json{{"content", tokens_}} : Json(nullptr)},
+                                         {"finish_reason", finish_}}})},
                {"usage", chat_.contains("usage") ? chat_["usage"] : Json::object()}};
   Json response = ChatToResponse(chat, request_);
   response["status"] = status;
@@ -434,9 +472,11 @@ std::string ResponsesView::Close() {
             {"content", Json::array({{{"type", "reasoning_text"}, {"text", reasoning_}}})}};
   } else if (open_ == Kind::kMessage) {
     const std::string item_id = absl::StrCat("msg_", id_);
-    const Json part = {{"type", "output_text"}, {"text", content_}, {"annotations", Json::array()}};
-    out += Emit("response.output_text.done",
-                {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", content_}});
+    const Json logprobs = logprobs_ ? tokens_ : Json(nullptr);
+    const Json part = OutputText(content_, logprobs);
+    Json done = {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"text", content_}};
+    if (logprobs_) done["logprobs"] = tokens_;
+    out += Emit("response.output_text.done", std::move(done));
     out += Emit("response.content_part.done",
                 {{"item_id", item_id}, {"output_index", output_index_}, {"content_index", 0}, {"part", part}});
     item = {{"type", "message"},
@@ -477,6 +517,10 @@ std::string ResponsesView::Chunk(const Json& chunk) {
   if (!chunk.contains("choices") || !chunk["choices"].is_array() || chunk["choices"].empty()) return out;
   const Json& choice = chunk["choices"][0];
   if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) finish_ = choice["finish_reason"];
+  const Json piece_logprobs = ChatLogprobs(choice);  // this chunk's tokens'
+  if (piece_logprobs.is_array()) {
+    for (const Json& token : piece_logprobs) tokens_.push_back(token);
+  }
   if (!choice.contains("delta") || !choice["delta"].is_object()) return out;
   const Json& delta = choice["delta"];
   if (delta.contains("reasoning_content") && delta["reasoning_content"].is_string() &&
@@ -493,11 +537,12 @@ std::string ResponsesView::Chunk(const Json& chunk) {
     if (open_ != Kind::kMessage) out += Open(Kind::kMessage);
     const std::string piece = delta["content"];
     content_ += piece;
+    const Json logprobs = piece_logprobs.is_array() ? piece_logprobs : Json::array();
     out += Emit("response.output_text.delta", {{"item_id", absl::StrCat("msg_", id_)},
                                                {"output_index", output_index_},
                                                {"content_index", 0},
                                                {"delta", piece},
-                                               {"logprobs", Json::array()}});
+                                               {"logprobs", logprobs}});
   }
   if (delta.contains("tool_calls") && delta["tool_calls"].is_array()) {
     for (const Json& call : delta["tool_calls"]) {

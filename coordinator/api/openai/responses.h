@@ -10,7 +10,8 @@
 // temperature, top_p, reasoning.effort (the chat API's reasoning_effort), truncation (auto: the
 // oldest turns dropped until the prompt fits; DropOldestTurn), tools of type function,
 // tool_choice, parallel_tool_calls, text.format
-// (json_schema, json_object, text), user, metadata, store and previous_response_id (the HTTP
+// (json_schema, json_object, text), include's "message.output_text.logprobs" and top_logprobs
+// (AsksLogprobs), user, metadata, store and previous_response_id (the HTTP
 // server keeps stored responses: responses_store.h; this file is given the conversation), the
 // fields chat completions take beside them (vLLM's), and stream (the chat stream's chunks made the
 // Responses API's events by ResponsesView). Refused, naming the field: background and conversation,
@@ -45,6 +46,12 @@ absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_j
 // "fco_" / "rs_" + `id` without "resp_" + "_in" + its index).
 nlohmann::ordered_json NormalizedInputItems(const nlohmann::ordered_json& input, const std::string& id);
 
+// Whether a Responses request asks for the output's log-probabilities: include has
+// "message.output_text.logprobs", or top_logprobs > 0. The chat body then asks for logprobs, and
+// the message's output_text part has them ("logprobs": the chat answer's logprobs.content, every
+// generated token's, its reasoning and calls included).
+bool AsksLogprobs(const nlohmann::ordered_json& body);
+
 // One /v1/responses request's answer made from the chat path's: a whole answer by ChatToResponse
 // (Answer), a stream's chunks (their JSON, in order) as the Responses API's server-sent events
 // ("event: TYPE\ndata: JSON\n\n", sequence_number from 0): response.created and response.in_progress
@@ -55,7 +62,8 @@ nlohmann::ordered_json NormalizedInputItems(const nlohmann::ordered_json& input,
 // max_output_tokens) with the whole Response, as ChatToResponse makes it, item ids included.
 class ResponsesView {
  public:
-  explicit ResponsesView(nlohmann::ordered_json request) : request_(std::move(request)) {}
+  explicit ResponsesView(nlohmann::ordered_json request)
+      : request_(std::move(request)), logprobs_(AsksLogprobs(request_)) {}
   // Called with the Response once it is whole (Answer, or End without an error): what the server
   // stores.
   void OnFinished(std::function<void(const nlohmann::ordered_json&)> finished) { finished_ = std::move(finished); }
@@ -81,6 +89,8 @@ class ResponsesView {
   nlohmann::ordered_json Whole(const std::string& status) const;
 
   const nlohmann::ordered_json request_;
+  const bool logprobs_;  // the message's output_text has its tokens' log-probabilities
+  nlohmann::ordered_json tokens_ = nlohmann::ordered_json::array();  // every streamed token's (chat's content)
   std::function<void(const nlohmann::ordered_json&)> finished_;
   std::string id_;  // the chat stream's, without "chatcmpl-"
   nlohmann::ordered_json chat_ = nlohmann::ordered_json::object();  // the answer gathered as a chat completion
