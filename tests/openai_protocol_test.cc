@@ -1296,6 +1296,15 @@ TEST(ResponsesTest, ABodyBecomesAChatCompletionsBody) {
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << json;
     EXPECT_EQ(ParamOf(refused.status()), param) << json << ": " << refused.status();
   }
+  // A schema name that is no string is the chat parser's to refuse (it was read as a string here, and threw).
+  absl::StatusOr<Json> named = ResponsesToChat(Json::parse(
+      R"({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}})"));
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ((*named)["response_format"]["json_schema"]["name"], 5);
+  EXPECT_EQ(ParamOf(ParseRequest(Endpoint::kChatCompletions, named->dump()).status()).rfind("response_format", 0), 0u);
+  // Input items with a role that is no string are stored as they are (NormalizedInputItems never throws).
+  EXPECT_EQ(NormalizedInputItems(Json::parse(R"([{"role": 5, "content": "x"}])"), "resp_z")[0]["content"][0]["type"],
+            "input_text");
   EXPECT_EQ(ResponsesParam("max_tokens"), "max_output_tokens");
   EXPECT_EQ(ResponsesParam("reasoning_effort"), "reasoning.effort");
   EXPECT_EQ(ResponsesParam("messages[2].content"), "input");

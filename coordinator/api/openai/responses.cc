@@ -229,7 +229,7 @@ absl::StatusOr<Json> ResponsesToChat(const Json& body, const Json* earlier) {
     const Json& format = body["text"]["format"];
     const std::string type = format.is_object() ? TypeOf(format) : "";
     if (type == "json_schema") {
-      Json schema = {{"name", format.value("name", "output")}};
+      Json schema = {{"name", Given(format, "name", "output")}};
       if (format.contains("schema")) schema["schema"] = format["schema"];
       if (format.contains("strict")) schema["strict"] = format["strict"];
       chat["response_format"] = {{"type", "json_schema"}, {"json_schema", std::move(schema)}};
@@ -346,9 +346,8 @@ Json NormalizedInputItems(const Json& input, const std::string& id) {
       item["type"] = type;
     }
     if (type == "message" && item.contains("content") && item["content"].is_string()) {
-      const std::string role = item.value("role", "user");
-      item["content"] = Json::array({{{"type", role == "assistant" ? "output_text" : "input_text"},
-                                      {"text", item["content"]}}});
+      const bool assistant = item.contains("role") && item["role"] == "assistant";
+      item["content"] = Json::array({{{"type", assistant ? "output_text" : "input_text"}, {"text", item["content"]}}});
     }
     if (!item.contains("id") || !item["id"].is_string()) {
       const char* prefix = type == "function_call"          ? "fc_"
