@@ -11,7 +11,8 @@
 // starts with one; an accepted request has 1 <= n <= kMaxChoices and prompt + max_tokens within
 // max_model_len; the error body is valid JSON; a /v1/responses input accepted, stored
 // (NormalizedInputItems) and read back makes the same chat messages, and its oldest turns dropped
-// one by one (DropOldestTurn) leave fewer messages each time, the last one kept.
+// one by one (DropOldestTurn) leave fewer messages each time, the last one kept; its Response is
+// made (ResponsesView, whole and streamed) without an exception, whatever its fields hold.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -135,6 +136,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::fprintf(stderr, "the stored input reads back otherwise: %s\n", again.dump().c_str());
       std::abort();
     }
+    // The answer's Response is made from the request's fields whatever they hold, whole and streamed.
+    const nlohmann::ordered_json answer = nlohmann::ordered_json::parse(
+        R"({"id": "chatcmpl-f", "created": 0, "model": "demo", "usage": {}, "choices": [{"index": 0,
+            "finish_reason": "stop", "message": {"role": "assistant", "content": "x"}}]})");
+    shardserve::openai::ResponsesView view(*parsed);
+    view.Answer(answer);
+    view.Chunk(nlohmann::ordered_json::parse(
+        R"({"id": "chatcmpl-f", "created": 0, "model": "demo", "choices": [{"index": 0, "delta": {"content": "x"}}]})"));
+    view.End();
     // truncation "auto" drops whole turns: fewer messages each time, the last one kept, then it stops.
     nlohmann::ordered_json messages = (*chat)["messages"];
     for (size_t size = messages.size(); shardserve::openai::DropOldestTurn(&messages, nullptr);
