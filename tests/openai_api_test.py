@@ -736,6 +736,13 @@ class OpenAIApiTest(unittest.TestCase):
         with self.assertRaises(urllib.error.HTTPError) as ctx:
             urllib.request.urlopen(req, timeout=10)
         self.assertEqual((ctx.exception.code, json.loads(ctx.exception.read())["error"]["param"]), (400, "limit"))
+        # A client-named id (a tracing id sent with every turn) cannot name a response the new one continues.
+        traced = self.client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                              extra_headers={"X-Request-Id": "trace-turns"})
+        with self.assertRaises(openai.BadRequestError) as ctx:
+            self.client.responses.create(model=MODEL, previous_response_id=traced.id, input="x", max_output_tokens=2,
+                                         extra_headers={"X-Request-Id": "trace-turns"})
+        self.assertEqual(ctx.exception.param, "X-Request-Id")
         # Deleted: gone, and a conversation through it can no longer be continued (named).
         self.assertIsNone(self.client.responses.delete(first.id))
         with self.assertRaises(openai.NotFoundError):

@@ -1588,6 +1588,11 @@ TEST(ResponsesStoreTest, ChainsOwnersAndTheBudget) {
   ASSERT_TRUE(store.Put(Stored("resp_1", "k", "", "c")));
   EXPECT_EQ(Texts(*store.Conversation("resp_2", "k")), (std::vector<std::string>{"c", "c!", "b", "b!"}));
   EXPECT_EQ((*store.InputItems("resp_2", "k"))[0]["id"], "msg_2_in0");
+  // Ids in a conversation: storing under one of them would make it loop.
+  EXPECT_TRUE(store.InChain("resp_1", "resp_2", "k"));
+  EXPECT_TRUE(store.InChain("resp_2", "resp_2", "k"));
+  EXPECT_FALSE(store.InChain("resp_3", "resp_2", "k"));
+  EXPECT_FALSE(store.InChain("resp_1", "resp_2", "other"));
   // A deleted response breaks the chains through it, naming it.
   EXPECT_TRUE(store.Delete("resp_1", "k"));
   EXPECT_FALSE(store.Get("resp_1", "k").has_value());

@@ -790,11 +790,21 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
     if (named.empty() && request->contains("request_id") && (*request)["request_id"].is_string()) {
       named = (*request)["request_id"].get<std::string>();
     }
+    const std::string named_field = req.has_header("X-Request-Id") ? "X-Request-Id" : "request_id";
     if (!named.empty() && responses_->Taken(absl::StrCat("resp_", named), owner)) {
       return Refuse(refused_id,
-                    InvalidField(req.has_header("X-Request-Id") ? "X-Request-Id" : "request_id",
-                                 absl::StrCat("'", named, "' names a stored response of another API key: a stored "
-                                              "response's id is unique; name this request otherwise")),
+                    InvalidField(named_field, absl::StrCat("'", named, "' names a stored response of another API key: "
+                                                           "a stored response's id is unique; name this request "
+                                                           "otherwise")),
+                    res);
+    }
+    // Stored under the id of a response it continues, the conversation would loop (a tracing id
+    // sent with every turn of one).
+    if (!named.empty() && !previous.empty() && responses_->InChain(absl::StrCat("resp_", named), previous, owner)) {
+      return Refuse(refused_id,
+                    InvalidField(named_field, absl::StrCat("'", named, "' names a response that this one continues "
+                                                           "(previous_response_id ", previous, "): name each "
+                                                           "response of a conversation otherwise")),
                     res);
     }
     view->OnFinished([this, owner, previous, input = (*request)["input"]](const Json& response) {

@@ -60,6 +60,18 @@ bool ResponsesStore::Taken(const std::string& id, const std::string& owner) cons
   return it != slots_.end() && it->second.owner != owner;
 }
 
+bool ResponsesStore::InChain(const std::string& id, const std::string& from, const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  size_t steps = 0;
+  for (std::string at = from; !at.empty() && steps <= slots_.size(); ++steps) {
+    if (at == id) return true;
+    auto it = slots_.find(at);
+    if (it == slots_.end() || it->second.owner != owner) return false;
+    at = it->second.previous;
+  }
+  return false;
+}
+
 std::optional<Json> ResponsesStore::Get(const std::string& id, const std::string& owner) {
   absl::MutexLock lock(&mu_);
   const Slot* slot = Find(id, owner);

@@ -45,6 +45,9 @@ class ResponsesStore {
   bool Put(StoredResponse entry);
   // Whether `id` is stored for another owner than `owner` (Put would refuse it).
   bool Taken(const std::string& id, const std::string& owner) const;
+  // Whether `id` is `from` or a response before it in its conversation (for `owner`): storing a
+  // response under such an id would make the conversation loop.
+  bool InChain(const std::string& id, const std::string& from, const std::string& owner) const;
   // The stored Response, or nullopt (unknown id, or another owner's).
   std::optional<nlohmann::ordered_json> Get(const std::string& id, const std::string& owner);
   // The input items of a stored response, or nullopt.
