@@ -90,6 +90,11 @@ void SetError(httplib::Response& res, const ApiError& error) {
 void SetError(httplib::Response& res, const absl::Status& status) { SetError(res, ErrorFromStatus(status)); }
 
 // A request refused: logged under its id, answered with the status's error.
+// The answer to a stored response's route whose id is unknown, or another API key's: 404.
+absl::Status NoStoredResponse(const std::string& id) {
+  return absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'"));
+}
+
 void Refuse(const std::string& id, const absl::Status& status, httplib::Response& res) {
   CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
   SetError(res, status);
@@ -712,22 +717,18 @@ void HttpServer::Routes() {
     }
     return id;
   };
-  auto unknown = [](const std::string& id) {
-    return absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'"));
-  };
-  http_->Get(R"(/v1/responses/([^/]+))", guarded([this, stored, unknown](const httplib::Request& req,
-                                                                          httplib::Response& res) {
+  http_->Get(R"(/v1/responses/([^/]+))", guarded([this, stored](const httplib::Request& req, httplib::Response& res) {
     absl::StatusOr<std::string> id = stored(req);
     if (!id.ok()) return SetError(res, id.status());
     std::optional<Json> response = responses_->Get(*id, Owner(req));
-    if (!response.has_value()) return SetError(res, unknown(*id));
+    if (!response.has_value()) return SetError(res, NoStoredResponse(*id));
     res.set_content(response->dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
   }));
-  http_->Delete(R"(/v1/responses/([^/]+))", guarded([this, stored, unknown](const httplib::Request& req,
-                                                                             httplib::Response& res) {
+  http_->Delete(R"(/v1/responses/([^/]+))", guarded([this, stored](const httplib::Request& req,
+                                                                   httplib::Response& res) {
     absl::StatusOr<std::string> id = stored(req);
     if (!id.ok()) return SetError(res, id.status());
-    if (!responses_->Delete(*id, Owner(req))) return SetError(res, unknown(*id));
+    if (!responses_->Delete(*id, Owner(req))) return SetError(res, NoStoredResponse(*id));
     StoreMetrics();
     const Json answer = {{"id", *id}, {"object", "response"}, {"deleted", true}};
     res.set_content(answer.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
@@ -853,7 +854,7 @@ void HttpServer::ListInputItems(const httplib::Request& req, httplib::Response& 
   }
   std::optional<Json> items = responses_->InputItems(id, Owner(req));
   if (!items.has_value()) {
-    return SetError(res, absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'")));
+    return SetError(res, NoStoredResponse(id));
   }
   std::vector<const Json*> ordered;
   for (const Json& item : *items) ordered.push_back(&item);
