@@ -743,6 +743,14 @@ class OpenAIApiTest(unittest.TestCase):
             self.client.responses.create(model=MODEL, previous_response_id=traced.id, input="x", max_output_tokens=2,
                                          extra_headers={"X-Request-Id": "trace-turns"})
         self.assertEqual(ctx.exception.param, "X-Request-Id")
+        # The body's request_id names it where the header is empty.
+        conn = http.client.HTTPConnection(self.base.split("//")[1], timeout=60)
+        conn.request("POST", "/v1/responses", json.dumps({"model": MODEL, "previous_response_id": traced.id, "input": "x",
+                                                          "request_id": "trace-turns"}),
+                     {"Content-Type": "application/json", "X-Request-Id": ""})
+        answer = conn.getresponse()
+        self.assertEqual((answer.status, json.loads(answer.read())["error"]["param"]), (400, "request_id"))
+        conn.close()
         # Deleted: gone, and a conversation through it can no longer be continued (named).
         self.assertIsNone(self.client.responses.delete(first.id))
         with self.assertRaises(openai.NotFoundError):

@@ -89,12 +89,12 @@ void SetError(httplib::Response& res, const ApiError& error) {
 
 void SetError(httplib::Response& res, const absl::Status& status) { SetError(res, ErrorFromStatus(status)); }
 
-// A request refused: logged under its id, answered with the status's error.
 // The answer to a stored response's route whose id is unknown, or another API key's: 404.
 absl::Status NoStoredResponse(const std::string& id) {
   return absl::NotFoundError(absl::StrCat("no stored response has the id '", id.substr(0, 128), "'"));
 }
 
+// A request refused: logged under its id, answered with the status's error.
 void Refuse(const std::string& id, const absl::Status& status, httplib::Response& res) {
   CoordinatorRequestLog(id, absl::StrCat("rejected: ", status.message()), "warn");
   SetError(res, status);
@@ -103,6 +103,19 @@ void Refuse(const std::string& id, const absl::Status& status, httplib::Response
 std::string RandomHex() {
   absl::BitGen gen;
   return absl::StrFormat("%016x", absl::Uniform<uint64_t>(gen));
+}
+
+// The id a client names its request by, and where it came from: the X-Request-Id header, else the
+// body's request_id (as vLLM takes them); empty when neither names one.
+struct ClientId {
+  std::string id;
+  const char* field;
+};
+ClientId ClientNamedId(const httplib::Request& req, std::string body_request_id) {
+  if (std::string header = req.get_header_value("X-Request-Id"); !header.empty()) {
+    return {std::move(header), "X-Request-Id"};
+  }
+  return {std::move(body_request_id), "request_id"};
 }
 
 // One choice of a request: its engine submission and what it has produced.
@@ -787,11 +800,10 @@ void HttpServer::Respond(const httplib::Request& req, const std::string& body, h
   if (store) {
     // A client-named id (X-Request-Id, request_id) that names another key's stored response is
     // refused before anything runs: stored ids are unique.
-    std::string named = req.get_header_value("X-Request-Id");
-    if (named.empty() && request->contains("request_id") && (*request)["request_id"].is_string()) {
-      named = (*request)["request_id"].get<std::string>();
-    }
-    const std::string named_field = req.has_header("X-Request-Id") ? "X-Request-Id" : "request_id";
+    const auto [named, named_field] = ClientNamedId(
+        req, request->contains("request_id") && (*request)["request_id"].is_string()
+                 ? (*request)["request_id"].get<std::string>()
+                 : "");
     if (!named.empty() && responses_->Taken(absl::StrCat("resp_", named), owner)) {
       return Refuse(refused_id,
                     InvalidField(named_field, absl::StrCat("'", named, "' names a stored response of another API key: "
@@ -1027,14 +1039,15 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
   // body's request_id, as vLLM takes them) after the endpoint's prefix, else a random one. The
   // answer's X-Request-Id header says which.
   const char* prefix = chat ? "chatcmpl-" : "cmpl-";
-  std::string client_id = req.get_header_value("X-Request-Id");
   std::string id = absl::StrCat(prefix, RandomHex());
   auto reject = [&](const absl::Status& status) { Refuse(id, status, res); };
-  if (absl::Status s = CheckRequestId("X-Request-Id", client_id); !s.ok()) return reject(s);
+  if (absl::Status s = CheckRequestId("X-Request-Id", req.get_header_value("X-Request-Id")); !s.ok()) {
+    return reject(s);
+  }
 
   absl::StatusOr<Request> request = ParseRequest(endpoint, body);
   if (!request.ok()) return reject(request.status());
-  if (client_id.empty()) client_id = request->request_id;
+  const std::string client_id = ClientNamedId(req, request->request_id).id;
   if (!client_id.empty()) id = absl::StrCat(prefix, client_id);
   res.set_header("X-Request-Id", client_id.empty() ? id : client_id);
   if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
