@@ -4,11 +4,13 @@
 
 #include <utility>
 
+#include <prometheus/gauge.h>
 #include <prometheus/text_serializer.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/version.h"
 #include "security/https.h"
 
 namespace shardserve {
@@ -37,6 +39,14 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> ServeMetrics(const std::string& l
   std::string host = listen.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
   if (host.empty()) host = "0.0.0.0";
+
+  // Which release the process runs, as Prometheus exporters say it: a gauge of 1 labelled with it.
+  prometheus::BuildGauge()
+      .Name("shardserve_build_info")
+      .Help("shardserve's version, as its label (always 1)")
+      .Register(*registry)
+      .Add({{"version", kVersion}})
+      .Set(1);
 
   std::unique_ptr<MetricsServer> s(new MetricsServer());
   ConnectionPolicy policy;

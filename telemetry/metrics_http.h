@@ -38,7 +38,8 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets();
 inline constexpr int kMetricsThreads = 8;
 inline constexpr int kMetricsTimeoutSeconds = 2;
 
-// Serves GET /metrics (text exposition format 0.0.4) from one registry; any other path is 404.
+// Serves GET /metrics (text exposition format 0.0.4) from one registry, to which it adds
+// shardserve_build_info{version}; any other path is 404.
 // HTTPS when given a certificate (re-read when its files change: security/https.h), plain HTTP
 // otherwise. Destroying it stops accepting, waits for the scrapes under way and joins the threads.
 // Thread-safety: construction and destruction from one thread; the registry is read from the

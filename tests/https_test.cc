@@ -21,6 +21,8 @@
 #include <prometheus/counter.h>
 #include <prometheus/registry.h>
 
+#include "absl/strings/str_cat.h"
+#include "base/version.h"
 #include "gtest/gtest.h"
 #include "security/certificates.h"
 #include "security/https.h"
@@ -264,6 +266,7 @@ TEST_F(HttpsTest, MetricsInPlainHttpAreNotHeldUpByIdleConnections) {
   }
   const std::string body = GetHttp(port, "/metrics");
   EXPECT_NE(body.find("https_test_scrapes_total 3"), std::string::npos) << body;
+  EXPECT_NE(body.find(absl::StrCat("shardserve_build_info{version=\"", kVersion, "\"} 1")), std::string::npos) << body;
   for (int fd : idle) close(fd);
   absl::StatusOr<std::unique_ptr<MetricsServer>> bad = ServeMetrics("127.0.0.1", TlsFiles{}, RegistryWithACounter());
   ASSERT_FALSE(bad.ok());

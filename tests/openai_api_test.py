@@ -197,6 +197,14 @@ class OpenAIApiTest(unittest.TestCase):
         models = self.client.models.list()
         self.assertEqual([m.id for m in models.data], [MODEL])
         self.assertTrue(self.http_ok("/health"))
+        # The release, as `shardserve --version` says it: GET /version and the build_info metric.
+        version = subprocess.run([os.path.join(BIN, "shardserve"), "--version"], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+        self.assertEqual(version[0], "shardserve")
+        self.assertRegex(version[1], r"^\d+\.\d+\.\d+$")
+        with urllib.request.urlopen(self.base + "/version", timeout=10) as r:
+            self.assertEqual(json.loads(r.read()), {"version": version[1]})
+        self.assertEqual(self.metric("shardserve_build_info", version=version[1]), 1)
         # Retrieve: the served model's object, as the list has it; another name is 404 naming both.
         model = self.client.models.retrieve(MODEL)
         self.assertEqual(model.id, MODEL)

@@ -179,6 +179,11 @@ class HttpsAndKeysTest(unittest.TestCase):
         r = self.https.get(self.base + "/health")
         self.assertEqual(r.status_code, 200)
         self.assertEqual(r.json(), {"status": "ok"})
+        # /version is not: it needs the key, as every route but /health.
+        self.assertEqual(self.https.get(self.base + "/version").status_code, 401)
+        r = self.https.get(self.base + "/version", headers={"Authorization": "Bearer " + KEY})
+        self.assertEqual(r.status_code, 200)
+        self.assertIn("version", r.json())
 
     def test_plain_http_to_the_https_port_fails(self):
         with self.assertRaises(openai.APIConnectionError):

@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "base/field_error.h"
 #include "base/status_macros.h"
+#include "base/version.h"
 #include "coordinator/api/openai/connection_pool.h"
 #include "coordinator/api/openai/peer_watch.h"
 #include "coordinator/api/openai/protocol.h"
@@ -72,7 +73,7 @@ std::string BadContentLength(const httplib::Request& req) {
 std::string EndpointLabel(const std::string& path) {
   for (const char* route :
        {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize",
-        "/health"}) {
+        "/health", "/version"}) {
     if (path == route) return route;
   }
   if (absl::StartsWith(path, "/v1/models/")) return "/v1/models/{model}";  // one series, whatever is asked
@@ -641,7 +642,6 @@ void HttpServer::Routes() {
         } else if (const std::string bad = BadContentLength(req); !bad.empty()) {
           e.message = absl::StrCat("Content-Length: '", bad, "' is not a number of bytes");
           e.code = "malformed_request";
-      res.set_header("Connection", "close");  // where the next request would begin is not known
         } else {
           return httplib::Server::HandlerResponse::Unhandled;
         }
@@ -706,6 +706,10 @@ void HttpServer::Routes() {
                 {"owned_by", "shardserve"},
                 {"max_model_len", pool_->max_model_len()}};
   };
+  // The release, as vLLM's GET /version says it.
+  http_->Get("/version", guarded([](const httplib::Request&, httplib::Response& res) {
+    res.set_content(Json{{"version", kVersion}}.dump(), kJson);
+  }));
   http_->Get("/v1/models", guarded([model_object](const httplib::Request&, httplib::Response& res) {
     const Json body = {{"object", "list"}, {"data", Json::array({model_object()})}};
     res.set_content(body.dump(-1, ' ', false, Json::error_handler_t::replace), kJson);
