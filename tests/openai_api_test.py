@@ -159,9 +159,10 @@ class OpenAIApiTest(unittest.TestCase):
         return http_ok(self.base, path)
 
     # ---- helpers ----
-    def post_raw(self, path: str, body: bytes):
-        """(status, parsed JSON body) of a POST with `body` as it is."""
-        req = urllib.request.Request(self.base + path, data=body, headers={"Content-Type": "application/json"})
+    def post_raw(self, path: str, body: bytes, headers=None):
+        """(status, parsed JSON body) of a POST with `body` as it is, and `headers` besides Content-Type."""
+        req = urllib.request.Request(self.base + path, data=body,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, json.loads(r.read())
@@ -752,13 +753,10 @@ class OpenAIApiTest(unittest.TestCase):
                                          extra_headers={"X-Request-Id": "trace-turns"})
         self.assertEqual(ctx.exception.param, "X-Request-Id")
         # The body's request_id names it where the header is empty.
-        conn = http.client.HTTPConnection(self.base.split("//")[1], timeout=60)
-        conn.request("POST", "/v1/responses", json.dumps({"model": MODEL, "previous_response_id": traced.id, "input": "x",
-                                                          "request_id": "trace-turns"}),
-                     {"Content-Type": "application/json", "X-Request-Id": ""})
-        answer = conn.getresponse()
-        self.assertEqual((answer.status, json.loads(answer.read())["error"]["param"]), (400, "request_id"))
-        conn.close()
+        status, answer = self.post_raw("/v1/responses", json.dumps({"model": MODEL, "previous_response_id": traced.id,
+                                                                     "input": "x", "request_id": "trace-turns"}).encode(),
+                                       {"X-Request-Id": ""})
+        self.assertEqual((status, answer["error"]["param"]), (400, "request_id"))
         # Deleted: gone, and a conversation through it can no longer be continued (named).
         self.assertIsNone(self.client.responses.delete(first.id))
         with self.assertRaises(openai.NotFoundError):
