@@ -178,6 +178,13 @@ class Cluster {
                          "127.0.0.1:0"};
     if (spec_.http) coordinator_argv_.insert(coordinator_argv_.end(), {"--http-port-file", http_port_file.string()});
     coordinator_argv_.insert(coordinator_argv_.end(), coordinator_flags_.begin(), coordinator_flags_.end());
+    // 4,096 KV blocks a worker unless the test sets its own: 65,536 tokens, more than the streams
+    // of any case hold at once. The default (up to 256 MiB of cache on a CPU worker, 32,768 blocks
+    // of the llama fixtures) is zeroed at load: half a second of the kernel clearing pages at each
+    // worker's start, most of the suite's system time (docs/testing.md).
+    if (std::find(coordinator_argv_.begin(), coordinator_argv_.end(), "--num-kv-blocks") == coordinator_argv_.end()) {
+      coordinator_argv_.insert(coordinator_argv_.end(), {"--num-kv-blocks", "4096"});
+    }
     coordinator_ = std::make_unique<Process>(coordinator_argv_, dir_ / "coordinator.log");
     while (!fs::exists(port_file) && coordinator_->running() && SecondsSince(start) < ScaledSeconds(30)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
