@@ -326,7 +326,8 @@ absl::Status ParseRope(const json& j, const std::string& source, const RopeConte
 }
 
 // partial_rotary_factor, at the top (4.x) or in each RoPE object (5.x), all the same where several
-// give it: head_dim * it (truncated, as transformers' int()) is rotary_dim, which must be even.
+// give it, else the family's default: head_dim * it (truncated, as transformers' int()) is
+// rotary_dim, which must be even.
 absl::Status ParsePartialRotary(const json& j, const std::string& source, const FamilyDeclaration& family,
                                 ModelConfig* c) {
   std::vector<std::pair<std::string, const json*>> places = {{"partial_rotary_factor", &j}};
@@ -337,7 +338,7 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
       if (Present(p, key)) places.push_back({absl::StrCat("rope_parameters.", key), &p[key]});
     }
   }
-  double factor = 1.0;
+  double factor = family.default_partial_rotary_factor;
   std::string factor_field;
   for (const auto& [field, where] : places) {
     if (!Present(*where, "partial_rotary_factor")) continue;
@@ -351,7 +352,11 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
     factor = f;
     factor_field = field;
   }
-  const std::string what = factor_field == "partial_rotary_factor" ? "is " : "has partial_rotary_factor ";
+  // (absent: the family's default, named as the field)
+  const std::string what = factor_field.empty() ? absl::StrCat("is absent, so ", family.architecture, "'s default ")
+                           : factor_field == "partial_rotary_factor" ? "is "
+                                                                      : "has partial_rotary_factor ";
+  if (factor_field.empty()) factor_field = "partial_rotary_factor";
   if (factor != 1.0 && !family.partial_rotary) {
     return FieldError(source, factor_field,
                       absl::StrCat(what, factor, "; ", family.architecture,
@@ -372,8 +377,9 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
 // The most experts a layer may have (DeepSeek-V3 and Kimi K2 have 256 and 384).
 constexpr int64_t kMaxExperts = 4096;
 
-// DeepseekV3Config's router and layer fields, with its defaults where config.json leaves one out
-// (c's expert count, k and moe_intermediate_size already read): norm_topk_prob (true), n_group (8)
+// DeepseekV3Config's and Glm4MoeConfig's router and layer fields, with the config class's defaults
+// where config.json leaves one out (FamilyDeclaration::group_router; DeepseekV3Config's in
+// parentheses; c's expert count, k and moe_intermediate_size already read): norm_topk_prob (true), n_group (8)
 // and topk_group (4) (the experts in n_group equal groups of at least 2, k of at most topk_group
 // groups' experts), routed_scaling_factor (2.5), n_shared_experts (1) plain shared experts of
 // moe_intermediate_size each, one SwiGLU together; layer i sparse from first_k_dense_replace (3)
@@ -382,10 +388,11 @@ constexpr int64_t kMaxExperts = 4096;
 absl::Status ParseDeepseekExperts(const json& j, const std::string& source, ModelConfig* c) {
   c->norm_topk_prob = true;
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "norm_topk_prob", &c->norm_topk_prob));
-  c->n_group = 8;
-  c->topk_group = 4;
-  c->routed_scaling_factor = 2.5;
-  int64_t shared = 1, first_dense = 3;
+  const FamilyDeclaration::GroupRouterDefaults& defaults = c->family->group_router;
+  c->n_group = defaults.n_group;
+  c->topk_group = defaults.topk_group;
+  c->routed_scaling_factor = defaults.routed_scaling_factor;
+  int64_t shared = 1, first_dense = defaults.first_k_dense_replace;
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "n_group", false, &c->n_group));
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "topk_group", false, &c->topk_group));
   SHARDSERVE_RETURN_IF_ERROR(GetDouble(j, source, "routed_scaling_factor", &c->routed_scaling_factor));
@@ -706,6 +713,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
   using AttentionBias = FamilyDeclaration::AttentionBias;
   c.qkv_bias = c.family->attention_bias == AttentionBias::kQkv;
   c.qk_norm = c.family->qk_norm;
+  if (c.family->qk_norm_flag != nullptr) {
+    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, c.family->qk_norm_flag, &c.qk_norm));
+  }
 
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "vocab_size", true, &c.vocab_size));
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, "hidden_size", true, &c.hidden_size));
@@ -726,6 +736,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
     c.qkv_bias = c.family->attention_bias == AttentionBias::kConfiguredOn;  // GptOssConfig's default: true
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
     c.o_bias = c.qkv_bias;
+  }
+  if (c.family->attention_bias == AttentionBias::kQkvByAttentionBias) {
+    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
   }
   c.attention_sinks = c.family->attention_sinks;
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));

@@ -270,7 +270,7 @@ TEST_F(CheckpointTest, EachFamilyReadsItsFieldsAsTransformersDoes) {
   EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(config.status().message()),
               HasSubstr("\"GPTNeoXForCausalLM\" is not supported (supported: DeepseekV3ForCausalLM, LlamaForCausalLMEagle3, Gemma2ForCausalLM, "
-                        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
+                        "Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Glm4MoeForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
                         "Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)"));
 }
 
@@ -572,6 +572,66 @@ TEST_F(CheckpointTest, DeepseekV3LatentAttentionAndRouter) {
        "\"weight_block_size\" must be two positive integers"},
   };
   ExpectRefused(saved, refused);
+}
+
+// GLM-4.5 (Glm4MoeForCausalLM): q/k/v biases with attention_bias (never on o), q/k norms with
+// use_qk_norm, RoPE on half of each head unless partial_rotary_factor says otherwise (Glm4MoeConfig's
+// default, also where config.json has none), and DeepSeek-V3's router with Glm4MoeConfig's defaults
+// (1 group, 1 kept, 1 dense layer, a scaling of 1) for the fields the file leaves out.
+TEST_F(CheckpointTest, Glm4MoeAttentionAndRouterDefaults) {
+  std::ifstream in(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/models/glm4_moe_tf5/config.json");
+  const json saved = json::parse(in);
+  auto c = ParseModelConfig(saved.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->mla());
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias);
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_EQ(c->head_dim, 16);
+  EXPECT_EQ(c->RotaryDim(), 8);
+  EXPECT_EQ(c->n_group, 2);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 1.8);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 32);
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{false, true, true}));
+  const std::vector<WeightDecl> decls = ModelWeights(*c);
+  EXPECT_NE(FindDecl(decls, "model.layers.0.self_attn.q_proj.bias"), nullptr);
+  EXPECT_EQ(FindDecl(decls, "model.layers.0.self_attn.o_proj.bias"), nullptr);
+  EXPECT_NE(FindDecl(decls, "model.layers.0.self_attn.k_norm.weight"), nullptr);
+  EXPECT_NE(FindDecl(decls, "model.layers.0.mlp.gate_proj.weight"), nullptr);  // the dense first layer
+  EXPECT_NE(FindDecl(decls, "model.layers.1.mlp.gate.e_score_correction_bias"), nullptr);
+  EXPECT_NE(FindDecl(decls, "model.layers.2.mlp.shared_experts.up_proj.weight"), nullptr);
+  // A 4.x-style file with only what a published one has: the top-level partial_rotary_factor, no
+  // use_qk_norm (off), and the router fields left to Glm4MoeConfig's defaults.
+  json sparse = saved;
+  for (const char* field : {"use_qk_norm", "n_group", "topk_group", "first_k_dense_replace", "routed_scaling_factor",
+                            "rope_parameters", "attention_bias"}) {
+    sparse.erase(field);
+  }
+  sparse["rope_theta"] = 1000000.0;
+  c = ParseModelConfig(sparse.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FALSE(c->qkv_bias);
+  EXPECT_FALSE(c->qk_norm);
+  EXPECT_EQ(c->RotaryDim(), 8);  // partial_rotary_factor absent: 0.5
+  EXPECT_EQ(c->n_group, 1);
+  EXPECT_EQ(c->topk_group, 1);
+  EXPECT_DOUBLE_EQ(c->routed_scaling_factor, 1.0);
+  EXPECT_EQ(c->sparse_layers, (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(FindDecl(ModelWeights(*c), "model.layers.0.self_attn.q_norm.weight"), nullptr);
+  sparse["partial_rotary_factor"] = 0.75;
+  c = ParseModelConfig(sparse.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->RotaryDim(), 12);
+  // A default that leaves an odd count is refused naming the field and the default.
+  sparse.erase("partial_rotary_factor");
+  sparse["head_dim"] = 6;
+  sparse["num_attention_heads"] = 8;
+  sparse["num_key_value_heads"] = 2;
+  c = ParseModelConfig(sparse.dump(), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr("\"partial_rotary_factor\" is absent, so Glm4MoeForCausalLM's default 0.5, which rotates 3 of "
+                        "head_dim 6"));
 }
 
 // The declaration of expert `expert`'s tensor of `role` (a part of a stacked tensor for gpt-oss).

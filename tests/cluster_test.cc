@@ -107,6 +107,9 @@ std::vector<Layout> Layouts() {
       // with q_lora_rank and YaRN, and without q_lora_rank; the sigmoid group-limited router with
       // shared experts after a dense layer.
       {"deepseek_v3_tf5", 3}, {"deepseek_v3_bf16_tf5", 3},
+      // GLM-4.5: that router under Llama-shaped attention with partial rotary, with q/k/v biases and
+      // q/k norms (float32) and without (bf16 weights, n_group 1, 2 dense layers).
+      {"glm4_moe_tf5", 3}, {"glm4_moe_bf16_tf5", 4},
       // gpt-oss: attention sinks, sliding and full layers in turn, experts with biases and the
       // clamped SwiGLU (their down bias added once over the TP group), float32, bf16 weights and
       // MXFP4 experts.
@@ -379,11 +382,12 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ClusterPromptLogprobsTest,
 // is not a layout any fixture allows (4 attention heads). gpt-oss's experts carry their biases (the
 // down bias whole on the expert's rank), also at TP=1, where the flag changes nothing. DeepSeek-V3's
 // (9 and 6 experts) come with group-limited routing and shared experts, whole on every rank, beside
-// latent attention cut by heads.
+// latent attention cut by heads; GLM-4.5's (6 and 5) with the same router beside Llama-shaped attention.
 std::vector<Layout> ExpertParallelLayouts() {
   std::vector<Layout> out;
   for (const char* f : {"qwen3_moe_tf5", "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5",
-                        "qwen2_moe_bf16_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5"}) {
+                        "qwen2_moe_bf16_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "glm4_moe_tf5",
+                        "glm4_moe_bf16_tf5"}) {
     out.push_back({f, 2, 1});
     out.push_back({f, 2, 2});
   }
@@ -1812,6 +1816,8 @@ std::vector<QuantizedMoeLayout> QuantizedMoeLayouts() {
       {"fp8/fp8_deepseek_v3_block128", 2, 2, false, "as fp8 e4m3 with 128x128 block scales"},
       {"fp8/fp8_deepseek_v3_block128", 2, 1, true, "as fp8 e4m3 with 128x128 block scales"},
       {"awq/awq_mixtral_g16", 2, 1, false, "AWQ"},
+      {"awq/awq_glm4_moe_g8", 2, 2, false, "AWQ"},
+      {"awq/awq_glm4_moe_g8", 2, 1, true, "AWQ"},
       {"compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2, false, "compressed-tensors"},
       {"compressed_tensors/ct_fp8_channel_qwen2_moe", 2, 1, true, "as fp8 e4m3 per output channel"}};
   out.insert(out.end(), more.begin(), more.end());

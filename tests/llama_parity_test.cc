@@ -887,7 +887,8 @@ TEST(LlamaParityFixtures, AllFixtureKindsPresent) {
                            "phi3_longrope_tf5", "phi4_mini_tf5", "llama_yarn_tf5", "llama_linear_tf5", "llama_dynamic_tf5",
                            "gemma3_tf5", "gemma3_tf4", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5",
                            "qwen3_moe_bf16_tf5", "mixtral_tf5", "mixtral_bf16_tf5", "qwen2_moe_tf5", "qwen2_moe_bf16_tf5",
-                           "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "gpt_oss_tf5", "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"}) {
+                           "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "glm4_moe_tf5", "glm4_moe_bf16_tf5", "gpt_oss_tf5",
+                           "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << "missing fixture " << want;
   }
 }

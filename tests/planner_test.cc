@@ -80,7 +80,7 @@ TEST(PublishedConfigs, EveryOneLoads) {
     absl::StatusOr<ModelConfig> c = LoadModelConfig(e.path());
     EXPECT_TRUE(c.ok()) << e.path().filename() << ": " << c.status();
   }
-  EXPECT_EQ(files, 14);
+  EXPECT_EQ(files, 16);
 }
 
 // ---- The cases: Qwen2.5-72B in bf16 on A100-80GB ----------------------------------
@@ -420,6 +420,42 @@ TEST(Planner, Qwen3_235B_A22B_EightH100) {
   EXPECT_EQ(p.tp, 8);
   EXPECT_EQ(p.pp, 1);
   EXPECT_NEAR(p.decode.experts_read, 8.0, 1e-9);
+}
+
+// GLM-4.5-Air and GLM-4.5 (tests/fixtures/configs/glm-4.5-air.json, glm-4.5.json, written from the
+// published config.json's values): 96 query heads of 128 over 8 KV heads with q/k/v biases (and q/k
+// norms in GLM-4.5), the first layers dense, then 128 (160) experts of 1408 (1536), 8 a token, and a
+// shared expert of the same width, each layer's router with its selection bias. Counted here from the
+// sizes, tensor by tensor: 106,852,251,264 parameters with 13,424,129,664 read a token (the model
+// card's 106B and 12B active, the embedding table and LM head left out: 12.18B), and 352,797,829,024
+// with 33,632,266,144 (355B and 32B; the card counts the multi-token-prediction layer, which is not
+// part of the forward pass). GLM-4.5 in bf16 (657 GiB) fits 8 H200s at TP 8.
+TEST(Planner, Glm45CountsItsParametersAndFitsEightH200) {
+  struct Want {
+    const char* file;
+    int64_t H, I, Ie, layers, dense, E;
+    bool qk_norm;
+    int64_t total, active;
+  };
+  for (const Want& w : {Want{"glm-4.5-air", 4096, 10944, 1408, 46, 1, 128, false, 106'852'251'264, 13'424'129'664},
+                        Want{"glm-4.5", 5120, 12288, 1536, 92, 3, 160, true, 352'797'829'024, 33'632'266'144}}) {
+    const int64_t V = 151552, q = 96 * 128, kv = 8 * 128, k = 8;
+    const int64_t attention = 2 * q * w.H + 2 * kv * w.H + q + 2 * kv + (w.qk_norm ? 2 * 128 : 0) + 2 * w.H;
+    const int64_t sparse = w.layers - w.dense;
+    const int64_t expert = 3 * w.Ie * w.H;
+    const int64_t common = w.layers * attention + w.dense * 3 * w.I * w.H + sparse * (w.E * w.H + w.E + expert) +
+                           w.H + 2 * V * w.H;  // + the shared expert; final norm, embedding, LM head
+    const Plan p = MustPlan(RealConfig(w.file), Cluster("1x8xH200-141GB"), PlanOptions{});
+    EXPECT_EQ(p.parameters, common + sparse * w.E * expert) << w.file;
+    EXPECT_EQ(p.parameters, w.total) << w.file;
+    EXPECT_EQ(p.active_parameters, common + sparse * k * expert) << w.file;
+    EXPECT_EQ(p.active_parameters, w.active) << w.file;
+    EXPECT_TRUE(p.fits) << p.reason;
+    if (std::string(w.file) == "glm-4.5") {
+      EXPECT_EQ(p.tp, 8);
+      EXPECT_EQ(p.pp, 1);
+    }
+  }
 }
 
 // gpt-oss-120b (tests/fixtures/configs/gpt-oss-120b.json, written from the published config.json's
@@ -1331,13 +1367,13 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 // frequency tables (phi4_mini_tf5); mixtures of experts with dense layers among sparse ones
 // (qwen3_moe_tf5, qwen3_moe_bf16_tf5), in every layer (mixtral_tf5) and with a shared expert
 // (qwen2_moe_tf5); latent attention with a latent cache and picked rows (deepseek_v3_tf5,
-// deepseek_v3_bf16_tf5); experts stacked in one tensor with their biases, plain (gpt_oss_tf5,
+// deepseek_v3_bf16_tf5); its router under Llama-shaped attention (glm4_moe_tf5); experts stacked in one tensor with their biases, plain (gpt_oss_tf5,
 // gpt_oss_bf16_tf5) and in MXFP4 (gpt_oss_mxfp4_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
           "phi3_tf5", "phi4_mini_tf5", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5",
-          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "gpt_oss_tf5", "gpt_oss_bf16_tf5",
-          "gpt_oss_mxfp4_tf5"};
+          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "glm4_moe_tf5", "gpt_oss_tf5",
+          "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the
@@ -1743,6 +1779,7 @@ TEST(PlannerGptq, CountsWhatTheWorkerHolds) {
         {"gptq/gptq_qwen3_moe_sym4_g16", 2, 2, "linear layers GPTQ 4-bit dequantized to float32"},
         {"EP_gptq/gptq_qwen3_moe_sym4_g16", 2, 1, "linear layers GPTQ 4-bit dequantized to float32"},
         {"awq/awq_mixtral_g16", 2, 1, "linear layers AWQ 4-bit dequantized to float32"},
+        {"awq/awq_glm4_moe_g8", 2, 2, "linear layers AWQ 4-bit dequantized to float32"},
         {"compressed_tensors/ct_fp8_channel_qwen2_moe", 2, 1,
          "linear layers compressed-tensors fp8 as fp8 e4m3 per output channel"},
         {"EP_compressed_tensors/ct_int4_sym_g8_qwen2_moe", 2, 2,

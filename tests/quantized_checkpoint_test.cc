@@ -116,6 +116,8 @@ const Variant kVariants[] = {
     // two parts, kv_a_proj_with_mqa's two, kv_b_proj, o_proj) + 3 dense MLP + 2 x (27 + 3); of
     // those 3 x 5 (the picked parts and kv_b_proj) dequantized.
     {"fp8", "fp8_deepseek_v3_block128", kFp8, 0, 84, "128x128", 15},
+    // GLM-4.5 (3 layers, layer 0 dense, 6 experts, 1 shared): 3 x 4 attention + 3 dense MLP + 2 x (18 + 3).
+    {"awq", "awq_glm4_moe_g8", kDense, 0, 57},
 };
 
 // What the worker's summary says of `n` weights in `kernel`'s layout (ModelShard::QuantizationSummary);

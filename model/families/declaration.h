@@ -183,9 +183,13 @@ struct FamilyDeclaration {
   // kConfigured on q, k, v and o when config.json's attention_bias is true (Llama, Qwen3); kNone
   // never (Mistral, whose attention transformers builds without biases whatever the file says).
   // kConfiguredOn as kConfigured, but on unless attention_bias is false (GptOssConfig's default).
-  enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured, kConfiguredOn };
+  // kQkvByAttentionBias on q, k and v when attention_bias is true, never on o (Glm4MoeConfig).
+  enum class AttentionBias { kNone, kQkv, kQkvConfigured, kConfigured, kConfiguredOn, kQkvByAttentionBias };
   AttentionBias attention_bias = AttentionBias::kNone;
   bool qk_norm = false;          // q and k are RMS-normed per head before RoPE (Qwen3)
+  // config.json's switch of those norms, off when absent (Glm4MoeConfig's use_qk_norm); null: qk_norm
+  // alone decides.
+  const char* qk_norm_flag = nullptr;
   bool mla = false;              // multi-head latent attention (DeepSeek-V3): ModelConfig::kv_lora_rank
   // "sliding_window": kEveryLayer is every layer's window when set (Mistral, Phi-3); kLayerTypes the
   // window of the layers "layer_types" calls "sliding_attention" (by default the even ones, as
@@ -218,6 +222,8 @@ struct FamilyDeclaration {
   // partial_rotary_factor < 1 rotates the first head_dim * it dimensions of each head and passes the
   // rest through (Phi-3, Phi-4-mini); elsewhere transformers rotates the whole head and only 1 is taken.
   bool partial_rotary = false;
+  // partial_rotary_factor where config.json gives none (Glm4MoeConfig: 0.5; elsewhere 1).
+  double default_partial_rotary_factor = 1.0;
   // RoPE as Phi3Config reads it: rope_type default or longrope ("su" and "yarn" read as longrope),
   // original_max_position_embeddings from the top level, 4096 when absent.
   bool phi3_rope = false;
@@ -238,14 +244,22 @@ struct FamilyDeclaration {
   //   its dense layers' MLPs are intermediate_size wide.
   // kMixtral (MixtralConfig): num_local_experts, num_experts_per_tok, every layer sparse, each
   //   expert intermediate_size wide, the k weights always renormalised.
-  // kDeepseek (DeepseekV3Config): n_routed_experts, num_experts_per_tok, moe_intermediate_size,
-  //   the sigmoid group-limited router and its shared experts (ParseDeepseekExperts in
-  //   model/config.cc); layers from first_k_dense_replace on sparse, the others intermediate_size wide.
+  // kDeepseek (DeepseekV3Config, Glm4MoeConfig): n_routed_experts, num_experts_per_tok,
+  //   moe_intermediate_size, the sigmoid group-limited router and its shared experts
+  //   (ParseDeepseekExperts in model/config.cc, with group_router's defaults); layers from
+  //   first_k_dense_replace on sparse, the others intermediate_size wide.
   // kGptOss (GptOssConfig): num_local_experts, num_experts_per_tok, every layer sparse, each expert
   //   intermediate_size wide with biases and the clamped SwiGLU (swiglu_limit, swiglu_alpha), the
   //   router a product with a bias whose top k logits are softmaxed (MoeRouter::kTopKSoftmax).
   enum class Experts { kNone, kQwen, kMixtral, kDeepseek, kGptOss };
   Experts experts = Experts::kNone;
+  // kDeepseek: the config class's defaults for the fields config.json leaves out (DeepseekV3Config's
+  // here; Glm4MoeConfig's 1 group, 1 kept, 1 dense layer, a scaling of 1).
+  struct GroupRouterDefaults {
+    int64_t n_group = 8, topk_group = 4, first_k_dense_replace = 3;
+    double routed_scaling_factor = 2.5;
+  };
+  GroupRouterDefaults group_router = {};
   // Sparse layers also have a shared expert of shared_expert_intermediate_size, gated per token by
   // sigmoid(shared_expert_gate(h)) and added to the routed experts' output (Qwen2-MoE).
   bool shared_expert = false;

@@ -49,29 +49,11 @@ void LatentAttentionTensors(const ModelConfig& c, LayerTensors& t) {
 }
 
 void DeepseekLayer(const ModelConfig& c, LayerTensors& t) {
-  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
-  using R = WeightRole;
-  using S = TpSplit;
-  t.Add("input_layernorm.weight", {H}, S::kReplicated, R::kInputNorm);
+  const int64_t H = c.hidden_size;
+  t.Add("input_layernorm.weight", {H}, TpSplit::kReplicated, WeightRole::kInputNorm);
   LatentAttentionTensors(c, t);
-  t.Add("post_attention_layernorm.weight", {H}, S::kReplicated, R::kPreMlpNorm);
-  if (!c.LayerIsSparse(t.layer())) {
-    GatedMlpTensors(c, t);
-    return;
-  }
-  t.Add("mlp.gate.weight", {E, H}, S::kReplicated, R::kRouter);
-  t.Add("mlp.gate.e_score_correction_bias", {E}, S::kReplicated, R::kRouterBias);
-  for (int64_t e = 0; e < E; ++e) {
-    t.AddExpert("mlp.experts", e, "gate_proj.weight", {I, H}, S::kExpertRows, R::kExpertGateProj);
-    t.AddExpert("mlp.experts", e, "up_proj.weight", {I, H}, S::kExpertRows, R::kExpertUpProj);
-    t.AddExpert("mlp.experts", e, "down_proj.weight", {H, I}, S::kExpertCols, R::kExpertDownProj);
-  }
-  if (c.shared_expert_intermediate_size > 0) {
-    const int64_t Is = c.shared_expert_intermediate_size;
-    t.Add("mlp.shared_experts.gate_proj.weight", {Is, H}, S::kSharedExpertRows, R::kSharedGateProj);
-    t.Add("mlp.shared_experts.up_proj.weight", {Is, H}, S::kSharedExpertRows, R::kSharedUpProj);
-    t.Add("mlp.shared_experts.down_proj.weight", {H, Is}, S::kSharedExpertCols, R::kSharedDownProj);
-  }
+  t.Add("post_attention_layernorm.weight", {H}, TpSplit::kReplicated, WeightRole::kPreMlpNorm);
+  DeepseekMlpTensors(c, t);
 }
 
 std::vector<WeightDecl> DeepseekWeights(const ModelConfig& c) { return DecoderWeights(c, DeepseekLayer); }
@@ -119,6 +101,29 @@ std::vector<StepBufferDecl> DeepseekBuffers(const ModelConfig& c, const TpShard&
 }
 
 }  // namespace
+
+void DeepseekMlpTensors(const ModelConfig& c, LayerTensors& t) {
+  const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;
+  using R = WeightRole;
+  using S = TpSplit;
+  if (!c.LayerIsSparse(t.layer())) {
+    GatedMlpTensors(c, t);
+    return;
+  }
+  t.Add("mlp.gate.weight", {E, H}, S::kReplicated, R::kRouter);
+  t.Add("mlp.gate.e_score_correction_bias", {E}, S::kReplicated, R::kRouterBias);
+  for (int64_t e = 0; e < E; ++e) {
+    t.AddExpert("mlp.experts", e, "gate_proj.weight", {I, H}, S::kExpertRows, R::kExpertGateProj);
+    t.AddExpert("mlp.experts", e, "up_proj.weight", {I, H}, S::kExpertRows, R::kExpertUpProj);
+    t.AddExpert("mlp.experts", e, "down_proj.weight", {H, I}, S::kExpertCols, R::kExpertDownProj);
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    const int64_t Is = c.shared_expert_intermediate_size;
+    t.Add("mlp.shared_experts.gate_proj.weight", {Is, H}, S::kSharedExpertRows, R::kSharedGateProj);
+    t.Add("mlp.shared_experts.up_proj.weight", {Is, H}, S::kSharedExpertRows, R::kSharedUpProj);
+    t.Add("mlp.shared_experts.down_proj.weight", {H, Is}, S::kSharedExpertCols, R::kSharedDownProj);
+  }
+}
 
 const FamilyDeclaration kDeepseekV3Family = {.architecture = "DeepseekV3ForCausalLM",
                                              .mla = true,

@@ -65,10 +65,21 @@ extern const FamilyDeclaration kMixtralFamily;
 // The buffers of a model's sparse layers for n tokens a step: the router's, the (token, expert)
 // rows', the experts' products, and the shared expert's (its gate's where the family gates it).
 std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& config, const TpShard& shard, DType act, int64_t n);
+// A Llama-shaped attention's buffers (LlamaShapedBuffers) and the sparse layers' (ExpertBuffers):
+// the layer_buffers of Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and GLM-4.5.
+std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& config, const TpShard& shard, DType act, int64_t n);
 
 // deepseek.cc: DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention and a sigmoid,
 // group-limited mixture of experts with shared experts.
 extern const FamilyDeclaration kDeepseekV3Family;
+// The MLP of a DeepSeek-V3 layer, which GLM-4.5 shares: Llama's dense MLP before
+// first_k_dense_replace, then the router mlp.gate with its selection bias, the experts and the
+// shared experts mlp.shared_experts.{gate,up,down}_proj.
+void DeepseekMlpTensors(const ModelConfig& config, LayerTensors& tensors);
+
+// glm.cc: GLM-4.5 (Glm4MoeForCausalLM): Llama-shaped attention (q/k/v biases, optional q/k norms,
+// partial rotary) with DeepSeek-V3's mixture of experts.
+extern const FamilyDeclaration kGlm4MoeFamily;
 
 // gptoss.cc: gpt-oss (GptOssForCausalLM): attention with sinks and biases, sliding and full layers,
 // experts with biases and the clamped SwiGLU, stacked in the checkpoint (MXFP4 as published).

@@ -51,14 +51,6 @@ void GptOssLayer(const ModelConfig& c, LayerTensors& t) {
 
 std::vector<WeightDecl> GptOssWeights(const ModelConfig& c) { return DecoderWeights(c, GptOssLayer); }
 
-// The Llama-shaped layer's buffers and the sparse layers' (ExpertBuffers).
-std::vector<StepBufferDecl> GptOssBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
-  std::vector<StepBufferDecl> b = LlamaShapedBuffers(c, s, act, n);
-  const std::vector<StepBufferDecl> experts = ExpertBuffers(c, s, act, n);
-  b.insert(b.end(), experts.begin(), experts.end());
-  return b;
-}
-
 // GptOssConfig's RoPE when config.json has none: yarn, factor 32 over 4096 positions, not truncated.
 constexpr char kGptOssRope[] =
     R"({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": false,)"
@@ -77,6 +69,6 @@ const FamilyDeclaration kGptOssFamily = {.architecture = "GptOssForCausalLM",
                                          .experts = FamilyDeclaration::Experts::kGptOss,
                                          .router_weights_in_act = true,
                                          .weights = GptOssWeights,
-                                         .layer_buffers = GptOssBuffers};
+                                         .layer_buffers = MoeBuffers};
 
 }  // namespace shardserve

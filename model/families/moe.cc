@@ -73,6 +73,8 @@ std::vector<WeightDecl> MixtralWeights(const ModelConfig& c) {
   return DecoderWeights(c, [](const ModelConfig& c, LayerTensors& t) { MoeLayer(c, t, kMixtralNames); });
 }
 
+}  // namespace
+
 // LlamaShapedBuffers, and for the sparse layers with n tokens a step and k experts a token, the
 // worst case of n * k (token, expert) rows: the router's logits (in the act dtype as the product
 // makes them, and in float32 for the routing), each token's experts and weights, the rows grouped
@@ -85,8 +87,6 @@ std::vector<StepBufferDecl> MoeBuffers(const ModelConfig& c, const TpShard& s, D
   b.insert(b.end(), experts.begin(), experts.end());
   return b;
 }
-
-}  // namespace
 
 std::vector<StepBufferDecl> ExpertBuffers(const ModelConfig& c, const TpShard& s, DType act, int64_t n) {
   std::vector<StepBufferDecl> b;

@@ -12,9 +12,9 @@ namespace shardserve {
 namespace {
 
 constexpr const FamilyDeclaration* kFamilies[] = {
-    &kDeepseekV3Family, &kEagle3LlamaFamily, &kGemma2Family, &kGemma3Family, &kGemma3ConditionalFamily,
-    &kGptOssFamily,     &kLlamaFamily,       &kMistralFamily, &kMixtralFamily, &kPhi3Family,
-    &kQwen2Family,      &kQwen2MoeFamily,    &kQwen3Family,  &kQwen3MoeFamily};
+    &kDeepseekV3Family, &kEagle3LlamaFamily, &kGemma2Family,  &kGemma3Family,  &kGemma3ConditionalFamily,
+    &kGlm4MoeFamily,    &kGptOssFamily,      &kLlamaFamily,   &kMistralFamily, &kMixtralFamily,
+    &kPhi3Family,       &kQwen2Family,       &kQwen2MoeFamily, &kQwen3Family,  &kQwen3MoeFamily};
 
 }  // namespace
 
