@@ -1,8 +1,9 @@
 // A model's chat output, as coordinator/api/openai/http_server.cc splits it (protocol.h's
 // OutputSplitter: reasoning.h, then tool_calls.h; harmony.h for gpt-oss). The first byte picks the
-// tool-call format (hermes, llama3_json, mistral, deepseek_v3, kimi_k2, qwen3_coder, none, openai (harmony);
-// qwen3_coder with tools whose parameters have types), whether reasoning is parsed and whether the
-// prompt opened it, and the sizes of the streamed pieces; the rest is the output.
+// tool-call format by its value mod 9 (hermes, llama3_json, mistral, deepseek_v3, kimi_k2,
+// qwen3_coder, none, openai (harmony), glm45; qwen3_coder and glm45 with tools whose parameters have
+// types), whether reasoning is parsed and whether the prompt opened it, and the sizes of the
+// streamed pieces; the rest is the output.
 //
 // Invariants: the output streamed in those pieces gives, joined, exactly what it gives whole
 // (reasoning, content and calls); every call has a name and arguments that parse as a JSON object.
@@ -54,9 +55,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   constexpr ToolCallFormat kFormats[] = {ToolCallFormat::kHermes,     ToolCallFormat::kLlama3Json,
                                          ToolCallFormat::kMistral,    ToolCallFormat::kDeepSeekV3,
                                          ToolCallFormat::kKimiK2,     ToolCallFormat::kQwen3Coder,
-                                         ToolCallFormat::kNone,       ToolCallFormat::kHarmony};
-  const ToolCallFormat format = kFormats[data[0] % 8];
-  const unsigned mode = data[0] / 8;  // 0 to 31
+                                         ToolCallFormat::kNone,       ToolCallFormat::kHarmony,
+                                         ToolCallFormat::kGlm45};
+  const ToolCallFormat format = kFormats[data[0] % 9];
+  const unsigned mode = data[0] / 9;  // 0 to 28
   const bool reasoning = mode & 1, inside = (mode >> 1) & 1;
   const size_t piece = 1 + (mode >> 2);  // 1 to 8 bytes a piece
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);

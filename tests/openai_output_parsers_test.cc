@@ -64,6 +64,10 @@ std::vector<Case> Cases() {
   const auto D = ToolCallFormat::kDeepSeekV3;
   const auto Q = ToolCallFormat::kQwen3Coder;
   const auto K = ToolCallFormat::kKimiK2;
+  const auto G = ToolCallFormat::kGlm45;
+  const std::string glm_weather =
+      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+      "<arg_value>3</arg_value>\n</tool_call>";
   const std::string kimi_weather = kKimiCall + "functions.get_weather:0" + kKimiArgs + "{\"city\": \"Paris\"}" + kKimiCallEnd;
   const std::string weather = R"({"city":"Paris"})";
   const std::string ds_weather = kCallBegin + "function" + kSep + "get_weather\n```json\n{\"city\": \"Paris\"}\n```" + kCallEnd;
@@ -200,6 +204,41 @@ std::vector<Case> Cases() {
       {"qwen3_coder_names_written_alike", Q, "<function=get_weather>\n<parameter=d\xff>\n1\n</parameter>\n"
        "<parameter=d\xfe>\n2\n</parameter>\n</function>", "", {{"get_weather", "{\"d\xEF\xBF\xBD\":\"2\"}"}},
        Calls{{"get_weather", "{\"d\xEF\xBF\xBD\":\"1\",\"d\xEF\xBF\xBD\":\"2\"}"}}},
+      // GLM-4.5: values by the tool's schema (Tools()): text for "string", else JSON, Python's
+      // True / False / None, else text; GLM-4.7's calls without newlines.
+      {"glm45_one", G, glm_weather, "", {{"get_weather", R"({"city":"Paris","days":3})"}}},
+      {"glm45_types", G,
+       "<tool_call>typed\n<arg_key>s</arg_key>\n<arg_value>042</arg_value>\n<arg_key>n</arg_key>\n<arg_value>2.5"
+       "</arg_value>\n<arg_key>b</arg_key>\n<arg_value>True</arg_value>\n<arg_key>o</arg_key>\n<arg_value>{\"k\": [1, 2]}"
+       "</arg_value>\n<arg_key>u</arg_key>\n<arg_value>hello world</arg_value>\n<arg_key>z</arg_key>\n<arg_value>None"
+       "</arg_value>\n<arg_key>i</arg_key>\n<arg_value>\n7\n</arg_value>\n<arg_key>e</arg_key>\n<arg_value>\"x\""
+       "</arg_value>\n</tool_call>",
+       "", {{"typed", R"({"s":"042","n":2.5,"b":true,"o":{"k":[1,2]},"u":"hello world","z":null,"i":7,"e":"x"})"}}},
+      {"glm45_string_keeps_its_lines", G,
+       "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>\nSan\nFrancisco \n</arg_value>\n</tool_call>", "",
+       {{"get_weather", R"({"city":"San\nFrancisco"})"}}},
+      {"glm47_without_newlines", G, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>",
+       "", {{"get_weather", R"({"city":"Paris"})"}}},
+      {"glm45_text_before_two_calls", G,
+       "Let me check both.\n<tool_call>list_files\n</tool_call>\n<tool_call>get_weather\n<arg_key>days</arg_key>"
+       "\n<arg_value>2</arg_value>\n</tool_call>",
+       "Let me check both.", {{"list_files", "{}"}, {"get_weather", R"({"days":2})"}}},
+      {"glm45_name_only", G, "<tool_call>list_files</tool_call>", "", {{"list_files", "{}"}}},
+      {"glm45_text_after", G, glm_weather + "\nDone.", "Done.", {{"get_weather", R"({"city":"Paris","days":3})"}}},
+      {"glm45_json_call_stays_content", G, "<tool_call>{\"name\": \"a\"}</tool_call>",
+       "<tool_call>{\"name\": \"a\"}</tool_call>", {}},
+      {"glm45_name_with_space_stays_content", G, "<tool_call>get weather\n</tool_call>",
+       "<tool_call>get weather\n</tool_call>", {}},
+      {"glm45_text_among_arguments_stays_content", G,
+       "<tool_call>a\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\nhello\n</tool_call>",
+       "<tool_call>a\n<arg_key>x</arg_key>\n<arg_value>1</arg_value>\nhello\n</tool_call>", {},
+       Calls{{"a", "{\"x\":1\nhello\n</tool_call>"}}, ""},
+      {"glm45_unclosed_value_stays_content", G, "<tool_call>a\n<arg_key>x</arg_key>\n<arg_value>1",
+       "<tool_call>a\n<arg_key>x</arg_key>\n<arg_value>1", {}, Calls{{"a", "{\n<arg_key>x</arg_key>\n<arg_value>1"}}, ""},
+      {"glm45_key_twice", G,
+       "<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>1</arg_value>\n<arg_key>days</arg_key>\n"
+       "<arg_value>2</arg_value>\n</tool_call>",
+       "", {{"get_weather", R"({"days":2})"}}, Calls{{"get_weather", R"({"days":1,"days":2})"}}},
       {"none_format_is_content", ToolCallFormat::kNone, "<tool_call>{\"name\": \"a\"}</tool_call>",
        "<tool_call>{\"name\": \"a\"}</tool_call>", {}},
   };
@@ -351,6 +390,11 @@ TEST(ToolCallParserTest, ArgumentsArriveWhileTheCallIsWritten) {
       // Parameters are sent once closed: one piece each.
       {"qwen3_coder", ToolCallFormat::kQwen3Coder,
        "<tool_call>\n<function=typed>\n" + qwen_params + "</function>\n</tool_call>", 5},
+      {"glm45", ToolCallFormat::kGlm45,
+       "<tool_call>typed\n<arg_key>s</arg_key>\n<arg_value>" + words + "</arg_value>\n<arg_key>i</arg_key>\n<arg_value>7"
+       "</arg_value>\n<arg_key>o</arg_key>\n<arg_value>{\"k\": [1, 2]}</arg_value>\n<arg_key>b</arg_key>\n<arg_value>true"
+       "</arg_value>\n<arg_key>n</arg_key>\n<arg_value>1.5</arg_value>\n</tool_call>",
+       5},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.label);
@@ -397,10 +441,11 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().message(),
             "tool call parser 'qwen9' is not known; the known ones are none, hermes, llama3_json, mistral, deepseek_v3, "
-            "kimi_k2, qwen3_coder, openai");
+            "kimi_k2, qwen3_coder, glm45, openai");
   EXPECT_EQ(*ToolCallFormatFromName("kimi_k2"), ToolCallFormat::kKimiK2);
   EXPECT_EQ(*ToolCallFormatFromName("deepseek_v3"), ToolCallFormat::kDeepSeekV3);
   EXPECT_EQ(*ToolCallFormatFromName("qwen3_coder"), ToolCallFormat::kQwen3Coder);
+  EXPECT_EQ(*ToolCallFormatFromName("glm45"), ToolCallFormat::kGlm45);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<tool_call>' }}"), ToolCallFormat::kHermes);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '[TOOL_CALLS]' }}"), ToolCallFormat::kMistral);
   EXPECT_EQ(ToolCallFormatOfTemplate("{{ '<|python_tag|>' }}"), ToolCallFormat::kLlama3Json);
@@ -426,14 +471,21 @@ TEST(ToolCallParserTest, NamesAndTemplates) {
                                      "{%- for args_name, args_value in tool_call.arguments|items %}\n"
                                      "{{- '<parameter=' + args_name + '>\\n' }}"),
             ToolCallFormat::kQwen3Coder);
+  // GLM-4.5 (zai-org/GLM-4.5's chat template, the lines that write a call), which holds <tool_call>
+  // too; its markers are special tokens:
+  EXPECT_EQ(ToolCallFormatOfTemplate("{{ '\\n<tool_call>' + tc.name }}\n{% set _args = tc.arguments %}\n"
+                                     "{% for k, v in _args.items() %}\n<arg_key>{{ k }}</arg_key>\n"
+                                     "<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>"),
+            ToolCallFormat::kGlm45);
+  EXPECT_TRUE(KeepsSpecialTokens(ToolCallFormat::kGlm45));
 }
 
-// Malformed DeepSeek and Qwen3-Coder texts of every kind are content or calls, never a crash: every
+// Malformed DeepSeek, Kimi, Qwen3-Coder and GLM texts of every kind are content or calls, never a crash: every
 // prefix of the well-formed cases, and each with bytes cut out of its middle.
 TEST(ToolCallParserTest, TruncatedAndDamagedOutputs) {
   for (const Case& c : Cases()) {
     if (c.format != ToolCallFormat::kDeepSeekV3 && c.format != ToolCallFormat::kKimiK2 &&
-        c.format != ToolCallFormat::kQwen3Coder) {
+        c.format != ToolCallFormat::kQwen3Coder && c.format != ToolCallFormat::kGlm45) {
       continue;
     }
     for (size_t n = 0; n <= c.text.size(); ++n) {

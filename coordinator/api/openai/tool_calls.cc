@@ -45,6 +45,10 @@ constexpr absl::string_view kQwenFunction = "<function=";
 constexpr absl::string_view kQwenFunctionEnd = "</function>";
 constexpr absl::string_view kQwenParameter = "<parameter=";
 constexpr absl::string_view kQwenParameterEnd = "</parameter>";
+constexpr absl::string_view kGlmKey = "<arg_key>";
+constexpr absl::string_view kGlmKeyEnd = "</arg_key>";
+constexpr absl::string_view kGlmValue = "<arg_value>";
+constexpr absl::string_view kGlmValueEnd = "</arg_value>";
 constexpr char kWhitespace[] = " \t\r\n";
 constexpr char kWhitespaceOrSemicolon[] = " \t\r\n;";
 
@@ -59,6 +63,7 @@ constexpr Named kFormats[] = {{"none", ToolCallFormat::kNone},
                               {"deepseek_v3", ToolCallFormat::kDeepSeekV3},
                               {"kimi_k2", ToolCallFormat::kKimiK2},
                               {"qwen3_coder", ToolCallFormat::kQwen3Coder},
+                              {"glm45", ToolCallFormat::kGlm45},
                               {"openai", ToolCallFormat::kHarmony}};
 
 size_t SkipWhitespace(absl::string_view s, size_t i) {
@@ -306,6 +311,22 @@ Json ConvertParameter(const std::string& value, const std::string& name, const J
 
 std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
+// A GLM-4.5 argument's value (its text, stripped) as vLLM's glm45 parser reads it: text where the
+// tool's schema types the parameter "string"; else the value as JSON, else as a Python literal
+// (True, False, None; what JSON writes alike), else the text.
+Json GlmValue(absl::string_view value, const std::string& name, const Json* types) {
+  const std::string text(absl::StripAsciiWhitespace(value));
+  if (types != nullptr && types->contains(name)) {
+    const Json& schema = (*types)[name];
+    if (schema.is_object() && schema.contains("type") && schema["type"] == "string") return text;
+  }
+  Json v;
+  if (ParseJson(text, &v)) return v;
+  if (text == "True" || text == "False") return text == "True";
+  if (text == "None") return nullptr;
+  return text;
+}
+
 // A Qwen3-Coder parameter's name as the key of its call's arguments: stripped, and its bytes that
 // are no UTF-8 replaced as Dump writes them, so that two names written alike are one key in the
 // whole answer as in the streamed one (where a key written twice is sent twice).
@@ -358,6 +379,59 @@ bool QwenCalls(absl::string_view body, const Json& tools, std::vector<ToolCall>*
   return true;
 }
 
+// The name of a GLM-4.5 call, from the start of its body (after <tool_call>) to a newline, the
+// first <arg_key> or the body's end, stripped; *end where it stops.
+absl::string_view GlmName(absl::string_view body, size_t* end) {
+  *end = FirstOf(body, 0, {"\n", kGlmKey});
+  return absl::StripAsciiWhitespace(body.substr(0, *end));
+}
+
+// The next <arg_key>K</arg_key> <arg_value>V</arg_value> of a GLM-4.5 call at or after s[*i]
+// (whitespace before and between): kFound with the key and the value's text, *i past it; kNone when
+// s[*i] on (after whitespace) is something else or, with `complete`, a pair left open; kNeedMore
+// when the text so far may still become one.
+enum class GlmPair { kFound, kNone, kNeedMore };
+GlmPair NextGlmPair(absl::string_view s, size_t* i, bool complete, absl::string_view* key, absl::string_view* value) {
+  const GlmPair open = complete ? GlmPair::kNone : GlmPair::kNeedMore;
+  size_t at = SkipWhitespace(s, *i);
+  if (at == s.size()) return open;
+  if (!absl::StartsWith(s.substr(at), kGlmKey)) return absl::StartsWith(kGlmKey, s.substr(at)) ? open : GlmPair::kNone;
+  const size_t key_start = at + kGlmKey.size();
+  const size_t key_end = s.find(kGlmKeyEnd, key_start);
+  if (key_end == absl::string_view::npos) return open;
+  at = SkipWhitespace(s, key_end + kGlmKeyEnd.size());
+  if (at == s.size()) return open;
+  if (!absl::StartsWith(s.substr(at), kGlmValue)) return absl::StartsWith(kGlmValue, s.substr(at)) ? open : GlmPair::kNone;
+  const size_t value_start = at + kGlmValue.size();
+  const size_t value_end = s.find(kGlmValueEnd, value_start);
+  if (value_end == absl::string_view::npos) return open;
+  *key = s.substr(key_start, key_end - key_start);
+  *value = s.substr(value_start, value_end - value_start);
+  *i = value_end + kGlmValueEnd.size();
+  return GlmPair::kFound;
+}
+
+// A GLM-4.5 call, from after <tool_call> to before </tool_call>: its name, then its arguments as
+// <arg_key>/<arg_value> pairs (whitespace around them; nothing else). False when the name is not
+// one (empty, with whitespace or '<') or anything else follows it.
+bool GlmCall(absl::string_view body, const Json& tools, ToolCall* call) {
+  size_t i = 0;
+  const absl::string_view name = GlmName(body, &i);
+  if (!IsCallName(name) || name.find('<') != absl::string_view::npos) return false;
+  const Json* types = ParameterTypes(tools, name);
+  Json arguments = Json::object();
+  absl::string_view key, value;
+  GlmPair pair;
+  while ((pair = NextGlmPair(body, &i, /*complete=*/true, &key, &value)) == GlmPair::kFound) {
+    const std::string k = ParameterKey(key);
+    arguments[k] = GlmValue(value, k, types);
+  }
+  if (SkipWhitespace(body, i) != body.size()) return false;
+  call->name = std::string(name);
+  call->arguments = DumpArguments(arguments);
+  return true;
+}
+
 // The end of the JSON string whose opening quote is at s[i] (after its closing quote), or npos
 // while it is not closed.
 size_t JsonStringEnd(absl::string_view s, size_t i) {
@@ -397,6 +471,7 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
   if (absl::StrContains(source, kQwenFunction) && absl::StrContains(source, kQwenParameter)) {
     return ToolCallFormat::kQwen3Coder;
   }
+  if (absl::StrContains(source, kGlmKey)) return ToolCallFormat::kGlm45;
   if (absl::StrContains(source, kHermesStart)) return ToolCallFormat::kHermes;
   if (absl::StrContains(source, kMistralStart)) return ToolCallFormat::kMistral;
   if (absl::StrContains(source, kPythonTag)) return ToolCallFormat::kLlama3Json;
@@ -405,7 +480,8 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
 
 bool KeepsSpecialTokens(ToolCallFormat format) {
   return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json ||
-         format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kKimiK2 || format == ToolCallFormat::kHarmony;
+         format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kKimiK2 || format == ToolCallFormat::kHarmony ||
+         format == ToolCallFormat::kGlm45;
 }
 
 ToolCallParser::ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools,
@@ -467,6 +543,7 @@ size_t ToolCallParser::FindStart(size_t* hold) const {
   }
   switch (format_) {
     case ToolCallFormat::kHermes:
+    case ToolCallFormat::kGlm45:
       return FindMarkers({kHermesStart}, hold);
     case ToolCallFormat::kMistral:
       return FindMarkers({kMistralStart}, hold);
@@ -498,7 +575,8 @@ size_t ToolCallParser::FindEnd() const {
   const absl::string_view buf = buf_;
   constexpr size_t npos = absl::string_view::npos;
   switch (format_) {
-    case ToolCallFormat::kHermes: {
+    case ToolCallFormat::kHermes:
+    case ToolCallFormat::kGlm45: {
       const size_t e = buf.find(kHermesEnd);
       return e == npos ? npos : e + kHermesEnd.size();
     }
@@ -602,6 +680,13 @@ bool ToolCallParser::ParseBlock(absl::string_view block, std::vector<ToolCall>* 
       absl::string_view body = block;
       if (absl::ConsumePrefix(&body, kHermesStart)) absl::ConsumeSuffix(&body, kHermesEnd);
       return QwenCalls(body, tools_, calls);
+    }
+    case ToolCallFormat::kGlm45: {
+      absl::string_view body = block.substr(kHermesStart.size());
+      absl::ConsumeSuffix(&body, kHermesEnd);
+      if (!GlmCall(body, tools_, &call)) return false;
+      calls->push_back(std::move(call));
+      return true;
     }
     case ToolCallFormat::kNone:
     case ToolCallFormat::kHarmony:
@@ -871,6 +956,10 @@ void ToolCallParser::Stream(absl::string_view block, bool complete, ToolCallDelt
     StreamQwen(block, complete, out);
     return;
   }
+  if (format_ == ToolCallFormat::kGlm45) {
+    StreamGlm(block, complete, out);
+    return;
+  }
   while (!stream_off_) {
     if (args_ != nullptr) {
       std::string text;
@@ -954,6 +1043,46 @@ void ToolCallParser::StreamQwen(absl::string_view buf, bool complete, ToolCallDe
     in_function_ = false;
     scan_ = (complete && at_body_end) ? end : end + kQwenFunctionEnd.size();
   }
+}
+
+void ToolCallParser::StreamGlm(absl::string_view buf, bool complete, ToolCallDelta* out) {
+  // The call's body: after <tool_call>, up to its </tool_call> once complete (as GlmCall reads it).
+  absl::string_view body = buf.substr(kHermesStart.size());
+  if (complete) absl::ConsumeSuffix(&body, kHermesEnd);
+  if (stream_off_) return;
+  if (!in_function_) {
+    if (!sent_.empty()) return;  // one call a block, closed
+    size_t name_end = 0;
+    const absl::string_view name = GlmName(body, &name_end);
+    if (name_end == body.size() && !complete) return;  // the name may go on
+    // A name the whole block may read otherwise (or not at all) is decided at the end.
+    if (!IsCallName(name) || name.find('<') != absl::string_view::npos || !Begin(std::string(name), "{", "", out)) {
+      stream_off_ = true;
+      return;
+    }
+    types_ = ParameterTypes(tools_, name);
+    in_function_ = true;
+    scan_ = kHermesStart.size() + name_end;
+  }
+  // Each pair once its </arg_value> came; the object closed at the block's end.
+  size_t i = scan_ - kHermesStart.size();
+  absl::string_view key, value;
+  GlmPair pair;
+  while ((pair = NextGlmPair(body, &i, complete, &key, &value)) == GlmPair::kFound) {
+    const std::string k = ParameterKey(key);
+    SendArguments(absl::StrCat(sent_.back() == "{" ? "" : ",", Dump(Json(k)), ":", Dump(GlmValue(value, k, types_))), out);
+    scan_ = kHermesStart.size() + i;
+  }
+  if (pair == GlmPair::kNeedMore) return;
+  const size_t rest = SkipWhitespace(body, i);
+  if (!complete && absl::StartsWith(kHermesEnd, body.substr(rest))) return;  // the call's end may be coming
+  if (complete && rest == body.size()) {
+    SendArguments("}", out);
+    in_function_ = false;
+    scan_ = buf.size();
+    return;
+  }
+  stream_off_ = true;  // something else: the block decides at its end (the rest of its text)
 }
 
 ToolCallDelta ParseToolCalls(ToolCallFormat format, absl::string_view text, int max_calls, const Json& tools) {

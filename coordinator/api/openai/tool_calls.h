@@ -20,7 +20,11 @@
 //                </function>\n</tool_call> (or a bare <function=...>...</function>); each value is
 //                text, converted by the type its tool's `parameters` schema gives the parameter
 //                (integer, number, boolean, object, array; "null" is null; unknown parameters and
-//                strings stay text), as vLLM's qwen3_coder parser converts it.
+//                strings stay text), as vLLM's qwen3_coder parser converts it;
+//   glm45        GLM-4.5, 4.6 and 4.7: <tool_call>name\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n...
+//                </tool_call> per call (4.7 writes no newlines); each value is text where the tool's
+//                schema types the parameter "string", else its JSON (or Python's True, False, None),
+//                else text, as vLLM's glm45 parser reads it. Its markers are special tokens.
 // What is not a well-formed call (malformed JSON, no name, arguments that are not an object) stays
 // content: the answer is never lost and never an error. Whitespace (and llama3_json's ';') next to
 // a call is dropped (deepseek_v3's <｜tool▁calls▁end｜> and kimi_k2's <|tool_calls_section_end|> after
@@ -30,10 +34,10 @@
 // Streamed arguments (a parser made with `stream_arguments`, for streamed responses): as vLLM's
 // streaming tool parsers do, a call is begun (a piece with its index and name, no arguments) as
 // soon as its name is complete and its arguments have begun as a JSON object (qwen3_coder: once
-// <function=NAME> is complete), and its arguments then come in pieces while the model writes
+// <function=NAME> is complete; glm45: once the name's line or its first <arg_key> ends it), and its arguments then come in pieces while the model writes
 // them, each the compact JSON (as the whole call's `arguments` is written) of the text that came:
 // a string's characters as they come, a number or literal once it ends, qwen3_coder's parameter
-// once it is closed. Joined, a call's pieces are exactly the `arguments` the whole output gives.
+// (glm45's argument) once it is closed. Joined, a call's pieces are exactly the `arguments` the whole output gives.
 // A call the parser cannot stream this way ("arguments" before "name", or as a JSON string; a
 // qwen3_coder name with '<' in it) is handed out as one piece once it is complete, as without
 // streaming. The rules once a call has begun (its name was sent, so it stays a call):
@@ -63,23 +67,23 @@
 
 namespace shardserve::openai {
 
-enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kKimiK2, kQwen3Coder, kHarmony };
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral, kDeepSeekV3, kKimiK2, kQwen3Coder, kGlm45, kHarmony };
 
 // The names --tool-call-parser takes ("none", "hermes", "llama3_json", "mistral", "deepseek_v3",
-// "kimi_k2", "qwen3_coder", "openai"); an unknown one is InvalidArgument listing the known ones. "openai" is
+// "kimi_k2", "qwen3_coder", "glm45", "openai"); an unknown one is InvalidArgument listing the known ones. "openai" is
 // gpt-oss's harmony format (kHarmony), which harmony.h parses whole, reasoning and content too: a
 // ToolCallParser of it passes the text through as content, as kNone's does.
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
 const char* ToolCallFormatName(ToolCallFormat format);
 // The format a chat template writes tool calls in, recognised by the markers its text holds:
 // <|channel|> openai (harmony); <｜tool▁calls▁begin｜> deepseek_v3; <|tool_calls_section_begin|> kimi_k2;
-// <function= with <parameter= qwen3_coder (before hermes, whose
-// <tool_call> it holds too); <tool_call> hermes; [TOOL_CALLS] mistral; <|python_tag|> llama3_json;
+// <function= with <parameter= qwen3_coder and <arg_key> glm45 (before hermes, whose
+// <tool_call> they hold too); <tool_call> hermes; [TOOL_CALLS] mistral; <|python_tag|> llama3_json;
 // kNone when it names none of them.
 ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
 // Whether the format's markers are special tokens, which the detokenizer must then keep
-// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's and kimi_k2's tool tokens,
-// harmony's).
+// (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's, kimi_k2's and glm45's tool
+// tokens, harmony's).
 bool KeepsSpecialTokens(ToolCallFormat format);
 
 struct ToolCall {
@@ -116,8 +120,8 @@ struct ToolCallDelta {
 class ToolCallParser {
  public:
   // At most `max_calls` calls are handed out (parallel_tool_calls false: 1); later ones are dropped.
-  // `tools`: the request's tools (an array as protocol.h checks them, or null): qwen3_coder reads
-  // its parameters' types there.
+  // `tools`: the request's tools (an array as protocol.h checks them, or null): qwen3_coder and glm45
+  // read their parameters' types there.
   ToolCallParser(ToolCallFormat format, int max_calls, nlohmann::ordered_json tools = nullptr,
                  bool stream_arguments = false);
 
@@ -150,6 +154,7 @@ class ToolCallParser {
   // it came; `complete`: all of it), from where the last look stopped.
   void Stream(absl::string_view block, bool complete, ToolCallDelta* out);
   void StreamQwen(absl::string_view block, bool complete, ToolCallDelta* out);
+  void StreamGlm(absl::string_view block, bool complete, ToolCallDelta* out);
   enum class Header { kNeedMore, kFound, kNone };
   // The next call's name (and the id the model wrote, if its format has one) and where its
   // arguments' '{' is in `block`, from scan_ on.
@@ -178,8 +183,8 @@ class ToolCallParser {
   int first_index_ = 0;                      // the index of the block's first call begun
   std::shared_ptr<ArgumentsStream> args_;    // the open call's JSON arguments
   size_t wrapper_ = std::string::npos;       // mistral's list: the open item's '{'
-  bool in_function_ = false;                 // qwen3_coder: inside a function begun
-  const nlohmann::ordered_json* types_ = nullptr;  // qwen3_coder: its parameters' types
+  bool in_function_ = false;                 // qwen3_coder, glm45: inside a call begun
+  const nlohmann::ordered_json* types_ = nullptr;  // qwen3_coder, glm45: its parameters' types
 };
 
 // The whole output at once: the parser's Add(text) and Finish() joined.
