@@ -231,6 +231,7 @@ TEST(ClusterMemoryTest, CpuWorkersHoldTheProposersTheirPlanSays) {
               "--num-speculative-tokens", "4"},
              "draft_model"},
         Case{"deepseek_v3_mtp_tf5", {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp_layer"},
+        Case{"glm4_moe_mtp_tf5", {"--speculative", "mtp", "--num-speculative-tokens", "3"}, "mtp_layer"},
         Case{"llama_gqa",
              {"--speculative", "eagle3", "--draft-model", (source / "tests/fixtures/models/llama_gqa_eagle3").string(),
               "--num-speculative-tokens", "3"},
@@ -818,8 +819,9 @@ void ExpectGuessesKeepTheOutputs(const Layout& l, const std::vector<std::string>
 }
 
 // The model's multi-token-prediction layer (--speculative mtp, docs/speculative-decoding.md):
-// DeepSeek-V3 with its MTP layer (tests/fixtures/models/deepseek_v3_mtp_tf5), run by the worker that
-// samples over every step's hidden states, in TP {1, 2} x PP {1, 2}.
+// DeepSeek-V3 and GLM-4.5 with their MTP layers (tests/fixtures/models/deepseek_v3_mtp_tf5,
+// glm4_moe_mtp_tf5), run by the worker that samples over every step's hidden states, in TP {1, 2} x
+// PP {1, 2}.
 class ClusterMtpSpeculationTest : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
@@ -829,7 +831,9 @@ TEST_P(ClusterMtpSpeculationTest, MtpGuessesKeepTheOutputs) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ClusterMtpSpeculationTest,
                          ::testing::Values(Layout{"deepseek_v3_mtp_tf5", 1, 1}, Layout{"deepseek_v3_mtp_tf5", 2, 1},
-                                           Layout{"deepseek_v3_mtp_tf5", 1, 2}, Layout{"deepseek_v3_mtp_tf5", 2, 2}),
+                                           Layout{"deepseek_v3_mtp_tf5", 1, 2}, Layout{"deepseek_v3_mtp_tf5", 2, 2},
+                                           Layout{"glm4_moe_mtp_tf5", 1, 1}, Layout{"glm4_moe_mtp_tf5", 2, 1},
+                                           Layout{"glm4_moe_mtp_tf5", 1, 2}, Layout{"glm4_moe_mtp_tf5", 2, 2}),
                          [](const ::testing::TestParamInfo<Layout>& info) {
                            return "TP" + std::to_string(info.param.tp) + "_PP" + std::to_string(info.param.pp) + "_" +
                                   info.param.fixture;

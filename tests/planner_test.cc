@@ -1367,13 +1367,14 @@ PlanOptions SmallCpuOptions(int tp, int pp) {
 // frequency tables (phi4_mini_tf5); mixtures of experts with dense layers among sparse ones
 // (qwen3_moe_tf5, qwen3_moe_bf16_tf5), in every layer (mixtral_tf5) and with a shared expert
 // (qwen2_moe_tf5); latent attention with a latent cache and picked rows (deepseek_v3_tf5,
-// deepseek_v3_bf16_tf5); its router under Llama-shaped attention (glm4_moe_tf5); experts stacked in one tensor with their biases, plain (gpt_oss_tf5,
+// deepseek_v3_bf16_tf5); its router under Llama-shaped attention (glm4_moe_tf5, and glm4_moe_mtp_tf5,
+// whose unloaded multi-token-prediction layer has attention biases of its own); experts stacked in one tensor with their biases, plain (gpt_oss_tf5,
 // gpt_oss_bf16_tf5) and in MXFP4 (gpt_oss_mxfp4_tf5).
 std::vector<std::string> ModelFixtures() {
   return {"llama_gqa", "qwen2_tied_bias", "llama3_rope", "mistral_sharded", "llama_bf16", "qwen3_tf5", "qwen3_tf4",
           "phi3_tf5", "phi4_mini_tf5", "gemma3_cg_tf5", "gemma3_cg_tf4", "qwen3_moe_tf5", "qwen3_moe_bf16_tf5",
-          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "glm4_moe_tf5", "gpt_oss_tf5",
-          "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"};
+          "mixtral_tf5", "qwen2_moe_tf5", "deepseek_v3_tf5", "deepseek_v3_bf16_tf5", "glm4_moe_tf5", "glm4_moe_mtp_tf5",
+          "gpt_oss_tf5", "gpt_oss_bf16_tf5", "gpt_oss_mxfp4_tf5"};
 }
 
 // The bytes in the safetensors files (as stored) are the config's parameter count times the
@@ -1394,7 +1395,14 @@ TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
       if (IsMxfp4Part(m->config, w)) mxfp4 += w.shape[0] * w.shape[1];
     }
     EXPECT_EQ(mxfp4 > 0, name == "gpt_oss_mxfp4_tf5") << name;
-    EXPECT_EQ(stored - unserved, static_cast<uint64_t>(m->config.ParameterCount() - mxfp4) * DTypeSize(m->config.dtype) +
+    // A multi-token-prediction layer's tensors are stored after the model's layers, not counted in it.
+    const std::string mtp_layer = absl::StrCat(m->config.weight_prefix, "layers.", m->config.num_hidden_layers, ".");
+    uint64_t mtp = 0;
+    for (const auto& [tensor, info] : m->checkpoint->tensors()) {
+      if (absl::StartsWith(tensor, mtp_layer)) mtp += info.nbytes;
+    }
+    EXPECT_EQ(mtp > 0, name == "glm4_moe_mtp_tf5") << name;
+    EXPECT_EQ(stored - unserved - mtp, static_cast<uint64_t>(m->config.ParameterCount() - mxfp4) * DTypeSize(m->config.dtype) +
                                      static_cast<uint64_t>(Mxfp4Bytes(mxfp4)))
         << name;
   }

@@ -66,9 +66,11 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
     // A bias the declaration does not list would be silently left out of the math (config.json's
     // attention_bias false for a checkpoint that has them): refused, naming it. Published quantized
     // checkpoints are exempt: some store a zero bias beside every quantized product; so are the
-    // tensors outside the decoder (a vision tower's, which is not served).
+    // tensors outside the decoder (a vision tower's, which is not served). The multi-token-prediction
+    // layers' own biases (GLM-4.5's attention has them) are declared there (MtpWeights), loaded or not.
     absl::flat_hash_set<std::string> declared;
     for (const WeightDecl& w : weights) declared.insert(w.name);
+    for (const WeightDecl& w : MtpWeights(config)) declared.insert(w.name);
     for (const auto& [name, info] : checkpoint.tensors()) {
       if (absl::EndsWith(name, ".bias") && absl::StartsWith(name, config.weight_prefix) && !declared.contains(name)) {
         return absl::FailedPreconditionError(absl::StrCat(

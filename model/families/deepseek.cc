@@ -58,26 +58,7 @@ void DeepseekLayer(const ModelConfig& c, LayerTensors& t) {
 
 std::vector<WeightDecl> DeepseekWeights(const ModelConfig& c) { return DecoderWeights(c, DeepseekLayer); }
 
-// DeepSeekMultiTokenPredictorLayer (vLLM's deepseek_mtp.py, the checkpoint's names): for each layer
-// the embedding it reads, its norms and projection, its decoder layer, its head.
-std::vector<WeightDecl> DeepseekMtpWeights(const ModelConfig& c) {
-  const int64_t H = c.hidden_size, V = c.vocab_size;
-  using R = WeightRole;
-  using S = TpSplit;
-  std::vector<WeightDecl> w;
-  for (int64_t i = c.num_hidden_layers; i < c.num_hidden_layers + c.num_nextn_predict_layers; ++i) {
-    w.push_back({c.weight_prefix + "embed_tokens.weight", {V, H}, WeightPart::kMtp, i, S::kVocabRows, R::kEmbedTokens});
-    LayerTensors t(c.weight_prefix, i, &w);
-    t.Add("enorm.weight", {H}, S::kReplicated, R::kMtpENorm);
-    t.Add("hnorm.weight", {H}, S::kReplicated, R::kMtpHNorm);
-    t.Add("eh_proj.weight", {H, 2 * H}, S::kReplicated, R::kMtpEhProj);
-    DeepseekLayer(c, t);
-    t.Add("shared_head.norm.weight", {H}, S::kReplicated, R::kFinalNorm);
-    t.Add("shared_head.head.weight", {V, H}, S::kVocabRows, R::kLmHead);
-  }
-  for (WeightDecl& d : w) d.part = WeightPart::kMtp;
-  return w;
-}
+std::vector<WeightDecl> DeepseekMtpWeights(const ModelConfig& c) { return MtpLayerWeights(c, DeepseekLayer); }
 
 // For n tokens a step on this rank's heads: q_a_proj's output (with q_lora_rank), q's parts
 // without and with RoPE, the latent and the RoPE key, the attention output (v_head_dim a head),
@@ -101,6 +82,25 @@ std::vector<StepBufferDecl> DeepseekBuffers(const ModelConfig& c, const TpShard&
 }
 
 }  // namespace
+
+std::vector<WeightDecl> MtpLayerWeights(const ModelConfig& c, void (*layer)(const ModelConfig&, LayerTensors&)) {
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  using R = WeightRole;
+  using S = TpSplit;
+  std::vector<WeightDecl> w;
+  for (int64_t i = c.num_hidden_layers; i < c.num_hidden_layers + c.num_nextn_predict_layers; ++i) {
+    w.push_back({c.weight_prefix + "embed_tokens.weight", {V, H}, WeightPart::kMtp, i, S::kVocabRows, R::kEmbedTokens});
+    LayerTensors t(c.weight_prefix, i, &w);
+    t.Add("enorm.weight", {H}, S::kReplicated, R::kMtpENorm);
+    t.Add("hnorm.weight", {H}, S::kReplicated, R::kMtpHNorm);
+    t.Add("eh_proj.weight", {H, 2 * H}, S::kReplicated, R::kMtpEhProj);
+    layer(c, t);
+    t.Add("shared_head.norm.weight", {H}, S::kReplicated, R::kFinalNorm);
+    t.Add("shared_head.head.weight", {V, H}, S::kVocabRows, R::kLmHead);
+  }
+  for (WeightDecl& d : w) d.part = WeightPart::kMtp;
+  return w;
+}
 
 void DeepseekMlpTensors(const ModelConfig& c, LayerTensors& t) {
   const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size;

@@ -76,6 +76,11 @@ extern const FamilyDeclaration kDeepseekV3Family;
 // first_k_dense_replace, then the router mlp.gate with its selection bias, the experts and the
 // shared experts mlp.shared_experts.{gate,up,down}_proj.
 void DeepseekMlpTensors(const ModelConfig& config, LayerTensors& tensors);
+// The multi-token-prediction layers of DeepSeek-V3 and GLM-4.5 (DeepSeekMultiTokenPredictorLayer,
+// vLLM's deepseek_mtp.py and glm4_moe_mtp.py, the checkpoints' names): for each, the embedding it
+// reads, enorm, hnorm and eh_proj, a decoder layer of the family (`layer`), shared_head.norm and
+// shared_head.head.
+std::vector<WeightDecl> MtpLayerWeights(const ModelConfig& config, void (*layer)(const ModelConfig&, LayerTensors&));
 
 // glm.cc: GLM-4.5 (Glm4MoeForCausalLM): Llama-shaped attention (q/k/v biases, optional q/k norms,
 // partial rotary) with DeepSeek-V3's mixture of experts.
