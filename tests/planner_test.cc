@@ -5,6 +5,8 @@
 // then loaded by the worker's own loader on the CPU backend.
 #include "coordinator/planner/planner.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -1659,6 +1661,9 @@ TEST(PlannerMemory, ACpuShardIsResidentOnceLoaded) {
   ASSERT_EQ(p.per_gpu.size(), 1u);
   std::unique_ptr<Backend> backend = MakeCpuBackend();
   LoadOnlyCommunicator comm(0, 1);
+  // Memory the tests before this one freed, handed back to the system, so that the shard's pages
+  // are new ones here too when the whole program runs.
+  malloc_trim(0);
   const std::optional<int64_t> before = ProcStatusBytes("self", "RssAnon");
   ASSERT_TRUE(before.has_value()) << "no RssAnon in /proc/self/status";
   absl::StatusOr<std::unique_ptr<ModelShard>> shard =
