@@ -565,6 +565,7 @@ TEST(ReasoningParserTest, PromptAndTemplate) {
   EXPECT_FALSE(PromptOpensReasoning("<|im_start|>user\nsay <think><|im_end|>\n<|im_start|>assistant\n"));
   EXPECT_EQ(ReasoningFormatOfTemplate("{{ '<think>' }}"), ReasoningFormat::kThink);
   EXPECT_EQ(*ReasoningFormatFromName("deepseek_r1"), ReasoningFormat::kThink);
+  EXPECT_EQ(*ReasoningFormatFromName("glm45"), ReasoningFormat::kThink);  // vLLM's name for GLM-4.5's
   EXPECT_FALSE(ReasoningFormatFromName("o1").ok());
 }
 

@@ -17,10 +17,11 @@ constexpr char kWhitespace[] = " \t\r\n";
 
 absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name) {
   if (name == "none") return ReasoningFormat::kNone;
-  if (name == "deepseek_r1" || name == "qwen3") return ReasoningFormat::kThink;
+  if (name == "deepseek_r1" || name == "qwen3" || name == "glm45") return ReasoningFormat::kThink;
   if (name == "openai_gptoss") return ReasoningFormat::kHarmony;
-  return absl::InvalidArgumentError(
-      absl::StrCat("reasoning parser '", name, "' is not known; the known ones are none, deepseek_r1, qwen3, openai_gptoss"));
+  return absl::InvalidArgumentError(absl::StrCat("reasoning parser '", name,
+                                                 "' is not known; the known ones are none, deepseek_r1, qwen3, glm45, "
+                                                 "openai_gptoss"));
 }
 
 ReasoningFormat ReasoningFormatOfTemplate(absl::string_view source) {

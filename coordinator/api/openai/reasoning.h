@@ -19,7 +19,7 @@ namespace shardserve::openai {
 // kHarmony: gpt-oss's harmony format, its channel analysis (harmony.h parses the whole output).
 enum class ReasoningFormat { kNone, kThink, kHarmony };
 
-// The names --reasoning-parser takes: "none", "deepseek_r1" and "qwen3" (both <think>),
+// The names --reasoning-parser takes: "none", "deepseek_r1", "qwen3" and "glm45" (all <think>),
 // "openai_gptoss" (harmony); an unknown one is InvalidArgument listing the known ones.
 absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name);
 // kHarmony when the chat template's text writes <|channel|>, else kThink when it writes <think>,
