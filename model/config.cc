@@ -376,6 +376,11 @@ absl::Status ParsePartialRotary(const json& j, const std::string& source, const 
 
 // The most experts a layer may have (DeepSeek-V3 and Kimi K2 have 256 and 384).
 constexpr int64_t kMaxExperts = 4096;
+// The most experts all layers may have together. A family declares each expert of each layer as
+// its own weights (model/families), which ParameterCount, every plan and every load walk: at the
+// two bounds above (1024 layers of 4096 experts) that is 12.6 million declarations, 7 GB and a
+// minute for `shardserve plan` alone. Kimi K2, the most published, has 61 x 384 = 23,424.
+constexpr int64_t kMaxLayerExperts = 65536;
 
 // DeepseekV3Config's and Glm4MoeConfig's router and layer fields, with the config class's defaults
 // where config.json leaves one out (FamilyDeclaration::group_router; DeepseekV3Config's in
@@ -515,6 +520,13 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
   SHARDSERVE_RETURN_IF_ERROR(GetInt(j, source, count_field, true, &c->num_experts));
   if (c->num_experts < 0 || c->num_experts > kMaxExperts) {
     return FieldError(source, count_field, absl::StrCat("must be in [0, ", kMaxExperts, "], got ", c->num_experts));
+  }
+  const int64_t layers = c->num_hidden_layers + c->num_nextn_predict_layers;
+  if (layers * c->num_experts > kMaxLayerExperts) {
+    return FieldError(source, count_field,
+                      absl::StrCat("is ", c->num_experts, " experts a layer, ", layers * c->num_experts, " in its ",
+                                   layers, " layers (num_hidden_layers and num_nextn_predict_layers); this server "
+                                   "takes at most 65536 in all"));
   }
   if ((kind == Experts::kMixtral || kind == Experts::kGptOss) && c->num_experts == 0) {
     return FieldError(source, count_field, absl::StrCat("is 0; ", c->architecture_name,

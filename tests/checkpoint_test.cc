@@ -1563,6 +1563,33 @@ TEST_F(CheckpointTest, SizesThatTogetherDescribeTooManyParametersAreRefused) {
   EXPECT_THAT(std::string(config.status().message()), HasSubstr("1e+15"));
 }
 
+// Each expert of each layer is declared as its own weights, which every plan walks: 1024 layers of
+// 4096 experts (each within its bound, 1.9e14 parameters) took `shardserve plan` 7 GB and a minute.
+// All layers' experts together are bounded, the MTP layers' included, well above Kimi K2's 23,424.
+TEST_F(CheckpointTest, TooManyExpertsInAllLayersAreRefusedBeforeAnyIsDeclared) {
+  json j = json::parse(std::ifstream(fs::path(SHARDSERVE_SOURCE_DIR) / "tests/fixtures/configs/deepseek-v3.json"));
+  j["num_hidden_layers"] = 1024;
+  j["n_routed_experts"] = 4096;
+  auto c = ParseModelConfig(j.dump(), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr("\"n_routed_experts\" is 4096 experts a layer, 4198400 in its 1025 layers "
+                        "(num_hidden_layers and num_nextn_predict_layers); this server takes at most 65536"));
+  // The bound itself is taken, one more layer is not.
+  j["n_routed_experts"] = 1024;
+  j["num_hidden_layers"] = 63;
+  c = ParseModelConfig(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  j["num_hidden_layers"] = 64;
+  c = ParseModelConfig(j.dump(), "config.json");
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("66560 in its 65 layers"));
+  // Kimi K2's shape (DeepSeek-V3's with 384 experts and 61 layers) parses.
+  j["num_hidden_layers"] = 61;
+  j["n_routed_experts"] = 384;
+  EXPECT_TRUE(ParseModelConfig(j.dump(), "config.json").ok());
+}
+
 // A config.json whose sizes are within bounds but far larger than the checkpoint's tensors: the
 // shapes are checked before anything is allocated, so the error names the tensor and both shapes
 // (before, the loader first tried to allocate the 16 TiB embedding and failed with an
