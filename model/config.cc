@@ -744,13 +744,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(const std::string& text, std::strin
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "qkv_bias", &c.qkv_bias));
   }
   if (c.family->attention_bias == AttentionBias::kConfigured ||
-      c.family->attention_bias == AttentionBias::kConfiguredOn) {
+      c.family->attention_bias == AttentionBias::kConfiguredOn ||
+      c.family->attention_bias == AttentionBias::kQkvByAttentionBias) {
     c.qkv_bias = c.family->attention_bias == AttentionBias::kConfiguredOn;  // GptOssConfig's default: true
     SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
-    c.o_bias = c.qkv_bias;
-  }
-  if (c.family->attention_bias == AttentionBias::kQkvByAttentionBias) {
-    SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "attention_bias", &c.qkv_bias));
+    c.o_bias = c.qkv_bias && c.family->attention_bias != AttentionBias::kQkvByAttentionBias;  // (GLM-4.5: never o)
   }
   c.attention_sinks = c.family->attention_sinks;
   SHARDSERVE_RETURN_IF_ERROR(GetBool(j, source, "mlp_bias", &c.mlp_bias));
