@@ -1390,7 +1390,8 @@ TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
     uint64_t stored = 0;
     for (const auto& [tensor, info] : m->checkpoint->tensors()) stored += info.nbytes;
     // A multimodal checkpoint's vision tower and projector are there but not served.
-    const uint64_t unserved = UnservedCheckpointBytes(m->config, *m->checkpoint);
+    const UnservedBytes unserved_bytes = UnservedCheckpointBytes(m->config, *m->checkpoint, /*mtp_loaded=*/false);
+    const uint64_t unserved = unserved_bytes.outside_text_model;
     EXPECT_EQ(unserved > 0, absl::StartsWith(name, "gemma3_cg")) << name;
     int64_t mxfp4 = 0;  // the values stored in MXFP4
     for (const WeightDecl& w : ModelWeights(m->config)) {
@@ -1404,6 +1405,9 @@ TEST(PlannerFixtures, SafetensorsBytesAgreeWithTheConfig) {
       if (absl::StartsWith(tensor, mtp_layer)) mtp += info.nbytes;
     }
     EXPECT_EQ(mtp > 0, name == "glm4_moe_mtp_tf5") << name;
+    // Not served without --speculative mtp, and said so; loaded with it.
+    EXPECT_EQ(unserved_bytes.after_last_layer, mtp) << name;
+    EXPECT_EQ(UnservedCheckpointBytes(m->config, *m->checkpoint, /*mtp_loaded=*/true).after_last_layer, 0u) << name;
     EXPECT_EQ(stored - unserved - mtp, static_cast<uint64_t>(m->config.ParameterCount() - mxfp4) * DTypeSize(m->config.dtype) +
                                      static_cast<uint64_t>(Mxfp4Bytes(mxfp4)))
         << name;
@@ -2083,6 +2087,19 @@ TEST(PlannerMtp, CountsTheLayerAsTheWorkerLoadsIt) {
     const Plan without = MustPlan(m->config, cluster, plain, m->checkpoint.get());
     const Plan p = MustPlan(m->config, cluster, o, m->checkpoint.get());
     ASSERT_TRUE(p.fits) << where << ": " << p.reason;
+    // Without it the layer's tensors (layer 3, after the model's 3) are in the checkpoint but not
+    // served, and the plan says so.
+    uint64_t layer_bytes = 0;
+    for (const auto& [name, info] : m->checkpoint->tensors()) {
+      if (absl::StartsWith(name, "model.layers.3.")) layer_bytes += info.nbytes;
+    }
+    ASSERT_EQ(m->config.num_hidden_layers, 3);
+    EXPECT_GT(layer_bytes, 0u);
+    EXPECT_EQ(without.unserved_layer_bytes, layer_bytes) << where;
+    EXPECT_THAT(PlanTable(without), HasSubstr("of the checkpoint's layers after its 3 (a multi-token-prediction "
+                                              "layer, which --speculative mtp loads)"));
+    EXPECT_EQ(p.unserved_layer_bytes, 0u) << where;
+    EXPECT_THAT(PlanTable(p), ::testing::Not(HasSubstr("not served")));
     // (with PP > 1 the plan's cache may be another stage's, which keeps its room)
     EXPECT_LE(p.kv_cache_tokens, without.kv_cache_tokens) << where;
     if (pp == 1) {

@@ -749,7 +749,11 @@ absl::StatusOr<Plan> MakePlan(const ModelConfig& config, const Checkpoint* check
   plan.num_layers = c.num_hidden_layers;
   plan.parameters = c.ParameterCount();
   plan.active_parameters = ActiveParameterCount(c);
-  if (checkpoint != nullptr) plan.unserved_checkpoint_bytes = UnservedCheckpointBytes(c, *checkpoint);
+  if (checkpoint != nullptr) {
+    const UnservedBytes unserved = UnservedCheckpointBytes(c, *checkpoint, options.mtp);
+    plan.unserved_checkpoint_bytes = unserved.outside_text_model;
+    plan.unserved_layer_bytes = unserved.after_last_layer;
+  }
   absl::StatusOr<TpShard> whole = ComputeTpShard(c, 0, 1);
   if (!whole.ok()) return whole.status();
   plan.model_weight_bytes = CountRankWeights(c, ctx.tensors, *whole, ctx.dtype, options.weight_quant,

@@ -186,6 +186,9 @@ struct Plan {
   // Bytes of the checkpoint's tensors that are not served (a multimodal model's vision tower and
   // projector: only its text model runs); 0 without a checkpoint.
   uint64_t unserved_checkpoint_bytes = 0;
+  // Bytes of its layers after the model's (a multi-token-prediction layer) when the plan does not
+  // load them (no --speculative mtp); 0 without a checkpoint.
+  uint64_t unserved_layer_bytes = 0;
   DType dtype = DType::kBF16;             // what the workers hold weights, activations and KV cache in
   DType checkpoint_dtype = DType::kBF16;  // config.json's torch_dtype
   // A published quantized checkpoint's linear layers as counted (model/quantized_checkpoint.h), e.g.

@@ -72,6 +72,11 @@ std::string PlanTable(const Plan& p) {
     absl::StrAppendFormat(&out, "         not served: %s of the checkpoint's tensors outside the text model (vision "
                           "tower, projector), neither loaded nor counted\n", fmt::Size(p.unserved_checkpoint_bytes));
   }
+  if (p.unserved_layer_bytes > 0) {
+    absl::StrAppendFormat(&out, "         not served: %s of the checkpoint's layers after its %d (a multi-token-prediction "
+                          "layer, which --speculative mtp loads), neither loaded nor counted\n",
+                          fmt::Size(p.unserved_layer_bytes), p.num_layers);
+  }
   absl::StrAppendFormat(&out, "cluster  %s: %s, %s %s; intra-node %s, inter-node %s\n", c.Describe(),
                         fmt::Size(c.gpu.memory_bytes), c.gpu.memory_noun(), GBps(c.gpu.hbm_bytes_per_s),
                         GBps(c.intra_node_bytes_per_s), GBps(c.inter_node_bytes_per_s));
@@ -197,7 +202,8 @@ std::string PlanJson(const Plan& p) {
                 {"active_parameters", p.active_parameters},
                 {"dtype", PlanDTypeName(p.dtype)}, {"experts_format", p.experts_format},
                 {"weight_bytes", p.model_weight_bytes},
-                {"unserved_checkpoint_bytes", p.unserved_checkpoint_bytes}};
+                {"unserved_checkpoint_bytes", p.unserved_checkpoint_bytes},
+                {"unserved_layer_bytes", p.unserved_layer_bytes}};
   j["cluster"] = {{"gpu", c.gpu.name},
                   {"gpus_per_node", c.gpus_per_node},
                   {"gpu_memory_bytes", c.gpu.memory_bytes},

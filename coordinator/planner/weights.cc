@@ -4,8 +4,10 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "kernels/backend.h"
 #include "model/families/registry.h"
 #include "model/mxfp4.h"
@@ -82,10 +84,23 @@ absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& con
   return weights;
 }
 
-uint64_t UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint) {
-  uint64_t bytes = 0;
+UnservedBytes UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint, bool mtp_loaded) {
+  const std::string layers = absl::StrCat(config.weight_prefix, "layers.");
+  const int64_t served_layers = config.num_hidden_layers + (mtp_loaded ? config.num_nextn_predict_layers : 0);
+  UnservedBytes bytes;
   for (const auto& [name, info] : checkpoint.tensors()) {
-    if (!absl::StartsWith(name, config.weight_prefix) && name != config.lm_head_weight) bytes += info.nbytes;
+    if (!absl::StartsWith(name, config.weight_prefix)) {
+      if (name != config.lm_head_weight) bytes.outside_text_model += info.nbytes;
+      continue;
+    }
+    // "model.layers.61.eh_proj.weight": the layer's index, where the name has one.
+    absl::string_view rest(name);
+    int64_t layer = 0;
+    if (!absl::ConsumePrefix(&rest, layers)) continue;
+    const size_t dot = rest.find('.');
+    if (dot != absl::string_view::npos && absl::SimpleAtoi(rest.substr(0, dot), &layer) && layer >= served_layers) {
+      bytes.after_last_layer += info.nbytes;
+    }
   }
   return bytes;
 }

@@ -35,9 +35,16 @@ namespace shardserve {
 // config.json implies, or is stored in a dtype the loader cannot convert (F32, F16, BF16 only).
 absl::StatusOr<std::vector<WeightDecl>> CheckpointWeights(const ModelConfig& config, const Checkpoint& checkpoint);
 
-// Bytes of the checkpoint's tensors outside the served text model (neither under config.weight_prefix
-// nor its LM head): a multimodal checkpoint's vision tower and projector, which no worker loads.
-uint64_t UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint);
+// Bytes of the checkpoint's tensors that no worker loads.
+struct UnservedBytes {
+  // Outside the served text model (neither under config.weight_prefix nor its LM head): a
+  // multimodal checkpoint's vision tower and projector.
+  uint64_t outside_text_model = 0;
+  // Of layers after config.num_hidden_layers: a multi-token-prediction layer (DeepSeek-V3's and
+  // GLM-4.5's layer 61 and 92), unless `mtp_loaded` (--speculative mtp).
+  uint64_t after_last_layer = 0;
+};
+UnservedBytes UnservedCheckpointBytes(const ModelConfig& config, const Checkpoint& checkpoint, bool mtp_loaded);
 
 // Elements of `tensor` that the rank described by `shard` holds.
 int64_t ShardElements(const WeightDecl& tensor, const TpShard& shard);
