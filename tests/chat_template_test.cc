@@ -153,7 +153,7 @@ TEST(FixtureTest, EveryFamilyIsPresent) {
   for (const char* f : {"chatml", "llama2", "llama3", "llama3_1", "qwen2_5", "mistral", "gemma2", "phi3_5",
                         "deepseek_r1_distill", "hermes3", "mistral_small_3_1", "command_r7b", "qwen3", "gemma3",
                         "phi4", "phi4_mini", "gpt_oss", "qwen3_original", "deepseek_v3_1", "kimi_k2", "llama3_2",
-                        "mistral_nemo"}) {
+                        "mistral_nemo", "glm4_6"}) {
     EXPECT_TRUE(std::filesystem::exists(kFixtures / f / "cases.json")) << f;
   }
 }

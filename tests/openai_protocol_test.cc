@@ -768,6 +768,7 @@ TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
                                Family{"deepseek_v3_1", ToolCallFormat::kDeepSeekV3, ReasoningFormat::kThink},
                                Family{"kimi_k2", ToolCallFormat::kKimiK2, ReasoningFormat::kNone},
                                Family{"mistral_nemo", ToolCallFormat::kMistral, ReasoningFormat::kNone},
+                               Family{"glm4_6", ToolCallFormat::kGlm45, ReasoningFormat::kThink},
                                Family{"phi4_mini", ToolCallFormat::kNone, ReasoningFormat::kNone}}) {
     SCOPED_TRACE(family.dir);
     absl::StatusOr<chat::ChatTemplate> tmpl = chat::ChatTemplate::FromDirectory((fixtures / family.dir).string());
@@ -805,8 +806,9 @@ TEST(ChatTemplateFixturesTest, ToolCallHistoryRendersAsTransformersDoes) {
       ++rendered;
     }
   }
-  // qwen3 5, qwen2_5 2, hermes3 2, llama3_1 2, mistral_small_3_1 2, deepseek_v3_1 2, kimi_k2 2, mistral_nemo 1
-  EXPECT_GE(rendered, 18);
+  // qwen3 5, qwen2_5 2, hermes3 2, llama3_1 2, mistral_small_3_1 2, deepseek_v3_1 2, kimi_k2 2, mistral_nemo 1,
+  // glm4_6 5
+  EXPECT_GE(rendered, 23);
 }
 
 // documents (vLLM's field) reach the template as transformers' apply_chat_template(documents=...)
