@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/api/openai/python_literal.h"
 #include "coordinator/api/openai/reasoning.h"
 #include "coordinator/api/openai/tool_calls.h"
 #include "gtest/gtest.h"
@@ -171,6 +172,11 @@ std::vector<Case> Cases() {
        "",
        {{"typed", R"({"n":2.5,"f":3,"b":true,"o":{"k":[1,2]},"a":[1,"x"],"s":"042\n two lines","i":"abc","z":null,)"
                   R"("u":"7","e":"5","any":5})"}}},
+      {"qwen3_coder_python_literals", Q,
+       "<tool_call>\n<function=typed>\n<parameter=o>\n{'k': (1, 'x')}\n</parameter>\n<parameter=a>\n[True, None]\n"
+       "</parameter>\n<parameter=any>\n'quoted'\n</parameter>\n<parameter=s>\n'kept'\n</parameter>\n</function>\n"
+       "</tool_call>",
+       "", {{"typed", R"({"o":{"k":[1,"x"]},"a":[true,null],"any":"quoted","s":"'kept'"})"}}},
       {"qwen3_coder_text_before_two_calls", Q,
        "I'll check both.\n<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n"
        "<parameter=x>\nline1\nline2\n</parameter>\n</function>\n</tool_call>",
@@ -204,8 +210,8 @@ std::vector<Case> Cases() {
       {"qwen3_coder_names_written_alike", Q, "<function=get_weather>\n<parameter=d\xff>\n1\n</parameter>\n"
        "<parameter=d\xfe>\n2\n</parameter>\n</function>", "", {{"get_weather", "{\"d\xEF\xBF\xBD\":\"2\"}"}},
        Calls{{"get_weather", "{\"d\xEF\xBF\xBD\":\"1\",\"d\xEF\xBF\xBD\":\"2\"}"}}},
-      // GLM-4.5: values by the tool's schema (Tools()): text for "string", else JSON, Python's
-      // True / False / None, else text; GLM-4.7's calls without newlines.
+      // GLM-4.5: values by the tool's schema (Tools()): text for "string", else JSON, a Python
+      // literal, else text; GLM-4.7's calls without newlines.
       {"glm45_one", G, glm_weather, "", {{"get_weather", R"({"city":"Paris","days":3})"}}},
       {"glm45_types", G,
        "<tool_call>typed\n<arg_key>s</arg_key>\n<arg_value>042</arg_value>\n<arg_key>n</arg_key>\n<arg_value>2.5"
@@ -214,6 +220,14 @@ std::vector<Case> Cases() {
        "</arg_value>\n<arg_key>i</arg_key>\n<arg_value>\n7\n</arg_value>\n<arg_key>e</arg_key>\n<arg_value>\"x\""
        "</arg_value>\n</tool_call>",
        "", {{"typed", R"({"s":"042","n":2.5,"b":true,"o":{"k":[1,2]},"u":"hello world","z":null,"i":7,"e":"x"})"}}},
+      // Values a model writes as Python literals, read as vLLM's ast.literal_eval reads them
+      // (python_literal.h); a "string"-typed parameter keeps its text.
+      {"glm45_python_literals", G,
+       "<tool_call>typed\n<arg_key>o</arg_key>\n<arg_value>{'k': [1, 'two'], 'ok': True}</arg_value>\n<arg_key>t"
+       "</arg_key>\n<arg_value>('a', None)</arg_value>\n<arg_key>q</arg_key>\n<arg_value>'quoted'</arg_value>\n"
+       "<arg_key>s</arg_key>\n<arg_value>'kept'</arg_value>\n<arg_key>x</arg_key>\n<arg_value>{'a' 1}</arg_value>\n"
+       "</tool_call>",
+       "", {{"typed", R"({"o":{"k":[1,"two"],"ok":true},"t":["a",null],"q":"quoted","s":"'kept'","x":"{'a' 1}"})"}}},
       {"glm45_string_keeps_its_lines", G,
        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>\nSan\nFrancisco \n</arg_value>\n</tool_call>", "",
        {{"get_weather", R"({"city":"San\nFrancisco"})"}}},
@@ -567,6 +581,33 @@ TEST(ReasoningParserTest, PromptAndTemplate) {
   EXPECT_EQ(*ReasoningFormatFromName("deepseek_r1"), ReasoningFormat::kThink);
   EXPECT_EQ(*ReasoningFormatFromName("glm45"), ReasoningFormat::kThink);  // vLLM's name for GLM-4.5's
   EXPECT_FALSE(ReasoningFormatFromName("o1").ok());
+}
+
+// Arguments written as Python literals, read as vLLM's parsers read them (ast.literal_eval, then
+// json.dumps): tests/fixtures/python_literals.json, by tools/fixtures/make_python_literal_fixtures.py
+// from Python itself (hand-written forms and near misses, 400 random values in every spelling, half
+// of them damaged by one edit). The reader gives Python's JSON, and refuses where Python raises or
+// the case says it refuses on purpose.
+TEST(PythonLiteralTest, ReadsAsPythonDoes) {
+  std::ifstream in(std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/python_literals.json");
+  ASSERT_TRUE(in.good());
+  const Json fixture = Json::parse(in);
+  int read = 0, refused = 0;
+  for (const Json& c : fixture["cases"]) {
+    const std::string text = c["text"].get<std::string>();
+    const std::optional<Json> got = ReadPythonLiteral(text);
+    if (c.contains("json") && !c.contains("refused")) {
+      EXPECT_TRUE(got.has_value()) << text;
+      if (got.has_value()) EXPECT_EQ(*got, Json::parse(c["json"].get<std::string>())) << text;
+      ++read;
+    } else {
+      EXPECT_FALSE(got.has_value()) << text << " read as " << got.value_or(Json()).dump() << " ("
+                                    << (c.contains("raises") ? c["raises"] : c["refused"]).get<std::string>() << ")";
+      ++refused;
+    }
+  }
+  EXPECT_GT(read, 350);
+  EXPECT_GT(refused, 150);
 }
 
 }  // namespace

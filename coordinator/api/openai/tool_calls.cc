@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "coordinator/api/openai/harmony.h"
+#include "coordinator/api/openai/python_literal.h"
 #include "nlohmann/json.hpp"
 
 namespace shardserve::openai {
@@ -260,17 +261,6 @@ bool ParseNumber(absl::string_view text, Json* out) {
   return true;
 }
 
-// Whether `v` holds no true, false or null (which Python spells True, False, None).
-bool NoJsonLiterals(const Json& v) {
-  if (v.is_boolean() || v.is_null()) return false;
-  if (v.is_structured()) {
-    for (const Json& item : v) {
-      if (!NoJsonLiterals(item)) return false;
-    }
-  }
-  return true;
-}
-
 // A Qwen3-Coder parameter's value (its text) as the JSON value the tool's schema types it as;
 // `types` the tool's properties (ParameterTypes), or null.
 Json ConvertParameter(const std::string& value, const std::string& name, const Json* types) {
@@ -294,18 +284,15 @@ Json ConvertParameter(const std::string& value, const std::string& name, const J
     return ParseNumber(value, &v) ? v : Json(value);
   }
   if (type == "boolean" || type == "bool" || type == "binary") return absl::AsciiStrToLower(value) == "true";
-  // Objects and arrays: the value as JSON. Then (other types too) as a Python literal, of which
-  // this reads what JSON writes alike (numbers, double-quoted strings, lists, dicts) and True,
-  // False, None; else the text.
+  // Objects and arrays: the value as JSON. Then (other types too) a number, else the value as a
+  // Python literal (python_literal.h: ast.literal_eval's reading), else the text.
   if (type == "object" || type == "array" || type == "arr" || absl::StartsWith(type, "dict") ||
       absl::StartsWith(type, "list")) {
     if (ParseJson(value, &v)) return v;
   }
   const absl::string_view t = absl::StripAsciiWhitespace(value);
-  if (t == "True" || t == "False") return t == "True";
-  if (t == "None") return nullptr;
   if (ParseInteger(t, &v) || ParseNumber(t, &v)) return v;
-  if (!t.empty() && (t[0] == '[' || t[0] == '{' || t[0] == '"') && ParseJson(t, &v) && NoJsonLiterals(v)) return v;
+  if (std::optional<Json> literal = ReadPythonLiteral(t)) return *std::move(literal);
   return value;
 }
 
@@ -313,7 +300,7 @@ std::string Dump(const Json& v) { return v.dump(-1, ' ', false, Json::error_hand
 
 // A GLM-4.5 argument's value (its text, stripped) as vLLM's glm45 parser reads it: text where the
 // tool's schema types the parameter "string"; else the value as JSON, else as a Python literal
-// (True, False, None; what JSON writes alike), else the text.
+// (python_literal.h), else the text.
 Json GlmValue(absl::string_view value, const std::string& name, const Json* types) {
   const std::string text(absl::StripAsciiWhitespace(value));
   if (types != nullptr && types->contains(name)) {
@@ -322,8 +309,7 @@ Json GlmValue(absl::string_view value, const std::string& name, const Json* type
   }
   Json v;
   if (ParseJson(text, &v)) return v;
-  if (text == "True" || text == "False") return text == "True";
-  if (text == "None") return nullptr;
+  if (std::optional<Json> literal = ReadPythonLiteral(text)) return *std::move(literal);
   return text;
 }
 
