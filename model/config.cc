@@ -379,7 +379,7 @@ constexpr int64_t kMaxExperts = 4096;
 // The most experts all layers may have together. A family declares each expert of each layer as
 // its own weights (model/families), which ParameterCount, every plan and every load walk: at the
 // two bounds above (1024 layers of 4096 experts) that is 12.6 million declarations, 7 GB and a
-// minute for `shardserve plan` alone. Kimi K2, the most published, has 61 x 384 = 23,424.
+// minute for `shardserve plan` alone. Kimi K2 has 61 x 384 = 23,424, DeepSeek-V3 62 x 256 = 15,872.
 constexpr int64_t kMaxLayerExperts = 65536;
 
 // DeepseekV3Config's and Glm4MoeConfig's router and layer fields, with the config class's defaults
