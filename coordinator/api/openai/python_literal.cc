@@ -1,5 +1,6 @@
 #include "coordinator/api/openai/python_literal.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_replace.h"
 #include "coordinator/tokenizer/unicode.h"
 
 namespace shardserve::openai {
@@ -88,7 +90,7 @@ class Reader {
   void SkipLeading() {
     while (!AtEnd()) {
       const char c = Peek();
-      if (c == ' ' || c == '\t' || c == '\f' || c == '\r' || c == '\n') {
+      if (c == ' ' || c == '\t' || c == '\f' || c == '\n') {
         ++pos_;
       } else if (c == '#') {
         while (!AtEnd() && Peek() != '\n') ++pos_;
@@ -106,10 +108,10 @@ class Reader {
       if (c == ' ' || c == '\t' || c == '\f') {
         ++pos_;
       } else if (c == '#') {
-        while (!AtEnd() && Peek() != '\n' && Peek() != '\r') ++pos_;
-      } else if (c == '\\' && (Peek(1) == '\n' || (Peek(1) == '\r' && Peek(2) == '\n'))) {
-        pos_ += Peek(1) == '\n' ? 2 : 3;
-      } else if (c == '\n' || c == '\r') {
+        while (!AtEnd() && Peek() != '\n') ++pos_;
+      } else if (c == '\\' && Peek(1) == '\n') {
+        pos_ += 2;
+      } else if (c == '\n') {
         if (depth_ > 0) {
           ++pos_;
           continue;
@@ -289,7 +291,7 @@ class Reader {
         pos_ += triple ? 3 : 1;
         return true;
       }
-      if ((c == '\n' || c == '\r') && !triple) return false;
+      if (c == '\n' && !triple) return false;
       if (c != '\\') {
         out->push_back(c);
         ++pos_;
@@ -308,9 +310,6 @@ class Reader {
       pos_ += 2;
       switch (e) {
         case '\n': break;
-        case '\r':
-          if (Peek() == '\n') ++pos_;
-          break;
         case '\\': out->push_back('\\'); break;
         case '\'': out->push_back('\''); break;
         case '"': out->push_back('"'); break;
@@ -448,6 +447,13 @@ class Reader {
 
 std::optional<Json> ReadPythonLiteral(absl::string_view text) {
   if (text.find('\0') != absl::string_view::npos) return std::nullopt;  // Python refuses source with NUL
+  // Python reads "\r\n" and "\r" as "\n" everywhere, inside triple-quoted strings too.
+  std::string lines;
+  if (text.find('\r') != absl::string_view::npos) {
+    lines = absl::StrReplaceAll(text, {{"\r\n", "\n"}});
+    std::replace(lines.begin(), lines.end(), '\r', '\n');
+    text = lines;
+  }
   return Reader(text).Whole();
 }
 
