@@ -526,7 +526,7 @@ absl::Status ParseExperts(const json& j, const std::string& source, ModelConfig*
     return FieldError(source, count_field,
                       absl::StrCat("is ", c->num_experts, " experts a layer, ", layers * c->num_experts, " in its ",
                                    layers, " layers (num_hidden_layers and num_nextn_predict_layers); this server "
-                                   "takes at most 65536 in all"));
+                                   "takes at most ", kMaxLayerExperts, " in all"));
   }
   if ((kind == Experts::kMixtral || kind == Experts::kGptOss) && c->num_experts == 0) {
     return FieldError(source, count_field, absl::StrCat("is 0; ", c->architecture_name,

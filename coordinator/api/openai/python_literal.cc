@@ -1,7 +1,6 @@
 #include "coordinator/api/openai/python_literal.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -170,13 +169,7 @@ class Reader {
       size_t end = pos_;
       while (end < s_.size() && IsIdentifierChar(s_[end])) ++end;
       const absl::string_view word = s_.substr(pos_, end - pos_);
-      if (end < s_.size() && (s_[end] == '\'' || s_[end] == '"')) {
-        // A string's prefix: u and r (either case) read as strings; bytes and f-strings are not
-        // literals json.dumps writes.
-        const std::string p = absl::AsciiStrToLower(word);
-        if (p == "u" || p == "r") return Strings();
-        return std::nullopt;
-      }
+      if (end < s_.size() && (s_[end] == '\'' || s_[end] == '"')) return Strings();  // a prefixed string
       pos_ = end;
       if (word == "True") return Json(true);
       if (word == "False") return Json(false);
@@ -419,7 +412,6 @@ class Reader {
       if (text.size() > 1 && text[0] == '0' && text.find_first_not_of('0') != std::string::npos) return std::nullopt;
       return Integer(text, 10);
     }
-    errno = 0;
     char* end = nullptr;
     const double d = std::strtod(text.c_str(), &end);
     if (end != text.c_str() + text.size() || !std::isfinite(d)) return std::nullopt;
