@@ -7,7 +7,7 @@
 //   exceeds PCRE2's limits; valid UTF-8 otherwise encodes, to ids inside the vocabulary.
 // - Decode of any ids (negative, out of range, special) returns valid UTF-8.
 // - IncrementalDetokenizer: the concatenation of Add() and Finish() equals Decode.
-// - Round trip: for byte-level tokenizers without a normalizer (gpt2, llama3), every byte of the
+// - Round trip: for byte-level tokenizers without a normalizer (gpt2, llama3, kimi_k2), every byte of the
 //   text is a token of the byte alphabet and nothing is normalized, so
 //   Decode(Encode(text, no specials)) == text for valid UTF-8. Others normalize (NFC, NFKC,
 //   lowercase, the Metaspace prefix) and do not promise it.
@@ -37,7 +37,7 @@ std::vector<Fixture>& Fixtures() {
     auto* f = new std::vector<Fixture>();
     const std::pair<const char*, bool> names[] = {
         {"gpt2", true},     {"llama3", true},  {"llama2", false},           {"mistral", false},
-        {"qwen2", false},   {"features_bytelevel", false}, {"features_metaspace", false}};
+        {"qwen2", false},   {"features_bytelevel", false}, {"features_metaspace", false}, {"kimi_k2", true}};
     for (const auto& [name, round_trips] : names) {
       absl::StatusOr<std::unique_ptr<shardserve::Tokenizer>> t = shardserve::Tokenizer::FromDirectory(
           std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/" + name);

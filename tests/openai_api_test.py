@@ -12,7 +12,8 @@ keep-alive connection serves more than httplib's default 5 requests. logit_bias 
 tool call, so a forced '{' output checks that what is no call stays content (held back while it
 might be one), a call a guided_regex makes it write streams its arguments in several deltas (tool_choice
 auto), and a prompt that ends with <think> that the output comes as reasoning_content. Another, launched with
---tool-call-parser kimi_k2, returns a call with the id the model wrote. A second, one-worker cluster on a test fixture
+--tool-call-parser kimi_k2, returns a call with the id the model wrote; another serves a Kimi K2-shaped
+checkpoint whose tokenizer is tiktoken.model (dummy weights). A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Two more,
 one speculating with the demo draft, give the same n = 2 seeded choices, streamed or not, with
 logprobs and a stop string, and the same greedy chat. Always stops the clusters it started.
@@ -1262,10 +1263,10 @@ class NoChatTemplateTest(unittest.TestCase):
         self.assertEqual(ctx.exception.param, "prompt")
 
     def test_tokenize_and_detokenize_say_there_is_no_tokenizer(self):
-        for path, body, param, says in (("/tokenize", {"prompt": "Hi"}, "prompt", "has no tokenizer.json"),
+        for path, body, param, says in (("/tokenize", {"prompt": "Hi"}, "prompt", "has no tokenizer (tokenizer.json or tiktoken.model)"),
                                         ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]}, "messages",
                                          "has no chat template"),
-                                        ("/detokenize", {"tokens": [1, 2]}, "tokens", "has no tokenizer.json")):
+                                        ("/detokenize", {"tokens": [1, 2]}, "tokens", "has no tokenizer (tokenizer.json or tiktoken.model)")):
             req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             with self.assertRaises(urllib.error.HTTPError) as ctx:
@@ -1273,6 +1274,99 @@ class NoChatTemplateTest(unittest.TestCase):
             error = json.loads(ctx.exception.read())["error"]
             self.assertEqual((ctx.exception.code, error["param"]), (400, param), error)
             self.assertIn(says, error["message"])
+
+
+class KimiTokenizerTest(unittest.TestCase):
+    """A Kimi K2-shaped checkpoint as Moonshot ships it: no tokenizer.json, but tiktoken.model and a
+    tokenizer_config.json naming tokenization_kimi.TikTokenTokenizer (the tokenizer fixture kimi_k2,
+    whose ids tiktoken recorded), with Kimi K2's chat template, and config.json a small DeepSeek-V3
+    (dummy weights) whose vocab_size, like Kimi K2's, ends two ids before the tokenizer's last
+    special id. The text API, chat, structured outputs and the bounds of the vocabulary hold."""
+
+    @classmethod
+    def setUpClass(cls):
+        log_dir = work_dir("shardserve-openai-tiktoken-")
+        fixtures = os.path.join(ROOT, "tests", "fixtures")
+        cls.model_dir = os.path.join(log_dir, "kimi_k2")
+        os.makedirs(cls.model_dir)
+        tokenizer = os.path.join(fixtures, "tokenizers", "kimi_k2")
+        for name in ("tiktoken.model", "generation_config.json"):
+            with open(os.path.join(tokenizer, name), "rb") as src, open(os.path.join(cls.model_dir, name), "wb") as dst:
+                dst.write(src.read())
+        with open(os.path.join(tokenizer, "tokenizer_config.json")) as f:
+            tokenizer_config = json.load(f)
+        with open(os.path.join(fixtures, "chat_templates", "kimi_k2", "tokenizer_config.json")) as f:
+            tokenizer_config["chat_template"] = json.load(f)["chat_template"]
+        with open(os.path.join(cls.model_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tokenizer_config, f)
+        with open(os.path.join(fixtures, "models", "deepseek_v3_tf5", "config.json")) as f:
+            config = json.load(f)
+        config.update(model_type="kimi_k2", vocab_size=2048 + 256, bos_token_id=2048, eos_token_id=2049)
+        with open(os.path.join(cls.model_dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        with open(os.path.join(tokenizer, "cases.json"), encoding="utf-8") as f:
+            cls.cases = {c["text"]: c["ids"] for c in json.load(f)["encode"]}
+        cls.model = "kimi_k2"
+        http_port, grpc_port = free_ports(2)
+        cls.base = f"http://127.0.0.1:{http_port}"
+        cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
+                                   "--load-format", "dummy", "--tool-call-parser", "kimi_k2",
+                                   "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)],
+                                  cls.base, log_dir)
+        cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+
+    def post(self, path, body):
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def test_text_tokenizes_as_tiktoken_did(self):
+        texts = [t for t in self.cases if "<|im_user|>" in t or "漢字" in t or t.startswith("I'M")]
+        self.assertGreaterEqual(len(texts), 3)
+        for text in texts:
+            ids = self.post("/tokenize", {"model": self.model, "prompt": text})["tokens"]
+            self.assertEqual(ids, self.cases[text], text)
+            self.assertEqual(self.post("/detokenize", {"model": self.model, "tokens": ids})["prompt"], text)
+
+    def test_chat_renders_kimis_template_and_answers(self):
+        messages = [{"role": "user", "content": "你好，Kimi！"}]
+        rendered = ("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|><|im_user|>user<|im_middle|>"
+                    "你好，Kimi！<|im_end|><|im_assistant|>assistant<|im_middle|>")
+        chat_ids = self.post("/tokenize", {"model": self.model, "messages": messages})["tokens"]
+        self.assertEqual(chat_ids, self.post("/tokenize", {"model": self.model, "prompt": rendered,
+                                                           "add_special_tokens": False})["tokens"])
+        self.assertIn(2050, chat_ids)  # <|im_end|>, one special token, not text
+        r = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=4, temperature=0)
+        self.assertEqual(r.usage.prompt_tokens, len(chat_ids))
+        self.assertGreaterEqual(r.usage.completion_tokens, 1)
+
+    def test_structured_output_masks_the_models_vocabulary(self):
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+                  "additionalProperties": False}
+        r = self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "Where?"}], max_tokens=40, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+        self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0].message.content)
+        self.assertEqual(list(json.loads(r.choices[0].message.content)), ["city"])
+
+    def test_a_special_token_past_the_models_vocabulary_is_400(self):
+        # Ids 2304 and 2305 are the tokenizer's (reserved tokens) but not the model's.
+        for create, kwargs, param in (
+                (self.client.completions.create, {"prompt": "hi <|reserved_token_2305|>"}, "prompt"),
+                (self.client.chat.completions.create,
+                 {"messages": [{"role": "user", "content": "<|reserved_token_2304|>"}]}, "messages")):
+            with self.assertRaises(openai.BadRequestError) as ctx:
+                create(model=self.model, max_tokens=2, **kwargs)
+            self.assertEqual(ctx.exception.param, param)
+            self.assertIn("2304)", ctx.exception.message)
+        ok = self.client.completions.create(model=self.model, prompt="hi <|reserved_token_2303|>", max_tokens=2)
+        self.assertEqual(ok.usage.prompt_tokens, len(self.post("/tokenize", {"model": self.model,
+                                                                              "prompt": "hi <|reserved_token_2303|>"})["tokens"]))
 
 
 class KimiToolCallTest(unittest.TestCase):

@@ -20,7 +20,9 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "coordinator/tokenizer/pattern.h"
 #include "coordinator/tokenizer/pre_tokenizer.h"
+#include "coordinator/tokenizer/tiktoken.h"
 #include "coordinator/tokenizer/unicode.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -31,11 +33,12 @@ namespace {
 using Json = nlohmann::json;
 using tokenizer_internal::FindInvalidUtf8;
 
-// The pipelines of real checkpoints (GPT-2, Llama 3, Qwen2, Llama 2, Mistral), then two kinds made
-// to cover the remaining supported components (tools/fixtures/make_tokenizer_fixtures.py says which).
-const std::vector<std::string> kRealKinds = {"gpt2", "llama3", "qwen2", "llama2", "mistral"};
-const std::vector<std::string> kAllKinds = {
-    "gpt2", "llama3", "qwen2", "llama2", "mistral", "features_bytelevel", "features_metaspace"};
+// The pipelines of real checkpoints (GPT-2, Llama 3, Qwen2, Llama 2, Mistral, and Kimi K2's
+// tiktoken.model), then two kinds made to cover the remaining supported components
+// (tools/fixtures/make_tokenizer_fixtures.py says which).
+const std::vector<std::string> kRealKinds = {"gpt2", "llama3", "qwen2", "llama2", "mistral", "kimi_k2"};
+const std::vector<std::string> kAllKinds = {"gpt2",    "llama3",  "qwen2",              "llama2",
+                                            "mistral", "kimi_k2", "features_bytelevel", "features_metaspace"};
 
 std::string FixtureDir(const std::string& kind) {
   return std::string(SHARDSERVE_SOURCE_DIR) + "/tests/fixtures/tokenizers/" + kind;
@@ -78,7 +81,10 @@ class TokenizerParityTest : public ::testing::TestWithParam<std::string> {
   // Every id sequence of the fixture with Hugging Face's decodes: [ids, text, text without specials].
   std::vector<std::tuple<std::vector<int32_t>, std::string, std::string>> DecodeCases() const {
     std::vector<std::tuple<std::vector<int32_t>, std::string, std::string>> all;
-    for (const Json& c : cases_["encode"]) all.emplace_back(Ids(c["ids"]), c["decoded"], c["decoded_skip_special"]);
+    for (const Json& c : cases_["encode"]) {
+      if (c["decoded"].is_null()) continue;  // kimi_k2's long runs record their ids only
+      all.emplace_back(Ids(c["ids"]), c["decoded"], c["decoded_skip_special"]);
+    }
     for (const Json& c : cases_["decode"]) all.emplace_back(Ids(c["ids"]), c["text"], c["text_skip_special"]);
     return all;
   }
@@ -103,17 +109,19 @@ TEST_P(TokenizerParityTest, EncodeMatchesHuggingFace) {
 
 TEST_P(TokenizerParityTest, PreTokenizerMatchesHuggingFace) {
   // The regex splits on their own, as pre_tokenize_str gives them: a small vocabulary can hide a
-  // wrong split (differently split bytes may still merge into the same ids).
+  // wrong split (differently split bytes may still merge into the same ids). kimi_k2 has no
+  // tokenizer.json: its pieces are those of Kimi's regex, as Python's `regex` module splits.
   std::ifstream in(FixtureDir(GetParam()) + "/tokenizer.json");
-  const Json config = Json::parse(in)["pre_tokenizer"];
-  if (config.is_null()) {  // Llama 2: none in either implementation, so no pieces were recorded
+  const Json config = in ? Json::parse(in)["pre_tokenizer"] : Json();
+  if (in && config.is_null()) {  // Llama 2: none in either implementation, so no pieces were recorded
     for (const Json& c : cases_["encode"]) EXPECT_FALSE(c.contains("pre_tokenized"));
     return;
   }
   absl::StatusOr<std::unique_ptr<tokenizer_internal::PreTokenizer>> pre =
-      tokenizer_internal::PreTokenizer::FromJson(config);
+      in ? tokenizer_internal::PreTokenizer::FromJson(config) : tokenizer_internal::KimiPreTokenizer();
   ASSERT_TRUE(pre.ok()) << pre.status();
   for (const Json& c : cases_["encode"]) {
+    if (c["pre_tokenized"].is_null()) continue;  // kimi_k2's long runs
     const std::string text = c["text"];
     SCOPED_TRACE("text: \"" + Escape(text) + "\"");
     tokenizer_internal::PieceList list;
@@ -471,6 +479,193 @@ TEST(TokenizerTest, BosAndEosComeFromTheConfigFiles) {
   EXPECT_EQ(llama2->eos_ids(), std::vector<int32_t>{2});
   EXPECT_EQ(llama2->IdToToken(3), "<0x00>");
   EXPECT_EQ(llama2->IdToToken(llama2->vocab_size()), std::nullopt);
+}
+
+
+// ---- tiktoken.model (Kimi K2) -----------------------------------------------------------------
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A tiktoken.model of the 256 bytes and then `more`, each "BASE64 RANK" on its own line.
+std::string RanksFile(const std::vector<std::string>& more) {
+  static constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  auto base64 = [](const std::string& bytes) {
+    std::string out;
+    for (size_t i = 0; i < bytes.size(); i += 3) {
+      uint32_t v = static_cast<uint8_t>(bytes[i]) << 16;
+      if (i + 1 < bytes.size()) v |= static_cast<uint8_t>(bytes[i + 1]) << 8;
+      if (i + 2 < bytes.size()) v |= static_cast<uint8_t>(bytes[i + 2]);
+      out += kAlphabet[(v >> 18) & 63];
+      out += kAlphabet[(v >> 12) & 63];
+      out += i + 1 < bytes.size() ? kAlphabet[(v >> 6) & 63] : '=';
+      out += i + 2 < bytes.size() ? kAlphabet[v & 63] : '=';
+    }
+    return out;
+  };
+  std::string file;
+  for (int b = 0; b < 256; ++b) file += absl::StrFormat("%s %d\n", base64(std::string(1, static_cast<char>(b))), b);
+  for (size_t i = 0; i < more.size(); ++i) file += absl::StrFormat("%s %d\n", base64(more[i]), 256 + i);
+  return file;
+}
+
+// For RanksFile({"ab", "bc", "abc"}): [BOS] and [EOS] take the first ids after the 259 ranks.
+constexpr char kKimiConfig[] =
+    R"({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]},)"
+    R"( "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",)"
+    R"( "added_tokens_decoder": {"259": {"content": "[BOS]", "special": true},)"
+    R"( "260": {"content": "[EOS]", "special": true}}})";
+// The same class without named tokens, for other ranks.
+constexpr char kKimiBareConfig[] =
+    R"({"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}})";
+
+TEST(TiktokenTest, RanksMergeAsTiktokenMerges) {
+  // The ids tiktoken gives with these ranks: a word that is a token is that token; otherwise the
+  // lowest-ranked pair whose bytes together are a token merges first ("ab", then "ab"+"c").
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tok = Tokenizer::FromTiktoken(RanksFile({"ab", "bc", "abc"}), kKimiConfig);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  EXPECT_EQ(*(*tok)->Encode("abc"), (std::vector<int32_t>{258}));
+  EXPECT_EQ(*(*tok)->Encode("abcd"), (std::vector<int32_t>{258, 'd'}));
+  EXPECT_EQ(*(*tok)->Encode("xbc"), (std::vector<int32_t>{'x', 257}));
+  // 258 special ids follow the ranks; no BOS is added; the unnamed ones are <|reserved_token_ID|>.
+  EXPECT_EQ((*tok)->vocab_size(), 259 + 258);
+  EXPECT_EQ(*(*tok)->Encode("[BOS]hi"), (std::vector<int32_t>{259, 'h', 'i'}));
+  EXPECT_EQ(*(*tok)->Encode("<|reserved_token_516|>"), (std::vector<int32_t>{516}));
+  EXPECT_EQ((*tok)->bos_id(), 259);
+  EXPECT_TRUE((*tok)->IsSpecial(259));   // bos_token: skipped by skip_special_tokens
+  EXPECT_FALSE((*tok)->IsSpecial(516));  // a reserved token is kept, as transformers keeps it
+  EXPECT_EQ((*tok)->Decode({'x', 259, 257}, /*skip_special_tokens=*/true), "xbc");
+}
+
+TEST(TiktokenTest, KimiFixtureNamesItsTokens) {
+  std::unique_ptr<Tokenizer> kimi = LoadKind("kimi_k2");
+  ASSERT_NE(kimi, nullptr);
+  const int32_t base = 2048;  // the fixture's ranks
+  EXPECT_EQ(kimi->vocab_size(), base + 258);
+  EXPECT_EQ(kimi->bos_id(), IdOf(*kimi, "[BOS]"));
+  EXPECT_EQ(kimi->eos_ids(), (std::vector<int32_t>{IdOf(*kimi, "[EOS]"), IdOf(*kimi, "<|im_end|>")}));
+  // Skipped when decoding without special tokens: bos, eos, unk, pad and additional_special_tokens;
+  // the tool-call markers stay, for the kimi_k2 tool-call parser.
+  for (const char* skipped : {"[BOS]", "[EOS]", "[UNK]", "[PAD]", "<|im_end|>", "<|im_middle|>"}) {
+    EXPECT_TRUE(kimi->IsSpecial(IdOf(*kimi, skipped))) << skipped;
+  }
+  for (const char* kept : {"<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>"}) {
+    EXPECT_FALSE(kimi->IsSpecial(IdOf(*kimi, kept))) << kept;
+  }
+  EXPECT_EQ(kimi->IdToToken(base + 257), "<|reserved_token_2305|>");  // not listed: named as the class names it
+}
+
+TEST(TiktokenTest, TextIsCutEvery400000Characters) {
+  // TikTokenTokenizer encodes 400,000-character chunks apart: the piece " the" that straddles the
+  // cut becomes " " and "the".
+  std::unique_ptr<Tokenizer> kimi = LoadKind("kimi_k2");
+  ASSERT_NE(kimi, nullptr);
+  std::string text;
+  for (int i = 0; i < 100'001; ++i) text += "the ";
+  text += "end";
+  const size_t cut = 400'000;
+  absl::StatusOr<std::vector<int32_t>> whole = kimi->Encode(text), head = kimi->Encode(text.substr(0, cut)),
+                                       tail = kimi->Encode(text.substr(cut));
+  ASSERT_TRUE(whole.ok() && head.ok() && tail.ok());
+  std::vector<int32_t> joined = *head;
+  joined.insert(joined.end(), tail->begin(), tail->end());
+  EXPECT_EQ(*whole, joined);
+  // Uncut, " the" would be one token there.
+  const std::vector<int32_t> space = *kimi->Encode(" "), the = *kimi->Encode("the"), space_the = *kimi->Encode(" the");
+  ASSERT_EQ(space_the.size(), 1u);
+  EXPECT_EQ(std::vector<int32_t>(head->end() - 1, head->end()), space);
+  EXPECT_EQ(std::vector<int32_t>(tail->begin(), tail->begin() + the.size()), the);
+  EXPECT_EQ(kimi->Decode(*whole), text);
+}
+
+TEST(TiktokenTest, MalformedRanksAreClearErrors) {
+  struct Case {
+    std::string file;
+    const char* named;
+  };
+  const std::string good = RanksFile({"ab"});
+  const Case cases[] = {
+      {"", "holds no ranks"},
+      {good + "YWJj\n", "line 258: must be a base64 token"},
+      {good + "YWJj x\n", "the rank 'x'"},
+      {good + "YWJj -1\n", "the rank '-1'"},
+      {good + "!!!! 257\n", "not a base64 token"},
+      {good + "YWJj 256\n", "rank 256 is given twice"},
+      {good + "YWJj 300\n", "rank 257 is missing"},
+      {good + "YWI= 257\n", "ranks 256 and 257 are the same bytes"},
+      {RanksFile({}).substr(RanksFile({}).find('\n') + 1), "rank 0 is missing"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status status = Tokenizer::FromTiktoken(c.file, kKimiBareConfig).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.named << ": " << status;
+    EXPECT_NE(status.message().find(c.named), absl::string_view::npos) << status;
+  }
+  // Every byte must be a token: tiktoken could not encode text holding a missing one.
+  const std::string ranks = RanksFile({});
+  std::string without;  // the 256 bytes but 0x41, ranked 0..254
+  {
+    int rank = 0;
+    size_t begin = 0;
+    for (int b = 0; b < 256; ++b) {
+      const size_t end = ranks.find('\n', begin);
+      const std::string line = ranks.substr(begin, end - begin);
+      begin = end + 1;
+      if (b == 0x41) continue;
+      without += line.substr(0, line.find(' ')) + " " + std::to_string(rank++) + "\n";
+    }
+  }
+  const absl::Status missing = Tokenizer::FromTiktoken(without, kKimiBareConfig).status();
+  EXPECT_NE(missing.message().find("byte 0x41 is not a token"), absl::string_view::npos) << missing;
+}
+
+TEST(TiktokenTest, OnlyTheKnownClassIsRead) {
+  const std::string ranks = RanksFile({"ab", "bc", "abc"});
+  absl::Status no_config = Tokenizer::FromTiktoken(ranks, "").status();
+  EXPECT_NE(no_config.message().find("needs tokenizer_config.json"), absl::string_view::npos) << no_config;
+  absl::Status qwen = Tokenizer::FromTiktoken(
+      ranks, R"({"auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", null]}, "tokenizer_class": "QWenTokenizer"})")
+                          .status();
+  EXPECT_EQ(qwen.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(qwen.message().find("'tokenization_qwen.QWenTokenizer' (tokenizer_class 'QWenTokenizer')"),
+            absl::string_view::npos)
+      << qwen;
+  // The class's own file, when the checkpoint has it, must hold the regex implemented here.
+  const std::string kimi_py = ReadText(SHARDSERVE_SOURCE_DIR "/tools/fixtures/make_tokenizer_fixtures.py");
+  EXPECT_TRUE(Tokenizer::FromTiktoken(ranks, kKimiConfig, "", kimi_py).ok());
+  absl::Status other_regex = Tokenizer::FromTiktoken(ranks, kKimiConfig, "", "pat_str = r'\\p{L}+'").status();
+  EXPECT_EQ(other_regex.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(other_regex.message().find("is not the one shardserve implements"), absl::string_view::npos) << other_regex;
+  // Named special tokens must take the ids after the ranks.
+  Json config = Json::parse(kKimiConfig);
+  config["added_tokens_decoder"]["12"] = {{"content", "<x>"}, {"special", true}};
+  absl::Status low = Tokenizer::FromTiktoken(ranks, config.dump()).status();
+  EXPECT_NE(low.message().find("added_tokens_decoder '12': must be an id in [259, 517)"), absl::string_view::npos)
+      << low;
+}
+
+TEST(TiktokenTest, ClassIntersectionsAndScriptsAsTheOtherEnginesMatch) {
+  auto matches = [](std::string_view pattern, std::string_view text) {
+    std::vector<std::string> out;
+    absl::StatusOr<std::unique_ptr<tokenizer_internal::Pattern>> p = tokenizer_internal::Pattern::Regex(pattern);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return out;
+    EXPECT_TRUE((*p)->ForEachMatch(text, [&](size_t b, size_t e) { out.emplace_back(text.substr(b, e - b)); }).ok());
+    return out;
+  };
+  EXPECT_EQ(matches("[a-z&&[^aeiou]]+", "strengths are"), (std::vector<std::string>{"str", "ngths", "r"}));
+  EXPECT_EQ(matches("[a-z&&[b-d]]+", "abcde"), (std::vector<std::string>{"bcd"}));
+  EXPECT_EQ(matches("[\\p{L}&&[^\\p{Han}]]+", "ab漢字cd"), (std::vector<std::string>{"ab", "cd"}));
+  // U+3002 is Han by Script_Extensions only: not Han here, as in Oniguruma, Rust's regex and Python's.
+  EXPECT_EQ(matches("\\p{Han}+", "汉字。"), (std::vector<std::string>{"汉字"}));
+  EXPECT_EQ(matches("[\\s\\p{Han}]+", "a 汉。"), (std::vector<std::string>{" 汉"}));
+  // Only the escape is a property: "p{Han}" after another character, or after an escaped backslash, is text.
+  EXPECT_EQ(matches("xp{Han}|\\\\p{Han}", "xp{Han} \\p{Han}"), (std::vector<std::string>{"xp{Han}", "\\p{Han}"}));
+  for (const char* unsupported : {"[^a-z&&[^b]]", "[a[b]&&c]", "[a&&]"}) {
+    const absl::Status status = tokenizer_internal::Pattern::Regex(unsupported).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << unsupported << ": " << status;
+  }
 }
 
 }  // namespace

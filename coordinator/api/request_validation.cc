@@ -51,6 +51,18 @@ absl::Status CheckRequestId(absl::string_view field, absl::string_view id) {
   return Invalid(field, absl::StrCat("at most ", kMaxRequestIdBytes, " printable characters without spaces"));
 }
 
+absl::Status CheckTokenizedPrompt(absl::string_view field, const std::vector<int32_t>& ids, const ServedModel& model) {
+  const int64_t vocab = model.config.vocab_size;
+  for (int32_t id : ids) {
+    if (id >= vocab) {
+      const std::string token(model.tokenizer == nullptr ? "" : model.tokenizer->IdToToken(id).value_or(""));
+      return Invalid(field, absl::StrCat("it holds the token '", token, "' (id ", id,
+                                         "), outside the model's vocabulary [0, ", vocab, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
                                                    int64_t max_model_len, const std::string& default_request_id) {
   GenerationParams p;
@@ -66,11 +78,13 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
       if (absl::Status utf8 = CheckUtf8(request.text()); !utf8.ok()) return Invalid("prompt.text", utf8.message());
       if (model.tokenizer == nullptr) {
         return Invalid("prompt.text", absl::StrCat("the model ", model.name,
-                                                   " has no tokenizer.json, so it takes token ids only: send "
+                                                   " has no tokenizer (", kTokenizerFiles,
+                                                   "), so it takes token ids only: send "
                                                    "prompt.token_ids"));
       }
       absl::StatusOr<std::vector<int32_t>> ids = model.tokenizer->Encode(request.text(), /*add_special_tokens=*/true);
       if (!ids.ok()) return Invalid("prompt.text", ids.status().message());
+      SHARDSERVE_RETURN_IF_ERROR(CheckTokenizedPrompt("prompt.text", *ids, model));
       p.prompt = std::move(*ids);
       break;
     }
@@ -161,7 +175,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   if (s.stop_size() > kMaxStops) return Invalid("sampling.stop", absl::StrCat("at most ", kMaxStops, " strings"));
   if (s.stop_size() > 0 && model.tokenizer == nullptr) {
     return Invalid("sampling.stop", absl::StrCat("the model ", model.name,
-                                                 " has no tokenizer.json, so there is no text to match; use "
+                                                 " has no tokenizer (", kTokenizerFiles,
+                                                 "), so there is no text to match; use "
                                                  "stop_token_ids"));
   }
   for (int i = 0; i < s.stop_size(); ++i) {
@@ -224,7 +239,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   }
   if (s.bad_words_size() > 0 && model.tokenizer == nullptr) {
     return Invalid("sampling.bad_words",
-                   absl::StrCat("the model ", model.name, " has no tokenizer.json to tokenize them"));
+                   absl::StrCat("the model ", model.name, " has no tokenizer (", kTokenizerFiles,
+                                ") to tokenize them"));
   }
   for (int i = 0; i < s.bad_words_size(); ++i) {
     const std::string field = absl::StrCat("sampling.bad_words[", i, "]");

@@ -70,7 +70,7 @@ absl::StatusOr<std::unique_ptr<ServedModel>> ServedModel::Open(const std::string
     m->checkpoint = std::move(*checkpoint);
   }
 
-  if (fs::exists(path / "tokenizer.json")) {
+  if (fs::exists(path / "tokenizer.json") || fs::exists(path / "tiktoken.model")) {
     absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::FromDirectory(path.string());
     if (!tokenizer.ok()) return tokenizer.status();
     m->tokenizer = std::move(*tokenizer);

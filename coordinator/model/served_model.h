@@ -1,6 +1,7 @@
 // The model the coordinator serves, read once at startup from its Hugging Face checkpoint
 // directory: config.json, the safetensors headers (the planner counts their bytes; no weight is
-// read; none with --load-format dummy), tokenizer.json when there is one, the chat template
+// read; none with --load-format dummy), the tokenizer when there is one (tokenizer.json, or
+// tiktoken.model as Kimi K2 ships it), the chat template
 // (chat_template.jinja or tokenizer_config.json's) when there is one, and the ids that end a
 // generation.
 //
@@ -27,8 +28,8 @@ namespace shardserve {
 
 struct ServedModel {
   // Opens the checkpoint at `dir`. Errors name the file: a missing or invalid config.json, a bad
-  // safetensors header, a tokenizer.json this build cannot run, a malformed
-  // generation_config.json. A directory without tokenizer.json is fine: token-id prompts only.
+  // safetensors header, a tokenizer this build cannot run, a malformed generation_config.json.
+  // A directory without tokenizer.json or tiktoken.model is fine: token-id prompts only.
   // With LoadFormat::kDummy no safetensors are opened (checkpoint stays null: the planner counts
   // the weights from config.json) and the directory may hold config.json alone.
   static absl::StatusOr<std::unique_ptr<ServedModel>> Open(const std::string& dir,
@@ -38,7 +39,7 @@ struct ServedModel {
   std::string name;  // the directory's base name
   ModelConfig config;
   std::unique_ptr<Checkpoint> checkpoint;  // null with LoadFormat::kDummy
-  std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json
+  std::unique_ptr<Tokenizer> tokenizer;  // null without tokenizer.json or tiktoken.model
   // Null without a chat template, or when the model's cannot be loaded (a template this build's
   // Jinja cannot parse does not stop the model from serving completions): chat_template_status
   // then says which (NOT_FOUND: the model has none).

@@ -146,15 +146,19 @@ int64_t StructuredOutputCompiler::hits() const {
 
 std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, std::vector<int32_t> eos_ids,
                                                            int32_t vocab_size) {
-  std::vector<std::string> bytes(tokenizer.vocab_size());
-  std::vector<bool> special(tokenizer.vocab_size(), false);
-  for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
+  // The mask covers the model's ids; a tokenizer's ids past them (Kimi K2 has two) cannot be
+  // sampled and are left out, as xgrammar's TokenizerInfo leaves them.
+  const int32_t size = vocab_size > 0 ? vocab_size : tokenizer.vocab_size();
+  const int32_t known = std::min(size, tokenizer.vocab_size());
+  std::vector<std::string> bytes(known);
+  std::vector<bool> special(known, false);
+  for (int32_t id = 0; id < known; ++id) {
     special[id] = tokenizer.IsSpecial(id);
     std::optional<std::string> b = tokenizer.TokenBytes(id);
     if (b.has_value() && !special[id]) bytes[id] = *std::move(b);
   }
-  return std::make_shared<const grammar::TokenizerInfo>(std::move(bytes), special, std::move(eos_ids),
-                                                        std::max(vocab_size, tokenizer.vocab_size()));
+  eos_ids.erase(std::remove_if(eos_ids.begin(), eos_ids.end(), [&](int32_t id) { return id >= size; }), eos_ids.end());
+  return std::make_shared<const grammar::TokenizerInfo>(std::move(bytes), special, std::move(eos_ids), size);
 }
 
 absl::StatusOr<std::shared_ptr<const grammar::TokenizerInfo>> StructuredOutputCompiler::Vocab() {
@@ -163,12 +167,7 @@ absl::StatusOr<std::shared_ptr<const grammar::TokenizerInfo>> StructuredOutputCo
   vocab_made_ = true;
   if (tokenizer_ == nullptr) {
     vocab_ = absl::FailedPreconditionError(
-        "structured outputs need the model's tokenizer (tokenizer.json), and this model has none");
-    return vocab_;
-  }
-  if (tokenizer_->vocab_size() > vocab_size_) {
-    vocab_ = absl::FailedPreconditionError(absl::StrCat("the tokenizer has ", tokenizer_->vocab_size(),
-                                                        " tokens, more than the model's vocab_size ", vocab_size_));
+        absl::StrCat("structured outputs need the model's tokenizer (", kTokenizerFiles, "), and this model has none"));
     return vocab_;
   }
   vocab_ = GrammarVocab(*tokenizer_, eos_ids_, vocab_size_);

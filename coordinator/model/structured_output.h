@@ -48,7 +48,8 @@ inline constexpr absl::Duration kDefaultGrammarCompileTimeout = absl::Seconds(30
 
 // The grammar engine's vocabulary from `tokenizer`: each token's raw bytes (Tokenizer::TokenBytes);
 // special tokens allowed only where a grammar names them (<[id]>); `eos_ids` allowed where a grammar may end; ids up to `vocab_size`
-// (the logits' width, at least the tokenizer's) of which those past the tokenizer's never allowed.
+// (the logits' width; 0: the tokenizer's), of which those past the tokenizer's are never allowed and
+// the tokenizer's past it (ids the model cannot sample) are left out.
 std::shared_ptr<const grammar::TokenizerInfo> GrammarVocab(const Tokenizer& tokenizer, std::vector<int32_t> eos_ids,
                                                            int32_t vocab_size);
 

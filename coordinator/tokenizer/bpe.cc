@@ -171,6 +171,48 @@ absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromJson(const Json& config,
   return m;
 }
 
+absl::StatusOr<std::unique_ptr<BpeModel>> BpeModel::FromRanks(const std::vector<std::string>& tokens) {
+  constexpr std::string_view kRanks = "tiktoken.model";
+  if (static_cast<int64_t>(tokens.size()) >= kMaxTokenId) {
+    return Malformed(kRanks, absl::StrCat("holds ", tokens.size(), " ranks; at most ", kMaxTokenId - 1, " are read"));
+  }
+  std::unique_ptr<BpeModel> m(new BpeModel());
+  m->byte_level_ = true;
+  m->ignore_merges_ = true;
+  m->byte_vocab_.reserve(tokens.size());
+  m->vocab_.reserve(tokens.size());
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    if (tokens[r].empty()) return Malformed(kRanks, absl::StrCat("rank ", r, " is an empty token"));
+    auto [it, inserted] = m->byte_vocab_.try_emplace(tokens[r], static_cast<int32_t>(r));
+    if (!inserted) return Malformed(kRanks, absl::StrCat("ranks ", it->second, " and ", r, " are the same bytes"));
+    std::string text;  // the token in GPT-2's byte-to-character alphabet, as tokenizer.json spells it
+    for (char c : tokens[r]) AppendUtf8(ByteToChar()[static_cast<uint8_t>(c)], &text);
+    m->vocab_.emplace(std::move(text), static_cast<int32_t>(r));
+  }
+  m->fallback_ids_.fill(-1);
+  for (int b = 0; b < 256; ++b) {
+    auto it = m->byte_vocab_.find(std::string(1, static_cast<char>(b)));
+    if (it == m->byte_vocab_.end()) {
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "0x%02X", b);
+      return Malformed(kRanks, absl::StrCat("byte ", hex, " is not a token, so text holding it cannot be encoded"));
+    }
+    m->unit_ids_[b] = it->second;
+  }
+  // Every split of a token into two tokens is a merge of the token's rank.
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    const std::string_view token = tokens[r];
+    for (size_t cut = 1; cut < token.size(); ++cut) {
+      auto left = m->byte_vocab_.find(token.substr(0, cut));
+      if (left == m->byte_vocab_.end()) continue;
+      auto right = m->byte_vocab_.find(token.substr(cut));
+      if (right == m->byte_vocab_.end()) continue;
+      m->merges_.emplace(PairKey(left->second, right->second), Merge{static_cast<uint32_t>(r), static_cast<int32_t>(r)});
+    }
+  }
+  return m;
+}
+
 // ---- Encoding --------------------------------------------------------------------------------
 
 void BpeModel::InitialSymbols(std::string_view word, Scratch* scratch) const {

@@ -65,6 +65,11 @@ class BpeModel {
 
   // Builds the model from tokenizer.json's "model" object. `byte_level` selects the mode.
   static absl::StatusOr<std::unique_ptr<BpeModel>> FromJson(const Json& config, bool byte_level);
+  // Builds a byte-level model from tiktoken's mergeable ranks: `tokens[r]` holds the bytes of the
+  // token of rank (and id) r. As tiktoken encodes: a word that is a token is that token; otherwise
+  // two neighbours merge when their bytes together are a token, lowest rank first, leftmost first
+  // among equals. All 256 single bytes must be tokens, and no two ranks the same bytes.
+  static absl::StatusOr<std::unique_ptr<BpeModel>> FromRanks(const std::vector<std::string>& tokens);
 
   BpeModel(const BpeModel&) = delete;
   BpeModel& operator=(const BpeModel&) = delete;

@@ -3,6 +3,8 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "coordinator/tokenizer/string_util.h"
 #include "coordinator/tokenizer/unicode.h"
@@ -14,21 +16,155 @@ namespace {
 constexpr std::string_view kWhiteSpaceClass =
     "\\x{9}-\\x{D}\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}\\x{205F}\\x{3000}";
 
-// Rewrites \s and \S (see pattern.h); everything else is copied as written.
+// True if PCRE2 knows `name` as a script (\p{sc:NAME} compiles).
+bool IsScript(std::string_view name) {
+  const std::string probe = absl::StrCat("\\p{sc:", Sv(name), "}");
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(probe.data()), probe.size(), PCRE2_UTF | PCRE2_UCP,
+                                   &error, &offset, nullptr);
+  pcre2_code_free(code);
+  return code != nullptr;
+}
+
+// Appends the escape \p{...} or \P{...} that starts at pattern[i] ('\\') and returns the index
+// of its '}'; npos if pattern[i] starts no such escape. A script name becomes \p{sc:NAME}: from
+// PCRE2 10.40 a bare script name matches the script's extensions (U+3002 "。" is then Han, as
+// it is in none of the engines whose patterns these are), and sc: restores the Script property.
+size_t AppendProperty(std::string_view pattern, size_t i, std::string* out) {
+  if (pattern[i] != '\\' || i + 2 >= pattern.size() || (pattern[i + 1] != 'p' && pattern[i + 1] != 'P') ||
+      pattern[i + 2] != '{') {
+    return std::string_view::npos;
+  }
+  const size_t close = pattern.find('}', i + 3);
+  if (close == std::string_view::npos) return std::string_view::npos;
+  const std::string_view name = pattern.substr(i + 3, close - i - 3);
+  const bool negated_name = !name.empty() && name[0] == '^';
+  const std::string_view bare = negated_name ? name.substr(1) : name;
+  out->append(pattern.substr(i, 3));
+  if (negated_name) out->push_back('^');
+  if (bare.find_first_of(":=") == std::string_view::npos && IsScript(bare)) out->append("sc:");
+  out->append(bare);
+  out->push_back('}');
+  return close;
+}
+
+// The end of the character class that opens at pattern[open] ('['): the index of its closing ']'
+// (npos if none). A ']' right after '[' or '[^' is a member; nested classes ([:alpha:] or an
+// operand of &&) and escapes are skipped whole.
+size_t ClassEnd(std::string_view pattern, size_t open) {
+  size_t i = open + 1;
+  if (i < pattern.size() && pattern[i] == '^') ++i;
+  if (i < pattern.size() && pattern[i] == ']') ++i;
+  for (int depth = 0; i < pattern.size(); ++i) {
+    if (pattern[i] == '\\') {
+      ++i;
+    } else if (pattern[i] == '[') {
+      ++depth;
+    } else if (pattern[i] == ']') {
+      if (depth == 0) return i;
+      --depth;
+    }
+  }
+  return std::string_view::npos;
+}
+
+// The members of a character class (between its brackets), \s rewritten as the White_Space set.
+absl::StatusOr<std::string> ClassMembers(std::string_view pattern, std::string_view members) {
+  std::string out;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (const size_t close = AppendProperty(members, i, &out); close != std::string_view::npos) {
+      i = close;
+      continue;
+    }
+    if (members[i] == '\\' && i + 1 < members.size()) {
+      const char e = members[++i];
+      if (e == 'S') {
+        return absl::UnimplementedError(
+            absl::StrCat("regex '", Sv(pattern), "': \\S inside a character class is not supported"));
+      }
+      if (e == 's') {
+        out.append(kWhiteSpaceClass);
+      } else {
+        out.push_back('\\');
+        out.push_back(e);
+      }
+      continue;
+    }
+    out.push_back(members[i]);
+  }
+  return out;
+}
+
+// A class intersection [A&&B&&...] (Oniguruma and Rust's regex, which tiktoken patterns use; PCRE2
+// before 10.45 has none) as look-aheads before the first operand: (?:(?=[B])...[A]), with
+// (?![C]) for a negated operand [^C]. Each operand is a list of members or one nested class.
+absl::StatusOr<std::string> Intersection(std::string_view pattern, std::string_view body) {
+  auto unsupported = [&](std::string_view why) {
+    return absl::UnimplementedError(absl::StrCat("regex '", Sv(pattern), "': ", Sv(why)));
+  };
+  if (!body.empty() && body[0] == '^') return unsupported("a negated class intersection [^...&&...] is not supported");
+  std::vector<std::string_view> operands;
+  size_t start = 0;
+  for (size_t i = 0; i < body.size(); ++i) {
+    if (body[i] == '\\') {
+      ++i;
+    } else if (body[i] == '[') {
+      const size_t end = ClassEnd(body, i);
+      if (end == std::string_view::npos) return unsupported("an unclosed class inside a class intersection");
+      i = end;
+    } else if (body.substr(i, 2) == "&&") {
+      operands.push_back(body.substr(start, i - start));
+      start = i + 2;
+      ++i;
+    }
+  }
+  operands.push_back(body.substr(start));
+  std::string lookaheads, first;
+  for (size_t k = 0; k < operands.size(); ++k) {
+    std::string_view op = operands[k];
+    bool negated = false;
+    if (!op.empty() && op[0] == '[' && op.substr(0, 2) != "[:" && ClassEnd(op, 0) == op.size() - 1) {
+      op = op.substr(1, op.size() - 2);  // one nested class: its members
+      if (!op.empty() && op[0] == '^') {
+        negated = true;
+        op.remove_prefix(1);
+      }
+    }
+    if (op.empty()) return unsupported("an empty operand of a class intersection");
+    for (size_t i = 0; i < op.size(); ++i) {  // members only: a nested class here would be a union
+      if (op[i] == '\\') {
+        ++i;
+      } else if (op[i] == '[' && op.substr(i, 2) != "[:") {
+        return unsupported("a nested class beside other members in a class intersection");
+      }
+    }
+    absl::StatusOr<std::string> members = ClassMembers(pattern, op);
+    if (!members.ok()) return members.status();
+    const std::string cls = absl::StrCat("[", negated ? "^" : "", *members, "]");
+    if (k == 0) {
+      first = cls;
+    } else {
+      absl::StrAppend(&lookaheads, "(?=", cls, ")");
+    }
+  }
+  return absl::StrCat("(?:", lookaheads, first, ")");
+}
+
+// Rewrites \s and \S, and class intersections (see pattern.h); everything else is copied as written.
 absl::StatusOr<std::string> TranslateOniguruma(std::string_view pattern) {
   std::string out;
-  bool in_class = false;
   for (size_t i = 0; i < pattern.size(); ++i) {
     const char c = pattern[i];
+    if (const size_t close = AppendProperty(pattern, i, &out); close != std::string_view::npos) {
+      i = close;
+      continue;
+    }
     if (c == '\\' && i + 1 < pattern.size()) {
       const char e = pattern[++i];
       if (e == 's') {
-        absl::StrAppend(&out, in_class ? "" : "[", Sv(kWhiteSpaceClass), in_class ? "" : "]");
+        absl::StrAppend(&out, "[", Sv(kWhiteSpaceClass), "]");
       } else if (e == 'S') {
-        if (in_class) {
-          return absl::UnimplementedError(
-              absl::StrCat("regex '", Sv(pattern), "': \\S inside a character class is not supported"));
-        }
         absl::StrAppend(&out, "[^", Sv(kWhiteSpaceClass), "]");
       } else {
         out.push_back(c);
@@ -36,15 +172,27 @@ absl::StatusOr<std::string> TranslateOniguruma(std::string_view pattern) {
       }
       continue;
     }
-    out.push_back(c);
-    if (!in_class && c == '[') {
-      in_class = true;
-      // A ']' right after '[' or '[^' is a literal member, not the end of the class.
-      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out.push_back(pattern[++i]);
-      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out.push_back(pattern[++i]);
-    } else if (in_class && c == ']') {
-      in_class = false;
+    if (c != '[') {
+      out.push_back(c);
+      continue;
     }
+    const size_t end = ClassEnd(pattern, i);
+    if (end == std::string_view::npos) {  // PCRE2 reports the missing ']'
+      out.append(pattern.substr(i));
+      break;
+    }
+    const std::string_view body = pattern.substr(i + 1, end - i - 1);
+    absl::StatusOr<std::string> translated;
+    if (body.find("&&") != std::string_view::npos) {
+      translated = Intersection(pattern, body);
+    } else {
+      const bool negated = !body.empty() && body[0] == '^';
+      translated = ClassMembers(pattern, negated ? body.substr(1) : body);
+      if (translated.ok()) *translated = absl::StrCat("[", negated ? "^" : "", *translated, "]");
+    }
+    if (!translated.ok()) return translated.status();
+    out += *translated;
+    i = end;
   }
   return out;
 }

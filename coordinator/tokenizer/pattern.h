@@ -3,7 +3,12 @@
 // Oniguruma; we compile them with PCRE2 (UTF + UCP, JIT when available) after rewriting the one
 // construct whose meaning differs between the two for the patterns real checkpoints use:
 // \s and \S become the explicit Unicode White_Space set, because PCRE2's \s also matches
-// U+180E and Oniguruma's does not. \p{L}, \p{N}, (?i:...) and look-ahead mean the same in both.
+// U+180E and Oniguruma's does not. A class intersection [A&&[^B]] (Oniguruma has it, and so has
+// Rust's regex, the dialect of tiktoken patterns such as Kimi K2's) becomes a look-ahead before a
+// class, (?:(?![B])[A]), which PCRE2 before 10.45 can compile. A script, \p{Han}, becomes
+// \p{sc:Han}: the Script property, which the other engines match, where PCRE2 from 10.40 matches
+// Script_Extensions (U+3002 "。" would be Han). \p{L}, \p{N}, (?i:...) and look-ahead mean the
+// same in all three.
 //
 // Thread-safety: a Pattern is immutable after Compile() and may be used from many threads at
 // once; each thread keeps its own PCRE2 match data and JIT stack.
@@ -29,7 +34,8 @@ class Pattern {
   static std::unique_ptr<Pattern> Literal(std::string_view text);
   // A regular expression in the Oniguruma dialect tokenizer.json uses. Fails with
   // InvalidArgument naming the pattern if PCRE2 cannot compile it, and with Unimplemented for
-  // \S inside a character class (no PCRE2 equivalent without class subtraction).
+  // \S inside a character class (no PCRE2 equivalent without class subtraction) and for the class
+  // intersections not written as above (negated, or a nested class beside other members).
   static absl::StatusOr<std::unique_ptr<Pattern>> Regex(std::string_view pattern);
 
   ~Pattern();

@@ -17,6 +17,7 @@
 #include "coordinator/tokenizer/json_util.h"
 #include "coordinator/tokenizer/normalizer.h"
 #include "coordinator/tokenizer/pre_tokenizer.h"
+#include "coordinator/tokenizer/tiktoken.h"
 #include "coordinator/tokenizer/unicode.h"
 
 namespace shardserve {
@@ -166,13 +167,59 @@ Tokenizer::Tokenizer() = default;
 Tokenizer::~Tokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::string& dir) {
-  absl::StatusOr<std::string> tokenizer_json = ReadFile(dir + "/tokenizer.json", /*required=*/true);
+  absl::StatusOr<std::string> tokenizer_json = ReadFile(dir + "/tokenizer.json", /*required=*/false);
   if (!tokenizer_json.ok()) return tokenizer_json.status();
   absl::StatusOr<std::string> config = ReadFile(dir + "/tokenizer_config.json", /*required=*/false);
   if (!config.ok()) return config.status();
   absl::StatusOr<std::string> generation = ReadFile(dir + "/generation_config.json", /*required=*/false);
   if (!generation.ok()) return generation.status();
-  return FromJson(*tokenizer_json, *config, *generation);
+  if (!tokenizer_json->empty()) return FromJson(*tokenizer_json, *config, *generation);
+
+  absl::StatusOr<std::string> ranks = ReadFile(dir + "/tiktoken.model", /*required=*/false);
+  if (!ranks.ok()) return ranks.status();
+  if (ranks->empty()) return absl::NotFoundError(absl::StrCat("neither tokenizer.json nor tiktoken.model in ", dir));
+  std::string class_source;
+  if (!config->empty()) {
+    absl::StatusOr<Json> parsed = ParseJson<Json>(*config, "tokenizer_config.json");
+    if (!parsed.ok()) return parsed.status();
+    if (const std::string file = tokenizer_internal::TiktokenClassFile(*parsed); !file.empty()) {
+      absl::StatusOr<std::string> source = ReadFile(dir + "/" + file, /*required=*/false);
+      if (!source.ok()) return source.status();
+      class_source = *std::move(source);
+    }
+  }
+  return FromTiktoken(*ranks, *config, *generation, class_source);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktoken(std::string_view tiktoken_model,
+                                                                   std::string_view tokenizer_config_json,
+                                                                   std::string_view generation_config_json,
+                                                                   std::string_view class_source) try {
+  absl::StatusOr<std::vector<std::string>> ranks = tokenizer_internal::ParseTiktokenRanks(tiktoken_model);
+  if (!ranks.ok()) return ranks.status();
+  Json config;
+  if (!tokenizer_config_json.empty()) {
+    absl::StatusOr<Json> parsed = ParseJson<Json>(tokenizer_config_json, "tokenizer_config.json");
+    if (!parsed.ok()) return parsed.status();
+    config = *std::move(parsed);
+  }
+  absl::StatusOr<tokenizer_internal::TiktokenClass> cls =
+      tokenizer_internal::ReadTiktokenClass(config, static_cast<int32_t>(ranks->size()), class_source);
+  if (!cls.ok()) return cls.status();
+
+  std::unique_ptr<Tokenizer> t(new Tokenizer());
+  t->pre_tokenizer_ = std::move(cls->pre_tokenizer);
+  absl::StatusOr<std::unique_ptr<BpeModel>> model = BpeModel::FromRanks(*ranks);
+  if (!model.ok()) return model.status();
+  t->model_ = *std::move(model);
+  absl::StatusOr<std::unique_ptr<Decoder>> decoder = Decoder::FromJson(Json{{"type", "ByteLevel"}});
+  if (!decoder.ok()) return decoder.status();
+  t->decoder_ = *std::move(decoder);
+  SHARDSERVE_RETURN_IF_ERROR(
+      t->AddTokensAndIndex(std::move(cls->special_tokens), tokenizer_config_json, generation_config_json));
+  return t;
+} catch (const std::exception& e) {
+  return absl::InternalError(absl::StrCat("loading tokenizer: ", e.what()));
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view tokenizer_json,
@@ -209,16 +256,22 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 
   absl::StatusOr<std::vector<AddedToken>> added_tokens = ParseAddedTokens(*root);
   if (!added_tokens.ok()) return added_tokens.status();
-  absl::StatusOr<AddedVocabulary> added = AddedVocabulary::Create(*std::move(added_tokens), t->normalizer_.get());
-  if (!added.ok()) return added.status();
-  t->added_ = std::make_unique<AddedVocabulary>(*std::move(added));
-
-  SHARDSERVE_RETURN_IF_ERROR(t->IndexTokens());
-  SHARDSERVE_RETURN_IF_ERROR(t->ReadBosEos(tokenizer_config_json, generation_config_json));
+  SHARDSERVE_RETURN_IF_ERROR(
+      t->AddTokensAndIndex(*std::move(added_tokens), tokenizer_config_json, generation_config_json));
   return t;
 } catch (const std::exception& e) {
   // The parsers above check types before use; this keeps anything unforeseen inside the library.
   return absl::InternalError(absl::StrCat("loading tokenizer: ", e.what()));
+}
+
+absl::Status Tokenizer::AddTokensAndIndex(std::vector<tokenizer_internal::AddedToken> added_tokens,
+                                          std::string_view tokenizer_config_json,
+                                          std::string_view generation_config_json) {
+  absl::StatusOr<AddedVocabulary> added = AddedVocabulary::Create(std::move(added_tokens), normalizer_.get());
+  if (!added.ok()) return added.status();
+  added_ = std::make_unique<AddedVocabulary>(*std::move(added));
+  SHARDSERVE_RETURN_IF_ERROR(IndexTokens());
+  return ReadBosEos(tokenizer_config_json, generation_config_json);
 }
 
 absl::Status Tokenizer::IndexTokens() {

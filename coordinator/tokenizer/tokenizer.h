@@ -7,7 +7,8 @@
 // normalizers, decoders and TemplateProcessing post-processor those files use. See normalizer.h,
 // pre_tokenizer.h, bpe.h and decoder.h for the exact list; a file that uses anything else fails
 // to load with an Unimplemented status that names the component. A malformed file fails with
-// InvalidArgument naming the field.
+// InvalidArgument naming the field. Checkpoints with tiktoken.model instead (Kimi K2) load too,
+// with the same ids as their tokenizer class computes (tiktoken.h).
 //
 // Encoding, as Hugging Face does it: added tokens (special or not) are found in the raw text
 // first and never merged with their neighbours; each stretch between them is normalized, split
@@ -43,12 +44,16 @@
 namespace shardserve {
 
 namespace tokenizer_internal {
+struct AddedToken;
 class AddedVocabulary;
 class BpeModel;
 class Decoder;
 class Normalizer;
 class PreTokenizer;
 }  // namespace tokenizer_internal
+
+// The files a checkpoint's tokenizer is read from, as messages name them.
+inline constexpr char kTokenizerFiles[] = "tokenizer.json or tiktoken.model";
 
 // OK when `text` is valid UTF-8; otherwise InvalidArgument "not valid UTF-8: byte 0xFF at offset
 // 3", naming the first byte that is not part of a well-formed sequence and its offset. Callers
@@ -57,13 +62,21 @@ absl::Status CheckUtf8(std::string_view text);
 
 class Tokenizer {
  public:
-  // Loads tokenizer.json (required), tokenizer_config.json and generation_config.json (each
-  // optional) from a checkpoint directory.
+  // Loads tokenizer.json, tokenizer_config.json and generation_config.json (the last two
+  // optional) from a checkpoint directory; without tokenizer.json, tiktoken.model with
+  // tokenizer_config.json (and the class's Python file when there is one: tiktoken.h). NotFound
+  // when the directory has neither.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromDirectory(const std::string& dir);
   // Builds a tokenizer from the contents of those files; empty strings stand for absent files.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromJson(std::string_view tokenizer_json,
                                                              std::string_view tokenizer_config_json = "",
                                                              std::string_view generation_config_json = "");
+  // The same from tiktoken.model's contents; `class_source` is the tokenizer class's Python file
+  // (empty when absent).
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTiktoken(std::string_view tiktoken_model,
+                                                                 std::string_view tokenizer_config_json,
+                                                                 std::string_view generation_config_json = "",
+                                                                 std::string_view class_source = "");
 
   ~Tokenizer();
   Tokenizer(const Tokenizer&) = delete;
@@ -100,6 +113,10 @@ class Tokenizer {
   friend class IncrementalDetokenizer;
 
   Tokenizer();
+  // With the model, normalizer and post-processor set: makes the added vocabulary from
+  // `added_tokens`, indexes the ids and reads BOS/EOS (the steps after the model, both formats).
+  absl::Status AddTokensAndIndex(std::vector<tokenizer_internal::AddedToken> added_tokens,
+                                 std::string_view tokenizer_config_json, std::string_view generation_config_json);
   // Fills the id tables below from the model and the added tokens; checks post-processor ids.
   absl::Status IndexTokens();
   // Sets bos_id_ and eos_ids_ from the contents of tokenizer_config.json and

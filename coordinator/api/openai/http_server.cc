@@ -908,7 +908,8 @@ void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, 
     if (!prompt.has_value()) return;
     text = *std::move(prompt);
   } else if (model_->tokenizer == nullptr) {
-    return reject(InvalidField("prompt", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+    return reject(
+        InvalidField("prompt", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
   }
   absl::StatusOr<std::vector<int32_t>> ids = model_->tokenizer->Encode(text, request->add_special_tokens);
   if (!ids.ok()) return reject(InvalidField(request->chat ? "messages" : "prompt", ids.status().message()));
@@ -930,7 +931,8 @@ void HttpServer::Detokenize(const httplib::Request&, const std::string& body, ht
   if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
   const Tokenizer* tokenizer = model_->tokenizer.get();
   if (tokenizer == nullptr) {
-    return reject(InvalidField("tokens", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+    return reject(
+        InvalidField("tokens", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
   }
   for (size_t i = 0; i < request->tokens.size(); ++i) {
     if (request->tokens[i] >= tokenizer->vocab_size()) {
@@ -981,7 +983,8 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
                                        model_->chat_template_status.message())));
   }
   if (model_->tokenizer == nullptr) {
-    return reject(InvalidField("messages", absl::StrCat("the model ", model_->name, " has no tokenizer.json")));
+    return reject(InvalidField(
+        "messages", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
   }
   // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
   // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
@@ -1071,6 +1074,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       if (!prompt.has_value()) return;
       absl::StatusOr<std::vector<int32_t>> encoded = model_->tokenizer->Encode(*prompt, /*add_special_tokens=*/false);
       if (!encoded.ok()) return reject(InvalidField("messages", encoded.status().message()));
+      if (absl::Status s = CheckTokenizedPrompt("messages", *encoded, *model_); !s.ok()) return reject(s);
       ids = std::move(*encoded);
       const int64_t room = request->max_tokens.value_or(1);
       if (!truncates || static_cast<int64_t>(ids->size()) + room <= pool_->max_model_len() ||
@@ -1157,7 +1161,8 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       const bool decoded = prompt.is_ids || (keep > 0 && prepared[p].prompt.size() == static_cast<size_t>(keep));
       if (decoded && model_->tokenizer == nullptr) {
         return reject(InvalidField("echo", absl::StrCat("the model ", model_->name,
-                                                        " has no tokenizer.json to write the prompt's text")));
+                                                        " has no tokenizer (", kTokenizerFiles,
+                                                        ") to write the prompt's text")));
       }
       echoes.push_back(decoded ? model_->tokenizer->Decode(prepared[p].prompt, prepared[p].skip_special_tokens)
                                : prompt.text);
