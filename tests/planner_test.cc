@@ -82,7 +82,7 @@ TEST(PublishedConfigs, EveryOneLoads) {
     absl::StatusOr<ModelConfig> c = LoadModelConfig(e.path());
     EXPECT_TRUE(c.ok()) << e.path().filename() << ": " << c.status();
   }
-  EXPECT_EQ(files, 16);
+  EXPECT_EQ(files, 17);
 }
 
 // ---- The cases: Qwen2.5-72B in bf16 on A100-80GB ----------------------------------
@@ -272,6 +272,37 @@ TEST(Planner, DeepSeekV3_CountsItsParametersAndTheLatentCache) {
         << "stage " << g.stage << " rank " << g.tp_rank;
   }
   EXPECT_EQ(p.stages[0].num_layers() + p.stages[1].num_layers(), layers);
+}
+
+// Kimi K2 (tests/fixtures/configs/kimi-k2-instruct.json): DeepSeek-V3's architecture with 64 heads,
+// 384 experts in one group, one dense layer and a 163,840-token vocabulary, published in FP8 with
+// 128 x 128 block scales. Counted here from its sizes as DeepSeek-V3 is above: the model card's 1T
+// parameters and 32B a token. In FP8 on 8 H200 only TP 4 x PP 2 fits (TP 8 holds each GPU's share
+// of the replicated MLA parts and falls short), with a few thousand tokens of latent cache.
+TEST(Planner, KimiK2_CountsItsParametersAndFitsEightH200InFp8) {
+  std::ifstream file(kConfigs / "kimi-k2-instruct.json");
+  const nlohmann::json published = nlohmann::json::parse(file);
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(published.dump(), "kimi-k2-instruct.json");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(config->checkpoint_quant.has_value());
+  const int64_t H = 7168, V = 163840, layers = 61, dense = 1, E = 384, k = 8, Ie = 2048, I = 18432, heads = 64;
+  const int64_t q_lora = 1536, kv_lora = 512, nope = 128, rope = 64, v = 128;
+  const int64_t attention = q_lora * H + q_lora + heads * (nope + rope) * q_lora + (kv_lora + rope) * H + kv_lora +
+                            heads * (nope + v) * kv_lora + H * heads * v;
+  const int64_t expert = 3 * Ie * H;
+  const int64_t common = layers * (attention + 2 * H) + dense * 3 * I * H + (layers - dense) * (E * H + E + expert) +
+                         H + 2 * V * H;
+  const Plan p = MustPlan(*config, Cluster("1x8xH200-141GB"), PlanOptions{});
+  EXPECT_EQ(p.parameters, common + (layers - dense) * E * expert);
+  EXPECT_EQ(p.parameters, 1'026'408'232'448);
+  EXPECT_EQ(p.active_parameters, common + (layers - dense) * k * expert);
+  EXPECT_EQ(p.active_parameters, 32'861'500'928);
+  EXPECT_EQ(p.tp, 4);
+  EXPECT_EQ(p.pp, 2);
+  EXPECT_GT(p.kv_cache_tokens, 4096);
+  for (const GpuPlan& g : p.per_gpu) {
+    EXPECT_EQ(g.kv_bytes_per_token, static_cast<uint64_t>(p.stages[g.stage].num_layers() * (kv_lora + rope) * 2));
+  }
 }
 
 // DeepSeek-V3 as published: FP8 e4m3 with 128 x 128 block scales, which the workers hold as they
