@@ -27,14 +27,14 @@ bool IsValidRequestId(absl::string_view id);
 // (base/field_error.h): the gRPC API's request_id, the OpenAI API's request_id and X-Request-Id.
 absl::Status CheckRequestId(absl::string_view field, absl::string_view id);
 
-// Checks `request` against the model and `max_model_len` and resolves it (defaults applied, text
-// tokenized, a seed drawn, a structured output compiled); InvalidArgument naming the field
-// otherwise. `default_request_id` is used when the request has none.
 // OK when every id the tokenizer gave for a prompt is the model's (a tokenizer may hold more ids
 // than config.json's vocab_size: Kimi K2's last two special ids); otherwise InvalidArgument on
 // `field` naming the token and the vocabulary.
 absl::Status CheckTokenizedPrompt(absl::string_view field, const std::vector<int32_t>& ids, const ServedModel& model);
 
+// Checks `request` against the model and `max_model_len` and resolves it (defaults applied, text
+// tokenized, a seed drawn, a structured output compiled); InvalidArgument naming the field
+// otherwise. `default_request_id` is used when the request has none.
 absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& request, const ServedModel& model,
                                                    int64_t max_model_len, const std::string& default_request_id);
 

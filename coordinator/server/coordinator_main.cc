@@ -420,7 +420,10 @@ int Main(int argc, char** argv) {
   CoordinatorLog("model", absl::StrCat((*model)->name, " (", (*model)->config.architecture_name, ", ",
                                        (*model)->config.num_hidden_layers, " layers, max_model_len ",
                                        (*pool)->max_model_len(), ")",
-                                       (*model)->tokenizer ? "" : "; no tokenizer (tokenizer.json or tiktoken.model): token-id prompts only",
+                                       (*model)->tokenizer
+                                           ? std::string()
+                                           : absl::StrCat("; no tokenizer (", kTokenizerFiles,
+                                                          "): token-id prompts only"),
                                        pool_options.load_format == LoadFormat::kDummy
                                            ? absl::StrCat("; dummy weights, seed ", pool_options.dummy_seed)
                                            : ""));
