@@ -4,6 +4,7 @@
 #ifndef SHARDSERVE_COORDINATOR_TOKENIZER_JSON_UTIL_H_
 #define SHARDSERVE_COORDINATOR_TOKENIZER_JSON_UTIL_H_
 
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -52,6 +53,18 @@ inline absl::StatusOr<const Json*> GetArray(const Json& obj, std::string_view ke
   const Json* v = Field(obj, key);
   if (v == nullptr || !v->is_array()) return Malformed(where, absl::StrCat("'", Sv(key), "' must be an array"));
   return v;
+}
+
+// A token that tokenizer_config.json names (`value` is its field `key`, or an item of it): a
+// string, {"content": ...}, or absent (nullptr) / null (nullopt).
+inline absl::StatusOr<std::optional<std::string>> ConfigToken(const Json* value, std::string_view key) {
+  if (value == nullptr || value->is_null()) return std::optional<std::string>();
+  if (value->is_string()) return std::optional<std::string>(value->get<std::string>());
+  if (const Json* content = Field(*value, "content"); content != nullptr && content->is_string()) {
+    return std::optional<std::string>(content->get<std::string>());
+  }
+  return Malformed("tokenizer_config.json",
+                   absl::StrCat("'", Sv(key), "' must be a string, an object with 'content', or null"));
 }
 
 // The "type" of a component object ("BPE", "NFC", "Sequence" ...).

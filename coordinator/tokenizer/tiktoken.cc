@@ -1,6 +1,7 @@
 #include "coordinator/tokenizer/tiktoken.h"
 
 #include <charconv>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -100,14 +101,15 @@ class KimiPreTokenizerImpl final : public PreTokenizer {
   std::unique_ptr<Pattern> pattern_;
 };
 
-// A token named in tokenizer_config.json: a string, {"content": ...}, or absent / null (empty).
-absl::StatusOr<std::string> TokenName(const Json& value, std::string_view key) {
-  if (value.is_null()) return std::string();
-  if (value.is_string()) return value.get<std::string>();
-  if (const Json* content = Field(value, "content"); content != nullptr && content->is_string()) {
-    return content->get<std::string>();
+// The class auto_map's AutoTokenizer names ("tokenization_kimi.TikTokenTokenizer"), or empty.
+std::string AutoTokenizerClass(const Json& tokenizer_config) {
+  const Json* auto_map = Field(tokenizer_config, "auto_map");
+  const Json* auto_tokenizer = auto_map == nullptr ? nullptr : Field(*auto_map, "AutoTokenizer");
+  if (auto_tokenizer == nullptr || !auto_tokenizer->is_array() || auto_tokenizer->empty() ||
+      !(*auto_tokenizer)[0].is_string()) {
+    return "";
   }
-  return Malformed(kConfigFile, absl::StrCat("'", Sv(key), "' must be a string, an object with 'content', or null"));
+  return (*auto_tokenizer)[0].get<std::string>();
 }
 
 }  // namespace
@@ -148,13 +150,7 @@ absl::StatusOr<std::vector<std::string>> ParseTiktokenRanks(std::string_view fil
 }
 
 std::string TiktokenClassFile(const Json& tokenizer_config) {
-  const Json* auto_map = Field(tokenizer_config, "auto_map");
-  const Json* auto_tokenizer = auto_map == nullptr ? nullptr : Field(*auto_map, "AutoTokenizer");
-  if (auto_tokenizer == nullptr || !auto_tokenizer->is_array() || auto_tokenizer->empty() ||
-      !(*auto_tokenizer)[0].is_string()) {
-    return "";
-  }
-  const std::string& name = (*auto_tokenizer)[0].get_ref<const std::string&>();
+  const std::string name = AutoTokenizerClass(tokenizer_config);
   const size_t dot = name.rfind('.');
   if (dot == std::string::npos || dot == 0) return "";
   const std::string module = name.substr(0, dot);
@@ -175,12 +171,7 @@ absl::StatusOr<TiktokenClass> ReadTiktokenClass(const Json& tokenizer_config, in
   if (!tokenizer_config.is_object()) {
     return Malformed(kRanksFile, "needs tokenizer_config.json beside it, naming the tokenizer class");
   }
-  const Json* auto_map = Field(tokenizer_config, "auto_map");
-  const Json* auto_tokenizer = auto_map == nullptr ? nullptr : Field(*auto_map, "AutoTokenizer");
-  const std::string named = auto_tokenizer != nullptr && auto_tokenizer->is_array() && !auto_tokenizer->empty() &&
-                                    (*auto_tokenizer)[0].is_string()
-                                ? (*auto_tokenizer)[0].get<std::string>()
-                                : "";
+  const std::string named = AutoTokenizerClass(tokenizer_config);
   if (named != kKimiClass) {
     const Json* cls = Field(tokenizer_config, "tokenizer_class");
     return absl::UnimplementedError(absl::StrCat(
@@ -233,17 +224,16 @@ absl::StatusOr<TiktokenClass> ReadTiktokenClass(const Json& tokenizer_config, in
   // What transformers skips with skip_special_tokens: bos, eos, unk, pad and the additional ones.
   absl::flat_hash_set<std::string> skipped;
   for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
-    const Json* v = Field(tokenizer_config, key);
-    absl::StatusOr<std::string> name = TokenName(v == nullptr ? Json() : *v, key);
+    absl::StatusOr<std::optional<std::string>> name = ConfigToken(Field(tokenizer_config, key), key);
     if (!name.ok()) return name.status();
-    if (!name->empty()) skipped.insert(*std::move(name));
+    if (name->has_value()) skipped.insert(**std::move(name));
   }
   if (const Json* extra = Field(tokenizer_config, "additional_special_tokens"); extra != nullptr && !extra->is_null()) {
     if (!extra->is_array()) return Malformed(kConfigFile, "'additional_special_tokens' must be an array");
     for (const Json& item : *extra) {
-      absl::StatusOr<std::string> name = TokenName(item, "additional_special_tokens");
+      absl::StatusOr<std::optional<std::string>> name = ConfigToken(&item, "additional_special_tokens");
       if (!name.ok()) return name.status();
-      skipped.insert(*std::move(name));
+      if (name->has_value()) skipped.insert(**std::move(name));
     }
   } else {
     for (std::string_view name : kKimiAdditionalSpecial) skipped.emplace(name);

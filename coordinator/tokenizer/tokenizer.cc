@@ -25,6 +25,7 @@ namespace shardserve {
 using tokenizer_internal::AddedToken;
 using tokenizer_internal::AddedVocabulary;
 using tokenizer_internal::BpeModel;
+using tokenizer_internal::ConfigToken;
 using tokenizer_internal::Decoder;
 using tokenizer_internal::Field;
 using tokenizer_internal::Json;
@@ -133,16 +134,10 @@ absl::Status ParsePostProcessor(const Json& config, std::vector<int32_t>* prefix
   return absl::OkStatus();
 }
 
-// A token named in tokenizer_config.json: a string, {"content": ...}, or null.
-absl::StatusOr<std::optional<std::string>> ConfigToken(const Json& config, std::string_view key) {
-  const Json* v = Field(config, key);
-  if (v == nullptr || v->is_null()) return std::optional<std::string>();
-  if (v->is_string()) return std::optional<std::string>(v->get<std::string>());
-  if (const Json* content = Field(*v, "content"); content != nullptr && content->is_string()) {
-    return std::optional<std::string>(content->get<std::string>());
-  }
-  return Malformed("tokenizer_config.json", absl::StrCat("'", tokenizer_internal::Sv(key),
-                                                         "' must be a string, an object with 'content', or null"));
+// tokenizer_config.json's contents parsed; empty (the file absent) gives null.
+absl::StatusOr<Json> ParseTokenizerConfig(std::string_view contents) {
+  if (contents.empty()) return Json();
+  return ParseJson<Json>(contents, "tokenizer_config.json");
 }
 
 // generation_config.json's bos_token_id / eos_token_id: an id, a list of ids, or null.
@@ -178,33 +173,34 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
   absl::StatusOr<std::string> ranks = ReadFile(dir + "/tiktoken.model", /*required=*/false);
   if (!ranks.ok()) return ranks.status();
   if (ranks->empty()) return absl::NotFoundError(absl::StrCat("neither tokenizer.json nor tiktoken.model in ", dir));
+  absl::StatusOr<Json> parsed = ParseTokenizerConfig(*config);
+  if (!parsed.ok()) return parsed.status();
   std::string class_source;
-  if (!config->empty()) {
-    absl::StatusOr<Json> parsed = ParseJson<Json>(*config, "tokenizer_config.json");
-    if (!parsed.ok()) return parsed.status();
-    if (const std::string file = tokenizer_internal::TiktokenClassFile(*parsed); !file.empty()) {
-      absl::StatusOr<std::string> source = ReadFile(dir + "/" + file, /*required=*/false);
-      if (!source.ok()) return source.status();
-      class_source = *std::move(source);
-    }
+  if (const std::string file = tokenizer_internal::TiktokenClassFile(*parsed); !file.empty()) {
+    absl::StatusOr<std::string> source = ReadFile(dir + "/" + file, /*required=*/false);
+    if (!source.ok()) return source.status();
+    class_source = *std::move(source);
   }
-  return FromTiktoken(*ranks, *config, *generation, class_source);
+  return FromTiktokenConfig(*ranks, *parsed, *generation, class_source);
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktoken(std::string_view tiktoken_model,
                                                                    std::string_view tokenizer_config_json,
                                                                    std::string_view generation_config_json,
-                                                                   std::string_view class_source) try {
+                                                                   std::string_view class_source) {
+  absl::StatusOr<Json> config = ParseTokenizerConfig(tokenizer_config_json);
+  if (!config.ok()) return config.status();
+  return FromTiktokenConfig(tiktoken_model, *config, generation_config_json, class_source);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktokenConfig(std::string_view tiktoken_model,
+                                                                         const Json& tokenizer_config,
+                                                                         std::string_view generation_config_json,
+                                                                         std::string_view class_source) try {
   absl::StatusOr<std::vector<std::string>> ranks = tokenizer_internal::ParseTiktokenRanks(tiktoken_model);
   if (!ranks.ok()) return ranks.status();
-  Json config;
-  if (!tokenizer_config_json.empty()) {
-    absl::StatusOr<Json> parsed = ParseJson<Json>(tokenizer_config_json, "tokenizer_config.json");
-    if (!parsed.ok()) return parsed.status();
-    config = *std::move(parsed);
-  }
   absl::StatusOr<tokenizer_internal::TiktokenClass> cls =
-      tokenizer_internal::ReadTiktokenClass(config, static_cast<int32_t>(ranks->size()), class_source);
+      tokenizer_internal::ReadTiktokenClass(tokenizer_config, static_cast<int32_t>(ranks->size()), class_source);
   if (!cls.ok()) return cls.status();
 
   std::unique_ptr<Tokenizer> t(new Tokenizer());
@@ -216,7 +212,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromTiktoken(std::string_v
   if (!decoder.ok()) return decoder.status();
   t->decoder_ = *std::move(decoder);
   SHARDSERVE_RETURN_IF_ERROR(
-      t->AddTokensAndIndex(std::move(cls->special_tokens), tokenizer_config_json, generation_config_json));
+      t->AddTokensAndIndex(std::move(cls->special_tokens), tokenizer_config, generation_config_json));
   return t;
 } catch (const std::exception& e) {
   return absl::InternalError(absl::StrCat("loading tokenizer: ", e.what()));
@@ -256,8 +252,10 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 
   absl::StatusOr<std::vector<AddedToken>> added_tokens = ParseAddedTokens(*root);
   if (!added_tokens.ok()) return added_tokens.status();
+  absl::StatusOr<Json> tokenizer_config = ParseTokenizerConfig(tokenizer_config_json);
+  if (!tokenizer_config.ok()) return tokenizer_config.status();
   SHARDSERVE_RETURN_IF_ERROR(
-      t->AddTokensAndIndex(*std::move(added_tokens), tokenizer_config_json, generation_config_json));
+      t->AddTokensAndIndex(*std::move(added_tokens), *tokenizer_config, generation_config_json));
   return t;
 } catch (const std::exception& e) {
   // The parsers above check types before use; this keeps anything unforeseen inside the library.
@@ -265,13 +263,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 }
 
 absl::Status Tokenizer::AddTokensAndIndex(std::vector<tokenizer_internal::AddedToken> added_tokens,
-                                          std::string_view tokenizer_config_json,
-                                          std::string_view generation_config_json) {
+                                          const Json& tokenizer_config, std::string_view generation_config_json) {
   absl::StatusOr<AddedVocabulary> added = AddedVocabulary::Create(std::move(added_tokens), normalizer_.get());
   if (!added.ok()) return added.status();
   added_ = std::make_unique<AddedVocabulary>(*std::move(added));
   SHARDSERVE_RETURN_IF_ERROR(IndexTokens());
-  return ReadBosEos(tokenizer_config_json, generation_config_json);
+  return ReadBosEos(tokenizer_config, generation_config_json);
 }
 
 absl::Status Tokenizer::IndexTokens() {
@@ -305,23 +302,20 @@ absl::Status Tokenizer::IndexTokens() {
   return absl::OkStatus();
 }
 
-absl::Status Tokenizer::ReadBosEos(std::string_view tokenizer_config_json, std::string_view generation_config_json) {
-  if (!tokenizer_config_json.empty()) {
-    absl::StatusOr<Json> config = ParseJson<Json>(tokenizer_config_json, "tokenizer_config.json");
-    if (!config.ok()) return config.status();
-    for (const char* key : {"bos_token", "eos_token"}) {
-      absl::StatusOr<std::optional<std::string>> token = ConfigToken(*config, key);
-      if (!token.ok()) return token.status();
-      if (!token->has_value()) continue;
-      std::optional<int32_t> id = TokenToId(**token);
-      if (!id.has_value()) {
-        return Malformed("tokenizer_config.json", absl::StrCat(key, " '", **token, "' is not in the vocabulary"));
-      }
-      if (std::string_view(key) == "bos_token") {
-        bos_id_ = *id;
-      } else {
-        eos_ids_.push_back(*id);
-      }
+absl::Status Tokenizer::ReadBosEos(const Json& tokenizer_config, std::string_view generation_config_json) {
+  // A field absent, or the file absent (null): nothing to set.
+  for (const char* key : {"bos_token", "eos_token"}) {
+    absl::StatusOr<std::optional<std::string>> token = ConfigToken(Field(tokenizer_config, key), key);
+    if (!token.ok()) return token.status();
+    if (!token->has_value()) continue;
+    std::optional<int32_t> id = TokenToId(**token);
+    if (!id.has_value()) {
+      return Malformed("tokenizer_config.json", absl::StrCat(key, " '", **token, "' is not in the vocabulary"));
+    }
+    if (std::string_view(key) == "bos_token") {
+      bos_id_ = *id;
+    } else {
+      eos_ids_.push_back(*id);
     }
   }
   if (!generation_config_json.empty()) {

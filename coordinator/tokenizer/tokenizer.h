@@ -40,6 +40,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "coordinator/tokenizer/string_util.h"
+#include "nlohmann/json_fwd.hpp"
 
 namespace shardserve {
 
@@ -113,15 +114,20 @@ class Tokenizer {
   friend class IncrementalDetokenizer;
 
   Tokenizer();
+  // FromTiktoken with tokenizer_config.json parsed (null: absent).
+  static absl::StatusOr<std::unique_ptr<Tokenizer>> FromTiktokenConfig(std::string_view tiktoken_model,
+                                                                       const nlohmann::json& tokenizer_config,
+                                                                       std::string_view generation_config_json,
+                                                                       std::string_view class_source);
   // With the model, normalizer and post-processor set: makes the added vocabulary from
   // `added_tokens`, indexes the ids and reads BOS/EOS (the steps after the model, both formats).
   absl::Status AddTokensAndIndex(std::vector<tokenizer_internal::AddedToken> added_tokens,
-                                 std::string_view tokenizer_config_json, std::string_view generation_config_json);
+                                 const nlohmann::json& tokenizer_config, std::string_view generation_config_json);
   // Fills the id tables below from the model and the added tokens; checks post-processor ids.
   absl::Status IndexTokens();
-  // Sets bos_id_ and eos_ids_ from the contents of tokenizer_config.json and
-  // generation_config.json (empty: absent).
-  absl::Status ReadBosEos(std::string_view tokenizer_config_json, std::string_view generation_config_json);
+  // Sets bos_id_ and eos_ids_ from tokenizer_config.json (parsed; null: absent) and the contents
+  // of generation_config.json (empty: absent).
+  absl::Status ReadBosEos(const nlohmann::json& tokenizer_config, std::string_view generation_config_json);
 
   // Constant after construction.
   std::unique_ptr<tokenizer_internal::Normalizer> normalizer_;       // may be null
