@@ -13,7 +13,8 @@ tool call, so a forced '{' output checks that what is no call stays content (hel
 might be one), a call a guided_regex makes it write streams its arguments in several deltas (tool_choice
 auto), and a prompt that ends with <think> that the output comes as reasoning_content. Another, launched with
 --tool-call-parser kimi_k2, returns a call with the id the model wrote; another serves a Kimi K2-shaped
-checkpoint whose tokenizer is tiktoken.model (dummy weights). A second, one-worker cluster on a test fixture
+checkpoint whose tokenizer is tiktoken.model (dummy weights), and another the same checkpoint with <think> and
+</think> (and hermes' <tool_call> and </tool_call>) made special tokens, which the parsers still receive. A second, one-worker cluster on a test fixture
 without tokenizer or chat template checks that chat is refused with a 400 saying so. Two more,
 one speculating with the demo draft, give the same n = 2 seeded choices, streamed or not, with
 logprobs and a stop string, and the same greedy chat. Always stops the clusters it started.
@@ -1276,6 +1277,43 @@ class NoChatTemplateTest(unittest.TestCase):
             self.assertIn(says, error["message"])
 
 
+def write_kimi_k2_dir(model_dir, edit_tokenizer_config=None):
+    """A Kimi K2-shaped checkpoint directory (dummy weights): the kimi_k2 tokenizer fixture, Kimi K2's
+    chat template, and config.json a small DeepSeek-V3 whose vocab_size, like Kimi K2's, ends two ids
+    before the tokenizer's last special id. edit_tokenizer_config(config) may change the tokenizer's."""
+    fixtures = os.path.join(ROOT, "tests", "fixtures")
+    os.makedirs(model_dir)
+    tokenizer = os.path.join(fixtures, "tokenizers", "kimi_k2")
+    for name in ("tiktoken.model", "generation_config.json"):
+        with open(os.path.join(tokenizer, name), "rb") as src, open(os.path.join(model_dir, name), "wb") as dst:
+            dst.write(src.read())
+    with open(os.path.join(tokenizer, "tokenizer_config.json")) as f:
+        tokenizer_config = json.load(f)
+    with open(os.path.join(fixtures, "chat_templates", "kimi_k2", "tokenizer_config.json")) as f:
+        tokenizer_config["chat_template"] = json.load(f)["chat_template"]
+    if edit_tokenizer_config is not None:
+        edit_tokenizer_config(tokenizer_config)
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f)
+    with open(os.path.join(fixtures, "models", "deepseek_v3_tf5", "config.json")) as f:
+        config = json.load(f)
+    config.update(model_type="kimi_k2", vocab_size=2048 + 256, bos_token_id=2048, eos_token_id=2049)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return model_dir
+
+
+def start_dummy_cluster(cls, model_dir, log_dir, args):
+    """A one-worker cluster of model_dir with dummy weights, launched with `args` more: sets cls.base,
+    cls.launch (stop it with stop_launch) and cls.client."""
+    http_port, grpc_port = free_ports(2)
+    cls.base = f"http://127.0.0.1:{http_port}"
+    cls.launch = start_launch(["--model", model_dir, "--nodes", "1", "--gpus-per-node", "1", "--load-format", "dummy",
+                               "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)] + args,
+                              cls.base, log_dir)
+    cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 class KimiTokenizerTest(unittest.TestCase):
     """A Kimi K2-shaped checkpoint as Moonshot ships it: no tokenizer.json, but tiktoken.model and a
     tokenizer_config.json naming tokenization_kimi.TikTokenTokenizer (the tokenizer fixture kimi_k2,
@@ -1286,34 +1324,11 @@ class KimiTokenizerTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         log_dir = work_dir("shardserve-openai-tiktoken-")
-        fixtures = os.path.join(ROOT, "tests", "fixtures")
-        cls.model_dir = os.path.join(log_dir, "kimi_k2")
-        os.makedirs(cls.model_dir)
-        tokenizer = os.path.join(fixtures, "tokenizers", "kimi_k2")
-        for name in ("tiktoken.model", "generation_config.json"):
-            with open(os.path.join(tokenizer, name), "rb") as src, open(os.path.join(cls.model_dir, name), "wb") as dst:
-                dst.write(src.read())
-        with open(os.path.join(tokenizer, "tokenizer_config.json")) as f:
-            tokenizer_config = json.load(f)
-        with open(os.path.join(fixtures, "chat_templates", "kimi_k2", "tokenizer_config.json")) as f:
-            tokenizer_config["chat_template"] = json.load(f)["chat_template"]
-        with open(os.path.join(cls.model_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(tokenizer_config, f)
-        with open(os.path.join(fixtures, "models", "deepseek_v3_tf5", "config.json")) as f:
-            config = json.load(f)
-        config.update(model_type="kimi_k2", vocab_size=2048 + 256, bos_token_id=2048, eos_token_id=2049)
-        with open(os.path.join(cls.model_dir, "config.json"), "w") as f:
-            json.dump(config, f)
-        with open(os.path.join(tokenizer, "cases.json"), encoding="utf-8") as f:
+        cls.model_dir = write_kimi_k2_dir(os.path.join(log_dir, "kimi_k2"))
+        with open(os.path.join(ROOT, "tests", "fixtures", "tokenizers", "kimi_k2", "cases.json"), encoding="utf-8") as f:
             cls.cases = {c["text"]: c["ids"] for c in json.load(f)["encode"]}
         cls.model = "kimi_k2"
-        http_port, grpc_port = free_ports(2)
-        cls.base = f"http://127.0.0.1:{http_port}"
-        cls.launch = start_launch(["--model", cls.model_dir, "--nodes", "1", "--gpus-per-node", "1",
-                                   "--load-format", "dummy", "--tool-call-parser", "kimi_k2",
-                                   "--address", f"127.0.0.1:{grpc_port}", "--http-port", str(http_port)],
-                                  cls.base, log_dir)
-        cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        start_dummy_cluster(cls, cls.model_dir, log_dir, ["--tool-call-parser", "kimi_k2"])
 
     @classmethod
     def tearDownClass(cls):
@@ -1367,6 +1382,64 @@ class KimiTokenizerTest(unittest.TestCase):
         ok = self.client.completions.create(model=self.model, prompt="hi <|reserved_token_2303|>", max_tokens=2)
         self.assertEqual(ok.usage.prompt_tokens, len(self.post("/tokenize", {"model": self.model,
                                                                               "prompt": "hi <|reserved_token_2303|>"})["tokens"]))
+
+
+class SpecialThinkingMarkersTest(unittest.TestCase):
+    """A checkpoint whose tokenizer makes <think>, </think>, <tool_call> and </tool_call> special
+    tokens (the Kimi K2-shaped one, four reserved ids renamed and listed among
+    additional_special_tokens, so that transformers would skip them), served with --reasoning-parser
+    deepseek_r1 and --tool-call-parser hermes: the markers stay in the output for the parsers while
+    the other special tokens are still skipped, so the reasoning comes apart from the answer, whole
+    and streamed, and a call is a call. A grammar makes the model write them (<[ID]>)."""
+
+    THINK, END_THINK, TOOL_CALL, END_TOOL_CALL = 2066, 2067, 2068, 2069
+
+    @classmethod
+    def setUpClass(cls):
+        def special_markers(config):
+            for token_id, content in ((cls.THINK, "<think>"), (cls.END_THINK, "</think>"),
+                                      (cls.TOOL_CALL, "<tool_call>"), (cls.END_TOOL_CALL, "</tool_call>")):
+                config["added_tokens_decoder"][str(token_id)]["content"] = content
+                config["additional_special_tokens"].append(content)
+        log_dir = work_dir("shardserve-openai-think-")
+        model_dir = write_kimi_k2_dir(os.path.join(log_dir, "kimi_k2"), special_markers)
+        start_dummy_cluster(cls, model_dir, log_dir, ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes"])
+
+    @classmethod
+    def tearDownClass(cls):
+        stop_launch(cls.launch)
+
+    def test_the_markers_reach_the_reasoning_parser(self):
+        # <|im_middle|> (2065) is special and not a marker: skipped as before.
+        grammar = f'root ::= <[{self.THINK}]> "Let us count" <[2065]> <[{self.END_THINK}]> "\n\nOne, two"'
+        kw = dict(model="kimi_k2", messages=[{"role": "user", "content": "Count"}], max_tokens=40, temperature=0,
+                  extra_body={"guided_grammar": grammar})
+        whole = self.client.chat.completions.create(**kw)
+        message = whole.choices[0].message
+        self.assertEqual((message.model_extra.get("reasoning_content"), message.content), ("Let us count", "One, two"),
+                         whole)
+        chunks = list(self.client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        self.assertEqual("".join(d.model_extra.get("reasoning_content") or "" for d in deltas), "Let us count")
+        self.assertEqual("".join(d.content or "" for d in deltas), "One, two")
+        # The completions API parses nothing: special tokens are skipped there, the markers too.
+        text = self.client.completions.create(model="kimi_k2", prompt="Count", max_tokens=40, temperature=0,
+                                              extra_body={"guided_grammar": grammar}).choices[0].text
+        self.assertEqual(text, "Let us count\n\nOne, two")
+
+    def test_hermes_markers_reach_the_tool_call_parser(self):
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+        call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        grammar = f'root ::= <[{self.TOOL_CALL}]> {json.dumps(call)} <[{self.END_TOOL_CALL}]>'
+        r = self.client.chat.completions.create(
+            model="kimi_k2", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool], max_tokens=60,
+            temperature=0, extra_body={"guided_grammar": grammar})
+        self.assertEqual(r.choices[0].finish_reason, "tool_calls", r)
+        calls = r.choices[0].message.tool_calls
+        self.assertEqual([(c.function.name, json.loads(c.function.arguments)) for c in calls],
+                         [("get_weather", {"city": "Paris"})])
+        self.assertIsNone(r.choices[0].message.content)
 
 
 class KimiToolCallTest(unittest.TestCase):

@@ -302,6 +302,25 @@ TEST(IncrementalDetokenizerTest, ByteFallbackRunIsHeldUntilItEnds) {
             1);
 }
 
+TEST(IncrementalDetokenizerTest, SkipsSpecialTokensButTheOnesItKeeps) {
+  std::unique_ptr<Tokenizer> tok = LoadKind("kimi_k2");
+  ASSERT_NE(tok, nullptr);
+  absl::StatusOr<std::vector<int32_t>> ids = tok->Encode("<|im_user|>In the beginning<|im_middle|>God<|im_end|>", false);
+  ASSERT_TRUE(ids.ok());
+  const std::optional<int32_t> middle = tok->TokenToId("<|im_middle|>");
+  ASSERT_TRUE(middle.has_value() && tok->IsSpecial(*middle));
+  auto decode = [&](bool skip, std::vector<int32_t> kept) {
+    IncrementalDetokenizer stream(*tok, skip, kept);
+    std::string text;
+    for (int32_t id : *ids) text += stream.Add(id);
+    return text + stream.Finish();
+  };
+  EXPECT_EQ(decode(true, {}), "In the beginningGod");
+  EXPECT_EQ(decode(true, {*middle}), "In the beginning<|im_middle|>God");
+  EXPECT_EQ(decode(false, {*middle}), "<|im_user|>In the beginning<|im_middle|>God<|im_end|>");
+  EXPECT_EQ(decode(true, {*middle}), decode(true, {0, *middle, 2100}));  // kept ids the output lacks change nothing
+}
+
 // ---- Bad input -------------------------------------------------------------------------------
 
 // A token may hold part of a character: the bytes are raw, not a lossy decode.

@@ -101,7 +101,8 @@ Generation::Generation(const GenerationParams& params, const std::vector<int32_t
                        const Tokenizer* tokenizer)
     : params_(params), eos_ids_(eos_ids), filter_(params.stop, params.include_stop_str_in_output) {
   if (tokenizer != nullptr) {
-    detokenizer_ = std::make_unique<IncrementalDetokenizer>(*tokenizer, params.skip_special_tokens);
+    detokenizer_ =
+        std::make_unique<IncrementalDetokenizer>(*tokenizer, params.skip_special_tokens, params.kept_special_ids);
   }
 }
 

@@ -48,6 +48,9 @@ struct GenerationParams {
   // false: special tokens stay in the text (asked, or a tool-call format whose markers are special
   // tokens); the EOS that ends the output is never text.
   bool skip_special_tokens = true;
+  // Special tokens decoded even when skip_special_tokens is true: the markers the output's parsers
+  // read (a checkpoint that makes <think> a special token), sorted.
+  std::vector<int32_t> kept_special_ids;
   // The stop string that ends the output is part of its text.
   bool include_stop_str_in_output = false;
   // The structured-output constraint compiled against the model's vocabulary (null: none); each

@@ -411,9 +411,11 @@ struct IncrementalDetokenizer::State {
   Decoder::Stream stream;
 };
 
-IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens)
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens,
+                                               absl::Span<const int32_t> kept)
     : tokenizer_(tokenizer),
       skip_special_tokens_(skip_special_tokens),
+      kept_(kept.begin(), kept.end()),
       state_(std::make_unique<State>(*tokenizer.decoder_)) {}
 
 IncrementalDetokenizer::~IncrementalDetokenizer() = default;
@@ -421,7 +423,10 @@ IncrementalDetokenizer::~IncrementalDetokenizer() = default;
 std::string IncrementalDetokenizer::Add(int32_t id) {
   std::string text;
   const std::optional<std::string_view> token = tokenizer_.IdToToken(id);
-  if (!token.has_value() || (skip_special_tokens_ && tokenizer_.IsSpecial(id))) return text;
+  if (!token.has_value()) return text;
+  if (skip_special_tokens_ && tokenizer_.IsSpecial(id) && !std::binary_search(kept_.begin(), kept_.end(), id)) {
+    return text;
+  }
   tokenizer_.decoder_->Push(&state_->stream, *token, &text);
   return text;
 }

@@ -152,7 +152,8 @@ class Tokenizer {
 // Not thread-safe: one per generated sequence. The Tokenizer must outlive it.
 class IncrementalDetokenizer {
  public:
-  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens);
+  // `kept`: special tokens decoded even when skip_special_tokens is true (sorted).
+  IncrementalDetokenizer(const Tokenizer& tokenizer, bool skip_special_tokens, absl::Span<const int32_t> kept = {});
   ~IncrementalDetokenizer();
   IncrementalDetokenizer(const IncrementalDetokenizer&) = delete;
   IncrementalDetokenizer& operator=(const IncrementalDetokenizer&) = delete;
@@ -166,6 +167,7 @@ class IncrementalDetokenizer {
  private:
   const Tokenizer& tokenizer_;
   const bool skip_special_tokens_;
+  const std::vector<int32_t> kept_;  // sorted
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -119,6 +119,16 @@ ClientId ClientNamedId(const httplib::Request& req, std::string body_request_id)
   return {std::move(body_request_id), "request_id"};
 }
 
+// The ids of those of `markers` that the tokenizer has as special tokens.
+std::vector<int32_t> SpecialIds(const Tokenizer& tokenizer, const std::vector<absl::string_view>& markers) {
+  std::vector<int32_t> ids;
+  for (absl::string_view marker : markers) {
+    const std::optional<int32_t> id = tokenizer.TokenToId(std::string_view(marker.data(), marker.size()));
+    if (id.has_value() && tokenizer.IsSpecial(*id)) ids.push_back(*id);
+  }
+  return ids;
+}
+
 // One choice of a request: its engine submission and what it has produced.
 struct Choice {
   int prompt = 0;  // its prompt in a completions batch (Request::prompts)
@@ -511,6 +521,10 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const ServedModel*
     absl::StatusOr<ReasoningFormat> format = ReasoningFormatFromName(options.reasoning_parser);
     if (!format.ok()) return format.status();
     s->reasoning_format_ = *format;
+  }
+  if (model->tokenizer != nullptr) {
+    s->reasoning_marker_ids_ = SpecialIds(*model->tokenizer, ReasoningMarkers(s->reasoning_format_));
+    s->tool_marker_ids_ = SpecialIds(*model->tokenizer, TextMarkers(s->tool_format_));
   }
   // HTTPS when a certificate is given, re-read when its files change (security/https.h); TCP_NODELAY
   // there: otherwise Nagle holds each small SSE chunk until the client's delayed ACK (up to 40 ms),
@@ -1140,6 +1154,13 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
     }
     // A format whose markers are special tokens needs them in the text.
     if (KeepsSpecialTokens(parsing.tools)) params->skip_special_tokens = false;
+    // So does a text marker that this checkpoint makes a special token (kept alone).
+    if (params->skip_special_tokens) {
+      std::vector<int32_t>& kept = params->kept_special_ids;
+      if (parsing.reasoning) kept.insert(kept.end(), reasoning_marker_ids_.begin(), reasoning_marker_ids_.end());
+      if (parsing.tools != ToolCallFormat::kNone) kept.insert(kept.end(), tool_marker_ids_.begin(), tool_marker_ids_.end());
+      std::sort(kept.begin(), kept.end());
+    }
     prompt_tokens.push_back(static_cast<int64_t>(params->prompt.size()));
     prepared.push_back(*std::move(params));
   }

@@ -45,6 +45,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "coordinator/api/openai/harmony.h"
@@ -166,6 +167,9 @@ class HttpServer {
   // are then written as harmony writes calls; without them, as JSON.
   std::optional<HarmonyMarkers> harmony_markers_;
   ReasoningFormat reasoning_format_ = ReasoningFormat::kNone;  // set by Start
+  // The formats' text markers (<think>, hermes' <tool_call>) that the model's tokenizer makes special
+  // tokens (set by Start): the output keeps them when special tokens are skipped, for the parsers.
+  std::vector<int32_t> reasoning_marker_ids_, tool_marker_ids_;
   const std::unique_ptr<ResponsesStore> responses_;  // null: nothing stored
   std::unique_ptr<httplib::Server> http_;
   // The connection pool httplib made (new_task_queue), for ConnectionPolicy::crowded.

@@ -29,6 +29,11 @@ ReasoningFormat ReasoningFormatOfTemplate(absl::string_view source) {
   return absl::StrContains(source, kOpen) ? ReasoningFormat::kThink : ReasoningFormat::kNone;
 }
 
+std::vector<absl::string_view> ReasoningMarkers(ReasoningFormat format) {
+  if (format == ReasoningFormat::kThink) return {kOpen, kClose};
+  return {};
+}
+
 bool PromptOpensReasoning(absl::string_view prompt) {
   const size_t open = prompt.rfind(kOpen);
   return open != absl::string_view::npos &&

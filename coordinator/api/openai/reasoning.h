@@ -10,6 +10,7 @@
 #define SHARDSERVE_COORDINATOR_API_OPENAI_REASONING_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -25,6 +26,9 @@ absl::StatusOr<ReasoningFormat> ReasoningFormatFromName(absl::string_view name);
 // kHarmony when the chat template's text writes <|channel|>, else kThink when it writes <think>,
 // else kNone.
 ReasoningFormat ReasoningFormatOfTemplate(absl::string_view template_source);
+// The markers a format finds in the output's text: kThink's <think> and </think> (harmony's are
+// special tokens its format keeps whole: KeepsSpecialTokens).
+std::vector<absl::string_view> ReasoningMarkers(ReasoningFormat format);
 // Whether a rendered prompt ends with <think> (and whitespace): the template opened the reasoning
 // after the generation prompt, so the output starts inside it.
 bool PromptOpensReasoning(absl::string_view prompt);

@@ -464,6 +464,11 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view source) {
   return ToolCallFormat::kNone;
 }
 
+std::vector<absl::string_view> TextMarkers(ToolCallFormat format) {
+  if (format == ToolCallFormat::kHermes || format == ToolCallFormat::kQwen3Coder) return {kHermesStart, kHermesEnd};
+  return {};
+}
+
 bool KeepsSpecialTokens(ToolCallFormat format) {
   return format == ToolCallFormat::kMistral || format == ToolCallFormat::kLlama3Json ||
          format == ToolCallFormat::kDeepSeekV3 || format == ToolCallFormat::kKimiK2 || format == ToolCallFormat::kHarmony ||

@@ -85,6 +85,9 @@ ToolCallFormat ToolCallFormatOfTemplate(absl::string_view template_source);
 // (mistral's [TOOL_CALLS], llama3_json's <|python_tag|>, deepseek_v3's, kimi_k2's and glm45's tool
 // tokens, harmony's).
 bool KeepsSpecialTokens(ToolCallFormat format);
+// The markers of a format that KeepsSpecialTokens leaves to the text: hermes' and qwen3_coder's
+// <tool_call> and </tool_call>, which a checkpoint may nonetheless make special tokens.
+std::vector<absl::string_view> TextMarkers(ToolCallFormat format);
 
 struct ToolCall {
   std::string name;
