@@ -7,6 +7,22 @@
 #include "coordinator/tokenizer/unicode.h"
 
 namespace shardserve::tokenizer_internal {
+
+absl::Status ReadAddedToken(const Json& item, std::string_view where, AddedToken* token) {
+  absl::StatusOr<std::string> content = GetString(item, "content", where);
+  if (!content.ok()) return content.status();
+  token->content = *std::move(content);
+  const std::pair<const char*, bool*> flags[] = {{"single_word", &token->single_word},
+                                                 {"lstrip", &token->lstrip},
+                                                 {"rstrip", &token->rstrip},
+                                                 {"normalized", &token->normalized}};
+  for (const auto& [key, flag] : flags) {
+    absl::StatusOr<bool> value = GetBool(item, key, false, where);
+    if (!value.ok()) return value.status();
+    *flag = *value;
+  }
+  return absl::OkStatus();
+}
 namespace {
 
 // The character that ends text[0, end), which must be non-empty valid UTF-8.

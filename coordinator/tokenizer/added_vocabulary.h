@@ -20,12 +20,14 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/tokenizer/json_util.h"
 #include "coordinator/tokenizer/normalizer.h"
 #include "coordinator/tokenizer/pre_tokenizer.h"
 
 namespace shardserve::tokenizer_internal {
 
-// One entry of tokenizer.json "added_tokens".
+// An added token: an entry of tokenizer.json's "added_tokens" (or of tokenizer_config.json's
+// "added_tokens_decoder", for tiktoken.model checkpoints).
 struct AddedToken {
   int32_t id = -1;
   std::string content;
@@ -35,6 +37,12 @@ struct AddedToken {
   bool normalized = false;   // match the normalized form in normalized text
   bool special = false;      // skipped by decode when skip_special_tokens
 };
+
+// An added token's object as tokenizer.json's added_tokens and tokenizer_config.json's
+// added_tokens_decoder write it: reads 'content' and the matching flags (single_word, lstrip, rstrip,
+// normalized; absent or null means false) into *token, `where` naming it in errors. The id and
+// whether it is special are the caller's: the two files give them differently.
+absl::Status ReadAddedToken(const Json& item, std::string_view where, AddedToken* token);
 
 class AddedVocabulary {
  public:

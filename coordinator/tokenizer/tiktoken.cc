@@ -207,17 +207,8 @@ absl::StatusOr<TiktokenClass> ReadTiktokenClass(const Json& tokenizer_config, in
       }
       AddedToken t;
       t.id = static_cast<int32_t>(id);
-      absl::StatusOr<std::string> content = GetString(it.value(), "content", where);
-      if (!content.ok()) return content.status();
-      if (content->empty()) return Malformed(where, "'content' is empty");
-      t.content = *std::move(content);
-      const std::pair<const char*, bool*> flags[] = {
-          {"single_word", &t.single_word}, {"lstrip", &t.lstrip}, {"rstrip", &t.rstrip}, {"normalized", &t.normalized}};
-      for (const auto& [name, flag] : flags) {
-        absl::StatusOr<bool> value = GetBool(it.value(), name, false, where);
-        if (!value.ok()) return value.status();
-        *flag = *value;
-      }
+      SHARDSERVE_RETURN_IF_ERROR(ReadAddedToken(it.value(), where, &t));
+      if (t.content.empty()) return Malformed(where, "'content' is empty");
       listed.emplace(t.id, std::move(t));
     }
   }

@@ -63,19 +63,10 @@ absl::StatusOr<std::vector<AddedToken>> ParseAddedTokens(const Json& root) {
       return Malformed(kWhere, "each token needs an 'id' in [0, 2^24)");
     }
     t.id = static_cast<int32_t>(id->get<uint64_t>());
-    absl::StatusOr<std::string> content = tokenizer_internal::GetString(item, "content", kWhere);
-    if (!content.ok()) return content.status();
-    t.content = *std::move(content);
-    const std::pair<const char*, bool*> flags[] = {{"single_word", &t.single_word},
-                                                   {"lstrip", &t.lstrip},
-                                                   {"rstrip", &t.rstrip},
-                                                   {"normalized", &t.normalized},
-                                                   {"special", &t.special}};
-    for (const auto& [key, flag] : flags) {
-      absl::StatusOr<bool> value = tokenizer_internal::GetBool(item, key, false, kWhere);
-      if (!value.ok()) return value.status();
-      *flag = *value;
-    }
+    SHARDSERVE_RETURN_IF_ERROR(tokenizer_internal::ReadAddedToken(item, kWhere, &t));
+    absl::StatusOr<bool> special = tokenizer_internal::GetBool(item, "special", false, kWhere);
+    if (!special.ok()) return special.status();
+    t.special = *special;
     tokens.push_back(std::move(t));
   }
   return tokens;
