@@ -102,8 +102,7 @@ grpc::Status InferenceService::Tokenize(grpc::ServerContext* context, const v1::
   }
   if (model_->tokenizer == nullptr) {
     return ToGrpcStatus(absl::InvalidArgumentError(
-        absl::StrCat("text: the model ", model_->name, " has no tokenizer (", kTokenizerFiles,
-                     "), so it cannot tokenize text")));
+        absl::StrCat("text: ", model_->NoTokenizer(), ", so it cannot tokenize text")));
   }
   absl::StatusOr<std::vector<int32_t>> ids = model_->tokenizer->Encode(request->text(), request->add_special_tokens());
   if (!ids.ok()) return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("text: ", ids.status().message())));

@@ -77,10 +77,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
       // INTERNAL with no message): checked here, whatever the model, naming the offending byte.
       if (absl::Status utf8 = CheckUtf8(request.text()); !utf8.ok()) return Invalid("prompt.text", utf8.message());
       if (model.tokenizer == nullptr) {
-        return Invalid("prompt.text", absl::StrCat("the model ", model.name,
-                                                   " has no tokenizer (", kTokenizerFiles,
-                                                   "), so it takes token ids only: send "
-                                                   "prompt.token_ids"));
+        return Invalid("prompt.text", absl::StrCat(model.NoTokenizer(),
+                                                   ", so it takes token ids only: send prompt.token_ids"));
       }
       absl::StatusOr<std::vector<int32_t>> ids = model.tokenizer->Encode(request.text(), /*add_special_tokens=*/true);
       if (!ids.ok()) return Invalid("prompt.text", ids.status().message());
@@ -174,10 +172,8 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
 
   if (s.stop_size() > kMaxStops) return Invalid("sampling.stop", absl::StrCat("at most ", kMaxStops, " strings"));
   if (s.stop_size() > 0 && model.tokenizer == nullptr) {
-    return Invalid("sampling.stop", absl::StrCat("the model ", model.name,
-                                                 " has no tokenizer (", kTokenizerFiles,
-                                                 "), so there is no text to match; use "
-                                                 "stop_token_ids"));
+    return Invalid("sampling.stop", absl::StrCat(model.NoTokenizer(),
+                                                 ", so there is no text to match; use stop_token_ids"));
   }
   for (int i = 0; i < s.stop_size(); ++i) {
     if (s.stop(i).empty() || s.stop(i).size() > kMaxStopBytes) {
@@ -239,8 +235,7 @@ absl::StatusOr<GenerationParams> PrepareGeneration(const v1::GenerateRequest& re
   }
   if (s.bad_words_size() > 0 && model.tokenizer == nullptr) {
     return Invalid("sampling.bad_words",
-                   absl::StrCat("the model ", model.name, " has no tokenizer (", kTokenizerFiles,
-                                ") to tokenize them"));
+                   absl::StrCat(model.NoTokenizer(), " to tokenize them"));
   }
   for (int i = 0; i < s.bad_words_size(); ++i) {
     const std::string field = absl::StrCat("sampling.bad_words[", i, "]");

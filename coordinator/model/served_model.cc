@@ -104,4 +104,8 @@ std::string ServedModel::dtype_name() const {
   return "unknown";
 }
 
+std::string ServedModel::NoTokenizer() const {
+  return absl::StrCat("the model ", name, " has no tokenizer (", kTokenizerFiles, ")");
+}
+
 }  // namespace shardserve

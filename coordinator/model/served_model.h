@@ -53,6 +53,9 @@ struct ServedModel {
 
   // config.json's torch_dtype as Hugging Face spells it ("bfloat16").
   std::string dtype_name() const;
+  // "the model NAME has no tokenizer (tokenizer.json or tiktoken.model)": the start of every
+  // refusal of a request that needs text when the checkpoint has no tokenizer.
+  std::string NoTokenizer() const;
 };
 
 // generation_config.json's eos_token_id from the file's text, appended to *ids: absent or null (none),

@@ -98,6 +98,12 @@ class Tokenizer {
   // The token text of `id` as tokenizer.json spells it, or nullopt if `id` has none.
   std::optional<std::string_view> IdToToken(int32_t id) const;
   bool IsSpecial(int32_t id) const { return id >= 0 && id < vocab_size() && is_special_[id]; }
+  // The id of `token` if the tokenizer has it as a special token (a marker a parser reads, such
+  // as <think> or harmony's <|channel|>), else nullopt.
+  std::optional<int32_t> SpecialTokenId(std::string_view token) const {
+    const std::optional<int32_t> id = TokenToId(token);
+    return id.has_value() && IsSpecial(*id) ? id : std::nullopt;
+  }
   // The raw bytes token `id` adds to the decoded text in the middle of a sequence (the decoder's
   // per-token steps, decoder.h's Decoder::TokenBytes): byte-level tokens as their bytes, a byte
   // fallback token <0xXX> as its byte, so that a token may hold part of a UTF-8 character; the

@@ -140,8 +140,8 @@ void EndArguments(ArgumentsStream* stream, absl::string_view body, std::string* 
 std::optional<HarmonyMarkers> HarmonyMarkersOf(const Tokenizer& tokenizer) {
   HarmonyMarkers m;
   for (auto [text, id] : {std::pair{kChannel, &m.channel}, {kConstrain, &m.constrain}, {kMessage, &m.message}}) {
-    const std::optional<int32_t> found = tokenizer.TokenToId(std::string_view(text.data(), text.size()));
-    if (!found.has_value() || !tokenizer.IsSpecial(*found)) return std::nullopt;
+    const std::optional<int32_t> found = tokenizer.SpecialTokenId(std::string_view(text.data(), text.size()));
+    if (!found.has_value()) return std::nullopt;
     *id = *found;
   }
   return m;

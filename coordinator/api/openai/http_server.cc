@@ -123,8 +123,8 @@ ClientId ClientNamedId(const httplib::Request& req, std::string body_request_id)
 std::vector<int32_t> SpecialIds(const Tokenizer& tokenizer, const std::vector<absl::string_view>& markers) {
   std::vector<int32_t> ids;
   for (absl::string_view marker : markers) {
-    const std::optional<int32_t> id = tokenizer.TokenToId(std::string_view(marker.data(), marker.size()));
-    if (id.has_value() && tokenizer.IsSpecial(*id)) ids.push_back(*id);
+    const std::optional<int32_t> id = tokenizer.SpecialTokenId(std::string_view(marker.data(), marker.size()));
+    if (id.has_value()) ids.push_back(*id);
   }
   return ids;
 }
@@ -922,8 +922,7 @@ void HttpServer::Tokenize(const httplib::Request& req, const std::string& body, 
     if (!prompt.has_value()) return;
     text = *std::move(prompt);
   } else if (model_->tokenizer == nullptr) {
-    return reject(
-        InvalidField("prompt", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
+    return reject(InvalidField("prompt", model_->NoTokenizer()));
   }
   absl::StatusOr<std::vector<int32_t>> ids = model_->tokenizer->Encode(text, request->add_special_tokens);
   if (!ids.ok()) return reject(InvalidField(request->chat ? "messages" : "prompt", ids.status().message()));
@@ -945,8 +944,7 @@ void HttpServer::Detokenize(const httplib::Request&, const std::string& body, ht
   if (absl::Status s = CheckModelName(request->model); !s.ok()) return reject(s);
   const Tokenizer* tokenizer = model_->tokenizer.get();
   if (tokenizer == nullptr) {
-    return reject(
-        InvalidField("tokens", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
+    return reject(InvalidField("tokens", model_->NoTokenizer()));
   }
   for (size_t i = 0; i < request->tokens.size(); ++i) {
     if (request->tokens[i] >= tokenizer->vocab_size()) {
@@ -997,8 +995,7 @@ std::optional<std::string> HttpServer::RenderChat(const std::string& id, const R
                                        model_->chat_template_status.message())));
   }
   if (model_->tokenizer == nullptr) {
-    return reject(InvalidField(
-        "messages", absl::StrCat("the model ", model_->name, " has no tokenizer (", kTokenizerFiles, ")")));
+    return reject(InvalidField("messages", model_->NoTokenizer()));
   }
   // The template comes with the checkpoint: it renders within the default budget (a deadline, caps
   // on memory and depth) and stops when the client goes away. Its socket is looked up only once a
@@ -1181,9 +1178,7 @@ void HttpServer::Generate(bool chat, const httplib::Request& req, const std::str
       // A prompt truncate_prompt_tokens may have cut echoes the tokens kept.
       const bool decoded = prompt.is_ids || (keep > 0 && prepared[p].prompt.size() == static_cast<size_t>(keep));
       if (decoded && model_->tokenizer == nullptr) {
-        return reject(InvalidField("echo", absl::StrCat("the model ", model_->name,
-                                                        " has no tokenizer (", kTokenizerFiles,
-                                                        ") to write the prompt's text")));
+        return reject(InvalidField("echo", absl::StrCat(model_->NoTokenizer(), " to write the prompt's text")));
       }
       echoes.push_back(decoded ? model_->tokenizer->Decode(prepared[p].prompt, prepared[p].skip_special_tokens)
                                : prompt.text);
