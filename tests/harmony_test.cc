@@ -321,8 +321,17 @@ TEST(HarmonyForcedCallTest, TheGrammarWritesOneCallTheParserReads) {
       Endpoint::kChatCompletions,
       R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
           {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]})");
-  ASSERT_TRUE(bad.ok()) << bad.status();
-  const absl::Status refused = HarmonyForcedToolConstraint(&*bad, markers);
+  // Refused as the request is read, naming the tool's schema, under harmony as under any format.
+  EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+  EXPECT_EQ(ParamOf(bad.status()), "tools[0].function.parameters") << bad.status();
+  // And by the harmony grammar itself, should a request reach it with such a schema.
+  absl::StatusOr<Request> good = ParseRequest(
+      Endpoint::kChatCompletions,
+      R"({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required", "tools": [
+          {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})");
+  ASSERT_TRUE(good.ok()) << good.status();
+  good->tools[0]["function"]["parameters"]["not"] = nlohmann::json::object();
+  const absl::Status refused = HarmonyForcedToolConstraint(&*good, markers);
   EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
   EXPECT_EQ(ParamOf(refused), "tool_choice") << refused;
 }

@@ -315,6 +315,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"ToolParametersNotObject", kChat,
                 R"({"model": "m", "messages": [{"role": "user"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]})",
                 "tools[0].function.parameters", "a JSON Schema object"},
+        // A forced call's schema the grammar cannot take names the tool's parameters, not a path
+        // in the calls' combined schema; tools the call may not name are not converted.
+        BadCase{"RequiredToolParametersBadPattern", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "["}}}}}]})",
+                "tools[1].function.parameters", "JSON Schema at /properties/a/pattern: regular expression"},
+        BadCase{"NamedToolParametersBadPattern", kChat,
+                R"({"model": "m", "messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"minLength": -1}}}, {"type": "function", "function": {"name": "g", "parameters": {"type": "string", "minLength": 1000000}}}]})",
+                "tools[1].function.parameters", "JSON Schema at /minLength: must be an integer from 0 to 1000"},
         BadCase{"ToolCallArgumentsNotJson", kChat,
                 R"({"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})",
                 "messages[0].tool_calls[0].function.arguments", "the text of a JSON object"},

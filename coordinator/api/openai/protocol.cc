@@ -13,6 +13,7 @@
 #include "base/field_error.h"
 #include "base/json.h"
 #include "coordinator/api/request_validation.h"
+#include "grammar/json_schema.h"
 
 namespace shardserve::openai {
 namespace {
@@ -629,9 +630,24 @@ Json HoistDefinitions(const std::string& tool, Json params, Json* defs) {
   return params;
 }
 
+// The parameters schema of each tool a forced call may name, converted alone, so that a schema the
+// grammar cannot take is refused naming its own field (tools[i].function.parameters and the path
+// inside it), not a path inside the calls' combined constraint.
+absl::Status CheckForcedToolParameters(const Request& r) {
+  for (size_t i = 0; i < r.tools.size(); ++i) {
+    const Json& tool = r.tools[i];
+    if (r.tool_choice == ToolChoice::kNamed && tool.at("function").at("name") != r.named_tool) continue;
+    const absl::StatusOr<std::string> gbnf =
+        grammar::JsonSchemaToGbnf(ToolParameters(tool).dump(-1, ' ', false, Json::error_handler_t::replace));
+    if (!gbnf.ok()) return InvalidField(absl::StrCat("tools[", i, "].function.parameters"), gbnf.status().message());
+  }
+  return absl::OkStatus();
+}
+
 // tool_choice "required" or named: the grammar of the calls (vLLM's), as the request's constraint.
 absl::Status ForcedToolConstraint(Request* r) {
   if (r->tool_choice != ToolChoice::kRequired && r->tool_choice != ToolChoice::kNamed) return absl::OkStatus();
+  SHARDSERVE_OPENAI_CHECK(CheckForcedToolParameters(*r));
   if (r->sampling.has_structured_output()) {
     return InvalidField("tool_choice", absl::StrCat("\"required\" or a named function cannot be combined with ",
                                                     r->constraint_field, ": one constraint per request"));
