@@ -7,11 +7,17 @@
 //
 // Tiles, with AVX2's 16 registers, in halves of a panel (8 outputs): 1 row x 8 halves and 2 rows x
 // 4 (8 sums; one load widened for both inputs of a pair, its codes used as they are made); 3 and 4
-// rows x 2; 5 to 8 rows x 1 (8 sums per widened vector at most), each input broadcast once for the
+// rows x 2; 5 to 7 rows x 1 (8 sums per widened vector at most; from 8 rows, WidenedBlock below), each input broadcast once for the
 // codes it meets. (Tiles of up to 12 rows, as the AVX-512 file's, took 105-119 ms at 128 rows
 // against 94 for 8: their 12 input rows, k x 4 bytes apart, spilled registers and met in the same
 // cache sets.) bench_matmul on a Zen 5, the AVX2 instances: 1.27-2.12x the blocks' 8-lane product
 // (bench_matmul --threads 2 --layers 12 --max-rows 128).
+//
+// From 8 rows (WidenedBlock) each group's codes are widened once for a panel and all its tiles of
+// rows, into an 8 KiB buffer of floats that 6-row x 2-vector tiles read as the float32 panels' read
+// a panel: the same operations per output. On a Zen 3 core (bench_matmul --threads 1, the register
+// tiles and these in alternating runs) that is 1.1x the register tiles at 8 rows, 1.2x at 32 and
+// 1.4-1.6x from 128, about the float32 panels' speed there.
 
 // This file alone is compiled with -mavx2 -mfma (kernels/CMakeLists.txt); the CPU backend calls it
 // only on CPUs that have them.
@@ -19,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/panel_matmul.h"
 #include "kernels/cpu/tile_rows.h"
@@ -120,6 +127,82 @@ template <int R, int H>
   }
 }
 
+// From kWidenedMinRows rows (a prefill's, many streams', an expert's share of a prefill), the
+// codes are widened once per group and panel, not once per tile of rows: into a buffer of floats
+// [inputs][16] that every tile then reads as the float32 panels' tiles read a panel (panel_tiles.h:
+// 6 rows x 2 vectors, 12 sums, a broadcast of x feeding two of them), each row's sums of the groups
+// before kept in `acc`. Each output's operations are Tile's, in the same order: only the loops
+// around them differ.
+constexpr int64_t kWidenedMinRows = 8;
+constexpr int64_t kWidenedTileRows = 6;
+
+// acc [R][16] (row stride 16) += one group of R rows (x rows xg, row stride k; their group sums at
+// sums, row stride `groups`) times a panel's widened codes [size][16], as Tile's epilogue adds it.
+template <int R>
+[[gnu::always_inline]] inline void WidenedTile(float* acc, const float* xg, int64_t k, const float* sums,
+                                               int64_t groups, const float* codes, int64_t size, const float* scale,
+                                               const float* zero) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < size; ++j) {
+    const __m256 w_lo = _mm256_load_ps(codes + j * kPanelCols), w_hi = _mm256_load_ps(codes + j * kPanelCols + kHalf);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(xg[r * k + j]);
+      lo[r] = _mm256_fmadd_ps(w_lo, xb, lo[r]);
+      hi[r] = _mm256_fmadd_ps(w_hi, xb, hi[r]);
+    }
+  }
+  const __m256 scale_lo = _mm256_load_ps(scale), scale_hi = _mm256_load_ps(scale + kHalf);
+  const __m256 zero_lo = _mm256_load_ps(zero), zero_hi = _mm256_load_ps(zero + kHalf);
+  for (int r = 0; r < R; ++r) {
+    const __m256 sum = _mm256_set1_ps(sums[r * groups]);
+    float* a = acc + r * kPanelCols;
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(scale_lo, _mm256_fnmadd_ps(zero_lo, sum, lo[r]), _mm256_loadu_ps(a)));
+    _mm256_storeu_ps(a + kHalf,
+                     _mm256_fmadd_ps(scale_hi, _mm256_fnmadd_ps(zero_hi, sum, hi[r]), _mm256_loadu_ps(a + kHalf)));
+  }
+}
+
+// Every row of y (row stride m) at block b's output columns, a panel at a time, its codes widened
+// group by group (kWidenedMinRows rows or more).
+void WidenedBlock(float* y, int64_t m, const float* x, int64_t n, int64_t k, const float* sums,
+                  const Int4PanelGroup* block, int64_t groups, int64_t b, const float* bias) {
+  alignas(32) float codes[kInt4PanelGroupInputs][kPanelCols];
+  thread_local std::vector<float> acc;  // [n][16], the calling thread's
+  acc.resize(static_cast<size_t>(n * kPanelCols));
+  const __m128i low_nibbles = _mm_set1_epi8(15);
+  for (int p = 0; p < kInt4GroupPanels; ++p) {
+    const int64_t c0 = (b * kInt4GroupPanels + p) * kPanelCols;
+    if (c0 >= m) break;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const Int4PanelGroup& group = block[g];
+      const int64_t base = g * kInt4PanelGroupInputs, size = std::min(kInt4PanelGroupInputs, k - base);
+      for (int64_t j = 0; j < (size + 1) / 2; ++j) {  // input pair 2j, 2j + 1: 16 bytes, a code each
+        const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(group.q[j][p]));
+        const __m128i even = _mm_and_si128(bytes, low_nibbles);
+        const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
+        _mm256_store_ps(codes[2 * j], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(even)));
+        _mm256_store_ps(codes[2 * j] + kHalf, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(even, 8))));
+        _mm256_store_ps(codes[2 * j + 1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(odd)));
+        _mm256_store_ps(codes[2 * j + 1] + kHalf, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(odd, 8))));
+      }
+      WithBalancedTiles<kWidenedTileRows>(n, [&](int64_t r, auto R) __attribute__((always_inline)) {
+        WidenedTile<R()>(acc.data() + r * kPanelCols, x + r * k + base, k, sums + r * groups + g, groups, codes[0],
+                         size, group.scale[p], group.zero[p]);
+      });
+    }
+    const int64_t cols = std::min<int64_t>(kPanelCols, m - c0);
+    for (int64_t r = 0; r < n; ++r) {
+      // With no bias the sum is stored as it is (adding +0.0 would turn a -0.0 sum into +0.0).
+      for (int64_t c = 0; c < cols; ++c) {
+        const float a = acc[r * kPanelCols + c];
+        y[r * m + c0 + c] = bias != nullptr ? a + bias[c0 + c] : a;
+      }
+    }
+  }
+}
+
 // Every row of y (row stride m) at block b's output columns, H halves at a time, the rows in
 // balanced tiles (WithBalancedTiles).
 template <int H>
@@ -146,6 +229,10 @@ void PanelMatMulInt4BlocksAvx2(float* y, const float* x, int64_t n, int64_t m, i
   const int64_t groups = (k + kInt4PanelGroupInputs - 1) / kInt4PanelGroupInputs;
   const int per = HalvesFor(LongestBalancedTile(n, kInt4TileRows));
   for (int64_t b = b0; b < b1; ++b) {
+    if (n >= kWidenedMinRows) {
+      WidenedBlock(y, m, x, n, k, sums, w + b * groups, groups, b, bias);
+      continue;
+    }
     switch (per) {
       case 8: Block<8>(y, m, x, n, k, sums, w, groups, b, bias); break;
       case 4: Block<4>(y, m, x, n, k, sums, w, groups, b, bias); break;
