@@ -7,11 +7,11 @@
 //
 // Tiles, with AVX2's 16 registers, in halves of a panel (8 outputs): 1 row x 8 halves and 2 rows x
 // 4 (8 sums; one load widened for both inputs of a pair, its codes used as they are made); 3 and 4
-// rows x 2; 5 to 7 rows x 1 (8 sums per widened vector at most; from 8 rows, WidenedBlock below), each input broadcast once for the
-// codes it meets. (Tiles of up to 12 rows, as the AVX-512 file's, took 105-119 ms at 128 rows
-// against 94 for 8: their 12 input rows, k x 4 bytes apart, spilled registers and met in the same
-// cache sets.) bench_matmul on a Zen 5, the AVX2 instances: 1.27-2.12x the blocks' 8-lane product
-// (bench_matmul --threads 2 --layers 12 --max-rows 128).
+// rows x 2; 5 to 7 rows x 1 (8 sums per widened vector at most), each input broadcast once for the
+// codes it meets; from 8 rows, WidenedBlock below. (Tiles of up to 12 rows, as the AVX-512 file's,
+// took 105-119 ms at 128 rows against 94 for 8: their 12 input rows, k x 4 bytes apart, spilled
+// registers and met in the same cache sets.) bench_matmul on a Zen 5, the AVX2 instances:
+// 1.27-2.12x the blocks' 8-lane product (bench_matmul --threads 2 --layers 12 --max-rows 128).
 //
 // From 8 rows (WidenedBlock) each group's codes are widened once for a panel and all its tiles of
 // rows, into an 8 KiB buffer of floats that 6-row x 2-vector tiles read as the float32 panels' read
@@ -145,7 +145,8 @@ template <int R>
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t j = 0; j < size; ++j) {
-    const __m256 w_lo = _mm256_load_ps(codes + j * kPanelCols), w_hi = _mm256_load_ps(codes + j * kPanelCols + kHalf);
+    const __m256 w_lo = _mm256_load_ps(codes + j * kPanelCols);
+    const __m256 w_hi = _mm256_load_ps(codes + j * kPanelCols + kHalf);
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_set1_ps(xg[r * k + j]);
       lo[r] = _mm256_fmadd_ps(w_lo, xb, lo[r]);
