@@ -1135,6 +1135,19 @@ class OpenAIApiTest(unittest.TestCase):
         self.assertIn(b"the request stalled: no byte of it arrived for 5s", got)
         self.assertLess(time.monotonic() - start, 40)
 
+    def test_range_header_is_ignored(self):
+        # httplib cut an answer to a request's byte ranges (206, multipart for several): a model list
+        # or a completion's JSON came back in pieces. Whole documents, 200, whatever Range asks.
+        body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+        for request in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nRange: bytes=0-0,2-3\r\nConnection: close\r\n\r\n",
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Range: bytes=0-9\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body):
+            got = self.raw_exchange(request)
+            self.assertTrue(got.startswith(b"HTTP/1.1 200"), got)
+            self.assertNotIn(b"Content-Range", got)
+            _, _, answer = got.partition(b"\r\n\r\n")
+            self.assertIn(json.loads(answer)["object"], ("list", "text_completion"), got)
+
     def test_malformed_request_says_why(self):
         got = self.raw_exchange(b"NOT HTTP AT ALL\r\n\r\n")
         self.assertTrue(got.startswith(b"HTTP/1.1 400"), got)

@@ -646,6 +646,10 @@ void HttpServer::Routes() {
   // (within the body's deadline) and answered 413, so that the client, still sending, reads it.
   http_->set_pre_routing_handler(
       [](const httplib::Request& req, httplib::Response& res) -> httplib::Server::HandlerResponse {
+        // Every answer is a whole JSON document or an event stream: a Range header is ignored, where
+        // httplib would cut the body to its byte ranges and answer 206 (a completion's JSON cut
+        // short). `req` is httplib's own request, handed to this handler as const.
+        const_cast<httplib::Request&>(req).ranges.clear();
         ApiError e{400, "invalid_request_error", "", "", ""};
         if (req.method == "POST" && !req.has_header("Content-Length") &&
             absl::AsciiStrToLower(req.get_header_value("Transfer-Encoding")) != "chunked") {
